@@ -1,0 +1,178 @@
+"""Resolve a run configuration from its layers, lowest first:
+
+1. the model defaults (``schemas.config.RunConfig``),
+2. a preset shipped with the package (``--preset NAME``),
+3. a YAML or JSON file (``--config FILE``),
+4. ``RLPIPE_``-prefixed environment variables, nested with ``__``
+   (``RLPIPE_BUS__BOOTSTRAP_SERVERS=kafka:9092``, ``RLPIPE_LEARNER__LEARNING_RATE=1e-4``),
+5. ``--set dotted.key=value`` flags.
+
+Why this order: a deployment (Kubernetes) sets environment variables over a
+preset or a ConfigMap file, and a person at a terminal overrides anything with a
+flag.  Environment variables are read by pydantic-settings; values that look like
+JSON (lists, numbers, objects) are decoded, the rest stay strings for pydantic's
+own coercion.  Secrets stay ``SecretStr`` and print as ``***``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.config import RunConfig
+
+ENV_PREFIX = "RLPIPE_"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used, with a message naming the fix."""
+
+
+class _EnvLayer(BaseSettings):
+    """Collects ``RLPIPE_*`` variables into nested dicts (validation happens in RunConfig)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="ignore")
+
+    run_id: str | None = None
+    num_producers: str | None = None
+    env: dict[str, Any] | None = None
+    model: dict[str, Any] | None = None
+    bus: dict[str, Any] | None = None
+    store: dict[str, Any] | None = None
+    sampler: dict[str, Any] | None = None
+    producer: dict[str, Any] | None = None
+    learner: dict[str, Any] | None = None
+
+
+def preset_names() -> list[str]:
+    """Presets shipped with the package."""
+    folder = resources.files("pipeline") / "presets"
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """A shipped preset as a dict; a clear error lists the choices."""
+    path = resources.files("pipeline") / "presets" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(preset_names())}")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A YAML or JSON config file as a dict."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {str(file)!r} does not exist")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(file)!r} is not valid YAML/JSON: {exc}".splitlines()[0]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(file)!r} must hold a mapping at the top level")
+    return data
+
+
+def env_layer(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ``RLPIPE_*`` variables of ``environ`` (default ``os.environ``) as a nested dict."""
+    if environ is None:
+        layer = _EnvLayer()
+    else:
+        saved = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+        try:
+            for k in saved:
+                del os.environ[k]
+            os.environ.update({k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)})
+            layer = _EnvLayer()
+        finally:
+            for k in [k for k in os.environ if k.startswith(ENV_PREFIX)]:
+                del os.environ[k]
+            os.environ.update(saved)
+    return _decode_json_leaves(layer.model_dump(exclude_none=True))
+
+
+def _decode_json_leaves(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k.lower(): _decode_json_leaves(v) for k, v in value.items()}
+    if isinstance(value, str) and value[:1] in "[{":
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
+    """``["learner.learning_rate=1e-4", "env.name=sokoban"]`` -> nested dict (values YAML-decoded)."""
+    result: dict[str, Any] = {}
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r} is not KEY=VALUE (e.g. --set learner.learning_rate=1e-4)")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = result
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return result
+
+
+def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """``update`` over ``base`` recursively (mappings merge, everything else replaces)."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def validation_message(exc: ValidationError) -> str:
+    """The first validation error as one line: ``learner.learning_rate: Input should be > 0``."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    return f"invalid configuration: {where}: {first['msg']}"
+
+
+def resolve_config(
+    preset: str | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> RunConfig:
+    """Merge every layer and validate; ``ConfigError`` carries one line naming the bad field."""
+    layers: list[Mapping[str, Any]] = []
+    if preset:
+        layers.append(load_preset(preset))
+    if config_file:
+        layers.append(load_file(config_file))
+    layers.append(env_layer(environ))
+    layers.append(parse_overrides(overrides))
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = deep_merge(merged, layer)
+    try:
+        return RunConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(validation_message(exc)) from None
+
+
+def config_to_json(config: RunConfig, reveal_secrets: bool = False) -> str:
+    """The resolved configuration as JSON; secrets as ``***`` unless asked (only for run.json-free uses)."""
+    data = config.model_dump(mode="json")
+    if reveal_secrets and config.bus.sasl_password is not None:
+        data["bus"]["sasl_password"] = config.bus.sasl_password.get_secret_value()
+    elif config.bus.sasl_password is not None:
+        data["bus"]["sasl_password"] = "***"
+    return json.dumps(data, indent=2, sort_keys=True)

@@ -1,0 +1,22 @@
+"""Topic names under a namespace: ``<ns>.trajectories``, ``.adapters``, ``.control``, ``.dlq``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from schemas.names import validate_name
+
+TopicKind = Literal["trajectories", "adapters", "control", "dlq"]
+TOPIC_KINDS: tuple[TopicKind, ...] = ("trajectories", "adapters", "control", "dlq")
+
+
+def topic_name(namespace: str, kind: TopicKind) -> str:
+    """The full topic name of ``kind`` under ``namespace`` (both validated)."""
+    if kind not in TOPIC_KINDS:
+        raise ValueError(f"unknown topic kind {kind!r}; choose one of {', '.join(TOPIC_KINDS)}")
+    return f"{validate_name(namespace, 'namespace')}.{kind}"
+
+
+def all_topics(namespace: str) -> list[str]:
+    """Every topic of a namespace."""
+    return [topic_name(namespace, kind) for kind in TOPIC_KINDS]

@@ -1,0 +1,222 @@
+"""The multi-turn text environment interface every rlpipe environment implements.
+
+A rollout worker drives every environment the same way: ``reset(seed)`` gives the
+first observation text, ``step(answer_text)`` parses the model's answer, applies
+up to ``max_actions_per_turn`` actions and returns the next observation, the
+turn's reward, ``terminated``, ``truncated`` and an info dict.  Bad answers cost
+a format penalty; they never raise.
+
+Subclasses implement four small hooks (``_reset``, ``_parse_action``,
+``_apply_action``, ``_render``) and get the answer parsing, the action limits,
+the format penalty and the step records for the RLDS-like steps table from
+:class:`TextEnv`.  Why one base class: the limits and penalties are the part of
+an environment that is easiest to get subtly different between environments,
+and the worker relies on them being identical.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from producers.envs.parsing import parse_answer
+
+ActionT = TypeVar("ActionT")
+
+ANSWER_FORMAT = (
+    "You may think inside <think>...</think>. Give your answer inside "
+    "<answer>...</answer>; separate several actions with ||."
+)
+
+
+class EnvConfig(BaseModel):
+    """Settings every environment shares; subclasses add their own fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int = Field(6, ge=1, le=100_000, description="Turns (model answers) per episode.")
+    max_actions_per_turn: int = Field(5, ge=1, le=1_000, description="Actions applied from one answer.")
+    max_actions_total: int = Field(10, ge=1, le=1_000_000, description="Actions applied in one episode.")
+    max_env_steps: int = Field(100, ge=1, le=10_000_000, description="Environment steps before truncation.")
+    format_penalty: float = Field(-0.1, le=0.0, description="Reward for a missing/unparsable answer or invalid action.")
+    history_turns: int = Field(
+        0, ge=0, le=64,
+        description="For per-turn prompts (long-horizon envs): recent turns the producer keeps in context.",
+    )
+
+
+@dataclass(frozen=True)
+class ActionOutcome:
+    """What one applied action did to the environment."""
+
+    reward: float
+    effective: bool = True  # the state changed
+    terminated: bool = False
+    success: bool = False
+
+
+@dataclass
+class StepResult:
+    """What ``TextEnv.step`` returns for one turn (one model answer)."""
+
+    observation: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class TextEnv(abc.ABC, Generic[ActionT]):
+    """Base class: answer parsing, limits, format penalty, step records.
+
+    Subclasses set ``name``, ``description`` and ``Config`` and implement the hooks.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    Config: ClassVar[type[EnvConfig]] = EnvConfig
+    split_actions: ClassVar[bool] = True  # False: the whole answer is one action (e.g. SQL)
+
+    def __init__(self, config: EnvConfig | None = None, **overrides: Any) -> None:
+        base = config if config is not None else self.Config()
+        if not isinstance(base, self.Config):
+            raise TypeError(f"{self.name}: config must be {self.Config.__name__}, got {type(base).__name__}")
+        self.config = base.model_copy(update=overrides) if overrides else base
+        if overrides:  # re-validate the overrides
+            self.config = self.Config.model_validate(self.config.model_dump())
+        self.rng = random.Random(0)
+        self.seed: int | None = None
+        self.turn = 0
+        self.actions_used = 0
+        self.env_steps = 0
+        self.done = True
+        self.episode_return = 0.0
+        self.step_records: list[dict[str, Any]] = []
+
+    # ---- hooks ------------------------------------------------------------
+    @abc.abstractmethod
+    def _reset(self, seed: int) -> None:
+        """Build the episode's initial state from ``seed`` (use ``self.rng``)."""
+
+    @abc.abstractmethod
+    def _parse_action(self, text: str) -> ActionT | None:
+        """One action's text to an action, or None if it is not a valid action."""
+
+    @abc.abstractmethod
+    def _apply_action(self, action: ActionT) -> ActionOutcome:
+        """Advance the environment by one action (one environment step)."""
+
+    @abc.abstractmethod
+    def _render(self) -> str:
+        """The current state as text (no instructions)."""
+
+    def system_prompt(self) -> str:
+        """Rules, legend and answer format; the first message of a conversation."""
+        return f"{self.description}\n{ANSWER_FORMAT}"
+
+    def numeric_state(self) -> list[float]:
+        """The state as numbers for the steps table ([] when there is none)."""
+        return []
+
+    def action_vector(self, action: ActionT) -> list[float]:
+        """An action as numbers for the steps table."""
+        return []
+
+    def features(self) -> dict[str, float]:
+        """Extra named numeric features of the current state (steps table)."""
+        return {}
+
+    def heuristic_answer(self) -> str:
+        """The scripted/heuristic policy's answer text for the current state."""
+        raise NotImplementedError(f"{self.name} has no heuristic policy")
+
+    def random_answer(self, rng: random.Random) -> str:
+        """A uniformly random valid answer text for the current state."""
+        raise NotImplementedError(f"{self.name} has no random policy")
+
+    # ---- driver -----------------------------------------------------------
+    def reset(self, seed: int) -> str:
+        """Start the episode for ``seed`` (same seed, same episode); return the first observation."""
+        self.seed = int(seed)
+        self.rng = random.Random(self.seed)
+        self.turn = self.actions_used = self.env_steps = 0
+        self.done = False
+        self.episode_return = 0.0
+        self.step_records = []
+        self._reset(self.seed)
+        return self.observation()
+
+    def observation(self) -> str:
+        """The observation text shown to the model for the current state."""
+        return self._render()
+
+    def step(self, answer_text: str) -> StepResult:
+        """Apply one model answer; bad answers cost ``format_penalty`` and never raise."""
+        if self.done:
+            raise RuntimeError(f"{self.name}: step() after the episode ended; call reset(seed) first")
+        cfg = self.config
+        budget = min(cfg.max_actions_per_turn, cfg.max_actions_total - self.actions_used)
+        parsed = parse_answer(answer_text, max_actions=budget, split=self.split_actions)
+        reward = 0.0
+        valid = parsed.ok
+        effective = False
+        terminated = success = False
+        applied = 0
+        for action_text in parsed.actions:
+            action = self._parse_action(action_text)
+            if action is None:
+                valid = False
+                break
+            numeric_before = self.numeric_state()
+            outcome = self._apply_action(action)
+            applied += 1
+            self.env_steps += 1
+            reward += outcome.reward
+            effective = effective or outcome.effective
+            terminated, success = outcome.terminated, outcome.success
+            self._record_step(numeric_before, action, outcome)
+            if terminated or self.env_steps >= cfg.max_env_steps:
+                break
+        if not valid:
+            reward += cfg.format_penalty
+        self.actions_used += applied
+        self.turn += 1
+        truncated = not terminated and (
+            self.turn >= cfg.max_turns
+            or self.actions_used >= cfg.max_actions_total
+            or self.env_steps >= cfg.max_env_steps
+        )
+        self.done = terminated or truncated
+        if self.step_records and self.done:
+            self.step_records[-1]["is_last"] = True
+            self.step_records[-1]["is_terminal"] = terminated
+        self.episode_return += reward
+        info = {
+            "success": success,
+            "action_is_valid": valid,
+            "action_is_effective": effective,
+            "actions_used": applied,
+            "actions_total": self.actions_used,
+            "env_steps": self.env_steps,
+            "format_error": parsed.error,
+        }
+        return StepResult(self.observation(), reward, terminated, truncated, info)
+
+    def _record_step(self, observation: list[float], action: ActionT, outcome: ActionOutcome) -> None:
+        self.step_records.append(
+            {
+                "step": len(self.step_records),
+                "is_first": not self.step_records,
+                "is_last": False,
+                "is_terminal": False,
+                "observation": observation,
+                "action": self.action_vector(action),
+                "reward": float(outcome.reward),
+                "discount": 0.0 if outcome.terminated else 1.0,
+                "features": self.features(),
+            }
+        )

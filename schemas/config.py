@@ -1,0 +1,186 @@
+"""Run configuration: one model per component, nested like the package tree.
+
+Launcher -> ``<root>/runs/<run_id>/run.json`` -> producers and learner.  Every
+field has a description and bounds, unknown keys are refused (a typo should not
+silently fall back to a default), and secrets are ``SecretStr`` so they print as
+``***``.  Layering from files, flags and ``RLPIPE_`` environment variables is done
+in ``pipeline.config``; this module only validates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from schemas.names import validate_name
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BusConfig(_Section):
+    """Where the Kafka event log is and how to reach it."""
+
+    bootstrap_servers: str = Field(
+        "", max_length=2048, description="host:port[,host:port]; empty = the embedded broker from `rlpipe up`"
+    )
+    namespace: str = Field("rlpipe", description="topic prefix: <namespace>.trajectories, .adapters, .control, .dlq")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="Kafka security protocol"
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="SASL mechanism when the protocol is SASL_*"
+    )
+    sasl_username: str | None = Field(None, max_length=512, description="SASL user name")
+    sasl_password: SecretStr | None = Field(None, description="SASL password (never printed)")
+    sasl_password_file: str | None = Field(None, max_length=4096, description="file holding the SASL password")
+    ssl_cafile: str | None = Field(None, max_length=4096, description="PEM file of the CA that signed the brokers")
+    connect_timeout_s: float = Field(10.0, gt=0, le=600, description="give up reaching the broker after this long")
+    topic_partitions: int = Field(1, ge=1, le=1024, description="partitions when rlpipe creates a topic")
+    replication_factor: int = Field(1, ge=1, le=16, description="replicas when rlpipe creates a topic")
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        return validate_name(value, "namespace")
+
+    @model_validator(mode="after")
+    def _sasl_complete(self) -> BusConfig:
+        if self.security_protocol.startswith("SASL") and self.sasl_mechanism is None:
+            raise ValueError(f"security_protocol {self.security_protocol} needs sasl_mechanism (e.g. SCRAM-SHA-512)")
+        if self.sasl_mechanism and not self.sasl_username:
+            raise ValueError("sasl_mechanism is set but sasl_username is empty; set bus.sasl_username")
+        return self
+
+
+class StoreConfig(_Section):
+    """Where the object store is (any fsspec URL)."""
+
+    root: str = Field("", max_length=4096, description="file:///..., memory://..., gs://bucket/prefix; empty = embedded")
+    gcs_endpoint: str | None = Field(None, max_length=1024, description="GCS API endpoint (emulator); None = Google")
+    gcs_project: str | None = Field(None, max_length=256, description="GCS project for gcsfs")
+
+
+class ModelConfig(_Section):
+    """The base model the producers serve and the learner adapts."""
+
+    base_model: str = Field("tiny", max_length=4096, description="'tiny' (built locally), a local path or a hub id")
+    tiny_dir: str = Field("", max_length=4096, description="where the tiny model is built/cached; empty = default")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights dtype")
+
+
+class EnvSpec(_Section):
+    """Which environment and its overrides (see `rlpipe envs list`)."""
+
+    name: str = Field("cartpole", max_length=64, description="registered environment name")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="environment config fields to change")
+    eval_seed_offset: int = Field(1_000_000, ge=0, description="held-out evaluation seeds start here")
+
+
+class SamplerConfig(_Section):
+    """How the producer samples from the policy."""
+
+    backend: Literal["vllm", "transformers"] = Field("vllm", description="inference engine")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    max_new_tokens: int = Field(32, ge=1, le=65_536, description="tokens generated per turn")
+    max_model_len: int = Field(2048, ge=64, le=1_048_576, description="context length the engine allows")
+    gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0, description="vLLM memory share (KV cache on CPU)")
+    max_loras: int = Field(3, ge=1, le=64, description="adapter versions kept loaded (>= max_staleness + 1)")
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(8, description="vLLM LoRA rank slot")
+    seed: int = Field(0, ge=0, description="sampling seed")
+
+
+class ProducerConfig(_Section):
+    """Rollout worker settings."""
+
+    producer_id: str | None = Field(None, description="stable id; None = hostname-pid")
+    group_size: int = Field(4, ge=1, le=1024, description="samples per environment seed (GRPO group)")
+    groups_per_batch: int = Field(4, ge=1, le=100_000, description="groups written in one Parquet batch")
+    concurrent_groups: int = Field(4, ge=1, le=4096, description="groups in flight at once (batched generation)")
+    batch_timeout_s: float = Field(60.0, gt=0, le=86_400, description="write a partial batch after this long")
+    max_staleness: int = Field(2, ge=0, le=1000, description="do not start groups more versions behind than this")
+    staleness_wait_s: float = Field(120.0, ge=0, le=86_400, description="longest wait for a newer adapter")
+    heartbeat_interval_s: float = Field(5.0, gt=0, le=3600, description="seconds between heartbeats")
+    env_workers: int = Field(4, ge=1, le=256, description="threads stepping environments")
+    max_groups: int | None = Field(None, ge=1, description="stop after this many groups (None = run until stopped)")
+    seed_start: int = Field(0, ge=0, description="first environment seed")
+    health_port: int | None = Field(None, ge=0, le=65535, description="port for /healthz, /readyz, /metrics")
+
+    @field_validator("producer_id")
+    @classmethod
+    def _producer_id(cls, value: str | None) -> str | None:
+        return None if value is None else validate_name(value, "producer_id")
+
+
+class LearnerConfig(_Section):
+    """Off-policy learner settings."""
+
+    loss: Literal["importance_sampling", "ppo", "cross_entropy", "awr", "filtered_bc"] = Field(
+        "importance_sampling", description="training objective"
+    )
+    advantage: Literal["group", "raw", "return_to_go"] = Field("group", description="how advantages are formed")
+    normalize_advantage_std: bool = Field(False, description="divide group advantages by the group std")
+    is_cap: float = Field(2.0, ge=1.0, le=100.0, description="truncation cap of importance ratios")
+    ppo_clip: float = Field(0.2, gt=0.0, le=1.0, description="PPO clip epsilon")
+    ratio_mask_low: float = Field(0.125, gt=0.0, le=1.0, description="tokens with ratio below are masked")
+    ratio_mask_high: float = Field(8.0, ge=1.0, le=1000.0, description="tokens with ratio above are masked")
+    awr_beta: float = Field(1.0, gt=0.0, le=1000.0, description="AWR temperature: weight = exp(A / beta)")
+    awr_max_weight: float = Field(20.0, gt=0.0, le=1e6, description="AWR weight cap")
+    filtered_bc_fraction: float = Field(0.5, gt=0.0, le=1.0, description="top fraction by return kept")
+    learning_rate: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="max gradient norm")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate schedule")
+    warmup_steps: int = Field(0, ge=0, le=1_000_000, description="linear warm-up steps")
+    lora_rank: int = Field(8, ge=1, le=512, description="LoRA rank")
+    lora_alpha: float = Field(16.0, gt=0.0, le=4096.0, description="LoRA alpha")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="modules that get LoRA",
+    )
+    batch_rows: int = Field(16, ge=1, le=1_000_000, description="trajectory rows per optimizer step")
+    micro_batch_tokens: int = Field(4096, ge=16, le=10_000_000, description="tokens per forward/backward")
+    publish_every: int = Field(1, ge=1, le=1_000_000, description="optimizer steps between adapter versions")
+    checkpoint_every: int = Field(1, ge=1, le=1_000_000, description="optimizer steps between checkpoints")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    max_staleness: int = Field(2, ge=0, le=1000, description="rows more versions behind than this are dropped")
+    seed: int = Field(0, ge=0, description="torch seed")
+    device: str = Field("auto", max_length=32, description="auto, cpu, cuda, cuda:N")
+    health_port: int | None = Field(None, ge=0, le=65535, description="port for /healthz, /readyz, /metrics")
+
+
+class RunConfig(_Section):
+    """A whole run: what is learned, where the data goes, and how each component behaves."""
+
+    run_id: str = Field("demo", description="run name; becomes store paths and event keys")
+    env: EnvSpec = Field(default_factory=EnvSpec)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    producer: ProducerConfig = Field(default_factory=ProducerConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    num_producers: int = Field(1, ge=0, le=256, description="producer processes `rlpipe run` starts")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        return validate_name(value, "run_id")
+
+    @model_validator(mode="after")
+    def _compatible(self) -> RunConfig:
+        if self.sampler.max_loras < self.producer.max_staleness + 1:
+            raise ValueError(
+                f"sampler.max_loras ({self.sampler.max_loras}) must be at least producer.max_staleness + 1 "
+                f"({self.producer.max_staleness + 1}) so in-flight requests keep their adapter"
+            )
+        if self.learner.lora_rank > self.sampler.max_lora_rank:
+            raise ValueError(
+                f"learner.lora_rank ({self.learner.lora_rank}) exceeds sampler.max_lora_rank "
+                f"({self.sampler.max_lora_rank}); raise sampler.max_lora_rank"
+            )
+        return self

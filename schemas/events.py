@@ -1,0 +1,214 @@
+"""Events on the Kafka topics: one envelope, a typed payload per event type.
+
+Every event travels as JSON in the same envelope (``type``, ``schema_version``,
+``event_id``, ``run_id``, ``time``, ``payload``) so that ``rlpipe topics tail``
+can show any of them, and a reader can refuse what it cannot understand before
+acting on it.  Direction of each event is noted on its class.
+
+Bulk data never rides here: a ``TrajectoryBatchCommitted`` is a claim check for
+a Parquet file already durable in the store.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
+
+from schemas.names import validate_name
+from schemas.versions import EVENT_SCHEMA_VERSION, SchemaVersionError, check_readable
+
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="hex sha256 digest")]
+NonNegInt = Annotated[int, Field(ge=0)]
+Version = Annotated[int, Field(ge=0, description="adapter version; 0 is the base model")]
+
+
+class EventDecodeError(ValueError):
+    """Bytes from a topic that are not a valid event (they go to the dead-letter topic)."""
+
+
+class Payload(BaseModel):
+    """Base of every event payload."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    event_type: ClassVar[str]
+
+
+class TrajectoryBatchCommitted(Payload):
+    """producer -> learner, on ``<ns>.trajectories``: a Parquet batch is durable in the store."""
+
+    event_type: ClassVar[str] = "TrajectoryBatchCommitted"
+    batch_id: str = Field(description="unique id of the batch; also the file name and the idempotency key")
+    path: str = Field(description="object key relative to the store root")
+    sha256: Sha256
+    num_rows: NonNegInt
+    num_tokens: NonNegInt
+    num_generated_tokens: NonNegInt
+    num_groups: NonNegInt = 0
+    env: str
+    producer_id: str
+    policy_version_min: Version
+    policy_version_max: Version
+    reward_mean: float
+    reward_min: float
+    reward_max: float
+    success_rate: float = Field(ge=0.0, le=1.0)
+    created_at: datetime
+
+    @field_validator("batch_id", "producer_id")
+    @classmethod
+    def _safe(cls, value: str) -> str:
+        return validate_name(value, "id")
+
+    @field_validator("policy_version_max")
+    @classmethod
+    def _ordered(cls, value: int, info: Any) -> int:
+        low = info.data.get("policy_version_min")
+        if low is not None and value < low:
+            raise ValueError(f"policy_version_max {value} < policy_version_min {low}")
+        return value
+
+
+class AdapterPublished(Payload):
+    """learner -> producers, on ``<ns>.adapters``: a new adapter version's manifest is committed."""
+
+    event_type: ClassVar[str] = "AdapterPublished"
+    version: int = Field(ge=1)
+    path: str = Field(description="folder key of the version, relative to the store root")
+    manifest_sha256: Sha256
+    base_model: str
+    parent_version: Version
+    learner_step: NonNegInt
+    files: dict[str, Sha256]
+
+
+class RunStarted(Payload):
+    """launcher -> everyone, on ``<ns>.control``: a run exists; its config is in ``run.json``."""
+
+    event_type: ClassVar[str] = "RunStarted"
+    config_path: str
+    config_sha256: Sha256
+    env: str
+    base_model: str
+
+
+class ProducerHeartbeat(Payload):
+    """producer -> monitors, on ``<ns>.control``: liveness and rates since the last beat."""
+
+    event_type: ClassVar[str] = "ProducerHeartbeat"
+    producer_id: str
+    adapter_version: Version
+    samples_total: NonNegInt
+    batches_total: NonNegInt
+    tokens_total: NonNegInt
+    env_steps_total: NonNegInt
+    samples_per_s: float = Field(ge=0.0)
+    tokens_per_s: float = Field(ge=0.0)
+    env_steps_per_s: float = Field(ge=0.0)
+    busy_fraction: float = Field(ge=0.0, le=1.0, description="share of the interval spent generating")
+    interval_s: float = Field(ge=0.0)
+
+
+class LearnerCheckpointed(Payload):
+    """learner -> monitors, on ``<ns>.control``: a checkpoint is durable (offsets committed after)."""
+
+    event_type: ClassVar[str] = "LearnerCheckpointed"
+    step: NonNegInt
+    version: Version
+    path: str
+    offsets: dict[str, NonNegInt] = Field(description="'topic:partition' -> next offset to consume")
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class RunStopped(Payload):
+    """launcher -> everyone, on ``<ns>.control``: the run ended."""
+
+    event_type: ClassVar[str] = "RunStopped"
+    reason: str
+    final_version: Version = 0
+    final_step: NonNegInt = 0
+
+
+class DeadLetter(Payload):
+    """any consumer -> operators, on ``<ns>.dlq``: a message that could not be used, and why."""
+
+    event_type: ClassVar[str] = "DeadLetter"
+    reason: str
+    origin_topic: str
+    origin_partition: NonNegInt
+    origin_offset: NonNegInt
+    key: str | None = None
+    raw: str = Field(description="the original bytes decoded as UTF-8 with replacement, truncated")
+    raw_truncated: bool = False
+
+
+PAYLOAD_TYPES: dict[str, type[Payload]] = {
+    cls.event_type: cls
+    for cls in (
+        TrajectoryBatchCommitted,
+        AdapterPublished,
+        RunStarted,
+        ProducerHeartbeat,
+        LearnerCheckpointed,
+        RunStopped,
+        DeadLetter,
+    )
+}
+
+
+class Envelope(BaseModel):
+    """The one wire format of every event (JSON)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: str
+    schema_version: str = EVENT_SCHEMA_VERSION
+    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    run_id: str
+    time: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    payload: SerializeAsAny[Payload]
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        return validate_name(value, "run_id")
+
+
+def make_event(run_id: str, payload: Payload) -> Envelope:
+    """Wrap ``payload`` in a fresh envelope for ``run_id``."""
+    return Envelope(type=payload.event_type, run_id=run_id, payload=payload)
+
+
+def encode_event(event: Envelope) -> bytes:
+    """Envelope -> UTF-8 JSON bytes."""
+    return event.model_dump_json().encode()
+
+
+def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelope:
+    """Bytes -> validated envelope with a typed payload; ``EventDecodeError`` says what is wrong."""
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EventDecodeError(f"not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise EventDecodeError("event is not a JSON object")
+    event_type = raw.get("type")
+    payload_cls = PAYLOAD_TYPES.get(event_type) if isinstance(event_type, str) else None
+    if payload_cls is None:
+        raise EventDecodeError(f"unknown event type {event_type!r}; known: {', '.join(sorted(PAYLOAD_TYPES))}")
+    if expected_type is not None and event_type != expected_type:
+        raise EventDecodeError(f"expected a {expected_type} event, got {event_type}")
+    try:
+        check_readable(str(raw.get("schema_version", "")), EVENT_SCHEMA_VERSION, f"{event_type} event")
+    except SchemaVersionError as exc:
+        raise EventDecodeError(str(exc)) from None
+    try:
+        payload = payload_cls.model_validate(raw.get("payload"))
+        return Envelope.model_validate({**raw, "payload": payload})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise EventDecodeError(f"invalid {event_type}: {where}: {first['msg']}") from None

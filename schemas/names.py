@@ -1,0 +1,32 @@
+"""Validation of names that become store paths or Kafka topic names.
+
+Run ids, producer ids, dataset names and topic namespaces end up inside object
+keys and topic names, so they are restricted to a safe alphabet: a path
+separator or ``..`` could escape the run's folder, and Kafka only accepts
+``[A-Za-z0-9._-]`` in topic names anyway.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX_NAME_LENGTH = 64
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class InvalidNameError(ValueError):
+    """A name that would become a path or topic is not safe."""
+
+
+def validate_name(value: str, kind: str = "name") -> str:
+    """Return ``value`` if it is a safe name, else raise ``InvalidNameError`` naming the fix."""
+    if not isinstance(value, str) or not value:
+        raise InvalidNameError(f"{kind} must be a non-empty string")
+    if len(value) > MAX_NAME_LENGTH:
+        raise InvalidNameError(f"{kind} {value[:20]!r}... is {len(value)} characters; use at most {MAX_NAME_LENGTH}")
+    if ".." in value or not _NAME_RE.fullmatch(value):
+        raise InvalidNameError(
+            f"{kind} {value!r} is not allowed: use letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, without '..' or '/'"
+        )
+    return value

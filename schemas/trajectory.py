@@ -1,0 +1,154 @@
+"""The trajectory table: one row per token sequence, token-in / token-out.
+
+Producer -> store -> learner.  The learner trains on exactly the tokens the
+sampler saw and produced, so a row carries the token ids, a loss mask (1 on
+tokens the policy generated) and the sampler's logprob of each generated token.
+Short multi-turn episodes are one row; long-horizon environments write one row
+per turn with ``turn`` and ``return_to_go`` so per-turn advantages can be formed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Annotated
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from schemas.names import validate_name
+from schemas.versions import TRAJECTORY_SCHEMA_VERSION, check_readable
+
+SCHEMA_VERSION_KEY = b"rlpipe.schema_version"
+TABLE_KIND_KEY = b"rlpipe.table"
+
+TRAJECTORY_FIELDS: list[pa.Field] = [
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("batch_id", pa.string(), nullable=False),
+    pa.field("episode_id", pa.string(), nullable=False),
+    pa.field("group_id", pa.string(), nullable=False),
+    pa.field("env", pa.string(), nullable=False),
+    pa.field("env_seed", pa.int64(), nullable=False),
+    pa.field("producer_id", pa.string(), nullable=False),
+    pa.field("policy_version", pa.int32(), nullable=False),
+    pa.field("adapter_sha256", pa.string(), nullable=False),
+    pa.field("tokens", pa.list_(pa.int32()), nullable=False),
+    pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("turn_rewards", pa.list_(pa.float32()), nullable=False),
+    pa.field("reward", pa.float32(), nullable=False),
+    pa.field("turn", pa.int32(), nullable=False),
+    pa.field("return_to_go", pa.float32(), nullable=False),
+    pa.field("num_turns", pa.int32(), nullable=False),
+    pa.field("success", pa.bool_(), nullable=False),
+    pa.field("terminated", pa.bool_(), nullable=False),
+    pa.field("truncated", pa.bool_(), nullable=False),
+    pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    pa.field("weight", pa.float32(), nullable=True),  # optional per-sample weight (offline data)
+    pa.field("text", pa.string(), nullable=True),  # optional decoded transcript, for people
+]
+
+TRAJECTORY_SCHEMA = pa.schema(
+    TRAJECTORY_FIELDS,
+    metadata={SCHEMA_VERSION_KEY: TRAJECTORY_SCHEMA_VERSION.encode(), TABLE_KIND_KEY: b"trajectories"},
+)
+
+NO_ADAPTER_SHA = "0" * 64  # the base model (version 0) has no adapter
+
+
+class TrajectoryRecord(BaseModel):
+    """One trajectory row, validated: lengths agree, mask is 0/1, versions are non-negative."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    batch_id: str
+    episode_id: str
+    group_id: str
+    env: str
+    env_seed: int
+    producer_id: str
+    policy_version: Annotated[int, Field(ge=0, le=2**31 - 1)]
+    adapter_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    tokens: list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
+    loss_mask: list[Annotated[int, Field(ge=0, le=1)]]
+    logprobs: list[float]
+    turn_rewards: list[float]
+    reward: float
+    turn: Annotated[int, Field(ge=0)] = 0
+    return_to_go: float = 0.0
+    num_turns: Annotated[int, Field(ge=0)]
+    success: bool
+    terminated: bool
+    truncated: bool
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    weight: float | None = None
+    text: str | None = None
+
+    @field_validator("run_id", "batch_id", "producer_id")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        return validate_name(value, "id")
+
+    @model_validator(mode="after")
+    def _lengths_agree(self) -> TrajectoryRecord:
+        n = len(self.tokens)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"tokens ({n}), loss_mask ({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) "
+                "must have the same length"
+            )
+        if n == 0:
+            raise ValueError("a trajectory row needs at least one token")
+        if self.created_at.tzinfo is None:
+            self.created_at = self.created_at.replace(tzinfo=UTC)
+        return self
+
+
+class TrajectoryTableError(ValueError):
+    """A table that is not a valid trajectory table."""
+
+
+def records_to_table(records: Iterable[TrajectoryRecord | dict]) -> pa.Table:
+    """Validated records -> Arrow table with the trajectory schema (and its version)."""
+    rows = [r if isinstance(r, TrajectoryRecord) else TrajectoryRecord.model_validate(r) for r in records]
+    columns = {f.name: [getattr(r, f.name) for r in rows] for f in TRAJECTORY_FIELDS}
+    return pa.Table.from_pydict(columns, schema=TRAJECTORY_SCHEMA)
+
+
+def check_trajectory_table(table: pa.Table) -> None:
+    """Refuse a table with a newer major version or missing/mistyped columns."""
+    meta = table.schema.metadata or {}
+    version = meta.get(SCHEMA_VERSION_KEY)
+    if version is None:
+        raise TrajectoryTableError("trajectory table has no schema_version in its metadata; was it written by rlpipe?")
+    check_readable(version.decode(), TRAJECTORY_SCHEMA_VERSION, "trajectory table")
+    for f in TRAJECTORY_FIELDS:
+        if f.name not in table.schema.names:
+            if f.nullable:
+                continue
+            raise TrajectoryTableError(f"trajectory table lacks column {f.name!r}")
+        actual = table.schema.field(f.name).type
+        if actual != f.type:
+            raise TrajectoryTableError(f"column {f.name!r} has type {actual}, expected {f.type}")
+
+
+def conform_table(table: pa.Table) -> pa.Table:
+    """Check a trajectory table and return it with exactly the current columns (optional ones added)."""
+    check_trajectory_table(table)
+    arrays = [
+        table.column(f.name) if f.name in table.schema.names else pa.nulls(table.num_rows, f.type)
+        for f in TRAJECTORY_FIELDS
+    ]
+    return pa.Table.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+
+
+def table_to_records(table: pa.Table) -> list[TrajectoryRecord]:
+    """Arrow table -> validated records (every row is checked)."""
+    table = conform_table(table)
+    return [TrajectoryRecord.model_validate(row) for row in table.to_pylist()]
+
+
+def tokens_in(rows: Sequence[TrajectoryRecord]) -> tuple[int, int]:
+    """(all tokens, generated tokens) over ``rows``."""
+    return sum(len(r.tokens) for r in rows), sum(sum(r.loss_mask) for r in rows)

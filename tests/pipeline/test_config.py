@@ -1,0 +1,66 @@
+"""Configuration layering: preset < file < RLPIPE_ environment < --set flags."""
+
+import pytest
+
+from pipeline.config import ConfigError, config_to_json, preset_names, resolve_config
+
+
+def test_layers_in_order(tmp_path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("run_id: from-file\nlearner:\n  learning_rate: 0.01\n  lora_rank: 4\n")
+    env = {"RLPIPE_LEARNER__LEARNING_RATE": "0.02", "RLPIPE_BUS__BOOTSTRAP_SERVERS": "k1:9092,k2:9092"}
+    cfg = resolve_config("cartpole", cfg_file, ["learner.lora_rank=2"], environ=env)
+    assert cfg.run_id == "from-file"  # file over preset
+    assert cfg.env.name == "cartpole"  # preset
+    assert cfg.learner.learning_rate == 0.02  # env over file
+    assert cfg.learner.lora_rank == 2  # flag over file
+    assert cfg.bus.bootstrap_servers == "k1:9092,k2:9092"
+
+
+def test_env_lists_are_json_decoded():
+    cfg = resolve_config(environ={"RLPIPE_LEARNER__TARGET_MODULES": '["q_proj","v_proj"]'})
+    assert cfg.learner.target_modules == ["q_proj", "v_proj"]
+
+
+def test_bad_value_is_one_line_naming_the_field():
+    with pytest.raises(ConfigError) as info:
+        resolve_config(overrides=["learner.learning_rate=-1"])
+    assert "learner.learning_rate" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_key_refused():
+    with pytest.raises(ConfigError, match="learner.learnig_rate"):
+        resolve_config(overrides=["learner.learnig_rate=0.1"])
+
+
+def test_incompatible_options_rejected_up_front():
+    with pytest.raises(ConfigError, match="max_loras"):
+        resolve_config(overrides=["producer.max_staleness=5", "sampler.max_loras=2"])
+
+
+def test_secret_never_printed():
+    cfg = resolve_config(environ={
+        "RLPIPE_BUS__SECURITY_PROTOCOL": "SASL_SSL", "RLPIPE_BUS__SASL_MECHANISM": "PLAIN",
+        "RLPIPE_BUS__SASL_USERNAME": "alice", "RLPIPE_BUS__SASL_PASSWORD": "hunter2-secret"})
+    assert cfg.bus.sasl_password.get_secret_value() == "hunter2-secret"
+    for text in (config_to_json(cfg), repr(cfg), str(cfg)):
+        assert "hunter2-secret" not in text
+
+
+def test_sasl_needs_mechanism():
+    with pytest.raises(ConfigError, match="sasl_mechanism"):
+        resolve_config(environ={"RLPIPE_BUS__SECURITY_PROTOCOL": "SASL_SSL"})
+
+
+def test_presets_cover_every_environment():
+    assert {"cartpole", "sokoban", "tetris", "acrobot", "text2sql", "building-hvac",
+            "recsim-interest-evolution"} <= set(preset_names())
+    for name in preset_names():
+        assert resolve_config(name).env.name
+
+
+def test_unknown_preset_and_missing_file():
+    with pytest.raises(ConfigError, match="unknown preset 'nope'; choose one of"):
+        resolve_config("nope")
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_config(config_file="/no/such/file.yaml")

@@ -1,0 +1,104 @@
+"""Events: envelope round trip, refusal of unknown types, newer majors and bad payloads."""
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from schemas.events import (
+    PAYLOAD_TYPES,
+    AdapterPublished,
+    DeadLetter,
+    EventDecodeError,
+    LearnerCheckpointed,
+    ProducerHeartbeat,
+    RunStarted,
+    RunStopped,
+    TrajectoryBatchCommitted,
+    decode_event,
+    encode_event,
+    make_event,
+)
+
+SHA = "ab" * 32
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+EXAMPLES = [
+    TrajectoryBatchCommitted(
+        batch_id="b-1", path="runs/r/trajectories/date=2026-01-02/b-1.parquet", sha256=SHA, num_rows=4,
+        num_tokens=100, num_generated_tokens=20, num_groups=1, env="cartpole", producer_id="p0",
+        policy_version_min=1, policy_version_max=2, reward_mean=1.5, reward_min=0.0, reward_max=3.0,
+        success_rate=0.25, created_at=NOW,
+    ),
+    AdapterPublished(version=3, path="runs/r/adapters/v000003", manifest_sha256=SHA, base_model="tiny",
+                     parent_version=2, learner_step=30, files={"adapter_model.safetensors": SHA}),
+    RunStarted(config_path="runs/r/run.json", config_sha256=SHA, env="cartpole", base_model="tiny"),
+    ProducerHeartbeat(producer_id="p0", adapter_version=1, samples_total=10, batches_total=1, tokens_total=500,
+                      env_steps_total=40, samples_per_s=2.0, tokens_per_s=100.0, env_steps_per_s=8.0,
+                      busy_fraction=0.5, interval_s=5.0),
+    LearnerCheckpointed(step=10, version=2, path="runs/r/checkpoints/step-000010",
+                        offsets={"rlpipe.trajectories:0": 12}, metrics={"loss": 0.5}),
+    RunStopped(reason="budget reached", final_version=4, final_step=40),
+    DeadLetter(reason="not JSON", origin_topic="rlpipe.trajectories", origin_partition=0, origin_offset=7,
+               key="r", raw="\x00garbage"),
+]
+
+
+def test_every_event_type_has_an_example():
+    assert {type(e).event_type for e in EXAMPLES} == set(PAYLOAD_TYPES)
+
+
+@pytest.mark.parametrize("payload", EXAMPLES, ids=lambda p: type(p).__name__)
+def test_round_trip(payload):
+    event = make_event("run-1", payload)
+    decoded = decode_event(encode_event(event))
+    assert decoded == event
+    assert type(decoded.payload) is type(payload)
+    assert json.loads(encode_event(event))["type"] == type(payload).event_type
+
+
+def _raw(**changes):
+    data = json.loads(encode_event(make_event("run-1", EXAMPLES[0])))
+    data.update(changes)
+    return json.dumps(data).encode()
+
+
+def test_unknown_type_refused():
+    with pytest.raises(EventDecodeError, match="unknown event type 'Nope'"):
+        decode_event(_raw(type="Nope"))
+
+
+def test_newer_major_refused_but_newer_minor_read():
+    with pytest.raises(EventDecodeError, match="newer than this rlpipe reads"):
+        decode_event(_raw(schema_version="2.0"))
+    assert decode_event(_raw(schema_version="1.7")).payload == EXAMPLES[0]
+
+
+def test_negative_version_refused():
+    data = json.loads(_raw())
+    data["payload"]["policy_version_min"] = -1
+    with pytest.raises(EventDecodeError, match="policy_version_min"):
+        decode_event(json.dumps(data))
+
+
+def test_version_range_must_be_ordered():
+    data = json.loads(_raw())
+    data["payload"]["policy_version_min"] = 5
+    with pytest.raises(EventDecodeError, match="policy_version_max"):
+        decode_event(json.dumps(data))
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe", b"not json", b"[1,2]", b'{"type": 3}'])
+def test_garbage_is_a_decode_error(garbage):
+    with pytest.raises(EventDecodeError):
+        decode_event(garbage)
+
+
+def test_run_id_with_path_refused():
+    with pytest.raises(ValueError, match="run_id"):
+        make_event("../etc", EXAMPLES[2])
+
+
+def test_expected_type_mismatch():
+    with pytest.raises(EventDecodeError, match="expected a AdapterPublished"):
+        decode_event(_raw(), expected_type="AdapterPublished")
