@@ -80,6 +80,9 @@ class TextEnv(abc.ABC, Generic[ActionT]):
     description: ClassVar[str]
     Config: ClassVar[type[EnvConfig]] = EnvConfig
     split_actions: ClassVar[bool] = True  # False: the whole answer is one action (e.g. SQL)
+    # True: too long for one context; the producer starts a fresh prompt each turn
+    # (system prompt, the last ``history_turns`` turns, the current state) and writes a row per turn.
+    long_horizon: ClassVar[bool] = False
 
     def __init__(self, config: EnvConfig | None = None, **overrides: Any) -> None:
         base = config if config is not None else self.Config()

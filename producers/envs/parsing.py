@@ -64,3 +64,16 @@ def format_answer(actions: list[str] | tuple[str, ...], thinking: str = "") -> s
     """The canonical answer text for ``actions`` (used by scripted policies and demos)."""
     think = f"<think>{thinking}</think>" if thinking else ""
     return f"{think}<answer>{f' {ACTION_SEPARATOR} '.join(actions)}</answer>"
+
+
+def match_action(text: str, names: tuple[str, ...]) -> str | None:
+    """Exact name, then case-insensitive name, then its number (1-based); else None."""
+    if text in names:
+        return text
+    lowered = text.lower()
+    for name in names:
+        if name.lower() == lowered:
+            return name
+    if text.isdigit() and 1 <= int(text) <= len(names):
+        return names[int(text) - 1]
+    return None

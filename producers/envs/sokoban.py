@@ -21,7 +21,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field
 
 from producers.envs.base import ANSWER_FORMAT, ActionOutcome, EnvConfig, TextEnv
-from producers.envs.parsing import format_answer
+from producers.envs.parsing import format_answer, match_action
 
 WALL, FLOOR, TARGET, BOX_ON_TARGET, BOX, PLAYER, PLAYER_ON_TARGET = range(7)
 CHARS: dict[int, str] = {
@@ -178,7 +178,9 @@ def _backtrack(parents: dict, key: tuple) -> list[str]:
 
 
 # ---- level generation -------------------------------------------------------------
-def carve_room(rng: random.Random, dim_room: tuple[int, int], num_steps: int, p_change_directions: float) -> list[list[int]]:
+def carve_room(
+    rng: random.Random, dim_room: tuple[int, int], num_steps: int, p_change_directions: float
+) -> list[list[int]]:
     """Floor carved by a random walk stamping small masks; the border is always wall."""
     rows, cols = dim_room
     grid = [[WALL] * cols for _ in range(rows)]
@@ -278,19 +280,6 @@ def generate_level(rng: random.Random, dim_room: tuple[int, int], num_boxes: int
 
 
 # ---- environment ------------------------------------------------------------------
-def match_action(text: str, names: tuple[str, ...]) -> str | None:
-    """Exact name, then case-insensitive name, then its number (1-based); else None."""
-    if text in names:
-        return text
-    lowered = text.lower()
-    for name in names:
-        if name.lower() == lowered:
-            return name
-    if text.isdigit() and 1 <= int(text) <= len(names):
-        return names[int(text) - 1]
-    return None
-
-
 class SokobanConfig(EnvConfig):
     """Sokoban settings; the limits default to GRL's 6 turns, 5 actions a turn, 10 in all, 100 steps."""
 

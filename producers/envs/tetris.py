@@ -21,12 +21,13 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import ClassVar
 
 from pydantic import Field
 
 from producers.envs.base import ANSWER_FORMAT, ActionOutcome, EnvConfig, TextEnv
-from producers.envs.parsing import format_answer
+from producers.envs.parsing import format_answer, match_action
 
 EMPTY, LOCKED, FALLING = 0, 1, 2
 CHARS: dict[int, str] = {EMPTY: "_", LOCKED: "#", FALLING: "X"}
@@ -74,6 +75,13 @@ def balancing_weights(counts: list[int]) -> list[int]:
     return [BALANCE_BASE_WEIGHT + most - count for count in counts]
 
 
+def next_shape_index(rng: random.Random, counts: list[int]) -> int:
+    """Draw a shape index with the balancing weights and count it in ``counts``."""
+    index = rng.choices(range(len(counts)), weights=balancing_weights(counts))[0]
+    counts[index] += 1
+    return index
+
+
 def piece_cells(shape: Shape, position: Cell) -> list[Cell]:
     return [(position[0] + r, position[1] + c) for r, c in shape.cells]
 
@@ -100,18 +108,6 @@ def board_from_text(text: str) -> Board:
     if not rows or len({len(row) for row in rows}) != 1 or any(ch not in "_#" for row in rows for ch in row):
         raise ValueError("tetris board text: equal-length rows of '_' (empty) and '#' (locked), top row first")
     return [[LOCKED if ch == "#" else EMPTY for ch in row] for row in rows]
-
-
-def _match_action(text: str) -> str | None:
-    """Exact name, then case-insensitive name, then its number (1-3); else None."""
-    if text in ACTIONS:
-        return text
-    for name in ACTIONS:
-        if name.lower() == text.lower():
-            return name
-    if text.isdigit() and 1 <= int(text) <= len(ACTIONS):
-        return ACTIONS[int(text) - 1]
-    return None
 
 
 class TetrisConfig(EnvConfig):
@@ -153,10 +149,7 @@ class Tetris(TextEnv[str]):
 
     def _spawn(self) -> bool:
         """Draw the next piece (balanced) at a random column; False when it has no room."""
-        weights = balancing_weights(self.shape_counts)
-        index = self.rng.choices(range(len(self.shapes)), weights=weights)[0]
-        self.shape_counts[index] += 1
-        shape = self.shapes[index]
+        shape = self.shapes[next_shape_index(self.rng, self.shape_counts)]
         self.piece, self.position = shape, (0, self.rng.randint(0, len(self.board[0]) - shape.width))
         return fits(self.board, shape, self.position)
 
@@ -168,7 +161,7 @@ class Tetris(TextEnv[str]):
         self.board, self.piece, self.position = grid, piece, position
 
     def _parse_action(self, text: str) -> str | None:
-        return _match_action(text)
+        return match_action(text, ACTIONS)
 
     def _apply_action(self, action: str) -> ActionOutcome:
         cfg: TetrisConfig = self.config  # type: ignore[assignment]
@@ -299,5 +292,5 @@ def placement_score(board: Board, piece: Shape, position: Cell) -> float:
     heights = [next((len(col) - r for r, cell in enumerate(col) if cell), 0) for col in columns]
     holes = sum(1 for col, h in zip(columns, heights, strict=True) for cell in col[len(col) - h:] if not cell)
     fullest_row = max(sum(row) for row in after)
-    bumpiness = sum(abs(a - b) for a, b in zip(heights, heights[1:], strict=False))
+    bumpiness = sum(abs(a - b) for a, b in pairwise(heights))
     return 2.0 * fullest_row - 4.0 * holes - 1.0 * sum(heights) - 0.5 * bumpiness

@@ -1,0 +1,240 @@
+"""The off-policy learner loop: ingest announced batches, train, publish, checkpoint.
+
+Phases of one pass: *ingest* (read and verify each announced Parquet batch,
+skip batches already trained, drop rows more than ``max_staleness`` versions
+old), and when enough rows are waiting, *train* one optimizer step on them,
+*publish* an adapter version every ``publish_every`` steps and *checkpoint*
+every ``checkpoint_every`` steps, committing the source's offsets only after the
+checkpoint is durable.
+
+Exactly-once effect: an optimizer step always consumes whole batches, so the
+position stored in a checkpoint never splits a batch; the checkpoint records
+every trained ``batch_id`` (the idempotency key), so a batch announced twice is
+trained once; and on restart the learner loads the newest complete checkpoint
+and seeks its source to the stored positions.
+
+The source is a small protocol: Kafka (``consumers.sources.KafkaSource``) and
+offline replay from the store (``consumers.sources.ReplaySource``) feed the same
+loop, so both give the same weights on the same batches in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from consumers.advantages import compute_advantages, training_weights
+from consumers.batching import drop_stale, micro_batches
+from consumers.checkpoint import CheckpointStore, LearnerState
+from consumers.policy import LoraPolicy
+from pipeline.archive import TrajectoryArchive
+from pipeline.registry import AdapterRegistry
+from schemas.config import LearnerConfig
+from schemas.events import LearnerCheckpointed, Payload
+from schemas.trajectory import TRAJECTORY_SCHEMA
+
+log = logging.getLogger("rlpipe.learner")
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """One announced trajectory batch and the source position just after it."""
+
+    batch_id: str
+    path: str
+    sha256: str | None
+    position: dict[str, int]  # e.g. {"rlpipe.trajectories:0": 13}
+
+
+class TrajectorySource(Protocol):
+    """Where batch announcements come from (Kafka or the store)."""
+
+    def poll(self, timeout_s: float) -> list[BatchRef]: ...
+    def seek(self, positions: dict[str, int]) -> None: ...
+    def commit(self, positions: dict[str, int]) -> None: ...
+    def keep_alive(self) -> None: ...
+    def exhausted(self) -> bool: ...
+
+
+@dataclass
+class PendingBatch:
+    """A batch read from the store, its fresh rows, and what was dropped."""
+
+    ref: BatchRef
+    table: pa.Table
+    dropped: int
+    staleness: dict[int, int]
+
+
+class Learner:
+    """Trains one run's adapter from a stream of trajectory batches."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        base_model: str,
+        config: LearnerConfig,
+        policy: LoraPolicy,
+        archive: TrajectoryArchive,
+        registry: AdapterRegistry,
+        checkpoints: CheckpointStore,
+        source: TrajectorySource,
+        announce: Callable[[Payload], None] = lambda payload: None,
+    ) -> None:
+        self.run_id, self.base_model, self.cfg = run_id, base_model, config
+        self.policy, self.archive, self.registry = policy, archive, registry
+        self.checkpoints, self.source, self.announce = checkpoints, source, announce
+        self.state = LearnerState()
+        self.pending: list[PendingBatch] = []
+        self.duplicates_skipped = 0
+        self.last_metrics: dict[str, Any] = {}
+
+    # ---- set up -------------------------------------------------------------
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint and seek the source to its positions."""
+        checkpoint = self.checkpoints.latest()
+        if checkpoint is None:
+            log.info("no checkpoint for run %s: starting at step 0", self.run_id)
+            return False
+        self.policy.load_state(checkpoint.adapter, checkpoint.optimizer, checkpoint.scalars)
+        checkpoint.restore_rng()
+        self.state = checkpoint.state
+        self.source.seek(self.state.positions)
+        log.info("resumed from %s: step %d, version %d", checkpoint.key, self.state.step, self.state.version)
+        return True
+
+    # ---- the loop -----------------------------------------------------------
+    def run(self, should_stop: Callable[[], bool] = lambda: False, on_step: Callable[[dict], None] = lambda m: None,
+            poll_timeout_s: float = 1.0) -> LearnerState:
+        """Loop until stopped, ``max_steps`` is reached, or a finite source runs dry."""
+        while not should_stop() and not self.budget_reached():
+            self.ingest(self.source.poll(poll_timeout_s))
+            if self.ready() or (self.pending and self.source.exhausted()):
+                on_step(self.step())
+            elif self.source.exhausted() and not self.pending:
+                break
+        return self.state
+
+    def budget_reached(self) -> bool:
+        return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
+
+    # ---- phase: ingest ------------------------------------------------------
+    def ingest(self, refs: list[BatchRef]) -> None:
+        """Read, verify and staleness-filter each new batch; skip ones already trained."""
+        for ref in refs:
+            if ref.batch_id in self.state.trained or any(p.ref.batch_id == ref.batch_id for p in self.pending):
+                self.duplicates_skipped += 1
+                log.info("batch %s already trained; skipped", ref.batch_id)
+                self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}))
+                continue
+            table = self.archive.read_batch(ref.path, ref.sha256)
+            keep, dropped, histogram = drop_stale(
+                table.column("policy_version").to_numpy(), self.state.version, self.cfg.max_staleness
+            )
+            if dropped:
+                log.info("batch %s: dropped %d rows older than %d versions", ref.batch_id, dropped,
+                         self.cfg.max_staleness)
+            self.pending.append(PendingBatch(ref, table.filter(pa.array(keep)), dropped, histogram))
+
+    def ready(self) -> bool:
+        return sum(p.table.num_rows for p in self.pending) >= self.cfg.batch_rows
+
+    # ---- phase: train -------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        """Train on every pending batch (one optimizer step), then publish/checkpoint when due."""
+        batches, self.pending = self.pending, []
+        rows = pa.concat_tables([b.table for b in batches]) if batches else None
+        started = time.time()
+        metrics: dict[str, Any] = {"step": self.state.step + 1, "started_at": started}
+        if rows is not None and rows.num_rows:
+            metrics.update(self.train(rows))
+        else:
+            metrics.update({"rows": 0, "skipped": True})
+        self.state.step += 1
+        for batch in batches:
+            if batch.ref.batch_id not in self.state.trained:
+                self.state.trained[batch.ref.batch_id] = self.state.step
+            for key, value in batch.ref.position.items():
+                self.state.positions[key] = max(value, self.state.positions.get(key, 0))
+        dropped = sum(b.dropped for b in batches)
+        self.state.dropped_stale_rows += dropped
+        histogram: dict[int, int] = {}
+        for b in batches:
+            for staleness, count in b.staleness.items():
+                histogram[staleness] = histogram.get(staleness, 0) + count
+        metrics.update({
+            "batch_ids": [b.ref.batch_id for b in batches if b.table.num_rows or b.dropped],
+            "dropped_stale_rows": dropped,
+            "staleness_histogram": {str(k): v for k, v in sorted(histogram.items())},
+            "version_trained_from": self.state.version,
+            "finished_at": time.time(),
+        })
+        metrics["tokens_per_s"] = metrics.get("tokens", 0) / max(1e-9, metrics["finished_at"] - started)
+        if self.state.step % self.cfg.publish_every == 0:
+            self.publish(metrics)
+        metrics["version"] = self.state.version
+        self.state.step_log.append(metrics)
+        self.last_metrics = metrics
+        if self.state.step % self.cfg.checkpoint_every == 0:
+            self.checkpoint()
+        return metrics
+
+    def train(self, rows: pa.Table) -> dict[str, Any]:
+        """One optimizer step on ``rows`` (advantages computed over the whole step)."""
+        cols = rows.to_pydict()
+        rewards_R = np.asarray(cols["reward"], dtype=np.float64)
+        advantages_R = compute_advantages(
+            self.cfg.advantage, rewards_R, cols["group_id"], returns_to_go_R=cols["return_to_go"],
+            turns_R=cols["turn"], normalize_std=self.cfg.normalize_advantage_std,
+        )
+        weights_R = training_weights(self.cfg, advantages_R, cols.get("weight"))
+        batches = micro_batches(cols["tokens"], cols["loss_mask"], cols["logprobs"], advantages_R,
+                                self.cfg.micro_batch_tokens, weights_R)
+        self.source.keep_alive()
+        result = self.policy.train_step(batches, normaliser=float(rows.num_rows))
+        self.source.keep_alive()
+        return {
+            "rows": rows.num_rows,
+            "tokens": int(sum(len(t) for t in cols["tokens"])),
+            "generated_tokens": int(sum(sum(m) for m in cols["loss_mask"])),
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "learning_rate": result.learning_rate,
+            "reward_mean": float(rewards_R.mean()),
+            "success_rate": float(np.mean(cols["success"])),
+            "policy_version_min": int(min(cols["policy_version"])),
+            "policy_version_max": int(max(cols["policy_version"])),
+            **result.stats.to_dict(),
+        }
+
+    # ---- phase: publish / checkpoint ------------------------------------------
+    def publish(self, metrics: dict[str, Any]) -> None:
+        """Save the adapter and publish it as the next version, then announce it."""
+        scalar_metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "step"}
+        with tempfile.TemporaryDirectory(prefix="rlpipe-adapter-") as folder:
+            self.policy.save_adapter(folder)
+            manifest = self.registry.publish(
+                folder, base_model=self.base_model, parent_version=self.state.version,
+                learner_step=self.state.step, metrics=scalar_metrics,
+            )
+        self.state.version = manifest.version
+        self.announce(self.registry.published_event(manifest))
+        log.info("published adapter v%d at step %d", manifest.version, self.state.step)
+
+    def checkpoint(self) -> str:
+        """Write the checkpoint (manifest last), announce it, then commit the source's offsets."""
+        optimizer, scalars = self.policy.optimizer_state()
+        key = self.checkpoints.save(self.state, self.policy.adapter_tensors(), optimizer, scalars)
+        metrics = {k: float(v) for k, v in self.last_metrics.items() if isinstance(v, int | float)}
+        self.announce(LearnerCheckpointed(step=self.state.step, version=self.state.version, path=key,
+                                          offsets=dict(self.state.positions), metrics=metrics))
+        self.source.commit(dict(self.state.positions))  # only after the checkpoint is durable
+        return key

@@ -1,0 +1,332 @@
+"""Token-level training objectives of the off-policy learner (plain torch, no model code).
+
+Tinker-style losses (NOTES: reinforcement-learning details): every loss is a SUM
+over generated tokens, divided by a ``normaliser`` the caller chooses for the
+whole optimizer step (e.g. the number of sequences in it).  Because the sum is
+not divided by anything that depends on the micro-batch, back-propagating each
+micro-batch and adding the gradients gives exactly the gradient of one big batch.
+
+Notation per token t of sequence b (all masks are 0 on prompt and padding):
+  logp_t  current policy's log-probability of token t      (``token_logprobs``)
+  q_t     sampler's log-probability of the same token        (``sampler_logprobs_BT``)
+  r_t     = exp(logp_t - q_t), the importance ratio
+  m_t     = loss_mask_t * token_weight_t
+  w_b     per-sample weight; A_b the sequence's advantage
+
+``importance_sampling`` (truncated IS policy gradient):
+  grad = -(1/N) sum_bt k_t m_t w_b min(r_t, cap) A_b grad logp_t
+  where k_t = 1 if ratio_mask_low <= r_t <= ratio_mask_high else 0 (far-off tokens dropped).
+  The truncated ratio is a constant (no gradient flows through it); tokens above
+  the cap still learn, with weight cap.  With the current policy equal to the
+  sampler policy every r_t = 1 and this is on-policy REINFORCE.  The loss VALUE
+  is -(1/N) sum k m w min(r, cap) A (the truncated-IS surrogate), obtained as
+  min(r, cap).detach() * exp(logp - logp.detach()), whose value is the ratio
+  term and whose gradient is exactly the one above.
+
+``ppo`` (clipped surrogate, same ratio mask k_t):
+  loss = -(1/N) sum_bt k_t m_t w_b min(r_t A_b, clip(r_t, 1-eps, 1+eps) A_b)
+
+``cross_entropy`` (supervised; also awr and filtered_bc, whose per-row weights
+``consumers.advantages.training_weights`` folds into ``weights_B`` beforehand):
+  loss = -(1/N) sum_bt m_t w_b logp_t
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+from schemas.config import LearnerConfig
+
+# Log-ratios are clamped to this range for the statistics only, so one absurd
+# token cannot turn the ESS into inf/inf = NaN (exp(40) ~ 2e17 still reads as absurd).
+_STATS_LOG_RATIO_LIMIT = 40.0
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """One padded micro-batch: B sequences of T tokens (padding has loss_mask 0).
+
+    ``sampler_logprobs_BT[b, t]`` is the sampler's logprob of ``tokens_BT[b, t]``
+    (0 where loss_mask is 0).  ``weights_B`` is per sample (1 = plain);
+    ``token_weights_BT``, if given, multiplies the loss mask in every loss.
+    """
+
+    tokens_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    sampler_logprobs_BT: torch.Tensor
+    advantages_B: torch.Tensor
+    weights_B: torch.Tensor
+    token_weights_BT: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens_BT.dim() != 2 or self.tokens_BT.dtype != torch.int64:
+            raise ValueError(
+                f"tokens_BT must be a 2-D int64 tensor, got {self.tokens_BT.dtype} {self.shape_of('tokens_BT')}"
+            )
+        shape_BT = tuple(self.tokens_BT.shape)
+        for name in ("loss_mask_BT", "sampler_logprobs_BT", "token_weights_BT"):
+            tensor = getattr(self, name)
+            if tensor is not None and tuple(tensor.shape) != shape_BT:
+                raise ValueError(f"{name} has shape {self.shape_of(name)}, expected {shape_BT} like tokens_BT")
+        for name in ("advantages_B", "weights_B"):
+            if tuple(getattr(self, name).shape) != shape_BT[:1]:
+                raise ValueError(f"{name} has shape {self.shape_of(name)}, expected ({shape_BT[0]},): one per sequence")
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return tuple(getattr(self, name).shape)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.tokens_BT.shape[0])
+
+    def to(self, device: torch.device | str) -> TokenBatch:
+        """The same batch on ``device`` (non-blocking copies)."""
+        moved = {
+            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device, non_blocking=True)
+            for f in fields(self)
+        }
+        return TokenBatch(**moved)
+
+    def weighted_mask_BT(self) -> torch.Tensor:
+        """m_t = loss_mask * token_weight (float32)."""
+        mask_BT = self.loss_mask_BT.float()
+        return mask_BT if self.token_weights_BT is None else mask_BT * self.token_weights_BT.float()
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """Summable statistics of one or more micro-batches; ``merge`` combines them exactly.
+
+    Ratios are counted over generated tokens (loss_mask > 0), before truncation
+    and before the ratio mask, because they describe how far the data has
+    drifted from the policy.  ``num_clipped`` counts tokens whose ratio was
+    truncated at the cap (importance_sampling) or whose PPO clip was binding.
+    ``cross_entropy`` records no ratios (offline data has no sampler).
+    """
+
+    num_sequences: int = 0
+    num_tokens: int = 0
+    loss_sum: float = 0.0
+    ratio_count: int = 0
+    ratio_sum: float = 0.0
+    ratio_sq_sum: float = 0.0
+    ratio_max: float = -math.inf
+    ratio_min: float = math.inf
+    num_clipped: int = 0
+    num_masked: int = 0
+
+    def merge(self, other: LossStats) -> LossStats:
+        """Statistics of both micro-batches together."""
+        summed = {
+            f.name: getattr(self, f.name) + getattr(other, f.name)
+            for f in fields(self)
+            if f.name not in ("ratio_max", "ratio_min")
+        }
+        return LossStats(
+            **summed, ratio_max=max(self.ratio_max, other.ratio_max), ratio_min=min(self.ratio_min, other.ratio_min)
+        )
+
+    @property
+    def ratio_mean(self) -> float:
+        return self.ratio_sum / self.ratio_count if self.ratio_count else math.nan
+
+    @property
+    def effective_sample_size(self) -> float:
+        """(sum w)^2 / (n sum w^2) of the importance ratios: 1 on-policy, below ~0.3 means too much drift."""
+        if not self.ratio_count or self.ratio_sq_sum == 0:
+            return math.nan
+        return self.ratio_sum**2 / (self.ratio_count * self.ratio_sq_sum)
+
+    @property
+    def clip_fraction(self) -> float:
+        return self.num_clipped / self.num_tokens if self.num_tokens else math.nan
+
+    @property
+    def masked_fraction(self) -> float:
+        return self.num_masked / self.num_tokens if self.num_tokens else math.nan
+
+    def to_dict(self) -> dict[str, float]:
+        """Flat numbers for metrics and events (raw sums plus the derived ratios)."""
+        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        derived = {
+            "ratio_mean": self.ratio_mean,
+            "effective_sample_size": self.effective_sample_size,
+            "clip_fraction": self.clip_fraction,
+            "masked_fraction": self.masked_fraction,
+        }
+        return {**raw, **derived}
+
+
+def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
+    """logp[b, t] = log_softmax(logits[b, t-1])[tokens[b, t]] in float32; logp[b, 0] = 0 (no context).
+
+    Computed as gathered logit minus logsumexp, in float32 whatever the model's
+    dtype, because bf16 log-probabilities are too coarse for importance ratios.
+    """
+    if logits_BTV.dim() != 3 or tuple(logits_BTV.shape[:2]) != tuple(tokens_BT.shape):
+        raise ValueError(
+            f"logits {tuple(logits_BTV.shape)} and tokens {tuple(tokens_BT.shape)} disagree; "
+            "expected (B, T, V) and (B, T)"
+        )
+    logits_BtV = logits_BTV[:, :-1].float()
+    picked_Bt = logits_BtV.gather(-1, tokens_BT[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logprobs_Bt = picked_Bt - torch.logsumexp(logits_BtV, dim=-1)
+    return torch.nn.functional.pad(logprobs_Bt, (1, 0))
+
+
+def _check_normaliser(normaliser: float) -> None:
+    if not (math.isfinite(normaliser) and normaliser > 0):
+        raise ValueError(f"normaliser must be a positive number (e.g. sequences per optimizer step), got {normaliser}")
+
+
+def _ratio_stats(
+    log_ratio_BT: torch.Tensor, generated_BT: torch.Tensor, clipped_BT: torch.Tensor, kept_BT: torch.Tensor
+) -> dict[str, float]:
+    """Ratio sums over generated tokens, fetched from the device in one transfer."""
+    log_ratio = log_ratio_BT.detach().double().clamp(-_STATS_LOG_RATIO_LIMIT, _STATS_LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)[generated_BT]
+    empty = ratio.numel() == 0
+    values = torch.stack(
+        [
+            ratio.sum(),
+            (ratio**2).sum(),
+            ratio.max() if not empty else ratio.new_tensor(-math.inf),
+            ratio.min() if not empty else ratio.new_tensor(math.inf),
+            (clipped_BT & generated_BT).sum().double(),
+            (generated_BT & ~kept_BT).sum().double(),
+        ]
+    ).tolist()
+    return {
+        "ratio_count": int(ratio.numel()),
+        "ratio_sum": values[0],
+        "ratio_sq_sum": values[1],
+        "ratio_max": values[2],
+        "ratio_min": values[3],
+        "num_clipped": int(values[4]),
+        "num_masked": int(values[5]),
+    }
+
+
+def _ratio_mask(log_ratio_BT: torch.Tensor, generated_BT: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """k_t: generated tokens whose ratio lies in [low, high] (compared in log space, no overflow)."""
+    log_ratio = log_ratio_BT.detach()
+    return generated_BT & (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))
+
+
+def _finish(
+    loss_sum: torch.Tensor, normaliser: float, batch: TokenBatch, generated_BT: torch.Tensor, **ratio: float
+) -> tuple[torch.Tensor, LossStats]:
+    """Normalised loss and its statistics (the sum is kept un-normalised so micro-batches add up)."""
+    stats = LossStats(
+        num_sequences=batch.num_sequences,
+        num_tokens=int(generated_BT.sum()),
+        loss_sum=float(loss_sum.detach()),
+        **ratio,
+    )
+    return loss_sum / normaliser, stats
+
+
+def importance_sampling_loss(
+    logprobs_BT: torch.Tensor,
+    batch: TokenBatch,
+    normaliser: float,
+    *,
+    is_cap: float = 2.0,
+    ratio_mask_low: float = 0.125,
+    ratio_mask_high: float = 8.0,
+) -> tuple[torch.Tensor, LossStats]:
+    """Truncated importance-sampling policy gradient (see the module docstring for the estimator)."""
+    _check_normaliser(normaliser)
+    generated_BT = batch.loss_mask_BT > 0
+    log_ratio_BT = (logprobs_BT - batch.sampler_logprobs_BT).detach()
+    kept_BT = _ratio_mask(log_ratio_BT, generated_BT, ratio_mask_low, ratio_mask_high)
+    # where() before exp(): a masked-out ratio may overflow, and inf * 0 would be NaN.
+    safe_log_ratio_BT = torch.where(kept_BT, log_ratio_BT, torch.zeros_like(log_ratio_BT))
+    truncated_BT = torch.exp(safe_log_ratio_BT).clamp(max=is_cap)
+    # value 1, gradient grad logp: the surrogate's gradient is truncated_ratio * grad logp.
+    unit_BT = torch.exp(logprobs_BT - logprobs_BT.detach())
+    coef_BT = (
+        batch.weighted_mask_BT() * kept_BT * batch.weights_B.float()[:, None] * batch.advantages_B.float()[:, None]
+    )
+    loss_sum = -(coef_BT * truncated_BT * unit_BT).sum()
+    clipped_BT = kept_BT & (log_ratio_BT > math.log(is_cap))
+    return _finish(
+        loss_sum, normaliser, batch, generated_BT, **_ratio_stats(log_ratio_BT, generated_BT, clipped_BT, kept_BT)
+    )
+
+
+def ppo_loss(
+    logprobs_BT: torch.Tensor,
+    batch: TokenBatch,
+    normaliser: float,
+    *,
+    clip_eps: float = 0.2,
+    ratio_mask_low: float = 0.125,
+    ratio_mask_high: float = 8.0,
+) -> tuple[torch.Tensor, LossStats]:
+    """PPO clipped surrogate, -min(r A, clip(r, 1-eps, 1+eps) A), summed over kept generated tokens.
+
+    The ratio mask applies here too: it drops tokens whose ratio is far out on the
+    side PPO's clip does not bound (e.g. r = 50 with A < 0).
+    """
+    _check_normaliser(normaliser)
+    generated_BT = batch.loss_mask_BT > 0
+    log_ratio_BT = logprobs_BT - batch.sampler_logprobs_BT
+    kept_BT = _ratio_mask(log_ratio_BT, generated_BT, ratio_mask_low, ratio_mask_high)
+    ratio_BT = torch.exp(torch.where(kept_BT, log_ratio_BT, torch.zeros_like(log_ratio_BT)))
+    advantages_B1 = batch.advantages_B.float()[:, None]
+    unclipped_BT = ratio_BT * advantages_B1
+    clipped_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages_B1
+    token_loss_BT = -torch.minimum(unclipped_BT, clipped_BT)
+    loss_sum = (token_loss_BT * batch.weighted_mask_BT() * kept_BT * batch.weights_B.float()[:, None]).sum()
+    binding_BT = kept_BT & (clipped_BT.detach() < unclipped_BT.detach())  # the clip zeroed this token's gradient
+    return _finish(
+        loss_sum, normaliser, batch, generated_BT, **_ratio_stats(log_ratio_BT, generated_BT, binding_BT, kept_BT)
+    )
+
+
+def cross_entropy_loss(
+    logprobs_BT: torch.Tensor, batch: TokenBatch, normaliser: float
+) -> tuple[torch.Tensor, LossStats]:
+    """Weighted supervised loss -(1/N) sum m_t w_b logp_t over generated tokens (advantages unused)."""
+    _check_normaliser(normaliser)
+    generated_BT = batch.loss_mask_BT > 0
+    loss_sum = -(logprobs_BT * batch.weighted_mask_BT() * batch.weights_B.float()[:, None]).sum()
+    return _finish(loss_sum, normaliser, batch, generated_BT)
+
+
+def compute_loss(
+    config: LearnerConfig, logits_BTV: torch.Tensor, batch: TokenBatch, normaliser: float
+) -> tuple[torch.Tensor, LossStats]:
+    """The loss ``config.loss`` of one micro-batch, divided by ``normaliser``; call ``backward`` on it.
+
+    ``awr`` and ``filtered_bc`` are weighted cross-entropy: ``batch.weights_B`` must
+    already hold ``consumers.advantages.training_weights(config, ...)`` for the step.
+    """
+    logprobs_BT = token_logprobs(logits_BTV, batch.tokens_BT)
+    if config.loss == "importance_sampling":
+        return importance_sampling_loss(
+            logprobs_BT,
+            batch,
+            normaliser,
+            is_cap=config.is_cap,
+            ratio_mask_low=config.ratio_mask_low,
+            ratio_mask_high=config.ratio_mask_high,
+        )
+    if config.loss == "ppo":
+        return ppo_loss(
+            logprobs_BT,
+            batch,
+            normaliser,
+            clip_eps=config.ppo_clip,
+            ratio_mask_low=config.ratio_mask_low,
+            ratio_mask_high=config.ratio_mask_high,
+        )
+    if config.loss in ("cross_entropy", "awr", "filtered_bc"):
+        return cross_entropy_loss(logprobs_BT, batch, normaliser)
+    raise ValueError(
+        f"unknown loss {config.loss!r}; choose importance_sampling, ppo, cross_entropy, awr or filtered_bc"
+    )

@@ -1,0 +1,155 @@
+"""The trainable policy: a base model with a peft LoRA adapter, its optimizer and schedule.
+
+One optimizer step = gradient accumulation over token-budget micro-batches,
+gradient clipping, AdamW, schedule.  The same code runs on the CPU here and on
+a GPU where present (``device="auto"``); bf16 autocast is used where the
+hardware has it.  State for checkpoints is exported as plain tensors (for
+safetensors) plus JSON-able scalars: nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from transformers import AutoModelForCausalLM
+
+from consumers.losses import LossStats, TokenBatch, compute_loss
+from schemas.config import LearnerConfig
+
+
+def pick_device(requested: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; anything else is taken as given."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did."""
+
+    loss: float
+    grad_norm: float
+    learning_rate: float
+    stats: LossStats
+
+
+class LoraPolicy:
+    """Base model + LoRA adapter + AdamW; knows how to take a step and export its state."""
+
+    def __init__(self, base_model: str, config: LearnerConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        seed_everything(config.seed)
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        lora = LoraConfig(
+            r=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=list(config.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        self.model: PeftModel = get_peft_model(base, lora).to(self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.autocast = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+    def _lr_factor(self, step: int) -> float:
+        cfg = self.config
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant" or not cfg.max_steps:
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        if cfg.lr_schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+    def logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of the current policy for a padded batch."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.model(input_ids=tokens_BT.to(self.device))
+        return out.logits.float()
+
+    def train_step(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
+        """Accumulate gradients over ``micro_batches`` (loss / normaliser each), clip, step."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, stats = 0.0, None
+        for batch in micro_batches:
+            batch = batch.to(self.device)
+            loss, batch_stats = compute_loss(self.config, self.logits(batch.tokens_BT), batch, normaliser)
+            loss.backward()
+            total_loss += float(loss.detach())
+            stats = batch_stats if stats is None else stats.merge(batch_stats)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        if stats is None:
+            raise ValueError("train_step needs at least one micro-batch")
+        return StepResult(total_loss, grad_norm, learning_rate, stats)
+
+    # ---- export / import (checkpoints, publishing) ----------------------------
+    def save_adapter(self, folder: str | Path) -> Path:
+        """Write the PEFT adapter (adapter_config.json + adapter_model.safetensors) to ``folder``."""
+        folder = Path(folder)
+        self.model.save_pretrained(str(folder), safe_serialization=True)
+        return folder
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The LoRA weights by name (CPU, contiguous) for safetensors."""
+        return {
+            name: p.detach().to("cpu").contiguous()
+            for name, p in self.model.named_parameters()
+            if p.requires_grad
+        }
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """AdamW state as (tensors for safetensors, JSON-able scalars)."""
+        state = self.optimizer.state_dict()
+        tensors: dict[str, torch.Tensor] = {}
+        for index, slots in state["state"].items():
+            for slot, value in slots.items():
+                tensors[f"state.{index}.{slot}"] = torch.as_tensor(value).to("cpu").contiguous()
+        scalars = {"param_groups": state["param_groups"], "scheduler": self.scheduler.state_dict()}
+        return tensors, scalars
+
+    def load_state(
+        self, adapter: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor], scalars: dict[str, Any]
+    ) -> None:
+        """Restore weights, AdamW state and schedule exported by the methods above."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in adapter.items():
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} does not match this model's adapter")
+                params[name].copy_(value.to(params[name].device))
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in optimizer.items():
+            _, index, slot = key.split(".", 2)
+            state.setdefault(int(index), {})[slot] = value.to(self.device) if value.dim() else value
+        self.optimizer.load_state_dict({"state": state, "param_groups": scalars["param_groups"]})
+        self.scheduler.load_state_dict(scalars["scheduler"])
+
+    def load_adapter_folder(self, folder: str | Path) -> None:
+        """Start from a published PEFT adapter folder (e.g. a warm-start version)."""
+        from safetensors.torch import load_file
+
+        weights = load_file(str(Path(folder) / "adapter_model.safetensors"))
+        set_peft_model_state_dict(self.model, weights)

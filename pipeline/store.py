@@ -1,0 +1,323 @@
+"""The object store: one root URL, any fsspec filesystem, immutable objects written create-only.
+
+Producers, the learner and the registry keep everything durable here (``file://``
+by default, ``memory://`` in unit tests, ``gs://bucket/prefix`` in production).
+Keys are ``/``-separated paths relative to the root; a key that could escape the
+root (``..``, an absolute path, a backslash) is refused before any I/O.
+
+``put_create`` is the commit primitive: it never replaces an existing object, and
+readers never see half an object.
+
+- local disk: the bytes go to a temporary file in the destination folder (fsynced),
+  which is then hard-linked to the final name; ``os.link`` fails with
+  ``FileExistsError`` if the name exists, atomically, also across processes.
+- ``gs://``: a single-request upload with ``ifGenerationMatch=0`` (gcsfs
+  ``mode="create"``); a clash answers 412, which gcsfs raises as ``FileExistsError``.
+  The single request matters: fake-gcs-server ignores the precondition on resumable
+  uploads.  Caveat: if a network error hides a successful create and gcsfs retries,
+  the retry reports ``FileExistsError`` for our own object.
+- ``memory://`` and any other filesystem: check-then-write under a process-wide lock.
+  That is atomic between threads of one process only, which is all unit tests need.
+
+Digests are hex sha256 of the exact bytes; ``get(key, sha256)`` refuses a mismatch
+with ``ChecksumError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import threading
+import uuid
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+if TYPE_CHECKING:
+    from schemas.config import StoreConfig
+
+# Recent gcsfs probes a storage-layout API that the emulator lacks (and waits); it reads this at import.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_TEMP_PREFIX = ".rlpipe-tmp-"
+_GCS_SIMPLE_UPLOAD_MIN = 50 * 2**20  # gcsfs's default chunk size: below it, uploads are one request anyway
+_CHECK_THEN_WRITE_LOCK = threading.Lock()
+
+
+class StoreURLError(ValueError):
+    """The store root URL (or its options) cannot be used."""
+
+
+class InvalidKeyError(ValueError):
+    """An object key that is not a plain relative path under the store root."""
+
+
+class ChecksumError(ValueError):
+    """An object's bytes do not match the sha256 that names them."""
+
+
+def sha256_hex(data: bytes) -> str:
+    """Hex sha256 of ``data``: the digest every manifest and event uses."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_sha256(value: str) -> str:
+    """Return ``value`` if it is a lowercase hex sha256, else raise naming the problem."""
+    if not isinstance(value, str) or not _SHA256_RE.fullmatch(value):
+        raise ValueError(f"{value!r} is not a sha256 digest (64 lowercase hex characters)")
+    return value
+
+
+def validate_key(key: str, *, allow_root: bool = False) -> str:
+    """Return ``key`` normalised (no trailing '/') if it stays under the root, else ``InvalidKeyError``."""
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"object key must be a string, got {type(key).__name__}")
+    stripped = key[:-1] if allow_root and key.endswith("/") else key
+    if stripped == "":
+        if allow_root:
+            return ""
+        raise InvalidKeyError("object key is empty; name an object under the store root, e.g. 'runs/demo/run.json'")
+    parts = stripped.split("/")
+    if (
+        "\\" in stripped
+        or "\x00" in stripped
+        or stripped.startswith("/")
+        or "://" in stripped
+        or re.match(r"[A-Za-z]:", stripped)
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        raise InvalidKeyError(
+            f"object key {key!r} is not allowed: use a relative path under the store root, parts separated by '/', "
+            "without '..', '.', empty parts, backslashes or a leading '/'"
+        )
+    return stripped
+
+
+class ObjectStore:
+    """Byte-level access to everything under one root URL; see the module docstring for the guarantees."""
+
+    def __init__(self, root: str, gcs_endpoint: str | None = None, gcs_project: str | None = None) -> None:
+        if not isinstance(root, str) or not root.strip():
+            raise StoreURLError("store root is empty; pass a URL such as file:///data/rlpipe or gs://bucket/prefix")
+        self.protocol = _protocol(root)
+        if gcs_endpoint and self.protocol != "gs":
+            raise StoreURLError(f"gcs_endpoint is set but the store root {root!r} is not gs://; drop one of them")
+        self.gcs_endpoint = gcs_endpoint or None
+        if self.protocol == "gs":
+            self._fs: Any = _gcs_filesystem(gcs_endpoint, gcs_project)
+            self._root_path = _gcs_root_path(root)
+        else:
+            self._fs, path = _fsspec_filesystem(root)
+            self._root_path = path.rstrip("/")
+        self.root = self._fs.unstrip_protocol(self._root_path or "/").rstrip("/")
+        if self.protocol == "gs":
+            self.root = f"gs://{self._root_path}"
+        self._is_local = isinstance(self._fs, LocalFileSystem)
+
+    @classmethod
+    def from_config(cls, config: StoreConfig) -> ObjectStore:
+        """The store a run's ``store`` section points at (an empty root is resolved by the caller)."""
+        return cls(config.root, gcs_endpoint=config.gcs_endpoint, gcs_project=config.gcs_project)
+
+    def __repr__(self) -> str:
+        endpoint = f", gcs_endpoint={self.gcs_endpoint!r}" if self.gcs_endpoint else ""
+        return f"ObjectStore({self.root!r}{endpoint})"
+
+    # -- accessors --------------------------------------------------------------------------
+
+    @property
+    def filesystem(self) -> Any:
+        """The fsspec filesystem (hand it with ``path(key)`` to ``pyarrow.dataset``)."""
+        return self._fs
+
+    @property
+    def is_local(self) -> bool:
+        """True for a local-disk root (create-only writes are atomic across processes)."""
+        return self._is_local
+
+    def path(self, key: str = "") -> str:
+        """The filesystem path of ``key`` (no protocol), as ``filesystem`` expects it."""
+        key = validate_key(key, allow_root=True)
+        return f"{self._root_path}/{key}" if key else self._root_path or "/"
+
+    def url(self, key: str = "") -> str:
+        """The full URL of ``key`` (for messages and for people)."""
+        key = validate_key(key, allow_root=True)
+        return f"{self.root}/{key}" if key else self.root
+
+    def key_of(self, path: str) -> str:
+        """Inverse of ``path``: the key of a filesystem path under the root."""
+        stripped = self._fs._strip_protocol(path).rstrip("/")
+        prefix = f"{self._root_path}/"
+        if not stripped.startswith(prefix):
+            raise InvalidKeyError(f"{path!r} is not under the store root {self.root}")
+        return stripped[len(prefix) :]
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put_create(self, key: str, data: bytes) -> str:
+        """Write ``data`` at ``key`` only if nothing is there (``FileExistsError`` otherwise); return its sha256."""
+        data = bytes(data)
+        path = self.path(validate_key(key))
+        if self._is_local:
+            self._local_write(path, data, replace=False)
+        elif self.protocol == "gs":
+            chunksize = max(_GCS_SIMPLE_UPLOAD_MIN, len(data) + 1)  # one request, so the precondition holds
+            try:
+                self._fs.pipe_file(path, data, mode="create", chunksize=chunksize)
+            except FileExistsError:
+                raise FileExistsError(f"{self.url(key)} already exists") from None
+        else:
+            with _CHECK_THEN_WRITE_LOCK:
+                if self._fs.exists(path):
+                    raise FileExistsError(f"{self.url(key)} already exists")
+                self._fs.pipe_file(path, data)
+        return sha256_hex(data)
+
+    def put(self, key: str, data: bytes) -> str:
+        """Write ``data`` at ``key``, replacing what is there (mutable objects only); return its sha256."""
+        data = bytes(data)
+        path = self.path(validate_key(key))
+        if self._is_local:
+            self._local_write(path, data, replace=True)
+        else:
+            self._fs.pipe_file(path, data)
+        return sha256_hex(data)
+
+    def delete(self, key: str, recursive: bool = False, missing_ok: bool = False) -> None:
+        """Remove the object (or, with ``recursive``, everything under the folder) at ``key``."""
+        path = self.path(validate_key(key))
+        try:
+            self._fs.rm(path, recursive=recursive)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise FileNotFoundError(f"nothing to delete at {self.url(key)}") from None
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def get(self, key: str, sha256: str | None = None) -> bytes:
+        """The bytes at ``key``; with ``sha256``, refuse them (``ChecksumError``) unless they match."""
+        if sha256 is not None:
+            check_sha256(sha256)
+        try:
+            data = bytes(self._fs.cat_file(self.path(validate_key(key))))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no object at {self.url(key)}") from None
+        if sha256 is not None:
+            actual = sha256_hex(data)
+            if actual != sha256:
+                raise ChecksumError(
+                    f"checksum mismatch for {self.url(key)}: expected sha256 {sha256}, found {actual}; "
+                    "the object is corrupt or was replaced, so it was not used"
+                )
+        return data
+
+    def exists(self, key: str) -> bool:
+        """True if an object (or a folder holding objects) is at ``key``."""
+        return bool(self._fs.exists(self.path(validate_key(key))))
+
+    def open_input(self, key: str) -> IO[bytes]:
+        """A binary file object for reading ``key`` in pieces (close it, or use ``with``)."""
+        try:
+            return self._fs.open(self.path(validate_key(key)), "rb")  # type: ignore[no-any-return]
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no object at {self.url(key)}") from None
+
+    def list(self, prefix: str = "", recursive: bool = False) -> list[str]:
+        """Keys under ``prefix``, sorted: its direct children (objects and folders), or with
+        ``recursive`` every object below it.  A missing prefix lists as empty."""
+        path = self.path(validate_key(prefix, allow_root=True))
+        try:
+            names = self._fs.find(path) if recursive else self._fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        keys = (self.key_of(name) for name in names if self._fs._strip_protocol(name).rstrip("/") != path)
+        return sorted(key for key in keys if not key.rsplit("/", 1)[-1].startswith(_TEMP_PREFIX))
+
+    # -- local atomic writes -----------------------------------------------------------------
+
+    def _local_write(self, path: str, data: bytes, replace: bool) -> None:
+        final = Path(path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        temp = final.parent / f"{_TEMP_PREFIX}{uuid.uuid4().hex}-{final.name}"
+        try:
+            with open(temp, "xb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            if replace:
+                os.replace(temp, final)
+            else:
+                os.link(temp, final)  # atomic; raises FileExistsError if the name is taken
+        except FileExistsError:
+            raise FileExistsError(f"{self._fs.unstrip_protocol(path)} already exists") from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+        _fsync_dir(final.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the new directory entry durable (best effort; not every platform allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _protocol(root: str) -> str:
+    protocol = fsspec.utils.get_protocol(root)
+    return "gs" if protocol in ("gs", "gcs") else protocol
+
+
+def _gcs_root_path(root: str) -> str:
+    path = root.split("://", 1)[1].strip("/")
+    if not path:
+        raise StoreURLError(f"store root {root!r} names no bucket; use gs://BUCKET or gs://BUCKET/PREFIX")
+    bucket = path.split("/", 1)[0]
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]", bucket):
+        raise StoreURLError(f"{bucket!r} in {root!r} is not a valid GCS bucket name (lowercase letters, digits, -_.)")
+    return path
+
+
+def _fsspec_filesystem(root: str) -> tuple[Any, str]:
+    try:
+        return fsspec.core.url_to_fs(root)
+    except (ValueError, ImportError) as exc:
+        raise StoreURLError(
+            f"cannot open store root {root!r}: {exc}; use file:///path, memory://name or gs://bucket/prefix"
+        ) from None
+
+
+def _gcs_filesystem(endpoint: str | None, project: str | None) -> Any:
+    """gcsfs against ``endpoint`` (an emulator: anonymous) or Google (Application Default Credentials).
+
+    Listings are not cached: other processes publish versions and batches, and a
+    stale listing would hide them.
+    """
+    if endpoint:
+        if not re.match(r"https?://", endpoint):
+            raise StoreURLError(f"gcs_endpoint {endpoint!r} must start with http:// or https://")
+        from gcsfs.core import GCSFileSystem  # the plain class: the emulator lacks the HNS layout API
+
+        return GCSFileSystem(endpoint_url=endpoint.rstrip("/"), token="anon", project=project or "rlpipe",
+                             use_listings_cache=False)
+    import gcsfs
+
+    kwargs: dict[str, Any] = {"token": "google_default", "use_listings_cache": False}
+    if project:
+        kwargs["project"] = project
+    try:
+        return gcsfs.GCSFileSystem(**kwargs)
+    except Exception as exc:  # google.auth raises its own DefaultCredentialsError
+        raise StoreURLError(
+            f"no Google credentials for gs:// ({exc.__class__.__name__}); run `gcloud auth application-default "
+            "login`, set GOOGLE_APPLICATION_CREDENTIALS, or pass a gcs endpoint for the emulator"
+        ) from None

@@ -1,0 +1,192 @@
+"""``envs``: list, play and evaluate the registered text environments from the command line.
+
+Thin by design: it resolves names through the registry, runs episodes through
+``producers.envs.evaluate`` and only formats what comes back.  User mistakes
+(an unknown environment, a bad option value) end with one line on stderr and a
+non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import StrEnum
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from producers.envs.base import StepResult, TextEnv
+from producers.envs.evaluate import EvalSummary, Policy, evaluate, make_policy, run_episode
+from producers.envs.registry import env_class, env_names
+
+app = typer.Typer(name="envs", help="List, play and evaluate rlpipe's text environments.", no_args_is_help=True)
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+EXIT_USAGE = 2  # bad input: unknown environment, invalid option value
+EXIT_FAILURE = 1  # the environment itself failed (import error, missing policy)
+
+
+class EvalPolicy(StrEnum):
+    """Scripted policies ``envs eval`` can run."""
+
+    heuristic = "heuristic"
+    random = "random"
+
+
+class PlayPolicy(StrEnum):
+    """Who answers in ``envs play``."""
+
+    human = "human"
+    heuristic = "heuristic"
+    random = "random"
+
+
+class _InputEnded(Exception):
+    """stdin closed while the human policy waited for an answer."""
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    err_console.print(f"error: {message}", markup=False)
+    return typer.Exit(code)
+
+
+def _check_name(name: str) -> None:
+    if name not in env_names():
+        raise _fail(f"unknown environment {name!r}; choose one of: {', '.join(env_names())}", EXIT_USAGE)
+
+
+def _build_env(name: str, overrides: dict | None = None) -> TextEnv:
+    """The named environment, or a one-line error: exit 2 for bad input, 1 if the env module is broken."""
+    _check_name(name)
+    try:
+        cls = env_class(name)
+    except Exception as exc:  # another env's module may be broken: say so in one line
+        raise _fail(f"environment {name!r} failed to load: {type(exc).__name__}: {exc}", EXIT_FAILURE) from None
+    try:
+        return cls(cls.Config.model_validate(overrides or {}))
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        first = str(exc).splitlines()
+        raise _fail(f"invalid settings for {name}: {' '.join(first[:3])}", EXIT_USAGE) from None
+
+
+def _defaults_text(name: str) -> tuple[str, str | Text, str]:
+    """(name, description, defaults) for the list table; an import failure shows up in the row instead."""
+    try:
+        cls = env_class(name)
+        cfg = cls.Config()
+    except Exception as exc:  # one broken env must not hide the others
+        return name, Text(f"failed to load: {type(exc).__name__}: {exc}", style="red"), ""
+    defaults = (
+        f"turns {cfg.max_turns}, actions/turn {cfg.max_actions_per_turn}, "
+        f"actions {cfg.max_actions_total}, env steps {cfg.max_env_steps}"
+    )
+    return name, cls.description, defaults
+
+
+@app.command("list")
+def list_envs() -> None:
+    """List the registered environments with their default limits.
+
+    Example: envs list
+    """
+    table = Table(title="rlpipe environments")
+    table.add_column("name", style="bold", no_wrap=True)
+    table.add_column("description")
+    table.add_column("defaults")
+    for name in env_names():
+        row_name, description, defaults = _defaults_text(name)
+        table.add_row(row_name, description, defaults)
+    console.print(table)
+
+
+def _human_policy(env: TextEnv) -> str:
+    """Read one answer line from stdin; bare action text is wrapped in <answer> tags."""
+    console.print("your answer> ", end="", markup=False)
+    line = sys.stdin.readline()
+    if not line:
+        raise _InputEnded
+    text = line.strip()
+    return text if "<answer>" in text else f"<answer>{text}</answer>"
+
+
+def _show_first(env: TextEnv, observation: str) -> None:
+    console.print(observation, markup=False)
+
+
+def _show_turn(env: TextEnv, answer: str, result: StepResult) -> None:
+    status = "" if result.info["action_is_valid"] else f" (invalid: {result.info['format_error'] or 'bad action'})"
+    console.print(f"turn {env.turn}: answer {answer!r} -> reward {result.reward:+.3f}{status}", markup=False)
+    if result.terminated or result.truncated:
+        end = "terminated" if result.terminated else "truncated"
+        console.print(f"episode {end}; success: {result.info['success']}", markup=False)
+    else:
+        console.print(result.observation, markup=False)
+
+
+@app.command("play")
+def play(
+    name: str = typer.Argument(..., help="Environment name (see `envs list`)."),
+    seed: int = typer.Option(0, "--seed", "-s", help="Episode seed; the same seed gives the same episode."),
+    policy: PlayPolicy = typer.Option(PlayPolicy.human, "--policy", "-p", help="Who answers."),
+    max_turns: int | None = typer.Option(None, "--max-turns", min=1, help="Override the env's max_turns."),
+) -> None:
+    """Play one episode, printing each observation and the reward per turn.
+
+    As a human, type an action (e.g. `left`) or a full `<answer>...</answer>`.
+    Example: envs play cartpole --seed 3 --policy heuristic --max-turns 20
+    """
+    env = _build_env(name, {"max_turns": max_turns} if max_turns is not None else None)
+    chosen: Policy = _human_policy if policy is PlayPolicy.human else make_policy(policy.value, seed)
+    console.print(env.system_prompt(), markup=False)
+    console.print(f"--- {name}, seed {seed} ---", markup=False)
+    try:
+        result = run_episode(env, chosen, seed, on_step=_show_turn, on_reset=_show_first)
+    except _InputEnded:
+        console.print(f"\ninput ended after {env.turn} turns; return so far {env.episode_return:+.3f}", markup=False)
+        return
+    console.print(
+        f"final return {result.episode_return:+.3f} over {result.turns} turns ({result.env_steps} env steps)",
+        markup=False,
+    )
+
+
+def _print_summary(summary: EvalSummary) -> None:
+    table = Table(title=f"{summary.env}: {summary.policy} policy, {summary.episodes} episodes")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("mean return", f"{summary.mean_return:.3f} ± {summary.ci95:.3f} (95% CI)")
+    table.add_row("std / min / max", f"{summary.std_return:.3f} / {summary.min_return:.3f} / {summary.max_return:.3f}")
+    table.add_row("success rate", f"{summary.success_rate:.3f}")
+    table.add_row("mean env steps", f"{summary.mean_env_steps:.1f}")
+    table.add_row("env steps / s", f"{summary.env_steps_per_second:,.0f}")
+    console.print(table)
+
+
+@app.command("eval")
+def eval_env(
+    name: str = typer.Argument(..., help="Environment name (see `envs list`)."),
+    policy: EvalPolicy = typer.Option(EvalPolicy.heuristic, "--policy", "-p", help="Scripted policy to run."),
+    episodes: int = typer.Option(20, "--episodes", "-n", min=1, max=100_000, help="Episodes to run."),
+    seed_start: int = typer.Option(0, "--seed-start", help="Seed of the first episode (then +1 each)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+) -> None:
+    """Evaluate a scripted policy: mean return (95% CI), success rate and env steps per second.
+
+    Example: envs eval acrobot --policy heuristic --episodes 10 --json
+    """
+    _build_env(name)  # one-line errors for a bad name or a broken module
+    try:
+        summary = evaluate(name, policy.value, episodes, seed_start)
+    except NotImplementedError as exc:
+        raise _fail(str(exc), EXIT_FAILURE) from None
+    if as_json:
+        typer.echo(json.dumps(summary.to_dict()))
+    else:
+        _print_summary(summary)
+
+
+if __name__ == "__main__":
+    app()

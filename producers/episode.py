@@ -1,0 +1,182 @@
+"""One episode as a token stream: token-in / token-out bookkeeping.
+
+The learner must train on exactly the tokens the sampler consumed and produced.
+So the sequence is built incrementally: the first prompt comes from the chat
+template, every generated token id is appended as produced (mask 1, with the
+sampler's logprob), and each later observation is appended as the chat
+template's *continuation* tokens (mask 0).  Earlier turns are never
+re-tokenized, and a template that rewrites history (stripping earlier thinking,
+say) cannot change what was trained on.
+
+Long-horizon environments (CartPole's 200 steps, a building's days) cannot fit
+one context: there every turn is a fresh prompt (system prompt, at most
+``history_turns`` recent turns, the current observation) and its own row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from producers.envs.base import StepResult, TextEnv
+
+
+class ChatTokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the episode needs."""
+
+    eos_token: str
+    eos_token_id: int
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+_PROBE = "\u2063PROBE\u2063"  # a marker no observation contains
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """What the chat template puts between turns, learned once from the template itself."""
+
+    after_assistant: str  # text closing an assistant turn, e.g. "<|im_end|>\n"
+    user_prefix: str  # text opening a user turn, before its content
+    user_suffix_and_prompt: str  # text after a user's content through the assistant generation prompt
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: ChatTokenizer) -> ChatFormat:
+        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        closed = _render(tokenizer, [*base, {"role": "assistant", "content": _PROBE}], False)
+        extended = _render(
+            tokenizer, [*base, {"role": "assistant", "content": _PROBE}, {"role": "user", "content": _PROBE}], True
+        )
+        if not extended.startswith(closed):
+            raise ValueError("the chat template rewrites earlier turns; multi-turn token-in/token-out needs one that doesn't")
+        after_assistant = closed[closed.index(_PROBE) + len(_PROBE):]
+        tail = extended[len(closed):]
+        user_prefix, _, rest = tail.partition(_PROBE)
+        return cls(after_assistant=after_assistant, user_prefix=user_prefix, user_suffix_and_prompt=rest)
+
+
+def _render(tokenizer: ChatTokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def prompt_ids(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the generation prompt (no extra special tokens)."""
+    return tokenizer.encode(_render(tokenizer, messages, True), add_special_tokens=False)
+
+
+@dataclass
+class TurnRecord:
+    """One turn: the tokens the model saw and produced, and what the environment said."""
+
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    generated_logprobs: list[float]
+    answer_text: str
+    reward: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Episode:
+    """An environment episode driven by a sampler, turn by turn."""
+
+    env: TextEnv
+    tokenizer: ChatTokenizer
+    chat: ChatFormat
+    seed: int
+    episode_id: str
+    group_id: str
+    policy_version: int
+    adapter_sha256: str
+    per_turn: bool
+    history_turns: int = 0
+    max_model_len: int = 2048
+    observation: str = ""
+    turns: list[TurnRecord] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # whole-episode sequence (per_turn False)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    terminated: bool = False
+    truncated: bool = False
+    success: bool = False
+    overflow: bool = False  # the context filled up before the episode ended
+    history: list[tuple[str, TurnRecord]] = field(default_factory=list)  # (observation, turn), per_turn only
+
+    def start(self) -> None:
+        """Reset the environment and lay down the first prompt."""
+        self.observation = self.env.reset(self.seed)
+        if not self.per_turn:
+            self.tokens = prompt_ids(self.tokenizer, self._messages([]))
+            self.loss_mask = [0] * len(self.tokens)
+            self.logprobs = [0.0] * len(self.tokens)
+
+    def _messages(self, history: list[tuple[str, TurnRecord]]) -> list[dict[str, str]]:
+        messages = [{"role": "system", "content": self.env.system_prompt()}]
+        for past_obs, turn in history:
+            messages += [{"role": "user", "content": past_obs}, {"role": "assistant", "content": turn.answer_text}]
+        messages.append({"role": "user", "content": self.observation})
+        return messages
+
+    def next_prompt(self) -> list[int]:
+        """The token ids the sampler continues from for the next turn."""
+        if not self.per_turn:
+            return list(self.tokens)
+        history = self.history[-self.history_turns:] if self.history_turns else []
+        return prompt_ids(self.tokenizer, self._messages(history))
+
+    def room_left(self, prompt_len: int) -> int:
+        """Tokens the next generation may add without overflowing the context."""
+        return self.max_model_len - prompt_len - 1
+
+    def record_generation(self, prompt: list[int], generated_ids: list[int], logprobs: list[float]) -> str:
+        """Append the sampler's output exactly as produced; return the answer text for the environment."""
+        if len(generated_ids) != len(logprobs):
+            raise ValueError(f"sampler returned {len(generated_ids)} tokens but {len(logprobs)} logprobs")
+        text = self.tokenizer.decode(generated_ids, skip_special_tokens=True)
+        self.turns.append(TurnRecord(prompt, list(generated_ids), list(logprobs), text))
+        if not self.per_turn:
+            self.tokens += generated_ids
+            self.loss_mask += [1] * len(generated_ids)
+            self.logprobs += [float(x) for x in logprobs]
+        return text
+
+    def apply_step(self, result: StepResult) -> None:
+        """Record the environment's answer to the last turn and extend the sequence with the next observation."""
+        turn = self.turns[-1]
+        turn.reward, turn.info = float(result.reward), dict(result.info)
+        if self.per_turn:
+            self.history = [*self.history, (self.observation, turn)][-max(self.history_turns, 1):]
+        self.observation = result.observation
+        self.terminated, self.truncated = result.terminated, result.truncated
+        self.success = bool(result.info.get("success", False))
+        if result.terminated or result.truncated:
+            self.done = True
+            return
+        if not self.per_turn:
+            continuation = self._continuation_ids(turn.generated_ids, result.observation)
+            if len(self.tokens) + len(continuation) + 8 >= self.max_model_len:
+                self.done = self.truncated = self.overflow = True
+                return
+            self.tokens += continuation
+            self.loss_mask += [0] * len(continuation)
+            self.logprobs += [0.0] * len(continuation)
+
+    def _continuation_ids(self, generated_ids: list[int], observation: str) -> list[int]:
+        closing = self.chat.after_assistant
+        eos = self.tokenizer.eos_token
+        if generated_ids and generated_ids[-1] == self.tokenizer.eos_token_id and closing.startswith(eos):
+            closing = closing[len(eos):]
+        text = closing + self.chat.user_prefix + observation + self.chat.user_suffix_and_prompt
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def turn_rewards(self) -> list[float]:
+        return [t.reward for t in self.turns]
+
+    @property
+    def episode_return(self) -> float:
+        return float(sum(self.turn_rewards))

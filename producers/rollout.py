@@ -1,0 +1,281 @@
+"""The rollout worker: groups of episodes, batched generation, batches out.
+
+It keeps ``concurrent_groups`` groups (``group_size`` episodes of one seed each,
+for group-relative advantages) in flight.  Each pass of the loop is three named
+phases: *admit* new groups (if the adapter is fresh enough), *generate* one
+batched call for every episode waiting on the model, *collect* environment steps
+that finished in the thread pool.  Environment steps run in threads so a slow
+environment (a SQL query, a remote reward) never stalls generation for the
+others.  Finished groups are written as one Parquet batch through a sink
+(store first, then the event) when ``groups_per_batch`` are done or
+``batch_timeout_s`` has passed.
+
+Transport and storage stay behind the small ``BatchSink`` and ``AdapterSource``
+protocols; this module never touches Kafka or the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from producers.envs.base import StepResult, TextEnv
+from producers.episode import ChatFormat, ChatTokenizer, Episode
+from producers.rows import episode_rows
+from producers.samplers.base import AdapterHandle, SampleRequest, Sampler
+from schemas.config import ProducerConfig, SamplerConfig
+from schemas.trajectory import NO_ADAPTER_SHA
+
+log = logging.getLogger("rlpipe.producer")
+
+
+class StaleAdapterError(RuntimeError):
+    """The producer waited longer than ``staleness_wait_s`` for a fresh enough adapter."""
+
+
+class AdapterSource(Protocol):
+    """Which adapter the producer may sample with (producer side of the registry)."""
+
+    def current(self) -> AdapterHandle | None:
+        """The newest adapter loaded into the sampler (None = the base model, version 0)."""
+
+    def newest_published(self) -> int:
+        """The newest version announced so far (0 when none)."""
+
+    def refresh(self) -> None:
+        """Load any newer published version (non-blocking beyond one pull)."""
+
+
+class BatchSink(Protocol):
+    """Where finished rows go (store first, then the event)."""
+
+    def commit(self, rows: list[dict[str, Any]], batch_id: str) -> Any: ...
+
+
+@dataclass
+class Group:
+    """``group_size`` episodes of one environment seed, sampled with one adapter."""
+
+    group_id: str
+    seed: int
+    adapter: AdapterHandle | None
+    episodes: list[Episode]
+
+    @property
+    def done(self) -> bool:
+        return all(e.done for e in self.episodes)
+
+
+@dataclass
+class RolloutStats:
+    """Counters since start (heartbeats derive rates from differences)."""
+
+    samples: int = 0
+    groups: int = 0
+    batches: int = 0
+    tokens: int = 0
+    generated_tokens: int = 0
+    env_steps: int = 0
+    generate_s: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    busy_intervals: list[tuple[float, float]] = field(default_factory=list)  # (start, end) unix times generating
+
+
+class RolloutWorker:
+    """Runs groups against one environment and commits finished groups as batches."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        producer_id: str,
+        env_name: str,
+        make_env: Callable[[], TextEnv],
+        tokenizer: ChatTokenizer,
+        sampler: Sampler,
+        adapters: AdapterSource,
+        sink: BatchSink,
+        producer: ProducerConfig,
+        sampling: SamplerConfig,
+    ) -> None:
+        self.run_id, self.producer_id, self.env_name = run_id, producer_id, env_name
+        self.make_env, self.tokenizer, self.sampler = make_env, tokenizer, sampler
+        self.adapters, self.sink, self.cfg, self.sampling = adapters, sink, producer, sampling
+        self.chat = ChatFormat.from_tokenizer(tokenizer)
+        self.pool = ThreadPoolExecutor(max_workers=producer.env_workers, thread_name_prefix="env")
+        self.active: list[Group] = []
+        self.finished: list[Group] = []
+        self.pending_steps: dict[Future[StepResult], Episode] = {}
+        self.next_seed = producer.seed_start
+        self.groups_started = 0
+        self.first_finished_at: float | None = None
+        self.stale_since: float | None = None
+        self.stats = RolloutStats()
+        self.stopping = False
+
+    # ---- the loop ---------------------------------------------------------
+    def run(self, should_stop: Callable[[], bool] = lambda: False, on_tick: Callable[[], None] = lambda: None) -> None:
+        """Loop until stopped or ``max_groups`` are done; flush complete groups, drop the rest."""
+        try:
+            while not (should_stop() or self.exhausted):
+                self.admit()
+                self.generate()
+                self.collect()
+                self.maybe_flush()
+                on_tick()
+            self.flush()
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def exhausted(self) -> bool:
+        limit = self.cfg.max_groups
+        return limit is not None and self.groups_started >= limit and not self.active and not self.finished
+
+    # ---- phase: admit -----------------------------------------------------
+    def admit(self) -> None:
+        """Start groups up to ``concurrent_groups``, on an adapter no more than ``max_staleness`` behind."""
+        limit = self.cfg.max_groups
+        while len(self.active) < self.cfg.concurrent_groups and (limit is None or self.groups_started < limit):
+            adapter = self.fresh_adapter()
+            if adapter is False:
+                return
+            self.active.append(self.new_group(adapter))
+
+    def fresh_adapter(self) -> AdapterHandle | None | bool:
+        """The adapter to start a group with, or False while waiting for a newer one."""
+        self.adapters.refresh()
+        adapter = self.adapters.current()
+        loaded = adapter.version if adapter else 0
+        newest = self.adapters.newest_published()
+        if newest - loaded <= self.cfg.max_staleness:
+            self.stale_since = None
+            return adapter
+        now = time.monotonic()
+        if self.stale_since is None:
+            self.stale_since = now
+            log.info("waiting for adapter v%d (loaded v%d, max_staleness %d)", newest, loaded, self.cfg.max_staleness)
+        elif now - self.stale_since > self.cfg.staleness_wait_s:
+            raise StaleAdapterError(
+                f"adapter v{newest} is published but only v{loaded} could be loaded after "
+                f"{self.cfg.staleness_wait_s:.0f}s; check the registry and the producer's cache folder"
+            )
+        if not self.active and not self.pending_steps:
+            time.sleep(0.05)  # nothing else to do: don't spin
+        return False
+
+    def new_group(self, adapter: AdapterHandle | None) -> Group:
+        seed, self.next_seed = self.next_seed, self.next_seed + 1
+        group_id = f"{self.producer_id}-g{uuid.uuid4().hex[:12]}"
+        episodes = [self.new_episode(seed, group_id, adapter) for _ in range(self.cfg.group_size)]
+        self.groups_started += 1
+        return Group(group_id, seed, adapter, episodes)
+
+    def new_episode(self, seed: int, group_id: str, adapter: AdapterHandle | None) -> Episode:
+        env = self.make_env()
+        episode = Episode(
+            env=env,
+            tokenizer=self.tokenizer,
+            chat=self.chat,
+            seed=seed,
+            episode_id=uuid.uuid4().hex,
+            group_id=group_id,
+            policy_version=adapter.version if adapter else 0,
+            adapter_sha256=adapter.sha256 if adapter else NO_ADAPTER_SHA,
+            per_turn=getattr(env, "long_horizon", False),
+            history_turns=env.config.history_turns,
+            max_model_len=self.sampling.max_model_len,
+        )
+        episode.start()
+        return episode
+
+    # ---- phase: generate --------------------------------------------------
+    def generate(self) -> None:
+        """One batched generation per adapter for every episode waiting on the model."""
+        waiting = self.episodes_waiting()
+        by_adapter: dict[int, list[tuple[Episode, AdapterHandle | None]]] = {}
+        for episode, adapter in waiting:
+            by_adapter.setdefault(adapter.version if adapter else 0, []).append((episode, adapter))
+        for items in by_adapter.values():
+            self.generate_for(items)
+
+    def episodes_waiting(self) -> list[tuple[Episode, AdapterHandle | None]]:
+        busy = set(map(id, self.pending_steps.values()))
+        return [(e, g.adapter) for g in self.active for e in g.episodes if not e.done and id(e) not in busy]
+
+    def generate_for(self, items: list[tuple[Episode, AdapterHandle | None]]) -> None:
+        requests, runnable = [], []
+        for episode, _ in items:
+            prompt = episode.next_prompt()
+            room = episode.room_left(len(prompt))
+            if room < 1:
+                episode.done = episode.truncated = episode.overflow = True
+                continue
+            requests.append(SampleRequest(prompt, min(self.sampling.max_new_tokens, room)))
+            runnable.append(episode)
+        if not requests:
+            return
+        start_wall, start = time.time(), time.monotonic()
+        outputs = self.sampler.generate(
+            requests, items[0][1], temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+            seed=self.sampling.seed + self.stats.samples,
+        )
+        self.stats.generate_s += time.monotonic() - start
+        self.stats.busy_intervals.append((start_wall, time.time()))
+        for episode, request, output in zip(runnable, requests, outputs, strict=True):
+            answer = episode.record_generation(request.prompt_token_ids, output.token_ids, output.logprobs)
+            self.stats.generated_tokens += len(output.token_ids)
+            self.pending_steps[self.pool.submit(episode.env.step, answer)] = episode
+
+    # ---- phase: collect ---------------------------------------------------
+    def collect(self, settle_s: float = 0.02) -> None:
+        """Apply finished environment steps; wait briefly so fast steps batch together."""
+        if not self.pending_steps:
+            return
+        done, _ = wait(list(self.pending_steps), timeout=settle_s)
+        if not done and not self.episodes_waiting():
+            done, _ = wait(list(self.pending_steps), timeout=1.0, return_when=FIRST_COMPLETED)
+        for future in done:
+            episode = self.pending_steps.pop(future)
+            episode.apply_step(future.result())
+            self.stats.env_steps += 1
+        for group in [g for g in self.active if g.done]:
+            self.active.remove(group)
+            self.finished.append(group)
+            self.stats.groups += 1
+            self.first_finished_at = self.first_finished_at or time.monotonic()
+
+    # ---- batches ----------------------------------------------------------
+    def maybe_flush(self) -> None:
+        """Write a batch when enough groups are done or the oldest waited ``batch_timeout_s``."""
+        if not self.finished:
+            return
+        timed_out = time.monotonic() - (self.first_finished_at or time.monotonic()) >= self.cfg.batch_timeout_s
+        if len(self.finished) >= self.cfg.groups_per_batch or timed_out:
+            self.flush()
+
+    def flush(self) -> None:
+        """Commit every finished group as one batch (store first, then the event)."""
+        if not self.finished:
+            return
+        groups, self.finished, self.first_finished_at = self.finished, [], None
+        batch_id = f"{self.producer_id}-b{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+        created = datetime.now(UTC)
+        rows = [
+            row
+            for group in groups
+            for episode in group.episodes
+            for row in episode_rows(episode, run_id=self.run_id, batch_id=batch_id, producer_id=self.producer_id,
+                                    env_name=self.env_name, created_at=created)
+        ]
+        self.sink.commit(rows, batch_id)
+        self.stats.batches += 1
+        self.stats.samples += sum(len(g.episodes) for g in groups)
+        self.stats.tokens += sum(len(r["tokens"]) for r in rows)
+        log.info("batch %s: %d groups, %d rows", batch_id, len(groups), len(rows))

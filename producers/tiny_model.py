@@ -1,0 +1,522 @@
+"""The tiny local base model: built here, deterministically, because no model hub is reachable.
+
+``build_tiny_model`` makes a small Qwen2-architecture causal LM in Hugging Face
+format (loadable by both vLLM and transformers) from nothing:
+
+1. transcripts of every registered environment (system prompt, observation as
+   the user message, a heuristic or a random answer as the assistant message);
+2. a byte-level BPE tokenizer trained on those transcripts (small vocabulary,
+   so prompts are a few hundred tokens), with ChatML special tokens and a
+   ChatML chat template, eos = ``<|im_end|>``;
+3. a randomly initialised model, then a short full-parameter pre-training on the
+   transcripts with the loss on assistant tokens only.
+
+Why pre-train: a randomly initialised tiny model cannot be steered by LoRA alone
+(its logits stay within about +/-3, see NOTES.md).  After a short full-parameter
+pre-training it behaves like a real base model: it knows the answer format and
+has a prior over actions, and LoRA does the task-specific learning.
+
+The result is cached: it is built in a temporary folder next to the target and
+renamed into place, and a marker file holding the hash of the build parameters
+(written last) says a folder is complete and which parameters made it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+TINY_FORMAT_VERSION = 1  # bump when the recipe changes: old caches then stop matching
+MARKER_FILE = "rlpipe_tiny_model.json"
+LOSS_FILE = "pretrain_loss.json"
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Added (not special) tokens: one id each, and kept when decoding with skip_special_tokens.
+TAG_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
+
+# ChatML as Qwen writes it, without Qwen's default system message.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vLLM's CPU attention kernels
+
+Message = dict[str, str]
+ProgressFn = Callable[[int, int, float], None]  # (step done, total steps, loss)
+
+
+class TinyModelSpec(BaseModel):
+    """Everything that determines the tiny model's weights; its hash names the cache folder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed for transcripts, initialisation and batches")
+    vocab_size: int = Field(1024, ge=300, le=65_536, description="tokenizer vocabulary incl. special tokens")
+    hidden_size: int = Field(128, ge=32, le=4096, description="model width")
+    num_layers: int = Field(4, ge=1, le=64, description="transformer blocks")
+    num_heads: int = Field(4, ge=1, le=64, description="attention heads")
+    num_kv_heads: int = Field(2, ge=1, le=64, description="key/value heads (grouped-query attention)")
+    intermediate_size: int = Field(384, ge=16, le=16_384, description="MLP width")
+    max_position_embeddings: int = Field(2048, ge=128, le=131_072, description="longest context (rope)")
+    rope_theta: float = Field(10_000.0, gt=0, le=1e8, description="rope base")
+    pretrain: bool = Field(True, description="run the full-parameter pre-training on environment transcripts")
+    steps: int = Field(150, ge=0, le=1_000_000, description="pre-training optimizer steps")
+    batch_size: int = Field(8, ge=1, le=1024, description="sequences per pre-training step")
+    learning_rate: float = Field(3e-3, gt=0, le=1.0, description="AdamW peak learning rate (cosine decay)")
+    warmup_steps: int = Field(10, ge=0, le=100_000, description="linear warm-up steps")
+    noisy_fraction: float = Field(0.5, ge=0.0, le=1.0, description="share of random (noisy) answers vs heuristic")
+    examples_per_env: int = Field(96, ge=1, le=1_000_000, description="training conversations per environment")
+    max_turns_per_episode: int = Field(12, ge=1, le=10_000, description="turns taken from one episode")
+    max_seq_len: int = Field(1024, ge=64, le=131_072, description="pre-training sequences are cut to this")
+    envs: tuple[str, ...] = Field((), description="environments to learn from; empty = every registered one")
+
+    @model_validator(mode="after")
+    def _shapes(self) -> TinyModelSpec:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        head_dim = self.hidden_size // self.num_heads
+        if head_dim not in VLLM_HEAD_SIZES:
+            raise ValueError(f"head size {head_dim} is not one vLLM supports {VLLM_HEAD_SIZES}; change num_heads")
+        if self.max_seq_len > self.max_position_embeddings:
+            raise ValueError("max_seq_len exceeds max_position_embeddings; lower max_seq_len")
+        return self
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Conversations to learn from, and which environments produced them."""
+
+    conversations: list[list[Message]]
+    envs: list[str]
+    skipped: dict[str, str]  # env name -> why it was left out
+
+
+# ---- naming and caching -------------------------------------------------------
+
+
+def rlpipe_home() -> Path:
+    """Where rlpipe keeps local state: $RLPIPE_HOME, default ~/.rlpipe."""
+    return Path(os.environ.get("RLPIPE_HOME") or Path.home() / ".rlpipe").expanduser()
+
+
+def _env_list(spec: TinyModelSpec) -> list[str]:
+    from producers.envs.registry import env_names
+
+    return list(spec.envs) if spec.envs else env_names()
+
+
+def spec_hash(spec: TinyModelSpec) -> str:
+    """A short digest of everything that determines the build (recipe version, parameters, environment list)."""
+    payload = {"format": TINY_FORMAT_VERSION, "spec": spec.model_dump(mode="json"), "envs": _env_list(spec)}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_tiny_dir(spec: TinyModelSpec | None = None) -> Path:
+    """The cache folder for ``spec`` (default parameters when None): $RLPIPE_HOME/models/tiny-<hash>."""
+    return rlpipe_home() / "models" / f"tiny-{spec_hash(spec or TinyModelSpec())}"
+
+
+def read_marker(folder: str | Path) -> dict[str, Any] | None:
+    """The build record of a complete tiny-model folder, or None when it is missing or unreadable."""
+    try:
+        return json.loads((Path(folder) / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _marker_matches(folder: Path, key: str) -> bool:
+    marker = read_marker(folder)
+    return marker is not None and marker.get("spec_hash") == key
+
+
+def _is_empty_dir(folder: Path) -> bool:
+    return folder.is_dir() and not any(folder.iterdir())
+
+
+# ---- public entry points ------------------------------------------------------
+
+
+def build_tiny_model(
+    out_dir: str | Path | None = None,
+    seed: int = 0,
+    pretrain: bool = True,
+    *,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+    **overrides: Any,
+) -> Path:
+    """Build (or reuse) the tiny model in ``out_dir`` and return its path.
+
+    ``overrides`` are :class:`TinyModelSpec` fields (``steps=5`` for a quick test).
+    A folder whose marker matches the parameters is reused as is; one holding
+    something else is refused unless ``force`` (then it is replaced).
+    """
+    spec = TinyModelSpec(seed=seed, pretrain=pretrain, **overrides)
+    key = spec_hash(spec)
+    target = Path(out_dir).expanduser() if out_dir is not None else default_tiny_dir(spec)
+    if not force and _marker_matches(target, key):
+        _warn_if_partial(target)
+        return target
+    if target.exists() and not force and not _is_empty_dir(target):
+        raise FileExistsError(
+            f"{target} exists and is not a tiny model built with these parameters; "
+            "pass --force (force=True) to replace it, or choose another folder"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        _build_into(tmp, spec, key, progress)
+        _install(tmp, target, key, force)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(config: ModelConfig) -> str:
+    """The path or hub id to load for ``config``: 'tiny' builds or reuses the local tiny model."""
+    if config.base_model != "tiny":
+        return config.base_model
+    return str(build_tiny_model(config.tiny_dir or None))
+
+
+# ---- the build ----------------------------------------------------------------
+
+
+def _build_into(folder: Path, spec: TinyModelSpec, key: str, progress: ProgressFn | None) -> None:
+    """Write a complete tiny model to ``folder``; the marker goes last."""
+    started = time.monotonic()
+    log.info("building tiny model %s in %s", key, folder)
+    corpus = collect_corpus(spec)
+    texts = [render_chat(c) for c in corpus.conversations]
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    model = init_model(spec, tokenizer)
+    losses: list[dict[str, float]] = []
+    if spec.pretrain and spec.steps > 0:
+        sequences = [encode_conversation(tokenizer, c, spec.max_seq_len) for c in corpus.conversations]
+        losses = pretrain(model, sequences, spec, tokenizer.token_to_id(ENDOFTEXT), progress)
+    folder.mkdir(parents=True)
+    _save_model(folder, model, tokenizer)
+    (folder / LOSS_FILE).write_text(json.dumps({"spec_hash": key, "curve": losses}, indent=1))
+    marker = {
+        "format_version": TINY_FORMAT_VERSION,
+        "spec_hash": key,
+        "spec": spec.model_dump(mode="json"),
+        "params": sum(p.numel() for p in model.parameters()),
+        "vocab_size": tokenizer.get_vocab_size(),
+        "final_loss": losses[-1]["loss"] if losses else None,
+        "envs": corpus.envs,
+        "skipped_envs": corpus.skipped,
+        "conversations": len(corpus.conversations),
+        "corpus_sha256": hashlib.sha256("\x00".join(texts).encode()).hexdigest(),
+        "build_seconds": round(time.monotonic() - started, 1),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (folder / MARKER_FILE).write_text(json.dumps(marker, indent=1))
+
+
+def _install(tmp: Path, target: Path, key: str, force: bool) -> None:
+    """Rename the finished build into place; a concurrent builder that finished first wins."""
+    old: Path | None = None
+    if target.exists() and (force or _is_empty_dir(target)):
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        target.rename(old)
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not _marker_matches(target, key):
+            raise
+        log.info("another process finished %s first; using its build", target)
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _warn_if_partial(folder: Path) -> None:
+    skipped = (read_marker(folder) or {}).get("skipped_envs") or {}
+    if skipped:
+        warnings.warn(
+            f"tiny model {folder} was built without environments {sorted(skipped)}; "
+            "rebuild with `rlpipe model init-tiny --force` once they import",
+            stacklevel=3,
+        )
+
+
+# ---- transcripts ----------------------------------------------------------------
+
+
+def render_chat(messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+    """The ChatML text of ``messages``; identical to what the saved chat template renders."""
+    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+
+def collect_corpus(spec: TinyModelSpec) -> Corpus:
+    """Conversations from every environment that imports and runs; broken ones are skipped with a warning."""
+    conversations: list[list[Message]] = []
+    used: list[str] = []
+    skipped: dict[str, str] = {}
+    for index, name in enumerate(_env_list(spec)):
+        try:
+            env_convs = env_conversations(name, spec, seed=spec.seed * 1_000_003 + index)
+        except Exception as exc:  # other engineers' environments may be half-written: skip, never fail
+            skipped[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        conversations.extend(env_convs)
+        used.append(name)
+    for name, why in skipped.items():
+        log.warning("tiny model: skipping environment %s (%s)", name, why)
+        warnings.warn(f"tiny model: environment {name} left out of pre-training: {why}", stacklevel=2)
+    if not conversations:
+        raise RuntimeError("no environment produced transcripts; check `rlpipe envs list` for import errors")
+    return Corpus(conversations, used, skipped)
+
+
+def env_conversations(name: str, spec: TinyModelSpec, seed: int) -> list[list[Message]]:
+    """``spec.examples_per_env`` conversations of environment ``name`` under a heuristic/random policy mix.
+
+    Short multi-turn environments (``history_turns == 0``) give whole episodes as
+    one conversation, as the producer samples them.  Long-horizon ones give one
+    conversation per turn holding up to ``history_turns`` earlier turns.
+    """
+    from producers.envs.registry import make_env
+
+    env = make_env(name)
+    rng = random.Random(seed)
+    window = env.config.history_turns
+    conversations: list[list[Message]] = []
+    episode = 0
+    while len(conversations) < spec.examples_per_env:
+        turns = _play_episode(env, rng, seed * 7919 + episode, spec)
+        system = {"role": "system", "content": env.system_prompt()}
+        if window == 0:
+            conversations.append([system, *_turn_messages(turns)])
+        else:
+            for end in range(1, len(turns) + 1):
+                conversations.append([system, *_turn_messages(turns[max(0, end - window - 1):end])])
+        episode += 1
+    return conversations[: spec.examples_per_env]
+
+
+def _play_episode(env: Any, rng: random.Random, episode_seed: int, spec: TinyModelSpec) -> list[tuple[str, str]]:
+    """(observation, answer) pairs of one episode, each answer heuristic or random by ``noisy_fraction``."""
+    observation = env.reset(episode_seed)
+    turns: list[tuple[str, str]] = []
+    for _ in range(spec.max_turns_per_episode):
+        answer = _choose_answer(env, rng, spec.noisy_fraction)
+        turns.append((observation, answer))
+        result = env.step(answer)
+        observation = result.observation
+        if result.terminated or result.truncated:
+            break
+    return turns
+
+
+def _choose_answer(env: Any, rng: random.Random, noisy_fraction: float) -> str:
+    if rng.random() < noisy_fraction:
+        try:
+            return env.random_answer(rng)
+        except NotImplementedError:
+            pass
+    try:
+        return env.heuristic_answer()
+    except NotImplementedError:
+        return env.random_answer(rng)
+
+
+def _turn_messages(turns: Sequence[tuple[str, str]]) -> list[Message]:
+    messages: list[Message] = []
+    for observation, answer in turns:
+        messages += [{"role": "user", "content": observation}, {"role": "assistant", "content": answer}]
+    return messages
+
+
+# ---- tokenizer ----------------------------------------------------------------
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
+    """A byte-level BPE (any text encodes; no unknown token) trained on ``texts``, plus the chat tokens.
+
+    Special tokens take ids 0-2, the tag tokens the last ids; the BPE fills the rest.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(TAG_TOKENS),
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    # Tags are split off before BPE so merges never swallow them.
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    return tokenizer
+
+
+def wrap_tokenizer(tokenizer: Any) -> Any:
+    """The transformers tokenizer around a trained ``tokenizers.Tokenizer``, with ChatML settings."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,  # keep the byte-level round trip exact
+        model_max_length=2048,
+    )
+
+
+def encode_conversation(tokenizer: Any, messages: Sequence[Message], max_len: int) -> tuple[list[int], list[int]]:
+    """Token ids and a loss mask (1 on assistant content and its ``<|im_end|>``) for one conversation.
+
+    Built segment by segment, as the producer builds a multi-turn sequence from the
+    prompt ids and the generated ids, so training sees exactly what sampling sees.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    pending: list[Message] = []
+    rendered = 0
+    for message in messages:
+        if message["role"] != "assistant":
+            pending.append(message)
+            continue
+        prompt = render_chat(pending, add_generation_prompt=True)
+        context = tokenizer.encode(("\n" if rendered else "") + prompt, add_special_tokens=False).ids
+        answer = tokenizer.encode(message["content"] + IM_END, add_special_tokens=False).ids
+        ids += context + answer
+        mask += [0] * len(context) + [1] * len(answer)
+        pending, rendered = [], rendered + 1
+    return ids[:max_len], mask[:max_len]
+
+
+# ---- model and pre-training -----------------------------------------------------
+
+
+def init_model(spec: TinyModelSpec, tokenizer: Any) -> Any:
+    """A randomly initialised Qwen2 causal LM sized by ``spec`` (float32, tied embeddings)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.token_to_id(ENDOFTEXT),
+        eos_token_id=tokenizer.token_to_id(IM_END),
+        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+        dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen2ForCausalLM(config).to(torch.float32)
+
+
+def pretrain(
+    model: Any,
+    sequences: Sequence[tuple[list[int], list[int]]],
+    spec: TinyModelSpec,
+    pad_id: int,
+    progress: ProgressFn | None = None,
+) -> list[dict[str, float]]:
+    """Full-parameter training on assistant tokens; returns the loss curve (one point per step)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, spec))
+    model.train()
+    curve: list[dict[str, float]] = []
+    for step in range(spec.steps):
+        picks = torch.randint(len(sequences), (spec.batch_size,), generator=generator).tolist()
+        loss = _train_step(model, optimizer, [sequences[i] for i in picks], pad_id)
+        curve.append({"step": step + 1, "loss": loss, "lr": schedule.get_last_lr()[0]})
+        schedule.step()
+        if progress is not None:
+            progress(step + 1, spec.steps, loss)
+    model.eval()
+    return curve
+
+
+def _lr_factor(step: int, spec: TinyModelSpec) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < spec.warmup_steps:
+        return (step + 1) / spec.warmup_steps
+    progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _train_step(model: Any, optimizer: Any, batch: Sequence[tuple[list[int], list[int]]], pad_id: int) -> float:
+    import torch
+
+    input_ids_BT, attention_BT, labels_BT = _collate(batch, pad_id)
+    out = model(input_ids=input_ids_BT, attention_mask=attention_BT, labels=labels_BT)
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return float(out.loss.detach())
+
+
+def _collate(batch: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, Any, Any]:
+    """Right-padded ids, attention mask and labels (-100 off the assistant tokens)."""
+    import torch
+
+    length = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(batch), length), dtype=torch.long)
+    labels = torch.full((len(batch), length), -100, dtype=torch.long)
+    for row, (ids, mask) in enumerate(batch):
+        n = len(ids)
+        input_ids[row, :n] = torch.tensor(ids)
+        attention[row, :n] = 1
+        labels[row, :n] = torch.where(torch.tensor(mask) == 1, torch.tensor(ids), -100)
+    return input_ids, attention, labels
+
+
+def _save_model(folder: Path, model: Any, tokenizer: Any) -> None:
+    """Weights (safetensors), config, generation config and tokenizer, as save_pretrained writes them."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.token_to_id(IM_END),
+        pad_token_id=tokenizer.token_to_id(ENDOFTEXT),
+        bos_token_id=tokenizer.token_to_id(ENDOFTEXT),
+    )
+    model.save_pretrained(folder, safe_serialization=True)
+    wrap_tokenizer(tokenizer).save_pretrained(folder)

@@ -1,0 +1,344 @@
+"""Text-to-SQL: the shipped tasks, the scoring rules, the read-only guard and the time limit."""
+
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from producers.envs.parsing import format_answer
+from producers.envs.registry import make_env
+from producers.envs.text2sql import (
+    SHIPPED_TASKS_PATH,
+    TextToSQL,
+    build_database,
+    load_tasks,
+    orders_rows,
+    parse_tasks,
+    results_match,
+    run_query,
+    score_query,
+    select_split,
+)
+
+# A hand-built database: t has 4 rows, u has 2; the expected figures below are read off it.
+SCHEMA = """
+CREATE TABLE t (a INTEGER, b REAL, c TEXT);
+CREATE TABLE u (k INTEGER PRIMARY KEY, note TEXT);
+INSERT INTO t VALUES (3, 0.1, 'x'), (1, 0.2, 'y'), (2, 0.3, NULL), (1, 0.4, 'z');
+INSERT INTO u VALUES (1, 'one'), (2, 'two');
+"""
+ROW_COUNTS = {"t": 4, "u": 2}
+LIMIT_S = 0.25
+
+
+@pytest.fixture
+def db() -> sqlite3.Connection:
+    return build_database(SCHEMA)
+
+
+def row_counts(db: sqlite3.Connection) -> dict[str, int]:
+    return {table: db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] for table in ROW_COUNTS}
+
+
+def task_line(task_id: str, question: str, gold_sql: str, schema_sql: str = SCHEMA, db_id: str = "tiny") -> str:
+    return json.dumps({"id": task_id, "db_id": db_id, "schema_sql": schema_sql, "question": question,
+                       "gold_sql": gold_sql})
+
+
+# ---- the shipped task set ---------------------------------------------------------------------
+def test_shipped_set_has_enough_varied_tasks() -> None:
+    tasks = load_tasks()
+    assert len(tasks) >= 36
+    assert len({t.id for t in tasks}) == len(tasks)
+    by_db: dict[str, set[str]] = {}
+    for task in tasks:
+        by_db.setdefault(task.db_id, set()).add(task.schema_sql)
+    assert len(by_db) >= 4
+    assert all(len(schemas) == 1 for schemas in by_db.values())  # one schema text per db_id
+    golds = " ".join(t.gold_sql.upper() for t in tasks)
+    for construct in (" JOIN ", "GROUP BY", "ORDER BY", "LIMIT", "AVG(", "(SELECT", "HAVING", "LEFT JOIN"):
+        assert construct in golds, construct
+
+
+def test_every_shipped_gold_query_runs_and_scores_the_maximum() -> None:
+    tasks = load_tasks()
+    databases = {t.db_id: build_database(t.schema_sql) for t in tasks}
+    for task in tasks:
+        score = score_query(databases[task.db_id], task.gold_sql, task.gold_sql, LIMIT_S)
+        assert score.runs and score.matches, task.id
+        assert score.reward == pytest.approx(2.25), task.id  # 0.25 (runs) + 2.0 (match)
+        assert len(score.rows) >= 1, f"{task.id}: an empty gold result is matched by too many wrong queries"
+
+
+def test_shipped_file_is_the_package_data_path() -> None:
+    assert SHIPPED_TASKS_PATH.is_file()
+    assert SHIPPED_TASKS_PATH.parent.name == "data"
+    assert load_tasks(SHIPPED_TASKS_PATH) == load_tasks()
+
+
+# ---- the read-only guard and the time limit --------------------------------------------------
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "INSERT INTO t VALUES (9, 9.0, 'w')",
+        "UPDATE t SET a = 0",
+        "DELETE FROM t",
+        "DROP TABLE u",
+        "CREATE TABLE v (x)",
+        "CREATE TEMP TABLE v (x)",
+        "ALTER TABLE t ADD COLUMN d",
+        "REPLACE INTO u VALUES (1, 'uno')",
+        "PRAGMA query_only = OFF",
+        "PRAGMA user_version = 7",
+        "VACUUM",
+        "BEGIN",
+        "SELECT 1; DELETE FROM t",
+        "WITH gone AS (SELECT 1) DELETE FROM t",
+    ],
+)
+def test_write_statements_are_refused_without_touching_the_database(db: sqlite3.Connection, statement: str) -> None:
+    changes = db.total_changes
+    start = time.monotonic()
+    score = score_query(db, statement, "SELECT a FROM t", LIMIT_S)
+    assert time.monotonic() - start < 1.0
+    assert not score.runs and not score.matches and score.error
+    assert score.reward <= -0.25 + 0.2  # the error penalty (plus at most the similarity bonus)
+    assert row_counts(db) == ROW_COUNTS
+    assert db.total_changes == changes
+    assert db.execute("PRAGMA query_only").fetchone()[0] == 1
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 0
+
+
+def test_a_refused_write_gets_exactly_the_error_penalty(db: sqlite3.Connection) -> None:
+    score = score_query(db, "DELETE FROM t WHERE a = 1", "SELECT a FROM t WHERE a = 1", LIMIT_S)
+    assert score.refused and score.reward == -0.25  # no similarity bonus for a refused query
+
+
+def test_attach_is_refused_and_creates_no_file(db: sqlite3.Connection, tmp_path: Path) -> None:
+    target = tmp_path / "escape.db"
+    score = score_query(db, f"ATTACH DATABASE '{target}' AS other", "SELECT 1", LIMIT_S)
+    assert score.refused and score.reward == -0.25
+    assert not target.exists()
+    assert [r[1] for r in db.execute("PRAGMA database_list")] == ["main"]
+
+
+def test_an_infinite_recursive_query_is_stopped_at_the_time_limit(db: sqlite3.Connection) -> None:
+    forever = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT COUNT(*) FROM n"
+    start = time.monotonic()
+    score = score_query(db, forever, "SELECT COUNT(*) FROM t", LIMIT_S)
+    elapsed = time.monotonic() - start
+    assert LIMIT_S <= elapsed < 1.0  # it really ran until the limit, then stopped
+    assert score.timed_out and not score.runs and score.reward == -0.25
+    assert row_counts(db) == ROW_COUNTS
+
+
+def test_a_finite_recursive_query_is_allowed(db: sqlite3.Connection) -> None:
+    ten = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < 10) SELECT SUM(x) FROM n"
+    assert score_query(db, ten, "SELECT 55", LIMIT_S).matches  # 1 + ... + 10 = 55
+
+
+def test_a_syntax_error_gets_the_penalty_quickly(db: sqlite3.Connection) -> None:
+    start = time.monotonic()
+    score = score_query(db, "SELEC a FROM t", "SELECT a FROM t", LIMIT_S)
+    assert time.monotonic() - start < 1.0
+    assert not score.runs and not score.timed_out and not score.refused
+    assert "syntax error" in score.error
+    assert -0.25 <= score.reward <= -0.25 + 0.2  # penalty plus a bounded similarity term
+    assert row_counts(db) == ROW_COUNTS
+
+
+def test_too_many_rows_never_match_and_the_guard_is_removed_afterwards(db: sqlite3.Connection) -> None:
+    run = run_query(db, "SELECT * FROM t, t AS t2, t AS t3", LIMIT_S, max_rows=10)
+    assert not run.error and len(run.rows) == 11  # 64 rows exist; fetching stops at max_rows + 1
+    db.execute("PRAGMA query_only = OFF")  # our own connection is usable again after run_query
+    db.execute("PRAGMA query_only = ON")
+
+
+# ---- comparison rules -----------------------------------------------------------------------
+def test_row_order_counts_only_when_the_gold_query_orders(db: sqlite3.Connection) -> None:
+    descending = "SELECT a FROM t ORDER BY a DESC"
+    assert not score_query(db, descending, "SELECT a FROM t ORDER BY a", LIMIT_S).matches
+    assert score_query(db, "SELECT a FROM t ORDER BY a", "SELECT a FROM t ORDER BY a", LIMIT_S).matches
+    assert score_query(db, descending, "SELECT a FROM t", LIMIT_S).matches  # unordered gold: sorted compare
+    # duplicates count: t has a = 1 twice
+    assert not score_query(db, "SELECT DISTINCT a FROM t", "SELECT a FROM t", LIMIT_S).matches
+
+
+def test_a_limit_makes_order_count(db: sqlite3.Connection) -> None:
+    gold = "SELECT a, c FROM t WHERE c IS NOT NULL ORDER BY b LIMIT 2"  # (3, 'x'), (1, 'y')
+    assert score_query(db, "SELECT a, c FROM t WHERE b < 0.25 ORDER BY b", gold, LIMIT_S).matches
+    assert not score_query(db, "SELECT a, c FROM t WHERE b < 0.25 ORDER BY b DESC", gold, LIMIT_S).matches
+
+
+def test_orders_rows_looks_only_at_the_outer_query() -> None:
+    assert orders_rows("SELECT a FROM t ORDER BY a")
+    assert orders_rows("select a from t limit 3")
+    assert orders_rows("SELECT a FROM t UNION SELECT k FROM u ORDER BY 1")
+    assert not orders_rows("SELECT a FROM t")
+    assert not orders_rows("SELECT * FROM (SELECT a FROM t ORDER BY a LIMIT 2)")
+    assert not orders_rows("WITH s AS (SELECT a FROM t ORDER BY a) SELECT a FROM s")
+    assert not orders_rows("SELECT a, ROW_NUMBER() OVER (ORDER BY b) FROM t")
+    assert not orders_rows("SELECT 'order by x limit 1' FROM t -- ORDER BY a")
+
+
+def test_floats_are_rounded_before_comparing(db: sqlite3.Connection) -> None:
+    assert 0.1 + 0.2 != 0.3  # the binary floats differ...
+    assert score_query(db, "SELECT 0.3", "SELECT 0.1 + 0.2", LIMIT_S).matches  # ...but agree to 4 decimals
+    assert not score_query(db, "SELECT 0.3001", "SELECT 0.1 + 0.2", LIMIT_S).matches
+    assert score_query(db, "SELECT SUM(b) / COUNT(b) FROM t", "SELECT AVG(b) FROM t", LIMIT_S).matches
+    assert results_match([(2,)], [(2.0,)], ordered=True)  # numbers compare by value
+    assert results_match([(1.23456,)], [(1.23461,)], ordered=True, float_digits=3)
+    assert not results_match([(1.23456,)], [(1.23461,)], ordered=True, float_digits=5)
+    assert results_match([(None, "a"), (1, None)], [(1, None), (None, "a")], ordered=False)
+
+
+def test_reward_ladder_and_bounded_similarity(db: sqlite3.Connection) -> None:
+    gold = "SELECT c FROM t WHERE a = 1"
+    near = score_query(db, "SELECT c FROM t WHERE a = 2", gold, LIMIT_S)  # runs, wrong rows
+    far = score_query(db, "SELECT note FROM u", gold, LIMIT_S)
+    broken = score_query(db, "SELECT c FROM t WHERE a = = 1", gold, LIMIT_S)
+    assert near.runs and not near.matches
+    assert 0.25 < far.reward < near.reward <= 0.25 + 0.2  # more overlap, more bonus, never above 0.2
+    assert 0.0 <= far.similarity < near.similarity <= 1.0
+    assert -0.25 < broken.reward <= -0.05 + 1e-9  # same token set: the full 0.2 bonus, still below zero
+    assert broken.reward < far.reward < 2.25
+
+
+# ---- the environment ------------------------------------------------------------------------
+def test_registry_builds_it_with_the_documented_defaults() -> None:
+    env = make_env("text2sql")
+    assert isinstance(env, TextToSQL) and env.name == "text2sql"
+    assert (env.config.max_turns, env.config.max_actions_per_turn, env.config.max_actions_total) == (2, 1, 2)
+    assert env.split_actions is False
+    assert "<answer>" in env.system_prompt()
+
+
+def test_same_seed_same_episode() -> None:
+    first, second = TextToSQL(split="all"), TextToSQL(split="all")
+    n = len(first.tasks)
+    assert first.reset(7) == second.reset(7) == first.reset(7 + n)  # seed -> tasks[seed % n]
+    assert first.task is not None and first.task.id == first.tasks[7].id
+    assert first.random_answer(random.Random(3)) == second.random_answer(random.Random(3))
+    answer = "<answer>SELECT * FROM books</answer>"
+    one, two = first.step(answer), second.step(answer)
+    assert (one.observation, one.reward) == (two.observation, two.reward)
+
+
+def test_observation_shows_create_statements_question_and_feedback() -> None:
+    env = TextToSQL(split="all")
+    obs = env.reset(0)
+    assert "CREATE TABLE" in obs and env.tasks[0].question in obs
+    assert "INSERT" not in obs  # rows are for querying, not for reading off the prompt
+    result = env.step("<answer>SELECT no_such_column FROM books</answer>")
+    assert result.reward == pytest.approx(-0.25, abs=0.2) and result.reward < 0
+    assert "no such column" in result.observation and not result.terminated and not result.truncated
+    final = env.step(env.heuristic_answer())
+    assert final.terminated and final.info["success"]
+
+
+def test_wrong_then_right_returns_the_final_query_score() -> None:
+    env = TextToSQL(split="all")
+    env.reset(0)
+    first = env.step("<answer>SELECT title FROM books</answer>")
+    assert 0.25 <= first.reward <= 0.45  # runs, wrong result, bounded bonus
+    assert "Result: " in first.observation and "not the expected result" in first.observation
+    second = env.step(env.heuristic_answer())
+    assert second.terminated and second.info["success"]
+    assert first.reward + second.reward == pytest.approx(2.25)  # a throw-away first query earns nothing extra
+
+
+def test_per_query_mode_pays_each_query() -> None:
+    env = TextToSQL(split="all", reward_mode="per_query")
+    env.reset(0)
+    first = env.step("<answer>SELECT title FROM books</answer>")
+    second = env.step(env.heuristic_answer())
+    assert second.reward == pytest.approx(2.25)
+    assert first.reward + second.reward > 2.25
+
+
+def test_missing_answer_costs_the_format_penalty_and_the_episode_truncates() -> None:
+    env = TextToSQL(split="all")
+    env.reset(1)
+    first = env.step("SELECT * FROM books")  # no <answer> block
+    assert first.reward == pytest.approx(-0.1) and not first.info["action_is_valid"]
+    assert "held no query" in first.observation
+    second = env.step("<answer>SELECT * FROM books</answer>")
+    assert second.truncated and not second.terminated
+    assert "held no query" not in second.observation
+
+
+def test_sql_concatenation_is_one_query(tmp_path: Path) -> None:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(task_line("concat", "Give each note with an exclamation mark.", "SELECT note || '!' FROM u") + "\n")
+    env = TextToSQL(tasks_path=str(path), split="all")
+    env.reset(0)
+    result = env.step(format_answer(["SELECT note || '!' FROM u"]))
+    assert result.info["action_is_valid"] and result.terminated and result.reward == pytest.approx(2.25)
+
+
+def test_tasks_load_from_a_custom_jsonl(tmp_path: Path) -> None:
+    path = tmp_path / "tasks.jsonl"
+    lines = [
+        task_line("q1", "How many rows does t have?", "SELECT COUNT(*) FROM t"),
+        "",
+        task_line("q2", "What is the largest a?", "SELECT MAX(a) FROM t"),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    env = TextToSQL(tasks_path=str(path), split="all")
+    assert [t.id for t in env.tasks] == ["q1", "q2"]
+    obs = env.reset(1)
+    assert "What is the largest a?" in obs and "CREATE TABLE u" in obs
+    assert env.step("<answer>SELECT 3</answer>").terminated  # max(a) = 3
+
+
+def test_bad_task_files_fail_with_the_line_number(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r":2: gold_sql"):
+        parse_tasks([task_line("a", "q", "SELECT 1"), json.dumps({"id": "b", "db_id": "x", "schema_sql": "S",
+                                                                    "question": "q"})])
+    with pytest.raises(ValueError, match="duplicate task id"):
+        parse_tasks([task_line("a", "q", "SELECT 1"), task_line("a", "q", "SELECT 2")])
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_tasks(["{oops"])
+    with pytest.raises(ValueError, match="no tasks"):
+        parse_tasks(["", "  "])
+    with pytest.raises(ValueError, match="tasks_path"):
+        TextToSQL(tasks_path=str(tmp_path / "missing.jsonl"))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(task_line("bad", "q", "SELECT nope FROM t") + "\n")
+    with pytest.raises(ValueError, match="gold query fails"):
+        TextToSQL(tasks_path=str(broken), split="all").reset(0)
+
+
+def test_splits_hold_out_every_fifth_task() -> None:
+    tasks = load_tasks()
+    train, test = TextToSQL(split="train").tasks, TextToSQL(split="test").tasks
+    assert [t.id for t in test] == [tasks[i].id for i in range(4, len(tasks), 5)]
+    assert {t.id for t in train} | {t.id for t in test} == {t.id for t in tasks}
+    assert not {t.id for t in train} & {t.id for t in test}
+    assert len({t.db_id for t in test}) >= 2  # the hold-out spans schemas
+    with pytest.raises(ValueError, match="empty"):
+        select_split(tasks[:3], "test", 5)
+
+
+def test_heuristic_beats_random() -> None:
+    env = TextToSQL(split="all")
+    rng = random.Random(0)
+
+    def episode_return(seed: int, policy) -> float:
+        env.reset(seed)
+        total, done = 0.0, False
+        while not done:
+            result = env.step(policy())
+            total, done = total + result.reward, result.terminated or result.truncated
+        return total
+
+    n = len(env.tasks)
+    heuristic = [episode_return(s, env.heuristic_answer) for s in range(n)]
+    random_returns = [episode_return(s, lambda: env.random_answer(rng)) for s in range(n)]
+    assert all(r == pytest.approx(2.25) for r in heuristic)
+    assert sum(random_returns) / n < 1.0 < sum(heuristic) / n

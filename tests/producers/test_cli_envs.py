@@ -1,0 +1,87 @@
+"""The ``envs`` command line, driven through Typer's CliRunner on the classic and RecSim envs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from producers import cli
+from producers.cli import app
+from producers.envs import registry
+
+runner = CliRunner()
+
+
+def test_list_shows_envs_and_survives_a_broken_module(monkeypatch):
+    monkeypatch.setitem(registry._REGISTRY, "zz-broken", "producers.envs.does_not_exist:Nope")
+    monkeypatch.setattr(cli.console, "width", 250)  # one table row per line
+    result = runner.invoke(app, ["list"])
+    assert result.exit_code == 0, result.output
+    for name in ("cartpole", "cartpole-v1", "acrobot", "recsim-interest-evolution", "zz-broken"):
+        assert name in result.stdout
+    assert "failed to load" in result.stdout and "ModuleNotFoundError" in result.stdout
+    assert "turns 200, actions/turn 1, actions 200, env steps 200" in result.stdout
+
+
+def test_eval_heuristic_cartpole_json():
+    result = runner.invoke(app, ["eval", "cartpole", "--policy", "heuristic", "--episodes", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["episodes"] == 3 and summary["mean_return"] == 200.0 and summary["ci95"] == 0.0
+    assert summary["success_rate"] == 1.0 and summary["env_steps_per_second"] > 0
+
+
+def test_eval_random_acrobot_and_table_output(monkeypatch):
+    args = ["eval", "acrobot", "--policy", "random", "--episodes", "2", "--seed-start", "7", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["mean_return"] == -500.0 and summary["success_rate"] == 0.0 and summary["seed_start"] == 7
+    monkeypatch.setattr(cli.console, "width", 200)
+    table = runner.invoke(app, ["eval", "recsim-interest-evolution", "-n", "2"])
+    assert table.exit_code == 0, table.output
+    assert "mean return" in table.stdout and "95% CI" in table.stdout and "env steps / s" in table.stdout
+
+
+@pytest.mark.parametrize("command", [["eval", "no-such-env"], ["play", "no-such-env"]])
+def test_unknown_env_is_one_line_exit_2(command):
+    result = runner.invoke(app, command)
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "unknown environment 'no-such-env'" in lines[0] and "cartpole" in lines[0]
+
+
+def test_eval_rejects_zero_episodes():
+    result = runner.invoke(app, ["eval", "cartpole", "--episodes", "0"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_play_human_reads_bare_and_tagged_answers():
+    result = runner.invoke(
+        app, ["play", "cartpole", "--seed", "1", "--max-turns", "4"], input="left\nRIGHT\njump\n<answer>1</answer>\n"
+    )
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "Cart position" in out and "Actions: left" in out
+    assert out.count("reward +1.000") == 3 and out.count("reward -0.100") == 1
+    assert "final return +2.900 over 4 turns (3 env steps)" in out
+
+
+def test_play_human_stops_cleanly_when_input_ends():
+    result = runner.invoke(app, ["play", "acrobot", "--seed", "0"], input="+1\n")
+    assert result.exit_code == 0, result.output
+    assert "reward -1.000" in result.stdout and "input ended after 1 turns; return so far -1.000" in result.stdout
+
+
+def test_play_scripted_policies():
+    heuristic = runner.invoke(app, ["play", "cartpole", "--policy", "heuristic", "--seed", "2"])
+    assert heuristic.exit_code == 0, heuristic.output
+    assert "episode truncated; success: True" in heuristic.stdout
+    assert "final return +200.000 over 200 turns" in heuristic.stdout
+    recsim = runner.invoke(app, ["play", "recsim-interest-evolution", "--policy", "random", "--max-turns", "3"])
+    assert recsim.exit_code == 0, recsim.output
+    assert "Candidates:" in recsim.stdout and "over 3 turns" in recsim.stdout
