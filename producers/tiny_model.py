@@ -61,6 +61,10 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# transformers' Qwen2Tokenizer pre-tokenizer, copied so training tokenizes as loading does.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vLLM's CPU attention kernels
 
 Message = dict[str, str]
@@ -358,26 +362,45 @@ def _turn_messages(turns: Sequence[tuple[str, str]]) -> list[Message]:
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
-    """A byte-level BPE (any text encodes; no unknown token) trained on ``texts``, plus the chat tokens.
+    """A byte-level BPE (any text encodes, no unknown token) trained on ``texts``, plus the chat tokens.
 
-    Special tokens take ids 0-2, the tag tokens the last ids; the BPE fills the rest.
+    The normalizer and pre-tokenizer are exactly Qwen2's (NFC, Qwen's split regex,
+    byte level): transformers loads every ``qwen2`` folder with its own
+    ``Qwen2Tokenizer``, which rebuilds those parts, and vLLM does the same; any
+    other choice would make them tokenize differently from ``tokenizer.json``.
+    Special tokens take ids 0-2 and the tag tokens 3-6; the BPE fills the rest.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(TAG_TOKENS),
+        vocab_size=vocab_size,
         min_frequency=2,
         show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *TAG_TOKENS],  # reserved ids; split off before BPE sees the text
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    # Tags are split off before BPE so merges never swallow them.
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
     tokenizer.train_from_iterator(list(texts), trainer=trainer)
-    return tokenizer
+    return _unspecial_tags(tokenizer)
+
+
+def _unspecial_tags(tokenizer: Any) -> Any:
+    """Mark the tag tokens non-special, so ``skip_special_tokens`` decoding keeps them (as Qwen3 does)."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(tokenizer.to_str())
+    for added in data["added_tokens"]:
+        if added["content"] in TAG_TOKENS:
+            added["special"] = False
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def wrap_tokenizer(tokenizer: Any) -> Any:

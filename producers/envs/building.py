@@ -41,9 +41,10 @@ Departures, each chosen for a small fast model that keeps the trade-offs:
 - VAV reheat is a heat exchanger with a fixed effectiveness (the reference's mixing
   formula can heat air above the water temperature); the boiler is an energy
   balance on its tank with a burner capacity (about the reference's 0.5 K/min
-  heat-up) and a condensing efficiency that falls as the return water warms, so a
-  hotter water setpoint costs gas.  Zones are heated by the actual water
-  temperature, not the setpoint.
+  heat-up), a loss to outside air that includes the hot water loop (40 W/K; the
+  reference's insulated tank alone loses about 6 W/K) and a condensing efficiency
+  that falls as the return water warms, so keeping the water hot costs gas.  Zones
+  are heated by the actual water temperature, not the setpoint.
 - Fan pressure 1500 Pa at 70 % efficiency (the reference's 10 kPa would make the
   fans of a 400 m^2 building draw 13 kW).
 - The default episode is 1 day (288 steps) starting at local midnight of a
@@ -178,7 +179,9 @@ class BuildingConfig(EnvConfig):
     # ---- boiler ----
     boiler_max_gas_w: float = Field(80_000.0, gt=0.0, le=1.0e8, description="Burner capacity (gas burned, W).")
     boiler_tank_m3: float = Field(1.5, gt=0.0, le=100.0, description="Hot water tank volume (m^3).")
-    boiler_loss_w_per_k: float = Field(6.25, ge=0.0, le=1.0e4, description="Tank loss to outside air (W/K).")
+    boiler_loss_w_per_k: float = Field(
+        40.0, ge=0.0, le=1.0e4, description="Tank and hot water loop loss to outside air (W/K); tank alone ~6."
+    )
     boiler_efficiency_cold_return: float = Field(
         0.95, gt=0.0, le=1.0, description=f"Efficiency when the return water is below {RETURN_COLD_K:g} K."
     )
@@ -388,7 +391,9 @@ def productivity_per_person_hour(
     return np.where(temp_Z < heat_sp, below, np.where(temp_Z > cool_sp, above, top))
 
 
-def comfort_regret(occupancy_Z: np.ndarray, temp_Z: np.ndarray, band: tuple[float, float], cfg: BuildingConfig) -> float:
+def comfort_regret(
+    occupancy_Z: np.ndarray, temp_Z: np.ndarray, band: tuple[float, float], cfg: BuildingConfig
+) -> float:
     """Normalised productivity regret in [0, 1]: 0 with nobody in or everyone in band, 1 at the floor."""
     people = float(occupancy_Z.sum())
     if people <= 0.0:
@@ -401,7 +406,8 @@ def comfort_regret(occupancy_Z: np.ndarray, temp_Z: np.ndarray, band: tuple[floa
 def boiler_efficiency(return_temp: float, cfg: BuildingConfig) -> float:
     """Condensing efficiency: high with cold return water, falling linearly to the hot-return value."""
     frac = min(max((return_temp - RETURN_COLD_K) / (RETURN_HOT_K - RETURN_COLD_K), 0.0), 1.0)
-    return cfg.boiler_efficiency_cold_return + frac * (cfg.boiler_efficiency_hot_return - cfg.boiler_efficiency_cold_return)
+    cold, hot = cfg.boiler_efficiency_cold_return, cfg.boiler_efficiency_hot_return
+    return cold + frac * (hot - cold)
 
 
 def outside_temperature(hours_since_midnight: float, offset_k: float, cfg: BuildingConfig) -> float:
@@ -693,7 +699,7 @@ class BuildingHVAC(TextEnv[Setpoints]):
         return ActionOutcome(reward=self.breakdown.reward)
 
     def _update_occupancy(self, s: PlantState, local: dt.datetime) -> None:
-        """Each occupant: away -> in with p_arrive during arrival hours, in -> away with p_leave after departures start."""
+        """Each occupant: away -> in with p during arrival hours; in -> away with p once departures start."""
         cfg = self.config
         if local.weekday() >= 5:
             s.present_ZO[:] = False
@@ -815,7 +821,10 @@ class BuildingHVAC(TextEnv[Setpoints]):
     def action_vector(self, action: Setpoints) -> list[float]:
         """The action as the agent's normalised pair in [-1, 1] (water, air)."""
         cfg = self.config
-        return [to_normalized(action.water_k, cfg.supply_water_range_k), to_normalized(action.air_k, cfg.supply_air_heating_range_k)]
+        return [
+            to_normalized(action.water_k, cfg.supply_water_range_k),
+            to_normalized(action.air_k, cfg.supply_air_heating_range_k),
+        ]
 
     @classmethod
     def telemetry_fields(cls, config: BuildingConfig | None = None) -> list[tuple[str, str]]:
@@ -833,7 +842,8 @@ class BuildingHVAC(TextEnv[Setpoints]):
             ("zone_occupancy", "people"),
         ]
         fields = [(f"{z}@{f}", u) for z in zone_names(cfg.grid_rows, cfg.grid_cols) for f, u in zone_fields]
-        return fields + [
+        return [
+            *fields,
             ("ahu_0@supply_fan_electrical_power", "W"),
             ("ahu_0@air_conditioning_electrical_power", "W"),
             ("ahu_0@supply_air_flowrate_sensor", "m3/s"),
@@ -919,28 +929,28 @@ class BuildingHVAC(TextEnv[Setpoints]):
 
     # ---- policies -------------------------------------------------------------------------------
     def heuristic_setpoints(self) -> tuple[float, float]:
-        """A thermostat-like supervisor: hot water and warmer air while occupied zones are cold, setback otherwise.
+        """A thermostat-like supervisor: hot water (then warmer air) while watched zones are cold, setback otherwise.
 
-        Active on workdays from ``_HEURISTIC_PREHEAT_HOURS`` before comfort hours to their end,
-        or whenever someone is in.  The deficit is how far the coldest watched zone (occupied
-        zones if any, else all) is below the comfort band's low edge plus 0.5 K.
+        Watched zones are the occupied ones, or all when nobody is in.  Their target is the
+        comfort band's low edge plus 0.5 K during comfort hours and the ``_HEURISTIC_PREHEAT_HOURS``
+        before them, and the zones' current (eco) heating setpoint plus 0.5 K otherwise (setback).  The
+        water setpoint rises with the coldest watched zone's deficit; the supply air warms only
+        when a zone is more than 1.5 K short, as electric heat costs more than gas.
         """
         cfg, s = self.config, self._require_state()
         (w_lo, w_hi), (a_lo, a_hi) = cfg.supply_water_range_k, cfg.supply_air_heating_range_k
         local = self.local_time()
         hour = local.hour + local.minute / 60.0
         occupied_Z = s.present_ZO.any(axis=1)
-        active = occupied_Z.any() or (
-            local.weekday() < 5 and cfg.comfort_start_hour - _HEURISTIC_PREHEAT_HOURS <= hour < cfg.comfort_end_hour
-        )
-        if not active:
-            return w_lo, a_lo
+        preheat_from = cfg.comfort_start_hour - _HEURISTIC_PREHEAT_HOURS
+        preheat = local.weekday() < 5 and preheat_from <= hour < cfg.comfort_end_hour
+        target = (cfg.comfort_band_k[0] if preheat else self._band(self.current_timestamp)[0]) + 0.5
         watched_Z = s.zone_temp_Z[occupied_Z] if occupied_Z.any() else s.zone_temp_Z
-        deficit = cfg.comfort_band_k[0] + 0.5 - float(watched_Z.min())
+        deficit = target - float(watched_Z.min())
         if deficit <= 0.0:
-            return w_lo + 0.25 * (w_hi - w_lo), a_lo
-        water = min(w_hi, w_lo + (0.5 + deficit) * (w_hi - w_lo))
-        air = min(a_hi, a_lo + max(0.0, deficit - 1.0) * 0.5 * (a_hi - a_lo))
+            return w_lo, a_lo
+        water = min(w_hi, w_lo + (20.0 + 25.0 * deficit) / 45.0 * (w_hi - w_lo))
+        air = min(a_hi, a_lo + max(0.0, deficit - 1.5) * 0.5 * (a_hi - a_lo))
         return water, air
 
     def heuristic_answer(self) -> str:

@@ -119,6 +119,7 @@ class CartPole(TextEnv[int]):
     """Balance a pole on a cart by pushing it left or right each step."""
 
     name: ClassVar[str] = "cartpole"
+    long_horizon: ClassVar[bool] = True
     description: ClassVar[str] = (
         "CartPole: keep a pole balanced upright on a moving cart by pushing the cart left or right. "
         "+1 per step until the pole falls past 12 degrees or the cart leaves the track (|x| > 2.4)."
@@ -314,6 +315,7 @@ class Acrobot(TextEnv[int]):
     """Swing a two-link pendulum's tip above the goal line with torque on the middle joint."""
 
     name: ClassVar[str] = "acrobot"
+    long_horizon: ClassVar[bool] = True
     description: ClassVar[str] = (
         "Acrobot: two links hang from a pivot; apply torque -1, 0 or +1 to the joint between them to swing "
         "the tip above a line one link length over the pivot. -1 per step until it gets there (at most 500 steps)."

@@ -90,7 +90,8 @@ class InterestEvolutionConfig(EnvConfig):
         """Reject settings the simulator cannot run, naming the fix."""
         if self.slate_size > self.num_candidates:
             raise ValueError(f"slate_size {self.slate_size} exceeds num_candidates {self.num_candidates}; lower it")
-        if self.choice_model == "proportional" and (self.min_normalizer > -1.0 or self.no_click_mass < self.min_normalizer):
+        negative_weights = self.min_normalizer > -1.0 or self.no_click_mass < self.min_normalizer
+        if self.choice_model == "proportional" and negative_weights:
             raise ValueError(
                 "proportional choice needs min_normalizer <= -1 (the lowest score) and no_click_mass >= min_normalizer"
             )
@@ -168,6 +169,13 @@ def sample_choice(probabilities: Sequence[float], rng: random.Random) -> int | N
     return None
 
 
+def clicked_score(interest: float, cfg: InterestEvolutionConfig) -> float:
+    """The choice model's score of the clicked document alone (RecSim's "expected utility")."""
+    if cfg.choice_model == "softmax":
+        return choice_probabilities([interest], cfg)[0]
+    return interest - cfg.min_normalizer
+
+
 def interest_step(interest: float, cfg: InterestEvolutionConfig) -> float:
     """Size of the interest move for the clicked topic: alpha(|x|) (1 - x), alpha linear in |x|."""
     alpha = (-cfg.alpha_y_intercept / cfg.alpha_x_intercept) * abs(interest) + cfg.alpha_y_intercept
@@ -189,6 +197,7 @@ class InterestEvolution(TextEnv[Slate]):
     """Recommend slates of videos to a simulated user whose interests drift with what they watch."""
 
     name: ClassVar[str] = "recsim-interest-evolution"
+    long_horizon: ClassVar[bool] = True
     description: ClassVar[str] = (
         "Slate recommendation (RecSim interest evolution): each step recommend a few of the candidate videos; "
         "the user may click one and watch it. Reward = minutes watched. Low-quality videos drain the user's "
@@ -248,14 +257,9 @@ class InterestEvolution(TextEnv[Slate]):
             return
         doc = slate_docs[response.position]
         interest = self.interests[doc.topic]
-        # Utility uses the choice model's score of the clicked document alone (RecSim), weighted by
-        # user_quality_factor (0 by default), plus the document's quality.
-        expected_utility = choice_probabilities([interest], cfg)[0] if cfg.choice_model == "softmax" else (
-            interest - cfg.min_normalizer
-        )
         toward = self.rng.random() < (interest + 1.0) / 2.0
         self.interests[doc.topic] = evolve_interest(interest, toward, cfg)
-        utility = cfg.user_quality_factor * expected_utility + cfg.document_quality_factor * doc.quality
+        utility = cfg.user_quality_factor * clicked_score(interest, cfg) + cfg.document_quality_factor * doc.quality
         self.budget = budget_after_click(self.budget, response.watch_time, utility, cfg)
         self.observed_quality.setdefault(doc.topic, []).append(doc.quality)
 

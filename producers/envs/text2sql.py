@@ -22,7 +22,10 @@ Safety, in two layers: an authorizer that allows only what a SELECT needs (read,
 select, function calls, recursive CTEs) and ``PRAGMA query_only`` on the
 connection, so no statement can change the database; a progress handler that
 interrupts any query running past the time limit (0.25 s); caps on result rows,
-result bytes and the length of any one value, so a query cannot fill memory.
+result bytes and the length of any one value, so a query cannot fill memory.  The
+time limit is checked between VM instructions, so one built-in call can overrun it
+(``printf`` with a width in the hundreds of millions takes seconds); a hard wall-clock
+bound would need a separate process, and an overrun still scores as an error.
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ MATCH_REWARD = 2.0  # its result equals the gold result (on top of RUN_REWARD)
 MAX_SCORE = RUN_REWARD + MATCH_REWARD
 
 PROGRESS_OPS = 1_000  # SQLite VM instructions between time-limit checks (~microseconds)
-MAX_VALUE_BYTES = 1_000_000  # SQLITE_LIMIT_LENGTH: longest string/blob any statement may build
+# SQLITE_LIMIT_LENGTH: the longest string/blob a statement may build (or a row may hold).  Small,
+# because one built-in call on long values (instr on two long strings) runs between the
+# time-limit checks: at 100 kB the worst such call takes about half a second.
+MAX_VALUE_BYTES = 100_000
 MAX_RESULT_BYTES = 8_000_000  # a result larger than this (roughly counted) is an error
 # Authorizer actions a read-only query needs; everything else (writes, PRAGMA, ATTACH,
 # transactions, DDL) is denied.  RECURSIVE is a read: the time limit bounds runaway CTEs.
@@ -84,7 +90,7 @@ _FENCE = re.compile(r"^```[A-Za-z]*\s*|\s*```$")
 class SQLTask(BaseModel):
     """One task: a database (schema and rows as SQL), a question and the gold query answering it."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, coerce_numbers_to_str=True)  # ids may be numbers
 
     id: str = Field(min_length=1, max_length=200, description="Unique task id.")
     db_id: str = Field(min_length=1, max_length=200, description="Which database the schema builds (shared by tasks).")
@@ -151,19 +157,20 @@ def select_split(tasks: Sequence[SQLTask], split: str, test_every: int) -> tuple
 
 
 # ---- the database -------------------------------------------------------------------------
-def build_database(schema_sql: str) -> sqlite3.Connection:
+def build_database(schema_sql: str, max_value_bytes: int = MAX_VALUE_BYTES) -> sqlite3.Connection:
     """A fresh in-memory database holding ``schema_sql``, then switched to read-only (query_only)."""
     db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-    db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+    db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max_value_bytes)
     # The schema is trusted task data, but it still may not reach outside memory.
     db.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_ATTACH else sqlite3.SQLITE_OK)
     try:
         db.executescript(schema_sql)
     except _SQL_ERRORS as e:
         db.close()
-        raise ValueError(f"text2sql: schema_sql does not build ({e}); fix the task's schema_sql") from None
-    finally:
-        db.set_authorizer(None)
+        raise ValueError(
+            f"text2sql: schema_sql does not build ({e}); fix the task's schema_sql (or raise max_value_bytes)"
+        ) from None
+    db.set_authorizer(None)
     db.execute("PRAGMA query_only = ON")
     return db
 
@@ -214,7 +221,11 @@ def run_query(db: sqlite3.Connection, sql: str, time_limit_s: float, max_rows: i
     db.set_authorizer(authorize)
     db.set_progress_handler(lambda: int(time.monotonic() > deadline), PROGRESS_OPS)  # nonzero interrupts
     try:
-        rows = _fetch(db.execute(sql), max_rows)
+        cursor = db.execute(sql)
+        if cursor.description is None:  # empty text or only a comment: nothing ran, nothing to reward
+            cursor.close()
+            return QueryRun(rows=(), error="not a query: it returns no columns; write one SELECT query")
+        rows = _fetch(cursor, max_rows)
     except _SQL_ERRORS as e:
         return _failed_run(e, bool(denied), time.monotonic() - start, time_limit_s)
     finally:
@@ -383,6 +394,10 @@ class TextToSQLConfig(EnvConfig):
     time_limit_s: float = Field(0.25, gt=0.0, le=60.0, description="Wall-clock limit per query, seconds.")
     float_digits: int = Field(4, ge=0, le=15, description="Decimals floats are rounded to before comparing.")
     max_result_rows: int = Field(1_000, ge=1, le=1_000_000, description="Rows fetched per query; more never match.")
+    max_value_bytes: int = Field(
+        MAX_VALUE_BYTES, ge=1_000, le=1_000_000_000,
+        description="Longest string or blob a database may hold or a query may build (bounds slow built-ins).",
+    )
     preview_rows: int = Field(5, ge=0, le=100, description="Result rows shown as feedback after a wrong query.")
     similarity_weight: float = Field(
         0.2, ge=0.0, le=0.5, description="Largest similarity bonus for a query whose result does not match.",
@@ -442,7 +457,7 @@ class TextToSQL(TextEnv[str]):
             return
         if self._db is not None:
             self._db.close()
-        self._db = build_database(schema_sql)
+        self._db = build_database(schema_sql, self._cfg.max_value_bytes)
         self._db_schema_sql = schema_sql
         self._create_sql = create_statements(self._db)
         self._tables = table_columns(self._db)

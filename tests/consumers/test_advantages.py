@@ -77,7 +77,9 @@ def test_compute_advantages_dispatches_on_kind():
     rewards = [1.0, 3.0, 4.0, 8.0]
     groups = ["a", "a", "b", "b"]
     np.testing.assert_allclose(compute_advantages("group", rewards, groups), [-1.0, 1.0, -2.0, 2.0])
-    np.testing.assert_allclose(compute_advantages("group", rewards, groups, normalize_std=True, eps=0.0), [-1, 1, -1, 1])
+    np.testing.assert_allclose(
+        compute_advantages("group", rewards, groups, normalize_std=True, eps=0.0), [-1, 1, -1, 1]
+    )
     np.testing.assert_allclose(compute_advantages("raw", rewards, groups), rewards)
     rtg = [5.0, 1.0, 2.0, 2.0]
     turns = [0, 0, 0, 1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from producers.envs.parsing import format_answer
 from producers.envs.registry import make_env
 from producers.envs.text2sql import (
     SHIPPED_TASKS_PATH,
+    QueryScore,
     TextToSQL,
     build_database,
     load_tasks,
@@ -125,13 +127,22 @@ def test_attach_is_refused_and_creates_no_file(db: sqlite3.Connection, tmp_path:
     assert score.refused and score.reward == -0.25
     assert not target.exists()
     assert [r[1] for r in db.execute("PRAGMA database_list")] == ["main"]
+    with pytest.raises(ValueError, match="does not build"):  # a schema may not attach files either
+        build_database(f"ATTACH DATABASE '{target}' AS other; CREATE TABLE other.x (a);")
+    assert not target.exists()
 
 
 def test_an_infinite_recursive_query_is_stopped_at_the_time_limit(db: sqlite3.Connection) -> None:
     forever = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT COUNT(*) FROM n"
+    scores: list[QueryScore] = []
+    # A daemon thread, so a broken time limit fails this test instead of hanging the run.
+    worker = threading.Thread(target=lambda: scores.append(score_query(db, forever, "SELECT 1", LIMIT_S)), daemon=True)
     start = time.monotonic()
-    score = score_query(db, forever, "SELECT COUNT(*) FROM t", LIMIT_S)
+    worker.start()
+    worker.join(timeout=3.0)
     elapsed = time.monotonic() - start
+    assert not worker.is_alive() and scores, "the infinite query was not interrupted"
+    score = scores[0]
     assert LIMIT_S <= elapsed < 1.0  # it really ran until the limit, then stopped
     assert score.timed_out and not score.runs and score.reward == -0.25
     assert row_counts(db) == ROW_COUNTS
@@ -150,6 +161,20 @@ def test_a_syntax_error_gets_the_penalty_quickly(db: sqlite3.Connection) -> None
     assert "syntax error" in score.error
     assert -0.25 <= score.reward <= -0.25 + 0.2  # penalty plus a bounded similarity term
     assert row_counts(db) == ROW_COUNTS
+
+
+@pytest.mark.parametrize("text", ["-- only a comment", "/* nothing */", ";"])
+def test_text_that_runs_nothing_is_an_error_not_a_free_reward(db: sqlite3.Connection, text: str) -> None:
+    score = score_query(db, text, "SELECT a FROM t", LIMIT_S)
+    assert not score.runs and score.reward < 0
+
+
+def test_long_values_are_capped(db: sqlite3.Connection) -> None:
+    run = run_query(db, "SELECT hex(zeroblob(60000))", LIMIT_S)  # 120,000 characters > the 100 kB cap
+    assert "too big" in run.error
+    with pytest.raises(ValueError, match="max_value_bytes"):
+        build_database("CREATE TABLE big (x); INSERT INTO big VALUES (hex(zeroblob(2000)));", max_value_bytes=1_000)
+    assert build_database("CREATE TABLE big (x); INSERT INTO big VALUES (hex(zeroblob(2000)));")
 
 
 def test_too_many_rows_never_match_and_the_guard_is_removed_afterwards(db: sqlite3.Connection) -> None:
