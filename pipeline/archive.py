@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.store import ObjectStore, validate_key
 from schemas.events import TrajectoryBatchCommitted
 from schemas.names import validate_name
-from schemas.steps import check_steps_table
+from schemas.steps import STEPS_BASE_FIELDS, check_steps_table
 from schemas.trajectory import TRAJECTORY_SCHEMA, TrajectoryRecord, conform_table, records_to_table
 
 DATE_PARTITION = pa.field("date", pa.date32())
@@ -215,7 +215,7 @@ class TrajectoryArchive:
 
     def read_steps(self, key: str, sha256: str | None = None) -> pa.Table:
         """One steps table, digest-verified when ``sha256`` is given, schema-checked."""
-        table = pq.read_table(pa.BufferReader(self.store.get(key, sha256)))
+        table = _restore_timestamp_units(pq.read_table(pa.BufferReader(self.store.get(key, sha256))))
         check_steps_table(table)
         return table
 
@@ -257,6 +257,17 @@ def summarize_batch(table: pa.Table, **identity: Any) -> BatchInfo:
         success_rate=float(pc.mean(pc.cast(table["success"], pa.float64())).as_py()),
         **identity,
     )
+
+
+def _restore_timestamp_units(table: pa.Table) -> pa.Table:
+    """Parquet cannot store second-resolution timestamps (it writes milliseconds); cast the steps
+    table's own timestamp column back to its declared unit (a safe cast: it refuses to truncate)."""
+    for field in STEPS_BASE_FIELDS:
+        if field.name in table.schema.names and pa.types.is_timestamp(field.type):
+            index = table.schema.get_field_index(field.name)
+            if table.schema.field(index).type != field.type:
+                table = table.set_column(index, field, table.column(index).cast(field.type))
+    return table
 
 
 def _as_trajectory_table(table_or_records: Any) -> pa.Table:

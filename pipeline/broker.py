@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
 from pipeline.gcs_emulator import free_port
@@ -171,7 +170,7 @@ class TansuBroker:
     def __enter__(self) -> TansuBroker:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def _command(self) -> list[str]:

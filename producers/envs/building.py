@@ -20,7 +20,8 @@ config and ``SetpointEnergyCarbonRegretFunction``) and why:
 - Air handler: mixed air = r * return + (1 - r) * outside with the reference's
   recirculation r = 0.3; supply air = mixed air raised to the heating setpoint or
   lowered to the cooling setpoint (298 K).  Its coil's thermal power counts as
-  electric power (divided by a COP, 1 for heating as in the reference).
+  electric power (divided by a COP, 1 for heating as in the reference); the
+  blowers are a supply fan (all the flow) and an exhaust fan (the outside air).
 - Boiler: burns gas to hold its water tank (1.5 m^3) at the setpoint; pump power
   = flow * g * head / efficiency.  Occupancy: each occupant arrives between 07 and
   12 h and leaves from 13 h with per-step probabilities that put the expected
@@ -461,7 +462,8 @@ class IntervalReport:
     ahu_flow: float = 0.0
     mixed_temp: float = 0.0
     supply_temp: float = 0.0
-    fan_w: float = 0.0
+    supply_fan_w: float = 0.0
+    exhaust_fan_w: float = 0.0
     coil_thermal_w: float = 0.0  # signed: + heating, - cooling
     coil_electric_w: float = 0.0
     pump_w: float = 0.0
@@ -495,11 +497,16 @@ class Plant:
         self.ahu_max_flow = cfg.ahu_max_flow_m3s or cfg.num_zones * cfg.vav_max_flow_m3s
         self.tank_capacity = cfg.boiler_tank_m3 * WATER_DENSITY * WATER_HEAT_CAPACITY  # J/K
         self.max_electric_w = (
-            self.ahu_max_flow * cfg.fan_pressure_pa / cfg.fan_efficiency
+            self.fan_power(self.ahu_max_flow)
             + cfg.ahu_coil_max_power_w / min(cfg.ahu_heating_cop, cfg.ahu_cooling_cop)
             + self.pump_power(cfg.num_zones * cfg.vav_max_water_flow_kg_s)
         )
         self.max_gas_w = cfg.boiler_max_gas_w
+
+    def fan_power(self, flow_m3s: float) -> float:
+        """W of the supply fan (all the flow) plus the exhaust fan (the outside-air share): V dp / eta each."""
+        exhaust = flow_m3s * (1.0 - self.cfg.ahu_recirculation)
+        return (flow_m3s + exhaust) * self.cfg.fan_pressure_pa / self.cfg.fan_efficiency
 
     def pump_power(self, water_kg_s: float) -> float:
         """W to move the water: (m / rho) * rho g H / eta = m g H / eta."""
@@ -553,7 +560,8 @@ class Plant:
             rep.discharge_temp_Z, rep.return_water_temp = t_dis_Z, t_return
         n = cfg.substeps
         rep.ahu_flow = ahu_flow
-        rep.fan_w = ahu_flow * cfg.fan_pressure_pa / cfg.fan_efficiency
+        rep.supply_fan_w = ahu_flow * cfg.fan_pressure_pa / cfg.fan_efficiency
+        rep.exhaust_fan_w = self.fan_power(ahu_flow) - rep.supply_fan_w
         rep.pump_w = self.pump_power(float(valve_Z.sum()) * cfg.vav_max_water_flow_kg_s)
         rep.coil_thermal_w, rep.coil_electric_w, rep.gas_w = coil_w / n, coil_el_w / n, gas_w / n
         return rep
@@ -716,7 +724,7 @@ class BuildingHVAC(TextEnv[Setpoints]):
         """-(w_c comfort + w_e energy + w_g carbon) / sum(w); rates capped at full capacity as in the reference."""
         cfg, rep, plant = self.config, self.report, self.plant
         seconds = cfg.step_seconds
-        electric_w = min(rep.fan_w + rep.coil_electric_w + rep.pump_w, plant.max_electric_w)
+        electric_w = min(rep.supply_fan_w + rep.exhaust_fan_w + rep.coil_electric_w + rep.pump_w, plant.max_electric_w)
         gas_w = min(rep.gas_w, plant.max_gas_w)
         prices = cfg.weekday_price_cents_per_kwh if local.weekday() < 5 else cfg.weekend_price_cents_per_kwh
         usd_per_j_elec = prices[local.hour] / 100.0 / JOULES_PER_KWH
@@ -845,6 +853,7 @@ class BuildingHVAC(TextEnv[Setpoints]):
         return [
             *fields,
             ("ahu_0@supply_fan_electrical_power", "W"),
+            ("ahu_0@exhaust_fan_electrical_power", "W"),
             ("ahu_0@air_conditioning_electrical_power", "W"),
             ("ahu_0@supply_air_flowrate_sensor", "m3/s"),
             ("ahu_0@outside_air_flowrate_sensor", "m3/s"),
@@ -893,7 +902,8 @@ class BuildingHVAC(TextEnv[Setpoints]):
             row[f"{z}@discharge_air_temperature_sensor"] = rep.discharge_temp_Z[i]
             row[f"{z}@zone_occupancy"] = occupancy_Z[i]
         row |= {
-            "ahu_0@supply_fan_electrical_power": rep.fan_w,
+            "ahu_0@supply_fan_electrical_power": rep.supply_fan_w,
+            "ahu_0@exhaust_fan_electrical_power": rep.exhaust_fan_w,
             "ahu_0@air_conditioning_electrical_power": rep.coil_electric_w,
             "ahu_0@supply_air_flowrate_sensor": rep.ahu_flow,
             "ahu_0@outside_air_flowrate_sensor": rep.ahu_flow * (1.0 - cfg.ahu_recirculation),

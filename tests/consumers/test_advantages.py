@@ -123,12 +123,21 @@ def test_filtered_bc_keeps_top_fraction_with_earlier_row_winning_ties():
 
 
 def test_filtered_bc_count_is_not_fooled_by_float_rounding():
-    # 0.3 * 10 == 3.0000000000000004 in floating point; ceil of that would keep 4 rows.
-    mask = filtered_bc_mask(np.arange(10.0), 0.3)
-    assert mask.sum() == 3
-    np.testing.assert_array_equal(np.flatnonzero(mask), [7, 8, 9])
+    # 0.28 * 25 == 7.000000000000001 in floating point; ceil of that would keep 8 rows, not 7.
+    mask = filtered_bc_mask(np.arange(25.0), 0.28)
+    assert mask.sum() == 7
+    np.testing.assert_array_equal(np.flatnonzero(mask), np.arange(18, 25))
     with pytest.raises(ValueError, match="fraction"):
         filtered_bc_mask([1.0], 0.0)
+
+
+def test_filtered_bc_ties_are_deterministic_on_many_rows():
+    # 50 rows: 1.0 at rows 0, 7, ..., 49 (8 rows), 0.0 elsewhere.  fraction 0.24 -> 12 rows: the eight 1.0s,
+    # then the first four 0.0 rows (1, 2, 3, 4), whatever the sorting algorithm does internally on long arrays.
+    returns = np.zeros(50)
+    returns[::7] = 1.0
+    kept = np.flatnonzero(filtered_bc_mask(returns, 0.24))
+    np.testing.assert_array_equal(kept, [0, 1, 2, 3, 4, 7, 14, 21, 28, 35, 42, 49])
 
 
 def test_training_weights_fold_loss_specific_weights_into_row_weights():

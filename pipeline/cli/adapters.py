@@ -1,0 +1,242 @@
+"""``rlpipe adapters list|show|pull``: look at and fetch a run's adapter versions.
+
+Reads the store only (never Kafka), so it works against any root, including a
+production ``gs://`` bucket from a laptop.  User mistakes (a bad URL, an unknown
+run, a missing version) exit 2 with one line; runtime failures (unreachable
+endpoint, checksum mismatch) exit 1 with one line; neither prints a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.registry import AdapterNotFoundError, AdapterRegistry, run_ids, version_folder
+from pipeline.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError
+from schemas.names import InvalidNameError
+from schemas.registry import AdapterManifest, ManifestError
+from schemas.versions import SchemaVersionError
+
+app = typer.Typer(
+    name="adapters",
+    help="List, inspect and pull the adapter versions of a run.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+_out = Console(highlight=False)
+_err = Console(stderr=True, highlight=False)
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+
+RunOption = Annotated[str, typer.Option("--run", "-r", help="run id, e.g. demo")]
+RootOption = Annotated[
+    str | None,
+    typer.Option("--root", help="store root URL (file:///..., gs://bucket/prefix); default: the one `rlpipe up` recorded"),
+]
+EndpointOption = Annotated[
+    str | None, typer.Option("--gcs-endpoint", help="GCS API endpoint for gs:// roots (an emulator); default: Google")
+]
+VersionArgument = Annotated[str, typer.Argument(help="version number (7, v000007) or 'latest'")]
+JsonOption = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+
+
+class UsageError(Exception):
+    """A mistake the user can fix by changing the command line (exit 2)."""
+
+
+@app.command("list")
+def list_versions(run: RunOption, root: RootOption = None, gcs_endpoint: EndpointOption = None,
+                  as_json: JsonOption = False) -> None:
+    """List the committed adapter versions of a run.
+
+    Example: rlpipe adapters list --run demo --root gs://my-bucket/rlpipe
+    """
+    with _errors():
+        manifests = _registry(run, root, gcs_endpoint).list()
+        if as_json:
+            typer.echo(json.dumps([m.model_dump(mode="json") for m in manifests], indent=2))
+        elif not manifests:
+            _out.print(f"run {run} has no adapter versions yet")
+        else:
+            _out.print(_versions_table(run, manifests))
+
+
+@app.command("show")
+def show_version(version: VersionArgument, run: RunOption, root: RootOption = None,
+                 gcs_endpoint: EndpointOption = None, as_json: JsonOption = False) -> None:
+    """Show one version's manifest: lineage, metrics and files with their digests.
+
+    Example: rlpipe adapters show --run demo 3
+    """
+    with _errors():
+        registry = _registry(run, root, gcs_endpoint)
+        manifest = registry.show(_parse_version(version, registry))
+        digest = registry.adapter_sha256(manifest.version)
+        if as_json:
+            typer.echo(json.dumps({**manifest.model_dump(mode="json"), "adapter_sha256": digest}, indent=2))
+        else:
+            _out.print(_manifest_table(manifest, digest))
+            _out.print(_files_table(manifest))
+
+
+@app.command("pull")
+def pull_version(version: VersionArgument, run: RunOption,
+                 to: Annotated[Path, typer.Option("--to", help="cache folder; the adapter lands in DIR/RUN/vNNNNNN")],
+                 root: RootOption = None, gcs_endpoint: EndpointOption = None) -> None:
+    """Download a version into a local folder, verifying every file's sha256.
+
+    Example: rlpipe adapters pull --run demo latest --to ~/.cache/rlpipe/adapters
+    """
+    with _errors():
+        registry = _registry(run, root, gcs_endpoint)
+        number = _parse_version(version, registry)
+        folder = registry.pull(number, to)
+        _out.print(f"pulled version {number} of run {run} (verified) into {folder}")
+
+
+# -- plumbing --------------------------------------------------------------------------------
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """One line on stderr instead of a traceback; exit 2 for user mistakes, 1 for everything else."""
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except (UsageError, StoreURLError, InvalidKeyError, InvalidNameError, AdapterNotFoundError) as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except (ChecksumError, ManifestError, SchemaVersionError) as exc:
+        _fail(str(exc), EXIT_RUNTIME)
+    except Exception as exc:
+        _fail(f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__, EXIT_RUNTIME)
+
+
+def _fail(message: str, code: int) -> None:
+    _err.print(f"error: {message.splitlines()[0] if message else 'failed'}", markup=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _registry(run: str, root: str | None, gcs_endpoint: str | None) -> AdapterRegistry:
+    store = _open_store(root, gcs_endpoint)
+    registry = AdapterRegistry(store, run)
+    if not registry.run_exists():
+        known = run_ids(store)
+        hint = f"runs there: {', '.join(known[:10])}" if known else "there are no runs there"
+        raise UsageError(f"run {run!r} not found under {store.root}; {hint}")
+    return registry
+
+
+def _open_store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
+    if root is None:
+        root, recorded_endpoint = _stack_root()
+        gcs_endpoint = gcs_endpoint or recorded_endpoint
+    if gcs_endpoint:
+        _probe_endpoint(gcs_endpoint)
+    return ObjectStore(root, gcs_endpoint=gcs_endpoint)
+
+
+def _stack_root() -> tuple[str, str | None]:
+    """The root recorded by `rlpipe up` (a URL, or a config with ``root`` and ``gcs_endpoint``)."""
+    try:
+        from pipeline.stack import resolve_store_root
+    except ImportError:
+        raise UsageError("no --root given and no embedded stack is available; pass --root URL") from None
+    try:
+        resolved: Any = resolve_store_root()
+    except Exception as exc:
+        raise UsageError(f"no --root given and {exc}") from None
+    if isinstance(resolved, str | Path):
+        return str(resolved), None
+    return str(resolved.root), getattr(resolved, "gcs_endpoint", None)
+
+
+def _probe_endpoint(endpoint: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not after gcsfs's half minute of retries, when the endpoint does not answer."""
+    if not endpoint.startswith(("http://", "https://")):
+        raise UsageError(f"--gcs-endpoint {endpoint!r} must start with http:// or https://")
+    try:
+        with urllib.request.urlopen(f"{endpoint.rstrip('/')}/storage/v1/b", timeout=timeout_s):
+            pass
+    except urllib.error.HTTPError:
+        return  # it answered (real GCS wants a project here): reachable
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RuntimeError(f"cannot reach the GCS endpoint {endpoint}: {reason}; is the emulator running?") from None
+
+
+def _parse_version(text: str, registry: AdapterRegistry) -> int:
+    cleaned = text.strip().lower()
+    if cleaned == "latest":
+        latest = registry.latest()
+        if latest is None:
+            raise UsageError(f"run {registry.run_id!r} has no adapter versions yet")
+        return latest.version
+    digits = cleaned.removeprefix("v")
+    if not digits.isdigit() or int(digits) < 1:
+        raise UsageError(f"version {text!r} is not a number >= 1 (e.g. 3 or v000003) or 'latest'")
+    return int(digits)
+
+
+def _short_metrics(metrics: dict[str, float], limit: int = 3) -> str:
+    shown = [f"{name}={value:.4g}" for name, value in sorted(metrics.items())[:limit]]
+    return ", ".join(shown) + (" ..." if len(metrics) > limit else "")
+
+
+def _versions_table(run: str, manifests: list[AdapterManifest]) -> Table:
+    table = Table(title=f"adapters of run {run}")
+    for column in ("version", "created (UTC)", "step", "parent", "base model", "files", "bytes", "metrics"):
+        table.add_column(column, justify="right" if column in ("version", "step", "parent", "files", "bytes") else "left")
+    for m in manifests:
+        table.add_row(
+            str(m.version),
+            m.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+            str(m.learner_step),
+            str(m.parent_version),
+            m.base_model,
+            str(len(m.files)),
+            str(sum(f.size for f in m.files.values())),
+            _short_metrics(m.metrics),
+        )
+    return table
+
+
+def _manifest_table(manifest: AdapterManifest, digest: str) -> Table:
+    table = Table(title=f"run {manifest.run_id}, adapter {version_folder(manifest.version)}", show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    rows = {
+        "version": manifest.version,
+        "adapter_sha256": digest,
+        "base model": manifest.base_model,
+        "parent version": manifest.parent_version,
+        "learner step": manifest.learner_step,
+        "created (UTC)": manifest.created_at.isoformat(),
+        "schema version": manifest.schema_version,
+        **{f"metric {name}": f"{value:.6g}" for name, value in sorted(manifest.metrics.items())},
+    }
+    for field, value in rows.items():
+        table.add_row(field, str(value))
+    return table
+
+
+def _files_table(manifest: AdapterManifest) -> Table:
+    table = Table(title="files")
+    table.add_column("name")
+    table.add_column("bytes", justify="right")
+    table.add_column("sha256")
+    for name, entry in sorted(manifest.files.items()):
+        table.add_row(name, str(entry.size), entry.sha256)
+    return table

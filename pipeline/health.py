@@ -1,0 +1,283 @@
+"""Health and metrics endpoints for the long-running processes (producer, learner).
+
+Kubernetes asks two different questions, and Prometheus a third:
+
+- ``/healthz`` (liveness): is the process alive?  Answered 200 by the server
+  thread itself, so a process busy training or loading a model is not killed.
+- ``/readyz`` (readiness): can it do its work now?  200 only when every check
+  registered with :meth:`HealthServer.add_readiness_check` passes (connected to
+  the broker and the store, model loaded, ...); otherwise 503 and one line per
+  failing check, so ``kubectl describe pod`` says *what* is not ready.
+- ``/metrics``: gauges and counters set by the process, in the Prometheus text
+  exposition format (rendered by ``prometheus_client``, which does the HELP and
+  label-value escaping).
+
+Why a stdlib server in a daemon thread: the probes must answer while the main
+thread is inside a long GPU call, must not pull a web framework into the
+learner image, and must never keep a finished process alive.
+
+``HealthServer(None)`` is a disabled server: metrics calls still work (and are
+cheap), nothing listens.  Callers can then use one code path whether or not
+``producer.health_port`` / ``learner.health_port`` is configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Literal
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector, CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+# The classic text format (0.0.4): every scraper understands it, and the names we
+# accept (legacy charset, checked below) need none of the newer escaping.
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_METRIC_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+ReadinessCheck = Callable[[], bool]
+MetricKind = Literal["gauge", "counter"]
+
+
+@dataclass
+class _Family:
+    """One metric name: its kind, help text, label names and one value per label set."""
+
+    kind: MetricKind
+    help: str
+    label_names: tuple[str, ...]
+    values: dict[tuple[str, ...], float] = field(default_factory=dict)
+
+
+class _Metrics(Collector):
+    """The process's gauges and counters, kept in plain dicts and rendered on each scrape.
+
+    A custom collector rather than ``prometheus_client.Gauge`` objects because
+    the API here creates metrics on first use with any label set, and each
+    server keeps its own registry (tests start several in one process).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._families: dict[str, _Family] = {}
+
+    def set(self, kind: MetricKind, name: str, value: float, help_text: str, labels: Mapping[str, str] | None) -> None:
+        """Set (gauge) or add to (counter) the sample of ``name`` with ``labels``."""
+        label_names, label_values = _split_labels(name, labels)
+        with self._lock:
+            family = self._family(kind, name, help_text, label_names)
+            if kind == "gauge":
+                family.values[label_values] = float(value)
+            else:
+                family.values[label_values] = family.values.get(label_values, 0.0) + float(value)
+
+    def value(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
+        """The current value of one sample, or None if it was never set."""
+        _, label_values = _split_labels(name, labels)
+        with self._lock:
+            family = self._families.get(name)
+            return None if family is None else family.values.get(label_values)
+
+    def _family(self, kind: MetricKind, name: str, help_text: str, label_names: tuple[str, ...]) -> _Family:
+        family = self._families.get(name)
+        if family is None:
+            family = self._families[name] = _Family(kind, help_text or name, label_names)
+        elif family.kind != kind:
+            raise ValueError(f"metric {name!r} is a {family.kind}; use another name for the {kind}")
+        elif family.label_names != label_names:
+            raise ValueError(
+                f"metric {name!r} has labels {list(family.label_names)}, not {list(label_names)}; "
+                "use the same label names for every sample of a metric"
+            )
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        """Called by ``generate_latest`` on every scrape; copies under the lock, renders outside it."""
+        with self._lock:
+            snapshot = [(name, f.kind, f.help, f.label_names, dict(f.values)) for name, f in self._families.items()]
+        for name, kind, help_text, label_names, values in sorted(snapshot):
+            metric_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = metric_type(name, help_text, labels=list(label_names))
+            for label_values, value in sorted(values.items()):
+                family.add_metric(list(label_values), value)
+            yield family
+
+
+def _split_labels(name: str, labels: Mapping[str, str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Validate the metric and label names; labels sorted by name so the order of the dict does not matter."""
+    if not _METRIC_NAME_RE.fullmatch(name):
+        raise ValueError(f"metric name {name!r} is invalid: use letters, digits, '_' and ':' (e.g. rlpipe_groups)")
+    items = sorted((labels or {}).items())
+    for key, _ in items:
+        if not _LABEL_NAME_RE.fullmatch(key) or key.startswith("__"):
+            raise ValueError(f"label name {key!r} of metric {name!r} is invalid: use letters, digits and '_'")
+    return tuple(k for k, _ in items), tuple(str(v) for _, v in items)
+
+
+class HealthServer:
+    """``/healthz``, ``/readyz`` and ``/metrics`` on one port, served from a daemon thread.
+
+    ``port=0`` binds a free port (read it from :attr:`port` after :meth:`start`);
+    ``port=None`` disables serving but keeps the metric calls working.
+    """
+
+    def __init__(self, port: int | None, host: str = "0.0.0.0") -> None:
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"health port {port} is out of range; use 0-65535 (0 = any free port)")
+        self._requested_port = port
+        self._host = host
+        self._checks: dict[str, ReadinessCheck] = {}
+        self._checks_lock = threading.Lock()
+        self._metrics = _Metrics()
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self._metrics)
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int | None:
+        """The bound port once started (the real one when 0 was asked); before that, the configured one."""
+        if self._httpd is not None:
+            return self._httpd.server_address[1]
+        return self._requested_port
+
+    @property
+    def running(self) -> bool:
+        """Whether the server thread is serving."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # readiness -------------------------------------------------------------
+
+    def add_readiness_check(self, name: str, fn: ReadinessCheck) -> None:
+        """Register ``fn`` (cheap, thread-safe, returns truthy when ready) under ``name``.
+
+        It runs on every ``/readyz`` request, in the server thread: read a flag
+        or an attribute the main thread maintains, never block on the network.
+        A check that raises counts as failing. Re-registering a name replaces it.
+        """
+        if not name or "\n" in name:
+            raise ValueError("readiness check name must be a non-empty single line (e.g. 'broker')")
+        with self._checks_lock:
+            self._checks[name] = fn
+
+    def failing_checks(self) -> list[str]:
+        """One line per failing check (``name`` or ``name: error``), in registration order; empty when ready."""
+        with self._checks_lock:
+            checks = list(self._checks.items())
+        failing = []
+        for name, fn in checks:
+            try:
+                if not fn():
+                    failing.append(name)
+            except Exception as exc:  # a broken check means "not ready", not a crashed probe
+                failing.append(f"{name}: {type(exc).__name__}: {exc}".splitlines()[0])
+        return failing
+
+    # metrics ---------------------------------------------------------------
+
+    def set_gauge(self, name: str, value: float, help: str = "", labels: Mapping[str, str] | None = None) -> None:
+        """Set a gauge sample (a value that goes up and down: queue depth, loaded adapter version)."""
+        self._metrics.set("gauge", name, value, help, labels)
+
+    def inc_counter(
+        self, name: str, amount: float = 1.0, help: str = "", labels: Mapping[str, str] | None = None
+    ) -> None:
+        """Add ``amount`` (>= 0) to a counter; exposed as ``<name>_total`` (a trailing ``_total`` is not doubled)."""
+        if amount < 0:
+            raise ValueError(f"counter {name!r} can only go up; got {amount} (use set_gauge for values that fall)")
+        self._metrics.set("counter", name.removesuffix("_total"), amount, help, labels)
+
+    def metric_value(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
+        """The current value of a gauge or counter sample (None if never set); for tests and logs."""
+        value = self._metrics.value(name, labels)
+        if value is None and name.endswith("_total"):  # counters are stored without the suffix
+            value = self._metrics.value(name.removesuffix("_total"), labels)
+        return value
+
+    def render_metrics(self) -> bytes:
+        """The ``/metrics`` body."""
+        return generate_latest(self._registry)
+
+    # lifecycle -------------------------------------------------------------
+
+    def start(self) -> HealthServer:
+        """Bind and serve in a daemon thread (a no-op when disabled or already running)."""
+        if self._requested_port is None or self._httpd is not None:
+            return self
+        try:
+            httpd = ThreadingHTTPServer((self._host, self._requested_port), _handler_for(self))
+        except OSError as exc:
+            raise OSError(
+                f"cannot serve health endpoints on {self._host}:{self._requested_port}: {exc.strerror}; "
+                "choose another health_port (0 = any free port)"
+            ) from None
+        httpd.daemon_threads = True
+        self._httpd = httpd
+        self._thread = threading.Thread(target=httpd.serve_forever, name="rlpipe-health", daemon=True)
+        self._thread.start()
+        log.info("health endpoints on http://%s:%d (/healthz /readyz /metrics)", self._host, self.port)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and free the port; safe to call twice."""
+        httpd, thread = self._httpd, self._thread
+        self._httpd, self._thread = None, None
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> HealthServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _handler_for(server: HealthServer) -> type[BaseHTTPRequestHandler]:
+    """A request handler class bound to ``server`` (http.server builds one handler per request)."""
+
+    class _Handler(BaseHTTPRequestHandler):
+        server_version = "rlpipe-health"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                self._reply(200, b"ok\n")
+            elif path == "/readyz":
+                failing = server.failing_checks()
+                if failing:
+                    self._reply(503, ("not ready: " + "\n".join(failing) + "\n").encode())
+                else:
+                    self._reply(200, b"ready\n")
+            elif path == "/metrics":
+                self._reply(200, server.render_metrics(), METRICS_CONTENT_TYPE)
+            else:
+                self._reply(404, b"not found: try /healthz, /readyz or /metrics\n")
+
+        def _reply(self, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the stdlib's signature)
+            # Probes hit these endpoints every few seconds: keep them out of the process's stderr.
+            log.debug("health %s " + format, self.address_string(), *args)
+
+    return _Handler

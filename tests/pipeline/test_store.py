@@ -1,0 +1,156 @@
+"""ObjectStore on file://, memory:// and gs:// (the real emulator): create-only, digests, keys, listing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import pytest
+
+from pipeline.gcs_emulator import FakeGCSServer, ensure_bucket
+from pipeline.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError, validate_key
+from schemas.config import StoreConfig
+
+PAYLOAD = b"\x00rlpipe\xffbytes" * 100
+
+
+def test_round_trip_returns_the_bytes_and_their_sha256(any_store: ObjectStore) -> None:
+    digest = any_store.put_create("runs/r/a.bin", PAYLOAD)
+    assert digest == hashlib.sha256(PAYLOAD).hexdigest()
+    assert any_store.get("runs/r/a.bin") == PAYLOAD
+    assert any_store.get("runs/r/a.bin", sha256=digest) == PAYLOAD
+    with any_store.open_input("runs/r/a.bin") as handle:
+        assert handle.read(7) == PAYLOAD[:7]
+
+
+def test_create_only_refuses_an_existing_object_and_keeps_it(any_store: ObjectStore) -> None:
+    any_store.put_create("x/obj", b"first")
+    with pytest.raises(FileExistsError, match="already exists"):
+        any_store.put_create("x/obj", b"second")
+    assert any_store.get("x/obj") == b"first"
+
+
+def test_overwrite_replaces(any_store: ObjectStore) -> None:
+    any_store.put("m/state.json", b"1")
+    any_store.put("m/state.json", b"2")
+    assert any_store.get("m/state.json") == b"2"
+
+
+def test_flipped_byte_is_detected(any_store: ObjectStore) -> None:
+    digest = any_store.put_create("b/data", PAYLOAD)
+    flipped = bytearray(PAYLOAD)
+    flipped[17] ^= 0x01
+    any_store.put("b/data", bytes(flipped))  # someone tampers with the object in place
+    with pytest.raises(ChecksumError, match=r"checksum mismatch for .*b/data.*expected sha256 " + digest):
+        any_store.get("b/data", sha256=digest)
+
+
+def test_racing_creates_have_exactly_one_winner(any_store: ObjectStore) -> None:
+    winners: list[int] = []
+    barrier = threading.Barrier(8)
+
+    def create(i: int) -> None:
+        barrier.wait()
+        try:
+            any_store.put_create("race/obj", str(i).encode())
+            winners.append(i)
+        except FileExistsError:
+            pass
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(winners) == 1
+    assert any_store.get("race/obj") == str(winners[0]).encode()
+
+
+def test_list_exists_delete(any_store: ObjectStore) -> None:
+    for key in ("runs/a/x.parquet", "runs/a/sub/y.json", "runs/b/z"):
+        any_store.put_create(key, b"-")
+    assert any_store.list("runs") == ["runs/a", "runs/b"]
+    assert any_store.list("runs/a", recursive=True) == ["runs/a/sub/y.json", "runs/a/x.parquet"]
+    assert any_store.list("nothing/here") == []
+    assert any_store.exists("runs/a/x.parquet") and any_store.exists("runs/a")
+    assert not any_store.exists("runs/c")
+    any_store.delete("runs/a/x.parquet")
+    assert not any_store.exists("runs/a/x.parquet")
+    any_store.delete("runs/a", recursive=True)
+    assert any_store.list("runs", recursive=True) == ["runs/b/z"]
+    with pytest.raises(FileNotFoundError, match="nothing to delete"):
+        any_store.delete("runs/a/x.parquet")
+    any_store.delete("runs/a/x.parquet", missing_ok=True)
+
+
+def test_missing_object_names_its_url(any_store: ObjectStore) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no object at .*/prefix/nope|no object at .*store/nope"):
+        any_store.get("nope")
+
+
+@pytest.mark.parametrize("key", ["../escape", "a/../../b", "/etc/passwd", "a\\b", "", "a//b", "./a", "gs://b/k", "C:x"])
+def test_keys_escaping_the_root_are_refused(file_store: ObjectStore, key: str) -> None:
+    with pytest.raises(InvalidKeyError, match="not allowed|empty"):
+        file_store.put_create(key, b"x")
+    assert not os.path.exists(os.path.join(os.path.dirname(file_store.path()), "escape"))
+
+
+def test_validate_key_normalises_prefixes() -> None:
+    assert validate_key("runs/a/", allow_root=True) == "runs/a"
+    assert validate_key("", allow_root=True) == ""
+    with pytest.raises(InvalidKeyError):
+        validate_key("runs/a/")
+
+
+def test_local_lost_race_leaves_no_temporary_file(file_store: ObjectStore) -> None:
+    file_store.put_create("d/obj", b"a")
+    with pytest.raises(FileExistsError):
+        file_store.put_create("d/obj", b"b")
+    assert os.listdir(os.path.dirname(file_store.path("d/obj"))) == ["obj"]
+
+
+def test_plain_local_path_and_url(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = ObjectStore(str(tmp_path))
+    store.put_create("k", b"v")
+    assert store.is_local
+    assert store.url("k") == (tmp_path / "k").as_uri()
+    assert (tmp_path / "k").read_bytes() == b"v"
+
+
+def test_gs_urls_and_from_config(gcs_emulator: FakeGCSServer) -> None:
+    ensure_bucket(gcs_emulator.endpoint_url, "cfg-bucket")
+    ensure_bucket(gcs_emulator.endpoint_url, "cfg-bucket")  # idempotent
+    store = ObjectStore.from_config(StoreConfig(root="gs://cfg-bucket/p/", gcs_endpoint=gcs_emulator.endpoint_url))
+    store.put_create("k", b"v")
+    assert store.url("k") == "gs://cfg-bucket/p/k"
+    assert store.path("k") == "cfg-bucket/p/k"
+    assert store.filesystem.cat_file("cfg-bucket/p/k") == b"v"
+
+
+@pytest.mark.parametrize(
+    ("root", "endpoint", "message"),
+    [
+        ("", None, "empty"),
+        ("bogus://x", None, "cannot open store root"),
+        ("gs://", "http://127.0.0.1:1", "names no bucket"),
+        ("gs://Bad_Bucket", "http://127.0.0.1:1", "not a valid GCS bucket"),
+        ("memory://x", "http://127.0.0.1:1", "not gs://"),
+        ("gs://bucket", "ftp://host", "must start with http"),
+    ],
+)
+def test_bad_roots_are_refused_with_a_clear_error(root: str, endpoint: str | None, message: str) -> None:
+    with pytest.raises(StoreURLError, match=message):
+        ObjectStore(root, gcs_endpoint=endpoint)
+
+
+def test_emulator_stops_and_frees_its_port() -> None:
+    server = FakeGCSServer().start()
+    url = server.endpoint_url
+    ensure_bucket(url, "tmp-bucket")
+    assert server.running
+    server.stop()
+    assert not server.running
+    server.stop()  # twice is fine
+    with pytest.raises(Exception, match="cannot reach"):
+        ensure_bucket(url, "other")
