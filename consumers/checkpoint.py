@@ -165,6 +165,6 @@ class CheckpointStore:
         for _, key in self.complete():
             try:
                 return self.load(key)
-            except Exception as exc:  # noqa: BLE001 - a damaged checkpoint must not stop a resume
+            except Exception as exc:
                 log.warning("skipping checkpoint %s: %s", key, exc)
         return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -94,6 +95,7 @@ class Learner:
         self.checkpoints, self.source, self.announce = checkpoints, source, announce
         self.state = LearnerState()
         self.pending: list[PendingBatch] = []
+        self.incoming: deque[BatchRef] = deque()
         self.duplicates_skipped = 0
         self.last_metrics: dict[str, Any] = {}
 
@@ -114,12 +116,22 @@ class Learner:
     # ---- the loop -----------------------------------------------------------
     def run(self, should_stop: Callable[[], bool] = lambda: False, on_step: Callable[[dict], None] = lambda m: None,
             poll_timeout_s: float = 1.0) -> LearnerState:
-        """Loop until stopped, ``max_steps`` is reached, or a finite source runs dry."""
+        """Loop until stopped, ``max_steps`` is reached, or a finite source runs dry.
+
+        Refs are ingested one at a time and a step is taken as soon as enough rows
+        wait, so what goes into each step does not depend on how the source
+        happened to group its deliveries (Kafka and replay give the same steps).
+        """
         while not should_stop() and not self.budget_reached():
-            self.ingest(self.source.poll(poll_timeout_s))
-            if self.ready() or (self.pending and self.source.exhausted()):
-                on_step(self.step())
-            elif self.source.exhausted() and not self.pending:
+            if not self.incoming:
+                self.incoming.extend(self.source.poll(poll_timeout_s))
+            if self.incoming:
+                self.ingest([self.incoming.popleft()])
+                if self.ready():
+                    on_step(self.step())
+            elif self.source.exhausted():
+                if self.pending:
+                    on_step(self.step())
                 break
         return self.state
 

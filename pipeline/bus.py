@@ -216,7 +216,7 @@ class _KafkaReasons(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         with contextlib.suppress(Exception):
             match = self._FAILED.search(record.getMessage())
-            if match:
+            if match and "Unable to bootstrap" not in match.group(1):  # the bare timeout that follows the reasons
                 self.last = match.group(1)
 
 

@@ -276,7 +276,7 @@ def _handler_for(server: HealthServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the stdlib's signature)
+        def log_message(self, format: str, *args: object) -> None:
             # Probes hit these endpoints every few seconds: keep them out of the process's stderr.
             log.debug("health %s " + format, self.address_string(), *args)
 

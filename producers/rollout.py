@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from producers.envs.base import StepResult, TextEnv
 from producers.episode import ChatFormat, ChatTokenizer, Episode
 from producers.rows import episode_rows
-from producers.samplers.base import AdapterHandle, SampleRequest, Sampler
+from producers.samplers.base import AdapterHandle, Sampler, SampleRequest
 from schemas.config import ProducerConfig, SamplerConfig
 from schemas.trajectory import NO_ADAPTER_SHA
 
@@ -148,7 +148,7 @@ class RolloutWorker:
                 return
             self.active.append(self.new_group(adapter))
 
-    def fresh_adapter(self) -> AdapterHandle | None | bool:
+    def fresh_adapter(self) -> AdapterHandle | bool | None:
         """The adapter to start a group with, or False while waiting for a newer one."""
         self.adapters.refresh()
         adapter = self.adapters.current()

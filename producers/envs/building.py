@@ -556,9 +556,10 @@ class Plant:
             coil_w += q_coil
             gas_w += gas
             coil_el_w += q_coil / cfg.ahu_heating_cop if q_coil >= 0 else -q_coil / cfg.ahu_cooling_cop
-            rep.outside_temp, rep.mixed_temp, rep.supply_temp = t_out, t_mix, t_sup
+            rep.mixed_temp, rep.supply_temp = t_mix, t_sup
             rep.discharge_temp_Z, rep.return_water_temp = t_dis_Z, t_return
         n = cfg.substeps
+        rep.outside_temp = outside(cfg.step_seconds)
         rep.ahu_flow = ahu_flow
         rep.supply_fan_w = ahu_flow * cfg.fan_pressure_pa / cfg.fan_efficiency
         rep.exhaust_fan_w = self.fan_power(ahu_flow) - rep.supply_fan_w
@@ -758,8 +759,9 @@ class BuildingHVAC(TextEnv[Setpoints]):
     def _render(self) -> str:
         cfg, s, rep, b = self.config, self._require_state(), self.report, self.breakdown
         local = self.local_time()
-        band = self._band(self.current_timestamp)
-        comfort = "comfort hours" if band == cfg.comfort_band_k else "outside comfort hours"
+        in_comfort = self._is_comfort(local)
+        band = cfg.comfort_band_k if in_comfort else cfg.eco_band_k
+        comfort = "comfort hours" if in_comfort else "outside comfort hours"
         sign = "+" if cfg.utc_offset_hours >= 0 else "-"
         lines = [
             f"{local:%a %Y-%m-%d %H:%M} local time (UTC{sign}{abs(cfg.utc_offset_hours):g}), "
@@ -883,7 +885,8 @@ class BuildingHVAC(TextEnv[Setpoints]):
         ]
 
     def telemetry(self) -> dict[str, float]:
-        """One row of telemetry: state now, power and reward averaged over the step that just ended.
+        """One row of telemetry: temperatures now; flows, setpoints, occupancy, actions, power (averaged)
+        and reward of the step that just ended.
 
         ``time@timestamp`` is the UTC epoch second at the end of that step (the episode
         start, with zero power and reward, before the first step).

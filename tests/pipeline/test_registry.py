@@ -95,6 +95,24 @@ def test_twenty_racing_publishers_get_versions_one_to_twenty(
         for name, entry in stored.files.items():
             data = store.get(f"{registry.version_key(stored.version)}/{entry.path}", entry.sha256)
             assert data == folders[marker][name]
+        staged = {key.split("/")[4] for key in store.list(registry.version_key(stored.version), recursive=True)}
+        assert staged == {"manifest.json", next(iter(stored.files.values())).path.split("/")[0]}  # losers cleaned up
+
+
+def test_a_stale_publisher_loses_the_race_without_touching_the_winner(file_store: ObjectStore, tmp_path: Path) -> None:
+    winner_files = make_adapter(tmp_path / "w", marker=1)
+    make_adapter(tmp_path / "l", marker=2)
+    winner = AdapterRegistry(file_store, "run1").publish(tmp_path / "w", "tiny", 0, 1)
+    stale = AdapterRegistry(file_store, "run1")
+    seen = iter([1])  # the loser's first listing predates the winner's manifest
+    original = stale._next_version
+    stale._next_version = lambda: next(seen, None) or original()  # type: ignore[method-assign]
+    loser = stale.publish(tmp_path / "l", "tiny", 0, 2)
+    assert (winner.version, loser.version) == (1, 2)
+    v1 = stale.show(1)
+    assert v1 == winner
+    assert {name: file_store.get(f"runs/run1/adapters/v000001/{e.path}") for name, e in v1.files.items()} == winner_files
+    assert len({key.split("/")[4] for key in file_store.list("runs/run1/adapters/v000001", recursive=True)}) == 2
 
 
 def test_orphan_staging_does_not_block_or_leak_into_a_version(memory_store: ObjectStore, tmp_path: Path) -> None:

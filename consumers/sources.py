@@ -1,0 +1,117 @@
+"""Where the learner's batch announcements come from: Kafka, or the store itself.
+
+``KafkaSource`` reads ``TrajectoryBatchCommitted`` events of one run through a
+consumer group and commits offsets only when told (after a checkpoint).
+``ReplaySource`` walks the Parquet batches already in the store, oldest first,
+for offline training without a broker.  Both hand the learner ``BatchRef``s
+carrying the position just after each one, which checkpoints store.
+"""
+
+from __future__ import annotations
+
+from datetime import date
+
+from consumers.learner import BatchRef
+from pipeline.archive import TrajectoryArchive
+from pipeline.bus import EventConsumer
+from schemas.config import BusConfig
+from schemas.events import TrajectoryBatchCommitted
+
+
+def learner_group_id(run_id: str) -> str:
+    """The consumer group of a run's learner."""
+    return f"rlpipe-learner-{run_id}"
+
+
+def _position_key(topic: str, partition: int) -> str:
+    return f"{topic}:{partition}"
+
+
+def _parse_position(key: str) -> tuple[str, int]:
+    topic, _, partition = key.rpartition(":")
+    return topic, int(partition)
+
+
+class KafkaSource:
+    """Batch announcements from ``<ns>.trajectories`` for one run (consumer group, manual commit)."""
+
+    def __init__(self, bus: BusConfig, run_id: str, group_id: str | None = None, **consumer_options: object) -> None:
+        self.consumer = EventConsumer(
+            bus, "trajectories", group_id or learner_group_id(run_id), run_id=run_id, **consumer_options
+        )
+
+    def poll(self, timeout_s: float) -> list[BatchRef]:
+        refs = []
+        for consumed in self.consumer.poll(timeout_s):
+            payload = consumed.event.payload
+            if isinstance(payload, TrajectoryBatchCommitted):
+                refs.append(BatchRef(payload.batch_id, payload.path, payload.sha256,
+                                     {_position_key(consumed.topic, consumed.partition): consumed.offset + 1}))
+        return refs
+
+    def seek(self, positions: dict[str, int]) -> None:
+        self.consumer.seek({_parse_position(k): v for k, v in positions.items() if not k.startswith("replay:")})
+
+    def commit(self, positions: dict[str, int]) -> None:
+        offsets = {_parse_position(k): v for k, v in positions.items() if not k.startswith("replay:")}
+        if offsets:
+            self.consumer.commit(offsets)
+
+    def keep_alive(self) -> None:
+        self.consumer.keep_alive()
+
+    def exhausted(self) -> bool:
+        return False  # a live topic never runs dry
+
+    def lag(self) -> int:
+        return sum(self.consumer.lag().values())
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class ReplaySource:
+    """Batches of a run straight from the store, oldest first (offline training, no broker)."""
+
+    def __init__(
+        self,
+        archive: TrajectoryArchive,
+        run_id: str,
+        date_from: date | str | None = None,
+        date_to: date | str | None = None,
+        batches_per_poll: int = 1,
+    ) -> None:
+        keys = archive.list_batches(run_id)
+        self.keys = [k for k in sorted(keys) if _in_dates(k, date_from, date_to)]
+        self.position_key = f"replay:{run_id}"
+        self.index = 0
+        self.batches_per_poll = batches_per_poll
+
+    def poll(self, timeout_s: float) -> list[BatchRef]:
+        chunk = self.keys[self.index:self.index + self.batches_per_poll]
+        refs = []
+        for offset, key in enumerate(chunk, start=self.index + 1):
+            batch_id = key.rsplit("/", 1)[-1].removesuffix(".parquet")
+            refs.append(BatchRef(batch_id, key, None, {self.position_key: offset}))
+        self.index += len(chunk)
+        return refs
+
+    def seek(self, positions: dict[str, int]) -> None:
+        self.index = positions.get(self.position_key, 0)
+
+    def commit(self, positions: dict[str, int]) -> None:
+        """Nothing to commit: the checkpoint's position is the replay cursor."""
+
+    def keep_alive(self) -> None:
+        """Nothing to keep alive."""
+
+    def exhausted(self) -> bool:
+        return self.index >= len(self.keys)
+
+
+def _in_dates(key: str, date_from: date | str | None, date_to: date | str | None) -> bool:
+    part = next((p for p in key.split("/") if p.startswith("date=")), None)
+    if part is None:
+        return True
+    day = part.removeprefix("date=")
+    return (date_from is None or day >= str(date_from)) and (date_to is None or day <= str(date_to))

@@ -1,0 +1,218 @@
+"""The plain transformers sampler: a manual sampling loop with a KV cache, adapters through peft.
+
+Why a second backend: it runs wherever torch runs (no vLLM wheel for the
+platform, debugging, tests), and its loop is short enough to read, so it is
+the reference for what vLLM should return.  Why a manual loop rather than
+``model.generate``: every request needs its own random stream (reproducible
+per request, different within a GRPO group) and the raw temperature-1
+logprob of each sampled token, and both are one line each here.
+
+Adapters: the base model is wrapped in one ``PeftModel`` holding every loaded
+version under its own name; ``set_adapter`` picks the version for a batch and
+``disable_adapter`` serves the base model.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
+from schemas.config import SamplerConfig
+
+log = logging.getLogger(__name__)
+
+
+class TransformersSampler(Sampler):
+    """Samples with a transformers causal LM, one left-padded batch of up to ``max_batch`` requests at a time."""
+
+    def __init__(
+        self,
+        model_path: str,
+        config: SamplerConfig | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_batch: int = 16,
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        config = config or SamplerConfig()
+        self.config = config
+        self.max_batch = max_batch
+        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        self._lock = threading.Lock()  # one batch at a time: the adapter choice is model state
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id)
+        torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+        self._base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        self.max_model_len = min(config.max_model_len, int(self._base.config.max_position_embeddings))
+        self._peft: Any = None  # PeftModel once the first adapter is loaded
+        self._handles: dict[str, AdapterHandle] = {}
+
+    # ---- adapters ----------------------------------------------------------------
+    def load_adapter(self, handle: AdapterHandle) -> None:
+        """Load ``handle`` under its name; loading the same handle twice is a no-op."""
+        handle.check_folder()
+        with self._lock:
+            self._load_locked(handle)
+
+    def _load_locked(self, handle: AdapterHandle) -> None:
+        known = self._handles.get(handle.name)
+        if known == handle:
+            return
+        if known is not None:
+            raise ValueError(f"adapter name {handle.name} already serves {known.path}; give every version a new name")
+        from peft import PeftModel
+
+        if self._peft is None:
+            self._peft = PeftModel.from_pretrained(self._base, handle.path, adapter_name=handle.name)
+        else:
+            self._peft.load_adapter(handle.path, adapter_name=handle.name)
+        self._peft.eval()
+        self._handles[handle.name] = handle
+        log.info("loaded adapter %s from %s", handle.name, handle.path)
+
+    def unload_adapter(self, handle: AdapterHandle) -> None:
+        """Delete ``handle``'s weights; unwrap the base model when it was the last adapter."""
+        with self._lock:
+            if self._handles.pop(handle.name, None) is None:
+                return
+            if self._handles:
+                self._peft.set_adapter(next(iter(self._handles)))
+                self._peft.delete_adapter(handle.name)
+            else:
+                self._base = self._peft.unload()  # strips the LoRA layers, leaves the base weights untouched
+                self._peft = None
+
+    @contextmanager
+    def _policy(self, adapter: AdapterHandle | None) -> Iterator[Any]:
+        """The model to run for ``adapter`` (None = the base model, even while adapters are loaded)."""
+        if adapter is None:
+            if self._peft is None:
+                yield self._base
+            else:
+                with self._peft.disable_adapter():
+                    yield self._peft
+            return
+        self._load_locked(adapter)
+        self._peft.set_adapter(adapter.name)
+        yield self._peft
+
+    # ---- sampling ----------------------------------------------------------------
+    def generate(
+        self,
+        requests: list[SampleRequest],
+        adapter: AdapterHandle | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[SampleOutput]:
+        """See ``Sampler.generate``; requests run in chunks of ``max_batch``."""
+        self.check_requests(requests)
+        if adapter is not None:
+            adapter.check_folder()
+        outputs: list[SampleOutput] = []
+        with self._lock, self._policy(adapter) as model:
+            for start in range(0, len(requests), self.max_batch):
+                chunk = requests[start : start + self.max_batch]
+                seeds = [request_seed(seed, start + i) for i in range(len(chunk))]
+                outputs += self._generate_batch(model, chunk, temperature, top_p, seeds)
+        return outputs
+
+    def _generate_batch(
+        self, model: Any, requests: list[SampleRequest], temperature: float, top_p: float, seeds: list[int | None]
+    ) -> list[SampleOutput]:
+        """Decode one left-padded batch token by token until every row stopped."""
+        import torch
+
+        generators = [_generator(s, self.device) for s in seeds]
+        budgets = [self.new_token_budget(r) for r in requests]
+        input_ids_BT, attention_BT = self._left_pad(requests)
+        tokens_B: list[list[int]] = [[] for _ in requests]
+        logprobs_B: list[list[float]] = [[] for _ in requests]
+        done_B = [False] * len(requests)
+        cache = None
+        step_ids_BT = input_ids_BT
+        with torch.inference_mode():
+            for _ in range(max(budgets)):
+                positions_BT = (attention_BT.cumsum(-1) - 1).clamp(min=0)[:, -step_ids_BT.shape[1] :]
+                out = model(
+                    input_ids=step_ids_BT,
+                    attention_mask=attention_BT,
+                    position_ids=positions_BT,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                cache = out.past_key_values
+                logits_BV = out.logits[:, -1, :].float()
+                raw_logprobs_BV = torch.log_softmax(logits_BV, dim=-1)  # temperature 1: what the learner recomputes
+                next_B = [
+                    _sample(logits_BV[b], temperature, top_p, generators[b]) if not done_B[b] else self.pad_token_id
+                    for b in range(len(requests))
+                ]
+                for b, token in enumerate(next_B):
+                    if done_B[b]:
+                        continue
+                    tokens_B[b].append(token)
+                    logprobs_B[b].append(float(raw_logprobs_BV[b, token]))
+                    done_B[b] = token == self.eos_token_id or len(tokens_B[b]) >= budgets[b]
+                if all(done_B):
+                    break
+                step_ids_BT = torch.tensor(next_B, device=self.device).unsqueeze(-1)
+                attention_BT = torch.cat([attention_BT, torch.ones_like(step_ids_BT)], dim=-1)
+        return [
+            SampleOutput(t, lp, "stop" if t and t[-1] == self.eos_token_id else "length")
+            for t, lp in zip(tokens_B, logprobs_B, strict=True)
+        ]
+
+    def _left_pad(self, requests: list[SampleRequest]) -> tuple[Any, Any]:
+        """Prompts right-aligned (left padding), so every row's next token sits in the last column."""
+        import torch
+
+        length = max(len(r.prompt_token_ids) for r in requests)
+        input_ids = torch.full((len(requests), length), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(requests), length), dtype=torch.long)
+        for row, request in enumerate(requests):
+            n = len(request.prompt_token_ids)
+            input_ids[row, length - n :] = torch.tensor(request.prompt_token_ids)
+            attention[row, length - n :] = 1
+        return input_ids.to(self.device), attention.to(self.device)
+
+    def close(self) -> None:
+        """Drop the model (frees its memory once nothing else holds it)."""
+        self._peft = None
+        self._base = None
+
+
+def _generator(seed: int | None, device: Any) -> Any:
+    import torch
+
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def _sample(logits_V: Any, temperature: float, top_p: float, generator: Any) -> int:
+    """One token from ``softmax(logits / temperature)`` restricted to the top-p nucleus; greedy at temperature 0."""
+    import torch
+
+    if temperature == 0.0:
+        return int(torch.argmax(logits_V))
+    probs_V = torch.softmax(logits_V / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_V, order_V = torch.sort(probs_V, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        outside_V = sorted_V.cumsum(-1) - sorted_V >= top_p
+        sorted_V = sorted_V.masked_fill(outside_V, 0.0)
+        probs_V = torch.zeros_like(probs_V).scatter(-1, order_V, sorted_V)
+    return int(torch.multinomial(probs_V, 1, generator=generator))
