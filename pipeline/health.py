@@ -222,7 +222,10 @@ class HealthServer:
             ) from None
         httpd.daemon_threads = True
         self._httpd = httpd
-        self._thread = threading.Thread(target=httpd.serve_forever, name="rlpipe-health", daemon=True)
+        # A short poll interval so stop() returns quickly (serve_forever checks for shutdown between polls).
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="rlpipe-health", daemon=True
+        )
         self._thread.start()
         log.info("health endpoints on http://%s:%d (/healthz /readyz /metrics)", self._host, self.port)
         return self

@@ -307,8 +307,9 @@ def _gcs_filesystem(endpoint: str | None, project: str | None) -> Any:
             raise StoreURLError(f"gcs_endpoint {endpoint!r} must start with http:// or https://")
         from gcsfs.core import GCSFileSystem  # the plain class: the emulator lacks the HNS layout API
 
-        return GCSFileSystem(endpoint_url=endpoint.rstrip("/"), token="anon", project=project or "rlpipe",
-                             use_listings_cache=False)
+        return GCSFileSystem(
+            endpoint_url=endpoint.rstrip("/"), token="anon", project=project or "rlpipe", use_listings_cache=False
+        )
     import gcsfs
 
     kwargs: dict[str, Any] = {"token": "google_default", "use_listings_cache": False}

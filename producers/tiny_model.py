@@ -231,7 +231,7 @@ def _build_into(folder: Path, spec: TinyModelSpec, key: str, progress: ProgressF
         "spec": spec.model_dump(mode="json"),
         "params": sum(p.numel() for p in model.parameters()),
         "vocab_size": tokenizer.get_vocab_size(),
-        "final_loss": losses[-1]["loss"] if losses else None,
+        "final_loss": _final_loss(losses),
         "envs": corpus.envs,
         "skipped_envs": corpus.skipped,
         "conversations": len(corpus.conversations),
@@ -240,6 +240,12 @@ def _build_into(folder: Path, spec: TinyModelSpec, key: str, progress: ProgressF
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (folder / MARKER_FILE).write_text(json.dumps(marker, indent=1))
+
+
+def _final_loss(curve: Sequence[dict[str, float]], window: int = 10) -> float | None:
+    """Mean loss of the last ``window`` steps: one step's loss swings with the batch's environment mix."""
+    tail = [point["loss"] for point in curve[-window:]]
+    return sum(tail) / len(tail) if tail else None
 
 
 def _install(tmp: Path, target: Path, key: str, force: bool) -> None:

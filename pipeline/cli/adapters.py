@@ -42,7 +42,9 @@ EXIT_USAGE = 2
 RunOption = Annotated[str, typer.Option("--run", "-r", help="run id, e.g. demo")]
 RootOption = Annotated[
     str | None,
-    typer.Option("--root", help="store root URL (file:///..., gs://bucket/prefix); default: the one `rlpipe up` recorded"),
+    typer.Option(
+        "--root", help="store root URL (file:///..., gs://bucket/prefix); default: the one `rlpipe up` recorded"
+    ),
 ]
 EndpointOption = Annotated[
     str | None, typer.Option("--gcs-endpoint", help="GCS API endpoint for gs:// roots (an emulator); default: Google")
@@ -56,8 +58,9 @@ class UsageError(Exception):
 
 
 @app.command("list")
-def list_versions(run: RunOption, root: RootOption = None, gcs_endpoint: EndpointOption = None,
-                  as_json: JsonOption = False) -> None:
+def list_versions(
+    run: RunOption, root: RootOption = None, gcs_endpoint: EndpointOption = None, as_json: JsonOption = False
+) -> None:
     """List the committed adapter versions of a run.
 
     Example: rlpipe adapters list --run demo --root gs://my-bucket/rlpipe
@@ -73,8 +76,13 @@ def list_versions(run: RunOption, root: RootOption = None, gcs_endpoint: Endpoin
 
 
 @app.command("show")
-def show_version(version: VersionArgument, run: RunOption, root: RootOption = None,
-                 gcs_endpoint: EndpointOption = None, as_json: JsonOption = False) -> None:
+def show_version(
+    version: VersionArgument,
+    run: RunOption,
+    root: RootOption = None,
+    gcs_endpoint: EndpointOption = None,
+    as_json: JsonOption = False,
+) -> None:
     """Show one version's manifest: lineage, metrics and files with their digests.
 
     Example: rlpipe adapters show --run demo 3
@@ -91,9 +99,13 @@ def show_version(version: VersionArgument, run: RunOption, root: RootOption = No
 
 
 @app.command("pull")
-def pull_version(version: VersionArgument, run: RunOption,
-                 to: Annotated[Path, typer.Option("--to", help="cache folder; the adapter lands in DIR/RUN/vNNNNNN")],
-                 root: RootOption = None, gcs_endpoint: EndpointOption = None) -> None:
+def pull_version(
+    version: VersionArgument,
+    run: RunOption,
+    to: Annotated[Path, typer.Option("--to", help="cache folder; the adapter lands in DIR/RUN/vNNNNNN")],
+    root: RootOption = None,
+    gcs_endpoint: EndpointOption = None,
+) -> None:
     """Download a version into a local folder, verifying every file's sha256.
 
     Example: rlpipe adapters pull --run demo latest --to ~/.cache/rlpipe/adapters
@@ -197,17 +209,20 @@ def _short_metrics(metrics: dict[str, float], limit: int = 3) -> str:
 
 def _versions_table(run: str, manifests: list[AdapterManifest]) -> Table:
     table = Table(title=f"adapters of run {run}")
-    for column in ("version", "created (UTC)", "step", "parent", "base model", "files", "bytes", "metrics"):
-        table.add_column(column, justify="right" if column in ("version", "step", "parent", "files", "bytes") else "left")
+    for column in ("version", "step", "parent", "files", "bytes"):
+        table.add_column(column, justify="right")
+    table.add_column("created (UTC)", no_wrap=True)
+    table.add_column("base model", overflow="fold")
+    table.add_column("metrics", overflow="fold")
     for m in manifests:
         table.add_row(
             str(m.version),
-            m.created_at.strftime("%Y-%m-%d %H:%M:%S"),
             str(m.learner_step),
             str(m.parent_version),
-            m.base_model,
             str(len(m.files)),
             str(sum(f.size for f in m.files.values())),
+            m.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+            m.base_model,
             _short_metrics(m.metrics),
         )
     return table
@@ -215,8 +230,8 @@ def _versions_table(run: str, manifests: list[AdapterManifest]) -> Table:
 
 def _manifest_table(manifest: AdapterManifest, digest: str) -> Table:
     table = Table(title=f"run {manifest.run_id}, adapter {version_folder(manifest.version)}", show_header=False)
-    table.add_column("field")
-    table.add_column("value")
+    table.add_column("field", no_wrap=True)
+    table.add_column("value", overflow="fold")
     rows = {
         "version": manifest.version,
         "adapter_sha256": digest,
@@ -236,7 +251,7 @@ def _files_table(manifest: AdapterManifest) -> Table:
     table = Table(title="files")
     table.add_column("name")
     table.add_column("bytes", justify="right")
-    table.add_column("sha256")
+    table.add_column("sha256", overflow="fold")
     for name, entry in sorted(manifest.files.items()):
         table.add_row(name, str(entry.size), entry.sha256)
     return table

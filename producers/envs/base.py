@@ -88,9 +88,11 @@ class TextEnv(abc.ABC, Generic[ActionT]):
         base = config if config is not None else self.Config()
         if not isinstance(base, self.Config):
             raise TypeError(f"{self.name}: config must be {self.Config.__name__}, got {type(base).__name__}")
-        self.config = base.model_copy(update=overrides) if overrides else base
-        if overrides:  # re-validate the overrides
-            self.config = self.Config.model_validate(self.config.model_dump())
+        # Re-validate from the fields that were set, so fields a config derives from
+        # others (e.g. limits from an episode length) are derived again.
+        self.config = (
+            self.Config.model_validate({**base.model_dump(exclude_unset=True), **overrides}) if overrides else base
+        )
         self.rng = random.Random(0)
         self.seed: int | None = None
         self.turn = 0

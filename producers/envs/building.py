@@ -586,6 +586,7 @@ class BuildingHVAC(TextEnv[Setpoints]):
     """Set the boiler's water and the air handler's supply-air setpoints every 5 minutes."""
 
     name: ClassVar[str] = "building-hvac"
+    long_horizon: ClassVar[bool] = True
     description: ClassVar[str] = (
         "Building climate control: you run the heating plant of a small office building. Every 5 minutes "
         "you set the boiler's supply-water temperature setpoint and the air handler's supply-air heating "

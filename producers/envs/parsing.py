@@ -74,6 +74,6 @@ def match_action(text: str, names: tuple[str, ...]) -> str | None:
     for name in names:
         if name.lower() == lowered:
             return name
-    if text.isdigit() and 1 <= int(text) <= len(names):
+    if text.isascii() and text.isdigit() and 1 <= int(text) <= len(names):  # '²'.isdigit() is True
         return names[int(text) - 1]
     return None

@@ -223,7 +223,7 @@ class InterestEvolution(TextEnv[Slate]):
     def _parse_action(self, text: str) -> Slate | None:
         """Exactly ``slate_size`` distinct candidate numbers (1-based), separated by commas or spaces."""
         pieces = [p for p in _SLATE_SPLIT.split(text.strip().strip("[]()")) if p]
-        if len(pieces) != self.config.slate_size or not all(p.isdigit() for p in pieces):
+        if len(pieces) != self.config.slate_size or not all(p.isascii() and p.isdigit() for p in pieces):
             return None
         slate = tuple(int(p) - 1 for p in pieces)
         if len(set(slate)) != len(slate) or not all(0 <= i < len(self.candidates) for i in slate):

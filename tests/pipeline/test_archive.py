@@ -21,10 +21,25 @@ DAY = datetime(2024, 5, 6, 23, 59, tzinfo=UTC)
 
 def row(**changes: object) -> dict:
     base: dict = dict(
-        run_id="r", batch_id="b1", episode_id="e", group_id="g", env="cartpole", env_seed=3, producer_id="p",
-        policy_version=2, adapter_sha256=NO_ADAPTER_SHA, tokens=[5, 6, 7], loss_mask=[0, 1, 1],
-        logprobs=[0.0, -0.5, -1.25], turn_rewards=[1.0], reward=1.0, num_turns=1, success=True,
-        terminated=True, truncated=False, created_at=DAY,
+        run_id="r",
+        batch_id="b1",
+        episode_id="e",
+        group_id="g",
+        env="cartpole",
+        env_seed=3,
+        producer_id="p",
+        policy_version=2,
+        adapter_sha256=NO_ADAPTER_SHA,
+        tokens=[5, 6, 7],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0, -0.5, -1.25],
+        turn_rewards=[1.0],
+        reward=1.0,
+        num_turns=1,
+        success=True,
+        terminated=True,
+        truncated=False,
+        created_at=DAY,
     )
     base.update(changes)
     return base
@@ -34,8 +49,18 @@ def two_rows(**changes: object) -> list[dict]:
     # tokens 3 + 2 = 5, generated 2 + 2 = 4, rewards (1.0 - 0.5) / 2 = 0.25, one success in two = 0.5
     return [
         row(**changes),
-        row(episode_id="e2", group_id="g2", policy_version=3, tokens=[1, 2], loss_mask=[1, 1], logprobs=[-1.0, -2.0],
-            reward=-0.5, success=False, text="hello", **changes),
+        row(
+            episode_id="e2",
+            group_id="g2",
+            policy_version=3,
+            tokens=[1, 2],
+            loss_mask=[1, 1],
+            logprobs=[-1.0, -2.0],
+            reward=-0.5,
+            success=False,
+            text="hello",
+            **changes,
+        ),
     ]
 
 
@@ -157,8 +182,18 @@ def test_empty_archive_scans_to_an_empty_frame(memory_store: ObjectStore) -> Non
 def test_steps_tables_round_trip(any_store: ObjectStore) -> None:
     archive = TrajectoryArchive(any_store)
     steps = [
-        dict(episode_id="ep", step=i, is_first=i == 0, is_last=i == 2, is_terminal=i == 2, observation=[float(i)],
-             action=[0.5], reward=1.0, discount=1.0, features={"ahu@temp": 20.0 + i})
+        dict(
+            episode_id="ep",
+            step=i,
+            is_first=i == 0,
+            is_last=i == 2,
+            is_terminal=i == 2,
+            observation=[float(i)],
+            action=[0.5],
+            reward=1.0,
+            discount=1.0,
+            features={"ahu@temp": 20.0 + i},
+        )
         for i in range(3)
     ]
     table = steps_to_table(steps, feature_names=["ahu@temp"])

@@ -15,7 +15,7 @@ from pipeline.registry import AdapterRegistry
 from pipeline.store import ObjectStore
 from tests.pipeline.test_registry import make_adapter
 
-runner = CliRunner()
+runner = CliRunner(env={"COLUMNS": "200"})  # wide enough that rich does not fold table cells
 
 
 @pytest.fixture
@@ -68,13 +68,16 @@ def test_show_and_pull(published: tuple[ObjectStore, list[str]], tmp_path: Path)
         (["list", "--run", "../up"], "run_id '../up' is not allowed"),
     ],
 )
-def test_user_mistakes_exit_2_with_one_line(published: tuple[ObjectStore, list[str]], args: list[str],
-                                            message: str) -> None:
+def test_user_mistakes_exit_2_with_one_line(
+    published: tuple[ObjectStore, list[str]], args: list[str], message: str
+) -> None:
     assert message in _one_line_error(runner.invoke(app, [*args, *published[1]]), 2)
 
 
 def test_bad_url_exits_2() -> None:
-    assert "cannot open store root" in _one_line_error(runner.invoke(app, ["list", "--run", "x", "--root", "bogus://x"]), 2)
+    assert "cannot open store root" in _one_line_error(
+        runner.invoke(app, ["list", "--run", "x", "--root", "bogus://x"]), 2
+    )
 
 
 def test_unreachable_endpoint_exits_1_quickly() -> None:

@@ -111,7 +111,9 @@ def test_a_stale_publisher_loses_the_race_without_touching_the_winner(file_store
     assert (winner.version, loser.version) == (1, 2)
     v1 = stale.show(1)
     assert v1 == winner
-    assert {name: file_store.get(f"runs/run1/adapters/v000001/{e.path}") for name, e in v1.files.items()} == winner_files
+    assert {
+        name: file_store.get(f"runs/run1/adapters/v000001/{e.path}") for name, e in v1.files.items()
+    } == winner_files
     assert len({key.split("/")[4] for key in file_store.list("runs/run1/adapters/v000001", recursive=True)}) == 2
 
 
@@ -149,7 +151,7 @@ def test_pull_refuses_a_tampered_file_and_leaves_nothing(any_store: ObjectStore,
     data[-1] ^= 0x01
     any_store.put(key, bytes(data))
     cache = tmp_path / "cache"
-    with pytest.raises(ChecksumError, match="adapter_model.safetensors"):
+    with pytest.raises(ChecksumError, match=r"adapter_model\.safetensors"):
         registry.pull(1, cache)
     assert list((cache / "run1").iterdir()) == []  # no partial or final folder
 
@@ -160,11 +162,11 @@ def test_publish_refuses_bad_folders(memory_store: ObjectStore, tmp_path: Path) 
         registry.publish(tmp_path / "missing", "tiny", 0, 1)
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "adapter_config.json").write_text("{}")
-    with pytest.raises(RegistryError, match="lacks adapter_model.safetensors"):
+    with pytest.raises(RegistryError, match=r"lacks adapter_model\.safetensors"):
         read_adapter_folder(tmp_path / "half")
     make_adapter(tmp_path / "pickled", marker=1)
     (tmp_path / "pickled" / "optimizer.pt").write_bytes(b"\x80\x04")
-    with pytest.raises(RegistryError, match="refusing pickled file optimizer.pt"):
+    with pytest.raises(RegistryError, match=r"refusing pickled file optimizer\.pt"):
         registry.publish(tmp_path / "pickled", "tiny", 0, 1)
     make_adapter(tmp_path / "ok", marker=1)
     with pytest.raises(ValueError, match="parent_version 1 must be below version 1"):
@@ -180,5 +182,8 @@ def test_manifest_versions_and_garbage(tmp_path: Path) -> None:
     with pytest.raises(SchemaVersionError, match="upgrade rlpipe"):
         manifest_from_bytes(json.dumps({"schema_version": "2.0"}).encode())
     with pytest.raises(ManifestError, match="files"):
-        manifest_from_bytes(json.dumps({"run_id": "r", "version": 1, "base_model": "t", "parent_version": 0,
-                                        "learner_step": 0, "files": {}}).encode())
+        manifest_from_bytes(
+            json.dumps(
+                {"run_id": "r", "version": 1, "base_model": "t", "parent_version": 0, "learner_step": 0, "files": {}}
+            ).encode()
+        )

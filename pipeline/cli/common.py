@@ -1,0 +1,132 @@
+"""What every ``rlpipe`` command shares: consoles, one-line errors, JSON output, bus settings.
+
+A user mistake (a bad name, an unreachable broker, a missing file, an invalid
+setting) ends the command with one red line on stderr naming the fix and a
+non-zero exit code; only a bug in rlpipe shows a traceback.  Wrap a command in
+``@handle_user_errors`` (or a block in ``with user_errors():``) to get that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+from collections.abc import Callable, Iterator
+from datetime import date, datetime
+from enum import Enum
+from pathlib import Path
+from typing import Any, NoReturn, ParamSpec, TypeVar
+from uuid import UUID
+
+import typer
+from pydantic import BaseModel, ValidationError
+from rich.console import Console
+
+from pipeline.bus import BusError
+from pipeline.stack import StackError
+from schemas.config import BusConfig
+
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+EXIT_FAILURE = 1  # something outside the command failed (broker unreachable, stack would not start)
+EXIT_USAGE = 2  # bad input: an unknown name, an invalid value (click uses 2 for usage errors too)
+
+# Errors that are the user's to fix; anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,  # schemas' InvalidNameError, SchemaVersionError, EventDecodeError, ConfigError, pydantic errors
+    BusError,
+    StackError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
+    """Print ``error: <first line of message>`` in red on stderr and exit with ``code``."""
+    line = str(message).strip().splitlines()[0] if str(message).strip() else "failed"
+    err_console.print(f"error: {line}", style="red", markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+def error_line(exc: BaseException) -> str:
+    """One line describing ``exc``: a pydantic error's first problem, else the first line of its message."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return f"{where}: {first['msg']}" if where else str(first["msg"])
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """Bad input exits 2, a failure outside the command exits 1."""
+    return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILURE
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn a user's mistake raised inside the block into one red line and an exit code."""
+    try:
+        yield
+    except USER_ERRORS as exc:
+        fail(error_line(exc), exit_code_for(exc))
+
+
+def handle_user_errors(func: Callable[P, R]) -> Callable[P, R]:
+    """Decorator form of ``user_errors`` for a command function (keeps its signature for Typer)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with user_errors():
+            return func(*args, **kwargs)
+        raise AssertionError("unreachable")  # user_errors either returns the result or exits
+
+    return wrapper
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Models, dataclasses, datetimes, paths, bytes and containers -> plain JSON values."""
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="json")
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(to_jsonable(k)) if not isinstance(k, str) else k: to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple | set | frozenset):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, datetime | date):
+        return obj.isoformat()
+    if isinstance(obj, bytes):
+        return obj.decode("utf-8", errors="replace")
+    if isinstance(obj, Path | UUID):
+        return str(obj)
+    if isinstance(obj, Enum):
+        return obj.value
+    return obj
+
+
+def print_json(obj: Any, indent: int | None = 2) -> None:
+    """Print ``obj`` as JSON on stdout (plain text, safe to pipe into ``jq``)."""
+    typer.echo(json.dumps(to_jsonable(obj), indent=indent))
+
+
+def bus_config_from_cli(bootstrap: str | None = None, namespace: str | None = None) -> BusConfig:
+    """``BusConfig`` from ``RLPIPE_BUS__*`` variables, with ``--bootstrap`` and ``--namespace`` on top."""
+    from pipeline.config import env_layer
+
+    values: dict[str, Any] = dict(env_layer().get("bus", {}))
+    if bootstrap:
+        values["bootstrap_servers"] = bootstrap
+    if namespace:
+        values["namespace"] = namespace
+    return BusConfig.model_validate(values)

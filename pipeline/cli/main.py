@@ -1,0 +1,195 @@
+"""``rlpipe``: the command line root.
+
+Built-in groups live in ``pipeline.cli`` (``topics``, ``adapters``, the stack's
+``up``/``down``/``status``).  Groups that live in ``producers`` or ``consumers``
+(which ``pipeline`` must never import) register themselves under the
+``rlpipe.commands`` entry-point group in ``pyproject.toml``
+(``envs = "producers.cli:app"``) and are found here by name.
+
+They are loaded lazily, when their name is on the command line (or for
+``rlpipe --help``), so ``rlpipe topics list`` does not import a sampler or a
+trainer, and one group that fails to import only breaks itself: calling it
+prints why in one line, everything else keeps working.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from importlib.metadata import entry_points
+from typing import Annotated, Any
+
+import click
+import typer
+from rich.table import Table
+from typer.core import TyperGroup
+
+from pipeline.broker import answers_kafka_metadata
+from pipeline.cli.common import EXIT_FAILURE, console, fail, handle_user_errors, print_json
+from pipeline.cli.topics import app as topics_app
+from pipeline.stack import StackAlreadyRunningError, StackState, read_stack_state, rlpipe_home, serve
+from pipeline.stack import start_background, stop_background
+
+ENTRY_POINT_GROUP = "rlpipe.commands"
+# Built-in groups written in their own modules; optional so a missing one does not break the CLI.
+BUILTIN_LAZY_GROUPS = {"adapters": "pipeline.cli.adapters:app"}
+
+
+def _module_exists(target: str) -> bool:
+    module = target.partition(":")[0]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def plugin_targets() -> dict[str, str]:
+    """Lazily loaded command groups: name -> ``module:attribute``."""
+    targets = {name: target for name, target in BUILTIN_LAZY_GROUPS.items() if _module_exists(target)}
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        targets.setdefault(entry_point.name, entry_point.value)
+    return targets
+
+
+def _broken_group(name: str, target: str, exc: BaseException) -> click.Command:
+    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+
+    def report(*_: Any, **__: Any) -> None:
+        fail(f"the `{name}` commands could not be loaded from {target} ({reason}); reinstall rlpipe with its extras")
+
+    return click.Command(
+        name,
+        callback=report,
+        help=f"(unavailable: {reason})",
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        add_help_option=False,
+    )
+
+
+def load_group(name: str, target: str) -> click.Command:
+    """Import ``module:attribute`` (a Typer app or click command) as command ``name``; a stub if it fails."""
+    module_name, _, attribute = target.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), attribute or "app")
+        command = typer.main.get_group(obj) if isinstance(obj, typer.Typer) else obj
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{target} is a {type(obj).__name__}, not a Typer app or click command")
+    except Exception as exc:  # a broken plugin must not break the other commands
+        return _broken_group(name, target, exc)
+    command.name = name
+    return command
+
+
+class _PluginGroup(TyperGroup):
+    """The root group: built-in commands first, then the lazily loaded groups."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        return names + sorted(name for name in plugin_targets() if name not in names)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            return command
+        target = plugin_targets().get(cmd_name)
+        if target is None:
+            return None
+        command = load_group(cmd_name, target)
+        self.commands[cmd_name] = command
+        return command
+
+
+app = typer.Typer(
+    name="rlpipe",
+    cls=_PluginGroup,
+    help="Self-hosted, event-sourced pipeline for RL post-training of language models.",
+    epilog="Example: rlpipe up && rlpipe topics list && rlpipe down",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(topics_app, name="topics")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _state_table(state: StackState, title: str) -> Table:
+    table = Table("part", "where", title=title, show_header=False)
+    table.add_row("Kafka (bus.bootstrap_servers)", state.bootstrap_servers)
+    if state.gcs_endpoint:
+        table.add_row("GCS emulator (store.gcs_endpoint)", f"{state.gcs_endpoint}  bucket gs://{state.gcs_bucket}")
+    table.add_row("local store (store.root)", state.store_root)
+    table.add_row("logs", state.log_dir)
+    table.add_row("pid", str(state.pid))
+    return table
+
+
+@app.command(epilog="Example: rlpipe up   (stop it with: rlpipe down)")
+@handle_user_errors
+def up(
+    kafka_port: Annotated[int | None, typer.Option(min=1, max=65535, help="Broker port; default: a free one.")] = None,
+    gcs_port: Annotated[int | None, typer.Option(min=1, max=65535, help="GCS emulator port; default: free.")] = None,
+    gcs: Annotated[bool, typer.Option("--gcs/--no-gcs", help="Also start the GCS emulator.")] = True,
+    foreground: Annotated[bool, typer.Option(help="Run in this terminal until Ctrl-C instead of detaching.")] = False,
+    timeout: Annotated[float, typer.Option(min=1.0, help="Seconds to wait for the stack to be ready.")] = 30.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start the embedded stack (Kafka broker, GCS emulator, local store) in the background.
+
+    Its addresses are recorded in $RLPIPE_HOME/stack.json (default ~/.rlpipe), where every
+    other rlpipe command finds them; events live in memory until `rlpipe down`.
+    """
+    if foreground:
+        raise typer.Exit(serve(rlpipe_home().resolve(), kafka_port=kafka_port, gcs_port=gcs_port, with_gcs=gcs))
+    try:
+        state = start_background(kafka_port=kafka_port, gcs_port=gcs_port, with_gcs=gcs, timeout_s=timeout)
+        title = "rlpipe stack started"
+    except StackAlreadyRunningError as exc:
+        state, title = exc.state, "rlpipe stack already running"
+    if as_json:
+        print_json({"status": "started" if title.endswith("started") else "already running", **state.model_dump()})
+    else:
+        console.print(_state_table(state, title))
+
+
+@app.command(epilog="Example: rlpipe down")
+@handle_user_errors
+def down(
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait before killing it.")] = 10.0,
+) -> None:
+    """Stop the embedded stack started by `rlpipe up` (its events are gone; the store folder stays)."""
+    state = stop_background(timeout_s=timeout)
+    if state is None:
+        console.print("no rlpipe stack is running")
+    else:
+        console.print(f"rlpipe stack stopped (pid {state.pid})")
+
+
+@app.command(epilog="Example: rlpipe status --json")
+@handle_user_errors
+def status(as_json: JsonOpt = False) -> None:
+    """Say whether the embedded stack runs, where it listens, and whether the broker answers."""
+    state = read_stack_state()
+    if state is None:
+        if as_json:
+            print_json({"running": False, "home": str(rlpipe_home())})
+        else:
+            console.print(f"no rlpipe stack is running (RLPIPE_HOME={rlpipe_home()}); start one with `rlpipe up`")
+        return
+    host, _, port = state.bootstrap_servers.rpartition(":")
+    answers = answers_kafka_metadata(host, int(port), timeout_s=2.0)
+    if as_json:
+        print_json({"running": True, "kafka_answers": answers, **state.model_dump()})
+        return
+    console.print(_state_table(state, "rlpipe stack running"))
+    if not answers:
+        fail(f"the broker at {state.bootstrap_servers} does not answer; restart with `rlpipe down && rlpipe up`")
+
+
+def main() -> None:
+    """Console-script entry point (``rlpipe``)."""
+    app()
+
+
+__all__ = ["EXIT_FAILURE", "app", "main"]

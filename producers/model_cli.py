@@ -1,0 +1,104 @@
+"""``rlpipe model``: build the tiny local base model.
+
+Thin: it calls ``producers.tiny_model.build_tiny_model`` and shows a progress
+bar while the model pre-trains.  Mistakes (an occupied folder, a bad value)
+end with one line on stderr and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from producers.tiny_model import TinyModelSpec, build_tiny_model, default_tiny_dir, read_marker
+
+app = typer.Typer(
+    name="model",
+    help="Build and inspect the local base model.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+_out = Console(highlight=False)
+_err = Console(stderr=True, highlight=False)
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+
+_DEFAULTS = TinyModelSpec()
+
+
+@app.callback()
+def _group() -> None:
+    """Build and inspect the local base model."""
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    _err.print(f"error: {message}", markup=False)
+    return typer.Exit(code)
+
+
+@app.command("init-tiny")
+def init_tiny(
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="folder to build into; default $RLPIPE_HOME/models/tiny-<hash>")
+    ] = None,
+    steps: Annotated[
+        int, typer.Option("--steps", min=0, max=1_000_000, help="pre-training steps (0 = random weights)")
+    ] = _DEFAULTS.steps,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="seed of the whole build")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="rebuild even if the folder holds a model")] = False,
+) -> None:
+    """Build the tiny Qwen2-style model (tokenizer, weights, short pre-training on environment transcripts).
+
+    An existing folder built with the same parameters is reused.
+    Example: rlpipe model init-tiny --out ./tiny --steps 150
+    """
+    logging.getLogger("producers.tiny_model").setLevel(logging.ERROR)  # skipped envs come back as warnings
+    overrides = {"steps": steps, "pretrain": steps > 0}
+    target = out if out is not None else default_tiny_dir(TinyModelSpec(seed=seed, **overrides))
+    with _progress() as progress:
+        task = progress.add_task("pre-training", total=max(steps, 1), loss=float("nan"))
+
+        def on_step(done: int, total: int, loss: float) -> None:
+            progress.update(task, completed=done, total=total, loss=loss)
+
+        try:
+            path = build_tiny_model(target, seed=seed, force=force, progress=on_step, **overrides)
+        except FileExistsError as exc:
+            raise _fail(str(exc), EXIT_USAGE) from None
+        except (RuntimeError, OSError) as exc:
+            raise _fail(f"{type(exc).__name__}: {exc}", EXIT_RUNTIME) from None
+    _report(path)
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=_err,
+        transient=True,
+    )
+
+
+def _report(path: Path) -> None:
+    marker = read_marker(path) or {}
+    final = marker.get("final_loss")
+    _out.print(f"tiny model: {path}", markup=False)
+    _out.print(f"parameters: {marker.get('params', 0):,}; vocabulary: {marker.get('vocab_size')}", markup=False)
+    _out.print(f"final loss: {'n/a (no pre-training)' if final is None else f'{final:.4f}'}", markup=False)
+    skipped = marker.get("skipped_envs") or {}
+    if skipped:
+        _err.print(f"warning: built without environments {', '.join(sorted(skipped))} (they failed to import)")
+
+
+if __name__ == "__main__":
+    app()

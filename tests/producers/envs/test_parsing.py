@@ -1,0 +1,98 @@
+"""The shared answer parser and the action limits, fuzzed."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from producers.envs.parsing import ACTION_SEPARATOR, MAX_ACTION_CHARS, format_answer, match_action, parse_answer
+from producers.envs.registry import env_names, make_env
+
+
+def test_basic_answers():
+    assert parse_answer("<think>hmm</think><answer>Up || Left</answer>", 5).actions == ("Up", "Left")
+    assert parse_answer("<answer> Up </answer>", 5).ok
+    assert parse_answer("no tags", 5).error == "missing <answer>"
+    assert parse_answer("<answer>Up", 5).error == "missing </answer>"
+    assert parse_answer("<answer></answer>", 5).error == "empty answer"
+    assert parse_answer("<answer>a || || b</answer>", 5).error == "empty action"
+
+
+def test_thinking_cannot_smuggle_an_answer():
+    # only what follows the last </think> counts
+    parsed = parse_answer("<think><answer>Down</answer></think><answer>Up</answer>", 5)
+    assert parsed.actions == ("Up",)
+    assert not parse_answer("<think><answer>Down</answer></think>", 5).ok
+
+
+def test_too_many_actions_keeps_the_first_and_flags_it():
+    parsed = parse_answer("<answer>a || b || c</answer>", 2)
+    assert parsed.actions == ("a", "b") and not parsed.ok and parsed.error == "too many actions"
+
+
+def test_no_split_keeps_sql_concatenation():
+    parsed = parse_answer("<answer>SELECT a || b FROM t</answer>", 1, split=False)
+    assert parsed.actions == ("SELECT a || b FROM t",) and parsed.ok
+
+
+def test_match_action_order():
+    names = ("Up", "Down", "Left", "Right")
+    assert match_action("Up", names) == "Up"
+    assert match_action("rIgHt", names) == "Right"
+    assert match_action("3", names) == "Left"
+    assert match_action("5", names) is None and match_action("0", names) is None
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(text=st.text(max_size=2000), limit=st.integers(min_value=-3, max_value=12), split=st.booleans())
+def test_fuzz_never_raises_and_respects_the_limit(text, limit, split):
+    parsed = parse_answer(text, limit, split=split)
+    assert len(parsed.actions) <= max(limit, 0)
+    assert all(0 < len(a) <= MAX_ACTION_CHARS for a in parsed.actions)
+
+
+@settings(max_examples=200, deadline=None)
+@given(actions=st.lists(st.text(alphabet=st.characters(blacklist_characters="|<>"), min_size=1, max_size=20)
+                        .map(str.strip).filter(bool), min_size=1, max_size=6))
+def test_format_then_parse_round_trip(actions):
+    assert parse_answer(format_answer(actions), len(actions)).actions == tuple(actions)
+
+
+def test_huge_answers_are_linear_and_bounded():
+    huge = "<answer>" + ("Up " + ACTION_SEPARATOR + " ") * 200_000 + "Up</answer>"
+    parsed = parse_answer(huge, 5)
+    assert len(parsed.actions) == 5 and not parsed.ok
+    assert not parse_answer("<answer>" + "x" * (MAX_ACTION_CHARS + 1) + "</answer>", 5).ok
+    assert parse_answer("<" * 5_000_000, 5).error == "missing <answer>"
+
+
+@pytest.mark.parametrize("name", env_names())
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(answers=st.lists(st.one_of(st.text(max_size=300), st.builds(lambda a: f"<answer>{a}</answer>",
+                                                                    st.text(max_size=60))), min_size=1, max_size=4))
+def test_every_env_survives_garbage_within_limits(name, answers):
+    env = make_env(name)
+    env.reset(3)
+    for answer in answers:
+        if env.done:
+            break
+        result = env.step(answer)
+        assert isinstance(result.reward, float)
+        assert result.info["actions_used"] <= env.config.max_actions_per_turn
+        assert env.actions_used <= env.config.max_actions_total
+        if not result.info["action_is_valid"]:
+            assert result.reward <= 0.0 or name in ("text2sql",)
+
+
+@pytest.mark.parametrize("name", env_names())
+def test_every_env_is_deterministic(name):
+    def play(seed):
+        env = make_env(name)
+        trace = [env.reset(seed)]
+        for _ in range(5):
+            result = env.step(env.heuristic_answer())
+            trace += [result.observation, result.reward, result.terminated, result.truncated]
+            if result.terminated or result.truncated:
+                break
+        return trace
+
+    assert play(11) == play(11)
