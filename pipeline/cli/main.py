@@ -25,10 +25,17 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from pipeline.broker import answers_kafka_metadata
-from pipeline.cli.common import EXIT_FAILURE, console, fail, handle_user_errors, print_json
+from pipeline.cli.common import console, fail, handle_user_errors, print_json
 from pipeline.cli.topics import app as topics_app
-from pipeline.stack import StackAlreadyRunningError, StackState, read_stack_state, rlpipe_home, serve
-from pipeline.stack import start_background, stop_background
+from pipeline.stack import (
+    StackAlreadyRunningError,
+    StackState,
+    read_stack_state,
+    rlpipe_home,
+    serve,
+    start_background,
+    stop_background,
+)
 
 ENTRY_POINT_GROUP = "rlpipe.commands"
 # Built-in groups written in their own modules; optional so a missing one does not break the CLI.
@@ -190,6 +197,3 @@ def status(as_json: JsonOpt = False) -> None:
 def main() -> None:
     """Console-script entry point (``rlpipe``)."""
     app()
-
-
-__all__ = ["EXIT_FAILURE", "app", "main"]
