@@ -83,6 +83,16 @@ def _recv_exactly(sock: socket.socket, count: int) -> bytes:
     return data
 
 
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the broker binds: TIME_WAIT is no conflict
+        try:
+            sock.bind((_LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: ask Linux to SIGTERM it when the starting thread dies."""
     with contextlib.suppress(Exception):
@@ -147,8 +157,10 @@ class TansuBroker:
         attempts = 1 if self._requested_port else 3
         for attempt in range(attempts):
             self.port = self._requested_port or free_port()
-            self._spawn()
             try:
+                if not _port_is_free(self.port):  # else the readiness probe would find the other listener
+                    raise BrokerStartError(f"port {self.port} is already in use; choose another or leave it unset")
+                self._spawn()
                 self._wait_until_ready()
                 break
             except BrokerStartError:

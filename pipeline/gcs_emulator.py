@@ -89,6 +89,7 @@ class FakeGCSServer:
         self.start_timeout_s = start_timeout_s
         self._log_path = Path(log_path) if log_path is not None else None
         self._log_file: IO[bytes] | None = None
+        self._owns_log = log_path is None  # a temporary log we made is removed on stop
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -140,6 +141,9 @@ class FakeGCSServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self._owns_log and self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
+            self._log_path = None
         atexit.unregister(self.stop)
 
     def __enter__(self) -> FakeGCSServer:
@@ -174,13 +178,13 @@ class FakeGCSServer:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self._process is None or self._process.poll() is not None:
-                raise EmulatorError(
-                    f"fake-gcs-server exited at start; see its log {self._log_path}: {self._log_tail()}"
-                )
+                raise EmulatorError(f"fake-gcs-server exited at start; its log ends: {self._log_tail()}")
             if _answers(self.endpoint_url + _READY_PATH, timeout_s=1.0):
                 return
             time.sleep(0.05)
-        raise EmulatorError(f"fake-gcs-server did not answer within {self.start_timeout_s:.0f} s; see {self._log_path}")
+        raise EmulatorError(
+            f"fake-gcs-server did not answer within {self.start_timeout_s:.0f} s; its log ends: {self._log_tail()}"
+        )
 
     def _log_tail(self) -> str:
         try:
@@ -189,12 +193,31 @@ class FakeGCSServer:
             return ""
 
 
+# gcsfs (aiohttp) ignores proxy variables, so our own calls to the endpoint must too.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _answers(url: str, timeout_s: float) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+def probe_endpoint(endpoint_url: str, timeout_s: float = 5.0) -> str | None:
+    """None if a GCS API endpoint answers HTTP at all (real GCS answers 400 here), else why not.
+
+    gcsfs retries an unreachable endpoint for about half a minute; a command line
+    should say so in seconds.
+    """
+    try:
+        with _DIRECT.open(f"{endpoint_url.rstrip('/')}{_READY_PATH}", timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError) as exc:
+        return str(getattr(exc, "reason", exc))
 
 
 def ensure_bucket(endpoint_url: str, bucket: str, project: str = "test") -> None:
@@ -207,7 +230,7 @@ def ensure_bucket(endpoint_url: str, bucket: str, project: str = "test") -> None
         method="POST",
     )
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with _DIRECT.open(request, timeout=10) as response:
             response.read()
     except urllib.error.HTTPError as exc:
         if exc.code != 409:  # 409 Conflict: the bucket is already there

@@ -50,6 +50,7 @@ from schemas.names import validate_name
 from schemas.registry import (
     AdapterFile,
     AdapterManifest,
+    ManifestError,
     check_relative_path,
     manifest_from_bytes,
     manifest_to_bytes,
@@ -114,7 +115,13 @@ class AdapterRegistry:
 
     def show(self, version: int) -> AdapterManifest:
         """The manifest of ``version`` (``AdapterNotFoundError`` if it is not committed)."""
-        return manifest_from_bytes(self.manifest_bytes(version), where=self.store.url(self._manifest_key(version)))
+        where = self.store.url(self._manifest_key(version))
+        manifest = manifest_from_bytes(self.manifest_bytes(version), where=where)
+        if (manifest.run_id, manifest.version) != (self.run_id, version):
+            raise ManifestError(
+                f"{where} claims run {manifest.run_id!r} version {manifest.version}; it was copied or tampered with"
+            )
+        return manifest
 
     def latest(self) -> AdapterManifest | None:
         """The newest committed version's manifest, or None before the first publish."""
@@ -162,7 +169,11 @@ class AdapterRegistry:
         )
 
     def published_event(self, manifest: AdapterManifest) -> AdapterPublished:
-        """The ``AdapterPublished`` payload for a committed manifest (the caller sends it on ``<ns>.adapters``)."""
+        """The ``AdapterPublished`` payload for a committed manifest (the caller sends it on ``<ns>.adapters``).
+
+        ``manifest_sha256`` is computed from the canonical encoding, which is exactly what
+        ``publish`` stored, so it equals ``adapter_sha256(version)`` without a read.
+        """
         return AdapterPublished(
             version=manifest.version,
             path=self.version_key(manifest.version),
@@ -226,7 +237,7 @@ class AdapterRegistry:
     def pull(self, version: int, cache_dir: str | os.PathLike[str]) -> Path:
         """A verified local PEFT folder of ``version`` under ``cache_dir`` (reused if already there and intact)."""
         raw = self.manifest_bytes(version)
-        manifest = manifest_from_bytes(raw, where=self.store.url(self._manifest_key(version)))
+        manifest = self.show(version)
         target = Path(cache_dir) / self.run_id / version_folder(version)
         if target.exists():
             if cached_folder_matches(target, raw, manifest):

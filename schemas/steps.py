@@ -19,7 +19,7 @@ from schemas.versions import STEPS_SCHEMA_VERSION, check_readable
 STEPS_BASE_FIELDS: list[pa.Field] = [
     pa.field("episode_id", pa.string(), nullable=False),
     pa.field("step", pa.int64(), nullable=False),
-    pa.field("timestamp", pa.timestamp("s", tz="UTC"), nullable=True),
+    pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=True),
     pa.field("is_first", pa.bool_(), nullable=False),
     pa.field("is_last", pa.bool_(), nullable=False),
     pa.field("is_terminal", pa.bool_(), nullable=False),

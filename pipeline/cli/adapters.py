@@ -8,19 +8,17 @@ endpoint, checksum mismatch) exit 1 with one line; neither prints a traceback.
 
 from __future__ import annotations
 
-import json
 import logging
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, fail, print_json
+from pipeline.gcs_emulator import probe_endpoint
 from pipeline.registry import AdapterNotFoundError, AdapterRegistry, run_ids, version_folder
 from pipeline.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError
 from schemas.names import InvalidNameError
@@ -33,21 +31,22 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-_out = Console(highlight=False)
-_err = Console(stderr=True, highlight=False)
-
-EXIT_RUNTIME = 1
-EXIT_USAGE = 2
-
 RunOption = Annotated[str, typer.Option("--run", "-r", help="run id, e.g. demo")]
 RootOption = Annotated[
     str | None,
     typer.Option(
-        "--root", help="store root URL (file:///..., gs://bucket/prefix); default: the one `rlpipe up` recorded"
+        "--root",
+        envvar="RLPIPE_STORE__ROOT",
+        help="store root URL (file:///..., gs://bucket/prefix); default: the one `rlpipe up` recorded",
     ),
 ]
 EndpointOption = Annotated[
-    str | None, typer.Option("--gcs-endpoint", help="GCS API endpoint for gs:// roots (an emulator); default: Google")
+    str | None,
+    typer.Option(
+        "--gcs-endpoint",
+        envvar="RLPIPE_STORE__GCS_ENDPOINT",
+        help="GCS API endpoint for gs:// roots (an emulator); default: Google",
+    ),
 ]
 VersionArgument = Annotated[str, typer.Argument(help="version number (7, v000007) or 'latest'")]
 JsonOption = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
@@ -68,11 +67,11 @@ def list_versions(
     with _errors():
         manifests = _registry(run, root, gcs_endpoint).list()
         if as_json:
-            typer.echo(json.dumps([m.model_dump(mode="json") for m in manifests], indent=2))
+            print_json(manifests)
         elif not manifests:
-            _out.print(f"run {run} has no adapter versions yet")
+            console.print(f"run {run} has no adapter versions yet")
         else:
-            _out.print(_versions_table(run, manifests))
+            console.print(_versions_table(run, manifests))
 
 
 @app.command("show")
@@ -92,10 +91,10 @@ def show_version(
         manifest = registry.show(_parse_version(version, registry))
         digest = registry.adapter_sha256(manifest.version)
         if as_json:
-            typer.echo(json.dumps({**manifest.model_dump(mode="json"), "adapter_sha256": digest}, indent=2))
+            print_json({**manifest.model_dump(mode="json"), "adapter_sha256": digest})
         else:
-            _out.print(_manifest_table(manifest, digest))
-            _out.print(_files_table(manifest))
+            console.print(_manifest_table(manifest, digest))
+            console.print(_files_table(manifest))
 
 
 @app.command("pull")
@@ -114,7 +113,7 @@ def pull_version(
         registry = _registry(run, root, gcs_endpoint)
         number = _parse_version(version, registry)
         folder = registry.pull(number, to)
-        _out.print(f"pulled version {number} of run {run} (verified) into {folder}")
+        console.print(f"pulled version {number} of run {run} (verified) into {folder}")
 
 
 # -- plumbing --------------------------------------------------------------------------------
@@ -129,16 +128,11 @@ def _errors() -> Iterator[None]:
     except typer.Exit:
         raise
     except (UsageError, StoreURLError, InvalidKeyError, InvalidNameError, AdapterNotFoundError) as exc:
-        _fail(str(exc), EXIT_USAGE)
+        fail(str(exc), EXIT_USAGE)
     except (ChecksumError, ManifestError, SchemaVersionError) as exc:
-        _fail(str(exc), EXIT_RUNTIME)
-    except Exception as exc:
-        _fail(f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__, EXIT_RUNTIME)
-
-
-def _fail(message: str, code: int) -> None:
-    _err.print(f"error: {message.splitlines()[0] if message else 'failed'}", markup=False, soft_wrap=True)
-    raise typer.Exit(code)
+        fail(str(exc), EXIT_FAILURE)
+    except Exception as exc:  # a store or network failure: one line, not a traceback
+        fail(f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__, EXIT_FAILURE)
 
 
 def _registry(run: str, root: str | None, gcs_endpoint: str | None) -> AdapterRegistry:
@@ -175,18 +169,13 @@ def _stack_root() -> tuple[str, str | None]:
     return str(resolved.root), getattr(resolved, "gcs_endpoint", None)
 
 
-def _probe_endpoint(endpoint: str, timeout_s: float = 5.0) -> None:
+def _probe_endpoint(endpoint: str) -> None:
     """Fail in seconds, not after gcsfs's half minute of retries, when the endpoint does not answer."""
     if not endpoint.startswith(("http://", "https://")):
         raise UsageError(f"--gcs-endpoint {endpoint!r} must start with http:// or https://")
-    try:
-        with urllib.request.urlopen(f"{endpoint.rstrip('/')}/storage/v1/b", timeout=timeout_s):
-            pass
-    except urllib.error.HTTPError:
-        return  # it answered (real GCS wants a project here): reachable
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise RuntimeError(f"cannot reach the GCS endpoint {endpoint}: {reason}; is the emulator running?") from None
+    reason = probe_endpoint(endpoint)
+    if reason is not None:
+        raise RuntimeError(f"cannot reach the GCS endpoint {endpoint}: {reason}; is the emulator running?")
 
 
 def _parse_version(text: str, registry: AdapterRegistry) -> int:

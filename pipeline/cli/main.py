@@ -19,10 +19,9 @@ import importlib.util
 from importlib.metadata import entry_points
 from typing import Annotated, Any
 
-import click
 import typer
 from rich.table import Table
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from pipeline.broker import answers_kafka_metadata
 from pipeline.cli.common import console, fail, handle_user_errors, print_json
@@ -58,29 +57,31 @@ def plugin_targets() -> dict[str, str]:
     return targets
 
 
-def _broken_group(name: str, target: str, exc: BaseException) -> click.Command:
-    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+def _broken_group(name: str, target: str, exc: BaseException) -> Any:
+    """A stand-in command that explains, in one line, why group ``name`` is unavailable."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    stub = typer.Typer(add_completion=False)
+    anything = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
 
-    def report(*_: Any, **__: Any) -> None:
+    @stub.command(name=name, help=f"(unavailable: {reason})", context_settings=anything)
+    def report(ctx: typer.Context) -> None:
         fail(f"the `{name}` commands could not be loaded from {target} ({reason}); reinstall rlpipe with its extras")
 
-    return click.Command(
-        name,
-        callback=report,
-        help=f"(unavailable: {reason})",
-        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-        add_help_option=False,
-    )
+    return typer.main.get_command(stub)
 
 
-def load_group(name: str, target: str) -> click.Command:
-    """Import ``module:attribute`` (a Typer app or click command) as command ``name``; a stub if it fails."""
+def load_group(name: str, target: str) -> Any:
+    """Import ``module:attribute`` (a Typer app) as the command group ``name``; a stub that explains if it fails."""
     module_name, _, attribute = target.partition(":")
     try:
         obj = getattr(importlib.import_module(module_name), attribute or "app")
-        command = typer.main.get_group(obj) if isinstance(obj, typer.Typer) else obj
-        if not isinstance(command, click.Command):
-            raise TypeError(f"{target} is a {type(obj).__name__}, not a Typer app or click command")
+        if isinstance(obj, typer.Typer):
+            command = typer.main.get_group(obj)
+        elif isinstance(obj, TyperCommand | TyperGroup):
+            command = obj
+        else:
+            raise TypeError(f"{target} is a {type(obj).__name__}, not a Typer app")
     except Exception as exc:  # a broken plugin must not break the other commands
         return _broken_group(name, target, exc)
     command.name = name
@@ -90,11 +91,11 @@ def load_group(name: str, target: str) -> click.Command:
 class _PluginGroup(TyperGroup):
     """The root group: built-in commands first, then the lazily loaded groups."""
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    def list_commands(self, ctx: Any) -> list[str]:
         names = super().list_commands(ctx)
         return names + sorted(name for name in plugin_targets() if name not in names)
 
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
         command = super().get_command(ctx, cmd_name)
         if command is not None:
             return command

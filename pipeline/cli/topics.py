@@ -133,6 +133,10 @@ def _time(timestamp_ms: int) -> str:
     return datetime.fromtimestamp(timestamp_ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
 
 
+def _short_time(timestamp_ms: int) -> str:
+    return datetime.fromtimestamp(timestamp_ms / 1000, tz=UTC).strftime("%m-%d %H:%M:%S.%f")[:-3]
+
+
 def _summary(record: bus.TailRecord) -> Text:
     if record.event is None:
         return Text(f"{record.error}", style="red")
@@ -153,7 +157,7 @@ def _print_records(records: list[bus.TailRecord], as_json: bool, title: str) -> 
     for r in records:
         kind = r.event.type if r.event is not None else Text("invalid", style="red")
         run = r.event.run_id if r.event is not None else (r.key or "")
-        table.add_row(_time(r.timestamp_ms)[11:], f"{r.partition}:{r.offset}", kind, run, _summary(r))
+        table.add_row(_short_time(r.timestamp_ms), f"{r.partition}:{r.offset}", kind, run, _summary(r))
     console.print(table)
 
 
@@ -164,7 +168,7 @@ def _stream(records: Iterator[bus.TailRecord], as_json: bool) -> None:
             continue
         kind = r.event.type if r.event is not None else "invalid"
         run = r.event.run_id if r.event is not None else (r.key or "")
-        line = Text(f"{_time(r.timestamp_ms)[11:]} {r.partition}:{r.offset} {kind} {run} ")
+        line = Text(f"{_short_time(r.timestamp_ms)} {r.partition}:{r.offset} {kind} {run} ")
         console.print(line + _summary(r))
 
 

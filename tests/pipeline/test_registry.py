@@ -187,3 +187,12 @@ def test_manifest_versions_and_garbage(tmp_path: Path) -> None:
                 {"run_id": "r", "version": 1, "base_model": "t", "parent_version": 0, "learner_step": 0, "files": {}}
             ).encode()
         )
+
+
+def test_a_manifest_copied_to_another_version_is_refused(memory_store: ObjectStore, tmp_path: Path) -> None:
+    make_adapter(tmp_path / "a", marker=1)
+    registry = AdapterRegistry(memory_store, "run1")
+    registry.publish(tmp_path / "a", "tiny", 0, 1)
+    memory_store.put_create("runs/run1/adapters/v000002/manifest.json", registry.manifest_bytes(1))
+    with pytest.raises(ManifestError, match="claims run 'run1' version 1"):
+        registry.show(2)
