@@ -395,7 +395,9 @@ class EventPublisher:
             raise WrongEventTypeError(wrong)
         return self.publish_raw(topic, encode_event(event), key if key is not None else event.run_id, event.type)
 
-    def publish_raw(self, topic: str, value: bytes, key: str | bytes | None, what: str = "message") -> tuple[int, int]:
+    def publish_raw(
+        self, topic: str, value: bytes | None, key: str | bytes | None, what: str = "message"
+    ) -> tuple[int, int]:
         """Publish bytes exactly as given (dead letters, replays, tests); returns (partition, offset)."""
         key_bytes = key.encode() if isinstance(key, str) else key
         retrying = Retrying(
@@ -411,7 +413,7 @@ class EventPublisher:
                     metadata = future.get(timeout=self.send_timeout_s + 5)
         except MessageSizeTooLargeError as exc:
             raise PublishError(
-                f"publishing a {what} of {len(value)} bytes to {topic} failed: it exceeds the message size limit "
+                f"publishing a {what} of {len(value or b'')} bytes to {topic} failed: it exceeds the message size limit "
                 "(1 MiB by default); keep bulk data in the store and publish a claim check"
             ) from exc
         except KafkaError as exc:

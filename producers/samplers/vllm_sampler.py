@@ -11,6 +11,7 @@ reusing a name or id for new weights can serve a stale cache (NOTES.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -30,6 +31,22 @@ def _prepare_environment() -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+
+
+def checkpoint_dtype(model_path: str) -> str:
+    """The dtype a local checkpoint was saved in, or "auto" (hub ids, missing field).
+
+    vLLM's "auto" downcasts float32 checkpoints to bfloat16 on the CPU, which puts
+    its logprobs about 1e-2 away from the learner's float32 forward pass.
+    "auto" here means what it means in transformers: the dtype of the checkpoint.
+    """
+    try:
+        with open(os.path.join(model_path, "config.json")) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return "auto"
+    saved = config.get("dtype") or config.get("torch_dtype")
+    return saved if saved in ("float32", "bfloat16", "float16") else "auto"
 
 
 class VLLMSampler(Sampler):
@@ -66,7 +83,7 @@ class VLLMSampler(Sampler):
             max_lora_rank=max_lora_rank or config.max_lora_rank,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_model_len=config.max_model_len,
-            dtype=dtype,
+            dtype=checkpoint_dtype(model_path) if dtype == "auto" else dtype,
             enforce_eager=enforce_eager,
             seed=config.seed,
             logprobs_mode="raw_logprobs",  # temperature-1 log-softmax: what the learner recomputes
@@ -91,7 +108,7 @@ class VLLMSampler(Sampler):
         handle.check_folder()
         with self._lock:
             request = self._lora_request(handle)
-            if not self._llm.add_lora(request):
+            if not self._llm.llm_engine.add_lora(request):
                 raise RuntimeError(f"vLLM refused adapter {handle.name} from {handle.path}")
             self._handles[handle.lora_int_id] = handle
         log.info("loaded adapter %s (id %d) from %s", handle.name, handle.lora_int_id, handle.path)
@@ -100,12 +117,12 @@ class VLLMSampler(Sampler):
         """Drop ``handle`` from the engine (a no-op when it is not loaded)."""
         with self._lock:
             self._handles.pop(handle.lora_int_id, None)
-            self._llm.remove_lora(handle.lora_int_id)
+            self._llm.llm_engine.remove_lora(handle.lora_int_id)
 
     def loaded_adapter_ids(self) -> set[int]:
         """The LoRA ids the engine holds right now."""
         with self._lock:
-            return set(self._llm.list_loras())
+            return set(self._llm.llm_engine.list_loras())
 
     # ---- sampling ----------------------------------------------------------------
     def generate(

@@ -1,0 +1,129 @@
+"""The producer process: set up each component, then run the rollout loop.
+
+Set-up reads one line per component (store, bus, model, sampler, registry,
+adapter watcher, sink); the loop is ``RolloutWorker.run`` with a heartbeat on
+the control topic every ``heartbeat_interval_s``.  SIGTERM/SIGINT stop the loop
+between phases: finished groups are flushed as a batch, unfinished ones are
+abandoned (nothing partial is ever written), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from pipeline.archive import TrajectoryArchive
+from pipeline.bus import EventConsumer, EventPublisher, tail
+from pipeline.health import HealthServer
+from pipeline.registry import AdapterRegistry
+from pipeline.runtime import Announcer, RateMeter, StopFlag, open_store, resolved_bus
+from pipeline.stack import rlpipe_home
+from producers.adapters import AdapterWatcher, KafkaAdapterEvents
+from producers.envs.registry import make_env
+from producers.rollout import RolloutWorker
+from producers.samplers import make_sampler
+from producers.sink import StoreThenEventSink, announce_orphans, announced_batches
+from producers.tiny_model import resolve_model
+from schemas.config import RunConfig
+from schemas.events import ProducerHeartbeat
+
+log = logging.getLogger("rlpipe.producer")
+
+
+def default_producer_id() -> str:
+    """``<host>-<pid>``: unique per process, so a restart never reuses episode or batch ids."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}"
+
+
+class Heartbeat:
+    """Publishes ``ProducerHeartbeat`` with rates since the previous beat."""
+
+    def __init__(self, worker: RolloutWorker, watcher: AdapterWatcher, announce: Announcer, interval_s: float,
+                 health: HealthServer | None = None) -> None:
+        self.worker, self.watcher, self.announce, self.interval_s = worker, watcher, announce, interval_s
+        self.meter = RateMeter(time.monotonic)
+        self.meter.rates(self._totals())
+        self.next_at = time.monotonic() + interval_s
+        self.health = health
+
+    def _totals(self) -> dict[str, float]:
+        s = self.worker.stats
+        return {"samples": s.samples, "tokens": s.tokens, "env_steps": s.env_steps, "generate_s": s.generate_s}
+
+    def maybe_beat(self) -> None:
+        if time.monotonic() >= self.next_at:
+            self.beat()
+
+    def beat(self) -> ProducerHeartbeat:
+        totals = self._totals()
+        rates, interval = self.meter.rates(totals)
+        current = self.watcher.current()
+        stats = self.worker.stats
+        payload = ProducerHeartbeat(
+            producer_id=self.worker.producer_id,
+            adapter_version=current.version if current else 0,
+            samples_total=stats.samples, batches_total=stats.batches, tokens_total=stats.tokens,
+            env_steps_total=stats.env_steps,
+            samples_per_s=rates["samples"], tokens_per_s=rates["tokens"], env_steps_per_s=rates["env_steps"],
+            busy_fraction=min(1.0, max(0.0, rates["generate_s"])), interval_s=interval,
+        )
+        self.announce(payload)
+        if self.health is not None:
+            for name, value in payload.model_dump().items():
+                if isinstance(value, int | float):
+                    self.health.set_gauge(f"rlpipe_producer_{name}", float(value), f"producer {name}")
+        self.next_at = time.monotonic() + self.interval_s
+        return payload
+
+
+def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWorker:
+    """Run one producer until stopped or ``producer.max_groups`` groups are written."""
+    stop = stop or StopFlag()
+    producer_id = config.producer.producer_id or default_producer_id()
+    log.info("initialising producer %s for run %s (env %s)", producer_id, config.run_id, config.env.name)
+    health = HealthServer(config.producer.health_port).start() if config.producer.health_port is not None else None
+    bus = resolved_bus(config.bus)
+    store = open_store(config.store)
+    archive = TrajectoryArchive(store)
+    publisher = EventPublisher(bus)
+    announce = Announcer(publisher, config.run_id)
+    announce_orphans(archive, config.run_id, announced_batches(tail(bus, "trajectories", n=10**9,
+                                                                      run_id=config.run_id)),
+                     announce, min_age_s=2 * config.producer.batch_timeout_s)
+    model_path = resolve_model(config.model)
+    log.info("initialising sampler %s on %s", config.sampler.backend, model_path)
+    sampler = make_sampler(config.sampler.backend, model_path, config.sampler)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    registry = AdapterRegistry(store, config.run_id)
+    events = KafkaAdapterEvents(EventConsumer(bus, "adapters", f"rlpipe-producer-{producer_id}",
+                                              run_id=config.run_id, auto_offset_reset="latest"))
+    cache = Path(rlpipe_home()) / "adapter-cache" / producer_id
+    watcher = AdapterWatcher(registry, sampler, cache, max_loaded=config.sampler.max_loras, events=events)
+    sink = StoreThenEventSink(archive, config.run_id, config.env.name, producer_id, announce)
+    worker = RolloutWorker(
+        run_id=config.run_id, producer_id=producer_id, env_name=config.env.name,
+        make_env=lambda: make_env(config.env.name, config.env.overrides), tokenizer=tokenizer, sampler=sampler,
+        adapters=watcher, sink=sink, producer=config.producer, sampling=config.sampler,
+    )
+    heartbeat = Heartbeat(worker, watcher, announce, config.producer.heartbeat_interval_s, health)
+    if health is not None:
+        health.add_readiness_check("model_loaded", lambda: True)
+        health.add_readiness_check("broker", lambda: publisher is not None)
+    log.info("producer %s running", producer_id)
+    try:
+        worker.run(should_stop=stop, on_tick=heartbeat.maybe_beat)
+        heartbeat.beat()
+    finally:
+        publisher.close()
+        events.consumer.close()
+        sampler.close()
+        if health is not None:
+            health.stop()
+    log.info("producer %s stopped: %d batches, %d samples", producer_id, worker.stats.batches, worker.stats.samples)
+    return worker

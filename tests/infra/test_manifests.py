@@ -1,0 +1,526 @@
+"""Kubernetes manifests: render every kustomization, validate against the Kubernetes schemas,
+and check what the pods, Strimzi and rlpipe's configuration must agree on."""
+
+from __future__ import annotations
+
+import copy
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pipeline.config import resolve_config
+from pipeline.topics import all_topics
+from schemas.config import RunConfig
+from tests.infra.kustomize_render import KustomizeError, is_builtin, pod_specs, render
+
+K8S = Path(__file__).resolve().parents[2] / "infra" / "k8s"
+KUSTOMIZATIONS = ["base", "kafka", "overlays/dev", "overlays/gke"]
+OVERLAYS = ["overlays/dev", "overlays/gke"]
+WORKLOADS = {"Deployment": "producer", "StatefulSet": "learner"}  # kind -> rlpipe component
+STRIMZI_API = "kafka.strimzi.io/v1beta2"
+ONE_MIB = 1024 * 1024
+DAY_MS = 24 * 3600 * 1000
+
+
+@cache
+def _rendered(name: str) -> tuple[dict[str, Any], ...]:
+    return tuple(render(K8S / name))
+
+
+def rendered(name: str) -> list[dict[str, Any]]:
+    """A fresh copy of a rendering (cached, so each kustomization is rendered once per session)."""
+    return copy.deepcopy(list(_rendered(name)))
+
+
+def of_kind(resources: list[dict], kind: str) -> list[dict]:
+    return [r for r in resources if r["kind"] == kind]
+
+
+def one(resources: list[dict], kind: str, name: str | None = None) -> dict:
+    matches = [r for r in of_kind(resources, kind) if name is None or r["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
+    return matches[0]
+
+
+def workloads(resources: list[dict]) -> list[tuple[str, dict, dict]]:
+    """(component, workload, its one rlpipe container) for the producer Deployment and the learner StatefulSet."""
+    result = []
+    for kind, component in WORKLOADS.items():
+        workload = one(resources, kind)
+        (spec,) = pod_specs(workload)
+        (container,) = [c for c in spec["containers"] if c["name"] == component]
+        result.append((component, workload, container))
+    return result
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def health_port(container: dict) -> int:
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "health"]
+    return port
+
+
+# rendering and schemas ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_renders_and_builtin_kinds_match_the_kubernetes_schemas(name):
+    resources = rendered(name)
+    assert resources
+    version = kubernetes_validate.latest_version()
+    validated = 0
+    for resource in filter(is_builtin, resources):
+        try:
+            kubernetes_validate.validate(resource, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            where = "/".join(str(p) for p in err.path)
+            pytest.fail(f"{name}: {resource['kind']}/{resource['metadata']['name']} at {where}: {err.message}")
+        validated += 1
+    assert validated == sum(1 for r in resources if not r["apiVersion"].startswith("kafka.strimzi.io"))
+
+
+def test_validation_would_catch_a_typo():
+    # Guard against a validator that silently accepts everything (e.g. a schema that is not found).
+    deployment = one(rendered("overlays/gke"), "Deployment")
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["pth"] = "/healthz"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, kubernetes_validate.latest_version(), strict=True)
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_everything_lands_in_the_rlpipe_namespace(name):
+    for resource in rendered(name):
+        if resource["kind"] != "Namespace":
+            assert resource["metadata"].get("namespace") == "rlpipe", resource["metadata"]["name"]
+        assert resource["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlpipe"
+
+
+@pytest.mark.parametrize("name", ["base", *OVERLAYS])
+def test_every_config_map_reference_resolves(name):
+    resources = rendered(name)
+    config_maps = {r["metadata"]["name"] for r in of_kind(resources, "ConfigMap")}
+    for _, workload, _ in workloads(resources):
+        (spec,) = pod_specs(workload)
+        for volume in spec["volumes"]:
+            for source in volume.get("projected", {}).get("sources", []):
+                if "configMap" in source:
+                    assert source["configMap"]["name"] in config_maps
+    # The generated name carries a content hash, so a changed run.yaml rolls the pods.
+    assert all(re.fullmatch(r"rlpipe-run-[0-9a-f]{10}", n) for n in config_maps)
+
+
+def test_dev_and_gke_run_configs_differ_so_their_config_map_names_do():
+    dev = one(rendered("overlays/dev"), "ConfigMap")["metadata"]["name"]
+    gke = one(rendered("overlays/gke"), "ConfigMap")["metadata"]["name"]
+    assert dev != gke
+
+
+# pods: security, probes, metrics, lifecycle ----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["base", *OVERLAYS])
+def test_every_container_runs_non_root_with_nothing_to_escalate(name):
+    for _, workload, _ in workloads(rendered(name)):
+        (spec,) = pod_specs(workload)
+        pod_ctx = spec.get("securityContext", {})
+        mounts_by_container = {}
+        for container in spec["containers"] + spec.get("initContainers", []):
+            ctx = {**pod_ctx, **container.get("securityContext", {})}
+            assert ctx.get("runAsNonRoot") is True, container["name"]
+            assert ctx.get("runAsUser") == 10001, container["name"]
+            assert ctx.get("allowPrivilegeEscalation") is False, container["name"]
+            assert ctx.get("readOnlyRootFilesystem") is True, container["name"]
+            assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+            mounts_by_container[container["name"]] = {m["mountPath"] for m in container["volumeMounts"]}
+        assert pod_ctx["seccompProfile"]["type"] == "RuntimeDefault"
+        # A read-only root needs writable scratch: /tmp, the home folder and the model caches.
+        for mounts in mounts_by_container.values():
+            assert {"/tmp", "/home/rlpipe", "/cache"} <= mounts
+
+
+@pytest.mark.parametrize("name", ["base", *OVERLAYS])
+def test_probes_metrics_and_config_agree_on_the_health_port(name):
+    for component, workload, container in workloads(rendered(name)):
+        port = health_port(container)
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert container[probe]["httpGet"]["port"] in ("health", port)
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(port)
+        assert annotations["prometheus.io/path"] == "/metrics"
+        # The process must serve where the probes look: the port reaches it through RLPIPE_ env.
+        assert env_of(container)[f"RLPIPE_{component.upper()}__HEALTH_PORT"]["value"] == str(port)
+
+
+@pytest.mark.parametrize("name", ["base", *OVERLAYS])
+def test_commands_resources_and_grace_period(name):
+    for component, workload, container in workloads(rendered(name)):
+        assert container["command"] == ["rlpipe"]
+        assert container["args"] == [component, "start", "--config", "/etc/rlpipe/run.yaml"]
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+        assert "memory" in container["resources"]["limits"]
+        (spec,) = pod_specs(workload)
+        # Long enough to flush a partial batch / write a checkpoint after SIGTERM.
+        assert spec["terminationGracePeriodSeconds"] >= 60
+        assert spec["serviceAccountName"] == "rlpipe"
+
+
+def test_learner_is_a_single_replica_statefulset_with_a_cache_claim():
+    for name in ["base", *OVERLAYS]:
+        learner = one(rendered(name), "StatefulSet", "rlpipe-learner")
+        assert learner["spec"]["replicas"] == 1
+        assert learner["spec"]["serviceName"] == one(rendered(name), "Service", "rlpipe-learner")["metadata"]["name"]
+        (claim,) = learner["spec"]["volumeClaimTemplates"]
+        mounts = {m["name"]: m["mountPath"] for m in learner["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts[claim["metadata"]["name"]] == "/cache"
+
+
+def test_service_account_is_bound_to_a_google_service_account():
+    account = one(rendered("overlays/gke"), "ServiceAccount", "rlpipe")
+    assert account["metadata"]["annotations"]["iam.gke.io/gcp-service-account"].endswith(".iam.gserviceaccount.com")
+
+
+# GPU placement -------------------------------------------------------------------
+
+
+def test_gke_requests_one_gpu_per_pod_on_l4_nodes():
+    for _, workload, container in workloads(rendered("overlays/gke")):
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
+        (spec,) = pod_specs(workload)
+        assert spec["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
+        assert container["image"].startswith("us-central1-docker.pkg.dev/")
+
+
+def test_dev_asks_for_no_gpu_anywhere():
+    text = yaml.safe_dump_all(rendered("overlays/dev"))
+    assert "nvidia.com/gpu:" not in text
+    assert "gke-accelerator" not in text
+    for _, workload, _ in workloads(rendered("overlays/dev")):
+        assert "nodeSelector" not in pod_specs(workload)[0]
+
+
+# secrets --------------------------------------------------------------------------
+
+SECRET_ENV = re.compile(r"PASSWORD|SECRET|TOKEN|CREDENTIAL|API_KEY|PRIVATE", re.IGNORECASE)
+PASSWORD_LITERAL = re.compile(r"(?i)\bpassword\s*[:=][ \t]*[^\s{]")  # `password: x`, not `key: password`
+
+
+def secret_problems(resources: list[dict]) -> list[str]:
+    """Every place a secret value could be written literally into the manifests."""
+    problems = [f"Secret {r['metadata']['name']} is committed" for r in of_kind(resources, "Secret")]
+    text = yaml.safe_dump_all(resources)
+    if "-----BEGIN" in text:
+        problems.append("key or certificate material")
+    if "sasl.jaas.config" in text:
+        problems.append("a JAAS config (it embeds the password)")
+    problems.extend(f"password literal: {m.group(0)!r}" for m in PASSWORD_LITERAL.finditer(text))
+    for resource in resources:
+        for spec in pod_specs(resource):
+            for container in spec["containers"] + spec.get("initContainers", []):
+                for env in container.get("env", []):
+                    if SECRET_ENV.search(env["name"]) and "secretKeyRef" not in env.get("valueFrom", {}):
+                        problems.append(f"{container['name']}: {env['name']} is not read from a Secret")
+        for key, value in resource.get("data", {}).items():
+            if key.endswith((".yaml", ".yml")) and "sasl_password" in (yaml.safe_load(value).get("bus") or {}):
+                problems.append(f"{resource['metadata']['name']}/{key} holds bus.sasl_password")
+    return problems
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_no_literal_secret_in_any_manifest(name):
+    assert secret_problems(rendered(name)) == []
+
+
+def test_the_secret_check_catches_literal_passwords():
+    resources = rendered("overlays/gke")
+    (_, _, container), _ = workloads(resources)
+    env_of(container)["RLPIPE_BUS__SASL_PASSWORD"].pop("valueFrom")
+    env_of(container)["RLPIPE_BUS__SASL_PASSWORD"]["value"] = "hunter2"
+    config_map = one(resources, "ConfigMap")
+    config_map["data"]["run.yaml"] = config_map["data"]["run.yaml"].replace(
+        "bus:\n", "bus:\n  sasl_password: hunter2\n")
+    problems = secret_problems(resources)
+    assert any("RLPIPE_BUS__SASL_PASSWORD is not read from a Secret" in p for p in problems)
+    assert any("holds bus.sasl_password" in p for p in problems)
+    assert any("password literal" in p for p in problems)
+
+
+# the run configuration the pods will resolve ------------------------------------------
+
+
+def resolved_config(resources: list[dict], container: dict, tmp_path: Path) -> RunConfig:
+    """What ``rlpipe ... --config /etc/rlpipe/run.yaml`` resolves to inside this container."""
+    (config_map,) = of_kind(resources, "ConfigMap")
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(config_map["data"]["run.yaml"])
+    environ = {}
+    for env in container["env"]:
+        if "value" in env:
+            environ[env["name"]] = env["value"]
+        elif "secretKeyRef" in env["valueFrom"]:
+            environ[env["name"]] = "from-the-secret"
+        elif "fieldRef" in env["valueFrom"]:
+            environ[env["name"]] = "rlpipe-producer-7d9f8b6c5-x2k4q"  # a pod name
+    return resolve_config(config_file=run_yaml, environ=environ)
+
+
+def mounted_files(workload: dict, container: dict) -> dict[str, tuple[str, str]]:
+    """Files projected into the container: path -> (ConfigMap or Secret name, key)."""
+    (spec,) = pod_specs(workload)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    files = {}
+    for mount in container["volumeMounts"]:
+        for source in volumes[mount["name"]].get("projected", {}).get("sources", []):
+            ref = source.get("configMap") or source.get("secret")
+            for item in ref.get("items", []):
+                files[f"{mount['mountPath']}/{item['path']}"] = (ref["name"], item["key"])
+    return files
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_pods_resolve_a_valid_run_config_that_matches_the_cluster(name, tmp_path):
+    resources = rendered(name)
+    kafka = one(resources, "Kafka")
+    cluster = kafka["metadata"]["name"]
+    tls_listener = next(x for x in kafka["spec"]["kafka"]["listeners"] if x["tls"])
+    user = one(resources, "KafkaUser")
+    configs = {}
+    for component, workload, container in workloads(resources):
+        config = resolved_config(resources, container, tmp_path)
+        configs[component] = config
+        bus = config.bus
+        assert bus.bootstrap_servers == f"{cluster}-kafka-bootstrap:{tls_listener['port']}"
+        assert bus.security_protocol == "SASL_SSL"
+        assert bus.sasl_mechanism == "SCRAM-SHA-512" and user["spec"]["authentication"]["type"] == "scram-sha-512"
+        assert bus.sasl_username == user["metadata"]["name"]
+        assert bus.sasl_password.get_secret_value() == "from-the-secret"
+        # Strimzi's User Operator names the password Secret after the KafkaUser.
+        secret_ref = env_of(container)["RLPIPE_BUS__SASL_PASSWORD"]["valueFrom"]["secretKeyRef"]
+        assert (secret_ref["name"], secret_ref["key"]) == (user["metadata"]["name"], "password")
+        # The CA file the client trusts is Strimzi's cluster CA, mounted where the config says.
+        files = mounted_files(workload, container)
+        assert files[bus.ssl_cafile] == (f"{cluster}-cluster-ca-cert", "ca.crt")
+        assert "/etc/rlpipe/run.yaml" in files
+        assert getattr(config, component).health_port == health_port(container)
+    producer = configs["producer"]
+    assert producer.producer.producer_id == "rlpipe-producer-7d9f8b6c5-x2k4q"
+    # Both pods serve the same run: everything but their own section (health port, id) is equal.
+    sections = {"producer", "learner"}
+    assert configs["learner"].model_dump(exclude=sections) == producer.model_dump(exclude=sections)
+
+
+def test_dev_runs_the_tiny_model_on_cpu_with_a_file_store(tmp_path):
+    resources = rendered("overlays/dev")
+    pvc = one(resources, "PersistentVolumeClaim", "rlpipe-data")
+    for component, workload, container in workloads(resources):
+        config = resolved_config(resources, container, tmp_path)
+        assert config.sampler.backend == "transformers"
+        assert config.model.base_model == "tiny"
+        assert config.learner.device == "cpu"
+        assert config.store.root == "file:///data/store"
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        (spec,) = pod_specs(workload)
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]
+                  if "persistentVolumeClaim" in v}
+        data_volume = next(v for v, claim in claims.items() if claim == pvc["metadata"]["name"])
+        assert config.store.root.removeprefix("file://").startswith(mounts[data_volume])
+        assert config.model.tiny_dir.startswith(mounts[data_volume])  # built once, shared by both pods
+
+
+def test_gke_runs_a_real_model_with_vllm_on_gcs(tmp_path):
+    resources = rendered("overlays/gke")
+    for _, _, container in workloads(resources):
+        config = resolved_config(resources, container, tmp_path)
+        assert config.sampler.backend == "vllm"
+        assert config.model.base_model == "Qwen/Qwen2.5-0.5B-Instruct"
+        assert config.store.root.startswith("gs://")
+        assert config.learner.device == "cuda"
+
+
+# Strimzi ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["kafka", *OVERLAYS])
+def test_strimzi_cluster_is_kraft_with_node_pools(name):
+    resources = rendered(name)
+    kafka = one(resources, "Kafka")
+    assert kafka["apiVersion"] == STRIMZI_API
+    assert kafka["metadata"]["annotations"] == {"strimzi.io/kraft": "enabled", "strimzi.io/node-pools": "enabled"}
+    assert "zookeeper" not in kafka["spec"]
+    assert kafka["spec"]["kafka"]["config"]["auto.create.topics.enable"] is False
+    assert {"topicOperator", "userOperator"} <= set(kafka["spec"]["entityOperator"])
+    pool = one(resources, "KafkaNodePool")
+    assert pool["apiVersion"] == STRIMZI_API
+    assert pool["metadata"]["labels"]["strimzi.io/cluster"] == kafka["metadata"]["name"]
+    assert set(pool["spec"]["roles"]) == {"controller", "broker"}
+    # Durability: min.insync.replicas must leave one replica to lose.
+    config = kafka["spec"]["kafka"]["config"]
+    assert config["min.insync.replicas"] <= config["default.replication.factor"] <= pool["spec"]["replicas"]
+    for listener in kafka["spec"]["kafka"]["listeners"]:
+        assert listener["authentication"]["type"] == "scram-sha-512"  # no anonymous listener
+
+
+@pytest.mark.parametrize("name", ["kafka", *OVERLAYS])
+def test_topics_are_the_four_rlpipe_topics_with_sane_settings(name):
+    resources = rendered(name)
+    cluster = one(resources, "Kafka")["metadata"]["name"]
+    brokers = one(resources, "KafkaNodePool")["spec"]["replicas"]
+    topics = {t["spec"]["topicName"]: t for t in of_kind(resources, "KafkaTopic")}
+    assert sorted(topics) == sorted(all_topics("rlpipe"))
+    for topic in topics.values():
+        spec = topic["spec"]
+        assert topic["apiVersion"] == STRIMZI_API
+        assert topic["metadata"]["labels"]["strimzi.io/cluster"] == cluster
+        assert spec["partitions"] >= 1
+        assert 1 <= spec["replicas"] <= brokers
+        assert spec["config"]["min.insync.replicas"] <= spec["replicas"]
+        assert spec["config"]["max.message.bytes"] == ONE_MIB
+        assert spec["config"]["cleanup.policy"] == "delete"
+    retention = {name.split(".")[1]: t["spec"]["config"]["retention.ms"] for name, t in topics.items()}
+    assert retention["trajectories"] >= 30 * DAY_MS
+    assert retention["dlq"] >= 30 * DAY_MS
+    assert retention["control"] < retention["trajectories"]
+
+
+def test_dev_kafka_is_one_ephemeral_node():
+    resources = rendered("overlays/dev")
+    pool = one(resources, "KafkaNodePool")
+    assert pool["spec"]["replicas"] == 1 and pool["spec"]["storage"]["type"] == "ephemeral"
+    assert all(t["spec"]["replicas"] == 1 for t in of_kind(resources, "KafkaTopic"))
+    assert one(resources, "Kafka")["spec"]["kafka"]["config"]["offsets.topic.replication.factor"] == 1
+
+
+def test_kafka_user_may_use_exactly_the_rlpipe_namespace():
+    user = one(rendered("kafka"), "KafkaUser")
+    assert user["apiVersion"] == STRIMZI_API and user["metadata"]["labels"]["strimzi.io/cluster"] == "rlpipe"
+    acls = {(a["resource"]["type"], a["resource"].get("name"), a["resource"].get("patternType")): a["operations"]
+            for a in user["spec"]["authorization"]["acls"]}
+    assert {"Read", "Write"} <= set(acls[("topic", "rlpipe.", "prefix")])
+    assert "Read" in acls[("group", "rlpipe", "prefix")]
+    assert all(name in (None, "rlpipe", "rlpipe.") for _, name, _ in acls)  # nothing broader than rlpipe
+
+
+# autoscaling -------------------------------------------------------------------------
+
+
+def test_gke_autoscales_producers_on_the_adapter_metric():
+    resources = rendered("overlays/gke")
+    hpa = one(resources, "HorizontalPodAutoscaler")
+    producer = one(resources, "Deployment")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", producer["metadata"]["name"])
+    assert "replicas" not in producer["spec"]  # the HPA owns the count; apply must not reset it
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"]["selector"]["matchLabels"]["topic"] == "rlpipe.trajectories"
+    values = yaml.safe_load((K8S / "overlays/gke/prometheus-adapter-values.yaml").read_text())
+    names = [rule["name"]["as"] for rule in values["rules"]["external"]]
+    assert metric["external"]["metric"]["name"] in names
+    # The lag series come from Strimzi's Kafka Exporter, which must be on.
+    assert "kafkaExporter" in one(resources, "Kafka")["spec"]
+
+
+def test_dev_has_no_autoscaler():
+    assert not of_kind(rendered("overlays/dev"), "HorizontalPodAutoscaler")
+
+
+# the renderer itself -------------------------------------------------------------------
+
+
+def _kustomize_tree(tmp_path: Path, base: str, overlay: str, files: dict[str, str] | None = None) -> Path:
+    (tmp_path / "base").mkdir()
+    (tmp_path / "overlay").mkdir()
+    (tmp_path / "base/kustomization.yaml").write_text(base)
+    (tmp_path / "overlay/kustomization.yaml").write_text(overlay)
+    for path, text in (files or {}).items():
+        (tmp_path / path).write_text(text)
+    return tmp_path / "overlay"
+
+
+DEPLOYMENT = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: app}
+spec:
+  selector: {matchLabels: {a: b}}
+  template:
+    metadata: {labels: {a: b}}
+    spec:
+      nodeSelector: {gpu: l4}
+      containers:
+        - name: c
+          image: img:1
+          env: [{name: A, value: "1"}, {name: B, value: "2"}]
+          resources: {limits: {memory: 1Gi, nvidia.com/gpu: 1}}
+          volumeMounts: [{name: v, mountPath: /v}]
+      volumes: [{name: v, emptyDir: {}}]
+"""
+
+
+def test_renderer_strategic_merge_semantics(tmp_path):
+    overlay = _kustomize_tree(
+        tmp_path,
+        "resources: [app.yaml]\n",
+        "resources: [../base]\npatches: [{path: p.yaml}]\nimages: [{name: img, newName: reg/img, newTag: '2'}]\n",
+        {
+            "base/app.yaml": DEPLOYMENT,
+            "overlay/p.yaml": """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: app}
+spec:
+  template:
+    spec:
+      nodeSelector: null
+      containers:
+        - name: c
+          env: [{name: B, value: "3"}, {name: A, $patch: delete}, {name: C, value: "4"}]
+          resources: {limits: {nvidia.com/gpu: null}}
+""",
+        },
+    )
+    (deployment,) = render(overlay)
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert "nodeSelector" not in spec  # null deletes
+    assert container["env"] == [{"name": "B", "value": "3"}, {"name": "C", "value": "4"}]  # merged by name
+    assert container["resources"]["limits"] == {"memory": "1Gi"}
+    assert container["volumeMounts"] == [{"name": "v", "mountPath": "/v"}]  # untouched fields stay
+    assert container["image"] == "reg/img:2"
+
+
+def test_renderer_json6902_generator_hash_and_refusals(tmp_path):
+    overlay = _kustomize_tree(
+        tmp_path,
+        "namespace: ns\nresources: [app.yaml]\nconfigMapGenerator: [{name: cfg, files: [run.yaml]}]\n",
+        "resources: [../base]\nconfigMapGenerator: [{name: cfg, behavior: replace, files: [run.yaml]}]\n"
+        "patches:\n  - target: {kind: Deployment, name: app}\n"
+        "    patch: '[{op: replace, path: /spec/template/spec/volumes/0, value: {name: v, configMap: {name: cfg}}}]'\n",
+        {"base/app.yaml": DEPLOYMENT, "base/run.yaml": "a: 1\n", "overlay/run.yaml": "a: 2\n"},
+    )
+    resources = render(overlay)
+    config_map = one(resources, "ConfigMap")
+    assert config_map["data"] == {"run.yaml": "a: 2\n"}
+    assert re.fullmatch(r"cfg-[0-9a-f]{10}", config_map["metadata"]["name"])
+    volume = one(resources, "Deployment")["spec"]["template"]["spec"]["volumes"][0]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]  # reference follows the hash
+    assert {r["metadata"]["namespace"] for r in resources} == {"ns"}
+
+    (tmp_path / "overlay/kustomization.yaml").write_text("resources: [../base]\ncommonLabels: {a: b}\n")
+    with pytest.raises(KustomizeError, match="unsupported keys"):
+        render(overlay)
+    (tmp_path / "overlay/kustomization.yaml").write_text("resources: [../base]\npatches: [{path: p.yaml}]\n")
+    (tmp_path / "overlay/p.yaml").write_text("apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: nope}\n")
+    with pytest.raises(KustomizeError, match="matches no resource"):
+        render(overlay)

@@ -1,0 +1,319 @@
+"""The event log against the real Tansu broker: publish, consume, commit, seek, lag, dead letters, failures.
+
+Consumer-group joins take about 3 s on this broker, so each test uses as few
+consumers as it can.  Expected offsets and counts are derived from what
+``publish`` reported, not copied from the consumer's output.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from pipeline import bus
+from pipeline.bus import (
+    BusConfigError,
+    BusUnavailableError,
+    EventConsumer,
+    EventPublisher,
+    PublishError,
+    WrongEventTypeError,
+)
+from pipeline.gcs_emulator import free_port
+from schemas.config import BusConfig
+from schemas.events import DeadLetter, RunStopped, encode_event, make_event
+
+
+def _stop(run_id: str, reason: str) -> Any:
+    return make_event(run_id, RunStopped(reason=reason))
+
+
+def _poll_until(consumer: EventConsumer, count: int, timeout_s: float = 20.0) -> list[bus.ConsumedEvent]:
+    """Poll until ``count`` events arrived (the first poll includes the ~3 s group join)."""
+    events: list[bus.ConsumedEvent] = []
+    deadline = time.monotonic() + timeout_s
+    while len(events) < count and time.monotonic() < deadline:
+        events += consumer.poll(timeout_s=0.5)
+    return events
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# settings (no network)
+
+
+def test_client_settings_carry_security_and_hide_the_password(tmp_path: Path) -> None:
+    config = BusConfig(
+        bootstrap_servers="k1:9092, k2:9093",
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="alice",
+        sasl_password=SecretStr("s3cret"),
+    )
+    settings = bus.kafka_client_settings(config)
+    assert settings["bootstrap_servers"] == ["k1:9092", "k2:9093"]
+    assert settings["security_protocol"] == "SASL_SSL"
+    assert settings["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert settings["sasl_plain_username"] == "alice"
+    assert settings["sasl_plain_password"] == "s3cret"  # the client needs the real value...
+    assert "s3cret" not in repr(settings)  # ...but it never shows up when the settings are logged
+    assert "s3cret" not in str(bus.redacted(settings))
+    assert settings["bootstrap_timeout_ms"] == int(config.connect_timeout_s * 1000)
+
+
+def test_password_file_and_cafile(tmp_path: Path) -> None:
+    password_file = tmp_path / "password"
+    password_file.write_text("from-file\n")
+    cafile = tmp_path / "ca.pem"
+    cafile.write_text("-----BEGIN CERTIFICATE-----\n")
+    config = BusConfig(
+        bootstrap_servers="k:9092",
+        security_protocol="SASL_SSL",
+        sasl_mechanism="PLAIN",
+        sasl_username="bob",
+        sasl_password_file=str(password_file),
+        ssl_cafile=str(cafile),
+    )
+    settings = bus.kafka_client_settings(config)
+    assert settings["sasl_plain_password"] == "from-file"
+    assert settings["ssl_cafile"] == str(cafile)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"sasl_password_file": "/nonexistent/password"}, "cannot read bus.sasl_password_file"),
+        ({"sasl_password": SecretStr("x"), "sasl_password_file": "/x"}, "only one of"),
+        ({}, "needs a password"),
+        ({"sasl_password": SecretStr("x"), "ssl_cafile": "/nonexistent/ca.pem"}, "bus.ssl_cafile"),
+        ({"sasl_password": SecretStr("x"), "bootstrap_servers": "no-port"}, "not host:port"),
+    ],
+)
+def test_bad_security_settings_name_the_field(changes: dict[str, Any], message: str) -> None:
+    base = {
+        "bootstrap_servers": "k:9092",
+        "security_protocol": "SASL_PLAINTEXT",
+        "sasl_mechanism": "PLAIN",
+        "sasl_username": "u",
+    }
+    with pytest.raises(BusConfigError, match=message):
+        bus.kafka_client_settings(BusConfig(**{**base, **changes}))
+
+
+def test_topic_names_and_offset_helpers() -> None:
+    assert bus.resolve_topic("ns", "control") == "ns.control"
+    assert bus.resolve_topic("ns", "other.topic") == "other.topic"
+    with pytest.raises(bus.UnknownTopicError, match="neither a topic kind"):
+        bus.resolve_topic("ns", "controls")
+    assert bus.normalize_offsets({"ns.control:3": 7, ("ns.dlq", 0): 1}) == {("ns.control", 3): 7, ("ns.dlq", 0): 1}
+    with pytest.raises(ValueError, match="non-negative"):
+        bus.normalize_offsets({("t.x", 0): -1})
+    assert bus.offsets_as_strings({("ns.control", 3): 7}) == {"ns.control:3": 7}
+    event = _stop("r", "x")
+    items = [bus.ConsumedEvent("t.a", 0, 4, "r", event), bus.ConsumedEvent("t.a", 0, 2, "r", event)]
+    items.append(bus.ConsumedEvent("t.a", 1, 0, "r", event))
+    assert bus.next_offsets(items) == {("t.a", 0): 5, ("t.a", 1): 1}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# topics and publishing
+
+
+def test_ensure_topics_is_idempotent(bus_config: BusConfig) -> None:
+    first = bus.ensure_topics(bus_config)
+    expected = sorted(f"{bus_config.namespace}.{kind}" for kind in ("trajectories", "adapters", "control", "dlq"))
+    assert sorted(first) == expected
+    assert bus.ensure_topics(bus_config) == []
+    assert bus.list_topics(bus_config) == expected
+
+
+def test_publish_returns_increasing_offsets_keyed_by_run(bus_config: BusConfig) -> None:
+    with EventPublisher(bus_config) as publisher:
+        placed = [publisher.publish("control", _stop("run-a", f"r{i}")) for i in range(3)]
+    assert [offset for _, offset in placed] == [0, 1, 2]
+    records = list(bus.tail(bus_config, "control", n=10))
+    assert [r.key for r in records] == ["run-a"] * 3
+    assert [r.event.payload.reason for r in records if r.event] == ["r0", "r1", "r2"]
+
+
+def test_publish_refuses_an_event_on_the_wrong_topic(bus_config: BusConfig) -> None:
+    with EventPublisher(bus_config) as publisher, pytest.raises(WrongEventTypeError, match="does not belong"):
+        publisher.publish("trajectories", _stop("run-a", "x"))
+
+
+def test_oversized_event_raises_instead_of_vanishing(bus_config: BusConfig) -> None:
+    letter = DeadLetter(reason="big", origin_topic="t.x", origin_partition=0, origin_offset=0, raw="x" * 2_000_000)
+    started = time.monotonic()
+    with EventPublisher(bus_config) as publisher, pytest.raises(PublishError, match="exceeds the message size"):
+        publisher.publish("dlq", make_event("run-a", letter))
+    assert time.monotonic() - started < 5, "not retried: a too-large message is not a retriable error"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# consuming
+
+
+def test_commit_then_restart_continues_after_the_committed_offset(bus_config: BusConfig, fast_group: dict) -> None:
+    with EventPublisher(bus_config) as publisher:
+        placed = [publisher.publish("control", _stop("run-a", f"e{i}")) for i in range(5)]
+    topic = f"{bus_config.namespace}.control"
+    with EventConsumer(bus_config, "control", "learner", **fast_group) as first:
+        events = _poll_until(first, 5)
+        assert [e.event.payload.reason for e in events] == [f"e{i}" for i in range(5)]
+        assert [(e.partition, e.offset) for e in events] == placed
+        committed = first.commit(bus.next_offsets(events[:3]))
+        assert committed == {(topic, 0): placed[2][1] + 1}
+        assert first.lag() == {0: 5 - 3}
+    with EventConsumer(bus_config, "control", "learner", **fast_group) as second:
+        rest = _poll_until(second, 2)
+        rest += second.poll(timeout_s=0.5)  # nothing more may come
+        assert [e.event.payload.reason for e in rest] == ["e3", "e4"]
+        assert second.commit() == {(topic, 0): 5}
+        assert second.lag() == {0: 0}
+    (lag,) = bus.group_lag(bus_config, "learner")
+    assert (lag.topic, lag.partition, lag.committed, lag.end_offset, lag.lag) == (topic, 0, 5, 5, 0)
+    assert "learner" in bus.list_groups(bus_config)
+
+
+def test_seek_and_lag_per_partition(bus_config: BusConfig, fast_group: dict) -> None:
+    config = bus_config.model_copy(update={"topic_partitions": 2})
+    with EventPublisher(config) as publisher:
+        placed = {(run, i): publisher.publish("control", _stop(run, f"{run}-{i}")) for run in "abcd" for i in range(2)}
+    per_partition = Counter(partition for partition, _ in placed.values())
+    topic = f"{config.namespace}.control"
+    with EventConsumer(config, "control", "seeker", **fast_group) as consumer:
+        assert consumer.lag() == {p: per_partition.get(p, 0) for p in (0, 1)}  # nothing committed yet
+        # Seek before the group assigned anything: applied when the partitions arrive.
+        consumer.seek({(topic, p): 1 for p in (0, 1)})
+        expected = {f"{run}-{i}" for (run, i), (_, offset) in placed.items() if offset >= 1}
+        events = _poll_until(consumer, len(expected))
+        assert {e.event.payload.reason for e in events} == expected
+        # Seek again now that the partitions are assigned: everything comes back.
+        consumer.seek({f"{topic}:{p}": 0 for p in (0, 1)})
+        again = _poll_until(consumer, len(placed))
+        assert sorted(e.event.payload.reason for e in again) == sorted(f"{r}-{i}" for r, i in placed)
+        assert consumer.positions() == {(topic, p): per_partition.get(p, 0) for p in (0, 1)}
+        consumer.commit()
+        assert consumer.lag() == {0: 0, 1: 0}
+
+
+def test_poison_messages_go_to_the_dlq_and_consumption_continues(bus_config: BusConfig, fast_group: dict) -> None:
+    topic = f"{bus_config.namespace}.control"
+    newer = json.loads(encode_event(_stop("run-a", "from the future")))
+    newer["schema_version"] = "2.0"
+    poison = {
+        "raw bytes": (b"\x80\x81\x82 binary", "not JSON"),
+        "invalid json": (b"{not json", "not JSON"),
+        "unknown type": (
+            json.dumps({"type": "Bogus", "run_id": "run-a", "payload": {}}).encode(),
+            "unknown event type",
+        ),
+        "newer major": (json.dumps(newer).encode(), "newer than this rlpipe reads"),
+        "null value": (None, "empty message"),
+    }
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", _stop("run-a", "good-1"))
+        origin = {name: publisher.publish_raw(topic, value, "run-a")[1] for name, (value, _) in poison.items()}
+        publisher.publish("control", _stop("run-b", "someone else's"))
+        publisher.publish("control", _stop("run-a", "good-2"))
+    with EventConsumer(bus_config, "control", "worker", run_id="run-a", **fast_group) as consumer:
+        events = _poll_until(consumer, 2)
+        assert [e.event.payload.reason for e in events] == ["good-1", "good-2"]
+        assert consumer.stats == bus.ConsumerStats(delivered=2, dead_lettered=len(poison), skipped_other_runs=1)
+        consumer.commit()  # skipped and dead-lettered messages are covered too
+        assert consumer.lag() == {0: 0}
+    letters = [r.event for r in bus.tail(bus_config, "dlq", n=20) if r.event is not None]
+    assert len(letters) == len(poison)
+    by_offset = {letter.payload.origin_offset: letter for letter in letters}
+    for name, (value, reason) in poison.items():
+        letter = by_offset[origin[name]]
+        assert reason in letter.payload.reason, name
+        assert (letter.payload.origin_topic, letter.payload.origin_partition) == (topic, 0)
+        assert letter.payload.key == "run-a"
+        assert letter.run_id == "run-a"
+        assert letter.payload.raw == (value or b"").decode("utf-8", errors="replace")
+
+
+def test_keep_alive_keeps_the_member_in_its_group(bus_config: BusConfig, fast_group: dict) -> None:
+    fast_group["max_poll_interval_ms"] = 2000
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", _stop("run-a", "first"))
+        with EventConsumer(bus_config, "control", "slow-worker", **fast_group) as consumer:
+            assert [e.event.payload.reason for e in _poll_until(consumer, 1)] == ["first"]
+            publisher.publish("control", _stop("run-a", "during-work"))
+            topic_partition = (f"{bus_config.namespace}.control", 0)
+            work_until = time.monotonic() + 3.0  # longer than max_poll_interval_ms
+            while time.monotonic() < work_until:
+                consumer.keep_alive()
+                time.sleep(0.2)
+            assert consumer.positions() == {topic_partition: 1}, "keep_alive consumed nothing"
+            assert consumer.commit() == {topic_partition: 1}, "still a member: the commit is accepted"
+            assert [e.event.payload.reason for e in consumer.poll(timeout_s=2.0)] == ["during-work"]
+            time.sleep(3.0)  # the same work without keep_alive: the group drops the member
+            with pytest.raises(bus.CommitError, match="dropped from the group"):
+                consumer.commit()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# failures within bounded time
+
+
+def test_unreachable_broker_fails_fast_with_one_line() -> None:
+    port = free_port()
+    config = BusConfig(bootstrap_servers=f"127.0.0.1:{port}", connect_timeout_s=2.0)
+    for attempt in (
+        lambda: EventPublisher(config),
+        lambda: bus.list_topics(config),
+        lambda: list(bus.tail(config, "control")),
+    ):
+        started = time.monotonic()
+        with pytest.raises(BusUnavailableError) as caught:
+            attempt()
+        assert time.monotonic() - started < 3.0
+        message = str(caught.value)
+        assert "\n" not in message
+        assert message.startswith(f"cannot reach Kafka at 127.0.0.1:{port} within 2s: ")
+        assert "rlpipe up" in message
+
+
+def test_silent_listener_times_out_within_the_connect_timeout() -> None:
+    with socket.socket() as silent:  # accepts connections (the kernel does) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        config = BusConfig(bootstrap_servers=f"127.0.0.1:{port}", connect_timeout_s=1.5)
+        started = time.monotonic()
+        with pytest.raises(BusUnavailableError, match=r"within 1\.5s"):
+            bus.list_topics(config)
+        assert time.monotonic() - started < 1.5 + 1.5
+
+
+def test_wrong_sasl_setting_fails_within_bounded_time(kafka_broker: Any) -> None:
+    config = BusConfig(
+        bootstrap_servers=kafka_broker.bootstrap_servers,
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism="PLAIN",
+        sasl_username="mallory",
+        sasl_password=SecretStr("hunter2"),
+        connect_timeout_s=1.5,
+    )
+    started = time.monotonic()
+    with pytest.raises(BusUnavailableError) as caught:
+        bus.list_topics(config)
+    assert time.monotonic() - started < 1.5 + 1.5
+    assert "sasl" in str(caught.value).lower()
+    assert "hunter2" not in str(caught.value)
+
+
+def test_tls_against_a_plaintext_broker_fails_within_bounded_time(kafka_broker: Any) -> None:
+    config = BusConfig(bootstrap_servers=kafka_broker.bootstrap_servers, security_protocol="SSL", connect_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(BusUnavailableError, match="TLS handshake failed"):
+        EventPublisher(config)
+    assert time.monotonic() - started < 1.0 + 1.5
