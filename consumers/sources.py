@@ -82,7 +82,7 @@ class ReplaySource:
         batches_per_poll: int = 1,
     ) -> None:
         keys = archive.list_batches(run_id)
-        self.keys = [k for k in sorted(keys) if _in_dates(k, date_from, date_to)]
+        self.keys = [k for k in sorted(keys) if in_date_range(k, date_from, date_to)]
         self.position_key = f"replay:{run_id}"
         self.index = 0
         self.batches_per_poll = batches_per_poll
@@ -109,7 +109,8 @@ class ReplaySource:
         return self.index >= len(self.keys)
 
 
-def _in_dates(key: str, date_from: date | str | None, date_to: date | str | None) -> bool:
+def in_date_range(key: str, date_from: date | str | None, date_to: date | str | None) -> bool:
+    """Whether a batch key's ``date=`` folder lies within the (inclusive) range."""
     part = next((p for p in key.split("/") if p.startswith("date=")), None)
     if part is None:
         return True

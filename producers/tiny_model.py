@@ -40,6 +40,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipeline.models import record_tiny_model
 from schemas.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -204,7 +205,9 @@ def resolve_model(config: ModelConfig) -> str:
     """The path or hub id to load for ``config``: 'tiny' builds or reuses the local tiny model."""
     if config.base_model != "tiny":
         return config.base_model
-    return str(build_tiny_model(config.tiny_dir or None))
+    folder = build_tiny_model(config.tiny_dir or None)
+    record_tiny_model(folder)  # so the learner side finds the same weights
+    return str(folder)
 
 
 # ---- the build ----------------------------------------------------------------

@@ -23,7 +23,9 @@ import typer
 from pydantic import BaseModel, ValidationError
 from rich.console import Console
 
+from pipeline.broker import BrokerStartError
 from pipeline.bus import BusError
+from pipeline.gcs_emulator import EmulatorError
 from pipeline.stack import StackError
 from schemas.config import BusConfig
 
@@ -38,6 +40,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,  # schemas' InvalidNameError, SchemaVersionError, EventDecodeError, ConfigError, pydantic errors
     BusError,
     StackError,
+    BrokerStartError,  # the local broker or emulator would not start: the message names the log
+    EmulatorError,
     FileNotFoundError,
     FileExistsError,
     NotADirectoryError,

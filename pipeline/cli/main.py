@@ -38,7 +38,7 @@ from pipeline.stack import (
 
 ENTRY_POINT_GROUP = "rlpipe.commands"
 # Built-in groups written in their own modules; optional so a missing one does not break the CLI.
-BUILTIN_LAZY_GROUPS = {"adapters": "pipeline.cli.adapters:app"}
+BUILTIN_LAZY_GROUPS = {"adapters": "pipeline.cli.adapters:app", "config": "pipeline.cli.config_cmd:app"}
 
 
 def _module_exists(target: str) -> bool:

@@ -23,6 +23,7 @@ from pipeline.cli.common import bus_config_from_cli, console, handle_user_errors
 app = typer.Typer(
     name="topics",
     help="Inspect the event log: topics, offsets, consumer lag and the events themselves.",
+    epilog="Example: rlpipe topics tail control -n 20",
     no_args_is_help=True,
 )
 

@@ -212,7 +212,7 @@ def test_dev_asks_for_no_gpu_anywhere():
 # secrets --------------------------------------------------------------------------
 
 SECRET_ENV = re.compile(r"PASSWORD|SECRET|TOKEN|CREDENTIAL|API_KEY|PRIVATE", re.IGNORECASE)
-PASSWORD_LITERAL = re.compile(r"(?i)\bpassword\s*[:=][ \t]*[^\s{]")  # `password: x`, not `key: password`
+PASSWORD_LITERAL = re.compile(r"(?i)password\s*[:=][ \t]*[^\s{]")  # `password: x`, not `key: password`
 
 
 def secret_problems(resources: list[dict]) -> list[str]:
@@ -280,7 +280,8 @@ def mounted_files(workload: dict, container: dict) -> dict[str, tuple[str, str]]
     volumes = {v["name"]: v for v in spec["volumes"]}
     files = {}
     for mount in container["volumeMounts"]:
-        for source in volumes[mount["name"]].get("projected", {}).get("sources", []):
+        volume = volumes.get(mount["name"], {})  # absent: a StatefulSet's volumeClaimTemplate
+        for source in volume.get("projected", {}).get("sources", []):
             ref = source.get("configMap") or source.get("secret")
             for item in ref.get("items", []):
                 files[f"{mount['mountPath']}/{item['path']}"] = (ref["name"], item["key"])
@@ -322,7 +323,7 @@ def test_pods_resolve_a_valid_run_config_that_matches_the_cluster(name, tmp_path
 def test_dev_runs_the_tiny_model_on_cpu_with_a_file_store(tmp_path):
     resources = rendered("overlays/dev")
     pvc = one(resources, "PersistentVolumeClaim", "rlpipe-data")
-    for component, workload, container in workloads(resources):
+    for _, workload, container in workloads(resources):
         config = resolved_config(resources, container, tmp_path)
         assert config.sampler.backend == "transformers"
         assert config.model.base_model == "tiny"

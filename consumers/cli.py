@@ -1,0 +1,72 @@
+"""``rlpipe learner start`` and ``rlpipe replay``: train from the event log or from the store."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pipeline.cli.common import console, fail, handle_user_errors
+from pipeline.cli.options import ConfigOpt, PresetOpt, SetOpt, run_config, setup_logging
+from pipeline.runtime import StopFlag
+
+app = typer.Typer(name="learner", help="The off-policy learner: LoRA training from trajectories.", no_args_is_help=True)
+replay_app = typer.Typer(name="replay", add_completion=False)
+
+
+@app.command(epilog="Example: rlpipe learner start --preset cartpole --set learner.max_steps=20")
+@handle_user_errors
+def start(
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    max_steps: Annotated[int | None, typer.Option(min=1, help="Stop after this many optimizer steps.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+) -> None:
+    """Consume the run's trajectory batches, train LoRA, publish versions, checkpoint; resumes where it stopped.
+
+    SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0.
+    """
+    setup_logging(verbose)
+    cfg = run_config(preset, config, overrides)
+    if max_steps is not None:
+        cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
+    from consumers.service import run_learner
+
+    run_learner(cfg, StopFlag().install())
+
+
+@replay_app.command(epilog="Example: rlpipe replay --run demo --train --preset cartpole --set run_id=demo-offline")
+@handle_user_errors
+def replay(
+    run: Annotated[str, typer.Option("--run", help="The run whose stored batches are replayed.")],
+    train: Annotated[bool, typer.Option("--train", help="Train the configured run from the batches.")] = False,
+    to_topic: Annotated[bool, typer.Option("--to-topic", help="Re-announce the batches on the event log.")] = False,
+    date_from: Annotated[str | None, typer.Option(help="First date (YYYY-MM-DD) to include.")] = None,
+    date_to: Annotated[str | None, typer.Option(help="Last date (YYYY-MM-DD) to include.")] = None,
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+) -> None:
+    """Replay Parquet trajectories of --run: into training (--train, no broker) or onto the topic (--to-topic).
+
+    With --to-topic the batches are announced for the configured run_id (seed a new run from an old one);
+    the learner trains each batch_id once, so re-announcing is harmless.
+    """
+    if train == to_topic:
+        fail("choose exactly one of --train or --to-topic", 2)
+    setup_logging()
+    cfg = run_config(preset, config, overrides)
+    if train:
+        from consumers.service import replay_train
+
+        learner = replay_train(cfg, run, date_from, date_to)
+        console.print(f"trained {learner.state.step} steps; adapter version {learner.state.version}")
+        return
+    from consumers.replay import announce_batches
+
+    count = announce_batches(cfg, run, date_from, date_to)
+    console.print(f"announced {count} batches of run {run} for run {cfg.run_id}")
+
+
+replay_command = typer.main.get_command(replay_app)

@@ -1,0 +1,113 @@
+"""The learner process: set up each component, resume, then run the training loop.
+
+One line per component (store, bus, model, policy, registry, checkpoints,
+source), then ``Learner.run`` with a progress line per step.  SIGTERM stops the
+loop between steps and writes a final checkpoint, so nothing trained is lost.
+Offline replay (``replay_train``) is the same loop fed from the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from consumers.checkpoint import CheckpointStore
+from consumers.learner import Learner, TrajectorySource
+from consumers.policy import LoraPolicy
+from consumers.sources import KafkaSource, ReplaySource
+from pipeline.archive import TrajectoryArchive
+from pipeline.bus import EventPublisher
+from pipeline.health import HealthServer
+from pipeline.models import resolve_base_model
+from pipeline.registry import AdapterRegistry
+from pipeline.runtime import Announcer, StopFlag, open_store, resolved_bus
+from pipeline.store import ObjectStore
+from schemas.config import RunConfig
+from schemas.events import Payload
+
+log = logging.getLogger("rlpipe.learner")
+
+
+def build_learner(
+    config: RunConfig,
+    store: ObjectStore,
+    source: TrajectorySource,
+    announce: Callable[[Payload], Any],
+    base_model: str | None = None,
+) -> Learner:
+    """The learner of ``config.run_id`` over ``store``, fed by ``source``."""
+    base_model = base_model or resolve_base_model(config.model)
+    log.info("initialising policy on %s (LoRA rank %d)", base_model, config.learner.lora_rank)
+    policy = LoraPolicy(base_model, config.learner)
+    return Learner(
+        run_id=config.run_id, base_model=config.model.base_model if config.model.base_model != "tiny" else base_model,
+        config=config.learner, policy=policy, archive=TrajectoryArchive(store),
+        registry=AdapterRegistry(store, config.run_id), checkpoints=CheckpointStore(store, config.run_id),
+        source=source, announce=announce,
+    )
+
+
+def progress_line(metrics: dict[str, Any]) -> str:
+    """One log line per step: the numbers a person watches."""
+    return (
+        f"step {metrics['step']} v{metrics.get('version', 0)} rows {metrics.get('rows', 0)} "
+        f"reward {metrics.get('reward_mean', float('nan')):.3f} loss {metrics.get('loss', float('nan')):.4f} "
+        f"ratio {metrics.get('ratio_mean', float('nan')):.3f} ess {metrics.get('ess', float('nan')):.3f} "
+        f"dropped {metrics.get('dropped_stale_rows', 0)} tok/s {metrics.get('tokens_per_s', 0.0):.0f}"
+    )
+
+
+def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callable[[dict], None] | None = None
+                ) -> Learner:
+    """Consume ``<ns>.trajectories`` for one run and train until stopped or ``max_steps``."""
+    stop = stop or StopFlag()
+    log.info("initialising learner for run %s", config.run_id)
+    health = HealthServer(config.learner.health_port).start() if config.learner.health_port is not None else None
+    bus = resolved_bus(config.bus)
+    store = open_store(config.store)
+    publisher = EventPublisher(bus)
+    source = KafkaSource(bus, config.run_id)
+    learner = build_learner(config, store, source, Announcer(publisher, config.run_id))
+    learner.resume()
+    if health is not None:
+        health.add_readiness_check("policy_loaded", lambda: True)
+
+    def after_step(metrics: dict[str, Any]) -> None:
+        log.info(progress_line(metrics))
+        if health is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float):
+                    health.set_gauge(f"rlpipe_learner_{key}", float(value), f"learner {key}")
+        if on_step is not None:
+            on_step(metrics)
+
+    try:
+        learner.run(should_stop=stop, on_step=after_step)
+        if learner.pending:  # stopped with rows waiting: train them so the checkpoint covers them
+            after_step(learner.step())
+        if learner.state.step % config.learner.checkpoint_every:
+            learner.checkpoint()
+    finally:
+        source.close()
+        publisher.close()
+        if health is not None:
+            health.stop()
+    log.info("learner stopped at step %d, version %d", learner.state.step, learner.state.version)
+    return learner
+
+
+def replay_train(config: RunConfig, source_run: str, date_from: str | None = None, date_to: str | None = None,
+                 announce: Callable[[Payload], Any] | None = None) -> Learner:
+    """Train ``config.run_id``'s adapter from the stored batches of ``source_run`` (no broker needed)."""
+    store = open_store(config.store)
+    source = ReplaySource(TrajectoryArchive(store), source_run, date_from, date_to)
+    learner = build_learner(config, store, source, announce or (lambda payload: None))
+    learner.resume()
+    started = time.monotonic()
+    learner.run(on_step=lambda m: log.info(progress_line(m)), poll_timeout_s=0.0)
+    if learner.state.step % config.learner.checkpoint_every:
+        learner.checkpoint()
+    log.info("replay trained %d steps in %.1fs", learner.state.step, time.monotonic() - started)
+    return learner

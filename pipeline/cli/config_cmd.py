@@ -1,0 +1,35 @@
+"""``rlpipe config show|presets``: the resolved run configuration (secrets as ***)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from pipeline.cli.common import console, handle_user_errors, print_json
+from pipeline.cli.options import ConfigOpt, PresetOpt, SetOpt, run_config
+from pipeline.config import config_to_json, load_preset, preset_names
+
+app = typer.Typer(name="config", help="Show resolved run configurations and shipped presets.", no_args_is_help=True)
+
+
+@app.command(epilog="Example: RLPIPE_BUS__BOOTSTRAP_SERVERS=kafka:9092 rlpipe config show --preset cartpole")
+@handle_user_errors
+def show(preset: PresetOpt = None, config: ConfigOpt = None, overrides: SetOpt = None) -> None:
+    """Print the configuration a process would run with, after every layer (secrets shown as ***)."""
+    typer.echo(config_to_json(run_config(preset, config, overrides)))
+
+
+@app.command(epilog="Example: rlpipe config presets --json")
+@handle_user_errors
+def presets(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """List the presets shipped with rlpipe."""
+    rows = {name: load_preset(name) for name in preset_names()}
+    if as_json:
+        print_json(rows)
+        return
+    table = Table("preset", "environment", "settings")
+    for name, data in rows.items():
+        table.add_row(name, str(data.get("env", {}).get("name", "")), ", ".join(k for k in data if k != "env"))
+    console.print(table)

@@ -1,0 +1,40 @@
+"""``rlpipe producer start``: run a rollout producer."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pipeline.cli.common import handle_user_errors
+from pipeline.cli.options import ConfigOpt, PresetOpt, SetOpt, run_config, setup_logging
+from pipeline.runtime import StopFlag
+
+app = typer.Typer(name="producer", help="Rollout producers: sample the policy against an environment.",
+                  no_args_is_help=True)
+
+
+@app.command(epilog="Example: rlpipe producer start --preset cartpole --set producer.max_groups=8")
+@handle_user_errors
+def start(
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    max_groups: Annotated[int | None, typer.Option(min=1, help="Stop after this many groups.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+) -> None:
+    """Sample groups of episodes with the newest adapter and write them as Parquet batches + events.
+
+    SIGTERM or Ctrl-C finishes cleanly: complete groups are flushed, unfinished ones dropped.
+    """
+    setup_logging(verbose)
+    cfg = run_config(preset, config, overrides)
+    if max_groups is not None:
+        cfg = cfg.model_copy(update={"producer": cfg.producer.model_copy(update={"max_groups": max_groups})})
+    from producers.service import run_producer
+
+    run_producer(cfg, StopFlag().install())
+
+
+if __name__ == "__main__":  # vLLM spawns processes: keep the entry point guarded
+    app()

@@ -1,0 +1,159 @@
+"""The embedded stack: state file, address resolution, and `rlpipe up`/`down` with real background processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline import bus
+from pipeline.broker import answers_kafka_metadata
+from pipeline.cli.main import app
+from pipeline.stack import (
+    DevStack,
+    NoBrokerConfiguredError,
+    StackState,
+    read_stack_state,
+    resolve_bootstrap_servers,
+    resolve_store_root,
+    state_path,
+)
+from schemas.config import BusConfig
+from schemas.events import RunStopped, make_event
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private RLPIPE_HOME, and no broker address from the environment."""
+    path = tmp_path / "rlpipe-home"
+    monkeypatch.setenv("RLPIPE_HOME", str(path))
+    monkeypatch.delenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", raising=False)
+    return path
+
+
+def _host_port(bootstrap: str) -> tuple[str, int]:
+    host, _, port = bootstrap.rpartition(":")
+    return host, int(port)
+
+
+def _gcs_answers(endpoint: str, bucket: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{endpoint}/storage/v1/b/{bucket}", timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def _state(home: Path, pid: int) -> StackState:
+    return StackState(
+        pid=pid,
+        bootstrap_servers="127.0.0.1:1",
+        store_root=(home / "store").as_uri(),
+        home=str(home),
+        log_dir=str(home / "logs"),
+        started_at=datetime.now(UTC),
+    )
+
+
+def test_without_a_stack_the_error_names_rlpipe_up(home: Path) -> None:
+    assert read_stack_state() is None
+    with pytest.raises(NoBrokerConfiguredError, match="rlpipe up"):
+        resolve_bootstrap_servers(BusConfig())
+    assert resolve_bootstrap_servers(BusConfig(bootstrap_servers=" kafka:9092 ")) == "kafka:9092"
+
+
+def test_store_root_defaults_to_a_folder_under_rlpipe_home(home: Path) -> None:
+    assert resolve_store_root("memory://elsewhere") == "memory://elsewhere"
+    assert resolve_store_root() == "file://" + str((home / "store").resolve())
+
+
+def test_a_stale_state_file_counts_as_no_stack(home: Path) -> None:
+    path = state_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(_state(home, _dead_pid()).model_dump_json())
+    assert read_stack_state() is None
+    # A live process that is not a stack server (a recycled pid) does not count either.
+    path.write_text(_state(home, os.getpid()).model_dump_json())
+    assert read_stack_state() is None
+    path.write_text("{not json")
+    assert read_stack_state() is None
+
+
+def test_dev_stack_starts_and_stops_every_part(tmp_path: Path) -> None:
+    with DevStack(home=tmp_path / "home") as stack:
+        state = stack.state()
+        assert stack.healthy
+        assert answers_kafka_metadata(*_host_port(state.bootstrap_servers))
+        assert state.gcs_endpoint is not None and state.gcs_bucket == "rlpipe"
+        assert _gcs_answers(state.gcs_endpoint, state.gcs_bucket)
+        assert Path(state.store_root.removeprefix("file://")).is_dir()
+    assert not stack.healthy
+    assert not answers_kafka_metadata(*_host_port(state.bootstrap_servers), timeout_s=0.5)
+    assert not _gcs_answers(state.gcs_endpoint, "rlpipe")
+
+
+def test_up_and_down_run_the_stack_in_the_background(home: Path) -> None:
+    started = runner.invoke(app, ["up", "--json"])
+    assert started.exit_code == 0, started.output
+    info = json.loads(started.stdout)
+    try:
+        assert info["status"] == "started"
+        state = read_stack_state()
+        assert state is not None and state.pid == info["pid"] != os.getpid()
+        assert _alive(state.pid)
+        assert answers_kafka_metadata(*_host_port(state.bootstrap_servers))
+        assert state.gcs_endpoint and _gcs_answers(state.gcs_endpoint, "rlpipe")
+        # Other code finds the broker and the store through the state file alone.
+        assert resolve_bootstrap_servers(BusConfig()) == state.bootstrap_servers
+        assert resolve_store_root() == state.store_root
+        config = BusConfig(namespace=f"t{uuid.uuid4().hex[:10]}")
+        with bus.EventPublisher(config) as publisher:
+            publisher.publish("control", make_event("run-up", RunStopped(reason="through the stack")))
+        assert [r.event.payload.reason for r in bus.tail(config, "control") if r.event] == ["through the stack"]
+
+        again = runner.invoke(app, ["up"])
+        assert again.exit_code == 0
+        assert "already running" in again.stdout
+        assert read_stack_state() == state
+
+        status = runner.invoke(app, ["status", "--json"])
+        assert json.loads(status.stdout)["running"] is True
+        assert json.loads(status.stdout)["kafka_answers"] is True
+    finally:
+        stopped = runner.invoke(app, ["down"])
+    assert stopped.exit_code == 0
+    assert f"stopped (pid {state.pid})" in stopped.stdout
+    assert not _alive(state.pid)
+    assert not state_path().exists()
+    assert not answers_kafka_metadata(*_host_port(state.bootstrap_servers), timeout_s=0.5)
+    deadline = time.monotonic() + 5
+    while _gcs_answers(state.gcs_endpoint, "rlpipe") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _gcs_answers(state.gcs_endpoint, "rlpipe")
+    assert "no rlpipe stack is running" in runner.invoke(app, ["down"]).stdout
+    assert json.loads(runner.invoke(app, ["status", "--json"]).stdout)["running"] is False
