@@ -40,7 +40,14 @@ from typing import Any, TypeVar
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import OffsetSpec
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import CommitFailedError, KafkaError, MessageSizeTooLargeError
+from kafka.errors import (
+    CommitFailedError,
+    KafkaConnectionError,
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    NodeNotReadyError,
+)
 from kafka.structs import OffsetAndMetadata
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
@@ -204,6 +211,19 @@ def _probe(server: str, protocol: str, cafile: str | None, timeout_s: float) -> 
             return f"TLS handshake failed: {exc}"
 
 
+def _first_unreachable_reason(servers: list[str], protocol: str, cafile: str | None, deadline: float) -> str | None:
+    """None as soon as one server accepts a connection, else why the last one did not (all within ``deadline``)."""
+    reason = "no answer"
+    for server in servers:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        reason = _probe(server, protocol, cafile, remaining) or ""
+        if not reason:
+            return None
+    return reason
+
+
 class _KafkaReasons(logging.Handler):
     """Collects why kafka-python's bootstrap failed; it logs the reason and raises a bare timeout."""
 
@@ -228,9 +248,9 @@ def _connect(factory: Callable[..., ClientT], bus_config: BusConfig, settings: d
     servers: list[str] = settings["bootstrap_servers"]
     timeout_s = bus_config.connect_timeout_s
     deadline = time.monotonic() + timeout_s
-    reasons = [_probe(s, settings["security_protocol"], settings.get("ssl_cafile"), timeout_s) for s in servers]
-    if all(reasons):
-        raise _unavailable(servers, timeout_s, str(reasons[-1]))
+    reason = _first_unreachable_reason(servers, settings["security_protocol"], settings.get("ssl_cafile"), deadline)
+    if reason is not None:
+        raise _unavailable(servers, timeout_s, reason)
     remaining_ms = max(500, int((deadline - time.monotonic()) * 1000))
     handler = _KafkaReasons()
     kafka_logger = logging.getLogger("kafka")
@@ -250,10 +270,10 @@ def _bus_errors(bus_config: BusConfig, servers: Iterable[str], what: str) -> Ite
     """Turn a timeout or lost connection during ``what`` into one ``BusUnavailableError`` line."""
     try:
         yield
-    except KafkaError as exc:
-        if not exc.retriable:
-            raise BusError(f"{what} failed: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+    except (KafkaTimeoutError, KafkaConnectionError, NodeNotReadyError) as exc:
         raise _unavailable(servers, bus_config.connect_timeout_s, f"{what}: {type(exc).__name__}") from exc
+    except KafkaError as exc:
+        raise BusError(f"{what} failed: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
 
 
 # ---------------------------------------------------------------------------------------------------------------------

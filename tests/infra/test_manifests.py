@@ -430,6 +430,14 @@ def test_gke_autoscales_producers_on_the_adapter_metric():
     assert metric["external"]["metric"]["name"] in names
     # The lag series come from Strimzi's Kafka Exporter, which must be on.
     assert "kafkaExporter" in one(resources, "Kafka")["spec"]
+    # The rule must select the learner's consumer group, which the KafkaUser's ACLs must allow.
+    learner_group = "rlpipe-learner-cartpole-qwen05b"  # consumers.sources.learner_group_id (importing it pulls torch)
+    (query,) = [rule["metricsQuery"] for rule in values["rules"]["external"]]
+    assert re.fullmatch(re.search(r'consumergroup=~"([^"]+)"', query).group(1), learner_group)
+    user = one(resources, "KafkaUser")
+    group_prefixes = [a["resource"]["name"] for a in user["spec"]["authorization"]["acls"]
+                      if a["resource"]["type"] == "group"]
+    assert any(learner_group.startswith(prefix) for prefix in group_prefixes)
 
 
 def test_dev_has_no_autoscaler():

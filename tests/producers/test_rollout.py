@@ -1,0 +1,176 @@
+"""The rollout worker with a scripted sampler: token-in/token-out rows, groups, batches, staleness admission."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from pipeline.archive import TrajectoryArchive
+from pipeline.store import ObjectStore
+from producers.envs.registry import make_env
+from producers.rollout import RolloutWorker, StaleAdapterError
+from producers.samplers.base import AdapterHandle, SampleOutput, Sampler
+from producers.sink import StoreThenEventSink, announce_orphans
+from schemas.config import ProducerConfig, SamplerConfig
+from schemas.trajectory import NO_ADAPTER_SHA, table_to_records
+
+
+class ScriptedSampler(Sampler):
+    """Answers every prompt with the same text (plus the stop token); logprob -0.5 per token."""
+
+    def __init__(self, tokenizer, answer: str = "<answer>Left</answer>") -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.max_model_len = 4096
+        self.answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        self.calls: list[tuple[int, int | None]] = []  # (batch size, adapter version)
+
+    def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None):
+        self.calls.append((len(requests), adapter.version if adapter else None))
+        return [SampleOutput(list(self.answer_ids), [-0.5] * len(self.answer_ids), "stop") for _ in requests]
+
+    def load_adapter(self, handle):
+        pass
+
+    def unload_adapter(self, handle):
+        pass
+
+    def close(self):
+        pass
+
+
+class FixedAdapters:
+    def __init__(self, current=None, newest=0):
+        self._current, self.newest = current, newest
+
+    def current(self):
+        return self._current
+
+    def newest_published(self):
+        return self.newest
+
+    def refresh(self):
+        pass
+
+
+def make_worker(tokenizer, env_name, announced, *, adapters=None, **producer):
+    store = ObjectStore("memory://rollout-test-" + env_name)
+    archive = TrajectoryArchive(store)
+    sink = StoreThenEventSink(archive, "run1", env_name, "prod-1", announced.append)
+    cfg = ProducerConfig(producer_id="prod-1", **{"group_size": 2, "groups_per_batch": 2, "concurrent_groups": 2,
+                                                  "max_groups": 2, **producer})
+    worker = RolloutWorker(
+        run_id="run1", producer_id="prod-1", env_name=env_name,
+        make_env=lambda: make_env(env_name, {"max_turns": 3} if env_name == "sokoban" else {"max_turns": 4,
+                                                                                            "max_actions_total": 4}),
+        tokenizer=tokenizer, sampler=ScriptedSampler(tokenizer), adapters=adapters or FixedAdapters(),
+        sink=sink, producer=cfg, sampling=SamplerConfig(max_new_tokens=16),
+    )
+    return worker, archive, store
+
+
+@pytest.fixture(autouse=True)
+def _clean_memory():
+    yield
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    MemoryFileSystem.store.clear()
+    MemoryFileSystem.pseudo_dirs.clear()
+    MemoryFileSystem.pseudo_dirs.append("")
+
+
+def test_whole_episode_rows_are_token_in_token_out(tiny_tokenizer):
+    announced = []
+    worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", announced)
+    worker.run()
+    assert len(announced) == 1 and announced[0].num_rows == 4 and announced[0].num_groups == 2
+    table = archive.read_batch(announced[0].path, announced[0].sha256)
+    rows = table_to_records(table)
+    answer_ids = worker.sampler.answer_ids
+    for row in rows:
+        # the generated tokens appear exactly once per turn, masked 1, with the sampler's logprobs
+        generated = [t for t, m in zip(row.tokens, row.loss_mask, strict=True) if m]
+        assert generated == answer_ids * row.num_turns
+        assert [lp for lp, m in zip(row.logprobs, row.loss_mask, strict=True) if m] == [-0.5] * len(generated)
+        assert all(lp == 0.0 for lp, m in zip(row.logprobs, row.loss_mask, strict=True) if not m)
+        # the sequence is the chat transcript: system, then user/assistant turns, as the template renders it
+        env = make_env("sokoban", {"max_turns": 3})
+        observation = env.reset(row.env_seed)
+        messages = [{"role": "system", "content": env.system_prompt()}]
+        for _ in range(row.num_turns):
+            messages += [{"role": "user", "content": observation},
+                         {"role": "assistant", "content": "<answer>Left</answer>"}]
+            observation = env.step("<answer>Left</answer>").observation
+        transcript = tiny_tokenizer.apply_chat_template(messages, tokenize=False)
+        assert row.text == transcript.removesuffix("\n")
+        assert row.policy_version == 0 and row.adapter_sha256 == NO_ADAPTER_SHA
+        assert row.turn_rewards and abs(row.reward - sum(row.turn_rewards)) < 1e-5
+    # groups: two episodes per seed, distinct episode ids, one group id per seed
+    by_group = {}
+    for row in rows:
+        by_group.setdefault(row.group_id, set()).add(row.env_seed)
+    assert len(by_group) == 2 and all(len(seeds) == 1 for seeds in by_group.values())
+    assert len({r.episode_id for r in rows}) == 4
+    # batched generation: one call serves every waiting episode
+    assert max(size for size, _ in worker.sampler.calls) == 4
+
+
+def test_long_horizon_rows_are_one_per_turn_with_returns_to_go(tiny_tokenizer):
+    announced = []
+    worker, archive, _ = make_worker(tiny_tokenizer, "cartpole", announced, max_groups=1, groups_per_batch=1)
+    worker.run()
+    table = archive.read_batch(announced[0].path)
+    rows = sorted(table_to_records(table), key=lambda r: (r.episode_id, r.turn))
+    for episode_id in {r.episode_id for r in rows}:
+        turns = [r for r in rows if r.episode_id == episode_id]
+        rewards = [r.turn_rewards[0] for r in turns]
+        assert [r.turn for r in turns] == list(range(len(turns)))
+        for t, r in enumerate(turns):
+            assert r.return_to_go == pytest.approx(sum(rewards[t:]))
+            assert r.reward == pytest.approx(sum(rewards))
+            # each row is its own prompt; only this turn's answer is trained
+            assert sum(r.loss_mask) == len(worker.sampler.answer_ids)
+            assert r.loss_mask[-len(worker.sampler.answer_ids):] == [1] * len(worker.sampler.answer_ids)
+
+
+def test_staleness_admission_waits_then_gives_up(tiny_tokenizer):
+    announced = []
+    v1 = AdapterHandle.for_version(1, "/nonexistent", "a" * 64)
+    worker, _, _ = make_worker(tiny_tokenizer, "sokoban", announced,
+                               adapters=FixedAdapters(current=v1, newest=4), max_staleness=2, staleness_wait_s=0.2)
+    with pytest.raises(StaleAdapterError, match="v4 is published but only v1"):
+        worker.run()
+    assert worker.groups_started == 0 and not announced
+
+
+def test_rows_record_the_adapter_they_were_sampled_with(tiny_tokenizer):
+    announced = []
+    v3 = AdapterHandle.for_version(3, "/nonexistent", "b" * 64)
+    worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", announced,
+                                     adapters=FixedAdapters(current=v3, newest=4), max_staleness=2)
+    worker.run()
+    rows = table_to_records(archive.read_batch(announced[0].path))
+    assert {(r.policy_version, r.adapter_sha256) for r in rows} == {(3, "b" * 64)}
+    assert {v for _, v in worker.sampler.calls} == {3}
+
+
+def test_stop_flushes_finished_groups_only(tiny_tokenizer):
+    announced = []
+    worker, archive, store = make_worker(tiny_tokenizer, "sokoban", announced, max_groups=None, groups_per_batch=100)
+    ticks = []
+    worker.run(should_stop=lambda: worker.stats.groups >= 1 and len(ticks) > 0, on_tick=lambda: ticks.append(1))
+    assert len(announced) == 1
+    rows = table_to_records(archive.read_batch(announced[0].path))
+    assert len(rows) == 2 * len({r.group_id for r in rows})  # only whole groups were written
+
+
+def test_orphaned_batch_is_announced_once(tiny_tokenizer):
+    announced = []
+    worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", announced)
+    worker.run()
+    first = announced[0]
+    again = []
+    assert announce_orphans(archive, "run1", [first.batch_id], again.append) == []
+    orphans = announce_orphans(archive, "run1", [], again.append)
+    assert orphans == [first.batch_id] and again[0].sha256 == first.sha256 and again[0].num_rows == first.num_rows
+    assert isinstance(archive.read_batch(first.path), pa.Table)
