@@ -54,7 +54,7 @@ def progress_line(metrics: dict[str, Any]) -> str:
     return (
         f"step {metrics['step']} v{metrics.get('version', 0)} rows {metrics.get('rows', 0)} "
         f"reward {metrics.get('reward_mean', float('nan')):.3f} loss {metrics.get('loss', float('nan')):.4f} "
-        f"ratio {metrics.get('ratio_mean', float('nan')):.3f} ess {metrics.get('ess', float('nan')):.3f} "
+        f"ratio {metrics.get('ratio_mean', float('nan')):.3f} ess {metrics.get('effective_sample_size', float('nan')):.3f} "
         f"dropped {metrics.get('dropped_stale_rows', 0)} tok/s {metrics.get('tokens_per_s', 0.0):.0f}"
     )
 

@@ -27,6 +27,7 @@ An unreachable broker (or one that refuses our credentials) raises
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 import socket
@@ -187,6 +188,13 @@ def _unavailable(servers: Iterable[str], timeout_s: float, reason: str) -> BusUn
     return BusUnavailableError(f"cannot reach Kafka at {where} within {timeout_s:g}s: {reason}; {hint}")
 
 
+def _describe(exc: BaseException) -> str:
+    """``Name: message`` on one line (kafka-python's errors already start with their name)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    name = type(exc).__name__
+    return text if text.startswith(name) else f"{name}: {text}".rstrip(": ")
+
+
 def _probe(server: str, protocol: str, cafile: str | None, timeout_s: float) -> str | None:
     """Open a TCP (and TLS) connection to ``server``; None if it works, else the reason.
 
@@ -260,7 +268,7 @@ def _connect(factory: Callable[..., ClientT], bus_config: BusConfig, settings: d
     except KafkaError as exc:
         if not exc.retriable:
             raise
-        raise _unavailable(servers, timeout_s, handler.last or str(exc)) from None
+        raise _unavailable(servers, timeout_s, handler.last or _describe(exc)) from None
     finally:
         kafka_logger.removeHandler(handler)
 
@@ -273,7 +281,7 @@ def _bus_errors(bus_config: BusConfig, servers: Iterable[str], what: str) -> Ite
     except (KafkaTimeoutError, KafkaConnectionError, NodeNotReadyError) as exc:
         raise _unavailable(servers, bus_config.connect_timeout_s, f"{what}: {type(exc).__name__}") from exc
     except KafkaError as exc:
-        raise BusError(f"{what} failed: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+        raise BusError(f"{what} failed: {_describe(exc)}") from exc
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -422,7 +430,7 @@ class EventPublisher:
         key_bytes = key.encode() if isinstance(key, str) else key
         retrying = Retrying(
             retry=retry_if_exception(_is_retriable),
-            stop=stop_after_attempt(self.retry_attempts) | stop_after_delay(self.send_timeout_s * self.retry_attempts),
+            stop=stop_after_attempt(self.retry_attempts) | stop_after_delay(self.send_timeout_s),
             wait=wait_exponential(multiplier=0.2, max=2.0),
             reraise=True,
         )
@@ -437,7 +445,7 @@ class EventPublisher:
                 "(1 MiB by default); keep bulk data in the store and publish a claim check"
             ) from exc
         except KafkaError as exc:
-            raise PublishError(f"publishing a {what} to {topic} failed: {type(exc).__name__}: {exc}") from exc
+            raise PublishError(f"publishing a {what} to {topic} failed: {_describe(exc)}") from exc
         return int(metadata.partition), int(metadata.offset)
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -616,17 +624,19 @@ class EventConsumer:
         with self._errors("poll"):
             batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         events: list[ConsumedEvent] = []
-        handled: dict[TopicPartition, int] = {}
+        polled_before, stats_before = dict(self._polled), dataclasses.replace(self.stats)
         try:
             for tp, records in batches.items():
                 for record in records:
                     item = self._accept(record)
-                    handled[tp] = record.offset + 1
                     self._polled[(tp.topic, tp.partition)] = record.offset + 1
                     if item is not None:
                         events.append(item)
         except BaseException:
-            self._rewind(batches, handled)  # nothing of this batch is lost when dead-lettering fails
+            # Dead-lettering failed: the whole batch is delivered again by the next poll, so nothing is lost
+            # (a dead letter already published may be published twice).
+            self._rewind(batches)
+            self._polled, self.stats = polled_before, stats_before
             raise
         return events
 
@@ -674,11 +684,12 @@ class EventConsumer:
             self._dlq = EventPublisher(self.bus_config, bootstrap_servers=",".join(self._servers), create_topics=False)
         return self._dlq
 
-    def _rewind(self, batches: Mapping[TopicPartition, list[Any]], handled: Mapping[TopicPartition, int]) -> None:
+    def _rewind(self, batches: Mapping[TopicPartition, list[Any]]) -> None:
+        """Seek each partition back to the first record of ``batches`` so they are delivered again."""
         for tp, records in batches.items():
             if records:
                 with contextlib.suppress(Exception):
-                    self._consumer.seek(tp, handled.get(tp, records[0].offset))
+                    self._consumer.seek(tp, records[0].offset)
 
     # -- offsets -----------------------------------------------------------------------------------------------------
 
@@ -697,7 +708,7 @@ class EventConsumer:
                 "events will be delivered again"
             ) from exc
         except KafkaError as exc:
-            raise CommitError(f"commit to group {self.group_id} failed: {type(exc).__name__}: {exc}") from exc
+            raise CommitError(f"commit to group {self.group_id} failed: {_describe(exc)}") from exc
         return to_commit
 
     def seek(self, offsets: OffsetsLike) -> None:
@@ -784,7 +795,7 @@ class EventConsumer:
     def _poll_without_consuming(self, timeout_ms: int) -> None:
         with self._errors("poll"):
             batches = self._consumer.poll(timeout_ms=timeout_ms)
-        self._rewind(batches, {})
+        self._rewind(batches)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 

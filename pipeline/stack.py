@@ -352,7 +352,11 @@ def _main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--no-gcs", action="store_true", help="do not start the GCS emulator")
     args = parser.parse_args(argv)
     home = (args.home or rlpipe_home()).expanduser().resolve()
-    return serve(home, kafka_port=args.kafka_port, gcs_port=args.gcs_port, with_gcs=not args.no_gcs)
+    try:
+        return serve(home, kafka_port=args.kafka_port, gcs_port=args.gcs_port, with_gcs=not args.no_gcs)
+    except StackAlreadyRunningError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -240,6 +240,34 @@ def test_poison_messages_go_to_the_dlq_and_consumption_continues(bus_config: Bus
         assert letter.payload.raw == (value or b"").decode("utf-8", errors="replace")
 
 
+def test_a_failed_dead_letter_loses_nothing(bus_config: BusConfig, fast_group: dict, monkeypatch) -> None:
+    topic = f"{bus_config.namespace}.control"
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", _stop("run-a", "before"))
+        publisher.publish_raw(topic, b"{poison", "run-a")
+        publisher.publish("control", _stop("run-a", "after"))
+    with EventConsumer(bus_config, "control", "careful", **fast_group) as consumer:
+        consumer.wait_for_assignment()
+        real_publisher = consumer._dead_letter_publisher()
+        real_publish_raw = real_publisher.publish_raw
+        calls = []
+
+        def failing_once(*args: Any, **kwargs: Any) -> tuple[int, int]:
+            calls.append(args)
+            if len(calls) == 1:
+                raise PublishError("the DLQ is unavailable")
+            return real_publish_raw(*args, **kwargs)
+
+        monkeypatch.setattr(real_publisher, "publish_raw", failing_once)
+        with pytest.raises(PublishError):
+            _poll_until(consumer, 2)
+        assert consumer.stats == bus.ConsumerStats(), "the failed batch counts for nothing"
+        events = _poll_until(consumer, 2)
+        assert [e.event.payload.reason for e in events] == ["before", "after"]
+        assert consumer.stats.dead_lettered == 1
+        assert consumer.commit() == {(topic, 0): 3}
+
+
 def test_keep_alive_keeps_the_member_in_its_group(bus_config: BusConfig, fast_group: dict) -> None:
     fast_group["max_poll_interval_ms"] = 2000
     with EventPublisher(bus_config) as publisher:

@@ -97,11 +97,10 @@ def test_list_and_describe_count_messages(bus_config: BusConfig, published: list
 
 
 def test_lag_of_a_group(bus_config: BusConfig, published: list, fast_group: dict) -> None:
+    topic = f"{bus_config.namespace}.control"
     with bus.EventConsumer(bus_config, "control", "cli-lag", **fast_group) as consumer:
-        deadline = time.monotonic() + 20
-        while not consumer.assignment() and time.monotonic() < deadline:
-            consumer.poll(timeout_s=0.5, max_records=1)
-        consumer.commit({(f"{bus_config.namespace}.control", 0): 2})
+        assert consumer.wait_for_assignment() == [(topic, 0)]
+        consumer.commit({(topic, 0): 2})
     result = _invoke(["topics", "lag", "--group", "cli-lag", "--json", *_where(bus_config)])
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)

@@ -29,7 +29,7 @@ def test_bad_value_is_one_line_naming_the_field():
 
 
 def test_unknown_key_refused():
-    with pytest.raises(ConfigError, match="learner.learnig_rate"):
+    with pytest.raises(ConfigError, match=r"learner\.learnig_rate"):
         resolve_config(overrides=["learner.learnig_rate=0.1"])
 
 

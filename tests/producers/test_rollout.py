@@ -22,7 +22,7 @@ class ScriptedSampler(Sampler):
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self.max_model_len = 4096
-        self.answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        self.answer_ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
         self.calls: list[tuple[int, int | None]] = []  # (batch size, adapter version)
 
     def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None):
@@ -156,7 +156,7 @@ def test_rows_record_the_adapter_they_were_sampled_with(tiny_tokenizer):
 
 def test_stop_flushes_finished_groups_only(tiny_tokenizer):
     announced = []
-    worker, archive, store = make_worker(tiny_tokenizer, "sokoban", announced, max_groups=None, groups_per_batch=100)
+    worker, archive, _store = make_worker(tiny_tokenizer, "sokoban", announced, max_groups=None, groups_per_batch=100)
     ticks = []
     worker.run(should_stop=lambda: worker.stats.groups >= 1 and len(ticks) > 0, on_tick=lambda: ticks.append(1))
     assert len(announced) == 1

@@ -40,7 +40,7 @@ def test_round_trip_keeps_values():
     [dict(loss_mask=[0, 1]), dict(logprobs=[0.0]), dict(tokens=[], loss_mask=[], logprobs=[])],
 )
 def test_length_mismatch_refused(change):
-    with pytest.raises(ValidationError, match="same length|at least one token"):
+    with pytest.raises(ValidationError, match=r"same length|at least one token"):
         TrajectoryRecord(**row(**change))
 
 

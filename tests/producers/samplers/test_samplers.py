@@ -160,7 +160,7 @@ def test_transformers_logprobs_match_teacher_forced(hf_sampler, reference, promp
 def test_transformers_stops_on_eos_and_keeps_it(hf_sampler, prompts, tokenizer) -> None:
     outs = hf_sampler.generate([SampleRequest(p, 16) for p in prompts], None, temperature=0.0)
     assert hf_sampler.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert all(o.finish_reason == "stop" for o in outs)  # the fixture model learned to close its answer
+    assert all(o.finish_reason == "stop" for o in outs), [tokenizer.decode(o.token_ids) for o in outs]  # the fixture model learned to close its answer
     for out in outs:
         check_contract(out, 16, hf_sampler.eos_token_id)
         assert tokenizer.decode(out.token_ids).endswith("</answer><|im_end|>")
