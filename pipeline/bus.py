@@ -989,7 +989,9 @@ def tail(
     Reads without joining a group (assign + seek to ``end - n``), so it never moves
     anyone's committed offsets.  With ``run_id``, only that run's messages are shown
     (undecodable ones by their key).  ``follow_for_s`` bounds following; None follows
-    until the caller stops iterating.
+    until the caller stops iterating.  The backlog is read completely however long it
+    is (``n=10**9`` reads a whole topic); ``read_timeout_s`` is the longest wait for
+    its next message before ``BusError`` says the read stalled.
     """
     if n < 0:
         raise ValueError(f"n must be zero or more, got {n}")
@@ -1001,7 +1003,7 @@ def tail(
     try:
         with _bus_errors(bus_config, settings["bootstrap_servers"], "tail"):
             ends = _assign_last(consumer, topic, n)
-            backlog, newer = _read_until(consumer, ends, deadline=time.monotonic() + read_timeout_s)
+            backlog, newer = _read_until(consumer, ends, idle_timeout_s=read_timeout_s)
             yield from (item for item in backlog if _matches_run(item, run_id))
             if follow:
                 yield from (item for item in newer if _matches_run(item, run_id))
@@ -1029,13 +1031,24 @@ def _assign_last(consumer: KafkaConsumer, topic: str, n: int) -> dict[TopicParti
 
 
 def _read_until(
-    consumer: KafkaConsumer, ends: dict[TopicPartition, int], deadline: float
+    consumer: KafkaConsumer, ends: dict[TopicPartition, int], idle_timeout_s: float
 ) -> tuple[list[TailRecord], list[TailRecord]]:
-    """Everything before ``ends`` ordered by time (then partition, offset), and what came after, in arrival order."""
+    """Everything before ``ends`` ordered by time (then partition, offset), and what came after, in arrival order.
+
+    Reads as long as messages keep coming; ``BusError`` if none arrive for ``idle_timeout_s`` while some are
+    still missing, so a long topic is read completely and a stalled broker is reported instead of cut short.
+    """
     backlog: list[TailRecord] = []
     newer: list[TailRecord] = []
-    while time.monotonic() < deadline and any(consumer.position(tp) < end for tp, end in ends.items()):
-        for tp, records in consumer.poll(timeout_ms=200).items():
+    last_progress = time.monotonic()
+    while any(consumer.position(tp) < end for tp, end in ends.items()):
+        batches = consumer.poll(timeout_ms=200)
+        if batches:
+            last_progress = time.monotonic()
+        elif time.monotonic() - last_progress > idle_timeout_s:
+            missing = sum(max(0, end - consumer.position(tp)) for tp, end in ends.items())
+            raise BusError(f"reading stalled: no message for {idle_timeout_s:g}s with {missing} still to read")
+        for tp, records in batches.items():
             for record in records:
                 (backlog if record.offset < ends[tp] else newer).append(_tail_record(record))
     backlog.sort(key=lambda item: (item.timestamp_ms, item.partition, item.offset))

@@ -38,7 +38,12 @@ from pipeline.stack import (
 
 ENTRY_POINT_GROUP = "rlpipe.commands"
 # Built-in groups written in their own modules; optional so a missing one does not break the CLI.
-BUILTIN_LAZY_GROUPS = {"adapters": "pipeline.cli.adapters:app", "config": "pipeline.cli.config_cmd:app"}
+BUILTIN_LAZY_GROUPS = {
+    "adapters": "pipeline.cli.adapters:app",
+    "config": "pipeline.cli.config_cmd:app",
+    "run": "pipeline.cli.run_cmd:command",
+    "report": "pipeline.cli.report_cmd:command",
+}
 
 
 def _module_exists(target: str) -> bool:

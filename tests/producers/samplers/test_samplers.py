@@ -57,15 +57,15 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> Reference:
-    return Reference(tiny_model_dir)
+def reference(tiny_trained_dir: Path) -> Reference:
+    return Reference(tiny_trained_dir)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
+def tokenizer(tiny_trained_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
+    return AutoTokenizer.from_pretrained(tiny_trained_dir)
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +83,8 @@ def prompts(tokenizer: Any) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_sampler(tiny_model_dir: Path) -> TransformersSampler:
-    return TransformersSampler(str(tiny_model_dir), SamplerConfig(max_model_len=1024))
+def hf_sampler(tiny_trained_dir: Path) -> TransformersSampler:
+    return TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
 
 
 def max_gap(reference: Reference, adapter: AdapterHandle | None, prompt: list[int], out: SampleOutput) -> float:
@@ -130,9 +130,9 @@ def test_request_seeds_differ_across_requests_and_calls() -> None:
     assert request_seed(7, 2) == request_seed(7, 2)
 
 
-def test_make_sampler_rejects_unknown_backend(tiny_model_dir: Path) -> None:
+def test_make_sampler_rejects_unknown_backend(tiny_trained_dir: Path) -> None:
     with pytest.raises(ValueError, match="choose 'vllm' or 'transformers'"):
-        make_sampler("tgi", str(tiny_model_dir))
+        make_sampler("tgi", str(tiny_trained_dir))
 
 
 def test_top_p_keeps_the_smallest_nucleus() -> None:
@@ -191,9 +191,9 @@ def test_transformers_seeds_reproduce_and_group_members_differ(hf_sampler, promp
     assert len({tuple(o.token_ids) for o in first}) > 1  # same prompt, different streams
 
 
-def test_transformers_adapter_switching_and_unloading(tiny_model_dir, reference, prompts, lora_adapters) -> None:
+def test_transformers_adapter_switching_and_unloading(tiny_trained_dir, reference, prompts, lora_adapters) -> None:
     v1, v2 = lora_adapters
-    sampler = TransformersSampler(str(tiny_model_dir), SamplerConfig(max_model_len=1024))
+    sampler = TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
     sampler.load_adapter(v1)
     sampler.load_adapter(v2)
     request = [SampleRequest(prompts[2], 6)]

@@ -1,0 +1,226 @@
+"""``rlpipe run``: one command for a whole local run.
+
+Set up (one line each): the embedded stack if nothing is configured, the base
+model, the run (``run.json`` then ``RunStarted``); then launch the learner and N
+producers as separate processes (``rlpipe learner start`` / ``rlpipe producer
+start``, the same commands a cluster runs) and watch them on one live
+dashboard fed by the control topic.  The run ends when the learner reaches its
+step budget (``learner.max_steps``) or on Ctrl-C: producers get SIGTERM, flush
+their finished groups and exit; then ``RunStopped``.  Everything stays in the
+store and on the topics for ``rlpipe report``.
+
+``pipeline`` may not import the producer or learner code, and need not: it
+starts them as commands, which is also what keeps each process's engine and
+threads its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.bus import EventPublisher, group_lag, tail
+from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
+from pipeline.stack import read_stack_state, rlpipe_home, start_background
+from schemas.config import RunConfig
+from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStopped
+
+log = logging.getLogger("rlpipe.run")
+
+
+@dataclass
+class Dashboard:
+    """What the live view shows, updated from control events (thread-safe enough: one writer)."""
+
+    producers: dict[str, ProducerHeartbeat] = field(default_factory=dict)
+    learner: LearnerCheckpointed | None = None
+    rewards: deque[float] = field(default_factory=lambda: deque(maxlen=20))
+    lag: int | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def apply(self, payload: Any) -> None:
+        if isinstance(payload, ProducerHeartbeat):
+            self.producers[payload.producer_id] = payload
+        elif isinstance(payload, LearnerCheckpointed):
+            self.learner = payload
+            if "reward_mean" in payload.metrics:
+                self.rewards.append(payload.metrics["reward_mean"])
+
+    def render(self, run_id: str, max_steps: int | None) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+
+        elapsed = time.monotonic() - self.started
+        head = Table.grid(padding=(0, 2))
+        learner = self.learner
+        step = learner.step if learner else 0
+        head.add_row(
+            f"[bold]run[/] {run_id}", f"[bold]elapsed[/] {elapsed:5.0f}s",
+            f"[bold]learner step[/] {step}/{max_steps or '∞'}", f"[bold]version[/] v{learner.version if learner else 0}",
+            f"[bold]reward (avg of last {len(self.rewards)})[/] "
+            + (f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"),
+            f"[bold]lag[/] {self.lag if self.lag is not None else '-'}",
+        )
+        if learner:
+            m = learner.metrics
+            head.add_row(
+                f"ratio {m.get('ratio_mean', float('nan')):.3f}", f"ess {m.get('effective_sample_size', float('nan')):.3f}",
+                f"stale dropped {int(m.get('dropped_stale_rows', 0))}", f"tok/s {m.get('tokens_per_s', 0):.0f}", "", "",
+            )
+        table = Table("producer", "adapter", "samples", "samples/s", "tokens/s", "env steps/s", "busy", title="producers")
+        newest = learner.version if learner else 0
+        for pid, beat in sorted(self.producers.items()):
+            table.add_row(pid, f"v{beat.adapter_version} (stale {newest - beat.adapter_version})",
+                          str(beat.samples_total), f"{beat.samples_per_s:.2f}", f"{beat.tokens_per_s:.0f}",
+                          f"{beat.env_steps_per_s:.1f}", f"{beat.busy_fraction:.0%}")
+        return Group(head, table)
+
+
+def ensure_stack(config: RunConfig) -> RunConfig:
+    """Start the embedded stack when no broker is configured and none runs."""
+    if config.bus.bootstrap_servers or read_stack_state() is not None:
+        return config
+    log.info("no broker configured: starting the embedded stack (stop it later with `rlpipe down`)")
+    start_background(with_gcs=False)
+    return config
+
+
+def write_resolved_config(config: RunConfig) -> Path:
+    """The resolved config as YAML for the child processes (secrets stay in the environment, never on disk)."""
+    folder = rlpipe_home() / "runs" / config.run_id
+    folder.mkdir(parents=True, exist_ok=True)
+    data = config.model_dump(mode="json")
+    data["bus"]["sasl_password"] = None  # children read it from RLPIPE_BUS__SASL_PASSWORD like this process did
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=True))
+    return path
+
+
+def rlpipe_command(*args: str) -> list[str]:
+    """The argv running ``rlpipe ARGS`` with this interpreter."""
+    return [sys.executable, "-c", "from pipeline.cli.main import main; main()", *args]
+
+
+class Launcher:
+    """Starts and watches the learner and producers of one run."""
+
+    def __init__(self, config: RunConfig, dashboard: bool = True) -> None:
+        self.config = ensure_stack(config)
+        self.bus = resolved_bus(config.bus)
+        self.config_path = write_resolved_config(config)
+        self.log_dir = self.config_path.parent / "logs"
+        self.log_dir.mkdir(exist_ok=True)
+        self.show_dashboard = dashboard
+        self.board = Dashboard()
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopping = threading.Event()
+
+    # ---- set up -------------------------------------------------------------
+    def prepare_model(self) -> None:
+        """Build the tiny model once (the producer side builds it; the learner reads the recorded path)."""
+        if self.config.model.base_model != "tiny":
+            return
+        log.info("initialising the tiny base model (built once, then cached)")
+        args = ["model", "init-tiny"] + (["--out", self.config.model.tiny_dir] if self.config.model.tiny_dir else [])
+        subprocess.run(rlpipe_command(*args), check=True)
+
+    def create(self) -> None:
+        store = open_store(self.config.store)
+        _, _, started = create_run(store, self.config, self.config.model.base_model)
+        if started is not None:
+            with EventPublisher(self.bus) as publisher:
+                Announcer(publisher, self.config.run_id)(started)
+
+    def spawn(self, name: str, *args: str) -> None:
+        out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it for its lifetime
+        env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": self.bus.bootstrap_servers}
+        self.processes[name] = subprocess.Popen(rlpipe_command(*args), stdout=out, stderr=subprocess.STDOUT, env=env)
+        log.info("started %s (pid %d, log %s)", name, self.processes[name].pid, out.name)
+
+    # ---- run ------------------------------------------------------------------
+    def run(self) -> int:
+        """Launch everything, watch until the learner is done or Ctrl-C, stop cleanly; return an exit code."""
+        self.prepare_model()
+        self.create()
+        config = ["--config", str(self.config_path)]
+        self.spawn("learner", "learner", "start", *config)
+        for index in range(self.config.num_producers):
+            self.spawn(f"producer-{index}", "producer", "start", *config,
+                       "--set", f"producer.producer_id={self.config.run_id}-p{index}",
+                       "--set", f"producer.seed_start={self.config.producer.seed_start + index * 1_000_000}")
+        watcher = threading.Thread(target=self.follow_control, daemon=True)
+        watcher.start()
+        try:
+            self.watch()
+        except KeyboardInterrupt:
+            log.info("Ctrl-C: stopping the run")
+        return self.shutdown()
+
+    def follow_control(self) -> None:
+        """Feed the dashboard from the control topic until the run stops."""
+        while not self.stopping.is_set():
+            try:
+                for record in tail(self.bus, "control", n=0, follow=True, run_id=self.config.run_id,
+                                   follow_for_s=2.0):
+                    if record.event is not None:
+                        self.board.apply(record.event.payload)
+                    if self.stopping.is_set():
+                        return
+                lags = group_lag(self.bus, f"rlpipe-learner-{self.config.run_id}")
+                self.board.lag = sum(p.lag for p in lags) if lags else None
+            except Exception as exc:  # the dashboard must never take the run down
+                log.debug("dashboard feed: %s", exc)
+                time.sleep(1.0)
+
+    def watch(self) -> None:
+        from rich.live import Live
+
+        learner = self.processes["learner"]
+        if not self.show_dashboard:
+            while learner.poll() is None and not self._producer_failed():
+                time.sleep(0.5)
+            return
+        with Live(self.board.render(self.config.run_id, self.config.learner.max_steps), refresh_per_second=2) as live:
+            while learner.poll() is None and not self._producer_failed():
+                live.update(self.board.render(self.config.run_id, self.config.learner.max_steps))
+                time.sleep(0.5)
+            live.update(self.board.render(self.config.run_id, self.config.learner.max_steps))
+
+    def _producer_failed(self) -> bool:
+        return any(p.poll() not in (None, 0) for name, p in self.processes.items() if name != "learner")
+
+    def shutdown(self, timeout_s: float = 120.0) -> int:
+        """SIGTERM everyone still running, wait (bounded), then RunStopped; non-zero if any child failed."""
+        self.stopping.set()
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name, process in self.processes.items():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time: killing it", name)
+                process.kill()
+                process.wait()
+        codes = {name: process.returncode for name, process in self.processes.items()}
+        learner = self.board.learner
+        with EventPublisher(self.bus) as publisher:
+            Announcer(publisher, self.config.run_id)(RunStopped(
+                reason="step budget reached" if codes.get("learner") == 0 else "stopped",
+                final_version=learner.version if learner else 0, final_step=learner.step if learner else 0))
+        failed = {name: code for name, code in codes.items() if code != 0}
+        for name, code in failed.items():
+            log.error("%s exited with %s; see %s", name, code, self.log_dir / f"{name}.log")
+        return 1 if failed else 0
