@@ -1,0 +1,83 @@
+"""``rlpipe eval RUN``: evaluate an adapter version (or the base model) on held-out seeds."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from pipeline.cli.common import console, fail, handle_user_errors, print_json
+from pipeline.cli.options import setup_logging
+from pipeline.config import deep_merge, env_layer, parse_overrides
+from pipeline.registry import AdapterRegistry
+from pipeline.runtime import open_store
+from schemas.config import RunConfig, StoreConfig
+
+app = typer.Typer(name="eval", add_completion=False)
+
+
+def stored_run_config(run: str, store_cfg: StoreConfig, overrides: list[str]) -> RunConfig:
+    """The run's own ``run.json`` (secrets masked there) with environment and --set layers on top."""
+    store = open_store(store_cfg)
+    key = f"runs/{run}/run.json"
+    if not store.exists(key):
+        fail(f"run {run!r} has no run.json in {store.url()}; check --root or the run id", 2)
+    data = json.loads(store.get(key))
+    data["bus"]["sasl_password"] = None
+    data = deep_merge(deep_merge(data, env_layer()), parse_overrides(overrides))
+    data["store"] = {**data.get("store", {}), **store_cfg.model_dump(exclude_defaults=True)}
+    return RunConfig.model_validate(data)
+
+
+@app.command(epilog="Example: rlpipe eval demo --version latest --episodes 32 --baseline heuristic")
+@handle_user_errors
+def eval(
+    run: Annotated[str, typer.Argument(help="Run id.")],
+    version: Annotated[str, typer.Option(help="Adapter version, 'latest', or 0 for the base model.")] = "latest",
+    env: Annotated[str | None, typer.Option(help="Environment (default: the run's).")] = None,
+    episodes: Annotated[int, typer.Option(min=1, max=100_000, help="Held-out episodes.")] = 32,
+    greedy: Annotated[bool, typer.Option(help="Greedy decoding instead of the run's sampling temperature.")] = False,
+    baseline: Annotated[list[str] | None, typer.Option(help="Also evaluate heuristic and/or random.")] = None,
+    root: Annotated[str | None, typer.Option(help="Store root URL (default: configured or embedded).")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a config field.")] = None,
+    save: Annotated[bool, typer.Option(help="Store the result under runs/RUN/eval/ for the report.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Play held-out episodes (seeds from env.eval_seed_offset) with one adapter version; print return and CI."""
+    setup_logging()
+    from producers.evaluation import baseline_result, evaluate_version, save_result
+    from producers.tiny_model import resolve_model
+
+    store_cfg = StoreConfig(root=root) if root else StoreConfig()
+    config = stored_run_config(run, store_cfg, overrides or [])
+    if env:
+        config = config.model_copy(update={"env": config.env.model_copy(update={"name": env})})
+    store = open_store(config.store)
+    registry = AdapterRegistry(store, run)
+    if version == "latest":
+        latest = registry.latest()
+        number = latest.version if latest else 0
+    elif version.isascii() and version.lstrip("v").isdigit():
+        number = int(version.lstrip("v"))
+    else:
+        fail(f"--version must be a number, v<number> or 'latest', got {version!r}", 2)
+    results = [evaluate_version(config, store, resolve_model(config.model), number, episodes,
+                                temperature=0.0 if greedy else None)]
+    for policy in baseline or []:
+        if policy not in ("heuristic", "random"):
+            fail(f"--baseline must be heuristic or random, got {policy!r}", 2)
+        results.append(baseline_result(config, policy, episodes))
+    keys = [save_result(store, r) for r in results] if save else []
+    if as_json:
+        print_json({"results": [r.model_dump(mode="json") for r in results], "saved": keys})
+        return
+    table = Table("policy", "version", "episodes", "mean return", "95% CI", "success", title=f"{run} on {config.env.name}")
+    for r in results:
+        table.add_row(r.policy, f"v{r.version}", str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
+                      f"{r.success_rate:.0%}")
+    console.print(table)
+
+
+command = typer.main.get_command(app)

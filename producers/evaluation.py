@@ -1,0 +1,153 @@
+"""Evaluate a policy (the base model or an adapter version) on held-out seeds.
+
+Uses the very rollout worker the producers run (same prompts, same token
+handling, same batched generation), with one episode per seed, seeds starting
+at ``env.eval_seed_offset`` so they never overlap training seeds, and a sink
+that keeps the rows in memory instead of writing a batch.  Results are stored as
+``runs/<run>/eval/<name>.json`` for ``rlpipe report``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from schemas.evaluation import EvalResult
+
+from pipeline.registry import AdapterRegistry
+from pipeline.stack import rlpipe_home
+from pipeline.store import ObjectStore
+from producers.envs.evaluate import Z_95
+from producers.envs.registry import make_env
+from producers.rollout import RolloutWorker
+from producers.samplers import make_sampler
+from producers.samplers.base import AdapterHandle, Sampler
+from schemas.config import RunConfig
+
+log = logging.getLogger("rlpipe.eval")
+
+
+class _MemorySink:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def commit(self, rows: list[dict[str, Any]], batch_id: str) -> None:
+        self.rows.extend(rows)
+
+
+class _Fixed:
+    """An adapter source that always serves one version."""
+
+    def __init__(self, handle: AdapterHandle | None) -> None:
+        self.handle = handle
+
+    def current(self) -> AdapterHandle | None:
+        return self.handle
+
+    def newest_published(self) -> int:
+        return self.handle.version if self.handle else 0
+
+    def refresh(self) -> None:
+        pass
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its normal-approximation 95% interval (z * s / sqrt(n))."""
+    if not values:
+        return float("nan"), float("nan")
+    mean = statistics.fmean(values)
+    half = Z_95 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return mean, half
+
+
+def episode_results(rows: list[dict[str, Any]]) -> list[tuple[int, float, bool]]:
+    """(seed, return, success) per episode, in seed order (per-turn rows count once)."""
+    episodes: dict[str, tuple[int, float, bool]] = {}
+    for row in rows:
+        episodes.setdefault(row["episode_id"], (row["env_seed"], float(row["reward"]), bool(row["success"])))
+    return sorted(episodes.values())
+
+
+def pull_handle(registry: AdapterRegistry, version: int, cache: Path) -> AdapterHandle | None:
+    """The adapter of ``version`` as a sampler handle (None for version 0, the base model)."""
+    if version == 0:
+        return None
+    folder = registry.pull(version, cache)
+    return AdapterHandle(version=version, lora_int_id=version, name=f"eval-v{version}", path=str(folder),
+                         sha256=registry.adapter_sha256(version))
+
+
+def evaluate_version(
+    config: RunConfig,
+    store: ObjectStore,
+    model_path: str,
+    version: int,
+    episodes: int,
+    sampler: Sampler | None = None,
+    temperature: float | None = None,
+) -> EvalResult:
+    """Play ``episodes`` held-out episodes with adapter ``version`` (0 = base model)."""
+    import uuid
+
+    from transformers import AutoTokenizer
+
+    registry = AdapterRegistry(store, config.run_id)
+    handle = pull_handle(registry, version, rlpipe_home() / "adapter-cache" / f"eval-{uuid.uuid4().hex[:8]}")
+    own_sampler = sampler is None
+    sampler = sampler or make_sampler(config.sampler.backend, model_path, config.sampler)
+    if handle is not None:
+        sampler.load_adapter(handle)
+    sampling = config.sampler if temperature is None else config.sampler.model_copy(update={"temperature": temperature})
+    producer = config.producer.model_copy(update={
+        "group_size": 1, "max_groups": episodes, "groups_per_batch": episodes,
+        "concurrent_groups": min(episodes, max(config.producer.concurrent_groups, 8)),
+        "seed_start": config.env.eval_seed_offset, "max_staleness": 1000, "producer_id": "eval",
+    })
+    sink = _MemorySink()
+    worker = RolloutWorker(
+        run_id=config.run_id, producer_id="eval", env_name=config.env.name,
+        make_env=lambda: make_env(config.env.name, config.env.overrides),
+        tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler, adapters=_Fixed(handle), sink=sink,
+        producer=producer, sampling=sampling,
+    )
+    try:
+        worker.run()
+    finally:
+        if own_sampler:
+            sampler.close()
+    results = episode_results(sink.rows)
+    returns = [r for _, r, _ in results]
+    mean, ci = mean_ci95(returns)
+    return EvalResult(
+        run_id=config.run_id, env=config.env.name, version=version, episodes=len(results),
+        seed_start=config.env.eval_seed_offset, returns=returns, successes=[s for _, _, s in results],
+        mean_return=mean, ci95=ci, success_rate=sum(s for _, _, s in results) / max(1, len(results)),
+        created_at=datetime.now(UTC), policy="base" if version == 0 else "adapter",
+    )
+
+
+def save_result(store: ObjectStore, result: EvalResult, name: str | None = None) -> str:
+    """Store ``result`` under ``runs/<run>/eval/`` (a new file each time; nothing is overwritten)."""
+    stamp = result.created_at.strftime("%Y%m%dT%H%M%S%f")
+    key = f"runs/{result.run_id}/eval/{name or f'{result.env}-v{result.version}'}-{stamp}.json"
+    store.put_create(key, result.model_dump_json(indent=2).encode())
+    return key
+
+
+def baseline_result(config: RunConfig, policy: str, episodes: int) -> EvalResult:
+    """The scripted heuristic or random policy on the same held-out seeds (for comparison)."""
+    from producers.envs.evaluate import evaluate
+
+    summary = evaluate(config.env.name, policy, episodes, seed_start=config.env.eval_seed_offset,
+                       overrides=config.env.overrides)
+    returns = [r.episode_return for r in summary.results]
+    return EvalResult(
+        run_id=config.run_id, env=config.env.name, version=0, episodes=episodes,
+        seed_start=config.env.eval_seed_offset, returns=returns, successes=[r.success for r in summary.results],
+        mean_return=summary.mean_return, ci95=summary.ci95, success_rate=summary.success_rate,
+        created_at=datetime.now(UTC), policy=policy,
+    )
