@@ -10,23 +10,18 @@ that keeps the rows in memory instead of writing a batch.  Results are stored as
 from __future__ import annotations
 
 import logging
-import math
-import statistics
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-from schemas.evaluation import EvalResult
 
 from pipeline.registry import AdapterRegistry
 from pipeline.stack import rlpipe_home
 from pipeline.store import ObjectStore
-from producers.envs.evaluate import Z_95
 from producers.envs.registry import make_env
 from producers.rollout import RolloutWorker
 from producers.samplers import make_sampler
 from producers.samplers.base import AdapterHandle, Sampler
 from schemas.config import RunConfig
+from schemas.evaluation import EvalResult, eval_key, eval_to_bytes
 
 log = logging.getLogger("rlpipe.eval")
 
@@ -53,15 +48,6 @@ class _Fixed:
 
     def refresh(self) -> None:
         pass
-
-
-def mean_ci95(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its normal-approximation 95% interval (z * s / sqrt(n))."""
-    if not values:
-        return float("nan"), float("nan")
-    mean = statistics.fmean(values)
-    half = Z_95 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
-    return mean, half
 
 
 def episode_results(rows: list[dict[str, Any]]) -> list[tuple[int, float, bool]]:
@@ -120,21 +106,17 @@ def evaluate_version(
         if own_sampler:
             sampler.close()
     results = episode_results(sink.rows)
-    returns = [r for _, r, _ in results]
-    mean, ci = mean_ci95(returns)
-    return EvalResult(
-        run_id=config.run_id, env=config.env.name, version=version, episodes=len(results),
-        seed_start=config.env.eval_seed_offset, returns=returns, successes=[s for _, _, s in results],
-        mean_return=mean, ci95=ci, success_rate=sum(s for _, _, s in results) / max(1, len(results)),
-        created_at=datetime.now(UTC), policy="base" if version == 0 else "adapter",
+    return EvalResult.from_episodes(
+        run_id=config.run_id, env=config.env.name, version=version, seed_start=config.env.eval_seed_offset,
+        returns=[r for _, r, _ in results], successes=[s for _, _, s in results],
+        policy="base" if version == 0 else "adapter",
     )
 
 
-def save_result(store: ObjectStore, result: EvalResult, name: str | None = None) -> str:
-    """Store ``result`` under ``runs/<run>/eval/`` (a new file each time; nothing is overwritten)."""
-    stamp = result.created_at.strftime("%Y%m%dT%H%M%S%f")
-    key = f"runs/{result.run_id}/eval/{name or f'{result.env}-v{result.version}'}-{stamp}.json"
-    store.put_create(key, result.model_dump_json(indent=2).encode())
+def save_result(store: ObjectStore, result: EvalResult) -> str:
+    """Store ``result`` under ``runs/<run>/eval/`` (create-only: nothing is overwritten)."""
+    key = eval_key(result)
+    store.put_create(key, eval_to_bytes(result))
     return key
 
 
@@ -144,10 +126,8 @@ def baseline_result(config: RunConfig, policy: str, episodes: int) -> EvalResult
 
     summary = evaluate(config.env.name, policy, episodes, seed_start=config.env.eval_seed_offset,
                        overrides=config.env.overrides)
-    returns = [r.episode_return for r in summary.results]
-    return EvalResult(
-        run_id=config.run_id, env=config.env.name, version=0, episodes=episodes,
-        seed_start=config.env.eval_seed_offset, returns=returns, successes=[r.success for r in summary.results],
-        mean_return=summary.mean_return, ci95=summary.ci95, success_rate=summary.success_rate,
-        created_at=datetime.now(UTC), policy=policy,
+    return EvalResult.from_episodes(
+        run_id=config.run_id, env=config.env.name, version=0, seed_start=config.env.eval_seed_offset,
+        returns=[r.episode_return for r in summary.results], successes=[r.success for r in summary.results],
+        policy=policy,
     )

@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from pipeline.models import record_tiny_model
 from producers.tiny_model import TinyModelSpec, build_tiny_model, default_tiny_dir, read_marker
 
 app = typer.Typer(
@@ -23,8 +24,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-_out = Console(highlight=False)
-_err = Console(stderr=True, highlight=False)
+_out = Console(highlight=False, soft_wrap=True)
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -55,10 +56,12 @@ def init_tiny(
 ) -> None:
     """Build the tiny Qwen2-style model (tokenizer, weights, short pre-training on environment transcripts).
 
-    An existing folder built with the same parameters is reused.
+    An existing folder built with the same parameters is reused.  Without --out the
+    folder is also recorded as this machine's tiny model ($RLPIPE_HOME/models/tiny.json).
     Example: rlpipe model init-tiny --out ./tiny --steps 150
     """
     logging.getLogger("producers.tiny_model").setLevel(logging.ERROR)  # skipped envs come back as warnings
+    _quiet_transformers()
     overrides = {"steps": steps, "pretrain": steps > 0}
     target = out if out is not None else default_tiny_dir(TinyModelSpec(seed=seed, **overrides))
     with _progress() as progress:
@@ -73,7 +76,16 @@ def init_tiny(
             raise _fail(str(exc), EXIT_USAGE) from None
         except (RuntimeError, OSError) as exc:
             raise _fail(f"{type(exc).__name__}: {exc}", EXIT_RUNTIME) from None
+    if out is None:  # the default location: the learner side finds it through the pointer
+        record_tiny_model(path)
     _report(path)
+
+
+def _quiet_transformers() -> None:
+    """transformers' own bars (writing shards) would interleave with ours."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _progress() -> Progress:

@@ -223,7 +223,8 @@ def _build_into(folder: Path, spec: TinyModelSpec, key: str, progress: ProgressF
     model = init_model(spec, tokenizer)
     losses: list[dict[str, float]] = []
     if spec.pretrain and spec.steps > 0:
-        sequences = [encode_conversation(tokenizer, c, spec.max_seq_len) for c in corpus.conversations]
+        encoded = [encode_conversation(tokenizer, c, spec.max_seq_len) for c in corpus.conversations]
+        sequences = [(ids, mask) for ids, mask in encoded if any(mask)]  # cut before any answer: nothing to learn
         losses = pretrain(model, sequences, spec, tokenizer.token_to_id(ENDOFTEXT), progress)
     folder.mkdir(parents=True)
     _save_model(folder, model, tokenizer)
@@ -292,9 +293,9 @@ def collect_corpus(spec: TinyModelSpec) -> Corpus:
     conversations: list[list[Message]] = []
     used: list[str] = []
     skipped: dict[str, str] = {}
-    for index, name in enumerate(_env_list(spec)):
+    for name in _env_list(spec):
         try:
-            env_convs = env_conversations(name, spec, seed=spec.seed * 1_000_003 + index)
+            env_convs = env_conversations(name, spec, seed=_env_seed(spec.seed, name))
         except Exception as exc:  # other engineers' environments may be half-written: skip, never fail
             skipped[name] = f"{type(exc).__name__}: {exc}"
             continue
@@ -306,6 +307,11 @@ def collect_corpus(spec: TinyModelSpec) -> Corpus:
     if not conversations:
         raise RuntimeError("no environment produced transcripts; check `rlpipe envs list` for import errors")
     return Corpus(conversations, used, skipped)
+
+
+def _env_seed(seed: int, name: str) -> int:
+    """A seed per environment that does not shift when other environments are added."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:4], "little")
 
 
 def env_conversations(name: str, spec: TinyModelSpec, seed: int) -> list[list[Message]]:

@@ -1,9 +1,11 @@
 """The vLLM sampler: one in-process ``vllm.LLM`` engine with LoRA, prompts given as token ids.
 
 vLLM is imported lazily: importing it is slow and it is an optional extra.
-Its engine runs in a child process started with ``spawn``, so any script that
-builds a ``VLLMSampler`` must guard its entry point with
-``if __name__ == "__main__":``.
+Its engine core and worker run in child processes: forked by default on a CPU,
+spawned when CUDA is initialised or ``VLLM_WORKER_MULTIPROC_METHOD=spawn``
+(safer when the parent already runs threads).  A spawned child re-imports the
+main module, so scripts that build a ``VLLMSampler`` guard their entry point
+with ``if __name__ == "__main__":``.  Both work under pytest.
 
 Each adapter version is served under its own ``LoRARequest(name, id, path)``;
 reusing a name or id for new weights can serve a stale cache (NOTES.md).
@@ -59,15 +61,18 @@ class VLLMSampler(Sampler):
         max_lora_rank: int | None = None,
         max_loras: int | None = None,
         dtype: str = "auto",
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine (about 30 s on a CPU).
 
         ``max_lora_rank``/``max_loras`` default to the config's.  ``enforce_eager``
-        skips CUDA-graph capture: for a tiny model it costs start-up time and buys
-        nothing.  ``engine_kwargs`` pass straight to ``vllm.LLM``.
+        (None = only without CUDA) skips graph capture and compilation, which on a
+        CPU cost start-up time and buy nothing.  ``dtype`` "auto" is the
+        checkpoint's own dtype.  ``engine_kwargs`` pass straight to ``vllm.LLM``.
         """
+        import torch
+
         config = config or SamplerConfig()
         _prepare_environment()
         from vllm import LLM
@@ -76,6 +81,7 @@ class VLLMSampler(Sampler):
         self.max_model_len = config.max_model_len
         self._lock = threading.Lock()  # vllm.LLM is not thread-safe
         self._handles: dict[int, AdapterHandle] = {}
+        self._llm: Any = None
         self._llm = LLM(
             model=model_path,
             enable_lora=True,
@@ -84,7 +90,7 @@ class VLLMSampler(Sampler):
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_model_len=config.max_model_len,
             dtype=checkpoint_dtype(model_path) if dtype == "auto" else dtype,
-            enforce_eager=enforce_eager,
+            enforce_eager=not torch.cuda.is_available() if enforce_eager is None else enforce_eager,
             seed=config.seed,
             logprobs_mode="raw_logprobs",  # temperature-1 log-softmax: what the learner recomputes
             **engine_kwargs,
@@ -108,7 +114,7 @@ class VLLMSampler(Sampler):
         handle.check_folder()
         with self._lock:
             request = self._lora_request(handle)
-            if not self._llm.llm_engine.add_lora(request):
+            if not self._engine().llm_engine.add_lora(request):
                 raise RuntimeError(f"vLLM refused adapter {handle.name} from {handle.path}")
             self._handles[handle.lora_int_id] = handle
         log.info("loaded adapter %s (id %d) from %s", handle.name, handle.lora_int_id, handle.path)
@@ -117,12 +123,12 @@ class VLLMSampler(Sampler):
         """Drop ``handle`` from the engine (a no-op when it is not loaded)."""
         with self._lock:
             self._handles.pop(handle.lora_int_id, None)
-            self._llm.llm_engine.remove_lora(handle.lora_int_id)
+            self._engine().llm_engine.remove_lora(handle.lora_int_id)
 
     def loaded_adapter_ids(self) -> set[int]:
         """The LoRA ids the engine holds right now."""
         with self._lock:
-            return set(self._llm.llm_engine.list_loras())
+            return set(self._engine().llm_engine.list_loras())
 
     # ---- sampling ----------------------------------------------------------------
     def generate(
@@ -158,21 +164,22 @@ class VLLMSampler(Sampler):
             adapter.check_folder()
         with self._lock:
             lora = self._lora_request(adapter) if adapter is not None else None
-            outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+            outputs = self._engine().generate(prompts, params, use_tqdm=False, lora_request=lora)
             if adapter is not None:
                 self._handles[adapter.lora_int_id] = adapter
         return [_to_sample_output(out) for out in outputs]
 
     def close(self) -> None:
-        """Shut the engine down (its worker process and memory)."""
-        llm, self._llm = getattr(self, "_llm", None), None
-        if llm is None:
-            return
-        engine = getattr(llm, "llm_engine", None)
-        shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-        del llm
+        """Shut the engine down (its engine-core and worker processes, and their memory)."""
+        llm, self._llm = self._llm, None
+        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+
+    def _engine(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("this VLLMSampler is closed; build a new one")
+        return self._llm
 
 
 def _to_sample_output(request_output: Any) -> SampleOutput:

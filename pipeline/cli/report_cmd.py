@@ -1,0 +1,129 @@
+"""``rlpipe report RUN``: write a self-contained HTML report of one run (or print it as JSON).
+
+Reads the store (trajectories, adapters, the newest checkpoint, evaluations) and,
+unless ``--no-bus``, the run's events on ``<ns>.control`` with a bounded wait; a
+missing piece leaves its section empty with a note, never a failure.  An unknown
+run or a bad option exits 2 with one line; a store that cannot be read exits 1.
+
+``app`` is a one-command Typer app; ``command`` is the same as a click command,
+which is what ``rlpipe``'s lazy loader should register (``report =
+"pipeline.cli.report_cmd:command"``) so the call reads ``rlpipe report RUN``
+rather than ``rlpipe report report RUN``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from pipeline.cli.common import (
+    EXIT_FAILURE,
+    bus_config_from_cli,
+    console,
+    error_line,
+    fail,
+    print_json,
+    user_errors,
+)
+from pipeline.gcs_emulator import probe_endpoint
+from pipeline.report import DEFAULT_BUS_TIMEOUT_S, RunReport, gather_report, summary_lines, write_report
+from pipeline.runtime import open_store
+from pipeline.store import ObjectStore
+from schemas.config import StoreConfig
+
+app = typer.Typer(
+    name="report",
+    help="Write an HTML report of a run: rewards, evaluations, staleness, ratios, throughput, duty cycle.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+RunArg = Annotated[str, typer.Argument(help="run id, e.g. demo", show_default=False)]
+RootOpt = Annotated[
+    str | None,
+    typer.Option("--root", envvar="RLPIPE_STORE__ROOT", help="store root URL; default: the `rlpipe up` store"),
+]
+EndpointOpt = Annotated[
+    str | None,
+    typer.Option("--gcs-endpoint", envvar="RLPIPE_STORE__GCS_ENDPOINT", help="GCS API endpoint (emulator) for gs://"),
+]
+OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="output folder; default ./rlpipe-report-RUN/")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print the summary and every series as JSON")]
+BootstrapOpt = Annotated[
+    str | None, typer.Option("--bootstrap", "-b", help="Kafka host:port; default: bus config, else `rlpipe up`")
+]
+NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="topic namespace; default: bus config (rlpipe)")]
+NoBusOpt = Annotated[
+    bool, typer.Option("--no-bus", help="do not read the event log (no throughput, no producer lanes)")
+]
+TimeoutOpt = Annotated[
+    float, typer.Option("--bus-timeout", min=0.5, max=120.0, help="seconds to wait for the broker before giving up")
+]
+
+
+@app.command(
+    "report",
+    epilog="Example: rlpipe report demo --root file:///tmp/rlpipe/store --out ./demo-report",
+)
+def report(
+    run: RunArg,
+    root: RootOpt = None,
+    gcs_endpoint: EndpointOpt = None,
+    out: OutOpt = None,
+    as_json: JsonOpt = False,
+    bootstrap: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+    no_bus: NoBusOpt = False,
+    bus_timeout: TimeoutOpt = DEFAULT_BUS_TIMEOUT_S,
+) -> None:
+    """Gather a run's numbers from the store and the event log and write report.html, PNGs and report.json."""
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
+    with user_errors():
+        store = _store(root, gcs_endpoint)
+        bus_config = None if no_bus else bus_config_from_cli(bootstrap, namespace)
+        try:
+            gathered = gather_report(store, run, bus_config, bus_timeout_s=bus_timeout)
+        except OSError as exc:  # the store itself failed (network, permissions): not the user's input
+            fail(f"cannot read run {run!r} from {store.root}: {error_line(exc)}", EXIT_FAILURE)
+        html_path = write_report(gathered, out if out is not None else Path(f"rlpipe-report-{run}"))
+    if as_json:
+        print_json({**gathered.to_json(), "html": str(html_path)})
+    else:
+        _print_summary(gathered, html_path)
+
+
+# ``rlpipe``'s loader registers a click command as-is (see the module docstring).
+command = typer.main.get_command(app)
+
+
+def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
+    """The store ``--root`` names (default: the embedded stack's), failing fast if the emulator is down."""
+    store = open_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint))
+    if store.gcs_endpoint:
+        reason = probe_endpoint(store.gcs_endpoint)
+        if reason is not None:
+            fail(f"cannot reach the GCS endpoint {store.gcs_endpoint}: {reason}; is the emulator running?")
+    return store
+
+
+def _print_summary(gathered: RunReport, html_path: Path) -> None:
+    table = Table(title=f"run {gathered.run_id}", show_header=False)
+    table.add_column("what", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for label, value in summary_lines(gathered.summary):
+        table.add_row(label, value)
+    console.print(table)
+    for lane in gathered.series["duty_cycle"]["lanes"]:
+        fraction = lane["busy_fraction"]
+        shown = f"{fraction:.1%}" if math.isfinite(fraction) else "-"
+        label = lane["name"] if lane["kind"] == "learner" else f"producer {lane['name']}"
+        console.print(f"{label}: busy {shown} of the run", markup=False)
+    for section, notes in gathered.notes.items():
+        for text in notes:
+            console.print(f"note ({section}): {text}", style="yellow", markup=False)
+    console.print(f"report written to {html_path}")

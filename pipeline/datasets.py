@@ -1,0 +1,501 @@
+"""Offline datasets in the store: the dataset card, steps partitions, listing and scanning.
+
+Importer (``producers.datasets``) -> ``DatasetWriter`` -> store -> ``read_card`` /
+``scan_steps`` -> to-trajectories, ``rlpipe datasets show|sample``, benchmarks.
+Layout of one dataset::
+
+    datasets/<name>/steps/date=YYYY-MM-DD/part-00000.parquet   steps tables (schemas.steps), create-only
+    datasets/<name>/dataset.json                               the card: written LAST, create-only
+
+A dataset exists exactly when its card exists (the commit point, as an adapter's
+manifest).  The card names every partition file with its sha256, size, rows,
+episodes and time range, plus the dataset's fields and units, row counts, time
+span and where it came from.  Readers trust only files the card names: a crashed
+import leaves files no card names, which nobody reads and the next import of
+the same name removes.
+
+Partitions: one folder per day, the date on which each episode starts (local
+time for building logs), so an episode never straddles two files and a day's
+episodes are read together.  Scans prune files by the card's per-file time range
+before opening anything (partition pruning), then push the exact time filter and
+the column projection into the Parquet reader, so a narrow query costs in
+proportion to what it matches, not to the dataset's size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from datetime import UTC, date, datetime
+from typing import Any, Literal
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.archive import TrajectoryArchive
+from pipeline.store import ObjectStore
+from schemas.names import validate_name
+from schemas.steps import STEPS_BASE_FIELDS, check_steps_table
+from schemas.versions import check_readable
+
+log = logging.getLogger("rlpipe.datasets")
+
+DATASETS_PREFIX = "datasets"
+CARD_NAME = "dataset.json"
+CARD_SCHEMA_VERSION = "1.0"
+STEPS_FOLDER = "steps"
+BASE_COLUMNS = tuple(f.name for f in STEPS_BASE_FIELDS)
+TIMESTAMP_TYPE = pa.timestamp("us", tz="UTC")
+FieldRole = Literal["observation", "action", "reward", "reward_info", "feature"]
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be written or read as asked."""
+
+
+class DatasetField(BaseModel):
+    """One feature column of the steps table: where it came from and its unit."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str = Field(min_length=1, description="column name in the steps table")
+    role: FieldRole = Field(description="which part of the log it belongs to")
+    source_id: str = Field(min_length=1, description="the id in the source (device@field, a CSV column)")
+    unit: str | None = Field(None, description="unit as the source states it; None = not stated")
+
+
+class DatasetFile(BaseModel):
+    """One partition file, as the card names it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    path: str = Field(description="key relative to the dataset folder, e.g. steps/date=2023-01-05/part-00000.parquet")
+    date: date = Field(description="the partition's day")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size_bytes: int = Field(ge=0)
+    rows: int = Field(ge=1)
+    episodes: int = Field(ge=1)
+    time_min: datetime | None = Field(None, description="earliest step timestamp (UTC); None without timestamps")
+    time_max: datetime | None = Field(None, description="latest step timestamp (UTC)")
+
+
+class DatasetCard(BaseModel):
+    """What a dataset holds and where it came from; its existence commits the dataset."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    schema_version: str = Field(CARD_SCHEMA_VERSION, description="MAJOR.MINOR of the card")
+    name: str = Field(description="dataset name (the folder under datasets/)")
+    source: str = Field(min_length=1, max_length=64, description="importer: smart-buildings, table, ...")
+    description: str = Field("", max_length=4096, description="free text for people")
+    source_files: dict[str, str] = Field(
+        default_factory=dict, description="source file name -> sha256 of its bytes (provenance)"
+    )
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    fields: list[DatasetField] = Field(description="feature columns, in table order")
+    observation_columns: list[str] = Field(description="features stacked, in order, into the observation vector")
+    action_columns: list[str] = Field(description="features stacked, in order, into the action vector")
+    reward_column: str | None = Field(None, description="feature copied into the reward column")
+    episode_rule: str = Field("", max_length=512, description="how episode boundaries were drawn")
+    step_seconds: float | None = Field(None, gt=0, description="typical spacing of steps (s)")
+    num_rows: int = Field(ge=0)
+    num_episodes: int = Field(ge=0)
+    time_start: datetime | None = Field(None, description="earliest timestamp (UTC)")
+    time_end: datetime | None = Field(None, description="latest timestamp (UTC)")
+    files: list[DatasetFile] = Field(description="every partition file, by date then part")
+    extras: dict[str, Any] = Field(default_factory=dict, description="importer-specific facts (JSON)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _readable(cls, data: object) -> object:
+        if isinstance(data, dict) and "schema_version" in data:
+            check_readable(str(data["schema_version"]), CARD_SCHEMA_VERSION, "dataset card")
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return validate_name(value, "dataset name")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DatasetCard:
+        if sum(f.rows for f in self.files) != self.num_rows:
+            raise ValueError(f"num_rows is {self.num_rows} but the files hold {sum(f.rows for f in self.files)}")
+        names = {f.name for f in self.fields}
+        for column in [*self.observation_columns, *self.action_columns, *filter(None, [self.reward_column])]:
+            if column not in names:
+                raise ValueError(f"column {column!r} is named by the card but is not one of its fields")
+        return self
+
+    def field(self, name: str) -> DatasetField:
+        """The field called ``name`` (KeyError naming the choices otherwise)."""
+        for item in self.fields:
+            if item.name == name:
+                return item
+        raise KeyError(f"dataset {self.name} has no field {name!r}")
+
+    def units(self) -> dict[str, str | None]:
+        """Field name -> unit."""
+        return {f.name: f.unit for f in self.fields}
+
+
+# ---- keys -------------------------------------------------------------------------------------
+
+
+def dataset_prefix(name: str) -> str:
+    """Folder key of one dataset."""
+    return f"{DATASETS_PREFIX}/{validate_name(name, 'dataset name')}"
+
+
+def card_key(name: str) -> str:
+    """Key of a dataset's card (``datasets/<name>/dataset.json``)."""
+    return f"{dataset_prefix(name)}/{CARD_NAME}"
+
+
+def partition_path(day: date, part: int) -> str:
+    """Partition file key relative to the dataset folder: ``steps/date=YYYY-MM-DD/part-00000.parquet``."""
+    if part < 0:
+        raise DatasetError(f"part number must be >= 0, got {part}")
+    return f"{STEPS_FOLDER}/date={day.isoformat()}/part-{part:05d}.parquet"
+
+
+# ---- building steps tables from arrays (pure) -----------------------------------------------
+
+US_PER_SECOND = 1_000_000
+US_PER_DAY = 86_400 * US_PER_SECOND
+EpisodeSplit = Literal["day", "gap"]
+
+
+def episode_starts(
+    times_us_R: np.ndarray, step_seconds: float, split: EpisodeSplit = "day", utc_offset_hours: float = 0.0
+) -> np.ndarray:
+    """Row indices where episodes start in a time-sorted log: the first row, after every gap longer
+    than 1.5 steps, and (``split="day"``) at every local midnight (UTC + ``utc_offset_hours``).
+
+    Why days: logged building data has no episodes; a local day is the unit an operator
+    plans in, the span of the simulator's default episode, and its comfort schedule.
+    """
+    times_us_R = np.asarray(times_us_R, dtype=np.int64)
+    if times_us_R.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    gaps_R = np.diff(times_us_R)
+    if np.any(gaps_R <= 0):
+        bad = int(np.flatnonzero(gaps_R <= 0)[0]) + 1
+        raise DatasetError(f"timestamps must strictly increase; row {bad} does not follow row {bad - 1}")
+    breaks_R = np.zeros(times_us_R.size, dtype=bool)
+    breaks_R[0] = True
+    breaks_R[1:] |= gaps_R > 1.5 * step_seconds * US_PER_SECOND
+    if split == "day":
+        local_day_R = (times_us_R + int(utc_offset_hours * 3600 * US_PER_SECOND)) // US_PER_DAY
+        breaks_R[1:] |= local_day_R[1:] != local_day_R[:-1]
+    elif split != "gap":
+        raise DatasetError(f"unknown episode split {split!r}; choose day or gap")
+    return np.flatnonzero(breaks_R)
+
+
+def steps_table_from_arrays(
+    episode_ids: Sequence[str],
+    starts_E: np.ndarray,
+    times_us_R: np.ndarray | None,
+    features: dict[str, np.ndarray],
+    observation_columns: Sequence[str],
+    action_columns: Sequence[str],
+    reward_R: np.ndarray,
+    terminal_R: np.ndarray | None = None,
+) -> pa.Table:
+    """One steps table from column arrays (vectorised; no per-row Python).
+
+    Rows are in episode order; episode ``e`` covers rows ``starts_E[e]`` up to the next
+    start.  ``features`` are float64 columns (in order); the observation and action
+    vectors stack the named features as float32.  ``terminal_R`` marks rows where the
+    episode truly ended (discount 0); a log that just stops is not terminal.
+    """
+    from schemas.steps import steps_schema
+
+    n_rows = int(reward_R.shape[0])
+    starts_E = np.asarray(starts_E, dtype=np.int64)
+    if len(episode_ids) != starts_E.size:
+        raise DatasetError(f"{len(episode_ids)} episode ids for {starts_E.size} episode starts")
+    lengths_E = np.diff(np.append(starts_E, n_rows))
+    step_R = np.arange(n_rows, dtype=np.int64) - np.repeat(starts_E, lengths_E)
+    is_last_R = np.zeros(n_rows, dtype=bool)
+    is_last_R[np.append(starts_E[1:], n_rows) - 1] = True
+    terminal_R = np.zeros(n_rows, dtype=bool) if terminal_R is None else np.asarray(terminal_R, dtype=bool)
+    columns = {
+        "episode_id": pa.array(np.repeat(np.asarray(episode_ids, dtype=object), lengths_E), type=pa.string()),
+        "step": pa.array(step_R),
+        "timestamp": pa.nulls(n_rows, TIMESTAMP_TYPE) if times_us_R is None
+        else pa.array(np.asarray(times_us_R, dtype=np.int64), type=pa.int64()).cast(TIMESTAMP_TYPE),
+        "is_first": pa.array(step_R == 0),
+        "is_last": pa.array(is_last_R),
+        "is_terminal": pa.array(terminal_R),
+        "observation": _vector_column([features[c] for c in observation_columns], n_rows),
+        "action": _vector_column([features[c] for c in action_columns], n_rows),
+        "reward": pa.array(np.asarray(reward_R, dtype=np.float32)),
+        "discount": pa.array(np.where(terminal_R, 0.0, 1.0).astype(np.float32)),
+    }
+    for name, values in features.items():
+        columns[name] = pa.array(np.asarray(values, dtype=np.float64))
+    schema = steps_schema(list(features))
+    return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)
+
+
+def _vector_column(columns: list[np.ndarray], n_rows: int) -> pa.Array:
+    """Rows of a list<float32> column from per-column arrays (offsets 0, k, 2k, ...)."""
+    width = len(columns)
+    if n_rows * width >= 2**31:
+        raise DatasetError(f"{n_rows} rows x {width} values overflow one list column; import fewer rows per partition")
+    offsets = pa.array(np.arange(n_rows + 1, dtype=np.int32) * width)
+    values = np.stack(columns, axis=1).astype(np.float32).ravel() if width else np.zeros(0, np.float32)
+    return pa.ListArray.from_arrays(offsets, pa.array(values, type=pa.float32()))
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+
+class DatasetWriter:
+    """Writes one new dataset: partition files first, the card last (create-only).
+
+    ``open`` refuses a name whose card exists and removes leftovers of an import that
+    crashed before its card (no reader ever trusted them).  ``write_partition`` may be
+    called many times per day; each call is one file.  ``commit`` writes the card.
+    """
+
+    def __init__(self, store: ObjectStore, name: str) -> None:
+        self.store, self.name = store, validate_name(name, "dataset name")
+        self.archive = TrajectoryArchive(store)
+        self.files: list[DatasetFile] = []
+        self._parts: dict[date, int] = {}
+        self._committed = False
+
+    def open(self) -> DatasetWriter:
+        """Check the name is free and clear an unfinished earlier import; return self."""
+        if self.store.exists(card_key(self.name)):
+            raise FileExistsError(
+                f"dataset {self.name} already exists in {self.store.url(dataset_prefix(self.name))}; "
+                "choose another --name"
+            )
+        leftovers = self.store.list(dataset_prefix(self.name), recursive=True)
+        if leftovers:
+            log.warning("dataset %s: removing %d files of an unfinished import", self.name, len(leftovers))
+            self.store.delete(dataset_prefix(self.name), recursive=True, missing_ok=True)
+        return self
+
+    def write_partition(self, day: date, table: pa.Table) -> DatasetFile:
+        """Write one steps table as the next part of ``day``'s partition; return its card entry."""
+        if self._committed:
+            raise DatasetError(f"dataset {self.name} is committed; write a new dataset instead")
+        if table.num_rows == 0:
+            raise DatasetError("a partition needs at least one row")
+        check_steps_table(table)
+        part = self._parts.get(day, 0)
+        self._parts[day] = part + 1
+        path = partition_path(day, part)
+        sha256 = self.archive.write_steps(f"{dataset_prefix(self.name)}/{path}", table)
+        time_min, time_max = _time_range(table)
+        entry = DatasetFile(
+            path=path, date=day, sha256=sha256, size_bytes=_size(self.store, f"{dataset_prefix(self.name)}/{path}"),
+            rows=table.num_rows, episodes=int(pc.count_distinct(table["episode_id"]).as_py()),
+            time_min=time_min, time_max=time_max,
+        )
+        self.files.append(entry)
+        return entry
+
+    def commit(self, **card_fields: Any) -> DatasetCard:
+        """Write the card (create-only) naming every file written; the dataset exists from here on."""
+        if not self.files:
+            raise DatasetError(f"dataset {self.name}: nothing was written; a dataset needs at least one row")
+        files = sorted(self.files, key=lambda f: f.path)
+        starts = [f.time_min for f in files if f.time_min is not None]
+        ends = [f.time_max for f in files if f.time_max is not None]
+        card = DatasetCard(
+            name=self.name, files=files, num_rows=sum(f.rows for f in files),
+            num_episodes=card_fields.pop("num_episodes", sum(f.episodes for f in files)),
+            time_start=min(starts) if starts else None, time_end=max(ends) if ends else None, **card_fields,
+        )
+        self.store.put_create(card_key(self.name), card_to_bytes(card))
+        self._committed = True
+        return card
+
+
+def card_to_bytes(card: DatasetCard) -> bytes:
+    """Canonical JSON of a card (what ``dataset.json`` holds)."""
+    return (json.dumps(card.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()
+
+
+def card_from_bytes(data: bytes, where: str = "dataset card") -> DatasetCard:
+    """Bytes -> validated card; ``DatasetError`` says what is wrong."""
+    try:
+        return DatasetCard.model_validate(json.loads(data))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DatasetError(f"{where} is not JSON: {exc}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        place = ".".join(str(p) for p in first["loc"]) or "card"
+        raise DatasetError(f"{where} is not a valid dataset card: {place}: {first['msg']}") from None
+
+
+def _time_range(table: pa.Table) -> tuple[datetime | None, datetime | None]:
+    bounds = pc.min_max(table["timestamp"]).as_py()
+    return bounds["min"], bounds["max"]
+
+
+def _size(store: ObjectStore, key: str) -> int:
+    return int(store.filesystem.size(store.path(key)))
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+
+def dataset_names(store: ObjectStore) -> list[str]:
+    """Names of the committed datasets (those with a card), sorted."""
+    names = [key.rsplit("/", 1)[-1] for key in store.list(DATASETS_PREFIX)]
+    return [name for name in names if store.exists(f"{DATASETS_PREFIX}/{name}/{CARD_NAME}")]
+
+
+def read_card(store: ObjectStore, name: str) -> DatasetCard:
+    """The card of dataset ``name``; a one-line error when there is none."""
+    key = card_key(name)
+    try:
+        data = store.get(key)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no dataset {name!r} in {store.url(DATASETS_PREFIX)}; see `rlpipe datasets list`"
+        ) from None
+    return card_from_bytes(data, store.url(key))
+
+
+def read_partition(store: ObjectStore, card: DatasetCard, entry: DatasetFile, verify: bool = True) -> pa.Table:
+    """One partition file, its sha256 checked against the card unless ``verify`` is False."""
+    key = f"{dataset_prefix(card.name)}/{entry.path}"
+    return TrajectoryArchive(store).read_steps(key, entry.sha256 if verify else None)
+
+
+def iter_partitions(
+    store: ObjectStore, card: DatasetCard, verify: bool = True
+) -> Iterable[tuple[DatasetFile, pa.Table]]:
+    """Every partition of the dataset in date order, one table at a time (memory stays one file)."""
+    for entry in card.files:
+        yield entry, read_partition(store, card, entry, verify)
+
+
+def verify_dataset(store: ObjectStore, card: DatasetCard) -> list[str]:
+    """Re-hash every file the card names; return one line per problem (empty when all is well)."""
+    problems = []
+    for entry in card.files:
+        try:
+            read_partition(store, card, entry, verify=True)
+        except (FileNotFoundError, ValueError) as exc:
+            problems.append(f"{entry.path}: {str(exc).splitlines()[0]}")
+    return problems
+
+
+# ---- scanning ---------------------------------------------------------------------------------
+
+
+def select_files(card: DatasetCard, start: datetime | None = None, end: datetime | None = None) -> list[DatasetFile]:
+    """Partition pruning: the files whose time range meets ``[start, end)`` (no file is opened)."""
+    start, end = _utc(start), _utc(end)
+    chosen = []
+    for entry in card.files:
+        if entry.time_min is None or entry.time_max is None:
+            chosen.append(entry)  # no timestamps: cannot prune
+            continue
+        if (end is not None and entry.time_min >= end) or (start is not None and entry.time_max < start):
+            continue
+        chosen.append(entry)
+    return chosen
+
+
+def device_columns(card: DatasetCard, devices: Sequence[str]) -> list[str]:
+    """Feature columns of the given devices (or zones): ``zone_0_1`` selects ``zone_0_1@*`` and
+    ``action:zone_0_1@*``; the base columns come with every scan anyway."""
+    wanted = set(devices)
+    return [f.name for f in card.fields if f.source_id.split("@", 1)[0] in wanted]
+
+
+def scan_dataset(
+    store: ObjectStore,
+    card: DatasetCard,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    columns: Sequence[str] | None = None,
+) -> ds.Dataset | None:
+    """A pyarrow dataset over the pruned files, or None when no file can match."""
+    files = select_files(card, start, end)
+    if not files:
+        return None
+    if columns is not None:
+        known = set(BASE_COLUMNS) | {f.name for f in card.fields}
+        unknown = [c for c in columns if c not in known]
+        if unknown:
+            raise DatasetError(f"dataset {card.name} has no columns {unknown[:5]}; see `rlpipe datasets show`")
+    paths = [store.path(f"{dataset_prefix(card.name)}/{entry.path}") for entry in files]
+    return ds.dataset(paths, filesystem=store.filesystem, format="parquet")
+
+
+def time_filter(start: datetime | None, end: datetime | None) -> ds.Expression | None:
+    """``start <= timestamp < end`` (either bound optional) as a pushed-down Parquet filter."""
+    parts = []
+    if start is not None:
+        parts.append(ds.field("timestamp") >= pa.scalar(_utc(start), type=TIMESTAMP_TYPE))
+    if end is not None:
+        parts.append(ds.field("timestamp") < pa.scalar(_utc(end), type=TIMESTAMP_TYPE))
+    if not parts:
+        return None
+    return parts[0] & parts[1] if len(parts) == 2 else parts[0]
+
+
+def read_steps(
+    store: ObjectStore,
+    name: str,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    columns: Sequence[str] | None = None,
+    devices: Sequence[str] | None = None,
+) -> pa.Table:
+    """Steps of ``name`` with ``start <= timestamp < end``, only ``columns`` (or the base columns plus the
+    features of ``devices``), as one Arrow table; cost follows the files and columns that match."""
+    card = read_card(store, name)
+    if devices is not None:
+        columns = [*(columns or BASE_COLUMNS), *device_columns(card, devices)]
+    dataset = scan_dataset(store, card, start, end, columns)
+    if dataset is None:
+        return _empty(card, columns)
+    return dataset.to_table(columns=list(columns) if columns is not None else None, filter=time_filter(start, end))
+
+
+def scan_steps(
+    store: ObjectStore,
+    name: str,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    columns: Sequence[str] | None = None,
+) -> pl.LazyFrame:
+    """The same selection as ``read_steps`` as a polars LazyFrame (filters and projection pushed down)."""
+    card = read_card(store, name)
+    dataset = scan_dataset(store, card, start, end, columns)
+    if dataset is None:
+        return pl.from_arrow(_empty(card, columns)).lazy()  # type: ignore[union-attr]
+    condition = time_filter(start, end)
+    frame = pl.scan_pyarrow_dataset(dataset.filter(condition) if condition is not None else dataset)
+    return frame.select(list(columns)) if columns is not None else frame
+
+
+def _empty(card: DatasetCard, columns: Sequence[str] | None) -> pa.Table:
+    from schemas.steps import steps_schema
+
+    schema = steps_schema([f.name for f in card.fields])
+    table = schema.empty_table()
+    return table.select(list(columns)) if columns is not None else table
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    if moment is None:
+        return None
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)

@@ -1,0 +1,184 @@
+"""Evaluation results: how one policy did on held-out seeds.
+
+``rlpipe eval`` -> store (``runs/<run_id>/eval/<policy>-v000003-seed1000000-<UTC time>.json``)
+-> ``rlpipe report``.  One file is one evaluation: a policy (an adapter version,
+or a baseline such as a heuristic or a random policy) played ``episodes``
+episodes on consecutive seeds starting at ``seed_start`` (held out from training
+by ``env.eval_seed_offset``).  Per-episode returns and successes are kept, so a
+reader can recompute any statistic; the summary fields must agree with them.
+
+The 95% confidence interval is ``mean +- ci95`` with a Student-t critical value
+(a normal 1.96 under-covers with the few dozen episodes an evaluation usually has).
+Unknown fields are ignored (a newer minor version may add optional ones); a newer
+major version is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from schemas.names import validate_name
+from schemas.versions import check_readable
+
+EVAL_SCHEMA_VERSION = "1.0"
+EVAL_FOLDER = "eval"
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+# Two-sided 95% Student-t critical values t_{0.975, df} for df = 1..30; 1.96 (normal) beyond.
+_T_975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+_CONSISTENCY_TOLERANCE = 1e-6
+
+
+class EvalResultError(ValueError):
+    """Bytes that are not a readable evaluation result."""
+
+
+def t_critical_95(dof: int) -> float:
+    """Two-sided 95% critical value of Student's t with ``dof`` degrees of freedom (1.96 past 30)."""
+    if dof < 1:
+        raise ValueError(f"degrees of freedom must be at least 1, got {dof}")
+    return _T_975[dof - 1] if dof <= len(_T_975) else 1.96
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95% CI) of ``values``; the half-width is 0.0 for fewer than two values.
+
+    half-width = t_{0.975, n-1} * s / sqrt(n), s the sample standard deviation (n - 1 in the denominator).
+    """
+    n = len(values)
+    if n == 0:
+        raise ValueError("mean_ci95 needs at least one value")
+    mean = math.fsum(values) / n
+    if n < 2:
+        return mean, 0.0
+    variance = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, t_critical_95(n - 1) * math.sqrt(variance) / math.sqrt(n)
+
+
+class EvalResult(BaseModel):
+    """One evaluation of one policy on ``episodes`` held-out seeds (``rlpipe eval`` -> store -> ``rlpipe report``)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    schema_version: str = Field(EVAL_SCHEMA_VERSION, description="MAJOR.MINOR of this record")
+    run_id: str = Field(description="the run whose policy was evaluated")
+    env: str = Field(min_length=1, max_length=64, description="registered environment name")
+    policy: str = Field(
+        "adapter", min_length=1, max_length=64, description="'adapter', or a baseline: 'heuristic', 'random', ..."
+    )
+    version: int = Field(ge=0, description="adapter version evaluated; 0 = the base model (or a baseline)")
+    episodes: int = Field(ge=1, le=10_000_000, description="episodes played, one per seed")
+    seed_start: int = Field(ge=0, description="first seed; episode i used seed_start + i")
+    returns: list[FiniteFloat] = Field(description="episode returns, in seed order")
+    successes: list[bool] = Field(description="episode successes, in seed order")
+    mean_return: FiniteFloat = Field(description="mean of returns")
+    ci95: FiniteFloat = Field(ge=0.0, description="half-width of the 95% CI of mean_return (Student t)")
+    success_rate: float = Field(ge=0.0, le=1.0, description="share of successful episodes")
+    breakdown: dict[str, FiniteFloat] = Field(
+        default_factory=dict, description="optional per-component means, e.g. energy, carbon, comfort"
+    )
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC), description="when it was evaluated (UTC)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _readable(cls, data: object) -> object:
+        if isinstance(data, dict) and "schema_version" in data:
+            check_readable(str(data["schema_version"]), EVAL_SCHEMA_VERSION, "evaluation result")
+        return data
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        return validate_name(value, "run_id")
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        return validate_name(value, "policy")
+
+    @field_validator("created_at")
+    @classmethod
+    def _utc(cls, value: datetime) -> datetime:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalResult:
+        """The summary must agree with the per-episode lists, so a reader can trust either."""
+        if len(self.returns) != self.episodes or len(self.successes) != self.episodes:
+            raise ValueError(
+                f"episodes is {self.episodes} but there are {len(self.returns)} returns and "
+                f"{len(self.successes)} successes; they must all agree"
+            )
+        mean, ci95 = mean_ci95(self.returns)
+        rate = sum(self.successes) / self.episodes
+        for name, stated, derived in (("mean_return", self.mean_return, mean), ("ci95", self.ci95, ci95),
+                                      ("success_rate", self.success_rate, rate)):  # fmt: skip
+            if not math.isclose(stated, derived, rel_tol=_CONSISTENCY_TOLERANCE, abs_tol=_CONSISTENCY_TOLERANCE):
+                raise ValueError(f"{name} is {stated} but the episodes give {derived}; build it with from_episodes")
+        return self
+
+    @classmethod
+    def from_episodes(
+        cls,
+        run_id: str,
+        env: str,
+        version: int,
+        seed_start: int,
+        returns: Sequence[float],
+        successes: Sequence[bool],
+        policy: str = "adapter",
+        breakdown: dict[str, float] | None = None,
+        created_at: datetime | None = None,
+    ) -> EvalResult:
+        """Build a result from per-episode outcomes, computing mean, CI and success rate."""
+        if not returns:
+            raise ValueError("an evaluation needs at least one episode")
+        mean, ci95 = mean_ci95([float(r) for r in returns])
+        return cls(
+            run_id=run_id, env=env, policy=policy, version=version, episodes=len(returns), seed_start=seed_start,
+            returns=[float(r) for r in returns], successes=[bool(s) for s in successes], mean_return=mean,
+            ci95=ci95, success_rate=sum(bool(s) for s in successes) / len(returns), breakdown=dict(breakdown or {}),
+            created_at=created_at or datetime.now(UTC),
+        )  # fmt: skip
+
+
+def eval_prefix(run_id: str) -> str:
+    """Folder key of a run's evaluation results."""
+    return f"runs/{validate_name(run_id, 'run_id')}/{EVAL_FOLDER}"
+
+
+def eval_key(result: EvalResult) -> str:
+    """Object key of one result: ``runs/<run>/eval/<policy>-v000003-seed1000000-20250101T120000Z.json``."""
+    stamp = result.created_at.strftime("%Y%m%dT%H%M%S%fZ")
+    return f"{eval_prefix(result.run_id)}/{result.policy}-v{result.version:06d}-seed{result.seed_start}-{stamp}.json"
+
+
+def eval_to_bytes(result: EvalResult) -> bytes:
+    """Canonical JSON (sorted keys): what ``rlpipe eval`` writes create-only at ``eval_key(result)``."""
+    return (json.dumps(result.model_dump(mode="json"), sort_keys=True, indent=2) + "\n").encode()
+
+
+def eval_from_bytes(data: bytes, where: str = "evaluation result") -> EvalResult:
+    """Bytes -> validated result; ``EvalResultError`` (``SchemaVersionError`` for a newer major) says what is wrong."""
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EvalResultError(f"{where} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise EvalResultError(f"{where} is not a JSON object")
+    check_readable(str(raw.get("schema_version", EVAL_SCHEMA_VERSION)), EVAL_SCHEMA_VERSION, where)
+    try:
+        return EvalResult.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        place = ".".join(str(part) for part in first["loc"]) or "result"
+        raise EvalResultError(f"{where} is not a valid evaluation result: {place}: {first['msg']}") from None
