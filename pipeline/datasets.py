@@ -24,10 +24,11 @@ proportion to what it matches, not to the dataset's size.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 from collections.abc import Iterable, Sequence
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import numpy as np
@@ -75,7 +76,7 @@ class DatasetFile(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     path: str = Field(description="key relative to the dataset folder, e.g. steps/date=2023-01-05/part-00000.parquet")
-    date: date = Field(description="the partition's day")
+    date: dt.date = Field(description="the partition's day")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size_bytes: int = Field(ge=0)
     rows: int = Field(ge=1)
@@ -157,7 +158,7 @@ def card_key(name: str) -> str:
     return f"{dataset_prefix(name)}/{CARD_NAME}"
 
 
-def partition_path(day: date, part: int) -> str:
+def partition_path(day: dt.date, part: int) -> str:
     """Partition file key relative to the dataset folder: ``steps/date=YYYY-MM-DD/part-00000.parquet``."""
     if part < 0:
         raise DatasetError(f"part number must be >= 0, got {part}")
@@ -270,7 +271,7 @@ class DatasetWriter:
         self.store, self.name = store, validate_name(name, "dataset name")
         self.archive = TrajectoryArchive(store)
         self.files: list[DatasetFile] = []
-        self._parts: dict[date, int] = {}
+        self._parts: dict[dt.date, int] = {}
         self._committed = False
 
     def open(self) -> DatasetWriter:
@@ -286,7 +287,7 @@ class DatasetWriter:
             self.store.delete(dataset_prefix(self.name), recursive=True, missing_ok=True)
         return self
 
-    def write_partition(self, day: date, table: pa.Table) -> DatasetFile:
+    def write_partition(self, day: dt.date, table: pa.Table) -> DatasetFile:
         """Write one steps table as the next part of ``day``'s partition; return its card entry."""
         if self._committed:
             raise DatasetError(f"dataset {self.name} is committed; write a new dataset instead")

@@ -54,10 +54,10 @@ def init_tiny(
     seed: Annotated[int, typer.Option("--seed", min=0, help="seed of the whole build")] = 0,
     force: Annotated[bool, typer.Option("--force", help="rebuild even if the folder holds a model")] = False,
 ) -> None:
-    """Build the tiny Qwen2-style model (tokenizer, weights, short pre-training on environment transcripts).
+    """Build the tiny Qwen2-style model: tokenizer, weights, short pre-training on environment transcripts.
 
-    An existing folder built with the same parameters is reused.  Without --out the
-    folder is also recorded as this machine's tiny model ($RLPIPE_HOME/models/tiny.json).
+    Reuses a folder built with the same parameters; without --out, records it for the learner side.
+
     Example: rlpipe model init-tiny --out ./tiny --steps 150
     """
     logging.getLogger("producers.tiny_model").setLevel(logging.ERROR)  # skipped envs come back as warnings

@@ -967,7 +967,7 @@ class BuildingHVAC(TextEnv[Setpoints]):
         cfg = self.config
         timestamp = float(row["time@timestamp"])
         if step_index is None:
-            step_index = self._steps_since_start_hour(timestamp)
+            step_index = self.steps_since_start_hour(timestamp)
         if not 0 <= step_index < cfg.episode_steps:
             raise ValueError(f"step_index {step_index} is outside this episode's 0..{cfg.episode_steps - 1}")
         self._reset(seed)  # fresh containers and random streams; every logged quantity is overwritten below
@@ -984,7 +984,8 @@ class BuildingHVAC(TextEnv[Setpoints]):
         self.done, self.episode_return, self.step_records = False, 0.0, []
         return self.observation()
 
-    def _steps_since_start_hour(self, timestamp: float) -> int:
+    def steps_since_start_hour(self, timestamp: float) -> int:
+        """Steps since the configured local ``start_hour`` of ``timestamp``'s day (its index in a 1-day episode)."""
         local = self.local_time(timestamp)
         seconds = (local.hour - self.config.start_hour) * SECONDS_PER_HOUR + local.minute * 60 + local.second
         return round((seconds % SECONDS_PER_DAY) / self.config.step_seconds) % self.config.episode_steps
