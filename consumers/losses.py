@@ -306,7 +306,13 @@ def compute_loss(
     ``awr`` and ``filtered_bc`` are weighted cross-entropy: ``batch.weights_B`` must
     already hold ``consumers.advantages.training_weights(config, ...)`` for the step.
     """
-    logprobs_BT = token_logprobs(logits_BTV, batch.tokens_BT)
+    return loss_from_logprobs(config, token_logprobs(logits_BTV, batch.tokens_BT), batch, normaliser)
+
+
+def loss_from_logprobs(
+    config: LearnerConfig, logprobs_BT: torch.Tensor, batch: TokenBatch, normaliser: float
+) -> tuple[torch.Tensor, LossStats]:
+    """``compute_loss`` from the current policy's token logprobs (only generated positions are read)."""
     if config.loss == "importance_sampling":
         return importance_sampling_loss(
             logprobs_BT,

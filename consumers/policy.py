@@ -20,7 +20,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
-from consumers.losses import LossStats, TokenBatch, compute_loss
+from consumers.losses import LossStats, TokenBatch, loss_from_logprobs
 from schemas.config import LearnerConfig
 
 
@@ -54,6 +54,8 @@ class LoraPolicy:
     def __init__(self, base_model: str, config: LearnerConfig) -> None:
         self.config = config
         self.device = pick_device(config.device)
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
         seed_everything(config.seed)
         base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
         lora = LoraConfig(
@@ -86,6 +88,25 @@ class LoraPolicy:
             out = self.model(input_ids=tokens_BT.to(self.device))
         return out.logits.float()
 
+    def generated_logprobs(self, tokens_BT: torch.Tensor, loss_mask_BT: torch.Tensor) -> torch.Tensor:
+        """logp[b, t] of each generated token (mask 1) under the current policy, 0 elsewhere.
+
+        The output head runs only at the positions that predict a generated token:
+        with per-turn prompts of a few hundred tokens and answers of a few, this
+        skips almost all of the (B, T, V) logits, which dominate the cost of a step.
+        Equal to ``token_logprobs(self.logits(tokens), tokens)`` at those positions.
+        """
+        base = self.model.get_base_model()  # LoRA layers are injected in place: the body still applies them
+        tokens_BT = tokens_BT.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            hidden_BTH = base.model(input_ids=tokens_BT).last_hidden_state
+            rows_N, cols_N = (loss_mask_BT.to(self.device)[:, 1:] > 0).nonzero(as_tuple=True)
+            logits_NV = base.lm_head(hidden_BTH[rows_N, cols_N])  # position t-1 predicts token t
+        logprobs_N = torch.log_softmax(logits_NV.float(), dim=-1).gather(
+            -1, tokens_BT[rows_N, cols_N + 1].unsqueeze(-1)).squeeze(-1)
+        logprobs_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=self.device)
+        return logprobs_BT.index_put((rows_N, cols_N + 1), logprobs_N)
+
     def train_step(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
         """Accumulate gradients over ``micro_batches`` (loss / normaliser each), clip, step."""
         self.model.train()
@@ -93,7 +114,8 @@ class LoraPolicy:
         total_loss, stats = 0.0, None
         for batch in micro_batches:
             batch = batch.to(self.device)
-            loss, batch_stats = compute_loss(self.config, self.logits(batch.tokens_BT), batch, normaliser)
+            logprobs_BT = self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT)
+            loss, batch_stats = loss_from_logprobs(self.config, logprobs_BT, batch, normaliser)
             loss.backward()
             total_loss += float(loss.detach())
             stats = batch_stats if stats is None else stats.merge(batch_stats)

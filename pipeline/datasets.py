@@ -437,7 +437,16 @@ def scan_dataset(
         if unknown:
             raise DatasetError(f"dataset {card.name} has no columns {unknown[:5]}; see `rlpipe datasets show`")
     paths = [store.path(f"{dataset_prefix(card.name)}/{entry.path}") for entry in files]
-    return ds.dataset(paths, filesystem=store.filesystem, format="parquet")
+    return ds.dataset(paths, filesystem=_arrow_filesystem(store), format="parquet")
+
+
+def _arrow_filesystem(store: ObjectStore) -> Any:
+    """Arrow's own local filesystem for a local root (multi-threaded native reads); fsspec otherwise."""
+    if store.is_local:
+        import pyarrow.fs as pafs
+
+        return pafs.LocalFileSystem()
+    return store.filesystem
 
 
 def time_filter(start: datetime | None, end: datetime | None) -> ds.Expression | None:
@@ -477,14 +486,25 @@ def scan_steps(
     start: datetime | None = None,
     end: datetime | None = None,
     columns: Sequence[str] | None = None,
+    devices: Sequence[str] | None = None,
 ) -> pl.LazyFrame:
-    """The same selection as ``read_steps`` as a polars LazyFrame (filters and projection pushed down)."""
+    """The same selection as ``read_steps`` as a polars LazyFrame: only the pruned files are scanned,
+    with the time filter and the projection pushed down (polars' native reader on a local root)."""
     card = read_card(store, name)
+    if devices is not None:
+        columns = [*(columns or BASE_COLUMNS), *device_columns(card, devices)]
     dataset = scan_dataset(store, card, start, end, columns)
     if dataset is None:
         return pl.from_arrow(_empty(card, columns)).lazy()  # type: ignore[union-attr]
-    condition = time_filter(start, end)
-    frame = pl.scan_pyarrow_dataset(dataset.filter(condition) if condition is not None else dataset)
+    if store.is_local:
+        frame = pl.scan_parquet(dataset.files)
+        if start is not None:
+            frame = frame.filter(pl.col("timestamp") >= _utc(start))
+        if end is not None:
+            frame = frame.filter(pl.col("timestamp") < _utc(end))
+    else:
+        condition = time_filter(start, end)
+        frame = pl.scan_pyarrow_dataset(dataset.filter(condition) if condition is not None else dataset)
     return frame.select(list(columns)) if columns is not None else frame
 
 

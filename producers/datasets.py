@@ -736,6 +736,7 @@ class DayLog:
     day: int
     policy: str
     telemetry: list[dict[str, float]]
+    answers: list[str] = field(default_factory=list)  # the controller's answer at each step
     observations: list[str] = field(default_factory=list)  # the prompt text before each step (keep_text)
 
 
@@ -750,7 +751,8 @@ def simulate_day(
     while not env.done:
         if keep_text:
             log_.observations.append(env.observation())
-        env.step(policy_answer(env, policy, rng))
+        log_.answers.append(policy_answer(env, policy, rng))
+        env.step(log_.answers[-1])
         log_.telemetry.append(env.telemetry())
     return log_
 
@@ -930,13 +932,15 @@ def _evidence_modes(row: Mapping[str, float], zones: Sequence[str], replayed: np
     return np.where(valve, HEAT, np.where(damper, COOL, idle))
 
 
-def render_building_episode(env: BuildingHVAC, episode: pa.Table) -> list[RenderedStep]:
+def render_building_episode(env: BuildingHVAC, episode: pa.Table, answer_decimals: int = 0) -> list[RenderedStep]:
     """Each logged step of one episode as the online prompt text and the logged action as the answer.
 
     The thermostat modes are not logged; they are replayed with the environment's own
     rule along the episode (from the reset state when it starts at the episode's first
     step), and the boxes' damper and valve settings overrule the replay where they show
-    heating or cooling.
+    heating or cooling.  The answer gives the setpoints in kelvin with ``answer_decimals``
+    decimals (whole kelvin by default, as in ``<answer>330K, 292K</answer>``: short answers
+    are easier to learn, and half a kelvin is below what the plant resolves).
     """
     cols = episode.to_pydict()
     obs_names = [n for n, _ in BuildingHVAC.telemetry_fields(env.config) if not n.startswith(("reward@", "time@"))]
@@ -959,7 +963,8 @@ def render_building_episode(env: BuildingHVAC, episode: pa.Table) -> list[Render
                                                    comfort_before)
             modes = _evidence_modes(row, zones, replayed)
         observation = env.load_state_from_telemetry(row, modes=modes)
-        answer = format_answer([f"{cols[WATER_ACTION][i]:.1f}K, {cols[AIR_ACTION][i]:.1f}K"])
+        water, air = cols[WATER_ACTION][i], cols[AIR_ACTION][i]
+        answer = format_answer([f"{water:.{answer_decimals}f}K, {air:.{answer_decimals}f}K"])
         steps.append(RenderedStep(observation, answer, float(cols["reward"][i]), timestamp))
     return steps
 
@@ -977,6 +982,7 @@ class TrajectoryOptions(BaseModel):
     history_turns: int | None = Field(None, ge=0, le=64, description="earlier turns in each prompt; None: the env's")
     max_episodes: int | None = Field(None, ge=1, description="use only the first N episodes (smoke tests)")
     seed: int = Field(0, ge=0, description="seeds the batch order")
+    answer_decimals: int = Field(0, ge=0, le=6, description="decimals of the kelvin setpoints in the answers")
     with_text: bool = Field(False, description="also store each row's decoded text (larger files)")
 
 
@@ -1049,7 +1055,8 @@ def plan_batches(
 
 
 def load_rendered_episodes(
-    store: ObjectStore, card: DatasetCard, env: BuildingHVAC, discount: float, max_episodes: int | None = None
+    store: ObjectStore, card: DatasetCard, env: BuildingHVAC, discount: float, max_episodes: int | None = None,
+    answer_decimals: int = 0,
 ) -> list[RenderedEpisode]:
     """Every episode of the dataset rendered as online prompts (partition files digest-checked)."""
     days = {item["start"]: int(item["day"]) for item in card.extras.get("episodes", [])}
@@ -1060,7 +1067,7 @@ def load_rendered_episodes(
             if max_episodes is not None and len(episodes) >= max_episodes:
                 return episodes
             episode = table.slice(int(lo), int(hi - lo))
-            steps = render_building_episode(env, episode)
+            steps = render_building_episode(env, episode, answer_decimals)
             start = episode["timestamp"][0].as_py()
             episodes.append(RenderedEpisode(
                 episode_id=f"{card.name}/{episode['episode_id'][0].as_py()}",
@@ -1069,6 +1076,17 @@ def load_rendered_episodes(
                 terminated=bool(episode["is_terminal"][-1].as_py()),
             ))
     return episodes
+
+
+def time_of_day_group(prefix: str, local: dt.datetime) -> str:
+    """The group of a logged step: kind of day and local time, e.g. ``hvac@workday@14:05``.
+
+    Why: the learner's return-to-go baseline averages the rows of one (group, turn).
+    Logged days share no environment seed, so the meaningful comparison is the same
+    time on days of the same kind (occupied workdays, empty weekends): a step is good
+    if what followed it beat what followed the same hour on similar days.
+    """
+    return f"{prefix}@{'workday' if local.weekday() < 5 else 'weekend'}@{local:%H:%M}"
 
 
 def trajectory_table(
@@ -1084,8 +1102,7 @@ def trajectory_table(
 
     ``ids``: run_id, batch_id, producer_id, group_prefix.  Logged data has no sampler:
     logprobs are 0, ``policy_version`` 0 and ``adapter_sha256`` the base model's.  The
-    group is the time of day, so a return-to-go baseline compares steps taken at the same
-    hour on different days (the turn index alone would do for days starting at midnight).
+    group is ``time_of_day_group``.
     """
     from producers.episode import prompt_ids
     from schemas.trajectory import NO_ADAPTER_SHA, TRAJECTORY_SCHEMA
@@ -1100,7 +1117,7 @@ def trajectory_table(
         tokens = [*prompt, *answer]
         row = {
             "run_id": ids["run_id"], "batch_id": ids["batch_id"], "episode_id": episode.episode_id,
-            "group_id": f"{ids['group_prefix']}@{env.local_time(step.timestamp):%H:%M}", "env": env.name,
+            "group_id": time_of_day_group(ids["group_prefix"], env.local_time(step.timestamp)), "env": env.name,
             "env_seed": episode.env_seed, "producer_id": ids["producer_id"], "policy_version": 0,
             "adapter_sha256": NO_ADAPTER_SHA, "tokens": tokens, "loss_mask": [0] * len(prompt) + [1] * len(answer),
             "logprobs": [0.0] * len(tokens), "turn_rewards": [step.reward],
@@ -1138,7 +1155,8 @@ def dataset_to_trajectories(
     overrides = {} if options.history_turns is None else {"history_turns": options.history_turns}
     env = building_env_for(card, overrides)
     check_building_dataset(card, env)
-    episodes = load_rendered_episodes(store, card, env, options.discount, options.max_episodes)
+    episodes = load_rendered_episodes(store, card, env, options.discount, options.max_episodes,
+                                      options.answer_decimals)
     plan = plan_batches([len(e.steps) for e in episodes], options.episodes_per_batch, options.turns_per_batch,
                         options.epochs, options.seed)
     archive = TrajectoryArchive(store)

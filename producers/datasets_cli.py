@@ -281,6 +281,7 @@ def to_trajectories(
     discount: Annotated[float, typer.Option(min=0.0, max=1.0, help="gamma of the return-to-go")] = 1.0,
     history_turns: Annotated[int | None, typer.Option(min=0, max=64, help="earlier turns per prompt")] = None,
     max_episodes: Annotated[int | None, typer.Option(min=1, help="use only the first N episodes")] = None,
+    answer_decimals: Annotated[int, typer.Option(min=0, max=6, help="decimals of the kelvin answers")] = 0,
     with_text: Annotated[bool, typer.Option("--with-text", help="store the decoded text of each row")] = False,
     root: RootOpt = None,
     gcs_endpoint: EndpointOpt = None,
@@ -293,7 +294,7 @@ def to_trajectories(
 
     options = TrajectoryOptions(episodes_per_batch=episodes_per_batch, turns_per_batch=turns_per_batch, epochs=epochs,
                                 discount=discount, history_turns=history_turns, max_episodes=max_episodes,
-                                with_text=with_text)
+                                answer_decimals=answer_decimals, with_text=with_text)
     model_path = _model_path(model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     with console.status("rendering and tokenizing"):
@@ -325,6 +326,8 @@ def eval_building(
     temperature: Annotated[float, typer.Option(min=0.0, max=10.0, help="sampling temperature (0 = greedy)")] = 1.0,
     seed: Annotated[int, typer.Option(min=0, help="sampling seed")] = 0,
     history_turns: Annotated[int | None, typer.Option(min=0, max=64, help="as in to-trajectories")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", help="building setting for the evaluation, e.g. --set episode_days=0.5")] = None,
     root: RootOpt = None,
     gcs_endpoint: EndpointOpt = None,
     as_json: JsonOpt = False,
@@ -344,6 +347,7 @@ def eval_building(
         results = evaluate_building(
             store, run, chosen, day_list, card=card, model_path=model_path, version=version,
             sampling=SamplingSettings(temperature=temperature, seed=seed), history_turns=history_turns,
+            env_overrides=parse_overrides(overrides or []),
         )
     if as_json:
         print_json(results)

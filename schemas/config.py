@@ -150,6 +150,9 @@ class LearnerConfig(_Section):
     max_staleness: int = Field(2, ge=0, le=1000, description="rows more versions behind than this are dropped")
     seed: int = Field(0, ge=0, description="torch seed")
     device: str = Field("auto", max_length=32, description="auto, cpu, cuda, cuda:N")
+    torch_threads: int | None = Field(
+        None, ge=1, le=1024, description="CPU threads for training (None = torch's default); 1 beside a CPU sampler"
+    )
     health_port: int | None = Field(None, ge=0, le=65535, description="port for /healthz, /readyz, /metrics")
 
 

@@ -96,6 +96,9 @@ class VLLMSampler(Sampler):
             **engine_kwargs,
         )
         self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
+        # vLLM 0.32 on the CPU crashes ("CPU Generator does not use offset") when a seeded
+        # request's prefill is chunked; there, requests draw from the engine's seeded stream.
+        self.per_request_seeds = torch.cuda.is_available()
 
     # ---- adapters ----------------------------------------------------------------
     def _lora_request(self, handle: AdapterHandle) -> Any:
@@ -154,7 +157,7 @@ class VLLMSampler(Sampler):
                 top_p=top_p,
                 max_tokens=self.new_token_budget(r),
                 logprobs=0,  # just the sampled token's
-                seed=request_seed(seed, i),
+                seed=request_seed(seed, i) if self.per_request_seeds else None,
                 stop_token_ids=[self.eos_token_id],
                 detokenize=False,  # token-in/token-out: text is never needed here
             )

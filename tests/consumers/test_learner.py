@@ -153,3 +153,24 @@ def test_replaying_the_same_batches_gives_bitwise_the_same_weights(tmp_path, set
         weights.append(learner.policy.adapter_tensors())
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_generated_logprobs_equal_full_logits_path(setup):
+    from consumers.batching import micro_batches
+    from consumers.losses import token_logprobs
+
+    policy = LoraPolicy(setup["model_dir"], LearnerConfig(lora_rank=4))
+    with torch.no_grad():  # make the adapter non-trivial so LoRA is exercised
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    prompt = setup["prompt"]
+    rows = [prompt + [setup["good"], 5, 7], prompt[:-3] + [setup["bad"]]]
+    masks = [[0] * len(prompt) + [1, 1, 1], [0] * (len(prompt) - 3) + [1]]
+    batch = micro_batches(rows, masks, [[0.0] * len(r) for r in rows], [1.0, -1.0], 100_000)[0]
+    with torch.no_grad():
+        fast = policy.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT)
+        full = token_logprobs(policy.logits(batch.tokens_BT), batch.tokens_BT) * (batch.loss_mask_BT > 0)
+    assert fast.shape == full.shape
+    assert torch.allclose(fast, full, atol=1e-5)
+    assert int((fast != 0).sum()) == 4

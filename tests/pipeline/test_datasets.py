@@ -1,0 +1,177 @@
+"""Datasets in the store: steps tables from arrays, episode splits, the card as commit point, pruned scans."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.datasets import (
+    CARD_SCHEMA_VERSION,
+    DatasetError,
+    DatasetField,
+    DatasetWriter,
+    card_from_bytes,
+    card_key,
+    dataset_names,
+    device_columns,
+    episode_starts,
+    read_card,
+    read_steps,
+    scan_steps,
+    select_files,
+    steps_table_from_arrays,
+    verify_dataset,
+)
+from pipeline.store import ObjectStore
+from schemas.steps import check_steps_table
+
+US = 1_000_000
+T0 = int(dt.datetime(2023, 3, 1, 22, 0, tzinfo=dt.UTC).timestamp()) * US  # 22:00 UTC
+
+
+@pytest.fixture
+def store(tmp_path):
+    return ObjectStore(tmp_path.as_uri())
+
+
+# ---- pure builders ----------------------------------------------------------------------------
+
+
+def test_steps_table_from_arrays_marks_episodes_and_stacks_vectors():
+    # two episodes: rows 0-2 and 3-4; the second truly terminates
+    features = {"a@x": np.array([1.0, 2, 3, 4, 5]), "b@y": np.array([10.0, 20, 30, 40, 50]),
+                "act@u": np.array([0.5, 0.6, 0.7, 0.8, 0.9]), "r": np.array([-1.0, -2, -3, -4, -5])}
+    terminal = np.array([False, False, False, False, True])
+    table = steps_table_from_arrays(["e0", "e1"], np.array([0, 3]), T0 + np.arange(5) * 300 * US, features,
+                                    ["a@x", "b@y"], ["act@u"], features["r"], terminal)
+    check_steps_table(table)
+    cols = table.to_pydict()
+    assert cols["episode_id"] == ["e0", "e0", "e0", "e1", "e1"]
+    assert cols["step"] == [0, 1, 2, 0, 1]
+    assert cols["is_first"] == [True, False, False, True, False]
+    assert cols["is_last"] == [False, False, True, False, True]
+    assert cols["is_terminal"] == [False, False, False, False, True]
+    assert cols["discount"] == [1.0, 1.0, 1.0, 1.0, 0.0]
+    assert cols["observation"][3] == [4.0, 40.0]
+    assert cols["action"][1] == pytest.approx([0.6])
+    assert cols["reward"] == [-1.0, -2.0, -3.0, -4.0, -5.0]
+    assert cols["timestamp"][1] == dt.datetime(2023, 3, 1, 22, 5, tzinfo=dt.UTC)
+    assert cols["b@y"] == [10.0, 20.0, 30.0, 40.0, 50.0]
+
+
+def test_episode_starts_split_at_local_midnight_and_at_gaps():
+    # 22:00 .. 02:55 UTC every 5 minutes (72 steps), then a 1-hour gap, then 4 more steps
+    times = np.concatenate([T0 + np.arange(72) * 300 * US, T0 + (72 * 300 + 3600) * US + np.arange(4) * 300 * US])
+    # UTC midnight is 2 hours (24 steps) after 22:00
+    assert episode_starts(times, 300, "day", 0.0).tolist() == [0, 24, 72]
+    # at UTC-1, local midnight is 01:00 UTC: 36 steps after 22:00
+    assert episode_starts(times, 300, "day", -1.0).tolist() == [0, 36, 72]
+    assert episode_starts(times, 300, "gap").tolist() == [0, 72]
+    with pytest.raises(DatasetError, match="strictly increase"):
+        episode_starts(np.array([T0, T0, T0 + 300 * US]), 300)
+
+
+# ---- writing and reading ----------------------------------------------------------------------
+
+
+def _day_table(day_index: int, rows: int = 12, zones: int = 2):
+    """One episode of ``rows`` 5-minute steps starting at 08:00 UTC of 2023-01-(1 + day_index)."""
+    start = int(dt.datetime(2023, 1, 1 + day_index, 8, tzinfo=dt.UTC).timestamp()) * US
+    times = start + np.arange(rows) * 300 * US
+    features = {f"zone_{z}@temp": 290.0 + z + np.arange(rows) * 0.1 + day_index for z in range(zones)}
+    features["action:boiler@sp"] = np.full(rows, 330.0)
+    features["reward:r"] = -np.arange(rows) / 100.0
+    names = list(features)
+    table = steps_table_from_arrays([f"ep{day_index}"], np.array([0]), times, features, names[:zones],
+                                    ["action:boiler@sp"], features["reward:r"])
+    fields = [DatasetField(name=n, role="observation" if n.startswith("zone") else n.split(":")[0],
+                           source_id=n.split(":")[-1], unit="K") for n in names]
+    return table, fields
+
+
+def _write(store, name="demo", days=3, commit=True):
+    writer = DatasetWriter(store, name).open()
+    fields = None
+    for d in range(days):
+        table, fields = _day_table(d)
+        writer.write_partition(dt.date(2023, 1, 1 + d), table)
+    if not commit:
+        return writer
+    return writer.commit(source="test", fields=fields, observation_columns=["zone_0@temp", "zone_1@temp"],
+                         action_columns=["action:boiler@sp"], reward_column="reward:r", step_seconds=300.0)
+
+
+def test_the_card_names_every_file_with_counts_span_and_checksums(store):
+    card = _write(store)
+    assert dataset_names(store) == ["demo"]
+    again = read_card(store, "demo")
+    assert again == card
+    assert card.num_rows == 36 and card.num_episodes == 3
+    assert [f.path for f in card.files] == [f"steps/date=2023-01-0{d}/part-00000.parquet" for d in (1, 2, 3)]
+    assert card.time_start == dt.datetime(2023, 1, 1, 8, tzinfo=dt.UTC)
+    assert card.time_end == dt.datetime(2023, 1, 3, 8, 55, tzinfo=dt.UTC)
+    assert card.units()["zone_0@temp"] == "K"
+    assert verify_dataset(store, card) == []
+    # the checksum in the card is the file's
+    import hashlib
+
+    raw = store.get(f"datasets/demo/{card.files[0].path}")
+    assert hashlib.sha256(raw).hexdigest() == card.files[0].sha256
+    assert pq.read_table(store.open_input(f"datasets/demo/{card.files[0].path}")).num_rows == 12
+
+
+def test_a_dataset_is_create_only_and_a_crashed_import_is_cleared(store):
+    _write(store)
+    with pytest.raises(FileExistsError, match="already exists"):
+        DatasetWriter(store, "demo").open()
+    _write(store, "half", commit=False)  # crashed before its card
+    assert "half" not in dataset_names(store)
+    assert store.list("datasets/half", recursive=True)
+    with pytest.raises(FileNotFoundError, match="no dataset 'half'"):
+        read_card(store, "half")
+    DatasetWriter(store, "half").open()  # a new import of that name removes the leftovers
+    assert store.list("datasets/half", recursive=True) == []
+
+
+def test_verify_finds_a_tampered_file(store):
+    card = _write(store)
+    key = f"datasets/demo/{card.files[1].path}"
+    table, _ = _day_table(7)
+    import io
+
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    store.put(key, sink.getvalue())
+    problems = verify_dataset(store, card)
+    assert len(problems) == 1 and card.files[1].path in problems[0] and "checksum" in problems[0]
+
+
+def test_a_newer_card_major_is_refused(store):
+    _write(store)
+    data = store.get(card_key("demo")).replace(
+        f'"schema_version": "{CARD_SCHEMA_VERSION}"'.encode(), b'"schema_version": "9.0"')
+    with pytest.raises(ValueError, match="upgrade rlpipe"):
+        card_from_bytes(data)
+
+
+def test_scans_prune_by_time_and_project_devices(store):
+    card = _write(store, days=5)
+    start, end = dt.datetime(2023, 1, 2, 8, 30, tzinfo=dt.UTC), dt.datetime(2023, 1, 3, 8, 20, tzinfo=dt.UTC)
+    # only the files of Jan 2 and Jan 3 can match: the others are never opened
+    assert [f.date for f in select_files(card, start, end)] == [dt.date(2023, 1, 2), dt.date(2023, 1, 3)]
+    assert select_files(card, dt.datetime(2024, 1, 1, tzinfo=dt.UTC)) == []
+    table = read_steps(store, "demo", start, end, devices=["zone_1"])
+    assert "zone_1@temp" in table.column_names and "zone_0@temp" not in table.column_names
+    times = table["timestamp"].to_pylist()
+    # Jan 2: 08:30..08:55 (6 rows); Jan 3: 08:00..08:15 (4 rows; 08:20 is excluded)
+    assert len(times) == 10 and min(times) == start and max(times) == dt.datetime(2023, 1, 3, 8, 15, tzinfo=dt.UTC)
+    assert device_columns(card, ["boiler"]) == ["action:boiler@sp"]
+    lazy = scan_steps(store, "demo", start, end, columns=["timestamp", "zone_0@temp"]).collect()
+    assert lazy.height == 10 and lazy.columns == ["timestamp", "zone_0@temp"]
+    empty = read_steps(store, "demo", dt.datetime(2024, 1, 1, tzinfo=dt.UTC), columns=["step"])
+    assert empty.num_rows == 0 and empty.column_names == ["step"]
+    with pytest.raises(DatasetError, match="no columns"):
+        read_steps(store, "demo", columns=["nope"])

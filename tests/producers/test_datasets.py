@@ -1,0 +1,486 @@
+"""Offline datasets: importers (Smart Buildings layout, tables), the building generator, logged steps as
+online prompts, token trajectories, training through `rlpipe replay --train`, and evaluation online."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import logging
+import math
+import os
+import pickle
+import sys
+import types
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.archive import TrajectoryArchive
+from pipeline.datasets import dataset_names, iter_partitions, read_card
+from pipeline.registry import AdapterRegistry
+from pipeline.store import ObjectStore
+from producers.datasets import (
+    REWARD_VALUE_IDS,
+    DatasetImportError,
+    GenerationSpec,
+    PickleRefusedError,
+    SamplingSettings,
+    TableMapping,
+    TrajectoryOptions,
+    building_env_for,
+    dataset_to_trajectories,
+    day_env,
+    day_policy,
+    evaluate_building,
+    generate_building_dataset,
+    import_smart_buildings,
+    import_table,
+    load_trusted_pickle,
+    model_outcomes,
+    plan_batches,
+    render_building_episode,
+    scripted_outcomes,
+    simulate_day,
+    write_sbd_partition,
+)
+from producers.datasets_cli import app
+from producers.envs.building import BuildingHVAC
+from producers.envs.evaluate import run_episode
+from producers.samplers.base import SampleOutput
+
+runner = CliRunner(env={"COLUMNS": "200"})
+US = 1_000_000
+
+
+@pytest.fixture
+def store(tmp_path):
+    return ObjectStore((tmp_path / "store").as_uri())
+
+
+def _nothing_written(store) -> bool:
+    return store.list("", recursive=True) == []
+
+
+# ---- the building environment restores a logged state ------------------------------------------------
+
+
+def test_load_state_from_telemetry_reproduces_text_telemetry_and_physics():
+    env = BuildingHVAC()
+    env.reset(5)
+    states = []
+    for _ in range(120):  # 00:00 .. 09:55 on a Thursday: night setback, preheat, arrivals
+        states.append((env.observation(), env.telemetry(), env.step_index, env._state.mode_Z.copy()))
+        env.step(env.heuristic_answer())
+    for observation, telemetry, step_index, modes in states:
+        fresh = BuildingHVAC()
+        assert fresh.load_state_from_telemetry(telemetry, modes=modes) == observation
+        assert fresh.step_index == step_index  # derived from the time of day
+        assert fresh.telemetry() == telemetry
+    # at night nobody arrives, so stepping on from the restored state follows the original exactly
+    observation, telemetry, step_index, modes = states[40]
+    original = BuildingHVAC()
+    original.reset(5)
+    for _ in range(40):
+        original.step(original.heuristic_answer())
+    restored = BuildingHVAC()
+    restored.load_state_from_telemetry(telemetry, modes=modes)
+    for _ in range(5):
+        answer = original.heuristic_answer()
+        assert restored.heuristic_answer() == answer
+        assert restored.step(answer).observation == original.step(answer).observation
+    assert restored.telemetry() == original.telemetry()
+    with pytest.raises(ValueError, match="outside this episode"):
+        BuildingHVAC().load_state_from_telemetry(telemetry, step_index=288)
+
+
+# ---- the Smart Buildings layout --------------------------------------------------------------------
+
+
+def _sbd_partition(rows_a: int = 72, rows_b: int = 4):
+    """A small partition in the real layout: 22:00 UTC on 2023-03-01 onwards, 5-minute rows, a 1 h gap."""
+    t0 = dt.datetime(2023, 3, 1, 22, 0, tzinfo=dt.UTC)
+    times = [t0 + dt.timedelta(minutes=5 * k) for k in range(rows_a)]
+    times += [times[-1] + dt.timedelta(hours=1, minutes=5 * (k + 1)) for k in range(rows_b)]
+    n = len(times)
+    k = np.arange(n, dtype=np.float32)
+    matrices = {
+        "observation_value_matrix": np.stack([290 + 0.01 * k, 280 - 0.02 * k], axis=1).astype(np.float32),
+        "action_value_matrix": (330 + 0.1 * k)[:, None].astype(np.float32),
+        "reward_value_matrix": np.stack([-0.001 * k * (j + 1) for j in range(17)], axis=1).astype(np.float32),
+        "reward_info_value_matrix": np.stack([294 + 0 * k, 50 * k], axis=1).astype(np.float32),
+    }
+    metadata = {
+        "observation_ids": {"1001@zone_air_temperature_sensor": 0, "1002@outside_air_temperature_sensor": 1},
+        "action_ids": {"2001@supply_water_temperature_setpoint": 0},
+        "reward_ids": {"rooms/1@heating_setpoint_temperature": 0, "2001@pump_electrical_energy_rate": 1},
+        "device_infos": [], "zone_infos": [],
+        "units": {"1001@zone_air_temperature_sensor": "K", "1002@outside_air_temperature_sensor": "K",
+                  "2001@supply_water_temperature_setpoint": "K", "agent_reward_value": "1",
+                  "2001@pump_electrical_energy_rate": "W"},
+    }  # fmt: skip
+    for key in ("observation_timestamps", "action_timestamps", "reward_timestamps", "reward_info_timestamps"):
+        metadata[key] = list(times)
+    return matrices, metadata
+
+
+def _write_json_partition(folder, matrices, metadata):
+    as_json = {k: ([t.isoformat() for t in v] if k.endswith("_timestamps") else v) for k, v in metadata.items()}
+    return write_sbd_partition(folder, matrices, as_json)
+
+
+def test_import_smart_buildings_layout_with_json_metadata(tmp_path, store):
+    matrices, metadata = _sbd_partition()
+    folder = _write_json_partition(tmp_path / "sb1" / "2023_a", matrices, metadata)
+    card = import_smart_buildings(store, tmp_path / "sb1", "sb-march")
+    # shapes: 76 rows; 2 observation + 1 action + 17 reward + 2 reward-info columns
+    assert card.num_rows == 76 and len(card.fields) == 22
+    assert card.observation_columns == ["1001@zone_air_temperature_sensor", "1002@outside_air_temperature_sensor"]
+    assert card.action_columns == ["action:2001@supply_water_temperature_setpoint"]
+    assert card.reward_column == "reward:agent_reward_value"
+    assert card.units()["1002@outside_air_temperature_sensor"] == "K"
+    assert card.units()["reward_info:2001@pump_electrical_energy_rate"] == "W"
+    assert card.units()["reward:carbon_emitted"] is None  # not stated by the source
+    assert set(card.source_files) == {"2023_a/data.npy.npz", "2023_a/metadata.json"}
+    assert card.time_start == metadata["observation_timestamps"][0]
+    assert card.time_end == metadata["observation_timestamps"][-1]
+    # episodes: UTC midnight (24 steps after 22:00) and the gap split the log
+    assert card.num_episodes == 3
+    assert [f.path for f in card.files] == ["steps/date=2023-03-01/part-00000.parquet",
+                                            "steps/date=2023-03-02/part-00000.parquet"]
+    tables = [table for _, table in iter_partitions(store, card)]
+    assert [t.num_rows for t in tables] == [24, 52]
+    import pyarrow as pa
+
+    table = pa.concat_tables(tables)
+    assert table["timestamp"].to_pylist() == metadata["observation_timestamps"]
+    firsts = [i for i, first in enumerate(table["is_first"].to_pylist()) if first]
+    assert firsts == [0, 24, 72]
+    assert table["step"].to_pylist()[72:] == [0, 1, 2, 3]
+    assert table["is_last"].to_pylist()[23] and table["is_last"].to_pylist()[71] and table["is_last"].to_pylist()[-1]
+    # values arrive unchanged, column by column
+    for column, name in enumerate(metadata["observation_ids"]):
+        assert table[name].to_numpy().tolist() == matrices["observation_value_matrix"][:, column].astype(float).tolist()
+    assert table["reward"].to_numpy().tolist() == matrices["reward_value_matrix"][:, 0].tolist()
+    assert table["reward:normalized_carbon_emission"].to_numpy().tolist() == \
+        matrices["reward_value_matrix"][:, 16].astype(float).tolist()
+    assert table["observation"].to_pylist()[5] == matrices["observation_value_matrix"][5].tolist()
+    assert table["action"].to_pylist()[5] == matrices["action_value_matrix"][5].tolist()
+    assert folder.exists()
+
+
+def _pandas_like_pickle(metadata, monkeypatch) -> bytes:
+    """Pickle ``metadata`` as upstream does (timestamps as pandas Timestamps), without pandas installed."""
+
+    def _unpickle_timestamp(value, freq, tz, reso=10):  # pickled by reference only
+        raise AssertionError("never called")
+
+    names = ["pandas", "pandas._libs", "pandas._libs.tslibs", "pandas._libs.tslibs.timestamps"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    _unpickle_timestamp.__module__ = names[-1]
+    _unpickle_timestamp.__qualname__ = "_unpickle_timestamp"
+    sys.modules[names[-1]]._unpickle_timestamp = _unpickle_timestamp
+
+    class UpstreamPickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, dt.datetime):
+                ns = (obj - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1) * 1000
+                return _unpickle_timestamp, (ns, None, dt.UTC, 10)
+            return NotImplemented
+
+    sink = io.BytesIO()
+    UpstreamPickler(sink, protocol=4).dump(metadata)
+    for name in names:
+        monkeypatch.delitem(sys.modules, name)
+    return sink.getvalue()
+
+
+def test_pickle_metadata_is_refused_without_the_flag_and_nothing_is_written(tmp_path, store, monkeypatch):
+    matrices, metadata = _sbd_partition()
+    folder = tmp_path / "part"
+    write_sbd_partition(folder, matrices, {})
+    (folder / "metadata.json").unlink()
+    (folder / "metadata.pickle").write_bytes(_pandas_like_pickle(metadata, monkeypatch))
+    assert "pandas" not in sys.modules  # the stand-in never needs pandas
+    with pytest.raises(PickleRefusedError, match="--trust-pickle"):
+        import_smart_buildings(store, folder, "sb-pickle")
+    assert _nothing_written(store)
+    result = runner.invoke(app, ["import", "smart-buildings", str(folder), "--name", "sb-pickle",
+                                 "--root", store.root])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pickle" in lines[0] and "--trust-pickle" in lines[0] and "Traceback" not in lines[0]
+    assert _nothing_written(store)
+    # trusted: the same dataset as from the JSON metadata
+    trusted = import_smart_buildings(store, folder, "sb-pickle", trust_pickle=True)
+    json_folder = _write_json_partition(tmp_path / "json", matrices, metadata)
+    plain = import_smart_buildings(store, json_folder, "sb-json")
+    assert trusted.num_rows == plain.num_rows and trusted.fields == plain.fields
+    assert [f.sha256 for f in trusted.files] == [f.sha256 for f in plain.files]
+
+
+def test_the_trusted_unpickler_still_refuses_code(tmp_path, store):
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("echo owned",))
+
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        load_trusted_pickle(pickle.dumps({"observation_ids": Exploit()}))
+    matrices, _ = _sbd_partition()
+    folder = tmp_path / "evil"
+    write_sbd_partition(folder, matrices, {})
+    (folder / "metadata.json").unlink()
+    (folder / "metadata.pickle").write_bytes(pickle.dumps({"observation_ids": Exploit()}))
+    with pytest.raises(DatasetImportError, match="convert the metadata to JSON"):
+        import_smart_buildings(store, folder, "evil", trust_pickle=True)
+    assert _nothing_written(store)
+
+
+def test_malformed_partitions_are_refused_before_writing(tmp_path, store):
+    matrices, metadata = _sbd_partition()
+    matrices["action_value_matrix"] = np.zeros((76, 2), dtype=np.float32)  # metadata names 1 action column
+    _write_json_partition(tmp_path / "bad", matrices, metadata)
+    with pytest.raises(DatasetImportError, match="action_value_matrix has shape"):
+        import_smart_buildings(store, tmp_path / "bad", "bad")
+    assert "bad" not in dataset_names(store)
+
+
+# ---- the simulator's logs -------------------------------------------------------------------------
+
+
+def test_generated_telemetry_round_trips_through_the_importer(store):
+    spec = GenerationSpec(days=2, policy="mixed", seed=4, first_day=1)
+    card = generate_building_dataset(store, "sim", spec)
+    logs = [simulate_day(day, day_policy(spec, day), spec.seed) for day in (1, 2)]
+    assert [e["policy"] for e in card.extras["episodes"]] == [lg.policy for lg in logs]
+    assert card.num_episodes == 2 and card.num_rows == 2 * 288 and card.step_seconds == 300
+    units = card.units()
+    for name, unit in BuildingHVAC.telemetry_fields():
+        if not name.startswith(("reward@", "time@")):
+            assert units[name] == unit
+    for (_, table), day_log in zip(iter_partitions(store, card), logs, strict=True):
+        cols = table.to_pydict()
+        now, after = day_log.telemetry[:-1], day_log.telemetry[1:]
+        assert [t.timestamp() for t in cols["timestamp"]] == [row["time@timestamp"] for row in now]
+        for name in now[0]:
+            if not name.startswith(("reward@", "time@")):  # observations: the state when the step starts
+                assert cols[name] == [row[name] for row in now], name
+        # actions and rewards: what the step did (the next telemetry row)
+        assert cols["action:boiler_0@supply_water_setpoint"] == [r["action@supply_water_setpoint"] for r in after]
+        assert cols["action:ahu_0@supply_air_heating_temperature_setpoint"] == \
+            [r["action@supply_air_heating_temperature_setpoint"] for r in after]
+        for reward_id, telemetry in (("agent_reward_value", "reward@reward"), ("normalized_energy_cost",
+                                     "reward@energy_cost"), ("carbon_emitted", "reward@carbon_emitted")):
+            assert cols[f"reward:{reward_id}"] == [r[telemetry] for r in after]
+        assert cols["reward:energy_cost_weight"] == [0.4] * 288
+        assert np.allclose(cols["reward"], [r["reward@reward"] for r in after], rtol=1e-6)  # float32 column
+        assert len(REWARD_VALUE_IDS) == 17 and all(f"reward:{r}" in cols for r in REWARD_VALUE_IDS)
+
+
+def test_logged_steps_render_as_exactly_the_online_prompts(store):
+    # a Friday (comfort hours, the evening night drift) and a Saturday; heuristic and random days
+    spec = GenerationSpec(days=2, policy="mixed", seed=4, first_day=1)
+    card = generate_building_dataset(store, "sim", spec)
+    env = building_env_for(card)
+    for (_, table), day in zip(iter_partitions(store, card), (1, 2), strict=True):
+        logged = simulate_day(day, day_policy(spec, day), spec.seed, keep_text=True)
+        steps = render_building_episode(env, table, answer_decimals=1)
+        assert [s.observation for s in steps] == logged.observations
+        if logged.policy == "heuristic":  # its answers are written in the same kelvin format
+            assert [s.answer for s in steps] == logged.answers
+        whole = render_building_episode(env, table)  # whole kelvin by default
+        row = table.slice(100, 1).to_pylist()[0]
+        water, air = row["action:boiler_0@supply_water_setpoint"], row["action:ahu_0@supply_air_heating_temperature_setpoint"]
+        assert whole[100].answer == f"<answer>{round(water)}K, {round(air)}K</answer>"
+
+
+# ---- CSV / Parquet with a mapping ------------------------------------------------------------------
+
+
+def test_import_table_with_a_column_mapping(tmp_path, store):
+    csv = tmp_path / "plant.csv"
+    csv.write_text(
+        "building,time,temp,setpoint,r,done,humidity,note\n"
+        "b2,2023-05-02T10:00:00Z,21.0,0.5,-1.0,false,40,x\n"
+        "b1,2023-05-01T10:05:00Z,20.5,0.4,-0.5,true,41,y\n"
+        "b1,2023-05-01T10:00:00Z,20.0,0.3,-0.2,false,42,z\n"
+        "b2,2023-05-02T10:05:00Z,21.5,0.6,-2.0,false,43,w\n"
+    )
+    mapping = TableMapping(episode_id="building", timestamp="time", observation=["temp"], action=["setpoint"],
+                           reward="r", terminal="done", units={"temp": "degC", "humidity": "%"})
+    card = import_table(store, csv, "plant", mapping)
+    assert card.num_rows == 4 and card.num_episodes == 2
+    roles = {f.name: f.role for f in card.fields}
+    assert roles == {"temp": "observation", "setpoint": "action", "r": "reward", "humidity": "feature"}
+    assert card.units()["temp"] == "degC" and card.units()["setpoint"] is None
+    table = read_card(store, "plant") and next(t for _, t in iter_partitions(store, card))
+    cols = table.to_pydict()
+    assert cols["episode_id"] == ["b1", "b1"]  # b1 starts first; its rows sorted by time
+    assert cols["temp"] == [20.0, 20.5] and cols["observation"] == [[20.0], [20.5]]
+    assert cols["is_terminal"] == [False, True] and cols["discount"] == [1.0, 0.0]
+    assert cols["reward"] == [pytest.approx(-0.2), -0.5]
+    assert [f.date for f in card.files] == [dt.date(2023, 5, 1), dt.date(2023, 5, 2)]
+    bad = tmp_path / "map.yaml"
+    bad.write_text("episode_id: building\ntimestamp: time\nreward: missing_column\n")
+    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(bad), "--name", "p2",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "missing_column" in result.output
+    assert "p2" not in dataset_names(store)
+
+
+# ---- token trajectories ---------------------------------------------------------------------------
+
+
+def test_plan_batches_covers_every_turn_once_per_epoch():
+    plan = plan_batches([10, 7, 10], episodes_per_batch=2, turns_per_batch=4, epochs=2, seed=1)
+    items = [item for batch in plan for item in batch]
+    expected = {(e, t) for e, n in enumerate([10, 7, 10]) for t in range(n)}
+    assert len(items) == 2 * len(expected) and set(items) == expected
+    for batch in plan:  # a batch holds the same turns of its episodes (a baseline compares them)
+        assert len({e for e, _ in batch}) <= 2
+        turns_by_episode = {}
+        for e, t in batch:
+            turns_by_episode.setdefault(e, set()).add(t)
+        assert len({min(turns) for turns in turns_by_episode.values()}) == 1
+
+
+def test_to_trajectories_writes_the_online_prompt_and_the_logged_answer(store, tiny_tokenizer):
+    from producers.episode import prompt_ids
+
+    spec = GenerationSpec(days=2, policy="heuristic", first_day=0)
+    card = generate_building_dataset(store, "heur", spec)
+    options = TrajectoryOptions(episodes_per_batch=2, turns_per_batch=8, history_turns=1, discount=0.9,
+                                answer_decimals=1)  # the heuristic's own answers have one decimal
+    report = dataset_to_trajectories(store, "heur", "heur-data", tiny_tokenizer, options)
+    assert report.rows == 576 and report.episodes == 2 and report.batches == 36
+    archive = TrajectoryArchive(store)
+    rows = [r for key in archive.list_batches("heur-data") for r in archive.read_batch(key).to_pylist()]
+    assert len(rows) == 576 and len({(r["episode_id"], r["turn"]) for r in rows}) == 576
+    logs = {day: simulate_day(day, "heuristic", 0, keep_text=True) for day in (0, 1)}
+    system = day_env(0).system_prompt()
+    for row in rows[::37]:
+        day_log, k = logs[row["env_seed"]], row["turn"]
+        messages = [{"role": "system", "content": system}]
+        if k > 0:
+            messages += [{"role": "user", "content": day_log.observations[k - 1]},
+                         {"role": "assistant", "content": day_log.answers[k - 1]}]
+        messages.append({"role": "user", "content": day_log.observations[k]})
+        prompt = prompt_ids(tiny_tokenizer, messages)
+        assert row["tokens"][:len(prompt)] == prompt
+        answer = [t for t, m in zip(row["tokens"], row["loss_mask"], strict=True) if m]
+        eos = tiny_tokenizer.eos_token_id
+        assert answer == [*tiny_tokenizer.encode(day_log.answers[k], add_special_tokens=False), eos]
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * len(answer)
+        assert row["logprobs"] == [0.0] * len(row["tokens"]) and row["policy_version"] == 0
+        rewards = [r["reward@reward"] for r in day_log.telemetry[1:]]
+        assert row["return_to_go"] == pytest.approx(sum(0.9 ** j * r for j, r in enumerate(rewards[k:])), rel=1e-5)
+        assert row["reward"] == pytest.approx(sum(rewards), rel=1e-5)
+        assert row["turn_rewards"] == [pytest.approx(rewards[k], rel=1e-6)]
+        assert row["group_id"] == f"heur@workday@{k * 5 // 60:02d}:{k * 5 % 60:02d}"  # Thursday, Friday
+    with pytest.raises(FileExistsError, match="new --run"):
+        dataset_to_trajectories(store, "heur", "heur-data", tiny_tokenizer, options)
+    assert card.name == "heur"
+
+
+# ---- evaluation ------------------------------------------------------------------------------------
+
+
+class FixedSampler:
+    """Answers every prompt with the same text (a stand-in for the language model)."""
+
+    max_model_len = 4096
+
+    def __init__(self, tokenizer, text):
+        self.ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+        self.batches = []
+
+    def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None):
+        self.batches.append(len(requests))
+        return [SampleOutput(list(self.ids), [0.0] * len(self.ids), "stop") for _ in requests]
+
+
+SHORT = {"episode_days": 6 / 288, "history_turns": 0}  # 6 steps
+
+
+def test_model_outcomes_match_a_scripted_run_of_the_same_answers(tiny_tokenizer):
+    sampler = FixedSampler(tiny_tokenizer, "<answer>330K, 292K</answer>")
+    outcomes = model_outcomes(sampler, tiny_tokenizer, None, [3, 4], SHORT, SamplingSettings(max_new_tokens=16))
+    assert sampler.batches == [2] * 6  # both days in lockstep, one batch per turn
+    for outcome in outcomes:
+        env = day_env(outcome.day, SHORT)
+        expected = run_episode(env, lambda e: "<answer>330K, 292K</answer>", outcome.day)
+        assert outcome.episode_return == pytest.approx(expected.episode_return, abs=1e-12)
+        assert outcome.steps == 6 and outcome.invalid == 0
+    # invalid answers hold the setpoints (340 K, 285 K at the start) and still pay the format penalty
+    garbled = model_outcomes(FixedSampler(tiny_tokenizer, "I am not sure"), tiny_tokenizer, None, [3], SHORT)
+    held = run_episode(day_env(3, SHORT), lambda e: "<answer>340K, 285K</answer>", 3)
+    assert garbled[0].invalid == 6
+    assert garbled[0].episode_return == pytest.approx(held.episode_return + 6 * -0.1, abs=1e-12)
+
+
+def test_scripted_evaluation_breaks_out_comfort_energy_and_carbon(store):
+    results = evaluate_building(store, "baseline", ["heuristic", "random"], [10, 11], env_overrides=SHORT)
+    heuristic, random_ = results
+    expected = [run_episode(day_env(d, SHORT), lambda e: e.heuristic_answer(), d).episode_return for d in (10, 11)]
+    assert heuristic.returns == pytest.approx(expected, abs=1e-12)
+    assert heuristic.seed_start == 10 and heuristic.episodes == 2 and heuristic.version == 0
+    for r in results:  # reward = -(0.2 comfort + 0.4 energy + 0.4 carbon) per step, so per day too
+        b = r.breakdown
+        assert r.mean_return == pytest.approx(-(0.2 * b["comfort"] + 0.4 * b["energy"] + 0.4 * b["carbon"]), rel=1e-9)
+        assert b["invalid_rate"] == 0.0 and b["energy_usd"] > 0
+    keys = store.list("runs/baseline/eval")
+    assert len(keys) == 2 and any("/heuristic-v000000-seed10-" in k for k in keys)
+    assert random_.returns != heuristic.returns
+    assert scripted_outcomes(lambda d: "heuristic", [10], 0, SHORT)[0].episode_return == expected[0]
+
+
+# ---- end to end: generate -> import -> to-trajectories -> replay --train (awr) -> adapter -> eval -----
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Two torch threads on two shared, busy cores spin against each other (tens of times slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_generate_convert_train_with_awr_publish_and_evaluate(tmp_path, tiny_model_dir, monkeypatch, one_torch_thread):
+    from consumers.cli import replay_app
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    root = (tmp_path / "store").as_uri()
+    result = runner.invoke(app, ["generate", "building-hvac", "--days", "2", "--policy", "mixed", "--seed", "4",
+                                 "--name", "e2e", "--root", root])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["to-trajectories", "e2e", "--run", "e2e-data", "--model", tiny_model_dir,
+                                 "--episodes-per-batch", "2", "--turns-per-batch", "3", "--history-turns", "0",
+                                 "--root", root])
+    assert result.exit_code == 0, result.output
+    assert "rlpipe replay --run e2e-data --train" in result.output
+    result = runner.invoke(replay_app, [
+        "--run", "e2e-data", "--train", "--preset", "building-hvac", "--set", "run_id=e2e-awr",
+        "--set", f"store.root={root}", "--set", f"model.base_model={tiny_model_dir}",
+        "--set", "learner.loss=awr", "--set", "learner.advantage=return_to_go", "--set", "learner.batch_rows=6",
+        "--set", "learner.max_steps=2", "--set", "learner.max_staleness=1000", "--set", "learner.lora_rank=4",
+    ])
+    assert result.exit_code == 0, result.output
+    for handler in list(logging.root.handlers):  # replay's log handler printed into that command's output
+        logging.root.removeHandler(handler)
+    store = ObjectStore(root)
+    registry = AdapterRegistry(store, "e2e-awr")
+    assert registry.versions() == [1, 2]
+    assert registry.show(2).metrics["rows"] == 6  # one batch (2 days x 3 turns) per step
+    result = runner.invoke(app, ["eval-building", "--run", "e2e-awr", "--dataset", "e2e", "--model", tiny_model_dir,
+                                 "--days", "1", "--policies", "adapter,behaviour", "--set", "episode_days=0.01",
+                                 "--history-turns", "0", "--root", root, "--json"])
+    assert result.exit_code == 0, result.output
+    evaluated = json.loads(result.stdout)
+    assert [(r["policy"], r["version"], r["seed_start"]) for r in evaluated] == [("adapter", 2, 2), ("behaviour", 0, 2)]
+    assert all(math.isfinite(r["mean_return"]) and "energy" in r["breakdown"] for r in evaluated)
+    assert len(store.list("runs/e2e-awr/eval")) == 2
