@@ -11,14 +11,14 @@ The whole offline path, on the tiny local model:
    minus its same-hour, same-kind-of-day baseline, std-normalised), optionally ``fbc``
    (filtered BC: the top half of each step by that advantage);
 4. ``rlpipe datasets eval-building``: ``--eval-days`` held-out days (after the dataset's)
-   played online by each adapter (sampling at ``--temperature``, ``--seeds`` sampling
-   seeds), by the pre-trained base model, and by the logged (behaviour), random and
-   heuristic controllers.
+   played online by each adapter and by the pre-trained base model (at each of
+   ``--temperatures``, ``--seeds`` sampling seeds; 0 = greedy), and by the logged
+   (behaviour), random and heuristic controllers.
 Prints a markdown table for docs/offline.md: mean daily return with its 95% CI over
 days x seeds, and the reward's parts (per-day sums of the normalised comfort regret,
 energy cost and carbon; reward = -(0.2 comfort + 0.4 energy + 0.4 carbon)).
 
-Run: .venv/bin/python bench/offline_building.py [--days 28] [--eval-days 7] [--threads 1] [--root DIR]
+Run: .venv/bin/python bench/offline_building.py [--days 14] [--eval-days 7] [--threads 1] [--root DIR]
 """
 
 from __future__ import annotations
@@ -62,17 +62,17 @@ METHODS = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--days", type=int, default=28, help="logged days (one episode each)")
+    parser.add_argument("--days", type=int, default=14, help="logged days (one episode each)")
     parser.add_argument("--eval-days", type=int, default=7, help="held-out days played online")
     parser.add_argument("--seeds", type=int, default=2, help="sampling seeds per adapter")
     parser.add_argument("--methods", default="bc,awr", help="comma-separated: bc, awr, fbc")
     parser.add_argument("--episodes-per-batch", type=int, default=7)
     parser.add_argument("--turns-per-batch", type=int, default=16)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--awr-beta", type=float, default=1.0)
     parser.add_argument("--lora-rank", type=int, default=8)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperatures", default="1.0,0", help="sampling temperatures of the model (0: greedy)")
     parser.add_argument("--history-turns", type=int, default=0, help="earlier turns per prompt (0: shortest)")
     parser.add_argument("--model", default="tiny", help="'tiny' (pre-trained locally, cached) or a model folder")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -128,18 +128,24 @@ def train(store: ObjectStore, args: argparse.Namespace, model: str, method: str)
 
 
 def evaluate(store: ObjectStore, args: argparse.Namespace, model: str, runs: dict[str, str]) -> dict[str, Any]:
-    """Step 4: every policy on the same held-out days; per policy the pooled returns and mean parts."""
+    """Step 4: every policy on the same held-out days; per policy the pooled returns and mean parts.
+
+    The language-model policies are played at each temperature (``name@T``); the scripted
+    ones once (the random policy with each sampling seed).
+    """
     card = read_card(store, DATASET)
     days = held_out_days(card, args.eval_days)
     pooled: dict[str, list[Any]] = {}
-    for name, run_id in [*runs.items(), ("base", f"{DATASET}-bc")]:
-        policy = "base" if name == "base" else "adapter"
-        for seed in range(args.seeds):
-            sampling = SamplingSettings(temperature=args.temperature, seed=seed)
-            pooled.setdefault(name, []).extend(evaluate_building(
-                store, run_id, [policy], days, card=card, model_path=model, sampling=sampling,
-                history_turns=args.history_turns, store_results=True))
-            print(f"  evaluated {name} (seed {seed}): {pooled[name][-1].mean_return:.3f}", flush=True)
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        seeds = range(args.seeds) if temperature > 0 else range(1)  # greedy decoding needs one seed
+        for name, run_id in [*runs.items(), ("base", f"{DATASET}-bc")]:
+            for seed in seeds:
+                sampling = SamplingSettings(temperature=temperature, seed=seed)
+                key = f"{name}@T={temperature:g}"
+                pooled.setdefault(key, []).extend(evaluate_building(
+                    store, run_id, ["base" if name == "base" else "adapter"], days, card=card, model_path=model,
+                    sampling=sampling, history_turns=args.history_turns))
+                print(f"  {key} seed {seed}: {pooled[key][-1].mean_return:.3f}", flush=True)
     for baseline in ("behaviour", "random", "heuristic"):
         for seed in range(args.seeds if baseline != "heuristic" else 1):
             pooled.setdefault(baseline, []).extend(evaluate_building(
@@ -159,7 +165,7 @@ def summarise(results: list[Any]) -> dict[str, float]:
 
 def print_table(summary: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\nheld-out days {summary['days'][0]}..{summary['days'][-1]} (x {args.seeds} sampling seeds for the "
-          f"model and random policies), temperature {args.temperature}\n")
+          "sampled model policies and the random ones)\n")
     print("| policy | mean daily return (95% CI) | comfort | energy | carbon | energy $ | carbon kg | invalid |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, s in summary["results"].items():

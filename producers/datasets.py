@@ -448,9 +448,8 @@ def import_smart_buildings(
         action_columns=[f.name for f in fields if f.role == "action"],
         reward_column=ROLE_PREFIX["reward"] + reward_id,
         episode_rule=_episode_rule(split, offset), step_seconds=step_seconds,
-        extras={"layout": "smart-buildings", "partitions": [str(f.relative_to(path)) if f != path else "." for f in
-                                                             folders],
-                "utc_offset_hours": offset, "timestamps_aligned": aligned, **extension},
+        extras={**extension, "layout": "smart-buildings", "utc_offset_hours": offset, "timestamps_aligned": aligned,
+                "partitions": [str(f.relative_to(path)) if f != path else "." for f in folders]},
     )
 
 
@@ -1232,14 +1231,16 @@ def applicable_answer(env: BuildingHVAC, text: str) -> tuple[str, bool]:
     real controller.  Here every policy runs the same simulated day; an invalid answer keeps
     the previous setpoints for that step and still pays the penalty.
     """
-    cfg = env.config
-    parsed = parse_answer(text, max_actions=cfg.max_actions_per_turn)
-    ok = parsed.ok
-    for action in parsed.actions if ok else ():
-        values = parse_setpoint_values(action)
-        ok = ok and values is not None and to_kelvin(values[0], cfg.supply_water_range_k) is not None \
-            and to_kelvin(values[1], cfg.supply_air_heating_range_k) is not None
+    parsed = parse_answer(text, max_actions=env.config.max_actions_per_turn)
+    ok = parsed.ok and all(_is_setpoint_pair(env.config, action) for action in parsed.actions)
     return (text, True) if ok else (hold_answer(env), False)
+
+
+def _is_setpoint_pair(cfg: BuildingConfig, action: str) -> bool:
+    """Whether the environment's parser accepts ``action`` (two setpoints, each a value it can place)."""
+    values = parse_setpoint_values(action)
+    return (values is not None and to_kelvin(values[0], cfg.supply_water_range_k) is not None
+            and to_kelvin(values[1], cfg.supply_air_heating_range_k) is not None)
 
 
 def scripted_outcomes(

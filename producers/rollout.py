@@ -77,6 +77,7 @@ class RolloutStats:
     """Counters since start (heartbeats derive rates from differences)."""
 
     samples: int = 0
+    rows: int = 0
     groups: int = 0
     batches: int = 0
     tokens: int = 0
@@ -118,6 +119,8 @@ class RolloutWorker:
         self.stale_since: float | None = None
         self.stats = RolloutStats()
         self.stopping = False
+        self.backlog_full: Callable[[], bool] = lambda: False  # set by the service (learner lag)
+        self.paused_for_backlog_s = 0.0
 
     # ---- the loop ---------------------------------------------------------
     def run(self, should_stop: Callable[[], bool] = lambda: False, on_tick: Callable[[], None] = lambda: None) -> None:
@@ -143,6 +146,13 @@ class RolloutWorker:
         """Start groups up to ``concurrent_groups``, on an adapter no more than ``max_staleness`` behind."""
         limit = self.cfg.max_groups
         while len(self.active) < self.cfg.concurrent_groups and (limit is None or self.groups_started < limit):
+            if self.backlog_full():
+                # The learner has more unconsumed rows than it trains before they go stale:
+                # sampling more now would only produce rows it must drop.
+                if not self.active and not self.pending_steps:
+                    time.sleep(0.2)
+                    self.paused_for_backlog_s += 0.2
+                return
             adapter = self.fresh_adapter()
             if adapter is False:
                 return
@@ -277,5 +287,6 @@ class RolloutWorker:
         self.sink.commit(rows, batch_id)
         self.stats.batches += 1
         self.stats.samples += sum(len(g.episodes) for g in groups)
+        self.stats.rows += len(rows)
         self.stats.tokens += sum(len(r["tokens"]) for r in rows)
         log.info("batch %s: %d groups, %d rows", batch_id, len(groups), len(rows))

@@ -18,7 +18,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from pipeline.archive import TrajectoryArchive
-from pipeline.bus import EventConsumer, EventPublisher, tail
+from pipeline.bus import EventConsumer, EventPublisher, group_lag, tail
 from pipeline.health import HealthServer
 from pipeline.registry import AdapterRegistry
 from pipeline.runtime import Announcer, RateMeter, StopFlag, open_store, resolved_bus
@@ -29,7 +29,7 @@ from producers.rollout import RolloutWorker
 from producers.samplers import make_sampler
 from producers.sink import StoreThenEventSink, announce_orphans, announced_batches
 from producers.tiny_model import resolve_model
-from schemas.config import RunConfig
+from schemas.config import BusConfig, RunConfig
 from schemas.events import ProducerHeartbeat
 
 log = logging.getLogger("rlpipe.producer")
@@ -82,6 +82,40 @@ class Heartbeat:
         return payload
 
 
+class LearnerBacklog:
+    """Whether the learner's unconsumed backlog already holds ``max_backlog_steps`` steps of rows.
+
+    Backlog rows ~= consumer lag of the learner's group on ``<ns>.trajectories``
+    (in batches, read at most once a second) times this producer's mean rows per
+    batch.  Before the learner has committed anything, every batch this producer
+    wrote counts.  Rows queued beyond about ``max_staleness`` learner steps would be
+    dropped as stale when their turn comes, so sampling them is wasted work.
+    """
+
+    def __init__(self, bus: BusConfig, run_id: str, worker: RolloutWorker, max_rows: float) -> None:
+        self.bus, self.group = bus, f"rlpipe-learner-{run_id}"
+        self.worker, self.max_rows = worker, max_rows
+        self.checked_at, self.full = float("-inf"), False
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self.checked_at < 1.0:
+            return self.full
+        self.checked_at = now
+        stats = self.worker.stats
+        if not stats.batches:
+            self.full = False
+            return False
+        try:
+            lags = group_lag(self.bus, self.group)
+        except Exception as exc:  # an admin hiccup must not stop sampling
+            log.debug("could not read the learner's lag: %s", exc)
+            return self.full
+        lag_batches = sum(p.lag for p in lags) if lags else stats.batches
+        self.full = lag_batches * stats.rows / stats.batches >= self.max_rows
+        return self.full
+
+
 def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWorker:
     """Run one producer until stopped or ``producer.max_groups`` groups are written."""
     stop = stop or StopFlag()
@@ -111,6 +145,9 @@ def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWork
         make_env=lambda: make_env(config.env.name, config.env.overrides), tokenizer=tokenizer, sampler=sampler,
         adapters=watcher, sink=sink, producer=config.producer, sampling=config.sampler,
     )
+    if config.producer.max_backlog_steps is not None:
+        worker.backlog_full = LearnerBacklog(bus, config.run_id, worker,
+                                             config.producer.max_backlog_steps * config.learner.batch_rows)
     heartbeat = Heartbeat(worker, watcher, announce, config.producer.heartbeat_interval_s, health)
     if health is not None:
         health.add_readiness_check("model_loaded", lambda: True)

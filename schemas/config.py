@@ -103,6 +103,11 @@ class ProducerConfig(_Section):
     batch_timeout_s: float = Field(60.0, gt=0, le=86_400, description="write a partial batch after this long")
     max_staleness: int = Field(2, ge=0, le=1000, description="do not start groups more versions behind than this")
     staleness_wait_s: float = Field(120.0, ge=0, le=86_400, description="longest wait for a newer adapter")
+    max_backlog_steps: float | None = Field(
+        1.0, gt=0, le=1e6,
+        description="pause new groups while the learner's unconsumed rows exceed this many steps "
+        "(x learner.batch_rows); None = never pause",
+    )
     heartbeat_interval_s: float = Field(5.0, gt=0, le=3600, description="seconds between heartbeats")
     env_workers: int = Field(4, ge=1, le=256, description="threads stepping environments")
     max_groups: int | None = Field(None, ge=1, description="stop after this many groups (None = run until stopped)")

@@ -175,3 +175,12 @@ def test_scans_prune_by_time_and_project_devices(store):
     assert empty.num_rows == 0 and empty.column_names == ["step"]
     with pytest.raises(DatasetError, match="no columns"):
         read_steps(store, "demo", columns=["nope"])
+
+
+def test_write_commit_and_scan_on_every_store_backend(any_store):
+    card = _write(any_store, days=2)
+    assert dataset_names(any_store) == ["demo"] and verify_dataset(any_store, card) == []
+    start = dt.datetime(2023, 1, 2, 8, 10, tzinfo=dt.UTC)
+    table = read_steps(any_store, "demo", start, columns=["timestamp", "zone_1@temp"])
+    assert table.num_rows == 10 and table["timestamp"].to_pylist()[0] == start  # 08:10 .. 08:55 on Jan 2
+    assert scan_steps(any_store, "demo", start).collect().height == 10

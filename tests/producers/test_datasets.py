@@ -296,6 +296,25 @@ def test_logged_steps_render_as_exactly_the_online_prompts(store):
         assert whole[100].answer == f"<answer>{round(water)}K, {round(air)}K</answer>"
 
 
+def test_list_show_and_sample_commands(store):
+    spec = GenerationSpec(days=2, policy="heuristic")
+    generate_building_dataset(store, "two-days", spec)
+    listed = runner.invoke(app, ["list", "--root", store.root, "--json"])
+    assert listed.exit_code == 0 and [d["name"] for d in json.loads(listed.stdout)] == ["two-days"]
+    assert json.loads(listed.stdout)[0]["rows"] == 576
+    shown = runner.invoke(app, ["show", "two-days", "--fields", "--verify", "--root", store.root])
+    assert shown.exit_code == 0, shown.output
+    assert "zone_1_1@zone_air_temperature_sensor" in shown.output and "all 2 files match" in shown.output
+    sampled = runner.invoke(app, ["sample", "two-days", "-n", "3", "--root", store.root, "--json",
+                                  "--columns", "zone_0_0@zone_air_temperature_sensor"])
+    rows = json.loads(sampled.stdout)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    first = simulate_day(0, "heuristic").telemetry[0]["zone_0_0@zone_air_temperature_sensor"]
+    assert rows[0]["zone_0_0@zone_air_temperature_sensor"] == first
+    missing = runner.invoke(app, ["show", "nope", "--root", store.root])
+    assert missing.exit_code != 0 and "no dataset 'nope'" in missing.output and "Traceback" not in missing.output
+
+
 # ---- CSV / Parquet with a mapping ------------------------------------------------------------------
 
 
