@@ -8,7 +8,6 @@ and a non-zero exit code, never a traceback.
 
 from __future__ import annotations
 
-import logging
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -58,10 +57,6 @@ def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
     from schemas.config import StoreConfig
 
     return open_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint))
-
-
-def _quiet_logs() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
 
 # ---- list / show / sample -----------------------------------------------------------------------

@@ -31,11 +31,23 @@ def stored_run_config(run: str, store_cfg: StoreConfig, overrides: list[str]) ->
     return RunConfig.model_validate(data)
 
 
-@app.command(epilog="Example: rlpipe eval demo --version latest --episodes 32 --baseline heuristic")
+def resolve_version(registry: AdapterRegistry, text: str) -> int:
+    """'latest' (0 when nothing is published), '7' or 'v7' -> 7."""
+    if text == "latest":
+        latest = registry.latest()
+        return latest.version if latest else 0
+    if text.isascii() and text.lstrip("v").isdigit():
+        return int(text.lstrip("v"))
+    fail(f"--version must be a number, v<number> or 'latest', got {text!r}", 2)
+
+
+@app.command(epilog="Example: rlpipe eval demo --version 0 --version latest --episodes 32 --baseline random")
 @handle_user_errors
 def eval(
     run: Annotated[str, typer.Argument(help="Run id.")],
-    version: Annotated[str, typer.Option(help="Adapter version, 'latest', or 0 for the base model.")] = "latest",
+    version: Annotated[
+        list[str] | None, typer.Option(help="Adapter version, 'latest', or 0 for the base model (repeatable).")
+    ] = None,
     env: Annotated[str | None, typer.Option(help="Environment (default: the run's).")] = None,
     episodes: Annotated[int, typer.Option(min=1, max=100_000, help="Held-out episodes.")] = 32,
     greedy: Annotated[bool, typer.Option(help="Greedy decoding instead of the run's sampling temperature.")] = False,
@@ -56,15 +68,16 @@ def eval(
         config = config.model_copy(update={"env": config.env.model_copy(update={"name": env})})
     store = open_store(config.store)
     registry = AdapterRegistry(store, run)
-    if version == "latest":
-        latest = registry.latest()
-        number = latest.version if latest else 0
-    elif version.isascii() and version.lstrip("v").isdigit():
-        number = int(version.lstrip("v"))
-    else:
-        fail(f"--version must be a number, v<number> or 'latest', got {version!r}", 2)
-    results = [evaluate_version(config, store, resolve_model(config.model), number, episodes,
-                                temperature=0.0 if greedy else None)]
+    numbers = [resolve_version(registry, v) for v in (version or ["latest"])]
+    from producers.samplers import make_sampler
+
+    model_path = resolve_model(config.model)
+    sampler = make_sampler(config.sampler.backend, model_path, config.sampler)
+    try:
+        results = [evaluate_version(config, store, model_path, n, episodes, sampler=sampler,
+                                    temperature=0.0 if greedy else None) for n in numbers]
+    finally:
+        sampler.close()
     for policy in baseline or []:
         if policy not in ("heuristic", "random"):
             fail(f"--baseline must be heuristic or random, got {policy!r}", 2)

@@ -43,6 +43,7 @@ BUILTIN_LAZY_GROUPS = {
     "config": "pipeline.cli.config_cmd:app",
     "run": "pipeline.cli.run_cmd:command",
     "report": "pipeline.cli.report_cmd:command",
+    "demo": "pipeline.cli.demo_cmd:command",
 }
 
 

@@ -341,6 +341,8 @@ def test_import_table_with_a_column_mapping(tmp_path, store):
     assert cols["is_terminal"] == [False, True] and cols["discount"] == [1.0, 0.0]
     assert cols["reward"] == [pytest.approx(-0.2), -0.5]
     assert [f.date for f in card.files] == [dt.date(2023, 5, 1), dt.date(2023, 5, 2)]
+    untimed = import_table(store, csv, "untimed", TableMapping(observation=["temp"], reward="r"))
+    assert untimed.num_episodes == 1 and untimed.time_start is None and untimed.files[0].date == dt.date(1970, 1, 1)
     bad = tmp_path / "map.yaml"
     bad.write_text("episode_id: building\ntimestamp: time\nreward: missing_column\n")
     result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(bad), "--name", "p2",
