@@ -11,7 +11,11 @@ Exactly-once effect: an optimizer step always consumes whole batches, so the
 position stored in a checkpoint never splits a batch; the checkpoint records
 every trained ``batch_id`` (the idempotency key), so a batch announced twice is
 trained once; and on restart the learner loads the newest complete checkpoint
-and seeks its source to the stored positions.
+and seeks its source to the stored positions.  A crash after a version was
+published but before the checkpoint that records it retrains that step from the
+previous checkpoint (same batches, same RNG state, so the same weights) and
+publishes it again under the next version number: versions stay dense, and a
+step's adapter may appear under two consecutive versions.
 
 The source is a small protocol: Kafka (``consumers.sources.KafkaSource``) and
 offline replay from the store (``consumers.sources.ReplaySource``) feed the same
@@ -21,12 +25,14 @@ loop, so both give the same weights on the same batches in the same order.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -64,6 +70,48 @@ class TrajectorySource(Protocol):
     def exhausted(self) -> bool: ...
 
 
+FAULT_ENV = "RLPIPE_FAULT"
+FaultPoint = Literal["after_publish", "before_checkpoint", "after_checkpoint"]
+FAULT_POINTS: tuple[FaultPoint, ...] = ("after_publish", "before_checkpoint", "after_checkpoint")
+
+
+@dataclass
+class FaultInjector:
+    """Crash-test hook: ``RLPIPE_FAULT=<point>:<n>`` SIGKILLs this process the n-th time it passes ``point``.
+
+    Why: the windows that matter for exactly-once (a checkpoint durable but its
+    offsets not committed, a version published but no checkpoint naming it) last
+    milliseconds, too short to hit with a timer from outside.  Points:
+    ``after_publish`` (adapter version committed and announced, before the step's
+    checkpoint), ``before_checkpoint`` (nothing of the checkpoint written yet),
+    ``after_checkpoint`` (checkpoint durable and announced, offsets not yet
+    committed).  Counts are per process.  Unset (the normal case), it does nothing.
+    """
+
+    point: FaultPoint | None = None
+    at: int = 0
+    passed: int = 0
+
+    @classmethod
+    def from_env(cls) -> FaultInjector:
+        spec = os.environ.get(FAULT_ENV, "")
+        if not spec:
+            return cls()
+        point, _, count = spec.partition(":")
+        if point not in FAULT_POINTS or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{FAULT_ENV}={spec!r} is not <point>:<n> with point one of {', '.join(FAULT_POINTS)} "
+                             "and n >= 1; fix or unset it")
+        return cls(point, int(count))  # type: ignore[arg-type]  # checked just above
+
+    def reached(self, point: FaultPoint) -> None:
+        if point != self.point:
+            return
+        self.passed += 1
+        if self.passed == self.at:
+            log.warning("%s=%s:%d: killing this process with SIGKILL", FAULT_ENV, point, self.at)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 @dataclass
 class PendingBatch:
     """A batch read from the store, its fresh rows, and what was dropped."""
@@ -98,6 +146,7 @@ class Learner:
         self.incoming: deque[BatchRef] = deque()
         self.duplicates_skipped = 0
         self.last_metrics: dict[str, Any] = {}
+        self.faults = FaultInjector.from_env()  # read once: crash tests only
 
     # ---- set up -------------------------------------------------------------
     def resume(self) -> bool:
@@ -240,13 +289,16 @@ class Learner:
         self.state.version = manifest.version
         self.announce(self.registry.published_event(manifest))
         log.info("published adapter v%d at step %d", manifest.version, self.state.step)
+        self.faults.reached("after_publish")
 
     def checkpoint(self) -> str:
         """Write the checkpoint (manifest last), announce it, then commit the source's offsets."""
+        self.faults.reached("before_checkpoint")
         optimizer, scalars = self.policy.optimizer_state()
         key = self.checkpoints.save(self.state, self.policy.adapter_tensors(), optimizer, scalars)
         metrics = {k: float(v) for k, v in self.last_metrics.items() if isinstance(v, int | float)}
         self.announce(LearnerCheckpointed(step=self.state.step, version=self.state.version, path=key,
                                           offsets=dict(self.state.positions), metrics=metrics))
+        self.faults.reached("after_checkpoint")
         self.source.commit(dict(self.state.positions))  # only after the checkpoint is durable
         return key

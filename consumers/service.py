@@ -59,27 +59,58 @@ def progress_line(metrics: dict[str, Any]) -> str:
     )
 
 
+def _setup_checks(health: HealthServer, steps: tuple[str, ...]) -> set[str]:
+    """Register one readiness check per set-up step; each passes once its name is added to the returned set.
+
+    Why flags rather than live probes: ``/readyz`` runs in the server thread and
+    must never block on the network, and each step has proved its part (broker
+    answered, policy loaded, checkpoint read from the store) by finishing.
+    """
+    done: set[str] = set()
+    for step in steps:
+        health.add_readiness_check(step, lambda step=step: step in done)
+    return done
+
+
 def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callable[[dict], None] | None = None
                 ) -> Learner:
-    """Consume ``<ns>.trajectories`` for one run and train until stopped or ``max_steps``."""
+    """Consume ``<ns>.trajectories`` for one run and train until stopped or ``max_steps``.
+
+    The health server starts before anything slow, so ``/healthz`` answers while
+    the policy loads; ``/readyz`` names the set-up steps still missing and is 200
+    from the end of set-up (policy loaded, resumed) until a stop is requested.
+    """
     stop = stop or StopFlag()
     log.info("initialising learner for run %s", config.run_id)
-    health = HealthServer(config.learner.health_port).start() if config.learner.health_port is not None else None
+    health = HealthServer(config.learner.health_port).start()  # port None: metrics only, nothing listens
+    try:
+        return _set_up_and_run(config, stop, on_step, health)
+    finally:
+        health.stop()
+
+
+def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict], None] | None,
+                    health: HealthServer) -> Learner:
+    done = _setup_checks(health, ("broker", "policy", "resumed"))
+    health.add_readiness_check("stopping", lambda: not stop())
     bus = resolved_bus(config.bus)
     store = open_store(config.store)
     publisher = EventPublisher(bus)
     source = KafkaSource(bus, config.run_id)
+    done.add("broker")
     learner = build_learner(config, store, source, Announcer(publisher, config.run_id))
+    done.add("policy")
     learner.resume()
-    if health is not None:
-        health.add_readiness_check("policy_loaded", lambda: True)
+    done.add("resumed")
+    health.set_gauge("rlpipe_learner_up", 1.0, "1 once the learner is set up and training")
+    health.set_gauge("rlpipe_learner_step", float(learner.state.step), "learner step")
+    health.set_gauge("rlpipe_learner_version", float(learner.state.version), "learner version")
 
     def after_step(metrics: dict[str, Any]) -> None:
         log.info(progress_line(metrics))
-        if health is not None:
-            for key, value in metrics.items():
-                if isinstance(value, int | float):
-                    health.set_gauge(f"rlpipe_learner_{key}", float(value), f"learner {key}")
+        for key, value in metrics.items():
+            if isinstance(value, int | float):
+                health.set_gauge(f"rlpipe_learner_{key}", float(value), f"learner {key}")
         if on_step is not None:
             on_step(metrics)
 
@@ -92,8 +123,6 @@ def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callab
     finally:
         source.close()
         publisher.close()
-        if health is not None:
-            health.stop()
     log.info("learner stopped at step %d, version %d", learner.state.step, learner.state.version)
     return learner
 

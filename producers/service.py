@@ -116,29 +116,59 @@ class LearnerBacklog:
         return self.full
 
 
+def _setup_checks(health: HealthServer, steps: tuple[str, ...]) -> set[str]:
+    """Register one readiness check per set-up step; each passes once its name is added to the returned set.
+
+    Why flags rather than live probes: ``/readyz`` runs in the server thread and
+    must never block on the network, and each step has proved its part (broker
+    answered, store listed, model loaded) by finishing.
+    """
+    done: set[str] = set()
+    for step in steps:
+        health.add_readiness_check(step, lambda step=step: step in done)
+    return done
+
+
 def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWorker:
-    """Run one producer until stopped or ``producer.max_groups`` groups are written."""
+    """Run one producer until stopped or ``producer.max_groups`` groups are written.
+
+    The health server starts before anything slow, so ``/healthz`` answers while
+    the model loads; ``/readyz`` names the set-up steps still missing and is 200
+    from the end of set-up until a stop is requested.
+    """
     stop = stop or StopFlag()
     producer_id = config.producer.producer_id or default_producer_id()
     log.info("initialising producer %s for run %s (env %s)", producer_id, config.run_id, config.env.name)
-    health = HealthServer(config.producer.health_port).start() if config.producer.health_port is not None else None
+    health = HealthServer(config.producer.health_port).start()  # port None: metrics only, nothing listens
+    try:
+        return _set_up_and_run(config, stop, producer_id, health)
+    finally:
+        health.stop()
+
+
+def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health: HealthServer) -> RolloutWorker:
+    done = _setup_checks(health, ("broker", "store", "sampler", "adapters"))
+    health.add_readiness_check("stopping", lambda: not stop())
     bus = resolved_bus(config.bus)
     store = open_store(config.store)
     archive = TrajectoryArchive(store)
     publisher = EventPublisher(bus)
     announce = Announcer(publisher, config.run_id)
-    announce_orphans(archive, config.run_id, announced_batches(tail(bus, "trajectories", n=10**9,
-                                                                      run_id=config.run_id)),
-                     announce, min_age_s=2 * config.producer.batch_timeout_s)
+    announced = announced_batches(tail(bus, "trajectories", n=10**9, run_id=config.run_id))
+    done.add("broker")
+    announce_orphans(archive, config.run_id, announced, announce, min_age_s=2 * config.producer.batch_timeout_s)
+    done.add("store")
     model_path = resolve_model(config.model)
     log.info("initialising sampler %s on %s", config.sampler.backend, model_path)
     sampler = make_sampler(config.sampler.backend, model_path, config.sampler)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    done.add("sampler")
     registry = AdapterRegistry(store, config.run_id)
     events = KafkaAdapterEvents(EventConsumer(bus, "adapters", f"rlpipe-producer-{producer_id}",
                                               run_id=config.run_id, auto_offset_reset="latest"))
     cache = Path(rlpipe_home()) / "adapter-cache" / producer_id
     watcher = AdapterWatcher(registry, sampler, cache, max_loaded=config.sampler.max_loras, events=events)
+    done.add("adapters")
     sink = StoreThenEventSink(archive, config.run_id, config.env.name, producer_id, announce)
     worker = RolloutWorker(
         run_id=config.run_id, producer_id=producer_id, env_name=config.env.name,
@@ -149,9 +179,7 @@ def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWork
         worker.backlog_full = LearnerBacklog(bus, config.run_id, worker,
                                              config.producer.max_backlog_steps * config.learner.batch_rows)
     heartbeat = Heartbeat(worker, watcher, announce, config.producer.heartbeat_interval_s, health)
-    if health is not None:
-        health.add_readiness_check("model_loaded", lambda: True)
-        health.add_readiness_check("broker", lambda: publisher is not None)
+    health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
     log.info("producer %s running", producer_id)
     try:
         worker.run(should_stop=stop, on_tick=heartbeat.maybe_beat)
@@ -160,7 +188,5 @@ def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWork
         publisher.close()
         events.consumer.close()
         sampler.close()
-        if health is not None:
-            health.stop()
     log.info("producer %s stopped: %d batches, %d samples", producer_id, worker.stats.batches, worker.stats.samples)
     return worker

@@ -1,0 +1,339 @@
+"""Learner acceptance tests against the real parts: the Tansu broker, ``rlpipe`` processes, a file:// store.
+
+One set of small trajectory batches (``N_BATCHES`` of ``ROWS_PER_BATCH`` one-token answers, one optimizer
+step per batch) is written once to the store under run ``src``.  Every learner below trains on exactly
+those batches, in the same order, with the same seed and one torch thread, so on the CPU every learner
+must end with bitwise the same adapter as ``rlpipe replay --train`` (the reference).
+
+1. Crash check: ``rlpipe learner start`` in a subprocess is killed with SIGKILL at 10 points while
+   ``rlpipe replay --to-topic`` feeds it (some batches announced twice): at exact points through the
+   learner's ``RLPIPE_FAULT`` hook (a checkpoint durable but its offsets not committed; a version
+   published but not checkpointed; before a checkpoint) and at random times from here.  After the final
+   restart every batch was trained in exactly one step, steps are 1..N, adapter versions are dense, a
+   step published twice (crash after publish) published the same weights twice, the group's committed
+   offset is the end of the topic, and the final weights equal the reference bitwise.
+2. Replay: the event log through a real consumer group and ``rlpipe replay --train`` from Parquet give
+   bitwise the same adapter at every version.
+3. Stale rows: covered by ``tests/consumers/test_learner.py``; the Kafka path shares ``Learner.ingest``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from consumers.checkpoint import CheckpointStore, LearnerState
+from consumers.cli import replay_command
+from consumers.sources import learner_group_id
+from pipeline.archive import TrajectoryArchive
+from pipeline.bus import describe_topic, group_lag
+from pipeline.registry import AdapterRegistry
+from pipeline.store import ObjectStore
+from schemas.config import BusConfig
+from schemas.trajectory import NO_ADAPTER_SHA
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = "src"  # the run whose stored batches every learner here trains on
+N_BATCHES = 16
+ROWS_PER_BATCH = 4  # two groups of two answers, one rewarded and one not: advantages +-0.5
+FIRST_DAY, SECOND_DAY = datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 2, tzinfo=UTC)
+FIRST_DAY_BATCHES = 6  # announced first; then every batch is announced, so these six travel twice
+# Short group timings (passed through the learner's RLPIPE_KAFKA_GROUP_TIMINGS_MS): with Kafka's 45 s session
+# a restarted learner waits about 80 s on Tansu for the killed member to time out; with 2 s, about 1 s.
+GROUP_TIMINGS = {"session_timeout_ms": 2000, "heartbeat_interval_ms": 200, "max_poll_interval_ms": 30_000}
+PROCESS_TIMEOUT_S = 120.0
+LEARNER = {
+    "lora_rank": 4, "lora_alpha": 8, "learning_rate": 2e-2, "batch_rows": ROWS_PER_BATCH, "publish_every": 1,
+    "checkpoint_every": 1, "max_staleness": 1000, "max_steps": N_BATCHES, "device": "cpu", "torch_threads": 1,
+    "seed": 0,
+}
+
+
+# ---- the batches ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class World:
+    """The store holding ``src``'s batches, the model, and where processes keep their files."""
+
+    root: Path
+    store_url: str
+    model_dir: str
+    batch_ids: tuple[str, ...]  # in store (= replay = announcement) order
+
+    @property
+    def store(self) -> ObjectStore:
+        return ObjectStore(self.store_url)
+
+
+def one_token_rows(batch_id: str, prompt: list[int], answers: tuple[int, int], base_logp: torch.Tensor) -> list[dict]:
+    """Two groups, each with the rewarded answer and the other one, sampled (logprob) by the base model."""
+    good, bad = answers
+    rows = []
+    for group in range(2):
+        for token in (good, bad):
+            rows.append(dict(
+                run_id=SRC, batch_id=batch_id, episode_id=f"{batch_id}-{group}-{token}", group_id=f"{batch_id}-g{group}",
+                env="toy", env_seed=group, producer_id="p", policy_version=0, adapter_sha256=NO_ADAPTER_SHA,
+                tokens=prompt + [token], loss_mask=[0] * len(prompt) + [1],
+                logprobs=[0.0] * len(prompt) + [float(base_logp[token])], turn_rewards=[float(token == good)],
+                reward=float(token == good), num_turns=1, success=token == good, terminated=True, truncated=False,
+                created_at=FIRST_DAY,
+            ))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str, tiny_tokenizer: Any) -> World:
+    root = tmp_path_factory.mktemp("learner-e2e")
+    store = ObjectStore((root / "store").as_uri())
+    prompt = list(tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say L or R."}], tokenize=True, add_generation_prompt=True, return_dict=False))
+    answers = tuple(tiny_tokenizer.encode(text, add_special_tokens=False)[0] for text in ("L", "R"))
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(torch.tensor([prompt])).logits
+    base_logp = torch.log_softmax(logits[0, -1].float(), -1)
+    archive, batch_ids = TrajectoryArchive(store), []
+    for index in range(N_BATCHES):
+        batch_id = f"b{index:03d}"
+        day = FIRST_DAY if index < FIRST_DAY_BATCHES else SECOND_DAY
+        archive.write_batch(SRC, one_token_rows(batch_id, prompt, answers, base_logp), batch_id=batch_id, created=day)
+        batch_ids.append(batch_id)
+    return World(root, store.url(""), tiny_model_dir, tuple(batch_ids))
+
+
+# ---- processes -----------------------------------------------------------------------------------------------
+
+
+def write_config(world: World, run_id: str, bus: BusConfig | None = None, **learner: Any) -> Path:
+    config: dict[str, Any] = {
+        "run_id": run_id,
+        "model": {"base_model": world.model_dir},
+        "store": {"root": world.store_url},
+        "learner": {**LEARNER, **learner},
+    }
+    if bus is not None:
+        config["bus"] = {"bootstrap_servers": bus.bootstrap_servers, "namespace": bus.namespace,
+                         "connect_timeout_s": bus.connect_timeout_s}
+    path = world.root / f"{run_id}-{bus.namespace if bus else 'offline'}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def rlpipe(world: World, args: list[str], log_name: str, fault: str | None = None) -> subprocess.Popen:
+    """``rlpipe <args>`` in a fresh interpreter (RLPIPE_HOME in tmp), output to a log file."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
+    env |= {"RLPIPE_HOME": str(world.root / "home"), "RLPIPE_KAFKA_GROUP_TIMINGS_MS": json.dumps(GROUP_TIMINGS)}
+    if fault is not None:
+        env["RLPIPE_FAULT"] = fault
+    log = open(world.root / log_name, "w")  # noqa: SIM115  # closed with the process by wait_for
+    command = [sys.executable, "-c", "from pipeline.cli.main import main; main()", *args]
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = world.root / log_name  # type: ignore[attr-defined]
+    proc.log_file = log  # type: ignore[attr-defined]
+    return proc
+
+
+def output_of(proc: subprocess.Popen) -> str:
+    return Path(proc.log_path).read_text()[-3000:]  # type: ignore[attr-defined]
+
+
+def wait_for(proc: subprocess.Popen, timeout_s: float = PROCESS_TIMEOUT_S) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"process did not finish within {timeout_s:g}s:\n{output_of(proc)}")
+    finally:
+        proc.log_file.close()  # type: ignore[attr-defined]
+
+
+def announce(world: World, config: Path, date_to: str | None = None) -> None:
+    """``rlpipe replay --run src --to-topic`` (in this process: the command, without a fresh interpreter)."""
+    args = ["--run", SRC, "--to-topic", "--config", str(config)] + (["--date-to", date_to] if date_to else [])
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level  # the command installs its own log handler
+    try:
+        result = CliRunner().invoke(replay_command, args, env={"RLPIPE_HOME": str(world.root / "home")})
+    finally:
+        root.handlers[:], root.level = handlers, level
+    assert result.exit_code == 0, result.output
+
+
+# ---- reading results -------------------------------------------------------------------------------------------
+
+
+def adapter_tensors(store: ObjectStore, run_id: str, version: int, cache: Path) -> dict[str, torch.Tensor]:
+    folder = AdapterRegistry(store, run_id).pull(version, cache)
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def latest_step(checkpoints: CheckpointStore) -> int:
+    complete = checkpoints.complete()
+    return complete[0][0] if complete else 0
+
+
+def final_state(store: ObjectStore, run_id: str) -> LearnerState:
+    checkpoint = CheckpointStore(store, run_id).latest()
+    assert checkpoint is not None, f"run {run_id} has no checkpoint"
+    return checkpoint.state
+
+
+def assert_each_batch_trained_once(state: LearnerState, batch_ids: tuple[str, ...]) -> None:
+    """Steps 1..N without a gap, each batch in exactly one step, and ``trained`` agreeing with the steps."""
+    assert state.step == N_BATCHES
+    assert [m["step"] for m in state.step_log] == list(range(1, N_BATCHES + 1))
+    trained_in = [(batch_id, m["step"]) for m in state.step_log for batch_id in m["batch_ids"]]
+    assert sorted(b for b, _ in trained_in) == sorted(batch_ids), trained_in  # all, and none twice
+    assert dict(trained_in) == state.trained
+    assert all(m["rows"] == ROWS_PER_BATCH and not m.get("skipped") for m in state.step_log)
+
+
+@pytest.fixture(scope="module")
+def reference(world: World) -> dict[int, dict[str, torch.Tensor]]:
+    """``rlpipe replay --run src --train``: the adapter of every version, trained from Parquet without a broker."""
+    config = write_config(world, "offline")
+    proc = rlpipe(world, ["replay", "--run", SRC, "--train", "--config", str(config)], "offline.log")
+    assert wait_for(proc) == 0, output_of(proc)
+    assert_each_batch_trained_once(final_state(world.store, "offline"), world.batch_ids)
+    versions = AdapterRegistry(world.store, "offline").versions()
+    assert versions == list(range(1, N_BATCHES + 1))
+    adapters = {v: adapter_tensors(world.store, "offline", v, world.root / "cache") for v in versions}
+    # Training moved the weights at every step (peft starts lora_B at zero), so equality below means something.
+    assert any(t.abs().sum() > 0 for name, t in adapters[1].items() if "lora_B" in name)
+    assert all(not bitwise_equal(adapters[v], adapters[v + 1]) for v in versions[:-1])
+    return adapters
+
+
+# ---- 2. replay from Parquet == the event log -------------------------------------------------------------------
+
+
+def test_event_log_and_parquet_replay_give_bitwise_the_same_adapters(world: World, reference: dict,
+                                                                    bus_config: BusConfig) -> None:
+    config = write_config(world, "online", bus_config)
+    announce(world, config)
+    proc = rlpipe(world, ["learner", "start", "--config", str(config)], "online.log")
+    assert wait_for(proc) == 0, output_of(proc)
+    assert_each_batch_trained_once(final_state(world.store, "online"), world.batch_ids)
+    versions = AdapterRegistry(world.store, "online").versions()
+    assert versions == sorted(reference)
+    for version in versions:
+        online = adapter_tensors(world.store, "online", version, world.root / "cache")
+        assert bitwise_equal(online, reference[version]), f"version {version} differs from the Parquet replay"
+
+
+# ---- 1. crash check ------------------------------------------------------------------------------------------------
+
+# Where each learner start is killed: an RLPIPE_FAULT point (SIGKILL from inside, at that exact place), or
+# "random" (SIGKILL from here at a random moment up to RANDOM_KILL_WINDOW_S after the start's first new
+# checkpoint, so it lands in any phase of the next step), or "early" (a random moment in the first seconds:
+# importing, loading the model, joining the group).  The last start runs to max_steps.
+KILL_PLAN = (
+    "after_checkpoint:2", "after_publish:1", "random", "before_checkpoint:2", "early", "after_checkpoint:1",
+    "random", "after_publish:2", "random", "random",
+)
+RANDOM_KILL_WINDOW_S = 0.5
+SECOND_ANNOUNCEMENT_AT = 3  # the rest of the batches (and the first six again) are announced during this start
+
+
+@dataclass
+class Attempt:
+    plan: str
+    step_before: int
+    step_after: int
+    returncode: int
+    killed: bool  # the process was alive until SIGKILL reached it
+
+
+def run_until_killed(world: World, config: Path, plan: str, index: int, rng: random.Random) -> Attempt:
+    checkpoints = CheckpointStore(world.store, "crash")
+    before = latest_step(checkpoints)
+    fault = plan if ":" in plan else None
+    proc = rlpipe(world, ["learner", "start", "--config", str(config)], f"crash-{index:02d}.log", fault=fault)
+    if index == SECOND_ANNOUNCEMENT_AT:
+        announce(world, config)  # while this learner starts and trains
+    killed = False
+    if plan == "early":
+        killed = _kill_after(proc, rng.uniform(0.5, 4.0))
+    elif plan == "random":
+        deadline = time.monotonic() + PROCESS_TIMEOUT_S
+        while latest_step(checkpoints) <= before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        killed = _kill_after(proc, rng.uniform(0.0, RANDOM_KILL_WINDOW_S))
+    returncode = wait_for(proc)
+    if fault is not None:
+        killed = returncode == -signal.SIGKILL
+    return Attempt(plan, before, latest_step(checkpoints), returncode, killed)
+
+
+def _kill_after(proc: subprocess.Popen, delay_s: float) -> bool:
+    time.sleep(delay_s)
+    if proc.poll() is not None:
+        return False
+    os.kill(proc.pid, signal.SIGKILL)
+    return True
+
+
+def test_learner_killed_at_random_points_trains_every_batch_exactly_once(
+    world: World, reference: dict, bus_config: BusConfig
+) -> None:
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    config = write_config(world, "crash", bus_config)
+    announce(world, config, date_to=FIRST_DAY.date().isoformat())
+    attempts = [run_until_killed(world, config, plan, index, rng) for index, plan in enumerate(KILL_PLAN)]
+    final = rlpipe(world, ["learner", "start", "--config", str(config)], "crash-final.log")
+    assert wait_for(final) == 0, output_of(final)
+    report = f"seed {seed}; attempts {attempts}"
+
+    # Every exact kill point was reached (the process died by its own SIGKILL), and at least 10 kills in all.
+    assert all(a.killed for a in attempts if ":" in a.plan), report
+    assert sum(a.killed for a in attempts) >= 10, report
+    # After each restart training continued from the newest checkpoint (never went back).
+    steps = [a.step_before for a in attempts] + [a.step_after for a in attempts[-1:]]
+    assert steps == sorted(steps), report
+
+    state = final_state(world.store, "crash")
+    assert_each_batch_trained_once(state, world.batch_ids)
+    # Versions are dense; a step published by a learner killed before its checkpoint was retrained from the
+    # previous checkpoint and published again under the next number, with bitwise the same weights.
+    registry = AdapterRegistry(world.store, "crash")
+    versions = registry.versions()
+    assert versions == list(range(1, len(versions) + 1)), report
+    learner_steps = [registry.show(v).learner_step for v in versions]
+    assert learner_steps == sorted(learner_steps) and set(learner_steps) == set(range(1, N_BATCHES + 1)), report
+    republished = len(versions) - N_BATCHES
+    assert republished >= 2, report  # at least after_publish:1 and :2 (before_checkpoint:2 too)
+    cache = world.root / "cache"
+    for version, step in zip(versions, learner_steps, strict=True):
+        assert bitwise_equal(adapter_tensors(world.store, "crash", version, cache), reference[step]), (
+            f"version {version} (step {step}) differs from the uninterrupted replay; {report}")
+    assert state.version == versions[-1] and [m["version"] for m in state.step_log][-1] == versions[-1]
+    # The group's committed offset is the end of the topic: every announcement (duplicates too) consumed.
+    topic = describe_topic(bus_config, "trajectories")
+    assert topic.messages == N_BATCHES + FIRST_DAY_BATCHES
+    (lag,) = group_lag(bus_config, learner_group_id("crash"))
+    assert (lag.committed, lag.lag) == (topic.partitions[0].end_offset, 0), report
