@@ -15,15 +15,15 @@ major version is refused.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.names import validate_name
+from schemas.records import record_from_bytes, record_to_bytes
 from schemas.versions import check_readable
 
 EVAL_SCHEMA_VERSION = "1.0"
@@ -164,21 +164,9 @@ def eval_key(result: EvalResult) -> str:
 
 def eval_to_bytes(result: EvalResult) -> bytes:
     """Canonical JSON (sorted keys): what ``rlpipe eval`` writes create-only at ``eval_key(result)``."""
-    return (json.dumps(result.model_dump(mode="json"), sort_keys=True, indent=2) + "\n").encode()
+    return record_to_bytes(result)
 
 
 def eval_from_bytes(data: bytes, where: str = "evaluation result") -> EvalResult:
     """Bytes -> validated result; ``EvalResultError`` (``SchemaVersionError`` for a newer major) says what is wrong."""
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EvalResultError(f"{where} is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise EvalResultError(f"{where} is not a JSON object")
-    check_readable(str(raw.get("schema_version", EVAL_SCHEMA_VERSION)), EVAL_SCHEMA_VERSION, where)
-    try:
-        return EvalResult.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        place = ".".join(str(part) for part in first["loc"]) or "result"
-        raise EvalResultError(f"{where} is not a valid evaluation result: {place}: {first['msg']}") from None
+    return record_from_bytes(data, EvalResult, EVAL_SCHEMA_VERSION, EvalResultError, where, "evaluation result")

@@ -13,15 +13,15 @@ understands of them.  A newer major version is refused.
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.events import Sha256
 from schemas.names import validate_name
+from schemas.records import record_from_bytes, record_to_bytes
 from schemas.versions import MANIFEST_SCHEMA_VERSION, check_readable
 
 _RELATIVE_PATH_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*")
@@ -107,21 +107,9 @@ class AdapterManifest(BaseModel):
 
 def manifest_to_bytes(manifest: AdapterManifest) -> bytes:
     """Canonical JSON (sorted keys, fixed separators): the same manifest always gives the same bytes and digest."""
-    return (json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=2) + "\n").encode()
+    return record_to_bytes(manifest)
 
 
 def manifest_from_bytes(data: bytes, where: str = "manifest") -> AdapterManifest:
     """Bytes -> validated manifest; ``ManifestError`` (``SchemaVersionError`` for a newer major) says what is wrong."""
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{where} is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ManifestError(f"{where} is not a JSON object")
-    check_readable(str(raw.get("schema_version", MANIFEST_SCHEMA_VERSION)), MANIFEST_SCHEMA_VERSION, where)
-    try:
-        return AdapterManifest.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        place = ".".join(str(part) for part in first["loc"]) or "manifest"
-        raise ManifestError(f"{where} is not a valid adapter manifest: {place}: {first['msg']}") from None
+    return record_from_bytes(data, AdapterManifest, MANIFEST_SCHEMA_VERSION, ManifestError, where, "adapter manifest")
