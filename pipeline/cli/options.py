@@ -35,5 +35,7 @@ def setup_logging(verbose: bool = False) -> None:
         handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
         force=True,
     )
-    for noisy in ("kafka", "urllib3", "google", "fsspec", "gcsfs", "filelock", "httpx"):
+    for noisy in ("urllib3", "google", "fsspec", "gcsfs", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # kafka-python logs every retry as an error; rlpipe reports the failure itself, in one line.
+    logging.getLogger("kafka").setLevel(logging.DEBUG if verbose else logging.CRITICAL)

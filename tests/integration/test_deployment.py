@@ -303,9 +303,12 @@ def test_producer_is_ready_only_after_its_sampler_is_loaded(
     stop = StopFlag()
     with held(service, "make_sampler") as release:
         thread, errors = run_in_thread(lambda: service.run_producer(config, stop))
-        assert_not_ready_while_held(port, missing={"sampler", "adapters"}, errors=errors)
-        release.set()
-        assert_ready_then_stopping(port, stop, thread, errors, "rlpipe_producer_up")
+        try:
+            assert_not_ready_while_held(port, missing={"sampler", "adapters"}, errors=errors)
+            release.set()
+            assert_ready_then_stopping(port, stop, thread, errors, "rlpipe_producer_up")
+        finally:
+            stop.set()  # never leave a producer sampling in this process
 
 
 def test_learner_is_ready_only_after_its_policy_is_loaded_and_resumed(
@@ -318,9 +321,12 @@ def test_learner_is_ready_only_after_its_policy_is_loaded_and_resumed(
     stop = StopFlag()
     with held(service, "build_learner") as release:
         thread, errors = run_in_thread(lambda: service.run_learner(config, stop))
-        assert_not_ready_while_held(port, missing={"policy", "resumed"}, errors=errors)
-        release.set()
-        assert_ready_then_stopping(port, stop, thread, errors, "rlpipe_learner_up")
+        try:
+            assert_not_ready_while_held(port, missing={"policy", "resumed"}, errors=errors)
+            release.set()
+            assert_ready_then_stopping(port, stop, thread, errors, "rlpipe_learner_up")
+        finally:
+            stop.set()  # never leave a learner polling in this process
 
 
 # ---- 3. a wrong SASL setting: one line, bounded time, no secret ------------------------------------------

@@ -3,17 +3,18 @@
 One set of small trajectory batches (``N_BATCHES`` of ``ROWS_PER_BATCH`` one-token answers, one optimizer
 step per batch) is written once to the store under run ``src``.  Every learner below trains on exactly
 those batches, in the same order, with the same seed and one torch thread, so on the CPU every learner
-must end with bitwise the same adapter as ``rlpipe replay --train`` (the reference).
+must end with bitwise the same adapter as the offline replay (``replay_train``, the reference).
 
-1. Crash check: ``rlpipe learner start`` in a subprocess is killed with SIGKILL at 10 points while
+1. Crash check: ``rlpipe learner start``, a real subprocess, is killed with SIGKILL at 10 points while
    ``rlpipe replay --to-topic`` feeds it (some batches announced twice): at exact points through the
    learner's ``RLPIPE_FAULT`` hook (a checkpoint durable but its offsets not committed; a version
    published but not checkpointed; before a checkpoint) and at random times from here.  After the final
    restart every batch was trained in exactly one step, steps are 1..N, adapter versions are dense, a
    step published twice (crash after publish) published the same weights twice, the group's committed
    offset is the end of the topic, and the final weights equal the reference bitwise.
-2. Replay: the event log through a real consumer group and ``rlpipe replay --train`` from Parquet give
-   bitwise the same adapter at every version.
+2. Replay: the event log through a real consumer group (``run_learner``) and the offline replay from
+   Parquet (``replay_train``) give bitwise the same adapter at every version.  Both run in this process
+   (a fresh interpreter costs about 10 s of imports here); the crash check runs the real command.
 3. Stale rows: covered by ``tests/consumers/test_learner.py``; the Kafka path shares ``Learner.ingest``.
 """
 
@@ -27,6 +28,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,9 +43,11 @@ from transformers import AutoModelForCausalLM
 
 from consumers.checkpoint import CheckpointStore, LearnerState
 from consumers.cli import replay_command
-from consumers.sources import learner_group_id
+from consumers.service import replay_train, run_learner
+from consumers.sources import GROUP_TIMINGS_ENV, learner_group_id
 from pipeline.archive import TrajectoryArchive
 from pipeline.bus import describe_topic, group_lag
+from pipeline.config import resolve_config
 from pipeline.registry import AdapterRegistry
 from pipeline.store import ObjectStore
 from schemas.config import BusConfig
@@ -141,7 +146,7 @@ def write_config(world: World, run_id: str, bus: BusConfig | None = None, **lear
 def rlpipe(world: World, args: list[str], log_name: str, fault: str | None = None) -> subprocess.Popen:
     """``rlpipe <args>`` in a fresh interpreter (RLPIPE_HOME in tmp), output to a log file."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
-    env |= {"RLPIPE_HOME": str(world.root / "home"), "RLPIPE_KAFKA_GROUP_TIMINGS_MS": json.dumps(GROUP_TIMINGS)}
+    env |= {"RLPIPE_HOME": str(world.root / "home"), GROUP_TIMINGS_ENV: json.dumps(GROUP_TIMINGS)}
     if fault is not None:
         env["RLPIPE_FAULT"] = fault
     log = open(world.root / log_name, "w")  # noqa: SIM115  # closed with the process by wait_for
@@ -212,12 +217,21 @@ def assert_each_batch_trained_once(state: LearnerState, batch_ids: tuple[str, ..
     assert all(m["rows"] == ROWS_PER_BATCH and not m.get("skipped") for m in state.step_log)
 
 
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """The learners here run with ``torch_threads: 1`` (bitwise comparisons); give the test process its threads back."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def reference(world: World) -> dict[int, dict[str, torch.Tensor]]:
-    """``rlpipe replay --run src --train``: the adapter of every version, trained from Parquet without a broker."""
-    config = write_config(world, "offline")
-    proc = rlpipe(world, ["replay", "--run", SRC, "--train", "--config", str(config)], "offline.log")
-    assert wait_for(proc) == 0, output_of(proc)
+    """Offline replay (``replay_train``, what ``rlpipe replay --train`` runs): the adapter of every version."""
+    with one_torch_thread():
+        replay_train(resolve_config(config_file=write_config(world, "offline")), SRC)
     assert_each_batch_trained_once(final_state(world.store, "offline"), world.batch_ids)
     versions = AdapterRegistry(world.store, "offline").versions()
     assert versions == list(range(1, N_BATCHES + 1))
@@ -231,18 +245,23 @@ def reference(world: World) -> dict[int, dict[str, torch.Tensor]]:
 # ---- 2. replay from Parquet == the event log -------------------------------------------------------------------
 
 
-def test_event_log_and_parquet_replay_give_bitwise_the_same_adapters(world: World, reference: dict,
-                                                                    bus_config: BusConfig) -> None:
+def test_event_log_and_parquet_replay_give_bitwise_the_same_adapters(
+    world: World, reference: dict, bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_learner`` (what ``rlpipe learner start`` runs) through a real consumer group == the Parquet replay."""
     config = write_config(world, "online", bus_config)
     announce(world, config)
-    proc = rlpipe(world, ["learner", "start", "--config", str(config)], "online.log")
-    assert wait_for(proc) == 0, output_of(proc)
+    monkeypatch.setenv(GROUP_TIMINGS_ENV, json.dumps(GROUP_TIMINGS))
+    with one_torch_thread():
+        run_learner(resolve_config(config_file=config))  # stops at max_steps
     assert_each_batch_trained_once(final_state(world.store, "online"), world.batch_ids)
     versions = AdapterRegistry(world.store, "online").versions()
     assert versions == sorted(reference)
     for version in versions:
         online = adapter_tensors(world.store, "online", version, world.root / "cache")
         assert bitwise_equal(online, reference[version]), f"version {version} differs from the Parquet replay"
+    (lag,) = group_lag(bus_config, learner_group_id("online"))
+    assert lag.lag == 0 and lag.committed == N_BATCHES
 
 
 # ---- 1. crash check ------------------------------------------------------------------------------------------------

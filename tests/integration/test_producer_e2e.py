@@ -429,7 +429,6 @@ def test_sigkill_mid_batch_leaves_no_partial_state_and_restart_recovers(
         assert event.path in listed
         verified_rows(store, event)
     orphans = set(listed) - {e.path for e in events_before}
-    print("DEBUG", len(listed), len(events_before), len(orphans), len(temporary))
     first_producer = {e.producer_id for e in events_before}
     assert len(first_producer) == 1
 
