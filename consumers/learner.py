@@ -25,6 +25,7 @@ loop, so both give the same weights on the same batches in the same order.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import tempfile
@@ -122,6 +123,14 @@ class PendingBatch:
     staleness: dict[int, int]
 
 
+def finite_numbers(metrics: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, float]:
+    """The finite numeric metrics (cross-entropy steps have no importance ratios: NaN is left out)."""
+    return {
+        k: float(v) for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and k not in exclude
+    }
+
+
 class Learner:
     """Trains one run's adapter from a stream of trajectory batches."""
 
@@ -179,7 +188,7 @@ class Learner:
                 if self.ready():
                     on_step(self.step())
             elif self.source.exhausted():
-                if self.pending:
+                if self.work_waiting():
                     on_step(self.step())
                 break
         return self.state
@@ -207,6 +216,15 @@ class Learner:
 
     def ready(self) -> bool:
         return sum(p.table.num_rows for p in self.pending) >= self.cfg.batch_rows
+
+    def work_waiting(self) -> bool:
+        """Whether a pending batch has rows to train or stale rows to record.
+
+        Already-trained duplicates alone are not worth a step: it would publish an
+        unchanged adapter as a new version.  Left pending, they are delivered again
+        after a restart and skipped again.
+        """
+        return any(p.table.num_rows or p.dropped for p in self.pending)
 
     # ---- phase: train -------------------------------------------------------
     def step(self) -> dict[str, Any]:
@@ -279,7 +297,7 @@ class Learner:
     # ---- phase: publish / checkpoint ------------------------------------------
     def publish(self, metrics: dict[str, Any]) -> None:
         """Save the adapter and publish it as the next version, then announce it."""
-        scalar_metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "step"}
+        scalar_metrics = finite_numbers(metrics, exclude=("step",))
         with tempfile.TemporaryDirectory(prefix="rlpipe-adapter-") as folder:
             self.policy.save_adapter(folder)
             manifest = self.registry.publish(
@@ -296,7 +314,7 @@ class Learner:
         self.faults.reached("before_checkpoint")
         optimizer, scalars = self.policy.optimizer_state()
         key = self.checkpoints.save(self.state, self.policy.adapter_tensors(), optimizer, scalars)
-        metrics = {k: float(v) for k, v in self.last_metrics.items() if isinstance(v, int | float)}
+        metrics = finite_numbers(self.last_metrics)
         self.announce(LearnerCheckpointed(step=self.state.step, version=self.state.version, path=key,
                                           offsets=dict(self.state.positions), metrics=metrics))
         self.faults.reached("after_checkpoint")

@@ -116,7 +116,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
 
     try:
         learner.run(should_stop=stop, on_step=after_step)
-        if learner.pending:  # stopped with rows waiting: train them so the checkpoint covers them
+        if learner.work_waiting():  # stopped with rows waiting: train them so the checkpoint covers them
             after_step(learner.step())
         if learner.state.step % config.learner.checkpoint_every:
             learner.checkpoint()

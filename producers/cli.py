@@ -190,3 +190,40 @@ def eval_env(
 
 if __name__ == "__main__":
     app()
+
+
+@app.command("record")
+def record(
+    name: str = typer.Argument(..., help="Environment name."),
+    run: str = typer.Option(..., "--run", help="Run id the demonstration batches are written under."),
+    episodes: int = typer.Option(64, min=1, help="Episodes to record."),
+    noise: float = typer.Option(0.5, min=0.0, max=1.0, help="Share of turns answered by the random policy."),
+    seed_start: int = typer.Option(0, min=0, help="First episode seed."),
+    model: str = typer.Option("tiny", help="Model whose tokenizer and chat template build the tokens."),
+    root: str = typer.Option("", help="Store root URL (default: configured or embedded)."),
+    overrides: str = typer.Option("{}", help="Environment overrides as JSON."),
+) -> None:
+    """Record the heuristic policy (with --noise random turns) as token trajectories for warm starts.
+
+    Example: rlpipe envs record cartpole --run cp-demos --episodes 64 --noise 0.5
+    """
+    _check_name(name)
+    from transformers import AutoTokenizer
+
+    from pipeline.archive import TrajectoryArchive
+    from pipeline.runtime import open_store
+    from producers.demonstrations import record_demonstrations
+    from producers.tiny_model import resolve_model
+    from schemas.config import ModelConfig, StoreConfig
+
+    try:
+        env_overrides = json.loads(overrides)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(ModelConfig(base_model=model)))
+        archive = TrajectoryArchive(open_store(StoreConfig(root=root)))
+        infos = record_demonstrations(archive, run, name, env_overrides, tokenizer, episodes, noise, seed_start)
+    except (ValueError, OSError) as exc:
+        raise _fail(str(exc).splitlines()[0], 2) from None
+    rows = sum(i.num_rows for i in infos)
+    mean = sum(i.reward_mean * i.num_rows for i in infos) / max(1, rows)
+    console.print(f"recorded {episodes} episodes ({rows} rows, {len(infos)} batches) of {name} under run {run}; "
+               f"row-weighted mean return {mean:.2f}")

@@ -10,8 +10,9 @@ must end with bitwise the same adapter as the offline replay (``replay_train``, 
    learner's ``RLPIPE_FAULT`` hook (a checkpoint durable but its offsets not committed; a version
    published but not checkpointed; before a checkpoint) and at random times from here.  After the final
    restart every batch was trained in exactly one step, steps are 1..N, adapter versions are dense, a
-   step published twice (crash after publish) published the same weights twice, the group's committed
-   offset is the end of the topic, and the final weights equal the reference bitwise.
+   step published twice (crash after publish) published the same weights twice, and every version equals
+   the reference's version of its step bitwise.  The last start is stopped with SIGTERM while only
+   already-trained duplicates wait: it exits 0 without a phantom step or version.
 2. Replay: the event log through a real consumer group (``run_learner``) and the offline replay from
    Parquet (``replay_train``) give bitwise the same adapter at every version.  Both run in this process
    (a fresh interpreter costs about 10 s of imports here); the crash check runs the real command.
@@ -28,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -128,7 +129,8 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str, tiny_to
 # ---- processes -----------------------------------------------------------------------------------------------
 
 
-def write_config(world: World, run_id: str, bus: BusConfig | None = None, **learner: Any) -> Path:
+def write_config(world: World, run_id: str, bus: BusConfig | None = None, name: str | None = None,
+                 **learner: Any) -> Path:
     config: dict[str, Any] = {
         "run_id": run_id,
         "model": {"base_model": world.model_dir},
@@ -138,7 +140,7 @@ def write_config(world: World, run_id: str, bus: BusConfig | None = None, **lear
     if bus is not None:
         config["bus"] = {"bootstrap_servers": bus.bootstrap_servers, "namespace": bus.namespace,
                          "connect_timeout_s": bus.connect_timeout_s}
-    path = world.root / f"{run_id}-{bus.namespace if bus else 'offline'}.json"
+    path = world.root / f"{name or run_id}-{bus.namespace if bus else 'offline'}.json"
     path.write_text(json.dumps(config))
     return path
 
@@ -146,7 +148,8 @@ def write_config(world: World, run_id: str, bus: BusConfig | None = None, **lear
 def rlpipe(world: World, args: list[str], log_name: str, fault: str | None = None) -> subprocess.Popen:
     """``rlpipe <args>`` in a fresh interpreter (RLPIPE_HOME in tmp), output to a log file."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
-    env |= {"RLPIPE_HOME": str(world.root / "home"), GROUP_TIMINGS_ENV: json.dumps(GROUP_TIMINGS)}
+    env |= {"RLPIPE_HOME": str(world.root / "home"), GROUP_TIMINGS_ENV: json.dumps(GROUP_TIMINGS),
+            "PYTHONUNBUFFERED": "1"}
     if fault is not None:
         env["RLPIPE_FAULT"] = fault
     log = open(world.root / log_name, "w")  # noqa: SIM115  # closed with the process by wait_for
@@ -157,8 +160,18 @@ def rlpipe(world: World, args: list[str], log_name: str, fault: str | None = Non
     return proc
 
 
-def output_of(proc: subprocess.Popen) -> str:
-    return Path(proc.log_path).read_text()[-3000:]  # type: ignore[attr-defined]
+def output_of(proc: subprocess.Popen, tail_chars: int = 3000) -> str:
+    return Path(proc.log_path).read_text()[-tail_chars:]  # type: ignore[attr-defined]
+
+
+def wait_until(condition: Callable[[], bool], proc: subprocess.Popen, what: str,
+               timeout_s: float = PROCESS_TIMEOUT_S) -> None:
+    """Poll ``condition`` while ``proc`` runs; fail with its output if it exits or time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"{what}: not reached (exit code {proc.poll()}):\n{output_of(proc)}")
+        time.sleep(0.05)
 
 
 def wait_for(proc: subprocess.Popen, timeout_s: float = PROCESS_TIMEOUT_S) -> int:
@@ -324,16 +337,15 @@ def test_learner_killed_at_random_points_trains_every_batch_exactly_once(
     config = write_config(world, "crash", bus_config)
     announce(world, config, date_to=FIRST_DAY.date().isoformat())
     attempts = [run_until_killed(world, config, plan, index, rng) for index, plan in enumerate(KILL_PLAN)]
-    final = rlpipe(world, ["learner", "start", "--config", str(config)], "crash-final.log")
-    assert wait_for(final) == 0, output_of(final)
+    stopped = run_until_caught_up_then_terminate(world, bus_config, config)
     report = f"seed {seed}; attempts {attempts}"
 
     # Every exact kill point was reached (the process died by its own SIGKILL), and at least 10 kills in all.
     assert all(a.killed for a in attempts if ":" in a.plan), report
     assert sum(a.killed for a in attempts) >= 10, report
     # After each restart training continued from the newest checkpoint (never went back).
-    steps = [a.step_before for a in attempts] + [a.step_after for a in attempts[-1:]]
-    assert steps == sorted(steps), report
+    steps = [step for a in attempts for step in (a.step_before, a.step_after)]
+    assert steps == sorted(steps) and steps[-1] < N_BATCHES, report
 
     state = final_state(world.store, "crash")
     assert_each_batch_trained_once(state, world.batch_ids)
@@ -351,8 +363,32 @@ def test_learner_killed_at_random_points_trains_every_batch_exactly_once(
         assert bitwise_equal(adapter_tensors(world.store, "crash", version, cache), reference[step]), (
             f"version {version} (step {step}) differs from the uninterrupted replay; {report}")
     assert state.version == versions[-1] and [m["version"] for m in state.step_log][-1] == versions[-1]
-    # The group's committed offset is the end of the topic: every announcement (duplicates too) consumed.
-    topic = describe_topic(bus_config, "trajectories")
-    assert topic.messages == N_BATCHES + FIRST_DAY_BATCHES
+    # SIGTERM with nothing but already-trained duplicates waiting: no phantom step, no new version.  The
+    # committed offset is the end of the first two announcements; the duplicates of the third are delivered
+    # again after the next start and skipped again.
+    assert stopped.returncode == 0 and stopped.versions_before == len(versions), report
     (lag,) = group_lag(bus_config, learner_group_id("crash"))
-    assert (lag.committed, lag.lag) == (topic.partitions[0].end_offset, 0), report
+    assert (lag.committed, lag.lag) == (N_BATCHES + FIRST_DAY_BATCHES, FIRST_DAY_BATCHES), report
+
+
+@dataclass
+class Stopped:
+    returncode: int
+    versions_before: int  # adapter versions when SIGTERM was sent
+
+
+def run_until_caught_up_then_terminate(world: World, bus_config: BusConfig, config: Path) -> Stopped:
+    """The last start (no max_steps): train the rest, skip a third announcement of day one, then SIGTERM."""
+    unlimited = write_config(world, "crash", bus_config, name="crash-unlimited", max_steps=None)
+    proc = rlpipe(world, ["learner", "start", "--config", str(unlimited)], "crash-final.log")
+    checkpoints = CheckpointStore(world.store, "crash")
+    wait_until(lambda: latest_step(checkpoints) == N_BATCHES, proc, f"step {N_BATCHES} checkpointed")
+    skipped_before = output_of(proc, 10**6).count("already trained")
+    announce(world, config, date_to=FIRST_DAY.date().isoformat())
+    topic = describe_topic(bus_config, "trajectories")
+    assert topic.messages == N_BATCHES + 2 * FIRST_DAY_BATCHES
+    wait_until(lambda: output_of(proc, 10**6).count("already trained") >= skipped_before + FIRST_DAY_BATCHES, proc,
+               "the third announcement skipped")
+    versions_before = len(AdapterRegistry(world.store, "crash").versions())
+    proc.send_signal(signal.SIGTERM)
+    return Stopped(wait_for(proc), versions_before)
