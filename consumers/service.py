@@ -22,7 +22,7 @@ from pipeline.bus import EventPublisher
 from pipeline.health import HealthServer
 from pipeline.models import resolve_base_model
 from pipeline.registry import AdapterRegistry
-from pipeline.runtime import Announcer, StopFlag, open_store, resolved_bus
+from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from pipeline.store import ObjectStore
 from schemas.config import RunConfig
 from schemas.events import Payload
@@ -131,6 +131,7 @@ def replay_train(config: RunConfig, source_run: str, date_from: str | None = Non
                  announce: Callable[[Payload], Any] | None = None) -> Learner:
     """Train ``config.run_id``'s adapter from the stored batches of ``source_run`` (no broker needed)."""
     store = open_store(config.store)
+    create_run(store, config, config.model.base_model)  # run.json, so eval/report know the run
     source = ReplaySource(TrajectoryArchive(store), source_run, date_from, date_to)
     learner = build_learner(config, store, source, announce or (lambda payload: None))
     learner.resume()

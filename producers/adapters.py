@@ -31,12 +31,25 @@ class AdapterEvents(Protocol):
 
 
 class KafkaAdapterEvents:
-    """``AdapterPublished`` events of one run from ``<ns>.adapters`` (own group, newest only)."""
+    """``AdapterPublished`` events of one run from ``<ns>.adapters`` (own group, newest only).
 
-    def __init__(self, consumer: object) -> None:
+    Reads never block once the consumer owns its partitions.  Joining the group
+    does: kafka-python 3.0 completes a join only inside a poll that is still
+    waiting when the broker answers it (a zero-timeout poll starts the join over
+    on every call, so it never joins and no event ever arrives).  So while the
+    consumer owns nothing, it waits up to ``join_timeout_s`` for its assignment,
+    at most once every ``join_retry_s`` (start-up, and after a rebalance).
+    """
+
+    def __init__(self, consumer: object, join_timeout_s: float = 15.0, join_retry_s: float = 60.0) -> None:
         self.consumer = consumer
+        self.join_timeout_s, self.join_retry_s = join_timeout_s, join_retry_s
+        self.next_join_at = float("-inf")
 
     def poll_versions(self) -> list[int]:
+        if not self.consumer.assignment() and time.monotonic() >= self.next_join_at:  # type: ignore[attr-defined]
+            self.consumer.wait_for_assignment(self.join_timeout_s)  # type: ignore[attr-defined]
+            self.next_join_at = time.monotonic() + self.join_retry_s
         events = self.consumer.poll(0.0)  # type: ignore[attr-defined]
         if events:
             self.consumer.commit()  # type: ignore[attr-defined]

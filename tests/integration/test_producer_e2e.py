@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -316,7 +317,8 @@ def test_published_adapter_reaches_new_rows_within_bound(
         def on_tick() -> None:
             now = time.monotonic()
             admissions.append((now, p.worker.next_seed))
-            if not publish and p.worker.stats.batches >= 2 and p.consumer.assignment():
+            # publish once the watcher's consumer reads from the end of the topic ("latest" resolved)
+            if not publish and p.worker.stats.batches >= 2 and p.consumer.assignment() and p.consumer.positions():
                 manifest = registry.publish(lora_adapters[1].path, base_model="tiny", parent_version=1, learner_step=1)
                 p.announce(registry.published_event(manifest))
                 publish.update(at=now, seed=p.worker.next_seed)
@@ -428,9 +430,19 @@ def test_sigkill_mid_batch_leaves_no_partial_state_and_restart_recovers(
     for event in events_before:
         assert event.path in listed
         verified_rows(store, event)
-    orphans = set(listed) - {e.path for e in events_before}
     first_producer = {e.producer_id for e in events_before}
     assert len(first_producer) == 1
+    # A kill between the store write and the event leaves a file no event names.  SIGKILL rarely lands in
+    # that gap, so one such orphan is made here as the killed process would have left it (10 s old).
+    orphan_id = f"{first_producer.pop()}-b-orphan-{uuid.uuid4().hex[:8]}"
+    first_producer = {e.producer_id for e in events_before}
+    template = first_rows[listed[0]]
+    orphan = archive.write_batch(RUN_ID, [r.model_copy(update={"batch_id": orphan_id, "episode_id": uuid.uuid4().hex})
+                                          for r in template])
+    os.utime(store_dir / orphan.path, (time.time() - 10, time.time() - 10))
+    listed = archive.list_batches(RUN_ID)
+    orphans = set(listed) - {e.path for e in events_before}
+    assert orphan.path in orphans
 
     # second run: a few groups, then a clean exit
     second_log = tmp_path / "second.log"
