@@ -224,7 +224,7 @@ class Learner:
         unchanged adapter as a new version.  Left pending, they are delivered again
         after a restart and skipped again.
         """
-        return bool(self.pending)  # MUTATION
+        return any(p.table.num_rows or p.dropped for p in self.pending)
 
     # ---- phase: train -------------------------------------------------------
     def step(self) -> dict[str, Any]:

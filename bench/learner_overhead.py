@@ -1,0 +1,297 @@
+"""Learner overhead: the ``Learner`` over a replay of stored batches against a bare peft training loop.
+
+Three arms train on the same steps (the same rows, advantages, micro-batches and loss), one process,
+interleaved round by round so a shared machine's load falls on all of them alike:
+
+- learner: ``consumers.learner.Learner`` fed by ``ReplaySource`` from a file:// store: per step it reads
+  and conforms a Parquet batch, filters stale rows, forms group advantages and micro-batches, trains
+  (``LoraPolicy``: output head at generated positions only, loss statistics, LR schedule), publishes an
+  adapter version (``--publish-every``) and writes a checkpoint (``--checkpoint-every``).
+- bare (head at generated): a plain peft loop over the prepared micro-batches: the same forward as the
+  learner (hidden states, then the output head only where a generated token is predicted), the same loss
+  written directly in torch, AdamW and gradient clipping; nothing else.  learner / this = the overhead of
+  the pipeline around the arithmetic.
+- bare (full logits): the same loop with the usual ``model(input_ids).logits`` over every position.
+
+Both bare loops start from the same seed as the learner, so after the same steps their adapters should
+agree with the learner's (printed as a check that the arms do the same work).
+
+Tokens are every token of every row (prompt and answer, no padding), as the learner's ``tokens`` metric.
+Rows imitate per-turn prompts (``--prompt-tokens`` random tokens) with short answers (``--answer-tokens``),
+sampler logprobs from the base model (so importance ratios start at 1).
+
+Run: .venv/bin/python bench/learner_overhead.py [--rounds 3] [--steps-per-round 8] [--rows 16]
+     [--prompt-tokens 256] [--answer-tokens 8] [--publish-every 1] [--checkpoint-every 1] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from consumers.advantages import compute_advantages, training_weights
+from consumers.batching import micro_batches
+from consumers.checkpoint import CheckpointStore
+from consumers.learner import Learner
+from consumers.losses import TokenBatch
+from consumers.policy import LoraPolicy, seed_everything
+from consumers.sources import ReplaySource
+from pipeline.archive import TrajectoryArchive
+from pipeline.registry import AdapterRegistry
+from pipeline.store import ObjectStore
+from schemas.config import LearnerConfig
+from schemas.trajectory import NO_ADAPTER_SHA
+
+SOURCE_RUN, LEARNER_RUN = "bench-src", "bench"
+GROUP_SIZE = 4
+DAY = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+# ---- data -------------------------------------------------------------------------------------------------------
+
+
+def base_logprobs(model: torch.nn.Module, tokens_R: list[list[int]], answer_tokens: int) -> list[list[float]]:
+    """The base model's logprob of each answer token (0 on the prompt): what a sampler would have recorded."""
+    with torch.no_grad():
+        logits_RTV = model(input_ids=torch.tensor(tokens_R)).logits.float()
+    logp_RT = torch.log_softmax(logits_RTV[:, :-1], -1).gather(-1, torch.tensor(tokens_R)[:, 1:, None])[..., 0]
+    prompt = len(tokens_R[0]) - answer_tokens
+    return [[0.0] * prompt + row[prompt - 1:].tolist() for row in logp_RT]
+
+
+def write_batches(archive: TrajectoryArchive, model: torch.nn.Module, args: argparse.Namespace,
+                  n_steps: int, vocab_size: int) -> None:
+    """One Parquet batch per optimizer step: ``args.rows`` rows in groups of four, rewards 0/1 at random."""
+    rng = np.random.default_rng(0)
+    length = args.prompt_tokens + args.answer_tokens
+    for step in range(n_steps):
+        batch_id = f"b{step:05d}"
+        tokens_R = rng.integers(10, vocab_size, size=(args.rows, length)).tolist()
+        logprobs_R = base_logprobs(model, tokens_R, args.answer_tokens)
+        rewards_R = rng.integers(0, 2, size=args.rows).astype(float)
+        rows = [dict(
+            run_id=SOURCE_RUN, batch_id=batch_id, episode_id=f"{batch_id}-{r}", group_id=f"{batch_id}-g{r // GROUP_SIZE}",
+            env="bench", env_seed=r // GROUP_SIZE, producer_id="bench", policy_version=0, adapter_sha256=NO_ADAPTER_SHA,
+            tokens=tokens_R[r], loss_mask=[0] * args.prompt_tokens + [1] * args.answer_tokens, logprobs=logprobs_R[r],
+            turn_rewards=[rewards_R[r]], reward=rewards_R[r], num_turns=1, success=bool(rewards_R[r]), terminated=True,
+            truncated=False, created_at=DAY,
+        ) for r in range(args.rows)]
+        archive.write_batch(SOURCE_RUN, rows, batch_id=batch_id, created=DAY)
+
+
+def step_micro_batches(table: pa.Table, cfg: LearnerConfig) -> tuple[list[TokenBatch], float, int]:
+    """The micro-batches the learner builds for one step's rows (same functions), their normaliser and tokens."""
+    cols = table.to_pydict()
+    advantages_R = compute_advantages(
+        cfg.advantage, np.asarray(cols["reward"], dtype=np.float64), cols["group_id"],
+        returns_to_go_R=cols["return_to_go"], turns_R=cols["turn"], normalize_std=cfg.normalize_advantage_std)
+    weights_R = training_weights(cfg, advantages_R, cols.get("weight"))
+    batches = micro_batches(cols["tokens"], cols["loss_mask"], cols["logprobs"], advantages_R,
+                            cfg.micro_batch_tokens, weights_R)
+    return batches, float(table.num_rows), sum(len(t) for t in cols["tokens"])
+
+
+# ---- the bare loop ---------------------------------------------------------------------------------------------
+
+
+def loss_of(cfg: LearnerConfig, logp_BT: torch.Tensor, batch: TokenBatch, normaliser: float) -> torch.Tensor:
+    """The learner's loss written out: truncated importance sampling or cross-entropy (``consumers.losses``).
+
+    IS: -(1/N) sum_bt k_t m_t w_b min(r_t, cap) A_b exp(logp_t - sg(logp_t)), r_t = exp(logp_t - q_t),
+    k_t = [low <= r_t <= high]; CE: -(1/N) sum_bt m_t w_b logp_t.
+    """
+    mask_BT = batch.loss_mask_BT * batch.weights_B[:, None]
+    if cfg.loss == "cross_entropy":
+        return -(mask_BT * logp_BT).sum() / normaliser
+    ratio_BT = torch.exp(logp_BT.detach() - batch.sampler_logprobs_BT)
+    kept_BT = (ratio_BT >= cfg.ratio_mask_low) & (ratio_BT <= cfg.ratio_mask_high)
+    coef_BT = ratio_BT.clamp(max=cfg.is_cap) * kept_BT * mask_BT * batch.advantages_B[:, None]
+    return -(coef_BT * torch.exp(logp_BT - logp_BT.detach())).sum() / normaliser
+
+
+class BareLoop:
+    """peft LoRA on the base model, AdamW, clipping: an optimizer step and nothing around it."""
+
+    def __init__(self, model_dir: str, cfg: LearnerConfig, head_at_generated_only: bool) -> None:
+        self.cfg, self.head_only = cfg, head_at_generated_only
+        seed_everything(cfg.seed)  # as LoraPolicy does, so the LoRA initialisation is the learner's
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
+        self.model = get_peft_model(base, lora)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+
+    def logprobs(self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+        """logp of each generated token (0 elsewhere)."""
+        if not self.head_only:
+            logits_BTV = self.model(input_ids=tokens_BT).logits.float()
+            picked_Bt = torch.log_softmax(logits_BTV[:, :-1], -1).gather(-1, tokens_BT[:, 1:, None])[..., 0]
+            return torch.nn.functional.pad(picked_Bt, (1, 0)) * (mask_BT > 0)
+        base = self.model.get_base_model()
+        hidden_BTH = base.model(input_ids=tokens_BT).last_hidden_state
+        rows_N, cols_N = (mask_BT[:, 1:] > 0).nonzero(as_tuple=True)
+        logits_NV = base.lm_head(hidden_BTH[rows_N, cols_N]).float()
+        logp_N = torch.log_softmax(logits_NV, -1).gather(-1, tokens_BT[rows_N, cols_N + 1, None])[:, 0]
+        return torch.zeros(tokens_BT.shape).index_put((rows_N, cols_N + 1), logp_N)
+
+    def step(self, batches: list[TokenBatch], normaliser: float) -> float:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for batch in batches:
+            loss = loss_of(self.cfg, self.logprobs(batch.tokens_BT, batch.loss_mask_BT), batch, normaliser)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.optimizer.step()
+        return total
+
+    def adapter(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+
+
+# ---- timing ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Arm:
+    """What one arm did in the measured rounds."""
+
+    name: str
+    wall_s: list[float] = field(default_factory=list)  # per round
+    tokens: list[int] = field(default_factory=list)
+    train_s: float = 0.0  # learner only: time inside step() before publish/checkpoint
+    first_loss: float | None = None
+
+    def tokens_per_s(self, rounds: slice = slice(None)) -> float:
+        return sum(self.tokens[rounds]) / sum(self.wall_s[rounds])
+
+
+def learner_round(learner: Learner, n_steps: int) -> tuple[float, int, float, float]:
+    """Run the learner for ``n_steps`` steps: (wall s, tokens, s inside step() before publish, first loss)."""
+    target = learner.state.step + n_steps
+    metrics: list[dict] = []
+    started = time.perf_counter()
+    learner.run(should_stop=lambda: learner.state.step >= target, on_step=metrics.append, poll_timeout_s=0.0)
+    wall = time.perf_counter() - started
+    assert len(metrics) == n_steps, f"the replay ran dry after {len(metrics)} steps"
+    return (wall, sum(m["tokens"] for m in metrics), sum(m["finished_at"] - m["started_at"] for m in metrics),
+            metrics[0]["loss"])
+
+
+def bare_round(loop: BareLoop, steps: list[tuple[list[TokenBatch], float, int]]) -> tuple[float, int, float]:
+    started = time.perf_counter()
+    losses = [loop.step(batches, normaliser) for batches, normaliser, _ in steps]
+    return time.perf_counter() - started, sum(tokens for _, _, tokens in steps), losses[0]
+
+
+def measure(args: argparse.Namespace, model_dir: str, root: Path, log: Callable[[str], None]) -> list[Arm]:
+    cfg = LearnerConfig(loss=args.loss, batch_rows=args.rows, publish_every=args.publish_every,
+                        checkpoint_every=args.checkpoint_every, max_staleness=1000, device="cpu",
+                        torch_threads=args.threads, learning_rate=1e-3, seed=0)
+    rounds = [args.warmup_steps] + [args.steps_per_round] * args.rounds  # round 0 = warm-up, not counted
+    store = ObjectStore(root.as_uri())
+    archive = TrajectoryArchive(store)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    log(f"writing {sum(rounds)} batches of {args.rows} rows to {store.url()}")
+    write_batches(archive, base, args, sum(rounds), base.config.vocab_size)
+    source = ReplaySource(archive, SOURCE_RUN)
+    prepared = [step_micro_batches(archive.read_batch(key), cfg) for key in source.keys]  # the learner's order
+    learner = Learner(run_id=LEARNER_RUN, base_model=model_dir, config=cfg, policy=LoraPolicy(model_dir, cfg),
+                      archive=archive, registry=AdapterRegistry(store, LEARNER_RUN),
+                      checkpoints=CheckpointStore(store, LEARNER_RUN), source=source)
+    bare = {"bare (head at generated)": BareLoop(model_dir, cfg, True), "bare (full logits)": BareLoop(model_dir, cfg, False)}
+    arms = {name: Arm(name) for name in ["learner", *bare]}
+    done = 0
+    for index, n_steps in enumerate(rounds):
+        wall, tokens, train_s, loss = learner_round(learner, n_steps)
+        results = {"learner": (wall, tokens, loss)}
+        for name, loop in bare.items():
+            results[name] = bare_round(loop, prepared[done:done + n_steps])
+        done += n_steps
+        for name, (wall, tokens, loss) in results.items():
+            arm = arms[name]
+            if index == 0:
+                arm.first_loss = loss
+                continue
+            arm.wall_s.append(wall)
+            arm.tokens.append(tokens)
+            if name == "learner":
+                arm.train_s += train_s
+        label = "warm-up" if index == 0 else f"round {index}"
+        log(f"{label}: " + ", ".join(f"{n} {t / w:,.0f} tok/s" for n, (w, t, _) in results.items()))
+    learner_weights = learner.policy.adapter_tensors()
+    for name, loop in bare.items():
+        diff = max(float((learner_weights[k] - v).abs().max()) for k, v in loop.adapter().items())
+        log(f"check: {name} adapter vs the learner's after {done} steps: max |difference| {diff:.2e}")
+    return list(arms.values())
+
+
+def report(arms: list[Arm], args: argparse.Namespace, load_before: tuple, load_after: tuple) -> str:
+    learner = arms[0]
+    lines = [
+        f"tiny model, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
+        f"{args.rows} rows/step of {args.prompt_tokens}+{args.answer_tokens} tokens, loss {args.loss}, publish "
+        f"every {args.publish_every}, checkpoint every {args.checkpoint_every}; {args.rounds} rounds of "
+        f"{args.steps_per_round} steps after {args.warmup_steps} warm-up; load average {load_before[0]:.1f} before, "
+        f"{load_after[0]:.1f} after",
+        "",
+        "| arm | tokens/s | per round | learner / arm | first-step loss |",
+        "| --- | ---: | --- | ---: | ---: |",
+    ]
+    for arm in arms:
+        per_round = ", ".join(f"{t / w:,.0f}" for t, w in zip(arm.tokens, arm.wall_s, strict=True))
+        ratio = learner.tokens_per_s() / arm.tokens_per_s()
+        lines.append(f"| {arm.name} | {arm.tokens_per_s():,.0f} | {per_round} | {ratio:.2f} | {arm.first_loss:.6f} |")
+    outside = 1 - learner.train_s / sum(learner.wall_s)
+    lines += ["", f"learner wall time outside training (read, publish, checkpoint, bookkeeping): {outside:.0%}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (each arm once per round)")
+    parser.add_argument("--steps-per-round", type=int, default=8)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=16, help="rows per optimizer step (one batch)")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--answer-tokens", type=int, default=8)
+    parser.add_argument("--loss", choices=["importance_sampling", "cross_entropy"], default="importance_sampling")
+    parser.add_argument("--publish-every", type=int, default=1)
+    parser.add_argument("--checkpoint-every", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--model", default=None, help="a model folder (default: build the tiny model, untrained)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="rlpipe-bench-") as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from producers.tiny_model import build_tiny_model  # bench code may use both sides
+
+            model_dir = str(build_tiny_model(Path(tmp) / "model", pretrain=False))  # weights do not change speed
+        arms = measure(args, model_dir, Path(tmp) / "store", lambda line: print(line, flush=True))
+    print()
+    print(report(arms, args, load_before, os.getloadavg()))
+
+
+if __name__ == "__main__":
+    main()
