@@ -1,7 +1,7 @@
 """Learner overhead: the ``Learner`` over a replay of stored batches against a bare peft training loop.
 
-Three arms train on the same steps (the same rows, advantages, micro-batches and loss), one process,
-interleaved round by round so a shared machine's load falls on all of them alike:
+Three arms train on the same steps (the same rows, advantages, micro-batches and loss) in one process,
+interleaved step by step (the order rotating) so a shared machine's load falls on all of them alike:
 
 - learner: ``consumers.learner.Learner`` fed by ``ReplaySource`` from a file:// store: per step it reads
   and conforms a Parquet batch, filters stale rows, forms group advantages and micro-batches, trains
@@ -20,8 +20,11 @@ Tokens are every token of every row (prompt and answer, no padding), as the lear
 Rows imitate per-turn prompts (``--prompt-tokens`` random tokens) with short answers (``--answer-tokens``),
 sampler logprobs from the base model (so importance ratios start at 1).
 
-Run: .venv/bin/python bench/learner_overhead.py [--rounds 3] [--steps-per-round 8] [--rows 16]
-     [--prompt-tokens 256] [--answer-tokens 8] [--publish-every 1] [--checkpoint-every 1] [--threads N]
+Reported per arm: tokens/s over the measured steps, the median seconds per step, and learner/arm both as
+the ratio of tokens/s and as the median of per-step time ratios (robust to load spikes).
+
+Run: .venv/bin/python bench/learner_overhead.py [--steps 20] [--rows 8] [--prompt-tokens 128]
+     [--answer-tokens 8] [--loss importance_sampling] [--publish-every 1] [--checkpoint-every 1] [--threads N]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -172,76 +176,80 @@ class BareLoop:
 
 @dataclass
 class Arm:
-    """What one arm did in the measured rounds."""
+    """What one arm did in the measured steps."""
 
     name: str
-    wall_s: list[float] = field(default_factory=list)  # per round
+    step_s: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    train_s: float = 0.0  # learner only: time inside step() before publish/checkpoint
-    first_loss: float | None = None
+    train_s: float = 0.0  # learner only: time inside step() before publish and checkpoint
 
-    def tokens_per_s(self, rounds: slice = slice(None)) -> float:
-        return sum(self.tokens[rounds]) / sum(self.wall_s[rounds])
+    def tokens_per_s(self) -> float:
+        return sum(self.tokens) / sum(self.step_s)
 
 
-def learner_round(learner: Learner, n_steps: int) -> tuple[float, int, float, float]:
-    """Run the learner for ``n_steps`` steps: (wall s, tokens, s inside step() before publish, first loss)."""
-    target = learner.state.step + n_steps
+def learner_step(learner: Learner) -> tuple[float, int, float]:
+    """One learner step through its own loop (poll, ingest, train, publish, checkpoint): (s, tokens, train s)."""
+    target = learner.state.step + 1
     metrics: list[dict] = []
     started = time.perf_counter()
     learner.run(should_stop=lambda: learner.state.step >= target, on_step=metrics.append, poll_timeout_s=0.0)
     wall = time.perf_counter() - started
-    assert len(metrics) == n_steps, f"the replay ran dry after {len(metrics)} steps"
-    return (wall, sum(m["tokens"] for m in metrics), sum(m["finished_at"] - m["started_at"] for m in metrics),
-            metrics[0]["loss"])
+    (step,) = metrics  # the replay holds exactly the steps asked for
+    return wall, step["tokens"], step["finished_at"] - step["started_at"]
 
 
-def bare_round(loop: BareLoop, steps: list[tuple[list[TokenBatch], float, int]]) -> tuple[float, int, float]:
+def bare_step(loop: BareLoop, prepared: tuple[list[TokenBatch], float, int]) -> tuple[float, int, float]:
+    batches, normaliser, tokens = prepared
     started = time.perf_counter()
-    losses = [loop.step(batches, normaliser) for batches, normaliser, _ in steps]
-    return time.perf_counter() - started, sum(tokens for _, _, tokens in steps), losses[0]
+    loop.step(batches, normaliser)
+    return time.perf_counter() - started, tokens, 0.0
 
 
 def measure(args: argparse.Namespace, model_dir: str, root: Path, log: Callable[[str], None]) -> list[Arm]:
+    """Step by step, each arm once per step (the order rotating), so load changes hit every arm alike."""
     cfg = LearnerConfig(loss=args.loss, batch_rows=args.rows, publish_every=args.publish_every,
                         checkpoint_every=args.checkpoint_every, max_staleness=1000, device="cpu",
                         torch_threads=args.threads, learning_rate=1e-3, seed=0)
-    rounds = [args.warmup_steps] + [args.steps_per_round] * args.rounds  # round 0 = warm-up, not counted
+    n_steps = args.warmup_steps + args.steps
     store = ObjectStore(root.as_uri())
     archive = TrajectoryArchive(store)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    log(f"writing {sum(rounds)} batches of {args.rows} rows to {store.url()}")
-    write_batches(archive, base, args, sum(rounds), base.config.vocab_size)
+    log(f"writing {n_steps} batches of {args.rows} rows to {store.url()}")
+    write_batches(archive, base, args, n_steps, base.config.vocab_size)
     source = ReplaySource(archive, SOURCE_RUN)
     prepared = [step_micro_batches(archive.read_batch(key), cfg) for key in source.keys]  # the learner's order
     learner = Learner(run_id=LEARNER_RUN, base_model=model_dir, config=cfg, policy=LoraPolicy(model_dir, cfg),
                       archive=archive, registry=AdapterRegistry(store, LEARNER_RUN),
                       checkpoints=CheckpointStore(store, LEARNER_RUN), source=source)
-    bare = {"bare (head at generated)": BareLoop(model_dir, cfg, True), "bare (full logits)": BareLoop(model_dir, cfg, False)}
-    arms = {name: Arm(name) for name in ["learner", *bare]}
-    done = 0
-    for index, n_steps in enumerate(rounds):
-        wall, tokens, train_s, loss = learner_round(learner, n_steps)
-        results = {"learner": (wall, tokens, loss)}
-        for name, loop in bare.items():
-            results[name] = bare_round(loop, prepared[done:done + n_steps])
-        done += n_steps
-        for name, (wall, tokens, loss) in results.items():
-            arm = arms[name]
-            if index == 0:
-                arm.first_loss = loss
-                continue
-            arm.wall_s.append(wall)
-            arm.tokens.append(tokens)
-            if name == "learner":
-                arm.train_s += train_s
-        label = "warm-up" if index == 0 else f"round {index}"
-        log(f"{label}: " + ", ".join(f"{n} {t / w:,.0f} tok/s" for n, (w, t, _) in results.items()))
-    learner_weights = learner.policy.adapter_tensors()
+    bare = {"bare (head at generated)": BareLoop(model_dir, cfg, True),
+            "bare (full logits)": BareLoop(model_dir, cfg, False)}
+    runners: dict[str, Callable[[int], tuple[float, int, float]]] = {"learner": lambda i: learner_step(learner)}
     for name, loop in bare.items():
-        diff = max(float((learner_weights[k] - v).abs().max()) for k, v in loop.adapter().items())
-        log(f"check: {name} adapter vs the learner's after {done} steps: max |difference| {diff:.2e}")
+        runners[name] = lambda i, loop=loop: bare_step(loop, prepared[i])
+    arms = {name: Arm(name) for name in runners}
+    names = list(runners)
+    for index in range(n_steps):
+        order = names[index % len(names):] + names[:index % len(names)]
+        for name in order:
+            wall, tokens, train_s = runners[name](index)
+            if index >= args.warmup_steps:
+                arms[name].step_s.append(wall)
+                arms[name].tokens.append(tokens)
+                arms[name].train_s += train_s
+        if (index + 1) % 5 == 0:
+            log(f"step {index + 1}/{n_steps}")
+    check_same_work(learner, bare, log)
     return list(arms.values())
+
+
+def check_same_work(learner: Learner, bare: dict[str, BareLoop], log: Callable[[str], None]) -> None:
+    """The bare loops must end where the learner ended (same data, loss, optimizer), and have moved at all."""
+    weights = learner.policy.adapter_tensors()
+    moved = max(float(t.abs().max()) for name, t in weights.items() if "lora_B" in name)
+    log(f"check: the learner's lora_B moved from 0 to max |w| {moved:.2e}")
+    for name, loop in bare.items():
+        diff = max(float((weights[k] - v).abs().max()) for k, v in loop.adapter().items())
+        log(f"check: {name} adapter vs the learner's: max |difference| {diff:.2e}")
 
 
 def report(arms: list[Arm], args: argparse.Namespace, load_before: tuple, load_after: tuple) -> str:
@@ -249,29 +257,29 @@ def report(arms: list[Arm], args: argparse.Namespace, load_before: tuple, load_a
     lines = [
         f"tiny model, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
         f"{args.rows} rows/step of {args.prompt_tokens}+{args.answer_tokens} tokens, loss {args.loss}, publish "
-        f"every {args.publish_every}, checkpoint every {args.checkpoint_every}; {args.rounds} rounds of "
-        f"{args.steps_per_round} steps after {args.warmup_steps} warm-up; load average {load_before[0]:.1f} before, "
-        f"{load_after[0]:.1f} after",
+        f"every {args.publish_every}, checkpoint every {args.checkpoint_every}; {args.steps} steps per arm after "
+        f"{args.warmup_steps} warm-up; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after",
         "",
-        "| arm | tokens/s | per round | learner / arm | first-step loss |",
-        "| --- | ---: | --- | ---: | ---: |",
+        "| arm | tokens/s | median s/step | learner / arm (tokens/s) | median per-step ratio |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for arm in arms:
-        per_round = ", ".join(f"{t / w:,.0f}" for t, w in zip(arm.tokens, arm.wall_s, strict=True))
-        ratio = learner.tokens_per_s() / arm.tokens_per_s()
-        lines.append(f"| {arm.name} | {arm.tokens_per_s():,.0f} | {per_round} | {ratio:.2f} | {arm.first_loss:.6f} |")
-    outside = 1 - learner.train_s / sum(learner.wall_s)
-    lines += ["", f"learner wall time outside training (read, publish, checkpoint, bookkeeping): {outside:.0%}"]
+        ratios = [a / b for a, b in zip(arm.step_s, learner.step_s, strict=True)]  # arm time / learner time
+        lines.append(
+            f"| {arm.name} | {arm.tokens_per_s():,.0f} | {statistics.median(arm.step_s):.3f} | "
+            f"{learner.tokens_per_s() / arm.tokens_per_s():.2f} | {statistics.median(ratios):.2f} |"
+        )
+    outside = 1 - learner.train_s / sum(learner.step_s)
+    lines += ["", f"learner time outside training (read, publish, checkpoint, bookkeeping): {outside:.0%}"]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (each arm once per round)")
-    parser.add_argument("--steps-per-round", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="measured optimizer steps per arm")
     parser.add_argument("--warmup-steps", type=int, default=2)
-    parser.add_argument("--rows", type=int, default=16, help="rows per optimizer step (one batch)")
-    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=8, help="rows per optimizer step (one batch)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--answer-tokens", type=int, default=8)
     parser.add_argument("--loss", choices=["importance_sampling", "cross_entropy"], default="importance_sampling")
     parser.add_argument("--publish-every", type=int, default=1)
