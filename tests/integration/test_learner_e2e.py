@@ -63,8 +63,9 @@ ROWS_PER_BATCH = 4  # two groups of two answers, one rewarded and one not: advan
 FIRST_DAY, SECOND_DAY = datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 2, tzinfo=UTC)
 FIRST_DAY_BATCHES = 6  # announced first; then every batch is announced, so these six travel twice
 # Short group timings (passed through the learner's RLPIPE_KAFKA_GROUP_TIMINGS_MS): with Kafka's 45 s session
-# a restarted learner waits about 80 s on Tansu for the killed member to time out; with 2 s, about 1 s.
-GROUP_TIMINGS = {"session_timeout_ms": 2000, "heartbeat_interval_ms": 200, "max_poll_interval_ms": 30_000}
+# a restarted learner waits about 80 s on Tansu for the killed member to time out.  A 4 s session has expired
+# before the next learner has imported torch, and still tolerates a heartbeat thread starved on a busy machine.
+GROUP_TIMINGS = {"session_timeout_ms": 4000, "heartbeat_interval_ms": 300, "max_poll_interval_ms": 30_000}
 PROCESS_TIMEOUT_S = 120.0
 LEARNER = {
     "lora_rank": 4, "lora_alpha": 8, "learning_rate": 2e-2, "batch_rows": ROWS_PER_BATCH, "publish_every": 1,
