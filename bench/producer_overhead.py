@@ -97,6 +97,7 @@ class MemorySink:
 @dataclass
 class Measurement:
     seconds: float
+    calls: int  # batched generate calls
     requests: int
     generated_tokens: int
     generate_s: float = 0.0  # producer only: time inside sampler.generate
@@ -128,7 +129,8 @@ def run_producer(sampler: Any, args: argparse.Namespace, seed_start: int) -> tup
     seconds = time.perf_counter() - started
     requests = sum(len(c.requests) for c in recorder.calls)
     generated = sum(c.generated_tokens for c in recorder.calls)
-    return Measurement(seconds, requests, generated, worker.stats.generate_s), recorder, worker.stats.samples
+    measurement = Measurement(seconds, len(recorder.calls), requests, generated, worker.stats.generate_s)
+    return measurement, recorder, worker.stats.samples
 
 
 def replay_bare(sampler: Any, calls: list[RecordedCall], temperature: float) -> Measurement:
@@ -154,7 +156,7 @@ def replay_bare(sampler: Any, calls: list[RecordedCall], temperature: float) -> 
         outputs = llm.generate(prompts, params, use_tqdm=False)
         generated += sum(len(out.outputs[0].token_ids) for out in outputs)
     seconds = time.perf_counter() - started
-    return Measurement(seconds, sum(len(c.requests) for c in calls), generated)
+    return Measurement(seconds, len(batches), sum(len(c.requests) for c in calls), generated)
 
 
 def warm_up(sampler: Any, args: argparse.Namespace) -> float:
@@ -168,20 +170,21 @@ def warm_up(sampler: Any, args: argparse.Namespace) -> float:
 
 def table(rows: list[tuple[str, Measurement, Measurement]]) -> str:
     lines = [
-        "| round | arm | wall s | requests | generated tokens | requests/s | tokens/s | tokens/s ratio |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| round | arm | wall s | calls | requests | generated tokens | requests/s | tokens/s | tokens/s ratio |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, producer, bare in rows:
         for arm, m in (("producer", producer), ("bare vLLM", bare)):
             ratio = f"{producer.tokens_per_s() / bare.tokens_per_s():.2f}" if arm == "producer" else ""
-            lines.append(f"| {name} | {arm} | {m.seconds:.2f} | {m.requests} | {m.generated_tokens} | "
+            lines.append(f"| {name} | {arm} | {m.seconds:.2f} | {m.calls} | {m.requests} | {m.generated_tokens} | "
                          f"{m.requests_per_s():.1f} | {m.tokens_per_s():.0f} | {ratio} |")
     return "\n".join(lines)
 
 
 def total(measurements: list[Measurement]) -> Measurement:
-    return Measurement(sum(m.seconds for m in measurements), sum(m.requests for m in measurements),
-                       sum(m.generated_tokens for m in measurements), sum(m.generate_s for m in measurements))
+    return Measurement(sum(m.seconds for m in measurements), sum(m.calls for m in measurements),
+                       sum(m.requests for m in measurements), sum(m.generated_tokens for m in measurements),
+                       sum(m.generate_s for m in measurements))
 
 
 def parse_args() -> argparse.Namespace:

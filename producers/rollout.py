@@ -263,11 +263,17 @@ class RolloutWorker:
 
     # ---- batches ----------------------------------------------------------
     def maybe_flush(self) -> None:
-        """Write a batch when enough groups are done or the oldest waited ``batch_timeout_s``."""
+        """Write a batch when enough groups are done, the oldest waited ``batch_timeout_s``, or no group is left.
+
+        The last case: after ``max_groups`` the remainder can never fill a batch, and waiting
+        for the timeout would spin the loop with nothing to do.
+        """
         if not self.finished:
             return
         timed_out = time.monotonic() - (self.first_finished_at or time.monotonic()) >= self.cfg.batch_timeout_s
-        if len(self.finished) >= self.cfg.groups_per_batch or timed_out:
+        limit = self.cfg.max_groups
+        last = limit is not None and self.groups_started >= limit and not self.active
+        if len(self.finished) >= self.cfg.groups_per_batch or timed_out or last:
             self.flush()
 
     def flush(self) -> None:

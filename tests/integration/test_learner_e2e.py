@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = "src"  # the run whose stored batches every learner here trains on
-N_BATCHES = 16
+N_BATCHES = 24
 ROWS_PER_BATCH = 4  # two groups of two answers, one rewarded and one not: advantages +-0.5
 FIRST_DAY, SECOND_DAY = datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 2, tzinfo=UTC)
 FIRST_DAY_BATCHES = 6  # announced first; then every batch is announced, so these six travel twice
@@ -85,6 +85,7 @@ class World:
     store_url: str
     model_dir: str
     batch_ids: tuple[str, ...]  # in store (= replay = announcement) order
+    processes: list[subprocess.Popen] = field(default_factory=list)  # killed at the end if still running
 
     @property
     def store(self) -> ObjectStore:
@@ -109,7 +110,7 @@ def one_token_rows(batch_id: str, prompt: list[int], answers: tuple[int, int], b
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str, tiny_tokenizer: Any) -> World:
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str, tiny_tokenizer: Any) -> Iterator[World]:
     root = tmp_path_factory.mktemp("learner-e2e")
     store = ObjectStore((root / "store").as_uri())
     prompt = list(tiny_tokenizer.apply_chat_template(
@@ -124,7 +125,12 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str, tiny_to
         day = FIRST_DAY if index < FIRST_DAY_BATCHES else SECOND_DAY
         archive.write_batch(SRC, one_token_rows(batch_id, prompt, answers, base_logp), batch_id=batch_id, created=day)
         batch_ids.append(batch_id)
-    return World(root, store.url(""), tiny_model_dir, tuple(batch_ids))
+    world = World(root, store.url(""), tiny_model_dir, tuple(batch_ids))
+    yield world
+    for proc in world.processes:  # a failed test may leave a learner behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # ---- processes -----------------------------------------------------------------------------------------------
@@ -158,6 +164,7 @@ def rlpipe(world: World, args: list[str], log_name: str, fault: str | None = Non
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log_path = world.root / log_name  # type: ignore[attr-defined]
     proc.log_file = log  # type: ignore[attr-defined]
+    world.processes.append(proc)
     return proc
 
 
@@ -171,6 +178,7 @@ def wait_until(condition: Callable[[], bool], proc: subprocess.Popen, what: str,
     deadline = time.monotonic() + timeout_s
     while not condition():
         if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
             pytest.fail(f"{what}: not reached (exit code {proc.poll()}):\n{output_of(proc)}")
         time.sleep(0.05)
 
@@ -283,12 +291,14 @@ def test_event_log_and_parquet_replay_give_bitwise_the_same_adapters(
 # Where each learner start is killed: an RLPIPE_FAULT point (SIGKILL from inside, at that exact place), or
 # "random" (SIGKILL from here at a random moment up to RANDOM_KILL_WINDOW_S after the start's first new
 # checkpoint, so it lands in any phase of the next step), or "early" (a random moment in the first seconds:
-# importing, loading the model, joining the group).  The last start runs to max_steps.
+# importing, loading the model, joining the group).  Every start has max_steps N, so one that finds the work
+# done exits.  Exact points come early, so that batches are left for each whatever the random kills took.
+# The last start (no max_steps) trains the rest and is stopped with SIGTERM.
 KILL_PLAN = (
-    "after_checkpoint:2", "after_publish:1", "random", "before_checkpoint:2", "early", "after_checkpoint:1",
-    "random", "after_publish:2", "random", "random",
+    "after_checkpoint:2", "after_publish:1", "before_checkpoint:2", "random", "after_checkpoint:1", "early",
+    "after_publish:2", "random", "random", "random",
 )
-RANDOM_KILL_WINDOW_S = 0.5
+RANDOM_KILL_WINDOW_S = 0.3
 SECOND_ANNOUNCEMENT_AT = 3  # the rest of the batches (and the first six again) are announced during this start
 
 
@@ -346,7 +356,7 @@ def test_learner_killed_at_random_points_trains_every_batch_exactly_once(
     assert sum(a.killed for a in attempts) >= 10, report
     # After each restart training continued from the newest checkpoint (never went back).
     steps = [step for a in attempts for step in (a.step_before, a.step_after)]
-    assert steps == sorted(steps) and steps[-1] < N_BATCHES, report
+    assert steps == sorted(steps), report
 
     state = final_state(world.store, "crash")
     assert_each_batch_trained_once(state, world.batch_ids)
@@ -358,7 +368,7 @@ def test_learner_killed_at_random_points_trains_every_batch_exactly_once(
     learner_steps = [registry.show(v).learner_step for v in versions]
     assert learner_steps == sorted(learner_steps) and set(learner_steps) == set(range(1, N_BATCHES + 1)), report
     republished = len(versions) - N_BATCHES
-    assert republished >= 2, report  # at least after_publish:1 and :2 (before_checkpoint:2 too)
+    assert republished >= 3, report  # after_publish:1, before_checkpoint:2, after_publish:2 (and some random kills)
     cache = world.root / "cache"
     for version, step in zip(versions, learner_steps, strict=True):
         assert bitwise_equal(adapter_tensors(world.store, "crash", version, cache), reference[step]), (

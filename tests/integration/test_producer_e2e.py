@@ -267,8 +267,9 @@ def test_sokoban_batches_on_gcs_are_token_exact_and_announced(
 ) -> None:
     registry = AdapterRegistry(gcs_store, RUN_ID)
     registry.publish(lora_adapters[0].path, base_model="tiny", parent_version=0, learner_step=0)
+    # 3 groups, 2 per batch: the last batch holds the one group left, written as soon as it is done
     producer = ProducerConfig(producer_id="e2e-p1", group_size=2, groups_per_batch=2, concurrent_groups=2,
-                              max_groups=4, batch_timeout_s=300)
+                              max_groups=3, batch_timeout_s=3600)
     with in_process_producer(gcs_store, bus_config, vllm_sampler, tokenizer, tmp_path / "cache", producer) as p:
         p.worker.run()
         calls = p.sampler.calls
@@ -276,12 +277,13 @@ def test_sokoban_batches_on_gcs_are_token_exact_and_announced(
     events = batch_events(bus_config)
     stored = TrajectoryArchive(gcs_store).list_batches(RUN_ID)
     assert len(events) == 2 and sorted(e.path for e in events) == sorted(stored)
+    assert sorted(e.num_groups for e in events) == [1, 2]
     assert all(e.producer_id == "e2e-p1" and e.env == "sokoban" for e in events)
     rows = [row for event in events for row in verified_rows(gcs_store, event)]
 
-    # groups: 4 seeds x 2 episodes, one group id per seed, every episode its own id
-    assert sorted(r.env_seed for r in rows) == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert len({r.episode_id for r in rows}) == 8
+    # groups: 3 seeds x 2 episodes, one group id per seed, every episode its own id
+    assert sorted(r.env_seed for r in rows) == [0, 0, 1, 1, 2, 2]
+    assert len({r.episode_id for r in rows}) == 6
     assert all(len({r.env_seed for r in rows if r.group_id == g}) == 1 for g in {r.group_id for r in rows})
     # every row was sampled with v1 as pulled from gs:// and says so with v1's digest
     assert {(r.policy_version, r.adapter_sha256) for r in rows} == {(1, registry.adapter_sha256(1))}
