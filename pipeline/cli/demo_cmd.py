@@ -75,7 +75,8 @@ def demo(
     _phase("2/4 the run: learner + producer on the embedded stack", *run_args)
     evaluated = _phase("3/4 held-out evaluation", "eval", run_id, "--version", "0", "--version", "latest",
                        "--episodes", str(episodes), "--baseline", "random", "--json", capture=True)
-    results = json.loads(evaluated.stdout[evaluated.stdout.index("{"):])["results"]
+    # the engine logs to stdout too: the JSON document is the last thing printed
+    results = json.loads(evaluated.stdout[evaluated.stdout.rindex('{\n  "results"'):])["results"]
     out = Path(f"rlpipe-report-{run_id}")
     _phase("4/4 report", "report", run_id, "--out", str(out))
     base, last = results[0], results[1]
