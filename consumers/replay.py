@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from consumers.sources import in_date_range
-from pipeline.archive import TrajectoryArchive, batch_committed_payload, summarize_batch
+from pipeline.archive import TrajectoryArchive, batch_committed_payload
 from pipeline.bus import EventPublisher
 from pipeline.runtime import open_store, resolved_bus
-from pipeline.store import sha256_hex
 from schemas.config import RunConfig
 from schemas.events import make_event
 
@@ -19,11 +18,6 @@ def announce_batches(config: RunConfig, source_run: str, date_from: str | None =
     keys = [k for k in sorted(archive.list_batches(source_run)) if in_date_range(k, date_from, date_to)]
     with EventPublisher(resolved_bus(config.bus)) as publisher:
         for key in keys:
-            data = store.get(key)
-            table = archive.read_batch(key, sha256_hex(data))
-            info = summarize_batch(
-                table, run_id=source_run, batch_id=key.rsplit("/", 1)[-1].removesuffix(".parquet"), path=key,
-                sha256=sha256_hex(data), size_bytes=len(data), created_at=min(table.column("created_at").to_pylist()),
-            )
+            info = archive.describe_batch(key, source_run)
             publisher.publish("trajectories", make_event(config.run_id, batch_committed_payload(info)))
     return len(keys)

@@ -59,19 +59,6 @@ def progress_line(metrics: dict[str, Any]) -> str:
     )
 
 
-def _setup_checks(health: HealthServer, steps: tuple[str, ...]) -> set[str]:
-    """Register one readiness check per set-up step; each passes once its name is added to the returned set.
-
-    Why flags rather than live probes: ``/readyz`` runs in the server thread and
-    must never block on the network, and each step has proved its part (broker
-    answered, policy loaded, checkpoint read from the store) by finishing.
-    """
-    done: set[str] = set()
-    for step in steps:
-        health.add_readiness_check(step, lambda step=step: step in done)
-    return done
-
-
 def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callable[[dict], None] | None = None
                 ) -> Learner:
     """Consume ``<ns>.trajectories`` for one run and train until stopped or ``max_steps``.
@@ -91,7 +78,7 @@ def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callab
 
 def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict], None] | None,
                     health: HealthServer) -> Learner:
-    done = _setup_checks(health, ("broker", "policy", "resumed"))
+    done = health.add_setup_steps(("broker", "policy", "resumed"))
     health.add_readiness_check("stopping", lambda: not stop())
     bus = resolved_bus(config.bus)
     store = open_store(config.store)

@@ -31,7 +31,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.store import ObjectStore, validate_key
+from pipeline.store import ObjectStore, sha256_hex, validate_key
 from schemas.events import TrajectoryBatchCommitted
 from schemas.names import validate_name
 from schemas.steps import STEPS_BASE_FIELDS, check_steps_table
@@ -153,6 +153,16 @@ class TrajectoryArchive:
         except pa.ArrowException as exc:
             raise ArchiveError(f"{self.store.url(path)} is not a readable Parquet file: {exc}") from None
         return conform_table(table)
+
+    def describe_batch(self, key: str, run_id: str) -> BatchInfo:
+        """The summary of a stored batch (its digest computed from the bytes), for re-announcing it."""
+        data = self.store.get(key)
+        sha256 = sha256_hex(data)
+        table = self.read_batch(key, sha256)
+        return summarize_batch(
+            table, run_id=run_id, batch_id=key.rsplit("/", 1)[-1].removesuffix(".parquet"), path=key, sha256=sha256,
+            size_bytes=len(data), created_at=min(table.column("created_at").to_pylist()),
+        )
 
     def list_batches(self, run_id: str) -> list[str]:
         """Keys of every batch of ``run_id``, oldest date first."""

@@ -169,6 +169,18 @@ class HealthServer:
         with self._checks_lock:
             self._checks[name] = fn
 
+    def add_setup_steps(self, steps: tuple[str, ...]) -> set[str]:
+        """One readiness check per set-up step; each passes once its name is added to the returned set.
+
+        Why flags rather than live probes: ``/readyz`` runs in the server thread and
+        must never block on the network, and each step has proved its part (broker
+        answered, store listed, model loaded) by finishing.
+        """
+        done: set[str] = set()
+        for step in steps:
+            self.add_readiness_check(step, lambda step=step: step in done)
+        return done
+
     def failing_checks(self) -> list[str]:
         """One line per failing check (``name`` or ``name: error``), in registration order; empty when ready."""
         with self._checks_lock:

@@ -116,19 +116,6 @@ class LearnerBacklog:
         return self.full
 
 
-def _setup_checks(health: HealthServer, steps: tuple[str, ...]) -> set[str]:
-    """Register one readiness check per set-up step; each passes once its name is added to the returned set.
-
-    Why flags rather than live probes: ``/readyz`` runs in the server thread and
-    must never block on the network, and each step has proved its part (broker
-    answered, store listed, model loaded) by finishing.
-    """
-    done: set[str] = set()
-    for step in steps:
-        health.add_readiness_check(step, lambda step=step: step in done)
-    return done
-
-
 def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWorker:
     """Run one producer until stopped or ``producer.max_groups`` groups are written.
 
@@ -147,7 +134,7 @@ def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWork
 
 
 def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health: HealthServer) -> RolloutWorker:
-    done = _setup_checks(health, ("broker", "store", "sampler", "adapters"))
+    done = health.add_setup_steps(("broker", "store", "sampler", "adapters"))
     health.add_readiness_check("stopping", lambda: not stop())
     bus = resolved_bus(config.bus)
     store = open_store(config.store)

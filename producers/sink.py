@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pipeline.archive import BatchInfo, TrajectoryArchive, batch_committed_payload, summarize_batch
-from pipeline.store import sha256_hex
+from pipeline.archive import BatchInfo, TrajectoryArchive, batch_committed_payload
 from schemas.events import Payload, TrajectoryBatchCommitted
 
 log = logging.getLogger("rlpipe.producer")
@@ -63,12 +62,7 @@ def announce_orphans(
             continue
         if min_age_s and _age_s(archive, key) < min_age_s:
             continue
-        data = archive.store.get(key)
-        table = archive.read_batch(key, sha256_hex(data))
-        info = summarize_batch(
-            table, run_id=run_id, batch_id=batch_id, path=key, sha256=sha256_hex(data), size_bytes=len(data),
-            created_at=min(table.column("created_at").to_pylist()),
-        )
+        info = archive.describe_batch(key, run_id)
         payload = batch_committed_payload(info)
         announce(payload)
         orphans.append(batch_id)
