@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.registry import AdapterRegistry
 from pipeline.stack import rlpipe_home
 from pipeline.store import ObjectStore
-from producers.envs.registry import make_env
+from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker
 from producers.samplers import make_sampler
 from producers.samplers.base import AdapterHandle, Sampler
@@ -96,7 +96,7 @@ def evaluate_version(
     sink = _MemorySink()
     worker = RolloutWorker(
         run_id=config.run_id, producer_id="eval", env_name=config.env.name,
-        make_env=lambda: make_env(config.env.name, config.env.overrides),
+        make_env=lambda: env_from_spec(config.env),
         tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler, adapters=_Fixed(handle), sink=sink,
         producer=producer, sampling=sampling,
     )

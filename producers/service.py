@@ -24,7 +24,7 @@ from pipeline.registry import AdapterRegistry
 from pipeline.runtime import Announcer, RateMeter, StopFlag, open_store, resolved_bus
 from pipeline.stack import rlpipe_home
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents
-from producers.envs.registry import make_env
+from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker
 from producers.samplers import make_sampler
 from producers.sink import StoreThenEventSink, announce_orphans, announced_batches
@@ -159,7 +159,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
     sink = StoreThenEventSink(archive, config.run_id, config.env.name, producer_id, announce)
     worker = RolloutWorker(
         run_id=config.run_id, producer_id=producer_id, env_name=config.env.name,
-        make_env=lambda: make_env(config.env.name, config.env.overrides), tokenizer=tokenizer, sampler=sampler,
+        make_env=lambda: env_from_spec(config.env), tokenizer=tokenizer, sampler=sampler,
         adapters=watcher, sink=sink, producer=config.producer, sampling=config.sampler,
     )
     if config.producer.max_backlog_steps is not None:

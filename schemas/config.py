@@ -77,6 +77,10 @@ class EnvSpec(_Section):
     name: str = Field("cartpole", max_length=64, description="registered environment name")
     overrides: dict[str, Any] = Field(default_factory=dict, description="environment config fields to change")
     eval_seed_offset: int = Field(1_000_000, ge=0, description="held-out evaluation seeds start here")
+    step_delay_s: float = Field(
+        0.0, ge=0.0, le=60.0,
+        description="seconds each environment step takes on top of the simulation, e.g. a remote reward service",
+    )
 
 
 class SamplerConfig(_Section):

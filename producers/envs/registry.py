@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import time
 from typing import Any
 
-from producers.envs.base import EnvConfig, TextEnv
+from producers.envs.base import EnvConfig, StepResult, TextEnv
+from schemas.config import EnvSpec
 
 # name -> "module:Class"; modules import lazily so one slow import doesn't tax the rest.
 _REGISTRY: dict[str, str] = {
@@ -36,8 +38,38 @@ def env_class(name: str) -> type[TextEnv]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def make_env(name: str, overrides: dict[str, Any] | None = None) -> TextEnv:
-    """Build environment ``name`` with its defaults updated by ``overrides`` (validated)."""
+def make_env(name: str, overrides: dict[str, Any] | None = None, step_delay_s: float = 0.0) -> TextEnv:
+    """Build environment ``name`` with its defaults updated by ``overrides`` (validated).
+
+    ``step_delay_s`` > 0 makes every ``step`` that much slower (see ``delay_steps``).
+    """
     cls = env_class(name)
     config: EnvConfig = cls.Config.model_validate(overrides or {})
-    return cls(config)
+    env = cls(config)
+    return delay_steps(env, step_delay_s) if step_delay_s else env
+
+
+def env_from_spec(spec: EnvSpec) -> TextEnv:
+    """The environment a run configuration's ``env`` section names, slow step included."""
+    return make_env(spec.name, spec.overrides, spec.step_delay_s)
+
+
+def delay_steps(env: TextEnv, delay_s: float) -> TextEnv:
+    """Make each ``env.step`` sleep ``delay_s`` seconds before stepping; returns ``env`` itself.
+
+    It stands in for a slow step (a remote reward service, a database query) so
+    benchmarks see realistic latency with a local simulation.  Results are
+    unchanged.  The instance's ``step`` is replaced rather than the environment
+    wrapped, so everything else the worker reads (``config``, ``long_horizon``,
+    step records) stays the environment's own.
+    """
+    if not 0.0 <= delay_s <= 60.0:
+        raise ValueError(f"step delay must be within [0, 60] seconds, got {delay_s!r}")
+    step = env.step
+
+    def delayed_step(answer_text: str) -> StepResult:
+        time.sleep(delay_s)  # sleeping releases the GIL, as waiting on a remote service would
+        return step(answer_text)
+
+    env.step = delayed_step  # type: ignore[method-assign]
+    return env
