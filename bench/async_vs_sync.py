@@ -550,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   tag=f"avs{time.strftime('%H%M%S')}")
     results: dict[str, Any] = {"preset": args.preset, "step_delay_s": args.step_delay_s, "overrides": bench.overrides,
                                "cpus": os.cpu_count(), "load_average_start": os.getloadavg()}
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # a log file should get whole tables
     try:
         if not args.skip_comparison:
             results["comparison"] = run_comparison(bench)
