@@ -268,6 +268,30 @@ def test_a_failed_dead_letter_loses_nothing(bus_config: BusConfig, fast_group: d
         assert consumer.commit() == {(topic, 0): 3}
 
 
+def test_follower_reads_without_a_group_from_where_it_was_placed(bus_config: BusConfig) -> None:
+    topic = f"{bus_config.namespace}.control"
+    with EventPublisher(bus_config) as publisher:
+        first = publisher.publish("control", _stop("run-a", "before"))[1]
+        with bus.EventFollower(bus_config, "control", run_id="run-a") as latest, \
+                bus.EventFollower(bus_config, "control", run_id="run-a", start="earliest") as earliest, \
+                bus.EventFollower(bus_config, "control", run_id="run-a", offsets={0: first + 1}) as placed:
+            assert latest.positions() == {(topic, 0): first + 1}  # "latest" is fixed before the constructor returns
+            publisher.publish_raw(topic, b"{not json", "run-a")
+            publisher.publish("control", _stop("run-b", "someone else's"))
+            publisher.publish("control", _stop("run-a", "after"))
+            seen = {}
+            deadline = time.monotonic() + 10.0
+            while len(seen) < 3 and time.monotonic() < deadline:
+                for name, follower in (("latest", latest), ("earliest", earliest), ("placed", placed)):
+                    events = follower.poll(0.0)
+                    if events:
+                        seen[name] = [e.event.payload.reason for e in events]
+                time.sleep(0.05)
+            assert seen == {"latest": ["after"], "earliest": ["before", "after"], "placed": ["after"]}
+            assert latest.stats == bus.ConsumerStats(delivered=1, skipped_other_runs=1, skipped_invalid=1)
+    assert list(bus.tail(bus_config, "dlq", n=20)) == []  # skipped, not dead-lettered: every follower sees it
+
+
 def test_keep_alive_keeps_the_member_in_its_group(bus_config: BusConfig, fast_group: dict) -> None:
     fast_group["max_poll_interval_ms"] = 2000
     with EventPublisher(bus_config) as publisher:
