@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.bus import EventFollower
 from pipeline.registry import AdapterRegistry
 from producers.samplers.base import AdapterHandle, Sampler
+from schemas.config import BusConfig
 from schemas.events import AdapterPublished
 
 log = logging.getLogger("rlpipe.producer")
@@ -31,29 +33,34 @@ class AdapterEvents(Protocol):
 
 
 class KafkaAdapterEvents:
-    """``AdapterPublished`` events of one run from ``<ns>.adapters`` (own group, newest only).
+    """``AdapterPublished`` versions of one run from ``<ns>.adapters``, read without a consumer group.
 
-    Reads never block once the consumer owns its partitions.  Joining the group
-    does: kafka-python 3.0 completes a join only inside a poll that is still
-    waiting when the broker answers it (a zero-timeout poll starts the join over
-    on every call, so it never joins and no event ever arrives).  So while the
-    consumer owns nothing, it waits up to ``join_timeout_s`` for its assignment,
-    at most once every ``join_retry_s`` (start-up, and after a rebalance).
+    Why no group: a producer needs each version announced while it runs, and
+    nothing from before (its watcher reads the registry first, and every
+    ``registry_poll_s`` after), so no offset has to outlive the process; and every
+    producer must see every event, which is what a group-less reader gives.  A
+    group member, by contrast, reads nothing until it has joined, and kafka-python
+    completes a join only inside a poll that waits: the rollout loop stalled 15 s
+    at start and again every 75 s on the local broker, where a join with default
+    timings took about 23 s.  The ``EventFollower`` is placed at the end of the
+    topic during set-up, before the watcher's first registry read, so no version
+    falls between the two, and ``poll_versions`` never waits.
     """
 
-    def __init__(self, consumer: object, join_timeout_s: float = 15.0, join_retry_s: float = 60.0) -> None:
-        self.consumer = consumer
-        self.join_timeout_s, self.join_retry_s = join_timeout_s, join_retry_s
-        self.next_join_at = float("-inf")
+    def __init__(self, follower: EventFollower) -> None:
+        self.follower = follower
+
+    @classmethod
+    def open(cls, bus: BusConfig, run_id: str) -> KafkaAdapterEvents:
+        """Follow ``run_id``'s events on the adapters topic from its current end."""
+        return cls(EventFollower(bus, "adapters", run_id=run_id, start="latest"))
 
     def poll_versions(self) -> list[int]:
-        if not self.consumer.assignment() and time.monotonic() >= self.next_join_at:  # type: ignore[attr-defined]
-            self.consumer.wait_for_assignment(self.join_timeout_s)  # type: ignore[attr-defined]
-            self.next_join_at = time.monotonic() + self.join_retry_s
-        events = self.consumer.poll(0.0)  # type: ignore[attr-defined]
-        if events:
-            self.consumer.commit()  # type: ignore[attr-defined]
+        events = self.follower.poll(0.0)
         return [e.event.payload.version for e in events if isinstance(e.event.payload, AdapterPublished)]
+
+    def close(self) -> None:
+        self.follower.close()
 
 
 class AdapterWatcher:

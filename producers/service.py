@@ -18,7 +18,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from pipeline.archive import TrajectoryArchive
-from pipeline.bus import EventConsumer, EventPublisher, group_lag, tail
+from pipeline.bus import EventPublisher, group_lag, tail
 from pipeline.health import HealthServer
 from pipeline.registry import AdapterRegistry
 from pipeline.runtime import Announcer, RateMeter, StopFlag, open_store, resolved_bus
@@ -151,8 +151,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     done.add("sampler")
     registry = AdapterRegistry(store, config.run_id)
-    events = KafkaAdapterEvents(EventConsumer(bus, "adapters", f"rlpipe-producer-{producer_id}",
-                                              run_id=config.run_id, auto_offset_reset="latest"))
+    events = KafkaAdapterEvents.open(bus, config.run_id)  # before the watcher's first registry read
     cache = Path(rlpipe_home()) / "adapter-cache" / producer_id
     watcher = AdapterWatcher(registry, sampler, cache, max_loaded=config.sampler.max_loras, events=events)
     done.add("adapters")
@@ -173,7 +172,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
         heartbeat.beat()
     finally:
         publisher.close()
-        events.consumer.close()
+        events.close()
         sampler.close()
     log.info("producer %s stopped: %d batches, %d samples", producer_id, worker.stats.batches, worker.stats.samples)
     return worker

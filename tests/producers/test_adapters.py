@@ -1,0 +1,137 @@
+"""Adapter hot-loading against the real broker: events arrive within seconds, and the rollout loop never waits.
+
+The producer's adapter-event reader used to be a consumer-group member.  Before it
+had joined, every ``poll_versions`` waited up to 15 s for the join (again every 75 s
+until it joined; with default timings a join on the local broker took about 23 s),
+so the rollout loop stalled.  These tests bound both: the time from ``open`` to an
+event in hand, and the longest single ``poll_versions`` / ``refresh`` call.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from pipeline.bus import EventPublisher
+from pipeline.registry import AdapterRegistry
+from pipeline.runtime import Announcer
+from pipeline.store import ObjectStore
+from producers.adapters import AdapterWatcher, KafkaAdapterEvents
+from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
+from schemas.config import BusConfig
+from schemas.events import AdapterPublished
+
+CALL_BOUND_S = 0.5  # longest one poll_versions / refresh may take in the rollout loop (the bug: 15 s)
+ARRIVAL_BOUND_S = 5.0  # from publishing an event to having it in hand
+OPEN_BOUND_S = 5.0  # connect and place at the end of the topic; no group join
+
+
+def announce_version(publisher: EventPublisher, run_id: str, version: int) -> None:
+    """An ``AdapterPublished`` event alone (no registry behind it): enough for the event path."""
+    Announcer(publisher, run_id)(AdapterPublished(version=version, path=f"runs/{run_id}/adapters/v{version:06d}",
+                                                  manifest_sha256="0" * 64, base_model="tiny", parent_version=0,
+                                                  learner_step=version, files={}))
+
+
+def poll_until_seen(events: list[KafkaAdapterEvents], timeout_s: float) -> tuple[list[list[int]], list[float]]:
+    """Poll every reader as a rollout loop would until each has a version; (versions per reader, call durations)."""
+    seen: list[list[int]] = [[] for _ in events]
+    durations: list[float] = []
+    deadline = time.monotonic() + timeout_s
+    while not all(seen) and time.monotonic() < deadline:
+        for versions, reader in zip(seen, events, strict=True):
+            started = time.monotonic()
+            versions += reader.poll_versions()
+            durations.append(time.monotonic() - started)
+        time.sleep(0.01)
+    return seen, durations
+
+
+def test_every_producer_gets_its_runs_new_version_within_seconds_without_waiting(bus_config: BusConfig) -> None:
+    with EventPublisher(bus_config) as publisher:
+        announce_version(publisher, "r1", 1)  # before the producers start: the registry covers it, not the topic
+        opened = time.monotonic()
+        readers = [KafkaAdapterEvents.open(bus_config, "r1") for _ in range(2)]  # two producers of one run
+        open_s = (time.monotonic() - opened) / 2
+        try:
+            announce_version(publisher, "r2", 7)  # another run's version: not ours
+            announce_version(publisher, "r1", 2)
+            published = time.monotonic()
+            seen, durations = poll_until_seen(readers, ARRIVAL_BOUND_S)
+            arrival_s = time.monotonic() - published
+            time.sleep(0.5)  # nothing more arrives: v1 predates the readers, v7 is r2's
+            later = [reader.poll_versions() for reader in readers]
+        finally:
+            for reader in readers:
+                reader.close()
+    assert seen == [[2], [2]], f"after {arrival_s:.1f}s"
+    assert later == [[], []]
+    assert arrival_s < ARRIVAL_BOUND_S
+    assert open_s < OPEN_BOUND_S
+    assert max(durations) < CALL_BOUND_S, f"a poll took {max(durations):.2f}s"
+    assert readers[0].follower.stats.skipped_other_runs == 1
+
+
+class LoadRecorder(Sampler):
+    """A sampler that only records which adapters it was asked to load."""
+
+    eos_token_id, max_model_len = 0, 64
+
+    def __init__(self) -> None:
+        self.loaded: list[AdapterHandle] = []
+
+    def generate(self, requests: list[SampleRequest], adapter: AdapterHandle | None = None, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int | None = None) -> list[SampleOutput]:
+        raise AssertionError("not used here")
+
+    def load_adapter(self, handle: AdapterHandle) -> None:
+        self.loaded.append(handle)
+
+    def unload_adapter(self, handle: AdapterHandle) -> None:
+        """Nothing to free."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def make_adapter(folder: Path, marker: int) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "marker": marker, "peft_type": "LORA"}))
+    save_file({"lora_A": np.full((2, 4), marker, dtype=np.float32)}, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def test_watcher_switches_on_the_event_and_refresh_never_waits(
+    bus_config: BusConfig, memory_store: ObjectStore, tmp_path: Path
+) -> None:
+    registry = AdapterRegistry(memory_store, "r1")
+    registry.publish(make_adapter(tmp_path / "a1", 1), base_model="tiny", parent_version=0, learner_step=0)
+    sampler = LoadRecorder()
+    events = KafkaAdapterEvents.open(bus_config, "r1")
+    # the registry is read once (finding v1) and then not for an hour: v2 can only come through the topic
+    watcher = AdapterWatcher(registry, sampler, tmp_path / "cache", max_loaded=2, events=events, registry_poll_s=3600)
+    durations: list[float] = []
+    try:
+        with EventPublisher(bus_config) as publisher:
+            watcher.refresh()
+            assert [h.version for h in sampler.loaded] == [1]
+            manifest = registry.publish(make_adapter(tmp_path / "a2", 2), base_model="tiny", parent_version=1,
+                                        learner_step=1)
+            Announcer(publisher, "r1")(registry.published_event(manifest))
+            published = time.monotonic()
+            while watcher.current().version < 2 and time.monotonic() - published < ARRIVAL_BOUND_S:  # type: ignore[union-attr]
+                started = time.monotonic()
+                watcher.refresh()
+                durations.append(time.monotonic() - started)
+                time.sleep(0.01)
+            switch_s = time.monotonic() - published
+    finally:
+        events.close()
+    assert [h.version for h in sampler.loaded] == [1, 2], f"after {switch_s:.1f}s"
+    assert watcher.current().sha256 == registry.adapter_sha256(2)  # type: ignore[union-attr]
+    assert switch_s < ARRIVAL_BOUND_S
+    assert max(durations) < CALL_BOUND_S, f"a refresh took {max(durations):.2f}s"
