@@ -13,16 +13,18 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from pipeline.archive import TrajectoryArchive
-from pipeline.bus import EventPublisher, group_lag, tail
+from pipeline.bus import BusError, EventFollower, EventPublisher, group_lag, tail
 from pipeline.health import HealthServer
 from pipeline.registry import AdapterRegistry
 from pipeline.runtime import Announcer, RateMeter, StopFlag, open_store, resolved_bus
 from pipeline.stack import rlpipe_home
+from pipeline.topics import topic_name
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents
 from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker
@@ -30,7 +32,7 @@ from producers.samplers import make_sampler
 from producers.sink import StoreThenEventSink, announce_orphans, announced_batches
 from producers.tiny_model import resolve_model
 from schemas.config import BusConfig, RunConfig
-from schemas.events import ProducerHeartbeat
+from schemas.events import ProducerHeartbeat, TrajectoryBatchCommitted
 
 log = logging.getLogger("rlpipe.producer")
 
@@ -82,38 +84,84 @@ class Heartbeat:
         return payload
 
 
-class LearnerBacklog:
-    """Whether the learner's unconsumed backlog already holds ``max_backlog_steps`` steps of rows.
+def unconsumed_rows(rows_at_P: Mapping[int, Mapping[int, int]], committed_P: Mapping[int, int]) -> int:
+    """Rows of the batches at or after the committed offset: ``{partition: {offset: rows}}``, ``{partition: offset}``.
 
-    Backlog rows ~= consumer lag of the learner's group on ``<ns>.trajectories``
-    (in batches, read at most once a second) times this producer's mean rows per
-    batch.  Before the learner has committed anything, every batch this producer
-    wrote counts.  Rows queued beyond about ``max_staleness`` learner steps would be
-    dropped as stale when their turn comes, so sampling them is wasted work.
+    A partition the learner has not committed counts from its first offset (the
+    learner reads from the beginning there).
+    """
+    return sum(rows for partition, rows_at in rows_at_P.items()
+               for offset, rows in rows_at.items() if offset >= committed_P.get(partition, 0))
+
+
+class LearnerBacklog:
+    """Whether this run's learner has ``max_rows`` or more of the run's rows announced but not consumed.
+
+    Backlog rows = the ``num_rows`` of this run's ``TrajectoryBatchCommitted``
+    events (every producer's) at or after the learner group's committed offsets on
+    ``<ns>.trajectories``, re-judged at most every ``check_interval_s``.  Rows
+    queued beyond about ``max_staleness`` learner steps would be dropped as stale
+    when their turn comes, so sampling them is wasted work.  A producer that has
+    written nothing yet never pauses, so an added or restarted one always
+    contributes.
+
+    Why not the group's lag (end - committed offset): the topic is shared by every
+    run on a stack, and the learner commits only past its own run's batches, so
+    the lag also counts other runs' batches written after this run's last trained
+    one.  A busy neighbour then paused this run's producers, and with nothing new
+    to train on, this run's learner never committed past the neighbour's batches:
+    a stall that outlived the neighbour.  So the producer follows the topic itself
+    (no group, from the committed offsets) and counts its own run's rows only.
     """
 
-    def __init__(self, bus: BusConfig, run_id: str, worker: RolloutWorker, max_rows: float) -> None:
+    def __init__(self, bus: BusConfig, run_id: str, worker: RolloutWorker, max_rows: float,
+                 check_interval_s: float = 1.0) -> None:
         self.bus, self.group = bus, f"rlpipe-learner-{run_id}"
-        self.worker, self.max_rows = worker, max_rows
+        self.worker, self.max_rows, self.check_interval_s = worker, max_rows, check_interval_s
+        self.topic = topic_name(bus.namespace, "trajectories")
+        committed = self._committed()
+        self.follower = EventFollower(bus, "trajectories", run_id=run_id, start="earliest", offsets=committed)
+        self.rows_at_P: dict[int, dict[int, int]] = {}  # this run's batches not yet known to be consumed
         self.checked_at, self.full = float("-inf"), False
+
+    def _committed(self) -> dict[int, int] | None:
+        """The learner group's committed offset per partition (None if the broker did not say)."""
+        try:
+            return {p.partition: p.committed for p in group_lag(self.bus, self.group) if p.topic == self.topic}
+        except Exception as exc:  # an admin hiccup must not stop sampling
+            log.debug("could not read the learner's offsets: %s", exc)
+            return None
+
+    def _read_announcements(self) -> None:
+        try:
+            events = self.follower.poll(0.0)
+        except BusError as exc:
+            log.debug("could not read the trajectories topic: %s", exc)
+            return
+        for item in events:
+            if isinstance(item.event.payload, TrajectoryBatchCommitted):
+                self.rows_at_P.setdefault(item.partition, {})[item.offset] = item.event.payload.num_rows
 
     def __call__(self) -> bool:
         now = time.monotonic()
-        if now - self.checked_at < 1.0:
+        if now - self.checked_at < self.check_interval_s:
             return self.full
         self.checked_at = now
-        stats = self.worker.stats
-        if not stats.batches:
+        self._read_announcements()
+        if not self.worker.stats.batches:
             self.full = False
             return False
-        try:
-            lags = group_lag(self.bus, self.group)
-        except Exception as exc:  # an admin hiccup must not stop sampling
-            log.debug("could not read the learner's lag: %s", exc)
+        committed = self._committed()
+        if committed is None:
             return self.full
-        lag_batches = sum(p.lag for p in lags) if lags else stats.batches
-        self.full = lag_batches * stats.rows / stats.batches >= self.max_rows
+        for partition, rows_at in self.rows_at_P.items():  # forget what the learner has consumed
+            for offset in [o for o in rows_at if o < committed.get(partition, 0)]:
+                del rows_at[offset]
+        self.full = unconsumed_rows(self.rows_at_P, committed) >= self.max_rows
         return self.full
+
+    def close(self) -> None:
+        self.follower.close()
 
 
 def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWorker:
@@ -161,9 +209,10 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
         make_env=lambda: env_from_spec(config.env), tokenizer=tokenizer, sampler=sampler,
         adapters=watcher, sink=sink, producer=config.producer, sampling=config.sampler,
     )
+    backlog = None
     if config.producer.max_backlog_steps is not None:
-        worker.backlog_full = LearnerBacklog(bus, config.run_id, worker,
-                                             config.producer.max_backlog_steps * config.learner.batch_rows)
+        backlog = LearnerBacklog(bus, config.run_id, worker, config.producer.max_backlog_steps * config.learner.batch_rows)
+        worker.backlog_full = backlog
     heartbeat = Heartbeat(worker, watcher, announce, config.producer.heartbeat_interval_s, health)
     health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
     log.info("producer %s running", producer_id)
@@ -173,6 +222,8 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
     finally:
         publisher.close()
         events.close()
+        if backlog is not None:
+            backlog.close()
         sampler.close()
     log.info("producer %s stopped: %d batches, %d samples", producer_id, worker.stats.batches, worker.stats.samples)
     return worker
