@@ -88,11 +88,14 @@ def raw_returns(rewards_R: FloatRows) -> np.ndarray:
     return _float_rows(rewards_R, "rewards_R")
 
 
+BaselineKind = Literal["group_turn", "step", "none"]
+
+
 def returns_to_go(
     returns_to_go_R: FloatRows,
     group_ids_R: KeyRows | None = None,
     turns_R: Sequence[int] | np.ndarray | None = None,
-    baseline: bool = True,
+    baseline: bool | BaselineKind = True,
     normalize_std: bool = False,
     eps: float = 1e-6,
 ) -> np.ndarray:
@@ -109,9 +112,21 @@ def returns_to_go(
     as a group of one in ``group_relative``).  Its earlier turns still carry the
     difference to the episodes that ended sooner.  Offline data whose group ids
     are unique per episode needs ``baseline=False``, or every advantage is 0.
+
+    ``baseline="step"``: A = G_t - mean(G_t over every row of the step), optionally
+    / the step's std.  Coarser than the per-(group, turn) mean, but its std comes
+    from hundreds of rows: with a nearly deterministic policy the episodes of a
+    group coincide, a (group, turn) cell's std is close to 0, and dividing by it
+    turns tiny differences into advantages of +/-1 (LearnerConfig.return_to_go_baseline).
+    ``True`` / ``False`` mean ``"group_turn"`` / ``"none"``.
     """
     values_R = _float_rows(returns_to_go_R, "returns_to_go_R")
-    if not baseline:
+    kind = ("group_turn" if baseline else "none") if isinstance(baseline, bool) else baseline
+    if kind == "step":
+        return _centre_by_cell(values_R, np.zeros(values_R.shape[0], dtype=np.int64), 1, normalize_std, eps)
+    if kind not in ("group_turn", "none"):
+        raise ValueError(f"unknown return_to_go baseline {baseline!r}; choose group_turn, step or none")
+    if kind == "none":
         if normalize_std:
             raise ValueError("normalize_std needs a baseline; use baseline=True or normalize_std=False")
         return values_R
@@ -132,7 +147,7 @@ def compute_advantages(
     returns_to_go_R: FloatRows | None = None,
     turns_R: Sequence[int] | np.ndarray | None = None,
     normalize_std: bool = False,
-    return_to_go_baseline: bool = True,
+    return_to_go_baseline: bool | BaselineKind = True,
     eps: float = 1e-6,
 ) -> np.ndarray:
     """Advantages of ``kind`` (``LearnerConfig.advantage``) for every row of one optimizer step.
@@ -156,6 +171,45 @@ def compute_advantages(
         )
     raise ValueError(f"unknown advantage kind {kind!r}; choose one of {', '.join(ADVANTAGE_KINDS)}")
 
+
+def discounted_returns_to_go(
+    turn_rewards_R: Sequence[Sequence[float]], episode_ids_R: KeyRows, turns_R: Sequence[int] | np.ndarray,
+    num_turns_R: Sequence[int] | np.ndarray, discount: float,
+) -> np.ndarray:
+    """G_t = sum_k discount^k r_{t+k} over the rest of each row's episode.
+
+    A row is either a whole episode (its ``turn_rewards`` hold every turn's reward)
+    or one turn of a per-turn episode (``turn_rewards`` = [r_t]).  A per-turn
+    episode must be whole (turns 0 .. num_turns - 1 all present): producers write
+    an episode's turns in one batch, so a batch always qualifies; offline data cut
+    into windows does not, and is refused rather than given returns that silently
+    stop at the window's edge.
+    """
+    if not 0.0 < discount <= 1.0:
+        raise ValueError(f"discount must be in (0, 1], got {discount}")
+    _same_length("turn_rewards_R", turn_rewards_R, "episode_ids_R", episode_ids_R)
+    _same_length("turn_rewards_R", turn_rewards_R, "turns_R", turns_R)
+    rows_by_episode: dict[Hashable, list[int]] = {}
+    for row, episode in enumerate(episode_ids_R):
+        rows_by_episode.setdefault(episode, []).append(row)
+    out_R = np.zeros(len(turn_rewards_R), dtype=np.float64)
+    for episode, rows in rows_by_episode.items():
+        rewards = [_float_rows(turn_rewards_R[r], "turn_rewards_R") for r in rows]
+        if len(rows) == 1 and len(rewards[0]) == int(num_turns_R[rows[0]]):  # a whole episode in one row
+            out_R[rows[0]] = float(np.sum(rewards[0] * discount ** np.arange(len(rewards[0]))))
+            continue
+        order = sorted(range(len(rows)), key=lambda i: int(turns_R[rows[i]]))
+        turns = [int(turns_R[rows[i]]) for i in order]
+        if turns != list(range(int(num_turns_R[rows[0]]))) or any(len(r) != 1 for r in rewards):
+            raise ValueError(
+                f"episode {episode} is not whole in this batch (turns {turns[:6]}...); a discount below 1 "
+                "needs every turn of an episode in one batch: set learner.discount=1"
+            )
+        acc = 0.0
+        for i in reversed(order):
+            acc = float(rewards[i][0]) + discount * acc
+            out_R[rows[i]] = acc
+    return out_R
 
 def awr_weights(advantages_R: FloatRows, beta: float, max_weight: float) -> np.ndarray:
     """Advantage-weighted regression weights: w = min(exp(A / beta), max_weight).

@@ -38,7 +38,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import pyarrow as pa
 
-from consumers.advantages import compute_advantages, training_weights
+from consumers.advantages import compute_advantages, discounted_returns_to_go, training_weights
 from consumers.batching import drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore, LearnerState
 from consumers.policy import LoraPolicy
@@ -206,6 +206,8 @@ class Learner:
                 self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}))
                 continue
             table = self.archive.read_batch(ref.path, ref.sha256)
+            if self.cfg.discount < 1.0 and table.num_rows:
+                table = with_discounted_returns(table, self.cfg.discount)
             keep, dropped, histogram = drop_stale(
                 table.column("policy_version").to_numpy(), self.state.version, self.cfg.max_staleness
             )
@@ -273,6 +275,7 @@ class Learner:
         advantages_R = compute_advantages(
             self.cfg.advantage, rewards_R, cols["group_id"], returns_to_go_R=cols["return_to_go"],
             turns_R=cols["turn"], normalize_std=self.cfg.normalize_advantage_std,
+            return_to_go_baseline=self.cfg.return_to_go_baseline,
         )
         weights_R = training_weights(self.cfg, advantages_R, cols.get("weight"))
         batches = micro_batches(cols["tokens"], cols["loss_mask"], cols["logprobs"], advantages_R,
@@ -320,3 +323,12 @@ class Learner:
         self.faults.reached("after_checkpoint")
         self.source.commit(dict(self.state.positions))  # only after the checkpoint is durable
         return key
+
+
+def with_discounted_returns(table: pa.Table, discount: float) -> pa.Table:
+    """``table`` with ``return_to_go`` recomputed at ``discount`` (whole batch, before any row is dropped)."""
+    cols = table.select(["turn_rewards", "episode_id", "turn", "num_turns"]).to_pydict()
+    returns_R = discounted_returns_to_go(cols["turn_rewards"], cols["episode_id"], cols["turn"], cols["num_turns"],
+                                         discount)
+    index = table.schema.get_field_index("return_to_go")
+    return table.set_column(index, table.schema.field(index), pa.array(returns_R, type=pa.float32()))

@@ -132,6 +132,14 @@ class LearnerConfig(_Section):
     )
     advantage: Literal["group", "raw", "return_to_go"] = Field("group", description="how advantages are formed")
     normalize_advantage_std: bool = Field(False, description="divide group advantages by the group std")
+    return_to_go_baseline: Literal["group_turn", "step", "none"] = Field(
+        "group_turn",
+        description="return_to_go baseline: mean of the same (group, turn), mean of the whole step, or none",
+    )
+    discount: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="discount of return_to_go advantages; below 1 the learner recomputes it per episode",
+    )
     is_cap: float = Field(2.0, ge=1.0, le=100.0, description="truncation cap of importance ratios")
     ppo_clip: float = Field(0.2, gt=0.0, le=1.0, description="PPO clip epsilon")
     ratio_mask_low: float = Field(0.125, gt=0.0, le=1.0, description="tokens with ratio below are masked")

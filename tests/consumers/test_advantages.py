@@ -8,6 +8,7 @@ import pytest
 from consumers.advantages import (
     awr_weights,
     compute_advantages,
+    discounted_returns_to_go,
     filtered_bc_mask,
     group_relative,
     raw_returns,
@@ -153,3 +154,31 @@ def test_training_weights_fold_loss_specific_weights_into_row_weights():
     np.testing.assert_allclose(training_weights(fbc, advantages, row_weights), [0.0, 0.5, 0.0, 2.0])
     np.testing.assert_allclose(training_weights(LearnerConfig(), advantages, row_weights), [1.0, 0.5, 1.0, 2.0])
     np.testing.assert_allclose(training_weights(LearnerConfig(), advantages), [1.0, 1.0, 1.0, 1.0])
+
+
+def test_step_baseline_centres_and_scales_over_the_whole_step():
+    g = [10.0, 20.0, 30.0, 40.0]
+    # same group and turn for all: the per-cell and whole-step baselines agree here ...
+    assert np.allclose(returns_to_go(g, ["a"] * 4, [0] * 4, baseline="step"), [-15, -5, 5, 15])
+    # ... but with one row per (group, turn) the cell baseline zeroes everything, the step one does not
+    cells = returns_to_go(g, ["a", "a", "b", "b"], [0, 1, 0, 1], baseline="group_turn")
+    step = returns_to_go(g, ["a", "a", "b", "b"], [0, 1, 0, 1], baseline="step", normalize_std=True)
+    assert np.allclose(cells, 0.0)
+    assert np.isclose(step.mean(), 0.0) and np.isclose(step.std(), 1.0, atol=1e-5)
+    assert np.all(np.diff(step) > 0)
+    with pytest.raises(ValueError, match="group_turn, step or none"):
+        returns_to_go(g, baseline="mean")  # type: ignore[arg-type]
+
+
+def test_discounted_returns_per_turn_rows_in_any_order():
+    # episode e1: rewards 1, 1, 1 (rows shuffled); episode e2: one row holding all its turns
+    rewards = [[1.0], [1.0], [5.0, 0.0, 2.0], [1.0]]
+    G = discounted_returns_to_go(rewards, ["e1", "e1", "e2", "e1"], [2, 0, 0, 1], [3, 3, 3, 3], 0.5)
+    assert np.allclose(G, [1.0, 1.75, 5.5, 1.5])
+    undiscounted = discounted_returns_to_go(rewards, ["e1", "e1", "e2", "e1"], [2, 0, 0, 1], [3, 3, 3, 3], 1.0)
+    assert np.allclose(undiscounted, [1.0, 3.0, 7.0, 2.0])
+
+
+def test_discounted_returns_refuse_a_cut_episode():
+    with pytest.raises(ValueError, match="not whole in this batch"):
+        discounted_returns_to_go([[1.0], [1.0]], ["e", "e"], [0, 2], [3, 3], 0.9)

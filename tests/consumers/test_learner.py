@@ -12,7 +12,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from consumers.checkpoint import CheckpointStore
-from consumers.learner import Learner
+from consumers.learner import Learner, with_discounted_returns
 from consumers.policy import LoraPolicy
 from consumers.sources import ReplaySource
 from pipeline.archive import TrajectoryArchive
@@ -174,3 +174,20 @@ def test_generated_logprobs_equal_full_logits_path(setup):
     assert fast.shape == full.shape
     assert torch.allclose(fast, full, atol=1e-5)
     assert int((fast != 0).sum()) == 4
+
+
+def test_discount_recomputes_return_to_go_per_episode_at_ingest(store):
+    archive = TrajectoryArchive(store)
+    rows = [dict(
+        run_id=RUN, batch_id="d0", episode_id="e", group_id="g", env="toy", env_seed=0, producer_id="p",
+        policy_version=0, adapter_sha256=NO_ADAPTER_SHA, tokens=[1, 2, 3], loss_mask=[0, 0, 1], logprobs=[0.0, 0.0, -1.0],
+        turn_rewards=[1.0], reward=3.0, num_turns=3, turn=turn, return_to_go=float(3 - turn), success=True,
+        terminated=True, truncated=False, created_at=datetime(2026, 1, 1, tzinfo=UTC),
+    ) for turn in (2, 0, 1)]
+    info = archive.write_batch(RUN, rows, batch_id="d0", created=datetime(2026, 1, 1, tzinfo=UTC))
+    table = archive.read_batch(info.path, info.sha256)
+    discounted = with_discounted_returns(table, 0.5)
+    assert discounted.column("return_to_go").to_pylist() == [1.0, 1.75, 1.5]
+    assert discounted.drop_columns(["return_to_go"]).equals(table.drop_columns(["return_to_go"]))
+    with pytest.raises(ValueError, match="not whole"):
+        with_discounted_returns(table.slice(0, 2), 0.5)
