@@ -202,10 +202,12 @@ def record(
     model: str = typer.Option("tiny", help="Model whose tokenizer and chat template build the tokens."),
     root: str = typer.Option("", help="Store root URL (default: configured or embedded)."),
     overrides: str = typer.Option("{}", help="Environment overrides as JSON."),
+    weighted: bool = typer.Option(
+        False, "--weighted", help="One row per answer choice, weighted by the noisy teacher's probability of it."),
 ) -> None:
     """Record the heuristic policy (with --noise random turns) as token trajectories for warm starts.
 
-    Example: rlpipe envs record cartpole --run cp-demos --episodes 64 --noise 0.5
+    Example: rlpipe envs record cartpole --run cp-demos --episodes 64 --noise 0.5 [--weighted]
     """
     _check_name(name)
     from transformers import AutoTokenizer
@@ -220,7 +222,8 @@ def record(
         env_overrides = json.loads(overrides)
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(ModelConfig(base_model=model)))
         archive = TrajectoryArchive(open_store(StoreConfig(root=root)))
-        infos = record_demonstrations(archive, run, name, env_overrides, tokenizer, episodes, noise, seed_start)
+        infos = record_demonstrations(archive, run, name, env_overrides, tokenizer, episodes, noise, seed_start,
+                                      weighted=weighted)
     except (ValueError, OSError) as exc:
         raise _fail(str(exc).splitlines()[0], 2) from None
     rows = sum(i.num_rows for i in infos)

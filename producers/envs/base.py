@@ -143,6 +143,14 @@ class TextEnv(abc.ABC, Generic[ActionT]):
         """A uniformly random valid answer text for the current state."""
         raise NotImplementedError(f"{self.name} has no random policy")
 
+    def answer_choices(self) -> list[str] | None:
+        """Every answer ``random_answer`` draws from, when that set is small and finite; else None.
+
+        Weighted demonstrations (``producers.demonstrations``) write one row per choice,
+        weighted by the noisy teacher's probability of it.
+        """
+        return None
+
     # ---- driver -----------------------------------------------------------
     def reset(self, seed: int) -> str:
         """Start the episode for ``seed`` (same seed, same episode); return the first observation."""

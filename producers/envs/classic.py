@@ -174,6 +174,9 @@ class CartPole(TextEnv[int]):
     def random_answer(self, rng: random.Random) -> str:
         return format_answer([rng.choice(["left", "right"])])
 
+    def answer_choices(self) -> list[str]:
+        return [format_answer(["left"]), format_answer(["right"])]
+
 
 class CartPoleV1(CartPole):
     """CartPole-v1: the same task with truncation at 500 steps."""
@@ -369,3 +372,6 @@ class Acrobot(TextEnv[int]):
 
     def random_answer(self, rng: random.Random) -> str:
         return format_answer([rng.choice(["-1", "0", "+1"])])
+
+    def answer_choices(self) -> list[str]:
+        return [format_answer([torque]) for torque in ("-1", "0", "+1")]
