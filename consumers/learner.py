@@ -44,7 +44,7 @@ from consumers.checkpoint import CheckpointStore, LearnerState
 from consumers.policy import LoraPolicy
 from pipeline.archive import TrajectoryArchive
 from pipeline.registry import AdapterRegistry
-from schemas.config import LearnerConfig
+from schemas.config import LearnerConfig, parse_init_from
 from schemas.events import LearnerCheckpointed, Payload
 from schemas.trajectory import TRAJECTORY_SCHEMA
 
@@ -163,6 +163,8 @@ class Learner:
         checkpoint = self.checkpoints.latest()
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
+            if self.cfg.init_from:
+                self.warm_start(self.cfg.init_from)
             return False
         self.policy.load_state(checkpoint.adapter, checkpoint.optimizer, checkpoint.scalars)
         checkpoint.restore_rng()
@@ -170,6 +172,29 @@ class Learner:
         self.source.seek(self.state.positions)
         log.info("resumed from %s: step %d, version %d", checkpoint.key, self.state.step, self.state.version)
         return True
+
+    def warm_start(self, init_from: str) -> None:
+        """Start from another run's published adapter and publish it unchanged as this run's v1.
+
+        Producers then sample the warm start from the beginning, and the registry
+        keeps base (v0), warm start (v1) and everything trained after it side by
+        side for evaluation.  The optimizer starts fresh.  A checkpoint follows at
+        step 0, so a restart resumes instead of warm-starting (and publishing) again.
+        """
+        source_run, wanted = parse_init_from(init_from)
+        source = AdapterRegistry(self.registry.store, source_run)
+        manifest = source.show(wanted) if wanted is not None else source.latest()
+        if manifest is None:
+            raise ValueError(f"learner.init_from={init_from!r}: run {source_run} has no published adapter; "
+                             "train it first (e.g. rlpipe replay --train) or fix the name")
+        if manifest.base_model != self.base_model:
+            raise ValueError(f"learner.init_from={init_from!r} was trained on {manifest.base_model}, not "
+                             f"{self.base_model}; warm-start from an adapter of the same base model")
+        with tempfile.TemporaryDirectory(prefix="rlpipe-warm-") as cache:
+            self.policy.load_adapter_folder(source.pull(manifest.version, cache))
+        log.info("warm start from %s v%d", source_run, manifest.version)
+        self.publish({"warm_start_version": manifest.version})
+        self.checkpoint()
 
     # ---- the loop -----------------------------------------------------------
     def run(self, should_stop: Callable[[], bool] = lambda: False, on_step: Callable[[dict], None] = lambda m: None,

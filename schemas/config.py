@@ -140,6 +140,10 @@ class LearnerConfig(_Section):
         1.0, gt=0.0, le=1.0,
         description="discount of return_to_go advantages; below 1 the learner recomputes it per episode",
     )
+    init_from: str | None = Field(
+        None, max_length=200,
+        description="warm start: RUN or RUN@VERSION whose adapter a fresh learner starts from (published as v1)",
+    )
     is_cap: float = Field(2.0, ge=1.0, le=100.0, description="truncation cap of importance ratios")
     ppo_clip: float = Field(0.2, gt=0.0, le=1.0, description="PPO clip epsilon")
     ratio_mask_low: float = Field(0.125, gt=0.0, le=1.0, description="tokens with ratio below are masked")
@@ -171,6 +175,13 @@ class LearnerConfig(_Section):
         None, ge=1, le=1024, description="CPU threads for training (None = torch's default); 1 beside a CPU sampler"
     )
     health_port: int | None = Field(None, ge=0, le=65535, description="port for /healthz, /readyz, /metrics")
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_init_from(value)
+        return value
 
 
 class RunConfig(_Section):
@@ -204,3 +215,14 @@ class RunConfig(_Section):
                 f"({self.sampler.max_lora_rank}); raise sampler.max_lora_rank"
             )
         return self
+
+
+def parse_init_from(value: str) -> tuple[str, int | None]:
+    """``RUN`` or ``RUN@VERSION`` (``@latest`` = no version) -> (run id, version or None for the newest)."""
+    run, _, version = value.partition("@")
+    validate_name(run, "learner.init_from run")
+    if version in ("", "latest"):
+        return run, None
+    if not version.isdigit() or int(version) < 1:
+        raise ValueError(f"learner.init_from={value!r}: the version after @ must be a number >= 1 or 'latest'")
+    return run, int(version)

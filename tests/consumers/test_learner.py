@@ -191,3 +191,34 @@ def test_discount_recomputes_return_to_go_per_episode_at_ingest(store):
     assert discounted.drop_columns(["return_to_go"]).equals(table.drop_columns(["return_to_go"]))
     with pytest.raises(ValueError, match="not whole"):
         with_discounted_returns(table.slice(0, 2), 0.5)
+
+
+def test_warm_start_publishes_the_source_adapter_as_v1_once(store, setup, tmp_path):
+    write_batches(TrajectoryArchive(store), setup, 2, np.random.default_rng(7))
+    source, _ = make_learner(store, setup)
+    source.run(poll_timeout_s=0)  # run "learn": v1, v2
+
+    def warm_learner(init_from):
+        cfg = LearnerConfig(lora_rank=4, lora_alpha=8, learning_rate=2e-2, batch_rows=16, max_staleness=1000,
+                            init_from=init_from)
+        archive = TrajectoryArchive(store)
+        return Learner(run_id="warm", base_model=setup["model_dir"], config=cfg,
+                       policy=LoraPolicy(setup["model_dir"], cfg), archive=archive,
+                       registry=AdapterRegistry(store, "warm"), checkpoints=CheckpointStore(store, "warm"),
+                       source=ReplaySource(archive, "warm"))
+
+    learner = warm_learner(f"{RUN}@latest")
+    assert learner.resume() is False
+    warm = AdapterRegistry(store, "warm")
+    assert warm.versions() == [1] and learner.state.version == 1
+    assert warm.show(1).metrics["warm_start_version"] == 2
+    p_source = probability_of(setup["model_dir"], AdapterRegistry(store, RUN).pull(2, tmp_path / "a"),
+                              setup["prompt"], setup["good"])
+    p_warm = probability_of(setup["model_dir"], warm.pull(1, tmp_path / "b"), setup["prompt"], setup["good"])
+    assert p_warm == pytest.approx(p_source, rel=1e-5)
+    assert p_warm > 1.5 * probability_of(setup["model_dir"], None, setup["prompt"], setup["good"])
+    again = warm_learner(f"{RUN}@latest")
+    assert again.resume() is True and warm.versions() == [1]  # the step-0 checkpoint: no second warm start
+
+    with pytest.raises(ValueError, match="has no published adapter"):
+        Learner.warm_start(warm_learner("nosuchrun"), "nosuchrun")
