@@ -124,7 +124,10 @@ def replay_train(config: RunConfig, source_run: str, date_from: str | None = Non
     learner.resume()
     started = time.monotonic()
     learner.run(on_step=lambda m: log.info(progress_line(m)), poll_timeout_s=0.0)
-    if learner.state.step % config.learner.checkpoint_every:
+    published = learner.registry.latest()
+    if learner.state.step and (published is None or published.learner_step < learner.state.step):
+        learner.publish(learner.last_metrics)  # the data ran out between two publish_every steps
+    if learner.state.step % config.learner.checkpoint_every or learner.state.step % config.learner.publish_every:
         learner.checkpoint()
     log.info("replay trained %d steps in %.1fs", learner.state.step, time.monotonic() - started)
     return learner

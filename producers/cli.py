@@ -204,6 +204,8 @@ def record(
     overrides: str = typer.Option("{}", help="Environment overrides as JSON."),
     weighted: bool = typer.Option(
         False, "--weighted", help="One row per answer choice, weighted by the noisy teacher's probability of it."),
+    episodes_per_batch: int = typer.Option(16, min=1, help="Episodes per stored batch (a replayed step reads whole "
+                                                           "batches until learner.batch_rows)."),
 ) -> None:
     """Record the heuristic policy (with --noise random turns) as token trajectories for warm starts.
 
@@ -223,7 +225,7 @@ def record(
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(ModelConfig(base_model=model)))
         archive = TrajectoryArchive(open_store(StoreConfig(root=root)))
         infos = record_demonstrations(archive, run, name, env_overrides, tokenizer, episodes, noise, seed_start,
-                                      weighted=weighted)
+                                      episodes_per_batch, weighted=weighted)
     except (ValueError, OSError) as exc:
         raise _fail(str(exc).splitlines()[0], 2) from None
     rows = sum(i.num_rows for i in infos)

@@ -222,3 +222,21 @@ def test_warm_start_publishes_the_source_adapter_as_v1_once(store, setup, tmp_pa
 
     with pytest.raises(ValueError, match="has no published adapter"):
         Learner.warm_start(warm_learner("nosuchrun"), "nosuchrun")
+
+
+def test_replay_publishes_the_last_step_even_between_publish_steps(tmp_path, setup):
+    from consumers.service import replay_train
+    from schemas.config import ModelConfig, RunConfig, StoreConfig
+
+    store = ObjectStore(tmp_path.as_uri())
+    write_batches(TrajectoryArchive(store), setup, 3, np.random.default_rng(11))
+    config = RunConfig(run_id="sft", model=ModelConfig(base_model=setup["model_dir"]),
+                       store=StoreConfig(root=tmp_path.as_uri()),
+                       learner=LearnerConfig(loss="cross_entropy", advantage="raw", lora_rank=4, lora_alpha=8,
+                                             batch_rows=16, publish_every=2, checkpoint_every=2,
+                                             max_staleness=1000))
+    learner = replay_train(config, RUN)
+    registry = AdapterRegistry(store, "sft")
+    assert learner.state.step == 3
+    assert [registry.show(v).learner_step for v in registry.versions()] == [2, 3]
+    assert CheckpointStore(store, "sft").latest().state.version == 2  # the checkpoint knows the last publish
