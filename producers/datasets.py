@@ -67,6 +67,7 @@ from producers.envs.building import (
     parse_setpoint_values,
     thermostat_modes,
     to_kelvin,
+    to_normalized,
     zone_names,
 )
 from producers.envs.parsing import format_answer, parse_answer
@@ -931,15 +932,45 @@ def _evidence_modes(row: Mapping[str, float], zones: Sequence[str], replayed: np
     return np.where(valve, HEAT, np.where(damper, COOL, idle))
 
 
-def render_building_episode(env: BuildingHVAC, episode: pa.Table, answer_decimals: int = 0) -> list[RenderedStep]:
+AnswerFormat = Literal["kelvin", "normalized"]
+DEFAULT_ANSWER_DECIMALS: dict[str, int] = {"kelvin": 0, "normalized": 1}
+
+
+def setpoint_answer(
+    config: BuildingConfig, water_k: float, air_k: float, answer_format: AnswerFormat = "kelvin",
+    decimals: int | None = None,
+) -> str:
+    """The answer text that sets ``water_k`` and ``air_k`` in the environment's own format.
+
+    ``kelvin``: ``<answer>330K, 292K</answer>``.  ``normalized``: each setpoint as the value in
+    [-1, 1] the environment's parser maps onto its range (``to_kelvin`` inverted: -1 = lowest),
+    e.g. ``<answer>0.3, -0.9</answer>``.  Rounded to ``decimals`` (default 0 for kelvin, 1 for
+    normalized), so the environment applies the setpoint within half a rounding step: 0.5 K,
+    or ``0.025 x`` the range with one decimal (1.1 K of the water's 45 K, 0.4 K of the air's 15 K).
+    Why normalized: every value has the same short shape (``[-]d.d``) with one digit (and the
+    sign) that matters, where a kelvin value needs three digits right and a dropped digit
+    (``33K``) is a different setpoint; a small model writes the short shape more reliably.
+    """
+    places = DEFAULT_ANSWER_DECIMALS[answer_format] if decimals is None else decimals
+    if answer_format == "kelvin":
+        return format_answer([f"{water_k:.{places}f}K, {air_k:.{places}f}K"])
+    units = [min(max(to_normalized(kelvin, bounds), -1.0), 1.0) for kelvin, bounds in
+             ((water_k, config.supply_water_range_k), (air_k, config.supply_air_heating_range_k))]
+    # + 0.0 turns a rounded -0.0 into 0.0 (one spelling per value)
+    return format_answer([", ".join(f"{round(u, places) + 0.0:.{places}f}" for u in units)])
+
+
+def render_building_episode(
+    env: BuildingHVAC, episode: pa.Table, answer_decimals: int | None = None, answer_format: AnswerFormat = "kelvin",
+) -> list[RenderedStep]:
     """Each logged step of one episode as the online prompt text and the logged action as the answer.
 
     The thermostat modes are not logged; they are replayed with the environment's own
     rule along the episode (from the reset state when it starts at the episode's first
     step), and the boxes' damper and valve settings overrule the replay where they show
-    heating or cooling.  The answer gives the setpoints in kelvin with ``answer_decimals``
-    decimals (whole kelvin by default, as in ``<answer>330K, 292K</answer>``: short answers
-    are easier to learn, and half a kelvin is below what the plant resolves).
+    heating or cooling.  The answer is the logged setpoints (``setpoint_answer``): in kelvin,
+    whole by default (``<answer>330K, 292K</answer>``: short answers are easier to learn, and
+    half a kelvin is below what the plant resolves), or normalised to [-1, 1] with one decimal.
     """
     cols = episode.to_pydict()
     obs_names = [n for n, _ in BuildingHVAC.telemetry_fields(env.config) if not n.startswith(("reward@", "time@"))]
@@ -963,7 +994,7 @@ def render_building_episode(env: BuildingHVAC, episode: pa.Table, answer_decimal
             modes = _evidence_modes(row, zones, replayed)
         observation = env.load_state_from_telemetry(row, modes=modes)
         water, air = cols[WATER_ACTION][i], cols[AIR_ACTION][i]
-        answer = format_answer([f"{water:.{answer_decimals}f}K, {air:.{answer_decimals}f}K"])
+        answer = setpoint_answer(env.config, water, air, answer_format, answer_decimals)
         steps.append(RenderedStep(observation, answer, float(cols["reward"][i]), timestamp))
     return steps
 
@@ -981,7 +1012,9 @@ class TrajectoryOptions(BaseModel):
     history_turns: int | None = Field(None, ge=0, le=64, description="earlier turns in each prompt; None: the env's")
     max_episodes: int | None = Field(None, ge=1, description="use only the first N episodes (smoke tests)")
     seed: int = Field(0, ge=0, description="seeds the batch order")
-    answer_decimals: int = Field(0, ge=0, le=6, description="decimals of the kelvin setpoints in the answers")
+    answer_format: AnswerFormat = Field("kelvin", description="answers in kelvin (330K) or normalised to [-1, 1]")
+    answer_decimals: int | None = Field(None, ge=0, le=6,
+                                        description="decimals of each answer value; None: 0 (kelvin), 1 (normalized)")
     with_text: bool = Field(False, description="also store each row's decoded text (larger files)")
 
 
@@ -1055,7 +1088,8 @@ def plan_batches(
 
 def load_rendered_episodes(
     store: ObjectStore, card: DatasetCard, env: BuildingHVAC, discount: float, max_episodes: int | None = None,
-    answer_decimals: int = 0,
+    answer_decimals: int | None = None,
+    answer_format: AnswerFormat = "kelvin",
 ) -> list[RenderedEpisode]:
     """Every episode of the dataset rendered as online prompts (partition files digest-checked)."""
     days = {item["start"]: int(item["day"]) for item in card.extras.get("episodes", [])}
@@ -1066,7 +1100,7 @@ def load_rendered_episodes(
             if max_episodes is not None and len(episodes) >= max_episodes:
                 return episodes
             episode = table.slice(int(lo), int(hi - lo))
-            steps = render_building_episode(env, episode, answer_decimals)
+            steps = render_building_episode(env, episode, answer_decimals, answer_format)
             start = episode["timestamp"][0].as_py()
             episodes.append(RenderedEpisode(
                 episode_id=f"{card.name}/{episode['episode_id'][0].as_py()}",
@@ -1155,7 +1189,7 @@ def dataset_to_trajectories(
     env = building_env_for(card, overrides)
     check_building_dataset(card, env)
     episodes = load_rendered_episodes(store, card, env, options.discount, options.max_episodes,
-                                      options.answer_decimals)
+                                      options.answer_decimals, options.answer_format)
     plan = plan_batches([len(e.steps) for e in episodes], options.episodes_per_batch, options.turns_per_batch,
                         options.epochs, options.seed)
     archive = TrajectoryArchive(store)

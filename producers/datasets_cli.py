@@ -276,7 +276,12 @@ def to_trajectories(
     discount: Annotated[float, typer.Option(min=0.0, max=1.0, help="gamma of the return-to-go")] = 1.0,
     history_turns: Annotated[int | None, typer.Option(min=0, max=64, help="earlier turns per prompt")] = None,
     max_episodes: Annotated[int | None, typer.Option(min=1, help="use only the first N episodes")] = None,
-    answer_decimals: Annotated[int, typer.Option(min=0, max=6, help="decimals of the kelvin answers")] = 0,
+    answer_format: Annotated[str, typer.Option(
+        help="kelvin (<answer>330K, 292K</answer>) or normalized (<answer>0.3, -0.9</answer>, each in [-1, 1])",
+    )] = "kelvin",
+    answer_decimals: Annotated[int | None, typer.Option(
+        min=0, max=6, help="decimals of each answer value (default: 0 for kelvin, 1 for normalized)",
+    )] = None,
     with_text: Annotated[bool, typer.Option("--with-text", help="store the decoded text of each row")] = False,
     root: RootOpt = None,
     gcs_endpoint: EndpointOpt = None,
@@ -289,6 +294,7 @@ def to_trajectories(
 
     options = TrajectoryOptions(episodes_per_batch=episodes_per_batch, turns_per_batch=turns_per_batch, epochs=epochs,
                                 discount=discount, history_turns=history_turns, max_episodes=max_episodes,
+                                answer_format=answer_format,  # type: ignore[arg-type]  # checked by the model
                                 answer_decimals=answer_decimals, with_text=with_text)
     model_path = _model_path(model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -10,11 +10,13 @@ import logging
 import math
 import os
 import pickle
+import re
 import sys
 import types
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from pipeline.archive import TrajectoryArchive
@@ -42,6 +44,7 @@ from producers.datasets import (
     plan_batches,
     render_building_episode,
     scripted_outcomes,
+    setpoint_answer,
     simulate_day,
     write_sbd_partition,
 )
@@ -296,6 +299,41 @@ def test_logged_steps_render_as_exactly_the_online_prompts(store):
         assert whole[100].answer == f"<answer>{round(water)}K, {round(air)}K</answer>"
 
 
+def test_setpoint_answers_in_kelvin_or_normalised_to_the_ranges():
+    cfg = BuildingHVAC.Config()  # water 310-355 K, supply air 285-300 K
+    assert setpoint_answer(cfg, 330.4, 291.6) == "<answer>330K, 292K</answer>"
+    # normalised: 2 (k - low) / (high - low) - 1; 330 K -> -0.111, 292 K -> -0.067
+    assert setpoint_answer(cfg, 330.0, 292.0, "normalized") == "<answer>-0.1, -0.1</answer>"
+    assert setpoint_answer(cfg, 330.0, 292.0, "normalized", decimals=2) == "<answer>-0.11, -0.07</answer>"
+    assert setpoint_answer(cfg, 355.0, 285.0, "normalized") == "<answer>1.0, -1.0</answer>"
+    # 332.4 K -> -0.004: written 0.0, not -0.0; beyond the range -> clipped to +-1
+    assert setpoint_answer(cfg, 332.4, 301.0, "normalized") == "<answer>0.0, 1.0</answer>"
+    with pytest.raises(ValidationError, match="answer_format"):
+        TrajectoryOptions(answer_format="celsius")
+
+
+def test_normalised_answers_make_the_env_apply_the_logged_setpoints_within_the_rounding_step(store):
+    spec = GenerationSpec(days=2, policy="mixed", seed=4, first_day=1)
+    card = generate_building_dataset(store, "sim", spec)
+    assert sorted(e["policy"] for e in card.extras["episodes"]) == ["heuristic", "random"]
+    render_env = building_env_for(card)
+    (w_lo, w_hi), (a_lo, a_hi) = render_env.config.supply_water_range_k, render_env.config.supply_air_heating_range_k
+    # one decimal of [-1, 1]: a step of 0.1 = 0.05 of the range, so at most 0.025 of it off
+    water_tol, air_tol = 0.025 * (w_hi - w_lo) + 1e-9, 0.025 * (a_hi - a_lo) + 1e-9
+    for (_, table), day in zip(iter_partitions(store, card), (1, 2), strict=True):
+        steps = render_building_episode(render_env, table, answer_format="normalized")
+        logged = table.select(["action:boiler_0@supply_water_setpoint",
+                               "action:ahu_0@supply_air_heating_temperature_setpoint"]).to_pydict()
+        env = day_env(day)
+        env.reset(day)
+        for step, water, air in zip(steps, *logged.values(), strict=True):
+            assert re.fullmatch(r"<answer>-?[01]\.\d, -?[01]\.\d</answer>", step.answer), step.answer
+            result = env.step(step.answer)
+            assert result.info["action_is_valid"] and not env.setpoints.clipped
+            assert abs(env.setpoints.water_k - water) <= water_tol and abs(env.setpoints.air_k - air) <= air_tol
+        assert len(steps) == 288 and env.done
+
+
 def test_list_show_and_sample_commands(store):
     spec = GenerationSpec(days=2, policy="heuristic")
     generate_building_dataset(store, "two-days", spec)
@@ -481,9 +519,16 @@ def test_generate_convert_train_with_awr_publish_and_evaluate(tmp_path, tiny_mod
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["to-trajectories", "e2e", "--run", "e2e-data", "--model", tiny_model_dir,
                                  "--episodes-per-batch", "2", "--turns-per-batch", "3", "--history-turns", "0",
-                                 "--root", root])
+                                 "--answer-format", "normalized", "--root", root])
     assert result.exit_code == 0, result.output
     assert "rlpipe replay --run e2e-data --train" in result.output
+    from transformers import AutoTokenizer
+
+    tokenizer, archive = AutoTokenizer.from_pretrained(tiny_model_dir), TrajectoryArchive(ObjectStore(root))
+    rows = archive.read_batch(archive.list_batches("e2e-data")[0]).to_pylist()
+    for row in rows:  # the trained answer: the logged setpoints normalised, with one decimal, then end of turn
+        answer = tokenizer.decode([t for t, m in zip(row["tokens"], row["loss_mask"], strict=True) if m])
+        assert re.fullmatch(r"<answer>-?[01]\.\d, -?[01]\.\d</answer><\|im_end\|>", answer), answer
     result = runner.invoke(replay_app, [
         "--run", "e2e-data", "--train", "--preset", "building-hvac", "--set", "run_id=e2e-awr",
         "--set", f"store.root={root}", "--set", f"model.base_model={tiny_model_dir}",
