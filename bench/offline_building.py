@@ -4,8 +4,10 @@ The whole offline path, on the tiny local model:
 1. ``rlpipe datasets generate building-hvac --policy mixed``: ``--days`` simulated days, each
    run by the heuristic or the random controller (half each, drawn per day);
 2. ``rlpipe datasets to-trajectories``: every logged step as the online prompt, the logged
-   action as the answer, return-to-go from the logged rewards, batches of
-   ``--episodes-per-batch`` days x ``--turns-per-batch`` turns;
+   action as the answer (``--answer-format``: normalised to [-1, 1] by default, as in
+   ``<answer>-0.1, -1.0</answer>``, which the tiny model writes far more reliably than kelvin),
+   return-to-go from the logged rewards, batches of ``--episodes-per-batch`` days x
+   ``--turns-per-batch`` turns;
 3. ``rlpipe replay --train`` (``consumers.service.replay_train``) once per method:
    ``bc`` (cross_entropy), ``awr`` (advantage-weighted regression on the return-to-go
    minus its same-hour, same-kind-of-day baseline, std-normalised), optionally ``fbc``
@@ -74,6 +76,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--temperatures", default="1.0,0", help="sampling temperatures of the model (0: greedy)")
     parser.add_argument("--history-turns", type=int, default=0, help="earlier turns per prompt (0: shortest)")
+    parser.add_argument("--answer-format", choices=("normalized", "kelvin"), default="normalized",
+                        help="how the logged setpoints are written as answers")
+    parser.add_argument("--answer-decimals", type=int, default=None, help="default: 1 normalised, 0 kelvin")
+    parser.add_argument("--no-base", action="store_true",
+                        help="skip the base model (its figures depend only on the model and the held-out days)")
     parser.add_argument("--model", default="tiny", help="'tiny' (pre-trained locally, cached) or a model folder")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--root", type=Path, default=None, help="store folder (default: a temporary one)")
@@ -102,7 +109,8 @@ def prepare_data(store: ObjectStore, args: argparse.Namespace, model: str) -> No
               f"{policies.count('random')} random days", flush=True)
     if not store.exists(f"runs/{DATA_RUN}/offline/{DATASET}.json"):
         options = TrajectoryOptions(episodes_per_batch=args.episodes_per_batch, turns_per_batch=args.turns_per_batch,
-                                    epochs=args.epochs, history_turns=args.history_turns, seed=args.seed)
+                                    epochs=args.epochs, history_turns=args.history_turns, seed=args.seed,
+                                    answer_format=args.answer_format, answer_decimals=args.answer_decimals)
         report = dataset_to_trajectories(store, DATASET, DATA_RUN, AutoTokenizer.from_pretrained(model), options,
                                          model)
         print(f"trajectories: {report.batches} batches, {report.rows:,} rows, {report.tokens:,} tokens", flush=True)
@@ -138,7 +146,8 @@ def evaluate(store: ObjectStore, args: argparse.Namespace, model: str, runs: dic
     pooled: dict[str, list[Any]] = {}
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         seeds = range(args.seeds) if temperature > 0 else range(1)  # greedy decoding needs one seed
-        for name, run_id in [*runs.items(), ("base", f"{DATASET}-bc")]:
+        base = [] if args.no_base else [("base", next(iter(runs.values())))]
+        for name, run_id in [*runs.items(), *base]:
             for seed in seeds:
                 sampling = SamplingSettings(temperature=temperature, seed=seed)
                 key = f"{name}@T={temperature:g}"
