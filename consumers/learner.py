@@ -242,7 +242,10 @@ class Learner:
             self.pending.append(PendingBatch(ref, table.filter(pa.array(keep)), dropped, histogram))
 
     def ready(self) -> bool:
-        return sum(p.table.num_rows for p in self.pending) >= self.cfg.batch_rows
+        """Enough rows wait for a step; stale rows count, or a producer that waits for the learner to
+        consume its batches (``producer.max_backlog_steps``) and a learner that waits for fresh rows
+        would wait for each other forever once a whole step's worth of rows went stale."""
+        return sum(p.table.num_rows + p.dropped for p in self.pending) >= self.cfg.batch_rows
 
     def work_waiting(self) -> bool:
         """Whether a pending batch has rows to train or stale rows to record.
@@ -284,8 +287,8 @@ class Learner:
             "finished_at": time.time(),
         })
         metrics["tokens_per_s"] = metrics.get("tokens", 0) / max(1e-9, metrics["finished_at"] - started)
-        if self.state.step % self.cfg.publish_every == 0:
-            self.publish(metrics)
+        if self.state.step % self.cfg.publish_every == 0 and not metrics.get("skipped"):
+            self.publish(metrics)  # a step that trained nothing (all rows stale) publishes nothing
         metrics["version"] = self.state.version
         self.state.step_log.append(metrics)
         self.last_metrics = metrics

@@ -123,6 +123,21 @@ def test_stale_rows_never_reach_a_gradient(store, setup):
     assert log[2]["staleness_histogram"] == {"2": 16}
     assert learner.state.dropped_stale_rows == 16
     assert all(m["rows"] == 16 for m in log[:2])
+    assert AdapterRegistry(store, RUN).versions() == [1, 2]  # the step that trained nothing published nothing
+
+
+def test_a_step_of_stale_rows_is_ready_so_it_can_be_committed(store, setup):
+    """Producers wait while a step's worth of rows is unconsumed: those rows must be consumable when stale."""
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(4), version=0)
+    learner, _ = make_learner(store, setup, max_staleness=1)
+    learner.state.version = 3
+    learner.ingest(learner.source.poll(0))
+    assert learner.pending[0].table.num_rows == 0 and learner.pending[0].dropped == 16
+    assert learner.ready()
+    metrics = learner.step()
+    assert metrics["skipped"] and metrics["dropped_stale_rows"] == 16
+    assert learner.state.positions and AdapterRegistry(store, RUN).versions() == []
+    assert CheckpointStore(store, RUN).latest().state.positions == learner.state.positions
 
 
 def test_resume_continues_without_retraining(store, setup):
