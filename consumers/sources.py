@@ -16,11 +16,10 @@ from typing import Any
 
 from consumers.learner import BatchRef
 from pipeline.archive import TrajectoryArchive
-from pipeline.bus import EventConsumer
+from pipeline.bus import GROUP_TIMINGS_ENV, EventConsumer
 from schemas.config import BusConfig
 from schemas.events import TrajectoryBatchCommitted
 
-GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"
 _GROUP_TIMING_KEYS = ("session_timeout_ms", "heartbeat_interval_ms", "max_poll_interval_ms")
 
 

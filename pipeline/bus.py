@@ -60,6 +60,8 @@ from schemas.config import BusConfig
 from schemas.events import DeadLetter, Envelope, EventDecodeError, decode_event, encode_event, make_event
 from schemas.names import InvalidNameError, validate_name
 
+GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"  # consumer-group timings, JSON (consumers.sources)
+
 log = logging.getLogger(__name__)
 
 # Which event types belong on which topic; None = any known type (control is open-ended).

@@ -16,6 +16,7 @@ threads its own.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -30,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.bus import EventPublisher, group_lag, tail
+from pipeline.bus import GROUP_TIMINGS_ENV, EventPublisher, group_lag, tail
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
 from pipeline.stack import read_stack_state, rlpipe_home, start_background
 from schemas.config import RunConfig
@@ -85,6 +86,13 @@ class Dashboard:
                           str(beat.samples_total), f"{beat.samples_per_s:.2f}", f"{beat.tokens_per_s:.0f}",
                           f"{beat.env_steps_per_s:.1f}", f"{beat.busy_fraction:.0%}")
         return Group(head, table)
+
+
+# On the embedded broker Kafka's default group timings (45 s session) make the learner's first join take
+# about 20 s, and a restarted learner wait for its dead predecessor's session to expire.  A 6 s session
+# still survives a heartbeat thread starved on a busy 2-core machine; max_poll covers the longest step.
+EMBEDDED_GROUP_TIMINGS_MS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 500,
+                             "max_poll_interval_ms": 600_000}
 
 
 def ensure_stack(config: RunConfig) -> RunConfig:
@@ -145,6 +153,8 @@ class Launcher:
     def spawn(self, name: str, *args: str) -> None:
         out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it for its lifetime
         env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": self.bus.bootstrap_servers}
+        if not self.config.bus.bootstrap_servers:  # the embedded broker: one learner, so join fast
+            env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
         self.processes[name] = subprocess.Popen(rlpipe_command(*args), stdout=out, stderr=subprocess.STDOUT, env=env)
         log.info("started %s (pid %d, log %s)", name, self.processes[name].pid, out.name)
 
