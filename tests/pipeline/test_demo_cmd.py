@@ -1,0 +1,24 @@
+"""The demo's verdict: the two ratios it is judged by, and whether the 95% intervals separate."""
+
+import math
+
+from pipeline.cli.demo_cmd import verdict
+
+
+def result(version, mean, ci):
+    return {"version": version, "mean_return": mean, "ci95": ci}
+
+
+def test_verdict_judges_last_against_base_and_warm_start():
+    out = verdict(result(0, 20.0, 3.0), result(31, 130.0, 15.0), result(1, 25.0, 5.0))
+    assert out["ratio"] == 6.5 and out["doubled"] and out["intervals_separate"]
+    assert out["ratio_rl"] == 5.2 and out["rl_raised_1_5x"] and out["rl_intervals_separate"]
+    assert out["warm_version"] == 1 and out["last_version"] == 31
+
+
+def test_verdict_reports_failures_and_overlaps_honestly():
+    out = verdict(result(0, 20.0, 3.0), result(9, 35.0, 14.0), result(1, 30.0, 5.0))
+    assert not out["doubled"] and not out["intervals_separate"]  # 35 - 14 < 20 + 3
+    assert not out["rl_raised_1_5x"] and not out["rl_intervals_separate"]
+    assert "ratio_rl" not in verdict(result(0, 20.0, 3.0), result(9, 35.0, 14.0))
+    assert math.isnan(verdict(result(0, 0.0, 0.0), result(2, 5.0, 1.0))["ratio"])
