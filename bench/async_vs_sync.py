@@ -79,12 +79,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options; incompatible ones are refused with the fix."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="demo", help="the preset both arms run (default demo: CartPole)")
-    parser.add_argument("--steps", type=int, default=3, help="learner steps of each arm of the comparison")
+    parser.add_argument("--steps", type=int, default=6, help="learner steps of each arm of the comparison")
     parser.add_argument("--step-delay-s", type=float, default=0.05, help="env.step_delay_s: seconds per env step")
     parser.add_argument("--concurrency", type=parse_levels, default=[1, 2, 3],
                         help="concurrent runs per level, comma-separated (default 1,2,3)")
     parser.add_argument("--concurrency-steps", type=int, default=None,
-                        help="learner steps of each concurrent run; default: --steps shared out (3 -> 3, 2, 1)")
+                        help="learner steps of each concurrent run; default: --steps shared out (6 -> 6, 3, 2)")
     parser.add_argument("--skip-comparison", action="store_true", help="only the concurrency levels")
     parser.add_argument("--skip-concurrency", action="store_true", help="only the sync-versus-async comparison")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
