@@ -5,7 +5,7 @@ The whole offline path, on the tiny local model:
    run by the heuristic or the random controller (half each, drawn per day);
 2. ``rlpipe datasets to-trajectories``: every logged step as the online prompt, the logged
    action as the answer (``--answer-format``: normalised to [-1, 1] by default, as in
-   ``<answer>-0.1, -1.0</answer>``, which the tiny model writes far more reliably than kelvin),
+   ``<answer>-0.1, -1.0</answer>``, which the tiny model writes more reliably than kelvin),
    return-to-go from the logged rewards, batches of ``--episodes-per-batch`` days x
    ``--turns-per-batch`` turns;
 3. ``rlpipe replay --train`` (``consumers.service.replay_train``) once per method:
