@@ -21,6 +21,7 @@ from typing import Literal
 import numpy as np
 
 from schemas.config import LearnerConfig
+from schemas.trajectory import discounted_returns
 
 AdvantageKind = Literal["group", "raw", "return_to_go"]
 ADVANTAGE_KINDS: tuple[str, ...] = ("group", "raw", "return_to_go")
@@ -196,7 +197,7 @@ def discounted_returns_to_go(
     for episode, rows in rows_by_episode.items():
         rewards = [_float_rows(turn_rewards_R[r], "turn_rewards_R") for r in rows]
         if len(rows) == 1 and len(rewards[0]) == int(num_turns_R[rows[0]]):  # a whole episode in one row
-            out_R[rows[0]] = float(np.sum(rewards[0] * discount ** np.arange(len(rewards[0]))))
+            out_R[rows[0]] = discounted_returns(list(rewards[0]), discount)[0]
             continue
         order = sorted(range(len(rows)), key=lambda i: int(turns_R[rows[i]]))
         turns = [int(turns_R[rows[i]]) for i in order]
@@ -205,10 +206,8 @@ def discounted_returns_to_go(
                 f"episode {episode} is not whole in this batch (turns {turns[:6]}...); a discount below 1 "
                 "needs every turn of an episode in one batch: set learner.discount=1"
             )
-        acc = 0.0
-        for i in reversed(order):
-            acc = float(rewards[i][0]) + discount * acc
-            out_R[rows[i]] = acc
+        returns = discounted_returns([float(rewards[i][0]) for i in order], discount)
+        out_R[[rows[i] for i in order]] = returns
     return out_R
 
 def awr_weights(advantages_R: FloatRows, beta: float, max_weight: float) -> np.ndarray:

@@ -648,12 +648,9 @@ class EventConsumer:
 
     def _accept(self, record: Any) -> ConsumedEvent | None:
         key = _key_text(record.key)
-        if record.value is None:
-            return self._dead_letter(record, "empty message (null value)")
-        try:
-            event = decode_event(record.value)
-        except EventDecodeError as exc:
-            return self._dead_letter(record, str(exc))
+        event, error = decode_record(record)
+        if event is None:
+            return self._dead_letter(record, error or "undecodable message")
         wrong = _check_event_belongs(self.kind, self.topic, event.type)
         if wrong:
             return self._dead_letter(record, wrong)
@@ -912,14 +909,7 @@ class EventFollower:
         return events
 
     def _accept(self, record: Any) -> ConsumedEvent | None:
-        reason, event = None, None
-        if record.value is None:
-            reason = "empty message (null value)"
-        else:
-            try:
-                event = decode_event(record.value)
-            except EventDecodeError as exc:
-                reason = str(exc)
+        event, reason = decode_record(record)
         if event is not None:
             reason = _check_event_belongs(self.kind, self.topic, event.type)
         if reason is not None or event is None:
@@ -1086,15 +1076,18 @@ class TailRecord:
     raw: bytes | None
 
 
-def _tail_record(record: Any) -> TailRecord:
-    event, error = None, None
+def decode_record(record: Any) -> tuple[Envelope | None, str | None]:
+    """A consumed record's event, or None and why it is not one (null value, bad JSON, unknown version)."""
     if record.value is None:
-        error = "empty message (null value)"
-    else:
-        try:
-            event = decode_event(record.value)
-        except EventDecodeError as exc:
-            error = str(exc)
+        return None, "empty message (null value)"
+    try:
+        return decode_event(record.value), None
+    except EventDecodeError as exc:
+        return None, str(exc)
+
+
+def _tail_record(record: Any) -> TailRecord:
+    event, error = decode_record(record)
     return TailRecord(
         topic=record.topic,
         partition=record.partition,

@@ -71,6 +71,7 @@ from producers.envs.building import (
     zone_names,
 )
 from producers.envs.parsing import format_answer, parse_answer
+from schemas.trajectory import discounted_returns
 
 log = logging.getLogger("rlpipe.datasets")
 
@@ -1043,17 +1044,6 @@ class ConversionReport:
     summary_key: str
 
 
-def discounted_returns(rewards_T: Sequence[float] | np.ndarray, discount: float) -> np.ndarray:
-    """G_t = r_t + gamma * G_{t+1} (G after the last step is 0), in float64."""
-    rewards = np.asarray(rewards_T, dtype=np.float64)
-    out = np.zeros_like(rewards)
-    running = 0.0
-    for t in range(rewards.size - 1, -1, -1):
-        running = rewards[t] + discount * running
-        out[t] = running
-    return out
-
-
 def turn_messages(system: str, steps: Sequence[RenderedStep], turn: int, history_turns: int) -> list[dict[str, str]]:
     """The conversation the producer builds for ``turn`` (``producers.episode.Episode.next_prompt``):
     the system prompt, up to ``history_turns`` earlier (observation, answer) pairs, the observation."""
@@ -1105,7 +1095,7 @@ def load_rendered_episodes(
             episodes.append(RenderedEpisode(
                 episode_id=f"{card.name}/{episode['episode_id'][0].as_py()}",
                 env_seed=days.get(start.isoformat(), start.date().toordinal()),
-                steps=steps, returns_to_go=discounted_returns([s.reward for s in steps], discount),
+                steps=steps, returns_to_go=np.asarray(discounted_returns([s.reward for s in steps], discount)),
                 terminated=bool(episode["is_terminal"][-1].as_py()),
             ))
     return episodes

@@ -109,6 +109,16 @@ class TrajectoryTableError(ValueError):
     """A table that is not a valid trajectory table."""
 
 
+def discounted_returns(rewards: Sequence[float], discount: float) -> list[float]:
+    """The ``return_to_go`` of each step: G_t = r_t + discount * G_{t+1}, with G = 0 after the last step."""
+    out = [0.0] * len(rewards)
+    running = 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        running = float(rewards[t]) + discount * running
+        out[t] = running
+    return out
+
+
 def records_to_table(records: Iterable[TrajectoryRecord | dict]) -> pa.Table:
     """Validated records -> Arrow table with the trajectory schema (and its version)."""
     rows = [r if isinstance(r, TrajectoryRecord) else TrajectoryRecord.model_validate(r) for r in records]
