@@ -144,6 +144,7 @@ def evaluate(store: ObjectStore, args: argparse.Namespace, model: str, runs: dic
     card = read_card(store, DATASET)
     days = held_out_days(card, args.eval_days)
     pooled: dict[str, list[Any]] = {}
+    by_seed: dict[str, dict[int, list[float]]] = {}  # policy -> sampling seed -> daily returns, in `days` order
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         seeds = range(args.seeds) if temperature > 0 else range(1)  # greedy decoding needs one seed
         base = [] if args.no_base else [("base", next(iter(runs.values())))]
@@ -154,13 +155,33 @@ def evaluate(store: ObjectStore, args: argparse.Namespace, model: str, runs: dic
                 pooled.setdefault(key, []).extend(evaluate_building(
                     store, run_id, ["base" if name == "base" else "adapter"], days, card=card, model_path=model,
                     sampling=sampling, history_turns=args.history_turns))
+                by_seed.setdefault(key, {})[seed] = list(pooled[key][-1].returns)
                 print(f"  {key} seed {seed}: {pooled[key][-1].mean_return:.3f}", flush=True)
     for baseline in ("behaviour", "random", "heuristic"):
         for seed in range(args.seeds if baseline != "heuristic" else 1):
             pooled.setdefault(baseline, []).extend(evaluate_building(
                 store, f"{DATASET}-baselines", [baseline], days, card=card, sampling=SamplingSettings(seed=seed),
                 history_turns=args.history_turns))
-    return {"days": days, "results": {name: summarise(results) for name, results in pooled.items()}}
+            by_seed.setdefault(baseline, {})[seed] = list(pooled[baseline][-1].returns)
+    model_keys = [key for key in by_seed if "@T=" in key and not key.startswith("base@")]
+    others = [key for key in model_keys if not key.startswith("awr@")] + ["random", "behaviour", "heuristic"]
+    paired = {f"{key} - {other}": paired_difference(by_seed[key], by_seed[other])
+              for key in model_keys if key.startswith("awr@") for other in others if other in by_seed}
+    return {"days": days, "results": {name: summarise(results) for name, results in pooled.items()},
+            "paired": paired}
+
+
+def paired_difference(a: dict[int, list[float]], b: dict[int, list[float]]) -> dict[str, float]:
+    """Mean of ``a - b`` over the same (day, sampling seed) with its 95% CI.
+
+    Every policy plays the same held-out days, so a day's weather and occupancy cancel in
+    the difference; a seed ``b`` lacks (greedy decoding and the heuristic play seed 0 only)
+    is compared with ``b``'s seed 0.
+    """
+    differences = [x - y for seed, returns in a.items()
+                   for x, y in zip(returns, b.get(seed, b[0]), strict=True)]
+    mean, ci95 = mean_ci95(differences)
+    return {"mean": mean, "ci95": ci95, "pairs": len(differences), "above": mean - ci95 > 0}
 
 
 def summarise(results: list[Any]) -> dict[str, float]:
@@ -180,6 +201,11 @@ def print_table(summary: dict[str, Any], args: argparse.Namespace) -> None:
     for name, s in summary["results"].items():
         print(f"| {name} | {s['mean_return']:.3f} ± {s['ci95']:.3f} | {s['comfort']:.2f} | {s['energy']:.2f} | "
               f"{s['carbon']:.2f} | {s['energy_usd']:.2f} | {s['carbon_kg']:.1f} | {s['invalid_rate']:.1%} |")
+    print("\npaired differences (same day, same sampling seed; above = the whole 95% CI above 0)\n")
+    print("| comparison | mean difference per day (95% CI) | pairs | above |")
+    print("| --- | --- | --- | --- |")
+    for name, d in summary["paired"].items():
+        print(f"| {name} | {d['mean']:+.3f} ± {d['ci95']:.3f} | {d['pairs']} | {'yes' if d['above'] else 'no'} |")
 
 
 def main() -> None:
