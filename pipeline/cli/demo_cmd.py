@@ -71,6 +71,17 @@ def verdict(base: dict[str, Any], last: dict[str, Any], warm: dict[str, Any] | N
     return out
 
 
+def targets_line(outcome: dict[str, Any]) -> str:
+    """One line: each learning target met or missed, and what to try when one is missed."""
+    judged = {"x2 over the base model": outcome["doubled"] and outcome["intervals_separate"]}
+    if "ratio_rl" in outcome:
+        judged["x1.5 over the warm start"] = outcome["rl_raised_1_5x"] and outcome["rl_intervals_separate"]
+    line = "targets: " + "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in judged.items())
+    if not all(judged.values()):
+        line += " (the return may not have taken off yet: try more online steps, e.g. rlpipe demo --steps 30)"
+    return line
+
+
 @app.command(epilog="Example: rlpipe demo --steps 30 --episodes 32")
 @handle_user_errors
 def demo(
@@ -129,6 +140,7 @@ def demo(
             f"{warm_result['ci95']:.2f}) -> x{outcome['ratio_rl']:.2f}"
             f"{' (95% intervals separate)' if outcome['rl_intervals_separate'] else ' (95% intervals overlap)'}"
         )
+    console.print(targets_line(outcome))
     console.print(f"report: {out / 'report.html'}; {outcome['minutes']:.1f} min in all")
 
 

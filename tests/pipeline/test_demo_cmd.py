@@ -2,7 +2,7 @@
 
 import math
 
-from pipeline.cli.demo_cmd import verdict
+from pipeline.cli.demo_cmd import targets_line, verdict
 
 
 def result(version, mean, ci):
@@ -22,3 +22,14 @@ def test_verdict_reports_failures_and_overlaps_honestly():
     assert not out["rl_raised_1_5x"] and not out["rl_intervals_separate"]
     assert "ratio_rl" not in verdict(result(0, 20.0, 3.0), result(9, 35.0, 14.0))
     assert math.isnan(verdict(result(0, 0.0, 0.0), result(2, 5.0, 1.0))["ratio"])
+
+
+def test_targets_line_says_met_or_missed_and_the_fix():
+    good = verdict(result(0, 20.0, 3.0), result(21, 105.0, 15.0), result(1, 23.0, 4.0))
+    assert targets_line(good) == "targets: x2 over the base model: met; x1.5 over the warm start: met"
+    # doubled on average but the intervals overlap: not a measured improvement
+    weak = verdict(result(0, 20.0, 3.0), result(21, 41.0, 19.0), result(1, 23.0, 4.0))
+    line = targets_line(weak)
+    assert "x2 over the base model: MISSED" in line and "x1.5 over the warm start: MISSED" in line
+    assert "--steps" in line
+    assert targets_line(verdict(result(0, 20.0, 3.0), result(9, 50.0, 5.0))) == "targets: x2 over the base model: met"
