@@ -81,6 +81,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", default="demo", help="the preset both arms run (default demo: CartPole)")
     parser.add_argument("--steps", type=int, default=6, help="learner steps of each arm of the comparison")
     parser.add_argument("--step-delay-s", type=float, default=0.05, help="env.step_delay_s: seconds per env step")
+    parser.add_argument("--backlog-steps", type=float, default=2.0,
+                        help="producer.max_backlog_steps of the pipeline runs (default 2: the step the learner is "
+                             "training on counts until it commits, so 1 would stop sampling during every step)")
     parser.add_argument("--batch-rows", type=int, default=256,
                         help="learner.batch_rows of every run (default 256, half the demo's 512, so that the "
                              "whole bench stays under 10 minutes on 2 cores)")
@@ -98,6 +101,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or (args.concurrency_steps is not None and args.concurrency_steps < 1):
         parser.error("--steps and --concurrency-steps must be at least 1")
+    if not 0 < args.backlog_steps <= 1e6:
+        parser.error("--backlog-steps must be within (0, 1000000] (producer.max_backlog_steps)")
     if not 1 <= args.batch_rows <= 1_000_000:
         parser.error("--batch-rows must be within [1, 1000000] (learner.batch_rows)")
     if not 0.0 <= args.step_delay_s <= 60.0:
@@ -115,10 +120,10 @@ def steps_per_run(total_steps: int, runs: int, fixed: int | None = None) -> int:
 
 
 def bench_overrides(args: argparse.Namespace, tiny_dir: str | None) -> list[str]:
-    """``--set`` items every run gets: the slow step, the batch size, 1 s heartbeats (finer producer lanes), the
-    built model; the user's ``--set`` items last, so they win."""
+    """``--set`` items every run gets: the slow step, the batch size, the producer's backlog limit, 1 s heartbeats
+    (finer producer lanes), the built model; the user's ``--set`` items last, so they win."""
     items = [f"env.step_delay_s={args.step_delay_s}", f"learner.batch_rows={args.batch_rows}",
-             "producer.heartbeat_interval_s=1"]
+             f"producer.max_backlog_steps={args.backlog_steps:g}", "producer.heartbeat_interval_s=1"]
     if tiny_dir:
         items.append(f"model.tiny_dir={tiny_dir}")
     return items + list(args.overrides)

@@ -45,7 +45,7 @@ def test_concurrent_runs_share_out_the_steps():
 
 @pytest.mark.parametrize("argv", [
     ["--steps", "0"], ["--concurrency-steps", "0"], ["--step-delay-s", "-1"], ["--concurrency", "0,2"], ["--concurrency", "two"],
-    ["--skip-comparison", "--skip-concurrency"], ["--timeout-s", "0"], ["--batch-rows", "0"],
+    ["--skip-comparison", "--skip-concurrency"], ["--timeout-s", "0"], ["--batch-rows", "0"], ["--backlog-steps", "0"],
 ])  # fmt: skip
 def test_bad_options_refused(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -57,10 +57,11 @@ def test_bad_options_refused(argv, capsys):
 def test_overrides_carry_the_delay_the_model_and_the_users_last():
     args = parse_args(["--step-delay-s", "0.1", "--set", "learner.batch_rows=64"])
     assert bench_overrides(args, "/m/tiny") == [
-        "env.step_delay_s=0.1", "learner.batch_rows=256", "producer.heartbeat_interval_s=1", "model.tiny_dir=/m/tiny",
-        "learner.batch_rows=64",
+        "env.step_delay_s=0.1", "learner.batch_rows=256", "producer.max_backlog_steps=2",
+        "producer.heartbeat_interval_s=1", "model.tiny_dir=/m/tiny", "learner.batch_rows=64",
     ]  # fmt: skip
     assert "learner.batch_rows=128" in bench_overrides(parse_args(["--batch-rows", "128"]), None)
+    assert "producer.max_backlog_steps=1.5" in bench_overrides(parse_args(["--backlog-steps", "1.5"]), None)
     assert "model.tiny_dir" not in " ".join(bench_overrides(args, None))
 
 
