@@ -84,8 +84,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backlog-steps", type=float, default=2.0,
                         help="producer.max_backlog_steps of the pipeline runs (default 2: the step the learner is "
                              "training on counts until it commits, so 1 would stop sampling during every step)")
-    parser.add_argument("--batch-rows", type=int, default=256,
-                        help="learner.batch_rows of every run (default 256, half the demo's 512, so that the "
+    parser.add_argument("--batch-rows", type=int, default=192,
+                        help="learner.batch_rows of every run (default 192, under half the demo's 512, so that the "
                              "whole bench stays under 10 minutes on 2 cores)")
     parser.add_argument("--concurrency", type=parse_levels, default=[1, 2, 3],
                         help="concurrent runs per level, comma-separated (default 1,2,3)")

@@ -9,16 +9,18 @@ The whole offline path, on the tiny local model:
    return-to-go from the logged rewards, batches of ``--episodes-per-batch`` days x
    ``--turns-per-batch`` turns;
 3. ``rlpipe replay --train`` (``consumers.service.replay_train``) once per method:
-   ``bc`` (cross_entropy), ``awr`` (advantage-weighted regression on the return-to-go
-   minus its same-hour, same-kind-of-day baseline, std-normalised), optionally ``fbc``
-   (filtered BC: the top half of each step by that advantage);
+   ``bc`` (cross_entropy), ``awr-raw`` (advantage-weighted regression on the return-to-go
+   minus its same-hour, same-kind-of-day baseline, in reward units, ``--awr-beta`` 2),
+   optionally ``awr`` (the same advantage std-normalised per cell) and ``fbc`` (filtered
+   BC: the top half of each step by that advantage);
 4. ``rlpipe datasets eval-building``: ``--eval-days`` held-out days (after the dataset's)
    played online by each adapter and by the pre-trained base model (at each of
    ``--temperatures``, ``--seeds`` sampling seeds; 0 = greedy), and by the logged
    (behaviour), random and heuristic controllers.
 Prints a markdown table for docs/offline.md: mean daily return with its 95% CI over
 days x seeds, and the reward's parts (per-day sums of the normalised comfort regret,
-energy cost and carbon; reward = -(0.2 comfort + 0.4 energy + 0.4 carbon)).
+energy cost and carbon; reward = -(0.2 comfort + 0.4 energy + 0.4 carbon)), then each AWR
+adapter's paired difference against the others (same day, same sampling seed).
 
 Run: .venv/bin/python bench/offline_building.py [--days 14] [--eval-days 7] [--threads 1] [--root DIR]
 """
@@ -71,14 +73,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--days", type=int, default=14, help="logged days (one episode each)")
     parser.add_argument("--eval-days", type=int, default=7, help="held-out days played online")
     parser.add_argument("--seeds", type=int, default=2, help="sampling seeds per adapter")
-    parser.add_argument("--methods", default="bc,awr", help="comma-separated: bc, awr, awr-raw, fbc")
+    parser.add_argument("--methods", default="bc,awr-raw",
+                        help="comma-separated: bc, awr-raw (AWR on the raw advantage), awr (std-normalised per "
+                             "cell), fbc")
     parser.add_argument("--episodes-per-batch", type=int, default=7)
     parser.add_argument("--turns-per-batch", type=int, default=16)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--learning-rate", type=float, default=1e-2)
-    parser.add_argument("--awr-beta", type=float, default=1.0)
+    parser.add_argument("--awr-beta", type=float, default=2.0,
+                        help="AWR temperature, in reward units for awr-raw (a day's return spans about 2-4 between "
+                             "similar days)")
     parser.add_argument("--lora-rank", type=int, default=8)
-    parser.add_argument("--temperatures", default="1.0,0", help="sampling temperatures of the model (0: greedy)")
+    parser.add_argument("--temperatures", default="0.5,0", help="sampling temperatures of the model (0: greedy)")
     parser.add_argument("--history-turns", type=int, default=0, help="earlier turns per prompt (0: shortest)")
     parser.add_argument("--answer-format", choices=("normalized", "kelvin"), default="normalized",
                         help="how the logged setpoints are written as answers")

@@ -57,7 +57,7 @@ def test_bad_options_refused(argv, capsys):
 def test_overrides_carry_the_delay_the_model_and_the_users_last():
     args = parse_args(["--step-delay-s", "0.1", "--set", "learner.batch_rows=64"])
     assert bench_overrides(args, "/m/tiny") == [
-        "env.step_delay_s=0.1", "learner.batch_rows=256", "producer.max_backlog_steps=2",
+        "env.step_delay_s=0.1", "learner.batch_rows=192", "producer.max_backlog_steps=2",
         "producer.heartbeat_interval_s=1", "model.tiny_dir=/m/tiny", "learner.batch_rows=64",
     ]  # fmt: skip
     assert "learner.batch_rows=128" in bench_overrides(parse_args(["--batch-rows", "128"]), None)
