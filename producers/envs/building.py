@@ -1064,7 +1064,8 @@ class BuildingHVAC(TextEnv[Setpoints]):
         target = (cfg.comfort_band_k[0] if preheat else self._band(self.current_timestamp)[0]) + 0.5
         watched_Z = s.zone_temp_Z[occupied_Z] if occupied_Z.any() else s.zone_temp_Z
         deficit = target - float(watched_Z.min())
-        floor = w_lo + (_HEURISTIC_DAY_OFF_WATER_FLOOR + 1.0) / 2.0 * (w_hi - w_lo) if local.weekday() >= 5 else w_lo
+        day_off = local.weekday() >= 5
+        floor = from_normalized(_HEURISTIC_DAY_OFF_WATER_FLOOR, cfg.supply_water_range_k) if day_off else w_lo
         if deficit <= 0.0:
             return floor, a_lo
         water = max(floor, min(w_hi, w_lo + (20.0 + 25.0 * deficit) / 45.0 * (w_hi - w_lo)))
@@ -1129,7 +1130,13 @@ def to_kelvin(value: tuple[float, bool], bounds: tuple[float, float]) -> tuple[f
     if abs(number) > NORMALIZED_MAX_BARE:
         return None
     unit = min(max(number, -1.0), 1.0)
-    return low + (unit + 1.0) * 0.5 * (high - low), unit != number
+    return from_normalized(unit, bounds), unit != number
+
+
+def from_normalized(unit: float, bounds: tuple[float, float]) -> float:
+    """A value in [-1, 1] to kelvin within ``bounds`` (-1 -> low, +1 -> high); the inverse of ``to_normalized``."""
+    low, high = bounds
+    return low + (unit + 1.0) * 0.5 * (high - low)
 
 
 def to_normalized(kelvin: float, bounds: tuple[float, float]) -> float:
