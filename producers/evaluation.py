@@ -98,7 +98,7 @@ def evaluate_version(
         run_id=config.run_id, producer_id="eval", env_name=config.env.name,
         make_env=lambda: env_from_spec(config.env),
         tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler, adapters=_Fixed(handle), sink=sink,
-        producer=producer, sampling=sampling,
+        producer=producer, sampling=sampling, incarnation=0,  # the same draws every time: a score reproduces
     )
     try:
         worker.run()

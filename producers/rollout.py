@@ -16,7 +16,10 @@ protocols; this module never touches Kafka or the store.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -88,6 +91,36 @@ class RolloutStats:
     busy_intervals: list[tuple[float, float]] = field(default_factory=list)  # (start, end) unix times generating
 
 
+class SamplingStreams:
+    """The sampler seed of every ``generate`` call: a fresh random stream for every draw.
+
+    Call ``n`` is seeded with a hash of (sampling seed, producer id, incarnation, ``n``),
+    and the sampler derives request ``i``'s stream from that seed and ``i``
+    (``request_seed``).  So two turns of one episode, two calls between batches,
+    two producers and two processes never share a stream.
+
+    ``incarnation`` is a random 64-bit nonce drawn when the process starts and
+    logged.  Producer ids are stable across restarts (the launcher's
+    ``<run>-p<i>``, a StatefulSet pod name), so without it a restarted producer
+    would replay its predecessor's streams.  A nonce rather than a counter kept
+    in the store: it needs no durable write before sampling starts, cannot be
+    lost or raced by two processes that share an id, and two incarnations repeat
+    with probability 2**-64.  Passing a logged nonce back reproduces a process's
+    seeds (evaluation passes a fixed one so a score can be reproduced).
+    """
+
+    def __init__(self, seed: int, producer_id: str, incarnation: int | None = None) -> None:
+        self.seed, self.producer_id = seed, producer_id
+        self.incarnation = secrets.randbits(64) if incarnation is None else incarnation
+        self.calls = 0
+
+    def next_call_seed(self) -> int:
+        """The seed of the next ``generate`` call (63 bits: any backend's generator accepts it)."""
+        key = f"{self.seed}:{self.producer_id}:{self.incarnation}:{self.calls}"
+        self.calls += 1
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
 class RolloutWorker:
     """Runs groups against one environment and commits finished groups as batches."""
 
@@ -104,7 +137,11 @@ class RolloutWorker:
         sink: BatchSink,
         producer: ProducerConfig,
         sampling: SamplerConfig,
+        env_seeds: range | None = None,
+        incarnation: int | None = None,
     ) -> None:
+        """``env_seeds``: the environment seeds to play, in order, wrapping around at the end (None =
+        ``producer.seed_start`` upwards); ``incarnation``: see ``SamplingStreams`` (None = a random one)."""
         self.run_id, self.producer_id, self.env_name = run_id, producer_id, env_name
         self.make_env, self.tokenizer, self.sampler = make_env, tokenizer, sampler
         self.adapters, self.sink, self.cfg, self.sampling = adapters, sink, producer, sampling
@@ -113,7 +150,13 @@ class RolloutWorker:
         self.active: list[Group] = []
         self.finished: list[Group] = []
         self.pending_steps: dict[Future[StepResult], Episode] = {}
-        self.next_seed = producer.seed_start
+        self.env_seeds = env_seeds if env_seeds is not None else range(producer.seed_start, sys.maxsize)
+        if not self.env_seeds:
+            raise ValueError(f"producer {producer_id}: no environment seeds to play ({env_seeds})")
+        self.next_seed = self.env_seeds.start
+        self.streams = SamplingStreams(sampling.seed, producer_id, incarnation)
+        log.info("producer %s: environment seeds %d..%d, sampling incarnation %d", producer_id,
+                 self.env_seeds.start, self.env_seeds.stop - 1, self.streams.incarnation)
         self.groups_started = 0
         self.first_finished_at: float | None = None
         self.stale_since: float | None = None
@@ -181,7 +224,8 @@ class RolloutWorker:
         return False
 
     def new_group(self, adapter: AdapterHandle | None) -> Group:
-        seed, self.next_seed = self.next_seed, self.next_seed + 1
+        seed = self.next_seed
+        self.next_seed = seed + 1 if seed + 1 < self.env_seeds.stop else self.env_seeds.start
         group_id = f"{self.producer_id}-g{uuid.uuid4().hex[:12]}"
         episodes = [self.new_episode(seed, group_id, adapter) for _ in range(self.cfg.group_size)]
         self.groups_started += 1
@@ -234,7 +278,7 @@ class RolloutWorker:
         start_wall, start = time.time(), time.monotonic()
         outputs = self.sampler.generate(
             requests, items[0][1], temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-            seed=self.sampling.seed + self.stats.samples,
+            seed=self.streams.next_call_seed(),
         )
         self.stats.generate_s += time.monotonic() - start
         self.stats.busy_intervals.append((start_wall, time.time()))

@@ -95,12 +95,14 @@ def request_seed(seed: int | None, index: int) -> int | None:
 
     Hashing (seed, index) rather than adding gives unrelated streams to every
     request and every call, so two requests for the same prompt (a GRPO group)
-    still differ, and calls seeded 0 and 1 do not share streams.
+    still differ, and calls seeded 0 and 1 do not share streams.  63 bits, so a
+    long run's millions of draws do not meet by chance (31 bits would, by the
+    birthday bound); torch's and vLLM's generators take any such seed.
     """
     if seed is None:
         return None
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class Sampler(abc.ABC):

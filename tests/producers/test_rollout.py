@@ -9,7 +9,7 @@ from pipeline.archive import TrajectoryArchive
 from pipeline.store import ObjectStore
 from producers.envs.registry import make_env
 from producers.rollout import RolloutWorker, StaleAdapterError
-from producers.samplers.base import AdapterHandle, SampleOutput, Sampler
+from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, request_seed
 from producers.sink import StoreThenEventSink, announce_orphans
 from schemas.config import ProducerConfig, SamplerConfig
 from schemas.trajectory import NO_ADAPTER_SHA, table_to_records
@@ -24,9 +24,11 @@ class ScriptedSampler(Sampler):
         self.max_model_len = 4096
         self.answer_ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
         self.calls: list[tuple[int, int | None]] = []  # (batch size, adapter version)
+        self.streams: list[int | None] = []  # the stream of every request, as the seeded backends derive it
 
     def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None):
         self.calls.append((len(requests), adapter.version if adapter else None))
+        self.streams += [request_seed(seed, i) for i in range(len(requests))]
         return [SampleOutput(list(self.answer_ids), [-0.5] * len(self.answer_ids), "stop") for _ in requests]
 
     def load_adapter(self, handle):
@@ -174,3 +176,17 @@ def test_orphaned_batch_is_announced_once(tiny_tokenizer):
     orphans = announce_orphans(archive, "run1", [], again.append)
     assert orphans == [first.batch_id] and again[0].sha256 == first.sha256 and again[0].num_rows == first.num_rows
     assert isinstance(archive.read_batch(first.path), pa.Table)
+
+
+def test_every_draw_gets_a_fresh_stream_across_turns_and_restarts(tiny_tokenizer):
+    announced = []
+    worker, _, _ = make_worker(tiny_tokenizer, "sokoban", announced)  # one batch at the end: no flush between turns
+    worker.run()
+    first = worker.sampler.streams
+    assert len(worker.sampler.calls) >= 2  # several turns of the same episodes before the batch is written
+    assert None not in first and len(set(first)) == len(first)
+    # A restart keeps the producer id (the launcher's and a StatefulSet's ids are stable) and the config.
+    restarted, _, _ = make_worker(tiny_tokenizer, "sokoban", announced)
+    restarted.run()
+    again = restarted.sampler.streams
+    assert len(set(again)) == len(again) and not set(first) & set(again)
