@@ -120,6 +120,12 @@ def rlpipe_command(*args: str) -> list[str]:
     return [sys.executable, "-c", "from pipeline.cli.main import main; main()", *args]
 
 
+def producer_args(config: RunConfig, config_path: str, index: int) -> list[str]:
+    """The command line of producer ``index``: its id ``<run>-p<index>`` also picks its training seeds
+    (``RunConfig.training_seeds``), so producers never share seeds nor play held-out ones."""
+    return ["producer", "start", "--config", config_path, "--set", f"producer.producer_id={config.run_id}-p{index}"]
+
+
 class Launcher:
     """Starts and watches the learner and producers of one run."""
 
@@ -166,9 +172,7 @@ class Launcher:
         config = ["--config", str(self.config_path)]
         self.spawn("learner", "learner", "start", *config)
         for index in range(self.config.num_producers):
-            self.spawn(f"producer-{index}", "producer", "start", *config,
-                       "--set", f"producer.producer_id={self.config.run_id}-p{index}",
-                       "--set", f"producer.seed_start={self.config.producer.seed_start + index * 1_000_000}")
+            self.spawn(f"producer-{index}", *producer_args(self.config, str(self.config_path), index))
         watcher = threading.Thread(target=self.follow_control, daemon=True)
         watcher.start()
         try:

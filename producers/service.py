@@ -208,6 +208,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
         run_id=config.run_id, producer_id=producer_id, env_name=config.env.name,
         make_env=lambda: env_from_spec(config.env), tokenizer=tokenizer, sampler=sampler,
         adapters=watcher, sink=sink, producer=config.producer, sampling=config.sampler,
+        env_seeds=config.training_seeds(producer_id),
     )
     backlog = None
     if config.producer.max_backlog_steps is not None:

@@ -9,11 +9,16 @@ in ``pipeline.config``; this module only validates.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from schemas.names import validate_name
+
+PRODUCER_SLOTS = 256  # training seed ranges per run: one per producer ordinal (num_producers' bound)
+_ORDINAL = re.compile(r"-p?(\d{1,3})$")  # the launcher's <run>-p<i>, a StatefulSet pod's <name>-<i>
 
 
 class _Section(BaseModel):
@@ -115,7 +120,9 @@ class ProducerConfig(_Section):
     heartbeat_interval_s: float = Field(5.0, gt=0, le=3600, description="seconds between heartbeats")
     env_workers: int = Field(4, ge=1, le=256, description="threads stepping environments")
     max_groups: int | None = Field(None, ge=1, description="stop after this many groups (None = run until stopped)")
-    seed_start: int = Field(0, ge=0, description="first environment seed")
+    seed_start: int = Field(
+        0, ge=0, description="first training seed; each producer plays its own slice of [seed_start, eval_seed_offset)"
+    )
     health_port: int | None = Field(None, ge=0, le=65535, description="port for /healthz, /readyz, /metrics")
 
     @field_validator("producer_id")
@@ -201,6 +208,36 @@ class RunConfig(_Section):
     @classmethod
     def _run_id(cls, value: str) -> str:
         return validate_name(value, "run_id")
+
+    @model_validator(mode="after")
+    def _seed_ranges(self) -> RunConfig:
+        if self.env.eval_seed_offset - self.producer.seed_start < PRODUCER_SLOTS:
+            raise ValueError(
+                f"training seeds from producer.seed_start ({self.producer.seed_start}) must end below the held-out "
+                f"evaluation seeds at env.eval_seed_offset ({self.env.eval_seed_offset}) with room for "
+                f"{PRODUCER_SLOTS} producer ranges; lower producer.seed_start or raise env.eval_seed_offset"
+            )
+        return self
+
+    def training_seeds(self, producer_id: str) -> range:
+        """The environment seeds producer ``producer_id`` plays (it wraps around at the end).
+
+        ``[seed_start, eval_seed_offset)`` is cut into ``PRODUCER_SLOTS`` equal
+        ranges, so no producer ever plays a held-out evaluation seed.  The slot is
+        the ordinal at the end of the id (the launcher's ``<run>-p<i>``, a
+        StatefulSet pod's ``<name>-<i>``): producers numbered that way get
+        disjoint ranges with no setting at all.  Any other id gets a slot from a
+        hash of the id: stable across restarts, distinct from the others' only by
+        chance.
+        """
+        match = _ORDINAL.search(producer_id)
+        if match and int(match.group(1)) < PRODUCER_SLOTS:
+            slot = int(match.group(1))
+        else:
+            slot = int.from_bytes(hashlib.sha256(producer_id.encode()).digest()[:8], "little") % PRODUCER_SLOTS
+        width = (self.env.eval_seed_offset - self.producer.seed_start) // PRODUCER_SLOTS
+        start = self.producer.seed_start + slot * width
+        return range(start, start + width)
 
     @model_validator(mode="after")
     def _compatible(self) -> RunConfig:

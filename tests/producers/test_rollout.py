@@ -190,3 +190,10 @@ def test_every_draw_gets_a_fresh_stream_across_turns_and_restarts(tiny_tokenizer
     restarted.run()
     again = restarted.sampler.streams
     assert len(set(again)) == len(again) and not set(first) & set(again)
+
+
+def test_environment_seeds_come_from_the_given_range_and_wrap_around(tiny_tokenizer):
+    worker, _, _ = make_worker(tiny_tokenizer, "sokoban", [], max_groups=5, groups_per_batch=5)
+    worker.env_seeds = range(10, 12)
+    worker.next_seed = 10
+    assert [worker.new_group(None).seed for _ in range(5)] == [10, 11, 10, 11, 10]

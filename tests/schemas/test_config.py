@@ -1,0 +1,53 @@
+"""Run configuration invariants: training seeds never reach the held-out evaluation seeds,
+and every producer of a run plays its own seeds, derived from its id."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import ConfigError, resolve_config
+from pipeline.launcher import producer_args
+from schemas.config import PRODUCER_SLOTS, RunConfig
+
+
+def assert_disjoint_training_ranges(config: RunConfig, producer_ids: list[str]) -> None:
+    seen: set[int] = set()
+    for producer_id in producer_ids:
+        seeds = config.training_seeds(producer_id)
+        assert len(seeds) >= 1000, producer_id
+        assert config.producer.seed_start <= seeds.start and seeds.stop <= config.env.eval_seed_offset, producer_id
+        assert not seen & set(seeds), f"{producer_id} shares seeds with another producer"
+        seen |= set(seeds)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["producer.seed_start=1000000"],                     # training starts at the evaluation seeds
+    ["producer.seed_start=2000000"],                     # ... or above them
+    ["env.eval_seed_offset=100"],                        # no room for a range per producer below them
+])
+def test_training_seeds_that_reach_the_evaluation_seeds_are_refused_in_one_line(overrides):
+    with pytest.raises(ConfigError) as info:
+        resolve_config(overrides=overrides)
+    message = str(info.value)
+    assert "env.eval_seed_offset" in message and "producer.seed_start" in message and "\n" not in message
+
+
+def test_launched_producers_get_disjoint_ranges_below_the_evaluation_seeds():
+    config = RunConfig(num_producers=PRODUCER_SLOTS)
+    ids = []
+    for index in range(config.num_producers):
+        args = producer_args(config, "run.json", index)
+        assert not any(a.startswith("producer.seed_start=") for a in args)  # nothing set by hand
+        (producer_id,) = [a.split("=", 1)[1] for a in args if a.startswith("producer.producer_id=")]
+        ids.append(producer_id)
+    assert_disjoint_training_ranges(config, ids)
+
+
+def test_statefulset_replicas_get_disjoint_ranges_and_other_ids_a_stable_one():
+    config = RunConfig(producer={"seed_start": 5000}, env={"eval_seed_offset": 3_000_000})
+    assert_disjoint_training_ranges(config, [f"rlpipe-producer-{i}" for i in range(16)])
+    # No ordinal in the id (a hand-picked name, host-pid): a stable slot from a hash of the id.
+    for producer_id in ["my-producer", "gpu-host-123456", "rlpipe-producer-7d9f8b6c5-x2k4q"]:
+        seeds = config.training_seeds(producer_id)
+        assert seeds == config.training_seeds(producer_id)
+        assert seeds.start >= 5000 and seeds.stop <= 3_000_000
