@@ -21,7 +21,7 @@ from tests.infra.kustomize_render import KustomizeError, is_builtin, pod_specs, 
 K8S = Path(__file__).resolve().parents[2] / "infra" / "k8s"
 KUSTOMIZATIONS = ["base", "kafka", "overlays/dev", "overlays/gke"]
 OVERLAYS = ["overlays/dev", "overlays/gke"]
-WORKLOADS = {"Deployment": "producer", "StatefulSet": "learner"}  # kind -> rlpipe component
+WORKLOADS = {"rlpipe-producer": "producer", "rlpipe-learner": "learner"}  # StatefulSet name -> rlpipe component
 STRIMZI_API = "kafka.strimzi.io/v1beta2"
 ONE_MIB = 1024 * 1024
 DAY_MS = 24 * 3600 * 1000
@@ -48,10 +48,10 @@ def one(resources: list[dict], kind: str, name: str | None = None) -> dict:
 
 
 def workloads(resources: list[dict]) -> list[tuple[str, dict, dict]]:
-    """(component, workload, its one rlpipe container) for the producer Deployment and the learner StatefulSet."""
+    """(component, workload, its one rlpipe container) for the producer and the learner StatefulSets."""
     result = []
-    for kind, component in WORKLOADS.items():
-        workload = one(resources, kind)
+    for name, component in WORKLOADS.items():
+        workload = one(resources, "StatefulSet", name)
         (spec,) = pod_specs(workload)
         (container,) = [c for c in spec["containers"] if c["name"] == component]
         result.append((component, workload, container))
@@ -88,10 +88,10 @@ def test_renders_and_builtin_kinds_match_the_kubernetes_schemas(name):
 
 def test_validation_would_catch_a_typo():
     # Guard against a validator that silently accepts everything (e.g. a schema that is not found).
-    deployment = one(rendered("overlays/gke"), "Deployment")
-    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["pth"] = "/healthz"
+    producer = one(rendered("overlays/gke"), "StatefulSet", "rlpipe-producer")
+    producer["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["pth"] = "/healthz"
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(deployment, kubernetes_validate.latest_version(), strict=True)
+        kubernetes_validate.validate(producer, kubernetes_validate.latest_version(), strict=True)
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
@@ -258,8 +258,9 @@ def test_the_secret_check_catches_literal_passwords():
 # the run configuration the pods will resolve ------------------------------------------
 
 
-def resolved_config(resources: list[dict], container: dict, tmp_path: Path) -> RunConfig:
-    """What ``rlpipe ... --config /etc/rlpipe/run.yaml`` resolves to inside this container."""
+def resolved_config(resources: list[dict], container: dict, tmp_path: Path,
+                    pod_name: str = "rlpipe-producer-0") -> RunConfig:
+    """What ``rlpipe ... --config /etc/rlpipe/run.yaml`` resolves to inside this container of pod ``pod_name``."""
     (config_map,) = of_kind(resources, "ConfigMap")
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text(config_map["data"]["run.yaml"])
@@ -270,7 +271,7 @@ def resolved_config(resources: list[dict], container: dict, tmp_path: Path) -> R
         elif "secretKeyRef" in env["valueFrom"]:
             environ[env["name"]] = "from-the-secret"
         elif "fieldRef" in env["valueFrom"]:
-            environ[env["name"]] = "rlpipe-producer-7d9f8b6c5-x2k4q"  # a pod name
+            environ[env["name"]] = pod_name
     return resolve_config(config_file=run_yaml, environ=environ)
 
 
@@ -314,10 +315,30 @@ def test_pods_resolve_a_valid_run_config_that_matches_the_cluster(name, tmp_path
         assert "/etc/rlpipe/run.yaml" in files
         assert getattr(config, component).health_port == health_port(container)
     producer = configs["producer"]
-    assert producer.producer.producer_id == "rlpipe-producer-7d9f8b6c5-x2k4q"
+    assert producer.producer.producer_id == "rlpipe-producer-0"
     # Both pods serve the same run: everything but their own section (health port, id) is equal.
     sections = {"producer", "learner"}
     assert configs["learner"].model_dump(exclude=sections) == producer.model_dump(exclude=sections)
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_each_producer_replica_plays_its_own_training_seeds(name, tmp_path):
+    resources = rendered(name)
+    # A StatefulSet names its pods <name>-0, <name>-1, ...: the ordinal picks the seed range.
+    producer = one(resources, "StatefulSet", "rlpipe-producer")
+    assert producer["spec"]["serviceName"] == one(resources, "Service", "rlpipe-producer")["metadata"]["name"]
+    (spec,) = pod_specs(producer)
+    (container,) = [c for c in spec["containers"] if c["name"] == "producer"]
+    assert env_of(container)["RLPIPE_PRODUCER__PRODUCER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    autoscalers = of_kind(resources, "HorizontalPodAutoscaler")
+    replicas = autoscalers[0]["spec"]["maxReplicas"] if autoscalers else producer["spec"]["replicas"]
+    seen: set[int] = set()
+    for ordinal in range(replicas):
+        config = resolved_config(resources, container, tmp_path, pod_name=f"{producer['metadata']['name']}-{ordinal}")
+        seeds = config.training_seeds(config.producer.producer_id)
+        assert len(seeds) >= 1000 and seeds.stop <= config.env.eval_seed_offset
+        assert not seen & set(seeds), f"replica {ordinal} shares seeds with another replica"
+        seen |= set(seeds)
 
 
 def test_dev_runs_the_tiny_model_on_cpu_with_a_file_store(tmp_path):
@@ -417,9 +438,9 @@ def test_kafka_user_may_use_exactly_the_rlpipe_namespace():
 def test_gke_autoscales_producers_on_the_adapter_metric():
     resources = rendered("overlays/gke")
     hpa = one(resources, "HorizontalPodAutoscaler")
-    producer = one(resources, "Deployment")
+    producer = one(resources, "StatefulSet", "rlpipe-producer")
     target = hpa["spec"]["scaleTargetRef"]
-    assert (target["kind"], target["name"]) == ("Deployment", producer["metadata"]["name"])
+    assert (target["kind"], target["name"]) == ("StatefulSet", producer["metadata"]["name"])
     assert "replicas" not in producer["spec"]  # the HPA owns the count; apply must not reset it
     assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
     (metric,) = hpa["spec"]["metrics"]
