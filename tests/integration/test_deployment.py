@@ -177,6 +177,7 @@ def test_env_only_producer_and_learner_serve_health_metrics_and_stop_cleanly(
         PRODUCER__ENV_WORKERS="1",
         PRODUCER__HEARTBEAT_INTERVAL_S="1",
         PRODUCER__HEALTH_PORT=str(producer_port),
+        PRODUCER__PRODUCER_ID="rlpipe-producer-3",  # a StatefulSet pod name: ordinal 3
         LEARNER__BATCH_ROWS="2",  # one producer batch = one optimizer step
         LEARNER__TORCH_THREADS="1",
         LEARNER__HEALTH_PORT=str(learner_port),
@@ -213,6 +214,8 @@ def test_env_only_producer_and_learner_serve_health_metrics_and_stop_cleanly(
         text = service.output()
         assert SECRET not in text
         assert "Traceback" not in text
+    seeds = RunConfig().training_seeds("rlpipe-producer-3")  # the ordinal's range, below the evaluation seeds
+    assert f"environment seeds {seeds.start}..{seeds.stop - 1}" in producer.output()
     assert files_containing(tmp_path, SECRET) == []  # run.json, checkpoints, logs: nowhere on disk
 
 
