@@ -97,7 +97,8 @@ class SamplingStreams:
     Call ``n`` is seeded with a hash of (sampling seed, producer id, incarnation, ``n``),
     and the sampler derives request ``i``'s stream from that seed and ``i``
     (``request_seed``).  So two turns of one episode, two calls between batches,
-    two producers and two processes never share a stream.
+    two producers and two processes never share a stream.  ``engine_seed`` seeds
+    an engine-wide stream (vLLM on the CPU cannot seed requests) the same way.
 
     ``incarnation`` is a random 64-bit nonce drawn when the process starts and
     logged.  Producer ids are stable across restarts (the launcher's
@@ -116,9 +117,16 @@ class SamplingStreams:
 
     def next_call_seed(self) -> int:
         """The seed of the next ``generate`` call (63 bits: any backend's generator accepts it)."""
-        key = f"{self.seed}:{self.producer_id}:{self.incarnation}:{self.calls}"
         self.calls += 1
-        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+        return self._hash(f"call:{self.calls - 1}") & 0x7FFF_FFFF_FFFF_FFFF
+
+    def engine_seed(self) -> int:
+        """The seed of an engine-wide stream (vLLM on the CPU draws from one): new per incarnation, 31 bits."""
+        return self._hash("engine") & 0x7FFF_FFFF
+
+    def _hash(self, what: str) -> int:
+        key = f"{self.seed}:{self.producer_id}:{self.incarnation}:{what}"
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
 
 
 class RolloutWorker:

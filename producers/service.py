@@ -27,7 +27,7 @@ from pipeline.stack import rlpipe_home
 from pipeline.topics import topic_name
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents
 from producers.envs.registry import env_from_spec
-from producers.rollout import RolloutWorker
+from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers import make_sampler
 from producers.sink import StoreThenEventSink, announce_orphans, announced_batches
 from producers.tiny_model import resolve_model
@@ -195,7 +195,9 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
     done.add("store")
     model_path = resolve_model(config.model)
     log.info("initialising sampler %s on %s", config.sampler.backend, model_path)
-    sampler = make_sampler(config.sampler.backend, model_path, config.sampler)
+    streams = SamplingStreams(config.sampler.seed, producer_id)  # this process's incarnation: new streams
+    sampler_config = config.sampler.model_copy(update={"seed": streams.engine_seed()})
+    sampler = make_sampler(config.sampler.backend, model_path, sampler_config)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     done.add("sampler")
     registry = AdapterRegistry(store, config.run_id)
@@ -208,7 +210,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
         run_id=config.run_id, producer_id=producer_id, env_name=config.env.name,
         make_env=lambda: env_from_spec(config.env), tokenizer=tokenizer, sampler=sampler,
         adapters=watcher, sink=sink, producer=config.producer, sampling=config.sampler,
-        env_seeds=config.training_seeds(producer_id),
+        env_seeds=config.training_seeds(producer_id), incarnation=streams.incarnation,
     )
     backlog = None
     if config.producer.max_backlog_steps is not None:

@@ -8,7 +8,7 @@ import pytest
 from pipeline.archive import TrajectoryArchive
 from pipeline.store import ObjectStore
 from producers.envs.registry import make_env
-from producers.rollout import RolloutWorker, StaleAdapterError
+from producers.rollout import RolloutWorker, SamplingStreams, StaleAdapterError
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, request_seed
 from producers.sink import StoreThenEventSink, announce_orphans
 from schemas.config import ProducerConfig, SamplerConfig
@@ -197,3 +197,12 @@ def test_environment_seeds_come_from_the_given_range_and_wrap_around(tiny_tokeni
     worker.env_seeds = range(10, 12)
     worker.next_seed = 10
     assert [worker.new_group(None).seed for _ in range(5)] == [10, 11, 10, 11, 10]
+
+
+def test_an_engine_wide_stream_is_new_per_process_and_reproducible_from_the_logged_nonce():
+    # vLLM on the CPU samples from one engine-wide stream: its seed must change with the incarnation too.
+    first, restarted = SamplingStreams(0, "run-p0"), SamplingStreams(0, "run-p0")
+    assert first.incarnation != restarted.incarnation and first.engine_seed() != restarted.engine_seed()
+    again = SamplingStreams(0, "run-p0", incarnation=first.incarnation)
+    assert again.engine_seed() == first.engine_seed() < 2**31
+    assert [again.next_call_seed() for _ in range(3)] == [first.next_call_seed() for _ in range(3)]
