@@ -105,7 +105,9 @@ class SamplerConfig(_Section):
 class ProducerConfig(_Section):
     """Rollout worker settings."""
 
-    producer_id: str | None = Field(None, description="stable id; None = hostname-pid")
+    producer_id: str | None = Field(
+        None, description="stable id; None = hostname-pid; an ordinal suffix (-p3, -3) picks the training seed range"
+    )
     group_size: int = Field(4, ge=1, le=1024, description="samples per environment seed (GRPO group)")
     groups_per_batch: int = Field(4, ge=1, le=100_000, description="groups written in one Parquet batch")
     concurrent_groups: int = Field(4, ge=1, le=4096, description="groups in flight at once (batched generation)")
@@ -202,7 +204,7 @@ class RunConfig(_Section):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    num_producers: int = Field(1, ge=0, le=256, description="producer processes `rlpipe run` starts")
+    num_producers: int = Field(1, ge=0, le=PRODUCER_SLOTS, description="producer processes `rlpipe run` starts")
 
     @field_validator("run_id")
     @classmethod
