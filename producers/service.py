@@ -28,7 +28,7 @@ from pipeline.topics import topic_name
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents
 from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker
-from producers.samplers import make_sampler
+from producers.samplers import sampler_for_run
 from producers.sink import StoreThenEventSink, announce_orphans, announced_batches
 from producers.tiny_model import resolve_model
 from schemas.config import BusConfig, RunConfig
@@ -195,7 +195,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
     done.add("store")
     model_path = resolve_model(config.model)
     log.info("initialising sampler %s on %s", config.sampler.backend, model_path)
-    sampler = make_sampler(config.sampler.backend, model_path, config.sampler)
+    sampler = sampler_for_run(config, model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     done.add("sampler")
     registry = AdapterRegistry(store, config.run_id)
