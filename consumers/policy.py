@@ -159,7 +159,11 @@ class LoraPolicy:
 
     @staticmethod
     def _head_float32(head: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:
-        """The output head in float32 (bf16 logits are too coarse for ratios); a LoRA-wrapped head runs as it is."""
+        """The output head in float32 (bf16 logits are too coarse for ratios); a LoRA-wrapped head runs as it is.
+
+        Over bf16 weights this holds a float32 copy of the head's weight (vocabulary x
+        hidden) until the backward pass: the price of float32 logprobs.
+        """
         if isinstance(head, torch.nn.Linear):
             bias = None if head.bias is None else head.bias.float()
             return torch.nn.functional.linear(hidden_NH.float(), head.weight.float(), bias)
