@@ -89,7 +89,7 @@ def run(preset: str, steps: int, overrides: list[str], json_out: str | None = No
     from producers.adapters import AdapterWatcher
     from producers.envs.registry import env_from_spec
     from producers.rollout import RolloutWorker
-    from producers.samplers import make_sampler
+    from producers.samplers import sampler_for_run
     from producers.sink import StoreThenEventSink
     from producers.tiny_model import resolve_model
 
@@ -100,7 +100,7 @@ def run(preset: str, steps: int, overrides: list[str], json_out: str | None = No
     store = ObjectStore(folder.as_uri())
     archive = TrajectoryArchive(store)
     model_path = resolve_model(config.model)
-    sampler = make_sampler(config.sampler.backend, model_path, config.sampler)
+    sampler = sampler_for_run(config, model_path)
     registry = AdapterRegistry(store, run_id)
     watcher = AdapterWatcher(registry, sampler, folder / "cache", max_loaded=config.sampler.max_loras,
                              registry_poll_s=0.0)

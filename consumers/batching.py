@@ -68,14 +68,17 @@ def pad_rows(
     weights_R: Sequence[float] | np.ndarray | None = None,
     token_weights_R: FloatRows | None = None,
     pad_token_id: int = 0,
+    temperatures_R: Sequence[float] | np.ndarray | None = None,
 ) -> TokenBatch:
     """Right-pad rows into one ``TokenBatch`` on the CPU (padding: token ``pad_token_id``, mask 0, logprob 0).
 
-    ``weights_R`` defaults to 1 per row; ``token_weights_R``, if given, is one list per row like ``tokens_R``.
+    ``weights_R`` defaults to 1 per row; ``token_weights_R``, if given, is one list per row like ``tokens_R``;
+    ``temperatures_R`` is each row's sampling temperature (None: 1 for every row).
     """
     n_rows = len(tokens_R)
-    if len(loss_mask_R) != n_rows or len(logprobs_R) != n_rows or len(advantages_R) != n_rows:
-        raise ValueError("tokens_R, loss_mask_R, logprobs_R and advantages_R must have one entry per row")
+    per_row = [loss_mask_R, logprobs_R, advantages_R, *([] if temperatures_R is None else [temperatures_R])]
+    if any(len(values) != n_rows for values in per_row):
+        raise ValueError("tokens_R, loss_mask_R, logprobs_R, advantages_R and temperatures_R need one entry per row")
     if n_rows == 0:
         raise ValueError("cannot pad an empty list of rows; skip empty micro-batches")
     for index in range(n_rows):
@@ -100,6 +103,7 @@ def pad_rows(
         advantages_B=torch.from_numpy(np.asarray(advantages_R, dtype=np.float32)),
         weights_B=torch.from_numpy(weights_B),
         token_weights_BT=None if token_weights_BT is None else torch.from_numpy(token_weights_BT),
+        temperatures_B=None if temperatures_R is None else torch.from_numpy(np.asarray(temperatures_R, np.float32)),
     )
 
 
@@ -111,6 +115,7 @@ def micro_batches(
     micro_batch_tokens: int,
     weights_R: Sequence[float] | np.ndarray | None = None,
     token_weights_R: FloatRows | None = None,
+    temperatures_R: Sequence[float] | np.ndarray | None = None,
 ) -> list[TokenBatch]:
     """The rows of one optimizer step as padded micro-batches within the token budget, in row order."""
 
@@ -127,6 +132,7 @@ def micro_batches(
                 pick(advantages_R, indices),
                 pick(weights_R, indices),
                 pick(token_weights_R, indices),
+                temperatures_R=pick(temperatures_R, indices),
             )
         )
     return batches

@@ -41,6 +41,7 @@ import pyarrow as pa
 from consumers.advantages import compute_advantages, discounted_returns_to_go, training_weights
 from consumers.batching import drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore, LearnerState
+from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
 from pipeline.archive import TrajectoryArchive
 from pipeline.registry import AdapterRegistry
@@ -306,8 +307,9 @@ class Learner:
             return_to_go_baseline=self.cfg.return_to_go_baseline,
         )
         weights_R = training_weights(self.cfg, advantages_R, cols.get("weight"))
+        check_behaviour_policy(self.cfg.loss, cols["temperature"], cols["top_p"], cols["top_k"])
         batches = micro_batches(cols["tokens"], cols["loss_mask"], cols["logprobs"], advantages_R,
-                                self.cfg.micro_batch_tokens, weights_R)
+                                self.cfg.micro_batch_tokens, weights_R, temperatures_R=cols["temperature"])
         self.source.keep_alive()
         result = self.policy.train_step(batches, normaliser=float(rows.num_rows))
         self.source.keep_alive()

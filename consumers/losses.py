@@ -8,7 +8,9 @@ micro-batch and adding the gradients gives exactly the gradient of one big batch
 
 Notation per token t of sequence b (all masks are 0 on prompt and padding):
   logp_t  current policy's log-probability of token t      (``token_logprobs``)
+          at the row's sampling temperature T_b: log softmax(logits / T_b)
   q_t     sampler's log-probability of the same token        (``sampler_logprobs_BT``)
+          under the same processed distribution
   r_t     = exp(logp_t - q_t), the importance ratio
   m_t     = loss_mask_t * token_weight_t
   w_b     per-sample weight; A_b the sequence's advantage
@@ -29,16 +31,24 @@ Notation per token t of sequence b (all masks are 0 on prompt and padding):
 ``cross_entropy`` (supervised; also awr and filtered_bc, whose per-row weights
 ``consumers.advantages.training_weights`` folds into ``weights_B`` beforehand):
   loss = -(1/N) sum_bt m_t w_b logp_t
+
+The behaviour policy: producers sample from softmax(logits / T) and record its
+logprobs, so every loss trains that tempered distribution, the one the producers
+will sample next.  Greedy rows (T = 0) record and are scored at temperature 1.
+Nucleus and top-k truncation are not reproduced, so the ratio losses refuse rows
+sampled with them (``check_behaviour_policy``); cross-entropy needs no ratio.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
-from schemas.config import LearnerConfig
+from schemas.config import IMPORTANCE_LOSSES, LearnerConfig
+from schemas.trajectory import behaviour_policy_problem
 
 # Log-ratios are clamped to this range for the statistics only, so one absurd
 # token cannot turn the ESS into inf/inf = NaN (exp(40) ~ 2e17 still reads as absurd).
@@ -52,6 +62,7 @@ class TokenBatch:
     ``sampler_logprobs_BT[b, t]`` is the sampler's logprob of ``tokens_BT[b, t]``
     (0 where loss_mask is 0).  ``weights_B`` is per sample (1 = plain);
     ``token_weights_BT``, if given, multiplies the loss mask in every loss.
+    ``temperatures_B`` is each row's sampling temperature (None = 1 for every row).
     """
 
     tokens_BT: torch.Tensor
@@ -60,6 +71,7 @@ class TokenBatch:
     advantages_B: torch.Tensor
     weights_B: torch.Tensor
     token_weights_BT: torch.Tensor | None = None
+    temperatures_B: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.tokens_BT.dim() != 2 or self.tokens_BT.dtype != torch.int64:
@@ -71,8 +83,9 @@ class TokenBatch:
             tensor = getattr(self, name)
             if tensor is not None and tuple(tensor.shape) != shape_BT:
                 raise ValueError(f"{name} has shape {self.shape_of(name)}, expected {shape_BT} like tokens_BT")
-        for name in ("advantages_B", "weights_B"):
-            if tuple(getattr(self, name).shape) != shape_BT[:1]:
+        for name in ("advantages_B", "weights_B", "temperatures_B"):
+            tensor = getattr(self, name)
+            if tensor is not None and tuple(tensor.shape) != shape_BT[:1]:
                 raise ValueError(f"{name} has shape {self.shape_of(name)}, expected ({shape_BT[0]},): one per sequence")
 
     def shape_of(self, name: str) -> tuple[int, ...]:
@@ -160,9 +173,18 @@ class LossStats:
         return {**raw, **derived}
 
 
-def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
-    """logp[b, t] = log_softmax(logits[b, t-1])[tokens[b, t]] in float32; logp[b, 0] = 0 (no context).
+def logit_divisors(temperatures_B: torch.Tensor) -> torch.Tensor:
+    """What each row's logits are divided by: its sampling temperature, 1 for greedy rows (temperature 0)."""
+    temperatures_B = temperatures_B.float()
+    return torch.where(temperatures_B > 0, temperatures_B, torch.ones_like(temperatures_B))
 
+
+def token_logprobs(
+    logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, temperatures_B: torch.Tensor | None = None
+) -> torch.Tensor:
+    """logp[b, t] = log_softmax(logits[b, t-1] / T_b)[tokens[b, t]] in float32; logp[b, 0] = 0 (no context).
+
+    ``temperatures_B`` None means temperature 1 for every row (see ``logit_divisors``).
     Computed as gathered logit minus logsumexp, in float32 whatever the model's
     dtype, because bf16 log-probabilities are too coarse for importance ratios.
     """
@@ -172,9 +194,26 @@ def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor) -> torch.T
             "expected (B, T, V) and (B, T)"
         )
     logits_BtV = logits_BTV[:, :-1].float()
+    if temperatures_B is not None:
+        logits_BtV = logits_BtV / logit_divisors(temperatures_B.to(logits_BtV.device))[:, None, None]
     picked_Bt = logits_BtV.gather(-1, tokens_BT[:, 1:].unsqueeze(-1)).squeeze(-1)
     logprobs_Bt = picked_Bt - torch.logsumexp(logits_BtV, dim=-1)
     return torch.nn.functional.pad(logprobs_Bt, (1, 0))
+
+
+def check_behaviour_policy(
+    loss: str, temperatures_R: Sequence[float], top_ps_R: Sequence[float], top_ks_R: Sequence[int]
+) -> None:
+    """Refuse rows whose sampling distribution ``loss`` cannot divide by (see ``behaviour_policy_problem``)."""
+    if loss not in IMPORTANCE_LOSSES:
+        return
+    for temperature, top_p, top_k in set(zip(temperatures_R, top_ps_R, top_ks_R, strict=True)):
+        problem = behaviour_policy_problem(float(temperature), float(top_p), int(top_k))
+        if problem:
+            raise ValueError(
+                f"learner.loss {loss} cannot train on rows sampled with temperature {temperature:g}, top_p "
+                f"{top_p:g}, top_k {top_k}: {problem}; train them with cross_entropy, awr or filtered_bc"
+            )
 
 
 def _check_normaliser(normaliser: float) -> None:
@@ -306,7 +345,9 @@ def compute_loss(
     ``awr`` and ``filtered_bc`` are weighted cross-entropy: ``batch.weights_B`` must
     already hold ``consumers.advantages.training_weights(config, ...)`` for the step.
     """
-    return loss_from_logprobs(config, token_logprobs(logits_BTV, batch.tokens_BT), batch, normaliser)
+    return loss_from_logprobs(
+        config, token_logprobs(logits_BTV, batch.tokens_BT, batch.temperatures_B), batch, normaliser
+    )
 
 
 def loss_from_logprobs(

@@ -5,6 +5,15 @@ gradient clipping, AdamW, schedule.  The same code runs on the CPU here and on
 a GPU where present (``device="auto"``); bf16 autocast is used where the
 hardware has it.  State for checkpoints is exported as plain tensors (for
 safetensors) plus JSON-able scalars: nothing is pickled.
+
+Precision: the frozen base weights load in ``model.dtype`` (bfloat16 on GPUs
+halves their memory); the LoRA weights, hence the AdamW state, are float32
+whatever the base dtype, and the output head and log-softmax run in float32.
+
+The head-only forward (``generated_logprobs``) calls the decoder body and
+``lm_head`` directly, so it would silently skip whatever a model's own forward
+does to the logits after the head: soft-capping (Gemma 2 and 3), scaling
+(Cohere, Granite).  Such models are refused when the policy is built.
 """
 
 from __future__ import annotations
@@ -18,10 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from consumers.losses import LossStats, TokenBatch, loss_from_logprobs
+from consumers.losses import LossStats, TokenBatch, logit_divisors, loss_from_logprobs
 from schemas.config import LearnerConfig
+
+# Model config fields that reshape the logits after the output head, and their neutral value.
+_LOGIT_RESHAPING_FIELDS: dict[str, float | None] = {
+    "final_logit_softcapping": None,  # Gemma 2 / 3: tanh soft-capping
+    "logit_scale": 1.0,  # Cohere: logits * logit_scale
+    "logits_scaling": 1.0,  # Granite: logits / logits_scaling
+    "lm_head_multiplier": 1.0,  # Falcon-H1: logits * multiplier
+}
 
 
 def pick_device(requested: str) -> torch.device:
@@ -29,6 +46,29 @@ def pick_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(requested)
+
+
+def weights_dtype(model_config: PretrainedConfig, dtype: str) -> torch.dtype:
+    """``model.dtype`` as a torch dtype; "auto" is the checkpoint's own (float32 when it does not say)."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    saved = getattr(model_config, "dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    return saved if isinstance(saved, torch.dtype) else torch.float32
+
+
+def check_head_supported(base_model: str, config: PretrainedConfig) -> None:
+    """Refuse, in one line, a model whose logits the head-only forward would get wrong (module docstring)."""
+    for section in {id(c): c for c in (config, config.get_text_config())}.values():
+        for name, neutral in _LOGIT_RESHAPING_FIELDS.items():
+            value = getattr(section, name, neutral)
+            if value is not None and value != neutral:
+                raise ValueError(
+                    f"{base_model}: {type(section).__name__} sets {name}={value}, which reshapes the logits after "
+                    "the output head and the learner's head-only forward does not; choose a model without it "
+                    "(e.g. Qwen2.5 or Llama)"
+                )
 
 
 def seed_everything(seed: int) -> None:
@@ -51,13 +91,16 @@ class StepResult:
 class LoraPolicy:
     """Base model + LoRA adapter + AdamW; knows how to take a step and export its state."""
 
-    def __init__(self, base_model: str, config: LearnerConfig) -> None:
+    def __init__(self, base_model: str, config: LearnerConfig, dtype: str = "auto") -> None:
+        """``dtype`` is ``model.dtype``: the base weights' ("auto" = the checkpoint's own)."""
         self.config = config
         self.device = pick_device(config.device)
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
+        model_config = AutoConfig.from_pretrained(base_model)
+        check_head_supported(base_model, model_config)
         seed_everything(config.seed)
-        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=weights_dtype(model_config, dtype))
         lora = LoraConfig(
             r=config.lora_rank,
             lora_alpha=config.lora_alpha,
@@ -65,7 +108,8 @@ class LoraPolicy:
             target_modules=list(config.target_modules),
             task_type="CAUSAL_LM",
         )
-        self.model: PeftModel = get_peft_model(base, lora).to(self.device)
+        # autocast_adapter_dtype: LoRA weights (and so AdamW's state) in float32 over bf16/fp16 base weights
+        self.model: PeftModel = get_peft_model(base, lora, autocast_adapter_dtype=True).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -88,24 +132,42 @@ class LoraPolicy:
             out = self.model(input_ids=tokens_BT.to(self.device))
         return out.logits.float()
 
-    def generated_logprobs(self, tokens_BT: torch.Tensor, loss_mask_BT: torch.Tensor) -> torch.Tensor:
+    def generated_logprobs(
+        self, tokens_BT: torch.Tensor, loss_mask_BT: torch.Tensor, temperatures_B: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """logp[b, t] of each generated token (mask 1) under the current policy, 0 elsewhere.
 
         The output head runs only at the positions that predict a generated token:
         with per-turn prompts of a few hundred tokens and answers of a few, this
         skips almost all of the (B, T, V) logits, which dominate the cost of a step.
-        Equal to ``token_logprobs(self.logits(tokens), tokens)`` at those positions.
+        Equal to ``token_logprobs(self.logits(tokens), tokens, temperatures_B)`` at
+        those positions: row b's logits are divided by its sampling temperature
+        (``logit_divisors``), the distribution the sampler drew from and scored.
         """
         base = self.model.get_base_model()  # LoRA layers are injected in place: the body still applies them
         tokens_BT = tokens_BT.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             hidden_BTH = base.model(input_ids=tokens_BT).last_hidden_state
-            rows_N, cols_N = (loss_mask_BT.to(self.device)[:, 1:] > 0).nonzero(as_tuple=True)
-            logits_NV = base.lm_head(hidden_BTH[rows_N, cols_N])  # position t-1 predicts token t
-        logprobs_N = torch.log_softmax(logits_NV.float(), dim=-1).gather(
+        rows_N, cols_N = (loss_mask_BT.to(self.device)[:, 1:] > 0).nonzero(as_tuple=True)
+        logits_NV = self._head_float32(base.lm_head, hidden_BTH[rows_N, cols_N])  # position t-1 predicts token t
+        if temperatures_B is not None:
+            logits_NV = logits_NV / logit_divisors(temperatures_B.to(self.device))[rows_N, None]
+        logprobs_N = torch.log_softmax(logits_NV, dim=-1).gather(
             -1, tokens_BT[rows_N, cols_N + 1].unsqueeze(-1)).squeeze(-1)
         logprobs_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=self.device)
         return logprobs_BT.index_put((rows_N, cols_N + 1), logprobs_N)
+
+    @staticmethod
+    def _head_float32(head: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:
+        """The output head in float32 (bf16 logits are too coarse for ratios); a LoRA-wrapped head runs as it is.
+
+        Over bf16 weights this holds a float32 copy of the head's weight (vocabulary x
+        hidden) until the backward pass: the price of float32 logprobs.
+        """
+        if isinstance(head, torch.nn.Linear):
+            bias = None if head.bias is None else head.bias.float()
+            return torch.nn.functional.linear(hidden_NH.float(), head.weight.float(), bias)
+        return head(hidden_NH).float()
 
     def train_step(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
         """Accumulate gradients over ``micro_batches`` (loss / normaliser each), clip, step."""
@@ -114,7 +176,7 @@ class LoraPolicy:
         total_loss, stats = 0.0, None
         for batch in micro_batches:
             batch = batch.to(self.device)
-            logprobs_BT = self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT)
+            logprobs_BT = self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
             loss, batch_stats = loss_from_logprobs(self.config, logprobs_BT, batch, normaliser)
             loss.backward()
             total_loss += float(loss.detach())

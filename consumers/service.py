@@ -40,7 +40,7 @@ def build_learner(
     """The learner of ``config.run_id`` over ``store``, fed by ``source``."""
     base_model = base_model or resolve_base_model(config.model)
     log.info("initialising policy on %s (LoRA rank %d)", base_model, config.learner.lora_rank)
-    policy = LoraPolicy(base_model, config.learner)
+    policy = LoraPolicy(base_model, config.learner, dtype=config.model.dtype)
     return Learner(
         run_id=config.run_id, base_model=config.model.base_model if config.model.base_model != "tiny" else base_model,
         config=config.learner, policy=policy, archive=TrajectoryArchive(store),

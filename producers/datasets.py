@@ -1143,7 +1143,7 @@ def trajectory_table(
             "group_id": time_of_day_group(ids["group_prefix"], env.local_time(step.timestamp)), "env": env.name,
             "env_seed": episode.env_seed, "producer_id": ids["producer_id"], "policy_version": 0,
             "adapter_sha256": NO_ADAPTER_SHA, "tokens": tokens, "loss_mask": [0] * len(prompt) + [1] * len(answer),
-            "logprobs": [0.0] * len(tokens), "turn_rewards": [step.reward],
+            "logprobs": [0.0] * len(tokens), "temperature": 1.0, "top_p": 1.0, "top_k": 0, "turn_rewards": [step.reward],
             "reward": float(sum(s.reward for s in episode.steps)), "turn": t,
             "return_to_go": float(episode.returns_to_go[t]), "num_turns": len(episode.steps), "success": False,
             "terminated": episode.terminated, "truncated": not episode.terminated, "created_at": created_at,

@@ -94,6 +94,8 @@ class Episode:
     per_turn: bool
     history_turns: int = 0
     max_model_len: int = 2048
+    temperature: float = 1.0  # how the sampler shaped the distribution its logprobs are of (the rows record it)
+    top_p: float = 1.0
     observation: str = ""
     turns: list[TurnRecord] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # whole-episode sequence (per_turn False)

@@ -69,10 +69,10 @@ def eval(
     store = open_store(config.store)
     registry = AdapterRegistry(store, run)
     numbers = [resolve_version(registry, v) for v in (version or ["latest"])]
-    from producers.samplers import make_sampler
+    from producers.samplers import sampler_for_run
 
     model_path = resolve_model(config.model)
-    sampler = make_sampler(config.sampler.backend, model_path, config.sampler)
+    sampler = sampler_for_run(config, model_path)
     try:
         results = [evaluate_version(config, store, model_path, n, episodes, sampler=sampler,
                                     temperature=0.0 if greedy else None) for n in numbers]

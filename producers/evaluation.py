@@ -18,7 +18,7 @@ from pipeline.stack import rlpipe_home
 from pipeline.store import ObjectStore
 from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker
-from producers.samplers import make_sampler
+from producers.samplers import sampler_for_run
 from producers.samplers.base import AdapterHandle, Sampler
 from schemas.config import RunConfig
 from schemas.evaluation import EvalResult, eval_key, eval_to_bytes
@@ -84,7 +84,7 @@ def evaluate_version(
     registry = AdapterRegistry(store, config.run_id)
     handle = pull_handle(registry, version, rlpipe_home() / "adapter-cache" / f"eval-{uuid.uuid4().hex[:8]}")
     own_sampler = sampler is None
-    sampler = sampler or make_sampler(config.sampler.backend, model_path, config.sampler)
+    sampler = sampler or sampler_for_run(config, model_path)
     if handle is not None:
         sampler.load_adapter(handle)
     sampling = config.sampler if temperature is None else config.sampler.model_copy(update={"temperature": temperature})

@@ -253,6 +253,8 @@ class RolloutWorker:
             per_turn=getattr(env, "long_horizon", False),
             history_turns=env.config.history_turns,
             max_model_len=self.sampling.max_model_len,
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
         )
         episode.start()
         return episode

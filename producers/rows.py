@@ -27,6 +27,9 @@ def episode_rows(
         "producer_id": producer_id,
         "policy_version": episode.policy_version,
         "adapter_sha256": episode.adapter_sha256,
+        "temperature": episode.temperature,
+        "top_p": episode.top_p,
+        "top_k": 0,  # the samplers never cut to the top k
         "reward": episode.episode_return,
         "num_turns": len(episode.turns),
         "success": episode.success,

@@ -28,7 +28,7 @@ from pipeline.topics import topic_name
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents
 from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker, SamplingStreams
-from producers.samplers import make_sampler
+from producers.samplers import sampler_for_run
 from producers.sink import StoreThenEventSink, announce_orphans, announced_batches
 from producers.tiny_model import resolve_model
 from schemas.config import BusConfig, RunConfig
@@ -197,7 +197,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
     log.info("initialising sampler %s on %s", config.sampler.backend, model_path)
     streams = SamplingStreams(config.sampler.seed, producer_id)  # this process's incarnation: new streams
     sampler_config = config.sampler.model_copy(update={"seed": streams.engine_seed()})
-    sampler = make_sampler(config.sampler.backend, model_path, sampler_config)
+    sampler = sampler_for_run(config.model_copy(update={"sampler": sampler_config}), model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     done.add("sampler")
     registry = AdapterRegistry(store, config.run_id)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from schemas.names import validate_name
+from schemas.trajectory import behaviour_policy_problem
 
 PRODUCER_SLOTS = 256  # training seed ranges per run: one per producer ordinal (num_producers' bound)
 _ORDINAL = re.compile(r"-p?(\d{1,3})$")  # the launcher's <run>-p<i>, a StatefulSet pod's <name>-<i>
@@ -73,7 +74,11 @@ class ModelConfig(_Section):
 
     base_model: str = Field("tiny", max_length=4096, description="'tiny' (built locally), a local path or a hub id")
     tiny_dir: str = Field("", max_length=4096, description="where the tiny model is built/cached; empty = default")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="base weights dtype in the learner and the sampler (auto = the checkpoint's own); "
+        "LoRA weights, optimizer state and logprobs are float32 always",
+    )
 
 
 class EnvSpec(_Section):
@@ -92,8 +97,10 @@ class SamplerConfig(_Section):
     """How the producer samples from the policy."""
 
     backend: Literal["vllm", "transformers"] = Field("vllm", description="inference engine")
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="sampling temperature")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="nucleus sampling mass (below 1 only with losses without importance ratios)"
+    )
     max_new_tokens: int = Field(32, ge=1, le=65_536, description="tokens generated per turn")
     max_model_len: int = Field(2048, ge=64, le=1_048_576, description="context length the engine allows")
     gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0, description="vLLM memory share (KV cache on CPU)")
@@ -131,6 +138,9 @@ class ProducerConfig(_Section):
     @classmethod
     def _producer_id(cls, value: str | None) -> str | None:
         return None if value is None else validate_name(value, "producer_id")
+
+
+IMPORTANCE_LOSSES = ("importance_sampling", "ppo")  # the losses that divide by the sampler's logprobs
 
 
 class LearnerConfig(_Section):
@@ -252,6 +262,13 @@ class RunConfig(_Section):
             raise ValueError(
                 f"learner.lora_rank ({self.learner.lora_rank}) exceeds sampler.max_lora_rank "
                 f"({self.sampler.max_lora_rank}); raise sampler.max_lora_rank"
+            )
+        problem = behaviour_policy_problem(self.sampler.temperature, self.sampler.top_p, 0)
+        if problem and self.learner.loss in IMPORTANCE_LOSSES:
+            raise ValueError(
+                f"learner.loss {self.learner.loss} cannot use sampler.temperature {self.sampler.temperature:g} with "
+                f"sampler.top_p {self.sampler.top_p:g}: {problem}; sample with temperature > 0 and top_p 1, "
+                "or train with cross_entropy, awr or filtered_bc"
             )
         return self
 

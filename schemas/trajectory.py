@@ -5,6 +5,13 @@ sampler saw and produced, so a row carries the token ids, a loss mask (1 on
 tokens the policy generated) and the sampler's logprob of each generated token.
 Short multi-turn episodes are one row; long-horizon environments write one row
 per turn with ``turn`` and ``return_to_go`` so per-turn advantages can be formed.
+
+Those logprobs are of the distribution each token was drawn from, so a row also
+records how that distribution was shaped from the model's logits: ``temperature``
+(0 = greedy, whose logprobs are the temperature-1 ones), ``top_p`` and ``top_k``
+(0 = no top-k).  Together with the adapter they are the behaviour policy the
+learner's importance ratios divide by.  Files written before these columns
+(schema 1.0) read as 1.0 / 1.0 / 0: what every sampler then used.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ TRAJECTORY_FIELDS: list[pa.Field] = [
     pa.field("tokens", pa.list_(pa.int32()), nullable=False),
     pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
     pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("temperature", pa.float32(), nullable=False),
+    pa.field("top_p", pa.float32(), nullable=False),
+    pa.field("top_k", pa.int32(), nullable=False),
     pa.field("turn_rewards", pa.list_(pa.float32()), nullable=False),
     pa.field("reward", pa.float32(), nullable=False),
     pa.field("turn", pa.int32(), nullable=False),
@@ -52,6 +62,9 @@ TRAJECTORY_SCHEMA = pa.schema(
     TRAJECTORY_FIELDS,
     metadata={SCHEMA_VERSION_KEY: TRAJECTORY_SCHEMA_VERSION.encode(), TABLE_KIND_KEY: b"trajectories"},
 )
+
+# Columns added after 1.0, and the value they have in files written before them.
+ADDED_COLUMN_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 NO_ADAPTER_SHA = "0" * 64  # the base model (version 0) has no adapter
 
@@ -73,6 +86,9 @@ class TrajectoryRecord(BaseModel):
     tokens: list[Annotated[int, Field(ge=0, le=2**31 - 1)]]
     loss_mask: list[Annotated[int, Field(ge=0, le=1)]]
     logprobs: list[float]
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
     turn_rewards: list[float]
     reward: float
     turn: Annotated[int, Field(ge=0)] = 0
@@ -135,7 +151,7 @@ def check_trajectory_table(table: pa.Table) -> None:
     check_readable(version.decode(), TRAJECTORY_SCHEMA_VERSION, "trajectory table")
     for f in TRAJECTORY_FIELDS:
         if f.name not in table.schema.names:
-            if f.nullable:
+            if f.nullable or f.name in ADDED_COLUMN_DEFAULTS:
                 continue
             raise TrajectoryTableError(f"trajectory table lacks column {f.name!r}")
         actual = table.schema.field(f.name).type
@@ -144,13 +160,36 @@ def check_trajectory_table(table: pa.Table) -> None:
 
 
 def conform_table(table: pa.Table) -> pa.Table:
-    """Check a trajectory table and return it with exactly the current columns (optional ones added)."""
+    """Check a trajectory table and return it with exactly the current columns (missing ones at their defaults)."""
     check_trajectory_table(table)
     arrays = [
-        table.column(f.name) if f.name in table.schema.names else pa.nulls(table.num_rows, f.type)
+        table.column(f.name) if f.name in table.schema.names else _missing_column(f, table.num_rows)
         for f in TRAJECTORY_FIELDS
     ]
     return pa.Table.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+
+
+def _missing_column(field: pa.Field, num_rows: int) -> pa.Array:
+    """An older file's column: its default where it has one, else nulls (optional columns)."""
+    if field.name in ADDED_COLUMN_DEFAULTS:
+        return pa.array([ADDED_COLUMN_DEFAULTS[field.name]] * num_rows, type=field.type)
+    return pa.nulls(num_rows, field.type)
+
+
+def behaviour_policy_problem(temperature: float, top_p: float, top_k: int) -> str | None:
+    """Why importance ratios against rows sampled this way would be wrong, or None when they are right.
+
+    The learner reproduces the sampler's temperature exactly (logits / T) but not
+    a nucleus or top-k cut, and a greedy sampler (temperature 0) has no
+    distribution to correct for: every member of a group gives the same answer.
+    """
+    if temperature == 0.0:
+        return "greedy sampling (temperature 0) has no sampling distribution to correct for"
+    if top_p < 1.0:
+        return f"top_p {top_p:g} truncates the sampling distribution in a way the learner does not reproduce"
+    if top_k > 0:
+        return f"top_k {top_k} truncates the sampling distribution in a way the learner does not reproduce"
+    return None
 
 
 def table_to_records(table: pa.Table) -> list[TrajectoryRecord]:

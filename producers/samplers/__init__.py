@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
-from schemas.config import SamplerConfig
+from schemas.config import RunConfig, SamplerConfig
 
-__all__ = ["AdapterHandle", "SampleOutput", "SampleRequest", "Sampler", "make_sampler", "request_seed"]
+__all__ = [
+    "AdapterHandle", "SampleOutput", "SampleRequest", "Sampler", "make_sampler", "request_seed", "sampler_for_run",
+]
 
 
 def make_sampler(backend: str, model_path: str, config: SamplerConfig | None = None, **kwargs: Any) -> Sampler:
@@ -22,3 +24,8 @@ def make_sampler(backend: str, model_path: str, config: SamplerConfig | None = N
 
         return TransformersSampler(model_path, config, **kwargs)
     raise ValueError(f"unknown sampler backend {backend!r}; choose 'vllm' or 'transformers'")
+
+
+def sampler_for_run(config: RunConfig, model_path: str, **kwargs: Any) -> Sampler:
+    """The sampler ``config`` describes: its backend and settings, base weights in ``model.dtype``."""
+    return make_sampler(config.sampler.backend, model_path, config.sampler, dtype=config.model.dtype, **kwargs)

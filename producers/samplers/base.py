@@ -5,14 +5,14 @@ the generated token ids (the stop token included when generation stopped on
 it) with one logprob per generated token.  Nothing is re-tokenized on the way,
 so the learner trains on the very sequence the sampler produced.
 
-Logprobs: each is ``log softmax(logits)[token]`` of the raw model output at
-temperature 1, before temperature and top-p are applied (vLLM's
-``logprobs_mode="raw_logprobs"``).  That is what the learner's teacher-forced
-forward pass computes, so at temperature 1 and top-p 1 the two agree to float
-precision and the importance ratio starts at 1.  With another temperature or
-top-p the token was drawn from a reshaped distribution, and these numbers are
-the unreshaped policy's, not the sampling distribution's; the learner must then
-treat the sampler's temperature as part of the behaviour policy.
+Logprobs: each is the log-probability of the token under the distribution it
+was drawn from: ``log softmax(logits / temperature)``, renormalised over the
+top-p nucleus when ``top_p`` < 1 (vLLM's ``logprobs_mode="processed_logprobs"``).
+The rows record that temperature and top-p, and the learner divides its logits
+by the same temperature, so the importance ratio compares the sampling
+distribution with the current policy's at that temperature and starts at 1.
+Greedy decoding (temperature 0) draws from no distribution: its logprobs are the
+temperature-1 ones, and the importance-ratio losses refuse such rows.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class SampleOutput:
     """What the sampler generated for one request (sampler -> worker).
 
     ``token_ids`` ends with the stop token when ``finish_reason`` is "stop";
-    ``logprobs[i]`` belongs to ``token_ids[i]`` (raw temperature-1 logprob, see the module doc).
+    ``logprobs[i]`` belongs to ``token_ids[i]`` (of the sampling distribution, see the module doc).
     """
 
     token_ids: list[int]

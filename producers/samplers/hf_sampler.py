@@ -4,8 +4,8 @@ Why a second backend: it runs wherever torch runs (no vLLM wheel for the
 platform, debugging, tests), and its loop is short enough to read, so it is
 the reference for what vLLM should return.  Why a manual loop rather than
 ``model.generate``: every request needs its own random stream (reproducible
-per request, different within a GRPO group) and the raw temperature-1
-logprob of each sampled token, and both are one line each here.
+per request, different within a GRPO group) and the logprob of each sampled
+token under the distribution it was drawn from, and both are one line each here.
 
 Adapters: the base model is wrapped in one ``PeftModel`` holding every loaded
 version under its own name; ``set_adapter`` picks the version for a batch and
@@ -151,17 +151,16 @@ class TransformersSampler(Sampler):
                     use_cache=True,
                 )
                 cache = out.past_key_values
-                logits_BV = out.logits[:, -1, :].float()
-                raw_logprobs_BV = torch.log_softmax(logits_BV, dim=-1)  # temperature 1: what the learner recomputes
+                logprobs_BV = sampling_logprobs(out.logits[:, -1, :].float(), temperature, top_p)
                 next_B = [
-                    _sample(logits_BV[b], temperature, top_p, generators[b]) if not done_B[b] else self.pad_token_id
+                    _draw(logprobs_BV[b], temperature == 0.0, generators[b]) if not done_B[b] else self.pad_token_id
                     for b in range(len(requests))
                 ]
                 for b, token in enumerate(next_B):
                     if done_B[b]:
                         continue
                     tokens_B[b].append(token)
-                    logprobs_B[b].append(float(raw_logprobs_BV[b, token]))
+                    logprobs_B[b].append(float(logprobs_BV[b, token]))
                     done_B[b] = token == self.eos_token_id or len(tokens_B[b]) >= budgets[b]
                 if all(done_B):
                     break
@@ -202,17 +201,37 @@ def _generator(seed: int | None, device: Any) -> Any:
     return generator
 
 
-def _sample(logits_V: Any, temperature: float, top_p: float, generator: Any) -> int:
-    """One token from ``softmax(logits / temperature)`` restricted to the top-p nucleus; greedy at temperature 0."""
+def sampling_logprobs(logits_BV: Any, temperature: float, top_p: float) -> Any:
+    """Log-probabilities of the distribution tokens are drawn from (float32), -inf outside the nucleus.
+
+    ``softmax(logits / temperature)`` cut to the smallest set of most likely tokens
+    whose mass reaches ``top_p`` (the most likely token always stays) and
+    renormalised: what vLLM computes with ``logprobs_mode="processed_logprobs"``.
+    Greedy decoding (temperature 0) has no distribution: its logprobs are the
+    temperature-1 ones, uncut, as vLLM reports them.
+    """
     import torch
 
     if temperature == 0.0:
-        return int(torch.argmax(logits_V))
-    probs_V = torch.softmax(logits_V / temperature, dim=-1)
+        return torch.log_softmax(logits_BV.float(), dim=-1)
+    logits_BV = logits_BV.float() / temperature
     if top_p < 1.0:
-        sorted_V, order_V = torch.sort(probs_V, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
-        outside_V = sorted_V.cumsum(-1) - sorted_V >= top_p
-        sorted_V = sorted_V.masked_fill(outside_V, 0.0)
-        probs_V = torch.zeros_like(probs_V).scatter(-1, order_V, sorted_V)
-    return int(torch.multinomial(probs_V, 1, generator=generator))
+        sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
+        probs_BV = torch.softmax(sorted_BV, dim=-1)
+        outside_BV = probs_BV.cumsum(-1) - probs_BV >= top_p  # the mass before this token already reaches top_p
+        logits_BV = logits_BV.scatter(-1, order_BV, sorted_BV.masked_fill(outside_BV, -torch.inf))
+    return torch.log_softmax(logits_BV, dim=-1)
+
+
+def _draw(logprobs_V: Any, greedy: bool, generator: Any) -> int:
+    """One token: the most likely when ``greedy``, else a draw from ``exp(logprobs_V)``."""
+    import torch
+
+    if greedy:
+        return int(torch.argmax(logprobs_V))
+    return int(torch.multinomial(logprobs_V.exp(), 1, generator=generator))
+
+
+def _sample(logits_V: Any, temperature: float, top_p: float, generator: Any) -> int:
+    """One token from ``softmax(logits / temperature)`` restricted to the top-p nucleus; greedy at temperature 0."""
+    return _draw(sampling_logprobs(logits_V[None], temperature, top_p)[0], temperature == 0.0, generator)

@@ -9,6 +9,11 @@ with ``if __name__ == "__main__":``.  Both work under pytest.
 
 Each adapter version is served under its own ``LoRARequest(name, id, path)``;
 reusing a name or id for new weights can serve a stale cache (NOTES.md).
+
+Logprobs are vLLM's ``processed_logprobs``: log-softmax of the logits after
+temperature and top-p, the distribution each token was drawn from (greedy
+requests: the temperature-1 log-softmax).  On CUDA this mode keeps vLLM off
+FlashInfer's sampling kernel, which cannot report them; its PyTorch sampler runs instead.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ class VLLMSampler(Sampler):
             dtype=checkpoint_dtype(model_path) if dtype == "auto" else dtype,
             enforce_eager=not torch.cuda.is_available() if enforce_eager is None else enforce_eager,
             seed=config.seed,
-            logprobs_mode="raw_logprobs",  # temperature-1 log-softmax: what the learner recomputes
+            logprobs_mode="processed_logprobs",  # of the distribution drawn from: after temperature and top-p
             **engine_kwargs,
         )
         self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)

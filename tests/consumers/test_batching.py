@@ -75,6 +75,9 @@ def test_micro_batches_keep_rows_and_their_values():
     assert torch.cat([b.advantages_B for b in batches]).tolist() == [1.0, 2.0, 3.0, 4.0]
     assert torch.cat([b.weights_B for b in batches]).tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
     assert batches[1].tokens_BT.tolist() == [tokens[2]]
+    assert all(b.temperatures_B is None for b in batches)  # not given: temperature 1
+    tempered = micro_batches(tokens, masks, logprobs, [1.0, 2.0, 3.0, 4.0], 6, temperatures_R=[0.5, 0.7, 1.0, 0.0])
+    assert torch.cat([b.temperatures_B for b in tempered]).tolist() == pytest.approx([0.5, 0.7, 1.0, 0.0])
 
 
 def test_drop_stale_keeps_fresh_rows_and_counts_the_rest():

@@ -14,6 +14,7 @@ from consumers.batching import micro_batches, pad_rows
 from consumers.losses import (
     LossStats,
     TokenBatch,
+    check_behaviour_policy,
     compute_loss,
     cross_entropy_loss,
     importance_sampling_loss,
@@ -103,6 +104,30 @@ def test_token_logprobs_compute_in_float32_for_bf16_logits(logits, tokens):
     assert got.dtype == torch.float32
     expected = token_logprobs(logits_bf16.float(), tokens)
     torch.testing.assert_close(got, expected)
+
+
+def test_token_logprobs_at_each_rows_sampling_temperature(logits, tokens):
+    """The behaviour policy of a row sampled at temperature T is softmax(logits / T); greedy rows (T = 0) score at 1."""
+    temperatures_B = torch.tensor([0.7, 0.0, 2.0])
+    got = token_logprobs(logits, tokens, temperatures_B)
+    for b, divisor in enumerate([0.7, 1.0, 2.0]):
+        for t in range(1, T):
+            expected = reference_logp(logits / divisor, tokens, b, t).item()
+            assert got[b, t].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_importance_losses_refuse_a_behaviour_policy_they_cannot_reproduce():
+    ok = dict(temperatures_R=[0.7, 1.0], top_ps_R=[1.0, 1.0], top_ks_R=[0, 0])
+    check_behaviour_policy("importance_sampling", **ok)
+    check_behaviour_policy("cross_entropy", temperatures_R=[0.0], top_ps_R=[0.9], top_ks_R=[5])  # no ratios
+    for loss, bad, match in [
+        ("importance_sampling", dict(top_ps_R=[1.0, 0.9]), "top_p"),
+        ("ppo", dict(top_ks_R=[0, 40]), "top_k"),
+        ("ppo", dict(temperatures_R=[0.0, 1.0]), "greedy"),
+    ]:
+        with pytest.raises(ValueError, match=match) as info:
+            check_behaviour_policy(loss, **{**ok, **bad})
+        assert "\n" not in str(info.value)
 
 
 def test_token_logprobs_refuse_mismatched_shapes(logits):
@@ -314,6 +339,9 @@ def test_bad_batches_and_normalisers_are_refused(logits, tokens):
         TokenBatch(tokens, torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B + 1), torch.ones(B))
     with pytest.raises(ValueError, match="int64"):
         TokenBatch(tokens.int(), torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B), torch.ones(B))
+    with pytest.raises(ValueError, match="temperatures_B"):
+        TokenBatch(tokens, torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B), torch.ones(B),
+                   temperatures_B=torch.ones(B, T))
     batch = batch_with_ratios(logits, tokens, {})
     with pytest.raises(ValueError, match="normaliser"):
         cross_entropy_loss(token_logprobs(logits, tokens), batch, 0.0)

@@ -38,6 +38,18 @@ def test_incompatible_options_rejected_up_front():
         resolve_config(overrides=["producer.max_staleness=5", "sampler.max_loras=2"])
 
 
+def test_importance_losses_refuse_sampling_they_cannot_correct_for():
+    for overrides, match in [
+        (["sampler.top_p=0.9"], "sampler.top_p"),
+        (["sampler.temperature=0", "learner.loss=ppo"], "greedy"),
+    ]:
+        with pytest.raises(ConfigError, match=match) as info:
+            resolve_config(overrides=overrides)
+        assert "\n" not in str(info.value).strip()
+    assert resolve_config(overrides=["sampler.temperature=0.7"]).sampler.temperature == 0.7
+    assert resolve_config(overrides=["sampler.top_p=0.9", "learner.loss=awr"]).sampler.top_p == 0.9
+
+
 def test_secret_never_printed():
     cfg = resolve_config(environ={
         "RLPIPE_BUS__SECURITY_PROTOCOL": "SASL_SSL", "RLPIPE_BUS__SASL_MECHANISM": "PLAIN",

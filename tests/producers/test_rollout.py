@@ -55,7 +55,7 @@ class FixedAdapters:
         pass
 
 
-def make_worker(tokenizer, env_name, announced, *, adapters=None, **producer):
+def make_worker(tokenizer, env_name, announced, *, adapters=None, sampling=None, **producer):
     store = ObjectStore("memory://rollout-test-" + env_name)
     archive = TrajectoryArchive(store)
     sink = StoreThenEventSink(archive, "run1", env_name, "prod-1", announced.append)
@@ -66,7 +66,7 @@ def make_worker(tokenizer, env_name, announced, *, adapters=None, **producer):
         make_env=lambda: make_env(env_name, {"max_turns": 3} if env_name == "sokoban" else {"max_turns": 4,
                                                                                             "max_actions_total": 4}),
         tokenizer=tokenizer, sampler=ScriptedSampler(tokenizer), adapters=adapters or FixedAdapters(),
-        sink=sink, producer=cfg, sampling=SamplerConfig(max_new_tokens=16),
+        sink=sink, producer=cfg, sampling=sampling or SamplerConfig(max_new_tokens=16),
     )
     return worker, archive, store
 
@@ -154,6 +154,15 @@ def test_rows_record_the_adapter_they_were_sampled_with(tiny_tokenizer):
     rows = table_to_records(archive.read_batch(announced[0].path))
     assert {(r.policy_version, r.adapter_sha256) for r in rows} == {(3, "b" * 64)}
     assert {v for _, v in worker.sampler.calls} == {3}
+
+
+def test_rows_record_the_sampling_parameters_of_their_logprobs(tiny_tokenizer):
+    announced = []
+    sampling = SamplerConfig(max_new_tokens=16, temperature=0.7, top_p=0.95)
+    worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", announced, sampling=sampling)
+    worker.run()
+    rows = table_to_records(archive.read_batch(announced[0].path))
+    assert rows and [(r.temperature, r.top_p, r.top_k) for r in rows] == [(pytest.approx(0.7), pytest.approx(0.95), 0)] * len(rows)
 
 
 def test_stop_flushes_finished_groups_only(tiny_tokenizer):

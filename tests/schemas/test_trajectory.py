@@ -14,7 +14,7 @@ from schemas.trajectory import (
     records_to_table,
     table_to_records,
 )
-from schemas.versions import SchemaVersionError
+from schemas.versions import TRAJECTORY_SCHEMA_VERSION, SchemaVersionError
 
 
 def row(**changes):
@@ -75,6 +75,21 @@ def test_missing_and_mistyped_columns_refused():
 def test_optional_columns_filled():
     table = records_to_table([row()]).drop_columns(["text", "weight"])
     assert conform_table(table).column("text").to_pylist() == [None]
+
+
+def test_sampling_parameters_are_recorded_per_row():
+    back = table_to_records(records_to_table([row(temperature=0.7, top_p=0.9, top_k=20)]))[0]
+    assert (back.temperature, back.top_p, back.top_k) == (pytest.approx(0.7), pytest.approx(0.9), 20)
+    assert TRAJECTORY_SCHEMA_VERSION == "1.1"
+    with pytest.raises(ValidationError, match="top_p"):
+        TrajectoryRecord(**row(top_p=0.0))
+
+
+def test_files_from_before_the_sampling_columns_read_as_temperature_1_without_truncation():
+    older = records_to_table([row()]).drop_columns(["temperature", "top_p", "top_k"])
+    older = older.replace_schema_metadata({**older.schema.metadata, SCHEMA_VERSION_KEY: b"1.0"})
+    back = table_to_records(older)[0]
+    assert (back.temperature, back.top_p, back.top_k) == (1.0, 1.0, 0)
 
 
 def test_steps_table_with_features():

@@ -1,8 +1,11 @@
-"""Samplers: token-in/token-out, raw temperature-1 logprobs equal to a teacher-forced forward pass, adapters.
+"""Samplers: token-in/token-out, logprobs of the sampling distribution equal to a teacher-forced forward pass, adapters.
 
 The reference is computed here, independently of both samplers: one forward pass
 of the whole (prompt + generated) sequence through transformers (plus peft for an
-adapter), ``log_softmax`` of the logits at position t-1 read at token t.
+adapter), ``log_softmax`` of the logits at position t-1, divided by the
+temperature and renormalised over the top-p nucleus, read at token t.  The
+learner's own forward pass (``LoraPolicy.generated_logprobs``) must agree with
+what each sampler records, at any temperature.
 Fixtures (tiny model, adapters, the shared vLLM engine) are in tests/fixtures/vllm.py.
 """
 
@@ -15,11 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from producers.samplers import AdapterHandle, SampleOutput, SampleRequest, make_sampler, request_seed
+from producers.samplers import AdapterHandle, SampleOutput, SampleRequest, make_sampler, request_seed, sampler_for_run
 from producers.samplers.hf_sampler import TransformersSampler, _sample
 from schemas.config import SamplerConfig
 
 LOGPROB_TOL = 1e-4  # NOTES.md: ~2e-7 seen for vLLM in float32; anything near 1e-2 means a dtype or policy mismatch
+LEARNER_TOL = 1e-5  # sampler vs learner in float32: the importance ratio must start at 1
 
 
 # ---- the independent reference --------------------------------------------------
@@ -44,10 +48,20 @@ class Reference:
             self._models[key] = model.eval()
         return self._models[key]
 
-    def logprobs(self, adapter: AdapterHandle | None, prompt: list[int], generated: list[int]) -> list[float]:
+    def logprobs(
+        self, adapter: AdapterHandle | None, prompt: list[int], generated: list[int], temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> list[float]:
+        """Logprobs of the distribution each token was drawn from (greedy, temperature 0: temperature 1)."""
         ids = torch.tensor([prompt + generated])
         with torch.no_grad():
-            logprobs_TV = torch.log_softmax(self.model(adapter)(ids).logits[0].float(), dim=-1)
+            logits_TV = self.model(adapter)(ids).logits[0].float() / (temperature or 1.0)
+        if temperature and top_p < 1.0:  # vLLM's rule: drop the least likely tokens holding at most 1 - top_p
+            ascending_TV, order_TV = logits_TV.sort(dim=-1)
+            dropped_TV = ascending_TV.softmax(-1).cumsum(-1) <= 1.0 - top_p
+            dropped_TV[:, -1] = False
+            logits_TV = logits_TV.scatter(-1, order_TV, ascending_TV.masked_fill(dropped_TV, -torch.inf))
+        logprobs_TV = torch.log_softmax(logits_TV, dim=-1)
         # the token at position p is predicted by the logits at position p - 1
         return [float(logprobs_TV[len(prompt) - 1 + i, token]) for i, token in enumerate(generated)]
 
@@ -87,9 +101,36 @@ def hf_sampler(tiny_trained_dir: Path) -> TransformersSampler:
     return TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
 
 
-def max_gap(reference: Reference, adapter: AdapterHandle | None, prompt: list[int], out: SampleOutput) -> float:
-    expected = reference.logprobs(adapter, prompt, out.token_ids)
+@pytest.fixture(scope="module")
+def learner_policy(tiny_trained_dir: Path, lora_adapters: tuple[AdapterHandle, ...]) -> Any:
+    """The learner's policy holding adapter v1 (the same LoRA shape as the fixture adapters)."""
+    from consumers.policy import LoraPolicy
+    from schemas.config import LearnerConfig
+
+    policy = LoraPolicy(str(tiny_trained_dir), LearnerConfig(device="cpu", lora_rank=8, lora_alpha=16.0))
+    policy.load_adapter_folder(lora_adapters[0].path)
+    return policy
+
+
+def max_gap(
+    reference: Reference, adapter: AdapterHandle | None, prompt: list[int], out: SampleOutput,
+    temperature: float = 1.0, top_p: float = 1.0,
+) -> float:
+    expected = reference.logprobs(adapter, prompt, out.token_ids, temperature, top_p)
     return max(abs(a - b) for a, b in zip(expected, out.logprobs, strict=True))
+
+
+def learner_gap(policy: Any, prompts: list[list[int]], outs: list[SampleOutput], temperature: float) -> float:
+    """Largest |learner logprob - sampler logprob| over every generated token, rows at ``temperature``."""
+    from consumers.batching import pad_rows
+
+    tokens = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
+    masks = [[0] * len(p) + [1] * len(o.token_ids) for p, o in zip(prompts, outs, strict=True)]
+    logprobs = [[0.0] * len(p) + o.logprobs for p, o in zip(prompts, outs, strict=True)]
+    batch = pad_rows(tokens, masks, logprobs, [0.0] * len(tokens), temperatures_R=[temperature] * len(tokens))
+    with torch.no_grad():
+        learner_BT = policy.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
+    return float((learner_BT - batch.sampler_logprobs_BT).abs().max())
 
 
 def check_contract(out: SampleOutput, budget: int, eos: int) -> None:
@@ -177,10 +218,18 @@ def test_transformers_greedy_is_argmax(hf_sampler, reference, prompts) -> None:
     assert out.token_ids == [reference.greedy_next(None, prompts[1])]
 
 
-def test_transformers_logprobs_are_raw_at_any_temperature(hf_sampler, reference, prompts, lora_adapters) -> None:
-    """Documented: logprobs stay the temperature-1 policy's, whatever the sampling temperature."""
+def test_transformers_logprobs_are_the_sampling_distributions(hf_sampler, reference, prompts, lora_adapters) -> None:
+    """Logprobs of softmax(logits / T) renormalised over the nucleus: the distribution the token was drawn from."""
     out = hf_sampler.generate([SampleRequest(prompts[0], 8)], lora_adapters[0], temperature=0.5, top_p=0.9, seed=3)[0]
-    assert max_gap(reference, lora_adapters[0], prompts[0], out) < LOGPROB_TOL
+    assert max_gap(reference, lora_adapters[0], prompts[0], out, temperature=0.5, top_p=0.9) < LOGPROB_TOL
+    assert max_gap(reference, lora_adapters[0], prompts[0], out) > 1e-3  # not the temperature-1 policy's
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_learner_reproduces_transformers_logprobs(hf_sampler, learner_policy, prompts, lora_adapters,
+                                                  temperature) -> None:
+    outs = hf_sampler.generate([SampleRequest(p, 12) for p in prompts], lora_adapters[0], temperature, seed=7)
+    assert learner_gap(learner_policy, prompts, outs, temperature) < LEARNER_TOL
 
 
 def test_transformers_seeds_reproduce_and_group_members_differ(hf_sampler, prompts, lora_adapters) -> None:
@@ -204,6 +253,17 @@ def test_transformers_adapter_switching_and_unloading(tiny_trained_dir, referenc
     sampler.unload_adapter(v1)
     sampler.unload_adapter(v2)
     assert max_gap(reference, None, prompts[2], sampler.generate(request, None, seed=5)[0]) < LOGPROB_TOL
+
+
+def test_run_sampler_loads_the_base_weights_in_model_dtype(tiny_trained_dir, prompts) -> None:
+    from schemas.config import ModelConfig, RunConfig
+
+    config = RunConfig(model=ModelConfig(dtype="bfloat16"),
+                       sampler=SamplerConfig(backend="transformers", max_model_len=1024))
+    sampler = sampler_for_run(config, str(tiny_trained_dir))
+    assert {p.dtype for p in sampler._base.parameters()} == {torch.bfloat16}
+    out = sampler.generate([SampleRequest(prompts[0], 4)], seed=0)[0]
+    assert len(out.logprobs) == len(out.token_ids) and all(lp <= 0.0 for lp in out.logprobs)
 
 
 def test_prompt_that_does_not_fit_is_refused(hf_sampler) -> None:
@@ -246,9 +306,17 @@ def test_vllm_and_transformers_agree_greedily(vllm_sampler, hf_sampler, prompts,
 
 
 @pytest.mark.vllm
-def test_vllm_logprobs_are_raw_at_any_temperature(vllm_sampler, reference, prompts, lora_adapters) -> None:
+def test_vllm_logprobs_are_the_sampling_distributions(vllm_sampler, reference, prompts, lora_adapters) -> None:
     out = vllm_sampler.generate([SampleRequest(prompts[0], 8)], lora_adapters[0], temperature=0.5, top_p=0.9, seed=3)
-    assert max_gap(reference, lora_adapters[0], prompts[0], out[0]) < LOGPROB_TOL
+    assert max_gap(reference, lora_adapters[0], prompts[0], out[0], temperature=0.5, top_p=0.9) < LOGPROB_TOL
+    assert max_gap(reference, lora_adapters[0], prompts[0], out[0]) > 1e-3  # not the temperature-1 policy's
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_learner_reproduces_vllm_logprobs(vllm_sampler, learner_policy, prompts, lora_adapters, temperature) -> None:
+    outs = vllm_sampler.generate([SampleRequest(p, 12) for p in prompts], lora_adapters[0], temperature, seed=7)
+    assert learner_gap(learner_policy, prompts, outs, temperature) < LEARNER_TOL
 
 
 @pytest.mark.vllm

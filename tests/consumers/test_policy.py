@@ -1,0 +1,79 @@
+"""The learner's policy: the weights dtype from ``model.dtype``, float32 adapter and optimizer, supported heads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from consumers.batching import micro_batches
+from consumers.policy import LoraPolicy
+from consumers.service import build_learner
+from pipeline.store import ObjectStore
+from schemas.config import LearnerConfig, ModelConfig, RunConfig
+
+
+def one_step(policy: LoraPolicy) -> None:
+    rows = [[3, 4, 5, 6], [7, 8, 9]]
+    masks = [[0, 0, 1, 1], [0, 1, 1]]
+    batch = micro_batches(rows, masks, [[0.0] * len(r) for r in rows], [1.0, -1.0], 1000)
+    policy.train_step(batch, normaliser=2.0)
+
+
+def test_model_dtype_bfloat16_loads_bf16_base_weights_with_float32_lora_and_optimizer(tiny_model_dir, tmp_path):
+    config = RunConfig(model=ModelConfig(dtype="bfloat16"), learner=LearnerConfig(device="cpu", lora_rank=4))
+    learner = build_learner(config, ObjectStore(tmp_path.as_uri()), source=None, announce=lambda p: None,
+                            base_model=tiny_model_dir)
+    policy = learner.policy
+    frozen = {p.dtype for p in policy.model.parameters() if not p.requires_grad}
+    assert frozen == {torch.bfloat16}
+    assert policy.params and {p.dtype for p in policy.params} == {torch.float32}
+    one_step(policy)
+    tensors, _ = policy.optimizer_state()
+    moments = {name: t.dtype for name, t in tensors.items() if name.endswith(("exp_avg", "exp_avg_sq"))}
+    assert moments and set(moments.values()) == {torch.float32}
+    batch = micro_batches([[3, 4, 5]], [[0, 1, 1]], [[0.0] * 3], [1.0], 1000)[0]
+    with torch.no_grad():
+        logprobs = policy.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT)
+    assert logprobs.dtype == torch.float32 and bool(torch.all(logprobs[0, 1:] < 0))
+
+
+def test_model_dtype_auto_is_the_checkpoints_own(tiny_model_dir):
+    policy = LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4))  # the tiny model is saved in float32
+    assert {p.dtype for p in policy.model.parameters()} == {torch.float32}
+
+
+def model_with(tiny_model_dir: str, folder: Path, **config_changes: object) -> str:
+    """A copy of the tiny model's config (nothing else: the check comes before the weights) with changes."""
+    folder.mkdir()
+    shutil.copy(Path(tiny_model_dir) / "config.json", folder / "config.json")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"logit_scale": 0.0625}, "logit_scale"),
+        ({"logits_scaling": 8.0}, "logits_scaling"),
+    ],
+)
+def test_models_that_reshape_their_logits_are_refused(tiny_model_dir, tmp_path, changes, named):
+    path = model_with(tiny_model_dir, tmp_path / "model", **changes)
+    with pytest.raises(ValueError, match=named) as info:
+        LoraPolicy(path, LearnerConfig(device="cpu"))
+    assert "\n" not in str(info.value) and "head" in str(info.value)
+
+
+def test_gemma2_is_refused_by_its_default_softcapping(tmp_path):
+    from transformers import Gemma2Config
+
+    Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        LoraPolicy(str(tmp_path), LearnerConfig(device="cpu"))
