@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from pipeline.store import ObjectStore
+from pipeline.store import ChecksumError, ObjectStore
 
 log = logging.getLogger("rlpipe.learner")
 
@@ -161,10 +161,19 @@ class CheckpointStore:
         )
 
     def latest(self) -> Checkpoint | None:
-        """The newest checkpoint that loads and verifies (a damaged one is skipped with a warning)."""
+        """The newest checkpoint that loads and verifies.
+
+        Only damage skips a checkpoint: a file whose bytes do not match the
+        manifest's digest (``ChecksumError``) or a file the manifest names that is
+        gone (``FileNotFoundError``); then the next older one is tried, with a
+        warning.  Every other error (a timeout, a refused connection, a permission
+        error) is raised: the process exits and is restarted to try again, instead
+        of resuming from an older checkpoint (or from scratch) and dropping the
+        steps trained since.
+        """
         for _, key in self.complete():
             try:
                 return self.load(key)
-            except Exception as exc:
-                log.warning("skipping checkpoint %s: %s", key, exc)
+            except (ChecksumError, FileNotFoundError) as exc:
+                log.warning("skipping damaged checkpoint %s: %s", key, exc)
         return None
