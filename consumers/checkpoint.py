@@ -127,12 +127,13 @@ class CheckpointStore:
                 {"state": state.to_json(), "scalars": scalars, "rng": rng_states}, sort_keys=True
             ).encode(),
         }
-        digests = {name: self.store.put_create(f"{key}/{name}", data) for name, data in files.items()}
+        # put_create_once: a retried create of our own object (gs://) is not a conflict
+        digests = {name: self.store.put_create_once(f"{key}/{name}", data) for name, data in files.items()}
         manifest = {
             "step": state.step, "version": state.version, "files": digests,
             "created_at": datetime.now(UTC).isoformat(), "schema_version": "1.0",
         }
-        self.store.put_create(f"{key}/manifest.json", json.dumps(manifest, sort_keys=True).encode())
+        self.store.put_create_once(f"{key}/manifest.json", json.dumps(manifest, sort_keys=True).encode())
         return key
 
     def complete(self) -> list[tuple[int, str]]:

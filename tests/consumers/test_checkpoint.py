@@ -67,3 +67,18 @@ def test_an_unreadable_manifest_is_raised(store: FlakyStore) -> None:
     store.put(f"{newest}/manifest.json", json.dumps({"step": 2}).encode())  # no "files": not a storage fault
     with pytest.raises(KeyError):
         checkpoints.latest()
+
+
+class RetriedCreateStore(ObjectStore):
+    """Every create lands and then reports ``FileExistsError`` (a retried GCS upload that lost its answer)."""
+
+    def put_create(self, key: str, data: bytes) -> str:
+        super().put_create(key, data)
+        raise FileExistsError(f"{self.url(key)} already exists")
+
+
+def test_a_create_conflict_on_our_own_checkpoint_files_is_not_a_failure(tmp_path) -> None:
+    checkpoints = CheckpointStore(RetriedCreateStore(tmp_path.as_uri()), RUN)
+    key = save_step(checkpoints, 4)
+    latest = checkpoints.latest()
+    assert latest is not None and latest.key == key and latest.state.step == 4
