@@ -17,6 +17,7 @@ from consumers.policy import LoraPolicy
 from consumers.sources import ReplaySource
 from pipeline.archive import TrajectoryArchive
 from pipeline.registry import AdapterRegistry
+from pipeline.steplog import StepLog
 from pipeline.store import ObjectStore
 from schemas.config import LearnerConfig
 from schemas.trajectory import NO_ADAPTER_SHA
@@ -116,7 +117,7 @@ def test_stale_rows_never_reach_a_gradient(store, setup):
     write_batches(archive, setup, 3, np.random.default_rng(2), version=0)
     learner, _ = make_learner(store, setup, max_staleness=1)
     learner.run(poll_timeout_s=0)
-    log = learner.state.step_log
+    log = StepLog(store, RUN).read()
     # versions 0 and 1 may train version-0 rows (staleness <= 1); from version 2 on they are all dropped
     assert [m["version_trained_from"] for m in log] == [0, 1, 2]
     assert log[2]["rows"] == 0 and log[2]["dropped_stale_rows"] == 16
