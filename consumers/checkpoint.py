@@ -183,7 +183,7 @@ class CheckpointStore:
             folder, _, name = path.rpartition("/")
             folders[folder] = folders.get(folder, False) or name == "manifest.json"
         kept = {key for _, key in self.complete()[: self.keep]} | {newest}
-        newest_step = _step_of(newest)
+        newest_step = _step_of(newest) or 0
         for folder, complete in folders.items():
             step = _step_of(folder)
             if folder in kept or step is None or (not complete and step > newest_step):

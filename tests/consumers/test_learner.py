@@ -159,6 +159,25 @@ def test_resume_continues_without_retraining(store, setup):
     assert AdapterRegistry(store, RUN).versions() == [1, 2, 3, 4]
 
 
+def test_batches_delivered_again_after_restarts_are_skipped_via_the_step_log(store, setup):
+    """Trained ids come back from the step objects up to the checkpoint; a step logged past it is retrained."""
+    write_batches(TrajectoryArchive(store), setup, 3, np.random.default_rng(5))
+    first, _ = make_learner(store, setup, max_steps=3, checkpoint_every=2)
+    first.run(poll_timeout_s=0)  # steps 1-3 logged, checkpoint at 2 only: step 3 is provisional
+    second, _ = make_learner(store, setup, checkpoint_every=2)
+    assert second.resume() and second.state.step == 2 and sorted(second.state.trained.values()) == [1, 2]
+    second.run(poll_timeout_s=0)  # retrains the third batch as step 3 and logs it over the provisional entry
+    second.checkpoint()
+    third, _ = make_learner(store, setup)
+    assert third.resume() and third.state.step == 3
+    third.source.seek({})  # every batch delivered again
+    third.run(poll_timeout_s=0)
+    assert third.duplicates_skipped == 3 and third.state.step == 3
+    log = StepLog(store, RUN).read(upto=3)
+    assert sorted(b for entry in log for b in entry["batch_ids"]) == sorted(third.state.trained) and len(log) == 3
+    assert CheckpointStore(store, RUN).latest().state.trained == third.state.trained
+
+
 def test_replaying_the_same_batches_gives_bitwise_the_same_weights(tmp_path, setup):
     weights = []
     for attempt in range(2):
