@@ -12,11 +12,11 @@ position stored in a checkpoint never splits a batch; the step log records
 every trained ``batch_id`` (the idempotency key) in the step object written
 before the checkpoint that covers it, and loading a checkpoint rebuilds the full
 set from the step objects up to its step, so a batch announced twice is trained
-once however far apart the announcements are; and on restart the learner loads the newest complete checkpoint
-and seeks its source to the stored positions.  A crash after a version was
-published but before the checkpoint that records it retrains that step from the
-previous checkpoint (same batches, same RNG state, so the same weights) and
-publishes it again under the next version number: versions stay dense, and a
+once however far apart the announcements are; and on restart the learner loads
+the newest complete checkpoint and seeks its source to the stored positions.
+A crash after a version was published but before the checkpoint that records
+it retrains that step from the previous checkpoint (same batches, same RNG
+state, so the same weights), rewrites its step object, and publishes it again under the next version number: versions stay dense, and a
 step's adapter may appear under two consecutive versions.
 
 The source is a small protocol: Kafka (``consumers.sources.KafkaSource``) and
