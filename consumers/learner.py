@@ -16,8 +16,9 @@ once however far apart the announcements are; and on restart the learner loads
 the newest complete checkpoint and seeks its source to the stored positions.
 A crash after a version was published but before the checkpoint that records
 it retrains that step from the previous checkpoint (same batches, same RNG
-state, so the same weights), rewrites its step object, and publishes it again under the next version number: versions stay dense, and a
-step's adapter may appear under two consecutive versions.
+state, so the same weights), rewrites its step object, and publishes it again
+under the next version number: versions stay dense, and a step's adapter may
+appear under two consecutive versions.
 
 The source is a small protocol: Kafka (``consumers.sources.KafkaSource``) and
 offline replay from the store (``consumers.sources.ReplaySource``) feed the same
