@@ -85,6 +85,7 @@ def run(preset: str, steps: int, overrides: list[str], json_out: str | None = No
     from pipeline.archive import TrajectoryArchive
     from pipeline.config import resolve_config
     from pipeline.registry import AdapterRegistry
+    from pipeline.steplog import StepLog
     from pipeline.store import ObjectStore
     from producers.adapters import AdapterWatcher
     from producers.envs.registry import env_from_spec
@@ -154,7 +155,7 @@ def run(preset: str, steps: int, overrides: list[str], json_out: str | None = No
         "batches": batches,
         "first_returns": [h["mean_return"] for h in history[:3]],
         "last_returns": [h["mean_return"] for h in history[-3:]],
-        "learner_intervals": [(e["started_at"], e["finished_at"]) for e in learner.state.step_log],
+        "learner_intervals": [(e["started_at"], e["finished_at"]) for e in StepLog(store, run_id).read()],
         "sampler_intervals": sampler_intervals,
     }
     if json_out:

@@ -8,14 +8,17 @@ every ``checkpoint_every`` steps, committing the source's offsets only after the
 checkpoint is durable.
 
 Exactly-once effect: an optimizer step always consumes whole batches, so the
-position stored in a checkpoint never splits a batch; the checkpoint records
-every trained ``batch_id`` (the idempotency key), so a batch announced twice is
-trained once; and on restart the learner loads the newest complete checkpoint
-and seeks its source to the stored positions.  A crash after a version was
-published but before the checkpoint that records it retrains that step from the
-previous checkpoint (same batches, same RNG state, so the same weights) and
-publishes it again under the next version number: versions stay dense, and a
-step's adapter may appear under two consecutive versions.
+position stored in a checkpoint never splits a batch; the step log records
+every trained ``batch_id`` (the idempotency key) in the step object written
+before the checkpoint that covers it, and loading a checkpoint rebuilds the full
+set from the step objects up to its step, so a batch announced twice is trained
+once however far apart the announcements are; and on restart the learner loads
+the newest complete checkpoint and seeks its source to the stored positions.
+A crash after a version was published but before the checkpoint that records
+it retrains that step from the previous checkpoint (same batches, same RNG
+state, so the same weights), rewrites its step object, and publishes it again
+under the next version number: versions stay dense, and a step's adapter may
+appear under two consecutive versions.
 
 The source is a small protocol: Kafka (``consumers.sources.KafkaSource``) and
 offline replay from the store (``consumers.sources.ReplaySource``) feed the same
@@ -269,9 +272,11 @@ class Learner:
         else:
             metrics.update({"rows": 0, "skipped": True})
         self.state.step += 1
+        newly_trained = []
         for batch in batches:
             if batch.ref.batch_id not in self.state.trained:
                 self.state.trained[batch.ref.batch_id] = self.state.step
+                newly_trained.append(batch.ref.batch_id)
             for key, value in batch.ref.position.items():
                 self.state.positions[key] = max(value, self.state.positions.get(key, 0))
         dropped = sum(b.dropped for b in batches)
@@ -281,7 +286,7 @@ class Learner:
             for staleness, count in b.staleness.items():
                 histogram[staleness] = histogram.get(staleness, 0) + count
         metrics.update({
-            "batch_ids": [b.ref.batch_id for b in batches if b.table.num_rows or b.dropped],
+            "batch_ids": newly_trained,  # the step log's record of what this step trained (dedup on resume)
             "dropped_stale_rows": dropped,
             "staleness_histogram": {str(k): v for k, v in sorted(histogram.items())},
             "version_trained_from": self.state.version,
@@ -291,7 +296,7 @@ class Learner:
         if self.state.step % self.cfg.publish_every == 0 and not metrics.get("skipped"):
             self.publish(metrics)  # a step that trained nothing (all rows stale) publishes nothing
         metrics["version"] = self.state.version
-        self.state.step_log.append(metrics)
+        self.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
         self.last_metrics = metrics
         if self.state.step % self.cfg.checkpoint_every == 0:
             self.checkpoint()

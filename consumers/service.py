@@ -44,7 +44,8 @@ def build_learner(
     return Learner(
         run_id=config.run_id, base_model=config.model.base_model if config.model.base_model != "tiny" else base_model,
         config=config.learner, policy=policy, archive=TrajectoryArchive(store),
-        registry=AdapterRegistry(store, config.run_id), checkpoints=CheckpointStore(store, config.run_id),
+        registry=AdapterRegistry(store, config.run_id),
+        checkpoints=CheckpointStore(store, config.run_id, keep=config.learner.keep_checkpoints),
         source=source, announce=announce,
     )
 

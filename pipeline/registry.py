@@ -13,7 +13,11 @@ Racing publishers.  A publisher picks the next version (one above the highest
 committed manifest), uploads its files under a staging folder unique to this
 attempt (``<attempt>`` is a fresh uuid), and then creates ``manifest.json``
 create-only.  Exactly one manifest create per version succeeds; the loser deletes
-its staging folder (best effort) and tries again one version higher.  Because
+its staging folder (best effort) and tries again one version higher.  A create
+conflict counts as lost only after the stored manifest was read back and differs
+from ours: a retried GCS create whose first attempt landed reports a conflict for
+our own manifest, and deleting the staging folder then would break a committed
+version.  Because
 every attempt writes only below its own folder, a loser can never overwrite or mix
 into the winner's files, and the manifest names the winner's relative paths.  A
 publisher that crashes before its manifest leaves an orphan folder that no
@@ -220,9 +224,11 @@ class AdapterRegistry:
             created_at=datetime.now(UTC),
         )
         for name, data in files.items():
-            self.store.put_create(f"{stage_key}/{name}", data)
+            self.store.put_create_once(f"{stage_key}/{name}", data)
         try:
-            self.store.put_create(self._manifest_key(version), manifest_to_bytes(manifest))
+            # A conflict is only a lost race if the stored manifest is not ours byte for byte: a retried
+            # create whose first attempt landed also reports one, and then the version is committed.
+            self.store.put_create_once(self._manifest_key(version), manifest_to_bytes(manifest))
         except FileExistsError:
             with contextlib.suppress(OSError):  # orphans are harmless: no manifest names them
                 self.store.delete(stage_key, recursive=True, missing_ok=True)

@@ -12,8 +12,9 @@ Where each number comes from (nothing else is read; no hidden state):
   (the episode return), its first turn's ``policy_version`` and its last row's time.
 - adapters: the registry's manifests (versions, base model).
 - learner: ``state.json`` of the newest complete checkpoint, its digest checked
-  against the checkpoint's manifest (the layout of ``consumers/checkpoint.py``).
-  ``step_log`` gives staleness, importance ratios, ESS and step times.
+  against the checkpoint's manifest (the layout of ``consumers/checkpoint.py``),
+  and the step log up to its step (``pipeline.steplog``; a checkpoint of the old
+  layout carries it inline): staleness, importance ratios, ESS and step times.
 - evaluations: ``runs/<run>/eval/*.json`` (``schemas.evaluation.EvalResult``).
 - producers: ``ProducerHeartbeat`` events on ``<ns>.control`` (rates, busy fraction),
   plus ``RunStarted``/``RunStopped``/``LearnerCheckpointed``; the read is bounded.
@@ -56,6 +57,7 @@ from pipeline.archive import TrajectoryArchive
 from pipeline.bus import BusError, tail
 from pipeline.registry import AdapterRegistry, run_ids
 from pipeline.stack import resolve_bootstrap_servers
+from pipeline.steplog import StepLog, StepLogGapError
 from pipeline.store import ObjectStore
 from schemas.config import BusConfig
 from schemas.evaluation import EvalResult, eval_from_bytes, eval_prefix, mean_ci95
@@ -157,7 +159,7 @@ def gather_report(
     evals = load_evals(store, run_id, report)
     state, checkpoint_key = read_learner_state(store, run_id, report)
     events = read_events(bus_config, run_id, bus_timeout_s, report)
-    step_log: list[dict[str, Any]] = list(state.get("step_log", [])) if state else []
+    step_log = read_step_log(store, run_id, state, report)
 
     report.series["reward_by_version"] = reward_by_version(episodes)
     report.series["reward_over_time"] = reward_over_time(episodes)
@@ -326,6 +328,21 @@ def read_learner_state(store: ObjectStore, run_id: str, report: RunReport) -> tu
         except (KeyError, TypeError, ValueError, FileNotFoundError) as exc:  # ChecksumError is a ValueError
             report.note("learner", f"skipped checkpoint {folder}: {type(exc).__name__}: {exc}")
     return None, None
+
+
+def read_step_log(
+    store: ObjectStore, run_id: str, state: dict[str, Any] | None, report: RunReport
+) -> list[dict[str, Any]]:
+    """The learner's per-step entries up to the checkpoint's step (inline in an old-layout checkpoint)."""
+    if state is None:
+        return []
+    if "step_log" in state:
+        return list(state["step_log"])
+    try:
+        return StepLog(store, run_id).read(upto=int(state.get("step", 0)))
+    except (StepLogGapError, ValueError, OSError) as exc:
+        report.note("learner", f"step log not read: {type(exc).__name__}: {exc}")
+        return []
 
 
 def read_events(bus_config: BusConfig | None, run_id: str, timeout_s: float, report: RunReport) -> ControlEvents:

@@ -15,7 +15,8 @@ readers never see half an object.
   ``mode="create"``); a clash answers 412, which gcsfs raises as ``FileExistsError``.
   The single request matters: fake-gcs-server ignores the precondition on resumable
   uploads.  Caveat: if a network error hides a successful create and gcsfs retries,
-  the retry reports ``FileExistsError`` for our own object.
+  the retry reports ``FileExistsError`` for our own object; ``put_create_once``
+  reads the object back and accepts it when the bytes are ours.
 - ``memory://`` and any other filesystem: check-then-write under a process-wide lock.
   That is atomic between threads of one process only, which is all unit tests need.
 
@@ -178,6 +179,18 @@ class ObjectStore:
                     raise FileExistsError(f"{self.url(key)} already exists")
                 self._fs.pipe_file(path, data)
         return sha256_hex(data)
+
+    def put_create_once(self, key: str, data: bytes) -> str:
+        """``put_create`` that survives a retried create: if ``key`` already holds exactly ``data``, that is
+        this write having landed (a gs:// retry reports ``FileExistsError`` for our own object), so it
+        returns the digest; an object with other bytes still raises ``FileExistsError``."""
+        data = bytes(data)
+        try:
+            return self.put_create(key, data)
+        except FileExistsError:
+            if self.get(key) != data:
+                raise
+            return sha256_hex(data)
 
     def put(self, key: str, data: bytes) -> str:
         """Write ``data`` at ``key``, replacing what is there (mutable objects only); return its sha256."""

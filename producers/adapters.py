@@ -7,13 +7,24 @@ into the local cache (the registry verifies every digest and refuses a tampered
 file), then handed to the sampler under a NEW integer id and name: vLLM may serve
 a stale cache when a name is reused.  Groups already running keep their
 adapter; the sampler keeps at most ``max_loaded`` versions.
+
+The cache is the producer's own folder (``$RLPIPE_HOME/adapter-cache/<producer_id>``):
+a version evicted from the sampler is deleted from it once no running group
+samples with it any more (``in_use``: the sampler reloads an evicted adapter
+from its folder when such a group generates again), ``close`` removes the
+folder at exit, and ``sweep_dead_process_caches`` removes, at start, the folders
+that producers of this host left behind when they were killed (the default
+producer id is ``<host>-<pid>``, so a dead pid names a folder nobody will use).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
+import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -82,6 +93,8 @@ class AdapterWatcher:
         self.last_registry_poll = float("-inf")
         self.ids = itertools.count(1)  # lora_int_id: positive, never reused in this process
         self.load_failures = 0
+        self.in_use: Callable[[], set[int]] = set  # versions running groups sample with (the producer sets it)
+        self.retired: list[AdapterHandle] = []  # evicted from the sampler; folder deleted once not in use
 
     def current(self) -> AdapterHandle | None:
         return self.loaded[-1] if self.loaded else None
@@ -103,6 +116,8 @@ class AdapterWatcher:
         current = self.current()
         if self.newest_seen > (current.version if current else 0):
             self.load(self.newest_seen)
+        if self.retired:
+            self.delete_retired()
 
     def load(self, version: int) -> AdapterHandle | None:
         """Pull, verify and load ``version``; on failure keep serving the current one (and say so)."""
@@ -121,5 +136,48 @@ class AdapterWatcher:
         self.loaded.append(handle)
         log.info("serving adapter v%d (%s, sha256 %s...)", version, handle.name, sha[:12])
         while len(self.loaded) > self.max_loaded:
-            self.sampler.unload_adapter(self.loaded.pop(0))
+            evicted = self.loaded.pop(0)
+            self.sampler.unload_adapter(evicted)
+            self.retired.append(evicted)
         return handle
+
+    def delete_retired(self) -> None:
+        """Delete the cached folders of evicted versions that no loaded handle and no running group uses."""
+        busy = self.in_use() | {h.version for h in self.loaded}
+        for handle in [h for h in self.retired if h.version not in busy]:
+            shutil.rmtree(handle.path, ignore_errors=True)
+            self.retired.remove(handle)
+
+    def close(self) -> None:
+        """Delete this producer's cache folder (call after the sampler is closed)."""
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+
+def sweep_dead_process_caches(cache_root: str | Path, host: str) -> list[Path]:
+    """Delete the cache folders ``<host>-<pid>`` under ``cache_root`` whose process is gone; return them.
+
+    Only this host's folders are touched (a pid means nothing on another machine),
+    and only names of the default producer-id shape: a configured producer id
+    (a Kubernetes replica's) is reused by its restart, which then reuses the cache.
+    """
+    removed = []
+    root = Path(cache_root)
+    if not root.is_dir():
+        return removed
+    for folder in sorted(root.iterdir()):
+        pid = folder.name.removeprefix(f"{host}-")
+        if folder.name.startswith(f"{host}-") and pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            log.info("removed the adapter cache of dead producer process %s", folder.name)
+            removed.append(folder)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True

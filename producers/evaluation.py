@@ -10,6 +10,7 @@ that keeps the rows in memory instead of writing a batch.  Results are stored as
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +80,26 @@ def evaluate_version(
     """Play ``episodes`` held-out episodes with adapter ``version`` (0 = base model)."""
     import uuid
 
+    registry = AdapterRegistry(store, config.run_id)
+    cache = rlpipe_home() / "adapter-cache" / f"eval-{uuid.uuid4().hex[:8]}"  # this call's own: removed at the end
+    try:
+        return _evaluate_pulled(config, model_path, version, episodes, sampler, temperature,
+                                pull_handle(registry, version, cache))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _evaluate_pulled(
+    config: RunConfig,
+    model_path: str,
+    version: int,
+    episodes: int,
+    sampler: Sampler | None,
+    temperature: float | None,
+    handle: AdapterHandle | None,
+) -> EvalResult:
     from transformers import AutoTokenizer
 
-    registry = AdapterRegistry(store, config.run_id)
-    handle = pull_handle(registry, version, rlpipe_home() / "adapter-cache" / f"eval-{uuid.uuid4().hex[:8]}")
     own_sampler = sampler is None
     sampler = sampler or sampler_for_run(config, model_path)
     if handle is not None:

@@ -25,7 +25,7 @@ from pipeline.registry import AdapterRegistry
 from pipeline.runtime import Announcer, RateMeter, StopFlag, open_store, resolved_bus
 from pipeline.stack import rlpipe_home
 from pipeline.topics import topic_name
-from producers.adapters import AdapterWatcher, KafkaAdapterEvents
+from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_process_caches
 from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers import sampler_for_run
@@ -37,10 +37,14 @@ from schemas.events import ProducerHeartbeat, TrajectoryBatchCommitted
 log = logging.getLogger("rlpipe.producer")
 
 
+def host_name() -> str:
+    """This machine's name as producer ids carry it (characters other than ``[A-Za-z0-9._-]`` become ``-``)."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "host"
+
+
 def default_producer_id() -> str:
     """``<host>-<pid>``: unique per process, so a restart never reuses episode or batch ids."""
-    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "host"
-    return f"{host}-{os.getpid()}"
+    return f"{host_name()}-{os.getpid()}"
 
 
 class Heartbeat:
@@ -202,7 +206,9 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
     done.add("sampler")
     registry = AdapterRegistry(store, config.run_id)
     events = KafkaAdapterEvents.open(bus, config.run_id)  # before the watcher's first registry read
-    cache = Path(rlpipe_home()) / "adapter-cache" / producer_id
+    cache_root = Path(rlpipe_home()) / "adapter-cache"
+    sweep_dead_process_caches(cache_root, host_name())
+    cache = cache_root / producer_id
     watcher = AdapterWatcher(registry, sampler, cache, max_loaded=config.sampler.max_loras, events=events)
     done.add("adapters")
     sink = StoreThenEventSink(archive, config.run_id, config.env.name, producer_id, announce)
@@ -212,6 +218,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
         adapters=watcher, sink=sink, producer=config.producer, sampling=config.sampler,
         env_seeds=config.training_seeds(producer_id), incarnation=streams.incarnation,
     )
+    watcher.in_use = lambda: {g.adapter.version for g in worker.active if g.adapter is not None}
     backlog = None
     if config.producer.max_backlog_steps is not None:
         backlog = LearnerBacklog(bus, config.run_id, worker, config.producer.max_backlog_steps * config.learner.batch_rows)
@@ -228,5 +235,6 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
         if backlog is not None:
             backlog.close()
         sampler.close()
+        watcher.close()
     log.info("producer %s stopped: %d batches, %d samples", producer_id, worker.stats.batches, worker.stats.samples)
     return worker

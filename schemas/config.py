@@ -186,6 +186,9 @@ class LearnerConfig(_Section):
     micro_batch_tokens: int = Field(4096, ge=16, le=10_000_000, description="tokens per forward/backward")
     publish_every: int = Field(1, ge=1, le=1_000_000, description="optimizer steps between adapter versions")
     checkpoint_every: int = Field(1, ge=1, le=1_000_000, description="optimizer steps between checkpoints")
+    keep_checkpoints: int = Field(
+        3, ge=1, le=1_000_000, description="newest complete checkpoints kept; older ones are deleted after a save"
+    )
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     max_staleness: int = Field(2, ge=0, le=1000, description="rows more versions behind than this are dropped")
     seed: int = Field(0, ge=0, description="torch seed")

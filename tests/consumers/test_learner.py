@@ -17,6 +17,7 @@ from consumers.policy import LoraPolicy
 from consumers.sources import ReplaySource
 from pipeline.archive import TrajectoryArchive
 from pipeline.registry import AdapterRegistry
+from pipeline.steplog import StepLog
 from pipeline.store import ObjectStore
 from schemas.config import LearnerConfig
 from schemas.trajectory import NO_ADAPTER_SHA
@@ -116,7 +117,7 @@ def test_stale_rows_never_reach_a_gradient(store, setup):
     write_batches(archive, setup, 3, np.random.default_rng(2), version=0)
     learner, _ = make_learner(store, setup, max_staleness=1)
     learner.run(poll_timeout_s=0)
-    log = learner.state.step_log
+    log = StepLog(store, RUN).read()
     # versions 0 and 1 may train version-0 rows (staleness <= 1); from version 2 on they are all dropped
     assert [m["version_trained_from"] for m in log] == [0, 1, 2]
     assert log[2]["rows"] == 0 and log[2]["dropped_stale_rows"] == 16
@@ -156,6 +157,25 @@ def test_resume_continues_without_retraining(store, setup):
     trained = second.state.trained
     assert len(trained) == 4 and sorted(trained.values()) == [1, 2, 3, 4]
     assert AdapterRegistry(store, RUN).versions() == [1, 2, 3, 4]
+
+
+def test_batches_delivered_again_after_restarts_are_skipped_via_the_step_log(store, setup):
+    """Trained ids come back from the step objects up to the checkpoint; a step logged past it is retrained."""
+    write_batches(TrajectoryArchive(store), setup, 3, np.random.default_rng(5))
+    first, _ = make_learner(store, setup, max_steps=3, checkpoint_every=2)
+    first.run(poll_timeout_s=0)  # steps 1-3 logged, checkpoint at 2 only: step 3 is provisional
+    second, _ = make_learner(store, setup, checkpoint_every=2)
+    assert second.resume() and second.state.step == 2 and sorted(second.state.trained.values()) == [1, 2]
+    second.run(poll_timeout_s=0)  # retrains the third batch as step 3 and logs it over the provisional entry
+    second.checkpoint()
+    third, _ = make_learner(store, setup)
+    assert third.resume() and third.state.step == 3
+    third.source.seek({})  # every batch delivered again
+    third.run(poll_timeout_s=0)
+    assert third.duplicates_skipped == 3 and third.state.step == 3
+    log = StepLog(store, RUN).read(upto=3)
+    assert sorted(b for entry in log for b in entry["batch_ids"]) == sorted(third.state.trained) and len(log) == 3
+    assert CheckpointStore(store, RUN).latest().state.trained == third.state.trained
 
 
 def test_replaying_the_same_batches_gives_bitwise_the_same_weights(tmp_path, setup):

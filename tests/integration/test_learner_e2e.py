@@ -50,6 +50,7 @@ from pipeline.archive import TrajectoryArchive
 from pipeline.bus import describe_topic, group_lag
 from pipeline.config import resolve_config
 from pipeline.registry import AdapterRegistry
+from pipeline.steplog import StepLog
 from pipeline.store import ObjectStore
 from schemas.config import BusConfig
 from schemas.trajectory import NO_ADAPTER_SHA
@@ -229,14 +230,22 @@ def final_state(store: ObjectStore, run_id: str) -> LearnerState:
     return checkpoint.state
 
 
-def assert_each_batch_trained_once(state: LearnerState, batch_ids: tuple[str, ...]) -> None:
+def step_log(store: ObjectStore, run_id: str, state: LearnerState) -> list[dict[str, Any]]:
+    """The step objects up to the checkpoint's step (the history that checkpoint stands on)."""
+    return StepLog(store, run_id).read(upto=state.step)
+
+
+def assert_each_batch_trained_once(store: ObjectStore, run_id: str, batch_ids: tuple[str, ...]) -> LearnerState:
     """Steps 1..N without a gap, each batch in exactly one step, and ``trained`` agreeing with the steps."""
+    state = final_state(store, run_id)
+    steps = step_log(store, run_id, state)
     assert state.step == N_BATCHES
-    assert [m["step"] for m in state.step_log] == list(range(1, N_BATCHES + 1))
-    trained_in = [(batch_id, m["step"]) for m in state.step_log for batch_id in m["batch_ids"]]
+    assert [m["step"] for m in steps] == list(range(1, N_BATCHES + 1))
+    trained_in = [(batch_id, m["step"]) for m in steps for batch_id in m["batch_ids"]]
     assert sorted(b for b, _ in trained_in) == sorted(batch_ids), trained_in  # all, and none twice
     assert dict(trained_in) == state.trained
-    assert all(m["rows"] == ROWS_PER_BATCH and not m.get("skipped") for m in state.step_log)
+    assert all(m["rows"] == ROWS_PER_BATCH and not m.get("skipped") for m in steps)
+    return state
 
 
 @contextmanager
@@ -254,7 +263,7 @@ def reference(world: World) -> dict[int, dict[str, torch.Tensor]]:
     """Offline replay (``replay_train``, what ``rlpipe replay --train`` runs): the adapter of every version."""
     with one_torch_thread():
         replay_train(resolve_config(config_file=write_config(world, "offline")), SRC)
-    assert_each_batch_trained_once(final_state(world.store, "offline"), world.batch_ids)
+    assert_each_batch_trained_once(world.store, "offline", world.batch_ids)
     versions = AdapterRegistry(world.store, "offline").versions()
     assert versions == list(range(1, N_BATCHES + 1))
     adapters = {v: adapter_tensors(world.store, "offline", v, world.root / "cache") for v in versions}
@@ -276,7 +285,7 @@ def test_event_log_and_parquet_replay_give_bitwise_the_same_adapters(
     monkeypatch.setenv(GROUP_TIMINGS_ENV, json.dumps(GROUP_TIMINGS))
     with one_torch_thread():
         run_learner(resolve_config(config_file=config))  # stops at max_steps
-    assert_each_batch_trained_once(final_state(world.store, "online"), world.batch_ids)
+    assert_each_batch_trained_once(world.store, "online", world.batch_ids)
     versions = AdapterRegistry(world.store, "online").versions()
     assert versions == sorted(reference)
     for version in versions:
@@ -358,8 +367,7 @@ def test_learner_killed_at_random_points_trains_every_batch_exactly_once(
     steps = [step for a in attempts for step in (a.step_before, a.step_after)]
     assert steps == sorted(steps), report
 
-    state = final_state(world.store, "crash")
-    assert_each_batch_trained_once(state, world.batch_ids)
+    state = assert_each_batch_trained_once(world.store, "crash", world.batch_ids)
     # Versions are dense; a step published by a learner killed before its checkpoint was retrained from the
     # previous checkpoint and published again under the next number, with bitwise the same weights.
     registry = AdapterRegistry(world.store, "crash")
@@ -373,7 +381,7 @@ def test_learner_killed_at_random_points_trains_every_batch_exactly_once(
     for version, step in zip(versions, learner_steps, strict=True):
         assert bitwise_equal(adapter_tensors(world.store, "crash", version, cache), reference[step]), (
             f"version {version} (step {step}) differs from the uninterrupted replay; {report}")
-    assert state.version == versions[-1] and [m["version"] for m in state.step_log][-1] == versions[-1]
+    assert state.version == versions[-1] and step_log(world.store, "crash", state)[-1]["version"] == versions[-1]
     # SIGTERM with nothing but already-trained duplicates waiting: no phantom step, no new version.  The
     # committed offset is the end of the first two announcements; the duplicates of the third are delivered
     # again after the next start and skipped again.

@@ -18,6 +18,7 @@ import yaml
 
 from pipeline.archive import TrajectoryArchive
 from pipeline.registry import AdapterRegistry
+from pipeline.steplog import StepLog
 from pipeline.store import ObjectStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
@@ -63,7 +64,7 @@ def test_rlpipe_run_publishes_versions_within_staleness_and_reports(tmp_path, ka
     assert len(versions) >= 2 and versions == list(range(1, len(versions) + 1))
 
     state = newest_state(store, run_id)
-    trained_steps = [m for m in state["step_log"] if m.get("rows", 0) > 0]
+    trained_steps = [m for m in StepLog(store, run_id).read(upto=state["step"]) if m.get("rows", 0) > 0]
     assert trained_steps, "the learner trained nothing"
     for metrics in trained_steps:  # every trained row within max_staleness of the version training on it
         assert metrics["version_trained_from"] - metrics["policy_version_min"] <= 1, metrics

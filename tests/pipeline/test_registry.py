@@ -196,3 +196,43 @@ def test_a_manifest_copied_to_another_version_is_refused(memory_store: ObjectSto
     memory_store.put_create("runs/run1/adapters/v000002/manifest.json", registry.manifest_bytes(1))
     with pytest.raises(ManifestError, match="claims run 'run1' version 1"):
         registry.show(2)
+
+
+class RetriedCreateStore(ObjectStore):
+    """A file store whose create of a key ending in one of ``ghost_suffixes`` succeeds and then reports
+    ``FileExistsError``: a retried GCS upload whose first attempt landed but whose answer was lost."""
+
+    def __init__(self, root: str, ghost_suffixes: tuple[str, ...]) -> None:
+        super().__init__(root)
+        self.ghost_suffixes, self.ghosts = ghost_suffixes, 0
+
+    def put_create(self, key: str, data: bytes) -> str:
+        digest = super().put_create(key, data)
+        if key.endswith(self.ghost_suffixes):
+            self.ghosts += 1
+            raise FileExistsError(f"{self.url(key)} already exists")
+        return digest
+
+
+@pytest.mark.parametrize("ghost", ["manifest.json", "adapter_model.safetensors"])
+def test_a_create_conflict_on_our_own_write_keeps_the_committed_version(tmp_path: Path, ghost: str) -> None:
+    store = RetriedCreateStore((tmp_path / "store").as_uri(), (ghost,))
+    files = make_adapter(tmp_path / "a", marker=5)
+    registry = AdapterRegistry(store, "run1")
+    manifest = registry.publish(tmp_path / "a", "tiny", 0, 1)
+    assert store.ghosts == 1 and manifest.version == 1 and registry.versions() == [1]
+    assert registry.show(1) == manifest
+    folder = registry.pull(1, tmp_path / "cache")  # every file the manifest names is still there
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "manifest.json"} == files
+
+
+def test_a_create_conflict_with_another_publisher_still_moves_on(file_store: ObjectStore, tmp_path: Path) -> None:
+    make_adapter(tmp_path / "w", marker=1)
+    make_adapter(tmp_path / "l", marker=2)
+    winner = AdapterRegistry(file_store, "run1").publish(tmp_path / "w", "tiny", 0, 1)
+    stale = AdapterRegistry(file_store, "run1")
+    stale._next_version = lambda: 1  # type: ignore[method-assign]  # always tries v1 first
+    loser = stale.publish(tmp_path / "l", "tiny", 0, 2)
+    assert (winner.version, loser.version) == (1, 2) and stale.show(1) == winner
+    stages = {key.split("/")[4] for key in file_store.list("runs/run1/adapters/v000001", recursive=True)}
+    assert stages == {"manifest.json", next(iter(winner.files.values())).path.split("/")[0]}  # loser's stage removed

@@ -15,6 +15,7 @@ The run, with the expected arithmetic next to it:
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 import re
@@ -35,6 +36,7 @@ from pipeline.bus import EventPublisher
 from pipeline.cli.report_cmd import app, command
 from pipeline.registry import AdapterRegistry
 from pipeline.report import FIGURE_FILES, SECTIONS, busy_seconds, duty_cycle, episodes_of, wilson_interval
+from pipeline.steplog import StepLog
 from pipeline.store import ObjectStore
 from schemas.config import BusConfig
 from schemas.evaluation import EvalResult, EvalResultError, eval_from_bytes, eval_key, eval_to_bytes, mean_ci95
@@ -264,6 +266,26 @@ def test_unknown_run_is_one_line_and_exit_2(run_store: ObjectStore, tmp_path: Pa
         result.output.strip().count("\n") == 0 and "run 'nope' not found" in result.output and "demo" in result.output
     )
     assert not (tmp_path / "x").exists()
+
+
+def test_the_step_log_comes_from_step_objects_up_to_the_checkpoint(tmp_path: Path) -> None:
+    """The current layout: state.json without the log, one object per step; a step past the checkpoint is left out."""
+    store = ObjectStore(f"file://{tmp_path}/store")
+    TrajectoryArchive(store).write_batch(RUN, _turn_rows("e00", EPISODES["e00"], "only"))
+    key = write_checkpoint(store, 6, [])
+    state = json.loads(store.get(f"{key}/state.json"))
+    del state["state"]["step_log"], state["state"]["trained"]
+    store.put(f"{key}/state.json", json.dumps(state).encode())
+    manifest = json.loads(store.get(f"{key}/manifest.json"))
+    manifest["files"]["state.json"] = hashlib.sha256(store.get(f"{key}/state.json")).hexdigest()
+    store.put(f"{key}/manifest.json", json.dumps(manifest).encode())
+    steps = StepLog(store, RUN)
+    for entry in step_log(6) + [{**step_log(6)[-1], "step": 7, "ratio_mean": 9.0}]:  # step 7: not checkpointed
+        steps.write(entry)
+    data = json.loads(run_report(RUN, "--root", store.root, "--out", str(tmp_path / "o"), "--json", "--no-bus").stdout)
+    ratios = [s["ratio_mean"] for s in data["series"]["learner_steps"]]
+    assert ratios == pytest.approx([1.0, 1.01, 1.02, 1.03, 1.04, 1.05])
+    assert data["series"]["staleness_histogram"] == {"0": 15, "1": 6, "2": 1, "3": 2}
 
 
 def test_missing_pieces_and_an_unreachable_broker_do_not_fail_the_report(tmp_path: Path) -> None:

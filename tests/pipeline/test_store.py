@@ -31,6 +31,14 @@ def test_create_only_refuses_an_existing_object_and_keeps_it(any_store: ObjectSt
     assert any_store.get("x/obj") == b"first"
 
 
+def test_create_once_accepts_our_own_bytes_and_refuses_others(memory_store: ObjectStore) -> None:
+    memory_store.put_create("x/obj", b"first")
+    assert memory_store.put_create_once("x/obj", b"first") == hashlib.sha256(b"first").hexdigest()
+    with pytest.raises(FileExistsError, match="already exists"):
+        memory_store.put_create_once("x/obj", b"second")
+    assert memory_store.get("x/obj") == b"first"
+
+
 def test_overwrite_replaces(any_store: ObjectStore) -> None:
     any_store.put("m/state.json", b"1")
     any_store.put("m/state.json", b"2")

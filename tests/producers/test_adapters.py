@@ -10,6 +10,9 @@ event in hand, and the longest single ``poll_versions`` / ``refresh`` call.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from pipeline.bus import EventPublisher
 from pipeline.registry import AdapterRegistry
 from pipeline.runtime import Announcer
 from pipeline.store import ObjectStore
-from producers.adapters import AdapterWatcher, KafkaAdapterEvents
+from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_process_caches
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
 from schemas.config import BusConfig
 from schemas.events import AdapterPublished
@@ -135,3 +138,35 @@ def test_watcher_switches_on_the_event_and_refresh_never_waits(
     assert watcher.current().sha256 == registry.adapter_sha256(2)  # type: ignore[union-attr]
     assert switch_s < ARRIVAL_BOUND_S
     assert max(durations) < CALL_BOUND_S, f"a refresh took {max(durations):.2f}s"
+
+
+def test_evicted_versions_leave_the_cache_and_close_removes_the_folder(memory_store: ObjectStore, tmp_path: Path) -> None:
+    registry = AdapterRegistry(memory_store, "r1")
+    cache = tmp_path / "adapter-cache" / "host-123"
+    watcher = AdapterWatcher(registry, LoadRecorder(), cache, max_loaded=2, registry_poll_s=0.0)
+    running: set[int] = {1}  # a group started on v1 is still sampling
+    watcher.in_use = lambda: running
+    for version in (1, 2, 3):
+        registry.publish(make_adapter(tmp_path / f"a{version}", version), base_model="tiny",
+                         parent_version=version - 1, learner_step=version)
+        watcher.refresh()
+    assert [h.version for h in watcher.loaded] == [2, 3]
+    cached = lambda: sorted(p.name for p in (cache / "r1").iterdir())  # noqa: E731
+    assert cached() == ["v000001", "v000002", "v000003"]  # evicted, but the running group may reload it
+    running.clear()
+    watcher.refresh()
+    assert cached() == ["v000002", "v000003"]
+    watcher.close()
+    assert not cache.exists() and (tmp_path / "adapter-cache").exists()
+
+
+def test_the_sweep_removes_only_folders_of_dead_processes_of_this_host(tmp_path: Path) -> None:
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                              check=True)
+    dead_pid = int(finished.stdout)
+    names = [f"node-a-{dead_pid}", f"node-a-{os.getpid()}", f"node-b-{dead_pid}", "producer-0", "node-a-x"]
+    for name in names:
+        (tmp_path / name / "r1").mkdir(parents=True)
+    removed = sweep_dead_process_caches(tmp_path, "node-a")
+    assert [p.name for p in removed] == [f"node-a-{dead_pid}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

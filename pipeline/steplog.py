@@ -1,0 +1,102 @@
+"""The learner's step log in the store: one immutable JSON object per optimizer step.
+
+Layout::
+
+    runs/<run>/steps/step-000123.json    the metrics of step 123 (``Learner.step``), including the
+                                         ``batch_ids`` that step trained for the first time
+
+Why objects of their own: a checkpoint that carried the whole log (and every
+trained batch id) grew with every step and was rewritten at every checkpoint,
+O(steps^2) bytes over a run.  Each step object is written once, so a checkpoint
+stays the same size however long the run; the learner rebuilds its set of trained
+batch ids from these objects when it loads a checkpoint, and the report reads
+its per-step series from them.
+
+Authority.  The learner writes step N's object at the end of step N, before any
+checkpoint that covers it.  The objects of steps up to the newest checkpoint's
+step are the run's history.  An object above it is provisional: a learner that
+crashed before its next checkpoint left it behind, and the learner that resumes
+from the checkpoint retrains that step and writes its own entry over it (``write``
+replaces an object whose bytes differ; every step up to a durable checkpoint was
+therefore written by the attempt that wrote that checkpoint, or by one it resumed
+from).  Readers pass ``upto`` (the checkpoint's step) to see only the history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pipeline.store import ObjectStore
+
+log = logging.getLogger("rlpipe.learner")
+
+_STEP_RE = re.compile(r"step-(\d{6,})\.json")
+_READ_THREADS = 16  # concurrent GETs: thousands of small objects on gs:// are latency-bound
+
+
+class StepLogGapError(RuntimeError):
+    """Step objects that the history must hold are missing (deleted by hand or never migrated)."""
+
+
+class StepLog:
+    """Writes and reads the per-step objects of one run."""
+
+    def __init__(self, store: ObjectStore, run_id: str) -> None:
+        self.store, self.run_id = store, run_id
+        self.prefix = f"runs/{run_id}/steps"
+
+    def key(self, step: int) -> str:
+        """``runs/<run>/steps/step-000123.json``."""
+        return f"{self.prefix}/step-{step:06d}.json"
+
+    def write(self, entry: dict[str, Any]) -> None:
+        """Store ``entry`` (its ``step`` names it): created, or replacing a provisional entry of a crashed attempt."""
+        step = int(entry["step"])
+        data = json.dumps(entry, sort_keys=True).encode()
+        try:
+            self.store.put_create_once(self.key(step), data)
+        except FileExistsError:
+            log.info("step %d: replacing the entry of an attempt that stopped before checkpointing it", step)
+            self.store.put(self.key(step), data)
+
+    def steps(self) -> list[int]:
+        """Step numbers with an object, ascending (provisional ones included)."""
+        names = (key.rsplit("/", 1)[-1] for key in self.store.list(self.prefix))
+        return sorted(int(m.group(1)) for m in map(_STEP_RE.fullmatch, names) if m)
+
+    def read(self, upto: int | None = None, since: int = 1) -> list[dict[str, Any]]:
+        """Entries of steps ``since``..``upto`` in order (``upto=None``: every stored step, provisional too).
+
+        With ``upto`` every step of the range must be there (``StepLogGapError`` otherwise): the
+        learner's dedup of batch ids relies on the complete history.
+        """
+        steps = [s for s in self.steps() if s >= since and (upto is None or s <= upto)]
+        if upto is not None and len(steps) != upto - since + 1:
+            missing = sorted(set(range(since, upto + 1)) - set(steps))
+            raise StepLogGapError(
+                f"run {self.run_id}: {len(missing)} step objects missing under {self.store.url(self.prefix)} "
+                f"(first: step {missing[0]}); restore them from a backup, or the learner could train those "
+                "steps' batches twice"
+            )
+        with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
+            blobs = list(pool.map(self._get, steps))
+        return [json.loads(blob) for blob in blobs]
+
+    def _get(self, step: int) -> bytes:
+        try:
+            return self.store.get(self.key(step))
+        except FileNotFoundError as exc:  # listed a moment ago: gone is a gap, not a damaged checkpoint
+            raise StepLogGapError(f"run {self.run_id}: step {step} vanished while being read ({exc})") from None
+
+
+def trained_batches(entries: list[dict[str, Any]]) -> dict[str, int]:
+    """``batch_id -> step`` from step entries: the learner's dedup set."""
+    trained: dict[str, int] = {}
+    for entry in entries:
+        for batch_id in entry.get("batch_ids", []):
+            trained.setdefault(batch_id, int(entry["step"]))
+    return trained

@@ -1,0 +1,189 @@
+"""CheckpointStore: which checkpoint a resume loads, and what a storage error means."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save as save_tensors
+
+from consumers.checkpoint import CheckpointStore, LearnerState
+from pipeline.steplog import StepLogGapError
+from pipeline.store import ObjectStore
+
+RUN = "ckpt"
+
+
+class FlakyStore(ObjectStore):
+    """A file store whose ``get`` raises ``error`` for keys containing ``fail_on`` (a transient outage)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.fail_on: str | None = None
+        self.error: Exception = OSError("connection reset by peer")
+
+    def get(self, key: str, sha256: str | None = None) -> bytes:
+        if self.fail_on is not None and self.fail_on in key:
+            raise self.error
+        return super().get(key, sha256)
+
+
+@pytest.fixture
+def store(tmp_path) -> FlakyStore:
+    return FlakyStore(tmp_path.as_uri())
+
+
+def save_step(checkpoints: CheckpointStore, step: int) -> str:
+    state = LearnerState(step=step, version=step, positions={"t:0": step})
+    for logged in range(1, step + 1):
+        checkpoints.record_step({"step": logged, "batch_ids": [f"b{logged}"]})
+    return checkpoints.save(state, {"lora_A": torch.full((2, 2), float(step))}, {"exp_avg": torch.zeros(2)}, {})
+
+
+@pytest.mark.parametrize("error", [OSError("connection reset by peer"), TimeoutError("read timed out"),
+                                   PermissionError("403 Forbidden")])
+def test_a_transient_error_on_the_newest_checkpoint_is_raised_not_skipped(store: FlakyStore, error) -> None:
+    checkpoints = CheckpointStore(store, RUN)
+    save_step(checkpoints, 1)
+    newest = save_step(checkpoints, 2)
+    store.fail_on, store.error = newest, error
+    with pytest.raises(type(error)):
+        checkpoints.latest()  # an older checkpoint (or a fresh start) would drop trained steps
+
+
+def test_a_corrupt_or_missing_file_falls_back_to_the_previous_checkpoint(store: FlakyStore) -> None:
+    checkpoints = CheckpointStore(store, RUN)
+    save_step(checkpoints, 1)
+    second = save_step(checkpoints, 2)
+    third = save_step(checkpoints, 3)
+    store.put(f"{third}/adapter.safetensors", b"not the bytes the manifest names")  # checksum mismatch
+    store.delete(f"{second}/optimizer.safetensors")  # a missing file
+    latest = checkpoints.latest()
+    assert latest is not None and latest.state.step == 1
+    assert torch.equal(latest.adapter["lora_A"], torch.full((2, 2), 1.0))
+
+
+def test_an_unreadable_manifest_is_raised(store: FlakyStore) -> None:
+    checkpoints = CheckpointStore(store, RUN)
+    save_step(checkpoints, 1)
+    newest = save_step(checkpoints, 2)
+    store.put(f"{newest}/manifest.json", json.dumps({"step": 2}).encode())  # no "files": not a storage fault
+    with pytest.raises(KeyError):
+        checkpoints.latest()
+
+
+class RetriedCreateStore(ObjectStore):
+    """Every create lands and then reports ``FileExistsError`` (a retried GCS upload that lost its answer)."""
+
+    def put_create(self, key: str, data: bytes) -> str:
+        super().put_create(key, data)
+        raise FileExistsError(f"{self.url(key)} already exists")
+
+
+def test_a_create_conflict_on_our_own_checkpoint_files_is_not_a_failure(tmp_path) -> None:
+    checkpoints = CheckpointStore(RetriedCreateStore(tmp_path.as_uri()), RUN)
+    key = save_step(checkpoints, 4)
+    latest = checkpoints.latest()
+    assert latest is not None and latest.key == key and latest.state.step == 4
+
+
+# ---- size and retention ------------------------------------------------------------------------------------------
+
+ADAPTER = {f"layer{i}.lora_{ab}": torch.zeros(8, 64) for i in range(4) for ab in "AB"}
+
+
+def run_steps(checkpoints: CheckpointStore, state: LearnerState, until: int, batches_per_step: int = 2) -> None:
+    """What ``Learner.step`` does to the state and the step log, without training."""
+    while state.step < until:
+        state.step += 1
+        ids = [f"producer-{state.step % 3}-b{state.step:06d}-{k}" for k in range(batches_per_step)]
+        state.trained.update({batch_id: state.step for batch_id in ids})
+        state.positions["rlpipe.trajectories:0"] = state.step * batches_per_step
+        checkpoints.record_step({"step": state.step, "batch_ids": ids, "rows": 16, "loss": 0.5,
+                                 "staleness_histogram": {"0": 16}, "version": state.version})
+
+
+def checkpoint_bytes(store: ObjectStore, key: str) -> int:
+    return sum(len(store.get(k)) for k in store.list(key, recursive=True))
+
+
+def test_checkpoint_bytes_do_not_grow_with_the_steps(store: FlakyStore) -> None:
+    checkpoints, state = CheckpointStore(store, RUN), LearnerState()
+    run_steps(checkpoints, state, 10)
+    early = checkpoint_bytes(store, checkpoints.save(state, ADAPTER, {}, {}))
+    run_steps(checkpoints, state, 300)
+    late = checkpoint_bytes(store, checkpoints.save(state, ADAPTER, {}, {}))
+    assert late - early < 200, (early, late)  # a few digits more in the step and the offsets, nothing per step
+    loaded = checkpoints.latest()
+    assert loaded is not None and loaded.state.trained == state.trained and len(state.trained) == 600
+
+
+def test_only_the_newest_checkpoints_are_kept(store: FlakyStore) -> None:
+    checkpoints, state = CheckpointStore(store, RUN, keep=2), LearnerState()
+    store.put_create(f"{checkpoints.prefix}/step-000002-deadbeef/adapter.safetensors", b"a crashed attempt")
+    store.put_create(f"{checkpoints.prefix}/step-000009-feedface/adapter.safetensors", b"above the newest")
+    for step in range(1, 6):
+        run_steps(checkpoints, state, step)
+        newest = checkpoints.save(state, ADAPTER, {}, {})
+    assert [step for step, _ in checkpoints.complete()] == [5, 4]
+    assert checkpoints.complete()[0][1] == newest
+    folders = [key.rsplit("/", 1)[-1] for key in store.list(checkpoints.prefix)]
+    assert len(folders) == 3 and "step-000009-feedface" in folders  # the crashed attempt below is gone
+    assert checkpoints.steps.steps() == [1, 2, 3, 4, 5]  # the step log is history: never pruned
+    assert checkpoints.latest().state.trained == state.trained
+
+
+def test_keep_one_never_deletes_the_checkpoint_just_written(store: FlakyStore) -> None:
+    checkpoints, state = CheckpointStore(store, RUN, keep=1), LearnerState()
+    run_steps(checkpoints, state, 3)
+    checkpoints.save(state, ADAPTER, {}, {})
+    run_steps(checkpoints, state, 4)
+    newest = checkpoints.save(state, ADAPTER, {}, {})
+    assert checkpoints.complete() == [(4, newest)]
+
+
+def test_a_provisional_step_above_the_checkpoint_is_not_trained_and_is_replaced(store: FlakyStore) -> None:
+    checkpoints, state = CheckpointStore(store, RUN), LearnerState()
+    run_steps(checkpoints, state, 3)
+    checkpoints.save(state, ADAPTER, {}, {})
+    run_steps(checkpoints, state, 4)  # step 4 logged, then the learner died before checkpointing it
+    resumed = checkpoints.latest().state
+    assert resumed.step == 3 and not any(step == 4 for step in resumed.trained.values())
+    checkpoints.record_step({"step": 4, "batch_ids": ["retrained"], "rows": 16})  # the retrained step 4
+    assert checkpoints.steps.read(upto=4)[-1]["batch_ids"] == ["retrained"]
+
+
+def test_missing_step_objects_are_an_error_not_a_fresh_start(store: FlakyStore) -> None:
+    checkpoints, state = CheckpointStore(store, RUN), LearnerState()
+    run_steps(checkpoints, state, 3)
+    checkpoints.save(state, ADAPTER, {}, {})
+    store.delete(checkpoints.steps.key(2))
+    with pytest.raises(StepLogGapError, match="step 2"):
+        checkpoints.latest()
+
+
+def write_old_layout_checkpoint(store: ObjectStore, step: int) -> dict[str, int]:
+    """A checkpoint as written before the step log: ``trained`` and ``step_log`` inside state.json."""
+    trained = {f"b{s}": s for s in range(1, step + 1)} | {"empty-batch": 2}
+    log = [{"step": s, "batch_ids": [f"b{s}"], "rows": 16} for s in range(1, step + 1)]
+    state = {"step": step, "version": step, "positions": {"t:0": step}, "trained": trained, "step_log": log,
+             "dropped_stale_rows": 0}
+    key = f"runs/{RUN}/checkpoints/step-{step:06d}-0ld1ay0u"
+    files = {"adapter.safetensors": save_tensors(ADAPTER), "optimizer.safetensors": save_tensors({}),
+             "state.json": json.dumps({"state": state, "scalars": {}, "rng": {}}).encode()}
+    digests = {name: store.put_create(f"{key}/{name}", data) for name, data in files.items()}
+    store.put_create(f"{key}/manifest.json", json.dumps({"step": step, "version": step, "files": digests}).encode())
+    return trained
+
+
+def test_an_old_layout_checkpoint_loads_and_its_log_moves_to_step_objects(store: FlakyStore) -> None:
+    trained = write_old_layout_checkpoint(store, 3)
+    checkpoints = CheckpointStore(store, RUN, keep=1)
+    state = checkpoints.latest().state
+    assert state.step == 3 and state.trained == trained
+    run_steps(checkpoints, state, 4)
+    checkpoints.save(state, ADAPTER, {}, {})  # the old checkpoint is pruned: the step objects replace it
+    assert [step for step, _ in checkpoints.complete()] == [4]
+    assert [e["step"] for e in checkpoints.steps.read(upto=4)] == [1, 2, 3, 4]
+    assert checkpoints.latest().state.trained == state.trained and "empty-batch" in state.trained

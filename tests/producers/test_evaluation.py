@@ -1,0 +1,32 @@
+"""evaluate_version with a scripted sampler: held-out episodes, and nothing left in the adapter cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+from transformers import AutoTokenizer
+
+from pipeline.registry import AdapterRegistry
+from pipeline.store import ObjectStore
+from producers.evaluation import evaluate_version
+from schemas.config import RunConfig
+from tests.producers.test_rollout import ScriptedSampler
+
+
+def test_evaluating_a_version_leaves_no_cache_folder(tmp_path: Path, tiny_model_dir: str, monkeypatch) -> None:
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    store = ObjectStore((tmp_path / "store").as_uri())
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "peft_type": "LORA"}))
+    save_file({"lora_A": np.zeros((2, 4), dtype=np.float32)}, str(adapter / "adapter_model.safetensors"))
+    AdapterRegistry(store, "ev").publish(adapter, base_model="tiny", parent_version=0, learner_step=1)
+    config = RunConfig(run_id="ev", env={"name": "cartpole", "overrides": {"max_turns": 2, "max_actions_total": 2}})
+    sampler = ScriptedSampler(AutoTokenizer.from_pretrained(tiny_model_dir))
+    result = evaluate_version(config, store, tiny_model_dir, version=1, episodes=2, sampler=sampler)
+    assert result.version == 1 and result.episodes == 2 and sampler.calls
+    cache = tmp_path / "home" / "adapter-cache"
+    assert not cache.exists() or not any(cache.iterdir())
