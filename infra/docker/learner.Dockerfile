@@ -4,9 +4,11 @@
 #
 #   docker build -f infra/docker/learner.Dockerfile -t rlpipe-learner:0.1.0 .
 #
-# The base is pinned to the torch release the project tests with (2.13.0, see Makefile);
-# pin it by digest in your own registry for reproducibility. No credentials are baked in:
-# GCS access comes from Workload Identity (Application Default Credentials).
+# The base is pinned to the torch release the project tests with and the `gpu` extra names
+# (pyproject.toml: torch==2.13.0, the torch vllm 0.32.0 pins); the learner needs no vLLM, so
+# it installs rlpipe without that extra. Pin the base by digest in your own registry for
+# reproducibility. No credentials are baked in: GCS access comes from Workload Identity
+# (Application Default Credentials).
 ARG TORCH_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
 FROM ${TORCH_IMAGE}
 

