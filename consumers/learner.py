@@ -43,6 +43,7 @@ from consumers.batching import drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore, LearnerState
 from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
+from consumers.tracking import MetricLogger, NullMetricLogger
 from pipeline.archive import TrajectoryArchive
 from pipeline.registry import AdapterRegistry
 from schemas.config import LearnerConfig, parse_init_from
@@ -147,6 +148,7 @@ class Learner:
         checkpoints: CheckpointStore,
         source: TrajectorySource,
         announce: Callable[[Payload], None] = lambda payload: None,
+        metric_logger: MetricLogger | None = None,
     ) -> None:
         self.run_id, self.base_model, self.cfg = run_id, base_model, config
         self.policy, self.archive, self.registry = policy, archive, registry
@@ -157,6 +159,7 @@ class Learner:
         self.duplicates_skipped = 0
         self.last_metrics: dict[str, Any] = {}
         self.faults = FaultInjector.from_env()  # read once: crash tests only
+        self.metric_logger = metric_logger or NullMetricLogger()  # TensorBoard / W&B (consumers.tracking)
 
     # ---- set up -------------------------------------------------------------
     def resume(self) -> bool:
@@ -293,6 +296,7 @@ class Learner:
         metrics["version"] = self.state.version
         self.state.step_log.append(metrics)
         self.last_metrics = metrics
+        self.metric_logger.log(metrics)
         if self.state.step % self.cfg.checkpoint_every == 0:
             self.checkpoint()
         return metrics
