@@ -175,7 +175,7 @@ def wandb_configured(environ: Mapping[str, str] | None = None) -> bool:
     return any(environ.get(name) for name in _WANDB_SETTINGS) and importlib.util.find_spec("wandb") is not None
 
 
-def open_metric_logger(config: RunConfig, store: ObjectStore) -> MetricLogger:
+def open_metric_logger(config: RunConfig, store: ObjectStore) -> FanOut:
     """TensorBoard for ``config.run_id``, plus W&B when configured."""
     backends: list[MetricLogger] = [TensorBoardLogger(tensorboard_dir(config, store))]
     if wandb_configured():
