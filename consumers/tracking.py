@@ -7,7 +7,8 @@ of a run (``rlpipe report`` reads only the store); trackers are views of it.
 
 Scalars: every finite number of the step except its ``step`` (the x axis) and
 its timestamps (``finished_at`` is the event's wall time); a dict of numbers,
-such as ``staleness_histogram``, becomes one scalar per entry (``staleness_histogram/0``).
+such as ``staleness_histogram``, becomes one scalar per entry (``staleness_histogram/0``),
+and the histogram also gives ``staleness_mean`` (versions behind, over the rows that reached the step, dropped ones included).
 
 Backends:
 
@@ -65,6 +66,9 @@ def step_scalars(metrics: Mapping[str, Any]) -> tuple[int, dict[str, float]]:
             scalars.update({f"{key}/{sub}": float(v) for sub, v in value.items() if _is_finite_number(v)})
         elif _is_finite_number(value):
             scalars[key] = float(value)
+    rows_by_staleness = {int(k): float(v) for k, v in metrics.get("staleness_histogram", {}).items()}
+    if sum(rows_by_staleness.values()) > 0:  # one curve to watch beside the per-version counts
+        scalars["staleness_mean"] = sum(k * v for k, v in rows_by_staleness.items()) / sum(rows_by_staleness.values())
     return int(metrics["step"]), scalars
 
 

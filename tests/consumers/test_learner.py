@@ -293,7 +293,7 @@ def test_each_step_metrics_reach_tensorboard_and_a_retrained_step_replaces_the_c
         for tag, value in values.items():
             expected.setdefault(tag, {})[step] = value
     assert {"loss", "reward_mean", "ratio_mean", "effective_sample_size", "tokens_per_s",
-            "staleness_histogram/0"} <= scalars.keys()  # fmt: skip
+            "staleness_histogram/0", "staleness_mean"} <= scalars.keys()  # fmt: skip
     assert scalars.keys() == expected.keys()
     for tag, by_step in expected.items():
         assert scalars[tag] == pytest.approx(by_step), tag

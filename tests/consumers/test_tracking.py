@@ -37,11 +37,11 @@ def read_scalars(folder: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
-def test_scalars_are_the_finite_numbers_with_dicts_flattened() -> None:
+def test_scalars_are_the_finite_numbers_with_dicts_flattened_and_the_mean_staleness() -> None:
     step, scalars = step_scalars(METRICS)
     assert step == 3
     assert scalars == {"rows": 16.0, "loss": 0.25, "staleness_histogram/0": 12.0, "staleness_histogram/2": 4.0,
-                       "tokens_per_s": 812.5, "version": 2.0}  # fmt: skip
+                       "tokens_per_s": 812.5, "version": 2.0, "staleness_mean": 0.5}  # fmt: skip
 
 
 def test_tensorboard_logger_writes_scalars_at_the_step_with_its_wall_time(tmp_path: Path) -> None:
