@@ -7,8 +7,9 @@ of a run (``rlpipe report`` reads only the store); trackers are views of it.
 
 Scalars: every finite number of the step except its ``step`` (the x axis) and
 its timestamps (``finished_at`` is the event's wall time); a dict of numbers,
-such as ``staleness_histogram``, becomes one scalar per entry (``staleness_histogram/0``),
-and the histogram also gives ``staleness_mean`` (versions behind, over the rows that reached the step, dropped ones included).
+such as ``staleness_histogram``, becomes one scalar per entry
+(``staleness_histogram/0``), and the histogram also gives ``staleness_mean``
+(versions behind, over the rows that reached the step, dropped ones included).
 
 Backends:
 
