@@ -46,6 +46,7 @@ from consumers.batching import drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore, LearnerState
 from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
+from consumers.tracking import MetricLogger, NullMetricLogger
 from pipeline.archive import TrajectoryArchive
 from pipeline.registry import AdapterRegistry
 from schemas.config import LearnerConfig, parse_init_from
@@ -150,6 +151,7 @@ class Learner:
         checkpoints: CheckpointStore,
         source: TrajectorySource,
         announce: Callable[[Payload], None] = lambda payload: None,
+        metric_logger: MetricLogger | None = None,
     ) -> None:
         self.run_id, self.base_model, self.cfg = run_id, base_model, config
         self.policy, self.archive, self.registry = policy, archive, registry
@@ -160,6 +162,7 @@ class Learner:
         self.duplicates_skipped = 0
         self.last_metrics: dict[str, Any] = {}
         self.faults = FaultInjector.from_env()  # read once: crash tests only
+        self.metric_logger = metric_logger or NullMetricLogger()  # TensorBoard / W&B (consumers.tracking)
 
     # ---- set up -------------------------------------------------------------
     def resume(self) -> bool:
@@ -298,6 +301,7 @@ class Learner:
         metrics["version"] = self.state.version
         self.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
         self.last_metrics = metrics
+        self.metric_logger.log(metrics)
         if self.state.step % self.cfg.checkpoint_every == 0:
             self.checkpoint()
         return metrics

@@ -17,6 +17,7 @@ from consumers.checkpoint import CheckpointStore
 from consumers.learner import Learner, TrajectorySource
 from consumers.policy import LoraPolicy
 from consumers.sources import KafkaSource, ReplaySource
+from consumers.tracking import open_metric_logger
 from pipeline.archive import TrajectoryArchive
 from pipeline.bus import EventPublisher
 from pipeline.health import HealthServer
@@ -46,7 +47,7 @@ def build_learner(
         config=config.learner, policy=policy, archive=TrajectoryArchive(store),
         registry=AdapterRegistry(store, config.run_id),
         checkpoints=CheckpointStore(store, config.run_id, keep=config.learner.keep_checkpoints),
-        source=source, announce=announce,
+        source=source, announce=announce, metric_logger=open_metric_logger(config, store),
     )
 
 
@@ -111,6 +112,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
     finally:
         source.close()
         publisher.close()
+        learner.metric_logger.close()
     log.info("learner stopped at step %d, version %d", learner.state.step, learner.state.version)
     return learner
 
@@ -130,5 +132,6 @@ def replay_train(config: RunConfig, source_run: str, date_from: str | None = Non
         learner.publish(learner.last_metrics)  # the data ran out between two publish_every steps
     if learner.state.step % config.learner.checkpoint_every or learner.state.step % config.learner.publish_every:
         learner.checkpoint()
+    learner.metric_logger.close()
     log.info("replay trained %d steps in %.1fs", learner.state.step, time.monotonic() - started)
     return learner

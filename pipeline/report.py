@@ -2,7 +2,9 @@
 
 Store + ``<ns>.control`` -> ``gather_report`` -> ``RunReport`` (summary, series,
 notes) -> ``write_report`` -> ``report.html`` (PNGs inlined as data URIs, so the
-file can be mailed), the same PNGs next to it, and ``report.json``.
+file can be mailed), the same PNGs next to it, and ``report.json``.  The page is
+rendered from the Jinja2 template ``pipeline/templates/report.html.jinja`` with
+autoescaping on; Python only prepares plain values for it.
 
 Where each number comes from (nothing else is read; no hidden state):
 
@@ -33,7 +35,7 @@ leaves its section empty with a note saying why; it never fails the report.
 from __future__ import annotations
 
 import base64
-import html
+import functools
 import io
 import json
 import math
@@ -44,6 +46,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import numpy as np
 import polars as pl
 from matplotlib import colormaps
@@ -803,40 +806,30 @@ def write_report(report: RunReport, out_dir: str | Path) -> Path:
     return path
 
 
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; }
-h1 { margin-bottom: 0.2rem; } h2 { margin-top: 2.2rem; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; margin: 0.6rem 0; } td, th { padding: 0.25rem 0.8rem; border: 1px solid #ddd; }
-th { background: #f4f4f4; text-align: left; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-img { max-width: 100%; } .note { color: #8a4b00; background: #fff6e5; padding: 0.4rem 0.7rem; }
-.meta { color: #666; font-size: 0.9rem; }
-"""
+TEMPLATE = "report.html.jinja"  # in pipeline/templates, shipped with the package
+
+
+@functools.cache
+def report_templates() -> jinja2.Environment:
+    """The packaged page templates, autoescaped (every value is text) and strict about missing names."""
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("pipeline", "templates"), autoescape=True, undefined=jinja2.StrictUndefined,
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+    )  # fmt: skip
 
 
 def render_html(report: RunReport, images: dict[str, bytes]) -> str:
     """A self-contained page: summary table first, then one section per figure."""
-    parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>rlpipe report: {_e(report.run_id)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>rlpipe report: run {_e(report.run_id)}</h1>",
-        f'<p class="meta">store {_e(report.store)} &middot; generated {_e(report.generated_at)}</p>',
-        "<h2>Summary</h2>", _summary_table(report.summary),
-        *(_note(text) for key in ("summary", "learner") for text in report.notes.get(key, [])),
+    sections = [
+        {"id": section, "title": title, "notes": report.notes.get(section, []),
+         "image": base64.b64encode(images[section]).decode("ascii") if section in images else None,
+         "table": section_table(section, report)}
+        for section, title in SECTIONS.items()
     ]  # fmt: skip
-    for section, title in SECTIONS.items():
-        parts.append(f'<h2 id="{section}">{_e(title)}</h2>')
-        parts += [_note(text) for text in report.notes.get(section, [])]
-        if section in images:
-            data = base64.b64encode(images[section]).decode("ascii")
-            parts.append(f'<img alt="{_e(title)}" src="data:image/png;base64,{data}">')
-        parts.append(_section_table(section, report))
-    parts.append("</body></html>")
-    return "\n".join(part for part in parts if part)
-
-
-def _summary_table(summary: dict[str, Any]) -> str:
-    body = "".join(f"<tr><th>{_e(label)}</th><td>{_e(value)}</td></tr>" for label, value in summary_lines(summary))
-    return f"<table>{body}</table>"
+    summary_notes = [text for key in ("summary", "learner") for text in report.notes.get(key, [])]
+    return report_templates().get_template(TEMPLATE).render(
+        report=report, summary=summary_lines(report.summary), summary_notes=summary_notes, sections=sections
+    )
 
 
 _SUMMARY_LABELS = (
@@ -875,8 +868,8 @@ def _format_summary_value(summary: dict[str, Any], key: str) -> str:
     return str(value)
 
 
-def _section_table(section: str, report: RunReport) -> str:
-    """The numbers under a figure, where a table helps (eval details, busy fractions)."""
+def section_table(section: str, report: RunReport) -> dict[str, list[Any]] | None:
+    """The numbers under a figure (``head`` and ``rows``), where a table helps (eval details, busy fractions)."""
     if section == "eval" and report.series["eval"]:
         keys = sorted({k for p in report.series["eval"] for k in p["breakdown"]})
         head = ["policy", "version", "episodes", "seed start", "mean return", "95% CI", "success", *keys]
@@ -886,26 +879,12 @@ def _section_table(section: str, report: RunReport) -> str:
              *(f"{p['breakdown'][k]:.4g}" if k in p["breakdown"] else "-" for k in keys)]
             for p in report.series["eval"]
         ]  # fmt: skip
-        return _table(head, rows)
+        return {"head": head, "rows": rows}
     if section == "duty_cycle" and report.series["duty_cycle"]["lanes"]:
         rows = [[lane["name"], lane["kind"], f"{lane['busy_s']:.1f}", _percent(lane["busy_fraction"]),
                  _percent(lane["busy_fraction_active"])] for lane in report.series["duty_cycle"]["lanes"]]  # fmt: skip
-        return _table(["lane", "kind", "busy seconds", "busy over the run", "busy while active"], rows)
-    return ""
-
-
-def _table(head: list[str], rows: list[list[Any]]) -> str:
-    header = "".join(f"<th>{_e(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f'<td class="num">{_e(c)}</td>' for c in row) + "</tr>" for row in rows)
-    return f"<table><tr>{header}</tr>{body}</table>"
-
-
-def _note(text: str) -> str:
-    return f'<p class="note">{_e(text)}</p>'
-
-
-def _e(value: Any) -> str:
-    return html.escape(str(value))
+        return {"head": ["lane", "kind", "busy seconds", "busy over the run", "busy while active"], "rows": rows}
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -197,6 +197,11 @@ class LearnerConfig(_Section):
         None, ge=1, le=1024, description="CPU threads for training (None = torch's default); 1 beside a CPU sampler"
     )
     health_port: int | None = Field(None, ge=0, le=65535, description="port for /healthz, /readyz, /metrics")
+    tensorboard_dir: str | None = Field(
+        None, max_length=4096,
+        description="folder of TensorBoard event files, one subfolder per run; None = the run's folder of a local store, "
+        "else $RLPIPE_HOME/tensorboard",
+    )
 
     @field_validator("init_from")
     @classmethod

@@ -275,3 +275,63 @@ def test_replay_publishes_the_last_step_even_between_publish_steps(tmp_path, set
     assert learner.state.step == 3
     assert [registry.show(v).learner_step for v in registry.versions()] == [2, 3]
     assert CheckpointStore(store, "sft").latest().state.version == 2  # the checkpoint knows the last publish
+
+
+def tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
+    """tag -> step -> value, read back the way TensorBoard reads a log folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert all(len({step for step, _ in points}) == len(points) for points in scalars.values()), "a step shown twice"
+    return {tag: dict(points) for tag, points in scalars.items()}
+
+
+def test_each_step_metrics_reach_tensorboard_and_a_retrained_step_replaces_the_crashed_one(store, setup, tmp_path):
+    from consumers.tracking import TensorBoardLogger, step_scalars
+
+    write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(12), version=0)
+    crashed, _ = make_learner(store, setup, max_steps=3, checkpoint_every=2)
+    crashed.metric_logger = TensorBoardLogger(tmp_path / "tb")
+    crashed.run(poll_timeout_s=0)  # step 3 is logged but never checkpointed: as if the process died there
+    crashed.metric_logger.close()
+    assert crashed.state.step == 3 and CheckpointStore(store, RUN).latest().state.step == 2
+
+    resumed, _ = make_learner(store, setup)
+    resumed.metric_logger = TensorBoardLogger(tmp_path / "tb")
+    assert resumed.resume()
+    resumed.run(poll_timeout_s=0)
+    resumed.metric_logger.close()
+
+    log = resumed.state.step_log  # steps 1-2 from the checkpoint, 3-4 trained after the resume
+    assert [m["step"] for m in log] == [1, 2, 3, 4]
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    expected: dict[str, dict[int, float]] = {}
+    for metrics in log:
+        step, values = step_scalars(metrics)
+        for tag, value in values.items():
+            expected.setdefault(tag, {})[step] = value
+    assert {"loss", "reward_mean", "ratio_mean", "effective_sample_size", "tokens_per_s",
+            "staleness_histogram/0", "staleness_mean"} <= scalars.keys()  # fmt: skip
+    assert scalars.keys() == expected.keys()
+    for tag, by_step in expected.items():
+        assert scalars[tag] == pytest.approx(by_step), tag
+    # the crashed process's step 3 differs in wall-clock throughput: only the retrained one is shown
+    assert scalars["tokens_per_s"][3] == pytest.approx(log[2]["tokens_per_s"])
+    assert log[2]["tokens_per_s"] != crashed.state.step_log[2]["tokens_per_s"]
+
+
+def test_replay_training_writes_tensorboard_event_files_under_the_run(tmp_path, setup):
+    from consumers.service import replay_train
+    from schemas.config import ModelConfig, RunConfig, StoreConfig
+
+    store = ObjectStore(tmp_path.as_uri())
+    write_batches(TrajectoryArchive(store), setup, 2, np.random.default_rng(13))
+    config = RunConfig(run_id="tracked", model=ModelConfig(base_model=setup["model_dir"]),
+                       store=StoreConfig(root=tmp_path.as_uri()),
+                       learner=LearnerConfig(lora_rank=4, lora_alpha=8, batch_rows=16, max_staleness=1000))
+    learner = replay_train(config, RUN)
+    scalars = tensorboard_scalars(tmp_path / "runs" / "tracked" / "tensorboard")
+    assert scalars["loss"] == pytest.approx({m["step"]: m["loss"] for m in learner.state.step_log})
+    assert sorted(scalars["reward_mean"]) == [1, 2]

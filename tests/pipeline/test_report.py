@@ -42,6 +42,7 @@ from schemas.config import BusConfig
 from schemas.evaluation import EvalResult, EvalResultError, eval_from_bytes, eval_key, eval_to_bytes, mean_ci95
 from schemas.events import Envelope, ProducerHeartbeat
 from schemas.trajectory import NO_ADAPTER_SHA, records_to_table
+from tests.fixtures.browser import load_page, require_chromium
 
 runner = CliRunner(env={"COLUMNS": "200"})
 RUN = "demo"
@@ -382,3 +383,53 @@ def test_eval_result_round_trips_and_refuses_inconsistent_summaries() -> None:
 def test_command_is_the_single_report_command() -> None:
     assert command.name == "report"
     assert [p.name for p in command.params][:2] == ["run", "root"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The page itself: rendered from the packaged templates, checked in a real headless browser
+
+FIGURE_CHECK = """Array.from(document.images, img => ({
+    alt: img.alt, complete: img.complete, naturalWidth: img.naturalWidth, naturalHeight: img.naturalHeight,
+    shownWidth: img.getBoundingClientRect().width, visible: img.checkVisibility(),
+}))"""
+
+
+def test_report_page_loads_in_chromium_without_errors_and_shows_every_figure(
+    run_store: ObjectStore, tmp_path: Path
+) -> None:
+    require_chromium()
+    out = tmp_path / "page"
+    run_report(RUN, "--root", run_store.root, "--out", str(out), "--no-bus")
+    page = load_page((out / "report.html").as_uri(), FIGURE_CHECK)
+    assert page.errors == []
+    plotted = [title for section, title in SECTIONS.items() if (out / FIGURE_FILES[section]).exists()]
+    assert [image["alt"] for image in page.value] == plotted and len(plotted) == 5
+    for image, title in zip(page.value, plotted, strict=True):
+        section = next(s for s, t in SECTIONS.items() if t == title)
+        width, height = png_size((out / FIGURE_FILES[section]).read_bytes())
+        assert image["complete"] and (image["naturalWidth"], image["naturalHeight"]) == (width, height), image
+        assert image["visible"] and image["shownWidth"] > 0, image
+
+
+def test_the_browser_check_sees_console_errors_and_broken_figures(tmp_path: Path) -> None:
+    require_chromium()
+    page_file = tmp_path / "broken.html"
+    page_file.write_text('<!DOCTYPE html><html><head><link rel="icon" href="data:,"></head><body>'
+                         '<img alt="broken" src="data:image/png;base64,bm90IGEgcG5n">'
+                         '<script>console.error("something broke")</script></body></html>')  # fmt: skip
+    page = load_page(page_file.as_uri(), FIGURE_CHECK)
+    assert any("something broke" in error for error in page.errors), page.errors
+    assert page.value[0]["alt"] == "broken" and page.value[0]["naturalWidth"] == 0
+
+
+def test_report_html_comes_from_the_packaged_templates_with_autoescaping(run_store: ObjectStore) -> None:
+    from pipeline.report import gather_report, render_html, report_templates
+
+    templates = report_templates()
+    assert "report.html.jinja" in templates.list_templates() and templates.autoescape is True
+    report = gather_report(run_store, RUN)
+    report.note("summary", '<script>alert("x")</script> & more')
+    page = render_html(report, {"reward": PNG_SIGNATURE})
+    assert page.startswith("<!DOCTYPE html>") and "<script>" not in page
+    assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; &amp; more" in page
+    assert f'src="data:image/png;base64,{base64.b64encode(PNG_SIGNATURE).decode()}"' in page

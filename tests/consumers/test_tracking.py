@@ -1,0 +1,156 @@
+"""Experiment tracking: which numbers of a step are scalars, where event files go, when W&B is used."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from consumers.tracking import (
+    FanOut,
+    TensorBoardLogger,
+    WandbLogger,
+    open_metric_logger,
+    step_scalars,
+    tensorboard_dir,
+    wandb_configured,
+)
+from pipeline.store import ObjectStore
+from schemas.config import LearnerConfig, RunConfig, StoreConfig
+
+METRICS = {
+    "step": 3, "started_at": 1_700_000_000.0, "finished_at": 1_700_000_002.5, "rows": 16, "loss": 0.25,
+    "ratio_mean": math.nan, "skipped": False, "batch_ids": ["b1"], "staleness_histogram": {"0": 12, "2": 4},
+    "tokens_per_s": 812.5, "version": 2,
+}  # fmt: skip
+
+
+def read_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """tag -> step -> value, as TensorBoard itself reads the folder."""
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def test_scalars_are_the_finite_numbers_with_dicts_flattened_and_the_mean_staleness() -> None:
+    step, scalars = step_scalars(METRICS)
+    assert step == 3
+    assert scalars == {"rows": 16.0, "loss": 0.25, "staleness_histogram/0": 12.0, "staleness_histogram/2": 4.0,
+                       "tokens_per_s": 812.5, "version": 2.0, "staleness_mean": 0.5}  # fmt: skip
+
+
+def test_tensorboard_logger_writes_scalars_at_the_step_with_its_wall_time(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path / "tb")
+    logger.log(METRICS)
+    logger.log({**METRICS, "step": 4, "loss": 0.125})
+    logger.close()
+    scalars = read_scalars(tmp_path / "tb")
+    assert scalars["loss"] == {3: 0.25, 4: 0.125}
+    assert scalars["staleness_histogram/2"] == {3: 4.0, 4: 4.0}
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert events.Scalars("rows")[0].wall_time == pytest.approx(METRICS["finished_at"])
+
+
+def test_event_files_go_under_the_run_of_a_local_store_else_under_rlpipe_home(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    local = ObjectStore((tmp_path / "store").as_uri())
+    config = RunConfig(run_id="cartpole-1")
+    assert tensorboard_dir(config, local) == tmp_path / "store" / "runs" / "cartpole-1" / "tensorboard"
+    remote = ObjectStore("memory://tracking-test")
+    assert tensorboard_dir(config, remote) == tmp_path / "home" / "tensorboard" / "cartpole-1"
+    chosen = RunConfig(run_id="cartpole-1", learner=LearnerConfig(tensorboard_dir=str(tmp_path / "tb")))
+    assert tensorboard_dir(chosen, local) == tmp_path / "tb" / "cartpole-1"
+
+
+def fake_wandb(monkeypatch) -> list[tuple[str, Any]]:
+    """A stand-in ``wandb`` module recording what the logger asks of it."""
+    calls: list[tuple[str, Any]] = []
+
+    class Run:
+        def log(self, data: dict[str, float], step: int) -> None:
+            calls.append(("log", (step, data)))
+
+        def finish(self) -> None:
+            calls.append(("finish", None))
+
+    def init(**kwargs: Any) -> Run:
+        calls.append(("init", kwargs))
+        return Run()
+
+    module = types.ModuleType("wandb")
+    module.init = init  # type: ignore[attr-defined]
+    module.__spec__ = types.SimpleNamespace(name="wandb")  # type: ignore[assignment]
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return calls
+
+
+def test_wandb_is_used_only_when_installed_and_configured(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not importable
+    assert not wandb_configured({"WANDB_MODE": "offline"})
+    fake_wandb(monkeypatch)
+    assert wandb_configured({"WANDB_MODE": "offline"})
+    assert wandb_configured({"WANDB_PROJECT": "rl"})
+    assert not wandb_configured({})
+    assert not wandb_configured({"WANDB_MODE": "disabled", "WANDB_PROJECT": "rl"})
+
+
+def test_wandb_logger_resumes_the_run_named_after_the_rlpipe_run(monkeypatch) -> None:
+    calls = fake_wandb(monkeypatch)
+    monkeypatch.setenv("WANDB_PROJECT", "rl-experiments")
+    logger = WandbLogger("cartpole-1", {"learner": {"loss": "ppo"}})
+    logger.log(METRICS)
+    logger.close()
+    (_, init), (_, (step, data)), (finish, _) = calls
+    assert init == {"project": "rl-experiments", "id": "cartpole-1", "name": "cartpole-1", "resume": "allow",
+                    "config": {"learner": {"loss": "ppo"}}}  # fmt: skip
+    assert (step, data) == step_scalars(METRICS) and finish == "finish"
+
+
+def test_open_metric_logger_adds_wandb_when_configured(tmp_path: Path, monkeypatch) -> None:
+    store = ObjectStore((tmp_path / "store").as_uri())
+    config = RunConfig(run_id="r1", store=StoreConfig(root=store.root))
+    for name in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert [type(b).__name__ for b in open_metric_logger(config, store).backends] == ["TensorBoardLogger"]
+    calls = fake_wandb(monkeypatch)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = open_metric_logger(config, store)
+    assert [type(b).__name__ for b in logger.backends] == ["TensorBoardLogger", "WandbLogger"]
+    logger.log(METRICS)
+    logger.close()
+    assert calls[0][1]["config"]["learner"]["loss"] == "importance_sampling"
+    assert "store" not in calls[0][1]["config"]  # only what describes the training, never credentials
+    assert read_scalars(tmp_path / "store" / "runs" / "r1" / "tensorboard")["loss"] == {3: 0.25}
+
+
+def test_a_failing_backend_is_dropped_and_the_others_keep_logging(tmp_path: Path, caplog) -> None:
+    class Broken:
+        def log(self, metrics: Any) -> None:
+            raise OSError("disk full")
+
+        def close(self) -> None:
+            raise AssertionError("a dropped backend is not closed")
+
+    good = TensorBoardLogger(tmp_path / "tb")
+    fan = FanOut([Broken(), good])
+    fan.log(METRICS)
+    fan.log({**METRICS, "step": 4})
+    fan.close()
+    assert "Broken failed (OSError: disk full)" in caplog.text
+    assert read_scalars(tmp_path / "tb")["rows"] == {3: 16.0, 4: 16.0}
+
+
+def test_wandb_offline_run_is_written_locally(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("wandb", reason="wandb is optional; install it to check the real client offline")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    logger = WandbLogger("offline-run")
+    logger.log(METRICS)
+    logger.close()
+    assert list(tmp_path.glob("wandb/offline-run-*offline-run*"))
