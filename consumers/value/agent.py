@@ -179,6 +179,15 @@ class C51Agent(ValueAgent):
         return loss_B
 
 
+def linearly_decaying_epsilon(step: int, decay_steps: int, warmup_steps: int, final_epsilon: float) -> float:
+    """Dopamine's exploration schedule: 1 during warm-up, then linear down to ``final_epsilon`` over ``decay_steps``.
+
+      epsilon(t) = final + (1 - final) * clip(1 - (t - warmup) / decay, 0, 1)
+    """
+    remaining = min(max(1.0 - (step - warmup_steps) / max(decay_steps, 1), 0.0), 1.0)
+    return final_epsilon + (1.0 - final_epsilon) * remaining
+
+
 def build_agent(config: ValueLearnerConfig, observation_size: int, num_actions: int) -> ValueAgent:
     """The agent ``config.agent`` names."""
     agent_class = C51Agent if config.agent == "c51" else DQNAgent

@@ -23,6 +23,7 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 
+from consumers.value.config import ValueLearnerConfig
 from consumers.value.targets import n_step_returns
 from schemas.steps import check_steps_table
 
@@ -180,6 +181,13 @@ class ReplayMemory:
         return memory
 
 
+def build_replay_memory(config: ValueLearnerConfig, observation_size: int) -> ReplayMemory:
+    """The replay memory ``config`` describes, for observations of ``observation_size`` floats."""
+    return ReplayMemory(
+        config.replay_capacity, observation_size, config.replay_scheme, config.priority_alpha, config.n_step, config.gamma
+    )
+
+
 def steps_to_transitions(table: pa.Table, n_step: int, gamma: float) -> dict[str, np.ndarray]:
     """n-step transitions from a steps table, one per step whose window stays inside its episode.
 
@@ -198,12 +206,12 @@ def steps_to_transitions(table: pa.Table, n_step: int, gamma: float) -> dict[str
     # An episode is a run of equal ids with consecutive steps; it ends at is_last or where the id changes.
     same_next_R = np.zeros(n_rows, bool)
     same_next_R[:-1] = (episode_R[1:] == episode_R[:-1]) & (step_R[1:] == step_R[:-1] + 1) & ~is_last_R[:-1]
-    # Window k of row t covers row t+k; it is valid while rows t..t+k are one episode.
-    offsets_K = np.arange(n_step)
-    rows_RK = np.minimum(np.arange(n_rows)[:, None] + offsets_K, n_rows - 1)
-    links_RK = same_next_R[np.minimum(rows_RK - 1, n_rows - 1)]
-    links_RK[:, 0] = True
-    valid_RK = np.cumprod(links_RK & (np.arange(n_rows)[:, None] + offsets_K < n_rows), axis=1).astype(bool)
+    # Step k of row t's window is row t+k; it counts while rows t..t+k are one episode.
+    index_RK = np.arange(n_rows)[:, None] + np.arange(n_step)
+    rows_RK = np.minimum(index_RK, n_rows - 1)
+    continues_RK = np.ones((n_rows, n_step), bool)
+    continues_RK[:, 1:] = same_next_R[rows_RK[:, :-1]] & (index_RK[:, 1:] < n_rows)
+    valid_RK = np.logical_and.accumulate(continues_RK, axis=1)
     returns_R, bootstrap_R = n_step_returns(reward_R[rows_RK], discount_R[rows_RK], valid_RK, gamma)
     steps_R = valid_RK.sum(axis=1)
     last_in_window_R = rows_RK[np.arange(n_rows), steps_R - 1]

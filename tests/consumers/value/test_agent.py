@@ -6,7 +6,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from consumers.value.agent import C51Agent, DQNAgent, build_agent
+from consumers.value.agent import C51Agent, DQNAgent, build_agent, linearly_decaying_epsilon
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.targets import categorical_cross_entropy, categorical_targets, double_q_targets, huber_loss
 
@@ -124,3 +124,9 @@ def test_config_refuses_unknown_keys_and_an_empty_support():
         ValueLearnerConfig(v_min=1.0, v_max=1.0)
     with pytest.raises(pydantic.ValidationError, match="batch_size"):
         ValueLearnerConfig(batch_size=100, replay_capacity=10)
+
+
+def test_epsilon_is_one_through_warm_up_then_decays_linearly_to_its_floor():
+    # warm-up 100, decay over 200 steps to 0.1: at 200, halfway: 0.1 + 0.9 * 0.5 = 0.55
+    schedule = [linearly_decaying_epsilon(t, 200, 100, 0.1) for t in (0, 100, 200, 300, 10_000)]
+    assert schedule == pytest.approx([1.0, 1.0, 0.55, 0.1, 0.1])

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from consumers.value.agent import ValueAgent, build_agent
+from consumers.value.agent import ValueAgent, build_agent, linearly_decaying_epsilon
 from consumers.value.config import ValueLearnerConfig
-from consumers.value.replay import ReplayMemory
+from consumers.value.replay import build_replay_memory
 from producers.envs.classic import CartPole
 from schemas.steps import steps_to_table
 
@@ -52,7 +52,7 @@ def play_episode(env: CartPole, agent: ValueAgent, seed: int, epsilon: float, rn
 def test_agent_reaches_150_on_cartpole_within_a_bounded_number_of_steps(config: ValueLearnerConfig):
     torch.set_num_threads(1)
     agent = build_agent(config, observation_size=4, num_actions=2)
-    memory = ReplayMemory(config.replay_capacity, 4, config.replay_scheme, config.priority_alpha, config.n_step, config.gamma)
+    memory = build_replay_memory(config, observation_size=4)
     env, eval_env, rng = CartPole(), CartPole(), np.random.default_rng(0)
     env_steps, episodes, evaluations, start = 0, 0, [], time.perf_counter()
 
@@ -64,7 +64,7 @@ def test_agent_reaches_150_on_cartpole_within_a_bounded_number_of_steps(config: 
             memory.update_priorities(batch["indices"], agent.train_step(batch).priorities_B)
 
     while env_steps < MAX_ENV_STEPS:
-        epsilon = max(EPSILON_FINAL, 1.0 - env_steps / EPSILON_DECAY_STEPS)
+        epsilon = linearly_decaying_epsilon(env_steps, EPSILON_DECAY_STEPS, 0, EPSILON_FINAL)
         play_episode(env, agent, seed=episodes, epsilon=epsilon, rng=rng, on_step=train_after_step)
         memory.add_steps_table(steps_to_table({**row, "episode_id": f"train-{episodes}"} for row in env.step_records))
         episodes += 1

@@ -189,3 +189,13 @@ def test_tables_of_another_shape_are_refused():
     rows[0]["action"] = [0.5]
     with pytest.raises(ValueError, match="integer action"):
         ReplayMemory(16, 1).add_steps_table(steps_to_table(rows))
+
+
+def test_an_episode_cut_by_the_table_end_bootstraps_only_inside_the_table():
+    rows = episode_rows("x", [1.0, 2.0, 3.0], False, 0.0, [0, 1, 0])
+    rows[-1]["is_last"] = False  # the episode goes on beyond this table
+    out = steps_to_transitions(steps_to_table(rows + episode_rows("y", [5.0], True, 9.0, [1])), n_step=1, gamma=0.5)
+    # x0 -> x1, x1 -> x2; x2's next observation is not in the table (y0 belongs to another episode): dropped
+    assert out["observation"][:, 0].tolist() == [0.0, 1.0, 9.0]
+    assert out["next_observation"][:2, 0].tolist() == [1.0, 2.0]
+    assert out["terminal"].tolist() == [False, False, True]
