@@ -1,6 +1,7 @@
 """Replay memory: the sum tree, prioritized sampling and weights, state round trips, n-step steps tables."""
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import safetensors.numpy
 from scipy.stats import chisquare
@@ -199,3 +200,11 @@ def test_an_episode_cut_by_the_table_end_bootstraps_only_inside_the_table():
     assert out["observation"][:, 0].tolist() == [0.0, 1.0, 9.0]
     assert out["next_observation"][:2, 0].tolist() == [1.0, 2.0]
     assert out["terminal"].tolist() == [False, False, True]
+
+
+def test_a_table_in_several_chunks_gives_the_same_transitions():
+    table = two_episodes()
+    chunked = pa.concat_tables([table.slice(0, 4), table.slice(4)])  # as a Parquet file read in row groups
+    whole, pieces = steps_to_transitions(table, 2, 0.5), steps_to_transitions(chunked, 2, 0.5)
+    for name in whole:
+        np.testing.assert_array_equal(whole[name], pieces[name], err_msg=name)
