@@ -304,7 +304,7 @@ def test_each_step_metrics_reach_tensorboard_and_a_retrained_step_replaces_the_c
     resumed.run(poll_timeout_s=0)
     resumed.metric_logger.close()
 
-    log = resumed.state.step_log  # steps 1-2 from the checkpoint, 3-4 trained after the resume
+    log = StepLog(store, RUN).read(upto=4)  # steps 1-2 from the first process, 3-4 trained after the resume
     assert [m["step"] for m in log] == [1, 2, 3, 4]
     scalars = tensorboard_scalars(tmp_path / "tb")
     expected: dict[str, dict[int, float]] = {}
@@ -319,7 +319,7 @@ def test_each_step_metrics_reach_tensorboard_and_a_retrained_step_replaces_the_c
         assert scalars[tag] == pytest.approx(by_step), tag
     # the crashed process's step 3 differs in wall-clock throughput: only the retrained one is shown
     assert scalars["tokens_per_s"][3] == pytest.approx(log[2]["tokens_per_s"])
-    assert log[2]["tokens_per_s"] != crashed.state.step_log[2]["tokens_per_s"]
+    assert crashed.last_metrics["step"] == 3 and log[2]["tokens_per_s"] != crashed.last_metrics["tokens_per_s"]
 
 
 def test_replay_training_writes_tensorboard_event_files_under_the_run(tmp_path, setup):
@@ -333,5 +333,6 @@ def test_replay_training_writes_tensorboard_event_files_under_the_run(tmp_path, 
                        learner=LearnerConfig(lora_rank=4, lora_alpha=8, batch_rows=16, max_staleness=1000))
     learner = replay_train(config, RUN)
     scalars = tensorboard_scalars(tmp_path / "runs" / "tracked" / "tensorboard")
-    assert scalars["loss"] == pytest.approx({m["step"]: m["loss"] for m in learner.state.step_log})
+    steps = StepLog(store, "tracked").read(upto=learner.state.step)
+    assert scalars["loss"] == pytest.approx({m["step"]: m["loss"] for m in steps})
     assert sorted(scalars["reward_mean"]) == [1, 2]
