@@ -167,6 +167,7 @@ class Learner:
         self.dead_lettered = 0
         self.ingested: dict[str, int] = {}  # positions read so far: ahead of state.positions between steps
         self.progress_sent: tuple[dict[str, int], float] = ({}, float("-inf"))  # what was announced, and when
+        self.lease_checked_at = float("-inf")
         self.last_metrics: dict[str, Any] = {}
         self.faults = FaultInjector.from_env()  # read once: crash tests only
 
@@ -240,6 +241,7 @@ class Learner:
                 break
             else:
                 self.announce_progress()  # waiting for rows: producers must not wait for this learner
+                self.check_lease_while_waiting()
         return self.state
 
     def budget_reached(self) -> bool:
@@ -300,6 +302,17 @@ class Learner:
             return
         self.announce(LearnerProgress(step=self.state.step, version=self.state.version, positions=dict(self.ingested)))
         self.progress_sent = (dict(self.ingested), now)
+
+    def check_lease_while_waiting(self) -> None:
+        """Every ``PROGRESS_INTERVAL_S`` while waiting for rows, stop if a newer learner holds the lease.
+
+        Publishes and checkpoints check it anyway; this makes a learner that the
+        group left without partitions (the newer one reads them) exit too.
+        """
+        now = time.monotonic()
+        if self.lease is not None and now - self.lease_checked_at >= PROGRESS_INTERVAL_S:
+            self.lease_checked_at = now
+            self.lease.check()
 
     def ready(self) -> bool:
         """Enough rows wait for a step; stale rows count, or a producer that waits for the learner to

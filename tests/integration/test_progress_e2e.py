@@ -9,6 +9,8 @@ model, Sokoban with one row per episode, 4 rows a batch) and one learner as real
    its commits (otherwise the producer waits for step 10's commit and the learner for rows).
 2. A learner killed at ``after_checkpoint`` (its checkpoint durable, its offsets not committed) and started
    again makes progress within 60 s while the producer keeps running untouched.
+3. A second ``rlpipe learner start`` of the same run takes the learner lease: the first one exits with one
+   line naming the new holder, and the run goes on under the second.
 """
 
 from __future__ import annotations
@@ -146,3 +148,27 @@ def test_a_learner_killed_before_its_commit_resumes_without_touching_the_produce
                         "a step after the restarted learner resumed", processes, alive=producer)
     assert producer.poll() is None, "the producer was never touched"
     print(f"progress {waited:.1f} s after the restart")
+
+
+def test_a_second_learner_takes_over_and_the_first_exits_naming_it(
+    tmp_path: Path, bus_config: BusConfig, tiny_model_dir: str, processes: Processes
+) -> None:
+    config = run_config(tmp_path, bus_config, tiny_model_dir, batch_rows=ROWS_PER_BATCH, checkpoint_every=1)
+    store = ObjectStore((tmp_path / "store").as_uri())
+    processes.start("producer", "producer", "start", "--config", str(config))
+    first = processes.start("learner-1", "learner", "start", "--config", str(config))
+    wait_until(lambda: newest_checkpoint_step(store) >= 1, 180.0, "the first learner's first step", processes,
+               alive=first)
+    second = processes.start("learner-2", "learner", "start", "--config", str(config))
+    try:
+        first.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the first learner still runs beside the second\n{processes.logs()}")
+    assert first.returncode == 1, processes.logs()
+    log_text = first.log_path.read_text()  # type: ignore[attr-defined]
+    errors = [line for line in log_text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, log_text[-3000:]
+    assert "has a newer learner: " in errors[0] and f"-{second.pid} (epoch 2" in errors[0], errors
+    taken_over_at = newest_checkpoint_step(store)
+    wait_until(lambda: newest_checkpoint_step(store) > taken_over_at, 120.0, "a step of the second learner",
+               processes, alive=second)
