@@ -17,6 +17,14 @@ previous checkpoint (same batches, same RNG state, so the same weights) and
 publishes it again under the next version number: versions stay dense, and a
 step's adapter may appear under two consecutive versions.
 
+Keeping a run moving: after every step, and while it waits for rows, the
+learner announces how far it has read (``LearnerProgress`` on the control
+topic), so producers' backpressure never waits for a checkpoint's commit; a
+batch that can never be read is dead-lettered and skipped instead of crashing
+the learner at the same offset forever; and the run's learner lease
+(``consumers.lease``), taken on resume, is checked before every commit point,
+so a second learner of the run fences this one out.
+
 The source is a small protocol: Kafka (``consumers.sources.KafkaSource``) and
 offline replay from the store (``consumers.sources.ReplaySource``) feed the same
 loop, so both give the same weights on the same batches in the same order.

@@ -95,6 +95,7 @@ class KafkaSource:
         if not self.consumer.assignment():
             self.deferred_commit = dict(positions)
             return
+        self.deferred_commit = {}  # superseded: positions only move forward
         self.consumer.commit(offsets)
 
     def keep_alive(self) -> None:
