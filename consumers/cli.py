@@ -31,9 +31,13 @@ def start(
     cfg = run_config(preset, config, overrides)
     if max_steps is not None:
         cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
+    from consumers.lease import LeaseLostError
     from consumers.service import run_learner
 
-    run_learner(cfg, StopFlag().install())
+    try:
+        run_learner(cfg, StopFlag().install())
+    except LeaseLostError as exc:  # another learner of the run took over: one line, not a traceback
+        fail(str(exc))
 
 
 @replay_app.command(epilog="Example: rlpipe replay --run demo --train --preset cartpole --set run_id=demo-offline")

@@ -20,6 +20,14 @@ state, so the same weights), rewrites its step object, and publishes it again
 under the next version number: versions stay dense, and a step's adapter may
 appear under two consecutive versions.
 
+Keeping a run moving: after every step, and while it waits for rows, the
+learner announces how far it has read (``LearnerProgress`` on the control
+topic), so producers' backpressure never waits for a checkpoint's commit; a
+batch that can never be read is dead-lettered and skipped instead of crashing
+the learner at the same offset forever; and the run's learner lease
+(``consumers.lease``), taken on resume, is checked before every commit point,
+so a second learner of the run fences this one out.
+
 The source is a small protocol: Kafka (``consumers.sources.KafkaSource``) and
 offline replay from the store (``consumers.sources.ReplaySource``) feed the same
 loop, so both give the same weights on the same batches in the same order.
@@ -27,6 +35,7 @@ loop, so both give the same weights on the same batches in the same order.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -44,16 +53,22 @@ import pyarrow as pa
 from consumers.advantages import compute_advantages, discounted_returns_to_go, training_weights
 from consumers.batching import drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore, LearnerState
+from consumers.lease import LearnerLease
 from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
 from consumers.tracking import MetricLogger, NullMetricLogger
 from pipeline.archive import TrajectoryArchive
 from pipeline.registry import AdapterRegistry
 from schemas.config import LearnerConfig, parse_init_from
-from schemas.events import LearnerCheckpointed, Payload
+from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
 from schemas.trajectory import TRAJECTORY_SCHEMA
 
 log = logging.getLogger("rlpipe.learner")
+
+PROGRESS_INTERVAL_S = 5.0  # while waiting for rows, re-announce progress this often (for producers just started)
+# What reading a batch raises when the batch itself is bad (wrong digest, not Parquet, wrong schema, gone):
+# retrying cannot help, so it is quarantined.  Other errors (a storage hiccup) stop the learner, which retries.
+POISON_BATCH_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError)
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,7 @@ class PendingBatch:
     table: pa.Table
     dropped: int
     staleness: dict[int, int]
+    quarantined: bool = False  # unreadable: dead-lettered, never trained, its position still advances
 
 
 def finite_numbers(metrics: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, float]:
@@ -152,21 +168,34 @@ class Learner:
         source: TrajectorySource,
         announce: Callable[[Payload], None] = lambda payload: None,
         metric_logger: MetricLogger | None = None,
+        lease: LearnerLease | None = None,
     ) -> None:
         self.run_id, self.base_model, self.cfg = run_id, base_model, config
         self.policy, self.archive, self.registry = policy, archive, registry
         self.checkpoints, self.source, self.announce = checkpoints, source, announce
+        self.lease = lease  # None: nothing fences this learner (tests, benchmarks)
         self.state = LearnerState()
         self.pending: list[PendingBatch] = []
         self.incoming: deque[BatchRef] = deque()
         self.duplicates_skipped = 0
+        self.dead_lettered = 0
+        self.ingested: dict[str, int] = {}  # positions read so far: ahead of state.positions between steps
+        self.progress_sent: tuple[dict[str, int], float] = ({}, float("-inf"))  # what was announced, and when
+        self.lease_checked_at = float("-inf")
         self.last_metrics: dict[str, Any] = {}
         self.faults = FaultInjector.from_env()  # read once: crash tests only
         self.metric_logger = metric_logger or NullMetricLogger()  # TensorBoard / W&B (consumers.tracking)
 
     # ---- set up -------------------------------------------------------------
     def resume(self) -> bool:
-        """Load the newest complete checkpoint and seek the source to its positions."""
+        """Take the run's learner lease, load the newest complete checkpoint and seek the source to its positions.
+
+        The checkpoint's positions are committed again: a learner killed after a
+        checkpoint was durable but before its commit left the group's offsets
+        behind what that checkpoint trained.
+        """
+        if self.lease is not None:
+            self.lease.acquire()
         checkpoint = self.checkpoints.latest()
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
@@ -176,7 +205,9 @@ class Learner:
         self.policy.load_state(checkpoint.adapter, checkpoint.optimizer, checkpoint.scalars)
         checkpoint.restore_rng()
         self.state = checkpoint.state
+        self.ingested = dict(self.state.positions)
         self.source.seek(self.state.positions)
+        self.source.commit(dict(self.state.positions))
         log.info("resumed from %s: step %d, version %d", checkpoint.key, self.state.step, self.state.version)
         return True
 
@@ -223,6 +254,9 @@ class Learner:
                 if self.work_waiting():
                     on_step(self.step())
                 break
+            else:
+                self.announce_progress()  # waiting for rows: producers must not wait for this learner
+                self.check_lease_while_waiting()
         return self.state
 
     def budget_reached(self) -> bool:
@@ -230,14 +264,20 @@ class Learner:
 
     # ---- phase: ingest ------------------------------------------------------
     def ingest(self, refs: list[BatchRef]) -> None:
-        """Read, verify and staleness-filter each new batch; skip ones already trained."""
+        """Read, verify and staleness-filter each new batch; skip ones already trained, quarantine bad ones."""
         for ref in refs:
+            for key, value in ref.position.items():
+                self.ingested[key] = max(value, self.ingested.get(key, 0))
             if ref.batch_id in self.state.trained or any(p.ref.batch_id == ref.batch_id for p in self.pending):
                 self.duplicates_skipped += 1
                 log.info("batch %s already trained; skipped", ref.batch_id)
                 self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}))
                 continue
-            table = self.archive.read_batch(ref.path, ref.sha256)
+            try:
+                table = self.archive.read_batch(ref.path, ref.sha256)
+            except POISON_BATCH_ERRORS as exc:
+                self.quarantine(ref, exc)
+                continue
             if self.cfg.discount < 1.0 and table.num_rows:
                 table = with_discounted_returns(table, self.cfg.discount)
             keep, dropped, histogram = drop_stale(
@@ -247,6 +287,47 @@ class Learner:
                 log.info("batch %s: dropped %d rows older than %d versions", ref.batch_id, dropped,
                          self.cfg.max_staleness)
             self.pending.append(PendingBatch(ref, table.filter(pa.array(keep)), dropped, histogram))
+
+    def quarantine(self, ref: BatchRef, error: Exception) -> None:
+        """Dead-letter a batch that can never be read, and go on past it.
+
+        Restarting cannot help (the store's objects are immutable), so raising
+        would restart the learner at the same offset forever.  The batch goes to
+        ``<ns>.dlq`` with the reason, is counted in the step's metrics
+        (``batches_dead_lettered``), and its position advances with the next step,
+        so the checkpoint commits past it; it is never recorded as trained.
+        """
+        reason = f"trajectory batch {ref.batch_id} quarantined: {str(error).strip().splitlines()[0]}"[:2000]
+        topic, partition, offset = origin_of(ref)
+        raw = json.dumps({"batch_id": ref.batch_id, "path": ref.path, "sha256": ref.sha256}, sort_keys=True)
+        self.announce(DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition, origin_offset=offset,
+                                 key=ref.batch_id, raw=raw))
+        self.dead_lettered += 1
+        log.warning("%s (sent to the dead-letter topic)", reason)
+        self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}, quarantined=True))
+
+    def announce_progress(self, force: bool = False) -> None:
+        """Tell producers how far this learner has read (``LearnerProgress``): after every step (``force``),
+        and while it waits for rows whenever that changed or every ``PROGRESS_INTERVAL_S``."""
+        if not self.ingested:
+            return
+        sent, sent_at = self.progress_sent
+        now = time.monotonic()
+        if not force and self.ingested == sent and now - sent_at < PROGRESS_INTERVAL_S:
+            return
+        self.announce(LearnerProgress(step=self.state.step, version=self.state.version, positions=dict(self.ingested)))
+        self.progress_sent = (dict(self.ingested), now)
+
+    def check_lease_while_waiting(self) -> None:
+        """Every ``PROGRESS_INTERVAL_S`` while waiting for rows, stop if a newer learner holds the lease.
+
+        Publishes and checkpoints check it anyway; this makes a learner that the
+        group left without partitions (the newer one reads them) exit too.
+        """
+        now = time.monotonic()
+        if self.lease is not None and now - self.lease_checked_at >= PROGRESS_INTERVAL_S:
+            self.lease_checked_at = now
+            self.lease.check()
 
     def ready(self) -> bool:
         """Enough rows wait for a step; stale rows count, or a producer that waits for the learner to
@@ -277,7 +358,7 @@ class Learner:
         self.state.step += 1
         newly_trained = []
         for batch in batches:
-            if batch.ref.batch_id not in self.state.trained:
+            if batch.ref.batch_id not in self.state.trained and not batch.quarantined:
                 self.state.trained[batch.ref.batch_id] = self.state.step
                 newly_trained.append(batch.ref.batch_id)
             for key, value in batch.ref.position.items():
@@ -291,6 +372,7 @@ class Learner:
         metrics.update({
             "batch_ids": newly_trained,  # the step log's record of what this step trained (dedup on resume)
             "dropped_stale_rows": dropped,
+            "batches_dead_lettered": sum(b.quarantined for b in batches),
             "staleness_histogram": {str(k): v for k, v in sorted(histogram.items())},
             "version_trained_from": self.state.version,
             "finished_at": time.time(),
@@ -304,6 +386,7 @@ class Learner:
         self.metric_logger.log(metrics)
         if self.state.step % self.cfg.checkpoint_every == 0:
             self.checkpoint()
+        self.announce_progress(force=True)
         return metrics
 
     def train(self, rows: pa.Table) -> dict[str, Any]:
@@ -362,6 +445,19 @@ class Learner:
         self.faults.reached("after_checkpoint")
         self.source.commit(dict(self.state.positions))  # only after the checkpoint is durable
         return key
+
+
+def origin_of(ref: BatchRef) -> tuple[str, int, int]:
+    """(topic, partition, offset) a batch was announced at, from its position (the offset just after it).
+
+    Positions that are not ``topic:partition`` (offline replay's cursor) give the
+    whole key as the topic and partition 0.
+    """
+    key, after = next(iter(ref.position.items()), ("unknown", 1))
+    topic, _, partition = key.rpartition(":")
+    if topic and partition.isdigit():
+        return topic, int(partition), max(0, after - 1)
+    return key, 0, max(0, after - 1)
 
 
 def with_discounted_returns(table: pa.Table, discount: float) -> pa.Table:

@@ -15,6 +15,7 @@ from typing import Any
 
 from consumers.checkpoint import CheckpointStore
 from consumers.learner import Learner, TrajectorySource
+from consumers.lease import FencedStore, LearnerLease
 from consumers.policy import LoraPolicy
 from consumers.sources import KafkaSource, ReplaySource
 from consumers.tracking import open_metric_logger
@@ -38,16 +39,22 @@ def build_learner(
     announce: Callable[[Payload], Any],
     base_model: str | None = None,
 ) -> Learner:
-    """The learner of ``config.run_id`` over ``store``, fed by ``source``."""
+    """The learner of ``config.run_id`` over ``store``, fed by ``source``.
+
+    Its versions and checkpoints are fenced by the run's learner lease (taken by
+    ``resume``): their manifests are written through a store that checks it.
+    """
     base_model = base_model or resolve_base_model(config.model)
     log.info("initialising policy on %s (LoRA rank %d)", base_model, config.learner.lora_rank)
     policy = LoraPolicy(base_model, config.learner, dtype=config.model.dtype)
+    lease = LearnerLease(store, config.run_id)
+    fenced: Any = FencedStore(store, lease)
     return Learner(
         run_id=config.run_id, base_model=config.model.base_model if config.model.base_model != "tiny" else base_model,
         config=config.learner, policy=policy, archive=TrajectoryArchive(store),
-        registry=AdapterRegistry(store, config.run_id),
-        checkpoints=CheckpointStore(store, config.run_id, keep=config.learner.keep_checkpoints),
-        source=source, announce=announce, metric_logger=open_metric_logger(config, store),
+        registry=AdapterRegistry(fenced, config.run_id),
+        checkpoints=CheckpointStore(fenced, config.run_id, keep=config.learner.keep_checkpoints),
+        source=source, announce=announce, metric_logger=open_metric_logger(config, store), lease=lease,
     )
 
 
@@ -59,6 +66,15 @@ def progress_line(metrics: dict[str, Any]) -> str:
         f"ratio {metrics.get('ratio_mean', float('nan')):.3f} ess {metrics.get('effective_sample_size', float('nan')):.3f} "
         f"dropped {metrics.get('dropped_stale_rows', 0)} tok/s {metrics.get('tokens_per_s', 0.0):.0f}"
     )
+
+
+def record_step_metrics(health: HealthServer, metrics: dict[str, Any]) -> None:
+    """A step's numbers on ``/metrics``: a gauge per numeric metric, and the run-long counters."""
+    for key, value in metrics.items():
+        if isinstance(value, int | float):
+            health.set_gauge(f"rlpipe_learner_{key}", float(value), f"learner {key}")
+    health.inc_counter("rlpipe_learner_dead_lettered_batches", float(metrics.get("batches_dead_lettered", 0)),
+                       "trajectory batches that could not be read, sent to the dead-letter topic and skipped")
 
 
 def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callable[[dict], None] | None = None
@@ -94,12 +110,11 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
     health.set_gauge("rlpipe_learner_up", 1.0, "1 once the learner is set up and training")
     health.set_gauge("rlpipe_learner_step", float(learner.state.step), "learner step")
     health.set_gauge("rlpipe_learner_version", float(learner.state.version), "learner version")
+    record_step_metrics(health, {"batches_dead_lettered": 0})
 
     def after_step(metrics: dict[str, Any]) -> None:
         log.info(progress_line(metrics))
-        for key, value in metrics.items():
-            if isinstance(value, int | float):
-                health.set_gauge(f"rlpipe_learner_{key}", float(value), f"learner {key}")
+        record_step_metrics(health, metrics)
         if on_step is not None:
             on_step(metrics)
 

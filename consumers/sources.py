@@ -66,10 +66,15 @@ class KafkaSource:
     def __init__(self, bus: BusConfig, run_id: str, group_id: str | None = None, **consumer_options: Any) -> None:
         options = {**group_timings_from_env(), **consumer_options}
         self.consumer = EventConsumer(bus, "trajectories", group_id or learner_group_id(run_id), run_id=run_id, **options)
+        self.deferred_commit: dict[str, int] = {}  # asked for before the group assigned partitions
 
     def poll(self, timeout_s: float) -> list[BatchRef]:
         refs = []
-        for consumed in self.consumer.poll(timeout_s):
+        consumed_events = self.consumer.poll(timeout_s)
+        if self.deferred_commit and self.consumer.assignment():
+            positions, self.deferred_commit = self.deferred_commit, {}
+            self.commit(positions)
+        for consumed in consumed_events:
             payload = consumed.event.payload
             if isinstance(payload, TrajectoryBatchCommitted):
                 refs.append(BatchRef(payload.batch_id, payload.path, payload.sha256,
@@ -80,9 +85,18 @@ class KafkaSource:
         self.consumer.seek({_parse_position(k): v for k, v in positions.items() if not k.startswith("replay:")})
 
     def commit(self, positions: dict[str, int]) -> None:
+        """Commit the positions; before the group has assigned partitions (a resume), at the first poll after.
+
+        A member that has not joined yet cannot commit (kafka-python fails the request).
+        """
         offsets = {_parse_position(k): v for k, v in positions.items() if not k.startswith("replay:")}
-        if offsets:
-            self.consumer.commit(offsets)
+        if not offsets:
+            return
+        if not self.consumer.assignment():
+            self.deferred_commit = dict(positions)
+            return
+        self.deferred_commit = {}  # superseded: positions only move forward
+        self.consumer.commit(offsets)
 
     def keep_alive(self) -> None:
         self.consumer.keep_alive()

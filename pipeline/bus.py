@@ -91,6 +91,10 @@ class PublishError(BusError):
     """The broker did not accept an event."""
 
 
+class RewindError(BusError):
+    """Records a consumer fetched could not be put back: going on would skip them."""
+
+
 class CommitError(BusError):
     """Consumer offsets could not be committed (the events will be delivered again)."""
 
@@ -641,8 +645,8 @@ class EventConsumer:
         except BaseException:
             # Dead-lettering failed: the whole batch is delivered again by the next poll, so nothing is lost
             # (a dead letter already published may be published twice).
-            self._rewind(batches)
             self._polled, self.stats = polled_before, stats_before
+            self._rewind(batches)
             raise
         return events
 
@@ -688,11 +692,25 @@ class EventConsumer:
         return self._dlq
 
     def _rewind(self, batches: Mapping[TopicPartition, list[Any]]) -> None:
-        """Seek each partition back to the first record of ``batches`` so they are delivered again."""
+        """Seek each partition back to the first record of ``batches`` so they are delivered again.
+
+        A partition the group took away meanwhile is skipped: its next owner starts
+        from the committed offset.  Any other failed seek raises ``RewindError``:
+        the consumer would go on after the records it returned nothing for, and they
+        would be skipped for good.
+        """
+        assigned = self._consumer.assignment()
         for tp, records in batches.items():
-            if records:
-                with contextlib.suppress(Exception):
-                    self._consumer.seek(tp, records[0].offset)
+            if not records or tp not in assigned:
+                continue
+            try:
+                self._consumer.seek(tp, records[0].offset)
+            except Exception as exc:
+                raise RewindError(
+                    f"could not seek {tp.topic}:{tp.partition} back to offset {records[0].offset} ({_describe(exc)}); "
+                    "records from there would be skipped: close this consumer and start a new one (it resumes from "
+                    "the committed offset)"
+                ) from exc
 
     # -- offsets -----------------------------------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from producers.samplers import sampler_for_run
 from producers.sink import StoreThenEventSink, announce_orphans, announced_batches
 from producers.tiny_model import resolve_model
 from schemas.config import BusConfig, RunConfig
-from schemas.events import ProducerHeartbeat, TrajectoryBatchCommitted
+from schemas.events import LearnerProgress, ProducerHeartbeat, TrajectoryBatchCommitted
 
 log = logging.getLogger("rlpipe.producer")
 
@@ -89,25 +89,45 @@ class Heartbeat:
 
 
 def unconsumed_rows(rows_at_P: Mapping[int, Mapping[int, int]], committed_P: Mapping[int, int]) -> int:
-    """Rows of the batches at or after the committed offset: ``{partition: {offset: rows}}``, ``{partition: offset}``.
+    """Rows of the batches at or after the learner's offset: ``{partition: {offset: rows}}``, ``{partition: offset}``.
 
-    A partition the learner has not committed counts from its first offset (the
+    A partition the learner has not read counts from its first offset (the
     learner reads from the beginning there).
     """
     return sum(rows for partition, rows_at in rows_at_P.items()
                for offset, rows in rows_at.items() if offset >= committed_P.get(partition, 0))
 
 
+def positions_on(topic: str, positions: Mapping[str, int]) -> dict[int, int]:
+    """``{"topic:partition": offset}`` (a learner's positions) -> ``{partition: offset}`` of ``topic`` only."""
+    found = {}
+    for key, offset in positions.items():
+        name, _, partition = key.rpartition(":")
+        if name == topic and partition.isdigit():
+            found[int(partition)] = offset
+    return found
+
+
 class LearnerBacklog:
     """Whether this run's learner has ``max_rows`` or more of the run's rows announced but not consumed.
 
     Backlog rows = the ``num_rows`` of this run's ``TrajectoryBatchCommitted``
-    events (every producer's) at or after the learner group's committed offsets on
-    ``<ns>.trajectories``, re-judged at most every ``check_interval_s``.  Rows
+    events (every producer's) at or after the learner's read position on
+    ``<ns>.trajectories``, re-judged at most every ``check_interval_s``.  The read
+    position is the newer of the learner group's committed offsets and the
+    positions in the learner's latest ``LearnerProgress`` on ``<ns>.control``.  Rows
     queued beyond about ``max_staleness`` learner steps would be dropped as stale
     when their turn comes, so sampling them is wasted work.  A producer that has
     written nothing yet never pauses, so an added or restarted one always
     contributes.
+
+    Why not the committed offsets alone: the learner commits only after a
+    checkpoint.  With ``checkpoint_every`` above ``max_backlog_steps`` the
+    producer then paused on rows the learner had already trained, and the
+    learner waited for rows: the run stalled before its first checkpoint, and
+    again after a learner restarted from a checkpoint whose commit it had not
+    made.  The learner announces how far it has read after every step and while
+    it waits, so the backlog counts only rows it has not taken yet.
 
     Why not the group's lag (end - committed offset): the topic is shared by every
     run on a stack, and the learner commits only past its own run's batches, so
@@ -125,7 +145,13 @@ class LearnerBacklog:
         self.topic = topic_name(bus.namespace, "trajectories")
         committed = self._committed()
         self.follower = EventFollower(bus, "trajectories", run_id=run_id, start="earliest", offsets=committed)
+        try:
+            self.progress = EventFollower(bus, "control", run_id=run_id, start="latest")
+        except BaseException:
+            self.follower.close()
+            raise
         self.rows_at_P: dict[int, dict[int, int]] = {}  # this run's batches not yet known to be consumed
+        self.ingested_P: dict[int, int] = {}  # the learner's latest announced read positions on the topic
         self.checked_at, self.full = float("-inf"), False
 
     def _committed(self) -> dict[int, int] | None:
@@ -146,12 +172,25 @@ class LearnerBacklog:
             if isinstance(item.event.payload, TrajectoryBatchCommitted):
                 self.rows_at_P.setdefault(item.partition, {})[item.offset] = item.event.payload.num_rows
 
+    def _read_progress(self) -> None:
+        """The learner's newest read positions (the latest wins: a restarted learner reads from its checkpoint)."""
+        try:
+            events = self.progress.poll(0.0)
+        except BusError as exc:
+            log.debug("could not read the control topic: %s", exc)
+            return
+        for item in events:
+            payload = item.event.payload
+            if isinstance(payload, LearnerProgress):
+                self.ingested_P = positions_on(self.topic, payload.positions)
+
     def __call__(self) -> bool:
         now = time.monotonic()
         if now - self.checked_at < self.check_interval_s:
             return self.full
         self.checked_at = now
         self._read_announcements()
+        self._read_progress()
         if not self.worker.stats.batches:
             self.full = False
             return False
@@ -161,11 +200,13 @@ class LearnerBacklog:
         for partition, rows_at in self.rows_at_P.items():  # forget what the learner has consumed
             for offset in [o for o in rows_at if o < committed.get(partition, 0)]:
                 del rows_at[offset]
-        self.full = unconsumed_rows(self.rows_at_P, committed) >= self.max_rows
+        read_P = {p: max(committed.get(p, 0), self.ingested_P.get(p, 0)) for p in {*committed, *self.ingested_P}}
+        self.full = unconsumed_rows(self.rows_at_P, read_P) >= self.max_rows
         return self.full
 
     def close(self) -> None:
         self.follower.close()
+        self.progress.close()
 
 
 def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWorker:

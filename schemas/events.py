@@ -123,6 +123,23 @@ class LearnerCheckpointed(Payload):
     metrics: dict[str, float] = Field(default_factory=dict)
 
 
+class LearnerProgress(Payload):
+    """learner -> producers, on ``<ns>.control``: how far the learner has read its run's batches.
+
+    Sent after every step, and every few seconds while the learner waits for rows.
+    Producers measure their backlog (``producer.max_backlog_steps``) from these
+    positions: the learner commits offsets only after a checkpoint, so rows it has
+    already taken would otherwise count as waiting until the next checkpoint.
+    """
+
+    event_type: ClassVar[str] = "LearnerProgress"
+    step: NonNegInt
+    version: Version
+    positions: dict[str, NonNegInt] = Field(
+        description="'topic:partition' -> next offset the learner reads (ingested; committed at the next checkpoint)"
+    )
+
+
 class RunStopped(Payload):
     """launcher -> everyone, on ``<ns>.control``: the run ended."""
 
@@ -153,6 +170,7 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
         RunStarted,
         ProducerHeartbeat,
         LearnerCheckpointed,
+        LearnerProgress,
         RunStopped,
         DeadLetter,
     )

@@ -369,3 +369,40 @@ def test_tls_against_a_plaintext_broker_fails_within_bounded_time(kafka_broker: 
     with pytest.raises(BusUnavailableError, match="TLS handshake failed"):
         EventPublisher(config)
     assert time.monotonic() - started < 1.0 + 1.5
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# rewinding (no network: a stand-in for the Kafka client)
+
+
+class _SeekingClient:
+    """The two calls ``_rewind`` makes, with a seek that can fail."""
+
+    def __init__(self, assigned: set[Any], error: Exception | None) -> None:
+        self.assigned, self.error, self.seeks = assigned, error, []
+
+    def assignment(self) -> set[Any]:
+        return self.assigned
+
+    def seek(self, tp: Any, offset: int) -> None:
+        if self.error is not None:
+            raise self.error
+        self.seeks.append((tp, offset))
+
+
+def _record(offset: int) -> Any:
+    return type("Record", (), {"offset": offset})()
+
+
+def test_a_failed_seek_while_rewinding_is_raised_not_swallowed() -> None:
+    from kafka import TopicPartition
+
+    tp, gone = TopicPartition("ns.trajectories", 0), TopicPartition("ns.trajectories", 1)
+    consumer = EventConsumer.__new__(EventConsumer)  # no broker: only the client stand-in below is used
+    consumer._consumer = _SeekingClient({tp}, ValueError("Unassigned partition"))
+    with pytest.raises(bus.RewindError, match=r"ns.trajectories:0 back to offset 7 .*would be skipped"):
+        consumer._rewind({tp: [_record(7), _record(8)]})
+    # a partition the group took away is not ours to rewind: its next owner starts from the committed offset
+    consumer._consumer = _SeekingClient({tp}, None)
+    consumer._rewind({tp: [_record(7), _record(8)], gone: [_record(3)]})
+    assert consumer._consumer.seeks == [(tp, 7)]

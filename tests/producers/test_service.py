@@ -19,7 +19,7 @@ from pipeline.runtime import Announcer
 from pipeline.topics import topic_name
 from producers.service import LearnerBacklog, unconsumed_rows
 from schemas.config import BusConfig
-from schemas.events import TrajectoryBatchCommitted
+from schemas.events import LearnerProgress, TrajectoryBatchCommitted
 
 ROWS = 16  # rows per batch, and the learner's batch_rows: max_backlog_steps 1 = one batch
 WRITTEN: Any = SimpleNamespace(stats=SimpleNamespace(batches=1))  # a producer that has written a batch
@@ -94,6 +94,24 @@ def test_before_the_learner_commits_every_batch_of_the_run_counts_and_only_those
             announce_batch(publisher, "a", 1)  # half the limit, from any producer of run a
             assert not any(judgements(backlog, 2.0))
             announce_batch(publisher, "a", 2)
+            assert becomes(backlog, True, timeout_s=5.0)
+        finally:
+            backlog.close()
+
+
+def test_rows_the_learner_has_read_stop_counting_before_its_commit(bus_config: BusConfig) -> None:
+    """The learner commits only after a checkpoint; rows it has read (``LearnerProgress``) are not a backlog."""
+    topic = topic_name(bus_config.namespace, "trajectories")
+    with EventPublisher(bus_config) as publisher:
+        backlog = LearnerBacklog(bus_config, "a", WRITTEN, max_rows=ROWS, check_interval_s=0.0)
+        try:
+            a1 = announce_batch(publisher, "a", 1)
+            assert becomes(backlog, True, timeout_s=5.0)  # nothing committed or read yet: one step waiting
+            progress = Announcer(publisher, "a")
+            progress(LearnerProgress(step=1, version=1, positions={f"{topic}:0": a1 + 1}))
+            assert becomes(backlog, False, timeout_s=5.0)  # read and trained, the commit waits for a checkpoint
+            # a learner restarted from an older checkpoint reads those rows again: they count again
+            progress(LearnerProgress(step=0, version=0, positions={f"{topic}:0": a1}))
             assert becomes(backlog, True, timeout_s=5.0)
         finally:
             backlog.close()

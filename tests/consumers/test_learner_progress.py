@@ -1,0 +1,159 @@
+"""The learner keeps a run moving: it announces what it has read, commits on resume, and skips poison batches.
+
+A scripted source stands in for Kafka (its positions look like ``<topic>:<partition>`` offsets), so
+these run without a broker; the real broker paths are in tests/integration/test_progress_e2e.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from consumers.learner import BatchRef
+from consumers.service import record_step_metrics
+from pipeline.archive import TrajectoryArchive
+from pipeline.health import HealthServer
+from pipeline.registry import AdapterRegistry
+from pipeline.store import sha256_hex
+from schemas.events import DeadLetter, LearnerProgress
+from tests.consumers import test_learner
+from tests.consumers.test_learner import RUN, make_learner, write_batches
+
+store, setup = test_learner.store, test_learner.setup  # the same fixtures: a file store, the tiny model's prompt
+TOPIC = "t.trajectories"
+
+
+class ScriptedSource:
+    """Hands out the given refs one per poll; records seeks and commits."""
+
+    def __init__(self, refs: list[BatchRef]) -> None:
+        self.refs, self.index = refs, 0
+        self.seeks: list[dict[str, int]] = []
+        self.commits: list[dict[str, int]] = []
+
+    def poll(self, timeout_s: float) -> list[BatchRef]:
+        if self.index >= len(self.refs):
+            return []
+        self.index += 1
+        return [self.refs[self.index - 1]]
+
+    def seek(self, positions: dict[str, int]) -> None:
+        self.seeks.append(dict(positions))
+        self.index = positions.get(f"{TOPIC}:0", 0)
+
+    def commit(self, positions: dict[str, int]) -> None:
+        self.commits.append(dict(positions))
+
+    def keep_alive(self) -> None:
+        pass
+
+    def exhausted(self) -> bool:
+        return False
+
+
+def stored_refs(store) -> list[BatchRef]:
+    """A ref per stored batch of the run, positioned as if announced at offsets 0, 1, 2, ..."""
+    archive = TrajectoryArchive(store)
+    refs = []
+    for offset, key in enumerate(sorted(archive.list_batches(RUN))):
+        data = store.get(key)
+        refs.append(BatchRef(key.rsplit("/", 1)[-1].removesuffix(".parquet"), key, sha256_hex(data),
+                             {f"{TOPIC}:0": offset + 1}))
+    return refs
+
+
+def scripted_learner(store, setup, refs: list[BatchRef], **overrides):
+    learner, announced = make_learner(store, setup, **overrides)
+    learner.source = ScriptedSource(refs)
+    return learner, announced
+
+
+def run_polls(learner, polls: int) -> None:
+    """``polls`` passes of the loop (a stop flag counting calls)."""
+    calls = iter(range(polls))
+    learner.run(should_stop=lambda: next(calls, None) is None, poll_timeout_s=0)
+
+
+def test_progress_is_announced_after_each_step_and_while_waiting(store, setup):
+    write_batches(TrajectoryArchive(store), setup, 3, np.random.default_rng(0))
+    refs = stored_refs(store)
+    # checkpoint_every 10: no checkpoint (and no commit) in these three steps
+    learner, announced = scripted_learner(store, setup, refs, checkpoint_every=10)
+    run_polls(learner, 3)
+    progress = [p for p in announced if isinstance(p, LearnerProgress)]
+    assert [p.positions for p in progress] == [{f"{TOPIC}:0": n} for n in (1, 2, 3)]
+    assert [p.step for p in progress] == [1, 2, 3] and learner.source.commits == []
+    run_polls(learner, 5)  # waiting for rows: nothing new read, nothing new said within the interval
+    assert len([p for p in announced if isinstance(p, LearnerProgress)]) == 3
+
+
+def test_a_batch_read_but_not_yet_a_step_is_announced_while_waiting(store, setup):
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(1), groups=1)  # 8 rows of 16
+    learner, announced = scripted_learner(store, setup, stored_refs(store))
+    run_polls(learner, 2)
+    assert learner.state.step == 0
+    assert [p.positions for p in announced if isinstance(p, LearnerProgress)] == [{f"{TOPIC}:0": 1}]
+
+
+def test_resume_commits_the_checkpoint_positions(store, setup):
+    write_batches(TrajectoryArchive(store), setup, 2, np.random.default_rng(2))
+    refs = stored_refs(store)
+    first, _ = scripted_learner(store, setup, refs)
+    run_polls(first, 1)  # step 1 checkpointed (a crash before its commit looks the same from here on)
+    second, announced = scripted_learner(store, setup, refs)
+    assert second.resume()
+    assert second.source.seeks == [{f"{TOPIC}:0": 1}]
+    assert second.source.commits == [{f"{TOPIC}:0": 1}]
+    run_polls(second, 3)
+    assert second.state.step == 2
+    assert next(p.positions for p in announced if isinstance(p, LearnerProgress)) == {f"{TOPIC}:0": 2}
+
+
+def test_a_poison_batch_is_dead_lettered_and_the_next_one_trained(store, setup):
+    archive = TrajectoryArchive(store)
+    write_batches(archive, setup, 3, np.random.default_rng(3))
+    good_first, wrong_digest, unreadable = stored_refs(store)
+    wrong_digest = BatchRef(wrong_digest.batch_id, wrong_digest.path, "0" * 64, wrong_digest.position)
+    garbage = b"PAR1 this is not a parquet file"
+    store.put(unreadable.path, garbage)
+    unreadable = BatchRef(unreadable.batch_id, unreadable.path, sha256_hex(garbage), unreadable.position)
+    write_batches(archive, setup, 1, np.random.default_rng(4))
+    last = next(r for r in stored_refs(store) if r.batch_id not in {good_first.batch_id, wrong_digest.batch_id,
+                                                                      unreadable.batch_id})
+    last = BatchRef(last.batch_id, last.path, last.sha256, {f"{TOPIC}:0": 4})
+    learner, announced = scripted_learner(store, setup, [good_first, wrong_digest, unreadable, last])
+    steps = []
+    calls = iter(range(6))
+    learner.run(should_stop=lambda: next(calls, None) is None, on_step=steps.append, poll_timeout_s=0)
+
+    letters = [p for p in announced if isinstance(p, DeadLetter)]
+    assert [(d.key, d.origin_topic, d.origin_partition, d.origin_offset) for d in letters] == [
+        (wrong_digest.batch_id, TOPIC, 0, 1), (unreadable.batch_id, TOPIC, 0, 2)]
+    assert "checksum mismatch" in letters[0].reason and "not a readable Parquet file" in letters[1].reason
+    assert all(d.reason.startswith(f"trajectory batch {d.key} quarantined: ") for d in letters)
+    # the learner went on: the batch after them was trained, and the step's position is past all three
+    assert [m["batch_ids"] for m in steps] == [[good_first.batch_id], [last.batch_id]]
+    assert [m["batches_dead_lettered"] for m in steps] == [0, 2]
+    assert learner.state.positions == {f"{TOPIC}:0": 4}
+    assert learner.source.commits[-1] == {f"{TOPIC}:0": 4}
+    assert wrong_digest.batch_id not in learner.state.trained and unreadable.batch_id not in learner.state.trained
+    assert AdapterRegistry(store, RUN).versions() == [1, 2]
+
+    health = HealthServer(None)
+    for metrics in steps:
+        record_step_metrics(health, metrics)
+    assert health.metric_value("rlpipe_learner_dead_lettered_batches_total") == 2
+    assert b"rlpipe_learner_dead_lettered_batches_total 2.0" in health.render_metrics()
+
+
+def test_a_storage_error_is_not_a_poison_batch(store, setup, monkeypatch):
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(5))
+    learner, announced = scripted_learner(store, setup, stored_refs(store))
+
+    def flaky(*args, **kwargs):
+        raise ConnectionError("storage unreachable")
+
+    monkeypatch.setattr(learner.archive, "read_batch", flaky)
+    with pytest.raises(ConnectionError):
+        run_polls(learner, 1)
+    assert not [p for p in announced if isinstance(p, DeadLetter)]
