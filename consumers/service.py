@@ -85,7 +85,11 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
     publisher = EventPublisher(bus)
     source = KafkaSource(bus, config.run_id)
     done.add("broker")
-    learner = build_learner(config, store, source, Announcer(publisher, config.run_id))
+    announcer = Announcer(publisher, config.run_id)
+    _, _, created = create_run(store, config, config.model.base_model)  # refuses a change of what the run is
+    if created is not None:
+        announcer(created)
+    learner = build_learner(config, store, source, announcer)
     done.add("policy")
     learner.resume()
     done.add("resumed")
