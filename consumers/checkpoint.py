@@ -45,11 +45,13 @@ class LearnerState:
     trained: dict[str, int] = field(default_factory=dict)  # batch_id -> step that trained it
     step_log: list[dict[str, Any]] = field(default_factory=list)  # per-step metrics, in order
     dropped_stale_rows: int = 0
+    log_identity: dict[str, str] = field(default_factory=dict)  # topic -> id of the log ``positions`` point into
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step, "version": self.version, "positions": self.positions, "trained": self.trained,
             "step_log": self.step_log, "dropped_stale_rows": self.dropped_stale_rows,
+            "log_identity": self.log_identity,
         }
 
     @classmethod
@@ -58,6 +60,7 @@ class LearnerState:
             step=int(data["step"]), version=int(data["version"]), positions=dict(data["positions"]),
             trained=dict(data["trained"]), step_log=list(data["step_log"]),
             dropped_stale_rows=int(data.get("dropped_stale_rows", 0)),
+            log_identity=dict(data.get("log_identity", {})),
         )
 
 

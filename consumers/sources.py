@@ -16,7 +16,7 @@ from typing import Any
 
 from consumers.learner import BatchRef
 from pipeline.archive import TrajectoryArchive
-from pipeline.bus import GROUP_TIMINGS_ENV, EventConsumer
+from pipeline.bus import GROUP_TIMINGS_ENV, EventConsumer, describe_topic
 from schemas.config import BusConfig
 from schemas.events import TrajectoryBatchCommitted
 
@@ -65,7 +65,26 @@ class KafkaSource:
 
     def __init__(self, bus: BusConfig, run_id: str, group_id: str | None = None, **consumer_options: Any) -> None:
         options = {**group_timings_from_env(), **consumer_options}
+        self.bus = bus
         self.consumer = EventConsumer(bus, "trajectories", group_id or learner_group_id(run_id), run_id=run_id, **options)
+
+    def log_identity(self) -> dict[str, str]:
+        """The topic's id (``{topic: id}``; empty where the broker reports none)."""
+        info = describe_topic(self.bus, self.consumer.topic)
+        return {info.name: info.topic_id} if info.topic_id else {}
+
+    def positions_elsewhere(self, positions: dict[str, int], recorded: dict[str, str]) -> list[str]:
+        """Keys of ``positions`` that point into another log than the one here now.
+
+        Another log: the topic's id differs from the ``recorded`` one (the topic was
+        created again), or a partition ends before the position (a log that
+        restarted empty, on a broker without topic ids).
+        """
+        info = describe_topic(self.bus, self.consumer.topic)
+        ends = {_position_key(info.name, p.partition): p.end_offset for p in info.partitions}
+        renewed = info.topic_id is not None and recorded.get(info.name) not in (None, info.topic_id)
+        return sorted(key for key, offset in positions.items() if not key.startswith("replay:") and (
+            (_parse_position(key)[0] == info.name and renewed) or offset > ends.get(key, offset)))
 
     def poll(self, timeout_s: float) -> list[BatchRef]:
         refs = []
