@@ -15,7 +15,7 @@ def announce_batches(config: RunConfig, source_run: str, date_from: str | None =
     """Publish ``TrajectoryBatchCommitted`` for each stored batch of ``source_run`` under ``config.run_id``."""
     store = open_store(config.store)
     archive = TrajectoryArchive(store)
-    keys = [k for k in sorted(archive.list_batches(source_run)) if in_date_range(k, date_from, date_to)]
+    keys = [c.key for c in archive.commits(source_run) if in_date_range(c.key, date_from, date_to)]  # commit order
     with EventPublisher(resolved_bus(config.bus)) as publisher:
         for key in keys:
             info = archive.describe_batch(key, source_run)

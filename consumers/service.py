@@ -125,6 +125,7 @@ def replay_train(config: RunConfig, source_run: str, date_from: str | None = Non
     create_run(store, config, config.model.base_model)  # run.json, so eval/report know the run
     source = ReplaySource(TrajectoryArchive(store), source_run, date_from, date_to)
     learner = build_learner(config, store, source, announce or (lambda payload: None))
+    source.already_trained = lambda batch_id: batch_id in learner.state.trained
     learner.resume()
     started = time.monotonic()
     learner.run(on_step=lambda m: log.info(progress_line(m)), poll_timeout_s=0.0)
