@@ -69,6 +69,8 @@ class TrajectorySource(Protocol):
     def commit(self, positions: dict[str, int]) -> None: ...
     def keep_alive(self) -> None: ...
     def exhausted(self) -> bool: ...
+    # Optional, for sources whose log can be replaced under the same name (Kafka):
+    # log_identity() -> {topic: id}; positions_elsewhere(positions, recorded identity) -> keys to read from 0.
 
 
 FAULT_ENV = "RLPIPE_FAULT"
@@ -186,9 +188,10 @@ class Learner:
         read from now on is recorded with the next checkpoint.
         """
         identify = getattr(self.source, "log_identity", None)
-        if identify is None:
+        pointing_elsewhere = getattr(self.source, "positions_elsewhere", None)
+        if identify is None or pointing_elsewhere is None:
             return
-        elsewhere = self.source.positions_elsewhere(self.state.positions, self.state.log_identity)  # type: ignore[attr-defined]
+        elsewhere = pointing_elsewhere(self.state.positions, self.state.log_identity)
         if elsewhere:
             log.warning("the event log is not the one the checkpoint points into (%s): reading it from the start; "
                         "batches already trained are skipped", ", ".join(elsewhere))
