@@ -61,10 +61,10 @@ class S3ServerError(RuntimeError):
 
 
 class LocalS3Server:
-    """``moto_server`` on ``127.0.0.1:PORT``, objects journaled under ``data_dir`` and replayed on start.
+    """``moto_server`` on ``127.0.0.1:PORT``, writes journaled under ``data_dir`` and restored on start.
 
     ``data_dir=None`` keeps nothing across restarts.  ``start()`` returns once the
-    server answers, the journal is replayed and ``bucket`` exists.
+    server answers (after restoring the journal) and ``bucket`` exists.
     """
 
     def __init__(
@@ -95,7 +95,7 @@ class LocalS3Server:
 
     @property
     def journal_path(self) -> Path | None:
-        """The request journal replayed on start (None: nothing is kept)."""
+        """The write journal restored on start (None: nothing is kept)."""
         return self.data_dir / JOURNAL_FILE if self.data_dir is not None else None
 
     @property
