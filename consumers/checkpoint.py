@@ -61,11 +61,12 @@ class LearnerState:
     dropped_stale_rows: int = 0
     # the inline per-step metrics of a checkpoint in the old layout, written out as step objects by the next save
     legacy_step_log: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    log_identity: dict[str, str] = field(default_factory=dict)  # topic -> id of the log ``positions`` point into
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step, "version": self.version, "positions": self.positions,
-            "dropped_stale_rows": self.dropped_stale_rows,
+            "dropped_stale_rows": self.dropped_stale_rows, "log_identity": self.log_identity,
         }
 
     @classmethod
@@ -73,7 +74,7 @@ class LearnerState:
         return cls(
             step=int(data["step"]), version=int(data["version"]), positions=dict(data["positions"]),
             trained=dict(data.get("trained", {})), dropped_stale_rows=int(data.get("dropped_stale_rows", 0)),
-            legacy_step_log=list(data.get("step_log", [])),
+            legacy_step_log=list(data.get("step_log", [])), log_identity=dict(data.get("log_identity", {})),
         )
 
 

@@ -89,6 +89,8 @@ class TrajectorySource(Protocol):
     def commit(self, positions: dict[str, int]) -> None: ...
     def keep_alive(self) -> None: ...
     def exhausted(self) -> bool: ...
+    # Optional, for sources whose log can be replaced under the same name (Kafka):
+    # log_identity() -> {topic: id}; positions_elsewhere(positions, recorded identity) -> keys to read from 0.
 
 
 FAULT_ENV = "RLPIPE_FAULT"
@@ -199,17 +201,40 @@ class Learner:
         checkpoint = self.checkpoints.latest()
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
+            self.rewind_if_the_log_changed()
             if self.cfg.init_from:
                 self.warm_start(self.cfg.init_from)
             return False
         self.policy.load_state(checkpoint.adapter, checkpoint.optimizer, checkpoint.scalars)
         checkpoint.restore_rng()
         self.state = checkpoint.state
+        self.rewind_if_the_log_changed()
         self.ingested = dict(self.state.positions)
         self.source.seek(self.state.positions)
         self.source.commit(dict(self.state.positions))
         log.info("resumed from %s: step %d, version %d", checkpoint.key, self.state.step, self.state.version)
         return True
+
+    def rewind_if_the_log_changed(self) -> None:
+        """Read a log that is not the one the checkpoint's positions point into from its start.
+
+        A broker that lost its log (an in-memory broker restarted, a topic deleted
+        and created again) numbers new events from 0 again, so the stored offsets
+        would skip them.  Sources that know their log's identity (Kafka: the
+        topic id) say which positions point elsewhere; those start over at 0, and
+        batches already trained are skipped by their ids.  The identity of the log
+        read from now on is recorded with the next checkpoint.
+        """
+        identify = getattr(self.source, "log_identity", None)
+        pointing_elsewhere = getattr(self.source, "positions_elsewhere", None)
+        if identify is None or pointing_elsewhere is None:
+            return
+        elsewhere = pointing_elsewhere(self.state.positions, self.state.log_identity)
+        if elsewhere:
+            log.warning("the event log is not the one the checkpoint points into (%s): reading it from the start; "
+                        "batches already trained are skipped", ", ".join(elsewhere))
+            self.state.positions.update(dict.fromkeys(elsewhere, 0))
+        self.state.log_identity = identify()
 
     def warm_start(self, init_from: str) -> None:
         """Start from another run's published adapter and publish it unchanged as this run's v1.

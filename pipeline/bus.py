@@ -987,10 +987,16 @@ class PartitionInfo:
 
 @dataclass(frozen=True, slots=True)
 class TopicInfo:
-    """A topic and its partitions."""
+    """A topic and its partitions.
+
+    ``topic_id`` is the id the broker gave the topic when it created it (None where
+    the broker reports none): a log deleted or lost and created again under the
+    same name has another id, so offsets recorded against the old one mean nothing.
+    """
 
     name: str
     partitions: tuple[PartitionInfo, ...]
+    topic_id: str | None = None
 
     @property
     def messages(self) -> int:
@@ -1049,7 +1055,13 @@ def describe_topic(bus_config: BusConfig, kind_or_topic: str, bootstrap_servers:
         )
         for p in sorted(meta["partitions"], key=lambda p: p["partition_index"])
     )
-    return TopicInfo(name=topic, partitions=partitions)
+    return TopicInfo(name=topic, partitions=partitions, topic_id=_known_topic_id(meta.get("topic_id")))
+
+
+def _known_topic_id(value: Any) -> str | None:
+    """The topic id as text; None for a missing or all-zero id (a broker that does not track them)."""
+    text = str(value) if value is not None else ""
+    return text if text.strip("0-A=") else None
 
 
 def list_groups(bus_config: BusConfig, bootstrap_servers: str | None = None) -> list[str]:

@@ -2,7 +2,9 @@
 
 Resolving where the broker and the store are (configuration first, then the
 embedded stack from ``rlpipe up``), routing each event type to its topic,
-creating a run (``run.json`` create-only, then ``RunStarted``), and turning
+creating a run (``run.json`` create-only, then ``RunStarted``; a restart may
+change only the fields that keep stored data meaningful, each change recorded
+and announced as ``RunConfigChanged``), and turning
 SIGTERM/SIGINT into a stop flag that the loops check between phases.
 """
 
@@ -23,8 +25,10 @@ from pipeline.store import ObjectStore, sha256_hex
 from schemas.config import BusConfig, RunConfig, StoreConfig
 from schemas.events import (
     AdapterPublished,
+    ConfigFieldChange,
     DeadLetter,
     Payload,
+    RunConfigChanged,
     RunStarted,
     TrajectoryBatchCommitted,
     make_event,
@@ -75,23 +79,114 @@ class Announcer:
         return self.publisher.publish(topic_kind_of(payload), make_event(self.run_id, payload))
 
 
-def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[str, str, RunStarted | None]:
-    """Write ``runs/<run_id>/run.json`` create-only; return (key, sha256, RunStarted or None if it existed).
+# Fields that define what a run's stored data means: trajectories were sampled from this base model in this
+# environment, checkpoints hold LoRA tensors of this shape trained with this loss.  Changing one on a restart
+# would mix incompatible data under one run id, so it is refused.
+RUN_DEFINING_FIELDS = (
+    "model.base_model", "env.name", "env.overrides", "learner.loss",
+    "learner.lora_rank", "learner.lora_alpha", "learner.target_modules",
+)
+# Where the run's parts connect, not what the run is: never compared.
+_PLACEMENT_PREFIXES = ("bus.", "store.", "model.tiny_dir")
+_PLACEMENT_SUFFIXES = ("health_port",)
 
-    Secrets are never written: the stored config shows them as ``***``.  If the run
-    exists with a different configuration the caller is told, not silently
-    overwritten (the stored one stays authoritative).
+
+class RunConfigConflictError(ValueError):
+    """A restart asked to change a field that defines the run's stored data."""
+
+
+def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[str, str, Payload | None]:
+    """Write ``runs/<run_id>/run.json`` create-only; return (key, sha256, the event to announce or None).
+
+    A new run gives ``RunStarted``.  An existing run is compared with its
+    effective configuration (``run.json`` plus the recorded changes): a change of
+    a ``RUN_DEFINING_FIELDS`` field raises ``RunConfigConflictError``; other
+    changes (learning rate, ``max_steps``, producer count, ...) are recorded
+    create-only under ``runs/<run_id>/config-changes/`` and give
+    ``RunConfigChanged``; no change gives None.  Secrets are never written: the
+    stored config shows them as ``***``.
     """
     key = f"runs/{config.run_id}/run.json"
     data = config_to_json(config).encode()
     try:
         digest = store.put_create(key, data)
     except FileExistsError:
-        existing = store.get(key)
-        if json.loads(existing) != json.loads(data):
-            log.warning("run %s already exists with a different run.json; keeping the stored one", config.run_id)
-        return key, sha256_hex(existing), None
+        return record_config_change(store, config)
     return key, digest, RunStarted(config_path=key, config_sha256=digest, env=config.env.name, base_model=base_model)
+
+
+def effective_run_config(store: ObjectStore, run_id: str) -> dict[str, Any]:
+    """The run's configuration now: the newest recorded change, else ``run.json``."""
+    changes = _change_keys(store, run_id)
+    if changes:
+        return dict(json.loads(store.get(changes[-1]))["config"])
+    return dict(json.loads(store.get(f"runs/{run_id}/run.json")))
+
+
+def record_config_change(store: ObjectStore, config: RunConfig) -> tuple[str, str, RunConfigChanged | None]:
+    """Compare ``config`` with the run's effective one; refuse, record or ignore the difference (see ``create_run``)."""
+    wanted = json.loads(config_to_json(config))
+    for _ in range(5):  # another process may record a change at the same moment: compare again with it
+        changes = _change_keys(store, config.run_id)
+        current = effective_run_config(store, config.run_id)
+        differences = config_differences(current, wanted)
+        refused = [change for change in differences if _defines_run(change.field)]
+        if refused:
+            first = refused[0]
+            raise RunConfigConflictError(
+                f"run {config.run_id} was created with {first.field}={json.dumps(first.before)}, this configuration "
+                f"says {json.dumps(first.after)}: base model, environment, loss and LoRA shape define the run's stored "
+                "data; keep them or start a new run_id"
+            )
+        if not differences:
+            return _latest_key(store, config.run_id, changes), sha256_hex(json.dumps(current).encode()), None
+        key = f"runs/{config.run_id}/config-changes/{len(changes) + 1:06d}.json"
+        record = {"config": wanted, "changes": [change.model_dump(mode="json") for change in differences]}
+        try:
+            digest = store.put_create(key, json.dumps(record, indent=2, sort_keys=True).encode())
+        except FileExistsError:
+            continue
+        log.info("run %s: configuration changed (%s); recorded at %s", config.run_id,
+                 ", ".join(change.field for change in differences), key)
+        return key, digest, RunConfigChanged(config_path=key, config_sha256=digest, changes=differences)
+    raise RuntimeError(f"run {config.run_id}: configuration changes kept racing with another process; try again")
+
+
+def config_differences(before: dict[str, Any], after: dict[str, Any]) -> list[ConfigFieldChange]:
+    """Fields (dotted paths) whose values differ, placement fields left out; a run-defining dict compares whole."""
+    flat_before, flat_after = _flatten(before), _flatten(after)
+    return [
+        ConfigFieldChange(field=name, before=flat_before.get(name), after=flat_after.get(name))
+        for name in sorted(flat_before.keys() | flat_after.keys())
+        if flat_before.get(name) != flat_after.get(name) and not _is_placement(name)
+    ]
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in data.items():
+        path = f"{prefix}{name}"
+        if isinstance(value, dict) and path not in RUN_DEFINING_FIELDS:
+            flat.update(_flatten(value, f"{path}."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _defines_run(field: str) -> bool:
+    return field in RUN_DEFINING_FIELDS
+
+
+def _is_placement(field: str) -> bool:
+    return field.startswith(_PLACEMENT_PREFIXES) or field.endswith(_PLACEMENT_SUFFIXES)
+
+
+def _change_keys(store: ObjectStore, run_id: str) -> list[str]:
+    return [key for key in store.list(f"runs/{run_id}/config-changes") if key.endswith(".json")]
+
+
+def _latest_key(store: ObjectStore, run_id: str, changes: list[str]) -> str:
+    return changes[-1] if changes else f"runs/{run_id}/run.json"
 
 
 class StopFlag:

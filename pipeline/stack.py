@@ -1,7 +1,8 @@
 """The embedded development stack: a Kafka-protocol broker, a GCS emulator and a local store folder.
 
 ``rlpipe up`` starts ``python -m pipeline.stack serve`` as a detached background
-process that owns both servers (Tansu and fake-gcs-server), writes where they
+process that owns the servers (Tansu, the local S3 server under Tansu's log, and
+fake-gcs-server), writes where they
 listen to ``$RLPIPE_HOME/stack.json`` (default ``~/.rlpipe``) and stops them
 cleanly on SIGTERM.  ``rlpipe down`` sends that SIGTERM.  Every other command finds
 the broker through ``resolve_bootstrap_servers``: the configured address if there
@@ -9,8 +10,10 @@ is one, else the running stack's, else a one-line error naming ``rlpipe up``.
 
 Why a separate process rather than threads in the CLI: the stack must outlive the
 command that started it, and one owner process makes ``down`` a single signal.
-The broker keeps events in memory (lost on ``down``); the store folder and the
-emulator's objects are kept on disk under ``$RLPIPE_HOME``.
+The broker keeps its log in S3 on a journaled local S3 server
+(``pipeline.s3_server``, journal under ``$RLPIPE_HOME/s3``), so events keep their
+offsets across ``down`` / ``up`` and checkpoints' offsets stay valid; the store
+folder and the emulator's objects are kept on disk under ``$RLPIPE_HOME`` too.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.broker import TansuBroker
+from pipeline.s3_server import LocalS3Server
 from schemas.config import BusConfig
 
 HOME_ENV = "RLPIPE_HOME"
@@ -62,6 +66,8 @@ class StackState(BaseModel):
     bootstrap_servers: str = Field(description="Kafka address of the embedded broker")
     gcs_endpoint: str | None = Field(None, description="fake-gcs-server endpoint; None when started without it")
     gcs_bucket: str | None = Field(None, description="bucket created on the emulator")
+    log_storage: str = Field("memory://tansu/", description="the broker's storage engine")
+    s3_endpoint: str | None = Field(None, description="local S3 server holding the broker's log; None = in memory")
     store_root: str = Field(description="default object store root (file:// folder)")
     home: str = Field(description="the RLPIPE_HOME this stack belongs to")
     log_dir: str = Field(description="folder of the servers' logs")
@@ -147,12 +153,15 @@ class DevStack:
         gcs_port: int | None = None,
         with_gcs: bool = True,
         bucket: str = DEFAULT_BUCKET,
+        durable_log: bool = True,
     ) -> None:
         self.home = (home or rlpipe_home()).expanduser().resolve()
         self.log_dir = self.home / "logs"
         self.with_gcs = with_gcs
         self.bucket = bucket
-        self.broker = TansuBroker(port=kafka_port, log_path=self.log_dir / "tansu.log")
+        self.s3 = LocalS3Server(data_dir=self.home / "s3", log_path=self.log_dir / "s3.log") if durable_log else None
+        storage = self.s3.storage_url() if self.s3 is not None else "memory://tansu/"
+        self.broker = TansuBroker(port=kafka_port, log_path=self.log_dir / "tansu.log", storage_engine=storage)
         self.gcs = None
         if with_gcs:
             from pipeline.gcs_emulator import FakeGCSServer
@@ -165,6 +174,8 @@ class DevStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         Path(self.store_root.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
         try:
+            if self.s3 is not None:
+                self.broker.environment = self.s3.start().broker_environment()
             self.broker.start()
             if self.gcs is not None:
                 from pipeline.gcs_emulator import ensure_bucket
@@ -185,7 +196,8 @@ class DevStack:
     @property
     def healthy(self) -> bool:
         """True while every started part is still running."""
-        return self.broker.running and (self.gcs is None or self.gcs.running)
+        return (self.broker.running and (self.gcs is None or self.gcs.running)
+                and (self.s3 is None or self.s3.running))
 
     def state(self, pid: int | None = None) -> StackState:
         """The state to record for this stack, owned by process ``pid`` (default: this one)."""
@@ -194,6 +206,8 @@ class DevStack:
             bootstrap_servers=self.broker.bootstrap_servers,
             gcs_endpoint=self.gcs.endpoint_url if self.gcs is not None else None,
             gcs_bucket=self.bucket if self.gcs is not None else None,
+            log_storage=self.broker.storage_engine,
+            s3_endpoint=self.s3.endpoint_url if self.s3 is not None else None,
             store_root=self.store_root,
             home=str(self.home),
             log_dir=str(self.log_dir),
@@ -205,6 +219,8 @@ class DevStack:
         if self.gcs is not None:
             self.gcs.stop()
         self.broker.stop()
+        if self.s3 is not None:
+            self.s3.stop()  # after the broker: nothing it writes is lost
 
     def __enter__(self) -> DevStack:
         return self.start()

@@ -95,6 +95,29 @@ class RunStarted(Payload):
     base_model: str
 
 
+class ConfigFieldChange(BaseModel):
+    """One field of a run's configuration, before and after a restart changed it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    field: str = Field(description="dotted path, e.g. learner.learning_rate")
+    before: Any = None
+    after: Any = None
+
+
+class RunConfigChanged(Payload):
+    """launcher/learner -> everyone, on ``<ns>.control``: a restart changed fields that are safe to change.
+
+    The full new configuration is recorded create-only at ``config_path``
+    (``runs/<run>/config-changes/<n>.json``); ``run.json`` stays the run's definition.
+    """
+
+    event_type: ClassVar[str] = "RunConfigChanged"
+    config_path: str
+    config_sha256: Sha256
+    changes: list[ConfigFieldChange] = Field(min_length=1)
+
+
 class ProducerHeartbeat(Payload):
     """producer -> monitors, on ``<ns>.control``: liveness and rates since the last beat."""
 
@@ -168,6 +191,7 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
         TrajectoryBatchCommitted,
         AdapterPublished,
         RunStarted,
+        RunConfigChanged,
         ProducerHeartbeat,
         LearnerCheckpointed,
         LearnerProgress,

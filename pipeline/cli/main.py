@@ -131,6 +131,10 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a t
 def _state_table(state: StackState, title: str) -> Table:
     table = Table("part", "where", title=title, show_header=False)
     table.add_row("Kafka (bus.bootstrap_servers)", state.bootstrap_servers)
+    if state.s3_endpoint:
+        table.add_row("broker log (kept across restarts)", f"{state.log_storage} on {state.s3_endpoint}")
+    else:
+        table.add_row("broker log", f"{state.log_storage} (lost when the stack stops)")
     if state.gcs_endpoint:
         table.add_row("GCS emulator (store.gcs_endpoint)", f"{state.gcs_endpoint}  bucket gs://{state.gcs_bucket}")
     table.add_row("local store (store.root)", state.store_root)

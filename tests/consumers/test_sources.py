@@ -1,15 +1,96 @@
-"""The learner's Kafka source against the real broker: a commit asked for before the group assigned partitions."""
+"""The learner's sources: offline replay (commit-time order across producers, a resume that cannot skip, digests
+checked) and the Kafka source against the real broker (a commit asked for before the group assigned partitions)."""
 
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
-from consumers.sources import KafkaSource, learner_group_id
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from consumers.sources import KafkaSource, ReplaySource, learner_group_id
+from pipeline.archive import TrajectoryArchive, parquet_bytes
 from pipeline.bus import EventPublisher, group_lag
+from pipeline.store import ChecksumError, ObjectStore
 from pipeline.topics import topic_name
 from schemas.config import BusConfig
+from schemas.trajectory import NO_ADAPTER_SHA
 from tests.producers.test_service import announce_batch
+
+RUN = "replay"
+T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+
+
+def rows(batch_id: str, producer_id: str) -> list[dict]:
+    return [dict(
+        run_id=RUN, batch_id=batch_id, episode_id=f"{batch_id}-e", group_id=f"{batch_id}-g", env="toy", env_seed=0,
+        producer_id=producer_id, policy_version=0, adapter_sha256=NO_ADAPTER_SHA, tokens=[1, 2, 3],
+        loss_mask=[0, 0, 1], logprobs=[0.0, 0.0, -0.5], turn_rewards=[1.0], reward=1.0, num_turns=1, success=True,
+        terminated=True, truncated=False, created_at=T0,
+    )]
+
+
+def commit(archive: TrajectoryArchive, batch_id: str, producer_id: str, minutes: int) -> str:
+    """Write a batch committed ``minutes`` after T0 (one date folder for all)."""
+    return archive.write_batch(RUN, rows(batch_id, producer_id), created=T0 + timedelta(minutes=minutes)).path
+
+
+def drain(source: ReplaySource) -> list[str]:
+    ids = []
+    while not source.exhausted():
+        ids += [ref.batch_id for ref in source.poll(0.0)]
+    return ids
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> TrajectoryArchive:
+    return TrajectoryArchive(ObjectStore(tmp_path.as_uri()))
+
+
+def test_batches_of_two_producers_replay_in_commit_order_not_name_order(archive: TrajectoryArchive) -> None:
+    commit(archive, "zeta-001", "zeta", minutes=1)
+    commit(archive, "alpha-002", "alpha", minutes=2)
+    commit(archive, "zeta-003", "zeta", minutes=3)
+    commit(archive, "alpha-004", "alpha", minutes=4)
+    assert drain(ReplaySource(archive, RUN)) == ["zeta-001", "alpha-002", "zeta-003", "alpha-004"]
+
+
+def test_a_batch_that_appears_after_a_resume_is_not_skipped_whatever_its_name_or_time(
+    archive: TrajectoryArchive,
+) -> None:
+    commit(archive, "m-001", "m", minutes=1)
+    commit(archive, "m-002", "m", minutes=2)
+    first = ReplaySource(archive, RUN)
+    refs = first.poll(0.0) + first.poll(0.0)
+    trained = {ref.batch_id for ref in refs}
+    positions = {key: value for ref in refs for key, value in ref.position.items()}
+    # Appear after the first replay stopped: one with a name sorting first, one committed earlier on a
+    # producer whose clock is behind.
+    commit(archive, "a-003", "a", minutes=3)
+    commit(archive, "z-000", "z", minutes=0)
+    second = ReplaySource(archive, RUN, already_trained=trained.__contains__)
+    second.seek(positions)
+    assert drain(second) == ["z-000", "a-003"]  # every untrained batch, in commit order; nothing trained again
+
+
+def test_refs_carry_the_recorded_digest_and_a_corrupted_batch_is_refused(
+    archive: TrajectoryArchive, tmp_path: Path
+) -> None:
+    good = archive.write_batch(RUN, rows("b-001", "p"), created=T0)
+    (ref,) = ReplaySource(archive, RUN).poll(0.0)
+    assert ref.sha256 == good.sha256
+    # The file is replaced by another valid Parquet file (a reward changed): it still parses.
+    table = archive.read_batch(good.path)
+    table = table.set_column(table.schema.get_field_index("reward"), "reward",
+                             pc.multiply(table["reward"], pa.scalar(-1.0, pa.float32())))
+    (tmp_path / good.path).write_bytes(parquet_bytes(table))
+    (ref,) = ReplaySource(archive, RUN).poll(0.0)
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        archive.read_batch(ref.path, ref.sha256)
 
 
 def test_a_commit_before_the_group_assigned_partitions_is_made_after_it(bus_config: BusConfig,

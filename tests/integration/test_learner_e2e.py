@@ -17,6 +17,10 @@ must end with bitwise the same adapter as the offline replay (``replay_train``, 
    Parquet (``replay_train``) give bitwise the same adapter at every version.  Both run in this process
    (a fresh interpreter costs about 10 s of imports here); the crash check runs the real command.
 3. Stale rows: covered by ``tests/consumers/test_learner.py``; the Kafka path shares ``Learner.ingest``.
+4. A broker restart between two learner runs: the embedded stack (broker log in S3 on the journaled local S3
+   server) keeps every event at its offset, so the learner resumes where it was; a broker that lost its log
+   (memory storage) is detected by the topic id recorded in the checkpoint and read from its start.  Either
+   way every batch is trained exactly once.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,9 +52,13 @@ from consumers.cli import replay_command
 from consumers.service import replay_train, run_learner
 from consumers.sources import GROUP_TIMINGS_ENV, learner_group_id
 from pipeline.archive import TrajectoryArchive
+from pipeline.broker import TansuBroker
 from pipeline.bus import describe_topic, group_lag
 from pipeline.config import resolve_config
+from pipeline.gcs_emulator import free_port
 from pipeline.registry import AdapterRegistry
+from pipeline.runtime import StopFlag
+from pipeline.stack import DevStack
 from pipeline.steplog import StepLog
 from pipeline.store import ObjectStore
 from schemas.config import BusConfig
@@ -195,9 +204,10 @@ def wait_for(proc: subprocess.Popen, timeout_s: float = PROCESS_TIMEOUT_S) -> in
         proc.log_file.close()  # type: ignore[attr-defined]
 
 
-def announce(world: World, config: Path, date_to: str | None = None) -> None:
+def announce(world: World, config: Path, date_to: str | None = None, date_from: str | None = None) -> None:
     """``rlpipe replay --run src --to-topic`` (in this process: the command, without a fresh interpreter)."""
     args = ["--run", SRC, "--to-topic", "--config", str(config)] + (["--date-to", date_to] if date_to else [])
+    args += ["--date-from", date_from] if date_from else []
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level  # the command installs its own log handler
     try:
@@ -411,3 +421,75 @@ def run_until_caught_up_then_terminate(world: World, bus_config: BusConfig, conf
     versions_before = len(AdapterRegistry(world.store, "crash").versions())
     proc.send_signal(signal.SIGTERM)
     return Stopped(wait_for(proc), versions_before)
+
+
+# ---- 4. a broker restart -------------------------------------------------------------------------------------------
+
+RESTART_TIMEOUT_S = 120.0  # a learner that skipped batches waits for them forever: stop it and let the asserts say so
+
+
+def run_learner_until(config: Path, timeout_s: float = RESTART_TIMEOUT_S) -> None:
+    """``run_learner`` in this process until ``max_steps``, or stopped after ``timeout_s``."""
+    stop = StopFlag()
+    timer = threading.Timer(timeout_s, stop.set)
+    timer.start()
+    try:
+        with one_torch_thread():
+            run_learner(resolve_config(config_file=config), stop=stop)
+    finally:
+        timer.cancel()
+
+
+def train_across_a_restart(world: World, run_id: str, bus_config: BusConfig, restart: Callable[[], None]) -> None:
+    """Day one announced and trained (a learner stopped at max_steps), ``restart()``, day two announced and trained."""
+    first = write_config(world, run_id, bus_config, name=f"{run_id}-day1", max_steps=FIRST_DAY_BATCHES)
+    announce(world, first, date_to=FIRST_DAY.date().isoformat())
+    run_learner_until(first)
+    assert final_state(world.store, run_id).step == FIRST_DAY_BATCHES
+    restart()
+    rest = write_config(world, run_id, bus_config, name=f"{run_id}-day2")
+    announce(world, rest, date_from=SECOND_DAY.date().isoformat())  # offsets 6.. on a kept log, 0.. on a new one
+    run_learner_until(rest)
+
+
+def test_a_restarted_embedded_stack_keeps_the_log_and_every_batch_is_trained_once(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rlpipe down` / `up` between two learner runs: the log keeps its offsets, the learner resumes where it was."""
+    monkeypatch.setenv(GROUP_TIMINGS_ENV, json.dumps(GROUP_TIMINGS))
+    home, port = tmp_path / "home", free_port()
+    stack = DevStack(home=home, kafka_port=port, with_gcs=False).start()
+    bus_config = BusConfig(bootstrap_servers=f"127.0.0.1:{port}", namespace="restart", connect_timeout_s=5.0)
+
+    def restart() -> None:
+        nonlocal stack
+        stack.stop()
+        stack = DevStack(home=home, kafka_port=port, with_gcs=False).start()
+
+    try:
+        train_across_a_restart(world, "stack-restart", bus_config, restart)
+        (lag,) = group_lag(bus_config, learner_group_id("stack-restart"))
+    finally:
+        stack.stop()
+    assert_each_batch_trained_once(final_state(world.store, "stack-restart"), world.batch_ids)
+    assert (lag.committed, lag.lag) == (N_BATCHES, 0)
+
+
+def test_a_learner_resuming_on_a_new_log_reads_it_from_the_start(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker that lost its log (memory storage restarted): the checkpoint's offsets point into the old log,
+    the learner sees another topic id, reads the new log from offset 0 and still trains each batch once."""
+    monkeypatch.setenv(GROUP_TIMINGS_ENV, json.dumps(GROUP_TIMINGS))
+    broker = TansuBroker(port=free_port()).start()
+    bus_config = BusConfig(bootstrap_servers=broker.bootstrap_servers, namespace="lost", connect_timeout_s=5.0)
+
+    def restart() -> None:
+        broker.stop()
+        broker.start()
+
+    try:
+        train_across_a_restart(world, "log-lost", bus_config, restart)
+    finally:
+        broker.stop()
+    assert_each_batch_trained_once(final_state(world.store, "log-lost"), world.batch_ids)

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.archive import TrajectoryArchive, trajectories_prefix
+from pipeline.archive import COMMIT_RECORD_SUFFIX, TrajectoryArchive, trajectories_prefix
 from pipeline.bus import EventPublisher, UnknownTopicError, tail
 from pipeline.registry import AdapterRegistry
 from pipeline.runtime import Announcer
@@ -419,7 +419,9 @@ def test_sigkill_mid_batch_leaves_no_partial_state_and_restart_recovers(
     # nothing partial: every object on disk is a complete, valid batch; a temporary file is never listed
     complete, temporary = stored_files(store_dir)
     listed = archive.list_batches(RUN_ID)
-    assert sorted(store.key_of(str(p)) for p in complete) == listed and all(k.endswith(".parquet") for k in listed)
+    batches = [p for p in complete if p.name.endswith(".parquet")]
+    assert sorted(store.key_of(str(p)) for p in batches) == listed and all(k.endswith(".parquet") for k in listed)
+    assert all(p.name.endswith(COMMIT_RECORD_SUFFIX) for p in complete if p not in batches)  # written before each
     assert not any(TEMP_PREFIX in key for key in store.list(trajectories_prefix(RUN_ID), recursive=True))
     first_rows = {key: table_to_records(archive.read_batch(key)) for key in listed}
     assert all(len(rows) % 2 == 0 and rows for rows in first_rows.values())  # whole groups of 2 only

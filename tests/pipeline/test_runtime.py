@@ -1,0 +1,70 @@
+"""Creating a run: ``run.json`` is the run's definition; a restart may change only what keeps stored data meaningful."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.runtime import RunConfigConflictError, create_run, effective_run_config
+from pipeline.store import ObjectStore
+from schemas.config import RunConfig
+from schemas.events import RunConfigChanged, RunStarted
+
+
+@pytest.fixture
+def store() -> ObjectStore:
+    return ObjectStore("memory://runtime-test")
+
+
+def config(**updates: dict) -> RunConfig:
+    data: dict = {"run_id": "r1", "env": {"name": "cartpole"}, "model": {"base_model": "tiny"},
+                  "learner": {"loss": "importance_sampling", "lora_rank": 8, "learning_rate": 1e-3}}
+    for section, values in updates.items():
+        data[section] = {**data.get(section, {}), **values} if isinstance(values, dict) else values
+    return RunConfig.model_validate(data)
+
+
+def test_a_new_run_is_created_and_the_same_config_again_changes_nothing(store: ObjectStore) -> None:
+    key, _, started = create_run(store, config(), "tiny")
+    assert isinstance(started, RunStarted) and key == "runs/r1/run.json"
+    assert create_run(store, config(), "tiny")[2] is None
+    assert store.list("runs/r1/config-changes") == []
+
+
+@pytest.mark.parametrize(("updates", "field"), [
+    ({"model": {"base_model": "Qwen/Qwen2.5-0.5B"}}, "model.base_model"),
+    ({"env": {"name": "sokoban"}}, "env.name"),
+    ({"env": {"overrides": {"max_steps": 50}}}, "env.overrides"),
+    ({"learner": {"loss": "ppo"}}, "learner.loss"),
+    ({"learner": {"lora_rank": 4}}, "learner.lora_rank"),
+    ({"learner": {"target_modules": ["q_proj"]}}, "learner.target_modules"),
+])
+def test_a_restart_that_changes_what_stored_data_means_is_refused(
+    store: ObjectStore, updates: dict, field: str
+) -> None:
+    create_run(store, config(), "tiny")
+    with pytest.raises(RunConfigConflictError, match=f"^run r1 .*{field}") as raised:
+        create_run(store, config(**updates), "tiny")
+    assert "\n" not in str(raised.value) and "new run_id" in str(raised.value)
+    assert store.list("runs/r1/config-changes") == []
+
+
+def test_safe_changes_are_allowed_and_recorded_once(store: ObjectStore) -> None:
+    create_run(store, config(), "tiny")
+    changed = config(learner={"learning_rate": 5e-4, "max_steps": 40}, num_producers=3)
+    key, _, event = create_run(store, changed, "tiny")
+    assert isinstance(event, RunConfigChanged)
+    assert {c.field: (c.before, c.after) for c in event.changes} == {
+        "learner.learning_rate": (1e-3, 5e-4), "learner.max_steps": (None, 40), "num_producers": (1, 3)}
+    assert key == event.config_path and store.exists(key)
+    assert json.loads(store.get(key))["config"]["learner"]["learning_rate"] == 5e-4
+    assert effective_run_config(store, "r1")["learner"]["max_steps"] == 40
+    # The same configuration again is no change; going back is one.
+    assert create_run(store, changed, "tiny")[2] is None
+    back = create_run(store, config(), "tiny")[2]
+    assert isinstance(back, RunConfigChanged) and len(back.changes) == 3
+    assert len(store.list("runs/r1/config-changes")) == 2
+    # Where the run's parts connect (broker, store, health ports) is not part of its definition.
+    moved = config(bus={"bootstrap_servers": "kafka:9092"}, learner={"health_port": 9100})
+    assert create_run(store, moved, "tiny")[2] is None
