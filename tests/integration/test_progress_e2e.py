@@ -29,6 +29,7 @@ import pytest
 
 from consumers.checkpoint import CheckpointStore
 from consumers.sources import GROUP_TIMINGS_ENV
+from pipeline.steplog import StepLog
 from pipeline.store import ObjectStore
 from schemas.config import BusConfig
 
@@ -123,9 +124,10 @@ def test_backpressure_does_not_wait_for_checkpoints(tmp_path: Path, bus_config: 
     except subprocess.TimeoutExpired:
         pytest.fail(f"the learner did not reach step 12 within 420 s\n{processes.logs()}")
     assert learner.returncode == 0, processes.logs()
-    state = CheckpointStore(ObjectStore((tmp_path / "store").as_uri()), RUN_ID).latest()
+    store = ObjectStore((tmp_path / "store").as_uri())
+    state = CheckpointStore(store, RUN_ID).latest()
     assert state is not None and state.state.step == 12
-    assert all(m["rows"] == ROWS_PER_BATCH for m in state.state.step_log)
+    assert all(m["rows"] == ROWS_PER_BATCH for m in StepLog(store, RUN_ID).read(upto=12))
 
 
 def test_a_learner_killed_before_its_commit_resumes_without_touching_the_producer(
