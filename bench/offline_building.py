@@ -43,7 +43,7 @@ from consumers.service import replay_train
 from pipeline.datasets import read_card
 from pipeline.registry import AdapterRegistry
 from pipeline.store import ObjectStore
-from producers.datasets import (
+from producers.offline.smart_buildings import (
     GenerationSpec,
     SamplingSettings,
     TrajectoryOptions,

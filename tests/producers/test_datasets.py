@@ -23,7 +23,10 @@ from pipeline.archive import TrajectoryArchive
 from pipeline.datasets import dataset_names, iter_partitions, read_card
 from pipeline.registry import AdapterRegistry
 from pipeline.store import ObjectStore
-from producers.datasets import (
+from producers.envs.building import BuildingHVAC
+from producers.envs.evaluate import run_episode
+from producers.offline.cli import app
+from producers.offline.smart_buildings import (
     REWARD_VALUE_IDS,
     DatasetImportError,
     GenerationSpec,
@@ -48,9 +51,6 @@ from producers.datasets import (
     simulate_day,
     write_sbd_partition,
 )
-from producers.datasets_cli import app
-from producers.envs.building import BuildingHVAC
-from producers.envs.evaluate import run_episode
 from producers.samplers.base import SampleOutput
 
 runner = CliRunner(env={"COLUMNS": "200"})

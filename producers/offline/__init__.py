@@ -1,0 +1,1 @@
+"""Offline datasets on the producer side."""
