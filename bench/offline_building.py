@@ -43,15 +43,9 @@ from consumers.service import replay_train
 from pipeline.datasets import read_card
 from pipeline.registry import AdapterRegistry
 from pipeline.store import ObjectStore
-from producers.datasets import (
-    GenerationSpec,
-    SamplingSettings,
-    TrajectoryOptions,
-    dataset_to_trajectories,
-    evaluate_building,
-    generate_building_dataset,
-    held_out_days,
-)
+from producers.offline.evaluation import SamplingSettings, evaluate_building, held_out_days
+from producers.offline.generation import GenerationSpec, generate_building_dataset
+from producers.offline.trajectories import TrajectoryOptions, dataset_to_trajectories
 from schemas.config import LearnerConfig, ModelConfig, RunConfig, StoreConfig
 from schemas.evaluation import mean_ci95
 

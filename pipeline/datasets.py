@@ -1,6 +1,6 @@
 """Offline datasets in the store: the dataset card, steps partitions, listing and scanning.
 
-Importer (``producers.datasets``) -> ``DatasetWriter`` -> store -> ``read_card`` /
+Importer (``producers.offline``) -> ``DatasetWriter`` -> store -> ``read_card`` /
 ``scan_steps`` -> to-trajectories, ``rlpipe datasets show|sample``, benchmarks.
 Layout of one dataset::
 

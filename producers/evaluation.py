@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.registry import AdapterRegistry
-from pipeline.stack import rlpipe_home
 from pipeline.store import ObjectStore
 from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker
@@ -79,6 +78,8 @@ def evaluate_version(
 ) -> EvalResult:
     """Play ``episodes`` held-out episodes with adapter ``version`` (0 = base model)."""
     import uuid
+
+    from pipeline.stack import rlpipe_home
 
     registry = AdapterRegistry(store, config.run_id)
     cache = rlpipe_home() / "adapter-cache" / f"eval-{uuid.uuid4().hex[:8]}"  # this call's own: removed at the end

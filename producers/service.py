@@ -23,7 +23,6 @@ from pipeline.bus import BusError, EventFollower, EventPublisher, group_lag, tai
 from pipeline.health import HealthServer
 from pipeline.registry import AdapterRegistry
 from pipeline.runtime import Announcer, RateMeter, StopFlag, open_store, resolved_bus
-from pipeline.stack import rlpipe_home
 from pipeline.topics import topic_name
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_process_caches
 from producers.envs.registry import env_from_spec
@@ -227,6 +226,8 @@ def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWork
 
 
 def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health: HealthServer) -> RolloutWorker:
+    from pipeline.stack import rlpipe_home
+
     done = health.add_setup_steps(("broker", "store", "sampler", "adapters"))
     health.add_readiness_check("stopping", lambda: not stop())
     bus = resolved_bus(config.bus)

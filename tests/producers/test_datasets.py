@@ -23,34 +23,34 @@ from pipeline.archive import TrajectoryArchive
 from pipeline.datasets import dataset_names, iter_partitions, read_card
 from pipeline.registry import AdapterRegistry
 from pipeline.store import ObjectStore
-from producers.datasets import (
-    REWARD_VALUE_IDS,
-    DatasetImportError,
+from producers.envs.building import BuildingHVAC
+from producers.envs.evaluate import run_episode
+from producers.offline.cli import app
+from producers.offline.episodes import DatasetImportError
+from producers.offline.evaluation import SamplingSettings, evaluate_building, model_outcomes, scripted_outcomes
+from producers.offline.generation import (
     GenerationSpec,
-    PickleRefusedError,
-    SamplingSettings,
-    TableMapping,
-    TrajectoryOptions,
-    building_env_for,
-    dataset_to_trajectories,
     day_env,
     day_policy,
-    evaluate_building,
     generate_building_dataset,
-    import_smart_buildings,
-    import_table,
-    load_trusted_pickle,
-    model_outcomes,
-    plan_batches,
-    render_building_episode,
-    scripted_outcomes,
-    setpoint_answer,
     simulate_day,
     write_sbd_partition,
 )
-from producers.datasets_cli import app
-from producers.envs.building import BuildingHVAC
-from producers.envs.evaluate import run_episode
+from producers.offline.smart_buildings import (
+    REWARD_VALUE_IDS,
+    PickleRefusedError,
+    import_smart_buildings,
+    load_trusted_pickle,
+)
+from producers.offline.table import TableMapping, import_table
+from producers.offline.trajectories import (
+    TrajectoryOptions,
+    building_env_for,
+    dataset_to_trajectories,
+    plan_batches,
+    render_building_episode,
+    setpoint_answer,
+)
 from producers.samplers.base import SampleOutput
 
 runner = CliRunner(env={"COLUMNS": "200"})

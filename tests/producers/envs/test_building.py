@@ -1,4 +1,4 @@
-"""Tests for the building climate control environment (producers/envs/building.py)."""
+"""Tests for the building climate control environment (producers/envs/building/)."""
 
 from __future__ import annotations
 

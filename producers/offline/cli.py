@@ -1,6 +1,6 @@
 """``rlpipe datasets``: import, generate, inspect, convert and evaluate offline datasets.
 
-Thin by design: the work is in ``producers.datasets`` (importers, generator,
+Thin by design: the work is in ``producers.offline`` (importers, generator,
 to-trajectories, evaluation) and ``pipeline.datasets`` (cards, partitions, scans);
 this module parses options and prints.  A user mistake ends with one red line
 and a non-zero exit code, never a traceback.
@@ -197,7 +197,7 @@ def import_smart_buildings_cmd(
     The metadata may be JSON (same keys as upstream), or the upstream pickle with
     --trust-pickle; without the flag a pickle is refused and nothing is written.
     """
-    from producers.datasets import import_smart_buildings
+    from producers.offline.smart_buildings import import_smart_buildings
 
     if split not in ("day", "gap"):
         fail(f"--split must be day or gap, got {split!r}", 2)
@@ -217,7 +217,7 @@ def import_table_cmd(
     gcs_endpoint: EndpointOpt = None,
 ) -> None:
     """Import a CSV or Parquet log with a column mapping; unmapped numeric columns become features."""
-    from producers.datasets import import_table, load_mapping
+    from producers.offline.table import import_table, load_mapping
 
     card = import_table(_store(root, gcs_endpoint), path, name, load_mapping(mapping))
     _print_card(card, False)
@@ -241,7 +241,7 @@ def generate_building(
 ) -> None:
     """Simulate days of the building under scripted controllers, write them in the Smart Buildings layout,
     and import that with the same importer as real data."""
-    from producers.datasets import GenerationSpec, generate_building_dataset
+    from producers.offline.generation import GenerationSpec, generate_building_dataset
 
     spec = GenerationSpec(days=days, policy=policy, seed=seed, first_day=first_day,  # type: ignore[arg-type]
                           random_fraction=random_fraction, env_overrides=parse_overrides(overrides or []))
@@ -290,7 +290,7 @@ def to_trajectories(
     token trajectories under --run, ready for `rlpipe replay --run RUN --train`."""
     from transformers import AutoTokenizer
 
-    from producers.datasets import TrajectoryOptions, dataset_to_trajectories
+    from producers.offline.trajectories import TrajectoryOptions, dataset_to_trajectories
 
     options = TrajectoryOptions(episodes_per_batch=episodes_per_batch, turns_per_batch=turns_per_batch, epochs=epochs,
                                 discount=discount, history_turns=history_turns, max_episodes=max_episodes,
@@ -335,7 +335,7 @@ def eval_building(
 ) -> None:
     """Play held-out days of the building with the offline-trained adapter and with baselines (the logged
     controller, random, ...); energy, carbon and comfort broken out; results stored as EvalResult JSON."""
-    from producers.datasets import SamplingSettings, evaluate_building
+    from producers.offline.evaluation import SamplingSettings, evaluate_building
 
     store = _store(root, gcs_endpoint)
     card = read_card(store, dataset) if dataset else None
@@ -366,7 +366,7 @@ def eval_building(
 
 
 def _held_out(card: DatasetCard | None, count: int, first_day: int | None) -> list[int]:
-    from producers.datasets import held_out_days
+    from producers.offline.evaluation import held_out_days
 
     if card is None:
         start = first_day if first_day is not None else 1_000_000

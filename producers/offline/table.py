@@ -1,0 +1,193 @@
+"""Import of a CSV or Parquet log with a column mapping (``TableMapping``, a YAML or JSON file) as a dataset."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import polars as pl
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pipeline.datasets import DatasetCard, DatasetField, DatasetWriter, EpisodeSplit, episode_starts
+from pipeline.store import ObjectStore
+from producers.offline.episodes import (
+    DatasetImportError,
+    day_tables,
+    episode_days,
+    episode_id_for,
+    episode_rule,
+    median_step,
+)
+
+log = logging.getLogger("rlpipe.datasets")
+
+
+class TableMapping(BaseModel):
+    """Which columns of a CSV or Parquet log are what (a YAML or JSON file); the rest become features."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    episode_id: str | None = Field(None, description="column naming the episode; None: split by day or gap")
+    timestamp: str | None = Field(None, description="column with the step time; None: file order, no times")
+    timestamp_unit: Literal["s", "ms", "us", "ns"] = Field("s", description="unit of a numeric timestamp column")
+    observation: list[str] = Field(default_factory=list, description="columns stacked into the observation vector")
+    action: list[str] = Field(default_factory=list, description="columns stacked into the action vector")
+    reward: str = Field(description="the reward column")
+    terminal: str | None = Field(None, description="column that is true where an episode truly ended")
+    units: dict[str, str] = Field(default_factory=dict, description="column -> unit, for the card")
+    exclude: list[str] = Field(default_factory=list, description="columns not to keep as features")
+    episode_split: EpisodeSplit = Field("day", description="without episode_id: one episode per day, or per gap")
+    utc_offset_hours: float = Field(0.0, ge=-12, le=14, description="local time = UTC + this (days, partitions)")
+    description: str = Field("", max_length=4096, description="text for the dataset card")
+
+    @field_validator("observation", "action")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("a column is listed twice")
+        return value
+
+
+def load_mapping(path: str | Path) -> TableMapping:
+    """A column mapping from a YAML or JSON file, with a one-line error naming the bad key."""
+    import yaml
+
+    file = Path(path)
+    try:
+        raw = yaml.safe_load(file.read_text())
+        return TableMapping.model_validate(raw)
+    except yaml.YAMLError as exc:
+        raise DatasetImportError(f"{file} is not YAML/JSON: {str(exc).splitlines()[0]}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise DatasetImportError(
+            f"{file}: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+        ) from None
+
+
+def import_table(
+    store: ObjectStore, path: str | Path, name: str, mapping: TableMapping, source: str = "table"
+) -> DatasetCard:
+    """Import a CSV or Parquet log as dataset ``name`` using ``mapping``; return the card.
+
+    Rows are grouped by episode (episodes ordered by their first time, or first
+    appearance without times) and sorted by time within each.  Numeric columns the
+    mapping does not claim become features; other columns are left out (logged).
+    """
+    file = Path(path)
+    frame = _ordered_frame(_read_frame(file), mapping, file.name)
+    times_us = frame[_TIME].to_numpy() if mapping.timestamp else None
+    features, fields = _table_features(frame, mapping, file.name)
+    starts, episode_ids = _table_episodes(frame, mapping, times_us)
+    days = (episode_days(times_us, starts, mapping.utc_offset_hours) if times_us is not None
+            else [dt.date(1970, 1, 1)] * len(starts))  # no times: one partition
+    renamed = {f.source_id: f.name for f in fields}
+    columns = ([renamed[c] for c in mapping.observation], [renamed[c] for c in mapping.action],
+               renamed[mapping.reward])
+    terminal = frame[mapping.terminal].cast(pl.Boolean).fill_null(False).to_numpy() if mapping.terminal else None
+    writer = DatasetWriter(store, name).open()
+    for day, table in day_tables(times_us, days, starts, episode_ids, features, columns, terminal):
+        writer.write_partition(day, table)
+    return writer.commit(
+        source=source, description=mapping.description,
+        source_files={file.name: hashlib.sha256(file.read_bytes()).hexdigest()}, fields=fields,
+        observation_columns=columns[0], action_columns=columns[1], reward_column=columns[2],
+        episode_rule=f"episodes from column {mapping.episode_id!r}" if mapping.episode_id
+        else episode_rule(mapping.episode_split, mapping.utc_offset_hours),
+        step_seconds=median_step(times_us) if times_us is not None and times_us.size > 1 else None,
+        extras={"layout": "table", "mapping": mapping.model_dump(mode="json")},
+    )
+
+
+_ROW, _TIME, _FIRST = "__rlpipe_row", "__rlpipe_time_us", "__rlpipe_episode_first"
+
+
+def _read_frame(file: Path) -> pl.DataFrame:
+    if not file.is_file():
+        raise FileNotFoundError(f"no such file: {file}")
+    suffix = file.suffix.lower()
+    if suffix == ".csv":
+        return pl.read_csv(file, try_parse_dates=True, infer_schema_length=10_000)
+    if suffix in (".parquet", ".pq"):
+        return pl.read_parquet(file)
+    raise DatasetImportError(f"{file.name}: only .csv and .parquet files can be imported")
+
+
+def _ordered_frame(frame: pl.DataFrame, mapping: TableMapping, where: str) -> pl.DataFrame:
+    """Check the mapped columns exist; add the time (UTC us) and sort rows by episode, then time."""
+    named = [c for c in (mapping.episode_id, mapping.timestamp, mapping.reward, mapping.terminal,
+                         *mapping.observation, *mapping.action) if c is not None]
+    missing = [c for c in named if c not in frame.columns]
+    if missing:
+        raise DatasetImportError(f"{where} has no columns {missing}; fix the mapping (it has {frame.columns[:8]})")
+    frame = frame.with_row_index(_ROW)
+    if mapping.timestamp:
+        frame = frame.with_columns(pl.Series(_TIME, _times_us(frame[mapping.timestamp], mapping)))
+    within = _TIME if mapping.timestamp else _ROW
+    if mapping.episode_id is None:
+        return frame.sort(within)
+    frame = frame.with_columns(pl.col(within).min().over(mapping.episode_id).alias(_FIRST))
+    return frame.sort([_FIRST, mapping.episode_id, within])
+
+
+def _times_us(column: pl.Series, mapping: TableMapping) -> np.ndarray:
+    """A time column as UTC epoch microseconds (naive datetimes are taken as UTC)."""
+    if column.dtype == pl.Utf8:
+        column = column.str.to_datetime(time_zone="UTC", strict=False)
+    if isinstance(column.dtype, pl.Datetime):
+        if column.dtype.time_zone is not None:
+            column = column.dt.convert_time_zone("UTC").dt.replace_time_zone(None)
+        values = column.dt.cast_time_unit("us").cast(pl.Int64)
+    elif column.dtype.is_numeric():
+        scale = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}[mapping.timestamp_unit]
+        values = (column.cast(pl.Float64) * scale).round(0).cast(pl.Int64)
+    else:
+        raise DatasetImportError(f"column {mapping.timestamp!r} ({column.dtype}) is not a time; map another column")
+    if values.null_count():
+        raise DatasetImportError(f"column {mapping.timestamp!r} has {values.null_count()} missing or unreadable times")
+    return values.to_numpy()
+
+
+def _table_features(
+    frame: pl.DataFrame, mapping: TableMapping, where: str
+) -> tuple[dict[str, np.ndarray], list[DatasetField]]:
+    """Numeric (and boolean) columns -> float64 features with roles, in file order."""
+    from schemas.steps import STEPS_BASE_FIELDS
+
+    base = {f.name for f in STEPS_BASE_FIELDS}
+    skip = {mapping.episode_id, mapping.timestamp, mapping.terminal, _ROW, _TIME, _FIRST, *mapping.exclude}
+    roles = {c: "observation" for c in mapping.observation} | {c: "action" for c in mapping.action}
+    roles[mapping.reward] = "reward"
+    features, fields = {}, []
+    for column in frame.columns:
+        if column in skip:
+            continue
+        dtype = frame[column].dtype
+        if not (dtype.is_numeric() or dtype == pl.Boolean):
+            if column in roles:
+                raise DatasetImportError(f"{where}: column {column!r} ({dtype}) must be numeric")
+            log.warning("%s: column %s (%s) is not numeric; left out of the features", where, column, dtype)
+            continue
+        name = f"col:{column}" if column in base else column
+        features[name] = frame[column].cast(pl.Float64).fill_null(float("nan")).to_numpy()
+        fields.append(DatasetField(name=name, role=roles.get(column, "feature"), source_id=column,
+                                   unit=mapping.units.get(column)))
+    return features, fields
+
+
+def _table_episodes(
+    frame: pl.DataFrame, mapping: TableMapping, times_us: np.ndarray | None
+) -> tuple[np.ndarray, list[str]]:
+    """Episode start rows and ids: from the episode column, by day or gap in time, or one episode."""
+    if mapping.episode_id is not None:
+        codes = frame[mapping.episode_id].cast(pl.Utf8).to_numpy()
+        starts = np.flatnonzero(np.append(True, codes[1:] != codes[:-1]))
+        return starts, [str(codes[s]) for s in starts]
+    if times_us is None:
+        return np.zeros(1, dtype=np.int64), ["episode-0"]
+    starts = episode_starts(times_us, median_step(times_us), mapping.episode_split, mapping.utc_offset_hours)
+    return starts, [episode_id_for(int(times_us[s])) for s in starts]
