@@ -157,3 +157,18 @@ def test_up_and_down_run_the_stack_in_the_background(home: Path) -> None:
     assert not _gcs_answers(state.gcs_endpoint, "rlpipe")
     assert "no rlpipe stack is running" in runner.invoke(app, ["down"]).stdout
     assert json.loads(runner.invoke(app, ["status", "--json"]).stdout)["running"] is False
+
+
+def test_down_lists_what_it_stops(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.cli import main as cli_main
+
+    state = _state(home, 4242).model_copy(update={"gcs_endpoint": "http://127.0.0.1:4443", "gcs_bucket": "rlpipe"})
+    monkeypatch.setattr(cli_main, "stop_background", lambda timeout_s: state)
+    stopped = runner.invoke(app, ["down"], env={"COLUMNS": "200"})
+    assert stopped.exit_code == 0, stopped.output
+    for part in ("pid 4242", "Kafka broker", "127.0.0.1:1", "GCS emulator", "http://127.0.0.1:4443", "store"):
+        assert part in stopped.stdout, part
+    as_json = json.loads(runner.invoke(app, ["down", "--json"]).stdout)
+    assert as_json["status"] == "stopped" and as_json["pid"] == 4242
+    monkeypatch.setattr(cli_main, "stop_background", lambda timeout_s: None)
+    assert json.loads(runner.invoke(app, ["down", "--json"]).stdout) == {"status": "not running"}
