@@ -42,6 +42,7 @@ BUILTIN_LAZY_GROUPS = {
     "adapters": "pipeline.cli.adapters:app",
     "config": "pipeline.cli.config_cmd:app",
     "run": "pipeline.cli.run_cmd:command",
+    "runs": "pipeline.cli.runs:app",
     "report": "pipeline.cli.report_cmd:command",
     "demo": "pipeline.cli.demo_cmd:command",
 }

@@ -8,6 +8,7 @@ before the package is reinstalled.
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ NO_DATA = {
     "run",  # a live dashboard while the run goes; the numbers are in `runs show` and `report`
     "demo",  # progress of six phases; its measured result is written to demo-result.json
     "adapters pull",  # downloads a version; prints where it landed
+    "runs delete",  # deletes after a confirmation prompt; prints what it removed
     "producer start",  # long-running service: log lines only
     "learner start",  # long-running service: log lines only
     "replay",  # trains or re-announces; prints one line of what it did
@@ -51,6 +53,7 @@ def leaves(command: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
         yield " ".join(path), command
 
 
+@functools.cache
 def command_tree() -> dict[str, Any]:
     root = typer.main.get_command(app)
     tree = dict(leaves(root, ()))
