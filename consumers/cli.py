@@ -57,6 +57,9 @@ def replay(
         fail("choose exactly one of --train or --to-topic", 2)
     setup_logging()
     cfg = run_config(preset, config, overrides)
+    if train and cfg.run_id == run:  # its adapters, checkpoints and step log would mix with the run it replays
+        fail(f"replay --train would train into run {run}, the run it reads from; name the run it trains, "
+             f"e.g. --set run_id={run}-offline", 2)
     if train:
         from consumers.service import replay_train
 

@@ -134,3 +134,23 @@ def test_activity_is_read_per_run_from_the_control_topic(bus_config: BusConfig) 
     assert activity["r1"].last_step == 4 and activity["r1"].last_reward == 2.5 and activity["r1"].stopped_s is None
     assert activity["r2"].stop_reason == "step budget reached"
     assert set(read_activity(bus_config, timeout_s=10.0, run_id="r2")) == {"r2"}
+
+
+@pytest.mark.parametrize("group", ["report", "eval"])
+def test_commands_that_took_the_run_as_an_argument_take_run_and_note_the_old_spelling(
+    group: str, tmp_path: Path
+) -> None:
+    if group == "report":
+        from pipeline.cli.report_cmd import app as group_app
+    else:
+        from producers.eval_cli import app as group_app
+    root = ["--root", (tmp_path / "store").as_uri()] + (["--no-bus"] if group == "report" else [])
+    new = runner.invoke(group_app, ["--run", "nope", *root])
+    assert new.exit_code == 2 and "deprecated" not in new.output and "'nope'" in new.output
+    old = runner.invoke(group_app, ["nope", *root])
+    assert old.exit_code == 2 and "'nope'" in old.output
+    assert f"`rlpipe {group} RUN` is deprecated" in old.output and f"rlpipe {group} --run nope" in old.output
+    unnamed = runner.invoke(group_app, root)
+    assert unnamed.exit_code == 2 and f"rlpipe {group} --run RUN" in unnamed.output
+    twice = runner.invoke(group_app, ["a", "--run", "b", *root])
+    assert twice.exit_code == 2 and "named twice" in twice.output
