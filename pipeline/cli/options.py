@@ -17,9 +17,11 @@ SetOpt = Annotated[
 ]
 
 
-def run_config(preset: str | None, config: str | None, overrides: list[str] | None) -> RunConfig:
-    """The resolved configuration: defaults < preset < file < RLPIPE_ environment < --set."""
-    return resolve_config(preset, config, overrides or ())
+def run_config(
+    preset: str | None, config: str | None, overrides: list[str] | None, run: str | None = None
+) -> RunConfig:
+    """The resolved configuration: defaults < preset < file < RLPIPE_ environment < --set (< --run RUN)."""
+    return resolve_config(preset, config, [*(overrides or ()), *([f"run_id={run}"] if run else [])])
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -78,3 +78,22 @@ def test_every_command_that_prints_data_has_json(path: str) -> None:
     command = command_tree()[path]
     options = {opt for param in command.params for opt in getattr(param, "opts", [])}
     assert "--json" in options, f"`rlpipe {path}` prints data but has no --json option"
+
+
+# Commands that refer to one run: each names it with --run.
+NAMES_A_RUN = {
+    "run", "runs show", "runs delete", "report", "eval", "adapters list", "adapters show", "adapters pull",
+    "topics tail", "learner start", "producer start", "replay", "envs record", "datasets to-trajectories",
+    "datasets eval-building",
+}
+
+
+def test_a_run_is_named_with_run_everywhere() -> None:
+    tree = command_tree()
+    for path in sorted(NAMES_A_RUN):
+        options = {opt for param in tree[path].params for opt in getattr(param, "opts", [])}
+        assert "--run" in options, f"`rlpipe {path}` does not take --run"
+    for path, command in tree.items():
+        for param in command.params:
+            if param.param_type_name == "argument" and "run" in (param.name or ""):
+                assert "Deprecated" in (getattr(param, "help", "") or ""), f"`rlpipe {path}` takes the run as {param}"
