@@ -97,3 +97,12 @@ def test_a_run_is_named_with_run_everywhere() -> None:
         for param in command.params:
             if param.param_type_name == "argument" and "run" in (param.name or ""):
                 assert "Deprecated" in (getattr(param, "help", "") or ""), f"`rlpipe {path}` takes the run as {param}"
+
+
+def test_every_command_has_help_with_an_example() -> None:
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    for path in sorted(command_tree()):
+        shown = runner.invoke(app, [*path.split(), "--help"], env={"COLUMNS": "200"})
+        assert shown.exit_code == 0 and "Example" in shown.stdout, f"`rlpipe {path} --help`: {shown.output[-300:]}"
