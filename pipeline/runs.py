@@ -153,10 +153,11 @@ def summarize(
     )
     moments = [m.created_at.timestamp() for m in manifests[-1:]]
     if activity is not None:
+        newest_version_step = manifests[-1].learner_step if manifests else -1
+        if activity.last_reward is not None and (activity.last_step or 0) >= newest_version_step:
+            summary.last_reward = activity.last_reward  # steps after the newest version (publish_every > 1)
         summary.steps = max(summary.steps, activity.last_step or 0)
         summary.stop_reason = activity.stop_reason
-        if summary.last_reward is None:
-            summary.last_reward = activity.last_reward
         moments += [activity.last_event_s] if activity.last_event_s is not None else []
     if moments:
         summary.last_activity = datetime.fromtimestamp(max(moments), tz=UTC)

@@ -121,8 +121,10 @@ def list_command(
     if not summaries:
         console.print(f"no runs under {store.root}; start one with `rlpipe run --preset cartpole`")
         return
-    table = Table("run", "status", "environment", "base model", "steps", "versions", "last reward",
-                  "last activity (UTC)", title=f"runs in {store.root}")
+    table = Table(title=f"runs in {store.root}")
+    for column in ("run", "status", "env", "base model", "steps", "versions", "last reward", "last activity (UTC)"):
+        table.add_column(column, overflow="fold" if column in ("env", "base model") else "ellipsis",
+                         no_wrap=column not in ("env", "base model"))
     for s in summaries:
         table.add_row(s.run_id, s.status, s.env or "-", s.base_model or "-", _steps(s), str(s.versions), _reward(s),
                       _when(s.last_activity))
