@@ -19,7 +19,7 @@ import typer
 from pydantic import ValidationError
 
 from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
-from pipeline.cli.options import ConfigOpt, PresetOpt, RunOpt, SetOpt, run_config, setup_logging
+from pipeline.cli.options import ConfigOpt, PresetOpt, SetOpt, run_config, setup_logging
 from pipeline.config import ConfigError, deep_merge, env_layer, load_file, parse_overrides, validation_message
 from pipeline.store import ObjectStore
 from schemas.config import RunConfig
@@ -38,7 +38,8 @@ def run(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     overrides: SetOpt = None,
-    name: RunOpt = None,
+    name: Annotated[str | None, typer.Option("--run", "-r", help="Name the new run (default: the preset's run_id "
+                                                                  "plus the UTC time); it must not exist yet.")] = None,
     resume: Annotated[str | None, typer.Option(
         "--resume", help="Continue this existing run (its stored configuration; --set changes a field).")] = None,
     max_steps: Annotated[int | None, typer.Option(min=1, help="Learner steps before the run stops.")] = None,
