@@ -21,6 +21,7 @@ from pipeline.cli.common import EXIT_USAGE, bus_config_from_cli, console, fail, 
 from pipeline.cli.options import RunOpt, chosen_run
 from pipeline.gcs_emulator import probe_endpoint
 from pipeline.runs import (
+    ACTIVE_WITHIN_S,
     RunSummary,
     activity_or_note,
     delete_run,
@@ -180,12 +181,21 @@ def delete_command(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
     root: RootOpt = None,
     gcs_endpoint: EndpointOpt = None,
+    bootstrap: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+    no_bus: NoBusOpt = False,
+    bus_timeout: TimeoutOpt = 3.0,
 ) -> None:
     """Delete one run: its objects in the store (trajectories, adapters, checkpoints, evaluations) and its
-    cached adapters and launcher folder on this machine.  Its events stay on the shared topics."""
+    cached adapters and launcher folder on this machine.  Its events stay on the shared topics.
+    A run the log shows running is refused: stop it first."""
     name = chosen_run(run, None, "runs delete")
     store = _store(root, gcs_endpoint)
     _known_run(store, name)
+    activity, _ = activity_or_note(None if no_bus else bus_config_from_cli(bootstrap, namespace), bus_timeout, name)
+    if activity is not None and summarize(store, name, activity.get(name), True).status == "running":
+        fail(f"run {name} is running (events in the last {ACTIVE_WITHIN_S:.0f} s); stop it first, then delete it",
+             EXIT_USAGE)
     plan = plan_delete(store, name, rlpipe_home())
     what = f"run {name}: {len(plan.store_keys)} objects under {store.url(plan.store_prefix)}" + (
         f" and {len(plan.local_paths)} local folders ({', '.join(str(p) for p in plan.local_paths)})"

@@ -110,6 +110,19 @@ def test_delete_asks_then_removes_only_that_run(two_runs: tuple[ObjectStore, Pat
     assert again.exit_code == 2 and "not found" in again.output
 
 
+def test_a_running_run_is_not_deleted(two_runs: tuple[ObjectStore, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from pipeline.cli import runs as runs_cli
+
+    store, _ = two_runs
+    recent = {"cart": RunActivity(last_event_s=time.time() - 2)}
+    monkeypatch.setattr(runs_cli, "activity_or_note", lambda bus, timeout, run=None: (recent, None))
+    refused = runner.invoke(app, ["delete", "--run", "cart", "--root", store.root, "--yes"])
+    assert refused.exit_code == 2 and "is running" in refused.output
+    assert store.exists("runs/cart/run.json")
+
+
 def test_status_from_the_log() -> None:
     done = RunSummary("a", "unknown", steps=5, max_steps=5)
     now = 1_000_000.0
