@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.common import console, fail, handle_user_errors
-from pipeline.cli.options import ConfigOpt, PresetOpt, SetOpt, run_config, setup_logging
+from pipeline.cli.options import ConfigOpt, PresetOpt, RunOpt, SetOpt, run_config, setup_logging
 from pipeline.runtime import StopFlag
 
 app = typer.Typer(name="learner", help="The off-policy learner: LoRA training from trajectories.", no_args_is_help=True)
@@ -20,6 +20,7 @@ def start(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     overrides: SetOpt = None,
+    run: RunOpt = None,
     max_steps: Annotated[int | None, typer.Option(min=1, help="Stop after this many optimizer steps.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
@@ -28,7 +29,7 @@ def start(
     SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0.
     """
     setup_logging(verbose)
-    cfg = run_config(preset, config, overrides)
+    cfg = run_config(preset, config, overrides, run)
     if max_steps is not None:
         cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
     from consumers.lease import LeaseLostError
@@ -61,6 +62,9 @@ def replay(
         fail("choose exactly one of --train or --to-topic", 2)
     setup_logging()
     cfg = run_config(preset, config, overrides)
+    if train and cfg.run_id == run:  # its adapters, checkpoints and step log would mix with the run it replays
+        fail(f"replay --train would train into run {run}, the run it reads from; name the run it trains, "
+             f"e.g. --set run_id={run}-offline", 2)
     if train:
         from consumers.service import replay_train
 

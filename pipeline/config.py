@@ -11,11 +11,16 @@ Why this order: a deployment (Kubernetes) sets environment variables over a
 preset or a ConfigMap file, and a person at a terminal overrides anything with a
 flag.  Environment variables are read by pydantic-settings; values that look like
 JSON (lists, numbers, objects) are decoded, the rest stay strings for pydantic's
-own coercion.  Secrets stay ``SecretStr`` and print as ``***``.
+own coercion.  Secrets stay ``SecretStr`` and print as ``***``.  A variable
+with the prefix that names no field (``RLPIPE_LERNER__LEARNING_RATE``) is
+refused with the closest valid name rather than ignored: a typo must not
+silently leave the default in place.  The few ``RLPIPE_`` variables that are
+not run configuration are listed in ``PROCESS_ENV``.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -24,12 +29,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.config import RunConfig
 
 ENV_PREFIX = "RLPIPE_"
+# RLPIPE_ variables that configure a process rather than a run (never checked against RunConfig's fields).
+PROCESS_ENV = {
+    "RLPIPE_HOME": "where the embedded stack, caches and local store live (pipeline.stack)",
+    "RLPIPE_KAFKA_GROUP_TIMINGS_MS": "consumer-group timings as JSON (pipeline.bus)",
+    "RLPIPE_KAFKA_PORT": "port of a broker started by `python -m pipeline.broker`",
+    "RLPIPE_FAULT": "the learner's crash-test hook (consumers.learner)",
+}
 
 
 class ConfigError(ValueError):
@@ -82,8 +94,47 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def config_env_names() -> set[str]:
+    """Every ``RLPIPE_`` name that sets a field: top-level fields, sections and ``SECTION__FIELD``."""
+    names = set()
+    for name, field in RunConfig.model_fields.items():
+        names.add(f"{ENV_PREFIX}{name.upper()}")
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            names.update(f"{ENV_PREFIX}{name.upper()}__{inner.upper()}" for inner in section.model_fields)
+    return names
+
+
+def check_env_names(names: Sequence[str]) -> None:
+    """Refuse an ``RLPIPE_`` variable that sets no field, naming the closest valid one (``ConfigError``)."""
+    valid = config_env_names()
+    for name in names:
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in valid or upper in PROCESS_ENV:
+            continue
+        section, _, rest = upper.partition("__")
+        if f"{section}__{rest.partition('__')[0]}" in valid and _is_mapping_field(section, rest.partition("__")[0]):
+            continue  # a key inside a mapping field, e.g. RLPIPE_ENV__OVERRIDES__MAX_TURNS
+        closest = difflib.get_close_matches(upper, sorted(valid | set(PROCESS_ENV)), n=1, cutoff=0.6)
+        hint = f"did you mean {closest[0]}?" if closest else "unset it (fields look like RLPIPE_LEARNER__LEARNING_RATE)"
+        raise ConfigError(f"environment variable {name} sets no configuration field; {hint}")
+
+
+def _is_mapping_field(section: str, field: str) -> bool:
+    model = RunConfig.model_fields.get(section.removeprefix(ENV_PREFIX).lower())
+    annotation = model.annotation if model else None
+    if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        return False
+    inner = annotation.model_fields.get(field.lower())
+    return inner is not None and getattr(inner.annotation, "__origin__", inner.annotation) is dict
+
+
 def env_layer(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The ``RLPIPE_*`` variables of ``environ`` (default ``os.environ``) as a nested dict."""
+    """The ``RLPIPE_*`` variables of ``environ`` (default ``os.environ``) as a nested dict.
+
+    ``ConfigError`` names a variable that sets no field (see ``check_env_names``).
+    """
+    check_env_names(list(os.environ if environ is None else environ))
     if environ is None:
         layer = _EnvLayer()
     else:

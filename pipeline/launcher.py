@@ -33,7 +33,7 @@ import yaml
 
 from pipeline.bus import GROUP_TIMINGS_ENV, EventPublisher, group_lag, tail
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
-from pipeline.stack import read_stack_state, rlpipe_home, start_background
+from pipeline.stack import StackState, read_stack_state, rlpipe_home, start_background
 from schemas.config import RunConfig
 from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStopped
 
@@ -95,13 +95,19 @@ EMBEDDED_GROUP_TIMINGS_MS = {"session_timeout_ms": 6000, "heartbeat_interval_ms"
                              "max_poll_interval_ms": 600_000}
 
 
-def ensure_stack(config: RunConfig) -> RunConfig:
-    """Start the embedded stack when no broker is configured and none runs."""
+def ensure_stack(config: RunConfig) -> StackState | None:
+    """Start the embedded stack when no broker is configured and none runs; its state if started here.
+
+    It is a background process that outlives the run (the next run, ``rlpipe report`` and
+    ``rlpipe topics`` use it), so the user is told where it listens and how to stop it.
+    """
     if config.bus.bootstrap_servers or read_stack_state() is not None:
-        return config
-    log.info("no broker configured: starting the embedded stack (stop it later with `rlpipe down`)")
-    start_background(with_gcs=False)
-    return config
+        return None
+    log.info("no broker configured: starting the embedded stack in the background")
+    state = start_background(with_gcs=False)
+    log.info("started the embedded stack (pid %d: Kafka broker at %s, store %s); it keeps running after this "
+             "run: stop it with `rlpipe down`", state.pid, state.bootstrap_servers, state.store_root)
+    return state
 
 
 def write_resolved_config(config: RunConfig) -> Path:
@@ -130,7 +136,8 @@ class Launcher:
     """Starts and watches the learner and producers of one run."""
 
     def __init__(self, config: RunConfig, dashboard: bool = True) -> None:
-        self.config = ensure_stack(config)
+        self.config = config
+        self.started_stack = ensure_stack(config)
         self.bus = resolved_bus(config.bus)
         self.config_path = write_resolved_config(config)
         self.log_dir = self.config_path.parent / "logs"
@@ -237,4 +244,7 @@ class Launcher:
         failed = {name: code for name, code in codes.items() if code != 0}
         for name, code in failed.items():
             log.error("%s exited with %s; see %s", name, code, self.log_dir / f"{name}.log")
+        if self.started_stack is not None:
+            log.info("the embedded stack started for this run is still running (pid %d); stop it with `rlpipe down`",
+                     self.started_stack.pid)
         return 1 if failed else 0

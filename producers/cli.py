@@ -86,12 +86,25 @@ def _defaults_text(name: str) -> tuple[str, str | Text, str]:
     return name, cls.description, defaults
 
 
+def _env_record(name: str) -> dict:
+    """One environment as JSON: its description and default limits, or why it failed to load."""
+    try:
+        cls = env_class(name)
+        cfg = cls.Config()
+    except Exception as exc:  # one broken env must not hide the others
+        return {"name": name, "error": f"{type(exc).__name__}: {exc}"}
+    return {"name": name, "description": cls.description, "defaults": cfg.model_dump(mode="json")}
+
+
 @app.command("list")
-def list_envs() -> None:
+def list_envs(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """List the registered environments with their default limits.
 
-    Example: envs list
+    Example: envs list --json
     """
+    if as_json:
+        typer.echo(json.dumps([_env_record(name) for name in env_names()], indent=2))
+        return
     table = Table(title="rlpipe environments")
     table.add_column("name", style="bold", no_wrap=True)
     table.add_column("description")

@@ -1,4 +1,4 @@
-"""``rlpipe eval RUN``: evaluate an adapter version (or the base model) on held-out seeds."""
+"""``rlpipe eval --run RUN``: evaluate an adapter version (or the base model) on held-out seeds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from pipeline.cli.common import console, fail, handle_user_errors, print_json
-from pipeline.cli.options import setup_logging
+from pipeline.cli.options import DeprecatedRunArg, RunOpt, chosen_run, setup_logging
 from pipeline.config import deep_merge, env_layer, parse_overrides
 from pipeline.registry import AdapterRegistry
 from pipeline.runtime import open_store
@@ -41,10 +41,10 @@ def resolve_version(registry: AdapterRegistry, text: str) -> int:
     fail(f"--version must be a number, v<number> or 'latest', got {text!r}", 2)
 
 
-@app.command(epilog="Example: rlpipe eval demo --version 0 --version latest --episodes 32 --baseline random")
+@app.command(epilog="Example: rlpipe eval --run demo --version 0 --version latest --episodes 32 --baseline random")
 @handle_user_errors
 def eval(
-    run: Annotated[str, typer.Argument(help="Run id.")],
+    run: RunOpt = None,
     version: Annotated[
         list[str] | None, typer.Option(help="Adapter version, 'latest', or 0 for the base model (repeatable).")
     ] = None,
@@ -56,8 +56,10 @@ def eval(
     overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a config field.")] = None,
     save: Annotated[bool, typer.Option(help="Store the result under runs/RUN/eval/ for the report.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    run_arg: DeprecatedRunArg = None,
 ) -> None:
     """Play held-out episodes (seeds from env.eval_seed_offset) with one adapter version; print return and CI."""
+    run = chosen_run(run, run_arg, "eval")
     setup_logging()
     from producers.evaluation import baseline_result, evaluate_version, save_result
     from producers.tiny_model import resolve_model

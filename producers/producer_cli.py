@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.common import handle_user_errors
-from pipeline.cli.options import ConfigOpt, PresetOpt, SetOpt, run_config, setup_logging
+from pipeline.cli.options import ConfigOpt, PresetOpt, RunOpt, SetOpt, run_config, setup_logging
 from pipeline.runtime import StopFlag
 
 app = typer.Typer(name="producer", help="Rollout producers: sample the policy against an environment.",
@@ -20,6 +20,7 @@ def start(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     overrides: SetOpt = None,
+    run: RunOpt = None,
     max_groups: Annotated[int | None, typer.Option(min=1, help="Stop after this many groups.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
@@ -28,7 +29,7 @@ def start(
     SIGTERM or Ctrl-C finishes cleanly: complete groups are flushed, unfinished ones dropped.
     """
     setup_logging(verbose)
-    cfg = run_config(preset, config, overrides)
+    cfg = run_config(preset, config, overrides, run)
     if max_groups is not None:
         cfg = cfg.model_copy(update={"producer": cfg.producer.model_copy(update={"max_groups": max_groups})})
     from producers.service import run_producer

@@ -280,6 +280,26 @@ class RunConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _trainable(self) -> RunConfig:
+        """Refuse combinations that run but cannot learn (every advantage 0, every row dropped)."""
+        learner = self.learner
+        baseline = {"group": "the group mean", "return_to_go": "the (group, turn) mean"}
+        if (self.producer.group_size == 1 and learner.loss != "cross_entropy" and learner.advantage in baseline
+                and not (learner.advantage == "return_to_go" and learner.return_to_go_baseline != "group_turn")):
+            raise ValueError(
+                f"producer.group_size 1 with learner.advantage {learner.advantage} makes every advantage 0 (a row "
+                f"minus {baseline[learner.advantage]} of itself); raise producer.group_size to 2 or more, or set "
+                "learner.advantage=raw"
+            )
+        if self.producer.max_staleness > learner.max_staleness:
+            raise ValueError(
+                f"producer.max_staleness ({self.producer.max_staleness}) exceeds learner.max_staleness "
+                f"({learner.max_staleness}): rows sampled that far behind are all dropped by the learner; "
+                "lower producer.max_staleness or raise learner.max_staleness"
+            )
+        return self
+
 
 def parse_init_from(value: str) -> tuple[str, int | None]:
     """``RUN`` or ``RUN@VERSION`` (``@latest`` = no version) -> (run id, version or None for the newest)."""

@@ -16,8 +16,13 @@ app = typer.Typer(name="config", help="Show resolved run configurations and ship
 
 @app.command(epilog="Example: RLPIPE_BUS__BOOTSTRAP_SERVERS=kafka:9092 rlpipe config show --preset cartpole")
 @handle_user_errors
-def show(preset: PresetOpt = None, config: ConfigOpt = None, overrides: SetOpt = None) -> None:
-    """Print the configuration a process would run with, after every layer (secrets shown as ***)."""
+def show(
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (accepted for symmetry: the output is JSON).")] = False,
+) -> None:
+    """Print the configuration a process would run with, after every layer (secrets shown as ***), as JSON."""
     typer.echo(config_to_json(run_config(preset, config, overrides)))
 
 

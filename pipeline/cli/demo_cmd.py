@@ -101,7 +101,7 @@ def demo(
     total = 6 if warm_start else 4
     phase = iter(range(1, total + 1))
     _phase(f"{next(phase)}/{total} tiny base model", "model", "init-tiny")
-    run_args = ["run", "--preset", preset, "--set", f"run_id={run_id}"]
+    run_args = ["run", "--preset", preset, "--run", run_id]
     if warm_start:
         demos, warm = f"{run_id}-demos", f"{run_id}-warm"
         _phase(f"{next(phase)}/{total} noisy demonstrations to Parquet", "envs", "record", "cartpole", "--run", demos,
@@ -120,7 +120,7 @@ def demo(
     # the engine logs to stdout too: the JSON document is the last thing printed
     results = json.loads(evaluated.stdout[evaluated.stdout.rindex('{\n  "results"'):])["results"]
     out = Path(f"rlpipe-report-{run_id}")
-    _phase(f"{next(phase)}/{total} report", "report", run_id, "--out", str(out))
+    _phase(f"{next(phase)}/{total} report", "report", "--run", run_id, "--out", str(out))
     base, last = results[0], results[len(versions) - 1]
     warm_result = results[1] if warm_start else None
     outcome = {"run_id": run_id, "preset": preset, "minutes": (time.monotonic() - started) / 60,

@@ -42,6 +42,7 @@ BUILTIN_LAZY_GROUPS = {
     "adapters": "pipeline.cli.adapters:app",
     "config": "pipeline.cli.config_cmd:app",
     "run": "pipeline.cli.run_cmd:command",
+    "runs": "pipeline.cli.runs:app",
     "report": "pipeline.cli.report_cmd:command",
     "demo": "pipeline.cli.demo_cmd:command",
 }
@@ -175,13 +176,33 @@ def up(
 @handle_user_errors
 def down(
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait before killing it.")] = 10.0,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Stop the embedded stack started by `rlpipe up` (its events are gone; the store folder stays)."""
+    """Stop the embedded stack started by `rlpipe up` or `rlpipe run`, listing each part it stops.
+
+    The broker's log (the events, kept by the local S3 server under $RLPIPE_HOME/s3),
+    the store folder and the logs stay, so `rlpipe up` carries on where it stopped.
+    """
     state = stop_background(timeout_s=timeout)
-    if state is None:
+    if as_json:
+        print_json({"status": "stopped", **state.model_dump()} if state else {"status": "not running"})
+    elif state is None:
         console.print("no rlpipe stack is running")
     else:
-        console.print(f"rlpipe stack stopped (pid {state.pid})")
+        console.print(f"rlpipe stack stopped (pid {state.pid}):")
+        for part in _stopped_parts(state):
+            console.print(f"  {part}", markup=False)
+
+
+def _stopped_parts(state: StackState) -> list[str]:
+    """What stopping the stack ended, and what it left in place."""
+    parts = [f"stopped the Kafka broker at {state.bootstrap_servers}"]
+    if state.s3_endpoint:
+        parts.append(f"stopped the local S3 server at {state.s3_endpoint} (it keeps the broker's log)")
+    if state.gcs_endpoint:
+        parts.append(f"stopped the GCS emulator at {state.gcs_endpoint} (bucket gs://{state.gcs_bucket})")
+    parts.append(f"kept the local store at {state.store_root} and the logs in {state.log_dir}")
+    return parts
 
 
 @app.command(epilog="Example: rlpipe status --json")

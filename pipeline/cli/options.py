@@ -17,9 +17,11 @@ SetOpt = Annotated[
 ]
 
 
-def run_config(preset: str | None, config: str | None, overrides: list[str] | None) -> RunConfig:
-    """The resolved configuration: defaults < preset < file < RLPIPE_ environment < --set."""
-    return resolve_config(preset, config, overrides or ())
+def run_config(
+    preset: str | None, config: str | None, overrides: list[str] | None, run: str | None = None
+) -> RunConfig:
+    """The resolved configuration: defaults < preset < file < RLPIPE_ environment < --set (< --run RUN)."""
+    return resolve_config(preset, config, [*(overrides or ()), *([f"run_id={run}"] if run else [])])
 
 
 def setup_logging(verbose: bool = False) -> None:
@@ -43,3 +45,28 @@ def setup_logging(verbose: bool = False) -> None:
     kafka = logging.getLogger("kafka")
     kafka.setLevel(logging.DEBUG if verbose else logging.WARNING)
     kafka.propagate = verbose
+
+
+# One way to name a run in every command: ``--run RUN``.  Commands that took the run as a positional
+# argument still accept it for one release, with a one-line deprecation note.
+RunOpt = Annotated[str | None, typer.Option("--run", "-r", help="The run id, e.g. cartpole-20260101-120000.")]
+DeprecatedRunArg = Annotated[
+    str | None, typer.Argument(help="Deprecated: name the run with --run RUN.", show_default=False, metavar="[RUN]")
+]
+
+
+def chosen_run(option: str | None, positional: str | None, command: str) -> str:
+    """The run named by ``--run`` or (deprecated) by the positional argument of ``rlpipe COMMAND``."""
+    from pipeline.cli.common import EXIT_USAGE, err_console, fail
+
+    if positional is not None:
+        if option is not None and option != positional:
+            fail(f"the run is named twice ({positional!r} and --run {option!r}); keep --run {option}", EXIT_USAGE)
+        err_console.print(
+            f"note: `rlpipe {command} RUN` is deprecated and goes in the next release; use `rlpipe {command} --run "
+            f"{positional}`", style="yellow", markup=False, highlight=False,
+        )
+        return positional
+    if option is None:
+        fail(f"name the run: rlpipe {command} --run RUN (`rlpipe runs list` shows them)", EXIT_USAGE)
+    return option

@@ -1,4 +1,4 @@
-"""``rlpipe report RUN``: write a self-contained HTML report of one run (or print it as JSON).
+"""``rlpipe report --run RUN``: write a self-contained HTML report of one run (or print it as JSON).
 
 Reads the store (trajectories, adapters, the newest checkpoint, evaluations) and,
 unless ``--no-bus``, the run's events on ``<ns>.control`` with a bounded wait; a
@@ -7,8 +7,8 @@ run or a bad option exits 2 with one line; a store that cannot be read exits 1.
 
 ``app`` is a one-command Typer app; ``command`` is the same as a click command,
 which is what ``rlpipe``'s lazy loader should register (``report =
-"pipeline.cli.report_cmd:command"``) so the call reads ``rlpipe report RUN``
-rather than ``rlpipe report report RUN``.
+"pipeline.cli.report_cmd:command"``) so the call reads ``rlpipe report --run RUN``
+rather than ``rlpipe report report --run RUN``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pipeline.cli.common import (
     print_json,
     user_errors,
 )
+from pipeline.cli.options import DeprecatedRunArg, RunOpt, chosen_run
 from pipeline.gcs_emulator import probe_endpoint
 from pipeline.report import DEFAULT_BUS_TIMEOUT_S, RunReport, gather_report, summary_lines, write_report
 from pipeline.runtime import open_store
@@ -43,7 +44,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-RunArg = Annotated[str, typer.Argument(help="run id, e.g. demo", show_default=False)]
 RootOpt = Annotated[
     str | None,
     typer.Option("--root", envvar="RLPIPE_STORE__ROOT", help="store root URL; default: the `rlpipe up` store"),
@@ -68,10 +68,10 @@ TimeoutOpt = Annotated[
 
 @app.command(
     "report",
-    epilog="Example: rlpipe report demo --root file:///tmp/rlpipe/store --out ./demo-report",
+    epilog="Example: rlpipe report --run demo --root file:///tmp/rlpipe/store --out ./demo-report",
 )
 def report(
-    run: RunArg,
+    run: RunOpt = None,
     root: RootOpt = None,
     gcs_endpoint: EndpointOpt = None,
     out: OutOpt = None,
@@ -80,9 +80,11 @@ def report(
     namespace: NamespaceOpt = None,
     no_bus: NoBusOpt = False,
     bus_timeout: TimeoutOpt = DEFAULT_BUS_TIMEOUT_S,
+    run_arg: DeprecatedRunArg = None,
 ) -> None:
     """Gather a run's numbers from the store and the event log and write report.html, PNGs and report.json."""
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
+    run = chosen_run(run, run_arg, "report")
     with user_errors():
         store = _store(root, gcs_endpoint)
         bus_config = None if no_bus else bus_config_from_cli(bootstrap, namespace)

@@ -173,11 +173,11 @@ def _stream(records: Iterator[bus.TailRecord], as_json: bool) -> None:
         console.print(line + _summary(r))
 
 
-@app.command("lag", epilog="Example: rlpipe topics lag --group learner-demo")
+@app.command("lag", epilog="Example: rlpipe topics lag --group rlpipe-learner-demo   (run demo's learner)")
 @handle_user_errors
 def lag(
     group: Annotated[
-        str | None, typer.Option("--group", "-g", help="One consumer group; default: every group.")
+        str | None, typer.Option("--group", "-g", help="One consumer group (a run's learner: rlpipe-learner-RUN); default: all.")
     ] = None,
     bootstrap: BootstrapOpt = None,
     namespace: NamespaceOpt = None,

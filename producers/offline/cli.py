@@ -117,6 +117,14 @@ def show(
         console.print(f"all {len(card.files)} files match their sha256")
 
 
+def _print_written(card: DatasetCard, as_json: bool) -> None:
+    """The card of a dataset just written: as JSON (the same document as `datasets show --json`) or a table."""
+    if as_json:
+        print_json(card.model_dump(mode="json"))
+    else:
+        _print_card(card, False)
+
+
 def _print_card(card: DatasetCard, with_fields: bool) -> None:
     s = _summary(card)
     table = Table(show_header=False, title=f"dataset {card.name}")
@@ -191,6 +199,7 @@ def import_smart_buildings_cmd(
     reward_id: Annotated[str, typer.Option(help="reward matrix column used as the reward")] = "agent_reward_value",
     root: RootOpt = None,
     gcs_endpoint: EndpointOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Import Smart Buildings Dataset partitions (npz + metadata) as a steps dataset.
 
@@ -203,7 +212,7 @@ def import_smart_buildings_cmd(
         fail(f"--split must be day or gap, got {split!r}", 2)
     card = import_smart_buildings(_store(root, gcs_endpoint), path, name, trust_pickle=trust_pickle,
                                   utc_offset_hours=utc_offset_hours, split=split, reward_id=reward_id)  # type: ignore[arg-type]
-    _print_card(card, False)
+    _print_written(card, as_json)
 
 
 @import_app.command("table", epilog="Example: rlpipe datasets import table log.csv --mapping map.yaml --name plant")
@@ -215,12 +224,13 @@ def import_table_cmd(
     name: NameOpt,
     root: RootOpt = None,
     gcs_endpoint: EndpointOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Import a CSV or Parquet log with a column mapping; unmapped numeric columns become features."""
     from producers.offline.table import import_table, load_mapping
 
     card = import_table(_store(root, gcs_endpoint), path, name, load_mapping(mapping))
-    _print_card(card, False)
+    _print_written(card, as_json)
 
 
 @generate_app.command("building-hvac", epilog="Example: rlpipe datasets generate building-hvac --days 28 "
@@ -238,6 +248,7 @@ def generate_building(
     raw_dir: Annotated[Path | None, typer.Option(help="also keep the npz + metadata.json written on the way")] = None,
     root: RootOpt = None,
     gcs_endpoint: EndpointOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Simulate days of the building under scripted controllers, write them in the Smart Buildings layout,
     and import that with the same importer as real data."""
@@ -247,7 +258,7 @@ def generate_building(
                           random_fraction=random_fraction, env_overrides=parse_overrides(overrides or []))
     with console.status(f"simulating {days} days"):
         card = generate_building_dataset(_store(root, gcs_endpoint), name, spec, raw_dir)
-    _print_card(card, False)
+    _print_written(card, as_json)
 
 
 # ---- to trajectories / evaluate ---------------------------------------------------------------------

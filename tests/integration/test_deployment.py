@@ -264,7 +264,7 @@ def in_process_config(bus_config: Any, tiny_model_dir: str, tmp_path: Path, port
         "sampler": {"backend": "transformers", "max_new_tokens": 4},
         "producer": {"group_size": 1, "groups_per_batch": 1, "concurrent_groups": 1, "env_workers": 1,
                      "health_port": port, "max_backlog_steps": None},
-        "learner": {"torch_threads": 1, "health_port": port},
+        "learner": {"torch_threads": 1, "health_port": port, "advantage": "raw"},  # one sample per group
     })
 
 

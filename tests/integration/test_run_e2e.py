@@ -73,7 +73,7 @@ def test_rlpipe_run_publishes_versions_within_staleness_and_reports(tmp_path, ka
     assert rows.height > 0 and rows["policy_version"].max() <= max(versions)
 
     out = tmp_path / "report"
-    report = subprocess.run([*RLPIPE, "report", run_id, "--root", store_root, "--out", str(out),
+    report = subprocess.run([*RLPIPE, "report", "--run", run_id, "--root", store_root, "--out", str(out),
                              "--bootstrap", kafka_broker.bootstrap_servers, "--namespace", "e2erun"],
                             env=env, capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr[-2000:]

@@ -167,3 +167,12 @@ def test_command_groups_are_discovered_and_a_broken_one_breaks_only_itself(monke
     assert "could not be loaded" in broken.stderr and "no_such_module_for_rlpipe" in broken.stderr
     assert "Traceback" not in broken.output
     assert _invoke(["topics", "--help"]).exit_code == 0
+
+
+def test_lag_example_names_the_group_a_learner_joins() -> None:
+    from consumers.sources import learner_group_id
+
+    shown = _invoke(["topics", "lag", "--help"])
+    assert shown.exit_code == 0, shown.output
+    example = shown.stdout[shown.stdout.index("Example"):]
+    assert f"--group {learner_group_id('demo')}" in " ".join(example.split())

@@ -76,3 +76,44 @@ def test_unknown_preset_and_missing_file():
         resolve_config("nope")
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_config(config_file="/no/such/file.yaml")
+
+
+def test_env_variable_with_a_misspelt_section_is_refused_naming_the_closest():
+    with pytest.raises(ConfigError) as info:
+        resolve_config(environ={"RLPIPE_LERNER__LEARNING_RATE": "1e-4"})
+    message = str(info.value)
+    assert "RLPIPE_LERNER__LEARNING_RATE" in message and "RLPIPE_LEARNER__LEARNING_RATE" in message
+    assert "\n" not in message
+
+
+def test_env_variable_with_a_misspelt_field_is_refused_naming_the_closest():
+    with pytest.raises(ConfigError, match="RLPIPE_LEARNER__LEARNING_RATE"):
+        resolve_config(environ={"RLPIPE_LEARNER__LEARNIG_RATE": "1e-4"})
+    with pytest.raises(ConfigError, match="RLPIPE_RUN_ID"):
+        resolve_config(environ={"RLPIPE_RUNID": "x"})
+
+
+def test_env_variables_that_are_not_configuration_are_accepted():
+    cfg = resolve_config(environ={"RLPIPE_HOME": "/tmp/x", "RLPIPE_KAFKA_GROUP_TIMINGS_MS": "{}",
+                                  "RLPIPE_FAULT": "after_checkpoint:1", "RLPIPE_KAFKA_PORT": "9092",
+                                  "RLPIPE_ENV__OVERRIDES__MAX_TURNS": "5", "RLPIPE_LEARNER__LORA_RANK": "4"})
+    assert cfg.env.overrides == {"max_turns": "5"} and cfg.learner.lora_rank == 4  # the env coerces its own fields
+
+
+def test_group_size_one_with_group_relative_advantages_is_refused():
+    with pytest.raises(ConfigError, match="group_size") as info:
+        resolve_config(overrides=["producer.group_size=1"])
+    assert "\n" not in str(info.value) and "advantage" in str(info.value)
+    with pytest.raises(ConfigError, match="group_size"):
+        resolve_config(overrides=["producer.group_size=1", "learner.advantage=return_to_go"])
+    resolve_config(overrides=["producer.group_size=1", "learner.advantage=raw"])
+    resolve_config(overrides=["producer.group_size=1", "learner.advantage=return_to_go",
+                              "learner.return_to_go_baseline=step"])
+    resolve_config(overrides=["producer.group_size=1", "learner.loss=cross_entropy"])
+
+
+def test_producer_staleness_beyond_the_learners_is_refused():
+    with pytest.raises(ConfigError, match="max_staleness") as info:
+        resolve_config(overrides=["producer.max_staleness=3", "learner.max_staleness=1", "sampler.max_loras=4"])
+    assert "learner.max_staleness" in str(info.value) and "\n" not in str(info.value)
+    resolve_config(overrides=["producer.max_staleness=1", "learner.max_staleness=3"])

@@ -191,7 +191,7 @@ def expected_by_version() -> dict[int, list[tuple[float, bool]]]:
 
 def test_report_writes_html_pngs_and_json_that_match_the_run(run_store: ObjectStore, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    result = run_report(RUN, "--root", run_store.root, "--out", str(out), "--no-bus", "--json")
+    result = run_report("--run", RUN, "--root", run_store.root, "--out", str(out), "--no-bus", "--json")
     data = json.loads(result.stdout)
     summary, series = data["summary"], data["series"]
 
@@ -254,14 +254,14 @@ def test_report_writes_html_pngs_and_json_that_match_the_run(run_store: ObjectSt
 
 
 def test_report_prints_a_summary_and_busy_fractions(run_store: ObjectStore, tmp_path: Path) -> None:
-    result = run_report(RUN, "--root", run_store.root, "--out", str(tmp_path / "r"), "--no-bus")
+    result = run_report("--run", RUN, "--root", run_store.root, "--out", str(tmp_path / "r"), "--no-bus")
     assert "learner: busy 65.2% of the run" in result.stdout  # 15 / 23
     assert "tiny-test" in result.stdout and "report written to" in result.stdout
     assert (tmp_path / "r" / "report.html").exists()
 
 
 def test_unknown_run_is_one_line_and_exit_2(run_store: ObjectStore, tmp_path: Path) -> None:
-    result = runner.invoke(app, ["nope", "--root", run_store.root, "--out", str(tmp_path / "x"), "--no-bus"])
+    result = runner.invoke(app, ["--run", "nope", "--root", run_store.root, "--out", str(tmp_path / "x"), "--no-bus"])
     assert result.exit_code == 2
     assert (
         result.output.strip().count("\n") == 0 and "run 'nope' not found" in result.output and "demo" in result.output
@@ -292,7 +292,7 @@ def test_the_step_log_comes_from_step_objects_up_to_the_checkpoint(tmp_path: Pat
 def test_missing_pieces_and_an_unreachable_broker_do_not_fail_the_report(tmp_path: Path) -> None:
     store = ObjectStore(f"file://{tmp_path}/store")
     TrajectoryArchive(store).write_batch(RUN, _turn_rows("e00", EPISODES["e00"], "only"))
-    result = run_report(RUN, "--root", store.root, "--out", str(tmp_path / "o"), "--json",
+    result = run_report("--run", RUN, "--root", store.root, "--out", str(tmp_path / "o"), "--json",
                         "--bootstrap", "127.0.0.1:1", "--bus-timeout", "1")  # fmt: skip
     data = json.loads(result.stdout)
     assert data["summary"]["trajectories"]["episodes"] == 1 and data["summary"]["learner_steps"] is None
@@ -314,7 +314,7 @@ def test_heartbeats_from_the_broker_become_throughput_and_producer_lanes(
         for producer, offset, interval, busy, rate in beats:
             publisher.publish("control", heartbeat(RUN, producer, T0 + offset, interval, busy, rate))
         publisher.publish("control", heartbeat("other-run", "p9", T0 + 1, 1.0, 1.0, 99.0))
-    result = run_report(RUN, "--root", run_store.root, "--out", str(tmp_path / "b"), "--json",
+    result = run_report("--run", RUN, "--root", run_store.root, "--out", str(tmp_path / "b"), "--json",
                         "--bootstrap", bus_config.bootstrap_servers, "--namespace", bus_config.namespace)  # fmt: skip
     series = json.loads(result.stdout)["series"]
 

@@ -175,3 +175,20 @@ def test_the_embedded_log_survives_a_restart_of_the_stack(tmp_path: Path) -> Non
         assert [(r.offset, r.event.payload.reason) for r in records if r.event] == [
             (index, f"event {index}") for index in range(5)]
         assert bus.describe_topic(config, "control") == before and before.topic_id is not None
+
+
+def test_down_lists_what_it_stops(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.cli import main as cli_main
+
+    state = _state(home, 4242).model_copy(update={"gcs_endpoint": "http://127.0.0.1:4443", "gcs_bucket": "rlpipe",
+                                                  "s3_endpoint": "http://127.0.0.1:4566"})
+    monkeypatch.setattr(cli_main, "stop_background", lambda timeout_s: state)
+    stopped = runner.invoke(app, ["down"], env={"COLUMNS": "200"})
+    assert stopped.exit_code == 0, stopped.output
+    for part in ("pid 4242", "Kafka broker", "127.0.0.1:1", "GCS emulator", "http://127.0.0.1:4443", "store",
+                 "local S3 server", "http://127.0.0.1:4566"):
+        assert part in stopped.stdout, part
+    as_json = json.loads(runner.invoke(app, ["down", "--json"]).stdout)
+    assert as_json["status"] == "stopped" and as_json["pid"] == 4242
+    monkeypatch.setattr(cli_main, "stop_background", lambda timeout_s: None)
+    assert json.loads(runner.invoke(app, ["down", "--json"]).stdout) == {"status": "not running"}

@@ -25,6 +25,15 @@ def test_list_shows_envs_and_survives_a_broken_module(monkeypatch):
     assert "turns 200, actions/turn 1, actions 200, env steps 200" in result.stdout
 
 
+def test_list_json_gives_every_env_with_its_defaults(monkeypatch):
+    monkeypatch.setitem(registry._REGISTRY, "zz-broken", "producers.envs.does_not_exist:Nope")
+    result = runner.invoke(app, ["list", "--json"])
+    assert result.exit_code == 0, result.output
+    by_name = {env["name"]: env for env in json.loads(result.stdout)}
+    assert by_name["cartpole"]["defaults"]["max_turns"] == 200 and by_name["cartpole"]["description"]
+    assert "ModuleNotFoundError" in by_name["zz-broken"]["error"]
+
+
 def test_eval_heuristic_cartpole_json():
     result = runner.invoke(app, ["eval", "cartpole", "--policy", "heuristic", "--episodes", "3", "--json"])
     assert result.exit_code == 0, result.output

@@ -1,0 +1,206 @@
+"""``rlpipe runs list|show|delete``: the runs in a store, how far each got, and removing one.
+
+Reads the store (``run.json``, the adapter registry, checkpoints) and, unless
+``--no-bus``, the control topic with a bounded wait for status and last activity
+(``pipeline.runs``).  ``delete`` asks before it removes anything (``--yes`` skips
+the question) and removes only the named run: its objects, checkpoints and
+cached adapters, never another run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from datetime import datetime
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from pipeline.cli.common import EXIT_USAGE, bus_config_from_cli, console, fail, handle_user_errors, print_json
+from pipeline.cli.options import RunOpt, chosen_run
+from pipeline.gcs_emulator import probe_endpoint
+from pipeline.runs import (
+    ACTIVE_WITHIN_S,
+    RunSummary,
+    activity_or_note,
+    delete_run,
+    list_runs,
+    plan_delete,
+    run_exists,
+    summarize,
+)
+from pipeline.runtime import open_store
+from pipeline.stack import rlpipe_home
+from pipeline.store import ObjectStore
+from schemas.config import StoreConfig
+
+app = typer.Typer(
+    name="runs",
+    help="List the runs in a store, show one, delete one.",
+    epilog="Example: rlpipe runs list && rlpipe runs show --run cartpole-20260101-120000",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+RootOpt = Annotated[
+    str | None,
+    typer.Option("--root", envvar="RLPIPE_STORE__ROOT", help="Store root URL; default: the `rlpipe up` store."),
+]
+EndpointOpt = Annotated[
+    str | None,
+    typer.Option("--gcs-endpoint", envvar="RLPIPE_STORE__GCS_ENDPOINT", help="GCS API endpoint (emulator) for gs://."),
+]
+BootstrapOpt = Annotated[
+    str | None, typer.Option("--bootstrap", "-b", help="Kafka host:port; default: bus config, else `rlpipe up`.")
+]
+NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Topic namespace; default: bus config (rlpipe).")]
+NoBusOpt = Annotated[bool, typer.Option("--no-bus", help="Do not read the event log (status from the store alone).")]
+TimeoutOpt = Annotated[float, typer.Option("--bus-timeout", min=0.5, max=120.0, help="Seconds to wait for the broker.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
+    """The store ``--root`` names (default: the embedded stack's), failing fast if the emulator is down."""
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
+    store = open_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint))
+    if store.gcs_endpoint:
+        reason = probe_endpoint(store.gcs_endpoint)
+        if reason is not None:
+            fail(f"cannot reach the GCS endpoint {store.gcs_endpoint}: {reason}; is the emulator running?")
+    return store
+
+
+def _known_run(store: ObjectStore, run: str) -> None:
+    if not run_exists(store, run):
+        known = list_runs(store)
+        hint = f"runs there: {', '.join(known[:10])}" if known else "there are no runs there"
+        fail(f"run {run!r} not found under {store.root}; {hint}", EXIT_USAGE)
+
+
+def _json(summary: RunSummary) -> dict[str, object]:
+    reward = summary.last_reward
+    return {
+        "run_id": summary.run_id, "status": summary.status, "env": summary.env, "base_model": summary.base_model,
+        "steps": summary.steps, "max_steps": summary.max_steps, "versions": summary.versions,
+        "last_reward": reward if reward is None or math.isfinite(reward) else None,
+        "last_activity": summary.last_activity.isoformat() if summary.last_activity else None,
+        "stop_reason": summary.stop_reason, "notes": summary.notes,
+    }
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
+
+
+def _steps(summary: RunSummary) -> str:
+    return f"{summary.steps}/{summary.max_steps}" if summary.max_steps else str(summary.steps)
+
+
+def _reward(summary: RunSummary) -> str:
+    return "-" if summary.last_reward is None else f"{summary.last_reward:.3f}"
+
+
+@app.command("list", epilog="Example: rlpipe runs list --root file:///data/rlpipe --no-bus")
+@handle_user_errors
+def list_command(
+    root: RootOpt = None,
+    gcs_endpoint: EndpointOpt = None,
+    bootstrap: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+    no_bus: NoBusOpt = False,
+    bus_timeout: TimeoutOpt = 3.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """List the runs in the store: status, environment, base model, steps, versions, last reward and activity."""
+    store = _store(root, gcs_endpoint)
+    activity, note = activity_or_note(None if no_bus else bus_config_from_cli(bootstrap, namespace), bus_timeout)
+    summaries = [summarize(store, run, (activity or {}).get(run), activity is not None) for run in list_runs(store)]
+    if as_json:
+        print_json({"store": store.root, "runs": [_json(s) for s in summaries], "note": note})
+        return
+    if not summaries:
+        console.print(f"no runs under {store.root}; start one with `rlpipe run --preset cartpole`")
+        return
+    table = Table(title=f"runs in {store.root}")
+    for column in ("run", "status", "env", "base model", "steps", "versions", "last reward", "last activity (UTC)"):
+        table.add_column(column, overflow="fold" if column in ("env", "base model") else "ellipsis",
+                         no_wrap=column not in ("env", "base model"))
+    for s in summaries:
+        table.add_row(s.run_id, s.status, s.env or "-", s.base_model or "-", _steps(s), str(s.versions), _reward(s),
+                      _when(s.last_activity))
+    console.print(table)
+    if note:
+        console.print(f"note: {note}", style="yellow", markup=False)
+
+
+@app.command("show", epilog="Example: rlpipe runs show --run cartpole-20260101-120000 --json")
+@handle_user_errors
+def show_command(
+    run: RunOpt = None,
+    root: RootOpt = None,
+    gcs_endpoint: EndpointOpt = None,
+    bootstrap: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+    no_bus: NoBusOpt = False,
+    bus_timeout: TimeoutOpt = 3.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show one run: status, environment, base model, steps, versions, last reward, last activity."""
+    name = chosen_run(run, None, "runs show")
+    store = _store(root, gcs_endpoint)
+    _known_run(store, name)
+    bus = None if no_bus else bus_config_from_cli(bootstrap, namespace)
+    activity, note = activity_or_note(bus, bus_timeout, name)
+    summary = summarize(store, name, (activity or {}).get(name), activity is not None)
+    if note:
+        summary.notes.append(note)
+    if as_json:
+        print_json(_json(summary))
+        return
+    table = Table(title=f"run {name}", show_header=False)
+    table.add_column("field", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for label, value in (
+        ("status", summary.status + (f" ({summary.stop_reason})" if summary.stop_reason else "")),
+        ("environment", summary.env or "-"), ("base model", summary.base_model or "-"),
+        ("learner steps", _steps(summary)), ("adapter versions", str(summary.versions)),
+        ("last reward", _reward(summary)), ("last activity (UTC)", _when(summary.last_activity)),
+        ("store", store.url(f"runs/{name}")),
+    ):  # fmt: skip
+        table.add_row(label, value)
+    console.print(table)
+    for line in summary.notes:
+        console.print(f"note: {line}", style="yellow", markup=False)
+
+
+@app.command("delete", epilog="Example: rlpipe runs delete --run cartpole-20260101-120000 --yes")
+@handle_user_errors
+def delete_command(
+    run: RunOpt = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+    root: RootOpt = None,
+    gcs_endpoint: EndpointOpt = None,
+    bootstrap: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+    no_bus: NoBusOpt = False,
+    bus_timeout: TimeoutOpt = 3.0,
+) -> None:
+    """Delete one run: its objects in the store (trajectories, adapters, checkpoints, evaluations) and its
+    cached adapters and launcher folder on this machine.  Its events stay on the shared topics.
+    A run the log shows running is refused: stop it first."""
+    name = chosen_run(run, None, "runs delete")
+    store = _store(root, gcs_endpoint)
+    _known_run(store, name)
+    activity, _ = activity_or_note(None if no_bus else bus_config_from_cli(bootstrap, namespace), bus_timeout, name)
+    if activity is not None and summarize(store, name, activity.get(name), True).status == "running":
+        fail(f"run {name} is running (events in the last {ACTIVE_WITHIN_S:.0f} s); stop it first, then delete it",
+             EXIT_USAGE)
+    plan = plan_delete(store, name, rlpipe_home())
+    what = f"run {name}: {len(plan.store_keys)} objects under {store.url(plan.store_prefix)}" + (
+        f" and {len(plan.local_paths)} local folders ({', '.join(str(p) for p in plan.local_paths)})"
+        if plan.local_paths else "")
+    if not yes and not typer.confirm(f"delete {what}?", default=False):
+        fail("nothing deleted")
+    delete_run(store, plan)
+    console.print(f"deleted {what}", markup=False)

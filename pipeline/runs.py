@@ -1,0 +1,233 @@
+"""The runs of a store: what each one is, how far it got, and removing one completely.
+
+Where each field of a ``RunSummary`` comes from (read through the helpers that
+own each layout, never by parsing their files here):
+
+- environment, base model, ``max_steps``: the run's ``run.json``;
+- versions, last reward: the adapter registry (``AdapterRegistry``; the newest
+  manifest whose metrics hold ``reward_mean``);
+- steps: the newest complete learner checkpoint (``pipeline.report.checkpoint_folders``,
+  the store-side reader of ``consumers.checkpoint``'s layout), or the newest
+  version's ``learner_step`` when that is further;
+- status and last activity: the run's events on ``<ns>.control`` (``RunStarted``,
+  ``RunStopped``, ``LearnerCheckpointed``, heartbeats), read with a bounded wait.
+  Without the log a run is ``finished`` when its steps reached ``max_steps``, else
+  ``unknown``.
+
+Deleting a run removes every object under ``runs/<run>/`` of the store (its
+trajectories, adapters, checkpoints, evaluations, step records) and, on this
+machine, its launcher folder (``$RLPIPE_HOME/runs/<run>``) and every cached copy of
+its adapters (``$RLPIPE_HOME/adapter-cache/<consumer>/<run>``,
+``$RLPIPE_HOME/cache/adapters/<run>``).  Names are matched whole, folder by
+folder, so run ``cart`` never touches ``cartpole``.  Its events stay on the
+topics: the log is shared by every run and is trimmed by retention only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pipeline.bus import BusError, tail
+from pipeline.registry import AdapterRegistry, run_ids
+from pipeline.stack import resolve_bootstrap_servers
+from pipeline.store import ObjectStore
+from schemas.config import BusConfig
+from schemas.events import LearnerCheckpointed, RunStarted, RunStopped
+from schemas.names import validate_name
+
+ACTIVE_WITHIN_S = 120.0  # a run with an event this recent (heartbeats come every few seconds) is running
+MAX_CONTROL_EVENTS = 1_000_000  # newest events read per partition of <ns>.control
+STATUSES = ("running", "finished", "stopped", "idle", "unknown")
+
+
+@dataclass
+class RunActivity:
+    """What the control topic says about one run."""
+
+    last_event_s: float | None = None
+    stopped_s: float | None = None
+    stop_reason: str | None = None
+    last_step: int | None = None
+    last_reward: float | None = None
+
+    def add(self, time_s: float, payload: Any) -> None:
+        if self.last_event_s is None or time_s >= self.last_event_s:
+            self.last_event_s = time_s
+        if isinstance(payload, RunStopped):
+            self.stopped_s, self.stop_reason = time_s, payload.reason
+        elif isinstance(payload, RunStarted):
+            self.stopped_s = self.stop_reason = None  # started (again) after any earlier stop
+        elif isinstance(payload, LearnerCheckpointed):
+            self.last_step = payload.step
+            if "reward_mean" in payload.metrics:
+                self.last_reward = float(payload.metrics["reward_mean"])
+
+
+@dataclass
+class RunSummary:
+    """One run at a glance (``rlpipe runs list|show``)."""
+
+    run_id: str
+    status: str
+    env: str | None = None
+    base_model: str | None = None
+    steps: int = 0
+    max_steps: int | None = None
+    versions: int = 0
+    last_reward: float | None = None
+    last_activity: datetime | None = None
+    stop_reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def stored_run_config(store: ObjectStore, run_id: str) -> dict[str, Any] | None:
+    """The run's ``run.json`` as a dict; None when it has none (e.g. demonstrations recorded under a name)."""
+    key = f"runs/{validate_name(run_id, 'run_id')}/run.json"
+    if not store.exists(key):
+        return None
+    data = json.loads(store.get(key))
+    return data if isinstance(data, dict) else None
+
+
+def run_exists(store: ObjectStore, run_id: str) -> bool:
+    """True when anything of the run is in the store."""
+    return AdapterRegistry(store, run_id).run_exists()
+
+
+def learner_step(store: ObjectStore, run_id: str) -> int:
+    """The step of the run's newest complete learner checkpoint (0 before the first one)."""
+    from pipeline.report import checkpoint_folders  # the store-side reader of the checkpoint layout
+
+    folders = checkpoint_folders(store, validate_name(run_id, "run_id"))
+    return folders[0][0] if folders else 0
+
+
+def read_activity(bus_config: BusConfig, timeout_s: float, run_id: str | None = None) -> dict[str, RunActivity]:
+    """Per run, what ``<ns>.control`` says (every run, or only ``run_id``); ``BusError`` if it cannot be read."""
+    servers = resolve_bootstrap_servers(bus_config)
+    bounded = bus_config.model_copy(
+        update={"bootstrap_servers": servers, "connect_timeout_s": min(bus_config.connect_timeout_s, timeout_s)}
+    )
+    activity: dict[str, RunActivity] = {}
+    for record in tail(bounded, "control", n=MAX_CONTROL_EVENTS, run_id=run_id, read_timeout_s=timeout_s):
+        if record.event is not None:
+            activity.setdefault(record.event.run_id, RunActivity()).add(
+                record.event.time.timestamp(), record.event.payload
+            )
+    return activity
+
+
+def activity_or_note(
+    bus_config: BusConfig | None, timeout_s: float, run_id: str | None = None
+) -> tuple[dict[str, RunActivity] | None, str | None]:
+    """``read_activity``, or (None, why) when the log is skipped or cannot be read in time."""
+    if bus_config is None:
+        return None, "event log not read (--no-bus): status from the store alone"
+    try:
+        return read_activity(bus_config, timeout_s, run_id), None
+    except (BusError, ValueError, OSError) as exc:  # unreachable, no topic yet, no broker configured
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, f"event log not read ({text}): status from the store alone"
+
+
+def summarize(
+    store: ObjectStore, run_id: str, activity: RunActivity | None, log_read: bool, now_s: float | None = None
+) -> RunSummary:
+    """Everything ``runs show`` prints about one run."""
+    config = stored_run_config(store, run_id) or {}
+    learner = config.get("learner") or {}
+    manifests = AdapterRegistry(store, run_id).list()
+    steps = max([learner_step(store, run_id), *(m.learner_step for m in manifests[-1:])])
+    rewards = [m.metrics["reward_mean"] for m in manifests if "reward_mean" in m.metrics]
+    summary = RunSummary(
+        run_id=run_id, status="unknown", env=(config.get("env") or {}).get("name"),
+        base_model=(config.get("model") or {}).get("base_model"), steps=steps, max_steps=learner.get("max_steps"),
+        versions=len(manifests), last_reward=rewards[-1] if rewards else None,
+    )
+    moments = [m.created_at.timestamp() for m in manifests[-1:]]
+    if activity is not None:
+        newest_version_step = manifests[-1].learner_step if manifests else -1
+        if activity.last_reward is not None and (activity.last_step or 0) >= newest_version_step:
+            summary.last_reward = activity.last_reward  # steps after the newest version (publish_every > 1)
+        summary.steps = max(summary.steps, activity.last_step or 0)
+        summary.stop_reason = activity.stop_reason
+        moments += [activity.last_event_s] if activity.last_event_s is not None else []
+    if moments:
+        summary.last_activity = datetime.fromtimestamp(max(moments), tz=UTC)
+    if not config:
+        summary.notes.append("no run.json: written by a command that does not start a run (e.g. envs record)")
+    summary.status = run_status(summary, activity if log_read else None, log_read, now_s)
+    return summary
+
+
+def run_status(summary: RunSummary, activity: RunActivity | None, log_read: bool, now_s: float | None = None) -> str:
+    """running (recent events, no stop after them) > finished (max_steps reached) > stopped > idle > unknown."""
+    now_s = time.time() if now_s is None else now_s
+    recent = activity is not None and activity.last_event_s is not None and now_s - activity.last_event_s < ACTIVE_WITHIN_S
+    stopped_last = activity is not None and activity.stopped_s is not None and activity.stopped_s >= (
+        activity.last_event_s or 0.0)
+    if recent and not stopped_last:
+        return "running"
+    if summary.max_steps is not None and summary.steps >= summary.max_steps:
+        return "finished"
+    if stopped_last:
+        return "stopped"
+    return "idle" if log_read else "unknown"
+
+
+def list_runs(store: ObjectStore) -> list[str]:
+    """Every run with a folder in the store, sorted."""
+    return sorted(run_ids(store))
+
+
+# ---- delete ---------------------------------------------------------------------------------
+
+
+@dataclass
+class DeletePlan:
+    """What deleting one run removes: store objects and local folders."""
+
+    run_id: str
+    store_prefix: str
+    store_keys: list[str]
+    local_paths: list[Path]
+
+
+def plan_delete(store: ObjectStore, run_id: str, home: Path) -> DeletePlan:
+    """Every object and local folder that belongs to ``run_id`` and to no other run."""
+    run_id = validate_name(run_id, "run_id")
+    prefix = f"runs/{run_id}"
+    keys = store.list(prefix, recursive=True)
+    strays = [key for key in keys if not key.startswith(f"{prefix}/")]
+    if strays:  # a store listing that matched by prefix: never delete another run's objects
+        raise RuntimeError(f"listing {prefix}/ returned {strays[0]!r}, outside the run; nothing was deleted")
+    return DeletePlan(run_id, prefix, keys, local_run_paths(home, run_id))
+
+
+def local_run_paths(home: Path, run_id: str) -> list[Path]:
+    """The run's folders under ``home``: the launcher's, and each consumer's cached adapters of it."""
+    candidates = [home / "runs" / run_id, home / "cache" / "adapters" / run_id]
+    cache = home / "adapter-cache"
+    if cache.is_dir():
+        candidates += [consumer / run_id for consumer in sorted(cache.iterdir()) if consumer.is_dir()]
+    return [path for path in candidates if path.is_dir() and not path.is_symlink()]
+
+
+def delete_run(store: ObjectStore, plan: DeletePlan) -> None:
+    """Remove what ``plan`` lists: each object by its key, then the emptied folders."""
+    for key in plan.store_keys:
+        store.delete(key, missing_ok=True)
+    if store.is_local:
+        store.delete(plan.store_prefix, recursive=True, missing_ok=True)  # only empty folders are left
+    for path in plan.local_paths:
+        shutil.rmtree(path)
+        if path.parent.parent.name == "adapter-cache":  # a consumer's cache folder left empty goes too
+            with contextlib.suppress(OSError):  # not empty: other runs' adapters
+                path.parent.rmdir()

@@ -1,0 +1,98 @@
+"""`rlpipe run`: a fresh run by default, an existing one only with --resume, and a finished one says so.
+
+The launcher is replaced by a stand-in that records the configuration it was given
+and creates the run in the store as the real one does, so nothing is started.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from consumers.checkpoint import CheckpointStore, LearnerState
+from pipeline import launcher
+from pipeline.cli.run_cmd import app
+from pipeline.runtime import create_run, open_store
+from schemas.config import RunConfig
+
+runner = CliRunner()
+
+
+class FakeLauncher:
+    launched: ClassVar[list[RunConfig]] = []
+
+    def __init__(self, config: RunConfig, dashboard: bool = True) -> None:
+        self.config = config
+
+    def run(self) -> int:
+        create_run(open_store(self.config.store), self.config, self.config.model.base_model)
+        FakeLauncher.launched.append(self.config)
+        return 0
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private RLPIPE_HOME (its store is the default), no broker from the environment, the stand-in launcher."""
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    for name in ("RLPIPE_BUS__BOOTSTRAP_SERVERS", "RLPIPE_STORE__ROOT", "RLPIPE_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launcher, "Launcher", FakeLauncher)
+    FakeLauncher.launched = []
+    return tmp_path / "home"
+
+
+def _run(*args: str) -> Any:
+    return runner.invoke(app, ["--no-dashboard", *args])
+
+
+def test_each_run_is_a_fresh_one_named_after_the_preset_and_the_time(home: Path) -> None:
+    first, second = _run("--preset", "cartpole", "--max-steps", "2"), _run("--preset", "cartpole", "--max-steps", "2")
+    assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
+    ids = [config.run_id for config in FakeLauncher.launched]
+    assert all(re.fullmatch(r"cartpole-\d{8}-\d{6}(-\d+)?", run_id) for run_id in ids), ids
+    assert ids[0] != ids[1]
+    assert f"run {ids[0]}" in first.output
+
+
+def test_a_named_run_is_created_once_and_then_only_resumed_when_asked(home: Path) -> None:
+    assert _run("--preset", "cartpole", "--run", "mine", "--max-steps", "3").exit_code == 0
+    again = _run("--preset", "cartpole", "--run", "mine")
+    assert again.exit_code == 2 and "--resume mine" in again.output and "\n" not in again.output.strip()
+    by_set = _run("--preset", "cartpole", "--set", "run_id=mine")
+    assert by_set.exit_code == 2 and "--resume mine" in by_set.output
+    assert [c.run_id for c in FakeLauncher.launched] == ["mine"]
+
+    resumed = _run("--resume", "mine", "--set", "learner.learning_rate=0.01")
+    assert resumed.exit_code == 0, resumed.output
+    config = FakeLauncher.launched[-1]
+    assert config.run_id == "mine" and config.learner.max_steps == 3 and config.learner.learning_rate == 0.01
+    assert config.env.name == "cartpole"  # the run's own configuration, not the defaults
+
+
+def test_resuming_a_finished_run_says_how_to_continue(home: Path) -> None:
+    assert _run("--preset", "cartpole", "--run", "done", "--max-steps", "2").exit_code == 0
+    store = open_store(FakeLauncher.launched[0].store)
+    tensors = {"w": torch.zeros(1)}
+    CheckpointStore(store, "done").save(LearnerState(step=2, version=2), tensors, tensors, {})
+    finished = _run("--resume", "done")
+    assert finished.exit_code == 0, finished.output
+    lines = finished.output.strip().splitlines()
+    assert len(lines) == 1 and "already reached its max_steps (2)" in lines[0]
+    assert "--resume done --max-steps" in lines[0] and "rlpipe run --preset" in lines[0]
+    assert len(FakeLauncher.launched) == 1  # nothing started
+    more = _run("--resume", "done", "--max-steps", "4")
+    assert more.exit_code == 0 and FakeLauncher.launched[-1].learner.max_steps == 4
+
+
+def test_resume_mistakes_are_one_line(home: Path) -> None:
+    missing = _run("--resume", "nope")
+    assert missing.exit_code == 2 and "no run 'nope'" in missing.output
+    both = _run("--resume", "nope", "--preset", "cartpole")
+    assert both.exit_code == 2 and "--set" in both.output
+    named = _run("--resume", "nope", "--run", "other")
+    assert named.exit_code == 2

@@ -1,0 +1,169 @@
+"""`rlpipe runs list|show|delete` through typer's CliRunner, on a local store with runs `cart` and `cartpole`
+(one name a prefix of the other, so delete must match whole names)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from consumers.checkpoint import CheckpointStore, LearnerState
+from pipeline.bus import EventPublisher
+from pipeline.cli.runs import app
+from pipeline.registry import AdapterRegistry
+from pipeline.runs import RunActivity, RunSummary, read_activity, run_status
+from pipeline.runtime import create_run
+from pipeline.store import ObjectStore
+from schemas.config import BusConfig, RunConfig
+from schemas.events import LearnerCheckpointed, RunStarted, RunStopped, make_event
+from tests.pipeline.test_registry import make_adapter
+
+runner = CliRunner(env={"COLUMNS": "220"})
+
+
+def make_run(store: ObjectStore, tmp_path: Path, run_id: str, env: str, steps: int, max_steps: int | None) -> None:
+    """run.json, one adapter version per step (reward 0.5 * step) and a checkpoint at the last step."""
+    config = RunConfig.model_validate({"run_id": run_id, "env": {"name": env}, "learner": {"max_steps": max_steps}})
+    create_run(store, config, "tiny")
+    registry = AdapterRegistry(store, run_id)
+    make_adapter(tmp_path / f"adapter-{run_id}", marker=1)
+    for step in range(1, steps + 1):
+        registry.publish(tmp_path / f"adapter-{run_id}", "tiny", step - 1, step, {"reward_mean": 0.5 * step})
+    tensors = {"w": torch.zeros(2)}
+    CheckpointStore(store, run_id).save(LearnerState(step=steps, version=steps), tensors, tensors, {})
+
+
+@pytest.fixture
+def two_runs(file_store: ObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[ObjectStore, Path]:
+    """Runs `cart` (2 of 2 steps) and `cartpole` (3 steps, no limit), each with local folders under RLPIPE_HOME."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("RLPIPE_HOME", str(home))
+    make_run(file_store, tmp_path, "cart", "cartpole", steps=2, max_steps=2)
+    make_run(file_store, tmp_path, "cartpole", "sokoban", steps=3, max_steps=None)
+    for run in ("cart", "cartpole"):
+        for folder in (home / "runs" / run, home / "adapter-cache" / f"{run}-p0" / run / "v000001",
+                       home / "adapter-cache" / "eval-1234" / run / "v000001"):
+            folder.mkdir(parents=True)
+            (folder / "marker").write_text(run)
+    return file_store, home
+
+
+def _where(store: ObjectStore) -> list[str]:
+    return ["--root", store.root, "--no-bus"]
+
+
+def test_list_shows_every_run_from_the_store(two_runs: tuple[ObjectStore, Path]) -> None:
+    store, _ = two_runs
+    result = runner.invoke(app, ["list", *_where(store), "--json"])
+    assert result.exit_code == 0, result.output
+    runs = {r["run_id"]: r for r in json.loads(result.stdout)["runs"]}
+    assert set(runs) == {"cart", "cartpole"}
+    assert runs["cart"] | {"last_activity": None} == {
+        "run_id": "cart", "status": "finished", "env": "cartpole", "base_model": "tiny", "steps": 2, "max_steps": 2,
+        "versions": 2, "last_reward": 1.0, "last_activity": None, "stop_reason": None, "notes": []}
+    assert runs["cartpole"]["status"] == "unknown" and runs["cartpole"]["steps"] == 3
+    assert runs["cartpole"]["last_reward"] == 1.5 and runs["cartpole"]["env"] == "sokoban"
+    assert runs["cart"]["last_activity"].startswith(str(datetime.now(UTC).year))
+    table = runner.invoke(app, ["list", *_where(store)])
+    assert table.exit_code == 0, table.output
+    assert "cartpole" in table.stdout and "finished" in table.stdout and "2/2" in table.stdout
+
+
+def test_show_one_run_and_refuse_an_unknown_one(two_runs: tuple[ObjectStore, Path]) -> None:
+    store, _ = two_runs
+    shown = runner.invoke(app, ["show", "--run", "cartpole", *_where(store), "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)["versions"] == 3
+    table = runner.invoke(app, ["show", "--run", "cart", *_where(store)])
+    assert "learner steps" in table.stdout and "2/2" in table.stdout
+    missing = runner.invoke(app, ["show", "--run", "car", *_where(store)])
+    assert missing.exit_code == 2 and "run 'car' not found" in missing.output and "cartpole" in missing.output
+    unnamed = runner.invoke(app, ["show", *_where(store)])
+    assert unnamed.exit_code == 2 and "--run RUN" in unnamed.output
+
+
+def test_delete_asks_then_removes_only_that_run(two_runs: tuple[ObjectStore, Path]) -> None:
+    store, home = two_runs
+    kept_keys = store.list("runs/cartpole", recursive=True)
+    declined = runner.invoke(app, ["delete", "--run", "cart", "--root", store.root], input="n\n")
+    assert declined.exit_code == 1 and "nothing deleted" in declined.output
+    assert store.exists("runs/cart/run.json")
+
+    deleted = runner.invoke(app, ["delete", "--run", "cart", "--root", store.root], input="y\n")
+    assert deleted.exit_code == 0, deleted.output
+    assert not store.list("runs/cart", recursive=True) and not store.exists("runs/cart")
+    assert store.list("runs/cartpole", recursive=True) == kept_keys
+    assert CheckpointStore(store, "cartpole").complete() and AdapterRegistry(store, "cartpole").versions() == [1, 2, 3]
+    assert not (home / "runs" / "cart").exists() and (home / "runs" / "cartpole" / "marker").is_file()
+    assert not (home / "adapter-cache" / "cart-p0").exists()  # the emptied cache folder goes too
+    assert not (home / "adapter-cache" / "eval-1234" / "cart").exists()
+    assert (home / "adapter-cache" / "eval-1234" / "cartpole" / "v000001" / "marker").is_file()
+    assert (home / "adapter-cache" / "cartpole-p0" / "cartpole" / "v000001" / "marker").is_file()
+    listed = json.loads(runner.invoke(app, ["list", *_where(store), "--json"]).stdout)["runs"]
+    assert [r["run_id"] for r in listed] == ["cartpole"]
+
+    again = runner.invoke(app, ["delete", "--run", "cart", "--root", store.root, "--yes"])
+    assert again.exit_code == 2 and "not found" in again.output
+
+
+def test_a_running_run_is_not_deleted(two_runs: tuple[ObjectStore, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from pipeline.cli import runs as runs_cli
+
+    store, _ = two_runs
+    recent = {"cart": RunActivity(last_event_s=time.time() - 2)}
+    monkeypatch.setattr(runs_cli, "activity_or_note", lambda bus, timeout, run=None: (recent, None))
+    refused = runner.invoke(app, ["delete", "--run", "cart", "--root", store.root, "--yes"])
+    assert refused.exit_code == 2 and "is running" in refused.output
+    assert store.exists("runs/cart/run.json")
+
+
+def test_status_from_the_log() -> None:
+    done = RunSummary("a", "unknown", steps=5, max_steps=5)
+    now = 1_000_000.0
+    assert run_status(done, None, log_read=False, now_s=now) == "finished"
+    assert run_status(RunSummary("b", "unknown", steps=1), None, log_read=False, now_s=now) == "unknown"
+    busy = RunActivity(last_event_s=now - 5)
+    assert run_status(done, busy, log_read=True, now_s=now) == "running"  # resumed with a higher limit
+    quiet = RunActivity(last_event_s=now - 3600)
+    assert run_status(RunSummary("c", "unknown", steps=1), quiet, log_read=True, now_s=now) == "idle"
+    stopped = RunActivity(last_event_s=now - 1, stopped_s=now - 1, stop_reason="stopped")
+    assert run_status(RunSummary("d", "unknown", steps=1), stopped, log_read=True, now_s=now) == "stopped"
+
+
+def test_activity_is_read_per_run_from_the_control_topic(bus_config: BusConfig) -> None:
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", make_event("r1", RunStarted(config_path="runs/r1/run.json", config_sha256="0" * 64,
+                                                                  env="cartpole", base_model="tiny")))
+        publisher.publish("control", make_event("r1", LearnerCheckpointed(step=4, version=4, path="p", offsets={},
+                                                                          metrics={"reward_mean": 2.5})))
+        publisher.publish("control", make_event("r2", RunStopped(reason="step budget reached")))
+    activity = read_activity(bus_config, timeout_s=10.0)
+    assert activity["r1"].last_step == 4 and activity["r1"].last_reward == 2.5 and activity["r1"].stopped_s is None
+    assert activity["r2"].stop_reason == "step budget reached"
+    assert set(read_activity(bus_config, timeout_s=10.0, run_id="r2")) == {"r2"}
+
+
+@pytest.mark.parametrize("group", ["report", "eval"])
+def test_commands_that_took_the_run_as_an_argument_take_run_and_note_the_old_spelling(
+    group: str, tmp_path: Path
+) -> None:
+    if group == "report":
+        from pipeline.cli.report_cmd import app as group_app
+    else:
+        from producers.eval_cli import app as group_app
+    root = ["--root", (tmp_path / "store").as_uri()] + (["--no-bus"] if group == "report" else [])
+    new = runner.invoke(group_app, ["--run", "nope", *root])
+    assert new.exit_code == 2 and "deprecated" not in new.output and "'nope'" in new.output
+    old = runner.invoke(group_app, ["nope", *root])
+    assert old.exit_code == 2 and "'nope'" in old.output
+    assert f"`rlpipe {group} RUN` is deprecated" in old.output and f"rlpipe {group} --run nope" in old.output
+    unnamed = runner.invoke(group_app, root)
+    assert unnamed.exit_code == 2 and f"rlpipe {group} --run RUN" in unnamed.output
+    twice = runner.invoke(group_app, ["a", "--run", "b", *root])
+    assert twice.exit_code == 2 and "named twice" in twice.output
