@@ -12,6 +12,7 @@ from consumers.service import build_learner
 from consumers.sources import ReplaySource
 from pipeline.archive import TrajectoryArchive
 from pipeline.registry import AdapterRegistry
+from pipeline.steplog import StepLog
 from pipeline.store import ObjectStore
 from schemas.config import LearnerConfig, ModelConfig, RunConfig, StoreConfig
 from tests.consumers import test_learner
@@ -88,6 +89,12 @@ def test_a_second_learner_takes_over_and_the_first_is_refused_before_committing(
     new.run(poll_timeout_s=0)
     assert new.state.step == 3 and registry.versions() == [1, 2, 3]
     assert sorted(new.state.trained.values()) == [1, 2, 3]
+
+    # the fenced learner cannot replace a step object of the history the holder's checkpoints cover
+    history = StepLog(store, RUN).read(upto=3)
+    with pytest.raises(LeaseLostError):
+        StepLog(old.checkpoints.store, RUN).write({**history[1], "batch_ids": ["not-trained"]})
+    assert StepLog(store, RUN).read(upto=3) == history
 
 
 def test_a_restarted_learner_resumes_under_a_new_epoch(store, setup):
