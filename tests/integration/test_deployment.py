@@ -304,7 +304,7 @@ def test_producer_is_ready_only_after_its_sampler_is_loaded(
     port = free_port()
     config = in_process_config(bus_config, tiny_model_dir, tmp_path, port)
     stop = StopFlag()
-    with held(service, "make_sampler") as release:
+    with held(service, "sampler_for_run") as release:
         thread, errors = run_in_thread(lambda: service.run_producer(config, stop))
         try:
             assert_not_ready_while_held(port, missing={"sampler", "adapters"}, errors=errors)
