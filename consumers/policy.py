@@ -185,7 +185,7 @@ class LoraPolicy:
         (``disable_adapter``), which is what a fresh LoRA adapter (B = 0) computes anyway.
         A copy costs the adapter's size once (megabytes), no second model.
         """
-        self.reference = {name: tensor.to(self.device) for name, tensor in self.adapter_tensors().items()}
+        self.reference = {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
 
     def keep_reference_folder(self, folder: str | Path) -> None:
         """Use a published adapter folder as the reference (a resumed warm-started run re-reads its warm start)."""
