@@ -208,16 +208,20 @@ class LoraPolicy:
         and swapped back; call it before the forward that trains, never between
         that forward and its backward.
         """
-        if self.reference is None:
-            with self.model.disable_adapter():
-                return self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
-        params = dict(self.model.named_parameters())
-        current = {name: params[name].detach().clone() for name in self.reference}
+        training = self.model.training
+        self.model.eval()  # no LoRA dropout in the reference
         try:
-            self._copy_into_adapter(self.reference)
-            return self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
+            if self.reference is None:
+                with self.model.disable_adapter():
+                    return self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
+            current = {name: p.detach().clone() for name, p in self.model.named_parameters() if name in self.reference}
+            try:
+                self._copy_into_adapter(self.reference)
+                return self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
+            finally:
+                self._copy_into_adapter(current)
         finally:
-            self._copy_into_adapter(current)
+            self.model.train(training)
 
     @staticmethod
     def _head_float32(head: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,7 @@ def test_the_kl_penalty_pulls_the_policy_back_to_the_base_model(tiny_model_dir):
     assert drifted > 1e-4
     # plain gradient descent shows the gradient's direction (Adam's first step moves every weight by lr alike)
     policy.optimizer = torch.optim.SGD(policy.params, lr=0.05)
+    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
     result = policy.train_step([batch], normaliser=2.0)
     assert result.stats.kl_mean == pytest.approx(drifted, rel=1e-3)
     assert kl_to(policy, batch, base) < drifted
