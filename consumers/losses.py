@@ -227,10 +227,14 @@ def token_logprobs(
     return torch.nn.functional.pad(logprobs_Bt, (1, 0))
 
 
-def entropy_of_logits(logits_NV: torch.Tensor) -> torch.Tensor:
-    """H = -sum_v p_v log p_v of softmax(logits) along the last axis, in float32 (differentiable)."""
-    logprobs_NV = torch.log_softmax(logits_NV.float(), dim=-1)
+def entropy_of_logprobs(logprobs_NV: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v along the last axis of a log-softmax (differentiable)."""
     return -(logprobs_NV.exp() * logprobs_NV).sum(-1)
+
+
+def entropy_of_logits(logits_NV: torch.Tensor) -> torch.Tensor:
+    """H of softmax(logits) along the last axis, in float32 (differentiable)."""
+    return entropy_of_logprobs(torch.log_softmax(logits_NV.float(), dim=-1))
 
 
 def token_entropies(logits_BTV: torch.Tensor, temperatures_B: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from consumers.losses import LossStats, TokenBatch, entropy_of_logits, logit_divisors, loss_from_logprobs
+from consumers.losses import LossStats, TokenBatch, entropy_of_logprobs, logit_divisors, loss_from_logprobs
 from schemas.config import LearnerConfig
 
 # Model config fields that reshape the logits after the output head, and their neutral value.
@@ -167,13 +167,14 @@ class LoraPolicy:
         logits_NV = self._head_float32(base.lm_head, hidden_BTH[rows_N, cols_N])  # position t-1 predicts token t
         if temperatures_B is not None:
             logits_NV = logits_NV / logit_divisors(temperatures_B.to(self.device))[rows_N, None]
-        logprobs_N = torch.log_softmax(logits_NV, dim=-1).gather(
-            -1, tokens_BT[rows_N, cols_N + 1].unsqueeze(-1)).squeeze(-1)
+        logprobs_NV = torch.log_softmax(logits_NV, dim=-1)
+        logprobs_N = logprobs_NV.gather(-1, tokens_BT[rows_N, cols_N + 1].unsqueeze(-1)).squeeze(-1)
         logprobs_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=self.device)
         logprobs_BT = logprobs_BT.index_put((rows_N, cols_N + 1), logprobs_N)
         if entropy is None:
             return logprobs_BT, None
-        entropy_N = entropy_of_logits(logits_NV if entropy == "grad" else logits_NV.detach())
+        # from the log-softmax the backward keeps anyway: one more (N, V) temporary, none kept without the bonus
+        entropy_N = entropy_of_logprobs(logprobs_NV if entropy == "grad" else logprobs_NV.detach())
         entropy_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=self.device)
         return logprobs_BT, entropy_BT.index_put((rows_N, cols_N + 1), entropy_N)
 

@@ -153,3 +153,15 @@ def test_a_kept_reference_is_a_frozen_copy_and_the_weights_come_back(tiny_model_
     assert all(torch.equal(weights[name], t) for name, t in policy.adapter_tensors().items())
     _, now = entropy_and_logprobs(policy, batch)
     assert not torch.allclose(now, warm)
+
+
+def test_head_only_entropies_equal_the_full_logits_path(tiny_model_dir):
+    from consumers.losses import token_entropies
+
+    batch = remedy_batch()
+    policy = perturbed(LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4)), seed=4)
+    with torch.no_grad():
+        _, fast = policy.generated_logprobs_and_entropy(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
+        full = token_entropies(policy.logits(batch.tokens_BT), batch.temperatures_B) * (batch.loss_mask_BT > 0)
+    torch.testing.assert_close(fast, full, atol=1e-5, rtol=1e-5)
+    assert int((fast != 0).sum()) == 4
