@@ -190,7 +190,7 @@ class LoraPolicy:
 
     def keep_reference_folder(self, folder: str | Path) -> None:
         """Use a published adapter folder as the reference (a resumed warm-started run re-reads its warm start)."""
-        current = self.adapter_tensors()
+        current = {name: tensor.clone() for name, tensor in self.adapter_tensors().items()}  # CPU: views otherwise
         self.load_adapter_folder(folder)
         self.keep_reference()
         self._copy_into_adapter(current)

@@ -335,7 +335,16 @@ def test_a_resumed_warm_start_keeps_its_kl_reference(store, setup):
     assert first.resume() is False
     warm = {name: t.clone() for name, t in first.policy.reference.items()}
     assert all(torch.equal(warm[name], t) for name, t in first.policy.adapter_tensors().items())
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(6))
+    learn_registry = AdapterRegistry(store, RUN)
+    with pytest.MonkeyPatch.context() as patch:  # train the warm run on the batch written for "learn"
+        patch.setattr(first, "source", ReplaySource(TrajectoryArchive(store), RUN))
+        first.run(poll_timeout_s=0)
+    trained = {name: t.clone() for name, t in first.policy.adapter_tensors().items()}
+    assert first.state.step >= 1 and learn_registry.versions() == [1]  # "learn" itself untouched
+    assert not all(torch.equal(warm[name], t) for name, t in trained.items())
     again = warm_learner()
     assert again.resume() is True
     assert again.policy.reference.keys() == warm.keys()
     assert all(torch.equal(warm[name], t) for name, t in again.policy.reference.items())
+    assert all(torch.equal(trained[name], t) for name, t in again.policy.adapter_tensors().items())  # weights kept
