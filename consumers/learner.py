@@ -53,6 +53,7 @@ import pyarrow as pa
 from consumers.advantages import compute_advantages, discounted_returns_to_go, training_weights
 from consumers.batching import drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore, LearnerState
+from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.lease import LearnerLease
 from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
@@ -187,6 +188,7 @@ class Learner:
         self.last_metrics: dict[str, Any] = {}
         self.faults = FaultInjector.from_env()  # read once: crash tests only
         self.metric_logger = metric_logger or NullMetricLogger()  # TensorBoard / W&B (consumers.tracking)
+        self.collapse = CollapseMonitor(config)
 
     # ---- set up -------------------------------------------------------------
     def resume(self) -> bool:
@@ -210,6 +212,8 @@ class Learner:
         self.state = checkpoint.state
         self.rewind_if_the_log_changed()
         self.ingested = dict(self.state.positions)
+        if self.cfg.init_from and self.cfg.kl_coef > 0:
+            self.restore_reference()
         self.source.seek(self.state.positions)
         self.source.commit(dict(self.state.positions))
         log.info("resumed from %s: step %d, version %d", checkpoint.key, self.state.step, self.state.version)
@@ -255,9 +259,18 @@ class Learner:
                              f"{self.base_model}; warm-start from an adapter of the same base model")
         with tempfile.TemporaryDirectory(prefix="rlpipe-warm-") as cache:
             self.policy.load_adapter_folder(source.pull(manifest.version, cache))
+        self.policy.keep_reference()  # the KL penalty keeps the policy near its warm start
         log.info("warm start from %s v%d", source_run, manifest.version)
         self.publish({"warm_start_version": manifest.version})
         self.checkpoint()
+
+    def restore_reference(self) -> None:
+        """After a restart, the KL reference is the warm start again: this run's v1, published unchanged."""
+        if "warm_start_version" not in self.registry.show(1).metrics:
+            raise ValueError(f"run {self.run_id}: v1 is not a warm start, so learner.kl_coef has no reference to "
+                             "restore; start a fresh run or set learner.kl_coef to 0")
+        with tempfile.TemporaryDirectory(prefix="rlpipe-reference-") as cache:
+            self.policy.keep_reference_folder(self.registry.pull(1, cache))
 
     # ---- the loop -----------------------------------------------------------
     def run(self, should_stop: Callable[[], bool] = lambda: False, on_step: Callable[[dict], None] = lambda m: None,
@@ -416,6 +429,8 @@ class Learner:
 
     def train(self, rows: pa.Table) -> dict[str, Any]:
         """One optimizer step on ``rows`` (advantages computed over the whole step)."""
+        signs = collapse_signs(rows)  # every row, before the uncertain-group filter
+        rows = keep_uncertain_groups(rows, self.cfg.keep_uncertain_groups)
         cols = rows.to_pydict()
         rewards_R = np.asarray(cols["reward"], dtype=np.float64)
         advantages_R = compute_advantages(
@@ -430,7 +445,7 @@ class Learner:
         self.source.keep_alive()
         result = self.policy.train_step(batches, normaliser=float(rows.num_rows))
         self.source.keep_alive()
-        return {
+        metrics = {
             "rows": rows.num_rows,
             "tokens": int(sum(len(t) for t in cols["tokens"])),
             "generated_tokens": int(sum(sum(m) for m in cols["loss_mask"])),
@@ -442,7 +457,11 @@ class Learner:
             "policy_version_min": int(min(cols["policy_version"])),
             "policy_version_max": int(max(cols["policy_version"])),
             **result.stats.to_dict(),
+            **signs,
+            "zero_advantage_share": zero_advantage_share(advantages_R),
         }
+        self.collapse.check({"step": self.state.step + 1, **metrics})
+        return metrics
 
     # ---- phase: publish / checkpoint ------------------------------------------
     def publish(self, metrics: dict[str, Any]) -> None:

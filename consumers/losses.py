@@ -26,11 +26,23 @@ Notation per token t of sequence b (all masks are 0 on prompt and padding):
   term and whose gradient is exactly the one above.
 
 ``ppo`` (clipped surrogate, same ratio mask k_t):
-  loss = -(1/N) sum_bt k_t m_t w_b min(r_t A_b, clip(r_t, 1-eps, 1+eps) A_b)
+  loss = -(1/N) sum_bt k_t m_t w_b min(r_t A_b, clip(r_t, 1-eps_low, 1+eps_high) A_b)
+  (eps_low = eps_high = ``ppo_clip`` unless ``ppo_clip_low`` / ``ppo_clip_high`` say otherwise;
+  a higher upper clip lets rare good tokens grow faster, against entropy collapse)
 
 ``cross_entropy`` (supervised; also awr and filtered_bc, whose per-row weights
 ``consumers.advantages.training_weights`` folds into ``weights_B`` beforehand):
   loss = -(1/N) sum_bt m_t w_b logp_t
+
+Regularisers against collapse, added to any of the losses above (both off by default):
+  entropy bonus   - (c_H/N) sum_bt m_t H_t, H_t the entropy of the policy's tempered
+                  distribution at the position that predicts token t
+  KL penalty      + (c_KL/N) sum_bt m_t k3_t, k3_t = exp(d_t) - d_t - 1 with
+                  d_t = logref_t - logp_t (Schulman's k3: unbiased for KL(policy || ref)
+                  on tokens the policy sampled, always >= 0; here the tokens come from
+                  the sampler, a close off-policy approximation)
+  They use m_t but not the sample weight w_b: a row that awr or filtered_bc weighs 0
+  still keeps the policy near its reference and its entropy up.
 
 The behaviour policy: producers sample from softmax(logits / T) and record its
 logprobs, so every loss trains that tempered distribution, the one the producers
@@ -43,7 +55,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -130,6 +142,8 @@ class LossStats:
     ratio_min: float = math.inf
     num_clipped: int = 0
     num_masked: int = 0
+    entropy_sum: float = 0.0
+    kl_sum: float = 0.0
 
     def merge(self, other: LossStats) -> LossStats:
         """Statistics of both micro-batches together."""
@@ -161,6 +175,16 @@ class LossStats:
     def masked_fraction(self) -> float:
         return self.num_masked / self.num_tokens if self.num_tokens else math.nan
 
+    @property
+    def entropy_mean(self) -> float:
+        """Mean policy entropy (nats) per generated token: a falling value is the first sign of collapse."""
+        return self.entropy_sum / self.num_tokens if self.num_tokens else math.nan
+
+    @property
+    def kl_mean(self) -> float:
+        """Mean k3 estimate of KL(policy || reference) per generated token (0 when no KL penalty is set)."""
+        return self.kl_sum / self.num_tokens if self.num_tokens else math.nan
+
     def to_dict(self) -> dict[str, float]:
         """Flat numbers for metrics and events (raw sums plus the derived ratios)."""
         raw = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -169,6 +193,8 @@ class LossStats:
             "effective_sample_size": self.effective_sample_size,
             "clip_fraction": self.clip_fraction,
             "masked_fraction": self.masked_fraction,
+            "entropy_mean": self.entropy_mean,
+            "kl_mean": self.kl_mean,
         }
         return {**raw, **derived}
 
@@ -199,6 +225,24 @@ def token_logprobs(
     picked_Bt = logits_BtV.gather(-1, tokens_BT[:, 1:].unsqueeze(-1)).squeeze(-1)
     logprobs_Bt = picked_Bt - torch.logsumexp(logits_BtV, dim=-1)
     return torch.nn.functional.pad(logprobs_Bt, (1, 0))
+
+
+def entropy_of_logprobs(logprobs_NV: torch.Tensor) -> torch.Tensor:
+    """H = -sum_v p_v log p_v along the last axis of a log-softmax (differentiable)."""
+    return -(logprobs_NV.exp() * logprobs_NV).sum(-1)
+
+
+def entropy_of_logits(logits_NV: torch.Tensor) -> torch.Tensor:
+    """H of softmax(logits) along the last axis, in float32 (differentiable)."""
+    return entropy_of_logprobs(torch.log_softmax(logits_NV.float(), dim=-1))
+
+
+def token_entropies(logits_BTV: torch.Tensor, temperatures_B: torch.Tensor | None = None) -> torch.Tensor:
+    """H[b, t]: entropy of log_softmax(logits[b, t-1] / T_b), the distribution token t was drawn from; H[b, 0] = 0."""
+    logits_BtV = logits_BTV[:, :-1].float()
+    if temperatures_B is not None:
+        logits_BtV = logits_BtV / logit_divisors(temperatures_B.to(logits_BtV.device))[:, None, None]
+    return torch.nn.functional.pad(entropy_of_logits(logits_BtV), (1, 0))
 
 
 def check_behaviour_policy(
@@ -305,12 +349,17 @@ def ppo_loss(
     clip_eps: float = 0.2,
     ratio_mask_low: float = 0.125,
     ratio_mask_high: float = 8.0,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """PPO clipped surrogate, -min(r A, clip(r, 1-eps, 1+eps) A), summed over kept generated tokens.
+    """PPO clipped surrogate, -min(r A, clip(r, 1-eps_low, 1+eps_high) A), summed over kept generated tokens.
 
+    ``clip_low`` / ``clip_high`` default to ``clip_eps`` (the symmetric clip).
     The ratio mask applies here too: it drops tokens whose ratio is far out on the
     side PPO's clip does not bound (e.g. r = 50 with A < 0).
     """
+    eps_low = clip_eps if clip_low is None else clip_low
+    eps_high = clip_eps if clip_high is None else clip_high
     _check_normaliser(normaliser)
     generated_BT = batch.loss_mask_BT > 0
     log_ratio_BT = logprobs_BT - batch.sampler_logprobs_BT
@@ -318,7 +367,7 @@ def ppo_loss(
     ratio_BT = torch.exp(torch.where(kept_BT, log_ratio_BT, torch.zeros_like(log_ratio_BT)))
     advantages_B1 = batch.advantages_B.float()[:, None]
     unclipped_BT = ratio_BT * advantages_B1
-    clipped_BT = ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages_B1
+    clipped_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages_B1
     token_loss_BT = -torch.minimum(unclipped_BT, clipped_BT)
     loss_sum = (token_loss_BT * batch.weighted_mask_BT() * kept_BT * batch.weights_B.float()[:, None]).sum()
     binding_BT = kept_BT & (clipped_BT.detach() < unclipped_BT.detach())  # the clip zeroed this token's gradient
@@ -338,22 +387,80 @@ def cross_entropy_loss(
 
 
 def compute_loss(
-    config: LearnerConfig, logits_BTV: torch.Tensor, batch: TokenBatch, normaliser: float
+    config: LearnerConfig,
+    logits_BTV: torch.Tensor,
+    batch: TokenBatch,
+    normaliser: float,
+    reference_logprobs_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The loss ``config.loss`` of one micro-batch, divided by ``normaliser``; call ``backward`` on it.
 
     ``awr`` and ``filtered_bc`` are weighted cross-entropy: ``batch.weights_B`` must
     already hold ``consumers.advantages.training_weights(config, ...)`` for the step.
+    ``reference_logprobs_BT`` is needed when ``config.kl_coef`` > 0.
     """
     return loss_from_logprobs(
-        config, token_logprobs(logits_BTV, batch.tokens_BT, batch.temperatures_B), batch, normaliser
+        config, token_logprobs(logits_BTV, batch.tokens_BT, batch.temperatures_B), batch, normaliser,
+        entropy_BT=token_entropies(logits_BTV, batch.temperatures_B), reference_logprobs_BT=reference_logprobs_BT,
     )
 
 
 def loss_from_logprobs(
+    config: LearnerConfig,
+    logprobs_BT: torch.Tensor,
+    batch: TokenBatch,
+    normaliser: float,
+    *,
+    entropy_BT: torch.Tensor | None = None,
+    reference_logprobs_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """``compute_loss`` from the current policy's token logprobs (only generated positions are read).
+
+    ``entropy_BT`` (the policy's entropy at each generated token; with a gradient when
+    ``config.entropy_coef`` > 0) is recorded in the statistics and drives the entropy
+    bonus; ``reference_logprobs_BT`` drives the KL penalty (see the module docstring).
+    """
+    loss, stats = _objective(config, logprobs_BT, batch, normaliser)
+    return regularise(config, loss, stats, logprobs_BT, batch, normaliser, entropy_BT, reference_logprobs_BT)
+
+
+def regularise(
+    config: LearnerConfig,
+    loss: torch.Tensor,
+    stats: LossStats,
+    logprobs_BT: torch.Tensor,
+    batch: TokenBatch,
+    normaliser: float,
+    entropy_BT: torch.Tensor | None,
+    reference_logprobs_BT: torch.Tensor | None,
+) -> tuple[torch.Tensor, LossStats]:
+    """``loss`` plus the entropy bonus and the KL penalty that ``config`` asks for, with their statistics."""
+    mask_BT = batch.weighted_mask_BT()
+    generated_BT = batch.loss_mask_BT > 0
+    extra_sum = torch.zeros((), dtype=torch.float32, device=logprobs_BT.device)
+    entropy_sum = kl_sum = 0.0
+    if entropy_BT is not None:
+        entropy_sum = float(entropy_BT.detach()[generated_BT].sum())
+        if config.entropy_coef > 0:
+            extra_sum = extra_sum - config.entropy_coef * (entropy_BT * mask_BT).sum()
+    elif config.entropy_coef > 0:
+        raise ValueError("learner.entropy_coef > 0 needs the policy's entropies (entropy_BT)")
+    if config.kl_coef > 0:
+        if reference_logprobs_BT is None:
+            raise ValueError("learner.kl_coef > 0 needs the reference policy's logprobs (reference_logprobs_BT)")
+        delta_BT = (reference_logprobs_BT.detach() - logprobs_BT).clamp(-20.0, 20.0)
+        k3_BT = torch.where(generated_BT, torch.exp(delta_BT) - delta_BT - 1.0, torch.zeros_like(delta_BT))
+        kl_sum = float(k3_BT.detach().sum())
+        extra_sum = extra_sum + config.kl_coef * (k3_BT * mask_BT).sum()
+    stats = replace(stats, loss_sum=stats.loss_sum + float(extra_sum.detach()), entropy_sum=entropy_sum,
+                    kl_sum=kl_sum)  # fmt: skip
+    return loss + extra_sum / normaliser, stats
+
+
+def _objective(
     config: LearnerConfig, logprobs_BT: torch.Tensor, batch: TokenBatch, normaliser: float
 ) -> tuple[torch.Tensor, LossStats]:
-    """``compute_loss`` from the current policy's token logprobs (only generated positions are read)."""
+    """The policy objective ``config.loss`` alone."""
     if config.loss == "importance_sampling":
         return importance_sampling_loss(
             logprobs_BT,
@@ -371,6 +478,8 @@ def loss_from_logprobs(
             clip_eps=config.ppo_clip,
             ratio_mask_low=config.ratio_mask_low,
             ratio_mask_high=config.ratio_mask_high,
+            clip_low=config.ppo_clip_low,
+            clip_high=config.ppo_clip_high,
         )
     if config.loss in ("cross_entropy", "awr", "filtered_bc"):
         return cross_entropy_loss(logprobs_BT, batch, normaliser)

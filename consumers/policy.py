@@ -22,14 +22,14 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from consumers.losses import LossStats, TokenBatch, logit_divisors, loss_from_logprobs
+from consumers.losses import LossStats, TokenBatch, entropy_of_logprobs, logit_divisors, loss_from_logprobs
 from schemas.config import LearnerConfig
 
 # Model config fields that reshape the logits after the output head, and their neutral value.
@@ -114,6 +114,7 @@ class LoraPolicy:
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.autocast = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.reference: dict[str, torch.Tensor] | None = None  # KL reference; None = the base model
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.config
@@ -144,6 +145,20 @@ class LoraPolicy:
         those positions: row b's logits are divided by its sampling temperature
         (``logit_divisors``), the distribution the sampler drew from and scored.
         """
+        return self.generated_logprobs_and_entropy(tokens_BT, loss_mask_BT, temperatures_B, entropy=None)[0]
+
+    def generated_logprobs_and_entropy(
+        self,
+        tokens_BT: torch.Tensor,
+        loss_mask_BT: torch.Tensor,
+        temperatures_B: torch.Tensor | None = None,
+        entropy: Literal["detached", "grad"] | None = "detached",
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``generated_logprobs`` and the policy's entropy H[b, t] at the same positions (0 elsewhere).
+
+        ``entropy``: "detached" for the statistics only, "grad" when an entropy bonus
+        trains on it, None to skip it (one more pass over the (N, V) logits).
+        """
         base = self.model.get_base_model()  # LoRA layers are injected in place: the body still applies them
         tokens_BT = tokens_BT.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -152,10 +167,62 @@ class LoraPolicy:
         logits_NV = self._head_float32(base.lm_head, hidden_BTH[rows_N, cols_N])  # position t-1 predicts token t
         if temperatures_B is not None:
             logits_NV = logits_NV / logit_divisors(temperatures_B.to(self.device))[rows_N, None]
-        logprobs_N = torch.log_softmax(logits_NV, dim=-1).gather(
-            -1, tokens_BT[rows_N, cols_N + 1].unsqueeze(-1)).squeeze(-1)
+        logprobs_NV = torch.log_softmax(logits_NV, dim=-1)
+        logprobs_N = logprobs_NV.gather(-1, tokens_BT[rows_N, cols_N + 1].unsqueeze(-1)).squeeze(-1)
         logprobs_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=self.device)
-        return logprobs_BT.index_put((rows_N, cols_N + 1), logprobs_N)
+        logprobs_BT = logprobs_BT.index_put((rows_N, cols_N + 1), logprobs_N)
+        if entropy is None:
+            return logprobs_BT, None
+        # from the log-softmax the backward keeps anyway: one more (N, V) temporary, none kept without the bonus
+        entropy_N = entropy_of_logprobs(logprobs_NV if entropy == "grad" else logprobs_NV.detach())
+        entropy_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=self.device)
+        return logprobs_BT, entropy_BT.index_put((rows_N, cols_N + 1), entropy_N)
+
+    # ---- the reference policy of the KL penalty ---------------------------------
+    def keep_reference(self) -> None:
+        """Freeze a copy of the adapter as it is now as the KL penalty's reference (e.g. right after a warm start).
+
+        Without one the reference is the base model: the adapter switched off
+        (``disable_adapter``), which is what a fresh LoRA adapter (B = 0) computes anyway.
+        A copy costs the adapter's size once (megabytes), no second model.
+        """
+        self.reference = {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def keep_reference_folder(self, folder: str | Path) -> None:
+        """Use a published adapter folder as the reference (a resumed warm-started run re-reads its warm start)."""
+        current = {name: tensor.clone() for name, tensor in self.adapter_tensors().items()}  # CPU: views otherwise
+        self.load_adapter_folder(folder)
+        self.keep_reference()
+        self._copy_into_adapter(current)
+
+    @torch.no_grad()
+    def _copy_into_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor.to(params[name].device))
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """logp_ref[b, t] of each generated token under the reference policy (no gradient).
+
+        The reference weights are swapped into the LoRA parameters for one forward
+        and swapped back; call it before the forward that trains, never between
+        that forward and its backward.
+        """
+        training = self.model.training
+        self.model.eval()  # no LoRA dropout in the reference
+        try:
+            if self.reference is None:
+                with self.model.disable_adapter():
+                    return self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
+            current = {name: p.detach().clone() for name, p in self.model.named_parameters() if name in self.reference}
+            try:
+                self._copy_into_adapter(self.reference)
+                return self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
+            finally:
+                self._copy_into_adapter(current)
+        finally:
+            self.model.train(training)
 
     @staticmethod
     def _head_float32(head: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:
@@ -176,8 +243,13 @@ class LoraPolicy:
         total_loss, stats = 0.0, None
         for batch in micro_batches:
             batch = batch.to(self.device)
-            logprobs_BT = self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
-            loss, batch_stats = loss_from_logprobs(self.config, logprobs_BT, batch, normaliser)
+            reference_BT = self.reference_logprobs(batch) if self.config.kl_coef > 0 else None
+            logprobs_BT, entropy_BT = self.generated_logprobs_and_entropy(
+                batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B,
+                entropy="grad" if self.config.entropy_coef > 0 else "detached",
+            )
+            loss, batch_stats = loss_from_logprobs(self.config, logprobs_BT, batch, normaliser, entropy_BT=entropy_BT,
+                                                   reference_logprobs_BT=reference_BT)  # fmt: skip
             loss.backward()
             total_loss += float(loss.detach())
             stats = batch_stats if stats is None else stats.merge(batch_stats)

@@ -16,7 +16,8 @@ Where each number comes from (nothing else is read; no hidden state):
 - learner: ``state.json`` of the newest complete checkpoint, its digest checked
   against the checkpoint's manifest (the layout of ``consumers/checkpoint.py``),
   and the step log up to its step (``pipeline.steplog``; a checkpoint of the old
-  layout carries it inline): staleness, importance ratios, ESS and step times.
+  layout carries it inline): staleness, importance ratios, ESS, step times and the
+  signs of collapse (entropy, identical groups, zero advantages, reward spread).
 - evaluations: ``runs/<run>/eval/*.json`` (``schemas.evaluation.EvalResult``).
 - producers: ``ProducerHeartbeat`` events on ``<ns>.control`` (rates, busy fraction),
   plus ``RunStarted``/``RunStopped``/``LearnerCheckpointed``; the read is bounded.
@@ -62,7 +63,7 @@ from pipeline.registry import AdapterRegistry, run_ids
 from pipeline.stack import resolve_bootstrap_servers
 from pipeline.steplog import StepLog, StepLogGapError
 from pipeline.store import ObjectStore
-from schemas.config import BusConfig
+from schemas.config import BusConfig, LearnerConfig
 from schemas.evaluation import EvalResult, eval_from_bytes, eval_prefix, mean_ci95
 from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted, RunStopped
 from schemas.names import validate_name
@@ -73,6 +74,7 @@ SECTIONS: dict[str, str] = {
     "eval": "Evaluation on held-out seeds",
     "staleness": "Staleness of trained rows",
     "importance": "Importance ratios and effective sample size",
+    "collapse": "Signs of collapse: entropy, identical groups, zero advantages, reward spread",
     "throughput": "Producer throughput",
     "duty_cycle": "Duty cycle: producers and learner on one time axis",
 }
@@ -170,6 +172,7 @@ def gather_report(
     report.series["staleness_histogram"] = staleness_totals(step_log)
     report.series["max_staleness"] = _dig(run_config, "learner", "max_staleness")
     report.series["learner_steps"] = learner_traces(step_log)
+    report.series["collapse_thresholds"] = collapse_thresholds(run_config)
     report.series["throughput"] = throughput_series(events.heartbeats)
     report.series["checkpoints"] = [
         {"time": t, "step": p.step, "version": p.version, "path": p.path} for t, p in events.checkpoints
@@ -389,15 +392,24 @@ def staleness_totals(step_log: Iterable[dict[str, Any]]) -> dict[str, int]:
 
 _STEP_FIELDS = ("rows", "tokens", "loss", "reward_mean", "ratio_mean", "effective_sample_size", "clip_fraction",
                 "tokens_per_s", "version", "dropped_stale_rows")  # fmt: skip
+_COLLAPSE_FIELDS = ("entropy_mean", "identical_group_share", "zero_advantage_share", "reward_spread", "kl_mean")
 
 
 def learner_traces(step_log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per learner step: times and the metrics the report plots (None where a step lacks one)."""
     return [
         {"step": entry.get("step"), "started_at": entry.get("started_at"), "finished_at": entry.get("finished_at"),
-         **{name: entry.get(name) for name in _STEP_FIELDS}}
+         **{name: entry.get(name) for name in (*_STEP_FIELDS, *_COLLAPSE_FIELDS)}}
         for entry in step_log
     ]  # fmt: skip
+
+
+def collapse_thresholds(run_config: dict[str, Any]) -> dict[str, float]:
+    """The learner's warning thresholds of the signs of collapse (its defaults where the run config is missing)."""
+    learner = LearnerConfig.model_fields
+    names = ("warn_identical_group_share", "warn_zero_advantage_share", "warn_entropy_fraction",
+             "warn_reward_spread_fraction", "collapse_baseline_steps")  # fmt: skip
+    return {name: _first_known(_dig(run_config, "learner", name), learner[name].default) for name in names}
 
 
 def throughput_series(heartbeats: Sequence[tuple[float, ProducerHeartbeat]]) -> dict[str, list[dict[str, Any]]]:
@@ -576,6 +588,7 @@ def render_figures(report: RunReport) -> dict[str, bytes]:
         "eval": plot_eval(series["eval"]),
         "staleness": plot_staleness(series["staleness_histogram"], series["max_staleness"]),
         "importance": plot_importance(series["learner_steps"]),
+        "collapse": plot_collapse(series["learner_steps"], series.get("collapse_thresholds") or {}),
         "throughput": plot_throughput(series["throughput"], t0),
         "duty_cycle": plot_duty_cycle(series["duty_cycle"], t0),
     }
@@ -693,6 +706,48 @@ def plot_importance(steps: list[dict[str, Any]]) -> Figure | None:
     ax_ess.legend(loc="best", fontsize=8)
     ax_ess.xaxis.set_major_locator(MaxNLocator(integer=True))
     _style(ax_ess, "effective sample size (normalised; 1 = on-policy)", "learner step", "ESS")
+    return fig
+
+
+def plot_collapse(steps: list[dict[str, Any]], thresholds: dict[str, float]) -> Figure | None:
+    """Per learner step: policy entropy, the shares of identical groups and zero advantages, and the
+    within-group reward spread beside the mean reward (the spread falls first: the early warning).
+    Dotted lines are the learner's warning thresholds; the relative ones scale its first steps' mean."""
+    trained = [s for s in steps if any(_finite(s.get(name)) for name in _COLLAPSE_FIELDS)]
+    if not trained:
+        return None
+    fig = Figure(figsize=(10, 8), layout="constrained")
+    ax_entropy, ax_share, ax_spread = fig.subplots(3, 1, sharex=True)
+    xs = [s["step"] for s in trained]
+    baseline_steps = int(thresholds.get("collapse_baseline_steps", 3))
+
+    def relative_line(ax: Any, name: str, fraction: float | None) -> None:
+        first = [s[name] for s in trained if _finite(s.get(name))][:baseline_steps]
+        if fraction is not None and len(first) == baseline_steps:
+            ax.axhline(fraction * float(np.mean(first)), color="tab:red", linestyle=":", linewidth=1,
+                       label=f"warning ({fraction:g} x first {baseline_steps} steps)")  # fmt: skip
+            ax.legend(loc="best", fontsize=8)
+
+    _trace(ax_entropy, xs, [_nan(s.get("entropy_mean")) for s in trained], "tab:green", None)
+    relative_line(ax_entropy, "entropy_mean", thresholds.get("warn_entropy_fraction"))
+    _style(ax_entropy, "policy entropy of the sampled tokens", "", "nats / token")
+    for name, color, label in (("identical_group_share", "tab:purple", "groups with identical samples"),
+                               ("zero_advantage_share", "tab:orange", "rows with advantage 0")):
+        _trace(ax_share, xs, [_nan(s.get(name)) for s in trained], color, label)
+        if thresholds.get(f"warn_{name}") is not None:
+            ax_share.axhline(thresholds[f"warn_{name}"], color=color, linestyle=":", linewidth=1)
+    ax_share.set_ylim(-0.02, 1.05)
+    ax_share.legend(loc="best", fontsize=8)
+    _style(ax_share, "share of the step (dotted: warning thresholds)", "", "share")
+    _trace(ax_spread, xs, [_nan(s.get("reward_spread")) for s in trained], "tab:blue", "within-group reward std")
+    relative_line(ax_spread, "reward_spread", thresholds.get("warn_reward_spread_fraction"))
+    ax_mean = ax_spread.twinx()
+    ax_mean.plot(xs, [_nan(s.get("reward_mean")) for s in trained], color="gray", linewidth=1, label="reward mean")
+    ax_mean.set_ylabel("reward mean", color="gray")
+    ax_mean.legend(loc="lower left", fontsize=8)
+    ax_spread.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _style(ax_spread, "reward spread within groups (falls before the mean: the Echo Trap warning)", "learner step",
+           "reward std")  # fmt: skip
     return fig
 
 

@@ -202,6 +202,44 @@ class LearnerConfig(_Section):
         description="folder of TensorBoard event files, one subfolder per run; None = the run's folder of a local store, "
         "else $RLPIPE_HOME/tensorboard",
     )
+    # Remedies against collapse (consumers.collapse, consumers.losses); all off by default.
+    entropy_coef: float = Field(
+        0.0, ge=0.0, le=10.0,
+        description="entropy bonus: loss -= coef x mean policy entropy over generated tokens (0 = off)",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0.0, le=100.0,
+        description="KL penalty to the starting policy (the warm start, else the base model): "
+        "loss += coef x k3 estimate on the sampled tokens (0 = off; one extra no-grad forward per micro-batch)",
+    )
+    ppo_clip_low: float | None = Field(
+        None, gt=0.0, lt=1.0, description="PPO lower clip: ratio floor 1 - ppo_clip_low (None = ppo_clip)"
+    )
+    ppo_clip_high: float | None = Field(
+        None, gt=0.0, le=10.0,
+        description="PPO upper clip: ratio ceiling 1 + ppo_clip_high (None = ppo_clip; higher keeps exploring)",
+    )
+    keep_uncertain_groups: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="train only this top fraction of each step's groups by reward spread (1 = all groups)",
+    )
+    # Signs of collapse: the learner logs a warning once each time one crosses its threshold.
+    warn_identical_group_share: float = Field(
+        0.5, ge=0.0, le=1.0, description="warn when more than this share of groups sampled identical answers"
+    )
+    warn_zero_advantage_share: float = Field(
+        0.8, ge=0.0, le=1.0, description="warn when more than this share of rows has advantage 0"
+    )
+    warn_entropy_fraction: float = Field(
+        0.2, ge=0.0, le=1.0, description="warn when the policy entropy falls below this fraction of its first steps'"
+    )
+    warn_reward_spread_fraction: float = Field(
+        0.25, ge=0.0, le=1.0,
+        description="warn when the mean within-group reward spread falls below this fraction of its first steps'",
+    )
+    collapse_baseline_steps: int = Field(
+        3, ge=1, le=1000, description="first trained steps whose entropy and reward spread are the reference"
+    )
 
     @field_validator("init_from")
     @classmethod

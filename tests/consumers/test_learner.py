@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from datetime import UTC, datetime
 
@@ -50,9 +51,9 @@ def probability_of(model_dir, adapter_dir, prompt, token) -> float:
         return float(torch.softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)[token])
 
 
-def write_batches(archive, setup, n_batches, rng, version=0, groups=2, group_size=8):
+def write_batches(archive, setup, n_batches, rng, version=0, groups=2, group_size=8, first=0):
     """Rows answering with one token each: reward 1 for the good token, 0 for the bad one (sampled 50/50)."""
-    for b in range(n_batches):
+    for b in range(first, first + n_batches):
         batch_id = f"b{b:03d}-{uuid.uuid4().hex[:6]}"
         rows = []
         for g in range(groups):
@@ -336,3 +337,73 @@ def test_replay_training_writes_tensorboard_event_files_under_the_run(tmp_path, 
     steps = StepLog(store, "tracked").read(upto=learner.state.step)
     assert scalars["loss"] == pytest.approx({m["step"]: m["loss"] for m in steps})
     assert sorted(scalars["reward_mean"]) == [1, 2]
+class AlwaysGood:
+    """A stand-in random generator under which every sample answers the rewarded token: a collapsed policy."""
+
+    def random(self) -> float:
+        return 0.0
+
+
+def test_a_collapsed_step_shows_its_signs_in_the_metrics_and_warns_once(store, setup, caplog):
+    archive = TrajectoryArchive(store)
+    write_batches(archive, setup, 1, np.random.default_rng(3))
+    write_batches(archive, setup, 2, AlwaysGood(), first=1)  # batches replay in batch-id order
+    learner, _ = make_learner(store, setup)
+    caplog.set_level(logging.WARNING, logger="rlpipe.learner")
+    steps = []
+    learner.run(poll_timeout_s=0, on_step=steps.append)
+    assert len(steps) == 3
+    healthy, collapsed = steps[0], steps[1]
+    assert healthy["identical_group_share"] == 0.0 and healthy["zero_advantage_share"] < 0.5
+    assert healthy["reward_spread"] > 0.3 and healthy["entropy_mean"] > 0
+    assert collapsed["identical_group_share"] == 1.0 and collapsed["zero_advantage_share"] == 1.0
+    assert collapsed["reward_spread"] == 0.0 and collapsed["loss"] == 0.0
+    warned = [r.getMessage() for r in caplog.records if "signs of collapse" in r.getMessage()]
+    # identical groups and zero advantages warn once, at step 2; the spread once its 3-step baseline is in
+    assert [m.split(":")[0] for m in warned] == ["signs of collapse at step 2"] * 2 + ["signs of collapse at step 3"]
+    assert "identical answers" in warned[0] and "advantage 0" in warned[1] and "reward spread" in warned[2]
+    logged = StepLog(store, RUN).read()
+    assert [entry["identical_group_share"] for entry in logged] == [0.0, 1.0, 1.0]
+
+
+def test_keep_uncertain_groups_trains_only_the_groups_with_spread(store, setup):
+    archive = TrajectoryArchive(store)
+    write_batches(archive, setup, 1, AlwaysGood(), groups=1)  # one group, no spread
+    write_batches(archive, setup, 1, np.random.default_rng(4), groups=1)  # one group with spread
+    learner, _ = make_learner(store, setup, keep_uncertain_groups=0.5, batch_rows=16)
+    steps = []
+    learner.run(poll_timeout_s=0, on_step=steps.append)
+    assert steps[0]["rows"] == 8 and steps[0]["identical_group_share"] == 0.5  # signs count every group
+
+
+def test_a_resumed_warm_start_keeps_its_kl_reference(store, setup):
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(5))
+    source, _ = make_learner(store, setup)
+    source.run(poll_timeout_s=0)  # run "learn": v1
+
+    def warm_learner():
+        cfg = LearnerConfig(lora_rank=4, lora_alpha=8, learning_rate=2e-2, batch_rows=16, max_staleness=1000,
+                            init_from=f"{RUN}@1", kl_coef=0.1)
+        archive = TrajectoryArchive(store)
+        return Learner(run_id="warmkl", base_model=setup["model_dir"], config=cfg,
+                       policy=LoraPolicy(setup["model_dir"], cfg), archive=archive,
+                       registry=AdapterRegistry(store, "warmkl"), checkpoints=CheckpointStore(store, "warmkl"),
+                       source=ReplaySource(archive, "warmkl"))
+
+    first = warm_learner()
+    assert first.resume() is False
+    warm = {name: t.clone() for name, t in first.policy.reference.items()}
+    assert all(torch.equal(warm[name], t) for name, t in first.policy.adapter_tensors().items())
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(6))
+    learn_registry = AdapterRegistry(store, RUN)
+    with pytest.MonkeyPatch.context() as patch:  # train the warm run on the batch written for "learn"
+        patch.setattr(first, "source", ReplaySource(TrajectoryArchive(store), RUN))
+        first.run(poll_timeout_s=0)
+    trained = {name: t.clone() for name, t in first.policy.adapter_tensors().items()}
+    assert first.state.step >= 1 and learn_registry.versions() == [1]  # "learn" itself untouched
+    assert not all(torch.equal(warm[name], t) for name, t in trained.items())
+    again = warm_learner()
+    assert again.resume() is True
+    assert again.policy.reference.keys() == warm.keys()
+    assert all(torch.equal(warm[name], t) for name, t in again.policy.reference.items())
+    assert all(torch.equal(trained[name], t) for name, t in again.policy.adapter_tensors().items())  # weights kept

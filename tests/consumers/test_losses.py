@@ -18,7 +18,9 @@ from consumers.losses import (
     compute_loss,
     cross_entropy_loss,
     importance_sampling_loss,
+    loss_from_logprobs,
     ppo_loss,
+    token_entropies,
     token_logprobs,
 )
 from schemas.config import LearnerConfig
@@ -288,10 +290,11 @@ def bigram_rows():
     return model, tokens, masks, sampler, [1.0, -0.5, 2.0, 0.3, -1.2], [1.0, 2.0, 0.5, 1.0, 1.5]
 
 
-@pytest.mark.parametrize("loss_kind", ["importance_sampling", "ppo", "cross_entropy"])
+@pytest.mark.parametrize("loss_kind", ["importance_sampling", "ppo", "cross_entropy", "ppo+entropy"])
 def test_micro_batch_accumulation_equals_one_batch(loss_kind):
     model, tokens, masks, sampler, advantages, weights = bigram_rows()
-    config = LearnerConfig(loss=loss_kind)
+    loss_kind, _, bonus = loss_kind.partition("+")
+    config = LearnerConfig(loss=loss_kind, entropy_coef=0.3 if bonus else 0.0)
     n_rows = len(tokens)
 
     whole = pad_rows(tokens, masks, sampler, advantages, weights)
@@ -345,3 +348,85 @@ def test_bad_batches_and_normalisers_are_refused(logits, tokens):
     batch = batch_with_ratios(logits, tokens, {})
     with pytest.raises(ValueError, match="normaliser"):
         cross_entropy_loss(token_logprobs(logits, tokens), batch, 0.0)
+
+
+# ---------------------------------------------------------------- entropy, KL penalty, asymmetric clip
+
+
+def test_entropy_of_a_known_distribution_at_the_rows_temperature():
+    # row 0, position 0 predicts token 1 from logits (ln 3, 0, -30, ...): p ~ (3/4, 1/4), H = ln 4 - (3/4) ln 3
+    logits = torch.zeros(2, 2, V)
+    logits[0, 0] = torch.tensor([math.log(3), 0.0] + [-30.0] * (V - 2))
+    entropy = token_entropies(logits)
+    assert entropy[0, 1].item() == pytest.approx(math.log(4) - 0.75 * math.log(3), abs=1e-5)
+    assert entropy[1, 1].item() == pytest.approx(math.log(V), abs=1e-6)  # equal logits: uniform
+    assert entropy[:, 0].tolist() == [0.0, 0.0]  # no context, no distribution
+    # temperature 2 halves the logits: p ~ (sqrt 3, 1) / (sqrt 3 + 1)
+    hot = token_entropies(logits, torch.tensor([2.0, 1.0]))[0, 1].item()
+    p = math.sqrt(3) / (math.sqrt(3) + 1)
+    assert hot == pytest.approx(-(p * math.log(p) + (1 - p) * math.log(1 - p)), abs=1e-5)
+
+
+def test_stats_record_the_mean_entropy_of_generated_tokens_and_leave_the_loss_alone(logits, tokens):
+    batch = batch_with_ratios(logits, tokens, {})
+    loss, stats = compute_loss(LearnerConfig(), logits, batch, NORMALISER)
+    entropy = token_entropies(logits)
+    expected = sum(entropy[b, t].item() for b, t in generated()) / len(generated())
+    assert stats.entropy_mean == pytest.approx(expected, rel=1e-5)
+    assert stats.to_dict()["entropy_mean"] == pytest.approx(expected, rel=1e-5)
+    assert stats.kl_sum == 0.0
+    plain, _ = importance_sampling_loss(token_logprobs(logits, tokens), batch, NORMALISER)
+    assert loss.item() == pytest.approx(plain.item(), rel=1e-6)
+
+
+def test_entropy_bonus_subtracts_the_entropy_and_its_gradient_raises_it(logits, tokens):
+    batch = batch_with_ratios(logits, tokens, {})
+    base, _ = compute_loss(LearnerConfig(), logits, batch, NORMALISER)
+    bonus, stats = compute_loss(LearnerConfig(entropy_coef=0.5), logits, batch, NORMALISER)
+    entropy_sum = sum(token_entropies(logits)[b, t] for b, t in generated())
+    assert bonus.item() == pytest.approx(base.item() - 0.5 * entropy_sum.item() / NORMALISER, rel=1e-5)
+    assert stats.loss_sum == pytest.approx(bonus.item() * NORMALISER, rel=1e-5)
+    extra = grad_of(bonus, logits) - grad_of(base, logits)
+    torch.testing.assert_close(extra, grad_of(-0.5 * entropy_sum / NORMALISER, logits), atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # a small step against the bonus's gradient raises every trained position's entropy
+        stepped = logits - 0.1 * extra
+    before, after = token_entropies(logits.detach()), token_entropies(stepped)
+    assert all(after[b, t] > before[b, t] for b, t in generated())
+
+
+def test_kl_penalty_is_k3_and_pulls_logprobs_towards_the_reference():
+    # tokens at logp -1; references -2 (policy above it), -1 (equal), -0.5 (policy below it)
+    logprobs, batch = leaf_batch([1.0, 1.0, 1.0], advantage=0.0)
+    reference = torch.tensor([[0.0, -2.0, -1.0, -0.5]])
+    loss, stats = loss_from_logprobs(LearnerConfig(kl_coef=0.1), logprobs, batch, 2.0,
+                                     reference_logprobs_BT=reference)
+    deltas = [-1.0, 0.0, 0.5]  # d = ref - logp
+    k3 = [math.exp(d) - d - 1 for d in deltas]
+    assert loss.item() == pytest.approx(0.1 * sum(k3) / 2.0, rel=1e-5)
+    assert stats.kl_mean == pytest.approx(sum(k3) / 3, rel=1e-5)
+    gradient = grad_of(loss, logprobs)[0, 1:]  # d/dlogp of c exp(ref - logp) - ... = c (1 - exp(d)) / N
+    torch.testing.assert_close(gradient, torch.tensor([0.1 * (1 - math.exp(d)) / 2.0 for d in deltas]))
+    assert gradient[0] > 0 and gradient[1] == 0 and gradient[2] < 0  # descent moves each logp towards its reference
+
+
+def test_regularisers_refuse_what_they_cannot_compute():
+    logprobs, batch = leaf_batch([1.0])
+    with pytest.raises(ValueError, match="kl_coef > 0 needs the reference"):
+        loss_from_logprobs(LearnerConfig(kl_coef=0.1), logprobs, batch, 1.0)
+    with pytest.raises(ValueError, match="entropy_coef > 0 needs"):
+        loss_from_logprobs(LearnerConfig(entropy_coef=0.1), logprobs, batch, 1.0)
+
+
+def test_ppo_asymmetric_clip():
+    # clip_low 0.2, clip_high 0.28: A=+1 learns up to r = 1.28; A=-1 stops at r = 0.8 as before
+    ratios = [0.79, 1.25, 1.27, 1.3]
+    logprobs, batch = leaf_batch(ratios, advantage=1.0)
+    loss, _ = ppo_loss(logprobs, batch, 1.0, clip_eps=0.2, clip_low=0.2, clip_high=0.28)
+    torch.testing.assert_close(grad_of(loss, logprobs)[0, 1:], torch.tensor([-0.79, -1.25, -1.27, 0.0]))
+    logprobs, batch = leaf_batch(ratios, advantage=-1.0)
+    loss, _ = ppo_loss(logprobs, batch, 1.0, clip_eps=0.5, clip_low=0.2)  # high falls back to clip_eps
+    torch.testing.assert_close(grad_of(loss, logprobs)[0, 1:], torch.tensor([0.0, 1.25, 1.27, 1.3]))
+    config = LearnerConfig(loss="ppo", ppo_clip_low=0.2, ppo_clip_high=0.28)
+    logprobs, batch = leaf_batch(ratios, advantage=1.0)
+    via_config, _ = loss_from_logprobs(config, logprobs, batch, 1.0)
+    torch.testing.assert_close(grad_of(via_config, logprobs)[0, 1:], torch.tensor([-0.79, -1.25, -1.27, 0.0]))

@@ -77,3 +77,91 @@ def test_gemma2_is_refused_by_its_default_softcapping(tmp_path):
                  num_key_value_heads=1, head_dim=8).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         LoraPolicy(str(tmp_path), LearnerConfig(device="cpu"))
+
+
+# ---------------------------------------------------------------- entropy bonus and KL penalty on the tiny model
+
+
+def remedy_batch():
+    """Two rows, three generated tokens, advantage 0: only a regulariser can move the weights."""
+    rows = [[3, 4, 5, 6, 7], [8, 9, 10, 11]]
+    masks = [[0, 0, 1, 1, 1], [0, 0, 0, 1]]
+    return micro_batches(rows, masks, [[0.0] * len(r) for r in rows], [0.0, 0.0], 1000, temperatures_R=[1.0, 0.7])[0]
+
+
+def entropy_and_logprobs(policy: LoraPolicy, batch) -> tuple[float, torch.Tensor]:
+    with torch.no_grad():
+        logprobs, entropy = policy.generated_logprobs_and_entropy(batch.tokens_BT, batch.loss_mask_BT,
+                                                                  batch.temperatures_B)
+    return float(entropy.sum() / (batch.loss_mask_BT > 0).sum()), logprobs
+
+
+def perturbed(policy: LoraPolicy, seed: int) -> LoraPolicy:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    return policy
+
+
+def test_the_entropy_bonus_raises_the_policys_entropy(tiny_model_dir):
+    batch = remedy_batch()
+    for coef, rises in ((0.0, False), (1.0, True)):
+        policy = perturbed(LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4, learning_rate=1e-2,
+                                                                    entropy_coef=coef)), seed=0)
+        before, _ = entropy_and_logprobs(policy, batch)
+        result = policy.train_step([batch], normaliser=2.0)
+        after, _ = entropy_and_logprobs(policy, batch)
+        assert result.stats.entropy_mean == pytest.approx(before, rel=1e-4)  # the step records its entropy
+        assert (after > before + 1e-4) is rises, (coef, before, after)
+        if not rises:
+            assert after == pytest.approx(before, abs=1e-6)  # advantage 0 and no bonus: nothing to learn
+
+
+def kl_to(policy: LoraPolicy, batch, reference: torch.Tensor) -> float:
+    _, logprobs = entropy_and_logprobs(policy, batch)
+    delta = (reference - logprobs)[batch.loss_mask_BT > 0]
+    return float((torch.exp(delta) - delta - 1).mean())
+
+
+def test_the_kl_penalty_pulls_the_policy_back_to_the_base_model(tiny_model_dir):
+    batch = remedy_batch()
+    policy = LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4, learning_rate=1e-3, kl_coef=1.0))
+    _, base = entropy_and_logprobs(policy, batch)  # a fresh adapter (B = 0) is the base model
+    torch.testing.assert_close(policy.reference_logprobs(batch), base)
+    perturbed(policy, seed=1)
+    torch.testing.assert_close(policy.reference_logprobs(batch), base)  # the reference stays the base model
+    drifted = kl_to(policy, batch, base)
+    assert drifted > 1e-4
+    # plain gradient descent shows the gradient's direction (Adam's first step moves every weight by lr alike)
+    policy.optimizer = torch.optim.SGD(policy.params, lr=0.05)
+    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda step: 1.0)
+    result = policy.train_step([batch], normaliser=2.0)
+    assert result.stats.kl_mean == pytest.approx(drifted, rel=1e-3)
+    assert kl_to(policy, batch, base) < drifted
+
+
+def test_a_kept_reference_is_a_frozen_copy_and_the_weights_come_back(tiny_model_dir):
+    batch = remedy_batch()
+    policy = perturbed(LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4, kl_coef=1.0)), seed=2)
+    policy.keep_reference()  # e.g. right after a warm start
+    _, warm = entropy_and_logprobs(policy, batch)
+    perturbed(policy, seed=3)
+    weights = {name: t.clone() for name, t in policy.adapter_tensors().items()}
+    torch.testing.assert_close(policy.reference_logprobs(batch), warm)
+    assert all(torch.equal(weights[name], t) for name, t in policy.adapter_tensors().items())
+    _, now = entropy_and_logprobs(policy, batch)
+    assert not torch.allclose(now, warm)
+
+
+def test_head_only_entropies_equal_the_full_logits_path(tiny_model_dir):
+    from consumers.losses import token_entropies
+
+    batch = remedy_batch()
+    policy = perturbed(LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4)), seed=4)
+    with torch.no_grad():
+        _, fast = policy.generated_logprobs_and_entropy(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
+        full = token_entropies(policy.logits(batch.tokens_BT), batch.temperatures_B) * (batch.loss_mask_BT > 0)
+    torch.testing.assert_close(fast, full, atol=1e-5, rtol=1e-5)
+    assert int((fast != 0).sum()) == 4

@@ -110,7 +110,9 @@ def step_log(count: int) -> list[dict[str, Any]]:
         {"step": i + 1, "started_at": T0 + start, "finished_at": T0 + start + duration, "rows": 6, "tokens": 24,
          "loss": 0.5 / (i + 1), "ratio_mean": 1.0 + 0.01 * i, "effective_sample_size": 0.95 - 0.05 * i,
          "clip_fraction": 0.0, "staleness_histogram": STALENESS[i], "dropped_stale_rows": 0,
-         "version_trained_from": i // 3, "version": (i + 1) // 3, "tokens_per_s": 24 / duration}
+         "version_trained_from": i // 3, "version": (i + 1) // 3, "tokens_per_s": 24 / duration,
+         "entropy_mean": 2.0 - 0.3 * i, "identical_group_share": 0.1 * i, "zero_advantage_share": 0.15 * i,
+         "reward_spread": 1.0 / (i + 1), "reward_mean": 0.2 * i}
         for i, (start, duration) in enumerate(STEPS[:count])
     ]  # fmt: skip
 
@@ -223,6 +225,8 @@ def test_report_writes_html_pngs_and_json_that_match_the_run(run_store: ObjectSt
             expected_staleness[key] = expected_staleness.get(key, 0) + count
     assert series["staleness_histogram"] == {"0": 15, "1": 6, "2": 1, "3": 2} == expected_staleness
     assert [s["ratio_mean"] for s in series["learner_steps"]] == pytest.approx([1.0, 1.01, 1.02, 1.03, 1.04, 1.05])
+    assert [s["identical_group_share"] for s in series["learner_steps"]] == pytest.approx([0, .1, .2, .3, .4, .5])
+    assert series["collapse_thresholds"]["warn_identical_group_share"] == 0.5  # the learner's default
     assert any("step-000012" in note and "checksum" in note for note in data["notes"]["learner"])
 
     # Duty cycle: the learner alone (no bus): busy = sum of step durations / (last finish - first start).
@@ -403,7 +407,7 @@ def test_report_page_loads_in_chromium_without_errors_and_shows_every_figure(
     page = load_page((out / "report.html").as_uri(), FIGURE_CHECK)
     assert page.errors == []
     plotted = [title for section, title in SECTIONS.items() if (out / FIGURE_FILES[section]).exists()]
-    assert [image["alt"] for image in page.value] == plotted and len(plotted) == 5
+    assert [image["alt"] for image in page.value] == plotted and len(plotted) == 6
     for image, title in zip(page.value, plotted, strict=True):
         section = next(s for s, t in SECTIONS.items() if t == title)
         width, height = png_size((out / FIGURE_FILES[section]).read_bytes())
