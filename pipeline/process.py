@@ -52,7 +52,7 @@ def port_is_free(port: int) -> bool:
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: ask Linux to SIGTERM it when the starting thread dies."""
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(OSError, AttributeError):  # no libc.so.6 (musl) or no prctl: start without it
         pr_set_pdeathsig = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 

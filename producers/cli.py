@@ -54,7 +54,7 @@ def _build_env(name: str, overrides: dict | None = None) -> TextEnv:
     _check_name(name)
     try:
         cls = env_class(name)
-    except Exception as exc:  # another env's module may be broken: say so in one line
+    except (ImportError, AttributeError) as exc:  # its module does not import, or lacks the registered class
         fail(f"environment {name!r} failed to load: {type(exc).__name__}: {exc}", EXIT_FAILURE)
     try:
         return cls(cls.Config.model_validate(overrides or {}))
@@ -68,7 +68,7 @@ def _defaults_text(name: str) -> tuple[str, str | Text, str]:
     try:
         cls = env_class(name)
         cfg = cls.Config()
-    except Exception as exc:  # one broken env must not hide the others
+    except (ImportError, AttributeError) as exc:  # one env that does not load must not hide the others
         return name, Text(f"failed to load: {type(exc).__name__}: {exc}", style="red"), ""
     defaults = (
         f"turns {cfg.max_turns}, actions/turn {cfg.max_actions_per_turn}, "
@@ -82,7 +82,7 @@ def _env_record(name: str) -> dict:
     try:
         cls = env_class(name)
         cfg = cls.Config()
-    except Exception as exc:  # one broken env must not hide the others
+    except (ImportError, AttributeError) as exc:  # one env that does not load must not hide the others
         return {"name": name, "error": f"{type(exc).__name__}: {exc}"}
     return {"name": name, "description": cls.description, "defaults": cfg.model_dump(mode="json")}
 

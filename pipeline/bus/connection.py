@@ -166,7 +166,7 @@ class _KafkaReasons(logging.Handler):
         self.last: str | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(TypeError, ValueError):  # a record whose message does not format
             match = self._FAILED.search(record.getMessage())
             if match and "Unable to bootstrap" not in match.group(1):  # the bare timeout that follows the reasons
                 self.last = match.group(1)
