@@ -400,14 +400,14 @@ class Bench:
 
     def pipeline_numbers(self, run_id: str) -> dict[str, Any]:
         """The run's timeline from ``gather_report`` (store + control topic), its numbers, the report's own busy shares."""
-        from pipeline.report import gather_report
+        from pipeline.report import UnknownRunError, gather_report
         from pipeline.runtime import open_store
         from schemas.config import BusConfig, StoreConfig
 
         try:
             report = gather_report(open_store(StoreConfig(root=self.store_root)), run_id,
                                    BusConfig(bootstrap_servers=self.bootstrap_servers), bus_timeout_s=10.0)
-        except Exception as exc:  # a run that never started has no folder: report it, keep the other numbers
+        except (UnknownRunError, OSError) as exc:  # a run that never started has no folder: report it, keep the others
             return {"error": f"{type(exc).__name__}: {exc}"}
         timeline = report_timeline(report.series["learner_steps"], report.series["duty_cycle"]["lanes"])
         if timeline is None:

@@ -13,19 +13,14 @@ The emulator does not validate tokens and does not sign URLs.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import platform
-import socket
-import subprocess
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import TracebackType
-from typing import IO
+
+from pipeline.process import LOOPBACK, ManagedProcess
+from pipeline.process import free_port as free_port  # re-exported: tests and older callers import it from here
 
 _ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 _READY_PATH = "/storage/v1/b"
@@ -56,14 +51,7 @@ def emulator_binary() -> Path:
     return binary
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the caller retries if it is taken meanwhile)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class FakeGCSServer:
+class FakeGCSServer(ManagedProcess):
     """fake-gcs-server as a subprocess on a free loopback port.
 
     ``data_dir=None`` keeps objects in memory (lost on stop); a folder keeps them on
@@ -72,6 +60,10 @@ class FakeGCSServer:
     ``with`` block, or at interpreter exit, whichever comes first.
     """
 
+    what = "fake-gcs-server"
+    error = EmulatorError
+    log_prefix = "fake-gcs-server-"
+
     def __init__(
         self,
         port: int | None = None,
@@ -79,83 +71,18 @@ class FakeGCSServer:
         start_timeout_s: float = 15.0,
         log_path: str | Path | None = None,
     ) -> None:
-        if port is not None and not 0 < port < 65536:
-            raise ValueError(f"port {port} is out of range; use 1-65535 or None for a free one")
-        if start_timeout_s <= 0:
-            raise ValueError(f"start_timeout_s must be positive, got {start_timeout_s}")
-        self._requested_port = port
-        self.port: int | None = None
+        super().__init__(port=port, log_path=log_path, start_timeout_s=start_timeout_s)
         self.data_dir = Path(data_dir) if data_dir is not None else None
-        self.start_timeout_s = start_timeout_s
-        self._log_path = Path(log_path) if log_path is not None else None
-        self._log_file: IO[bytes] | None = None
-        self._owns_log = log_path is None  # a temporary log we made is removed on stop
-        self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint_url(self) -> str:
         """``http://127.0.0.1:PORT``: pass it as gcsfs ``endpoint_url`` / ``ObjectStore(gcs_endpoint=)``."""
         if self.port is None:
             raise EmulatorError("the emulator is not started; call start() first")
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        """True while the subprocess is alive."""
-        return self._process is not None and self._process.poll() is None
-
-    @property
-    def log_path(self) -> Path | None:
-        """Where the emulator's own log goes (useful when a test fails)."""
-        return self._log_path
-
-    def start(self) -> FakeGCSServer:
-        """Start the emulator and wait until it answers; retry on a port taken meanwhile."""
-        if self.running:
-            return self
-        attempts = 1 if self._requested_port else 3
-        for attempt in range(attempts):
-            self.port = self._requested_port or free_port()
-            self._spawn()
-            try:
-                self._wait_until_ready()
-                break
-            except EmulatorError:
-                self.stop()
-                if attempt == attempts - 1:
-                    raise
-        atexit.register(self.stop)
-        return self
-
-    def stop(self) -> None:
-        """Terminate the process (kill it if it does not exit within 5 s); safe to call twice."""
-        process, self._process = self._process, None
-        if process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                process.terminate()
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        if self._owns_log and self._log_path is not None:
-            self._log_path.unlink(missing_ok=True)
-            self._log_path = None
-        atexit.unregister(self.stop)
-
-    def __enter__(self) -> FakeGCSServer:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        return f"http://{LOOPBACK}:{self.port}"
 
     def _command(self) -> list[str]:
-        command = [str(emulator_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port)]
+        command = [str(emulator_binary()), "-scheme", "http", "-host", LOOPBACK, "-port", str(self.port)]
         # Resumable uploads answer with a Location header; it must point back at us.
         command += ["-external-url", self.endpoint_url, "-log-level", "warn"]
         if self.data_dir is None:
@@ -163,34 +90,8 @@ class FakeGCSServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         return [*command, "-backend", "filesystem", "-filesystem-root", str(self.data_dir.resolve())]
 
-    def _spawn(self) -> None:
-        if self._log_path is None:
-            handle, name = tempfile.mkstemp(prefix="fake-gcs-server-", suffix=".log")
-            self._log_path = Path(name)
-            self._log_file = open(handle, "ab")  # noqa: SIM115 - kept open for the process lifetime
-        else:
-            self._log_file = open(self._log_path, "ab")  # noqa: SIM115
-        self._process = subprocess.Popen(
-            self._command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT
-        )
-
-    def _wait_until_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self._process is None or self._process.poll() is not None:
-                raise EmulatorError(f"fake-gcs-server exited at start; its log ends: {self._log_tail()}")
-            if _answers(self.endpoint_url + _READY_PATH, timeout_s=1.0):
-                return
-            time.sleep(0.05)
-        raise EmulatorError(
-            f"fake-gcs-server did not answer within {self.start_timeout_s:.0f} s; its log ends: {self._log_tail()}"
-        )
-
-    def _log_tail(self) -> str:
-        try:
-            return Path(self._log_path or "").read_text(errors="replace")[-500:].strip()
-        except OSError:
-            return ""
+    def _answers(self) -> bool:
+        return _answers(self.endpoint_url + _READY_PATH, timeout_s=1.0)
 
 
 # gcsfs (aiohttp) ignores proxy variables, so our own calls to the endpoint must too.

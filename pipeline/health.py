@@ -190,8 +190,9 @@ class HealthServer:
             try:
                 if not fn():
                     failing.append(name)
-            except Exception as exc:  # a broken check means "not ready", not a crashed probe
+            except Exception as exc:  # a check is any callable; a broken one means "not ready", not a crashed probe
                 failing.append(f"{name}: {type(exc).__name__}: {exc}".splitlines()[0])
+                log.warning("readiness check %s raised %s", name, failing[-1].partition(": ")[2])
         return failing
 
     # metrics ---------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.bus import GROUP_TIMINGS_ENV, EventPublisher, group_lag, tail
+from pipeline.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, tail
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
 from pipeline.stack import StackState, read_stack_state, rlpipe_home, start_background
 from schemas.config import RunConfig
@@ -200,7 +200,7 @@ class Launcher:
                         return
                 lags = group_lag(self.bus, f"rlpipe-learner-{self.config.run_id}")
                 self.board.lag = sum(p.lag for p in lags) if lags else None
-            except Exception as exc:  # the dashboard must never take the run down
+            except (BusError, UnknownTopicError) as exc:  # the log unreachable, or no control topic yet: retry
                 log.debug("dashboard feed: %s", exc)
                 time.sleep(1.0)
 

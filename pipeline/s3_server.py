@@ -27,14 +27,12 @@ log.
 from __future__ import annotations
 
 import argparse
-import atexit
 import base64
 import contextlib
 import importlib.util
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -42,12 +40,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, Self
 from xml.sax.saxutils import escape
 
-from pipeline.gcs_emulator import free_port
+from pipeline.process import LOOPBACK, ManagedProcess
 
-_LOOPBACK = "127.0.0.1"
 JOURNAL_FILE = "journal.jsonl"
 # moto checks no signatures but treats unsigned requests as anonymous (refused on private objects)
 _AUTHORIZATION = {"Authorization": "AWS4-HMAC-SHA256 Credential=rlpipe/20260101/us-east-1/s3/aws4_request, "
@@ -60,12 +57,17 @@ class S3ServerError(RuntimeError):
     """The local S3 server is not installed, would not start, or refused its journal."""
 
 
-class LocalS3Server:
+class LocalS3Server(ManagedProcess):
     """``moto_server`` on ``127.0.0.1:PORT``, writes journaled under ``data_dir`` and restored on start.
 
     ``data_dir=None`` keeps nothing across restarts.  ``start()`` returns once the
-    server answers (after restoring the journal) and ``bucket`` exists.
+    server answers (after restoring the journal) and ``bucket`` exists; ``stop()``
+    leaves the journal where it is.
     """
+
+    what = "the local S3 server"
+    error = S3ServerError
+    log_prefix = None  # without a log_path its output is discarded
 
     def __init__(
         self,
@@ -75,33 +77,21 @@ class LocalS3Server:
         log_path: str | Path | None = None,
         start_timeout_s: float = 60.0,
     ) -> None:
-        if port is not None and not 0 < port < 65536:
-            raise ValueError(f"port {port} is out of range; use 1-65535 or None for a free one")
-        self._requested_port = port
-        self.port: int | None = None
+        super().__init__(port=port, log_path=log_path, start_timeout_s=start_timeout_s)
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.bucket = bucket
-        self.start_timeout_s = start_timeout_s
-        self._log_path = Path(log_path) if log_path is not None else None
-        self._log_file: IO[bytes] | None = None
-        self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint_url(self) -> str:
         """``http://127.0.0.1:PORT``."""
         if self.port is None:
             raise S3ServerError("the S3 server is not started; call start() first")
-        return f"http://{_LOOPBACK}:{self.port}"
+        return f"http://{LOOPBACK}:{self.port}"
 
     @property
     def journal_path(self) -> Path | None:
         """The write journal restored on start (None: nothing is kept)."""
         return self.data_dir / JOURNAL_FILE if self.data_dir is not None else None
-
-    @property
-    def running(self) -> bool:
-        """True while the subprocess is alive."""
-        return self._process is not None and self._process.poll() is None
 
     def storage_url(self) -> str:
         """The broker's ``--storage-engine`` value for this server's bucket."""
@@ -114,24 +104,13 @@ class LocalS3Server:
             "AWS_ENDPOINT": self.endpoint_url, "AWS_ALLOW_HTTP": "true",
         }
 
-    def start(self) -> LocalS3Server:
+    def start(self) -> Self:
         """Start (the server restores its journal before it listens), create the bucket; retry on a taken port."""
         if self.running:
             return self
         if importlib.util.find_spec("moto") is None:
             raise S3ServerError("the local S3 server is not installed; pip install 'moto[server]'")
-        attempts = 1 if self._requested_port else 3
-        for attempt in range(attempts):
-            self.port = self._requested_port or free_port()
-            self._spawn()
-            try:
-                self._wait_until_ready()
-                break
-            except S3ServerError:
-                self.stop()
-                if attempt == attempts - 1:
-                    raise
-        atexit.register(self.stop)
+        super().start()
         try:
             self._ensure_bucket()
         except BaseException:
@@ -139,61 +118,28 @@ class LocalS3Server:
             raise
         return self
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Terminate the server (kill it after ``timeout_s``); safe to call twice.  The journal stays."""
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.terminate()
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=timeout_s)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        atexit.unregister(self.stop)
-
-    def __enter__(self) -> LocalS3Server:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
     # -- phases of start ---------------------------------------------------------------------
 
-    def _spawn(self) -> None:
-        from pipeline.broker import _die_with_parent
-
+    def _command(self) -> list[str]:
         command = [sys.executable, "-m", "pipeline.s3_server", "--port", str(self.port)]
         if self.journal_path is not None:
             self.journal_path.parent.mkdir(parents=True, exist_ok=True)
             command += ["--journal", str(self.journal_path.resolve())]
-        log_target: IO[bytes] | int = subprocess.DEVNULL
-        if self._log_path is not None:
-            self._log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = open(self._log_path, "ab")  # noqa: SIM115 - kept open for the process lifetime
-            log_target = self._log_file
-        project_root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [project_root, os.environ.get("PYTHONPATH")]))}
-        self._process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log_target, stderr=subprocess.STDOUT, env=env, cwd=project_root,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
+        return command
 
-    def _wait_until_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self._process is None or self._process.poll() is not None:
-                raise S3ServerError(f"the local S3 server exited at start; see {self._log_path}")
-            with contextlib.suppress(urllib.error.URLError, OSError), _DIRECT.open(
-                f"{self.endpoint_url}/moto-api/", timeout=1.0
-            ):
-                return
-            time.sleep(0.05)
-        raise S3ServerError(f"the local S3 server did not answer within {self.start_timeout_s:.0f} s; "
-                            f"see {self._log_path}")
+    def _working_directory(self) -> str:
+        return str(Path(__file__).resolve().parent.parent)  # the project root, where ``pipeline`` is found
+
+    def _environment(self) -> dict[str, str]:
+        project_root = self._working_directory()
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [project_root, os.environ.get("PYTHONPATH")]))}
+
+    def _answers(self) -> bool:
+        with contextlib.suppress(urllib.error.URLError, OSError), _DIRECT.open(
+            f"{self.endpoint_url}/moto-api/", timeout=1.0
+        ):
+            return True
+        return False
 
     def _ensure_bucket(self) -> None:
         url = f"{self.endpoint_url}/{self.bucket}"
@@ -405,7 +351,7 @@ def _serve(port: int) -> None:
 
     os.environ.setdefault("MOTO_PORT", str(port))
     application = fast_listing(DomainDispatcherApplication(create_backend_app))
-    run_simple(_LOOPBACK, port, application, threaded=True, request_handler=MotoRequestHandler)
+    run_simple(LOOPBACK, port, application, threaded=True, request_handler=MotoRequestHandler)
 
 
 def _main(argv: list[str] | None = None) -> None:
@@ -423,7 +369,7 @@ def _main(argv: list[str] | None = None) -> None:
         if args.journal.exists():
             started = time.monotonic()
             applied = restore_journal(args.journal)
-            objects = compact_journal(args.journal, f"http://{_LOOPBACK}:{args.port}")
+            objects = compact_journal(args.journal, f"http://{LOOPBACK}:{args.port}")
             print(f"restored {applied} writes from {args.journal} in {time.monotonic() - started:.1f}s "
                   f"({objects} objects kept)", flush=True)
         _journal_under_a_lock()

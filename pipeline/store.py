@@ -324,13 +324,14 @@ def _gcs_filesystem(endpoint: str | None, project: str | None) -> Any:
             endpoint_url=endpoint.rstrip("/"), token="anon", project=project or "rlpipe", use_listings_cache=False
         )
     import gcsfs
+    from google.auth.exceptions import GoogleAuthError
 
     kwargs: dict[str, Any] = {"token": "google_default", "use_listings_cache": False}
     if project:
         kwargs["project"] = project
     try:
         return gcsfs.GCSFileSystem(**kwargs)
-    except Exception as exc:  # google.auth raises its own DefaultCredentialsError
+    except (GoogleAuthError, ValueError) as exc:  # no default credentials, or another default project
         raise StoreURLError(
             f"no Google credentials for gs:// ({exc.__class__.__name__}); run `gcloud auth application-default "
             "login`, set GOOGLE_APPLICATION_CREDENTIALS, or pass a gcs endpoint for the emulator"

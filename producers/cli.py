@@ -11,22 +11,18 @@ from __future__ import annotations
 import json
 import sys
 from enum import StrEnum
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, fail
 from producers.envs.base import StepResult, TextEnv
 from producers.envs.evaluate import EvalSummary, Policy, evaluate, make_policy, run_episode
 from producers.envs.registry import env_class, env_names
 
 app = typer.Typer(name="envs", help="List, play and evaluate rlpipe's text environments.", no_args_is_help=True)
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-
-EXIT_USAGE = 2  # bad input: unknown environment, invalid option value
-EXIT_FAILURE = 1  # the environment itself failed (import error, missing policy)
 
 
 class EvalPolicy(StrEnum):
@@ -48,14 +44,9 @@ class _InputEnded(Exception):
     """stdin closed while the human policy waited for an answer."""
 
 
-def _fail(message: str, code: int) -> typer.Exit:
-    err_console.print(f"error: {message}", markup=False)
-    return typer.Exit(code)
-
-
 def _check_name(name: str) -> None:
     if name not in env_names():
-        raise _fail(f"unknown environment {name!r}; choose one of: {', '.join(env_names())}", EXIT_USAGE)
+        fail(f"unknown environment {name!r}; choose one of: {', '.join(env_names())}", EXIT_USAGE)
 
 
 def _build_env(name: str, overrides: dict | None = None) -> TextEnv:
@@ -63,13 +54,13 @@ def _build_env(name: str, overrides: dict | None = None) -> TextEnv:
     _check_name(name)
     try:
         cls = env_class(name)
-    except Exception as exc:  # another env's module may be broken: say so in one line
-        raise _fail(f"environment {name!r} failed to load: {type(exc).__name__}: {exc}", EXIT_FAILURE) from None
+    except (ImportError, AttributeError) as exc:  # its module does not import, or lacks the registered class
+        fail(f"environment {name!r} failed to load: {type(exc).__name__}: {exc}", EXIT_FAILURE)
     try:
         return cls(cls.Config.model_validate(overrides or {}))
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         first = str(exc).splitlines()
-        raise _fail(f"invalid settings for {name}: {' '.join(first[:3])}", EXIT_USAGE) from None
+        fail(f"invalid settings for {name}: {' '.join(first[:3])}", EXIT_USAGE)
 
 
 def _defaults_text(name: str) -> tuple[str, str | Text, str]:
@@ -77,7 +68,7 @@ def _defaults_text(name: str) -> tuple[str, str | Text, str]:
     try:
         cls = env_class(name)
         cfg = cls.Config()
-    except Exception as exc:  # one broken env must not hide the others
+    except (ImportError, AttributeError) as exc:  # one env that does not load must not hide the others
         return name, Text(f"failed to load: {type(exc).__name__}: {exc}", style="red"), ""
     defaults = (
         f"turns {cfg.max_turns}, actions/turn {cfg.max_actions_per_turn}, "
@@ -91,13 +82,13 @@ def _env_record(name: str) -> dict:
     try:
         cls = env_class(name)
         cfg = cls.Config()
-    except Exception as exc:  # one broken env must not hide the others
+    except (ImportError, AttributeError) as exc:  # one env that does not load must not hide the others
         return {"name": name, "error": f"{type(exc).__name__}: {exc}"}
     return {"name": name, "description": cls.description, "defaults": cfg.model_dump(mode="json")}
 
 
 @app.command("list")
-def list_envs(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+def list_envs(as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False) -> None:
     """List the registered environments with their default limits.
 
     Example: envs list --json
@@ -141,10 +132,10 @@ def _show_turn(env: TextEnv, answer: str, result: StepResult) -> None:
 
 @app.command("play")
 def play(
-    name: str = typer.Argument(..., help="Environment name (see `envs list`)."),
-    seed: int = typer.Option(0, "--seed", "-s", help="Episode seed; the same seed gives the same episode."),
-    policy: PlayPolicy = typer.Option(PlayPolicy.human, "--policy", "-p", help="Who answers."),
-    max_turns: int | None = typer.Option(None, "--max-turns", min=1, help="Override the env's max_turns."),
+    name: Annotated[str, typer.Argument(help="Environment name (see `envs list`).")],
+    seed: Annotated[int, typer.Option("--seed", "-s", help="Episode seed; the same seed gives the same episode.")] = 0,
+    policy: Annotated[PlayPolicy, typer.Option("--policy", "-p", help="Who answers.")] = PlayPolicy.human,
+    max_turns: Annotated[int | None, typer.Option("--max-turns", min=1, help="Override the env's max_turns.")] = None,
 ) -> None:
     """Play one episode, printing each observation and the reward per turn.
 
@@ -180,11 +171,15 @@ def _print_summary(summary: EvalSummary) -> None:
 
 @app.command("eval")
 def eval_env(
-    name: str = typer.Argument(..., help="Environment name (see `envs list`)."),
-    policy: EvalPolicy = typer.Option(EvalPolicy.heuristic, "--policy", "-p", help="Scripted policy to run."),
-    episodes: int = typer.Option(20, "--episodes", "-n", min=1, max=100_000, help="Episodes to run."),
-    seed_start: int = typer.Option(0, "--seed-start", help="Seed of the first episode (then +1 each)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    name: Annotated[str, typer.Argument(help="Environment name (see `envs list`).")],
+    policy: Annotated[
+        EvalPolicy, typer.Option("--policy", "-p", help="Scripted policy to run.")
+    ] = EvalPolicy.heuristic,
+    episodes: Annotated[
+        int, typer.Option("--episodes", "-n", min=1, max=100_000, help="Episodes to run.")
+    ] = 20,
+    seed_start: Annotated[int, typer.Option("--seed-start", help="Seed of the first episode (then +1 each).")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
 ) -> None:
     """Evaluate a scripted policy: mean return (95% CI), success rate and env steps per second.
 
@@ -194,31 +189,27 @@ def eval_env(
     try:
         summary = evaluate(name, policy.value, episodes, seed_start)
     except NotImplementedError as exc:
-        raise _fail(str(exc), EXIT_FAILURE) from None
+        fail(str(exc), EXIT_FAILURE)
     if as_json:
         typer.echo(json.dumps(summary.to_dict()))
     else:
         _print_summary(summary)
 
 
-if __name__ == "__main__":
-    app()
-
-
 @app.command("record")
 def record(
-    name: str = typer.Argument(..., help="Environment name."),
-    run: str = typer.Option(..., "--run", help="Run id the demonstration batches are written under."),
-    episodes: int = typer.Option(64, min=1, help="Episodes to record."),
-    noise: float = typer.Option(0.5, min=0.0, max=1.0, help="Share of turns answered by the random policy."),
-    seed_start: int = typer.Option(0, min=0, help="First episode seed."),
-    model: str = typer.Option("tiny", help="Model whose tokenizer and chat template build the tokens."),
-    root: str = typer.Option("", help="Store root URL (default: configured or embedded)."),
-    overrides: str = typer.Option("{}", help="Environment overrides as JSON."),
-    weighted: bool = typer.Option(
-        False, "--weighted", help="One row per answer choice, weighted by the noisy teacher's probability of it."),
-    episodes_per_batch: int = typer.Option(16, min=1, help="Episodes per stored batch (a replayed step reads whole "
-                                                           "batches until learner.batch_rows)."),
+    name: Annotated[str, typer.Argument(help="Environment name.")],
+    run: Annotated[str, typer.Option("--run", help="Run id the demonstration batches are written under.")],
+    episodes: Annotated[int, typer.Option(min=1, help="Episodes to record.")] = 64,
+    noise: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of turns answered by the random policy.")] = 0.5,
+    seed_start: Annotated[int, typer.Option(min=0, help="First episode seed.")] = 0,
+    model: Annotated[str, typer.Option(help="Model whose tokenizer and chat template build the tokens.")] = "tiny",
+    root: Annotated[str, typer.Option(help="Store root URL (default: configured or embedded).")] = "",
+    overrides: Annotated[str, typer.Option(help="Environment overrides as JSON.")] = "{}",
+    weighted: Annotated[bool, typer.Option(
+        "--weighted", help="One row per answer choice, weighted by the noisy teacher's probability of it.")] = False,
+    episodes_per_batch: Annotated[int, typer.Option(min=1, help="Episodes per stored batch (a replayed step reads "
+                                                                "whole batches until learner.batch_rows).")] = 16,
 ) -> None:
     """Record the heuristic policy (with --noise random turns) as token trajectories for warm starts.
 
@@ -240,8 +231,12 @@ def record(
         infos = record_demonstrations(archive, run, name, env_overrides, tokenizer, episodes, noise, seed_start,
                                       episodes_per_batch, weighted=weighted)
     except (ValueError, OSError) as exc:
-        raise _fail(str(exc).splitlines()[0], 2) from None
+        fail(str(exc), EXIT_USAGE)
     rows = sum(i.num_rows for i in infos)
     mean = sum(i.reward_mean * i.num_rows for i in infos) / max(1, rows)
     console.print(f"recorded {episodes} episodes ({rows} rows, {len(infos)} batches) of {name} under run {run}; "
                f"row-weighted mean return {mean:.2f}")
+
+
+if __name__ == "__main__":
+    app()

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, err_console, fail
 from pipeline.models import record_tiny_model
 from producers.tiny_model import TinyModelSpec, build_tiny_model, default_tiny_dir, read_marker
 
@@ -24,23 +24,12 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-_out = Console(highlight=False, soft_wrap=True)
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-EXIT_RUNTIME = 1
-EXIT_USAGE = 2
-
 _DEFAULTS = TinyModelSpec()
 
 
 @app.callback()
 def _group() -> None:
     """Build and inspect the local base model."""
-
-
-def _fail(message: str, code: int) -> typer.Exit:
-    _err.print(f"error: {message}", markup=False)
-    return typer.Exit(code)
 
 
 @app.command("init-tiny")
@@ -73,9 +62,9 @@ def init_tiny(
         try:
             path = build_tiny_model(target, seed=seed, force=force, progress=on_step, **overrides)
         except FileExistsError as exc:
-            raise _fail(str(exc), EXIT_USAGE) from None
+            fail(str(exc), EXIT_USAGE)
         except (RuntimeError, OSError) as exc:
-            raise _fail(f"{type(exc).__name__}: {exc}", EXIT_RUNTIME) from None
+            fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)
     if out is None:  # the default location: the learner side finds it through the pointer
         record_tiny_model(path)
     _report(path)
@@ -96,7 +85,7 @@ def _progress() -> Progress:
         TextColumn("loss {task.fields[loss]:.3f}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
-        console=_err,
+        console=err_console,
         transient=True,
     )
 
@@ -104,12 +93,12 @@ def _progress() -> Progress:
 def _report(path: Path) -> None:
     marker = read_marker(path) or {}
     final = marker.get("final_loss")
-    _out.print(f"tiny model: {path}", markup=False)
-    _out.print(f"parameters: {marker.get('params', 0):,}; vocabulary: {marker.get('vocab_size')}", markup=False)
-    _out.print(f"final loss: {'n/a (no pre-training)' if final is None else f'{final:.4f}'}", markup=False)
+    console.print(f"tiny model: {path}", markup=False)
+    console.print(f"parameters: {marker.get('params', 0):,}; vocabulary: {marker.get('vocab_size')}", markup=False)
+    console.print(f"final loss: {'n/a (no pre-training)' if final is None else f'{final:.4f}'}", markup=False)
     skipped = marker.get("skipped_envs") or {}
     if skipped:
-        _err.print(f"warning: built without environments {', '.join(sorted(skipped))} (they failed to import)")
+        err_console.print(f"warning: built without environments {', '.join(sorted(skipped))} (they failed to import)")
 
 
 if __name__ == "__main__":

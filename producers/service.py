@@ -157,7 +157,7 @@ class LearnerBacklog:
         """The learner group's committed offset per partition (None if the broker did not say)."""
         try:
             return {p.partition: p.committed for p in group_lag(self.bus, self.group) if p.topic == self.topic}
-        except Exception as exc:  # an admin hiccup must not stop sampling
+        except BusError as exc:  # an admin hiccup must not stop sampling
             log.debug("could not read the learner's offsets: %s", exc)
             return None
 

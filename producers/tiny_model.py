@@ -296,7 +296,8 @@ def collect_corpus(spec: TinyModelSpec) -> Corpus:
     for name in _env_list(spec):
         try:
             env_convs = env_conversations(name, spec, seed=_env_seed(spec.seed, name))
-        except Exception as exc:  # other engineers' environments may be half-written: skip, never fail
+        except (ImportError, AttributeError, ValueError, NotImplementedError) as exc:
+            # not registered, not importable, invalid defaults or no scripted policy: left out, named in the marker
             skipped[name] = f"{type(exc).__name__}: {exc}"
             continue
         conversations.extend(env_convs)

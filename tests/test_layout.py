@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 PACKAGES = ("schemas", "pipeline", "producers", "consumers")
-DEV_STACK = ("pipeline.broker", "pipeline.gcs_emulator", "pipeline.stack", "pipeline.launcher")
+DEV_STACK = ("pipeline.broker", "pipeline.gcs_emulator", "pipeline.stack", "pipeline.launcher", "pipeline.process")
 
 
 @dataclass(frozen=True)

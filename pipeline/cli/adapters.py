@@ -131,8 +131,17 @@ def _errors() -> Iterator[None]:
         fail(str(exc), EXIT_USAGE)
     except (ChecksumError, ManifestError, SchemaVersionError) as exc:
         fail(str(exc), EXIT_FAILURE)
-    except Exception as exc:  # a store or network failure: one line, not a traceback
+    except (OSError, RuntimeError, ValueError, *_remote_failures()) as exc:  # a store or network failure: one line
         fail(f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__, EXIT_FAILURE)
+
+
+def _remote_failures() -> tuple[type[Exception], ...]:
+    """What gcsfs raises besides ``OSError`` (imported only once something failed: gcsfs is slow to import)."""
+    from aiohttp import ClientError
+    from gcsfs.retry import HttpError
+    from google.auth.exceptions import GoogleAuthError
+
+    return HttpError, GoogleAuthError, ClientError
 
 
 def _registry(run: str, root: str | None, gcs_endpoint: str | None) -> AdapterRegistry:
@@ -162,7 +171,7 @@ def _stack_root() -> tuple[str, str | None]:
         raise UsageError("no --root given and no embedded stack is available; pass --root URL") from None
     try:
         resolved: Any = resolve_store_root()
-    except Exception as exc:
+    except (RuntimeError, OSError) as exc:  # StackError is a RuntimeError; OSError: $RLPIPE_HOME unreadable
         raise UsageError(f"no --root given and {exc}") from None
     if isinstance(resolved, str | Path):
         return str(resolved), None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from importlib.metadata import entry_points
 from typing import Annotated, Any
 
@@ -35,6 +36,8 @@ from pipeline.stack import (
     start_background,
     stop_background,
 )
+
+log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "rlpipe.commands"
 # Built-in groups written in their own modules; optional so a missing one does not break the CLI.
@@ -89,7 +92,8 @@ def load_group(name: str, target: str) -> Any:
             command = obj
         else:
             raise TypeError(f"{target} is a {type(obj).__name__}, not a Typer app")
-    except Exception as exc:  # a broken plugin must not break the other commands
+    except Exception as exc:  # any plugin's import may fail in any way; it must not break the other commands
+        log.warning("command group %s (%s) could not be loaded: %s: %s", name, target, type(exc).__name__, exc)
         return _broken_group(name, target, exc)
     command.name = name
     return command

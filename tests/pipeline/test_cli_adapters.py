@@ -112,3 +112,15 @@ def test_help_has_examples() -> None:
     for command in ("list", "show", "pull"):
         result = runner.invoke(app, [command, "--help"])
         assert result.exit_code == 0 and "Example: rlpipe adapters " + command in result.output
+
+
+def test_a_bug_keeps_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Store and network failures are one line; an error in rlpipe itself is not dressed up as one."""
+    from pipeline.cli import adapters
+
+    def broken(run: str, root: str | None, gcs_endpoint: str | None) -> AdapterRegistry:
+        raise KeyError("version")
+
+    monkeypatch.setattr(adapters, "_registry", broken)
+    result = runner.invoke(app, ["list", "--run", "demo", "--root", f"file://{tmp_path}"])
+    assert isinstance(result.exception, KeyError)

@@ -106,3 +106,10 @@ def test_every_command_has_help_with_an_example() -> None:
     for path in sorted(command_tree()):
         shown = runner.invoke(app, [*path.split(), "--help"], env={"COLUMNS": "200"})
         assert shown.exit_code == 0 and "Example" in shown.stdout, f"`rlpipe {path} --help`: {shown.output[-300:]}"
+
+
+def test_a_group_that_does_not_load_is_a_stub_and_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="pipeline.cli.main"):
+        command = load_group("ghost", "no_such_package.cli:app")
+    assert (command.help or "").startswith("(unavailable: ModuleNotFoundError")
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "no_such_package.cli:app" in caplog.text

@@ -178,3 +178,14 @@ def test_serves_concurrent_requests_while_a_check_blocks(server):
     finally:
         release.set()
         slow.join()
+
+
+def test_a_raising_check_is_logged_as_a_warning(server, caplog):
+    def model_loaded() -> bool:
+        raise RuntimeError("weights missing")
+
+    server.add_readiness_check("model", model_loaded)
+    with caplog.at_level("WARNING", logger="pipeline.health"):
+        assert server.failing_checks() == ["model: RuntimeError: weights missing"]
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "model" in caplog.text and "weights missing" in caplog.text

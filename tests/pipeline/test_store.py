@@ -162,3 +162,22 @@ def test_emulator_stops_and_frees_its_port() -> None:
     server.stop()  # twice is fine
     with pytest.raises(Exception, match="cannot reach"):
         ensure_bucket(url, "other")
+
+
+def test_missing_google_credentials_are_one_line_but_a_bug_is_not_hidden(monkeypatch):
+    import gcsfs
+    from google.auth.exceptions import DefaultCredentialsError
+
+    def no_credentials(**kwargs):
+        raise DefaultCredentialsError("Your default credentials were not found")
+
+    monkeypatch.setattr(gcsfs, "GCSFileSystem", no_credentials)
+    with pytest.raises(StoreURLError, match="no Google credentials for gs://"):
+        ObjectStore("gs://bucket/prefix")
+
+    def broken(**kwargs):
+        raise TypeError("unexpected keyword argument 'token'")
+
+    monkeypatch.setattr(gcsfs, "GCSFileSystem", broken)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        ObjectStore("gs://bucket/prefix")

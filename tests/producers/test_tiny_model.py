@@ -219,6 +219,20 @@ def test_broken_environment_is_skipped_with_a_warning() -> None:
     assert len(corpus.conversations) == QUICK["examples_per_env"]
 
 
+def test_an_error_inside_an_environment_is_not_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Environments that are unknown or do not import are left out; a bug in one that runs is raised."""
+    real = tiny_model.env_conversations
+
+    def conversations(name: str, spec: TinyModelSpec, seed: int) -> list:
+        if name == "sokoban":
+            raise TypeError("'NoneType' object is not subscriptable")
+        return real(name, spec, seed)
+
+    monkeypatch.setattr(tiny_model, "env_conversations", conversations)
+    with pytest.raises(TypeError, match="not subscriptable"):
+        collect_corpus(TinyModelSpec(**{**QUICK, "envs": ("cartpole", "sokoban")}))
+
+
 def test_corpus_conversations_alternate_and_end_with_valid_answers() -> None:
     from producers.envs.parsing import parse_answer
 

@@ -1,0 +1,349 @@
+"""Consuming in a group: ``EventConsumer``, a group member that commits offsets only when told.
+
+Offsets are committed after the work they stand for is durable.  Messages it
+cannot decode or that do not belong on the topic go to ``<ns>.dlq`` as
+``DeadLetter`` events and are skipped, so one poison message never blocks a topic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import CommitFailedError, KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from pipeline.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
+from pipeline.bus.connection import _CLIENT_ID, _bus_errors, _connect, _describe, kafka_client_settings
+from pipeline.bus.errors import CommitError, RewindError
+from pipeline.bus.publisher import EventPublisher
+from pipeline.bus.records import (
+    ConsumedEvent,
+    ConsumerStats,
+    OffsetsLike,
+    TopicPartitionKey,
+    _key_text,
+    decode_record,
+    normalize_offsets,
+)
+from pipeline.topics import topic_name
+from schemas.config import BusConfig
+from schemas.events import DeadLetter, encode_event, make_event
+from schemas.names import InvalidNameError, validate_name
+
+GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"  # consumer-group timings, JSON (consumers.sources)
+
+log = logging.getLogger(__name__)
+
+DEAD_LETTER_RAW_BYTES = 4096  # the start of a poison message kept in its DeadLetter
+_UNKNOWN_RUN = "unknown"
+
+
+def _dead_letter_run_id(key: str | None, raw: bytes | None) -> str:
+    """The run a poison message probably belongs to: its key (run_id by convention), else ``unknown``."""
+    with contextlib.suppress(InvalidNameError):
+        return validate_name(key or "", "run_id")
+    match = re.search(rb'"run_id"\s*:\s*"([A-Za-z0-9._-]{1,64})"', raw or b"")
+    with contextlib.suppress(InvalidNameError):
+        return validate_name(match.group(1).decode(), "run_id") if match else _UNKNOWN_RUN
+    return _UNKNOWN_RUN
+
+
+class _ApplyPendingSeeks(ConsumerRebalanceListener):
+    """Seeks asked for before the group assigned a partition are applied when it is assigned."""
+
+    def __init__(self, owner: EventConsumer) -> None:
+        self.owner = owner
+
+    def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        for tp in revoked:
+            self.owner._polled.pop((tp.topic, tp.partition), None)
+
+    def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        for tp in assigned:
+            offset = self.owner._pending_seeks.pop((tp.topic, tp.partition), None)
+            if offset is not None:
+                self.owner._consumer.seek(tp, offset)
+
+
+class EventConsumer:
+    """A consumer-group member reading one topic kind (or topic), committing only on request.
+
+    * ``poll`` returns decoded events.  Undecodable or misplaced messages are
+      published to ``<ns>.dlq`` as ``DeadLetter`` (reason and origin) and skipped;
+      events of other runs are skipped when ``run_id`` is given.  Both are counted
+      in ``stats`` and covered by the next ``commit()``.
+    * ``commit()`` commits everything polled so far; ``commit(offsets)`` commits the
+      given next offsets (e.g. ``next_offsets(events)`` or a checkpoint's offsets).
+    * ``seek`` positions partitions (applied on assignment if not yet assigned).
+    * ``keep_alive`` polls with the partitions paused, so long work does not get
+      the member dropped after ``max_poll_interval_ms``.
+
+    Not thread-safe (``KafkaConsumer`` is not): use one per thread.  Group timings
+    default to Kafka's; tests make them small so joins and rebalances are quick.
+    """
+
+    def __init__(
+        self,
+        bus_config: BusConfig,
+        kind: str,
+        group_id: str,
+        run_id: str | None = None,
+        bootstrap_servers: str | None = None,
+        auto_offset_reset: str = "earliest",
+        session_timeout_ms: int = 45_000,
+        heartbeat_interval_ms: int = 3_000,
+        max_poll_interval_ms: int = 300_000,
+        create_topics: bool = True,
+    ) -> None:
+        if auto_offset_reset not in ("earliest", "latest"):
+            raise ValueError(f"auto_offset_reset must be 'earliest' or 'latest', got {auto_offset_reset!r}")
+        if not 0 < heartbeat_interval_ms < session_timeout_ms:
+            raise ValueError("heartbeat_interval_ms must be positive and below session_timeout_ms")
+        self.bus_config = bus_config
+        self.topic = resolve_topic(bus_config.namespace, kind)
+        self.kind = topic_kind(bus_config.namespace, self.topic)
+        self.group_id = validate_name(group_id, "group_id")
+        self.run_id = validate_name(run_id, "run_id") if run_id is not None else None
+        self.dlq_topic = topic_name(bus_config.namespace, "dlq")
+        self.stats = ConsumerStats()
+        self._polled: dict[TopicPartitionKey, int] = {}
+        self._pending_seeks: dict[TopicPartitionKey, int] = {}
+        self._dlq: EventPublisher | None = None
+        settings = kafka_client_settings(bus_config, bootstrap_servers)
+        self._servers: list[str] = settings["bootstrap_servers"]
+        if create_topics:
+            kinds = {kind for kind in (self.kind, "dlq") if kind is not None}
+            ensure_topics(bus_config, sorted(kinds), bootstrap_servers=",".join(self._servers))
+        settings |= {
+            "client_id": f"{_CLIENT_ID}-{self.group_id}",
+            "group_id": self.group_id,
+            "enable_auto_commit": False,
+            "auto_offset_reset": auto_offset_reset,
+            "session_timeout_ms": session_timeout_ms,
+            "heartbeat_interval_ms": heartbeat_interval_ms,
+            "max_poll_interval_ms": max_poll_interval_ms,
+            "request_timeout_ms": max(30_000, session_timeout_ms + 5_000),
+            "allow_auto_create_topics": False,
+        }
+        self._timeout_ms = int(max(bus_config.connect_timeout_s, 5.0) * 1000)
+        self._consumer: KafkaConsumer = _connect(KafkaConsumer, bus_config, settings)
+        self._consumer.subscribe([self.topic], listener=_ApplyPendingSeeks(self))
+
+    # -- reading ---------------------------------------------------------------------------------------------------
+
+    def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[ConsumedEvent]:
+        """The next events (possibly none after ``timeout_s``); poison messages are dead-lettered and skipped."""
+        with self._errors("poll"):
+            batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        events: list[ConsumedEvent] = []
+        polled_before, stats_before = dict(self._polled), dataclasses.replace(self.stats)
+        try:
+            for tp, records in batches.items():
+                for record in records:
+                    item = self._accept(record)
+                    self._polled[(tp.topic, tp.partition)] = record.offset + 1
+                    if item is not None:
+                        events.append(item)
+        except BaseException:
+            # Dead-lettering failed: the whole batch is delivered again by the next poll, so nothing is lost
+            # (a dead letter already published may be published twice).
+            self._polled, self.stats = polled_before, stats_before
+            self._rewind(batches)
+            raise
+        return events
+
+    def _accept(self, record: Any) -> ConsumedEvent | None:
+        key = _key_text(record.key)
+        event, error = decode_record(record)
+        if event is None:
+            return self._dead_letter(record, error or "undecodable message")
+        wrong = _check_event_belongs(self.kind, self.topic, event.type)
+        if wrong:
+            return self._dead_letter(record, wrong)
+        if self.run_id is not None and event.run_id != self.run_id:
+            self.stats.skipped_other_runs += 1
+            return None
+        self.stats.delivered += 1
+        return ConsumedEvent(topic=record.topic, partition=record.partition, offset=record.offset, key=key, event=event)
+
+    def _dead_letter(self, record: Any, reason: str) -> None:
+        key = _key_text(record.key)
+        if self.kind == "dlq":
+            self.stats.skipped_invalid_dead_letters += 1
+            log.warning("skipped invalid %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
+            return None
+        raw: bytes = record.value or b""
+        letter = DeadLetter(
+            reason=reason[:2000],
+            origin_topic=record.topic,
+            origin_partition=record.partition,
+            origin_offset=record.offset,
+            key=key,
+            raw=raw[:DEAD_LETTER_RAW_BYTES].decode("utf-8", errors="replace"),
+            raw_truncated=len(raw) > DEAD_LETTER_RAW_BYTES,
+        )
+        envelope = make_event(_dead_letter_run_id(key, raw), letter)
+        self._dead_letter_publisher().publish_raw(self.dlq_topic, encode_event(envelope), record.key, "DeadLetter")
+        self.stats.dead_lettered += 1
+        log.warning("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
+        return None
+
+    def _dead_letter_publisher(self) -> EventPublisher:
+        if self._dlq is None:
+            self._dlq = EventPublisher(self.bus_config, bootstrap_servers=",".join(self._servers), create_topics=False)
+        return self._dlq
+
+    def _rewind(self, batches: Mapping[TopicPartition, list[Any]]) -> None:
+        """Seek each partition back to the first record of ``batches`` so they are delivered again.
+
+        A partition the group took away meanwhile is skipped: its next owner starts
+        from the committed offset.  Any other failed seek raises ``RewindError``:
+        the consumer would go on after the records it returned nothing for, and they
+        would be skipped for good.
+        """
+        assigned = self._consumer.assignment()
+        for tp, records in batches.items():
+            if not records or tp not in assigned:
+                continue
+            try:
+                self._consumer.seek(tp, records[0].offset)
+            except Exception as exc:
+                raise RewindError(
+                    f"could not seek {tp.topic}:{tp.partition} back to offset {records[0].offset} ({_describe(exc)}); "
+                    "records from there would be skipped: close this consumer and start a new one (it resumes from "
+                    "the committed offset)"
+                ) from exc
+
+    # -- offsets -----------------------------------------------------------------------------------------------------
+
+    def commit(self, offsets: OffsetsLike | None = None) -> dict[TopicPartitionKey, int]:
+        """Commit next offsets (default: everything polled so far); returns what was committed."""
+        to_commit = dict(self._polled) if offsets is None else normalize_offsets(offsets)
+        if not to_commit:
+            return {}
+        payload = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in to_commit.items()}
+        try:
+            self._consumer.commit(payload, timeout_ms=self._timeout_ms)
+        except CommitFailedError as exc:
+            raise CommitError(
+                f"commit to group {self.group_id} failed: this member was dropped from the group (no poll within "
+                "max_poll_interval_ms, or a rebalance); call keep_alive() during long work; the uncommitted "
+                "events will be delivered again"
+            ) from exc
+        except KafkaError as exc:
+            raise CommitError(f"commit to group {self.group_id} failed: {_describe(exc)}") from exc
+        return to_commit
+
+    def seek(self, offsets: OffsetsLike) -> None:
+        """Read from the given offsets next; partitions not yet assigned are positioned when they are."""
+        assigned = self._consumer.assignment()
+        for (topic, partition), offset in normalize_offsets(offsets).items():
+            tp = TopicPartition(topic, partition)
+            self._polled.pop((topic, partition), None)
+            if tp in assigned:
+                self._consumer.seek(tp, offset)
+            else:
+                self._pending_seeks[(topic, partition)] = offset
+
+    def assignment(self) -> list[TopicPartitionKey]:
+        """The partitions this member owns now, sorted."""
+        return sorted((tp.topic, tp.partition) for tp in self._consumer.assignment())
+
+    def wait_for_assignment(self, timeout_s: float = 30.0) -> list[TopicPartitionKey]:
+        """Take part in the group until it assigns partitions (records seen meanwhile are re-delivered)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._consumer.assignment() and time.monotonic() < deadline:
+            self._poll_without_consuming(timeout_ms=100)
+        return self.assignment()
+
+    def positions(self) -> dict[TopicPartitionKey, int]:
+        """The next offset this member will read, per assigned partition."""
+        with self._errors("positions"):
+            return {
+                (tp.topic, tp.partition): int(self._consumer.position(tp, timeout_ms=self._timeout_ms))
+                for tp in self._consumer.assignment()
+            }
+
+    def committed(self) -> dict[int, int | None]:
+        """The group's committed next offset per partition of the topic (None where nothing is committed)."""
+        with self._errors("committed offsets"):
+            return {
+                tp.partition: self._consumer.committed(tp, timeout_ms=self._timeout_ms) for tp in self._partitions()
+            }
+
+    def lag(self) -> dict[int, int]:
+        """Per partition: end offset - committed offset (from the start of the log where nothing is committed)."""
+        partitions = self._partitions()
+        with self._errors("lag"):
+            ends = self._consumer.end_offsets(partitions, timeout_ms=self._timeout_ms)
+            begins = self._consumer.beginning_offsets(partitions, timeout_ms=self._timeout_ms)
+            result = {}
+            for tp in partitions:
+                committed = self._consumer.committed(tp, timeout_ms=self._timeout_ms)
+                start = committed if committed is not None else begins[tp]
+                result[tp.partition] = max(0, int(ends[tp]) - int(start))
+        return result
+
+    def _partitions(self) -> list[TopicPartition]:
+        with self._errors("topic metadata"):
+            partitions = self._consumer.partitions_for_topic(self.topic)
+        return [TopicPartition(self.topic, p) for p in sorted(partitions or ())]
+
+    # -- flow control --------------------------------------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop fetching from every assigned partition (the member stays in the group while it polls)."""
+        self._consumer.pause(*self._consumer.assignment())
+
+    def resume(self) -> None:
+        """Fetch again from every assigned partition."""
+        self._consumer.resume(*self._consumer.assignment())
+
+    def keep_alive(self) -> None:
+        """Poll once with every partition paused: call it during long work so the member is not dropped.
+
+        Only a ``poll`` proves liveness to the group (``max_poll_interval_ms``); a
+        paused poll returns no records, and anything a rebalance hands over
+        meanwhile is rewound so it is delivered by the next ``poll``.
+        """
+        already_paused = set(self._consumer.paused())
+        self.pause()
+        try:
+            self._poll_without_consuming(timeout_ms=0)
+        finally:
+            to_resume = set(self._consumer.assignment()) - already_paused
+            if to_resume:
+                self._consumer.resume(*to_resume)
+
+    def _poll_without_consuming(self, timeout_ms: int) -> None:
+        with self._errors("poll"):
+            batches = self._consumer.poll(timeout_ms=timeout_ms)
+        self._rewind(batches)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        with _bus_errors(self.bus_config, self._servers, what):
+            yield
+
+    def close(self) -> None:
+        """Leave the group (without committing) and close the clients; safe to call twice."""
+        self._consumer.close(autocommit=False, timeout_ms=self._timeout_ms)
+        if self._dlq is not None:
+            self._dlq.close()
+            self._dlq = None
+
+    def __enter__(self) -> EventConsumer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

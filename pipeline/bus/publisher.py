@@ -1,0 +1,109 @@
+"""Publishing events: ``EventPublisher``, the idempotent producer that waits for each acknowledgement.
+
+One event per call (``acks=all``, kafka-python 3.x defaults), waiting for the
+broker's answer so a failure (an oversized message, a missing topic) surfaces as
+``PublishError`` instead of vanishing inside a future.  Retriable errors are retried
+a bounded number of times; ``event_id`` makes a duplicate harmless.
+"""
+
+from __future__ import annotations
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaError, MessageSizeTooLargeError
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
+
+from pipeline.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
+from pipeline.bus.connection import _CLIENT_ID, _connect, _describe, kafka_client_settings
+from pipeline.bus.errors import PublishError, WrongEventTypeError
+from schemas.config import BusConfig
+from schemas.events import Envelope, encode_event
+
+
+def _is_retriable(exc: BaseException) -> bool:
+    return isinstance(exc, KafkaError) and bool(exc.retriable)
+
+
+class EventPublisher:
+    """Publishes events to the topics of ``bus_config.namespace`` and waits for each acknowledgement.
+
+    ``publish`` returns ``(partition, offset)`` once the broker has the event
+    (``acks=all``, idempotent: kafka-python 3.x defaults).  The key defaults to the
+    event's ``run_id`` so one run's events stay in order on one partition.
+    ``create_topics=True`` creates the namespace's topics first if they are missing.
+    Thread-safe (``KafkaProducer`` is).
+    """
+
+    def __init__(
+        self,
+        bus_config: BusConfig,
+        bootstrap_servers: str | None = None,
+        create_topics: bool = True,
+        send_timeout_s: float = 30.0,
+        retry_attempts: int = 3,
+    ) -> None:
+        if send_timeout_s <= 0:
+            raise ValueError(f"send_timeout_s must be positive, got {send_timeout_s}")
+        if retry_attempts < 1:
+            raise ValueError(f"retry_attempts must be at least 1, got {retry_attempts}")
+        self.bus_config = bus_config
+        self.send_timeout_s = send_timeout_s
+        self.retry_attempts = retry_attempts
+        settings = kafka_client_settings(bus_config, bootstrap_servers)
+        self._servers: list[str] = settings["bootstrap_servers"]
+        if create_topics:
+            ensure_topics(bus_config, bootstrap_servers=",".join(self._servers))
+        delivery_ms = int(send_timeout_s * 1000)
+        settings |= {
+            "client_id": f"{_CLIENT_ID}-publisher",
+            "delivery_timeout_ms": delivery_ms,
+            "request_timeout_ms": max(1000, delivery_ms // 2),
+            "max_block_ms": int(bus_config.connect_timeout_s * 1000),
+        }
+        self._producer: KafkaProducer = _connect(KafkaProducer, bus_config, settings)
+
+    def publish(self, kind_or_topic: str, event: Envelope, key: str | None = None) -> tuple[int, int]:
+        """Publish ``event`` to a topic kind (``control``) or full topic name; returns (partition, offset)."""
+        topic = resolve_topic(self.bus_config.namespace, kind_or_topic)
+        wrong = _check_event_belongs(topic_kind(self.bus_config.namespace, topic), topic, event.type)
+        if wrong:
+            raise WrongEventTypeError(wrong)
+        return self.publish_raw(topic, encode_event(event), key if key is not None else event.run_id, event.type)
+
+    def publish_raw(
+        self, topic: str, value: bytes | None, key: str | bytes | None, what: str = "message"
+    ) -> tuple[int, int]:
+        """Publish bytes exactly as given (dead letters, replays, tests); returns (partition, offset)."""
+        key_bytes = key.encode() if isinstance(key, str) else key
+        retrying = Retrying(
+            retry=retry_if_exception(_is_retriable),
+            stop=stop_after_attempt(self.retry_attempts) | stop_after_delay(self.send_timeout_s),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    future = self._producer.send(topic, value=value, key=key_bytes)
+                    metadata = future.get(timeout=self.send_timeout_s + 5)
+        except MessageSizeTooLargeError as exc:
+            raise PublishError(
+                f"publishing a {what} of {len(value or b'')} bytes to {topic} failed: it exceeds the message size limit "
+                "(1 MiB by default); keep bulk data in the store and publish a claim check"
+            ) from exc
+        except KafkaError as exc:
+            raise PublishError(f"publishing a {what} to {topic} failed: {_describe(exc)}") from exc
+        return int(metadata.partition), int(metadata.offset)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Send everything buffered and wait for it (``publish`` already waits for its own event)."""
+        self._producer.flush(timeout=timeout_s if timeout_s is not None else self.send_timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush and close the producer; safe to call twice."""
+        self._producer.close(timeout=timeout_s)
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

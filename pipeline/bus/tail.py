@@ -1,0 +1,136 @@
+"""``tail``: the last messages of a topic, then new ones, read without joining a group.
+
+It never moves anyone's committed offsets; the command line's ``rlpipe topics tail``
+and the report read the log through it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+
+from pipeline.bus.admin import resolve_topic
+from pipeline.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
+from pipeline.bus.errors import BusError, UnknownTopicError
+from pipeline.bus.records import _key_text, decode_record
+from schemas.config import BusConfig
+from schemas.events import Envelope
+
+
+@dataclass(frozen=True, slots=True)
+class TailRecord:
+    """A message as ``tail`` shows it: the event, or why it is not one."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: str | None
+    event: Envelope | None
+    error: str | None
+    raw: bytes | None
+
+
+def _tail_record(record: Any) -> TailRecord:
+    event, error = decode_record(record)
+    return TailRecord(
+        topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        timestamp_ms=int(record.timestamp),
+        key=_key_text(record.key),
+        event=event,
+        error=error,
+        raw=record.value,
+    )
+
+
+def _matches_run(item: TailRecord, run_id: str | None) -> bool:
+    if run_id is None:
+        return True
+    return (item.event.run_id if item.event is not None else item.key) == run_id
+
+
+def tail(
+    bus_config: BusConfig,
+    kind_or_topic: str,
+    n: int = 10,
+    follow: bool = False,
+    run_id: str | None = None,
+    bootstrap_servers: str | None = None,
+    follow_for_s: float | None = None,
+    read_timeout_s: float = 10.0,
+) -> Iterator[TailRecord]:
+    """The last ``n`` messages of each partition (oldest first), then new ones as they arrive if ``follow``.
+
+    Reads without joining a group (assign + seek to ``end - n``), so it never moves
+    anyone's committed offsets.  With ``run_id``, only that run's messages are shown
+    (undecodable ones by their key).  ``follow_for_s`` bounds following; None follows
+    until the caller stops iterating.  The backlog is read completely however long it
+    is (``n=10**9`` reads a whole topic); ``read_timeout_s`` is the longest wait for
+    its next message before ``BusError`` says the read stalled.
+    """
+    if n < 0:
+        raise ValueError(f"n must be zero or more, got {n}")
+    topic = resolve_topic(bus_config.namespace, kind_or_topic)
+    settings = kafka_client_settings(bus_config, bootstrap_servers)
+    settings |= {"client_id": f"{_CLIENT_ID}-tail", "group_id": None, "enable_auto_commit": False}
+    settings |= {"allow_auto_create_topics": False, "request_timeout_ms": 30_000}
+    consumer: KafkaConsumer = _connect(KafkaConsumer, bus_config, settings)
+    try:
+        with _bus_errors(bus_config, settings["bootstrap_servers"], "tail"):
+            ends = _assign_last(consumer, topic, n)
+            backlog, newer = _read_until(consumer, ends, idle_timeout_s=read_timeout_s)
+            yield from (item for item in backlog if _matches_run(item, run_id))
+            if follow:
+                yield from (item for item in newer if _matches_run(item, run_id))
+            stop_at = None if follow_for_s is None else time.monotonic() + follow_for_s
+            while follow and (stop_at is None or time.monotonic() < stop_at):
+                wait_ms = 500 if stop_at is None else max(0, min(500, int((stop_at - time.monotonic()) * 1000)))
+                for records in consumer.poll(timeout_ms=wait_ms).values():
+                    yield from (item for item in map(_tail_record, records) if _matches_run(item, run_id))
+    finally:
+        consumer.close(autocommit=False, timeout_ms=2000)
+
+
+def _assign_last(consumer: KafkaConsumer, topic: str, n: int) -> dict[TopicPartition, int]:
+    """Assign every partition of ``topic`` positioned ``n`` before its end; returns the end offsets."""
+    partitions = consumer.partitions_for_topic(topic)
+    if not partitions:
+        raise UnknownTopicError(f"topic {topic} does not exist; see `rlpipe topics list`")
+    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    consumer.assign(tps)
+    ends = consumer.end_offsets(tps)
+    begins = consumer.beginning_offsets(tps)
+    for tp in tps:
+        consumer.seek(tp, max(int(begins[tp]), int(ends[tp]) - n))
+    return {tp: int(ends[tp]) for tp in tps}
+
+
+def _read_until(
+    consumer: KafkaConsumer, ends: dict[TopicPartition, int], idle_timeout_s: float
+) -> tuple[list[TailRecord], list[TailRecord]]:
+    """Everything before ``ends`` ordered by time (then partition, offset), and what came after, in arrival order.
+
+    Reads as long as messages keep coming; ``BusError`` if none arrive for ``idle_timeout_s`` while some are
+    still missing, so a long topic is read completely and a stalled broker is reported instead of cut short.
+    """
+    backlog: list[TailRecord] = []
+    newer: list[TailRecord] = []
+    last_progress = time.monotonic()
+    while any(consumer.position(tp) < end for tp, end in ends.items()):
+        batches = consumer.poll(timeout_ms=200)
+        if batches:
+            last_progress = time.monotonic()
+        elif time.monotonic() - last_progress > idle_timeout_s:
+            missing = sum(max(0, end - consumer.position(tp)) for tp, end in ends.items())
+            raise BusError(f"reading stalled: no message for {idle_timeout_s:g}s with {missing} still to read")
+        for tp, records in batches.items():
+            for record in records:
+                (backlog if record.offset < ends[tp] else newer).append(_tail_record(record))
+    backlog.sort(key=lambda item: (item.timestamp_ms, item.partition, item.offset))
+    return backlog, newer
