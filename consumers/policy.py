@@ -79,15 +79,17 @@ def seed_everything(seed: int) -> None:
 
 
 def head_float32(head: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:
-    """The output head in float32 (bf16 logits are too coarse for ratios); a LoRA-wrapped head runs as it is.
+    """The output head in float32 at least (bf16 logits are too coarse for ratios); a LoRA-wrapped head runs as it is.
 
     Over bf16 weights this holds a float32 copy of the head's weight (vocabulary x
-    hidden) until the backward pass: the price of float32 logprobs.
+    hidden) until the backward pass: the price of float32 logprobs.  A float64
+    model keeps float64.
     """
+    dtype = torch.promote_types(hidden_NH.dtype, torch.float32)
     if isinstance(head, torch.nn.Linear):
-        bias = None if head.bias is None else head.bias.float()
-        return torch.nn.functional.linear(hidden_NH.float(), head.weight.float(), bias)
-    return head(hidden_NH).float()
+        bias = None if head.bias is None else head.bias.to(dtype)
+        return torch.nn.functional.linear(hidden_NH.to(dtype), head.weight.to(dtype), bias)
+    return head(hidden_NH).to(dtype)
 
 
 def selected_logprobs(
