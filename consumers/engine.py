@@ -25,7 +25,9 @@ only the active adapter require gradients, so a backward pass touches no other
 adapter's ``.grad``; each adapter has its own optimizer over its own
 parameters.  A lock serialises the operations and the active adapter is set at
 the start of each one.  Requests are validated completely before anything is
-touched: a bad one raises ``EngineError`` and changes nothing.
+touched: a bad one raises ``EngineError`` and changes nothing; a
+``forward_backward`` that fails while computing puts the adapter's gradients back
+as they were.
 """
 
 from __future__ import annotations
@@ -196,9 +198,15 @@ class TrainingEngine:
         with self._lock:
             adapter, loss_fn = self._prepare(name, datums, loss, loss_args or {})
             self.model.train()
-            with _swapped_rng(adapter.rng):
-                result = self._run(datums, loss, loss_fn, backward=True)
-                adapter.rng = _capture_rng()
+            before = {key: None if p.grad is None else p.grad.clone() for key, p in adapter.params.items()}
+            try:
+                with _swapped_rng(adapter.rng):
+                    result = self._run(datums, loss, loss_fn, backward=True)
+                    adapter.rng = _capture_rng()
+            except Exception:  # a call that fails half-way (e.g. out of memory) adds no gradient at all
+                for key, p in adapter.params.items():
+                    p.grad = before[key]
+                raise
             return result
 
     def optim_step(self, name: str, adam: AdamParams) -> StepInfo:

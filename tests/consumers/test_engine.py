@@ -10,9 +10,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from consumers.batching import micro_batches
-from consumers.engine import AdamParams, TrainingEngine
+from consumers.engine import LOSSES, AdamParams, TrainingEngine
 from consumers.engine_data import Datum, EngineError
-from consumers.losses import loss_from_logprobs
+from consumers.losses import cross_entropy_loss, loss_from_logprobs
 from consumers.policy import LoraPolicy
 from schemas.config import LearnerConfig
 
@@ -258,3 +258,22 @@ def test_rlpipe_rows_as_datums_score_and_lose_like_the_learners_policy(engine, t
     for b, row in enumerate(rows):
         masked = torch.tensor(masks[b][1:]) > 0
         assert torch.allclose(result.logprobs[b][masked], logprobs_BT[b, 1 : len(row)][masked], atol=1e-6)
+
+
+def test_a_forward_backward_failing_half_way_adds_no_gradient(tiny_model_dir, monkeypatch):
+    engine = TrainingEngine(tiny_model_dir, device="cpu", max_batch_tokens=12)  # several micro-batches
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
+    engine.forward_backward("a", datums(1), "cross_entropy")
+    before = snapshot(engine, "a")
+    calls = []
+
+    def fails_on_the_second_micro_batch(logprobs_BT, batch, normaliser):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory")
+        return cross_entropy_loss(logprobs_BT, batch, normaliser)
+
+    monkeypatch.setitem(LOSSES, "cross_entropy", (fails_on_the_second_micro_batch, frozenset()))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.forward_backward("a", datums(2), "cross_entropy")
+    assert same_snapshot(before, snapshot(engine, "a"))
