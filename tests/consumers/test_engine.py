@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -277,3 +278,27 @@ def test_a_forward_backward_failing_half_way_adds_no_gradient(tiny_model_dir, mo
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.forward_backward("a", datums(2), "cross_entropy")
     assert same_snapshot(before, snapshot(engine, "a"))
+
+
+def test_calls_from_several_threads_run_one_at_a_time(tiny_model_dir):
+    specs = {name: dict(rank=4, alpha=8, target_modules=TARGETS, seed=seed, dropout=0.1)
+             for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+
+    def train(engine: TrainingEngine, name: str) -> None:
+        for step in range(3):
+            engine.forward_backward(name, datums(step), "cross_entropy")
+            engine.optim_step(name, ADAM)
+
+    shared = TrainingEngine(tiny_model_dir, device="cpu")
+    for name, spec in specs.items():
+        shared.create_adapter(name, **spec)
+    threads = [threading.Thread(target=train, args=(shared, name)) for name in specs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name, spec in specs.items():
+        alone = TrainingEngine(tiny_model_dir, device="cpu")
+        alone.create_adapter(name, **spec)
+        train(alone, name)
+        assert max_difference(shared.weights(name), alone.weights(name)) <= 1e-6
