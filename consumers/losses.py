@@ -75,6 +75,8 @@ class TokenBatch:
     (0 where loss_mask is 0).  ``weights_B`` is per sample (1 = plain);
     ``token_weights_BT``, if given, multiplies the loss mask in every loss.
     ``temperatures_B`` is each row's sampling temperature (None = 1 for every row).
+    ``token_advantages_BT``, if given, replaces ``advantages_B`` with one advantage
+    per token (the training engine's datums carry them so).
     """
 
     tokens_BT: torch.Tensor
@@ -84,6 +86,7 @@ class TokenBatch:
     weights_B: torch.Tensor
     token_weights_BT: torch.Tensor | None = None
     temperatures_B: torch.Tensor | None = None
+    token_advantages_BT: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.tokens_BT.dim() != 2 or self.tokens_BT.dtype != torch.int64:
@@ -91,7 +94,7 @@ class TokenBatch:
                 f"tokens_BT must be a 2-D int64 tensor, got {self.tokens_BT.dtype} {self.shape_of('tokens_BT')}"
             )
         shape_BT = tuple(self.tokens_BT.shape)
-        for name in ("loss_mask_BT", "sampler_logprobs_BT", "token_weights_BT"):
+        for name in ("loss_mask_BT", "sampler_logprobs_BT", "token_weights_BT", "token_advantages_BT"):
             tensor = getattr(self, name)
             if tensor is not None and tuple(tensor.shape) != shape_BT:
                 raise ValueError(f"{name} has shape {self.shape_of(name)}, expected {shape_BT} like tokens_BT")
@@ -119,6 +122,12 @@ class TokenBatch:
         """m_t = loss_mask * token_weight (float32)."""
         mask_BT = self.loss_mask_BT.float()
         return mask_BT if self.token_weights_BT is None else mask_BT * self.token_weights_BT.float()
+
+    def advantages_BT(self) -> torch.Tensor:
+        """A_t (float32): the per-token advantages if given, else each sequence's advantage (broadcast over T)."""
+        if self.token_advantages_BT is not None:
+            return self.token_advantages_BT.float()
+        return self.advantages_B.float()[:, None]
 
 
 @dataclass(frozen=True)
@@ -331,9 +340,7 @@ def importance_sampling_loss(
     truncated_BT = torch.exp(safe_log_ratio_BT).clamp(max=is_cap)
     # value 1, gradient grad logp: the surrogate's gradient is truncated_ratio * grad logp.
     unit_BT = torch.exp(logprobs_BT - logprobs_BT.detach())
-    coef_BT = (
-        batch.weighted_mask_BT() * kept_BT * batch.weights_B.float()[:, None] * batch.advantages_B.float()[:, None]
-    )
+    coef_BT = batch.weighted_mask_BT() * kept_BT * batch.weights_B.float()[:, None] * batch.advantages_BT()
     loss_sum = -(coef_BT * truncated_BT * unit_BT).sum()
     clipped_BT = kept_BT & (log_ratio_BT > math.log(is_cap))
     return _finish(
@@ -365,9 +372,9 @@ def ppo_loss(
     log_ratio_BT = logprobs_BT - batch.sampler_logprobs_BT
     kept_BT = _ratio_mask(log_ratio_BT, generated_BT, ratio_mask_low, ratio_mask_high)
     ratio_BT = torch.exp(torch.where(kept_BT, log_ratio_BT, torch.zeros_like(log_ratio_BT)))
-    advantages_B1 = batch.advantages_B.float()[:, None]
-    unclipped_BT = ratio_BT * advantages_B1
-    clipped_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages_B1
+    advantages_BT = batch.advantages_BT()
+    unclipped_BT = ratio_BT * advantages_BT
+    clipped_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages_BT
     token_loss_BT = -torch.minimum(unclipped_BT, clipped_BT)
     loss_sum = (token_loss_BT * batch.weighted_mask_BT() * kept_BT * batch.weights_B.float()[:, None]).sum()
     binding_BT = kept_BT & (clipped_BT.detach() < unclipped_BT.detach())  # the clip zeroed this token's gradient

@@ -78,6 +78,82 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def head_float32(head: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:
+    """The output head in float32 at least (bf16 logits are too coarse for ratios); a LoRA-wrapped head runs as it is.
+
+    Over bf16 weights this holds a float32 copy of the head's weight (vocabulary x
+    hidden) until the backward pass: the price of float32 logprobs.  A float64
+    model keeps float64.
+    """
+    dtype = torch.promote_types(hidden_NH.dtype, torch.float32)
+    if isinstance(head, torch.nn.Linear):
+        bias = None if head.bias is None else head.bias.to(dtype)
+        return torch.nn.functional.linear(hidden_NH.to(dtype), head.weight.to(dtype), bias)
+    return head(hidden_NH).to(dtype)
+
+
+def position_logprobs(
+    model: PeftModel,
+    input_ids_BT: torch.Tensor,
+    rows_N: torch.Tensor,
+    cols_N: torch.Tensor,
+    divisors_N: torch.Tensor | None,
+    autocast: bool,
+) -> torch.Tensor:
+    """log p(. | ``input_ids_BT[rows_N[i], :cols_N[i] + 1]``) over the vocabulary (N, V), head run at those positions only.
+
+    ``divisors_N`` (None = 1) divides each selected row of logits (sampling
+    temperature, see ``logit_divisors``).  The body runs with the model's active
+    LoRA adapter: peft injects its layers in place, so the base body applies them.
+    """
+    base = model.get_base_model()
+    device = input_ids_BT.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        hidden_BTH = base.model(input_ids=input_ids_BT).last_hidden_state
+    logits_NV = head_float32(base.lm_head, hidden_BTH[rows_N, cols_N])
+    if divisors_N is not None:
+        logits_NV = logits_NV / divisors_N[:, None]
+    return torch.log_softmax(logits_NV, dim=-1)
+
+
+def selected_logprobs(
+    model: PeftModel,
+    input_ids_BT: torch.Tensor,
+    rows_N: torch.Tensor,
+    cols_N: torch.Tensor,
+    targets_N: torch.Tensor,
+    divisors_N: torch.Tensor | None,
+    autocast: bool,
+) -> torch.Tensor:
+    """logp of ``targets_N[i]`` at the positions of ``position_logprobs``."""
+    logprobs_NV = position_logprobs(model, input_ids_BT, rows_N, cols_N, divisors_N, autocast)
+    return logprobs_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """An optimizer's state as (``state.<param index>.<slot>`` tensors for safetensors, JSON-able param groups)."""
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for index, slots in state["state"].items():
+        for slot, value in slots.items():
+            tensors[f"state.{index}.{slot}"] = torch.as_tensor(value).to("cpu").contiguous()
+    return tensors, state["param_groups"]
+
+
+def load_optimizer_tensors(
+    optimizer: torch.optim.Optimizer,
+    tensors: dict[str, torch.Tensor],
+    param_groups: list[dict[str, Any]],
+    device: torch.device,
+) -> None:
+    """Restore what ``optimizer_tensors`` exported (step counters stay on the CPU, as torch keeps them)."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        _, index, slot = key.split(".", 2)
+        state.setdefault(int(index), {})[slot] = value.to(device) if value.dim() else value
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
 @dataclass
 class StepResult:
     """What one optimizer step did."""
@@ -159,15 +235,11 @@ class LoraPolicy:
         ``entropy``: "detached" for the statistics only, "grad" when an entropy bonus
         trains on it, None to skip it (one more pass over the (N, V) logits).
         """
-        base = self.model.get_base_model()  # LoRA layers are injected in place: the body still applies them
         tokens_BT = tokens_BT.to(self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            hidden_BTH = base.model(input_ids=tokens_BT).last_hidden_state
         rows_N, cols_N = (loss_mask_BT.to(self.device)[:, 1:] > 0).nonzero(as_tuple=True)
-        logits_NV = self._head_float32(base.lm_head, hidden_BTH[rows_N, cols_N])  # position t-1 predicts token t
-        if temperatures_B is not None:
-            logits_NV = logits_NV / logit_divisors(temperatures_B.to(self.device))[rows_N, None]
-        logprobs_NV = torch.log_softmax(logits_NV, dim=-1)
+        divisors_N = None if temperatures_B is None else logit_divisors(temperatures_B.to(self.device))[rows_N]
+        # position t-1 predicts token t
+        logprobs_NV = position_logprobs(self.model, tokens_BT, rows_N, cols_N, divisors_N, self.autocast)
         logprobs_N = logprobs_NV.gather(-1, tokens_BT[rows_N, cols_N + 1].unsqueeze(-1)).squeeze(-1)
         logprobs_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=self.device)
         logprobs_BT = logprobs_BT.index_put((rows_N, cols_N + 1), logprobs_N)
@@ -224,18 +296,6 @@ class LoraPolicy:
         finally:
             self.model.train(training)
 
-    @staticmethod
-    def _head_float32(head: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:
-        """The output head in float32 (bf16 logits are too coarse for ratios); a LoRA-wrapped head runs as it is.
-
-        Over bf16 weights this holds a float32 copy of the head's weight (vocabulary x
-        hidden) until the backward pass: the price of float32 logprobs.
-        """
-        if isinstance(head, torch.nn.Linear):
-            bias = None if head.bias is None else head.bias.float()
-            return torch.nn.functional.linear(hidden_NH.float(), head.weight.float(), bias)
-        return head(hidden_NH).float()
-
     def train_step(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
         """Accumulate gradients over ``micro_batches`` (loss / normaliser each), clip, step."""
         self.model.train()
@@ -278,13 +338,8 @@ class LoraPolicy:
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """AdamW state as (tensors for safetensors, JSON-able scalars)."""
-        state = self.optimizer.state_dict()
-        tensors: dict[str, torch.Tensor] = {}
-        for index, slots in state["state"].items():
-            for slot, value in slots.items():
-                tensors[f"state.{index}.{slot}"] = torch.as_tensor(value).to("cpu").contiguous()
-        scalars = {"param_groups": state["param_groups"], "scheduler": self.scheduler.state_dict()}
-        return tensors, scalars
+        tensors, param_groups = optimizer_tensors(self.optimizer)
+        return tensors, {"param_groups": param_groups, "scheduler": self.scheduler.state_dict()}
 
     def load_state(
         self, adapter: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor], scalars: dict[str, Any]
@@ -296,11 +351,7 @@ class LoraPolicy:
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} does not match this model's adapter")
                 params[name].copy_(value.to(params[name].device))
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in optimizer.items():
-            _, index, slot = key.split(".", 2)
-            state.setdefault(int(index), {})[slot] = value.to(self.device) if value.dim() else value
-        self.optimizer.load_state_dict({"state": state, "param_groups": scalars["param_groups"]})
+        load_optimizer_tensors(self.optimizer, optimizer, scalars["param_groups"], self.device)
         self.scheduler.load_state_dict(scalars["scheduler"])
 
     def load_adapter_folder(self, folder: str | Path) -> None:
