@@ -1,0 +1,453 @@
+"""The sampling engine: one engine per base model, each request its own task, any number of adapters.
+
+``SamplingEngine.sample(prompt_token_ids, adapter, params)`` is a coroutine; every
+call is one request that joins the running batch as soon as it is submitted
+(vLLM's ``AsyncLLM``: continuous batching), so a short request never waits for a
+long one and no request waits for the slowest of a fixed batch.  Requests name
+their adapter (``AdapterHandle``: a new LoRA name and id per version, see base.py);
+the engine keeps up to ``max_loras`` of them loaded and serves the base model for
+``adapter=None``.  The callers are the producer's episodes (one task per episode)
+and, later, the Tinker-compatible gateway (``asample``), so the request carries
+what both need: ``num_samples``, ``max_tokens``, temperature and top-p, a seed,
+stop token ids and prompt logprobs on request.
+
+Conventions, the same on every backend:
+
+- sample ``j`` of a seeded request draws from ``request_seed(seed, first_stream + j)``,
+  so ``sample(p, params(seed=s, num_samples=n))`` draws what ``Sampler.generate([p] * n, seed=s)``
+  draws, and the result does not depend on what else runs at the same time;
+- logprobs of generated tokens are of the distribution they were drawn from
+  (``processed_logprobs``, base.py); prompt logprobs are the model's own
+  (temperature 1, no top-p), ``None`` at position 0, one per prompt token;
+- ``stop_token_ids`` None stops at eos; ``()`` never stops before ``max_tokens``;
+  a tuple of ids stops at exactly those (add eos to keep it).  A sequence that
+  stopped ends with its stop token, ``finish_reason`` "stop"; else "length".
+
+``TransformersEngine`` puts the plain transformers sampler behind the same
+coroutine (one request at a time in a worker thread: it is the reference, not
+the fast path).  ``SyncSampler`` runs an engine on its own event loop in a
+thread and is a ``Sampler``, so thread-based callers keep calling ``generate``
+while their requests join the same batch.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
+from schemas.config import SamplerConfig
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SampleParams:
+    """How to continue one prompt (see the module doc for seeds, stops and logprobs)."""
+
+    max_tokens: int
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    first_stream: int = 0
+    stop_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"SampleParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.num_samples < 1:
+            raise ValueError(f"SampleParams.num_samples must be >= 1, got {self.num_samples}")
+        if self.temperature < 0.0:
+            raise ValueError(f"SampleParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SampleParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.first_stream < 0:
+            raise ValueError(f"SampleParams.first_stream must be >= 0, got {self.first_stream}")
+
+    def seeds(self) -> list[int | None]:
+        """The seed of every sample (None each when unseeded)."""
+        return [request_seed(self.seed, self.first_stream + j) for j in range(self.num_samples)]
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """``num_samples`` sequences for one prompt, and its prompt logprobs when asked for."""
+
+    sequences: list[SampleOutput]
+    prompt_logprobs: list[float | None] | None = None
+
+
+class SamplingEngine(abc.ABC):
+    """An engine that serves concurrent ``sample`` requests on one base model and many adapters."""
+
+    eos_token_id: int
+    max_model_len: int
+
+    @abc.abstractmethod
+    async def sample(
+        self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
+    ) -> SampleResult:
+        """Continue ``prompt_token_ids`` ``params.num_samples`` times with ``adapter`` (None = the base model).
+
+        A request that fails (an adapter that cannot be loaded, a prompt that does
+        not fit) raises in its own caller only; the others keep running.
+        """
+
+    @abc.abstractmethod
+    async def load_adapter(self, handle: AdapterHandle) -> None:
+        """Make ``handle`` ready to serve now, so a bad adapter fails here rather than in a request."""
+
+    @abc.abstractmethod
+    async def unload_adapter(self, handle: AdapterHandle) -> None:
+        """Free ``handle``'s slot; a later request for it loads it again."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine (processes, memory)."""
+
+    def token_budget(self, prompt_token_ids: list[int], params: SampleParams) -> int:
+        """``max_tokens`` cut so prompt plus output fit ``max_model_len``; refuses a prompt that cannot fit."""
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty; render the prompt with the chat template first")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens does not fit max_model_len {self.max_model_len}; "
+                "shorten the prompt (fewer history turns) or raise sampler.max_model_len"
+            )
+        return min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
+
+    def stop_ids(self, params: SampleParams) -> tuple[int, ...]:
+        """The token ids that end a sequence for ``params`` (eos unless told otherwise)."""
+        return (self.eos_token_id,) if params.stop_token_ids is None else tuple(params.stop_token_ids)
+
+
+# ---- vLLM ------------------------------------------------------------------------
+
+
+class VLLMEngine(SamplingEngine):
+    """vLLM's ``AsyncLLM`` with LoRA: continuous batching over every request of every adapter.
+
+    The engine belongs to the event loop that first awaits it (vLLM's output
+    handler runs there); ``SyncSampler`` gives it one of its own.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        config: SamplerConfig | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        dtype: str = "auto",
+        enforce_eager: bool | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        """Start the engine (about 30 s on a CPU); ``engine_kwargs`` pass to ``AsyncEngineArgs``.
+
+        ``max_loras`` (adapters in one batch; default the config's) should cover every
+        version of every run served at once: runs x (max_staleness + 1).  On a CPU,
+        chunked prefill is off: vLLM 0.32 cannot seed a request whose prefill is
+        chunked there, and every request here may be seeded.
+        """
+        import torch
+
+        from producers.samplers.vllm_sampler import _prepare_environment, checkpoint_dtype
+
+        config = config or SamplerConfig()
+        _prepare_environment()
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cuda = torch.cuda.is_available()
+        if not cuda:
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
+            engine_kwargs.setdefault("max_num_batched_tokens", max(config.max_model_len, 2048))
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self._handles: dict[int, AdapterHandle] = {}
+        self._loading: dict[int, asyncio.Lock] = {}
+        self._ids = itertools.count()
+        self._llm: Any = None
+        args = AsyncEngineArgs(
+            model=model_path,
+            enable_lora=True,
+            max_loras=max_loras or config.max_loras,
+            max_lora_rank=max_lora_rank or config.max_lora_rank,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_model_len=config.max_model_len,
+            dtype=checkpoint_dtype(model_path) if dtype == "auto" else dtype,
+            enforce_eager=not cuda if enforce_eager is None else enforce_eager,
+            seed=config.seed,
+            logprobs_mode="processed_logprobs",  # of the distribution drawn from: after temperature and top-p
+            **engine_kwargs,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+        self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
+
+    # ---- adapters ----------------------------------------------------------------
+    def _lora_request(self, handle: AdapterHandle) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        known = self._handles.get(handle.lora_int_id)
+        if known is not None and known != handle:
+            raise ValueError(
+                f"lora_int_id {handle.lora_int_id} already serves {known.name} ({known.path}); "
+                "give every adapter version a new id"
+            )
+        return LoRARequest(handle.name, handle.lora_int_id, handle.path)
+
+    async def load_adapter(self, handle: AdapterHandle) -> None:
+        """Load ``handle`` into the engine once (concurrent first requests wait for the same load)."""
+        handle.check_folder()
+        request = self._lora_request(handle)
+        lock = self._loading.setdefault(handle.lora_int_id, asyncio.Lock())
+        async with lock:
+            if self._handles.get(handle.lora_int_id) == handle:
+                return
+            if not await self._engine().add_lora(request):
+                raise RuntimeError(f"vLLM refused adapter {handle.name} from {handle.path}")
+            self._handles[handle.lora_int_id] = handle
+        log.info("loaded adapter %s (id %d) from %s", handle.name, handle.lora_int_id, handle.path)
+
+    async def unload_adapter(self, handle: AdapterHandle) -> None:
+        """Drop ``handle`` from the engine (a no-op when it is not loaded)."""
+        self._handles.pop(handle.lora_int_id, None)
+        self._loading.pop(handle.lora_int_id, None)
+        await self._engine().remove_lora(handle.lora_int_id)
+
+    async def loaded_adapter_ids(self) -> set[int]:
+        """The LoRA ids the engine holds right now."""
+        return set(await self._engine().list_loras())
+
+    # ---- sampling ----------------------------------------------------------------
+    async def sample(
+        self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
+    ) -> SampleResult:
+        """One vLLM request per sample (each with its own seed), all submitted at once; see ``SamplingEngine``."""
+        budget = self.token_budget(prompt_token_ids, params)
+        lora = None
+        if adapter is not None:
+            if self._handles.get(adapter.lora_int_id) != adapter:
+                await self.load_adapter(adapter)
+            lora = self._lora_request(adapter)
+        outputs = await asyncio.gather(
+            *(
+                self._one(prompt_token_ids, lora, self._sampling_params(params, budget, seed, want_prompt=j == 0))
+                for j, seed in enumerate(params.seeds())
+            )
+        )
+        prompt_logprobs = _prompt_logprobs(outputs[0], prompt_token_ids) if params.prompt_logprobs else None
+        return SampleResult([_to_sample_output(out, self.stop_ids(params)) for out in outputs], prompt_logprobs)
+
+    def _sampling_params(self, params: SampleParams, budget: int, seed: int | None, want_prompt: bool) -> Any:
+        from vllm import SamplingParams
+
+        stops = self.stop_ids(params)
+        return SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=budget,
+            logprobs=0,  # just the sampled token's
+            prompt_logprobs=0 if params.prompt_logprobs and want_prompt else None,
+            seed=seed,
+            ignore_eos=params.stop_token_ids is not None,  # then the ids given are the whole stop rule
+            stop_token_ids=list(stops),
+            detokenize=False,  # token-in/token-out: text is never needed here
+        )
+
+    async def _one(self, prompt_token_ids: list[int], lora: Any, sampling_params: Any) -> Any:
+        """Submit one request and wait for its final output (the engine batches it with whatever runs)."""
+        from vllm.inputs import TokensPrompt
+
+        final = None
+        request_id = f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        async for out in self._engine().generate(prompt, sampling_params, request_id, lora_request=lora):
+            final = out
+        if final is None:
+            raise RuntimeError(f"vLLM returned nothing for request {request_id}")
+        return final
+
+    def close(self) -> None:
+        """Shut the engine down (its engine-core and worker processes, and their memory)."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+    def _engine(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("this VLLMEngine is closed; build a new one")
+        return self._llm
+
+
+def _to_sample_output(request_output: Any, stops: tuple[int, ...]) -> SampleOutput:
+    """vLLM's RequestOutput -> SampleOutput: the sampled ids (stop token kept) and each one's logprob."""
+    completion = request_output.outputs[0]
+    token_ids = [int(t) for t in completion.token_ids]
+    logprobs = [float(position[token].logprob) for token, position in zip(token_ids, completion.logprobs, strict=True)]
+    reason = "stop" if token_ids and token_ids[-1] in stops else (completion.finish_reason or "length")
+    return SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+
+def _prompt_logprobs(request_output: Any, prompt_token_ids: list[int]) -> list[float | None]:
+    """One logprob per prompt token (None at position 0, which nothing predicts)."""
+    positions = request_output.prompt_logprobs or []
+    out: list[float | None] = [None]
+    for token, position in zip(prompt_token_ids[1:], positions[1:], strict=True):
+        out.append(float(position[token].logprob))
+    return out
+
+
+# ---- transformers ------------------------------------------------------------------
+
+
+class TransformersEngine(SamplingEngine):
+    """The transformers sampler behind the engine's coroutine: requests run one at a time in worker threads.
+
+    The samples of one request form one batch, so a result never depends on what
+    else was submitted.  It is the readable reference and the backend for machines
+    without vLLM, not a continuous-batching engine.
+    """
+
+    def __init__(self, model_path: str, config: SamplerConfig | None = None, **kwargs: Any) -> None:
+        from producers.samplers.hf_sampler import TransformersSampler
+
+        self.sampler = TransformersSampler(model_path, config, **kwargs)
+        self.eos_token_id = self.sampler.eos_token_id
+        self.max_model_len = self.sampler.max_model_len
+
+    async def sample(
+        self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
+    ) -> SampleResult:
+        budget = self.token_budget(prompt_token_ids, params)
+        if adapter is not None:
+            adapter.check_folder()
+        return await asyncio.to_thread(self._sample_blocking, list(prompt_token_ids), adapter, params, budget)
+
+    def _sample_blocking(
+        self, prompt: list[int], adapter: AdapterHandle | None, params: SampleParams, budget: int
+    ) -> SampleResult:
+        outputs, prompt_logprobs = self.sampler.continue_prompt(  # one at a time: the sampler holds its lock
+            prompt, adapter, budget, params.temperature, params.top_p, params.seeds(),
+            stop_ids=frozenset(self.stop_ids(params)), with_prompt_logprobs=params.prompt_logprobs,
+        )
+        return SampleResult(outputs, prompt_logprobs)
+
+    async def load_adapter(self, handle: AdapterHandle) -> None:
+        await asyncio.to_thread(self.sampler.load_adapter, handle)
+
+    async def unload_adapter(self, handle: AdapterHandle) -> None:
+        await asyncio.to_thread(self.sampler.unload_adapter, handle)
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+def make_engine(backend: str, model_path: str, config: SamplerConfig | None = None, **kwargs: Any) -> SamplingEngine:
+    """The engine for ``backend`` ("vllm" or "transformers"); each backend is imported only when chosen."""
+    if backend == "vllm":
+        return VLLMEngine(model_path, config, **kwargs)
+    if backend == "transformers":
+        return TransformersEngine(model_path, config, **kwargs)
+    raise ValueError(f"unknown sampler backend {backend!r}; choose 'vllm' or 'transformers'")
+
+
+# ---- the synchronous facade ---------------------------------------------------------
+
+
+class SyncSampler(Sampler):
+    """An engine on its own event loop thread, usable from any thread as a ``Sampler``.
+
+    ``generate`` submits every request of the call as its own engine request, so
+    calls from several threads (and their requests) share the running batch.
+    Request ``i`` of a call seeded ``s`` draws from ``request_seed(s, i)``, as
+    ``Sampler.generate`` promises.  ``call`` runs any coroutine on the engine's loop.
+    """
+
+    def __init__(self, make: Callable[[], SamplingEngine]) -> None:
+        """Build the engine with ``make`` on the loop thread, which owns it from then on."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sampling-engine", daemon=True)
+        self._thread.start()
+        try:
+            self.engine: SamplingEngine = self.call(_build(make))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.eos_token_id = self.engine.eos_token_id
+        self.max_model_len = self.engine.max_model_len
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the engine's loop and wait for its result (from any thread but the loop's)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("SyncSampler.call from the engine's own loop would deadlock; await the engine instead")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def sample(self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams) -> SampleResult:
+        """``SamplingEngine.sample``, blocking."""
+        return self.call(self.engine.sample(prompt_token_ids, adapter, params))
+
+    def generate(
+        self,
+        requests: list[SampleRequest],
+        adapter: AdapterHandle | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[SampleOutput]:
+        """See ``Sampler.generate``; each request is its own engine request."""
+        self.check_requests(requests)
+
+        async def every() -> list[SampleResult]:
+            return await asyncio.gather(
+                *(
+                    self.engine.sample(
+                        r.prompt_token_ids, adapter,
+                        SampleParams(self.new_token_budget(r), temperature=temperature, top_p=top_p, seed=seed,
+                                     first_stream=i),
+                    )
+                    for i, r in enumerate(requests)
+                )
+            )
+
+        return [result.sequences[0] for result in self.call(every())] if requests else []
+
+    def load_adapter(self, handle: AdapterHandle) -> None:
+        self.call(self.engine.load_adapter(handle))
+
+    def unload_adapter(self, handle: AdapterHandle) -> None:
+        self.call(self.engine.unload_adapter(handle))
+
+    def close(self) -> None:
+        """Close the engine, then stop its loop thread."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self.call(_close(self.engine))
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+async def _build(make: Callable[[], SamplingEngine]) -> SamplingEngine:
+    return make()
+
+
+async def _close(engine: SamplingEngine) -> None:
+    engine.close()
