@@ -21,7 +21,10 @@ Conventions, the same on every backend:
   (temperature 1, no top-p), ``None`` at position 0, one per prompt token;
 - ``stop_token_ids`` None stops at eos; ``()`` never stops before ``max_tokens``;
   a tuple of ids stops at exactly those (add eos to keep it).  A sequence that
-  stopped ends with its stop token, ``finish_reason`` "stop"; else "length".
+  stopped ends with its stop token, ``finish_reason`` "stop"; else "length";
+- an adapter is (``run``, ``version``) of its handle; the vLLM engine gives each
+  its own LoRA id (never reused), so runs with overlapping version numbers share
+  one engine, and refuses a known (run, version) with other weights.
 
 ``TransformersEngine`` puts the plain transformers sampler behind the same
 coroutine (one request at a time in a worker thread: it is the reference, not
@@ -35,7 +38,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
+import json
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Coroutine
@@ -140,6 +147,13 @@ class VLLMEngine(SamplingEngine):
 
     The engine belongs to the event loop that first awaits it (vLLM's output
     handler runs there); ``SyncSampler`` gives it one of its own.
+
+    The base model through a zero adapter: vLLM 0.32's CPU LoRA kernels index the
+    adapter slots with -1 for rows without an adapter, which reads the last slot,
+    so a base-model request batched with adapter requests gets that adapter's
+    delta added.  On a CPU (``zero_base_adapter`` None), once any adapter has been
+    loaded, base-model requests are served through a copy of it with every B
+    matrix zero: the same batch, an exact zero delta, one extra LoRA slot.
     """
 
     def __init__(
@@ -150,6 +164,7 @@ class VLLMEngine(SamplingEngine):
         max_lora_rank: int | None = None,
         dtype: str = "auto",
         enforce_eager: bool | None = None,
+        zero_base_adapter: bool | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine (about 30 s on a CPU); ``engine_kwargs`` pass to ``AsyncEngineArgs``.
@@ -174,14 +189,19 @@ class VLLMEngine(SamplingEngine):
             engine_kwargs.setdefault("max_num_batched_tokens", max(config.max_model_len, 2048))
         self.config = config
         self.max_model_len = config.max_model_len
-        self._handles: dict[int, AdapterHandle] = {}
-        self._loading: dict[int, asyncio.Lock] = {}
+        self.zero_base_adapter = not cuda if zero_base_adapter is None else zero_base_adapter
+        self._handles: dict[tuple[str, int], AdapterHandle] = {}  # (run, version) -> the handle it serves
+        self._lora_ids: dict[tuple[str, int], int] = {}  # (run, version) -> its LoRA id in this engine
+        self._loading: dict[tuple[str, int], asyncio.Lock] = {}
+        self._next_lora_id = itertools.count(1)
+        self._base: AdapterHandle | None = None  # the zero adapter, once made
+        self._scratch = tempfile.mkdtemp(prefix="rlpipe-engine-")
         self._ids = itertools.count()
         self._llm: Any = None
         args = AsyncEngineArgs(
             model=model_path,
             enable_lora=True,
-            max_loras=max_loras or config.max_loras,
+            max_loras=(max_loras or config.max_loras) + (1 if self.zero_base_adapter else 0),
             max_lora_rank=max_lora_rank or config.max_lora_rank,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_model_len=config.max_model_len,
@@ -196,38 +216,58 @@ class VLLMEngine(SamplingEngine):
 
     # ---- adapters ----------------------------------------------------------------
     def _lora_request(self, handle: AdapterHandle) -> Any:
+        """The LoRA request of ``handle``: its own id in this engine, refused when its (run, version) changed."""
         from vllm.lora.request import LoRARequest
 
-        known = self._handles.get(handle.lora_int_id)
-        if known is not None and known != handle:
+        key = (handle.run, handle.version)
+        known = self._handles.get(key)
+        if known is not None and (known.path, known.sha256) != (handle.path, handle.sha256):
             raise ValueError(
-                f"lora_int_id {handle.lora_int_id} already serves {known.name} ({known.path}); "
-                "give every adapter version a new id"
+                f"adapter {handle.run or '-'}/v{handle.version} already serves {known.path} (sha {known.sha256}); "
+                "give every adapter version a new version number"
             )
-        return LoRARequest(handle.name, handle.lora_int_id, handle.path)
+        lora_id = self._lora_ids.setdefault(key, next(self._next_lora_id))
+        return LoRARequest(f"{handle.run}/{handle.name}#{lora_id}", lora_id, handle.path)
 
     async def load_adapter(self, handle: AdapterHandle) -> None:
         """Load ``handle`` into the engine once (concurrent first requests wait for the same load)."""
         handle.check_folder()
         request = self._lora_request(handle)
-        lock = self._loading.setdefault(handle.lora_int_id, asyncio.Lock())
-        async with lock:
-            if self._handles.get(handle.lora_int_id) == handle:
+        key = (handle.run, handle.version)
+        async with self._loading.setdefault(key, asyncio.Lock()):
+            if self._handles.get(key) == handle:
                 return
             if not await self._engine().add_lora(request):
                 raise RuntimeError(f"vLLM refused adapter {handle.name} from {handle.path}")
-            self._handles[handle.lora_int_id] = handle
-        log.info("loaded adapter %s (id %d) from %s", handle.name, handle.lora_int_id, handle.path)
+            self._handles[key] = handle
+        log.info("loaded adapter %s (LoRA id %d) from %s", request.lora_name, request.lora_int_id, handle.path)
 
     async def unload_adapter(self, handle: AdapterHandle) -> None:
-        """Drop ``handle`` from the engine (a no-op when it is not loaded)."""
-        self._handles.pop(handle.lora_int_id, None)
-        self._loading.pop(handle.lora_int_id, None)
-        await self._engine().remove_lora(handle.lora_int_id)
+        """Drop ``handle`` from the engine (a no-op when it is not loaded); its LoRA id is never reused."""
+        key = (handle.run, handle.version)
+        self._handles.pop(key, None)
+        self._loading.pop(key, None)
+        lora_id = self._lora_ids.pop(key, None)
+        if lora_id is not None:
+            await self._engine().remove_lora(lora_id)
+
+    def lora_id(self, handle: AdapterHandle) -> int | None:
+        """The LoRA id ``handle`` has in this engine (None before its first use)."""
+        return self._lora_ids.get((handle.run, handle.version))
 
     async def loaded_adapter_ids(self) -> set[int]:
         """The LoRA ids the engine holds right now."""
         return set(await self._engine().list_loras())
+
+    async def _base_request(self) -> Any:
+        """The LoRA request base-model requests go through (None: plain base rows are safe here)."""
+        if not self.zero_base_adapter or not self._handles:
+            return None
+        if self._base is None:
+            self._base = _zero_copy(next(iter(self._handles.values())), os.path.join(self._scratch, "base"))
+        if (self._base.run, self._base.version) not in self._handles:
+            await self.load_adapter(self._base)
+        return self._lora_request(self._base)
 
     # ---- sampling ----------------------------------------------------------------
     async def sample(
@@ -235,9 +275,10 @@ class VLLMEngine(SamplingEngine):
     ) -> SampleResult:
         """One vLLM request per sample (each with its own seed), all submitted at once; see ``SamplingEngine``."""
         budget = self.token_budget(prompt_token_ids, params)
-        lora = None
-        if adapter is not None:
-            if self._handles.get(adapter.lora_int_id) != adapter:
+        if adapter is None:
+            lora = await self._base_request()
+        else:
+            if self._handles.get((adapter.run, adapter.version)) != adapter:
                 await self.load_adapter(adapter)
             lora = self._lora_request(adapter)
         outputs = await asyncio.gather(
@@ -284,11 +325,30 @@ class VLLMEngine(SamplingEngine):
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _engine(self) -> Any:
         if self._llm is None:
             raise RuntimeError("this VLLMEngine is closed; build a new one")
         return self._llm
+
+
+BASE_RUN = "#base"  # the zero adapter's run: no run name can take it (names never hold "#")
+
+
+def _zero_copy(handle: AdapterHandle, folder: str) -> AdapterHandle:
+    """``handle``'s adapter with every LoRA B matrix zero: it adds exactly nothing to the base model."""
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(handle.path, "adapter_config.json")) as source:
+        config = json.load(source)
+    with open(os.path.join(folder, "adapter_config.json"), "w") as target:
+        json.dump(config, target)
+    tensors = load_file(os.path.join(handle.path, "adapter_model.safetensors"))
+    zeroed = {name: t.zero_() if "lora_B" in name else t for name, t in tensors.items()}
+    save_file(zeroed, os.path.join(folder, "adapter_model.safetensors"))
+    return AdapterHandle(version=0, lora_int_id=1, name="base", path=folder, sha256="zero", run=BASE_RUN)
 
 
 def _to_sample_output(request_output: Any, stops: tuple[int, ...]) -> SampleOutput:

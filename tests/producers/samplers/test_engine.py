@@ -8,6 +8,7 @@ loop in a thread), as the producer would.  vLLM tests share one async engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from producers.samplers.engine import (
     SampleResult,
     SyncSampler,
     TransformersEngine,
+    _zero_copy,
     make_engine,
 )
 from producers.samplers.hf_sampler import TransformersSampler
@@ -110,6 +112,19 @@ def test_make_engine_rejects_unknown_backend(tiny_trained_dir: Path) -> None:
         make_engine("tgi", str(tiny_trained_dir))
 
 
+def test_zero_copy_keeps_the_shape_and_adds_nothing(lora_adapters, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    zero = _zero_copy(lora_adapters[0], str(tmp_path / "base"))
+    zero.check_folder()
+    source = load_file(f"{lora_adapters[0].path}/adapter_model.safetensors")
+    copied = load_file(f"{zero.path}/adapter_model.safetensors")
+    assert source.keys() == copied.keys() and any("lora_B" in k for k in copied)
+    for name, tensor in copied.items():
+        assert tensor.shape == source[name].shape
+        assert (not tensor.any()) if "lora_B" in name else torch.equal(tensor, source[name])
+
+
 # ---- transformers backend ---------------------------------------------------------------
 
 
@@ -189,7 +204,11 @@ def test_facade_refuses_calls_after_close(tiny_trained_dir) -> None:
 
 @pytest.mark.vllm
 def test_vllm_concurrent_adapters_and_base_equal_each_alone(vllm_engine, prompts, lora_adapters, tmp_path) -> None:
-    requests = mixed_requests(prompts, lora_adapters)
+    """Two runs' adapters (both version 1) and the base model in one running batch; a bad adapter fails alone."""
+    v1, v2 = lora_adapters
+    run_a = dataclasses.replace(v1, run="run-a")
+    run_b = dataclasses.replace(v2, version=1, lora_int_id=1, name="v1", run="run-b")
+    requests = mixed_requests(prompts, (run_a, run_b))
     requests.insert(5, (prompts[0], missing_adapter(tmp_path), SampleParams(4, seed=1)))
     started = time.monotonic()
     together = run_concurrently(vllm_engine, requests)
@@ -201,6 +220,10 @@ def test_vllm_concurrent_adapters_and_base_equal_each_alone(vllm_engine, prompts
         assert isinstance(result, SampleResult), result
         assert len(result.sequences) == request[2].num_samples
         assert_same(result, vllm_engine.sample(*request), SAME_TOL)  # seeded per request, even on a CPU
+    assert vllm_engine.engine.lora_id(run_a) != vllm_engine.engine.lora_id(run_b)
+    clash = dataclasses.replace(run_b, path=v1.path, sha256="sha-v1")
+    with pytest.raises(ValueError, match="new version number"):
+        vllm_engine.sample(prompts[0], clash, SampleParams(2))
 
 
 @pytest.mark.vllm
