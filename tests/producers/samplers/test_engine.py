@@ -18,15 +18,9 @@ import pytest
 import torch
 
 from producers.samplers import AdapterHandle, SampleRequest
-from producers.samplers.engine import (
-    SampleParams,
-    SampleResult,
-    SyncSampler,
-    TransformersEngine,
-    _zero_copy,
-    make_engine,
-)
+from producers.samplers.engine import SampleParams, SampleResult, TransformersEngine, _zero_copy, make_engine
 from producers.samplers.hf_sampler import TransformersSampler
+from producers.samplers.sync import SyncSampler
 from schemas.config import SamplerConfig
 
 SAME_TOL = 1e-5  # the same request through two paths of one engine, or two vLLM engines in float32
@@ -158,6 +152,19 @@ def test_samples_match_the_sampler_call_with_the_same_seed(hf_engine, prompts, l
     )
 
 
+def test_facade_serves_threads_at_once(hf_engine, prompts, lora_adapters) -> None:
+    """Thread-based callers (the rollout worker) call ``generate`` concurrently; each gets its own call's result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = [([SampleRequest(p, 5) for p in prompts], lora_adapters[i % 2] if i < 4 else None, 20 + i)
+             for i in range(6)]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures = [pool.submit(hf_engine.generate, r, a, 0.9, 1.0, s) for r, a, s in calls]
+        together = [f.result(timeout=300) for f in futures]
+    for (requests, adapter, seed), outputs in zip(calls, together, strict=True):
+        assert outputs == hf_engine.generate(requests, adapter, 0.9, 1.0, seed)
+
+
 def test_stop_token_ids(hf_engine, prompts) -> None:
     eos = hf_engine.eos_token_id
     greedy = hf_engine.sample(prompts[0], None, SampleParams(16, temperature=0.0)).sequences[0]
@@ -191,12 +198,28 @@ def test_prompt_that_does_not_fit_fails_alone(hf_engine, prompts) -> None:
     assert isinstance(results[1], SampleResult)
 
 
+def test_engine_for_run_loads_the_base_weights_in_model_dtype(tiny_trained_dir, prompts) -> None:
+    from producers.samplers.engine import engine_for_run
+    from schemas.config import ModelConfig, RunConfig
+
+    config = RunConfig(model=ModelConfig(dtype="bfloat16"),
+                       sampler=SamplerConfig(backend="transformers", max_model_len=1024))
+    sampler = SyncSampler(lambda: engine_for_run(config, str(tiny_trained_dir)))
+    try:
+        assert {p.dtype for p in sampler.engine.sampler._base.parameters()} == {torch.bfloat16}
+        out = sampler.sample(prompts[0], None, SampleParams(4, seed=0)).sequences[0]
+        assert len(out.logprobs) == len(out.token_ids) and all(lp <= 0.0 for lp in out.logprobs)
+    finally:
+        sampler.close()
+
+
 def test_facade_refuses_calls_after_close(tiny_trained_dir) -> None:
     engine = SyncSampler(lambda: TransformersEngine(str(tiny_trained_dir), SamplerConfig(max_model_len=256)))
     assert isinstance(engine.engine.sampler, TransformersSampler)
     engine.close()
     engine.close()  # twice is fine
-    assert not engine._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed; build a new one"):
+        engine.sample([1, 2, 3], None, SampleParams(2))
 
 
 # ---- vLLM (one async engine per session) --------------------------------------------
