@@ -147,9 +147,9 @@ class VLLMEngine(SamplingEngine):
     The base model through a zero adapter: vLLM 0.32's CPU LoRA kernels index the
     adapter slots with -1 for rows without an adapter, which reads the last slot,
     so a base-model request batched with adapter requests gets that adapter's
-    delta added.  On a CPU (``zero_base_adapter`` None), once any adapter has been
-    loaded, base-model requests are served through a copy of it with every B
-    matrix zero: the same batch, an exact zero delta, one extra LoRA slot.
+    delta added.  On a CPU (``zero_base_adapter`` None), from the first adapter load
+    on, base-model requests are served through a copy of that adapter with every
+    B matrix zero: the same batch, an exact zero delta, one extra LoRA slot.
     """
 
     def __init__(
@@ -183,17 +183,7 @@ class VLLMEngine(SamplingEngine):
         if not cuda:
             engine_kwargs.setdefault("enable_chunked_prefill", False)
             engine_kwargs.setdefault("max_num_batched_tokens", max(config.max_model_len, 2048))
-        self.config = config
-        self.max_model_len = config.max_model_len
-        self.zero_base_adapter = not cuda if zero_base_adapter is None else zero_base_adapter
-        self._handles: dict[tuple[str, int], AdapterHandle] = {}  # (run, version) -> the handle it serves
-        self._lora_ids: dict[tuple[str, int], int] = {}  # (run, version) -> its LoRA id in this engine
-        self._loading: dict[tuple[str, int], asyncio.Lock] = {}
-        self._next_lora_id = itertools.count(1)
-        self._base: AdapterHandle | None = None  # the zero adapter, once made
-        self._scratch = tempfile.mkdtemp(prefix="rlpipe-engine-")
-        self._ids = itertools.count()
-        self._llm: Any = None
+        self._init_state(config, not cuda if zero_base_adapter is None else zero_base_adapter)
         args = AsyncEngineArgs(
             model=model_path,
             enable_lora=True,
@@ -209,6 +199,20 @@ class VLLMEngine(SamplingEngine):
         )
         self._llm = AsyncLLM.from_engine_args(args)
         self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
+
+    def _init_state(self, config: SamplerConfig, zero_base_adapter: bool) -> None:
+        """Everything but the vLLM engine itself (``_llm``)."""
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.zero_base_adapter = zero_base_adapter
+        self._handles: dict[tuple[str, int], AdapterHandle] = {}  # (run, version) -> the handle it serves
+        self._lora_ids: dict[tuple[str, int], int] = {}  # (run, version) -> its LoRA id in this engine
+        self._loading: dict[tuple[str, int], asyncio.Lock] = {}
+        self._next_lora_id = itertools.count(1)
+        self._base: AdapterHandle | None = None  # the zero adapter, once made
+        self._scratch = tempfile.mkdtemp(prefix="rlpipe-engine-")
+        self._ids = itertools.count()
+        self._llm: Any = None
 
     # ---- adapters ----------------------------------------------------------------
     def _lora_request(self, handle: AdapterHandle) -> Any:
@@ -230,6 +234,9 @@ class VLLMEngine(SamplingEngine):
         handle.check_folder()
         request = self._lora_request(handle)
         key = (handle.run, handle.version)
+        if self.zero_base_adapter and self._base is None and handle.run != BASE_RUN:
+            # before this adapter can share a batch with a base-model row, base rows go through zeros
+            self._base = _zero_copy(handle, os.path.join(self._scratch, "base"))
         async with self._loading.setdefault(key, asyncio.Lock()):
             if self._handles.get(key) == handle:
                 return
@@ -256,11 +263,9 @@ class VLLMEngine(SamplingEngine):
         return set(await self._engine().list_loras())
 
     async def _base_request(self) -> Any:
-        """The LoRA request base-model requests go through (None: plain base rows are safe here)."""
-        if not self.zero_base_adapter or not self._handles:
-            return None
+        """The LoRA request base-model requests go through (None until an adapter was loaded: plain rows are safe)."""
         if self._base is None:
-            self._base = _zero_copy(next(iter(self._handles.values())), os.path.join(self._scratch, "base"))
+            return None
         if (self._base.run, self._base.version) not in self._handles:
             await self.load_adapter(self._base)
         return self._lora_request(self._base)

