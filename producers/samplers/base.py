@@ -62,7 +62,9 @@ class AdapterHandle:
     """A LoRA adapter version pulled into a local folder, as the sampler serves it.
 
     ``lora_int_id`` and ``name`` must be new for every version: vLLM may serve a
-    stale cached adapter when a name or id is reused.
+    stale cached adapter when a name or id is reused.  ``run`` names the run the
+    version belongs to when one engine serves several runs (the sampling engine
+    keys adapters by run and version and gives each its own LoRA id).
     """
 
     version: int
@@ -70,6 +72,7 @@ class AdapterHandle:
     name: str
     path: str
     sha256: str
+    run: str = ""
 
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:

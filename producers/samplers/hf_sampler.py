@@ -126,12 +126,49 @@ class TransformersSampler(Sampler):
                 outputs += self._generate_batch(model, chunk, temperature, top_p, seeds)
         return outputs
 
-    def _generate_batch(
-        self, model: Any, requests: list[SampleRequest], temperature: float, top_p: float, seeds: list[int | None]
-    ) -> list[SampleOutput]:
-        """Decode one left-padded batch token by token until every row stopped."""
+    def continue_prompt(
+        self,
+        prompt: list[int],
+        adapter: AdapterHandle | None,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seeds: list[int | None],
+        stop_ids: frozenset[int] | None = None,
+        with_prompt_logprobs: bool = False,
+    ) -> tuple[list[SampleOutput], list[float | None] | None]:
+        """One batch of ``len(seeds)`` continuations of ``prompt`` (sample j from ``seeds[j]``).
+
+        ``stop_ids`` None stops at eos, an empty set only at ``max_new_tokens``.
+        With ``with_prompt_logprobs``, also the model's own (temperature 1) logprob
+        of every prompt token given the ones before it (None at position 0).
+        """
+        request = SampleRequest(prompt, max_new_tokens)
+        self.check_requests([request])
+        if adapter is not None:
+            adapter.check_folder()
+        with self._lock, self._policy(adapter) as model:
+            outputs = self._generate_batch(model, [request] * len(seeds), temperature, top_p, seeds, stop_ids)
+            prompt_logprobs = self._prompt_logprobs(model, prompt) if with_prompt_logprobs else None
+        return outputs, prompt_logprobs
+
+    def _prompt_logprobs(self, model: Any, prompt: list[int]) -> list[float | None]:
         import torch
 
+        with torch.inference_mode():
+            logits_TV = model(input_ids=torch.tensor([prompt], device=self.device)).logits[0].float()
+        logprobs_TV = torch.log_softmax(logits_TV, dim=-1)
+        # the token at position p is predicted by the logits at position p - 1
+        return [None] + [float(logprobs_TV[p - 1, token]) for p, token in enumerate(prompt) if p > 0]
+
+    def _generate_batch(
+        self, model: Any, requests: list[SampleRequest], temperature: float, top_p: float, seeds: list[int | None],
+        stop_ids: frozenset[int] | None = None,
+    ) -> list[SampleOutput]:
+        """Decode one left-padded batch token by token until every row stopped (at a stop id or its budget)."""
+        import torch
+
+        stops = frozenset({self.eos_token_id}) if stop_ids is None else stop_ids
         generators = [_generator(s, self.device) for s in seeds]
         budgets = [self.new_token_budget(r) for r in requests]
         input_ids_BT, attention_BT = self._left_pad(requests)
@@ -161,13 +198,13 @@ class TransformersSampler(Sampler):
                         continue
                     tokens_B[b].append(token)
                     logprobs_B[b].append(float(logprobs_BV[b, token]))
-                    done_B[b] = token == self.eos_token_id or len(tokens_B[b]) >= budgets[b]
+                    done_B[b] = token in stops or len(tokens_B[b]) >= budgets[b]
                 if all(done_B):
                     break
                 step_ids_BT = torch.tensor(next_B, device=self.device).unsqueeze(-1)
                 attention_BT = torch.cat([attention_BT, torch.ones_like(step_ids_BT)], dim=-1)
         return [
-            SampleOutput(t, lp, "stop" if t and t[-1] == self.eos_token_id else "length")
+            SampleOutput(t, lp, "stop" if t and t[-1] in stops else "length")
             for t, lp in zip(tokens_B, logprobs_B, strict=True)
         ]
 

@@ -1,0 +1,111 @@
+"""The sampling engine behind the ``Sampler`` interface, for callers that run in threads.
+
+``SyncSampler`` owns an event loop in a thread of its own and builds the engine
+on it (vLLM's async engine belongs to the loop that first awaits it).  Any
+thread may then call ``sample`` or ``generate``; every request of every call is
+its own engine request, so the calls of several threads share the running
+batch, and a thread-based producer uses the engine without being rewritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
+from producers.samplers.engine import SampleParams, SampleResult, SamplingEngine
+
+T = TypeVar("T")
+
+
+class SyncSampler(Sampler):
+    """An engine on its own event loop thread, usable from any thread as a ``Sampler``.
+
+    ``generate`` submits every request of the call as its own engine request, so
+    calls from several threads (and their requests) share the running batch.
+    Request ``i`` of a call seeded ``s`` draws from ``request_seed(s, i)``, as
+    ``Sampler.generate`` promises.  ``call`` runs any coroutine on the engine's loop.
+    """
+
+    def __init__(self, make: Callable[[], SamplingEngine]) -> None:
+        """Build the engine with ``make`` on the loop thread, which owns it from then on."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sampling-engine", daemon=True)
+        self._thread.start()
+        try:
+            self.engine: SamplingEngine = self.call(_build(make))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.eos_token_id = self.engine.eos_token_id
+        self.max_model_len = self.engine.max_model_len
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the engine's loop and wait for its result (from any thread but the loop's)."""
+        if not self._thread.is_alive():
+            coroutine.close()
+            raise RuntimeError("this SyncSampler is closed; build a new one")
+        if threading.current_thread() is self._thread:
+            coroutine.close()
+            raise RuntimeError("SyncSampler.call from the engine's own loop would deadlock; await the engine instead")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def sample(self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams) -> SampleResult:
+        """``SamplingEngine.sample``, blocking."""
+        return self.call(self.engine.sample(prompt_token_ids, adapter, params))
+
+    def generate(
+        self,
+        requests: list[SampleRequest],
+        adapter: AdapterHandle | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[SampleOutput]:
+        """See ``Sampler.generate``; each request is its own engine request."""
+        self.check_requests(requests)
+
+        async def every() -> list[SampleResult]:
+            return await asyncio.gather(
+                *(
+                    self.engine.sample(
+                        r.prompt_token_ids, adapter,
+                        SampleParams(self.new_token_budget(r), temperature=temperature, top_p=top_p, seed=seed,
+                                     first_stream=i),
+                    )
+                    for i, r in enumerate(requests)
+                )
+            )
+
+        return [result.sequences[0] for result in self.call(every())] if requests else []
+
+    def load_adapter(self, handle: AdapterHandle) -> None:
+        self.call(self.engine.load_adapter(handle))
+
+    def unload_adapter(self, handle: AdapterHandle) -> None:
+        self.call(self.engine.unload_adapter(handle))
+
+    def close(self) -> None:
+        """Close the engine, then stop its loop thread."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self.call(_close(self.engine))
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+async def _build(make: Callable[[], SamplingEngine]) -> SamplingEngine:
+    return make()
+
+
+async def _close(engine: SamplingEngine) -> None:
+    engine.close()

