@@ -14,7 +14,7 @@ Where each number comes from (nothing else is read; no hidden state):
   (the episode return), its first turn's ``policy_version`` and its last row's time.
 - adapters: the registry's manifests (versions, base model).
 - learner: ``state.json`` of the newest complete checkpoint, its digest checked
-  against the checkpoint's manifest (the layout of ``consumers/checkpoint.py``),
+  against the checkpoint's manifest (the contract of ``schemas.checkpoint``),
   and the step log up to its step (``pipeline.steplog``; a checkpoint of the old
   layout carries it inline): staleness, importance ratios, ESS, step times and the
   signs of collapse (entropy, identical groups, zero advantages, reward spread).
@@ -40,7 +40,6 @@ import functools
 import io
 import json
 import math
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -63,6 +62,14 @@ from pipeline.registry import AdapterRegistry, run_ids
 from pipeline.stack import resolve_bootstrap_servers
 from pipeline.steplog import StepLog, StepLogGapError
 from pipeline.store import ObjectStore
+from schemas.checkpoint import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    CheckpointManifest,
+    LearnerState,
+    checkpoint_prefix,
+    complete_folders,
+)
 from schemas.config import BusConfig, LearnerConfig
 from schemas.evaluation import EvalResult, eval_from_bytes, eval_prefix, mean_ci95
 from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted, RunStopped
@@ -82,7 +89,6 @@ FIGURE_FILES: dict[str, str] = {section: f"{section}.png" for section in SECTION
 MAX_SERIES_POINTS = 2000  # reward-over-time points kept in JSON and plots (evenly thinned)
 MAX_CONTROL_EVENTS = 1_000_000  # newest events read per partition of <ns>.control
 DEFAULT_BUS_TIMEOUT_S = 5.0
-_CHECKPOINT_FOLDER_RE = re.compile(r"step-(\d+)-[A-Za-z0-9]+")
 _WILSON_Z = 1.959964  # two-sided 95% normal quantile
 _ESS_WARNING = 0.3  # below this normalised ESS the off-policy correction is doing heavy lifting
 _LEARNER_COLOR = "#1f4e9c"
@@ -308,44 +314,38 @@ def eval_series(evals: Sequence[EvalResult]) -> list[dict[str, Any]]:
 
 def checkpoint_folders(store: ObjectStore, run_id: str) -> list[tuple[int, str]]:
     """(step, folder key) of every checkpoint with a manifest, newest step first."""
-    found = []
-    for key in store.list(f"runs/{run_id}/checkpoints", recursive=True):
-        if key.endswith("/manifest.json"):
-            folder = key.removesuffix("/manifest.json")
-            match = _CHECKPOINT_FOLDER_RE.fullmatch(folder.rsplit("/", 1)[-1])
-            if match:
-                found.append((int(match.group(1)), folder))
-    return sorted(found, reverse=True)
+    keys = store.list(checkpoint_prefix(run_id), recursive=True)
+    return [(folder.step, folder.key) for folder in complete_folders(keys)]
 
 
-def read_learner_state(store: ObjectStore, run_id: str, report: RunReport) -> tuple[dict[str, Any] | None, str | None]:
+def read_learner_state(store: ObjectStore, run_id: str, report: RunReport) -> tuple[LearnerState | None, str | None]:
     """The ``state`` of the newest complete checkpoint whose ``state.json`` matches its manifest digest.
 
     A damaged checkpoint is noted and the next older one is tried, as the learner itself does.
     """
     for _, folder in checkpoint_folders(store, run_id):
         try:
-            manifest = json.loads(store.get(f"{folder}/manifest.json"))
-            blob = store.get(f"{folder}/state.json", sha256=manifest["files"]["state.json"])
+            manifest = CheckpointManifest.from_json(json.loads(store.get(f"{folder}/{MANIFEST_FILE}")))
+            blob = store.get(f"{folder}/{STATE_FILE}", sha256=manifest.files[STATE_FILE])
             state = json.loads(blob)["state"]
             if not isinstance(state, dict):
                 raise ValueError("its 'state' is not an object")
-            return state, folder
+            return LearnerState.from_json(state), folder
         except (KeyError, TypeError, ValueError, FileNotFoundError) as exc:  # ChecksumError is a ValueError
             report.note("learner", f"skipped checkpoint {folder}: {type(exc).__name__}: {exc}")
     return None, None
 
 
 def read_step_log(
-    store: ObjectStore, run_id: str, state: dict[str, Any] | None, report: RunReport
+    store: ObjectStore, run_id: str, state: LearnerState | None, report: RunReport
 ) -> list[dict[str, Any]]:
     """The learner's per-step entries up to the checkpoint's step (inline in an old-layout checkpoint)."""
     if state is None:
         return []
-    if "step_log" in state:
-        return list(state["step_log"])
+    if state.legacy_layout:
+        return list(state.legacy_step_log)
     try:
-        return StepLog(store, run_id).read(upto=int(state.get("step", 0)))
+        return StepLog(store, run_id).read(upto=state.step)
     except (StepLogGapError, ValueError, OSError) as exc:
         report.note("learner", f"step log not read: {type(exc).__name__}: {exc}")
         return []
@@ -486,7 +486,7 @@ def build_summary(
     episodes: pl.DataFrame,
     manifests: list[AdapterManifest],
     evals: list[EvalResult],
-    state: dict[str, Any] | None,
+    state: LearnerState | None,
     checkpoint_key: str | None,
     events: ControlEvents,
 ) -> dict[str, Any]:
@@ -512,7 +512,7 @@ def build_summary(
             "generated_tokens": int(rows["num_generated"].sum()) if rows.height else 0,
             "producers": sorted(rows["producer_id"].unique().to_list()) if rows.height else [],
         },
-        "dropped_stale_rows": int(state.get("dropped_stale_rows", 0)) if state else None,
+        "dropped_stale_rows": state.dropped_stale_rows if state else None,
         "reward_first_version": _version_summary(by_version[0]) if by_version else None,
         "reward_last_version": _version_summary(by_version[-1]) if by_version else None,
         "eval": [{k: point[k] for k in ("policy", "version", "episodes", "mean_return", "ci95", "success_rate")}
@@ -523,9 +523,9 @@ def build_summary(
     }  # fmt: skip
 
 
-def _learner_steps(state: dict[str, Any] | None, events: ControlEvents, manifests: list[AdapterManifest]) -> int | None:
+def _learner_steps(state: LearnerState | None, events: ControlEvents, manifests: list[AdapterManifest]) -> int | None:
     if state is not None:
-        return int(state.get("step", 0))
+        return state.step
     if events.checkpoints:
         return max(p.step for _, p in events.checkpoints)
     return max(m.learner_step for m in manifests) if manifests else None
@@ -549,7 +549,7 @@ def add_missing_notes(
     run_id: str,
     rows: pl.DataFrame,
     evals: list[EvalResult],
-    state: dict[str, Any] | None,
+    state: LearnerState | None,
     step_log: list[dict[str, Any]],
     events: ControlEvents,
     bus_skipped: bool,

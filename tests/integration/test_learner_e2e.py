@@ -47,7 +47,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from consumers.checkpoint import CheckpointStore, LearnerState
+from consumers.checkpoint import CheckpointStore
 from consumers.cli import replay_command
 from consumers.service import replay_train, run_learner
 from consumers.sources import GROUP_TIMINGS_ENV, learner_group_id
@@ -61,6 +61,7 @@ from pipeline.runtime import StopFlag
 from pipeline.stack import DevStack
 from pipeline.steplog import StepLog
 from pipeline.store import ObjectStore
+from schemas.checkpoint import LearnerState
 from schemas.config import BusConfig
 from schemas.trajectory import NO_ADAPTER_SHA
 
