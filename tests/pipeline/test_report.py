@@ -35,7 +35,8 @@ from pipeline.archive import TrajectoryArchive
 from pipeline.bus import EventPublisher
 from pipeline.cli.report_cmd import app, command
 from pipeline.registry import AdapterRegistry
-from pipeline.report import FIGURE_FILES, SECTIONS, busy_seconds, duty_cycle, episodes_of, wilson_interval
+from pipeline.report.metrics import busy_seconds, duty_cycle, episodes_of, wilson_interval
+from pipeline.report.model import FIGURE_FILES, SECTIONS
 from pipeline.steplog import StepLog
 from pipeline.store import ObjectStore
 from schemas.config import BusConfig
@@ -427,7 +428,8 @@ def test_the_browser_check_sees_console_errors_and_broken_figures(tmp_path: Path
 
 
 def test_report_html_comes_from_the_packaged_templates_with_autoescaping(run_store: ObjectStore) -> None:
-    from pipeline.report import gather_report, render_html, report_templates
+    from pipeline.report.gather import gather_report
+    from pipeline.report.html import render_html, report_templates
 
     templates = report_templates()
     assert "report.html.jinja" in templates.list_templates() and templates.autoescape is True
