@@ -13,7 +13,7 @@ half-written attempt never blocks the next one from writing create-only)::
 ``state.json`` holds the step, the last published version, the consumed
 positions (``topic:partition`` -> next offset) and the RNG states: a fixed size
 however long the run.  The per-step metrics, with the ``batch_id``s each step
-trained, live in the step log (``pipeline.steplog``: one immutable object per
+trained, live in the step log (``pipeline.io.steplog``: one immutable object per
 step, written before the checkpoint that covers it); loading a checkpoint
 rebuilds the trained ``batch_id``s from the step objects up to its step.  The
 newest complete checkpoint is the highest step whose manifest exists and whose
@@ -45,8 +45,8 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from pipeline.steplog import StepLog, trained_batches
-from pipeline.store import ChecksumError, ObjectStore
+from pipeline.io.steplog import StepLog, trained_batches
+from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,

@@ -58,8 +58,8 @@ from consumers.lease import LearnerLease
 from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
 from consumers.tracking import MetricLogger, NullMetricLogger
-from pipeline.archive import TrajectoryArchive
-from pipeline.registry import AdapterRegistry
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
 from schemas.checkpoint import LearnerState
 from schemas.config import LearnerConfig, parse_init_from
 from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload

@@ -15,8 +15,8 @@ import torch
 from typer.testing import CliRunner
 
 from consumers.checkpoint import CheckpointStore
-from pipeline import launcher
 from pipeline.cli.run_cmd import app
+from pipeline.devstack import launcher
 from pipeline.runtime import create_run, open_store
 from schemas.checkpoint import LearnerState
 from schemas.config import RunConfig

@@ -3,7 +3,7 @@
 Reads the run's ``run.json``, trajectories, adapter manifests, evaluations, the
 newest complete learner checkpoint (through ``schemas.checkpoint``) with its step
 log, and the run's events on ``<ns>.control`` (a bounded read); hands the rows,
-steps and events to ``pipeline.report.metrics`` for the series; then builds the
+steps and events to ``pipeline.analysis.report.metrics`` for the series; then builds the
 summary table and notes, per section, what is missing and why.
 """
 
@@ -15,10 +15,7 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.archive import TrajectoryArchive
-from pipeline.bus import BusError, tail
-from pipeline.registry import AdapterRegistry, run_ids
-from pipeline.report.metrics import (
+from pipeline.analysis.report.metrics import (
     collapse_thresholds,
     duty_cycle,
     episodes_of,
@@ -31,10 +28,13 @@ from pipeline.report.metrics import (
     staleness_totals,
     throughput_series,
 )
-from pipeline.report.model import ControlEvents, RunReport, dig, finite, first_known, iso
-from pipeline.stack import resolve_bootstrap_servers
-from pipeline.steplog import StepLog, StepLogGapError
-from pipeline.store import ObjectStore
+from pipeline.analysis.report.model import ControlEvents, RunReport, dig, finite, first_known, iso
+from pipeline.devstack.stack import resolve_bootstrap_servers
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.bus import BusError, tail
+from pipeline.io.registry import AdapterRegistry, run_ids
+from pipeline.io.steplog import StepLog, StepLogGapError
+from pipeline.io.store import ObjectStore
 from schemas.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,

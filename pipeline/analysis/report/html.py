@@ -15,8 +15,8 @@ from typing import Any
 
 import jinja2
 
-from pipeline.report.model import FIGURE_FILES, SECTIONS, RunReport, percent
-from pipeline.report.plots import render_figures
+from pipeline.analysis.report.model import FIGURE_FILES, SECTIONS, RunReport, percent
+from pipeline.analysis.report.plots import render_figures
 
 
 def write_report(report: RunReport, out_dir: str | Path) -> Path:
@@ -32,14 +32,14 @@ def write_report(report: RunReport, out_dir: str | Path) -> Path:
     return path
 
 
-TEMPLATE = "report.html.jinja"  # in pipeline/report/templates, shipped with the package
+TEMPLATE = "report.html.jinja"  # in pipeline/analysis/report/templates, shipped with the package
 
 
 @functools.cache
 def report_templates() -> jinja2.Environment:
     """The packaged page templates, autoescaped (every value is text) and strict about missing names."""
     return jinja2.Environment(
-        loader=jinja2.PackageLoader("pipeline.report", "templates"), autoescape=True, undefined=jinja2.StrictUndefined,
+        loader=jinja2.PackageLoader("pipeline.analysis.report", "templates"), autoescape=True, undefined=jinja2.StrictUndefined,
         trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
     )  # fmt: skip
 

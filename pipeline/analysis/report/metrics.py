@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from pipeline.report.model import ControlEvents, Lane, dig, first_known
+from pipeline.analysis.report.model import ControlEvents, Lane, dig, first_known
 from schemas.config import LearnerConfig
 from schemas.evaluation import EvalResult, mean_ci95
 from schemas.events import ProducerHeartbeat

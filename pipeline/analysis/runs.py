@@ -34,10 +34,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.bus import BusError, tail
-from pipeline.registry import AdapterRegistry, run_ids
-from pipeline.stack import resolve_bootstrap_servers
-from pipeline.store import ObjectStore
+from pipeline.devstack.stack import resolve_bootstrap_servers
+from pipeline.io.bus import BusError, tail
+from pipeline.io.registry import AdapterRegistry, run_ids
+from pipeline.io.store import ObjectStore
 from schemas.checkpoint import checkpoint_prefix, complete_folders
 from schemas.config import BusConfig
 from schemas.events import LearnerCheckpointed, RunStarted, RunStopped

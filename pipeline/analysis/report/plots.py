@@ -21,8 +21,8 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from pipeline.report.metrics import COLLAPSE_FIELDS
-from pipeline.report.model import RunReport, finite, iso, percent
+from pipeline.analysis.report.metrics import COLLAPSE_FIELDS
+from pipeline.analysis.report.model import RunReport, finite, iso, percent
 
 _ESS_WARNING = 0.3  # below this normalised ESS the off-policy correction is doing heavy lifting
 _LEARNER_COLOR = "#1f4e9c"

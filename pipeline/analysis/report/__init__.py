@@ -3,7 +3,7 @@
 Store + ``<ns>.control`` -> ``gather_report`` -> ``RunReport`` (summary, series,
 notes) -> ``write_report`` -> ``report.html`` (PNGs inlined as data URIs, so the
 file can be mailed), the same PNGs next to it, and ``report.json``.  The page is
-rendered from the Jinja2 template ``pipeline/report/templates/report.html.jinja`` with
+rendered from the Jinja2 template ``pipeline/analysis/report/templates/report.html.jinja`` with
 autoescaping on; Python only prepares plain values for it.
 
 Where each number comes from (nothing else is read; no hidden state):
@@ -15,7 +15,7 @@ Where each number comes from (nothing else is read; no hidden state):
 - adapters: the registry's manifests (versions, base model).
 - learner: ``state.json`` of the newest complete checkpoint, its digest checked
   against the checkpoint's manifest (the contract of ``schemas.checkpoint``),
-  and the step log up to its step (``pipeline.steplog``; a checkpoint of the old
+  and the step log up to its step (``pipeline.io.steplog``; a checkpoint of the old
   layout carries it inline): staleness, importance ratios, ESS, step times and the
   signs of collapse (entropy, identical groups, zero advantages, reward spread).
 - evaluations: ``runs/<run>/eval/*.json`` (``schemas.evaluation.EvalResult``).
@@ -39,10 +39,10 @@ matplotlib figure per section) and ``html`` (the page, the PNGs and
 ``report.json``); ``model`` holds the ``RunReport`` they pass along.
 """
 
-from pipeline.report.gather import DEFAULT_BUS_TIMEOUT_S, UnknownRunError, checkpoint_folders, gather_report
-from pipeline.report.html import render_html, summary_lines, write_report
-from pipeline.report.metrics import busy_seconds
-from pipeline.report.model import FIGURE_FILES, SECTIONS, RunReport
+from pipeline.analysis.report.gather import DEFAULT_BUS_TIMEOUT_S, UnknownRunError, checkpoint_folders, gather_report
+from pipeline.analysis.report.html import render_html, summary_lines, write_report
+from pipeline.analysis.report.metrics import busy_seconds
+from pipeline.analysis.report.model import FIGURE_FILES, SECTIONS, RunReport
 
 __all__ = [
     "DEFAULT_BUS_TIMEOUT_S", "FIGURE_FILES", "SECTIONS", "RunReport", "UnknownRunError", "busy_seconds",
