@@ -13,7 +13,7 @@ batches of ``groups_per_batch`` groups until ``learner.batch_rows`` rows wait):
 Both are timed over the same *work window*, from the first sample to the end of
 the last learner step (start-up of engines and models is outside it and shown
 separately as the process wall-clock).  Idle fractions are measured the same way
-on both sides, with ``pipeline.report``'s lanes and ``busy_seconds``: the
+on both sides, with ``pipeline.analysis.report``'s lanes and ``busy_seconds``: the
 sampler is busy while its engine generates (the sync loop's generate intervals;
 the producers' heartbeats), the learner while it is inside a step (the step
 log's ``started_at``..``finished_at``).  For the sync side the phase split is
@@ -154,7 +154,7 @@ class Timeline:
 
 def idle_fraction(lane: Sequence[Interval], start: float, end: float) -> float:
     """1 - busy seconds / window length, for one lane over [start, end] (NaN for an empty window)."""
-    from pipeline.report import busy_seconds
+    from pipeline.analysis.report import busy_seconds
 
     span = end - start
     return 1.0 - busy_seconds(lane, start, end) / span if span > 0 else math.nan
@@ -390,7 +390,7 @@ class Bench:
         return results
 
     def pipeline_status(self, run_ids: list[str], steps: int) -> str:
-        from pipeline.report import checkpoint_folders
+        from pipeline.analysis.report import checkpoint_folders
         from pipeline.runtime import open_store
         from schemas.config import StoreConfig
 
@@ -400,7 +400,7 @@ class Bench:
 
     def pipeline_numbers(self, run_id: str) -> dict[str, Any]:
         """The run's timeline from ``gather_report`` (store + control topic), its numbers, the report's own busy shares."""
-        from pipeline.report import UnknownRunError, gather_report
+        from pipeline.analysis.report import UnknownRunError, gather_report
         from pipeline.runtime import open_store
         from schemas.config import BusConfig, StoreConfig
 
@@ -544,7 +544,7 @@ def run_concurrency(bench: Bench, async_arm: dict[str, Any] | None = None) -> li
 def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
 
-    from pipeline.stack import start_background, stop_background
+    from pipeline.devstack.stack import start_background, stop_background
 
     args = parse_args(argv)
     clock = Clock()

@@ -35,10 +35,11 @@ from safetensors.torch import save as save_tensors
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from consumers.batching import micro_batches
-from consumers.checkpoint import CheckpointStore, LearnerState, capture_rng
+from consumers.checkpoint import CheckpointStore, capture_rng
 from consumers.policy import LoraPolicy
-from pipeline.store import ObjectStore
+from pipeline.io.store import ObjectStore
 from producers.tiny_model import build_tiny_model
+from schemas.checkpoint import LearnerState
 from schemas.config import LearnerConfig
 
 

@@ -56,9 +56,9 @@ from consumers.learner import Learner
 from consumers.losses import TokenBatch
 from consumers.policy import LoraPolicy, seed_everything
 from consumers.sources import ReplaySource
-from pipeline.archive import TrajectoryArchive
-from pipeline.registry import AdapterRegistry
-from pipeline.store import ObjectStore
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from schemas.config import LearnerConfig
 from schemas.trajectory import NO_ADAPTER_SHA
 

@@ -40,9 +40,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from consumers.service import replay_train
-from pipeline.datasets import read_card
-from pipeline.registry import AdapterRegistry
-from pipeline.store import ObjectStore
+from pipeline.io.datasets import read_card
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from producers.offline.evaluation import SamplingSettings, evaluate_building, held_out_days
 from producers.offline.generation import GenerationSpec, generate_building_dataset
 from producers.offline.trajectories import TrajectoryOptions, dataset_to_trajectories

@@ -1,6 +1,6 @@
 """Scanning a 10-million-row steps dataset: does a time + zone query cost what it matches?
 
-Writes a synthetic building log through the real writer (``pipeline.datasets.DatasetWriter``:
+Writes a synthetic building log through the real writer (``pipeline.io.datasets.DatasetWriter``:
 one partition file per day, card last): ``--buildings`` episodes per day (one per
 building), 288 five-minute steps each, ``--days`` days (100 x 288 x 348 = 10,022,400
 rows), 4 zones with temperature and occupancy, outside air, two actions and the
@@ -8,7 +8,7 @@ reward.  Values are vectorised numpy (a daily sine plus noise, quantised to 1/64
 Parquet's encodings have something to work with), not the simulator.
 
 Then times queries of growing time windows, each for one zone's columns:
-- ``scan_steps``: ``pipeline.datasets.scan_steps`` (partition pruning on the card's per-file
+- ``scan_steps``: ``pipeline.io.datasets.scan_steps`` (partition pruning on the card's per-file
   time ranges, then polars on the chosen files with the time filter and the column
   projection pushed down), collected;
 - ``read_steps``: the same selection through pyarrow, as an Arrow table with the steps schema;
@@ -35,7 +35,7 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.datasets import (
+from pipeline.io.datasets import (
     BASE_COLUMNS,
     DatasetField,
     DatasetWriter,
@@ -46,7 +46,7 @@ from pipeline.datasets import (
     select_files,
     steps_table_from_arrays,
 )
-from pipeline.store import ObjectStore
+from pipeline.io.store import ObjectStore
 
 STEPS_PER_DAY = 288
 ZONES = 4

@@ -82,11 +82,11 @@ def run(preset: str, steps: int, overrides: list[str], json_out: str | None = No
     from consumers.checkpoint import CheckpointStore
     from consumers.learner import BatchRef, Learner
     from consumers.policy import LoraPolicy
-    from pipeline.archive import TrajectoryArchive
     from pipeline.config import resolve_config
-    from pipeline.registry import AdapterRegistry
-    from pipeline.steplog import StepLog
-    from pipeline.store import ObjectStore
+    from pipeline.io.archive import TrajectoryArchive
+    from pipeline.io.registry import AdapterRegistry
+    from pipeline.io.steplog import StepLog
+    from pipeline.io.store import ObjectStore
     from producers.adapters import AdapterWatcher
     from producers.envs.registry import env_from_spec
     from producers.rollout import RolloutWorker

@@ -1,7 +1,9 @@
 """Learner checkpoints in the store: tensors in safetensors, the rest in JSON, manifest last.
 
-Layout (one folder per attempt, so a crashed half-written attempt never blocks
-the next one from writing create-only)::
+The contract (``LearnerState``, the folder names, the manifest) is
+``schemas.checkpoint``, which the report and the run listing read too; this
+module writes and reads the files.  Layout (one folder per attempt, so a crashed
+half-written attempt never blocks the next one from writing create-only)::
 
     runs/<run>/checkpoints/step-000120-<attempt>/adapter.safetensors
                                                 /optimizer.safetensors
@@ -11,7 +13,7 @@ the next one from writing create-only)::
 ``state.json`` holds the step, the last published version, the consumed
 positions (``topic:partition`` -> next offset) and the RNG states: a fixed size
 however long the run.  The per-step metrics, with the ``batch_id``s each step
-trained, live in the step log (``pipeline.steplog``: one immutable object per
+trained, live in the step log (``pipeline.io.steplog``: one immutable object per
 step, written before the checkpoint that covers it); loading a checkpoint
 rebuilds the trained ``batch_id``s from the step objects up to its step.  The
 newest complete checkpoint is the highest step whose manifest exists and whose
@@ -34,7 +36,7 @@ import logging
 import random
 import uuid
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -43,39 +45,19 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from pipeline.steplog import StepLog, trained_batches
-from pipeline.store import ChecksumError, ObjectStore
+from pipeline.io.steplog import StepLog, trained_batches
+from pipeline.io.store import ChecksumError, ObjectStore
+from schemas.checkpoint import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    CheckpointFolder,
+    CheckpointManifest,
+    LearnerState,
+    checkpoint_prefix,
+    complete_folders,
+)
 
 log = logging.getLogger("rlpipe.learner")
-
-
-@dataclass
-class LearnerState:
-    """Everything the learner needs to continue exactly where a checkpoint left it."""
-
-    step: int = 0
-    version: int = 0  # last adapter version this learner published (0 = base model)
-    positions: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> next offset
-    # batch_id -> step that trained it; not stored in state.json: rebuilt from the step log on load
-    trained: dict[str, int] = field(default_factory=dict)
-    dropped_stale_rows: int = 0
-    # the inline per-step metrics of a checkpoint in the old layout, written out as step objects by the next save
-    legacy_step_log: list[dict[str, Any]] = field(default_factory=list, repr=False)
-    log_identity: dict[str, str] = field(default_factory=dict)  # topic -> id of the log ``positions`` point into
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step, "version": self.version, "positions": self.positions,
-            "dropped_stale_rows": self.dropped_stale_rows, "log_identity": self.log_identity,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> LearnerState:
-        return cls(
-            step=int(data["step"]), version=int(data["version"]), positions=dict(data["positions"]),
-            trained=dict(data.get("trained", {})), dropped_stale_rows=int(data.get("dropped_stale_rows", 0)),
-            legacy_step_log=list(data.get("step_log", [])), log_identity=dict(data.get("log_identity", {})),
-        )
 
 
 @dataclass
@@ -127,7 +109,7 @@ class CheckpointStore:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (the newest checkpoint is never deleted), got {keep}")
         self.store, self.run_id, self.keep = store, run_id, keep
-        self.prefix = f"runs/{run_id}/checkpoints"
+        self.prefix = checkpoint_prefix(run_id)
         self.steps = StepLog(store, run_id)
 
     def record_step(self, entry: dict[str, Any]) -> None:
@@ -144,21 +126,20 @@ class CheckpointStore:
         """Write files, then the manifest (create-only), then prune; return the checkpoint's folder key."""
         self._write_legacy_step_log(state)
         rng_tensors, rng_states = capture_rng()
-        key = f"{self.prefix}/step-{state.step:06d}-{uuid.uuid4().hex[:8]}"
+        key = CheckpointFolder(self.prefix, state.step, uuid.uuid4().hex[:8]).key
         files = {
             "adapter.safetensors": save_tensors(adapter),
             "optimizer.safetensors": save_tensors({**optimizer, **rng_tensors}),
-            "state.json": json.dumps(
+            STATE_FILE: json.dumps(
                 {"state": state.to_json(), "scalars": scalars, "rng": rng_states}, sort_keys=True
             ).encode(),
         }
         # put_create_once: a retried create of our own object (gs://) is not a conflict
         digests = {name: self.store.put_create_once(f"{key}/{name}", data) for name, data in files.items()}
-        manifest = {
-            "step": state.step, "version": state.version, "files": digests,
-            "created_at": datetime.now(UTC).isoformat(), "schema_version": "1.0",
-        }
-        self.store.put_create_once(f"{key}/manifest.json", json.dumps(manifest, sort_keys=True).encode())
+        manifest = CheckpointManifest(
+            step=state.step, version=state.version, files=digests, created_at=datetime.now(UTC).isoformat()
+        )
+        self.store.put_create_once(f"{key}/{MANIFEST_FILE}", json.dumps(manifest.to_json(), sort_keys=True).encode())
         if self.keep is not None:
             self.prune(key)
         return key
@@ -182,41 +163,37 @@ class CheckpointStore:
         folders: dict[str, bool] = {}  # folder -> has a manifest
         for path in self.store.list(self.prefix, recursive=True):
             folder, _, name = path.rpartition("/")
-            folders[folder] = folders.get(folder, False) or name == "manifest.json"
+            folders[folder] = folders.get(folder, False) or name == MANIFEST_FILE
         kept = {key for _, key in self.complete()[: self.keep]} | {newest}
-        newest_step = _step_of(newest) or 0
+        newest_folder = CheckpointFolder.parse(newest)
+        newest_step = newest_folder.step if newest_folder else 0
         for folder, complete in folders.items():
-            step = _step_of(folder)
-            if folder in kept or step is None or (not complete and step > newest_step):
+            parsed = CheckpointFolder.parse(folder)
+            if folder in kept or parsed is None or (not complete and parsed.step > newest_step):
                 continue  # an incomplete folder above the newest step may still be being written
             with suppress(OSError):
                 if complete:
-                    self.store.delete(f"{folder}/manifest.json", missing_ok=True)  # uncommit first
+                    self.store.delete(f"{folder}/{MANIFEST_FILE}", missing_ok=True)  # uncommit first
                 self.store.delete(folder, recursive=True, missing_ok=True)
                 log.info("deleted checkpoint folder %s", folder)
 
     def complete(self) -> list[tuple[int, str]]:
         """(step, folder key) of every checkpoint with a manifest, newest first."""
-        found = []
-        for path in self.store.list(self.prefix, recursive=True):
-            if path.endswith("/manifest.json"):
-                folder = path[: -len("/manifest.json")]
-                name = folder.rsplit("/", 1)[-1]
-                try:
-                    found.append((int(name.split("-")[1]), folder))
-                except (IndexError, ValueError):
-                    log.warning("ignoring unexpected checkpoint folder %s", folder)
-        return sorted(found, reverse=True)
+        def unexpected(folder: str) -> None:
+            log.warning("ignoring unexpected checkpoint folder %s", folder)
+
+        keys = self.store.list(self.prefix, recursive=True)
+        return [(folder.step, folder.key) for folder in complete_folders(keys, on_unexpected=unexpected)]
 
     def load(self, key: str) -> Checkpoint:
         """Load and verify one checkpoint (digests must match)."""
-        manifest = json.loads(self.store.get(f"{key}/manifest.json"))
-        blobs = {name: self.store.get(f"{key}/{name}", sha256=digest) for name, digest in manifest["files"].items()}
-        meta = json.loads(blobs["state.json"])
+        manifest = CheckpointManifest.from_json(json.loads(self.store.get(f"{key}/{MANIFEST_FILE}")))
+        blobs = {name: self.store.get(f"{key}/{name}", sha256=digest) for name, digest in manifest.files.items()}
+        meta = json.loads(blobs[STATE_FILE])
         optimizer = load_tensors(blobs["optimizer.safetensors"])
         rng_tensors = {k: optimizer.pop(k) for k in [k for k in optimizer if k.startswith("rng.")]}
         state = LearnerState.from_json(meta["state"])
-        if "step_log" not in meta["state"]:  # the current layout: trained ids come from the step log
+        if not state.legacy_layout:  # the current layout: trained ids come from the step log
             state.trained = trained_batches(self.steps.read(upto=state.step))
         return Checkpoint(
             key=key, state=state, adapter=load_tensors(blobs["adapter.safetensors"]),
@@ -241,8 +218,3 @@ class CheckpointStore:
                 log.warning("skipping damaged checkpoint %s: %s", key, exc)
         return None
 
-
-def _step_of(folder: str) -> int | None:
-    """``.../step-000120-<attempt>`` -> 120 (None for a name of another shape)."""
-    parts = folder.rsplit("/", 1)[-1].split("-")
-    return int(parts[1]) if len(parts) == 3 and parts[0] == "step" and parts[1].isdigit() else None

@@ -52,14 +52,15 @@ import pyarrow as pa
 
 from consumers.advantages import compute_advantages, discounted_returns_to_go, training_weights
 from consumers.batching import drop_stale, micro_batches
-from consumers.checkpoint import CheckpointStore, LearnerState
+from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.lease import LearnerLease
 from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
 from consumers.tracking import MetricLogger, NullMetricLogger
-from pipeline.archive import TrajectoryArchive
-from pipeline.registry import AdapterRegistry
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from schemas.checkpoint import LearnerState
 from schemas.config import LearnerConfig, parse_init_from
 from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
 from schemas.trajectory import TRAJECTORY_SCHEMA

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pipeline.store import ObjectStore
+from pipeline.io.store import ObjectStore
 from schemas.names import validate_name
 
 log = logging.getLogger("rlpipe.learner")
@@ -158,7 +158,7 @@ class FencedStore:
 
     def put(self, key: str, data: bytes) -> str:
         # The learner's only replacing write is a step object of an attempt that crashed before its
-        # checkpoint (``pipeline.steplog``): a fenced-out learner must not overwrite the history
+        # checkpoint (``pipeline.io.steplog``): a fenced-out learner must not overwrite the history
         # that the lease holder's checkpoints cover.
         self.lease.check()
         return self._store.put(key, data)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from consumers.sources import in_date_range
-from pipeline.archive import TrajectoryArchive, batch_committed_payload
-from pipeline.bus import EventPublisher
+from pipeline.io.archive import TrajectoryArchive, batch_committed_payload
+from pipeline.io.bus import EventPublisher
+from pipeline.io.store import ChecksumError
 from pipeline.runtime import open_store, resolved_bus
-from pipeline.store import ChecksumError
 from schemas.config import RunConfig
 from schemas.events import make_event
 

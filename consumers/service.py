@@ -19,13 +19,13 @@ from consumers.lease import FencedStore, LearnerLease
 from consumers.policy import LoraPolicy
 from consumers.sources import KafkaSource, ReplaySource
 from consumers.tracking import open_metric_logger
-from pipeline.archive import TrajectoryArchive
-from pipeline.bus import EventPublisher
 from pipeline.health import HealthServer
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.bus import EventPublisher
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from pipeline.models import resolve_base_model
-from pipeline.registry import AdapterRegistry
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
-from pipeline.store import ObjectStore
 from schemas.config import RunConfig
 from schemas.events import Payload
 

@@ -17,8 +17,8 @@ from datetime import date
 from typing import Any
 
 from consumers.learner import BatchRef
-from pipeline.archive import BatchCommit, TrajectoryArchive
-from pipeline.bus import GROUP_TIMINGS_ENV, EventConsumer, describe_topic
+from pipeline.io.archive import BatchCommit, TrajectoryArchive
+from pipeline.io.bus import GROUP_TIMINGS_ENV, EventConsumer, describe_topic
 from schemas.config import BusConfig
 from schemas.events import TrajectoryBatchCommitted
 

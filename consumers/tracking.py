@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.store import ObjectStore
+from pipeline.io.store import ObjectStore
 from schemas.config import RunConfig
 from schemas.names import validate_name
 
@@ -168,7 +168,7 @@ def tensorboard_dir(config: RunConfig, store: ObjectStore) -> Path:
         return Path(config.learner.tensorboard_dir).expanduser() / run_id
     if store.is_local:
         return Path(store.path(f"runs/{run_id}/tensorboard"))
-    from pipeline.stack import rlpipe_home  # the dev stack's module: not imported with the learner
+    from pipeline.devstack.stack import rlpipe_home  # the dev stack's module: not imported with the learner
 
     return rlpipe_home() / "tensorboard" / run_id
 

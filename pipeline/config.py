@@ -37,9 +37,9 @@ from schemas.config import RunConfig
 ENV_PREFIX = "RLPIPE_"
 # RLPIPE_ variables that configure a process rather than a run (never checked against RunConfig's fields).
 PROCESS_ENV = {
-    "RLPIPE_HOME": "where the embedded stack, caches and local store live (pipeline.stack)",
-    "RLPIPE_KAFKA_GROUP_TIMINGS_MS": "consumer-group timings as JSON (pipeline.bus)",
-    "RLPIPE_KAFKA_PORT": "port of a broker started by `python -m pipeline.broker`",
+    "RLPIPE_HOME": "where the embedded stack, caches and local store live (pipeline.devstack.stack)",
+    "RLPIPE_KAFKA_GROUP_TIMINGS_MS": "consumer-group timings as JSON (pipeline.io.bus)",
+    "RLPIPE_KAFKA_PORT": "port of a broker started by `python -m pipeline.devstack.broker`",
     "RLPIPE_FAULT": "the learner's crash-test hook (consumers.learner)",
 }
 

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.bus import EventPublisher
 from pipeline.config import config_to_json
-from pipeline.stack import read_stack_state, resolve_bootstrap_servers, resolve_store_root
-from pipeline.store import ObjectStore, sha256_hex
+from pipeline.devstack.stack import read_stack_state, resolve_bootstrap_servers, resolve_store_root
+from pipeline.io.bus import EventPublisher
+from pipeline.io.store import ObjectStore, sha256_hex
 from schemas.config import BusConfig, RunConfig, StoreConfig
 from schemas.events import (
     AdapterPublished,

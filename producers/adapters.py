@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.bus import EventFollower
-from pipeline.registry import AdapterRegistry
+from pipeline.io.bus import EventFollower
+from pipeline.io.registry import AdapterRegistry
 from producers.samplers.base import AdapterHandle, Sampler
 from schemas.config import BusConfig
 from schemas.events import AdapterPublished

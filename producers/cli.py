@@ -218,7 +218,7 @@ def record(
     _check_name(name)
     from transformers import AutoTokenizer
 
-    from pipeline.archive import TrajectoryArchive
+    from pipeline.io.archive import TrajectoryArchive
     from pipeline.runtime import open_store
     from producers.demonstrations import record_demonstrations
     from producers.tiny_model import resolve_model

@@ -25,7 +25,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from pipeline.archive import BatchInfo, TrajectoryArchive
+from pipeline.io.archive import BatchInfo, TrajectoryArchive
 from producers.envs.registry import make_env
 from producers.episode import ChatFormat, ChatTokenizer, Episode
 from producers.rows import episode_rows

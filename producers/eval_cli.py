@@ -11,7 +11,7 @@ from rich.table import Table
 from pipeline.cli.common import console, fail, handle_user_errors, print_json
 from pipeline.cli.options import DeprecatedRunArg, RunOpt, chosen_run, setup_logging
 from pipeline.config import deep_merge, env_layer, parse_overrides
-from pipeline.registry import AdapterRegistry
+from pipeline.io.registry import AdapterRegistry
 from pipeline.runtime import open_store
 from schemas.config import RunConfig, StoreConfig
 

@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pipeline.registry import AdapterRegistry
-from pipeline.store import ObjectStore
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker
 from producers.samplers import sampler_for_run
@@ -79,7 +79,7 @@ def evaluate_version(
     """Play ``episodes`` held-out episodes with adapter ``version`` (0 = base model)."""
     import uuid
 
-    from pipeline.stack import rlpipe_home
+    from pipeline.devstack.stack import rlpipe_home
 
     registry = AdapterRegistry(store, config.run_id)
     cache = rlpipe_home() / "adapter-cache" / f"eval-{uuid.uuid4().hex[:8]}"  # this call's own: removed at the end

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from pipeline.archive import TrajectoryArchive
-from pipeline.bus import BusError, EventFollower, EventPublisher, group_lag, tail
 from pipeline.health import HealthServer
-from pipeline.registry import AdapterRegistry
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.bus import BusError, EventFollower, EventPublisher, group_lag, tail
+from pipeline.io.registry import AdapterRegistry
 from pipeline.runtime import Announcer, RateMeter, StopFlag, open_store, resolved_bus
 from pipeline.topics import topic_name
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_process_caches
@@ -226,7 +226,7 @@ def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWork
 
 
 def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health: HealthServer) -> RolloutWorker:
-    from pipeline.stack import rlpipe_home
+    from pipeline.devstack.stack import rlpipe_home
 
     done = health.add_setup_steps(("broker", "store", "sampler", "adapters"))
     health.add_readiness_check("stopping", lambda: not stop())

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pipeline.archive import BatchInfo, TrajectoryArchive, batch_committed_payload
+from pipeline.io.archive import BatchInfo, TrajectoryArchive, batch_committed_payload
 from schemas.events import Payload, TrajectoryBatchCommitted
 
 log = logging.getLogger("rlpipe.producer")

@@ -2,9 +2,11 @@
 
 The rule: ``schemas`` imports nothing of rlpipe's other packages;
 ``producers`` and ``consumers`` import ``schemas`` and ``pipeline``, never each other;
-and neither imports the embedded dev stack (the broker, the GCS emulator, the stack
-state, the run launcher, an S3 server) when it is imported: a module of theirs may
-reach the dev stack only from inside a function.  The imports are read from each
+and neither imports the embedded dev stack (``pipeline.devstack``: the broker, the
+GCS emulator, the stack state, the run launcher, an S3 server) when it is imported:
+a module of theirs may reach the dev stack only from inside a function.  Transport
+and storage (``pipeline.io``) import neither the dev stack nor ``pipeline.analysis``
+when they are imported.  The imports are read from each
 module's source with ``ast``, so an import inside a function (or under
 ``if TYPE_CHECKING``) is told apart from one that runs at import time.  The checks are
 on the modules' own imports; what a ``pipeline`` module imports in turn is not followed.
@@ -22,7 +24,9 @@ from pathlib import Path
 import pytest
 
 PACKAGES = ("schemas", "pipeline", "producers", "consumers")
-DEV_STACK = ("pipeline.broker", "pipeline.gcs_emulator", "pipeline.stack", "pipeline.launcher", "pipeline.process")
+DEV_STACK = ("pipeline.devstack",)  # the broker, the GCS emulator, the S3 server, the stack state, the launcher
+IO = "pipeline.io"
+ANALYSIS = "pipeline.analysis"
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,12 @@ def _package(name: str) -> str:
     return name.partition(".")[0]
 
 
+def _within(name: str, room: str) -> bool:
+    return name == room or name.startswith(f"{room}.")
+
+
 def _is_dev_stack(name: str) -> bool:
-    if any(name == m or name.startswith(f"{m}.") for m in DEV_STACK):
+    if any(_within(name, m) for m in DEV_STACK):
         return True
     return _package(name) == "pipeline" and "s3" in name.rpartition(".")[2]
 
@@ -140,3 +148,10 @@ def test_producers_and_consumers_import_the_dev_stack_only_inside_functions(impo
     bad = [i for i in imports
            if _package(i.importer) in ("producers", "consumers") and i.at_import_time and _is_dev_stack(i.target)]
     assert not bad, "import the dev stack inside the function that needs it:\n" + _report(bad)
+
+
+def test_transport_and_storage_import_neither_the_dev_stack_nor_analysis_at_import_time(imports):
+    """``pipeline.io`` is what the training path stands on: it must load without the local servers or the report."""
+    bad = [i for i in imports if _within(i.importer, IO) and i.at_import_time
+           and (_is_dev_stack(i.target) or _within(i.target, ANALYSIS))]
+    assert not bad, f"{IO} reaches the dev stack or analysis only inside functions:\n" + _report(bad)

@@ -18,9 +18,9 @@ import typer
 from rich.table import Table
 
 from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, fail, print_json
-from pipeline.gcs_emulator import probe_endpoint
-from pipeline.registry import AdapterNotFoundError, AdapterRegistry, run_ids, version_folder
-from pipeline.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError
+from pipeline.devstack.gcs_emulator import probe_endpoint
+from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry, run_ids, version_folder
+from pipeline.io.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError
 from schemas.names import InvalidNameError
 from schemas.registry import AdapterManifest, ManifestError
 from schemas.versions import SchemaVersionError
@@ -166,7 +166,7 @@ def _open_store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
 def _stack_root() -> tuple[str, str | None]:
     """The root recorded by `rlpipe up` (a URL, or a config with ``root`` and ``gcs_endpoint``)."""
     try:
-        from pipeline.stack import resolve_store_root
+        from pipeline.devstack.stack import resolve_store_root
     except ImportError:
         raise UsageError("no --root given and no embedded stack is available; pass --root URL") from None
     try:

@@ -23,10 +23,10 @@ import typer
 from pydantic import BaseModel, ValidationError
 from rich.console import Console
 
-from pipeline.broker import BrokerStartError
-from pipeline.bus import BusError
-from pipeline.gcs_emulator import EmulatorError
-from pipeline.stack import StackError
+from pipeline.devstack.broker import BrokerStartError
+from pipeline.devstack.gcs_emulator import EmulatorError
+from pipeline.devstack.stack import StackError
+from pipeline.io.bus import BusError
 from schemas.config import BusConfig
 
 console = Console(highlight=False, soft_wrap=True)

@@ -27,7 +27,7 @@ import typer
 from rich.table import Table
 
 from pipeline.cli.common import console, fail, handle_user_errors
-from pipeline.launcher import rlpipe_command
+from pipeline.devstack.launcher import rlpipe_command
 
 app = typer.Typer(name="demo", add_completion=False)
 

@@ -24,10 +24,10 @@ import typer
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
-from pipeline.broker import answers_kafka_metadata
 from pipeline.cli.common import console, fail, handle_user_errors, print_json
 from pipeline.cli.topics import app as topics_app
-from pipeline.stack import (
+from pipeline.devstack.broker import answers_kafka_metadata
+from pipeline.devstack.stack import (
     StackAlreadyRunningError,
     StackState,
     read_stack_state,

@@ -40,7 +40,7 @@ def setup_logging(verbose: bool = False) -> None:
     for noisy in ("urllib3", "google", "fsspec", "gcsfs", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # kafka-python logs every retry as an error; rlpipe reports the failure itself, in one line.
-    # Its records still reach handlers on the "kafka" logger (pipeline.bus reads the reason from
+    # Its records still reach handlers on the "kafka" logger (pipeline.io.bus reads the reason from
     # them); they just do not propagate to the console unless --verbose.
     kafka = logging.getLogger("kafka")
     kafka.setLevel(logging.DEBUG if verbose else logging.WARNING)

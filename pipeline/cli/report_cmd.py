@@ -21,6 +21,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from pipeline.analysis.report import DEFAULT_BUS_TIMEOUT_S, RunReport, gather_report, summary_lines, write_report
 from pipeline.cli.common import (
     EXIT_FAILURE,
     bus_config_from_cli,
@@ -31,10 +32,9 @@ from pipeline.cli.common import (
     user_errors,
 )
 from pipeline.cli.options import DeprecatedRunArg, RunOpt, chosen_run
-from pipeline.gcs_emulator import probe_endpoint
-from pipeline.report import DEFAULT_BUS_TIMEOUT_S, RunReport, gather_report, summary_lines, write_report
+from pipeline.devstack.gcs_emulator import probe_endpoint
+from pipeline.io.store import ObjectStore
 from pipeline.runtime import open_store
-from pipeline.store import ObjectStore
 from schemas.config import StoreConfig
 
 app = typer.Typer(

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
 from pipeline.cli.options import ConfigOpt, PresetOpt, SetOpt, run_config, setup_logging
 from pipeline.config import ConfigError, deep_merge, env_layer, load_file, parse_overrides, validation_message
-from pipeline.store import ObjectStore
+from pipeline.io.store import ObjectStore
 from schemas.config import RunConfig
 from schemas.names import validate_name
 
@@ -75,7 +75,7 @@ def run(
     setup_logging()
     if cfg.learner.max_steps is None:
         typer.echo("note: learner.max_steps is not set: the run goes on until Ctrl-C")
-    from pipeline.launcher import Launcher
+    from pipeline.devstack.launcher import Launcher
 
     raise typer.Exit(Launcher(cfg, dashboard=dashboard).run())
 
@@ -90,7 +90,7 @@ def explicit_run_id(config_file: str | None, overrides: list[str]) -> str | None
 
 def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
     """``explicit`` if that run does not exist yet, else ``<base>-<UTC time>`` (``-2``, ``-3`` if taken)."""
-    from pipeline.runs import run_exists
+    from pipeline.analysis.runs import run_exists
 
     if explicit is not None:
         validate_name(explicit, "run_id")
@@ -109,7 +109,7 @@ def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
 
 def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     """The run's stored ``run.json`` with the ``RLPIPE_`` environment and ``--set`` on top."""
-    from pipeline.runs import list_runs, stored_run_config
+    from pipeline.analysis.runs import list_runs, stored_run_config
     from pipeline.runtime import open_store
 
     validate_name(run_id, "run_id")
@@ -130,8 +130,8 @@ def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
 
 def stop_if_finished(store: ObjectStore, config: RunConfig) -> None:
     """Exit 0 with one line when the run's learner already reached ``max_steps``: nothing would train."""
+    from pipeline.analysis.runs import learner_step
     from pipeline.config import preset_names
-    from pipeline.runs import learner_step
 
     preset_hint = config.env.name if config.env.name in preset_names() else "NAME"
     limit = config.learner.max_steps

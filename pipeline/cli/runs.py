@@ -2,7 +2,7 @@
 
 Reads the store (``run.json``, the adapter registry, checkpoints) and, unless
 ``--no-bus``, the control topic with a bounded wait for status and last activity
-(``pipeline.runs``).  ``delete`` asks before it removes anything (``--yes`` skips
+(``pipeline.analysis.runs``).  ``delete`` asks before it removes anything (``--yes`` skips
 the question) and removes only the named run: its objects, checkpoints and
 cached adapters, never another run's.
 """
@@ -17,10 +17,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from pipeline.cli.common import EXIT_USAGE, bus_config_from_cli, console, fail, handle_user_errors, print_json
-from pipeline.cli.options import RunOpt, chosen_run
-from pipeline.gcs_emulator import probe_endpoint
-from pipeline.runs import (
+from pipeline.analysis.runs import (
     ACTIVE_WITHIN_S,
     RunSummary,
     activity_or_note,
@@ -30,9 +27,12 @@ from pipeline.runs import (
     run_exists,
     summarize,
 )
+from pipeline.cli.common import EXIT_USAGE, bus_config_from_cli, console, fail, handle_user_errors, print_json
+from pipeline.cli.options import RunOpt, chosen_run
+from pipeline.devstack.gcs_emulator import probe_endpoint
+from pipeline.devstack.stack import rlpipe_home
+from pipeline.io.store import ObjectStore
 from pipeline.runtime import open_store
-from pipeline.stack import rlpipe_home
-from pipeline.store import ObjectStore
 from schemas.config import StoreConfig
 
 app = typer.Typer(

@@ -17,8 +17,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from pipeline import bus
 from pipeline.cli.common import bus_config_from_cli, console, handle_user_errors, print_json, to_jsonable
+from pipeline.io import bus
 
 app = typer.Typer(
     name="topics",

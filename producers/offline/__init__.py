@@ -25,5 +25,5 @@ Modules:
 - ``cli``: the ``rlpipe datasets`` commands.
 
 The card, partition and scan side of datasets, which the learner reads too, is
-``pipeline.datasets``.
+``pipeline.io.datasets``.
 """

@@ -1,7 +1,7 @@
 """``rlpipe datasets``: import, generate, inspect, convert and evaluate offline datasets.
 
 Thin by design: the work is in ``producers.offline`` (importers, generator,
-to-trajectories, evaluation) and ``pipeline.datasets`` (cards, partitions, scans);
+to-trajectories, evaluation) and ``pipeline.io.datasets`` (cards, partitions, scans);
 this module parses options and prints.  A user mistake ends with one red line
 and a non-zero exit code, never a traceback.
 """
@@ -17,7 +17,7 @@ from rich.table import Table
 
 from pipeline.cli.common import console, fail, handle_user_errors, print_json
 from pipeline.config import parse_overrides
-from pipeline.datasets import (
+from pipeline.io.datasets import (
     BASE_COLUMNS,
     DatasetCard,
     dataset_names,
@@ -25,7 +25,7 @@ from pipeline.datasets import (
     read_steps,
     verify_dataset,
 )
-from pipeline.store import ObjectStore
+from pipeline.io.store import ObjectStore
 
 app = typer.Typer(
     name="datasets",

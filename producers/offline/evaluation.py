@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.datasets import DatasetCard
-from pipeline.store import ObjectStore
+from pipeline.io.datasets import DatasetCard
+from pipeline.io.store import ObjectStore
 from producers.envs.building import BuildingConfig, BuildingHVAC, parse_setpoint_values, to_kelvin
 from producers.envs.parsing import format_answer, parse_answer
 from producers.offline.episodes import DatasetImportError
@@ -269,8 +269,8 @@ def _policy_outcomes(
 
 def _adapter_handle(store: ObjectStore, run_id: str, version: int | None, cache_dir: str | Path | None) -> Any:
     """The run's adapter ``version`` (None: the latest) pulled, digest-checked, into a local folder."""
-    from pipeline.registry import AdapterRegistry
-    from pipeline.stack import rlpipe_home
+    from pipeline.devstack.stack import rlpipe_home
+    from pipeline.io.registry import AdapterRegistry
     from producers.samplers.base import AdapterHandle
 
     registry = AdapterRegistry(store, run_id)

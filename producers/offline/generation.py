@@ -19,8 +19,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipeline.datasets import DatasetCard
-from pipeline.store import ObjectStore
+from pipeline.io.datasets import DatasetCard
+from pipeline.io.store import ObjectStore
 from producers.envs.building import BuildingConfig, BuildingHVAC, zone_names
 from producers.offline.episodes import DatasetImportError
 from producers.offline.smart_buildings import (

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.datasets import US_PER_SECOND, DatasetCard, DatasetField, DatasetWriter, EpisodeSplit, episode_starts
-from pipeline.store import ObjectStore
+from pipeline.io.datasets import US_PER_SECOND, DatasetCard, DatasetField, DatasetWriter, EpisodeSplit, episode_starts
+from pipeline.io.store import ObjectStore
 from producers.offline.episodes import (
     DatasetImportError,
     day_tables,

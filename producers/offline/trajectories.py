@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.datasets import DatasetCard, iter_partitions, read_card
-from pipeline.store import ObjectStore
+from pipeline.io.datasets import DatasetCard, iter_partitions, read_card
+from pipeline.io.store import ObjectStore
 from producers.envs.building import (
     COOL,
     HEAT,
@@ -333,7 +333,7 @@ def dataset_to_trajectories(
     second conversion into the same run fails on its first batch instead of mixing data.
     A summary (``runs/<run>/offline/<dataset>.json``) is written last.
     """
-    from pipeline.archive import TrajectoryArchive
+    from pipeline.io.archive import TrajectoryArchive
     from schemas.names import validate_name
 
     options = options or TrajectoryOptions()

@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save as save_tensors
 
-from consumers.checkpoint import CheckpointStore, LearnerState
-from pipeline.steplog import StepLogGapError
-from pipeline.store import ObjectStore
+from consumers.checkpoint import CheckpointStore
+from pipeline.io.steplog import StepLogGapError
+from pipeline.io.store import ObjectStore
+from schemas.checkpoint import LearnerState
 
 RUN = "ckpt"
 

@@ -16,10 +16,10 @@ from consumers.checkpoint import CheckpointStore
 from consumers.learner import Learner, with_discounted_returns
 from consumers.policy import LoraPolicy
 from consumers.sources import ReplaySource
-from pipeline.archive import TrajectoryArchive
-from pipeline.registry import AdapterRegistry
-from pipeline.steplog import StepLog
-from pipeline.store import ObjectStore
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.steplog import StepLog
+from pipeline.io.store import ObjectStore
 from schemas.config import LearnerConfig
 from schemas.trajectory import NO_ADAPTER_SHA
 

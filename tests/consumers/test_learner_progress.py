@@ -11,10 +11,10 @@ import pytest
 
 from consumers.learner import BatchRef
 from consumers.service import record_step_metrics
-from pipeline.archive import TrajectoryArchive
 from pipeline.health import HealthServer
-from pipeline.registry import AdapterRegistry
-from pipeline.store import sha256_hex
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import sha256_hex
 from schemas.events import DeadLetter, LearnerProgress
 from tests.consumers import test_learner
 from tests.consumers.test_learner import RUN, make_learner, write_batches

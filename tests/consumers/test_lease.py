@@ -10,10 +10,10 @@ from consumers.checkpoint import CheckpointStore
 from consumers.lease import LearnerLease, LeaseLostError
 from consumers.service import build_learner
 from consumers.sources import ReplaySource
-from pipeline.archive import TrajectoryArchive
-from pipeline.registry import AdapterRegistry
-from pipeline.steplog import StepLog
-from pipeline.store import ObjectStore
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.steplog import StepLog
+from pipeline.io.store import ObjectStore
 from schemas.config import LearnerConfig, ModelConfig, RunConfig, StoreConfig
 from tests.consumers import test_learner
 from tests.consumers.test_learner import RUN, write_batches

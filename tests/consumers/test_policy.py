@@ -12,7 +12,7 @@ import torch
 from consumers.batching import micro_batches
 from consumers.policy import LoraPolicy
 from consumers.service import build_learner
-from pipeline.store import ObjectStore
+from pipeline.io.store import ObjectStore
 from schemas.config import LearnerConfig, ModelConfig, RunConfig
 
 

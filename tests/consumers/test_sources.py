@@ -13,9 +13,9 @@ import pyarrow.compute as pc
 import pytest
 
 from consumers.sources import KafkaSource, ReplaySource, learner_group_id
-from pipeline.archive import TrajectoryArchive, parquet_bytes
-from pipeline.bus import EventPublisher, group_lag
-from pipeline.store import ChecksumError, ObjectStore
+from pipeline.io.archive import TrajectoryArchive, parquet_bytes
+from pipeline.io.bus import EventPublisher, group_lag
+from pipeline.io.store import ChecksumError, ObjectStore
 from pipeline.topics import topic_name
 from schemas.config import BusConfig
 from schemas.trajectory import NO_ADAPTER_SHA

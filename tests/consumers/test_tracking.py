@@ -20,7 +20,7 @@ from consumers.tracking import (
     tensorboard_dir,
     wandb_configured,
 )
-from pipeline.store import ObjectStore
+from pipeline.io.store import ObjectStore
 from schemas.config import LearnerConfig, RunConfig, StoreConfig
 
 METRICS = {

@@ -34,8 +34,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.bus import kafka_client_settings
 from pipeline.config import resolve_config
+from pipeline.io.bus import kafka_client_settings
 from pipeline.runtime import StopFlag
 from schemas.config import RunConfig
 

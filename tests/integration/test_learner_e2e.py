@@ -47,20 +47,21 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from consumers.checkpoint import CheckpointStore, LearnerState
+from consumers.checkpoint import CheckpointStore
 from consumers.cli import replay_command
 from consumers.service import replay_train, run_learner
 from consumers.sources import GROUP_TIMINGS_ENV, learner_group_id
-from pipeline.archive import TrajectoryArchive
-from pipeline.broker import TansuBroker
-from pipeline.bus import describe_topic, group_lag
 from pipeline.config import resolve_config
-from pipeline.gcs_emulator import free_port
-from pipeline.registry import AdapterRegistry
+from pipeline.devstack.broker import TansuBroker
+from pipeline.devstack.gcs_emulator import free_port
+from pipeline.devstack.stack import DevStack
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.bus import describe_topic, group_lag
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.steplog import StepLog
+from pipeline.io.store import ObjectStore
 from pipeline.runtime import StopFlag
-from pipeline.stack import DevStack
-from pipeline.steplog import StepLog
-from pipeline.store import ObjectStore
+from schemas.checkpoint import LearnerState
 from schemas.config import BusConfig
 from schemas.trajectory import NO_ADAPTER_SHA
 

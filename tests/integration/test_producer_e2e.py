@@ -35,11 +35,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.archive import COMMIT_RECORD_SUFFIX, TrajectoryArchive, trajectories_prefix
-from pipeline.bus import EventPublisher, UnknownTopicError, tail
-from pipeline.registry import AdapterRegistry
+from pipeline.io.archive import COMMIT_RECORD_SUFFIX, TrajectoryArchive, trajectories_prefix
+from pipeline.io.bus import EventPublisher, UnknownTopicError, tail
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from pipeline.runtime import Announcer
-from pipeline.store import ObjectStore
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents
 from producers.envs.registry import make_env
 from producers.episode import ChatFormat
@@ -58,7 +58,7 @@ RUN_ID = "e2e"
 SOKOBAN = {"max_turns": 2}
 # The shared engine was started with max_model_len 1024; the worker must plan with the same context.
 SAMPLING = SamplerConfig(max_new_tokens=24, max_model_len=1024, seed=0)
-TEMP_PREFIX = ".rlpipe-tmp-"  # pipeline.store's temporary files: never listed, never read
+TEMP_PREFIX = ".rlpipe-tmp-"  # pipeline.io.store's temporary files: never listed, never read
 
 
 # ---- a recording sampler over the session's engine -----------------------------------------------

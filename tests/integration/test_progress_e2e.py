@@ -29,8 +29,8 @@ import pytest
 
 from consumers.checkpoint import CheckpointStore
 from consumers.sources import GROUP_TIMINGS_ENV
-from pipeline.steplog import StepLog
-from pipeline.store import ObjectStore
+from pipeline.io.steplog import StepLog
+from pipeline.io.store import ObjectStore
 from schemas.config import BusConfig
 
 pytestmark = pytest.mark.integration

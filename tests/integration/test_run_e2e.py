@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.archive import TrajectoryArchive
-from pipeline.registry import AdapterRegistry
-from pipeline.steplog import StepLog
-from pipeline.store import ObjectStore
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.steplog import StepLog
+from pipeline.io.store import ObjectStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 

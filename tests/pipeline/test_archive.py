@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.archive import ArchiveError, TrajectoryArchive, batch_committed_payload, new_batch_id
-from pipeline.store import ChecksumError, ObjectStore
+from pipeline.io.archive import ArchiveError, TrajectoryArchive, batch_committed_payload, new_batch_id
+from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.events import TrajectoryBatchCommitted
 from schemas.steps import steps_to_table
 from schemas.trajectory import NO_ADAPTER_SHA, SCHEMA_VERSION_KEY, conform_table, records_to_table

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.broker import BrokerStartError, TansuBroker, answers_kafka_metadata
-from pipeline.gcs_emulator import free_port
+from pipeline.devstack.broker import BrokerStartError, TansuBroker, answers_kafka_metadata
+from pipeline.devstack.gcs_emulator import free_port
 
 
 def _host_port(bootstrap: str) -> tuple[str, int]:

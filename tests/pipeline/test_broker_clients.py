@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import bus
-from pipeline.bus import EventPublisher
+from pipeline.io import bus
+from pipeline.io.bus import EventPublisher
 from pipeline.topics import topic_name
 from schemas.config import BusConfig
 from schemas.events import RunStopped, make_event

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from pipeline import bus
-from pipeline.bus import (
+from pipeline.devstack.gcs_emulator import free_port
+from pipeline.io import bus
+from pipeline.io.bus import (
     BusConfigError,
     BusUnavailableError,
     EventConsumer,
@@ -26,7 +27,6 @@ from pipeline.bus import (
     PublishError,
     WrongEventTypeError,
 )
-from pipeline.gcs_emulator import free_port
 from schemas.config import BusConfig
 from schemas.events import DeadLetter, RunStopped, encode_event, make_event
 

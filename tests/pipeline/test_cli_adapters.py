@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli.adapters import app
-from pipeline.registry import AdapterRegistry
-from pipeline.store import ObjectStore
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from tests.pipeline.test_registry import make_adapter
 
 runner = CliRunner(env={"COLUMNS": "200"})  # wide enough that rich does not fold table cells
@@ -95,9 +95,9 @@ def test_tampered_pull_exits_1(published: tuple[ObjectStore, list[str]], tmp_pat
 
 def test_root_defaults_to_the_stack(published: tuple[ObjectStore, list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
     store, _ = published
-    fake_stack = types.ModuleType("pipeline.stack")
+    fake_stack = types.ModuleType("pipeline.devstack.stack")
     fake_stack.resolve_store_root = lambda: store.root  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pipeline.stack", fake_stack)
+    monkeypatch.setitem(sys.modules, "pipeline.devstack.stack", fake_stack)
     result = runner.invoke(app, ["list", "--run", "demo", "--json", "--gcs-endpoint", store.gcs_endpoint or ""])
     assert [m["version"] for m in json.loads(result.output)] == [1, 2]
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from consumers.checkpoint import CheckpointStore, LearnerState
-from pipeline import launcher
+from consumers.checkpoint import CheckpointStore
 from pipeline.cli.run_cmd import app
+from pipeline.devstack import launcher
 from pipeline.runtime import create_run, open_store
+from schemas.checkpoint import LearnerState
 from schemas.config import RunConfig
 
 runner = CliRunner()

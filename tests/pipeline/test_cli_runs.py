@@ -11,13 +11,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from consumers.checkpoint import CheckpointStore, LearnerState
-from pipeline.bus import EventPublisher
+from consumers.checkpoint import CheckpointStore
+from pipeline.analysis.runs import RunActivity, RunSummary, read_activity, run_status
 from pipeline.cli.runs import app
-from pipeline.registry import AdapterRegistry
-from pipeline.runs import RunActivity, RunSummary, read_activity, run_status
+from pipeline.io.bus import EventPublisher
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from pipeline.runtime import create_run
-from pipeline.store import ObjectStore
+from schemas.checkpoint import LearnerState
 from schemas.config import BusConfig, RunConfig
 from schemas.events import LearnerCheckpointed, RunStarted, RunStopped, make_event
 from tests.pipeline.test_registry import make_adapter

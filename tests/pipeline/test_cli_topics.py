@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from pipeline import bus
 from pipeline.cli import main as cli_main
 from pipeline.cli.main import app
-from pipeline.gcs_emulator import free_port
+from pipeline.devstack.gcs_emulator import free_port
+from pipeline.io import bus
 from schemas.config import BusConfig
 from schemas.events import RunStopped, make_event
 

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.datasets import (
+from pipeline.io.datasets import (
     CARD_SCHEMA_VERSION,
     DatasetError,
     DatasetField,
@@ -25,7 +25,7 @@ from pipeline.datasets import (
     steps_table_from_arrays,
     verify_dataset,
 )
-from pipeline.store import ObjectStore
+from pipeline.io.store import ObjectStore
 from schemas.steps import check_steps_table
 
 US = 1_000_000

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import launcher
-from pipeline.stack import StackState
+from pipeline.devstack import launcher
+from pipeline.devstack.stack import StackState
 from schemas.config import RunConfig
 
 

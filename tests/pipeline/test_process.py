@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.process import ManagedProcess, free_port, port_is_free
+from pipeline.devstack.process import ManagedProcess, free_port, port_is_free
 
 
 class ProcessError(RuntimeError):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from pipeline.registry import AdapterNotFoundError, AdapterRegistry, RegistryError, read_adapter_folder
-from pipeline.store import ChecksumError, ObjectStore
+from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry, RegistryError, read_adapter_folder
+from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.registry import AdapterManifest, ManifestError, manifest_from_bytes, manifest_to_bytes
 from schemas.versions import SchemaVersionError
 

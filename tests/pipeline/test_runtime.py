@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from pipeline.io.store import ObjectStore
 from pipeline.runtime import RunConfigConflictError, create_run, effective_run_config
-from pipeline.store import ObjectStore
 from schemas.config import RunConfig
 from schemas.events import RunConfigChanged, RunStarted
 

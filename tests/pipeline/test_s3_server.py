@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.s3_server import (
+from pipeline.devstack.s3_server import (
     LocalS3Server,
     _journal_entry,
     _ordered_modification_times,

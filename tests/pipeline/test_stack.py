@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipeline import bus
-from pipeline.broker import answers_kafka_metadata
 from pipeline.cli.main import app
-from pipeline.stack import (
+from pipeline.devstack.broker import answers_kafka_metadata
+from pipeline.devstack.stack import (
     DevStack,
     NoBrokerConfiguredError,
     StackState,
@@ -27,6 +26,7 @@ from pipeline.stack import (
     resolve_store_root,
     state_path,
 )
+from pipeline.io import bus
 from schemas.config import BusConfig
 from schemas.events import RunStopped, make_event
 

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from pipeline.gcs_emulator import FakeGCSServer, ensure_bucket
-from pipeline.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError, validate_key
+from pipeline.devstack.gcs_emulator import FakeGCSServer, ensure_bucket
+from pipeline.io.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError, validate_key
 from schemas.config import StoreConfig
 
 PAYLOAD = b"\x00rlpipe\xffbytes" * 100

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from pipeline.bus import EventPublisher
-from pipeline.registry import AdapterRegistry
+from pipeline.io.bus import EventPublisher
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from pipeline.runtime import Announcer
-from pipeline.store import ObjectStore
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_process_caches
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
 from schemas.config import BusConfig

@@ -19,10 +19,10 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from pipeline.archive import TrajectoryArchive
-from pipeline.datasets import dataset_names, iter_partitions, read_card
-from pipeline.registry import AdapterRegistry
-from pipeline.store import ObjectStore
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.datasets import dataset_names, iter_partitions, read_card
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from producers.envs.building import BuildingHVAC
 from producers.envs.evaluate import run_episode
 from producers.offline.cli import app

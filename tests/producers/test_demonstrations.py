@@ -4,8 +4,8 @@ from collections import defaultdict
 
 import pytest
 
-from pipeline.archive import TrajectoryArchive
-from pipeline.store import ObjectStore
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.store import ObjectStore
 from producers.demonstrations import record_demonstrations, teacher_distribution
 from producers.envs.registry import make_env
 

@@ -9,8 +9,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from transformers import AutoTokenizer
 
-from pipeline.registry import AdapterRegistry
-from pipeline.store import ObjectStore
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from producers.evaluation import evaluate_version
 from schemas.config import RunConfig
 from tests.producers.test_rollout import ScriptedSampler

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from pipeline.archive import TrajectoryArchive
-from pipeline.store import ObjectStore
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.store import ObjectStore
 from producers.envs.registry import make_env
 from producers.rollout import RolloutWorker, SamplingStreams, StaleAdapterError
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, request_seed

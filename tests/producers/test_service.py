@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
-from pipeline.bus import EventConsumer, EventPublisher
+from pipeline.io.bus import EventConsumer, EventPublisher
 from pipeline.runtime import Announcer
 from pipeline.topics import topic_name
 from producers.service import LearnerBacklog, unconsumed_rows

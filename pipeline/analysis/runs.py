@@ -6,8 +6,8 @@ own each layout, never by parsing their files here):
 - environment, base model, ``max_steps``: the run's ``run.json``;
 - versions, last reward: the adapter registry (``AdapterRegistry``; the newest
   manifest whose metrics hold ``reward_mean``);
-- steps: the newest complete learner checkpoint (``pipeline.report.checkpoint_folders``,
-  the store-side reader of ``consumers.checkpoint``'s layout), or the newest
+- steps: the newest complete learner checkpoint (its folder name, read through
+  ``schemas.checkpoint``, the checkpoint's contract), or the newest
   version's ``learner_step`` when that is further;
 - status and last activity: the run's events on ``<ns>.control`` (``RunStarted``,
   ``RunStopped``, ``LearnerCheckpointed``, heartbeats), read with a bounded wait.
@@ -34,10 +34,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.bus import BusError, tail
-from pipeline.registry import AdapterRegistry, run_ids
-from pipeline.stack import resolve_bootstrap_servers
-from pipeline.store import ObjectStore
+from pipeline.devstack.stack import resolve_bootstrap_servers
+from pipeline.io.bus import BusError, tail
+from pipeline.io.registry import AdapterRegistry, run_ids
+from pipeline.io.store import ObjectStore
+from schemas.checkpoint import checkpoint_prefix, complete_folders
 from schemas.config import BusConfig
 from schemas.events import LearnerCheckpointed, RunStarted, RunStopped
 from schemas.names import validate_name
@@ -103,10 +104,8 @@ def run_exists(store: ObjectStore, run_id: str) -> bool:
 
 def learner_step(store: ObjectStore, run_id: str) -> int:
     """The step of the run's newest complete learner checkpoint (0 before the first one)."""
-    from pipeline.report import checkpoint_folders  # the store-side reader of the checkpoint layout
-
-    folders = checkpoint_folders(store, validate_name(run_id, "run_id"))
-    return folders[0][0] if folders else 0
+    folders = complete_folders(store.list(checkpoint_prefix(validate_name(run_id, "run_id")), recursive=True))
+    return folders[0].step if folders else 0
 
 
 def read_activity(bus_config: BusConfig, timeout_s: float, run_id: str | None = None) -> dict[str, RunActivity]:

@@ -38,8 +38,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.archive import TrajectoryArchive
-from pipeline.store import ObjectStore
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.store import ObjectStore
 from schemas.names import validate_name
 from schemas.steps import STEPS_BASE_FIELDS, check_steps_table
 from schemas.versions import check_readable

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pipeline.store import ObjectStore, sha256_hex
+from pipeline.io.store import ObjectStore, sha256_hex
 from schemas.events import AdapterPublished
 from schemas.names import validate_name
 from schemas.registry import (

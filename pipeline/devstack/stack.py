@@ -1,6 +1,6 @@
 """The embedded development stack: a Kafka-protocol broker, a GCS emulator and a local store folder.
 
-``rlpipe up`` starts ``python -m pipeline.stack serve`` as a detached background
+``rlpipe up`` starts ``python -m pipeline.devstack.stack serve`` as a detached background
 process that owns the servers (Tansu, the local S3 server under Tansu's log, and
 fake-gcs-server), writes where they
 listen to ``$RLPIPE_HOME/stack.json`` (default ``~/.rlpipe``) and stops them
@@ -11,7 +11,7 @@ is one, else the running stack's, else a one-line error naming ``rlpipe up``.
 Why a separate process rather than threads in the CLI: the stack must outlive the
 command that started it, and one owner process makes ``down`` a single signal.
 The broker keeps its log in S3 on a journaled local S3 server
-(``pipeline.s3_server``, journal under ``$RLPIPE_HOME/s3``), so events keep their
+(``pipeline.devstack.s3_server``, journal under ``$RLPIPE_HOME/s3``), so events keep their
 offsets across ``down`` / ``up`` and checkpoints' offsets stay valid; the store
 folder and the emulator's objects are kept on disk under ``$RLPIPE_HOME`` too.
 """
@@ -31,14 +31,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.broker import TansuBroker
-from pipeline.s3_server import LocalS3Server
+from pipeline.devstack.broker import TansuBroker
+from pipeline.devstack.s3_server import LocalS3Server
 from schemas.config import BusConfig
 
 HOME_ENV = "RLPIPE_HOME"
 STATE_FILE = "stack.json"
 DEFAULT_BUCKET = "rlpipe"
-_SERVE_MARKER = "pipeline.stack"
+_SERVE_MARKER = "pipeline.devstack.stack"
 
 
 class StackError(RuntimeError):
@@ -62,7 +62,7 @@ class StackState(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    pid: int = Field(ge=1, description="process id of `python -m pipeline.stack serve`")
+    pid: int = Field(ge=1, description="process id of `python -m pipeline.devstack.stack serve`")
     bootstrap_servers: str = Field(description="Kafka address of the embedded broker")
     gcs_endpoint: str | None = Field(None, description="fake-gcs-server endpoint; None when started without it")
     gcs_bucket: str | None = Field(None, description="bucket created on the emulator")
@@ -164,7 +164,7 @@ class DevStack:
         self.broker = TansuBroker(port=kafka_port, log_path=self.log_dir / "tansu.log", storage_engine=storage)
         self.gcs = None
         if with_gcs:
-            from pipeline.gcs_emulator import FakeGCSServer
+            from pipeline.devstack.gcs_emulator import FakeGCSServer
 
             self.gcs = FakeGCSServer(port=gcs_port, data_dir=self.home / "gcs", log_path=self.log_dir / "gcs.log")
         self.started_at: datetime | None = None
@@ -178,7 +178,7 @@ class DevStack:
                 self.broker.environment = self.s3.start().broker_environment()
             self.broker.start()
             if self.gcs is not None:
-                from pipeline.gcs_emulator import ensure_bucket
+                from pipeline.devstack.gcs_emulator import ensure_bucket
 
                 self.gcs.start()
                 ensure_bucket(self.gcs.endpoint_url, self.bucket)
@@ -265,7 +265,7 @@ def start_background(
     with_gcs: bool = True,
     timeout_s: float = 30.0,
 ) -> StackState:
-    """Start ``python -m pipeline.stack serve`` detached and wait until it records its state.
+    """Start ``python -m pipeline.devstack.stack serve`` detached and wait until it records its state.
 
     Raises ``StackAlreadyRunningError`` if a stack already runs for ``home``, and
     ``StackError`` if the server exits or does not become ready in time.
@@ -295,14 +295,14 @@ def start_background(
 def _spawn_server(
     home: Path, kafka_port: int | None, gcs_port: int | None, with_gcs: bool, log_path: Path
 ) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "pipeline.stack", "serve", "--home", str(home)]
+    command = [sys.executable, "-m", "pipeline.devstack.stack", "serve", "--home", str(home)]
     if kafka_port:
         command += ["--kafka-port", str(kafka_port)]
     if gcs_port:
         command += ["--gcs-port", str(gcs_port)]
     if not with_gcs:
         command.append("--no-gcs")
-    project_root = str(Path(__file__).resolve().parent.parent)
+    project_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [project_root, os.environ.get("PYTHONPATH")]))}
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
@@ -359,7 +359,7 @@ def _tail(path: Path, chars: int = 400) -> str:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.stack", description="Run the embedded rlpipe stack.")
+    parser = argparse.ArgumentParser(prog="python -m pipeline.devstack.stack", description="Run the embedded rlpipe stack.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser = sub.add_parser("serve", help="run the stack in the foreground until SIGTERM")
     serve_parser.add_argument("--home", type=Path, default=None, help="RLPIPE_HOME (default ~/.rlpipe)")

@@ -13,10 +13,10 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
-from pipeline.bus.admin import resolve_topic
-from pipeline.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
-from pipeline.bus.errors import BusError, UnknownTopicError
-from pipeline.bus.records import _key_text, decode_record
+from pipeline.io.bus.admin import resolve_topic
+from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
+from pipeline.io.bus.errors import BusError, UnknownTopicError
+from pipeline.io.bus.records import _key_text, decode_record
 from schemas.config import BusConfig
 from schemas.events import Envelope
 

@@ -39,7 +39,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.store import ObjectStore, sha256_hex, validate_key
+from pipeline.io.store import ObjectStore, sha256_hex, validate_key
 from schemas.events import TrajectoryBatchCommitted
 from schemas.names import validate_name
 from schemas.steps import STEPS_BASE_FIELDS, check_steps_table

@@ -30,10 +30,10 @@ Modules, one concern each: ``errors``; ``connection`` (client settings, TLS/SASL
 probing and the bounded connect); ``admin`` (topic names and kinds, creating topics,
 offsets and group lag); ``records`` (consumed events, offsets, record decoding);
 ``publisher``; ``consumer`` (the group member); ``follower``; ``tail``.  The names
-other modules use are re-exported here: import them from ``pipeline.bus``.
+other modules use are re-exported here: import them from ``pipeline.io.bus``.
 """
 
-from pipeline.bus.admin import (
+from pipeline.io.bus.admin import (
     TOPIC_EVENT_TYPES,
     PartitionInfo,
     PartitionLag,
@@ -47,9 +47,9 @@ from pipeline.bus.admin import (
     resolve_topic,
     topic_kind,
 )
-from pipeline.bus.connection import kafka_client_settings, parse_bootstrap_servers, redacted
-from pipeline.bus.consumer import DEAD_LETTER_RAW_BYTES, GROUP_TIMINGS_ENV, EventConsumer
-from pipeline.bus.errors import (
+from pipeline.io.bus.connection import kafka_client_settings, parse_bootstrap_servers, redacted
+from pipeline.io.bus.consumer import DEAD_LETTER_RAW_BYTES, GROUP_TIMINGS_ENV, EventConsumer
+from pipeline.io.bus.errors import (
     BusConfigError,
     BusError,
     BusUnavailableError,
@@ -59,9 +59,9 @@ from pipeline.bus.errors import (
     UnknownTopicError,
     WrongEventTypeError,
 )
-from pipeline.bus.follower import EventFollower
-from pipeline.bus.publisher import EventPublisher
-from pipeline.bus.records import (
+from pipeline.io.bus.follower import EventFollower
+from pipeline.io.bus.publisher import EventPublisher
+from pipeline.io.bus.records import (
     ConsumedEvent,
     ConsumerStats,
     OffsetsLike,
@@ -71,7 +71,7 @@ from pipeline.bus.records import (
     normalize_offsets,
     offsets_as_strings,
 )
-from pipeline.bus.tail import TailRecord, tail
+from pipeline.io.bus.tail import TailRecord, tail
 
 __all__ = [
     "DEAD_LETTER_RAW_BYTES", "GROUP_TIMINGS_ENV", "TOPIC_EVENT_TYPES", "BusConfigError", "BusError",

@@ -7,7 +7,7 @@ memory as well.  Its request recorder can append every request (method, URL,
 headers, body) to a journal file, so a restart of both processes (``rlpipe
 down`` / ``up``) can find every object, byte for byte, where it was.
 
-The server runs as ``python -m pipeline.s3_server``: moto with these changes.
+The server runs as ``python -m pipeline.devstack.s3_server``: moto with these changes.
 Before it listens, it applies the journal's writes to its store in order and
 rewrites the journal as one PUT per object kept (overwrites and consumer-group
 heartbeats drop out).  Only writes are journaled (every fetch lists and reads),
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Self
 from xml.sax.saxutils import escape
 
-from pipeline.process import LOOPBACK, ManagedProcess
+from pipeline.devstack.process import LOOPBACK, ManagedProcess
 
 JOURNAL_FILE = "journal.jsonl"
 # moto checks no signatures but treats unsigned requests as anonymous (refused on private objects)
@@ -121,14 +121,14 @@ class LocalS3Server(ManagedProcess):
     # -- phases of start ---------------------------------------------------------------------
 
     def _command(self) -> list[str]:
-        command = [sys.executable, "-m", "pipeline.s3_server", "--port", str(self.port)]
+        command = [sys.executable, "-m", "pipeline.devstack.s3_server", "--port", str(self.port)]
         if self.journal_path is not None:
             self.journal_path.parent.mkdir(parents=True, exist_ok=True)
             command += ["--journal", str(self.journal_path.resolve())]
         return command
 
     def _working_directory(self) -> str:
-        return str(Path(__file__).resolve().parent.parent)  # the project root, where ``pipeline`` is found
+        return str(Path(__file__).resolve().parents[2])  # the project root, where ``pipeline`` is found
 
     def _environment(self) -> dict[str, str]:
         project_root = self._working_directory()
@@ -355,7 +355,7 @@ def _serve(port: int) -> None:
 
 
 def _main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.s3_server", description="Run a journaled local S3.")
+    parser = argparse.ArgumentParser(prog="python -m pipeline.devstack.s3_server", description="Run a journaled local S3.")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--journal", type=Path, default=None, help="append every request here (replayed on start)")
     args = parser.parse_args(argv)

@@ -20,11 +20,11 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from pipeline.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
-from pipeline.bus.connection import _CLIENT_ID, _bus_errors, _connect, _describe, kafka_client_settings
-from pipeline.bus.errors import CommitError, RewindError
-from pipeline.bus.publisher import EventPublisher
-from pipeline.bus.records import (
+from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
+from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, _describe, kafka_client_settings
+from pipeline.io.bus.errors import CommitError, RewindError
+from pipeline.io.bus.publisher import EventPublisher
+from pipeline.io.bus.records import (
     ConsumedEvent,
     ConsumerStats,
     OffsetsLike,

@@ -30,7 +30,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pipeline.store import ObjectStore
+from pipeline.io.store import ObjectStore
 
 log = logging.getLogger("rlpipe.learner")
 

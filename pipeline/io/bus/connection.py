@@ -7,7 +7,7 @@ TLS handshake has none) and then builds the client, so an unreachable broker, a
 plaintext listener behind a TLS setting or refused credentials raise one
 ``BusUnavailableError`` line within about ``bus.connect_timeout_s``.  ``_bus_errors``
 does the same for timeouts and lost connections during a request.  The
-underscored names are shared by the other modules of ``pipeline.bus`` only.
+underscored names are shared by the other modules of ``pipeline.io.bus`` only.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from kafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, NodeNotReadyError
 
-from pipeline.bus.errors import BusConfigError, BusError, BusUnavailableError
+from pipeline.io.bus.errors import BusConfigError, BusError, BusUnavailableError
 from schemas.config import BusConfig
 
 _CLIENT_ID = "rlpipe"
@@ -76,7 +76,7 @@ def kafka_client_settings(bus_config: BusConfig, bootstrap_servers: str | None =
     ``sasl_password`` or ``sasl_password_file`` and prints as ``***``.
     """
     if bootstrap_servers is None:
-        from pipeline.stack import resolve_bootstrap_servers  # the stack imports nothing from here
+        from pipeline.devstack.stack import resolve_bootstrap_servers  # the stack imports nothing from here
 
         bootstrap_servers = resolve_bootstrap_servers(bus_config)
     settings: dict[str, Any] = {

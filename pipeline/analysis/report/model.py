@@ -1,0 +1,105 @@
+"""What the report's modules pass along: ``RunReport``, the control events, the duty-cycle lanes.
+
+Also the sections (title and figure file of each) and the small value helpers the
+summary, the figures and the page share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted, RunStopped
+
+SECTIONS: dict[str, str] = {
+    "reward": "Reward and success per adapter version",
+    "eval": "Evaluation on held-out seeds",
+    "staleness": "Staleness of trained rows",
+    "importance": "Importance ratios and effective sample size",
+    "collapse": "Signs of collapse: entropy, identical groups, zero advantages, reward spread",
+    "throughput": "Producer throughput",
+    "duty_cycle": "Duty cycle: producers and learner on one time axis",
+}
+FIGURE_FILES: dict[str, str] = {section: f"{section}.png" for section in SECTIONS}
+
+
+@dataclass
+class RunReport:
+    """Everything ``rlpipe report`` shows: a summary, the plotted series, and notes on what is missing."""
+
+    run_id: str
+    store: str
+    generated_at: str
+    summary: dict[str, Any]
+    series: dict[str, Any]
+    notes: dict[str, list[str]] = field(default_factory=dict)  # section -> why it is empty or partial
+
+    def note(self, section: str, text: str) -> None:
+        self.notes.setdefault(section, []).append(text)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (NaN and infinities become null)."""
+        return _finite_json(
+            {"run_id": self.run_id, "store": self.store, "generated_at": self.generated_at,
+             "summary": self.summary, "series": self.series, "notes": self.notes}
+        )  # fmt: skip
+
+
+@dataclass
+class ControlEvents:
+    """What ``<ns>.control`` says about one run; times are unix seconds."""
+
+    heartbeats: list[tuple[float, ProducerHeartbeat]] = field(default_factory=list)
+    started: tuple[float, RunStarted] | None = None
+    stopped: tuple[float, RunStopped] | None = None
+    checkpoints: list[tuple[float, LearnerCheckpointed]] = field(default_factory=list)
+
+
+@dataclass
+class Lane:
+    """One row of the duty-cycle timeline: (start, end, busy share) intervals in unix seconds."""
+
+    name: str
+    kind: str  # "learner" or "producer"
+    intervals: list[tuple[float, float, float]]
+
+
+def dig(data: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def first_known(*values: Any) -> Any:
+    return next((v for v in values if v not in (None, "")), None)
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def percent(value: Any) -> str:
+    return f"{100 * value:.1f}%" if finite(value) else "-"
+
+
+def iso(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _finite_json(obj: Any) -> Any:
+    """Replace NaN and infinities by None (JSON has neither), recursively; numpy scalars become Python ones."""
+    if isinstance(obj, dict):
+        return {str(k): _finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite_json(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
