@@ -13,10 +13,9 @@ import pytest
 
 from producers.envs.parsing import format_answer
 from producers.envs.registry import make_env
-from producers.envs.text2sql import (
+from producers.envs.sql import (
     SHIPPED_TASKS_PATH,
     QueryScore,
-    TextToSQL,
     build_database,
     load_tasks,
     orders_rows,
@@ -26,6 +25,7 @@ from producers.envs.text2sql import (
     score_query,
     select_split,
 )
+from producers.envs.text2sql import TextToSQL
 
 # A hand-built database: t has 4 rows, u has 2; the expected figures below are read off it.
 SCHEMA = """
