@@ -49,7 +49,8 @@ def init_tiny(
 
     Example: rlpipe model init-tiny --out ./tiny --steps 150
     """
-    logging.getLogger("producers.tiny_model").setLevel(logging.ERROR)  # skipped envs come back as warnings
+    for logger in ("producers.tiny_model", "producers.tiny_corpus"):  # skipped envs come back as warnings
+        logging.getLogger(logger).setLevel(logging.ERROR)
     _quiet_transformers()
     overrides = {"steps": steps, "pretrain": steps > 0}
     target = out if out is not None else default_tiny_dir(TinyModelSpec(seed=seed, **overrides))

@@ -19,17 +19,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from producers import tiny_model
+from producers import tiny_corpus, tiny_model
+from producers.tiny_corpus import collect_corpus, encode_conversation, render_chat
 from producers.tiny_model import (
     LOSS_FILE,
     MARKER_FILE,
     TinyModelSpec,
     build_tiny_model,
-    collect_corpus,
     default_tiny_dir,
-    encode_conversation,
     read_marker,
-    render_chat,
     resolve_model,
 )
 from schemas.config import ModelConfig
@@ -221,14 +219,14 @@ def test_broken_environment_is_skipped_with_a_warning() -> None:
 
 def test_an_error_inside_an_environment_is_not_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """Environments that are unknown or do not import are left out; a bug in one that runs is raised."""
-    real = tiny_model.env_conversations
+    real = tiny_corpus.env_conversations
 
     def conversations(name: str, spec: TinyModelSpec, seed: int) -> list:
         if name == "sokoban":
             raise TypeError("'NoneType' object is not subscriptable")
         return real(name, spec, seed)
 
-    monkeypatch.setattr(tiny_model, "env_conversations", conversations)
+    monkeypatch.setattr(tiny_corpus, "env_conversations", conversations)
     with pytest.raises(TypeError, match="not subscriptable"):
         collect_corpus(TinyModelSpec(**{**QUICK, "envs": ("cartpole", "sokoban")}))
 
@@ -261,9 +259,9 @@ class _FakeEnv:
 @pytest.mark.parametrize(("noisy_fraction", "low", "high"), [(0.0, 0.0, 0.0), (0.5, 0.45, 0.55), (1.0, 1.0, 1.0)])
 def test_answer_mix_follows_noisy_fraction(noisy_fraction: float, low: float, high: float) -> None:
     rng = random.Random(0)
-    draws = [tiny_model._choose_answer(_FakeEnv(), rng, noisy_fraction) for _ in range(2000)]
+    draws = [tiny_corpus._choose_answer(_FakeEnv(), rng, noisy_fraction) for _ in range(2000)]
     assert low <= draws.count("R") / 2000 <= high
-    assert tiny_model._choose_answer(_FakeEnv(has_heuristic=False), rng, 0.0) == "R"
+    assert tiny_corpus._choose_answer(_FakeEnv(has_heuristic=False), rng, 0.0) == "R"
 
 
 def test_spec_rejects_shapes_vllm_cannot_serve() -> None:
