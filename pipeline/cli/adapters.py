@@ -17,7 +17,16 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, fail, print_json
+from pipeline.cli.common import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    GcsEndpointOpt,
+    JsonOpt,
+    StoreRootOpt,
+    console,
+    fail,
+    print_json,
+)
 from pipeline.devstack.gcs_emulator import probe_endpoint
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry, run_ids, version_folder
 from pipeline.io.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError
@@ -32,24 +41,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 RunOption = Annotated[str, typer.Option("--run", "-r", help="run id, e.g. demo")]
-RootOption = Annotated[
-    str | None,
-    typer.Option(
-        "--root",
-        envvar="RLPIPE_STORE__ROOT",
-        help="store root URL (file:///..., gs://bucket/prefix); default: the one `rlpipe up` recorded",
-    ),
-]
-EndpointOption = Annotated[
-    str | None,
-    typer.Option(
-        "--gcs-endpoint",
-        envvar="RLPIPE_STORE__GCS_ENDPOINT",
-        help="GCS API endpoint for gs:// roots (an emulator); default: Google",
-    ),
-]
 VersionArgument = Annotated[str, typer.Argument(help="version number (7, v000007) or 'latest'")]
-JsonOption = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 
 
 class UsageError(Exception):
@@ -58,7 +50,7 @@ class UsageError(Exception):
 
 @app.command("list")
 def list_versions(
-    run: RunOption, root: RootOption = None, gcs_endpoint: EndpointOption = None, as_json: JsonOption = False
+    run: RunOption, root: StoreRootOpt = None, gcs_endpoint: GcsEndpointOpt = None, as_json: JsonOpt = False
 ) -> None:
     """List the committed adapter versions of a run.
 
@@ -78,9 +70,9 @@ def list_versions(
 def show_version(
     version: VersionArgument,
     run: RunOption,
-    root: RootOption = None,
-    gcs_endpoint: EndpointOption = None,
-    as_json: JsonOption = False,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Show one version's manifest: lineage, metrics and files with their digests.
 
@@ -102,8 +94,8 @@ def pull_version(
     version: VersionArgument,
     run: RunOption,
     to: Annotated[Path, typer.Option("--to", help="cache folder; the adapter lands in DIR/RUN/vNNNNNN")],
-    root: RootOption = None,
-    gcs_endpoint: EndpointOption = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
 ) -> None:
     """Download a version into a local folder, verifying every file's sha256.
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from datetime import date, datetime
 from enum import Enum
 from pathlib import Path
-from typing import Any, NoReturn, ParamSpec, TypeVar
+from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 from uuid import UUID
 
 import typer
@@ -28,6 +28,23 @@ from pipeline.devstack.gcs_emulator import EmulatorError
 from pipeline.devstack.stack import StackError
 from pipeline.io.bus import BusError
 from schemas.config import BusConfig
+
+# Options several commands take, spelled and explained the same everywhere.
+StoreRootOpt = Annotated[
+    str | None,
+    typer.Option("--root", envvar="RLPIPE_STORE__ROOT",
+                 help="Store root URL (file:///..., gs://bucket/prefix); default: the one `rlpipe up` recorded."),
+]
+GcsEndpointOpt = Annotated[
+    str | None,
+    typer.Option("--gcs-endpoint", envvar="RLPIPE_STORE__GCS_ENDPOINT",
+                 help="GCS API endpoint for gs:// roots (an emulator); default: Google."),
+]
+BootstrapOpt = Annotated[
+    str | None, typer.Option("--bootstrap", "-b", help="Kafka host:port; default: bus config, else `rlpipe up`.")
+]
+NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Topic namespace; default: bus config (rlpipe).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)

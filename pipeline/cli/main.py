@@ -24,7 +24,7 @@ import typer
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
-from pipeline.cli.common import console, fail, handle_user_errors, print_json
+from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json
 from pipeline.cli.topics import app as topics_app
 from pipeline.devstack.broker import answers_kafka_metadata
 from pipeline.devstack.stack import (
@@ -129,8 +129,6 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(topics_app, name="topics")
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
 def _state_table(state: StackState, title: str) -> Table:

@@ -24,6 +24,10 @@ from rich.table import Table
 from pipeline.analysis.report import DEFAULT_BUS_TIMEOUT_S, RunReport, gather_report, summary_lines, write_report
 from pipeline.cli.common import (
     EXIT_FAILURE,
+    BootstrapOpt,
+    GcsEndpointOpt,
+    NamespaceOpt,
+    StoreRootOpt,
     bus_config_from_cli,
     console,
     error_line,
@@ -44,20 +48,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-RootOpt = Annotated[
-    str | None,
-    typer.Option("--root", envvar="RLPIPE_STORE__ROOT", help="store root URL; default: the `rlpipe up` store"),
-]
-EndpointOpt = Annotated[
-    str | None,
-    typer.Option("--gcs-endpoint", envvar="RLPIPE_STORE__GCS_ENDPOINT", help="GCS API endpoint (emulator) for gs://"),
-]
 OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="output folder; default ./rlpipe-report-RUN/")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the summary and every series as JSON")]
-BootstrapOpt = Annotated[
-    str | None, typer.Option("--bootstrap", "-b", help="Kafka host:port; default: bus config, else `rlpipe up`")
-]
-NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="topic namespace; default: bus config (rlpipe)")]
 NoBusOpt = Annotated[
     bool, typer.Option("--no-bus", help="do not read the event log (no throughput, no producer lanes)")
 ]
@@ -72,8 +64,8 @@ TimeoutOpt = Annotated[
 )
 def report(
     run: RunOpt = None,
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     out: OutOpt = None,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = None,

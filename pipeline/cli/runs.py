@@ -27,7 +27,19 @@ from pipeline.analysis.runs import (
     run_exists,
     summarize,
 )
-from pipeline.cli.common import EXIT_USAGE, bus_config_from_cli, console, fail, handle_user_errors, print_json
+from pipeline.cli.common import (
+    EXIT_USAGE,
+    BootstrapOpt,
+    GcsEndpointOpt,
+    JsonOpt,
+    NamespaceOpt,
+    StoreRootOpt,
+    bus_config_from_cli,
+    console,
+    fail,
+    handle_user_errors,
+    print_json,
+)
 from pipeline.cli.options import RunOpt, chosen_run
 from pipeline.devstack.gcs_emulator import probe_endpoint
 from pipeline.devstack.stack import rlpipe_home
@@ -43,21 +55,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-RootOpt = Annotated[
-    str | None,
-    typer.Option("--root", envvar="RLPIPE_STORE__ROOT", help="Store root URL; default: the `rlpipe up` store."),
-]
-EndpointOpt = Annotated[
-    str | None,
-    typer.Option("--gcs-endpoint", envvar="RLPIPE_STORE__GCS_ENDPOINT", help="GCS API endpoint (emulator) for gs://."),
-]
-BootstrapOpt = Annotated[
-    str | None, typer.Option("--bootstrap", "-b", help="Kafka host:port; default: bus config, else `rlpipe up`.")
-]
-NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Topic namespace; default: bus config (rlpipe).")]
 NoBusOpt = Annotated[bool, typer.Option("--no-bus", help="Do not read the event log (status from the store alone).")]
 TimeoutOpt = Annotated[float, typer.Option("--bus-timeout", min=0.5, max=120.0, help="Seconds to wait for the broker.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
 def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
@@ -104,8 +103,8 @@ def _reward(summary: RunSummary) -> str:
 @app.command("list", epilog="Example: rlpipe runs list --root file:///data/rlpipe --no-bus")
 @handle_user_errors
 def list_command(
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     bootstrap: BootstrapOpt = None,
     namespace: NamespaceOpt = None,
     no_bus: NoBusOpt = False,
@@ -138,8 +137,8 @@ def list_command(
 @handle_user_errors
 def show_command(
     run: RunOpt = None,
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     bootstrap: BootstrapOpt = None,
     namespace: NamespaceOpt = None,
     no_bus: NoBusOpt = False,
@@ -179,8 +178,8 @@ def show_command(
 def delete_command(
     run: RunOpt = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     bootstrap: BootstrapOpt = None,
     namespace: NamespaceOpt = None,
     no_bus: NoBusOpt = False,

@@ -17,7 +17,16 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.cli.common import bus_config_from_cli, console, handle_user_errors, print_json, to_jsonable
+from pipeline.cli.common import (
+    BootstrapOpt,
+    JsonOpt,
+    NamespaceOpt,
+    bus_config_from_cli,
+    console,
+    handle_user_errors,
+    print_json,
+    to_jsonable,
+)
 from pipeline.io import bus
 
 app = typer.Typer(
@@ -27,12 +36,6 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-BootstrapOpt = Annotated[
-    str | None,
-    typer.Option("--bootstrap", "-b", help="Kafka host:port; default: bus config, else the `rlpipe up` stack."),
-]
-NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Topic namespace; default: bus config (rlpipe).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 _SUMMARY_CHARS = 110
 

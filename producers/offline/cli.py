@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from pipeline.cli.common import console, fail, handle_user_errors, print_json
+from pipeline.cli.common import GcsEndpointOpt, StoreRootOpt, console, fail, handle_user_errors, print_json
 from pipeline.config import parse_overrides
 from pipeline.io.datasets import (
     BASE_COLUMNS,
@@ -39,15 +39,6 @@ generate_app = typer.Typer(name="generate", help="Generate a dataset from an env
 app.add_typer(import_app, name="import")
 app.add_typer(generate_app, name="generate")
 
-RootOpt = Annotated[
-    str | None,
-    typer.Option("--root", envvar="RLPIPE_STORE__ROOT",
-                 help="store root URL (file:///..., gs://bucket/prefix); default: the one `rlpipe up` recorded"),
-]
-EndpointOpt = Annotated[
-    str | None,
-    typer.Option("--gcs-endpoint", envvar="RLPIPE_STORE__GCS_ENDPOINT", help="GCS endpoint for gs:// (an emulator)"),
-]
 NameOpt = Annotated[str, typer.Option("--name", help="dataset name (datasets/<name>/ in the store)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 
@@ -64,7 +55,7 @@ def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
 
 @app.command("list", epilog="Example: rlpipe datasets list --root file:///data/rlpipe")
 @handle_user_errors
-def list_datasets(root: RootOpt = None, gcs_endpoint: EndpointOpt = None, as_json: JsonOpt = False) -> None:
+def list_datasets(root: StoreRootOpt = None, gcs_endpoint: GcsEndpointOpt = None, as_json: JsonOpt = False) -> None:
     """List the datasets in the store (those whose card is written)."""
     store = _store(root, gcs_endpoint)
     cards = [read_card(store, name) for name in dataset_names(store)]
@@ -97,8 +88,8 @@ def show(
     name: Annotated[str, typer.Argument(help="dataset name")],
     fields: Annotated[bool, typer.Option("--fields", help="list every field with its unit")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="re-hash every file against the card")] = False,
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Show a dataset's card: source, span, counts, files, and (with --fields) its fields and units."""
@@ -154,8 +145,8 @@ def sample(
     n: Annotated[int, typer.Option("-n", min=1, max=10_000, help="rows to show")] = 5,
     columns: Annotated[str | None, typer.Option(help="comma-separated feature columns to show")] = None,
     start: Annotated[datetime | None, typer.Option(help="first time (UTC), e.g. 2023-01-06T12:00")] = None,
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Show the first N steps (from --start on) with the base columns and a few features."""
@@ -197,8 +188,8 @@ def import_smart_buildings_cmd(
         help="local time = UTC + this, for day episodes and partitions (default: the metadata's, else 0)")] = None,
     split: Annotated[str, typer.Option(help="episodes: 'day' (local days) or 'gap' (between gaps)")] = "day",
     reward_id: Annotated[str, typer.Option(help="reward matrix column used as the reward")] = "agent_reward_value",
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Import Smart Buildings Dataset partitions (npz + metadata) as a steps dataset.
@@ -222,8 +213,8 @@ def import_table_cmd(
     mapping: Annotated[Path, typer.Option(help="YAML/JSON column mapping (episode_id, timestamp, observation, "
                                                "action, reward, terminal, units, exclude)")],
     name: NameOpt,
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Import a CSV or Parquet log with a column mapping; unmapped numeric columns become features."""
@@ -246,8 +237,8 @@ def generate_building(
     overrides: Annotated[list[str] | None, typer.Option("--set", help="building setting, e.g. --set grid_rows=3")]
     = None,
     raw_dir: Annotated[Path | None, typer.Option(help="also keep the npz + metadata.json written on the way")] = None,
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate days of the building under scripted controllers, write them in the Smart Buildings layout,
@@ -294,8 +285,8 @@ def to_trajectories(
         min=0, max=6, help="decimals of each answer value (default: 0 for kelvin, 1 for normalized)",
     )] = None,
     with_text: Annotated[bool, typer.Option("--with-text", help="store the decoded text of each row")] = False,
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
 ) -> None:
     """Render every logged step as the online building prompt (the logged action as the answer) and write
     token trajectories under --run, ready for `rlpipe replay --run RUN --train`."""
@@ -340,8 +331,8 @@ def eval_building(
     history_turns: Annotated[int | None, typer.Option(min=0, max=64, help="as in to-trajectories")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", help="building setting for the evaluation, e.g. --set episode_days=0.5")] = None,
-    root: RootOpt = None,
-    gcs_endpoint: EndpointOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Play held-out days of the building with the offline-trained adapter and with baselines (the logged
