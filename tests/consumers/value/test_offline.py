@@ -41,7 +41,7 @@ def test_cql_loss_adds_alpha_times_the_regulariser_to_the_td_loss():
     plain = CQLAgent(config, observation_size=1, num_actions=2, cql_alpha=0.0)
     batch = [torch.tensor([[1.0], [-1.0]]), torch.tensor([0, 1]), torch.tensor([0.1, -0.2]),
              torch.tensor([0.9, 0.9]), torch.tensor([[0.5], [0.0]])]
-    with_reg_B, q_B, _ = agent._losses(*batch)
+    with_reg_B, _, _ = agent._losses(*batch)
     td_only_B, _, _ = plain._losses(*batch)  # same seed: identical networks
     q_BA = agent.online(batch[0])
     expected_B = td_only_B + 0.5 * (torch.logsumexp(q_BA, -1) - q_BA.gather(-1, batch[1][:, None]).squeeze(-1))
