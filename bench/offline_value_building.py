@@ -68,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--levels", type=int, default=5, help="grid levels per setpoint (levels^2 actions)")
     parser.add_argument("--steps", type=int, default=8000, help="training updates per agent")
     parser.add_argument("--cql-alpha", type=float, default=0.1, help="weight of the CQL(H) regulariser")
-    parser.add_argument("--gamma", type=float, default=0.97, help="discount per 5-minute step")
+    parser.add_argument("--gamma", type=float, default=0.9, help="discount per 5-minute step")
     parser.add_argument("--n-step", type=int, default=3)
     parser.add_argument("--hidden", default="128,128", help="MLP hidden widths")
     parser.add_argument("--learning-rate", type=float, default=3e-4)
