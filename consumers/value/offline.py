@@ -38,7 +38,6 @@ from consumers.value.replay import ReplayMemory, steps_to_transitions
 from schemas.steps import check_steps_table
 
 SECONDS_PER_DAY = 86_400.0
-TIME_FEATURES = ("time:hour_sin", "time:hour_cos", "time:day_off")
 
 
 # ==== actions =======================================================================================
