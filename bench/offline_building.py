@@ -47,7 +47,7 @@ from producers.offline.evaluation import SamplingSettings, evaluate_building, he
 from producers.offline.generation import GenerationSpec, generate_building_dataset
 from producers.offline.trajectories import TrajectoryOptions, dataset_to_trajectories
 from schemas.config import LearnerConfig, ModelConfig, RunConfig, StoreConfig
-from schemas.evaluation import mean_ci95
+from schemas.evaluation import mean_ci95, paired_difference
 
 DATASET, DATA_RUN = "hvac-mixed", "hvac-mixed-data"
 METHODS = {
@@ -173,19 +173,6 @@ def evaluate(store: ObjectStore, args: argparse.Namespace, model: str, runs: dic
               for key in model_keys if key.startswith("awr") for other in others if other in by_seed}
     return {"days": days, "results": {name: summarise(results) for name, results in pooled.items()},
             "paired": paired}
-
-
-def paired_difference(a: dict[int, list[float]], b: dict[int, list[float]]) -> dict[str, float]:
-    """Mean of ``a - b`` over the same (day, sampling seed) with its 95% CI.
-
-    Every policy plays the same held-out days, so a day's weather and occupancy cancel in
-    the difference; a seed ``b`` lacks (greedy decoding and the heuristic play seed 0 only)
-    is compared with ``b``'s seed 0.
-    """
-    differences = [x - y for seed, returns in a.items()
-                   for x, y in zip(returns, b.get(seed, b[0]), strict=True)]
-    mean, ci95 = mean_ci95(differences)
-    return {"mean": mean, "ci95": ci95, "pairs": len(differences), "above": mean - ci95 > 0}
 
 
 def summarise(results: list[Any]) -> dict[str, float]:

@@ -16,7 +16,7 @@ major version is refused.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -63,6 +63,18 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
     variance = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
     return mean, t_critical_95(n - 1) * math.sqrt(variance) / math.sqrt(n)
 
+
+
+def paired_difference(a: Mapping[int, Sequence[float]], b: Mapping[int, Sequence[float]]) -> dict[str, float]:
+    """Mean of ``a - b`` over the same (episode, seed) with its 95% CI; ``above``: the whole CI above 0.
+
+    ``a`` and ``b`` map a seed to per-episode returns in the same episode order, so an
+    episode's conditions (a held-out day's weather and occupancy) cancel in the difference;
+    a seed ``b`` lacks (a deterministic policy plays seed 0 only) is compared with ``b``'s seed 0.
+    """
+    differences = [x - y for seed, returns in a.items() for x, y in zip(returns, b.get(seed, b[0]), strict=True)]
+    mean, ci95 = mean_ci95(differences)
+    return {"mean": mean, "ci95": ci95, "pairs": len(differences), "above": mean - ci95 > 0}
 
 class EvalResult(BaseModel):
     """One evaluation of one policy on ``episodes`` held-out seeds (``rlpipe eval`` -> store -> ``rlpipe report``)."""

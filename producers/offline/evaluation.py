@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipeline.io.datasets import DatasetCard
 from pipeline.io.store import ObjectStore
 from producers.envs.building import BuildingConfig, BuildingHVAC, parse_setpoint_values, to_kelvin
@@ -89,6 +91,39 @@ def scripted_outcomes(
             outcome.add(env, result.reward, bool(result.info["action_is_valid"]))
         outcomes.append(outcome)
     return outcomes
+
+
+def controller_outcomes(
+    controller: Callable[[BuildingHVAC], str], days: Sequence[int], overrides: Mapping[str, Any] | None = None
+) -> list[DayOutcome]:
+    """Days played by a controller given as a function of the environment (its answer each step);
+    an answer the environment would refuse keeps the setpoints and pays the format penalty."""
+    outcomes = []
+    for day in days:
+        env = day_env(day, overrides)
+        env.reset(day)
+        outcome = DayOutcome(day)
+        while not env.done:
+            answer, valid = applicable_answer(env, controller(env))
+            result = env.step(answer)
+            outcome.add(env, result.reward + (0.0 if valid else env.config.format_penalty), valid)
+        outcomes.append(outcome)
+    return outcomes
+
+
+def numeric_controller(
+    setpoints: Callable[[np.ndarray, float], tuple[float, float]], observation_columns: Sequence[str]
+) -> Callable[[BuildingHVAC], str]:
+    """A controller from a numeric policy: (observation vector as the dataset logs it, UTC epoch second)
+    -> (supply water K, supply air K).  The vector is the telemetry row's ``observation_columns``."""
+    columns = list(observation_columns)
+
+    def answer(env: BuildingHVAC) -> str:
+        row = env.telemetry()
+        water, air = setpoints(np.array([row[c] for c in columns], dtype=np.float64), env.current_timestamp)
+        return format_answer([f"{water:.3f}K, {air:.3f}K"])
+
+    return answer
 
 
 @dataclass(frozen=True)
