@@ -1,4 +1,4 @@
-"""Topic names under a namespace: ``<ns>.trajectories``, ``.adapters``, ``.control``, ``.dlq``."""
+"""Topic names under a namespace: ``<ns>.trajectories``, ``.adapters``, ``.control``, ``.dlq`` (and the API's ``.requests``, ``.results``)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,17 @@ from typing import Literal
 
 from schemas.names import validate_name
 
-TopicKind = Literal["trajectories", "adapters", "control", "dlq"]
+TopicKind = Literal["trajectories", "adapters", "control", "dlq", "requests", "results"]
+# The topics of every run; the API's two (``requests``, ``results``) are made by ``rlpipe serve``.
 TOPIC_KINDS: tuple[TopicKind, ...] = ("trajectories", "adapters", "control", "dlq")
+API_TOPIC_KINDS: tuple[TopicKind, ...] = ("requests", "results")
 
 
 def topic_name(namespace: str, kind: TopicKind) -> str:
     """The full topic name of ``kind`` under ``namespace`` (both validated)."""
-    if kind not in TOPIC_KINDS:
-        raise ValueError(f"unknown topic kind {kind!r}; choose one of {', '.join(TOPIC_KINDS)}")
+    if kind not in TOPIC_KINDS + API_TOPIC_KINDS:
+        known = ", ".join(TOPIC_KINDS + API_TOPIC_KINDS)
+        raise ValueError(f"unknown topic kind {kind!r}; choose one of {known}")
     return f"{validate_name(namespace, 'namespace')}.{kind}"
 
 

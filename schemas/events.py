@@ -185,6 +185,13 @@ class DeadLetter(Payload):
     raw_truncated: bool = False
 
 
+def _api_payloads() -> tuple[type[Payload], ...]:
+    """The API's events live in ``schemas.api`` (which builds on this module)."""
+    from schemas.api import ApiRequestAccepted, ApiResultReady
+
+    return (ApiRequestAccepted, ApiResultReady)
+
+
 PAYLOAD_TYPES: dict[str, type[Payload]] = {
     cls.event_type: cls
     for cls in (
@@ -197,6 +204,7 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
         LearnerProgress,
         RunStopped,
         DeadLetter,
+        *_api_payloads(),
     )
 }
 

@@ -1,0 +1,117 @@
+"""The Tinker-compatible API on the event log: accepted calls and their results.
+
+The gateway turns every accepted mutating call of the ``tinker`` SDK into an
+``ApiRequestAccepted`` event on ``<ns>.requests`` (keyed by ``model_id``, or by
+the sampling session for sampling calls, so that one model's calls stay in one
+partition and in order).  The call's body never rides on the log: it is written
+create-only to the store first (``sessions/<session>/requests/<request_id>.<fmt>``)
+and the event is its claim check.  An engine executes the calls of one model in
+``seq_id`` order (waiting for gaps), idempotent on ``(model_id, seq_id)``, writes
+the result create-only to ``sessions/<session>/results/<request_id>.<fmt>`` and
+announces it with ``ApiResultReady`` on ``<ns>.results``; the gateway answers
+``retrieve_future`` from there.
+
+The bodies and results themselves are the SDK's own types (``tinker.types``,
+JSON or the SDK's protobuf for ``forward_backward`` and ``sample``): the SDK is
+the contract, and nothing here copies it.
+
+Tinker ids contain ``:`` (``<session>:train:<n>``).  They never become paths or
+topic names directly: ``model_run_name`` maps a model id onto a run name that
+obeys the name rule.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from schemas.events import Payload, Sha256
+from schemas.names import InvalidNameError, validate_name
+
+ApiOp = Literal[
+    "create_model",
+    "unload_model",
+    "forward_backward",
+    "optim_step",
+    "save_weights",
+    "load_weights",
+    "save_weights_for_sampler",
+    "create_sampling_session",
+    "sample",
+]
+BodyFormat = Literal["json", "pb"]
+ErrorCategory = Literal["user", "server", "unknown"]
+
+_MODEL_ID_RE = re.compile(r"(?P<session>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<kind>train|sample):(?P<seq>[0-9]+)")
+
+
+def session_path(session_id: str) -> str:
+    """Store folder of one API session (relative to the store root)."""
+    return f"sessions/{validate_name(session_id, 'session_id')}"
+
+
+def request_body_path(session_id: str, request_id: str, fmt: BodyFormat) -> str:
+    """Claim-check location of one accepted call's body."""
+    return f"{session_path(session_id)}/requests/{validate_name(request_id, 'request_id')}.{fmt}"
+
+
+def result_path(session_id: str, request_id: str, fmt: BodyFormat) -> str:
+    """Create-only location of one call's result."""
+    return f"{session_path(session_id)}/results/{validate_name(request_id, 'request_id')}.{fmt}"
+
+
+def model_id_for(session_id: str, kind: Literal["train", "sample"], seq: int) -> str:
+    """The Tinker model id the SDK expects (``<session>:train:<n>``; the client computes it too)."""
+    validate_name(session_id, "session_id")
+    return f"{session_id}:{kind}:{int(seq)}"
+
+
+def model_run_name(model_id: str) -> str:
+    """Run name (store folder, registry, checkpoints) of a Tinker model id: ``<session>.train.<n>``.
+
+    Session ids are made by the gateway without dots, so the mapping is one to one.
+    """
+    match = _MODEL_ID_RE.fullmatch(model_id or "")
+    if match is None:
+        raise InvalidNameError(f"model_id {model_id!r} is not of the form <session>:train:<n>")
+    return validate_name(f"{match['session']}.{match['kind']}.{match['seq']}", "model run name")
+
+
+class ApiRequestAccepted(Payload):
+    """gateway -> engines, on ``<ns>.requests``: a call is accepted and its body is durable in the store."""
+
+    event_type: ClassVar[str] = "ApiRequestAccepted"
+    request_id: str = Field(description="the id the client polls with retrieve_future; unique")
+    tenant: str = Field(description="tenant name (from the API key); engines refuse cross-tenant access")
+    session_id: str
+    op: ApiOp
+    model_id: str | None = Field(default=None, description="Tinker model id; None for session-level calls")
+    seq_id: int | None = Field(default=None, ge=0, description="per-model order; None or 0 = unordered")
+    base_model: str | None = None
+    body_path: str = Field(description="object key of the body relative to the store root")
+    body_format: BodyFormat = "json"
+    body_sha256: Sha256
+
+    @field_validator("tenant", "session_id", "request_id")
+    @classmethod
+    def _names(cls, value: str) -> str:
+        return validate_name(value, "name")
+
+
+class ApiResultReady(Payload):
+    """engine -> gateway, on ``<ns>.results``: a call's result (or its error) is durable in the store."""
+
+    event_type: ClassVar[str] = "ApiResultReady"
+    request_id: str
+    session_id: str
+    op: ApiOp
+    model_id: str | None = None
+    seq_id: int | None = None
+    ok: bool
+    result_path: str | None = Field(default=None, description="object key of the result; None for an error")
+    result_format: BodyFormat = "json"
+    result_sha256: Sha256 | None = None
+    error: str | None = Field(default=None, description="one line naming the fix, shown to the client")
+    category: ErrorCategory | None = None
