@@ -27,7 +27,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from schemas.events import Payload, Sha256
+from schemas.events import PAYLOAD_TYPES, Payload, Sha256
 from schemas.names import InvalidNameError, validate_name
 
 ApiOp = Literal[
@@ -115,3 +115,6 @@ class ApiResultReady(Payload):
     result_sha256: Sha256 | None = None
     error: str | None = Field(default=None, description="one line naming the fix, shown to the client")
     category: ErrorCategory | None = None
+
+
+PAYLOAD_TYPES.update({cls.event_type: cls for cls in (ApiRequestAccepted, ApiResultReady)})

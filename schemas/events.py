@@ -185,13 +185,6 @@ class DeadLetter(Payload):
     raw_truncated: bool = False
 
 
-def _api_payloads() -> tuple[type[Payload], ...]:
-    """The API's events live in ``schemas.api`` (which builds on this module)."""
-    from schemas.api import ApiRequestAccepted, ApiResultReady
-
-    return (ApiRequestAccepted, ApiResultReady)
-
-
 PAYLOAD_TYPES: dict[str, type[Payload]] = {
     cls.event_type: cls
     for cls in (
@@ -204,7 +197,6 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
         LearnerProgress,
         RunStopped,
         DeadLetter,
-        *_api_payloads(),
     )
 }
 
@@ -262,3 +254,7 @@ def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelop
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise EventDecodeError(f"invalid {event_type}: {where}: {first['msg']}") from None
+
+
+# The API's events live in ``schemas.api``, which builds on this module and adds them to
+# ``PAYLOAD_TYPES``; importing it here makes every reader of the log know them.

@@ -5,6 +5,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from schemas.api import ApiRequestAccepted, ApiResultReady
 from schemas.events import (
     PAYLOAD_TYPES,
     AdapterPublished,
@@ -47,6 +48,11 @@ EXAMPLES = [
     RunStopped(reason="budget reached", final_version=4, final_step=40),
     DeadLetter(reason="not JSON", origin_topic="rlpipe.trajectories", origin_partition=0, origin_offset=7,
                key="r", raw="\x00garbage"),
+    ApiRequestAccepted(request_id="req-1", tenant="alice", session_id="sess-1", op="optim_step",
+                       model_id="sess-1:train:0", seq_id=3, body_path="sessions/sess-1/requests/req-1.json",
+                       body_sha256=SHA),
+    ApiResultReady(request_id="req-1", session_id="sess-1", op="optim_step", model_id="sess-1:train:0", seq_id=3,
+                   ok=True, result_path="sessions/sess-1/results/req-1.json", result_sha256=SHA),
 ]
 
 
