@@ -47,6 +47,18 @@ ErrorCategory = Literal["user", "server", "unknown"]
 _MODEL_ID_RE = re.compile(r"(?P<session>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<kind>train|sample):(?P<seq>[0-9]+)")
 
 
+class ApiError(ValueError):
+    """A call the API refuses or cannot complete; ``str(error)`` is one line naming the fix.
+
+    ``category`` is what the client sees (``{"error": ..., "category": ...}``): ``user`` for a bad
+    request (the SDK does not retry it), ``server`` for a fault on rlpipe's side.
+    """
+
+    def __init__(self, message: str, category: ErrorCategory = "user") -> None:
+        super().__init__(message)
+        self.category: ErrorCategory = category
+
+
 def session_path(session_id: str) -> str:
     """Store folder of one API session (relative to the store root)."""
     return f"sessions/{validate_name(session_id, 'session_id')}"
