@@ -44,6 +44,17 @@ def _phase(title: str, *args: str, capture: bool = False) -> subprocess.Complete
     return result
 
 
+SEED_STRIDE = 1000  # each recipe seed plays its own training episodes: [seed * stride, ...)
+
+
+def seed_settings(seed: int) -> list[str]:
+    """``--set`` arguments that give a run the recipe seed ``seed`` (0 = the presets' own seeds)."""
+    if seed == 0:
+        return []
+    pairs = {"sampler.seed": seed, "learner.seed": seed, "producer.seed_start": seed * SEED_STRIDE}
+    return [arg for key, value in pairs.items() for arg in ("--set", f"{key}={value}")]
+
+
 def result_table(results: list[dict[str, Any]], run_id: str) -> Table:
     table = Table("policy", "version", "episodes", "mean return", "95% CI", "success rate",
                   title=f"held-out evaluation of {run_id}")
@@ -94,21 +105,24 @@ def demo(
     noise: Annotated[float, typer.Option(min=0.0, max=1.0, help="The demonstrator's share of random answers.")
                      ] = 0.76,
     dashboard: Annotated[bool, typer.Option("--dashboard/--no-dashboard", help="Live dashboard.")] = True,
+    seed: Annotated[int, typer.Option(min=0, max=999, help=(
+        "Seed of the whole recipe: demonstrations, sampling, LoRA initialisation and training seeds "
+        "(held-out evaluation seeds stay the same)."))] = 0,
 ) -> None:
     """Build the tiny model, warm-start offline, run online RL, evaluate base / warm start / last, report."""
-    run_id = f"{preset}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    run_id = f"{preset}-{datetime.now(UTC):%Y%m%d-%H%M%S}" + (f"-s{seed}" if seed else "")
     started = time.monotonic()
     total = 6 if warm_start else 4
     phase = iter(range(1, total + 1))
     _phase(f"{next(phase)}/{total} tiny base model", "model", "init-tiny")
-    run_args = ["run", "--preset", preset, "--run", run_id]
+    run_args = ["run", "--preset", preset, "--run", run_id, *seed_settings(seed)]
     if warm_start:
         demos, warm = f"{run_id}-demos", f"{run_id}-warm"
         _phase(f"{next(phase)}/{total} noisy demonstrations to Parquet", "envs", "record", "cartpole", "--run", demos,
                "--episodes", str(demonstrations), "--noise", str(noise), "--weighted", "--episodes-per-batch", "2",
-               "--overrides", '{"history_turns": 0}')
+               "--overrides", '{"history_turns": 0}', "--seed-start", str(seed * SEED_STRIDE))
         _phase(f"{next(phase)}/{total} offline warm start (supervised, replayed from Parquet)", "replay", "--run",
-               demos, "--train", "--preset", "demo-warmstart", "--set", f"run_id={warm}")
+               demos, "--train", "--preset", "demo-warmstart", "--set", f"run_id={warm}", *seed_settings(seed))
         run_args += ["--set", f"learner.init_from={warm}@latest"]
     run_args += ["--max-steps", str(steps)] if steps else []
     run_args += [] if dashboard else ["--no-dashboard"]

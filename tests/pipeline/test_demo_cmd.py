@@ -33,3 +33,15 @@ def test_targets_line_says_met_or_missed_and_the_fix():
     assert "x2 over the base model: MISSED" in line and "x1.5 over the warm start: MISSED" in line
     assert "--steps" in line
     assert targets_line(verdict(result(0, 20.0, 3.0), result(9, 50.0, 5.0))) == "targets: x2 over the base model: met"
+
+
+def test_a_recipe_seed_moves_every_training_seed_but_not_the_held_out_ones():
+    from pipeline.cli.demo_cmd import SEED_STRIDE, seed_settings
+    from schemas.config import RunConfig
+
+    assert seed_settings(0) == []
+    sets = dict(arg.split("=", 1) for arg in seed_settings(7)[1::2])
+    assert sets == {"sampler.seed": "7", "learner.seed": "7", "producer.seed_start": str(7 * SEED_STRIDE)}
+    # the largest seed the option accepts still leaves room for every producer's range below the held-out seeds
+    config = RunConfig.model_validate({"producer": {"seed_start": 999 * SEED_STRIDE}})
+    assert max(config.training_seeds("p-255")) < config.env.eval_seed_offset

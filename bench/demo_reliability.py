@@ -1,0 +1,98 @@
+"""How often does ``make demo`` learn?  The demo recipe run N times with different seeds.
+
+Each run is ``rlpipe demo --seed <i> --no-dashboard`` (demonstrations, sampling,
+LoRA initialisation and training seeds all follow the seed; the held-out
+evaluation seeds are the same for every run).  All runs share one embedded stack
+(started by the first, stopped at the end) and one tiny model (built by the
+first, cached for the rest).  Printed per run: the two ratios the demo is judged
+by (last / base, last / warm start) with whether the 95% intervals separate, the
+version at which the training return "took off" (the first version whose mean
+training return is at least 1.5x the warm start's), and the minutes it took; then
+the success count (both targets met).
+
+    python bench/demo_reliability.py --runs 10            # seeds 1..10
+    python bench/demo_reliability.py --runs 3 --first-seed 11 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TAKE_OFF_FACTOR = 1.5
+
+
+def take_off_version(reward_by_version: list[dict[str, Any]], warm_version: int = 1) -> int | None:
+    """First version (after the warm start) whose mean training return is >= 1.5x the warm start's."""
+    by_version = {int(p["version"]): p["reward_mean"] for p in reward_by_version if p.get("reward_mean") is not None}
+    warm = by_version.get(warm_version)
+    if warm is None or warm <= 0:
+        return None
+    return next((v for v in sorted(by_version) if v > warm_version and by_version[v] >= TAKE_OFF_FACTOR * warm), None)
+
+
+def one_run(seed: int, steps: int | None, episodes: int) -> dict[str, Any]:
+    """Run the demo with ``seed``; its ``demo-result.json`` plus the take-off version and the wall time."""
+    command = [sys.executable, "-m", "pipeline.cli.main", "demo", "--seed", str(seed), "--no-dashboard",
+               "--episodes", str(episodes), *(["--steps", str(steps)] if steps else [])]
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True)
+    minutes = (time.monotonic() - started) / 60
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"seed": seed, "failed": tail[0], "minutes": minutes}
+    report = next(line.split("report: ", 1)[1].split(";")[0] for line in done.stdout.splitlines()
+                  if line.startswith("report: "))
+    folder = Path(report).parent
+    outcome = json.loads((folder / "demo-result.json").read_text())
+    series = json.loads((folder / "report.json").read_text())["series"]
+    outcome["take_off_version"] = take_off_version(series.get("reward_by_version") or [])
+    outcome["minutes"] = minutes
+    outcome["seed"] = seed
+    return outcome
+
+
+def met(outcome: dict[str, Any]) -> bool:
+    """Both targets: x2 over the base and x1.5 over the warm start, each with separated 95% intervals."""
+    return bool(outcome.get("doubled") and outcome.get("intervals_separate")
+                and outcome.get("rl_raised_1_5x") and outcome.get("rl_intervals_separate"))
+
+
+def line(outcome: dict[str, Any]) -> str:
+    if "failed" in outcome:
+        return f"seed {outcome['seed']:>3}: FAILED after {outcome['minutes']:.1f} min: {outcome['failed']}"
+    return (f"seed {outcome['seed']:>3}: base {outcome['base_mean']:6.2f}  warm {outcome['warm_mean']:6.2f}  "
+            f"last {outcome['last_mean']:6.2f} (v{outcome['last_version']})  "
+            f"x{outcome['ratio']:.2f}{'' if outcome['intervals_separate'] else ' (overlap)'} over base, "
+            f"x{outcome['ratio_rl']:.2f}{'' if outcome['rl_intervals_separate'] else ' (overlap)'} over warm  "
+            f"take-off v{outcome['take_off_version'] if outcome['take_off_version'] is not None else '-'}  "
+            f"{outcome['minutes']:.1f} min  {'MET' if met(outcome) else 'missed'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--first-seed", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=None, help="online steps (default: the demo preset's)")
+    parser.add_argument("--episodes", type=int, default=32, help="held-out evaluation episodes per policy")
+    parser.add_argument("--out", default="demo-reliability.json")
+    args = parser.parse_args()
+    outcomes = []
+    try:
+        for seed in range(args.first_seed, args.first_seed + args.runs):
+            outcomes.append(one_run(seed, args.steps, args.episodes))
+            print(line(outcomes[-1]), flush=True)
+            Path(args.out).write_text(json.dumps(outcomes, indent=2))
+    finally:
+        subprocess.run([sys.executable, "-m", "pipeline.cli.main", "down"], capture_output=True)
+    print(f"both targets met in {sum(met(o) for o in outcomes)} of {len(outcomes)} runs; "
+          f"median {sorted(o['minutes'] for o in outcomes)[len(outcomes) // 2]:.1f} min per run; details: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""bench/demo_reliability.py: the take-off version and the success rule (pure arithmetic)."""
+
+from __future__ import annotations
+
+from bench.demo_reliability import met, take_off_version
+
+
+def _series(means: dict[int, float]) -> list[dict[str, float]]:
+    return [{"version": v, "reward_mean": m} for v, m in means.items()]
+
+
+def test_take_off_is_the_first_version_at_1_5x_the_warm_start():
+    assert take_off_version(_series({0: 20.0, 1: 24.0, 2: 30.0, 3: 36.0, 4: 50.0})) == 3
+    assert take_off_version(_series({1: 24.0, 2: 30.0})) is None
+    assert take_off_version(_series({0: 20.0, 2: 40.0})) is None  # no warm start to compare with
+
+
+def test_both_targets_with_separated_intervals_are_needed():
+    good = {"doubled": True, "intervals_separate": True, "rl_raised_1_5x": True, "rl_intervals_separate": True}
+    assert met(good)
+    for key in good:
+        assert not met({**good, key: False})
+    assert not met({"seed": 1, "failed": "exit 1"})
