@@ -205,6 +205,8 @@ def test_a_batch_in_chunks_gives_the_gradients_of_one_call_and_forward_changes_n
     one = fb(engine, f"one{loss[:3]}:train:0", data, loss)
     chunks = [fb(engine, f"chunks{loss[:3]}:train:0", data[i : i + 2], loss) for i in (4, 2, 0)]
     assert sum(c.metrics["loss:sum"] for c in chunks) == pytest.approx(one.metrics["loss:sum"], abs=1e-5)
+    assert sum(c.metrics["num_tokens:sum"] for c in chunks) == one.metrics["num_tokens:sum"] > 0
+    assert ("ratio_max:max" in one.metrics) == (loss != "cross_entropy")
     grads_one = engine.gradients(f"one{loss[:3]}.train.0")
     largest = max(float(g.abs().max()) for g in grads_one.values())
     assert largest > 0  # float32 sums in another order: equal to 1e-6 of the largest gradient
