@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,8 +170,15 @@ def _metadata(state: bytes) -> dict[str, str]:
 
 @contextlib.contextmanager
 def _as_user_errors() -> Iterator[None]:
-    """The engine's refusals (``EngineError``: nothing was changed) reach the client as ``user`` errors."""
+    """The engine's refusals (``EngineError``: nothing was changed) reach the client as ``user`` errors.
+
+    peft's warning about LoRA on a tied output head is silenced: the LoRA delta applies to the head
+    only (the embeddings stay as they are), and the warning is about merging adapters into tied
+    weights, which rlpipe never does.
+    """
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            yield
     except EngineError as exc:
         raise ApiError(str(exc), "user") from None
