@@ -108,7 +108,7 @@ def direct_arm(model_dir: str, args: argparse.Namespace) -> Step:
 def engine_arm(model_dir: str, args: argparse.Namespace) -> Step:
     """The same steps on the engine's own methods (the datums' translation is timed here too, it is cheap)."""
     engine, model_id = new_model(model_dir, args)
-    name, loss_args = ops._run_name(model_id), engine_loss_args(args.loss, None)
+    name, loss_args = ops.adapter_name(model_id), engine_loss_args(args.loss, None)
     adam = AdamParams(learning_rate=ADAM.learning_rate, beta1=ADAM.beta1, beta2=ADAM.beta2, eps=ADAM.eps)
 
     def step(data: list[types.Datum]) -> None:

@@ -49,7 +49,7 @@ _WEIGHTS_ONLY_KEY = "rlpipe.api.weights_only"
 
 def create_model(engine: TrainingEngine, model_id: str, request: types.CreateModelRequest) -> None:
     """A new LoRA adapter for ``model_id`` (see the module docstring for the modules and the seed)."""
-    name = _run_name(model_id)
+    name = adapter_name(model_id)
     if request.lora_config is None:
         raise ApiError("create_model needs a lora_config (rlpipe trains LoRA adapters); send its rank")
     if request.optimizer_config.type != "adamw":
@@ -107,7 +107,7 @@ def save_state(engine: TrainingEngine, model_id: str, with_optimizer: bool = Tru
 
 def load_state(engine: TrainingEngine, model_id: str, state: bytes, with_optimizer: bool) -> None:
     """Restore a ``save_state`` blob into ``model_id`` (created if unknown); without the optimizer, Adam restarts."""
-    name = _run_name(model_id)
+    name = adapter_name(model_id)
     if with_optimizer and _metadata(state).get(_WEIGHTS_ONLY_KEY) == "true":
         raise ApiError("this checkpoint holds weights only (saved without the optimizer); load it without "
                        "the optimizer (create_training_client_from_state)")
@@ -126,19 +126,20 @@ def unload(engine: TrainingEngine, model_id: str) -> None:
     engine.delete_adapter(_known_model(engine, model_id))
 
 
-# ---- phases --------------------------------------------------------------------------------
-def _run_name(model_id: str) -> str:
+def adapter_name(model_id: str) -> str:
+    """The engine adapter that holds Tinker model ``model_id`` (its run name, ``<session>.train.<n>``)."""
     try:
         return model_run_name(model_id)
     except InvalidNameError as exc:
         raise ApiError(str(exc)) from None
 
 
+# ---- phases --------------------------------------------------------------------------------
 def _known_model(engine: TrainingEngine, model_id: str, request_model_id: str | None = None) -> str:
     """The adapter name of an existing model; a request naming another model than its route is refused."""
     if request_model_id is not None and request_model_id != model_id:
         raise ApiError(f"request is for model {request_model_id!r} but was sent to {model_id!r}; resend it")
-    name = _run_name(model_id)
+    name = adapter_name(model_id)
     if name not in engine.adapters():
         raise ApiError(f"unknown model {model_id!r}; create it with create_model (or load_weights) first")
     return name

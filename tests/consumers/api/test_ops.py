@@ -91,7 +91,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 def snapshot(engine: TrainingEngine, model_id: str) -> tuple[bytes, dict[str, torch.Tensor]]:
     """Weights, optimizer state and RNG (the saved state) and the accumulated gradients."""
-    return ops.save_state(engine, model_id), engine.gradients(ops._run_name(model_id))
+    return ops.save_state(engine, model_id), engine.gradients(ops.adapter_name(model_id))
 
 
 def same_snapshot(a: tuple[bytes, dict[str, torch.Tensor]], b: tuple[bytes, dict[str, torch.Tensor]]) -> bool:
@@ -245,7 +245,7 @@ def test_three_models_trained_interleaved_end_as_each_trained_alone(engine, tiny
         for s in range(3):
             train_step(alone, model_id, s, True)
             train_step(alone, model_id, s, False)
-        name = ops._run_name(model_id)
+        name = ops.adapter_name(model_id)
         assert max_difference(engine.weights(name), alone.weights(name)) <= 1e-6
 
 
