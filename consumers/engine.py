@@ -50,7 +50,15 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from consumers.engine_data import Datum, EngineError, collate, micro_batch_slices, validate_datums
-from consumers.losses import LossStats, cross_entropy_loss, importance_sampling_loss, logit_divisors, ppo_loss
+from consumers.losses import (
+    LossStats,
+    cispo_loss,
+    cross_entropy_loss,
+    dro_loss,
+    importance_sampling_loss,
+    logit_divisors,
+    ppo_loss,
+)
 from consumers.policy import (
     check_head_supported,
     load_optimizer_tensors,
@@ -66,7 +74,9 @@ STATE_FORMAT = "rlpipe.engine.state/1"
 LOSSES: dict[str, tuple[Callable[..., tuple[torch.Tensor, LossStats]], frozenset[str]]] = {
     "cross_entropy": (cross_entropy_loss, frozenset()),
     "importance_sampling": (importance_sampling_loss, frozenset({"is_cap", "ratio_mask_low", "ratio_mask_high"})),
-    "ppo": (ppo_loss, frozenset({"clip_eps", "ratio_mask_low", "ratio_mask_high"})),
+    "ppo": (ppo_loss, frozenset({"clip_eps", "clip_low", "clip_high", "ratio_mask_low", "ratio_mask_high"})),
+    "cispo": (cispo_loss, frozenset({"clip_low_threshold", "clip_high_threshold"})),
+    "dro": (dro_loss, frozenset({"beta"})),
 }
 
 

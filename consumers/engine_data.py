@@ -8,12 +8,14 @@ for the targets.
 
 Loss inputs, all per target token:
   weights     multiplies every loss's terms (Tinker's cross-entropy weights, any float); default 1
-  logprobs    the sampler's logprob of the target (importance_sampling, ppo)
-  advantages  the target's advantage (importance_sampling, ppo)
+  logprobs    the sampler's logprob of the target (the ratio losses: importance_sampling, ppo, cispo, dro)
+  advantages  the target's advantage (the ratio losses)
   mask        which targets are trained tokens (1) and which are context (0); by
               default the non-zero weights (cross_entropy) or non-zero advantages
-              (importance_sampling, ppo), which changes no loss or gradient, only
-              which tokens the statistics count
+              (importance_sampling, ppo, cispo), which changes no loss or gradient, only
+              which tokens the statistics count; for dro, whose penalty also acts where
+              the advantage is 0, the targets with a non-zero advantage or sampler logprob
+              (context targets carry 0 for both)
   temperature the row's sampling temperature (logits are divided by it; 0 = greedy = 1)
 
 Everything is checked before the engine touches its model, so a bad request
@@ -30,7 +32,7 @@ import torch
 
 from consumers.losses import TokenBatch
 
-RATIO_LOSSES = ("importance_sampling", "ppo")
+RATIO_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
 _PER_TOKEN = ("weights", "logprobs", "advantages", "mask")
 
 
@@ -145,6 +147,8 @@ def collate(
     advantages_BT = column("advantages", 0.0)
     default_mask = [(d.weights if d.weights is not None else torch.ones(len(d))) if loss not in RATIO_LOSSES
                     else d.advantages for d in datums]
+    if loss == "dro":
+        default_mask = [d.advantages.abs() + d.logprobs.abs() for d in datums]
     masks = [d.mask if d.mask is not None else (m != 0).float() for d, m in zip(datums, default_mask, strict=True)]
     batch = TokenBatch(
         tokens_BT=_padded([d.target_tokens for d in datums], width, torch.int64),

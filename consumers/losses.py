@@ -30,6 +30,14 @@ Notation per token t of sequence b (all masks are 0 on prompt and padding):
   (eps_low = eps_high = ``ppo_clip`` unless ``ppo_clip_low`` / ``ppo_clip_high`` say otherwise;
   a higher upper clip lets rare good tokens grow faster, against entropy collapse)
 
+``cispo`` (clipped importance-sampling policy optimisation, as the Tinker API defines it):
+  loss = -(1/N) sum_bt m_t w_b sg(clip(r_t, c_low, c_high)) A_t logp_t
+  (absolute ratio thresholds, default [0, 4]: the clipped ratio is a constant
+  coefficient, so no token's gradient is ever zeroed, only bounded)
+
+``dro`` (direct reward optimisation with a quadratic penalty, as the Tinker API defines it):
+  loss = -(1/N) sum_bt m_t w_b (A_t logp_t - beta/2 (logp_t - q_t)^2)
+
 ``cross_entropy`` (supervised; also awr and filtered_bc, whose per-row weights
 ``consumers.advantages.training_weights`` folds into ``weights_B`` beforehand):
   loss = -(1/N) sum_bt m_t w_b logp_t
@@ -305,7 +313,8 @@ def _ratio_stats(
 def _ratio_mask(log_ratio_BT: torch.Tensor, generated_BT: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """k_t: generated tokens whose ratio lies in [low, high] (compared in log space, no overflow)."""
     log_ratio = log_ratio_BT.detach()
-    return generated_BT & (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))
+    log_low = math.log(low) if low > 0 else -math.inf  # low 0 = no lower bound
+    return generated_BT & (log_ratio >= log_low) & (log_ratio <= math.log(high))
 
 
 def _finish(
@@ -380,6 +389,54 @@ def ppo_loss(
     binding_BT = kept_BT & (clipped_BT.detach() < unclipped_BT.detach())  # the clip zeroed this token's gradient
     return _finish(
         loss_sum, normaliser, batch, generated_BT, **_ratio_stats(log_ratio_BT, generated_BT, binding_BT, kept_BT)
+    )
+
+
+def cispo_loss(
+    logprobs_BT: torch.Tensor,
+    batch: TokenBatch,
+    normaliser: float,
+    *,
+    clip_low_threshold: float = 0.0,
+    clip_high_threshold: float = 4.0,
+) -> tuple[torch.Tensor, LossStats]:
+    """CISPO: -sum sg(clip(r, low, high)) A logp over generated tokens (thresholds on the ratio itself).
+
+    ``num_clipped`` counts tokens whose ratio lay outside [low, high]; no token is masked.
+    """
+    _check_normaliser(normaliser)
+    if not 0 <= clip_low_threshold <= clip_high_threshold:
+        raise ValueError(f"cispo needs 0 <= clip_low_threshold <= clip_high_threshold, got "
+                         f"{clip_low_threshold} and {clip_high_threshold}")
+    generated_BT = batch.loss_mask_BT > 0
+    log_ratio_BT = (logprobs_BT - batch.sampler_logprobs_BT).detach()
+    coefficient_BT = torch.exp(log_ratio_BT).clamp(clip_low_threshold, clip_high_threshold)
+    weight_BT = batch.weighted_mask_BT() * batch.weights_B.float()[:, None]
+    loss_sum = -(weight_BT * coefficient_BT * batch.advantages_BT() * logprobs_BT).sum()
+    log_low = math.log(clip_low_threshold) if clip_low_threshold > 0 else -math.inf
+    clipped_BT = (log_ratio_BT < log_low) | (log_ratio_BT > math.log(clip_high_threshold))
+    return _finish(
+        loss_sum, normaliser, batch, generated_BT,
+        **_ratio_stats(log_ratio_BT, generated_BT, clipped_BT, generated_BT),
+    )
+
+
+def dro_loss(
+    logprobs_BT: torch.Tensor, batch: TokenBatch, normaliser: float, *, beta: float = 0.05
+) -> tuple[torch.Tensor, LossStats]:
+    """DRO: -sum (A logp - beta/2 (logp - q)^2) over generated tokens; the penalty keeps logp near the sampler's."""
+    _check_normaliser(normaliser)
+    if not (math.isfinite(beta) and beta >= 0):
+        raise ValueError(f"dro needs beta >= 0, got {beta}")
+    generated_BT = batch.loss_mask_BT > 0
+    log_ratio_BT = logprobs_BT - batch.sampler_logprobs_BT
+    objective_BT = batch.advantages_BT() * logprobs_BT - 0.5 * beta * log_ratio_BT.square()
+    weight_BT = batch.weighted_mask_BT() * batch.weights_B.float()[:, None]
+    loss_sum = -(weight_BT * objective_BT).sum()
+    nothing_BT = torch.zeros_like(generated_BT)
+    return _finish(
+        loss_sum, normaliser, batch, generated_BT,
+        **_ratio_stats(log_ratio_BT, generated_BT, nothing_BT, generated_BT),
     )
 
 

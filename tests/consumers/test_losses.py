@@ -15,8 +15,10 @@ from consumers.losses import (
     LossStats,
     TokenBatch,
     check_behaviour_policy,
+    cispo_loss,
     compute_loss,
     cross_entropy_loss,
+    dro_loss,
     importance_sampling_loss,
     loss_from_logprobs,
     ppo_loss,
@@ -430,3 +432,41 @@ def test_ppo_asymmetric_clip():
     logprobs, batch = leaf_batch(ratios, advantage=1.0)
     via_config, _ = loss_from_logprobs(config, logprobs, batch, 1.0)
     torch.testing.assert_close(grad_of(via_config, logprobs)[0, 1:], torch.tensor([-0.79, -1.25, -1.27, 0.0]))
+
+
+# ---------------------------------------------------------------- CISPO and DRO (the API's losses)
+
+
+def test_cispo_weighs_logp_by_the_clipped_ratio_without_a_gradient_through_it():
+    # thresholds [0.5, 4]: coefficients r clipped = 0.5 (r 0.3), 1.2, 4 (r 6); A=2, w=0.5, N=2.
+    # loss = -(w/N) sum clip(r) A logp with logp = -1: -(0.25) * 2 * (0.5 + 1.2 + 4) * -1 = 2.85
+    # d loss / d logp_t = -(w/N) A clip(r_t) = -0.5 clip(r_t)
+    logprobs, batch = leaf_batch([0.3, 1.2, 6.0], advantage=2.0, weight=0.5)
+    loss, stats = cispo_loss(logprobs, batch, 2.0, clip_low_threshold=0.5, clip_high_threshold=4.0)
+    assert loss.item() == pytest.approx(2.85, rel=1e-5)
+    torch.testing.assert_close(grad_of(loss, logprobs)[0], torch.tensor([0.0, -0.25, -0.6, -2.0]))
+    assert (stats.num_tokens, stats.num_clipped, stats.num_masked) == (3, 2, 0)
+    # Tinker's defaults: no lower bound, upper 4
+    logprobs, batch = leaf_batch([0.01, 5.0])
+    loss, _ = cispo_loss(logprobs, batch, 1.0)
+    torch.testing.assert_close(grad_of(loss, logprobs)[0], torch.tensor([0.0, -0.01, -4.0]))
+
+
+def test_dro_is_the_reward_term_minus_a_quadratic_penalty_on_the_log_ratio():
+    # logp = -1 everywhere; r = 1 and e^2 give log-ratios 0 and 2; A = 1.5, beta 0.1, w = 1, N = 1.
+    # loss = -sum(logp A - 0.5 beta (logp - q)^2) = -(-1.5 - 0) - (-1.5 - 0.05 * 4) = 1.5 + 1.7 = 3.2
+    # d loss / d logp_t = -A + beta (logp - q) = -1.5 + 0.1 * [0, 2] = [-1.5, -1.3]
+    logprobs, batch = leaf_batch([1.0, math.exp(2.0)], advantage=1.5)
+    loss, stats = dro_loss(logprobs, batch, 1.0, beta=0.1)
+    assert loss.item() == pytest.approx(3.2, rel=1e-5)
+    torch.testing.assert_close(grad_of(loss, logprobs)[0], torch.tensor([0.0, -1.5, -1.3]))
+    assert stats.num_tokens == 2 and stats.ratio_max == pytest.approx(math.exp(2.0), rel=1e-5)
+
+
+def test_ratio_losses_accept_an_open_ratio_mask():
+    # ratio_mask_low 0 and ratio_mask_high inf keep every token, however far off (Tinker's importance_sampling)
+    logprobs, batch = leaf_batch([0.001, 50.0])
+    loss, stats = importance_sampling_loss(logprobs, batch, 1.0, is_cap=math.inf, ratio_mask_low=0.0,
+                                           ratio_mask_high=math.inf)
+    torch.testing.assert_close(grad_of(loss, logprobs)[0], torch.tensor([0.0, -0.001, -50.0]), rtol=1e-4, atol=1e-6)
+    assert stats.num_masked == 0
