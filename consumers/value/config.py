@@ -45,6 +45,14 @@ class ValueLearnerConfig(BaseModel):
     priority_beta: float = Field(0.5, ge=0.0, le=1.0, description="prioritized: importance weights (N P(i))^-beta")
     priority_epsilon: float = Field(1e-6, gt=0.0, le=1.0, description="prioritized: added to |TD| so no p_i is 0")
     min_replay_size: int = Field(500, ge=1, le=10_000_000, description="transitions stored before training starts")
+    # The service around the agent (consumers.value.learner): one step per ingested steps batch.
+    updates_per_transition: float = Field(
+        1.0, ge=0.0, le=1_000.0, description="gradient updates per transition ingested (Dopamine: 1 per env step)"
+    )
+    publish_every: int = Field(1, ge=1, le=1_000_000, description="steps (ingested batches) between published versions")
+    checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="steps between checkpoints")
+    keep_checkpoints: int | None = Field(3, ge=1, le=10_000, description="complete checkpoints kept (None = all)")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps (ingested batches)")
 
     @model_validator(mode="after")
     def _consistent(self) -> ValueLearnerConfig:
