@@ -34,33 +34,21 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from pipeline.io.archive import TrajectoryArchive, new_batch_id
 from pipeline.io.registry import AdapterRegistry, RegistryError
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
+from schemas.config import RunConfig
 from schemas.events import Payload, TrajectoryBatchCommitted
 from schemas.names import validate_name
 from schemas.steps import steps_to_table
+from schemas.value import ValueActorConfig
 
 log = logging.getLogger("rlpipe.actor")
 
 VERSION_FEATURE, EPSILON_FEATURE = "actor@policy_version", "actor@epsilon"
-
-
-class ValueActorConfig(BaseModel):
-    """How one numeric actor explores and batches its steps."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    steps_per_batch: int = Field(200, ge=1, le=1_000_000, description="write a batch once its episodes hold this many steps")
-    epsilon_decay_steps: int = Field(4_000, ge=1, le=100_000_000, description="steps over which epsilon falls to its floor")
-    epsilon_warmup_steps: int = Field(0, ge=0, le=100_000_000, description="steps at epsilon 1 before the decay starts")
-    final_epsilon: float = Field(0.05, ge=0.0, le=1.0, description="epsilon after the decay")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the episodes (seed, seed+1, ...) and the exploration")
-    registry_poll_s: float = Field(1.0, ge=0.0, le=3600.0, description="look for a newer version this often")
 
 
 def steps_batch_key(run_id: str, day: date, batch_id: str) -> str:
@@ -112,6 +100,7 @@ class ValueActor:
         watcher: ValueNetworkWatcher,
         config: ValueActorConfig,
         announce: Callable[[Payload], Any] = lambda payload: None,
+        seeds: range | None = None,
     ) -> None:
         self.run_id, self.actor_id = validate_name(run_id, "run_id"), validate_name(actor_id, "actor_id")
         self.env, self.archive, self.watcher, self.config, self.announce = env, archive, watcher, config, announce
@@ -120,7 +109,8 @@ class ValueActor:
             raise ValueError(f"environment {env.name} has no finite set of actions; "
                              "value actors play cartpole, cartpole-v1 or acrobot")
         self.choices = choices
-        self.rng = np.random.default_rng(config.seed)
+        self.seeds = seeds  # environment seeds this actor plays, in turn (None: seed * 1_000_003 + episode)
+        self.rng = np.random.default_rng([config.seed, seeds.start if seeds else 0])
         self.env_steps = 0
         self.episodes = 0
         self.batches_written = 0
@@ -146,7 +136,8 @@ class ValueActor:
         """One episode with the current version: (its steps table rows, its return, success)."""
         self.watcher.refresh()  # a new version is taken between episodes, never within one
         version, episode_id = self.watcher.version, f"{self.actor_id}-e{self.episodes}"
-        self.env.reset(self.config.seed * 1_000_003 + self.episodes)
+        seeds = self.seeds
+        self.env.reset(seeds[self.episodes % len(seeds)] if seeds else self.config.seed * 1_000_003 + self.episodes)
         success, epsilons, actions = False, [], []
         while not self.env.done:
             observation = self.env.numeric_state()
@@ -210,3 +201,37 @@ def open_watcher(registry: AdapterRegistry, cache_dir: str | Path | None, poll_s
     """A watcher caching under ``cache_dir`` (a fresh temporary folder when None)."""
     folder = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="rlpipe-value-"))
     return ValueNetworkWatcher(registry, folder, poll_s)
+
+
+def check_environment(env: TextEnv, observation_size: int, num_actions: int) -> None:
+    """Refuse an environment whose numeric form does not fit the run's network shape."""
+    env.reset(0)
+    shape = (len(env.numeric_state()), len(env.answer_choices() or []))
+    if shape != (observation_size, num_actions):
+        raise ValueError(f"environment {env.name} has {shape[0]} observation values and {shape[1]} actions, the run's "
+                         f"value section says {observation_size} and {num_actions}; fix value.observation_size "
+                         "and value.num_actions")
+
+
+def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False) -> ValueActor:
+    """One actor process of a value run: play and write batches until stopped (``rlpipe producer start``)."""
+    from pipeline.io.bus import EventPublisher
+    from pipeline.runtime import Announcer, open_store, resolved_bus
+    from producers.envs.registry import env_from_spec
+
+    if config.value is None:
+        raise ValueError(f"run {config.run_id} has no value section; use a value preset such as dqn-cartpole")
+    env = env_from_spec(config.env)
+    check_environment(env, config.value.observation_size, config.value.num_actions)
+    actor_id = config.producer.producer_id or f"{config.run_id}-p0"
+    store = open_store(config.store)
+    publisher = EventPublisher(resolved_bus(config.bus))
+    watcher = open_watcher(AdapterRegistry(store, config.run_id), None, config.value.actor.registry_poll_s)
+    actor = ValueActor(run_id=config.run_id, actor_id=actor_id, env=env, archive=TrajectoryArchive(store),
+                       watcher=watcher, config=config.value.actor, announce=Announcer(publisher, config.run_id),
+                       seeds=config.training_seeds(actor_id))
+    try:
+        actor.run(should_stop=stop)
+    finally:
+        publisher.close()
+    return actor

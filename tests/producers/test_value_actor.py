@@ -17,11 +17,11 @@ from producers.value_actor import (
     EPSILON_FEATURE,
     VERSION_FEATURE,
     ValueActor,
-    ValueActorConfig,
     ValueNetworkWatcher,
 )
 from schemas.events import TrajectoryBatchCommitted
 from schemas.steps import check_steps_table
+from schemas.value import ValueActorConfig
 
 SPEC = NetworkSpec(agent="dqn", observation_size=4, num_actions=2, hidden_sizes=(8,))
 

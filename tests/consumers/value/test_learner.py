@@ -17,8 +17,9 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.value_network import load_network
 from producers.envs.classic import CartPole
-from producers.value_actor import ValueActor, ValueActorConfig, ValueNetworkWatcher
+from producers.value_actor import ValueActor, ValueNetworkWatcher
 from schemas.events import DeadLetter
+from schemas.value import ValueActorConfig
 
 BATCHES = 12
 CONFIG = ValueLearnerConfig(
