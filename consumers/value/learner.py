@@ -2,7 +2,7 @@
 
 Actors -> steps batches in the store -> ``TrajectoryBatchCommitted`` -> source
 (``consumers.sources``: Kafka, or any ``TrajectorySource``) -> ``ValueLearner``.
-One *step* is one ingested batch: its n-step transitions go into the bounded
+One *step* is one ingested batch (one not trained before and readable): its n-step transitions go into the bounded
 replay memory, then ``updates_per_transition`` gradient updates per transition
 (a fractional credit carries over) sample the memory, once it holds
 ``min_replay_size``.  A value-network version (registry kind ``value-network``) is
@@ -56,7 +56,7 @@ log = logging.getLogger("rlpipe.value")
 
 @dataclass
 class IngestedBatch:
-    """A batch taken from the source: its table (None when skipped or quarantined)."""
+    """A batch taken from the source: its table (None when already trained or quarantined)."""
 
     ref: BatchRef
     table: pa.Table | None
@@ -91,7 +91,8 @@ class ValueLearner:
         self.source, self.announce, self.lease = source, announce, lease
         self.state = LearnerState()
         self.incoming: deque[BatchRef] = deque()
-        self.duplicates_skipped = self.dead_lettered = 0
+        self.duplicates_skipped = self.dead_lettered = self.dead_lettered_unrecorded = 0
+        self.carried: dict[str, int] = {}  # positions read since the last step (skipped batches' included)
         self.last_metrics: dict[str, Any] = {}
         self.faults = FaultInjector.from_env()
 
@@ -155,7 +156,9 @@ class ValueLearner:
             if not self.incoming:
                 self.incoming.extend(self.source.poll(poll_timeout_s))
             if self.incoming:
-                on_step(self.step(self.ingest(self.incoming.popleft())))
+                batch = self.ingest(self.incoming.popleft())
+                if batch.table is not None:
+                    on_step(self.step(batch))
             elif self.source.exhausted():
                 break
             elif self.lease is not None:
@@ -167,7 +170,13 @@ class ValueLearner:
 
     # ---- phase: ingest ---------------------------------------------------------------
     def ingest(self, ref: BatchRef) -> IngestedBatch:
-        """Read and verify one batch; a batch already trained is skipped, an unreadable one dead-lettered."""
+        """Read and verify one batch; a batch already trained is skipped, an unreadable one dead-lettered.
+
+        Neither makes a step (a step without data would publish unchanged weights as a new version):
+        their positions are carried into the next step's, so its checkpoint commits past them.
+        """
+        for key, value in ref.position.items():
+            self.carried[key] = max(value, self.carried.get(key, 0))
         if ref.batch_id in self.state.trained:
             self.duplicates_skipped += 1
             log.info("batch %s already trained; skipped", ref.batch_id)
@@ -181,26 +190,28 @@ class ValueLearner:
             self.announce(DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition,
                                      origin_offset=offset, key=ref.batch_id, raw=raw))
             self.dead_lettered += 1
+            self.dead_lettered_unrecorded += 1
             log.warning("%s (sent to the dead-letter topic)", reason)
             return IngestedBatch(ref, None, quarantined=True)
 
     # ---- phase: train ----------------------------------------------------------------
     def step(self, batch: IngestedBatch) -> dict[str, Any]:
         """Add the batch's transitions, train, then record, publish and checkpoint when due."""
-        metrics: dict[str, Any] = {"step": self.state.step + 1, "batch_ids": [], "batches": []}
-        if batch.table is not None:
-            added = self.memory.add_steps_table(batch.table)
-            metrics.update(self.train(added), **episode_metrics(batch.table))
-            metrics["batch_ids"] = [batch.ref.batch_id]
-            metrics["batches"] = [{"batch_id": batch.ref.batch_id, "path": batch.ref.path,
-                                   "sha256": batch.ref.sha256, "transitions": added}]
+        if batch.table is None:
+            raise ValueError(f"batch {batch.ref.batch_id} has no table to train (skipped or quarantined)")
+        added = self.memory.add_steps_table(batch.table)
+        metrics: dict[str, Any] = {"step": self.state.step + 1, **self.train(added), **episode_metrics(batch.table)}
+        metrics["batch_ids"] = [batch.ref.batch_id]
+        metrics["batches"] = [{"batch_id": batch.ref.batch_id, "path": batch.ref.path,
+                               "sha256": batch.ref.sha256, "transitions": added}]
         self.state.step += 1
-        if batch.table is not None:
-            self.state.trained[batch.ref.batch_id] = self.state.step
-        for key, value in batch.ref.position.items():
+        self.state.trained[batch.ref.batch_id] = self.state.step
+        for key, value in self.carried.items():
             self.state.positions[key] = max(value, self.state.positions.get(key, 0))
+        self.carried = {}
         metrics.update(replay_size=len(self.memory), training_steps=self.agent.training_steps,
-                       batches_dead_lettered=int(batch.quarantined))
+                       batches_dead_lettered=self.dead_lettered_unrecorded)
+        self.dead_lettered_unrecorded = 0
         if self.state.step % self.cfg.publish_every == 0 and self.agent.training_steps:
             self.publish(metrics)
         metrics["version"] = self.state.version

@@ -138,10 +138,13 @@ def test_a_restart_between_checkpoints_repeats_no_batch_and_gives_the_same_weigh
 def test_a_batch_announced_twice_is_trained_once_and_a_tampered_one_is_dead_lettered(batches) -> None:
     store, refs = batches
     tampered = BatchRef(refs[1].batch_id + "x", refs[1].path, "0" * 64, {"mem:0": 3})
-    twice = [refs[0], BatchRef(refs[0].batch_id, refs[0].path, refs[0].sha256, {"mem:0": 2}), tampered]
+    twice = [refs[0], BatchRef(refs[0].batch_id, refs[0].path, refs[0].sha256, {"mem:0": 2}), tampered,
+             BatchRef(refs[2].batch_id, refs[2].path, refs[2].sha256, {"mem:0": 4})]
     announced: list = []
-    learner = make_learner(store, "dup", twice, announced)
+    learner = make_learner(store, "dup", twice, announced, publish_every=1, min_replay_size=1)
     learner.run(poll_timeout_s=0.0)
     assert learner.duplicates_skipped == 1 and learner.dead_lettered == 1
-    assert list(learner.state.trained) == [refs[0].batch_id] and learner.state.positions == {"mem:0": 3}
+    assert learner.state.trained == {refs[0].batch_id: 1, refs[2].batch_id: 2}  # neither skip made a step
+    assert learner.state.positions == {"mem:0": 4} and learner.state.version == 2  # no version of unchanged weights
     assert [p.key for p in announced if isinstance(p, DeadLetter)] == [tampered.batch_id]
+    assert learner.last_metrics["batches_dead_lettered"] == 1
