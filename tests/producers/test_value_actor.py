@@ -97,3 +97,11 @@ def test_acrobot_plays_with_three_actions(memory_store: ObjectStore, tmp_path: P
     actor, _ = make_actor(memory_store, tmp_path, env=Acrobot(max_env_steps=30), steps_per_batch=30)
     table = TrajectoryArchive(memory_store).read_steps(actor.write_batch().path)
     assert len(table["observation"][0]) == 6 and {a[0] for a in table["action"].to_pylist()} <= {0.0, 1.0, 2.0}
+
+
+def test_an_environment_that_does_not_fit_the_runs_network_is_refused() -> None:
+    from producers.value_actor import check_environment
+
+    check_environment(CartPole(), observation_size=4, num_actions=2)
+    with pytest.raises(ValueError, match=r"fix value\.observation_size and value\.num_actions"):
+        check_environment(Acrobot(), observation_size=4, num_actions=2)
