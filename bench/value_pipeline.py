@@ -107,6 +107,16 @@ def start(team: list[ValueActor], stop: threading.Event) -> list[threading.Threa
     return threads
 
 
+def stop_actors(threads: list[threading.Thread], stop: threading.Event, source: QueueSource) -> None:
+    """Stop the actor threads, emptying the queue while they finish (one may wait on a full backlog)."""
+    stop.set()
+    while any(thread.is_alive() for thread in threads):
+        while not source.queue.empty():
+            source.queue.get()
+        for thread in threads:
+            thread.join(timeout=0.05)
+
+
 def evaluate(config: RunConfig, store: ObjectStore, version: int, episodes: int) -> float:
     registry = AdapterRegistry(store, config.run_id)
     _, network = load_network(registry.pull(version, Path("/tmp/rlpipe-bench-value-eval"), kind="value-network"))
@@ -138,11 +148,7 @@ def learn(args: argparse.Namespace) -> None:
                       f"v{learner.state.version} eval {score:.1f}", flush=True)
                 if score >= args.target:
                     reached = (team[0].env_steps, time.perf_counter() - started, learner.agent.training_steps)
-        stop.set()
-        while not source.queue.empty():
-            source.queue.get()
-        for thread in threads:
-            thread.join(timeout=10)
+        stop_actors(threads, stop, source)
         rows.append((seed, reached, curve[-1] if curve else None))
     print(f"\n| seed | env steps to {args.target:g} | wall-clock s | updates | last eval |")
     print("| --- | --- | --- | --- | --- |")
