@@ -24,6 +24,7 @@ The event's ``reward_*`` fields are per finished episode (its return), and
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -234,4 +235,5 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
         actor.run(should_stop=stop)
     finally:
         publisher.close()
+        shutil.rmtree(watcher.cache_dir, ignore_errors=True)  # this process's own pulled versions
     return actor
