@@ -104,9 +104,11 @@ class ValueLearner:
         checkpoint = self.checkpoints.latest()
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
+            self.rewind_if_the_log_changed()
             return False
         self.agent.load_state_dict(checkpoint.adapter)
         self.state = checkpoint.state
+        self.rewind_if_the_log_changed()
         self.rng.bit_generator.state = checkpoint.scalars["rng"]
         self.update_credit = float(checkpoint.scalars["update_credit"])
         entries = self.checkpoints.steps.read(upto=self.state.step)
@@ -117,6 +119,24 @@ class ValueLearner:
         log.info("resumed from %s: step %d, version %d, replay memory %d", checkpoint.key, self.state.step,
                  self.state.version, len(self.memory))
         return True
+
+    def rewind_if_the_log_changed(self) -> None:
+        """Read a log that is not the one the checkpoint's positions point into from its start.
+
+        As the LoRA learner (``Learner.rewind_if_the_log_changed``): a broker that lost its log numbers
+        events from 0 again; positions that point elsewhere start over at 0 and batches already trained
+        are skipped by their ids.  The identity of the log read from now on goes into the next checkpoint.
+        """
+        identify = getattr(self.source, "log_identity", None)
+        pointing_elsewhere = getattr(self.source, "positions_elsewhere", None)
+        if identify is None or pointing_elsewhere is None:
+            return
+        elsewhere = pointing_elsewhere(self.state.positions, self.state.log_identity)
+        if elsewhere:
+            log.warning("the event log is not the one the checkpoint points into (%s): reading it from the start; "
+                        "batches already trained are skipped", ", ".join(elsewhere))
+            self.state.positions.update(dict.fromkeys(elsewhere, 0))
+        self.state.log_identity = identify()
 
     def rebuild_memory(self, batches: list[dict[str, Any]]) -> ReplayMemory:
         """The replay memory after adding ``batches`` in order, reading only those still in it from the store."""

@@ -148,3 +148,26 @@ def test_a_batch_announced_twice_is_trained_once_and_a_tampered_one_is_dead_lett
     assert learner.state.positions == {"mem:0": 4} and learner.state.version == 2  # no version of unchanged weights
     assert [p.key for p in announced if isinstance(p, DeadLetter)] == [tampered.batch_id]
     assert learner.last_metrics["batches_dead_lettered"] == 1
+
+
+class RenewedLogSource(ListSource):
+    """A log created again under the same name: the old positions point past its end."""
+
+    def log_identity(self) -> dict[str, str]:
+        return {"mem": "second-log"}
+
+    def positions_elsewhere(self, positions: dict[str, int], recorded: dict[str, str]) -> list[str]:
+        return sorted(key for key in positions if recorded.get("mem") != "second-log")
+
+
+def test_a_learner_resuming_on_a_new_log_reads_it_from_the_start_and_skips_what_it_trained(batches) -> None:
+    store, refs = batches
+    first = make_learner(store, "renewed", refs[:4])
+    first.run(poll_timeout_s=0.0)  # checkpoint at step 4, positions {"mem:0": 4}
+    again = make_learner(store, "renewed", refs[:6])
+    again.source = RenewedLogSource(refs[:6])  # the same announcements again, from offset 0
+    again.resume()
+    assert again.state.positions == {"mem:0": 0} and again.state.log_identity == {"mem": "second-log"}
+    again.run(poll_timeout_s=0.0)
+    assert again.duplicates_skipped == 4 and again.state.step == 6
+    assert list(again.state.trained) == [ref.batch_id for ref in refs[:6]]
