@@ -35,6 +35,16 @@ def start(
     from consumers.lease import LeaseLostError
     from consumers.service import run_learner
 
+    if cfg.value is not None:  # a value-based run (e.g. --preset dqn-cartpole): DQN/C51, not LoRA
+        from consumers.value.service import run_value_learner
+
+        if max_steps is not None:
+            cfg.value.learner.max_steps = max_steps
+        try:
+            run_value_learner(cfg, StopFlag().install())
+        except LeaseLostError as exc:
+            fail(str(exc))
+        return
     try:
         run_learner(cfg, StopFlag().install())
     except LeaseLostError as exc:  # another learner of the run took over: one line, not a traceback

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -61,8 +61,7 @@ def eval(
     """Play held-out episodes (seeds from env.eval_seed_offset) with one adapter version; print return and CI."""
     run = chosen_run(run, run_arg, "eval")
     setup_logging()
-    from producers.evaluation import baseline_result, evaluate_version, save_result
-    from producers.tiny_model import resolve_model
+    from producers.evaluation import baseline_result, save_result
 
     store_cfg = StoreConfig(root=root) if root else StoreConfig()
     config = stored_run_config(run, store_cfg, overrides or [])
@@ -71,15 +70,12 @@ def eval(
     store = open_store(config.store)
     registry = AdapterRegistry(store, run)
     numbers = [resolve_version(registry, v) for v in (version or ["latest"])]
-    from producers.samplers import sampler_for_run
+    if config.value is not None:  # a value run: greedy play with the Q-network, no language model
+        from producers.value_eval import evaluate_value_version
 
-    model_path = resolve_model(config.model)
-    sampler = sampler_for_run(config, model_path)
-    try:
-        results = [evaluate_version(config, store, model_path, n, episodes, sampler=sampler,
-                                    temperature=0.0 if greedy else None) for n in numbers]
-    finally:
-        sampler.close()
+        results = [evaluate_value_version(config, store, n, episodes) for n in numbers]
+    else:
+        results = evaluate_model_versions(config, store, numbers, episodes, greedy)
     for policy in baseline or []:
         if policy not in ("heuristic", "random"):
             fail(f"--baseline must be heuristic or random, got {policy!r}", 2)
@@ -93,6 +89,21 @@ def eval(
         table.add_row(r.policy, f"v{r.version}", str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
                       f"{r.success_rate:.0%}")
     console.print(table)
+
+
+def evaluate_model_versions(config: RunConfig, store: Any, numbers: list[int], episodes: int, greedy: bool) -> list:
+    """Adapter versions (0 = the base model) played by the run's language model on held-out seeds."""
+    from producers.evaluation import evaluate_version
+    from producers.samplers import sampler_for_run
+    from producers.tiny_model import resolve_model
+
+    model_path = resolve_model(config.model)
+    sampler = sampler_for_run(config, model_path)
+    try:
+        return [evaluate_version(config, store, model_path, n, episodes, sampler=sampler,
+                                 temperature=0.0 if greedy else None) for n in numbers]
+    finally:
+        sampler.close()
 
 
 command = typer.main.get_command(app)

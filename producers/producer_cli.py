@@ -32,6 +32,11 @@ def start(
     cfg = run_config(preset, config, overrides, run)
     if max_groups is not None:
         cfg = cfg.model_copy(update={"producer": cfg.producer.model_copy(update={"max_groups": max_groups})})
+    if cfg.value is not None:  # a value-based run: a numeric actor plays with the published Q-network
+        from producers.value_actor import run_value_actor
+
+        run_value_actor(cfg, StopFlag().install())
+        return
     from producers.service import run_producer
 
     run_producer(cfg, StopFlag().install())

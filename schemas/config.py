@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from schemas.names import validate_name
 from schemas.trajectory import behaviour_policy_problem
+from schemas.value import ValueRunConfig
 
 PRODUCER_SLOTS = 256  # training seed ranges per run: one per producer ordinal (num_producers' bound)
 _ORDINAL = re.compile(r"-p?(\d{1,3})$")  # the launcher's <run>-p<i>, a StatefulSet pod's <name>-<i>
@@ -261,6 +262,9 @@ class RunConfig(_Section):
     producer: ProducerConfig = Field(default_factory=ProducerConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     num_producers: int = Field(1, ge=0, le=PRODUCER_SLOTS, description="producer processes `rlpipe run` starts")
+    value: ValueRunConfig | None = Field(
+        None, description="a value-based run: producers are numeric actors and the learner trains DQN/C51 (not LoRA)"
+    )
 
     @field_validator("run_id")
     @classmethod

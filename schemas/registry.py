@@ -6,6 +6,12 @@ of the adapter with its sha256, so a reader trusts nothing the manifest does not
 name.  The sha256 of the manifest's bytes identifies the whole version (it covers
 every file's digest) and is the ``adapter_sha256`` producers report per row.
 
+Every version has a ``kind``: ``lora`` (a PEFT adapter folder for a language
+model) or ``value-network`` (a value-based agent's Q-network: tensors in
+safetensors plus the JSON that rebuilds its shape).  Both kinds share the
+versions of a run and every guarantee (create-once manifests, sha256 per file);
+a manifest written before kinds existed has none and reads as ``lora``.
+
 Unknown fields are ignored rather than refused: a newer minor schema version may
 add optional fields, and the digest covers the stored bytes whatever a reader
 understands of them.  A newer major version is refused.
@@ -15,7 +21,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -26,6 +32,12 @@ from schemas.versions import MANIFEST_SCHEMA_VERSION, check_readable
 
 _RELATIVE_PATH_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*")
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+ArtifactKind = Literal["lora", "value-network"]
+# The files each kind must have (the registry refuses a version without them).
+REQUIRED_FILES: dict[str, tuple[str, ...]] = {
+    "lora": ("adapter_config.json", "adapter_model.safetensors"),
+    "value-network": ("value_config.json", "value_network.safetensors"),
+}
 
 
 class ManifestError(ValueError):
@@ -64,6 +76,7 @@ class AdapterManifest(BaseModel):
 
     schema_version: str = Field(MANIFEST_SCHEMA_VERSION, description="MAJOR.MINOR of this record")
     run_id: str = Field(description="the run the version belongs to")
+    kind: ArtifactKind = Field("lora", description="lora (PEFT adapter) or value-network (Q-network weights)")
     version: int = Field(ge=1, description="dense per run, starting at 1")
     base_model: str = Field(min_length=1, max_length=4096, description="model the adapter applies to")
     parent_version: int = Field(ge=0, description="version the learner started from; 0 = the base model")

@@ -31,6 +31,9 @@ from consumers.value.targets import (
     huber_loss,
     q_learning_targets,
 )
+from pipeline.value_network import linearly_decaying_epsilon
+
+__all__ = ["C51Agent", "DQNAgent", "TrainMetrics", "ValueAgent", "build_agent", "linearly_decaying_epsilon"]
 
 _BATCH_KEYS = ("observation", "action", "reward", "discount", "next_observation", "terminal")
 
@@ -177,15 +180,6 @@ class C51Agent(ValueAgent):
     def _priorities(self, loss_B: torch.Tensor, td_B: torch.Tensor) -> torch.Tensor:
         # As Dopamine's Rainbow: the cross-entropy itself, the distributional analogue of |TD|.
         return loss_B
-
-
-def linearly_decaying_epsilon(step: int, decay_steps: int, warmup_steps: int, final_epsilon: float) -> float:
-    """Dopamine's exploration schedule: 1 during warm-up, then linear down to ``final_epsilon`` over ``decay_steps``.
-
-      epsilon(t) = final + (1 - final) * clip(1 - (t - warmup) / decay, 0, 1)
-    """
-    remaining = min(max(1.0 - (step - warmup_steps) / max(decay_steps, 1), 0.0), 1.0)
-    return final_epsilon + (1.0 - final_epsilon) * remaining
 
 
 def build_agent(config: ValueLearnerConfig, observation_size: int, num_actions: int) -> ValueAgent:

@@ -61,7 +61,9 @@ def run(
         cfg = resumed_config(resume, overrides or [])
     else:
         cfg = run_config(preset, config, overrides)
-    if max_steps is not None:
+    if max_steps is not None and cfg.value is not None:  # a value run's budget is its value learner's
+        cfg.value.learner.max_steps = max_steps
+    elif max_steps is not None:
         cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
     if producers is not None:
         cfg = cfg.model_copy(update={"num_producers": producers})
@@ -73,7 +75,7 @@ def run(
         cfg = cfg.model_copy(update={"run_id": new_run_id(store, cfg.run_id, explicit)})
     console.print(f"{'resuming' if resume else 'starting'} run {cfg.run_id}", markup=False)
     setup_logging()
-    if cfg.learner.max_steps is None:
+    if (cfg.value.learner if cfg.value is not None else cfg.learner).max_steps is None:
         typer.echo("note: learner.max_steps is not set: the run goes on until Ctrl-C")
     from pipeline.devstack.launcher import Launcher
 

@@ -150,7 +150,7 @@ class Launcher:
     # ---- set up -------------------------------------------------------------
     def prepare_model(self) -> None:
         """Build the tiny model once (the producer side builds it; the learner reads the recorded path)."""
-        if self.config.model.base_model != "tiny":
+        if self.config.model.base_model != "tiny" or self.config.value is not None:  # value runs need no model
             return
         log.info("initialising the tiny base model (built once, then cached)")
         args = ["model", "init-tiny"] + (["--out", self.config.model.tiny_dir] if self.config.model.tiny_dir else [])

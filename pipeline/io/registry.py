@@ -1,5 +1,11 @@
 """The adapter registry: dense, immutable LoRA adapter versions per run, committed by a manifest.
 
+A version is of one artifact kind (``schemas.registry.ArtifactKind``): a LoRA
+adapter folder (``publish``) or a value network's weights (``publish_files`` with
+``kind="value-network"``: ``value_network.safetensors`` + ``value_config.json``).
+Every rule below holds for every kind; ``pull(..., kind=...)`` refuses a version of
+another kind, so a producer never loads a Q-network into vLLM or the reverse.
+
 Learner -> ``publish`` -> store -> ``AdapterPublished`` (sent by the caller) ->
 producers -> ``pull`` into a local cache -> vLLM.
 
@@ -51,9 +57,11 @@ from pathlib import Path
 from pipeline.io.store import ObjectStore, sha256_hex
 from schemas.events import AdapterPublished
 from schemas.names import validate_name
+from schemas.registry import REQUIRED_FILES as REQUIRED_FILES_BY_KIND
 from schemas.registry import (
     AdapterFile,
     AdapterManifest,
+    ArtifactKind,
     ManifestError,
     check_relative_path,
     manifest_from_bytes,
@@ -61,7 +69,7 @@ from schemas.registry import (
 )
 
 MANIFEST_NAME = "manifest.json"
-REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
+REQUIRED_FILES = REQUIRED_FILES_BY_KIND["lora"]
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _VERSION_RE = re.compile(r"v(\d{6,})")
 
@@ -159,11 +167,28 @@ class AdapterRegistry:
 
         Retries with the next number when another publisher commits the chosen one first.
         """
-        files = read_adapter_folder(folder)
+        return self.publish_files(read_adapter_folder(folder), base_model, parent_version, learner_step, metrics)
+
+    def publish_files(
+        self,
+        files: Mapping[str, bytes],
+        base_model: str,
+        parent_version: int,
+        learner_step: int,
+        metrics: Mapping[str, float] | None = None,
+        kind: ArtifactKind = "lora",
+    ) -> AdapterManifest:
+        """Publish ``files`` (relative name -> bytes) as the next version of ``kind``; as ``publish`` otherwise.
+
+        ``base_model`` names what the artifact applies to (a value network: its agent and environment).
+        """
+        files = check_artifact_files(dict(files), kind)
         lost = 0
         for _ in range(self.max_publish_attempts):
             version = max(self._next_version(), lost + 1)
-            manifest = self._try_publish(version, files, base_model, parent_version, learner_step, dict(metrics or {}))
+            manifest = self._try_publish(
+                version, files, base_model, parent_version, learner_step, dict(metrics or {}), kind
+            )
             if manifest is not None:
                 return manifest
             lost = version
@@ -205,6 +230,7 @@ class AdapterRegistry:
         parent_version: int,
         learner_step: int,
         metrics: dict[str, float],
+        kind: ArtifactKind = "lora",
     ) -> AdapterManifest | None:
         """Stage the files, then try to commit the manifest; None if another publisher got ``version``."""
         attempt = uuid.uuid4().hex
@@ -212,6 +238,7 @@ class AdapterRegistry:
         # Built (and validated) before any upload, so a bad argument leaves nothing behind.
         manifest = AdapterManifest(
             run_id=self.run_id,
+            kind=kind,
             version=version,
             base_model=base_model,
             parent_version=parent_version,
@@ -240,10 +267,18 @@ class AdapterRegistry:
 
     # -- pulling -----------------------------------------------------------------------------
 
-    def pull(self, version: int, cache_dir: str | os.PathLike[str]) -> Path:
-        """A verified local PEFT folder of ``version`` under ``cache_dir`` (reused if already there and intact)."""
+    def pull(self, version: int, cache_dir: str | os.PathLike[str], kind: ArtifactKind | None = None) -> Path:
+        """A verified local folder of ``version`` under ``cache_dir`` (reused if already there and intact).
+
+        With ``kind``, a version of another kind is refused before anything is downloaded.
+        """
         raw = self.manifest_bytes(version)
         manifest = self.show(version)
+        if kind is not None and manifest.kind != kind:
+            raise RegistryError(
+                f"run {self.run_id!r} version {version} is a {manifest.kind}, not a {kind}; "
+                "point this reader at a run that publishes that kind"
+            )
         target = Path(cache_dir) / self.run_id / version_folder(version)
         if target.exists():
             if cached_folder_matches(target, raw, manifest):
@@ -281,6 +316,20 @@ def read_adapter_folder(folder: str | os.PathLike[str]) -> dict[str, bytes]:
             raise RegistryError(f"refusing pickled file {name} in {root}; save the adapter as safetensors only")
         check_relative_path(name, "adapter file name")
     return {name: (root / name).read_bytes() for name in names}
+
+
+def check_artifact_files(files: dict[str, bytes], kind: str) -> dict[str, bytes]:
+    """``files`` if they make a valid artifact of ``kind``: its required files present, nothing pickled, safe names."""
+    if kind not in REQUIRED_FILES_BY_KIND:
+        raise RegistryError(f"unknown artifact kind {kind!r}; use one of {', '.join(REQUIRED_FILES_BY_KIND)}")
+    for required in REQUIRED_FILES_BY_KIND[kind]:
+        if required not in files:
+            raise RegistryError(f"{kind} artifact lacks {required}; write it before publishing")
+    for name in files:
+        if name.endswith(PICKLED_SUFFIXES):
+            raise RegistryError(f"refusing pickled file {name}; save tensors as safetensors only")
+        check_relative_path(name, "artifact file name")
+    return files
 
 
 def cached_folder_matches(folder: Path, manifest_raw: bytes, manifest: AdapterManifest) -> bool:

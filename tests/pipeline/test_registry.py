@@ -236,3 +236,56 @@ def test_a_create_conflict_with_another_publisher_still_moves_on(file_store: Obj
     assert (winner.version, loser.version) == (1, 2) and stale.show(1) == winner
     stages = {key.split("/")[4] for key in file_store.list("runs/run1/adapters/v000001", recursive=True)}
     assert stages == {"manifest.json", next(iter(winner.files.values())).path.split("/")[0]}  # loser's stage removed
+
+
+# ---- artifact kinds: value-network weights share the registry with LoRA adapters ----------------------------
+
+
+def value_network_files(marker: int) -> dict[str, bytes]:
+    """What the value learner publishes: the online network's tensors and the JSON that rebuilds its shape."""
+    from safetensors.numpy import save
+
+    config = {"agent": "dqn", "hidden_sizes": [4], "observation_size": 4, "num_actions": 2, "marker": marker}
+    return {
+        "value_config.json": json.dumps(config, sort_keys=True).encode(),
+        "value_network.safetensors": save({"layers.0.weight": np.full((4, 4), marker, dtype=np.float32)}),
+    }
+
+
+def test_value_network_versions_keep_the_registry_guarantees(any_store: ObjectStore, tmp_path: Path) -> None:
+    registry = AdapterRegistry(any_store, "run1")
+    files = value_network_files(marker=2)
+    first = registry.publish_files(files, "dqn:cartpole", parent_version=0, learner_step=5, kind="value-network")
+    make_adapter(tmp_path / "a", marker=1)
+    second = registry.publish(tmp_path / "a", "tiny", parent_version=1, learner_step=6)
+    assert (first.version, first.kind, second.version, second.kind) == (1, "value-network", 2, "lora")
+    assert registry.show(1) == first and registry.show(1).kind == "value-network"
+    assert registry.adapter_sha256(1) == hashlib.sha256(any_store.get("runs/run1/adapters/v000001/manifest.json")).hexdigest()
+    assert registry.published_event(first).manifest_sha256 == registry.adapter_sha256(1)
+    folder = registry.pull(1, tmp_path / "cache", kind="value-network")
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "manifest.json"} == files
+    with pytest.raises(RegistryError, match="is a value-network, not a lora"):
+        registry.pull(1, tmp_path / "cache", kind="lora")
+    with pytest.raises(FileExistsError):  # create-once: a version's manifest is never replaced
+        any_store.put_create_once("runs/run1/adapters/v000001/manifest.json", registry.manifest_bytes(2))
+
+
+def test_publish_refuses_a_value_network_without_its_files_or_with_pickles(memory_store: ObjectStore) -> None:
+    registry = AdapterRegistry(memory_store, "run1")
+    files = value_network_files(marker=1)
+    with pytest.raises(RegistryError, match=r"lacks value_network\.safetensors"):
+        registry.publish_files({"value_config.json": files["value_config.json"]}, "dqn", 0, 1, kind="value-network")
+    with pytest.raises(RegistryError, match=r"refusing pickled file net\.pt"):
+        registry.publish_files({**files, "net.pt": b"x"}, "dqn", 0, 1, kind="value-network")
+    with pytest.raises(RegistryError, match="unknown artifact kind 'keras'"):
+        registry.publish_files(files, "dqn", 0, 1, kind="keras")  # type: ignore[arg-type]
+    assert registry.versions() == []
+
+
+def test_a_manifest_without_a_kind_reads_as_a_lora_adapter() -> None:
+    old = {
+        "schema_version": "1.0", "run_id": "r", "version": 1, "base_model": "tiny", "parent_version": 0,
+        "learner_step": 3, "files": {"adapter_model.safetensors": {"path": "a/adapter_model.safetensors",
+                                                                   "sha256": "0" * 64, "size": 1}},
+    }
+    assert manifest_from_bytes(json.dumps(old).encode()).kind == "lora"

@@ -1,0 +1,305 @@
+"""The value learner loop: ingest steps batches, feed the replay memory, train DQN/C51, publish, checkpoint.
+
+Actors -> steps batches in the store -> ``TrajectoryBatchCommitted`` -> source
+(``consumers.sources``: Kafka, or any ``TrajectorySource``) -> ``ValueLearner``.
+One *step* is one ingested batch (one not trained before and readable): its n-step transitions go into the bounded
+replay memory, then ``updates_per_transition`` gradient updates per transition
+(a fractional credit carries over) sample the memory, once it holds
+``min_replay_size``.  A value-network version (registry kind ``value-network``) is
+published every ``publish_every`` steps and a checkpoint written every
+``checkpoint_every`` steps, the source's offsets committed only after it.
+
+Exactly once, as the LoRA learner (``consumers.learner``): every step records the
+``batch_id`` it trained in the step log before the checkpoint that covers it, a
+batch already trained is skipped, and on restart the newest complete checkpoint is
+loaded and the source seeks to its positions.  Sampling draws from the learner's
+own generator, whose state is checkpointed, so a step repeated after a crash gives
+the same weights.
+
+The replay memory is not checkpointed: the store is the memory.  Each step-log
+entry names the batches (path, digest, transitions formed) the step added, and
+``resume`` reads back the newest batches up to the memory's capacity and adds them
+in order after replaying the ring buffer's bookkeeping for the older ones, so the
+rebuilt memory equals the one before the restart slot for slot.  Only the
+priorities (which training changed) and the counters come from the checkpoint,
+as tensors; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from consumers.checkpoint import CheckpointStore
+from consumers.learner import POISON_BATCH_ERRORS, BatchRef, FaultInjector, TrajectorySource, finite_numbers, origin_of
+from consumers.lease import LearnerLease
+from consumers.value.agent import ValueAgent, build_agent
+from consumers.value.config import ValueLearnerConfig
+from consumers.value.networks import network_spec
+from consumers.value.replay import ReplayMemory, build_replay_memory
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.value_network import network_files
+from schemas.checkpoint import LearnerState
+from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
+
+log = logging.getLogger("rlpipe.value")
+
+
+@dataclass
+class IngestedBatch:
+    """A batch taken from the source: its table (None when already trained or quarantined)."""
+
+    ref: BatchRef
+    table: pa.Table | None
+    quarantined: bool = False
+
+
+class ValueLearner:
+    """Trains one run's value network from a stream of steps batches."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        env_name: str,
+        config: ValueLearnerConfig,
+        observation_size: int,
+        num_actions: int,
+        archive: TrajectoryArchive,
+        registry: AdapterRegistry,
+        checkpoints: CheckpointStore,
+        source: TrajectorySource,
+        announce: Callable[[Payload], Any] = lambda payload: None,
+        lease: LearnerLease | None = None,
+    ) -> None:
+        self.run_id, self.env_name, self.cfg = run_id, env_name, config
+        self.spec = network_spec(config, observation_size, num_actions)
+        self.agent: ValueAgent = build_agent(config, observation_size, num_actions)
+        self.memory: ReplayMemory = build_replay_memory(config, observation_size)
+        self.rng = np.random.default_rng(config.seed)
+        self.update_credit = 0.0
+        self.archive, self.registry, self.checkpoints = archive, registry, checkpoints
+        self.source, self.announce, self.lease = source, announce, lease
+        self.state = LearnerState()
+        self.incoming: deque[BatchRef] = deque()
+        self.duplicates_skipped = self.dead_lettered = self.dead_lettered_unrecorded = 0
+        self.carried: dict[str, int] = {}  # positions read since the last step (skipped batches' included)
+        self.last_metrics: dict[str, Any] = {}
+        self.faults = FaultInjector.from_env()
+
+    # ---- set up ----------------------------------------------------------------------
+    def resume(self) -> bool:
+        """Take the lease, load the newest checkpoint, rebuild the replay memory from the store, seek the source."""
+        if self.lease is not None:
+            self.lease.acquire()
+        checkpoint = self.checkpoints.latest()
+        if checkpoint is None:
+            log.info("no checkpoint for run %s: starting at step 0", self.run_id)
+            self.rewind_if_the_log_changed()
+            return False
+        self.agent.load_state_dict(checkpoint.adapter)
+        self.state = checkpoint.state
+        self.rewind_if_the_log_changed()
+        self.rng.bit_generator.state = checkpoint.scalars["rng"]
+        self.update_credit = float(checkpoint.scalars["update_credit"])
+        entries = self.checkpoints.steps.read(upto=self.state.step)
+        self.memory = self.rebuild_memory([batch for entry in entries for batch in entry.get("batches", [])])
+        self.restore_memory_counters(checkpoint.optimizer, checkpoint.scalars["replay"])
+        self.source.seek(self.state.positions)
+        self.source.commit(dict(self.state.positions))
+        log.info("resumed from %s: step %d, version %d, replay memory %d", checkpoint.key, self.state.step,
+                 self.state.version, len(self.memory))
+        return True
+
+    def rewind_if_the_log_changed(self) -> None:
+        """Read a log that is not the one the checkpoint's positions point into from its start.
+
+        As the LoRA learner (``Learner.rewind_if_the_log_changed``): a broker that lost its log numbers
+        events from 0 again; positions that point elsewhere start over at 0 and batches already trained
+        are skipped by their ids.  The identity of the log read from now on goes into the next checkpoint.
+        """
+        identify = getattr(self.source, "log_identity", None)
+        pointing_elsewhere = getattr(self.source, "positions_elsewhere", None)
+        if identify is None or pointing_elsewhere is None:
+            return
+        elsewhere = pointing_elsewhere(self.state.positions, self.state.log_identity)
+        if elsewhere:
+            log.warning("the event log is not the one the checkpoint points into (%s): reading it from the start; "
+                        "batches already trained are skipped", ", ".join(elsewhere))
+            self.state.positions.update(dict.fromkeys(elsewhere, 0))
+        self.state.log_identity = identify()
+
+    def rebuild_memory(self, batches: list[dict[str, Any]]) -> ReplayMemory:
+        """The replay memory after adding ``batches`` in order, reading only those still in it from the store."""
+        memory = build_replay_memory(self.cfg, self.spec.observation_size)
+        newest, covered = len(batches), 0
+        while newest > 0 and covered < memory.capacity:  # the suffix of batches the memory still holds
+            newest -= 1
+            covered += int(batches[newest]["transitions"])
+        for batch in batches[:newest]:  # older batches: only the ring buffer's bookkeeping
+            count = int(batch["transitions"])
+            keep = min(count, memory.capacity)
+            memory.cursor = (memory.cursor + keep) % memory.capacity
+            memory.size = min(memory.size + keep, memory.capacity)
+            memory.add_count += count
+        for batch in batches[newest:]:
+            added = memory.add_steps_table(self.archive.read_steps(batch["path"], batch["sha256"]))
+            if added != int(batch["transitions"]):
+                raise ValueError(f"steps batch {batch['batch_id']} now forms {added} transitions, the step log says "
+                                 f"{batch['transitions']}; the replay memory cannot be rebuilt, start a new run")
+        return memory
+
+    def restore_memory_counters(self, tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
+        """Priorities and counters from the checkpoint; the counters must agree with the rebuilt memory."""
+        expected = (int(scalars["size"]), int(scalars["cursor"]), int(scalars["add_count"]))
+        rebuilt = (self.memory.size, self.memory.cursor, self.memory.add_count)
+        if rebuilt != expected:
+            raise ValueError(f"replay memory rebuilt from the store has size/cursor/count {rebuilt}, the checkpoint "
+                             f"{expected}; steps batches are missing from the store, start a new run")
+        self.memory.tree.set(np.arange(self.memory.capacity), tensors["replay/priority"].numpy())
+        self.memory.max_priority = float(scalars["max_priority"])
+
+    # ---- the loop --------------------------------------------------------------------
+    def run(self, should_stop: Callable[[], bool] = lambda: False, on_step: Callable[[dict], None] = lambda m: None,
+            poll_timeout_s: float = 1.0) -> LearnerState:
+        """One step per batch until stopped, ``max_steps`` is reached, or a finite source runs dry."""
+        while not should_stop() and not self.budget_reached():
+            if not self.incoming:
+                self.incoming.extend(self.source.poll(poll_timeout_s))
+            if self.incoming:
+                batch = self.ingest(self.incoming.popleft())
+                if batch.table is not None:
+                    on_step(self.step(batch))
+            elif self.source.exhausted():
+                break
+            elif self.lease is not None:
+                self.lease.check()
+        return self.state
+
+    def budget_reached(self) -> bool:
+        return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
+
+    # ---- phase: ingest ---------------------------------------------------------------
+    def ingest(self, ref: BatchRef) -> IngestedBatch:
+        """Read and verify one batch; a batch already trained is skipped, an unreadable one dead-lettered.
+
+        Neither makes a step (a step without data would publish unchanged weights as a new version):
+        their positions are carried into the next step's, so its checkpoint commits past them.
+        """
+        for key, value in ref.position.items():
+            self.carried[key] = max(value, self.carried.get(key, 0))
+        if ref.batch_id in self.state.trained:
+            self.duplicates_skipped += 1
+            log.info("batch %s already trained; skipped", ref.batch_id)
+            return IngestedBatch(ref, None)
+        try:
+            return IngestedBatch(ref, self.archive.read_steps(ref.path, ref.sha256))
+        except POISON_BATCH_ERRORS as exc:
+            reason = f"steps batch {ref.batch_id} quarantined: {str(exc).strip().splitlines()[0]}"[:2000]
+            topic, partition, offset = origin_of(ref)
+            raw = json.dumps({"batch_id": ref.batch_id, "path": ref.path, "sha256": ref.sha256}, sort_keys=True)
+            self.announce(DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition,
+                                     origin_offset=offset, key=ref.batch_id, raw=raw))
+            self.dead_lettered += 1
+            self.dead_lettered_unrecorded += 1
+            log.warning("%s (sent to the dead-letter topic)", reason)
+            return IngestedBatch(ref, None, quarantined=True)
+
+    # ---- phase: train ----------------------------------------------------------------
+    def step(self, batch: IngestedBatch) -> dict[str, Any]:
+        """Add the batch's transitions, train, then record, publish and checkpoint when due."""
+        if batch.table is None:
+            raise ValueError(f"batch {batch.ref.batch_id} has no table to train (skipped or quarantined)")
+        added = self.memory.add_steps_table(batch.table)
+        metrics: dict[str, Any] = {"step": self.state.step + 1, **self.train(added), **episode_metrics(batch.table)}
+        metrics["batch_ids"] = [batch.ref.batch_id]
+        metrics["batches"] = [{"batch_id": batch.ref.batch_id, "path": batch.ref.path,
+                               "sha256": batch.ref.sha256, "transitions": added}]
+        self.state.step += 1
+        self.state.trained[batch.ref.batch_id] = self.state.step
+        for key, value in self.carried.items():
+            self.state.positions[key] = max(value, self.state.positions.get(key, 0))
+        self.carried = {}
+        metrics.update(replay_size=len(self.memory), training_steps=self.agent.training_steps,
+                       batches_dead_lettered=self.dead_lettered_unrecorded)
+        self.dead_lettered_unrecorded = 0
+        if self.state.step % self.cfg.publish_every == 0 and self.agent.training_steps:
+            self.publish(metrics)
+        metrics["version"] = self.state.version
+        self.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
+        self.last_metrics = metrics
+        if self.state.step % self.cfg.checkpoint_every == 0:
+            self.checkpoint()
+        self.announce(LearnerProgress(step=self.state.step, version=self.state.version,
+                                      positions=dict(self.state.positions)))
+        return metrics
+
+    def train(self, transitions_added: int) -> dict[str, Any]:
+        """The gradient updates this many new transitions pay for (none before ``min_replay_size``)."""
+        self.update_credit += transitions_added * self.cfg.updates_per_transition
+        updates = int(self.update_credit)
+        self.update_credit -= updates
+        if len(self.memory) < self.cfg.min_replay_size:
+            return {"transitions": transitions_added, "updates": 0}
+        totals = np.zeros(3)
+        for _ in range(updates):
+            sample = self.memory.sample(self.cfg.batch_size, self.rng, beta=self.cfg.priority_beta)
+            result = self.agent.train_step(sample)
+            self.memory.update_priorities(sample["indices"], result.priorities_B)
+            totals += (result.loss, result.td_abs_mean, result.q_mean)
+        metrics: dict[str, Any] = {"transitions": transitions_added, "updates": updates}
+        if updates:
+            metrics.update(zip(("loss", "td_abs_mean", "q_mean"), (totals / updates).tolist(), strict=True))
+        return metrics
+
+    # ---- phase: publish / checkpoint -------------------------------------------------
+    def publish(self, metrics: dict[str, Any]) -> None:
+        """Publish the online network as the next value-network version, then announce it."""
+        manifest = self.registry.publish_files(
+            network_files(self.spec, self.agent.online), base_model=f"{self.cfg.agent}:{self.env_name}",
+            parent_version=self.state.version, learner_step=self.state.step,
+            metrics=finite_numbers(metrics, exclude=("step",)), kind="value-network",
+        )
+        self.state.version = manifest.version
+        self.announce(self.registry.published_event(manifest))
+        log.info("published value network v%d at step %d", manifest.version, self.state.step)
+        self.faults.reached("after_publish")
+
+    def checkpoint(self) -> str:
+        """Agent tensors, replay priorities and counters, sampling RNG; then announce and commit offsets."""
+        self.faults.reached("before_checkpoint")
+        memory = self.memory
+        scalars = {
+            "rng": self.rng.bit_generator.state, "update_credit": self.update_credit,
+            "replay": {"size": memory.size, "cursor": memory.cursor, "add_count": memory.add_count,
+                       "max_priority": memory.max_priority},
+        }
+        priorities = {"replay/priority": torch.from_numpy(memory.tree.leaves().copy())}
+        key = self.checkpoints.save(self.state, self.agent.state_dict(), priorities, scalars)
+        self.announce(LearnerCheckpointed(step=self.state.step, version=self.state.version, path=key,
+                                          offsets=dict(self.state.positions),
+                                          metrics=finite_numbers(self.last_metrics)))
+        self.faults.reached("after_checkpoint")
+        self.source.commit(dict(self.state.positions))  # only after the checkpoint is durable
+        return key
+
+
+def episode_metrics(table: pa.Table) -> dict[str, float]:
+    """Return per finished episode in a steps batch (mean and count), for the report."""
+    ends = table.filter(table["is_last"])
+    if ends.num_rows == 0:
+        return {}
+    episode_R = table["episode_id"].to_numpy(zero_copy_only=False)
+    reward_R = table["reward"].to_numpy().astype(np.float64)
+    finished = set(ends["episode_id"].to_pylist())
+    returns = [reward_R[episode_R == episode].sum() for episode in finished]
+    return {"episode_return_mean": float(np.mean(returns)), "episodes": float(len(returns))}

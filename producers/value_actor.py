@@ -1,0 +1,239 @@
+"""Numeric actors: play an environment's numeric form with the newest published Q-network, write steps batches.
+
+Registry (kind ``value-network``) -> ``ValueNetworkWatcher`` -> ``ValueActor`` ->
+steps table in the store -> ``TrajectoryBatchCommitted`` on ``<ns>.trajectories``
+-> value learner (``consumers.value.service``).
+
+Per environment step the actor reads ``env.numeric_state()``, picks an action
+epsilon-greedily (Dopamine's linearly decaying schedule over this actor's own
+environment steps; before the first version is published every action is
+uniform) and applies it as the environment's answer text for that action
+(``env.answer_choices()``), so the environment records the steps table row itself
+(``TextEnv.step_records``), with ``action`` the index of the chosen answer (Acrobot's
+torques -1, 0, +1 are actions 0, 1, 2): the discrete action a Q-network scores.  Whole episodes only: a batch is every episode finished
+since the last one, written once it holds at least ``steps_per_batch`` steps, so
+the learner can form every n-step transition of an episode from one table.
+
+Layout of a batch: ``runs/<run>/env-steps/date=YYYY-MM-DD/<batch_id>.parquet``
+(create-only; the event carries its sha256).  Each row carries the actor's policy
+version and epsilon as features (``actor@policy_version``, ``actor@epsilon``).
+The event's ``reward_*`` fields are per finished episode (its return), and
+``success_rate`` the share of episodes the environment counted as a success.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, date, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+
+from pipeline.io.archive import TrajectoryArchive, new_batch_id
+from pipeline.io.registry import AdapterRegistry, RegistryError
+from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
+from producers.envs.base import TextEnv
+from schemas.config import RunConfig
+from schemas.events import Payload, TrajectoryBatchCommitted
+from schemas.names import validate_name
+from schemas.steps import steps_to_table
+from schemas.value import ValueActorConfig
+
+log = logging.getLogger("rlpipe.actor")
+
+VERSION_FEATURE, EPSILON_FEATURE = "actor@policy_version", "actor@epsilon"
+
+
+def steps_batch_key(run_id: str, day: date, batch_id: str) -> str:
+    """``runs/<run>/env-steps/date=YYYY-MM-DD/<batch_id>.parquet``."""
+    return (f"runs/{validate_name(run_id, 'run_id')}/env-steps/date={day.isoformat()}/"
+            f"{validate_name(batch_id, 'batch_id')}.parquet")
+
+
+class ValueNetworkWatcher:
+    """The newest verified value-network version of a run, pulled and loaded (or None before the first)."""
+
+    def __init__(self, registry: AdapterRegistry, cache_dir: str | Path, poll_s: float = 1.0) -> None:
+        self.registry, self.cache_dir, self.poll_s = registry, Path(cache_dir), poll_s
+        self.version = 0
+        self.spec: NetworkSpec | None = None
+        self.network: nn.Module | None = None
+        self.polled_at = float("-inf")
+
+    def refresh(self, force: bool = False) -> bool:
+        """Load the newest published version if it is newer than the loaded one; True if it switched."""
+        now = time.monotonic()
+        if not force and now - self.polled_at < self.poll_s:
+            return False
+        self.polled_at = now
+        latest = self.registry.versions()
+        if not latest or latest[-1] <= self.version:
+            return False
+        version = latest[-1]
+        try:
+            self.spec, self.network = load_network(self.registry.pull(version, self.cache_dir, kind="value-network"))
+        except (OSError, ValueError, LookupError, RegistryError) as exc:
+            log.warning("could not load value network v%d (keeping v%d): %s", version, self.version, exc)
+            return False
+        self.version = version
+        log.info("acting with value network v%d", version)
+        return True
+
+
+class ValueActor:
+    """Plays episodes with the newest published Q-network and commits them as steps batches."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        actor_id: str,
+        env: TextEnv,
+        archive: TrajectoryArchive,
+        watcher: ValueNetworkWatcher,
+        config: ValueActorConfig,
+        announce: Callable[[Payload], Any] = lambda payload: None,
+        seeds: range | None = None,
+    ) -> None:
+        self.run_id, self.actor_id = validate_name(run_id, "run_id"), validate_name(actor_id, "actor_id")
+        self.env, self.archive, self.watcher, self.config, self.announce = env, archive, watcher, config, announce
+        choices = env.answer_choices()
+        if not choices:
+            raise ValueError(f"environment {env.name} has no finite set of actions; "
+                             "value actors play cartpole, cartpole-v1 or acrobot")
+        self.choices = choices
+        self.seeds = seeds  # environment seeds this actor plays, in turn (None: seed * 1_000_003 + episode)
+        self.rng = np.random.default_rng([config.seed, seeds.start if seeds else 0])
+        self.env_steps = 0
+        self.episodes = 0
+        self.batches_written = 0
+
+    # ---- acting ----------------------------------------------------------------------
+    def epsilon(self) -> float:
+        """Exploration now: 1 before a version is loaded, else the schedule over this actor's steps."""
+        if self.watcher.network is None:
+            return 1.0
+        cfg = self.config
+        return linearly_decaying_epsilon(self.env_steps, cfg.epsilon_decay_steps, cfg.epsilon_warmup_steps,
+                                         cfg.final_epsilon)
+
+    def act(self, observation: list[float], epsilon: float) -> int:
+        """Epsilon-greedy on the loaded network's Q-values."""
+        if self.watcher.network is None or self.rng.random() < epsilon:
+            return int(self.rng.integers(len(self.choices)))
+        with torch.no_grad():
+            q_A = self.watcher.network.q_values(torch.as_tensor(observation, dtype=torch.float32).view(1, -1))[0]
+        return int(q_A.argmax())
+
+    def play_episode(self) -> tuple[list[dict[str, Any]], float, bool]:
+        """One episode with the current version: (its steps table rows, its return, success)."""
+        self.watcher.refresh()  # a new version is taken between episodes, never within one
+        version, episode_id = self.watcher.version, f"{self.actor_id}-e{self.episodes}"
+        seeds = self.seeds
+        self.env.reset(seeds[self.episodes % len(seeds)] if seeds else self.config.seed * 1_000_003 + self.episodes)
+        success, epsilons, actions = False, [], []
+        while not self.env.done:
+            observation = self.env.numeric_state()
+            if not observation:
+                raise ValueError(f"environment {self.env.name} has no numeric state; value actors need one")
+            epsilons.append(self.epsilon())
+            actions.append(self.act(observation, epsilons[-1]))
+            result = self.env.step(self.choices[actions[-1]])
+            self.env_steps += 1
+            success = bool(result.info.get("success"))
+        rows = [
+            {**row, "episode_id": episode_id, "action": [float(action)],
+             "features": {**row.get("features", {}), VERSION_FEATURE: float(version), EPSILON_FEATURE: eps}}
+            for row, eps, action in zip(self.env.step_records, epsilons, actions, strict=True)
+        ]
+        self.episodes += 1
+        return rows, float(self.env.episode_return), success
+
+    # ---- batching --------------------------------------------------------------------
+    def collect_batch(self) -> tuple[pa.Table, list[float], list[bool]]:
+        """Whole episodes until they hold ``steps_per_batch`` steps: (steps table, returns, successes)."""
+        rows: list[dict[str, Any]] = []
+        returns, successes = [], []
+        while len(rows) < self.config.steps_per_batch:
+            episode, episode_return, success = self.play_episode()
+            rows += episode
+            returns.append(episode_return)
+            successes.append(success)
+        features = sorted({name for row in rows for name in row["features"]})
+        return steps_to_table(rows, features), returns, successes
+
+    def write_batch(self) -> TrajectoryBatchCommitted:
+        """Play, write one steps batch create-only, announce it; return the event."""
+        table, returns, successes = self.collect_batch()
+        created = datetime.now(UTC)
+        batch_id = new_batch_id("s")
+        key = steps_batch_key(self.run_id, created.date(), batch_id)
+        sha256 = self.archive.write_steps(key, table)
+        versions = table[VERSION_FEATURE].to_numpy()
+        event = TrajectoryBatchCommitted(
+            batch_id=batch_id, path=key, sha256=sha256, num_rows=table.num_rows, num_tokens=0,
+            num_generated_tokens=0, num_groups=len(returns), env=self.env.name, producer_id=self.actor_id,
+            policy_version_min=int(versions.min()), policy_version_max=int(versions.max()),
+            reward_mean=float(np.mean(returns)), reward_min=float(np.min(returns)), reward_max=float(np.max(returns)),
+            success_rate=float(np.mean(successes)), created_at=created,
+        )
+        self.announce(event)
+        self.batches_written += 1
+        log.info("batch %s: %d steps, %d episodes, return %.1f, v%d, epsilon %.3f", batch_id, table.num_rows,
+                 len(returns), event.reward_mean, event.policy_version_max, self.epsilon())
+        return event
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False, max_batches: int | None = None) -> int:
+        """Write batches until stopped or ``max_batches``; return how many were written."""
+        while not should_stop() and (max_batches is None or self.batches_written < max_batches):
+            self.write_batch()
+        return self.batches_written
+
+
+def open_watcher(registry: AdapterRegistry, cache_dir: str | Path | None, poll_s: float) -> ValueNetworkWatcher:
+    """A watcher caching under ``cache_dir`` (a fresh temporary folder when None)."""
+    folder = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="rlpipe-value-"))
+    return ValueNetworkWatcher(registry, folder, poll_s)
+
+
+def check_environment(env: TextEnv, observation_size: int, num_actions: int) -> None:
+    """Refuse an environment whose numeric form does not fit the run's network shape."""
+    env.reset(0)
+    shape = (len(env.numeric_state()), len(env.answer_choices() or []))
+    if shape != (observation_size, num_actions):
+        raise ValueError(f"environment {env.name} has {shape[0]} observation values and {shape[1]} actions, the run's "
+                         f"value section says {observation_size} and {num_actions}; fix value.observation_size "
+                         "and value.num_actions")
+
+
+def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False) -> ValueActor:
+    """One actor process of a value run: play and write batches until stopped (``rlpipe producer start``)."""
+    from pipeline.io.bus import EventPublisher
+    from pipeline.runtime import Announcer, open_store, resolved_bus
+    from producers.envs.registry import env_from_spec
+
+    if config.value is None:
+        raise ValueError(f"run {config.run_id} has no value section; use a value preset such as dqn-cartpole")
+    env = env_from_spec(config.env)
+    check_environment(env, config.value.observation_size, config.value.num_actions)
+    actor_id = config.producer.producer_id or f"{config.run_id}-p0"
+    store = open_store(config.store)
+    publisher = EventPublisher(resolved_bus(config.bus))
+    watcher = open_watcher(AdapterRegistry(store, config.run_id), None, config.value.actor.registry_poll_s)
+    actor = ValueActor(run_id=config.run_id, actor_id=actor_id, env=env, archive=TrajectoryArchive(store),
+                       watcher=watcher, config=config.value.actor, announce=Announcer(publisher, config.run_id),
+                       seeds=config.training_seeds(actor_id))
+    try:
+        actor.run(should_stop=stop)
+    finally:
+        publisher.close()
+        shutil.rmtree(watcher.cache_dir, ignore_errors=True)  # this process's own pulled versions
+    return actor

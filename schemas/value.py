@@ -1,0 +1,91 @@
+"""Configuration of value-based runs: the learner (DQN/C51 and its service) and the numeric actors.
+
+Launcher -> ``RunConfig.value`` -> value learner (``consumers.value``) and actors
+(``producers.value_actor``); the network's shape also travels with every published
+version (``pipeline.value_network.NetworkSpec``).  Unknown keys are refused so a
+typo never falls back to a default.  The defaults are a small DQN for CartPole;
+``agent="c51"`` switches the head to a categorical one over ``num_atoms`` atoms
+evenly spaced on [v_min, v_max].
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ValueLearnerConfig(BaseModel):
+    """A DQN-family agent: network, targets, optimizer and replay memory."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    agent: Literal["dqn", "c51"] = Field("dqn", description="dqn (expected Q) or c51 (categorical return distribution)")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds network initialisation and the replay sampling")
+    hidden_sizes: tuple[int, ...] = Field(
+        (64, 64), min_length=1, max_length=8, description="widths of the MLP's hidden layers (ReLU between them)"
+    )
+    num_atoms: int = Field(51, ge=2, le=1001, description="C51: atoms of the return distribution's support")
+    v_min: float = Field(-10.0, ge=-1e6, le=1e6, description="C51: lowest atom of the support")
+    v_max: float = Field(10.0, ge=-1e6, le=1e6, description="C51: highest atom of the support")
+    gamma: float = Field(0.99, ge=0.0, le=1.0, description="discount per environment step")
+    n_step: int = Field(1, ge=1, le=100, description="steps summed into one transition's return (the n in n-step)")
+    double_q: bool = Field(True, description="pick the next action with the online network, score it with the target")
+    learning_rate: float = Field(1e-3, gt=0.0, le=1.0, description="Adam learning rate")
+    adam_eps: float = Field(1e-8, gt=0.0, le=1.0, description="Adam epsilon (Dopamine uses 3.125e-4 on Atari)")
+    max_grad_norm: float = Field(10.0, gt=0.0, le=1e6, description="clip the global gradient norm to this")
+    huber_delta: float = Field(1.0, gt=0.0, le=1e6, description="DQN: TD errors beyond this are penalised linearly")
+    batch_size: int = Field(64, ge=1, le=65_536, description="transitions per training step")
+    target_update_period: int = Field(
+        200, ge=1, le=10_000_000, description="copy the online network into the target every this many training steps"
+    )
+    replay_capacity: int = Field(
+        50_000, ge=1, le=10_000_000, description="transitions the replay memory holds (oldest overwritten)"
+    )
+    replay_scheme: Literal["uniform", "prioritized"] = Field("uniform", description="how transitions are sampled")
+    priority_alpha: float = Field(0.5, ge=0.0, le=1.0, description="prioritized: P(i) proportional to p_i^alpha")
+    priority_beta: float = Field(0.5, ge=0.0, le=1.0, description="prioritized: importance weights (N P(i))^-beta")
+    priority_epsilon: float = Field(1e-6, gt=0.0, le=1.0, description="prioritized: added to |TD| so no p_i is 0")
+    min_replay_size: int = Field(500, ge=1, le=10_000_000, description="transitions stored before training starts")
+    # The service around the agent (consumers.value.learner): one step per ingested steps batch.
+    updates_per_transition: float = Field(
+        1.0, ge=0.0, le=1_000.0, description="gradient updates per transition ingested (Dopamine: 1 per env step)"
+    )
+    publish_every: int = Field(1, ge=1, le=1_000_000, description="steps (ingested batches) between published versions")
+    checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="steps between checkpoints")
+    keep_checkpoints: int | None = Field(3, ge=1, le=10_000, description="complete checkpoints kept (None = all)")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps (ingested batches)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ValueLearnerConfig:
+        if self.v_min >= self.v_max:
+            raise ValueError(f"v_min ({self.v_min}) must be below v_max ({self.v_max}); widen the support")
+        if any(width < 1 or width > 65_536 for width in self.hidden_sizes):
+            raise ValueError(f"hidden_sizes {self.hidden_sizes} must each be between 1 and 65536")
+        if self.batch_size > self.replay_capacity:
+            raise ValueError(f"batch_size {self.batch_size} exceeds replay_capacity {self.replay_capacity}; lower it")
+        return self
+
+
+class ValueActorConfig(BaseModel):
+    """How one numeric actor explores and batches its steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps_per_batch: int = Field(200, ge=1, le=1_000_000, description="write a batch once its episodes hold this many steps")
+    epsilon_decay_steps: int = Field(4_000, ge=1, le=100_000_000, description="steps over which epsilon falls to its floor")
+    epsilon_warmup_steps: int = Field(0, ge=0, le=100_000_000, description="steps at epsilon 1 before the decay starts")
+    final_epsilon: float = Field(0.05, ge=0.0, le=1.0, description="epsilon after the decay")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the episodes (seed, seed+1, ...) and the exploration")
+    registry_poll_s: float = Field(1.0, ge=0.0, le=3600.0, description="look for a newer version this often")
+
+
+class ValueRunConfig(BaseModel):
+    """A value-based run: ``rlpipe run`` starts actors and a value learner instead of producers and a LoRA learner."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    observation_size: int = Field(ge=1, le=1_000_000, description="numbers in the environment's observation vector")
+    num_actions: int = Field(ge=2, le=1_000_000, description="discrete actions (the environment's answer choices)")
+    learner: ValueLearnerConfig = Field(default_factory=ValueLearnerConfig)
+    actor: ValueActorConfig = Field(default_factory=ValueActorConfig)

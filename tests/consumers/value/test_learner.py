@@ -1,0 +1,173 @@
+"""The value learner loop: steps batches -> replay memory -> DQN/C51 -> versions and checkpoints, exactly once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from consumers.checkpoint import CheckpointStore
+from consumers.learner import BatchRef
+from consumers.value.config import ValueLearnerConfig
+from consumers.value.learner import ValueLearner
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from pipeline.value_network import load_network
+from producers.envs.classic import CartPole
+from producers.value_actor import ValueActor, ValueNetworkWatcher
+from schemas.events import DeadLetter
+from schemas.value import ValueActorConfig
+
+BATCHES = 12
+CONFIG = ValueLearnerConfig(
+    hidden_sizes=(16,), batch_size=16, min_replay_size=64, replay_capacity=300, replay_scheme="prioritized",
+    n_step=3, updates_per_transition=0.25, checkpoint_every=4, publish_every=2, target_update_period=20,
+)
+
+
+class ListSource:
+    """Announcements from a list, positions ``mem:0`` -> index after the batch (a broker in miniature)."""
+
+    def __init__(self, refs: list[BatchRef]) -> None:
+        self.refs, self.index, self.committed = refs, 0, {}
+
+    def poll(self, timeout_s: float) -> list[BatchRef]:
+        if self.index >= len(self.refs):
+            return []
+        self.index += 1
+        return [self.refs[self.index - 1]]
+
+    def seek(self, positions: dict[str, int]) -> None:
+        self.index = positions.get("mem:0", 0)
+
+    def commit(self, positions: dict[str, int]) -> None:
+        self.committed = dict(positions)
+
+    def keep_alive(self) -> None:
+        pass
+
+    def exhausted(self) -> bool:
+        return self.index >= len(self.refs)
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory: pytest.TempPathFactory) -> tuple[ObjectStore, list[BatchRef]]:
+    """Twelve CartPole steps batches of random play, announced in order (shared by the module's tests)."""
+    root = tmp_path_factory.mktemp("value-store")
+    store = ObjectStore((root / "store").as_uri())
+    actor = ValueActor(run_id="actors", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
+                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "actors"), root / "cache"),
+                       config=ValueActorConfig(steps_per_batch=40))
+    refs = []
+    for index in range(BATCHES):
+        event = actor.write_batch()
+        refs.append(BatchRef(event.batch_id, event.path, event.sha256, {"mem:0": index + 1}))
+    return store, refs
+
+
+def make_learner(store: ObjectStore, run_id: str, refs: list[BatchRef], announced: list | None = None,
+                 **overrides) -> ValueLearner:  # type: ignore[no-untyped-def]
+    config = CONFIG.model_copy(update=overrides)
+    return ValueLearner(
+        run_id=run_id, env_name="cartpole", config=config, observation_size=4, num_actions=2,
+        archive=TrajectoryArchive(store), registry=AdapterRegistry(store, run_id),
+        checkpoints=CheckpointStore(store, run_id), source=ListSource(refs),
+        announce=(announced if announced is not None else []).append,
+    )
+
+
+def assert_same_memory(left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> None:
+    assert left.keys() == right.keys()
+    for name in left:
+        np.testing.assert_array_equal(left[name], right[name], err_msg=name)
+
+
+def test_the_replay_memory_rebuilt_from_the_store_equals_the_one_before_the_restart(batches, tmp_path: Path) -> None:
+    store, refs = batches
+    first = make_learner(store, "rebuild", refs)
+    first.resume()
+    first.run(poll_timeout_s=0.0)
+    assert first.state.step == BATCHES and first.memory.add_count > first.memory.capacity  # it wrapped around
+    assert first.agent.training_steps > 0 and first.state.step % CONFIG.checkpoint_every == 0
+    before = first.memory.to_state_dict()
+    second = make_learner(store, "rebuild", refs)
+    assert second.resume() is True
+    assert_same_memory(second.memory.to_state_dict(), before)
+    for name, tensor in first.agent.state_dict().items():
+        torch.testing.assert_close(second.agent.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    assert second.source.index == BATCHES  # sought to the checkpoint's position
+
+
+def test_published_versions_are_value_networks_an_actor_loads(batches, tmp_path: Path) -> None:
+    store, refs = batches
+    announced: list = []
+    learner = make_learner(store, "publish", refs, announced)
+    learner.run(poll_timeout_s=0.0)
+    registry = AdapterRegistry(store, "publish")
+    versions = registry.versions()
+    assert versions == list(range(1, len(versions) + 1)) and len(versions) >= 3
+    assert {registry.show(v).kind for v in versions} == {"value-network"}
+    spec, network = load_network(registry.pull(versions[-1], tmp_path / "cache", kind="value-network"))
+    assert (spec.observation_size, spec.num_actions, spec.hidden_sizes) == (4, 2, (16,))
+    obs = torch.randn(5, 4)
+    torch.testing.assert_close(network.q_values(obs), learner.agent.online.q_values(obs).detach())
+    assert sum(type(p).__name__ == "AdapterPublished" for p in announced) == len(versions)
+
+
+def test_a_restart_between_checkpoints_repeats_no_batch_and_gives_the_same_weights(batches) -> None:
+    store, refs = batches
+    straight = make_learner(store, "straight", refs)
+    straight.run(poll_timeout_s=0.0)
+    crashed = make_learner(store, "crash", refs, max_steps=10)  # checkpoints at 4 and 8; 9 and 10 are lost
+    crashed.run(poll_timeout_s=0.0)
+    resumed = make_learner(store, "crash", refs)
+    resumed.resume()
+    assert resumed.state.step == 8 and resumed.source.index == 8
+    resumed.run(poll_timeout_s=0.0)
+    assert resumed.state.step == BATCHES and resumed.duplicates_skipped == 0
+    assert sorted(resumed.state.trained) == sorted(ref.batch_id for ref in refs)  # each batch trained once
+    for name, tensor in straight.agent.state_dict().items():
+        torch.testing.assert_close(resumed.agent.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    versions = AdapterRegistry(store, "crash").versions()
+    assert versions == list(range(1, len(versions) + 1))  # dense, though steps 9-10 published twice
+
+
+def test_a_batch_announced_twice_is_trained_once_and_a_tampered_one_is_dead_lettered(batches) -> None:
+    store, refs = batches
+    tampered = BatchRef(refs[1].batch_id + "x", refs[1].path, "0" * 64, {"mem:0": 3})
+    twice = [refs[0], BatchRef(refs[0].batch_id, refs[0].path, refs[0].sha256, {"mem:0": 2}), tampered,
+             BatchRef(refs[2].batch_id, refs[2].path, refs[2].sha256, {"mem:0": 4})]
+    announced: list = []
+    learner = make_learner(store, "dup", twice, announced, publish_every=1, min_replay_size=1)
+    learner.run(poll_timeout_s=0.0)
+    assert learner.duplicates_skipped == 1 and learner.dead_lettered == 1
+    assert learner.state.trained == {refs[0].batch_id: 1, refs[2].batch_id: 2}  # neither skip made a step
+    assert learner.state.positions == {"mem:0": 4} and learner.state.version == 2  # no version of unchanged weights
+    assert [p.key for p in announced if isinstance(p, DeadLetter)] == [tampered.batch_id]
+    assert learner.last_metrics["batches_dead_lettered"] == 1
+
+
+class RenewedLogSource(ListSource):
+    """A log created again under the same name: the old positions point past its end."""
+
+    def log_identity(self) -> dict[str, str]:
+        return {"mem": "second-log"}
+
+    def positions_elsewhere(self, positions: dict[str, int], recorded: dict[str, str]) -> list[str]:
+        return sorted(key for key in positions if recorded.get("mem") != "second-log")
+
+
+def test_a_learner_resuming_on_a_new_log_reads_it_from_the_start_and_skips_what_it_trained(batches) -> None:
+    store, refs = batches
+    first = make_learner(store, "renewed", refs[:4])
+    first.run(poll_timeout_s=0.0)  # checkpoint at step 4, positions {"mem:0": 4}
+    again = make_learner(store, "renewed", refs[:6])
+    again.source = RenewedLogSource(refs[:6])  # the same announcements again, from offset 0
+    again.resume()
+    assert again.state.positions == {"mem:0": 0} and again.state.log_identity == {"mem": "second-log"}
+    again.run(poll_timeout_s=0.0)
+    assert again.duplicates_skipped == 4 and again.state.step == 6
+    assert list(again.state.trained) == [ref.batch_id for ref in refs[:6]]

@@ -1,0 +1,107 @@
+"""Numeric actors: whole episodes as steps batches, epsilon-greedy on the newest published value network."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from pipeline.value_network import NetworkSpec, build_from_spec, network_files
+from producers.envs.classic import Acrobot, CartPole
+from producers.value_actor import (
+    EPSILON_FEATURE,
+    VERSION_FEATURE,
+    ValueActor,
+    ValueNetworkWatcher,
+)
+from schemas.events import TrajectoryBatchCommitted
+from schemas.steps import check_steps_table
+from schemas.value import ValueActorConfig
+
+SPEC = NetworkSpec(agent="dqn", observation_size=4, num_actions=2, hidden_sizes=(8,))
+
+
+def publish_preferring(registry: AdapterRegistry, action: int) -> None:
+    """Publish a Q-network whose Q-values favour ``action`` everywhere (a large bias on its output)."""
+    network = build_from_spec(SPEC)
+    with torch.no_grad():
+        for layer in network.layers:
+            if isinstance(layer, torch.nn.Linear):
+                layer.weight.zero_()
+        network.layers[-1].bias.copy_(torch.tensor([1.0, 0.0] if action == 0 else [0.0, 1.0]))
+    registry.publish_files(network_files(SPEC, network), "dqn:cartpole", len(registry.versions()), 1,
+                           kind="value-network")
+
+
+def make_actor(store: ObjectStore, tmp_path: Path, env=None, **config) -> tuple[ValueActor, list]:  # type: ignore[no-untyped-def]
+    announced: list = []
+    watcher = ValueNetworkWatcher(AdapterRegistry(store, "vrun"), tmp_path / "cache", poll_s=0.0)
+    actor = ValueActor(run_id="vrun", actor_id="a0", env=env or CartPole(), archive=TrajectoryArchive(store),
+                       watcher=watcher, config=ValueActorConfig(**config), announce=announced.append)
+    return actor, announced
+
+
+def test_a_batch_is_whole_episodes_in_a_steps_table_announced_with_its_digest(memory_store: ObjectStore,
+                                                                            tmp_path: Path) -> None:
+    actor, announced = make_actor(memory_store, tmp_path, steps_per_batch=50)
+    event = actor.write_batch()
+    assert announced == [event] and isinstance(event, TrajectoryBatchCommitted)
+    table = TrajectoryArchive(memory_store).read_steps(event.path, event.sha256)
+    check_steps_table(table)
+    assert event.path.startswith("runs/vrun/env-steps/date=") and table.num_rows == event.num_rows >= 50
+    assert table["is_last"].to_pylist().count(True) == event.num_groups  # every episode ends in the batch
+    assert set(table[VERSION_FEATURE].to_pylist()) == {0.0} and set(table[EPSILON_FEATURE].to_pylist()) == {1.0}
+    assert (event.policy_version_min, event.policy_version_max, event.num_tokens) == (0, 0, 0)
+    assert set(np.concatenate(table["action"].to_numpy(zero_copy_only=False))) <= {0.0, 1.0}
+
+
+def test_the_actor_switches_to_a_new_version_between_episodes_and_acts_greedily(memory_store: ObjectStore,
+                                                                             tmp_path: Path) -> None:
+    registry = AdapterRegistry(memory_store, "vrun")
+    actor, _ = make_actor(memory_store, tmp_path, steps_per_batch=20, final_epsilon=0.0, epsilon_decay_steps=1)
+    publish_preferring(registry, action=1)
+    first = TrajectoryArchive(memory_store).read_steps(actor.write_batch().path)
+    assert actor.watcher.version == 1
+    assert set(first[VERSION_FEATURE].to_pylist()) == {1.0}
+    assert {float(a[0]) for a in first["action"].to_pylist()} == {1.0}  # greedy: always the favoured action
+    publish_preferring(registry, action=0)
+    second = TrajectoryArchive(memory_store).read_steps(actor.write_batch().path)
+    assert set(second[VERSION_FEATURE].to_pylist()) == {2.0}
+    assert {float(a[0]) for a in second["action"].to_pylist()} == {0.0}
+
+
+def test_epsilon_decays_over_the_actors_own_steps(memory_store: ObjectStore, tmp_path: Path) -> None:
+    actor, _ = make_actor(memory_store, tmp_path, epsilon_decay_steps=100, final_epsilon=0.1)
+    assert actor.epsilon() == 1.0  # nothing published yet: uniform
+    publish_preferring(AdapterRegistry(memory_store, "vrun"), action=0)
+    actor.watcher.refresh(force=True)
+    actor.env_steps = 50
+    assert actor.epsilon() == pytest.approx(0.55)
+    actor.env_steps = 1_000
+    assert actor.epsilon() == pytest.approx(0.1)
+
+
+def test_a_lora_version_is_not_loaded_as_a_value_network(memory_store: ObjectStore, tmp_path: Path) -> None:
+    AdapterRegistry(memory_store, "vrun").publish_files(
+        {"adapter_config.json": b"{}", "adapter_model.safetensors": b"x"}, "tiny", 0, 1)
+    actor, _ = make_actor(memory_store, tmp_path)
+    assert actor.watcher.refresh(force=True) is False and actor.watcher.version == 0
+
+
+def test_acrobot_plays_with_three_actions(memory_store: ObjectStore, tmp_path: Path) -> None:
+    actor, _ = make_actor(memory_store, tmp_path, env=Acrobot(max_env_steps=30), steps_per_batch=30)
+    table = TrajectoryArchive(memory_store).read_steps(actor.write_batch().path)
+    assert len(table["observation"][0]) == 6 and {a[0] for a in table["action"].to_pylist()} <= {0.0, 1.0, 2.0}
+
+
+def test_an_environment_that_does_not_fit_the_runs_network_is_refused() -> None:
+    from producers.value_actor import check_environment
+
+    check_environment(CartPole(), observation_size=4, num_actions=2)
+    with pytest.raises(ValueError, match=r"fix value\.observation_size and value\.num_actions"):
+        check_environment(Acrobot(), observation_size=4, num_actions=2)

@@ -1,0 +1,46 @@
+"""``rlpipe eval`` of a value run: greedy play of a published value network on held-out seeds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from pipeline.config import resolve_config
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from pipeline.runtime import create_run
+from producers.envs.classic import CartPole
+from producers.eval_cli import app as eval_app
+from producers.value_eval import evaluate_value_version
+from tests.producers.test_value_actor import publish_preferring
+
+
+def always(action: int, seeds: range) -> list[float]:
+    """Returns of CartPole played with one fixed action on ``seeds``."""
+    env, choices, returns = CartPole(), CartPole().answer_choices(), []
+    for seed in seeds:
+        env.reset(seed)
+        while not env.done:
+            env.step(choices[action])
+        returns.append(env.episode_return)
+    return returns
+
+
+def test_a_value_version_is_played_greedily_on_held_out_seeds(tmp_path: Path) -> None:
+    store = ObjectStore((tmp_path / "store").as_uri())
+    config = resolve_config("dqn-cartpole", overrides=["run_id=vrun", f"store.root={store.url('')}"], environ={})
+    create_run(store, config, config.env.name)
+    publish_preferring(AdapterRegistry(store, "vrun"), action=1)
+    result = evaluate_value_version(config, store, version=1, episodes=3)
+    seeds = range(config.env.eval_seed_offset, config.env.eval_seed_offset + 3)
+    assert (result.policy, result.version, result.seed_start) == ("value-network", 1, seeds.start)
+    assert result.returns == always(1, seeds)
+
+    out = CliRunner().invoke(eval_app, ["--run", "vrun", "--root", store.url(""), "--version", "latest",
+                                        "--version", "0", "--episodes", "3", "--json"])
+    assert out.exit_code == 0, out.output
+    payload = json.loads(out.output)
+    assert [(r["policy"], r["version"]) for r in payload["results"]] == [("value-network", 1), ("value-network", 0)]
+    assert payload["results"][0]["returns"] == result.returns and len(payload["saved"]) == 2
