@@ -5,8 +5,8 @@ consumer of ``<ns>.requests`` and a publisher for ``<ns>.results``.  Then a loop
 of phases: read (queue each call under its model), execute (each model's calls
 in ``seq_id`` order, waiting for gaps, since the SDK sends a batch's chunks
 concurrently and the first last), fold (checkpoint clean adapters, then commit
-offsets), expire (unload the adapters of sessions that ended or whose
-heartbeats lapsed).
+offsets; when idle for ``fold_idle_s`` or every ``fold_every`` calls), expire
+(unload the adapters of sessions that ended or whose heartbeats lapsed).
 
 A training client's state is a fold over its request log.  The fold of a model
 (``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob and the
@@ -155,16 +155,19 @@ class TrainerWorker:
     """Executes one base model's API calls from the log; see the module docstring."""
 
     def __init__(self, store: ObjectStore, bus: BusConfig, base_model: str, engine: TrainingEngine,
-                 fold_every: int = 20, session_timeout_s: float = SESSION_TIMEOUT_S,
+                 fold_every: int = 20, fold_idle_s: float = 0.5, session_timeout_s: float = SESSION_TIMEOUT_S,
                  consumer_options: dict[str, Any] | None = None) -> None:
         self.store, self.bus, self.base_model, self.engine = store, bus, base_model, engine
-        self.fold_every, self.session_timeout_s = fold_every, session_timeout_s
+        self.fold_every, self.fold_idle_s, self.session_timeout_s = fold_every, fold_idle_s, session_timeout_s
         ensure_topics(bus, API_TOPIC_KINDS)
-        self.consumer = EventConsumer(bus, "requests", group_for(base_model), **(consumer_options or {}))
+        # A call waits in the log for the next fetch: keep the broker's hold on an empty fetch short.
+        options = {"fetch_max_wait_ms": 20, **(consumer_options or {})}
+        self.consumer = EventConsumer(bus, "requests", group_for(base_model), **options)
         self.publisher = EventPublisher(bus)
         self.models: dict[str, _Model] = {}
         self._since_fold = 0
-        self._last_expiry = 0.0
+        self._last_expiry = self._last_executed = 0.0
+        self._committed: dict[TopicPartitionKey, int] = {}
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
@@ -179,7 +182,10 @@ class TrainerWorker:
         for event in self.consumer.poll(timeout_s=poll_timeout_s):
             self.accept(event)
         executed = self.execute_ready()
-        if executed == 0 or self._since_fold >= self.fold_every:
+        if executed:
+            self._last_executed = time.monotonic()
+        idle = time.monotonic() - self._last_executed > self.fold_idle_s
+        if (idle and not executed) or self._since_fold >= self.fold_every:
             self.fold_all()
         if time.monotonic() - self._last_expiry > 5.0:
             self.expire_sessions()
@@ -233,6 +239,7 @@ class TrainerWorker:
         if done and (call.op in _PURE_OPS or (call.op == "forward_backward" and call.body_format == "pb"
                                               and decode_forward_backward(self._body(call))[1])):
             return  # its result stands and it changed nothing
+        started = time.perf_counter()
         try:
             data, fmt = self._run(model, call)
             result: tuple[bytes, str, str | None, str | None] = (data, fmt, None, None)
@@ -245,6 +252,7 @@ class TrainerWorker:
             result = (json.dumps({"error": message, "category": "server"}).encode(), "json", message, "server")
         if not done:
             self._write_result(call, *result)
+        log.debug("%s %s: %.3f s", call.op, call.request_id, time.perf_counter() - started)
 
     def _body(self, call: ApiRequestAccepted) -> bytes:
         return self.store.get(call.body_path, call.body_sha256)
@@ -362,8 +370,8 @@ class TrainerWorker:
                 held[tp] = min(offset, held.get(tp, offset))
         positions = self.consumer.positions()
         offsets = {tp: held.get(tp, position) for tp, position in positions.items()}
-        if offsets:
-            self.consumer.commit(offsets)
+        if offsets and offsets != self._committed:
+            self._committed = self.consumer.commit(offsets)
 
     # ---- expire ------------------------------------------------------------------------------------------------
     def expire_sessions(self) -> None:
@@ -418,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace", default="rlpipe", help="topic namespace")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--session-timeout-s", type=float, default=SESSION_TIMEOUT_S)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     args = parser.parse_args(argv)
+    log.setLevel(args.log_level)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     bus = BusConfig(bootstrap_servers=args.bootstrap, namespace=args.namespace)
     log.info("initialising the training engine for %s", args.base_model)

@@ -13,6 +13,7 @@ ended, which stops the SDK's heartbeat).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Annotated, Any
@@ -22,11 +23,13 @@ from fastapi.responses import JSONResponse, Response
 from tinker import types
 
 from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, parse_body
+from pipeline.api.results import ResultSignals
 from pipeline.api.tenants import Tenants, UnauthorizedError
-from pipeline.api.wire import PROTOBUF, checkpoint_name, decode_forward_backward
+from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header
 from schemas.api import ApiError
 
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
+RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
 _STATUS = {UnauthorizedError: 401, NotFoundError: 404, SessionEndedError: 410}
 
 
@@ -38,8 +41,10 @@ def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None)
 Tenant = Annotated[str, Depends(_tenant)]
 
 
-def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOLD_S) -> FastAPI:
-    """The ASGI app serving ``gateway`` to the tenants ``tenants`` admits."""
+def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOLD_S,
+               signals: ResultSignals | None = None) -> FastAPI:
+    """The ASGI app serving ``gateway`` to the tenants ``tenants`` admits; ``signals`` (following
+    ``<ns>.results``) wakes long polls, without it they re-read the store every 20 ms."""
     app = FastAPI(title="rlpipe Tinker-compatible API", docs_url=None, redoc_url=None)
     app.state.gateway, app.state.tenants = gateway, tenants
 
@@ -109,9 +114,9 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         raw = await request.body()
         if PROTOBUF not in request.headers.get("content-type", ""):
             raise ApiError("forward_backward takes a protobuf body; use the tinker SDK >= 0.25")
-        decoded, _ = decode_forward_backward(raw)
-        return {"request_id": gateway.submit(who, "forward_backward", decoded.model_id, decoded.seq_id, raw, "pb"),
-                "model_id": decoded.model_id}
+        model_id, seq_id = forward_backward_header(raw)
+        return {"request_id": gateway.submit(who, "forward_backward", model_id, seq_id, raw, "pb"),
+                "model_id": model_id}
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request, who: Tenant) -> dict[str, Any]:
@@ -154,16 +159,20 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request, who: Tenant) -> Response:
         body = parse_body(types.FutureRetrieveRequest, await request.body())
-        deadline, pause = time.monotonic() + poll_hold_s, 0.005
-        while True:
-            found = await asyncio.to_thread(gateway.result, who, body.request_id)
-            if found is not None:
-                data, fmt = found
-                return Response(data, media_type=PROTOBUF if fmt == "pb" else "application/json")
-            if time.monotonic() >= deadline:
-                return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.1)
+        deadline = time.monotonic() + poll_hold_s
+        with (signals or ResultSignals()).watch(body.request_id) as announced:
+            while True:
+                found = await asyncio.to_thread(gateway.result, who, body.request_id)
+                if found is not None:
+                    data, fmt = found
+                    return Response(data, media_type=PROTOBUF if fmt == "pb" else "application/json")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return JSONResponse({"type": "try_again", "request_id": body.request_id,
+                                         "queue_state": "active"})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(announced.wait(), min(remaining, RECHECK_S if signals else 0.02))
+                announced.clear()
 
     # ---- management (RestClient) ----------------------------------------------------------------
     @app.get("/api/v1/training_runs/{model_id}")

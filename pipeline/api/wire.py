@@ -120,6 +120,17 @@ def _loss_fn_config(msg: public_pb.ForwardBackwardRequest) -> dict[str, float | 
     return config or None
 
 
+def forward_backward_header(body: bytes) -> tuple[str, int | None]:
+    """Only ``(model_id, seq_id)`` of a protobuf ``ForwardBackwardRequest`` (the gateway needs no more)."""
+    msg = public_pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception:  # protobuf's DecodeError
+        raise ApiError("forward_backward body is not a protobuf ForwardBackwardRequest; use the tinker SDK "
+                       ">= 0.25 (Content-Type: application/x-protobuf)") from None
+    return msg.model_id, msg.seq_id or None
+
+
 def decode_forward_backward(body: bytes) -> tuple[types.ForwardBackwardRequest, bool]:
     """The SDK's ``ForwardBackwardRequest`` and the ``forward_only`` flag from a protobuf body."""
     msg = public_pb.ForwardBackwardRequest()

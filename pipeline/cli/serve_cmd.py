@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -113,6 +114,7 @@ def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str
 
     from pipeline.api.app import create_app
     from pipeline.api.gateway import Gateway, ServedModel
+    from pipeline.api.results import ResultSignals
     from pipeline.api.tenants import Tenants
     from pipeline.io.bus import EventPublisher
 
@@ -124,9 +126,12 @@ def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str
     console.print(f"rlpipe Tinker-compatible API at {base_url}  (store {store.root}, topics {bus.namespace}.requests"
                   f"/.results)\n{tenants.describe()}\nserving: {', '.join(models)}\n\n"
                   f"{sdk_example(base_url, models[0])}", markup=False, soft_wrap=True)
+    signals, stopping = ResultSignals(), threading.Event()
+    signals.follow(bus, stopping.is_set)
     try:
-        uvicorn.run(create_app(gateway, tenants), host=host, port=port, log_level="warning")
+        uvicorn.run(create_app(gateway, tenants, signals=signals), host=host, port=port, log_level="warning")
     finally:
+        stopping.set()
         publisher.close()
 
 

@@ -142,7 +142,7 @@ def test_a_restarted_trainer_replays_from_its_fold_to_the_same_weights(harness):
     trainer = harness.trainer()
     model_id = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
-    trainer.step()  # idle: folds the new model and commits past its create
+    trainer.fold_all()  # as when idle: folds the new model and commits past its create
     assert harness.store.exists(f"sessions/{harness.session}/models/0.fold.json")
     chunks = [[_datum(5), _datum(6)]]
     fb = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, chunks[0]), "pb")

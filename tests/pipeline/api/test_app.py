@@ -111,3 +111,28 @@ def test_heartbeat_finish_and_load_paths(api):
     assert api.post(f"/api/v1/sessions/{session}/finish", headers=ALICE, json={"reason": {"type": "success"}}).is_success
     assert api.post("/api/v1/session_heartbeat", headers=ALICE, json=beat).status_code == 410
     assert api.get(f"/api/v1/training_runs/{model_id}/checkpoints", headers=ALICE).json() == {"checkpoints": []}
+
+
+def test_an_announced_result_wakes_the_held_poll_at_once():
+    import threading
+    import time
+
+    from pipeline.api.results import ResultSignals
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    signals = ResultSignals()
+    api = TestClient(create_app(gateway, Tenants(), poll_hold_s=20.0, signals=signals))
+    session = gateway.create_session(gateway_tenant := Tenants().tenant_of("tml-alice"), [], {})
+    model_id = gateway.register_model(gateway_tenant, session, 0, "/models/base/tiny", 4, {}, None)
+    request_id = gateway.submit(gateway_tenant, "create_model", model_id, None, b"{}")
+
+    def announce() -> None:
+        time.sleep(0.3)
+        store.put_create(result_path(session, request_id, "json"), b'{"model_id": "x"}')
+        signals.notify(request_id)
+
+    threading.Thread(target=announce).start()
+    started = time.monotonic()
+    answer = api.post("/api/v1/retrieve_future", headers=ALICE, json={"request_id": request_id})
+    assert answer.json() == {"model_id": "x"} and time.monotonic() - started < 0.9  # not the 1 s re-check

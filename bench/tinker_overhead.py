@@ -1,0 +1,172 @@
+"""Tinker-compatible API overhead: forward_backward + optim_step through the SDK and the server, against the
+same operations called directly on the training engine, with the same data.
+
+- **direct**: a ``TrainingEngine`` in this process; per step one ``forward_backward``
+  (cross_entropy) over the whole batch and one ``optim_step``, through the same
+  translation of the SDK's types the trainer uses (``consumers.api.worker.ops``).
+- **api**: a private Tansu broker and file:// store, ``rlpipe serve --role gateway``
+  and a trainer process (``python -m consumers.api.worker``), driven by the real
+  ``tinker`` SDK: ``forward_backward(batch).result()`` then ``optim_step().result()``.
+
+Both arms run one warm-up step, then time ``--steps`` steps; the direct arm runs
+first, alone, so the two never share the CPU.  The figure is the API's speed as a
+fraction of direct (direct seconds per step / API seconds per step; goal >= 0.9
+for 64 sequences of 256 tokens on the tiny model).
+
+    python bench/tinker_overhead.py                          # 64 x 256, 5 timed steps
+    python bench/tinker_overhead.py --batch 8 --seq-len 64 --steps 2 --json-out overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=64, help="sequences per forward_backward")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per arm (after one warm-up step)")
+    parser.add_argument("--base-model", default="tiny", help="a model folder, or 'tiny' (built once)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json-out", default=None, help="also write the figures here as JSON")
+    parser.add_argument("--server-log", default=None, help="keep the gateway's and trainer's log here")
+    args = parser.parse_args(argv)
+    if min(args.batch, args.seq_len, args.steps) < 1:
+        parser.error("--batch, --seq-len and --steps must be >= 1")
+    return args
+
+
+def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> list[Any]:
+    """``batch`` datums of ``seq_len`` random tokens (targets = the next token, weight 1)."""
+    from tinker import types
+
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(3, vocab, (batch, seq_len + 1))
+    return [types.Datum(model_input=types.ModelInput.from_ints(row[:-1].tolist()),
+                        loss_fn_inputs={"target_tokens": row[1:].tolist(), "weights": [1.0] * seq_len})
+            for row in rows]
+
+
+def speed_ratio(direct_s_per_step: float, api_s_per_step: float) -> float:
+    """The API's speed as a fraction of direct (1.0 = no overhead)."""
+    return direct_s_per_step / api_s_per_step
+
+
+def time_steps(step: Any, steps: int) -> float:
+    """Seconds per step over ``steps`` calls of ``step()``, after one untimed warm-up call."""
+    step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - started) / steps
+
+
+def direct_arm(base_model: str, data: list[Any], steps: int, device: str) -> float:
+    from tinker import types
+
+    from consumers.api.worker import ops
+    from consumers.engine import AdamParams, TrainingEngine
+
+    engine = TrainingEngine(base_model, device=device)
+    request = types.CreateModelRequest(session_id="bench", model_seq_id=0, base_model=base_model,
+                                       lora_config=types.LoraConfig(rank=8))
+    ops.create_model(engine, "bench:train:0", request)
+    fb = types.ForwardBackwardRequest(types.ForwardBackwardInput(data, "cross_entropy"), "bench:train:0")
+
+    def step() -> None:
+        ops.forward_backward(engine, "bench:train:0", fb, False)
+        engine.optim_step("bench.train.0", AdamParams(learning_rate=1e-4))
+
+    return time_steps(step, steps)
+
+
+def api_arm(base_model: str, data: list[Any], steps: int, device: str, server_log: str | None = None) -> float:
+    import httpx
+    import tinker
+    from tinker import types
+
+    from pipeline.devstack.broker import TansuBroker
+    from pipeline.devstack.process import free_port
+
+    os.environ["TINKER_TELEMETRY"] = "0"
+    with tempfile.TemporaryDirectory() as folder, TansuBroker(log_path=Path(folder) / "tansu.log") as broker:
+        port, store = free_port(), f"file://{folder}/store"
+        env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
+               "RLPIPE_BUS__NAMESPACE": f"bench{uuid.uuid4().hex[:8]}", "RLPIPE_STORE__ROOT": store,
+               "RLPIPE_HOME": f"{folder}/home", "RLPIPE_KAFKA_GROUP_TIMINGS_MS": json.dumps(
+                   {"session_timeout_ms": 6000, "heartbeat_interval_ms": 300, "max_poll_interval_ms": 600_000})}
+        log = open(server_log or Path(folder) / "server.log", "ab")  # noqa: SIM115 - the children own it
+        processes = [
+            subprocess.Popen([sys.executable, "-c", "from pipeline.cli.main import main; main()", "serve", "--role",
+                              "gateway", "--base-model", base_model, "--port", str(port)], env=env, stdout=log,
+                             stderr=subprocess.STDOUT),
+            subprocess.Popen([sys.executable, "-m", "consumers.api.worker", "--base-model", base_model, "--store",
+                              store, "--bootstrap", broker.bootstrap_servers, "--namespace",
+                              env["RLPIPE_BUS__NAMESPACE"], "--device", device, "--log-level", "DEBUG"], env=env, stdout=log,
+                             stderr=subprocess.STDOUT),
+        ]
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_for(lambda: httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200, 120)
+            service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
+            training = service.create_lora_training_client(base_model=base_model, rank=8).result()
+
+            def step() -> None:
+                training.forward_backward(data, "cross_entropy").result()
+                training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+
+            return time_steps(step, steps)
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(timeout=60)
+
+
+def _wait_for(check: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # not listening yet
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server did not answer within {timeout_s:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers import AutoConfig
+
+    from pipeline.cli.serve_cmd import resolve_models
+
+    args = parse_args(argv)
+    (base_model,) = resolve_models([args.base_model])
+    data = make_batch(args.batch, args.seq_len, int(AutoConfig.from_pretrained(base_model).vocab_size))
+    direct = direct_arm(base_model, data, args.steps, args.device)
+    api = api_arm(base_model, data, args.steps, args.device, args.server_log)
+    figures = {"batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "direct_s_per_step": direct,
+               "api_s_per_step": api, "api_speed_vs_direct": speed_ratio(direct, api)}
+    print(f"{args.batch} x {args.seq_len} tokens, {args.steps} steps: direct {direct:.3f} s/step, "
+          f"API {api:.3f} s/step -> API at {figures['api_speed_vs_direct']:.2f} of direct speed (goal >= 0.9)")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
