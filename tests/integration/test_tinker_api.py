@@ -156,6 +156,23 @@ def test_training_client_calls_checkpoints_and_rest_client(server):
     assert [c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints] == [state]
 
 
+def test_the_calls_are_on_the_log_and_the_sessions_in_the_store(server):
+    from typer.testing import CliRunner
+
+    from pipeline.cli.main import app
+
+    runner = CliRunner()
+    where = ["--bootstrap", server.env["RLPIPE_BUS__BOOTSTRAP_SERVERS"], "--namespace", server.env["RLPIPE_BUS__NAMESPACE"]]
+    tailed = runner.invoke(app, ["topics", "tail", "requests", "-n", "100", "--json", *where])
+    assert tailed.exit_code == 0, tailed.output
+    ops = {record["event"]["payload"]["op"] for record in json.loads(tailed.stdout)}
+    assert {"create_model", "forward_backward", "optim_step", "save_weights", "load_weights"} <= ops
+    listed = runner.invoke(app, ["sessions", "list", "--json", "--set", f"store.root={server.store.root}"])
+    assert listed.exit_code == 0, listed.output
+    sessions = json.loads(listed.stdout)
+    assert sessions and all(s["requests"] == s["results"] and not s["pending"] for s in sessions)
+
+
 def test_out_of_order_chunks_and_resent_calls(server):
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
