@@ -168,3 +168,20 @@ def test_finished_session_unloads_its_adapters(harness):
     run_until(trainer, harness, [late])  # reloaded from its fold: a late call still completes
     assert result_path(harness.session, late, "json")
     trainer.close()
+
+
+def test_other_base_models_calls_are_left_to_their_trainer_and_lapsed_sessions_end(harness):
+    harness.gateway.models["/models/other"] = ServedModel("/models/other", "/models/other")
+    trainer = harness.trainer()
+    other = harness.gateway.register_model(TENANT, harness.session, 5, "/models/other", 4, {}, None)
+    harness.gateway.submit(TENANT, "create_model", other, None, b"{}")
+    mine = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    trainer.step()
+    assert harness.result(f"{harness.session}.train.5.create") is None  # another trainer's call
+    assert other not in trainer.models and mine in trainer.models
+    trainer.session_timeout_s = 0.0  # every heartbeat has lapsed
+    trainer.expire_sessions()
+    assert trainer.engine.adapters() == [] and harness.store.exists(
+        f"sessions/{harness.session}/models/0.fold.json")
+    trainer.close()
