@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.tinker_overhead import make_batch, parse_args, speed_ratio, time_steps
+from bench.tinker_overhead import interleaved, make_batch, parse_args, speed_ratio
 
 
 def test_defaults_are_the_acceptance_shape():
@@ -18,4 +18,6 @@ def test_batch_ratio_and_timing():
     assert data[0].loss_fn_inputs["target_tokens"].data[:4] == data[0].model_input.to_ints()[1:]
     assert speed_ratio(0.9, 1.0) == pytest.approx(0.9)
     calls = []
-    assert time_steps(lambda: calls.append(1), 3) >= 0 and len(calls) == 4  # one warm-up, three timed
+    direct_s, api_s = interleaved(lambda: calls.append("d"), lambda: calls.append("a"), 3)
+    assert len(direct_s) == len(api_s) == 3
+    assert calls == ["d", "a", "d", "a", "a", "d", "d", "a"]  # warm-ups, then alternating who goes first
