@@ -225,6 +225,10 @@ class TrainerWorker:
             while model.creating:
                 self._execute(model, model.creating.pop(0))
                 executed += 1
+            if not model.loaded and model.pending:  # never created, or its creation failed: each call says so
+                for seq in sorted(model.pending):
+                    self._execute(model, model.pending.pop(seq))
+                    executed += 1
             while model.loaded and model.next_seq in model.pending:
                 self._execute(model, model.pending.pop(model.next_seq))
                 model.next_seq += 1

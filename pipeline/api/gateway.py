@@ -96,6 +96,7 @@ class Gateway:
         self.publish = publish
         self.models = {model.name: model for model in models}
         self._owners: dict[str, str] = {}
+        self._models: dict[str, dict[str, Any]] = {}
 
     # ---- sessions ---------------------------------------------------------------------------
     def create_session(self, tenant: str, tags: list[str], user_metadata: dict[str, Any]) -> str:
@@ -152,10 +153,12 @@ class Gateway:
         except ValueError:
             raise NotFoundError(f"unknown model {model_id!r}; use the model_id create_model returned") from None
         self.check_owner(tenant, model_run_name(model_id).split(".")[0])
-        try:
-            return dict(json.loads(self.store.get(key)))
-        except FileNotFoundError:
-            raise NotFoundError(f"unknown model {model_id!r}; create it with create_lora_training_client") from None
+        if key not in self._models:  # records are create-only, so a cached one never goes stale
+            try:
+                self._models[key] = json.loads(self.store.get(key))
+            except FileNotFoundError:
+                raise NotFoundError(f"unknown model {model_id!r}; create it with create_lora_training_client") from None
+        return dict(self._models[key])
 
     def register_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora_rank: int,
                        lora: dict[str, Any], user_metadata: dict[str, Any] | None) -> str:

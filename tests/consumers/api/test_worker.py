@@ -130,8 +130,14 @@ def test_bad_calls_are_user_errors_and_the_model_carries_on(harness):
     bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 10**6]})
     vocab = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, [bad]), "pb")
     fine = harness.gateway.submit(TENANT, "forward_backward", model_id, 3, _fb(model_id, 3, [_datum(1)]), "pb")
-    run_until(trainer, harness, [unknown, vocab, fine])
-    for rid, words in ((unknown, "gspo"), (vocab, "vocabulary")):
+    broken = harness.gateway.register_model(TENANT, harness.session, 1, harness.base_model, 0, {}, None)
+    body = types.CreateModelRequest(session_id=harness.session, model_seq_id=1, base_model=harness.base_model,
+                                    lora_config=types.LoraConfig(rank=0)).model_dump_json().encode()
+    harness.gateway.submit(TENANT, "create_model", broken, None, body)
+    orphan = harness.gateway.submit(TENANT, "forward_backward", broken, 1, _fb(broken, 1, [_datum(1)]), "pb")
+    run_until(trainer, harness, [unknown, vocab, fine, orphan])
+    for rid, words in ((unknown, "gspo"), (vocab, "vocabulary"), (f"{harness.session}.train.1.create", "rank"),
+                       (orphan, "does not exist")):
         answer = json.loads(harness.result(rid)[0])
         assert answer["category"] == "user" and words in answer["error"]
     assert harness.result(fine)[1] == "pb"
