@@ -434,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log.setLevel(args.log_level)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # connection chatter; rlpipe's own lines stay
     bus = BusConfig(bootstrap_servers=args.bootstrap, namespace=args.namespace)
     log.info("initialising the training engine for %s", args.base_model)
     engine = TrainingEngine(args.base_model, device=args.device)

@@ -43,7 +43,7 @@ def sdk_example(base_url: str, base_model: str) -> str:
     """Three lines that point the tinker SDK at this server."""
     return (f"import tinker  # TINKER_API_KEY=tml-anything\n"
             f"service = tinker.ServiceClient(base_url={base_url!r})\n"
-            f"training = service.create_lora_training_client(base_model={base_model!r}, rank=8)")
+            f"training = service.create_lora_training_client(base_model={base_model!r}, rank=8).result()")
 
 
 def resolve_models(names: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ import time
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.table import Column, Table
 
 from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json
 from pipeline.cli.options import SetOpt, run_config
@@ -58,7 +58,8 @@ def list_sessions(overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(summaries)
         return
-    table = Table("session", "tenant", "models", "calls", "pending", "last heartbeat", title="API sessions")
+    table = Table("tenant", "models", "calls", "pending", "last heartbeat", title="API sessions")
+    table.columns.insert(0, Column("session", no_wrap=True))
     for s in summaries:
         beat = "ended" if s["ended"] else f"{s['last_heartbeat_s_ago']} s ago"
         table.add_row(s["session_id"], s["tenant"], str(len(s["models"])), str(s["requests"]),
