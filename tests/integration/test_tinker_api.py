@@ -46,6 +46,7 @@ class Server:
     env: dict[str, str]
     logs: Path
     trainer: subprocess.Popen[bytes] | None = None
+    gateway: subprocess.Popen[bytes] | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start_trainer(self) -> None:
@@ -55,6 +56,24 @@ class Server:
              self.store.root, "--bootstrap", self.env["RLPIPE_BUS__BOOTSTRAP_SERVERS"], "--namespace",
              self.env["RLPIPE_BUS__NAMESPACE"], "--device", "cpu"], env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.processes.append(self.trainer)
+
+    def start_gateway(self) -> None:
+        log = open(self.logs / "gateway.log", "ab")  # noqa: SIM115 - the child owns it
+        self.gateway = subprocess.Popen(
+            [sys.executable, "-c", "from pipeline.cli.main import main; main()", "serve", "--role", "gateway",
+             "--base-model", self.base_model, "--port", self.url.rsplit(":", 1)[1]], env=self.env, stdout=log,
+            stderr=subprocess.STDOUT)
+        self.processes.append(self.gateway)
+        deadline = time.monotonic() + 90
+        while True:
+            assert self.gateway.poll() is None, (self.logs / "gateway.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"{self.url}/api/v1/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the gateway did not answer within 90 s"
+            time.sleep(0.5)
 
     def service(self, key: str = ALICE) -> tinker.ServiceClient:
         return tinker.ServiceClient(base_url=self.url, api_key=key)
@@ -70,23 +89,9 @@ def server(kafka_broker, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
            "OMP_NUM_THREADS": "1"}
     port = free_port()
     server = Server(f"http://127.0.0.1:{port}", tiny_model_dir, ObjectStore(f"file://{folder}/store"), env, folder)
-    gateway_log = open(folder / "gateway.log", "ab")  # noqa: SIM115 - the child owns it
-    gateway = subprocess.Popen(
-        [sys.executable, "-c", "from pipeline.cli.main import main; main()", "serve", "--role", "gateway",
-         "--base-model", tiny_model_dir, "--port", str(port)], env=env, stdout=gateway_log, stderr=subprocess.STDOUT)
-    server.processes.append(gateway)
     server.start_trainer()
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert gateway.poll() is None, (folder / "gateway.log").read_text()[-2000:]
-            try:
-                if httpx.get(f"{server.url}/api/v1/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the gateway did not answer within 90 s"
-            time.sleep(0.5)
+        server.start_gateway()
         yield server
     finally:
         for process in server.processes:
@@ -165,7 +170,9 @@ def test_the_calls_are_on_the_log_and_the_sessions_in_the_store(server):
     where = ["--bootstrap", server.env["RLPIPE_BUS__BOOTSTRAP_SERVERS"], "--namespace", server.env["RLPIPE_BUS__NAMESPACE"]]
     tailed = runner.invoke(app, ["topics", "tail", "requests", "-n", "100", "--json", *where])
     assert tailed.exit_code == 0, tailed.output
-    ops = {record["event"]["payload"]["op"] for record in json.loads(tailed.stdout)}
+    records = json.loads(tailed.stdout)
+    assert not [r for r in records if "event" not in r], records[:1]
+    ops = {record["event"]["payload"]["op"] for record in records}
     assert {"create_model", "forward_backward", "optim_step", "save_weights", "load_weights"} <= ops
     listed = runner.invoke(app, ["sessions", "list", "--json", "--set", f"store.root={server.store.root}"])
     assert listed.exit_code == 0, listed.output
@@ -216,6 +223,17 @@ def test_bad_input_is_a_user_error_and_others_carry_on(server):
                         json={"model_id": training.model_id, "type": "get_info"})
     assert answer.status_code == 404 and answer.json()["category"] == "user"
     assert training.forward_backward(_data(1), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_a_restarted_gateway_and_the_client_carries_on(server):
+    training = server.service().create_lora_training_client(base_model=server.base_model, rank=4).result()
+    training.forward_backward(_data(4), "cross_entropy").result()
+    server.gateway.terminate()
+    server.gateway.wait(timeout=30)
+    pending = training.optim_step(types.AdamParams(learning_rate=1e-2))  # the SDK retries until it answers
+    server.start_gateway()
+    assert pending.result(timeout=120).metrics is not None
+    assert training.forward(_data(4), "cross_entropy").result().metrics["loss:sum"] > 0
 
 
 def test_trainer_killed_between_forward_backward_and_optim_step(server):

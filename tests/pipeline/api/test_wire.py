@@ -65,3 +65,12 @@ def test_ids_and_paths():
             parse_tinker_path(bad)
     with pytest.raises(ApiError):
         request_id_for("sess/a:train:1", 1)
+
+
+def test_every_reader_of_the_log_knows_the_api_events():
+    """``rlpipe topics tail requests`` imports only ``schemas.events``; the API's events must decode there."""
+    import subprocess
+    import sys
+
+    code = "from schemas.events import PAYLOAD_TYPES; assert {'ApiRequestAccepted', 'ApiResultReady'} <= set(PAYLOAD_TYPES)"
+    subprocess.run([sys.executable, "-c", code], check=True)
