@@ -1,9 +1,10 @@
 """The Tinker-compatible API end to end: the real ``tinker==0.38.0`` SDK against ``rlpipe serve``.
 
 One server per module: the gateway (``rlpipe serve --role gateway``, a real
-process) and a trainer (``python -m consumers.api.worker``, the command
-``rlpipe serve`` starts for each base model), on the session's Tansu broker and
-a file:// store, serving the tiny model.  The crash test at the end SIGKILLs the
+process) and one trainer per base model (``python -m consumers.api.worker``, the
+command ``rlpipe serve`` starts for each), on the session's Tansu broker and a
+file:// store, serving two base models of different shapes: the tiny model and
+a smaller one.  The crash test at the end SIGKILLs the
 trainer between ``forward_backward`` and ``optim_step`` and starts a new one.
 """
 
@@ -42,6 +43,7 @@ FAST_GROUP_MS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 300, "max_
 class Server:
     url: str
     base_model: str
+    second_model: str
     store: ObjectStore
     env: dict[str, str]
     logs: Path
@@ -49,20 +51,24 @@ class Server:
     gateway: subprocess.Popen[bytes] | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def start_trainer(self) -> None:
+    def start_trainer(self, base_model: str | None = None) -> subprocess.Popen[bytes]:
+        """A trainer for ``base_model`` (default: the first model; it becomes ``self.trainer``)."""
         log = open(self.logs / f"trainer-{len(self.processes)}.log", "ab")  # noqa: SIM115 - the child owns it
-        self.trainer = subprocess.Popen(
-            [sys.executable, "-m", "consumers.api.worker", "--base-model", self.base_model, "--store",
+        process = subprocess.Popen(
+            [sys.executable, "-m", "consumers.api.worker", "--base-model", base_model or self.base_model, "--store",
              self.store.root, "--bootstrap", self.env["RLPIPE_BUS__BOOTSTRAP_SERVERS"], "--namespace",
              self.env["RLPIPE_BUS__NAMESPACE"], "--device", "cpu"], env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        self.processes.append(self.trainer)
+        self.processes.append(process)
+        if base_model is None:
+            self.trainer = process
+        return process
 
     def start_gateway(self) -> None:
         log = open(self.logs / "gateway.log", "ab")  # noqa: SIM115 - the child owns it
         self.gateway = subprocess.Popen(
             [sys.executable, "-c", "from pipeline.cli.main import main; main()", "serve", "--role", "gateway",
-             "--base-model", self.base_model, "--port", self.url.rsplit(":", 1)[1]], env=self.env, stdout=log,
-            stderr=subprocess.STDOUT)
+             "--base-model", self.base_model, "--base-model", self.second_model, "--port",
+             self.url.rsplit(":", 1)[1]], env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.processes.append(self.gateway)
         deadline = time.monotonic() + 90
         while True:
@@ -87,9 +93,15 @@ def server(kafka_broker, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
            "RLPIPE_BUS__NAMESPACE": f"t{uuid.uuid4().hex[:12]}", "RLPIPE_STORE__ROOT": f"file://{folder}/store",
            "RLPIPE_HOME": str(folder / "home"), GROUP_TIMINGS_ENV: json.dumps(FAST_GROUP_MS),
            "OMP_NUM_THREADS": "1"}
+    from producers.tiny_model import build_tiny_model
+
+    second = str(build_tiny_model(folder / "models" / "small", pretrain=False, hidden_size=64, num_heads=2,
+                                  num_kv_heads=1, num_layers=2, intermediate_size=128))
     port = free_port()
-    server = Server(f"http://127.0.0.1:{port}", tiny_model_dir, ObjectStore(f"file://{folder}/store"), env, folder)
+    server = Server(f"http://127.0.0.1:{port}", tiny_model_dir, second, ObjectStore(f"file://{folder}/store"), env,
+                    folder)
     server.start_trainer()
+    server.start_trainer(second)
     try:
         server.start_gateway()
         yield server
@@ -129,7 +141,7 @@ def test_training_client_calls_checkpoints_and_rest_client(server):
     service = server.service()
     supported = tinker.RestClient(base_url=server.url, api_key=ALICE).get_server_capabilities().result()
     supported = supported.supported_models
-    assert [m.model_name for m in supported] == [server.base_model]
+    assert [m.model_name for m in supported] == [server.base_model, server.second_model]
     training = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
     assert training.get_tokenizer().encode("hello")  # tokenizer_id is a folder the client loads offline
     data = _data(1)
@@ -159,6 +171,20 @@ def test_training_client_calls_checkpoints_and_rest_client(server):
     assert rest.get_training_run(model_id).result().base_model == server.base_model
     rest.delete_checkpoint_from_tinker_path(sampler).result()
     assert [c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints] == [state]
+
+
+def test_two_base_models_served_at_once_each_client_on_its_own(server):
+    service = server.service()
+    first = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
+    second = service.create_lora_training_client(base_model=server.second_model, rank=4).result()
+    data = _data(11)
+    pending = [client.forward_backward(data, "cross_entropy") for client in (first, second)]  # at the same time
+    outputs = [future.result() for future in pending]
+    assert [len(lp) for lp in _logprobs(outputs[1])] == [8, 8, 8]
+    assert _logprobs(outputs[0]) != _logprobs(outputs[1])  # two different networks
+    for client in (first, second):
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert second.get_info().model_data.model_name == server.second_model
 
 
 def test_the_calls_are_on_the_log_and_the_sessions_in_the_store(server):
