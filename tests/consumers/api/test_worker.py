@@ -191,3 +191,21 @@ def test_other_base_models_calls_are_left_to_their_trainer_and_lapsed_sessions_e
     assert trainer.engine.adapters() == [] and harness.store.exists(
         f"sessions/{harness.session}/models/0.fold.json")
     trainer.close()
+
+
+def test_three_clients_training_at_once_end_as_each_trained_alone(harness):
+    trainer = harness.trainer()
+    models = [harness.create(seq) for seq in range(3)]
+    chunks = {model_id: [[_datum(20 + i)], [_datum(30 + i), _datum(40 + i)]] for i, model_id in enumerate(models)}
+    steps = []
+    for seq in (1, 2):  # the three clients' calls interleaved on the log
+        for model_id in models:
+            harness.gateway.submit(TENANT, "forward_backward", model_id, seq,
+                                   _fb(model_id, seq, chunks[model_id][seq - 1]), "pb")
+    for model_id in models:
+        steps.append(harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3)))
+    run_until(trainer, harness, steps)
+    for seq, model_id in enumerate(models):
+        assert_same(trainer.engine.weights(f"{harness.session}.train.{seq}"),
+                    reference_weights(harness.base_model, chunks[model_id]))
+    trainer.close()
