@@ -1,184 +1,196 @@
-"""Tinker API overhead: ``forward_backward`` + ``optim_step`` through the API against the same calls made directly.
+"""Tinker-compatible API overhead: forward_backward + optim_step through the SDK and the server, against the
+same operations called directly on the training engine, with the same data.
 
-The arms train the same model configuration on the same data: batches of ``--sequences`` datums of
-``--tokens`` tokens (the SDK's own ``tinker.types.Datum``: a prompt chunk and a completion chunk, weights
-or advantages on the completion), one ``forward_backward`` and one ``optim_step`` per step.
+- **direct**: a ``TrainingEngine`` in this process; per step one ``forward_backward``
+  (cross_entropy) over the whole batch and one ``optim_step``, through the same
+  translation of the SDK's types the trainer uses (``consumers.api.worker.ops``).
+- **api**: a private Tansu broker and file:// store, ``rlpipe serve --role gateway``
+  and a trainer process (``python -m consumers.api.worker``), driven by the real
+  ``tinker`` SDK: ``forward_backward(batch).result()`` then ``optim_step().result()``.
 
-- direct: the training calls of ``consumers.api.ops`` on a ``TrainingEngine`` in this process (the
-  translation of the SDK's types included, no transport): the speed the API is measured against.
-- engine: the engine's own methods, the datums translated by ``consumers.api.translate``: direct /
-  engine is the cost of the API layer around the engine (request and result types, checks).
-- sdk: the same through the ``tinker`` SDK and ``rlpipe serve`` (added with the gateway: ``ARMS["sdk"]``).
+Both arms run one warm-up step, then ``--steps`` timed steps each, alternating step
+by step (who goes first swaps every step), so a shared machine's load falls on both
+alike; neither computes while the other does.  The figure is the API's speed as a
+fraction of direct (direct seconds per step / API seconds per step; goal >= 0.9
+for 64 sequences of 256 tokens on the tiny model).
 
-The arms take turns batch by batch (the order rotating), so a shared machine's load falls on all
-alike; the first ``--warmup`` batches are not timed.  Reported per arm: tokens/s
-(every input token of every datum over the timed steps) and the median seconds per step; with two arms,
-the ratio sdk/direct (goal: at least 0.9).
-
-Run: .venv/bin/python bench/tinker_overhead.py [--steps 3] [--sequences 64] [--tokens 256]
-     [--loss cross_entropy] [--device auto] [--threads N] [--model DIR] [--arms direct,engine]
+    python bench/tinker_overhead.py                          # 64 x 256, 5 timed steps
+    python bench/tinker_overhead.py --batch 8 --seq-len 64 --steps 2 --json-out overhead.json
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
-import random
+import contextlib
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import torch
-from tinker import types
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from consumers.api import ops
-from consumers.api.translate import engine_datums, engine_loss_args
-from consumers.engine import AdamParams, TrainingEngine
 
-ADAM = types.AdamParams(learning_rate=1e-4)
-LORA = types.LoraConfig(rank=16, seed=0)
-
-
-@dataclass
-class Arm:
-    name: str
-    tokens: int = 0
-    seconds: list[float] = field(default_factory=list)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Every input token of every timed batch over the time of those steps."""
-        return self.tokens / sum(self.seconds) if self.seconds else float("nan")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=64, help="sequences per forward_backward")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per arm (after one warm-up step)")
+    parser.add_argument("--base-model", default="tiny", help="a model folder, or 'tiny' (built once)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json-out", default=None, help="also write the figures here as JSON")
+    parser.add_argument("--server-log", default=None, help="keep the gateway's and trainer's log here")
+    args = parser.parse_args(argv)
+    if min(args.batch, args.seq_len, args.steps) < 1:
+        parser.error("--batch, --seq-len and --steps must be >= 1")
+    return args
 
 
-def make_batches(count: int, sequences: int, tokens: int, loss: str, vocab: int, seed: int = 0
-                 ) -> list[list[types.Datum]]:
-    """``count`` batches of datums: half prompt, half completion; sampler logprobs near a uniform model's."""
-    rng = random.Random(seed)
-    batches = []
-    for _ in range(count):
-        data = []
-        for _ in range(sequences):
-            sequence = [rng.randrange(vocab) for _ in range(tokens + 1)]
-            prompt = tokens // 2
-            chunks = [types.EncodedTextChunk(tokens=sequence[:prompt]),
-                      types.EncodedTextChunk(tokens=sequence[prompt:tokens])]
-            inputs: dict[str, list] = {"target_tokens": sequence[1:]}
-            if loss == "cross_entropy":
-                inputs["weights"] = [0.0] * prompt + [1.0] * (tokens - prompt)
-            else:
-                inputs["logprobs"] = [rng.uniform(-7.3, -6.6) for _ in range(tokens)]
-                inputs["advantages"] = [0.0] * prompt + [rng.choice((-1.0, 1.0)) for _ in range(tokens - prompt)]
-            data.append(types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs))
-        batches.append(data)
-    return batches
+def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> list[Any]:
+    """``batch`` datums of ``seq_len`` random tokens (targets = the next token, weight 1)."""
+    from tinker import types
+
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(3, vocab, (batch, seq_len + 1))
+    return [types.Datum(model_input=types.ModelInput.from_ints(row[:-1].tolist()),
+                        loss_fn_inputs={"target_tokens": row[1:].tolist(), "weights": [1.0] * seq_len})
+            for row in rows]
 
 
-Step = Callable[[list[types.Datum]], None]  # one forward_backward + optim_step on one batch
+def speed_ratio(direct_s_per_step: float, api_s_per_step: float) -> float:
+    """The API's speed as a fraction of direct (1.0 = no overhead)."""
+    return direct_s_per_step / api_s_per_step
 
 
-def new_model(model_dir: str, args: argparse.Namespace) -> tuple[TrainingEngine, str]:
-    engine = TrainingEngine(model_dir, device=args.device)
-    model_id = "bench:train:0"
-    ops.create_model(engine, model_id, types.CreateModelRequest(
-        session_id="bench", model_seq_id=0, base_model=model_dir, lora_config=LORA))
-    return engine, model_id
+def interleaved(direct_step: Any, api_step: Any, steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of each timed step per arm, after one warm-up step each; the arms alternate step by step
+    and swap who goes first every step, so a shared machine's load falls on both alike."""
+    direct_step()
+    api_step()
+    direct_s, api_s = [], []
+    for index in range(steps):
+        order = [(direct_step, direct_s), (api_step, api_s)]
+        for step, times in order if index % 2 == 0 else order[::-1]:
+            started = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - started)
+    return direct_s, api_s
 
 
-def direct_arm(model_dir: str, args: argparse.Namespace) -> Step:
-    """forward_backward + optim_step called directly on a training engine through ``consumers.api.ops``."""
-    engine, model_id = new_model(model_dir, args)
+def direct_step(base_model: str, data: list[Any], device: str) -> Any:
+    """One direct step (forward_backward + optim_step on an engine in this process), as a callable."""
+    from tinker import types
 
-    def step(data: list[types.Datum]) -> None:
-        request = types.ForwardBackwardRequest(types.ForwardBackwardInput(data, args.loss), model_id)
-        ops.forward_backward(engine, model_id, request, forward_only=False)
-        ops.optim_step(engine, model_id, types.OptimStepRequest(adam_params=ADAM, model_id=model_id))
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize()
+    from consumers.api.worker import ops
+    from consumers.engine import AdamParams, TrainingEngine
 
-    return step
+    engine = TrainingEngine(base_model, device=device)
+    request = types.CreateModelRequest(session_id="bench", model_seq_id=0, base_model=base_model,
+                                       lora_config=types.LoraConfig(rank=8))
+    ops.create_model(engine, "bench:train:0", request)
+    fb = types.ForwardBackwardRequest(types.ForwardBackwardInput(data, "cross_entropy"), "bench:train:0")
 
-
-def engine_arm(model_dir: str, args: argparse.Namespace) -> Step:
-    """The same steps on the engine's own methods (the datums' translation is timed here too, it is cheap)."""
-    engine, model_id = new_model(model_dir, args)
-    name, loss_args = ops.adapter_name(model_id), engine_loss_args(args.loss, None)
-    adam = AdamParams(learning_rate=ADAM.learning_rate, beta1=ADAM.beta1, beta2=ADAM.beta2, eps=ADAM.eps)
-
-    def step(data: list[types.Datum]) -> None:
-        engine.forward_backward(name, engine_datums(data), args.loss, loss_args)
-        engine.optim_step(name, adam)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize()
+    def step() -> None:
+        ops.forward_backward(engine, "bench:train:0", fb, False)
+        engine.optim_step("bench.train.0", AdamParams(learning_rate=1e-4))
 
     return step
 
 
-ARMS: dict[str, Callable[[str, argparse.Namespace], Step]] = {"direct": direct_arm, "engine": engine_arm}
+@contextlib.contextmanager
+def api_server(base_model: str, device: str, server_log: str | None = None) -> Iterator[str]:
+    """A private broker and store, the gateway and a trainer (real processes); yields the base URL."""
+    import httpx
+
+    from pipeline.devstack.broker import TansuBroker
+    from pipeline.devstack.process import free_port
+
+    with tempfile.TemporaryDirectory() as folder, TansuBroker(log_path=Path(folder) / "tansu.log") as broker:
+        port, store = free_port(), f"file://{folder}/store"
+        env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
+               "RLPIPE_BUS__NAMESPACE": f"bench{uuid.uuid4().hex[:8]}", "RLPIPE_STORE__ROOT": store,
+               "RLPIPE_HOME": f"{folder}/home", "RLPIPE_KAFKA_GROUP_TIMINGS_MS": json.dumps(
+                   {"session_timeout_ms": 6000, "heartbeat_interval_ms": 300, "max_poll_interval_ms": 600_000})}
+        log = open(server_log or Path(folder) / "server.log", "ab")  # noqa: SIM115 - the children own it
+        processes = [
+            subprocess.Popen([sys.executable, "-c", "from pipeline.cli.main import main; main()", "serve", "--role",
+                              "gateway", "--base-model", base_model, "--port", str(port)], env=env, stdout=log,
+                             stderr=subprocess.STDOUT),
+            subprocess.Popen([sys.executable, "-m", "consumers.api.worker", "--base-model", base_model, "--store",
+                              store, "--bootstrap", broker.bootstrap_servers, "--namespace",
+                              env["RLPIPE_BUS__NAMESPACE"], "--device", device, "--log-level", "DEBUG"], env=env,
+                             stdout=log, stderr=subprocess.STDOUT),
+        ]
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_for(lambda: httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200, 120)
+            yield url
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(timeout=60)
 
 
-def measure(model_dir: str, batches: list[list[types.Datum]], args: argparse.Namespace) -> list[Arm]:
-    """Every arm on every batch, interleaved batch by batch (the order rotating) so load falls on all alike."""
-    names = args.arms.split(",")
-    steps = {name: ARMS[name](model_dir, args) for name in names}
-    arms = {name: Arm(name) for name in names}
-    for index, data in enumerate(batches):
-        for name in names[index % len(names):] + names[: index % len(names)]:
-            start = time.perf_counter()
-            steps[name](data)
-            if index >= args.warmup:
-                arms[name].seconds.append(time.perf_counter() - start)
-                arms[name].tokens += sum(datum.model_input.length for datum in data)
-    return list(arms.values())
+def api_step(url: str, base_model: str, data: list[Any]) -> Any:
+    """One step through the SDK and the server (forward_backward, then optim_step, each to its result)."""
+    import tinker
+    from tinker import types
+
+    os.environ["TINKER_TELEMETRY"] = "0"
+    training = tinker.ServiceClient(base_url=url, api_key="tml-bench").create_lora_training_client(
+        base_model=base_model, rank=8).result()
+
+    def step() -> None:
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+
+    return step
 
 
-def report(arms: list[Arm], args: argparse.Namespace) -> str:
-    lines = [f"tinker overhead: {args.sequences} sequences x {args.tokens} tokens, loss {args.loss}, "
-             f"{args.steps} timed steps after {args.warmup} warm-up; torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads, {platform.machine()}, device {args.device}"]
-    for arm in arms:
-        lines.append(f"  {arm.name:8s} {arm.tokens_per_s:12,.0f} tokens/s   median {statistics.median(arm.seconds):.3f} s/step")
-    by_name = {arm.name: arm for arm in arms}
-    if "engine" in by_name and "direct" in by_name:
-        lines.append(f"  direct/engine: {by_name['direct'].tokens_per_s / by_name['engine'].tokens_per_s:.3f}")
-    if "sdk" in by_name and "direct" in by_name:
-        lines.append(f"  sdk/direct: {by_name['sdk'].tokens_per_s / by_name['direct'].tokens_per_s:.3f} (goal >= 0.9)")
-    return "\n".join(lines)
+def _wait_for(check: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # not listening yet
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server did not answer within {timeout_s:.0f} s")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per arm")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--sequences", type=int, default=64, help="datums per forward_backward")
-    parser.add_argument("--tokens", type=int, default=256, help="input tokens per datum")
-    parser.add_argument("--loss", default="cross_entropy", help="any loss the API serves")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--model", default=None, help="a model folder (default: build the tiny model, untrained)")
-    parser.add_argument("--arms", default="direct", help=f"comma-separated, of {', '.join(ARMS)}")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    unknown = set(args.arms.split(",")) - set(ARMS)
-    if unknown:
-        parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            from producers.tiny_model import build_tiny_model  # bench code may use both sides
+def main(argv: list[str] | None = None) -> int:
+    from transformers import AutoConfig
 
-            model_dir = str(build_tiny_model(Path(tmp) / "model", pretrain=False))  # weights do not change speed
-        batches = make_batches(args.warmup + args.steps, args.sequences, args.tokens, args.loss, vocab=1000)
-        arms = measure(model_dir, batches, args)
-    print(report(arms, args))
+    from pipeline.cli.serve_cmd import resolve_models
+
+    args = parse_args(argv)
+    (base_model,) = resolve_models([args.base_model])
+    data = make_batch(args.batch, args.seq_len, int(AutoConfig.from_pretrained(base_model).vocab_size))
+    with api_server(base_model, args.device, args.server_log) as url:
+        direct_s, api_s = interleaved(direct_step(base_model, data, args.device), api_step(url, base_model, data),
+                                      args.steps)
+    direct, api = sum(direct_s) / len(direct_s), sum(api_s) / len(api_s)
+    figures = {"batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "direct_s": direct_s,
+               "api_s": api_s, "direct_s_per_step": direct, "api_s_per_step": api,
+               "api_speed_vs_direct": speed_ratio(direct, api),
+               "median_step_ratio": statistics.median(d / a for d, a in zip(direct_s, api_s, strict=True))}
+    print(f"{args.batch} x {args.seq_len} tokens, {args.steps} steps per arm: direct {direct:.3f} s/step, "
+          f"API {api:.3f} s/step -> API at {figures['api_speed_vs_direct']:.2f} of direct speed "
+          f"(median per-step ratio {figures['median_step_ratio']:.2f}; goal >= 0.9)")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(figures, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

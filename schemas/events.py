@@ -258,3 +258,4 @@ def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelop
 
 # The API's events live in ``schemas.api``, which builds on this module and adds them to
 # ``PAYLOAD_TYPES``; importing it here makes every reader of the log know them.
+import schemas.api  # noqa: E402, F401  (registers ApiRequestAccepted and ApiResultReady)

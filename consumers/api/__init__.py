@@ -1,7 +1,8 @@
 """The Tinker-compatible API's engine side: the SDK's training calls executed on a ``TrainingEngine``.
 
-``ops`` is the interface the engine worker calls (one function per Tinker
-training call, the SDK's own types in and out); ``translate`` turns the SDK's
-datums and loss configurations into the engine's.  Every refusal is a
+``worker`` is the trainer role (it executes each model's calls from ``<ns>.requests``
+in ``seq_id`` order); ``ops`` is what it calls (one function per Tinker training
+call, the SDK's own types in and out); ``translate`` turns the SDK's datums and
+loss configurations into the engine's.  Every refusal is a
 ``schemas.api.ApiError`` with category ``user``, raised before anything changed.
 """

@@ -48,6 +48,8 @@ BUILTIN_LAZY_GROUPS = {
     "runs": "pipeline.cli.runs:app",
     "report": "pipeline.cli.report_cmd:command",
     "demo": "pipeline.cli.demo_cmd:command",
+    "serve": "pipeline.cli.serve_cmd:command",
+    "sessions": "pipeline.cli.sessions_cmd:app",
 }
 
 

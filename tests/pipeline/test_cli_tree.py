@@ -35,6 +35,7 @@ NO_DATA = {
     "envs record",  # writes Parquet; prints one line of what it wrote
     "model init-tiny",  # builds a model; prints where it is
     "datasets to-trajectories",  # writes Parquet; prints one line and the next command
+    "serve",  # long-running service: its base URL, an SDK example, then log lines
 }
 
 

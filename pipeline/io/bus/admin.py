@@ -21,7 +21,7 @@ from kafka.admin import OffsetSpec
 
 from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
 from pipeline.io.bus.errors import BusError, UnknownTopicError
-from pipeline.topics import TOPIC_KINDS, TopicKind, topic_name
+from pipeline.topics import API_TOPIC_KINDS, TOPIC_KINDS, TopicKind, topic_name
 from schemas.config import BusConfig
 from schemas.names import InvalidNameError, validate_name
 
@@ -33,12 +33,14 @@ TOPIC_EVENT_TYPES: dict[TopicKind, frozenset[str] | None] = {
     "adapters": frozenset({"AdapterPublished"}),
     "control": None,
     "dlq": frozenset({"DeadLetter"}),
+    "requests": frozenset({"ApiRequestAccepted"}),
+    "results": frozenset({"ApiResultReady"}),
 }
 
 
 def resolve_topic(namespace: str, kind_or_topic: str) -> str:
     """A topic kind (``control``) becomes ``<namespace>.control``; a full topic name is kept."""
-    if kind_or_topic in TOPIC_KINDS:
+    if kind_or_topic in TOPIC_KINDS + API_TOPIC_KINDS:
         return topic_name(namespace, kind_or_topic)  # type: ignore[arg-type]  # checked just above
     try:
         validate_name(kind_or_topic, "topic")
@@ -54,7 +56,7 @@ def resolve_topic(namespace: str, kind_or_topic: str) -> str:
 
 def topic_kind(namespace: str, topic: str) -> TopicKind | None:
     """The kind of ``topic`` under ``namespace``, or None for any other topic."""
-    for kind in TOPIC_KINDS:
+    for kind in TOPIC_KINDS + API_TOPIC_KINDS:
         if topic == f"{namespace}.{kind}":
             return kind
     return None

@@ -102,6 +102,7 @@ class EventConsumer:
         heartbeat_interval_ms: int = 3_000,
         max_poll_interval_ms: int = 300_000,
         create_topics: bool = True,
+        fetch_max_wait_ms: int = 500,
     ) -> None:
         if auto_offset_reset not in ("earliest", "latest"):
             raise ValueError(f"auto_offset_reset must be 'earliest' or 'latest', got {auto_offset_reset!r}")
@@ -130,6 +131,7 @@ class EventConsumer:
             "session_timeout_ms": session_timeout_ms,
             "heartbeat_interval_ms": heartbeat_interval_ms,
             "max_poll_interval_ms": max_poll_interval_ms,
+            "fetch_max_wait_ms": fetch_max_wait_ms,  # how long the broker may hold a fetch that found nothing
             "request_timeout_ms": max(30_000, session_timeout_ms + 5_000),
             "allow_auto_create_topics": False,
         }

@@ -1,0 +1,386 @@
+"""The trainer role of the Tinker-compatible API: executes the calls on ``<ns>.requests`` for one base model.
+
+Set up: the object store, a ``TrainingEngine`` for the base model, a group
+consumer of ``<ns>.requests`` and a publisher for ``<ns>.results``.  Then a loop
+of phases: read (queue each call under its model), execute (each model's calls
+in ``seq_id`` order, waiting for gaps, since the SDK sends a batch's chunks
+concurrently and the first last), fold (checkpoint clean adapters, then commit
+offsets; when idle for ``fold_idle_s`` or every ``fold_every`` calls), expire
+(unload the adapters of sessions that ended or whose heartbeats lapsed).
+
+A training client's state is a fold over its request log.  The fold of a model
+(``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob and the
+last ``seq_id`` it includes) is written only at a clean point, when no
+gradients are accumulated (they are not part of the state), and the group's
+offsets are committed only below the oldest call not yet in a fold.  A trainer
+that dies is restarted from the folds plus the calls after them, re-executed in
+order, so it ends with the same weights.  Results are written create-only:
+a re-executed call whose result is already stored keeps the stored one, and a
+call that changes nothing (a ``forward``, a save) is not re-executed at all.
+
+Calls are idempotent on ``(model_id, seq_id)``: a resent call is the same
+request id, skipped once its ``seq_id`` is behind the model's.
+
+The translation between the SDK's training types and the engine is
+``consumers.api.ops``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tinker import types
+
+from consumers.api import ops
+from consumers.engine import TrainingEngine
+from consumers.engine_data import EngineError
+from consumers.sources import group_timings_from_env
+from pipeline.api.gateway import checkpoint_prefix, parse_body
+from pipeline.api.wire import TinkerPath, decode_forward_backward, encode_forward_backward_output, parse_tinker_path
+from pipeline.io.bus import ConsumedEvent, EventConsumer, EventPublisher, TopicPartitionKey, ensure_topics
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from pipeline.topics import API_TOPIC_KINDS
+from schemas.api import ApiError, ApiRequestAccepted, ApiResultReady, model_run_name, result_path, session_path
+from schemas.config import BusConfig
+from schemas.events import make_event
+
+log = logging.getLogger("rlpipe.api.trainer")
+SESSION_TIMEOUT_S = 300.0  # heartbeats every 10 s; a session silent this long has ended
+_PURE_OPS = ("save_weights", "save_weights_for_sampler")  # change no adapter state: never re-executed
+
+
+# ---- the worker --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Model:
+    """What the worker holds for one training client."""
+
+    model_id: str
+    next_seq: int = 1
+    loaded: bool = False
+    has_gradients: bool = False
+    unfolded: list[tuple[TopicPartitionKey, int]] = field(default_factory=list)  # executed, not yet in a fold
+    pending: dict[int, ConsumedEvent] = field(default_factory=dict)  # seq_id -> call waiting for its turn
+    creating: list[ConsumedEvent] = field(default_factory=list)  # create_model / load_weights as a new model
+
+    @property
+    def run(self) -> str:
+        return model_run_name(self.model_id)
+
+    @property
+    def fold_key(self) -> str:
+        session, _, seq = self.run.split(".")
+        return f"{session_path(session)}/models/{seq}.fold"
+
+
+def group_for(base_model: str) -> str:
+    """The consumer group of the trainers of one base model (every trainer reads every call)."""
+    return f"api-trainer-{hashlib.sha256(base_model.encode()).hexdigest()[:16]}"
+
+
+class TrainerWorker:
+    """Executes one base model's API calls from the log; see the module docstring."""
+
+    def __init__(self, store: ObjectStore, bus: BusConfig, base_model: str, engine: TrainingEngine,
+                 fold_every: int = 20, fold_idle_s: float = 0.5, session_timeout_s: float = SESSION_TIMEOUT_S,
+                 consumer_options: dict[str, Any] | None = None) -> None:
+        self.store, self.bus, self.base_model, self.engine = store, bus, base_model, engine
+        self.fold_every, self.fold_idle_s, self.session_timeout_s = fold_every, fold_idle_s, session_timeout_s
+        ensure_topics(bus, API_TOPIC_KINDS)
+        # A call waits in the log for the next fetch: keep the broker's hold on an empty fetch short.
+        options = {"fetch_max_wait_ms": 20, **(consumer_options or {})}
+        self.consumer = EventConsumer(bus, "requests", group_for(base_model), **options)
+        self.publisher = EventPublisher(bus)
+        self.models: dict[str, _Model] = {}
+        self._since_fold = 0
+        self._last_expiry = self._last_executed = 0.0
+        self._committed: dict[TopicPartitionKey, int] = {}
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def run(self, stop: Callable[[], bool]) -> None:
+        log.info("trainer for %s reading %s.requests", self.base_model, self.bus.namespace)
+        while not stop():
+            self.step(poll_timeout_s=0.2)
+        self.fold_all()
+        self.close()
+
+    def step(self, poll_timeout_s: float = 0.2) -> int:
+        """One round of read, execute, fold, expire; the number of calls executed."""
+        for event in self.consumer.poll(timeout_s=poll_timeout_s):
+            self.accept(event)
+        executed = self.execute_ready()
+        if executed:
+            self._last_executed = time.monotonic()
+        idle = time.monotonic() - self._last_executed > self.fold_idle_s
+        if (idle and not executed) or self._since_fold >= self.fold_every:
+            self.fold_all()
+        if time.monotonic() - self._last_expiry > 5.0:
+            self.expire_sessions()
+        return executed
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.publisher.close()
+
+    # ---- read ------------------------------------------------------------------------------------------------
+    def accept(self, consumed: ConsumedEvent) -> None:
+        """Queue one call under its model, unless it is another base model's or already applied."""
+        call = consumed.event.payload
+        if not isinstance(call, ApiRequestAccepted) or call.base_model != self.base_model or call.model_id is None:
+            return
+        model = self._model(call.model_id)
+        if not call.seq_id:
+            if model.loaded:
+                return  # created before (and folded, or replayed already)
+            model.creating.append(consumed)
+        elif call.seq_id >= model.next_seq:
+            model.pending.setdefault(call.seq_id, consumed)
+
+    def _model(self, model_id: str) -> _Model:
+        """The worker's record of a model, loaded from its fold if it has one and is not in the engine yet."""
+        model = self.models.get(model_id)
+        if model is None:
+            model = self.models[model_id] = _Model(model_id)
+            self._load_fold(model)
+        return model
+
+    # ---- execute ---------------------------------------------------------------------------------------------
+    def execute_ready(self) -> int:
+        """Every call whose turn has come, model by model in seq_id order; a gap waits."""
+        executed = 0
+        for model in list(self.models.values()):
+            while model.creating:
+                self._execute(model, model.creating.pop(0))
+                executed += 1
+            if not model.loaded and model.pending:  # never created, or its creation failed: each call says so
+                for seq in sorted(model.pending):
+                    self._execute(model, model.pending.pop(seq))
+                    executed += 1
+            while model.loaded and model.next_seq in model.pending:
+                self._execute(model, model.pending.pop(model.next_seq))
+                model.next_seq += 1
+                executed += 1
+        return executed
+
+    def _execute(self, model: _Model, consumed: ConsumedEvent) -> None:
+        call: ApiRequestAccepted = consumed.event.payload
+        done = any(self.store.exists(result_path(call.session_id, call.request_id, fmt)) for fmt in ("json", "pb"))
+        model.unfolded.append(((consumed.topic, consumed.partition), consumed.offset))
+        self._since_fold += 1
+        if done and (call.op in _PURE_OPS or (call.op == "forward_backward" and call.body_format == "pb"
+                                              and decode_forward_backward(self._body(call))[1])):
+            return  # its result stands and it changed nothing
+        started = time.perf_counter()
+        try:
+            data, fmt = self._run(model, call)
+            result: tuple[bytes, str, str | None, str | None] = (data, fmt, None, None)
+        except (ApiError, EngineError) as exc:
+            category = exc.category if isinstance(exc, ApiError) else "user"
+            result = (json.dumps({"error": str(exc), "category": category}).encode(), "json", str(exc), category)
+        except Exception as exc:
+            log.exception("%s %s failed", call.op, call.request_id)
+            message = f"{call.op} failed on the trainer ({type(exc).__name__}: {exc}); retry, or report it"
+            result = (json.dumps({"error": message, "category": "server"}).encode(), "json", message, "server")
+        if not done:
+            self._write_result(call, *result)
+        log.debug("%s %s: %.3f s", call.op, call.request_id, time.perf_counter() - started)
+
+    def _body(self, call: ApiRequestAccepted) -> bytes:
+        return self.store.get(call.body_path, call.body_sha256)
+
+    def _run(self, model: _Model, call: ApiRequestAccepted) -> tuple[bytes, str]:
+        """Execute one call on the engine; the result's bytes and format."""
+        self._check_tenant(call.tenant, call.session_id)
+        body = self._body(call)
+        if call.op == "create_model":
+            ops.create_model(self.engine, model.model_id, parse_body(types.CreateModelRequest, body))
+            model.loaded = True
+            return _json({"type": "create_model", "model_id": model.model_id}), "json"
+        if call.op == "load_weights":
+            return self._load_weights(model, call, parse_body(types.LoadWeightsRequest, body)), "json"
+        self._require_loaded(model)
+        if call.op == "forward_backward":
+            request, forward_only = decode_forward_backward(body)
+            output = ops.forward_backward(self.engine, model.model_id, request, forward_only)
+            model.has_gradients |= not forward_only
+            return encode_forward_backward_output(output), "pb"
+        if call.op == "optim_step":
+            response = ops.optim_step(self.engine, model.model_id, parse_body(types.OptimStepRequest, body))
+            model.has_gradients = False
+            return _json(response.model_dump(mode="json")), "json"
+        if call.op == "save_weights":
+            return self._save_weights(model, parse_body(types.SaveWeightsRequest, body)), "json"
+        if call.op == "save_weights_for_sampler":
+            return self._save_for_sampler(model, parse_body(types.SaveWeightsForSamplerRequest, body)), "json"
+        raise ApiError(f"{call.op} is not a training call; send it to the sampler")
+
+    def _require_loaded(self, model: _Model) -> None:
+        if not model.loaded:
+            raise ApiError(f"model {model.model_id} does not exist or has been unloaded (session ended); "
+                           "create a new training client")
+
+    def _check_tenant(self, tenant: str, session_id: str) -> None:
+        try:
+            owner = json.loads(self.store.get(f"{session_path(session_id)}/session.json"))["tenant"]
+        except FileNotFoundError:
+            owner = None
+        if owner != tenant:
+            raise ApiError(f"no session {session_id!r} for this API key; use your own session's models and paths")
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+    def _weights_key(self, path: TinkerPath) -> str:
+        return f"{checkpoint_prefix(path.run, 'weights')}/{path.name}.safetensors"
+
+    def _save_weights(self, model: _Model, request: types.SaveWeightsRequest) -> bytes:
+        path = TinkerPath(model.model_id, "training", request.path or "")
+        state = ops.save_state(self.engine, model.model_id, True)
+        self.store.put_create_once(self._weights_key(path), state)
+        self._record_checkpoint(model, "weights", path, len(state), {})
+        return _json({"type": "save_weights", "path": str(path)})
+
+    def _save_for_sampler(self, model: _Model, request: types.SaveWeightsForSamplerRequest) -> bytes:
+        path = TinkerPath(model.model_id, "sampler", request.path or "")
+        with tempfile.TemporaryDirectory() as folder:
+            ops.export_for_sampling(self.engine, model.model_id, Path(folder) / "adapter")
+            manifest = AdapterRegistry(self.store, model.run).publish(
+                Path(folder) / "adapter", self.base_model, parent_version=0, learner_step=model.next_seq)
+        self._record_checkpoint(model, "sampler_weights", path, None, {"version": manifest.version})
+        return _json({"type": "save_weights_for_sampler", "path": str(path)})
+
+    def _record_checkpoint(self, model: _Model, folder: str, path: TinkerPath, size: int | None,
+                           extra: dict[str, Any]) -> None:
+        meta = {"name": path.name, "tinker_path": str(path), "time": time.time(), "size_bytes": size, **extra}
+        self.store.put(f"{checkpoint_prefix(model.run, folder)}/{path.name}.json", _json(meta))
+
+    def _load_weights(self, model: _Model, call: ApiRequestAccepted, request: types.LoadWeightsRequest) -> bytes:
+        path = parse_tinker_path(request.path)
+        if path.kind != "training":
+            raise ApiError(f"{request.path} is sampler weights; load a tinker://.../weights/<name> path")
+        self._check_tenant(call.tenant, path.run.split(".")[0])
+        try:
+            state = self.store.get(self._weights_key(path))
+        except FileNotFoundError:
+            raise ApiError(f"no saved weights at {request.path}; see list_checkpoints") from None
+        ops.load_state(self.engine, model.model_id, state, request.optimizer)
+        model.loaded, model.has_gradients = True, False
+        return _json({"type": "load_weights", "model_id": model.model_id, "path": request.path})
+
+    # ---- fold ------------------------------------------------------------------------------------------------
+    def fold_all(self) -> None:
+        """Checkpoint every clean model with executed calls, then commit offsets below what no fold covers."""
+        for model in self.models.values():
+            if model.unfolded and model.loaded and not model.has_gradients:
+                self._fold(model)
+            elif model.unfolded and not model.loaded and not model.creating:
+                model.unfolded.clear()  # its calls only failed: nothing to rebuild
+        self._since_fold = 0
+        self._commit()
+
+    def _fold(self, model: _Model) -> None:
+        state = ops.save_state(self.engine, model.model_id, True)
+        digest = self.store.put(f"{model.fold_key}.safetensors", state)
+        record = {"model_id": model.model_id, "seq_id": model.next_seq - 1, "state_sha256": digest}
+        self.store.put(f"{model.fold_key}.json", _json(record))
+        model.unfolded.clear()
+
+    def _load_fold(self, model: _Model) -> None:
+        try:
+            record = json.loads(self.store.get(f"{model.fold_key}.json"))
+        except FileNotFoundError:
+            return
+        state = self.store.get(f"{model.fold_key}.safetensors", record["state_sha256"])
+        ops.load_state(self.engine, model.model_id, state, True)
+        model.loaded, model.next_seq = True, int(record["seq_id"]) + 1
+        log.info("restored %s from its fold at seq_id %d", model.model_id, record["seq_id"])
+
+    def _commit(self) -> None:
+        held: dict[TopicPartitionKey, int] = {}
+        for model in self.models.values():
+            waiting = [((c.topic, c.partition), c.offset) for c in (*model.pending.values(), *model.creating)]
+            for tp, offset in (*model.unfolded, *waiting):
+                held[tp] = min(offset, held.get(tp, offset))
+        positions = self.consumer.positions()
+        offsets = {tp: held.get(tp, position) for tp, position in positions.items()}
+        if offsets and offsets != self._committed:
+            self._committed = self.consumer.commit(offsets)
+
+    # ---- expire ------------------------------------------------------------------------------------------------
+    def expire_sessions(self) -> None:
+        """Unload the adapters of sessions that were finished or whose heartbeats lapsed."""
+        self._last_expiry = time.monotonic()
+        for model in list(self.models.values()):
+            if not model.loaded:
+                continue
+            session = model.run.split(".")[0]
+            try:
+                beat = json.loads(self.store.get(f"{session_path(session)}/heartbeat.json"))
+            except FileNotFoundError:
+                continue
+            if beat.get("ended") or time.time() - float(beat["time"]) > self.session_timeout_s:
+                if model.unfolded and not model.has_gradients:
+                    self._fold(model)
+                ops.unload(self.engine, model.model_id)
+                del self.models[model.model_id]
+                log.info("session %s ended: unloaded %s", session, model.model_id)
+
+    # ---- results -----------------------------------------------------------------------------------------------
+    def _write_result(self, call: ApiRequestAccepted, data: bytes, fmt: str, error: str | None,
+                      category: str | None) -> None:
+        key = result_path(call.session_id, call.request_id, fmt)  # type: ignore[arg-type]
+        try:
+            digest = self.store.put_create(key, data)
+        except FileExistsError:
+            return
+        ready = ApiResultReady(request_id=call.request_id, session_id=call.session_id, op=call.op,
+                               model_id=call.model_id, seq_id=call.seq_id, ok=error is None,
+                               result_path=key if error is None else None, result_format=fmt,  # type: ignore[arg-type]
+                               result_sha256=digest if error is None else None, error=error,
+                               category=category)  # type: ignore[arg-type]
+        self.publisher.publish("results", make_event(call.session_id, ready), key=call.model_id)
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+# ---- entry point -------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m consumers.api.worker --base-model PATH --store URL --bootstrap HOST:PORT [--namespace NS]``."""
+    from pipeline.runtime import StopFlag
+
+    parser = argparse.ArgumentParser(prog="rlpipe-api-trainer", description=main.__doc__)
+    parser.add_argument("--base-model", required=True, help="the served base model (a local folder)")
+    parser.add_argument("--store", required=True, help="store root URL, e.g. file:///data/rlpipe")
+    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers")
+    parser.add_argument("--namespace", default="rlpipe", help="topic namespace")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--session-timeout-s", type=float, default=SESSION_TIMEOUT_S)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    args = parser.parse_args(argv)
+    log.setLevel(args.log_level)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # connection chatter; rlpipe's own lines stay
+    bus = BusConfig(bootstrap_servers=args.bootstrap, namespace=args.namespace)
+    log.info("initialising the training engine for %s", args.base_model)
+    engine = TrainingEngine(args.base_model, device=args.device)
+    worker = TrainerWorker(ObjectStore(args.store), bus, args.base_model, engine,
+                           session_timeout_s=args.session_timeout_s, consumer_options=group_timings_from_env())
+    worker.run(StopFlag().install())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

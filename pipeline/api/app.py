@@ -1,0 +1,207 @@
+"""The Tinker-compatible HTTP API (FastAPI): routes that translate between the SDK's wire and ``Gateway``.
+
+Paths, bodies and answers are those of ``tinker==0.38.0`` (TINKER.md sections 3
+and 4): JSON everywhere except ``forward_backward`` (protobuf in) and its
+result (protobuf out).  Mutating calls answer ``{"request_id"}`` at once; the
+client then long-polls ``retrieve_future``, which answers the stored result, a
+stored ``{"error", "category"}``, or ``try_again`` before the client's 45 s
+timeout.  Synchronous calls that fail answer ``{"error", "category"}`` with
+400 (bad input), 401 (key), 404 (not this tenant's or unknown) or 410 (session
+ended, which stops the SDK's heartbeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response
+from tinker import types
+
+from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, parse_body
+from pipeline.api.results import ResultSignals
+from pipeline.api.tenants import Tenants, UnauthorizedError
+from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header
+from schemas.api import ApiError
+
+POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
+RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
+_STATUS = {UnauthorizedError: 401, NotFoundError: 404, SessionEndedError: 410}
+
+
+def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
+    """The caller's tenant, from its ``X-API-Key``."""
+    return request.app.state.tenants.tenant_of(x_api_key)  # type: ignore[no-any-return]
+
+
+Tenant = Annotated[str, Depends(_tenant)]
+
+
+def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOLD_S,
+               signals: ResultSignals | None = None) -> FastAPI:
+    """The ASGI app serving ``gateway`` to the tenants ``tenants`` admits; ``signals`` (following
+    ``<ns>.results``) wakes long polls, without it they re-read the store every 20 ms."""
+    app = FastAPI(title="rlpipe Tinker-compatible API", docs_url=None, redoc_url=None)
+    app.state.gateway, app.state.tenants = gateway, tenants
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        status = next((code for cls, code in _STATUS.items() if isinstance(exc, cls)), 400)
+        return JSONResponse({"error": str(exc), "category": exc.category}, status_code=status)
+
+    # ---- client start-up, sessions, telemetry ------------------------------------------------------
+    @app.get("/api/v1/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/api/v1/client/config")
+    def client_config(_: Tenant) -> dict[str, Any]:
+        return {"pjwt_auth_enabled": False}
+
+    @app.post("/api/v1/client/dynamic_config")
+    def dynamic_config(_: Tenant) -> dict[str, Any]:
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+
+    @app.get("/api/v1/get_server_capabilities")
+    def capabilities(_: Tenant) -> dict[str, Any]:
+        return {"supported_models": [
+            {"model_name": m.name, "max_context_length": m.max_context_length, "trainable": True, "sampleable": False}
+            for m in gateway.models.values()]}
+
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request, who: Tenant) -> dict[str, Any]:
+        body = parse_body(types.CreateSessionRequest, await request.body())
+        session_id = gateway.create_session(who, list(body.tags), dict(body.user_metadata or {}))
+        return {"type": "create_session", "session_id": session_id}
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat(request: Request, who: Tenant) -> dict[str, str]:
+        body = parse_body(types.SessionHeartbeatRequest, await request.body())
+        gateway.heartbeat(who, body.session_id)
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request, who: Tenant) -> dict[str, str]:
+        raw = json.loads(await request.body() or b"{}")
+        gateway.finish(who, session_id, str((raw.get("reason") or {}).get("type", "success")))
+        return {"status": "ok"}
+
+    @app.post("/api/v1/telemetry")
+    def telemetry(_: Tenant) -> dict[str, str]:
+        return {"status": "accepted"}
+
+    # ---- training calls (futures) -------------------------------------------------------------------
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request, who: Tenant) -> dict[str, Any]:
+        raw = await request.body()
+        body = parse_body(types.CreateModelRequest, raw)
+        lora = body.lora_config or types.LoraConfig(rank=32)
+        model_id = gateway.register_model(who, body.session_id, body.model_seq_id, body.base_model, lora.rank,
+                                          lora.model_dump(), body.user_metadata)
+        return {"request_id": gateway.submit(who, "create_model", model_id, None, raw), "model_id": model_id}
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request, who: Tenant) -> dict[str, Any]:
+        body = parse_body(types.GetInfoRequest, await request.body())
+        return gateway.get_info(who, body.model_id)
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request, who: Tenant) -> dict[str, Any]:
+        raw = await request.body()
+        if PROTOBUF not in request.headers.get("content-type", ""):
+            raise ApiError("forward_backward takes a protobuf body; use the tinker SDK >= 0.25")
+        model_id, seq_id = forward_backward_header(raw)
+        return {"request_id": gateway.submit(who, "forward_backward", model_id, seq_id, raw, "pb"),
+                "model_id": model_id}
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request, who: Tenant) -> dict[str, Any]:
+        raw = await request.body()
+        body = parse_body(types.OptimStepRequest, raw)
+        if not isinstance(body.optim_params, types.AdamParams):
+            raise ApiError(f"optimizer {body.optim_params.type!r} is not supported; use AdamParams")
+        return {"request_id": gateway.submit(who, "optim_step", body.model_id, body.seq_id, raw)}
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request, who: Tenant) -> dict[str, Any]:
+        raw = await request.body()
+        body = parse_body(types.SaveWeightsRequest, raw)
+        checkpoint_name(body.path)
+        return {"request_id": gateway.submit(who, "save_weights", body.model_id, body.seq_id, raw)}
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request, who: Tenant) -> dict[str, Any]:
+        raw = await request.body()
+        body = parse_body(types.SaveWeightsForSamplerRequest, raw)
+        if body.path is None:
+            raise ApiError("sampling from unsaved weights (save_weights_and_get_sampling_client) is not served "
+                           "yet; save named weights with save_weights_for_sampler(name)")
+        checkpoint_name(body.path)
+        return {"request_id": gateway.submit(who, "save_weights_for_sampler", body.model_id, body.seq_id, raw)}
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request, who: Tenant) -> dict[str, Any]:
+        raw = await request.body()
+        body = parse_body(types.LoadWeightsRequest, raw)
+        if body.model_id is not None:  # into an existing training client, in its seq_id order
+            return {"request_id": gateway.submit(who, "load_weights", body.model_id, body.seq_id, raw)}
+        if body.session_id is None or body.model_seq_id is None:
+            raise ApiError("load_weights needs model_id and seq_id, or session_id and model_seq_id")
+        source = gateway.model(who, gateway.owned_path(who, body.path).model_id)
+        model_id = gateway.register_model(who, body.session_id, body.model_seq_id, source["base_model"],
+                                          source["lora_rank"], source["lora"], body.user_metadata)
+        return {"request_id": gateway.submit(who, "load_weights", model_id, None, raw), "model_id": model_id}
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request, who: Tenant) -> Response:
+        body = parse_body(types.FutureRetrieveRequest, await request.body())
+        deadline = time.monotonic() + poll_hold_s
+        with (signals or ResultSignals()).watch(body.request_id) as announced:
+            while True:
+                found = await asyncio.to_thread(gateway.result, who, body.request_id)
+                if found is not None:
+                    data, fmt = found
+                    return Response(data, media_type=PROTOBUF if fmt == "pb" else "application/json")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return JSONResponse({"type": "try_again", "request_id": body.request_id,
+                                         "queue_state": "active"})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(announced.wait(), min(remaining, RECHECK_S if signals else 0.02))
+                announced.clear()
+
+    # ---- management (RestClient) ----------------------------------------------------------------
+    @app.get("/api/v1/training_runs/{model_id}")
+    def training_run(model_id: str, who: Tenant) -> dict[str, Any]:
+        record = gateway.model(who, model_id)
+        checkpoints = gateway.checkpoints(who, model_id)
+        last = {kind: next((c for c in reversed(checkpoints) if c["checkpoint_type"] == kind), None)
+                for kind in ("training", "sampler")}
+        return {"training_run_id": model_id, "base_model": record["base_model"], "model_owner": who,
+                "is_lora": True, "lora_rank": record["lora_rank"], "last_request_time": record["created_at"],
+                "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
+                "user_metadata": {k: str(v) for k, v in record["user_metadata"].items()}}
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    def list_checkpoints(model_id: str, who: Tenant) -> dict[str, Any]:
+        return {"checkpoints": gateway.checkpoints(who, model_id)}
+
+    @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+    def delete_checkpoint(model_id: str, checkpoint_id: str, who: Tenant) -> Response:
+        gateway.delete_checkpoint(who, model_id, checkpoint_id)
+        return Response(status_code=204)
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request, who: Tenant) -> dict[str, Any]:
+        raw = json.loads(await request.body() or b"{}")
+        record = gateway.model(who, gateway.owned_path(who, str(raw.get("tinker_path", ""))).model_id)
+        lora = record["lora"]
+        return {"base_model": record["base_model"], "is_lora": True, "lora_rank": record["lora_rank"],
+                "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),
+                "train_attn": lora.get("train_attn")}
+
+    return app

@@ -1,0 +1,256 @@
+"""The gateway's logic, without HTTP: sessions, models, accepted calls and their results.
+
+Handlers in ``pipeline.api.app`` only translate between HTTP and these methods.
+What the gateway keeps is all in the store, so any number of gateways can serve
+the same clients and a restarted one carries on:
+
+  sessions/<session>/session.json        owner tenant, tags, creation time (create-only)
+  sessions/<session>/heartbeat.json      last heartbeat; ``ended`` once finished (replaced)
+  sessions/<session>/models/<n>.json     a training client: base model, LoRA rank (create-only)
+  sessions/<session>/requests/<id>.<fmt> an accepted call's body (create-only; the log's claim check)
+  sessions/<session>/results/<id>.<fmt>  its result, written by an engine (create-only)
+
+Every accepted mutating call is written first, then announced as
+``ApiRequestAccepted`` on ``<ns>.requests`` keyed by ``model_id``.  Request ids
+are derived from ``(model_id, seq_id)`` (``pipeline.api.wire``), so a resent call
+gets the same id; it is announced again, which is harmless (engines are
+idempotent) and covers a gateway that died between the write and the announce.
+
+A tenant reaches a session only through its own key: every method takes the
+tenant and checks it against the session's owner.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from pipeline.api.wire import TinkerPath, checkpoint_name, parse_tinker_path, request_id_for, session_of_request
+from pipeline.io.store import ObjectStore
+from schemas.api import (
+    ApiError,
+    ApiOp,
+    ApiRequestAccepted,
+    BodyFormat,
+    model_id_for,
+    model_run_name,
+    request_body_path,
+    result_path,
+    session_path,
+)
+from schemas.events import Envelope, make_event
+
+Publish = Callable[[Envelope, str], Any]  # (event, key) -> anything; publishes on <ns>.requests
+
+
+class NotFoundError(ApiError):
+    """A session, model or request this tenant does not have (HTTP 404 for synchronous calls)."""
+
+
+class SessionEndedError(ApiError):
+    """The session was finished or expired (HTTP 410 stops the SDK's heartbeat)."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A base model this deployment trains: the name clients pass, and a tokenizer they can load."""
+
+    name: str
+    tokenizer_id: str
+    max_context_length: int | None = None
+
+
+def checkpoint_prefix(run: str, folder: str) -> str:
+    """Store folder of a model's ``weights`` (training states) or ``sampler_weights`` (one JSON each)."""
+    return f"runs/{run}/{folder}"
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
+    """Validate a JSON body as the SDK's request type, or a one-line user error."""
+    try:
+        return model.model_validate_json(body or b"{}")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise ApiError(f"{model.__name__}: {where}: {first['msg']}; send what the tinker SDK sends") from None
+
+
+class Gateway:
+    """Sessions, models and calls of every tenant, kept in ``store``; calls announced through ``publish``."""
+
+    def __init__(self, store: ObjectStore, publish: Publish, models: list[ServedModel]) -> None:
+        if not models:
+            raise ValueError("a gateway needs at least one served base model")
+        self.store = store
+        self.publish = publish
+        self.models = {model.name: model for model in models}
+        self._owners: dict[str, str] = {}
+        self._models: dict[str, dict[str, Any]] = {}
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def create_session(self, tenant: str, tags: list[str], user_metadata: dict[str, Any]) -> str:
+        session_id = f"sess-{uuid.uuid4().hex[:16]}"
+        record = {"session_id": session_id, "tenant": tenant, "created_at": now(), "tags": tags,
+                  "user_metadata": user_metadata}
+        self.store.put_create(f"{session_path(session_id)}/session.json", json.dumps(record).encode())
+        self._owners[session_id] = tenant
+        self.heartbeat(tenant, session_id)
+        return session_id
+
+    def session(self, tenant: str, session_id: str) -> dict[str, Any]:
+        """The session's record, if it is this tenant's; ``NotFoundError`` otherwise (also for other tenants')."""
+        try:
+            record = json.loads(self.store.get(f"{session_path(session_id)}/session.json"))
+        except (FileNotFoundError, ValueError):
+            raise NotFoundError(f"no session {session_id!r}; create one with ServiceClient()") from None
+        if record["tenant"] != tenant:
+            raise NotFoundError(f"no session {session_id!r}; create one with ServiceClient()")
+        self._owners[session_id] = tenant
+        return dict(record)
+
+    def check_owner(self, tenant: str, session_id: str) -> None:
+        if self._owners.get(session_id) != tenant:
+            self.session(tenant, session_id)
+
+    def heartbeat(self, tenant: str, session_id: str) -> None:
+        self.check_owner(tenant, session_id)
+        key = f"{session_path(session_id)}/heartbeat.json"
+        if self.store.exists(key) and json.loads(self.store.get(key)).get("ended"):
+            raise SessionEndedError(f"session {session_id} has ended; create a new ServiceClient")
+        self.store.put(key, json.dumps({"time": time.time(), "ended": False}).encode())
+
+    def finish(self, tenant: str, session_id: str, reason: str) -> None:
+        """End the session: engines unload its adapters (they watch ``heartbeat.json``)."""
+        self.check_owner(tenant, session_id)
+        record = {"time": time.time(), "ended": True, "reason": reason}
+        self.store.put(f"{session_path(session_id)}/heartbeat.json", json.dumps(record).encode())
+
+    # ---- models -------------------------------------------------------------------------------
+    def served(self, base_model: str | None) -> ServedModel:
+        if base_model not in self.models:
+            raise ApiError(f"base model {base_model!r} is not served here; choose one of {', '.join(self.models)}")
+        return self.models[base_model]
+
+    def _model_key(self, model_id: str) -> str:
+        session, _, seq = model_run_name(model_id).split(".")
+        return f"{session_path(session)}/models/{seq}.json"
+
+    def model(self, tenant: str, model_id: str) -> dict[str, Any]:
+        """The model's record if it belongs to one of this tenant's sessions."""
+        try:
+            key = self._model_key(model_id)
+        except ValueError:
+            raise NotFoundError(f"unknown model {model_id!r}; use the model_id create_model returned") from None
+        self.check_owner(tenant, model_run_name(model_id).split(".")[0])
+        if key not in self._models:  # records are create-only, so a cached one never goes stale
+            try:
+                self._models[key] = json.loads(self.store.get(key))
+            except FileNotFoundError:
+                raise NotFoundError(f"unknown model {model_id!r}; create it with create_lora_training_client") from None
+        return dict(self._models[key])
+
+    def register_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora_rank: int,
+                       lora: dict[str, Any], user_metadata: dict[str, Any] | None) -> str:
+        """Record a new training client (create-only; a resent create finds its own record)."""
+        self.check_owner(tenant, session_id)
+        self.served(base_model)
+        model_id = model_id_for(session_id, "train", model_seq_id)
+        record = {"model_id": model_id, "tenant": tenant, "base_model": base_model, "lora_rank": lora_rank,
+                  "lora": lora, "user_metadata": user_metadata or {}, "created_at": now()}
+        try:
+            self.store.put_create(self._model_key(model_id), json.dumps(record).encode())
+        except FileExistsError:
+            existing = self.model(tenant, model_id)
+            if existing["base_model"] != base_model or existing["lora_rank"] != lora_rank:
+                raise ApiError(f"model {model_id} already exists with another base model or rank; "
+                               "use a new model_seq_id") from None
+        return model_id
+
+    def get_info(self, tenant: str, model_id: str) -> dict[str, Any]:
+        record = self.model(tenant, model_id)
+        served = self.served(record["base_model"])
+        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": record["lora_rank"],
+                "model_name": served.name,
+                "model_data": {"arch": "lora", "model_name": served.name, "tokenizer_id": served.tokenizer_id}}
+
+    def owned_path(self, tenant: str, path: str) -> TinkerPath:
+        """A ``tinker://`` path of one of this tenant's models (another tenant's is not found)."""
+        parsed = parse_tinker_path(path)
+        self.model(tenant, parsed.model_id)
+        return parsed
+
+    # ---- calls --------------------------------------------------------------------------------
+    def submit(self, tenant: str, op: ApiOp, model_id: str, seq_id: int | None, body: bytes,
+               fmt: BodyFormat = "json") -> str:
+        """Accept a call on one of the tenant's models: body to the store, event on the log; its request id."""
+        record = self.model(tenant, model_id)
+        if op != "create_model" and op != "load_weights" and not seq_id:
+            raise ApiError(f"{op} needs a seq_id >= 1; use the tinker SDK's TrainingClient")
+        request_id = request_id_for(model_id, seq_id)
+        session_id = session_of_request(request_id)
+        key = request_body_path(session_id, request_id, fmt)
+        try:
+            digest = self.store.put_create_once(key, body)
+        except FileExistsError:
+            raise ApiError(f"seq_id {seq_id} of {model_id} was already used for another call; "
+                           "each call takes the next seq_id") from None
+        event = ApiRequestAccepted(request_id=request_id, tenant=tenant, session_id=session_id, op=op,
+                                   model_id=model_id, seq_id=seq_id or None, base_model=record["base_model"],
+                                   body_path=key, body_format=fmt, body_sha256=digest)
+        self.publish(make_event(model_run_name(model_id), event), model_id)
+        return request_id
+
+    def result(self, tenant: str, request_id: str) -> tuple[bytes, BodyFormat] | None:
+        """The stored result of a call (protobuf or JSON), or None while it runs."""
+        session_id = session_of_request(request_id)
+        self.check_owner(tenant, session_id)
+        for fmt in ("pb", "json"):
+            key = result_path(session_id, request_id, fmt)  # type: ignore[arg-type]
+            try:
+                return self.store.get(key), fmt  # type: ignore[return-value]
+            except FileNotFoundError:
+                continue
+        if not self.store.exists(request_body_path(session_id, request_id, "json")) and not self.store.exists(
+                request_body_path(session_id, request_id, "pb")):
+            raise NotFoundError(f"no request {request_id!r}; poll with the request_id the call returned")
+        return None
+
+    # ---- checkpoints (RestClient) ---------------------------------------------------------------
+    def checkpoints(self, tenant: str, model_id: str) -> list[dict[str, Any]]:
+        """The training states and sampler weights of one model, as the SDK's ``Checkpoint``."""
+        self.model(tenant, model_id)
+        run = model_run_name(model_id)
+        found = []
+        for kind, folder in (("training", "weights"), ("sampler", "sampler_weights")):
+            for key in self.store.list(checkpoint_prefix(run, folder)):
+                if not key.endswith(".json"):
+                    continue
+                meta = json.loads(self.store.get(key))
+                found.append({"checkpoint_id": f"{folder}/{meta['name']}", "checkpoint_type": kind,
+                              "time": meta["time"], "tinker_path": meta["tinker_path"],
+                              "size_bytes": meta.get("size_bytes")})
+        return sorted(found, key=lambda item: item["time"])
+
+    def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
+        self.model(tenant, model_id)
+        folder, _, name = checkpoint_id.partition("/")
+        if folder not in ("weights", "sampler_weights"):
+            raise ApiError(f"checkpoint id {checkpoint_id!r} is not weights/<name> or sampler_weights/<name>")
+        name = checkpoint_name(name)
+        prefix = checkpoint_prefix(model_run_name(model_id), folder)
+        if not self.store.exists(f"{prefix}/{name}.json"):
+            raise NotFoundError(f"no checkpoint {checkpoint_id} of {model_id}; see list_checkpoints")
+        self.store.delete(f"{prefix}/{name}.json")
+        self.store.delete(f"{prefix}/{name}", recursive=True, missing_ok=True)
+        self.store.delete(f"{prefix}/{name}.safetensors", missing_ok=True)

@@ -1,0 +1,75 @@
+"""API keys and tenants: every key is one tenant, and a tenant only ever reaches its own sessions.
+
+Keys are secrets like the bus password: configured in ``RLPIPE_API_KEYS``
+(``tenant=key,tenant=key``), held as ``SecretStr`` and printed as ``***``.
+With no keys configured (the embedded default of ``rlpipe serve``), any key the
+SDK accepts (``tml-...``) is taken, and its tenant is named after a digest of
+the key, so two different keys are still two tenants that cannot see each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+
+from pydantic import SecretStr
+
+from schemas.api import ApiError
+from schemas.names import InvalidNameError, validate_name
+
+KEYS_ENV = "RLPIPE_API_KEYS"
+SDK_KEY_PREFIX = "tml-"
+
+
+class UnauthorizedError(ApiError):
+    """No key, or a key no tenant holds (HTTP 401)."""
+
+
+class Tenants:
+    """Maps the ``X-API-Key`` header to a tenant name."""
+
+    def __init__(self, keys: dict[str, SecretStr] | None = None) -> None:
+        for tenant in keys or {}:
+            validate_name(tenant, "tenant")
+        self.keys = dict(keys or {})
+
+    @classmethod
+    def from_env(cls, value: str | None = None) -> Tenants:
+        """From ``RLPIPE_API_KEYS`` (``tenant=key,...``); empty or unset = any ``tml-`` key."""
+        raw = os.environ.get(KEYS_ENV, "") if value is None else value
+        keys: dict[str, SecretStr] = {}
+        for item in filter(None, (part.strip() for part in raw.split(","))):
+            tenant, sep, key = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"{KEYS_ENV} entry {tenant!r} has no key; write tenant=key[,tenant=key]")
+            try:
+                keys[validate_name(tenant.strip(), "tenant")] = SecretStr(key.strip())
+            except InvalidNameError as exc:
+                raise ValueError(f"{KEYS_ENV}: {exc}") from None
+        return cls(keys)
+
+    @property
+    def open(self) -> bool:
+        """True when any SDK key is accepted (no keys configured)."""
+        return not self.keys
+
+    def describe(self) -> str:
+        """One line for the start-up banner (keys as ***)."""
+        if self.open:
+            return (f"accepting ANY API key starting with {SDK_KEY_PREFIX!r} (one tenant per key); "
+                    f"set {KEYS_ENV}=tenant=key,... to restrict")
+        return "API keys: " + ", ".join(f"{tenant}=***" for tenant in sorted(self.keys))
+
+    def tenant_of(self, key: str | None) -> str:
+        """The tenant holding ``key``; ``UnauthorizedError`` otherwise."""
+        if not key:
+            raise UnauthorizedError("no X-API-Key header; pass api_key= to the tinker client or set TINKER_API_KEY")
+        if self.open:
+            if not key.startswith(SDK_KEY_PREFIX):
+                raise UnauthorizedError(f"API keys start with {SDK_KEY_PREFIX!r}; use e.g. TINKER_API_KEY=tml-mykey")
+            return "t-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        for tenant, secret in self.keys.items():
+            if hmac.compare_digest(secret.get_secret_value().encode(), key.encode()):
+                return tenant
+        raise UnauthorizedError("unknown API key; ask the operator for one (RLPIPE_API_KEYS)")

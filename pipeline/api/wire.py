@@ -1,0 +1,179 @@
+"""The Tinker wire format on rlpipe's side: protobuf bodies and results, ids and ``tinker://`` paths.
+
+SDK 0.38.0 sends ``forward_backward`` as the protobuf ``ForwardBackwardRequest``
+and accepts ``ForwardBackwardOutput`` only as protobuf (TINKER.md section 7).
+The SDK ships the encoder for the first and the decoder for the second; this
+module is their inverse, built on the SDK's own protobuf module and types
+(``tinker.proto.tinker_public_pb2``, ``tinker.types``), so the SDK stays the
+contract and nothing of it is copied.
+
+Ids are deterministic, so that a resent call maps onto the same request:
+``request_id`` of an ordered call is ``<session>.<kind>.<n>.<seq_id>`` (the
+model's run name plus its sequence number), of a model-creating call
+``<session>.<kind>.<n>.create``.  The session is the part before the first
+dot, which is how ``retrieve_future`` finds a result's folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tinker import types
+from tinker.proto import tinker_public_pb2 as public_pb
+
+from schemas.api import ApiError, model_run_name
+from schemas.names import InvalidNameError, validate_name
+
+PROTOBUF = "application/x-protobuf"
+_DTYPES: dict[int, tuple[np.dtype, str]] = {
+    public_pb.DTYPE_FLOAT32: (np.dtype(np.float32), "float32"),
+    public_pb.DTYPE_INT64: (np.dtype(np.int64), "int64"),
+    public_pb.DTYPE_INT32: (np.dtype(np.int32), "int64"),
+}
+_PATH_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+
+
+def request_id_for(model_id: str, seq_id: int | None) -> str:
+    """The id of ``model_id``'s call ``seq_id`` (None or 0: the call that creates the model)."""
+    try:
+        run = model_run_name(model_id)
+    except InvalidNameError as exc:
+        raise ApiError(f"{exc}; use the model_id that create_model returned") from None
+    return f"{run}.{seq_id}" if seq_id else f"{run}.create"
+
+
+def session_of_request(request_id: str) -> str:
+    """The session a request id belongs to (see the module docstring)."""
+    try:
+        validate_name(request_id, "request_id")
+    except InvalidNameError as exc:
+        raise ApiError(f"{exc}; poll with the request_id the call returned") from None
+    return request_id.split(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class TinkerPath:
+    """A parsed ``tinker://<model_id>/<weights|sampler_weights>/<name>``."""
+
+    model_id: str
+    kind: str  # "training" or "sampler"
+    name: str
+
+    @property
+    def run(self) -> str:
+        return model_run_name(self.model_id)
+
+    def __str__(self) -> str:
+        segment = "weights" if self.kind == "training" else "sampler_weights"
+        return f"tinker://{self.model_id}/{segment}/{self.name}"
+
+
+def parse_tinker_path(path: str) -> TinkerPath:
+    """Parse and validate a ``tinker://`` checkpoint path (names must obey the name rule)."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in _PATH_KINDS:
+        raise ApiError(f"{path!r} is not a checkpoint path; use tinker://<model_id>/weights/<name> "
+                       "or tinker://<model_id>/sampler_weights/<name>")
+    try:
+        model_run_name(parts[0])
+        validate_name(parts[2], "checkpoint name")
+    except InvalidNameError as exc:
+        raise ApiError(f"checkpoint path {path!r}: {exc}") from None
+    return TinkerPath(parts[0], _PATH_KINDS[parts[1]], parts[2])
+
+
+def checkpoint_name(name: str | None) -> str:
+    """A checkpoint name given by the client, validated (it becomes a store path)."""
+    try:
+        return validate_name(name or "", "checkpoint name")
+    except InvalidNameError as exc:
+        raise ApiError(f"{exc}; name checkpoints with letters, digits, '.', '_' and '-'") from None
+
+
+# ---- forward_backward: protobuf request -> SDK type --------------------------------------------------------------
+
+
+def _tensor(msg: public_pb.Tensor, name: str) -> types.TensorData:
+    if msg.dtype not in _DTYPES:
+        raise ApiError(f"loss_fn_inputs[{name!r}] has dtype {msg.dtype}; send float32 or int64 tensors")
+    np_dtype, dtype = _DTYPES[msg.dtype]
+    shape = list(msg.shape) or None
+    if msg.HasField("sparse_csr"):
+        csr = msg.sparse_csr
+        return types.TensorData(np.frombuffer(csr.values, np_dtype).astype(dtype), dtype, shape,
+                                np.frombuffer(csr.crow_indices, np.int64).tolist(),
+                                np.frombuffer(csr.col_indices, np.int64).tolist())
+    return types.TensorData(np.frombuffer(msg.dense, np_dtype).astype(dtype), dtype, shape)
+
+
+def _chunk(msg: public_pb.Chunk) -> types.EncodedTextChunk:
+    if msg.WhichOneof("chunk") != "encoded_text":
+        raise ApiError(f"model_input chunk of kind {msg.WhichOneof('chunk')!r} is not supported; send token chunks")
+    return types.EncodedTextChunk(tokens=np.frombuffer(msg.encoded_text.tokens, np.int32).tolist())
+
+
+def _loss_fn_config(msg: public_pb.ForwardBackwardRequest) -> dict[str, float | str] | None:
+    config: dict[str, float | str] = {key: float(value) for key, value in msg.loss_fn_config.items()}
+    for key, value in msg.loss_fn_config_v2.items():  # v2 wins: it also carries text values
+        config[key] = value.text if value.WhichOneof("value") == "text" else float(value.number)
+    return config or None
+
+
+def forward_backward_header(body: bytes) -> tuple[str, int | None]:
+    """Only ``(model_id, seq_id)`` of a protobuf ``ForwardBackwardRequest`` (the gateway needs no more)."""
+    msg = public_pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception:  # protobuf's DecodeError
+        raise ApiError("forward_backward body is not a protobuf ForwardBackwardRequest; use the tinker SDK "
+                       ">= 0.25 (Content-Type: application/x-protobuf)") from None
+    return msg.model_id, msg.seq_id or None
+
+
+def decode_forward_backward(body: bytes) -> tuple[types.ForwardBackwardRequest, bool]:
+    """The SDK's ``ForwardBackwardRequest`` and the ``forward_only`` flag from a protobuf body."""
+    msg = public_pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception:  # protobuf's DecodeError
+        raise ApiError("forward_backward body is not a protobuf ForwardBackwardRequest; use the tinker SDK "
+                       ">= 0.25 (Content-Type: application/x-protobuf)") from None
+    data = [
+        types.Datum(
+            model_input=types.ModelInput(chunks=[_chunk(chunk) for chunk in datum.model_input]),
+            loss_fn_inputs={name: _tensor(tensor, name) for name, tensor in datum.loss_fn_inputs.items()},
+        )
+        for datum in msg.data
+    ]
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=msg.loss_fn,
+                                                          loss_fn_config=_loss_fn_config(msg)),
+        model_id=msg.model_id,
+        seq_id=msg.seq_id or None,
+    )
+    return request, msg.forward_only
+
+
+# ---- forward_backward: SDK result -> protobuf ---------------------------------------------------------------------
+
+
+def encode_forward_backward_output(output: types.ForwardBackwardOutput) -> bytes:
+    """``ForwardBackwardOutput`` as the protobuf the SDK decodes: one ArrayRecord, one BatchedTensor per field."""
+    msg = public_pb.ForwardBackwardOutput(loss_fn_output_type=output.loss_fn_output_type or "ArrayRecord")
+    msg.metrics.update({key: float(value) for key, value in output.metrics.items()})
+    record = msg.loss_fn_outputs.add(type_tag=msg.loss_fn_output_type, num_datums=len(output.loss_fn_outputs))
+    names = sorted({name for datum in output.loss_fn_outputs for name in datum})
+    for name in names:
+        arrays = [datum[name]._numpy for datum in output.loss_fn_outputs]
+        dtype = arrays[0].dtype
+        proto_dtype = public_pb.DTYPE_INT64 if dtype.kind in "iu" else public_pb.DTYPE_FLOAT32
+        np_dtype = np.dtype(np.int64 if proto_dtype == public_pb.DTYPE_INT64 else np.float32)
+        flat = [np.ascontiguousarray(array, np_dtype) for array in arrays]
+        offsets = np.cumsum([0] + [array.nbytes for array in flat], dtype=np.int64)
+        field = record.fields[name]
+        field.data = b"".join(array.tobytes() for array in flat)
+        field.offsets = offsets.tobytes()
+        field.dtype = proto_dtype
+        field.trailing_shape.extend(list(arrays[0].shape[1:]))
+    return msg.SerializeToString()

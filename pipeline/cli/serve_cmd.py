@@ -1,0 +1,138 @@
+"""``rlpipe serve``: the Tinker-compatible API on this machine, or one of its parts.
+
+Set up (one line each): the embedded stack if no broker is configured (as
+``rlpipe run`` does), the base models (``tiny`` is built once), the API's
+topics; then the parts of ``--role``: a trainer process per base model
+(``python -m consumers.api.worker``, the same command a cluster runs; ``pipeline``
+never imports the engine) and the gateway, served by uvicorn in this process.
+The base URL and an SDK example are printed once the gateway listens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import typer
+
+from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
+from pipeline.cli.options import SetOpt, run_config, setup_logging
+
+if TYPE_CHECKING:
+    from pipeline.io.store import ObjectStore
+    from schemas.config import BusConfig
+
+app = typer.Typer(name="serve", add_completion=False)
+log = logging.getLogger("rlpipe.serve")
+Role = Literal["all", "gateway", "trainer", "sampler"]
+
+
+def trainer_command(base_model: str, store_root: str, bootstrap: str, namespace: str) -> list[str]:
+    """The argv of one trainer process (one per base model)."""
+    return [sys.executable, "-m", "consumers.api.worker", "--base-model", base_model, "--store", store_root,
+            "--bootstrap", bootstrap, "--namespace", namespace]
+
+
+def sdk_example(base_url: str, base_model: str) -> str:
+    """Three lines that point the tinker SDK at this server."""
+    return (f"import tinker  # TINKER_API_KEY=tml-anything\n"
+            f"service = tinker.ServiceClient(base_url={base_url!r})\n"
+            f"training = service.create_lora_training_client(base_model={base_model!r}, rank=8).result()")
+
+
+def resolve_models(names: list[str]) -> list[str]:
+    """``tiny`` becomes the tiny model's folder (built here on first use); paths are made absolute."""
+    from pipeline.devstack.launcher import rlpipe_command
+    from pipeline.models import ModelNotBuiltError, resolve_base_model
+    from schemas.config import ModelConfig
+
+    resolved = []
+    for name in names:
+        try:
+            resolved.append(resolve_base_model(ModelConfig(base_model=name)))
+        except ModelNotBuiltError:
+            log.info("initialising the tiny base model (built once, then cached)")
+            subprocess.run(rlpipe_command("model", "init-tiny"), check=True)
+            resolved.append(resolve_base_model(ModelConfig(base_model=name)))
+    return [str(Path(p).resolve()) if Path(p).exists() else p for p in resolved]
+
+
+@app.command(epilog="Examples: rlpipe serve;  rlpipe serve --base-model /models/a --base-model /models/b;  "
+                    "rlpipe serve --role trainer --base-model /models/a")
+@handle_user_errors
+def serve(
+    base_model: Annotated[list[str] | None, typer.Option(
+        "--base-model", "-m", help="A base model to serve (a local folder, or 'tiny'); repeat for several.")] = None,
+    role: Annotated[str, typer.Option(help="all | gateway | trainer | sampler")] = "all",
+    host: Annotated[str, typer.Option(help="Address the gateway listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the gateway.")] = 8000,
+    overrides: SetOpt = None,
+) -> None:
+    """Serve the Tinker-compatible API: the gateway and one trainer per base model (the embedded stack is
+    started if nothing is configured).  Point the tinker SDK at the printed base URL."""
+    from pipeline.devstack.launcher import EMBEDDED_GROUP_TIMINGS_MS, ensure_stack
+    from pipeline.io.bus import GROUP_TIMINGS_ENV, ensure_topics
+    from pipeline.runtime import open_store, resolved_bus
+    from pipeline.topics import API_TOPIC_KINDS
+
+    if role not in ("all", "gateway", "trainer", "sampler"):
+        fail(f"--role {role!r} is not one of all, gateway, trainer, sampler", EXIT_USAGE)
+    if role == "sampler":
+        fail("the sampler role is not served yet: this server trains (forward_backward, optim_step, weights)",
+             EXIT_USAGE)
+    setup_logging()
+    cfg = run_config(None, None, overrides or [])
+    ensure_stack(cfg)
+    bus, store = resolved_bus(cfg.bus), open_store(cfg.store)
+    models = resolve_models(base_model or ["tiny"])
+    ensure_topics(bus, API_TOPIC_KINDS)
+    env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": bus.bootstrap_servers}
+    if not cfg.bus.bootstrap_servers:
+        env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
+    trainers = [subprocess.Popen(trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace), env=env)
+                for m in models] if role in ("all", "trainer") else []
+    try:
+        if role == "trainer":
+            raise typer.Exit(max(process.wait() for process in trainers))
+        run_gateway(store, bus, models, host, port)
+    finally:
+        for process in trainers:
+            process.terminate()
+        for process in trainers:
+            process.wait(timeout=60)
+
+
+def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str, port: int) -> None:
+    """Serve the gateway with uvicorn until Ctrl-C."""
+    import uvicorn
+
+    from pipeline.api.app import create_app
+    from pipeline.api.gateway import Gateway, ServedModel
+    from pipeline.api.results import ResultSignals
+    from pipeline.api.tenants import Tenants
+    from pipeline.io.bus import EventPublisher
+
+    tenants = Tenants.from_env()
+    publisher = EventPublisher(bus, create_topics=False)
+    gateway = Gateway(store, lambda event, key: publisher.publish("requests", event, key),
+                      [ServedModel(m, m) for m in models])
+    base_url = f"http://{host}:{port}"
+    console.print(f"rlpipe Tinker-compatible API at {base_url}  (store {store.root}, topics {bus.namespace}.requests"
+                  f"/.results)\n{tenants.describe()}\nserving: {', '.join(models)}\n\n"
+                  f"{sdk_example(base_url, models[0])}", markup=False, soft_wrap=True)
+    signals, stopping = ResultSignals(), threading.Event()
+    signals.follow(bus, stopping.is_set)
+    try:
+        uvicorn.run(create_app(gateway, tenants, signals=signals), host=host, port=port, log_level="warning")
+    finally:
+        stopping.set()
+        publisher.close()
+
+
+command = typer.main.get_command(app)

@@ -1,0 +1,84 @@
+"""``rlpipe sessions list|show``: the Tinker-compatible API's sessions, read from the store.
+
+A session's calls and results are objects under ``sessions/<id>/`` (see
+``pipeline.api.gateway``), so everything shown here needs only the store:
+its models, how many calls were accepted and answered (the difference is
+the pending futures), and its last heartbeat.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.table import Column, Table
+
+from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json
+from pipeline.cli.options import SetOpt, run_config
+from pipeline.io.store import ObjectStore
+
+app = typer.Typer(name="sessions", help="The Tinker-compatible API's sessions.", no_args_is_help=True,
+                  add_completion=False)
+
+
+def session_summary(store: ObjectStore, session_id: str) -> dict[str, Any]:
+    """One session: owner, models, accepted calls, answered calls, pending request ids, last heartbeat."""
+    prefix = f"sessions/{session_id}"
+    record = json.loads(store.get(f"{prefix}/session.json"))
+    beat = json.loads(store.get(f"{prefix}/heartbeat.json")) if store.exists(f"{prefix}/heartbeat.json") else {}
+    requests = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/requests")}
+    results = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/results")}
+    models = [json.loads(store.get(key)) for key in store.list(f"{prefix}/models")
+              if key.endswith(".json") and not key.endswith(".fold.json")]
+    return {
+        "session_id": session_id, "tenant": record["tenant"], "created_at": record["created_at"],
+        "ended": bool(beat.get("ended")),
+        "last_heartbeat_s_ago": round(time.time() - beat["time"], 1) if "time" in beat else None,
+        "models": [{"model_id": m["model_id"], "base_model": m["base_model"], "lora_rank": m["lora_rank"]}
+                   for m in models],
+        "requests": len(requests), "results": len(results), "pending": sorted(requests - results),
+    }
+
+
+def _store(overrides: list[str] | None) -> ObjectStore:
+    from pipeline.runtime import open_store
+
+    return open_store(run_config(None, None, overrides or []).store)
+
+
+@app.command("list", epilog="Example: rlpipe sessions list --json")
+@handle_user_errors
+def list_sessions(overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
+    """Every session: tenant, models, calls accepted and pending, last heartbeat."""
+    store = _store(overrides)
+    ids = [key.rsplit("/", 1)[-1] for key in store.list("sessions")]
+    summaries = [session_summary(store, sid) for sid in ids if store.exists(f"sessions/{sid}/session.json")]
+    if as_json:
+        print_json(summaries)
+        return
+    table = Table("tenant", "models", "calls", "pending", "last heartbeat", title="API sessions")
+    table.columns.insert(0, Column("session", no_wrap=True))
+    for s in summaries:
+        beat = "ended" if s["ended"] else f"{s['last_heartbeat_s_ago']} s ago"
+        table.add_row(s["session_id"], s["tenant"], str(len(s["models"])), str(s["requests"]),
+                      str(len(s["pending"])), beat)
+    console.print(table)
+
+
+@app.command("show", epilog="Example: rlpipe sessions show sess-0123456789abcdef")
+@handle_user_errors
+def show_session(session_id: Annotated[str, typer.Argument(help="The session id.")], overrides: SetOpt = None,
+                 as_json: JsonOpt = False) -> None:
+    """One session in full: its models and its pending futures."""
+    from schemas.api import session_path
+
+    store = _store(overrides)
+    if not store.exists(f"{session_path(session_id)}/session.json"):
+        fail(f"no session {session_id!r} in {store.root}; see `rlpipe sessions list`", 2)
+    summary = session_summary(store, session_id)
+    if as_json:
+        print_json(summary)
+        return
+    console.print_json(json.dumps(summary))

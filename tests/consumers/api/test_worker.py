@@ -1,0 +1,211 @@
+"""The trainer role against the real broker: calls from the log in seq_id order, results, folds and a restart."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output
+
+from consumers.api.worker import TrainerWorker, group_for, ops
+from consumers.engine import AdamParams, TrainingEngine
+from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.io.bus import EventPublisher, ensure_topics
+from pipeline.io.store import ObjectStore
+from pipeline.topics import API_TOPIC_KINDS
+from schemas.api import result_path
+
+TENANT = "t-alice"
+
+
+def _datum(seed: int, n: int = 6) -> types.Datum:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, 200, n + 1).tolist()
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n})
+
+
+def _fb(model_id: str, seq: int, datums: list[types.Datum], loss: str = "cross_entropy") -> bytes:
+    request = types.ForwardBackwardRequest(types.ForwardBackwardInput(datums, loss), model_id, seq_id=seq)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def _optim(model_id: str, seq: int) -> bytes:
+    return types.OptimStepRequest(adam_params=types.AdamParams(learning_rate=1e-2), model_id=model_id,
+                                  seq_id=seq).model_dump_json().encode()
+
+
+class Harness:
+    """A gateway (in-process, publishing for real) and trainers reading the same namespace."""
+
+    def __init__(self, store: ObjectStore, bus, base_model: str, fast_group) -> None:
+        self.store, self.bus, self.base_model, self.fast_group = store, bus, base_model, fast_group
+        ensure_topics(bus, API_TOPIC_KINDS)
+        self.publisher = EventPublisher(bus)
+        self.gateway = Gateway(store, lambda event, key: self.publisher.publish("requests", event, key),
+                               [ServedModel(base_model, base_model)])
+        self.session = self.gateway.create_session(TENANT, [], {})
+
+    def trainer(self) -> TrainerWorker:
+        return TrainerWorker(self.store, self.bus, self.base_model, TrainingEngine(self.base_model, device="cpu"),
+                             consumer_options=self.fast_group)
+
+    def create(self, seq: int = 0) -> str:
+        model_id = self.gateway.register_model(TENANT, self.session, seq, self.base_model, 4, {}, None)
+        body = types.CreateModelRequest(session_id=self.session, model_seq_id=seq, base_model=self.base_model,
+                                        lora_config=types.LoraConfig(rank=4, seed=3)).model_dump_json().encode()
+        self.gateway.submit(TENANT, "create_model", model_id, None, body)
+        return model_id
+
+    def result(self, request_id: str) -> tuple[bytes, str] | None:
+        return self.gateway.result(TENANT, request_id)
+
+
+def run_until(trainer: TrainerWorker, harness: Harness, request_ids: list[str], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(harness.result(rid) for rid in request_ids):
+        assert time.monotonic() < deadline, f"no results for {[r for r in request_ids if not harness.result(r)]}"
+        trainer.step(poll_timeout_s=0.2)
+
+
+def reference_weights(base_model: str, chunks: list[list[types.Datum]]) -> dict[str, torch.Tensor]:
+    """The same calls straight on an engine: create, forward_backward per chunk, one optim_step."""
+    engine = TrainingEngine(base_model, device="cpu")
+    request = types.CreateModelRequest(session_id="ref", model_seq_id=0, base_model=base_model,
+                                       lora_config=types.LoraConfig(rank=4, seed=3))
+    ops.create_model(engine, "ref:train:0", request)
+    for chunk in chunks:
+        ops.forward_backward(engine, "ref:train:0",
+                             types.ForwardBackwardRequest(types.ForwardBackwardInput(chunk, "cross_entropy"),
+                                                          "ref:train:0"), False)
+    engine.optim_step("ref.train.0", AdamParams(learning_rate=1e-2))
+    return engine.weights("ref.train.0")
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
+@pytest.fixture
+def harness(tmp_path, bus_config, tiny_model_dir, fast_group) -> Harness:
+    store = ObjectStore(f"file://{tmp_path}/store")
+    return Harness(store, bus_config.model_copy(update={"namespace": f"t{uuid.uuid4().hex[:12]}"}),
+                   tiny_model_dir, fast_group)
+
+
+def test_out_of_order_chunks_run_in_seq_order_and_match_a_direct_run(harness):
+    trainer = harness.trainer()
+    model_id = harness.create()
+    chunks = [[_datum(1), _datum(2)], [_datum(3)]]
+    # the SDK sends a batch's chunks concurrently, the first one last
+    second = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, chunks[1]), "pb")
+    trainer.step(poll_timeout_s=3.0)
+    assert harness.result(second) is None  # waits for seq_id 1
+    first = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, chunks[0]), "pb")
+    step = harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3))
+    again = harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3))
+    assert again == step
+    run_until(trainer, harness, [first, second, step])
+    output = deserialize_forward_backward_output(harness.result(first)[0])
+    assert len(output.loss_fn_outputs) == 2 and output.loss_fn_outputs[0]["logprobs"].shape == [6]
+    assert output.metrics["loss:sum"] > 0
+    assert json.loads(harness.result(step)[0])["metrics"]["step:max"] == 1.0
+    assert_same(trainer.engine.weights(f"{harness.session}.train.0"), reference_weights(harness.base_model, chunks))
+    assert group_for(harness.base_model) == trainer.consumer.group_id
+    trainer.close()
+
+
+def test_bad_calls_are_user_errors_and_the_model_carries_on(harness):
+    trainer = harness.trainer()
+    model_id = harness.create()
+    unknown = harness.gateway.submit(TENANT, "forward_backward", model_id, 1,
+                                     _fb(model_id, 1, [_datum(1)], loss="gspo"), "pb")
+    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 10**6]})
+    vocab = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, [bad]), "pb")
+    fine = harness.gateway.submit(TENANT, "forward_backward", model_id, 3, _fb(model_id, 3, [_datum(1)]), "pb")
+    broken = harness.gateway.register_model(TENANT, harness.session, 1, harness.base_model, 0, {}, None)
+    body = types.CreateModelRequest(session_id=harness.session, model_seq_id=1, base_model=harness.base_model,
+                                    lora_config=types.LoraConfig(rank=0)).model_dump_json().encode()
+    harness.gateway.submit(TENANT, "create_model", broken, None, body)
+    orphan = harness.gateway.submit(TENANT, "forward_backward", broken, 1, _fb(broken, 1, [_datum(1)]), "pb")
+    run_until(trainer, harness, [unknown, vocab, fine, orphan])
+    for rid, words in ((unknown, "gspo"), (vocab, "vocabulary"), (f"{harness.session}.train.1.create", "rank"),
+                       (orphan, "does not exist")):
+        answer = json.loads(harness.result(rid)[0])
+        assert answer["category"] == "user" and words in answer["error"]
+    assert harness.result(fine)[1] == "pb"
+    trainer.close()
+
+
+def test_a_restarted_trainer_replays_from_its_fold_to_the_same_weights(harness):
+    trainer = harness.trainer()
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    trainer.fold_all()  # as when idle: folds the new model and commits past its create
+    assert harness.store.exists(f"sessions/{harness.session}/models/0.fold.json")
+    chunks = [[_datum(5), _datum(6)]]
+    fb = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, chunks[0]), "pb")
+    run_until(trainer, harness, [fb])
+    trainer.consumer.close()  # dies between forward_backward and optim_step: gradients lost, nothing committed
+    trainer.publisher.close()
+    step = harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
+    restarted = harness.trainer()
+    run_until(restarted, harness, [step])
+    assert_same(restarted.engine.weights(f"{harness.session}.train.0"), reference_weights(harness.base_model, chunks))
+    restarted.close()
+
+
+def test_finished_session_unloads_its_adapters(harness):
+    trainer = harness.trainer()
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    assert trainer.engine.adapters() == [f"{harness.session}.train.0"]
+    harness.gateway.finish(TENANT, harness.session, "success")
+    trainer.expire_sessions()
+    assert trainer.engine.adapters() == []
+    late = harness.gateway.submit(TENANT, "optim_step", model_id, 1, _optim(model_id, 1))
+    run_until(trainer, harness, [late])  # reloaded from its fold: a late call still completes
+    assert result_path(harness.session, late, "json")
+    trainer.close()
+
+
+def test_other_base_models_calls_are_left_to_their_trainer_and_lapsed_sessions_end(harness):
+    harness.gateway.models["/models/other"] = ServedModel("/models/other", "/models/other")
+    trainer = harness.trainer()
+    other = harness.gateway.register_model(TENANT, harness.session, 5, "/models/other", 4, {}, None)
+    harness.gateway.submit(TENANT, "create_model", other, None, b"{}")
+    mine = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    trainer.step()
+    assert harness.result(f"{harness.session}.train.5.create") is None  # another trainer's call
+    assert other not in trainer.models and mine in trainer.models
+    trainer.session_timeout_s = 0.0  # every heartbeat has lapsed
+    trainer.expire_sessions()
+    assert trainer.engine.adapters() == [] and harness.store.exists(
+        f"sessions/{harness.session}/models/0.fold.json")
+    trainer.close()
+
+
+def test_three_clients_training_at_once_end_as_each_trained_alone(harness):
+    trainer = harness.trainer()
+    models = [harness.create(seq) for seq in range(3)]
+    chunks = {model_id: [[_datum(20 + i)], [_datum(30 + i), _datum(40 + i)]] for i, model_id in enumerate(models)}
+    steps = []
+    for seq in (1, 2):  # the three clients' calls interleaved on the log
+        for model_id in models:
+            harness.gateway.submit(TENANT, "forward_backward", model_id, seq,
+                                   _fb(model_id, seq, chunks[model_id][seq - 1]), "pb")
+    for model_id in models:
+        steps.append(harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3)))
+    run_until(trainer, harness, steps)
+    for seq, model_id in enumerate(models):
+        assert_same(trainer.engine.weights(f"{harness.session}.train.{seq}"),
+                    reference_weights(harness.base_model, chunks[model_id]))
+    trainer.close()

@@ -1,0 +1,284 @@
+"""The Tinker-compatible API end to end: the real ``tinker==0.38.0`` SDK against ``rlpipe serve``.
+
+One server per module: the gateway (``rlpipe serve --role gateway``, a real
+process) and one trainer per base model (``python -m consumers.api.worker``, the
+command ``rlpipe serve`` starts for each), on the session's Tansu broker and a
+file:// store, serving two base models of different shapes: the tiny model and
+a smaller one.  The crash test at the end SIGKILLs the
+trainer between ``forward_backward`` and ``optim_step`` and starts a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from pipeline.devstack.process import free_port
+from pipeline.io.bus import GROUP_TIMINGS_ENV
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+ALICE, BOB = "tml-alice", "tml-bob"
+FAST_GROUP_MS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 300, "max_poll_interval_ms": 60_000}
+
+
+@dataclass
+class Server:
+    url: str
+    base_model: str
+    second_model: str
+    store: ObjectStore
+    env: dict[str, str]
+    logs: Path
+    trainer: subprocess.Popen[bytes] | None = None
+    gateway: subprocess.Popen[bytes] | None = None
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start_trainer(self, base_model: str | None = None) -> subprocess.Popen[bytes]:
+        """A trainer for ``base_model`` (default: the first model; it becomes ``self.trainer``)."""
+        log = open(self.logs / f"trainer-{len(self.processes)}.log", "ab")  # noqa: SIM115 - the child owns it
+        process = subprocess.Popen(
+            [sys.executable, "-m", "consumers.api.worker", "--base-model", base_model or self.base_model, "--store",
+             self.store.root, "--bootstrap", self.env["RLPIPE_BUS__BOOTSTRAP_SERVERS"], "--namespace",
+             self.env["RLPIPE_BUS__NAMESPACE"], "--device", "cpu"], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append(process)
+        if base_model is None:
+            self.trainer = process
+        return process
+
+    def start_gateway(self) -> None:
+        log = open(self.logs / "gateway.log", "ab")  # noqa: SIM115 - the child owns it
+        self.gateway = subprocess.Popen(
+            [sys.executable, "-c", "from pipeline.cli.main import main; main()", "serve", "--role", "gateway",
+             "--base-model", self.base_model, "--base-model", self.second_model, "--port",
+             self.url.rsplit(":", 1)[1]], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append(self.gateway)
+        deadline = time.monotonic() + 90
+        while True:
+            assert self.gateway.poll() is None, (self.logs / "gateway.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"{self.url}/api/v1/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the gateway did not answer within 90 s"
+            time.sleep(0.5)
+
+    def service(self, key: str = ALICE) -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.url, api_key=key)
+
+
+@pytest.fixture(scope="module")
+def server(kafka_broker, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
+    os.environ["TINKER_TELEMETRY"] = "0"
+    folder = tmp_path_factory.mktemp("tinker-api")
+    env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": kafka_broker.bootstrap_servers,
+           "RLPIPE_BUS__NAMESPACE": f"t{uuid.uuid4().hex[:12]}", "RLPIPE_STORE__ROOT": f"file://{folder}/store",
+           "RLPIPE_HOME": str(folder / "home"), GROUP_TIMINGS_ENV: json.dumps(FAST_GROUP_MS),
+           "OMP_NUM_THREADS": "1"}
+    from producers.tiny_model import build_tiny_model
+
+    second = str(build_tiny_model(folder / "models" / "small", pretrain=False, hidden_size=64, num_heads=2,
+                                  num_kv_heads=1, num_layers=2, intermediate_size=128))
+    port = free_port()
+    server = Server(f"http://127.0.0.1:{port}", tiny_model_dir, second, ObjectStore(f"file://{folder}/store"), env,
+                    folder)
+    server.start_trainer()
+    server.start_trainer(second)
+    try:
+        server.start_gateway()
+        yield server
+    finally:
+        for process in server.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in server.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _data(seed: int, count: int = 3, n: int = 8) -> list[types.Datum]:
+    rng = np.random.default_rng(seed)
+    data = []
+    for _ in range(count):
+        tokens = rng.integers(3, 250, n + 1).tolist()
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n}))
+    return data
+
+
+def _logprobs(output: types.ForwardBackwardOutput) -> list[list[float]]:
+    return [o["logprobs"].data for o in output.loss_fn_outputs]
+
+
+def _adapter(store: ObjectStore, path: str) -> dict[str, torch.Tensor]:
+    model_id, _, name = path.removeprefix("tinker://").split("/")
+    run = model_id.replace(":", ".")
+    tensors = load_safetensors(store.get(f"runs/{run}/weights/{name}.safetensors"))
+    return {k: v for k, v in tensors.items() if k.startswith("adapter.")}
+
+
+def test_training_client_calls_checkpoints_and_rest_client(server):
+    service = server.service()
+    supported = tinker.RestClient(base_url=server.url, api_key=ALICE).get_server_capabilities().result()
+    supported = supported.supported_models
+    assert [m.model_name for m in supported] == [server.base_model, server.second_model]
+    training = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
+    assert training.get_tokenizer().encode("hello")  # tokenizer_id is a folder the client loads offline
+    data = _data(1)
+    before = training.forward(data, "cross_entropy").result()
+    output = training.forward_backward(data, "cross_entropy").result()
+    assert _logprobs(output) == _logprobs(before)  # forward changed nothing
+    assert [len(lp) for lp in _logprobs(output)] == [8, 8, 8]
+    assert output.metrics["loss:sum"] == pytest.approx(-sum(map(sum, _logprobs(output))), rel=1e-5)
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = training.forward(data, "cross_entropy").result()
+    assert _logprobs(after) != _logprobs(before)
+
+    state = training.save_state("w1").result().path
+    model_id = training.model_id
+    assert state == f"tinker://{model_id}/weights/w1"
+    sampler = training.save_weights_for_sampler("s1").result().path
+    assert sampler == f"tinker://{model_id}/sampler_weights/s1"
+    assert AdapterRegistry(server.store, model_id.replace(":", ".")).versions() == [1]
+
+    resumed = service.create_training_client_from_state_with_optimizer(state).result()
+    assert resumed.model_id != model_id
+    assert _logprobs(resumed.forward(data, "cross_entropy").result()) == _logprobs(after)
+
+    rest = tinker.RestClient(base_url=server.url, api_key=ALICE)
+    listed = rest.list_checkpoints(model_id).result().checkpoints
+    assert sorted(c.tinker_path for c in listed) == sorted([state, sampler])
+    assert rest.get_training_run(model_id).result().base_model == server.base_model
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+    assert [c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints] == [state]
+
+
+def test_two_base_models_served_at_once_each_client_on_its_own(server):
+    service = server.service()
+    first = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
+    second = service.create_lora_training_client(base_model=server.second_model, rank=4).result()
+    data = _data(11)
+    pending = [client.forward_backward(data, "cross_entropy") for client in (first, second)]  # at the same time
+    outputs = [future.result() for future in pending]
+    assert [len(lp) for lp in _logprobs(outputs[1])] == [8, 8, 8]
+    assert _logprobs(outputs[0]) != _logprobs(outputs[1])  # two different networks
+    for client in (first, second):
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert second.get_info().model_data.model_name == server.second_model
+
+
+def test_the_calls_are_on_the_log_and_the_sessions_in_the_store(server):
+    from typer.testing import CliRunner
+
+    from pipeline.cli.main import app
+
+    runner = CliRunner()
+    where = ["--bootstrap", server.env["RLPIPE_BUS__BOOTSTRAP_SERVERS"], "--namespace", server.env["RLPIPE_BUS__NAMESPACE"]]
+    tailed = runner.invoke(app, ["topics", "tail", "requests", "-n", "100", "--json", *where])
+    assert tailed.exit_code == 0, tailed.output
+    records = json.loads(tailed.stdout)
+    assert not [r for r in records if "event" not in r], records[:1]
+    ops = {record["event"]["payload"]["op"] for record in records}
+    assert {"create_model", "forward_backward", "optim_step", "save_weights", "load_weights"} <= ops
+    listed = runner.invoke(app, ["sessions", "list", "--json", "--set", f"store.root={server.store.root}"])
+    assert listed.exit_code == 0, listed.output
+    sessions = json.loads(listed.stdout)
+    assert sessions and all(s["requests"] == s["results"] and not s["pending"] for s in sessions)
+
+
+def test_out_of_order_chunks_and_resent_calls(server):
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    service = server.service()
+    training = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
+    model_id, headers = training.model_id, {"X-API-Key": ALICE, "Content-Type": "application/x-protobuf"}
+
+    def post(seq: int, data: list[types.Datum]) -> str:
+        request = types.ForwardBackwardRequest(types.ForwardBackwardInput(data, "cross_entropy"), model_id, seq)
+        body = forward_backward_request_to_proto(request).SerializeToString()
+        answer = httpx.post(f"{server.url}/api/v1/forward_backward", content=body, headers=headers, timeout=10)
+        return answer.json()["request_id"]
+
+    def poll(request_id: str, hold: float = 30) -> httpx.Response:
+        return httpx.post(f"{server.url}/api/v1/retrieve_future", headers={"X-API-Key": ALICE},
+                          json={"request_id": request_id, "allow_metadata_only": True}, timeout=hold + 10)
+
+    second = post(2, _data(3))
+    time.sleep(2.0)
+    assert poll(second).json()["type"] == "try_again"  # seq_id 1 has not arrived: the gap is waited for
+    first = post(1, _data(2))
+    assert post(1, _data(2)) == first  # a resent call is the same request
+    assert poll(second).headers["content-type"] == "application/x-protobuf"
+    assert poll(first).headers["content-type"] == "application/x-protobuf"
+
+
+def test_bad_input_is_a_user_error_and_others_carry_on(server):
+    alice, bob = server.service(ALICE), server.service(BOB)
+    training = alice.create_lora_training_client(base_model=server.base_model, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError, match="gspo"):
+        training.forward_backward(_data(1), "gspo").result()
+    vocab = [types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 10**7]})]
+    with pytest.raises(tinker.RequestFailedError, match="vocabulary"):
+        training.forward_backward(vocab, "cross_entropy").result()
+    with pytest.raises(tinker.APIStatusError, match="not served here"):
+        alice.create_lora_training_client(base_model="/no/such/model", rank=4).result()
+    state = training.save_state("mine").result().path
+    with pytest.raises(tinker.APIStatusError, match=r"unknown model|no session"):
+        bob.create_training_client_from_state(state).result()
+    answer = httpx.post(f"{server.url}/api/v1/get_info", headers={"X-API-Key": BOB},
+                        json={"model_id": training.model_id, "type": "get_info"})
+    assert answer.status_code == 404 and answer.json()["category"] == "user"
+    assert training.forward_backward(_data(1), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_a_restarted_gateway_and_the_client_carries_on(server):
+    training = server.service().create_lora_training_client(base_model=server.base_model, rank=4).result()
+    training.forward_backward(_data(4), "cross_entropy").result()
+    server.gateway.terminate()
+    server.gateway.wait(timeout=30)
+    pending = training.optim_step(types.AdamParams(learning_rate=1e-2))  # the SDK retries until it answers
+    server.start_gateway()
+    assert pending.result(timeout=120).metrics is not None
+    assert training.forward(_data(4), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_trainer_killed_between_forward_backward_and_optim_step(server):
+    service = server.service()
+    # the same seed: a model created without one is seeded from its own id
+    crashed = service.create_lora_training_client(base_model=server.base_model, rank=4, seed=11).result()
+    steady = service.create_lora_training_client(base_model=server.base_model, rank=4, seed=11).result()
+    data = _data(7)
+    crashed.forward_backward(data, "cross_entropy").result()
+    time.sleep(0.5)  # let the trainer fold and commit what it can, as it would while idle
+    server.trainer.send_signal(signal.SIGKILL)
+    server.trainer.wait()
+    pending = crashed.optim_step(types.AdamParams(learning_rate=1e-2))
+    server.start_trainer()
+    pending.result(timeout=180)
+    crashed_state = crashed.save_state("after").result().path
+
+    steady.forward_backward(data, "cross_entropy").result()
+    steady.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    steady_state = steady.save_state("after").result().path
+    a, b = _adapter(server.store, crashed_state), _adapter(server.store, steady_state)
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6

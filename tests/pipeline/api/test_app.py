@@ -1,0 +1,138 @@
+"""The gateway's HTTP API with an in-memory store and a recording publisher (no engine behind it)."""
+
+import json
+import uuid
+
+import pytest
+from fastapi.testclient import TestClient
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from pipeline.api.app import create_app
+from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.api.tenants import Tenants
+from pipeline.io.store import ObjectStore
+from schemas.api import result_path
+
+ALICE, BOB = {"X-API-Key": "tml-alice"}, {"X-API-Key": "tml-bob"}
+
+
+@pytest.fixture
+def api():
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    published = []
+    gateway = Gateway(store, lambda event, key: published.append((key, event)),
+                      [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    client = TestClient(create_app(gateway, Tenants(), poll_hold_s=0.05))
+    client.store, client.published = store, published
+    return client
+
+
+def _session(api, headers=ALICE) -> str:
+    answer = api.post("/api/v1/create_session", headers=headers,
+                      json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["session_id"]
+
+
+def _create(api, session, headers=ALICE, base="/models/base/tiny"):
+    return api.post("/api/v1/create_model", headers=headers, json={
+        "session_id": session, "model_seq_id": 0, "base_model": base, "lora_config": {"rank": 4},
+        "optimizer_config": {"type": "adamw"}, "type": "create_model"})
+
+
+def test_start_up_calls_and_keys(api):
+    assert api.get("/api/v1/healthz").json() == {"status": "ok"}
+    assert api.post("/api/v1/client/config", headers=ALICE, json={"sdk_version": "0.38.0"}).json() == {
+        "pjwt_auth_enabled": False}
+    assert api.post("/api/v1/client/config", json={}).status_code == 401
+    refused = api.post("/api/v1/client/config", headers={"X-API-Key": "secret"}, json={})
+    assert refused.status_code == 401 and "tml-" in refused.json()["error"]
+    models = api.get("/api/v1/get_server_capabilities", headers=ALICE).json()["supported_models"]
+    assert [m["model_name"] for m in models] == ["/models/base/tiny"]
+    assert api.post("/api/v1/telemetry", headers=ALICE, json={}).json() == {"status": "accepted"}
+
+
+def test_create_model_is_logged_idempotent_and_tenant_scoped(api):
+    session = _session(api)
+    first, again = _create(api, session).json(), _create(api, session).json()
+    assert first == again == {"request_id": f"{session}.train.0.create", "model_id": f"{session}:train:0"}
+    (key, event), _ = api.published
+    assert key == f"{session}:train:0" and event.payload.op == "create_model" and event.payload.tenant.startswith("t-")
+    assert api.store.exists(event.payload.body_path)
+    info = api.post("/api/v1/get_info", headers=ALICE, json={"model_id": f"{session}:train:0"}).json()
+    assert info["model_data"]["tokenizer_id"] == "/models/base/tiny" and info["lora_rank"] == 4
+    # another tenant sees nothing of it
+    assert api.post("/api/v1/get_info", headers=BOB, json={"model_id": f"{session}:train:0"}).status_code == 404
+    assert _create(api, session, headers=BOB).status_code == 404
+    bad = _create(api, session, base="/models/other")
+    assert bad.status_code == 400 and "/models/base/tiny" in bad.json()["error"]
+    assert bad.json()["category"] == "user"
+
+
+def test_calls_and_futures(api):
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]})
+    fb = types.ForwardBackwardRequest(types.ForwardBackwardInput([datum], "cross_entropy"), model_id, seq_id=1)
+    body = forward_backward_request_to_proto(fb).SerializeToString()
+    headers = {**ALICE, "Content-Type": "application/x-protobuf"}
+    request_id = api.post("/api/v1/forward_backward", headers=headers, content=body).json()["request_id"]
+    assert request_id == f"{session}.train.0.1"
+    optim = {"model_id": model_id, "seq_id": 2, "type": "optim_step", "adam_params": {"learning_rate": 1e-3}}
+    assert api.post("/api/v1/optim_step", headers=ALICE, json=optim).json()["request_id"] == f"{session}.train.0.2"
+    reused = api.post("/api/v1/optim_step", headers=ALICE, json={**optim, "adam_params": {"learning_rate": 1.0}})
+    assert reused.status_code == 400 and "seq_id 2" in reused.json()["error"]
+
+    poll = {"request_id": request_id, "allow_metadata_only": True}
+    assert api.post("/api/v1/retrieve_future", headers=ALICE, json=poll).json()["type"] == "try_again"
+    api.store.put_create(result_path(session, request_id, "pb"), b"\x08\x01")
+    answer = api.post("/api/v1/retrieve_future", headers=ALICE, json=poll)
+    assert answer.headers["content-type"] == "application/x-protobuf" and answer.content == b"\x08\x01"
+    assert api.post("/api/v1/retrieve_future", headers=BOB, json=poll).status_code == 404
+    error = {"error": "unknown loss", "category": "user"}
+    api.store.put_create(result_path(session, f"{session}.train.0.2", "json"), json.dumps(error).encode())
+    assert api.post("/api/v1/retrieve_future", headers=ALICE,
+                    json={"request_id": f"{session}.train.0.2"}).json() == error
+
+
+def test_heartbeat_finish_and_load_paths(api):
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    beat = {"session_id": session, "type": "session_heartbeat"}
+    assert api.post("/api/v1/session_heartbeat", headers=ALICE, json=beat).status_code == 200
+    bob_session = _session(api, BOB)
+    stolen = api.post("/api/v1/load_weights", headers=BOB, json={
+        "session_id": bob_session, "model_seq_id": 0, "path": f"tinker://{model_id}/weights/w1", "optimizer": True})
+    assert stolen.status_code == 404
+    own = api.post("/api/v1/load_weights", headers=ALICE, json={
+        "session_id": session, "model_seq_id": 1, "path": f"tinker://{model_id}/weights/w1", "optimizer": True})
+    assert own.json() == {"request_id": f"{session}.train.1.create", "model_id": f"{session}:train:1"}
+    assert api.post(f"/api/v1/sessions/{session}/finish", headers=ALICE, json={"reason": {"type": "success"}}).is_success
+    assert api.post("/api/v1/session_heartbeat", headers=ALICE, json=beat).status_code == 410
+    assert api.get(f"/api/v1/training_runs/{model_id}/checkpoints", headers=ALICE).json() == {"checkpoints": []}
+
+
+def test_an_announced_result_wakes_the_held_poll_at_once():
+    import threading
+    import time
+
+    from pipeline.api.results import ResultSignals
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    signals = ResultSignals()
+    api = TestClient(create_app(gateway, Tenants(), poll_hold_s=20.0, signals=signals))
+    session = gateway.create_session(gateway_tenant := Tenants().tenant_of("tml-alice"), [], {})
+    model_id = gateway.register_model(gateway_tenant, session, 0, "/models/base/tiny", 4, {}, None)
+    request_id = gateway.submit(gateway_tenant, "create_model", model_id, None, b"{}")
+
+    def announce() -> None:
+        time.sleep(0.3)
+        store.put_create(result_path(session, request_id, "json"), b'{"model_id": "x"}')
+        signals.notify(request_id)
+
+    threading.Thread(target=announce).start()
+    started = time.monotonic()
+    answer = api.post("/api/v1/retrieve_future", headers=ALICE, json={"request_id": request_id})
+    assert answer.json() == {"model_id": "x"} and time.monotonic() - started < 0.9  # not the 1 s re-check

@@ -1,0 +1,27 @@
+"""API keys -> tenants: configured keys (printed as ***) or, by default, any SDK key as its own tenant."""
+
+import pytest
+
+from pipeline.api.tenants import Tenants, UnauthorizedError
+
+
+def test_open_default_takes_any_sdk_key_and_keeps_keys_apart():
+    tenants = Tenants.from_env("")
+    assert tenants.open and "ANY" in tenants.describe()
+    alice, bob = tenants.tenant_of("tml-alice"), tenants.tenant_of("tml-bob")
+    assert alice != bob and alice == tenants.tenant_of("tml-alice") and "alice" not in alice
+    for key in (None, "", "sk-alice"):
+        with pytest.raises(UnauthorizedError):
+            tenants.tenant_of(key)
+
+
+def test_configured_keys_are_secrets():
+    tenants = Tenants.from_env("team-a=tml-aaa, team-b=tml-bbb")
+    assert tenants.tenant_of("tml-bbb") == "team-b"
+    assert "tml-aaa" not in tenants.describe() and "team-a=***" in tenants.describe()
+    assert "tml-aaa" not in repr(tenants.keys)
+    with pytest.raises(UnauthorizedError, match="unknown API key"):
+        tenants.tenant_of("tml-other")
+    for bad in ("team-a", "../x=tml-k"):
+        with pytest.raises(ValueError):
+            Tenants.from_env(bad)

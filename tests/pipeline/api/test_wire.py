@@ -1,0 +1,76 @@
+"""The wire codecs against the SDK's own: what the SDK encodes decodes here, what is encoded here the SDK decodes."""
+
+import numpy as np
+import pytest
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output
+
+from pipeline.api.wire import (
+    decode_forward_backward,
+    encode_forward_backward_output,
+    parse_tinker_path,
+    request_id_for,
+    session_of_request,
+)
+from schemas.api import ApiError
+
+
+def test_forward_backward_request_round_trips_through_the_sdk_encoder():
+    datum = types.Datum(
+        model_input=types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1, 2]),
+                                             types.EncodedTextChunk(tokens=[3])]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [0.0, 1.0, 0.5]},
+    )
+    sent = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="ppo",
+                                                          loss_fn_config={"clip_low_threshold": 0.7}),
+        model_id="sess-a:train:0", seq_id=4)
+    body = forward_backward_request_to_proto(sent).SerializeToString()
+    received, forward_only = decode_forward_backward(body)
+    assert not forward_only
+    assert received.model_id == "sess-a:train:0" and received.seq_id == 4
+    assert received.forward_backward_input.loss_fn == "ppo"
+    assert received.forward_backward_input.loss_fn_config == {"clip_low_threshold": pytest.approx(0.7)}
+    got = received.forward_backward_input.data[0]
+    assert [c.tokens for c in got.model_input.chunks] == [[1, 2], [3]]
+    assert got.loss_fn_inputs["target_tokens"].data == [2, 3, 4]
+    assert got.loss_fn_inputs["weights"].data == [0.0, 1.0, 0.5]
+
+
+def test_garbage_body_is_a_user_error():
+    with pytest.raises(ApiError, match="protobuf"):
+        decode_forward_backward(b"\xff\xff\xff")
+
+
+def test_forward_backward_output_decodes_with_the_sdk():
+    outputs = [{"logprobs": types.TensorData.from_numpy(np.array([-1.0, -2.5], np.float32))},
+               {"logprobs": types.TensorData.from_numpy(np.array([-0.25], np.float32))}]
+    sent = types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs,
+                                       metrics={"loss:sum": 3.75})
+    received = deserialize_forward_backward_output(encode_forward_backward_output(sent))
+    assert received.metrics == {"loss:sum": 3.75}
+    assert [o["logprobs"].data for o in received.loss_fn_outputs] == [[-1.0, -2.5], [-0.25]]
+
+
+def test_ids_and_paths():
+    assert request_id_for("sess-a:train:2", 7) == "sess-a.train.2.7"
+    assert request_id_for("sess-a:train:2", None) == "sess-a.train.2.create"
+    assert session_of_request("sess-a.train.2.7") == "sess-a"
+    path = parse_tinker_path("tinker://sess-a:train:2/weights/step-1")
+    assert (path.model_id, path.kind, path.name, path.run) == ("sess-a:train:2", "training", "step-1", "sess-a.train.2")
+    assert str(path) == "tinker://sess-a:train:2/weights/step-1"
+    for bad in ("tinker://sess-a:train:2/other/x", "s3://x", "tinker://sess-a:train:2/weights/../x"):
+        with pytest.raises(ApiError):
+            parse_tinker_path(bad)
+    with pytest.raises(ApiError):
+        request_id_for("sess/a:train:1", 1)
+
+
+def test_every_reader_of_the_log_knows_the_api_events():
+    """``rlpipe topics tail requests`` imports only ``schemas.events``; the API's events must decode there."""
+    import subprocess
+    import sys
+
+    code = "from schemas.events import PAYLOAD_TYPES; assert {'ApiRequestAccepted', 'ApiResultReady'} <= set(PAYLOAD_TYPES)"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,40 @@
+"""``rlpipe sessions list|show`` over a store the gateway wrote, and ``rlpipe serve``'s set-up pieces."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.cli.main import app
+from pipeline.cli.serve_cmd import sdk_example, trainer_command
+from pipeline.io.store import ObjectStore
+
+runner = CliRunner()
+
+
+def test_sessions_list_and_show(tmp_path):
+    root = f"file://{tmp_path}/store"
+    gateway = Gateway(ObjectStore(root), lambda event, key: None, [ServedModel("/m/a/tiny", "/m/a/tiny")])
+    session = gateway.create_session("t-alice", [], {})
+    model_id = gateway.register_model("t-alice", session, 0, "/m/a/tiny", 8, {}, None)
+    gateway.submit("t-alice", "create_model", model_id, None, b"{}")
+    listed = runner.invoke(app, ["sessions", "list", "--json", "--set", f"store.root={root}"])
+    assert listed.exit_code == 0, listed.output
+    (summary,) = json.loads(listed.output)
+    assert summary["tenant"] == "t-alice" and summary["requests"] == 1
+    assert summary["pending"] == [f"{session}.train.0.create"]
+    assert summary["models"] == [{"model_id": model_id, "base_model": "/m/a/tiny", "lora_rank": 8}]
+    shown = runner.invoke(app, ["sessions", "show", session, "--set", f"store.root={root}"])
+    assert shown.exit_code == 0 and model_id in shown.output
+    missing = runner.invoke(app, ["sessions", "show", "sess-nope", "--set", f"store.root={root}"])
+    assert missing.exit_code == 2 and "rlpipe sessions list" in missing.output
+
+
+def test_serve_refuses_unknown_roles_and_prints_a_working_example():
+    assert runner.invoke(app, ["serve", "--role", "sampler"]).exit_code == 2
+    assert runner.invoke(app, ["serve", "--role", "chef"]).exit_code == 2
+    example = sdk_example("http://127.0.0.1:8000", "/m/a/tiny")
+    assert len(example.splitlines()) == 3 and "base_url='http://127.0.0.1:8000'" in example
+    assert trainer_command("/m/a/tiny", "file:///s", "h:1", "ns")[1:3] == ["-m", "consumers.api.worker"]
