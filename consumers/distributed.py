@@ -37,10 +37,12 @@ batch log from it, so every batch is trained, and logged, exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -152,6 +154,8 @@ class DistributedEngine(TrainingEngine):
         head = self.base.get_output_embeddings()
         if head is not None and head.weight is self.base.get_input_embeddings().weight:
             ignored.add(head.weight)  # tied head: read directly by the head-only forward, so kept whole
+        for param in ignored:  # own copies: a loaded weight may be a view of the mapped checkpoint file, which
+            param.data = param.data.clone()  # stays resident (all of it) while any view of it is alive
         body = self.base.model
         for layer in body.layers:
             fully_shard(layer, mesh=mesh, ignored_params=ignored)
@@ -227,7 +231,8 @@ def save_checkpoint(engine: DistributedEngine, name: str, folder: str | Path, ex
         shutil.rmtree(staging, ignore_errors=True)
     _barrier(engine)
     tensors, meta = _split_state(engine.save_state(name))
-    dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(staging), save_distributed=True))
+    with _single_process_quiet():
+        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(staging), save_distributed=True))
     if engine.topology.is_main:
         (staging / CHECKPOINT_META).write_text(json.dumps({"engine": meta, "extra": extra}))
         shutil.rmtree(folder, ignore_errors=True)
@@ -246,7 +251,8 @@ def load_checkpoint(engine: DistributedEngine, name: str, folder: str | Path) ->
     reader = dcp.HuggingFaceStorageReader(str(folder))
     layout = reader.read_metadata().state_dict_metadata
     tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in layout.items()}
-    dcp.load(tensors, storage_reader=reader)
+    with _single_process_quiet():
+        dcp.load(tensors, storage_reader=reader)
     engine.load_state(name, save_safetensors(tensors, metadata={"rlpipe": json.dumps(saved["engine"])}))
     return saved["extra"]
 
@@ -261,6 +267,14 @@ def _split_state(blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     header_len = int.from_bytes(blob[:8], "little")
     meta = json.loads(json.loads(blob[8 : 8 + header_len])["__metadata__"]["rlpipe"])
     return load_safetensors(blob), meta
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP outside a process group (a group of one) works as intended; its warning says so at every call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _barrier(engine: DistributedEngine) -> None:

@@ -46,10 +46,10 @@ def make_batches(steps: int, per_batch: int = 6, vocab: int = 1000, length: int 
     return batches
 
 
-def peak_rss_bytes() -> int:
-    """VmHWM of this process (reset by ``reset_peak_rss``)."""
+def rss_bytes(field: str = "VmHWM") -> int:
+    """``VmHWM`` (peak resident memory since ``reset_peak_rss``) or ``VmRSS`` (now) of this process."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -93,6 +93,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     reset_peak_rss()
+    start_rss = rss_bytes("VmRSS")
     started = time.perf_counter()
     trained = train_batches(engine, "policy", batches, ADAM, out / "checkpoints", out / "batches.log",
                             every=args.every, after_step=after_step)
@@ -100,7 +101,7 @@ def main() -> None:
     tokens = sum(len(d) for b in batches for d in b.datums)
     base_bytes = sum(local_bytes(p) for p in engine.base.parameters() if not p.requires_grad)
     (out / f"rank{topology.rank}.json").write_text(json.dumps(
-        {"peak_rss": peak_rss_bytes(), "seconds": seconds, "tokens": tokens, "trained": trained,
+        {"peak_rss": rss_bytes(), "start_rss": start_rss, "seconds": seconds, "tokens": tokens, "trained": trained,
          "base_bytes": base_bytes}))
     if topology.is_main:
         save_file(engine.weights("policy"), str(out / "adapter.safetensors"))
