@@ -48,6 +48,7 @@ BUILTIN_LAZY_GROUPS = {
     "runs": "pipeline.cli.runs:app",
     "report": "pipeline.cli.report_cmd:command",
     "demo": "pipeline.cli.demo_cmd:command",
+    "plan": "pipeline.cli.plan_cmd:command",
 }
 
 

@@ -82,7 +82,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     topology = init_distributed("cpu")
+    bare_rss = rss_bytes("VmRSS")  # before the model: what the peak is measured above
     engine = DistributedEngine(args.model, topology, device="cpu", dtype=args.dtype, shard=args.shard,
                                gradient_checkpointing=args.gradient_checkpointing)
     engine.create_adapter("policy", **LORA)
@@ -101,7 +103,7 @@ def main() -> None:
     tokens = sum(len(d) for b in batches for d in b.datums)
     base_bytes = sum(local_bytes(p) for p in engine.base.parameters() if not p.requires_grad)
     (out / f"rank{topology.rank}.json").write_text(json.dumps(
-        {"peak_rss": rss_bytes(), "start_rss": start_rss, "seconds": seconds, "tokens": tokens, "trained": trained,
+        {"peak_rss": rss_bytes(), "start_rss": start_rss, "bare_rss": bare_rss, "seconds": seconds, "tokens": tokens, "trained": trained,
          "base_bytes": base_bytes}))
     if topology.is_main:
         save_file(engine.weights("policy"), str(out / "adapter.safetensors"))
