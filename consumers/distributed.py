@@ -16,8 +16,8 @@ with the same arguments; inside each call:
                   a layer's weights are gathered for its forward and backward only.
                   The LoRA weights and their AdamW state stay replicated (they are
                   megabytes; ``ignored_params``), so save/load/export are unchanged.
-                  A tied output head stays replicated too (the head-only forward
-                  reads its weight directly).  Sharded ranks must run the same number
+                  The output head stays whole too (the head-only forward reads its
+                  weight directly; when tied, the embedding with it).  Sharded ranks must run the same number
                   of forwards, so a rank with fewer micro-batches runs zero-weight ones.
   precision       base weights in ``dtype`` (bf16 halves them), LoRA weights and
                   AdamW state in float32, logprobs in float32 (``consumers.policy``).

@@ -5,7 +5,8 @@ configuration is sized in a second.  Per rank, for LoRA training with the
 distributed training engine (``consumers.distributed``):
 
   weights      base weights in ``dtype``, divided over the ranks when sharded
-               (FSDP2); a tied output head stays whole on every rank
+               (FSDP2); the output head stays whole on every rank (the head-only
+               forward reads its weight directly)
   gathered     sharded only: the decoder layers gathered whole at a time (the
                one running and the one prefetched)
   lora         LoRA weights in float32 (r x (in + out) per targeted linear layer)
@@ -21,7 +22,7 @@ distributed training engine (``consumers.distributed``):
                the head's weight when the base weights are not float32
   overhead     the runtime's own (CUDA context, allocator slack): a flat figure
 
-It is an estimate for choosing a GPU count (docs/deployment/choosing-n.md), not a
+It is an estimate for choosing a GPU count (infra/choosing-n.md), not a
 guarantee: attention kernels, allocator fragmentation and the sampler-side cache
 are not modelled.  ``tests/pipeline/test_sizing.py`` holds it to measured peaks.
 """
@@ -95,8 +96,7 @@ def plan_memory(
     intermediate = getattr(text, "intermediate_size", 4 * hidden)
     parameters = sum(p.numel() for p in model.parameters())
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight is model.get_input_embeddings().weight
-    whole = head.weight.numel() if tied else 0  # kept on every rank
+    whole = head.weight.numel() if head is not None else 0  # the output head (tied or not) is kept on every rank
     ranks = gpus if shard else 1
     layer_params = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
     lora_params = sum(lora_rank * (m.in_features + m.out_features) for name, m in model.named_modules()

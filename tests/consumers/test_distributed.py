@@ -52,10 +52,9 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.fixture(scope="module")
-def one_process(tiny_model_dir) -> dict[str, torch.Tensor]:
+def train_in_one_process(model: str, dtype: str = "auto") -> dict[str, torch.Tensor]:
     """The adapter after the worker's batches, trained by the ordinary engine in one process."""
-    engine = TrainingEngine(tiny_model_dir, device="cpu")
+    engine = TrainingEngine(model, device="cpu", dtype=dtype)
     engine.create_adapter("policy", **LORA)
     initial = engine.weights("policy")
     for batch in make_batches(STEPS, vocab=engine.input_vocab - 24):
@@ -64,6 +63,11 @@ def one_process(tiny_model_dir) -> dict[str, torch.Tensor]:
     weights = engine.weights("policy")
     assert max_difference(weights, initial) > 1e-3  # training moved the adapter, so equality says something
     return weights
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir) -> dict[str, torch.Tensor]:
+    return train_in_one_process(tiny_model_dir)
 
 
 def test_share_gives_every_rank_a_contiguous_part_and_covers_all():
@@ -94,27 +98,35 @@ def test_two_ranks_end_with_the_adapter_of_one_process(tiny_model_dir, one_proce
     assert reports[0]["base_bytes"] == reports[1]["base_bytes"]  # replicated base weights
 
 
-def test_two_ranks_with_sharded_base_weights_end_with_the_adapter_of_one_process(tiny_model_dir, one_process,
-                                                                                 tmp_path):
-    """FSDP2 over the base weights, with gradient checkpointing: each rank holds about half of them."""
-    replicated = TrainingEngine(tiny_model_dir, device="cpu")
-    full_bytes = sum(p.numel() * p.element_size() for p in replicated.base.parameters())
-    reports = torchrun(2, tiny_model_dir, tmp_path, "--shard", "--gradient-checkpointing")
-    assert max_difference(load_file(str(tmp_path / "adapter.safetensors")), one_process) < TOLERANCE
-    embedding = replicated.base.get_input_embeddings().weight  # tied to the head, so kept whole
-    shardable = full_bytes - embedding.numel() * embedding.element_size()
-    for report in reports.values():
-        assert report["base_bytes"] < full_bytes - shardable / 2 + 64 * 1024  # half, plus padding
+def test_bf16_base_weights_shard_in_bf16_and_train_float32_lora_like_one_bf16_process(tiny_model_dir, tmp_path):
+    reports = torchrun(2, tiny_model_dir, tmp_path, "--shard", "--dtype", "bfloat16")
+    adapter = load_file(str(tmp_path / "adapter.safetensors"))
+    assert {t.dtype for t in adapter.values()} == {torch.float32}
+    assert max_difference(adapter, train_in_one_process(tiny_model_dir, "bfloat16")) < TOLERANCE
+    base = TrainingEngine(tiny_model_dir, device="cpu").base
+    total, embedding = sum(p.numel() for p in base.parameters()), base.get_input_embeddings().weight.numel()
+    bf16_share = ((total - embedding) / 2 + embedding) * 2  # half of the sharded values, all of the tied embedding
+    assert bf16_share <= reports[0]["base_bytes"] < bf16_share + 64 * 1024  # plus padding
 
 
-def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint_and_each_batch_trains_once(
+@pytest.mark.slow  # two group starts: 40-70 s on 2 shared cores
+def test_sharded_group_with_a_killed_rank_restarts_from_the_last_checkpoint_and_trains_each_batch_once(
     tiny_model_dir, one_process, tmp_path
 ):
-    """Rank 1 is SIGKILLed after step 3 (index 2), one step after the last checkpoint (every 2 steps)."""
-    torchrun(2, tiny_model_dir, tmp_path, "--shard", "--every", "2", "--die-after", "2", restarts=1)
+    """FSDP2-sharded float32 base weights with gradient checkpointing; each rank holds about half of them.
+
+    Rank 1 is SIGKILLed after step 3 (index 2), one step after the last checkpoint (every 2 steps).
+    """
+    reports = torchrun(2, tiny_model_dir, tmp_path, "--shard", "--gradient-checkpointing", "--every", "2",
+                       "--die-after", "2", restarts=1)
     logged = (tmp_path / "batches.log").read_text().split()
     assert logged == [f"batch-{step:03d}" for step in range(STEPS)]  # each once, in order
     assert max_difference(load_file(str(tmp_path / "adapter.safetensors")), one_process) < TOLERANCE
+    base = TrainingEngine(tiny_model_dir, device="cpu").base
+    total, embedding = sum(p.numel() for p in base.parameters()), base.get_input_embeddings().weight.numel()
+    float32_share = ((total - embedding) / 2 + embedding) * 4  # the tied embedding stays whole
+    for report in reports.values():
+        assert float32_share <= report["base_bytes"] < float32_share + 64 * 1024  # plus padding
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +143,7 @@ def wider_model(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.mark.slow  # a 40 M-parameter model on 1 and on 2 ranks: 60-100 s on 2 shared cores
 def test_peak_memory_per_rank_with_two_sharded_ranks_is_below_one_rank(wider_model, tmp_path):
     """Peak resident memory while training (after loading), glibc returning freed tensors to the system at once."""
     malloc = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
