@@ -29,6 +29,7 @@ from consumers.engine_data import Datum
 
 ADAM = AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.99, eps=1e-8)
 LORA = dict(rank=4, alpha=8, target_modules=("q_proj", "v_proj"), seed=3)
+OTHER_LORA = dict(rank=2, alpha=4, target_modules=("q_proj", "o_proj"), seed=5)  # --second-adapter
 
 
 def make_batches(steps: int, per_batch: int = 6, vocab: int = 1000, length: int = 12) -> list[Batch]:
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--die-after", type=int, default=-1)
     parser.add_argument("--every", type=int, default=1, help="checkpoint every this many steps")
+    parser.add_argument("--second-adapter", action="store_true",
+                        help="then train adapter 'other' (created after sharding) on the same batches")
     args = parser.parse_args()
     import torch
 
@@ -105,8 +108,15 @@ def main() -> None:
     (out / f"rank{topology.rank}.json").write_text(json.dumps(
         {"peak_rss": rss_bytes(), "start_rss": start_rss, "bare_rss": bare_rss, "seconds": seconds, "tokens": tokens, "trained": trained,
          "base_bytes": base_bytes}))
+    if args.second_adapter:
+        engine.create_adapter("other", **OTHER_LORA)
+        for batch in batches:
+            engine.forward_backward("other", batch.datums, batch.loss, batch.loss_args)
+            engine.optim_step("other", ADAM)
     if topology.is_main:
         save_file(engine.weights("policy"), str(out / "adapter.safetensors"))
+        if args.second_adapter:
+            save_file(engine.weights("other"), str(out / "other.safetensors"))
 
 
 if __name__ == "__main__":

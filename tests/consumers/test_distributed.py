@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from consumers.distributed import DistributedEngine, Topology, load_checkpoint, save_checkpoint, share
 from consumers.engine import TrainingEngine
-from tests.consumers.distributed_worker import ADAM, LORA, make_batches
+from tests.consumers.distributed_worker import ADAM, LORA, OTHER_LORA, make_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -52,10 +52,10 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def train_in_one_process(model: str, dtype: str = "auto") -> dict[str, torch.Tensor]:
+def train_in_one_process(model: str, dtype: str = "auto", lora: dict | None = None) -> dict[str, torch.Tensor]:
     """The adapter after the worker's batches, trained by the ordinary engine in one process."""
     engine = TrainingEngine(model, device="cpu", dtype=dtype)
-    engine.create_adapter("policy", **LORA)
+    engine.create_adapter("policy", **(lora or LORA))
     initial = engine.weights("policy")
     for batch in make_batches(STEPS, vocab=engine.input_vocab - 24):
         engine.forward_backward("policy", batch.datums, batch.loss, batch.loss_args)
@@ -116,12 +116,16 @@ def test_sharded_group_with_a_killed_rank_restarts_from_the_last_checkpoint_and_
     """FSDP2-sharded float32 base weights with gradient checkpointing; each rank holds about half of them.
 
     Rank 1 is SIGKILLed after step 3 (index 2), one step after the last checkpoint (every 2 steps).
+    A second adapter, created after the base weights were sharded (on a layer not yet wrapped by
+    LoRA), then trains on the same batches like one process too.
     """
     reports = torchrun(2, tiny_model_dir, tmp_path, "--shard", "--gradient-checkpointing", "--every", "2",
-                       "--die-after", "2", restarts=1)
+                       "--die-after", "2", "--second-adapter", restarts=1)
     logged = (tmp_path / "batches.log").read_text().split()
     assert logged == [f"batch-{step:03d}" for step in range(STEPS)]  # each once, in order
     assert max_difference(load_file(str(tmp_path / "adapter.safetensors")), one_process) < TOLERANCE
+    other = train_in_one_process(tiny_model_dir, lora=OTHER_LORA)
+    assert max_difference(load_file(str(tmp_path / "other.safetensors")), other) < TOLERANCE
     base = TrainingEngine(tiny_model_dir, device="cpu").base
     total, embedding = sum(p.numel() for p in base.parameters()), base.get_input_embeddings().weight.numel()
     float32_share = ((total - embedding) / 2 + embedding) * 4  # the tied embedding stays whole
