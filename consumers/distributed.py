@@ -293,6 +293,49 @@ class Batch:
     loss_args: dict[str, float] | None = None
 
 
+def broadcast_batch(batch: Batch | None, topology: Topology) -> Batch:
+    """Rank 0's ``batch`` on every rank (the others pass None): only rank 0 reads the event log.
+
+    Sent as a JSON header (id, loss, its arguments, lengths, temperatures, which
+    per-token inputs each datum has) and two flat tensors (token ids; weights,
+    logprobs, advantages, mask): nothing is pickled.
+    """
+    if topology.world_size == 1:
+        if batch is None:
+            raise ValueError("broadcast_batch: rank 0 of a group of one must pass its batch")
+        return batch
+    columns = ("weights", "logprobs", "advantages", "mask")
+    if topology.is_main:
+        header = json.dumps({"batch_id": batch.batch_id, "loss": batch.loss, "loss_args": batch.loss_args,
+                             "lengths": [len(d) for d in batch.datums],
+                             "temperatures": [d.temperature for d in batch.datums],
+                             "present": [[getattr(d, c) is not None for c in columns] for d in batch.datums]})
+        header_bytes = torch.tensor(list(header.encode()), dtype=torch.uint8)
+        ids = torch.cat([torch.cat([d.tokens, d.target_tokens]) for d in batch.datums])
+        values = torch.cat([torch.cat([getattr(d, c) if getattr(d, c) is not None else torch.zeros(len(d))
+                                       for c in columns]) for d in batch.datums])
+        sizes = torch.tensor([header_bytes.numel(), ids.numel(), values.numel()])
+    else:
+        sizes = torch.zeros(3, dtype=torch.int64)
+    dist.broadcast(sizes, src=0)
+    if not topology.is_main:
+        header_bytes = torch.empty(int(sizes[0]), dtype=torch.uint8)
+        ids, values = torch.empty(int(sizes[1]), dtype=torch.int64), torch.empty(int(sizes[2]), dtype=torch.float32)
+    for tensor in (header_bytes, ids, values):
+        dist.broadcast(tensor, src=0)
+    if topology.is_main:
+        return batch
+    header = json.loads(bytes(header_bytes.tolist()).decode())
+    datums, id_at, value_at = [], 0, 0
+    for n, temperature, present in zip(header["lengths"], header["temperatures"], header["present"], strict=True):
+        per_token = {c: values[value_at + i * n : value_at + (i + 1) * n] if has else None
+                     for i, (c, has) in enumerate(zip(columns, present, strict=True))}
+        datums.append(Datum(ids[id_at : id_at + n], ids[id_at + n : id_at + 2 * n], temperature=temperature,
+                            **per_token))
+        id_at, value_at = id_at + 2 * n, value_at + len(columns) * n
+    return Batch(header["batch_id"], datums, header["loss"], header["loss_args"])
+
+
 def train_batches(
     engine: DistributedEngine, name: str, batches: Sequence[Batch], adam: AdamParams, checkpoints: str | Path,
     batch_log: str | Path | None = None, every: int = 1, after_step: Callable[[int], None] | None = None,

@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: the repository roo
 
 from safetensors.torch import save_file
 
-from consumers.distributed import Batch, DistributedEngine, init_distributed, train_batches
+from consumers.distributed import Batch, DistributedEngine, broadcast_batch, init_distributed, train_batches
 from consumers.engine import AdamParams
 from consumers.engine_data import Datum
 
@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--die-after", type=int, default=-1)
     parser.add_argument("--every", type=int, default=1, help="checkpoint every this many steps")
+    parser.add_argument("--broadcast", action="store_true",
+                        help="only rank 0 makes the batches; the others receive them (broadcast_batch)")
     parser.add_argument("--second-adapter", action="store_true",
                         help="then train adapter 'other' (created after sharding) on the same batches")
     args = parser.parse_args()
@@ -92,6 +94,9 @@ def main() -> None:
                                gradient_checkpointing=args.gradient_checkpointing)
     engine.create_adapter("policy", **LORA)
     batches = make_batches(args.steps, args.per_batch, engine.input_vocab - 24, args.length)
+    if args.broadcast:  # as the learner: rank 0 reads the log, the others follow
+        made = batches if topology.is_main else [None] * len(batches)
+        batches = [broadcast_batch(batch, topology) for batch in made]
 
     def after_step(index: int) -> None:
         if index == args.die_after and topology.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
