@@ -25,7 +25,7 @@ with the same arguments; inside each call:
                   activations in the backward pass instead of keeping them.
 
 Rank 0 is the only rank that talks to the event log and the registry (``is_main``);
-the others follow its calls.  Checkpoints go through torch.distributed.checkpoint
+the others follow its calls, and receive the batches it read (``broadcast_batch``).  Checkpoints go through torch.distributed.checkpoint
 in the Hugging Face safetensors layout (tensors in safetensors, their index and the
 engine's metadata in JSON; nothing pickled): ``save_checkpoint`` / ``load_checkpoint``.
 ``train_batches`` is the exactly-once loop over a fixed sequence of batches: a
