@@ -50,6 +50,7 @@ BUILTIN_LAZY_GROUPS = {
     "demo": "pipeline.cli.demo_cmd:command",
     "serve": "pipeline.cli.serve_cmd:command",
     "sessions": "pipeline.cli.sessions_cmd:app",
+    "plan": "pipeline.cli.plan_cmd:command",
 }
 
 

@@ -1,0 +1,383 @@
+"""The training engine on several processes: torchrun, torch.distributed data parallelism, FSDP2 sharding.
+
+``DistributedEngine`` is the ``TrainingEngine`` run by every process of a
+torchrun group (gloo on CPUs, nccl on GPUs).  Every rank makes the same calls
+with the same arguments; inside each call:
+
+  data parallel   a call's datums are split into one contiguous share per rank;
+                  each rank runs its share, and ``optim_step`` first SUMS the
+                  LoRA gradients over the ranks (all-reduce).  The losses are sums
+                  over tokens divided by a normaliser, so the step equals one
+                  process training on the whole request (up to float summation order).
+  results         loss and statistics are reduced, every datum's logprobs are
+                  gathered: every rank returns what one process would.
+  sharding        ``shard=True`` shards the frozen base weights over the ranks with
+                  FSDP2 (``fully_shard`` per decoder layer and on the decoder body);
+                  a layer's weights are gathered for its forward and backward only.
+                  The LoRA weights and their AdamW state stay replicated (they are
+                  megabytes; ``ignored_params``), so save/load/export are unchanged.
+                  The output head stays whole too (the head-only forward reads its
+                  weight directly; when tied, the embedding with it).  Sharded ranks must run the same number
+                  of forwards, so a rank with fewer micro-batches runs zero-weight ones.
+  precision       base weights in ``dtype`` (bf16 halves them), LoRA weights and
+                  AdamW state in float32, logprobs in float32 (``consumers.policy``).
+  checkpointing   ``gradient_checkpointing=True`` recomputes each decoder layer's
+                  activations in the backward pass instead of keeping them.
+
+Rank 0 is the only rank that talks to the event log and the registry (``is_main``);
+the others follow its calls, and receive the batches it read (``broadcast_batch``).  Checkpoints go through torch.distributed.checkpoint
+in the Hugging Face safetensors layout (tensors in safetensors, their index and the
+engine's metadata in JSON; nothing pickled): ``save_checkpoint`` / ``load_checkpoint``.
+``train_batches`` is the exactly-once loop over a fixed sequence of batches: a
+checkpoint after every ``every`` steps, committed by renaming its folder, records
+the ids of the batches trained so far; a restarted group (torchrun
+``--max-restarts``) resumes from the last committed one, and rank 0 rewrites the
+batch log from it, so every batch is trained, and logged, exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from consumers.engine import AdamParams, ForwardResult, StepInfo, TrainingEngine
+from consumers.engine_data import Datum, EngineError, micro_batch_slices
+from consumers.losses import LossStats
+
+CHECKPOINT_META = "engine_state.json"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's place in the group (torchrun's RANK, WORLD_SIZE, LOCAL_RANK)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one rank that reads and writes the event log, the registry and the batch log."""
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> Topology:
+    """Join the torchrun group (nccl on CUDA, gloo otherwise); outside torchrun, a group of one without a backend."""
+    if "WORLD_SIZE" not in os.environ:
+        return Topology()
+    topology = Topology(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(topology.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=_attempt_store(topology),
+                                rank=topology.rank, world_size=topology.world_size)
+    return topology
+
+
+def _attempt_store(topology: Topology) -> dist.Store:
+    """torchrun's store, with keys prefixed by the restart count.
+
+    A group restarted by torchrun (``--max-restarts``) reuses the store of the
+    attempt before; without the prefix the new ranks read the dead ranks'
+    addresses and the gloo connection fails.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), topology.world_size,
+                          is_master=topology.is_main and not agent_store)
+    return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def share(count: int, topology: Topology) -> tuple[int, int]:
+    """[start, stop) of this rank's contiguous share of ``count`` items (the first ranks take one more)."""
+    base, extra = divmod(count, topology.world_size)
+    start = topology.rank * base + min(topology.rank, extra)
+    return start, start + base + (1 if topology.rank < extra else 0)
+
+
+class DistributedEngine(TrainingEngine):
+    """A ``TrainingEngine`` for one rank of a torchrun group (module docstring); every rank makes the same calls."""
+
+    def __init__(
+        self, base_model: str, topology: Topology, device: str = "auto", dtype: str = "auto",
+        max_batch_tokens: int = 32768, shard: bool = False, gradient_checkpointing: bool = False,
+    ) -> None:
+        use_cuda = device != "cpu" and torch.cuda.is_available()
+        rank_device = f"cuda:{topology.local_rank}" if use_cuda else "cpu"
+        super().__init__(base_model, device=rank_device, dtype=dtype, max_batch_tokens=max_batch_tokens)
+        self.topology = topology
+        self.shard = shard and topology.world_size > 1
+        self._sharded = False
+        if gradient_checkpointing:
+            self.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @property
+    def distributed(self) -> bool:
+        return self.topology.world_size > 1
+
+    # ---- the operations that differ --------------------------------------------------------
+    def optim_step(self, name: str, adam: AdamParams) -> StepInfo:
+        """Sum the ranks' accumulated gradients, then the one-process step (clip, AdamW, zero)."""
+        if self.distributed:
+            with self._lock:
+                self._all_reduce_gradients(list(self._get(name).params.values()))
+        return super().optim_step(name, adam)
+
+    # ---- phases ------------------------------------------------------------------------------
+    def _new_adapter(self, lora: Any, seed: int) -> Any:
+        """The engine's adapter (the same seed gives the same weights on every rank); the first one triggers sharding."""
+        adapter = super()._new_adapter(lora, seed)
+        if self.shard and not self._sharded:
+            self._shard_base()
+        return adapter
+
+    def _shard_base(self) -> None:
+        """FSDP2 over the frozen base weights: each decoder layer, then the body (embeddings, final norm)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.topology.world_size,))
+        ignored = {p for p in self.model.parameters() if p.requires_grad}  # LoRA: replicated, gradients all-reduced
+        head = self.base.get_output_embeddings()
+        if head is not None and head.weight is self.base.get_input_embeddings().weight:
+            ignored.add(head.weight)  # tied head: read directly by the head-only forward, so kept whole
+        for param in ignored:  # own copies: a loaded weight may be a view of the mapped checkpoint file, which
+            param.data = param.data.clone()  # stays resident (all of it) while any view of it is alive
+        body = self.base.model
+        for layer in body.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=ignored)
+        fully_shard(body, mesh=mesh, ignored_params=ignored)
+        self._sharded = True
+
+    def _run(self, datums: Sequence[Datum], loss: str, loss_fn: Callable[..., Any], backward: bool) -> ForwardResult:
+        """This rank's share of the request, zero-weight passes to keep sharded ranks in step, results combined."""
+        if not self.distributed:
+            return super()._run(datums, loss, loss_fn, backward)
+        start, stop = share(len(datums), self.topology)
+        local = list(datums[start:stop])
+        result = super()._run(local, loss, loss_fn, backward) if local else ForwardResult(0.0, [], LossStats())
+        if self._sharded:
+            passes = len(micro_batch_slices(local, self.max_batch_tokens)) if local else 0
+            most = torch.tensor([passes])
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            for _ in range(int(most) - passes):
+                super()._run([_idle_datum()], loss, loss_fn, backward)  # adds exactly zero to the gradients
+        return self._combine(result, datums, start)
+
+    def _combine(self, local: ForwardResult, datums: Sequence[Datum], start: int) -> ForwardResult:
+        """Every rank's loss and statistics reduced, every datum's logprobs gathered (rows are disjoint: a sum)."""
+        stats = _all_reduce_stats(local.stats)
+        loss = torch.tensor([local.loss], dtype=torch.float64)
+        dist.all_reduce(loss)
+        width = max(len(d) for d in datums)
+        logprobs_BT = torch.zeros((len(datums), width), dtype=torch.float32)
+        for offset, row in enumerate(local.logprobs):
+            logprobs_BT[start + offset, : row.numel()] = row
+        dist.all_reduce(logprobs_BT)
+        return ForwardResult(float(loss), [logprobs_BT[b, : len(d)].clone() for b, d in enumerate(datums)], stats)
+
+    def _all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """SUM every LoRA gradient over the ranks in one flat buffer (a rank without one contributes zeros)."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def _idle_datum() -> Datum:
+    """One token with zero weight and zero advantage: its loss and gradients are exactly zero for every loss."""
+    return Datum([0], [0], weights=[0.0], logprobs=[0.0], advantages=[0.0], mask=[0.0])
+
+
+def _all_reduce_stats(stats: LossStats) -> LossStats:
+    """``LossStats.merge`` over the ranks: sums, and the extremes of the ratios."""
+    names = [f.name for f in fields(LossStats) if f.name not in ("ratio_max", "ratio_min")]
+    sums = torch.tensor([float(getattr(stats, n)) for n in names], dtype=torch.float64)
+    dist.all_reduce(sums)
+    high = torch.tensor([stats.ratio_max, -stats.ratio_min], dtype=torch.float64)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    values = {n: (int(v) if isinstance(getattr(stats, n), int) else float(v)) for n, v in zip(names, sums.tolist(), strict=True)}
+    return LossStats(**values, ratio_max=float(high[0]), ratio_min=-float(high[1]))
+
+
+# ---- checkpoints: torch.distributed.checkpoint in safetensors + JSON -------------------------
+def save_checkpoint(engine: DistributedEngine, name: str, folder: str | Path, extra: dict[str, Any]) -> Path:
+    """Adapter ``name``'s state (weights, AdamW, RNG) to ``folder`` with DCP; committed by renaming into place.
+
+    Every rank calls it.  ``extra`` (JSON-able) is stored with the engine's
+    metadata; a folder without ``engine_state.json`` was never committed.
+    """
+    folder = Path(folder)
+    staging = folder.with_name(folder.name + ".partial")
+    if engine.topology.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+    _barrier(engine)
+    tensors, meta = _split_state(engine.save_state(name))
+    with _single_process_quiet():
+        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(staging), save_distributed=True))
+    if engine.topology.is_main:
+        (staging / CHECKPOINT_META).write_text(json.dumps({"engine": meta, "extra": extra}))
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+    _barrier(engine)
+    return folder
+
+
+def load_checkpoint(engine: DistributedEngine, name: str, folder: str | Path) -> dict[str, Any]:
+    """Restore adapter ``name`` from a ``save_checkpoint`` folder (created if unknown); returns its ``extra``."""
+    folder = Path(folder)
+    meta_path = folder / CHECKPOINT_META
+    if not meta_path.is_file():
+        raise EngineError(f"{folder} is not a committed checkpoint (no {CHECKPOINT_META}); pick another")
+    saved = json.loads(meta_path.read_text())
+    reader = dcp.HuggingFaceStorageReader(str(folder))
+    layout = reader.read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in layout.items()}
+    with _single_process_quiet():
+        dcp.load(tensors, storage_reader=reader)
+    engine.load_state(name, save_safetensors(tensors, metadata={"rlpipe": json.dumps(saved["engine"])}))
+    return saved["extra"]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest committed ``step-<n>`` folder under ``root``, or None."""
+    committed = [p for p in Path(root).glob("step-*") if (p / CHECKPOINT_META).is_file()]
+    return max(committed, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def _split_state(blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    header_len = int.from_bytes(blob[:8], "little")
+    meta = json.loads(json.loads(blob[8 : 8 + header_len])["__metadata__"]["rlpipe"])
+    return load_safetensors(blob), meta
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP outside a process group (a group of one) works as intended; its warning says so at every call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier(engine: DistributedEngine) -> None:
+    if engine.distributed:
+        dist.barrier()
+
+
+# ---- the exactly-once loop over a fixed sequence of batches ---------------------------------
+@dataclass(frozen=True)
+class Batch:
+    """One optimizer step's data: an id (for the batch log), its datums, the loss and its arguments."""
+
+    batch_id: str
+    datums: list[Datum]
+    loss: str = "cross_entropy"
+    loss_args: dict[str, float] | None = None
+
+
+def broadcast_batch(batch: Batch | None, topology: Topology) -> Batch:
+    """Rank 0's ``batch`` on every rank (the others pass None): only rank 0 reads the event log.
+
+    Sent as a JSON header (id, loss, its arguments, lengths, temperatures, which
+    per-token inputs each datum has) and two flat tensors (token ids; weights,
+    logprobs, advantages, mask): nothing is pickled.
+    """
+    if topology.world_size == 1:
+        if batch is None:
+            raise ValueError("broadcast_batch: rank 0 of a group of one must pass its batch")
+        return batch
+    columns = ("weights", "logprobs", "advantages", "mask")
+    if topology.is_main:
+        header = json.dumps({"batch_id": batch.batch_id, "loss": batch.loss, "loss_args": batch.loss_args,
+                             "lengths": [len(d) for d in batch.datums],
+                             "temperatures": [d.temperature for d in batch.datums],
+                             "present": [[getattr(d, c) is not None for c in columns] for d in batch.datums]})
+        header_bytes = torch.tensor(list(header.encode()), dtype=torch.uint8)
+        ids = torch.cat([torch.cat([d.tokens, d.target_tokens]) for d in batch.datums])
+        values = torch.cat([torch.cat([getattr(d, c) if getattr(d, c) is not None else torch.zeros(len(d))
+                                       for c in columns]) for d in batch.datums])
+        sizes = torch.tensor([header_bytes.numel(), ids.numel(), values.numel()])
+    else:
+        sizes = torch.zeros(3, dtype=torch.int64)
+    dist.broadcast(sizes, src=0)
+    if not topology.is_main:
+        header_bytes = torch.empty(int(sizes[0]), dtype=torch.uint8)
+        ids, values = torch.empty(int(sizes[1]), dtype=torch.int64), torch.empty(int(sizes[2]), dtype=torch.float32)
+    for tensor in (header_bytes, ids, values):
+        dist.broadcast(tensor, src=0)
+    if topology.is_main:
+        return batch
+    header = json.loads(bytes(header_bytes.tolist()).decode())
+    datums, id_at, value_at = [], 0, 0
+    for n, temperature, present in zip(header["lengths"], header["temperatures"], header["present"], strict=True):
+        per_token = {c: values[value_at + i * n : value_at + (i + 1) * n] if has else None
+                     for i, (c, has) in enumerate(zip(columns, present, strict=True))}
+        datums.append(Datum(ids[id_at : id_at + n], ids[id_at + n : id_at + 2 * n], temperature=temperature,
+                            **per_token))
+        id_at, value_at = id_at + 2 * n, value_at + len(columns) * n
+    return Batch(header["batch_id"], datums, header["loss"], header["loss_args"])
+
+
+def train_batches(
+    engine: DistributedEngine, name: str, batches: Sequence[Batch], adam: AdamParams, checkpoints: str | Path,
+    batch_log: str | Path | None = None, every: int = 1, after_step: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Train each batch once (forward_backward + optim_step), resuming from the last committed checkpoint.
+
+    Returns the ids trained, in order, across restarts.  ``after_step(index)``
+    runs after each step (fault injection in tests, progress in benchmarks).
+    """
+    trained = _resume(engine, name, checkpoints, batch_log)
+    for index in range(len(trained), len(batches)):
+        batch = batches[index]
+        engine.forward_backward(name, batch.datums, batch.loss, batch.loss_args)
+        engine.optim_step(name, adam)
+        trained.append(batch.batch_id)
+        if len(trained) % every == 0 or index == len(batches) - 1:
+            _commit(engine, name, checkpoints, trained, batch_log)
+        if after_step is not None:
+            after_step(index)
+    return trained
+
+
+def _resume(engine: DistributedEngine, name: str, checkpoints: str | Path, batch_log: str | Path | None) -> list[str]:
+    """The batch ids of the last committed checkpoint (loaded into ``name``); rank 0 rewrites the batch log to match."""
+    latest = latest_checkpoint(checkpoints)
+    trained = list(load_checkpoint(engine, name, latest)["batch_ids"]) if latest else []
+    if batch_log is not None and engine.topology.is_main:
+        Path(batch_log).write_text("".join(f"{batch_id}\n" for batch_id in trained))
+    return trained
+
+
+def _commit(engine: DistributedEngine, name: str, checkpoints: str | Path, trained: list[str],
+            batch_log: str | Path | None) -> None:
+    """Checkpoint (the commit point), then rank 0 logs the batches since the previous one and prunes old folders."""
+    root = Path(checkpoints)
+    folder = save_checkpoint(engine, name, root / f"step-{len(trained):08d}", {"batch_ids": trained})
+    if not engine.topology.is_main:
+        return
+    if batch_log is not None:
+        logged = Path(batch_log).read_text().split() if Path(batch_log).exists() else []
+        with Path(batch_log).open("a") as log:
+            log.writelines(f"{batch_id}\n" for batch_id in trained[len(logged):])
+    for old in root.glob("step-*"):
+        if old != folder and not old.name.endswith(".partial"):
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,63 @@
+"""``rlpipe plan --model M --gpus N``: memory per learner rank, and whether it fits a GPU, from the config alone.
+
+The figures come from ``pipeline.sizing`` (the model built on the meta device:
+no weights are downloaded or read).  ``--model`` is a hub id, a model folder or
+a ``config.json``.  Exit status 0 when it fits, 1 when it does not, 2 on a bad option.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from pipeline.cli.common import EXIT_USAGE, JsonOpt, console, fail, print_json
+
+app = typer.Typer(name="plan", add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.command(
+    "plan",
+    epilog="Example: rlpipe plan --model Qwen/Qwen2.5-7B-Instruct --gpus 2 --gpu-memory 80 --seq-len 4096",
+)
+def plan(
+    model: Annotated[str, typer.Option(help="hub id, model folder or config.json")],
+    gpus: Annotated[int, typer.Option(min=1, help="ranks (GPUs) of the learner's torchrun group")] = 1,
+    gpu_memory: Annotated[float, typer.Option(min=0.1, help="memory of one GPU, GiB")] = 80.0,
+    dtype: Annotated[str, typer.Option(help="base weights' dtype (model.dtype)")] = "bfloat16",
+    micro_batch: Annotated[int, typer.Option(min=1, help="sequences per micro-batch")] = 1,
+    seq_len: Annotated[int, typer.Option(min=1, help="tokens per sequence")] = 2048,
+    lora_rank: Annotated[int, typer.Option(min=1, help="LoRA rank")] = 16,
+    targets: Annotated[str, typer.Option(help="LoRA target modules, comma-separated")] = "q_proj,k_proj,v_proj,o_proj",
+    shard: Annotated[bool, typer.Option(help="shard the base weights over the ranks (FSDP2)")] = True,
+    checkpointing: Annotated[bool, typer.Option(help="gradient checkpointing")] = True,
+    overhead: Annotated[float, typer.Option(min=0.0, help="runtime overhead per rank, GiB (CUDA context)")] = 1.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Estimate the memory of one learner rank: weights, LoRA, optimizer, activations, logits."""
+    from pipeline.sizing import GIB, load_model_config, plan_memory
+
+    try:
+        config = load_model_config(model)
+        result = plan_memory(config, gpus, dtype, micro_batch, seq_len, lora_rank, tuple(targets.split(",")),
+                             shard, checkpointing, overhead_gib=overhead)
+    except (OSError, ValueError, AttributeError) as exc:
+        fail(f"cannot size {model!r}: {exc}; pass a hub id, a model folder or its config.json", EXIT_USAGE)
+    fits = result.fits(gpu_memory)
+    if as_json:
+        print_json({"model": model, "gpus": gpus, "parameters": result.parameters, "tokens": result.tokens,
+                    "bytes": result.parts(), "gpu_memory_gib": gpu_memory, "fits": fits})
+    else:
+        table = Table("part", "GiB per rank", title=f"{model}: {result.parameters / 1e9:.2f} B parameters, "
+                      f"{gpus} rank(s), {dtype}, {result.tokens} tokens per micro-batch")
+        for name, value in result.parts().items():
+            table.add_row(name, f"{value / GIB:.3f}")
+        console.print(table)
+        verdict = "fits" if fits else "does NOT fit"
+        console.print(f"{verdict} in {gpu_memory:g} GiB per GPU")
+    raise typer.Exit(0 if fits else 1)
+
+
+# ``rlpipe``'s loader registers a click command as-is.
+command = typer.main.get_command(app)

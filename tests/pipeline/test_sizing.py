@@ -1,0 +1,86 @@
+"""``rlpipe plan``'s memory estimate: known model sizes, and a measured peak on the CPU within a stated tolerance."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig, Qwen2Config
+from typer.testing import CliRunner
+
+from pipeline.cli.main import app
+from pipeline.sizing import GIB, plan_memory
+
+ROOT = Path(__file__).resolve().parents[2]
+# Llama 3.1 8B and 70B shapes (their config.json values that decide the sizes)
+LLAMA_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+LLAMA_70B = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False)
+MEASURED_TOLERANCE = 0.30  # estimate within 30 % of the measured peak above the bare process
+
+
+def test_llama_8b_shaped_config_has_its_known_size_and_fits_one_80_gib_gpu():
+    plan = plan_memory(LLAMA_8B, gpus=1)
+    assert plan.parameters == pytest.approx(8.03e9, rel=0.005)
+    assert plan.weights == 2 * plan.parameters  # bf16
+    # LoRA r=16 on q,k,v,o: per layer 16 x ((4096+4096) + (4096+1024) x 2 + (4096+4096)) = 425,984 values, float32
+    assert plan.lora == 32 * 425_984 * 4
+    assert plan.optimizer == 3 * plan.lora
+    assert plan.fits(80)
+
+
+def test_sharding_divides_the_weights_and_70b_needs_several_gpus():
+    one, eight = plan_memory(LLAMA_70B, gpus=1), plan_memory(LLAMA_70B, gpus=8)
+    head = 128256 * 8192  # the output head stays whole on every rank
+    assert eight.weights == ((one.parameters - head) // 8 + head) * 2
+    assert not one.fits(80) and eight.fits(80)
+    assert plan_memory(LLAMA_70B, gpus=8, shard=False).weights == one.weights
+
+
+def test_checkpointing_keeps_fewer_activations():
+    assert plan_memory(LLAMA_8B, gradient_checkpointing=True).activations < \
+        plan_memory(LLAMA_8B, gradient_checkpointing=False).activations / 10
+
+
+def test_plan_command_prints_the_parts_and_exits_by_whether_it_fits(tmp_path):
+    LLAMA_8B.to_json_file(str(tmp_path / "config.json"))
+    runner = CliRunner()
+    fits = runner.invoke(app, ["plan", "--model", str(tmp_path), "--gpus", "1", "--gpu-memory", "80", "--json"])
+    assert fits.exit_code == 0, fits.output
+    report = json.loads(fits.output)
+    assert report["fits"] and report["bytes"]["total"] == sum(v for k, v in report["bytes"].items() if k != "total")
+    too_small = runner.invoke(app, ["plan", "--model", str(tmp_path / "config.json"), "--gpu-memory", "16"])
+    assert too_small.exit_code == 1 and "does NOT fit" in too_small.output
+    missing = runner.invoke(app, ["plan", "--model", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2
+
+
+def test_estimate_is_within_tolerance_of_the_measured_peak_on_the_cpu(tmp_path):
+    """One torchrun rank trains a Qwen2-shaped model (12 x 512, float32) on 4 x 64 tokens; peak RSS over the bare process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = Qwen2Config(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
+                         max_position_embeddings=512)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone",
+               str(ROOT / "tests/consumers/distributed_worker.py"), "--model", str(tmp_path / "model"),
+               "--out", str(tmp_path / "out"), "--steps", "2", "--per-batch", "4", "--length", "64"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    measured = report["peak_rss"] - report["bare_rss"]
+    estimate = plan_memory(config, gpus=1, dtype="float32", micro_batch=4, seq_len=64, lora_rank=4,
+                           target_modules=("q_proj", "v_proj"), gradient_checkpointing=False, overhead_gib=0).total
+    print(f"tiny-family model, 1 rank on the CPU: estimate {estimate / 2**20:.0f} MiB, "
+          f"measured {measured / 2**20:.0f} MiB")
+    assert abs(estimate - measured) <= MEASURED_TOLERANCE * measured
+    assert estimate < GIB
