@@ -61,6 +61,7 @@ ENVS: dict[str, tuple[str, str, str, str, dict[str, Any]]] = {
           {"seed": 5, "learning_rate": 1e-2, "lr_schedule": "cosine", "kl_coef": 0.05}),
 }
 KILL_PLAN = ("after_publish:2", "before_checkpoint:3", "after_checkpoint:2")
+START_TIMEOUT_S = 300.0  # a restart waits for both runs' consumer groups to drop the killed members
 
 
 def rows_for(run: str, batch_id: str, prompt: list[int], answers: tuple[int, int], logp: torch.Tensor) -> list[dict]:
@@ -192,10 +193,10 @@ def test_a_packed_learner_killed_at_each_fault_point_trains_every_batch_of_every
     attempts = []
     for index, plan in enumerate(KILL_PLAN):
         proc = rlpipe(world, args, f"packed-crash-{index}.log", fault=plan)
-        attempts.append(Attempt(plan, wait_for(proc)))
+        attempts.append(Attempt(plan, wait_for(proc, START_TIMEOUT_S)))
     assert all(a.returncode == -signal.SIGKILL for a in attempts), (attempts, output_of(proc))
     last = rlpipe(world, args, "packed-crash-final.log")
-    assert wait_for(last) == 0, output_of(last)
+    assert wait_for(last, START_TIMEOUT_S) == 0, output_of(last)
     for run in ENVS:
         run_id = f"{run}-crash"
         assert_each_batch_trained_once(world, run, run_id)
