@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,9 @@ from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolv
 from schemas.config import LearnerConfig, RunConfig
 
 log = logging.getLogger("rlpipe.learner")
+
+JOIN_TIMEOUT_S = 60.0  # at most this long joining the runs' consumer groups before training starts
+JOIN_POLL_S = 0.2  # each run's share of one joining round
 
 
 class EnginePolicy(LoraPolicy):
@@ -133,11 +137,28 @@ class PackedLearner:
                 np.random.set_state(saved[0])
                 random.setstate(saved[1])
 
-    def resume(self) -> None:
-        """Resume every run from its own newest checkpoint (its lease, its positions)."""
+    def resume(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Resume every run from its own newest checkpoint (its lease, its positions), then join their groups."""
         for run in self.runs:
             with self.turn(run) as learner:
                 learner.resume()
+        self.join(join_timeout_s)
+
+    def join(self, timeout_s: float) -> None:
+        """Take part in every run's consumer group, in turns, until each has its partitions or ``timeout_s`` passed.
+
+        A join takes several round trips with the broker, each finished only by a
+        poll of that run's consumer; in the round-robin a run is polled once per
+        turn, so a run still joining while another trains would wait a whole step
+        per round trip.  Sources without a group (replay) have nothing to join.
+        """
+        deadline = time.monotonic() + timeout_s
+        joining = [run for run in self.runs if hasattr(run.learner.source, "join")]
+        while joining and time.monotonic() < deadline:
+            joining = [run for run in joining if not run.learner.source.join(JOIN_POLL_S)]  # type: ignore[attr-defined]
+        if joining:
+            log.warning("runs %s have not joined their consumer groups after %.0fs; they join while the others train",
+                        ", ".join(run.run_id for run in joining), timeout_s)
 
     def run(self, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[str, dict], None] = lambda run_id, metrics: None, poll_timeout_s: float = 1.0) -> None:

@@ -91,3 +91,24 @@ def test_a_packed_run_resumes_from_its_own_checkpoint_alone(batches, setup):  # 
     assert alone.state.step == reference.state.step == 4
     ours, theirs = adapter_of(batches, "a"), adapter_of(batches, "ref")
     assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6
+
+
+class Joining:
+    """A source whose group assigns its partitions on the n-th join call."""
+
+    def __init__(self, calls: list[str], name: str, after: int) -> None:
+        self.calls, self.name, self.after = calls, name, after
+
+    def join(self, timeout_s: float) -> bool:
+        self.calls.append(self.name)
+        return self.calls.count(self.name) >= self.after
+
+
+def test_resume_joins_every_runs_group_in_turns_before_any_run_trains():
+    """A join needs several polls of its own consumer: taken in turns before training, not one per step."""
+    calls: list[str] = []
+    packed = PackedLearner.__new__(PackedLearner)
+    packed.runs = [type("Run", (), {"run_id": name, "learner": type("L", (), {"source": Joining(calls, name, after)})})
+                   for name, after in (("a", 2), ("b", 3))]
+    packed.join(timeout_s=5)
+    assert calls == ["a", "b", "a", "b", "b"]
