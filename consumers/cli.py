@@ -7,34 +7,50 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.common import console, fail, handle_user_errors
-from pipeline.cli.options import ConfigOpt, PresetOpt, RunOpt, SetOpt, run_config, setup_logging
+from pipeline.cli.options import (
+    ConfigOpt,
+    PackedConfigOpt,
+    PackedRunOpt,
+    PresetOpt,
+    SetOpt,
+    run_config,
+    run_configs,
+    setup_logging,
+)
 from pipeline.runtime import StopFlag
 
 app = typer.Typer(name="learner", help="The off-policy learner: LoRA training from trajectories.", no_args_is_help=True)
 replay_app = typer.Typer(name="replay", add_completion=False)
 
 
-@app.command(epilog="Example: rlpipe learner start --preset cartpole --set learner.max_steps=20")
+@app.command(epilog="Example: rlpipe learner start --preset cartpole --set learner.max_steps=20\n\n"
+             "Packed: rlpipe learner start -c cartpole.yaml -c gsm8k.yaml (or --preset cartpole --run a --run b)")
 @handle_user_errors
 def start(
     preset: PresetOpt = None,
-    config: ConfigOpt = None,
+    config: PackedConfigOpt = None,
     overrides: SetOpt = None,
-    run: RunOpt = None,
+    run: PackedRunOpt = None,
     max_steps: Annotated[int | None, typer.Option(min=1, help="Stop after this many optimizer steps.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Consume the run's trajectory batches, train LoRA, publish versions, checkpoint; resumes where it stopped.
 
+    Several runs (--run A --run B, or one --config per run) train packed in one process: one base model,
+    one LoRA adapter per run, each run with its own offsets, checkpoints and versions.
     SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0.
     """
     setup_logging(verbose)
-    cfg = run_config(preset, config, overrides, run)
+    cfgs = run_configs(preset, config, overrides, run)
     if max_steps is not None:
-        cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
+        cfgs = [cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
+                for cfg in cfgs]
     from consumers.lease import LeaseLostError
     from consumers.service import run_learner
 
+    if any(cfg.value is not None for cfg in cfgs) and len(cfgs) > 1:
+        fail("value-based runs are not packed: start one learner per value run")
+    cfg = cfgs[0]
     if cfg.value is not None:  # a value-based run (e.g. --preset dqn-cartpole): DQN/C51, not LoRA
         from consumers.value.service import run_value_learner
 
@@ -46,7 +62,12 @@ def start(
             fail(str(exc))
         return
     try:
-        run_learner(cfg, StopFlag().install())
+        if len(cfgs) == 1:
+            run_learner(cfgs[0], StopFlag().install())
+        else:
+            from consumers.packed import run_packed_learner
+
+            run_packed_learner(cfgs, StopFlag().install())
     except LeaseLostError as exc:  # another learner of the run took over: one line, not a traceback
         fail(str(exc))
 

@@ -160,7 +160,7 @@ class TrainingEngine:
         self.model: PeftModel | None = None
         self._adapters: dict[str, _Adapter] = {}
         self._slots = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by clients holding it (``holding``) that call an operation
 
     # ---- the operations --------------------------------------------------------------------
     def adapters(self) -> list[str]:
@@ -291,6 +291,23 @@ class TrainingEngine:
             adapter = self._get(name)
             self._drop_slot(adapter.slot)
             del self._adapters[name]
+
+    @contextlib.contextmanager
+    def holding(self, name: str) -> Iterator[tuple[PeftModel, str]]:
+        """Hold the engine for a client's own code on adapter ``name``: yields (the model, the adapter's peft name).
+
+        For clients that train with their own code on the shared model (the packed
+        learner's per-run policies): the block is one operation, with the adapter's
+        LoRA layers active (only they require gradients) and its RNG in place; the
+        RNG the block leaves is the adapter's afterwards.
+        """
+        with self._lock:
+            adapter = self._get(name)
+            with _swapped_rng(adapter.rng):
+                try:
+                    yield self.model, adapter.slot
+                finally:
+                    adapter.rng = _capture_rng()
 
     # ---- phases ------------------------------------------------------------------------------
     def _get(self, name: str) -> _Adapter:

@@ -258,7 +258,7 @@ class LoraPolicy:
         (``disable_adapter``), which is what a fresh LoRA adapter (B = 0) computes anyway.
         A copy costs the adapter's size once (megabytes), no second model.
         """
-        self.reference = {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+        self.reference = {name: p.detach().clone() for name, p in self.lora_parameters().items()}
 
     def keep_reference_folder(self, folder: str | Path) -> None:
         """Use a published adapter folder as the reference (a resumed warm-started run re-reads its warm start)."""
@@ -269,7 +269,7 @@ class LoraPolicy:
 
     @torch.no_grad()
     def _copy_into_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters())
+        params = self.lora_parameters()
         for name, tensor in tensors.items():
             params[name].copy_(tensor.to(params[name].device))
 
@@ -287,7 +287,7 @@ class LoraPolicy:
             if self.reference is None:
                 with self.model.disable_adapter():
                     return self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
-            current = {name: p.detach().clone() for name, p in self.model.named_parameters() if name in self.reference}
+            current = {name: p.detach().clone() for name, p in self.lora_parameters().items() if name in self.reference}
             try:
                 self._copy_into_adapter(self.reference)
                 return self.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
@@ -328,13 +328,13 @@ class LoraPolicy:
         self.model.save_pretrained(str(folder), safe_serialization=True)
         return folder
 
+    def lora_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The trained LoRA parameters under their checkpoint names (peft's, with the adapter named ``default``)."""
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The LoRA weights by name (CPU, contiguous) for safetensors."""
-        return {
-            name: p.detach().to("cpu").contiguous()
-            for name, p in self.model.named_parameters()
-            if p.requires_grad
-        }
+        return {name: p.detach().to("cpu").contiguous() for name, p in self.lora_parameters().items()}
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """AdamW state as (tensors for safetensors, JSON-able scalars)."""
@@ -345,7 +345,7 @@ class LoraPolicy:
         self, adapter: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor], scalars: dict[str, Any]
     ) -> None:
         """Restore weights, AdamW state and schedule exported by the methods above."""
-        params = dict(self.model.named_parameters())
+        params = self.lora_parameters()
         with torch.no_grad():
             for name, value in adapter.items():
                 if name not in params:

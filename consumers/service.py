@@ -38,15 +38,18 @@ def build_learner(
     source: TrajectorySource,
     announce: Callable[[Payload], Any],
     base_model: str | None = None,
+    policy: LoraPolicy | None = None,
 ) -> Learner:
     """The learner of ``config.run_id`` over ``store``, fed by ``source``.
 
     Its versions and checkpoints are fenced by the run's learner lease (taken by
     ``resume``): their manifests are written through a store that checks it.
+    ``policy``: the run's adapter of a shared engine (packed learning); None loads a model of its own.
     """
     base_model = base_model or resolve_base_model(config.model)
-    log.info("initialising policy on %s (LoRA rank %d)", base_model, config.learner.lora_rank)
-    policy = LoraPolicy(base_model, config.learner, dtype=config.model.dtype)
+    if policy is None:
+        log.info("initialising policy on %s (LoRA rank %d)", base_model, config.learner.lora_rank)
+        policy = LoraPolicy(base_model, config.learner, dtype=config.model.dtype)
     lease = LearnerLease(store, config.run_id)
     fenced: Any = FencedStore(store, lease)
     return Learner(
@@ -124,16 +127,21 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
 
     try:
         learner.run(should_stop=stop, on_step=after_step)
-        if learner.work_waiting():  # stopped with rows waiting: train them so the checkpoint covers them
-            after_step(learner.step())
-        if learner.state.step % config.learner.checkpoint_every:
-            learner.checkpoint()
+        finish(learner, after_step)
     finally:
         source.close()
         publisher.close()
         learner.metric_logger.close()
     log.info("learner stopped at step %d, version %d", learner.state.step, learner.state.version)
     return learner
+
+
+def finish(learner: Learner, after_step: Callable[[dict], None]) -> None:
+    """On a stop: train the rows still waiting, so the final checkpoint covers them, and write that checkpoint."""
+    if learner.work_waiting():
+        after_step(learner.step())
+    if learner.state.step % learner.cfg.checkpoint_every:
+        learner.checkpoint()
 
 
 def replay_train(config: RunConfig, source_run: str, date_from: str | None = None, date_to: str | None = None,

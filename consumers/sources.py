@@ -122,6 +122,10 @@ class KafkaSource:
     def keep_alive(self) -> None:
         self.consumer.keep_alive()
 
+    def join(self, timeout_s: float) -> bool:
+        """Take part in the group for up to ``timeout_s``; whether it has assigned this member its partitions."""
+        return bool(self.consumer.wait_for_assignment(timeout_s))
+
     def exhausted(self) -> bool:
         return False  # a live topic never runs dry
 

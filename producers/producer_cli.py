@@ -6,8 +6,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import handle_user_errors
-from pipeline.cli.options import ConfigOpt, PresetOpt, RunOpt, SetOpt, run_config, setup_logging
+from pipeline.cli.common import fail, handle_user_errors
+from pipeline.cli.options import PackedConfigOpt, PackedRunOpt, PresetOpt, SetOpt, run_configs, setup_logging
 from pipeline.runtime import StopFlag
 
 app = typer.Typer(name="producer", help="Rollout producers: sample the policy against an environment.",
@@ -18,20 +18,31 @@ app = typer.Typer(name="producer", help="Rollout producers: sample the policy ag
 @handle_user_errors
 def start(
     preset: PresetOpt = None,
-    config: ConfigOpt = None,
+    config: PackedConfigOpt = None,
     overrides: SetOpt = None,
-    run: RunOpt = None,
+    run: PackedRunOpt = None,
     max_groups: Annotated[int | None, typer.Option(min=1, help="Stop after this many groups.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Sample groups of episodes with the newest adapter and write them as Parquet batches + events.
 
+    Several runs (--run A --run B, or one --config per run) are served packed by one process and one
+    sampling engine, each run writing its own batches and events.
     SIGTERM or Ctrl-C finishes cleanly: complete groups are flushed, unfinished ones dropped.
     """
     setup_logging(verbose)
-    cfg = run_config(preset, config, overrides, run)
+    cfgs = run_configs(preset, config, overrides, run)
     if max_groups is not None:
-        cfg = cfg.model_copy(update={"producer": cfg.producer.model_copy(update={"max_groups": max_groups})})
+        cfgs = [cfg.model_copy(update={"producer": cfg.producer.model_copy(update={"max_groups": max_groups})})
+                for cfg in cfgs]
+    if len(cfgs) > 1:
+        if any(cfg.value is not None for cfg in cfgs):
+            fail("value-based runs are not packed: start one producer per value run")
+        from producers.packed import run_packed_producer
+
+        run_packed_producer(cfgs, StopFlag().install())
+        return
+    cfg = cfgs[0]
     if cfg.value is not None:  # a value-based run: a numeric actor plays with the published Q-network
         from producers.value_actor import run_value_actor
 
@@ -39,7 +50,7 @@ def start(
         return
     from producers.service import run_producer
 
-    run_producer(cfg, StopFlag().install())
+    run_producer(cfgs[0], StopFlag().install())
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep the entry point guarded

@@ -13,8 +13,10 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -27,7 +29,7 @@ from pipeline.topics import topic_name
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_process_caches
 from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker, SamplingStreams
-from producers.samplers import sampler_for_run
+from producers.samplers import Sampler, sampler_for_run
 from producers.sink import StoreThenEventSink, announce_orphans, announced_batches
 from producers.tiny_model import resolve_model
 from schemas.config import BusConfig, RunConfig
@@ -226,19 +228,9 @@ def run_producer(config: RunConfig, stop: StopFlag | None = None) -> RolloutWork
 
 
 def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health: HealthServer) -> RolloutWorker:
-    from pipeline.devstack.stack import rlpipe_home
-
     done = health.add_setup_steps(("broker", "store", "sampler", "adapters"))
     health.add_readiness_check("stopping", lambda: not stop())
-    bus = resolved_bus(config.bus)
-    store = open_store(config.store)
-    archive = TrajectoryArchive(store)
-    publisher = EventPublisher(bus)
-    announce = Announcer(publisher, config.run_id)
-    announced = announced_batches(tail(bus, "trajectories", n=10**9, run_id=config.run_id))
-    done.add("broker")
-    announce_orphans(archive, config.run_id, announced, announce, min_age_s=2 * config.producer.batch_timeout_s)
-    done.add("store")
+    connection = connect_run(config, done)
     model_path = resolve_model(config.model)
     log.info("initialising sampler %s on %s", config.sampler.backend, model_path)
     streams = SamplingStreams(config.sampler.seed, producer_id)  # this process's incarnation: new streams
@@ -246,37 +238,94 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
     sampler = sampler_for_run(config.model_copy(update={"sampler": sampler_config}), model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     done.add("sampler")
-    registry = AdapterRegistry(store, config.run_id)
-    events = KafkaAdapterEvents.open(bus, config.run_id)  # before the watcher's first registry read
+    run = open_run_producer(config, connection, producer_id, sampler, tokenizer, streams.incarnation, health)
+    done.add("adapters")
+    health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
+    log.info("producer %s running", producer_id)
+    try:
+        run.run(stop)
+    finally:
+        run.close()
+        sampler.close()
+        run.watcher.close()
+    worker = run.worker
+    log.info("producer %s stopped: %d batches, %d samples", producer_id, worker.stats.batches, worker.stats.samples)
+    return worker
+
+
+@dataclass
+class RunConnection:
+    """One run's event log and store, as a producer writes to them."""
+
+    bus: BusConfig
+    archive: TrajectoryArchive
+    publisher: EventPublisher
+    announce: Announcer
+
+
+def connect_run(config: RunConfig, done: set[str] | None = None) -> RunConnection:
+    """Connect to the run's event log and store, and announce batches a crashed producer stored but never announced."""
+    bus = resolved_bus(config.bus)
+    store = open_store(config.store)
+    archive = TrajectoryArchive(store)
+    publisher = EventPublisher(bus)
+    announce = Announcer(publisher, config.run_id)
+    announced = announced_batches(tail(bus, "trajectories", n=10**9, run_id=config.run_id))
+    if done is not None:
+        done.add("broker")
+    announce_orphans(archive, config.run_id, announced, announce, min_age_s=2 * config.producer.batch_timeout_s)
+    if done is not None:
+        done.add("store")
+    return RunConnection(bus, archive, publisher, announce)
+
+
+@dataclass
+class RunProducer:
+    """One run's rollout worker and what keeps it fed and heard: adapter watcher, heartbeat, backlog bound."""
+
+    worker: RolloutWorker
+    watcher: AdapterWatcher
+    heartbeat: Heartbeat
+    publisher: EventPublisher
+    events: KafkaAdapterEvents
+    backlog: LearnerBacklog | None
+
+    def run(self, stop: Callable[[], bool]) -> None:
+        """The rollout loop until stopped or ``max_groups``, then a last heartbeat."""
+        self.worker.run(should_stop=stop, on_tick=self.heartbeat.maybe_beat)
+        self.heartbeat.beat()
+
+    def close(self) -> None:
+        """Close the run's connections (then close the sampler, then ``watcher.close()``: it deletes the cache)."""
+        self.publisher.close()
+        self.events.close()
+        if self.backlog is not None:
+            self.backlog.close()
+
+
+def open_run_producer(config: RunConfig, connection: RunConnection, producer_id: str, sampler: Sampler,
+                      tokenizer: Any, incarnation: int, health: HealthServer | None) -> RunProducer:
+    """The producer of ``config.run_id`` on ``sampler`` (its own, or its view of an engine several runs share)."""
+    from pipeline.devstack.stack import rlpipe_home
+
+    registry = AdapterRegistry(connection.archive.store, config.run_id)
+    events = KafkaAdapterEvents.open(connection.bus, config.run_id)  # before the watcher's first registry read
     cache_root = Path(rlpipe_home()) / "adapter-cache"
     sweep_dead_process_caches(cache_root, host_name())
     cache = cache_root / producer_id
     watcher = AdapterWatcher(registry, sampler, cache, max_loaded=config.sampler.max_loras, events=events)
-    done.add("adapters")
-    sink = StoreThenEventSink(archive, config.run_id, config.env.name, producer_id, announce)
+    sink = StoreThenEventSink(connection.archive, config.run_id, config.env.name, producer_id, connection.announce)
     worker = RolloutWorker(
         run_id=config.run_id, producer_id=producer_id, env_name=config.env.name,
         make_env=lambda: env_from_spec(config.env), tokenizer=tokenizer, sampler=sampler,
         adapters=watcher, sink=sink, producer=config.producer, sampling=config.sampler,
-        env_seeds=config.training_seeds(producer_id), incarnation=streams.incarnation,
+        env_seeds=config.training_seeds(producer_id), incarnation=incarnation,
     )
     watcher.in_use = lambda: {g.adapter.version for g in worker.active if g.adapter is not None}
     backlog = None
     if config.producer.max_backlog_steps is not None:
-        backlog = LearnerBacklog(bus, config.run_id, worker, config.producer.max_backlog_steps * config.learner.batch_rows)
+        backlog = LearnerBacklog(connection.bus, config.run_id, worker,
+                                 config.producer.max_backlog_steps * config.learner.batch_rows)
         worker.backlog_full = backlog
-    heartbeat = Heartbeat(worker, watcher, announce, config.producer.heartbeat_interval_s, health)
-    health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
-    log.info("producer %s running", producer_id)
-    try:
-        worker.run(should_stop=stop, on_tick=heartbeat.maybe_beat)
-        heartbeat.beat()
-    finally:
-        publisher.close()
-        events.close()
-        if backlog is not None:
-            backlog.close()
-        sampler.close()
-        watcher.close()
-    log.info("producer %s stopped: %d batches, %d samples", producer_id, worker.stats.batches, worker.stats.samples)
-    return worker
+    heartbeat = Heartbeat(worker, watcher, connection.announce, config.producer.heartbeat_interval_s, health)
+    return RunProducer(worker, watcher, heartbeat, connection.publisher, events, backlog)

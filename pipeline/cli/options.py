@@ -24,6 +24,29 @@ def run_config(
     return resolve_config(preset, config, [*(overrides or ()), *([f"run_id={run}"] if run else [])])
 
 
+# Several runs packed in one process (``rlpipe learner start`` / ``rlpipe producer start``).
+PackedRunOpt = Annotated[list[str] | None, typer.Option(
+    "--run", "-r", help="The run id; repeat it to serve several runs packed in this process.")]
+PackedConfigOpt = Annotated[list[str] | None, typer.Option(
+    "--config", "-c", help="A YAML/JSON run configuration file; repeat it (one per run) to pack several runs.")]
+
+
+def run_configs(
+    preset: str | None, configs: list[str] | None, overrides: list[str] | None, runs: list[str] | None
+) -> list[RunConfig]:
+    """The runs a packed process serves: one per ``--config`` file or ``--run`` id (paired when both repeat).
+
+    One file for several ids gives each id that configuration; ``--set`` applies to every run.
+    """
+    configs, runs = configs or [], runs or []
+    if len(configs) > 1 and len(runs) > 1 and len(configs) != len(runs):
+        raise ValueError(f"{len(configs)} --config files and {len(runs)} --run ids: give one --config per --run, "
+                         "or one --config for every run")
+    count = max(len(configs), len(runs), 1)
+    return [run_config(preset, configs[i] if len(configs) > 1 else next(iter(configs), None), overrides,
+                       runs[i] if len(runs) > 1 else next(iter(runs), None)) for i in range(count)]
+
+
 def setup_logging(verbose: bool = False) -> None:
     """Rich log lines with times for long-running processes."""
     import logging

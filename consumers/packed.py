@@ -1,0 +1,275 @@
+"""Packed learning: several runs trained in one process, each as one adapter of one training engine.
+
+The base model is loaded once (``consumers.engine.TrainingEngine``); every run
+gets a LoRA adapter in it and an ``EnginePolicy`` over that adapter, which is
+``LoraPolicy``'s training code (losses, schedule, KL reference, checkpoint
+tensors under the same names) on the shared model.  Each run keeps a whole
+``Learner`` of its own: configuration, source (its own consumer group and
+offsets), registry, checkpoints, lease, fault points and exactly-once
+guarantee; the packed loop only decides whose turn it is.
+
+Fairness: round-robin.  Each turn is one pass of that run's own learner loop
+(poll, ingest at most one announced batch, train a step once enough rows
+wait), so a run whose episodes are slow, or which waits for rows, costs the
+others one short poll and never a whole step's worth of waiting.
+
+Isolation: a turn holds the engine with the run's adapter active (only its LoRA
+weights require gradients) and the run's own torch, numpy and Python RNG states
+in place, so what one run draws never depends on the others; a run trained
+packed reaches the weights it reaches alone on the same batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from peft import set_peft_model_state_dict
+
+from consumers.engine import TrainingEngine
+from consumers.learner import Learner
+from consumers.policy import LoraPolicy, pick_device
+from consumers.service import build_learner, finish, progress_line
+from consumers.sources import KafkaSource
+from pipeline.health import HealthServer
+from pipeline.io.bus import EventPublisher
+from pipeline.models import resolve_base_model
+from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
+from schemas.config import LearnerConfig, RunConfig
+
+log = logging.getLogger("rlpipe.learner")
+
+JOIN_TIMEOUT_S = 60.0  # at most this long joining the runs' consumer groups before training starts
+JOIN_POLL_S = 0.2  # each run's share of one joining round
+
+
+class EnginePolicy(LoraPolicy):
+    """One run's policy as adapter ``name`` of a shared engine; use it only inside ``engine.holding(name)``."""
+
+    def __init__(self, engine: TrainingEngine, name: str, config: LearnerConfig) -> None:
+        if pick_device(config.device) != engine.device:
+            raise ValueError(f"run {name}: learner.device={config.device} differs from the packed engine's "
+                             f"{engine.device}; pack only runs on the same device")
+        self.config, self.engine, self.name = config, engine, name
+        self.device = engine.device
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        engine.create_adapter(name, config.lora_rank, config.lora_alpha, list(config.target_modules), config.seed,
+                              config.lora_dropout)
+        with engine.holding(name) as (model, slot):
+            self.model, self.slot = model, slot
+            self.params = list(self.lora_parameters().values())
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.autocast = engine.autocast
+        self.reference = None
+
+    def lora_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """This adapter's parameters under ``LoraPolicy``'s names, so checkpoints move freely between the two."""
+        marker = f".{self.slot}."
+        return {name.replace(marker, ".default.", 1): p for name, p in self.model.named_parameters() if marker in name}
+
+    def save_adapter(self, folder: str | Path) -> Path:
+        """The PEFT folder of this adapter (adapter_config.json + adapter_model.safetensors)."""
+        return self.engine.export_for_sampling(self.name, folder)
+
+    def load_adapter_folder(self, folder: str | Path) -> None:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(Path(folder) / "adapter_model.safetensors"))
+        set_peft_model_state_dict(self.model, weights, adapter_name=self.slot)
+
+
+@dataclass
+class PackedRun:
+    """One run of a packed learner: its learner and the numpy and Python RNG states between its turns."""
+
+    run_id: str
+    learner: Learner
+    rng: tuple[Any, Any] = field(default_factory=lambda: (np.random.get_state(), random.getstate()))
+
+    def finished(self) -> bool:
+        """At ``max_steps``, or a finite source (replay) that has nothing more to give."""
+        learner = self.learner
+        return learner.budget_reached() or (not learner.incoming and learner.source.exhausted())
+
+
+def seeded_rng(seed: int) -> tuple[Any, Any]:
+    """The numpy and Python RNG states a single-run learner starts with (``seed_everything``)."""
+    saved = np.random.get_state(), random.getstate()
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+    state = np.random.get_state(), random.getstate()
+    np.random.set_state(saved[0])
+    random.setstate(saved[1])
+    return state
+
+
+class PackedLearner:
+    """Several runs' learners on one training engine, served round-robin one pass of their loop at a time."""
+
+    def __init__(self, engine: TrainingEngine, learners: list[Learner]) -> None:
+        names = [learner.run_id for learner in learners]
+        if len(set(names)) != len(names):
+            raise ValueError(f"runs {names} name a run twice; pack each run once")
+        self.engine = engine
+        self.runs = [PackedRun(learner.run_id, learner, seeded_rng(learner.cfg.seed)) for learner in learners]
+
+    @contextlib.contextmanager
+    def turn(self, run: PackedRun) -> Iterator[Learner]:
+        """Hold the engine for ``run``: its adapter active, its torch, numpy and Python RNG states in place."""
+        with self.engine.holding(run.run_id):
+            saved = np.random.get_state(), random.getstate()
+            np.random.set_state(run.rng[0])
+            random.setstate(run.rng[1])
+            try:
+                yield run.learner
+            finally:
+                run.rng = np.random.get_state(), random.getstate()
+                np.random.set_state(saved[0])
+                random.setstate(saved[1])
+
+    def resume(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Resume every run from its own newest checkpoint (its lease, its positions), then join their groups."""
+        for run in self.runs:
+            with self.turn(run) as learner:
+                learner.resume()
+        self.join(join_timeout_s)
+
+    def join(self, timeout_s: float) -> None:
+        """Take part in every run's consumer group, in turns, until each has its partitions or ``timeout_s`` passed.
+
+        A join takes several round trips with the broker, each finished only by a
+        poll of that run's consumer; in the round-robin a run is polled once per
+        turn, so a run still joining while another trains would wait a whole step
+        per round trip.  Sources without a group (replay) have nothing to join.
+        """
+        deadline = time.monotonic() + timeout_s
+        joining = [run for run in self.runs if hasattr(run.learner.source, "join")]
+        while joining and time.monotonic() < deadline:
+            joining = [run for run in joining if not run.learner.source.join(JOIN_POLL_S)]  # type: ignore[attr-defined]
+        if joining:
+            log.warning("runs %s have not joined their consumer groups after %.0fs; they join while the others train",
+                        ", ".join(run.run_id for run in joining), timeout_s)
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False,
+            on_step: Callable[[str, dict], None] = lambda run_id, metrics: None, poll_timeout_s: float = 1.0) -> None:
+        """Round-robin until stopped or every run is finished (``max_steps``, or its finite source ran dry).
+
+        A waiting run polls for ``poll_timeout_s`` divided among the runs still
+        going, so one full round waits about ``poll_timeout_s`` when none has rows.
+        """
+        while not should_stop():
+            going = [run for run in self.runs if not run.finished()]
+            if not going:
+                return
+            for run in going:
+                if should_stop():
+                    return
+                with self.turn(run) as learner:
+                    for metrics in one_pass(learner, poll_timeout_s / len(going)):
+                        on_step(run.run_id, metrics)
+
+    def each(self, action: Callable[[Learner], Any]) -> None:
+        """Run ``action`` on every run's learner in its own turn (the final step and checkpoint on a stop)."""
+        for run in self.runs:
+            with self.turn(run) as learner:
+                action(learner)
+
+
+def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:
+    """One pass of ``learner``'s own loop (``Learner.run``): poll, ingest one batch, step if ready; the steps taken."""
+    passes = iter((False,))  # lets the loop's condition pass once
+    steps: list[dict] = []
+    learner.run(should_stop=lambda: next(passes, True), on_step=steps.append, poll_timeout_s=poll_timeout_s)
+    return steps
+
+
+# ---- the packed learner process ---------------------------------------------------------------------------------
+def check_packable(configs: list[RunConfig]) -> None:
+    """Refuse, in one line, runs that cannot share one engine and one event log."""
+    if not configs:
+        raise ValueError("no run to train; name at least one run")
+    first = configs[0]
+    runs = [c.run_id for c in configs]
+    if len(set(runs)) != len(runs):
+        raise ValueError(f"runs {runs} name a run twice; pack each run once")
+    for cfg in configs[1:]:
+        shared = {
+            "model.base_model": (first.model.base_model, cfg.model.base_model),
+            "model.dtype": (first.model.dtype, cfg.model.dtype),
+            "learner.device": (first.learner.device, cfg.learner.device),
+            "bus.bootstrap_servers": (first.bus.bootstrap_servers, cfg.bus.bootstrap_servers),
+            "bus.namespace": (first.bus.namespace, cfg.bus.namespace),
+        }
+        for name, (ours, theirs) in shared.items():
+            if ours != theirs:
+                raise ValueError(f"runs {first.run_id} and {cfg.run_id} differ in {name} ({ours} vs {theirs}); "
+                                 "packed runs share one base model, device and event log: start them separately")
+
+
+def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
+                       on_step: Callable[[str, dict], None] | None = None) -> PackedLearner:
+    """Train several runs in one process on one engine until stopped or each reaches its ``max_steps``.
+
+    Every run is set up as ``run_learner`` sets up one (its ``run.json``, its own
+    consumer group, lease, registry and checkpoints); a SIGTERM trains what each
+    run has waiting and writes each one's final checkpoint.
+    """
+    check_packable(configs)
+    stop = stop or StopFlag()
+    first = configs[0]
+    health = HealthServer(first.learner.health_port).start()
+    done = health.add_setup_steps(("broker", "engine", "resumed"))
+    health.add_readiness_check("stopping", lambda: not stop())
+    bus = resolved_bus(first.bus)
+    publisher = EventPublisher(bus)
+    sources: list[KafkaSource] = []
+    learners: list[Learner] = []
+    try:
+        base_model = resolve_base_model(first.model)
+        if first.learner.torch_threads:
+            torch.set_num_threads(first.learner.torch_threads)
+        log.info("initialising a training engine on %s for runs %s", base_model, ", ".join(c.run_id for c in configs))
+        engine = TrainingEngine(base_model, device=first.learner.device, dtype=first.model.dtype)
+        done.add("engine")
+        for cfg in configs:
+            store = open_store(cfg.store)
+            announcer = Announcer(publisher, cfg.run_id)
+            _, _, created = create_run(store, cfg, cfg.model.base_model)
+            if created is not None:
+                announcer(created)
+            sources.append(KafkaSource(bus, cfg.run_id))
+            policy = EnginePolicy(engine, cfg.run_id, cfg.learner)
+            learners.append(build_learner(cfg, store, sources[-1], announcer, base_model, policy=policy))
+        done.add("broker")
+        packed = PackedLearner(engine, learners)
+        packed.resume()
+        done.add("resumed")
+        health.set_gauge("rlpipe_learner_up", 1.0, "1 once the learner is set up and training")
+
+        def after_step(run_id: str, metrics: dict[str, Any]) -> None:
+            log.info("%s: %s", run_id, progress_line(metrics))
+            if on_step is not None:
+                on_step(run_id, metrics)
+
+        packed.run(should_stop=stop, on_step=after_step)
+        packed.each(lambda learner: finish(learner, lambda metrics: after_step(learner.run_id, metrics)))
+    finally:
+        for source in sources:
+            source.close()
+        publisher.close()
+        for learner in learners:
+            learner.metric_logger.close()
+        health.stop()
+    for learner in learners:
+        log.info("run %s stopped at step %d, version %d", learner.run_id, learner.state.step, learner.state.version)
+    return packed

@@ -1,0 +1,114 @@
+"""Packed learning: two runs as two adapters of one engine reach the weights each reaches alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from consumers.checkpoint import CheckpointStore
+from consumers.engine import TrainingEngine
+from consumers.learner import Learner
+from consumers.packed import EnginePolicy, PackedLearner
+from consumers.policy import LoraPolicy
+from consumers.sources import ReplaySource
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from schemas.config import LearnerConfig
+from tests.consumers import test_learner
+from tests.consumers.test_learner import setup  # noqa: F401  # the module fixture: tiny model, prompt, answers
+
+SOURCES = {"a": 0, "b": 1}  # run -> seed of its batches' answers
+
+
+def config(run: str, **overrides) -> LearnerConfig:
+    values = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 2e-2, "batch_rows": 16, "publish_every": 1,
+              "checkpoint_every": 2, "max_staleness": 1000, "device": "cpu",
+              # the runs differ in more than their data: schedule, KL penalty, seed
+              "seed": 3 if run == "b" else 0, "kl_coef": 0.05 if run == "b" else 0.0,
+              "lr_schedule": "cosine", "max_steps": 4, **overrides}
+    return LearnerConfig(**values)
+
+
+def learner_of(store: ObjectStore, run: str, source_run: str, policy: LoraPolicy, cfg: LearnerConfig) -> Learner:
+    archive = TrajectoryArchive(store)
+    return Learner(run_id=run, base_model="tiny", config=cfg, policy=policy, archive=archive,
+                   registry=AdapterRegistry(store, run), checkpoints=CheckpointStore(store, run),
+                   source=ReplaySource(archive, source_run))
+
+
+@pytest.fixture
+def batches(tmp_path, setup, monkeypatch):  # noqa: F811
+    store = ObjectStore(tmp_path.as_uri())
+    for run, seed in SOURCES.items():  # test_learner's batches, under run src-<run>
+        monkeypatch.setattr(test_learner, "RUN", f"src-{run}")
+        test_learner.write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(seed))
+    return store
+
+
+def adapter_of(store: ObjectStore, run: str) -> dict[str, torch.Tensor]:
+    checkpoint = CheckpointStore(store, run).latest()
+    assert checkpoint is not None
+    return checkpoint.adapter
+
+
+def test_two_packed_runs_reach_the_weights_each_reaches_alone(batches, setup):  # noqa: F811
+    for run in SOURCES:
+        alone = learner_of(batches, f"{run}-alone", f"src-{run}", LoraPolicy(setup["model_dir"], config(run)),
+                           config(run))
+        alone.resume()
+        alone.run(poll_timeout_s=0)
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    learners = [learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, config(run)), config(run))
+                for run in SOURCES]
+    packed = PackedLearner(engine, learners)
+    packed.resume()
+    steps: list[str] = []
+    packed.run(on_step=lambda run, metrics: steps.append(run), poll_timeout_s=0)
+    assert sorted(steps) == ["a"] * 4 + ["b"] * 4 and steps[:2] != ["a", "a"]  # interleaved, each to max_steps
+    for run in SOURCES:
+        assert AdapterRegistry(batches, run).versions() == [1, 2, 3, 4]
+        alone, together = adapter_of(batches, f"{run}-alone"), adapter_of(batches, run)
+        assert alone.keys() == together.keys()
+        assert max(float((alone[k] - together[k]).abs().max()) for k in alone) <= 1e-6, run
+    assert not all(torch.equal(adapter_of(batches, "a")[k], adapter_of(batches, "b")[k]) for k in alone)
+
+
+def test_a_packed_run_resumes_from_its_own_checkpoint_alone(batches, setup):  # noqa: F811
+    """A packed run's checkpoint (adapter, optimizer, schedule) continues in a single-run learner and back."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    learner = learner_of(batches, "a", "src-a", EnginePolicy(engine, "a", config("a")), config("a"))
+    first = PackedLearner(engine, [learner])
+    first.resume()
+    first.run(should_stop=lambda: learner.state.step >= 2, poll_timeout_s=0)  # checkpoint_every=2
+    alone = learner_of(batches, "a", "src-a", LoraPolicy(setup["model_dir"], config("a")), config("a"))
+    alone.source.already_trained = lambda batch_id: batch_id in alone.state.trained
+    assert alone.resume() and alone.state.step == 2
+    alone.run(poll_timeout_s=0)
+    reference = learner_of(batches, "ref", "src-a", LoraPolicy(setup["model_dir"], config("a")), config("a"))
+    reference.run(poll_timeout_s=0)
+    assert alone.state.step == reference.state.step == 4
+    ours, theirs = adapter_of(batches, "a"), adapter_of(batches, "ref")
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6
+
+
+class Joining:
+    """A source whose group assigns its partitions on the n-th join call."""
+
+    def __init__(self, calls: list[str], name: str, after: int) -> None:
+        self.calls, self.name, self.after = calls, name, after
+
+    def join(self, timeout_s: float) -> bool:
+        self.calls.append(self.name)
+        return self.calls.count(self.name) >= self.after
+
+
+def test_resume_joins_every_runs_group_in_turns_before_any_run_trains():
+    """A join needs several polls of its own consumer: taken in turns before training, not one per step."""
+    calls: list[str] = []
+    packed = PackedLearner.__new__(PackedLearner)
+    packed.runs = [type("Run", (), {"run_id": name, "learner": type("L", (), {"source": Joining(calls, name, after)})})
+                   for name, after in (("a", 2), ("b", 3))]
+    packed.join(timeout_s=5)
+    assert calls == ["a", "b", "a", "b", "b"]
