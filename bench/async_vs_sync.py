@@ -34,6 +34,10 @@ already built under your ``RLPIPE_HOME`` is reused, not rebuilt.
     python bench/async_vs_sync.py                                  # comparison + 1, 2, 3 concurrent runs
     python bench/async_vs_sync.py --steps 2 --skip-concurrency     # a quick smoke run
     python bench/async_vs_sync.py --skip-comparison --concurrency 2 --concurrency-steps 1
+
+Why one module of about 600 lines: it runs as a script (``python bench/async_vs_sync.py``,
+``bench/`` is no package) and the tests import its pure parts as ``bench.async_vs_sync``;
+a sibling module for those parts would import in only one of the two ways.
 """
 
 from __future__ import annotations

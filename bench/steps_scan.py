@@ -44,8 +44,8 @@ from pipeline.io.datasets import (
     read_steps,
     scan_steps,
     select_files,
-    steps_table_from_arrays,
 )
+from pipeline.io.steps_arrays import steps_table_from_arrays
 from pipeline.io.store import ObjectStore
 
 STEPS_PER_DAY = 288

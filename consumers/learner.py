@@ -38,14 +38,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import signal
 import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +52,7 @@ from consumers.advantages import compute_advantages, discounted_returns_to_go, t
 from consumers.batching import drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
+from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
 from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
@@ -93,48 +92,6 @@ class TrajectorySource(Protocol):
     def exhausted(self) -> bool: ...
     # Optional, for sources whose log can be replaced under the same name (Kafka):
     # log_identity() -> {topic: id}; positions_elsewhere(positions, recorded identity) -> keys to read from 0.
-
-
-FAULT_ENV = "RLPIPE_FAULT"
-FaultPoint = Literal["after_publish", "before_checkpoint", "after_checkpoint"]
-FAULT_POINTS: tuple[FaultPoint, ...] = ("after_publish", "before_checkpoint", "after_checkpoint")
-
-
-@dataclass
-class FaultInjector:
-    """Crash-test hook: ``RLPIPE_FAULT=<point>:<n>`` SIGKILLs this process the n-th time it passes ``point``.
-
-    Why: the windows that matter for exactly-once (a checkpoint durable but its
-    offsets not committed, a version published but no checkpoint naming it) last
-    milliseconds, too short to hit with a timer from outside.  Points:
-    ``after_publish`` (adapter version committed and announced, before the step's
-    checkpoint), ``before_checkpoint`` (nothing of the checkpoint written yet),
-    ``after_checkpoint`` (checkpoint durable and announced, offsets not yet
-    committed).  Counts are per process.  Unset (the normal case), it does nothing.
-    """
-
-    point: FaultPoint | None = None
-    at: int = 0
-    passed: int = 0
-
-    @classmethod
-    def from_env(cls) -> FaultInjector:
-        spec = os.environ.get(FAULT_ENV, "")
-        if not spec:
-            return cls()
-        point, _, count = spec.partition(":")
-        if point not in FAULT_POINTS or not count.isdigit() or int(count) < 1:
-            raise ValueError(f"{FAULT_ENV}={spec!r} is not <point>:<n> with point one of {', '.join(FAULT_POINTS)} "
-                             "and n >= 1; fix or unset it")
-        return cls(point, int(count))  # type: ignore[arg-type]  # checked just above
-
-    def reached(self, point: FaultPoint) -> None:
-        if point != self.point:
-            return
-        self.passed += 1
-        if self.passed == self.at:
-            log.warning("%s=%s:%d: killing this process with SIGKILL", FAULT_ENV, point, self.at)
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass

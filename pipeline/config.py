@@ -40,7 +40,7 @@ PROCESS_ENV = {
     "RLPIPE_HOME": "where the embedded stack, caches and local store live (pipeline.devstack.stack)",
     "RLPIPE_KAFKA_GROUP_TIMINGS_MS": "consumer-group timings as JSON (pipeline.io.bus)",
     "RLPIPE_KAFKA_PORT": "port of a broker started by `python -m pipeline.devstack.broker`",
-    "RLPIPE_FAULT": "the learner's crash-test hook (consumers.learner)",
+    "RLPIPE_FAULT": "the learner's crash-test hook (consumers.faults)",
 }
 
 

@@ -1,7 +1,7 @@
 """A time-sorted log cut into episodes and per-day steps tables, shared by both importers,
 and the error every offline step raises for input it cannot use.
 
-Episodes are local days or stretches without gaps (``pipeline.io.datasets.episode_starts``);
+Episodes are local days or stretches without gaps (``pipeline.io.steps_arrays.episode_starts``);
 each local date on which episodes start becomes one partition of the dataset.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.io.datasets import US_PER_SECOND, EpisodeSplit, steps_table_from_arrays
+from pipeline.io.steps_arrays import US_PER_SECOND, EpisodeSplit, steps_table_from_arrays
 
 DEFAULT_STEP_SECONDS = 300.0
 

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.io.datasets import US_PER_SECOND, DatasetCard, DatasetField, DatasetWriter, EpisodeSplit, episode_starts
+from pipeline.io.datasets import DatasetCard, DatasetField, DatasetWriter
+from pipeline.io.steps_arrays import US_PER_SECOND, EpisodeSplit, episode_starts
 from pipeline.io.store import ObjectStore
 from producers.offline.episodes import (
     DatasetImportError,

@@ -12,7 +12,8 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline.io.datasets import DatasetCard, DatasetField, DatasetWriter, EpisodeSplit, episode_starts
+from pipeline.io.datasets import DatasetCard, DatasetField, DatasetWriter
+from pipeline.io.steps_arrays import EpisodeSplit, episode_starts
 from pipeline.io.store import ObjectStore
 from producers.offline.episodes import (
     DatasetImportError,

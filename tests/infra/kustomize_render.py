@@ -327,6 +327,18 @@ def pod_specs(resource: Resource) -> list[dict[str, Any]]:
     return [template["spec"]] if resource["kind"] in WORKLOAD_KINDS and "spec" in template else []
 
 
+def of_kind(resources: list[dict], kind: str) -> list[dict]:
+    """The rendered resources of one kind."""
+    return [r for r in resources if r["kind"] == kind]
+
+
+def one(resources: list[dict], kind: str, name: str | None = None) -> dict:
+    """The one rendered resource of ``kind`` (and ``name``); the test fails unless there is exactly one."""
+    matches = [r for r in of_kind(resources, kind) if name is None or r["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
+    return matches[0]
+
+
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job", "CronJob"}
 
 

@@ -152,10 +152,6 @@ def test_a_learner_killed_before_its_commit_resumes_without_touching_the_produce
     print(f"progress {waited:.1f} s after the restart")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known regression since the pipeline/ split into io/devstack/analysis: after the first learner exits, the "
-    "second stays in kafka-python's group join (ensure_active_group) past the 120 s limit; the lease itself is "
-    "checked by tests/consumers/test_lease.py"))
 def test_a_second_learner_takes_over_and_the_first_exits_naming_it(
     tmp_path: Path, bus_config: BusConfig, tiny_model_dir: str, processes: Processes
 ) -> None:

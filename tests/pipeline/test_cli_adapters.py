@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from pipeline.cli.adapters import app
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
-from tests.pipeline.test_registry import make_adapter
+from tests.pipeline.io.test_registry import make_adapter
 
 runner = CliRunner(env={"COLUMNS": "200"})  # wide enough that rich does not fold table cells
 

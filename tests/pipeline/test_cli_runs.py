@@ -21,7 +21,7 @@ from pipeline.runtime import create_run
 from schemas.checkpoint import LearnerState
 from schemas.config import BusConfig, RunConfig
 from schemas.events import LearnerCheckpointed, RunStarted, RunStopped, make_event
-from tests.pipeline.test_registry import make_adapter
+from tests.pipeline.io.test_registry import make_adapter
 
 runner = CliRunner(env={"COLUMNS": "220"})
 

@@ -266,6 +266,11 @@ class EventConsumer:
             self._poll_without_consuming(timeout_ms=100)
         return self.assignment()
 
+    @property
+    def rebalancing(self) -> bool:
+        """True while this member is rejoining its group (a rebalance it has not finished)."""
+        return bool(self._consumer._coordinator.rebalance_in_progress())  # kafka-python has no public view of it
+
     def positions(self) -> dict[TopicPartitionKey, int]:
         """The next offset this member will read, per assigned partition."""
         with self._errors("positions"):
@@ -339,10 +344,26 @@ class EventConsumer:
 
     def close(self) -> None:
         """Leave the group (without committing) and close the clients; safe to call twice."""
+        self._finish_rebalance()
         self._consumer.close(autocommit=False, timeout_ms=self._timeout_ms)
         if self._dlq is not None:
             self._dlq.close()
             self._dlq = None
+
+    def _finish_rebalance(self) -> None:
+        """Complete a rejoin still in flight (within the close timeout) so the member leaves a settled group.
+
+        A ``poll`` that returns before its rejoin completes leaves the JoinGroup in flight; a LeaveGroup sent
+        beside it lets Tansu, the dev stack's broker, finish that generation with the departed member as its
+        leader, whose assignment never comes: the other members then rejoin that generation for ever.  Left
+        after its SyncGroup, the member starts an ordinary rebalance (Kafka handles either order).
+        """
+        if self._consumer._closed or not self.rebalancing:  # kafka-python has no public view of either
+            return
+        try:
+            self._consumer._coordinator.ensure_active_group(timeout_ms=self._timeout_ms)
+        except KafkaError as exc:  # leave anyway: the group drops this member at its session timeout at worst
+            log.warning("leaving group %s before its rebalance finished: %s", self.group_id, _describe(exc))
 
     def __enter__(self) -> EventConsumer:
         return self

@@ -312,6 +312,25 @@ def test_keep_alive_keeps_the_member_in_its_group(bus_config: BusConfig, fast_gr
                 consumer.commit()
 
 
+def test_a_member_closed_during_a_rebalance_hands_its_partitions_over(bus_config: BusConfig, fast_group: dict) -> None:
+    # A learner fenced out while a newer one joins: it is closed with its rejoin still in flight (keep_alive
+    # polls without waiting).  Leaving then must not strand the newcomer in a generation led by a gone member.
+    topic_partition = (f"{bus_config.namespace}.control", 0)
+    first = EventConsumer(bus_config, "control", "learner", **fast_group)
+    try:
+        assert first.wait_for_assignment() == [topic_partition]
+        with EventConsumer(bus_config, "control", "learner", **fast_group) as newcomer:
+            newcomer.wait_for_assignment(timeout_s=0.1)  # its join is under way: the group rebalances
+            deadline = time.monotonic() + 15.0
+            while not first.rebalancing and time.monotonic() < deadline:
+                first.keep_alive()
+                newcomer.wait_for_assignment(timeout_s=0.1)
+            assert first.rebalancing, "the first member never saw the rebalance"
+            first.close()
+            assert newcomer.wait_for_assignment(timeout_s=30.0) == [topic_partition]
+    finally:
+        first.close()
+
 # ---------------------------------------------------------------------------------------------------------------------
 # failures within bounded time
 

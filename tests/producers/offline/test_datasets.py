@@ -1,18 +1,12 @@
-"""Offline datasets: importers (Smart Buildings layout, tables), the building generator, logged steps as
-online prompts, token trajectories, training through `rlpipe replay --train`, and evaluation online."""
+"""Offline datasets: the building generator, logged steps as online prompts, token trajectories, training
+through `rlpipe replay --train`, and evaluation online (the importers: test_smart_buildings, test_table)."""
 
 from __future__ import annotations
 
-import datetime as dt
-import io
 import json
 import logging
 import math
-import os
-import pickle
 import re
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -20,13 +14,12 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from pipeline.io.archive import TrajectoryArchive
-from pipeline.io.datasets import dataset_names, iter_partitions, read_card
+from pipeline.io.datasets import iter_partitions
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from producers.envs.building import BuildingHVAC
 from producers.envs.evaluate import run_episode
 from producers.offline.cli import app
-from producers.offline.episodes import DatasetImportError
 from producers.offline.evaluation import SamplingSettings, evaluate_building, model_outcomes, scripted_outcomes
 from producers.offline.generation import (
     GenerationSpec,
@@ -34,15 +27,10 @@ from producers.offline.generation import (
     day_policy,
     generate_building_dataset,
     simulate_day,
-    write_sbd_partition,
 )
 from producers.offline.smart_buildings import (
     REWARD_VALUE_IDS,
-    PickleRefusedError,
-    import_smart_buildings,
-    load_trusted_pickle,
 )
-from producers.offline.table import TableMapping, import_table
 from producers.offline.trajectories import (
     TrajectoryOptions,
     building_env_for,
@@ -60,10 +48,6 @@ US = 1_000_000
 @pytest.fixture
 def store(tmp_path):
     return ObjectStore((tmp_path / "store").as_uri())
-
-
-def _nothing_written(store) -> bool:
-    return store.list("", recursive=True) == []
 
 
 # ---- the building environment restores a logged state ------------------------------------------------
@@ -96,158 +80,6 @@ def test_load_state_from_telemetry_reproduces_text_telemetry_and_physics():
     assert restored.telemetry() == original.telemetry()
     with pytest.raises(ValueError, match="outside this episode"):
         BuildingHVAC().load_state_from_telemetry(telemetry, step_index=288)
-
-
-# ---- the Smart Buildings layout --------------------------------------------------------------------
-
-
-def _sbd_partition(rows_a: int = 72, rows_b: int = 4):
-    """A small partition in the real layout: 22:00 UTC on 2023-03-01 onwards, 5-minute rows, a 1 h gap."""
-    t0 = dt.datetime(2023, 3, 1, 22, 0, tzinfo=dt.UTC)
-    times = [t0 + dt.timedelta(minutes=5 * k) for k in range(rows_a)]
-    times += [times[-1] + dt.timedelta(hours=1, minutes=5 * (k + 1)) for k in range(rows_b)]
-    n = len(times)
-    k = np.arange(n, dtype=np.float32)
-    matrices = {
-        "observation_value_matrix": np.stack([290 + 0.01 * k, 280 - 0.02 * k], axis=1).astype(np.float32),
-        "action_value_matrix": (330 + 0.1 * k)[:, None].astype(np.float32),
-        "reward_value_matrix": np.stack([-0.001 * k * (j + 1) for j in range(17)], axis=1).astype(np.float32),
-        "reward_info_value_matrix": np.stack([294 + 0 * k, 50 * k], axis=1).astype(np.float32),
-    }
-    metadata = {
-        "observation_ids": {"1001@zone_air_temperature_sensor": 0, "1002@outside_air_temperature_sensor": 1},
-        "action_ids": {"2001@supply_water_temperature_setpoint": 0},
-        "reward_ids": {"rooms/1@heating_setpoint_temperature": 0, "2001@pump_electrical_energy_rate": 1},
-        "device_infos": [], "zone_infos": [],
-        "units": {"1001@zone_air_temperature_sensor": "K", "1002@outside_air_temperature_sensor": "K",
-                  "2001@supply_water_temperature_setpoint": "K", "agent_reward_value": "1",
-                  "2001@pump_electrical_energy_rate": "W"},
-    }  # fmt: skip
-    for key in ("observation_timestamps", "action_timestamps", "reward_timestamps", "reward_info_timestamps"):
-        metadata[key] = list(times)
-    return matrices, metadata
-
-
-def _write_json_partition(folder, matrices, metadata):
-    as_json = {k: ([t.isoformat() for t in v] if k.endswith("_timestamps") else v) for k, v in metadata.items()}
-    return write_sbd_partition(folder, matrices, as_json)
-
-
-def test_import_smart_buildings_layout_with_json_metadata(tmp_path, store):
-    matrices, metadata = _sbd_partition()
-    folder = _write_json_partition(tmp_path / "sb1" / "2023_a", matrices, metadata)
-    card = import_smart_buildings(store, tmp_path / "sb1", "sb-march")
-    # shapes: 76 rows; 2 observation + 1 action + 17 reward + 2 reward-info columns
-    assert card.num_rows == 76 and len(card.fields) == 22
-    assert card.observation_columns == ["1001@zone_air_temperature_sensor", "1002@outside_air_temperature_sensor"]
-    assert card.action_columns == ["action:2001@supply_water_temperature_setpoint"]
-    assert card.reward_column == "reward:agent_reward_value"
-    assert card.units()["1002@outside_air_temperature_sensor"] == "K"
-    assert card.units()["reward_info:2001@pump_electrical_energy_rate"] == "W"
-    assert card.units()["reward:carbon_emitted"] is None  # not stated by the source
-    assert set(card.source_files) == {"2023_a/data.npy.npz", "2023_a/metadata.json"}
-    assert card.time_start == metadata["observation_timestamps"][0]
-    assert card.time_end == metadata["observation_timestamps"][-1]
-    # episodes: UTC midnight (24 steps after 22:00) and the gap split the log
-    assert card.num_episodes == 3
-    assert [f.path for f in card.files] == ["steps/date=2023-03-01/part-00000.parquet",
-                                            "steps/date=2023-03-02/part-00000.parquet"]
-    tables = [table for _, table in iter_partitions(store, card)]
-    assert [t.num_rows for t in tables] == [24, 52]
-    import pyarrow as pa
-
-    table = pa.concat_tables(tables)
-    assert table["timestamp"].to_pylist() == metadata["observation_timestamps"]
-    firsts = [i for i, first in enumerate(table["is_first"].to_pylist()) if first]
-    assert firsts == [0, 24, 72]
-    assert table["step"].to_pylist()[72:] == [0, 1, 2, 3]
-    assert table["is_last"].to_pylist()[23] and table["is_last"].to_pylist()[71] and table["is_last"].to_pylist()[-1]
-    # values arrive unchanged, column by column
-    for column, name in enumerate(metadata["observation_ids"]):
-        assert table[name].to_numpy().tolist() == matrices["observation_value_matrix"][:, column].astype(float).tolist()
-    assert table["reward"].to_numpy().tolist() == matrices["reward_value_matrix"][:, 0].tolist()
-    assert table["reward:normalized_carbon_emission"].to_numpy().tolist() == \
-        matrices["reward_value_matrix"][:, 16].astype(float).tolist()
-    assert table["observation"].to_pylist()[5] == matrices["observation_value_matrix"][5].tolist()
-    assert table["action"].to_pylist()[5] == matrices["action_value_matrix"][5].tolist()
-    assert folder.exists()
-
-
-def _pandas_like_pickle(metadata, monkeypatch) -> bytes:
-    """Pickle ``metadata`` as upstream does (timestamps as pandas Timestamps), without pandas installed."""
-
-    def _unpickle_timestamp(value, freq, tz, reso=10):  # pickled by reference only
-        raise AssertionError("never called")
-
-    names = ["pandas", "pandas._libs", "pandas._libs.tslibs", "pandas._libs.tslibs.timestamps"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    _unpickle_timestamp.__module__ = names[-1]
-    _unpickle_timestamp.__qualname__ = "_unpickle_timestamp"
-    sys.modules[names[-1]]._unpickle_timestamp = _unpickle_timestamp
-
-    class UpstreamPickler(pickle.Pickler):
-        def reducer_override(self, obj):
-            if isinstance(obj, dt.datetime):
-                ns = (obj - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1) * 1000
-                return _unpickle_timestamp, (ns, None, dt.UTC, 10)
-            return NotImplemented
-
-    sink = io.BytesIO()
-    UpstreamPickler(sink, protocol=4).dump(metadata)
-    for name in names:
-        monkeypatch.delitem(sys.modules, name)
-    return sink.getvalue()
-
-
-def test_pickle_metadata_is_refused_without_the_flag_and_nothing_is_written(tmp_path, store, monkeypatch):
-    matrices, metadata = _sbd_partition()
-    folder = tmp_path / "part"
-    write_sbd_partition(folder, matrices, {})
-    (folder / "metadata.json").unlink()
-    (folder / "metadata.pickle").write_bytes(_pandas_like_pickle(metadata, monkeypatch))
-    assert "pandas" not in sys.modules  # the stand-in never needs pandas
-    with pytest.raises(PickleRefusedError, match="--trust-pickle"):
-        import_smart_buildings(store, folder, "sb-pickle")
-    assert _nothing_written(store)
-    result = runner.invoke(app, ["import", "smart-buildings", str(folder), "--name", "sb-pickle",
-                                 "--root", store.root])
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and "pickle" in lines[0] and "--trust-pickle" in lines[0] and "Traceback" not in lines[0]
-    assert _nothing_written(store)
-    # trusted: the same dataset as from the JSON metadata
-    trusted = import_smart_buildings(store, folder, "sb-pickle", trust_pickle=True)
-    json_folder = _write_json_partition(tmp_path / "json", matrices, metadata)
-    plain = import_smart_buildings(store, json_folder, "sb-json")
-    assert trusted.num_rows == plain.num_rows and trusted.fields == plain.fields
-    assert [f.sha256 for f in trusted.files] == [f.sha256 for f in plain.files]
-
-
-def test_the_trusted_unpickler_still_refuses_code(tmp_path, store):
-    class Exploit:
-        def __reduce__(self):
-            return (os.system, ("echo owned",))
-
-    with pytest.raises(pickle.UnpicklingError, match="refusing"):
-        load_trusted_pickle(pickle.dumps({"observation_ids": Exploit()}))
-    matrices, _ = _sbd_partition()
-    folder = tmp_path / "evil"
-    write_sbd_partition(folder, matrices, {})
-    (folder / "metadata.json").unlink()
-    (folder / "metadata.pickle").write_bytes(pickle.dumps({"observation_ids": Exploit()}))
-    with pytest.raises(DatasetImportError, match="convert the metadata to JSON"):
-        import_smart_buildings(store, folder, "evil", trust_pickle=True)
-    assert _nothing_written(store)
-
-
-def test_malformed_partitions_are_refused_before_writing(tmp_path, store):
-    matrices, metadata = _sbd_partition()
-    matrices["action_value_matrix"] = np.zeros((76, 2), dtype=np.float32)  # metadata names 1 action column
-    _write_json_partition(tmp_path / "bad", matrices, metadata)
-    with pytest.raises(DatasetImportError, match="action_value_matrix has shape"):
-        import_smart_buildings(store, tmp_path / "bad", "bad")
-    assert "bad" not in dataset_names(store)
 
 
 # ---- the simulator's logs -------------------------------------------------------------------------
@@ -354,42 +186,6 @@ def test_list_show_and_sample_commands(store, monkeypatch):
     assert rows[0]["zone_0_0@zone_air_temperature_sensor"] == first
     missing = runner.invoke(app, ["show", "nope", "--root", store.root])
     assert missing.exit_code != 0 and "no dataset 'nope'" in missing.output and "Traceback" not in missing.output
-
-
-# ---- CSV / Parquet with a mapping ------------------------------------------------------------------
-
-
-def test_import_table_with_a_column_mapping(tmp_path, store):
-    csv = tmp_path / "plant.csv"
-    csv.write_text(
-        "building,time,temp,setpoint,r,done,humidity,note\n"
-        "b2,2023-05-02T10:00:00Z,21.0,0.5,-1.0,false,40,x\n"
-        "b1,2023-05-01T10:05:00Z,20.5,0.4,-0.5,true,41,y\n"
-        "b1,2023-05-01T10:00:00Z,20.0,0.3,-0.2,false,42,z\n"
-        "b2,2023-05-02T10:05:00Z,21.5,0.6,-2.0,false,43,w\n"
-    )
-    mapping = TableMapping(episode_id="building", timestamp="time", observation=["temp"], action=["setpoint"],
-                           reward="r", terminal="done", units={"temp": "degC", "humidity": "%"})
-    card = import_table(store, csv, "plant", mapping)
-    assert card.num_rows == 4 and card.num_episodes == 2
-    roles = {f.name: f.role for f in card.fields}
-    assert roles == {"temp": "observation", "setpoint": "action", "r": "reward", "humidity": "feature"}
-    assert card.units()["temp"] == "degC" and card.units()["setpoint"] is None
-    table = read_card(store, "plant") and next(t for _, t in iter_partitions(store, card))
-    cols = table.to_pydict()
-    assert cols["episode_id"] == ["b1", "b1"]  # b1 starts first; its rows sorted by time
-    assert cols["temp"] == [20.0, 20.5] and cols["observation"] == [[20.0], [20.5]]
-    assert cols["is_terminal"] == [False, True] and cols["discount"] == [1.0, 0.0]
-    assert cols["reward"] == [pytest.approx(-0.2), -0.5]
-    assert [f.date for f in card.files] == [dt.date(2023, 5, 1), dt.date(2023, 5, 2)]
-    untimed = import_table(store, csv, "untimed", TableMapping(observation=["temp"], reward="r"))
-    assert untimed.num_episodes == 1 and untimed.time_start is None and untimed.files[0].date == dt.date(1970, 1, 1)
-    bad = tmp_path / "map.yaml"
-    bad.write_text("episode_id: building\ntimestamp: time\nreward: missing_column\n")
-    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(bad), "--name", "p2",
-                                 "--root", store.root])
-    assert result.exit_code == 2 and "missing_column" in result.output
-    assert "p2" not in dataset_names(store)
 
 
 # ---- token trajectories ---------------------------------------------------------------------------

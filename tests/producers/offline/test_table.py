@@ -1,0 +1,53 @@
+"""The table importer: CSV or Parquet columns mapped onto a steps dataset."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.io.datasets import dataset_names, iter_partitions, read_card
+from pipeline.io.store import ObjectStore
+from producers.offline.cli import app
+from producers.offline.table import TableMapping, import_table
+
+runner = CliRunner(env={"COLUMNS": "200"})
+
+
+@pytest.fixture
+def store(tmp_path):
+    return ObjectStore((tmp_path / "store").as_uri())
+
+
+def test_import_table_with_a_column_mapping(tmp_path, store):
+    csv = tmp_path / "plant.csv"
+    csv.write_text(
+        "building,time,temp,setpoint,r,done,humidity,note\n"
+        "b2,2023-05-02T10:00:00Z,21.0,0.5,-1.0,false,40,x\n"
+        "b1,2023-05-01T10:05:00Z,20.5,0.4,-0.5,true,41,y\n"
+        "b1,2023-05-01T10:00:00Z,20.0,0.3,-0.2,false,42,z\n"
+        "b2,2023-05-02T10:05:00Z,21.5,0.6,-2.0,false,43,w\n"
+    )
+    mapping = TableMapping(episode_id="building", timestamp="time", observation=["temp"], action=["setpoint"],
+                           reward="r", terminal="done", units={"temp": "degC", "humidity": "%"})
+    card = import_table(store, csv, "plant", mapping)
+    assert card.num_rows == 4 and card.num_episodes == 2
+    roles = {f.name: f.role for f in card.fields}
+    assert roles == {"temp": "observation", "setpoint": "action", "r": "reward", "humidity": "feature"}
+    assert card.units()["temp"] == "degC" and card.units()["setpoint"] is None
+    table = read_card(store, "plant") and next(t for _, t in iter_partitions(store, card))
+    cols = table.to_pydict()
+    assert cols["episode_id"] == ["b1", "b1"]  # b1 starts first; its rows sorted by time
+    assert cols["temp"] == [20.0, 20.5] and cols["observation"] == [[20.0], [20.5]]
+    assert cols["is_terminal"] == [False, True] and cols["discount"] == [1.0, 0.0]
+    assert cols["reward"] == [pytest.approx(-0.2), -0.5]
+    assert [f.date for f in card.files] == [dt.date(2023, 5, 1), dt.date(2023, 5, 2)]
+    untimed = import_table(store, csv, "untimed", TableMapping(observation=["temp"], reward="r"))
+    assert untimed.num_episodes == 1 and untimed.time_start is None and untimed.files[0].date == dt.date(1970, 1, 1)
+    bad = tmp_path / "map.yaml"
+    bad.write_text("episode_id: building\ntimestamp: time\nreward: missing_column\n")
+    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(bad), "--name", "p2",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "missing_column" in result.output
+    assert "p2" not in dataset_names(store)
