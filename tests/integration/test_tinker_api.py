@@ -4,8 +4,9 @@ One server per module: the gateway (``rlpipe serve --role gateway``, a real
 process) and one trainer per base model (``python -m consumers.api.worker``, the
 command ``rlpipe serve`` starts for each), on the session's Tansu broker and a
 file:// store, serving two base models of different shapes: the tiny model and
-a smaller one.  The crash test at the end SIGKILLs the
-trainer between ``forward_backward`` and ``optim_step`` and starts a new one.
+a smaller one.  The crash tests at the end SIGKILL the trainer after a
+``forward_backward``, after an ``optim_step`` and after a sampler save, and
+start a new one.
 """
 
 from __future__ import annotations
@@ -262,23 +263,39 @@ def test_a_restarted_gateway_and_the_client_carries_on(server):
     assert training.forward(_data(4), "cross_entropy").result().metrics["loss:sum"] > 0
 
 
-def test_trainer_killed_between_forward_backward_and_optim_step(server):
+KILL_POINTS = ("after_forward_backward", "after_optim_step", "after_sampler_save")
+
+
+def _train_and_save(client, kill: str | None, server: Server) -> str:
+    """forward_backward, optim_step, a named sampler save, another step; SIGKILL the trainer at ``kill``."""
+
+    def maybe_kill(point: str) -> None:
+        if point == kill:
+            time.sleep(0.5)  # let the trainer fold and commit what it can, as it would while idle
+            server.trainer.send_signal(signal.SIGKILL)
+            server.trainer.wait()
+            server.start_trainer()
+
+    client.forward_backward(_data(7), "cross_entropy").result(timeout=180)
+    maybe_kill("after_forward_backward")
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=180)
+    maybe_kill("after_optim_step")
+    client.save_weights_for_sampler("s1").result(timeout=180)
+    maybe_kill("after_sampler_save")
+    client.forward_backward(_data(8), "cross_entropy").result(timeout=180)
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=180)
+    return client.save_state("after").result(timeout=180).path
+
+
+@pytest.mark.parametrize("kill", KILL_POINTS)
+def test_a_trainer_killed_mid_run_ends_with_the_weights_of_an_uninterrupted_run(server, kill):
     service = server.service()
     # the same seed: a model created without one is seeded from its own id
     crashed = service.create_lora_training_client(base_model=server.base_model, rank=4, seed=11).result()
     steady = service.create_lora_training_client(base_model=server.base_model, rank=4, seed=11).result()
-    data = _data(7)
-    crashed.forward_backward(data, "cross_entropy").result()
-    time.sleep(0.5)  # let the trainer fold and commit what it can, as it would while idle
-    server.trainer.send_signal(signal.SIGKILL)
-    server.trainer.wait()
-    pending = crashed.optim_step(types.AdamParams(learning_rate=1e-2))
-    server.start_trainer()
-    pending.result(timeout=180)
-    crashed_state = crashed.save_state("after").result().path
-
-    steady.forward_backward(data, "cross_entropy").result()
-    steady.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    steady_state = steady.save_state("after").result().path
+    crashed_state = _train_and_save(crashed, kill, server)
+    steady_state = _train_and_save(steady, None, server)
     a, b = _adapter(server.store, crashed_state), _adapter(server.store, steady_state)
     assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    # the sampler version was published once, whatever the trainer re-executed after the restart
+    assert AdapterRegistry(server.store, crashed.model_id.replace(":", ".")).versions() == [1]
