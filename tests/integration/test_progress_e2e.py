@@ -51,7 +51,8 @@ def run_config(tmp_path: Path, bus: BusConfig, model_dir: str, **learner: Any) -
         "bus": {"bootstrap_servers": bus.bootstrap_servers, "namespace": bus.namespace, "connect_timeout_s": 5.0},
         "store": {"root": (tmp_path / "store").as_uri()},
         "sampler": {"backend": "transformers", "max_new_tokens": 8, "max_model_len": 512},
-        "producer": {"group_size": 2, "groups_per_batch": 2, "concurrent_groups": 2, "batch_timeout_s": 5.0,
+        # batch_timeout_s well above a group's time even on a loaded machine: every batch is whole (2 groups)
+        "producer": {"group_size": 2, "groups_per_batch": 2, "concurrent_groups": 2, "batch_timeout_s": 30.0,
                      "heartbeat_interval_s": 1.0, "env_workers": 1, "max_backlog_steps": 1},
         "learner": {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3, "publish_every": 1,
                     "max_staleness": 1000, "device": "cpu", "torch_threads": 1, **learner},
