@@ -4,22 +4,26 @@ A slate A of k items out of the candidates is too many actions for one Q-value
 each, so SlateQ learns one value per item and combines them with the user's
 choice model, which the recommender knows (here: RecSim's, ``producers.envs.recsim``):
 
-  Q(s, A)  = sum_{i in A} P(i | s, A) * Qbar(s, i)          (no click adds 0, as in RecSim's agent)
+  Q(s, A)  = sum_{i in A} P(i | s, A) * Qbar(s, i) + P(none | s, A) * Qbar(s, none)
   P(i | s, A) = v_i / (v_0 + sum_{j in A} v_j)            v: the choice model's unnormalised weights
-  target on the clicked item i with reward r:
+  target on the consumed item i (the clicked one, or "none") with reward r:
     Q-learning: y = r + bootstrap * max_{A'} Q_target(s', A')
     SARSA:      y = r + bootstrap * Q_target(s', A'_shown)
-  loss = Huber(y - Qbar(s, i)); steps without a click train nothing (no item was consumed).
+  loss = Huber(y - Qbar(s, i)).
+The no-click option is an item with its own learned value (the paper's null item).
+RecSim's agent gives it value 0, which makes every no-click look like the end of the
+session: with about half the steps unclicked its values settle near r / (1 - gamma / 2)
+and learn nothing of the future (the quality that lengthens a session).
 
 Slate selection, given the weights v and item values q of the candidates:
 ``optimal`` enumerates every k-subset (exact; C(5, 2) = 10 for RecSim's default),
-``topk`` takes the k largest v_i q_i, ``greedy`` adds one item at a time, each the one
+``topk`` takes the k largest v_i (q_i - q_none), ``greedy`` adds one item at a time, each the one
 that raises the slate's value most.  The order inside a slate does not matter to
 the choice model, so slates are subsets in ascending index order.
 
 Observations are what RecSim shows the agent: the user's interest per topic and the
 candidates' topics (``numeric_state`` without the hidden time budget).  An item's
-value network sees the interests and the item's one-hot topic.  Shapes are named by
+value network sees the interests and the item's one-hot topic (all zeros for no click).  Shapes are named by
 suffix: ``_B`` per transition, ``_C`` per candidate, ``_S`` per slate, ``_K`` per slot,
 ``_T`` per topic.
 """
@@ -72,9 +76,12 @@ def choice_weights(scores: Sequence[float] | np.ndarray, env: InterestEvolutionC
     return scores - env.min_normalizer, env.no_click_mass - env.min_normalizer
 
 
-def slate_value(weights_K: np.ndarray | torch.Tensor, item_q_K: np.ndarray | torch.Tensor, no_click_weight: float):
-    """Q(s, A) = sum_i v_i q_i / (v_0 + sum_i v_i) over the slate's items (the last axis)."""
-    return (weights_K * item_q_K).sum(-1) / (no_click_weight + weights_K.sum(-1))
+def slate_value(weights_K, item_q_K, no_click_weight: float, no_click_q=0.0):
+    """Q(s, A) = (sum_i v_i q_i + v_0 q_0) / (v_0 + sum_i v_i) over the slate's items (the last axis).
+
+    Arrays or tensors; ``no_click_q`` is one value or one per row.
+    """
+    return ((weights_K * item_q_K).sum(-1) + no_click_weight * no_click_q) / (no_click_weight + weights_K.sum(-1))
 
 
 def all_slates(num_candidates: int, slate_size: int) -> np.ndarray:
@@ -82,29 +89,36 @@ def all_slates(num_candidates: int, slate_size: int) -> np.ndarray:
     return np.array(list(itertools.combinations(range(num_candidates), slate_size)), dtype=np.int64)
 
 
-def slate_values(weights_BC: torch.Tensor, item_q_BC: torch.Tensor, no_click_weight: float, slates_SK: np.ndarray):
+def slate_values(
+    weights_BC: torch.Tensor, item_q_BC: torch.Tensor, no_click_weight: float, no_click_q_B: torch.Tensor,
+    slates_SK: np.ndarray,
+) -> torch.Tensor:
     """Q(s, A) for every slate of ``slates_SK`` and every row: (B, S)."""
     index_SK = torch.as_tensor(slates_SK)
-    return slate_value(weights_BC[:, index_SK], item_q_BC[:, index_SK], no_click_weight)
+    return slate_value(weights_BC[:, index_SK], item_q_BC[:, index_SK], no_click_weight, no_click_q_B[:, None])
 
 
 def select_slate(
-    weights_C: np.ndarray, item_q_C: np.ndarray, no_click_weight: float, slate_size: int, method: SlateSelection
+    weights_C: np.ndarray, item_q_C: np.ndarray, no_click_weight: float, slate_size: int, method: SlateSelection,
+    no_click_q: float = 0.0,
 ) -> tuple[int, ...]:
-    """The slate ``method`` picks from the candidates' choice weights and item values (ascending indices)."""
+    """The slate ``method`` picks from the candidates' choice weights and item values (ascending indices).
+
+    ``topk`` ranks by v_i (q_i - q_0): an item is worth showing by how much more it is worth than no click.
+    """
     if method == "optimal":
         slates_SK = all_slates(len(weights_C), slate_size)
-        values_S = slate_value(weights_C[slates_SK], item_q_C[slates_SK], no_click_weight)
+        values_S = slate_value(weights_C[slates_SK], item_q_C[slates_SK], no_click_weight, no_click_q)
         return tuple(int(i) for i in slates_SK[int(np.argmax(values_S))])
     if method == "topk":
-        ranked = sorted(range(len(weights_C)), key=lambda i: (-weights_C[i] * item_q_C[i], i))
+        ranked = sorted(range(len(weights_C)), key=lambda i: (-weights_C[i] * (item_q_C[i] - no_click_q), i))
         return tuple(sorted(ranked[:slate_size]))
     if method == "greedy":
         chosen: list[int] = []
         for _ in range(slate_size):
             def value_with(i: int) -> float:
                 slate = [*chosen, i]
-                return float(slate_value(weights_C[slate], item_q_C[slate], no_click_weight))
+                return float(slate_value(weights_C[slate], item_q_C[slate], no_click_weight, no_click_q))
             rest = [i for i in range(len(weights_C)) if i not in chosen]
             chosen.append(max(rest, key=lambda i: (value_with(i), -i)))
         return tuple(sorted(chosen))
@@ -121,11 +135,11 @@ def slateq_targets(rewards_B: torch.Tensor, bootstrap_B: torch.Tensor, next_valu
 
 @dataclass(frozen=True)
 class SlateTransitions:
-    """A batch of clicked steps: the state, the clicked candidate, the reward and the next state."""
+    """A batch of steps: the state, the clicked candidate (-1: no click), the reward and the next state."""
 
     interests_BT: np.ndarray
     topics_BC: np.ndarray  # int, candidate topics
-    clicked_B: np.ndarray  # int, the clicked candidate's index
+    clicked_B: np.ndarray  # int, the clicked candidate's index, -1 for no click
     reward_B: np.ndarray
     bootstrap_B: np.ndarray  # gamma, 0 after the session ended
     next_interests_BT: np.ndarray
@@ -148,12 +162,16 @@ class SlateQAgent:
         self.optimizer = torch.optim.Adam(self.online.parameters(), lr=config.learning_rate)
         self.steps = 0
 
-    def item_values(self, network: nn.Module, interests_BT: torch.Tensor, topics_BC: torch.Tensor) -> torch.Tensor:
-        """Qbar(s, i) for every candidate: (B, C)."""
+    def item_values(
+        self, network: nn.Module, interests_BT: torch.Tensor, topics_BC: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qbar(s, i) for every candidate, (B, C), and Qbar(s, none), (B,)."""
         batch, count = topics_BC.shape
         onehot_BCT = nn.functional.one_hot(topics_BC, self.num_topics).float()
-        user_BCT = interests_BT[:, None, :].expand(batch, count, self.num_topics)
-        return network(torch.cat([user_BCT, onehot_BCT], dim=-1)).squeeze(-1)
+        onehot_BCT = torch.cat([onehot_BCT, torch.zeros(batch, 1, self.num_topics)], dim=1)
+        user_BCT = interests_BT[:, None, :].expand(batch, count + 1, self.num_topics)
+        q_BC = network(torch.cat([user_BCT, onehot_BCT], dim=-1)).squeeze(-1)
+        return q_BC[:, :count], q_BC[:, count]
 
     def weights(self, interests_BT: torch.Tensor, topics_BC: torch.Tensor) -> tuple[torch.Tensor, float]:
         """The choice weights of every candidate (their score is the user's interest in the topic)."""
@@ -166,25 +184,25 @@ class SlateQAgent:
         interests_BT = torch.tensor([interests_T], dtype=torch.float32)
         topics_BC = torch.tensor([topics_C], dtype=torch.int64)
         with torch.no_grad():
-            q_C = self.item_values(self.online, interests_BT, topics_BC)[0].numpy().astype(np.float64)
+            q_BC, no_click_q_B = self.item_values(self.online, interests_BT, topics_BC)
         weights_BC, no_click = self.weights(interests_BT, topics_BC)
-        return select_slate(weights_BC[0].numpy().astype(np.float64), q_C, no_click, self.env.slate_size,
-                            self.config.selection)
+        return select_slate(weights_BC[0].numpy().astype(np.float64), q_BC[0].numpy().astype(np.float64), no_click,
+                            self.env.slate_size, self.config.selection, float(no_click_q_B[0]))
 
     def next_values(self, batch: SlateTransitions) -> torch.Tensor:
         """Q_target(s', A'): the best slate's value (Q-learning) or the shown slate's (SARSA)."""
         interests_BT = torch.as_tensor(batch.next_interests_BT, dtype=torch.float32)
         topics_BC = torch.as_tensor(batch.next_topics_BC, dtype=torch.int64)
         with torch.no_grad():
-            q_BC = self.item_values(self.target, interests_BT, topics_BC)
+            q_BC, no_click_q_B = self.item_values(self.target, interests_BT, topics_BC)
         weights_BC, no_click = self.weights(interests_BT, topics_BC)
         if self.config.td == "sarsa":
             shown_BK = torch.as_tensor(batch.next_slate_BK, dtype=torch.int64)
-            return slate_value(weights_BC.gather(1, shown_BK), q_BC.gather(1, shown_BK), no_click)
-        return slate_values(weights_BC, q_BC, no_click, self.slates_SK).max(dim=1).values
+            return slate_value(weights_BC.gather(1, shown_BK), q_BC.gather(1, shown_BK), no_click, no_click_q_B)
+        return slate_values(weights_BC, q_BC, no_click, no_click_q_B, self.slates_SK).max(dim=1).values
 
     def train_step(self, batch: SlateTransitions) -> dict[str, float]:
-        """One Huber step of Qbar(s, clicked) towards the SlateQ target; returns loss, |TD| and Q means."""
+        """One Huber step of Qbar(s, consumed item) towards the SlateQ target; returns loss, |TD| and Q means."""
         targets_B = slateq_targets(
             torch.as_tensor(batch.reward_B, dtype=torch.float32),
             torch.as_tensor(batch.bootstrap_B, dtype=torch.float32),
@@ -192,8 +210,10 @@ class SlateQAgent:
         )
         interests_BT = torch.as_tensor(batch.interests_BT, dtype=torch.float32)
         topics_BC = torch.as_tensor(batch.topics_BC, dtype=torch.int64)
-        clicked_B1 = torch.as_tensor(batch.clicked_B, dtype=torch.int64)[:, None]
-        q_B = self.item_values(self.online, interests_BT, topics_BC).gather(1, clicked_B1).squeeze(1)
+        clicked_B = torch.as_tensor(batch.clicked_B, dtype=torch.int64)
+        q_BC, no_click_q_B = self.item_values(self.online, interests_BT, topics_BC)
+        clicked_q_B = q_BC.gather(1, clicked_B.clamp(min=0)[:, None]).squeeze(1)
+        q_B = torch.where(clicked_B >= 0, clicked_q_B, no_click_q_B)
         td_B = targets_B - q_B
         loss = huber_loss(td_B).mean()
         self.optimizer.zero_grad()
