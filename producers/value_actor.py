@@ -52,10 +52,14 @@ log = logging.getLogger("rlpipe.actor")
 VERSION_FEATURE, EPSILON_FEATURE = "actor@policy_version", "actor@epsilon"
 
 
+def steps_prefix(run_id: str) -> str:
+    """Folder key of a run's steps batches: ``runs/<run>/env-steps``."""
+    return f"runs/{validate_name(run_id, 'run_id')}/env-steps"
+
+
 def steps_batch_key(run_id: str, day: date, batch_id: str) -> str:
     """``runs/<run>/env-steps/date=YYYY-MM-DD/<batch_id>.parquet``."""
-    return (f"runs/{validate_name(run_id, 'run_id')}/env-steps/date={day.isoformat()}/"
-            f"{validate_name(batch_id, 'batch_id')}.parquet")
+    return f"{steps_prefix(run_id)}/date={day.isoformat()}/{validate_name(batch_id, 'batch_id')}.parquet"
 
 
 class ValueNetworkWatcher:
