@@ -52,11 +52,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--td", choices=["q_learning", "sarsa"], default="q_learning")
     parser.add_argument("--selection", choices=["optimal", "topk", "greedy"], default="optimal")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--updates", type=float, default=0.5, help="Updates per environment step.")
+    parser.add_argument("--updates", type=float, default=1.0, help="Updates per environment step.")
     parser.add_argument("--capacity", type=int, default=20_000, help="Replay memory (steps).")
     parser.add_argument("--epsilon-end", type=float, default=0.05)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--target-period", type=int, default=200)
+    parser.add_argument("--target-period", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
     return parser.parse_args()
 
