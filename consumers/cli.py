@@ -92,12 +92,11 @@ def replay(
 
 def _replay_train_value(cfg, run: str, date_from: str | None, date_to: str | None) -> None:  # type: ignore[no-untyped-def]
     """Offline DQN/C51 from ``run``'s steps batches; environments without discrete actions are refused."""
-    from producers.envs.registry import make_env
+    from consumers.value.service import CONTINUOUS_ACTION_ENVS, replay_train_value
 
-    if not make_env(cfg.env.name, cfg.env.overrides).answer_choices():
+    if cfg.env.name in CONTINUOUS_ACTION_ENVS:
         fail(f"the value learner needs discrete actions and {cfg.env.name} has none; for offline CQL on logged "
              f"building days run bench/offline_value_building.py", 2)
-    from consumers.value.service import replay_train_value
 
     learner = replay_train_value(cfg, run, date_from, date_to)
     console.print(f"trained {learner.state.step} steps; value-network version {learner.state.version}")

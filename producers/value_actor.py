@@ -37,7 +37,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from pipeline.io.archive import TrajectoryArchive, new_batch_id
+from pipeline.io.archive import TrajectoryArchive, new_batch_id, steps_prefix
 from pipeline.io.registry import AdapterRegistry, RegistryError
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
@@ -50,11 +50,6 @@ from schemas.value import ValueActorConfig
 log = logging.getLogger("rlpipe.actor")
 
 VERSION_FEATURE, EPSILON_FEATURE = "actor@policy_version", "actor@epsilon"
-
-
-def steps_prefix(run_id: str) -> str:
-    """Folder key of a run's steps batches: ``runs/<run>/env-steps``."""
-    return f"runs/{validate_name(run_id, 'run_id')}/env-steps"
 
 
 def steps_batch_key(run_id: str, day: date, batch_id: str) -> str:

@@ -21,7 +21,7 @@ from consumers.learner import BatchRef
 from consumers.lease import FencedStore, LearnerLease
 from consumers.sources import KafkaSource, in_date_range
 from consumers.value.learner import ValueLearner
-from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.archive import TrajectoryArchive, steps_prefix
 from pipeline.io.bus import EventPublisher
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
@@ -30,6 +30,7 @@ from schemas.config import RunConfig
 from schemas.events import Payload
 
 log = logging.getLogger("rlpipe.value")
+CONTINUOUS_ACTION_ENVS = ("building-hvac",)  # setpoints, not action indices: offline CQL runs from the bench
 
 
 def build_value_learner(config: RunConfig, store: ObjectStore, source: Any,
@@ -86,6 +87,9 @@ def run_value_learner(config: RunConfig, stop: StopFlag | None = None) -> ValueL
 def replay_train_value(config: RunConfig, source_run: str, date_from: str | None = None,
                        date_to: str | None = None) -> ValueLearner:
     """Train ``config.run_id``'s value network from the stored steps batches of ``source_run`` (no broker)."""
+    if config.env.name in CONTINUOUS_ACTION_ENVS:
+        raise ValueError(f"the value learner needs discrete actions and {config.env.name} has none; for offline "
+                         f"CQL on logged building days run bench/offline_value_building.py")
     store = open_store(config.store)
     create_run(store, config, config.env.name)  # run.json, so eval/report know the run
     source = StepsReplaySource(store, source_run, date_from, date_to)
@@ -120,8 +124,6 @@ class StepsReplaySource:
         self.queue: list[str] = self._listing()
 
     def _listing(self) -> list[str]:
-        from producers.value_actor import steps_prefix
-
         keys = [k for k in self.store.list(steps_prefix(self.run_id), recursive=True) if k.endswith(".parquet")]
         return sorted(k for k in keys if in_date_range(k, self.date_from, self.date_to))
 

@@ -34,16 +34,26 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
 from consumers.value.targets import huber_loss
-from producers.envs.recsim import InterestEvolutionConfig
 
 SlateSelection = Literal["optimal", "topk", "greedy"]
+
+
+class SlateEnvSpec(Protocol):
+    """What SlateQ needs of the environment's configuration (RecSim's ``InterestEvolutionConfig`` has it)."""
+
+    num_topics: int
+    num_candidates: int
+    slate_size: int
+    choice_model: str  # "proportional" or "softmax"
+    no_click_mass: float
+    min_normalizer: float
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,7 @@ class SlateQConfig:
 # ---- the decomposition, as pure functions ------------------------------------------
 
 
-def choice_weights(scores: Sequence[float] | np.ndarray, env: InterestEvolutionConfig) -> tuple[np.ndarray, float]:
+def choice_weights(scores: Sequence[float] | np.ndarray, env: SlateEnvSpec) -> tuple[np.ndarray, float]:
     """The choice model's unnormalised weights of items with these scores, and the no-click weight.
 
     Proportional: v = score - min_normalizer; softmax: v = exp(score) (the same ratios as
@@ -150,7 +160,7 @@ class SlateTransitions:
 class SlateQAgent:
     """Item value network Qbar(s, i), its target copy and Adam; ``act`` and ``train_step`` as for DQN."""
 
-    def __init__(self, config: SlateQConfig, env: InterestEvolutionConfig) -> None:
+    def __init__(self, config: SlateQConfig, env: SlateEnvSpec) -> None:
         self.config, self.env = config, env
         self.num_topics = env.num_topics
         self.slates_SK = all_slates(env.num_candidates, env.slate_size)
