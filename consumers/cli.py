@@ -96,6 +96,9 @@ def replay(
     if train and cfg.run_id == run:  # its adapters, checkpoints and step log would mix with the run it replays
         fail(f"replay --train would train into run {run}, the run it reads from; name the run it trains, "
              f"e.g. --set run_id={run}-offline", 2)
+    if train and cfg.value is not None:  # a value run: the value learner over the stored steps batches
+        _replay_train_value(cfg, run, date_from, date_to)
+        return
     if train:
         from consumers.service import replay_train
 
@@ -106,6 +109,18 @@ def replay(
 
     count = announce_batches(cfg, run, date_from, date_to)
     console.print(f"announced {count} batches of run {run} for run {cfg.run_id}")
+
+
+def _replay_train_value(cfg, run: str, date_from: str | None, date_to: str | None) -> None:  # type: ignore[no-untyped-def]
+    """Offline DQN/C51 from ``run``'s steps batches; environments without discrete actions are refused."""
+    from consumers.value.service import CONTINUOUS_ACTION_ENVS, replay_train_value
+
+    if cfg.env.name in CONTINUOUS_ACTION_ENVS:
+        fail(f"the value learner needs discrete actions and {cfg.env.name} has none; for offline CQL on logged "
+             f"building days run bench/offline_value_building.py", 2)
+
+    learner = replay_train_value(cfg, run, date_from, date_to)
+    console.print(f"trained {learner.state.step} steps; value-network version {learner.state.version}")
 
 
 replay_command = typer.main.get_command(replay_app)

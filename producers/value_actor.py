@@ -37,7 +37,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from pipeline.io.archive import TrajectoryArchive, new_batch_id
+from pipeline.io.archive import TrajectoryArchive, new_batch_id, steps_prefix
 from pipeline.io.registry import AdapterRegistry, RegistryError
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
@@ -54,8 +54,7 @@ VERSION_FEATURE, EPSILON_FEATURE = "actor@policy_version", "actor@epsilon"
 
 def steps_batch_key(run_id: str, day: date, batch_id: str) -> str:
     """``runs/<run>/env-steps/date=YYYY-MM-DD/<batch_id>.parquet``."""
-    return (f"runs/{validate_name(run_id, 'run_id')}/env-steps/date={day.isoformat()}/"
-            f"{validate_name(batch_id, 'batch_id')}.parquet")
+    return f"{steps_prefix(run_id)}/date={day.isoformat()}/{validate_name(batch_id, 'batch_id')}.parquet"
 
 
 class ValueNetworkWatcher:

@@ -5,7 +5,9 @@ lands here (``rlpipe run`` starts it that way).  The network's shape is the run'
 (``value.observation_size``, ``value.num_actions``; each actor checks its
 environment against them).  Versions and checkpoints are fenced by the run's
 learner lease like the LoRA learner's.  SIGTERM stops between steps and writes a
-final checkpoint, so nothing trained is lost.
+final checkpoint, so nothing trained is lost.  ``rlpipe replay --train`` on a value run
+lands in ``replay_train_value``: the same learner fed by another run's stored steps
+batches (``StepsReplaySource``, the value runs' ``ReplaySource``), no broker, each batch trained once.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 from consumers.checkpoint import CheckpointStore
+from consumers.learner import BatchRef
 from consumers.lease import FencedStore, LearnerLease
-from consumers.sources import KafkaSource
+from consumers.sources import KafkaSource, in_date_range
 from consumers.value.learner import ValueLearner
-from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.archive import TrajectoryArchive, steps_prefix
 from pipeline.io.bus import EventPublisher
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
@@ -27,6 +30,7 @@ from schemas.config import RunConfig
 from schemas.events import Payload
 
 log = logging.getLogger("rlpipe.value")
+CONTINUOUS_ACTION_ENVS = ("building-hvac",)  # setpoints, not action indices: offline CQL runs from the bench
 
 
 def build_value_learner(config: RunConfig, store: ObjectStore, source: Any,
@@ -78,3 +82,70 @@ def run_value_learner(config: RunConfig, stop: StopFlag | None = None) -> ValueL
         publisher.close()
     log.info("value learner stopped at step %d, version %d", learner.state.step, learner.state.version)
     return learner
+
+
+def replay_train_value(config: RunConfig, source_run: str, date_from: str | None = None,
+                       date_to: str | None = None) -> ValueLearner:
+    """Train ``config.run_id``'s value network from the stored steps batches of ``source_run`` (no broker)."""
+    if config.env.name in CONTINUOUS_ACTION_ENVS:
+        raise ValueError(f"the value learner needs discrete actions and {config.env.name} has none; for offline "
+                         f"CQL on logged building days run bench/offline_value_building.py")
+    store = open_store(config.store)
+    create_run(store, config, config.env.name)  # run.json, so eval/report know the run
+    source = StepsReplaySource(store, source_run, date_from, date_to)
+    learner = build_value_learner(config, store, source, lambda payload: None)
+    source.already_trained = lambda batch_id: batch_id in learner.state.trained
+    learner.resume()
+    learner.run(on_step=lambda metrics: log.info(progress_line(metrics)), poll_timeout_s=0.0)
+    published = learner.registry.latest()
+    if learner.state.step and (published is None or published.learner_step < learner.state.step):
+        learner.publish(learner.last_metrics)  # the batches ran out between two publish_every steps
+    if learner.state.step % learner.cfg.checkpoint_every:
+        learner.checkpoint()
+    log.info("value replay trained %d steps, version %d", learner.state.step, learner.state.version)
+    return learner
+
+
+class StepsReplaySource:
+    """A run's stored steps batches (``runs/<run>/env-steps/date=.../<id>.parquet``), oldest date first.
+
+    Steps batches carry no commit record, so the order is the key's (date, then
+    batch id) and no digest is checked.  The position is the count handed out;
+    resuming offers again, in the same order, every batch the learner has not
+    trained (``already_trained``), like ``consumers.sources.ReplaySource``.
+    """
+
+    def __init__(self, store: ObjectStore, run_id: str, date_from: str | None = None, date_to: str | None = None,
+                 already_trained: Callable[[str], bool] | None = None) -> None:
+        self.store, self.run_id, self.date_from, self.date_to = store, run_id, date_from, date_to
+        self.position_key = f"replay-steps:{run_id}"
+        self.already_trained = already_trained
+        self.handed_out = 0
+        self.queue: list[str] = self._listing()
+
+    def _listing(self) -> list[str]:
+        keys = [k for k in self.store.list(steps_prefix(self.run_id), recursive=True) if k.endswith(".parquet")]
+        return sorted(k for k in keys if in_date_range(k, self.date_from, self.date_to))
+
+    def poll(self, timeout_s: float) -> list[BatchRef]:
+        if not self.queue:
+            return []
+        key = self.queue.pop(0)
+        self.handed_out += 1
+        batch_id = key.rsplit("/", 1)[-1].removesuffix(".parquet")
+        return [BatchRef(batch_id, key, None, {self.position_key: self.handed_out})]
+
+    def seek(self, positions: dict[str, int]) -> None:
+        """Resume: offer every batch not trained yet, in key order."""
+        self.handed_out = positions.get(self.position_key, 0)
+        trained = self.already_trained or (lambda batch_id: False)
+        self.queue = [k for k in self._listing() if not trained(k.rsplit("/", 1)[-1].removesuffix(".parquet"))]
+
+    def commit(self, positions: dict[str, int]) -> None:
+        """Nothing to commit: the checkpoint's position is the count handed out."""
+
+    def keep_alive(self) -> None:
+        """Nothing to keep alive."""
+
+    def exhausted(self) -> bool:
+        return not self.queue

@@ -89,6 +89,11 @@ def trajectories_prefix(run_id: str) -> str:
     return f"runs/{validate_name(run_id, 'run_id')}/trajectories"
 
 
+def steps_prefix(run_id: str) -> str:
+    """Folder key of a run's steps batches (numeric actors): ``runs/<run>/env-steps``."""
+    return f"runs/{validate_name(run_id, 'run_id')}/env-steps"
+
+
 def batch_key(run_id: str, day: date, batch_id: str) -> str:
     """Object key of one batch: ``runs/<run_id>/trajectories/date=YYYY-MM-DD/<batch_id>.parquet``."""
     return f"{trajectories_prefix(run_id)}/date={day.isoformat()}/{validate_name(batch_id, 'batch_id')}.parquet"

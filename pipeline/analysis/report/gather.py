@@ -2,7 +2,7 @@
 
 Reads the run's ``run.json``, trajectories, adapter manifests, evaluations, the
 newest complete learner checkpoint (through ``schemas.checkpoint``) with its step
-log, and the run's events on ``<ns>.control`` (a bounded read); hands the rows,
+log (a value learner's too: return, TD error, Q values, replay memory size), and the run's events on ``<ns>.control`` (a bounded read); hands the rows,
 steps and events to ``pipeline.analysis.report.metrics`` for the series; then builds the
 summary table and notes, per section, what is missing and why.
 """
@@ -27,6 +27,7 @@ from pipeline.analysis.report.metrics import (
     run_window_hints,
     staleness_totals,
     throughput_series,
+    value_traces,
 )
 from pipeline.analysis.report.model import ControlEvents, RunReport, dig, finite, first_known, iso
 from pipeline.devstack.stack import resolve_bootstrap_servers
@@ -96,9 +97,24 @@ def gather_report(
         {"time": t, "step": p.step, "version": p.version, "path": p.path} for t, p in events.checkpoints
     ]
     report.series["duty_cycle"] = duty_cycle(lanes_of(step_log, events.heartbeats), run_window_hints(events))
+    report.series["value"] = value_traces(step_log)
     report.summary = build_summary(report, run_config, rows, episodes, manifests, evals, state, checkpoint_key, events)
+    add_value_summary(report, run_config)
     add_missing_notes(report, run_id, rows, evals, state, step_log, events, bus_config is None)
     return report
+
+
+def add_value_summary(report: RunReport, run_config: dict[str, Any]) -> None:
+    """A value run: its newest replay memory size and return, or a note when its learner logged no step yet."""
+    traces = report.series["value"]
+    if traces:
+        report.summary["value_replay_size"] = traces[-1]["replay_size"]
+        returns = [t["episode_return_mean"] for t in traces if finite(t["episode_return_mean"])]
+        report.summary["value_return_last"] = returns[-1] if returns else None
+    elif run_config.get("value"):
+        report.note("value", "the value learner has logged no step up to its newest checkpoint yet")
+    else:
+        report.note("value", "not a value run (its configuration has no value section)")
 
 
 def read_run_config(store: ObjectStore, run_id: str, report: RunReport) -> dict[str, Any]:

@@ -64,6 +64,7 @@ _SUMMARY_LABELS = (
     ("dropped_stale_rows", "dropped stale rows"), ("reward_first_version", "mean reward, first version"),
     ("reward_last_version", "mean reward, last version"), ("eval", "evaluations"),
     ("busy_fraction", "busy fraction over the run"), ("time_span", "time span"), ("checkpoint", "newest checkpoint"),
+    ("value_replay_size", "value learner: replay memory size"), ("value_return_last", "value learner: last return"),
 )  # fmt: skip
 
 

@@ -2,8 +2,8 @@
 
 Nothing here reads the store or the log or draws anything, so each function can be
 checked on a hand-made table: episodes from per-turn rows, reward per version with
-Wilson intervals, evaluation points, staleness totals, learner traces, producer
-throughput and the duty-cycle lanes with their busy fractions.
+Wilson intervals, evaluation points, staleness totals, learner traces (and a value
+learner's), producer throughput and the duty-cycle lanes with their busy fractions.
 """
 
 from __future__ import annotations
@@ -126,6 +126,20 @@ def learner_traces(step_log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         {"step": entry.get("step"), "started_at": entry.get("started_at"), "finished_at": entry.get("finished_at"),
          **{name: entry.get(name) for name in (*_STEP_FIELDS, *COLLAPSE_FIELDS)}}
         for entry in step_log
+    ]  # fmt: skip
+
+
+VALUE_FIELDS = ("episode_return_mean", "episodes", "td_abs_mean", "q_mean", "loss", "replay_size", "updates",
+                "transitions", "version")  # fmt: skip
+
+
+def value_traces(step_log: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per step of a value learner (``consumers.value.learner``; its entries carry ``replay_size``):
+    the return of the episodes its batch finished, mean |TD error|, mean Q of the actions taken,
+    loss, replay memory size, updates, transitions and version (None where a step lacks one)."""
+    return [
+        {"step": entry.get("step"), **{name: entry.get(name) for name in VALUE_FIELDS}}
+        for entry in step_log if "replay_size" in entry
     ]  # fmt: skip
 
 

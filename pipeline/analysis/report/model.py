@@ -23,6 +23,7 @@ SECTIONS: dict[str, str] = {
     "collapse": "Signs of collapse: entropy, identical groups, zero advantages, reward spread",
     "throughput": "Producer throughput",
     "duty_cycle": "Duty cycle: producers and learner on one time axis",
+    "value": "Value learner: return, TD error, Q values and replay memory size per step",
 }
 FIGURE_FILES: dict[str, str] = {section: f"{section}.png" for section in SECTIONS}
 

@@ -42,6 +42,7 @@ def render_figures(report: RunReport) -> dict[str, bytes]:
         "collapse": plot_collapse(series["learner_steps"], series.get("collapse_thresholds") or {}),
         "throughput": plot_throughput(series["throughput"], t0),
         "duty_cycle": plot_duty_cycle(series["duty_cycle"], t0),
+        "value": plot_value(series.get("value") or []),
     }
     return {section: png_bytes(fig) for section, fig in figures.items() if fig is not None}
 
@@ -250,6 +251,24 @@ def plot_duty_cycle(duty: dict[str, Any], t0: float | None) -> Figure | None:
     _style(ax, "duty cycle (learner: training steps; producers: busy share per heartbeat interval)",
            _time_label(origin, unit), "")  # fmt: skip
     ax.grid(axis="y", visible=False)
+    return fig
+
+
+def plot_value(steps: list[dict[str, Any]]) -> Figure | None:
+    """A value learner per step: episode return, mean |TD error|, mean Q and the replay memory's size."""
+    if not steps:
+        return None
+    fig = Figure(figsize=(10, 7), layout="constrained")
+    axes = fig.subplots(2, 2, sharex=True).ravel()
+    xs = [s["step"] for s in steps]
+    panels = (("episode_return_mean", "return of the batch's finished episodes", "return", "tab:green"),
+              ("td_abs_mean", "mean |TD error| of the updates", "|TD|", "tab:red"),
+              ("q_mean", "mean Q(s, a) of the actions taken", "Q", _LEARNER_COLOR),
+              ("replay_size", "replay memory size (transitions)", "transitions", "tab:gray"))  # fmt: skip
+    for ax, (name, title, ylabel, color) in zip(axes, panels, strict=True):
+        _trace(ax, xs, [_nan(s.get(name)) for s in steps], color, None)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _style(ax, title, "learner step", ylabel)
     return fig
 
 

@@ -1,0 +1,46 @@
+"""``rlpipe replay --train`` for a value run: the value learner fed by the stored steps batches, no broker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from consumers.cli import replay_app
+from consumers.value.service import replay_train_value
+from pipeline.config import load_preset
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from producers.envs.classic import CartPole
+from producers.value_actor import ValueActor, ValueNetworkWatcher
+from schemas.config import RunConfig
+from schemas.value import ValueActorConfig
+
+BATCHES = 4
+
+
+def test_replay_train_trains_a_value_run_from_the_stored_batches_once(tmp_path: Path) -> None:
+    store = ObjectStore((tmp_path / "store").as_uri())
+    actor = ValueActor(run_id="actors", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
+                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "actors"), tmp_path / "cache"),
+                       config=ValueActorConfig(steps_per_batch=50))
+    for _ in range(BATCHES):
+        actor.write_batch()
+    raw = load_preset("dqn-cartpole")
+    raw["run_id"] = "offline-dqn"
+    raw["store"] = {"root": (tmp_path / "store").as_uri()}
+    raw["value"]["learner"].update(min_replay_size=32, batch_size=16, checkpoint_every=3, publish_every=3)
+    config = RunConfig.model_validate(raw)
+    learner = replay_train_value(config, "actors")
+    assert learner.state.step == BATCHES and learner.agent.training_steps > 0
+    assert learner.registry.latest().learner_step == BATCHES  # the tail after the last publish_every is published
+    again = replay_train_value(config, "actors")  # resumes from the checkpoint: nothing left to train
+    assert again.state.step == BATCHES and again.agent.training_steps == learner.agent.training_steps
+
+
+def test_replay_train_refuses_a_value_run_without_discrete_actions() -> None:
+    result = CliRunner().invoke(replay_app, ["--run", "hvac", "--train", "--preset", "dqn-cartpole",
+                                             "--set", "run_id=hvac-cql", "--set", "env.name=building-hvac"])
+    assert result.exit_code == 2
+    assert "bench/offline_value_building.py" in result.output and len(result.output.strip().splitlines()) == 1

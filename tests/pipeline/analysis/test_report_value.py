@@ -1,0 +1,57 @@
+"""``rlpipe report`` on a value run: return per step, TD error, Q values and replay memory size from its step log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from consumers.value.service import replay_train_value
+from pipeline.analysis.report import gather_report, render_html
+from pipeline.analysis.report.metrics import value_traces
+from pipeline.analysis.report.plots import render_figures
+from pipeline.config import load_preset
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from producers.envs.classic import CartPole
+from producers.value_actor import ValueActor, ValueNetworkWatcher
+from schemas.config import RunConfig
+from schemas.value import ValueActorConfig
+
+
+def test_value_traces_take_the_value_learners_fields_and_skip_other_steps() -> None:
+    log = [
+        {"step": 1, "transitions": 40, "updates": 0, "replay_size": 40, "episode_return_mean": 21.0, "episodes": 2.0,
+         "version": 0},
+        {"step": 2, "transitions": 40, "updates": 40, "replay_size": 80, "loss": 0.5, "td_abs_mean": 0.7,
+         "q_mean": 1.5, "version": 1},
+        {"step": 3, "rows": 8, "loss": 0.1},  # a LoRA learner's step: not a value step
+    ]
+    traces = value_traces(log)
+    assert [t["step"] for t in traces] == [1, 2]
+    assert traces[0] == {"step": 1, "episode_return_mean": 21.0, "episodes": 2.0, "td_abs_mean": None,
+                         "q_mean": None, "loss": None, "replay_size": 40, "updates": 0, "transitions": 40,
+                         "version": 0}
+    assert (traces[1]["td_abs_mean"], traces[1]["q_mean"], traces[1]["replay_size"]) == (0.7, 1.5, 80)
+
+
+def test_report_of_a_value_run_plots_its_learner(tmp_path: Path) -> None:
+    store = ObjectStore((tmp_path / "store").as_uri())
+    actor = ValueActor(run_id="actors", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
+                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "actors"), tmp_path / "cache"),
+                       config=ValueActorConfig(steps_per_batch=50))
+    for _ in range(4):
+        actor.write_batch()
+    raw = load_preset("dqn-cartpole")
+    raw.update(run_id="value-report", store={"root": (tmp_path / "store").as_uri()})
+    raw["value"]["learner"].update(min_replay_size=32, batch_size=16, checkpoint_every=2, publish_every=2)
+    replay_train_value(RunConfig.model_validate(raw), "actors")
+
+    report = gather_report(store, "value-report")
+    traces = report.series["value"]
+    assert [t["step"] for t in traces] == [1, 2, 3, 4]
+    assert all(t["replay_size"] > 0 and t["episode_return_mean"] > 0 for t in traces)
+    assert any(t["td_abs_mean"] is not None and t["q_mean"] is not None for t in traces)
+    assert report.summary["value_replay_size"] == traces[-1]["replay_size"]
+    images = render_figures(report)
+    assert "value" in images and images["value"].startswith(b"\x89PNG")
+    assert "Value learner" in render_html(report, images)
