@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,3 +131,15 @@ def test_trained_weights_sample_differently_and_agree_with_forward(server):
     assert np.allclose(named.compute_logprobs(prompt).result()[1:], trained_lp[1:], atol=1e-5)
     with pytest.raises(Exception, match="no session"):
         server.service(BOB).create_sampling_client(model_path=path).result()
+
+
+def test_the_cartpole_example_runs_end_to_end_for_two_steps(server):
+    script = Path(__file__).resolve().parents[2] / "examples" / "tinker_cartpole.py"
+    env = {**os.environ, "TINKER_API_KEY": "tml-example", "TINKER_TELEMETRY": "0"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--base-url", server.url, "--base-model", server.base_model, "--max-steps", "5",
+         "--demo-episodes", "2", "--sft-steps", "2", "--batch", "8", "--rl-steps", "2", "--groups", "2",
+         "--group-size", "2", "--eval-episodes", "2"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "sft step 1" in done.stdout and "rl step 1" in done.stdout and "held-out last version" in done.stdout

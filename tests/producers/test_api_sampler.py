@@ -117,7 +117,8 @@ def harness(store_root, bus_config, tiny_model_dir, fast_group) -> Harness:
 def test_base_model_samples_with_prompt_logprobs_stop_ids_and_tenant_checks(harness):
     sampler_id = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
     seeded = _request([], seed=11, num_samples=3, prompt_logprobs=True)
-    stop_any = _request(list(range(1000)), seed=11, num_samples=1)  # every token id stops at once
+    vocabulary = len(AutoTokenizer.from_pretrained(harness.base_model))
+    stop_any = _request(list(range(vocabulary)), seed=11, num_samples=1)  # every token id stops at once
     first, again, stopped = (harness.sample(sampler_id, 0, seeded), harness.sample(sampler_id, 1, seeded),
                              harness.sample(sampler_id, 2, stop_any))
     results = harness.run([first, again, stopped])
