@@ -45,7 +45,7 @@ from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from consumers.sources import group_timings_from_env
 from pipeline.api.gateway import checkpoint_prefix, parse_body
-from pipeline.api.samplers import write_sampler
+from pipeline.api.samplers import find_sampler, write_sampler
 from pipeline.api.wire import TinkerPath, decode_forward_backward, encode_forward_backward_output, parse_tinker_path
 from pipeline.io.bus import ConsumedEvent, EventConsumer, EventPublisher, TopicPartitionKey, ensure_topics
 from pipeline.io.registry import AdapterRegistry
@@ -260,6 +260,10 @@ class TrainerWorker:
         if request.path is None and request.sampling_session_seq_id is None:
             raise ApiError("save_weights_for_sampler needs a path or a sampling_session_seq_id; use the tinker SDK")
         path = TinkerPath(model.model_id, "sampler", request.path or "")
+        if request.path is None:  # re-executed after a crash before its result was written: the same session
+            known = find_sampler(self.store, call.session_id, int(request.sampling_session_seq_id or 0))
+            if known is not None and known.get("run") == model.run:
+                return _json({"type": "save_weights_for_sampler", "sampling_session_id": known["sampling_session_id"]})
         with tempfile.TemporaryDirectory() as folder:
             ops.export_for_sampling(self.engine, model.model_id, Path(folder) / "adapter")
             manifest = AdapterRegistry(self.store, model.run).publish(

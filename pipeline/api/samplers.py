@@ -55,6 +55,14 @@ def write_sampler(store: ObjectStore, tenant: str, session_id: str, seq: int, ba
     return sampling_session_id
 
 
+def find_sampler(store: ObjectStore, session_id: str, seq: int) -> dict[str, Any] | None:
+    """The record of sampling session ``seq`` of ``session_id`` if one was written (no tenant check)."""
+    try:
+        return dict(json.loads(store.get(sampler_record_key(model_id_for(session_id, "sample", seq)))))
+    except FileNotFoundError:
+        return None
+
+
 def read_sampler(store: ObjectStore, tenant: str, sampling_session_id: str) -> dict[str, Any]:
     """The record of one of this tenant's sampling sessions (another tenant's is not found)."""
     try:

@@ -18,12 +18,13 @@ from consumers.api.worker import TrainerWorker
 from consumers.engine import TrainingEngine
 from pipeline.api.gateway import Gateway, ServedModel
 from pipeline.io.bus import EventPublisher, ensure_topics
+from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
 from producers.api_sampler import SamplerWorker, cut_at_stop_strings, encode_sample_response, sampling_params
 from producers.samplers.base import SampleOutput
 from producers.samplers.engine import SampleResult, TransformersEngine
-from schemas.api import ApiError
+from schemas.api import ApiError, ApiRequestAccepted
 
 TENANT = "t-alice"
 
@@ -86,17 +87,23 @@ class Harness:
         body = request.model_copy(update={"sampling_session_id": sampler_id, "seq_id": seq}).model_dump_json()
         return self.gateway.submit_sample(tenant, sampler_id, seq, body.encode(), request.num_samples)[0]
 
-    def run(self, request_ids: list[str], timeout_s: float = 60.0, trainer: TrainerWorker | None = None) -> list:
+    def run(self, request_ids: list[str], timeout_s: float = 60.0) -> list:
+        """Step the sampler until every call has its result."""
         async def loop() -> None:
             deadline = time.monotonic() + timeout_s
             while not all(self.gateway.result(TENANT, rid) for rid in request_ids):
                 assert time.monotonic() < deadline, "no sample results"
                 await self.sampler.step(poll_timeout_s=0.1)
-                if trainer is not None:
-                    trainer.step(poll_timeout_s=0.05)
-                await asyncio.sleep(0)
 
         asyncio.run(loop())
+        return [self.gateway.result(TENANT, rid) for rid in request_ids]
+
+    def train(self, trainer: TrainerWorker, request_ids: list[str], timeout_s: float = 60.0) -> list:
+        """Step the trainer (a process of its own in a deployment) until every call has its result."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self.gateway.result(TENANT, rid) for rid in request_ids):
+            assert time.monotonic() < deadline, "no training results"
+            trainer.step(poll_timeout_s=0.1)
         return [self.gateway.result(TENANT, rid) for rid in request_ids]
 
 
@@ -143,14 +150,22 @@ def test_unnamed_save_for_sampler_gives_a_sampling_session_on_the_new_version(ha
         harness.gateway.submit(TENANT, "create_model", model_id, None, create.model_dump_json().encode())
         save = types.SaveWeightsForSamplerRequest(model_id=model_id, sampling_session_seq_id=5, seq_id=1)
         saved = harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, 1, save.model_dump_json().encode())
-        data, _ = harness.run([saved], trainer=trainer)[0]
+        data, _ = harness.train(trainer, [saved])[0]
         sampler_id = json.loads(data)["sampling_session_id"]
         assert sampler_id == f"{harness.session}:sample:5"
         record = harness.gateway.sampler(TENANT, sampler_id)
         assert (record["run"], record["version"]) == (f"{harness.session}.train.0", 1)
         sampled = harness.sample(sampler_id, 0, _request(None, seed=2))
-        result = deserialize_sample_response(harness.run([sampled], trainer=trainer)[0][0])
+        result = deserialize_sample_response(harness.run([sampled])[0][0])
+        trainer.step(poll_timeout_s=0.5)
         assert len(result.sequences) == 2 and all(np.isfinite(s.logprobs).all() for s in result.sequences)
         assert list(trainer.models) == [model_id]  # the trainer left the sample call to the sampler
+        # executed again (a trainer that died before writing the result): the same session, no new version
+        call = ApiRequestAccepted(request_id=saved, tenant=TENANT, session_id=harness.session,
+                                  op="save_weights_for_sampler", model_id=model_id, seq_id=1,
+                                  base_model=harness.base_model, body_path="unused", body_sha256="0" * 64)
+        again = trainer._save_for_sampler(trainer.models[model_id], call, save)
+        assert json.loads(again)["sampling_session_id"] == sampler_id
+        assert AdapterRegistry(harness.store, f"{harness.session}.train.0").versions() == [1]
     finally:
         trainer.close()
