@@ -121,7 +121,7 @@ def test_trained_weights_sample_differently_and_agree_with_forward(server):
     datum = types.Datum(model_input=types.ModelInput.from_ints(sequence[:-1]),
                         loss_fn_inputs={"target_tokens": sequence[1:]})
     forward = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
-    assert np.max(np.abs(np.array(forward) - np.array(trained_lp[1:]))) <= 1e-4
+    assert np.max(np.abs(np.array(forward) - np.array(trained_lp[1:]))) <= 1e-5  # fp32, the same tokens
     samples = trained.sample(types.ModelInput.from_ints(PROMPT), 2, _params(stop=[])).result()
     assert all(len(s.tokens) == len(s.logprobs) == 6 for s in samples.sequences)
 
