@@ -45,6 +45,7 @@ from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from consumers.sources import group_timings_from_env
 from pipeline.api.gateway import checkpoint_prefix, parse_body
+from pipeline.api.samplers import find_sampler, write_sampler
 from pipeline.api.wire import TinkerPath, decode_forward_backward, encode_forward_backward_output, parse_tinker_path
 from pipeline.io.bus import ConsumedEvent, EventConsumer, EventPublisher, TopicPartitionKey, ensure_topics
 from pipeline.io.registry import AdapterRegistry
@@ -57,6 +58,7 @@ from schemas.events import make_event
 log = logging.getLogger("rlpipe.api.trainer")
 SESSION_TIMEOUT_S = 300.0  # heartbeats every 10 s; a session silent this long has ended
 _PURE_OPS = ("save_weights", "save_weights_for_sampler")  # change no adapter state: never re-executed
+_SAMPLING_OPS = ("create_sampling_session", "sample")
 
 
 # ---- the worker --------------------------------------------------------------------------------------------------
@@ -139,6 +141,8 @@ class TrainerWorker:
         call = consumed.event.payload
         if not isinstance(call, ApiRequestAccepted) or call.base_model != self.base_model or call.model_id is None:
             return
+        if call.op in _SAMPLING_OPS:
+            return  # the sampler's (its own consumer group reads them)
         model = self._model(call.model_id)
         if not call.seq_id:
             if model.loaded:
@@ -222,7 +226,7 @@ class TrainerWorker:
         if call.op == "save_weights":
             return self._save_weights(model, parse_body(types.SaveWeightsRequest, body)), "json"
         if call.op == "save_weights_for_sampler":
-            return self._save_for_sampler(model, parse_body(types.SaveWeightsForSamplerRequest, body)), "json"
+            return self._save_for_sampler(model, call, parse_body(types.SaveWeightsForSamplerRequest, body)), "json"
         raise ApiError(f"{call.op} is not a training call; send it to the sampler")
 
     def _require_loaded(self, model: _Model) -> None:
@@ -249,12 +253,26 @@ class TrainerWorker:
         self._record_checkpoint(model, "weights", path, len(state), {})
         return _json({"type": "save_weights", "path": str(path)})
 
-    def _save_for_sampler(self, model: _Model, request: types.SaveWeightsForSamplerRequest) -> bytes:
+    def _save_for_sampler(self, model: _Model, call: ApiRequestAccepted,
+                          request: types.SaveWeightsForSamplerRequest) -> bytes:
+        """Publish the adapter as a registry version; a named save records a ``sampler_weights`` checkpoint,
+        an unnamed one (``save_weights_and_get_sampling_client``) a sampling session on that version."""
+        if request.path is None and request.sampling_session_seq_id is None:
+            raise ApiError("save_weights_for_sampler needs a path or a sampling_session_seq_id; use the tinker SDK")
         path = TinkerPath(model.model_id, "sampler", request.path or "")
+        if request.path is None:  # re-executed after a crash before its result was written: the same session
+            known = find_sampler(self.store, call.session_id, int(request.sampling_session_seq_id or 0))
+            if known is not None and known.get("run") == model.run:
+                return _json({"type": "save_weights_for_sampler", "sampling_session_id": known["sampling_session_id"]})
         with tempfile.TemporaryDirectory() as folder:
             ops.export_for_sampling(self.engine, model.model_id, Path(folder) / "adapter")
             manifest = AdapterRegistry(self.store, model.run).publish(
                 Path(folder) / "adapter", self.base_model, parent_version=0, learner_step=model.next_seq)
+        if request.path is None:
+            sampling_session_id = write_sampler(self.store, call.tenant, call.session_id,
+                                                int(request.sampling_session_seq_id or 0), self.base_model, None,
+                                                model.run, manifest.version)
+            return _json({"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id})
         self._record_checkpoint(model, "sampler_weights", path, None, {"version": manifest.version})
         return _json({"type": "save_weights_for_sampler", "path": str(path)})
 

@@ -22,7 +22,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types
 
-from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, parse_body
+from pipeline.api.gateway import BusyError, Gateway, NotFoundError, SessionEndedError, parse_body
 from pipeline.api.results import ResultSignals
 from pipeline.api.tenants import Tenants, UnauthorizedError
 from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header
@@ -30,7 +30,7 @@ from schemas.api import ApiError
 
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
-_STATUS = {UnauthorizedError: 401, NotFoundError: 404, SessionEndedError: 410}
+_STATUS = {UnauthorizedError: 401, NotFoundError: 404, SessionEndedError: 410, BusyError: 429}
 
 
 def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
@@ -69,7 +69,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.get("/api/v1/get_server_capabilities")
     def capabilities(_: Tenant) -> dict[str, Any]:
         return {"supported_models": [
-            {"model_name": m.name, "max_context_length": m.max_context_length, "trainable": True, "sampleable": False}
+            {"model_name": m.name, "max_context_length": m.max_context_length, "trainable": True, "sampleable": True}
             for m in gateway.models.values()]}
 
     @app.post("/api/v1/create_session")
@@ -137,10 +137,10 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     async def save_weights_for_sampler(request: Request, who: Tenant) -> dict[str, Any]:
         raw = await request.body()
         body = parse_body(types.SaveWeightsForSamplerRequest, raw)
-        if body.path is None:
-            raise ApiError("sampling from unsaved weights (save_weights_and_get_sampling_client) is not served "
-                           "yet; save named weights with save_weights_for_sampler(name)")
-        checkpoint_name(body.path)
+        if body.path is None and body.sampling_session_seq_id is None:
+            raise ApiError("save_weights_for_sampler needs a path or a sampling_session_seq_id; use the tinker SDK")
+        if body.path is not None:
+            checkpoint_name(body.path)
         return {"request_id": gateway.submit(who, "save_weights_for_sampler", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/load_weights")
@@ -155,6 +155,32 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         model_id = gateway.register_model(who, body.session_id, body.model_seq_id, source["base_model"],
                                           source["lora_rank"], source["lora"], body.user_metadata)
         return {"request_id": gateway.submit(who, "load_weights", model_id, None, raw), "model_id": model_id}
+
+    # ---- sampling ----------------------------------------------------------------------------------------
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request, who: Tenant) -> dict[str, Any]:
+        body = parse_body(types.CreateSamplingSessionRequest, await request.body())
+        if (body.base_model is None) == (body.model_path is None):
+            raise ApiError("create_sampling_session takes a base_model or a model_path (one of the two)")
+        sampling_session_id = await asyncio.to_thread(gateway.create_sampling_session, who, body.session_id,
+                                                      body.sampling_session_seq_id, body.base_model, body.model_path)
+        return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
+
+    @app.get("/api/v1/samplers/{sampling_session_id}")
+    def sampler(sampling_session_id: str, who: Tenant) -> dict[str, Any]:
+        record = gateway.sampler(who, sampling_session_id)
+        return {"sampler_id": sampling_session_id, "base_model": record["base_model"],
+                "model_path": record["model_path"]}
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request, who: Tenant) -> dict[str, Any]:
+        raw = await request.body()
+        body = parse_body(types.SampleRequest, raw)
+        if body.sampling_session_id is None:
+            raise ApiError("asample needs a sampling_session_id; create a SamplingClient first")
+        request_id, sequence_ids = await asyncio.to_thread(gateway.submit_sample, who, body.sampling_session_id,
+                                                           body.seq_id, raw, body.num_samples)
+        return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request, who: Tenant) -> Response:

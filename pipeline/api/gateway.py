@@ -9,6 +9,7 @@ the same clients and a restarted one carries on:
   sessions/<session>/models/<n>.json     a training client: base model, LoRA rank (create-only)
   sessions/<session>/requests/<id>.<fmt> an accepted call's body (create-only; the log's claim check)
   sessions/<session>/results/<id>.<fmt>  its result, written by an engine (create-only)
+  sessions/<session>/samplers/<n>.json   a sampling session: base model or adapter version (create-only)
 
 Every accepted mutating call is written first, then announced as
 ``ApiRequestAccepted`` on ``<ns>.requests`` keyed by ``model_id``.  Request ids
@@ -32,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from pipeline.api.samplers import read_sampler, write_sampler
 from pipeline.api.wire import TinkerPath, checkpoint_name, parse_tinker_path, request_id_for, session_of_request
 from pipeline.io.store import ObjectStore
 from schemas.api import (
@@ -48,6 +50,7 @@ from schemas.api import (
 from schemas.events import Envelope, make_event
 
 Publish = Callable[[Envelope, str], Any]  # (event, key) -> anything; publishes on <ns>.requests
+MAX_PENDING_SAMPLES = 512  # sample calls per base model this gateway holds without a result before answering 429
 
 
 class NotFoundError(ApiError):
@@ -56,6 +59,10 @@ class NotFoundError(ApiError):
 
 class SessionEndedError(ApiError):
     """The session was finished or expired (HTTP 410 stops the SDK's heartbeat)."""
+
+
+class BusyError(ApiError):
+    """The sampler's queue for a base model is full (HTTP 429: the SDK backs off and resends)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,8 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
 class Gateway:
     """Sessions, models and calls of every tenant, kept in ``store``; calls announced through ``publish``."""
 
-    def __init__(self, store: ObjectStore, publish: Publish, models: list[ServedModel]) -> None:
+    def __init__(self, store: ObjectStore, publish: Publish, models: list[ServedModel],
+                 max_pending_samples: int = MAX_PENDING_SAMPLES) -> None:
         if not models:
             raise ValueError("a gateway needs at least one served base model")
         self.store = store
@@ -97,6 +105,8 @@ class Gateway:
         self.models = {model.name: model for model in models}
         self._owners: dict[str, str] = {}
         self._models: dict[str, dict[str, Any]] = {}
+        self.max_pending_samples = max_pending_samples
+        self._pending_samples: dict[str, set[str]] = {}  # base model -> sample requests without a result yet
 
     # ---- sessions ---------------------------------------------------------------------------
     def create_session(self, tenant: str, tags: list[str], user_metadata: dict[str, Any]) -> str:
@@ -218,13 +228,65 @@ class Gateway:
         for fmt in ("pb", "json"):
             key = result_path(session_id, request_id, fmt)  # type: ignore[arg-type]
             try:
-                return self.store.get(key), fmt  # type: ignore[return-value]
+                found = self.store.get(key), fmt
             except FileNotFoundError:
                 continue
+            for pending in self._pending_samples.values():
+                pending.discard(request_id)
+            return found  # type: ignore[return-value]
         if not self.store.exists(request_body_path(session_id, request_id, "json")) and not self.store.exists(
                 request_body_path(session_id, request_id, "pb")):
             raise NotFoundError(f"no request {request_id!r}; poll with the request_id the call returned")
         return None
+
+    # ---- sampling -------------------------------------------------------------------------------------
+    def create_sampling_session(self, tenant: str, session_id: str, seq: int, base_model: str | None,
+                                model_path: str | None) -> str:
+        """A sampling session on the base model, or on the sampler weights a ``tinker://`` path names."""
+        self.check_owner(tenant, session_id)
+        if model_path is None:
+            return write_sampler(self.store, tenant, session_id, seq, self.served(base_model).name, None, None, None)
+        path = self.owned_path(tenant, model_path)
+        if path.kind != "sampler":
+            raise ApiError(f"{model_path} is a training state; sample from a tinker://.../sampler_weights/<name> "
+                           "path (save_weights_for_sampler)")
+        try:
+            meta = json.loads(self.store.get(f"{checkpoint_prefix(path.run, 'sampler_weights')}/{path.name}.json"))
+        except FileNotFoundError:
+            raise ApiError(f"no sampler weights at {model_path}; see list_checkpoints") from None
+        record = self.model(tenant, path.model_id)
+        return write_sampler(self.store, tenant, session_id, seq, record["base_model"], model_path, path.run,
+                             int(meta["version"]))
+
+    def sampler(self, tenant: str, sampling_session_id: str) -> dict[str, Any]:
+        """A sampling session's record (``NotFoundError`` for one that is not this tenant's)."""
+        try:
+            return read_sampler(self.store, tenant, sampling_session_id)
+        except ApiError as exc:
+            raise NotFoundError(str(exc)) from None
+
+    def submit_sample(self, tenant: str, sampling_session_id: str, seq_id: int | None, body: bytes,
+                      num_samples: int) -> tuple[str, list[str]]:
+        """Accept a ``sample`` call: its request id and one sequence id per sample; ``BusyError`` when full."""
+        record = self.sampler(tenant, sampling_session_id)
+        base_model = record["base_model"]
+        pending = self._pending_samples.setdefault(base_model, set())
+        request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)
+        if request_id not in pending and len(pending) >= self.max_pending_samples:
+            raise BusyError(f"the sampler of {base_model} has {len(pending)} calls queued; retry shortly", "server")
+        session_id = session_of_request(request_id)
+        key = request_body_path(session_id, request_id, "json")
+        try:
+            digest = self.store.put_create_once(key, body)
+        except FileExistsError:
+            raise ApiError(f"seq_id {seq_id} of sampling session {sampling_session_id} was already used for "
+                           "another call; each call takes the next seq_id") from None
+        pending.add(request_id)
+        event = ApiRequestAccepted(request_id=request_id, tenant=tenant, session_id=session_id, op="sample",
+                                   model_id=sampling_session_id, seq_id=(seq_id or 0) + 1, base_model=base_model,
+                                   body_path=key, body_format="json", body_sha256=digest)
+        self.publish(make_event(model_run_name(sampling_session_id), event), sampling_session_id)
+        return request_id, [f"{request_id}.{j}" for j in range(num_samples)]
 
     # ---- checkpoints (RestClient) ---------------------------------------------------------------
     def checkpoints(self, tenant: str, model_id: str) -> list[dict[str, Any]]:

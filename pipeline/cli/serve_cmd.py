@@ -4,7 +4,9 @@ Set up (one line each): the embedded stack if no broker is configured (as
 ``rlpipe run`` does), the base models (``tiny`` is built once), the API's
 topics; then the parts of ``--role``: a trainer process per base model
 (``python -m consumers.api.worker``, the same command a cluster runs; ``pipeline``
-never imports the engine) and the gateway, served by uvicorn in this process.
+never imports the engine), a sampler process per base model
+(``python -m producers.api_sampler``, transformers by default, ``--sampler vllm``)
+and the gateway, served by uvicorn in this process.
 The base URL and an SDK example are printed once the gateway listens.
 """
 
@@ -37,6 +39,12 @@ def trainer_command(base_model: str, store_root: str, bootstrap: str, namespace:
     """The argv of one trainer process (one per base model)."""
     return [sys.executable, "-m", "consumers.api.worker", "--base-model", base_model, "--store", store_root,
             "--bootstrap", bootstrap, "--namespace", namespace]
+
+
+def sampler_command(base_model: str, store_root: str, bootstrap: str, namespace: str, backend: str) -> list[str]:
+    """The argv of one sampler process (one per base model)."""
+    return [sys.executable, "-m", "producers.api_sampler", "--base-model", base_model, "--store", store_root,
+            "--bootstrap", bootstrap, "--namespace", namespace, "--backend", backend]
 
 
 def sdk_example(base_url: str, base_model: str) -> str:
@@ -72,10 +80,11 @@ def serve(
     role: Annotated[str, typer.Option(help="all | gateway | trainer | sampler")] = "all",
     host: Annotated[str, typer.Option(help="Address the gateway listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the gateway.")] = 8000,
+    sampler: Annotated[str, typer.Option(help="Sampling engine: transformers | vllm.")] = "transformers",
     overrides: SetOpt = None,
 ) -> None:
-    """Serve the Tinker-compatible API: the gateway and one trainer per base model (the embedded stack is
-    started if nothing is configured).  Point the tinker SDK at the printed base URL."""
+    """Serve the Tinker-compatible API: the gateway, one trainer and one sampler per base model (the embedded
+    stack is started if nothing is configured).  Point the tinker SDK at the printed base URL."""
     from pipeline.devstack.launcher import EMBEDDED_GROUP_TIMINGS_MS, ensure_stack
     from pipeline.io.bus import GROUP_TIMINGS_ENV, ensure_topics
     from pipeline.runtime import open_store, resolved_bus
@@ -83,9 +92,8 @@ def serve(
 
     if role not in ("all", "gateway", "trainer", "sampler"):
         fail(f"--role {role!r} is not one of all, gateway, trainer, sampler", EXIT_USAGE)
-    if role == "sampler":
-        fail("the sampler role is not served yet: this server trains (forward_backward, optim_step, weights)",
-             EXIT_USAGE)
+    if sampler not in ("transformers", "vllm"):
+        fail(f"--sampler {sampler!r} is not one of transformers, vllm", EXIT_USAGE)
     setup_logging()
     cfg = run_config(None, None, overrides or [])
     ensure_stack(cfg)
@@ -95,16 +103,18 @@ def serve(
     env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": bus.bootstrap_servers}
     if not cfg.bus.bootstrap_servers:
         env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
-    trainers = [subprocess.Popen(trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace), env=env)
-                for m in models] if role in ("all", "trainer") else []
+    workers = [subprocess.Popen(trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace), env=env)
+               for m in models] if role in ("all", "trainer") else []
+    workers += [subprocess.Popen(sampler_command(m, store.root, bus.bootstrap_servers, bus.namespace, sampler),
+                                 env=env) for m in models] if role in ("all", "sampler") else []
     try:
-        if role == "trainer":
-            raise typer.Exit(max(process.wait() for process in trainers))
+        if role in ("trainer", "sampler"):
+            raise typer.Exit(max(process.wait() for process in workers))
         run_gateway(store, bus, models, host, port)
     finally:
-        for process in trainers:
+        for process in workers:
             process.terminate()
-        for process in trainers:
+        for process in workers:
             process.wait(timeout=60)
 
 

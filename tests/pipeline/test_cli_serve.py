@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from pipeline.api.gateway import Gateway, ServedModel
 from pipeline.cli.main import app
-from pipeline.cli.serve_cmd import sdk_example, trainer_command
+from pipeline.cli.serve_cmd import sampler_command, sdk_example, trainer_command
 from pipeline.io.store import ObjectStore
 
 runner = CliRunner()
@@ -33,8 +33,10 @@ def test_sessions_list_and_show(tmp_path):
 
 
 def test_serve_refuses_unknown_roles_and_prints_a_working_example():
-    assert runner.invoke(app, ["serve", "--role", "sampler"]).exit_code == 2
+    assert runner.invoke(app, ["serve", "--role", "sampler", "--sampler", "chef"]).exit_code == 2
     assert runner.invoke(app, ["serve", "--role", "chef"]).exit_code == 2
     example = sdk_example("http://127.0.0.1:8000", "/m/a/tiny")
     assert len(example.splitlines()) == 3 and "base_url='http://127.0.0.1:8000'" in example
     assert trainer_command("/m/a/tiny", "file:///s", "h:1", "ns")[1:3] == ["-m", "consumers.api.worker"]
+    sampler = sampler_command("/m/a/tiny", "file:///s", "h:1", "ns", "vllm")
+    assert sampler[1:3] == ["-m", "producers.api_sampler"] and sampler[-2:] == ["--backend", "vllm"]

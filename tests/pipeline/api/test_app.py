@@ -136,3 +136,74 @@ def test_an_announced_result_wakes_the_held_poll_at_once():
     started = time.monotonic()
     answer = api.post("/api/v1/retrieve_future", headers=ALICE, json={"request_id": request_id})
     assert answer.json() == {"model_id": "x"} and time.monotonic() - started < 0.9  # not the 1 s re-check
+
+
+# ---- sampling ---------------------------------------------------------------------------------------------------
+def _sampling_session(api, session, headers=ALICE, **source):
+    return api.post("/api/v1/create_sampling_session", headers=headers, json={
+        "session_id": session, "sampling_session_seq_id": 0, "type": "create_sampling_session", **source})
+
+
+def _asample(api, sampling_session_id, seq_id=0, headers=ALICE, num_samples=2):
+    return api.post("/api/v1/asample", headers=headers, json={
+        "num_samples": num_samples, "prompt": {"chunks": [{"tokens": [1, 2, 3], "type": "encoded_text"}]},
+        "sampling_params": {"max_tokens": 5, "stop": ["\n"], "temperature": 1.0, "top_k": -1, "top_p": 1.0},
+        "sampling_session_id": sampling_session_id, "seq_id": seq_id, "prompt_logprobs": False,
+        "topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "prompt_alt_tokens_k": 0, "type": "sample"})
+
+
+def test_sampling_session_on_the_base_model_and_asample(api):
+    session = _session(api)
+    created = _sampling_session(api, session, base_model="/models/base/tiny")
+    assert created.status_code == 200, created.text
+    sampler_id = created.json()["sampling_session_id"]
+    assert sampler_id == f"{session}:sample:0"
+    assert api.get(f"/api/v1/samplers/{sampler_id}", headers=ALICE).json() == {
+        "sampler_id": sampler_id, "base_model": "/models/base/tiny", "model_path": None}
+    assert api.get(f"/api/v1/samplers/{sampler_id}", headers=BOB).status_code == 404
+    future = _asample(api, sampler_id).json()
+    assert future["request_id"] == f"{session}.sample.0.1"
+    assert future["sample_sequence_ids"] == [f"{session}.sample.0.1.0", f"{session}.sample.0.1.1"]
+    key, event = api.published[-1]
+    assert key == sampler_id and event.payload.op == "sample" and event.payload.base_model == "/models/base/tiny"
+    assert _asample(api, sampler_id).json() == future  # a resent call is the same request
+    assert _asample(api, sampler_id, headers=BOB).json()["category"] == "user"
+
+
+def test_sampling_session_from_a_sampler_path_is_tenant_scoped(api):
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    path = f"tinker://{model_id}/sampler_weights/s1"
+    missing = _sampling_session(api, session, model_path=path)
+    assert missing.status_code == 400 and "list_checkpoints" in missing.json()["error"]
+    api.store.put(f"runs/{session}.train.0/sampler_weights/s1.json",
+                  json.dumps({"name": "s1", "tinker_path": path, "time": 0.0, "version": 3}).encode())
+    sampler_id = _sampling_session(api, session, model_path=path).json()["sampling_session_id"]
+    record = json.loads(api.store.get(f"sessions/{session}/samplers/0.json"))
+    assert (record["run"], record["version"], record["model_path"]) == (f"{session}.train.0", 3, path)
+    assert api.get(f"/api/v1/samplers/{sampler_id}", headers=ALICE).json()["model_path"] == path
+    other = _session(api, BOB)
+    assert _sampling_session(api, other, headers=BOB, model_path=path).status_code == 404
+    training = _sampling_session(api, session, model_path=f"tinker://{model_id}/weights/s1")
+    assert training.status_code == 400 and "sampler_weights" in training.json()["error"]
+
+
+def test_a_full_sampler_queue_answers_429_until_results_arrive(api):
+    api.app.state.gateway.max_pending_samples = 1
+    session = _session(api)
+    sampler_id = _sampling_session(api, session, base_model="/models/base/tiny").json()["sampling_session_id"]
+    first = _asample(api, sampler_id, seq_id=0).json()["request_id"]
+    busy = _asample(api, sampler_id, seq_id=1)
+    assert busy.status_code == 429 and "retry" in busy.json()["error"]
+    api.store.put(result_path(session, first, "pb"), b"")
+    assert api.post("/api/v1/retrieve_future", headers=ALICE, json={"request_id": first}).status_code == 200
+    assert _asample(api, sampler_id, seq_id=1).status_code == 200
+
+
+def test_unnamed_save_for_sampler_is_accepted(api):
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    answer = api.post("/api/v1/save_weights_for_sampler", headers=ALICE, json={
+        "model_id": model_id, "sampling_session_seq_id": 1, "kind": "snapshot", "seq_id": 1,
+        "type": "save_weights_for_sampler"})
+    assert answer.status_code == 200 and answer.json()["request_id"] == f"{session}.train.0.1"

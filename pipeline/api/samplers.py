@@ -1,0 +1,75 @@
+"""Sampling sessions of the Tinker-compatible API: what a ``SamplingClient`` samples from.
+
+A sampling session is ``<session>:sample:<n>`` (``n`` is the SDK's
+``sampling_session_seq_id``) and its record, written create-only, says which
+weights it serves:
+
+  sessions/<session>/samplers/<n>.json   {"sampling_session_id", "tenant", "base_model",
+                                          "model_path", "run", "version"}
+
+``run``/``version`` name the adapter registry version the trainer published for
+a ``tinker://<model_id>/sampler_weights/<name>`` path (or for the ephemeral
+``save_weights_and_get_sampling_client``); both are None for the base model.
+The gateway writes records for ``create_sampling_session``, the trainer for the
+ephemeral path; the sampler reads them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pipeline.io.store import ObjectStore
+from schemas.api import ApiError, model_id_for, model_run_name, session_path
+from schemas.names import InvalidNameError
+
+SAMPLE_KIND = "sample"
+
+
+def sampler_record_key(sampling_session_id: str) -> str:
+    """Store key of one sampling session's record."""
+    try:
+        session, kind, seq = model_run_name(sampling_session_id).split(".")
+    except InvalidNameError:
+        kind = ""
+    if kind != SAMPLE_KIND:
+        raise ApiError(f"{sampling_session_id!r} is not a sampling session id; use the id "
+                       "create_sampling_session returned")
+    return f"{session_path(session)}/samplers/{seq}.json"
+
+
+def write_sampler(store: ObjectStore, tenant: str, session_id: str, seq: int, base_model: str,
+                  model_path: str | None, run: str | None, version: int | None) -> str:
+    """Record a sampling session (create-only; a resent create with the same weights is the same session)."""
+    sampling_session_id = model_id_for(session_id, "sample", seq)
+    record = {"sampling_session_id": sampling_session_id, "tenant": tenant, "base_model": base_model,
+              "model_path": model_path, "run": run, "version": version}
+    key = sampler_record_key(sampling_session_id)
+    try:
+        store.put_create(key, json.dumps(record).encode())
+    except FileExistsError:
+        existing = json.loads(store.get(key))
+        if {k: existing.get(k) for k in record} != record:
+            raise ApiError(f"sampling session {sampling_session_id} already exists with other weights; "
+                           "use a new sampling_session_seq_id") from None
+    return sampling_session_id
+
+
+def find_sampler(store: ObjectStore, session_id: str, seq: int) -> dict[str, Any] | None:
+    """The record of sampling session ``seq`` of ``session_id`` if one was written (no tenant check)."""
+    try:
+        return dict(json.loads(store.get(sampler_record_key(model_id_for(session_id, "sample", seq)))))
+    except FileNotFoundError:
+        return None
+
+
+def read_sampler(store: ObjectStore, tenant: str, sampling_session_id: str) -> dict[str, Any]:
+    """The record of one of this tenant's sampling sessions (another tenant's is not found)."""
+    try:
+        record = json.loads(store.get(sampler_record_key(sampling_session_id)))
+    except FileNotFoundError:
+        record = None
+    if record is None or record["tenant"] != tenant:
+        raise ApiError(f"no sampling session {sampling_session_id!r} for this API key; "
+                       "create one with create_sampling_client")
+    return dict(record)

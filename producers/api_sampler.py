@@ -1,0 +1,276 @@
+"""The sampler role of the Tinker-compatible API: executes the ``sample`` calls on ``<ns>.requests`` for one base model.
+
+Set up: the object store, a ``SamplingEngine`` for the base model (transformers
+or vLLM), the base model's tokenizer (for stop strings), a group consumer of
+``<ns>.requests`` (its own group: trainers skip sampling calls and this role
+skips every other call) and a publisher for ``<ns>.results``.  Then one asyncio
+loop: read (each ``sample`` call becomes its own task at once: no fixed batch,
+the engine batches what runs concurrently), and commit offsets below the oldest
+call still running, so a sampler that dies re-runs only unfinished calls.
+
+One call: the tenant is checked against the sampling session's record
+(``pipeline.api.samplers``), its weights resolved (base model, or the adapter
+registry version a ``sampler_weights`` path or ``save_weights_and_get_sampling_client``
+names, pulled once into a local cache), the SDK's ``SamplingParams`` translated
+(``sampling_params``), the engine sampled, and the SDK's protobuf
+``SampleResponse`` written create-only, then announced with ``ApiResultReady``.
+
+Logprobs of sampled tokens are those of the distribution they were drawn from
+(after temperature and top-p: the engine's ``processed_logprobs``), the ``q`` of
+rlpipe's importance sampling.  Prompt logprobs are the model's own (temperature
+1), NaN at position 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import json
+import logging
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from tinker import types
+from tinker.proto import tinker_public_pb2 as public_pb
+
+from pipeline.api.gateway import parse_body
+from pipeline.api.samplers import read_sampler
+from pipeline.io.bus import ConsumedEvent, EventConsumer, EventPublisher, TopicPartitionKey, ensure_topics
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from pipeline.topics import API_TOPIC_KINDS
+from producers.samplers.base import AdapterHandle, SampleOutput
+from producers.samplers.engine import SampleParams, SampleResult, SamplingEngine
+from schemas.api import ApiError, ApiRequestAccepted, ApiResultReady, result_path
+from schemas.config import BusConfig
+from schemas.events import make_event
+
+log = logging.getLogger("rlpipe.api.sampler")
+SAMPLING_OPS = ("sample",)
+
+
+def group_for(base_model: str) -> str:
+    """The consumer group of the samplers of one base model (the calls are shared among its members)."""
+    return f"api-sampler-{hashlib.sha256(base_model.encode()).hexdigest()[:16]}"
+
+
+# ---- translation: the SDK's request -> the engine, the engine's result -> the SDK's protobuf ---------------------
+
+
+def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[SampleParams, list[str]]:
+    """The engine's ``SampleParams`` and the stop strings (cut after sampling) of one ``SampleRequest``."""
+    given = request.sampling_params
+    if request.prompt_alt_tokens_k or request.prompt_logprobs_last_n or request.topk_prompt_logprobs \
+            or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
+        raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "
+                       "ask for prompt_logprobs and sampled-token logprobs only")
+    if given.top_k not in (-1, 0):
+        raise ApiError(f"top_k={given.top_k} is not served; use top_k=-1 with top_p")
+    stop = given.stop
+    strings: list[str] = []
+    stop_ids: tuple[int, ...] | None = None
+    if isinstance(stop, str):
+        strings = [stop]
+    elif stop is not None:
+        items = list(stop)
+        if all(isinstance(item, str) for item in items) and items:
+            strings = [str(item) for item in items]
+        elif all(isinstance(item, int) for item in items):
+            stop_ids = tuple(int(item) for item in items)  # [] = never stop before max_tokens
+        else:
+            raise ApiError("sampling_params.stop mixes strings and token ids; send one kind")
+    params = SampleParams(max_tokens=given.max_tokens or max_model_len, num_samples=request.num_samples,
+                          temperature=given.temperature, top_p=given.top_p, seed=given.seed,
+                          stop_token_ids=stop_ids, prompt_logprobs=bool(request.prompt_logprobs))
+    return params, strings
+
+
+def cut_at_stop_strings(sample: SampleOutput, strings: list[str], decode: Callable[[list[int]], str]) -> SampleOutput:
+    """``sample`` ended with the first token that completes a stop string (kept, logprobs aligned), if any."""
+    if not strings:
+        return sample
+    for end in range(1, len(sample.token_ids) + 1):
+        text = decode(sample.token_ids[:end])
+        if any(stop in text for stop in strings):
+            return SampleOutput(token_ids=sample.token_ids[:end], logprobs=sample.logprobs[:end], finish_reason="stop")
+    return sample
+
+
+def encode_sample_response(result: SampleResult) -> bytes:
+    """The protobuf ``SampleResponse`` the SDK decodes (int32 tokens, float32 logprobs, NaN prompt position 0)."""
+    msg = public_pb.SampleResponse()
+    for sample in result.sequences:
+        msg.sequences.add(
+            stop_reason=public_pb.STOP_REASON_STOP if sample.finish_reason == "stop" else public_pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(sample.token_ids, np.int32).tobytes(),
+            logprobs=np.asarray(sample.logprobs, np.float32).tobytes(),
+        )
+    if result.prompt_logprobs is not None:
+        values = [np.nan if value is None else value for value in result.prompt_logprobs]
+        msg.prompt_logprobs = np.asarray(values, np.float32).tobytes()
+    return msg.SerializeToString()
+
+
+# ---- the worker --------------------------------------------------------------------------------------------------
+
+
+class SamplerWorker:
+    """Executes one base model's ``sample`` calls from the log, each its own task; see the module docstring."""
+
+    def __init__(self, store: ObjectStore, bus: BusConfig, base_model: str, engine: SamplingEngine,
+                 decode: Callable[[list[int]], str], cache_dir: str | None = None,
+                 consumer_options: dict[str, Any] | None = None) -> None:
+        self.store, self.bus, self.base_model, self.engine, self.decode = store, bus, base_model, engine, decode
+        self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="rlpipe-api-sampler-")
+        ensure_topics(bus, API_TOPIC_KINDS)
+        options = {"fetch_max_wait_ms": 20, **(consumer_options or {})}
+        self.consumer = EventConsumer(bus, "requests", group_for(base_model), **options)
+        self.publisher = EventPublisher(bus)
+        self.running: dict[asyncio.Task[None], tuple[TopicPartitionKey, int]] = {}
+        self._adapters: dict[tuple[str, int], AdapterHandle] = {}
+        self._lora_ids = itertools.count(1)
+        self._committed: dict[TopicPartitionKey, int] = {}
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    async def run(self, stop: Callable[[], bool]) -> None:
+        log.info("sampler for %s reading %s.requests", self.base_model, self.bus.namespace)
+        while not stop():
+            await self.step()
+        if self.running:
+            await asyncio.wait(list(self.running))
+        await asyncio.to_thread(self._commit)
+        self.close()
+
+    async def step(self, poll_timeout_s: float = 0.2) -> int:
+        """Read once, start a task per sampling call, commit; the number of tasks started."""
+        events = await asyncio.to_thread(self.consumer.poll, poll_timeout_s)
+        started = 0
+        for consumed in events:
+            if self.accept(consumed):
+                task = asyncio.create_task(self.execute(consumed.event.payload))
+                self.running[task] = ((consumed.topic, consumed.partition), consumed.offset)
+                task.add_done_callback(self._finished)
+                started += 1
+        await asyncio.to_thread(self._commit)
+        return started
+
+    def accept(self, consumed: ConsumedEvent) -> bool:
+        """Whether the event is a sampling call of this base model."""
+        call = consumed.event.payload
+        return isinstance(call, ApiRequestAccepted) and call.op in SAMPLING_OPS and call.base_model == self.base_model
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self.running.pop(task, None)
+
+    def _commit(self) -> None:
+        """Commit each partition below its oldest running call (everything polled when none runs)."""
+        held: dict[TopicPartitionKey, int] = {}
+        for tp, offset in list(self.running.values()):
+            held[tp] = min(offset, held.get(tp, offset))
+        positions = self.consumer.positions()
+        offsets = {tp: held.get(tp, position) for tp, position in positions.items()}
+        if offsets and offsets != self._committed:
+            self._committed = self.consumer.commit(offsets)
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.publisher.close()
+
+    # ---- one call -------------------------------------------------------------------------------------------
+    async def execute(self, call: ApiRequestAccepted) -> None:
+        """Sample one call and write its result (or its error); a call with a stored result is not re-run."""
+        if self.store.exists(result_path(call.session_id, call.request_id, "pb")):
+            return
+        try:
+            data, fmt, error, category = await self._sample(call), "pb", None, None
+        except ApiError as exc:
+            error, category = str(exc), exc.category
+        except ValueError as exc:  # the engine's refusals (a prompt that does not fit): the request's fault
+            error, category = f"{exc}", "user"
+        except Exception as exc:
+            log.exception("sample %s failed", call.request_id)
+            error, category = f"sample failed on the sampler ({type(exc).__name__}: {exc}); retry, or report it", "server"
+        if error is not None:
+            data, fmt = json.dumps({"error": error, "category": category}).encode(), "json"
+        await asyncio.to_thread(self._write_result, call, data, fmt, error, category)
+
+    async def _sample(self, call: ApiRequestAccepted) -> bytes:
+        record = read_sampler(self.store, call.tenant, call.model_id or "")
+        request = parse_body(types.SampleRequest, self.store.get(call.body_path, call.body_sha256))
+        params, strings = sampling_params(request, self.engine.max_model_len)
+        adapter = await asyncio.to_thread(self._adapter, record)
+        result = await self.engine.sample(request.prompt.to_ints(), adapter, params)
+        sequences = [cut_at_stop_strings(sample, strings, self.decode) for sample in result.sequences]
+        return encode_sample_response(SampleResult(sequences, result.prompt_logprobs))
+
+    def _adapter(self, record: dict[str, Any]) -> AdapterHandle | None:
+        """The handle of the session's registry version (pulled once), or None for the base model."""
+        if record.get("run") is None:
+            return None
+        key = (str(record["run"]), int(record["version"]))
+        if key not in self._adapters:
+            registry = AdapterRegistry(self.store, key[0])
+            folder = registry.pull(key[1], self.cache_dir)
+            lora_id = next(self._lora_ids)
+            self._adapters[key] = AdapterHandle(version=key[1], lora_int_id=lora_id, name=f"v{key[1]}-id{lora_id}",
+                                                path=str(folder), sha256=registry.adapter_sha256(key[1]), run=key[0])
+        return self._adapters[key]
+
+    def _write_result(self, call: ApiRequestAccepted, data: bytes, fmt: str, error: str | None,
+                      category: str | None) -> None:
+        key = result_path(call.session_id, call.request_id, fmt)  # type: ignore[arg-type]
+        try:
+            digest = self.store.put_create(key, data)
+        except FileExistsError:
+            return
+        ready = ApiResultReady(request_id=call.request_id, session_id=call.session_id, op=call.op,
+                               model_id=call.model_id, seq_id=call.seq_id, ok=error is None,
+                               result_path=key if error is None else None, result_format=fmt,  # type: ignore[arg-type]
+                               result_sha256=digest if error is None else None, error=error,
+                               category=category)  # type: ignore[arg-type]
+        self.publisher.publish("results", make_event(call.session_id, ready), key=call.model_id)
+
+
+# ---- entry point -------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m producers.api_sampler --base-model PATH --store URL --bootstrap HOST:PORT [--backend B]``."""
+    from transformers import AutoTokenizer
+
+    from consumers.sources import group_timings_from_env
+    from pipeline.runtime import StopFlag
+    from producers.samplers.engine import make_engine
+    from schemas.config import SamplerConfig
+
+    parser = argparse.ArgumentParser(prog="rlpipe-api-sampler", description=main.__doc__)
+    parser.add_argument("--base-model", required=True, help="the served base model (a local folder)")
+    parser.add_argument("--store", required=True, help="store root URL, e.g. file:///data/rlpipe")
+    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers")
+    parser.add_argument("--namespace", default="rlpipe", help="topic namespace")
+    parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    args = parser.parse_args(argv)
+    log.setLevel(args.log_level)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    bus = BusConfig(bootstrap_servers=args.bootstrap, namespace=args.namespace)
+    log.info("initialising the %s sampling engine for %s", args.backend, args.base_model)
+    engine = make_engine(args.backend, args.base_model, SamplerConfig(backend=args.backend))
+    tokenizer = AutoTokenizer.from_pretrained(args.base_model)
+    worker = SamplerWorker(ObjectStore(args.store), bus, args.base_model, engine,
+                           lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                           consumer_options=group_timings_from_env())
+    try:
+        asyncio.run(worker.run(StopFlag().install()))
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

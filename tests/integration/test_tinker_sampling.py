@@ -1,0 +1,145 @@
+"""Sampling through the Tinker-compatible API end to end: the real ``tinker==0.38.0`` SDK against real processes.
+
+The pattern of ``test_tinker_api``: one server per module on the session's Tansu
+broker and a file:// store, here with one trainer (``python -m consumers.api.worker``)
+and one sampler (``python -m producers.api_sampler``, the transformers engine)
+for the tiny model, and the gateway (``rlpipe serve --role gateway``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from pipeline.devstack.process import free_port
+from pipeline.io.bus import GROUP_TIMINGS_ENV
+from pipeline.io.store import ObjectStore
+from tests.integration.test_tinker_api import BOB, FAST_GROUP_MS, Server
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+PROMPT = [5, 17, 42, 9, 33, 8]
+
+
+class SamplingServer(Server):
+    def start_sampler(self) -> subprocess.Popen[bytes]:
+        log = open(self.logs / "sampler.log", "ab")  # noqa: SIM115 - the child owns it
+        process = subprocess.Popen(
+            [sys.executable, "-m", "producers.api_sampler", "--base-model", self.base_model, "--store",
+             self.store.root, "--bootstrap", self.env["RLPIPE_BUS__BOOTSTRAP_SERVERS"], "--namespace",
+             self.env["RLPIPE_BUS__NAMESPACE"], "--backend", "transformers"],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.processes.append(process)
+        return process
+
+
+@pytest.fixture(scope="module")
+def server(kafka_broker, tiny_model_dir, tmp_path_factory) -> Iterator[SamplingServer]:
+    os.environ["TINKER_TELEMETRY"] = "0"
+    folder = tmp_path_factory.mktemp("tinker-sampling")
+    env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": kafka_broker.bootstrap_servers,
+           "RLPIPE_BUS__NAMESPACE": f"t{uuid.uuid4().hex[:12]}", "RLPIPE_STORE__ROOT": f"file://{folder}/store",
+           "RLPIPE_HOME": str(folder / "home"), GROUP_TIMINGS_ENV: json.dumps(FAST_GROUP_MS),
+           "OMP_NUM_THREADS": "1"}
+    server = SamplingServer(f"http://127.0.0.1:{free_port()}", tiny_model_dir, tiny_model_dir,
+                            ObjectStore(f"file://{folder}/store"), env, folder)
+    server.start_trainer()
+    server.start_sampler()
+    try:
+        server.start_gateway()
+        yield server
+    finally:
+        for process in server.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in server.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _params(**given) -> types.SamplingParams:
+    return types.SamplingParams(**{"max_tokens": 6, "temperature": 1.0, "seed": 7, **given})
+
+
+def test_sampling_from_the_base_model(server):
+    sampling = server.service().create_sampling_client(base_model=server.base_model).result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    first = sampling.sample(prompt, 3, _params(stop=[])).result()
+    again = sampling.sample(prompt, 3, _params(stop=[])).result()
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]  # a seed fixes the draw
+    assert all(len(s.tokens) == len(s.logprobs) == 6 and s.stop_reason == "length" for s in first.sequences)
+    logprobs = sampling.compute_logprobs(prompt).result()
+    assert logprobs[0] is None and len(logprobs) == len(PROMPT) and all(np.isfinite(logprobs[1:]))
+
+
+def test_stop_ids_and_strings_are_kept_with_aligned_logprobs(server):
+    sampling = server.service().create_sampling_client(base_model=server.base_model).result()
+    tokenizer = AutoTokenizer.from_pretrained(server.base_model)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    by_id = sampling.sample(prompt, 2, _params(stop=list(range(len(tokenizer))))).result()
+    assert all(len(s.tokens) == len(s.logprobs) == 1 and s.stop_reason == "stop" for s in by_id.sequences)
+    stops = list(string.ascii_letters + string.digits)
+    by_string = sampling.sample(prompt, 4, _params(stop=stops, max_tokens=12)).result()
+    for sequence in by_string.sequences:
+        assert len(sequence.tokens) == len(sequence.logprobs)
+        if sequence.stop_reason == "stop":
+            assert any(s in tokenizer.decode(sequence.tokens) for s in stops)
+            assert not any(s in tokenizer.decode(sequence.tokens[:-1]) for s in stops)
+    assert any(s.stop_reason == "stop" for s in by_string.sequences)
+
+
+def test_trained_weights_sample_differently_and_agree_with_forward(server):
+    service = server.service()
+    training = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
+    rng = np.random.default_rng(3)
+    data = []
+    for _ in range(3):
+        tokens = rng.integers(3, 250, 9).tolist()
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 8}))
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    trained = training.save_weights_and_get_sampling_client().result()
+    base = service.create_sampling_client(base_model=server.base_model).result()
+    sequence = PROMPT + [12, 30, 7]
+    prompt = types.ModelInput.from_ints(sequence)
+    trained_lp, base_lp = trained.compute_logprobs(prompt).result(), base.compute_logprobs(prompt).result()
+    assert not np.allclose(trained_lp[1:], base_lp[1:], atol=1e-3)  # the new weights are served
+    datum = types.Datum(model_input=types.ModelInput.from_ints(sequence[:-1]),
+                        loss_fn_inputs={"target_tokens": sequence[1:]})
+    forward = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
+    assert np.max(np.abs(np.array(forward) - np.array(trained_lp[1:]))) <= 1e-5  # fp32, the same tokens
+    samples = trained.sample(types.ModelInput.from_ints(PROMPT), 2, _params(stop=[])).result()
+    assert all(len(s.tokens) == len(s.logprobs) == 6 for s in samples.sequences)
+
+    # a named sampler path: sampled by its owner, refused for another tenant
+    path = training.save_weights_for_sampler("s1").result().path
+    named = service.create_sampling_client(model_path=path).result()
+    assert np.allclose(named.compute_logprobs(prompt).result()[1:], trained_lp[1:], atol=1e-5)
+    with pytest.raises(Exception, match="no session"):
+        server.service(BOB).create_sampling_client(model_path=path).result()
+
+
+def test_the_cartpole_example_runs_end_to_end_for_two_steps(server):
+    script = Path(__file__).resolve().parents[2] / "examples" / "tinker_cartpole.py"
+    env = {**os.environ, "TINKER_API_KEY": "tml-example", "TINKER_TELEMETRY": "0"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--base-url", server.url, "--base-model", server.base_model, "--max-steps", "5",
+         "--demo-episodes", "2", "--sft-steps", "2", "--batch", "8", "--rl-steps", "2", "--groups", "2",
+         "--group-size", "2", "--eval-episodes", "2"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "sft step 1" in done.stdout and "rl step 1" in done.stdout and "held-out last version" in done.stdout

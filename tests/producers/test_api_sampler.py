@@ -1,0 +1,171 @@
+"""The sampler role of the Tinker-compatible API: translation, the protobuf answer, and sample calls from the log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+
+import numpy as np
+import pytest
+from tinker import types
+from tinker.proto.response_conv import deserialize_sample_response
+from transformers import AutoTokenizer
+
+from consumers.api.worker import TrainerWorker
+from consumers.engine import TrainingEngine
+from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.io.bus import EventPublisher, ensure_topics
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from pipeline.topics import API_TOPIC_KINDS
+from producers.api_sampler import SamplerWorker, cut_at_stop_strings, encode_sample_response, sampling_params
+from producers.samplers.base import SampleOutput
+from producers.samplers.engine import SampleResult, TransformersEngine
+from schemas.api import ApiError, ApiRequestAccepted
+
+TENANT = "t-alice"
+
+
+def _request(stop=None, **extra) -> types.SampleRequest:
+    params = types.SamplingParams(max_tokens=4, stop=stop, temperature=1.0, seed=extra.pop("seed", None),
+                                  top_k=extra.pop("top_k", -1))
+    return types.SampleRequest(num_samples=extra.pop("num_samples", 2), prompt=types.ModelInput.from_ints([5, 6, 7]),
+                               sampling_params=params, sampling_session_id="s:sample:0", seq_id=0, **extra)
+
+
+def test_the_four_stop_forms_and_refusals():
+    assert sampling_params(_request(None), 64)[0].stop_token_ids is None  # eos
+    assert sampling_params(_request([]), 64)[0].stop_token_ids == ()  # never before max_tokens
+    assert sampling_params(_request([3, 9]), 64)[0].stop_token_ids == (3, 9)
+    params, strings = sampling_params(_request("\n\nUser:"), 64)
+    assert (params.stop_token_ids, strings) == (None, ["\n\nUser:"])
+    assert sampling_params(_request(["a", "b"]), 64)[1] == ["a", "b"]
+    with pytest.raises(ApiError, match="top_k"):
+        sampling_params(_request(None, top_k=5), 64)
+    with pytest.raises(ApiError, match="prompt_alt_tokens"):
+        sampling_params(_request(None, prompt_alt_tokens_k=2), 64)
+
+
+def test_stop_strings_cut_after_the_token_that_completes_them():
+    text = {1: "a", 2: "\n", 3: "\nU", 4: "b"}
+    sample = SampleOutput(token_ids=[1, 2, 3, 4], logprobs=[-0.1, -0.2, -0.3, -0.4], finish_reason="length")
+    cut = cut_at_stop_strings(sample, ["\n\nU"], lambda ids: "".join(text[i] for i in ids))
+    assert (cut.token_ids, cut.logprobs, cut.finish_reason) == ([1, 2, 3], [-0.1, -0.2, -0.3], "stop")
+    assert cut_at_stop_strings(sample, ["zz"], lambda ids: "x").token_ids == [1, 2, 3, 4]
+
+
+def test_the_sample_response_is_what_the_sdk_decodes():
+    result = SampleResult([SampleOutput([4, 2], [-1.5, -0.25], "stop"), SampleOutput([7], [-3.0], "length")],
+                          [None, -2.0, -0.5])
+    decoded = deserialize_sample_response(encode_sample_response(result))
+    assert [s.tokens for s in decoded.sequences] == [[4, 2], [7]]
+    assert [s.stop_reason for s in decoded.sequences] == ["stop", "length"]
+    assert decoded.sequences[0].logprobs == [-1.5, -0.25]
+    assert decoded.prompt_logprobs == [None, -2.0, -0.5]
+
+
+class Harness:
+    """A gateway publishing for real, a trainer and a sampler (transformers) reading the same namespace."""
+
+    def __init__(self, store: ObjectStore, bus, base_model: str, fast_group) -> None:
+        self.store, self.bus, self.base_model = store, bus, base_model
+        ensure_topics(bus, API_TOPIC_KINDS)
+        self.publisher = EventPublisher(bus)
+        self.gateway = Gateway(store, lambda event, key: self.publisher.publish("requests", event, key),
+                               [ServedModel(base_model, base_model)])
+        self.session = self.gateway.create_session(TENANT, [], {})
+        self.engine = TransformersEngine(base_model)
+        tokenizer = AutoTokenizer.from_pretrained(base_model)
+        self.sampler = SamplerWorker(store, bus, base_model, self.engine, tokenizer.decode,
+                                     consumer_options=fast_group)
+        self.fast_group = fast_group
+
+    def sample(self, sampler_id: str, seq: int, request: types.SampleRequest, tenant: str = TENANT) -> str:
+        body = request.model_copy(update={"sampling_session_id": sampler_id, "seq_id": seq}).model_dump_json()
+        return self.gateway.submit_sample(tenant, sampler_id, seq, body.encode(), request.num_samples)[0]
+
+    def run(self, request_ids: list[str], timeout_s: float = 60.0) -> list:
+        """Step the sampler until every call has its result."""
+        async def loop() -> None:
+            deadline = time.monotonic() + timeout_s
+            while not all(self.gateway.result(TENANT, rid) for rid in request_ids):
+                assert time.monotonic() < deadline, "no sample results"
+                await self.sampler.step(poll_timeout_s=0.1)
+
+        asyncio.run(loop())
+        return [self.gateway.result(TENANT, rid) for rid in request_ids]
+
+    def train(self, trainer: TrainerWorker, request_ids: list[str], timeout_s: float = 60.0) -> list:
+        """Step the trainer (a process of its own in a deployment) until every call has its result."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self.gateway.result(TENANT, rid) for rid in request_ids):
+            assert time.monotonic() < deadline, "no training results"
+            trainer.step(poll_timeout_s=0.1)
+        return [self.gateway.result(TENANT, rid) for rid in request_ids]
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory):
+    return f"file://{tmp_path_factory.mktemp('api-sampler')}/store"
+
+
+@pytest.fixture
+def harness(store_root, bus_config, tiny_model_dir, fast_group) -> Harness:
+    namespace = bus_config.model_copy(update={"namespace": f"t{uuid.uuid4().hex[:12]}"})
+    made = Harness(ObjectStore(store_root), namespace, tiny_model_dir, fast_group)
+    yield made
+    made.sampler.close()
+    made.publisher.close()
+
+
+def test_base_model_samples_with_prompt_logprobs_stop_ids_and_tenant_checks(harness):
+    sampler_id = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
+    seeded = _request([], seed=11, num_samples=3, prompt_logprobs=True)
+    vocabulary = len(AutoTokenizer.from_pretrained(harness.base_model))
+    stop_any = _request(list(range(vocabulary)), seed=11, num_samples=1)  # every token id stops at once
+    first, again, stopped = (harness.sample(sampler_id, 0, seeded), harness.sample(sampler_id, 1, seeded),
+                             harness.sample(sampler_id, 2, stop_any))
+    results = harness.run([first, again, stopped])
+    assert all(fmt == "pb" for _, fmt in results)
+    one, two, three = (deserialize_sample_response(data) for data, _ in results)
+    assert [s.tokens for s in one.sequences] == [s.tokens for s in two.sequences]  # a seed fixes the draw
+    assert all(len(s.tokens) == 4 and len(s.logprobs) == 4 and s.stop_reason == "length" for s in one.sequences)
+    assert one.prompt_logprobs[0] is None and all(math.isfinite(v) for v in one.prompt_logprobs[1:])
+    assert len(one.prompt_logprobs) == 3
+    assert len(three.sequences[0].tokens) == 1 and three.sequences[0].stop_reason == "stop"
+    with pytest.raises(ApiError, match="sampling session"):
+        harness.sample(sampler_id, 3, seeded, tenant="t-bob")
+
+
+def test_unnamed_save_for_sampler_gives_a_sampling_session_on_the_new_version(harness):
+    trainer = TrainerWorker(harness.store, harness.bus, harness.base_model,
+                            TrainingEngine(harness.base_model, device="cpu"), consumer_options=harness.fast_group)
+    try:
+        model_id = harness.gateway.register_model(TENANT, harness.session, 0, harness.base_model, 4, {}, None)
+        create = types.CreateModelRequest(session_id=harness.session, model_seq_id=0, base_model=harness.base_model,
+                                          lora_config=types.LoraConfig(rank=4, seed=3))
+        harness.gateway.submit(TENANT, "create_model", model_id, None, create.model_dump_json().encode())
+        save = types.SaveWeightsForSamplerRequest(model_id=model_id, sampling_session_seq_id=5, seq_id=1)
+        saved = harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, 1, save.model_dump_json().encode())
+        data, _ = harness.train(trainer, [saved])[0]
+        sampler_id = json.loads(data)["sampling_session_id"]
+        assert sampler_id == f"{harness.session}:sample:5"
+        record = harness.gateway.sampler(TENANT, sampler_id)
+        assert (record["run"], record["version"]) == (f"{harness.session}.train.0", 1)
+        sampled = harness.sample(sampler_id, 0, _request(None, seed=2))
+        result = deserialize_sample_response(harness.run([sampled])[0][0])
+        trainer.step(poll_timeout_s=0.5)
+        assert len(result.sequences) == 2 and all(np.isfinite(s.logprobs).all() for s in result.sequences)
+        assert list(trainer.models) == [model_id]  # the trainer left the sample call to the sampler
+        # executed again (a trainer that died before writing the result): the same session, no new version
+        call = ApiRequestAccepted(request_id=saved, tenant=TENANT, session_id=harness.session,
+                                  op="save_weights_for_sampler", model_id=model_id, seq_id=1,
+                                  base_model=harness.base_model, body_path="unused", body_sha256="0" * 64)
+        again = trainer._save_for_sampler(trainer.models[model_id], call, save)
+        assert json.loads(again)["sampling_session_id"] == sampler_id
+        assert AdapterRegistry(harness.store, f"{harness.session}.train.0").versions() == [1]
+    finally:
+        trainer.close()
