@@ -9,8 +9,6 @@ carrying the position just after each one, which checkpoints store.
 
 from __future__ import annotations
 
-import json
-import os
 from collections import deque
 from collections.abc import Callable
 from datetime import date
@@ -18,34 +16,9 @@ from typing import Any
 
 from consumers.learner import BatchRef
 from pipeline.io.archive import BatchCommit, TrajectoryArchive
-from pipeline.io.bus import GROUP_TIMINGS_ENV, EventConsumer, describe_topic
+from pipeline.io.bus import EventConsumer, describe_topic, group_timings_from_env
 from schemas.config import BusConfig
 from schemas.events import TrajectoryBatchCommitted
-
-_GROUP_TIMING_KEYS = ("session_timeout_ms", "heartbeat_interval_ms", "max_poll_interval_ms")
-
-
-def group_timings_from_env() -> dict[str, int]:
-    """Consumer-group timings from ``RLPIPE_KAFKA_GROUP_TIMINGS_MS`` (JSON), e.g. ``{"session_timeout_ms": 2000}``.
-
-    Why: with Kafka's defaults (45 s session) the local Tansu broker takes about
-    20 s to let a learner join, and about 80 s to let it rejoin after a SIGKILL
-    (the dead member must time out first); short timings make both about a
-    second, which crash tests and a laptop want.  Unset: Kafka's defaults.
-    """
-    raw = os.environ.get(GROUP_TIMINGS_ENV, "")
-    if not raw:
-        return {}
-    try:
-        timings: Any = json.loads(raw)
-    except json.JSONDecodeError:
-        timings = None
-    if not isinstance(timings, dict) or not all(
-        k in _GROUP_TIMING_KEYS and isinstance(v, int) and v > 0 for k, v in timings.items()
-    ):
-        raise ValueError(f"{GROUP_TIMINGS_ENV}={raw!r} must be a JSON object of positive integers with keys among "
-                         f"{', '.join(_GROUP_TIMING_KEYS)}; fix or unset it")
-    return timings
 
 
 def learner_group_id(run_id: str) -> str:

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m producers.api_sampler --base-model PATH --store URL --bootstrap HOST:PORT [--backend B]``."""
     from transformers import AutoTokenizer
 
-    from consumers.sources import group_timings_from_env
+    from pipeline.io.bus import group_timings_from_env
     from pipeline.runtime import StopFlag
     from producers.samplers.engine import make_engine
     from schemas.config import SamplerConfig

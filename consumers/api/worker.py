@@ -43,11 +43,17 @@ from tinker import types
 from consumers.api import ops
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
-from consumers.sources import group_timings_from_env
 from pipeline.api.gateway import checkpoint_prefix, parse_body
 from pipeline.api.samplers import find_sampler, write_sampler
 from pipeline.api.wire import TinkerPath, decode_forward_backward, encode_forward_backward_output, parse_tinker_path
-from pipeline.io.bus import ConsumedEvent, EventConsumer, EventPublisher, TopicPartitionKey, ensure_topics
+from pipeline.io.bus import (
+    ConsumedEvent,
+    EventConsumer,
+    EventPublisher,
+    TopicPartitionKey,
+    ensure_topics,
+    group_timings_from_env,
+)
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import os
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -38,7 +40,7 @@ from schemas.config import BusConfig
 from schemas.events import DeadLetter, encode_event, make_event
 from schemas.names import InvalidNameError, validate_name
 
-GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"  # consumer-group timings, JSON (consumers.sources)
+GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"  # consumer-group timings, JSON (group_timings_from_env)
 
 log = logging.getLogger(__name__)
 
@@ -370,3 +372,29 @@ class EventConsumer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+_GROUP_TIMING_KEYS = ("session_timeout_ms", "heartbeat_interval_ms", "max_poll_interval_ms")
+
+
+def group_timings_from_env() -> dict[str, int]:
+    """Consumer-group timings from ``RLPIPE_KAFKA_GROUP_TIMINGS_MS`` (JSON), e.g. ``{"session_timeout_ms": 2000}``.
+
+    Why: with Kafka's defaults (45 s session) the local Tansu broker takes about
+    20 s to let a learner join, and about 80 s to let it rejoin after a SIGKILL
+    (the dead member must time out first); short timings make both about a
+    second, which crash tests and a laptop want.  Unset: Kafka's defaults.
+    """
+    raw = os.environ.get(GROUP_TIMINGS_ENV, "")
+    if not raw:
+        return {}
+    try:
+        timings: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        timings = None
+    if not isinstance(timings, dict) or not all(
+        k in _GROUP_TIMING_KEYS and isinstance(v, int) and v > 0 for k, v in timings.items()
+    ):
+        raise ValueError(f"{GROUP_TIMINGS_ENV}={raw!r} must be a JSON object of positive integers with keys among "
+                         f"{', '.join(_GROUP_TIMING_KEYS)}; fix or unset it")
+    return timings
