@@ -42,7 +42,7 @@ from pipeline.cli.common import (
     print_json,
     user_errors,
 )
-from pipeline.cli.options import DeprecatedRunArg, PackedRunOpt, chosen_run
+from pipeline.cli.options import DeprecatedRunArg, chosen_run
 from pipeline.devstack.gcs_emulator import probe_endpoint
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import open_store
@@ -61,6 +61,12 @@ OutOpt = Annotated[
         "--out", "-o", help="output folder; default ./rlpipe-report-RUN/ (several runs: ./rlpipe-report-A-B/)"
     ),
 ]
+RunsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--run", "-r", help="The run id; repeat it for runs packed in one process (adds their packed duty cycle)."
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the summary and every series as JSON")]
 NoBusOpt = Annotated[
     bool, typer.Option("--no-bus", help="do not read the event log (no throughput, no producer lanes)")
@@ -76,7 +82,7 @@ TimeoutOpt = Annotated[
     "runs packed in one process: rlpipe report --run a --run b (adds the packed duty cycle)",
 )
 def report(
-    run: PackedRunOpt = None,
+    run: RunsOpt = None,
     root: StoreRootOpt = None,
     gcs_endpoint: GcsEndpointOpt = None,
     out: OutOpt = None,

@@ -121,3 +121,9 @@ def test_report_with_two_runs_writes_the_packed_figure_and_json(run_store: Objec
     assert (out / PACKED_FIGURE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "demo" / "report.html").exists() and (out / "demo-b" / "report.html").exists()
     assert json.loads(result.output)["packed"] == str(out / "packed.json")
+
+
+def test_a_run_named_twice_is_one_line_and_exit_2(run_store: ObjectStore, tmp_path: Path) -> None:  # noqa: F811
+    result = CliRunner().invoke(app, ["--run", "demo", "--run", "demo", "--root", run_store.root, "--no-bus"])
+    assert result.exit_code == 2
+    assert "named twice" in result.output and len(result.output.strip().splitlines()) == 1
