@@ -1,5 +1,10 @@
 """``rlpipe report --run RUN``: write a self-contained HTML report of one run (or print it as JSON).
 
+``rlpipe report --run A --run B ...`` is the report of runs packed in one process:
+each run's own report in ``OUT/<run>/``, and the packed duty cycle (one trainer and
+one sampler lane, each run in its own colour, per-run busy fractions) in
+``OUT/packed_duty_cycle.png`` and ``OUT/packed.json`` (``pipeline.analysis.report.packed``).
+
 Reads the store (trajectories, adapters, the newest checkpoint, evaluations) and,
 unless ``--no-bus``, the run's events on ``<ns>.control`` with a bounded wait; a
 missing piece leaves its section empty with a note, never a failure.  An unknown
@@ -22,8 +27,10 @@ import typer
 from rich.table import Table
 
 from pipeline.analysis.report import DEFAULT_BUS_TIMEOUT_S, RunReport, gather_report, summary_lines, write_report
+from pipeline.analysis.report.packed import PACKED_FIGURE, write_packed_report
 from pipeline.cli.common import (
     EXIT_FAILURE,
+    EXIT_USAGE,
     BootstrapOpt,
     GcsEndpointOpt,
     NamespaceOpt,
@@ -35,7 +42,7 @@ from pipeline.cli.common import (
     print_json,
     user_errors,
 )
-from pipeline.cli.options import DeprecatedRunArg, RunOpt, chosen_run
+from pipeline.cli.options import DeprecatedRunArg, chosen_run
 from pipeline.devstack.gcs_emulator import probe_endpoint
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import open_store
@@ -48,7 +55,18 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="output folder; default ./rlpipe-report-RUN/")]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out", "-o", help="output folder; default ./rlpipe-report-RUN/ (several runs: ./rlpipe-report-A-B/)"
+    ),
+]
+RunsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--run", "-r", help="The run id; repeat it for runs packed in one process (adds their packed duty cycle)."
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the summary and every series as JSON")]
 NoBusOpt = Annotated[
     bool, typer.Option("--no-bus", help="do not read the event log (no throughput, no producer lanes)")
@@ -60,10 +78,11 @@ TimeoutOpt = Annotated[
 
 @app.command(
     "report",
-    epilog="Example: rlpipe report --run demo --root file:///tmp/rlpipe/store --out ./demo-report",
+    epilog="Example: rlpipe report --run demo --root file:///tmp/rlpipe/store --out ./demo-report; "
+    "runs packed in one process: rlpipe report --run a --run b (adds the packed duty cycle)",
 )
 def report(
-    run: RunOpt = None,
+    run: RunsOpt = None,
     root: StoreRootOpt = None,
     gcs_endpoint: GcsEndpointOpt = None,
     out: OutOpt = None,
@@ -76,7 +95,12 @@ def report(
 ) -> None:
     """Gather a run's numbers from the store and the event log and write report.html, PNGs and report.json."""
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
-    run = chosen_run(run, run_arg, "report")
+    if run and len(run) > 1:
+        if run_arg is not None:
+            fail(f"name the packed runs with --run only; drop the positional {run_arg!r}", EXIT_USAGE)
+        packed_report(run, root, gcs_endpoint, out, as_json, None if no_bus else (bootstrap, namespace), bus_timeout)
+        return
+    run = chosen_run(run[0] if run else None, run_arg, "report")
     with user_errors():
         store = _store(root, gcs_endpoint)
         bus_config = None if no_bus else bus_config_from_cli(bootstrap, namespace)
@@ -89,6 +113,43 @@ def report(
         print_json({**gathered.to_json(), "html": str(html_path)})
     else:
         _print_summary(gathered, html_path)
+
+
+def packed_report(
+    runs: list[str],
+    root: str | None,
+    gcs_endpoint: str | None,
+    out: Path | None,
+    as_json: bool,
+    bus: tuple[str | None, str | None] | None,
+    bus_timeout: float,
+) -> None:
+    """Each run's report in OUT/<run>/, then the packed duty cycle of them all in OUT/."""
+    if len(set(runs)) != len(runs):
+        fail(f"a run is named twice in --run {' --run '.join(runs)}; name each once", EXIT_USAGE)
+    with user_errors():
+        store = _store(root, gcs_endpoint)
+        bus_config = None if bus is None else bus_config_from_cli(*bus)
+        folder = out if out is not None else Path(f"rlpipe-report-{'-'.join(runs)}")
+        gathered = []
+        for run in runs:
+            try:
+                gathered.append(gather_report(store, run, bus_config, bus_timeout_s=bus_timeout))
+            except OSError as exc:
+                fail(f"cannot read run {run!r} from {store.root}: {error_line(exc)}", EXIT_FAILURE)
+            write_report(gathered[-1], folder / run)
+        json_path, body = write_packed_report(gathered, folder)
+    if as_json:
+        print_json({**body, "packed": str(json_path), "figure": str(folder / PACKED_FIGURE)})
+        return
+    for lane, by_run in body["summary"]["busy_fraction_by_run"].items():
+        shares = ", ".join(f"{run} {_shown(f)}" for run, f in by_run.items())
+        console.print(f"{lane}: busy {_shown(body['summary']['busy_fraction'][lane])} ({shares})", markup=False)
+    console.print(f"packed report written to {folder / PACKED_FIGURE} and {json_path}")
+
+
+def _shown(fraction: float | None) -> str:
+    return f"{fraction:.1%}" if fraction is not None and math.isfinite(fraction) else "-"
 
 
 # ``rlpipe``'s loader registers a click command as-is (see the module docstring).
