@@ -79,26 +79,37 @@ def test_one_process_is_not_a_torchrun_group(monkeypatch):
     assert launched_by_torchrun()
 
 
-def test_two_ranks_replay_train_to_the_adapter_of_one_process(setup, tmp_path):
-    store = ObjectStore(tmp_path.as_uri())
-    write_batches(TrajectoryArchive(store), setup, STEPS, np.random.default_rng(21))
-    config_file = tmp_path / "two.yaml"
-    config_file.write_text(json.dumps(run_config(setup["model_dir"], tmp_path, "two")))
-    cli = shlex.join([sys.executable, "-c", "from pipeline.cli.main import main; main()", "replay", "--run", RUN, "--train", "--config",
-                      str(config_file)])  # one argument: torchrun's parser would take --run for its --run-path
+def replay_on_two_ranks(config_file: Path) -> str:
+    """``rlpipe replay --train`` of ``RUN`` on a torchrun group of 2; its log."""
+    cli = shlex.join([sys.executable, "-c", "from pipeline.cli.main import main; main()", "replay", "--run", RUN,
+                      "--train", "--config", str(config_file)])  # one argument: torchrun would read --run itself
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(free_port()), "--no-python", "sh", "-c", cli]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
-    assert "rank 1 followed 3 steps" in done.stdout + done.stderr
+    return done.stdout + done.stderr
 
-    one = replay_train(RunConfig.model_validate(run_config(setup["model_dir"], tmp_path, "one")), RUN)
-    assert one.state.step == STEPS
+
+def test_two_ranks_replay_train_to_the_adapter_of_one_process_and_resume_alike(setup, tmp_path):
+    """3 steps, then 2 more batches and a resumed run (rank 0's checkpoint reaches rank 1): the same as one process."""
+    store = ObjectStore(tmp_path.as_uri())
+    rng = np.random.default_rng(21)
+    write_batches(TrajectoryArchive(store), setup, STEPS, rng)
+    config_file = tmp_path / "two.yaml"
+    config_file.write_text(json.dumps(run_config(setup["model_dir"], tmp_path, "two")))
+    one = RunConfig.model_validate(run_config(setup["model_dir"], tmp_path, "one"))
+
+    assert "rank 1 followed 3 steps" in replay_on_two_ranks(config_file)
+    assert replay_train(one, RUN).state.step == STEPS
+    write_batches(TrajectoryArchive(store), setup, 2, rng, first=STEPS)
+    assert "rank 1 followed 2 steps" in replay_on_two_ranks(config_file)
+    assert replay_train(one, RUN).state.step == STEPS + 2
+
     single = latest_adapter(store, "one", tmp_path / "cache-one")
     group = latest_adapter(store, "two", tmp_path / "cache-two")
-    assert AdapterRegistry(store, "two").versions() == list(range(1, STEPS + 1))  # published once each, by rank 0
-    assert CheckpointStore(store, "two").latest().state.step == STEPS
+    assert AdapterRegistry(store, "two").versions() == list(range(1, STEPS + 3))  # published once each, by rank 0
+    assert CheckpointStore(store, "two").latest().state.step == STEPS + 2
     assert single.keys() == group.keys()
     assert max(float(single[k].abs().max()) for k in single if "lora_B" in k) > 1e-3  # training moved the adapter
     difference = max(float((single[k] - group[k]).abs().max()) for k in single)
