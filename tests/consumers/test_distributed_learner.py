@@ -115,3 +115,17 @@ def test_two_ranks_replay_train_to_the_adapter_of_one_process_and_resume_alike(s
     difference = max(float((single[k] - group[k]).abs().max()) for k in single)
     print(f"largest difference from one process: {difference:.2e}")
     assert difference <= TOLERANCE
+
+
+def test_learner_start_under_torchrun_refuses_packed_runs_and_a_kl_reference(monkeypatch):
+    from typer.testing import CliRunner
+
+    from consumers.cli import app
+    from consumers.distributed_learner import DistributedPolicy
+    from schemas.config import LearnerConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = CliRunner().invoke(app, ["--preset", "cartpole", "--run", "a", "--run", "b"])
+    assert result.exit_code != 0 and "one torchrun learner per run" in result.output
+    with pytest.raises(ValueError, match="kl_coef"):
+        DistributedPolicy(None, "a", LearnerConfig(kl_coef=0.1))  # type: ignore[arg-type]  # refused before the engine
