@@ -62,7 +62,14 @@ def start(
             fail(str(exc))
         return
     try:
-        if len(cfgs) == 1:
+        from consumers.distributed_learner import launched_by_torchrun, run_on_group
+
+        if launched_by_torchrun():  # rank 0 runs the learner, the other ranks follow its steps
+            if len(cfgs) > 1:
+                fail("packed runs do not run under torchrun: start one torchrun learner per run")
+            stop = StopFlag().install()
+            run_on_group(cfg, lambda policy: run_learner(cfg, stop, policy=policy))
+        elif len(cfgs) == 1:
             run_learner(cfgs[0], StopFlag().install())
         else:
             from consumers.packed import run_packed_learner
@@ -100,9 +107,15 @@ def replay(
         _replay_train_value(cfg, run, date_from, date_to)
         return
     if train:
+        from consumers.distributed_learner import launched_by_torchrun, run_on_group
         from consumers.service import replay_train
 
-        learner = replay_train(cfg, run, date_from, date_to)
+        if launched_by_torchrun():  # rank 0 replays, the other ranks follow its steps
+            learner = run_on_group(cfg, lambda policy: replay_train(cfg, run, date_from, date_to, policy=policy))
+            if learner is None:
+                return
+        else:
+            learner = replay_train(cfg, run, date_from, date_to)
         console.print(f"trained {learner.state.step} steps; adapter version {learner.state.version}")
         return
     from consumers.replay import announce_batches

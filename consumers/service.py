@@ -80,9 +80,12 @@ def record_step_metrics(health: HealthServer, metrics: dict[str, Any]) -> None:
                        "trajectory batches that could not be read, sent to the dead-letter topic and skipped")
 
 
-def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callable[[dict], None] | None = None
-                ) -> Learner:
+def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callable[[dict], None] | None = None,
+                policy: LoraPolicy | None = None) -> Learner:
     """Consume ``<ns>.trajectories`` for one run and train until stopped or ``max_steps``.
+
+    ``policy``: the run's adapter of an engine built by the caller (a torchrun
+    group's, ``consumers.distributed_learner``); None loads a model of its own.
 
     The health server starts before anything slow, so ``/healthz`` answers while
     the policy loads; ``/readyz`` names the set-up steps still missing and is 200
@@ -92,13 +95,13 @@ def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callab
     log.info("initialising learner for run %s", config.run_id)
     health = HealthServer(config.learner.health_port).start()  # port None: metrics only, nothing listens
     try:
-        return _set_up_and_run(config, stop, on_step, health)
+        return _set_up_and_run(config, stop, on_step, health, policy)
     finally:
         health.stop()
 
 
 def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict], None] | None,
-                    health: HealthServer) -> Learner:
+                    health: HealthServer, policy: LoraPolicy | None = None) -> Learner:
     done = health.add_setup_steps(("broker", "policy", "resumed"))
     health.add_readiness_check("stopping", lambda: not stop())
     bus = resolved_bus(config.bus)
@@ -110,7 +113,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
     _, _, created = create_run(store, config, config.model.base_model)  # refuses a change of what the run is
     if created is not None:
         announcer(created)
-    learner = build_learner(config, store, source, announcer)
+    learner = build_learner(config, store, source, announcer, policy=policy)
     done.add("policy")
     learner.resume()
     done.add("resumed")
@@ -145,12 +148,15 @@ def finish(learner: Learner, after_step: Callable[[dict], None]) -> None:
 
 
 def replay_train(config: RunConfig, source_run: str, date_from: str | None = None, date_to: str | None = None,
-                 announce: Callable[[Payload], Any] | None = None) -> Learner:
-    """Train ``config.run_id``'s adapter from the stored batches of ``source_run`` (no broker needed)."""
+                 announce: Callable[[Payload], Any] | None = None, policy: LoraPolicy | None = None) -> Learner:
+    """Train ``config.run_id``'s adapter from the stored batches of ``source_run`` (no broker needed).
+
+    ``policy``: as for ``run_learner``.
+    """
     store = open_store(config.store)
     create_run(store, config, config.model.base_model)  # run.json, so eval/report know the run
     source = ReplaySource(TrajectoryArchive(store), source_run, date_from, date_to)
-    learner = build_learner(config, store, source, announce or (lambda payload: None))
+    learner = build_learner(config, store, source, announce or (lambda payload: None), policy=policy)
     source.already_trained = lambda batch_id: batch_id in learner.state.trained
     learner.resume()
     started = time.monotonic()

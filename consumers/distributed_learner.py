@@ -1,0 +1,219 @@
+"""The learner on a torchrun group: rank 0 runs the learner loop, the other ranks follow its training steps.
+
+``rlpipe learner start`` (and ``rlpipe replay --train``) launched by
+``torchrun --nproc-per-node N`` builds one ``DistributedEngine`` per rank and
+the run's policy as one adapter of it (``DistributedPolicy``, the packed
+learner's ``EnginePolicy`` seam).  Rank 0 is the ordinary learner: consumer
+group, lease, checkpoints, publishing, all unchanged.  The other ranks never
+touch the event log, the store or the registry: they wait in ``follow`` for
+rank 0's commands, which are broadcast as a JSON header plus tensors (nothing
+pickled):
+
+  step   the step's micro-batches and normaliser; every rank runs the
+         forward/backward of its contiguous share of the micro-batches, the
+         LoRA gradients are SUMMED over the ranks, then every rank clips and
+         takes the same AdamW step, so the weights stay identical everywhere
+         and equal one process's step on all the micro-batches (up to float
+         summation order).
+  sync   rank 0's adapter weights (and AdamW state and schedule, after a
+         checkpoint was loaded): a resume or a warm start on rank 0 reaches the
+         followers.
+  stop   the learner finished; followers return.
+
+A rank that fails ends the torchrun group (its agent stops the others); the
+restarted group resumes from rank 0's last checkpoint exactly as one process
+does.  Not supported yet: ``learner.kl_coef > 0`` (the KL reference lives on
+rank 0 only) and FSDP sharding of the base weights (every rank would have to
+run the same number of forwards).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from consumers.distributed import DistributedEngine, Topology, _all_reduce_stats, init_distributed, share
+from consumers.losses import LossStats, TokenBatch, loss_from_logprobs
+from consumers.packed import EnginePolicy
+from consumers.policy import StepResult
+from pipeline.models import resolve_base_model
+from schemas.config import LearnerConfig, RunConfig
+
+log = logging.getLogger("rlpipe.learner")
+
+T = TypeVar("T")
+BATCH_FIELDS = ("tokens_BT", "loss_mask_BT", "sampler_logprobs_BT", "advantages_B", "weights_B", "token_weights_BT",
+                "temperatures_B", "token_advantages_BT")
+DTYPES = {"int64": torch.int64, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "int32": torch.int32, "bool": torch.bool}
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun group of more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+class DistributedPolicy(EnginePolicy):
+    """One run's policy on a ``DistributedEngine``: rank 0 trains through it, the other ranks ``follow`` it."""
+
+    def __init__(self, engine: DistributedEngine, name: str, config: LearnerConfig) -> None:
+        if config.kl_coef > 0:
+            raise ValueError("learner.kl_coef > 0 is not supported under torchrun (the KL reference lives on rank 0 "
+                             "only); set learner.kl_coef to 0 or run one learner process")
+        super().__init__(engine, name, config.model_copy(update={"device": str(engine.device)}))
+        self.topology: Topology = engine.topology
+
+    # ---- rank 0: the learner's calls, sent to the followers first ----------------------------
+    def train_step(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        present, tensors = _batch_tensors(micro_batches)
+        _send_command({"command": "step", "normaliser": normaliser, "present": present}, tensors)
+        return self._train_share(micro_batches, normaliser)
+
+    def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor],
+                   scalars: dict[str, Any]) -> None:
+        super().load_state(adapter, optimizer, scalars)
+        self._sync(with_optimizer=True)
+
+    def load_adapter_folder(self, folder: Any) -> None:
+        super().load_adapter_folder(folder)
+        self._sync(with_optimizer=False)
+
+    def release(self) -> None:
+        """Rank 0 finished: the followers return from ``follow``."""
+        _send_command({"command": "stop"}, [])
+
+    def _sync(self, with_optimizer: bool) -> None:
+        tensors = dict(self.adapter_tensors())
+        header: dict[str, Any] = {"command": "sync", "adapter": list(tensors)}
+        if with_optimizer:
+            optimizer, scalars = self.optimizer_state()
+            header.update(optimizer=list(optimizer), scalars=scalars)
+            tensors.update({f"optimizer/{k}": v for k, v in optimizer.items()})
+        _send_command(header, list(tensors.values()))
+
+    # ---- every rank ----------------------------------------------------------------------------
+    def _train_share(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
+        """This rank's share of the micro-batches, gradients and statistics summed over the ranks, one AdamW step."""
+        start, stop = share(len(micro_batches), self.topology)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, stats = 0.0, LossStats()
+        for batch in micro_batches[start:stop]:
+            batch = batch.to(self.device)
+            logprobs_BT, entropy_BT = self.generated_logprobs_and_entropy(
+                batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B,
+                entropy="grad" if self.config.entropy_coef > 0 else "detached",
+            )
+            loss, batch_stats = loss_from_logprobs(self.config, logprobs_BT, batch, normaliser, entropy_BT=entropy_BT)
+            loss.backward()
+            total_loss += float(loss.detach())
+            stats = stats.merge(batch_stats)
+        self.engine._all_reduce_gradients(self.params)
+        loss_sum = torch.tensor([total_loss], dtype=torch.float64)
+        dist.all_reduce(loss_sum)
+        stats = _all_reduce_stats(stats)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        return StepResult(float(loss_sum), grad_norm, learning_rate, stats)
+
+    # ---- ranks other than 0 ------------------------------------------------------------------
+    def follow(self) -> int:
+        """Run rank 0's commands until it stops; the number of steps taken."""
+        steps = 0
+        while True:
+            header, tensors = _receive_command()
+            if header["command"] == "stop":
+                return steps
+            if header["command"] == "step":
+                self._train_share(_batches_from(header["present"], tensors), header["normaliser"])
+                steps += 1
+            elif header["command"] == "sync":
+                self._receive_sync(header, tensors)
+            else:
+                raise ValueError(f"unknown command {header['command']!r} from rank 0; run the same rlpipe on every rank")
+
+    def _receive_sync(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        adapter = dict(zip(header["adapter"], tensors, strict=False))
+        if "optimizer" not in header:
+            params = self.lora_parameters()
+            with torch.no_grad():
+                for name, value in adapter.items():
+                    params[name].copy_(value.to(params[name].device))
+            return
+        optimizer = dict(zip(header["optimizer"], tensors[len(adapter):], strict=True))
+        super().load_state(adapter, optimizer, header["scalars"])
+
+
+# ---- commands: a JSON header and a list of tensors, broadcast from rank 0 ----------------------
+def _send_command(header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    tensors = [t.detach().to("cpu").contiguous() for t in tensors]
+    header = {**header, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]}
+    encoded = torch.tensor(list(json.dumps(header).encode()), dtype=torch.uint8)
+    dist.broadcast(torch.tensor([encoded.numel()]), src=0)
+    dist.broadcast(encoded, src=0)
+    for tensor in tensors:
+        dist.broadcast(tensor, src=0)
+
+
+def _receive_command() -> tuple[dict[str, Any], list[torch.Tensor]]:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    encoded = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(encoded, src=0)
+    header = json.loads(bytes(encoded.tolist()).decode())
+    tensors = []
+    for dtype, shape in header["tensors"]:
+        tensor = torch.empty(shape, dtype=DTYPES[dtype])
+        dist.broadcast(tensor, src=0)
+        tensors.append(tensor)
+    return header, tensors
+
+
+def _batch_tensors(micro_batches: list[TokenBatch]) -> tuple[list[bool], list[torch.Tensor]]:
+    """Which of ``BATCH_FIELDS`` each micro-batch has (flattened), and those tensors in that order."""
+    present = [getattr(batch, name) is not None for batch in micro_batches for name in BATCH_FIELDS]
+    values = [getattr(batch, name) for batch in micro_batches for name in BATCH_FIELDS]
+    return present, [value for value in values if value is not None]
+
+
+def _batches_from(present: list[bool], tensors: list[torch.Tensor]) -> list[TokenBatch]:
+    """The micro-batches ``_batch_tensors`` described."""
+    received = iter(tensors)
+    values = [next(received) if has else None for has in present]
+    count = len(BATCH_FIELDS)
+    return [TokenBatch(**dict(zip(BATCH_FIELDS, values[i : i + count], strict=True)))
+            for i in range(0, len(values), count)]
+
+
+# ---- the learner process on a torchrun group ----------------------------------------------------------
+def run_on_group(config: RunConfig, lead: Callable[[DistributedPolicy], T]) -> T | None:
+    """Build this rank's engine and policy; rank 0 runs ``lead(policy)`` (the learner), the others follow it.
+
+    Returns what ``lead`` returned on rank 0, None on the other ranks.
+    """
+    topology = init_distributed(config.learner.device)
+    if config.learner.torch_threads:
+        torch.set_num_threads(config.learner.torch_threads)
+    engine = DistributedEngine(resolve_base_model(config.model), topology, device=config.learner.device,
+                               dtype=config.model.dtype)
+    policy = DistributedPolicy(engine, config.run_id, config.learner)
+    log.info("rank %d of %d: %s", topology.rank, topology.world_size,
+             "runs the learner" if topology.is_main else "follows rank 0's steps")
+    with engine.holding(config.run_id):
+        if not topology.is_main:
+            steps = policy.follow()
+            log.info("rank %d followed %d steps", topology.rank, steps)
+            return None
+        result = lead(policy)
+        policy.release()
+        return result

@@ -1,0 +1,131 @@
+"""``rlpipe replay --train`` under torchrun: rank 0 runs the learner, rank 1 follows; the adapter one process reaches.
+
+The group is launched as ``python -m torch.distributed.run --nproc-per-node 2``
+running ``rlpipe replay --train`` (gloo on the CPU) and compared with
+``replay_train`` in this process on the same stored batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from consumers.checkpoint import CheckpointStore
+from consumers.distributed import Topology
+from consumers.distributed_learner import _batch_tensors, _batches_from, launched_by_torchrun
+from consumers.losses import TokenBatch
+from consumers.service import replay_train
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from schemas.config import RunConfig
+from tests.consumers.test_distributed import free_port
+from tests.consumers.test_learner import RUN, write_batches
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tiny_tokenizer):
+    prompt = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say L or R."}], tokenize=True, add_generation_prompt=True, return_dict=False)
+    good = tiny_tokenizer.encode("L", add_special_tokens=False)[0]
+    bad = tiny_tokenizer.encode("R", add_special_tokens=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)  # the sampler's logprobs
+    return {"prompt": list(prompt), "good": good, "bad": bad, "logp": logp, "model_dir": tiny_model_dir}
+
+
+def run_config(model_dir: str, root: Path, run_id: str) -> dict:
+    return {"run_id": run_id, "model": {"base_model": model_dir}, "store": {"root": root.as_uri()},
+            "learner": {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 2e-3, "batch_rows": 16,
+                        "micro_batch_tokens": 64, "publish_every": 1, "checkpoint_every": 1, "max_staleness": 1000,
+                        "torch_threads": 1, "device": "cpu"}}
+
+
+def latest_adapter(store: ObjectStore, run_id: str, cache: Path) -> dict[str, torch.Tensor]:
+    registry = AdapterRegistry(store, run_id)
+    return load_file(str(registry.pull(registry.latest().version, cache) / "adapter_model.safetensors"))
+
+
+def test_micro_batches_survive_the_broadcast_encoding():
+    batch = TokenBatch(torch.tensor([[1, 2, 3]]), torch.tensor([[0.0, 1.0, 1.0]]), torch.zeros(1, 3),
+                       torch.tensor([0.5]), torch.ones(1), temperatures_B=torch.tensor([0.7]))
+    present, tensors = _batch_tensors([batch, batch])
+    assert len(tensors) == 12  # six of the eight fields, twice
+    again = _batches_from(present, tensors)
+    assert len(again) == 2 and again[1].token_weights_BT is None
+    assert torch.equal(again[0].temperatures_B, batch.temperatures_B) and torch.equal(again[1].tokens_BT,
+                                                                                       batch.tokens_BT)
+
+
+def test_one_process_is_not_a_torchrun_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not launched_by_torchrun() and Topology().is_main
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert launched_by_torchrun()
+
+
+def replay_on_two_ranks(config_file: Path) -> str:
+    """``rlpipe replay --train`` of ``RUN`` on a torchrun group of 2; its log."""
+    cli = shlex.join([sys.executable, "-c", "from pipeline.cli.main import main; main()", "replay", "--run", RUN,
+                      "--train", "--config", str(config_file)])  # one argument: torchrun would read --run itself
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "--no-python", "sh", "-c", cli]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    return done.stdout + done.stderr
+
+
+def test_two_ranks_replay_train_to_the_adapter_of_one_process_and_resume_alike(setup, tmp_path):
+    """3 steps, then 2 more batches and a resumed run (rank 0's checkpoint reaches rank 1): the same as one process."""
+    store = ObjectStore(tmp_path.as_uri())
+    rng = np.random.default_rng(21)
+    write_batches(TrajectoryArchive(store), setup, STEPS, rng)
+    config_file = tmp_path / "two.yaml"
+    config_file.write_text(json.dumps(run_config(setup["model_dir"], tmp_path, "two")))
+    one = RunConfig.model_validate(run_config(setup["model_dir"], tmp_path, "one"))
+
+    assert "rank 1 followed 3 steps" in replay_on_two_ranks(config_file)
+    assert replay_train(one, RUN).state.step == STEPS
+    write_batches(TrajectoryArchive(store), setup, 2, rng, first=STEPS)
+    assert "rank 1 followed 2 steps" in replay_on_two_ranks(config_file)
+    assert replay_train(one, RUN).state.step == STEPS + 2
+
+    single = latest_adapter(store, "one", tmp_path / "cache-one")
+    group = latest_adapter(store, "two", tmp_path / "cache-two")
+    assert AdapterRegistry(store, "two").versions() == list(range(1, STEPS + 3))  # published once each, by rank 0
+    assert CheckpointStore(store, "two").latest().state.step == STEPS + 2
+    assert single.keys() == group.keys()
+    assert max(float(single[k].abs().max()) for k in single if "lora_B" in k) > 1e-3  # training moved the adapter
+    difference = max(float((single[k] - group[k]).abs().max()) for k in single)
+    print(f"largest difference from one process: {difference:.2e}")
+    assert difference <= TOLERANCE
+
+
+def test_learner_start_under_torchrun_refuses_packed_runs_and_a_kl_reference(monkeypatch):
+    from typer.testing import CliRunner
+
+    from consumers.cli import app
+    from consumers.distributed_learner import DistributedPolicy
+    from schemas.config import LearnerConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = CliRunner().invoke(app, ["--preset", "cartpole", "--run", "a", "--run", "b"])
+    assert result.exit_code != 0 and "one torchrun learner per run" in result.output
+    with pytest.raises(ValueError, match="kl_coef"):
+        DistributedPolicy(None, "a", LearnerConfig(kl_coef=0.1))  # type: ignore[arg-type]  # refused before the engine
