@@ -23,7 +23,6 @@ rlpipe's importance sampling.  Prompt logprobs are the model's own (temperature
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import itertools
@@ -37,6 +36,7 @@ import numpy as np
 from tinker import types
 from tinker.proto import tinker_public_pb2 as public_pb
 
+from pipeline.api.engines import engine_arguments, engine_setup, write_result
 from pipeline.api.gateway import parse_body
 from pipeline.api.samplers import read_sampler
 from pipeline.io.bus import ConsumedEvent, EventConsumer, EventPublisher, TopicPartitionKey, ensure_topics
@@ -45,9 +45,8 @@ from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
 from producers.samplers.base import AdapterHandle, SampleOutput
 from producers.samplers.engine import SampleParams, SampleResult, SamplingEngine
-from schemas.api import ApiError, ApiRequestAccepted, ApiResultReady, result_path
+from schemas.api import ApiError, ApiRequestAccepted, result_path
 from schemas.config import BusConfig
-from schemas.events import make_event
 
 log = logging.getLogger("rlpipe.api.sampler")
 SAMPLING_OPS = ("sample",)
@@ -222,17 +221,7 @@ class SamplerWorker:
 
     def _write_result(self, call: ApiRequestAccepted, data: bytes, fmt: str, error: str | None,
                       category: str | None) -> None:
-        key = result_path(call.session_id, call.request_id, fmt)  # type: ignore[arg-type]
-        try:
-            digest = self.store.put_create(key, data)
-        except FileExistsError:
-            return
-        ready = ApiResultReady(request_id=call.request_id, session_id=call.session_id, op=call.op,
-                               model_id=call.model_id, seq_id=call.seq_id, ok=error is None,
-                               result_path=key if error is None else None, result_format=fmt,  # type: ignore[arg-type]
-                               result_sha256=digest if error is None else None, error=error,
-                               category=category)  # type: ignore[arg-type]
-        self.publisher.publish("results", make_event(call.session_id, ready), key=call.model_id)
+        write_result(self.store, self.publisher, call, data, fmt, error, category)  # type: ignore[arg-type]
 
 
 # ---- entry point -------------------------------------------------------------------------------------------------
@@ -247,18 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     from producers.samplers.engine import make_engine
     from schemas.config import SamplerConfig
 
-    parser = argparse.ArgumentParser(prog="rlpipe-api-sampler", description=main.__doc__)
-    parser.add_argument("--base-model", required=True, help="the served base model (a local folder)")
-    parser.add_argument("--store", required=True, help="store root URL, e.g. file:///data/rlpipe")
-    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers")
-    parser.add_argument("--namespace", default="rlpipe", help="topic namespace")
+    parser = engine_arguments("rlpipe-api-sampler", main.__doc__)
     parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     args = parser.parse_args(argv)
-    log.setLevel(args.log_level)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    bus = BusConfig(bootstrap_servers=args.bootstrap, namespace=args.namespace)
+    bus = engine_setup(args, log)
     log.info("initialising the %s sampling engine for %s", args.backend, args.base_model)
     engine = make_engine(args.backend, args.base_model, SamplerConfig(backend=args.backend))
     tokenizer = AutoTokenizer.from_pretrained(args.base_model)

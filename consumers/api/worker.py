@@ -27,7 +27,6 @@ The translation between the SDK's training types and the engine is
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -43,6 +42,7 @@ from tinker import types
 from consumers.api import ops
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
+from pipeline.api.engines import engine_arguments, engine_setup, write_result
 from pipeline.api.gateway import checkpoint_prefix, parse_body
 from pipeline.api.samplers import find_sampler, write_sampler
 from pipeline.api.wire import TinkerPath, decode_forward_backward, encode_forward_backward_output, parse_tinker_path
@@ -57,9 +57,8 @@ from pipeline.io.bus import (
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
-from schemas.api import ApiError, ApiRequestAccepted, ApiResultReady, model_run_name, result_path, session_path
+from schemas.api import ApiError, ApiRequestAccepted, model_run_name, result_path, session_path
 from schemas.config import BusConfig
-from schemas.events import make_event
 
 log = logging.getLogger("rlpipe.api.trainer")
 SESSION_TIMEOUT_S = 300.0  # heartbeats every 10 s; a session silent this long has ended
@@ -361,17 +360,7 @@ class TrainerWorker:
     # ---- results -----------------------------------------------------------------------------------------------
     def _write_result(self, call: ApiRequestAccepted, data: bytes, fmt: str, error: str | None,
                       category: str | None) -> None:
-        key = result_path(call.session_id, call.request_id, fmt)  # type: ignore[arg-type]
-        try:
-            digest = self.store.put_create(key, data)
-        except FileExistsError:
-            return
-        ready = ApiResultReady(request_id=call.request_id, session_id=call.session_id, op=call.op,
-                               model_id=call.model_id, seq_id=call.seq_id, ok=error is None,
-                               result_path=key if error is None else None, result_format=fmt,  # type: ignore[arg-type]
-                               result_sha256=digest if error is None else None, error=error,
-                               category=category)  # type: ignore[arg-type]
-        self.publisher.publish("results", make_event(call.session_id, ready), key=call.model_id)
+        write_result(self.store, self.publisher, call, data, fmt, error, category)  # type: ignore[arg-type]
 
 
 def _json(value: Any) -> bytes:
@@ -385,19 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m consumers.api.worker --base-model PATH --store URL --bootstrap HOST:PORT [--namespace NS]``."""
     from pipeline.runtime import StopFlag
 
-    parser = argparse.ArgumentParser(prog="rlpipe-api-trainer", description=main.__doc__)
-    parser.add_argument("--base-model", required=True, help="the served base model (a local folder)")
-    parser.add_argument("--store", required=True, help="store root URL, e.g. file:///data/rlpipe")
-    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers")
-    parser.add_argument("--namespace", default="rlpipe", help="topic namespace")
+    parser = engine_arguments("rlpipe-api-trainer", main.__doc__)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--session-timeout-s", type=float, default=SESSION_TIMEOUT_S)
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     args = parser.parse_args(argv)
-    log.setLevel(args.log_level)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)  # connection chatter; rlpipe's own lines stay
-    bus = BusConfig(bootstrap_servers=args.bootstrap, namespace=args.namespace)
+    bus = engine_setup(args, log)
     log.info("initialising the training engine for %s", args.base_model)
     engine = TrainingEngine(args.base_model, device=args.device)
     worker = TrainerWorker(ObjectStore(args.store), bus, args.base_model, engine,

@@ -1,0 +1,53 @@
+"""What the API's engine processes (the trainer and the sampler roles) share: writing a call's result,
+and their command line.
+
+A result is written create-only under the call's session and announced with
+``ApiResultReady`` on ``<ns>.results`` (keyed by model, so one model's results
+keep their order); a call executed again after a restart finds its result
+already there and announces nothing new.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pipeline.io.bus import EventPublisher
+from pipeline.io.store import ObjectStore
+from schemas.api import ApiRequestAccepted, ApiResultReady, BodyFormat, ErrorCategory, result_path
+from schemas.config import BusConfig
+from schemas.events import make_event
+
+
+def write_result(store: ObjectStore, publisher: EventPublisher, call: ApiRequestAccepted, data: bytes,
+                 fmt: BodyFormat, error: str | None = None, category: ErrorCategory | None = None) -> None:
+    """Store ``data`` as ``call``'s result (create-only) and announce it; nothing if it is already stored."""
+    key = result_path(call.session_id, call.request_id, fmt)
+    try:
+        digest = store.put_create(key, data)
+    except FileExistsError:
+        return
+    ready = ApiResultReady(request_id=call.request_id, session_id=call.session_id, op=call.op,
+                           model_id=call.model_id, seq_id=call.seq_id, ok=error is None,
+                           result_path=key if error is None else None, result_format=fmt,
+                           result_sha256=digest if error is None else None, error=error, category=category)
+    publisher.publish("results", make_event(call.session_id, ready), key=call.model_id)
+
+
+def engine_arguments(prog: str, description: str | None) -> argparse.ArgumentParser:
+    """The options every API engine process takes: the base model, the store, the broker, the log level."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--base-model", required=True, help="the served base model (a local folder)")
+    parser.add_argument("--store", required=True, help="store root URL, e.g. file:///data/rlpipe")
+    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers")
+    parser.add_argument("--namespace", default="rlpipe", help="topic namespace")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    return parser
+
+
+def engine_setup(args: argparse.Namespace, log: logging.Logger) -> BusConfig:
+    """Logging as the engine processes print it, and the bus configuration of ``args``."""
+    log.setLevel(args.log_level)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # connection chatter; rlpipe's own lines stay
+    return BusConfig(bootstrap_servers=args.bootstrap, namespace=args.namespace)
