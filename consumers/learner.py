@@ -187,16 +187,7 @@ class Learner:
         batches already trained are skipped by their ids.  The identity of the log
         read from now on is recorded with the next checkpoint.
         """
-        identify = getattr(self.source, "log_identity", None)
-        pointing_elsewhere = getattr(self.source, "positions_elsewhere", None)
-        if identify is None or pointing_elsewhere is None:
-            return
-        elsewhere = pointing_elsewhere(self.state.positions, self.state.log_identity)
-        if elsewhere:
-            log.warning("the event log is not the one the checkpoint points into (%s): reading it from the start; "
-                        "batches already trained are skipped", ", ".join(elsewhere))
-            self.state.positions.update(dict.fromkeys(elsewhere, 0))
-        self.state.log_identity = identify()
+        rewind_if_the_log_changed(self.source, self.state)
 
     def warm_start(self, init_from: str) -> None:
         """Start from another run's published adapter and publish it unchanged as this run's v1.
@@ -469,3 +460,25 @@ def with_discounted_returns(table: pa.Table, discount: float) -> pa.Table:
                                          discount)
     index = table.schema.get_field_index("return_to_go")
     return table.set_column(index, table.schema.field(index), pa.array(returns_R, type=pa.float32()))
+
+
+def rewind_if_the_log_changed(source: object, state: Any) -> None:
+    """Point ``state.positions`` back to 0 where they point into another log than the one ``source`` reads.
+
+    A broker that lost its log numbers events from 0 again, so resumed positions
+    would skip them.  Sources that know their log's identity (Kafka: the topic id)
+    say which positions point elsewhere; those start over at 0, and batches already
+    trained are skipped by their ids.  ``state.log_identity`` becomes the identity of
+    the log read from now on (recorded with the next checkpoint).  Sources without
+    an identity (replay from the store) leave ``state`` alone.
+    """
+    identify = getattr(source, "log_identity", None)
+    pointing_elsewhere = getattr(source, "positions_elsewhere", None)
+    if identify is None or pointing_elsewhere is None:
+        return
+    elsewhere = pointing_elsewhere(state.positions, state.log_identity)
+    if elsewhere:
+        log.warning("the event log is not the one the checkpoint points into (%s): reading it from the start; "
+                    "batches already trained are skipped", ", ".join(elsewhere))
+        state.positions.update(dict.fromkeys(elsewhere, 0))
+    state.log_identity = identify()

@@ -39,7 +39,15 @@ import pyarrow as pa
 import torch
 
 from consumers.checkpoint import CheckpointStore
-from consumers.learner import POISON_BATCH_ERRORS, BatchRef, FaultInjector, TrajectorySource, finite_numbers, origin_of
+from consumers.learner import (
+    POISON_BATCH_ERRORS,
+    BatchRef,
+    FaultInjector,
+    TrajectorySource,
+    finite_numbers,
+    origin_of,
+    rewind_if_the_log_changed,
+)
 from consumers.lease import LearnerLease
 from consumers.value.agent import ValueAgent, build_agent
 from consumers.value.config import ValueLearnerConfig
@@ -127,16 +135,7 @@ class ValueLearner:
         events from 0 again; positions that point elsewhere start over at 0 and batches already trained
         are skipped by their ids.  The identity of the log read from now on goes into the next checkpoint.
         """
-        identify = getattr(self.source, "log_identity", None)
-        pointing_elsewhere = getattr(self.source, "positions_elsewhere", None)
-        if identify is None or pointing_elsewhere is None:
-            return
-        elsewhere = pointing_elsewhere(self.state.positions, self.state.log_identity)
-        if elsewhere:
-            log.warning("the event log is not the one the checkpoint points into (%s): reading it from the start; "
-                        "batches already trained are skipped", ", ".join(elsewhere))
-            self.state.positions.update(dict.fromkeys(elsewhere, 0))
-        self.state.log_identity = identify()
+        rewind_if_the_log_changed(self.source, self.state)
 
     def rebuild_memory(self, batches: list[dict[str, Any]]) -> ReplayMemory:
         """The replay memory after adding ``batches`` in order, reading only those still in it from the store."""
