@@ -50,13 +50,13 @@ from transformers import AutoModelForCausalLM
 from consumers.checkpoint import CheckpointStore
 from consumers.cli import replay_command
 from consumers.service import replay_train, run_learner
-from consumers.sources import GROUP_TIMINGS_ENV, learner_group_id
+from consumers.sources import learner_group_id
 from pipeline.config import resolve_config
 from pipeline.devstack.broker import TansuBroker
 from pipeline.devstack.gcs_emulator import free_port
 from pipeline.devstack.stack import DevStack
 from pipeline.io.archive import TrajectoryArchive
-from pipeline.io.bus import describe_topic, group_lag
+from pipeline.io.bus import GROUP_TIMINGS_ENV, describe_topic, group_lag
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.steplog import StepLog
 from pipeline.io.store import ObjectStore

@@ -28,10 +28,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from consumers.service import replay_train
-from consumers.sources import GROUP_TIMINGS_ENV, learner_group_id
+from consumers.sources import learner_group_id
 from pipeline.config import resolve_config
 from pipeline.io.archive import TrajectoryArchive
-from pipeline.io.bus import group_lag
+from pipeline.io.bus import GROUP_TIMINGS_ENV, group_lag
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from schemas.config import BusConfig

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from consumers.checkpoint import CheckpointStore
-from consumers.sources import GROUP_TIMINGS_ENV
+from pipeline.io.bus import GROUP_TIMINGS_ENV
 from pipeline.io.steplog import StepLog
 from pipeline.io.store import ObjectStore
 from schemas.config import BusConfig

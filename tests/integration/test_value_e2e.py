@@ -25,10 +25,9 @@ import torch
 
 from consumers.checkpoint import CheckpointStore
 from consumers.learner import BatchRef
-from consumers.sources import GROUP_TIMINGS_ENV
 from consumers.value.learner import ValueLearner
 from pipeline.io.archive import TrajectoryArchive
-from pipeline.io.bus import EventPublisher
+from pipeline.io.bus import GROUP_TIMINGS_ENV, EventPublisher
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.steplog import StepLog
 from pipeline.io.store import ObjectStore
