@@ -109,10 +109,13 @@ def test_a_batch_split_over_calls_or_micro_batches_gives_the_gradients_of_one_ca
     first, second = whole.forward_backward("split", batch[:2], loss), whole.forward_backward("split", batch[2:], loss)
     assert first.loss + second.loss == pytest.approx(one.loss, abs=1e-5)
     assert first.stats.num_tokens + second.stats.num_tokens == one.stats.num_tokens
-    assert max_difference(whole.gradients("one"), whole.gradients("split")) <= 1e-6
+    # float32 sums taken in another order (micro-batches, the thread count earlier tests left) differ by a few
+    # ulps of the largest gradient; a lost or doubled chunk would differ by the size of the gradients themselves
+    scale = float(max(g.abs().max() for g in whole.gradients("one").values()))
+    assert scale > 0
+    assert max_difference(whole.gradients("one"), whole.gradients("split")) <= 1e-5 * scale
     small.forward_backward("one", batch, loss)
-    assert max_difference(whole.gradients("one"), small.gradients("one")) <= 1e-6
-    assert max(g.abs().max() for g in whole.gradients("one").values()) > 0
+    assert max_difference(whole.gradients("one"), small.gradients("one")) <= 1e-5 * scale
 
 
 def reference_peft_adamw(model_dir: str, seed: int, steps: list[list[Datum]], adams: list[AdamParams]) -> dict:
