@@ -86,6 +86,20 @@ class Server:
     def service(self, key: str = ALICE) -> tinker.ServiceClient:
         return tinker.ServiceClient(base_url=self.url, api_key=key)
 
+    def stop(self) -> None:
+        """Terminate every process started (kill what does not stop within 30 s)."""
+        # the SDK clients made here keep heartbeating from their own threads after the server is gone;
+        # their warnings would land in what later tests capture from stdout
+        logging.getLogger("tinker").setLevel(logging.CRITICAL)
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
 
 @pytest.fixture(scope="module")
 def server(kafka_broker, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
@@ -108,17 +122,7 @@ def server(kafka_broker, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
         server.start_gateway()
         yield server
     finally:
-        # the SDK clients made here keep heartbeating from their own threads after the server is gone;
-        # their warnings would land in what later tests capture from stdout
-        logging.getLogger("tinker").setLevel(logging.CRITICAL)
-        for process in server.processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in server.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        server.stop()
 
 
 def _data(seed: int, count: int = 3, n: int = 8) -> list[types.Datum]:

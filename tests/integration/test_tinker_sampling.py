@@ -9,7 +9,6 @@ for the tiny model, and the gateway (``rlpipe serve --role gateway``).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import string
 import subprocess
@@ -61,17 +60,7 @@ def server(kafka_broker, tiny_model_dir, tmp_path_factory) -> Iterator[SamplingS
         server.start_gateway()
         yield server
     finally:
-        # the SDK clients made here keep heartbeating from their own threads after the server is gone;
-        # their warnings would land in what later tests capture from stdout
-        logging.getLogger("tinker").setLevel(logging.CRITICAL)
-        for process in server.processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in server.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        server.stop()
 
 
 def _params(**given) -> types.SamplingParams:
