@@ -36,13 +36,20 @@ def _parse_position(key: str) -> tuple[str, int]:
 
 
 class KafkaSource:
-    """Batch announcements from ``<ns>.trajectories`` for one run (consumer group, manual commit)."""
+    """Batch announcements from ``<ns>.trajectories`` for one run (every partition, manual commit).
+
+    The learner reads without joining its group (``membership=False``): the run's
+    lease already makes it the only learner, its checkpoints say where to read, and
+    the group id only keeps the committed offsets that ``rlpipe topics lag`` and
+    the producers' backlog read.  A learner that takes over therefore never waits
+    on a rebalance, and one that goes away cannot strand the group.
+    """
 
     def __init__(self, bus: BusConfig, run_id: str, group_id: str | None = None, **consumer_options: Any) -> None:
         options = {**group_timings_from_env(), **consumer_options}
         self.bus = bus
-        self.consumer = EventConsumer(bus, "trajectories", group_id or learner_group_id(run_id), run_id=run_id, **options)
-        self.deferred_commit: dict[str, int] = {}  # asked for before the group assigned partitions
+        self.consumer = EventConsumer(bus, "trajectories", group_id or learner_group_id(run_id), run_id=run_id,
+                                      membership=False, **options)
 
     def log_identity(self) -> dict[str, str]:
         """The topic's id (``{topic: id}``; empty where the broker reports none)."""
@@ -65,9 +72,6 @@ class KafkaSource:
     def poll(self, timeout_s: float) -> list[BatchRef]:
         refs = []
         consumed_events = self.consumer.poll(timeout_s)
-        if self.deferred_commit and self.consumer.assignment():
-            positions, self.deferred_commit = self.deferred_commit, {}
-            self.commit(positions)
         for consumed in consumed_events:
             payload = consumed.event.payload
             if isinstance(payload, TrajectoryBatchCommitted):
@@ -79,24 +83,16 @@ class KafkaSource:
         self.consumer.seek({_parse_position(k): v for k, v in positions.items() if not k.startswith("replay:")})
 
     def commit(self, positions: dict[str, int]) -> None:
-        """Commit the positions; before the group has assigned partitions (a resume), at the first poll after.
-
-        A member that has not joined yet cannot commit (kafka-python fails the request).
-        """
+        """Commit the positions (under the run's learner group id)."""
         offsets = {_parse_position(k): v for k, v in positions.items() if not k.startswith("replay:")}
-        if not offsets:
-            return
-        if not self.consumer.assignment():
-            self.deferred_commit = dict(positions)
-            return
-        self.deferred_commit = {}  # superseded: positions only move forward
-        self.consumer.commit(offsets)
+        if offsets:
+            self.consumer.commit(offsets)
 
     def keep_alive(self) -> None:
         self.consumer.keep_alive()
 
     def join(self, timeout_s: float) -> bool:
-        """Take part in the group for up to ``timeout_s``; whether it has assigned this member its partitions."""
+        """Whether this source reads its partitions (at once: it joins no group)."""
         return bool(self.consumer.wait_for_assignment(timeout_s))
 
     def exhausted(self) -> bool:

@@ -93,21 +93,45 @@ def test_refs_carry_the_recorded_digest_and_a_corrupted_batch_is_refused(
         archive.read_batch(ref.path, ref.sha256)
 
 
-def test_a_commit_before_the_group_assigned_partitions_is_made_after_it(bus_config: BusConfig,
-                                                                           fast_group: dict[str, Any]) -> None:
-    """A resumed learner commits its checkpoint's positions before it has joined its group."""
+def test_a_resumed_source_reads_from_its_checkpoint_and_commits_at_once(bus_config: BusConfig,
+                                                                        fast_group: dict[str, Any]) -> None:
+    """A resumed learner seeks to its checkpoint's positions and commits them before its first poll."""
     topic = topic_name(bus_config.namespace, "trajectories")
     with EventPublisher(bus_config) as publisher:
         offsets = [announce_batch(publisher, "a", index) for index in range(3)]
     source = KafkaSource(bus_config, "a", **fast_group)
     try:
         source.seek({f"{topic}:0": offsets[1] + 1})
-        source.commit({f"{topic}:0": offsets[1] + 1})  # not a member yet: kafka-python would refuse it
+        source.commit({f"{topic}:0": offsets[1] + 1})  # no group to join first
+        committed = {p.partition: p.committed for p in group_lag(bus_config, learner_group_id("a"))}
+        assert committed == {0: offsets[1] + 1}
         refs, deadline = [], time.monotonic() + 30.0
         while not refs and time.monotonic() < deadline:
             refs = source.poll(0.5)
         assert [ref.batch_id for ref in refs] == ["a-b2"]
-        committed = {p.partition: p.committed for p in group_lag(bus_config, learner_group_id("a"))}
-        assert committed == {0: offsets[1] + 1}
     finally:
         source.close()
+
+
+def test_a_learner_taking_over_reads_at_once_beside_the_one_it_replaces(bus_config: BusConfig) -> None:
+    """No group join: the new learner's source neither waits for the old one nor depends on how it leaves."""
+    with EventPublisher(bus_config) as publisher:
+        announce_batch(publisher, "a", 0)
+    old = KafkaSource(bus_config, "a")  # Kafka's default group timings: a rebalance would take tens of seconds
+    try:
+        assert [ref.batch_id for ref in poll_until_some(old)] == ["a-b0"]
+        new = KafkaSource(bus_config, "a")
+        try:
+            assert new.join(0.0)
+            assert [ref.batch_id for ref in poll_until_some(new)] == ["a-b0"]
+        finally:
+            new.close()
+    finally:
+        old.close()
+
+
+def poll_until_some(source: KafkaSource, timeout_s: float = 30.0) -> list:
+    refs, deadline = [], time.monotonic() + timeout_s
+    while not refs and time.monotonic() < deadline:
+        refs = source.poll(0.5)
+    return refs

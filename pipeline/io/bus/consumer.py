@@ -24,7 +24,7 @@ from kafka.structs import OffsetAndMetadata
 
 from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
 from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, _describe, kafka_client_settings
-from pipeline.io.bus.errors import CommitError, RewindError
+from pipeline.io.bus.errors import BusError, CommitError, RewindError
 from pipeline.io.bus.publisher import EventPublisher
 from pipeline.io.bus.records import (
     ConsumedEvent,
@@ -87,6 +87,13 @@ class EventConsumer:
     * ``seek`` positions partitions (applied on assignment if not yet assigned).
     * ``keep_alive`` polls with the partitions paused, so long work does not get
       the member dropped after ``max_poll_interval_ms``.
+    * ``membership=False`` reads every partition of the topic without joining the
+      group: no rebalances, and the group id only names the committed offsets
+      (``commit``, ``committed``, ``lag`` and where reading starts).  For a reader
+      that is the only one by other means, such as a learner holding its run's
+      lease: group joins on the dev stack's broker can strand a group for good
+      when a member goes away during a rebalance (see ``_finish_rebalance``).
+      Partitions added to the topic later are not read.
 
     Not thread-safe (``KafkaConsumer`` is not): use one per thread.  Group timings
     default to Kafka's; tests make them small so joins and rebalances are quick.
@@ -105,6 +112,7 @@ class EventConsumer:
         max_poll_interval_ms: int = 300_000,
         create_topics: bool = True,
         fetch_max_wait_ms: int = 500,
+        membership: bool = True,
     ) -> None:
         if auto_offset_reset not in ("earliest", "latest"):
             raise ValueError(f"auto_offset_reset must be 'earliest' or 'latest', got {auto_offset_reset!r}")
@@ -139,7 +147,11 @@ class EventConsumer:
         }
         self._timeout_ms = int(max(bus_config.connect_timeout_s, 5.0) * 1000)
         self._consumer: KafkaConsumer = _connect(KafkaConsumer, bus_config, settings)
-        self._consumer.subscribe([self.topic], listener=_ApplyPendingSeeks(self))
+        self.membership = membership
+        if membership:
+            self._consumer.subscribe([self.topic], listener=_ApplyPendingSeeks(self))
+        else:  # every partition, no group membership: the group id only names the committed offsets
+            self._consumer.assign(self._partitions_waiting())
 
     # -- reading ---------------------------------------------------------------------------------------------------
 
@@ -271,7 +283,7 @@ class EventConsumer:
     @property
     def rebalancing(self) -> bool:
         """True while this member is rejoining its group (a rebalance it has not finished)."""
-        return bool(self._consumer._coordinator.rebalance_in_progress())  # kafka-python has no public view of it
+        return self.membership and bool(self._consumer._coordinator.rebalance_in_progress())  # kafka-python has no public view of it
 
     def positions(self) -> dict[TopicPartitionKey, int]:
         """The next offset this member will read, per assigned partition."""
@@ -300,6 +312,15 @@ class EventConsumer:
                 start = committed if committed is not None else begins[tp]
                 result[tp.partition] = max(0, int(ends[tp]) - int(start))
         return result
+
+    def _partitions_waiting(self) -> list[TopicPartition]:
+        """The topic's partitions, waiting (up to the connect timeout) for metadata of a topic just created."""
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while not (partitions := self._partitions()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not partitions:
+            raise BusError(f"topic {self.topic} has no partitions on the broker; create it (rlpipe topics create)")
+        return partitions
 
     def _partitions(self) -> list[TopicPartition]:
         with self._errors("topic metadata"):
@@ -360,7 +381,7 @@ class EventConsumer:
         leader, whose assignment never comes: the other members then rejoin that generation for ever.  Left
         after its SyncGroup, the member starts an ordinary rebalance (Kafka handles either order).
         """
-        if self._consumer._closed or not self.rebalancing:  # kafka-python has no public view of either
+        if not self.membership or self._consumer._closed or not self.rebalancing:  # no public view of either
             return
         try:
             self._consumer._coordinator.ensure_active_group(timeout_ms=self._timeout_ms)

@@ -203,6 +203,30 @@ def test_seek_and_lag_per_partition(bus_config: BusConfig, fast_group: dict) -> 
         assert consumer.lag() == {0: 0, 1: 0}
 
 
+def test_a_reader_without_membership_reads_every_partition_and_commits_for_its_group(bus_config: BusConfig) -> None:
+    # The learner's way of reading: no group join (nothing to wait for, nothing a departed member can strand),
+    # the group id keeping only the committed offsets, which the next reader of that id starts from.
+    config = bus_config.model_copy(update={"topic_partitions": 2})
+    with EventPublisher(config) as publisher:
+        placed = {run: publisher.publish("control", _stop(run, run)) for run in "abcdef"}
+    topic = f"{config.namespace}.control"
+    first = EventConsumer(config, "control", "solo", membership=False)
+    with EventConsumer(config, "control", "solo", membership=False) as beside:  # no rebalance: both read at once
+        assert first.assignment() == beside.assignment() == [(topic, 0), (topic, 1)]
+        assert not first.rebalancing
+        assert {e.event.payload.reason for e in _poll_until(beside, 6)} == set("abcdef")
+    events = _poll_until(first, 6)
+    committed = first.commit(bus.next_offsets([e for e in events if e.event.payload.reason in "abc"]))
+    first.close()
+    assert committed  # the first three runs' events, on one partition or both
+    lags = {lag.partition: lag.committed for lag in bus.group_lag(config, "solo")}
+    assert all(lags[partition] == offset for (_, partition), offset in committed.items())
+    with EventConsumer(config, "control", "solo", membership=False) as second:
+        rest = _poll_until(second, sum(1 for r, (p, o) in placed.items() if o >= committed.get((topic, p), 0)))
+    assert {e.event.payload.reason for e in rest} == {r for r, (p, o) in placed.items()
+                                                      if o >= committed.get((topic, p), 0)}
+
+
 def test_poison_messages_go_to_the_dlq_and_consumption_continues(bus_config: BusConfig, fast_group: dict) -> None:
     topic = f"{bus_config.namespace}.control"
     newer = json.loads(encode_event(_stop("run-a", "from the future")))
