@@ -67,8 +67,8 @@ def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[S
             or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
         raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "
                        "ask for prompt_logprobs and sampled-token logprobs only")
-    if given.top_k not in (-1, 0):
-        raise ApiError(f"top_k={given.top_k} is not served; use top_k=-1 with top_p")
+    if given.top_k < -1:
+        raise ApiError(f"sampling_params.top_k={given.top_k}: use -1 (no cut) or a number of tokens >= 1")
     stop = given.stop
     strings: list[str] = []
     stop_ids: tuple[int, ...] | None = None
@@ -83,7 +83,8 @@ def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[S
         else:
             raise ApiError("sampling_params.stop mixes strings and token ids; send one kind")
     params = SampleParams(max_tokens=given.max_tokens or max_model_len, num_samples=request.num_samples,
-                          temperature=given.temperature, top_p=given.top_p, seed=given.seed,
+                          temperature=given.temperature, top_p=given.top_p, top_k=max(0, given.top_k),
+                          seed=given.seed,
                           stop_token_ids=stop_ids, prompt_logprobs=bool(request.prompt_logprobs))
     return params, strings
 

@@ -61,6 +61,7 @@ class SampleParams:
     num_samples: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no cut; k >= 1: the k most likely tokens only (applied before top_p, as in vLLM)
     seed: int | None = None
     first_stream: int = 0
     stop_token_ids: tuple[int, ...] | None = None
@@ -75,6 +76,8 @@ class SampleParams:
             raise ValueError(f"SampleParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SampleParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SampleParams.top_k must be 0 (no cut) or at least 1, got {self.top_k}")
         if self.first_stream < 0:
             raise ValueError(f"SampleParams.first_stream must be >= 0, got {self.first_stream}")
 
@@ -299,6 +302,7 @@ class VLLMEngine(SamplingEngine):
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
+            top_k=params.top_k,
             max_tokens=budget,
             logprobs=0,  # just the sampled token's
             prompt_logprobs=0 if params.prompt_logprobs and want_prompt else None,
@@ -402,6 +406,7 @@ class TransformersEngine(SamplingEngine):
         outputs, prompt_logprobs = self.sampler.continue_prompt(  # one at a time: the sampler holds its lock
             prompt, adapter, budget, params.temperature, params.top_p, params.seeds(),
             stop_ids=frozenset(self.stop_ids(params)), with_prompt_logprobs=params.prompt_logprobs,
+            top_k=params.top_k,
         )
         return SampleResult(outputs, prompt_logprobs)
 

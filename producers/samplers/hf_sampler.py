@@ -136,10 +136,12 @@ class TransformersSampler(Sampler):
         seeds: list[int | None],
         stop_ids: frozenset[int] | None = None,
         with_prompt_logprobs: bool = False,
+        top_k: int = 0,
     ) -> tuple[list[SampleOutput], list[float | None] | None]:
         """One batch of ``len(seeds)`` continuations of ``prompt`` (sample j from ``seeds[j]``).
 
-        ``stop_ids`` None stops at eos, an empty set only at ``max_new_tokens``.
+        ``stop_ids`` None stops at eos, an empty set only at ``max_new_tokens``; ``top_k`` >= 1
+        keeps the k most likely tokens before the ``top_p`` cut.
         With ``with_prompt_logprobs``, also the model's own (temperature 1) logprob
         of every prompt token given the ones before it (None at position 0).
         """
@@ -148,7 +150,7 @@ class TransformersSampler(Sampler):
         if adapter is not None:
             adapter.check_folder()
         with self._lock, self._policy(adapter) as model:
-            outputs = self._generate_batch(model, [request] * len(seeds), temperature, top_p, seeds, stop_ids)
+            outputs = self._generate_batch(model, [request] * len(seeds), temperature, top_p, seeds, stop_ids, top_k)
             prompt_logprobs = self._prompt_logprobs(model, prompt) if with_prompt_logprobs else None
         return outputs, prompt_logprobs
 
@@ -163,7 +165,7 @@ class TransformersSampler(Sampler):
 
     def _generate_batch(
         self, model: Any, requests: list[SampleRequest], temperature: float, top_p: float, seeds: list[int | None],
-        stop_ids: frozenset[int] | None = None,
+        stop_ids: frozenset[int] | None = None, top_k: int = 0,
     ) -> list[SampleOutput]:
         """Decode one left-padded batch token by token until every row stopped (at a stop id or its budget)."""
         import torch
@@ -188,7 +190,7 @@ class TransformersSampler(Sampler):
                     use_cache=True,
                 )
                 cache = out.past_key_values
-                logprobs_BV = sampling_logprobs(out.logits[:, -1, :].float(), temperature, top_p)
+                logprobs_BV = sampling_logprobs(out.logits[:, -1, :].float(), temperature, top_p, top_k)
                 next_B = [
                     _draw(logprobs_BV[b], temperature == 0.0, generators[b]) if not done_B[b] else self.pad_token_id
                     for b in range(len(requests))
@@ -238,11 +240,12 @@ def _generator(seed: int | None, device: Any) -> Any:
     return generator
 
 
-def sampling_logprobs(logits_BV: Any, temperature: float, top_p: float) -> Any:
+def sampling_logprobs(logits_BV: Any, temperature: float, top_p: float, top_k: int = 0) -> Any:
     """Log-probabilities of the distribution tokens are drawn from (float32), -inf outside the nucleus.
 
-    ``softmax(logits / temperature)`` cut to the smallest set of most likely tokens
-    whose mass reaches ``top_p`` (the most likely token always stays) and
+    ``softmax(logits / temperature)`` cut to the ``top_k`` most likely tokens (when
+    ``top_k`` >= 1; ties at the k-th logit all stay), then to the smallest set of most
+    likely tokens whose mass reaches ``top_p`` (the most likely token always stays), and
     renormalised: what vLLM computes with ``logprobs_mode="processed_logprobs"``.
     Greedy decoding (temperature 0) has no distribution: its logprobs are the
     temperature-1 ones, uncut, as vLLM reports them.
@@ -252,6 +255,9 @@ def sampling_logprobs(logits_BV: Any, temperature: float, top_p: float) -> Any:
     if temperature == 0.0:
         return torch.log_softmax(logits_BV.float(), dim=-1)
     logits_BV = logits_BV.float() / temperature
+    if 0 < top_k < logits_BV.shape[-1]:
+        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[..., -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, -torch.inf)
     if top_p < 1.0:
         sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
         probs_BV = torch.softmax(sorted_BV, dim=-1)

@@ -74,6 +74,12 @@ def test_sampling_from_the_base_model(server):
     again = sampling.sample(prompt, 3, _params(stop=[])).result()
     assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]  # a seed fixes the draw
     assert all(len(s.tokens) == len(s.logprobs) == 6 and s.stop_reason == "length" for s in first.sequences)
+    # top_k 1 leaves one token to draw: every sample is the greedy continuation, each token of logprob 0
+    greedy = sampling.sample(prompt, 1, _params(stop=[], temperature=0.0)).result().sequences[0]
+    top_1 = sampling.sample(prompt, 3, _params(stop=[], top_k=1)).result().sequences
+    assert all(s.tokens == greedy.tokens and np.allclose(s.logprobs, 0.0, atol=1e-6) for s in top_1)
+    top_2 = sampling.sample(prompt, 3, _params(stop=[], top_k=2)).result().sequences
+    assert all(lp >= np.log(0.5) - 1e-6 for s in top_2 for lp in s.logprobs)  # the more likely of two: >= 1/2
     logprobs = sampling.compute_logprobs(prompt).result()
     assert logprobs[0] is None and len(logprobs) == len(PROMPT) and all(np.isfinite(logprobs[1:]))
 
@@ -136,3 +142,21 @@ def test_the_cartpole_example_runs_end_to_end_for_two_steps(server):
         env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "sft step 1" in done.stdout and "rl step 1" in done.stdout and "held-out last version" in done.stdout
+
+
+def test_the_text2sql_recipe_runs_end_to_end_and_logs_the_reward_breakdown(server):
+    script = Path(__file__).resolve().parents[2] / "examples" / "tinker_text2sql.py"
+    env = {**os.environ, "TINKER_API_KEY": "tml-example", "TINKER_TELEMETRY": "0"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--base-url", server.url, "--base-model", server.base_model, "--max-tokens", "12",
+         "--sft-steps", "1", "--batch", "4", "--rl-steps", "2", "--groups", "2", "--group-size", "2",
+         "--eval-episodes", "2"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    rl = [line for line in lines if line.startswith("rl step ")]
+    assert len(rl) == 2, done.stdout
+    for line in rl + [line for line in lines if line.startswith("held-out ")]:
+        assert "return " in line and "ran " in line and "matched " in line and "unparsed answers " in line, line
+    assert "held-out base model" in done.stdout and "held-out last version" in done.stdout
+    assert "sft step 0: loss/token" in done.stdout

@@ -43,8 +43,10 @@ def test_the_four_stop_forms_and_refusals():
     params, strings = sampling_params(_request("\n\nUser:"), 64)
     assert (params.stop_token_ids, strings) == (None, ["\n\nUser:"])
     assert sampling_params(_request(["a", "b"]), 64)[1] == ["a", "b"]
+    assert sampling_params(_request(None, top_k=5), 64)[0].top_k == 5
+    assert sampling_params(_request(None, top_k=-1), 64)[0].top_k == 0  # the SDK's "no cut"
     with pytest.raises(ApiError, match="top_k"):
-        sampling_params(_request(None, top_k=5), 64)
+        sampling_params(_request(None, top_k=-3), 64)
     with pytest.raises(ApiError, match="prompt_alt_tokens"):
         sampling_params(_request(None, prompt_alt_tokens_k=2), 64)
 

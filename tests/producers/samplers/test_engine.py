@@ -362,6 +362,17 @@ def test_vllm_engine_matches_the_synchronous_sampler(vllm_engine, vllm_sampler, 
         pairs = enumerate(zip(seq.token_ids, seq.logprobs, strict=True))
         gaps = [abs(float(expected[start + i, t]) - lp) for i, (t, lp) in pairs]
         assert max(gaps) <= SAME_TOL
+    # top-k before top-p, both in the logprobs reported (the API's top_k)
+    cut = vllm_engine.sample(prompts[0], adapter, SampleParams(10, num_samples=3, temperature=0.7, top_p=0.9, top_k=3,
+                                                               seed=7))
+    for seq in cut.sequences:
+        with torch.no_grad():
+            cut_logits_TV = model(torch.tensor([prompts[0] + seq.token_ids])).logits[0].float()
+        expected = sampling_logprobs(cut_logits_TV, 0.7, 0.9, 3)
+        start = len(prompts[0]) - 1
+        gaps = [abs(float(expected[start + i, t]) - lp) for i, (t, lp) in enumerate(zip(seq.token_ids, seq.logprobs,
+                                                                                         strict=True))]
+        assert max(gaps) <= SAME_TOL
     raw = torch.log_softmax(logits_TV, dim=-1)
     assert result.prompt_logprobs is not None and result.prompt_logprobs[0] is None
     prompt_gaps = [abs(float(raw[p - 1, t]) - lp) for p, (t, lp) in

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from producers.samplers import AdapterHandle, SampleOutput, SampleRequest, make_sampler, request_seed, sampler_for_run
-from producers.samplers.hf_sampler import TransformersSampler, _sample
+from producers.samplers.engine import SampleParams
+from producers.samplers.hf_sampler import TransformersSampler, _sample, sampling_logprobs
 from schemas.config import SamplerConfig
 
 LOGPROB_TOL = 1e-4  # NOTES.md: ~2e-7 seen for vLLM in float32; anything near 1e-2 means a dtype or policy mismatch
@@ -184,6 +185,20 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
     assert set(draws) == {0, 1}
     assert abs(draws.count(0) / 4000 - 5 / 8) < 0.03
     assert _sample(logits, 0.0, 1.0, generator) == 0
+
+
+def test_top_k_cuts_to_the_k_most_likely_before_top_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(probs)[None]
+    top_3 = sampling_logprobs(logits, 1.0, 1.0, top_k=3)[0].exp()
+    assert torch.allclose(top_3, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    # renormalised after the cut 0.526, 0.316, 0.158: top_p 0.8 then keeps the first two (0.526 < 0.8 <= 0.842)
+    both = sampling_logprobs(logits, 1.0, 0.8, top_k=3)[0].exp()
+    assert torch.allclose(both, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
+    assert torch.equal(sampling_logprobs(logits, 1.0, 1.0, top_k=0), sampling_logprobs(logits, 1.0, 1.0, top_k=4))
+    assert torch.equal(sampling_logprobs(logits, 1.0, 1.0, top_k=1)[0].exp(), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="top_k"):
+        SampleParams(4, top_k=-1)
 
 
 # ---- transformers backend (fast) ------------------------------------------------
