@@ -62,7 +62,8 @@ class Loop:
     def prompt_tokens(self, env: TextToSQL) -> list[int]:
         messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": env.observation()}]
         if self.tokenizer.chat_template:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(f"{messages[0]['content']}\n\n{messages[1]['content']}\n\nAnswer: ")
 
     def datum(self, prompt: list[int], answer: list[int], **per_token: list[float]) -> types.Datum:

@@ -11,12 +11,17 @@ call still running, so a sampler that dies re-runs only unfinished calls.
 One call: the tenant is checked against the sampling session's record
 (``pipeline.api.samplers``), its weights resolved (base model, or the adapter
 registry version a ``sampler_weights`` path or ``save_weights_and_get_sampling_client``
-names, pulled once into a local cache), the SDK's ``SamplingParams`` translated
+names, pulled into a local cache), the SDK's ``SamplingParams`` translated
 (``sampling_params``), the engine sampled, and the SDK's protobuf
 ``SampleResponse`` written create-only, then announced with ``ApiResultReady``.
 
+A researcher's RL loop makes a new version every step, so the worker keeps at most
+``max_adapters`` versions (least recently sampled first out): a version no call is
+sampling is unloaded from the engine and its pulled folder deleted once more are
+held; a later call for it pulls and loads it again.
+
 Logprobs of sampled tokens are those of the distribution they were drawn from
-(after temperature and top-p: the engine's ``processed_logprobs``), the ``q`` of
+(after temperature, top-k and top-p: the engine's ``processed_logprobs``), the ``q`` of
 rlpipe's importance sampling.  Prompt logprobs are the model's own (temperature
 1), NaN at position 0.
 """
@@ -28,7 +33,9 @@ import hashlib
 import itertools
 import json
 import logging
+import shutil
 import tempfile
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +57,7 @@ from schemas.config import BusConfig
 
 log = logging.getLogger("rlpipe.api.sampler")
 SAMPLING_OPS = ("sample",)
+DEFAULT_MAX_ADAPTERS = 8
 
 
 def group_for(base_model: str) -> str:
@@ -123,15 +131,20 @@ class SamplerWorker:
 
     def __init__(self, store: ObjectStore, bus: BusConfig, base_model: str, engine: SamplingEngine,
                  decode: Callable[[list[int]], str], cache_dir: str | None = None,
-                 consumer_options: dict[str, Any] | None = None) -> None:
+                 consumer_options: dict[str, Any] | None = None, max_adapters: int = DEFAULT_MAX_ADAPTERS) -> None:
+        if max_adapters < 1:
+            raise ValueError(f"max_adapters must be at least 1, got {max_adapters}")
         self.store, self.bus, self.base_model, self.engine, self.decode = store, bus, base_model, engine, decode
+        self.max_adapters = max_adapters
         self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="rlpipe-api-sampler-")
         ensure_topics(bus, API_TOPIC_KINDS)
         options = {"fetch_max_wait_ms": 20, **(consumer_options or {})}
         self.consumer = EventConsumer(bus, "requests", group_for(base_model), **options)
         self.publisher = EventPublisher(bus)
         self.running: dict[asyncio.Task[None], tuple[TopicPartitionKey, int]] = {}
-        self._adapters: dict[tuple[str, int], AdapterHandle] = {}
+        self._adapters: OrderedDict[tuple[str, int], AdapterHandle] = OrderedDict()  # least recently used first
+        self._in_use: Counter[tuple[str, int]] = Counter()  # calls sampling each version now
+        self._pulling: dict[tuple[str, int], asyncio.Lock] = {}
         self._lora_ids = itertools.count(1)
         self._committed: dict[TopicPartitionKey, int] = {}
 
@@ -202,23 +215,51 @@ class SamplerWorker:
         record = read_sampler(self.store, call.tenant, call.model_id or "")
         request = parse_body(types.SampleRequest, self.store.get(call.body_path, call.body_sha256))
         params, strings = sampling_params(request, self.engine.max_model_len)
-        adapter = await asyncio.to_thread(self._adapter, record)
-        result = await self.engine.sample(request.prompt.to_ints(), adapter, params)
+        key = None if record.get("run") is None else (str(record["run"]), int(record["version"]))
+        adapter = None if key is None else await self._acquire(key)
+        try:
+            result = await self.engine.sample(request.prompt.to_ints(), adapter, params)
+        finally:
+            if key is not None:
+                self._in_use[key] -= 1
+                await self._evict()
         sequences = [cut_at_stop_strings(sample, strings, self.decode) for sample in result.sequences]
         return encode_sample_response(SampleResult(sequences, result.prompt_logprobs))
 
-    def _adapter(self, record: dict[str, Any]) -> AdapterHandle | None:
-        """The handle of the session's registry version (pulled once), or None for the base model."""
-        if record.get("run") is None:
-            return None
-        key = (str(record["run"]), int(record["version"]))
-        if key not in self._adapters:
-            registry = AdapterRegistry(self.store, key[0])
-            folder = registry.pull(key[1], self.cache_dir)
-            lora_id = next(self._lora_ids)
-            self._adapters[key] = AdapterHandle(version=key[1], lora_int_id=lora_id, name=f"v{key[1]}-id{lora_id}",
-                                                path=str(folder), sha256=registry.adapter_sha256(key[1]), run=key[0])
+    async def _acquire(self, key: tuple[str, int]) -> AdapterHandle:
+        """The handle of registry version ``key`` (pulled when not held), marked in use and most recent."""
+        async with self._pulling.setdefault(key, asyncio.Lock()):  # concurrent first calls share one pull
+            if key not in self._adapters:
+                self._adapters[key] = await asyncio.to_thread(self._pull, key)
+            self._in_use[key] += 1
+        self._adapters.move_to_end(key)
         return self._adapters[key]
+
+    def _pull(self, key: tuple[str, int]) -> AdapterHandle:
+        run, version = key
+        registry = AdapterRegistry(self.store, run)
+        lora_id = next(self._lora_ids)  # a fresh id each time: an engine never reuses one for other weights
+        folder = registry.pull(version, f"{self.cache_dir}/{lora_id}")
+        return AdapterHandle(version=version, lora_int_id=lora_id, name=f"v{version}-id{lora_id}", path=str(folder),
+                             sha256=registry.adapter_sha256(version), run=run)
+
+    async def _evict(self) -> None:
+        """Unload the least recently sampled idle versions while more than ``max_adapters`` are held."""
+        while len(self._adapters) > self.max_adapters:
+            idle = next((key for key in self._adapters if not self._in_use[key]), None)
+            if idle is None:
+                return  # every held version is being sampled: evicted when a call ends
+            handle = self._adapters.pop(idle)
+            del self._in_use[idle]
+            self._pulling.pop(idle, None)
+            await self.engine.unload_adapter(handle)
+            await asyncio.to_thread(shutil.rmtree, f"{self.cache_dir}/{handle.lora_int_id}", True)
+            log.info("unloaded %s version %d (%d versions held at most)", handle.run, handle.version,
+                     self.max_adapters)
+
+    def adapters_held(self) -> list[tuple[str, int]]:
+        """The registry versions held now, least recently sampled first."""
+        return list(self._adapters)
 
     def _write_result(self, call: ApiRequestAccepted, data: bytes, fmt: str, error: str | None,
                       category: str | None) -> None:
@@ -239,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = engine_arguments("rlpipe-api-sampler", main.__doc__)
     parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    parser.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS,
+                        help="adapter versions kept loaded (least recently sampled out first)")
     args = parser.parse_args(argv)
     bus = engine_setup(args, log)
     log.info("initialising the %s sampling engine for %s", args.backend, args.base_model)
@@ -246,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.base_model)
     worker = SamplerWorker(ObjectStore(args.store), bus, args.base_model, engine,
                            lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
-                           consumer_options=group_timings_from_env())
+                           consumer_options=group_timings_from_env(), max_adapters=args.max_adapters)
     try:
         asyncio.run(worker.run(StopFlag().install()))
     finally:

@@ -7,6 +7,7 @@ import json
 import math
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,5 +170,44 @@ def test_unnamed_save_for_sampler_gives_a_sampling_session_on_the_new_version(ha
         again = trainer._save_for_sampler(trainer.models[model_id], call, save)
         assert json.loads(again)["sampling_session_id"] == sampler_id
         assert AdapterRegistry(harness.store, f"{harness.session}.train.0").versions() == [1]
+    finally:
+        trainer.close()
+
+
+def test_the_least_recently_sampled_version_is_unloaded_beyond_max_adapters_and_reloaded_on_demand(harness):
+    # A researcher's loop saves a version per step: the sampler holds at most max_adapters of them.
+    harness.sampler.max_adapters = 2
+    trainer = TrainerWorker(harness.store, harness.bus, harness.base_model,
+                            TrainingEngine(harness.base_model, device="cpu"), consumer_options=harness.fast_group)
+    try:
+        model_id = harness.gateway.register_model(TENANT, harness.session, 0, harness.base_model, 4, {}, None)
+        create = types.CreateModelRequest(session_id=harness.session, model_seq_id=0, base_model=harness.base_model,
+                                          lora_config=types.LoraConfig(rank=4, seed=3))
+        harness.gateway.submit(TENANT, "create_model", model_id, None, create.model_dump_json().encode())
+        samplers = []
+        for seq in (1, 2, 3):
+            save = types.SaveWeightsForSamplerRequest(model_id=model_id, sampling_session_seq_id=4 + seq, seq_id=seq)
+            saved = harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, seq,
+                                           save.model_dump_json().encode())
+            samplers.append(json.loads(harness.train(trainer, [saved])[0][0])["sampling_session_id"])
+        run = f"{harness.session}.train.0"
+        seeded = _request([], seed=5)
+
+        def sample(sampler_id: str, seq: int) -> list[list[int]]:
+            data, fmt = harness.run([harness.sample(sampler_id, seq, seeded)])[0]
+            assert fmt == "pb", data
+            return [s.tokens for s in deserialize_sample_response(data).sequences]
+
+        first = sample(samplers[0], 0)
+        sample(samplers[1], 0)
+        assert harness.sampler.adapters_held() == [(run, 1), (run, 2)]
+        held_folders = {p.name for p in Path(harness.sampler.cache_dir).iterdir()}
+        version_1_folder = str(harness.sampler._adapters[(run, 1)].lora_int_id)
+        sample(samplers[2], 0)
+        assert harness.sampler.adapters_held() == [(run, 2), (run, 3)]  # version 1 went, least recently sampled
+        folders = {p.name for p in Path(harness.sampler.cache_dir).iterdir()}
+        assert len(folders) == 2 and version_1_folder in held_folders and version_1_folder not in folders
+        assert sample(samplers[0], 1) == first  # pulled and loaded again: the same weights, the same draw
+        assert harness.sampler.adapters_held() == [(run, 3), (run, 1)]
     finally:
         trainer.close()
