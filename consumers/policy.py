@@ -186,6 +186,9 @@ class LoraPolicy:
         )
         # autocast_adapter_dtype: LoRA weights (and so AdamW's state) in float32 over bf16/fp16 base weights
         self.model: PeftModel = get_peft_model(base, lora, autocast_adapter_dtype=True).to(self.device)
+        # peft renders a README.md model card from a Jinja template on every save_pretrained (about half of a
+        # publish on the tiny model) and has no option to skip it; no reader of a published version uses it
+        self.model.create_or_update_model_card = lambda output_dir: None  # type: ignore[method-assign]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -323,7 +326,7 @@ class LoraPolicy:
 
     # ---- export / import (checkpoints, publishing) ----------------------------
     def save_adapter(self, folder: str | Path) -> Path:
-        """Write the PEFT adapter (adapter_config.json + adapter_model.safetensors) to ``folder``."""
+        """Write the PEFT adapter (adapter_config.json + adapter_model.safetensors, no model card) to ``folder``."""
         folder = Path(folder)
         self.model.save_pretrained(str(folder), safe_serialization=True)
         return folder

@@ -46,6 +46,26 @@ def test_model_dtype_auto_is_the_checkpoints_own(tiny_model_dir):
     assert {p.dtype for p in policy.model.parameters()} == {torch.float32}
 
 
+def test_a_saved_adapter_is_the_peft_folder_without_a_model_card(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    policy = LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4))
+    one_step(policy)
+    folder = policy.save_adapter(tmp_path / "v1")
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((folder / "adapter_config.json").read_text())["inference_mode"] is True
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    trained = {name.replace(".default", ""): p for name, p in policy.lora_parameters().items()}
+    assert saved.keys() == trained.keys()
+    assert all(torch.equal(saved[name], trained[name].detach()) for name in saved)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(folder))
+    tokens = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, policy.model(tokens).logits, atol=1e-6)
+
+
 def model_with(tiny_model_dir: str, folder: Path, **config_changes: object) -> str:
     """A copy of the tiny model's config (nothing else: the check comes before the weights) with changes."""
     folder.mkdir()
