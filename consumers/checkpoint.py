@@ -102,6 +102,15 @@ def restore_rng(tensors: dict[str, torch.Tensor], states: dict[str, Any]) -> Non
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+@dataclass(frozen=True)
+class PreparedCheckpoint:
+    """A checkpoint's files serialised (``CheckpointStore.prepare``), not yet written."""
+
+    step: int
+    version: int
+    files: dict[str, bytes]
+
+
 class CheckpointStore:
     """Writes and finds learner checkpoints for one run."""
 
@@ -124,9 +133,18 @@ class CheckpointStore:
         scalars: dict[str, Any],
     ) -> str:
         """Write files, then the manifest (create-only), then prune; return the checkpoint's folder key."""
+        return self.write(self.prepare(state, adapter, optimizer, scalars))
+
+    def prepare(
+        self,
+        state: LearnerState,
+        adapter: dict[str, torch.Tensor],
+        optimizer: dict[str, torch.Tensor],
+        scalars: dict[str, Any],
+    ) -> PreparedCheckpoint:
+        """The checkpoint's files as bytes, with the RNG states of now: a snapshot training may move on from."""
         self._write_legacy_step_log(state)
         rng_tensors, rng_states = capture_rng()
-        key = CheckpointFolder(self.prefix, state.step, uuid.uuid4().hex[:8]).key
         files = {
             "adapter.safetensors": save_tensors(adapter),
             "optimizer.safetensors": save_tensors({**optimizer, **rng_tensors}),
@@ -134,10 +152,15 @@ class CheckpointStore:
                 {"state": state.to_json(), "scalars": scalars, "rng": rng_states}, sort_keys=True
             ).encode(),
         }
+        return PreparedCheckpoint(state.step, state.version, files)
+
+    def write(self, prepared: PreparedCheckpoint) -> str:
+        """Write a prepared checkpoint's files, then its manifest (create-only), then prune; return its key."""
+        key = CheckpointFolder(self.prefix, prepared.step, uuid.uuid4().hex[:8]).key
         # put_create_once: a retried create of our own object (gs://) is not a conflict
-        digests = {name: self.store.put_create_once(f"{key}/{name}", data) for name, data in files.items()}
+        digests = {name: self.store.put_create_once(f"{key}/{name}", data) for name, data in prepared.files.items()}
         manifest = CheckpointManifest(
-            step=state.step, version=state.version, files=digests, created_at=datetime.now(UTC).isoformat()
+            step=prepared.step, version=prepared.version, files=digests, created_at=datetime.now(UTC).isoformat()
         )
         self.store.put_create_once(f"{key}/{MANIFEST_FILE}", json.dumps(manifest.to_json(), sort_keys=True).encode())
         if self.keep is not None:

@@ -5,7 +5,10 @@ skip batches already trained, drop rows more than ``max_staleness`` versions
 old), and when enough rows are waiting, *train* one optimizer step on them,
 *publish* an adapter version every ``publish_every`` steps and *checkpoint*
 every ``checkpoint_every`` steps, committing the source's offsets only after the
-checkpoint is durable.
+checkpoint is durable.  In ``run`` the publish and checkpoint writes of a step
+run in a background thread while the next step trains (``consumers.step_writer``:
+one step in flight, the same order of writes); ``step`` called on its own
+returns with its writes done.
 
 Exactly-once effect: an optimizer step always consumes whole batches, so the
 position stored in a checkpoint never splits a batch; the step log records
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import tempfile
 import time
 from collections import deque
@@ -56,12 +58,13 @@ from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
 from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
+from consumers.step_writer import StepOutputs
 from consumers.tracking import MetricLogger, NullMetricLogger
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
 from schemas.checkpoint import LearnerState
 from schemas.config import LearnerConfig, parse_init_from
-from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
+from schemas.events import DeadLetter, LearnerProgress, Payload
 from schemas.trajectory import TRAJECTORY_SCHEMA
 
 log = logging.getLogger("rlpipe.learner")
@@ -105,14 +108,6 @@ class PendingBatch:
     quarantined: bool = False  # unreadable: dead-lettered, never trained, its position still advances
 
 
-def finite_numbers(metrics: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, float]:
-    """The finite numeric metrics (cross-entropy steps have no importance ratios: NaN is left out)."""
-    return {
-        k: float(v) for k, v in metrics.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and k not in exclude
-    }
-
-
 class Learner:
     """Trains one run's adapter from a stream of trajectory batches."""
 
@@ -147,6 +142,9 @@ class Learner:
         self.faults = FaultInjector.from_env()  # read once: crash tests only
         self.metric_logger = metric_logger or NullMetricLogger()  # TensorBoard / W&B (consumers.tracking)
         self.collapse = CollapseMonitor(config)
+        # a step's publish and checkpoint: prepared here, written beside the next step's training
+        self.outputs = StepOutputs(run_id, base_model, registry, checkpoints, announce, self.faults)
+        self.pipelined = False  # True inside ``run``: step() returns before its writes are done
 
     # ---- set up -------------------------------------------------------------
     def resume(self) -> bool:
@@ -158,6 +156,7 @@ class Learner:
         """
         if self.lease is not None:
             self.lease.acquire()
+        self.outputs.next_version = None  # versions a learner before this one published count
         checkpoint = self.checkpoints.latest()
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
@@ -230,20 +229,30 @@ class Learner:
         wait, so what goes into each step does not depend on how the source
         happened to group its deliveries (Kafka and replay give the same steps).
         """
-        while not should_stop() and not self.budget_reached():
-            if not self.incoming:
-                self.incoming.extend(self.source.poll(poll_timeout_s))
-            if self.incoming:
-                self.ingest([self.incoming.popleft()])
-                if self.ready():
-                    on_step(self.step())
-            elif self.source.exhausted():
-                if self.work_waiting():
-                    on_step(self.step())
-                break
-            else:
-                self.announce_progress()  # waiting for rows: producers must not wait for this learner
-                self.check_lease_while_waiting()
+        was_pipelined, self.pipelined = self.pipelined, True
+        try:
+            while not should_stop() and not self.budget_reached():
+                if not self.incoming:
+                    self.incoming.extend(self.source.poll(poll_timeout_s))
+                if self.incoming:
+                    self.ingest([self.incoming.popleft()])
+                    if self.ready():
+                        on_step(self.step())
+                elif self.source.exhausted():
+                    if self.work_waiting():
+                        on_step(self.step())
+                    break
+                else:
+                    if self.outputs.writer.busy and self.outputs.writer.done:
+                        self.finish_writes()  # commit what the last step's checkpoint covers while idle
+                    self.announce_progress()  # waiting for rows: producers must not wait for this learner
+                    self.check_lease_while_waiting()
+        except BaseException:
+            self.outputs.writer.wait_quietly()
+            raise
+        finally:
+            self.pipelined = was_pipelined
+        self.finish_writes()
         return self.state
 
     def budget_reached(self) -> bool:
@@ -365,14 +374,19 @@ class Learner:
             "finished_at": time.time(),
         })
         metrics["tokens_per_s"] = metrics.get("tokens", 0) / max(1e-9, metrics["finished_at"] - started)
+        self.finish_writes()  # the previous step's writes ran beside this step's training
+        publication = None
         if self.state.step % self.cfg.publish_every == 0 and not metrics.get("skipped"):
-            self.publish(metrics)  # a step that trained nothing (all rows stale) publishes nothing
+            publication = self.outputs.prepare_publication(self.policy, self.state, metrics)  # none if nothing trained
         metrics["version"] = self.state.version
-        self.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
         self.last_metrics = metrics
+        prepared = (self.outputs.prepare_checkpoint(self.policy, self.state, metrics)
+                    if self.state.step % self.cfg.checkpoint_every == 0 else None)
         self.metric_logger.log(metrics)
-        if self.state.step % self.cfg.checkpoint_every == 0:
-            self.checkpoint()
+        recorded = dict(metrics)  # the step object's content, whatever callers do with ``metrics``
+        self.outputs.writer.submit(lambda: self.outputs.write_step(recorded, publication, prepared))
+        if not self.pipelined:
+            self.finish_writes()
         self.announce_progress(force=True)
         return metrics
 
@@ -414,30 +428,22 @@ class Learner:
 
     # ---- phase: publish / checkpoint ------------------------------------------
     def publish(self, metrics: dict[str, Any]) -> None:
-        """Save the adapter and publish it as the next version, then announce it."""
-        scalar_metrics = finite_numbers(metrics, exclude=("step",))
-        with tempfile.TemporaryDirectory(prefix="rlpipe-adapter-") as folder:
-            self.policy.save_adapter(folder)
-            manifest = self.registry.publish(
-                folder, base_model=self.base_model, parent_version=self.state.version,
-                learner_step=self.state.step, metrics=scalar_metrics,
-            )
-        self.state.version = manifest.version
-        self.announce(self.registry.published_event(manifest))
-        log.info("published adapter v%d at step %d", manifest.version, self.state.step)
-        self.faults.reached("after_publish")
+        """Save the adapter and publish it as the next version, then announce it (now, in this thread)."""
+        self.finish_writes()
+        self.outputs.write_publication(self.outputs.prepare_publication(self.policy, self.state, metrics))
 
     def checkpoint(self) -> str:
-        """Write the checkpoint (manifest last), announce it, then commit the source's offsets."""
-        self.faults.reached("before_checkpoint")
-        optimizer, scalars = self.policy.optimizer_state()
-        key = self.checkpoints.save(self.state, self.policy.adapter_tensors(), optimizer, scalars)
-        metrics = finite_numbers(self.last_metrics)
-        self.announce(LearnerCheckpointed(step=self.state.step, version=self.state.version, path=key,
-                                          offsets=dict(self.state.positions), metrics=metrics))
-        self.faults.reached("after_checkpoint")
+        """Write the checkpoint (manifest last), announce it, then commit the source's offsets (now)."""
+        self.finish_writes()
+        key = self.outputs.write_checkpoint(self.outputs.prepare_checkpoint(self.policy, self.state, self.last_metrics))
         self.source.commit(dict(self.state.positions))  # only after the checkpoint is durable
         return key
+
+    def finish_writes(self) -> None:
+        """Wait for the step in flight (raising its error) and commit what its checkpoint covers."""
+        positions = self.outputs.writer.wait()
+        if positions:
+            self.source.commit(positions)  # only after the checkpoint is durable
 
 
 def origin_of(ref: BatchRef) -> tuple[str, int, int]:

@@ -44,11 +44,11 @@ from consumers.learner import (
     BatchRef,
     FaultInjector,
     TrajectorySource,
-    finite_numbers,
     origin_of,
     rewind_if_the_log_changed,
 )
 from consumers.lease import LearnerLease
+from consumers.step_writer import finite_numbers
 from consumers.value.agent import ValueAgent, build_agent
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.networks import network_spec

@@ -213,6 +213,10 @@ class AdapterRegistry:
             files={name: entry.sha256 for name, entry in manifest.files.items()},
         )
 
+    def next_version(self) -> int:
+        """The number the next ``publish`` takes, unless another publisher commits it first."""
+        return self._next_version()
+
     def _next_version(self) -> int:
         """One above the highest committed version; checks folders from the top, so usually one listing + one probe."""
         folders = (key.rsplit("/", 1)[-1] for key in self.store.list(self.prefix))

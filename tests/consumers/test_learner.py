@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import uuid
 from datetime import UTC, datetime
 
@@ -407,3 +409,82 @@ def test_a_resumed_warm_start_keeps_its_kl_reference(store, setup):
     assert again.policy.reference.keys() == warm.keys()
     assert all(torch.equal(warm[name], t) for name, t in again.policy.reference.items())
     assert all(torch.equal(trained[name], t) for name, t in again.policy.adapter_tensors().items())  # weights kept
+
+
+def test_a_steps_writes_run_beside_the_next_steps_training_in_the_synchronous_order(tmp_path, setup):
+    """run() publishes and checkpoints in a background thread, one step in flight; the store ends up the same."""
+    results = {}
+    for mode in ("run", "step by step"):
+        store = ObjectStore((tmp_path / mode.replace(" ", "-")).as_uri())
+        write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(6))
+        learner, announced = make_learner(store, setup)
+        events: list[tuple[str, int, str]] = []  # (what, step, thread)
+        train, publish = learner.train, learner.registry.publish
+
+        def traced_train(rows, learner=learner, events=events, train=train):
+            events.append(("train starts", learner.state.step + 1, threading.current_thread().name))
+            return train(rows)
+
+        def traced_publish(*args, events=events, publish=publish, **kwargs):
+            events.append(("publish starts", kwargs["learner_step"], threading.current_thread().name))
+            time.sleep(0.3)  # a slow store: the next step's training must not wait for it
+            manifest = publish(*args, **kwargs)
+            events.append(("publish ends", kwargs["learner_step"], threading.current_thread().name))
+            return manifest
+
+        learner.train, learner.registry.publish = traced_train, traced_publish
+        if mode == "run":
+            learner.run(poll_timeout_s=0)
+        else:
+            while refs := learner.source.poll(0):
+                learner.ingest(refs)
+                learner.step()
+        assert not learner.outputs.writer.busy
+        registry = AdapterRegistry(store, RUN)
+        results[mode] = {
+            "versions": [(v, registry.show(v).learner_step, registry.adapter_sha256(v)) for v in registry.versions()],
+            "weights": learner.policy.adapter_tensors(),
+            "announced": [(type(p).__name__, getattr(p, "version", None), getattr(p, "step", None)) for p in announced
+                          if type(p).__name__ in ("AdapterPublished", "LearnerCheckpointed")],
+            "checkpoint": (lambda c: (c.state.step, c.state.version))(CheckpointStore(store, RUN).latest()),
+            "events": events,
+        }
+    pipelined, synchronous = results["run"], results["step by step"]
+    assert [v for v, _, _ in pipelined["versions"]] == [1, 2, 3, 4]
+    assert [(v, s) for v, s, _ in pipelined["versions"]] == [(v, s) for v, s, _ in synchronous["versions"]]
+    assert all(torch.equal(pipelined["weights"][k], synchronous["weights"][k]) for k in pipelined["weights"])
+    assert pipelined["announced"] == synchronous["announced"]  # publish, checkpoint, publish, ... in step order
+    assert pipelined["checkpoint"] == synchronous["checkpoint"] == (4, 4)
+    main = threading.main_thread().name
+    events = pipelined["events"]
+    assert all(thread != main for what, _, thread in events if what.startswith("publish"))
+    for step in (1, 2, 3):  # step N + 1 trained while step N was being published
+        assert events.index(("train starts", step + 1, main)) < next(
+            i for i, e in enumerate(events) if e[:2] == ("publish ends", step))
+    sync_events = [e[:2] for e in synchronous["events"]]
+    for step in (1, 2, 3):  # step() alone returns with its writes done
+        assert sync_events.index(("publish ends", step)) < sync_events.index(("train starts", step + 1))
+
+
+def test_a_failed_background_write_stops_the_learner_before_its_checkpoint_and_commit(store, setup):
+    write_batches(TrajectoryArchive(store), setup, 3, np.random.default_rng(7))
+    learner, announced = make_learner(store, setup)
+    publish = learner.registry.publish
+
+    def failing_publish(*args, **kwargs):
+        if kwargs["learner_step"] == 2:
+            raise OSError("the store is unreachable")
+        return publish(*args, **kwargs)
+
+    learner.registry.publish = failing_publish
+    with pytest.raises(OSError, match="unreachable"):
+        learner.run(poll_timeout_s=0)
+    latest = CheckpointStore(store, RUN).latest()
+    assert (latest.state.step, latest.state.version) == (1, 1)  # step 2 left no checkpoint behind
+    assert [type(p).__name__ for p in announced if type(p).__name__ != "LearnerProgress"] == [
+        "AdapterPublished", "LearnerCheckpointed"]
+    assert AdapterRegistry(store, RUN).versions() == [1]
+    resumed, _ = make_learner(store, setup)  # a restart trains step 2 again and publishes it as v2
+    resumed.resume()
+    resumed.run(poll_timeout_s=0)
+    assert AdapterRegistry(store, RUN).versions() == [1, 2, 3] and resumed.state.step == 3

@@ -1,0 +1,182 @@
+"""Writing a learner step's results beside the next step's training: one background thread, one step in flight.
+
+A step's publish (adapter files, manifest, ``AdapterPublished``), its step object
+and its checkpoint (files, manifest, ``LearnerCheckpointed``) are store and
+broker round trips; the learner hands them here as a job once the step's
+snapshot is taken (the adapter saved to a local folder, the checkpoint
+serialised with its RNG states), and trains the next step meanwhile.  The
+learner waits for the job before it hands over the next one, so at most one
+step is in flight, the commit order of a synchronous learner holds (adapter,
+manifest, event, step object, checkpoint, offsets), and a failure (a store
+error, a lost lease) is raised in the learner's thread by that wait.  Offsets
+are committed by the learner's thread after the wait: Kafka consumers are not
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from consumers.checkpoint import CheckpointStore, PreparedCheckpoint
+from consumers.faults import FaultInjector
+from pipeline.io.registry import AdapterRegistry
+from schemas.checkpoint import LearnerState
+from schemas.events import LearnerCheckpointed, Payload
+
+log = logging.getLogger("rlpipe.learner")
+
+
+def finite_numbers(metrics: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, float]:
+    """The finite numeric metrics (cross-entropy steps have no importance ratios: NaN is left out)."""
+    return {
+        k: float(v) for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and k not in exclude
+    }
+
+
+class SavablePolicy(Protocol):
+    """What publishing and checkpointing need of a policy."""
+
+    def save_adapter(self, folder: str) -> Any: ...
+    def adapter_tensors(self) -> dict[str, torch.Tensor]: ...
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class Publication:
+    """An adapter saved to a local folder, to be published as ``version``."""
+
+    folder: str
+    version: int
+    parent_version: int
+    step: int
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A serialised checkpoint, the positions it covers and the metrics its announcement carries."""
+
+    checkpoint: PreparedCheckpoint
+    positions: dict[str, int]
+    metrics: dict[str, float]
+
+
+class StepWriter:
+    """Runs one job at a time in a background thread; ``wait`` returns its result or raises its error."""
+
+    def __init__(self, name: str = "rlpipe-step-writer") -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._job: Future[Any] | None = None
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        """Start ``job``; the previous one must have been waited for."""
+        if self._job is not None:
+            raise RuntimeError("StepWriter.submit: the previous job was not waited for; call wait() first")
+        self._job = self._executor.submit(job)
+
+    @property
+    def busy(self) -> bool:
+        """A job is submitted and has not been waited for."""
+        return self._job is not None
+
+    @property
+    def done(self) -> bool:
+        """The submitted job (if any) has finished: ``wait`` would not block."""
+        return self._job is None or self._job.done()
+
+    def wait(self) -> Any:
+        """The submitted job's result (None when there is none); its exception is raised here."""
+        job, self._job = self._job, None
+        return None if job is None else job.result()
+
+    def wait_quietly(self) -> None:
+        """Let the submitted job end, logging instead of raising its error (while another error unwinds)."""
+        try:
+            self.wait()
+        except Exception as exc:  # the error already unwinding is the one to report; this one is logged
+            log.warning("the step writer's last job failed too: %s", exc)
+
+    def close(self) -> None:
+        """Wait for the job quietly and stop the thread."""
+        self.wait_quietly()
+        self._executor.shutdown(wait=True)
+
+
+class StepOutputs:
+    """A learner's publishing and checkpointing: each prepared in the learner's thread, written by ``writer``."""
+
+    def __init__(self, run_id: str, base_model: str, registry: AdapterRegistry, checkpoints: CheckpointStore,
+                 announce: Callable[[Payload], None], faults: FaultInjector) -> None:
+        self.run_id, self.base_model = run_id, base_model
+        self.registry, self.checkpoints, self.announce, self.faults = registry, checkpoints, announce, faults
+        self.writer = StepWriter()
+        self.next_version: int | None = None  # the registry's next version number, read at the first publish
+
+    def prepare_publication(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> Publication:
+        """The adapter saved to a local folder as the next version: its number is taken (``state.version``) now."""
+        folder = tempfile.mkdtemp(prefix="rlpipe-adapter-")
+        try:
+            policy.save_adapter(folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        if self.next_version is None:
+            self.next_version = self.registry.next_version()
+        publication = Publication(folder, self.next_version, state.version, state.step,
+                                  finite_numbers(metrics, exclude=("step",)))
+        self.next_version += 1
+        state.version = publication.version
+        return publication
+
+    def write_publication(self, publication: Publication) -> None:
+        """Publish the saved folder under the version it took, announce it, and delete the folder."""
+        try:
+            manifest = self.registry.publish(
+                publication.folder, base_model=self.base_model, parent_version=publication.parent_version,
+                learner_step=publication.step, metrics=publication.metrics,
+            )
+        finally:
+            shutil.rmtree(publication.folder, ignore_errors=True)
+        if manifest.version != publication.version:
+            raise RuntimeError(f"run {self.run_id}: step {publication.step} was published as v{manifest.version}, "
+                               f"not v{publication.version}: another writer publishes to this run; run one learner "
+                               "per run")
+        self.announce(self.registry.published_event(manifest))
+        log.info("published adapter v%d at step %d", manifest.version, publication.step)
+        self.faults.reached("after_publish")
+
+    def prepare_checkpoint(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> PreparedStep:
+        """The checkpoint of now, serialised, with what its announcement says."""
+        optimizer, scalars = policy.optimizer_state()
+        prepared = self.checkpoints.prepare(state, policy.adapter_tensors(), optimizer, scalars)
+        return PreparedStep(prepared, dict(state.positions), finite_numbers(metrics))
+
+    def write_checkpoint(self, prepared: PreparedStep) -> str:
+        """Write a prepared checkpoint (manifest last) and announce it; the caller commits its positions."""
+        self.faults.reached("before_checkpoint")
+        key = self.checkpoints.write(prepared.checkpoint)
+        self.announce(LearnerCheckpointed(step=prepared.checkpoint.step, version=prepared.checkpoint.version, path=key,
+                                          offsets=prepared.positions, metrics=prepared.metrics))
+        self.faults.reached("after_checkpoint")
+        return key
+
+    def write_step(self, metrics: dict[str, Any], publication: Publication | None,
+                   prepared: PreparedStep | None) -> dict[str, int] | None:
+        """A step's writes in a synchronous learner's order; the positions to commit once its checkpoint is durable."""
+        if publication is not None:
+            self.write_publication(publication)
+        self.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
+        if prepared is None:
+            return None
+        self.write_checkpoint(prepared)
+        return prepared.positions
