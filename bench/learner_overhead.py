@@ -25,6 +25,11 @@ the ratio of tokens/s and as the median of per-step time ratios (robust to load 
 
 Run: .venv/bin/python bench/learner_overhead.py [--steps 20] [--rows 8] [--prompt-tokens 128]
      [--answer-tokens 8] [--loss importance_sampling] [--publish-every 1] [--checkpoint-every 1] [--threads N]
+     [--block-steps 1]
+
+With ``--block-steps K`` every arm runs K steps per turn, the learner in one call of its loop: there a step's
+publish and checkpoint are written in the background while the next step trains (``consumers.step_writer``),
+and the block's time includes waiting for the last step's writes.  With 1, every learner step waits for its own.
 """
 
 from __future__ import annotations
@@ -187,26 +192,28 @@ class Arm:
         return sum(self.tokens) / sum(self.step_s)
 
 
-def learner_step(learner: Learner) -> tuple[float, int, float]:
-    """One learner step through its own loop (poll, ingest, train, publish, checkpoint): (s, tokens, train s)."""
-    target = learner.state.step + 1
+def learner_steps(learner: Learner, count: int) -> tuple[float, int, float]:
+    """``count`` learner steps through one call of its loop (poll, ingest, train, publish, checkpoint, the writes
+    of a step beside the next step's training, all writes done at the end): (s, tokens, train s)."""
+    target = learner.state.step + count
     metrics: list[dict] = []
     started = time.perf_counter()
     learner.run(should_stop=lambda: learner.state.step >= target, on_step=metrics.append, poll_timeout_s=0.0)
     wall = time.perf_counter() - started
-    (step,) = metrics  # the replay holds exactly the steps asked for
-    return wall, step["tokens"], step["finished_at"] - step["started_at"]
+    assert len(metrics) == count  # the replay holds exactly the steps asked for
+    return wall, sum(m["tokens"] for m in metrics), sum(m["finished_at"] - m["started_at"] for m in metrics)
 
 
-def bare_step(loop: BareLoop, prepared: tuple[list[TokenBatch], float, int]) -> tuple[float, int, float]:
-    batches, normaliser, tokens = prepared
+def bare_steps(loop: BareLoop, prepared: list[tuple[list[TokenBatch], float, int]]) -> tuple[float, int, float]:
     started = time.perf_counter()
-    loop.step(batches, normaliser)
-    return time.perf_counter() - started, tokens, 0.0
+    for batches, normaliser, _ in prepared:
+        loop.step(batches, normaliser)
+    return time.perf_counter() - started, sum(tokens for _, _, tokens in prepared), 0.0
 
 
 def measure(args: argparse.Namespace, model_dir: str, root: Path, log: Callable[[str], None]) -> list[Arm]:
-    """Step by step, each arm once per step (the order rotating), so load changes hit every arm alike."""
+    """Block by block (``--block-steps``), each arm once per block (the order rotating), so load changes hit
+    every arm alike; each block's time counts as that many steps of its mean time."""
     cfg = LearnerConfig(loss=args.loss, batch_rows=args.rows, publish_every=args.publish_every,
                         checkpoint_every=args.checkpoint_every, max_staleness=1000, device="cpu",
                         torch_threads=args.threads, learning_rate=1e-3, seed=0)
@@ -223,21 +230,23 @@ def measure(args: argparse.Namespace, model_dir: str, root: Path, log: Callable[
                       checkpoints=CheckpointStore(store, LEARNER_RUN), source=source)
     bare = {"bare (head at generated)": BareLoop(model_dir, cfg, True),
             "bare (full logits)": BareLoop(model_dir, cfg, False)}
-    runners: dict[str, Callable[[int], tuple[float, int, float]]] = {"learner": lambda i: learner_step(learner)}
+    block = args.block_steps
+    runners: dict[str, Callable[[int], tuple[float, int, float]]] = {
+        "learner": lambda i: learner_steps(learner, block)}
     for name, loop in bare.items():
-        runners[name] = lambda i, loop=loop: bare_step(loop, prepared[i])
+        runners[name] = lambda i, loop=loop: bare_steps(loop, prepared[i:i + block])
     arms = {name: Arm(name) for name in runners}
     names = list(runners)
-    for index in range(n_steps):
-        order = names[index % len(names):] + names[:index % len(names)]
+    for turn, index in enumerate(range(0, n_steps, block)):
+        order = names[turn % len(names):] + names[:turn % len(names)]
         for name in order:
             wall, tokens, train_s = runners[name](index)
             if index >= args.warmup_steps:
-                arms[name].step_s.append(wall)
-                arms[name].tokens.append(tokens)
+                arms[name].step_s.append(wall / block)
+                arms[name].tokens.append(tokens / block)
                 arms[name].train_s += train_s
-        if (index + 1) % 5 == 0:
-            log(f"step {index + 1}/{n_steps}")
+        if (index + block) % 5 < block:
+            log(f"step {index + block}/{n_steps}")
     check_same_work(learner, bare, log)
     return list(arms.values())
 
@@ -257,7 +266,8 @@ def report(arms: list[Arm], args: argparse.Namespace, load_before: tuple, load_a
     lines = [
         f"tiny model, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
         f"{args.rows} rows/step of {args.prompt_tokens}+{args.answer_tokens} tokens, loss {args.loss}, publish "
-        f"every {args.publish_every}, checkpoint every {args.checkpoint_every}; {args.steps} steps per arm after "
+        f"every {args.publish_every}, checkpoint every {args.checkpoint_every}; {args.steps} steps per arm in blocks "
+        f"of {args.block_steps} after "
         f"{args.warmup_steps} warm-up; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after",
         "",
         "| arm | tokens/s | median s/step | learner / arm (tokens/s) | median per-step ratio |",
@@ -284,9 +294,13 @@ def main() -> None:
     parser.add_argument("--loss", choices=["importance_sampling", "cross_entropy"], default="importance_sampling")
     parser.add_argument("--publish-every", type=int, default=1)
     parser.add_argument("--checkpoint-every", type=int, default=1)
+    parser.add_argument("--block-steps", type=int, default=1,
+                        help="steps each arm runs per turn (the learner's writes overlap the next step within one)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--model", default=None, help="a model folder (default: build the tiny model, untrained)")
     args = parser.parse_args()
+    if args.block_steps < 1 or args.steps % args.block_steps or args.warmup_steps % args.block_steps:
+        parser.error("--block-steps must be at least 1 and divide both --steps and --warmup-steps")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
