@@ -199,8 +199,10 @@ def test_env_only_producer_and_learner_serve_health_metrics_and_stop_cleanly(
 
         wait_until(trained, STEP_TIMEOUT_S, "learner step from the producer's batch",
                    lambda: producer.died() or learner.died())
+        # carried by the producer's next heartbeat (every second), which a learner reading at once can beat
+        wait_until(lambda: "rlpipe_producer_samples_per_s" in scrape(producer_port), 30.0,
+                   "the producer's heartbeat metrics", producer.died)
         produced = scrape(producer_port)
-        assert "rlpipe_producer_samples_per_s" in produced  # carried by the heartbeat
         assert produced["rlpipe_producer_samples_total"] >= 2  # at least the group the learner trained on
         learned = scrape(learner_port)
         assert learned["rlpipe_learner_step"] >= 1 and "rlpipe_learner_loss" in learned
