@@ -224,7 +224,7 @@ def measure(args: argparse.Namespace, model_dir: str, root: Path, log: Callable[
     log(f"writing {n_steps} batches of {args.rows} rows to {store.url()}")
     write_batches(archive, base, args, n_steps, base.config.vocab_size)
     source = ReplaySource(archive, SOURCE_RUN)
-    prepared = [step_micro_batches(archive.read_batch(key), cfg) for key in source.keys]  # the learner's order
+    prepared = [step_micro_batches(archive.read_batch(c.key), cfg) for c in archive.commits(SOURCE_RUN)]  # its order
     learner = Learner(run_id=LEARNER_RUN, base_model=model_dir, config=cfg, policy=LoraPolicy(model_dir, cfg),
                       archive=archive, registry=AdapterRegistry(store, LEARNER_RUN),
                       checkpoints=CheckpointStore(store, LEARNER_RUN), source=source)
@@ -244,7 +244,7 @@ def measure(args: argparse.Namespace, model_dir: str, root: Path, log: Callable[
             if index >= args.warmup_steps:
                 arms[name].step_s.append(wall / block)
                 arms[name].tokens.append(tokens / block)
-                arms[name].train_s += train_s
+                arms[name].train_s += train_s / block
         if (index + block) % 5 < block:
             log(f"step {index + block}/{n_steps}")
     check_same_work(learner, bare, log)

@@ -104,11 +104,13 @@ def restore_rng(tensors: dict[str, torch.Tensor], states: dict[str, Any]) -> Non
 
 @dataclass(frozen=True)
 class PreparedCheckpoint:
-    """A checkpoint's files serialised (``CheckpointStore.prepare``), not yet written."""
+    """A checkpoint's content taken at one moment (``CheckpointStore.prepare``), not yet written."""
 
     step: int
     version: int
-    files: dict[str, bytes]
+    adapter: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]  # with the torch RNG states
+    state_json: bytes
 
 
 class CheckpointStore:
@@ -142,23 +144,25 @@ class CheckpointStore:
         optimizer: dict[str, torch.Tensor],
         scalars: dict[str, Any],
     ) -> PreparedCheckpoint:
-        """The checkpoint's files as bytes, with the RNG states of now: a snapshot training may move on from."""
+        """A snapshot training may move on from: copies of the tensors, the state and the RNG states of now.
+
+        Cheap (memory copies); ``write`` serialises and uploads, in whichever thread calls it.
+        """
         self._write_legacy_step_log(state)
         rng_tensors, rng_states = capture_rng()
-        files = {
-            "adapter.safetensors": save_tensors(adapter),
-            "optimizer.safetensors": save_tensors({**optimizer, **rng_tensors}),
-            STATE_FILE: json.dumps(
-                {"state": state.to_json(), "scalars": scalars, "rng": rng_states}, sort_keys=True
-            ).encode(),
-        }
-        return PreparedCheckpoint(state.step, state.version, files)
+        state_json = json.dumps({"state": state.to_json(), "scalars": scalars, "rng": rng_states}, sort_keys=True)
+        return PreparedCheckpoint(
+            state.step, state.version, {name: t.detach().clone() for name, t in adapter.items()},
+            {**{name: t.detach().clone() for name, t in optimizer.items()}, **rng_tensors}, state_json.encode(),
+        )
 
     def write(self, prepared: PreparedCheckpoint) -> str:
-        """Write a prepared checkpoint's files, then its manifest (create-only), then prune; return its key."""
+        """Serialise and write a prepared checkpoint's files, then its manifest (create-only), then prune."""
         key = CheckpointFolder(self.prefix, prepared.step, uuid.uuid4().hex[:8]).key
+        files = {"adapter.safetensors": save_tensors(prepared.adapter),
+                 "optimizer.safetensors": save_tensors(prepared.optimizer), STATE_FILE: prepared.state_json}
         # put_create_once: a retried create of our own object (gs://) is not a conflict
-        digests = {name: self.store.put_create_once(f"{key}/{name}", data) for name, data in prepared.files.items()}
+        digests = {name: self.store.put_create_once(f"{key}/{name}", data) for name, data in files.items()}
         manifest = CheckpointManifest(
             step=prepared.step, version=prepared.version, files=digests, created_at=datetime.now(UTC).isoformat()
         )

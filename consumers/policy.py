@@ -18,6 +18,7 @@ does to the logits after the head: soft-capping (Gemma 2 and 3), scaling
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from consumers.losses import LossStats, TokenBatch, entropy_of_logprobs, logit_divisors, loss_from_logprobs
@@ -186,9 +188,6 @@ class LoraPolicy:
         )
         # autocast_adapter_dtype: LoRA weights (and so AdamW's state) in float32 over bf16/fp16 base weights
         self.model: PeftModel = get_peft_model(base, lora, autocast_adapter_dtype=True).to(self.device)
-        # peft renders a README.md model card from a Jinja template on every save_pretrained (about half of a
-        # publish on the tiny model) and has no option to skip it; no reader of a published version uses it
-        self.model.create_or_update_model_card = lambda output_dir: None  # type: ignore[method-assign]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -326,9 +325,21 @@ class LoraPolicy:
 
     # ---- export / import (checkpoints, publishing) ----------------------------
     def save_adapter(self, folder: str | Path) -> Path:
-        """Write the PEFT adapter (adapter_config.json + adapter_model.safetensors, no model card) to ``folder``."""
+        """Write the PEFT adapter (adapter_config.json + adapter_model.safetensors) to ``folder``.
+
+        What peft's ``save_pretrained`` writes for a LoRA adapter named ``default`` (its tensor names, its
+        config with ``inference_mode`` on), written directly: ``save_pretrained`` also renders a README.md
+        model card and walks the model and reloads the base config to build its state dict, together
+        three quarters of a publish on the tiny model, for files no reader uses.
+        """
         folder = Path(folder)
-        self.model.save_pretrained(str(folder), safe_serialization=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = copy.deepcopy(self.model.peft_config["default"])
+        config.inference_mode = True
+        config.save_pretrained(str(folder))
+        weights = {name.replace(".default.", ".", 1): p.detach().to("cpu").contiguous()
+                   for name, p in self.lora_parameters().items()}
+        save_file(weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
         return folder
 
     def lora_parameters(self) -> dict[str, torch.nn.Parameter]:

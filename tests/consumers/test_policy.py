@@ -46,24 +46,39 @@ def test_model_dtype_auto_is_the_checkpoints_own(tiny_model_dir):
     assert {p.dtype for p in policy.model.parameters()} == {torch.float32}
 
 
-def test_a_saved_adapter_is_the_peft_folder_without_a_model_card(tiny_model_dir, tmp_path):
+def test_a_saved_adapter_is_the_folder_peft_writes_without_its_model_card(tiny_model_dir, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     policy = LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4))
     one_step(policy)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # weights far from the base model's, so a wrong adapter shows in the logits
+        for p in policy.lora_parameters().values():
+            p.add_(0.1 * torch.randn(p.shape, generator=generator))
     folder = policy.save_adapter(tmp_path / "v1")
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert json.loads((folder / "adapter_config.json").read_text())["inference_mode"] is True
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["inference_mode"] is True
+    policy.model.save_pretrained(str(tmp_path / "by-peft"))  # what peft itself writes (and a model card)
+    by_peft_config = json.loads((tmp_path / "by-peft" / "adapter_config.json").read_text())
+    assert set(config.pop("target_modules")) == set(by_peft_config.pop("target_modules"))  # a set, in any order
+    assert config == by_peft_config
+    by_peft = load_file(str(tmp_path / "by-peft" / "adapter_model.safetensors"))
     saved = load_file(str(folder / "adapter_model.safetensors"))
+    assert saved.keys() == by_peft.keys() and all(torch.equal(saved[k], by_peft[k]) for k in saved)
     trained = {name.replace(".default", ""): p for name, p in policy.lora_parameters().items()}
     assert saved.keys() == trained.keys()
     assert all(torch.equal(saved[name], trained[name].detach()) for name in saved)
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(folder))
     tokens = torch.tensor([[3, 4, 5, 6]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    policy.model.eval()  # no LoRA dropout in the comparison
     with torch.no_grad():
-        assert torch.allclose(loaded(tokens).logits, policy.model(tokens).logits, atol=1e-6)
+        ours, theirs = policy.model(tokens).logits, loaded(tokens).logits
+        assert (ours - base(tokens).logits).abs().max() > 0.1  # the adapter matters ...
+        assert torch.allclose(theirs, ours, atol=1e-4)  # ... and the saved one is the same (float32 sums aside)
 
 
 def model_with(tiny_model_dir: str, folder: Path, **config_changes: object) -> str:
