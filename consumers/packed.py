@@ -44,6 +44,7 @@ from pipeline.io.bus import EventPublisher
 from pipeline.models import resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import LearnerConfig, RunConfig
+from schemas.config import check_packable as packable
 
 log = logging.getLogger("rlpipe.learner")
 
@@ -196,24 +197,8 @@ def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:
 # ---- the packed learner process ---------------------------------------------------------------------------------
 def check_packable(configs: list[RunConfig]) -> None:
     """Refuse, in one line, runs that cannot share one engine and one event log."""
-    if not configs:
-        raise ValueError("no run to train; name at least one run")
-    first = configs[0]
-    runs = [c.run_id for c in configs]
-    if len(set(runs)) != len(runs):
-        raise ValueError(f"runs {runs} name a run twice; pack each run once")
-    for cfg in configs[1:]:
-        shared = {
-            "model.base_model": (first.model.base_model, cfg.model.base_model),
-            "model.dtype": (first.model.dtype, cfg.model.dtype),
-            "learner.device": (first.learner.device, cfg.learner.device),
-            "bus.bootstrap_servers": (first.bus.bootstrap_servers, cfg.bus.bootstrap_servers),
-            "bus.namespace": (first.bus.namespace, cfg.bus.namespace),
-        }
-        for name, (ours, theirs) in shared.items():
-            if ours != theirs:
-                raise ValueError(f"runs {first.run_id} and {cfg.run_id} differ in {name} ({ours} vs {theirs}); "
-                                 "packed runs share one base model, device and event log: start them separately")
+    packable(configs, ("model.base_model", "model.dtype", "learner.device", "bus.bootstrap_servers", "bus.namespace"),
+             "one base model, device and event log")
 
 
 def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,

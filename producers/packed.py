@@ -32,6 +32,7 @@ from producers.samplers.sync import SyncSampler
 from producers.service import RunProducer, connect_run, default_producer_id, open_run_producer
 from producers.tiny_model import resolve_model
 from schemas.config import RunConfig
+from schemas.config import check_packable as packable
 
 log = logging.getLogger("rlpipe.producer")
 
@@ -65,25 +66,8 @@ class RunSampler(Sampler):
 
 def check_packable(configs: list[RunConfig]) -> None:
     """Refuse, in one line, runs that cannot share one sampling engine and one event log."""
-    if not configs:
-        raise ValueError("no run to serve; name at least one run")
-    runs = [c.run_id for c in configs]
-    if len(set(runs)) != len(runs):
-        raise ValueError(f"runs {runs} name a run twice; pack each run once")
-    first = configs[0]
-    for cfg in configs[1:]:
-        shared = {
-            "model.base_model": (first.model.base_model, cfg.model.base_model),
-            "model.dtype": (first.model.dtype, cfg.model.dtype),
-            "sampler.backend": (first.sampler.backend, cfg.sampler.backend),
-            "sampler.max_model_len": (first.sampler.max_model_len, cfg.sampler.max_model_len),
-            "bus.bootstrap_servers": (first.bus.bootstrap_servers, cfg.bus.bootstrap_servers),
-            "bus.namespace": (first.bus.namespace, cfg.bus.namespace),
-        }
-        for name, (ours, theirs) in shared.items():
-            if ours != theirs:
-                raise ValueError(f"runs {first.run_id} and {cfg.run_id} differ in {name} ({ours} vs {theirs}); "
-                                 "packed runs share one sampling engine and event log: start them separately")
+    packable(configs, ("model.base_model", "model.dtype", "sampler.backend", "sampler.max_model_len",
+                       "bus.bootstrap_servers", "bus.namespace"), "one sampling engine and event log")
 
 
 def shared_engine(configs: list[RunConfig], model_path: str, seed: int) -> SyncSampler:

@@ -352,3 +352,22 @@ def parse_init_from(value: str) -> tuple[str, int | None]:
     if not version.isdigit() or int(version) < 1:
         raise ValueError(f"learner.init_from={value!r}: the version after @ must be a number >= 1 or 'latest'")
     return run, int(version)
+
+
+def check_packable(configs: list[RunConfig], shared: tuple[str, ...], what: str) -> None:
+    """Refuse, in one line, runs that cannot be packed into one process: no run, a run named twice, or a
+    setting of ``shared`` (dotted ``section.field`` names) that differs from the first run's; ``what`` names
+    what the runs would share (e.g. "one sampling engine and event log")."""
+    if not configs:
+        raise ValueError("no run to pack; name at least one run")
+    runs = [c.run_id for c in configs]
+    if len(set(runs)) != len(runs):
+        raise ValueError(f"runs {runs} name a run twice; pack each run once")
+    first = configs[0]
+    for cfg in configs[1:]:
+        for name in shared:
+            section, field = name.split(".")
+            ours, theirs = getattr(getattr(first, section), field), getattr(getattr(cfg, section), field)
+            if ours != theirs:
+                raise ValueError(f"runs {first.run_id} and {cfg.run_id} differ in {name} ({ours} vs {theirs}); "
+                                 f"packed runs share {what}: start them separately")
