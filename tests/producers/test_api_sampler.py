@@ -101,6 +101,16 @@ class Harness:
         asyncio.run(loop())
         return [self.gateway.result(TENANT, rid) for rid in request_ids]
 
+    def trainer_with_a_model(self) -> tuple[TrainerWorker, str]:
+        """A trainer (a process of its own in a deployment) and a LoRA model created through the gateway."""
+        trainer = TrainerWorker(self.store, self.bus, self.base_model, TrainingEngine(self.base_model, device="cpu"),
+                                consumer_options=self.fast_group)
+        model_id = self.gateway.register_model(TENANT, self.session, 0, self.base_model, 4, {}, None)
+        create = types.CreateModelRequest(session_id=self.session, model_seq_id=0, base_model=self.base_model,
+                                          lora_config=types.LoraConfig(rank=4, seed=3))
+        self.gateway.submit(TENANT, "create_model", model_id, None, create.model_dump_json().encode())
+        return trainer, model_id
+
     def train(self, trainer: TrainerWorker, request_ids: list[str], timeout_s: float = 60.0) -> list:
         """Step the trainer (a process of its own in a deployment) until every call has its result."""
         deadline = time.monotonic() + timeout_s
@@ -144,13 +154,8 @@ def test_base_model_samples_with_prompt_logprobs_stop_ids_and_tenant_checks(harn
 
 
 def test_unnamed_save_for_sampler_gives_a_sampling_session_on_the_new_version(harness):
-    trainer = TrainerWorker(harness.store, harness.bus, harness.base_model,
-                            TrainingEngine(harness.base_model, device="cpu"), consumer_options=harness.fast_group)
+    trainer, model_id = harness.trainer_with_a_model()
     try:
-        model_id = harness.gateway.register_model(TENANT, harness.session, 0, harness.base_model, 4, {}, None)
-        create = types.CreateModelRequest(session_id=harness.session, model_seq_id=0, base_model=harness.base_model,
-                                          lora_config=types.LoraConfig(rank=4, seed=3))
-        harness.gateway.submit(TENANT, "create_model", model_id, None, create.model_dump_json().encode())
         save = types.SaveWeightsForSamplerRequest(model_id=model_id, sampling_session_seq_id=5, seq_id=1)
         saved = harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, 1, save.model_dump_json().encode())
         data, _ = harness.train(trainer, [saved])[0]
@@ -177,13 +182,8 @@ def test_unnamed_save_for_sampler_gives_a_sampling_session_on_the_new_version(ha
 def test_the_least_recently_sampled_version_is_unloaded_beyond_max_adapters_and_reloaded_on_demand(harness):
     # A researcher's loop saves a version per step: the sampler holds at most max_adapters of them.
     harness.sampler.max_adapters = 2
-    trainer = TrainerWorker(harness.store, harness.bus, harness.base_model,
-                            TrainingEngine(harness.base_model, device="cpu"), consumer_options=harness.fast_group)
+    trainer, model_id = harness.trainer_with_a_model()
     try:
-        model_id = harness.gateway.register_model(TENANT, harness.session, 0, harness.base_model, 4, {}, None)
-        create = types.CreateModelRequest(session_id=harness.session, model_seq_id=0, base_model=harness.base_model,
-                                          lora_config=types.LoraConfig(rank=4, seed=3))
-        harness.gateway.submit(TENANT, "create_model", model_id, None, create.model_dump_json().encode())
         samplers = []
         for seq in (1, 2, 3):
             save = types.SaveWeightsForSamplerRequest(model_id=model_id, sampling_session_seq_id=4 + seq, seq_id=seq)
