@@ -3,8 +3,9 @@
 A step's publish (adapter files, manifest, ``AdapterPublished``), its step object
 and its checkpoint (files, manifest, ``LearnerCheckpointed``) are store and
 broker round trips; the learner hands them here as a job once the step's
-snapshot is taken (the adapter saved to a local folder, the checkpoint
-serialised with its RNG states), and trains the next step meanwhile.  The
+snapshot is taken (the adapter saved to a local folder; copies of the
+checkpoint's tensors with the RNG states, serialised by the job), and trains
+the next step meanwhile.  The
 learner waits for the job before it hands over the next one, so at most one
 step is in flight, the commit order of a synchronous learner holds (adapter,
 manifest, event, step object, checkpoint, offsets), and a failure (a store
@@ -64,7 +65,7 @@ class Publication:
 
 @dataclass(frozen=True)
 class PreparedStep:
-    """A serialised checkpoint, the positions it covers and the metrics its announcement carries."""
+    """A checkpoint taken at a step (not yet written), the positions it covers and its announcement's metrics."""
 
     checkpoint: PreparedCheckpoint
     positions: dict[str, int]
@@ -105,11 +106,6 @@ class StepWriter:
             self.wait()
         except Exception as exc:  # the error already unwinding is the one to report; this one is logged
             log.warning("the step writer's last job failed too: %s", exc)
-
-    def close(self) -> None:
-        """Wait for the job quietly and stop the thread."""
-        self.wait_quietly()
-        self._executor.shutdown(wait=True)
 
 
 class StepOutputs:
