@@ -92,3 +92,41 @@ def test_a_restarted_server_lists_what_it_held_in_write_order(tmp_path: Path) ->
     # modification times to the microsecond, increasing in write order (b, a, c)
     times = dict(zip(["a", "b"], [t.split("<")[0] for t in listing.split("<LastModified>")[1:]], strict=True))
     assert times["b"] < times["a"] and "." in times["a"]
+
+
+class _Object:
+    """What the listing reads of moto's object."""
+
+    def __init__(self, body: bytes) -> None:
+        import datetime
+
+        self.last_modified = datetime.datetime(2026, 1, 1, 0, 0, 0, len(body))
+        self.etag, self.size = etag(body), len(body)
+
+
+def test_the_listing_index_pages_in_key_order_and_follows_writes_and_deletes() -> None:
+    from pipeline.devstack.s3_listing import ListingIndex, list_objects_v2
+
+    index, store = ListingIndex(), {}
+    for offset in (5, 1, 3, 2, 4):
+        store[f"p/{offset:020}.batch"] = _Object(b"x" * offset)
+    store["other/meta.json"] = _Object(b"m")
+
+    def keys(query: dict) -> tuple[list[str], str]:
+        body = list_objects_v2(index, store, "b", query).decode()
+        token = body.split("<NextContinuationToken>")[1].split("<")[0] if "<NextContinuationToken>" in body else ""
+        return [k.split("<")[0] for k in body.split("<Key>")[1:]], token
+
+    first, token = keys({"prefix": "p/", "max-keys": "2"})
+    assert first == ["p/00000000000000000001.batch", "p/00000000000000000002.batch"]
+    assert token == first[-1]
+    store["p/00000000000000000006.batch"] = _Object(b"y")  # appended after the first page
+    del store["p/00000000000000000003.batch"]
+    rest, token = keys({"prefix": "p/", "continuation-token": token})
+    assert rest == [f"p/{n:020}.batch" for n in (4, 5, 6)] and token == ""
+    store["p/00000000000000000000.batch"] = _Object(b"")  # inserted before the rest
+    store["p/00000000000000000004.batch"] = _Object(b"z" * 9)  # written again: a new size
+    body = list_objects_v2(index, store, "b", {"prefix": "p/", "start-after": "p/00000000000000000003.batch"}).decode()
+    assert "p/00000000000000000000" not in body and "<Size>9</Size>" in body and "<KeyCount>3</KeyCount>" in body
+    assert keys({"prefix": ""})[0][0] == "other/meta.json"
+    assert keys({"prefix": "p/"})[0][0] == "p/00000000000000000000.batch"
