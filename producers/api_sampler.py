@@ -43,10 +43,10 @@ import numpy as np
 from tinker import types
 from tinker.proto import tinker_public_pb2 as public_pb
 
-from pipeline.api.engines import engine_arguments, engine_setup, write_result
+from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
 from pipeline.api.gateway import parse_body
 from pipeline.api.samplers import read_sampler
-from pipeline.io.bus import ConsumedEvent, EventConsumer, EventPublisher, TopicPartitionKey, ensure_topics
+from pipeline.io.bus import ConsumedEvent, EventPublisher, TopicPartitionKey, ensure_topics
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
@@ -138,8 +138,7 @@ class SamplerWorker:
         self.max_adapters = max_adapters
         self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="rlpipe-api-sampler-")
         ensure_topics(bus, API_TOPIC_KINDS)
-        options = {"fetch_max_wait_ms": 20, **(consumer_options or {})}
-        self.consumer = EventConsumer(bus, "requests", group_for(base_model), **options)
+        self.consumer = request_reader(bus, group_for(base_model), consumer_options)
         self.publisher = EventPublisher(bus)
         self.running: dict[asyncio.Task[None], tuple[TopicPartitionKey, int]] = {}
         self._adapters: OrderedDict[tuple[str, int], AdapterHandle] = OrderedDict()  # least recently used first

@@ -42,13 +42,12 @@ from tinker import types
 from consumers.api import ops
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
-from pipeline.api.engines import engine_arguments, engine_setup, write_result
+from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
 from pipeline.api.gateway import checkpoint_prefix, parse_body
 from pipeline.api.samplers import find_sampler, write_sampler
 from pipeline.api.wire import TinkerPath, decode_forward_backward, encode_forward_backward_output, parse_tinker_path
 from pipeline.io.bus import (
     ConsumedEvent,
-    EventConsumer,
     EventPublisher,
     TopicPartitionKey,
     ensure_topics,
@@ -105,9 +104,7 @@ class TrainerWorker:
         self.store, self.bus, self.base_model, self.engine = store, bus, base_model, engine
         self.fold_every, self.fold_idle_s, self.session_timeout_s = fold_every, fold_idle_s, session_timeout_s
         ensure_topics(bus, API_TOPIC_KINDS)
-        # A call waits in the log for the next fetch: keep the broker's hold on an empty fetch short.
-        options = {"fetch_max_wait_ms": 20, **(consumer_options or {})}
-        self.consumer = EventConsumer(bus, "requests", group_for(base_model), **options)
+        self.consumer = request_reader(bus, group_for(base_model), consumer_options)
         self.publisher = EventPublisher(bus)
         self.models: dict[str, _Model] = {}
         self._since_fold = 0

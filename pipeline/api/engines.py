@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
-from pipeline.io.bus import EventPublisher
+from pipeline.io.bus import EventConsumer, EventPublisher
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiRequestAccepted, ApiResultReady, BodyFormat, ErrorCategory, result_path
 from schemas.config import BusConfig
 from schemas.events import make_event
+
+
+def request_reader(bus: BusConfig, group_id: str, options: dict[str, Any] | None = None) -> EventConsumer:
+    """The group consumer of ``<ns>.requests`` an engine reads its calls with (``options``: ``EventConsumer``'s).
+
+    It keeps the default fetch wait (0.5 s): a fetch that finds a call returns at once whatever the
+    wait, while on Tansu with object storage the wait also bounds the listing of the partition that
+    each fetch makes; a shorter wait than a listing reads nothing at all.
+    """
+    return EventConsumer(bus, "requests", group_id, **(options or {}))
 
 
 def write_result(store: ObjectStore, publisher: EventPublisher, call: ApiRequestAccepted, data: bytes,

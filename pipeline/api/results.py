@@ -60,7 +60,7 @@ class ResultSignals:
 
     def _follow(self, bus: BusConfig, stop: Callable[[], bool]) -> None:
         try:
-            with EventFollower(bus, "results", start="latest", fetch_max_wait_ms=20) as follower:
+            with EventFollower(bus, "results", start="latest") as follower:  # the default wait: see request_reader
                 while not stop():
                     for consumed in follower.poll(timeout_s=0.5):
                         if isinstance(consumed.event.payload, ApiResultReady):

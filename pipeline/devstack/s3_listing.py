@@ -3,12 +3,14 @@
 Tansu lists a partition's record batches on every fetch that has data, so the
 cost of a listing is paid per event read.  moto's own listing (its generic XML
 serializer over a sorted copy of the whole bucket) took about half a second per
-thousand objects; a sorted copy per page still made each fetch cost about 18 ms
-per thousand objects of the bucket, which slowed a long-running API server's
-calls in proportion to the log.  ``ListingIndex`` keeps the keys sorted across
+thousand objects, and a sorted copy of the bucket per page still about 18 ms.
+Tansu gives up listing when the fetch's wait (``fetch_max_wait_ms``) runs out, and
+then answers as if the partition held nothing new, so a slow listing starves its
+readers.  ``ListingIndex`` keeps the keys sorted across
 listings (it catches up with the store by a set difference, done in C), finds a
 page's start by bisection and keeps each object's XML entry until the object is
-written again, so a page costs about what its own keys cost.
+written again, so a page costs about what its own keys cost; a request that
+names no ``max-keys`` (Tansu's) gets every key in one page.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import threading
 from typing import Any
 from xml.sax.saxutils import escape
 
-PAGE_KEYS = 1000  # S3's page size when a request names no max-keys (and its upper limit)
+MAX_KEYS = 1000  # the most keys a request may ask for with max-keys (S3's limit)
+# A request that names no max-keys gets one page of up to this many: Tansu lists a partition whole on every
+# fetch (and gives up when its fetch wait runs out), so one request beats a thousand-key page at a time.
+UNNAMED_PAGE_KEYS = 1_000_000
 
 
 class ListingIndex:
@@ -83,7 +88,8 @@ class ListingIndex:
 
 def list_objects_v2(index: ListingIndex, store: Any, name: str, query: dict[str, str]) -> bytes:
     """The ListObjectsV2 answer for ``query`` (prefix, continuation-token / start-after, max-keys)."""
-    prefix, limit = query.get("prefix", ""), max(1, min(PAGE_KEYS, int(query.get("max-keys", PAGE_KEYS))))
+    prefix = query.get("prefix", "")
+    limit = max(1, min(MAX_KEYS, int(query["max-keys"]))) if "max-keys" in query else UNNAMED_PAGE_KEYS
     after = max(query.get("continuation-token", ""), query.get("start-after", ""))
     contents, truncated, last = index.page(store, prefix, after, limit)
     token = f"<NextContinuationToken>{escape(last)}</NextContinuationToken>" if truncated else ""

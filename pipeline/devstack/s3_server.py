@@ -31,6 +31,7 @@ import base64
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import signal
 import sys
@@ -60,7 +61,8 @@ class S3ServerError(RuntimeError):
 class LocalS3Server(ManagedProcess):
     """``moto_server`` on ``127.0.0.1:PORT``, writes journaled under ``data_dir`` and restored on start.
 
-    ``data_dir=None`` keeps nothing across restarts.  ``start()`` returns once the
+    ``data_dir=None`` keeps nothing across restarts; ``listing_delay_s`` holds every listing that long
+    (a remote object store's latency, for tests).  ``start()`` returns once the
     server answers (after restoring the journal) and ``bucket`` exists; ``stop()``
     leaves the journal where it is.
     """
@@ -76,10 +78,12 @@ class LocalS3Server(ManagedProcess):
         bucket: str = "tansu",
         log_path: str | Path | None = None,
         start_timeout_s: float = 60.0,
+        listing_delay_s: float = 0.0,
     ) -> None:
         super().__init__(port=port, log_path=log_path, start_timeout_s=start_timeout_s)
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.bucket = bucket
+        self.listing_delay_s = listing_delay_s
 
     @property
     def endpoint_url(self) -> str:
@@ -122,6 +126,8 @@ class LocalS3Server(ManagedProcess):
 
     def _command(self) -> list[str]:
         command = [sys.executable, "-m", "pipeline.devstack.s3_server", "--port", str(self.port)]
+        if self.listing_delay_s > 0:
+            command += ["--listing-delay-ms", str(self.listing_delay_s * 1000)]
         if self.journal_path is not None:
             self.journal_path.parent.mkdir(parents=True, exist_ok=True)
             command += ["--journal", str(self.journal_path.resolve())]
@@ -299,11 +305,12 @@ def compact_journal(journal: Path, endpoint_url: str) -> int:
 _LISTING_PARAMETERS = frozenset({"list-type", "prefix", "continuation-token", "start-after", "max-keys"})
 
 
-def fast_listing(app: Any) -> Any:
+def fast_listing(app: Any, delay_s: float = 0.0) -> Any:
     """WSGI middleware: answer plain ListObjectsV2 requests from a sorted index (``s3_listing``).
 
     Tansu lists a partition's record batches on every fetch that has data.
     Requests with other parameters (a delimiter, an encoding type) go to moto unchanged.
+    ``delay_s`` holds every such answer that long: the listing latency of a remote object store.
     """
     indexes: dict[str, tuple[Any, ListingIndex]] = {}  # bucket name -> (moto's bucket, its index)
     lock = threading.Lock()
@@ -320,19 +327,22 @@ def fast_listing(app: Any) -> Any:
             if held is None or held[0] is not bucket:  # a bucket created again gets a new index
                 held = indexes[name] = (bucket, ListingIndex())
         body = list_objects_v2(held[1], bucket.keys, name, query)
+        if delay_s > 0:
+            time.sleep(delay_s)
         start_response("200 OK", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
         return [body]
 
     return listing
 
 
-def _serve(port: int) -> None:
-    """moto's own server (``moto.server.main``) with the fast listing in front."""
+def _serve(port: int, listing_delay_s: float = 0.0) -> None:
+    """moto's own server (``moto.server.main``) with the fast listing in front, without a line per request."""
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import run_simple
 
     os.environ.setdefault("MOTO_PORT", str(port))
-    application = fast_listing(DomainDispatcherApplication(create_backend_app))
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request: hundreds a second under load
+    application = fast_listing(DomainDispatcherApplication(create_backend_app), listing_delay_s)
     run_simple(LOOPBACK, port, application, threaded=True, request_handler=MotoRequestHandler)
 
 
@@ -340,6 +350,8 @@ def _main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.devstack.s3_server", description="Run a journaled local S3.")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--journal", type=Path, default=None, help="append every request here (replayed on start)")
+    parser.add_argument("--listing-delay-ms", type=float, default=0.0,
+                        help="hold every listing this long (a remote object store's latency, for tests)")
     args = parser.parse_args(argv)
     if args.journal is not None:  # read by moto when it is imported
         os.environ["MOTO_ENABLE_RECORDING"] = "true"
@@ -356,7 +368,7 @@ def _main(argv: list[str] | None = None) -> None:
                   f"({objects} objects kept)", flush=True)
         _journal_under_a_lock()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    _serve(args.port)
+    _serve(args.port, args.listing_delay_ms / 1000)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ class EventConsumer:
             "session_timeout_ms": session_timeout_ms,
             "heartbeat_interval_ms": heartbeat_interval_ms,
             "max_poll_interval_ms": max_poll_interval_ms,
-            "fetch_max_wait_ms": fetch_max_wait_ms,  # how long the broker may hold a fetch that found nothing
+            "fetch_max_wait_ms": fetch_max_wait_ms,  # how long the broker may hold an empty fetch (and list: README)
             "request_timeout_ms": max(30_000, session_timeout_ms + 5_000),
             "allow_auto_create_topics": False,
         }

@@ -73,7 +73,7 @@ class EventFollower:
             "auto_offset_reset": "earliest",  # an offset that fell out of the log restarts at its beginning
             "allow_auto_create_topics": False,
             "request_timeout_ms": 30_000,
-            "fetch_max_wait_ms": fetch_max_wait_ms,  # how long the broker may hold a fetch that found nothing
+            "fetch_max_wait_ms": fetch_max_wait_ms,  # how long the broker may hold an empty fetch (and list: README)
         }
         self._timeout_ms = int(max(bus_config.connect_timeout_s, 5.0) * 1000)
         self._consumer: KafkaConsumer = _connect(KafkaConsumer, bus_config, settings)
