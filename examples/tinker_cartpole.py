@@ -1,17 +1,24 @@
 """CartPole through the Tinker API: a researcher's loop that runs on a laptop against ``rlpipe serve``.
 
 It imports only the ``tinker`` SDK, numpy and transformers' tokenizer, as a
-script outside rlpipe would.  The environment (Gym's CartPole-v0 physics) is
-stepped here, client-side; the server only trains and samples:
+script outside rlpipe would.  The environment (Gym's CartPole-v0 physics, shown
+to the model as text through its chat template, one prompt per turn) is stepped
+here, client-side; the server only trains and samples.  The recipe is the one
+``make demo`` runs inside rlpipe (docs/demo.md), written against the SDK:
 
-1. supervised warm start: ``cross_entropy`` on demonstrations recorded from a
-   scripted controller on training seeds (prompt tokens weight 0, answer weight 1);
-2. on-policy RL: each step samples ``group_size`` episodes from each of ``groups``
-   start states with ``save_weights_and_get_sampling_client``, scores each
-   episode by its return minus its group's mean (the group baseline), and takes
-   one ``importance_sampling`` step with the sampled tokens' logprobs as ``q``;
-3. held-out evaluation: the base model, the warm start and the last weights on unseen seeds,
-   mean return with a 95% interval.
+1. supervised warm start: ``cross_entropy`` on demonstrations of a noisy teacher
+   (the heuristic "push towards where the pole is falling" with probability 0.24,
+   a random push otherwise) on training seeds; every turn gives both answers,
+   weighted by how often the teacher gives each (0.62 / 0.38);
+2. on-policy RL: each step plays ``group_size`` episodes from each of ``groups``
+   start states with ``save_weights_and_get_sampling_client``; a turn's advantage is
+   its return-to-go discounted at 0.9, minus the mean over the step, over the
+   step's standard deviation; one ``importance_sampling`` step with the sampled
+   tokens' logprobs as ``q``;
+3. held-out evaluation: the base model, the warm start and the last weights on
+   unseen seeds (sampled at temperature 1, as trained), mean return with a 95% interval.
+
+An answer that holds no action ends its episode.
 
   rlpipe serve                                 # prints the base URL and the base model path
   TINKER_API_KEY=tml-me python examples/tinker_cartpole.py --base-url http://127.0.0.1:8000 \\
@@ -31,6 +38,14 @@ from tinker import types
 from transformers import AutoTokenizer
 
 ACTIONS = ("left", "right")
+SYSTEM = (
+    "CartPole: keep a pole balanced upright on a moving cart by pushing the cart left or right. +1 per step until "
+    "the pole falls past 12 degrees or the cart leaves the track (|x| > 2.4).\n"
+    "Each turn you see the cart position and velocity and the pole angle and angular velocity. Answer with one "
+    "action: left or right (or 0 / 1). Pushing the cart towards the side the pole leans to brings it back up.\n"
+    "You may think inside <think>...</think>. Give your answer inside <answer>...</answer>; separate several "
+    "actions with ||."
+)
 
 
 # ---- the environment (client-side) -------------------------------------------------------------------------------
@@ -57,19 +72,29 @@ class CartPole:
         self.done = fell or self.steps >= self.max_steps
         return 1.0
 
-    def prompt(self) -> str:
+    def observation(self) -> str:
         x, x_dot, theta, theta_dot = self.state
-        return (f"CartPole. Cart {x:+.2f} speed {x_dot:+.2f}; pole angle {theta:+.3f} rad, turning {theta_dot:+.2f}. "
-                "Push left or right?\nAnswer:")
+        return (f"Step {self.steps} of {self.max_steps}.\n"
+                f"Cart position: {x:+.3f} (track ends at +/-2.4)\n"
+                f"Cart velocity: {x_dot:+.3f}\n"
+                f"Pole angle: {theta:+.3f} rad ({math.degrees(theta):+.1f} degrees; falls beyond +/-12; "
+                "positive leans right)\n"
+                f"Pole angular velocity: {theta_dot:+.3f} rad/s\n"
+                "Actions: left (push the cart left) or right (push the cart right).")
 
-    def expert(self) -> int:
+    def heuristic(self) -> int:
+        """Push towards where the pole is falling."""
         x, x_dot, theta, theta_dot = self.state
         return 1 if theta + 0.5 * theta_dot + 0.02 * x + 0.1 * x_dot > 0 else 0
 
 
 def parse_action(text: str) -> int | None:
-    words = text.strip().lower().split()
-    return ACTIONS.index(words[0]) if words and words[0] in ACTIONS else None
+    """The action in the last ``<answer>...</answer>``; None when there is none."""
+    start, end = text.rfind("<answer>"), text.rfind("</answer>")
+    if start < 0 or end < start:
+        return None
+    word = text[start + len("<answer>"):end].strip().lower()
+    return {"left": 0, "0": 0, "right": 1, "1": 1}.get(word)
 
 
 # ---- the loop ------------------------------------------------------------------------------------------------------
@@ -82,85 +107,95 @@ class Loop:
         self.training = self.service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
         self.tokenizer = AutoTokenizer.from_pretrained(args.base_model)
         self.eos = self.tokenizer.eos_token_id
-        self.sampled: list[int] = []  # sample calls per time step so far (seeds never repeat)
+        self.sampled = 0  # sample calls so far (each its own seed)
+
+    def prompt_tokens(self, env: CartPole) -> list[int]:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": env.observation()}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def answer_tokens(self, action: int) -> list[int]:
-        return self.tokenizer.encode(" " + ACTIONS[action], add_special_tokens=False) + [self.eos]
+        return self.tokenizer.encode(f"<answer>{ACTIONS[action]}</answer>", add_special_tokens=False) + [self.eos]
 
-    def datum(self, prompt: list[int], answer: list[int], **per_token: list[float]) -> types.Datum:
+    def datum(self, prompt: list[int], answer: list[int], weight: float = 1.0, **per_token: list[float]) -> types.Datum:
         tokens = prompt + answer
-        weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
-        inputs: dict = {"target_tokens": tokens[1:], "weights": weights}
+        inputs: dict = {"target_tokens": tokens[1:], "weights": [0.0] * (len(prompt) - 1) + [weight] * len(answer)}
         for name, values in per_token.items():
             inputs[name] = [0.0] * (len(prompt) - 1) + values
         return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
 
     # 1. supervised warm start
     def warm_start(self) -> None:
-        demos = []
+        rng = np.random.default_rng(self.args.seed)
+        right = 1.0 - self.args.noise / 2  # how often the noisy teacher gives the heuristic's answer
+        rows = []
         for seed in range(self.args.demo_episodes):
             env = CartPole(10_000 + seed, self.args.max_steps)
             while not env.done:
-                action = env.expert()
-                demos.append((self.tokenizer.encode(env.prompt()), self.answer_tokens(action)))
-                env.step(action)
-        rng = np.random.default_rng(0)
+                best, prompt = env.heuristic(), self.prompt_tokens(env)
+                rows.append((prompt, self.answer_tokens(best), right))
+                rows.append((prompt, self.answer_tokens(1 - best), 1.0 - right))
+                env.step(best if rng.random() > self.args.noise else int(rng.integers(2)))
         for step in range(self.args.sft_steps):
-            batch = [demos[i] for i in rng.choice(len(demos), min(self.args.batch, len(demos)), replace=False)]
-            out = self.training.forward_backward([self.datum(p, a) for p, a in batch], "cross_entropy").result()
+            batch = [rows[i] for i in rng.choice(len(rows), min(self.args.batch, len(rows)), replace=False)]
+            out = self.training.forward_backward([self.datum(p, a, w) for p, a, w in batch], "cross_entropy").result()
             self.training.optim_step(types.AdamParams(learning_rate=self.args.sft_lr)).result()
-            tokens = sum(len(a) for _, a in batch)
-            print(f"sft step {step}: loss/token {out.metrics['loss:sum'] / tokens:.3f}", flush=True)
+            weight = sum(w * len(a) for _, a, w in batch)
+            print(f"sft step {step}: loss/token {out.metrics['loss:sum'] / weight:.3f}", flush=True)
 
-    # 2. on-policy RL with group baselines
+    # 2. on-policy RL
     async def episodes(self, sampling, seeds: list[int], temperature: float) -> list[tuple[float, list]]:
-        """Run one episode per seed at once; each: its return and (prompt, tokens, logprobs) of every step."""
+        """Run one episode per seed at once; each: its return and (prompt, tokens, logprobs, reward) of every turn."""
         envs = [CartPole(seed, self.args.max_steps) for seed in seeds]
-        steps: list[list] = [[] for _ in envs]
+        turns: list[list] = [[] for _ in envs]
         returns = [0.0] * len(envs)
         while not all(env.done for env in envs):
             live = [i for i, env in enumerate(envs) if not env.done]
-            prompts = [self.tokenizer.encode(envs[i].prompt()) for i in live]
-            results = await asyncio.gather(*(  # each episode its own seed stream, so a group's episodes differ
+            prompts = [self.prompt_tokens(envs[i]) for i in live]
+            results = await asyncio.gather(*(  # each call its own seed, so a group's episodes differ
                 sampling.sample(types.ModelInput.from_ints(p), 1, types.SamplingParams(
-                    max_tokens=4, temperature=temperature, seed=self.args.seed * 1_000_003 + i * 10_007 + envs[i].steps
-                    + len(self.sampled)))
-                for i, p in zip(live, prompts, strict=True)))
-            self.sampled.append(len(live))
+                    max_tokens=self.args.max_tokens, temperature=temperature,
+                    seed=self.args.seed * 1_000_003 + self.sampled + n))
+                for n, p in enumerate(prompts)))
+            self.sampled += len(live)
             for i, prompt, result in zip(live, prompts, results, strict=True):
                 sequence = result.sequences[0]
                 action = parse_action(self.tokenizer.decode(sequence.tokens, skip_special_tokens=True))
-                steps[i].append((prompt, list(sequence.tokens), list(sequence.logprobs)))
-                if action is None:  # an answer that is no action ends the episode
+                reward = 0.0
+                if action is None:  # an answer that holds no action ends the episode
                     envs[i].done = True
-                    continue
-                returns[i] += envs[i].step(action)
-        return list(zip(returns, steps, strict=True))
+                else:
+                    reward = envs[i].step(action)
+                returns[i] += reward
+                turns[i].append((prompt, list(sequence.tokens), list(sequence.logprobs), reward))
+        return list(zip(returns, turns, strict=True))
 
     def rl_step(self, step: int) -> None:
         started = time.monotonic()
         sampling = self.training.save_weights_and_get_sampling_client().result()
         seeds = [20_000 + step * self.args.groups + g for g in range(self.args.groups)]
         runs = asyncio.run(self.episodes(sampling, [s for s in seeds for _ in range(self.args.group_size)], 1.0))
-        data, returns = [], [r for r, _ in runs]
-        for g in range(self.args.groups):
-            group = runs[g * self.args.group_size:(g + 1) * self.args.group_size]
-            baseline = float(np.mean([r for r, _ in group]))
-            for episode_return, steps in group:
-                advantage = (episode_return - baseline) / max(1.0, self.args.max_steps / 10)
-                for prompt, tokens, logprobs in steps:
-                    if tokens and advantage != 0.0:
-                        data.append(self.datum(prompt, tokens, logprobs=logprobs, advantages=[advantage] * len(tokens)))
+        rows = []  # (prompt, tokens, logprobs, discounted return-to-go) of every turn
+        for _, turns in runs:
+            to_go = 0.0
+            for prompt, tokens, logprobs, reward in reversed(turns):
+                to_go = reward + self.args.discount * to_go
+                rows.append((prompt, tokens, logprobs, to_go))
+        values = np.array([r[3] for r in rows])
+        spread = values.std() if len(values) > 1 else 0.0
+        data = [self.datum(p, t, logprobs=lp, advantages=[float((v - values.mean()) / spread)] * len(t))
+                for p, t, lp, v in rows if t and spread > 0]
         if data:
             self.training.forward_backward(data, "importance_sampling").result()
             self.training.optim_step(types.AdamParams(learning_rate=self.args.rl_lr)).result()
+        returns = [r for r, _ in runs]
         print(f"rl step {step}: mean return {np.mean(returns):.1f} over {len(returns)} episodes, "
               f"{len(data)} datums ({time.monotonic() - started:.1f} s)", flush=True)
 
     # 3. held-out evaluation
     def evaluate(self, sampling, label: str) -> tuple[float, float]:
         seeds = list(range(90_000, 90_000 + self.args.eval_episodes))
-        returns = np.array([r for r, _ in asyncio.run(self.episodes(sampling, seeds, 0.0))])
+        returns = np.array([r for r, _ in asyncio.run(self.episodes(sampling, seeds, 1.0))])
         half = 1.96 * returns.std(ddof=1) / math.sqrt(len(returns)) if len(returns) > 1 else float("nan")
         print(f"held-out {label}: return {returns.mean():.1f} +/- {half:.1f} (95%, {len(returns)} episodes)",
               flush=True)
@@ -180,15 +215,18 @@ def main() -> None:
     parser.add_argument("--base-model", required=True, help="the base model name rlpipe serve printed")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--max-steps", type=int, default=200, help="episode length limit")
-    parser.add_argument("--demo-episodes", type=int, default=8)
-    parser.add_argument("--sft-steps", type=int, default=30)
-    parser.add_argument("--sft-lr", type=float, default=1e-3)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=12, help="tokens per answer")
+    parser.add_argument("--demo-episodes", type=int, default=100)
+    parser.add_argument("--noise", type=float, default=0.76, help="how often the teacher pushes at random")
+    parser.add_argument("--sft-steps", type=int, default=40)
+    parser.add_argument("--sft-lr", type=float, default=2e-3)
+    parser.add_argument("--batch", type=int, default=128, help="rows per warm-start step")
     parser.add_argument("--rl-steps", type=int, default=20)
-    parser.add_argument("--rl-lr", type=float, default=2e-4)
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--eval-episodes", type=int, default=20)
+    parser.add_argument("--rl-lr", type=float, default=1e-3)
+    parser.add_argument("--discount", type=float, default=0.9, help="of the return-to-go")
+    parser.add_argument("--groups", type=int, default=1, help="start states per RL step")
+    parser.add_argument("--group-size", type=int, default=8, help="episodes per start state")
+    parser.add_argument("--eval-episodes", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     started = time.monotonic()

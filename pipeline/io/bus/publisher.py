@@ -3,10 +3,15 @@
 One event per call (``acks=all``, kafka-python 3.x defaults), waiting for the
 broker's answer so a failure (an oversized message, a missing topic) surfaces as
 ``PublishError`` instead of vanishing inside a future.  Retriable errors are retried
-a bounded number of times; ``event_id`` makes a duplicate harmless.
+a bounded number of times; ``event_id`` makes a duplicate harmless.  A producer that
+has failed for good (a broker that cannot fence its epoch after a sequence error)
+is replaced by a new one.
 """
 
 from __future__ import annotations
+
+import logging
+import threading
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError, MessageSizeTooLargeError
@@ -18,9 +23,15 @@ from pipeline.io.bus.errors import PublishError, WrongEventTypeError
 from schemas.config import BusConfig
 from schemas.events import Envelope, encode_event
 
+log = logging.getLogger(__name__)
+
+
+class _ProducerReplaced(Exception):
+    """The send failed because its producer had failed for good; a new producer sends it again."""
+
 
 def _is_retriable(exc: BaseException) -> bool:
-    return isinstance(exc, KafkaError) and bool(exc.retriable)
+    return isinstance(exc, _ProducerReplaced) or (isinstance(exc, KafkaError) and bool(exc.retriable))
 
 
 class EventPublisher:
@@ -59,7 +70,9 @@ class EventPublisher:
             "request_timeout_ms": max(1000, delivery_ms // 2),
             "max_block_ms": int(bus_config.connect_timeout_s * 1000),
         }
+        self._settings = settings
         self._producer: KafkaProducer = _connect(KafkaProducer, bus_config, settings)
+        self._replacing = threading.Lock()
 
     def publish(self, kind_or_topic: str, event: Envelope, key: str | None = None) -> tuple[int, int]:
         """Publish ``event`` to a topic kind (``control``) or full topic name; returns (partition, offset)."""
@@ -83,8 +96,13 @@ class EventPublisher:
         try:
             for attempt in retrying:
                 with attempt:
-                    future = self._producer.send(topic, value=value, key=key_bytes)
-                    metadata = future.get(timeout=self.send_timeout_s + 5)
+                    producer = self._producer
+                    try:
+                        metadata = producer.send(topic, value=value, key=key_bytes).get(timeout=self.send_timeout_s + 5)
+                    except KafkaError:
+                        if self._replace_if_failed_for_good(producer):
+                            raise _ProducerReplaced() from None
+                        raise
         except MessageSizeTooLargeError as exc:
             raise PublishError(
                 f"publishing a {what} of {len(value or b'')} bytes to {topic} failed: it exceeds the message size limit "
@@ -92,7 +110,27 @@ class EventPublisher:
             ) from exc
         except KafkaError as exc:
             raise PublishError(f"publishing a {what} to {topic} failed: {_describe(exc)}") from exc
+        except _ProducerReplaced as exc:
+            raise PublishError(f"publishing a {what} to {topic} failed: its producer failed for good "
+                               f"{self.retry_attempts} times; see the broker's log") from exc
         return int(metadata.partition), int(metadata.offset)
+
+    def _replace_if_failed_for_good(self, producer: KafkaProducer) -> bool:
+        """Start a new producer (a new producer id) when ``producer`` refuses every send from now on.
+
+        An idempotent producer that hits a sequence error asks the broker for a new epoch
+        of its producer id; a broker that cannot give one (Tansu 0.6) leaves it failed for
+        good.  kafka-python has no public check, hence its transaction manager.
+        """
+        manager = getattr(producer, "_transaction_manager", None)
+        if manager is None or not manager.has_error():
+            return False
+        with self._replacing:
+            if self._producer is producer:
+                log.warning("the Kafka producer failed for good (%s); starting a new one", manager.last_error)
+                self._producer = _connect(KafkaProducer, self.bus_config, self._settings)
+                producer.close(timeout=0)
+        return True
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything buffered and wait for it (``publish`` already waits for its own event)."""

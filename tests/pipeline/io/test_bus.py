@@ -142,6 +142,19 @@ def test_publish_returns_increasing_offsets_keyed_by_run(bus_config: BusConfig) 
     assert [r.event.payload.reason for r in records if r.event] == ["r0", "r1", "r2"]
 
 
+def test_a_publisher_whose_producer_failed_for_good_starts_a_new_one(bus_config: BusConfig) -> None:
+    """An idempotent producer that hit a sequence error asks the broker to bump its epoch; a broker that
+    cannot (Tansu 0.6 answers UnknownServerError) leaves it refusing every later send."""
+    from kafka.errors import OutOfOrderSequenceNumberError
+
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", _stop("run-a", "before"))
+        publisher._producer._transaction_manager.transition_to_fatal_error(OutOfOrderSequenceNumberError())
+        publisher.publish("control", _stop("run-a", "after"))
+    records = list(bus.tail(bus_config, "control", n=10))
+    assert [r.event.payload.reason for r in records if r.event] == ["before", "after"]
+
+
 def test_publish_refuses_an_event_on_the_wrong_topic(bus_config: BusConfig) -> None:
     with EventPublisher(bus_config) as publisher, pytest.raises(WrongEventTypeError, match="does not belong"):
         publisher.publish("trajectories", _stop("run-a", "x"))
