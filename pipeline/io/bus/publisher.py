@@ -69,6 +69,9 @@ class EventPublisher:
             "delivery_timeout_ms": delivery_ms,
             "request_timeout_ms": max(1000, delivery_ms // 2),
             "max_block_ms": int(bus_config.connect_timeout_s * 1000),
+            # one produce request at a time: events sent meanwhile wait in the next batch, and no broker can
+            # apply two of one producer's batches out of order (which fails an idempotent producer)
+            "max_in_flight_requests_per_connection": 1,
         }
         self._settings = settings
         self._producer: KafkaProducer = _connect(KafkaProducer, bus_config, settings)
