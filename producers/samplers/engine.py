@@ -27,8 +27,8 @@ Conventions, the same on every backend:
   one engine, and refuses a known (run, version) with other weights.
 
 ``TransformersEngine`` puts the plain transformers sampler behind the same
-coroutine (one request at a time in a worker thread: it is the reference, not
-the fast path).  ``SyncSampler`` (sync.py) runs an engine on its own event loop
+coroutine (compatible calls that wait together decoded as one batch in a worker
+thread: it is the reference, not the fast path).  ``SyncSampler`` (sync.py) runs an engine on its own event loop
 in a thread and is a ``Sampler``, so thread-based callers keep calling
 ``generate`` while their requests join the same batch.
 """
@@ -341,6 +341,32 @@ class VLLMEngine(SamplingEngine):
 BASE_RUN = "#base"  # the zero adapter's run: no run name can take it (names never hold "#")
 
 
+@dataclass
+class _Waiting:
+    """A ``sample`` call of the transformers engine waiting for its batch."""
+
+    prompt: list[int]
+    adapter: AdapterHandle | None
+    params: SampleParams
+    budget: int
+    result: asyncio.Future[SampleResult]
+
+    def batch_key(self, engine: SamplingEngine) -> tuple[Any, ...]:
+        """Calls with equal keys can share a batch: the same weights and sampling settings."""
+        weights = None if self.adapter is None else (self.adapter.name, self.adapter.lora_int_id, self.adapter.path)
+        p = self.params
+        return weights, p.temperature, p.top_p, p.top_k, engine.stop_ids(p)
+
+
+def _settle(waiting: _Waiting, result: SampleResult | None = None, exception: BaseException | None = None) -> None:
+    if waiting.result.done():  # its caller went away (cancelled)
+        return
+    if exception is not None:
+        waiting.result.set_exception(exception)
+    else:
+        waiting.result.set_result(result)  # type: ignore[arg-type]
+
+
 def _zero_copy(handle: AdapterHandle, folder: str) -> AdapterHandle:
     """``handle``'s adapter with every LoRA B matrix zero: it adds exactly nothing to the base model."""
     from safetensors.torch import load_file, save_file
@@ -378,11 +404,13 @@ def _prompt_logprobs(request_output: Any, prompt_token_ids: list[int]) -> list[f
 
 
 class TransformersEngine(SamplingEngine):
-    """The transformers sampler behind the engine's coroutine: requests run one at a time in worker threads.
+    """The transformers sampler behind the engine's coroutine, calls batched in a worker thread.
 
-    The samples of one request form one batch, so a result never depends on what
-    else was submitted.  It is the readable reference and the backend for machines
-    without vLLM, not a continuous-batching engine.
+    Calls that wait together and share the adapter and the sampling settings (temperature,
+    top-p, top-k, stop ids) are decoded as one batch; the rest wait for the next.  Every
+    sample draws from its own seed, so a call's tokens do not depend on what else runs;
+    its logprobs agree with the call alone within float rounding.  It is the readable
+    reference and the backend for machines without vLLM, not a continuous-batching engine.
     """
 
     def __init__(self, model_path: str, config: SamplerConfig | None = None, **kwargs: Any) -> None:
@@ -391,6 +419,8 @@ class TransformersEngine(SamplingEngine):
         self.sampler = TransformersSampler(model_path, config, **kwargs)
         self.eos_token_id = self.sampler.eos_token_id
         self.max_model_len = self.sampler.max_model_len
+        self._waiting: list[_Waiting] = []
+        self._worker: asyncio.Task[None] | None = None
 
     async def sample(
         self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
@@ -398,17 +428,45 @@ class TransformersEngine(SamplingEngine):
         budget = self.token_budget(prompt_token_ids, params)
         if adapter is not None:
             adapter.check_folder()
-        return await asyncio.to_thread(self._sample_blocking, list(prompt_token_ids), adapter, params, budget)
+        waiting = _Waiting(list(prompt_token_ids), adapter, params, budget, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiting)
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await waiting.result
 
-    def _sample_blocking(
-        self, prompt: list[int], adapter: AdapterHandle | None, params: SampleParams, budget: int
-    ) -> SampleResult:
-        outputs, prompt_logprobs = self.sampler.continue_prompt(  # one at a time: the sampler holds its lock
-            prompt, adapter, budget, params.temperature, params.top_p, params.seeds(),
-            stop_ids=frozenset(self.stop_ids(params)), with_prompt_logprobs=params.prompt_logprobs,
-            top_k=params.top_k,
+    async def _drain(self) -> None:
+        """Run what waits, one batch of compatible calls at a time, until nothing waits."""
+        while self._waiting:
+            first = self._waiting[0]
+            batch = [w for w in self._waiting if w.batch_key(self) == first.batch_key(self)]
+            self._waiting = [w for w in self._waiting if w.batch_key(self) != first.batch_key(self)]
+            try:
+                results = await asyncio.to_thread(self._sample_blocking, batch)
+            except Exception as exc:
+                if len(batch) == 1:
+                    _settle(batch[0], exception=exc)
+                    continue
+                results = []  # one call's failure must not fail the others: each runs alone
+                for one in batch:
+                    try:
+                        results += await asyncio.to_thread(self._sample_blocking, [one])
+                    except Exception as alone:
+                        _settle(one, exception=alone)
+                        results.append(None)
+            for one, result in zip(batch, results, strict=True):
+                if result is not None:
+                    _settle(one, result=result)
+
+    def _sample_blocking(self, batch: list[_Waiting]) -> list[SampleResult]:
+        from producers.samplers.hf_sampler import Continuation
+
+        first = batch[0]
+        done = self.sampler.continue_prompts(
+            [Continuation(w.prompt, w.budget, w.params.seeds(), w.params.prompt_logprobs) for w in batch],
+            first.adapter, first.params.temperature, first.params.top_p,
+            stop_ids=frozenset(self.stop_ids(first.params)), top_k=first.params.top_k,
         )
-        return SampleResult(outputs, prompt_logprobs)
+        return [SampleResult(outputs, prompt_logprobs) for outputs, prompt_logprobs in done]
 
     async def load_adapter(self, handle: AdapterHandle) -> None:
         await asyncio.to_thread(self.sampler.load_adapter, handle)

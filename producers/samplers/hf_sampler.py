@@ -18,12 +18,23 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
 from schemas.config import SamplerConfig
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """One prompt to continue ``len(seeds)`` times (sample j from ``seeds[j]``) in ``continue_prompts``."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    seeds: list[int | None]
+    with_prompt_logprobs: bool = False
 
 
 class TransformersSampler(Sampler):
@@ -145,14 +156,41 @@ class TransformersSampler(Sampler):
         With ``with_prompt_logprobs``, also the model's own (temperature 1) logprob
         of every prompt token given the ones before it (None at position 0).
         """
-        request = SampleRequest(prompt, max_new_tokens)
-        self.check_requests([request])
+        return self.continue_prompts([Continuation(prompt, max_new_tokens, seeds, with_prompt_logprobs)], adapter,
+                                     temperature, top_p, stop_ids, top_k)[0]
+
+    def continue_prompts(
+        self,
+        calls: list[Continuation],
+        adapter: AdapterHandle | None,
+        temperature: float,
+        top_p: float,
+        stop_ids: frozenset[int] | None = None,
+        top_k: int = 0,
+    ) -> list[tuple[list[SampleOutput], list[float | None] | None]]:
+        """``continue_prompt`` for several prompts with the same settings, their rows decoded together.
+
+        Each row draws from its own seed, so a call's tokens do not depend on the others in the
+        batch; its logprobs agree with the call alone within float rounding.
+        """
+        rows = [SampleRequest(call.prompt, call.max_new_tokens) for call in calls for _ in call.seeds]
+        seeds = [seed for call in calls for seed in call.seeds]
+        self.check_requests(rows)
         if adapter is not None:
             adapter.check_folder()
+        outputs: list[SampleOutput] = []
         with self._lock, self._policy(adapter) as model:
-            outputs = self._generate_batch(model, [request] * len(seeds), temperature, top_p, seeds, stop_ids, top_k)
-            prompt_logprobs = self._prompt_logprobs(model, prompt) if with_prompt_logprobs else None
-        return outputs, prompt_logprobs
+            for start in range(0, len(rows), self.max_batch):
+                end = start + self.max_batch
+                outputs += self._generate_batch(model, rows[start:end], temperature, top_p, seeds[start:end],
+                                                stop_ids, top_k)
+            prompt_logprobs = [self._prompt_logprobs(model, c.prompt) if c.with_prompt_logprobs else None
+                               for c in calls]
+        results, taken = [], 0
+        for call, logprobs in zip(calls, prompt_logprobs, strict=True):
+            results.append((outputs[taken:taken + len(call.seeds)], logprobs))
+            taken += len(call.seeds)
+        return results
 
     def _prompt_logprobs(self, model: Any, prompt: list[int]) -> list[float | None]:
         import torch

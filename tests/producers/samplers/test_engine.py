@@ -189,7 +189,27 @@ def test_concurrent_requests_on_two_adapters_equal_each_alone(hf_engine, prompts
     for request, result in zip(requests, together, strict=True):
         assert isinstance(result, SampleResult), result
         assert len(result.sequences) == request[2].num_samples
-        assert_same(result, hf_engine.sample(*request))
+        assert_same(result, hf_engine.sample(*request), tol=1e-5)  # batched with others: float rounding only
+
+
+def test_compatible_calls_that_wait_together_are_decoded_as_one_batch(hf_engine, prompts, lora_adapters,
+                                                                       monkeypatch) -> None:
+    hf, batches = hf_engine.engine.sampler, []
+    original = hf.continue_prompts
+
+    def recording(calls, adapter, temperature, *args, **kwargs):
+        batches.append((len(calls), adapter, temperature))
+        return original(calls, adapter, temperature, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "continue_prompts", recording)
+    requests = [(prompts[i % 3], lora_adapters[0], SampleParams(5, temperature=0.9, seed=i)) for i in range(8)]
+    requests += [(prompts[0], lora_adapters[1], SampleParams(5, temperature=0.9, seed=9)),
+                 (prompts[1], lora_adapters[0], SampleParams(5, temperature=0.5, seed=10))]
+    results = run_concurrently(hf_engine, requests)
+    assert all(isinstance(r, SampleResult) for r in results)
+    assert sum(size for size, _, _ in batches) == 10 and len(batches) < 8, batches
+    assert max(size for size, adapter, t in batches if adapter == lora_adapters[0] and t == 0.9) > 1
+    assert (1, lora_adapters[1], 0.9) in batches and (1, lora_adapters[0], 0.5) in batches  # never mixed
 
 
 def test_unknown_adapter_fails_alone(hf_engine, prompts, lora_adapters, tmp_path) -> None:
@@ -223,7 +243,8 @@ def test_facade_serves_threads_at_once(hf_engine, prompts, lora_adapters) -> Non
         futures = [pool.submit(hf_engine.generate, r, a, 0.9, 1.0, s) for r, a, s in calls]
         together = [f.result(timeout=300) for f in futures]
     for (requests, adapter, seed), outputs in zip(calls, together, strict=True):
-        assert outputs == hf_engine.generate(requests, adapter, 0.9, 1.0, seed)
+        alone = hf_engine.generate(requests, adapter, 0.9, 1.0, seed)
+        assert_same(SampleResult(outputs), SampleResult(alone), tol=1e-5)  # batched with others: float rounding only
 
 
 def test_stop_token_ids(hf_engine, prompts) -> None:
