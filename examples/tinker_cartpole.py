@@ -202,10 +202,10 @@ class Loop:
         return float(returns.mean()), float(half)
 
 
-def ratio(last: tuple[float, float], before: tuple[float, float]) -> str:
-    """``x2.31 over`` (95% intervals separated) or ``x1.10 over (intervals overlap)``; ``above`` a zero return."""
+def ratio(last: tuple[float, float], before: tuple[float, float], what: str) -> str:
+    """``x2.31 over WHAT`` (95% intervals separated) or ``x1.10 over WHAT (intervals overlap)``."""
     separated = last[0] - last[1] > before[0] + before[1]
-    times = f"x{last[0] / before[0]:.2f} over" if before[0] > 0 else "above"
+    times = f"x{last[0] / before[0]:.2f} over {what}" if before[0] > 0 else f"above {what}"
     return f"{times}{'' if separated else ' (intervals overlap)'}"
 
 
@@ -238,7 +238,7 @@ def main() -> None:
         loop.rl_step(step)
     last = loop.evaluate(loop.training.save_weights_and_get_sampling_client().result(), "last version")
     print(f"base {base[0]:.1f}, warm start {warm[0]:.1f} -> last {last[0]:.1f} "
-          f"({ratio(last, base)} the base model, {ratio(last, warm)} the warm start) "
+          f"({ratio(last, base, 'the base model')}, {ratio(last, warm, 'the warm start')}) "
           f"in {time.monotonic() - started:.0f} s", flush=True)
 
 
