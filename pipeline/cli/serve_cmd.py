@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -112,10 +113,25 @@ def serve(
             raise typer.Exit(max(process.wait() for process in workers))
         run_gateway(store, bus, models, host, port)
     finally:
-        for process in workers:
-            process.terminate()
-        for process in workers:
-            process.wait(timeout=60)
+        stop_workers(workers)
+
+
+def stop_workers(workers: list[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:
+    """Ask the engine processes to stop; kill those still running after ``timeout_s``.
+
+    An engine whose broker went away first (``rlpipe down`` before serve) can hang in its
+    shutdown while its client waits for the broker; serve never leaves one running.
+    """
+    for process in workers:
+        process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in workers:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("engine process %d did not stop within %.0f s; killing it", process.pid, timeout_s)
+            process.kill()
+            process.wait()
 
 
 def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str, port: int) -> None:

@@ -40,3 +40,21 @@ def test_serve_refuses_unknown_roles_and_prints_a_working_example():
     assert trainer_command("/m/a/tiny", "file:///s", "h:1", "ns")[1:3] == ["-m", "consumers.api.worker"]
     sampler = sampler_command("/m/a/tiny", "file:///s", "h:1", "ns", "vllm")
     assert sampler[1:3] == ["-m", "producers.api_sampler"] and sampler[-2:] == ["--backend", "vllm"]
+
+
+def test_serve_stops_its_engines_and_kills_one_that_ignores_the_request():
+    """An engine whose broker went away first can hang in its shutdown; serve must not leave it running."""
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.cli.serve_cmd import stop_workers
+
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                              "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert stuck.stdout is not None and stuck.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    stop_workers([polite, stuck], timeout_s=1.0)
+    assert polite.poll() is not None and stuck.poll() is not None
+    assert time.monotonic() - started < 10
