@@ -127,14 +127,14 @@ class Loop:
     # 1. supervised warm start
     def warm_start(self) -> None:
         rng = np.random.default_rng(self.args.seed)
-        right = 1.0 - self.args.noise / 2  # how often the noisy teacher gives the heuristic's answer
+        agree = 1.0 - self.args.noise / 2  # how often the noisy teacher gives the heuristic's answer
         rows = []
         for seed in range(self.args.demo_episodes):
             env = CartPole(10_000 + seed, self.args.max_steps)
             while not env.done:
                 best, prompt = env.heuristic(), self.prompt_tokens(env)
-                rows.append((prompt, self.answer_tokens(best), right))
-                rows.append((prompt, self.answer_tokens(1 - best), 1.0 - right))
+                rows.append((prompt, self.answer_tokens(best), agree))
+                rows.append((prompt, self.answer_tokens(1 - best), 1.0 - agree))
                 env.step(best if rng.random() > self.args.noise else int(rng.integers(2)))
         for step in range(self.args.sft_steps):
             batch = [rows[i] for i in rng.choice(len(rows), min(self.args.batch, len(rows)), replace=False)]

@@ -437,25 +437,23 @@ class TransformersEngine(SamplingEngine):
     async def _drain(self) -> None:
         """Run what waits, one batch of compatible calls at a time, until nothing waits."""
         while self._waiting:
-            first = self._waiting[0]
-            batch = [w for w in self._waiting if w.batch_key(self) == first.batch_key(self)]
-            self._waiting = [w for w in self._waiting if w.batch_key(self) != first.batch_key(self)]
+            key = self._waiting[0].batch_key(self)
+            batch = [w for w in self._waiting if w.batch_key(self) == key]
+            self._waiting = [w for w in self._waiting if w.batch_key(self) != key]
             try:
                 results = await asyncio.to_thread(self._sample_blocking, batch)
             except Exception as exc:
                 if len(batch) == 1:
                     _settle(batch[0], exception=exc)
                     continue
-                results = []  # one call's failure must not fail the others: each runs alone
-                for one in batch:
+                for one in batch:  # one call's failure must not fail the others: each runs alone
                     try:
-                        results += await asyncio.to_thread(self._sample_blocking, [one])
+                        _settle(one, result=(await asyncio.to_thread(self._sample_blocking, [one]))[0])
                     except Exception as alone:
                         _settle(one, exception=alone)
-                        results.append(None)
+                continue
             for one, result in zip(batch, results, strict=True):
-                if result is not None:
-                    _settle(one, result=result)
+                _settle(one, result=result)
 
     def _sample_blocking(self, batch: list[_Waiting]) -> list[SampleResult]:
         from producers.samplers.hf_sampler import Continuation
