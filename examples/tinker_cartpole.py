@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import tinker
@@ -108,6 +110,8 @@ class Loop:
         self.tokenizer = AutoTokenizer.from_pretrained(args.base_model)
         self.eos = self.tokenizer.eos_token_id
         self.sampled = 0  # sample calls so far (each its own seed)
+        self.tokens = {"sampled": 0, "trained": 0}
+        self.evaluations: dict[str, list[float]] = {}  # label -> held-out returns, one per episode  # sampled tokens, and tokens in forward_backward calls
 
     def prompt_tokens(self, env: CartPole) -> list[int]:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": env.observation()}]
@@ -124,6 +128,10 @@ class Loop:
             inputs[name] = [0.0] * (len(prompt) - 1) + values
         return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
 
+    def train(self, data: list[types.Datum], loss: str) -> types.ForwardBackwardOutput:
+        self.tokens["trained"] += sum(d.model_input.length for d in data)
+        return self.training.forward_backward(data, loss).result()
+
     # 1. supervised warm start
     def warm_start(self) -> None:
         rng = np.random.default_rng(self.args.seed)
@@ -138,7 +146,7 @@ class Loop:
                 env.step(best if rng.random() > self.args.noise else int(rng.integers(2)))
         for step in range(self.args.sft_steps):
             batch = [rows[i] for i in rng.choice(len(rows), min(self.args.batch, len(rows)), replace=False)]
-            out = self.training.forward_backward([self.datum(p, a, w) for p, a, w in batch], "cross_entropy").result()
+            out = self.train([self.datum(p, a, w) for p, a, w in batch], "cross_entropy")
             self.training.optim_step(types.AdamParams(learning_rate=self.args.sft_lr)).result()
             weight = sum(w * len(a) for _, a, w in batch)
             print(f"sft step {step}: loss/token {out.metrics['loss:sum'] / weight:.3f}", flush=True)
@@ -160,6 +168,7 @@ class Loop:
             self.sampled += len(live)
             for i, prompt, result in zip(live, prompts, results, strict=True):
                 sequence = result.sequences[0]
+                self.tokens["sampled"] += len(sequence.tokens)
                 action = parse_action(self.tokenizer.decode(sequence.tokens, skip_special_tokens=True))
                 reward = 0.0
                 if action is None:  # an answer that holds no action ends the episode
@@ -186,7 +195,7 @@ class Loop:
         data = [self.datum(p, t, logprobs=lp, advantages=[float((v - values.mean()) / spread)] * len(t))
                 for p, t, lp, v in rows if t and spread > 0]
         if data:
-            self.training.forward_backward(data, "importance_sampling").result()
+            self.train(data, self.args.loss)
             self.training.optim_step(types.AdamParams(learning_rate=self.args.rl_lr)).result()
         returns = [r for r, _ in runs]
         print(f"rl step {step}: mean return {np.mean(returns):.1f} over {len(returns)} episodes, "
@@ -196,6 +205,7 @@ class Loop:
     def evaluate(self, sampling, label: str) -> tuple[float, float]:
         seeds = list(range(90_000, 90_000 + self.args.eval_episodes))
         returns = np.array([r for r, _ in asyncio.run(self.episodes(sampling, seeds, 1.0))])
+        self.evaluations[label] = returns.tolist()
         half = 1.96 * returns.std(ddof=1) / math.sqrt(len(returns)) if len(returns) > 1 else float("nan")
         print(f"held-out {label}: return {returns.mean():.1f} +/- {half:.1f} (95%, {len(returns)} episodes)",
               flush=True)
@@ -223,11 +233,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128, help="rows per warm-start step")
     parser.add_argument("--rl-steps", type=int, default=20)
     parser.add_argument("--rl-lr", type=float, default=1e-3)
+    parser.add_argument("--loss", default="importance_sampling", choices=["importance_sampling", "ppo", "cispo"],
+                        help="the RL loss")
     parser.add_argument("--discount", type=float, default=0.9, help="of the return-to-go")
     parser.add_argument("--groups", type=int, default=1, help="start states per RL step")
     parser.add_argument("--group-size", type=int, default=8, help="episodes per start state")
     parser.add_argument("--eval-episodes", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-file", type=Path, default=None,
+                        help="write the held-out returns and token counts here as JSON (what rlpipe sweep reads)")
     args = parser.parse_args()
     started = time.monotonic()
     loop = Loop(args)
@@ -240,6 +254,10 @@ def main() -> None:
     print(f"base {base[0]:.1f}, warm start {warm[0]:.1f} -> last {last[0]:.1f} "
           f"({ratio(last, base, 'the base model')}, {ratio(last, warm, 'the warm start')}) "
           f"in {time.monotonic() - started:.0f} s", flush=True)
+    if args.result_file is not None:  # the held-out returns of the last version are the score
+        args.result_file.write_text(json.dumps({
+            "metric": "held-out return", "samples": loop.evaluations["last version"],
+            "evaluations": loop.evaluations, "tokens": loop.tokens, "seconds": time.monotonic() - started}))
 
 
 if __name__ == "__main__":

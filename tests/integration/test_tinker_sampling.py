@@ -130,16 +130,21 @@ def test_trained_weights_sample_differently_and_agree_with_forward(server):
         server.service(BOB).create_sampling_client(model_path=path).result()
 
 
-def test_the_cartpole_example_runs_end_to_end_for_two_steps(server):
+def test_the_cartpole_example_runs_end_to_end_for_two_steps(server, tmp_path):
     script = Path(__file__).resolve().parents[2] / "examples" / "tinker_cartpole.py"
     env = {**os.environ, "TINKER_API_KEY": "tml-example", "TINKER_TELEMETRY": "0"}
     done = subprocess.run(
         [sys.executable, str(script), "--base-url", server.url, "--base-model", server.base_model, "--max-steps", "5",
          "--demo-episodes", "2", "--sft-steps", "2", "--batch", "8", "--rl-steps", "2", "--groups", "2",
-         "--group-size", "2", "--eval-episodes", "2"],
+         "--group-size", "2", "--eval-episodes", "3", "--loss", "ppo", "--result-file", str(tmp_path / "r.json")],
         env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "sft step 1" in done.stdout and "rl step 1" in done.stdout and "held-out last version" in done.stdout
+    result = json.loads((tmp_path / "r.json").read_text())  # what rlpipe sweep reads
+    assert set(result["evaluations"]) == {"base model", "warm start", "last version"}
+    assert result["samples"] == result["evaluations"]["last version"] and len(result["samples"]) == 3
+    assert all(1 <= r <= 5 or r == 0 for r in result["samples"])
+    assert result["tokens"]["sampled"] > 0 and result["tokens"]["trained"] > 0
 
 
 def test_the_text2sql_recipe_runs_end_to_end_and_logs_the_reward_breakdown(server):
