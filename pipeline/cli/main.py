@@ -51,6 +51,7 @@ BUILTIN_LAZY_GROUPS = {
     "serve": "pipeline.cli.serve_cmd:command",
     "sessions": "pipeline.cli.sessions_cmd:app",
     "plan": "pipeline.cli.plan_cmd:command",
+    "sweep": "pipeline.cli.sweep_cmd:command",
 }
 
 
