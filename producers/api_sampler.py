@@ -24,6 +24,11 @@ Logprobs of sampled tokens are those of the distribution they were drawn from
 (after temperature, top-k and top-p: the engine's ``processed_logprobs``), the ``q`` of
 rlpipe's importance sampling.  Prompt logprobs are the model's own (temperature
 1), NaN at position 0.
+
+Every ``sample`` call is noted with its session, wall-clock span (from the engine
+call to its return, so the time a call waits for a batch counts) and sampled tokens
+in the engine's activity (``pipeline.api.activity``), which ``rlpipe report --server``
+draws as the sampler's duty cycle.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +49,7 @@ import numpy as np
 from tinker import types
 from tinker.proto import tinker_public_pb2 as public_pb
 
+from pipeline.api.activity import ActivityRecorder
 from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
 from pipeline.api.gateway import parse_body
 from pipeline.api.samplers import read_sampler
@@ -131,10 +138,12 @@ class SamplerWorker:
 
     def __init__(self, store: ObjectStore, bus: BusConfig, base_model: str, engine: SamplingEngine,
                  decode: Callable[[list[int]], str], cache_dir: str | None = None,
-                 consumer_options: dict[str, Any] | None = None, max_adapters: int = DEFAULT_MAX_ADAPTERS) -> None:
+                 consumer_options: dict[str, Any] | None = None, max_adapters: int = DEFAULT_MAX_ADAPTERS,
+                 activity: ActivityRecorder | None = None) -> None:
         if max_adapters < 1:
             raise ValueError(f"max_adapters must be at least 1, got {max_adapters}")
         self.store, self.bus, self.base_model, self.engine, self.decode = store, bus, base_model, engine, decode
+        self.activity = activity
         self.max_adapters = max_adapters
         self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="rlpipe-api-sampler-")
         ensure_topics(bus, API_TOPIC_KINDS)
@@ -191,6 +200,8 @@ class SamplerWorker:
     def close(self) -> None:
         self.consumer.close()
         self.publisher.close()
+        if self.activity is not None:
+            self.activity.close()
 
     # ---- one call -------------------------------------------------------------------------------------------
     async def execute(self, call: ApiRequestAccepted) -> None:
@@ -216,12 +227,16 @@ class SamplerWorker:
         params, strings = sampling_params(request, self.engine.max_model_len)
         key = None if record.get("run") is None else (str(record["run"]), int(record["version"]))
         adapter = None if key is None else await self._acquire(key)
+        started, wall = time.perf_counter(), time.time()
         try:
             result = await self.engine.sample(request.prompt.to_ints(), adapter, params)
         finally:
             if key is not None:
                 self._in_use[key] -= 1
                 await self._evict()
+        if self.activity is not None:
+            self.activity.record(call.session_id, call.tenant, call.op, wall, wall + time.perf_counter() - started,
+                                 sum(len(sample.token_ids) for sample in result.sequences))
         sequences = [cut_at_stop_strings(sample, strings, self.decode) for sample in result.sequences]
         return encode_sample_response(SampleResult(sequences, result.prompt_logprobs))
 
@@ -286,9 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     log.info("initialising the %s sampling engine for %s", args.backend, args.base_model)
     engine = make_engine(args.backend, args.base_model, SamplerConfig(backend=args.backend))
     tokenizer = AutoTokenizer.from_pretrained(args.base_model)
-    worker = SamplerWorker(ObjectStore(args.store), bus, args.base_model, engine,
+    store = ObjectStore(args.store)
+    worker = SamplerWorker(store, bus, args.base_model, engine,
                            lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
-                           consumer_options=group_timings_from_env(), max_adapters=args.max_adapters)
+                           consumer_options=group_timings_from_env(), max_adapters=args.max_adapters,
+                           activity=ActivityRecorder(store, "sampler", args.engine_id))
     try:
         asyncio.run(worker.run(StopFlag().install()))
     finally:

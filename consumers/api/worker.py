@@ -21,6 +21,10 @@ call that changes nothing (a ``forward``, a save) is not re-executed at all.
 Calls are idempotent on ``(model_id, seq_id)``: a resent call is the same
 request id, skipped once its ``seq_id`` is behind the model's.
 
+Every executed call (and every fold) is noted with its session, wall-clock span
+and trained tokens in the engine's activity (``pipeline.api.activity``), which
+``rlpipe report --server`` draws as the trainer's duty cycle.
+
 The translation between the SDK's training types and the engine is
 ``consumers.api.ops``.
 """
@@ -42,6 +46,7 @@ from tinker import types
 from consumers.api import ops
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
+from pipeline.api.activity import ActivityRecorder
 from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
 from pipeline.api.gateway import checkpoint_prefix, parse_body
 from pipeline.api.samplers import find_sampler, write_sampler
@@ -73,6 +78,7 @@ class _Model:
     """What the worker holds for one training client."""
 
     model_id: str
+    tenant: str | None = None
     next_seq: int = 1
     loaded: bool = False
     has_gradients: bool = False
@@ -100,8 +106,9 @@ class TrainerWorker:
 
     def __init__(self, store: ObjectStore, bus: BusConfig, base_model: str, engine: TrainingEngine,
                  fold_every: int = 20, fold_idle_s: float = 0.5, session_timeout_s: float = SESSION_TIMEOUT_S,
-                 consumer_options: dict[str, Any] | None = None) -> None:
+                 consumer_options: dict[str, Any] | None = None, activity: ActivityRecorder | None = None) -> None:
         self.store, self.bus, self.base_model, self.engine = store, bus, base_model, engine
+        self.activity = activity
         self.fold_every, self.fold_idle_s, self.session_timeout_s = fold_every, fold_idle_s, session_timeout_s
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
@@ -110,6 +117,7 @@ class TrainerWorker:
         self._since_fold = 0
         self._last_expiry = self._last_executed = 0.0
         self._committed: dict[TopicPartitionKey, int] = {}
+        self._tokens = 0
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
@@ -136,6 +144,8 @@ class TrainerWorker:
     def close(self) -> None:
         self.consumer.close()
         self.publisher.close()
+        if self.activity is not None:
+            self.activity.close()
 
     # ---- read ------------------------------------------------------------------------------------------------
     def accept(self, consumed: ConsumedEvent) -> None:
@@ -146,6 +156,7 @@ class TrainerWorker:
         if call.op in _SAMPLING_OPS:
             return  # the sampler's (its own consumer group reads them)
         model = self._model(call.model_id)
+        model.tenant = call.tenant
         if not call.seq_id:
             if model.loaded:
                 return  # created before (and folded, or replayed already)
@@ -187,7 +198,8 @@ class TrainerWorker:
         if done and (call.op in _PURE_OPS or (call.op == "forward_backward" and call.body_format == "pb"
                                               and decode_forward_backward(self._body(call))[1])):
             return  # its result stands and it changed nothing
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
+        self._tokens = 0  # trained tokens of this call (set by a forward_backward)
         try:
             data, fmt = self._run(model, call)
             result: tuple[bytes, str, str | None, str | None] = (data, fmt, None, None)
@@ -200,7 +212,10 @@ class TrainerWorker:
             result = (json.dumps({"error": message, "category": "server"}).encode(), "json", message, "server")
         if not done:
             self._write_result(call, *result)
-        log.debug("%s %s: %.3f s", call.op, call.request_id, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if self.activity is not None:
+            self.activity.record(call.session_id, call.tenant, call.op, wall, wall + seconds, self._tokens)
+        log.debug("%s %s: %.3f s", call.op, call.request_id, seconds)
 
     def _body(self, call: ApiRequestAccepted) -> bytes:
         return self.store.get(call.body_path, call.body_sha256)
@@ -219,6 +234,7 @@ class TrainerWorker:
         if call.op == "forward_backward":
             request, forward_only = decode_forward_backward(body)
             output = ops.forward_backward(self.engine, model.model_id, request, forward_only)
+            self._tokens = sum(datum.model_input.length for datum in request.forward_backward_input.data)
             model.has_gradients |= not forward_only
             return encode_forward_backward_output(output), "pb"
         if call.op == "optim_step":
@@ -308,11 +324,15 @@ class TrainerWorker:
         self._commit()
 
     def _fold(self, model: _Model) -> None:
+        started, wall = time.perf_counter(), time.time()
         state = ops.save_state(self.engine, model.model_id, True)
         digest = self.store.put(f"{model.fold_key}.safetensors", state)
         record = {"model_id": model.model_id, "seq_id": model.next_seq - 1, "state_sha256": digest}
         self.store.put(f"{model.fold_key}.json", _json(record))
         model.unfolded.clear()
+        if self.activity is not None:
+            self.activity.record(model.run.split(".")[0], model.tenant, "fold", wall,
+                                 wall + time.perf_counter() - started)
 
     def _load_fold(self, model: _Model) -> None:
         try:
@@ -378,8 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     bus = engine_setup(args, log)
     log.info("initialising the training engine for %s", args.base_model)
     engine = TrainingEngine(args.base_model, device=args.device)
-    worker = TrainerWorker(ObjectStore(args.store), bus, args.base_model, engine,
-                           session_timeout_s=args.session_timeout_s, consumer_options=group_timings_from_env())
+    store = ObjectStore(args.store)
+    worker = TrainerWorker(store, bus, args.base_model, engine, session_timeout_s=args.session_timeout_s,
+                           consumer_options=group_timings_from_env(),
+                           activity=ActivityRecorder(store, "trainer", args.engine_id))
     worker.run(StopFlag().install())
     return 0
 

@@ -53,6 +53,8 @@ def engine_arguments(prog: str, description: str | None) -> argparse.ArgumentPar
     parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers")
     parser.add_argument("--namespace", default="rlpipe", help="topic namespace")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    parser.add_argument("--engine-id", default=None,
+                        help="this engine's name in its activity (engines/<kind>-<id>/); default <host>-<pid>")
     return parser
 
 
