@@ -5,6 +5,12 @@ each run's own report in ``OUT/<run>/``, and the packed duty cycle (one trainer 
 one sampler lane, each run in its own colour, per-run busy fractions) in
 ``OUT/packed_duty_cycle.png`` and ``OUT/packed.json`` (``pipeline.analysis.report.packed``).
 
+``rlpipe report --server [--last MINUTES | --since T --until T]`` is the duty cycle of
+a Tinker-compatible server's engines, read from the activity they record in the store:
+one lane per engine, each session in its own colour, busy fractions overall and by
+session, in ``OUT/server_duty_cycle.png`` and ``OUT/server.json``
+(``pipeline.analysis.report.server``).
+
 Reads the store (trajectories, adapters, the newest checkpoint, evaluations) and,
 unless ``--no-bus``, the run's events on ``<ns>.control`` with a bounded wait; a
 missing piece leaves its section empty with a note, never a failure.  An unknown
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -28,6 +36,7 @@ from rich.table import Table
 
 from pipeline.analysis.report import DEFAULT_BUS_TIMEOUT_S, RunReport, gather_report, summary_lines, write_report
 from pipeline.analysis.report.packed import PACKED_FIGURE, write_packed_report
+from pipeline.analysis.report.server import SERVER_FIGURE, write_server_report
 from pipeline.cli.common import (
     EXIT_FAILURE,
     EXIT_USAGE,
@@ -74,12 +83,23 @@ NoBusOpt = Annotated[
 TimeoutOpt = Annotated[
     float, typer.Option("--bus-timeout", min=0.5, max=120.0, help="seconds to wait for the broker before giving up")
 ]
+ServerOpt = Annotated[
+    bool, typer.Option("--server", help="the duty cycle of a Tinker-compatible server's engines, by session")
+]
+SinceOpt = Annotated[
+    str | None, typer.Option("--since", help="--server: from this time (unix seconds or ISO 8601, e.g. 2026-01-31T14:00)")
+]
+UntilOpt = Annotated[str | None, typer.Option("--until", help="--server: up to this time (unix seconds or ISO 8601)")]
+LastOpt = Annotated[
+    float | None, typer.Option("--last", min=0.01, help="--server: the last N minutes (instead of --since)")
+]
 
 
 @app.command(
     "report",
     epilog="Example: rlpipe report --run demo --root file:///tmp/rlpipe/store --out ./demo-report; "
-    "runs packed in one process: rlpipe report --run a --run b (adds the packed duty cycle)",
+    "runs packed in one process: rlpipe report --run a --run b (adds the packed duty cycle); "
+    "a Tinker-compatible server's engines by session: rlpipe report --server --last 30",
 )
 def report(
     run: RunsOpt = None,
@@ -91,10 +111,21 @@ def report(
     namespace: NamespaceOpt = None,
     no_bus: NoBusOpt = False,
     bus_timeout: TimeoutOpt = DEFAULT_BUS_TIMEOUT_S,
+    server: ServerOpt = False,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    last: LastOpt = None,
     run_arg: DeprecatedRunArg = None,
 ) -> None:
     """Gather a run's numbers from the store and the event log and write report.html, PNGs and report.json."""
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
+    if server:
+        if run or run_arg is not None:
+            fail("--server reports a server's engines, not runs; drop --run (or drop --server)", EXIT_USAGE)
+        server_report(root, gcs_endpoint, out, as_json, since, until, last)
+        return
+    if since is not None or until is not None or last is not None:
+        fail("--since, --until and --last choose the window of --server; add --server", EXIT_USAGE)
     if run and len(run) > 1:
         if run_arg is not None:
             fail(f"name the packed runs with --run only; drop the positional {run_arg!r}", EXIT_USAGE)
@@ -146,6 +177,49 @@ def packed_report(
         shares = ", ".join(f"{run} {_shown(f)}" for run, f in by_run.items())
         console.print(f"{lane}: busy {_shown(body['summary']['busy_fraction'][lane])} ({shares})", markup=False)
     console.print(f"packed report written to {folder / PACKED_FIGURE} and {json_path}")
+
+
+def server_report(root: str | None, gcs_endpoint: str | None, out: Path | None, as_json: bool, since: str | None,
+                  until: str | None, last: float | None) -> None:
+    """The duty cycle of a server's engines over the window, one colour per session, in OUT/."""
+    if last is not None and since is not None:
+        fail("give --last MINUTES or --since TIME, not both", EXIT_USAGE)
+    start = time.time() - 60.0 * last if last is not None else _moment(since, "--since")
+    end = _moment(until, "--until")
+    if start is not None and end is not None and end <= start:
+        fail(f"--until ({until}) is not after the window's start; widen the window", EXIT_USAGE)
+    with user_errors():
+        store = _store(root, gcs_endpoint)
+        folder = out if out is not None else Path("rlpipe-report-server")
+        try:
+            json_path, body = write_server_report(store, folder, start, end)
+        except OSError as exc:
+            fail(f"cannot read the engines' activity from {store.root}: {error_line(exc)}", EXIT_FAILURE)
+    summary = body["summary"]
+    if not summary["busy_fraction"]:
+        fail(f"no engine activity in {store.root} in that window; is this the store rlpipe serve uses "
+             "(--root), and has a client called it?", EXIT_USAGE)
+    if as_json:
+        print_json({**body, "server": str(json_path), "figure": str(folder / SERVER_FIGURE)})
+        return
+    for lane, by_session in summary["busy_fraction_by_session"].items():
+        shares = ", ".join(f"{session} {_shown(f)}" for session, f in by_session.items())
+        console.print(f"{lane}: busy {_shown(summary['busy_fraction'][lane])} ({shares})", markup=False)
+    console.print(f"server report written to {folder / SERVER_FIGURE} and {json_path}")
+
+
+def _moment(value: str | None, option: str) -> float | None:
+    """Unix seconds of ``value`` (unix seconds, or an ISO 8601 time: local time unless it names its zone)."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        fail(f"{option} {value!r} is neither unix seconds nor an ISO 8601 time (e.g. 2026-01-31T14:00)", EXIT_USAGE)
 
 
 def _shown(fraction: float | None) -> str:

@@ -78,9 +78,14 @@ def packed_duty_cycle(per_run: dict[str, tuple[Sequence[Lane], tuple[float | Non
     return {"runs": runs, "start": start, "end": end, "lanes": result}
 
 
-def plot_packed_duty_cycle(duty: dict[str, Any]) -> bytes:
-    """PNG: the trainer lane on top, the sampler lane below, each run's intervals in its own colour."""
-    runs = duty["runs"]
+def plot_packed_duty_cycle(duty: dict[str, Any], title: str | None = None, legend_title: str = "run",
+                           labels: dict[str, str] | None = None) -> bytes:
+    """PNG: the lanes top to bottom in ``duty``'s order (the trainer first), each run's intervals in its own colour.
+
+    ``title``, ``legend_title`` and ``labels`` (run -> legend entry) let other duty cycles of the same shape
+    (``pipeline.analysis.report.server``) use the drawing.
+    """
+    runs, names = duty["runs"], labels or {}
     colors = {run: run_color(index) for index, run in enumerate(runs)}
     fig = Figure(figsize=(13, 3.2), layout="constrained")
     ax = fig.subplots()
@@ -104,10 +109,10 @@ def plot_packed_duty_cycle(duty: dict[str, Any]) -> bytes:
     ax.set_ylim(-0.6, len(labels) - 0.4)
     if duty["end"] is not None:
         ax.set_xlim(0, (duty["end"] - origin) / divisor)
-    ax.legend(handles=[Patch(color=colors[run], label=run) for run in runs], title="run", loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=8)  # fmt: skip
-    _style(ax, f"packed duty cycle of {len(runs)} runs (trainer: training steps; sampler: busy share per heartbeat)",
-           _time_label(origin, unit), "")  # fmt: skip
+    ax.legend(handles=[Patch(color=colors[run], label=names.get(run, run)) for run in runs],
+              title=legend_title, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # fmt: skip
+    title = title or f"packed duty cycle of {len(runs)} runs (trainer: training steps; sampler: busy share per heartbeat)"
+    _style(ax, title, _time_label(origin, unit), "")
     ax.grid(axis="y", visible=False)
     return png_bytes(fig)
 
