@@ -163,3 +163,28 @@ def test_the_text2sql_recipe_runs_end_to_end_and_logs_the_reward_breakdown(serve
         assert "return " in line and "ran " in line and "matched " in line and "unparsed answers " in line, line
     assert "held-out base model" in done.stdout and "held-out last version" in done.stdout
     assert "sft step 0: loss/token" in done.stdout
+
+
+def test_a_sweep_of_the_cartpole_loop_packs_a_2x2_grid_onto_the_server(server, tmp_path):
+    script = Path(__file__).resolve().parents[2] / "examples" / "tinker_cartpole.py"
+    folder = tmp_path / "sweep"
+    env = {**os.environ, "TINKER_API_KEY": "tml-sweeper", "TINKER_TELEMETRY": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", "from pipeline.cli.main import main; main()", "sweep", str(script),
+         "--set", f"base-url={server.url}", "--set", f"base-model={server.base_model}", "--set", "max-steps=5",
+         "--set", "demo-episodes=2", "--set", "sft-steps=1", "--set", "batch=8", "--set", "rl-steps=2",
+         "--set", "groups=1", "--set", "group-size=2", "--set", "eval-episodes=3",
+         "--grid", "rl-lr=1e-3,1e-4", "--grid", "loss=importance_sampling,ppo", "--parallel", "4",
+         "--dir", str(folder)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    board = json.loads((folder / "leaderboard.json").read_text())
+    assert sorted(e["label"] for e in board["entries"]) == [
+        "rl-lr=1e-3 loss=importance_sampling", "rl-lr=1e-3 loss=ppo", "rl-lr=1e-4 loss=importance_sampling",
+        "rl-lr=1e-4 loss=ppo"]
+    for entry in board["entries"]:
+        assert entry["finished"] == 1 and entry["samples"] == 3 and 0 <= entry["mean"] <= 5
+        assert set(entry["evaluations"]) == {"base model", "warm start", "last version"}
+    for index in range(4):  # each experiment trained its own session for two RL steps
+        log = (folder / f"exp-{index:03d}" / "log.txt").read_text()
+        assert "rl step 1" in log and "held-out last version" in log
+    assert (folder / "leaderboard.png").exists() and "leaderboard" in done.stdout
