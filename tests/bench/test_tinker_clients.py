@@ -1,0 +1,36 @@
+"""The several-clients benchmark's pure parts: options, intervals, the duty per kind and the table."""
+
+import math
+
+import pytest
+
+from bench.tinker_clients import Level, busy_by_kind, intervals_overlap, mean_interval, parse_args, report_lines
+
+
+def test_options_need_the_baseline_and_leave_the_seed_to_the_bench():
+    args = parse_args([])
+    assert args.levels == [1, 2, 3] and "--rl-steps" in args.loop_args
+    for bad in (["--levels", "2", "3"], ["--levels", "0", "1"], ["--loop-args", "--seed 3"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_mean_and_interval():
+    mean, half = mean_interval([1.0, 3.0])  # sd sqrt(2); half 1.96 * sqrt(2) / sqrt(2)
+    assert (mean, half) == pytest.approx((2.0, 1.96))
+    assert math.isnan(mean_interval([4.0])[1])
+    assert intervals_overlap((2.0, 1.0), (3.5, 0.5)) and not intervals_overlap((2.0, 1.0), (3.6, 0.5))
+    assert intervals_overlap((2.0, math.nan), (9.0, 0.1))
+
+
+def test_busy_by_kind_and_the_table():
+    lanes = [{"name": "trainer-a", "kind": "trainer"}, {"name": "sampler-b", "kind": "sampler"}]
+    assert busy_by_kind({"busy_fraction": {"trainer-a": 0.5, "sampler-b": 0.25}}, lanes) == {
+        "trainer": 0.5, "sampler": 0.25}
+    result = {"samples": [10.0, 12.0], "tokens": {"trained": 100, "sampled": 10}}
+    one = Level(1, 10.0, 100, 10, 0.5, 0.2, [result])
+    three = Level(3, 12.0, 300, 30, 0.9, 0.5, [result, result, {**result, "samples": [30.0, 31.0]}])
+    lines = report_lines([one, three], {0: result, 2: result})
+    assert "1 | 10 | 10.0 | 1.0 | 11.0 | 50% | 20%" in lines
+    assert "3 | 2 | 30.5 +/- 1.0 | 11.0 +/- 2.0 | NO" in lines and "3 | 1 | 11.0 +/- 2.0 | - | -" in lines
+    assert lines[-1].startswith("3 clients vs 1: x2.50 all tokens/s") and lines[-1].endswith("goal x2.0: met")
