@@ -71,7 +71,7 @@ def gather(sweep: SweepDir, spec: SweepSpec) -> list[Entry]:
         entry.samples += len(result["samples"])
         entry.seed_means[str(experiment.seed)] = float(np.mean(result["samples"]))
         for label, values in result.get("evaluations", {}).items():
-            if values:
+            if values and values != result["samples"]:  # the score's own evaluation is the score column
                 entry.evaluations.setdefault(label, 0.0)
                 entry.evaluations[label] += float(np.mean(values))
         if entry.finished == 1:

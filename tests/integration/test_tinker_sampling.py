@@ -130,6 +130,42 @@ def test_trained_weights_sample_differently_and_agree_with_forward(server):
         server.service(BOB).create_sampling_client(model_path=path).result()
 
 
+def test_the_engines_record_each_sessions_activity_and_the_server_report_draws_it(server, tmp_path):
+    import time
+
+    from pipeline.analysis.report.server import SERVER_FIGURE, write_server_report
+    from pipeline.api.activity import read_activity
+
+    since, sessions = time.time(), []
+    for service in (server.service(), server.service(BOB)):  # two tenants, a session each
+        training = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
+        datum = types.Datum(model_input=types.ModelInput.from_ints(PROMPT[:-1]),
+                            loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * 5})
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        sampling = training.save_weights_and_get_sampling_client().result()
+        sampling.sample(types.ModelInput.from_ints(PROMPT), 2, _params(stop=[])).result()
+        sessions.append(service.holder.get_session_id())
+    deadline = time.monotonic() + 30.0  # the engines write their activity every 10 s
+    while True:
+        mine = [a for a in read_activity(server.store, since) if a.session in sessions]
+        seen = {(a.kind, a.session, a.op) for a in mine}
+        if all((kind, s, op) in seen for s in sessions for kind, op in (("trainer", "forward_backward"),
+                                                                          ("sampler", "sample"))):
+            break
+        assert time.monotonic() < deadline, f"activity recorded so far: {sorted(seen)}"
+        time.sleep(1.0)
+    assert {a.op for a in mine if a.kind == "trainer"} >= {"create_model", "forward_backward", "optim_step",
+                                                           "save_weights_for_sampler"}
+    assert all(a.end >= a.start >= since for a in mine)
+    assert sum(a.tokens for a in mine if a.op == "forward_backward") == 2 * 5
+    assert sum(a.tokens for a in mine if a.op == "sample") == 2 * 2 * 6  # two sessions, two samples of 6 tokens
+    _, body = write_server_report(server.store, tmp_path, since)
+    assert set(sessions) <= set(body["summary"]["sessions"]) and len(set(body["summary"]["tenants"].values())) >= 2
+    assert {lane["kind"] for lane in body["duty_cycle"]["lanes"]} == {"trainer", "sampler"}
+    assert (tmp_path / SERVER_FIGURE).read_bytes()[:4] == b"\x89PNG"
+
+
 def test_the_cartpole_example_runs_end_to_end_for_two_steps(server, tmp_path):
     script = Path(__file__).resolve().parents[2] / "examples" / "tinker_cartpole.py"
     env = {**os.environ, "TINKER_API_KEY": "tml-example", "TINKER_TELEMETRY": "0"}
@@ -183,7 +219,7 @@ def test_a_sweep_of_the_cartpole_loop_packs_a_2x2_grid_onto_the_server(server, t
         "rl-lr=1e-4 loss=ppo"]
     for entry in board["entries"]:
         assert entry["finished"] == 1 and entry["samples"] == 3 and 0 <= entry["mean"] <= 5
-        assert set(entry["evaluations"]) == {"base model", "warm start", "last version"}
+        assert set(entry["evaluations"]) == {"base model", "warm start"}  # the last version is the score
     for index in range(4):  # each experiment trained its own session for two RL steps
         log = (folder / f"exp-{index:03d}" / "log.txt").read_text()
         assert "rl step 1" in log and "held-out last version" in log
