@@ -5,7 +5,8 @@ interval: with one finished seed, the t interval over that seed's samples
 (evaluation episodes); with several, the t interval over the seeds' means, so
 that it holds the variation between training runs, not only between
 evaluation episodes.  Other evaluations a script reports (``evaluations``, e.g.
-its base model's) are shown as their mean over the finished seeds.
+its base model's) are shown as their mean over the finished seeds; the one
+whose values are the ``samples`` themselves is the score, not repeated.
 
 Written to the sweep's folder: ``leaderboard.json``, ``leaderboard.md``,
 ``leaderboard.png`` and ``leaderboard.html`` (the table and the plot).
