@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import tinker
@@ -58,6 +60,7 @@ class Loop:
         self.train_tasks = len(TextToSQL(split="train", tasks_path=args.tasks).tasks)
         self.test_tasks = len(TextToSQL(split="test", tasks_path=args.tasks).tasks)
         self.calls = 0  # sample calls so far (seeds never repeat)
+        self.evaluations: dict[str, list[float]] = {}  # label -> held-out returns, one per task
 
     def prompt_tokens(self, env: TextToSQL) -> list[int]:
         messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": env.observation()}]
@@ -146,6 +149,7 @@ class Loop:
         count = min(self.args.eval_episodes, self.test_tasks)
         episodes = asyncio.run(self.play(sampling, "test", list(range(count)), 0.0))
         returns = np.array([e.total for e in episodes])
+        self.evaluations[label] = returns.tolist()
         half = 1.96 * returns.std(ddof=1) / math.sqrt(len(returns)) if len(returns) > 1 else float("nan")
         print(f"held-out {label}: {self.breakdown(episodes)} (+/- {half:.3f} at 95%, {count} tasks)", flush=True)
         return float(returns.mean())
@@ -168,6 +172,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--eval-episodes", type=int, default=9, help="held-out tasks played (at most the test split)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-file", type=Path, default=None,
+                        help="write the held-out returns as JSON (what rlpipe sweep reads)")
     args = parser.parse_args()
     started = time.monotonic()
     loop = Loop(args)
@@ -177,6 +183,9 @@ def main() -> None:
         loop.rl_step(step)
     last = loop.evaluate(loop.training.save_weights_and_get_sampling_client().result(), "last version")
     print(f"base {base:+.3f} -> last {last:+.3f} in {time.monotonic() - started:.0f} s", flush=True)
+    if args.result_file is not None:
+        args.result_file.write_text(json.dumps({"metric": "held-out return", "samples": loop.evaluations["last version"],
+                                                "evaluations": loop.evaluations}))
 
 
 if __name__ == "__main__":

@@ -183,15 +183,17 @@ def test_the_cartpole_example_runs_end_to_end_for_two_steps(server, tmp_path):
     assert result["tokens"]["sampled"] > 0 and result["tokens"]["trained"] > 0
 
 
-def test_the_text2sql_recipe_runs_end_to_end_and_logs_the_reward_breakdown(server):
+def test_the_text2sql_recipe_runs_end_to_end_and_logs_the_reward_breakdown(server, tmp_path):
     script = Path(__file__).resolve().parents[2] / "examples" / "tinker_text2sql.py"
     env = {**os.environ, "TINKER_API_KEY": "tml-example", "TINKER_TELEMETRY": "0"}
     done = subprocess.run(
         [sys.executable, str(script), "--base-url", server.url, "--base-model", server.base_model, "--max-tokens", "12",
          "--sft-steps", "1", "--batch", "4", "--rl-steps", "2", "--groups", "2", "--group-size", "2",
-         "--eval-episodes", "2"],
+         "--eval-episodes", "2", "--result-file", str(tmp_path / "r.json")],
         env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert len(result["samples"]) == 2 and set(result["evaluations"]) == {"base model", "last version"}
     lines = done.stdout.splitlines()
     rl = [line for line in lines if line.startswith("rl step ")]
     assert len(rl) == 2, done.stdout
