@@ -106,7 +106,8 @@ def plot_packed_duty_cycle(duty: dict[str, Any], title: str | None = None, legen
         for run, rows in bars.items():  # one collection per run: thousands of intervals draw in a second
             boxes = [[(x, y), (x + w, y), (x + w, y + h), (x, y + h)] for x, w, y, h in rows]
             ax.add_collection(PolyCollection(boxes, facecolors=colors[run], linewidths=0))
-        shares = ", ".join(f"{run} {percent(f)}" for run, f in lane["busy_fraction_by_run"].items())
+        entries = [f"{run} {percent(f)}" for run, f in lane["busy_fraction_by_run"].items()]
+        shares = ",\n".join(", ".join(entries[i:i + 2]) for i in range(0, len(entries), 2))  # two runs a line
         labels.append(f"{lane['name']} {percent(lane['busy_fraction'])} busy\n({shares})")
     ax.set_yticks(range(len(labels)), labels)
     ax.set_ylim(-0.6, len(labels) - 0.4)
