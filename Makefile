@@ -5,7 +5,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: demo test install install-gpu lint clean
+.PHONY: demo test install install-gpu lint clean cookbook-env
+
+# tinker-cookbook's client environment, apart from the server's venv (see docs/cookbook.md).
+COOKBOOK_VENV := .venv-cookbook
+COOKBOOK_REQUIREMENTS := examples/cookbook/requirements.txt
+COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
+# why the last build failed (the end of its log); tests/integration/test_cookbook.py skips with it
+COOKBOOK_ERROR := $(COOKBOOK_VENV)/build-error.txt
 
 $(STAMP): pyproject.toml
 	@test ! -f $(GPU_STAMP) || { echo "$(VENV) holds the GPU install: run make install-gpu to update it, or make clean first"; exit 1; }
@@ -33,10 +40,28 @@ $(GPU_STAMP): pyproject.toml
 
 install-gpu: $(GPU_STAMP)
 
+# A failed build does not fail this rule (make test carries on): it records why in $(COOKBOOK_ERROR).
+$(COOKBOOK_STAMP): $(COOKBOOK_REQUIREMENTS)
+	@mkdir -p $(COOKBOOK_VENV) && rm -f $(COOKBOOK_ERROR) $(COOKBOOK_STAMP)
+	@echo "building $(COOKBOOK_VENV) from $(COOKBOOK_REQUIREMENTS) (log: $(COOKBOOK_VENV)/build.log)"
+	@( { test -x $(COOKBOOK_VENV)/bin/python || $(PY) -m venv $(COOKBOOK_VENV); } && \
+	  $(COOKBOOK_VENV)/bin/python -m pip install -q --upgrade pip && \
+	  $(COOKBOOK_VENV)/bin/python -m pip install -q torch==2.13.0 && \
+	  $(COOKBOOK_VENV)/bin/python -m pip install -q -r $(COOKBOOK_REQUIREMENTS) && \
+	  { $(COOKBOOK_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true; } && \
+	  $(COOKBOOK_VENV)/bin/python -c "import tinker_cookbook.recipes.rl_loop, tinker_cookbook.recipes.sl_loop" \
+	) > $(COOKBOOK_VENV)/build.log 2>&1 && touch $(COOKBOOK_STAMP) || { \
+	  grep -v '^WARNING:' $(COOKBOOK_VENV)/build.log | tail -n 15 > $(COOKBOOK_ERROR); \
+	  echo "$(COOKBOOK_VENV) could not be built; the cookbook test will skip. The end of the log:"; \
+	  cat $(COOKBOOK_ERROR); }
+
+cookbook-env: $(COOKBOOK_STAMP)
+	@test -f $(COOKBOOK_STAMP) || { echo "$(COOKBOOK_VENV) could not be built (see $(COOKBOOK_ERROR))"; exit 1; }
+
 demo: $(STAMP)
 	$(BIN)/rlpipe demo
 
-test: $(STAMP)
+test: $(STAMP) $(COOKBOOK_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -44,4 +69,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .rlpipe
+	rm -rf $(VENV) $(COOKBOOK_VENV) .pytest_cache .rlpipe
