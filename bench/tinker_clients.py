@@ -167,13 +167,19 @@ def store_root(out: Path) -> str:
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    """Stop ``rlpipe serve`` (it stops its engines); its whole process group if it does not within 90 s."""
+    """Stop ``rlpipe serve`` (it stops its engines), then whatever of its process group is left."""
     process.terminate()
     try:
         process.wait(timeout=90)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        process.kill()
         process.wait()
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # serve's own group: its engines, should any outlive it
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        time.sleep(10.0)
 
 
 def _wait_for(check: Any, timeout_s: float) -> None:

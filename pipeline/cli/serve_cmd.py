@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -104,6 +105,7 @@ def serve(
     env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": bus.bootstrap_servers}
     if not cfg.bus.bootstrap_servers:
         env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
+    stop_on_sigterm()
     workers = [subprocess.Popen(trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace), env=env)
                for m in models] if role in ("all", "trainer") else []
     workers += [subprocess.Popen(sampler_command(m, store.root, bus.bootstrap_servers, bus.namespace, sampler),
@@ -114,6 +116,19 @@ def serve(
         run_gateway(store, bus, models, host, port)
     finally:
         stop_workers(workers)
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit`` here, so serve's ``finally`` stops its engine processes.
+
+    uvicorn shuts down gracefully on SIGTERM, then restores the handler it found and raises the
+    signal again; under Python's default handler that ended serve at once and left its engines running.
+    """
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def stop_workers(workers: list[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:

@@ -58,3 +58,31 @@ def test_serve_stops_its_engines_and_kills_one_that_ignores_the_request():
     stop_workers([polite, stuck], timeout_s=1.0)
     assert polite.poll() is not None and stuck.poll() is not None
     assert time.monotonic() - started < 10
+
+
+def test_sigterm_lets_serve_stop_its_engines_after_uvicorn_shuts_down(tmp_path):
+    """uvicorn raises SIGTERM again after its graceful shutdown; serve's clean-up must still run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.devstack.process import free_port
+
+    script = tmp_path / "serve_like.py"
+    script.write_text(
+        "import uvicorn\n"
+        "from pipeline.cli.serve_cmd import stop_on_sigterm\n"
+        "async def app(scope, receive, send):\n"
+        "    pass\n"
+        "stop_on_sigterm()\n"
+        "try:\n"
+        f"    uvicorn.run(app, host='127.0.0.1', port={free_port()}, log_level='warning', lifespan='off')\n"
+        "finally:\n"
+        "    print('engines stopped', flush=True)\n")
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    time.sleep(3.0)  # uvicorn listening, its signal handlers in place
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=30)
+    assert "engines stopped" in out and process.returncode == 128 + signal.SIGTERM, out
