@@ -77,7 +77,7 @@ def sweep(
     console.print(f"leaderboard: {sweep_dir.path / 'leaderboard.html'} ({sweep_dir.path / FIGURE}, "
                   f"{sweep_dir.path / 'leaderboard.md'})")
     if counts["failed"]:
-        console.print(f"{counts['failed']} experiment(s) failed: see their failed.json and log.txt; "
+        console.print(f"{counts['failed']} experiment(s) failed: see their failed.json, log.txt and stderr.txt; "
                       f"run them again with: rlpipe sweep --resume {sweep_dir.path}")
         raise typer.Exit(EXIT_FAILURE)
 

@@ -9,7 +9,8 @@ episode of its final weights; higher is better).  Optional ``evaluations``
 (``{label: [numbers]}``, e.g. its base model's) appear in the leaderboard beside it.
 
 The folder (``sweep.json`` the plan, ``exp-NNN/`` one per experiment with its
-``config.json``, ``log.txt`` and, once it has finished, ``result.json``) is the
+``config.json``, its output in ``log.txt`` (stdout) and ``stderr.txt``, and, once
+it has finished, ``result.json``) is the
 sweep's whole state: a sweep started again on the same folder runs only the
 experiments without a ``result.json``.
 """
@@ -36,6 +37,7 @@ RESULT_FILE = "result.json"
 PARTIAL_RESULT_FILE = "result.partial.json"
 FAILURE_FILE = "failed.json"
 LOG_FILE = "log.txt"
+STDERR_FILE = "stderr.txt"
 LOCK_FILE = ".lock"
 KEY = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 RESERVED = ("seed", "result-file")  # the sweep passes these itself

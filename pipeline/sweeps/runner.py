@@ -4,7 +4,8 @@ Every experiment is a client of the same server, so the server's shared
 engines pack them: one training engine and one sampling engine serve every
 experiment's session.  The processes are started and watched from this thread
 (no threads: a child started from a thread would be killed with that thread),
-their output appended to their ``log.txt``.  On Linux each child is asked to
+their output appended to their ``log.txt`` (stdout: the
+script's progress lines) and ``stderr.txt`` (logging, warnings, a traceback).  On Linux each child is asked to
 die with the sweep (``PR_SET_PDEATHSIG``), so a killed sweep leaves no
 experiment running behind it, and a sweep started again on its folder runs the
 unfinished ones from their start.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.sweeps.plan import LOG_FILE, Experiment, SweepDir, SweepSpec, experiments
+from pipeline.sweeps.plan import LOG_FILE, STDERR_FILE, Experiment, SweepDir, SweepSpec, experiments
 
 SWEEP_EXPERIMENT_ENV = "RLPIPE_SWEEP_EXPERIMENT"  # the experiment's name, for the script's own logs
 _PR_SET_PDEATHSIG = 1
@@ -36,15 +37,19 @@ class Attempt:
     log: Path
     started: float = field(default_factory=time.monotonic)
 
-    def last_line(self) -> str:
-        """The last non-empty line the script printed (its progress)."""
-        try:
-            with open(self.log, "rb") as handle:
-                handle.seek(max(0, self.log.stat().st_size - 4096))
-                lines = [line for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
-        except OSError:
-            return ""
-        return lines[-1].strip() if lines else ""
+    def last_line(self, path: Path | None = None) -> str:
+        """The last non-empty line the script printed to stdout (its progress), or to ``path``."""
+        return _last_line(path or self.log)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, path.stat().st_size - 4096))
+            lines = [line for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
 
 
 @dataclass
@@ -95,11 +100,14 @@ def run_sweep(sweep: SweepDir, spec: SweepSpec, parallel: int, report: Callable[
 def _start(sweep: SweepDir, spec: SweepSpec, experiment: Experiment) -> Attempt:
     result_path = sweep.prepare(experiment)
     log = sweep.folder(experiment) / LOG_FILE
-    with open(log, "ab") as handle:
-        handle.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(experiment.argv(spec, result_path))}\n"
-                     .encode())
+    header = f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(experiment.argv(spec, result_path))}\n".encode()
+    with open(log, "ab") as out, open(sweep.folder(experiment) / STDERR_FILE, "ab") as err:
+        out.write(header)
+        err.write(header)
+        out.flush()
+        err.flush()
         process = subprocess.Popen(
-            experiment.argv(spec, result_path), stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            experiment.argv(spec, result_path), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
             env={**os.environ, SWEEP_EXPERIMENT_ENV: experiment.name, "PYTHONUNBUFFERED": "1"},
             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     return Attempt(experiment, process, log)
@@ -114,7 +122,8 @@ def _settle(sweep: SweepDir, attempt: Attempt) -> Event:
         except ValueError as exc:
             reason = str(exc)
     else:
-        reason = f"exited with {code}: {attempt.last_line() or 'no output'} (see {attempt.log})"
+        errors = attempt.log.with_name(STDERR_FILE)
+        reason = f"exited with {code}: {attempt.last_line(errors) or attempt.last_line() or 'no output'} (see {errors})"
     sweep.record_failure(attempt.experiment, reason, code)
     return Event("failed", attempt.experiment, seconds, reason=reason)
 

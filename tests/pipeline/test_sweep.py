@@ -24,7 +24,7 @@ from pipeline.sweeps.leaderboard import gather, interval
 from pipeline.sweeps.plan import SweepDir, SweepSpec, experiments, parse_fixed, parse_grid
 
 SCRIPT = textwrap.dedent("""
-    import argparse, json, os, pathlib, time
+    import argparse, json, os, pathlib, sys, time
     parser = argparse.ArgumentParser()
     parser.add_argument("--lr", type=float, required=True)
     parser.add_argument("--loss", default="is")
@@ -43,6 +43,9 @@ SCRIPT = textwrap.dedent("""
     if (folder / f"no-result-{args.loss}").exists():
         raise SystemExit(0)
     print(f"step 0 of lr {args.lr}", flush=True)
+    if (folder / "slow").exists():
+        print("Retrying request because of try_again", file=sys.stderr, flush=True)
+        time.sleep(2.5)
     score = 1000 * args.lr + (5 if args.loss == "ppo" else 0) + args.seed
     samples = [score + d for d in (-1.0, 0.0, 1.0, 0.5)][:args.episodes]
     pathlib.Path(args.result_file).write_text(json.dumps(
@@ -194,3 +197,12 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/stat")
     return not (status.exists() and status.read_text().split()[2] == "Z")
+
+
+def test_progress_lines_are_the_scripts_own_output_not_its_logging(script, tmp_path):
+    (script.parent / "slow").touch()
+    done = _sweep(str(script), "--grid", "lr=1e-3", "--progress-every", "1", "--dir", str(tmp_path / "s"))
+    assert done.exit_code == 0, done.output
+    assert "... exp-000" in done.output and "step 0 of lr 0.001" in done.output
+    assert "Retrying" not in done.output  # stderr goes to stderr.txt, not into progress
+    assert "Retrying" in (tmp_path / "s" / "exp-000" / "stderr.txt").read_text()
