@@ -100,6 +100,7 @@ class Level:
     trainer_busy: float
     sampler_busy: float
     results: list[dict[str, Any]]  # per client: its result file
+    window: tuple[float, float] | None = None  # unix seconds: rlpipe report --server --since A --until B redraws it
 
     @property
     def trained_per_s(self) -> float:
@@ -114,7 +115,7 @@ class Level:
         return (self.trained_tokens + self.sampled_tokens) / self.seconds
 
     def to_json(self) -> dict[str, Any]:
-        return {"clients": self.clients, "seconds": self.seconds, "trained_tokens": self.trained_tokens,
+        return {"clients": self.clients, "window": self.window, "seconds": self.seconds, "trained_tokens": self.trained_tokens,
                 "sampled_tokens": self.sampled_tokens, "trained_tokens_per_s": self.trained_per_s,
                 "sampled_tokens_per_s": self.sampled_per_s, "tokens_per_s": self.tokens_per_s,
                 "trainer_busy_fraction": self.trainer_busy, "sampler_busy_fraction": self.sampler_busy,
@@ -270,7 +271,8 @@ def measure_level(store_url: str, clients: int, start: float, end: float, result
     _, body = write_server_report(ObjectStore(store_url), folder, start, end)
     busy = busy_by_kind(body["summary"], body["duty_cycle"]["lanes"])
     return Level(clients, end - start, sum(int(r["tokens"]["trained"]) for r in results),
-                 sum(int(r["tokens"]["sampled"]) for r in results), busy["trainer"], busy["sampler"], results)
+                 sum(int(r["tokens"]["sampled"]) for r in results), busy["trainer"], busy["sampler"], results,
+                 (start, end))
 
 
 # ---- the table ----------------------------------------------------------------------------------------------------
