@@ -140,6 +140,7 @@ def server(base_model: str, sampler: str, out: Path) -> Iterator[str]:
     """A private broker, a store in ``out/store`` and ``rlpipe serve`` (gateway, trainer, sampler); the base URL."""
     import httpx
 
+    from bench.tinker_overhead import wait_for
     from pipeline.devstack.broker import TansuBroker
     from pipeline.devstack.process import free_port
     from pipeline.io.bus import GROUP_TIMINGS_ENV
@@ -157,7 +158,7 @@ def server(base_model: str, sampler: str, out: Path) -> Iterator[str]:
                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_for(lambda: httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200, 180)
+            wait_for(lambda: httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200, 180)
             yield url
         finally:
             _stop(process)
@@ -181,18 +182,6 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         except ProcessLookupError:
             return
         time.sleep(10.0)
-
-
-def _wait_for(check: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except Exception:  # not listening yet
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the server did not answer within {timeout_s:.0f} s; see its log")
 
 
 def warm_up(url: str, base_model: str) -> None:

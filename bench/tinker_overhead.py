@@ -131,7 +131,7 @@ def api_server(base_model: str, device: str, server_log: str | None = None) -> I
         ]
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_for(lambda: httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200, 120)
+            wait_for(lambda: httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200, 120)
             yield url
         finally:
             for process in processes:
@@ -156,7 +156,7 @@ def api_step(url: str, base_model: str, data: list[Any]) -> Any:
     return step
 
 
-def _wait_for(check: Any, timeout_s: float) -> None:
+def wait_for(check: Any, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -165,7 +165,7 @@ def _wait_for(check: Any, timeout_s: float) -> None:
         except Exception:  # not listening yet
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"the server did not answer within {timeout_s:.0f} s")
+    raise TimeoutError(f"the server did not answer within {timeout_s:.0f} s; see its log")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -257,7 +257,8 @@ def main() -> None:
     if args.result_file is not None:  # the held-out returns of the last version are the score
         args.result_file.write_text(json.dumps({
             "metric": "held-out return", "samples": loop.evaluations["last version"],
-            "evaluations": loop.evaluations, "tokens": loop.tokens, "seconds": time.monotonic() - started}))
+            "evaluations": {"base model": loop.evaluations["base model"], "warm start": loop.evaluations["warm start"]},
+            "tokens": loop.tokens, "seconds": time.monotonic() - started}))
 
 
 if __name__ == "__main__":

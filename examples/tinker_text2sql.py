@@ -185,7 +185,7 @@ def main() -> None:
     print(f"base {base:+.3f} -> last {last:+.3f} in {time.monotonic() - started:.0f} s", flush=True)
     if args.result_file is not None:
         args.result_file.write_text(json.dumps({"metric": "held-out return", "samples": loop.evaluations["last version"],
-                                                "evaluations": loop.evaluations}))
+                                                "evaluations": {"base model": loop.evaluations["base model"]}}))
 
 
 if __name__ == "__main__":

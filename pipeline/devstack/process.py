@@ -50,7 +50,7 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: ask Linux to SIGTERM it when the starting thread dies."""
     with contextlib.suppress(OSError, AttributeError):  # no libc.so.6 (musl) or no prctl: start without it
         pr_set_pdeathsig = 1
@@ -180,7 +180,7 @@ class ManagedProcess:
             stderr=subprocess.STDOUT,
             env=self._environment(),
             cwd=self._working_directory(),
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            preexec_fn=die_with_parent if self.die_with_parent else None,
         )
 
     def _wait_until_ready(self) -> None:

@@ -5,8 +5,7 @@ interval: with one finished seed, the t interval over that seed's samples
 (evaluation episodes); with several, the t interval over the seeds' means, so
 that it holds the variation between training runs, not only between
 evaluation episodes.  Other evaluations a script reports (``evaluations``, e.g.
-its base model's) are shown as their mean over the finished seeds; the one
-whose values are the ``samples`` themselves is the score, not repeated.
+its base model's) are shown as their mean over the finished seeds.
 
 Written to the sweep's folder: ``leaderboard.json``, ``leaderboard.md``,
 ``leaderboard.png`` and ``leaderboard.html`` (the table and the plot).
@@ -72,7 +71,7 @@ def gather(sweep: SweepDir, spec: SweepSpec) -> list[Entry]:
         entry.samples += len(result["samples"])
         entry.seed_means[str(experiment.seed)] = float(np.mean(result["samples"]))
         for label, values in result.get("evaluations", {}).items():
-            if values and values != result["samples"]:  # the score's own evaluation is the score column
+            if values:
                 entry.evaluations.setdefault(label, 0.0)
                 entry.evaluations[label] += float(np.mean(values))
         if entry.finished == 1:

@@ -13,7 +13,6 @@ unfinished ones from their start.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -24,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.devstack.process import die_with_parent
 from pipeline.sweeps.plan import LOG_FILE, STDERR_FILE, Experiment, SweepDir, SweepSpec, experiments
 
 SWEEP_EXPERIMENT_ENV = "RLPIPE_SWEEP_EXPERIMENT"  # the experiment's name, for the script's own logs
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -109,7 +108,7 @@ def _start(sweep: SweepDir, spec: SweepSpec, experiment: Experiment) -> Attempt:
         process = subprocess.Popen(
             experiment.argv(spec, result_path), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
             env={**os.environ, SWEEP_EXPERIMENT_ENV: experiment.name, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            preexec_fn=die_with_parent if sys.platform == "linux" else None)
     return Attempt(experiment, process, log)
 
 
@@ -140,9 +139,3 @@ def _stop(running: list[Attempt]) -> None:
         except subprocess.TimeoutExpired:
             attempt.process.kill()
             attempt.process.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the sweep's process dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

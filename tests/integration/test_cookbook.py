@@ -15,7 +15,6 @@ import json
 import math
 import os
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,11 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from pipeline.devstack.process import free_port
-from pipeline.io.bus import GROUP_TIMINGS_ENV
-from pipeline.io.store import ObjectStore
-from tests.integration.test_tinker_api import FAST_GROUP_MS
-from tests.integration.test_tinker_sampling import SamplingServer
+from tests.integration.test_tinker_sampling import SamplingServer, sampling_server
 
 ROOT = Path(__file__).resolve().parents[2]
 COOKBOOK_VENV = ROOT / ".venv-cookbook"
@@ -52,20 +47,8 @@ pytestmark = pytest.mark.skipif(build_failure() is not None, reason=build_failur
 
 @pytest.fixture(scope="module")
 def server(kafka_broker, tiny_model_dir, tmp_path_factory) -> Iterator[SamplingServer]:
-    folder = tmp_path_factory.mktemp("cookbook")
-    env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": kafka_broker.bootstrap_servers,
-           "RLPIPE_BUS__NAMESPACE": f"t{uuid.uuid4().hex[:12]}", "RLPIPE_STORE__ROOT": f"file://{folder}/store",
-           "RLPIPE_HOME": str(folder / "home"), GROUP_TIMINGS_ENV: json.dumps(FAST_GROUP_MS),
-           "OMP_NUM_THREADS": "1"}
-    server = SamplingServer(f"http://127.0.0.1:{free_port()}", tiny_model_dir, tiny_model_dir,
-                            ObjectStore(f"file://{folder}/store"), env, folder)
-    server.start_trainer()
-    server.start_sampler()
-    try:
-        server.start_gateway()
+    with sampling_server(kafka_broker.bootstrap_servers, tiny_model_dir, tmp_path_factory.mktemp("cookbook")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def run_recipe(server: SamplingServer, recipe: str, log_path: Path, *args: str) -> list[dict]:
