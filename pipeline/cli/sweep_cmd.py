@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.table import Column, Table
 
 from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, fail, user_errors
 from pipeline.sweeps.leaderboard import FIGURE, Entry, interval, shown, write_leaderboard
@@ -126,7 +126,8 @@ def _run(sweep_dir: SweepDir, spec: SweepSpec, parallel: int, progress_every: fl
 def _table(entries: list[Entry]) -> Table:
     labels = sorted({label for e in entries for label in e.evaluations})
     metric = next((e.metric for e in entries if e.finished), "score")
-    table = Table("rank", "configuration", f"{metric} (95%)", "seeds", "failed", *labels, title="leaderboard")
+    table = Table("rank", Column("configuration", no_wrap=True), Column(f"{metric} (95%)", no_wrap=True), "seeds",
+                  "failed", *labels, title="leaderboard")
     for rank, entry in enumerate(entries, 1):
         table.add_row(str(rank) if entry.finished else "-", entry.label, shown(entry.mean, entry.half),
                       f"{entry.finished} of {entry.seeds}", str(entry.failed),
