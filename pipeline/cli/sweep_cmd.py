@@ -15,15 +15,17 @@ experiment finished, 1 when one failed, 2 on a bad option.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 from rich.table import Column, Table
 
-from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, fail, user_errors
+from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, JsonOpt, console, err_console, fail, print_json, user_errors
 from pipeline.sweeps.leaderboard import FIGURE, Entry, interval, shown, write_leaderboard
 from pipeline.sweeps.plan import SweepDir, SweepSpec, experiments, parse_fixed, parse_grid
 from pipeline.sweeps.runner import Event, pending, run_sweep
@@ -52,6 +54,7 @@ def sweep(
         help="continue the sweep in this folder with its recorded plan (its unfinished experiments)")] = None,
     python: Annotated[str, typer.Option(help="the interpreter that runs the script")] = sys.executable,
     progress_every: Annotated[float, typer.Option(min=1.0, help="seconds between progress lines")] = 30.0,
+    as_json: JsonOpt = False,
 ) -> None:
     """Run a grid of experiments in parallel against one server and rank them on their held-out scores."""
     with user_errors():
@@ -71,8 +74,15 @@ def sweep(
         with sweep_dir.lock():
             if resume is None:
                 sweep_dir.create_or_check(spec)
-            counts = _run(sweep_dir, spec, parallel, progress_every)
+            counts = _run(sweep_dir, spec, parallel, progress_every, err_console if as_json else console)
             entries = write_leaderboard(sweep_dir, spec)
+    if as_json:  # progress went to stderr; stdout is the leaderboard alone
+        print_json({"folder": str(sweep_dir.path), "html": str(sweep_dir.path / "leaderboard.html"),
+                    "failed_now": counts["failed"],
+                    **json.loads((sweep_dir.path / "leaderboard.json").read_text())})
+        if counts["failed"]:
+            raise typer.Exit(EXIT_FAILURE)
+        return
     console.print(_table(entries))
     console.print(f"leaderboard: {sweep_dir.path / 'leaderboard.html'} ({sweep_dir.path / FIGURE}, "
                   f"{sweep_dir.path / 'leaderboard.md'})")
@@ -89,11 +99,11 @@ def _seeds(text: str) -> list[int]:
         raise ValueError(f"--seeds {text!r}: give integers separated by commas, e.g. --seeds 0,1,2") from None
 
 
-def _run(sweep_dir: SweepDir, spec: SweepSpec, parallel: int, progress_every: float) -> dict[str, int]:
+def _run(sweep_dir: SweepDir, spec: SweepSpec, parallel: int, progress_every: float, out: Console) -> dict[str, int]:
     total, todo = len(experiments(spec)), len(pending(sweep_dir, spec))
     points = total // len(spec.seeds)
     done = total - todo
-    console.print(f"sweep of {total} experiments ({points} grid points x {len(spec.seeds)} seed(s)) in "
+    out.print(f"sweep of {total} experiments ({points} grid points x {len(spec.seeds)} seed(s)) in "
                   f"{sweep_dir.path}: {todo} to run, {min(parallel, max(todo, 1))} at a time"
                   + (f" ({done} already finished)" if done else ""), markup=False)
     finished = done
@@ -102,24 +112,24 @@ def _run(sweep_dir: SweepDir, spec: SweepSpec, parallel: int, progress_every: fl
         nonlocal finished
         if event.kind == "progress":
             for experiment, seconds, line in event.running:
-                console.print(f"  ... {experiment.name} ({seconds:.0f} s): {line[:120]}", markup=False)
+                out.print(f"  ... {experiment.name} ({seconds:.0f} s): {line[:120]}", markup=False)
             return
         assert event.experiment is not None
         what = f"{event.experiment.name} {event.experiment.label} seed {event.experiment.seed}"
         if event.kind == "started":
-            console.print(f"started {what}", markup=False)
+            out.print(f"started {what}", markup=False)
         elif event.kind == "finished" and event.result is not None:
             finished += 1
             mean, half = interval(event.result["samples"])
-            console.print(f"[{finished}/{total}] finished {what} in {event.seconds:.0f} s: "
+            out.print(f"[{finished}/{total}] finished {what} in {event.seconds:.0f} s: "
                           f"{event.result.get('metric', 'score')} {shown(mean, half)}", markup=False)
         else:
-            console.print(f"failed {what} after {event.seconds:.0f} s: {event.reason}", markup=False)
+            out.print(f"failed {what} after {event.seconds:.0f} s: {event.reason}", markup=False)
 
     try:
         return run_sweep(sweep_dir, spec, parallel, report, progress_every_s=progress_every)
     except KeyboardInterrupt:
-        console.print(f"stopped; continue with: rlpipe sweep --resume {sweep_dir.path}")
+        out.print(f"stopped; continue with: rlpipe sweep --resume {sweep_dir.path}")
         raise typer.Exit(130) from None
 
 

@@ -206,3 +206,11 @@ def test_progress_lines_are_the_scripts_own_output_not_its_logging(script, tmp_p
     assert "... exp-000" in done.output and "step 0 of lr 0.001" in done.output
     assert "Retrying" not in done.output  # stderr goes to stderr.txt, not into progress
     assert "Retrying" in (tmp_path / "s" / "exp-000" / "stderr.txt").read_text()
+
+
+def test_json_output_is_the_leaderboard_alone_with_progress_on_stderr(script, tmp_path):
+    done = _sweep(str(script), "--grid", "lr=1e-3,2e-3", "--dir", str(tmp_path / "s"), "--json")
+    assert done.exit_code == 0, done.output
+    board = json.loads(done.stdout)
+    assert [e["label"] for e in board["entries"]] == ["lr=2e-3", "lr=1e-3"] and board["failed_now"] == 0
+    assert board["folder"] == str(tmp_path / "s") and "finished exp-000" in done.stderr
