@@ -85,7 +85,11 @@ def engine_name(kind: str, engine_id: str) -> str:
 
 def activity_prefix(kind: str, engine_id: str) -> str:
     """Store folder of one engine's activity objects."""
-    return f"{ENGINES_PREFIX}/{engine_name(kind, engine_id)}/activity"
+    return _folder(engine_name(kind, engine_id))
+
+
+def _folder(engine: str) -> str:
+    return f"{ENGINES_PREFIX}/{engine}/activity"
 
 
 class ActivityRecorder:
@@ -99,7 +103,7 @@ class ActivityRecorder:
             raise ValueError(f"flush_every_calls must be >= 1, got {flush_every_calls}")
         self.store, self.kind = store, kind
         self.engine = engine_name(kind, engine_id or default_engine_id())
-        self.prefix = f"{ENGINES_PREFIX}/{self.engine}/activity"
+        self.prefix = _folder(self.engine)
         self.flush_every_s, self.flush_every_calls = flush_every_s, flush_every_calls
         self._buffer: list[EngineActivity] = []
         self._lock = threading.Lock()
@@ -159,7 +163,7 @@ def read_activity(store: ObjectStore, since: float | None = None, until: float |
     """
     found: list[EngineActivity] = []
     for engine in engines(store):
-        for key in store.list(f"{ENGINES_PREFIX}/{engine}/activity"):
+        for key in store.list(_folder(engine)):
             match = _NAME_RE.fullmatch(key.rsplit("/", 1)[-1])
             if match is None:
                 continue

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -27,6 +26,7 @@ import typer
 
 from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
 from pipeline.cli.options import SetOpt, run_config, setup_logging
+from pipeline.devstack.process import stop_processes
 
 if TYPE_CHECKING:
     from pipeline.io.store import ObjectStore
@@ -137,16 +137,7 @@ def stop_workers(workers: list[subprocess.Popen[bytes]], timeout_s: float = 60.0
     An engine whose broker went away first (``rlpipe down`` before serve) can hang in its
     shutdown while its client waits for the broker; serve never leaves one running.
     """
-    for process in workers:
-        process.terminate()
-    deadline = time.monotonic() + timeout_s
-    for process in workers:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("engine process %d did not stop within %.0f s; killing it", process.pid, timeout_s)
-            process.kill()
-            process.wait()
+    stop_processes(workers, timeout_s)
 
 
 def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str, port: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import logging
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import IO, ClassVar, Self
 
 LOOPBACK = "127.0.0.1"
+log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -55,6 +57,22 @@ def die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):  # no libc.so.6 (musl) or no prctl: start without it
         pr_set_pdeathsig = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def stop_processes(processes: list[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:
+    """Ask each process to stop (SIGTERM); kill those still running ``timeout_s`` after the request."""
+    for process in processes:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("process %d did not stop within %.0f s; killing it", process.pid, timeout_s)
+            process.kill()
+            process.wait()
 
 
 class ManagedProcess:

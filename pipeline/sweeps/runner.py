@@ -4,26 +4,24 @@ Every experiment is a client of the same server, so the server's shared
 engines pack them: one training engine and one sampling engine serve every
 experiment's session.  The processes are started and watched from this thread
 (no threads: a child started from a thread would be killed with that thread),
-their output appended to their ``log.txt`` (stdout: the
-script's progress lines) and ``stderr.txt`` (logging, warnings, a traceback).  On Linux each child is asked to
-die with the sweep (``PR_SET_PDEATHSIG``), so a killed sweep leaves no
-experiment running behind it, and a sweep started again on its folder runs the
-unfinished ones from their start.
+their output appended to their ``log.txt`` (stdout: the script's progress
+lines) and ``stderr.txt`` (logging, warnings, a traceback).  On Linux each child
+is asked to die with the sweep (``PR_SET_PDEATHSIG``, devstack's
+``die_with_parent``), so a killed sweep leaves no experiment running behind it,
+and a sweep started again on its folder runs the unfinished ones from their start.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.devstack.process import die_with_parent
+from pipeline.devstack.process import die_with_parent, stop_processes
 from pipeline.sweeps.plan import LOG_FILE, STDERR_FILE, Experiment, SweepDir, SweepSpec, experiments
 
 SWEEP_EXPERIMENT_ENV = "RLPIPE_SWEEP_EXPERIMENT"  # the experiment's name, for the script's own logs
@@ -91,8 +89,8 @@ def run_sweep(sweep: SweepDir, spec: SweepSpec, parallel: int, report: Callable[
                 last_progress = time.monotonic()
                 report(Event("progress", running=[(a.experiment, time.monotonic() - a.started, a.last_line())
                                                   for a in running]))
-    finally:
-        _stop(running)
+    finally:  # attempts still running when the sweep stops (Ctrl-C, an error) run again on resume
+        stop_processes([attempt.process for attempt in running], timeout_s=10.0)
     return counts
 
 
@@ -108,7 +106,7 @@ def _start(sweep: SweepDir, spec: SweepSpec, experiment: Experiment) -> Attempt:
         process = subprocess.Popen(
             experiment.argv(spec, result_path), stdout=out, stderr=err, stdin=subprocess.DEVNULL,
             env={**os.environ, SWEEP_EXPERIMENT_ENV: experiment.name, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=die_with_parent if sys.platform == "linux" else None)
+            preexec_fn=die_with_parent)
     return Attempt(experiment, process, log)
 
 
@@ -127,15 +125,3 @@ def _settle(sweep: SweepDir, attempt: Attempt) -> Event:
     return Event("failed", attempt.experiment, seconds, reason=reason)
 
 
-def _stop(running: list[Attempt]) -> None:
-    """Stop attempts still running when the sweep stops (Ctrl-C, an error): they run again on resume."""
-    for attempt in running:
-        if attempt.process.poll() is None:
-            attempt.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for attempt in running:
-        try:
-            attempt.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            attempt.process.kill()
-            attempt.process.wait()
