@@ -170,12 +170,9 @@ def store_root(out: Path) -> str:
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
     """Stop ``rlpipe serve`` (it stops its engines), then whatever of its process group is left."""
-    process.terminate()
-    try:
-        process.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    from pipeline.devstack.process import stop_processes
+
+    stop_processes([process], timeout_s=90.0)
     for sig in (signal.SIGTERM, signal.SIGKILL):  # serve's own group: its engines, should any outlive it
         try:
             os.killpg(process.pid, sig)
