@@ -11,10 +11,14 @@ here, client-side; the server only trains and samples.  The recipe is the one
    a random push otherwise) on training seeds; every turn gives both answers,
    weighted by how often the teacher gives each (0.62 / 0.38);
 2. on-policy RL: each step plays ``group_size`` episodes from each of ``groups``
-   start states with ``save_weights_and_get_sampling_client``; a turn's advantage is
-   its return-to-go discounted at 0.9, minus the mean over the step, over the
-   step's standard deviation; one ``importance_sampling`` step with the sampled
-   tokens' logprobs as ``q``;
+   start states with ``save_weights_and_get_sampling_client``; one
+   ``importance_sampling`` step with the sampled tokens' logprobs as ``q``.  A turn's
+   advantage (``--advantage``) is either its return-to-go discounted at 0.9
+   (``return``), or a generalised advantage estimate (``gae``) against a value
+   baseline the loop fits itself: a ridge regression of the discounted return-to-go
+   on quadratic features of the cart's state over the last few steps' turns, so
+   that a push is judged by the state it leads to rather than by the whole rest
+   of its episode.  Either is then centred and scaled over the step;
 3. held-out evaluation: the base model, the warm start and the last weights on
    unseen seeds (sampled at temperature 1, as trained), mean return with a 95% interval.
 
@@ -32,6 +36,7 @@ import asyncio
 import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +63,7 @@ class CartPole:
 
     def __init__(self, seed: int, max_steps: int) -> None:
         self.state = np.random.default_rng(seed).uniform(-0.05, 0.05, 4)
-        self.max_steps, self.steps, self.done = max_steps, 0, False
+        self.max_steps, self.steps, self.done, self.fell = max_steps, 0, False, False
 
     def step(self, action: int) -> float:
         x, x_dot, theta, theta_dot = self.state
@@ -70,8 +75,8 @@ class CartPole:
         self.state = np.array([x + 0.02 * x_dot, x_dot + 0.02 * x_acc, theta + 0.02 * theta_dot,
                                theta_dot + 0.02 * theta_acc])
         self.steps += 1
-        fell = abs(self.state[0]) > 2.4 or abs(self.state[2]) > 12 * 2 * math.pi / 360
-        self.done = fell or self.steps >= self.max_steps
+        self.fell = abs(self.state[0]) > 2.4 or abs(self.state[2]) > 12 * 2 * math.pi / 360
+        self.done = self.fell or self.steps >= self.max_steps
         return 1.0
 
     def observation(self) -> str:
@@ -90,6 +95,38 @@ class CartPole:
         return 1 if theta + 0.5 * theta_dot + 0.02 * x + 0.1 * x_dot > 0 else 0
 
 
+# ---- a value baseline of the cart's state (for --advantage gae) ----------------------------------------------------
+
+STATE_SCALE = np.array([2.4, 2.0, 12 * 2 * math.pi / 360, 2.0])  # the track, the pole's limit, typical speeds
+
+
+def features(states: np.ndarray) -> np.ndarray:
+    """1, the scaled state and the products of its pairs: a quadratic function of cart and pole, per row."""
+    scaled = np.atleast_2d(states) / STATE_SCALE
+    i, j = np.triu_indices(scaled.shape[1])
+    return np.hstack([np.ones((len(scaled), 1)), scaled, scaled[:, i] * scaled[:, j]])
+
+
+def fit_value(states: np.ndarray, targets: np.ndarray, ridge: float = 1e-2) -> np.ndarray:
+    """Weights of the ridge regression of ``targets`` on ``features(states)``."""
+    x = features(states)
+    return np.linalg.solve(x.T @ x + ridge * np.eye(x.shape[1]), x.T @ targets)
+
+
+def gae(rewards: list[float], values: list[float], last_value: float, discount: float, lam: float) -> list[float]:
+    """Generalised advantage estimates of one episode's turns.
+
+    ``values[t]`` is the baseline of the state turn ``t`` saw; ``last_value`` that of the state after the
+    last turn (0 when the episode ended there, the baseline when it was cut at the step limit).
+    """
+    advantages, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        following = values[t + 1] if t + 1 < len(rewards) else last_value
+        running = rewards[t] + discount * following - values[t] + discount * lam * running
+        advantages[t] = running
+    return advantages
+
+
 def parse_action(text: str) -> int | None:
     """The action in the last ``<answer>...</answer>``; None when there is none."""
     start, end = text.rfind("<answer>"), text.rfind("</answer>")
@@ -97,6 +134,33 @@ def parse_action(text: str) -> int | None:
         return None
     word = text[start + len("<answer>"):end].strip().lower()
     return {"left": 0, "0": 0, "right": 1, "1": 1}.get(word)
+
+
+@dataclass
+class Turn:
+    prompt: list[int]
+    tokens: list[int]  # the sampled answer
+    logprobs: list[float]  # the sampler's, one per answer token
+    reward: float
+    state: np.ndarray  # the cart's state the prompt showed
+
+
+@dataclass
+class Episode:
+    turns: list[Turn] = field(default_factory=list)
+    cut: bool = False  # ended by the step limit rather than a fall or an answer without an action
+    last_state: np.ndarray = field(default_factory=lambda: np.zeros(4))
+
+    @property
+    def total(self) -> float:
+        return sum(t.reward for t in self.turns)
+
+    def returns_to_go(self, discount: float) -> list[float]:
+        to_go, result = 0.0, []
+        for turn in reversed(self.turns):
+            to_go = turn.reward + discount * to_go
+            result.append(to_go)
+        return result[::-1]
 
 
 # ---- the loop ------------------------------------------------------------------------------------------------------
@@ -110,8 +174,9 @@ class Loop:
         self.tokenizer = AutoTokenizer.from_pretrained(args.base_model)
         self.eos = self.tokenizer.eos_token_id
         self.sampled = 0  # sample calls so far (each its own seed)
-        self.tokens = {"sampled": 0, "trained": 0}
-        self.evaluations: dict[str, list[float]] = {}  # label -> held-out returns, one per episode  # sampled tokens, and tokens in forward_backward calls
+        self.tokens = {"sampled": 0, "trained": 0}  # sampled tokens, and tokens in forward_backward calls
+        self.evaluations: dict[str, list[float]] = {}  # label -> held-out returns, one per episode
+        self.history: list[tuple[np.ndarray, np.ndarray]] = []  # (states, returns-to-go) of the last RL steps
 
     def prompt_tokens(self, env: CartPole) -> list[int]:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": env.observation()}]
@@ -152,11 +217,10 @@ class Loop:
             print(f"sft step {step}: loss/token {out.metrics['loss:sum'] / weight:.3f}", flush=True)
 
     # 2. on-policy RL
-    async def episodes(self, sampling, seeds: list[int], temperature: float) -> list[tuple[float, list]]:
-        """Run one episode per seed at once; each: its return and (prompt, tokens, logprobs, reward) of every turn."""
+    async def episodes(self, sampling, seeds: list[int], temperature: float) -> list[Episode]:
+        """Run one episode per seed at once."""
         envs = [CartPole(seed, self.args.max_steps) for seed in seeds]
-        turns: list[list] = [[] for _ in envs]
-        returns = [0.0] * len(envs)
+        episodes = [Episode() for _ in envs]
         while not all(env.done for env in envs):
             live = [i for i, env in enumerate(envs) if not env.done]
             prompts = [self.prompt_tokens(envs[i]) for i in live]
@@ -169,42 +233,57 @@ class Loop:
             for i, prompt, result in zip(live, prompts, results, strict=True):
                 sequence = result.sequences[0]
                 self.tokens["sampled"] += len(sequence.tokens)
+                state = envs[i].state.copy()
                 action = parse_action(self.tokenizer.decode(sequence.tokens, skip_special_tokens=True))
                 reward = 0.0
                 if action is None:  # an answer that holds no action ends the episode
                     envs[i].done = True
                 else:
                     reward = envs[i].step(action)
-                returns[i] += reward
-                turns[i].append((prompt, list(sequence.tokens), list(sequence.logprobs), reward))
-        return list(zip(returns, turns, strict=True))
+                episode = episodes[i]
+                episode.turns.append(Turn(prompt, list(sequence.tokens), list(sequence.logprobs), reward, state))
+                if envs[i].done:  # cut at the step limit: the state it was cut in still had a future
+                    episode.cut = action is not None and envs[i].steps >= self.args.max_steps and not envs[i].fell
+                    episode.last_state = envs[i].state.copy()
+        return episodes
+
+    def advantages(self, episodes: list[Episode]) -> list[list[float]]:
+        """Each turn's advantage before the step's centring and scaling (``--advantage``)."""
+        to_go = [e.returns_to_go(self.args.discount) for e in episodes]
+        if self.args.advantage == "return":
+            return to_go
+        self.history.append((np.array([t.state for e in episodes for t in e.turns]), np.concatenate(to_go)))
+        del self.history[:-self.args.value_steps]  # the baseline follows the policy: only the last few steps
+        weights = fit_value(np.concatenate([s for s, _ in self.history]), np.concatenate([g for _, g in self.history]))
+        result = []
+        for e in episodes:
+            values = (features(np.array([t.state for t in e.turns])) @ weights).tolist()
+            last = float((features(e.last_state) @ weights)[0]) if e.cut else 0.0
+            result.append(gae([t.reward for t in e.turns], values, last, self.args.discount, self.args.gae_lambda))
+        return result
 
     def rl_step(self, step: int) -> None:
         started = time.monotonic()
         sampling = self.training.save_weights_and_get_sampling_client().result()
         seeds = [20_000 + step * self.args.groups + g for g in range(self.args.groups)]
         runs = asyncio.run(self.episodes(sampling, [s for s in seeds for _ in range(self.args.group_size)], 1.0))
-        rows = []  # (prompt, tokens, logprobs, discounted return-to-go) of every turn
-        for _, turns in runs:
-            to_go = 0.0
-            for prompt, tokens, logprobs, reward in reversed(turns):
-                to_go = reward + self.args.discount * to_go
-                rows.append((prompt, tokens, logprobs, to_go))
-        values = np.array([r[3] for r in rows])
+        turns = [t for e in runs for t in e.turns]
+        values = np.concatenate(self.advantages(runs)) if turns else np.zeros(0)
         spread = values.std() if len(values) > 1 else 0.0
-        data = [self.datum(p, t, logprobs=lp, advantages=[float((v - values.mean()) / spread)] * len(t))
-                for p, t, lp, v in rows if t and spread > 0]
+        data = [self.datum(t.prompt, t.tokens, logprobs=t.logprobs,
+                           advantages=[float((v - values.mean()) / spread)] * len(t.tokens))
+                for t, v in zip(turns, values, strict=True) if t.tokens and spread > 0]
         if data:
             self.train(data, self.args.loss)
             self.training.optim_step(types.AdamParams(learning_rate=self.args.rl_lr)).result()
-        returns = [r for r, _ in runs]
+        returns = [e.total for e in runs]
         print(f"rl step {step}: mean return {np.mean(returns):.1f} over {len(returns)} episodes, "
               f"{len(data)} datums ({time.monotonic() - started:.1f} s)", flush=True)
 
     # 3. held-out evaluation
     def evaluate(self, sampling, label: str) -> tuple[float, float]:
         seeds = list(range(90_000, 90_000 + self.args.eval_episodes))
-        returns = np.array([r for r, _ in asyncio.run(self.episodes(sampling, seeds, 1.0))])
+        returns = np.array([e.total for e in asyncio.run(self.episodes(sampling, seeds, 1.0))])
         self.evaluations[label] = returns.tolist()
         half = 1.96 * returns.std(ddof=1) / math.sqrt(len(returns)) if len(returns) > 1 else float("nan")
         print(f"held-out {label}: return {returns.mean():.1f} +/- {half:.1f} (95%, {len(returns)} episodes)",
@@ -236,6 +315,10 @@ def main() -> None:
     parser.add_argument("--loss", default="importance_sampling", choices=["importance_sampling", "ppo", "cispo"],
                         help="the RL loss")
     parser.add_argument("--discount", type=float, default=0.9, help="of the return-to-go")
+    parser.add_argument("--advantage", default="return", choices=["return", "gae"],
+                        help="a turn's advantage: its discounted return-to-go, or GAE against a fitted value baseline")
+    parser.add_argument("--gae-lambda", type=float, default=0.5, help="gae: how far the estimate looks ahead")
+    parser.add_argument("--value-steps", type=int, default=3, help="gae: RL steps of turns the baseline is fitted on")
     parser.add_argument("--groups", type=int, default=1, help="start states per RL step")
     parser.add_argument("--group-size", type=int, default=8, help="episodes per start state")
     parser.add_argument("--eval-episodes", type=int, default=32)
