@@ -35,83 +35,14 @@ import torch.nn.functional as F
 from consumers.value.agent import DQNAgent, ValueAgent
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.replay import ReplayMemory, steps_to_transitions
+from pipeline.building_policy import ObservationScaler, SetpointGrid, network_input, time_features
 from schemas.steps import check_steps_table
 
-SECONDS_PER_DAY = 86_400.0
-
-
-# ==== actions =======================================================================================
-@dataclass(frozen=True)
-class SetpointGrid:
-    """The product grid of discrete setpoint pairs (kelvin) standing in for the continuous action."""
-
-    water_range_k: tuple[float, float]
-    air_range_k: tuple[float, float]
-    water_levels: int = 5
-    air_levels: int = 5
-
-    def __post_init__(self) -> None:
-        if self.water_levels < 2 or self.air_levels < 2:
-            raise ValueError(f"grid {self.water_levels} x {self.air_levels}: use at least 2 levels per setpoint")
-        if self.water_range_k[0] >= self.water_range_k[1] or self.air_range_k[0] >= self.air_range_k[1]:
-            raise ValueError(f"setpoint ranges {self.water_range_k}, {self.air_range_k} must be (low, high)")
-
-    @property
-    def num_actions(self) -> int:
-        return self.water_levels * self.air_levels
-
-    def water_k(self) -> np.ndarray:
-        return np.linspace(*self.water_range_k, self.water_levels)
-
-    def air_k(self) -> np.ndarray:
-        return np.linspace(*self.air_range_k, self.air_levels)
-
-    def to_index(self, water_k: np.ndarray, air_k: np.ndarray) -> np.ndarray:
-        """The nearest grid cell of each (water, air) pair (values outside a range go to its end)."""
-        water = np.abs(np.asarray(water_k, dtype=np.float64)[..., None] - self.water_k()).argmin(-1)
-        air = np.abs(np.asarray(air_k, dtype=np.float64)[..., None] - self.air_k()).argmin(-1)
-        return water * self.air_levels + air
-
-    def to_setpoints(self, index: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
-        """(water_k, air_k) of grid cell(s) ``index``."""
-        index = np.asarray(index, dtype=np.int64)
-        if np.any((index < 0) | (index >= self.num_actions)):
-            raise ValueError(f"action index outside the grid's 0..{self.num_actions - 1}")
-        return self.water_k()[index // self.air_levels], self.air_k()[index % self.air_levels]
-
-
-# ==== observations ==================================================================================
-def time_features(timestamp_s: np.ndarray, utc_offset_hours: float) -> np.ndarray:
-    """(sin, cos) of the local hour and 1.0 on Saturdays and Sundays, per UTC epoch second; shape (R, 3)."""
-    local_s = np.asarray(timestamp_s, dtype=np.float64) + utc_offset_hours * 3600.0
-    angle = 2.0 * np.pi * (local_s % SECONDS_PER_DAY) / SECONDS_PER_DAY
-    weekday = (np.floor(local_s / SECONDS_PER_DAY).astype(np.int64) + 3) % 7  # 1970-01-01 was a Thursday (3)
-    return np.stack([np.sin(angle), np.cos(angle), (weekday >= 5).astype(np.float64)], axis=-1)
-
-
-@dataclass
-class ObservationScaler:
-    """Standardisation with the training days' statistics: (x - mean) / std, std floored for constant features."""
-
-    mean_O: np.ndarray
-    std_O: np.ndarray
-
-    @classmethod
-    def fit(cls, obs_RO: np.ndarray, floor: float = 1e-6) -> ObservationScaler:
-        obs_RO = np.asarray(obs_RO, dtype=np.float64)
-        return cls(obs_RO.mean(axis=0), np.maximum(obs_RO.std(axis=0), floor))
-
-    def __call__(self, obs_RO: np.ndarray) -> np.ndarray:
-        return ((np.asarray(obs_RO, dtype=np.float64) - self.mean_O) / self.std_O).astype(np.float32)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"scaler/mean": torch.as_tensor(self.mean_O), "scaler/std": torch.as_tensor(self.std_O)}
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, torch.Tensor]) -> ObservationScaler:
-        if "scaler/mean" not in state or "scaler/std" not in state:
-            raise ValueError("policy state lacks scaler/mean or scaler/std; was it written by OfflinePolicy.state_dict?")
-        return cls(state["scaler/mean"].numpy().astype(np.float64), state["scaler/std"].numpy().astype(np.float64))
+__all__ = [
+    "BehaviourCloningAgent", "CQLAgent", "ObservationScaler", "OfflineData", "OfflinePolicy", "SetpointGrid",
+    "TrainLog", "cql_regulariser", "offline_memory", "prepare_offline_data", "time_features", "train_offline",
+    "train_updates",
+]
 
 
 # ==== data ==========================================================================================
@@ -198,21 +129,30 @@ class TrainLog:
     td_abs_mean: float
 
 
-def train_offline(agent: ValueAgent, data: OfflineData, steps: int, seed: int = 0) -> TrainLog:
-    """``steps`` updates on uniformly sampled batches of the logged transitions."""
-    if steps < 1:
-        raise ValueError(f"train for at least 1 step, got {steps}")
+def offline_memory(data: OfflineData) -> ReplayMemory:
+    """A replay memory holding exactly the logged transitions (nothing is ever added or overwritten)."""
     count = len(data.transitions["action"])
     memory = ReplayMemory(count, data.observation_size)
     memory.add(data.transitions)
-    rng = np.random.default_rng(seed)
+    return memory
+
+
+def train_updates(agent: ValueAgent, memory: ReplayMemory, updates: int, rng: np.random.Generator) -> TrainLog:
+    """``updates`` gradient updates on uniformly sampled batches of ``memory``, drawn with ``rng``."""
+    if updates < 1:
+        raise ValueError(f"train for at least 1 step, got {updates}")
     tail: list[tuple[float, float, float]] = []
-    for step in range(steps):
+    for update in range(updates):
         metrics = agent.train_step(memory.sample(agent.config.batch_size, rng))
-        if step >= steps - max(steps // 10, 1):
+        if update >= updates - max(updates // 10, 1):
             tail.append((metrics.loss, metrics.q_mean, metrics.td_abs_mean))
     loss, q_mean, td = (float(np.mean(column)) for column in zip(*tail, strict=True))
-    return TrainLog(steps, loss, q_mean, td)
+    return TrainLog(updates, loss, q_mean, td)
+
+
+def train_offline(agent: ValueAgent, data: OfflineData, steps: int, seed: int = 0) -> TrainLog:
+    """``steps`` updates on uniformly sampled batches of the logged transitions."""
+    return train_updates(agent, offline_memory(data), steps, np.random.default_rng(seed))
 
 
 # ==== acting ========================================================================================
@@ -231,10 +171,10 @@ class OfflinePolicy:
 
     def action(self, observation_O: np.ndarray, timestamp_s: float) -> int:
         """The greedy grid cell for a raw observation vector seen at UTC epoch second ``timestamp_s``."""
-        features = time_features(np.array([timestamp_s]), self.utc_offset_hours)[0]
-        obs = self.scaler(np.concatenate([np.asarray(observation_O, dtype=np.float64), features])[None])
         with torch.no_grad():
-            return int(self.agent.online.q_values(torch.from_numpy(obs))[0].argmax())
+            q_A = self.agent.online.q_values(network_input(observation_O, timestamp_s, self.scaler,
+                                                           self.utc_offset_hours))[0]
+        return int(q_A.argmax())
 
     def setpoints(self, observation_O: np.ndarray, timestamp_s: float) -> tuple[float, float]:
         """(supply water K, supply air K) to set now."""

@@ -1,0 +1,194 @@
+"""A Q-network acting on the building, and its published form: what offline CQL and the evaluation share.
+
+Offline CQL (``consumers.value.offline``) -> ``building_policy_files`` -> registry (kind
+``value-network``, beside ``value_config.json`` and ``value_network.safetensors``) -> ``rlpipe
+eval`` (``producers.value_eval``) -> ``load_building_policy`` -> setpoints each step.  A
+network over grid cells needs three things besides its weights to act on the building:
+
+- the setpoint grid (``SetpointGrid``): the two continuous setpoints (supply water, supply
+  air) on a product grid of ``water_levels x air_levels`` evenly spaced values over each
+  range (ends included); action index = water_level * air_levels + air_level;
+- the time features (``time_features``): sin and cos of the local hour and 1 on days off,
+  appended to the logged observation vector, because the value of heating now depends on
+  when comfort hours start;
+- the observation scaler (``ObservationScaler``): the training days' mean and std.
+
+A published version carries them as ``building_policy.json`` (``BuildingPolicySpec``: the grid,
+the UTC offset, the observation columns in order, and the dataset the network learned from)
+and ``observation_scaler.safetensors``, so it plays again with no training code and nothing
+unpickled.  Shapes are named by suffix: ``_R`` per row, ``_O`` per observation feature.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+from torch import nn
+
+from pipeline.value_network import CONFIG_FILE, WEIGHTS_FILE, network_from_files
+
+POLICY_FILE = "building_policy.json"
+SCALER_FILE = "observation_scaler.safetensors"
+SECONDS_PER_DAY = 86_400.0
+
+
+# ==== actions =======================================================================================
+@dataclass(frozen=True)
+class SetpointGrid:
+    """The product grid of discrete setpoint pairs (kelvin) standing in for the continuous action."""
+
+    water_range_k: tuple[float, float]
+    air_range_k: tuple[float, float]
+    water_levels: int = 5
+    air_levels: int = 5
+
+    def __post_init__(self) -> None:
+        if self.water_levels < 2 or self.air_levels < 2:
+            raise ValueError(f"grid {self.water_levels} x {self.air_levels}: use at least 2 levels per setpoint")
+        if self.water_range_k[0] >= self.water_range_k[1] or self.air_range_k[0] >= self.air_range_k[1]:
+            raise ValueError(f"setpoint ranges {self.water_range_k}, {self.air_range_k} must be (low, high)")
+
+    @property
+    def num_actions(self) -> int:
+        return self.water_levels * self.air_levels
+
+    def water_k(self) -> np.ndarray:
+        return np.linspace(*self.water_range_k, self.water_levels)
+
+    def air_k(self) -> np.ndarray:
+        return np.linspace(*self.air_range_k, self.air_levels)
+
+    def to_index(self, water_k: np.ndarray, air_k: np.ndarray) -> np.ndarray:
+        """The nearest grid cell of each (water, air) pair (values outside a range go to its end)."""
+        water = np.abs(np.asarray(water_k, dtype=np.float64)[..., None] - self.water_k()).argmin(-1)
+        air = np.abs(np.asarray(air_k, dtype=np.float64)[..., None] - self.air_k()).argmin(-1)
+        return water * self.air_levels + air
+
+    def to_setpoints(self, index: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+        """(water_k, air_k) of grid cell(s) ``index``."""
+        index = np.asarray(index, dtype=np.int64)
+        if np.any((index < 0) | (index >= self.num_actions)):
+            raise ValueError(f"action index outside the grid's 0..{self.num_actions - 1}")
+        return self.water_k()[index // self.air_levels], self.air_k()[index % self.air_levels]
+
+
+# ==== observations ==================================================================================
+def time_features(timestamp_s: np.ndarray, utc_offset_hours: float) -> np.ndarray:
+    """(sin, cos) of the local hour and 1.0 on Saturdays and Sundays, per UTC epoch second; shape (R, 3)."""
+    local_s = np.asarray(timestamp_s, dtype=np.float64) + utc_offset_hours * 3600.0
+    angle = 2.0 * np.pi * (local_s % SECONDS_PER_DAY) / SECONDS_PER_DAY
+    weekday = (np.floor(local_s / SECONDS_PER_DAY).astype(np.int64) + 3) % 7  # 1970-01-01 was a Thursday (3)
+    return np.stack([np.sin(angle), np.cos(angle), (weekday >= 5).astype(np.float64)], axis=-1)
+
+
+@dataclass
+class ObservationScaler:
+    """Standardisation with the training days' statistics: (x - mean) / std, std floored for constant features."""
+
+    mean_O: np.ndarray
+    std_O: np.ndarray
+
+    @classmethod
+    def fit(cls, obs_RO: np.ndarray, floor: float = 1e-6) -> ObservationScaler:
+        obs_RO = np.asarray(obs_RO, dtype=np.float64)
+        return cls(obs_RO.mean(axis=0), np.maximum(obs_RO.std(axis=0), floor))
+
+    def __call__(self, obs_RO: np.ndarray) -> np.ndarray:
+        return ((np.asarray(obs_RO, dtype=np.float64) - self.mean_O) / self.std_O).astype(np.float32)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"scaler/mean": torch.as_tensor(self.mean_O), "scaler/std": torch.as_tensor(self.std_O)}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, torch.Tensor]) -> ObservationScaler:
+        if "scaler/mean" not in state or "scaler/std" not in state:
+            raise ValueError("policy state lacks scaler/mean or scaler/std; was it written by OfflinePolicy.state_dict?")
+        return cls(state["scaler/mean"].numpy().astype(np.float64), state["scaler/std"].numpy().astype(np.float64))
+
+
+def network_input(observation_O: np.ndarray, timestamp_s: float, scaler: ObservationScaler,
+                  utc_offset_hours: float) -> torch.Tensor:
+    """A raw observation vector seen at UTC epoch second ``timestamp_s`` as the network reads it: shape (1, O + 3)."""
+    features = time_features(np.array([timestamp_s]), utc_offset_hours)[0]
+    return torch.from_numpy(scaler(np.concatenate([np.asarray(observation_O, dtype=np.float64), features])[None]))
+
+
+# ==== the published policy ==========================================================================
+class BuildingPolicySpec(BaseModel):
+    """What connects a published Q-network to the building (its weights and scaler come separately)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    water_range_k: tuple[float, float] = Field(description="supply-water setpoint range (K), the grid's ends")
+    air_range_k: tuple[float, float] = Field(description="supply-air heating setpoint range (K), the grid's ends")
+    water_levels: int = Field(ge=2, le=101, description="grid levels of the supply-water setpoint")
+    air_levels: int = Field(ge=2, le=101, description="grid levels of the supply-air setpoint")
+    utc_offset_hours: float = Field(ge=-14.0, le=14.0, description="the building's local time, for the time features")
+    observation_columns: tuple[str, ...] = Field(min_length=1, description="telemetry columns, in the network's order")
+    dataset: str = Field(min_length=1, description="the logged dataset the network learned from")
+    first_held_out_day: int = Field(ge=0, description="first simulated day index after the dataset's days")
+    env_overrides: dict[str, Any] = Field(default_factory=dict, description="building-hvac settings of the dataset")
+
+    @model_validator(mode="after")
+    def _valid_grid(self) -> BuildingPolicySpec:
+        self.grid()  # raises naming the bad range
+        return self
+
+    def grid(self) -> SetpointGrid:
+        return SetpointGrid(self.water_range_k, self.air_range_k, self.water_levels, self.air_levels)
+
+
+@dataclass
+class BuildingPolicy:
+    """A Q-network over grid cells with what connects it to the building: observation -> greedy setpoints."""
+
+    network: nn.Module
+    scaler: ObservationScaler
+    grid: SetpointGrid
+    utc_offset_hours: float
+
+    def action(self, observation_O: np.ndarray, timestamp_s: float) -> int:
+        """The greedy grid cell, argmax_a Q(s, a), for a raw observation vector seen at ``timestamp_s``."""
+        with torch.no_grad():
+            q_A = self.network.q_values(network_input(observation_O, timestamp_s, self.scaler, self.utc_offset_hours))
+        return int(q_A[0].argmax())
+
+    def setpoints(self, observation_O: np.ndarray, timestamp_s: float) -> tuple[float, float]:
+        """(supply water K, supply air K) to set now."""
+        water, air = self.grid.to_setpoints(self.action(observation_O, timestamp_s))
+        return float(water), float(air)
+
+
+def building_policy_files(spec: BuildingPolicySpec, scaler: ObservationScaler) -> dict[str, bytes]:
+    """The two files a value-network version needs besides the network's to act on the building."""
+    if len(scaler.mean_O) != len(spec.observation_columns) + 3:
+        raise ValueError(f"the scaler has {len(scaler.mean_O)} features, the spec {len(spec.observation_columns)} "
+                         "columns plus 3 time features; fit the scaler on the same steps table")
+    state = {k: v.to(torch.float64).contiguous() for k, v in scaler.state_dict().items()}
+    return {POLICY_FILE: (spec.model_dump_json(indent=2) + "\n").encode(), SCALER_FILE: save_tensors(state)}
+
+
+def load_building_policy(folder: str | os.PathLike[str]) -> tuple[BuildingPolicySpec, BuildingPolicy]:
+    """A pulled value-network version that acts on the building (it must hold ``building_policy.json``)."""
+    root = Path(folder)
+    if not (root / POLICY_FILE).exists():
+        raise ValueError(f"{root} has no {POLICY_FILE}: not a building policy; train one with the cql-building preset")
+    try:
+        spec = BuildingPolicySpec.model_validate_json((root / POLICY_FILE).read_bytes())
+    except ValidationError as exc:
+        raise ValueError(f"{POLICY_FILE} is not a valid building policy spec: {exc.errors()[0]['msg']}") from None
+    _, network = network_from_files({name: (root / name).read_bytes() for name in (CONFIG_FILE, WEIGHTS_FILE)})
+    scaler = ObservationScaler.from_state_dict(load_tensors((root / SCALER_FILE).read_bytes()))
+    if len(scaler.mean_O) != len(spec.observation_columns) + 3:
+        raise ValueError(f"{SCALER_FILE} has {len(scaler.mean_O)} features, {POLICY_FILE} names "
+                         f"{len(spec.observation_columns)} columns plus 3 time features")
+    return spec, BuildingPolicy(network, scaler, spec.grid(), spec.utc_offset_hours)
