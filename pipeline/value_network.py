@@ -4,7 +4,9 @@ Value learner -> ``network_files`` -> registry (kind ``value-network``) -> actor
 ``load_network``.  A published version is two files: ``value_network.safetensors``
 (the online network's tensors) and ``value_config.json`` (``NetworkSpec``: the
 head, the sizes and the support, everything that rebuilds the module), so an actor
-needs no learner configuration and nothing is unpickled.
+needs no learner configuration and nothing is unpickled.  A SlateQ version
+(agent ``slateq``) is an item-value network (``pipeline.slate_network``), and its JSON
+holds the slate environment's choice model (``schemas.value.SlateSpec``) as well.
 
 Shapes are named by suffix: ``_B`` per transition, ``_O`` per observation feature,
 ``_A`` per action, ``_N`` per atom.  Both networks answer ``q_values(obs_BO)`` so
@@ -22,10 +24,13 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import nn
+
+from pipeline.slate_network import build_item_network
+from schemas.value import SlateSpec
 
 CONFIG_FILE = "value_config.json"
 WEIGHTS_FILE = "value_network.safetensors"
@@ -97,19 +102,31 @@ class NetworkSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    agent: Literal["dqn", "c51"] = Field(description="dqn (expected Q) or c51 (categorical return distribution)")
+    agent: Literal["dqn", "c51", "slateq"] = Field(
+        description="dqn (expected Q), c51 (categorical return distribution) or slateq (item values of a slate)"
+    )
     observation_size: int = Field(ge=1, le=1_000_000)
     num_actions: int = Field(ge=2, le=1_000_000)
     hidden_sizes: tuple[int, ...] = Field(min_length=1, max_length=8)
     num_atoms: int = Field(51, ge=2, le=1001)
     v_min: float = -10.0
     v_max: float = 10.0
+    slate: SlateSpec | None = Field(None, description="slateq: the environment's choice model and slate selection")
+
+    @model_validator(mode="after")
+    def _slate_for_slateq(self) -> NetworkSpec:
+        if (self.agent == "slateq") != (self.slate is not None):
+            raise ValueError(f"agent {self.agent}: a slate section is required for slateq and only for it")
+        return self
 
 
 def build_from_spec(spec: NetworkSpec, seed: int = 0) -> nn.Module:
     """The network ``spec`` describes, initialised from ``seed`` alone."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if spec.agent == "slateq":
+            assert spec.slate is not None  # the spec's validator
+            return build_item_network(spec.slate.num_topics, spec.hidden_sizes, seed)
         if spec.agent == "c51":
             return CategoricalQNetwork(
                 spec.observation_size, spec.num_actions, spec.hidden_sizes, spec.num_atoms, spec.v_min, spec.v_max
@@ -120,8 +137,9 @@ def build_from_spec(spec: NetworkSpec, seed: int = 0) -> nn.Module:
 def network_files(spec: NetworkSpec, network: nn.Module) -> dict[str, bytes]:
     """The two files of a published value network (registry kind ``value-network``)."""
     tensors = {name: value.detach().contiguous().clone() for name, value in network.state_dict().items()}
+    spec_json = spec.model_dump(mode="json", exclude_none=True)  # a DQN/C51 spec reads as before slates existed
     return {
-        CONFIG_FILE: (json.dumps(spec.model_dump(mode="json"), sort_keys=True, indent=2) + "\n").encode(),
+        CONFIG_FILE: (json.dumps(spec_json, sort_keys=True, indent=2) + "\n").encode(),
         WEIGHTS_FILE: save_tensors(tensors),
     }
 

@@ -84,7 +84,9 @@ def eval(
     if as_json:
         print_json({"results": [r.model_dump(mode="json") for r in results], "saved": keys})
         return
-    table = Table("policy", "version", "episodes", "mean return", "95% CI", "success", title=f"{run} on {config.env.name}")
+    slates = config.value is not None and config.value.slate is not None  # a return is a session's engagement
+    mean_label = "engagement per session (min)" if slates else "mean return"
+    table = Table("policy", "version", "episodes", mean_label, "95% CI", "success", title=f"{run} on {config.env.name}")
     for r in results:
         table.add_row(r.policy, f"v{r.version}", str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
                       f"{r.success_rate:.0%}")

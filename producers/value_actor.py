@@ -104,11 +104,7 @@ class ValueActor:
     ) -> None:
         self.run_id, self.actor_id = validate_name(run_id, "run_id"), validate_name(actor_id, "actor_id")
         self.env, self.archive, self.watcher, self.config, self.announce = env, archive, watcher, config, announce
-        choices = env.answer_choices()
-        if not choices:
-            raise ValueError(f"environment {env.name} has no finite set of actions; "
-                             "value actors play cartpole, cartpole-v1 or acrobot")
-        self.choices = choices
+        self.choices = self.action_choices(env)
         self.seeds = seeds  # environment seeds this actor plays, in turn (None: seed * 1_000_003 + episode)
         self.rng = np.random.default_rng([config.seed, seeds.start if seeds else 0])
         self.env_steps = 0
@@ -116,6 +112,22 @@ class ValueActor:
         self.batches_written = 0
 
     # ---- acting ----------------------------------------------------------------------
+    def action_choices(self, env: TextEnv) -> list[str]:
+        """The answer text of each action index (refusing an environment without a finite set)."""
+        choices = env.answer_choices()
+        if not choices:
+            raise ValueError(f"environment {env.name} has no finite set of actions; "
+                             "value actors play cartpole, cartpole-v1 or acrobot (slate actors recsim)")
+        return choices
+
+    def answer(self, action: Any) -> str:
+        """The environment's answer text for an action ``act`` returned."""
+        return self.choices[action]
+
+    def action_vector(self, action: Any, row: dict[str, Any]) -> list[float]:
+        """The steps table's ``action`` for a step: the index of the answer (not the environment's own vector)."""
+        return [float(action)]
+
     def epsilon(self) -> float:
         """Exploration now: 1 before a version is loaded, else the schedule over this actor's steps."""
         if self.watcher.network is None:
@@ -145,11 +157,11 @@ class ValueActor:
                 raise ValueError(f"environment {self.env.name} has no numeric state; value actors need one")
             epsilons.append(self.epsilon())
             actions.append(self.act(observation, epsilons[-1]))
-            result = self.env.step(self.choices[actions[-1]])
+            result = self.env.step(self.answer(actions[-1]))
             self.env_steps += 1
             success = bool(result.info.get("success"))
         rows = [
-            {**row, "episode_id": episode_id, "action": [float(action)],
+            {**row, "episode_id": episode_id, "action": self.action_vector(action, row),
              "features": {**row.get("features", {}), VERSION_FEATURE: float(version), EPSILON_FEATURE: eps}}
             for row, eps, action in zip(self.env.step_records, epsilons, actions, strict=True)
         ]
@@ -222,14 +234,21 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
     if config.value is None:
         raise ValueError(f"run {config.run_id} has no value section; use a value preset such as dqn-cartpole")
     env = env_from_spec(config.env)
-    check_environment(env, config.value.observation_size, config.value.num_actions)
+    actor_class: type[ValueActor] = ValueActor
+    if config.value.slate is not None:  # slateq: a slate of candidates per step (producers.slate_actor)
+        from producers.slate_actor import SlateActor, check_slate_environment
+
+        check_slate_environment(env, config.value.observation_size, config.value.slate)
+        actor_class = SlateActor
+    else:
+        check_environment(env, config.value.observation_size, config.value.num_actions)
     actor_id = config.producer.producer_id or f"{config.run_id}-p0"
     store = open_store(config.store)
     publisher = EventPublisher(resolved_bus(config.bus))
     watcher = open_watcher(AdapterRegistry(store, config.run_id), None, config.value.actor.registry_poll_s)
-    actor = ValueActor(run_id=config.run_id, actor_id=actor_id, env=env, archive=TrajectoryArchive(store),
-                       watcher=watcher, config=config.value.actor, announce=Announcer(publisher, config.run_id),
-                       seeds=config.training_seeds(actor_id))
+    actor = actor_class(run_id=config.run_id, actor_id=actor_id, env=env, archive=TrajectoryArchive(store),
+                        watcher=watcher, config=config.value.actor, announce=Announcer(publisher, config.run_id),
+                        seeds=config.training_seeds(actor_id))
     try:
         actor.run(should_stop=stop)
     finally:

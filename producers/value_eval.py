@@ -4,7 +4,9 @@
 of the language-model rollout: the version is pulled from the registry (kind
 ``value-network``, digests verified), and each held-out seed (from
 ``env.eval_seed_offset``, never a training seed) is played with argmax_a Q(s, a).
-Version 0 (nothing trained yet) is the uniform random policy.  The result is the
+Version 0 (nothing trained yet) is the uniform random policy.  A SlateQ version
+(agent ``slateq``) recommends its best slate each step (``play_slates``; version 0
+random slates), and the return is the session's engagement (RecSim: minutes watched).  The result is the
 same ``EvalResult`` the report reads for language-model runs (policy
 ``value-network``).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,9 +24,11 @@ from torch import nn
 
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
-from pipeline.value_network import load_network
+from pipeline.slate_network import best_slate, random_slate
+from pipeline.value_network import NetworkSpec, load_network
 from producers.envs.base import TextEnv
 from producers.envs.registry import env_from_spec
+from producers.slate_actor import slate_answer
 from schemas.config import RunConfig
 from schemas.evaluation import EvalResult
 
@@ -46,18 +51,35 @@ def play_greedy(env: TextEnv, network: nn.Module | None, seed: int, rng: np.rand
     return float(env.episode_return), success
 
 
+def play_slates(env: TextEnv, network: nn.Module | None, spec: NetworkSpec | None, seed: int,
+                rng: np.random.Generator) -> tuple[float, bool]:
+    """One session with the version's best slate each step (random slates when ``network`` is None)."""
+    env.reset(seed)
+    config: Any = env.config
+    while not env.done:
+        if network is None or spec is None or spec.slate is None:
+            slate = random_slate(config.num_candidates, config.slate_size, rng)
+        else:
+            slate = best_slate(network, spec.slate, spec.slate.selection, env.numeric_state())
+        env.step(slate_answer(slate))
+    return float(env.episode_return), False
+
+
 def evaluate_value_version(config: RunConfig, store: ObjectStore, version: int, episodes: int) -> EvalResult:
     """Play ``episodes`` held-out seeds greedily with value-network ``version`` (0: uniform random)."""
-    network = None
+    network, spec = None, None
     cache = Path(tempfile.mkdtemp(prefix="rlpipe-value-eval-"))
     try:
         if version:
-            _, network = load_network(AdapterRegistry(store, config.run_id).pull(version, cache, kind="value-network"))
+            spec, network = load_network(AdapterRegistry(store, config.run_id).pull(version, cache, kind="value-network"))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     env, rng = env_from_spec(config.env), np.random.default_rng(0)
     seeds = range(config.env.eval_seed_offset, config.env.eval_seed_offset + episodes)
-    outcomes = [play_greedy(env, network, seed, rng) for seed in seeds]
+    if config.value is not None and config.value.slate is not None:
+        outcomes = [play_slates(env, network, spec, seed, rng) for seed in seeds]
+    else:
+        outcomes = [play_greedy(env, network, seed, rng) for seed in seeds]
     return EvalResult.from_episodes(
         run_id=config.run_id, env=config.env.name, version=version, seed_start=config.env.eval_seed_offset,
         returns=[r for r, _ in outcomes], successes=[s for _, s in outcomes], policy=POLICY,

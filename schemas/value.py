@@ -5,11 +5,13 @@ Launcher -> ``RunConfig.value`` -> value learner (``consumers.value``) and actor
 version (``pipeline.value_network.NetworkSpec``).  Unknown keys are refused so a
 typo never falls back to a default.  The defaults are a small DQN for CartPole;
 ``agent="c51"`` switches the head to a categorical one over ``num_atoms`` atoms
-evenly spaced on [v_min, v_max].
+evenly spaced on [v_min, v_max]; ``agent="slateq"`` learns one value per item of a
+slate environment (RecSim) and needs the run's ``slate`` section (``SlateSpec``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -20,7 +22,9 @@ class ValueLearnerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    agent: Literal["dqn", "c51"] = Field("dqn", description="dqn (expected Q) or c51 (categorical return distribution)")
+    agent: Literal["dqn", "c51", "slateq"] = Field(
+        "dqn", description="dqn (expected Q), c51 (categorical return distribution) or slateq (item values of a slate)"
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds network initialisation and the replay sampling")
     hidden_sizes: tuple[int, ...] = Field(
         (64, 64), min_length=1, max_length=8, description="widths of the MLP's hidden layers (ReLU between them)"
@@ -64,6 +68,8 @@ class ValueLearnerConfig(BaseModel):
             raise ValueError(f"hidden_sizes {self.hidden_sizes} must each be between 1 and 65536")
         if self.batch_size > self.replay_capacity:
             raise ValueError(f"batch_size {self.batch_size} exceeds replay_capacity {self.replay_capacity}; lower it")
+        if self.agent == "slateq" and self.replay_scheme != "uniform":
+            raise ValueError("slateq samples its replay memory uniformly; set replay_scheme: uniform")
         return self
 
 
@@ -80,6 +86,37 @@ class ValueActorConfig(BaseModel):
     registry_poll_s: float = Field(1.0, ge=0.0, le=3600.0, description="look for a newer version this often")
 
 
+class SlateSpec(BaseModel):
+    """A slate environment's shape and choice model: what SlateQ's learner and actors need of it.
+
+    The values must be the environment's own (RecSim's ``InterestEvolutionConfig``); an actor
+    refuses an environment that differs.  The observation an actor records is the user's
+    interest per topic first and the candidates' topics last (anything between, such as
+    RecSim's time budget, is hidden from the agent).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_topics: int = Field(20, ge=2, le=1_000, description="topics; an item's features are its one-hot topic")
+    num_candidates: int = Field(5, ge=1, le=100, description="candidate items shown each step")
+    slate_size: int = Field(2, ge=1, le=100, description="items recommended each step")
+    choice_model: Literal["proportional", "softmax"] = Field("proportional", description="the user's choice model")
+    no_click_mass: float = Field(1.0, ge=-1e3, le=1e3, description="score of the no-click option")
+    min_normalizer: float = Field(-1.0, ge=-1e3, le=0.0, description="subtracted from every score (proportional)")
+    selection: Literal["optimal", "topk", "greedy"] = Field(
+        "optimal", description="how actors and eval pick a slate from the item values (optimal: every k-subset)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SlateSpec:
+        if self.slate_size > self.num_candidates:
+            raise ValueError(f"slate_size {self.slate_size} exceeds num_candidates {self.num_candidates}; lower it")
+        if self.selection == "optimal" and math.comb(self.num_candidates, self.slate_size) > 100_000:
+            raise ValueError(f"C({self.num_candidates}, {self.slate_size}) slates are too many to enumerate; "
+                             "use selection: greedy or topk")
+        return self
+
+
 class ValueRunConfig(BaseModel):
     """A value-based run: ``rlpipe run`` starts actors and a value learner instead of producers and a LoRA learner."""
 
@@ -89,3 +126,18 @@ class ValueRunConfig(BaseModel):
     num_actions: int = Field(ge=2, le=1_000_000, description="discrete actions (the environment's answer choices)")
     learner: ValueLearnerConfig = Field(default_factory=ValueLearnerConfig)
     actor: ValueActorConfig = Field(default_factory=ValueActorConfig)
+    slate: SlateSpec | None = Field(None, description="slateq: the slate environment's shape and choice model")
+
+    @model_validator(mode="after")
+    def _slate_matches(self) -> ValueRunConfig:
+        slate, agent = self.slate, self.learner.agent
+        if (agent == "slateq") != (slate is not None):
+            raise ValueError(f"agent {agent} with{'' if slate else 'out'} a slate section: slateq needs value.slate "
+                             "(the environment's choice model), dqn and c51 take none")
+        if slate is not None and self.num_actions != slate.num_candidates:
+            raise ValueError(f"num_actions {self.num_actions} must equal slate.num_candidates {slate.num_candidates} "
+                             "(slateq scores each candidate)")
+        if slate is not None and self.observation_size < slate.num_topics + slate.num_candidates:
+            raise ValueError(f"observation_size {self.observation_size} cannot hold {slate.num_topics} interests and "
+                             f"{slate.num_candidates} candidate topics; fix value.observation_size")
+        return self

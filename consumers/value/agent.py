@@ -33,7 +33,10 @@ from consumers.value.targets import (
 )
 from pipeline.value_network import linearly_decaying_epsilon
 
-__all__ = ["C51Agent", "DQNAgent", "TrainMetrics", "ValueAgent", "build_agent", "linearly_decaying_epsilon"]
+__all__ = [
+    "C51Agent", "DQNAgent", "TrainMetrics", "ValueAgent", "build_agent", "linearly_decaying_epsilon",
+    "load_networks_state", "networks_state_dict",
+]
 
 _BATCH_KEYS = ("observation", "action", "reward", "discount", "next_observation", "terminal")
 
@@ -119,26 +122,38 @@ class ValueAgent:
     # ---- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Both networks, Adam's per-parameter state and the step count, as named tensors."""
-        state = {f"online/{k}": v.detach().clone() for k, v in self.online.state_dict().items()}
-        state |= {f"target/{k}": v.detach().clone() for k, v in self.target.state_dict().items()}
-        for index, slots in self.optimizer.state_dict()["state"].items():
-            state |= {f"adam/{index}/{k}": torch.as_tensor(v).detach().clone() for k, v in slots.items()}
-        state["training_steps"] = torch.tensor(self.training_steps, dtype=torch.int64)
-        return state
+        return networks_state_dict(self.online, self.target, self.optimizer, self.training_steps)
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore what ``state_dict`` returned (the configuration must match the one it was saved with)."""
-        if "training_steps" not in state:
-            raise ValueError("agent state lacks training_steps; was it written by ValueAgent.state_dict?")
-        self.online.load_state_dict(_section(state, "online/"))
-        self.target.load_state_dict(_section(state, "target/"))
-        adam: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in _section(state, "adam/").items():
-            index, slot = key.split("/", 1)
-            adam.setdefault(int(index), {})[slot] = value.clone()
-        groups = self.optimizer.state_dict()["param_groups"]
-        self.optimizer.load_state_dict({"state": adam, "param_groups": groups})
-        self.training_steps = int(state["training_steps"])
+        self.training_steps = load_networks_state(state, self.online, self.target, self.optimizer)
+
+
+def networks_state_dict(online: torch.nn.Module, target: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        training_steps: int) -> dict[str, torch.Tensor]:
+    """An agent's state as named tensors: ``online/*``, ``target/*``, ``adam/<param>/<slot>``, ``training_steps``."""
+    state = {f"online/{k}": v.detach().clone() for k, v in online.state_dict().items()}
+    state |= {f"target/{k}": v.detach().clone() for k, v in target.state_dict().items()}
+    for index, slots in optimizer.state_dict()["state"].items():
+        state |= {f"adam/{index}/{k}": torch.as_tensor(v).detach().clone() for k, v in slots.items()}
+    state["training_steps"] = torch.tensor(training_steps, dtype=torch.int64)
+    return state
+
+
+def load_networks_state(state: Mapping[str, torch.Tensor], online: torch.nn.Module, target: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer) -> int:
+    """Load what ``networks_state_dict`` wrote into the modules and the optimizer; return the step count."""
+    if "training_steps" not in state:
+        raise ValueError("agent state lacks training_steps; was it written by ValueAgent.state_dict?")
+    online.load_state_dict(_section(state, "online/"))
+    target.load_state_dict(_section(state, "target/"))
+    adam: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in _section(state, "adam/").items():
+        index, slot = key.split("/", 1)
+        adam.setdefault(int(index), {})[slot] = value.clone()
+    groups = optimizer.state_dict()["param_groups"]
+    optimizer.load_state_dict({"state": adam, "param_groups": groups})
+    return int(state["training_steps"])
 
 
 def _section(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

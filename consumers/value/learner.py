@@ -7,7 +7,9 @@ replay memory, then ``updates_per_transition`` gradient updates per transition
 (a fractional credit carries over) sample the memory, once it holds
 ``min_replay_size``.  A value-network version (registry kind ``value-network``) is
 published every ``publish_every`` steps and a checkpoint written every
-``checkpoint_every`` steps, the source's offsets committed only after it.
+``checkpoint_every`` steps, the source's offsets committed only after it.  With a
+``slate`` (agent ``slateq``) the agent is SlateQ (``consumers.value.slateq``): the
+transitions' action is the consumed item, and the published network the item values.
 
 Exactly once, as the LoRA learner (``consumers.learner``): every step records the
 ``batch_id`` it trained in the step log before the checkpoint that covers it, a
@@ -53,11 +55,13 @@ from consumers.value.agent import ValueAgent, build_agent
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.networks import network_spec
 from consumers.value.replay import ReplayMemory, build_replay_memory
+from consumers.value.slateq import SlateQLearnerAgent
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
 from pipeline.value_network import network_files
 from schemas.checkpoint import LearnerState
 from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
+from schemas.value import SlateSpec
 
 log = logging.getLogger("rlpipe.value")
 
@@ -88,10 +92,14 @@ class ValueLearner:
         source: TrajectorySource,
         announce: Callable[[Payload], Any] = lambda payload: None,
         lease: LearnerLease | None = None,
+        slate: SlateSpec | None = None,
     ) -> None:
         self.run_id, self.env_name, self.cfg = run_id, env_name, config
-        self.spec = network_spec(config, observation_size, num_actions)
-        self.agent: ValueAgent = build_agent(config, observation_size, num_actions)
+        self.spec = network_spec(config, observation_size, num_actions, slate)
+        self.agent: ValueAgent | SlateQLearnerAgent = (
+            SlateQLearnerAgent(config, slate, slate.selection) if slate is not None
+            else build_agent(config, observation_size, num_actions)
+        )
         self.memory: ReplayMemory = build_replay_memory(config, observation_size)
         self.rng = np.random.default_rng(config.seed)
         self.update_credit = 0.0

@@ -16,15 +16,18 @@ from torch import nn
 
 from consumers.value.config import ValueLearnerConfig
 from pipeline.value_network import CategoricalQNetwork, NetworkSpec, QNetwork, build_from_spec, mlp
+from schemas.value import SlateSpec
 
 __all__ = ["CategoricalQNetwork", "QNetwork", "build_network", "mlp", "network_spec"]
 
 
-def network_spec(config: ValueLearnerConfig, observation_size: int, num_actions: int) -> NetworkSpec:
+def network_spec(config: ValueLearnerConfig, observation_size: int, num_actions: int,
+                 slate: SlateSpec | None = None) -> NetworkSpec:
     """The module shape ``config`` calls for (what a published version's ``value_config.json`` holds)."""
     return NetworkSpec(
         agent=config.agent, observation_size=observation_size, num_actions=num_actions,
         hidden_sizes=config.hidden_sizes, num_atoms=config.num_atoms, v_min=config.v_min, v_max=config.v_max,
+        slate=slate,
     )
 
 

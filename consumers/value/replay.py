@@ -14,10 +14,16 @@ largest priority seen so far, so each is sampled at least once soon.  Importance
 weights w_i = (N P(i))^-beta / max_batch w, normalised by the batch's largest as
 Dopamine does.  The whole state is numpy arrays (``to_state_dict``), ready for
 safetensors; nothing is pickled.
+
+A transition's action is one integer.  DQN and C51 read it from the one-value
+``action`` column (``discrete_actions``); SlateQ's is the item the user consumed
+(``consumed_items``: the candidate index the ``click_position`` feature points at in
+the slate the ``action`` column holds, -1 for no click).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -29,6 +35,8 @@ from schemas.steps import check_steps_table
 
 Scheme = Literal["uniform", "prioritized"]
 _FIELDS = ("observation", "action", "reward", "discount", "next_observation", "terminal")
+CLICK_SLOT_FEATURE = "click_position"  # a slate environment's clicked slot (RecSim's feature), -1 for no click
+ActionReader = Callable[[pa.Table], np.ndarray]
 
 
 class SumTree:
@@ -76,7 +84,7 @@ class ReplayMemory:
 
     def __init__(
         self, capacity: int, observation_size: int, scheme: Scheme = "uniform", alpha: float = 0.5,
-        n_step: int = 1, gamma: float = 0.99,
+        n_step: int = 1, gamma: float = 0.99, read_actions: ActionReader | None = None,
     ) -> None:
         if capacity < 1 or observation_size < 1 or n_step < 1:
             raise ValueError(f"capacity {capacity}, observation_size {observation_size}, n_step {n_step}: each >= 1")
@@ -84,6 +92,7 @@ class ReplayMemory:
             raise ValueError(f"replay scheme {scheme!r}: use 'uniform' or 'prioritized'")
         self.capacity, self.observation_size = capacity, observation_size
         self.scheme, self.alpha, self.n_step, self.gamma = scheme, float(alpha), n_step, float(gamma)
+        self.read_actions = read_actions or discrete_actions
         self.observation = np.zeros((capacity, observation_size), np.float32)
         self.action = np.zeros(capacity, np.int64)
         self.reward = np.zeros(capacity, np.float32)
@@ -116,7 +125,7 @@ class ReplayMemory:
         """Form n-step transitions from a steps table's episodes and add them; return how many."""
         if table.num_rows == 0:
             return 0
-        transitions = steps_to_transitions(table, self.n_step, self.gamma)
+        transitions = steps_to_transitions(table, self.n_step, self.gamma, self.read_actions)
         if transitions["observation"].shape[1] != self.observation_size:
             raise ValueError(
                 f"steps table observations have {transitions['observation'].shape[1]} values, "
@@ -184,11 +193,13 @@ class ReplayMemory:
 def build_replay_memory(config: ValueLearnerConfig, observation_size: int) -> ReplayMemory:
     """The replay memory ``config`` describes, for observations of ``observation_size`` floats."""
     return ReplayMemory(
-        config.replay_capacity, observation_size, config.replay_scheme, config.priority_alpha, config.n_step, config.gamma
+        config.replay_capacity, observation_size, config.replay_scheme, config.priority_alpha, config.n_step,
+        config.gamma, consumed_items if config.agent == "slateq" else discrete_actions,
     )
 
 
-def steps_to_transitions(table: pa.Table, n_step: int, gamma: float) -> dict[str, np.ndarray]:
+def steps_to_transitions(table: pa.Table, n_step: int, gamma: float,
+                         read_actions: ActionReader | None = None) -> dict[str, np.ndarray]:
     """n-step transitions from a steps table, one per step whose window stays inside its episode.
 
     Rows must be grouped by episode in step order (as environments and importers write them).
@@ -201,7 +212,7 @@ def steps_to_transitions(table: pa.Table, n_step: int, gamma: float) -> dict[str
     is_last_R = table["is_last"].to_numpy(zero_copy_only=False)
     is_terminal_R = table["is_terminal"].to_numpy(zero_copy_only=False)
     obs_RO = _vectors(table["observation"], "observation")
-    action_R = _actions(table["action"])
+    action_R = (read_actions or discrete_actions)(table)
     n_rows = table.num_rows
     # An episode is a run of equal ids with consecutive steps; it ends at is_last or where the id changes.
     same_next_R = np.zeros(n_rows, bool)
@@ -241,9 +252,27 @@ def _vectors(column: pa.ChunkedArray, name: str) -> np.ndarray:
     return flat.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(flat), width)
 
 
-def _actions(column: pa.ChunkedArray) -> np.ndarray:
+def discrete_actions(table: pa.Table) -> np.ndarray:
     """Discrete actions from the one-value ``action`` vectors."""
-    values = _vectors(column, "action")
+    values = _vectors(table["action"], "action")
     if values.shape[1] != 1 or not np.all(values == np.round(values)):
-        raise ValueError("value agents need one integer action per step; this table holds continuous actions")
+        raise ValueError("value agents need one integer action per step; this table holds continuous actions "
+                         "or slates (a slate table trains agent slateq)")
     return values[:, 0].astype(np.int64)
+
+
+def consumed_items(table: pa.Table) -> np.ndarray:
+    """The candidate each step's user consumed: slate[click_position], or -1 for no click.
+
+    ``action`` holds the slate (candidate indices, in slate order), the ``click_position``
+    feature the clicked slot (-1: no click), as RecSim's environment records them.
+    """
+    if CLICK_SLOT_FEATURE not in table.schema.names:
+        raise ValueError(f"steps table has no {CLICK_SLOT_FEATURE!r} feature: not a slate environment's table; "
+                         "slateq trains on recsim-interest-evolution")
+    slate_RK = np.rint(_vectors(table["action"], "action")).astype(np.int64)
+    slot_R = np.rint(table[CLICK_SLOT_FEATURE].to_numpy(zero_copy_only=False)).astype(np.int64)
+    if slate_RK.shape[1] == 0 or (slot_R >= slate_RK.shape[1]).any():
+        raise ValueError(f"click_position beyond the slate of {slate_RK.shape[1]} items; the table is malformed")
+    consumed_R = slate_RK[np.arange(len(slot_R)), np.maximum(slot_R, 0)]
+    return np.where(slot_R >= 0, consumed_R, -1)

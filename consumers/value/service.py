@@ -46,7 +46,7 @@ def build_value_learner(config: RunConfig, store: ObjectStore, source: Any,
         observation_size=value.observation_size, num_actions=value.num_actions,
         archive=TrajectoryArchive(store), registry=AdapterRegistry(fenced, config.run_id),
         checkpoints=CheckpointStore(fenced, config.run_id, keep=value.learner.keep_checkpoints),
-        source=source, announce=announce, lease=lease,
+        source=source, announce=announce, lease=lease, slate=value.slate,
     )
 
 
