@@ -82,7 +82,7 @@ def start(
 @replay_app.command(epilog="Example: rlpipe replay --run demo --train --preset cartpole --set run_id=demo-offline")
 @handle_user_errors
 def replay(
-    run: Annotated[str, typer.Option("--run", help="The run whose stored batches are replayed.")],
+    run: Annotated[str, typer.Option("--run", help="The run whose batches are replayed (offline CQL: the dataset).")],
     train: Annotated[bool, typer.Option("--train", help="Train the configured run from the batches.")] = False,
     to_topic: Annotated[bool, typer.Option("--to-topic", help="Re-announce the batches on the event log.")] = False,
     date_from: Annotated[str | None, typer.Option(help="First date (YYYY-MM-DD) to include.")] = None,
@@ -125,12 +125,20 @@ def replay(
 
 
 def _replay_train_value(cfg, run: str, date_from: str | None, date_to: str | None) -> None:  # type: ignore[no-untyped-def]
-    """Offline DQN/C51 from ``run``'s steps batches; environments without discrete actions are refused."""
+    """Offline DQN/C51 from ``run``'s steps batches, or offline CQL (``value.offline``) from dataset ``run``."""
     from consumers.value.service import CONTINUOUS_ACTION_ENVS, replay_train_value
 
+    if cfg.value.offline is not None:  # --run names a logged building dataset (rlpipe datasets generate ...)
+        from consumers.value.offline_service import replay_train_offline
+
+        if date_from or date_to:
+            fail("offline CQL trains on every day of the dataset; drop --date-from/--date-to", 2)
+        offline = replay_train_offline(cfg, run)
+        console.print(f"trained {offline.state.step} steps; value-network version {offline.state.version}")
+        return
     if cfg.env.name in CONTINUOUS_ACTION_ENVS:
         fail(f"the value learner needs discrete actions and {cfg.env.name} has none; for offline CQL on logged "
-             f"building days run bench/offline_value_building.py", 2)
+             f"building days use --preset cql-building (--run names the dataset)", 2)
 
     learner = replay_train_value(cfg, run, date_from, date_to)
     console.print(f"trained {learner.state.step} steps; value-network version {learner.state.version}")

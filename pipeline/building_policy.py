@@ -2,8 +2,8 @@
 
 Offline CQL (``consumers.value.offline``) -> ``building_policy_files`` -> registry (kind
 ``value-network``, beside ``value_config.json`` and ``value_network.safetensors``) -> ``rlpipe
-eval`` (``producers.value_eval``) -> ``load_building_policy`` -> setpoints each step.  A
-network over grid cells needs three things besides its weights to act on the building:
+eval`` (``producers.offline.policy_eval``) -> ``load_building_policy`` -> setpoints each step.
+A network over grid cells needs these besides its weights to act on the building:
 
 - the setpoint grid (``SetpointGrid``): the two continuous setpoints (supply water, supply
   air) on a product grid of ``water_levels x air_levels`` evenly spaced values over each
@@ -11,12 +11,15 @@ network over grid cells needs three things besides its weights to act on the bui
 - the time features (``time_features``): sin and cos of the local hour and 1 on days off,
   appended to the logged observation vector, because the value of heating now depends on
   when comfort hours start;
-- the observation scaler (``ObservationScaler``): the training days' mean and std.
+- the observation scaler (``ObservationScaler``): the training days' mean and std;
+- optionally a behaviour-cloning network and a threshold (``support_mask``): the greedy cell is
+  chosen only among cells the logged controller takes often enough (discrete BCQ's filter).
 
 A published version carries them as ``building_policy.json`` (``BuildingPolicySpec``: the grid,
-the UTC offset, the observation columns in order, and the dataset the network learned from)
-and ``observation_scaler.safetensors``, so it plays again with no training code and nothing
-unpickled.  Shapes are named by suffix: ``_R`` per row, ``_O`` per observation feature.
+the UTC offset, the observation columns in order, the dataset the network learned from, the
+filter's threshold), ``observation_scaler.safetensors`` and, with a filter,
+``behaviour_network.safetensors``, so it plays again with no training code and nothing unpickled.
+Shapes are named by suffix: ``_R`` per row, ``_O`` per observation feature.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pipeline.value_network import CONFIG_FILE, WEIGHTS_FILE, network_from_files
 
 POLICY_FILE = "building_policy.json"
 SCALER_FILE = "observation_scaler.safetensors"
+BEHAVIOUR_FILE = "behaviour_network.safetensors"  # a behaviour-cloning network's weights (same module as the Q-network)
 SECONDS_PER_DAY = 86_400.0
 
 
@@ -111,8 +115,19 @@ class ObservationScaler:
     @classmethod
     def from_state_dict(cls, state: Mapping[str, torch.Tensor]) -> ObservationScaler:
         if "scaler/mean" not in state or "scaler/std" not in state:
-            raise ValueError("policy state lacks scaler/mean or scaler/std; was it written by OfflinePolicy.state_dict?")
+            raise ValueError("policy state lacks scaler/mean or scaler/std; write it with OfflinePolicy.state_dict")
         return cls(state["scaler/mean"].numpy().astype(np.float64), state["scaler/std"].numpy().astype(np.float64))
+
+
+def support_mask(logits_BA: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Cells the logged controller takes often enough: pi_b(a|s) >= threshold * max_a' pi_b(a'|s), shape (B, A).
+
+    Discrete BCQ's filter (Fujimoto et al. 2019): the greedy action, and the target's next action, are
+    chosen only among these, so the Q-network is never trusted where the data has (almost) no support.
+    ``logits_BA`` are a behaviour-cloning network's outputs; threshold 0 keeps every cell.
+    """
+    probs_BA = torch.softmax(logits_BA, dim=-1)
+    return probs_BA >= threshold * probs_BA.max(dim=-1, keepdim=True).values
 
 
 def network_input(observation_O: np.ndarray, timestamp_s: float, scaler: ObservationScaler,
@@ -137,6 +152,9 @@ class BuildingPolicySpec(BaseModel):
     dataset: str = Field(min_length=1, description="the logged dataset the network learned from")
     first_held_out_day: int = Field(ge=0, description="first simulated day index after the dataset's days")
     env_overrides: dict[str, Any] = Field(default_factory=dict, description="building-hvac settings of the dataset")
+    support_threshold: float = Field(
+        0.0, ge=0.0, le=1.0, description=f"act only on cells support_mask keeps (> 0: with {BEHAVIOUR_FILE})"
+    )
 
     @model_validator(mode="after")
     def _valid_grid(self) -> BuildingPolicySpec:
@@ -155,12 +173,17 @@ class BuildingPolicy:
     scaler: ObservationScaler
     grid: SetpointGrid
     utc_offset_hours: float
+    behaviour: nn.Module | None = None  # a behaviour-cloning network: its logits filter the cells (support_mask)
+    support_threshold: float = 0.0
 
     def action(self, observation_O: np.ndarray, timestamp_s: float) -> int:
-        """The greedy grid cell, argmax_a Q(s, a), for a raw observation vector seen at ``timestamp_s``."""
+        """The greedy cell, argmax_a Q(s, a) over the supported cells, for a raw observation seen at ``timestamp_s``."""
+        obs_BO = network_input(observation_O, timestamp_s, self.scaler, self.utc_offset_hours)
         with torch.no_grad():
-            q_A = self.network.q_values(network_input(observation_O, timestamp_s, self.scaler, self.utc_offset_hours))
-        return int(q_A[0].argmax())
+            q_BA = self.network.q_values(obs_BO)
+            if self.behaviour is not None and self.support_threshold > 0.0:
+                q_BA = q_BA.masked_fill(~support_mask(self.behaviour(obs_BO), self.support_threshold), -torch.inf)
+        return int(q_BA[0].argmax())
 
     def setpoints(self, observation_O: np.ndarray, timestamp_s: float) -> tuple[float, float]:
         """(supply water K, supply air K) to set now."""
@@ -168,13 +191,20 @@ class BuildingPolicy:
         return float(water), float(air)
 
 
-def building_policy_files(spec: BuildingPolicySpec, scaler: ObservationScaler) -> dict[str, bytes]:
-    """The two files a value-network version needs besides the network's to act on the building."""
+def building_policy_files(spec: BuildingPolicySpec, scaler: ObservationScaler,
+                          behaviour: nn.Module | None = None) -> dict[str, bytes]:
+    """The files a value-network version needs besides the network's to act on the building."""
     if len(scaler.mean_O) != len(spec.observation_columns) + 3:
         raise ValueError(f"the scaler has {len(scaler.mean_O)} features, the spec {len(spec.observation_columns)} "
                          "columns plus 3 time features; fit the scaler on the same steps table")
+    if (spec.support_threshold > 0.0) != (behaviour is not None):
+        raise ValueError("a support_threshold above 0 needs the behaviour-cloning network, and only it")
     state = {k: v.to(torch.float64).contiguous() for k, v in scaler.state_dict().items()}
-    return {POLICY_FILE: (spec.model_dump_json(indent=2) + "\n").encode(), SCALER_FILE: save_tensors(state)}
+    files = {POLICY_FILE: (spec.model_dump_json(indent=2) + "\n").encode(), SCALER_FILE: save_tensors(state)}
+    if behaviour is not None:
+        tensors = {k: v.detach().contiguous().clone() for k, v in behaviour.state_dict().items()}
+        files[BEHAVIOUR_FILE] = save_tensors(tensors)
+    return files
 
 
 def load_building_policy(folder: str | os.PathLike[str]) -> tuple[BuildingPolicySpec, BuildingPolicy]:
@@ -186,9 +216,13 @@ def load_building_policy(folder: str | os.PathLike[str]) -> tuple[BuildingPolicy
         spec = BuildingPolicySpec.model_validate_json((root / POLICY_FILE).read_bytes())
     except ValidationError as exc:
         raise ValueError(f"{POLICY_FILE} is not a valid building policy spec: {exc.errors()[0]['msg']}") from None
-    _, network = network_from_files({name: (root / name).read_bytes() for name in (CONFIG_FILE, WEIGHTS_FILE)})
+    files = {name: (root / name).read_bytes() for name in (CONFIG_FILE, WEIGHTS_FILE)}
+    _, network = network_from_files(files)
     scaler = ObservationScaler.from_state_dict(load_tensors((root / SCALER_FILE).read_bytes()))
     if len(scaler.mean_O) != len(spec.observation_columns) + 3:
         raise ValueError(f"{SCALER_FILE} has {len(scaler.mean_O)} features, {POLICY_FILE} names "
                          f"{len(spec.observation_columns)} columns plus 3 time features")
-    return spec, BuildingPolicy(network, scaler, spec.grid(), spec.utc_offset_hours)
+    behaviour = None
+    if spec.support_threshold > 0.0:  # the same module shape as the Q-network, the cloned logits as its outputs
+        _, behaviour = network_from_files({**files, WEIGHTS_FILE: (root / BEHAVIOUR_FILE).read_bytes()})
+    return spec, BuildingPolicy(network, scaler, spec.grid(), spec.utc_offset_hours, behaviour, spec.support_threshold)

@@ -70,7 +70,12 @@ def eval(
     store = open_store(config.store)
     registry = AdapterRegistry(store, run)
     numbers = [resolve_version(registry, v) for v in (version or ["latest"])]
-    if config.value is not None:  # a value run: greedy play with the Q-network, no language model
+    building = config.value is not None and config.value.offline is not None  # offline CQL: held-out days
+    if building:
+        from producers.offline.policy_eval import building_baseline, evaluate_building_version
+
+        results = [evaluate_building_version(config, store, n, episodes) for n in numbers]
+    elif config.value is not None:  # a value run: greedy play with the Q-network, no language model
         from producers.value_eval import evaluate_value_version
 
         results = [evaluate_value_version(config, store, n, episodes) for n in numbers]
@@ -79,7 +84,8 @@ def eval(
     for policy in baseline or []:
         if policy not in ("heuristic", "random"):
             fail(f"--baseline must be heuristic or random, got {policy!r}", 2)
-        results.append(baseline_result(config, policy, episodes))
+        results.append(building_baseline(config, store, policy, episodes) if building
+                       else baseline_result(config, policy, episodes))
     keys = [save_result(store, r) for r in results] if save else []
     if as_json:
         print_json({"results": [r.model_dump(mode="json") for r in results], "saved": keys})
@@ -91,6 +97,11 @@ def eval(
         table.add_row(r.policy, f"v{r.version}", str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
                       f"{r.success_rate:.0%}")
     console.print(table)
+    if building:
+        from producers.offline.policy_eval import breakdown_line
+
+        for r in results:
+            console.print(breakdown_line(r))
 
 
 def evaluate_model_versions(config: RunConfig, store: Any, numbers: list[int], episodes: int, greedy: bool) -> list:

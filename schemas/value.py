@@ -86,6 +86,34 @@ class ValueActorConfig(BaseModel):
     registry_poll_s: float = Field(1.0, ge=0.0, le=3600.0, description="look for a newer version this often")
 
 
+class OfflineValueConfig(BaseModel):
+    """Offline CQL on a logged building dataset (``rlpipe replay --run DATASET --train``, preset ``cql-building``).
+
+    The value learner's network (``learner``: DQN head, gamma, n-step, optimiser) learns from the
+    dataset's steps with the CQL(H) regulariser; the two continuous setpoints become a grid of
+    ``levels`` x ``levels`` cells (``pipeline.building_policy.SetpointGrid``).  One learner step is
+    ``updates_per_step`` gradient updates; ``learner.max_steps`` steps in all.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cql_alpha: float = Field(0.1, ge=0.0, le=1e6, description="weight of the CQL(H) regulariser (0: plain DQN)")
+    levels: int = Field(5, ge=2, le=101, description="grid levels per setpoint (levels^2 actions)")
+    water_range_k: tuple[float, float] = Field(
+        (310.0, 355.0), description="supply-water setpoint range (K), the grid's ends (the dataset's env_overrides win)"
+    )
+    air_range_k: tuple[float, float] = Field(
+        (285.0, 300.0), description="supply-air heating setpoint range (K), the grid's ends (as water_range_k)"
+    )
+    support_threshold: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="act only on cells whose behaviour-cloning probability is at least this times the most likely "
+        "cell's (0: no filter; discrete BCQ's tau)",
+    )
+    updates_per_step: int = Field(500, ge=1, le=1_000_000, description="gradient updates per learner step")
+    dataset: str | None = Field(None, description="the dataset trained on (set by rlpipe replay from --run)")
+
+
 class SlateSpec(BaseModel):
     """A slate environment's shape and choice model: what SlateQ's learner and actors need of it.
 
@@ -126,6 +154,7 @@ class ValueRunConfig(BaseModel):
     num_actions: int = Field(ge=2, le=1_000_000, description="discrete actions (the environment's answer choices)")
     learner: ValueLearnerConfig = Field(default_factory=ValueLearnerConfig)
     actor: ValueActorConfig = Field(default_factory=ValueActorConfig)
+    offline: OfflineValueConfig | None = Field(None, description="offline CQL on a logged building dataset")
     slate: SlateSpec | None = Field(None, description="slateq: the slate environment's shape and choice model")
 
     @model_validator(mode="after")

@@ -35,7 +35,14 @@ import torch.nn.functional as F
 from consumers.value.agent import DQNAgent, ValueAgent
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.replay import ReplayMemory, steps_to_transitions
-from pipeline.building_policy import ObservationScaler, SetpointGrid, network_input, time_features
+from consumers.value.targets import huber_loss
+from pipeline.building_policy import (
+    BuildingPolicy,
+    ObservationScaler,
+    SetpointGrid,
+    support_mask,
+    time_features,
+)
 from schemas.steps import check_steps_table
 
 __all__ = [
@@ -96,18 +103,39 @@ def cql_regulariser(q_BA: torch.Tensor, action_B: torch.Tensor) -> torch.Tensor:
 
 
 class CQLAgent(DQNAgent):
-    """DQN (Double-Q, n-step, Huber) plus ``cql_alpha`` times the CQL(H) regulariser."""
+    """DQN (Double-Q, n-step, Huber) plus ``cql_alpha`` times the CQL(H) regulariser.
+
+    With a trained ``behaviour`` agent (behaviour cloning) and ``support_threshold`` above 0, the
+    target's next action is the online network's argmax over the cells ``support_mask`` keeps
+    (discrete BCQ's target, Fujimoto et al. 2019): y = r + gamma^n Q_target(s', argmax_{a' kept} Q(s', a')).
+    """
 
     def __init__(self, config: ValueLearnerConfig, observation_size: int, num_actions: int,
-                 cql_alpha: float = 1.0) -> None:
+                 cql_alpha: float = 1.0, behaviour: ValueAgent | None = None, support_threshold: float = 0.0) -> None:
         if not 0.0 <= cql_alpha <= 1e6:
             raise ValueError(f"cql_alpha {cql_alpha} must be in [0, 1e6] (0 is plain DQN)")
+        if not 0.0 <= support_threshold <= 1.0 or (support_threshold > 0.0) != (behaviour is not None):
+            raise ValueError(f"support_threshold {support_threshold}: in [0, 1], and above 0 exactly when a "
+                             "behaviour agent is given")
         super().__init__(config, observation_size, num_actions)
-        self.cql_alpha = cql_alpha
+        self.cql_alpha, self.behaviour, self.support_threshold = cql_alpha, behaviour, support_threshold
 
     def _losses(self, obs_BO, action_B, reward_B, bootstrap_B, next_obs_BO):  # type: ignore[no-untyped-def]
-        td_loss_B, q_B, td_B = super()._losses(obs_BO, action_B, reward_B, bootstrap_B, next_obs_BO)
+        if self.behaviour is None:
+            td_loss_B, q_B, td_B = super()._losses(obs_BO, action_B, reward_B, bootstrap_B, next_obs_BO)
+        else:
+            td_loss_B, q_B, td_B = self._supported_td(obs_BO, action_B, reward_B, bootstrap_B, next_obs_BO)
         return td_loss_B + self.cql_alpha * cql_regulariser(self.online(obs_BO), action_B), q_B, td_B
+
+    def _supported_td(self, obs_BO, action_B, reward_B, bootstrap_B, next_obs_BO):  # type: ignore[no-untyped-def]
+        assert self.behaviour is not None
+        q_B = self.online(obs_BO).gather(-1, action_B[:, None]).squeeze(-1)
+        with torch.no_grad():
+            kept_BA = support_mask(self.behaviour.online(next_obs_BO), self.support_threshold)
+            next_action_B = self.online(next_obs_BO).masked_fill(~kept_BA, -torch.inf).argmax(-1)
+            y_B = reward_B + bootstrap_B * self.target(next_obs_BO).gather(-1, next_action_B[:, None]).squeeze(-1)
+        td_B = y_B - q_B
+        return huber_loss(td_B, self.config.huber_delta), q_B.detach(), td_B.detach()
 
 
 class BehaviourCloningAgent(ValueAgent):
@@ -158,23 +186,33 @@ def train_offline(agent: ValueAgent, data: OfflineData, steps: int, seed: int = 
 # ==== acting ========================================================================================
 @dataclass
 class OfflinePolicy:
-    """A trained agent with the scaler and grid that connect it to the building: observation -> setpoints."""
+    """A trained agent with the scaler and grid that connect it to the building: observation -> setpoints.
+
+    With a behaviour-cloning agent and ``support_threshold`` above 0 it acts only on the cells
+    ``support_mask`` keeps (acting is ``pipeline.building_policy.BuildingPolicy``'s, as a published version's).
+    """
 
     agent: ValueAgent
     scaler: ObservationScaler
     grid: SetpointGrid
     utc_offset_hours: float
+    behaviour: ValueAgent | None = None
+    support_threshold: float = 0.0
 
     @classmethod
-    def from_training(cls, agent: ValueAgent, data: OfflineData) -> OfflinePolicy:
-        return cls(agent, data.scaler, data.grid, data.utc_offset_hours)
+    def from_training(cls, agent: ValueAgent, data: OfflineData, behaviour: ValueAgent | None = None,
+                      support_threshold: float = 0.0) -> OfflinePolicy:
+        return cls(agent, data.scaler, data.grid, data.utc_offset_hours, behaviour, support_threshold)
+
+    def acting(self) -> BuildingPolicy:
+        """The policy as a published version plays it (online network, scaler, grid, filter)."""
+        behaviour = self.behaviour.online if self.behaviour is not None else None
+        return BuildingPolicy(self.agent.online, self.scaler, self.grid, self.utc_offset_hours, behaviour,
+                              self.support_threshold)
 
     def action(self, observation_O: np.ndarray, timestamp_s: float) -> int:
         """The greedy grid cell for a raw observation vector seen at UTC epoch second ``timestamp_s``."""
-        with torch.no_grad():
-            q_A = self.agent.online.q_values(network_input(observation_O, timestamp_s, self.scaler,
-                                                           self.utc_offset_hours))[0]
-        return int(q_A.argmax())
+        return self.acting().action(observation_O, timestamp_s)
 
     def setpoints(self, observation_O: np.ndarray, timestamp_s: float) -> tuple[float, float]:
         """(supply water K, supply air K) to set now."""

@@ -30,7 +30,7 @@ from schemas.config import RunConfig
 from schemas.events import Payload
 
 log = logging.getLogger("rlpipe.value")
-CONTINUOUS_ACTION_ENVS = ("building-hvac",)  # setpoints, not action indices: offline CQL runs from the bench
+CONTINUOUS_ACTION_ENVS = ("building-hvac",)  # setpoints, not action indices: offline CQL (value.offline)
 
 
 def build_value_learner(config: RunConfig, store: ObjectStore, source: Any,
@@ -38,6 +38,8 @@ def build_value_learner(config: RunConfig, store: ObjectStore, source: Any,
     """The value learner of ``config.run_id`` over ``store``, fed by ``source``, fenced by the run's lease."""
     if config.value is None:
         raise ValueError(f"run {config.run_id} has no value section; use a value preset such as dqn-cartpole")
+    if config.value.offline is not None:
+        raise ValueError(f"run {config.run_id} trains offline CQL from a dataset: rlpipe replay --run DATASET --train")
     value = config.value
     lease = LearnerLease(store, config.run_id)
     fenced: Any = FencedStore(store, lease)
@@ -89,7 +91,7 @@ def replay_train_value(config: RunConfig, source_run: str, date_from: str | None
     """Train ``config.run_id``'s value network from the stored steps batches of ``source_run`` (no broker)."""
     if config.env.name in CONTINUOUS_ACTION_ENVS:
         raise ValueError(f"the value learner needs discrete actions and {config.env.name} has none; for offline "
-                         f"CQL on logged building days run bench/offline_value_building.py")
+                         "CQL on logged building days use --preset cql-building (--run names the dataset)")
     store = open_store(config.store)
     create_run(store, config, config.env.name)  # run.json, so eval/report know the run
     source = StepsReplaySource(store, source_run, date_from, date_to)

@@ -15,6 +15,7 @@ from pipeline.building_policy import (
     building_policy_files,
     load_building_policy,
     network_input,
+    support_mask,
 )
 from pipeline.value_network import NetworkSpec, build_from_spec, network_files
 
@@ -54,3 +55,24 @@ def test_a_scaler_of_the_wrong_width_and_a_folder_without_a_policy_are_refused(t
     assert SCALER_FILE.endswith(".safetensors")
     with pytest.raises(ValueError, match="low, high"):
         BuildingPolicySpec.model_validate(SPEC.model_dump() | {"air_range_k": (300.0, 285.0)})
+
+
+def test_support_mask_keeps_cells_at_least_threshold_times_the_most_likely():
+    # probabilities 0.5, 0.3, 0.2 (logits are their logs): threshold 0.5 keeps p >= 0.25 -> cells 0 and 1
+    logits_BA = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    assert support_mask(logits_BA, 0.5).tolist() == [[True, True, False]]
+    assert support_mask(logits_BA, 0.0).tolist() == [[True, True, True]]
+    assert support_mask(logits_BA, 1.0).tolist() == [[True, False, False]]
+
+
+def test_a_filtered_policy_never_takes_an_unsupported_cell():
+    spec = NetworkSpec(agent="dqn", observation_size=5, num_actions=6, hidden_sizes=(8,))
+    q_net, cloned = build_from_spec(spec, seed=1), build_from_spec(spec, seed=2)
+    scaler = ObservationScaler(np.zeros(5), np.ones(5))
+    policy = BuildingPolicy(q_net, scaler, SPEC.grid(), 0.0, cloned, 0.9)
+    for t in range(0, 86_400, 3_600):
+        obs = np.array([290.0 + t / 7200, 270.0])
+        kept = support_mask(cloned(network_input(obs, t, scaler, 0.0)), 0.9)[0]
+        assert kept[policy.action(obs, t)]
+    with pytest.raises(ValueError, match="needs the behaviour-cloning network"):
+        building_policy_files(SPEC.model_copy(update={"support_threshold": 0.3}), scaler)

@@ -98,3 +98,24 @@ def test_offline_pipeline_end_to_end_on_generated_days(tmp_path):
         state = policy.state_dict()
         assert {"scaler/mean", "scaler/std", "training_steps"} <= set(state)
         policy.load_state_dict(state)
+
+
+def test_the_filtered_target_takes_the_argmax_over_supported_cells_only():
+    config = ValueLearnerConfig(hidden_sizes=(4,), batch_size=1, replay_capacity=1, double_q=True)
+    behaviour = BehaviourCloningAgent(config, observation_size=1, num_actions=3)
+    agent = CQLAgent(config, 1, 3, cql_alpha=0.0, behaviour=behaviour, support_threshold=0.5)
+    with torch.no_grad():  # online Q(s', .) = (5, 1, 0): cell 0 best, but cloned probabilities (0.1, 0.6, 0.3)
+        for net in (agent.online, agent.target, behaviour.online):
+            for p in net.parameters():
+                p.zero_()
+        agent.online.layers[-1].bias.copy_(torch.tensor([5.0, 1.0, 0.0]))
+        agent.target.layers[-1].bias.copy_(torch.tensor([7.0, 2.0, 3.0]))
+        behaviour.online.layers[-1].bias.copy_(torch.log(torch.tensor([0.1, 0.6, 0.3])))
+    obs, action, reward, bootstrap = torch.tensor([[0.0]]), torch.tensor([1]), torch.tensor([0.5]), torch.tensor([0.9])
+    _, q_B, td_B = agent._losses(obs, action, reward, bootstrap, obs)
+    # kept: p >= 0.5 * 0.6 = 0.3 -> cells 1 and 2; online argmax over them: cell 1 (Q 1 > 0); target Q(s', 1) = 2
+    # y = 0.5 + 0.9 * 2 = 2.3; Q(s, a=1) = 1 -> TD 1.3 (unfiltered it would take cell 0: 0.5 + 0.9 * 7 - 1 = 5.8)
+    torch.testing.assert_close(q_B, torch.tensor([1.0]))
+    torch.testing.assert_close(td_B, torch.tensor([1.3]))
+    with pytest.raises(ValueError, match="support_threshold"):
+        CQLAgent(config, 1, 3, cql_alpha=0.1, support_threshold=0.5)  # a threshold without a behaviour agent

@@ -43,4 +43,4 @@ def test_replay_train_refuses_a_value_run_without_discrete_actions() -> None:
     result = CliRunner().invoke(replay_app, ["--run", "hvac", "--train", "--preset", "dqn-cartpole",
                                              "--set", "run_id=hvac-cql", "--set", "env.name=building-hvac"])
     assert result.exit_code == 2
-    assert "bench/offline_value_building.py" in result.output and len(result.output.strip().splitlines()) == 1
+    assert "--preset cql-building" in result.output and len(result.output.strip().splitlines()) == 1

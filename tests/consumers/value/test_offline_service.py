@@ -1,0 +1,91 @@
+"""Offline CQL as a run (preset cql-building): checkpoints, published versions that play the building, resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from consumers.value.offline_service import replay_train_offline
+from pipeline.building_policy import BEHAVIOUR_FILE, POLICY_FILE, SCALER_FILE, load_building_policy
+from pipeline.config import load_preset
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from pipeline.value_network import CONFIG_FILE, WEIGHTS_FILE
+from producers.offline.generation import GenerationSpec, generate_building_dataset
+from schemas.config import RunConfig
+
+DATASET = "hvac-two-days"
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("offline-cql") / "store"
+    generate_building_dataset(ObjectStore(root.as_uri()), DATASET, GenerationSpec(days=2, policy="mixed", seed=1))
+    return root
+
+
+def small_config(root: Path, run_id: str, max_steps: int, **learner: object) -> RunConfig:
+    raw = load_preset("cql-building")
+    raw["run_id"], raw["store"] = run_id, {"root": root.as_uri()}
+    raw["value"]["learner"].update(hidden_sizes=[16], batch_size=32, target_update_period=10, max_steps=max_steps,
+                                   publish_every=2, checkpoint_every=2, **learner)
+    raw["value"]["offline"]["updates_per_step"] = 10
+    return RunConfig.model_validate(raw)
+
+
+def test_training_publishes_playable_versions_and_names_the_dataset(store_root: Path) -> None:
+    run = replay_train_offline(small_config(store_root, "cql-a", max_steps=3), DATASET)
+    assert run.state.step == 3 and run.agent.training_steps == 30
+    registry = AdapterRegistry(ObjectStore(store_root.as_uri()), "cql-a")
+    # versions at steps 2 and 3 (the last step is always published)
+    assert [registry.show(v).learner_step for v in (1, 2)] == [2, 3] and registry.latest().version == 2
+    folder = registry.pull(2, store_root.parent / "cache", kind="value-network")
+    assert {CONFIG_FILE, WEIGHTS_FILE, POLICY_FILE, SCALER_FILE} <= {p.name for p in folder.iterdir()}
+    spec, policy = load_building_policy(folder)
+    assert spec.dataset == DATASET and spec.first_held_out_day == 2 and spec.water_levels == spec.air_levels == 5
+    torch.testing.assert_close(dict(policy.network.state_dict()), dict(run.agent.online.state_dict()))
+    assert run.config.value is not None and run.config.value.offline is not None
+    assert run.config.value.offline.dataset == DATASET  # written into run.json for rlpipe eval
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(store_root: Path) -> None:
+    replay_train_offline(small_config(store_root, "cql-resumed", max_steps=2), DATASET)
+    resumed = replay_train_offline(small_config(store_root, "cql-resumed", max_steps=4), DATASET)
+    straight = replay_train_offline(small_config(store_root, "cql-straight", max_steps=4), DATASET)
+    assert resumed.state.step == straight.state.step == 4 and resumed.agent.training_steps == 40
+    torch.testing.assert_close(dict(resumed.agent.online.state_dict()), dict(straight.agent.online.state_dict()),
+                               rtol=0, atol=0)
+    again = replay_train_offline(small_config(store_root, "cql-straight", max_steps=4), DATASET)
+    assert again.agent.training_steps == 40  # nothing left to train: no new updates
+
+
+def test_refusals_name_the_fix(store_root: Path) -> None:
+    with pytest.raises(ValueError, match=r"no dataset 'nope'.*rlpipe datasets generate building-hvac"):
+        replay_train_offline(small_config(store_root, "cql-b", max_steps=1), "nope")
+    config = small_config(store_root, "cql-c", max_steps=1)
+    assert config.value is not None
+    wrong = config.model_copy(update={"value": config.value.model_copy(update={"num_actions": 9})})
+    with pytest.raises(ValueError, match="set them to 57 and 25"):
+        replay_train_offline(wrong, DATASET)
+
+
+def test_a_support_threshold_publishes_the_cloned_network_and_resumes_it(store_root: Path) -> None:
+    def filtered(max_steps: int, run_id: str) -> RunConfig:
+        config = small_config(store_root, run_id, max_steps=max_steps)
+        assert config.value is not None and config.value.offline is not None
+        offline = config.value.offline.model_copy(update={"support_threshold": 0.3})
+        return config.model_copy(update={"value": config.value.model_copy(update={"offline": offline})})
+
+    replay_train_offline(filtered(1, "bcq-resumed"), DATASET)
+    resumed = replay_train_offline(filtered(2, "bcq-resumed"), DATASET)
+    straight = replay_train_offline(filtered(2, "bcq-straight"), DATASET)
+    assert resumed.behaviour is not None and straight.behaviour is not None
+    torch.testing.assert_close(dict(resumed.behaviour.online.state_dict()),
+                               dict(straight.behaviour.online.state_dict()), rtol=0, atol=0)
+    folder = AdapterRegistry(ObjectStore(store_root.as_uri()), "bcq-straight").pull(
+        1, store_root.parent / "cache-bcq", kind="value-network")
+    spec, policy = load_building_policy(folder)
+    assert (folder / BEHAVIOUR_FILE).exists() and spec.support_threshold == 0.3 and policy.behaviour is not None
+    torch.testing.assert_close(dict(policy.behaviour.state_dict()), dict(straight.behaviour.online.state_dict()))
