@@ -4,7 +4,8 @@ and their command line.
 A result is written create-only under the call's session and announced with
 ``ApiResultReady`` on ``<ns>.results`` (keyed by model, so one model's results
 keep their order); a call executed again after a restart finds its result
-already there and announces nothing new.
+already there and announces nothing new.  The announcement only wakes waiting
+polls early: one that cannot be published is logged and the engine goes on.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import argparse
 import logging
 from typing import Any
 
-from pipeline.io.bus import EventConsumer, EventPublisher
+from pipeline.io.bus import EventConsumer, EventPublisher, PublishError
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiRequestAccepted, ApiResultReady, BodyFormat, ErrorCategory, result_path
 from schemas.config import BusConfig
 from schemas.events import make_event
+
+log = logging.getLogger(__name__)
 
 
 def request_reader(bus: BusConfig, group_id: str, options: dict[str, Any] | None = None) -> EventConsumer:
@@ -42,7 +45,10 @@ def write_result(store: ObjectStore, publisher: EventPublisher, call: ApiRequest
                            model_id=call.model_id, seq_id=call.seq_id, ok=error is None,
                            result_path=key if error is None else None, result_format=fmt,
                            result_sha256=digest if error is None else None, error=error, category=category)
-    publisher.publish("results", make_event(call.session_id, ready), key=call.model_id)
+    try:
+        publisher.publish("results", make_event(call.session_id, ready), key=call.model_id)
+    except PublishError as exc:  # the result is stored: a poll finds it at its next re-check of the store
+        log.warning("result of %s stored but not announced (%s); polls find it in the store", call.request_id, exc)
 
 
 def engine_arguments(prog: str, description: str | None) -> argparse.ArgumentParser:

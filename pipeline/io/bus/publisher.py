@@ -14,7 +14,13 @@ import logging
 import threading
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaError, MessageSizeTooLargeError
+from kafka.errors import (
+    InvalidProducerEpochError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumberError,
+    UnknownProducerIdError,
+)
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
 from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
@@ -24,6 +30,8 @@ from schemas.config import BusConfig
 from schemas.events import Envelope, encode_event
 
 log = logging.getLogger(__name__)
+# The errors of an idempotent producer whose sequence numbers or epoch the broker no longer accepts.
+SEQUENCE_ERRORS = (OutOfOrderSequenceNumberError, UnknownProducerIdError, InvalidProducerEpochError)
 
 
 class _ProducerReplaced(Exception):
@@ -102,8 +110,8 @@ class EventPublisher:
                     producer = self._producer
                     try:
                         metadata = producer.send(topic, value=value, key=key_bytes).get(timeout=self.send_timeout_s + 5)
-                    except KafkaError:
-                        if self._replace_if_failed_for_good(producer):
+                    except KafkaError as exc:
+                        if self._replace_if_failed_for_good(producer, in_doubt=isinstance(exc, SEQUENCE_ERRORS)):
                             raise _ProducerReplaced() from None
                         raise
         except MessageSizeTooLargeError as exc:
@@ -118,19 +126,23 @@ class EventPublisher:
                                f"{self.retry_attempts} times; see the broker's log") from exc
         return int(metadata.partition), int(metadata.offset)
 
-    def _replace_if_failed_for_good(self, producer: KafkaProducer) -> bool:
+    def _replace_if_failed_for_good(self, producer: KafkaProducer, in_doubt: bool = False) -> bool:
         """Start a new producer (a new producer id) when ``producer`` refuses every send from now on.
 
         An idempotent producer that hits a sequence error asks the broker for a new epoch
         of its producer id; a broker that cannot give one (Tansu 0.6) leaves it failed for
-        good.  kafka-python has no public check, hence its transaction manager.
+        good.  kafka-python has no public check, hence its transaction manager.  The send
+        that hit the sequence error learns of it before that bump has been answered, so
+        ``in_doubt`` (the send failed with a sequence error) replaces the producer without
+        waiting to find out: events carry ids, so sending one again is harmless.
         """
         manager = getattr(producer, "_transaction_manager", None)
-        if manager is None or not manager.has_error():
+        if not in_doubt and (manager is None or not manager.has_error()):
             return False
         with self._replacing:
             if self._producer is producer:
-                log.warning("the Kafka producer failed for good (%s); starting a new one", manager.last_error)
+                why = manager.last_error if manager is not None and manager.has_error() else "a sequence error"
+                log.warning("the Kafka producer failed for good (%s); starting a new one", why)
                 self._producer = _connect(KafkaProducer, self.bus_config, self._settings)
                 producer.close(timeout=0)
         return True

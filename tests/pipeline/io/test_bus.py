@@ -155,6 +155,27 @@ def test_a_publisher_whose_producer_failed_for_good_starts_a_new_one(bus_config:
     assert [r.event.payload.reason for r in records if r.event] == ["before", "after"]
 
 
+def test_a_sequence_error_before_the_producer_knows_it_failed_is_sent_again_by_a_new_producer(
+        bus_config: BusConfig) -> None:
+    """The send's future fails with the sequence error a moment before the producer's transaction
+    manager records that its epoch bump failed; the event must not be lost to that race (an API
+    engine raised it and stopped serving everyone)."""
+    from kafka.errors import OutOfOrderSequenceNumberError
+
+    class Failed:
+        def get(self, timeout: float | None = None) -> None:
+            raise OutOfOrderSequenceNumberError()
+
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", _stop("run-a", "before"))
+        first = publisher._producer
+        first.send = lambda *args, **kwargs: Failed()  # this producer's next send fails, as if mid-bump
+        publisher.publish("control", _stop("run-a", "after"))
+        assert publisher._producer is not first
+    records = list(bus.tail(bus_config, "control", n=10))
+    assert [r.event.payload.reason for r in records if r.event] == ["before", "after"]
+
+
 def test_publish_refuses_an_event_on_the_wrong_topic(bus_config: BusConfig) -> None:
     with EventPublisher(bus_config) as publisher, pytest.raises(WrongEventTypeError, match="does not belong"):
         publisher.publish("trajectories", _stop("run-a", "x"))
