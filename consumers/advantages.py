@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence, Sized
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
+from consumers.state_baseline import state_baseline_gae
 from schemas.config import LearnerConfig
 from schemas.trajectory import discounted_returns
 
-AdvantageKind = Literal["group", "raw", "return_to_go"]
-ADVANTAGE_KINDS: tuple[str, ...] = ("group", "raw", "return_to_go")
+AdvantageKind = Literal["group", "raw", "return_to_go", "gae"]
+ADVANTAGE_KINDS: tuple[str, ...] = ("group", "raw", "return_to_go", "gae")
 
 FloatRows = Sequence[float] | np.ndarray
 KeyRows = Sequence[Hashable] | np.ndarray
@@ -140,6 +142,18 @@ def returns_to_go(
     return _centre_by_cell(values_R, cell_R, n_cells, normalize_std, eps)
 
 
+@dataclass(frozen=True)
+class EpisodeColumns:
+    """What ``gae`` advantages read beyond the other kinds: per row its state, episode and turn reward."""
+
+    states_R: Sequence[Sequence[float] | None]
+    turn_rewards_R: Sequence[Sequence[float]]
+    episode_ids_R: Sequence[Hashable]
+    terminated_R: Sequence[bool]
+    discount: float
+    gae_lambda: float
+
+
 def compute_advantages(
     kind: AdvantageKind,
     rewards_R: FloatRows,
@@ -149,14 +163,17 @@ def compute_advantages(
     turns_R: Sequence[int] | np.ndarray | None = None,
     normalize_std: bool = False,
     return_to_go_baseline: bool | BaselineKind = True,
+    episode: EpisodeColumns | None = None,
     eps: float = 1e-6,
 ) -> np.ndarray:
     """Advantages of ``kind`` (``LearnerConfig.advantage``) for every row of one optimizer step.
 
     ``group``: group_relative(reward); ``raw``: the reward itself; ``return_to_go``:
-    per-turn return-to-go minus its per-(group, turn) mean (see ``returns_to_go``).
-    ``normalize_std`` (``LearnerConfig.normalize_advantage_std``) divides by the
-    std of the baseline's cell, so it is refused where there is no baseline.
+    per-turn return-to-go minus its per-(group, turn) mean (see ``returns_to_go``);
+    ``gae``: generalised advantage estimates against a value baseline of the rows'
+    state (``consumers.state_baseline``, from the ``episode`` columns), centred over
+    the step.  ``normalize_std`` (``LearnerConfig.normalize_advantage_std``) divides by the
+    std of the baseline's cell (for ``gae``: the step's), so it is refused where there is no baseline.
     """
     if kind == "group":
         return group_relative(rewards_R, group_ids_R, normalize_std=normalize_std, eps=eps)
@@ -170,6 +187,14 @@ def compute_advantages(
         return returns_to_go(
             returns_to_go_R, group_ids_R, turns_R, return_to_go_baseline, normalize_std=normalize_std, eps=eps
         )
+    if kind == "gae":
+        if episode is None or returns_to_go_R is None or turns_R is None:
+            raise ValueError("advantage='gae' needs the rows' state, turn_rewards, episode_id, turn, terminated "
+                             "and return_to_go columns")
+        estimates_R = state_baseline_gae(episode.states_R, episode.turn_rewards_R, returns_to_go_R,
+                                         episode.episode_ids_R, turns_R, episode.terminated_R, episode.discount,
+                                         episode.gae_lambda)
+        return _centre_by_cell(estimates_R, np.zeros(estimates_R.shape[0], dtype=np.int64), 1, normalize_std, eps)
     raise ValueError(f"unknown advantage kind {kind!r}; choose one of {', '.join(ADVANTAGE_KINDS)}")
 
 

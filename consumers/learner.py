@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from consumers.advantages import compute_advantages, discounted_returns_to_go, training_weights
+from consumers.advantages import EpisodeColumns, compute_advantages, discounted_returns_to_go, training_weights
 from consumers.batching import drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
@@ -396,10 +396,12 @@ class Learner:
         rows = keep_uncertain_groups(rows, self.cfg.keep_uncertain_groups)
         cols = rows.to_pydict()
         rewards_R = np.asarray(cols["reward"], dtype=np.float64)
+        episode = EpisodeColumns(cols["state"], cols["turn_rewards"], cols["episode_id"], cols["terminated"],
+                                 self.cfg.discount, self.cfg.gae_lambda) if self.cfg.advantage == "gae" else None
         advantages_R = compute_advantages(
             self.cfg.advantage, rewards_R, cols["group_id"], returns_to_go_R=cols["return_to_go"],
             turns_R=cols["turn"], normalize_std=self.cfg.normalize_advantage_std,
-            return_to_go_baseline=self.cfg.return_to_go_baseline,
+            return_to_go_baseline=self.cfg.return_to_go_baseline, episode=episode,
         )
         weights_R = training_weights(self.cfg, advantages_R, cols.get("weight"))
         check_behaviour_policy(self.cfg.loss, cols["temperature"], cols["top_p"], cols["top_k"])

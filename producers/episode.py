@@ -77,6 +77,7 @@ class TurnRecord:
     answer_text: str
     reward: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    state: list[float] | None = None  # the environment's numeric state the prompt showed (per-turn episodes)
 
 
 @dataclass
@@ -139,7 +140,8 @@ class Episode:
         if len(generated_ids) != len(logprobs):
             raise ValueError(f"sampler returned {len(generated_ids)} tokens but {len(logprobs)} logprobs")
         text = self.tokenizer.decode(generated_ids, skip_special_tokens=True)
-        self.turns.append(TurnRecord(prompt, list(generated_ids), list(logprobs), text))
+        state = [float(x) for x in self.env.numeric_state()] if self.per_turn else []  # before the env steps
+        self.turns.append(TurnRecord(prompt, list(generated_ids), list(logprobs), text, state=state or None))
         if not self.per_turn:
             self.tokens += generated_ids
             self.loss_mask += [1] * len(generated_ids)

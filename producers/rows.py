@@ -61,6 +61,7 @@ def episode_rows(
             "turn_rewards": [turn.reward],
             "turn": index,
             "return_to_go": float(sum(rewards[index:])),  # undiscounted G_t = sum_{k>=t} r_k
+            "state": turn.state,
             "text": decode(tokens, skip_special_tokens=False) if with_text else None,
         })
     return rows

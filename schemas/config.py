@@ -150,7 +150,9 @@ class LearnerConfig(_Section):
     loss: Literal["importance_sampling", "ppo", "cross_entropy", "awr", "filtered_bc"] = Field(
         "importance_sampling", description="training objective"
     )
-    advantage: Literal["group", "raw", "return_to_go"] = Field("group", description="how advantages are formed")
+    advantage: Literal["group", "raw", "return_to_go", "gae"] = Field(
+        "group", description="how advantages are formed (gae: per-turn rows of an environment with a numeric state)"
+    )
     normalize_advantage_std: bool = Field(False, description="divide group advantages by the group std")
     return_to_go_baseline: Literal["group_turn", "step", "none"] = Field(
         "group_turn",
@@ -159,6 +161,10 @@ class LearnerConfig(_Section):
     discount: float = Field(
         1.0, gt=0.0, le=1.0,
         description="discount of return_to_go advantages; below 1 the learner recomputes it per episode",
+    )
+    gae_lambda: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="gae: 0 judges a turn by the state it leads to (one-step TD), 1 by its whole return-to-go",
     )
     init_from: str | None = Field(
         None, max_length=200,

@@ -12,6 +12,11 @@ records how that distribution was shaped from the model's logits: ``temperature`
 (0 = no top-k).  Together with the adapter they are the behaviour policy the
 learner's importance ratios divide by.  Files written before these columns
 (schema 1.0) read as 1.0 / 1.0 / 0: what every sampler then used.
+
+A per-turn row of an environment with a numeric state (CartPole's cart and pole,
+a board's cells) also carries ``state``: those numbers as the turn's prompt showed
+them, for advantages against a baseline of the state (``advantage: gae``).  Null on
+whole-episode rows, for environments without one, and in files before schema 1.2.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ TRAJECTORY_FIELDS: list[pa.Field] = [
     pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
     pa.field("weight", pa.float32(), nullable=True),  # optional per-sample weight (offline data)
     pa.field("text", pa.string(), nullable=True),  # optional decoded transcript, for people
+    pa.field("state", pa.list_(pa.float32()), nullable=True),  # per-turn rows: the numbers the prompt showed
 ]
 
 TRAJECTORY_SCHEMA = pa.schema(
@@ -100,6 +106,7 @@ class TrajectoryRecord(BaseModel):
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     weight: float | None = None
     text: str | None = None
+    state: list[float] | None = None
 
     @field_validator("run_id", "batch_id", "producer_id")
     @classmethod

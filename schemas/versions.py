@@ -9,7 +9,7 @@ still understands them (today there is only major 1).
 from __future__ import annotations
 
 EVENT_SCHEMA_VERSION = "1.0"
-TRAJECTORY_SCHEMA_VERSION = "1.1"  # 1.1: temperature, top_p, top_k of each row
+TRAJECTORY_SCHEMA_VERSION = "1.2"  # 1.1: temperature, top_p, top_k of each row; 1.2: state
 STEPS_SCHEMA_VERSION = "1.0"
 MANIFEST_SCHEMA_VERSION = "1.1"  # 1.1: kind (lora or value-network)
 

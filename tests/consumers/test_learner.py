@@ -488,3 +488,48 @@ def test_a_failed_background_write_stops_the_learner_before_its_checkpoint_and_c
     resumed.resume()
     resumed.run(poll_timeout_s=0)
     assert AdapterRegistry(store, RUN).versions() == [1, 2, 3] and resumed.state.step == 3
+
+
+def write_turn_batches(archive, setup, n_batches, rng, episodes=8, longest=4):
+    """Per-turn episodes: each turn answers with one token; the bad one ends the episode (a fall), the good one
+    moves the state on; 1 per turn survived, so good answers lead to longer episodes."""
+    for b in range(n_batches):
+        batch_id = f"t{b:03d}-{uuid.uuid4().hex[:6]}"
+        rows = []
+        for e in range(episodes):
+            tokens = []
+            while len(tokens) < longest and (not tokens or tokens[-1] == setup["good"]):
+                tokens.append(setup["good"] if rng.random() < 0.5 else setup["bad"])
+            fell = tokens[-1] == setup["bad"]
+            for turn, token in enumerate(tokens):
+                rows.append(dict(
+                    run_id=RUN, batch_id=batch_id, episode_id=f"{batch_id}-e{e}", group_id=f"{batch_id}-g",
+                    env="toy", env_seed=e, producer_id="p", policy_version=0, adapter_sha256=NO_ADAPTER_SHA,
+                    tokens=setup["prompt"] + [token], loss_mask=[0] * len(setup["prompt"]) + [1],
+                    logprobs=[0.0] * len(setup["prompt"]) + [float(setup["logp"][token])],
+                    turn_rewards=[0.0 if token == setup["bad"] else 1.0], reward=float(len(tokens) - fell),
+                    num_turns=len(tokens), turn=turn, return_to_go=float(sum(t == setup["good"] for t in tokens[turn:])),
+                    success=not fell, terminated=fell, truncated=not fell, state=[float(turn), float(b % 3)],
+                    created_at=datetime(2026, 1, 1, tzinfo=UTC),
+                ))
+        archive.write_batch(RUN, rows, batch_id=batch_id, created=datetime(2026, 1, 1, tzinfo=UTC))
+
+
+def test_gae_advantages_from_the_rows_state_raise_the_answer_that_keeps_the_episode_going(store, setup, tmp_path):
+    write_turn_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(7))
+    learner, _ = make_learner(store, setup, advantage="gae", normalize_advantage_std=True, discount=0.9,
+                              batch_rows=12)
+    steps = []
+    learner.run(poll_timeout_s=0, on_step=steps.append)
+    assert steps and all(np.isfinite(s["loss"]) for s in steps)
+    registry = AdapterRegistry(store, RUN)
+    folder = registry.pull(registry.versions()[-1], tmp_path / "cache")
+    before = probability_of(setup["model_dir"], None, setup["prompt"], setup["good"])
+    assert probability_of(setup["model_dir"], folder, setup["prompt"], setup["good"]) > 1.5 * before
+
+
+def test_gae_refuses_rows_without_a_state_naming_the_fix(store, setup):
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(8))
+    learner, _ = make_learner(store, setup, advantage="gae")
+    with pytest.raises(ValueError, match="use advantage"):
+        learner.run(poll_timeout_s=0)

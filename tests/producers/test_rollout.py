@@ -133,6 +133,13 @@ def test_long_horizon_rows_are_one_per_turn_with_returns_to_go(tiny_tokenizer):
             # each row is its own prompt; only this turn's answer is trained
             assert sum(r.loss_mask) == len(worker.sampler.answer_ids)
             assert r.loss_mask[-len(worker.sampler.answer_ids):] == [1] * len(worker.sampler.answer_ids)
+        # the state each prompt showed: the episode's start state, then every push "Left" moved it
+        env = make_env("cartpole")
+        env.reset(turns[0].env_seed)
+        for r in turns:
+            assert r.state == pytest.approx(env.numeric_state(), abs=1e-6)
+            if not env.done:
+                env.step("<answer>Left</answer>")
 
 
 def test_staleness_admission_waits_then_gives_up(tiny_tokenizer):

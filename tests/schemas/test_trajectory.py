@@ -80,7 +80,7 @@ def test_optional_columns_filled():
 def test_sampling_parameters_are_recorded_per_row():
     back = table_to_records(records_to_table([row(temperature=0.7, top_p=0.9, top_k=20)]))[0]
     assert (back.temperature, back.top_p, back.top_k) == (pytest.approx(0.7), pytest.approx(0.9), 20)
-    assert TRAJECTORY_SCHEMA_VERSION == "1.1"
+    assert TRAJECTORY_SCHEMA_VERSION == "1.2"
     with pytest.raises(ValidationError, match="top_p"):
         TrajectoryRecord(**row(top_p=0.0))
 

@@ -1,0 +1,100 @@
+"""Per-turn advantages against a baseline of the environment's state (``advantage: gae``).
+
+Long-horizon rows (one row per turn) judge a turn by its discounted return-to-go,
+which mostly says how far the episode is from its end: on CartPole a push's
+effect on the return is small next to the luck of the pushes after it. Where the
+environment has a numeric state (the ``state`` column: the numbers the turn's
+prompt showed), the learner fits a value baseline of that state on the step's own
+rows and forms generalised advantage estimates (Schulman et al. 2016):
+
+    delta_t = r_t + discount * V(s_{t+1}) - V(s_t)
+    A_t     = delta_t + discount * lambda * A_{t+1}
+
+``V`` is a ridge regression of the rows' discounted return-to-go on quadratic
+features of the standardised state (1, z, and z_i z_j; linear only beyond
+``QUADRATIC_UP_TO`` numbers). It is fitted per step from that step's rows and
+nothing else, so a step's advantages depend only on its rows: a step trained
+again after a restart gets the same ones. After a terminal turn the future is 0;
+after a truncated episode's last turn it is the baseline of that turn's own state
+(the state after it is not recorded).
+
+With ``lambda = 1`` the estimate is the return-to-go minus the baseline; with
+``lambda = 0`` it is the one-step TD error, which leans most on the baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+QUADRATIC_UP_TO = 16  # states with more numbers (board games' grids) get linear features
+RIDGE = 1e-2  # on standardised features
+
+
+def state_features(states_RS: np.ndarray) -> np.ndarray:
+    """1, each standardised number, and (for small states) the products of their pairs, per row."""
+    mean_S = states_RS.mean(axis=0)
+    std_S = states_RS.std(axis=0)
+    z_RS = (states_RS - mean_S) / np.where(std_S > 1e-8, std_S, 1.0)  # a constant number becomes 0
+    parts = [np.ones((len(z_RS), 1)), z_RS]
+    if z_RS.shape[1] <= QUADRATIC_UP_TO:
+        i, j = np.triu_indices(z_RS.shape[1])
+        parts.append(z_RS[:, i] * z_RS[:, j])
+    return np.hstack(parts)
+
+
+def fitted_values(states_RS: np.ndarray, targets_R: np.ndarray, ridge: float = RIDGE) -> np.ndarray:
+    """The ridge regression of ``targets_R`` on ``state_features(states_RS)``, evaluated on the same rows."""
+    x_RF = state_features(states_RS)
+    weights_F = np.linalg.solve(x_RF.T @ x_RF + ridge * np.eye(x_RF.shape[1]), x_RF.T @ targets_R)
+    return x_RF @ weights_F
+
+
+def episode_gae(rewards: Sequence[float], values: Sequence[float], last_value: float, discount: float,
+                lam: float) -> list[float]:
+    """Generalised advantage estimates of one episode's turns (``last_value``: the future after the last one)."""
+    out, running = [0.0] * len(rewards), 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        following = values[t + 1] if t + 1 < len(rewards) else last_value
+        running = rewards[t] + discount * following - values[t] + discount * lam * running
+        out[t] = running
+    return out
+
+
+def state_baseline_gae(
+    states_R: Sequence[Sequence[float] | None], turn_rewards_R: Sequence[Sequence[float]],
+    returns_to_go_R: Sequence[float] | np.ndarray, episode_ids_R: Sequence[Hashable], turns_R: Sequence[int],
+    terminated_R: Sequence[bool], discount: float, lam: float,
+) -> np.ndarray:
+    """GAE of every per-turn row of one step against a value baseline of its state fitted on the step's rows.
+
+    Every row needs a state of the same length and one turn reward; an episode's
+    turns must all be in the step (producers write an episode in one batch).
+    """
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"gae_lambda must be in [0, 1], got {lam}")
+    lengths = {len(s) if s is not None else 0 for s in states_R}
+    if not states_R or 0 in lengths:
+        raise ValueError("advantage 'gae' needs each row's state (per-turn rows of an environment with a numeric "
+                         "state, such as cartpole); use advantage 'return_to_go' for this environment")
+    if len(lengths) > 1:
+        raise ValueError(f"rows' states have different lengths {sorted(lengths)}; one step must hold one environment")
+    if any(len(r) != 1 for r in turn_rewards_R):
+        raise ValueError("advantage 'gae' needs one row per turn (turn_rewards of one entry); whole-episode rows "
+                         "have no per-turn state: use advantage 'group'")
+    states_RS = np.asarray(states_R, dtype=np.float64)
+    values_R = fitted_values(states_RS, np.asarray(returns_to_go_R, dtype=np.float64))
+    rows_by_episode: dict[Hashable, list[int]] = {}
+    for row, episode in enumerate(episode_ids_R):
+        rows_by_episode.setdefault(episode, []).append(row)
+    out_R = np.zeros(len(states_R), dtype=np.float64)
+    for episode, rows in rows_by_episode.items():
+        rows = sorted(rows, key=lambda r: int(turns_R[r]))
+        if [int(turns_R[r]) for r in rows] != list(range(len(rows))):
+            raise ValueError(f"episode {episode} is not whole in this step; advantage 'gae' needs all its turns")
+        last = rows[-1]
+        after = 0.0 if terminated_R[last] else float(values_R[last])  # cut short: its own state's baseline
+        out_R[rows] = episode_gae([float(turn_rewards_R[r][0]) for r in rows], values_R[rows].tolist(), after,
+                                  discount, lam)
+    return out_R
