@@ -12,7 +12,9 @@ uniform) and applies it as the environment's answer text for that action
 (``TextEnv.step_records``), with ``action`` the index of the chosen answer (Acrobot's
 torques -1, 0, +1 are actions 0, 1, 2): the discrete action a Q-network scores.  Whole episodes only: a batch is every episode finished
 since the last one, written once it holds at least ``steps_per_batch`` steps, so
-the learner can form every n-step transition of an episode from one table.
+the learner can form every n-step transition of an episode from one table.  Actors
+do not wait for the learner unless ``max_batches_ahead`` is set: then an actor pauses
+while it is that many batches ahead of the newest version's learner step.
 
 Layout of a batch: ``runs/<run>/env-steps/date=YYYY-MM-DD/<batch_id>.parquet``
 (create-only; the event carries its sha256).  Each row carries the actor's policy
@@ -205,8 +207,21 @@ class ValueActor:
     def run(self, should_stop: Callable[[], bool] = lambda: False, max_batches: int | None = None) -> int:
         """Write batches until stopped or ``max_batches``; return how many were written."""
         while not should_stop() and (max_batches is None or self.batches_written < max_batches):
-            self.write_batch()
+            self.wait_for_learner(should_stop)
+            if not should_stop():
+                self.write_batch()
         return self.batches_written
+
+    def wait_for_learner(self, should_stop: Callable[[], bool]) -> None:
+        """With ``max_batches_ahead``: pause while this actor is that far ahead of the newest version's learner step."""
+        limit = self.config.max_batches_ahead
+        while limit is not None and not should_stop() and self.batches_written - self.learner_step() >= limit:
+            time.sleep(max(self.config.registry_poll_s, 0.05))
+
+    def learner_step(self) -> int:
+        """The learner step of the newest published version (0 before the first)."""
+        latest = self.watcher.registry.latest()
+        return latest.learner_step if latest is not None else 0
 
 
 def open_watcher(registry: AdapterRegistry, cache_dir: str | Path | None, poll_s: float) -> ValueNetworkWatcher:
@@ -233,6 +248,8 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
 
     if config.value is None:
         raise ValueError(f"run {config.run_id} has no value section; use a value preset such as dqn-cartpole")
+    if config.learner.torch_threads is not None:  # tiny forward passes: extra threads only contend for the CPU
+        torch.set_num_threads(config.learner.torch_threads)
     env = env_from_spec(config.env)
     actor_class: type[ValueActor] = ValueActor
     if config.value.slate is not None:  # slateq: a slate of candidates per step (producers.slate_actor)

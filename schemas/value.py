@@ -84,6 +84,11 @@ class ValueActorConfig(BaseModel):
     final_epsilon: float = Field(0.05, ge=0.0, le=1.0, description="epsilon after the decay")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the episodes (seed, seed+1, ...) and the exploration")
     registry_poll_s: float = Field(1.0, ge=0.0, le=3600.0, description="look for a newer version this often")
+    max_batches_ahead: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="pause while this actor has written this many batches more than the newest version's learner "
+        "step (None: never wait; set it when the actor outruns the learner and would explore on stale versions)",
+    )
 
 
 class OfflineValueConfig(BaseModel):
@@ -169,4 +174,10 @@ class ValueRunConfig(BaseModel):
         if slate is not None and self.observation_size < slate.num_topics + slate.num_candidates:
             raise ValueError(f"observation_size {self.observation_size} cannot hold {slate.num_topics} interests and "
                              f"{slate.num_candidates} candidate topics; fix value.observation_size")
+        ahead, learner = self.actor.max_batches_ahead, self.learner
+        # The first version comes once min_replay_size transitions are in and a publish step is reached.
+        first_version = math.ceil(learner.min_replay_size / self.actor.steps_per_batch) + learner.publish_every
+        if ahead is not None and ahead < first_version:
+            raise ValueError(f"actor.max_batches_ahead {ahead} would stop the actor before the learner publishes its "
+                             f"first version; raise it to at least {first_version}")
         return self

@@ -94,6 +94,9 @@ class ValueLearner:
         lease: LearnerLease | None = None,
         slate: SlateSpec | None = None,
     ) -> None:
+        if (config.agent == "slateq") != (slate is not None):
+            raise ValueError(f"agent {config.agent} with{'' if slate else 'out'} a slate: slateq needs the run's "
+                             "value.slate, dqn and c51 take none")
         self.run_id, self.env_name, self.cfg = run_id, env_name, config
         self.spec = network_spec(config, observation_size, num_actions, slate)
         self.agent: ValueAgent | SlateQLearnerAgent = (

@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from consumers.checkpoint import CheckpointStore
 from consumers.learner import BatchRef
 from consumers.lease import FencedStore, LearnerLease
@@ -74,6 +76,8 @@ def run_value_learner(config: RunConfig, stop: StopFlag | None = None) -> ValueL
     if created is not None:
         announcer(created)
     learner = build_value_learner(config, store, source, announcer)
+    if config.learner.torch_threads is not None:  # small networks: extra threads mostly contend for the CPU
+        torch.set_num_threads(config.learner.torch_threads)
     try:
         learner.resume()
         learner.run(should_stop=stop, on_step=lambda metrics: log.info(progress_line(metrics)))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,7 @@ from producers.slate_actor import SlateActor, check_slate_environment
 from producers.value_actor import EPSILON_FEATURE, VERSION_FEATURE, ValueNetworkWatcher
 from producers.value_eval import evaluate_value_version
 from schemas.steps import check_steps_table
-from schemas.value import SlateSpec, ValueActorConfig
+from schemas.value import SlateSpec, ValueActorConfig, ValueRunConfig
 
 SLATE = SlateSpec()
 SPEC = NetworkSpec(agent="slateq", observation_size=26, num_actions=5, hidden_sizes=(8,), slate=SLATE)
@@ -104,3 +106,19 @@ def test_rlpipe_eval_of_a_slateq_run_plays_held_out_users_with_the_best_slates(t
     payload = json.loads(out.output)
     assert [(r["policy"], r["version"]) for r in payload["results"]][:2] == [("value-network", 1), ("value-network", 0)]
     assert payload["results"][0]["returns"] == returns and payload["results"][1]["returns"] != returns
+
+
+def stop_after(calls: int) -> Callable[[], bool]:
+    """A ``should_stop`` that says stop from its ``calls``-th call on (the actor asks once per wait)."""
+    counter = itertools.count(1)
+    return lambda: next(counter) >= calls
+
+
+def test_with_max_batches_ahead_the_actor_waits_for_the_learners_newest_version(memory_store, tmp_path) -> None:
+    actor = make_actor(memory_store, tmp_path, steps_per_batch=20, max_batches_ahead=2, registry_poll_s=0.0)
+    assert actor.run(should_stop=stop_after(40)) == 2  # two batches ahead of a learner at step 0: it waits
+    publish_favouring(AdapterRegistry(memory_store, "srun"), topic=1)  # a version at learner step 1
+    assert actor.run(should_stop=stop_after(40), max_batches=5) == 3  # one more, then two ahead of step 1
+    with pytest.raises(ValueError, match="at least 3"):
+        ValueRunConfig(observation_size=26, num_actions=5, learner={"agent": "slateq", "min_replay_size": 500},
+                       actor={"steps_per_batch": 400, "max_batches_ahead": 2}, slate=SLATE)

@@ -14,7 +14,9 @@ from consumers.learner import BatchRef
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.learner import ValueLearner
 from consumers.value.replay import consumed_items, discrete_actions
+from consumers.value.service import replay_train_value
 from consumers.value.slateq import SlateQAgent, SlateQConfig, SlateTransitions
+from pipeline.config import load_preset
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
@@ -23,6 +25,7 @@ from pipeline.value_network import CONFIG_FILE, WEIGHTS_FILE, network_from_files
 from producers.envs.recsim import InterestEvolution
 from producers.slate_actor import SlateActor
 from producers.value_actor import ValueNetworkWatcher
+from schemas.config import RunConfig
 from schemas.value import SlateSpec, ValueActorConfig, ValueRunConfig
 from tests.consumers.value.test_learner import ListSource, assert_same_memory
 
@@ -158,6 +161,21 @@ def test_the_replay_memory_rebuilt_from_the_store_equals_the_one_before_the_rest
         torch.testing.assert_close(second.agent.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
 
 
+def test_replay_train_trains_slateq_from_a_runs_stored_slate_batches_once(slate_batches) -> None:
+    store, _ = slate_batches
+    raw = load_preset("slateq-recsim")
+    raw.update(run_id="slateq-offline", store={"root": store.url("")})
+    raw["value"]["learner"].update(hidden_sizes=[16], min_replay_size=32, updates_per_transition=0.05,
+                                   checkpoint_every=4, publish_every=4)
+    raw["value"]["actor"]["max_batches_ahead"] = None  # no actors here
+    learner = replay_train_value(RunConfig.model_validate(raw), "actors")
+    assert learner.state.step == BATCHES and learner.agent.training_steps > 0
+    latest = learner.registry.latest()
+    assert latest is not None and latest.learner_step == BATCHES and latest.base_model.startswith("slateq:")
+    again = replay_train_value(RunConfig.model_validate(raw), "actors")  # from the checkpoint: nothing left
+    assert again.state.step == BATCHES and again.agent.training_steps == learner.agent.training_steps
+
+
 def test_a_slateq_run_needs_its_slate_section_and_uniform_replay() -> None:
     learner = {"agent": "slateq"}
     with pytest.raises(ValueError, match=r"slateq needs value\.slate"):
@@ -168,3 +186,7 @@ def test_a_slateq_run_needs_its_slate_section_and_uniform_replay() -> None:
         ValueLearnerConfig(agent="slateq", replay_scheme="prioritized")
     with pytest.raises(ValueError, match="take none"):
         ValueRunConfig(observation_size=4, num_actions=2, slate=SLATE)
+    with pytest.raises(ValueError, match="slateq needs"):  # the learner, built without a run configuration
+        ValueLearner(run_id="x", env_name="recsim-interest-evolution", config=CONFIG, observation_size=OBS,
+                     num_actions=5, archive=None, registry=None, checkpoints=None,  # type: ignore[arg-type]
+                     source=ListSource([]))
