@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -106,16 +107,21 @@ def serve(
     if not cfg.bus.bootstrap_servers:
         env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
     stop_on_sigterm()
-    workers = [subprocess.Popen(trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace), env=env)
+    engines = [(f"trainer for {m}", trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace))
                for m in models] if role in ("all", "trainer") else []
-    workers += [subprocess.Popen(sampler_command(m, store.root, bus.bootstrap_servers, bus.namespace, sampler),
-                                 env=env) for m in models] if role in ("all", "sampler") else []
-    try:
-        if role in ("trainer", "sampler"):
+    engines += [(f"sampler for {m}", sampler_command(m, store.root, bus.bootstrap_servers, bus.namespace, sampler))
+                for m in models] if role in ("all", "sampler") else []
+    if role in ("trainer", "sampler"):  # one role per process: its supervisor (Kubernetes) starts it again
+        workers = [subprocess.Popen(command, env=env) for _, command in engines]
+        try:
             raise typer.Exit(max(process.wait() for process in workers))
+        finally:
+            stop_workers(workers)
+    supervisor = EngineSupervisor(engines, env).start()
+    try:
         run_gateway(store, bus, models, host, port)
     finally:
-        stop_workers(workers)
+        supervisor.stop()
 
 
 def stop_on_sigterm() -> None:
@@ -138,6 +144,62 @@ def stop_workers(workers: list[subprocess.Popen[bytes]], timeout_s: float = 60.0
     shutdown while its client waits for the broker; serve never leaves one running.
     """
     stop_processes(workers, timeout_s)
+
+
+class EngineSupervisor:
+    """Starts serve's engine processes and starts again one that exits while serve runs.
+
+    A trainer resumes from its folds and its request log, a sampler holds nothing, so a
+    restart loses no call: the calls after the last fold run again in order.  An engine
+    that exits ``max_restarts`` times within ``window_s`` is left stopped, with an error
+    naming it (a crash loop, such as a base model that no longer loads, is not retried
+    for ever).  ``stop()`` stops them all and starts nothing after.
+    """
+
+    def __init__(self, engines: list[tuple[str, list[str]]], env: dict[str, str] | None, max_restarts: int = 5,
+                 window_s: float = 600.0, poll_s: float = 1.0) -> None:
+        self.engines, self.env = engines, env
+        self.max_restarts, self.window_s, self.poll_s = max_restarts, window_s, poll_s
+        self.processes = [subprocess.Popen(command, env=env) for _, command in engines]
+        self._restarts: list[list[float]] = [[] for _ in engines]
+        self._given_up: set[int] = set()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="engine-supervisor", daemon=True)
+
+    def start(self) -> EngineSupervisor:
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            with self._lock:
+                for index in range(len(self.engines)):
+                    if not self._stopping.is_set():
+                        self._check(index)
+
+    def _check(self, index: int) -> None:
+        code = self.processes[index].poll()
+        if code is None or index in self._given_up:
+            return
+        name, command = self.engines[index]
+        now = time.monotonic()
+        recent = [t for t in self._restarts[index] if now - t < self.window_s]
+        if len(recent) >= self.max_restarts:
+            self._given_up.add(index)
+            log.error("%s exited with code %s after %d restarts in %.0f s; giving up on it (see its log above)",
+                      name, code, len(recent), self.window_s)
+            return
+        log.error("%s exited with code %s; starting it again (calls after its last fold run again)", name, code)
+        self.processes[index] = subprocess.Popen(command, env=self.env)
+        self._restarts[index] = [*recent, now]
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop watching, then stop every engine (killing those still running after ``timeout_s``)."""
+        self._stopping.set()
+        with self._lock:
+            stop_workers(self.processes, timeout_s)
+        self._thread.join(timeout=self.poll_s + 5)
 
 
 def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str, port: int) -> None:

@@ -67,8 +67,9 @@ def test_sigterm_lets_serve_stop_its_engines_after_uvicorn_shuts_down(tmp_path):
     import sys
     import time
 
-    from pipeline.devstack.process import free_port
+    from pipeline.devstack.process import free_port, port_is_free
 
+    port = free_port()
     script = tmp_path / "serve_like.py"
     script.write_text(
         "import uvicorn\n"
@@ -77,12 +78,51 @@ def test_sigterm_lets_serve_stop_its_engines_after_uvicorn_shuts_down(tmp_path):
         "    pass\n"
         "stop_on_sigterm()\n"
         "try:\n"
-        f"    uvicorn.run(app, host='127.0.0.1', port={free_port()}, log_level='warning', lifespan='off')\n"
+        f"    uvicorn.run(app, host='127.0.0.1', port={port}, log_level='warning', lifespan='off')\n"
         "finally:\n"
         "    print('engines stopped', flush=True)\n")
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
-    time.sleep(3.0)  # uvicorn listening, its signal handlers in place
+    deadline = time.monotonic() + 60
+    while port_is_free(port) and time.monotonic() < deadline:  # uvicorn listening, its signal handlers in place
+        time.sleep(0.1)
+    time.sleep(0.5)
     process.send_signal(signal.SIGTERM)
     out, _ = process.communicate(timeout=30)
     assert "engines stopped" in out and process.returncode == 128 + signal.SIGTERM, out
+
+
+def test_an_engine_that_dies_is_started_again_and_one_that_keeps_dying_is_given_up(tmp_path, caplog):
+    """A trainer resumes from its folds and its request log, so serve starts a dead engine again
+    (it once stopped on a broker error and every session waited for ever); a crash loop is not retried for ever."""
+    import logging
+    import sys
+    import time
+
+    from pipeline.cli.serve_cmd import EngineSupervisor
+
+    starts = tmp_path / "starts"
+    steady = [sys.executable, "-c", f"open({str(starts)!r}, 'a').write('s'); import time; time.sleep(60)"]
+    crashing = [sys.executable, "-c", "raise SystemExit(3)"]
+    with caplog.at_level(logging.WARNING, logger="rlpipe.serve"):
+        supervisor = EngineSupervisor([("trainer for a", steady), ("sampler for a", crashing)], env=None,
+                                      max_restarts=2, window_s=60.0, poll_s=0.1).start()
+        try:
+            deadline = time.monotonic() + 30
+            while not starts.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            supervisor.processes[0].kill()  # the trainer dies
+            while starts.read_text() != "ss" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert starts.read_text() == "ss"
+            assert supervisor.processes[0].poll() is None
+            while "giving up" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            supervisor.stop(timeout_s=5.0)
+    assert all(p.poll() is not None for p in supervisor.processes)
+    assert "trainer for a exited with code -9; starting it again" in caplog.text
+    assert caplog.text.count("sampler for a exited with code 3; starting it again") == 2
+    assert "sampler for a exited with code 3 after 2 restarts in 60 s; giving up" in caplog.text
+    time.sleep(0.5)
+    assert starts.read_text() == "ss"  # stopped for good: nothing started after stop()
