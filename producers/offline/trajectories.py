@@ -312,6 +312,7 @@ def trajectory_table(
             "return_to_go": float(episode.returns_to_go[t]), "num_turns": len(episode.steps), "success": False,
             "terminated": episode.terminated, "truncated": not episode.terminated, "created_at": created_at,
             "weight": None, "text": tokenizer.decode(tokens, skip_special_tokens=False) if with_text else None,
+            "state": None,  # logged rows are rendered text; gae advantages need a producer's rows
         }  # fmt: skip
         for name, value in row.items():
             columns[name].append(value)
