@@ -8,13 +8,20 @@ The offline path with a small Q-network instead of a language model:
    of day and day-off features, standardised with the training days' statistics, n-step
    transitions;
 3. per network seed (``--seeds``): CQL(H) (``--cql-alpha``) and behaviour cloning on the same
-   MLP, ``--steps`` updates each, no interaction;
+   MLP, ``--steps`` updates each, no interaction; optionally (each adds a row)
+   - ``--support-threshold T``: the same CQL network acting only on cells whose cloned
+     probability is at least T times the most likely cell's (discrete BCQ's filter), "cql-filtered";
+   - ``--bcq-alpha A`` (with T): a CQL network (alpha A) whose target also takes the filtered argmax, "bcq";
+   - ``--ensemble K``: K CQL networks (seeds s, s + seeds, ...) acting on their mean Q (``--ensemble-min``:
+     the minimum), "cql-ensemble";
+   ``--standardise-rewards`` trains every network on standardised n-step returns;
 4. ``--eval-days`` held-out days after the dataset's played in the simulator by each network
    (greedy), the logged (behaviour) controller, the heuristic and the random controller
-   (one run per seed).
+   (one run per seed); ``--validation-days N`` also plays the N days after those, for choosing
+   settings on days the comparison does not use.
 Prints a markdown table for docs/value.md: mean daily return with its 95% CI over days x
 seeds and the reward's parts (per-day sums of the normalised comfort regret, energy cost
-and carbon), then paired differences (same day, same seed) of CQL against the others.
+and carbon), then paired differences (same day, same seed) of each network against the others.
 
 Run: nice .venv/bin/python bench/offline_value_building.py [--days 14] [--eval-days 7] [--seeds 3] [--root DIR]
 """
@@ -44,6 +51,7 @@ from consumers.value.offline import (
     prepare_offline_data,
     train_offline,
 )
+from pipeline.building_policy import BuildingPolicy
 from pipeline.io.datasets import read_card, read_steps
 from pipeline.io.store import ObjectStore
 from producers.offline.evaluation import (
@@ -74,6 +82,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--target-period", type=int, default=100, help="updates between target-network copies")
+    parser.add_argument("--support-threshold", type=float, default=0.0,
+                        help="> 0: also CQL acting only on cells with cloned probability >= T x the most likely's")
+    parser.add_argument("--bcq-alpha", type=float, default=None,
+                        help="with --support-threshold: also CQL (this alpha) with the filtered target (discrete BCQ)")
+    parser.add_argument("--ensemble", type=int, default=1, help="> 1: also this many CQL networks on their mean Q")
+    parser.add_argument("--ensemble-min", action="store_true", help="the ensemble acts on its members' minimum Q")
+    parser.add_argument("--standardise-rewards", action="store_true",
+                        help="train on (R - mean) / std of the n-step returns instead of R")
+    parser.add_argument("--validation-days", type=int, default=0,
+                        help="also play the days after the held-out ones (for choosing settings)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--root", type=Path, default=None, help="store folder (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=1, help="seeds the logged controllers")
@@ -94,31 +112,76 @@ def prepare(store: ObjectStore, args: argparse.Namespace) -> tuple[Any, OfflineD
     grid = SetpointGrid(cfg.supply_water_range_k, cfg.supply_air_heating_range_k, args.levels, args.levels)
     data = prepare_offline_data(read_steps(store, DATASET), grid, float(card.extras.get("utc_offset_hours", 0.0)),
                                 n_step=args.n_step, gamma=args.gamma)
+    if args.standardise_rewards:  # a shift c of every n-step return shifts Q by c / (1 - gamma^n): same argmax
+        reward_R = data.transitions["reward"]
+        data.transitions["reward"] = ((reward_R - reward_R.mean()) / reward_R.std()).astype(reward_R.dtype)
     print(f"transitions: {len(data.transitions['action']):,}, {data.observation_size} features, "
           f"{grid.num_actions} actions", flush=True)
     return card, data
 
 
-def train_and_play(card: Any, data: OfflineData, args: argparse.Namespace, days: list[int]) -> dict[str, Any]:
-    """Steps 3-4 for the networks: per method, seed -> EvalResult."""
-    results: dict[str, dict[int, Any]] = {"cql": {}, "bc": {}}
+def learner_config(args: argparse.Namespace, seed: int, transitions: int) -> ValueLearnerConfig:
+    return ValueLearnerConfig(
+        seed=seed, hidden_sizes=tuple(int(w) for w in args.hidden.split(",")), gamma=args.gamma,
+        n_step=args.n_step, learning_rate=args.learning_rate, batch_size=args.batch_size,
+        target_update_period=args.target_period, replay_capacity=max(transitions, 1),
+    )
+
+
+class EnsembleQ(torch.nn.Module):
+    """An ensemble's Q: the mean (or the minimum) over its members' Q-values."""
+
+    def __init__(self, members: list[torch.nn.Module], minimum: bool = False) -> None:
+        super().__init__()
+        self.members, self.minimum = torch.nn.ModuleList(members), minimum
+
+    def q_values(self, obs_BO: torch.Tensor) -> torch.Tensor:
+        q_MBA = torch.stack([m.q_values(obs_BO) for m in self.members])
+        return q_MBA.min(dim=0).values if self.minimum else q_MBA.mean(dim=0)
+
+
+def trained(agent: Any, data: OfflineData, args: argparse.Namespace, seed: int, name: str) -> Any:
+    started = time.perf_counter()
+    log = train_offline(agent, data, args.steps, seed=seed)
+    print(f"  {name} seed {seed}: loss {log.loss:.4f}, Q {log.q_mean:.2f} ({time.perf_counter() - started:.0f} s)",
+          flush=True)
+    return agent
+
+
+def seed_policies(data: OfflineData, args: argparse.Namespace, seed: int) -> dict[str, BuildingPolicy]:
+    """Step 3 for one seed: the trained networks as policies (as a published version acts), by method name."""
+    n, cells, count = data.observation_size, data.grid.num_actions, len(data.transitions["action"])
+    config = learner_config(args, seed, count)
+    bc = trained(BehaviourCloningAgent(config, n, cells), data, args, seed, "bc")
+    cql = trained(CQLAgent(config, n, cells, cql_alpha=args.cql_alpha), data, args, seed, "cql")
+    policies = {"cql": OfflinePolicy.from_training(cql, data), "bc": OfflinePolicy.from_training(bc, data)}
+    threshold = args.support_threshold
+    if threshold > 0:
+        policies["cql-filtered"] = OfflinePolicy.from_training(cql, data, bc, threshold)
+    if threshold > 0 and args.bcq_alpha is not None:
+        bcq = CQLAgent(config, n, cells, cql_alpha=args.bcq_alpha, behaviour=bc, support_threshold=threshold)
+        policies["bcq"] = OfflinePolicy.from_training(trained(bcq, data, args, seed, "bcq"), data, bc, threshold)
+    acting = {method: policy.acting() for method, policy in policies.items()}
+    if args.ensemble > 1:  # members seeded seed, seed + seeds, seed + 2 seeds, ...: no two seeds share one
+        members = [cql.online] + [
+            trained(CQLAgent(learner_config(args, seed + k * args.seeds, count), n, cells, cql_alpha=args.cql_alpha),
+                    data, args, seed + k * args.seeds, "cql-member").online for k in range(1, args.ensemble)]
+        ensemble = EnsembleQ(members, args.ensemble_min)
+        acting["cql-ensemble"] = BuildingPolicy(ensemble, data.scaler, data.grid, data.utc_offset_hours)
+    return acting
+
+
+def train_and_play(card: Any, data: OfflineData, args: argparse.Namespace,
+                   day_sets: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
+    """Steps 3-4 for the networks: per day set, method, seed -> EvalResult."""
+    results: dict[str, dict[str, dict[int, Any]]] = {name: {} for name in day_sets}
     for seed in range(args.seeds):
-        config = ValueLearnerConfig(
-            seed=seed, hidden_sizes=tuple(int(w) for w in args.hidden.split(",")), gamma=args.gamma,
-            n_step=args.n_step, learning_rate=args.learning_rate, batch_size=args.batch_size,
-            target_update_period=args.target_period, replay_capacity=max(len(data.transitions["action"]), 1),
-        )
-        agents = {"cql": CQLAgent(config, data.observation_size, data.grid.num_actions, cql_alpha=args.cql_alpha),
-                  "bc": BehaviourCloningAgent(config, data.observation_size, data.grid.num_actions)}
-        for method, agent in agents.items():
-            started = time.perf_counter()
-            log = train_offline(agent, data, args.steps, seed=seed)
-            policy = OfflinePolicy.from_training(agent, data)
+        for method, policy in seed_policies(data, args, seed).items():
             controller = numeric_controller(policy.setpoints, card.observation_columns)
-            outcomes = controller_outcomes(controller, days, card.extras.get("env_overrides"))
-            results[method][seed] = eval_result(f"{DATASET}-{method}", method, 0, outcomes)
-            print(f"  {method} seed {seed}: loss {log.loss:.4f}, Q {log.q_mean:.2f}, "
-                  f"return {results[method][seed].mean_return:.3f} ({time.perf_counter() - started:.0f} s)",
+            for name, days in day_sets.items():
+                outcomes = controller_outcomes(controller, days, card.extras.get("env_overrides"))
+                results[name].setdefault(method, {})[seed] = eval_result(f"{DATASET}-{method}", method, 0, outcomes)
+            print(f"  {method} seed {seed}: held-out return {results['held-out'][method][seed].mean_return:.3f}",
                   flush=True)
     return results
 
@@ -143,8 +206,8 @@ def summarise(by_seed: dict[int, Any]) -> dict[str, float]:
     return {"mean_return": mean, "ci95": ci95, "episodes": sum(len(r.returns) for r in results), **parts}
 
 
-def print_table(summary: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"\nheld-out days {summary['days'][0]}..{summary['days'][-1]} x {args.seeds} seeds (networks, random, "
+def print_table(summary: dict[str, Any], args: argparse.Namespace, title: str) -> None:
+    print(f"\n{title}: days {summary['days'][0]}..{summary['days'][-1]} x {args.seeds} seeds (networks, random, "
           "behaviour; the heuristic is deterministic)\n")
     print("| policy | mean daily return (95% CI) | comfort | energy | carbon | energy $ | carbon kg |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -158,23 +221,36 @@ def print_table(summary: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"| {name} | {d['mean']:+.3f} ± {d['ci95']:.3f} | {d['pairs']} | {'yes' if d['above'] else 'no'} |")
 
 
+def summarise_days(played: dict[str, Any], days: list[int]) -> dict[str, Any]:
+    """Per policy its summary, and each network's paired differences against BC and the scripted controllers."""
+    returns = {name: {seed: list(r.returns) for seed, r in by_seed.items()} for name, by_seed in played.items()}
+    networks = [name for name in played if name not in ("bc", "behaviour", "heuristic", "random")]
+    return {
+        "days": days,
+        "results": {name: summarise(by_seed) for name, by_seed in played.items()},
+        "paired": {f"{net} - {other}": paired_difference(returns[net], returns[other])
+                   for net in networks for other in ("bc", "behaviour", "heuristic", "random")},
+    }
+
+
 def main() -> None:
     args = parse_args()
+    if args.bcq_alpha is not None and args.support_threshold <= 0:
+        raise SystemExit("--bcq-alpha needs --support-threshold above 0 (the filter of its target)")
     torch.set_num_threads(args.threads)
     folder = args.root or Path(tempfile.mkdtemp(prefix="rlpipe-offline-value-"))
     store = ObjectStore(folder.resolve().as_uri())
     started = time.perf_counter()
     card, data = prepare(store, args)
-    days = held_out_days(card, args.eval_days)
-    played = train_and_play(card, data, args, days) | play_baselines(store, card, args, days)
-    returns = {name: {seed: list(r.returns) for seed, r in by_seed.items()} for name, by_seed in played.items()}
-    summary = {
-        "days": days,
-        "results": {name: summarise(by_seed) for name, by_seed in played.items()},
-        "paired": {f"cql - {other}": paired_difference(returns["cql"], returns[other])
-                   for other in ("bc", "behaviour", "heuristic", "random")},
-    }
-    print_table(summary, args)
+    held_out = held_out_days(card, args.eval_days)
+    day_sets = {"held-out": held_out}
+    if args.validation_days:
+        day_sets["validation"] = list(range(held_out[-1] + 1, held_out[-1] + 1 + args.validation_days))
+    networks = train_and_play(card, data, args, day_sets)
+    summary = {name: summarise_days(networks[name] | play_baselines(store, card, args, days), days)
+               for name, days in day_sets.items()}
+    for name in reversed(list(day_sets)):  # validation first: the held-out table is the result
+        print_table(summary[name], args, name)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **summary}, indent=2))

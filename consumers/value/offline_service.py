@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from consumers.checkpoint import CheckpointStore
 from consumers.lease import FencedStore, LearnerLease
@@ -173,6 +174,8 @@ def resume(run: OfflineRun) -> None:
 # ==== the loop =======================================================================================
 def replay_train_offline(config: RunConfig, dataset: str) -> OfflineRun:
     """Train ``config.run_id``'s CQL network from ``dataset``'s logged days until ``learner.max_steps``."""
+    if config.learner.torch_threads is not None:  # a small MLP: extra threads mostly contend for the CPU
+        torch.set_num_threads(config.learner.torch_threads)
     run = open_offline_run(config, dataset)
     resume(run)
     learner_cfg = run.agent.config

@@ -31,7 +31,7 @@ def small_config(root: Path, run_id: str, max_steps: int, **learner: object) -> 
     raw["run_id"], raw["store"] = run_id, {"root": root.as_uri()}
     raw["value"]["learner"].update(hidden_sizes=[16], batch_size=32, target_update_period=10, max_steps=max_steps,
                                    publish_every=2, checkpoint_every=2, **learner)
-    raw["value"]["offline"]["updates_per_step"] = 10
+    raw["value"]["offline"].update(updates_per_step=10, support_threshold=0.0)  # plain CQL unless a test filters
     return RunConfig.model_validate(raw)
 
 
