@@ -12,6 +12,7 @@ the success count (both targets met).
 
     python bench/demo_reliability.py --runs 10            # seeds 1..10
     python bench/demo_reliability.py --runs 3 --first-seed 11 --steps 20
+    python bench/demo_reliability.py --runs 10 --preset demo-gae   # the online phase of another preset
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ def take_off_version(reward_by_version: list[dict[str, Any]], warm_version: int 
     return next((v for v in sorted(by_version) if v > warm_version and by_version[v] >= TAKE_OFF_FACTOR * warm), None)
 
 
-def one_run(seed: int, steps: int | None, episodes: int) -> dict[str, Any]:
+def one_run(seed: int, steps: int | None, episodes: int, preset: str = "demo") -> dict[str, Any]:
     """Run the demo with ``seed``; its ``demo-result.json`` plus the take-off version and the wall time."""
     command = [sys.executable, "-m", "pipeline.cli.main", "demo", "--seed", str(seed), "--no-dashboard",
-               "--episodes", str(episodes), *(["--steps", str(steps)] if steps else [])]
+               "--episodes", str(episodes), "--preset", preset, *(["--steps", str(steps)] if steps else [])]
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)
     minutes = (time.monotonic() - started) / 60
@@ -80,12 +81,13 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None, help="online steps (default: the demo preset's)")
     parser.add_argument("--episodes", type=int, default=32, help="held-out evaluation episodes per policy")
+    parser.add_argument("--preset", default="demo", help="the preset of the online phase (demo, demo-gae)")
     parser.add_argument("--out", default="demo-reliability.json")
     args = parser.parse_args()
     outcomes = []
     try:
         for seed in range(args.first_seed, args.first_seed + args.runs):
-            outcomes.append(one_run(seed, args.steps, args.episodes))
+            outcomes.append(one_run(seed, args.steps, args.episodes, args.preset))
             print(line(outcomes[-1]), flush=True)
             Path(args.out).write_text(json.dumps(outcomes, indent=2))
     finally:
