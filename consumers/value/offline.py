@@ -13,13 +13,17 @@ No environment is touched while learning; evaluation plays held-out days in the 
 - Observations: the dataset's observation vector plus three time features (sin and cos
   of the local hour, 1 on days off), because the value of heating now depends on when
   comfort hours start; then standardised with the training days' mean and std, which
-  travel in the policy's state.
+  travel in the policy's state.  Grid, time features and scaler are ``pipeline.building_policy``'s,
+  shared with a published version's evaluation (``consumers.value.offline_service`` publishes).
 - CQL(H) (Kumar et al. 2020, discrete actions): per transition
     loss = Huber(y - Q(s, a)) + alpha * (logsumexp_a' Q(s, a') - Q(s, a)),
   the regulariser pushing down every action's value and pushing up the logged one's,
   so actions the data never took are not over-estimated.
 - Behaviour cloning: the same network's outputs as logits of a classifier over the
   logged grid cells (cross-entropy); acting takes the most likely cell.
+- Support filter (discrete BCQ, Fujimoto et al. 2019), optional: with a cloned network and a
+  threshold T, acting (``OfflinePolicy``) and, given to ``CQLAgent``, the target's next action
+  take the argmax only over cells with cloned probability >= T x the most likely cell's.
 """
 
 from __future__ import annotations
