@@ -194,7 +194,7 @@ def compute_advantages(
         estimates_R = state_baseline_gae(episode.states_R, episode.turn_rewards_R, returns_to_go_R,
                                          episode.episode_ids_R, turns_R, episode.terminated_R, episode.discount,
                                          episode.gae_lambda)
-        return _centre_by_cell(estimates_R, np.zeros(estimates_R.shape[0], dtype=np.int64), 1, normalize_std, eps)
+        return returns_to_go(estimates_R, baseline="step", normalize_std=normalize_std, eps=eps)  # centred over the step
     raise ValueError(f"unknown advantage kind {kind!r}; choose one of {', '.join(ADVANTAGE_KINDS)}")
 
 
