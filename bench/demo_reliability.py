@@ -13,12 +13,18 @@ the success count (both targets met).
     python bench/demo_reliability.py --runs 10            # seeds 1..10
     python bench/demo_reliability.py --runs 3 --first-seed 11 --steps 20
     python bench/demo_reliability.py --runs 10 --preset demo-gae   # the online phase of another preset
+    python bench/demo_reliability.py --runs 10 --resume    # only the seeds not yet in --out
+
+Each run's record also holds the commit it ran on and the machine's load average
+before and after it, so runs collected over several sittings (``--resume``) can
+be checked to be of the same recipe on a comparable machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -37,16 +43,30 @@ def take_off_version(reward_by_version: list[dict[str, Any]], warm_version: int 
     return next((v for v in sorted(by_version) if v > warm_version and by_version[v] >= TAKE_OFF_FACTOR * warm), None)
 
 
+def commit() -> str:
+    """The checkout's commit (with ``+dirty`` when files differ from it), or ``unknown``."""
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode != 0:
+        return "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def one_run(seed: int, steps: int | None, episodes: int, preset: str = "demo") -> dict[str, Any]:
     """Run the demo with ``seed``; its ``demo-result.json`` plus the take-off version and the wall time."""
+    load_before = os.getloadavg()
     command = [sys.executable, "-m", "pipeline.cli.main", "demo", "--seed", str(seed), "--no-dashboard",
                "--episodes", str(episodes), "--preset", preset, *(["--steps", str(steps)] if steps else [])]
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)
     minutes = (time.monotonic() - started) / 60
+    machine = {"commit": commit(), "preset": preset, "load_before": [round(x, 2) for x in load_before],
+               "load_after": [round(x, 2) for x in os.getloadavg()]}
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {"seed": seed, "failed": tail[0], "minutes": minutes}
+        return {"seed": seed, "failed": tail[0], "minutes": minutes, **machine}
     report = next(line.split("report: ", 1)[1].split(";")[0] for line in done.stdout.splitlines()
                   if line.startswith("report: "))
     folder = Path(report).parent
@@ -55,7 +75,7 @@ def one_run(seed: int, steps: int | None, episodes: int, preset: str = "demo") -
     outcome["take_off_version"] = take_off_version(series.get("reward_by_version") or [])
     outcome["minutes"] = minutes
     outcome["seed"] = seed
-    return outcome
+    return {**outcome, **machine}
 
 
 def met(outcome: dict[str, Any]) -> bool:
@@ -72,7 +92,8 @@ def line(outcome: dict[str, Any]) -> str:
             f"x{outcome['ratio']:.2f}{'' if outcome['intervals_separate'] else ' (overlap)'} over base, "
             f"x{outcome['ratio_rl']:.2f}{'' if outcome['rl_intervals_separate'] else ' (overlap)'} over warm  "
             f"take-off v{outcome['take_off_version'] if outcome['take_off_version'] is not None else '-'}  "
-            f"{outcome['minutes']:.1f} min  {'MET' if met(outcome) else 'missed'}")
+            f"{outcome['minutes']:.1f} min  {'MET' if met(outcome) else 'missed'}"
+            + (f"  load {outcome['load_before'][0]:.1f}->{outcome['load_after'][0]:.1f}" if "load_before" in outcome else ""))
 
 
 def main() -> None:
@@ -83,15 +104,25 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=32, help="held-out evaluation episodes per policy")
     parser.add_argument("--preset", default="demo", help="the preset of the online phase (demo, demo-gae)")
     parser.add_argument("--out", default="demo-reliability.json")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in --out and run only the seeds missing from it")
     args = parser.parse_args()
-    outcomes = []
+    out = Path(args.out)
+    outcomes: list[dict[str, Any]] = json.loads(out.read_text()) if args.resume and out.exists() else []
+    done_seeds = {o["seed"] for o in outcomes}
+    for outcome in outcomes:
+        print(line(outcome) + "  (earlier)", flush=True)
     try:
         for seed in range(args.first_seed, args.first_seed + args.runs):
+            if seed in done_seeds:
+                continue
             outcomes.append(one_run(seed, args.steps, args.episodes, args.preset))
             print(line(outcomes[-1]), flush=True)
-            Path(args.out).write_text(json.dumps(outcomes, indent=2))
+            out.write_text(json.dumps(outcomes, indent=2))
     finally:
         subprocess.run([sys.executable, "-m", "pipeline.cli.main", "down"], capture_output=True)
+    if not outcomes:
+        return
     print(f"both targets met in {sum(met(o) for o in outcomes)} of {len(outcomes)} runs; "
           f"median {sorted(o['minutes'] for o in outcomes)[len(outcomes) // 2]:.1f} min per run; details: {args.out}")
 

@@ -21,3 +21,27 @@ def test_both_targets_with_separated_intervals_are_needed():
     for key in good:
         assert not met({**good, key: False})
     assert not met({"seed": 1, "failed": "exit 1"})
+
+
+def test_resume_keeps_the_earlier_runs_and_runs_only_the_missing_seeds(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    from bench import demo_reliability
+
+    out = tmp_path / "runs.json"
+    earlier = {"seed": 1, "failed": "exit 1", "minutes": 3.0}
+    out.write_text(json.dumps([earlier]))
+    ran: list[int] = []
+
+    def fake_run(seed, steps, episodes, preset="demo"):
+        ran.append(seed)
+        return {"seed": seed, "failed": "exit 2", "minutes": 1.0}
+
+    monkeypatch.setattr(demo_reliability, "one_run", fake_run)
+    monkeypatch.setattr(demo_reliability.subprocess, "run", lambda *a, **k: None)
+    monkeypatch.setattr(sys, "argv", ["demo_reliability.py", "--runs", "3", "--out", str(out), "--resume"])
+    demo_reliability.main()
+    assert ran == [2, 3]
+    assert [o["seed"] for o in json.loads(out.read_text())] == [1, 2, 3]
+    assert "met in 0 of 3 runs" in capsys.readouterr().out
