@@ -44,12 +44,13 @@ def take_off_version(reward_by_version: list[dict[str, Any]], warm_version: int 
 
 
 def commit() -> str:
-    """The checkout's commit (with ``+dirty`` when files differ from it), or ``unknown``."""
+    """The checkout's commit (``+dirty`` when the code the demo runs differs from it), or ``unknown``."""
     root = Path(__file__).resolve().parent.parent
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
     if head.returncode != 0:
         return "unknown"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                            "schemas", "pipeline", "producers", "consumers"], cwd=root,
                            capture_output=True, text=True).stdout.strip()
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
