@@ -26,10 +26,11 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from pipeline.devstack.launcher import rlpipe_command
 
 TAKE_OFF_FACTOR = 1.5
 
@@ -58,8 +59,8 @@ def commit() -> str:
 def one_run(seed: int, steps: int | None, episodes: int, preset: str = "demo") -> dict[str, Any]:
     """Run the demo with ``seed``; its ``demo-result.json`` plus the take-off version and the wall time."""
     load_before = os.getloadavg()
-    command = [sys.executable, "-m", "pipeline.cli.main", "demo", "--seed", str(seed), "--no-dashboard",
-               "--episodes", str(episodes), "--preset", preset, *(["--steps", str(steps)] if steps else [])]
+    command = rlpipe_command("demo", "--seed", str(seed), "--no-dashboard", "--episodes", str(episodes),
+                     "--preset", preset, *(["--steps", str(steps)] if steps else []))
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)
     minutes = (time.monotonic() - started) / 60
@@ -68,8 +69,10 @@ def one_run(seed: int, steps: int | None, episodes: int, preset: str = "demo") -
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         return {"seed": seed, "failed": tail[0], "minutes": minutes, **machine}
-    report = next(line.split("report: ", 1)[1].split(";")[0] for line in done.stdout.splitlines()
-                  if line.startswith("report: "))
+    report = next((line.split("report: ", 1)[1].split(";")[0] for line in done.stdout.splitlines()
+                   if line.startswith("report: ")), None)
+    if report is None:
+        return {"seed": seed, "failed": "the demo printed no report line", "minutes": minutes, **machine}
     folder = Path(report).parent
     outcome = json.loads((folder / "demo-result.json").read_text())
     series = json.loads((folder / "report.json").read_text())["series"]
@@ -121,7 +124,7 @@ def main() -> None:
             print(line(outcomes[-1]), flush=True)
             out.write_text(json.dumps(outcomes, indent=2))
     finally:
-        subprocess.run([sys.executable, "-m", "pipeline.cli.main", "down"], capture_output=True)
+        subprocess.run(rlpipe_command("down"), capture_output=True)
     if not outcomes:
         return
     print(f"both targets met in {sum(met(o) for o in outcomes)} of {len(outcomes)} runs; "

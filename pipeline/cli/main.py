@@ -235,3 +235,7 @@ def status(as_json: JsonOpt = False) -> None:
 def main() -> None:
     """Console-script entry point (``rlpipe``)."""
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -45,3 +45,26 @@ def test_resume_keeps_the_earlier_runs_and_runs_only_the_missing_seeds(tmp_path,
     assert ran == [2, 3]
     assert [o["seed"] for o in json.loads(out.read_text())] == [1, 2, 3]
     assert "met in 0 of 3 runs" in capsys.readouterr().out
+
+
+def test_the_command_it_runs_is_rlpipe():
+    import subprocess
+
+    from bench import demo_reliability
+
+    done = subprocess.run(demo_reliability.rlpipe_command("demo", "--help"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert "--seed" in done.stdout
+
+
+def test_a_demo_that_prints_no_report_is_a_failed_run(monkeypatch):
+    import subprocess
+
+    from bench import demo_reliability
+
+    monkeypatch.setattr(demo_reliability.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 0, stdout="something else\n", stderr=""))
+    outcome = demo_reliability.one_run(3, None, 32)
+    assert outcome["seed"] == 3
+    assert "no report" in outcome["failed"]
+    assert not demo_reliability.met(outcome)
