@@ -58,13 +58,13 @@ def commit() -> str:
 
 def one_run(seed: int, steps: int | None, episodes: int, preset: str = "demo") -> dict[str, Any]:
     """Run the demo with ``seed``; its ``demo-result.json`` plus the take-off version and the wall time."""
-    load_before = os.getloadavg()
+    load_before, ran_on = os.getloadavg(), commit()
     command = rlpipe_command("demo", "--seed", str(seed), "--no-dashboard", "--episodes", str(episodes),
                      "--preset", preset, *(["--steps", str(steps)] if steps else []))
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)
     minutes = (time.monotonic() - started) / 60
-    machine = {"commit": commit(), "preset": preset, "load_before": [round(x, 2) for x in load_before],
+    machine = {"commit": ran_on, "preset": preset, "load_before": [round(x, 2) for x in load_before],
                "load_after": [round(x, 2) for x in os.getloadavg()]}
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
