@@ -49,9 +49,11 @@ def test_rows_that_cannot_have_state_advantages_are_refused_naming_the_fix():
         state_baseline_gae([[1.0]], **{**common, "turns_R": [3]})
 
 
-def cartpole_step(agree: float, seed: int) -> tuple[dict[str, list], list[bool]]:
-    """A step's per-turn columns from 8 CartPole episodes of a policy that pushes right ``agree`` of the time."""
-    rng, cols, right = np.random.default_rng(seed), {k: [] for k in ("state", "reward", "episode", "turn", "end")}, []
+def cartpole_step(agree: float, seed: int, empty_share: float = 0.0) -> tuple[dict[str, list], list[bool]]:
+    """A step's per-turn columns from 8 CartPole episodes of a policy that pushes right ``agree`` of the time
+    and gives an empty answer (penalised, the cart does not move) ``empty_share`` of the time (``cols["empty"]``)."""
+    rng = np.random.default_rng(seed)
+    cols, right = {k: [] for k in ("state", "reward", "episode", "turn", "end", "empty")}, []
     for episode in range(8):
         env = make_env("cartpole")
         env.reset(seed * 100 + episode)
@@ -60,11 +62,13 @@ def cartpole_step(agree: float, seed: int) -> tuple[dict[str, list], list[bool]]
             best = env.heuristic_answer()
             other = best.replace("right", "LEFT").replace("left", "right").replace("LEFT", "left")
             push = best if rng.random() < agree else other
+            nothing = bool(empty_share and rng.random() < empty_share)
             cols["state"].append(env.numeric_state())
             cols["episode"].append(episode)
             cols["turn"].append(len(rewards))
-            right.append(push == best)
-            rewards.append(env.step(push).reward)
+            cols["empty"].append(nothing)
+            right.append(push == best and not nothing)
+            rewards.append(env.step("<answer></answer>" if nothing else push).reward)
         cols["reward"] += [[r] for r in rewards]
         cols["end"] += [env.terminated if hasattr(env, "terminated") else len(rewards) < 200] * len(rewards)
     return cols, right
@@ -106,39 +110,23 @@ def test_the_learner_takes_gae_with_its_lambda():
 
 
 def test_gae_pushes_an_answer_that_does_nothing_down_where_the_return_to_go_barely_does():
-    """The collapse seen in a demo run (docs/demo.md): an empty answer costs 0.1 and leaves the cart where it
-    was, so its discounted return-to-go is about that of the valid pushes around it, and against the
-    step's mean it gets an advantage near 0; against a baseline of the state it loses about 10% of the
-    state's value, a clearly negative advantage."""
+    """An empty answer costs 0.1 and leaves the cart where it was, so its discounted return-to-go is about
+    that of the valid pushes around it, and against the step's mean it gets an advantage near 0; against a
+    baseline of the state it loses about 10% of the state's value, a clearly negative advantage.  (In the
+    demo run where the policy collapsed into empty answers this did not stop the collapse: docs/demo.md.)"""
     by_return, by_gae = [], []
     for seed in range(4):
-        rng, cols, empty = np.random.default_rng(seed), {k: [] for k in ("state", "reward", "episode", "turn")}, []
-        ends = []
-        for episode in range(8):
-            env = make_env("cartpole")
-            env.reset(seed * 100 + episode)
-            rewards = []
-            while not env.done:
-                best = env.heuristic_answer()
-                other = best.replace("right", "LEFT").replace("left", "right").replace("LEFT", "left")
-                nothing = bool(rng.random() < 0.05)
-                answer = "<answer></answer>" if nothing else best if rng.random() < 0.62 else other
-                cols["state"].append(env.numeric_state())
-                cols["episode"].append(episode)
-                cols["turn"].append(len(rewards))
-                empty.append(nothing)
-                rewards.append(env.step(answer).reward)
-            cols["reward"] += [[r] for r in rewards]
-            ends += [len(rewards) < 200] * len(rewards)
-        assert any(r[0] < 0 for r in cols["reward"])  # the empty answers were penalised, not applied
+        cols, _ = cartpole_step(0.62, seed, empty_share=0.05)
+        empty = np.array(cols["empty"])
+        assert empty.any() and any(r[0] < 0 for r in cols["reward"])  # empty answers were penalised, not applied
         to_go = np.concatenate([
             [sum(0.9**k * r[0] for k, r in enumerate(cols["reward"][i:start + n])) for i in range(start, start + n)]
             for start, n in _episodes(cols["episode"])])
         kwargs = dict(returns_to_go_R=to_go, turns_R=cols["turn"], normalize_std=True)
         by_return.append(compute_advantages("return_to_go", np.zeros(len(to_go)), cols["episode"],
-                                            return_to_go_baseline="step", **kwargs)[np.array(empty)].mean())
-        episode = EpisodeColumns(cols["state"], cols["reward"], cols["episode"], ends, 0.9, 0.5)
+                                            return_to_go_baseline="step", **kwargs)[empty].mean())
+        episode = EpisodeColumns(cols["state"], cols["reward"], cols["episode"], cols["end"], 0.9, 0.5)
         by_gae.append(compute_advantages("gae", np.zeros(len(to_go)), cols["episode"], episode=episode,
-                                         **kwargs)[np.array(empty)].mean())
+                                         **kwargs)[empty].mean())
     assert max(by_gae) < -1.0  # in every step, in units of the step's std
     assert np.mean(by_gae) < 3 * np.mean(by_return) < 0
