@@ -109,9 +109,12 @@ def shared_prefix_length(input_ids_BT: torch.Tensor, first_needed: int) -> int:
 
 
 def _may_share(model: PeftModel) -> bool:
-    """Sharing a prefix is exact unless dropout runs (it would draw one mask for every row's prefix)."""
+    """Sharing a prefix is exact unless dropout runs (it would draw one mask for every row's prefix); not with
+    gradient checkpointing, which turns the cache off in training."""
     if not model.training:
         return True
+    if getattr(model.get_base_model(), "is_gradient_checkpointing", False):
+        return False
     rates = [getattr(cfg, "lora_dropout", 0.0) or 0.0 for cfg in model.peft_config.values()]
     base_config = model.get_base_model().config
     rates += [getattr(base_config, name, 0.0) or 0.0 for name in ("attention_dropout", "hidden_dropout")]
@@ -146,10 +149,13 @@ def position_logprobs(
             # the columns every row starts with (a system prompt, a group's prompt) run once, and every row's
             # rest attends to their keys and values: the same arithmetic, the prefix's share of the work saved
             cache = base.model(input_ids=input_ids_BT[:1, :shared], use_cache=True).past_key_values
-            cache.batch_repeat_interleave(input_ids_BT.shape[0])
-            hidden_BTH = base.model(input_ids=input_ids_BT[:, shared:], past_key_values=cache,
-                                    use_cache=True).last_hidden_state
-        else:
+            if cache is None or cache.get_seq_length() != shared:  # a model that would not cache: no sharing
+                shared = 0
+            else:
+                cache.batch_repeat_interleave(input_ids_BT.shape[0])
+                hidden_BTH = base.model(input_ids=input_ids_BT[:, shared:], past_key_values=cache,
+                                        use_cache=True).last_hidden_state
+        if not shared:
             hidden_BTH = base.model(input_ids=input_ids_BT).last_hidden_state
     logits_NV = head_float32(base.lm_head, hidden_BTH[rows_N, cols_N - shared])
     if divisors_N is not None:

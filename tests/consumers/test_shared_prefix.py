@@ -88,3 +88,34 @@ def test_no_prefix_is_shared_while_dropout_runs(tiny_model_dir):
 @pytest.mark.parametrize("prefix_len", [31, 32])
 def test_a_short_prefix_is_not_worth_sharing(tiny_model_dir, prefix_len):
     assert (shared_prefix_length(batch_sharing(prefix_len).tokens_BT, 10**6) > 0) is (prefix_len >= 32)
+
+
+def test_no_prefix_is_shared_under_gradient_checkpointing(tiny_model_dir, monkeypatch):
+    batch = batch_sharing(48)
+    policy = LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4))
+    policy.model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls: list[int] = []
+    body = policy.model.get_base_model().model
+    body.register_forward_pre_hook(lambda _m, _a, kwargs: calls.append(kwargs["input_ids"].shape[1]),
+                                   with_kwargs=True)
+    checkpointed, _ = logprobs_and_grads(policy, batch)
+    assert calls == [batch.tokens_BT.shape[1]]  # the cache is off in training: every row through the whole body
+    policy.model.get_base_model().gradient_checkpointing_disable()
+    calls.clear()
+    shared, _ = logprobs_and_grads(policy, batch)
+    assert calls == [48, batch.tokens_BT.shape[1] - 48]
+    torch.testing.assert_close(checkpointed, shared, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_that_does_not_cache_falls_back_to_the_whole_rows(tiny_model_dir, monkeypatch):
+    batch = batch_sharing(48)
+    policy = LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4))
+    policy.model.eval()
+    with torch.no_grad():
+        shared = policy.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT)
+    body = policy.model.get_base_model().model
+    forward = body.forward
+    monkeypatch.setattr(body, "forward", lambda *a, **k: forward(*a, **{**k, "use_cache": False}))
+    with torch.no_grad():
+        fallback = policy.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT)
+    torch.testing.assert_close(fallback, shared, atol=1e-5, rtol=1e-5)
