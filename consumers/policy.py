@@ -135,7 +135,8 @@ def position_logprobs(
     group's prompt) go through the body once, as one row, and every row's rest attends
     to their cached keys and values: the same numbers up to float rounding, and the
     prefix's share of the body's work saved (per-turn CartPole rows share 129 of about
-    230 tokens).  Not while dropout runs (one mask would serve every row's prefix).
+    230 tokens).  Not while dropout runs (one mask would serve every row's prefix) or under gradient
+    checkpointing (no cache in training).
 
     ``divisors_N`` (None = 1) divides each selected row of logits (sampling
     temperature, see ``logit_divisors``).  The body runs with the model's active
