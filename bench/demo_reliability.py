@@ -60,7 +60,7 @@ def one_run(seed: int, steps: int | None, episodes: int, preset: str = "demo") -
     """Run the demo with ``seed``; its ``demo-result.json`` plus the take-off version and the wall time."""
     load_before, ran_on = os.getloadavg(), commit()
     command = rlpipe_command("demo", "--seed", str(seed), "--no-dashboard", "--episodes", str(episodes),
-                     "--preset", preset, *(["--steps", str(steps)] if steps else []))
+                             "--preset", preset, *(["--steps", str(steps)] if steps else []))
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)
     minutes = (time.monotonic() - started) / 60

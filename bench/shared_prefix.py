@@ -13,9 +13,9 @@ on both arms alike):
 
 Rows: CartPole demonstrations recorded as the producer would sample them (the
 environment's own prompts through the chat template, per-turn rows), or another
-environment with ``--env``.  After the run it checks that both arms' adapters agree
-(the same arithmetic in another order: within 1e-4 relative), and prints tokens/s
-per arm and their ratio.
+environment with ``--env``.  It checks that both arms' losses and gradient norms
+agree at every step (the same arithmetic in another order: within 1e-4 relative),
+and prints tokens/s and tokens per CPU second per arm and their ratio.
 
     python bench/shared_prefix.py                      # CartPole, 8 steps of 512 rows
     python bench/shared_prefix.py --rows 256 --steps 4 --threads 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from consumers.advantages import EpisodeColumns, compute_advantages
+from consumers.advantages import EpisodeColumns, compute_advantages, discounted_returns_to_go
 from consumers.state_baseline import episode_gae, fitted_values, state_baseline_gae
 from producers.envs.registry import make_env
 from schemas.config import LearnerConfig
@@ -81,9 +81,7 @@ def test_gae_tells_right_pushes_from_wrong_ones_better_than_the_return_to_go():
     by_return, by_gae = [], []
     for seed in range(4):
         cols, right = cartpole_step(0.62, seed)
-        to_go = np.concatenate([
-            [sum(0.9**k * r[0] for k, r in enumerate(cols["reward"][i:start + n])) for i in range(start, start + n)]
-            for start, n in _episodes(cols["episode"])])
+        to_go = discounted_to_go(cols)
         episode = EpisodeColumns(cols["state"], cols["reward"], cols["episode"], cols["end"], 0.9, 0.5)
         gae = compute_advantages("gae", np.zeros(len(right)), cols["episode"], returns_to_go_R=to_go,
                                  turns_R=cols["turn"], normalize_std=True, episode=episode)
@@ -93,14 +91,11 @@ def test_gae_tells_right_pushes_from_wrong_ones_better_than_the_return_to_go():
     assert np.mean(by_return) < 0.25 < 0.4 < np.mean(by_gae)
 
 
-def _episodes(ids: list[int]) -> list[tuple[int, int]]:
-    """(first row, rows) of each run of equal ids."""
-    spans, start = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[start]:
-            spans.append((start, i - start))
-            start = i
-    return spans
+def discounted_to_go(cols: dict[str, list]) -> np.ndarray:
+    """Each turn's return-to-go discounted at 0.9, as the learner recomputes it."""
+    turns = {episode: cols["episode"].count(episode) for episode in set(cols["episode"])}
+    return discounted_returns_to_go(cols["reward"], cols["episode"], cols["turn"],
+                                    [turns[e] for e in cols["episode"]], 0.9)
 
 
 def test_the_learner_takes_gae_with_its_lambda():
@@ -119,9 +114,7 @@ def test_gae_pushes_an_answer_that_does_nothing_down_where_the_return_to_go_bare
         cols, _ = cartpole_step(0.62, seed, empty_share=0.05)
         empty = np.array(cols["empty"])
         assert empty.any() and any(r[0] < 0 for r in cols["reward"])  # empty answers were penalised, not applied
-        to_go = np.concatenate([
-            [sum(0.9**k * r[0] for k, r in enumerate(cols["reward"][i:start + n])) for i in range(start, start + n)]
-            for start, n in _episodes(cols["episode"])])
+        to_go = discounted_to_go(cols)
         kwargs = dict(returns_to_go_R=to_go, turns_R=cols["turn"], normalize_std=True)
         by_return.append(compute_advantages("return_to_go", np.zeros(len(to_go)), cols["episode"],
                                             return_to_go_baseline="step", **kwargs)[empty].mean())
