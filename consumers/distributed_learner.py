@@ -66,6 +66,9 @@ class DistributedPolicy(EnginePolicy):
         if config.kl_coef > 0:
             raise ValueError("learner.kl_coef > 0 is not supported under torchrun (the KL reference lives on rank 0 "
                              "only); set learner.kl_coef to 0 or run one learner process")
+        if config.max_step_kl is not None:
+            raise ValueError("learner.max_step_kl is not supported under torchrun yet (the step's KL is measured on "
+                             "one process); unset it or run one learner process")
         super().__init__(engine, name, config.model_copy(update={"device": str(engine.device)}))
         self.topology: Topology = engine.topology
 

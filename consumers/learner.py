@@ -425,6 +425,9 @@ class Learner:
             **signs,
             "zero_advantage_share": zero_advantage_share(advantages_R),
         }
+        if result.trust is not None:
+            metrics.update(step_kl=result.trust.step_kl, full_step_kl=result.trust.full_step_kl,
+                           step_scale=result.trust.step_scale)  # fmt: skip
         self.collapse.check({"step": self.state.step + 1, **metrics})
         return metrics
 

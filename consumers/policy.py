@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from consumers.losses import LossStats, TokenBatch, entropy_of_logprobs, logit_divisors, loss_from_logprobs
+from consumers.trust_region import TrustRegion, TrustRegionResult
 from schemas.config import LearnerConfig
 
 # Model config fields that reshape the logits after the output head, and their neutral value.
@@ -210,6 +211,7 @@ class StepResult:
     grad_norm: float
     learning_rate: float
     stats: LossStats
+    trust: TrustRegionResult | None = None  # what learner.max_step_kl did to the step (None = off)
 
 
 class LoraPolicy:
@@ -344,8 +346,29 @@ class LoraPolicy:
         finally:
             self.model.train(training)
 
+    @torch.no_grad()
+    def answer_distributions(self, batch: TokenBatch) -> torch.Tensor:
+        """log p(. | prefix) over the vocabulary (N, V) at each generated token of ``batch``, row-major, no dropout."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            tokens_BT = batch.tokens_BT.to(self.device)
+            rows_N, cols_N = (batch.loss_mask_BT.to(self.device)[:, 1:] > 0).nonzero(as_tuple=True)
+            temperatures_B = batch.temperatures_B
+            divisors_N = None if temperatures_B is None else logit_divisors(temperatures_B.to(self.device))[rows_N]
+            return position_logprobs(self.model, tokens_BT, rows_N, cols_N, divisors_N, self.autocast)
+        finally:
+            self.model.train(training)
+
     def train_step(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
-        """Accumulate gradients over ``micro_batches`` (loss / normaliser each), clip, step."""
+        """Accumulate gradients over ``micro_batches`` (loss / normaliser each), clip, step.
+
+        With ``learner.max_step_kl`` the step is then shrunk into that bound (``consumers.trust_region``).
+        """
+        trust = None
+        if self.config.max_step_kl is not None:
+            trust = TrustRegion(self.config.max_step_kl, self.config.trust_region_rows, self.answer_distributions)
+            trust.measure_before(micro_batches, self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, stats = 0.0, None
@@ -363,11 +386,13 @@ class LoraPolicy:
             stats = batch_stats if stats is None else stats.merge(batch_stats)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))
         learning_rate = self.optimizer.param_groups[0]["lr"]
+        previous = [p.detach().clone() for p in self.params] if trust is not None else []
         self.optimizer.step()
         self.scheduler.step()
         if stats is None:
             raise ValueError("train_step needs at least one micro-batch")
-        return StepResult(total_loss, grad_norm, learning_rate, stats)
+        bounded = trust.bound(self.params, previous) if trust is not None else None
+        return StepResult(total_loss, grad_norm, learning_rate, stats, bounded)
 
     # ---- export / import (checkpoints, publishing) ----------------------------
     def save_adapter(self, folder: str | Path) -> Path:

@@ -68,6 +68,7 @@ def progress_line(metrics: dict[str, Any]) -> str:
         f"reward {metrics.get('reward_mean', float('nan')):.3f} loss {metrics.get('loss', float('nan')):.4f} "
         f"ratio {metrics.get('ratio_mean', float('nan')):.3f} ess {metrics.get('effective_sample_size', float('nan')):.3f} "
         f"dropped {metrics.get('dropped_stale_rows', 0)} tok/s {metrics.get('tokens_per_s', 0.0):.0f}"
+        + (f" kl {metrics['full_step_kl']:.4f} x{metrics['step_scale']:g}" if "step_scale" in metrics else "")
     )
 
 

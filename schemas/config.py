@@ -226,6 +226,15 @@ class LearnerConfig(_Section):
         None, gt=0.0, le=10.0,
         description="PPO upper clip: ratio ceiling 1 + ppo_clip_high (None = ppo_clip; higher keeps exploring)",
     )
+    max_step_kl: float | None = Field(
+        None, gt=0.0, le=100.0,
+        description="trust region: the most one optimizer step may move the policy, as KL(before || after) over the "
+        "next-token distribution summed over an answer's tokens, averaged over sampled rows; a larger step is halved "
+        "until within (consumers.trust_region; None = off)",
+    )
+    trust_region_rows: int = Field(
+        128, ge=1, le=100_000, description="rows of each step sampled to measure its KL (with max_step_kl)"
+    )
     keep_uncertain_groups: float = Field(
         1.0, gt=0.0, le=1.0,
         description="train only this top fraction of each step's groups by reward spread (1 = all groups)",
