@@ -129,3 +129,5 @@ def test_learner_start_under_torchrun_refuses_packed_runs_and_a_kl_reference(mon
     assert result.exit_code != 0 and "one torchrun learner per run" in result.output
     with pytest.raises(ValueError, match="kl_coef"):
         DistributedPolicy(None, "a", LearnerConfig(kl_coef=0.1))  # type: ignore[arg-type]  # refused before the engine
+    with pytest.raises(ValueError, match="max_step_kl"):
+        DistributedPolicy(None, "a", LearnerConfig(max_step_kl=0.05))  # type: ignore[arg-type]

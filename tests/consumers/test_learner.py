@@ -378,6 +378,18 @@ def test_keep_uncertain_groups_trains_only_the_groups_with_spread(store, setup):
     assert steps[0]["rows"] == 8 and steps[0]["identical_group_share"] == 0.5  # signs count every group
 
 
+def test_a_steps_metrics_and_log_line_carry_the_trust_regions_measure(store, setup):
+    from consumers.service import progress_line
+
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(4))
+    learner, _ = make_learner(store, setup, batch_rows=16, max_step_kl=1e-4)  # lr 2e-2: the step is beyond it
+    steps = []
+    learner.run(poll_timeout_s=0, on_step=steps.append)
+    step = steps[0]
+    assert step["full_step_kl"] > 1e-4 >= step["step_kl"] and step["step_scale"] < 1.0
+    assert f"x{step['step_scale']:g}" in progress_line({"step": 1, **step})
+
+
 def test_a_resumed_warm_start_keeps_its_kl_reference(store, setup):
     write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(5))
     source, _ = make_learner(store, setup)
