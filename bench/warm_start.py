@@ -1,0 +1,123 @@
+"""How many warm-start steps the tiny model needs before it reads CartPole's state: the demo's warm start, in process.
+
+The demo's warm start (preset ``demo-warmstart``) trains cross-entropy on weighted
+demonstrations of a noisy teacher that pushes the heuristic's way with probability
+``1 - noise / 2`` (0.62 at the demo's noise 0.76).  A warm start that has copied
+the teacher favours the heuristic's push in (nearly) every state, by about that
+probability; one that has not is the base model's coin flip, and online RL then
+has to discover the feature by itself.  This bench records the same weighted rows
+(``producers.demonstrations``, the same prompts through the chat template), trains a
+fresh LoRA adapter on them with the warm-start preset's settings in steps of
+``--rows`` rows, and every ``--every`` steps scores both answers of held-out
+states by teacher forcing and prints
+
+- ``p(heuristic)``: the mean probability of the heuristic's answer, the two answers
+  renormalised (the teacher's is ``1 - noise / 2``);
+- ``favour``: the share of states in which the heuristic's answer is the likelier.
+
+    python bench/warm_start.py                      # the cached tiny model, 150 steps of 128 rows
+    python bench/warm_start.py --learning-rate 5e-3 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import random
+import time
+from datetime import UTC, datetime
+
+import torch
+from transformers import AutoTokenizer
+
+from consumers.batching import micro_batches
+from consumers.policy import LoraPolicy
+from pipeline.config import load_preset
+from pipeline.devstack.stack import rlpipe_home
+from producers.demonstrations import demonstration_episode, weighted_rows
+from producers.episode import ChatFormat
+from producers.rows import episode_rows
+from schemas.config import LearnerConfig
+
+
+def recorded_pairs(model_dir: str, episodes: range, noise: float) -> list[tuple[dict, dict]]:
+    """The weighted rows of ``episodes``, as (left, right) pairs of one turn; the heavier one is the heuristic's."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    pairs: list[tuple[dict, dict]] = []
+    for seed in episodes:
+        teacher: list[dict[str, float]] = []
+        episode = demonstration_episode("cartpole", {"history_turns": 0}, tokenizer, chat, seed, noise, f"g{seed}",
+                                        teacher=teacher)
+        plain = episode_rows(episode, run_id="bench", batch_id="bench", producer_id="bench", env_name="cartpole",
+                             created_at=datetime.now(UTC), with_text=False)
+        rows = weighted_rows(plain, teacher, tokenizer)
+        pairs += list(zip(rows[::2], rows[1::2], strict=True))
+    return pairs
+
+
+def score(policy: LoraPolicy, pairs: list[tuple[dict, dict]]) -> tuple[float, float]:
+    """Mean p(heuristic's answer) with the two answers renormalised, and the share of states favouring it."""
+    flat = [row for pair in pairs for row in pair]
+    totals: list[float] = []
+    for batch in micro_batches([r["tokens"] for r in flat], [r["loss_mask"] for r in flat],
+                               [[0.0] * len(r["tokens"]) for r in flat], [0.0] * len(flat), 16_384):
+        with torch.no_grad():
+            totals += policy.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT).sum(-1).tolist()
+    chosen = []
+    for i, (left, right) in enumerate(pairs):
+        heuristic = 0 if left["weight"] > right["weight"] else 1
+        chosen.append(float(torch.softmax(torch.tensor(totals[2 * i: 2 * i + 2]), 0)[heuristic]))
+    return sum(chosen) / len(chosen), sum(p > 0.5 for p in chosen) / len(chosen)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--rows", type=int, default=128, help="rows per optimizer step (the preset's batch_rows)")
+    parser.add_argument("--learning-rate", type=float, default=None, help="default: the preset's")
+    parser.add_argument("--noise", type=float, default=0.76, help="the teacher's share of random answers")
+    parser.add_argument("--every", type=int, default=25, help="steps between evaluations")
+    parser.add_argument("--held-out", type=int, default=192, help="held-out states scored")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=None, help="a model folder (default: the cached tiny model)")
+    args = parser.parse_args()
+    if not 0.0 < args.noise < 1.0:
+        raise SystemExit("--noise must be strictly between 0 and 1 (the heuristic's answer must be the heavier)")
+    torch.set_num_threads(args.threads)
+    model_dir = args.model or next(iter(sorted(glob.glob(str(rlpipe_home() / "models" / "tiny-*/")))), None)
+    if model_dir is None:
+        raise SystemExit("no tiny model cached: run `rlpipe model init-tiny` first, or pass --model")
+    preset = load_preset("demo-warmstart")["learner"]
+    settings = {key: preset[key] for key in ("lora_rank", "lora_alpha", "learning_rate")}
+    if args.learning_rate is not None:
+        settings["learning_rate"] = args.learning_rate
+    train: list[dict] = []
+    seed = 0
+    while len(train) < args.steps * args.rows:
+        train += [row for pair in recorded_pairs(model_dir, range(seed, seed + 20), args.noise) for row in pair]
+        seed += 20
+    random.Random(0).shuffle(train)
+    held = recorded_pairs(model_dir, range(1_000_000, 1_000_100), args.noise)  # the demo's held-out seeds
+    held = random.Random(1).sample(held, min(args.held_out, len(held)))
+    print(f"{len(train):,} training rows from {seed} episodes (noise {args.noise:g}: the teacher's p(heuristic) "
+          f"{1 - args.noise / 2:.2f}), {len(held)} held-out states; {settings}; {args.threads} threads; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    policy = LoraPolicy(model_dir, LearnerConfig(device="cpu", loss="cross_entropy", seed=0, **settings))
+    started = time.monotonic()
+    print("step 0: p(heuristic) {:.3f}  favour {:.2f}".format(*score(policy, held)), flush=True)
+    for step in range(1, args.steps + 1):
+        chunk = train[(step - 1) * args.rows: step * args.rows]
+        batches = micro_batches([r["tokens"] for r in chunk], [r["loss_mask"] for r in chunk],
+                                [r["logprobs"] for r in chunk], [0.0] * len(chunk), 8192, [r["weight"] for r in chunk])
+        policy.train_step(batches, normaliser=float(len(chunk)))
+        if step % args.every == 0 or step == args.steps:
+            p_heuristic, favour = score(policy, held)
+            print(f"step {step} ({time.monotonic() - started:.0f} s): p(heuristic) {p_heuristic:.3f}  "
+                  f"favour {favour:.2f}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
