@@ -101,7 +101,7 @@ def demo(
     episodes: Annotated[int, typer.Option(min=2, help="Held-out evaluation episodes per policy.")] = 32,
     warm_start: Annotated[bool, typer.Option(
         "--warm-start/--no-warm-start", help="Warm-start from weighted noisy demonstrations first.")] = True,
-    demonstrations: Annotated[int, typer.Option(min=1, help="Demonstration episodes to record.")] = 100,
+    demonstrations: Annotated[int, typer.Option(min=1, help="Demonstration episodes to record.")] = 250,
     noise: Annotated[float, typer.Option(min=0.0, max=1.0, help="The demonstrator's share of random answers.")
                      ] = 0.76,
     dashboard: Annotated[bool, typer.Option("--dashboard/--no-dashboard", help="Live dashboard.")] = True,
