@@ -368,7 +368,6 @@ class LoraPolicy:
         trust = None
         if self.config.max_step_kl is not None:
             trust = TrustRegion(self.config.max_step_kl, self.config.trust_region_rows, self.answer_distributions)
-            trust.measure_before(micro_batches, self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, stats = 0.0, None
@@ -391,7 +390,7 @@ class LoraPolicy:
         self.scheduler.step()
         if stats is None:
             raise ValueError("train_step needs at least one micro-batch")
-        bounded = trust.bound(self.params, previous) if trust is not None else None
+        bounded = trust.bound(micro_batches, self.params, previous, self.device) if trust is not None else None
         return StepResult(total_loss, grad_norm, learning_rate, stats, bounded)
 
     # ---- export / import (checkpoints, publishing) ----------------------------

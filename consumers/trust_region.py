@@ -13,8 +13,10 @@ the step's direction: the parameters go to ``before + s * (after - before)`` wit
 ``s`` halved until the KL is within the bound, at most ``MAX_HALVINGS`` times.
 Adam's moments keep the whole gradient's statistics; only the move is shortened.
 
-The cost is one no-grad forward of the sampled rows before the step and one per
-trial after it; the distributions kept are (sampled answer tokens x vocabulary).
+The cost is two no-grad forwards of the sampled rows per trial (the policy before
+the step and at the trial's scale, the parameters swapped in turn), one trial when the
+step is within the bound; one probe micro-batch's distributions (its answer tokens x
+the vocabulary) are held at a time.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def probe_batches(micro_batches: Sequence[TokenBatch], rows: int) -> list[TokenB
     total = sum(batch.num_sequences for batch in micro_batches)
     if total == 0 or rows <= 0:
         return []
-    stride = max(1, total // rows)
+    stride = -(-total // rows)  # ceil: never more than ``rows``
     probes, offset = [], 0
     for batch in micro_batches:
         first = (-offset) % stride  # keep one stride across micro-batch boundaries
@@ -80,34 +82,43 @@ class TrustRegion:
         if max_kl <= 0:
             raise ValueError(f"max_step_kl must be > 0, got {max_kl}")
         self.max_kl, self.rows, self.distributions = max_kl, rows, distributions
-        self.probes: list[TokenBatch] = []
-        self.before: list[torch.Tensor] = []
-
-    def measure_before(self, micro_batches: Sequence[TokenBatch], device: torch.device) -> None:
-        """Sample the probe rows and keep the policy's distributions at their answers (call before the step)."""
-        self.probes = [probe.to(device) for probe in probe_batches(micro_batches, self.rows)]
-        self.before = [self.distributions(probe) for probe in self.probes]
-
-    def _kl(self) -> float:
-        answers = sum(probe.num_sequences for probe in self.probes)
-        after = [self.distributions(probe) for probe in self.probes]
-        if not after:
-            return 0.0
-        return answer_kl(torch.cat(self.before), torch.cat(after), answers)
 
     @torch.no_grad()
-    def bound(self, params: Sequence[torch.nn.Parameter], previous: Sequence[torch.Tensor]) -> TrustRegionResult:
-        """After the optimizer step: shrink the move from ``previous`` to ``params`` until its KL is within bound."""
-        full = kl = self._kl()
+    def bound(
+        self,
+        micro_batches: Sequence[TokenBatch],
+        params: Sequence[torch.nn.Parameter],
+        previous: Sequence[torch.Tensor],
+        device: torch.device,
+    ) -> TrustRegionResult:
+        """After the optimizer step: shrink the move from ``previous`` to ``params`` until its KL is within bound.
+
+        Each probe micro-batch is scored before and after the move in turn (the parameters swapped), so only
+        one micro-batch's distributions are held at a time, whatever the vocabulary and the answers' length.
+        """
+        probes = [probe.to(device) for probe in probe_batches(micro_batches, self.rows)]
+        answers = sum(probe.num_sequences for probe in probes)
+        stepped = [p.detach().clone() for p in params]
+
+        def place(scale: float) -> None:
+            for p, old, new in zip(params, previous, stepped, strict=True):
+                p.copy_(new if scale == 1.0 else old + scale * (new - old))
+
+        def kl_at(scale: float) -> float:
+            total = 0.0
+            for probe in probes:
+                place(0.0)
+                before_NV = self.distributions(probe)
+                place(scale)
+                total += answer_kl(before_NV, self.distributions(probe), 1)
+            return total / answers if answers else 0.0
+
+        full = kl = kl_at(1.0)
         scale = 1.0
-        if kl <= self.max_kl:
-            return TrustRegionResult(kl, full, scale)
-        moves = [p.detach() - old for p, old in zip(params, previous, strict=True)]
         for _ in range(MAX_HALVINGS):
-            scale /= 2
-            for p, old, move in zip(params, previous, moves, strict=True):
-                p.copy_(old + scale * move)
-            kl = self._kl()
             if kl <= self.max_kl:
                 break
+            scale /= 2
+            kl = kl_at(scale)
+        place(scale)
         return TrustRegionResult(kl, full, scale)

@@ -34,6 +34,7 @@ def test_the_probe_rows_are_spread_evenly_over_the_step_and_capped():
     every = [row for batch in batches for row in batch.tokens_BT.tolist()]
     assert picked == [every[i] for i in (0, 3, 6, 9)]
     assert sum(p.num_sequences for p in probe_batches(batches, 100)) == 12  # never more rows than the step has
+    assert sum(p.num_sequences for p in probe_batches(step_batches(15), 4)) == 4  # never more than asked for
 
 
 def test_answer_kl_is_summed_over_an_answers_positions_and_averaged_over_answers():
