@@ -2,8 +2,8 @@
 
 Adam moves each LoRA parameter by about the learning rate per step, whatever the
 size of its gradient, so one step can move a lot of probability, including to
-answers nothing in the batch pushed up: in the demo's seed-1 runs the share of empty
-answers went from 2% to 38% in one step (docs/demo.md, "Seed 1").  With
+answers nothing in the batch pushed up: in a seed-1 run of the demo the mean probability
+of an empty answer went from 0.02 to 0.38 in one step (docs/demo.md, "Seed 1").  With
 ``learner.max_step_kl`` set, the learner checks each step after it is taken: the
 KL divergence from the policy before the step to the policy after it, over the whole
 next-token distribution at the answer positions of a sample of the step's rows
