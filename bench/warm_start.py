@@ -15,14 +15,13 @@ states by teacher forcing and prints
   renormalised (the teacher's is ``1 - noise / 2``);
 - ``favour``: the share of states in which the heuristic's answer is the likelier.
 
-    python bench/warm_start.py                      # the cached tiny model, 150 steps of 128 rows
+    python bench/warm_start.py                      # the tiny model init-tiny built, 150 steps of 128 rows
     python bench/warm_start.py --learning-rate 5e-3 --steps 60
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import random
 import time
@@ -34,11 +33,11 @@ from transformers import AutoTokenizer
 from consumers.batching import micro_batches
 from consumers.policy import LoraPolicy
 from pipeline.config import load_preset
-from pipeline.devstack.stack import rlpipe_home
+from pipeline.models import resolve_base_model
 from producers.demonstrations import demonstration_episode, weighted_rows
 from producers.episode import ChatFormat
 from producers.rows import episode_rows
-from schemas.config import LearnerConfig
+from schemas.config import LearnerConfig, ModelConfig
 
 
 def recorded_pairs(model_dir: str, episodes: range, noise: float) -> list[tuple[dict, dict]]:
@@ -86,9 +85,7 @@ def main() -> None:
     if not 0.0 < args.noise < 1.0:
         raise SystemExit("--noise must be strictly between 0 and 1 (the heuristic's answer must be the heavier)")
     torch.set_num_threads(args.threads)
-    model_dir = args.model or next(iter(sorted(glob.glob(str(rlpipe_home() / "models" / "tiny-*/")))), None)
-    if model_dir is None:
-        raise SystemExit("no tiny model cached: run `rlpipe model init-tiny` first, or pass --model")
+    model_dir = args.model or resolve_base_model(ModelConfig())  # the tiny model `rlpipe model init-tiny` built
     preset = load_preset("demo-warmstart")["learner"]
     settings = {key: preset[key] for key in ("lora_rank", "lora_alpha", "learning_rate")}
     if args.learning_rate is not None:

@@ -273,6 +273,17 @@ class LoraPolicy:
         """
         return self.generated_logprobs_and_entropy(tokens_BT, loss_mask_BT, temperatures_B, entropy=None)[0]
 
+    def _generated_distributions(
+        self, tokens_BT: torch.Tensor, loss_mask_BT: torch.Tensor, temperatures_B: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens_BT on the device, rows_N, cols_N, log p over the vocabulary (N, V)) at the positions that
+        predict a generated token: position t-1 predicts token t, at row b's sampling temperature."""
+        tokens_BT = tokens_BT.to(self.device)
+        rows_N, cols_N = (loss_mask_BT.to(self.device)[:, 1:] > 0).nonzero(as_tuple=True)
+        divisors_N = None if temperatures_B is None else logit_divisors(temperatures_B.to(self.device))[rows_N]
+        return tokens_BT, rows_N, cols_N, position_logprobs(self.model, tokens_BT, rows_N, cols_N, divisors_N,
+                                                            self.autocast)
+
     def generated_logprobs_and_entropy(
         self,
         tokens_BT: torch.Tensor,
@@ -285,11 +296,7 @@ class LoraPolicy:
         ``entropy``: "detached" for the statistics only, "grad" when an entropy bonus
         trains on it, None to skip it (one more pass over the (N, V) logits).
         """
-        tokens_BT = tokens_BT.to(self.device)
-        rows_N, cols_N = (loss_mask_BT.to(self.device)[:, 1:] > 0).nonzero(as_tuple=True)
-        divisors_N = None if temperatures_B is None else logit_divisors(temperatures_B.to(self.device))[rows_N]
-        # position t-1 predicts token t
-        logprobs_NV = position_logprobs(self.model, tokens_BT, rows_N, cols_N, divisors_N, self.autocast)
+        tokens_BT, rows_N, cols_N, logprobs_NV = self._generated_distributions(tokens_BT, loss_mask_BT, temperatures_B)
         logprobs_N = logprobs_NV.gather(-1, tokens_BT[rows_N, cols_N + 1].unsqueeze(-1)).squeeze(-1)
         logprobs_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32, device=self.device)
         logprobs_BT = logprobs_BT.index_put((rows_N, cols_N + 1), logprobs_N)
@@ -352,11 +359,7 @@ class LoraPolicy:
         training = self.model.training
         self.model.eval()
         try:
-            tokens_BT = batch.tokens_BT.to(self.device)
-            rows_N, cols_N = (batch.loss_mask_BT.to(self.device)[:, 1:] > 0).nonzero(as_tuple=True)
-            temperatures_B = batch.temperatures_B
-            divisors_N = None if temperatures_B is None else logit_divisors(temperatures_B.to(self.device))[rows_N]
-            return position_logprobs(self.model, tokens_BT, rows_N, cols_N, divisors_N, self.autocast)
+            return self._generated_distributions(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)[3]
         finally:
             self.model.train(training)
 
