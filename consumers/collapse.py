@@ -16,6 +16,11 @@ advantage is 0 and the loss is exactly 0.  The learner records, per step:
 They reach the step log, the report and ``/metrics`` as ordinary step metrics.
 ``CollapseMonitor`` logs one warning each time a sign crosses its threshold
 (``LearnerConfig.warn_*``) and one line when it comes back, not one per step.
+The two relative signs (entropy and spread below a fraction of the first
+steps') are also what a policy that has *learned* the task shows: it samples
+alike and scores alike.  So they count only while the step's mean reward has
+not risen above the first steps' by more than the first steps' within-group
+reward spread (with no spread to compare with, they always count).
 
 Pure functions over the columns of one step's rows (``_R`` = one entry per row);
 the monitor holds the only state (the first steps' entropy and spread, which the
@@ -135,7 +140,7 @@ class CollapseMonitor:
     """Warns once when a sign of collapse crosses its threshold, and once when it recovers."""
 
     config: LearnerConfig
-    baseline_samples: dict[str, list[float]] = field(default_factory=lambda: {"entropy_mean": [], "reward_spread": []})
+    baseline_samples: dict[str, list[float]] = field(default_factory=lambda: {"entropy_mean": [], "reward_spread": [], "reward_mean": []})
     crossed: set[str] = field(default_factory=set)
 
     def check(self, metrics: dict[str, Any]) -> list[str]:
@@ -170,15 +175,24 @@ class CollapseMonitor:
             zero > cfg.warn_zero_advantage_share if _finite(zero) else None,
             f"{_pct(zero)} of rows have advantage 0 (threshold {_pct(cfg.warn_zero_advantage_share)})",
         )
+        improved, stalled = self.improved(metrics)
         for sign, fraction, what in (("entropy_mean", cfg.warn_entropy_fraction, "policy entropy"),
                                      ("reward_spread", cfg.warn_reward_spread_fraction, "within-group reward spread")):
             value, reference = metrics.get(sign), self.reference(sign)
             known = _finite(value) and reference is not None and reference > 0
             out[sign] = (
-                value < fraction * reference if known else None,
-                f"{what} {_num(value)} is below {fraction:g} x its first steps' {_num(reference)}",
+                value < fraction * reference and not improved if known else None,
+                f"{what} {_num(value)} is below {fraction:g} x its first steps' {_num(reference)}{stalled}",
             )
         return out
+
+    def improved(self, metrics: dict[str, Any]) -> tuple[bool, str]:
+        """(has the mean reward risen above the first steps' by more than their reward spread?, why not)."""
+        reward, first, spread = metrics.get("reward_mean"), self.reference("reward_mean"), self.reference("reward_spread")
+        if not (_finite(reward) and first is not None and spread is not None and spread > 0):
+            return False, ""
+        return reward > first + spread, f" and the mean reward {_num(reward)} has not risen above its first steps' " \
+            f"{_num(first)} + {_num(spread)}"
 
     def reference(self, sign: str) -> float | None:
         """Mean of the first ``collapse_baseline_steps`` values of ``sign``; None until all of them are in."""

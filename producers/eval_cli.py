@@ -51,6 +51,9 @@ def eval(
     env: Annotated[str | None, typer.Option(help="Environment (default: the run's).")] = None,
     episodes: Annotated[int, typer.Option(min=1, max=100_000, help="Held-out episodes.")] = 32,
     greedy: Annotated[bool, typer.Option(help="Greedy decoding instead of the run's sampling temperature.")] = False,
+    in_flight: Annotated[int, typer.Option(min=1, max=4096, help=(
+        "Episodes played at once (one batched generation per turn); lower it when the model's memory is short."))
+    ] = 32,
     baseline: Annotated[list[str] | None, typer.Option(help="Also evaluate heuristic and/or random.")] = None,
     root: Annotated[str | None, typer.Option(help="Store root URL (default: configured or embedded).")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a config field.")] = None,
@@ -80,7 +83,7 @@ def eval(
 
         results = [evaluate_value_version(config, store, n, episodes) for n in numbers]
     else:
-        results = evaluate_model_versions(config, store, numbers, episodes, greedy)
+        results = evaluate_model_versions(config, store, numbers, episodes, greedy, in_flight)
     for policy in baseline or []:
         if policy not in ("heuristic", "random"):
             fail(f"--baseline must be heuristic or random, got {policy!r}", 2)
@@ -104,7 +107,8 @@ def eval(
             console.print(breakdown_line(r))
 
 
-def evaluate_model_versions(config: RunConfig, store: Any, numbers: list[int], episodes: int, greedy: bool) -> list:
+def evaluate_model_versions(config: RunConfig, store: Any, numbers: list[int], episodes: int, greedy: bool,
+                            in_flight: int = 32) -> list:
     """Adapter versions (0 = the base model) played by the run's language model on held-out seeds."""
     from producers.evaluation import evaluate_version
     from producers.samplers import sampler_for_run
@@ -114,7 +118,7 @@ def evaluate_model_versions(config: RunConfig, store: Any, numbers: list[int], e
     sampler = sampler_for_run(config, model_path)
     try:
         return [evaluate_version(config, store, model_path, n, episodes, sampler=sampler,
-                                 temperature=0.0 if greedy else None) for n in numbers]
+                                 temperature=0.0 if greedy else None, in_flight=in_flight) for n in numbers]
     finally:
         sampler.close()
 

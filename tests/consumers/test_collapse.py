@@ -146,3 +146,21 @@ def test_metrics_are_plain_floats():
     signs = collapse_signs(table(cols))
     assert all(type(v) is float for v in signs.values())
     assert type(zero_advantage_share(np.zeros(2))) is float
+
+
+def test_shrinking_spread_and_entropy_of_a_policy_that_improved_is_not_collapse(caplog):
+    """A policy that learned the task samples alike and scores alike: that is convergence, not collapse."""
+    config = LearnerConfig(warn_entropy_fraction=0.5, warn_reward_spread_fraction=0.25, collapse_baseline_steps=2)
+    caplog.set_level(logging.WARNING, logger="rlpipe.learner")
+    first = [{"entropy_mean": 1.0, "reward_spread": 10.0, "reward_mean": 20.0},
+             {"entropy_mean": 1.0, "reward_spread": 10.0, "reward_mean": 24.0}]  # fmt: skip
+    converged = CollapseMonitor(config)
+    fired = [converged.check({"step": i + 1, **m}) for i, m in
+             enumerate([*first, {"entropy_mean": 0.3, "reward_spread": 1.0, "reward_mean": 180.0}])]
+    assert fired == [[], [], []] and not caplog.records
+    # the same shrinking with no better reward (above the first steps' 22 by their spread, 10) is collapse
+    stuck = CollapseMonitor(config)
+    fired = [stuck.check({"step": i + 1, **m}) for i, m in
+             enumerate([*first, {"entropy_mean": 0.3, "reward_spread": 1.0, "reward_mean": 31.0}])]
+    assert fired[-1] == ["entropy_mean", "reward_spread"]
+    assert "mean reward 31 has not risen above its first steps' 22 + 10" in caplog.records[0].getMessage()

@@ -30,3 +30,19 @@ def test_evaluating_a_version_leaves_no_cache_folder(tmp_path: Path, tiny_model_
     assert result.version == 1 and result.episodes == 2 and sampler.calls
     cache = tmp_path / "home" / "adapter-cache"
     assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_all_held_out_episodes_are_played_at_once_unless_bounded(tmp_path: Path, tiny_model_dir: str,
+                                                                 monkeypatch) -> None:
+    """One generate call per turn for every episode in flight: 32 episodes are one batch of 32, not four of 8."""
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    store = ObjectStore((tmp_path / "store").as_uri())
+    config = RunConfig(run_id="ev", env={"name": "cartpole", "overrides": {"max_turns": 1, "max_actions_total": 1}},
+                       producer={"concurrent_groups": 1})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    every = ScriptedSampler(tokenizer)
+    result = evaluate_version(config, store, tiny_model_dir, version=0, episodes=32, sampler=every)
+    assert result.episodes == 32 and max(size for size, _ in every.calls) == 32
+    bounded = ScriptedSampler(tokenizer)
+    evaluate_version(config, store, tiny_model_dir, version=0, episodes=32, sampler=bounded, in_flight=8)
+    assert max(size for size, _ in bounded.calls) == 8 and sum(size for size, _ in bounded.calls) == 32
