@@ -75,3 +75,16 @@ def test_gae_tells_right_pushes_from_wrong_ones_better_than_the_return_to_go(loo
         by_return.append(np.corrcoef(np.concatenate(to_go), right)[0, 1])
         by_gae.append(np.corrcoef(np.concatenate(advantages), right)[0, 1])
     assert np.mean(by_return) < 0.25 < 0.4 < np.mean(by_gae)
+
+
+def test_a_long_steps_turns_are_subsampled_uniformly_and_short_ones_kept_whole(loop):
+    rng = np.random.default_rng(0)
+    assert loop.train_subset(300, 512, rng).tolist() == list(range(300))
+    picked = loop.train_subset(1500, 512, rng)
+    assert len(picked) == 512 == len(set(picked.tolist())) and picked.tolist() == sorted(picked.tolist())
+    assert picked.min() >= 0 and picked.max() < 1500
+    # uniform: over many draws every turn is picked about 512 / 1500 of the time, the last ones too
+    counts = np.zeros(1500)
+    for _ in range(200):
+        counts[loop.train_subset(1500, 512, rng)] += 1
+    assert abs(counts[:500].mean() - counts[-500:].mean()) < 5 and abs(counts.mean() / 200 - 512 / 1500) < 1e-9
