@@ -25,9 +25,10 @@ from schemas.evaluation import EvalResult, eval_key, eval_to_bytes
 
 log = logging.getLogger("rlpipe.eval")
 
-# Held-out episodes played at once (one batched generate call per turn for all of them).  A decode
-# step of a batch of 32 costs little more than one of 8 on a small model, so playing 32 episodes
-# as one wave instead of four takes about a third of the time once episodes are long.
+# Held-out episodes played at once (one batched generate call per turn for all of them).  On vLLM
+# on the CPU a turn's cost grows with the batch, so 32 at once is barely faster than 8
+# (bench/eval_in_flight.py: x1.04 on a demo run's last version); on a GPU a larger batch is close
+# to free.  `rlpipe eval --in-flight` lowers it where the model's memory is short.
 IN_FLIGHT = 32
 
 
@@ -130,6 +131,8 @@ def _evaluate_pulled(
     finally:
         if own_sampler:
             sampler.close()
+        elif handle is not None:  # its folder is removed next; the same version evaluated again pulls a new one
+            sampler.unload_adapter(handle)
     results = episode_results(sink.rows)
     return EvalResult.from_episodes(
         run_id=config.run_id, env=config.env.name, version=version, seed_start=config.env.eval_seed_offset,
