@@ -16,7 +16,8 @@ from schemas.config import RunConfig
 from tests.producers.test_rollout import ScriptedSampler
 
 
-def test_evaluating_a_version_leaves_no_cache_folder(tmp_path: Path, tiny_model_dir: str, monkeypatch) -> None:
+def _store_with_version_1(tmp_path: Path, monkeypatch) -> ObjectStore:
+    """A store whose run ``ev`` has published one (all-zero) adapter, v1."""
     monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
     store = ObjectStore((tmp_path / "store").as_uri())
     adapter = tmp_path / "adapter"
@@ -24,6 +25,11 @@ def test_evaluating_a_version_leaves_no_cache_folder(tmp_path: Path, tiny_model_
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "peft_type": "LORA"}))
     save_file({"lora_A": np.zeros((2, 4), dtype=np.float32)}, str(adapter / "adapter_model.safetensors"))
     AdapterRegistry(store, "ev").publish(adapter, base_model="tiny", parent_version=0, learner_step=1)
+    return store
+
+
+def test_evaluating_a_version_leaves_no_cache_folder(tmp_path: Path, tiny_model_dir: str, monkeypatch) -> None:
+    store = _store_with_version_1(tmp_path, monkeypatch)
     config = RunConfig(run_id="ev", env={"name": "cartpole", "overrides": {"max_turns": 2, "max_actions_total": 2}})
     sampler = ScriptedSampler(AutoTokenizer.from_pretrained(tiny_model_dir))
     result = evaluate_version(config, store, tiny_model_dir, version=1, episodes=2, sampler=sampler)
@@ -66,13 +72,7 @@ class _StrictIds(ScriptedSampler):
 
 def test_one_version_evaluated_twice_on_one_sampler(tmp_path: Path, tiny_model_dir: str, monkeypatch) -> None:
     """``rlpipe eval --version latest --version 13`` with 13 the latest: each pass pulls its own copy."""
-    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
-    store = ObjectStore((tmp_path / "store").as_uri())
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "peft_type": "LORA"}))
-    save_file({"lora_A": np.zeros((2, 4), dtype=np.float32)}, str(adapter / "adapter_model.safetensors"))
-    AdapterRegistry(store, "ev").publish(adapter, base_model="tiny", parent_version=0, learner_step=1)
+    store = _store_with_version_1(tmp_path, monkeypatch)
     config = RunConfig(run_id="ev", env={"name": "cartpole", "overrides": {"max_turns": 1, "max_actions_total": 1}})
     sampler = _StrictIds(AutoTokenizer.from_pretrained(tiny_model_dir))
     first = evaluate_version(config, store, tiny_model_dir, version=1, episodes=2, sampler=sampler)
