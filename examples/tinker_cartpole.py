@@ -181,7 +181,8 @@ class Loop:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.service = tinker.ServiceClient(base_url=args.base_url)
-        self.training = self.service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
+        self.training = self.service.create_lora_training_client(
+            base_model=args.base_model, rank=args.rank, train_unembed=args.train_unembed).result()
         self.tokenizer = AutoTokenizer.from_pretrained(args.base_model)
         self.eos = self.tokenizer.eos_token_id
         self.sampled = 0  # sample calls so far (each its own seed)
@@ -315,6 +316,8 @@ def main() -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--base-model", required=True, help="the base model name rlpipe serve printed")
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--train-unembed", action=argparse.BooleanOptionalAction, default=True,
+                        help="a LoRA on the output head too (--no-train-unembed for a server sampling with vLLM)")
     parser.add_argument("--max-steps", type=int, default=200, help="episode length limit")
     parser.add_argument("--max-tokens", type=int, default=12, help="tokens per answer")
     parser.add_argument("--demo-episodes", type=int, default=250)
