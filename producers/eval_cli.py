@@ -53,7 +53,7 @@ def eval(
     greedy: Annotated[bool, typer.Option(help="Greedy decoding instead of the run's sampling temperature.")] = False,
     in_flight: Annotated[int, typer.Option(min=1, max=4096, help=(
         "Episodes played at once (one batched generation per turn); lower it when the model's memory is short."))
-    ] = 32,
+    ] = 32,  # producers.evaluation.IN_FLIGHT (imported only once a model is evaluated)
     baseline: Annotated[list[str] | None, typer.Option(help="Also evaluate heuristic and/or random.")] = None,
     root: Annotated[str | None, typer.Option(help="Store root URL (default: configured or embedded).")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a config field.")] = None,
@@ -108,7 +108,7 @@ def eval(
 
 
 def evaluate_model_versions(config: RunConfig, store: Any, numbers: list[int], episodes: int, greedy: bool,
-                            in_flight: int = 32) -> list:
+                            in_flight: int) -> list:
     """Adapter versions (0 = the base model) played by the run's language model on held-out seeds."""
     from producers.evaluation import evaluate_version
     from producers.samplers import sampler_for_run

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, request_seed
+from producers.samplers.vllm_sampler import check_vllm_can_load
 from schemas.config import RunConfig, SamplerConfig
 
 log = logging.getLogger(__name__)
@@ -235,8 +236,6 @@ class VLLMEngine(SamplingEngine):
     async def load_adapter(self, handle: AdapterHandle) -> None:
         """Load ``handle`` into the engine once (concurrent first requests wait for the same load)."""
         handle.check_folder()
-        from producers.samplers.vllm_sampler import check_vllm_can_load
-
         check_vllm_can_load(handle.path)
         request = self._lora_request(handle)
         key = (handle.run, handle.version)

@@ -36,11 +36,10 @@ UNLOADABLE_MODULES = ("lm_head", "embed_tokens")  # vLLM 0.32 puts LoRA on linea
 
 
 def check_vllm_can_load(folder: str) -> None:
-    """Refuse, in one line naming the fix, an adapter that trains a module vLLM cannot give a LoRA."""
-    path = os.path.join(folder, "adapter_config.json")
-    if not os.path.exists(path):
-        return  # handle.check_folder() names what is missing
-    with open(path) as f:
+    """Refuse, in one line naming the fix, an adapter that trains a module vLLM cannot give a LoRA.
+
+    Call after ``AdapterHandle.check_folder()``, which refuses a folder without ``adapter_config.json``."""
+    with open(os.path.join(folder, "adapter_config.json")) as f:
         targets = json.load(f).get("target_modules") or []
     text = targets if isinstance(targets, str) else " ".join(map(str, targets))
     found = [m for m in UNLOADABLE_MODULES if m in text]
