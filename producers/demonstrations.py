@@ -44,7 +44,7 @@ def demonstration_episode(
     env = make_env(env_name, overrides)
     episode = Episode(env=env, tokenizer=tokenizer, chat=chat, seed=seed, episode_id=uuid.uuid4().hex,
                       group_id=group_id, policy_version=0, adapter_sha256=NO_ADAPTER_SHA,
-                      per_turn=env.long_horizon, history_turns=env.config.history_turns, max_model_len=max_model_len)
+                      per_turn=env.per_turn_prompts(), history_turns=env.config.history_turns, max_model_len=max_model_len)
     episode.start()
     rng = random.Random(f"demo:{seed}")
     while not episode.done:

@@ -250,7 +250,7 @@ class RolloutWorker:
             group_id=group_id,
             policy_version=adapter.version if adapter else 0,
             adapter_sha256=adapter.sha256 if adapter else NO_ADAPTER_SHA,
-            per_turn=getattr(env, "long_horizon", False),
+            per_turn=env.per_turn_prompts(),
             history_turns=env.config.history_turns,
             max_model_len=self.sampling.max_model_len,
             temperature=self.sampling.temperature,

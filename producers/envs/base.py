@@ -143,6 +143,10 @@ class TextEnv(abc.ABC, Generic[ActionT]):
         """A uniformly random valid answer text for the current state."""
         raise NotImplementedError(f"{self.name} has no random policy")
 
+    def per_turn_prompts(self) -> bool:
+        """Whether each turn is its own prompt and row (long-horizon envs) rather than one growing chat."""
+        return self.long_horizon
+
     def answer_choices(self) -> list[str] | None:
         """Every answer ``random_answer`` draws from, when that set is small and finite; else None.
 

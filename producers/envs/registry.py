@@ -60,7 +60,7 @@ def delay_steps(env: TextEnv, delay_s: float) -> TextEnv:
     It stands in for a slow step (a remote reward service, a database query) so
     benchmarks see realistic latency with a local simulation.  Results are
     unchanged.  The instance's ``step`` is replaced rather than the environment
-    wrapped, so everything else the worker reads (``config``, ``long_horizon``,
+    wrapped, so everything else the worker reads (``config``, ``per_turn_prompts``,
     step records) stays the environment's own.
     """
     if not 0.0 <= delay_s <= 60.0:

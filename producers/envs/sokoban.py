@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -123,6 +123,36 @@ def apply_move(level: SokobanLevel, action: str) -> SokobanLevel:
             return level
         return SokobanLevel(level.fixed, (level.boxes - {ahead}) | {behind}, ahead)
     return SokobanLevel(level.fixed, level.boxes, ahead)
+
+
+def offset_words(frm: Cell, to: Cell) -> str:
+    """Where ``to`` lies from ``frm`` in moves: ``"2 Down and 1 Left"``; ``"here"`` when they coincide."""
+    dr, dc = to[0] - frm[0], to[1] - frm[1]
+    words = [f"{abs(dr)} {'Down' if dr > 0 else 'Up'}"] if dr else []
+    words += [f"{abs(dc)} {'Right' if dc > 0 else 'Left'}"] if dc else []
+    return " and ".join(words) or "here"
+
+
+def describe_positions(level: SokobanLevel) -> str:
+    """The pieces in words: each box from the player, its nearest free target from the box, walls next to the player.
+
+    The ``positions`` observation: the same state as the grid, with the relations a
+    move depends on spelled out, for a model too small to read them off a grid.
+    """
+    lines = []
+    free_targets = sorted(level.targets - level.boxes) or sorted(level.targets)
+    for i, box in enumerate(sorted(level.boxes), start=1):
+        name = "The box" if len(level.boxes) == 1 else f"Box {i}"
+        lines.append(f"{name} is {offset_words(level.player, box)} of you.")
+        if level.fixed[box[0]][box[1]] == TARGET:
+            lines.append(f"{name} is on a target.")
+            continue
+        target = min(free_targets, key=lambda t: abs(t[0] - box[0]) + abs(t[1] - box[1]))
+        lines.append(f"Its target is {offset_words(box, target)} of it.")
+    pr, pc = level.player
+    walls = [a for a in ACTIONS if level.fixed[pr + DELTAS[a][0]][pc + DELTAS[a][1]] == WALL]
+    lines.append(f"Walls next to you: {', '.join(walls) if walls else 'none'}.")
+    return "\n".join(lines)
 
 
 # ---- solver -------------------------------------------------------------------
@@ -296,6 +326,15 @@ class SokobanConfig(EnvConfig):
     box_on_target_reward: float = Field(1.0, ge=0.0, description="Reward when a box lands on a target.")
     box_off_target_penalty: float = Field(-1.0, le=0.0, description="Reward when a box leaves a target.")
     finish_reward: float = Field(10.0, ge=0.0, description="Reward when every box is on a target (success).")
+    observation: Literal["grid", "positions", "both"] = Field(
+        "grid", description=(
+            "What the model sees: the rendered grid (GRL's), the pieces' relative positions and the walls "
+            "next to the player in words, or both."
+        ),
+    )
+    per_turn: bool = Field(
+        False, description="Each turn its own prompt and row (history_turns of context) instead of one growing chat.",
+    )
 
 
 class SokobanLargeConfig(SokobanConfig):
@@ -351,7 +390,13 @@ class Sokoban(TextEnv[str]):
 
     def _render(self) -> str:
         level = self._require_level()
-        return f"{level.render()}\nBoxes on targets: {level.boxes_on_target}/{len(level.boxes)}"
+        mode = self.config.observation  # type: ignore[attr-defined]
+        parts = [level.render()] if mode in ("grid", "both") else []
+        parts += [describe_positions(level)] if mode in ("positions", "both") else []
+        return "\n".join([*parts, f"Boxes on targets: {level.boxes_on_target}/{len(level.boxes)}"])
+
+    def per_turn_prompts(self) -> bool:
+        return bool(self.config.per_turn)  # type: ignore[attr-defined]
 
     def _require_level(self) -> SokobanLevel:
         if self.level is None:
@@ -410,6 +455,10 @@ class Sokoban(TextEnv[str]):
 
     def random_answer(self, rng: random.Random) -> str:
         return format_answer([rng.choice(ACTIONS) for _ in range(self._action_budget())])
+
+    def answer_choices(self) -> list[str] | None:
+        """The four single moves when an answer holds one action (``max_actions_per_turn: 1``)."""
+        return [format_answer([a]) for a in ACTIONS] if self.config.max_actions_per_turn == 1 else None
 
 
 class SokobanLarge(Sokoban):

@@ -257,3 +257,46 @@ def test_prompt_carries_legend_and_actions() -> None:
         assert piece in prompt
     for action in ("Up (1)", "Down (2)", "Left (3)", "Right (4)", "<answer>"):
         assert action in prompt
+
+
+# ---- the positions observation --------------------------------------------------------
+def test_positions_observation_spells_out_the_relations_a_move_depends_on() -> None:
+    level = "######\n#P___#\n#__X_#\n#O___#\n######"
+    grid_only = env_with(level).observation()
+    assert grid_only.splitlines()[0] == "######" and "of you" not in grid_only
+    positions = env_with(level, observation="positions").observation().splitlines()
+    assert positions == [
+        "The box is 1 Down and 2 Right of you.",
+        "Its target is 1 Down and 2 Left of it.",
+        "Walls next to you: Up, Left.",
+        "Boxes on targets: 0/1",
+    ]
+    both = env_with(level, observation="both").observation().splitlines()
+    assert both[:5] == level.split("\n")[:5] and both[5:] == positions
+
+
+def test_positions_follow_the_moves_and_say_when_the_box_is_placed() -> None:
+    env = env_with("#######\n#P_X_O#\n#######", observation="positions")
+    assert env.observation().splitlines()[:2] == ["The box is 2 Right of you.", "Its target is 2 Right of it."]
+    env.step("<answer>Right</answer>")
+    assert env.observation().splitlines()[:2] == ["The box is 1 Right of you.", "Its target is 2 Right of it."]
+    env.step("<answer>Right || Right</answer>")
+    assert env.observation().splitlines()[:2] == ["The box is 1 Right of you.", "The box is on a target."]
+
+
+def test_two_boxes_are_numbered_and_each_names_its_nearest_free_target() -> None:
+    env = env_with("#########\n#OX_P_XO#\n#########", observation="positions")
+    assert env.observation().splitlines()[:4] == [
+        "Box 1 is 2 Left of you.", "Its target is 1 Left of it.",
+        "Box 2 is 2 Right of you.", "Its target is 1 Right of it.",
+    ]
+
+
+def test_single_move_answers_are_a_small_choice_set_and_per_turn_is_a_setting() -> None:
+    assert Sokoban().answer_choices() is None  # several moves per answer: too many to list
+    assert not Sokoban().per_turn_prompts()
+    env = Sokoban(max_actions_per_turn=1, per_turn=True)
+    env.reset(3)
+    assert env.answer_choices() == [f"<answer>{a}</answer>" for a in ("Up", "Down", "Left", "Right")]
+    assert env.heuristic_answer() in env.answer_choices()
+    assert env.per_turn_prompts()
