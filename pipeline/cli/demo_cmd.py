@@ -67,6 +67,8 @@ RECIPES: dict[str, Recipe] = {
     "cartpole": Recipe("demo-warmstart", 250, 0.76, True, 2, 32, "return"),
     # Sokoban 6x6, one box, positions in words: the BFS solver's moves, then online RL (docs/demo.md)
     "sokoban": Recipe("demo-sokoban-warmstart", 10_000, 0.0, False, 20, 64, "success"),
+    # Tetris 4x4, single cells, GRL's grid: the same shape on the scripted heuristic's answers
+    "tetris": Recipe("demo-tetris-warmstart", 4_000, 0.0, False, 16, 64, "success"),
 }
 
 

@@ -45,3 +45,38 @@ def test_a_recipe_seed_moves_every_training_seed_but_not_the_held_out_ones():
     # the largest seed the option accepts still leaves room for every producer's range below the held-out seeds
     config = RunConfig.model_validate({"producer": {"seed_start": 999 * SEED_STRIDE}})
     assert max(config.training_seeds("p-255")) < config.env.eval_seed_offset
+
+
+def rate(version, success, episodes=64):
+    return {"version": version, "success_rate": success, "episodes": episodes, "mean_return": 1.0, "ci95": 0.1}
+
+
+def test_success_verdict_needs_x1_5_over_base_and_beating_random_with_separate_intervals():
+    from pipeline.cli.demo_cmd import success_verdict
+
+    good = success_verdict(rate(0, 0.25), rate(15, 0.80), rate(0, 0.30))
+    assert good["success_ratio"] == 3.2 and good["success_x1_5"] and good["success_above_random"]
+    assert good["last_success_ci"][0] < 0.80 < good["last_success_ci"][1]
+    line = targets_line({**verdict(rate(0, 0.25), rate(15, 0.80)), **good})
+    assert line == "targets: success x1.5 over the base model: met; success above random: met"
+    # x1.6 on average, but 40% of 64 and 25% of 64 have overlapping Wilson intervals
+    close = success_verdict(rate(0, 0.25), rate(15, 0.40), rate(0, 0.30))
+    assert close["success_ratio"] == 1.6 and not close["success_x1_5"] and not close["success_above_random"]
+    assert "MISSED" in targets_line({**verdict(rate(0, 0.25), rate(15, 0.40)), **close})
+    # a base model that never succeeds: any success is an infinite ratio, none is undefined
+    assert success_verdict(rate(0, 0.0), rate(15, 0.5), rate(0, 0.1))["success_ratio"] == math.inf
+    assert math.isnan(success_verdict(rate(0, 0.0), rate(15, 0.0), rate(0, 0.1))["success_ratio"])
+
+
+def test_each_demo_preset_names_an_environment_with_a_recipe_and_a_matching_warm_start():
+    from pipeline.cli.demo_cmd import recipe_for
+    from pipeline.config import load_preset
+
+    for preset in ("demo", "demo-gae", "demo-sokoban", "demo-tetris"):
+        env_name, overrides, recipe = recipe_for(preset)
+        warm = load_preset(recipe.warm_preset)
+        online = load_preset(preset)
+        assert warm["env"]["name"] == env_name and (warm["env"].get("overrides") or {}) == overrides
+        for key in ("lora_rank", "lora_alpha"):
+            assert warm["learner"][key] == online["learner"][key]
+    assert recipe_for("demo-sokoban")[2].judge == "success" and recipe_for("demo")[2].judge == "return"
