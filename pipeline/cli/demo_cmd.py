@@ -66,7 +66,7 @@ RECIPES: dict[str, Recipe] = {
     # CartPole: a weak, noisy teacher (0.62 on the heuristic's push), so online RL does the improving
     "cartpole": Recipe("demo-warmstart", 250, 0.76, True, 2, 32, "return"),
     # Sokoban 6x6, one box, positions in words: the BFS solver's moves, then online RL (docs/demo.md)
-    "sokoban": Recipe("demo-sokoban-warmstart", 10_000, 0.0, False, 20, 64, "success"),
+    "sokoban": Recipe("demo-sokoban-warmstart", 20_000, 0.0, False, 20, 64, "success"),
     # Tetris 4x4, single cells, GRL's grid: the same shape on the scripted heuristic's answers
     "tetris": Recipe("demo-tetris-warmstart", 4_000, 0.0, False, 16, 64, "success"),
 }
@@ -158,7 +158,7 @@ def demo(
     warm_start: Annotated[bool, typer.Option(
         "--warm-start/--no-warm-start", help="Warm-start from (noisy) demonstrations first.")] = True,
     demonstrations: Annotated[int | None, typer.Option(
-        min=1, help="Demonstration episodes to record (default: the recipe's, 250 CartPole, 10,000 Sokoban).")
+        min=1, help="Demonstration episodes to record (default: the recipe's, 250 CartPole, 20,000 Sokoban).")
     ] = None,
     noise: Annotated[float | None, typer.Option(
         min=0.0, max=1.0, help="The demonstrator's share of random answers (default: the recipe's, 0.76 CartPole).")
