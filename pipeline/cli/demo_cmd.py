@@ -12,6 +12,11 @@ with their 95% confidence intervals and the two ratios the demo is judged by
 (last / base and last / warm start), and writes them to ``demo-result.json`` in
 the report folder.  Nothing is hard-coded: every number printed was measured by
 this run.
+
+``--preset demo-sokoban`` and ``--preset demo-tetris`` run the same recipe shape
+on those games (``RECIPES``: the scripted solver's answers as demonstrations,
+their own warm-start preset), judged on the held-out success rate: x1.5 over
+the base model and above the random policy, with separated 95% Wilson intervals.
 """
 
 from __future__ import annotations
