@@ -142,14 +142,14 @@ def targets_line(outcome: dict[str, Any]) -> str:
     if "success_ratio" in outcome:
         judged = {"success x1.5 over the base model": outcome["success_x1_5"],
                   "success above random": outcome["success_above_random"]}
+        hint = "the warm start may not have learned the moves yet: try more demonstrations, e.g. --demonstrations 30000"
     else:
         judged = {"x2 over the base model": outcome["doubled"] and outcome["intervals_separate"]}
-    if "ratio_rl" in outcome and "success_ratio" not in outcome:
-        judged["x1.5 over the warm start"] = outcome["rl_raised_1_5x"] and outcome["rl_intervals_separate"]
+        if "ratio_rl" in outcome:
+            judged["x1.5 over the warm start"] = outcome["rl_raised_1_5x"] and outcome["rl_intervals_separate"]
+        hint = "the return may not have taken off yet: try more online steps, e.g. rlpipe demo --steps 30"
     line = "targets: " + "; ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in judged.items())
-    if not all(judged.values()):
-        line += " (the return may not have taken off yet: try more online steps, e.g. rlpipe demo --steps 30)"
-    return line
+    return line if all(judged.values()) else f"{line} ({hint})"
 
 
 @app.command(epilog="Example: rlpipe demo --steps 30 --episodes 32")

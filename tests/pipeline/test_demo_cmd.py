@@ -62,7 +62,8 @@ def test_success_verdict_needs_x1_5_over_base_and_beating_random_with_separate_i
     # x1.6 on average, but 40% of 64 and 25% of 64 have overlapping Wilson intervals
     close = success_verdict(rate(0, 0.25), rate(15, 0.40), rate(0, 0.30))
     assert close["success_ratio"] == 1.6 and not close["success_x1_5"] and not close["success_above_random"]
-    assert "MISSED" in targets_line({**verdict(rate(0, 0.25), rate(15, 0.40)), **close})
+    missed = targets_line({**verdict(rate(0, 0.25), rate(15, 0.40)), **close})
+    assert "MISSED" in missed and "--demonstrations" in missed
     # a base model that never succeeds: any success is an infinite ratio, none is undefined
     assert success_verdict(rate(0, 0.0), rate(15, 0.5), rate(0, 0.1))["success_ratio"] == math.inf
     assert math.isnan(success_verdict(rate(0, 0.0), rate(15, 0.0), rate(0, 0.1))["success_ratio"])
