@@ -23,6 +23,13 @@ def test_both_targets_with_separated_intervals_are_needed():
     assert not met({"seed": 1, "failed": "exit 1"})
 
 
+def test_a_recipe_judged_on_success_needs_both_success_targets():
+    good = {"success_ratio": 3.0, "success_x1_5": True, "success_above_random": True,
+            "doubled": False, "intervals_separate": False}  # the return ratios do not count for it
+    assert met(good)
+    assert not met({**good, "success_x1_5": False}) and not met({**good, "success_above_random": False})
+
+
 def test_resume_keeps_the_earlier_runs_and_runs_only_the_missing_seeds(tmp_path, monkeypatch, capsys):
     import json
     import sys
