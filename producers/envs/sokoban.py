@@ -140,7 +140,7 @@ def describe_positions(level: SokobanLevel) -> str:
     move depends on spelled out, for a model too small to read them off a grid.
     """
     lines = []
-    free_targets = sorted(level.targets - level.boxes) or sorted(level.targets)
+    free_targets = sorted(level.targets - level.boxes)  # non-empty while any box is off its target
     for i, box in enumerate(sorted(level.boxes), start=1):
         name = "The box" if len(level.boxes) == 1 else f"Box {i}"
         lines.append(f"{name} is {offset_words(level.player, box)} of you.")
