@@ -25,6 +25,11 @@ Logprobs of sampled tokens are those of the distribution they were drawn from
 rlpipe's importance sampling.  Prompt logprobs are the model's own (temperature
 1), NaN at position 0.
 
+With ``--direct-port`` the sampler also takes calls straight from the gateway
+(``pipeline.api.direct``: answered once the result is stored, so the gateway wakes
+the poll without waiting for two broker hops); a call that arrives both ways runs
+once, as one task per request id.
+
 Every ``sample`` call is noted with its session, wall-clock span (from the engine
 call to its return, so the time a call waits for a batch counts) and sampled tokens
 in the engine's activity (``pipeline.api.activity``), which ``rlpipe report --server``
@@ -50,7 +55,8 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as public_pb
 
 from pipeline.api.activity import ActivityRecorder
-from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
+from pipeline.api.direct import direct_app, serve_direct
+from pipeline.api.engines import announce_result, engine_arguments, engine_setup, request_reader, store_result
 from pipeline.api.gateway import parse_body
 from pipeline.api.samplers import read_sampler
 from pipeline.io.bus import ConsumedEvent, EventPublisher, TopicPartitionKey, ensure_topics
@@ -65,6 +71,7 @@ from schemas.config import BusConfig
 log = logging.getLogger("rlpipe.api.sampler")
 SAMPLING_OPS = ("sample",)
 DEFAULT_MAX_ADAPTERS = 8
+MAX_RECORDS_KEPT = 4096  # sampling session records kept in memory (a loop makes one per saved version)
 
 
 def group_for(base_model: str) -> str:
@@ -155,14 +162,27 @@ class SamplerWorker:
         self._pulling: dict[tuple[str, int], asyncio.Lock] = {}
         self._lora_ids = itertools.count(1)
         self._committed: dict[TopicPartitionKey, int] = {}
+        self._calls: dict[str, asyncio.Task[None]] = {}  # request id -> the task running it (from either path)
+        self._announcing: set[asyncio.Task[None]] = set()
+        self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()  # sampling session id -> its record
 
     # ---- the loop -------------------------------------------------------------------------------------------
-    async def run(self, stop: Callable[[], bool]) -> None:
+    async def run(self, stop: Callable[[], bool], direct_port: int | None = None) -> None:
+        """Read and execute calls until ``stop()``; with ``direct_port``, also take them from the gateway."""
         log.info("sampler for %s reading %s.requests", self.base_model, self.bus.namespace)
+        server = None
+        if direct_port:
+            server, serving = await serve_direct(direct_app(self.run_direct), direct_port)
+            log.info("sampler for %s taking calls directly on 127.0.0.1:%d", self.base_model, direct_port)
         while not stop():
             await self.step()
-        if self.running:
-            await asyncio.wait(list(self.running))
+        if server is not None:
+            server.should_exit = True
+            await serving
+        if self._calls:
+            await asyncio.wait(list(self._calls.values()))
+        if self._announcing:
+            await asyncio.wait(list(self._announcing))
         await asyncio.to_thread(self._commit)
         self.close()
 
@@ -172,7 +192,7 @@ class SamplerWorker:
         started = 0
         for consumed in events:
             if self.accept(consumed):
-                task = asyncio.create_task(self.execute(consumed.event.payload))
+                task = self.start(consumed.event.payload)
                 self.running[task] = ((consumed.topic, consumed.partition), consumed.offset)
                 task.add_done_callback(self._finished)
                 started += 1
@@ -183,6 +203,23 @@ class SamplerWorker:
         """Whether the event is a sampling call of this base model."""
         call = consumed.event.payload
         return isinstance(call, ApiRequestAccepted) and call.op in SAMPLING_OPS and call.base_model == self.base_model
+
+    def start(self, call: ApiRequestAccepted) -> asyncio.Task[None]:
+        """The task executing ``call``: the one already running for its request id, else a new one."""
+        task = self._calls.get(call.request_id)
+        if task is None or task.done():
+            task = asyncio.create_task(self.execute(call))
+            self._calls[call.request_id] = task
+            task.add_done_callback(lambda done: self._calls.pop(call.request_id, None)
+                                   if self._calls.get(call.request_id) is done else None)
+        return task
+
+    async def run_direct(self, call: ApiRequestAccepted) -> None:
+        """Execute a call the gateway handed over directly; returns once its result is stored."""
+        if call.op not in SAMPLING_OPS or call.base_model != self.base_model:
+            raise ValueError(f"this sampler serves sample calls of {self.base_model}, not {call.op} of "
+                             f"{call.base_model}")
+        await asyncio.shield(self.start(call))  # a gateway that goes away does not cancel the call
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self.running.pop(task, None)
@@ -206,7 +243,7 @@ class SamplerWorker:
     # ---- one call -------------------------------------------------------------------------------------------
     async def execute(self, call: ApiRequestAccepted) -> None:
         """Sample one call and write its result (or its error); a call with a stored result is not re-run."""
-        if self.store.exists(result_path(call.session_id, call.request_id, "pb")):
+        if await asyncio.to_thread(self.store.exists, result_path(call.session_id, call.request_id, "pb")):
             return
         try:
             data, fmt, error, category = await self._sample(call), "pb", None, None
@@ -219,11 +256,16 @@ class SamplerWorker:
             error, category = f"sample failed on the sampler ({type(exc).__name__}: {exc}); retry, or report it", "server"
         if error is not None:
             data, fmt = json.dumps({"error": error, "category": category}).encode(), "json"
-        await asyncio.to_thread(self._write_result, call, data, fmt, error, category)
+        digest = await asyncio.to_thread(store_result, self.store, call, data, fmt)  # type: ignore[arg-type]
+        if digest is not None:  # announced after the call ends: the direct path has answered by then
+            announcing = asyncio.create_task(asyncio.to_thread(
+                announce_result, self.publisher, call, fmt, digest, error, category))  # type: ignore[arg-type]
+            self._announcing.add(announcing)
+            announcing.add_done_callback(self._announcing.discard)
 
     async def _sample(self, call: ApiRequestAccepted) -> bytes:
-        record = read_sampler(self.store, call.tenant, call.model_id or "")
-        request = parse_body(types.SampleRequest, self.store.get(call.body_path, call.body_sha256))
+        record, body = await asyncio.to_thread(self._read_call, call)
+        request = parse_body(types.SampleRequest, body)
         params, strings = sampling_params(request, self.engine.max_model_len)
         key = None if record.get("run") is None else (str(record["run"]), int(record["version"]))
         adapter = None if key is None else await self._acquire(key)
@@ -239,6 +281,19 @@ class SamplerWorker:
                                  sum(len(sample.token_ids) for sample in result.sequences))
         sequences = [cut_at_stop_strings(sample, strings, self.decode) for sample in result.sequences]
         return encode_sample_response(SampleResult(sequences, result.prompt_logprobs))
+
+    def _read_call(self, call: ApiRequestAccepted) -> tuple[dict[str, Any], bytes]:
+        """The sampling session's record (kept: records are create-only) and the call's body, tenant checked."""
+        sampler_id = call.model_id or ""
+        record = self._records.get(sampler_id)
+        if record is None:
+            record = read_sampler(self.store, call.tenant, sampler_id)
+            self._records[sampler_id] = record
+            while len(self._records) > MAX_RECORDS_KEPT:
+                self._records.popitem(last=False)
+        elif record["tenant"] != call.tenant:
+            read_sampler(self.store, call.tenant, sampler_id)  # raises the one "not found" every tenant gets
+        return record, self.store.get(call.body_path, call.body_sha256)
 
     async def _acquire(self, key: tuple[str, int]) -> AdapterHandle:
         """The handle of registry version ``key`` (pulled when not held), marked in use and most recent."""
@@ -275,9 +330,6 @@ class SamplerWorker:
         """The registry versions held now, least recently sampled first."""
         return list(self._adapters)
 
-    def _write_result(self, call: ApiRequestAccepted, data: bytes, fmt: str, error: str | None,
-                      category: str | None) -> None:
-        write_result(self.store, self.publisher, call, data, fmt, error, category)  # type: ignore[arg-type]
 
 
 # ---- entry point -------------------------------------------------------------------------------------------------
@@ -296,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
     parser.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS,
                         help="adapter versions kept loaded (least recently sampled out first)")
+    parser.add_argument("--direct-port", type=int, default=None,
+                        help="also take calls straight from the gateway on 127.0.0.1:PORT (pipeline.api.direct)")
     args = parser.parse_args(argv)
     bus = engine_setup(args, log)
     log.info("initialising the %s sampling engine for %s", args.backend, args.base_model)
@@ -307,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                            consumer_options=group_timings_from_env(), max_adapters=args.max_adapters,
                            activity=ActivityRecorder(store, "sampler", args.engine_id))
     try:
-        asyncio.run(worker.run(StopFlag().install()))
+        asyncio.run(worker.run(StopFlag().install(), args.direct_port))
     finally:
         engine.close()
     return 0

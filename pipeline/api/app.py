@@ -22,6 +22,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types
 
+from pipeline.api.direct import DirectSamplers
 from pipeline.api.gateway import BusyError, Gateway, NotFoundError, SessionEndedError, parse_body
 from pipeline.api.results import ResultSignals
 from pipeline.api.tenants import Tenants, UnauthorizedError
@@ -42,9 +43,12 @@ Tenant = Annotated[str, Depends(_tenant)]
 
 
 def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOLD_S,
-               signals: ResultSignals | None = None) -> FastAPI:
+               signals: ResultSignals | None = None, direct: DirectSamplers | None = None) -> FastAPI:
     """The ASGI app serving ``gateway`` to the tenants ``tenants`` admits; ``signals`` (following
-    ``<ns>.results``) wakes long polls, without it they re-read the store every 20 ms."""
+    ``<ns>.results``) wakes long polls, without it they re-read the store every 20 ms; ``direct`` also hands
+    sample calls straight to their sampler (``pipeline.api.direct``), waking polls through ``signals``."""
+    if signals is None and direct is not None:
+        signals = direct.signals
     app = FastAPI(title="rlpipe Tinker-compatible API", docs_url=None, redoc_url=None)
     app.state.gateway, app.state.tenants = gateway, tenants
 
@@ -178,9 +182,14 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         body = parse_body(types.SampleRequest, raw)
         if body.sampling_session_id is None:
             raise ApiError("asample needs a sampling_session_id; create a SamplingClient first")
-        request_id, sequence_ids = await asyncio.to_thread(gateway.submit_sample, who, body.sampling_session_id,
-                                                           body.seq_id, raw, body.num_samples)
-        return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+        if direct is None:
+            call = await asyncio.to_thread(gateway.accept_sample, who, body.sampling_session_id, body.seq_id, raw)
+        else:  # the sampler starts while the log takes the call; the answer still waits for the log
+            call = await asyncio.to_thread(gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw)
+            direct.dispatch(call)
+            await asyncio.to_thread(gateway.publish_call, call)
+        return {"request_id": call.request_id,
+                "sample_sequence_ids": [f"{call.request_id}.{j}" for j in range(body.num_samples)]}
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request, who: Tenant) -> Response:

@@ -36,11 +36,23 @@ def request_reader(bus: BusConfig, group_id: str, options: dict[str, Any] | None
 def write_result(store: ObjectStore, publisher: EventPublisher, call: ApiRequestAccepted, data: bytes,
                  fmt: BodyFormat, error: str | None = None, category: ErrorCategory | None = None) -> None:
     """Store ``data`` as ``call``'s result (create-only) and announce it; nothing if it is already stored."""
-    key = result_path(call.session_id, call.request_id, fmt)
+    digest = store_result(store, call, data, fmt)
+    if digest is not None:
+        announce_result(publisher, call, fmt, digest, error, category)
+
+
+def store_result(store: ObjectStore, call: ApiRequestAccepted, data: bytes, fmt: BodyFormat) -> str | None:
+    """Store ``data`` as ``call``'s result (create-only): its sha256, or None if a result was already stored."""
     try:
-        digest = store.put_create(key, data)
+        return store.put_create(result_path(call.session_id, call.request_id, fmt), data)
     except FileExistsError:
-        return
+        return None
+
+
+def announce_result(publisher: EventPublisher, call: ApiRequestAccepted, fmt: BodyFormat, digest: str,
+                    error: str | None = None, category: ErrorCategory | None = None) -> None:
+    """Announce ``call``'s stored result with ``ApiResultReady`` (a failure is logged: polls re-check the store)."""
+    key = result_path(call.session_id, call.request_id, fmt)
     ready = ApiResultReady(request_id=call.request_id, session_id=call.session_id, op=call.op,
                            model_id=call.model_id, seq_id=call.seq_id, ok=error is None,
                            result_path=key if error is None else None, result_format=fmt,

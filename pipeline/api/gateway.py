@@ -268,6 +268,26 @@ class Gateway:
     def submit_sample(self, tenant: str, sampling_session_id: str, seq_id: int | None, body: bytes,
                       num_samples: int) -> tuple[str, list[str]]:
         """Accept a ``sample`` call: its request id and one sequence id per sample; ``BusyError`` when full."""
+        call = self.accept_sample(tenant, sampling_session_id, seq_id, body)
+        return call.request_id, [f"{call.request_id}.{j}" for j in range(num_samples)]
+
+    def accept_sample(self, tenant: str, sampling_session_id: str, seq_id: int | None,
+                      body: bytes) -> ApiRequestAccepted:
+        """Accept a ``sample`` call (body stored, event on the log): the event."""
+        call = self.prepare_sample(tenant, sampling_session_id, seq_id, body)
+        self.publish_call(call)
+        return call
+
+    def publish_call(self, call: ApiRequestAccepted) -> None:
+        """Put an accepted call on the log (the durable queue every engine reads)."""
+        self.publish(make_event(model_run_name(call.model_id or call.session_id), call), call.model_id or "")
+
+    def prepare_sample(self, tenant: str, sampling_session_id: str, seq_id: int | None,
+                       body: bytes) -> ApiRequestAccepted:
+        """The checks and the stored body of a ``sample`` call: its event, not yet on the log.
+
+        ``BusyError`` when the base model's sampler has ``max_pending_samples`` calls without a result.
+        """
         record = self.sampler(tenant, sampling_session_id)
         base_model = record["base_model"]
         pending = self._pending_samples.setdefault(base_model, set())
@@ -285,8 +305,7 @@ class Gateway:
         event = ApiRequestAccepted(request_id=request_id, tenant=tenant, session_id=session_id, op="sample",
                                    model_id=sampling_session_id, seq_id=(seq_id or 0) + 1, base_model=base_model,
                                    body_path=key, body_format="json", body_sha256=digest)
-        self.publish(make_event(model_run_name(sampling_session_id), event), sampling_session_id)
-        return request_id, [f"{request_id}.{j}" for j in range(num_samples)]
+        return event
 
     # ---- checkpoints (RestClient) ---------------------------------------------------------------
     def checkpoints(self, tenant: str, model_id: str) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ import typer
 
 from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
 from pipeline.cli.options import SetOpt, run_config, setup_logging
-from pipeline.devstack.process import stop_processes
+from pipeline.devstack.process import free_port, stop_processes
 
 if TYPE_CHECKING:
     from pipeline.io.store import ObjectStore
@@ -44,10 +44,12 @@ def trainer_command(base_model: str, store_root: str, bootstrap: str, namespace:
             "--bootstrap", bootstrap, "--namespace", namespace]
 
 
-def sampler_command(base_model: str, store_root: str, bootstrap: str, namespace: str, backend: str) -> list[str]:
-    """The argv of one sampler process (one per base model)."""
-    return [sys.executable, "-m", "producers.api_sampler", "--base-model", base_model, "--store", store_root,
-            "--bootstrap", bootstrap, "--namespace", namespace, "--backend", backend]
+def sampler_command(base_model: str, store_root: str, bootstrap: str, namespace: str, backend: str,
+                    direct_port: int | None = None) -> list[str]:
+    """The argv of one sampler process (one per base model); ``direct_port``: its direct endpoint."""
+    command = [sys.executable, "-m", "producers.api_sampler", "--base-model", base_model, "--store", store_root,
+               "--bootstrap", bootstrap, "--namespace", namespace, "--backend", backend]
+    return command + (["--direct-port", str(direct_port)] if direct_port else [])
 
 
 def sdk_example(base_url: str, base_model: str) -> str:
@@ -84,6 +86,12 @@ def serve(
     host: Annotated[str, typer.Option(help="Address the gateway listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the gateway.")] = 8000,
     sampler: Annotated[str, typer.Option(help="Sampling engine: transformers | vllm.")] = "transformers",
+    direct_port: Annotated[int | None, typer.Option(
+        min=1, max=65535, help="--role sampler: also take calls straight from a gateway on 127.0.0.1:PORT "
+                               "(PORT+1, ... for further base models).")] = None,
+    direct_sampler: Annotated[list[str] | None, typer.Option(
+        help="--role gateway: a sampler's direct endpoint (http://127.0.0.1:PORT), one per --base-model in "
+             "order; --role all wires its own.")] = None,
     overrides: SetOpt = None,
 ) -> None:
     """Serve the Tinker-compatible API: the gateway, one trainer and one sampler per base model (the embedded
@@ -97,6 +105,14 @@ def serve(
         fail(f"--role {role!r} is not one of all, gateway, trainer, sampler", EXIT_USAGE)
     if sampler not in ("transformers", "vllm"):
         fail(f"--sampler {sampler!r} is not one of transformers, vllm", EXIT_USAGE)
+    if direct_sampler and role != "gateway":
+        fail("--direct-sampler is for --role gateway; --role all wires its samplers itself", EXIT_USAGE)
+    bad = [url for url in direct_sampler or [] if not url.startswith(("http://", "https://"))]
+    if bad:
+        fail(f"--direct-sampler {bad[0]!r} is not a URL; give http://HOST:PORT of a sampler's --direct-port",
+             EXIT_USAGE)
+    if direct_port and role != "sampler":
+        fail("--direct-port is for --role sampler; --role all picks its own ports", EXIT_USAGE)
     setup_logging()
     cfg = run_config(None, None, overrides or [])
     ensure_stack(cfg)
@@ -109,7 +125,14 @@ def serve(
     stop_on_sigterm()
     engines = [(f"trainer for {m}", trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace))
                for m in models] if role in ("all", "trainer") else []
-    engines += [(f"sampler for {m}", sampler_command(m, store.root, bus.bootstrap_servers, bus.namespace, sampler))
+    if direct_sampler and len(direct_sampler) != len(models):
+        fail(f"{len(direct_sampler)} --direct-sampler URLs for {len(models)} base models; give one per --base-model",
+             EXIT_USAGE)
+    # with the gateway in this process, each sampler also takes its calls straight from it (pipeline.api.direct)
+    direct_ports = ({m: free_port() for m in models} if role == "all"
+                    else {m: direct_port + i for i, m in enumerate(models)} if direct_port else {})
+    engines += [(f"sampler for {m}", sampler_command(m, store.root, bus.bootstrap_servers, bus.namespace, sampler,
+                                                     direct_ports.get(m)))
                 for m in models] if role in ("all", "sampler") else []
     if role in ("trainer", "sampler"):  # one role per process: its supervisor (Kubernetes) starts it again
         workers = [subprocess.Popen(command, env=env) for _, command in engines]
@@ -119,7 +142,9 @@ def serve(
             stop_workers(workers)
     supervisor = EngineSupervisor(engines, env).start()
     try:
-        run_gateway(store, bus, models, host, port)
+        urls = dict(zip(models, direct_sampler, strict=True)) if direct_sampler else {
+            m: f"http://127.0.0.1:{p}" for m, p in direct_ports.items()}
+        run_gateway(store, bus, models, host, port, urls)
     finally:
         supervisor.stop()
 
@@ -202,11 +227,13 @@ class EngineSupervisor:
         self._thread.join(timeout=self.poll_s + 5)
 
 
-def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str, port: int) -> None:
-    """Serve the gateway with uvicorn until Ctrl-C."""
+def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str, port: int,
+                direct_urls: dict[str, str] | None = None) -> None:
+    """Serve the gateway with uvicorn until Ctrl-C; ``direct_urls``: samplers that take calls straight from it."""
     import uvicorn
 
     from pipeline.api.app import create_app
+    from pipeline.api.direct import DirectSamplers
     from pipeline.api.gateway import Gateway, ServedModel
     from pipeline.api.results import ResultSignals
     from pipeline.api.tenants import Tenants
@@ -223,7 +250,9 @@ def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str
     signals, stopping = ResultSignals(), threading.Event()
     signals.follow(bus, stopping.is_set)
     try:
-        uvicorn.run(create_app(gateway, tenants, signals=signals), host=host, port=port, log_level="warning")
+        direct = DirectSamplers(direct_urls, signals) if direct_urls else None
+        uvicorn.run(create_app(gateway, tenants, signals=signals, direct=direct), host=host, port=port,
+                    log_level="warning")
     finally:
         stopping.set()
         publisher.close()

@@ -52,6 +52,7 @@ class Server:
     trainer: subprocess.Popen[bytes] | None = None
     gateway: subprocess.Popen[bytes] | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)  # further options of ``rlpipe serve --role gateway``
 
     def start_trainer(self, base_model: str | None = None) -> subprocess.Popen[bytes]:
         """A trainer for ``base_model`` (default: the first model; it becomes ``self.trainer``)."""
@@ -70,7 +71,7 @@ class Server:
         self.gateway = subprocess.Popen(
             [sys.executable, "-c", "from pipeline.cli.main import main; main()", "serve", "--role", "gateway",
              "--base-model", self.base_model, "--base-model", self.second_model, "--port",
-             self.url.rsplit(":", 1)[1]], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+             self.url.rsplit(":", 1)[1], *self.gateway_args], env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.processes.append(self.gateway)
         deadline = time.monotonic() + 90
         while True:

@@ -3,7 +3,9 @@
 The pattern of ``test_tinker_api``: one server per module on the session's Tansu
 broker and a file:// store, here with one trainer (``python -m consumers.api.worker``)
 and one sampler (``python -m producers.api_sampler``, the transformers engine)
-for the tiny model, and the gateway (``rlpipe serve --role gateway``).
+for the tiny model, and the gateway (``rlpipe serve --role gateway``), which hands
+sample calls to the sampler directly as well as through the log, as ``rlpipe serve``
+does (``pipeline.api.direct``).
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ PROMPT = [5, 17, 42, 9, 33, 8]
 
 
 class SamplingServer(Server):
-    def start_sampler(self) -> subprocess.Popen[bytes]:
+    def start_sampler(self, direct_port: int | None = None) -> subprocess.Popen[bytes]:
         log = open(self.logs / "sampler.log", "ab")  # noqa: SIM115 - the child owns it
         process = subprocess.Popen(
             [sys.executable, "-m", "producers.api_sampler", "--base-model", self.base_model, "--store",
              self.store.root, "--bootstrap", self.env["RLPIPE_BUS__BOOTSTRAP_SERVERS"], "--namespace",
-             self.env["RLPIPE_BUS__NAMESPACE"], "--backend", "transformers"],
+             self.env["RLPIPE_BUS__NAMESPACE"], "--backend", "transformers",
+             *(["--direct-port", str(direct_port)] if direct_port else [])],
             env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.processes.append(process)
         return process
@@ -54,8 +57,10 @@ def sampling_server(bootstrap_servers: str, model_dir: str, folder: Path) -> Ite
            "OMP_NUM_THREADS": "1"}
     server = SamplingServer(f"http://127.0.0.1:{free_port()}", model_dir, model_dir,
                             ObjectStore(f"file://{folder}/store"), env, folder)
+    direct_port = free_port()
+    server.gateway_args = ["--direct-sampler", f"http://127.0.0.1:{direct_port}"] * 2  # base_model == second_model
     server.start_trainer()
-    server.start_sampler()
+    server.start_sampler(direct_port)
     try:
         server.start_gateway()
         yield server
@@ -88,6 +93,7 @@ def test_sampling_from_the_base_model(server):
     assert all(s.tokens == greedy.tokens and np.allclose(s.logprobs, 0.0, atol=1e-6) for s in top_1)
     logprobs = sampling.compute_logprobs(prompt).result()
     assert logprobs[0] is None and len(logprobs) == len(PROMPT) and all(np.isfinite(logprobs[1:]))
+    assert "taking calls directly" in (server.logs / "sampler.log").read_text()  # the gateway's direct path is on
 
 
 def test_stop_ids_and_strings_are_kept_with_aligned_logprobs(server):

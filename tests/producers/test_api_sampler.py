@@ -211,3 +211,44 @@ def test_the_least_recently_sampled_version_is_unloaded_beyond_max_adapters_and_
         assert harness.sampler.adapters_held() == [(run, 3), (run, 1)]
     finally:
         trainer.close()
+
+
+def test_a_call_handed_over_directly_runs_once_though_the_log_brings_it_too(harness):
+    """The direct path answers once the result is stored; the log's copy, in flight or later, samples nothing more."""
+    sampler_id = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
+    body = _request([], seed=5, num_samples=1).model_copy(update={"sampling_session_id": sampler_id, "seq_id": 0})
+    call = harness.gateway.prepare_sample(TENANT, sampler_id, 0, body.model_dump_json().encode())  # not on the log
+    sampled = []
+    engine_sample = harness.engine.sample
+
+    async def counting(*args, **kwargs):
+        sampled.append(args[0])
+        return await engine_sample(*args, **kwargs)
+
+    harness.engine.sample = counting
+
+    async def scenario() -> None:
+        first = harness.sampler.start(call)
+        assert harness.sampler.start(call) is first  # the same request id while it runs: the same task
+        await harness.sampler.run_direct(call)
+        assert harness.gateway.result(TENANT, call.request_id)[1] == "pb"  # stored before the answer
+        harness.gateway.publish_call(call)  # the log's copy arrives after the direct path ran it
+        deadline = time.monotonic() + 30
+        while not await harness.sampler.step(poll_timeout_s=0.2):
+            assert time.monotonic() < deadline, "the log's copy never arrived"
+        await asyncio.gather(*harness.sampler.running)
+
+    asyncio.run(scenario())
+    assert len(sampled) == 1
+
+    other = harness.gateway.prepare_sample(TENANT, sampler_id, 1, body.model_dump_json().encode())
+    forged = other.model_copy(update={"tenant": "t-bob"})  # another tenant naming this (cached) session
+
+    async def refused() -> None:
+        await harness.sampler.run_direct(forged)
+        with pytest.raises(ValueError, match="sample calls"):
+            await harness.sampler.run_direct(forged.model_copy(update={"op": "forward_backward"}))
+
+    asyncio.run(refused())
+    data, fmt = harness.gateway.result(TENANT, other.request_id)
+    assert fmt == "json" and "no sampling session" in json.loads(data)["error"] and len(sampled) == 1
