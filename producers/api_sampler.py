@@ -39,6 +39,7 @@ draws as the sampler's duty cycle.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
@@ -178,7 +179,8 @@ class SamplerWorker:
             await self.step()
         if server is not None:
             server.should_exit = True
-            await serving
+            with contextlib.suppress(Exception):  # one that never listened said so when it started
+                await serving
         if self._calls:
             await asyncio.wait(list(self._calls.values()))
         if self._announcing:
