@@ -46,6 +46,7 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -166,6 +167,7 @@ class SamplerWorker:
         self._calls: dict[str, asyncio.Task[None]] = {}  # request id -> the task running it (from either path)
         self._announcing: set[asyncio.Task[None]] = set()
         self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()  # sampling session id -> its record
+        self._records_lock = threading.Lock()
 
     # ---- the loop -------------------------------------------------------------------------------------------
     async def run(self, stop: Callable[[], bool], direct_port: int | None = None) -> None:
@@ -287,12 +289,14 @@ class SamplerWorker:
     def _read_call(self, call: ApiRequestAccepted) -> tuple[dict[str, Any], bytes]:
         """The sampling session's record (kept: records are create-only) and the call's body, tenant checked."""
         sampler_id = call.model_id or ""
-        record = self._records.get(sampler_id)
+        with self._records_lock:  # read in worker threads
+            record = self._records.get(sampler_id)
         if record is None:
             record = read_sampler(self.store, call.tenant, sampler_id)
-            self._records[sampler_id] = record
-            while len(self._records) > MAX_RECORDS_KEPT:
-                self._records.popitem(last=False)
+            with self._records_lock:
+                self._records[sampler_id] = record
+                while len(self._records) > MAX_RECORDS_KEPT:
+                    self._records.popitem(last=False)
         elif record["tenant"] != call.tenant:
             read_sampler(self.store, call.tenant, sampler_id)  # raises the one "not found" every tenant gets
         return record, self.store.get(call.body_path, call.body_sha256)
