@@ -182,12 +182,10 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         body = parse_body(types.SampleRequest, raw)
         if body.sampling_session_id is None:
             raise ApiError("asample needs a sampling_session_id; create a SamplingClient first")
-        if direct is None:
-            call = await asyncio.to_thread(gateway.accept_sample, who, body.sampling_session_id, body.seq_id, raw)
-        else:  # the sampler starts while the log takes the call; the answer still waits for the log
-            call = await asyncio.to_thread(gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw)
+        call = await asyncio.to_thread(gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw)
+        if direct is not None:  # the sampler starts while the log takes the call; the answer still waits for the log
             direct.dispatch(call)
-            await asyncio.to_thread(gateway.publish_call, call)
+        await asyncio.to_thread(gateway.publish_call, call)
         return {"request_id": call.request_id,
                 "sample_sequence_ids": [f"{call.request_id}.{j}" for j in range(body.num_samples)]}
 

@@ -218,7 +218,7 @@ class Gateway:
         event = ApiRequestAccepted(request_id=request_id, tenant=tenant, session_id=session_id, op=op,
                                    model_id=model_id, seq_id=seq_id or None, base_model=record["base_model"],
                                    body_path=key, body_format=fmt, body_sha256=digest)
-        self.publish(make_event(model_run_name(model_id), event), model_id)
+        self.publish_call(event)
         return request_id
 
     def result(self, tenant: str, request_id: str) -> tuple[bytes, BodyFormat] | None:
@@ -268,19 +268,14 @@ class Gateway:
     def submit_sample(self, tenant: str, sampling_session_id: str, seq_id: int | None, body: bytes,
                       num_samples: int) -> tuple[str, list[str]]:
         """Accept a ``sample`` call: its request id and one sequence id per sample; ``BusyError`` when full."""
-        call = self.accept_sample(tenant, sampling_session_id, seq_id, body)
-        return call.request_id, [f"{call.request_id}.{j}" for j in range(num_samples)]
-
-    def accept_sample(self, tenant: str, sampling_session_id: str, seq_id: int | None,
-                      body: bytes) -> ApiRequestAccepted:
-        """Accept a ``sample`` call (body stored, event on the log): the event."""
         call = self.prepare_sample(tenant, sampling_session_id, seq_id, body)
         self.publish_call(call)
-        return call
+        return call.request_id, [f"{call.request_id}.{j}" for j in range(num_samples)]
 
     def publish_call(self, call: ApiRequestAccepted) -> None:
-        """Put an accepted call on the log (the durable queue every engine reads)."""
-        self.publish(make_event(model_run_name(call.model_id or call.session_id), call), call.model_id or "")
+        """Put an accepted call on a model on the log (the durable queue every engine reads), keyed by the model."""
+        model_id = call.model_id or ""
+        self.publish(make_event(model_run_name(model_id), call), model_id)
 
     def prepare_sample(self, tenant: str, sampling_session_id: str, seq_id: int | None,
                        body: bytes) -> ApiRequestAccepted:

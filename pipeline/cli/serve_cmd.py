@@ -111,6 +111,9 @@ def serve(
     if bad:
         fail(f"--direct-sampler {bad[0]!r} is not a URL; give http://HOST:PORT of a sampler's --direct-port",
              EXIT_USAGE)
+    if direct_sampler and len(direct_sampler) != len(base_model or ["tiny"]):
+        fail(f"{len(direct_sampler)} --direct-sampler URLs for {len(base_model or ['tiny'])} base models; give one "
+             "per --base-model", EXIT_USAGE)
     if direct_port and role != "sampler":
         fail("--direct-port is for --role sampler; --role all picks its own ports", EXIT_USAGE)
     setup_logging()
@@ -125,9 +128,6 @@ def serve(
     stop_on_sigterm()
     engines = [(f"trainer for {m}", trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace))
                for m in models] if role in ("all", "trainer") else []
-    if direct_sampler and len(direct_sampler) != len(models):
-        fail(f"{len(direct_sampler)} --direct-sampler URLs for {len(models)} base models; give one per --base-model",
-             EXIT_USAGE)
     # with the gateway in this process, each sampler also takes its calls straight from it (pipeline.api.direct)
     direct_ports = ({m: free_port() for m in models} if role == "all"
                     else {m: direct_port + i for i, m in enumerate(models)} if direct_port else {})
