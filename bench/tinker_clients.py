@@ -11,6 +11,11 @@ writing ``--result-file``.  Per level:
 - the trainer's and the sampler's busy fraction in the level's window, from the
   activity the engines record (``rlpipe report --server``; the level's figure is
   written to ``OUT/level-N/server_duty_cycle.png``);
+- the machine's CPU: core-seconds busy in the level's window (every process: server,
+  broker, clients) over what its cores could give, and from level 1's the **CPU bound**
+  on any level's ratio: with each client costing what it costs alone, N clients need N
+  times level 1's core-seconds, so their throughput over level 1's is at most
+  ``min(N, cores x level-1 wall / level-1 busy core-seconds)``;
 - per client, the last version's held-out mean return with its 95% interval, next to
   the same seed's run alone (seed 0 alone is level 1; the other seeds are run alone
   first, unless ``--no-alone``), and whether the two intervals overlap: a client that
@@ -101,6 +106,12 @@ class Level:
     sampler_busy: float
     results: list[dict[str, Any]]  # per client: its result file
     window: tuple[float, float] | None = None  # unix seconds: rlpipe report --server --since A --until B redraws it
+    cpu_busy_s: float = math.nan  # core-seconds the whole machine was busy in the window
+    cores: int = 1
+
+    @property
+    def cpu_busy_fraction(self) -> float:
+        return self.cpu_busy_s / (self.cores * self.seconds)
 
     @property
     def trained_per_s(self) -> float:
@@ -119,7 +130,25 @@ class Level:
                 "sampled_tokens": self.sampled_tokens, "trained_tokens_per_s": self.trained_per_s,
                 "sampled_tokens_per_s": self.sampled_per_s, "tokens_per_s": self.tokens_per_s,
                 "trainer_busy_fraction": self.trainer_busy, "sampler_busy_fraction": self.sampler_busy,
-                "results": self.results}
+                "cpu_busy_core_seconds": self.cpu_busy_s, "cores": self.cores,
+                "cpu_busy_fraction": self.cpu_busy_fraction, "results": self.results}
+
+
+def cpu_bound(first: Level, clients: int) -> float:
+    """The most ``clients`` at once can reach over level 1's throughput on this machine's CPU.
+
+    Each client costs level 1's busy core-seconds; the cores give at most ``cores`` per second,
+    and no client runs faster than alone.
+    """
+    return min(float(clients), first.cores * first.seconds / first.cpu_busy_s)
+
+
+def busy_core_seconds() -> float:
+    """Core-seconds the machine has spent busy since boot (every process; idle and I/O wait excluded)."""
+    import psutil
+
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
 def busy_by_kind(summary: dict[str, Any], lanes: list[dict[str, Any]]) -> dict[str, float]:
@@ -200,11 +229,15 @@ def warm_up(url: str, base_model: str) -> None:
 
 
 def run_clients(url: str, base_model: str, seeds: list[int], loop_args: str, folder: Path,
-                label: str) -> tuple[float, float, list[dict[str, Any]]]:
-    """Run one client per seed at once; (start, end) in unix seconds and each client's result, in seed order."""
+                label: str) -> tuple[float, float, list[dict[str, Any]], float]:
+    """Run one client per seed at once.
+
+    (start, end) in unix seconds, each client's result in seed order, and the core-seconds
+    the machine was busy meanwhile.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     processes = []
-    start = time.time()
+    start, busy_before = time.time(), busy_core_seconds()
     for seed in seeds:
         env = {**os.environ, "TINKER_API_KEY": f"tml-bench-client-{seed}", "TINKER_TELEMETRY": "0"}
         log = open(folder / f"client-{seed}.log", "wb")  # noqa: SIM115 - the child owns it
@@ -219,11 +252,11 @@ def run_clients(url: str, base_model: str, seeds: list[int], loop_args: str, fol
             if process.poll() is None:
                 process.terminate()
                 process.wait(timeout=30)
-    end = time.time()
+    end, busy = time.time(), busy_core_seconds() - busy_before
     failed = [seed for seed, p in zip(seeds, processes, strict=True) if p.returncode != 0]
     if failed:
         raise RuntimeError(f"{label}: the clients with seeds {failed} failed; see {folder}/client-<seed>.log")
-    return start, end, [json.loads((folder / f"client-{seed}.json").read_text()) for seed in seeds]
+    return start, end, [json.loads((folder / f"client-{seed}.json").read_text()) for seed in seeds], busy
 
 
 def _follow(processes: list[subprocess.Popen[bytes]], seeds: list[int], folder: Path, label: str,
@@ -249,7 +282,7 @@ def _last_line(path: Path) -> str:
 
 
 def measure_level(store_url: str, clients: int, start: float, end: float, results: list[dict[str, Any]],
-                  folder: Path) -> Level:
+                  folder: Path, cpu_busy_s: float) -> Level:
     """The level's figures, and its duty-cycle figure and JSON in ``folder`` (``rlpipe report --server``)."""
     from pipeline.analysis.report.server import write_server_report
     from pipeline.io.store import ObjectStore
@@ -258,7 +291,7 @@ def measure_level(store_url: str, clients: int, start: float, end: float, result
     busy = busy_by_kind(body["summary"], body["duty_cycle"]["lanes"])
     return Level(clients, end - start, sum(int(r["tokens"]["trained"]) for r in results),
                  sum(int(r["tokens"]["sampled"]) for r in results), busy["trainer"], busy["sampler"], results,
-                 (start, end))
+                 (start, end), cpu_busy_s, os.cpu_count() or 1)
 
 
 # ---- the table ----------------------------------------------------------------------------------------------------
@@ -266,11 +299,12 @@ def measure_level(store_url: str, clients: int, start: float, end: float, result
 
 def report_lines(levels: list[Level], alone: dict[int, dict[str, Any]]) -> list[str]:
     """The printed table: throughput and duty per level, then each client against its seed alone."""
-    lines = ["clients | wall s | trained tok/s | sampled tok/s | all tok/s | trainer busy | sampler busy",
-             "---: | ---: | ---: | ---: | ---: | ---: | ---:"]
+    lines = ["clients | wall s | trained tok/s | sampled tok/s | all tok/s | trainer busy | sampler busy | CPU busy",
+             "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---:"]
     for level in levels:
         lines.append(f"{level.clients} | {level.seconds:.0f} | {level.trained_per_s:.1f} | {level.sampled_per_s:.1f} "
-                     f"| {level.tokens_per_s:.1f} | {level.trainer_busy:.0%} | {level.sampler_busy:.0%}")
+                     f"| {level.tokens_per_s:.1f} | {level.trainer_busy:.0%} | {level.sampler_busy:.0%} "
+                     f"| {level.cpu_busy_fraction:.0%} of {level.cores} cores")
     lines += ["", "clients | seed | held-out return (95%) | alone | overlap", "---: | ---: | --- | --- | ---"]
     for level in levels:
         for seed, result in enumerate(level.results):
@@ -286,6 +320,10 @@ def report_lines(levels: list[Level], alone: dict[int, dict[str, Any]]) -> list[
                       f"(trained x{last.trained_per_s / first.trained_per_s:.2f}, "
                       f"sampled x{last.sampled_per_s / first.sampled_per_s:.2f}); goal x{GOAL:.1f}: "
                       f"{'met' if ratio >= GOAL else 'not met'}"]
+        if not math.isnan(first.cpu_busy_s):
+            bound = cpu_bound(first, last.clients)
+            lines.append(f"CPU bound on this machine: x{bound:.2f} ({first.cpu_busy_s:.0f} busy core-seconds per "
+                         f"client alone, {first.cores} cores); reached {ratio / bound:.2f} of it")
     return lines
 
 
@@ -305,20 +343,20 @@ def main(argv: list[str] | None = None) -> int:
         for clients in levels:
             print(f"level {clients}: {clients} client(s) at once", flush=True)
             folder = args.out / f"level-{clients}"
-            start, end, results = run_clients(url, base_model, list(range(clients)), args.loop_args, folder,
-                                              f"level {clients}")
+            start, end, results, cpu_busy_s = run_clients(url, base_model, list(range(clients)), args.loop_args,
+                                                          folder, f"level {clients}")
             time.sleep(ACTIVITY_FLUSH_WAIT_S)  # the window's activity reaches the store
-            measured.append(measure_level(store_root(args.out), clients, start, end, results, folder))
+            measured.append(measure_level(store_root(args.out), clients, start, end, results, folder, cpu_busy_s))
             if clients == 1:
                 alone[0] = results[0]
                 for seed in [] if args.no_alone else range(1, max(levels)):
                     print(f"seed {seed} alone", flush=True)
-                    _, _, (result,) = run_clients(url, base_model, [seed], args.loop_args,
+                    _, _, (result,), _ = run_clients(url, base_model, [seed], args.loop_args,
                                                   args.out / f"alone-{seed}", f"seed {seed} alone")
                     alone[seed] = result
             print(f"level {clients}: {measured[-1].seconds:.0f} s, {measured[-1].tokens_per_s:.1f} tokens/s, "
-                  f"trainer {measured[-1].trainer_busy:.0%} busy, sampler {measured[-1].sampler_busy:.0%} busy",
-                  flush=True)
+                  f"trainer {measured[-1].trainer_busy:.0%} busy, sampler {measured[-1].sampler_busy:.0%} busy, "
+                  f"CPU {measured[-1].cpu_busy_fraction:.0%} busy", flush=True)
     lines = report_lines(measured, alone)
     print("\n".join(lines))
     (args.out / "summary.json").write_text(json.dumps(

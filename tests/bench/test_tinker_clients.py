@@ -4,7 +4,15 @@ import math
 
 import pytest
 
-from bench.tinker_clients import Level, busy_by_kind, intervals_overlap, mean_interval, parse_args, report_lines
+from bench.tinker_clients import (
+    Level,
+    busy_by_kind,
+    cpu_bound,
+    intervals_overlap,
+    mean_interval,
+    parse_args,
+    report_lines,
+)
 
 
 def test_options_need_the_baseline_and_leave_the_seed_to_the_bench():
@@ -31,6 +39,19 @@ def test_busy_by_kind_and_the_table():
     one = Level(1, 10.0, 100, 10, 0.5, 0.2, [result])
     three = Level(3, 12.0, 300, 30, 0.9, 0.5, [result, result, {**result, "samples": [30.0, 31.0]}])
     lines = report_lines([one, three], {0: result, 2: result})
-    assert "1 | 10 | 10.0 | 1.0 | 11.0 | 50% | 20%" in lines
+    assert "1 | 10 | 10.0 | 1.0 | 11.0 | 50% | 20% | nan% of 1 cores" in lines
     assert "3 | 2 | 30.5 +/- 1.0 | 11.0 +/- 2.0 | NO" in lines and "3 | 1 | 11.0 +/- 2.0 | - | -" in lines
     assert lines[-1].startswith("3 clients vs 1: x2.50 all tokens/s") and lines[-1].endswith("goal x2.0: met")
+
+
+def test_the_cpu_bound_is_what_the_cores_give_at_level_one_cost():
+    result = {"samples": [10.0, 12.0], "tokens": {"trained": 100, "sampled": 10}}
+    one = Level(1, 10.0, 100, 10, 0.5, 0.2, [result], cpu_busy_s=8.0, cores=2)  # 40% of 2 cores
+    assert cpu_bound(one, 3) == pytest.approx(2.5)  # 3 x 8 core-s on 2 cores: 12 s for 3x the work of 10 s
+    assert cpu_bound(one, 2) == 2.0  # never more than one client's pace each
+    three = Level(3, 15.0, 300, 30, 0.9, 0.5, [result] * 3, cpu_busy_s=24.0, cores=2)
+    lines = report_lines([one, three], {0: result})
+    assert "1 | 10 | 10.0 | 1.0 | 11.0 | 50% | 20% | 40% of 2 cores" in lines
+    assert "3 | 15 | 20.0 | 2.0 | 22.0 | 90% | 50% | 80% of 2 cores" in lines
+    assert lines[-1] == ("CPU bound on this machine: x2.50 (8 busy core-seconds per client alone, 2 cores); "
+                         "reached 0.80 of it")
