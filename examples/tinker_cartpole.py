@@ -182,7 +182,8 @@ class Loop:
         self.args = args
         self.service = tinker.ServiceClient(base_url=args.base_url)
         self.training = self.service.create_lora_training_client(
-            base_model=args.base_model, rank=args.rank, train_unembed=args.train_unembed).result()
+            base_model=args.base_model, rank=args.rank, train_unembed=args.train_unembed,
+            seed=args.seed).result()  # the same --seed starts from the same LoRA weights
         self.tokenizer = AutoTokenizer.from_pretrained(args.base_model)
         self.eos = self.tokenizer.eos_token_id
         self.sampled = 0  # sample calls so far (each its own seed)

@@ -55,7 +55,8 @@ class Loop:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.service = tinker.ServiceClient(base_url=args.base_url)
-        self.training = self.service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
+        self.training = self.service.create_lora_training_client(  # the same --seed, the same first LoRA weights
+            base_model=args.base_model, rank=args.rank, seed=args.seed).result()
         self.tokenizer = AutoTokenizer.from_pretrained(args.base_model)
         self.train_tasks = len(TextToSQL(split="train", tasks_path=args.tasks).tasks)
         self.test_tasks = len(TextToSQL(split="test", tasks_path=args.tasks).tasks)
