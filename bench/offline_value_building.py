@@ -65,7 +65,10 @@ from producers.offline.evaluation import (
 from producers.offline.generation import GenerationSpec, day_env, generate_building_dataset
 from schemas.evaluation import mean_ci95, paired_difference
 
-DATASET = "hvac-mixed"
+
+def dataset_name(args: argparse.Namespace) -> str:
+    """The logged dataset's name in the store: one per logging controller."""
+    return f"hvac-{args.policy}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -95,22 +98,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--root", type=Path, default=None, help="store folder (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=1, help="seeds the logged controllers")
+    parser.add_argument("--policy", default="mixed", choices=["mixed", "heuristic"],
+                        help="the logging controller: heuristic or random per day (half each), or the heuristic alone")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     return parser.parse_args()
 
 
 def prepare(store: ObjectStore, args: argparse.Namespace) -> tuple[Any, OfflineData]:
     """Steps 1-2: the logged dataset (generated unless already in the store) and its transitions."""
-    if not store.exists(f"datasets/{DATASET}/dataset.json"):
-        spec = GenerationSpec(days=args.days, policy="mixed", random_fraction=0.5, seed=args.seed)
-        card = generate_building_dataset(store, DATASET, spec)
+    dataset = dataset_name(args)
+    if not store.exists(f"datasets/{dataset}/dataset.json"):
+        spec = GenerationSpec(days=args.days, policy=args.policy, random_fraction=0.5, seed=args.seed)
+        card = generate_building_dataset(store, dataset, spec)
         policies = [e["policy"] for e in card.extras["episodes"]]
         print(f"dataset: {card.num_rows:,} steps, {policies.count('heuristic')} heuristic and "
               f"{policies.count('random')} random days", flush=True)
-    card = read_card(store, DATASET)
+    card = read_card(store, dataset)
     cfg = day_env(0, card.extras.get("env_overrides")).config
     grid = SetpointGrid(cfg.supply_water_range_k, cfg.supply_air_heating_range_k, args.levels, args.levels)
-    data = prepare_offline_data(read_steps(store, DATASET), grid, float(card.extras.get("utc_offset_hours", 0.0)),
+    data = prepare_offline_data(read_steps(store, dataset), grid, float(card.extras.get("utc_offset_hours", 0.0)),
                                 n_step=args.n_step, gamma=args.gamma)
     if args.standardise_rewards:  # a shift c of every n-step return shifts Q by c / (1 - gamma^n): same argmax
         reward_R = data.transitions["reward"]
@@ -180,7 +186,7 @@ def train_and_play(card: Any, data: OfflineData, args: argparse.Namespace,
             controller = numeric_controller(policy.setpoints, card.observation_columns)
             for name, days in day_sets.items():
                 outcomes = controller_outcomes(controller, days, card.extras.get("env_overrides"))
-                results[name].setdefault(method, {})[seed] = eval_result(f"{DATASET}-{method}", method, 0, outcomes)
+                results[name].setdefault(method, {})[seed] = eval_result(f"{dataset_name(args)}-{method}", method, 0, outcomes)
             print(f"  {method} seed {seed}: held-out return {results['held-out'][method][seed].mean_return:.3f}",
                   flush=True)
     return results
@@ -191,7 +197,7 @@ def play_baselines(store: ObjectStore, card: Any, args: argparse.Namespace, days
     results: dict[str, dict[int, Any]] = {}
     for baseline in ("behaviour", "heuristic", "random"):
         for seed in range(args.seeds if baseline != "heuristic" else 1):
-            (result,) = evaluate_building(store, f"{DATASET}-baselines", [baseline], days, card=card,
+            (result,) = evaluate_building(store, f"{dataset_name(args)}-baselines", [baseline], days, card=card,
                                           sampling=SamplingSettings(seed=seed), store_results=False)
             results.setdefault(baseline, {})[seed] = result
     return results
