@@ -144,11 +144,14 @@ def cpu_bound(first: Level, clients: int) -> float:
 
 
 def busy_core_seconds() -> float:
-    """Core-seconds the machine has spent busy since boot (every process; idle and I/O wait excluded)."""
+    """Core-seconds the machine has spent busy since boot (every process; idle and I/O wait excluded).
+
+    Guest time is already inside user and nice time, so it is not added again.
+    """
     import psutil
 
     times = psutil.cpu_times()
-    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+    return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
 def busy_by_kind(summary: dict[str, Any], lanes: list[dict[str, Any]]) -> dict[str, float]:
