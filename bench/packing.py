@@ -17,7 +17,10 @@ lanes, as ``bench/async_vs_sync.py`` reads them): combined trained rows/s over
 the union of the runs' work windows (first sample to last learner step), the
 mean sampler and learner busy fractions of the runs over their own windows, and
 each run's rows/s.  A run's sampler lane is its own worker's generate time, so
-packed runs' lanes overlap on the one engine.
+packed runs' lanes overlap on the one engine.  Also the machine's busy CPU in the
+combined window (every process, ``bench/cpu.py``), and from 1 run's the **CPU bound**
+on every level's combined rows/s over 1 run's: the same work costs the same
+core-seconds, so it cannot finish faster than the cores give them.
 
     python bench/packing.py                              # 1, 2, 3 runs; separate and packed
     python bench/packing.py --levels 1,2 --steps 2       # a quick smoke run
@@ -50,6 +53,7 @@ from bench.async_vs_sync import (
     to_json,
     wait_children,
 )
+from bench.cpu import CpuMeter, cpu_bound
 
 ARMS = ("separate", "packed")
 
@@ -106,7 +110,7 @@ def level_commands(bench: Bench, arm: str, run_ids: list[str], steps: int) -> li
     return commands
 
 
-def run_level(bench: Bench, arm: str, count: int) -> dict[str, Any]:
+def run_level(bench: Bench, arm: str, count: int, meter: CpuMeter) -> dict[str, Any]:
     """One level and arm: start its processes, wait for the learners' ``max_steps``, stop the producers, measure."""
     steps = steps_per_run(bench.args.steps, count)
     run_ids = [f"{bench.tag}-{arm[0]}{count}-{index}" for index in range(count)]
@@ -122,6 +126,10 @@ def run_level(bench: Bench, arm: str, count: int) -> dict[str, Any]:
     runs = [{"run_id": run_id, **bench.pipeline_numbers(run_id)} for run_id in run_ids]
     timelines = [run["timeline"] for run in runs if "timeline" in run]
     combined = combined_numbers(timelines)
+    if timelines:
+        window = (min(t.start for t in timelines), max(t.end for t in timelines))
+        combined["cpu_busy_s"] = meter.busy_between(*window)
+        combined["cpu_busy_fraction"] = combined["cpu_busy_s"] / ((os.cpu_count() or 1) * combined["window_s"])
     level = {
         "arm": arm, "runs": count, "steps_per_run": steps, "finished": finished and len(timelines) == count,
         "wall_s": wall_s, "combined": combined,
@@ -129,20 +137,37 @@ def run_level(bench: Bench, arm: str, count: int) -> dict[str, Any]:
         "per_run_rows_per_s": [run.get("rows_per_s", math.nan) for run in runs], "each": runs,
     }
     bench.clock(f"{arm} x{count}: combined {level['combined']['rows_per_s']:.2f} rows/s, sampler busy "
-                f"{level['sampler_busy']:.2f}, learner busy {level['learner_busy']:.2f}")
+                f"{level['sampler_busy']:.2f}, learner busy {level['learner_busy']:.2f}, CPU busy "
+                f"{level['combined'].get('cpu_busy_fraction', math.nan):.2f}")
     return level
 
 
-def table(levels: list[dict[str, Any]]) -> Any:
+def level_bounds(levels: list[dict[str, Any]], cores: int) -> dict[int, float]:
+    """Per level, the CPU bound on its combined rows/s over 1 run's (from the first 1-run level measured).
+
+    Every level does the same work: at 1 run's cost, ``busy core-seconds`` of it, it needs at
+    least ``busy / cores`` seconds, and no run goes faster than 1 run alone.
+    """
+    alone = next((lv["combined"] for lv in levels if lv["runs"] == 1 and "cpu_busy_s" in lv["combined"]), None)
+    if alone is None:
+        return {}
+    return {lv["runs"]: cpu_bound(lv["runs"], cores, alone["window_s"], alone["cpu_busy_s"]) for lv in levels}
+
+
+def table(levels: list[dict[str, Any]], cores: int) -> Any:
     from rich.table import Table
 
+    bounds = level_bounds(levels, cores)
+    alone = next((lv["combined"]["rows_per_s"] for lv in levels if lv["runs"] == 1), math.nan)
     out = Table(title="Packing: the same work as separate processes and packed")
-    for column in ("runs", "arm", "steps/run", "wall s", "combined rows/s", "sampler busy", "learner busy",
-                   "per-run rows/s"):
+    for column in ("runs", "arm", "steps/run", "wall s", "combined rows/s", "x 1 run", "CPU bound", "sampler busy",
+                   "learner busy", "CPU busy", "per-run rows/s"):
         out.add_column(column, justify="right")
     for lv in levels:
         out.add_row(str(lv["runs"]), lv["arm"], str(lv["steps_per_run"]), f"{lv['wall_s']:.1f}",
-                    f"{lv['combined']['rows_per_s']:.2f}", f"{lv['sampler_busy']:.2f}", f"{lv['learner_busy']:.2f}",
+                    f"{lv['combined']['rows_per_s']:.2f}", f"x{lv['combined']['rows_per_s'] / alone:.2f}",
+                    f"x{bounds.get(lv['runs'], math.nan):.2f}", f"{lv['sampler_busy']:.2f}",
+                    f"{lv['learner_busy']:.2f}", f"{lv['combined'].get('cpu_busy_fraction', math.nan):.2f}",
                     ", ".join(f"{r:.2f}" for r in lv["per_run_rows_per_s"]))
     return out
 
@@ -169,10 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {"preset": args.preset, "steps": args.steps, "overrides": bench.overrides,
                                "cpus": os.cpu_count(), "load_average_start": os.getloadavg(), "levels": []}
     try:
-        for count in args.levels:
-            for arm in args.arms:
-                results["levels"].append(run_level(bench, arm, count))
-        Console(width=160).print(table(results["levels"]))
+        with CpuMeter() as meter:
+            for count in args.levels:
+                for arm in args.arms:
+                    results["levels"].append(run_level(bench, arm, count, meter))
+        results["cpu_bounds"] = level_bounds(results["levels"], os.cpu_count() or 1)
+        Console(width=180).print(table(results["levels"], os.cpu_count() or 1))
     finally:
         stop_children(bench.children)
         stop_background(home)

@@ -48,6 +48,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.cpu import busy_core_seconds, cpu_bound  # noqa: E402 - after the project root is on the path
+
 EXAMPLE = ROOT / "examples" / "tinker_cartpole.py"
 SHORT_LOOP = ("--demo-episodes 10 --sft-steps 4 --batch 32 --rl-steps 3 --group-size 4 --eval-episodes 8 "
               "--max-steps 30")  # a few minutes per client on a CPU
@@ -134,24 +137,9 @@ class Level:
                 "cpu_busy_fraction": self.cpu_busy_fraction, "results": self.results}
 
 
-def cpu_bound(first: Level, clients: int) -> float:
-    """The most ``clients`` at once can reach over level 1's throughput on this machine's CPU.
-
-    Each client costs level 1's busy core-seconds; the cores give at most ``cores`` per second,
-    and no client runs faster than alone.
-    """
-    return min(float(clients), first.cores * first.seconds / first.cpu_busy_s)
-
-
-def busy_core_seconds() -> float:
-    """Core-seconds the machine has spent busy since boot (every process; idle and I/O wait excluded).
-
-    Guest time is already inside user and nice time, so it is not added again.
-    """
-    import psutil
-
-    times = psutil.cpu_times()
-    return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+def level_cpu_bound(first: Level, clients: int) -> float:
+    """The most ``clients`` at once can reach over level 1's throughput on this machine's CPU (``cpu_bound``)."""
+    return cpu_bound(clients, first.cores, first.seconds, first.cpu_busy_s)
 
 
 def busy_by_kind(summary: dict[str, Any], lanes: list[dict[str, Any]]) -> dict[str, float]:
@@ -324,7 +312,7 @@ def report_lines(levels: list[Level], alone: dict[int, dict[str, Any]]) -> list[
                       f"sampled x{last.sampled_per_s / first.sampled_per_s:.2f}); goal x{GOAL:.1f}: "
                       f"{'met' if ratio >= GOAL else 'not met'}"]
         if not math.isnan(first.cpu_busy_s):
-            bound = cpu_bound(first, last.clients)
+            bound = level_cpu_bound(first, last.clients)
             lines.append(f"CPU bound on this machine: x{bound:.2f} ({first.cpu_busy_s:.0f} busy core-seconds per "
                          f"client alone, {first.cores} cores); reached {ratio / bound:.2f} of it")
     return lines

@@ -7,8 +7,8 @@ import pytest
 from bench.tinker_clients import (
     Level,
     busy_by_kind,
-    cpu_bound,
     intervals_overlap,
+    level_cpu_bound,
     mean_interval,
     parse_args,
     report_lines,
@@ -47,8 +47,8 @@ def test_busy_by_kind_and_the_table():
 def test_the_cpu_bound_is_what_the_cores_give_at_level_one_cost():
     result = {"samples": [10.0, 12.0], "tokens": {"trained": 100, "sampled": 10}}
     one = Level(1, 10.0, 100, 10, 0.5, 0.2, [result], cpu_busy_s=8.0, cores=2)  # 40% of 2 cores
-    assert cpu_bound(one, 3) == pytest.approx(2.5)  # 3 x 8 core-s on 2 cores: 12 s for 3x the work of 10 s
-    assert cpu_bound(one, 2) == 2.0  # never more than one client's pace each
+    assert level_cpu_bound(one, 3) == pytest.approx(2.5)  # 3 x 8 core-s on 2 cores: 12 s for 3x the work of 10 s
+    assert level_cpu_bound(one, 2) == 2.0  # never more than one client's pace each
     three = Level(3, 15.0, 300, 30, 0.9, 0.5, [result] * 3, cpu_busy_s=24.0, cores=2)
     lines = report_lines([one, three], {0: result})
     assert "1 | 10 | 10.0 | 1.0 | 11.0 | 50% | 20% | 40% of 2 cores" in lines

@@ -1,0 +1,81 @@
+"""The machine's busy CPU, for the bound it puts on running several jobs at once.
+
+A benchmark that runs 1, 2 and 3 jobs side by side can measure how many core-seconds
+one job costs alone; N jobs cost N times that, so on C cores their combined throughput
+over one job's is at most ``min(N, C x wall / busy core-seconds)`` of the job alone
+(``cpu_bound``).  Busy time counts every process on the machine, and torch's worker
+threads while they spin between parallel regions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+
+
+def busy_core_seconds() -> float:
+    """Core-seconds the machine has spent busy since boot (every process; idle and I/O wait excluded).
+
+    Guest time is already inside user and nice time, so it is not added again.
+    """
+    import psutil
+
+    times = psutil.cpu_times()
+    return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def cpu_bound(jobs: int, cores: int, alone_wall_s: float, alone_busy_s: float) -> float:
+    """The most ``jobs`` at once can reach over one job's throughput, each costing what it costs alone.
+
+    One job alone took ``alone_wall_s`` and kept the machine busy ``alone_busy_s`` core-seconds;
+    the cores give at most ``cores`` core-seconds a second, and no job runs faster than alone.
+    """
+    if alone_busy_s <= 0:
+        return float(jobs)
+    return min(float(jobs), cores * alone_wall_s / alone_busy_s)
+
+
+class CpuMeter:
+    """Samples ``busy_core_seconds`` every ``period_s`` in a thread; ``busy_between`` reads any window later."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self.period_s = period_s
+        self.times: list[float] = []
+        self.busy: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="cpu-meter", daemon=True)
+
+    def __enter__(self) -> CpuMeter:
+        self._record()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._record()
+
+    def _record(self) -> None:
+        self.times.append(time.time())
+        self.busy.append(busy_core_seconds())
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._record()
+
+    def busy_between(self, start: float, end: float) -> float:
+        """Busy core-seconds between unix times ``start`` and ``end`` (linear between samples)."""
+        return self._at(end) - self._at(start)
+
+    def _at(self, when: float) -> float:
+        times, busy = list(self.times), list(self.busy)  # the thread may append meanwhile
+        if not times:
+            return 0.0
+        i = bisect.bisect_left(times, when)
+        if i == 0:
+            return busy[0]
+        if i >= len(times):
+            return busy[-1]
+        t0, t1 = times[i - 1], times[i]
+        return busy[i - 1] + (busy[i] - busy[i - 1]) * (when - t0) / (t1 - t0 if t1 > t0 else 1.0)
