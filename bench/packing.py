@@ -19,8 +19,9 @@ mean sampler and learner busy fractions of the runs over their own windows, and
 each run's rows/s.  A run's sampler lane is its own worker's generate time, so
 packed runs' lanes overlap on the one engine.  Also the machine's busy CPU in the
 combined window (every process, ``bench/cpu.py``), and from 1 run's the **CPU bound**
-on every level's combined rows/s over 1 run's: the same work costs the same
-core-seconds, so it cannot finish faster than the cores give them.
+on every level's combined rows/s over 1 run's: at 1 run's cost per row, the same
+work cannot finish faster than the cores give its core-seconds.  A level above its
+bound did the work more cheaply than 1 run does.
 
     python bench/packing.py                              # 1, 2, 3 runs; separate and packed
     python bench/packing.py --levels 1,2 --steps 2       # a quick smoke run
