@@ -288,6 +288,11 @@ def measure_level(store_url: str, clients: int, start: float, end: float, result
 # ---- the table ----------------------------------------------------------------------------------------------------
 
 
+def cpu_busy_text(level: Level) -> str:
+    """``76% of 2 cores``, or ``-`` when the level's CPU was not measured."""
+    return "-" if math.isnan(level.cpu_busy_s) else f"{level.cpu_busy_fraction:.0%} of {level.cores} cores"
+
+
 def report_lines(levels: list[Level], alone: dict[int, dict[str, Any]]) -> list[str]:
     """The printed table: throughput and duty per level, then each client against its seed alone."""
     lines = ["clients | wall s | trained tok/s | sampled tok/s | all tok/s | trainer busy | sampler busy | CPU busy",
@@ -295,7 +300,7 @@ def report_lines(levels: list[Level], alone: dict[int, dict[str, Any]]) -> list[
     for level in levels:
         lines.append(f"{level.clients} | {level.seconds:.0f} | {level.trained_per_s:.1f} | {level.sampled_per_s:.1f} "
                      f"| {level.tokens_per_s:.1f} | {level.trainer_busy:.0%} | {level.sampler_busy:.0%} "
-                     f"| {level.cpu_busy_fraction:.0%} of {level.cores} cores")
+                     f"| {cpu_busy_text(level)}")
     lines += ["", "clients | seed | held-out return (95%) | alone | overlap", "---: | ---: | --- | --- | ---"]
     for level in levels:
         for seed, result in enumerate(level.results):

@@ -39,7 +39,7 @@ def test_busy_by_kind_and_the_table():
     one = Level(1, 10.0, 100, 10, 0.5, 0.2, [result])
     three = Level(3, 12.0, 300, 30, 0.9, 0.5, [result, result, {**result, "samples": [30.0, 31.0]}])
     lines = report_lines([one, three], {0: result, 2: result})
-    assert "1 | 10 | 10.0 | 1.0 | 11.0 | 50% | 20% | nan% of 1 cores" in lines
+    assert "1 | 10 | 10.0 | 1.0 | 11.0 | 50% | 20% | -" in lines
     assert "3 | 2 | 30.5 +/- 1.0 | 11.0 +/- 2.0 | NO" in lines and "3 | 1 | 11.0 +/- 2.0 | - | -" in lines
     assert lines[-1].startswith("3 clients vs 1: x2.50 all tokens/s") and lines[-1].endswith("goal x2.0: met")
 
