@@ -9,9 +9,10 @@ threads while they spin between parallel regions.
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
+
+import numpy as np
 
 
 def busy_core_seconds() -> float:
@@ -70,12 +71,4 @@ class CpuMeter:
 
     def _at(self, when: float) -> float:
         times, busy = list(self.times), list(self.busy)  # the thread may append meanwhile
-        if not times:
-            return 0.0
-        i = bisect.bisect_left(times, when)
-        if i == 0:
-            return busy[0]
-        if i >= len(times):
-            return busy[-1]
-        t0, t1 = times[i - 1], times[i]
-        return busy[i - 1] + (busy[i] - busy[i - 1]) * (when - t0) / (t1 - t0 if t1 > t0 else 1.0)
+        return float(np.interp(when, times[: len(busy)], busy[: len(times)])) if times else 0.0

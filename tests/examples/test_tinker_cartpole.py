@@ -5,26 +5,16 @@ The loop itself runs against a real server in ``tests/integration/test_tinker_sa
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "tinker_cartpole.py"
+from tests.examples import example_module
 
 
 @pytest.fixture(scope="module")
 def loop():
-    spec = importlib.util.spec_from_file_location("tinker_cartpole_example", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    try:
-        spec.loader.exec_module(module)
+    with example_module("tinker_cartpole") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_gae_on_a_hand_computed_episode(loop):
