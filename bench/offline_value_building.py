@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from consumers.value.offline import (
     prepare_offline_data,
     train_offline,
 )
-from pipeline.building_policy import BuildingPolicy
+from pipeline.building_policy import BuildingPolicy, network_columns
 from pipeline.io.datasets import read_card, read_steps
 from pipeline.io.store import ObjectStore
 from producers.offline.evaluation import (
@@ -98,8 +99,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--root", type=Path, default=None, help="store folder (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=1, help="seeds the logged controllers")
-    parser.add_argument("--policy", default="mixed", choices=["mixed", "heuristic"],
-                        help="the logging controller: heuristic or random per day (half each), or the heuristic alone")
+    parser.add_argument("--policy", default="mixed", choices=["mixed", "heuristic", "varied"],
+                        help="the logging controller: heuristic or random per day (half each), the heuristic alone, "
+                             "or the heuristic preheating 1-4 h (drawn per day)")
+    parser.add_argument("--with-echoes", action="store_true",
+                        help="let the networks read the columns that echo the last setpoints (as before)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     return parser.parse_args()
 
@@ -110,14 +114,15 @@ def prepare(store: ObjectStore, args: argparse.Namespace) -> tuple[Any, OfflineD
     if not store.exists(f"datasets/{dataset}/dataset.json"):
         spec = GenerationSpec(days=args.days, policy=args.policy, random_fraction=0.5, seed=args.seed)
         card = generate_building_dataset(store, dataset, spec)
-        policies = [e["policy"] for e in card.extras["episodes"]]
-        print(f"dataset: {card.num_rows:,} steps, {policies.count('heuristic')} heuristic and "
-              f"{policies.count('random')} random days", flush=True)
+        policies = Counter(e["policy"] for e in card.extras["episodes"])
+        print(f"dataset: {card.num_rows:,} steps, days by controller: {dict(sorted(policies.items()))}", flush=True)
     card = read_card(store, dataset)
     cfg = day_env(0, card.extras.get("env_overrides")).config
     grid = SetpointGrid(cfg.supply_water_range_k, cfg.supply_air_heating_range_k, args.levels, args.levels)
+    keep = card.observation_columns if args.with_echoes else network_columns(card.observation_columns,
+                                                                             card.action_columns)
     data = prepare_offline_data(read_steps(store, dataset), grid, float(card.extras.get("utc_offset_hours", 0.0)),
-                                n_step=args.n_step, gamma=args.gamma)
+                                n_step=args.n_step, gamma=args.gamma, columns=card.observation_columns, keep=keep)
     if args.standardise_rewards:  # a shift c of every n-step return shifts Q by c / (1 - gamma^n): same argmax
         reward_R = data.transitions["reward"]
         data.transitions["reward"] = ((reward_R - reward_R.mean()) / reward_R.std()).astype(reward_R.dtype)
@@ -183,7 +188,7 @@ def train_and_play(card: Any, data: OfflineData, args: argparse.Namespace,
     results: dict[str, dict[str, dict[int, Any]]] = {name: {} for name in day_sets}
     for seed in range(args.seeds):
         for method, policy in seed_policies(data, args, seed).items():
-            controller = numeric_controller(policy.setpoints, card.observation_columns)
+            controller = numeric_controller(policy.setpoints, data.observation_columns)
             for name, days in day_sets.items():
                 outcomes = controller_outcomes(controller, days, card.extras.get("env_overrides"))
                 results[name].setdefault(method, {})[seed] = eval_result(f"{dataset_name(args)}-{method}", method, 0, outcomes)

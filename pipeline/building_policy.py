@@ -8,6 +8,9 @@ A network over grid cells needs these besides its weights to act on the building
 - the setpoint grid (``SetpointGrid``): the two continuous setpoints (supply water, supply
   air) on a product grid of ``water_levels x air_levels`` evenly spaced values over each
   range (ends included); action index = water_level * air_levels + air_level;
+- the network's columns (``network_columns``): the logged telemetry less the columns that echo the
+  controller's own last setpoints, which a network would otherwise learn to copy (the logged
+  setpoints change slowly, so "keep the last setpoint" predicts them well and acts badly);
 - the time features (``time_features``): sin and cos of the local hour and 1 on days off,
   appended to the logged observation vector, because the value of heating now depends on
   when comfort hours start;
@@ -25,7 +28,7 @@ Shapes are named by suffix: ``_R`` per row, ``_O`` per observation feature.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +89,23 @@ class SetpointGrid:
 
 
 # ==== observations ==================================================================================
+def setpoint_echoes(observation_columns: Sequence[str], action_columns: Sequence[str]) -> list[str]:
+    """The observation columns that repeat the controller's last action: the simulator's ``action@...``
+    telemetry and the devices' setpoint readings that the action columns (``action:<device>@<setpoint>``) set.
+
+    A network that reads them learns to copy its previous setpoints (in the logged days they change
+    slowly, so copying predicts them well), and in closed loop it then keeps heating once it has started.
+    """
+    set_by_action = {name.removeprefix("action:") for name in action_columns}
+    return [c for c in observation_columns if c.startswith("action@") or c in set_by_action]
+
+
+def network_columns(observation_columns: Sequence[str], action_columns: Sequence[str]) -> list[str]:
+    """The logged observation columns a building policy reads, in order: all but ``setpoint_echoes``."""
+    echoes = set(setpoint_echoes(observation_columns, action_columns))
+    return [c for c in observation_columns if c not in echoes]
+
+
 def time_features(timestamp_s: np.ndarray, utc_offset_hours: float) -> np.ndarray:
     """(sin, cos) of the local hour and 1.0 on Saturdays and Sundays, per UTC epoch second; shape (R, 3)."""
     local_s = np.asarray(timestamp_s, dtype=np.float64) + utc_offset_hours * 3600.0

@@ -10,7 +10,8 @@ No environment is touched while learning; evaluation plays held-out days in the 
   ``water_levels x air_levels`` evenly spaced values over each range (ends included);
   action index = water_level * air_levels + air_level, and a logged action maps to the
   nearest cell on each axis.
-- Observations: the dataset's observation vector plus three time features (sin and cos
+- Observations: the dataset's observation vector less the columns that echo the controller's
+  last setpoints (``network_columns``) plus three time features (sin and cos
   of the local hour, 1 on days off), because the value of heating now depends on when
   comfort hours start; then standardised with the training days' mean and std, which
   travel in the policy's state.  Grid, time features and scaler are ``pipeline.building_policy``'s,
@@ -28,7 +29,7 @@ No environment is touched while learning; evaluation plays held-out days in the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,7 @@ class OfflineData:
     scaler: ObservationScaler
     grid: SetpointGrid
     utc_offset_hours: float
+    observation_columns: tuple[str, ...] = ()  # the logged columns the network reads, in order (empty: all)
 
     @property
     def observation_size(self) -> int:
@@ -72,12 +74,23 @@ class OfflineData:
 
 
 def prepare_offline_data(
-    table: pa.Table, grid: SetpointGrid, utc_offset_hours: float, n_step: int = 1, gamma: float = 0.99
+    table: pa.Table, grid: SetpointGrid, utc_offset_hours: float, n_step: int = 1, gamma: float = 0.99,
+    columns: Sequence[str] = (), keep: Sequence[str] | None = None,
 ) -> OfflineData:
-    """A building steps table (actions = [water_k, air_k]) -> discretised, normalised n-step transitions."""
+    """A building steps table (actions = [water_k, air_k]) -> discretised, normalised n-step transitions.
+
+    ``columns`` names the table's observation features in order (its card's ``observation_columns``)
+    and ``keep`` the ones the network reads, in that order (``network_columns``: all but the setpoint
+    echoes); without ``keep`` it reads every feature.
+    """
     check_steps_table(table)
     table = table.sort_by([("episode_id", "ascending"), ("step", "ascending")])
     obs_RO = np.asarray(table["observation"].combine_chunks().flatten(), dtype=np.float64).reshape(table.num_rows, -1)
+    if keep is not None:
+        if len(columns) != obs_RO.shape[1] or not set(keep) <= set(columns):
+            raise ValueError(f"the table has {obs_RO.shape[1]} observation features; pass its card's "
+                             "observation_columns as columns and a subset of them as keep")
+        obs_RO = obs_RO[:, [list(columns).index(c) for c in keep]]
     action_RA = np.asarray(table["action"].combine_chunks().flatten(), dtype=np.float64).reshape(table.num_rows, -1)
     if action_RA.shape[1] != 2:
         raise ValueError(f"building actions have 2 setpoints, this table has {action_RA.shape[1]} per step")
@@ -91,7 +104,8 @@ def prepare_offline_data(
     discrete = discrete.append_column("observation", _vector_array(scaler(full_RO)))
     discrete = discrete.append_column("action", _vector_array(grid.to_index(action_RA[:, 0], action_RA[:, 1])[:, None]))
     discrete = discrete.replace_schema_metadata(table.schema.metadata)
-    return OfflineData(steps_to_transitions(discrete, n_step, gamma), scaler, grid, utc_offset_hours)
+    return OfflineData(steps_to_transitions(discrete, n_step, gamma), scaler, grid, utc_offset_hours,
+                       tuple(keep if keep is not None else columns))
 
 
 def _vector_array(values_RK: np.ndarray) -> pa.Array:

@@ -40,7 +40,7 @@ from consumers.value.offline import (
     train_updates,
 )
 from consumers.value.replay import ReplayMemory
-from pipeline.building_policy import BuildingPolicySpec, SetpointGrid, building_policy_files
+from pipeline.building_policy import BuildingPolicySpec, SetpointGrid, building_policy_files, network_columns
 from pipeline.io.datasets import DatasetCard, read_card, read_steps
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
@@ -103,7 +103,8 @@ def policy_spec(card: DatasetCard, data: OfflineData, support_threshold: float =
     return BuildingPolicySpec(
         water_range_k=data.grid.water_range_k, air_range_k=data.grid.air_range_k,
         water_levels=data.grid.water_levels, air_levels=data.grid.air_levels,
-        utc_offset_hours=data.utc_offset_hours, observation_columns=tuple(card.observation_columns),
+        utc_offset_hours=data.utc_offset_hours,
+        observation_columns=data.observation_columns or tuple(card.observation_columns),
         dataset=card.name, first_held_out_day=max(days) + 1 if days else 0,
         env_overrides=dict(card.extras.get("env_overrides") or {}), support_threshold=support_threshold,
     )
@@ -118,7 +119,8 @@ def open_offline_run(config: RunConfig, dataset: str) -> OfflineRun:
     assert config.value is not None  # check_offline_config
     learner_cfg = config.value.learner
     data = prepare_offline_data(read_steps(store, dataset), building_grid(card, offline),
-                                float(card.extras.get("utc_offset_hours", 0.0)), learner_cfg.n_step, learner_cfg.gamma)
+                                float(card.extras.get("utc_offset_hours", 0.0)), learner_cfg.n_step, learner_cfg.gamma,
+                                card.observation_columns, network_columns(card.observation_columns, card.action_columns))
     if (config.value.observation_size, config.value.num_actions) != (data.observation_size, data.grid.num_actions):
         raise ValueError(
             f"dataset {dataset} gives {data.observation_size} features and {data.grid.num_actions} grid cells, the run "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import random
+import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from producers.offline.smart_buildings import (
     import_smart_buildings,
 )
 
-GenerationPolicy = Literal["heuristic", "random", "mixed"]
+GenerationPolicy = Literal["heuristic", "random", "mixed", "varied"]
 # The simulator's actions as the dataset names them: device setpoints, as in the real dataset.
 SIM_ACTIONS = {
     "boiler_0@supply_water_setpoint": "action@supply_water_setpoint",
@@ -70,8 +71,12 @@ class GenerationSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     days: int = Field(ge=1, le=3650, description="days to simulate (one episode each)")
-    policy: GenerationPolicy = Field("mixed", description="heuristic, random, or a mix chosen per day")
+    policy: GenerationPolicy = Field(
+        "mixed", description="heuristic, random, a mix of both chosen per day, or varied (the heuristic with "
+                             "its preheat drawn per day from preheat_hours)")
     random_fraction: float = Field(0.5, ge=0.0, le=1.0, description="share of random days when policy is mixed")
+    preheat_hours: tuple[float, ...] = Field(
+        (1.0, 2.0, 3.0, 4.0), min_length=1, description="the varied log's choices of hours the heuristic preheats")
     seed: int = Field(0, ge=0, description="seeds the controllers' choices (random actions, which days are random)")
     first_day: int = Field(0, ge=0, le=100_000, description="index of the first day: its date and simulator seed")
     env_overrides: dict[str, Any] = Field(default_factory=dict, description="building-hvac settings to change")
@@ -98,15 +103,28 @@ def day_env(day: int, overrides: Mapping[str, Any] | None = None) -> BuildingHVA
 
 
 def day_policy(spec: GenerationSpec, day: int) -> str:
-    """The controller of ``day`` under ``spec`` (a mixed log draws it per day, reproducibly)."""
+    """The controller of ``day`` under ``spec``: a mixed or varied log draws it per day, reproducibly.
+
+    A varied day is named ``heuristic-<hours>h``: the heuristic preheating that many hours.
+    """
+    if spec.policy == "varied":
+        return f"heuristic-{random.Random(f'rlpipe-varied:{spec.seed}:{day}').choice(spec.preheat_hours):g}h"
     if spec.policy != "mixed":
         return spec.policy
     return "random" if random.Random(f"rlpipe-mixed:{spec.seed}:{day}").random() < spec.random_fraction else "heuristic"
 
 
 def policy_answer(env: BuildingHVAC, policy: str, rng: random.Random) -> str:
-    """One scripted answer: the environment's heuristic or its uniformly random answer."""
-    return env.heuristic_answer() if policy == "heuristic" else env.random_answer(rng)
+    """One scripted answer: the environment's heuristic (``heuristic-<hours>h``: preheating that many hours)
+    or its uniformly random answer."""
+    if policy == "heuristic":
+        return env.heuristic_answer()
+    if policy == "random":
+        return env.random_answer(rng)
+    hours = re.fullmatch(r"heuristic-(\d+(?:\.\d+)?)h", policy)
+    if hours is not None:
+        return env.heuristic_answer(float(hours.group(1)))
+    raise ValueError(f"unknown logging controller {policy!r}: use heuristic, heuristic-<hours>h or random")
 
 
 @dataclass

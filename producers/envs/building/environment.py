@@ -303,12 +303,12 @@ class BuildingHVAC(BuildingTelemetry, TextEnv[Setpoints]):
         ]
 
     # ---- policies -------------------------------------------------------------------------------
-    def heuristic_setpoints(self) -> tuple[float, float]:
+    def heuristic_setpoints(self, preheat_hours: float = _HEURISTIC_PREHEAT_HOURS) -> tuple[float, float]:
         """A thermostat-like supervisor: hot water (then warmer air) while watched zones are cold, standby otherwise.
 
         Watched zones are the occupied ones, or all when nobody is in.  Their target is the
-        comfort band's low edge plus 0.5 K during comfort hours and the ``_HEURISTIC_PREHEAT_HOURS``
-        before them, and the zones' current (eco) heating setpoint plus 0.5 K otherwise (setback).  The
+        comfort band's low edge plus 0.5 K during comfort hours and the ``preheat_hours`` (default
+        ``_HEURISTIC_PREHEAT_HOURS``) before them, and the zones' current (eco) heating setpoint plus 0.5 K otherwise (setback).  The
         water setpoint rises with the coldest watched zone's deficit, from the range's low end on
         workdays and from ``_HEURISTIC_DAY_OFF_WATER_FLOOR`` on days off; the supply air warms only
         when a zone is more than 1.5 K short, as electric heat costs more than gas.
@@ -318,7 +318,7 @@ class BuildingHVAC(BuildingTelemetry, TextEnv[Setpoints]):
         local = self.local_time()
         hour = local.hour + local.minute / 60.0
         occupied_Z = s.present_ZO.any(axis=1)
-        preheat_from = cfg.comfort_start_hour - _HEURISTIC_PREHEAT_HOURS
+        preheat_from = cfg.comfort_start_hour - preheat_hours
         preheat = local.weekday() < 5 and preheat_from <= hour < cfg.comfort_end_hour
         target = (cfg.comfort_band_k[0] if preheat else self._band(self.current_timestamp)[0]) + 0.5
         watched_Z = s.zone_temp_Z[occupied_Z] if occupied_Z.any() else s.zone_temp_Z
@@ -331,8 +331,8 @@ class BuildingHVAC(BuildingTelemetry, TextEnv[Setpoints]):
         air = min(a_hi, a_lo + max(0.0, deficit - 1.5) * 0.5 * (a_hi - a_lo))
         return water, air
 
-    def heuristic_answer(self) -> str:
-        water, air = self.heuristic_setpoints()
+    def heuristic_answer(self, preheat_hours: float = _HEURISTIC_PREHEAT_HOURS) -> str:
+        water, air = self.heuristic_setpoints(preheat_hours)
         return format_answer([f"{water:.1f}K, {air:.1f}K"])
 
     def random_answer(self, rng: random.Random) -> str:

@@ -19,6 +19,7 @@ from consumers.value.offline import (
     time_features,
     train_offline,
 )
+from pipeline.building_policy import network_columns, setpoint_echoes
 
 GRID = SetpointGrid((310.0, 355.0), (285.0, 300.0), water_levels=4, air_levels=3)
 
@@ -71,7 +72,24 @@ def test_time_features_and_scaler_state_round_trip():
     np.testing.assert_array_equal(again.std_O, scaler.std_O)
 
 
+def test_the_network_reads_no_column_that_echoes_its_own_last_setpoints():
+    # the simulator's telemetry: its own record of the action and the devices' setpoints the action sets
+    observed = ["zone_0_0@zone_air_temperature_sensor", "zone_0_0@zone_air_heating_temperature_setpoint",
+                "boiler_0@supply_water_setpoint", "boiler_0@supply_water_temperature_sensor",
+                "ahu_0@supply_air_heating_temperature_setpoint", "ahu_0@supply_air_cooling_temperature_setpoint",
+                "action@supply_water_setpoint", "action@supply_air_heating_temperature_setpoint", "action@clipped"]
+    actions = ["action:boiler_0@supply_water_setpoint", "action:ahu_0@supply_air_heating_temperature_setpoint"]
+    assert setpoint_echoes(observed, actions) == [
+        "boiler_0@supply_water_setpoint", "ahu_0@supply_air_heating_temperature_setpoint",
+        "action@supply_water_setpoint", "action@supply_air_heating_temperature_setpoint", "action@clipped"]
+    # what the building does in response (the water's temperature, the zones' own setpoints) stays, in order
+    assert network_columns(observed, actions) == [
+        "zone_0_0@zone_air_temperature_sensor", "zone_0_0@zone_air_heating_temperature_setpoint",
+        "boiler_0@supply_water_temperature_sensor", "ahu_0@supply_air_cooling_temperature_setpoint"]
+
+
 def test_offline_pipeline_end_to_end_on_generated_days(tmp_path):
+    from pipeline.building_policy import network_columns
     from pipeline.io.datasets import read_card, read_steps
     from pipeline.io.store import ObjectStore
     from producers.offline.evaluation import controller_outcomes, numeric_controller
@@ -82,16 +100,20 @@ def test_offline_pipeline_end_to_end_on_generated_days(tmp_path):
     card = read_card(store, "hvac-smoke")
     cfg = day_env(0).config
     grid = SetpointGrid(cfg.supply_water_range_k, cfg.supply_air_heating_range_k, 3, 3)
-    data = prepare_offline_data(read_steps(store, "hvac-smoke"), grid, card.extras["utc_offset_hours"], n_step=3)
+    keep = network_columns(card.observation_columns, card.action_columns)
+    data = prepare_offline_data(read_steps(store, "hvac-smoke"), grid, card.extras["utc_offset_hours"], n_step=3,
+                                columns=card.observation_columns, keep=keep)
     assert data.transitions["action"].max() < grid.num_actions
-    assert data.observation_size == len(card.observation_columns) + 3
+    assert data.observation_columns == tuple(keep) and data.observation_size == len(keep) + 3
+    with pytest.raises(ValueError, match="observation_columns as columns"):
+        prepare_offline_data(read_steps(store, "hvac-smoke"), grid, 0.0, columns=keep, keep=keep)
     config = ValueLearnerConfig(hidden_sizes=(32,), batch_size=32, target_update_period=50, n_step=3)
     for agent in (CQLAgent(config, data.observation_size, grid.num_actions, cql_alpha=0.1),
                   BehaviourCloningAgent(config, data.observation_size, grid.num_actions)):
         log = train_offline(agent, data, steps=200)
         assert math.isfinite(log.loss) and math.isfinite(log.q_mean)
         policy = OfflinePolicy.from_training(agent, data)
-        controller = numeric_controller(policy.setpoints, card.observation_columns)
+        controller = numeric_controller(policy.setpoints, data.observation_columns)
         (outcome,) = controller_outcomes(controller, [2], card.extras.get("env_overrides"))
         assert outcome.steps == 288 and outcome.invalid == 0
         assert all(math.isfinite(v) for v in (outcome.episode_return, outcome.energy, outcome.carbon, outcome.comfort))

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from consumers.value.offline_service import replay_train_offline
-from pipeline.building_policy import BEHAVIOUR_FILE, POLICY_FILE, SCALER_FILE, load_building_policy
+from pipeline.building_policy import BEHAVIOUR_FILE, POLICY_FILE, SCALER_FILE, load_building_policy, network_columns
 from pipeline.config import load_preset
+from pipeline.io.datasets import read_card
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.value_network import CONFIG_FILE, WEIGHTS_FILE
@@ -45,6 +46,9 @@ def test_training_publishes_playable_versions_and_names_the_dataset(store_root: 
     assert {CONFIG_FILE, WEIGHTS_FILE, POLICY_FILE, SCALER_FILE} <= {p.name for p in folder.iterdir()}
     spec, policy = load_building_policy(folder)
     assert spec.dataset == DATASET and spec.first_held_out_day == 2 and spec.water_levels == spec.air_levels == 5
+    card = read_card(ObjectStore(store_root.as_uri()), DATASET)  # the version reads no echo of its own setpoints
+    assert list(spec.observation_columns) == network_columns(card.observation_columns, card.action_columns)
+    assert len(spec.observation_columns) < len(card.observation_columns)
     torch.testing.assert_close(dict(policy.network.state_dict()), dict(run.agent.online.state_dict()))
     assert run.config.value is not None and run.config.value.offline is not None
     assert run.config.value.offline.dataset == DATASET  # written into run.json for rlpipe eval
@@ -67,7 +71,7 @@ def test_refusals_name_the_fix(store_root: Path) -> None:
     config = small_config(store_root, "cql-c", max_steps=1)
     assert config.value is not None
     wrong = config.model_copy(update={"value": config.value.model_copy(update={"num_actions": 9})})
-    with pytest.raises(ValueError, match="set them to 57 and 25"):
+    with pytest.raises(ValueError, match="set them to 52 and 25"):
         replay_train_offline(wrong, DATASET)
 
 

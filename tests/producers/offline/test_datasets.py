@@ -349,3 +349,18 @@ def test_generate_convert_train_with_awr_publish_and_evaluate(tmp_path, tiny_mod
     assert [(r["policy"], r["version"], r["seed_start"]) for r in evaluated] == [("adapter", 2, 2), ("behaviour", 0, 2)]
     assert all(math.isfinite(r["mean_return"]) and "energy" in r["breakdown"] for r in evaluated)
     assert len(store.list("runs/e2e-awr/eval")) == 2
+
+
+def test_a_varied_log_draws_the_heuristics_preheat_per_day():
+    spec = GenerationSpec(days=12, policy="varied", seed=3, preheat_hours=(2.0, 4.0))
+    labels = [day_policy(spec, day) for day in range(12)]
+    assert set(labels) == {"heuristic-2h", "heuristic-4h"}  # both drawn in 12 days
+    assert labels == [day_policy(spec, day) for day in range(12)]  # reproducibly
+    # day 0 is a Thursday: the same answers until 02:00 local, then the 4-hour day warms the building first
+    two, four = simulate_day(0, "heuristic-2h"), simulate_day(0, "heuristic-4h")
+    assert two.answers[:24] == four.answers[:24] and two.answers[24:48] != four.answers[24:48]
+    assert two.answers == simulate_day(0, "heuristic").answers  # 2 h is the heuristic's own preheat
+    with pytest.raises(ValueError, match="use heuristic, heuristic-<hours>h or random"):
+        simulate_day(0, "heuristic-xh")
+    with pytest.raises(ValidationError):
+        GenerationSpec(days=1, policy="varied", preheat_hours=())
