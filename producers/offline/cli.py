@@ -230,7 +230,8 @@ def import_table_cmd(
 def generate_building(
     days: Annotated[int, typer.Option(min=1, max=3650, help="days to simulate (one episode each)")],
     name: NameOpt,
-    policy: Annotated[str, typer.Option(help="heuristic, random, mixed (each day one of them) or varied (the heuristic, its preheat drawn per day: 1-4 h)")] = "mixed",
+    policy: Annotated[str, typer.Option(help="heuristic, random, mixed (each day one of them), or varied (the "
+                                        "heuristic, its preheat drawn per day: 1-4 h)")] = "mixed",
     seed: Annotated[int, typer.Option(min=0, help="seeds the controllers' random choices")] = 0,
     first_day: Annotated[int, typer.Option(min=0, help="index of the first day (its date and weather seed)")] = 0,
     random_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="share of random days (mixed)")] = 0.5,
