@@ -2,11 +2,13 @@
 
 The offline path with a small Q-network instead of a language model:
 1. ``--days`` simulated building-hvac days logged by the mixed controller (heuristic or
-   random, half each, drawn per day; the same dataset as bench/offline_building.py);
+   random, half each, drawn per day; the same dataset as bench/offline_building.py), or
+   with ``--policy heuristic`` by the heuristic alone, or with ``--policy varied`` by the
+   heuristic preheating 1, 2, 3 or 4 hours (drawn per day);
 2. the steps table -> ``consumers.value.offline.prepare_offline_data``: the two setpoints
-   on a ``--levels`` x ``--levels`` grid (nearest cell), the observation vector plus time
-   of day and day-off features, standardised with the training days' statistics, n-step
-   transitions;
+   on a ``--levels`` x ``--levels`` grid (nearest cell), the observation vector less the
+   columns echoing the last setpoints (``--with-echoes`` keeps them) plus time of day and
+   day-off features, standardised with the training days' statistics, n-step transitions;
 3. per network seed (``--seeds``): CQL(H) (``--cql-alpha``) and behaviour cloning on the same
    MLP, ``--steps`` updates each, no interaction; optionally (each adds a row)
    - ``--support-threshold T``: the same CQL network acting only on cells whose cloned
