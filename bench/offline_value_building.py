@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from consumers.value.offline import (
 from pipeline.building_policy import BuildingPolicy, network_columns
 from pipeline.io.datasets import read_card, read_steps
 from pipeline.io.store import ObjectStore
+from producers.envs.building import BuildingHVAC
 from producers.offline.evaluation import (
     SamplingSettings,
     controller_outcomes,
@@ -104,6 +106,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--policy", default="mixed", choices=["mixed", "heuristic", "varied"],
                         help="the logging controller: heuristic or random per day (half each), the heuristic alone, "
                              "or the heuristic preheating 1-4 h (drawn per day)")
+    parser.add_argument("--preheat-report", action="store_true",
+                        help="also print how warm each controller keeps the water before comfort hours")
     parser.add_argument("--with-echoes", action="store_true",
                         help="let the networks read the columns that echo the last setpoints (as before)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -184,18 +188,55 @@ def seed_policies(data: OfflineData, args: argparse.Namespace, seed: int) -> dic
     return acting
 
 
+PREHEAT_HOURS = (2, 6)  # local hours (from, to) whose supply-water setpoint tells how early a controller preheats
+
+
+def preheat_recorder(controller: Callable[[BuildingHVAC], str],
+                     waters: list[float]) -> Callable[[BuildingHVAC], str]:
+    """``controller``, also noting the supply-water setpoint in force at each workday step in ``PREHEAT_HOURS``."""
+
+    def answer(env: BuildingHVAC) -> str:
+        local = env.local_time()
+        if local.weekday() < 5 and PREHEAT_HOURS[0] <= local.hour < PREHEAT_HOURS[1]:
+            waters.append(float(env.telemetry()["boiler_0@supply_water_setpoint"]))
+        return controller(env)
+
+    return answer
+
+
+def print_preheat(card: Any, days: list[int], recorded: dict[str, list[float]]) -> None:
+    """Mean supply water (K) on the held-out workdays' early hours: per network (seed 0), the heuristic
+    and the heuristic preheating 4 h (which beats it)."""
+    overrides = card.extras.get("env_overrides")
+    for name, hours in (("heuristic", 2.0), ("heuristic, preheat 4 h", 4.0)):
+        waters: list[float] = []
+        controller_outcomes(preheat_recorder(lambda env, h=hours: env.heuristic_answer(h), waters), days, overrides)
+        recorded[name] = waters
+    print(f"\nmean supply-water setpoint, {PREHEAT_HOURS[0]:02d}:00-{PREHEAT_HOURS[1]:02d}:00 on the held-out "
+          "workdays (networks: seed 0)\n")
+    print("| controller | K |\n| --- | --- |")
+    for name, waters in recorded.items():
+        print(f"| {name} | {statistics.fmean(waters):.1f} |")
+
+
 def train_and_play(card: Any, data: OfflineData, args: argparse.Namespace,
                    day_sets: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
     """Steps 3-4 for the networks: per day set, method, seed -> EvalResult."""
     results: dict[str, dict[str, dict[int, Any]]] = {name: {} for name in day_sets}
+    recorded: dict[str, list[float]] = {}
     for seed in range(args.seeds):
         for method, policy in seed_policies(data, args, seed).items():
             controller = numeric_controller(policy.setpoints, data.observation_columns)
             for name, days in day_sets.items():
-                outcomes = controller_outcomes(controller, days, card.extras.get("env_overrides"))
+                playing = controller
+                if args.preheat_report and seed == 0 and name == "held-out":
+                    playing = preheat_recorder(controller, recorded.setdefault(method, []))
+                outcomes = controller_outcomes(playing, days, card.extras.get("env_overrides"))
                 results[name].setdefault(method, {})[seed] = eval_result(f"{dataset_name(args)}-{method}", method, 0, outcomes)
             print(f"  {method} seed {seed}: held-out return {results['held-out'][method][seed].mean_return:.3f}",
                   flush=True)
+    if args.preheat_report:
+        print_preheat(card, day_sets["held-out"], recorded)
     return results
 
 
