@@ -33,6 +33,7 @@ as they were.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import threading
@@ -46,7 +47,6 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from consumers.engine_data import Datum, EngineError, collate, micro_batch_slices, validate_datums
@@ -60,6 +60,7 @@ from consumers.losses import (
     ppo_loss,
 )
 from consumers.policy import (
+    AdapterSnapshot,
     check_head_supported,
     load_optimizer_tensors,
     optimizer_tensors,
@@ -276,14 +277,15 @@ class TrainingEngine:
 
         Written directly (no model card), with PEFT's tensor names.
         """
+        return self.adapter_snapshot(name).write(folder)
+
+    def adapter_snapshot(self, name: str) -> AdapterSnapshot:
+        """Adapter ``name`` as it is now (its config, copies of its weights under PEFT's names), to write later."""
         with self._lock:
             adapter = self._get(name)
-            folder = Path(folder)
-            folder.mkdir(parents=True, exist_ok=True)
-            adapter.lora.save_pretrained(str(folder))
-            weights = {key: p.detach().to("cpu").contiguous() for key, p in adapter.params.items()}
-            save_file(weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-            return folder
+            return AdapterSnapshot(copy.deepcopy(adapter.lora),
+                                   {key: p.detach().to("cpu", copy=True).contiguous()
+                                    for key, p in adapter.params.items()})
 
     def delete_adapter(self, name: str) -> None:
         """Forget adapter ``name``: weights, optimizer state, gradients, RNG."""

@@ -36,7 +36,7 @@ from peft import set_peft_model_state_dict
 
 from consumers.engine import TrainingEngine
 from consumers.learner import Learner
-from consumers.policy import LoraPolicy, pick_device
+from consumers.policy import AdapterSnapshot, LoraPolicy, pick_device
 from consumers.service import build_learner, finish, progress_line
 from consumers.sources import KafkaSource
 from pipeline.health import HealthServer
@@ -81,6 +81,10 @@ class EnginePolicy(LoraPolicy):
     def save_adapter(self, folder: str | Path) -> Path:
         """The PEFT folder of this adapter (adapter_config.json + adapter_model.safetensors)."""
         return self.engine.export_for_sampling(self.name, folder)
+
+    def adapter_snapshot(self) -> AdapterSnapshot:
+        """This adapter as it is now, to write later (``save_adapter``'s folder)."""
+        return self.engine.adapter_snapshot(self.name)
 
     def load_adapter_folder(self, folder: str | Path) -> None:
         from safetensors.torch import load_file

@@ -214,6 +214,33 @@ class StepResult:
     trust: TrustRegionResult | None = None  # what learner.max_step_kl did to the step (None = off)
 
 
+@dataclass(frozen=True)
+class AdapterSnapshot:
+    """A LoRA adapter as it was at one moment (its config and a copy of its weights), written later.
+
+    Taking one is a memory copy; ``write`` serialises, so a learner takes it at the end of a
+    step and writes it in the background while the next step trains in place.
+    """
+
+    config: Any  # the adapter's peft LoraConfig (a copy)
+    weights: dict[str, torch.Tensor]  # PEFT's tensor names -> CPU copies
+
+    @classmethod
+    def of(cls, config: Any, parameters: dict[str, torch.Tensor], adapter_name: str) -> AdapterSnapshot:
+        """Copies of ``parameters`` (peft's names, adapter ``adapter_name``) under the names PEFT's file uses."""
+        weights = {name.replace(f".{adapter_name}.", ".", 1): p.detach().to("cpu", copy=True).contiguous()
+                   for name, p in parameters.items()}
+        return cls(copy.deepcopy(config), weights)
+
+    def write(self, folder: str | Path) -> Path:
+        """The PEFT folder (adapter_config.json + adapter_model.safetensors) samplers load."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(str(folder))
+        save_file(self.weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        return folder
+
+
 class LoraPolicy:
     """Base model + LoRA adapter + AdamW; knows how to take a step and export its state."""
 
@@ -236,7 +263,9 @@ class LoraPolicy:
         )
         # autocast_adapter_dtype: LoRA weights (and so AdamW's state) in float32 over bf16/fp16 base weights
         self.model: PeftModel = get_peft_model(base, lora, autocast_adapter_dtype=True).to(self.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # the trained parameters by name, found once: walking the model's modules costs a few ms per call
+        self._lora_named = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+        self.params = list(self._lora_named.values())
         self.optimizer = torch.optim.AdamW(self.params, lr=config.learning_rate, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.autocast = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -405,19 +434,17 @@ class LoraPolicy:
         model card and walks the model and reloads the base config to build its state dict, together
         three quarters of a publish on the tiny model, for files no reader uses.
         """
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        config = copy.deepcopy(self.model.peft_config["default"])
-        config.inference_mode = True
-        config.save_pretrained(str(folder))
-        weights = {name.replace(".default.", ".", 1): p.detach().to("cpu").contiguous()
-                   for name, p in self.lora_parameters().items()}
-        save_file(weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-        return folder
+        return self.adapter_snapshot().write(folder)
+
+    def adapter_snapshot(self) -> AdapterSnapshot:
+        """The adapter of now (config with ``inference_mode`` on, copies of the weights), to write later."""
+        snapshot = AdapterSnapshot.of(self.model.peft_config["default"], self.lora_parameters(), "default")
+        snapshot.config.inference_mode = True
+        return snapshot
 
     def lora_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The trained LoRA parameters under their checkpoint names (peft's, with the adapter named ``default``)."""
-        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+        return dict(self._lora_named)
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The LoRA weights by name (CPU, contiguous) for safetensors."""

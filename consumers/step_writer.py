@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -32,6 +32,9 @@ from consumers.faults import FaultInjector
 from pipeline.io.registry import AdapterRegistry
 from schemas.checkpoint import LearnerState
 from schemas.events import LearnerCheckpointed, Payload
+
+if TYPE_CHECKING:
+    from consumers.policy import AdapterSnapshot
 
 log = logging.getLogger("rlpipe.learner")
 
@@ -47,16 +50,16 @@ def finite_numbers(metrics: dict[str, Any], exclude: tuple[str, ...] = ()) -> di
 class SavablePolicy(Protocol):
     """What publishing and checkpointing need of a policy."""
 
-    def save_adapter(self, folder: str) -> Any: ...
+    def adapter_snapshot(self) -> AdapterSnapshot: ...
     def adapter_tensors(self) -> dict[str, torch.Tensor]: ...
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
 
 
 @dataclass(frozen=True)
 class Publication:
-    """An adapter saved to a local folder, to be published as ``version``."""
+    """An adapter as it was at a step (a snapshot, not yet written), to be published as ``version``."""
 
-    folder: str
+    snapshot: AdapterSnapshot
     version: int
     parent_version: int
     step: int
@@ -119,30 +122,28 @@ class StepOutputs:
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
 
     def prepare_publication(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> Publication:
-        """The adapter saved to a local folder as the next version: its number is taken (``state.version``) now."""
-        folder = tempfile.mkdtemp(prefix="rlpipe-adapter-")
-        try:
-            policy.save_adapter(folder)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
+        """The adapter of now as the next version (its number is taken, ``state.version``, now); a memory copy,
+        written by ``write_publication``."""
+        snapshot = policy.adapter_snapshot()
         if self.next_version is None:
             self.next_version = self.registry.next_version()
-        publication = Publication(folder, self.next_version, state.version, state.step,
+        publication = Publication(snapshot, self.next_version, state.version, state.step,
                                   finite_numbers(metrics, exclude=("step",)))
         self.next_version += 1
         state.version = publication.version
         return publication
 
     def write_publication(self, publication: Publication) -> None:
-        """Publish the saved folder under the version it took, announce it, and delete the folder."""
+        """Write the snapshot to a local folder, publish it under the version it took, announce it; delete the folder."""
+        folder = tempfile.mkdtemp(prefix="rlpipe-adapter-")
         try:
+            publication.snapshot.write(folder)
             manifest = self.registry.publish(
-                publication.folder, base_model=self.base_model, parent_version=publication.parent_version,
+                folder, base_model=self.base_model, parent_version=publication.parent_version,
                 learner_step=publication.step, metrics=publication.metrics,
             )
         finally:
-            shutil.rmtree(publication.folder, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
         if manifest.version != publication.version:
             raise RuntimeError(f"run {self.run_id}: step {publication.step} was published as v{manifest.version}, "
                                f"not v{publication.version}: another writer publishes to this run; run one learner "

@@ -200,3 +200,20 @@ def test_head_only_entropies_equal_the_full_logits_path(tiny_model_dir):
         full = token_entropies(policy.logits(batch.tokens_BT), batch.temperatures_B) * (batch.loss_mask_BT > 0)
     torch.testing.assert_close(fast, full, atol=1e-5, rtol=1e-5)
     assert int((fast != 0).sum()) == 4
+
+
+def test_an_adapter_snapshot_writes_the_weights_of_when_it_was_taken(tiny_model_dir, tmp_path):
+    # the learner takes a snapshot at the end of a step and writes it while the next step trains
+    from safetensors.torch import load_file
+
+    policy = LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4))
+    one_step(policy)
+    before = {name.replace(".default", ""): p.detach().clone() for name, p in policy.lora_parameters().items()}
+    snapshot = policy.adapter_snapshot()
+    one_step(policy)  # training moves on in place before the snapshot is written
+    with torch.no_grad():
+        for p in policy.lora_parameters().values():
+            p.add_(1.0)
+    saved = load_file(str(snapshot.write(tmp_path / "v1") / "adapter_model.safetensors"))
+    assert saved.keys() == before.keys() and all(torch.equal(saved[k], before[k]) for k in saved)
+    assert json.loads((tmp_path / "v1" / "adapter_config.json").read_text())["inference_mode"] is True
