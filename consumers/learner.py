@@ -58,6 +58,7 @@ from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
 from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
+from consumers.read_ahead import BatchReader
 from consumers.step_writer import StepOutputs
 from consumers.tracking import MetricLogger, NullMetricLogger
 from pipeline.io.archive import TrajectoryArchive
@@ -133,6 +134,7 @@ class Learner:
         self.state = LearnerState()
         self.pending: list[PendingBatch] = []
         self.incoming: deque[BatchRef] = deque()
+        self.reader = BatchReader(archive)  # reads the next batches while a step trains
         self.duplicates_skipped = 0
         self.dead_lettered = 0
         self.ingested: dict[str, int] = {}  # positions read so far: ahead of state.positions between steps
@@ -237,6 +239,7 @@ class Learner:
                 if self.incoming:
                     self.ingest([self.incoming.popleft()])
                     if self.ready():
+                        self.read_ahead()
                         on_step(self.step())
                 elif self.source.exhausted():
                     if self.work_waiting():
@@ -252,8 +255,15 @@ class Learner:
             raise
         finally:
             self.pipelined = was_pipelined
+            self.reader.close()
         self.finish_writes()
         return self.state
+
+    def read_ahead(self) -> None:
+        """Start reading the batches already delivered (polling without waiting if none is) for the next step."""
+        if not self.incoming:
+            self.incoming.extend(self.source.poll(0.0))
+        self.reader.read_ahead(self.incoming, skip=lambda ref: ref.batch_id in self.state.trained)
 
     def budget_reached(self) -> bool:
         return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
@@ -270,7 +280,7 @@ class Learner:
                 self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}))
                 continue
             try:
-                table = self.archive.read_batch(ref.path, ref.sha256)
+                table = self.reader.read(ref)
             except POISON_BATCH_ERRORS as exc:
                 self.quarantine(ref, exc)
                 continue

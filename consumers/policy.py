@@ -114,12 +114,13 @@ def _may_share(model: PeftModel) -> bool:
     gradient checkpointing, which turns the cache off in training."""
     if not model.training:
         return True
-    if getattr(model.get_base_model(), "is_gradient_checkpointing", False):
-        return False
     rates = [getattr(cfg, "lora_dropout", 0.0) or 0.0 for cfg in model.peft_config.values()]
     base_config = model.get_base_model().config
     rates += [getattr(base_config, name, 0.0) or 0.0 for name in ("attention_dropout", "hidden_dropout")]
-    return not any(rates)
+    if any(rates):
+        return False
+    # last: transformers answers this by walking every module
+    return not getattr(model.get_base_model(), "is_gradient_checkpointing", False)
 
 
 def position_logprobs(

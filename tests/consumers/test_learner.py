@@ -545,3 +545,20 @@ def test_gae_refuses_rows_without_a_state_naming_the_fix(store, setup):
     learner, _ = make_learner(store, setup, advantage="gae")
     with pytest.raises(ValueError, match="use advantage"):
         learner.run(poll_timeout_s=0)
+
+
+def test_the_next_batches_are_read_while_a_step_trains(store, setup):
+    write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(7))
+    learner, _ = make_learner(store, setup)  # 16 rows a step: one batch each
+    readers, read = [], learner.archive.read_batch
+
+    def recording(*args, **kwargs):
+        readers.append(threading.current_thread().name)
+        return read(*args, **kwargs)
+
+    learner.archive.read_batch = recording
+    learner.run(poll_timeout_s=0)
+    assert learner.state.step == 4 and len(readers) == 4  # each batch read once
+    # the first before any step; every later one on the read-ahead thread while an earlier step trained
+    assert readers[0] == threading.current_thread().name
+    assert all(name.startswith("rlpipe-read-ahead") for name in readers[1:]), readers
