@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+import pyarrow as pa
 
 from consumers.state_baseline import state_baseline_gae
 from schemas.config import LearnerConfig
@@ -296,3 +297,12 @@ def training_weights(
     if config.loss == "filtered_bc":
         return base_R * filtered_bc_mask(advantages, config.filtered_bc_fraction)
     return base_R
+
+
+def with_discounted_returns(table: pa.Table, discount: float) -> pa.Table:
+    """``table`` with ``return_to_go`` recomputed at ``discount`` (whole batch, before any row is dropped)."""
+    cols = table.select(["turn_rewards", "episode_id", "turn", "num_turns"]).to_pydict()
+    returns_R = discounted_returns_to_go(cols["turn_rewards"], cols["episode_id"], cols["turn"], cols["num_turns"],
+                                         discount)
+    index = table.schema.get_field_index("return_to_go")
+    return table.set_column(index, table.schema.field(index), pa.array(returns_R, type=pa.float32()))

@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from consumers.advantages import EpisodeColumns, compute_advantages, discounted_returns_to_go, training_weights
+from consumers.advantages import EpisodeColumns, compute_advantages, training_weights, with_discounted_returns
 from consumers.batching import drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
@@ -472,15 +472,6 @@ def origin_of(ref: BatchRef) -> tuple[str, int, int]:
     if topic and partition.isdigit():
         return topic, int(partition), max(0, after - 1)
     return key, 0, max(0, after - 1)
-
-
-def with_discounted_returns(table: pa.Table, discount: float) -> pa.Table:
-    """``table`` with ``return_to_go`` recomputed at ``discount`` (whole batch, before any row is dropped)."""
-    cols = table.select(["turn_rewards", "episode_id", "turn", "num_turns"]).to_pydict()
-    returns_R = discounted_returns_to_go(cols["turn_rewards"], cols["episode_id"], cols["turn"], cols["num_turns"],
-                                         discount)
-    index = table.schema.get_field_index("return_to_go")
-    return table.set_column(index, table.schema.field(index), pa.array(returns_R, type=pa.float32()))
 
 
 def rewind_if_the_log_changed(source: object, state: Any) -> None:

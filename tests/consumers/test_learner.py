@@ -14,8 +14,9 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from consumers.advantages import with_discounted_returns
 from consumers.checkpoint import CheckpointStore
-from consumers.learner import Learner, with_discounted_returns
+from consumers.learner import Learner
 from consumers.policy import LoraPolicy
 from consumers.sources import ReplaySource
 from pipeline.io.archive import TrajectoryArchive
