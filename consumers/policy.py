@@ -223,11 +223,11 @@ class AdapterSnapshot:
     step and writes it in the background while the next step trains in place.
     """
 
-    config: Any  # the adapter's peft LoraConfig (a copy)
+    config: LoraConfig  # a copy of the adapter's
     weights: dict[str, torch.Tensor]  # PEFT's tensor names -> CPU copies
 
     @classmethod
-    def of(cls, config: Any, parameters: dict[str, torch.Tensor], adapter_name: str) -> AdapterSnapshot:
+    def of(cls, config: LoraConfig, parameters: dict[str, torch.Tensor], adapter_name: str) -> AdapterSnapshot:
         """Copies of ``parameters`` (peft's names, adapter ``adapter_name``) under the names PEFT's file uses."""
         weights = {name.replace(f".{adapter_name}.", ".", 1): p.detach().to("cpu", copy=True).contiguous()
                    for name, p in parameters.items()}

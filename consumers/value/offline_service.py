@@ -104,7 +104,7 @@ def policy_spec(card: DatasetCard, data: OfflineData, support_threshold: float =
         water_range_k=data.grid.water_range_k, air_range_k=data.grid.air_range_k,
         water_levels=data.grid.water_levels, air_levels=data.grid.air_levels,
         utc_offset_hours=data.utc_offset_hours,
-        observation_columns=data.observation_columns or tuple(card.observation_columns),
+        observation_columns=data.observation_columns,
         dataset=card.name, first_held_out_day=max(days) + 1 if days else 0,
         env_overrides=dict(card.extras.get("env_overrides") or {}), support_threshold=support_threshold,
     )

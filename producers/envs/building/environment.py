@@ -308,8 +308,8 @@ class BuildingHVAC(BuildingTelemetry, TextEnv[Setpoints]):
 
         Watched zones are the occupied ones, or all when nobody is in.  Their target is the
         comfort band's low edge plus 0.5 K during comfort hours and the ``preheat_hours`` (default
-        ``_HEURISTIC_PREHEAT_HOURS``) before them, and the zones' current (eco) heating setpoint plus 0.5 K otherwise (setback).  The
-        water setpoint rises with the coldest watched zone's deficit, from the range's low end on
+        ``_HEURISTIC_PREHEAT_HOURS``) before them, and the zones' current (eco) heating setpoint plus
+        0.5 K otherwise (setback).  The water setpoint rises with the coldest watched zone's deficit, from the range's low end on
         workdays and from ``_HEURISTIC_DAY_OFF_WATER_FLOOR`` on days off; the supply air warms only
         when a zone is more than 1.5 K short, as electric heat costs more than gas.
         """

@@ -89,7 +89,6 @@ def test_the_network_reads_no_column_that_echoes_its_own_last_setpoints():
 
 
 def test_offline_pipeline_end_to_end_on_generated_days(tmp_path):
-    from pipeline.building_policy import network_columns
     from pipeline.io.datasets import read_card, read_steps
     from pipeline.io.store import ObjectStore
     from producers.offline.evaluation import controller_outcomes, numeric_controller
