@@ -20,7 +20,8 @@ The offline path with a small Q-network instead of a language model:
 4. ``--eval-days`` held-out days after the dataset's played in the simulator by each network
    (greedy), the logged (behaviour) controller, the heuristic and the random controller
    (one run per seed); ``--validation-days N`` also plays the N days after those, for choosing
-   settings on days the comparison does not use.
+   settings on days the comparison does not use; with them ``--select-from K`` also reports, per
+   network kind, the seed with the best validation return out of each K ("<kind>-picked").
 Prints a markdown table for docs/value.md: mean daily return with its 95% CI over days x
 seeds and the reward's parts (per-day sums of the normalised comfort regret, energy cost
 and carbon), then paired differences (same day, same seed) of each network against the others.
@@ -81,6 +82,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--days", type=int, default=14, help="logged days (one episode each)")
     parser.add_argument("--eval-days", type=int, default=7, help="held-out days played in the simulator")
     parser.add_argument("--seeds", type=int, default=3, help="network seeds (and random-controller seeds)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the first of the --seeds seeds (a later run adds seeds without repeating)")
     parser.add_argument("--levels", type=int, default=5, help="grid levels per setpoint (levels^2 actions)")
     parser.add_argument("--steps", type=int, default=8000, help="training updates per agent")
     parser.add_argument("--cql-alpha", type=float, default=0.1, help="weight of the CQL(H) regulariser")
@@ -110,6 +113,9 @@ def parse_args() -> argparse.Namespace:
                         help="also print how warm each controller keeps the water before comfort hours")
     parser.add_argument("--with-echoes", action="store_true",
                         help="let the networks read the columns that echo the last setpoints (as before)")
+    parser.add_argument("--select-from", type=int, default=0,
+                        help="> 1 (with --validation-days): also each network kind picked per group of this many "
+                             "seeds by its validation return, a '-picked' row per group")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     return parser.parse_args()
 
@@ -224,17 +230,17 @@ def train_and_play(card: Any, data: OfflineData, args: argparse.Namespace,
     """Steps 3-4 for the networks: per day set, method, seed -> EvalResult."""
     results: dict[str, dict[str, dict[int, Any]]] = {name: {} for name in day_sets}
     recorded: dict[str, list[float]] = {}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for method, policy in seed_policies(data, args, seed).items():
             controller = numeric_controller(policy.setpoints, data.observation_columns)
             for name, days in day_sets.items():
                 playing = controller
-                if args.preheat_report and seed == 0 and name == "held-out":
+                if args.preheat_report and seed == args.first_seed and name == "held-out":
                     playing = preheat_recorder(controller, recorded.setdefault(method, []))
                 outcomes = controller_outcomes(playing, days, card.extras.get("env_overrides"))
                 results[name].setdefault(method, {})[seed] = eval_result(f"{dataset_name(args)}-{method}", method, 0, outcomes)
-            print(f"  {method} seed {seed}: held-out return {results['held-out'][method][seed].mean_return:.3f}",
-                  flush=True)
+            scores = ", ".join(f"{name} {results[name][method][seed].mean_return:.3f}" for name in day_sets)
+            print(f"  {method} seed {seed}: return on {scores}", flush=True)
     if args.preheat_report:
         print_preheat(card, day_sets["held-out"], recorded)
     return results
@@ -244,7 +250,8 @@ def play_baselines(store: ObjectStore, card: Any, args: argparse.Namespace, days
     """Step 4 for the scripted controllers (the heuristic is deterministic: seed 0 only)."""
     results: dict[str, dict[int, Any]] = {}
     for baseline in ("behaviour", "heuristic", "random"):
-        for seed in range(args.seeds if baseline != "heuristic" else 1):
+        seeds = range(args.first_seed, args.first_seed + args.seeds) if baseline != "heuristic" else [0]
+        for seed in seeds:
             (result,) = evaluate_building(store, f"{dataset_name(args)}-baselines", [baseline], days, card=card,
                                           sampling=SamplingSettings(seed=seed), store_results=False)
             results.setdefault(baseline, {})[seed] = result
@@ -276,15 +283,39 @@ def print_table(summary: dict[str, Any], args: argparse.Namespace, title: str) -
 
 
 def summarise_days(played: dict[str, Any], days: list[int]) -> dict[str, Any]:
-    """Per policy its summary, and each network's paired differences against BC and the scripted controllers."""
+    """Per policy its summary and per-seed mean returns, and each network's paired differences against
+    BC and the scripted controllers (a picked network against the picked BC)."""
     returns = {name: {seed: list(r.returns) for seed, r in by_seed.items()} for name, by_seed in played.items()}
-    networks = [name for name in played if name not in ("bc", "behaviour", "heuristic", "random")]
+    baselines = ("bc", "bc-picked", "behaviour", "heuristic", "random")
+    networks = [name for name in played if name not in baselines]
     return {
         "days": days,
         "results": {name: summarise(by_seed) for name, by_seed in played.items()},
+        "returns": returns,
         "paired": {f"{net} - {other}": paired_difference(returns[net], returns[other])
-                   for net in networks for other in ("bc", "behaviour", "heuristic", "random")},
+                   for net in networks
+                   for other in ("bc-picked" if net.endswith("-picked") else "bc", "behaviour", "heuristic", "random")},
     }
+
+
+def picked_on_validation(networks: dict[str, dict[str, Any]], group: int) -> dict[str, dict[int, Any]]:
+    """Per network kind, the held-out result of the seed with the best validation return in each group of
+    ``group`` consecutive seeds, as '<kind>-picked' keyed by the group's first seed (paired with that seed's
+    scripted controllers).
+
+    Choosing among seeds on days the comparison does not use, as settings are chosen; BC is picked the same way.
+    """
+    picked: dict[str, dict[int, Any]] = {}
+    for method, by_seed in networks["validation"].items():
+        seeds = sorted(by_seed)
+        for g in range(len(seeds) // group):
+            members = seeds[g * group:(g + 1) * group]
+            best = max(members, key=lambda seed: by_seed[seed].mean_return)
+            picked.setdefault(f"{method}-picked", {})[members[0]] = networks["held-out"][method][best]
+            print(f"  {method} seeds {members[0]}-{members[-1]}: picked seed {best} (validation "
+                  f"{by_seed[best].mean_return:.3f}, held-out {networks['held-out'][method][best].mean_return:.3f})",
+                  flush=True)
+    return picked
 
 
 def main() -> None:
@@ -301,6 +332,10 @@ def main() -> None:
     if args.validation_days:
         day_sets["validation"] = list(range(held_out[-1] + 1, held_out[-1] + 1 + args.validation_days))
     networks = train_and_play(card, data, args, day_sets)
+    if args.select_from > 1:
+        if not args.validation_days or args.seeds < args.select_from:
+            raise SystemExit("--select-from K needs --validation-days and at least K seeds")
+        networks["held-out"] |= picked_on_validation(networks, args.select_from)
     summary = {name: summarise_days(networks[name] | play_baselines(store, card, args, days), days)
                for name, days in day_sets.items()}
     for name in reversed(list(day_sets)):  # validation first: the held-out table is the result

@@ -72,7 +72,8 @@ def paired_difference(a: Mapping[int, Sequence[float]], b: Mapping[int, Sequence
     episode's conditions (a held-out day's weather and occupancy) cancel in the difference;
     a seed ``b`` lacks (a deterministic policy plays seed 0 only) is compared with ``b``'s seed 0.
     """
-    differences = [x - y for seed, returns in a.items() for x, y in zip(returns, b.get(seed, b[0]), strict=True)]
+    differences = [x - y for seed, returns in a.items()
+                   for x, y in zip(returns, b[seed] if seed in b else b[0], strict=True)]
     mean, ci95 = mean_ci95(differences)
     return {"mean": mean, "ci95": ci95, "pairs": len(differences), "above": mean - ci95 > 0}
 
