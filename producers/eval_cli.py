@@ -57,6 +57,9 @@ def eval(
     baseline: Annotated[list[str] | None, typer.Option(help="Also evaluate heuristic and/or random.")] = None,
     root: Annotated[str | None, typer.Option(help="Store root URL (default: configured or embedded).")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a config field.")] = None,
+    validation: Annotated[bool, typer.Option(help=(
+        "Play the --episodes episodes after the held-out ones instead (building runs: the days after them), "
+        "to choose between runs without touching the held-out ones; not stored for the report."))] = False,
     save: Annotated[bool, typer.Option(help="Store the result under runs/RUN/eval/ for the report.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     run_arg: DeprecatedRunArg = None,
@@ -74,10 +77,15 @@ def eval(
     registry = AdapterRegistry(store, run)
     numbers = [resolve_version(registry, v) for v in (version or ["latest"])]
     building = config.value is not None and config.value.offline is not None  # offline CQL: held-out days
+    skip = episodes if validation else 0
+    if validation:
+        save = False
+        config = config.model_copy(update={"env": config.env.model_copy(
+            update={"eval_seed_offset": config.env.eval_seed_offset + skip})})
     if building:
         from producers.offline.policy_eval import building_baseline, evaluate_building_version
 
-        results = [evaluate_building_version(config, store, n, episodes) for n in numbers]
+        results = [evaluate_building_version(config, store, n, episodes, skip) for n in numbers]
     elif config.value is not None:  # a value run: greedy play with the Q-network, no language model
         from producers.value_eval import evaluate_value_version
 
@@ -87,7 +95,7 @@ def eval(
     for policy in baseline or []:
         if policy not in ("heuristic", "random"):
             fail(f"--baseline must be heuristic or random, got {policy!r}", 2)
-        results.append(building_baseline(config, store, policy, episodes) if building
+        results.append(building_baseline(config, store, policy, episodes, skip) if building
                        else baseline_result(config, policy, episodes))
     keys = [save_result(store, r) for r in results] if save else []
     if as_json:

@@ -41,12 +41,14 @@ def offline_dataset(config: RunConfig) -> str:
     return config.value.offline.dataset
 
 
-def evaluate_building_version(config: RunConfig, store: ObjectStore, version: int, count: int) -> Any:
-    """Play ``count`` held-out days with value-network ``version`` (0: the random controller)."""
+def evaluate_building_version(config: RunConfig, store: ObjectStore, version: int, count: int,
+                              skip: int = 0) -> Any:
+    """Play ``count`` held-out days with value-network ``version`` (0: the random controller), after the
+    first ``skip`` of them (``rlpipe eval --validation``: the ``count`` days after the held-out ones)."""
     card = read_card(store, offline_dataset(config))
     overrides = card.extras.get("env_overrides")
     if not version:
-        days = held_out_days(card, count)
+        days = held_out_days(card, count + skip)[skip:]
         return eval_result(config.run_id, POLICY, 0, scripted_outcomes(lambda day: "random", days, 0, overrides))
     cache = Path(tempfile.mkdtemp(prefix="rlpipe-building-eval-"))
     try:
@@ -54,15 +56,15 @@ def evaluate_building_version(config: RunConfig, store: ObjectStore, version: in
                                                                                      kind="value-network"))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    days = list(range(spec.first_held_out_day, spec.first_held_out_day + count))
+    days = list(range(spec.first_held_out_day + skip, spec.first_held_out_day + skip + count))
     controller = numeric_controller(policy.setpoints, spec.observation_columns)
     return eval_result(config.run_id, POLICY, version, controller_outcomes(controller, days, spec.env_overrides))
 
 
-def building_baseline(config: RunConfig, store: ObjectStore, policy: str, count: int) -> Any:
-    """A scripted controller (``heuristic`` or ``random``, seed 0) on the run's held-out days."""
+def building_baseline(config: RunConfig, store: ObjectStore, policy: str, count: int, skip: int = 0) -> Any:
+    """A scripted controller (``heuristic`` or ``random``, seed 0) on the run's held-out days (after ``skip``)."""
     card = read_card(store, offline_dataset(config))
-    days = held_out_days(card, count)
+    days = held_out_days(card, count + skip)[skip:]
     outcomes = scripted_outcomes(lambda day: policy, days, 0, card.extras.get("env_overrides"))
     return eval_result(config.run_id, policy, 0, outcomes)
 

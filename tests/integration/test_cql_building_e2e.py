@@ -38,6 +38,11 @@ def test_generate_train_eval_report_through_the_cli(tmp_path: Path, monkeypatch:
         assert result["seed_start"] == 2 and result["episodes"] == 2
         assert {"comfort", "energy", "carbon", "energy_usd", "carbon_kg"} <= set(result["breakdown"])
         assert result["breakdown"]["energy_usd"] > 0 and result["breakdown"]["invalid_rate"] == 0
+    validation = json.loads(rlpipe("eval", "--run", "cql-building", "--root", root, "--episodes", "2",
+                                   "--baseline", "heuristic", "--validation", "--json"))
+    assert [r["seed_start"] for r in validation["results"]] == [4, 4]  # the 2 days after the held-out ones
+    assert validation["saved"] == []  # choosing on them leaves the report's held-out results alone
+    assert validation["results"][1]["returns"] != heuristic["returns"]
     table = rlpipe("eval", "--run", "cql-building", "--root", root, "--episodes", "1", "--no-save")
     assert "value-network v2: comfort" in table and "kg a day" in table
     rlpipe("report", "--run", "cql-building", "--root", root)

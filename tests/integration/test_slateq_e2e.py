@@ -66,3 +66,11 @@ def test_rlpipe_run_of_slateq_recsim_publishes_versions_that_rlpipe_eval_plays(r
     output = Path(proc.log_path).read_text()  # type: ignore[attr-defined]
     result = json.loads(output[output.index("{"):])
     assert result["results"][0]["version"] == versions[-1] and result["results"][0]["mean_return"] > 0
+    proc = rlpipe(root, ["eval", "--run", "slateq-e2e", "--root", store.url(""), "--version", "latest",
+                         "--episodes", "3", "--json", "--validation"], "eval-validation.log")
+    assert finish(proc) == 0, tail(proc)
+    output = Path(proc.log_path).read_text()  # type: ignore[attr-defined]
+    validation = json.loads(output[output.index("{"):])
+    # the 3 users after the held-out ones, and nothing stored for the report
+    assert validation["results"][0]["seed_start"] == result["results"][0]["seed_start"] + 3
+    assert validation["saved"] == []
