@@ -117,6 +117,10 @@ def parse_args() -> argparse.Namespace:
                         help="> 1 (with --validation-days): also each network kind picked per group of this many "
                              "seeds by its validation return, a '-picked' row per group")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--pool", type=Path, nargs="+", default=None,
+                        help="train nothing: pool the per-day returns of these --json files (runs over different "
+                             "--first-seed ranges) and print the paired differences over all their seeds "
+                             "(with --select-from K, picking again per K seeds)")
     return parser.parse_args()
 
 
@@ -298,28 +302,83 @@ def summarise_days(played: dict[str, Any], days: list[int]) -> dict[str, Any]:
     }
 
 
-def picked_on_validation(networks: dict[str, dict[str, Any]], group: int) -> dict[str, dict[int, Any]]:
-    """Per network kind, the held-out result of the seed with the best validation return in each group of
-    ``group`` consecutive seeds, as '<kind>-picked' keyed by the group's first seed (paired with that seed's
-    scripted controllers).
+def picks(validation: dict[str, dict[int, float]], group: int) -> dict[str, dict[int, tuple[str, int]]]:
+    """Choosing among seeds on days the comparison does not use, as settings are chosen.
 
-    Choosing among seeds on days the comparison does not use, as settings are chosen; BC is picked the same way.
+    ``validation``: network kind -> seed -> mean validation return.  Per group of ``group`` consecutive seeds
+    (keyed by its first seed, so it pairs with that seed's scripted controllers): '<kind>-picked' is the kind's
+    seed with the best validation return (BC is picked the same way), and 'cql-any-picked' the best of every
+    CQL kind's seeds (with the filter: plain or filtered, whichever did better).
     """
+    seeds = sorted(next(iter(validation.values())))
+    cql_kinds = [kind for kind in validation if kind != "bc"]
+    rows = [(f"{kind}-picked", [kind]) for kind in validation] + ([("cql-any-picked", cql_kinds)]
+                                                                 if len(cql_kinds) > 1 else [])
+    chosen: dict[str, dict[int, tuple[str, int]]] = {}
+    for g in range(len(seeds) // group):
+        members = seeds[g * group:(g + 1) * group]
+        for row, kinds in rows:
+            candidates = [(kind, seed) for kind in kinds for seed in members]
+            chosen.setdefault(row, {})[members[0]] = max(candidates, key=lambda c: validation[c[0]][c[1]])
+    return chosen
+
+
+def picked_on_validation(networks: dict[str, dict[str, Any]], group: int) -> dict[str, dict[int, Any]]:
+    """``picks`` of the trained networks: row -> group's first seed -> the chosen network's held-out result."""
+    validation = {kind: {seed: r.mean_return for seed, r in by_seed.items()}
+                  for kind, by_seed in networks["validation"].items()}
     picked: dict[str, dict[int, Any]] = {}
-    for method, by_seed in networks["validation"].items():
-        seeds = sorted(by_seed)
-        for g in range(len(seeds) // group):
-            members = seeds[g * group:(g + 1) * group]
-            best = max(members, key=lambda seed: by_seed[seed].mean_return)
-            picked.setdefault(f"{method}-picked", {})[members[0]] = networks["held-out"][method][best]
-            print(f"  {method} seeds {members[0]}-{members[-1]}: picked seed {best} (validation "
-                  f"{by_seed[best].mean_return:.3f}, held-out {networks['held-out'][method][best].mean_return:.3f})",
+    for row, by_group in picks(validation, group).items():
+        for first, (kind, seed) in by_group.items():
+            picked.setdefault(row, {})[first] = networks["held-out"][kind][seed]
+            print(f"  {row} from seeds {first}-{first + group - 1}: {kind} seed {seed} (validation "
+                  f"{validation[kind][seed]:.3f}, held-out {networks['held-out'][kind][seed].mean_return:.3f})",
                   flush=True)
     return picked
 
 
+def pool(paths: list[Path], group: int) -> None:
+    """Per day set, every policy's mean return and each network's paired differences over the files' seeds;
+    with ``group`` > 1 the picked rows are chosen again from the pooled validation returns."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    pooled: dict[str, dict[str, dict[int, list[float]]]] = {}
+    for name in ("validation", "held-out"):
+        if not all(name in run and "returns" in run[name] for run in runs):
+            raise SystemExit(f"every pooled file needs per-day returns of the {name} days (--validation-days, --json)")
+        returns = pooled.setdefault(name, {})
+        for run in runs:
+            for policy, by_seed in run[name]["returns"].items():
+                for seed, values in by_seed.items():
+                    if policy.endswith("-picked"):
+                        continue
+                    if policy != "heuristic" and int(seed) in returns.get(policy, {}):
+                        raise SystemExit(f"{policy} seed {seed} is in two of the pooled files")
+                    returns.setdefault(policy, {})[int(seed)] = values
+    baselines = ("bc", "bc-picked", "behaviour", "heuristic", "random")
+    if group > 1:
+        validation = {kind: {seed: statistics.fmean(values) for seed, values in by_seed.items()}
+                      for kind, by_seed in pooled["validation"].items() if kind not in baselines or kind == "bc"}
+        for row, by_group in picks(validation, group).items():
+            pooled["held-out"][row] = {first: pooled["held-out"][kind][seed] for first, (kind, seed) in by_group.items()}
+    for name, returns in pooled.items():
+        print(f"\n{name}, pooled over {len(paths)} files\n")
+        print("| policy | seeds | mean daily return (95% CI) |\n| --- | --- | --- |")
+        for policy, by_seed in returns.items():
+            mean, ci95 = mean_ci95([r for values in by_seed.values() for r in values])
+            print(f"| {policy} | {len(by_seed)} | {mean:.3f} ± {ci95:.3f} |")
+        print("\n| comparison | mean difference per day (95% CI) | pairs | above |\n| --- | --- | --- | --- |")
+        for net in (policy for policy in returns if policy not in baselines):
+            for other in ("bc-picked" if net.endswith("-picked") else "bc", "behaviour", "heuristic", "random"):
+                d = paired_difference(returns[net], returns[other])
+                print(f"| {net} - {other} | {d['mean']:+.3f} ± {d['ci95']:.3f} | {d['pairs']} | "
+                      f"{'yes' if d['above'] else 'no'} |")
+
+
 def main() -> None:
     args = parse_args()
+    if args.pool:
+        pool(args.pool, args.select_from)
+        return
     if args.bcq_alpha is not None and args.support_threshold <= 0:
         raise SystemExit("--bcq-alpha needs --support-threshold above 0 (the filter of its target)")
     torch.set_num_threads(args.threads)
