@@ -21,7 +21,10 @@ The offline path with a small Q-network instead of a language model:
    (greedy), the logged (behaviour) controller, the heuristic and the random controller
    (one run per seed); ``--validation-days N`` also plays the N days after those, for choosing
    settings on days the comparison does not use; with them ``--select-from K`` also reports, per
-   network kind, the seed with the best validation return out of each K ("<kind>-picked").
+   network kind, the seed with the best validation return out of each K ("<kind>-picked"; BC picked the
+   same way; "cql-any-picked": the best of every CQL kind).  ``--first-seed`` starts the seeds elsewhere, so
+   runs side by side cover different seeds, and ``--pool A.json B.json [--select-from K]`` (no training)
+   pools their per-day returns into one table.
 Prints a markdown table for docs/value.md: mean daily return with its 95% CI over days x
 seeds and the reward's parts (per-day sums of the normalised comfort regret, energy cost
 and carbon), then paired differences (same day, same seed) of each network against the others.
