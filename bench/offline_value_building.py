@@ -116,6 +116,9 @@ def parse_args() -> argparse.Namespace:
                         help="also print how warm each controller keeps the water before comfort hours")
     parser.add_argument("--with-echoes", action="store_true",
                         help="let the networks read the columns that echo the last setpoints (as before)")
+    parser.add_argument("--later-days", type=int, default=0,
+                        help="with --validation-days: also play the N days after the validation ones (a second "
+                             "held-out set, for how far a result carries to other days)")
     parser.add_argument("--select-from", type=int, default=0,
                         help="> 1 (with --validation-days): also each network kind picked per group of this many "
                              "seeds by its validation return, a '-picked' row per group")
@@ -192,15 +195,18 @@ def seed_policies(data: OfflineData, args: argparse.Namespace, seed: int) -> dic
         bcq = CQLAgent(config, n, cells, cql_alpha=args.bcq_alpha, behaviour=bc, support_threshold=threshold)
         policies["bcq"] = OfflinePolicy.from_training(trained(bcq, data, args, seed, "bcq"), data, bc, threshold)
     acting = {method: policy.acting() for method, policy in policies.items()}
-    if args.ensemble > 1:  # members seeded seed, seed + seeds, seed + 2 seeds, ...: no two seeds share one
+    if args.ensemble > 1:  # members seeded seed + k x ENSEMBLE_SEED_STRIDE: never a network seed of any run
         members = [cql.online] + [
-            trained(CQLAgent(learner_config(args, seed + k * args.seeds, count), n, cells, cql_alpha=args.cql_alpha),
-                    data, args, seed + k * args.seeds, "cql-member").online for k in range(1, args.ensemble)]
+            trained(CQLAgent(learner_config(args, seed + k * ENSEMBLE_SEED_STRIDE, count), n, cells,
+                             cql_alpha=args.cql_alpha),
+                    data, args, seed + k * ENSEMBLE_SEED_STRIDE, "cql-member").online
+            for k in range(1, args.ensemble)]
         ensemble = EnsembleQ(members, args.ensemble_min)
         acting["cql-ensemble"] = BuildingPolicy(ensemble, data.scaler, data.grid, data.utc_offset_hours)
     return acting
 
 
+ENSEMBLE_SEED_STRIDE = 100_000  # network seeds (--first-seed + --seeds) stay below it
 PREHEAT_HOURS = (2, 6)  # local hours (from, to) whose supply-water setpoint tells how early a controller preheats
 
 
@@ -282,11 +288,35 @@ def print_table(summary: dict[str, Any], args: argparse.Namespace, title: str) -
     for name, s in summary["results"].items():
         print(f"| {name} | {s['mean_return']:.3f} ± {s['ci95']:.3f} | {s['comfort']:.2f} | {s['energy']:.2f} | "
               f"{s['carbon']:.2f} | {s['energy_usd']:.2f} | {s['carbon_kg']:.1f} |")
-    print("\npaired differences (same day, same seed; above = the whole 95% CI above 0)\n")
-    print("| comparison | mean difference per day (95% CI) | pairs | above |")
-    print("| --- | --- | --- | --- |")
-    for name, d in summary["paired"].items():
-        print(f"| {name} | {d['mean']:+.3f} ± {d['ci95']:.3f} | {d['pairs']} | {'yes' if d['above'] else 'no'} |")
+    print_paired(summary["paired"])
+
+
+def paired_summary(a: dict[int, list[float]], b: dict[int, list[float]]) -> dict[str, Any]:
+    """``paired_difference`` over every (day, seed) pair, plus the same mean's 95% CI with each seed's mean
+    difference as one sample (the days fixed: how far it holds across training seeds; ``seeds_above`` counts the
+    seeds whose mean difference is above 0) and with each day's mean over the seeds as one sample (the seeds
+    averaged: how far it holds across days)."""
+    d = paired_difference(a, b)
+    by_seed = {seed: [x - y for x, y in zip(returns, b[seed] if seed in b else b[0], strict=True)]
+               for seed, returns in a.items()}
+    seed_means = [statistics.fmean(values) for values in by_seed.values()]
+    day_means = [statistics.fmean(day) for day in zip(*by_seed.values(), strict=True)]
+    _, seeds_ci95 = mean_ci95(seed_means)
+    _, days_ci95 = mean_ci95(day_means)
+    return d | {"seeds": len(seed_means), "seeds_above": sum(m > 0 for m in seed_means), "seeds_ci95": seeds_ci95,
+                "days": len(day_means), "days_ci95": days_ci95}
+
+
+def print_paired(paired: dict[str, dict[str, Any]]) -> None:
+    print("\npaired differences (same day, same seed; above = the whole 95% CI above 0); the same mean with its CI "
+          "over the seeds' means (days fixed) and over the days' means (seeds averaged)\n")
+    print("| comparison | mean difference per day (95% CI, pairs) | pairs | above | CI over seeds | seeds above 0 "
+          "| CI over days | above |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, d in paired.items():
+        print(f"| {name} | {d['mean']:+.3f} ± {d['ci95']:.3f} | {d['pairs']} | {'yes' if d['above'] else 'no'} | "
+              f"± {d['seeds_ci95']:.3f} | {d['seeds_above']} of {d['seeds']} | ± {d['days_ci95']:.3f} | "
+              f"{'yes' if d['mean'] - d['days_ci95'] > 0 else 'no'} |")
 
 
 def summarise_days(played: dict[str, Any], days: list[int]) -> dict[str, Any]:
@@ -299,7 +329,7 @@ def summarise_days(played: dict[str, Any], days: list[int]) -> dict[str, Any]:
         "days": days,
         "results": {name: summarise(by_seed) for name, by_seed in played.items()},
         "returns": returns,
-        "paired": {f"{net} - {other}": paired_difference(returns[net], returns[other])
+        "paired": {f"{net} - {other}": paired_summary(returns[net], returns[other])
                    for net in networks
                    for other in ("bc-picked" if net.endswith("-picked") else "bc", "behaviour", "heuristic", "random")},
     }
@@ -326,55 +356,68 @@ def picks(validation: dict[str, dict[int, float]], group: int) -> dict[str, dict
     return chosen
 
 
-def picked_on_validation(networks: dict[str, dict[str, Any]], group: int) -> dict[str, dict[int, Any]]:
-    """``picks`` of the trained networks: row -> group's first seed -> the chosen network's held-out result."""
+def add_picked(networks: dict[str, dict[str, Any]], group: int) -> None:
+    """``picks`` of the trained networks added to every other day set: row -> group's first seed -> the
+    chosen network's result there."""
     validation = {kind: {seed: r.mean_return for seed, r in by_seed.items()}
                   for kind, by_seed in networks["validation"].items()}
-    picked: dict[str, dict[int, Any]] = {}
     for row, by_group in picks(validation, group).items():
         for first, (kind, seed) in by_group.items():
-            picked.setdefault(row, {})[first] = networks["held-out"][kind][seed]
-            print(f"  {row} from seeds {first}-{first + group - 1}: {kind} seed {seed} (validation "
-                  f"{validation[kind][seed]:.3f}, held-out {networks['held-out'][kind][seed].mean_return:.3f})",
-                  flush=True)
-    return picked
+            scores = ", ".join(f"{name} {played[kind][seed].mean_return:.3f}" for name, played in networks.items())
+            print(f"  {row} from seeds {first}-{first + group - 1}: {kind} seed {seed} ({scores})", flush=True)
+            for name, played in networks.items():
+                if name != "validation":
+                    played.setdefault(row, {})[first] = played[kind][seed]
+
+
+POOL_MAY_DIFFER = ("seeds", "first_seed", "json", "root", "threads", "pool")  # what pooled runs may set apart
 
 
 def pool(paths: list[Path], group: int) -> None:
     """Per day set, every policy's mean return and each network's paired differences over the files' seeds;
-    with ``group`` > 1 the picked rows are chosen again from the pooled validation returns."""
+    with ``group`` > 1 the picked rows are chosen again from the pooled validation returns.  The files must
+    come from the same settings (``POOL_MAY_DIFFER`` aside) and days, and share no network seed."""
     runs = [json.loads(path.read_text()) for path in paths]
+    settings = [{k: v for k, v in run["args"].items() if k not in POOL_MAY_DIFFER} for run in runs]
+    for path, other in zip(paths[1:], settings[1:], strict=True):
+        if other != settings[0]:
+            differ = sorted(k for k in other.keys() | settings[0].keys() if other.get(k) != settings[0].get(k))
+            raise SystemExit(f"{path} was run with other settings than {paths[0]} ({', '.join(differ)})")
+    names = [name for name in ("validation", "later", "held-out") if "returns" in runs[0].get(name, {})]
     pooled: dict[str, dict[str, dict[int, list[float]]]] = {}
-    for name in ("validation", "held-out"):
-        if not all(name in run and "returns" in run[name] for run in runs):
-            raise SystemExit(f"every pooled file needs per-day returns of the {name} days (--validation-days, --json)")
+    for name in names:
+        if any(run.get(name, {}).get("days") != runs[0][name]["days"] for run in runs):
+            raise SystemExit(f"the pooled files played different {name} days")
         returns = pooled.setdefault(name, {})
         for run in runs:
             for policy, by_seed in run[name]["returns"].items():
+                if policy.endswith("-picked"):
+                    continue
                 for seed, values in by_seed.items():
-                    if policy.endswith("-picked"):
-                        continue
                     if policy != "heuristic" and int(seed) in returns.get(policy, {}):
                         raise SystemExit(f"{policy} seed {seed} is in two of the pooled files")
                     returns.setdefault(policy, {})[int(seed)] = values
     baselines = ("bc", "bc-picked", "behaviour", "heuristic", "random")
     if group > 1:
+        if "validation" not in pooled:
+            raise SystemExit("picking needs the validation days' returns (--validation-days)")
         validation = {kind: {seed: statistics.fmean(values) for seed, values in by_seed.items()}
                       for kind, by_seed in pooled["validation"].items() if kind not in baselines or kind == "bc"}
         for row, by_group in picks(validation, group).items():
-            pooled["held-out"][row] = {first: pooled["held-out"][kind][seed] for first, (kind, seed) in by_group.items()}
+            for name in names:
+                if name != "validation":
+                    pooled[name][row] = {first: pooled[name][kind][seed] for first, (kind, seed) in by_group.items()}
     for name, returns in pooled.items():
-        print(f"\n{name}, pooled over {len(paths)} files\n")
+        print(f"\n{name}: days {runs[0][name]['days'][0]}..{runs[0][name]['days'][-1]}, pooled over {len(paths)} "
+              "files\n")
         print("| policy | seeds | mean daily return (95% CI) |\n| --- | --- | --- |")
         for policy, by_seed in returns.items():
             mean, ci95 = mean_ci95([r for values in by_seed.values() for r in values])
             print(f"| {policy} | {len(by_seed)} | {mean:.3f} ± {ci95:.3f} |")
-        print("\n| comparison | mean difference per day (95% CI) | pairs | above |\n| --- | --- | --- | --- |")
-        for net in (policy for policy in returns if policy not in baselines):
-            for other in ("bc-picked" if net.endswith("-picked") else "bc", "behaviour", "heuristic", "random"):
-                d = paired_difference(returns[net], returns[other])
-                print(f"| {net} - {other} | {d['mean']:+.3f} ± {d['ci95']:.3f} | {d['pairs']} | "
-                      f"{'yes' if d['above'] else 'no'} |")
+        print_paired({f"{net} - {other}": paired_summary(returns[net], returns[other])
+                      for net in returns if net not in baselines
+                      for other in ("bc-picked" if net.endswith("-picked") else "bc", "behaviour", "heuristic",
+                                    "random")})
 
 
 def main() -> None:
@@ -384,6 +427,12 @@ def main() -> None:
         return
     if args.bcq_alpha is not None and args.support_threshold <= 0:
         raise SystemExit("--bcq-alpha needs --support-threshold above 0 (the filter of its target)")
+    if args.select_from > 1 and (not args.validation_days or args.seeds % args.select_from):
+        raise SystemExit("--select-from K needs --validation-days and a multiple of K seeds")
+    if args.later_days and not args.validation_days:
+        raise SystemExit("--later-days needs --validation-days (they come after the validation days)")
+    if args.first_seed + args.seeds > ENSEMBLE_SEED_STRIDE:
+        raise SystemExit(f"network seeds go up to {ENSEMBLE_SEED_STRIDE - 1}")
     torch.set_num_threads(args.threads)
     folder = args.root or Path(tempfile.mkdtemp(prefix="rlpipe-offline-value-"))
     store = ObjectStore(folder.resolve().as_uri())
@@ -393,15 +442,17 @@ def main() -> None:
     day_sets = {"held-out": held_out}
     if args.validation_days:
         day_sets["validation"] = list(range(held_out[-1] + 1, held_out[-1] + 1 + args.validation_days))
+    if args.later_days:
+        first = held_out[-1] + 1 + args.validation_days
+        day_sets["later"] = list(range(first, first + args.later_days))
     networks = train_and_play(card, data, args, day_sets)
     if args.select_from > 1:
-        if not args.validation_days or args.seeds < args.select_from:
-            raise SystemExit("--select-from K needs --validation-days and at least K seeds")
-        networks["held-out"] |= picked_on_validation(networks, args.select_from)
+        add_picked(networks, args.select_from)
     summary = {name: summarise_days(networks[name] | play_baselines(store, card, args, days), days)
                for name, days in day_sets.items()}
-    for name in reversed(list(day_sets)):  # validation first: the held-out table is the result
-        print_table(summary[name], args, name)
+    for name in ("validation", "later", "held-out"):  # the held-out table, the result, last
+        if name in summary:
+            print_table(summary[name], args, name)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **summary}, indent=2))

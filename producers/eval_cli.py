@@ -58,9 +58,12 @@ def eval(
     root: Annotated[str | None, typer.Option(help="Store root URL (default: configured or embedded).")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a config field.")] = None,
     validation: Annotated[bool, typer.Option(help=(
-        "Play the --episodes episodes after the held-out ones instead (building runs: the days after them), "
-        "to choose between runs without touching the held-out ones; not stored for the report."))] = False,
-    save: Annotated[bool, typer.Option(help="Store the result under runs/RUN/eval/ for the report.")] = True,
+        "Play --episodes episodes after the first --held-out held-out ones instead (building runs: the days "
+        "after them), to choose between runs without touching those; never stored for the report."))] = False,
+    held_out: Annotated[int | None, typer.Option(min=1, max=100_000, help=(
+        "With --validation: how many held-out episodes the comparison plays (default: --episodes)."))] = None,
+    save: Annotated[bool | None, typer.Option(help=(
+        "Store the result under runs/RUN/eval/ for the report (default: yes, except with --validation)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     run_arg: DeprecatedRunArg = None,
 ) -> None:
@@ -77,9 +80,12 @@ def eval(
     registry = AdapterRegistry(store, run)
     numbers = [resolve_version(registry, v) for v in (version or ["latest"])]
     building = config.value is not None and config.value.offline is not None  # offline CQL: held-out days
-    skip = episodes if validation else 0
+    if held_out is not None and not validation:
+        fail("--held-out goes with --validation (the held-out episodes the validation ones come after)", 2)
+    if validation and save:
+        fail("--validation results are never stored (the report shows held-out results); drop --save", 2)
+    skip = (held_out or episodes) if validation else 0
     if validation:
-        save = False
         config = config.model_copy(update={"env": config.env.model_copy(
             update={"eval_seed_offset": config.env.eval_seed_offset + skip})})
     if building:
@@ -97,13 +103,16 @@ def eval(
             fail(f"--baseline must be heuristic or random, got {policy!r}", 2)
         results.append(building_baseline(config, store, policy, episodes, skip) if building
                        else baseline_result(config, policy, episodes))
-    keys = [save_result(store, r) for r in results] if save else []
+    keys = [save_result(store, r) for r in results] if save is not False and not validation else []
     if as_json:
         print_json({"results": [r.model_dump(mode="json") for r in results], "saved": keys})
         return
     slates = config.value is not None and config.value.slate is not None  # a return is a session's engagement
     mean_label = "engagement per session (min)" if slates else "mean return"
-    table = Table("policy", "version", "episodes", mean_label, "95% CI", "success", title=f"{run} on {config.env.name}")
+    played = "held-out" if not validation else f"validation, after {skip} held-out"
+    first, last = results[0].seed_start, results[0].seed_start + episodes - 1
+    table = Table("policy", "version", "episodes", mean_label, "95% CI", "success",
+                  title=f"{run} on {config.env.name}, {played} {'days' if building else 'seeds'} {first}-{last}")
     for r in results:
         table.add_row(r.policy, f"v{r.version}", str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
                       f"{r.success_rate:.0%}")

@@ -43,6 +43,13 @@ def test_generate_train_eval_report_through_the_cli(tmp_path: Path, monkeypatch:
     assert [r["seed_start"] for r in validation["results"]] == [4, 4]  # the 2 days after the held-out ones
     assert validation["saved"] == []  # choosing on them leaves the report's held-out results alone
     assert validation["results"][1]["returns"] != heuristic["returns"]
+    # the validation days stay after the held-out ones whatever --episodes plays of them
+    first = json.loads(rlpipe("eval", "--run", "cql-building", "--root", root, "--episodes", "1", "--held-out", "2",
+                              "--validation", "--json"))["results"][0]
+    assert first["seed_start"] == 4 and first["returns"] == validation["results"][0]["returns"][:1]
+    refused = runner.invoke(app, ["eval", "--run", "cql-building", "--root", root, "--validation", "--save"],
+                            env={"RLPIPE_HOME": str(tmp_path / "home")})
+    assert refused.exit_code == 2 and "drop --save" in refused.output
     table = rlpipe("eval", "--run", "cql-building", "--root", root, "--episodes", "1", "--no-save")
     assert "value-network v2: comfort" in table and "kg a day" in table
     rlpipe("report", "--run", "cql-building", "--root", root)
