@@ -4,7 +4,7 @@ The offline path with a small Q-network instead of a language model:
 1. ``--days`` simulated building-hvac days logged by the mixed controller (heuristic or
    random, half each, drawn per day; the same dataset as bench/offline_building.py), or
    with ``--policy heuristic`` by the heuristic alone, or with ``--policy varied`` by the
-   heuristic preheating 1, 2, 3 or 4 hours (drawn per day);
+   heuristic preheating 1, 2, 3 or 4 hours (drawn per day; ``--preheat-hours`` sets the choices);
 2. the steps table -> ``consumers.value.offline.prepare_offline_data``: the two setpoints
    on a ``--levels`` x ``--levels`` grid (nearest cell), the observation vector less the
    columns echoing the last setpoints (``--with-echoes`` keeps them) plus time of day and
@@ -76,8 +76,9 @@ from schemas.evaluation import mean_ci95, paired_difference
 
 
 def dataset_name(args: argparse.Namespace) -> str:
-    """The logged dataset's name in the store: one per logging controller."""
-    return f"hvac-{args.policy}"
+    """The logged dataset's name in the store: one per logging controller (and the varied log's hours)."""
+    hours = "" if args.preheat_hours == "1,2,3,4" else "-" + args.preheat_hours.replace(",", "-").replace(".", "p")
+    return f"hvac-{args.policy}{hours}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -112,6 +113,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--policy", default="mixed", choices=["mixed", "heuristic", "varied"],
                         help="the logging controller: heuristic or random per day (half each), the heuristic alone, "
                              "or the heuristic preheating 1-4 h (drawn per day)")
+    parser.add_argument("--preheat-hours", default="1,2,3,4",
+                        help="varied: the hours of preheat drawn from per day (repeat one to draw it more often)")
     parser.add_argument("--preheat-report", action="store_true",
                         help="also print how warm each controller keeps the water before comfort hours")
     parser.add_argument("--with-echoes", action="store_true",
@@ -134,7 +137,8 @@ def prepare(store: ObjectStore, args: argparse.Namespace) -> tuple[Any, OfflineD
     """Steps 1-2: the logged dataset (generated unless already in the store) and its transitions."""
     dataset = dataset_name(args)
     if not store.exists(f"datasets/{dataset}/dataset.json"):
-        spec = GenerationSpec(days=args.days, policy=args.policy, random_fraction=0.5, seed=args.seed)
+        spec = GenerationSpec(days=args.days, policy=args.policy, random_fraction=0.5, seed=args.seed,
+                              preheat_hours=tuple(float(h) for h in args.preheat_hours.split(",")))
         card = generate_building_dataset(store, dataset, spec)
         policies = Counter(e["policy"] for e in card.extras["episodes"])
         print(f"dataset: {card.num_rows:,} steps, days by controller: {dict(sorted(policies.items()))}", flush=True)

@@ -235,6 +235,9 @@ def generate_building(
     seed: Annotated[int, typer.Option(min=0, help="seeds the controllers' random choices")] = 0,
     first_day: Annotated[int, typer.Option(min=0, help="index of the first day (its date and weather seed)")] = 0,
     random_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="share of random days (mixed)")] = 0.5,
+    preheat_hours: Annotated[str, typer.Option(help=(
+        "varied: the hours of preheat drawn from per day, comma-separated (repeat one to draw it more often)"))]
+    = "1,2,3,4",
     overrides: Annotated[list[str] | None, typer.Option("--set", help="building setting, e.g. --set grid_rows=3")]
     = None,
     raw_dir: Annotated[Path | None, typer.Option(help="also keep the npz + metadata.json written on the way")] = None,
@@ -247,10 +250,22 @@ def generate_building(
     from producers.offline.generation import GenerationSpec, generate_building_dataset
 
     spec = GenerationSpec(days=days, policy=policy, seed=seed, first_day=first_day,  # type: ignore[arg-type]
-                          random_fraction=random_fraction, env_overrides=parse_overrides(overrides or []))
+                          random_fraction=random_fraction, env_overrides=parse_overrides(overrides or []),
+                          preheat_hours=parse_preheat_hours(preheat_hours))
     with console.status(f"simulating {days} days"):
         card = generate_building_dataset(_store(root, gcs_endpoint), name, spec, raw_dir)
     _print_written(card, as_json)
+
+
+def parse_preheat_hours(text: str) -> tuple[float, ...]:
+    """``"1,2,2,4"`` -> (1.0, 2.0, 2.0, 4.0): hours between 0 and 24, at least one."""
+    try:
+        hours = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        hours = ()
+    if not hours or not all(0 < h < 24 for h in hours):
+        fail(f"--preheat-hours takes hours between 0 and 24 separated by commas, e.g. 1,2,3,4; got {text!r}", 2)
+    return hours
 
 
 # ---- to trajectories / evaluate ---------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from pipeline.io.archive import TrajectoryArchive
-from pipeline.io.datasets import iter_partitions
+from pipeline.io.datasets import iter_partitions, read_card
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from producers.envs.building import BuildingHVAC
@@ -364,3 +364,17 @@ def test_a_varied_log_draws_the_heuristics_preheat_per_day():
         simulate_day(0, "heuristic-xh")
     with pytest.raises(ValidationError):
         GenerationSpec(days=1, policy="varied", preheat_hours=())
+
+
+def test_generate_takes_the_varied_logs_preheat_hours(tmp_path):
+    root = (tmp_path / "store").as_uri()
+    result = runner.invoke(app, ["generate", "building-hvac", "--days", "4", "--policy", "varied", "--seed", "3",
+                                 "--preheat-hours", "2,4,4", "--name", "varied", "--root", root, "--json"])
+    assert result.exit_code == 0, result.output
+    card = read_card(ObjectStore(root), "varied")
+    spec = GenerationSpec(days=4, policy="varied", seed=3, preheat_hours=(2.0, 4.0, 4.0))
+    assert [e["policy"] for e in card.extras["episodes"]] == [day_policy(spec, day) for day in range(4)]
+    assert {e["policy"] for e in card.extras["episodes"]} <= {"heuristic-2h", "heuristic-4h"}
+    refused = runner.invoke(app, ["generate", "building-hvac", "--days", "1", "--policy", "varied",
+                                  "--preheat-hours", "2,x", "--name", "bad", "--root", root])
+    assert refused.exit_code == 2 and "--preheat-hours takes hours" in refused.output
