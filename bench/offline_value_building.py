@@ -323,19 +323,24 @@ def print_paired(paired: dict[str, dict[str, Any]]) -> None:
               f"{'yes' if d['mean'] - d['days_ci95'] > 0 else 'no'} |")
 
 
+BASELINES = ("bc", "bc-picked", "behaviour", "heuristic", "random")  # what the networks are compared with
+
+
+def comparisons(returns: dict[str, dict[int, list[float]]]) -> dict[str, dict[str, Any]]:
+    """Each network's ``paired_summary`` against BC and the scripted controllers (a picked one: the picked BC)."""
+    return {f"{net} - {other}": paired_summary(returns[net], returns[other])
+            for net in returns if net not in BASELINES
+            for other in ("bc-picked" if net.endswith("-picked") else "bc", "behaviour", "heuristic", "random")}
+
+
 def summarise_days(played: dict[str, Any], days: list[int]) -> dict[str, Any]:
-    """Per policy its summary and per-seed mean returns, and each network's paired differences against
-    BC and the scripted controllers (a picked network against the picked BC)."""
+    """Per policy its summary and per-day returns, and ``comparisons``."""
     returns = {name: {seed: list(r.returns) for seed, r in by_seed.items()} for name, by_seed in played.items()}
-    baselines = ("bc", "bc-picked", "behaviour", "heuristic", "random")
-    networks = [name for name in played if name not in baselines]
     return {
         "days": days,
         "results": {name: summarise(by_seed) for name, by_seed in played.items()},
         "returns": returns,
-        "paired": {f"{net} - {other}": paired_summary(returns[net], returns[other])
-                   for net in networks
-                   for other in ("bc-picked" if net.endswith("-picked") else "bc", "behaviour", "heuristic", "random")},
+        "paired": comparisons(returns),
     }
 
 
@@ -401,12 +406,11 @@ def pool(paths: list[Path], group: int) -> None:
                     if policy != "heuristic" and int(seed) in returns.get(policy, {}):
                         raise SystemExit(f"{policy} seed {seed} is in two of the pooled files")
                     returns.setdefault(policy, {})[int(seed)] = values
-    baselines = ("bc", "bc-picked", "behaviour", "heuristic", "random")
     if group > 1:
         if "validation" not in pooled:
             raise SystemExit("picking needs the validation days' returns (--validation-days)")
         validation = {kind: {seed: statistics.fmean(values) for seed, values in by_seed.items()}
-                      for kind, by_seed in pooled["validation"].items() if kind not in baselines or kind == "bc"}
+                      for kind, by_seed in pooled["validation"].items() if kind not in BASELINES or kind == "bc"}
         for row, by_group in picks(validation, group).items():
             for name in names:
                 if name != "validation":
@@ -418,10 +422,7 @@ def pool(paths: list[Path], group: int) -> None:
         for policy, by_seed in returns.items():
             mean, ci95 = mean_ci95([r for values in by_seed.values() for r in values])
             print(f"| {policy} | {len(by_seed)} | {mean:.3f} ± {ci95:.3f} |")
-        print_paired({f"{net} - {other}": paired_summary(returns[net], returns[other])
-                      for net in returns if net not in baselines
-                      for other in ("bc-picked" if net.endswith("-picked") else "bc", "behaviour", "heuristic",
-                                    "random")})
+        print_paired(comparisons(returns))
 
 
 def main() -> None:
