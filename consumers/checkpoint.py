@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
 from pipeline.io.steplog import StepLog, trained_batches
 from pipeline.io.store import ChecksumError, ObjectStore
+from pipeline.io.tensors import save_tensors
 from schemas.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,

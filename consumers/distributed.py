@@ -51,11 +51,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from consumers.engine import AdamParams, ForwardResult, StepInfo, TrainingEngine
 from consumers.engine_data import Datum, EngineError, micro_batch_slices
 from consumers.losses import LossStats
+from pipeline.io.tensors import save_tensors as save_safetensors
 
 CHECKPOINT_META = "engine_state.json"
 

@@ -46,7 +46,6 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from consumers.engine_data import Datum, EngineError, collate, micro_batch_slices, validate_datums
@@ -68,6 +67,7 @@ from consumers.policy import (
     selected_logprobs,
     weights_dtype,
 )
+from pipeline.io.tensors import save_tensors as save_safetensors
 from schemas.names import validate_name
 
 STATE_FORMAT = "rlpipe.engine.state/1"

@@ -19,6 +19,7 @@ does to the logits after the head: soft-capping (Gemma 2 and 3), scaling
 from __future__ import annotations
 
 import copy
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -28,11 +29,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
-from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from consumers.losses import LossStats, TokenBatch, entropy_of_logprobs, logit_divisors, loss_from_logprobs
 from consumers.trust_region import TrustRegion, TrustRegionResult
+from pipeline.io.tensors import save_tensors
 from schemas.config import LearnerConfig
 
 # Model config fields that reshape the logits after the output head, and their neutral value.
@@ -233,12 +234,19 @@ class AdapterSnapshot:
                    for name, p in parameters.items()}
         return cls(copy.deepcopy(config), weights)
 
+    def files(self) -> dict[str, bytes]:
+        """The PEFT folder's files by name, as ``LoraConfig.save_pretrained`` and peft's weight file write them
+        (sets as lists, two-space JSON with sorted keys), for a registry to publish without a folder."""
+        config = {key: list(value) if isinstance(value, set) else value for key, value in self.config.to_dict().items()}
+        return {"adapter_config.json": json.dumps(config, indent=2, sort_keys=True).encode(),
+                "adapter_model.safetensors": save_tensors(self.weights, metadata={"format": "pt"})}
+
     def write(self, folder: str | Path) -> Path:
         """The PEFT folder (adapter_config.json + adapter_model.safetensors) samplers load."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.config.save_pretrained(str(folder))
-        save_file(self.weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        for name, data in self.files().items():
+            (folder / name).write_bytes(data)
         return folder
 
 

@@ -3,8 +3,8 @@
 A step's publish (adapter files, manifest, ``AdapterPublished``), its step object
 and its checkpoint (files, manifest, ``LearnerCheckpointed``) are store and
 broker round trips; the learner hands them here as a job once the step's
-snapshot is taken (the adapter saved to a local folder; copies of the
-checkpoint's tensors with the RNG states, serialised by the job), and trains
+snapshot is taken (copies of the adapter's weights and of the checkpoint's
+tensors with the RNG states, serialised by the job), and trains
 the next step meanwhile.  The
 learner waits for the job before it hands over the next one, so at most one
 step is in flight, the commit order of a synchronous learner holds (adapter,
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -134,16 +132,11 @@ class StepOutputs:
         return publication
 
     def write_publication(self, publication: Publication) -> None:
-        """Write the snapshot to a local folder, publish it under the version it took, announce it; delete the folder."""
-        folder = tempfile.mkdtemp(prefix="rlpipe-adapter-")
-        try:
-            publication.snapshot.write(folder)
-            manifest = self.registry.publish(
-                folder, base_model=self.base_model, parent_version=publication.parent_version,
-                learner_step=publication.step, metrics=publication.metrics,
-            )
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        """Serialise the snapshot, publish it under the version it took, announce it."""
+        manifest = self.registry.publish_files(
+            publication.snapshot.files(), base_model=self.base_model, parent_version=publication.parent_version,
+            learner_step=publication.step, metrics=publication.metrics,
+        )
         if manifest.version != publication.version:
             raise RuntimeError(f"run {self.run_id}: step {publication.step} was published as v{manifest.version}, "
                                f"not v{publication.version}: another writer publishes to this run; run one learner "

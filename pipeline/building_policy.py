@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from torch import nn
 
+from pipeline.io.tensors import save_tensors
 from pipeline.value_network import CONFIG_FILE, WEIGHTS_FILE, network_from_files
 
 POLICY_FILE = "building_policy.json"

@@ -26,9 +26,9 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from torch import nn
 
+from pipeline.io.tensors import save_tensors
 from pipeline.slate_network import build_item_network
 from schemas.value import SlateSpec
 

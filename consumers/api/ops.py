@@ -32,12 +32,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 from tinker import types
 
 from consumers.api.translate import engine_datums, engine_loss_args, lora_target_modules
 from consumers.engine import AdamParams, ForwardResult, TrainingEngine
 from consumers.engine_data import EngineError
+from pipeline.io.tensors import save_tensors as save_safetensors
 from schemas.api import ApiError, model_run_name
 from schemas.names import InvalidNameError
 

@@ -432,7 +432,7 @@ def test_a_steps_writes_run_beside_the_next_steps_training_in_the_synchronous_or
         write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(6))
         learner, announced = make_learner(store, setup)
         events: list[tuple[str, int, str]] = []  # (what, step, thread)
-        train, publish = learner.train, learner.registry.publish
+        train, publish = learner.train, learner.registry.publish_files
 
         def traced_train(rows, learner=learner, events=events, train=train):
             events.append(("train starts", learner.state.step + 1, threading.current_thread().name))
@@ -445,7 +445,7 @@ def test_a_steps_writes_run_beside_the_next_steps_training_in_the_synchronous_or
             events.append(("publish ends", kwargs["learner_step"], threading.current_thread().name))
             return manifest
 
-        learner.train, learner.registry.publish = traced_train, traced_publish
+        learner.train, learner.registry.publish_files = traced_train, traced_publish
         if mode == "run":
             learner.run(poll_timeout_s=0)
         else:
@@ -482,14 +482,14 @@ def test_a_steps_writes_run_beside_the_next_steps_training_in_the_synchronous_or
 def test_a_failed_background_write_stops_the_learner_before_its_checkpoint_and_commit(store, setup):
     write_batches(TrajectoryArchive(store), setup, 3, np.random.default_rng(7))
     learner, announced = make_learner(store, setup)
-    publish = learner.registry.publish
+    publish = learner.registry.publish_files
 
     def failing_publish(*args, **kwargs):
         if kwargs["learner_step"] == 2:
             raise OSError("the store is unreachable")
         return publish(*args, **kwargs)
 
-    learner.registry.publish = failing_publish
+    learner.registry.publish_files = failing_publish
     with pytest.raises(OSError, match="unreachable"):
         learner.run(poll_timeout_s=0)
     latest = CheckpointStore(store, RUN).latest()

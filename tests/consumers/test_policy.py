@@ -217,3 +217,23 @@ def test_an_adapter_snapshot_writes_the_weights_of_when_it_was_taken(tiny_model_
     saved = load_file(str(snapshot.write(tmp_path / "v1") / "adapter_model.safetensors"))
     assert saved.keys() == before.keys() and all(torch.equal(saved[k], before[k]) for k in saved)
     assert json.loads((tmp_path / "v1" / "adapter_config.json").read_text())["inference_mode"] is True
+
+
+def test_an_adapter_snapshots_files_are_the_folder_peft_writes(tiny_model_dir, tmp_path):
+    # the learner publishes these bytes without a folder; a sampler loads the folder they make
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    policy = LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4))
+    one_step(policy)
+    snapshot = policy.adapter_snapshot()
+    files = snapshot.files()
+    snapshot.config.save_pretrained(str(tmp_path / "peft"))
+    assert files["adapter_config.json"] == (tmp_path / "peft" / "adapter_config.json").read_bytes()
+    folder = snapshot.write(tmp_path / "ours")
+    assert sorted(p.name for p in folder.iterdir()) == sorted(files)
+    assert all((folder / name).read_bytes() == data for name, data in files.items())
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(folder))
+    weights = {n.replace(".default", ""): p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert weights.keys() == snapshot.weights.keys()
+    assert all(torch.equal(weights[k], snapshot.weights[k]) for k in weights)
