@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from dataclasses import replace
 
 from transformers import AutoTokenizer
@@ -53,6 +54,12 @@ class RunSampler(Sampler):
     def generate(self, requests: list[SampleRequest], adapter: AdapterHandle | None = None, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None) -> list[SampleOutput]:
         return self.shared.generate(requests, self.tagged(adapter), temperature, top_p, seed)
+
+    concurrent_requests = True
+
+    def submit(self, request: SampleRequest, adapter: AdapterHandle | None = None, temperature: float = 1.0,
+               top_p: float = 1.0, seed: int | None = None) -> Future[SampleOutput]:
+        return self.shared.submit(request, self.tagged(adapter), temperature, top_p, seed)
 
     def load_adapter(self, handle: AdapterHandle) -> None:
         self.shared.load_adapter(self.tagged(handle))  # type: ignore[arg-type]  # a handle stays a handle

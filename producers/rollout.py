@@ -2,9 +2,14 @@
 
 It keeps ``concurrent_groups`` groups (``group_size`` episodes of one seed each,
 for group-relative advantages) in flight.  Each pass of the loop is three named
-phases: *admit* new groups (if the adapter is fresh enough), *generate* one
-batched call for every episode waiting on the model, *collect* environment steps
-that finished in the thread pool.  Environment steps run in threads so a slow
+phases: *admit* new groups (if the adapter is fresh enough), *generate* for
+every episode waiting on the model, *collect* environment steps that finished
+in the thread pool.  On a sampler with ``concurrent_requests`` (the sampling
+engine: vLLM's async engine, continuous batching) every episode's turn is its
+own request, sent the moment its environment step returns, and collecting
+waits for whichever turn or step finishes first, so no turn waits for the
+slowest of a batch; on a sampler that decodes whole calls, the episodes waiting
+go out as one batched call per adapter.  Environment steps run in threads so a slow
 environment (a SQL query, a remote reward) never stalls generation for the
 others.  Finished groups are written as one Parquet batch through a sink
 (store first, then the event) when ``groups_per_batch`` are done or
@@ -31,7 +36,7 @@ from typing import Any, Protocol
 from producers.envs.base import StepResult, TextEnv
 from producers.episode import ChatFormat, ChatTokenizer, Episode
 from producers.rows import episode_rows
-from producers.samplers.base import AdapterHandle, Sampler, SampleRequest
+from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
 from schemas.config import ProducerConfig, SamplerConfig
 from schemas.trajectory import NO_ADAPTER_SHA
 
@@ -158,6 +163,8 @@ class RolloutWorker:
         self.active: list[Group] = []
         self.finished: list[Group] = []
         self.pending_steps: dict[Future[StepResult], Episode] = {}
+        self.pending_generations: dict[Future[SampleOutput], tuple[Episode, SampleRequest]] = {}
+        self.generating_since = (0.0, 0.0)  # (unix, monotonic) when the oldest turn still out was started
         self.env_seeds = env_seeds if env_seeds is not None else range(producer.seed_start, sys.maxsize)
         if not self.env_seeds:
             raise ValueError(f"producer {producer_id}: no environment seeds to play ({env_seeds})")
@@ -185,6 +192,8 @@ class RolloutWorker:
                 on_tick()
             self.flush()
         finally:
+            for future in self.pending_generations:
+                future.cancel()  # the engine aborts the request
             self.pool.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -261,7 +270,11 @@ class RolloutWorker:
 
     # ---- phase: generate --------------------------------------------------
     def generate(self) -> None:
-        """One batched generation per adapter for every episode waiting on the model."""
+        """Every episode waiting on the model gets its turn: one request each, started at once, on a sampler with
+        ``concurrent_requests`` (an engine's running batch); else one batched call per adapter."""
+        if self.sampler.concurrent_requests:
+            self.submit_waiting()
+            return
         waiting = self.episodes_waiting()
         by_adapter: dict[int, list[tuple[Episode, AdapterHandle | None]]] = {}
         for episode, adapter in waiting:
@@ -270,19 +283,31 @@ class RolloutWorker:
             self.generate_for(items)
 
     def episodes_waiting(self) -> list[tuple[Episode, AdapterHandle | None]]:
-        busy = set(map(id, self.pending_steps.values()))
+        busy = {id(e) for e in self.pending_steps.values()} | {id(e) for e, _ in self.pending_generations.values()}
         return [(e, g.adapter) for g in self.active for e in g.episodes if not e.done and id(e) not in busy]
+
+    def next_request(self, episode: Episode) -> SampleRequest | None:
+        """The episode's next turn as a request; None (and the episode ends, truncated) when the context is full."""
+        prompt = episode.next_prompt()
+        room = episode.room_left(len(prompt))
+        if room < 1:
+            episode.done = episode.truncated = episode.overflow = True
+            return None
+        return SampleRequest(prompt, min(self.sampling.max_new_tokens, room))
+
+    def take_turn(self, episode: Episode, request: SampleRequest, output: SampleOutput) -> None:
+        """Record what the model answered and step the environment with it (in the pool)."""
+        answer = episode.record_generation(request.prompt_token_ids, output.token_ids, output.logprobs)
+        self.stats.generated_tokens += len(output.token_ids)
+        self.pending_steps[self.pool.submit(episode.env.step, answer)] = episode
 
     def generate_for(self, items: list[tuple[Episode, AdapterHandle | None]]) -> None:
         requests, runnable = [], []
         for episode, _ in items:
-            prompt = episode.next_prompt()
-            room = episode.room_left(len(prompt))
-            if room < 1:
-                episode.done = episode.truncated = episode.overflow = True
-                continue
-            requests.append(SampleRequest(prompt, min(self.sampling.max_new_tokens, room)))
-            runnable.append(episode)
+            request = self.next_request(episode)
+            if request is not None:
+                requests.append(request)
+                runnable.append(episode)
         if not requests:
             return
         start_wall, start = time.time(), time.monotonic()
@@ -293,19 +318,45 @@ class RolloutWorker:
         self.stats.generate_s += time.monotonic() - start
         self.stats.busy_intervals.append((start_wall, time.time()))
         for episode, request, output in zip(runnable, requests, outputs, strict=True):
-            answer = episode.record_generation(request.prompt_token_ids, output.token_ids, output.logprobs)
-            self.stats.generated_tokens += len(output.token_ids)
-            self.pending_steps[self.pool.submit(episode.env.step, answer)] = episode
+            self.take_turn(episode, request, output)
+
+    def submit_waiting(self) -> None:
+        """One request per waiting episode, each with a fresh stream; the sampler's busy time runs while any is out."""
+        for episode, adapter in self.episodes_waiting():
+            request = self.next_request(episode)
+            if request is None:
+                continue
+            if not self.pending_generations:
+                self.generating_since = (time.time(), time.monotonic())
+            future = self.sampler.submit(request, adapter, temperature=self.sampling.temperature,
+                                         top_p=self.sampling.top_p, seed=self.streams.next_call_seed())
+            self.pending_generations[future] = (episode, request)
+
+    def finish_generation(self, future: Future[SampleOutput]) -> None:
+        episode, request = self.pending_generations.pop(future)
+        if not self.pending_generations:
+            start_wall, start = self.generating_since
+            self.stats.generate_s += time.monotonic() - start
+            self.stats.busy_intervals.append((start_wall, time.time()))
+        self.take_turn(episode, request, future.result())
 
     # ---- phase: collect ---------------------------------------------------
     def collect(self, settle_s: float = 0.02) -> None:
-        """Apply finished environment steps; wait briefly so fast steps batch together."""
-        if not self.pending_steps:
+        """Apply finished environment steps (and, on a concurrent sampler, finished turns); on a batching sampler
+        wait briefly so fast steps batch together, on a concurrent one until anything finishes."""
+        if self.sampler.concurrent_requests:
+            futures: list[Future[Any]] = [*self.pending_generations, *self.pending_steps]
+            done = wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)[0] if futures else set()
+        elif self.pending_steps:
+            done, _ = wait(list(self.pending_steps), timeout=settle_s)
+            if not done and not self.episodes_waiting():
+                done, _ = wait(list(self.pending_steps), timeout=1.0, return_when=FIRST_COMPLETED)
+        else:
             return
-        done, _ = wait(list(self.pending_steps), timeout=settle_s)
-        if not done and not self.episodes_waiting():
-            done, _ = wait(list(self.pending_steps), timeout=1.0, return_when=FIRST_COMPLETED)
         for future in done:
+            if future in self.pending_generations:
+                self.finish_generation(future)
+                continue
             episode = self.pending_steps.pop(future)
             episode.apply_step(future.result())
             self.stats.env_steps += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal, Self
 
@@ -129,6 +130,27 @@ class Sampler(abc.ABC):
         first.  ``temperature`` 0 is greedy.  With ``seed`` set, request i samples
         from its own stream ``request_seed(seed, i)``, so a call is reproducible.
         """
+
+    #: True when ``submit`` starts a request that runs beside others (an engine serving a running batch); a
+    #: sampler that only decodes whole calls leaves it False, and callers batch their requests into ``generate``.
+    concurrent_requests: bool = False
+
+    def submit(
+        self,
+        request: SampleRequest,
+        adapter: AdapterHandle | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Future[SampleOutput]:
+        """Start one request and return at once; its output (or error) arrives in the future.
+
+        Drawn from ``request_seed(seed, 0)``, as request 0 of ``generate`` with that seed.  Only a sampler whose
+        ``concurrent_requests`` is True has it.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} decodes whole calls; call generate() (concurrent_requests is False)"
+        )
 
     @abc.abstractmethod
     def load_adapter(self, handle: AdapterHandle) -> None:

@@ -5,6 +5,8 @@ on it (vLLM's async engine belongs to the loop that first awaits it).  Any
 thread may then call ``sample`` or ``generate``; every request of every call is
 its own engine request, so the calls of several threads share the running
 batch, and a thread-based producer uses the engine without being rewritten.
+``submit`` starts one request and returns a future at once, so a rollout worker
+sends each episode's turn the moment its environment step returns.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
@@ -80,6 +83,27 @@ class SyncSampler(Sampler):
             )
 
         return [result.sequences[0] for result in self.call(every())] if requests else []
+
+    concurrent_requests = True
+
+    def submit(
+        self,
+        request: SampleRequest,
+        adapter: AdapterHandle | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Future[SampleOutput]:
+        """One engine request, started now on the engine's loop: it joins the running batch."""
+        self.check_requests([request])
+        if not self._thread.is_alive():
+            raise RuntimeError("this SyncSampler is closed; build a new one")
+        params = SampleParams(self.new_token_budget(request), temperature=temperature, top_p=top_p, seed=seed)
+
+        async def one() -> SampleOutput:
+            return (await self.engine.sample(request.prompt_token_ids, adapter, params)).sequences[0]
+
+        return asyncio.run_coroutine_threadsafe(one(), self._loop)
 
     def load_adapter(self, handle: AdapterHandle) -> None:
         self.call(self.engine.load_adapter(handle))

@@ -247,6 +247,25 @@ def test_facade_serves_threads_at_once(hf_engine, prompts, lora_adapters) -> Non
         assert_same(SampleResult(outputs), SampleResult(alone), tol=1e-5)  # batched with others: float rounding only
 
 
+def test_submit_starts_one_request_that_draws_what_generate_draws(hf_engine, prompts, lora_adapters) -> None:
+    """The rollout worker's path on an engine: one request per turn, a future back at once, request 0's stream."""
+    assert hf_engine.concurrent_requests
+    requests = [SampleRequest(p, 5) for p in prompts]
+    futures = [hf_engine.submit(r, lora_adapters[0], 0.9, 1.0, 30 + i) for i, r in enumerate(requests)]
+    for i, (request, future) in enumerate(zip(requests, futures, strict=True)):
+        alone = hf_engine.generate([request], lora_adapters[0], 0.9, 1.0, 30 + i)[0]
+        assert_same(SampleResult([future.result(timeout=300)]), SampleResult([alone]), tol=1e-5)
+    with pytest.raises(ValueError, match="max_model_len"):
+        hf_engine.submit(SampleRequest(list(range(1, 1100)), 5))
+
+
+def test_a_sampler_that_decodes_whole_calls_has_no_submit(tiny_trained_dir) -> None:
+    hf = TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=256))
+    assert not hf.concurrent_requests
+    with pytest.raises(NotImplementedError, match="call generate"):
+        hf.submit(SampleRequest([1, 2, 3], 2))
+
+
 def test_stop_token_ids(hf_engine, prompts) -> None:
     eos = hf_engine.eos_token_id
     greedy = hf_engine.sample(prompts[0], None, SampleParams(16, temperature=0.0)).sequences[0]
