@@ -187,8 +187,8 @@ def total(measurements: list[Measurement]) -> Measurement:
                        sum(m.generate_s for m in measurements))
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The producer's workload, the same in this bench and ``producer_overhead_async.py``."""
     parser.add_argument("--env", default="sokoban", help="environment (whole-episode rows for sokoban)")
     parser.add_argument("--model", default="tiny", help="'tiny' (the locally built model) or a local path")
     parser.add_argument("--groups", type=int, default=32, help="groups per round")
@@ -199,7 +199,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=5, help="rounds of producer then bare replay")
-    return parser.parse_args()
+    return parser
+
+
+def parse_args() -> argparse.Namespace:
+    return workload_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
 
 
 def main() -> None:

@@ -36,10 +36,10 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.producer_overhead import BaseModelOnly, MemorySink, workload_arguments
 from producers.envs.registry import make_env
 from producers.episode import Episode
 from producers.rollout import RolloutWorker
@@ -98,29 +98,6 @@ class RecordingSampler(Sampler):
 
     def close(self) -> None:
         pass
-
-
-class BaseModelOnly:
-    """Adapter source that serves the base model (version 0) throughout."""
-
-    def current(self) -> None:
-        return None
-
-    def newest_published(self) -> int:
-        return 0
-
-    def refresh(self) -> None:
-        pass
-
-
-class MemorySink:
-    """Keeps committed rows in memory (no store, no broker)."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-
-    def commit(self, rows: list[dict[str, Any]], batch_id: str) -> None:
-        self.rows += rows
 
 
 @dataclass
@@ -237,18 +214,8 @@ def total(measurements: list[Measurement]) -> Measurement:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--env", default="sokoban", help="environment (whole-episode rows for sokoban)")
-    parser.add_argument("--model", default="tiny", help="'tiny' (the locally built model) or a local path")
-    parser.add_argument("--groups", type=int, default=32, help="groups per round")
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--concurrent-groups", type=int, default=8)
-    parser.add_argument("--groups-per-batch", type=int, default=4)
-    parser.add_argument("--env-workers", type=int, default=4)
+    parser = workload_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--step-delay-s", type=float, default=0.0, help="environment step delay, in both arms")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of producer then bare replay")
     return parser.parse_args()
 
 

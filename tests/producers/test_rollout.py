@@ -55,7 +55,7 @@ class FixedAdapters:
         pass
 
 
-def make_worker(tokenizer, env_name, announced, *, adapters=None, sampling=None, **producer):
+def make_worker(tokenizer, env_name, announced, *, adapters=None, sampling=None, sampler=None, **producer):
     store = ObjectStore("memory://rollout-test-" + env_name)
     archive = TrajectoryArchive(store)
     sink = StoreThenEventSink(archive, "run1", env_name, "prod-1", announced.append)
@@ -65,7 +65,7 @@ def make_worker(tokenizer, env_name, announced, *, adapters=None, sampling=None,
         run_id="run1", producer_id="prod-1", env_name=env_name,
         make_env=lambda: make_env(env_name, {"max_turns": 3} if env_name == "sokoban" else {"max_turns": 4,
                                                                                             "max_actions_total": 4}),
-        tokenizer=tokenizer, sampler=ScriptedSampler(tokenizer), adapters=adapters or FixedAdapters(),
+        tokenizer=tokenizer, sampler=sampler or ScriptedSampler(tokenizer), adapters=adapters or FixedAdapters(),
         sink=sink, producer=cfg, sampling=sampling or SamplerConfig(max_new_tokens=16),
     )
     return worker, archive, store

@@ -9,15 +9,10 @@ from concurrent.futures import Future
 
 import pytest
 
-from pipeline.io.archive import TrajectoryArchive
-from pipeline.io.store import ObjectStore
-from producers.envs.registry import make_env
-from producers.rollout import RolloutWorker
 from producers.samplers.base import SampleOutput, request_seed
-from producers.sink import StoreThenEventSink
-from schemas.config import ProducerConfig, SamplerConfig
 from schemas.trajectory import table_to_records
-from tests.producers.test_rollout import FixedAdapters, ScriptedSampler
+from tests.producers.test_rollout import ScriptedSampler, _clean_memory  # noqa: F401 - the store's autouse clean-up
+from tests.producers.test_rollout import make_worker as make_sokoban_worker
 
 
 class ConcurrentSampler(ScriptedSampler):
@@ -56,28 +51,9 @@ class ConcurrentSampler(ScriptedSampler):
 
 
 def make_worker(tokenizer, sampler, **producer):
-    store = ObjectStore("memory://rollout-concurrent")
-    archive = TrajectoryArchive(store)
     announced: list = []
-    sink = StoreThenEventSink(archive, "run1", "sokoban", "prod-1", announced.append)
-    cfg = ProducerConfig(producer_id="prod-1", **{"group_size": 2, "groups_per_batch": 2, "concurrent_groups": 2,
-                                                  "max_groups": 2, **producer})
-    worker = RolloutWorker(
-        run_id="run1", producer_id="prod-1", env_name="sokoban", make_env=lambda: make_env("sokoban", {"max_turns": 3}),
-        tokenizer=tokenizer, sampler=sampler, adapters=FixedAdapters(), sink=sink, producer=cfg,
-        sampling=SamplerConfig(max_new_tokens=16),
-    )
+    worker, archive, _ = make_sokoban_worker(tokenizer, "sokoban", announced, sampler=sampler, **producer)
     return worker, archive, announced
-
-
-@pytest.fixture(autouse=True)
-def _clean_memory():
-    yield
-    from fsspec.implementations.memory import MemoryFileSystem
-
-    MemoryFileSystem.store.clear()
-    MemoryFileSystem.pseudo_dirs.clear()
-    MemoryFileSystem.pseudo_dirs.append("")
 
 
 def test_every_turn_is_its_own_request_and_the_rows_are_those_of_batched_calls(tiny_tokenizer):
