@@ -98,6 +98,13 @@ class SamplerConfig(_Section):
     """How the producer samples from the policy."""
 
     backend: Literal["vllm", "transformers"] = Field("vllm", description="inference engine")
+    engine: Literal["blocking", "async"] = Field(
+        "blocking", description=(
+            "how a one-run producer drives the backend: 'blocking' decodes the episodes waiting as one call "
+            "(vLLM's LLM.generate); 'async' through the sampling engine (vLLM's AsyncLLM, continuous batching), "
+            "every episode's turn its own request; packed producers always use the engine"
+        ),
+    )
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="sampling temperature (0 = greedy)")
     top_p: float = Field(
         1.0, gt=0.0, le=1.0, description="nucleus sampling mass (below 1 only with losses without importance ratios)"

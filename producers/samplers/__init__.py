@@ -27,5 +27,14 @@ def make_sampler(backend: str, model_path: str, config: SamplerConfig | None = N
 
 
 def sampler_for_run(config: RunConfig, model_path: str, **kwargs: Any) -> Sampler:
-    """The sampler ``config`` describes: its backend and settings, base weights in ``model.dtype``."""
+    """The sampler ``config`` describes: its backend and settings, base weights in ``model.dtype``.
+
+    ``sampler.engine`` "async" puts the sampling engine (``producers.samplers.engine``) behind the
+    ``Sampler`` interface (``SyncSampler``), so every request is its own engine request.
+    """
+    if config.sampler.engine == "async":
+        from producers.samplers.engine import engine_for_run
+        from producers.samplers.sync import SyncSampler
+
+        return SyncSampler(lambda: engine_for_run(config, model_path, **kwargs))
     return make_sampler(config.sampler.backend, model_path, config.sampler, dtype=config.model.dtype, **kwargs)

@@ -310,7 +310,8 @@ def test_event_log_and_parquet_replay_give_bitwise_the_same_adapters(
 
 # Where each learner start is killed: an RLPIPE_FAULT point (SIGKILL from inside, at that exact place), or
 # "random" (SIGKILL from here at a random moment up to RANDOM_KILL_WINDOW_S after the start's first new
-# checkpoint, so it lands in any phase of the next step), or "early" (a random moment in the first seconds:
+# checkpoint, or once the step after it is checkpointed if that comes first, so it lands in any phase of the
+# next steps), or "early" (a random moment in the first seconds:
 # importing, loading the model, joining the group).  Every start has max_steps N, so one that finds the work
 # done exits.  Exact points come early, so that batches are left for each whatever the random kills took.
 # The last start (no max_steps) trains the rest and is stopped with SIGTERM.
@@ -345,15 +346,22 @@ def run_until_killed(world: World, config: Path, plan: str, index: int, rng: ran
         deadline = time.monotonic() + PROCESS_TIMEOUT_S
         while latest_step(checkpoints) <= before and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        killed = _kill_after(proc, rng.uniform(0.0, RANDOM_KILL_WINDOW_S))
+        first = latest_step(checkpoints)
+        # within the window, but no later than the step after next: a fast learner would otherwise train every
+        # batch left in one window and leave the later starts nothing to be killed in
+        killed = _kill_after(proc, rng.uniform(0.0, RANDOM_KILL_WINDOW_S),
+                             sooner=lambda: latest_step(checkpoints) > first + 1)
     returncode = wait_for(proc)
     if fault is not None:
         killed = returncode == -signal.SIGKILL
     return Attempt(plan, before, latest_step(checkpoints), returncode, killed)
 
 
-def _kill_after(proc: subprocess.Popen, delay_s: float) -> bool:
-    time.sleep(delay_s)
+def _kill_after(proc: subprocess.Popen, delay_s: float, sooner: Callable[[], bool] = lambda: False) -> bool:
+    """SIGKILL after ``delay_s``, or as soon as ``sooner()`` is true; False if the process had already exited."""
+    deadline = time.monotonic() + delay_s
+    while time.monotonic() < deadline and not sooner():
+        time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
     if proc.poll() is not None:
         return False
     os.kill(proc.pid, signal.SIGKILL)

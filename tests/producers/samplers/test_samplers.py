@@ -277,8 +277,25 @@ def test_run_sampler_loads_the_base_weights_in_model_dtype(tiny_trained_dir, pro
                        sampler=SamplerConfig(backend="transformers", max_model_len=1024))
     sampler = sampler_for_run(config, str(tiny_trained_dir))
     assert {p.dtype for p in sampler._base.parameters()} == {torch.bfloat16}
+    assert not sampler.concurrent_requests  # sampler.engine "blocking", the default: whole calls
     out = sampler.generate([SampleRequest(prompts[0], 4)], seed=0)[0]
     assert len(out.logprobs) == len(out.token_ids) and all(lp <= 0.0 for lp in out.logprobs)
+
+
+def test_run_sampler_on_the_async_engine_takes_each_turn_as_its_own_request(tiny_trained_dir, prompts) -> None:
+    from schemas.config import ModelConfig, RunConfig
+
+    config = RunConfig(model=ModelConfig(dtype="bfloat16"),
+                       sampler=SamplerConfig(backend="transformers", max_model_len=1024, engine="async"))
+    sampler = sampler_for_run(config, str(tiny_trained_dir))
+    try:
+        assert sampler.concurrent_requests  # the rollout worker sends every episode's turn alone
+        assert {p.dtype for p in sampler.engine.sampler._base.parameters()} == {torch.bfloat16}
+        request = SampleRequest(prompts[0], 4)
+        alone = sampler.submit(request, temperature=0.9, seed=3).result(timeout=300)
+        assert alone.token_ids == sampler.generate([request], temperature=0.9, seed=3)[0].token_ids
+    finally:
+        sampler.close()
 
 
 def test_prompt_that_does_not_fit_is_refused(hf_sampler) -> None:
