@@ -10,6 +10,7 @@ from bench.async_vs_sync import (
     Timeline,
     bench_overrides,
     combined_numbers,
+    overlap_bound,
     parse_args,
     parse_levels,
     report_timeline,
@@ -79,6 +80,12 @@ def test_sync_phase_shares():
     shares = sync_phase_shares({**SYNC_SUMMARY, "sample_s": 6.0, "train_s": 3.0})
     assert shares == {"sampler_waits_on_training": pytest.approx(0.3), "learner_waits_on_sampling": pytest.approx(0.6)}
     assert math.isnan(sync_phase_shares({**SYNC_SUMMARY, "wall_s": 0.0})["sampler_waits_on_training"])
+
+
+def test_overlap_bound_is_the_wall_over_the_longer_phase():
+    assert overlap_bound(SYNC_SUMMARY) == pytest.approx(2.0)  # 5 s sampling, 5 s training: at best 10 s -> 5 s
+    assert overlap_bound({**SYNC_SUMMARY, "sample_s": 6.8, "train_s": 3.2}) == pytest.approx(10.0 / 6.8)
+    assert math.isnan(overlap_bound({**SYNC_SUMMARY, "sample_s": 0.0, "train_s": 0.0}))
 
 
 def test_pipeline_timeline_from_report_series():
