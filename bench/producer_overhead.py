@@ -27,7 +27,8 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -168,23 +169,34 @@ def warm_up(sampler: Any, args: argparse.Namespace) -> float:
     return time.perf_counter() - started
 
 
-def table(rows: list[tuple[str, Measurement, Measurement]]) -> str:
-    lines = [
-        "| round | arm | wall s | calls | requests | generated tokens | requests/s | tokens/s | tokens/s ratio |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+Column = tuple[str, Callable[[Any], str]]  # header, the cell of one arm's measurement
+
+
+def rounds_table(rows: list[tuple[str, Any, Any]], bare_name: str, columns: list[Column]) -> str:
+    """Markdown: per round (and "all") the producer's row, then the bare arm's; ``columns`` after wall s,
+    and the producer's tokens/s ratio to the bare arm's."""
+    headers = ["round", "arm", "wall s", *(header for header, _ in columns), "tokens/s ratio"]
+    lines = ["| " + " | ".join(headers) + " |", "| --- | --- |" + " ---: |" * (len(headers) - 2)]
     for name, producer, bare in rows:
-        for arm, m in (("producer", producer), ("bare vLLM", bare)):
+        for arm, m in (("producer", producer), (bare_name, bare)):
             ratio = f"{producer.tokens_per_s() / bare.tokens_per_s():.2f}" if arm == "producer" else ""
-            lines.append(f"| {name} | {arm} | {m.seconds:.2f} | {m.calls} | {m.requests} | {m.generated_tokens} | "
-                         f"{m.requests_per_s():.1f} | {m.tokens_per_s():.0f} | {ratio} |")
+            cells = [name, arm, f"{m.seconds:.2f}", *(cell(m) for _, cell in columns), ratio]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def total(measurements: list[Measurement]) -> Measurement:
-    return Measurement(sum(m.seconds for m in measurements), sum(m.calls for m in measurements),
-                       sum(m.requests for m in measurements), sum(m.generated_tokens for m in measurements),
-                       sum(m.generate_s for m in measurements))
+def table(rows: list[tuple[str, Measurement, Measurement]]) -> str:
+    return rounds_table(rows, "bare vLLM", [
+        ("calls", lambda m: str(m.calls)), ("requests", lambda m: str(m.requests)),
+        ("generated tokens", lambda m: str(m.generated_tokens)), ("requests/s", lambda m: f"{m.requests_per_s():.1f}"),
+        ("tokens/s", lambda m: f"{m.tokens_per_s():.0f}"),
+    ])
+
+
+def total(measurements: list[Any]) -> Any:
+    """The measurements' sum, field by field (a dataclass of numbers)."""
+    return type(measurements[0])(**{f.name: sum(getattr(m, f.name) for m in measurements)
+                                    for f in fields(measurements[0])})
 
 
 def workload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

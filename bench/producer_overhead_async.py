@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.producer_overhead import BaseModelOnly, MemorySink, workload_arguments
+from bench.producer_overhead import BaseModelOnly, MemorySink, rounds_table, total, workload_arguments
 from producers.envs.registry import make_env
 from producers.episode import Episode
 from producers.rollout import RolloutWorker
@@ -195,22 +195,11 @@ def replay_bare(engine: SyncSampler, turns: list[Turn], args: argparse.Namespace
 
 
 def table(rows: list[tuple[str, Measurement, Measurement]]) -> str:
-    lines = [
-        "| round | arm | wall s | requests | generated tokens | requests/s | tokens/s | tokens/s ratio | process CPU s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for name, producer, bare in rows:
-        for arm, m in (("producer", producer), ("bare AsyncLLM", bare)):
-            ratio = f"{producer.tokens_per_s() / bare.tokens_per_s():.2f}" if arm == "producer" else ""
-            lines.append(f"| {name} | {arm} | {m.seconds:.2f} | {m.requests} | {m.generated_tokens} | "
-                         f"{m.requests_per_s():.1f} | {m.tokens_per_s():.0f} | {ratio} | {m.cpu_s:.2f} |")
-    return "\n".join(lines)
-
-
-def total(measurements: list[Measurement]) -> Measurement:
-    return Measurement(sum(m.seconds for m in measurements), sum(m.requests for m in measurements),
-                       sum(m.generated_tokens for m in measurements), sum(m.generate_s for m in measurements),
-                       sum(m.cpu_s for m in measurements))
+    return rounds_table(rows, "bare AsyncLLM", [
+        ("requests", lambda m: str(m.requests)), ("generated tokens", lambda m: str(m.generated_tokens)),
+        ("requests/s", lambda m: f"{m.requests_per_s():.1f}"), ("tokens/s", lambda m: f"{m.tokens_per_s():.0f}"),
+        ("process CPU s", lambda m: f"{m.cpu_s:.2f}"),
+    ])
 
 
 def parse_args() -> argparse.Namespace:
