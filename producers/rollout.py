@@ -164,7 +164,8 @@ class RolloutWorker:
         self.finished: list[Group] = []
         self.pending_steps: dict[Future[StepResult], Episode] = {}
         self.pending_generations: dict[Future[SampleOutput], tuple[Episode, SampleRequest]] = {}
-        self.generating_since = (0.0, 0.0)  # (unix, monotonic) when the oldest turn still out was started
+        self.generating_since = (0.0, 0.0)  # (unix, monotonic) when the turns now out started to be out
+        self.generating_counted = 0.0  # monotonic time up to which that stretch is in stats.generate_s
         self.env_seeds = env_seeds if env_seeds is not None else range(producer.seed_start, sys.maxsize)
         if not self.env_seeds:
             raise ValueError(f"producer {producer_id}: no environment seeds to play ({env_seeds})")
@@ -328,6 +329,7 @@ class RolloutWorker:
                 continue
             if not self.pending_generations:
                 self.generating_since = (time.time(), time.monotonic())
+                self.generating_counted = self.generating_since[1]
             future = self.sampler.submit(request, adapter, temperature=self.sampling.temperature,
                                          top_p=self.sampling.top_p, seed=self.streams.next_call_seed())
             self.pending_generations[future] = (episode, request)
@@ -335,9 +337,8 @@ class RolloutWorker:
     def finish_generation(self, future: Future[SampleOutput]) -> None:
         episode, request = self.pending_generations.pop(future)
         if not self.pending_generations:
-            start_wall, start = self.generating_since
-            self.stats.generate_s += time.monotonic() - start
-            self.stats.busy_intervals.append((start_wall, time.time()))
+            self.stats.generate_s += time.monotonic() - self.generating_counted
+            self.stats.busy_intervals.append((self.generating_since[0], time.time()))
         self.take_turn(episode, request, future.result())
 
     # ---- phase: collect ---------------------------------------------------
@@ -360,6 +361,10 @@ class RolloutWorker:
             episode = self.pending_steps.pop(future)
             episode.apply_step(future.result())
             self.stats.env_steps += 1
+        if self.pending_generations:  # count the stretch so far: heartbeats read generate_s while turns are out
+            now = time.monotonic()
+            self.stats.generate_s += now - self.generating_counted
+            self.generating_counted = now
         for group in [g for g in self.active if g.done]:
             self.active.remove(group)
             self.finished.append(group)

@@ -103,3 +103,16 @@ def test_turns_still_out_when_the_worker_stops_are_cancelled(tiny_tokenizer):
     assert len(futures) == 4 and all(f.cancelled() for f in futures) and not announced
     for timer in sampler.timers:
         timer.cancel()
+
+
+def test_busy_time_grows_while_turns_are_out_not_only_when_all_are_back(tiny_tokenizer):
+    # heartbeats read generate_s between turns; with turns always out it must still grow
+    sampler = ConcurrentSampler(tiny_tokenizer, delay_s=lambda index: 0.15 + 0.05 * (index % 4))
+    worker, _, _ = make_worker(tiny_tokenizer, sampler)
+    seen: list[tuple[float, int, float]] = []  # (seconds since start, turns out, generate_s) at each tick
+    started = time.monotonic()
+    worker.run(on_tick=lambda: seen.append((time.monotonic() - started, len(worker.pending_generations),
+                                            worker.stats.generate_s)))
+    while_out = [(t, g) for t, out, g in seen if out and t > 0.5]
+    assert while_out and max(g for _, g in while_out) > 0.3
+    assert all(g <= t + 0.01 for t, _, g in seen)  # never more than the time elapsed: one lane
