@@ -39,11 +39,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import producer_overhead
 from bench.producer_overhead import BaseModelOnly, MemorySink, rounds_table, total, workload_arguments
 from producers.envs.registry import make_env
 from producers.episode import Episode
 from producers.rollout import RolloutWorker
-from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
+from producers.samplers.base import AdapterHandle, SampleOutput, SampleRequest, request_seed
 from producers.samplers.sync import SyncSampler
 from producers.tiny_model import resolve_model
 from schemas.config import ModelConfig, ProducerConfig, SamplerConfig
@@ -61,14 +62,13 @@ class Turn:
     token_ids: list[int] = field(default_factory=list)
 
 
-class RecordingSampler(Sampler):
+class RecordingSampler(producer_overhead.RecordingSampler):
     """Passes each request to the engine and records it with the episode the worker was serving."""
 
     concurrent_requests = True
 
     def __init__(self, inner: SyncSampler) -> None:
-        self.inner = inner
-        self.eos_token_id, self.max_model_len = inner.eos_token_id, inner.max_model_len
+        super().__init__(inner)
         self.turns: list[Turn] = []
         self.episode: Episode | None = None  # set by the worker's next_request, just before it submits
 
@@ -89,15 +89,6 @@ class RecordingSampler(Sampler):
 
     def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None):  # type: ignore[no-untyped-def]
         raise AssertionError("the worker sends one request per turn to a concurrent sampler")
-
-    def load_adapter(self, handle: AdapterHandle) -> None:
-        self.inner.load_adapter(handle)
-
-    def unload_adapter(self, handle: AdapterHandle) -> None:
-        self.inner.unload_adapter(handle)
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass

@@ -164,7 +164,7 @@ class RolloutWorker:
         self.finished: list[Group] = []
         self.pending_steps: dict[Future[StepResult], Episode] = {}
         self.pending_generations: dict[Future[SampleOutput], tuple[Episode, SampleRequest]] = {}
-        self.generating_since = (0.0, 0.0)  # (unix, monotonic) when the turns now out started to be out
+        self.generating_since = 0.0  # unix time the turns now out started to be out
         self.generating_counted = 0.0  # monotonic time up to which that stretch is in stats.generate_s
         self.env_seeds = env_seeds if env_seeds is not None else range(producer.seed_start, sys.maxsize)
         if not self.env_seeds:
@@ -328,8 +328,7 @@ class RolloutWorker:
             if request is None:
                 continue
             if not self.pending_generations:
-                self.generating_since = (time.time(), time.monotonic())
-                self.generating_counted = self.generating_since[1]
+                self.generating_since, self.generating_counted = time.time(), time.monotonic()
             future = self.sampler.submit(request, adapter, temperature=self.sampling.temperature,
                                          top_p=self.sampling.top_p, seed=self.streams.next_call_seed())
             self.pending_generations[future] = (episode, request)
@@ -337,9 +336,15 @@ class RolloutWorker:
     def finish_generation(self, future: Future[SampleOutput]) -> None:
         episode, request = self.pending_generations.pop(future)
         if not self.pending_generations:
-            self.stats.generate_s += time.monotonic() - self.generating_counted
-            self.stats.busy_intervals.append((self.generating_since[0], time.time()))
+            self.count_generating()
+            self.stats.busy_intervals.append((self.generating_since, time.time()))
         self.take_turn(episode, request, future.result())
+
+    def count_generating(self) -> None:
+        """Add the time turns have been out since it was last counted to ``stats.generate_s``."""
+        now = time.monotonic()
+        self.stats.generate_s += now - self.generating_counted
+        self.generating_counted = now
 
     # ---- phase: collect ---------------------------------------------------
     def collect(self, settle_s: float = 0.02) -> None:
@@ -361,10 +366,8 @@ class RolloutWorker:
             episode = self.pending_steps.pop(future)
             episode.apply_step(future.result())
             self.stats.env_steps += 1
-        if self.pending_generations:  # count the stretch so far: heartbeats read generate_s while turns are out
-            now = time.monotonic()
-            self.stats.generate_s += now - self.generating_counted
-            self.generating_counted = now
+        if self.pending_generations:
+            self.count_generating()  # heartbeats read generate_s while turns are out
         for group in [g for g in self.active if g.done]:
             self.active.remove(group)
             self.finished.append(group)

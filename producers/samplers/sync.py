@@ -45,15 +45,19 @@ class SyncSampler(Sampler):
         self.eos_token_id = self.engine.eos_token_id
         self.max_model_len = self.engine.max_model_len
 
-    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run ``coroutine`` on the engine's loop and wait for its result (from any thread but the loop's)."""
+    def start(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        """Run ``coroutine`` on the engine's loop; its result (or error) arrives in the future."""
         if not self._thread.is_alive():
             coroutine.close()
             raise RuntimeError("this SyncSampler is closed; build a new one")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the engine's loop and wait for its result (from any thread but the loop's)."""
         if threading.current_thread() is self._thread:
             coroutine.close()
             raise RuntimeError("SyncSampler.call from the engine's own loop would deadlock; await the engine instead")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        return self.start(coroutine).result()
 
     def sample(self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams) -> SampleResult:
         """``SamplingEngine.sample``, blocking."""
@@ -70,19 +74,19 @@ class SyncSampler(Sampler):
         """See ``Sampler.generate``; each request is its own engine request."""
         self.check_requests(requests)
 
-        async def every() -> list[SampleResult]:
+        async def every() -> list[SampleOutput]:
             return await asyncio.gather(
-                *(
-                    self.engine.sample(
-                        r.prompt_token_ids, adapter,
-                        SampleParams(self.new_token_budget(r), temperature=temperature, top_p=top_p, seed=seed,
-                                     first_stream=i),
-                    )
-                    for i, r in enumerate(requests)
-                )
+                *(self._one(r, adapter, temperature, top_p, seed, stream) for stream, r in enumerate(requests))
             )
 
-        return [result.sequences[0] for result in self.call(every())] if requests else []
+        return self.call(every()) if requests else []
+
+    async def _one(self, request: SampleRequest, adapter: AdapterHandle | None, temperature: float, top_p: float,
+                   seed: int | None, stream: int) -> SampleOutput:
+        """Request ``stream`` of a call seeded ``seed``, as one engine request."""
+        params = SampleParams(self.new_token_budget(request), temperature=temperature, top_p=top_p, seed=seed,
+                              first_stream=stream)
+        return (await self.engine.sample(request.prompt_token_ids, adapter, params)).sequences[0]
 
     concurrent_requests = True
 
@@ -96,14 +100,7 @@ class SyncSampler(Sampler):
     ) -> Future[SampleOutput]:
         """One engine request, started now on the engine's loop: it joins the running batch."""
         self.check_requests([request])
-        if not self._thread.is_alive():
-            raise RuntimeError("this SyncSampler is closed; build a new one")
-        params = SampleParams(self.new_token_budget(request), temperature=temperature, top_p=top_p, seed=seed)
-
-        async def one() -> SampleOutput:
-            return (await self.engine.sample(request.prompt_token_ids, adapter, params)).sequences[0]
-
-        return asyncio.run_coroutine_threadsafe(one(), self._loop)
+        return self.start(self._one(request, adapter, temperature, top_p, seed, stream=0))
 
     def load_adapter(self, handle: AdapterHandle) -> None:
         self.call(self.engine.load_adapter(handle))
