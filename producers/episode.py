@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tokenizers import Tokenizer
+
 from producers.envs.base import StepResult, TextEnv
 
 
@@ -30,6 +32,43 @@ class ChatTokenizer(Protocol):
     def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class DirectTokenizer:
+    """A Hugging Face fast tokenizer whose ``encode`` and ``decode`` call its Rust backend (``tokenizers``) directly.
+
+    The same ids and text as the tokenizer's own methods, which reach the same backend call through
+    argument checks, batching of a single text and result conversion: about three quarters of their time
+    for a turn's short prompt or answer, and a rollout worker calls them every turn.  Built by
+    ``direct_tokenizer`` only where the backend alone reproduces the tokenizer: no truncation or padding set,
+    special tokens not split, no clean-up of decoded text.  The chat template is the tokenizer's.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.inner, self.backend = tokenizer, tokenizer.backend_tokenizer
+        self.eos_token, self.eos_token_id = tokenizer.eos_token, tokenizer.eos_token_id
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any:
+        return self.inner.apply_chat_template(conversation, **kwargs)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def direct_tokenizer(tokenizer: ChatTokenizer) -> ChatTokenizer:
+    """``tokenizer`` as a ``DirectTokenizer`` where its backend alone gives the same results, else unchanged."""
+    if isinstance(tokenizer, DirectTokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        return tokenizer  # a slow (Python) tokenizer, or a test's own
+    same = (backend.truncation is None and backend.padding is None
+            and not getattr(tokenizer, "split_special_tokens", False) and not backend.encode_special_tokens
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
+    return DirectTokenizer(tokenizer) if same else tokenizer
 
 
 _PROBE = "\u2063PROBE\u2063"  # a marker no observation contains

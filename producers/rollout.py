@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import secrets
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from producers.envs.base import StepResult, TextEnv
-from producers.episode import ChatFormat, ChatTokenizer, Episode
+from producers.episode import ChatFormat, ChatTokenizer, Episode, direct_tokenizer
 from producers.rows import episode_rows
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
 from schemas.config import ProducerConfig, SamplerConfig
@@ -156,14 +157,16 @@ class RolloutWorker:
         """``env_seeds``: the environment seeds to play, in order, wrapping around at the end (None =
         ``producer.seed_start`` upwards); ``incarnation``: see ``SamplingStreams`` (None = a random one)."""
         self.run_id, self.producer_id, self.env_name = run_id, producer_id, env_name
-        self.make_env, self.tokenizer, self.sampler = make_env, tokenizer, sampler
+        self.make_env, self.tokenizer, self.sampler = make_env, direct_tokenizer(tokenizer), sampler
         self.adapters, self.sink, self.cfg, self.sampling = adapters, sink, producer, sampling
-        self.chat = ChatFormat.from_tokenizer(tokenizer)
+        self.chat = ChatFormat.from_tokenizer(self.tokenizer)
         self.pool = ThreadPoolExecutor(max_workers=producer.env_workers, thread_name_prefix="env")
         self.active: list[Group] = []
         self.finished: list[Group] = []
         self.pending_steps: dict[Future[StepResult], Episode] = {}
         self.pending_generations: dict[Future[SampleOutput], tuple[Episode, SampleRequest]] = {}
+        # on a concurrent sampler every turn and step puts its future here when it finishes (``collect``)
+        self.finished_futures: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
         self.generating_since = 0.0  # unix time the turns now out started to be out
         self.generating_counted = 0.0  # monotonic time up to which that stretch is in stats.generate_s
         self.env_seeds = env_seeds if env_seeds is not None else range(producer.seed_start, sys.maxsize)
@@ -300,7 +303,10 @@ class RolloutWorker:
         """Record what the model answered and step the environment with it (in the pool)."""
         answer = episode.record_generation(request.prompt_token_ids, output.token_ids, output.logprobs)
         self.stats.generated_tokens += len(output.token_ids)
-        self.pending_steps[self.pool.submit(episode.env.step, answer)] = episode
+        future = self.pool.submit(episode.env.step, answer)
+        self.pending_steps[future] = episode
+        if self.sampler.concurrent_requests:
+            future.add_done_callback(self.finished_futures.put)
 
     def generate_for(self, items: list[tuple[Episode, AdapterHandle | None]]) -> None:
         requests, runnable = [], []
@@ -332,6 +338,7 @@ class RolloutWorker:
             future = self.sampler.submit(request, adapter, temperature=self.sampling.temperature,
                                          top_p=self.sampling.top_p, seed=self.streams.next_call_seed())
             self.pending_generations[future] = (episode, request)
+            future.add_done_callback(self.finished_futures.put)
 
     def finish_generation(self, future: Future[SampleOutput]) -> None:
         episode, request = self.pending_generations.pop(future)
@@ -350,9 +357,9 @@ class RolloutWorker:
     def collect(self, settle_s: float = 0.02) -> None:
         """Apply finished environment steps (and, on a concurrent sampler, finished turns); on a batching sampler
         wait briefly so fast steps batch together, on a concurrent one until anything finishes."""
+        done: Iterable[Future[Any]]
         if self.sampler.concurrent_requests:
-            futures: list[Future[Any]] = [*self.pending_generations, *self.pending_steps]
-            done = wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)[0] if futures else set()
+            done = self.next_finished(1.0) if self.pending_generations or self.pending_steps else []
         elif self.pending_steps:
             done, _ = wait(list(self.pending_steps), timeout=settle_s)
             if not done and not self.episodes_waiting():
@@ -373,6 +380,20 @@ class RolloutWorker:
             self.finished.append(group)
             self.stats.groups += 1
             self.first_finished_at = self.first_finished_at or time.monotonic()
+
+    def next_finished(self, timeout_s: float) -> list[Future[Any]]:
+        """The turns and steps that finished since the last call, in the order they did, waiting up to
+        ``timeout_s`` for the first: a queue their callbacks fill, rather than waiting on every future out,
+        which costs each call a waiter on each of them."""
+        try:
+            done = [self.finished_futures.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                done.append(self.finished_futures.get_nowait())
+            except queue.Empty:
+                return done
 
     # ---- batches ----------------------------------------------------------
     def maybe_flush(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
@@ -309,6 +310,19 @@ def generate_level(rng: random.Random, dim_room: tuple[int, int], num_boxes: int
     )
 
 
+@lru_cache(maxsize=256)
+def cached_level(seed: int, dim_room: tuple[int, int], num_boxes: int, num_steps: int, p_change_directions: float,
+                 search_depth: int, max_attempts: int) -> tuple[SokobanLevel, tuple]:
+    """``generate_level`` from ``random.Random(seed)``, and that generator's state after it, generated once.
+
+    The episodes of a group share a seed, and the reverse play of scrambling is most of a reset; a level is
+    immutable, and restoring the state leaves the environment's generator where generating would have.
+    """
+    rng = random.Random(seed)
+    level = generate_level(rng, dim_room, num_boxes, num_steps, p_change_directions, search_depth, max_attempts)
+    return level, rng.getstate()
+
+
 # ---- environment ------------------------------------------------------------------
 class SokobanConfig(EnvConfig):
     """Sokoban settings; the limits default to GRL's 6 turns, 5 actions a turn, 10 in all, 100 steps."""
@@ -360,10 +374,10 @@ class Sokoban(TextEnv[str]):
     def _reset(self, seed: int) -> None:
         cfg: SokobanConfig = self.config  # type: ignore[assignment]
         num_steps = cfg.num_gen_steps or int(1.7 * (cfg.dim_room[0] + cfg.dim_room[1]))
-        self.set_level(generate_level(
-            self.rng, cfg.dim_room, cfg.num_boxes, num_steps, cfg.p_change_directions,
-            cfg.search_depth, cfg.max_generation_attempts,
-        ))
+        level, rng_state = cached_level(seed, tuple(cfg.dim_room), cfg.num_boxes, num_steps, cfg.p_change_directions,
+                                        cfg.search_depth, cfg.max_generation_attempts)
+        self.rng.setstate(rng_state)
+        self.set_level(level)
 
     def set_level(self, level: SokobanLevel) -> None:
         """Play ``level`` from now on (hand-built puzzles, tests); call after ``reset``."""

@@ -116,6 +116,24 @@ def test_same_seed_same_episode() -> None:
     assert len({Sokoban().reset(seed) for seed in range(10)}) > 1
 
 
+def test_a_seed_s_level_is_generated_once_and_reset_leaves_the_rng_as_generating_it_does(monkeypatch) -> None:
+    # a group's episodes share a seed: its level is scrambled once (reverse play is most of a reset)
+    import producers.envs.sokoban as sokoban
+
+    sokoban.cached_level.cache_clear()
+    calls: list[int] = []
+    original = sokoban.generate_level
+    monkeypatch.setattr(sokoban, "generate_level", lambda rng, *a: calls.append(1) or original(rng, *a))
+    first, second = Sokoban(), Sokoban()
+    assert first.reset(7) == second.reset(7) and first.level == second.level
+    assert len(calls) == 1
+    uncached = random.Random(7)
+    level = original(uncached, (6, 6), 1, int(1.7 * 12), 0.35, 300, 1_000)
+    assert level == first.level and first.rng.getstate() == second.rng.getstate() == uncached.getstate()
+    Sokoban(dim_room=(7, 7)).reset(7)  # another room size is another level
+    assert len(calls) == 2
+
+
 def test_levels_are_always_solvable() -> None:
     start = time.monotonic()
     env = Sokoban()
