@@ -1,4 +1,4 @@
-"""safetensors bytes written through numpy where numpy has the dtype: the same file as safetensors' torch writer."""
+"""safetensors bytes from each tensor's memory through safetensors' serialiser: the same file as its torch writer."""
 
 from __future__ import annotations
 
@@ -40,12 +40,14 @@ def header(blob: bytes) -> dict:
     return json.loads(blob[8:8 + length])
 
 
-def test_a_dtype_numpy_lacks_goes_through_the_torch_writer() -> None:
-    tensors = {"w": torch.randn(4, 4).to(torch.bfloat16), "b": torch.zeros(4)}
+def test_every_dtype_and_empty_tensors_are_written_as_the_torch_writer_writes_them() -> None:
+    tensors = {"w": torch.randn(4, 4).to(torch.bfloat16), "b": torch.zeros(4), "h": torch.ones(3, dtype=torch.float16),
+               "f8": torch.ones(2).to(torch.float8_e4m3fn), "empty": torch.zeros(0, 5), "i8": torch.ones(2, dtype=torch.int8)}
     blob = save_tensors(tensors)
     assert blob == torch_save(tensors)
     loaded = torch_load(blob)
     assert loaded["w"].dtype == torch.bfloat16 and torch.equal(loaded["w"], tensors["w"])
+    assert loaded["empty"].shape == (0, 5)
 
 
 def test_tensors_that_need_grad_or_are_views_are_written_as_their_values() -> None:
@@ -62,3 +64,8 @@ def test_tensors_sharing_memory_are_refused_as_the_torch_writer_refuses_them() -
         torch_save({"a": base, "b": base})
     with pytest.raises(RuntimeError, match="share memory"):
         save_tensors({"a": base, "b": base})
+
+
+def test_sparse_tensors_are_refused_as_the_torch_writer_refuses_them() -> None:
+    with pytest.raises(ValueError, match="sparse"):
+        save_tensors({"s": torch.zeros(3, 3).to_sparse()})
