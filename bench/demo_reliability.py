@@ -15,9 +15,10 @@ the success count (both targets met).
     python bench/demo_reliability.py --runs 10 --preset demo-gae   # the online phase of another preset
     python bench/demo_reliability.py --runs 5 --first-seed 0 --preset demo-sokoban   # Sokoban, judged on success
     python bench/demo_reliability.py --runs 10 --resume    # only the seeds not yet in --out
+    RLPIPE_SAMPLER__ENGINE=blocking python bench/demo_reliability.py --runs 3   # every phase with a setting
 
-Each run's record also holds the commit it ran on and the machine's load average
-before and after it, so runs collected over several sittings (``--resume``) can
+Each run's record also holds the commit it ran on, the ``RLPIPE_`` variables that
+configured it and the machine's load average before and after it, so runs collected over several sittings (``--resume``) can
 be checked to be of the same recipe on a comparable machine.
 """
 
@@ -67,7 +68,8 @@ def one_run(seed: int, steps: int | None, episodes: int | None, preset: str = "d
     done = subprocess.run(command, capture_output=True, text=True)
     minutes = (time.monotonic() - started) / 60
     machine = {"commit": ran_on, "preset": preset, "load_before": [round(x, 2) for x in load_before],
-               "load_after": [round(x, 2) for x in os.getloadavg()]}
+               "load_after": [round(x, 2) for x in os.getloadavg()],
+               "settings": configuration_variables()}
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         return {"seed": seed, "failed": tail[0], "minutes": minutes, **machine}
@@ -82,6 +84,13 @@ def one_run(seed: int, steps: int | None, episodes: int | None, preset: str = "d
     outcome["minutes"] = minutes
     outcome["seed"] = seed
     return {**outcome, **machine}
+
+
+def configuration_variables() -> dict[str, str]:
+    """The ``RLPIPE_`` variables that set run configuration for every phase (e.g. ``RLPIPE_SAMPLER__ENGINE``)."""
+    from pipeline.config import PROCESS_ENV
+
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("RLPIPE_") and k not in PROCESS_ENV}
 
 
 def met(outcome: dict[str, Any]) -> bool:

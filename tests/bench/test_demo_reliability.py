@@ -75,3 +75,16 @@ def test_a_demo_that_prints_no_report_is_a_failed_run(monkeypatch):
     assert outcome["seed"] == 3
     assert "no report" in outcome["failed"]
     assert not demo_reliability.met(outcome)
+
+
+def test_a_run_records_the_configuration_variables_it_ran_with(monkeypatch):
+    import subprocess
+
+    from bench import demo_reliability
+
+    monkeypatch.setenv("RLPIPE_SAMPLER__ENGINE", "async")
+    monkeypatch.setenv("RLPIPE_HOME", "/somewhere")  # a process setting, not run configuration
+    monkeypatch.setattr(demo_reliability.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 1, stdout="", stderr="boom\n"))
+    outcome = demo_reliability.one_run(3, None, 32)
+    assert outcome["settings"] == {"RLPIPE_SAMPLER__ENGINE": "async"}
