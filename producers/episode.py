@@ -38,7 +38,7 @@ class DirectTokenizer:
     """A Hugging Face fast tokenizer whose ``encode`` and ``decode`` call its Rust backend (``tokenizers``) directly.
 
     The same ids and text as the tokenizer's own methods, which reach the same backend call through
-    argument checks, batching of a single text and result conversion: about three quarters of their time
+    argument checks, batching of a single text and result conversion: two thirds to four fifths of their time
     for a turn's short prompt or answer, and a rollout worker calls them every turn.  Built by
     ``direct_tokenizer`` only where the backend alone reproduces the tokenizer: no truncation or padding set,
     special tokens not split, no clean-up of decoded text.  The chat template is the tokenizer's.
