@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -81,9 +82,24 @@ def one_run(seed: int, steps: int | None, episodes: int | None, preset: str = "d
     outcome = json.loads((folder / "demo-result.json").read_text())
     series = json.loads((folder / "report.json").read_text())["series"]
     outcome["take_off_version"] = take_off_version(series.get("reward_by_version") or [])
+    outcome["phase_seconds"] = phase_seconds(done.stdout)
     outcome["minutes"] = minutes
     outcome["seed"] = seed
     return {**outcome, **machine}
+
+
+def phase_seconds(stdout: str) -> dict[str, int]:
+    """Each phase's wall seconds, from the demo's output (a rule titled ``i/n name``, then ``done in Ns``)."""
+    seconds: dict[str, int] = {}
+    title = None
+    for line in stdout.splitlines():
+        heading = re.search(r"(\d+/\d+ [^─]*[^─\s])", line)
+        if heading and "─" in line:
+            title = heading.group(1)
+        elif (done := re.fullmatch(r"\s*done in (\d+)s\s*", line)) and title is not None:
+            seconds[title] = int(done.group(1))
+            title = None
+    return seconds
 
 
 def configuration_variables() -> dict[str, str]:

@@ -88,3 +88,13 @@ def test_a_run_records_the_configuration_variables_it_ran_with(monkeypatch):
         a[0], 1, stdout="", stderr="boom\n"))
     outcome = demo_reliability.one_run(3, None, 32)
     assert outcome["settings"] == {"RLPIPE_SAMPLER__ENGINE": "async"}
+
+
+def test_phase_seconds_are_read_from_the_demo_s_output():
+    from bench.demo_reliability import phase_seconds
+
+    stdout = ("──────── 1/6 tiny base model ────────\n$ rlpipe model init-tiny\ndone in 3s\n"
+              "──── 4/6 online RL: learner + producer on the embedded stack ────\n$ rlpipe run\nnoise\ndone in 412s\n"
+              "done in 9s\n")  # a line with no phase before it is nobody's
+    assert phase_seconds(stdout) == {"1/6 tiny base model": 3,
+                                     "4/6 online RL: learner + producer on the embedded stack": 412}
