@@ -16,6 +16,7 @@ one context: there every turn is a fresh prompt (system prompt, at most
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Protocol
 
 from tokenizers import Tokenizer
@@ -42,17 +43,26 @@ class DirectTokenizer:
     for a turn's short prompt or answer, and a rollout worker calls them every turn.  Built by
     ``direct_tokenizer`` only where the backend alone reproduces the tokenizer: no truncation or padding set,
     special tokens not split, no clean-up of decoded text.  The chat template is the tokenizer's.
+
+    The last ``ENCODED_KEPT`` texts' ids are kept: the episodes of a group start from the same first prompt
+    (one seed), which with a long system prompt is the longest text a worker encodes.
     """
+
+    ENCODED_KEPT = 256
 
     def __init__(self, tokenizer: Any) -> None:
         self.inner, self.backend = tokenizer, tokenizer.backend_tokenizer
         self.eos_token, self.eos_token_id = tokenizer.eos_token, tokenizer.eos_token_id
+        self._encoded = lru_cache(maxsize=self.ENCODED_KEPT)(self._encode)
 
     def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any:
         return self.inner.apply_chat_template(conversation, **kwargs)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(self._encoded(text, add_special_tokens))  # a list of its own: callers extend it
+
+    def _encode(self, text: str, add_special_tokens: bool) -> tuple[int, ...]:
+        return tuple(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

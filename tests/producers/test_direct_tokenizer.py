@@ -48,6 +48,26 @@ def test_a_tokenizer_the_backend_would_not_reproduce_is_used_as_it_is(tiny_token
     assert direct_tokenizer(plain) is plain  # type: ignore[arg-type]
 
 
+def test_a_text_encoded_again_is_not_encoded_again_and_its_ids_are_a_new_list(tiny_tokenizer) -> None:
+    direct = direct_tokenizer(tiny_tokenizer)
+    calls: list[str] = []
+    backend_encode = direct.backend.encode
+
+    class Counting:
+        def encode(self, text, add_special_tokens=True):
+            calls.append(text)
+            return backend_encode(text, add_special_tokens=add_special_tokens)
+
+    direct.backend = Counting()
+    first = direct.encode("the same first prompt", add_special_tokens=False)
+    first.append(0)  # an episode extends its token list in place
+    again = direct.encode("the same first prompt", add_special_tokens=False)
+    assert again == tiny_tokenizer.encode("the same first prompt", add_special_tokens=False)
+    assert calls == ["the same first prompt"]
+    direct.encode("the same first prompt", add_special_tokens=True)  # other settings, other ids
+    assert len(calls) == 2
+
+
 def test_wrapping_twice_wraps_once(tiny_tokenizer) -> None:
     direct = direct_tokenizer(tiny_tokenizer)
     assert direct_tokenizer(direct) is direct
