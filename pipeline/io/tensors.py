@@ -13,19 +13,17 @@ and sparse ones go through the torch writer, which refuses them as it always has
 from __future__ import annotations
 
 import sys
+from functools import cache
 
 import safetensors.torch
 import torch
 from safetensors import TensorSpec, serialize
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}  # torch.float32 -> "float32", as safetensors' torch writer names them
 
-
+@cache
 def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).rpartition(".")[2]
-    return name
+    """torch.float32 -> "float32", as safetensors' torch writer names dtypes."""
+    return str(dtype).rpartition(".")[2]
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
