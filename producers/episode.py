@@ -146,6 +146,7 @@ class Episode:
     max_model_len: int = 2048
     temperature: float = 1.0  # how the sampler shaped the distribution its logprobs are of (the rows record it)
     top_p: float = 1.0
+    place: str = ""  # the episode's place in its run ("<group number>.<index in group>"): names its sampling streams
     observation: str = ""
     turns: list[TurnRecord] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # whole-episode sequence (per_turn False)

@@ -98,11 +98,14 @@ class RolloutStats:
 
 
 class SamplingStreams:
-    """The sampler seed of every ``generate`` call: a fresh random stream for every draw.
+    """The sampler seed of every ``generate`` call and every lone turn: a fresh random stream for every draw.
 
     Call ``n`` is seeded with a hash of (sampling seed, producer id, incarnation, ``n``),
     and the sampler derives request ``i``'s stream from that seed and ``i``
-    (``request_seed``).  So two turns of one episode, two calls between batches,
+    (``request_seed``).  On a sampler that takes every turn alone, turn ``t`` of the
+    episode at place ``p`` is seeded with a hash of (..., ``p``, ``t``) instead
+    (``turn_seed``), so the streams do not depend on the order the turns go out in.
+    So two turns of one episode, two calls between batches,
     two producers and two processes never share a stream.  ``engine_seed`` seeds
     an engine-wide stream (vLLM on the CPU cannot seed requests) the same way.
 
@@ -125,6 +128,12 @@ class SamplingStreams:
         """The seed of the next ``generate`` call (63 bits: any backend's generator accepts it)."""
         self.calls += 1
         return self._hash(f"call:{self.calls - 1}") & 0x7FFF_FFFF_FFFF_FFFF
+
+    def turn_seed(self, place: str, turn: int) -> int:
+        """The seed of turn ``turn`` of the episode at ``place`` (``Episode.place``), for a sampler that takes
+        every turn alone: it follows from where the turn is in the run, not from when it went out, so a
+        worker with a given incarnation draws the same streams however its turns interleave (63 bits)."""
+        return self._hash(f"turn:{place}:{turn}") & 0x7FFF_FFFF_FFFF_FFFF
 
     def engine_seed(self) -> int:
         """The seed of an engine-wide stream (vLLM on the CPU draws from one): new per incarnation, 31 bits."""
@@ -248,11 +257,12 @@ class RolloutWorker:
         seed = self.next_seed
         self.next_seed = seed + 1 if seed + 1 < self.env_seeds.stop else self.env_seeds.start
         group_id = f"{self.producer_id}-g{uuid.uuid4().hex[:12]}"
-        episodes = [self.new_episode(seed, group_id, adapter) for _ in range(self.cfg.group_size)]
+        episodes = [self.new_episode(seed, group_id, adapter, f"{self.groups_started}.{index}")
+                    for index in range(self.cfg.group_size)]
         self.groups_started += 1
         return Group(group_id, seed, adapter, episodes)
 
-    def new_episode(self, seed: int, group_id: str, adapter: AdapterHandle | None) -> Episode:
+    def new_episode(self, seed: int, group_id: str, adapter: AdapterHandle | None, place: str) -> Episode:
         env = self.make_env()
         episode = Episode(
             env=env,
@@ -268,6 +278,7 @@ class RolloutWorker:
             max_model_len=self.sampling.max_model_len,
             temperature=self.sampling.temperature,
             top_p=self.sampling.top_p,
+            place=place,
         )
         episode.start()
         return episode
@@ -328,7 +339,8 @@ class RolloutWorker:
             self.take_turn(episode, request, output)
 
     def submit_waiting(self) -> None:
-        """One request per waiting episode, each with a fresh stream; the sampler's busy time runs while any is out."""
+        """One request per waiting episode, each with a fresh stream named by the episode's place and turn (see
+        ``SamplingStreams.turn_seed``); the sampler's busy time runs while any is out."""
         for episode, adapter in self.episodes_waiting():
             request = self.next_request(episode)
             if request is None:
@@ -336,7 +348,8 @@ class RolloutWorker:
             if not self.pending_generations:
                 self.generating_since, self.generating_counted = time.time(), time.monotonic()
             future = self.sampler.submit(request, adapter, temperature=self.sampling.temperature,
-                                         top_p=self.sampling.top_p, seed=self.streams.next_call_seed())
+                                         top_p=self.sampling.top_p,
+                                         seed=self.streams.turn_seed(episode.place, len(episode.turns)))
             self.pending_generations[future] = (episode, request)
             future.add_done_callback(self.finished_futures.put)
 

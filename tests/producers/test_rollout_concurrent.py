@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from producers.rollout import SamplingStreams
 from producers.samplers.base import SampleOutput, request_seed
 from schemas.trajectory import table_to_records
 from tests.producers.test_rollout import ScriptedSampler, _clean_memory  # noqa: F401 - the store's autouse clean-up
@@ -116,3 +117,38 @@ def test_busy_time_grows_while_turns_are_out_not_only_when_all_are_back(tiny_tok
     while_out = [(t, g) for t, out, g in seen if out and t > 0.5]
     assert while_out and max(g for _, g in while_out) > 0.3
     assert all(g <= t + 0.01 for t, _, g in seen)  # never more than the time elapsed: one lane
+
+
+def test_each_turn_draws_the_same_stream_however_the_turns_interleave(tiny_tokenizer):
+    # the same incarnation, requests answered in opposite orders: every (episode, turn) keeps its seed,
+    # so evaluation with a fixed incarnation reproduces its score on the engine too
+    def play(delay_s) -> tuple[dict[tuple[int, int, int], int | None], list[tuple[int, int, int]]]:
+        sampler = ConcurrentSampler(tiny_tokenizer, delay_s=delay_s)
+        worker, _, _ = make_worker(tiny_tokenizer, sampler)
+        worker.streams = SamplingStreams(0, "prod-1", incarnation=7)
+        seeds: dict[tuple[int, int, int], int | None] = {}
+        order: list[tuple[int, int, int]] = []
+        next_request, submit = worker.next_request, sampler.submit
+        current: list[tuple[int, int, int]] = []
+
+        def recorded_next_request(episode):
+            group = next(g for g in worker.active if episode in g.episodes)
+            current[:] = [(episode.seed, group.episodes.index(episode), len(episode.turns))]
+            return next_request(episode)
+
+        def recorded_submit(request, adapter=None, temperature=1.0, top_p=1.0, seed=None):
+            seeds[current[0]] = seed
+            order.append(current[0])
+            return submit(request, adapter, temperature, top_p, seed)
+
+        worker.next_request = recorded_next_request
+        sampler.submit = recorded_submit
+        worker.run()
+        return seeds, order
+
+    first_back_first, first_order = play(lambda index: 0.005 * (1 + index))
+    last_back_first, last_order = play(lambda index: 0.005 * (30 - index))
+    assert first_order != last_order  # the turns went out in another order
+    assert len(first_back_first) == len(first_order) > 4 and None not in first_back_first.values()
+    assert first_back_first == last_back_first
+    assert len(set(first_back_first.values())) == len(first_back_first)  # still a fresh stream every turn
