@@ -20,7 +20,11 @@ overhead); the median of the per-round ratios is the headline.  Also this proces
 environment threads; not vLLM's engine-core and worker processes): the difference is what the producer's
 own work costs a turn.
 
-Run: .venv/bin/python bench/producer_overhead_async.py [--env sokoban] [--groups 32] [--rounds 5]
+With ``--loop-tasks`` every round also runs its groups with each episode a task on the engine's own event
+loop (no worker thread: ``run_loop_tasks``), against the bare replay of its own requests, the two designs
+alternately first.
+
+Run: .venv/bin/python bench/producer_overhead_async.py [--env sokoban] [--groups 32] [--rounds 5] [--loop-tasks]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -106,22 +111,27 @@ class Measurement:
         return self.generated_tokens / self.seconds
 
 
-def run_producer(engine: SyncSampler, args: argparse.Namespace, seed_start: int) -> tuple[Measurement, list[Turn]]:
-    """The worker for ``args.groups`` groups; its measurement and the turns it sent."""
-    recorder = RecordingSampler(engine)
+def make_worker(engine: SyncSampler, sampler: Any, args: argparse.Namespace, seed_start: int) -> RolloutWorker:
+    """The rollout worker of one round: ``args.groups`` groups from ``seed_start``, rows to memory; the
+    tokenizer is ``args.tokenizer`` if given, else the vLLM engine's own."""
     cfg = ProducerConfig(
         producer_id="bench", group_size=args.group_size, groups_per_batch=args.groups_per_batch,
         concurrent_groups=args.concurrent_groups, max_groups=args.groups, seed_start=seed_start,
         batch_timeout_s=3600, env_workers=args.env_workers,
     )
     sampling = SamplerConfig(max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len, seed=seed_start)
-    tokenizer = engine.engine._engine().get_tokenizer()
-    worker = RolloutWorker(
+    return RolloutWorker(
         run_id="bench", producer_id="bench", env_name=args.env,
         make_env=lambda: make_env(args.env, step_delay_s=args.step_delay_s),
-        tokenizer=tokenizer, sampler=recorder, adapters=BaseModelOnly(), sink=MemorySink(), producer=cfg,
-        sampling=sampling,
+        tokenizer=getattr(args, "tokenizer", None) or engine.engine._engine().get_tokenizer(), sampler=sampler, adapters=BaseModelOnly(),
+        sink=MemorySink(), producer=cfg, sampling=sampling,
     )
+
+
+def run_producer(engine: SyncSampler, args: argparse.Namespace, seed_start: int) -> tuple[Measurement, list[Turn]]:
+    """The worker for ``args.groups`` groups; its measurement and the turns it sent."""
+    recorder = RecordingSampler(engine)
+    worker = make_worker(engine, recorder, args, seed_start)
     next_request = worker.next_request
 
     def recorded_next_request(episode: Episode) -> SampleRequest | None:
@@ -135,6 +145,53 @@ def run_producer(engine: SyncSampler, args: argparse.Namespace, seed_start: int)
     turns = recorder.turns
     generated = sum(t.generated_tokens for t in turns)
     return Measurement(seconds, len(turns), generated, worker.stats.generate_s, cpu), turns
+
+
+def run_loop_tasks(engine: SyncSampler, args: argparse.Namespace, seed_start: int) -> tuple[Measurement, list[Turn]]:
+    """The same groups with every episode a task on the engine's own event loop (``--loop-tasks``).
+
+    No worker thread and no thread pool: a task builds its turn's request with the worker's own
+    ``next_request``, awaits the engine, records the answer and steps the environment, all on the loop
+    that also runs vLLM's front end.  Groups are admitted in order, ``args.concurrent_groups`` at a time,
+    and written with the worker's ``flush``.  This is the design that removes every hop between threads;
+    the bench runs it beside the worker to see what that would buy.
+    """
+    worker = make_worker(engine, engine, args, seed_start)
+    temperature, top_p = worker.sampling.temperature, worker.sampling.top_p
+    turns: list[Turn] = []
+
+    async def episode(chain: Episode) -> None:
+        while not chain.done:
+            request = worker.next_request(chain)
+            if request is None:
+                return
+            seed = worker.streams.turn_seed(chain.place, len(chain.turns))
+            turn = Turn(chain.group_id, chain.episode_id, request, seed)
+            turns.append(turn)
+            output = await engine.sample_one(request, None, temperature, top_p, seed)
+            turn.token_ids = list(output.token_ids)
+            turn.generated_tokens = len(turn.token_ids)
+            answer = chain.record_generation(request.prompt_token_ids, output.token_ids, output.logprobs)
+            chain.apply_step(chain.env.step(answer))
+
+    async def every() -> None:
+        slots = asyncio.Semaphore(args.concurrent_groups)
+
+        async def group() -> None:
+            async with slots:
+                started = worker.new_group(None)
+                await asyncio.gather(*(episode(e) for e in started.episodes))
+            worker.finished.append(started)
+            if len(worker.finished) >= args.groups_per_batch:
+                worker.flush()
+
+        await asyncio.gather(*(group() for _ in range(args.groups)))
+        worker.flush()
+
+    cpu, started = time.process_time(), time.perf_counter()
+    engine.call(every())
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return Measurement(seconds, len(turns), sum(t.generated_tokens for t in turns), 0.0, cpu), turns
 
 
 def replay_bare(engine: SyncSampler, turns: list[Turn], args: argparse.Namespace) -> tuple[Measurement, int]:
@@ -196,6 +253,9 @@ def table(rows: list[tuple[str, Measurement, Measurement]]) -> str:
 def parse_args() -> argparse.Namespace:
     parser = workload_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--step-delay-s", type=float, default=0.0, help="environment step delay, in both arms")
+    parser.add_argument("--loop-tasks", action="store_true",
+                        help="also run every round's groups as tasks on the engine's loop (run_loop_tasks), each "
+                             "against the bare replay of its own requests")
     return parser.parse_args()
 
 
@@ -217,15 +277,24 @@ def main() -> None:
         replay_bare(engine, run_producer(engine, warm, seed_start=10_000_000)[1], warm)
         warm_s = time.perf_counter() - started
         rows, producers, bares, differing = [], [], [], 0
+        loop_rows: list[tuple[str, Measurement, Measurement]] = []
         for index in range(args.rounds):
-            producer, turns = run_producer(engine, args, seed_start=index * args.groups)
-            bare, differ = replay_bare(engine, turns, args)  # the very requests just sent
+            arms = [run_producer, run_loop_tasks] if args.loop_tasks else [run_producer]
+            measured = {}
+            for arm in arms if index % 2 == 0 else arms[::-1]:  # with --loop-tasks, alternately first
+                run, turns = arm(engine, args, seed_start=index * args.groups)
+                measured[arm] = run, *replay_bare(engine, turns, args)  # the very requests just sent
+            producer, bare, differ = measured[run_producer]
             rows.append((str(index + 1), producer, bare))
             producers.append(producer)
             bares.append(bare)
             differing += differ
-            print(f"round {index + 1}/{args.rounds}: producer {producer.seconds:.2f} s, bare {bare.seconds:.2f} s",
-                  flush=True)
+            line = f"round {index + 1}/{args.rounds}: producer {producer.seconds:.2f} s, bare {bare.seconds:.2f} s"
+            if args.loop_tasks:  # the same seeds, so the same levels, as tasks on the engine's loop
+                tasks, tasks_bare, _ = measured[run_loop_tasks]
+                loop_rows.append((str(index + 1), tasks, tasks_bare))
+                line += f"; loop tasks {tasks.seconds:.2f} s, bare {tasks_bare.seconds:.2f} s"
+            print(line, flush=True)
     finally:
         engine.close()
     producer, bare = total(producers), total(bares)
@@ -244,10 +313,27 @@ def main() -> None:
     ratios = [p.tokens_per_s() / b.tokens_per_s() for _, p, b in rows]
     print(f"median per-round tokens/s ratio: {statistics.median(ratios):.2f} (min {min(ratios):.2f}, "
           f"max {max(ratios):.2f})")
+    print(f"spread of the per-round ratios: {spread(ratios)}")
     print(f"producer wall time with a request out: {producer.generate_s / producer.seconds:.0%}")
     extra = (producer.cpu_s - bare.cpu_s) / producer.requests
     print(f"this process's CPU: producer {producer.cpu_s:.2f} s, bare {bare.cpu_s:.2f} s; the producer's own work "
           f"{extra * 1000:.2f} ms of CPU a turn, against {producer.seconds - bare.seconds:.2f} s more wall in all")
+    if loop_rows:
+        tasks, tasks_bare = total([r[1] for r in loop_rows]), total([r[2] for r in loop_rows])
+        tasks_ratios = [p.tokens_per_s() / b.tokens_per_s() for _, p, b in loop_rows]
+        print()
+        print(f"episodes as tasks on the engine's loop: ratio over all rounds {tasks.tokens_per_s() / tasks_bare.tokens_per_s():.2f}, "
+              f"per round {spread(tasks_ratios)}; its own work "
+              f"{(tasks.cpu_s - tasks_bare.cpu_s) / tasks.requests * 1000:.2f} ms of CPU a turn")
+
+
+def spread(ratios: list[float]) -> str:
+    """Median, mean and its standard error, and range of per-round ratios: how far one run's figure can be trusted."""
+    if len(ratios) < 2:
+        return f"{ratios[0]:.2f} (one round)"
+    error = statistics.stdev(ratios) / len(ratios) ** 0.5
+    return (f"median {statistics.median(ratios):.2f}, mean {statistics.mean(ratios):.3f} +- {error:.3f} "
+            f"(standard error, {len(ratios)} rounds), range {min(ratios):.2f}-{max(ratios):.2f}")
 
 
 if __name__ == "__main__":  # vLLM may spawn processes that re-import this module

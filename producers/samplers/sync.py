@@ -76,14 +76,14 @@ class SyncSampler(Sampler):
 
         async def every() -> list[SampleOutput]:
             return await asyncio.gather(
-                *(self._one(r, adapter, temperature, top_p, seed, stream) for stream, r in enumerate(requests))
+                *(self.sample_one(r, adapter, temperature, top_p, seed, stream) for stream, r in enumerate(requests))
             )
 
         return self.call(every()) if requests else []
 
-    async def _one(self, request: SampleRequest, adapter: AdapterHandle | None, temperature: float, top_p: float,
-                   seed: int | None, stream: int) -> SampleOutput:
-        """Request ``stream`` of a call seeded ``seed``, as one engine request."""
+    async def sample_one(self, request: SampleRequest, adapter: AdapterHandle | None, temperature: float = 1.0,
+                         top_p: float = 1.0, seed: int | None = None, stream: int = 0) -> SampleOutput:
+        """Request ``stream`` of a call seeded ``seed``, as one engine request; awaited on the engine's loop."""
         params = SampleParams(self.new_token_budget(request), temperature=temperature, top_p=top_p, seed=seed,
                               first_stream=stream)
         return (await self.engine.sample(request.prompt_token_ids, adapter, params)).sequences[0]
@@ -100,7 +100,7 @@ class SyncSampler(Sampler):
     ) -> Future[SampleOutput]:
         """One engine request, started now on the engine's loop: it joins the running batch."""
         self.check_requests([request])
-        return self.start(self._one(request, adapter, temperature, top_p, seed, stream=0))
+        return self.start(self.sample_one(request, adapter, temperature, top_p, seed))
 
     def load_adapter(self, handle: AdapterHandle) -> None:
         self.call(self.engine.load_adapter(handle))
