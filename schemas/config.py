@@ -99,10 +99,10 @@ class SamplerConfig(_Section):
 
     backend: Literal["vllm", "transformers"] = Field("vllm", description="inference engine")
     engine: Literal["blocking", "async"] = Field(
-        "blocking", description=(
-            "how a one-run producer drives the backend: 'blocking' decodes the episodes waiting as one call "
-            "(vLLM's LLM.generate); 'async' through the sampling engine (vLLM's AsyncLLM, continuous batching), "
-            "every episode's turn its own request; packed producers always use the engine"
+        "async", description=(
+            "how a one-run producer drives the backend: 'async' through the sampling engine (vLLM's AsyncLLM, "
+            "continuous batching), every episode's turn its own request; 'blocking' decodes the episodes waiting "
+            "as one call (vLLM's LLM.generate); packed producers always use the engine"
         ),
     )
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="sampling temperature (0 = greedy)")

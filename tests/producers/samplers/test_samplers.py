@@ -274,10 +274,10 @@ def test_run_sampler_loads_the_base_weights_in_model_dtype(tiny_trained_dir, pro
     from schemas.config import ModelConfig, RunConfig
 
     config = RunConfig(model=ModelConfig(dtype="bfloat16"),
-                       sampler=SamplerConfig(backend="transformers", max_model_len=1024))
+                       sampler=SamplerConfig(backend="transformers", max_model_len=1024, engine="blocking"))
     sampler = sampler_for_run(config, str(tiny_trained_dir))
     assert {p.dtype for p in sampler._base.parameters()} == {torch.bfloat16}
-    assert not sampler.concurrent_requests  # sampler.engine "blocking", the default: whole calls
+    assert not sampler.concurrent_requests  # sampler.engine "blocking": whole calls
     out = sampler.generate([SampleRequest(prompts[0], 4)], seed=0)[0]
     assert len(out.logprobs) == len(out.token_ids) and all(lp <= 0.0 for lp in out.logprobs)
 
@@ -286,10 +286,10 @@ def test_run_sampler_on_the_async_engine_takes_each_turn_as_its_own_request(tiny
     from schemas.config import ModelConfig, RunConfig
 
     config = RunConfig(model=ModelConfig(dtype="bfloat16"),
-                       sampler=SamplerConfig(backend="transformers", max_model_len=1024, engine="async"))
+                       sampler=SamplerConfig(backend="transformers", max_model_len=1024))
     sampler = sampler_for_run(config, str(tiny_trained_dir))
     try:
-        assert sampler.concurrent_requests  # the rollout worker sends every episode's turn alone
+        assert sampler.concurrent_requests  # the default engine: the rollout worker sends every episode's turn alone
         assert {p.dtype for p in sampler.engine.sampler._base.parameters()} == {torch.bfloat16}
         request = SampleRequest(prompts[0], 4)
         alone = sampler.submit(request, temperature=0.9, seed=3).result(timeout=300)
