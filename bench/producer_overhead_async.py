@@ -120,11 +120,11 @@ def make_worker(engine: SyncSampler, sampler: Any, args: argparse.Namespace, see
         batch_timeout_s=3600, env_workers=args.env_workers,
     )
     sampling = SamplerConfig(max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len, seed=seed_start)
+    tokenizer = getattr(args, "tokenizer", None) or engine.engine._engine().get_tokenizer()
     return RolloutWorker(
         run_id="bench", producer_id="bench", env_name=args.env,
-        make_env=lambda: make_env(args.env, step_delay_s=args.step_delay_s),
-        tokenizer=getattr(args, "tokenizer", None) or engine.engine._engine().get_tokenizer(), sampler=sampler, adapters=BaseModelOnly(),
-        sink=MemorySink(), producer=cfg, sampling=sampling,
+        make_env=lambda: make_env(args.env, step_delay_s=args.step_delay_s), tokenizer=tokenizer,
+        sampler=sampler, adapters=BaseModelOnly(), sink=MemorySink(), producer=cfg, sampling=sampling,
     )
 
 
@@ -322,8 +322,8 @@ def main() -> None:
         tasks, tasks_bare = total([r[1] for r in loop_rows]), total([r[2] for r in loop_rows])
         tasks_ratios = [p.tokens_per_s() / b.tokens_per_s() for _, p, b in loop_rows]
         print()
-        print(f"episodes as tasks on the engine's loop: ratio over all rounds {tasks.tokens_per_s() / tasks_bare.tokens_per_s():.2f}, "
-              f"per round {spread(tasks_ratios)}; its own work "
+        print(f"episodes as tasks on the engine's loop: ratio over all rounds "
+              f"{tasks.tokens_per_s() / tasks_bare.tokens_per_s():.2f}, per round {spread(tasks_ratios)}; its own work "
               f"{(tasks.cpu_s - tasks_bare.cpu_s) / tasks.requests * 1000:.2f} ms of CPU a turn")
 
 

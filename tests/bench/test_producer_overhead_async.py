@@ -26,7 +26,8 @@ def test_episodes_as_loop_tasks_play_every_group_and_record_every_turn(engine, t
 
     args = argparse.Namespace(
         env="sokoban", groups=3, group_size=2, concurrent_groups=2, groups_per_batch=2, env_workers=1,
-        max_new_tokens=8, max_model_len=1024, step_delay_s=0.0, tokenizer=AutoTokenizer.from_pretrained(tiny_trained_dir),
+        max_new_tokens=8, max_model_len=1024, step_delay_s=0.0,
+        tokenizer=AutoTokenizer.from_pretrained(tiny_trained_dir),
     )
     measurement, turns = run_loop_tasks(engine, args, seed_start=5)
     episodes = {t.episode_id for t in turns}
