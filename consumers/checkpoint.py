@@ -161,8 +161,10 @@ class CheckpointStore:
         key = CheckpointFolder(self.prefix, prepared.step, uuid.uuid4().hex[:8]).key
         files = {"adapter.safetensors": save_tensors(prepared.adapter),
                  "optimizer.safetensors": save_tensors(prepared.optimizer), STATE_FILE: prepared.state_json}
-        # put_create_once: a retried create of our own object (gs://) is not a conflict
-        digests = {name: self.store.put_create_once(f"{key}/{name}", data) for name, data in files.items()}
+        # create-once: a retried create of our own object (gs://) is not a conflict; on local disk the
+        # folder is made durable once for the three files, before the manifest that names them
+        stored = self.store.put_create_many({f"{key}/{name}": data for name, data in files.items()})
+        digests = {name: stored[f"{key}/{name}"] for name in files}
         manifest = CheckpointManifest(
             step=prepared.step, version=prepared.version, files=digests, created_at=datetime.now(UTC).isoformat()
         )

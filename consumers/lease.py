@@ -32,6 +32,7 @@ import os
 import re
 import socket
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -155,6 +156,11 @@ class FencedStore:
         if key.endswith(MANIFEST_SUFFIX):
             self.lease.check()
         return self._store.put_create_once(key, data)
+
+    def put_create_many(self, files: Mapping[str, bytes]) -> dict[str, str]:
+        if any(key.endswith(MANIFEST_SUFFIX) for key in files):
+            self.lease.check()
+        return self._store.put_create_many(files)
 
     def put(self, key: str, data: bytes) -> str:
         # The learner's only replacing write is a step object of an attempt that crashed before its

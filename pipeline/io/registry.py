@@ -254,8 +254,7 @@ class AdapterRegistry:
             metrics=metrics,
             created_at=datetime.now(UTC),
         )
-        for name, data in files.items():
-            self.store.put_create_once(f"{stage_key}/{name}", data)
+        self.store.put_create_many({f"{stage_key}/{name}": data for name, data in files.items()})
         try:
             # A conflict is only a lost race if the stored manifest is not ours byte for byte: a retried
             # create whose first attempt landed also reports one, and then the version is committed.

@@ -10,7 +10,9 @@ readers never see half an object.
 
 - local disk: the bytes go to a temporary file in the destination folder (fsynced),
   which is then hard-linked to the final name; ``os.link`` fails with
-  ``FileExistsError`` if the name exists, atomically, also across processes.
+  ``FileExistsError`` if the name exists, atomically, also across processes.  The
+  folder is fsynced after the link, so the name survives a crash of the machine;
+  ``put_create_many`` fsyncs each folder once after all of its files.
 - ``gs://``: a single-request upload with ``ifGenerationMatch=0`` (gcsfs
   ``mode="create"``); a clash answers 412, which gcsfs raises as ``FileExistsError``.
   The single request matters: fake-gcs-server ignores the precondition on resumable
@@ -32,6 +34,7 @@ import os
 import re
 import threading
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -192,6 +195,33 @@ class ObjectStore:
                 raise
             return sha256_hex(data)
 
+    def put_create_many(self, files: Mapping[str, bytes]) -> dict[str, str]:
+        """``put_create_once`` for each of ``files`` (key -> bytes), in order; their digests by key.
+
+        Every key is checked before anything is written.  On local disk each file's bytes are
+        fsynced before it is linked, as always, and each folder's new names are made durable by one
+        fsync of that folder after the last file, instead of one per file: a checkpoint's three files
+        cost four fsyncs instead of six.  Nothing is durable until this returns, so a caller commits
+        (writes the manifest that names these files) only after it.
+        """
+        items = [(validate_key(key), bytes(data)) for key, data in files.items()]
+        if not self._is_local:
+            return {key: self.put_create_once(key, data) for key, data in items}
+        digests: dict[str, str] = {}
+        folders: dict[Path, None] = {}
+        for key, data in items:
+            path = self.path(key)
+            try:
+                self._local_write(path, data, replace=False, sync_folder=False)
+            except FileExistsError:
+                if self.get(key) != data:
+                    raise
+            folders[Path(path).parent] = None
+            digests[key] = sha256_hex(data)
+        for folder in folders:
+            _fsync_dir(folder)
+        return digests
+
     def put(self, key: str, data: bytes) -> str:
         """Write ``data`` at ``key``, replacing what is there (mutable objects only); return its sha256."""
         data = bytes(data)
@@ -254,7 +284,9 @@ class ObjectStore:
 
     # -- local atomic writes -----------------------------------------------------------------
 
-    def _local_write(self, path: str, data: bytes, replace: bool) -> None:
+    def _local_write(self, path: str, data: bytes, replace: bool, sync_folder: bool = True) -> None:
+        """The bytes to a fsynced temporary file, linked (or renamed, ``replace``) to ``path``; with
+        ``sync_folder`` the folder too, so the new name survives a crash of the machine."""
         final = Path(path)
         final.parent.mkdir(parents=True, exist_ok=True)
         temp = final.parent / f"{_TEMP_PREFIX}{uuid.uuid4().hex}-{final.name}"
@@ -272,7 +304,8 @@ class ObjectStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temp.unlink()
-        _fsync_dir(final.parent)
+        if sync_folder:
+            _fsync_dir(final.parent)
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -188,3 +188,14 @@ def test_an_old_layout_checkpoint_loads_and_its_log_moves_to_step_objects(store:
     assert [step for step, _ in checkpoints.complete()] == [4]
     assert [e["step"] for e in checkpoints.steps.read(upto=4)] == [1, 2, 3, 4]
     assert checkpoints.latest().state.trained == state.trained and "empty-batch" in state.trained
+
+
+def test_a_checkpoint_on_local_disk_costs_six_fsyncs(store: FlakyStore, fsyncs: list[str]) -> None:
+    """Its three files' bytes, their folder once, then the manifest and the folder again: the manifest
+    is linked only after the files it names are durable."""
+    checkpoints = CheckpointStore(store, RUN)
+    checkpoints.record_step({"step": 1, "batch_ids": ["b1"]})
+    fsyncs.clear()
+    checkpoints.save(LearnerState(step=1, version=1, positions={"t:0": 1}), {"lora_A": torch.ones(2, 2)},
+                     {"exp_avg": torch.zeros(2)}, {})
+    assert fsyncs == ["file"] * 3 + ["folder"] + ["file", "folder"]

@@ -206,12 +206,11 @@ class RetriedCreateStore(ObjectStore):
         super().__init__(root)
         self.ghost_suffixes, self.ghosts = ghost_suffixes, 0
 
-    def put_create(self, key: str, data: bytes) -> str:
-        digest = super().put_create(key, data)
-        if key.endswith(self.ghost_suffixes):
+    def _local_write(self, path: str, data: bytes, replace: bool, sync_folder: bool = True) -> None:
+        super()._local_write(path, data, replace, sync_folder)  # every create on local disk ends here
+        if not replace and path.endswith(self.ghost_suffixes):
             self.ghosts += 1
-            raise FileExistsError(f"{self.url(key)} already exists")
-        return digest
+            raise FileExistsError(f"{path} already exists")
 
 
 @pytest.mark.parametrize("ghost", ["manifest.json", "adapter_model.safetensors"])
@@ -289,3 +288,11 @@ def test_a_manifest_without_a_kind_reads_as_a_lora_adapter() -> None:
                                                                    "sha256": "0" * 64, "size": 1}},
     }
     assert manifest_from_bytes(json.dumps(old).encode()).kind == "lora"
+
+
+def test_a_version_on_local_disk_makes_its_files_durable_before_its_manifest(file_store: ObjectStore,
+                                                                             fsyncs: list[str]) -> None:
+    """Each file's bytes, their folder once, then the manifest and its folder: five fsyncs for two files."""
+    files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"weights"}
+    AdapterRegistry(file_store, "run1").publish_files(files, "tiny", parent_version=0, learner_step=1)
+    assert fsyncs == ["file", "file", "folder", "file", "folder"]
