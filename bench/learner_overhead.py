@@ -20,12 +20,17 @@ Tokens are every token of every row (prompt and answer, no padding), as the lear
 Rows imitate per-turn prompts (``--prompt-tokens`` random tokens) with short answers (``--answer-tokens``),
 sampler logprobs from the base model (so importance ratios start at 1).
 
-Reported per arm: tokens/s over the measured steps, the median seconds per step, and learner/arm both as
-the ratio of tokens/s and as the median of per-step time ratios (robust to load spikes).
+Reported per arm: tokens/s over the measured steps, the median seconds per step; then learner/bare as the
+ratio of tokens/s and the spread of the per-block ratios (median, mean +- standard error, range): one run's
+ratio moves by several hundredths on a shared machine, and the spread says by how much.
+
+With ``--toggle-writes`` the same learner publishes and checkpoints in every other block only, reported as a
+second learner row ("learner (no writes)"): what the writes cost the training path, beside what the rest of
+the learner costs, on the same batches as the bare loops.
 
 Run: .venv/bin/python bench/learner_overhead.py [--steps 20] [--rows 8] [--prompt-tokens 128]
      [--answer-tokens 8] [--loss importance_sampling] [--publish-every 1] [--checkpoint-every 1] [--threads N]
-     [--block-steps 1]
+     [--block-steps 1] [--toggle-writes]
 
 With ``--block-steps K`` every arm runs K steps per turn, the learner in one call of its loop: there a step's
 publish and checkpoint are written in the background while the next step trains (``consumers.step_writer``),
@@ -54,6 +59,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.stats import spread
 from consumers.advantages import compute_advantages, training_weights
 from consumers.batching import micro_batches
 from consumers.checkpoint import CheckpointStore
@@ -68,6 +74,7 @@ from schemas.config import LearnerConfig
 from schemas.trajectory import NO_ADAPTER_SHA
 
 SOURCE_RUN, LEARNER_RUN = "bench-src", "bench"
+NO_WRITES = "learner (no writes)"
 GROUP_SIZE = 4
 DAY = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -181,15 +188,19 @@ class BareLoop:
 
 @dataclass
 class Arm:
-    """What one arm did in the measured steps."""
+    """What one arm did in the measured blocks."""
 
     name: str
-    step_s: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    train_s: float = 0.0  # learner only: time inside step() before publish and checkpoint
+    blocks: dict[int, tuple[float, float]] = field(default_factory=dict)  # block start -> (s, tokens) per step
+    train_s: float = 0.0  # learner only: time inside step() before publish and checkpoint, per step, summed
 
-    def tokens_per_s(self) -> float:
-        return sum(self.tokens) / sum(self.step_s)
+    def tokens_per_s(self, blocks: list[int] | None = None) -> float:
+        """Tokens/s over ``blocks`` (all of this arm's by default)."""
+        chosen = [self.blocks[b] for b in (self.blocks if blocks is None else blocks)]
+        return sum(tokens for _, tokens in chosen) / sum(s for s, _ in chosen)
+
+    def step_s(self) -> list[float]:
+        return [s for s, _ in self.blocks.values()]
 
 
 def learner_steps(learner: Learner, count: int) -> tuple[float, int, float]:
@@ -211,9 +222,12 @@ def bare_steps(loop: BareLoop, prepared: list[tuple[list[TokenBatch], float, int
     return time.perf_counter() - started, sum(tokens for _, _, tokens in prepared), 0.0
 
 
-def measure(args: argparse.Namespace, model_dir: str, root: Path, log: Callable[[str], None]) -> list[Arm]:
+def measure(args: argparse.Namespace, model_dir: str, root: Path,
+            log: Callable[[str], None]) -> tuple[list[Arm], dict[str, float]]:
     """Block by block (``--block-steps``), each arm once per block (the order rotating), so load changes hit
-    every arm alike; each block's time counts as that many steps of its mean time."""
+    every arm alike; each block's time counts as that many steps of its mean time.  With ``--toggle-writes``
+    the learner publishes and checkpoints in every other block only (the same learner, the same batches).
+    Returns the arms and each bare loop's largest difference from the learner's adapter at the end."""
     cfg = LearnerConfig(loss=args.loss, batch_rows=args.rows, publish_every=args.publish_every,
                         checkpoint_every=args.checkpoint_every, max_staleness=1000, device="cpu",
                         torch_threads=args.threads, learning_rate=1e-3, seed=0)
@@ -228,6 +242,9 @@ def measure(args: argparse.Namespace, model_dir: str, root: Path, log: Callable[
     learner = Learner(run_id=LEARNER_RUN, base_model=model_dir, config=cfg, policy=LoraPolicy(model_dir, cfg),
                       archive=archive, registry=AdapterRegistry(store, LEARNER_RUN),
                       checkpoints=CheckpointStore(store, LEARNER_RUN), source=source)
+    modes = {"learner": cfg}
+    if args.toggle_writes:
+        modes[NO_WRITES] = cfg.model_copy(update={"publish_every": 10**9, "checkpoint_every": 10**9})
     bare = {"bare (head at generated)": BareLoop(model_dir, cfg, True),
             "bare (full logits)": BareLoop(model_dir, cfg, False)}
     block = args.block_steps
@@ -235,52 +252,61 @@ def measure(args: argparse.Namespace, model_dir: str, root: Path, log: Callable[
         "learner": lambda i: learner_steps(learner, block)}
     for name, loop in bare.items():
         runners[name] = lambda i, loop=loop: bare_steps(loop, prepared[i:i + block])
-    arms = {name: Arm(name) for name in runners}
+    arms = {name: Arm(name) for name in [*modes, *bare]}
     names = list(runners)
     for turn, index in enumerate(range(0, n_steps, block)):
+        mode = list(modes)[turn % len(modes)]
+        learner.cfg = modes[mode]
         order = names[turn % len(names):] + names[:turn % len(names)]
         for name in order:
             wall, tokens, train_s = runners[name](index)
             if index >= args.warmup_steps:
-                arms[name].step_s.append(wall / block)
-                arms[name].tokens.append(tokens / block)
-                arms[name].train_s += train_s / block
+                arm = arms[mode if name == "learner" else name]
+                arm.blocks[index] = (wall / block, tokens / block)
+                arm.train_s += train_s / block
         if (index + block) % 5 < block:
             log(f"step {index + block}/{n_steps}")
-    check_same_work(learner, bare, log)
-    return list(arms.values())
+    learner.cfg = cfg
+    return list(arms.values()), check_same_work(learner, bare, log)
 
 
-def check_same_work(learner: Learner, bare: dict[str, BareLoop], log: Callable[[str], None]) -> None:
-    """The bare loops must end where the learner ended (same data, loss, optimizer), and have moved at all."""
+def check_same_work(learner: Learner, bare: dict[str, BareLoop], log: Callable[[str], None]) -> dict[str, float]:
+    """The bare loops must end where the learner ended (same data, loss, optimizer), and have moved at all:
+    the largest |difference| from the learner's adapter, by arm."""
     weights = learner.policy.adapter_tensors()
     moved = max(float(t.abs().max()) for name, t in weights.items() if "lora_B" in name)
     log(f"check: the learner's lora_B moved from 0 to max |w| {moved:.2e}")
+    diffs: dict[str, float] = {}
     for name, loop in bare.items():
-        diff = max(float((weights[k] - v).abs().max()) for k, v in loop.adapter().items())
-        log(f"check: {name} adapter vs the learner's: max |difference| {diff:.2e}")
+        diffs[name] = max(float((weights[k] - v).abs().max()) for k, v in loop.adapter().items())
+        log(f"check: {name} adapter vs the learner's: max |difference| {diffs[name]:.2e}")
+    return diffs
 
 
 def report(arms: list[Arm], args: argparse.Namespace, load_before: tuple, load_after: tuple) -> str:
-    learner = arms[0]
+    learners = [arm for arm in arms if arm.name.startswith("learner")]
+    bares = [arm for arm in arms if not arm.name.startswith("learner")]
     lines = [
         f"tiny model, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
         f"{args.rows} rows/step of {args.prompt_tokens}+{args.answer_tokens} tokens, loss {args.loss}, publish "
-        f"every {args.publish_every}, checkpoint every {args.checkpoint_every}; {args.steps} steps per arm in blocks "
-        f"of {args.block_steps} after "
-        f"{args.warmup_steps} warm-up; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after",
+        f"every {args.publish_every}, checkpoint every {args.checkpoint_every}; {args.steps} steps in blocks "
+        f"of {args.block_steps} after {args.warmup_steps} warm-up"
+        f"{', the learner writing in every other block' if args.toggle_writes else ''}; "
+        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after",
         "",
-        "| arm | tokens/s | median s/step | learner / arm (tokens/s) | median per-step ratio |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| arm | tokens/s | median s/step | time outside training |",
+        "| --- | ---: | ---: | ---: |",
     ]
     for arm in arms:
-        ratios = [a / b for a, b in zip(arm.step_s, learner.step_s, strict=True)]  # arm time / learner time
-        lines.append(
-            f"| {arm.name} | {arm.tokens_per_s():,.0f} | {statistics.median(arm.step_s):.3f} | "
-            f"{learner.tokens_per_s() / arm.tokens_per_s():.2f} | {statistics.median(ratios):.2f} |"
-        )
-    outside = 1 - learner.train_s / sum(learner.step_s)
-    lines += ["", f"learner time outside training (read, publish, checkpoint, bookkeeping): {outside:.0%}"]
+        outside = f"{1 - arm.train_s / sum(arm.step_s()):.0%}" if arm in learners else ""
+        lines.append(f"| {arm.name} | {arm.tokens_per_s():,.0f} | {statistics.median(arm.step_s()):.3f} | {outside} |")
+    lines += ["", "| learner / bare | tokens/s ratio | per block (bare s / learner s) |", "| --- | ---: | --- |"]
+    for learner in learners:
+        blocks = list(learner.blocks)
+        for arm in bares:
+            ratios = [arm.blocks[b][0] / learner.blocks[b][0] for b in blocks]
+            lines.append(f"| {learner.name} / {arm.name} | "
+                         f"{learner.tokens_per_s() / arm.tokens_per_s(blocks):.2f} | {spread(ratios, 'blocks')} |")
     return "\n".join(lines)
 
 
@@ -296,6 +322,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=1)
     parser.add_argument("--block-steps", type=int, default=1,
                         help="steps each arm runs per turn (the learner's writes overlap the next step within one)")
+    parser.add_argument("--toggle-writes", action="store_true",
+                        help="the learner publishes and checkpoints in every other block only: what the writes cost")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--model", default=None, help="a model folder (default: build the tiny model, untrained)")
     args = parser.parse_args()
@@ -310,7 +338,7 @@ def main() -> None:
             from producers.tiny_model import build_tiny_model  # bench code may use both sides
 
             model_dir = str(build_tiny_model(Path(tmp) / "model", pretrain=False))  # weights do not change speed
-        arms = measure(args, model_dir, Path(tmp) / "store", lambda line: print(line, flush=True))
+        arms, _ = measure(args, model_dir, Path(tmp) / "store", lambda line: print(line, flush=True))
     print()
     print(report(arms, args, load_before, os.getloadavg()))
 

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import producer_overhead
 from bench.producer_overhead import BaseModelOnly, MemorySink, rounds_table, total, workload_arguments
+from bench.stats import spread
 from producers.envs.registry import make_env
 from producers.episode import Episode
 from producers.rollout import RolloutWorker
@@ -325,15 +326,6 @@ def main() -> None:
         print(f"episodes as tasks on the engine's loop: ratio over all rounds "
               f"{tasks.tokens_per_s() / tasks_bare.tokens_per_s():.2f}, per round {spread(tasks_ratios)}; its own work "
               f"{(tasks.cpu_s - tasks_bare.cpu_s) / tasks.requests * 1000:.2f} ms of CPU a turn")
-
-
-def spread(ratios: list[float]) -> str:
-    """Median, mean and its standard error, and range of per-round ratios: how far one run's figure can be trusted."""
-    if len(ratios) < 2:
-        return f"{ratios[0]:.2f} (one round)"
-    error = statistics.stdev(ratios) / len(ratios) ** 0.5
-    return (f"median {statistics.median(ratios):.2f}, mean {statistics.mean(ratios):.3f} +- {error:.3f} "
-            f"(standard error, {len(ratios)} rounds), range {min(ratios):.2f}-{max(ratios):.2f}")
 
 
 if __name__ == "__main__":  # vLLM may spawn processes that re-import this module

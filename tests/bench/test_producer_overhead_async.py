@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.producer_overhead_async import run_loop_tasks, spread
+from bench.producer_overhead_async import run_loop_tasks
 from producers.samplers.engine import TransformersEngine
 from producers.samplers.sync import SyncSampler
 from schemas.config import SamplerConfig
@@ -36,9 +36,3 @@ def test_episodes_as_loop_tasks_play_every_group_and_record_every_turn(engine, t
     assert all(0 < t.generated_tokens <= 8 and t.token_ids for t in turns)
     assert len({t.seed for t in turns}) == len(turns)  # a fresh stream every turn, as the worker draws them
     assert measurement.seconds > 0 and measurement.cpu_s > 0
-
-
-def test_the_spread_of_round_ratios_reports_mean_error_and_range():
-    assert spread([0.9]) == "0.90 (one round)"
-    text = spread([0.8, 0.9, 1.0, 0.9])
-    assert "median 0.90" in text and "mean 0.900 +- 0.041" in text and "range 0.80-1.00" in text and "4 rounds" in text
