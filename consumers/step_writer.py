@@ -135,7 +135,7 @@ class StepOutputs:
         """Serialise the snapshot, publish it under the version it took, announce it."""
         manifest = self.registry.publish_files(
             publication.snapshot.files(), base_model=self.base_model, parent_version=publication.parent_version,
-            learner_step=publication.step, metrics=publication.metrics,
+            learner_step=publication.step, metrics=publication.metrics, expected_version=publication.version,
         )
         if manifest.version != publication.version:
             raise RuntimeError(f"run {self.run_id}: step {publication.step} was published as v{manifest.version}, "

@@ -177,15 +177,23 @@ class AdapterRegistry:
         learner_step: int,
         metrics: Mapping[str, float] | None = None,
         kind: ArtifactKind = "lora",
+        expected_version: int | None = None,
     ) -> AdapterManifest:
         """Publish ``files`` (relative name -> bytes) as the next version of ``kind``; as ``publish`` otherwise.
 
         ``base_model`` names what the artifact applies to (a value network: its agent and environment).
+        ``expected_version``: the number a publisher that counts its own versions expects to take; it is
+        tried first when the version below it is committed (one probe instead of listing every version,
+        which grows with the run), and a lost race or a wrong guess falls back to the listing.
         """
         files = check_artifact_files(dict(files), kind)
         lost = 0
-        for _ in range(self.max_publish_attempts):
-            version = max(self._next_version(), lost + 1)
+        for attempt in range(self.max_publish_attempts):
+            if (attempt == 0 and expected_version is not None and expected_version > parent_version
+                    and self._follows_a_committed(expected_version)):
+                version = expected_version  # another publisher holding it is caught by the create-only manifest
+            else:
+                version = max(self._next_version(), lost + 1)
             manifest = self._try_publish(
                 version, files, base_model, parent_version, learner_step, dict(metrics or {}), kind
             )
@@ -216,6 +224,10 @@ class AdapterRegistry:
     def next_version(self) -> int:
         """The number the next ``publish`` takes, unless another publisher commits it first."""
         return self._next_version()
+
+    def _follows_a_committed(self, version: int) -> bool:
+        """``version`` is 1 or the one above a committed version: taking it leaves no gap."""
+        return version == 1 or (version > 1 and self.store.exists(self._manifest_key(version - 1)))
 
     def _next_version(self) -> int:
         """One above the highest committed version; checks folders from the top, so usually one listing + one probe."""

@@ -296,3 +296,41 @@ def test_a_version_on_local_disk_makes_its_files_durable_before_its_manifest(fil
     files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"weights"}
     AdapterRegistry(file_store, "run1").publish_files(files, "tiny", parent_version=0, learner_step=1)
     assert fsyncs == ["file", "file", "folder", "file", "folder"]
+
+
+class ListingCountStore(ObjectStore):
+    """A file store that counts its listings."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.listings = 0
+
+    def list(self, prefix: str = "", recursive: bool = False) -> list[str]:
+        self.listings += 1
+        return super().list(prefix, recursive)
+
+
+def test_a_publisher_that_knows_its_next_version_does_not_list_the_registry(tmp_path: Path) -> None:
+    """A learner publishing every step names the version it expects: one probe of the version below it instead
+    of a listing of every version, whose cost grows with the run."""
+    store = ListingCountStore((tmp_path / "store").as_uri())
+    registry = AdapterRegistry(store, "run1")
+    files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"w"}
+    assert registry.publish_files(files, "tiny", 0, 1).version == 1  # no hint: lists
+    store.listings = 0
+    for expected in (2, 3, 4):
+        assert registry.publish_files(files, "tiny", expected - 1, expected, expected_version=expected).version == expected
+    assert store.listings == 0
+    assert registry.versions() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("expected", [7, 2])
+def test_a_wrong_expected_version_never_leaves_a_gap_or_takes_a_committed_one(tmp_path: Path, expected: int) -> None:
+    """7: the version below is not committed (a gap); 2: another publisher committed it. Both publish as 3."""
+    store = ListingCountStore((tmp_path / "store").as_uri())
+    registry = AdapterRegistry(store, "run1")
+    files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"w"}
+    registry.publish_files(files, "tiny", 0, 1)
+    registry.publish_files(files, "tiny", 1, 2)
+    assert registry.publish_files(files, "tiny", 1, 3, expected_version=expected).version == 3
+    assert registry.versions() == [1, 2, 3]
