@@ -244,7 +244,7 @@ def measure(args: argparse.Namespace, model_dir: str, root: Path,
                       checkpoints=CheckpointStore(store, LEARNER_RUN), source=source)
     modes = {"learner": cfg}
     if args.toggle_writes:
-        modes[NO_WRITES] = cfg.model_copy(update={"publish_every": 10**9, "checkpoint_every": 10**9})
+        modes[NO_WRITES] = cfg.model_copy(update={"publish_every": 10**6, "checkpoint_every": 10**6})
     bare = {"bare (head at generated)": BareLoop(model_dir, cfg, True),
             "bare (full logits)": BareLoop(model_dir, cfg, False)}
     block = args.block_steps
