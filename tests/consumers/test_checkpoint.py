@@ -77,14 +77,20 @@ def test_an_unreadable_manifest_is_raised(store: FlakyStore) -> None:
 class RetriedCreateStore(ObjectStore):
     """Every create lands and then reports ``FileExistsError`` (a retried GCS upload that lost its answer)."""
 
-    def put_create(self, key: str, data: bytes) -> str:
-        super().put_create(key, data)
-        raise FileExistsError(f"{self.url(key)} already exists")
+    ghosts = 0
+
+    def _local_write(self, path: str, data: bytes, replace: bool, sync_folder: bool = True) -> None:
+        super()._local_write(path, data, replace, sync_folder)  # every create on local disk ends here
+        if not replace:
+            self.ghosts += 1
+            raise FileExistsError(f"{path} already exists")
 
 
 def test_a_create_conflict_on_our_own_checkpoint_files_is_not_a_failure(tmp_path) -> None:
-    checkpoints = CheckpointStore(RetriedCreateStore(tmp_path.as_uri()), RUN)
+    store = RetriedCreateStore(tmp_path.as_uri())
+    checkpoints = CheckpointStore(store, RUN)
     key = save_step(checkpoints, 4)
+    assert store.ghosts == 4 + 4  # four step objects, then the checkpoint's three files and its manifest
     latest = checkpoints.latest()
     assert latest is not None and latest.key == key and latest.state.step == 4
 

@@ -95,6 +95,12 @@ def test_a_second_learner_takes_over_and_the_first_is_refused_before_committing(
     with pytest.raises(LeaseLostError):
         StepLog(old.checkpoints.store, RUN).write({**history[1], "batch_ids": ["not-trained"]})
     assert StepLog(store, RUN).read(upto=3) == history
+    # nor create a manifest with several files at once; files without one are only unnamed orphans
+    fenced = old.checkpoints.store
+    with pytest.raises(LeaseLostError):
+        fenced.put_create_many({"runs/x/a.bin": b"a", "runs/x/manifest.json": b"{}"})
+    assert not store.exists("runs/x/manifest.json")
+    assert fenced.put_create_many({"runs/x/b.bin": b"b"}) and store.exists("runs/x/b.bin")
 
 
 def test_a_restarted_learner_resumes_under_a_new_epoch(store, setup):
