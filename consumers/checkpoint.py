@@ -189,11 +189,12 @@ class CheckpointStore:
 
     def prune(self, newest: str) -> None:
         """Delete all but the ``keep`` newest complete checkpoints (never ``newest``) and dead attempts below it."""
+        keys = self.store.list(self.prefix, recursive=True)  # one listing for both questions below
         folders: dict[str, bool] = {}  # folder -> has a manifest
-        for path in self.store.list(self.prefix, recursive=True):
+        for path in keys:
             folder, _, name = path.rpartition("/")
             folders[folder] = folders.get(folder, False) or name == MANIFEST_FILE
-        kept = {key for _, key in self.complete()[: self.keep]} | {newest}
+        kept = {key for _, key in self._complete(keys)[: self.keep]} | {newest}
         newest_folder = CheckpointFolder.parse(newest)
         newest_step = newest_folder.step if newest_folder else 0
         for folder, complete in folders.items():
@@ -208,10 +209,14 @@ class CheckpointStore:
 
     def complete(self) -> list[tuple[int, str]]:
         """(step, folder key) of every checkpoint with a manifest, newest first."""
+        return self._complete(self.store.list(self.prefix, recursive=True))
+
+    @staticmethod
+    def _complete(keys: list[str]) -> list[tuple[int, str]]:
+        """``complete`` of a listing of the checkpoints' keys."""
         def unexpected(folder: str) -> None:
             log.warning("ignoring unexpected checkpoint folder %s", folder)
 
-        keys = self.store.list(self.prefix, recursive=True)
         return [(folder.step, folder.key) for folder in complete_folders(keys, on_unexpected=unexpected)]
 
     def load(self, key: str) -> Checkpoint:

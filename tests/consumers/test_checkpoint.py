@@ -205,3 +205,15 @@ def test_a_checkpoint_on_local_disk_costs_six_fsyncs(store: FlakyStore, fsyncs: 
     checkpoints.save(LearnerState(step=1, version=1, positions={"t:0": 1}), {"lora_A": torch.ones(2, 2)},
                      {"exp_avg": torch.zeros(2)}, {})
     assert fsyncs == ["file"] * 3 + ["folder"] + ["file", "folder"]
+
+
+def test_pruning_after_a_save_lists_the_checkpoints_once(store: FlakyStore, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    checkpoints = CheckpointStore(store, RUN, keep=2)
+    for step in (1, 2):
+        save_step(checkpoints, step)
+    listed: list[str] = []
+    real_list = store.list
+    monkeypatch.setattr(store, "list", lambda prefix="", recursive=False: listed.append(prefix) or real_list(prefix, recursive))
+    save_step(checkpoints, 3)
+    assert listed == [checkpoints.prefix]
+    assert [step for step, _ in checkpoints.complete()] == [3, 2]
