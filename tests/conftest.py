@@ -4,4 +4,7 @@ import os
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-pytest_plugins = ["tests.fixtures.fsync", "tests.fixtures.gcs", "tests.fixtures.kafka", "tests.fixtures.models", "tests.fixtures.vllm"]
+pytest_plugins = [
+    "tests.fixtures.fsync", "tests.fixtures.gcs", "tests.fixtures.kafka", "tests.fixtures.models",
+    "tests.fixtures.vllm",
+]

@@ -18,7 +18,8 @@ def test_toggled_writes_split_the_learner_over_the_same_batches_as_the_bare_loop
     by_name = {arm.name: arm for arm in arms}
     assert list(by_name) == ["learner", NO_WRITES, "bare (head at generated)", "bare (full logits)"]
     assert list(by_name["learner"].blocks) == [2, 4] and list(by_name[NO_WRITES].blocks) == [1, 3]  # alternating
-    assert all(list(by_name[name].blocks) == [1, 2, 3, 4] for name in ("bare (head at generated)", "bare (full logits)"))
+    bare_arms = ("bare (head at generated)", "bare (full logits)")
+    assert all(list(by_name[name].blocks) == [1, 2, 3, 4] for name in bare_arms)
     assert diffs and max(diffs.values()) < 1e-6  # every arm trained the same steps on the same batches
     versions = sorted(path.name for path in (tmp_path / "store/runs/bench/adapters").iterdir())
     assert len(versions) == 3  # a version per step written with writes on (warm-up 0, blocks 2 and 4), none between

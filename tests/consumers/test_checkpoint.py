@@ -207,13 +207,18 @@ def test_a_checkpoint_on_local_disk_costs_six_fsyncs(store: FlakyStore, fsyncs: 
     assert fsyncs == ["file"] * 3 + ["folder"] + ["file", "folder"]
 
 
-def test_pruning_after_a_save_lists_the_checkpoints_once(store: FlakyStore, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_pruning_after_a_save_lists_the_checkpoints_once(store: FlakyStore, monkeypatch: pytest.MonkeyPatch) -> None:
     checkpoints = CheckpointStore(store, RUN, keep=2)
     for step in (1, 2):
         save_step(checkpoints, step)
     listed: list[str] = []
     real_list = store.list
-    monkeypatch.setattr(store, "list", lambda prefix="", recursive=False: listed.append(prefix) or real_list(prefix, recursive))
+
+    def counted_list(prefix: str = "", recursive: bool = False) -> list[str]:
+        listed.append(prefix)
+        return real_list(prefix, recursive)
+
+    monkeypatch.setattr(store, "list", counted_list)
     save_step(checkpoints, 3)
     assert listed == [checkpoints.prefix]
     assert [step for step, _ in checkpoints.complete()] == [3, 2]

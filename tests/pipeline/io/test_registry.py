@@ -319,7 +319,8 @@ def test_a_publisher_that_knows_its_next_version_does_not_list_the_registry(tmp_
     assert registry.publish_files(files, "tiny", 0, 1).version == 1  # no hint: lists
     store.listings = 0
     for expected in (2, 3, 4):
-        assert registry.publish_files(files, "tiny", expected - 1, expected, expected_version=expected).version == expected
+        published = registry.publish_files(files, "tiny", expected - 1, expected, expected_version=expected)
+        assert published.version == expected
     assert store.listings == 0
     assert registry.versions() == [1, 2, 3, 4]
 
