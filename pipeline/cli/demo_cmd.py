@@ -88,12 +88,17 @@ def recipe_for(preset: str) -> tuple[str, dict[str, Any], Recipe]:
     return name, dict(env.get("overrides") or {}), RECIPES[name]
 
 
-def seed_settings(seed: int) -> list[str]:
-    """``--set`` arguments that give a run the recipe seed ``seed`` (0 = the presets' own seeds)."""
+def seed_overrides(seed: int) -> list[str]:
+    """``key=value`` settings that give a run the recipe seed ``seed`` (0 = the presets' own seeds)."""
     if seed == 0:
         return []
     pairs = {"sampler.seed": seed, "learner.seed": seed, "producer.seed_start": seed * SEED_STRIDE}
-    return [arg for key, value in pairs.items() for arg in ("--set", f"{key}={value}")]
+    return [f"{key}={value}" for key, value in pairs.items()]
+
+
+def seed_settings(seed: int) -> list[str]:
+    """``--set`` arguments that give a run the recipe seed ``seed`` (0 = the presets' own seeds)."""
+    return [arg for setting in seed_overrides(seed) for arg in ("--set", setting)]
 
 
 def result_table(results: list[dict[str, Any]], run_id: str) -> Table:

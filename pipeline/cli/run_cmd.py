@@ -8,6 +8,12 @@ or ``RLPIPE_RUN_ID``) must not exist yet.  ``--resume RUN`` continues a run from
 its own stored ``run.json`` (with the environment, ``--set``, ``--max-steps`` and
 ``--producers`` on top); a run whose learner already reached ``max_steps`` says so
 and how to go on instead of starting processes that would stop at once.
+
+``--runs N`` starts N new runs of the same configuration packed in one learner
+process and one set of producer processes (``<name>-1`` ... ``<name>-N``); run
+``i`` plays recipe seed ``i - 1``, as ``rlpipe demo --seed`` does (sampling, LoRA
+initialisation and training seeds), so the runs differ; a ``--set`` of a seed
+applies to every run.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import typer
 from pydantic import ValidationError
 
 from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
+from pipeline.cli.demo_cmd import seed_overrides
 from pipeline.cli.options import ConfigOpt, PresetOpt, SetOpt, run_config, setup_logging
 from pipeline.config import ConfigError, deep_merge, env_layer, load_file, parse_overrides, validation_message
 from pipeline.io.store import ObjectStore
@@ -28,6 +35,7 @@ from schemas.names import validate_name
 app = typer.Typer(name="run", add_completion=False)
 
 MAX_NAME = 64  # schemas.names: run ids are at most 64 characters
+MAX_PACKED = 16  # runs one `rlpipe run --runs N` packs (the sampling engine holds every run's adapters)
 _STAMP = "%Y%m%d-%H%M%S"
 
 
@@ -45,6 +53,9 @@ def run(
     max_steps: Annotated[int | None, typer.Option(min=1, help="Learner steps before the run stops.")] = None,
     producers: Annotated[int | None, typer.Option(min=0, help="Producer processes to start.")] = None,
     dashboard: Annotated[bool, typer.Option("--dashboard/--no-dashboard", help="Live terminal dashboard.")] = True,
+    runs: Annotated[int, typer.Option(
+        "--runs", min=1, max=MAX_PACKED, help="Start this many runs packed in one learner and one set of producers "
+                                              "(named <name>-1 ... <name>-N, run i with recipe seed i-1).")] = 1,
 ) -> None:
     """Start a new run (id: the preset's name plus the time) with its learner and N producers, or continue one
     with --resume RUN; the embedded stack is started if nothing is configured.
@@ -58,16 +69,29 @@ def run(
         if preset or config or name:
             fail("--resume uses the run's stored configuration: drop --preset/--config/--run "
                  "(change a field with --set)", EXIT_USAGE)
+        if runs > 1:
+            fail("--runs starts new runs: drop --resume, or resume the packed runs' processes with "
+                 "rlpipe learner start --run A --run B ... and rlpipe producer start --run A --run B ...", EXIT_USAGE)
         cfg = resumed_config(resume, overrides or [])
     else:
         cfg = run_config(preset, config, overrides)
-    if max_steps is not None and cfg.value is not None:  # a value run's budget is its value learner's
-        cfg.value.learner.max_steps = max_steps
-    elif max_steps is not None:
-        cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
-    if producers is not None:
-        cfg = cfg.model_copy(update={"num_producers": producers})
+    cfg = with_budget(cfg, max_steps, producers)
     store = open_store(cfg.store)
+    if runs > 1:
+        if cfg.value is not None:
+            fail("value-based runs are not packed: start one rlpipe run per value run", EXIT_USAGE)
+        stem = name or explicit_run_id(config, overrides or [])
+        ids = packed_run_ids(store, cfg.run_id, stem, runs)
+        configs = [with_budget(run_config(preset, config, [*seed_overrides(i), *(overrides or [])]), max_steps,
+                               producers).model_copy(update={"run_id": run_id}) for i, run_id in enumerate(ids)]
+        console.print(f"starting runs {', '.join(ids)}, packed in one learner and "
+                      f"{cfg.num_producers} producer process(es)", markup=False)
+        setup_logging()
+        from pipeline.devstack.launcher import Launcher
+
+        code = Launcher(configs, dashboard=dashboard).run()
+        console.print(f"their packed report: rlpipe report {' '.join(f'--run {i}' for i in ids)}", markup=False)
+        raise typer.Exit(code)
     if resume is not None:
         stop_if_finished(store, cfg)
     else:
@@ -80,6 +104,30 @@ def run(
     from pipeline.devstack.launcher import Launcher
 
     raise typer.Exit(Launcher(cfg, dashboard=dashboard).run())
+
+
+def with_budget(config: RunConfig, max_steps: int | None, producers: int | None) -> RunConfig:
+    """``config`` with ``--max-steps`` (a value run's budget is its value learner's) and ``--producers``."""
+    if max_steps is not None and config.value is not None:
+        config.value.learner.max_steps = max_steps
+    elif max_steps is not None:
+        config = config.model_copy(update={"learner": config.learner.model_copy(update={"max_steps": max_steps})})
+    if producers is not None:
+        config = config.model_copy(update={"num_producers": producers})
+    return config
+
+
+def packed_run_ids(store: ObjectStore, base: str, explicit: str | None, count: int) -> list[str]:
+    """``<stem>-1`` ... ``<stem>-<count>``: the stem is ``explicit``, else ``<base>-<UTC time>``; none may exist."""
+    from pipeline.analysis.runs import run_exists
+
+    stem = validate_name(explicit, "run_id") if explicit is not None else new_run_id(store, base, None)
+    ids = [validate_name(f"{stem}-{i}", "run_id") for i in range(1, count + 1)]
+    taken = [run_id for run_id in ids if run_exists(store, run_id)]
+    if taken:
+        raise ConfigError(f"runs {', '.join(taken)} already exist in {store.root}; name the packed runs with "
+                          "--run NAME (they become NAME-1 ... NAME-N), or drop --run for a fresh name")
+    return ids
 
 
 def explicit_run_id(config_file: str | None, overrides: list[str]) -> str | None:

@@ -9,6 +9,12 @@ step budget (``learner.max_steps``) or on Ctrl-C: producers get SIGTERM, flush
 their finished groups and exit; then ``RunStopped``.  Everything stays in the
 store and on the topics for ``rlpipe report``.
 
+Several runs (``rlpipe run --runs N``) are launched packed: one learner
+process trains them all (``rlpipe learner start --config A --config B ...``)
+and each producer process serves them all on one sampling engine; each run
+keeps its own ``run.json``, events, adapters and checkpoints, and the
+dashboard shows one panel per run.
+
 ``pipeline`` may not import the producer or learner code, and need not: it
 starts them as commands, which is also what keeps each process's engine and
 threads its own.
@@ -25,6 +31,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,20 +139,37 @@ def producer_args(config: RunConfig, config_path: str, index: int) -> list[str]:
     return ["producer", "start", "--config", config_path, "--set", f"producer.producer_id={config.run_id}-p{index}"]
 
 
-class Launcher:
-    """Starts and watches the learner and producers of one run."""
+def packed_producer_args(config_paths: Sequence[str], index: int) -> list[str]:
+    """The command line of packed producer ``index``, serving every run: its id in each run is ``packed-p<index>``
+    (the ordinal picks the training seeds, as ``producer_args``'s does)."""
+    configs = [arg for path in config_paths for arg in ("--config", path)]
+    return ["producer", "start", *configs, "--set", f"producer.producer_id=packed-p{index}"]
 
-    def __init__(self, config: RunConfig, dashboard: bool = True) -> None:
-        self.config = config
-        self.started_stack = ensure_stack(config)
-        self.bus = resolved_bus(config.bus)
-        self.config_path = write_resolved_config(config)
+
+class Launcher:
+    """Starts and watches the learner and producers of one run, or of several runs packed in the same processes."""
+
+    def __init__(self, config: RunConfig | Sequence[RunConfig], dashboard: bool = True) -> None:
+        self.configs = [config] if isinstance(config, RunConfig) else list(config)
+        if not self.configs:
+            raise ValueError("Launcher: no run to launch")
+        self.config = self.configs[0]  # the stack, the model and the logs folder are the first run's
+        self.started_stack = ensure_stack(self.config)
+        self.bus = resolved_bus(self.config.bus)
+        self.config_paths = [write_resolved_config(c) for c in self.configs]
+        self.config_path = self.config_paths[0]
         self.log_dir = self.config_path.parent / "logs"
         self.log_dir.mkdir(exist_ok=True)
         self.show_dashboard = dashboard
-        self.board = Dashboard()
+        self.boards = {c.run_id: Dashboard() for c in self.configs}
+        self.board = self.boards[self.config.run_id]
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
+
+    @property
+    def packed(self) -> bool:
+        """Several runs share the learner and producer processes."""
+        return len(self.configs) > 1
 
     # ---- set up -------------------------------------------------------------
     def prepare_model(self) -> None:
@@ -157,11 +181,12 @@ class Launcher:
         subprocess.run(rlpipe_command(*args), check=True)
 
     def create(self) -> None:
-        store = open_store(self.config.store)
-        _, _, started = create_run(store, self.config, self.config.model.base_model)
-        if started is not None:
-            with EventPublisher(self.bus) as publisher:
-                Announcer(publisher, self.config.run_id)(started)
+        """Each run's ``run.json``, then its ``RunStarted``."""
+        with EventPublisher(self.bus) as publisher:
+            for config in self.configs:
+                _, _, started = create_run(open_store(config.store), config, config.model.base_model)
+                if started is not None:
+                    Announcer(publisher, config.run_id)(started)
 
     def spawn(self, name: str, *args: str) -> None:
         out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it for its lifetime
@@ -176,10 +201,11 @@ class Launcher:
         """Launch everything, watch until the learner is done or Ctrl-C, stop cleanly; return an exit code."""
         self.prepare_model()
         self.create()
-        config = ["--config", str(self.config_path)]
-        self.spawn("learner", "learner", "start", *config)
+        paths = [str(path) for path in self.config_paths]
+        self.spawn("learner", "learner", "start", *[arg for path in paths for arg in ("--config", path)])
         for index in range(self.config.num_producers):
-            self.spawn(f"producer-{index}", *producer_args(self.config, str(self.config_path), index))
+            args = packed_producer_args(paths, index) if self.packed else producer_args(self.config, paths[0], index)
+            self.spawn(f"producer-{index}", *args)
         watcher = threading.Thread(target=self.follow_control, daemon=True)
         watcher.start()
         try:
@@ -189,17 +215,19 @@ class Launcher:
         return self.shutdown()
 
     def follow_control(self) -> None:
-        """Feed the dashboard from the control topic until the run stops."""
+        """Feed each run's dashboard from the control topic until the runs stop."""
+        only = None if self.packed else self.config.run_id
         while not self.stopping.is_set():
             try:
-                for record in tail(self.bus, "control", n=0, follow=True, run_id=self.config.run_id,
-                                   follow_for_s=2.0):
-                    if record.event is not None:
-                        self.board.apply(record.event.payload)
+                for record in tail(self.bus, "control", n=0, follow=True, run_id=only, follow_for_s=2.0):
+                    event = record.event
+                    if event is not None and event.run_id in self.boards:
+                        self.boards[event.run_id].apply(event.payload)
                     if self.stopping.is_set():
                         return
-                lags = group_lag(self.bus, f"rlpipe-learner-{self.config.run_id}")
-                self.board.lag = sum(p.lag for p in lags) if lags else None
+                for run_id, board in self.boards.items():
+                    lags = group_lag(self.bus, f"rlpipe-learner-{run_id}")
+                    board.lag = sum(p.lag for p in lags) if lags else None
             except (BusError, UnknownTopicError) as exc:  # the log unreachable, or no control topic yet: retry
                 log.debug("dashboard feed: %s", exc)
                 time.sleep(1.0)
@@ -212,11 +240,17 @@ class Launcher:
             while learner.poll() is None and not self._producer_failed():
                 time.sleep(0.5)
             return
-        with Live(self.board.render(self.config.run_id, self.config.learner.max_steps), refresh_per_second=2) as live:
+        with Live(self.render(), refresh_per_second=2) as live:
             while learner.poll() is None and not self._producer_failed():
-                live.update(self.board.render(self.config.run_id, self.config.learner.max_steps))
+                live.update(self.render())
                 time.sleep(0.5)
-            live.update(self.board.render(self.config.run_id, self.config.learner.max_steps))
+            live.update(self.render())
+
+    def render(self) -> Any:
+        """Every run's panel, one under the other."""
+        from rich.console import Group
+
+        return Group(*(self.boards[c.run_id].render(c.run_id, c.learner.max_steps) for c in self.configs))
 
     def _producer_failed(self) -> bool:
         return any(p.poll() not in (None, 0) for name, p in self.processes.items() if name != "learner")
@@ -236,11 +270,12 @@ class Launcher:
                 process.kill()
                 process.wait()
         codes = {name: process.returncode for name, process in self.processes.items()}
-        learner = self.board.learner
         with EventPublisher(self.bus) as publisher:
-            Announcer(publisher, self.config.run_id)(RunStopped(
-                reason="step budget reached" if codes.get("learner") == 0 else "stopped",
-                final_version=learner.version if learner else 0, final_step=learner.step if learner else 0))
+            for run_id, board in self.boards.items():
+                learner = board.learner
+                Announcer(publisher, run_id)(RunStopped(
+                    reason="step budget reached" if codes.get("learner") == 0 else "stopped",
+                    final_version=learner.version if learner else 0, final_step=learner.step if learner else 0))
         failed = {name: code for name, code in codes.items() if code != 0}
         for name, code in failed.items():
             log.error("%s exited with %s; see %s", name, code, self.log_dir / f"{name}.log")

@@ -27,12 +27,13 @@ runner = CliRunner()
 class FakeLauncher:
     launched: ClassVar[list[RunConfig]] = []
 
-    def __init__(self, config: RunConfig, dashboard: bool = True) -> None:
-        self.config = config
+    def __init__(self, config: RunConfig | list[RunConfig], dashboard: bool = True) -> None:
+        self.configs = config if isinstance(config, list) else [config]
 
     def run(self) -> int:
-        create_run(open_store(self.config.store), self.config, self.config.model.base_model)
-        FakeLauncher.launched.append(self.config)
+        for config in self.configs:
+            create_run(open_store(config.store), config, config.model.base_model)
+        FakeLauncher.launched.extend(self.configs)
         return 0
 
 
@@ -97,3 +98,47 @@ def test_resume_mistakes_are_one_line(home: Path) -> None:
     assert both.exit_code == 2 and "--set" in both.output
     named = _run("--resume", "nope", "--run", "other")
     assert named.exit_code == 2
+
+
+def test_runs_n_starts_n_packed_runs_each_with_its_own_seed(home: Path) -> None:
+    result = _run("--preset", "cartpole", "--run", "trio", "--runs", "3", "--max-steps", "2")
+    assert result.exit_code == 0, result.output
+    configs = FakeLauncher.launched
+    assert [c.run_id for c in configs] == ["trio-1", "trio-2", "trio-3"]
+    assert all(c.learner.max_steps == 2 and c.env.name == "cartpole" for c in configs)
+    preset = RunConfig()  # cartpole keeps the default seeds
+    assert [c.learner.seed for c in configs] == [preset.learner.seed, 1, 2]  # run i: recipe seed i - 1
+    assert [c.sampler.seed for c in configs] == [preset.sampler.seed, 1, 2]
+    assert len({c.producer.seed_start for c in configs}) == 3
+    assert "rlpipe report --run trio-1 --run trio-2 --run trio-3" in result.output
+
+    again = _run("--preset", "cartpole", "--run", "trio", "--runs", "2")
+    assert again.exit_code == 2 and "trio-1, trio-2 already exist" in again.output
+    assert "\n" not in again.output.strip()
+    assert len(FakeLauncher.launched) == 3
+
+
+def test_runs_n_takes_a_fresh_name_and_every_set(home: Path) -> None:
+    result = _run("--preset", "cartpole", "--runs", "2", "--set", "learner.seed=7")
+    assert result.exit_code == 0, result.output
+    ids = [c.run_id for c in FakeLauncher.launched]
+    assert re.fullmatch(r"cartpole-\d{8}-\d{6}-1", ids[0]) and ids[1] == ids[0][:-1] + "2", ids
+    assert [c.learner.seed for c in FakeLauncher.launched] == [7, 7]  # a --set seed applies to every run
+
+
+def test_runs_n_refuses_what_it_cannot_pack(home: Path) -> None:
+    resumed = _run("--resume", "x", "--runs", "2")
+    assert resumed.exit_code == 2 and "--runs starts new runs" in resumed.output
+    value = _run("--preset", "slateq-recsim", "--runs", "2")
+    assert value.exit_code == 2 and "value-based runs are not packed" in value.output
+    assert FakeLauncher.launched == []
+
+
+def test_a_packed_launch_gives_every_producer_process_every_run(tmp_path: Path) -> None:
+    args = [launcher.packed_producer_args(["a.yaml", "b.yaml"], index) for index in range(2)]
+    assert args[0][:6] == ["producer", "start", "--config", "a.yaml", "--config", "b.yaml"]
+    ids = [a.split("=", 1)[1] for arg in args for a in arg if a.startswith("producer.producer_id=")]
+    assert ids == ["packed-p0", "packed-p1"]
+    config = RunConfig()
+    ranges = [config.training_seeds(producer_id) for producer_id in ids]
+    assert not set(ranges[0]) & set(ranges[1])  # the ordinal keeps the processes' seeds apart
