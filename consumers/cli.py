@@ -9,6 +9,7 @@ import typer
 from pipeline.cli.common import console, fail, handle_user_errors
 from pipeline.cli.options import (
     ConfigOpt,
+    FollowRunsOpt,
     PackedConfigOpt,
     PackedRunOpt,
     PresetOpt,
@@ -32,12 +33,14 @@ def start(
     overrides: SetOpt = None,
     run: PackedRunOpt = None,
     max_steps: Annotated[int | None, typer.Option(min=1, help="Stop after this many optimizer steps.")] = None,
+    follow_runs: FollowRunsOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Consume the run's trajectory batches, train LoRA, publish versions, checkpoint; resumes where it stopped.
 
     Several runs (--run A --run B, or one --config per run) train packed in one process: one base model,
-    one LoRA adapter per run, each run with its own offsets, checkpoints and versions.
+    one LoRA adapter per run, each run with its own offsets, checkpoints and versions.  With
+    --follow-runs PATTERN, runs created later (rlpipe runs create) join and stopped ones leave.
     SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0.
     """
     setup_logging(verbose)
@@ -48,7 +51,7 @@ def start(
     from consumers.lease import LeaseLostError
     from consumers.service import run_learner
 
-    if any(cfg.value is not None for cfg in cfgs) and len(cfgs) > 1:
+    if any(cfg.value is not None for cfg in cfgs) and (len(cfgs) > 1 or follow_runs is not None):
         fail("value-based runs are not packed: start one learner per value run")
     cfg = cfgs[0]
     if cfg.value is not None:  # a value-based run (e.g. --preset dqn-cartpole): DQN/C51, not LoRA
@@ -65,16 +68,16 @@ def start(
         from consumers.distributed_learner import launched_by_torchrun, run_on_group
 
         if launched_by_torchrun():  # rank 0 runs the learner, the other ranks follow its steps
-            if len(cfgs) > 1:
+            if len(cfgs) > 1 or follow_runs is not None:
                 fail("packed runs do not run under torchrun: start one torchrun learner per run")
             stop = StopFlag().install()
             run_on_group(cfg, lambda policy: run_learner(cfg, stop, policy=policy))
-        elif len(cfgs) == 1:
+        elif len(cfgs) == 1 and follow_runs is None:
             run_learner(cfgs[0], StopFlag().install())
         else:
             from consumers.packed import run_packed_learner
 
-            run_packed_learner(cfgs, StopFlag().install())
+            run_packed_learner(cfgs, StopFlag().install(), follow_runs=follow_runs)
     except LeaseLostError as exc:  # another learner of the run took over: one line, not a traceback
         fail(str(exc))
 

@@ -13,6 +13,12 @@ Fairness: round-robin.  Each turn is one pass of that run's own learner loop
 wait), so a run whose episodes are slow, or which waits for rows, costs the
 others one short poll and never a whole step's worth of waiting.
 
+Membership: runs may join and leave between two rounds (``add``, ``remove``),
+e.g. as ``RunStarted`` and ``RunStopped`` arrive on the control topic
+(``pipeline.membership``, ``rlpipe learner start --follow-runs PATTERN``); a
+leaving run trains what it has waiting and writes its checkpoint first, as on a
+stop, and its adapter is deleted from the engine.  The others never restart.
+
 Isolation: a turn holds the engine with the run's adapter active (only its LoRA
 weights require gradients) and the run's own torch, numpy and Python RNG states
 in place, so what one run draws never depends on the others; a run trained
@@ -35,12 +41,14 @@ import torch
 from peft import set_peft_model_state_dict
 
 from consumers.engine import TrainingEngine
+from consumers.engine_data import EngineError
 from consumers.learner import Learner
 from consumers.policy import AdapterSnapshot, LoraPolicy, pick_device
 from consumers.service import build_learner, finish, progress_line
 from consumers.sources import KafkaSource
 from pipeline.health import HealthServer
 from pipeline.io.bus import EventPublisher
+from pipeline.membership import Joined, RunMembership
 from pipeline.models import resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import LearnerConfig, RunConfig
@@ -165,17 +173,49 @@ class PackedLearner:
             log.warning("runs %s have not joined their consumer groups after %.0fs; they join while the others train",
                         ", ".join(run.run_id for run in joining), timeout_s)
 
+    def add(self, learner: Learner, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Serve ``learner``'s run from the next round: resumed from its newest checkpoint, its group joined."""
+        if any(run.run_id == learner.run_id for run in self.runs):
+            raise ValueError(f"run {learner.run_id} is already packed here")
+        run = PackedRun(learner.run_id, learner, seeded_rng(learner.cfg.seed))
+        with self.turn(run):
+            learner.resume()
+        self.runs.append(run)
+        source = learner.source
+        deadline = time.monotonic() + join_timeout_s
+        while hasattr(source, "join") and not source.join(JOIN_POLL_S) and time.monotonic() < deadline:
+            pass
+
+    def remove(self, run_id: str, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> Learner:
+        """Let ``run_id`` go: train what it has waiting, write its checkpoint (as on a stop), delete its adapter."""
+        run = next((run for run in self.runs if run.run_id == run_id), None)
+        if run is None:
+            raise KeyError(f"run {run_id} is not packed here")
+        with self.turn(run) as learner:
+            finish(learner, lambda metrics: on_step(run_id, metrics))
+        self.runs.remove(run)
+        self.engine.delete_adapter(run_id)
+        return run.learner
+
     def run(self, should_stop: Callable[[], bool] = lambda: False,
-            on_step: Callable[[str, dict], None] = lambda run_id, metrics: None, poll_timeout_s: float = 1.0) -> None:
+            on_step: Callable[[str, dict], None] = lambda run_id, metrics: None, poll_timeout_s: float = 1.0,
+            between_rounds: Callable[[PackedLearner], None] | None = None) -> None:
         """Round-robin until stopped or every run is finished (``max_steps``, or its finite source ran dry).
 
         A waiting run polls for ``poll_timeout_s`` divided among the runs still
         going, so one full round waits about ``poll_timeout_s`` when none has rows.
+        ``between_rounds`` (runs joining and leaving) is called before every round;
+        with it the loop also goes on while no run is going, waiting for one to join.
         """
         while not should_stop():
+            if between_rounds is not None:
+                between_rounds(self)
             going = [run for run in self.runs if not run.finished()]
-            if not going:
+            if not going and between_rounds is None:
                 return
+            if not going:
+                time.sleep(poll_timeout_s)
+                continue
             for run in going:
                 if should_stop():
                     return
@@ -206,12 +246,15 @@ def check_packable(configs: list[RunConfig]) -> None:
 
 
 def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
-                       on_step: Callable[[str, dict], None] | None = None) -> PackedLearner:
+                       on_step: Callable[[str, dict], None] | None = None,
+                       follow_runs: str | None = None) -> PackedLearner:
     """Train several runs in one process on one engine until stopped or each reaches its ``max_steps``.
 
     Every run is set up as ``run_learner`` sets up one (its ``run.json``, its own
     consumer group, lease, registry and checkpoints); a SIGTERM trains what each
-    run has waiting and writes each one's final checkpoint.
+    run has waiting and writes each one's final checkpoint.  With ``follow_runs``
+    (a glob of run ids) runs announced later join and served runs stopped later
+    leave (``pipeline.membership``), and the process serves until stopped.
     """
     check_packable(configs)
     stop = stop or StopFlag()
@@ -221,8 +264,15 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
     health.add_readiness_check("stopping", lambda: not stop())
     bus = resolved_bus(first.bus)
     publisher = EventPublisher(bus)
-    sources: list[KafkaSource] = []
-    learners: list[Learner] = []
+    sources: dict[str, KafkaSource] = {}
+    learners: dict[str, Learner] = {}
+    membership: RunMembership | None = None
+
+    def after_step(run_id: str, metrics: dict[str, Any]) -> None:
+        log.info("%s: %s", run_id, progress_line(metrics))
+        if on_step is not None:
+            on_step(run_id, metrics)
+
     try:
         base_model = resolve_base_model(first.model)
         if first.learner.torch_threads:
@@ -230,35 +280,69 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
         log.info("initialising a training engine on %s for runs %s", base_model, ", ".join(c.run_id for c in configs))
         engine = TrainingEngine(base_model, device=first.learner.device, dtype=first.model.dtype)
         done.add("engine")
-        for cfg in configs:
+
+        def open_run(cfg: RunConfig) -> Learner:
             store = open_store(cfg.store)
             announcer = Announcer(publisher, cfg.run_id)
             _, _, created = create_run(store, cfg, cfg.model.base_model)
             if created is not None:
                 announcer(created)
-            sources.append(KafkaSource(bus, cfg.run_id))
+            sources[cfg.run_id] = KafkaSource(bus, cfg.run_id)
             policy = EnginePolicy(engine, cfg.run_id, cfg.learner)
-            learners.append(build_learner(cfg, store, sources[-1], announcer, base_model, policy=policy))
+            learners[cfg.run_id] = build_learner(cfg, store, sources[cfg.run_id], announcer, base_model, policy=policy)
+            return learners[cfg.run_id]
+
+        packed = PackedLearner(engine, [open_run(cfg) for cfg in configs])
         done.add("broker")
-        packed = PackedLearner(engine, learners)
+        if follow_runs is not None:
+            membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
         packed.resume()
         done.add("resumed")
         health.set_gauge("rlpipe_learner_up", 1.0, "1 once the learner is set up and training")
 
-        def after_step(run_id: str, metrics: dict[str, Any]) -> None:
-            log.info("%s: %s", run_id, progress_line(metrics))
-            if on_step is not None:
-                on_step(run_id, metrics)
+        def between_rounds(packed: PackedLearner) -> None:
+            assert membership is not None
+            for change in membership.changes({run.run_id for run in packed.runs}):
+                if isinstance(change, Joined):
+                    join(packed, change.config, open_run, close_run)
+                else:
+                    learner = packed.remove(change.run_id, after_step)
+                    close_run(change.run_id)
+                    log.info("run %s left at step %d, version %d", learner.run_id, learner.state.step,
+                             learner.state.version)
 
-        packed.run(should_stop=stop, on_step=after_step)
+        def close_run(run_id: str) -> None:
+            source, learner = sources.pop(run_id, None), learners.pop(run_id, None)
+            if source is not None:
+                source.close()
+            if learner is not None:
+                learner.metric_logger.close()
+
+        packed.run(should_stop=stop, on_step=after_step, between_rounds=between_rounds if membership else None)
         packed.each(lambda learner: finish(learner, lambda metrics: after_step(learner.run_id, metrics)))
     finally:
-        for source in sources:
+        if membership is not None:
+            membership.close()
+        for source in sources.values():
             source.close()
         publisher.close()
-        for learner in learners:
+        for learner in learners.values():
             learner.metric_logger.close()
         health.stop()
-    for learner in learners:
+    for learner in learners.values():
         log.info("run %s stopped at step %d, version %d", learner.run_id, learner.state.step, learner.state.version)
     return packed
+
+
+def join(packed: PackedLearner, config: RunConfig, open_run: Callable[[RunConfig], Learner],
+         close_run: Callable[[str], None]) -> None:
+    """Add ``config``'s run to ``packed``; a run that cannot start (its lease held elsewhere, a broken store) is
+    logged and dropped, and the others go on."""
+    log.info("run %s joins", config.run_id)
+    try:
+        packed.add(open_run(config))
+    except Exception as exc:  # one run's failure to start must not stop the runs already served
+        log.error("run %s could not join: %s", config.run_id, exc)
+        close_run(config.run_id)
+        with contextlib.suppress(EngineError):  # it failed before its adapter was made
+            packed.engine.delete_adapter(config.run_id)

@@ -13,24 +13,33 @@ A run's sampler is a ``RunSampler``, a view of the shared engine that names the
 run in every adapter handle, so version 3 of run A and version 3 of run B are
 two adapters with two LoRA ids.  The engine holds up to the sum of the runs'
 ``sampler.max_loras`` adapters.
+
+With ``follow_runs`` (``rlpipe producer start --follow-runs PATTERN``) runs
+announced later join (a new thread on the same engine) and served runs stopped
+later leave (their thread stops as on SIGTERM: finished groups flushed), while
+the others sample on (``pipeline.membership``); the engine then keeps room for
+``FOLLOW_RESERVE_RUNS`` more runs' adapters in one batch.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
 from transformers import AutoTokenizer
 
 from pipeline.health import HealthServer
-from pipeline.runtime import StopFlag
+from pipeline.membership import Left, RunMembership
+from pipeline.runtime import StopFlag, open_store
 from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
 from producers.samplers.engine import engine_for_run
 from producers.samplers.sync import SyncSampler
-from producers.service import RunProducer, connect_run, default_producer_id, open_run_producer
+from producers.service import RunConnection, RunProducer, connect_run, default_producer_id, open_run_producer
 from producers.tiny_model import resolve_model
 from schemas.config import RunConfig
 from schemas.config import check_packable as packable
@@ -77,19 +86,27 @@ def check_packable(configs: list[RunConfig]) -> None:
                        "bus.bootstrap_servers", "bus.namespace"), "one sampling engine and event log")
 
 
-def shared_engine(configs: list[RunConfig], model_path: str, seed: int) -> SyncSampler:
-    """One engine for every run: the first run's sampler settings, room for every run's adapter versions."""
+FOLLOW_RESERVE_RUNS = 3  # a following producer's engine keeps LoRA slots for this many runs joining later
+
+
+def shared_engine(configs: list[RunConfig], model_path: str, seed: int, reserve_runs: int = 0) -> SyncSampler:
+    """One engine for every run: the first run's sampler settings, room for every run's adapter versions (and
+    ``reserve_runs`` more runs like the first)."""
     first = configs[0]
     config = first.model_copy(update={"sampler": first.sampler.model_copy(update={"seed": seed})})
-    extra = {"max_loras": sum(c.sampler.max_loras for c in configs)} if first.sampler.backend == "vllm" else {}
+    slots = sum(c.sampler.max_loras for c in configs) + reserve_runs * first.sampler.max_loras
+    extra = {"max_loras": slots} if first.sampler.backend == "vllm" else {}
     return SyncSampler(lambda: engine_for_run(config, model_path, **extra))
 
 
-def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None) -> list[RolloutWorker]:
+def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
+                        follow_runs: str | None = None) -> list[RolloutWorker]:
     """Serve several runs from one process and one engine until stopped or each wrote its ``max_groups``.
 
     Each run's producer id is the process's with the run appended, so its
-    training seeds and episode ids are its own.
+    training seeds and episode ids are its own.  With ``follow_runs`` (a glob of
+    run ids) runs announced later join and served runs stopped later leave, and
+    the process serves until stopped.
     """
     check_packable(configs)
     stop = stop or StopFlag()
@@ -99,23 +116,45 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None) 
     health.add_readiness_check("stopping", lambda: not stop())
     runs: list[RunProducer] = []
     sampler: SyncSampler | None = None
+    membership: RunMembership | None = None
     try:
         connections = [connect_run(cfg, done) for cfg in configs]
         model_path = resolve_model(configs[0].model)
         streams = SamplingStreams(configs[0].sampler.seed, process_id)
         log.info("initialising one %s engine on %s for runs %s", configs[0].sampler.backend, model_path,
                  ", ".join(c.run_id for c in configs))
-        sampler = shared_engine(configs, model_path, streams.engine_seed())
-        done.add("sampler")
-        for cfg, connection in zip(configs, connections, strict=True):
+        sampler = shared_engine(configs, model_path, streams.engine_seed(),
+                                FOLLOW_RESERVE_RUNS if follow_runs is not None else 0)
+        shared = sampler
+
+        def open_run(cfg: RunConfig, connection: RunConnection | None = None) -> RunProducer:
             producer_id = f"{process_id}-{cfg.run_id}" if cfg.producer.producer_id is None else cfg.producer.producer_id
             tokenizer = AutoTokenizer.from_pretrained(model_path)  # one per thread: tokenizers are not shared
-            runs.append(open_run_producer(cfg, connection, producer_id, RunSampler(sampler, cfg.run_id), tokenizer,
-                                          streams.incarnation, None))
+            run = open_run_producer(cfg, connection or connect_run(cfg), producer_id, RunSampler(shared, cfg.run_id),
+                                    tokenizer, streams.incarnation, None)
+            runs.append(run)
+            return run
+
+        done.add("sampler")
+        for cfg, connection in zip(configs, connections, strict=True):
+            open_run(cfg, connection)
         done.add("adapters")
+        if follow_runs is not None:
+            membership = RunMembership(follow_runs, configs[0], open_store(configs[0].store), check_packable)
         health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
-        serve(runs, stop)
+        follow = None if membership is None else following(membership, open_run)
+
+        def release(run: RunProducer) -> None:  # a run that left: its connections and adapter cache go
+            runs.remove(run)
+            run.close()
+            run.watcher.close()
+            log.info("run %s left: %d batches, %d samples", run.worker.run_id, run.worker.stats.batches,
+                     run.worker.stats.samples)
+
+        serve(list(runs), stop, follow, release)
     finally:
+        if membership is not None:
+            membership.close()
         for run in runs:
             run.close()
         if sampler is not None:
@@ -123,28 +162,76 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None) 
         for run in runs:
             run.watcher.close()
         health.stop()
-    for cfg, run in zip(configs, runs, strict=True):
-        log.info("run %s: %d batches, %d samples", cfg.run_id, run.worker.stats.batches, run.worker.stats.samples)
+    for run in runs:
+        log.info("run %s: %d batches, %d samples", run.worker.run_id, run.worker.stats.batches,
+                 run.worker.stats.samples)
     return [run.worker for run in runs]
 
 
-def serve(runs: list[RunProducer], stop: StopFlag) -> None:
-    """Each run's rollout loop in its own thread; the first error stops them all and is raised here."""
+Follow = Callable[[set[str]], tuple[list[RunProducer], list[str]]]
+
+
+def following(membership: RunMembership, open_run: Callable[[RunConfig], RunProducer]) -> Follow:
+    """For ``serve``: the runs that joined (opened) and the served ones that left since the last call.
+
+    A run that cannot start (its store or the broker unreachable) is logged and skipped: the others go on.
+    """
+    def changes(serving: set[str]) -> tuple[list[RunProducer], list[str]]:
+        joined: list[RunProducer] = []
+        left: list[str] = []
+        for change in membership.changes(serving):
+            if isinstance(change, Left):
+                left.append(change.run_id)
+                continue
+            log.info("run %s joins", change.config.run_id)
+            try:
+                joined.append(open_run(change.config))
+            except Exception as exc:  # one run's failure to start must not stop the runs already served
+                log.error("run %s could not join: %s", change.config.run_id, exc)
+        return joined, left
+
+    return changes
+
+
+def serve(runs: list[RunProducer], stop: StopFlag, follow: Follow | None = None,
+          release: Callable[[RunProducer], None] = lambda run: None, poll_s: float = 0.5) -> None:
+    """Each run's rollout loop in its own thread; the first error stops them all and is raised here.
+
+    With ``follow``, runs join (a thread started) and leave (their thread stopped and waited for, then the run
+    handed to ``release``) as it says, and this returns only when stopped.
+    """
     errors: list[BaseException] = []
+    threads: dict[str, tuple[threading.Thread, threading.Event, RunProducer]] = {}
 
     def stopping() -> bool:
         return stop() or bool(errors)
 
-    def one(run: RunProducer) -> None:
+    def one(run: RunProducer, leave: threading.Event) -> None:
         try:
-            run.run(stopping)
+            run.run(lambda: stopping() or leave.is_set())
         except BaseException as exc:  # raised again below, in the main thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=one, args=(run,), name=f"run-{run.worker.run_id}") for run in runs]
-    for thread in threads:
+    def start(run: RunProducer) -> None:
+        leave = threading.Event()
+        thread = threading.Thread(target=one, args=(run, leave), name=f"run-{run.worker.run_id}")
+        threads[run.worker.run_id] = thread, leave, run
         thread.start()
-    for thread in threads:
+
+    for run in runs:
+        start(run)
+    while not stopping() and (follow is not None or any(thread.is_alive() for thread, _, _ in threads.values())):
+        if follow is not None:
+            joined, left = follow(set(threads))
+            for run_id in left:
+                thread, leave, run = threads.pop(run_id)
+                leave.set()
+                thread.join()
+                release(run)
+            for run in joined:
+                start(run)
+        time.sleep(poll_s)
+    for thread, _, _ in threads.values():
         thread.join()
     if errors:
         raise errors[0]

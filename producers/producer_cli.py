@@ -7,7 +7,15 @@ from typing import Annotated
 import typer
 
 from pipeline.cli.common import fail, handle_user_errors
-from pipeline.cli.options import PackedConfigOpt, PackedRunOpt, PresetOpt, SetOpt, run_configs, setup_logging
+from pipeline.cli.options import (
+    FollowRunsOpt,
+    PackedConfigOpt,
+    PackedRunOpt,
+    PresetOpt,
+    SetOpt,
+    run_configs,
+    setup_logging,
+)
 from pipeline.runtime import StopFlag
 
 app = typer.Typer(name="producer", help="Rollout producers: sample the policy against an environment.",
@@ -22,12 +30,14 @@ def start(
     overrides: SetOpt = None,
     run: PackedRunOpt = None,
     max_groups: Annotated[int | None, typer.Option(min=1, help="Stop after this many groups.")] = None,
+    follow_runs: FollowRunsOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Sample groups of episodes with the newest adapter and write them as Parquet batches + events.
 
     Several runs (--run A --run B, or one --config per run) are served packed by one process and one
-    sampling engine, each run writing its own batches and events.
+    sampling engine, each run writing its own batches and events.  With --follow-runs PATTERN, runs created
+    later (rlpipe runs create) join and stopped ones leave.
     SIGTERM or Ctrl-C finishes cleanly: complete groups are flushed, unfinished ones dropped.
     """
     setup_logging(verbose)
@@ -35,12 +45,12 @@ def start(
     if max_groups is not None:
         cfgs = [cfg.model_copy(update={"producer": cfg.producer.model_copy(update={"max_groups": max_groups})})
                 for cfg in cfgs]
-    if len(cfgs) > 1:
+    if len(cfgs) > 1 or follow_runs is not None:
         if any(cfg.value is not None for cfg in cfgs):
             fail("value-based runs are not packed: start one producer per value run")
         from producers.packed import run_packed_producer
 
-        run_packed_producer(cfgs, StopFlag().install())
+        run_packed_producer(cfgs, StopFlag().install(), follow_runs=follow_runs)
         return
     cfg = cfgs[0]
     if cfg.value is not None:  # a value-based run: a numeric actor plays with the published Q-network

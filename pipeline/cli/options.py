@@ -29,6 +29,10 @@ PackedRunOpt = Annotated[list[str] | None, typer.Option(
     "--run", "-r", help="The run id; repeat it to serve several runs packed in this process.")]
 PackedConfigOpt = Annotated[list[str] | None, typer.Option(
     "--config", "-c", help="A YAML/JSON run configuration file; repeat it (one per run) to pack several runs.")]
+FollowRunsOpt = Annotated[str | None, typer.Option(
+    "--follow-runs", metavar="PATTERN",
+    help="Also serve runs announced later whose id matches this glob (rlpipe runs create), until each is stopped "
+         "(rlpipe runs stop); the process then serves until it is stopped itself.")]
 
 
 def run_configs(

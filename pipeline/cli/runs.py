@@ -40,7 +40,7 @@ from pipeline.cli.common import (
     handle_user_errors,
     print_json,
 )
-from pipeline.cli.options import RunOpt, chosen_run
+from pipeline.cli.options import ConfigOpt, PresetOpt, RunOpt, SetOpt, chosen_run, run_config
 from pipeline.devstack.gcs_emulator import probe_endpoint
 from pipeline.devstack.stack import rlpipe_home
 from pipeline.io.store import ObjectStore
@@ -49,7 +49,7 @@ from schemas.config import StoreConfig
 
 app = typer.Typer(
     name="runs",
-    help="List the runs in a store, show one, delete one.",
+    help="List the runs in a store, show one, delete one; create or stop one that packed processes follow.",
     epilog="Example: rlpipe runs list && rlpipe runs show --run cartpole-20260101-120000",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -203,3 +203,56 @@ def delete_command(
         fail("nothing deleted")
     delete_run(store, plan)
     console.print(f"deleted {what}", markup=False)
+
+
+@app.command("create", epilog="Example: rlpipe runs create --preset cartpole --run exp-1  (taken up by "
+                              "rlpipe learner start --follow-runs 'exp-*' and rlpipe producer start --follow-runs 'exp-*')")
+@handle_user_errors
+def create_command(
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    run: Annotated[str | None, typer.Option("--run", "-r", help="Name the new run (default: the preset's run_id "
+                                                                "plus the UTC time); it must not exist yet.")] = None,
+) -> None:
+    """Create a run (its run.json) and announce it (RunStarted) without starting any process: a packed learner
+    and producer started with --follow-runs PATTERN take it up while serving their other runs."""
+    from pipeline.cli.run_cmd import explicit_run_id, new_run_id
+    from pipeline.io.bus import EventPublisher
+    from pipeline.runtime import Announcer, create_run, resolved_bus
+
+    cfg = run_config(preset, config, overrides)
+    if cfg.value is not None:
+        fail("value-based runs are not packed: start the run with rlpipe run", EXIT_USAGE)
+    store = open_store(cfg.store)
+    cfg = cfg.model_copy(update={"run_id": new_run_id(store, cfg.run_id, run or explicit_run_id(config, overrides or []))})
+    bus = resolved_bus(cfg.bus)
+    _, _, started = create_run(store, cfg, cfg.model.base_model)
+    with EventPublisher(bus) as publisher:
+        Announcer(publisher, cfg.run_id)(started)
+    console.print(f"created run {cfg.run_id}: processes started with --follow-runs matching it take it up; "
+                  f"stop it with rlpipe runs stop --run {cfg.run_id}", markup=False, soft_wrap=True)
+
+
+@app.command("stop", epilog="Example: rlpipe runs stop --run exp-1")
+@handle_user_errors
+def stop_command(
+    run: RunOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
+    bootstrap: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Announce that a run ends (RunStopped): packed processes following it let it go (its learner trains what
+    waits and checkpoints, its sampling flushes finished groups); the run stays in the store."""
+    from pipeline.analysis.runs import learner_step
+    from pipeline.io.bus import EventPublisher
+    from pipeline.runtime import Announcer, resolved_bus
+    from schemas.events import RunStopped
+
+    name = chosen_run(run, None, "runs stop")
+    store = _store(root, gcs_endpoint)
+    _known_run(store, name)
+    with EventPublisher(resolved_bus(bus_config_from_cli(bootstrap, namespace))) as publisher:
+        Announcer(publisher, name)(RunStopped(reason="stopped by rlpipe runs stop", final_step=learner_step(store, name)))
+    console.print(f"announced the end of run {name}; packed processes following it let it go", markup=False)

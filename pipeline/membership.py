@@ -1,0 +1,100 @@
+"""Runs joining and leaving a packed process while it serves the others, followed on the control topic.
+
+A packed learner or producer started with ``--follow-runs PATTERN`` serves, beside
+the runs it was started with, every run announced afterwards by ``RunStarted``
+(``rlpipe runs create``) whose id matches the glob ``PATTERN`` and whose
+configuration can share the process's engine; a served run's ``RunStopped``
+(``rlpipe runs stop``) makes it leave.  The others go on meanwhile: a run joins
+or leaves between two turns of the packed loop.
+
+A joining run's configuration is its stored one (``run.json`` and the changes
+recorded since, as ``rlpipe run --resume`` reads it) placed on the process's own
+broker and store: the process found the run there, and packed runs share one
+event log.  A run that cannot join (no stored configuration, a setting the
+engine cannot share) is logged and skipped; the process goes on.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from pipeline.io.bus import EventFollower
+from pipeline.io.store import ObjectStore
+from pipeline.runtime import effective_run_config
+from schemas.config import RunConfig
+from schemas.events import RunStarted, RunStopped
+
+log = logging.getLogger("rlpipe.membership")
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A run to serve from now on, with its configuration."""
+
+    config: RunConfig
+
+
+@dataclass(frozen=True)
+class Left:
+    """A served run to let go (its last step trained and checkpointed, its sampling flushed)."""
+
+    run_id: str
+
+
+Change = Joined | Left
+
+
+def joining_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunConfig:
+    """Run ``run_id``'s stored configuration on ``template``'s broker and store; ValueError naming what is wrong."""
+    try:
+        stored = effective_run_config(store, run_id)
+    except FileNotFoundError:
+        raise ValueError(f"run {run_id} has no run.json in {store.root}") from None
+    stored["bus"], stored["store"] = template.bus.model_dump(), template.store.model_dump()
+    try:
+        return RunConfig.model_validate(stored)
+    except ValidationError as exc:
+        raise ValueError(f"run {run_id}'s stored configuration is not valid here: {exc.errors()[0]['msg']}") from None
+
+
+class RunMembership:
+    """Which runs join and leave, from ``RunStarted`` and ``RunStopped`` on the control topic (from now on).
+
+    ``packable`` raises ValueError for a run that cannot share the process's engine
+    with ``template`` (the process's first run).  Not thread-safe: poll it from one thread.
+    """
+
+    def __init__(self, pattern: str, template: RunConfig, store: ObjectStore,
+                 packable: Callable[[list[RunConfig]], None], follower: EventFollower | None = None) -> None:
+        self.pattern, self.template, self.store, self.packable = pattern, template, store, packable
+        self.follower = follower if follower is not None else EventFollower(template.bus, "control", start="latest")
+
+    def changes(self, serving: Collection[str]) -> list[Change]:
+        """What happened since the last call: runs to add (not yet ``serving``, matching) and served runs to drop."""
+        found: list[Change] = []
+        for item in self.follower.poll(0.0):
+            run_id, payload = item.event.run_id, item.event.payload
+            if isinstance(payload, RunStarted) and run_id not in serving and fnmatch.fnmatchcase(run_id, self.pattern):
+                config = self._config(run_id)
+                if config is not None:
+                    found.append(Joined(config))
+            elif isinstance(payload, RunStopped) and run_id in serving:
+                found.append(Left(run_id))
+        return found
+
+    def _config(self, run_id: str) -> RunConfig | None:
+        try:
+            config = joining_config(self.store, run_id, self.template)
+            self.packable([self.template, config])
+        except ValueError as exc:
+            log.warning("run %s cannot join this packed process: %s", run_id, exc)
+            return None
+        return config
+
+    def close(self) -> None:
+        self.follower.close()
