@@ -8,6 +8,7 @@ import torch
 
 from consumers.checkpoint import CheckpointStore
 from consumers.engine import TrainingEngine
+from consumers.engine_data import EngineError
 from consumers.learner import Learner
 from consumers.packed import EnginePolicy, PackedLearner
 from consumers.policy import LoraPolicy
@@ -112,3 +113,39 @@ def test_resume_joins_every_runs_group_in_turns_before_any_run_trains():
                    for name, after in (("a", 2), ("b", 3))]
     packed.join(timeout_s=5)
     assert calls == ["a", "b", "a", "b", "b"]
+
+
+def test_runs_join_and_leave_a_packed_learner_between_rounds(batches, setup):  # noqa: F811
+    """b joins after a's first step; a leaves after its second (trained and checkpointed first, its adapter
+    deleted); b goes on to max_steps.  Each ends where it ends alone on the same batches."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    first = learner_of(batches, "a", "src-a", EnginePolicy(engine, "a", config("a")), config("a"))
+    packed = PackedLearner(engine, [first])
+    packed.resume()
+    changes: list[str] = []
+
+    def between_rounds(packed: PackedLearner) -> None:
+        if first.state.step >= 1 and "+b" not in changes:
+            packed.add(learner_of(batches, "b", "src-b", EnginePolicy(engine, "b", config("b")), config("b")))
+            changes.append("+b")
+        if first.state.step >= 2 and "-a" not in changes:
+            assert packed.remove("a") is first
+            changes.append("-a")
+
+    steps: list[str] = []
+    packed.run(should_stop=lambda: "-a" in changes and all(run.finished() for run in packed.runs),
+               on_step=lambda run, metrics: steps.append(run), poll_timeout_s=0, between_rounds=between_rounds)
+    assert changes == ["+b", "-a"] and [run.run_id for run in packed.runs] == ["b"]
+    assert steps.count("a") == 2 and steps.count("b") == 4 and steps[0] == "a" and steps[-1] == "b"
+    with pytest.raises(EngineError):  # a's adapter, optimizer and RNG left the engine with it
+        engine.adapter_snapshot("a")
+    with pytest.raises(ValueError, match="already packed"):
+        packed.add(learner_of(batches, "b", "src-b", LoraPolicy(setup["model_dir"], config("b")), config("b")))
+    for run, budget in (("a", 2), ("b", 4)):
+        alone = learner_of(batches, f"{run}-alone", f"src-{run}", LoraPolicy(setup["model_dir"], config(run)),
+                           config(run))
+        alone.resume()
+        alone.run(should_stop=lambda alone=alone, budget=budget: alone.state.step >= budget, poll_timeout_s=0)
+        ours, theirs = adapter_of(batches, run), adapter_of(batches, f"{run}-alone")
+        assert CheckpointStore(batches, run).latest().state.step == budget  # a's leaving checkpoint covers step 2
+        assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6, run

@@ -1,0 +1,85 @@
+"""Runs joining and leaving a packed process: what ``RunMembership`` makes of the control topic."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from consumers.packed import check_packable
+from pipeline.io.bus.records import ConsumedEvent
+from pipeline.io.store import ObjectStore
+from pipeline.membership import Joined, Left, RunMembership
+from pipeline.runtime import create_run
+from schemas.config import RunConfig
+from schemas.events import LearnerCheckpointed, Payload, RunStarted, RunStopped, make_event
+
+
+class Feed:
+    """A follower of the control topic that hands over what the test queued."""
+
+    def __init__(self) -> None:
+        self.queued: list[ConsumedEvent] = []
+        self.closed = False
+
+    def put(self, run_id: str, payload: Payload) -> None:
+        self.queued.append(ConsumedEvent("ns.control", 0, len(self.queued), run_id, make_event(run_id, payload)))
+
+    def poll(self, timeout_s: float = 0.0) -> list[ConsumedEvent]:
+        items, self.queued = self.queued, []
+        return items
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def config(run_id: str, **values) -> RunConfig:
+    return RunConfig.model_validate({"run_id": run_id, "bus": {"bootstrap_servers": "localhost:9092"}, **values})
+
+
+@pytest.fixture
+def setup(tmp_path):
+    store = ObjectStore(tmp_path.as_uri())
+    template = config("base", learner={"learning_rate": 1e-4}, store={"root": store.root})
+    feed = Feed()
+    return store, template, feed, RunMembership("exp-*", template, store, check_packable, follower=feed)
+
+
+def started(store: ObjectStore, cfg: RunConfig) -> RunStarted:
+    _, _, event = create_run(store, cfg, cfg.model.base_model)
+    assert isinstance(event, RunStarted)
+    return event
+
+
+def test_a_matching_run_joins_with_its_stored_configuration_and_leaves_when_stopped(setup):
+    store, template, feed, membership = setup
+    stored = config("exp-1", bus={"bootstrap_servers": "elsewhere:1"}, learner={"learning_rate": 3e-3})
+    feed.put("exp-1", started(store, stored))
+    feed.put("other", started(store, config("other")))  # not matching the pattern
+    (joined,) = membership.changes(serving={"base"})
+    assert isinstance(joined, Joined) and joined.config.run_id == "exp-1"
+    assert joined.config.learner.learning_rate == 3e-3  # its own settings
+    assert joined.config.bus == template.bus and joined.config.store == template.store  # this process's log
+
+    feed.put("exp-1", LearnerCheckpointed(step=1, version=1, path="x", offsets={}))
+    feed.put("exp-1", RunStopped(reason="done"))
+    feed.put("exp-2", RunStopped(reason="never served"))
+    assert membership.changes(serving={"base", "exp-1"}) == [Left("exp-1")]
+    feed.put("exp-1", RunStopped(reason="again"))
+    assert membership.changes(serving={"base"}) == []  # a run not served has nothing to leave
+    membership.close()
+    assert feed.closed
+
+
+def test_a_run_that_cannot_share_the_engine_is_skipped_with_a_warning(setup, caplog):
+    store, _, feed, membership = setup
+    feed.put("exp-big", started(store, config("exp-big", model={"base_model": "Qwen/Qwen2.5-0.5B"})))
+    feed.put("exp-gone", RunStarted(config_path="runs/exp-gone/run.json", config_sha256="0" * 64, env="cartpole",
+                                    base_model="tiny"))  # announced, but no run.json in this store
+    feed.put("exp-1", started(store, config("exp-1")))
+    with caplog.at_level(logging.WARNING, logger="rlpipe.membership"):
+        changes = membership.changes(serving=set())
+    assert [c.config.run_id for c in changes if isinstance(c, Joined)] == ["exp-1"]
+    messages = " | ".join(r.getMessage() for r in caplog.records)
+    assert "run exp-big cannot join" in messages and "model.base_model" in messages
+    assert "run exp-gone cannot join" in messages and "no run.json" in messages
