@@ -1,10 +1,15 @@
-"""Packed sampling: each run's view of the shared engine names the run in every adapter handle."""
+"""Packed sampling: each run's view of the shared engine names the run in every adapter handle; runs join and
+leave a serving process."""
 
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
+
 import pytest
 
-from producers.packed import RunSampler, check_packable
+from producers.packed import RunSampler, check_packable, serve
 from producers.samplers.base import AdapterHandle, SampleRequest
 from schemas.config import RunConfig
 
@@ -51,3 +56,42 @@ def test_runs_that_cannot_share_an_engine_are_refused_in_one_line():
     other = RunConfig(run_id="b", sampler={"backend": "transformers"})
     with pytest.raises(ValueError, match=r"differ in sampler\.backend"):
         check_packable([first, other])
+
+
+class LoopingRun:
+    """A run's rollout loop that counts its passes until its stop says so."""
+
+    def __init__(self, run_id: str) -> None:
+        self.worker = SimpleNamespace(run_id=run_id)
+        self.passes = 0
+        self.stopped = threading.Event()
+
+    def run(self, stop) -> None:
+        while not stop():
+            self.passes += 1
+            time.sleep(0.01)
+        self.stopped.set()
+
+
+def test_runs_join_and_leave_while_the_others_sample_on():
+    """serve() with follow: b joins, then a leaves (its loop stopped, then released) while b goes on; only the
+    process's stop ends b."""
+    a, b = LoopingRun("a"), LoopingRun("b")
+    released: list[str] = []
+    calls: list[set[str]] = []
+    stop_now = threading.Event()
+
+    def follow(serving: set[str]):
+        calls.append(set(serving))
+        if len(calls) == 2:
+            return [b], []
+        if len(calls) == 4:
+            return [], ["a"]
+        if len(calls) == 8:
+            assert not b.stopped.is_set()  # a's leaving did not stop b
+            stop_now.set()
+        return [], []
+
+    serve([a], stop_now.is_set, follow, lambda run: released.append(run.worker.run_id), poll_s=0.01)
+    assert calls[0] == {"a"} and calls[2] == {"a", "b"} and calls[4] == {"b"}
+    assert released == ["a"] and a.stopped.is_set() and b.stopped.is_set() and a.passes > 0 and b.passes > 0
