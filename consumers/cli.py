@@ -40,7 +40,8 @@ def start(
 
     Several runs (--run A --run B, or one --config per run) train packed in one process: one base model,
     one LoRA adapter per run, each run with its own offsets, checkpoints and versions.  With
-    --follow-runs PATTERN, runs created later (rlpipe runs create) join and stopped ones leave.
+    --follow-runs PATTERN, runs created later (rlpipe runs create) join and stopped ones leave; with no
+    --run or --config as well, the process starts with no run, its engine set up from the configuration.
     SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0.
     """
     setup_logging(verbose)
@@ -77,7 +78,9 @@ def start(
         else:
             from consumers.packed import run_packed_learner
 
-            run_packed_learner(cfgs, StopFlag().install(), follow_runs=follow_runs)
+            named = bool(run or config)  # following with no run named: an engine waiting for runs to join
+            run_packed_learner(cfgs if named or follow_runs is None else [], StopFlag().install(),
+                               follow_runs=follow_runs, template=cfgs[0])
     except LeaseLostError as exc:  # another learner of the run took over: one line, not a traceback
         fail(str(exc))
 

@@ -48,7 +48,7 @@ from consumers.service import build_learner, finish, progress_line
 from consumers.sources import KafkaSource
 from pipeline.health import HealthServer
 from pipeline.io.bus import EventPublisher
-from pipeline.membership import Joined, RunMembership
+from pipeline.membership import Joined, RunMembership, engine_config
 from pipeline.models import resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import LearnerConfig, RunConfig
@@ -247,18 +247,18 @@ def check_packable(configs: list[RunConfig]) -> None:
 
 def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                        on_step: Callable[[str, dict], None] | None = None,
-                       follow_runs: str | None = None) -> PackedLearner:
+                       follow_runs: str | None = None, template: RunConfig | None = None) -> PackedLearner:
     """Train several runs in one process on one engine until stopped or each reaches its ``max_steps``.
 
     Every run is set up as ``run_learner`` sets up one (its ``run.json``, its own
     consumer group, lease, registry and checkpoints); a SIGTERM trains what each
     run has waiting and writes each one's final checkpoint.  With ``follow_runs``
     (a glob of run ids) runs announced later join and served runs stopped later
-    leave (``pipeline.membership``), and the process serves until stopped.
+    leave (``pipeline.membership``), and the process serves until stopped; it may then start with no run, its
+    engine set up from ``template`` (base model, device, event log and store).
     """
-    check_packable(configs)
+    first = engine_config(configs, follow_runs, template, check_packable)
     stop = stop or StopFlag()
-    first = configs[0]
     health = HealthServer(first.learner.health_port).start()
     done = health.add_setup_steps(("broker", "engine", "resumed"))
     health.add_readiness_check("stopping", lambda: not stop())
@@ -277,7 +277,8 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
         base_model = resolve_base_model(first.model)
         if first.learner.torch_threads:
             torch.set_num_threads(first.learner.torch_threads)
-        log.info("initialising a training engine on %s for runs %s", base_model, ", ".join(c.run_id for c in configs))
+        log.info("initialising a training engine on %s for runs %s", base_model,
+                 ", ".join(c.run_id for c in configs) or f"matching {follow_runs}")
         engine = TrainingEngine(base_model, device=first.learner.device, dtype=first.model.dtype)
         done.add("engine")
 

@@ -49,6 +49,18 @@ class Left:
 Change = Joined | Left
 
 
+def engine_config(configs: list[RunConfig], follow_runs: str | None, template: RunConfig | None,
+                  packable: Callable[[list[RunConfig]], None]) -> RunConfig:
+    """The configuration a packed process sets its engine up from: its first run's, or ``template`` when it starts
+    with no run and follows runs; ValueError (from ``packable`` too) when the runs cannot share it."""
+    if configs:
+        packable(configs)
+        return configs[0]
+    if follow_runs is None or template is None:
+        raise ValueError("no run to pack; name at least one run, or follow runs with --follow-runs PATTERN")
+    return template
+
+
 def joining_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunConfig:
     """Run ``run_id``'s stored configuration on ``template``'s broker and store; ValueError naming what is wrong."""
     try:

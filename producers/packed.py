@@ -33,7 +33,7 @@ from dataclasses import replace
 from transformers import AutoTokenizer
 
 from pipeline.health import HealthServer
-from pipeline.membership import Left, RunMembership
+from pipeline.membership import Left, RunMembership, engine_config
 from pipeline.runtime import StopFlag, open_store
 from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
@@ -100,18 +100,18 @@ def shared_engine(configs: list[RunConfig], model_path: str, seed: int, reserve_
 
 
 def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
-                        follow_runs: str | None = None) -> list[RolloutWorker]:
+                        follow_runs: str | None = None, template: RunConfig | None = None) -> list[RolloutWorker]:
     """Serve several runs from one process and one engine until stopped or each wrote its ``max_groups``.
 
     Each run's producer id is the process's with the run appended, so its
     training seeds and episode ids are its own.  With ``follow_runs`` (a glob of
     run ids) runs announced later join and served runs stopped later leave, and
-    the process serves until stopped.
+    the process serves until stopped; it may then start with no run, its engine set up from ``template``.
     """
-    check_packable(configs)
+    first = engine_config(configs, follow_runs, template, check_packable)
     stop = stop or StopFlag()
-    process_id = configs[0].producer.producer_id or default_producer_id()
-    health = HealthServer(configs[0].producer.health_port).start()
+    process_id = first.producer.producer_id or default_producer_id()
+    health = HealthServer(first.producer.health_port).start()
     done = health.add_setup_steps(("broker", "store", "sampler", "adapters"))
     health.add_readiness_check("stopping", lambda: not stop())
     runs: list[RunProducer] = []
@@ -119,11 +119,11 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
     membership: RunMembership | None = None
     try:
         connections = [connect_run(cfg, done) for cfg in configs]
-        model_path = resolve_model(configs[0].model)
-        streams = SamplingStreams(configs[0].sampler.seed, process_id)
-        log.info("initialising one %s engine on %s for runs %s", configs[0].sampler.backend, model_path,
-                 ", ".join(c.run_id for c in configs))
-        sampler = shared_engine(configs, model_path, streams.engine_seed(),
+        model_path = resolve_model(first.model)
+        streams = SamplingStreams(first.sampler.seed, process_id)
+        log.info("initialising one %s engine on %s for runs %s", first.sampler.backend, model_path,
+                 ", ".join(c.run_id for c in configs) or f"matching {follow_runs}")
+        sampler = shared_engine(configs or [first], model_path, streams.engine_seed(),
                                 FOLLOW_RESERVE_RUNS if follow_runs is not None else 0)
         shared = sampler
 
@@ -140,7 +140,7 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
             open_run(cfg, connection)
         done.add("adapters")
         if follow_runs is not None:
-            membership = RunMembership(follow_runs, configs[0], open_store(configs[0].store), check_packable)
+            membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
         health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
         follow = None if membership is None else following(membership, open_run)
 

@@ -37,7 +37,8 @@ def start(
 
     Several runs (--run A --run B, or one --config per run) are served packed by one process and one
     sampling engine, each run writing its own batches and events.  With --follow-runs PATTERN, runs created
-    later (rlpipe runs create) join and stopped ones leave.
+    later (rlpipe runs create) join and stopped ones leave; with no --run or --config as well, the process
+    starts with no run, its engine set up from the configuration.
     SIGTERM or Ctrl-C finishes cleanly: complete groups are flushed, unfinished ones dropped.
     """
     setup_logging(verbose)
@@ -50,7 +51,9 @@ def start(
             fail("value-based runs are not packed: start one producer per value run")
         from producers.packed import run_packed_producer
 
-        run_packed_producer(cfgs, StopFlag().install(), follow_runs=follow_runs)
+        named = bool(run or config)  # following with no run named: an engine waiting for runs to join
+        run_packed_producer(cfgs if named or follow_runs is None else [], StopFlag().install(),
+                            follow_runs=follow_runs, template=cfgs[0])
         return
     cfg = cfgs[0]
     if cfg.value is not None:  # a value-based run: a numeric actor plays with the published Q-network

@@ -9,7 +9,7 @@ import pytest
 from consumers.packed import check_packable
 from pipeline.io.bus.records import ConsumedEvent
 from pipeline.io.store import ObjectStore
-from pipeline.membership import Joined, Left, RunMembership
+from pipeline.membership import Joined, Left, RunMembership, engine_config
 from pipeline.runtime import create_run
 from schemas.config import RunConfig
 from schemas.events import LearnerCheckpointed, Payload, RunStarted, RunStopped, make_event
@@ -83,3 +83,13 @@ def test_a_run_that_cannot_share_the_engine_is_skipped_with_a_warning(setup, cap
     messages = " | ".join(r.getMessage() for r in caplog.records)
     assert "run exp-big cannot join" in messages and "model.base_model" in messages
     assert "run exp-gone cannot join" in messages and "no run.json" in messages
+
+
+def test_a_following_process_may_start_with_no_run_but_a_plain_one_may_not():
+    template, other = config("engine"), config("b", model={"base_model": "Qwen/Qwen2.5-0.5B"})
+    assert engine_config([], "exp-*", template, check_packable) is template
+    assert engine_config([other, template], None, None, lambda configs: None) is other
+    with pytest.raises(ValueError, match="name at least one run, or follow runs"):
+        engine_config([], None, template, check_packable)
+    with pytest.raises(ValueError, match=r"model\.base_model"):
+        engine_config([template, other], "exp-*", template, check_packable)
