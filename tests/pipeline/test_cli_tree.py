@@ -28,6 +28,8 @@ NO_DATA = {
     "demo",  # progress of six phases; its measured result is written to demo-result.json
     "adapters pull",  # downloads a version; prints where it landed
     "runs delete",  # deletes after a confirmation prompt; prints what it removed
+    "runs create",  # writes run.json and announces RunStarted; prints one line of what it did
+    "runs stop",  # announces RunStopped; prints one line of what it did
     "producer start",  # long-running service: log lines only
     "learner start",  # long-running service: log lines only
     "replay",  # trains or re-announces; prints one line of what it did
