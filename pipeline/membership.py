@@ -85,19 +85,47 @@ class RunMembership:
                  packable: Callable[[list[RunConfig]], None], follower: EventFollower | None = None) -> None:
         self.pattern, self.template, self.store, self.packable = pattern, template, store, packable
         self.follower = follower if follower is not None else EventFollower(template.bus, "control", start="latest")
+        self._rejoining: list[str] = []  # served runs stopped and started again: they join on the next call
 
     def changes(self, serving: Collection[str]) -> list[Change]:
-        """What happened since the last call: runs to add (not yet ``serving``, matching) and served runs to drop."""
+        """What happened since the last call: runs to add (not yet ``serving``, matching) and served runs to drop.
+
+        Read in order, so a run started and stopped within one call neither joins nor leaves, and a run announced
+        twice joins once.  A served run stopped and started again leaves now and joins on the next call, once the
+        process has let it go.
+        """
+        now, left = set(serving), set()
         found: list[Change] = []
+        rejoining, self._rejoining = self._rejoining, []
+        for run_id in rejoining:
+            self._join(run_id, now, found)
         for item in self.follower.poll(0.0):
             run_id, payload = item.event.run_id, item.event.payload
-            if isinstance(payload, RunStarted) and run_id not in serving and fnmatch.fnmatchcase(run_id, self.pattern):
-                config = self._config(run_id)
-                if config is not None:
-                    found.append(Joined(config))
-            elif isinstance(payload, RunStopped) and run_id in serving:
-                found.append(Left(run_id))
+            if isinstance(payload, RunStarted) and fnmatch.fnmatchcase(run_id, self.pattern):
+                if run_id in left and run_id not in self._rejoining:
+                    self._rejoining.append(run_id)
+                elif run_id not in left:
+                    self._join(run_id, now, found)
+            elif isinstance(payload, RunStopped):
+                if run_id in self._rejoining:
+                    self._rejoining.remove(run_id)
+                elif run_id in now:
+                    now.discard(run_id)
+                    joined_now = [c for c in found if isinstance(c, Joined) and c.config.run_id == run_id]
+                    if joined_now:
+                        found.remove(joined_now[0])
+                    else:
+                        found.append(Left(run_id))
+                        left.add(run_id)
         return found
+
+    def _join(self, run_id: str, now: set[str], found: list[Change]) -> None:
+        if run_id in now:
+            return
+        config = self._config(run_id)
+        if config is not None:
+            found.append(Joined(config))
+            now.add(run_id)
 
     def _config(self, run_id: str) -> RunConfig | None:
         try:

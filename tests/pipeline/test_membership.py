@@ -93,3 +93,20 @@ def test_a_following_process_may_start_with_no_run_but_a_plain_one_may_not():
         engine_config([], None, template, check_packable)
     with pytest.raises(ValueError, match=r"model\.base_model"):
         engine_config([template, other], "exp-*", template, check_packable)
+
+
+def test_a_run_started_and_stopped_within_one_poll_neither_joins_nor_joins_twice(setup):
+    store, _, feed, membership = setup
+    event = started(store, config("exp-1"))
+    feed.put("exp-1", event)
+    feed.put("exp-1", event)  # announced twice (a retried `rlpipe runs create`): one join
+    feed.put("exp-2", started(store, config("exp-2")))
+    feed.put("exp-2", RunStopped(reason="stopped before this process saw it start"))
+    changes = membership.changes(serving=set())
+    assert [(type(c).__name__, c.config.run_id) for c in changes] == [("Joined", "exp-1")]
+    feed.put("exp-1", RunStopped(reason="done"))
+    feed.put("exp-1", event)  # started again after it stopped: it leaves now and joins once let go
+    assert membership.changes(serving={"exp-1"}) == [Left("exp-1")]
+    (joined,) = membership.changes(serving=set())
+    assert isinstance(joined, Joined) and joined.config.run_id == "exp-1"
+    assert membership.changes(serving={"exp-1"}) == []
