@@ -224,12 +224,15 @@ class Learner:
 
     # ---- the loop -----------------------------------------------------------
     def run(self, should_stop: Callable[[], bool] = lambda: False, on_step: Callable[[dict], None] = lambda m: None,
-            poll_timeout_s: float = 1.0) -> LearnerState:
+            poll_timeout_s: float = 1.0, wait_for_writes: bool = True) -> LearnerState:
         """Loop until stopped, ``max_steps`` is reached, or a finite source runs dry.
 
         Refs are ingested one at a time and a step is taken as soon as enough rows
         wait, so what goes into each step does not depend on how the source
         happened to group its deliveries (Kafka and replay give the same steps).
+        With ``wait_for_writes`` False the last step's writes may still be going
+        when this returns (a packed learner's turn): the next step, ``checkpoint``
+        or ``finish_writes`` waits for them.
         """
         was_pipelined, self.pipelined = self.pipelined, True
         try:
@@ -256,7 +259,8 @@ class Learner:
         finally:
             self.pipelined = was_pipelined
             self.reader.close()
-        self.finish_writes()
+        if wait_for_writes:
+            self.finish_writes()
         return self.state
 
     def read_ahead(self) -> None:

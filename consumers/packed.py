@@ -206,7 +206,20 @@ class PackedLearner:
         going, so one full round waits about ``poll_timeout_s`` when none has rows.
         ``between_rounds`` (runs joining and leaving) is called before every round;
         with it the loop also goes on while no run is going, waiting for one to join.
+        A run's publish and checkpoint are written while the next runs take their
+        turns; every run's writes are done when this returns.
         """
+        try:
+            self._rounds(should_stop, on_step, poll_timeout_s, between_rounds)
+        except BaseException:
+            for run in self.runs:
+                run.learner.outputs.writer.wait_quietly()
+            raise
+        for run in self.runs:
+            run.learner.finish_writes()
+
+    def _rounds(self, should_stop: Callable[[], bool], on_step: Callable[[str, dict], None], poll_timeout_s: float,
+                between_rounds: Callable[[PackedLearner], None] | None) -> None:
         while not should_stop():
             if between_rounds is not None:
                 between_rounds(self)
@@ -234,7 +247,8 @@ def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:
     """One pass of ``learner``'s own loop (``Learner.run``): poll, ingest one batch, step if ready; the steps taken."""
     passes = iter((False,))  # lets the loop's condition pass once
     steps: list[dict] = []
-    learner.run(should_stop=lambda: next(passes, True), on_step=steps.append, poll_timeout_s=poll_timeout_s)
+    learner.run(should_stop=lambda: next(passes, True), on_step=steps.append, poll_timeout_s=poll_timeout_s,
+                wait_for_writes=False)
     return steps
 
 

@@ -146,6 +146,7 @@ def finish(learner: Learner, after_step: Callable[[dict], None]) -> None:
         after_step(learner.step())
     if learner.state.step % learner.cfg.checkpoint_every:
         learner.checkpoint()
+    learner.finish_writes()  # the last step's own checkpoint, when it was due, may still be being written
 
 
 def replay_train(config: RunConfig, source_run: str, date_from: str | None = None, date_to: str | None = None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -149,3 +151,28 @@ def test_runs_join_and_leave_a_packed_learner_between_rounds(batches, setup):  #
         ours, theirs = adapter_of(batches, run), adapter_of(batches, f"{run}-alone")
         assert CheckpointStore(batches, run).latest().state.step == budget  # a's leaving checkpoint covers step 2
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6, run
+
+
+def test_one_runs_writes_go_on_while_the_next_run_trains(batches, setup):  # noqa: F811
+    """A run's publish and checkpoint are written in the background while the other runs take their turns, and
+    are all written when the packed loop returns."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    learners = [learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, config(run, max_steps=2)),
+                           config(run, max_steps=2)) for run in SOURCES]
+    a = learners[0]
+    b_stepped, seen = threading.Event(), []
+    write_step = a.outputs.write_step
+
+    def slow_write(*args, **kwargs):
+        if not seen:  # a's first step: its writes end only once b has trained a step beside them
+            seen.append(b_stepped.wait(timeout=20))
+        return write_step(*args, **kwargs)
+
+    a.outputs.write_step = slow_write
+    packed = PackedLearner(engine, learners)
+    packed.resume()
+    packed.run(on_step=lambda run, metrics: b_stepped.set() if run == "b" else None, poll_timeout_s=0)
+    assert seen == [True]
+    for run in SOURCES:  # every step's writes are done once the loop returns
+        assert AdapterRegistry(batches, run).versions() == [1, 2]
+        assert CheckpointStore(batches, run).latest().state.step == 2
