@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     clock = Clock()
     tiny_dir = built_tiny_model()
     if tiny_dir is None:
-        clock("build the tiny model first (e.g. `make demo` or `rlpipe model build-tiny`): the runs start at once")
+        clock("build the tiny model first (e.g. `make demo` or `rlpipe model init-tiny`): the runs start at once")
         return 2
     home = (args.home or Path(tempfile.mkdtemp(prefix="rlpipe-packing-"))).expanduser().resolve()
     os.environ["RLPIPE_HOME"] = str(home)
