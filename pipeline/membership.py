@@ -85,7 +85,7 @@ class RunMembership:
                  packable: Callable[[list[RunConfig]], None], follower: EventFollower | None = None) -> None:
         self.pattern, self.template, self.store, self.packable = pattern, template, store, packable
         self.follower = follower if follower is not None else EventFollower(template.bus, "control", start="latest")
-        self._rejoining: list[str] = []  # served runs stopped and started again: they join on the next call
+        self._rejoining: dict[str, None] = {}  # served runs stopped and started again: they join on the next call
 
     def changes(self, serving: Collection[str]) -> list[Change]:
         """What happened since the last call: runs to add (not yet ``serving``, matching) and served runs to drop.
@@ -94,37 +94,35 @@ class RunMembership:
         twice joins once.  A served run stopped and started again leaves now and joins on the next call, once the
         process has let it go.
         """
-        now, left = set(serving), set()
-        found: list[Change] = []
-        rejoining, self._rejoining = self._rejoining, []
+        now = set(serving)
+        found: dict[str, Change] = {}  # at most one change per run and call, in the order they happened
+        rejoining, self._rejoining = self._rejoining, {}
         for run_id in rejoining:
             self._join(run_id, now, found)
         for item in self.follower.poll(0.0):
             run_id, payload = item.event.run_id, item.event.payload
             if isinstance(payload, RunStarted) and fnmatch.fnmatchcase(run_id, self.pattern):
-                if run_id in left and run_id not in self._rejoining:
-                    self._rejoining.append(run_id)
-                elif run_id not in left:
+                if isinstance(found.get(run_id), Left):
+                    self._rejoining[run_id] = None
+                else:
                     self._join(run_id, now, found)
             elif isinstance(payload, RunStopped):
                 if run_id in self._rejoining:
-                    self._rejoining.remove(run_id)
+                    del self._rejoining[run_id]
                 elif run_id in now:
                     now.discard(run_id)
-                    joined_now = [c for c in found if isinstance(c, Joined) and c.config.run_id == run_id]
-                    if joined_now:
-                        found.remove(joined_now[0])
+                    if isinstance(found.get(run_id), Joined):
+                        del found[run_id]  # started and stopped within this call: nothing to do
                     else:
-                        found.append(Left(run_id))
-                        left.add(run_id)
-        return found
+                        found[run_id] = Left(run_id)
+        return list(found.values())
 
-    def _join(self, run_id: str, now: set[str], found: list[Change]) -> None:
+    def _join(self, run_id: str, now: set[str], found: dict[str, Change]) -> None:
         if run_id in now:
             return
         config = self._config(run_id)
         if config is not None:
-            found.append(Joined(config))
+            found[run_id] = Joined(config)
             now.add(run_id)
 
     def _config(self, run_id: str) -> RunConfig | None:
