@@ -14,11 +14,20 @@ process and one set of producer processes (``<name>-1`` ... ``<name>-N``); run
 ``i`` plays recipe seed ``i - 1``, as ``rlpipe demo --seed`` does (sampling, LoRA
 initialisation and training seeds), so the runs differ; a ``--set`` of a seed
 applies to every run.
+
+Several ``--preset`` (or several ``--config``) start one new run of each, packed
+the same way (``--runs N``: N of each).  A preset's run is named after the
+preset and the time (one time for all), or ``<NAME>-<preset>`` with ``--run
+NAME``; a file's run keeps the file's ``run_id`` when it names one.  The runs
+must be able to share the engines (one base model, sampler and event log);
+``--max-steps`` and ``--set`` apply to every run, and the producer processes,
+which serve every run, are as many as the most any run asks for.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -26,10 +35,10 @@ from pydantic import ValidationError
 
 from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
 from pipeline.cli.demo_cmd import seed_overrides
-from pipeline.cli.options import ConfigOpt, PresetOpt, SetOpt, run_config, setup_logging
+from pipeline.cli.options import SetOpt, run_config, setup_logging
 from pipeline.config import ConfigError, deep_merge, env_layer, load_file, parse_overrides, validation_message
 from pipeline.io.store import ObjectStore
-from schemas.config import RunConfig
+from schemas.config import RunConfig, check_packable
 from schemas.names import validate_name
 
 app = typer.Typer(name="run", add_completion=False)
@@ -37,14 +46,23 @@ app = typer.Typer(name="run", add_completion=False)
 MAX_NAME = 64  # schemas.names: run ids are at most 64 characters
 MAX_PACKED = 16  # runs one `rlpipe run --runs N` packs (the sampling engine holds every run's adapters)
 _STAMP = "%Y%m%d-%H%M%S"
+# what every packed run shares: the learner's engine and the producers' engine (consumers/ and producers/packed.py)
+PACKED_SHARED = ("model.base_model", "model.dtype", "learner.device", "sampler.backend", "sampler.max_model_len",
+                 "bus.bootstrap_servers", "bus.namespace")
+
+PresetsOpt = Annotated[list[str] | None, typer.Option(
+    "--preset", "-p", help="A shipped preset (see `rlpipe config presets`); repeat it to start one packed run of "
+                           "each.")]
+ConfigsOpt = Annotated[list[str] | None, typer.Option(
+    "--config", "-c", help="A YAML/JSON run configuration file; repeat it to start one packed run of each.")]
 
 
 @app.command(epilog="Examples: rlpipe run --preset cartpole --max-steps 20;  "
                     "rlpipe run --resume cartpole-20260101-120000 --max-steps 40")
 @handle_user_errors
 def run(
-    preset: PresetOpt = None,
-    config: ConfigOpt = None,
+    preset: PresetsOpt = None,
+    config: ConfigsOpt = None,
     overrides: SetOpt = None,
     name: Annotated[str | None, typer.Option("--run", "-r", help="Name the new run (default: the preset's run_id "
                                                                   "plus the UTC time); it must not exist yet.")] = None,
@@ -65,6 +83,7 @@ def run(
     """
     from pipeline.runtime import open_store
 
+    kinds = run_kinds(preset or [], config or [])
     if resume is not None:
         if preset or config or name:
             fail("--resume uses the run's stored configuration: drop --preset/--config/--run "
@@ -74,18 +93,14 @@ def run(
                  "rlpipe learner start --run A --run B ... and rlpipe producer start --run A --run B ...", EXIT_USAGE)
         cfg = resumed_config(resume, overrides or [])
     else:
-        cfg = run_config(preset, config, overrides)
+        cfg = run_config(*kinds[0], overrides)
     cfg = with_budget(cfg, max_steps, producers)
     store = open_store(cfg.store)
-    if runs > 1:
-        if cfg.value is not None:
-            fail("value-based runs are not packed: start one rlpipe run per value run", EXIT_USAGE)
-        stem = name or explicit_run_id(config, overrides or [])
-        ids = packed_run_ids(store, cfg.run_id, stem, runs)
-        configs = [with_budget(run_config(preset, config, [*seed_overrides(i), *(overrides or [])]), max_steps,
-                               producers).model_copy(update={"run_id": run_id}) for i, run_id in enumerate(ids)]
+    if runs > 1 or len(kinds) > 1:
+        configs = packed_configs(store, kinds, overrides or [], name, runs, max_steps, producers)
+        ids = [c.run_id for c in configs]
         console.print(f"starting runs {', '.join(ids)}, packed in one learner and "
-                      f"{cfg.num_producers} producer process(es)", markup=False)
+                      f"{configs[0].num_producers} producer process(es)", markup=False)
         setup_logging()
         from pipeline.devstack.launcher import Launcher
 
@@ -95,7 +110,7 @@ def run(
     if resume is not None:
         stop_if_finished(store, cfg)
     else:
-        explicit = name or explicit_run_id(config, overrides or [])
+        explicit = name or explicit_run_id(kinds[0][1], overrides or [])
         cfg = cfg.model_copy(update={"run_id": new_run_id(store, cfg.run_id, explicit)})
     console.print(f"{'resuming' if resume else 'starting'} run {cfg.run_id}", markup=False)
     setup_logging()
@@ -117,13 +132,90 @@ def with_budget(config: RunConfig, max_steps: int | None, producers: int | None)
     return config
 
 
-def packed_run_ids(store: ObjectStore, base: str, explicit: str | None, count: int) -> list[str]:
-    """``<stem>-1`` ... ``<stem>-<count>``: the stem is ``explicit``, else ``<base>-<UTC time>``; none may exist."""
+def run_kinds(presets: list[str], configs: list[str]) -> list[tuple[str | None, str | None]]:
+    """The (preset, config file) of each kind of run asked for: one per repeated ``--preset`` or ``--config``
+    (a single one of the other goes with each), else the one pair given."""
+    if len(presets) > 1 and len(configs) > 1:
+        raise ConfigError("several --preset and several --config: repeat one of them, not both (a single "
+                          "--config then applies to every preset, a single --preset under every file)")
+    if len(presets) > 1:
+        return [(p, configs[0] if configs else None) for p in presets]
+    if len(configs) > 1:
+        return [(presets[0] if presets else None, c) for c in configs]
+    return [(presets[0] if presets else None, configs[0] if configs else None)]
+
+
+def packed_configs(store: ObjectStore, kinds: list[tuple[str | None, str | None]], overrides: list[str],
+                   name: str | None, count: int, max_steps: int | None, producers: int | None) -> list[RunConfig]:
+    """``count`` new runs of each kind, run ``i`` of a kind with recipe seed ``i - 1``, named by ``packed_run_ids``;
+    refused in one line when they cannot be packed (a value run, a run named twice, engines they cannot share)."""
+    stems = [run_stem(preset, config_file, overrides, name, len(kinds) > 1) for preset, config_file in kinds]
+    named = [stem for stem, _ in stems]
+    if len(set(named)) != len(named):
+        twice = sorted({stem for stem in named if named.count(stem) > 1})
+        raise ConfigError(f"{', '.join(twice)} named twice: give each preset or file once (--runs N starts "
+                          "several runs of one)")
+    ids = packed_run_ids(store, stems, count)
+    configs = [with_budget(run_config(*kinds[k], [*seed_overrides(i), *overrides]), max_steps, producers)
+               .model_copy(update={"run_id": ids[k][i]}) for k in range(len(kinds)) for i in range(len(ids[k]))]
+    if any(c.value is not None for c in configs):
+        raise ConfigError("value-based runs are not packed: start one rlpipe run per value run")
+    try:
+        check_packable(configs, PACKED_SHARED, "one base model, device, sampling engine and event log")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    widest = max(c.num_producers for c in configs)
+    return [c.model_copy(update={"num_producers": widest}) for c in configs]
+
+
+def run_stem(preset: str | None, config_file: str | None, overrides: list[str], name: str | None,
+             several: bool) -> tuple[str, bool]:
+    """The stem of one kind's run ids and whether the user named it (else the time is added).
+
+    One kind: ``--run``, else the run id of ``--set``, the environment or the file; else the configuration's
+    run id.  Several: each is labelled by its preset's run id (or its file's run id, else the file's name),
+    under ``--run NAME`` (or ``--set run_id``) as ``NAME-<label>``; a file's own run id is a name of its own.
+    """
+    if not several:
+        explicit = name or explicit_run_id(config_file, overrides)
+        return (explicit, True) if explicit else (run_config(preset, config_file, overrides).run_id, False)
+    explicit = name or explicit_run_id(None, overrides)
+    own = explicit_run_id(config_file, []) if config_file else None
+    if preset is not None and (config_file is None or own is None):
+        label = run_config(preset, None, []).run_id
+    else:
+        label = own or Path(str(config_file)).stem
+    if explicit:
+        return f"{explicit}-{label}", True
+    return (own, True) if own and config_file else (label, False)
+
+
+def packed_run_ids(store: ObjectStore, stems: list[tuple[str, bool]], count: int) -> list[list[str]]:
+    """Each stem's run ids: the stem for one run, ``<stem>-1`` ... ``<stem>-<count>`` for several.
+
+    A stem the user named is taken as it is and none of its runs may exist; any other gets the UTC time (one
+    for all), and ``-2``, ``-3`` when its runs are taken.
+    """
     from pipeline.analysis.runs import run_exists
 
-    stem = validate_name(explicit, "run_id") if explicit is not None else new_run_id(store, base, None)
-    ids = [validate_name(f"{stem}-{i}", "run_id") for i in range(1, count + 1)]
-    taken = [run_id for run_id in ids if run_exists(store, run_id)]
+    stamp = datetime.now(UTC).strftime(_STAMP)
+
+    def runs_of(stem: str) -> list[str]:
+        return [validate_name(stem, "run_id")] if count == 1 else \
+            [validate_name(f"{stem}-{i}", "run_id") for i in range(1, count + 1)]
+
+    ids = []
+    for stem, named in stems:
+        if named:
+            ids.append(runs_of(stem))
+            continue
+        fresh = f"{stem[: MAX_NAME - len(stamp) - 8].rstrip('-._')}-{stamp}"
+        candidate, attempt = fresh, 1
+        while any(run_exists(store, run_id) for run_id in runs_of(candidate)):
+            attempt += 1
+            candidate = f"{fresh}-{attempt}"
+        ids.append(runs_of(candidate))
+    taken = [run_id for group in ids for run_id in group if run_exists(store, run_id)]
     if taken:
         raise ConfigError(f"runs {', '.join(taken)} already exist in {store.root}; name the packed runs with "
                           "--run NAME (they become NAME-1 ... NAME-N), or drop --run for a fresh name")

@@ -134,6 +134,58 @@ def test_runs_n_refuses_what_it_cannot_pack(home: Path) -> None:
     assert FakeLauncher.launched == []
 
 
+def test_several_presets_start_one_packed_run_each(home: Path) -> None:
+    result = _run("--preset", "cartpole", "--preset", "acrobot", "--max-steps", "2")
+    assert result.exit_code == 0, result.output
+    configs = FakeLauncher.launched
+    assert [c.env.name for c in configs] == ["cartpole", "acrobot"]
+    ids = [c.run_id for c in configs]
+    assert re.fullmatch(r"cartpole-\d{8}-\d{6}", ids[0]) and ids[1] == "acrobot" + ids[0][len("cartpole"):], ids
+    assert all(c.learner.max_steps == 2 for c in configs)
+    assert [c.learner.seed for c in configs] == [RunConfig().learner.seed] * 2  # each preset's own seeds
+    assert f"rlpipe report --run {ids[0]} --run {ids[1]}" in result.output
+
+
+def test_several_presets_with_runs_n_and_a_name(home: Path) -> None:
+    result = _run("--preset", "cartpole", "--preset", "demo", "--run", "mix", "--runs", "2", "--producers", "1")
+    assert result.exit_code == 0, result.output
+    configs = FakeLauncher.launched
+    assert [c.run_id for c in configs] == ["mix-cartpole-1", "mix-cartpole-2", "mix-demo-1", "mix-demo-2"]
+    assert [c.learner.seed for c in configs][1::2] == [1, 1]  # run i of each preset: recipe seed i - 1
+    assert {c.num_producers for c in configs} == {1}
+
+
+def test_several_config_files_keep_their_own_run_ids(home: Path, tmp_path: Path) -> None:
+    files = []
+    for name, env in (("left", "cartpole"), ("right", "sokoban")):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(f"run_id: {name}\nenv:\n  name: {env}\nnum_producers: {2 if name == 'right' else 1}\n")
+        files += ["--config", str(path)]
+    result = _run(*files, "--max-steps", "3")
+    assert result.exit_code == 0, result.output
+    configs = FakeLauncher.launched
+    assert [(c.run_id, c.env.name) for c in configs] == [("left", "cartpole"), ("right", "sokoban")]
+    assert {c.num_producers for c in configs} == {2}  # producer processes serve every run: the most any asks for
+
+
+def test_several_presets_refuse_what_they_cannot_pack(home: Path, tmp_path: Path) -> None:
+    twice = _run("--preset", "cartpole", "--preset", "cartpole")
+    assert twice.exit_code == 2 and "--runs" in twice.output and "\n" not in twice.output.strip()
+    value = _run("--preset", "cartpole", "--preset", "dqn-cartpole")
+    assert value.exit_code == 2 and "value-based runs are not packed" in value.output
+    other = tmp_path / "other.yaml"
+    other.write_text("run_id: other\nmodel:\n  base_model: /models/another\n")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("run_id: mine\n")
+    differ = _run("--config", str(mine), "--config", str(other))
+    assert differ.exit_code == 2 and "model.base_model" in differ.output and "\n" not in differ.output.strip()
+    both = _run("--preset", "cartpole", "--preset", "acrobot", "--config", str(mine), "--config", str(other))
+    assert both.exit_code == 2 and "not both" in both.output
+    resumed = _run("--resume", "x", "--preset", "cartpole", "--preset", "acrobot")
+    assert resumed.exit_code == 2
+    assert FakeLauncher.launched == []
+
+
 def test_a_packed_launch_gives_every_producer_process_every_run(tmp_path: Path) -> None:
     args = [launcher.packed_producer_args(["a.yaml", "b.yaml"], index) for index in range(2)]
     assert args[0][:6] == ["producer", "start", "--config", "a.yaml", "--config", "b.yaml"]
