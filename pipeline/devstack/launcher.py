@@ -22,6 +22,7 @@ threads its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,21 @@ def write_resolved_config(config: RunConfig) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt while inside, as Ctrl-C does: a launcher that is killed or loses
+    its terminal stops its processes instead of leaving them running; the handlers are put back afterwards."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def rlpipe_command(*args: str) -> list[str]:
     """The argv running ``rlpipe ARGS`` with this interpreter."""
     return [sys.executable, "-c", "from pipeline.cli.main import main; main()", *args]
@@ -193,7 +209,10 @@ class Launcher:
         env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": self.bus.bootstrap_servers}
         if not self.config.bus.bootstrap_servers:  # the embedded broker: one learner, so join fast
             env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
-        self.processes[name] = subprocess.Popen(rlpipe_command(*args), stdout=out, stderr=subprocess.STDOUT, env=env)
+        # a process group of its own: a Ctrl-C at the terminal reaches only this launcher, which then stops each
+        # child once with SIGTERM (a second signal would abort it, and SIGINT would kill vLLM's engine process)
+        self.processes[name] = subprocess.Popen(rlpipe_command(*args), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                process_group=0)
         log.info("started %s (pid %d, log %s)", name, self.processes[name].pid, out.name)
 
     # ---- run ------------------------------------------------------------------
@@ -209,7 +228,8 @@ class Launcher:
         watcher = threading.Thread(target=self.follow_control, daemon=True)
         watcher.start()
         try:
-            self.watch()
+            with stop_signals_interrupt():
+                self.watch()
         except KeyboardInterrupt:
             log.info("Ctrl-C: stopping the run")
         return self.shutdown()

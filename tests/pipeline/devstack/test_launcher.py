@@ -39,3 +39,40 @@ def test_a_configured_or_running_broker_starts_nothing(tmp_path: Path, monkeypat
     assert launcher.ensure_stack(RunConfig()) is None
     monkeypatch.setattr(launcher, "read_stack_state", lambda: None)
     assert launcher.ensure_stack(RunConfig.model_validate({"bus": {"bootstrap_servers": "kafka:9092"}})) is None
+
+
+def test_a_ctrl_c_at_the_terminal_reaches_only_the_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The terminal sends Ctrl-C to its whole foreground process group: the learner and producers are in a group of
+    their own, so they get one SIGTERM from the launcher (a clean stop) rather than SIGINT and then SIGTERM (an abort,
+    and vLLM's engine process killed under the producer)."""
+    import os
+    import signal
+    import sys
+
+    monkeypatch.setattr(launcher, "rlpipe_command", lambda *args: [sys.executable, "-c", "import time; time.sleep(30)"])
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    fake.log_dir, fake.processes = tmp_path, {}
+    fake.config = RunConfig()
+    fake.bus = fake.config.bus.model_copy(update={"bootstrap_servers": "127.0.0.1:1"})
+    fake.spawn("child")
+    child = fake.processes["child"]
+    try:
+        assert os.getpgid(child.pid) != os.getpgid(0)
+    finally:
+        child.send_signal(signal.SIGTERM)
+        child.wait()
+
+
+def test_sigterm_and_sighup_stop_the_launcher_as_ctrl_c_does() -> None:
+    """`kill` of the launcher (or its terminal closing) stops its processes too, instead of leaving them running."""
+    import os
+    import signal
+    import time
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        before = signal.getsignal(sig)
+        with pytest.raises(KeyboardInterrupt), launcher.stop_signals_interrupt():
+            os.kill(os.getpid(), sig)
+            time.sleep(5)  # the handler runs at the next bytecode: this sleep is interrupted
+            raise AssertionError("the signal did not interrupt")
+        assert signal.getsignal(sig) == before  # put back afterwards
