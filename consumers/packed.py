@@ -108,6 +108,7 @@ class PackedRun:
     run_id: str
     learner: Learner
     rng: tuple[Any, Any] = field(default_factory=lambda: (np.random.get_state(), random.getstate()))
+    settled: bool = False  # finished, its final checkpoint written: nothing more to train or write
 
     def finished(self) -> bool:
         """At ``max_steps``, or a finite source (replay) that has nothing more to give."""
@@ -191,26 +192,28 @@ class PackedLearner:
         run = next((run for run in self.runs if run.run_id == run_id), None)
         if run is None:
             raise KeyError(f"run {run_id} is not packed here")
-        with self.turn(run) as learner:
-            finish(learner, lambda metrics: on_step(run_id, metrics))
+        if not run.settled:
+            with self.turn(run) as learner:
+                finish(learner, lambda metrics: on_step(run_id, metrics))
         self.runs.remove(run)
         self.engine.delete_adapter(run_id)
         return run.learner
 
     def run(self, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[str, dict], None] = lambda run_id, metrics: None, poll_timeout_s: float = 1.0,
-            between_rounds: Callable[[PackedLearner], None] | None = None) -> None:
+            between_rounds: Callable[[PackedLearner], None] | None = None, until_stopped: bool = False) -> None:
         """Round-robin until stopped or every run is finished (``max_steps``, or its finite source ran dry).
 
         A waiting run polls for ``poll_timeout_s`` divided among the runs still
         going, so one full round waits about ``poll_timeout_s`` when none has rows.
         ``between_rounds`` (runs joining and leaving) is called before every round;
-        with it the loop also goes on while no run is going, waiting for one to join.
-        A run's publish and checkpoint are written while the next runs take their
-        turns; every run's writes are done when this returns.
+        with ``until_stopped`` the loop also goes on while no run is going, waiting for one to join.
+        A run that finishes writes its final checkpoint at once (``settle``), so its end is durable and
+        announced while the others train.  A run's publish and checkpoint are written while the next runs
+        take their turns; every run's writes are done when this returns.
         """
         try:
-            self._rounds(should_stop, on_step, poll_timeout_s, between_rounds)
+            self._rounds(should_stop, on_step, poll_timeout_s, between_rounds, until_stopped)
         except BaseException:
             for run in self.runs:
                 run.learner.outputs.writer.wait_quietly()
@@ -219,12 +222,12 @@ class PackedLearner:
             run.learner.finish_writes()
 
     def _rounds(self, should_stop: Callable[[], bool], on_step: Callable[[str, dict], None], poll_timeout_s: float,
-                between_rounds: Callable[[PackedLearner], None] | None) -> None:
+                between_rounds: Callable[[PackedLearner], None] | None, until_stopped: bool) -> None:
         while not should_stop():
             if between_rounds is not None:
                 between_rounds(self)
             going = [run for run in self.runs if not run.finished()]
-            if not going and between_rounds is None:
+            if not going and not until_stopped:
                 return
             if not going:
                 time.sleep(poll_timeout_s)
@@ -235,12 +238,20 @@ class PackedLearner:
                 with self.turn(run) as learner:
                     for metrics in one_pass(learner, poll_timeout_s / len(going)):
                         on_step(run.run_id, metrics)
+                if run.finished():
+                    self.settle(run, on_step)
 
-    def each(self, action: Callable[[Learner], Any]) -> None:
-        """Run ``action`` on every run's learner in its own turn (the final step and checkpoint on a stop)."""
+    def settle(self, run: PackedRun, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
+        """``run`` is finished: train what it has waiting, write its final checkpoint and wait for its writes."""
+        with self.turn(run) as learner:
+            finish(learner, lambda metrics: on_step(run.run_id, metrics))
+        run.settled = True
+
+    def finish_all(self, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
+        """On a stop: every run not yet settled trains what it has waiting and writes its final checkpoint."""
         for run in self.runs:
-            with self.turn(run) as learner:
-                action(learner)
+            if not run.settled:
+                self.settle(run, on_step)
 
 
 def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:
@@ -309,8 +320,8 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
 
         packed = PackedLearner(engine, [open_run(cfg) for cfg in configs])
         done.add("broker")
-        if follow_runs is not None:
-            membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
+        # every packed learner lets a run go on its RunStopped; with --follow-runs it also takes new runs up
+        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
         packed.resume()
         done.add("resumed")
         health.set_gauge("rlpipe_learner_up", 1.0, "1 once the learner is set up and training")
@@ -333,8 +344,9 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
             if learner is not None:
                 learner.metric_logger.close()
 
-        packed.run(should_stop=stop, on_step=after_step, between_rounds=between_rounds if membership else None)
-        packed.each(lambda learner: finish(learner, lambda metrics: after_step(learner.run_id, metrics)))
+        packed.run(should_stop=stop, on_step=after_step, between_rounds=between_rounds,
+                   until_stopped=follow_runs is not None)
+        packed.finish_all(after_step)
     finally:
         if membership is not None:
             membership.close()

@@ -12,6 +12,11 @@ recorded since, as ``rlpipe run --resume`` reads it) placed on the process's own
 broker and store: the process found the run there, and packed runs share one
 event log.  A run that cannot join (no stored configuration, a setting the
 engine cannot share) is logged and skipped; the process goes on.
+
+A packed process started without ``--follow-runs`` follows no pattern: it takes
+no new run, but still lets a served run go on its ``RunStopped`` (``rlpipe run``
+announces it when a packed run reaches its step budget, ``rlpipe runs stop`` on
+demand), so a finished run stops taking turns on the shared engines.
 """
 
 from __future__ import annotations
@@ -77,11 +82,12 @@ def joining_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunC
 class RunMembership:
     """Which runs join and leave, from ``RunStarted`` and ``RunStopped`` on the control topic (from now on).
 
-    ``packable`` raises ValueError for a run that cannot share the process's engine
-    with ``template`` (the process's first run).  Not thread-safe: poll it from one thread.
+    ``pattern`` None takes no run up (only served runs leave).  ``packable`` raises ValueError for a run that
+    cannot share the process's engine with ``template`` (the process's first run).  Not thread-safe: poll it
+    from one thread.
     """
 
-    def __init__(self, pattern: str, template: RunConfig, store: ObjectStore,
+    def __init__(self, pattern: str | None, template: RunConfig, store: ObjectStore,
                  packable: Callable[[list[RunConfig]], None], follower: EventFollower | None = None) -> None:
         self.pattern, self.template, self.store, self.packable = pattern, template, store, packable
         self.follower = follower if follower is not None else EventFollower(template.bus, "control", start="latest")
@@ -101,7 +107,8 @@ class RunMembership:
             self._join(run_id, now, found)
         for item in self.follower.poll(0.0):
             run_id, payload = item.event.run_id, item.event.payload
-            if isinstance(payload, RunStarted) and fnmatch.fnmatchcase(run_id, self.pattern):
+            if isinstance(payload, RunStarted) and self.pattern is not None and fnmatch.fnmatchcase(run_id,
+                                                                                                   self.pattern):
                 if isinstance(found.get(run_id), Left):
                     self._rejoining[run_id] = None
                 else:

@@ -139,10 +139,10 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
         for cfg, connection in zip(configs, connections, strict=True):
             open_run(cfg, connection)
         done.add("adapters")
-        if follow_runs is not None:
-            membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
+        # every packed producer lets a run go on its RunStopped; with --follow-runs it also takes new runs up
+        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
         health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
-        follow = None if membership is None else following(membership, open_run)
+        follow = following(membership, open_run)
 
         def release(run: RunProducer) -> None:  # a run that left: its connections and adapter cache go
             runs.remove(run)
@@ -151,7 +151,7 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
             log.info("run %s left: %d batches, %d samples", run.worker.run_id, run.worker.stats.batches,
                      run.worker.stats.samples)
 
-        serve(list(runs), stop, follow, release)
+        serve(list(runs), stop, follow, release, until_stopped=follow_runs is not None)
     finally:
         if membership is not None:
             membership.close()
@@ -194,11 +194,13 @@ def following(membership: RunMembership, open_run: Callable[[RunConfig], RunProd
 
 
 def serve(runs: list[RunProducer], stop: StopFlag, follow: Follow | None = None,
-          release: Callable[[RunProducer], None] = lambda run: None, poll_s: float = 0.5) -> None:
+          release: Callable[[RunProducer], None] = lambda run: None, poll_s: float = 0.5,
+          until_stopped: bool = False) -> None:
     """Each run's rollout loop in its own thread; the first error stops them all and is raised here.
 
     With ``follow``, runs join (a thread started) and leave (their thread stopped and waited for, then the run
-    handed to ``release``) as it says, and this returns only when stopped.
+    handed to ``release``) as it says.  This returns when every run's loop has ended or left, or, with
+    ``until_stopped`` (a process following new runs), only when stopped.
     """
     errors: list[BaseException] = []
     threads: dict[str, tuple[threading.Thread, threading.Event, RunProducer]] = {}
@@ -220,7 +222,7 @@ def serve(runs: list[RunProducer], stop: StopFlag, follow: Follow | None = None,
 
     for run in runs:
         start(run)
-    while not stopping() and (follow is not None or any(thread.is_alive() for thread, _, _ in threads.values())):
+    while not stopping() and (until_stopped or any(thread.is_alive() for thread, _, _ in threads.values())):
         if follow is not None:
             joined, left = follow(set(threads))
             for run_id in left:

@@ -43,7 +43,7 @@ from pipeline.devstack.stack import StackState, read_stack_state, rlpipe_home, s
 from pipeline.io.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, tail
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
-from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStopped
+from schemas.events import Envelope, LearnerCheckpointed, ProducerHeartbeat, RunStopped
 
 log = logging.getLogger("rlpipe.run")
 
@@ -181,6 +181,7 @@ class Launcher:
         self.board = self.boards[self.config.run_id]
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
+        self.stopped: dict[str, object] = {}  # runs whose RunStopped went out
 
     @property
     def packed(self) -> bool:
@@ -237,20 +238,47 @@ class Launcher:
     def follow_control(self) -> None:
         """Feed each run's dashboard from the control topic until the runs stop."""
         only = None if self.packed else self.config.run_id
-        while not self.stopping.is_set():
-            try:
-                for record in tail(self.bus, "control", n=0, follow=True, run_id=only, follow_for_s=2.0):
-                    event = record.event
-                    if event is not None and event.run_id in self.boards:
-                        self.boards[event.run_id].apply(event.payload)
-                    if self.stopping.is_set():
-                        return
-                for run_id, board in self.boards.items():
-                    lags = group_lag(self.bus, f"rlpipe-learner-{run_id}")
-                    board.lag = sum(p.lag for p in lags) if lags else None
-            except (BusError, UnknownTopicError) as exc:  # the log unreachable, or no control topic yet: retry
-                log.debug("dashboard feed: %s", exc)
-                time.sleep(1.0)
+        with EventPublisher(self.bus) as publisher:
+            while not self.stopping.is_set():
+                try:
+                    for record in tail(self.bus, "control", n=0, follow=True, run_id=only, follow_for_s=2.0):
+                        if record.event is not None:
+                            self.on_control(record.event, publisher)
+                        if self.stopping.is_set():
+                            return
+                    for run_id, board in self.boards.items():
+                        lags = group_lag(self.bus, f"rlpipe-learner-{run_id}")
+                        board.lag = sum(p.lag for p in lags) if lags else None
+                except (BusError, UnknownTopicError) as exc:  # the log unreachable, or no control topic yet: retry
+                    log.debug("dashboard feed: %s", exc)
+                    time.sleep(1.0)
+
+    def on_control(self, event: Envelope, publisher: EventPublisher) -> None:
+        """One control event: onto its run's dashboard; a packed run whose learner reached its step budget is
+        stopped at once (``RunStopped``), so the packed producers let it go while the other runs go on."""
+        board = self.boards.get(event.run_id)
+        if board is None:
+            return
+        board.apply(event.payload)
+        config = next(c for c in self.configs if c.run_id == event.run_id)
+        budget = config.learner.max_steps
+        if (self.packed and isinstance(event.payload, LearnerCheckpointed) and budget is not None
+                and event.payload.step >= budget):
+            self.announce_stop(publisher, event.run_id, "step budget reached")
+
+    def announce_stop(self, publisher: EventPublisher, run_id: str, reason: str) -> None:
+        """``RunStopped`` for ``run_id`` from its dashboard's last checkpoint, once per run."""
+        marker = object()
+        if self.stopped.setdefault(run_id, marker) is not marker:  # atomic: the watcher and the shutdown race
+            return
+        learner = self.boards[run_id].learner
+        Announcer(publisher, run_id)(RunStopped(reason=reason, final_version=learner.version if learner else 0,
+                                                final_step=learner.step if learner else 0))
+
+    def announce_stops(self, publisher: EventPublisher, learner_code: int | None) -> None:
+        """``RunStopped`` for every run not stopped yet (the end of the whole launch)."""
+        for run_id in self.boards:
+            self.announce_stop(publisher, run_id, "step budget reached" if learner_code == 0 else "stopped")
 
     def watch(self) -> None:
         from rich.live import Live
@@ -291,11 +319,7 @@ class Launcher:
                 process.wait()
         codes = {name: process.returncode for name, process in self.processes.items()}
         with EventPublisher(self.bus) as publisher:
-            for run_id, board in self.boards.items():
-                learner = board.learner
-                Announcer(publisher, run_id)(RunStopped(
-                    reason="step budget reached" if codes.get("learner") == 0 else "stopped",
-                    final_version=learner.version if learner else 0, final_step=learner.step if learner else 0))
+            self.announce_stops(publisher, codes.get("learner"))
         failed = {name: code for name, code in codes.items() if code != 0}
         for name, code in failed.items():
             log.error("%s exited with %s; see %s", name, code, self.log_dir / f"{name}.log")

@@ -176,3 +176,35 @@ def test_one_runs_writes_go_on_while_the_next_run_trains(batches, setup):  # noq
     for run in SOURCES:  # every step's writes are done once the loop returns
         assert AdapterRegistry(batches, run).versions() == [1, 2]
         assert CheckpointStore(batches, run).latest().state.step == 2
+
+
+def test_a_run_at_its_budget_is_checkpointed_at_once_and_can_leave_while_the_others_train(batches, setup):  # noqa: F811
+    """a reaches its max_steps first: its final checkpoint is written then (not when the process ends), so its end
+    is durable and announced while b trains; its leaving afterwards trains and writes nothing more."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    budgets = {"a": 1, "b": 3}
+    cfgs = {run: config(run, max_steps=budgets[run], checkpoint_every=10) for run in SOURCES}
+    learners = [learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, cfgs[run]), cfgs[run])
+                for run in SOURCES]
+    packed = PackedLearner(engine, learners)
+    packed.resume()
+    seen_by_b: list[int | None] = []
+
+    def on_step(run: str, metrics: dict) -> None:
+        if run == "b":
+            latest = CheckpointStore(batches, "a").latest()
+            seen_by_b.append(None if latest is None else latest.state.step)
+
+    left: list[str] = []
+
+    def between_rounds(packed: PackedLearner) -> None:
+        if learners[1].state.step >= 2 and not left:
+            packed.remove("a")
+            left.append("a")
+
+    packed.run(on_step=on_step, poll_timeout_s=0, between_rounds=between_rounds)  # returns: every run finished
+    assert seen_by_b[-1] == 1 and left == ["a"]
+    assert CheckpointStore(batches, "a").latest().state.step == 1 and learners[0].state.step == 1
+    assert AdapterRegistry(batches, "a").versions() == [1]
+    packed.finish_all()
+    assert CheckpointStore(batches, "b").latest().state.step == 3

@@ -110,3 +110,15 @@ def test_a_run_started_and_stopped_within_one_poll_neither_joins_nor_joins_twice
     (joined,) = membership.changes(serving=set())
     assert isinstance(joined, Joined) and joined.config.run_id == "exp-1"
     assert membership.changes(serving={"exp-1"}) == []
+
+
+def test_a_process_following_no_pattern_only_lets_its_stopped_runs_go(setup):
+    """A packed process started without --follow-runs takes no new run, but a served run's RunStopped (its budget
+    reached under `rlpipe run`, or `rlpipe runs stop`) still makes it leave."""
+    store, template, feed, _ = setup
+    membership = RunMembership(None, template, store, check_packable, follower=feed)
+    feed.put("exp-1", started(store, config("exp-1")))
+    feed.put("base", RunStopped(reason="step budget reached"))
+    assert membership.changes(serving={"base", "other"}) == [Left("base")]
+    feed.put("base", started(store, config("base")))
+    assert membership.changes(serving={"other"}) == []

@@ -95,3 +95,17 @@ def test_runs_join_and_leave_while_the_others_sample_on():
     serve([a], stop_now.is_set, follow, lambda run: released.append(run.worker.run_id), poll_s=0.01)
     assert calls[0] == {"a"} and calls[2] == {"a", "b"} and calls[4] == {"b"}
     assert released == ["a"] and a.stopped.is_set() and b.stopped.is_set() and a.passes > 0 and b.passes > 0
+
+
+def test_without_following_serving_ends_once_every_run_has_left():
+    """A packed producer not following new runs returns when its last run has left, with no stop of its own."""
+    a, b = LoopingRun("a"), LoopingRun("b")
+    calls: list[set[str]] = []
+
+    def follow(serving: set[str]):
+        calls.append(set(serving))
+        return [], (["a"] if len(calls) == 2 else ["b"] if len(calls) == 4 else [])
+
+    serve([a, b], lambda: len(calls) > 500, follow, poll_s=0.01)  # the stop only ends a serve() that went on
+    assert len(calls) == 4, "serve() went on with no run left"
+    assert calls[2] == {"b"} and a.stopped.is_set() and b.stopped.is_set()

@@ -76,3 +76,42 @@ def test_sigterm_and_sighup_stop_the_launcher_as_ctrl_c_does() -> None:
             time.sleep(5)  # the handler runs at the next bytecode: this sleep is interrupted
             raise AssertionError("the signal did not interrupt")
         assert signal.getsignal(sig) == before  # put back afterwards
+
+
+class Published:
+    """Stands in for the event publisher: keeps what was published."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, topic: str, event) -> tuple[int, int]:
+        self.events.append(event)
+        return 0, len(self.events)
+
+
+def test_a_packed_run_that_reaches_its_budget_is_stopped_while_the_others_go_on() -> None:
+    """Packed runs of different kinds finish at different times: a finished run's RunStopped goes out at once (its
+    producers let it go), and the shutdown announces only the runs still going."""
+    from schemas.events import LearnerCheckpointed, RunStopped, make_event
+
+    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": steps}})
+               for run, steps in (("short", 2), ("long", 5))]
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    fake.configs, fake.config = configs, configs[0]
+    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
+    fake.stopped = {}
+    published = Published()
+
+    def checkpointed(run: str, step: int) -> None:
+        fake.on_control(make_event(run, LearnerCheckpointed(step=step, version=step, path="x", offsets={})), published)
+
+    checkpointed("short", 1)
+    checkpointed("long", 2)
+    assert published.events == []
+    checkpointed("short", 2)
+    checkpointed("short", 2)  # seen twice: announced once
+    ((run, stopped),) = [(e.run_id, e.payload) for e in published.events]
+    assert run == "short" and isinstance(stopped, RunStopped) and stopped.final_step == 2
+    assert stopped.reason == "step budget reached"
+    fake.announce_stops(published, learner_code=0)
+    assert [(e.run_id, e.payload.final_step) for e in published.events] == [("short", 2), ("long", 2)]
