@@ -13,7 +13,9 @@ Several runs (``rlpipe run --runs N``) are launched packed: one learner
 process trains them all (``rlpipe learner start --config A --config B ...``)
 and each producer process serves them all on one sampling engine; each run
 keeps its own ``run.json``, events, adapters and checkpoints, and the
-dashboard shows one panel per run.
+dashboard shows one panel per run.  A packed run whose learner reaches its step
+budget gets its ``RunStopped`` at once, and the packed processes let it go
+(``pipeline.membership``) while the others go on.
 
 ``pipeline`` may not import the producer or learner code, and need not: it
 starts them as commands, which is also what keeps each process's engine and
