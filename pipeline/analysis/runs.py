@@ -44,6 +44,8 @@ from schemas.events import LearnerCheckpointed, RunStarted, RunStopped
 from schemas.names import validate_name
 
 ACTIVE_WITHIN_S = 120.0  # a run with an event this recent (heartbeats come every few seconds) is running
+# a packed run is stopped while its processes serve it: their last reports, as they let it go, follow its RunStopped
+LEAVING_WITHIN_S = 60.0
 MAX_CONTROL_EVENTS = 1_000_000  # newest events read per partition of <ns>.control
 STATUSES = ("running", "finished", "stopped", "idle", "unknown")
 
@@ -167,10 +169,13 @@ def summarize(
 
 
 def run_status(summary: RunSummary, activity: RunActivity | None, log_read: bool, now_s: float | None = None) -> str:
-    """running (recent events, no stop after them) > finished (max_steps reached) > stopped > idle > unknown."""
+    """running (recent events, no stop before them) > finished (max_steps reached) > stopped > idle > unknown.
+
+    Events within ``LEAVING_WITHIN_S`` after a stop are its processes letting the run go, not a restart.
+    """
     now_s = time.time() if now_s is None else now_s
     recent = activity is not None and activity.last_event_s is not None and now_s - activity.last_event_s < ACTIVE_WITHIN_S
-    stopped_last = activity is not None and activity.stopped_s is not None and activity.stopped_s >= (
+    stopped_last = activity is not None and activity.stopped_s is not None and activity.stopped_s + LEAVING_WITHIN_S >= (
         activity.last_event_s or 0.0)
     if recent and not stopped_last:
         return "running"

@@ -137,6 +137,18 @@ def test_status_from_the_log() -> None:
     assert run_status(RunSummary("d", "unknown", steps=1), stopped, log_read=True, now_s=now) == "stopped"
 
 
+def test_a_run_whose_processes_report_while_letting_it_go_is_not_running_again() -> None:
+    """A packed run is stopped while its processes serve it: their last heartbeats, as they let it go, come just
+    after its RunStopped.  Those do not make it running; activity well after the stop (a restart) does."""
+    now = 1_000_000.0
+    done = RunSummary("a", "unknown", steps=3, max_steps=3)
+    leaving = RunActivity(stopped_s=now - 10, stop_reason="step budget reached", last_event_s=now - 9)
+    assert run_status(done, leaving, log_read=True, now_s=now) == "finished"
+    assert run_status(RunSummary("b", "unknown", steps=1), leaving, log_read=True, now_s=now) == "stopped"
+    restarted = RunActivity(stopped_s=now - 100, stop_reason="stopped", last_event_s=now - 5)
+    assert run_status(RunSummary("c", "unknown", steps=1), restarted, log_read=True, now_s=now) == "running"
+
+
 def test_activity_is_read_per_run_from_the_control_topic(bus_config: BusConfig) -> None:
     with EventPublisher(bus_config) as publisher:
         publisher.publish("control", make_event("r1", RunStarted(config_path="runs/r1/run.json", config_sha256="0" * 64,
