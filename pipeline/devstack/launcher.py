@@ -43,6 +43,7 @@ import yaml
 
 from pipeline.devstack.stack import StackState, read_stack_state, rlpipe_home, start_background
 from pipeline.io.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, tail
+from pipeline.io.registry import AdapterRegistry
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
 from schemas.events import Envelope, LearnerCheckpointed, ProducerHeartbeat, RunStopped
@@ -230,12 +231,14 @@ class Launcher:
             self.spawn(f"producer-{index}", *args)
         watcher = threading.Thread(target=self.follow_control, daemon=True)
         watcher.start()
+        interrupted = False
         try:
             with stop_signals_interrupt():
                 self.watch()
         except KeyboardInterrupt:
+            interrupted = True
             log.info("Ctrl-C: stopping the run")
-        return self.shutdown()
+        return self.shutdown(interrupted=interrupted)
 
     def follow_control(self) -> None:
         """Feed each run's dashboard from the control topic until the runs stop."""
@@ -264,23 +267,47 @@ class Launcher:
         board.apply(event.payload)
         config = next(c for c in self.configs if c.run_id == event.run_id)
         budget = config.learner.max_steps
-        if (self.packed and isinstance(event.payload, LearnerCheckpointed) and budget is not None
-                and event.payload.step >= budget):
-            self.announce_stop(publisher, event.run_id, "step budget reached")
+        payload = event.payload
+        if self.packed and isinstance(payload, LearnerCheckpointed) and budget is not None and payload.step >= budget:
+            self.announce_stop(publisher, event.run_id, "step budget reached", payload.step, payload.version)
 
-    def announce_stop(self, publisher: EventPublisher, run_id: str, reason: str) -> None:
-        """``RunStopped`` for ``run_id`` from its dashboard's last checkpoint, once per run."""
+    def announce_stop(self, publisher: EventPublisher, run_id: str, reason: str, step: int, version: int) -> None:
+        """``RunStopped`` for ``run_id``, once per run."""
         marker = object()
         if self.stopped.setdefault(run_id, marker) is not marker:  # atomic: the watcher and the shutdown race
             return
-        learner = self.boards[run_id].learner
-        Announcer(publisher, run_id)(RunStopped(reason=reason, final_version=learner.version if learner else 0,
-                                                final_step=learner.step if learner else 0))
+        Announcer(publisher, run_id)(RunStopped(reason=reason, final_version=version, final_step=step))
 
-    def announce_stops(self, publisher: EventPublisher, learner_code: int | None) -> None:
-        """``RunStopped`` for every run not stopped yet (the end of the whole launch)."""
-        for run_id in self.boards:
-            self.announce_stop(publisher, run_id, "step budget reached" if learner_code == 0 else "stopped")
+    def announce_stops(self, publisher: EventPublisher, codes: dict[str, int | None], interrupted: bool) -> None:
+        """``RunStopped`` for every run not stopped yet (the end of the whole launch), saying why each stopped:
+        its step budget reached, a Ctrl-C or signal, or the process that failed."""
+        failed = next((f"{name} exited with {code}" for name, code in codes.items() if code not in (None, 0)), None)
+        for config in self.configs:
+            step, version = self.final_position(config)
+            budget = (config.value.learner if config.value is not None else config.learner).max_steps
+            if budget is not None and step >= budget:
+                reason = "step budget reached"
+            elif interrupted:
+                reason = "stopped by Ctrl-C or a signal"
+            else:
+                reason = failed or "stopped"
+            self.announce_stop(publisher, config.run_id, reason, step, version)
+
+    def final_position(self, config: RunConfig) -> tuple[int, int]:
+        """(step, version) of the run's newest checkpoint: the store's (the last one may have been written after the
+        dashboard's feed last looked), else the dashboard's."""
+        from pipeline.analysis.runs import learner_step
+
+        learner = self.boards[config.run_id].learner
+        step, version = (learner.step, learner.version) if learner else (0, 0)
+        try:
+            store = open_store(config.store)
+            stored = learner_step(store, config.run_id)
+            latest = AdapterRegistry(store, config.run_id).latest()
+        except (OSError, ValueError) as exc:  # the store unreachable: what the dashboard saw
+            log.debug("final position of %s: %s", config.run_id, exc)
+            return step, version
+        return max(step, stored), max(version, latest.version if latest else 0)
 
     def watch(self) -> None:
         from rich.live import Live
@@ -305,7 +332,7 @@ class Launcher:
     def _producer_failed(self) -> bool:
         return any(p.poll() not in (None, 0) for name, p in self.processes.items() if name != "learner")
 
-    def shutdown(self, timeout_s: float = 120.0) -> int:
+    def shutdown(self, timeout_s: float = 120.0, interrupted: bool = False) -> int:
         """SIGTERM everyone still running, wait (bounded), then RunStopped; non-zero if any child failed."""
         self.stopping.set()
         for process in self.processes.values():
@@ -321,7 +348,7 @@ class Launcher:
                 process.wait()
         codes = {name: process.returncode for name, process in self.processes.items()}
         with EventPublisher(self.bus) as publisher:
-            self.announce_stops(publisher, codes.get("learner"))
+            self.announce_stops(publisher, codes, interrupted)
         failed = {name: code for name, code in codes.items() if code != 0}
         for name, code in failed.items():
             log.error("%s exited with %s; see %s", name, code, self.log_dir / f"{name}.log")

@@ -89,12 +89,13 @@ class Published:
         return 0, len(self.events)
 
 
-def test_a_packed_run_that_reaches_its_budget_is_stopped_while_the_others_go_on() -> None:
+def test_a_packed_run_that_reaches_its_budget_is_stopped_while_the_others_go_on(tmp_path: Path) -> None:
     """Packed runs of different kinds finish at different times: a finished run's RunStopped goes out at once (its
     producers let it go), and the shutdown announces only the runs still going."""
     from schemas.events import LearnerCheckpointed, RunStopped, make_event
 
-    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": steps}})
+    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": steps},
+                                         "store": {"root": tmp_path.as_uri()}})
                for run, steps in (("short", 2), ("long", 5))]
     fake = launcher.Launcher.__new__(launcher.Launcher)
     fake.configs, fake.config = configs, configs[0]
@@ -113,5 +114,34 @@ def test_a_packed_run_that_reaches_its_budget_is_stopped_while_the_others_go_on(
     ((run, stopped),) = [(e.run_id, e.payload) for e in published.events]
     assert run == "short" and isinstance(stopped, RunStopped) and stopped.final_step == 2
     assert stopped.reason == "step budget reached"
-    fake.announce_stops(published, learner_code=0)
-    assert [(e.run_id, e.payload.final_step) for e in published.events] == [("short", 2), ("long", 2)]
+    fake.announce_stops(published, {"learner": 0}, interrupted=False)
+    assert [(e.run_id, e.payload.final_step, e.payload.reason) for e in published.events] == [
+        ("short", 2, "step budget reached"), ("long", 2, "stopped")]
+
+
+def test_the_stop_reason_says_why_each_run_stopped(tmp_path: Path) -> None:
+    """A run interrupted before its budget is "stopped", never "step budget reached" (the learner exits 0 on a clean
+    stop too); a failed process is named; the final step is the newest checkpoint's, even one the dashboard missed."""
+    import torch
+
+    from consumers.checkpoint import CheckpointStore
+    from pipeline.runtime import open_store
+    from schemas.checkpoint import LearnerState
+
+    store = {"root": (tmp_path / "store").as_uri()}
+    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": 4}, "store": store})
+               for run in ("done", "cut", "broken")]
+    CheckpointStore(open_store(configs[0].store), "done").save(
+        LearnerState(step=4, version=4), {"w": torch.zeros(1)}, {}, {})  # written just before the learner exited
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    fake.configs, fake.config = configs, configs[0]
+    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
+    fake.stopped = {}
+    published = Published()
+    fake.announce_stops(published, {"learner": 0, "producer-0": 0}, interrupted=True)
+    reasons = {e.run_id: (e.payload.reason, e.payload.final_step) for e in published.events}
+    assert reasons == {"done": ("step budget reached", 4), "cut": ("stopped by Ctrl-C or a signal", 0),
+                       "broken": ("stopped by Ctrl-C or a signal", 0)}
+    failed, fake.stopped = Published(), {}
+    fake.announce_stops(failed, {"learner": 0, "producer-0": 3}, interrupted=False)
+    assert {e.run_id: e.payload.reason for e in failed.events}["cut"] == "producer-0 exited with 3"
