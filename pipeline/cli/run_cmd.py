@@ -58,7 +58,8 @@ ConfigsOpt = Annotated[list[str] | None, typer.Option(
 
 
 @app.command(epilog="Examples: rlpipe run --preset cartpole --max-steps 20;  "
-                    "rlpipe run --resume cartpole-20260101-120000 --max-steps 40")
+                    "rlpipe run --resume cartpole-20260101-120000 --max-steps 40;  "
+                    "rlpipe run --preset cartpole --preset sokoban --max-steps 10 (two runs, packed)")
 @handle_user_errors
 def run(
     preset: PresetsOpt = None,
