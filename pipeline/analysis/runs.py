@@ -40,11 +40,11 @@ from pipeline.io.registry import AdapterRegistry, run_ids
 from pipeline.io.store import ObjectStore
 from schemas.checkpoint import checkpoint_prefix, complete_folders
 from schemas.config import BusConfig
-from schemas.events import LearnerCheckpointed, RunStarted, RunStopped
+from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted, RunStopped
 from schemas.names import validate_name
 
 ACTIVE_WITHIN_S = 120.0  # a run with an event this recent (heartbeats come every few seconds) is running
-# a packed run is stopped while its processes serve it: their last reports, as they let it go, follow its RunStopped
+# a packed run is stopped while its producers serve it: their last heartbeats, as they let it go, follow its RunStopped
 LEAVING_WITHIN_S = 60.0
 MAX_CONTROL_EVENTS = 1_000_000  # newest events read per partition of <ns>.control
 STATUSES = ("running", "finished", "stopped", "idle", "unknown")
@@ -55,6 +55,7 @@ class RunActivity:
     """What the control topic says about one run."""
 
     last_event_s: float | None = None
+    live_s: float | None = None  # the newest event that shows the run going (not a producer letting it go)
     stopped_s: float | None = None
     stop_reason: str | None = None
     last_step: int | None = None
@@ -63,6 +64,10 @@ class RunActivity:
     def add(self, time_s: float, payload: Any) -> None:
         if self.last_event_s is None or time_s >= self.last_event_s:
             self.last_event_s = time_s
+        leaving = (isinstance(payload, ProducerHeartbeat) and self.stopped_s is not None
+                   and time_s - self.stopped_s <= LEAVING_WITHIN_S)
+        if not leaving and (self.live_s is None or time_s >= self.live_s):
+            self.live_s = time_s
         if isinstance(payload, RunStopped):
             self.stopped_s, self.stop_reason = time_s, payload.reason
         elif isinstance(payload, RunStarted):
@@ -169,14 +174,15 @@ def summarize(
 
 
 def run_status(summary: RunSummary, activity: RunActivity | None, log_read: bool, now_s: float | None = None) -> str:
-    """running (recent events, no stop before them) > finished (max_steps reached) > stopped > idle > unknown.
+    """running (recent events, no stop after them) > finished (max_steps reached) > stopped > idle > unknown.
 
-    Events within ``LEAVING_WITHIN_S`` after a stop are its processes letting the run go, not a restart.
+    Producer heartbeats within ``LEAVING_WITHIN_S`` after a stop are its producers letting the run go, not a
+    restart; any other event after a stop (a resumed learner's) is one.
     """
     now_s = time.time() if now_s is None else now_s
     recent = activity is not None and activity.last_event_s is not None and now_s - activity.last_event_s < ACTIVE_WITHIN_S
-    stopped_last = activity is not None and activity.stopped_s is not None and activity.stopped_s + LEAVING_WITHIN_S >= (
-        activity.last_event_s or 0.0)
+    live_s = None if activity is None else activity.live_s if activity.live_s is not None else activity.last_event_s
+    stopped_last = activity is not None and activity.stopped_s is not None and activity.stopped_s >= (live_s or 0.0)
     if recent and not stopped_last:
         return "running"
     if summary.max_steps is not None and summary.steps >= summary.max_steps:

@@ -168,6 +168,23 @@ def test_several_config_files_keep_their_own_run_ids(home: Path, tmp_path: Path)
     assert {c.num_producers for c in configs} == {2}  # producer processes serve every run: the most any asks for
 
 
+def test_several_kinds_are_named_by_preset_or_file_whatever_the_environment_names(
+        home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLPIPE_RUN_ID", "envid")  # acts as --run NAME for every kind
+    result = _run("--preset", "cartpole", "--preset", "acrobot", "--max-steps", "2")
+    assert result.exit_code == 0, result.output
+    assert [c.run_id for c in FakeLauncher.launched] == ["envid-cartpole", "envid-acrobot"]
+    monkeypatch.delenv("RLPIPE_RUN_ID")
+    files = []
+    for name in ("left", "right"):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text("learner:\n  learning_rate: 0.001\n")  # no run_id of its own
+        files += ["--config", str(path)]
+    result = _run("--preset", "cartpole", *files, "--run", "pair")
+    assert result.exit_code == 0, result.output
+    assert [c.run_id for c in FakeLauncher.launched[2:]] == ["pair-left", "pair-right"]
+
+
 def test_several_presets_refuse_what_they_cannot_pack(home: Path, tmp_path: Path) -> None:
     twice = _run("--preset", "cartpole", "--preset", "cartpole")
     assert twice.exit_code == 2 and "--runs" in twice.output and "\n" not in twice.output.strip()

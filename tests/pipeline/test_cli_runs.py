@@ -20,7 +20,7 @@ from pipeline.io.store import ObjectStore
 from pipeline.runtime import create_run
 from schemas.checkpoint import LearnerState
 from schemas.config import BusConfig, RunConfig
-from schemas.events import LearnerCheckpointed, RunStarted, RunStopped, make_event
+from schemas.events import LearnerCheckpointed, LearnerProgress, ProducerHeartbeat, RunStarted, RunStopped, make_event
 from tests.pipeline.io.test_registry import make_adapter
 
 runner = CliRunner(env={"COLUMNS": "220"})
@@ -138,15 +138,26 @@ def test_status_from_the_log() -> None:
 
 
 def test_a_run_whose_processes_report_while_letting_it_go_is_not_running_again() -> None:
-    """A packed run is stopped while its processes serve it: their last heartbeats, as they let it go, come just
-    after its RunStopped.  Those do not make it running; activity well after the stop (a restart) does."""
+    """A packed run is stopped while its processes serve it: the producers' last heartbeats, as they let it go, come
+    just after its RunStopped and do not make it running.  A learner's report after a stop (a resume) does, at once:
+    `runs delete` must not take a run that is running again."""
     now = 1_000_000.0
-    done = RunSummary("a", "unknown", steps=3, max_steps=3)
-    leaving = RunActivity(stopped_s=now - 10, stop_reason="step budget reached", last_event_s=now - 9)
-    assert run_status(done, leaving, log_read=True, now_s=now) == "finished"
+    heartbeat = ProducerHeartbeat(producer_id="p", adapter_version=3, samples_total=1, batches_total=1, tokens_total=1,
+                                  env_steps_total=1, samples_per_s=0.0, tokens_per_s=0.0, env_steps_per_s=0.0,
+                                  busy_fraction=0.0, interval_s=5.0)
+    leaving = RunActivity()
+    leaving.add(now - 10, RunStopped(reason="step budget reached"))
+    leaving.add(now - 9, heartbeat)
+    assert run_status(RunSummary("a", "unknown", steps=3, max_steps=3), leaving, log_read=True, now_s=now) == "finished"
     assert run_status(RunSummary("b", "unknown", steps=1), leaving, log_read=True, now_s=now) == "stopped"
-    restarted = RunActivity(stopped_s=now - 100, stop_reason="stopped", last_event_s=now - 5)
-    assert run_status(RunSummary("c", "unknown", steps=1), restarted, log_read=True, now_s=now) == "running"
+    resumed = RunActivity()
+    resumed.add(now - 10, RunStopped(reason="stopped by Ctrl-C or a signal"))
+    resumed.add(now - 5, LearnerProgress(step=3, version=3, positions={}))
+    assert run_status(RunSummary("c", "unknown", steps=3, max_steps=9), resumed, log_read=True, now_s=now) == "running"
+    late = RunActivity()
+    late.add(now - 100, RunStopped(reason="stopped"))
+    late.add(now - 5, heartbeat)  # long after the stop: started again
+    assert run_status(RunSummary("d", "unknown", steps=1), late, log_read=True, now_s=now) == "running"
 
 
 def test_activity_is_read_per_run_from_the_control_topic(bus_config: BusConfig) -> None:

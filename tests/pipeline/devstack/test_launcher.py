@@ -145,3 +145,71 @@ def test_the_stop_reason_says_why_each_run_stopped(tmp_path: Path) -> None:
     failed, fake.stopped = Published(), {}
     fake.announce_stops(failed, {"learner": 0, "producer-0": 3}, interrupted=False)
     assert {e.run_id: e.payload.reason for e in failed.events}["cut"] == "producer-0 exited with 3"
+
+
+class Flaky(Published):
+    """A publisher whose first publish fails, as an unreachable broker's does."""
+
+    def publish(self, topic: str, event) -> tuple[int, int]:
+        if not getattr(self, "failed", False):
+            self.failed = True
+            raise OSError("broker unreachable")
+        return super().publish(topic, event)
+
+
+def test_a_stop_that_could_not_be_published_is_announced_again(tmp_path: Path) -> None:
+    from schemas.events import LearnerCheckpointed, make_event
+
+    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": 1},
+                                         "store": {"root": tmp_path.as_uri()}}) for run in ("a", "b")]
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    fake.configs, fake.config = configs, configs[0]
+    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
+    fake.stopped = {}
+    flaky = Flaky()
+    with pytest.raises(OSError):
+        fake.on_control(make_event("a", LearnerCheckpointed(step=1, version=1, path="x", offsets={})), flaky)
+    fake.announce_stops(flaky, {"learner": 0}, interrupted=False)
+    assert sorted((e.run_id, e.payload.reason) for e in flaky.events) == [
+        ("a", "step budget reached"), ("b", "stopped")]
+
+
+def test_a_packed_run_at_its_budget_in_the_store_is_stopped_even_if_its_event_was_missed(tmp_path: Path) -> None:
+    """The dashboard's feed may miss an event; the store's newest checkpoint says the same and is looked at too."""
+    import torch
+
+    from consumers.checkpoint import CheckpointStore
+    from pipeline.runtime import open_store
+    from schemas.checkpoint import LearnerState
+
+    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": 2},
+                                         "store": {"root": tmp_path.as_uri()}}) for run in ("a", "b")]
+    CheckpointStore(open_store(configs[0].store), "a").save(LearnerState(step=2, version=2), {"w": torch.zeros(1)},
+                                                            {}, {})
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    fake.configs, fake.config = configs, configs[0]
+    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
+    fake.stopped = {}
+    published = Published()
+    fake.stop_finished_runs(published)
+    fake.stop_finished_runs(published)
+    assert [(e.run_id, e.payload.final_step) for e in published.events] == [("a", 2)]
+
+
+def test_the_processes_are_stopped_whatever_ends_the_watch(tmp_path: Path) -> None:
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    calls: list[str] = []
+    fake.prepare_model = fake.create = lambda: None
+    fake.config_paths, fake.configs = [tmp_path / "a.yaml"], [RunConfig()]
+    fake.config = fake.configs[0]
+    fake.spawn = lambda *args: None
+    fake.follow_control = lambda: None
+
+    def broken_watch() -> None:
+        raise RuntimeError("the terminal went away")
+
+    fake.watch = broken_watch
+    fake.shutdown = lambda interrupted=False: calls.append("shutdown") or 0
+    with pytest.raises(RuntimeError):
+        fake.run()
+    assert calls == ["shutdown"]
