@@ -150,7 +150,10 @@ def packed_configs(store: ObjectStore, kinds: list[tuple[str | None, str | None]
                    name: str | None, count: int, max_steps: int | None, producers: int | None) -> list[RunConfig]:
     """``count`` new runs of each kind, run ``i`` of a kind with recipe seed ``i - 1``, named by ``packed_run_ids``;
     refused in one line when they cannot be packed (a value run, a run named twice, engines they cannot share)."""
-    stems = [run_stem(preset, config_file, overrides, name, len(kinds) > 1) for preset, config_file in kinds]
+    by_preset = len({preset for preset, _ in kinds}) > 1
+    stems = [run_stem(preset, config_file, overrides, name,
+                      kind_label(preset, config_file, by_preset) if len(kinds) > 1 else None, by_preset)
+             for preset, config_file in kinds]
     named = [stem for stem, _ in stems]
     if len(set(named)) != len(named):
         twice = sorted({stem for stem in named if named.count(stem) > 1})
@@ -170,25 +173,36 @@ def packed_configs(store: ObjectStore, kinds: list[tuple[str | None, str | None]
 
 
 def run_stem(preset: str | None, config_file: str | None, overrides: list[str], name: str | None,
-             several: bool) -> tuple[str, bool]:
+             label: str | None, by_preset: bool = False) -> tuple[str, bool]:
     """The stem of one kind's run ids and whether the user named it (else the time is added).
 
-    One kind: ``--run``, else the run id of ``--set``, the environment or the file; else the configuration's
-    run id.  Several: each is labelled by its preset's run id (or its file's run id, else the file's name),
-    under ``--run NAME`` (or ``--set run_id``) as ``NAME-<label>``; a file's own run id is a name of its own.
+    One kind (``label`` None): ``--run``, else the run id of ``--set``, the environment or the file; else the
+    configuration's run id.  Several: ``label`` (``kind_label``) under ``--run NAME`` (or a ``run_id`` of
+    ``--set`` or the environment) as ``NAME-<label>``; else, when the files differ (not ``by_preset``), a file's
+    own ``run_id`` as it is; else the label.
     """
-    if not several:
+    if label is None:
         explicit = name or explicit_run_id(config_file, overrides)
         return (explicit, True) if explicit else (run_config(preset, config_file, overrides).run_id, False)
     explicit = name or explicit_run_id(None, overrides)
-    own = explicit_run_id(config_file, []) if config_file else None
-    if preset is not None and (config_file is None or own is None):
-        label = run_config(preset, None, []).run_id
-    else:
-        label = own or Path(str(config_file)).stem
     if explicit:
         return f"{explicit}-{label}", True
-    return (own, True) if own and config_file else (label, False)
+    own = None if by_preset else own_run_id(config_file)
+    return (own, True) if own else (label, False)
+
+
+def kind_label(preset: str | None, config_file: str | None, by_preset: bool) -> str:
+    """What tells one kind of run from the others: its preset's name when ``--preset`` repeats, else its file's
+    own ``run_id`` or the file's name."""
+    if by_preset and preset is not None:
+        return preset
+    return own_run_id(config_file) or Path(str(config_file)).stem
+
+
+def own_run_id(config_file: str | None) -> str | None:
+    """The ``run_id`` written in a config file (not the environment's or a preset's)."""
+    value = (load_file(config_file) if config_file else {}).get("run_id")
+    return str(value) if value else None
 
 
 def packed_run_ids(store: ObjectStore, stems: list[tuple[str, bool]], count: int) -> list[list[str]]:
