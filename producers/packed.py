@@ -119,6 +119,9 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
     membership: RunMembership | None = None
     try:
         connections = [connect_run(cfg, done) for cfg in configs]
+        # every packed producer lets a run go on its RunStopped; with --follow-runs it also takes new runs up.  It
+        # follows the control topic from before the engine starts, so a run stopped meanwhile is let go too.
+        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
         model_path = resolve_model(first.model)
         streams = SamplingStreams(first.sampler.seed, process_id)
         log.info("initialising one %s engine on %s for runs %s", first.sampler.backend, model_path,
@@ -139,8 +142,6 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
         for cfg, connection in zip(configs, connections, strict=True):
             open_run(cfg, connection)
         done.add("adapters")
-        # every packed producer lets a run go on its RunStopped; with --follow-runs it also takes new runs up
-        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
         health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
         follow = following(membership, open_run)
 

@@ -50,6 +50,8 @@ from schemas.events import Envelope, LearnerCheckpointed, ProducerHeartbeat, Run
 
 log = logging.getLogger("rlpipe.run")
 
+STORE_LOOK_S = 10.0  # how often a packed launch looks in the store for runs at their budget
+
 
 @dataclass
 class Dashboard:
@@ -168,6 +170,8 @@ def packed_producer_args(config_paths: Sequence[str], index: int) -> list[str]:
 class Launcher:
     """Starts and watches the learner and producers of one run, or of several runs packed in the same processes."""
 
+    stop_lock = threading.Lock()  # one launcher per process: announcing a run's stop is checked and done under it
+
     def __init__(self, config: RunConfig | Sequence[RunConfig], dashboard: bool = True) -> None:
         self.configs = [config] if isinstance(config, RunConfig) else list(config)
         if not self.configs:
@@ -184,7 +188,7 @@ class Launcher:
         self.board = self.boards[self.config.run_id]
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
-        self.stopped: dict[str, object] = {}  # runs whose RunStopped went out
+        self.stopped: dict[str, str] = {}  # runs whose RunStopped went out, with its reason
 
     @property
     def packed(self) -> bool:
@@ -229,34 +233,45 @@ class Launcher:
         for index in range(self.config.num_producers):
             args = packed_producer_args(paths, index) if self.packed else producer_args(self.config, paths[0], index)
             self.spawn(f"producer-{index}", *args)
-        watcher = threading.Thread(target=self.follow_control, daemon=True)
-        watcher.start()
+        self.watcher = threading.Thread(target=self.follow_control, daemon=True)
+        self.watcher.start()
         interrupted = False
-        try:
-            with stop_signals_interrupt():
+        with stop_signals_interrupt():  # also while stopping: a second signal kills what has not stopped yet
+            try:
                 self.watch()
-        except KeyboardInterrupt:
-            interrupted = True
-            log.info("Ctrl-C: stopping the run")
-        return self.shutdown(interrupted=interrupted)
+            except KeyboardInterrupt:
+                interrupted = True
+                log.info("Ctrl-C: stopping the run")
+            finally:  # whatever ended the watch, the processes are stopped and the runs announced
+                code = self.shutdown(interrupted=interrupted)
+        return code
 
     def follow_control(self) -> None:
         """Feed each run's dashboard from the control topic until the runs stop."""
         only = None if self.packed else self.config.run_id
-        with EventPublisher(self.bus) as publisher:
+        publisher: EventPublisher | None = None
+        looked = 0.0  # when the store was last looked at
+        try:
             while not self.stopping.is_set():
                 try:
+                    publisher = publisher or EventPublisher(self.bus)
                     for record in tail(self.bus, "control", n=0, follow=True, run_id=only, follow_for_s=2.0):
                         if record.event is not None:
                             self.on_control(record.event, publisher)
                         if self.stopping.is_set():
                             return
+                    if self.packed and time.monotonic() - looked > STORE_LOOK_S:
+                        looked = time.monotonic()  # an event between two reads of the feed is missed: the store
+                        self.stop_finished_runs(publisher)  # says it too
                     for run_id, board in self.boards.items():
                         lags = group_lag(self.bus, f"rlpipe-learner-{run_id}")
                         board.lag = sum(p.lag for p in lags) if lags else None
-                except (BusError, UnknownTopicError) as exc:  # the log unreachable, or no control topic yet: retry
+                except (BusError, UnknownTopicError, OSError) as exc:  # the log unreachable, no topic yet: retry
                     log.debug("dashboard feed: %s", exc)
                     time.sleep(1.0)
+        finally:
+            if publisher is not None:
+                publisher.close()
 
     def on_control(self, event: Envelope, publisher: EventPublisher) -> None:
         """One control event: onto its run's dashboard; a packed run whose learner reached its step budget is
@@ -272,11 +287,23 @@ class Launcher:
             self.announce_stop(publisher, event.run_id, "step budget reached", payload.step, payload.version)
 
     def announce_stop(self, publisher: EventPublisher, run_id: str, reason: str, step: int, version: int) -> None:
-        """``RunStopped`` for ``run_id``, once per run."""
-        marker = object()
-        if self.stopped.setdefault(run_id, marker) is not marker:  # atomic: the watcher and the shutdown race
-            return
-        Announcer(publisher, run_id)(RunStopped(reason=reason, final_version=version, final_step=step))
+        """``RunStopped`` for ``run_id``, once per run: marked only once published, so a failed publish (raised)
+        is tried again by the next call."""
+        with self.stop_lock:  # the watcher and the shutdown may race
+            if run_id in self.stopped:
+                return
+            Announcer(publisher, run_id)(RunStopped(reason=reason, final_version=version, final_step=step))
+            self.stopped[run_id] = reason
+
+    def stop_finished_runs(self, publisher: EventPublisher) -> None:
+        """``RunStopped`` for every packed run whose newest checkpoint in the store is at its step budget."""
+        for config in self.configs:
+            budget = config.learner.max_steps
+            if config.run_id in self.stopped or budget is None:
+                continue
+            step, version = self.final_position(config)
+            if step >= budget:
+                self.announce_stop(publisher, config.run_id, "step budget reached", step, version)
 
     def announce_stops(self, publisher: EventPublisher, codes: dict[str, int | None], interrupted: bool) -> None:
         """``RunStopped`` for every run not stopped yet (the end of the whole launch), saying why each stopped:
@@ -304,7 +331,7 @@ class Launcher:
             store = open_store(config.store)
             stored = learner_step(store, config.run_id)
             latest = AdapterRegistry(store, config.run_id).latest()
-        except (OSError, ValueError) as exc:  # the store unreachable: what the dashboard saw
+        except Exception as exc:  # the store unreachable (any backend's error): what the dashboard saw
             log.debug("final position of %s: %s", config.run_id, exc)
             return step, version
         return max(step, stored), max(version, latest.version if latest else 0)
@@ -346,7 +373,19 @@ class Launcher:
                 log.warning("%s did not stop in time: killing it", name)
                 process.kill()
                 process.wait()
+            except KeyboardInterrupt:  # Ctrl-C (or a stop signal) again while stopping: do not wait any longer
+                interrupted = True
+                log.warning("interrupted again: killing the processes that have not stopped")
+                for other in self.processes.values():
+                    if other.poll() is None:
+                        other.kill()
+                for other in self.processes.values():
+                    other.wait()
+                break
         codes = {name: process.returncode for name, process in self.processes.items()}
+        watcher = getattr(self, "watcher", None)
+        if watcher is not None:
+            watcher.join(timeout=10.0)  # its own announcements done before the last ones
         with EventPublisher(self.bus) as publisher:
             self.announce_stops(publisher, codes, interrupted)
         failed = {name: code for name, code in codes.items() if code != 0}
