@@ -280,6 +280,10 @@ class Launcher:
         if board is None:
             return
         board.apply(event.payload)
+        if isinstance(event.payload, RunStopped):  # stopped already (`rlpipe runs stop`, or this launcher's own)
+            with self.stop_lock:
+                self.stopped.setdefault(event.run_id, event.payload.reason)
+            return
         config = next(c for c in self.configs if c.run_id == event.run_id)
         budget = config.learner.max_steps
         payload = event.payload

@@ -213,3 +213,18 @@ def test_the_processes_are_stopped_whatever_ends_the_watch(tmp_path: Path) -> No
     with pytest.raises(RuntimeError):
         fake.run()
     assert calls == ["shutdown"]
+
+
+def test_a_run_stopped_by_hand_is_not_announced_again_at_the_end(tmp_path: Path) -> None:
+    from schemas.events import RunStopped, make_event
+
+    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": 9},
+                                         "store": {"root": tmp_path.as_uri()}}) for run in ("a", "b")]
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    fake.configs, fake.config = configs, configs[0]
+    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
+    fake.stopped = {}
+    published = Published()
+    fake.on_control(make_event("a", RunStopped(reason="stopped by rlpipe runs stop")), published)  # seen on the feed
+    fake.announce_stops(published, {"learner": 0}, interrupted=False)
+    assert [e.run_id for e in published.events] == ["b"]
