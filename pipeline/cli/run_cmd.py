@@ -239,10 +239,10 @@ def packed_run_ids(store: ObjectStore, stems: list[tuple[str, bool]], count: int
 
 def explicit_run_id(config_file: str | None, overrides: list[str]) -> str | None:
     """The run id set by --set, RLPIPE_RUN_ID or a config file (a preset's is only a base name)."""
-    for layer in (parse_overrides(overrides), env_layer(), load_file(config_file) if config_file else {}):
+    for layer in (parse_overrides(overrides), env_layer()):
         if layer.get("run_id"):
             return str(layer["run_id"])
-    return None
+    return own_run_id(config_file)
 
 
 def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
@@ -255,13 +255,7 @@ def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
             raise ConfigError(f"run {explicit!r} already exists in {store.root}; continue it with --resume "
                               f"{explicit}, or name a new one (or drop --run/run_id for a fresh name)")
         return explicit
-    stamp = datetime.now(UTC).strftime(_STAMP)
-    stem = f"{base[: MAX_NAME - len(stamp) - 4].rstrip('-._')}-{stamp}"
-    candidate, attempt = stem, 1
-    while run_exists(store, candidate):
-        attempt += 1
-        candidate = f"{stem}-{attempt}"
-    return validate_name(candidate, "run_id")
+    return packed_run_ids(store, [(base, False)], 1)[0][0]
 
 
 def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:

@@ -149,6 +149,11 @@ def stop_signals_interrupt() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def step_budget(config: RunConfig) -> int | None:
+    """The run's ``max_steps`` (a value run's is its value learner's)."""
+    return (config.value.learner if config.value is not None else config.learner).max_steps
+
+
 def rlpipe_command(*args: str) -> list[str]:
     """The argv running ``rlpipe ARGS`` with this interpreter."""
     return [sys.executable, "-c", "from pipeline.cli.main import main; main()", *args]
@@ -189,6 +194,7 @@ class Launcher:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
         self.stopped: dict[str, str] = {}  # runs whose RunStopped went out, with its reason
+        self.watcher: threading.Thread | None = None  # feeds the dashboards (follow_control)
 
     @property
     def packed(self) -> bool:
@@ -284,8 +290,7 @@ class Launcher:
             with self.stop_lock:
                 self.stopped.setdefault(event.run_id, event.payload.reason)
             return
-        config = next(c for c in self.configs if c.run_id == event.run_id)
-        budget = config.learner.max_steps
+        budget = step_budget(next(c for c in self.configs if c.run_id == event.run_id))
         payload = event.payload
         if self.packed and isinstance(payload, LearnerCheckpointed) and budget is not None and payload.step >= budget:
             self.announce_stop(publisher, event.run_id, "step budget reached", payload.step, payload.version)
@@ -302,7 +307,7 @@ class Launcher:
     def stop_finished_runs(self, publisher: EventPublisher) -> None:
         """``RunStopped`` for every packed run whose newest checkpoint in the store is at its step budget."""
         for config in self.configs:
-            budget = config.learner.max_steps
+            budget = step_budget(config)
             if config.run_id in self.stopped or budget is None:
                 continue
             step, version = self.final_position(config)
@@ -315,7 +320,7 @@ class Launcher:
         failed = next((f"{name} exited with {code}" for name, code in codes.items() if code not in (None, 0)), None)
         for config in self.configs:
             step, version = self.final_position(config)
-            budget = (config.value.learner if config.value is not None else config.learner).max_steps
+            budget = step_budget(config)
             if budget is not None and step >= budget:
                 reason = "step budget reached"
             elif interrupted:
@@ -334,11 +339,11 @@ class Launcher:
         try:
             store = open_store(config.store)
             stored = learner_step(store, config.run_id)
-            latest = AdapterRegistry(store, config.run_id).latest()
+            versions = AdapterRegistry(store, config.run_id).versions()
         except Exception as exc:  # the store unreachable (any backend's error): what the dashboard saw
             log.debug("final position of %s: %s", config.run_id, exc)
             return step, version
-        return max(step, stored), max(version, latest.version if latest else 0)
+        return max(step, stored), max([version, *versions[-1:]])
 
     def watch(self) -> None:
         from rich.live import Live
@@ -387,9 +392,8 @@ class Launcher:
                     other.wait()
                 break
         codes = {name: process.returncode for name, process in self.processes.items()}
-        watcher = getattr(self, "watcher", None)
-        if watcher is not None:
-            watcher.join(timeout=10.0)  # its own announcements done before the last ones
+        if self.watcher is not None:
+            self.watcher.join(timeout=10.0)  # its own announcements done before the last ones
         with EventPublisher(self.bus) as publisher:
             self.announce_stops(publisher, codes, interrupted)
         failed = {name: code for name, code in codes.items() if code != 0}

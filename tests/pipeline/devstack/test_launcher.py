@@ -89,18 +89,35 @@ class Published:
         return 0, len(self.events)
 
 
+def packed_launcher(root: Path, budgets: dict[str, int]) -> launcher.Launcher:
+    """A launcher of packed runs (run -> max_steps) on the store at ``root``, set up as far as announcing stops."""
+    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": steps}, "store": {"root": root.as_uri()}})
+               for run, steps in budgets.items()]
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    fake.configs, fake.config = configs, configs[0]
+    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
+    fake.stopped = {}
+    return fake
+
+
+def checkpoint_at(fake: launcher.Launcher, run: str, step: int) -> None:
+    """A checkpoint of ``run`` at ``step`` in the launcher's store, as its learner writes one."""
+    import torch
+
+    from consumers.checkpoint import CheckpointStore
+    from pipeline.runtime import open_store
+    from schemas.checkpoint import LearnerState
+
+    CheckpointStore(open_store(fake.config.store), run).save(LearnerState(step=step, version=step),
+                                                             {"w": torch.zeros(1)}, {}, {})
+
+
 def test_a_packed_run_that_reaches_its_budget_is_stopped_while_the_others_go_on(tmp_path: Path) -> None:
     """Packed runs of different kinds finish at different times: a finished run's RunStopped goes out at once (its
     producers let it go), and the shutdown announces only the runs still going."""
     from schemas.events import LearnerCheckpointed, RunStopped, make_event
 
-    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": steps},
-                                         "store": {"root": tmp_path.as_uri()}})
-               for run, steps in (("short", 2), ("long", 5))]
-    fake = launcher.Launcher.__new__(launcher.Launcher)
-    fake.configs, fake.config = configs, configs[0]
-    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
-    fake.stopped = {}
+    fake = packed_launcher(tmp_path, {"short": 2, "long": 5})
     published = Published()
 
     def checkpointed(run: str, step: int) -> None:
@@ -122,21 +139,8 @@ def test_a_packed_run_that_reaches_its_budget_is_stopped_while_the_others_go_on(
 def test_the_stop_reason_says_why_each_run_stopped(tmp_path: Path) -> None:
     """A run interrupted before its budget is "stopped", never "step budget reached" (the learner exits 0 on a clean
     stop too); a failed process is named; the final step is the newest checkpoint's, even one the dashboard missed."""
-    import torch
-
-    from consumers.checkpoint import CheckpointStore
-    from pipeline.runtime import open_store
-    from schemas.checkpoint import LearnerState
-
-    store = {"root": (tmp_path / "store").as_uri()}
-    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": 4}, "store": store})
-               for run in ("done", "cut", "broken")]
-    CheckpointStore(open_store(configs[0].store), "done").save(
-        LearnerState(step=4, version=4), {"w": torch.zeros(1)}, {}, {})  # written just before the learner exited
-    fake = launcher.Launcher.__new__(launcher.Launcher)
-    fake.configs, fake.config = configs, configs[0]
-    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
-    fake.stopped = {}
+    fake = packed_launcher(tmp_path / "store", {"done": 4, "cut": 4, "broken": 4})
+    checkpoint_at(fake, "done", 4)  # written just before the learner exited
     published = Published()
     fake.announce_stops(published, {"learner": 0, "producer-0": 0}, interrupted=True)
     reasons = {e.run_id: (e.payload.reason, e.payload.final_step) for e in published.events}
@@ -160,12 +164,7 @@ class Flaky(Published):
 def test_a_stop_that_could_not_be_published_is_announced_again(tmp_path: Path) -> None:
     from schemas.events import LearnerCheckpointed, make_event
 
-    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": 1},
-                                         "store": {"root": tmp_path.as_uri()}}) for run in ("a", "b")]
-    fake = launcher.Launcher.__new__(launcher.Launcher)
-    fake.configs, fake.config = configs, configs[0]
-    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
-    fake.stopped = {}
+    fake = packed_launcher(tmp_path, {"a": 1, "b": 1})
     flaky = Flaky()
     with pytest.raises(OSError):
         fake.on_control(make_event("a", LearnerCheckpointed(step=1, version=1, path="x", offsets={})), flaky)
@@ -176,20 +175,8 @@ def test_a_stop_that_could_not_be_published_is_announced_again(tmp_path: Path) -
 
 def test_a_packed_run_at_its_budget_in_the_store_is_stopped_even_if_its_event_was_missed(tmp_path: Path) -> None:
     """The dashboard's feed may miss an event; the store's newest checkpoint says the same and is looked at too."""
-    import torch
-
-    from consumers.checkpoint import CheckpointStore
-    from pipeline.runtime import open_store
-    from schemas.checkpoint import LearnerState
-
-    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": 2},
-                                         "store": {"root": tmp_path.as_uri()}}) for run in ("a", "b")]
-    CheckpointStore(open_store(configs[0].store), "a").save(LearnerState(step=2, version=2), {"w": torch.zeros(1)},
-                                                            {}, {})
-    fake = launcher.Launcher.__new__(launcher.Launcher)
-    fake.configs, fake.config = configs, configs[0]
-    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
-    fake.stopped = {}
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 2})
+    checkpoint_at(fake, "a", 2)
     published = Published()
     fake.stop_finished_runs(published)
     fake.stop_finished_runs(published)
@@ -218,12 +205,7 @@ def test_the_processes_are_stopped_whatever_ends_the_watch(tmp_path: Path) -> No
 def test_a_run_stopped_by_hand_is_not_announced_again_at_the_end(tmp_path: Path) -> None:
     from schemas.events import RunStopped, make_event
 
-    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": 9},
-                                         "store": {"root": tmp_path.as_uri()}}) for run in ("a", "b")]
-    fake = launcher.Launcher.__new__(launcher.Launcher)
-    fake.configs, fake.config = configs, configs[0]
-    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
-    fake.stopped = {}
+    fake = packed_launcher(tmp_path, {"a": 9, "b": 9})
     published = Published()
     fake.on_control(make_event("a", RunStopped(reason="stopped by rlpipe runs stop")), published)  # seen on the feed
     fake.announce_stops(published, {"learner": 0}, interrupted=False)
