@@ -9,8 +9,8 @@ offsets; when idle for ``fold_idle_s`` or every ``fold_every`` calls), expire
 (unload the adapters of sessions that ended or whose heartbeats lapsed).
 
 A training client's state is a fold over its request log.  The fold of a model
-(``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob and the
-last ``seq_id`` it includes) is written only at a clean point, when no
+(``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob, stored
+under a name of its own, and the last ``seq_id`` it includes) is written only at a clean point, when no
 gradients are accumulated (they are not part of the state), and the group's
 offsets are committed only below the oldest call not yet in a fold.  A trainer
 that dies is restarted from the folds plus the calls after them, re-executed in
@@ -59,7 +59,7 @@ from pipeline.io.bus import (
     group_timings_from_env,
 )
 from pipeline.io.registry import AdapterRegistry
-from pipeline.io.store import ObjectStore
+from pipeline.io.store import ChecksumError, ObjectStore, sha256_hex
 from pipeline.topics import API_TOPIC_KINDS
 from schemas.api import ApiError, ApiRequestAccepted, model_run_name, result_path, session_path
 from schemas.config import BusConfig
@@ -82,6 +82,7 @@ class _Model:
     next_seq: int = 1
     loaded: bool = False
     has_gradients: bool = False
+    refused: str | None = None  # why every call fails (its fold is corrupt)
     unfolded: list[tuple[TopicPartitionKey, int]] = field(default_factory=list)  # executed, not yet in a fold
     pending: dict[int, ConsumedEvent] = field(default_factory=dict)  # seq_id -> call waiting for its turn
     creating: list[ConsumedEvent] = field(default_factory=list)  # create_model / load_weights as a new model
@@ -223,6 +224,8 @@ class TrainerWorker:
     def _run(self, model: _Model, call: ApiRequestAccepted) -> tuple[bytes, str]:
         """Execute one call on the engine; the result's bytes and format."""
         self._check_tenant(call.tenant, call.session_id)
+        if model.refused:
+            raise ApiError(model.refused, "server")
         body = self._body(call)
         if call.op == "create_model":
             ops.create_model(self.engine, model.model_id, parse_body(types.CreateModelRequest, body))
@@ -324,11 +327,19 @@ class TrainerWorker:
         self._commit()
 
     def _fold(self, model: _Model) -> None:
+        """The model's state under a name of its own, then the record naming it, then older states deleted:
+        a trainer killed between two writes leaves the fold before whole (its record, its state)."""
         started, wall = time.perf_counter(), time.time()
         state = ops.save_state(self.engine, model.model_id, True)
-        digest = self.store.put(f"{model.fold_key}.safetensors", state)
-        record = {"model_id": model.model_id, "seq_id": model.next_seq - 1, "state_sha256": digest}
+        digest = sha256_hex(state)
+        state_key = f"{model.fold_key}.{digest[:16]}.safetensors"
+        self.store.put_create_once(state_key, state)
+        record = {"model_id": model.model_id, "seq_id": model.next_seq - 1, "state": state_key,
+                  "state_sha256": digest}
         self.store.put(f"{model.fold_key}.json", _json(record))
+        for key in self.store.list(model.fold_key.rsplit("/", 1)[0]):
+            if key.startswith(f"{model.fold_key}.") and key.endswith(".safetensors") and key != state_key:
+                self.store.delete(key, missing_ok=True)
         model.unfolded.clear()
         if self.activity is not None:
             self.activity.record(model.run.split(".")[0], model.tenant, "fold", wall,
@@ -339,7 +350,13 @@ class TrainerWorker:
             record = json.loads(self.store.get(f"{model.fold_key}.json"))
         except FileNotFoundError:
             return
-        state = self.store.get(f"{model.fold_key}.safetensors", record["state_sha256"])
+        try:
+            state = self.store.get(record.get("state", f"{model.fold_key}.safetensors"), record["state_sha256"])
+        except (ChecksumError, FileNotFoundError) as exc:  # this model's calls fail; every other model goes on
+            log.error("%s cannot be restored: %s", model.model_id, exc)
+            model.refused = (f"the saved state of {model.model_id} is lost or corrupt (checksum); create a new "
+                             "training client, or load one of its checkpoints (see list_checkpoints)")
+            return
         ops.load_state(self.engine, model.model_id, state, True)
         model.loaded, model.next_seq = True, int(record["seq_id"]) + 1
         log.info("restored %s from its fold at seq_id %d", model.model_id, record["seq_id"])

@@ -162,6 +162,62 @@ def test_a_restarted_trainer_replays_from_its_fold_to_the_same_weights(harness):
     restarted.close()
 
 
+class Killed(BaseException):
+    """The trainer process dying (SIGKILL) at a chosen write."""
+
+
+def test_a_trainer_killed_between_a_folds_two_writes_restarts_from_the_fold_before(harness, monkeypatch):
+    trainer = harness.trainer()
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    trainer.fold_all()  # the fold at seq_id 0
+    chunks = [[_datum(7), _datum(8)]]
+    fb = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, chunks[0]), "pb")
+    step = harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
+    run_until(trainer, harness, [fb, step])
+    put = trainer.store.put
+
+    def dies_at_the_record(key: str, data: bytes) -> str:
+        if key.endswith(".fold.json"):
+            raise Killed(key)
+        return put(key, data)
+
+    monkeypatch.setattr(trainer.store, "put", dies_at_the_record)
+    with pytest.raises(Killed):
+        trainer.fold_all()  # the new state written, its record not
+    monkeypatch.undo()
+    trainer.consumer.close()
+    trainer.publisher.close()
+    late = harness.gateway.submit(TENANT, "forward_backward", model_id, 3, _fb(model_id, 3, [_datum(9)]), "pb")
+    restarted = harness.trainer()
+    run_until(restarted, harness, [late])  # the fold at seq_id 0 and the calls after it
+    assert_same(restarted.engine.weights(f"{harness.session}.train.0"), reference_weights(harness.base_model, chunks))
+    last = harness.gateway.submit(TENANT, "optim_step", model_id, 4, _optim(model_id, 4))
+    run_until(restarted, harness, [last])
+    restarted.fold_all()
+    states = [key for key in harness.store.list(f"sessions/{harness.session}/models") if key.endswith(".safetensors")]
+    record = json.loads(harness.store.get(f"sessions/{harness.session}/models/0.fold.json"))
+    assert record["seq_id"] == 4 and states == [record["state"]]  # none left behind by the folds before
+    restarted.close()
+
+
+def test_a_corrupt_fold_fails_its_own_models_calls_and_no_other(harness):
+    trainer = harness.trainer()
+    broken, fine = harness.create(0), harness.create(1)
+    run_until(trainer, harness, [f"{harness.session}.train.0.create", f"{harness.session}.train.1.create"])
+    trainer.fold_all()
+    trainer.close()
+    record = json.loads(harness.store.get(f"sessions/{harness.session}/models/0.fold.json"))
+    harness.store.put(record["state"], b"not the state")
+    restarted = harness.trainer()
+    calls = [harness.gateway.submit(TENANT, "optim_step", model_id, 1, _optim(model_id, 1)) for model_id in (broken, fine)]
+    run_until(restarted, harness, calls)
+    answer = json.loads(harness.result(calls[0])[0])
+    assert answer["category"] == "server" and "checksum" in answer["error"]
+    assert "metrics" in json.loads(harness.result(calls[1])[0])
+    restarted.close()
+
+
 def test_finished_session_unloads_its_adapters(harness):
     trainer = harness.trainer()
     model_id = harness.create()
