@@ -50,20 +50,22 @@ class Server:
     env: dict[str, str]
     logs: Path
     trainer: subprocess.Popen[bytes] | None = None
+    trainer_log: Path | None = None
     gateway: subprocess.Popen[bytes] | None = None
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)  # further options of ``rlpipe serve --role gateway``
 
     def start_trainer(self, base_model: str | None = None) -> subprocess.Popen[bytes]:
         """A trainer for ``base_model`` (default: the first model; it becomes ``self.trainer``)."""
-        log = open(self.logs / f"trainer-{len(self.processes)}.log", "ab")  # noqa: SIM115 - the child owns it
+        path = self.logs / f"trainer-{len(self.processes)}.log"
+        log = open(path, "ab")  # noqa: SIM115 - the child owns it
         process = subprocess.Popen(
             [sys.executable, "-m", "consumers.api.worker", "--base-model", base_model or self.base_model, "--store",
              self.store.root, "--bootstrap", self.env["RLPIPE_BUS__BOOTSTRAP_SERVERS"], "--namespace",
              self.env["RLPIPE_BUS__NAMESPACE"], "--device", "cpu"], env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.processes.append(process)
         if base_model is None:
-            self.trainer = process
+            self.trainer, self.trainer_log = process, path
         return process
 
     def start_gateway(self) -> None:
@@ -285,15 +287,25 @@ def _train_and_save(client, kill: str | None, server: Server) -> str:
             server.trainer.wait()
             server.start_trainer()
 
-    client.forward_backward(_data(7), "cross_entropy").result(timeout=180)
+    def result(future):
+        """The call's result; a trainer that died instead fails at once, with its log."""
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                return future.result(timeout=1)
+            except TimeoutError:
+                assert server.trainer.poll() is None, server.trainer_log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no result within 180 s"
+
+    result(client.forward_backward(_data(7), "cross_entropy"))
     maybe_kill("after_forward_backward")
-    client.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=180)
+    result(client.optim_step(types.AdamParams(learning_rate=1e-2)))
     maybe_kill("after_optim_step")
-    client.save_weights_for_sampler("s1").result(timeout=180)
+    result(client.save_weights_for_sampler("s1"))
     maybe_kill("after_sampler_save")
-    client.forward_backward(_data(8), "cross_entropy").result(timeout=180)
-    client.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=180)
-    return client.save_state("after").result(timeout=180).path
+    result(client.forward_backward(_data(8), "cross_entropy"))
+    result(client.optim_step(types.AdamParams(learning_rate=1e-2)))
+    return result(client.save_state("after")).path
 
 
 @pytest.mark.parametrize("kill", KILL_POINTS)
