@@ -98,7 +98,7 @@ def run(
     cfg = with_budget(cfg, max_steps, producers)
     store = open_store(cfg.store)
     if runs > 1 or len(kinds) > 1:
-        configs = packed_configs(store, kinds, overrides or [], name, runs, max_steps, producers)
+        configs = packed_configs(kinds, overrides or [], name, runs, max_steps, producers)
         ids = [c.run_id for c in configs]
         console.print(f"starting runs {', '.join(ids)}, packed in one learner and "
                       f"{configs[0].num_producers} producer process(es)", markup=False)
@@ -146,7 +146,7 @@ def run_kinds(presets: list[str], configs: list[str]) -> list[tuple[str | None, 
     return [(presets[0] if presets else None, configs[0] if configs else None)]
 
 
-def packed_configs(store: ObjectStore, kinds: list[tuple[str | None, str | None]], overrides: list[str],
+def packed_configs(kinds: list[tuple[str | None, str | None]], overrides: list[str],
                    name: str | None, count: int, max_steps: int | None, producers: int | None) -> list[RunConfig]:
     """``count`` new runs of each kind, run ``i`` of a kind with recipe seed ``i - 1``, named by ``packed_run_ids``;
     refused in one line when they cannot be packed (a value run, a run named twice, engines they cannot share)."""
@@ -159,7 +159,10 @@ def packed_configs(store: ObjectStore, kinds: list[tuple[str | None, str | None]
         twice = sorted({stem for stem in named if named.count(stem) > 1})
         raise ConfigError(f"{', '.join(twice)} named twice: give each preset or file once (--runs N starts "
                           "several runs of one)")
-    ids = packed_run_ids(store, stems, count)
+    from pipeline.runtime import open_store
+
+    stores = [open_store(run_config(*kind, overrides).store) for kind in kinds]
+    ids = packed_run_ids(stores, stems, count)
     configs = [with_budget(run_config(*kinds[k], [*seed_overrides(i), *overrides]), max_steps, producers)
                .model_copy(update={"run_id": ids[k][i]}) for k in range(len(kinds)) for i in range(len(ids[k]))]
     if any(c.value is not None for c in configs):
@@ -205,11 +208,11 @@ def own_run_id(config_file: str | None) -> str | None:
     return str(value) if value else None
 
 
-def packed_run_ids(store: ObjectStore, stems: list[tuple[str, bool]], count: int) -> list[list[str]]:
+def packed_run_ids(stores: list[ObjectStore], stems: list[tuple[str, bool]], count: int) -> list[list[str]]:
     """Each stem's run ids: the stem for one run, ``<stem>-1`` ... ``<stem>-<count>`` for several.
 
-    A stem the user named is taken as it is and none of its runs may exist; any other gets the UTC time (one
-    for all), and ``-2``, ``-3`` when its runs are taken.
+    A stem the user named is taken as it is and none of its runs may exist in its store (``stores``, one per
+    stem); any other gets the UTC time (one for all), and ``-2``, ``-3`` when its runs are taken.
     """
     from pipeline.analysis.runs import run_exists
 
@@ -220,7 +223,7 @@ def packed_run_ids(store: ObjectStore, stems: list[tuple[str, bool]], count: int
             [validate_name(f"{stem}-{i}", "run_id") for i in range(1, count + 1)]
 
     ids = []
-    for stem, named in stems:
+    for store, (stem, named) in zip(stores, stems, strict=True):
         if named:
             ids.append(runs_of(stem))
             continue
@@ -230,10 +233,13 @@ def packed_run_ids(store: ObjectStore, stems: list[tuple[str, bool]], count: int
             attempt += 1
             candidate = f"{fresh}-{attempt}"
         ids.append(runs_of(candidate))
-    taken = [run_id for group in ids for run_id in group if run_exists(store, run_id)]
-    if taken:
-        raise ConfigError(f"runs {', '.join(taken)} already exist in {store.root}; name the packed runs with "
-                          "--run NAME (they become NAME-1 ... NAME-N), or drop --run for a fresh name")
+    taken: dict[str, list[str]] = {}
+    for store, group in zip(stores, ids, strict=True):
+        taken.setdefault(store.root, []).extend(run_id for run_id in group if run_exists(store, run_id))
+    if any(taken.values()):
+        where = "; ".join(f"{', '.join(runs)} already exist in {root}" for root, runs in taken.items() if runs)
+        raise ConfigError(f"runs {where}; name the packed runs with --run NAME (they become NAME-1 ... NAME-N), "
+                          "or drop --run for a fresh name")
     return ids
 
 
@@ -255,7 +261,7 @@ def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
             raise ConfigError(f"run {explicit!r} already exists in {store.root}; continue it with --resume "
                               f"{explicit}, or name a new one (or drop --run/run_id for a fresh name)")
         return explicit
-    return packed_run_ids(store, [(base, False)], 1)[0][0]
+    return packed_run_ids([store], [(base, False)], 1)[0][0]
 
 
 def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:

@@ -168,6 +168,19 @@ def test_several_config_files_keep_their_own_run_ids(home: Path, tmp_path: Path)
     assert {c.num_producers for c in configs} == {2}  # producer processes serve every run: the most any asks for
 
 
+def test_packed_runs_are_looked_for_each_in_its_own_store(home: Path, tmp_path: Path) -> None:
+    files = []
+    for name in ("left", "right"):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(f"run_id: {name}\nstore:\n  root: file://{tmp_path / name}-store\n")
+        files += ["--config", str(path)]
+    alone = _run(files[-2], files[-1], "--max-steps", "2")  # the right run, on its own, in its store
+    assert alone.exit_code == 0, alone.output
+    packed = _run(*files, "--max-steps", "2")
+    assert packed.exit_code == 2 and "right already exist" in packed.output, packed.output
+    assert [c.run_id for c in FakeLauncher.launched] == ["right"]
+
+
 def test_several_kinds_are_named_by_preset_or_file_whatever_the_environment_names(
         home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLPIPE_RUN_ID", "envid")  # acts as --run NAME for every kind
