@@ -30,7 +30,7 @@ from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_pr
 from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers import Sampler, sampler_for_run
-from producers.sink import StoreThenEventSink, announce_orphans, announced_batches
+from producers.sink import OrphanSweep, StoreThenEventSink, announced_batches
 from producers.tiny_model import resolve_model
 from schemas.config import BusConfig, RunConfig
 from schemas.events import LearnerProgress, ProducerHeartbeat, TrajectoryBatchCommitted
@@ -261,6 +261,7 @@ class RunConnection:
     archive: TrajectoryArchive
     publisher: EventPublisher
     announce: Announcer
+    orphans: OrphanSweep | None = None  # looks again at the batches too young to judge at the start
 
 
 def connect_run(config: RunConfig, done: set[str] | None = None) -> RunConnection:
@@ -270,13 +271,15 @@ def connect_run(config: RunConfig, done: set[str] | None = None) -> RunConnectio
     archive = TrajectoryArchive(store)
     publisher = EventPublisher(bus)
     announce = Announcer(publisher, config.run_id)
-    announced = announced_batches(tail(bus, "trajectories", n=10**9, run_id=config.run_id))
+    orphans = OrphanSweep(archive, config.run_id, announce, 2 * config.producer.batch_timeout_s,
+                          lambda: announced_batches(tail(bus, "trajectories", n=10**9, run_id=config.run_id)))
+    announced = orphans.announced()
     if done is not None:
         done.add("broker")
-    announce_orphans(archive, config.run_id, announced, announce, min_age_s=2 * config.producer.batch_timeout_s)
+    orphans.sweep(announced)
     if done is not None:
         done.add("store")
-    return RunConnection(bus, archive, publisher, announce)
+    return RunConnection(bus, archive, publisher, announce, orphans)
 
 
 @dataclass
@@ -289,11 +292,18 @@ class RunProducer:
     publisher: EventPublisher
     events: KafkaAdapterEvents
     backlog: LearnerBacklog | None
+    orphans: OrphanSweep | None = None
 
     def run(self, stop: Callable[[], bool]) -> None:
         """The rollout loop until stopped or ``max_groups``, then a last heartbeat."""
-        self.worker.run(should_stop=stop, on_tick=self.heartbeat.maybe_beat)
+        self.worker.run(should_stop=stop, on_tick=self.tick)
         self.heartbeat.beat()
+
+    def tick(self) -> None:
+        """Between the rollout loop's rounds: a heartbeat when due, and the start's second look for orphans."""
+        self.heartbeat.maybe_beat()
+        if self.orphans is not None:
+            self.orphans.maybe_sweep()
 
     def close(self) -> None:
         """Close the run's connections (then close the sampler, then ``watcher.close()``: it deletes the cache)."""
@@ -328,4 +338,4 @@ def open_run_producer(config: RunConfig, connection: RunConnection, producer_id:
                                  config.producer.max_backlog_steps * config.learner.batch_rows)
         worker.backlog_full = backlog
     heartbeat = Heartbeat(worker, watcher, connection.announce, config.producer.heartbeat_interval_s, health)
-    return RunProducer(worker, watcher, heartbeat, connection.publisher, events, backlog)
+    return RunProducer(worker, watcher, heartbeat, connection.publisher, events, backlog, connection.orphans)

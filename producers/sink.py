@@ -1,10 +1,12 @@
 """Where finished rollouts go: the store first (create-only Parquet), then the event.
 
 Because the file is durable before its event exists, a crash can leave a file
-without an event but never an event without a file.  ``announce_orphans`` closes
-that gap on start: batches of the run that are in the store but were never
-announced on ``<ns>.trajectories`` are announced then (the learner trains each
-``batch_id`` once, so announcing twice is harmless).
+without an event but never an event without a file.  ``OrphanSweep`` closes that
+gap when a producer starts: batches of the run that are in the store but were
+never announced on ``<ns>.trajectories`` are announced (the learner trains each
+``batch_id`` once, so announcing twice is harmless).  A file too young to judge
+then (a live producer may be about to announce it) is judged again once it is
+old enough, so a producer restarted at once still announces what it lost.
 """
 
 from __future__ import annotations
@@ -48,19 +50,25 @@ def announce_orphans(
     announced_batch_ids: Iterable[str],
     announce: Callable[[Payload], Any],
     min_age_s: float = 0.0,
+    keys: Iterable[str] | None = None,
+    too_young: dict[str, float] | None = None,
 ) -> list[str]:
-    """Announce every stored batch of ``run_id`` that no event names; return their batch ids.
+    """Announce every stored batch of ``run_id`` (or of ``keys``) that no event names; return their batch ids.
 
     ``min_age_s`` leaves alone files younger than that, which a live producer may
-    be about to announce itself.
+    be about to announce itself; each is noted in ``too_young`` with the seconds
+    until it is old enough.
     """
     known = set(announced_batch_ids)
     orphans = []
-    for key in archive.list_batches(run_id):
+    for key in archive.list_batches(run_id) if keys is None else keys:
         batch_id = key.rsplit("/", 1)[-1].removesuffix(".parquet")
         if batch_id in known:
             continue
-        if min_age_s and _age_s(archive, key) < min_age_s:
+        age = _age_s(archive, key) if min_age_s else float("inf")
+        if age < min_age_s:
+            if too_young is not None:
+                too_young[key] = min_age_s - age
             continue
         info = archive.describe_batch(key, run_id)
         payload = batch_committed_payload(info)
@@ -68,6 +76,45 @@ def announce_orphans(
         orphans.append(batch_id)
         log.warning("announced orphaned batch %s (stored but never announced)", batch_id)
     return orphans
+
+
+class OrphanSweep:
+    """``announce_orphans`` when a producer starts, and again for the files too young to judge then.
+
+    The second look (``maybe_sweep``, on the producer's tick) comes once the last of those files is
+    ``min_age_s`` old, against the events on the log by then; it looks at those files only.  Files written
+    after the start are their writers' to announce (or the next starting producer's).
+    """
+
+    def __init__(self, archive: TrajectoryArchive, run_id: str, announce: Callable[[Payload], Any],
+                 min_age_s: float, announced: Callable[[], Iterable[str]]) -> None:
+        self.archive, self.run_id, self.announce, self.min_age_s = archive, run_id, announce, min_age_s
+        self.announced = announced  # the batch ids the run's events name, read from the log when called
+        self.pending: list[str] = []  # keys too young at the last look
+        self.due = 0.0  # monotonic time they are all old enough
+        self._looked = False
+
+    def sweep(self, announced: Iterable[str] | None = None) -> list[str]:
+        """Announce the orphans old enough (at the first call, of the whole run); note the younger ones.
+        ``announced``: the batch ids the log names, if just read (else they are read now)."""
+        young: dict[str, float] = {}
+        keys = self.pending if self._looked else None
+        known = self.announced() if announced is None else announced
+        found = announce_orphans(self.archive, self.run_id, known, self.announce, self.min_age_s, keys=keys,
+                                 too_young=young)
+        self._looked, self.pending = True, list(young)
+        self.due = time.monotonic() + max(young.values(), default=0.0)
+        return found
+
+    def maybe_sweep(self) -> None:
+        """Look again at the files that were too young, once they are old enough; a failed look is tried later."""
+        if not self.pending or time.monotonic() < self.due:
+            return
+        try:
+            self.sweep()
+        except Exception as exc:  # the log or store out of reach for a moment: the files stay noted
+            log.warning("could not look for unannounced batches of %s (%s); trying again", self.run_id, exc)
+            self.due = time.monotonic() + self.min_age_s
 
 
 def _age_s(archive: TrajectoryArchive, key: str) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pyarrow as pa
 import pytest
 
@@ -10,7 +12,7 @@ from pipeline.io.store import ObjectStore
 from producers.envs.registry import make_env
 from producers.rollout import RolloutWorker, SamplingStreams, StaleAdapterError
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, request_seed
-from producers.sink import StoreThenEventSink, announce_orphans
+from producers.sink import OrphanSweep, StoreThenEventSink, announce_orphans
 from schemas.config import ProducerConfig, SamplerConfig
 from schemas.trajectory import NO_ADAPTER_SHA, table_to_records
 
@@ -192,6 +194,25 @@ def test_orphaned_batch_is_announced_once(tiny_tokenizer):
     orphans = announce_orphans(archive, "run1", [], again.append)
     assert orphans == [first.batch_id] and again[0].sha256 == first.sha256 and again[0].num_rows == first.num_rows
     assert isinstance(archive.read_batch(first.path), pa.Table)
+
+
+def test_a_batch_too_young_at_start_is_judged_again_once_old_enough(tiny_tokenizer):
+    worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", [], max_groups=4)
+    worker.run()  # two batches stored; their events are not on the log (lost with a crashed writer)
+    stored = [key.rsplit("/", 1)[-1].removesuffix(".parquet") for key in archive.list_batches("run1")]
+    assert len(stored) == 2
+    on_log: set[str] = set()  # the batch ids the trajectories topic names
+    announced = []
+    sweep = OrphanSweep(archive, "run1", announced.append, min_age_s=1.0, announced=lambda: on_log)
+    assert sweep.sweep() == [] and announced == []  # too young: a live producer may be about to announce them
+    sweep.maybe_sweep()
+    assert announced == []
+    on_log.add(stored[0])  # the first one's writer announces it
+    time.sleep(1.1)
+    sweep.maybe_sweep()
+    assert [payload.batch_id for payload in announced] == [stored[1]]
+    sweep.maybe_sweep()
+    assert len(announced) == 1  # each judged once
 
 
 def test_every_draw_gets_a_fresh_stream_across_turns_and_restarts(tiny_tokenizer):

@@ -115,3 +115,31 @@ def test_rows_the_learner_has_read_stop_counting_before_its_commit(bus_config: B
             assert becomes(backlog, True, timeout_s=5.0)
         finally:
             backlog.close()
+
+
+def test_a_restarted_producer_announces_a_batch_too_young_at_its_start_once_old_enough(
+        bus_config: BusConfig, tmp_path) -> None:
+    """A producer killed between its batch's store write and its event, restarted at once: the file is too young
+    to judge at the new start (a live producer may still announce it), and is announced on a later tick."""
+    from pipeline.io.archive import TrajectoryArchive
+    from pipeline.io.bus import tail
+    from pipeline.io.store import ObjectStore
+    from producers.service import RunProducer, connect_run
+    from producers.sink import announced_batches
+    from schemas.config import RunConfig
+    from tests.pipeline.io.test_archive import two_rows
+
+    config = RunConfig(run_id="lost", bus=bus_config, store={"root": f"file://{tmp_path}/store"},
+                       producer={"batch_timeout_s": 0.5})  # files younger than 1 s are left to their writer
+    info = TrajectoryArchive(ObjectStore(config.store.root)).write_batch("lost", two_rows(run_id="lost"))
+    connection = connect_run(config)
+    on_log = lambda: announced_batches(tail(bus_config, "trajectories", n=100, run_id="lost"))  # noqa: E731
+    assert info.batch_id not in on_log()
+    run: Any = RunProducer(None, None, SimpleNamespace(maybe_beat=lambda: None), connection.publisher, None,  # type: ignore[arg-type]
+                           None, connection.orphans)
+    deadline = time.monotonic() + 20
+    while info.batch_id not in on_log():
+        assert time.monotonic() < deadline, "the batch was never announced"
+        run.tick()
+        time.sleep(0.2)
+    connection.publisher.close()
