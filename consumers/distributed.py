@@ -259,8 +259,9 @@ def load_checkpoint(engine: DistributedEngine, name: str, folder: str | Path) ->
 
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest committed ``step-<n>`` folder under ``root``, or None."""
-    committed = [p for p in Path(root).glob("step-*") if (p / CHECKPOINT_META).is_file()]
-    return max(committed, key=lambda p: int(p.name.split("-")[1]), default=None)
+    committed = [p for p in Path(root).glob("step-*")
+                 if p.name[len("step-"):].isdigit() and (p / CHECKPOINT_META).is_file()]  # not a .partial one
+    return max(committed, key=lambda p: int(p.name[len("step-"):]), default=None)
 
 
 def _split_state(blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

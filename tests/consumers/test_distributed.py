@@ -160,3 +160,13 @@ def test_peak_memory_per_rank_with_two_sharded_ranks_is_below_one_rank(wider_mod
           f"2 sharded ranks {two[0]['peak_rss'] / mib:.0f} and {two[1]['peak_rss'] / mib:.0f} MiB "
           f"(base weights held {one['base_bytes'] / mib:.0f} vs {two[0]['base_bytes'] / mib:.0f} MiB)")
     assert max(report["peak_rss"] for report in two.values()) < one["peak_rss"]
+
+
+def test_the_latest_checkpoint_is_a_committed_step_never_one_being_written(tmp_path: Path) -> None:
+    from consumers.distributed import CHECKPOINT_META, latest_checkpoint
+
+    for name in ("step-00000002", "step-00000010", "step-00000011.partial"):  # killed while renaming step 11
+        (tmp_path / name).mkdir()
+        (tmp_path / name / CHECKPOINT_META).write_text("{}")
+    (tmp_path / "step-00000012").mkdir()  # never committed
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000010"
