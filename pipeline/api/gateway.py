@@ -327,6 +327,7 @@ class Gateway:
         prefix = checkpoint_prefix(model_run_name(model_id), folder)
         if not self.store.exists(f"{prefix}/{name}.json"):
             raise NotFoundError(f"no checkpoint {checkpoint_id} of {model_id}; see list_checkpoints")
-        self.store.delete(f"{prefix}/{name}.json")
+        # the record last: a delete cut short leaves it listed, and deleting it again finishes the job
         self.store.delete(f"{prefix}/{name}", recursive=True, missing_ok=True)
         self.store.delete(f"{prefix}/{name}.safetensors", missing_ok=True)
+        self.store.delete(f"{prefix}/{name}.json")

@@ -207,3 +207,31 @@ def test_unnamed_save_for_sampler_is_accepted(api):
         "model_id": model_id, "sampling_session_seq_id": 1, "kind": "snapshot", "seq_id": 1,
         "type": "save_weights_for_sampler"})
     assert answer.status_code == 200 and answer.json()["request_id"] == f"{session}.train.0.1"
+
+
+def test_a_checkpoint_delete_cut_short_can_be_done_again_and_leaves_nothing(monkeypatch):
+    from pipeline.api.gateway import checkpoint_prefix
+    from schemas.api import model_run_name
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    session = gateway.create_session("tml-alice", [], {})
+    model_id = gateway.register_model("tml-alice", session, 0, "/models/base/tiny", 4, {}, None)
+    prefix = checkpoint_prefix(model_run_name(model_id), "weights")
+    store.put(f"{prefix}/w1.safetensors", b"weights")  # as the trainer's save_weights leaves them
+    store.put(f"{prefix}/w1.json", json.dumps({"name": "w1", "tinker_path": f"tinker://{model_id}/weights/w1",
+                                                "time": 1.0}).encode())
+    delete, calls = store.delete, []
+
+    def dies_after_one(key, **options):
+        calls.append(key)
+        if len(calls) > 1:
+            raise KeyboardInterrupt("killed")
+        return delete(key, **options)
+
+    monkeypatch.setattr(store, "delete", dies_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        gateway.delete_checkpoint("tml-alice", model_id, "weights/w1")
+    monkeypatch.undo()
+    gateway.delete_checkpoint("tml-alice", model_id, "weights/w1")  # the user tries again
+    assert store.list(prefix) == [] and gateway.checkpoints("tml-alice", model_id) == []
