@@ -247,8 +247,9 @@ class SamplerWorker:
     # ---- one call -------------------------------------------------------------------------------------------
     async def execute(self, call: ApiRequestAccepted) -> None:
         """Sample one call and write its result (or its error); a call with a stored result is not re-run."""
-        if await asyncio.to_thread(self.store.exists, result_path(call.session_id, call.request_id, "pb")):
-            return
+        for kind in ("pb", "json"):  # a failure told to the client stands too: it never turns into a success
+            if await asyncio.to_thread(self.store.exists, result_path(call.session_id, call.request_id, kind)):
+                return
         try:
             data, fmt, error, category = await self._sample(call), "pb", None, None
         except ApiError as exc:

@@ -25,7 +25,7 @@ from pipeline.topics import API_TOPIC_KINDS
 from producers.api_sampler import SamplerWorker, cut_at_stop_strings, encode_sample_response, sampling_params
 from producers.samplers.base import SampleOutput
 from producers.samplers.engine import SampleResult, TransformersEngine
-from schemas.api import ApiError, ApiRequestAccepted
+from schemas.api import ApiError, ApiRequestAccepted, result_path
 
 TENANT = "t-alice"
 
@@ -252,3 +252,34 @@ def test_a_call_handed_over_directly_runs_once_though_the_log_brings_it_too(harn
     asyncio.run(refused())
     data, fmt = harness.gateway.result(TENANT, other.request_id)
     assert fmt == "json" and "no sampling session" in json.loads(data)["error"] and len(sampled) == 1
+
+
+def test_a_call_that_failed_is_not_sampled_again_when_the_log_brings_it(harness):
+    """A client told of a failure never later finds a success under the same request id."""
+    sampler_id = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
+    body = _request([], seed=5, num_samples=1).model_copy(update={"sampling_session_id": sampler_id, "seq_id": 0})
+    call = harness.gateway.prepare_sample(TENANT, sampler_id, 0, body.model_dump_json().encode())
+    tries = []
+    engine_sample = harness.engine.sample
+
+    async def fails_once(*args, **kwargs):
+        tries.append(args[0])
+        if len(tries) == 1:
+            raise RuntimeError("the engine went away for a moment")
+        return await engine_sample(*args, **kwargs)
+
+    harness.engine.sample = fails_once
+
+    async def scenario() -> None:
+        await harness.sampler.run_direct(call)
+        assert harness.gateway.result(TENANT, call.request_id)[1] == "json"  # the client is told it failed
+        harness.gateway.publish_call(call)  # the log's copy (or a restarted sampler re-reading the log)
+        deadline = time.monotonic() + 30
+        while not await harness.sampler.step(poll_timeout_s=0.2):
+            assert time.monotonic() < deadline, "the log's copy never arrived"
+        await asyncio.gather(*harness.sampler.running)
+
+    asyncio.run(scenario())
+    assert len(tries) == 1 and not harness.store.exists(result_path(harness.session, call.request_id, "pb"))
+    data, fmt = harness.gateway.result(TENANT, call.request_id)
+    assert fmt == "json" and json.loads(data)["category"] == "server"
