@@ -52,12 +52,14 @@ def announce_orphans(
     min_age_s: float = 0.0,
     keys: Iterable[str] | None = None,
     too_young: dict[str, float] | None = None,
+    describe: Callable[[str], Payload | None] | None = None,
 ) -> list[str]:
     """Announce every stored batch of ``run_id`` (or of ``keys``) that no event names; return their batch ids.
 
     ``min_age_s`` leaves alone files younger than that, which a live producer may
     be about to announce itself; each is noted in ``too_young`` with the seconds
-    until it is old enough.
+    until it is old enough.  ``describe`` makes a file's event (default: a
+    trajectory batch's, from its rows); None leaves the file alone.
     """
     known = set(announced_batch_ids)
     orphans = []
@@ -70,8 +72,9 @@ def announce_orphans(
             if too_young is not None:
                 too_young[key] = min_age_s - age
             continue
-        info = archive.describe_batch(key, run_id)
-        payload = batch_committed_payload(info)
+        payload = (describe or (lambda k: batch_committed_payload(archive.describe_batch(k, run_id))))(key)
+        if payload is None:
+            continue
         announce(payload)
         orphans.append(batch_id)
         log.warning("announced orphaned batch %s (stored but never announced)", batch_id)
@@ -87,9 +90,12 @@ class OrphanSweep:
     """
 
     def __init__(self, archive: TrajectoryArchive, run_id: str, announce: Callable[[Payload], Any],
-                 min_age_s: float, announced: Callable[[], Iterable[str]]) -> None:
+                 min_age_s: float, announced: Callable[[], Iterable[str]],
+                 list_keys: Callable[[], list[str]] | None = None,
+                 describe: Callable[[str], Payload | None] | None = None) -> None:
         self.archive, self.run_id, self.announce, self.min_age_s = archive, run_id, announce, min_age_s
         self.announced = announced  # the batch ids the run's events name, read from the log when called
+        self.list_keys, self.describe = list_keys, describe  # default: the run's trajectory batches
         self.pending: list[str] = []  # keys too young at the last look
         self.due = 0.0  # monotonic time they are all old enough
         self._looked = False
@@ -98,10 +104,10 @@ class OrphanSweep:
         """Announce the orphans old enough (at the first call, of the whole run); note the younger ones.
         ``announced``: the batch ids the log names, if just read (else they are read now)."""
         young: dict[str, float] = {}
-        keys = self.pending if self._looked else None
+        keys = self.pending if self._looked else self.list_keys() if self.list_keys is not None else None
         known = self.announced() if announced is None else announced
         found = announce_orphans(self.archive, self.run_id, known, self.announce, self.min_age_s, keys=keys,
-                                 too_young=young)
+                                 too_young=young, describe=self.describe)
         self._looked, self.pending = True, list(young)
         self.due = time.monotonic() + max(young.values(), default=0.0)
         return found

@@ -20,16 +20,20 @@ Layout of a batch: ``runs/<run>/env-steps/date=YYYY-MM-DD/<batch_id>.parquet``
 (create-only; the event carries its sha256).  Each row carries the actor's policy
 version and epsilon as features (``actor@policy_version``, ``actor@epsilon``).
 The event's ``reward_*`` fields are per finished episode (its return), and
-``success_rate`` the share of episodes the environment counted as a success.
+``success_rate`` the share of episodes the environment counted as a success.  The
+event's fields (less path and digest) are also in the file's metadata
+(``rlpipe.batch_summary``), so a batch whose actor died before announcing it is
+announced as it would have been by the run's next actor to start (``steps_orphan_sweep``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,7 @@ from pipeline.io.archive import TrajectoryArchive, new_batch_id, steps_prefix
 from pipeline.io.registry import AdapterRegistry, RegistryError
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
+from producers.sink import OrphanSweep, announced_batches
 from schemas.config import RunConfig
 from schemas.events import Payload, TrajectoryBatchCommitted
 from schemas.names import validate_name
@@ -52,6 +57,7 @@ from schemas.value import ValueActorConfig
 log = logging.getLogger("rlpipe.actor")
 
 VERSION_FEATURE, EPSILON_FEATURE = "actor@policy_version", "actor@epsilon"
+BATCH_SUMMARY_KEY = b"rlpipe.batch_summary"  # the event's fields, less path and digest, in the file's metadata
 
 
 def steps_batch_key(run_id: str, day: date, batch_id: str) -> str:
@@ -112,6 +118,7 @@ class ValueActor:
         self.env_steps = 0
         self.episodes = 0
         self.batches_written = 0
+        self.orphans: OrphanSweep | None = None  # the start's second look at batches too young to judge then
 
     # ---- acting ----------------------------------------------------------------------
     def action_choices(self, env: TextEnv) -> list[str]:
@@ -189,17 +196,23 @@ class ValueActor:
         created = datetime.now(UTC)
         batch_id = new_batch_id("s")
         key = steps_batch_key(self.run_id, created.date(), batch_id)
-        sha256 = self.archive.write_steps(key, table)
         versions = table[VERSION_FEATURE].to_numpy()
-        event = TrajectoryBatchCommitted(
-            batch_id=batch_id, path=key, sha256=sha256, num_rows=table.num_rows, num_tokens=0,
-            num_generated_tokens=0, num_groups=len(returns), env=self.env.name, producer_id=self.actor_id,
-            policy_version_min=int(versions.min()), policy_version_max=int(versions.max()),
-            reward_mean=float(np.mean(returns)), reward_min=float(np.min(returns)), reward_max=float(np.max(returns)),
-            success_rate=float(np.mean(successes)), created_at=created,
-        )
+        summary = {
+            "batch_id": batch_id, "num_rows": table.num_rows, "num_tokens": 0, "num_generated_tokens": 0,
+            "num_groups": len(returns), "env": self.env.name, "producer_id": self.actor_id,
+            "policy_version_min": int(versions.min()), "policy_version_max": int(versions.max()),
+            "reward_mean": float(np.mean(returns)), "reward_min": float(np.min(returns)),
+            "reward_max": float(np.max(returns)), "success_rate": float(np.mean(successes)),
+            "created_at": created.isoformat(),
+        }
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                               BATCH_SUMMARY_KEY: json.dumps(summary).encode()})
+        sha256 = self.archive.write_steps(key, table)
+        event = TrajectoryBatchCommitted(**summary, path=key, sha256=sha256)
         self.announce(event)
         self.batches_written += 1
+        if self.orphans is not None:
+            self.orphans.maybe_sweep()
         log.info("batch %s: %d steps, %d episodes, return %.1f, v%d, epsilon %.3f", batch_id, table.num_rows,
                  len(returns), event.reward_mean, event.policy_version_max, self.epsilon())
         return event
@@ -224,6 +237,30 @@ class ValueActor:
         return latest.learner_step if latest is not None else 0
 
 
+def stored_steps_event(archive: TrajectoryArchive, key: str) -> TrajectoryBatchCommitted | None:
+    """The event of a stored steps batch, from its file (digest computed from the bytes); None for a file
+    without its summary (an older actor's: replay it with ``rlpipe replay``)."""
+    from pipeline.io.store import sha256_hex
+
+    sha256 = sha256_hex(archive.store.get(key))
+    summary = (archive.read_steps(key, sha256).schema.metadata or {}).get(BATCH_SUMMARY_KEY)
+    if summary is None:
+        log.warning("%s has no batch summary, so it is not announced; replay it with rlpipe replay", key)
+        return None
+    return TrajectoryBatchCommitted(**json.loads(summary), path=key, sha256=sha256)
+
+
+def steps_orphan_sweep(archive: TrajectoryArchive, run_id: str, announce: Callable[[Payload], Any],
+                       min_age_s: float, announced: Callable[[], Iterable[str]]) -> OrphanSweep:
+    """``OrphanSweep`` over the run's steps batches: those stored but never announced get their event."""
+
+    def keys() -> list[str]:
+        return [key for key in archive.store.list(steps_prefix(run_id), recursive=True) if key.endswith(".parquet")]
+
+    return OrphanSweep(archive, run_id, announce, min_age_s, announced, list_keys=keys,
+                       describe=lambda key: stored_steps_event(archive, key))
+
+
 def open_watcher(registry: AdapterRegistry, cache_dir: str | Path | None, poll_s: float) -> ValueNetworkWatcher:
     """A watcher caching under ``cache_dir`` (a fresh temporary folder when None)."""
     folder = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="rlpipe-value-"))
@@ -242,7 +279,7 @@ def check_environment(env: TextEnv, observation_size: int, num_actions: int) -> 
 
 def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False) -> ValueActor:
     """One actor process of a value run: play and write batches until stopped (``rlpipe producer start``)."""
-    from pipeline.io.bus import EventPublisher
+    from pipeline.io.bus import EventPublisher, tail
     from pipeline.runtime import Announcer, open_store, resolved_bus
     from producers.envs.registry import env_from_spec
 
@@ -261,11 +298,16 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
         check_environment(env, config.value.observation_size, config.value.num_actions)
     actor_id = config.producer.producer_id or f"{config.run_id}-p0"
     store = open_store(config.store)
-    publisher = EventPublisher(resolved_bus(config.bus))
+    bus = resolved_bus(config.bus)
+    publisher = EventPublisher(bus)
+    archive, announce = TrajectoryArchive(store), Announcer(publisher, config.run_id)
+    orphans = steps_orphan_sweep(archive, config.run_id, announce, 2 * config.producer.batch_timeout_s,
+                                 lambda: announced_batches(tail(bus, "trajectories", n=10**9, run_id=config.run_id)))
+    orphans.sweep()  # batches a crashed actor of this run stored but never announced
     watcher = open_watcher(AdapterRegistry(store, config.run_id), None, config.value.actor.registry_poll_s)
-    actor = actor_class(run_id=config.run_id, actor_id=actor_id, env=env, archive=TrajectoryArchive(store),
-                        watcher=watcher, config=config.value.actor, announce=Announcer(publisher, config.run_id),
-                        seeds=config.training_seeds(actor_id))
+    actor = actor_class(run_id=config.run_id, actor_id=actor_id, env=env, archive=archive, watcher=watcher,
+                        config=config.value.actor, announce=announce, seeds=config.training_seeds(actor_id))
+    actor.orphans = orphans
     try:
         actor.run(should_stop=stop)
     finally:

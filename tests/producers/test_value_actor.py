@@ -105,3 +105,25 @@ def test_an_environment_that_does_not_fit_the_runs_network_is_refused() -> None:
     check_environment(CartPole(), observation_size=4, num_actions=2)
     with pytest.raises(ValueError, match=r"fix value\.observation_size and value\.num_actions"):
         check_environment(Acrobot(), observation_size=4, num_actions=2)
+
+
+def test_a_batch_stored_but_never_announced_is_announced_as_it_would_have_been(memory_store: ObjectStore,
+                                                                              tmp_path: Path) -> None:
+    from producers.value_actor import steps_orphan_sweep
+
+    actor, _ = make_actor(memory_store, tmp_path, steps_per_batch=30)
+    sent = actor.write_batch()
+    lost: list = []
+
+    def killed(payload) -> None:  # the actor dies between its file and its event
+        lost.append(payload)
+        raise KeyboardInterrupt
+
+    actor.announce = killed
+    with pytest.raises(KeyboardInterrupt):
+        actor.write_batch()
+    again: list = []
+    sweep = steps_orphan_sweep(TrajectoryArchive(memory_store), "vrun", again.append, min_age_s=0.0,
+                               announced=lambda: [sent.batch_id])
+    assert sweep.sweep() == [lost[0].batch_id]
+    assert again == lost  # every field as the actor would have announced it
