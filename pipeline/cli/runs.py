@@ -227,9 +227,13 @@ def create_command(
     store = open_store(cfg.store)
     cfg = cfg.model_copy(update={"run_id": new_run_id(store, cfg.run_id, run or explicit_run_id(config, overrides or []))})
     bus = resolved_bus(cfg.bus)
-    _, _, started = create_run(store, cfg, cfg.model.base_model)
-    with EventPublisher(bus) as publisher:
-        Announcer(publisher, cfg.run_id)(started)
+    with EventPublisher(bus) as publisher:  # the broker first: a run that cannot be announced is not created
+        key, _, started = create_run(store, cfg, cfg.model.base_model)
+        try:
+            Announcer(publisher, cfg.run_id)(started)
+        except BaseException:
+            store.delete(key, missing_ok=True)  # nothing else of the run exists yet
+            raise
     console.print(f"created run {cfg.run_id}: processes started with --follow-runs matching it take it up; "
                   f"stop it with rlpipe runs stop --run {cfg.run_id}", markup=False, soft_wrap=True)
 

@@ -191,3 +191,17 @@ def test_commands_that_took_the_run_as_an_argument_take_run_and_note_the_old_spe
     assert unnamed.exit_code == 2 and f"rlpipe {group} --run RUN" in unnamed.output
     twice = runner.invoke(group_app, ["a", "--run", "b", *root])
     assert twice.exit_code == 2 and "named twice" in twice.output
+
+
+def test_a_run_that_cannot_be_announced_is_not_created(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes following runs take a run up only from its RunStarted: a run.json without one would never be
+    served, and its name could not be created again."""
+    from pipeline.devstack.process import free_port
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", f"file://{tmp_path}/store")
+    monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", f"127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("RLPIPE_BUS__CONNECT_TIMEOUT_S", "1")
+    result = runner.invoke(app, ["create", "--preset", "cartpole", "--run", "exp-1"])
+    assert result.exit_code != 0 and "cannot reach Kafka" in result.output and "\n" not in result.output.strip()
+    assert not ObjectStore(f"file://{tmp_path}/store").exists("runs/exp-1/run.json")
