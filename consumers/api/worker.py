@@ -245,7 +245,7 @@ class TrainerWorker:
             model.has_gradients = False
             return _json(response.model_dump(mode="json")), "json"
         if call.op == "save_weights":
-            return self._save_weights(model, parse_body(types.SaveWeightsRequest, body)), "json"
+            return self._save_weights(model, call, parse_body(types.SaveWeightsRequest, body)), "json"
         if call.op == "save_weights_for_sampler":
             return self._save_for_sampler(model, call, parse_body(types.SaveWeightsForSamplerRequest, body)), "json"
         raise ApiError(f"{call.op} is not a training call; send it to the sampler")
@@ -267,11 +267,22 @@ class TrainerWorker:
     def _weights_key(self, path: TinkerPath) -> str:
         return f"{checkpoint_prefix(path.run, 'weights')}/{path.name}.safetensors"
 
-    def _save_weights(self, model: _Model, request: types.SaveWeightsRequest) -> bytes:
+    def _save_weights(self, model: _Model, call: ApiRequestAccepted, request: types.SaveWeightsRequest) -> bytes:
+        """The state under its name, then its record (naming this call).  A name another save recorded is
+        refused; this call's own earlier attempt (killed before its result) is replaced, since a replay need
+        not write the same bytes."""
         path = TinkerPath(model.model_id, "training", request.path or "")
+        record_key = f"{checkpoint_prefix(model.run, 'weights')}/{path.name}.json"
+        try:
+            owner = json.loads(self.store.get(record_key)).get("request_id")
+        except FileNotFoundError:
+            owner = call.request_id  # none, or this call's attempt killed before its record
+        if owner != call.request_id:
+            raise ApiError(f"weights {path.name!r} of {model.model_id} already exist; save under another name, "
+                           "or delete them first (delete_checkpoint)")
         state = ops.save_state(self.engine, model.model_id, True)
-        self.store.put_create_once(self._weights_key(path), state)
-        self._record_checkpoint(model, "weights", path, len(state), {})
+        self.store.put(self._weights_key(path), state)
+        self._record_checkpoint(model, "weights", path, len(state), {"request_id": call.request_id})
         return _json({"type": "save_weights", "path": str(path)})
 
     def _save_for_sampler(self, model: _Model, call: ApiRequestAccepted,

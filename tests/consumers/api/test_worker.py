@@ -218,6 +218,42 @@ def test_a_corrupt_fold_fails_its_own_models_calls_and_no_other(harness):
     restarted.close()
 
 
+def _save(model_id: str, seq: int, name: str) -> bytes:
+    return types.SaveWeightsRequest(model_id=model_id, path=name, seq_id=seq).model_dump_json().encode()
+
+
+def test_a_save_replayed_after_a_kill_completes_and_a_taken_name_is_a_user_error(harness, monkeypatch):
+    trainer = harness.trainer()
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    trainer.fold_all()
+    put = trainer.store.put
+
+    def dies_at_the_record(key: str, data: bytes) -> str:
+        if key.endswith("/weights/w1.json"):
+            raise Killed(key)
+        return put(key, data)
+
+    monkeypatch.setattr(trainer.store, "put", dies_at_the_record)
+    save = harness.gateway.submit(TENANT, "save_weights", model_id, 1, _save(model_id, 1, "w1"))
+    with pytest.raises(Killed):
+        run_until(trainer, harness, [save])
+    monkeypatch.undo()
+    trainer.consumer.close()
+    trainer.publisher.close()
+    weights = next(k for k in harness.store.list("", recursive=True) if k.endswith("/weights/w1.safetensors"))
+    harness.store.put(weights, b"the killed attempt's bytes")  # a replay need not write the same bytes (GPUs)
+    restarted = harness.trainer()
+    run_until(restarted, harness, [save])
+    assert "weights/w1" in json.loads(harness.result(save)[0])["path"]
+    assert harness.store.get(weights) != b"the killed attempt's bytes"
+    again = harness.gateway.submit(TENANT, "save_weights", model_id, 2, _save(model_id, 2, "w1"))
+    run_until(restarted, harness, [again])
+    answer = json.loads(harness.result(again)[0])
+    assert answer["category"] == "user" and "already exist" in answer["error"]
+    restarted.close()
+
+
 def test_finished_session_unloads_its_adapters(harness):
     trainer = harness.trainer()
     model_id = harness.create()
