@@ -72,7 +72,11 @@ def announce_orphans(
             if too_young is not None:
                 too_young[key] = min_age_s - age
             continue
-        payload = (describe or (lambda k: batch_committed_payload(archive.describe_batch(k, run_id))))(key)
+        try:
+            payload = (describe or (lambda k: batch_committed_payload(archive.describe_batch(k, run_id))))(key)
+        except Exception as exc:  # unreadable or gone: the others are still announced, and the process starts
+            log.error("batch %s of run %s cannot be announced: %s", key, run_id, exc)
+            continue
         if payload is None:
             continue
         announce(payload)

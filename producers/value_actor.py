@@ -51,13 +51,12 @@ from producers.sink import OrphanSweep, announced_batches
 from schemas.config import RunConfig
 from schemas.events import Payload, TrajectoryBatchCommitted
 from schemas.names import validate_name
-from schemas.steps import steps_to_table
+from schemas.steps import BATCH_SUMMARY_KEY, steps_to_table
 from schemas.value import ValueActorConfig
 
 log = logging.getLogger("rlpipe.actor")
 
 VERSION_FEATURE, EPSILON_FEATURE = "actor@policy_version", "actor@epsilon"
-BATCH_SUMMARY_KEY = b"rlpipe.batch_summary"  # the event's fields, less path and digest, in the file's metadata
 
 
 def steps_batch_key(run_id: str, day: date, batch_id: str) -> str:
@@ -238,26 +237,19 @@ class ValueActor:
 
 
 def stored_steps_event(archive: TrajectoryArchive, key: str) -> TrajectoryBatchCommitted | None:
-    """The event of a stored steps batch, from its file (digest computed from the bytes); None for a file
-    without its summary (an older actor's: replay it with ``rlpipe replay``)."""
-    from pipeline.io.store import sha256_hex
-
-    sha256 = sha256_hex(archive.store.get(key))
-    summary = (archive.read_steps(key, sha256).schema.metadata or {}).get(BATCH_SUMMARY_KEY)
+    """The event of a stored steps batch, from its file; None for a file without its event's fields (an older
+    actor's), which stays unannounced: the value learner does not train it."""
+    sha256, summary = archive.describe_steps(key)
     if summary is None:
-        log.warning("%s has no batch summary, so it is not announced; replay it with rlpipe replay", key)
+        log.warning("%s was never announced and holds no batch summary, so it stays unannounced", key)
         return None
-    return TrajectoryBatchCommitted(**json.loads(summary), path=key, sha256=sha256)
+    return TrajectoryBatchCommitted(**summary, path=key, sha256=sha256)
 
 
 def steps_orphan_sweep(archive: TrajectoryArchive, run_id: str, announce: Callable[[Payload], Any],
                        min_age_s: float, announced: Callable[[], Iterable[str]]) -> OrphanSweep:
     """``OrphanSweep`` over the run's steps batches: those stored but never announced get their event."""
-
-    def keys() -> list[str]:
-        return [key for key in archive.store.list(steps_prefix(run_id), recursive=True) if key.endswith(".parquet")]
-
-    return OrphanSweep(archive, run_id, announce, min_age_s, announced, list_keys=keys,
+    return OrphanSweep(archive, run_id, announce, min_age_s, announced, list_keys=lambda: archive.list_steps(run_id),
                        describe=lambda key: stored_steps_event(archive, key))
 
 

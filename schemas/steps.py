@@ -29,6 +29,8 @@ STEPS_BASE_FIELDS: list[pa.Field] = [
     pa.field("discount", pa.float32(), nullable=False),
 ]
 _BASE_NAMES = {f.name for f in STEPS_BASE_FIELDS}
+# in a value actor's batch: its event's fields (less path and digest) as JSON, for announcing it after a crash
+BATCH_SUMMARY_KEY = b"rlpipe.batch_summary"
 
 
 class StepsTableError(ValueError):

@@ -9,9 +9,9 @@ offsets; when idle for ``fold_idle_s`` or every ``fold_every`` calls), expire
 (unload the adapters of sessions that ended or whose heartbeats lapsed).
 
 A training client's state is a fold over its request log.  The fold of a model
-(``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob, stored
-under a name of its own, and the last ``seq_id`` it includes) is written only at a clean point, when no
-gradients are accumulated (they are not part of the state), and the group's
+(``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob, stored under
+a name of its own, and the last ``seq_id`` it includes) is written only at a
+clean point, when no gradients are accumulated (they are not part of the state), and the group's
 offsets are committed only below the oldest call not yet in a fold.  A trainer
 that dies is restarted from the folds plus the calls after them, re-executed in
 order, so it ends with the same weights.  Results are written create-only:
@@ -59,7 +59,7 @@ from pipeline.io.bus import (
     group_timings_from_env,
 )
 from pipeline.io.registry import AdapterRegistry
-from pipeline.io.store import ChecksumError, ObjectStore, sha256_hex
+from pipeline.io.store import ObjectStore, sha256_hex
 from pipeline.topics import API_TOPIC_KINDS
 from schemas.api import ApiError, ApiRequestAccepted, model_run_name, result_path, session_path
 from schemas.config import BusConfig
@@ -363,12 +363,12 @@ class TrainerWorker:
             return
         try:
             state = self.store.get(record.get("state", f"{model.fold_key}.safetensors"), record["state_sha256"])
-        except (ChecksumError, FileNotFoundError) as exc:  # this model's calls fail; every other model goes on
+            ops.load_state(self.engine, model.model_id, state, True)
+        except Exception as exc:  # missing, corrupt or unloadable: this model's calls fail, every other goes on
             log.error("%s cannot be restored: %s", model.model_id, exc)
-            model.refused = (f"the saved state of {model.model_id} is lost or corrupt (checksum); create a new "
-                             "training client, or load one of its checkpoints (see list_checkpoints)")
+            model.refused = (f"the saved state of {model.model_id} is missing or corrupt ({type(exc).__name__}); "
+                             "create a new training client, or load one of its checkpoints (see list_checkpoints)")
             return
-        ops.load_state(self.engine, model.model_id, state, True)
         model.loaded, model.next_seq = True, int(record["seq_id"]) + 1
         log.info("restored %s from its fold at seq_id %d", model.model_id, record["seq_id"])
 

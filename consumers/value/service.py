@@ -23,7 +23,7 @@ from consumers.learner import BatchRef
 from consumers.lease import FencedStore, LearnerLease
 from consumers.sources import KafkaSource, in_date_range
 from consumers.value.learner import ValueLearner
-from pipeline.io.archive import TrajectoryArchive, steps_prefix
+from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import EventPublisher
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
@@ -130,7 +130,7 @@ class StepsReplaySource:
         self.queue: list[str] = self._listing()
 
     def _listing(self) -> list[str]:
-        keys = [k for k in self.store.list(steps_prefix(self.run_id), recursive=True) if k.endswith(".parquet")]
+        keys = TrajectoryArchive(self.store).list_steps(self.run_id)
         return sorted(k for k in keys if in_date_range(k, self.date_from, self.date_to))
 
     def poll(self, timeout_s: float) -> list[BatchRef]:

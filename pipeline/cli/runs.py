@@ -220,6 +220,7 @@ def create_command(
     from pipeline.cli.run_cmd import explicit_run_id, new_run_id
     from pipeline.io.bus import EventPublisher
     from pipeline.runtime import Announcer, create_run, resolved_bus
+    from schemas.events import RunStarted
 
     cfg = run_config(preset, config, overrides)
     if cfg.value is not None:
@@ -229,10 +230,12 @@ def create_command(
     bus = resolved_bus(cfg.bus)
     with EventPublisher(bus) as publisher:  # the broker first: a run that cannot be announced is not created
         key, _, started = create_run(store, cfg, cfg.model.base_model)
+        if not isinstance(started, RunStarted):  # another create took the name since it was checked
+            fail(f"run {cfg.run_id} already exists in {store.root}; name a new one with --run", EXIT_USAGE)
         try:
             Announcer(publisher, cfg.run_id)(started)
         except BaseException:
-            store.delete(key, missing_ok=True)  # nothing else of the run exists yet
+            store.delete(key, missing_ok=True)  # this create's own run.json: nothing else of the run exists yet
             raise
     console.print(f"created run {cfg.run_id}: processes started with --follow-runs matching it take it up; "
                   f"stop it with rlpipe runs stop --run {cfg.run_id}", markup=False, soft_wrap=True)

@@ -26,6 +26,7 @@ endpoint).  Scans do not verify digests; nothing names the set of files scanned.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import uuid
 from collections.abc import Iterable, Mapping
@@ -42,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.io.store import ObjectStore, sha256_hex, validate_key
 from schemas.events import TrajectoryBatchCommitted
 from schemas.names import validate_name
-from schemas.steps import STEPS_BASE_FIELDS, check_steps_table
+from schemas.steps import BATCH_SUMMARY_KEY, STEPS_BASE_FIELDS, check_steps_table
 from schemas.trajectory import TRAJECTORY_SCHEMA, TrajectoryRecord, conform_table, records_to_table
 
 log = logging.getLogger("rlpipe.archive")
@@ -304,9 +305,18 @@ class TrajectoryArchive:
 
     def read_steps(self, key: str, sha256: str | None = None) -> pa.Table:
         """One steps table, digest-verified when ``sha256`` is given, schema-checked."""
-        table = _restore_timestamp_units(pq.read_table(pa.BufferReader(self.store.get(key, sha256))))
-        check_steps_table(table)
-        return table
+        return _steps_table(self.store.get(key, sha256))
+
+    def list_steps(self, run_id: str) -> list[str]:
+        """Keys of every steps batch of ``run_id`` (a numeric actor's), oldest date first."""
+        return [key for key in self.store.list(steps_prefix(run_id), recursive=True) if key.endswith(".parquet")]
+
+    def describe_steps(self, key: str) -> tuple[str, dict[str, Any] | None]:
+        """A stored steps batch's sha256 (from its bytes) and the event fields its actor wrote into it
+        (``BATCH_SUMMARY_KEY``; None for a file without them)."""
+        data = self.store.get(key)
+        summary = (_steps_table(data).schema.metadata or {}).get(BATCH_SUMMARY_KEY)
+        return sha256_hex(data), None if summary is None else dict(json.loads(summary))
 
     def scan_steps(self, prefix: str) -> pl.LazyFrame:
         """Every steps Parquet file under ``prefix`` as one LazyFrame (schema of the first file)."""
@@ -318,6 +328,12 @@ class TrajectoryArchive:
 
 
 # -- pure helpers ----------------------------------------------------------------------------
+
+
+def _steps_table(data: bytes) -> pa.Table:
+    table = _restore_timestamp_units(pq.read_table(pa.BufferReader(data)))
+    check_steps_table(table)
+    return table
 
 
 def parquet_bytes(table: pa.Table) -> bytes:

@@ -205,3 +205,22 @@ def test_a_run_that_cannot_be_announced_is_not_created(tmp_path: Path, monkeypat
     result = runner.invoke(app, ["create", "--preset", "cartpole", "--run", "exp-1"])
     assert result.exit_code != 0 and "cannot reach Kafka" in result.output and "\n" not in result.output.strip()
     assert not ObjectStore(f"file://{tmp_path}/store").exists("runs/exp-1/run.json")
+
+
+def test_a_run_created_meanwhile_under_the_same_name_is_left_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bus_config: BusConfig) -> None:
+    import pipeline.cli.run_cmd as run_cmd
+    from pipeline.cli.options import run_config
+
+    store = ObjectStore(f"file://{tmp_path}/store")
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", store.root)
+    monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", bus_config.bootstrap_servers)
+    monkeypatch.setenv("RLPIPE_BUS__NAMESPACE", bus_config.namespace)
+    other = run_config("cartpole", None, [f"store.root={store.root}"]).model_copy(update={"run_id": "exp-1"})
+    create_run(store, other, other.model.base_model)  # another `runs create`, between the name check and the write
+    before = store.get("runs/exp-1/run.json")
+    monkeypatch.setattr(run_cmd, "new_run_id", lambda store, base, explicit: "exp-1")
+    result = runner.invoke(app, ["create", "--preset", "cartpole", "--run", "exp-1"])
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert store.get("runs/exp-1/run.json") == before

@@ -122,8 +122,12 @@ def test_a_batch_stored_but_never_announced_is_announced_as_it_would_have_been(m
     actor.announce = killed
     with pytest.raises(KeyboardInterrupt):
         actor.write_batch()
+    archive = TrajectoryArchive(memory_store)
+    table = archive.read_steps(sent.path)
+    older = table.replace_schema_metadata({k: v for k, v in table.schema.metadata.items() if b"summary" not in k})
+    archive.write_steps(sent.path.replace(sent.batch_id, "s-older"), older)  # an older actor's: no event fields
+    memory_store.put(sent.path.replace(sent.batch_id, "s-broken"), b"not parquet")
     again: list = []
-    sweep = steps_orphan_sweep(TrajectoryArchive(memory_store), "vrun", again.append, min_age_s=0.0,
-                               announced=lambda: [sent.batch_id])
-    assert sweep.sweep() == [lost[0].batch_id]
+    sweep = steps_orphan_sweep(archive, "vrun", again.append, min_age_s=0.0, announced=lambda: [sent.batch_id])
+    assert sweep.sweep() == [lost[0].batch_id]  # the two others are left alone, and the actor starts
     assert again == lost  # every field as the actor would have announced it

@@ -201,7 +201,7 @@ def test_a_trainer_killed_between_a_folds_two_writes_restarts_from_the_fold_befo
     restarted.close()
 
 
-def test_a_corrupt_fold_fails_its_own_models_calls_and_no_other(harness):
+def test_a_corrupt_fold_fails_its_own_models_calls_and_no_other_and_an_older_fold_loads(harness):
     trainer = harness.trainer()
     broken, fine = harness.create(0), harness.create(1)
     run_until(trainer, harness, [f"{harness.session}.train.0.create", f"{harness.session}.train.1.create"])
@@ -209,11 +209,15 @@ def test_a_corrupt_fold_fails_its_own_models_calls_and_no_other(harness):
     trainer.close()
     record = json.loads(harness.store.get(f"sessions/{harness.session}/models/0.fold.json"))
     harness.store.put(record["state"], b"not the state")
+    folder = f"sessions/{harness.session}/models"  # the other model's fold as an older trainer wrote it
+    old = json.loads(harness.store.get(f"{folder}/1.fold.json"))
+    harness.store.put(f"{folder}/1.fold.safetensors", harness.store.get(old.pop("state")))
+    harness.store.put(f"{folder}/1.fold.json", json.dumps(old).encode())
     restarted = harness.trainer()
     calls = [harness.gateway.submit(TENANT, "optim_step", model_id, 1, _optim(model_id, 1)) for model_id in (broken, fine)]
     run_until(restarted, harness, calls)
     answer = json.loads(harness.result(calls[0])[0])
-    assert answer["category"] == "server" and "checksum" in answer["error"]
+    assert answer["category"] == "server" and "missing or corrupt (ChecksumError)" in answer["error"]
     assert "metrics" in json.loads(harness.result(calls[1])[0])
     restarted.close()
 
