@@ -130,7 +130,7 @@ def test_a_restarted_producer_announces_a_batch_too_young_at_its_start_once_old_
     from tests.pipeline.io.test_archive import two_rows
 
     config = RunConfig(run_id="lost", bus=bus_config, store={"root": f"file://{tmp_path}/store"},
-                       producer={"batch_timeout_s": 2.0})  # files younger than 4 s are left to their writer
+                       producer={"batch_timeout_s": 4.0})  # files younger than 8 s are left to their writer
     info = TrajectoryArchive(ObjectStore(config.store.root)).write_batch("lost", two_rows(run_id="lost"))
     connection = connect_run(config)
     assert connection.orphans is not None and len(connection.orphans.pending) == 1  # judged later
@@ -138,7 +138,7 @@ def test_a_restarted_producer_announces_a_batch_too_young_at_its_start_once_old_
     assert info.batch_id not in on_log()
     run: Any = RunProducer(None, None, SimpleNamespace(maybe_beat=lambda: None), connection.publisher, None,  # type: ignore[arg-type]
                            None, connection.orphans)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 40
     while info.batch_id not in on_log():
         assert time.monotonic() < deadline, "the batch was never announced"
         run.tick()
