@@ -203,12 +203,12 @@ def test_a_batch_too_young_at_start_is_judged_again_once_old_enough(tiny_tokeniz
     assert len(stored) == 2
     on_log: set[str] = set()  # the batch ids the trajectories topic names
     announced = []
-    sweep = OrphanSweep(archive, "run1", announced.append, min_age_s=1.0, announced=lambda: on_log)
+    sweep = OrphanSweep(archive, "run1", announced.append, min_age_s=3.0, announced=lambda: on_log)
     assert sweep.sweep() == [] and announced == []  # too young: a live producer may be about to announce them
     sweep.maybe_sweep()
     assert announced == []
     on_log.add(stored[0])  # the first one's writer announces it
-    time.sleep(1.1)
+    time.sleep(max(0.0, sweep.due - time.monotonic()) + 0.1)
     sweep.maybe_sweep()
     assert [payload.batch_id for payload in announced] == [stored[1]]
     sweep.maybe_sweep()
