@@ -193,8 +193,7 @@ class PackedLearner:
         if run is None:
             raise KeyError(f"run {run_id} is not packed here")
         if not run.settled:
-            with self.turn(run) as learner:
-                finish(learner, lambda metrics: on_step(run_id, metrics))
+            self.settle(run, on_step)
         self.runs.remove(run)
         self.engine.delete_adapter(run_id)
         return run.learner

@@ -62,6 +62,7 @@ def announce_orphans(
     trajectory batch's, from its rows); None leaves the file alone.
     """
     known = set(announced_batch_ids)
+    describe = describe or (lambda key: batch_committed_payload(archive.describe_batch(key, run_id)))
     orphans = []
     for key in archive.list_batches(run_id) if keys is None else keys:
         batch_id = key.rsplit("/", 1)[-1].removesuffix(".parquet")
@@ -73,7 +74,7 @@ def announce_orphans(
                 too_young[key] = min_age_s - age
             continue
         try:
-            payload = (describe or (lambda k: batch_committed_payload(archive.describe_batch(k, run_id))))(key)
+            payload = describe(key)
         except Exception as exc:  # unreadable or gone: the others are still announced, and the process starts
             log.error("batch %s of run %s cannot be announced: %s", key, run_id, exc)
             continue
@@ -99,7 +100,8 @@ class OrphanSweep:
                  describe: Callable[[str], Payload | None] | None = None) -> None:
         self.archive, self.run_id, self.announce, self.min_age_s = archive, run_id, announce, min_age_s
         self.announced = announced  # the batch ids the run's events name, read from the log when called
-        self.list_keys, self.describe = list_keys, describe  # default: the run's trajectory batches
+        self.list_keys = list_keys or (lambda: archive.list_batches(run_id))  # default: the run's trajectory batches
+        self.describe = describe
         self.pending: list[str] = []  # keys too young at the last look
         self.due = 0.0  # monotonic time they are all old enough
         self._looked = False
@@ -108,7 +110,7 @@ class OrphanSweep:
         """Announce the orphans old enough (at the first call, of the whole run); note the younger ones.
         ``announced``: the batch ids the log names, if just read (else they are read now)."""
         young: dict[str, float] = {}
-        keys = self.pending if self._looked else self.list_keys() if self.list_keys is not None else None
+        keys = self.pending if self._looked else self.list_keys()
         known = self.announced() if announced is None else announced
         found = announce_orphans(self.archive, self.run_id, known, self.announce, self.min_age_s, keys=keys,
                                  too_young=young, describe=self.describe)

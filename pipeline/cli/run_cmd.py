@@ -96,7 +96,6 @@ def run(
     else:
         cfg = run_config(*kinds[0], overrides)
     cfg = with_budget(cfg, max_steps, producers)
-    store = open_store(cfg.store)
     if runs > 1 or len(kinds) > 1:
         configs = packed_configs(kinds, overrides or [], name, runs, max_steps, producers)
         ids = [c.run_id for c in configs]
@@ -108,6 +107,7 @@ def run(
         code = Launcher(configs, dashboard=dashboard).run()
         console.print(f"their packed report: rlpipe report {' '.join(f'--run {i}' for i in ids)}", markup=False)
         raise typer.Exit(code)
+    store = open_store(cfg.store)
     if resume is not None:
         stop_if_finished(store, cfg)
     else:

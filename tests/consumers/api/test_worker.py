@@ -93,6 +93,28 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
 
 
+class Killed(BaseException):
+    """The trainer process dying (SIGKILL) at a chosen write."""
+
+
+def dies_at_put(monkeypatch, store: ObjectStore, suffix: str) -> None:
+    """``store.put`` of a key ending in ``suffix`` kills the trainer (raises ``Killed``) instead of writing."""
+    put = store.put
+
+    def put_or_die(key: str, data: bytes) -> str:
+        if key.endswith(suffix):
+            raise Killed(key)
+        return put(key, data)
+
+    monkeypatch.setattr(store, "put", put_or_die)
+
+
+def abandon(trainer: TrainerWorker) -> None:
+    """The trainer is gone: its connections close, and nothing is folded or committed."""
+    trainer.consumer.close()
+    trainer.publisher.close()
+
+
 @pytest.fixture
 def harness(tmp_path, bus_config, tiny_model_dir, fast_group) -> Harness:
     store = ObjectStore(f"file://{tmp_path}/store")
@@ -153,17 +175,12 @@ def test_a_restarted_trainer_replays_from_its_fold_to_the_same_weights(harness):
     chunks = [[_datum(5), _datum(6)]]
     fb = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, chunks[0]), "pb")
     run_until(trainer, harness, [fb])
-    trainer.consumer.close()  # dies between forward_backward and optim_step: gradients lost, nothing committed
-    trainer.publisher.close()
+    abandon(trainer)  # dies between forward_backward and optim_step: gradients lost, nothing committed
     step = harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
     restarted = harness.trainer()
     run_until(restarted, harness, [step])
     assert_same(restarted.engine.weights(f"{harness.session}.train.0"), reference_weights(harness.base_model, chunks))
     restarted.close()
-
-
-class Killed(BaseException):
-    """The trainer process dying (SIGKILL) at a chosen write."""
 
 
 def test_a_trainer_killed_between_a_folds_two_writes_restarts_from_the_fold_before(harness, monkeypatch):
@@ -175,19 +192,11 @@ def test_a_trainer_killed_between_a_folds_two_writes_restarts_from_the_fold_befo
     fb = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, chunks[0]), "pb")
     step = harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
     run_until(trainer, harness, [fb, step])
-    put = trainer.store.put
-
-    def dies_at_the_record(key: str, data: bytes) -> str:
-        if key.endswith(".fold.json"):
-            raise Killed(key)
-        return put(key, data)
-
-    monkeypatch.setattr(trainer.store, "put", dies_at_the_record)
+    dies_at_put(monkeypatch, trainer.store, ".fold.json")
     with pytest.raises(Killed):
         trainer.fold_all()  # the new state written, its record not
     monkeypatch.undo()
-    trainer.consumer.close()
-    trainer.publisher.close()
+    abandon(trainer)
     late = harness.gateway.submit(TENANT, "forward_backward", model_id, 3, _fb(model_id, 3, [_datum(9)]), "pb")
     restarted = harness.trainer()
     run_until(restarted, harness, [late])  # the fold at seq_id 0 and the calls after it
@@ -231,20 +240,12 @@ def test_a_save_replayed_after_a_kill_completes_and_a_taken_name_is_a_user_error
     model_id = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
     trainer.fold_all()
-    put = trainer.store.put
-
-    def dies_at_the_record(key: str, data: bytes) -> str:
-        if key.endswith("/weights/w1.json"):
-            raise Killed(key)
-        return put(key, data)
-
-    monkeypatch.setattr(trainer.store, "put", dies_at_the_record)
+    dies_at_put(monkeypatch, trainer.store, "/weights/w1.json")
     save = harness.gateway.submit(TENANT, "save_weights", model_id, 1, _save(model_id, 1, "w1"))
     with pytest.raises(Killed):
         run_until(trainer, harness, [save])
     monkeypatch.undo()
-    trainer.consumer.close()
-    trainer.publisher.close()
+    abandon(trainer)
     weights = next(k for k in harness.store.list("", recursive=True) if k.endswith("/weights/w1.safetensors"))
     harness.store.put(weights, b"the killed attempt's bytes")  # a replay need not write the same bytes (GPUs)
     restarted = harness.trainer()
