@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 import typer
@@ -19,12 +18,16 @@ app = typer.Typer(name="eval", add_completion=False)
 
 
 def stored_run_config(run: str, store_cfg: StoreConfig, overrides: list[str]) -> RunConfig:
-    """The run's own ``run.json`` (secrets masked there) with environment and --set layers on top."""
+    """The run's own configuration (``run.json`` with its newest recorded change; secrets masked there) with
+    environment and --set layers on top."""
+    from pipeline.analysis.runs import list_runs
+    from pipeline.analysis.runs import stored_run_config as stored
+
     store = open_store(store_cfg)
-    key = f"runs/{run}/run.json"
-    if not store.exists(key):
-        fail(f"run {run!r} has no run.json in {store.url()}; check --root or the run id", 2)
-    data = json.loads(store.get(key))
+    data = stored(store, run)
+    if data is None:
+        known = ", ".join(list_runs(store)[:10]) or "none"
+        fail(f"no run {run!r} in {store.url()} (runs there: {known}); check the run id, or --root for another store", 2)
     data["bus"]["sasl_password"] = None
     data = deep_merge(deep_merge(data, env_layer()), parse_overrides(overrides))
     data["store"] = {**data.get("store", {}), **store_cfg.model_dump(exclude_defaults=True)}

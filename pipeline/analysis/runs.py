@@ -3,7 +3,8 @@
 Where each field of a ``RunSummary`` comes from (read through the helpers that
 own each layout, never by parsing their files here):
 
-- environment, base model, ``max_steps``: the run's ``run.json``;
+- environment, base model, ``max_steps``: the run's ``run.json`` with its newest recorded change
+  (``runs/<run>/config-changes/``: a resume with another ``--max-steps`` is one);
 - versions, last reward: the adapter registry (``AdapterRegistry``; the newest
   manifest whose metrics hold ``reward_mean``);
 - steps: the newest complete learner checkpoint (its folder name, read through
@@ -26,7 +27,6 @@ topics: the log is shared by every run and is trimmed by retention only.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -96,11 +96,13 @@ class RunSummary:
 
 
 def stored_run_config(store: ObjectStore, run_id: str) -> dict[str, Any] | None:
-    """The run's ``run.json`` as a dict; None when it has none (e.g. demonstrations recorded under a name)."""
-    key = f"runs/{validate_name(run_id, 'run_id')}/run.json"
-    if not store.exists(key):
+    """The run's configuration now (``run.json`` with its newest recorded change, e.g. a resume's ``max_steps``)
+    as a dict; None when it has no ``run.json`` (e.g. demonstrations recorded under a name)."""
+    from pipeline.runtime import effective_run_config
+
+    if not store.exists(f"runs/{validate_name(run_id, 'run_id')}/run.json"):
         return None
-    data = json.loads(store.get(key))
+    data = effective_run_config(store, run_id)
     return data if isinstance(data, dict) else None
 
 

@@ -5,7 +5,8 @@ Every call starts a new run unless told to continue one: its id is the preset's
 so a second ``rlpipe run --preset cartpole`` never silently continues the first.
 A run named explicitly (``--run NAME``, or ``run_id`` in ``--set``, a config file
 or ``RLPIPE_RUN_ID``) must not exist yet.  ``--resume RUN`` continues a run from
-its own stored ``run.json`` (with the environment, ``--set``, ``--max-steps`` and
+its own stored configuration (``run.json`` with its newest recorded change, such as
+an earlier resume's ``--max-steps``; the environment, ``--set``, ``--max-steps`` and
 ``--producers`` on top); a run whose learner already reached ``max_steps`` says so
 and how to go on instead of starting processes that would stop at once.
 
@@ -258,14 +259,15 @@ def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
     if explicit is not None:
         validate_name(explicit, "run_id")
         if run_exists(store, explicit):
-            raise ConfigError(f"run {explicit!r} already exists in {store.root}; continue it with --resume "
-                              f"{explicit}, or name a new one (or drop --run/run_id for a fresh name)")
+            raise ConfigError(f"run {explicit!r} already exists in {store.root}; continue it with `rlpipe run --resume "
+                              f"{explicit}`, or name a new one (or drop --run/run_id for a fresh name)")
         return explicit
     return packed_run_ids([store], [(base, False)], 1)[0][0]
 
 
 def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
-    """The run's stored ``run.json`` with the ``RLPIPE_`` environment and ``--set`` on top."""
+    """The run's stored configuration (``run.json`` with its newest recorded change) with the ``RLPIPE_``
+    environment and ``--set`` on top."""
     from pipeline.analysis.runs import list_runs, stored_run_config
     from pipeline.runtime import open_store
 

@@ -15,6 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from consumers.checkpoint import CheckpointStore
+from pipeline.analysis.runs import summarize
 from pipeline.cli.run_cmd import app
 from pipeline.devstack import launcher
 from pipeline.runtime import create_run, open_store
@@ -89,6 +90,23 @@ def test_resuming_a_finished_run_says_how_to_continue(home: Path) -> None:
     assert len(FakeLauncher.launched) == 1  # nothing started
     more = _run("--resume", "done", "--max-steps", "4")
     assert more.exit_code == 0 and FakeLauncher.launched[-1].learner.max_steps == 4
+
+
+def test_a_resume_that_raised_max_steps_is_the_runs_budget_from_then_on(home: Path) -> None:
+    assert _run("--preset", "cartpole", "--run", "grown", "--max-steps", "2").exit_code == 0
+    store = open_store(FakeLauncher.launched[0].store)
+    tensors = {"w": torch.zeros(1)}
+    CheckpointStore(store, "grown").save(LearnerState(step=2, version=2), tensors, tensors, {})
+    assert _run("--resume", "grown", "--max-steps", "3").exit_code == 0
+    CheckpointStore(store, "grown").save(LearnerState(step=3, version=3), tensors, tensors, {})
+
+    finished = _run("--resume", "grown")  # the budget is the 3 of the last resume, not run.json's 2
+    assert finished.exit_code == 0 and "already reached its max_steps (3)" in finished.output, finished.output
+    assert len(FakeLauncher.launched) == 2
+    summary = summarize(store, "grown", None, log_read=False)
+    assert (summary.steps, summary.max_steps, summary.status) == (3, 3, "finished")
+    more = _run("--resume", "grown", "--set", "learner.learning_rate=0.01")  # raised again by a later change
+    assert more.exit_code == 0 and "already reached" in more.output and len(FakeLauncher.launched) == 2
 
 
 def test_resume_mistakes_are_one_line(home: Path) -> None:

@@ -224,3 +224,14 @@ def test_a_run_created_meanwhile_under_the_same_name_is_left_alone(
     result = runner.invoke(app, ["create", "--preset", "cartpole", "--run", "exp-1"])
     assert result.exit_code == 2 and "already exists" in result.output
     assert store.get("runs/exp-1/run.json") == before
+
+
+def test_creating_a_run_that_exists_names_the_command_that_continues_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", f"file://{tmp_path}/store")
+    store = ObjectStore(f"file://{tmp_path}/store")
+    create_run(store, RunConfig(run_id="exp-1"), "tiny")
+    result = runner.invoke(app, ["create", "--preset", "cartpole", "--run", "exp-1"])
+    assert result.exit_code == 2 and "\n" not in result.output.strip()
+    assert "already exists" in result.output and "`rlpipe run --resume exp-1`" in result.output, result.output

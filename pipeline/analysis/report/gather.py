@@ -36,6 +36,7 @@ from pipeline.io.bus import BusError, tail
 from pipeline.io.registry import AdapterRegistry, run_ids
 from pipeline.io.steplog import StepLog, StepLogGapError
 from pipeline.io.store import ObjectStore
+from pipeline.runtime import effective_run_config
 from schemas.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -118,9 +119,10 @@ def add_value_summary(report: RunReport, run_config: dict[str, Any]) -> None:
 
 
 def read_run_config(store: ObjectStore, run_id: str, report: RunReport) -> dict[str, Any]:
-    """``run.json`` as plain JSON (only a few fields are shown; no validation needed), or {}."""
+    """The run's configuration (``run.json`` with its newest recorded change) as plain JSON (only a few fields
+    are shown; no validation needed), or {}."""
     try:
-        data = json.loads(store.get(f"runs/{run_id}/run.json"))
+        data = effective_run_config(store, run_id)
     except FileNotFoundError:
         report.note("summary", f"no runs/{run_id}/run.json in the store: env and base model come from elsewhere")
         return {}
