@@ -112,6 +112,7 @@ def replay(
     if train and cfg.value is not None:  # a value run: the value learner over the stored steps batches
         _replay_train_value(cfg, run, date_from, date_to)
         return
+    _require_batches(cfg, run, date_from, date_to, steps=False)
     if train:
         from consumers.distributed_learner import launched_by_torchrun, run_on_group
         from consumers.service import replay_train
@@ -130,6 +131,31 @@ def replay(
     console.print(f"announced {count} batches of run {run} for run {cfg.run_id}")
 
 
+def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, steps: bool) -> None:  # type: ignore[no-untyped-def]
+    """Exit 2 in one line, before anything is written, when ``run`` has no batches to replay in the date range."""
+    from consumers.sources import in_date_range
+    from pipeline.analysis.runs import list_runs
+    from pipeline.io.archive import TrajectoryArchive
+    from pipeline.runtime import open_store
+    from schemas.names import validate_name
+
+    store = open_store(cfg.store)
+    archive = TrajectoryArchive(store)
+    validate_name(run, "run_id")
+    keys = archive.list_steps(run) if steps else archive.list_batches(run)
+    if any(in_date_range(key, date_from, date_to) for key in keys):
+        return
+    what = "steps batches (a value run's)" if steps else "trajectory batches"
+    runs = list_runs(store)
+    if run not in runs:
+        known = ", ".join(runs[:10]) or "none"
+        fail(f"nothing to replay: no run {run!r} in {store.root} (runs there: {known}); "
+             "check --run, or the store (RLPIPE_STORE__ROOT)", 2)
+    span = f" between {date_from or 'the first day'} and {date_to or 'the last'}" if date_from or date_to else ""
+    fail(f"nothing to replay: run {run!r} has no {what}{span} in {store.root}; "
+         "replay a run that has sampled some" + (", or widen --date-from/--date-to" if span else ""), 2)
+
+
 def _replay_train_value(cfg, run: str, date_from: str | None, date_to: str | None) -> None:  # type: ignore[no-untyped-def]
     """Offline DQN/C51 from ``run``'s steps batches, or offline CQL (``value.offline``) from dataset ``run``."""
     from consumers.value.service import CONTINUOUS_ACTION_ENVS, replay_train_value
@@ -145,6 +171,7 @@ def _replay_train_value(cfg, run: str, date_from: str | None, date_to: str | Non
     if cfg.env.name in CONTINUOUS_ACTION_ENVS:
         fail(f"the value learner needs discrete actions and {cfg.env.name} has none; for offline CQL on logged "
              f"building days use --preset cql-building (--run names the dataset)", 2)
+    _require_batches(cfg, run, date_from, date_to, steps=True)
 
     learner = replay_train_value(cfg, run, date_from, date_to)
     console.print(f"trained {learner.state.step} steps; value-network version {learner.state.version}")

@@ -27,3 +27,25 @@ def test_learner_start_takes_the_run_as_run(monkeypatch) -> None:
     result = runner.invoke(app, ["--preset", "cartpole", "--run", "mine"])  # a one-command app: no "start"
     assert result.exit_code == 0, result.output
     assert started[0].run_id == "mine" and started[0].env.name == "cartpole"
+
+
+def test_replay_of_a_run_with_no_batches_is_refused_and_writes_nothing(tmp_path, monkeypatch) -> None:
+    from pipeline.io.store import ObjectStore
+    from pipeline.runtime import create_run
+    from schemas.config import RunConfig
+
+    root = f"file://{tmp_path}/store"
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", root)
+    store = ObjectStore(root)
+    create_run(store, RunConfig(run_id="empty"), "tiny")  # a run, but nothing sampled yet
+    for args in (["--run", "nosuch", "--train"], ["--run", "nosuch", "--to-topic"],
+                 ["--run", "empty", "--train"], ["--run", "empty", "--train", "--date-from", "2026-01-01"]):
+        result = runner.invoke(replay_app, [*args, "--preset", "cartpole", "--set", "run_id=offline"])
+        line = result.output.strip()
+        assert result.exit_code == 2 and "\n" not in line, result.output
+        assert "nothing to replay" in line and repr(args[1]) in line
+        assert ("runs there: empty" in line) == (args[1] == "nosuch")
+    value = runner.invoke(replay_app, ["--run", "empty", "--train", "--preset", "dqn-cartpole", "--set", "run_id=q"])
+    assert value.exit_code == 2 and "has no steps batches" in value.output, value.output
+    assert sorted(p.name for p in (tmp_path / "store" / "runs").iterdir()) == ["empty"]
