@@ -13,7 +13,9 @@ import typer
 from rich.table import Table
 
 from pipeline.cli.common import EXIT_USAGE, JsonOpt, console, fail, print_json
+from schemas.config import LearnerConfig
 
+_LEARNER = LearnerConfig()  # the adapter a run trains unless configured otherwise
 app = typer.Typer(name="plan", add_completion=False, pretty_exceptions_enable=False)
 
 
@@ -28,8 +30,9 @@ def plan(
     dtype: Annotated[str, typer.Option(help="base weights' dtype (model.dtype)")] = "bfloat16",
     micro_batch: Annotated[int, typer.Option(min=1, help="sequences per micro-batch")] = 1,
     seq_len: Annotated[int, typer.Option(min=1, help="tokens per sequence")] = 2048,
-    lora_rank: Annotated[int, typer.Option(min=1, help="LoRA rank")] = 16,
-    targets: Annotated[str, typer.Option(help="LoRA target modules, comma-separated")] = "q_proj,k_proj,v_proj,o_proj",
+    lora_rank: Annotated[int, typer.Option(min=1, help="LoRA rank (default: learner.lora_rank's)")] = _LEARNER.lora_rank,
+    targets: Annotated[str, typer.Option(help="LoRA target modules, comma-separated (default: "
+                                              "learner.target_modules')")] = ",".join(_LEARNER.target_modules),
     shard: Annotated[bool, typer.Option(help="shard the base weights over the ranks (FSDP2)")] = True,
     checkpointing: Annotated[bool, typer.Option(help="gradient checkpointing")] = True,
     overhead: Annotated[float, typer.Option(min=0.0, help="runtime overhead per rank, GiB (CUDA context)")] = 1.0,
@@ -43,7 +46,9 @@ def plan(
         result = plan_memory(config, gpus, dtype, micro_batch, seq_len, lora_rank, tuple(targets.split(",")),
                              shard, checkpointing, overhead_gib=overhead)
     except (OSError, ValueError, AttributeError) as exc:
-        fail(f"cannot size {model!r}: {exc}; pass a hub id, a model folder or its config.json", EXIT_USAGE)
+        reason = " ".join(str(exc).split())
+        fail(f"cannot size {model!r}: {reason}; pass a model folder or its config.json (a hub id needs the hub "
+             "or a cached copy)", EXIT_USAGE)
     fits = result.fits(gpu_memory)
     if as_json:
         print_json({"model": model, "gpus": gpus, "parameters": result.parameters, "tokens": result.tokens,

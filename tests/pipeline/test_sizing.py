@@ -84,3 +84,21 @@ def test_estimate_is_within_tolerance_of_the_measured_peak_on_the_cpu(tmp_path):
           f"measured {measured / 2**20:.0f} MiB")
     assert abs(estimate - measured) <= MEASURED_TOLERANCE * measured
     assert estimate < GIB
+
+
+def test_plan_sizes_the_adapter_the_learner_trains_by_default(tmp_path):
+    from schemas.config import LearnerConfig
+
+    LLAMA_8B.to_json_file(str(tmp_path / "config.json"))
+    result = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    learner = LearnerConfig()
+    expected = plan_memory(LLAMA_8B, lora_rank=learner.lora_rank, target_modules=learner.target_modules)
+    assert json.loads(result.output)["bytes"] == expected.parts()
+
+
+def test_plan_of_a_hub_id_it_cannot_reach_names_the_local_ways(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = CliRunner().invoke(app, ["plan", "--model", "nobody/no-such-model"])
+    line = result.output.strip()
+    assert result.exit_code == 2 and "model folder" in line and "config.json" in line, line
