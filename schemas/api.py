@@ -105,6 +105,9 @@ class ApiRequestAccepted(Payload):
     body_path: str = Field(description="object key of the body relative to the store root")
     body_format: BodyFormat = "json"
     body_sha256: Sha256
+    refused: str | None = Field(default=None, description=(
+        "why the gateway refused this numbered call (the client was answered 400): the trainer answers its "
+        "seq_id with this error and goes on to the next, never waiting on a call that will not come"))
 
     @field_validator("tenant", "session_id", "request_id")
     @classmethod

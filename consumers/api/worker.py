@@ -193,12 +193,11 @@ class TrainerWorker:
 
     def _execute(self, model: _Model, consumed: ConsumedEvent) -> None:
         call: ApiRequestAccepted = consumed.event.payload
-        done = any(self.store.exists(result_path(call.session_id, call.request_id, fmt)) for fmt in ("json", "pb"))
+        done = self._answered(call)
         model.unfolded.append(((consumed.topic, consumed.partition), consumed.offset))
         self._since_fold += 1
-        if done and (call.op in _PURE_OPS or (call.op == "forward_backward" and call.body_format == "pb"
-                                              and decode_forward_backward(self._body(call))[1])):
-            return  # its result stands and it changed nothing
+        if done == "error" or (done == "ok" and self._changes_nothing(call)):
+            return  # its result stands and it changed nothing (a call that failed changed nothing either)
         started, wall = time.perf_counter(), time.time()
         self._tokens = 0  # trained tokens of this call (set by a forward_backward)
         try:
@@ -211,12 +210,27 @@ class TrainerWorker:
             log.exception("%s %s failed", call.op, call.request_id)
             message = f"{call.op} failed on the trainer ({type(exc).__name__}: {exc}); retry, or report it"
             result = (json.dumps({"error": message, "category": "server"}).encode(), "json", message, "server")
-        if not done:
+        if done is None:
             self._write_result(call, *result)
         seconds = time.perf_counter() - started
         if self.activity is not None:
             self.activity.record(call.session_id, call.tenant, call.op, wall, wall + seconds, self._tokens)
         log.debug("%s %s: %.3f s", call.op, call.request_id, seconds)
+
+    def _answered(self, call: ApiRequestAccepted) -> str | None:
+        """Whether the call has a stored result: None, "ok" or "error" (a JSON ``{"error", "category"}``)."""
+        if self.store.exists(result_path(call.session_id, call.request_id, "pb")):
+            return "ok"
+        try:
+            answer = json.loads(self.store.get(result_path(call.session_id, call.request_id, "json")))
+        except FileNotFoundError:
+            return None
+        return "error" if isinstance(answer, dict) and "error" in answer else "ok"
+
+    def _changes_nothing(self, call: ApiRequestAccepted) -> bool:
+        """A call that leaves the model as it was: a pure one, or a forward-only ``forward_backward``."""
+        return call.op in _PURE_OPS or (call.op == "forward_backward" and call.body_format == "pb"
+                                        and decode_forward_backward(self._body(call))[1])
 
     def _body(self, call: ApiRequestAccepted) -> bytes:
         return self.store.get(call.body_path, call.body_sha256)
@@ -224,6 +238,8 @@ class TrainerWorker:
     def _run(self, model: _Model, call: ApiRequestAccepted) -> tuple[bytes, str]:
         """Execute one call on the engine; the result's bytes and format."""
         self._check_tenant(call.tenant, call.session_id)
+        if call.refused is not None:  # refused by the gateway (the client has its 400): answered, and the next goes on
+            raise ApiError(call.refused)
         if model.refused:
             raise ApiError(model.refused, "server")
         body = self._body(call)

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -27,7 +28,7 @@ from pipeline.api.gateway import BusyError, Gateway, NotFoundError, SessionEnded
 from pipeline.api.results import ResultSignals
 from pipeline.api.tenants import Tenants, UnauthorizedError
 from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header
-from schemas.api import ApiError
+from schemas.api import ApiError, ApiOp, BodyFormat
 
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
@@ -99,6 +100,16 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return {"status": "accepted"}
 
     # ---- training calls (futures) -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def numbered(who: str, op: ApiOp, raw: bytes, fmt: BodyFormat = "json") -> Iterator[None]:
+        """A numbered training call: refused here, it is still logged as failing (``Gateway.refuse``), so the
+        training client's later calls do not wait on its seq_id."""
+        try:
+            yield
+        except ApiError as exc:
+            gateway.refuse(who, op, raw, fmt, str(exc))
+            raise
+
     @app.post("/api/v1/create_model")
     async def create_model(request: Request, who: Tenant) -> dict[str, Any]:
         raw = await request.body()
@@ -118,41 +129,47 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         raw = await request.body()
         if PROTOBUF not in request.headers.get("content-type", ""):
             raise ApiError("forward_backward takes a protobuf body; use the tinker SDK >= 0.25")
-        model_id, seq_id = forward_backward_header(raw)
-        return {"request_id": gateway.submit(who, "forward_backward", model_id, seq_id, raw, "pb"),
-                "model_id": model_id}
+        with numbered(who, "forward_backward", raw, "pb"):
+            model_id, seq_id = forward_backward_header(raw)
+            return {"request_id": gateway.submit(who, "forward_backward", model_id, seq_id, raw, "pb"),
+                    "model_id": model_id}
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request, who: Tenant) -> dict[str, Any]:
         raw = await request.body()
-        body = parse_body(types.OptimStepRequest, raw)
-        if not isinstance(body.optim_params, types.AdamParams):
-            raise ApiError(f"optimizer {body.optim_params.type!r} is not supported; use AdamParams")
-        return {"request_id": gateway.submit(who, "optim_step", body.model_id, body.seq_id, raw)}
+        with numbered(who, "optim_step", raw):
+            body = parse_body(types.OptimStepRequest, raw)
+            if not isinstance(body.optim_params, types.AdamParams):
+                raise ApiError(f"optimizer {body.optim_params.type!r} is not supported; use AdamParams")
+            return {"request_id": gateway.submit(who, "optim_step", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request, who: Tenant) -> dict[str, Any]:
         raw = await request.body()
-        body = parse_body(types.SaveWeightsRequest, raw)
-        checkpoint_name(body.path)
-        return {"request_id": gateway.submit(who, "save_weights", body.model_id, body.seq_id, raw)}
+        with numbered(who, "save_weights", raw):
+            body = parse_body(types.SaveWeightsRequest, raw)
+            checkpoint_name(body.path)
+            return {"request_id": gateway.submit(who, "save_weights", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request, who: Tenant) -> dict[str, Any]:
         raw = await request.body()
-        body = parse_body(types.SaveWeightsForSamplerRequest, raw)
-        if body.path is None and body.sampling_session_seq_id is None:
-            raise ApiError("save_weights_for_sampler needs a path or a sampling_session_seq_id; use the tinker SDK")
-        if body.path is not None:
-            checkpoint_name(body.path)
-        return {"request_id": gateway.submit(who, "save_weights_for_sampler", body.model_id, body.seq_id, raw)}
+        with numbered(who, "save_weights_for_sampler", raw):
+            body = parse_body(types.SaveWeightsForSamplerRequest, raw)
+            if body.path is None and body.sampling_session_seq_id is None:
+                raise ApiError("save_weights_for_sampler needs a path or a sampling_session_seq_id; use the tinker "
+                               "SDK")
+            if body.path is not None:
+                checkpoint_name(body.path)
+            return {"request_id": gateway.submit(who, "save_weights_for_sampler", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request, who: Tenant) -> dict[str, Any]:
         raw = await request.body()
-        body = parse_body(types.LoadWeightsRequest, raw)
-        if body.model_id is not None:  # into an existing training client, in its seq_id order
-            return {"request_id": gateway.submit(who, "load_weights", body.model_id, body.seq_id, raw)}
+        with numbered(who, "load_weights", raw):
+            body = parse_body(types.LoadWeightsRequest, raw)
+            if body.model_id is not None:  # into an existing training client, in its seq_id order
+                return {"request_id": gateway.submit(who, "load_weights", body.model_id, body.seq_id, raw)}
         if body.session_id is None or body.model_seq_id is None:
             raise ApiError("load_weights needs model_id and seq_id, or session_id and model_seq_id")
         source = gateway.model(who, gateway.owned_path(who, body.path).model_id)

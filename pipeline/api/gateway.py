@@ -34,7 +34,14 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from pipeline.api.samplers import read_sampler, write_sampler
-from pipeline.api.wire import TinkerPath, checkpoint_name, parse_tinker_path, request_id_for, session_of_request
+from pipeline.api.wire import (
+    TinkerPath,
+    checkpoint_name,
+    numbered_call,
+    parse_tinker_path,
+    request_id_for,
+    session_of_request,
+)
 from pipeline.io.store import ObjectStore
 from schemas.api import (
     ApiError,
@@ -207,17 +214,42 @@ class Gateway:
         record = self.model(tenant, model_id)
         if op != "create_model" and op != "load_weights" and not seq_id:
             raise ApiError(f"{op} needs a seq_id >= 1; use the tinker SDK's TrainingClient")
+        request_id = self._log_call(tenant, op, record, model_id, seq_id, body, fmt)
+        if request_id is None:
+            raise ApiError(f"seq_id {seq_id} of {model_id} was already used for another call; "
+                           "each call takes the next seq_id")
+        return request_id
+
+    def refuse(self, tenant: str, op: ApiOp, body: bytes, fmt: BodyFormat, reason: str) -> None:
+        """Log a numbered training call refused here as one that fails with ``reason``.
+
+        The SDK numbers a call before sending it, and the trainer runs a model's calls in ``seq_id`` order: a
+        refused call never logged would leave a gap that every later call of its training client waits on.
+        Nothing is logged for a body naming no model of this tenant or no ``seq_id``, or a ``seq_id`` taken.
+        """
+        numbered = numbered_call(body, fmt)
+        if numbered is None:
+            return
+        model_id, seq_id = numbered
+        try:
+            record = self.model(tenant, model_id)
+        except ApiError:
+            return  # not this tenant's model (or its session ended): no training client of theirs waits
+        self._log_call(tenant, op, record, model_id, seq_id, body, fmt, refused=reason)
+
+    def _log_call(self, tenant: str, op: ApiOp, record: dict[str, Any], model_id: str, seq_id: int | None,
+                  body: bytes, fmt: BodyFormat, refused: str | None = None) -> str | None:
+        """The body create-only, then its ``ApiRequestAccepted``; the request id, None when the id was taken."""
         request_id = request_id_for(model_id, seq_id)
         session_id = session_of_request(request_id)
         key = request_body_path(session_id, request_id, fmt)
         try:
             digest = self.store.put_create_once(key, body)
         except FileExistsError:
-            raise ApiError(f"seq_id {seq_id} of {model_id} was already used for another call; "
-                           "each call takes the next seq_id") from None
+            return None
         event = ApiRequestAccepted(request_id=request_id, tenant=tenant, session_id=session_id, op=op,
                                    model_id=model_id, seq_id=seq_id or None, base_model=record["base_model"],
-                                   body_path=key, body_format=fmt, body_sha256=digest)
+                                   body_path=key, body_format=fmt, body_sha256=digest, refused=refused)
         self.publish_call(event)
         return request_id
 

@@ -16,6 +16,7 @@ dot, which is how ``retrieve_future`` finds a result's folder.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,6 +130,23 @@ def forward_backward_header(body: bytes) -> tuple[str, int | None]:
         raise ApiError("forward_backward body is not a protobuf ForwardBackwardRequest; use the tinker SDK "
                        ">= 0.25 (Content-Type: application/x-protobuf)") from None
     return msg.model_id, msg.seq_id or None
+
+
+def numbered_call(body: bytes, fmt: str) -> tuple[str, int] | None:
+    """``(model_id, seq_id)`` read leniently from a training call's body that may be invalid otherwise (a
+    protobuf ``forward_backward``, else JSON, where Python's reader takes the NaN a strict one refuses); None
+    when it names no model or no seq_id."""
+    try:
+        if fmt == "pb":
+            model_id, seq_id = forward_backward_header(body)
+        else:
+            data = json.loads(body)
+            model_id, seq_id = data.get("model_id"), data.get("seq_id")
+    except (ApiError, ValueError, AttributeError):
+        return None
+    if not isinstance(model_id, str) or not model_id or type(seq_id) is not int or seq_id < 1:
+        return None
+    return model_id, seq_id
 
 
 def decode_forward_backward(body: bytes) -> tuple[types.ForwardBackwardRequest, bool]:

@@ -263,6 +263,20 @@ def test_bad_input_is_a_user_error_and_others_carry_on(server):
     assert training.forward_backward(_data(1), "cross_entropy").result().metrics["loss:sum"] > 0
 
 
+def test_a_call_the_gateway_refuses_leaves_the_training_client_usable(server):
+    """The SDK numbers a call before sending it: a refused one must not leave a gap the trainer waits on."""
+    training = server.service().create_lora_training_client(base_model=server.base_model, rank=4).result()
+    with pytest.raises(tinker.APIStatusError, match="checkpoint name"):
+        training.save_state("a/b").result()
+    with pytest.raises(tinker.APIStatusError, match="learning_rate"):
+        training.optim_step(types.AdamParams(learning_rate=float("nan"))).result()
+    with pytest.raises(tinker.APIStatusError, match="checkpoint name"):
+        training.save_weights_for_sampler("../x").result()
+    output = training.forward_backward(_data(1), "cross_entropy").result(timeout=60)
+    assert output.metrics["loss:sum"] > 0
+    assert training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60).metrics
+
+
 def test_a_restarted_gateway_and_the_client_carries_on(server):
     training = server.service().create_lora_training_client(base_model=server.base_model, rank=4).result()
     training.forward_backward(_data(4), "cross_entropy").result()

@@ -183,6 +183,30 @@ def test_a_restarted_trainer_replays_from_its_fold_to_the_same_weights(harness):
     restarted.close()
 
 
+def test_calls_that_failed_replay_after_a_restart_without_stopping_the_trainer(harness):
+    """A call answered with an error (refused by the gateway, or failing on the trainer) is read again by a
+    restarted trainer: its stored error stands and the calls after it run."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    image = types.Datum(model_input=types.ModelInput(chunks=[types.ImageChunk(data=b"png", format="png",
+                                                                              expected_tokens=2)]),
+                        loss_fn_inputs={"target_tokens": [1, 2]})
+    unsupported = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [image]), "pb")
+    nan = b'{"adam_params": {"learning_rate": NaN}, "model_id": "%s", "seq_id": 2}' % model_id.encode()
+    harness.gateway.refuse(TENANT, "optim_step", nan, "json", "learning_rate: Input should be a valid number")
+    refused = f"{harness.session}.train.0.2"
+    run_until(trainer, harness, [unsupported, refused])
+    abandon(trainer)  # nothing folded or committed: a restart reads both again
+    fine = harness.gateway.submit(TENANT, "forward_backward", model_id, 3, _fb(model_id, 3, [_datum(1)]), "pb")
+    restarted = harness.trainer()
+    run_until(restarted, harness, [fine])
+    assert harness.result(fine)[1] == "pb"
+    for rid, words in ((unsupported, "image"), (refused, "valid number")):
+        answer = json.loads(harness.result(rid)[0])
+        assert answer["category"] == "user" and words in answer["error"]
+    restarted.close()
+
+
 def test_a_trainer_killed_between_a_folds_two_writes_restarts_from_the_fold_before(harness, monkeypatch):
     trainer = harness.trainer()
     model_id = harness.create()

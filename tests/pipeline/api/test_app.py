@@ -235,3 +235,24 @@ def test_a_checkpoint_delete_cut_short_can_be_done_again_and_leaves_nothing(monk
     monkeypatch.undo()
     gateway.delete_checkpoint("tml-alice", model_id, "weights/w1")  # the user tries again
     assert store.list(prefix) == [] and gateway.checkpoints("tml-alice", model_id) == []
+
+
+def test_a_numbered_call_refused_here_is_still_logged_as_failing(api):
+    """The SDK numbered it before sending: the trainer answers that seq_id with the error instead of waiting."""
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    bad_name = api.post("/api/v1/save_weights", headers=ALICE,
+                        json={"model_id": model_id, "seq_id": 1, "path": "a/b", "type": "save_weights"})
+    assert bad_name.status_code == 400 and "checkpoint name" in bad_name.json()["error"]
+    nan = {"adam_params": {"learning_rate": None}, "model_id": model_id, "seq_id": 2}  # the SDK's NaN
+    refused_nan = api.post("/api/v1/optim_step", headers=ALICE, json=nan)
+    assert refused_nan.status_code == 400 and "learning_rate" in refused_nan.json()["error"]
+    logged = [event.payload for _, event in api.published if event.payload.refused is not None]
+    assert [(p.op, p.seq_id) for p in logged] == [("save_weights", 1), ("optim_step", 2)]
+    assert "checkpoint name" in logged[0].refused and api.store.exists(logged[0].body_path)
+    # another tenant's model, a body naming no seq_id, or a seq_id taken: nothing is logged
+    api.post("/api/v1/save_weights", headers=BOB, json={"model_id": model_id, "seq_id": 3, "path": "a/b"})
+    api.post("/api/v1/save_weights", headers=ALICE, json={"model_id": model_id, "path": "a/b"})
+    again = api.post("/api/v1/save_weights", headers=ALICE, json={"model_id": model_id, "seq_id": 1, "path": "c/d"})
+    assert again.status_code == 400
+    assert len([e for _, e in api.published if e.payload.refused is not None]) == 2
