@@ -91,6 +91,9 @@ def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[S
             or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
         raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "
                        "ask for prompt_logprobs and sampled-token logprobs only")
+    if given.max_tokens is not None and given.max_tokens < 1:
+        raise ApiError(f"sampling_params.max_tokens={given.max_tokens}: ask for at least 1 token, or leave it "
+                       "unset for up to the context length")
     if given.top_k < -1:
         raise ApiError(f"sampling_params.top_k={given.top_k}: use -1 (no cut) or a number of tokens >= 1")
     stop = given.stop
@@ -106,7 +109,7 @@ def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[S
             stop_ids = tuple(int(item) for item in items)  # [] = never stop before max_tokens
         else:
             raise ApiError("sampling_params.stop mixes strings and token ids; send one kind")
-    params = SampleParams(max_tokens=given.max_tokens or max_model_len, num_samples=request.num_samples,
+    params = SampleParams(max_tokens=max_model_len if given.max_tokens is None else given.max_tokens, num_samples=request.num_samples,
                           temperature=given.temperature, top_p=given.top_p, top_k=max(0, given.top_k),
                           seed=given.seed,
                           stop_token_ids=stop_ids, prompt_logprobs=bool(request.prompt_logprobs))

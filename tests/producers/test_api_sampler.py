@@ -52,6 +52,19 @@ def test_the_four_stop_forms_and_refusals():
         sampling_params(_request(None, prompt_alt_tokens_k=2), 64)
 
 
+def test_max_tokens_none_is_up_to_the_context_and_zero_is_refused():
+    request = _request(None)
+    assert sampling_params(request, 64)[0].max_tokens == 4
+    unbounded = request.model_copy(update={"sampling_params": request.sampling_params.model_copy(
+        update={"max_tokens": None})})
+    assert sampling_params(unbounded, 64)[0].max_tokens == 64
+    for bad in (0, -5):
+        zero = request.model_copy(update={"sampling_params": request.sampling_params.model_copy(
+            update={"max_tokens": bad})})
+        with pytest.raises(ApiError, match="max_tokens"):
+            sampling_params(zero, 64)
+
+
 def test_stop_strings_cut_after_the_token_that_completes_them():
     text = {1: "a", 2: "\n", 3: "\nU", 4: "b"}
     sample = SampleOutput(token_ids=[1, 2, 3, 4], logprobs=[-0.1, -0.2, -0.3, -0.4], finish_reason="length")
