@@ -21,8 +21,10 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinker import types
 
+from pipeline.api import listing
 from pipeline.api.direct import DirectSamplers
 from pipeline.api.gateway import BusyError, Gateway, NotFoundError, SessionEndedError, parse_body
 from pipeline.api.results import ResultSignals
@@ -57,6 +59,15 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         status = next((code for cls, code in _STATUS.items() if isinstance(exc, cls)), 400)
         return JSONResponse({"error": str(exc), "category": exc.category}, status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def unserved(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405):  # no such route: a call of the SDK rlpipe does not serve
+            message = (f"{request.method} {request.url.path} is not served by rlpipe; the calls it serves are "
+                       "listed in docs/api.md")
+        else:
+            message = str(exc.detail)
+        return JSONResponse({"error": message, "category": "user"}, status_code=exc.status_code)
 
     # ---- client start-up, sessions, telemetry ------------------------------------------------------
     @app.get("/api/v1/healthz")
@@ -225,16 +236,25 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
                 announced.clear()
 
     # ---- management (RestClient) ----------------------------------------------------------------
+    @app.get("/api/v1/training_runs")
+    def training_runs(who: Tenant, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return listing.training_runs(gateway, who, limit, offset)
+
     @app.get("/api/v1/training_runs/{model_id}")
     def training_run(model_id: str, who: Tenant) -> dict[str, Any]:
-        record = gateway.model(who, model_id)
-        checkpoints = gateway.checkpoints(who, model_id)
-        last = {kind: next((c for c in reversed(checkpoints) if c["checkpoint_type"] == kind), None)
-                for kind in ("training", "sampler")}
-        return {"training_run_id": model_id, "base_model": record["base_model"], "model_owner": who,
-                "is_lora": True, "lora_rank": record["lora_rank"], "last_request_time": record["created_at"],
-                "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
-                "user_metadata": {k: str(v) for k, v in record["user_metadata"].items()}}
+        return listing.training_run(gateway, who, model_id)
+
+    @app.get("/api/v1/checkpoints")
+    def user_checkpoints(who: Tenant, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return listing.user_checkpoints(gateway, who, limit, offset)
+
+    @app.get("/api/v1/sessions")
+    def sessions(who: Tenant, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return listing.sessions(gateway, who, limit, offset)
+
+    @app.get("/api/v1/sessions/{session_id}")
+    def session(session_id: str, who: Tenant) -> dict[str, Any]:
+        return listing.session_info(gateway, who, session_id)
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     def list_checkpoints(model_id: str, who: Tenant) -> dict[str, Any]:

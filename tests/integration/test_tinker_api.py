@@ -185,6 +185,28 @@ def test_training_client_calls_checkpoints_and_rest_client(server):
     assert [c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints] == [state]
 
 
+def test_the_rest_clients_listings_show_a_tenant_its_own_runs_and_checkpoints(server):
+    carol, dave = f"tml-carol-{uuid.uuid4().hex[:6]}", f"tml-dave-{uuid.uuid4().hex[:6]}"
+    service = server.service(carol)
+    first = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
+    second = service.create_lora_training_client(base_model=server.second_model, rank=4).result()
+    state = first.save_state("listed").result().path
+    rest = tinker.RestClient(base_url=server.url, api_key=carol)
+    runs = rest.list_training_runs().result()
+    assert sorted(r.training_run_id for r in runs.training_runs) == sorted([first.model_id, second.model_id])
+    assert runs.cursor.total_count == 2 and len(rest.list_training_runs(limit=1).result().training_runs) == 1
+    assert [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints] == [state]
+    (session_id,) = rest.list_sessions().result().sessions
+    assert rest.get_session(session_id).result().training_run_ids == [first.model_id, second.model_id]
+    other = tinker.RestClient(base_url=server.url, api_key=dave)
+    assert other.list_training_runs().result().training_runs == []
+    assert other.list_user_checkpoints().result().checkpoints == [] and other.list_sessions().result().sessions == []
+    with pytest.raises(tinker.APIStatusError, match="no session"):
+        other.get_session(session_id).result()
+    unserved = httpx.get(f"{server.url}/api/v1/no_such_call", headers={"X-API-Key": carol})
+    assert unserved.status_code == 404 and "not served by rlpipe" in unserved.json()["error"]
+
+
 def test_two_base_models_served_at_once_each_client_on_its_own(server):
     service = server.service()
     first = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
