@@ -8,6 +8,7 @@ end with one line on stderr and a non-zero exit code, never a traceback.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -54,11 +55,21 @@ def init_tiny(
     _quiet_transformers()
     overrides = {"steps": steps, "pretrain": steps > 0}
     target = out if out is not None else default_tiny_dir(TinyModelSpec(seed=seed, **overrides))
+    started = time.monotonic()
     with _progress() as progress:
         task = progress.add_task("pre-training", total=max(steps, 1), loss=float("nan"))
+        every = max(1, steps // 10)
 
         def on_step(done: int, total: int, loss: float) -> None:
+            if done == 0:  # the build starts (a model already built is reused without one)
+                progress.console.print(f"building the tiny model in {target} (transcripts, tokenizer, {steps} "
+                                       "pre-training steps: 2-3 minutes on 2 idle cores; built once)",
+                                       markup=False, soft_wrap=True)
+                return
             progress.update(task, completed=done, total=total, loss=loss)
+            if not err_console.is_terminal and (done % every == 0 or done == total):  # no bar in a log: lines
+                err_console.print(f"pre-training {done}/{total} steps, loss {loss:.3f}, "
+                                  f"{time.monotonic() - started:.0f} s", markup=False)
 
         try:
             path = build_tiny_model(target, seed=seed, force=force, progress=on_step, **overrides)

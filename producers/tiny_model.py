@@ -62,7 +62,7 @@ LOSS_FILE = "pretrain_loss.json"
 
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vLLM's CPU attention kernels
 
-ProgressFn = Callable[[int, int, float], None]  # (step done, total steps, loss)
+ProgressFn = Callable[[int, int, float], None]  # (step done, total steps, loss); (0, total, nan) when a build starts
 
 
 class TinyModelSpec(BaseModel):
@@ -195,6 +195,8 @@ def _build_into(folder: Path, spec: TinyModelSpec, key: str, progress: ProgressF
     """Write a complete tiny model to ``folder``; the marker goes last."""
     started = time.monotonic()
     log.info("building tiny model %s in %s", key, folder)
+    if progress is not None:
+        progress(0, spec.steps if spec.pretrain else 0, float("nan"))
     corpus = collect_corpus(spec)
     texts = [render_chat(c) for c in corpus.conversations]
     tokenizer = train_tokenizer(texts, spec.vocab_size)

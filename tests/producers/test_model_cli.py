@@ -32,6 +32,16 @@ def test_init_tiny_builds_reports_and_reuses(home: Path) -> None:
     assert again.exit_code == 0 and (out / MARKER_FILE).stat().st_mtime_ns == built_at  # cached, not rebuilt
 
 
+def test_init_tiny_shows_progress_lines_where_no_bar_can_be_drawn(home: Path) -> None:
+    """Redirected to a file or a CI log there is no terminal for the bar: lines say how far it got."""
+    result = runner.invoke(app, ["init-tiny", "--out", str(home / "tiny"), "--steps", "20"])
+    assert result.exit_code == 0, result.output
+    assert "building the tiny model" in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("pre-training ")]
+    assert len(lines) >= 5 and lines[-1].startswith("pre-training 20/20 steps"), result.stderr
+    assert all("loss" in line for line in lines)
+
+
 def test_init_tiny_default_location_is_recorded_for_the_learner(home: Path) -> None:
     from pipeline.models import resolve_base_model
     from schemas.config import ModelConfig
