@@ -106,7 +106,7 @@ def run(
         from pipeline.devstack.launcher import Launcher
 
         code = Launcher(configs, dashboard=dashboard).run()
-        console.print(f"their packed report: rlpipe report {' '.join(f'--run {i}' for i in ids)}", markup=False)
+        console.print(f"{chr(10) if dashboard else ''}their packed report: rlpipe report {' '.join(f'--run {i}' for i in ids)}", markup=False)
         raise typer.Exit(code)
     store = open_store(cfg.store)
     if resume is not None:
@@ -118,9 +118,17 @@ def run(
     setup_logging()
     if (cfg.value.learner if cfg.value is not None else cfg.learner).max_steps is None:
         typer.echo("note: learner.max_steps is not set: the run goes on until Ctrl-C")
+    if cfg.num_producers == 0:
+        typer.echo(f"note: no producers (--producers 0): the learner waits for batches of producers started "
+                   f"elsewhere, e.g. rlpipe producer start --run {cfg.run_id} --preset NAME")
     from pipeline.devstack.launcher import Launcher
 
-    raise typer.Exit(Launcher(cfg, dashboard=dashboard).run())
+    code = Launcher(cfg, dashboard=dashboard).run()
+    lead = "\n" if dashboard else ""  # the dashboard's last frame ends without a line break
+    console.print(f"{lead}run {cfg.run_id}: rlpipe runs show --run {cfg.run_id}; "
+                  f"rlpipe eval --run {cfg.run_id}; rlpipe report --run {cfg.run_id}; continue it with "
+                  f"rlpipe run --resume {cfg.run_id} --max-steps N", markup=False, soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def with_budget(config: RunConfig, max_steps: int | None, producers: int | None) -> RunConfig:

@@ -70,10 +70,13 @@ def test_a_named_run_is_created_once_and_then_only_resumed_when_asked(home: Path
     assert by_set.exit_code == 2 and "--resume mine" in by_set.output
     assert [c.run_id for c in FakeLauncher.launched] == ["mine"]
 
+    assert "rlpipe report --run mine" in _run("--resume", "mine", "--max-steps", "4").output  # what to do next
     resumed = _run("--resume", "mine", "--set", "learner.learning_rate=0.01")
     assert resumed.exit_code == 0, resumed.output
     config = FakeLauncher.launched[-1]
-    assert config.run_id == "mine" and config.learner.max_steps == 3 and config.learner.learning_rate == 0.01
+    assert config.run_id == "mine" and config.learner.max_steps == 4 and config.learner.learning_rate == 0.01
+    alone = _run("--resume", "mine", "--producers", "0")
+    assert "note: no producers" in alone.output and "rlpipe producer start --run mine" in alone.output
     assert config.env.name == "cartpole"  # the run's own configuration, not the defaults
 
 
