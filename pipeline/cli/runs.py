@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -92,6 +93,18 @@ def _when(moment: datetime | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
 
 
+def _model_name(base_model: str | None) -> str:
+    """A model folder by its name (the whole path is in --json and runs show), a hub id as it is."""
+    if not base_model:
+        return "-"
+    return Path(base_model).name if base_model.startswith(("/", "~", ".")) else base_model
+
+
+def _width(rows: list[dict[str, str]], columns: list[str]) -> int:
+    """The width of a table of ``rows`` with ``columns``: each column's widest cell, padding and borders."""
+    return 1 + sum(3 + max(len(column), *(len(row[column]) for row in rows)) for column in columns)
+
+
 def _steps(summary: RunSummary) -> str:
     return f"{summary.steps}/{summary.max_steps}" if summary.max_steps else str(summary.steps)
 
@@ -121,14 +134,22 @@ def list_command(
     if not summaries:
         console.print(f"no runs under {store.root}; start one with `rlpipe run --preset cartpole`")
         return
+    rows = [{"run": s.run_id, "status": s.status, "env": s.env or "-", "base model": _model_name(s.base_model),
+             "steps": _steps(s), "versions": str(s.versions), "reward": _reward(s),
+             "last active (UTC)": _when(s.last_activity)} for s in summaries]
+    columns = list(rows[0])
+    left_out = []
+    while _width(rows, columns) > console.width and len(columns) > 6:  # a narrow terminal: the least needed go
+        left_out.append(columns.pop(3 if "base model" in columns else -1))
     table = Table(title=f"runs in {store.root}")
-    for column in ("run", "status", "env", "base model", "steps", "versions", "last reward", "last activity (UTC)"):
-        table.add_column(column, overflow="fold" if column in ("env", "base model") else "ellipsis",
-                         no_wrap=column not in ("env", "base model"))
-    for s in summaries:
-        table.add_row(s.run_id, s.status, s.env or "-", s.base_model or "-", _steps(s), str(s.versions), _reward(s),
-                      _when(s.last_activity))
+    for column in columns:
+        table.add_column(column, no_wrap=True, overflow="fold")
+    for row in rows:
+        table.add_row(*(row[column] for column in columns))
     console.print(table)
+    if left_out:
+        console.print(f"({' and '.join(left_out)} left out to fit {console.width} columns: widen the terminal, "
+                      "or see --json)", markup=False)
     if note:
         console.print(f"note: {note}", style="yellow", markup=False)
 

@@ -235,3 +235,22 @@ def test_creating_a_run_that_exists_names_the_command_that_continues_it(
     result = runner.invoke(app, ["create", "--preset", "cartpole", "--run", "exp-1"])
     assert result.exit_code == 2 and "\n" not in result.output.strip()
     assert "already exists" in result.output and "`rlpipe run --resume exp-1`" in result.output, result.output
+
+
+def test_the_list_fits_an_80_column_terminal_with_every_column_readable(file_store: ObjectStore) -> None:
+    base = "/root/.rlpipe/models/tiny-cacbf641467c8247"
+    config = RunConfig.model_validate({"run_id": "cartpole-20261204-200014", "env": {"name": "cartpole"},
+                                       "model": {"base_model": base}, "learner": {"max_steps": 6}})
+    create_run(file_store, config, base)
+    narrow = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["list", *_where(file_store)])
+    assert narrow.exit_code == 0, narrow.output
+    lines = [line for line in narrow.stdout.splitlines() if line[:1] in "┏┃┡│└"]  # the table's (text wraps itself)
+    assert max(len(line) for line in lines) <= 80
+    header = next(line for line in lines if "run" in line and "status" in line)
+    for column in ("status", "env", "steps", "versions", "reward"):
+        assert f" {column} " in header, narrow.stdout
+    row = next(line for line in lines if "cartpole-20261204-200014" in line)  # the id whole: it is copied
+    assert "cartpole" in row.split("cartpole-20261204-200014", 1)[1] and "6" in row
+    assert "base model and last active (UTC) left out" in narrow.stdout
+    wide = CliRunner(env={"COLUMNS": "160"}).invoke(app, ["list", *_where(file_store)])
+    assert "tiny-cacbf641467c8247 " in wide.stdout and base not in wide.stdout and "left out" not in wide.stdout
