@@ -26,6 +26,7 @@ from pipeline.cli.common import (
     console,
     fail,
     print_json,
+    shown_model,
 )
 from pipeline.devstack.gcs_emulator import probe_endpoint
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry, run_ids, version_folder
@@ -212,7 +213,7 @@ def _versions_table(run: str, manifests: list[AdapterManifest]) -> Table:
             str(len(m.files)),
             str(sum(f.size for f in m.files.values())),
             m.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-            m.base_model,
+            shown_model(m.base_model),
             _short_metrics(m.metrics),
         )
     return table

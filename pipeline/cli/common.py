@@ -151,3 +151,10 @@ def bus_config_from_cli(bootstrap: str | None = None, namespace: str | None = No
     if namespace:
         values["namespace"] = namespace
     return BusConfig.model_validate(values)
+
+
+def shown_model(base_model: str | None) -> str:
+    """A base model for a table: a model folder by its name (the whole path is in --json), a hub id as it is."""
+    if not base_model:
+        return "-"
+    return Path(base_model).name if base_model.startswith(("/", "~", ".")) else base_model

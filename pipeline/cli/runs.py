@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 from datetime import datetime
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -40,6 +39,7 @@ from pipeline.cli.common import (
     fail,
     handle_user_errors,
     print_json,
+    shown_model,
 )
 from pipeline.cli.options import ConfigOpt, PresetOpt, RunOpt, SetOpt, chosen_run, run_config
 from pipeline.devstack.gcs_emulator import probe_endpoint
@@ -93,13 +93,6 @@ def _when(moment: datetime | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
 
 
-def _model_name(base_model: str | None) -> str:
-    """A model folder by its name (the whole path is in --json and runs show), a hub id as it is."""
-    if not base_model:
-        return "-"
-    return Path(base_model).name if base_model.startswith(("/", "~", ".")) else base_model
-
-
 def _width(rows: list[dict[str, str]], columns: list[str]) -> int:
     """The width of a table of ``rows`` with ``columns``: each column's widest cell, padding and borders."""
     return 1 + sum(3 + max(len(column), *(len(row[column]) for row in rows)) for column in columns)
@@ -134,7 +127,7 @@ def list_command(
     if not summaries:
         console.print(f"no runs under {store.root}; start one with `rlpipe run --preset cartpole`")
         return
-    rows = [{"run": s.run_id, "status": s.status, "env": s.env or "-", "base model": _model_name(s.base_model),
+    rows = [{"run": s.run_id, "status": s.status, "env": s.env or "-", "base model": shown_model(s.base_model),
              "steps": _steps(s), "versions": str(s.versions), "reward": _reward(s),
              "last active (UTC)": _when(s.last_activity)} for s in summaries]
     columns = list(rows[0])
