@@ -112,12 +112,15 @@ def eval(
         return
     slates = config.value is not None and config.value.slate is not None  # a return is a session's engagement
     mean_label = "engagement per session (min)" if slates else "mean return"
-    played = "held-out" if not validation else f"validation, after {skip} held-out"
     first, last = results[0].seed_start, results[0].seed_start + episodes - 1
+    unit = "days" if building else "seeds"
+    played = f"held-out {unit} {first}-{last}" if not validation else \
+        f"validation {unit} {first}-{last} (the {skip} held-out {unit} before them left alone)"
     table = Table("policy", "version", "episodes", mean_label, "95% CI", "success",
-                  title=f"{run} on {config.env.name}, {played} {'days' if building else 'seeds'} {first}-{last}")
+                  title=f"{run} on {config.env.name}, {played}")
     for r in results:
-        table.add_row(r.policy, f"v{r.version}", str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
+        version = "-" if r.policy in ("heuristic", "random") else f"v{r.version}"  # a baseline has no version
+        table.add_row(r.policy, version, str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
                       f"{r.success_rate:.0%}")
     console.print(table)
     if building:
