@@ -114,8 +114,9 @@ def ensure_topics(
             elif result["error_code"] != 36:  # 36 TOPIC_ALREADY_EXISTS: someone else was faster
                 why = result["error_message"] or result["error_code"]
                 raise BusError(f"cannot create topic {result['name']}: {why}")
-        admin.wait_for_topics(created, timeout_ms=int(bus_config.connect_timeout_s * 1000))
-        log.info("created topics %s", ", ".join(created))
+        if created:  # none when other processes created them all first
+            admin.wait_for_topics(created, timeout_ms=int(bus_config.connect_timeout_s * 1000))
+            log.info("created topics %s", ", ".join(created))
         return created
 
 
