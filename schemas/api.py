@@ -43,6 +43,7 @@ ApiOp = Literal[
 ]
 BodyFormat = Literal["json", "pb"]
 ErrorCategory = Literal["user", "server", "unknown"]
+SESSION_TIMEOUT_S = 300.0  # heartbeats every 10 s; a session silent this long has ended (engines unload it)
 
 _MODEL_ID_RE = re.compile(r"(?P<session>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<kind>train|sample):(?P<seq>[0-9]+)")
 

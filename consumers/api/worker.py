@@ -61,11 +61,10 @@ from pipeline.io.bus import (
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore, sha256_hex
 from pipeline.topics import API_TOPIC_KINDS
-from schemas.api import ApiError, ApiRequestAccepted, model_run_name, result_path, session_path
+from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted, model_run_name, result_path, session_path
 from schemas.config import BusConfig
 
 log = logging.getLogger("rlpipe.api.trainer")
-SESSION_TIMEOUT_S = 300.0  # heartbeats every 10 s; a session silent this long has ended
 _PURE_OPS = ("save_weights", "save_weights_for_sampler")  # change no adapter state: never re-executed
 _SAMPLING_OPS = ("create_sampling_session", "sample")
 

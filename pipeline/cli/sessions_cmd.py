@@ -18,6 +18,7 @@ from rich.table import Column, Table
 from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json
 from pipeline.cli.options import SetOpt, run_config
 from pipeline.io.store import ObjectStore
+from schemas.api import SESSION_TIMEOUT_S
 
 app = typer.Typer(name="sessions", help="The Tinker-compatible API's sessions.", no_args_is_help=True,
                   add_completion=False)
@@ -30,11 +31,13 @@ def session_summary(store: ObjectStore, session_id: str) -> dict[str, Any]:
     beat = json.loads(store.get(f"{prefix}/heartbeat.json")) if store.exists(f"{prefix}/heartbeat.json") else {}
     requests = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/requests")}
     results = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/results")}
+    lapsed = "time" in beat and time.time() - beat["time"] > SESSION_TIMEOUT_S  # engines unload it as ended
+    end = "finished" if beat.get("ended") else "lapsed" if lapsed else None
     models = [json.loads(store.get(key)) for key in store.list(f"{prefix}/models")
               if key.endswith(".json") and not key.endswith(".fold.json")]
     return {
         "session_id": session_id, "tenant": record["tenant"], "created_at": record["created_at"],
-        "ended": bool(beat.get("ended")),
+        "ended": end is not None, "end": end,
         "last_heartbeat_s_ago": round(time.time() - beat["time"], 1) if "time" in beat else None,
         "models": [{"model_id": m["model_id"], "base_model": m["base_model"], "lora_rank": m["lora_rank"]}
                    for m in models],
@@ -58,10 +61,10 @@ def list_sessions(overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(summaries)
         return
-    table = Table("tenant", "models", "calls", "pending", "last heartbeat", title="API sessions")
-    table.columns.insert(0, Column("session", no_wrap=True))
+    table = Table(Column("session", no_wrap=True), Column("tenant", no_wrap=True), "models", "calls", "pending",
+                  "last heartbeat", title="API sessions")
     for s in summaries:
-        beat = "ended" if s["ended"] else f"{s['last_heartbeat_s_ago']} s ago"
+        beat = f"{s['end']} ({s['last_heartbeat_s_ago']} s ago)" if s["ended"] else f"{s['last_heartbeat_s_ago']} s ago"
         table.add_row(s["session_id"], s["tenant"], str(len(s["models"])), str(s["requests"]),
                       str(len(s["pending"])), beat)
     console.print(table)

@@ -32,6 +32,26 @@ def test_sessions_list_and_show(tmp_path):
     assert missing.exit_code == 2 and "rlpipe sessions list" in missing.output
 
 
+def test_a_session_whose_heartbeats_lapsed_shows_as_ended(tmp_path):
+    """Engines unload a session silent for SESSION_TIMEOUT_S as if it had finished: so does the listing."""
+    import time
+
+    from schemas.api import SESSION_TIMEOUT_S, session_path
+
+    root = f"file://{tmp_path}/store"
+    store = ObjectStore(root)
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/m/a/tiny", "/m/a/tiny")])
+    live, silent, done = (gateway.create_session("t-alice", [], {}) for _ in range(3))
+    beat = {"time": time.time() - SESSION_TIMEOUT_S - 5, "ended": False}
+    store.put(f"{session_path(silent)}/heartbeat.json", json.dumps(beat).encode())
+    gateway.finish("t-alice", done, "success")
+    listed = runner.invoke(app, ["sessions", "list", "--json", "--set", f"store.root={root}"])
+    ended = {s["session_id"]: (s["ended"], s["end"]) for s in json.loads(listed.output)}
+    assert ended == {live: (False, None), silent: (True, "lapsed"), done: (True, "finished")}
+    table = runner.invoke(app, ["sessions", "list", "--set", f"store.root={root}"], env={"COLUMNS": "200"})
+    assert "lapsed" in table.output and "t-alice" in table.output
+
+
 def test_serve_refuses_unknown_roles_and_prints_a_working_example():
     assert runner.invoke(app, ["serve", "--role", "sampler", "--sampler", "chef"]).exit_code == 2
     assert runner.invoke(app, ["serve", "--role", "chef"]).exit_code == 2
