@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from pipeline.cli.common import console, handle_user_errors, print_json
+from pipeline.cli.common import console, err_console, handle_user_errors, print_json
 from pipeline.cli.options import ConfigOpt, PresetOpt, SetOpt, run_config
 from pipeline.config import config_to_json, load_preset, preset_names
 
@@ -22,8 +22,25 @@ def show(
     overrides: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (accepted for symmetry: the output is JSON).")] = False,
 ) -> None:
-    """Print the configuration a process would run with, after every layer (secrets shown as ***), as JSON."""
-    typer.echo(config_to_json(run_config(preset, config, overrides)))
+    """Print the configuration a process would run with, after every layer (secrets shown as ***), as JSON.
+
+    An empty ``bus.bootstrap_servers`` or ``store.root`` is taken from the running local stack when a process
+    starts; a note on stderr says what they resolve to now (the JSON stays the configuration as written).
+    """
+    from pipeline.devstack.stack import read_stack_state, resolve_store_root
+
+    cfg = run_config(preset, config, overrides)
+    typer.echo(config_to_json(cfg))
+    state = read_stack_state()
+    resolved = []
+    if not cfg.bus.bootstrap_servers.strip():
+        where = state.bootstrap_servers if state is not None else "none: no stack runs (rlpipe up)"
+        resolved.append(f"bus.bootstrap_servers -> {where}")
+    if not cfg.store.root:
+        resolved.append(f"store.root -> {resolve_store_root()}")
+    if resolved:
+        err_console.print(f"note: empty fields resolve when a process starts: {'; '.join(resolved)}",
+                          markup=False)
 
 
 @app.command(epilog="Example: rlpipe config presets --json")

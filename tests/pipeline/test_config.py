@@ -117,3 +117,28 @@ def test_producer_staleness_beyond_the_learners_is_refused():
         resolve_config(overrides=["producer.max_staleness=3", "learner.max_staleness=1", "sampler.max_loras=4"])
     assert "learner.max_staleness" in str(info.value) and "\n" not in str(info.value)
     resolve_config(overrides=["producer.max_staleness=1", "learner.max_staleness=3"])
+
+
+def test_config_show_says_what_empty_broker_and_store_fields_resolve_to(tmp_path, monkeypatch):
+    import json as _json
+    from datetime import UTC, datetime
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli.config_cmd import app as config_app
+    from pipeline.devstack import stack
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path))
+    for name in ("RLPIPE_BUS__BOOTSTRAP_SERVERS", "RLPIPE_STORE__ROOT"):
+        monkeypatch.delenv(name, raising=False)
+    running = stack.StackState(pid=1, bootstrap_servers="127.0.0.1:40123", store_root=f"file://{tmp_path}/store",
+                               home=str(tmp_path), log_dir=str(tmp_path), started_at=datetime.now(UTC))
+    monkeypatch.setattr(stack, "read_stack_state", lambda home=None: running)
+    result = CliRunner().invoke(config_app, ["show", "--preset", "cartpole"])
+    assert result.exit_code == 0, result.output
+    assert _json.loads(result.stdout)["bus"]["bootstrap_servers"] == ""  # the configuration as written
+    assert "bus.bootstrap_servers -> 127.0.0.1:40123" in result.stderr
+    assert f"store.root -> file://{tmp_path}/store" in result.stderr
+    given = CliRunner().invoke(config_app, ["show", "--preset", "cartpole", "--set", "bus.bootstrap_servers=k:9092",
+                                            "--set", "store.root=memory://x"])
+    assert "note:" not in given.stderr
