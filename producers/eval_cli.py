@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 import typer
@@ -72,6 +73,7 @@ def eval(
 ) -> None:
     """Play held-out episodes (seeds from env.eval_seed_offset) with one adapter version; print return and CI."""
     run = chosen_run(run, run_arg, "eval")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up lines would bury the table
     setup_logging()
     from producers.evaluation import baseline_result, save_result
 
