@@ -21,7 +21,7 @@ from producers.tiny_model import TinyModelSpec, build_tiny_model, default_tiny_d
 
 app = typer.Typer(
     name="model",
-    help="Build and inspect the local base model.",
+    help="Build the local tiny base model.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
@@ -30,7 +30,7 @@ _DEFAULTS = TinyModelSpec()
 
 @app.callback()
 def _group() -> None:
-    """Build and inspect the local base model."""
+    """Build the local tiny base model."""
 
 
 @app.command("init-tiny")

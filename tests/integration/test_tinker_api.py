@@ -33,6 +33,7 @@ from pipeline.devstack.process import free_port
 from pipeline.io.bus import GROUP_TIMINGS_ENV
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
+from schemas.config import SamplerConfig
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -154,6 +155,7 @@ def test_training_client_calls_checkpoints_and_rest_client(server):
     supported = tinker.RestClient(base_url=server.url, api_key=ALICE).get_server_capabilities().result()
     supported = supported.supported_models
     assert [m.model_name for m in supported] == [server.base_model, server.second_model]
+    assert supported[0].max_context_length == SamplerConfig().max_model_len  # what the samplers allow
     training = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
     assert training.get_tokenizer().encode("hello")  # tokenizer_id is a folder the client loads offline
     data = _data(1)
