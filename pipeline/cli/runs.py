@@ -274,6 +274,14 @@ def stop_command(
     name = chosen_run(run, None, "runs stop")
     store = _store(root, gcs_endpoint)
     _known_run(store, name)
-    with EventPublisher(resolved_bus(bus_config_from_cli(bootstrap, namespace))) as publisher:
+    bus = resolved_bus(bus_config_from_cli(bootstrap, namespace))
+    activity, _ = activity_or_note(bus, 3.0, name)
+    if activity is not None:
+        summary = summarize(store, name, activity.get(name), log_read=True)
+        if summary.status == "stopped":  # nothing live since its last RunStopped: announcing again changes nothing
+            console.print(f"run {name} is already stopped ({summary.stop_reason}); continue it with "
+                          f"rlpipe run --resume {name}", markup=False, soft_wrap=True)
+            return
+    with EventPublisher(bus) as publisher:
         Announcer(publisher, name)(RunStopped(reason="stopped by rlpipe runs stop", final_step=learner_step(store, name)))
     console.print(f"announced the end of run {name}; packed processes following it let it go", markup=False)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from consumers.checkpoint import CheckpointStore
 from pipeline.analysis.runs import RunActivity, RunSummary, read_activity, run_status
 from pipeline.cli.runs import app
-from pipeline.io.bus import EventPublisher
+from pipeline.io.bus import EventPublisher, tail
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import create_run
@@ -254,3 +254,16 @@ def test_the_list_fits_an_80_column_terminal_with_every_column_readable(file_sto
     assert "base model and last active (UTC) left out" in narrow.stdout
     wide = CliRunner(env={"COLUMNS": "160"}).invoke(app, ["list", *_where(file_store)])
     assert "tiny-cacbf641467c8247 " in wide.stdout and base not in wide.stdout and "left out" not in wide.stdout
+
+
+def test_stopping_a_run_already_stopped_says_so_and_announces_nothing(
+        file_store: ObjectStore, tmp_path: Path, bus_config: BusConfig) -> None:
+    make_run(file_store, tmp_path, "exp-2", "cartpole", steps=1, max_steps=5)
+    where = ["--root", file_store.root, "--bootstrap", bus_config.bootstrap_servers, "--namespace", bus_config.namespace]
+    first = runner.invoke(app, ["stop", "--run", "exp-2", *where])
+    assert first.exit_code == 0 and "announced the end of run exp-2" in first.output, first.output
+    again = runner.invoke(app, ["stop", "--run", "exp-2", *where])
+    assert again.exit_code == 0 and "already stopped" in again.output, again.output
+    stops = [r for r in tail(bus_config, "control", n=100, run_id="exp-2")
+             if r.event is not None and isinstance(r.event.payload, RunStopped)]
+    assert len(stops) == 1
