@@ -130,9 +130,9 @@ class Gateway:
         try:
             record = json.loads(self.store.get(f"{session_path(session_id)}/session.json"))
         except (FileNotFoundError, ValueError):
-            raise NotFoundError(f"no session {session_id!r}; create one with ServiceClient()") from None
+            raise NotFoundError(f"no session {session_id!r} for this API key; use one created with this key (ServiceClient())") from None
         if record["tenant"] != tenant:
-            raise NotFoundError(f"no session {session_id!r}; create one with ServiceClient()")
+            raise NotFoundError(f"no session {session_id!r} for this API key; use one created with this key (ServiceClient())")
         self._owners[session_id] = tenant
         return dict(record)
 

@@ -89,7 +89,8 @@ def checkpoint_name(name: str | None) -> str:
     try:
         return validate_name(name or "", "checkpoint name")
     except InvalidNameError as exc:
-        raise ApiError(f"{exc}; name checkpoints with letters, digits, '.', '_' and '-'") from None
+        rule = "" if "use letters" in str(exc) else "; name checkpoints with letters, digits, '.', '_' and '-'"
+        raise ApiError(f"{exc}{rule}") from None
 
 
 # ---- forward_backward: protobuf request -> SDK type --------------------------------------------------------------
