@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Iterator
 from typing import Annotated, Any
@@ -32,6 +33,7 @@ from pipeline.api.tenants import Tenants, UnauthorizedError
 from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header
 from schemas.api import ApiError, ApiOp, BodyFormat
 
+log = logging.getLogger(__name__)
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
 _STATUS = {UnauthorizedError: 401, NotFoundError: 404, SessionEndedError: 410, BusyError: 429}
@@ -118,7 +120,10 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         try:
             yield
         except ApiError as exc:
-            gateway.refuse(who, op, raw, fmt, str(exc))
+            try:
+                gateway.refuse(who, op, raw, fmt, str(exc))
+            except Exception:  # the client still gets its own error; the call's gap is then its training client's
+                log.exception("could not log the refused %s call", op)
             raise
 
     @app.post("/api/v1/create_model")
