@@ -84,6 +84,12 @@ def eval(
     store = open_store(config.store)
     registry = AdapterRegistry(store, run)
     numbers = [resolve_version(registry, v) for v in (version or ["latest"])]
+    published = registry.versions()
+    missing = [n for n in numbers if n and n not in published]
+    if missing:  # before a model is loaded
+        have = f"versions {published[0]}-{published[-1]}" if published else "no versions yet"
+        fail(f"run {run!r} has no adapter version {missing[0]} ({have}, 0 = the base model); "
+             f"see rlpipe adapters list --run {run}", 2)
     building = config.value is not None and config.value.offline is not None  # offline CQL: held-out days
     if held_out is not None and not validation:
         fail("--held-out goes with --validation (the held-out episodes the validation ones come after)", 2)

@@ -267,3 +267,13 @@ def test_stopping_a_run_already_stopped_says_so_and_announces_nothing(
     stops = [r for r in tail(bus_config, "control", n=100, run_id="exp-2")
              if r.event is not None and isinstance(r.event.payload, RunStopped)]
     assert len(stops) == 1
+
+
+def test_eval_of_a_version_the_run_does_not_have_is_one_line(two_runs: tuple[ObjectStore, Path]) -> None:
+    from producers.eval_cli import app as eval_app
+
+    store, _ = two_runs
+    result = runner.invoke(eval_app, ["--run", "cart", "--version", "9", "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "\n" not in result.output.strip() and "no adapter version 9" in result.output
+    assert "rlpipe adapters list --run cart" in result.output
