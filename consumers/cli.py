@@ -113,6 +113,7 @@ def replay(
         _replay_train_value(cfg, run, date_from, date_to)
         return
     _require_batches(cfg, run, date_from, date_to, steps=False)
+    before = _step_now(cfg)
     if train:
         from consumers.distributed_learner import launched_by_torchrun, run_on_group
         from consumers.service import replay_train
@@ -123,12 +124,28 @@ def replay(
                 return
         else:
             learner = replay_train(cfg, run, date_from, date_to)
-        console.print(f"trained {learner.state.step} steps; adapter version {learner.state.version}")
+        console.print(_trained(cfg, before, learner.state.step, f"adapter version {learner.state.version}"))
         return
     from consumers.replay import announce_batches
 
     count = announce_batches(cfg, run, date_from, date_to)
     console.print(f"announced {count} batches of run {run} for run {cfg.run_id}")
+
+
+def _step_now(cfg) -> int:  # type: ignore[no-untyped-def]
+    """The step the trained run has reached (its newest checkpoint; 0 for a new run)."""
+    from pipeline.analysis.runs import learner_step
+    from pipeline.runtime import open_store
+
+    return learner_step(open_store(cfg.store), cfg.run_id)
+
+
+def _trained(cfg, before: int, after: int, version: str) -> str:  # type: ignore[no-untyped-def]
+    """What a replay did: the steps it trained now, from which step to which (none when the run had them)."""
+    if after <= before:
+        return (f"run {cfg.run_id} was already at step {before}: nothing left to train (its max_steps reached, or "
+                f"every batch trained); {version}")
+    return f"trained {after - before} steps (run {cfg.run_id}, step {before} to {after}); {version}"
 
 
 def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, steps: bool) -> None:  # type: ignore[no-untyped-def]
@@ -152,12 +169,18 @@ def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, 
         fail(f"nothing to replay: no run {run!r} in {store.root} (runs there: {known}); "
              "check --run, or the store (RLPIPE_STORE__ROOT)", 2)
     span = f" between {date_from or 'the first day'} and {date_to or 'the last'}" if date_from or date_to else ""
+    if not span and (archive.list_batches(run) if steps else archive.list_steps(run)):  # the other kind of run
+        fix = ("it holds trajectory batches (a language-model run's): replay it with that run's preset" if steps
+               else "it holds steps batches (a value run's): replay it with its value preset, e.g. "
+                    "--preset dqn-cartpole")
+        fail(f"nothing to replay: run {run!r} has no {what}; {fix}", 2)
     fail(f"nothing to replay: run {run!r} has no {what}{span} in {store.root}; "
          "replay a run that has sampled some" + (", or widen --date-from/--date-to" if span else ""), 2)
 
 
 def _replay_train_value(cfg, run: str, date_from: str | None, date_to: str | None) -> None:  # type: ignore[no-untyped-def]
     """Offline DQN/C51 from ``run``'s steps batches, or offline CQL (``value.offline``) from dataset ``run``."""
+    before = _step_now(cfg)
     from consumers.value.service import CONTINUOUS_ACTION_ENVS, replay_train_value
 
     if cfg.value.offline is not None:  # --run names a logged building dataset (rlpipe datasets generate ...)
@@ -166,7 +189,7 @@ def _replay_train_value(cfg, run: str, date_from: str | None, date_to: str | Non
         if date_from or date_to:
             fail("offline CQL trains on every day of the dataset; drop --date-from/--date-to", 2)
         offline = replay_train_offline(cfg, run)
-        console.print(f"trained {offline.state.step} steps; value-network version {offline.state.version}")
+        console.print(_trained(cfg, before, offline.state.step, f"value-network version {offline.state.version}"))
         return
     if cfg.env.name in CONTINUOUS_ACTION_ENVS:
         fail(f"the value learner needs discrete actions and {cfg.env.name} has none; for offline CQL on logged "
@@ -174,7 +197,7 @@ def _replay_train_value(cfg, run: str, date_from: str | None, date_to: str | Non
     _require_batches(cfg, run, date_from, date_to, steps=True)
 
     learner = replay_train_value(cfg, run, date_from, date_to)
-    console.print(f"trained {learner.state.step} steps; value-network version {learner.state.version}")
+    console.print(_trained(cfg, before, learner.state.step, f"value-network version {learner.state.version}"))
 
 
 replay_command = typer.main.get_command(replay_app)

@@ -48,4 +48,7 @@ def test_replay_of_a_run_with_no_batches_is_refused_and_writes_nothing(tmp_path,
         assert ("runs there: empty" in line) == (args[1] == "nosuch")
     value = runner.invoke(replay_app, ["--run", "empty", "--train", "--preset", "dqn-cartpole", "--set", "run_id=q"])
     assert value.exit_code == 2 and "has no steps batches" in value.output, value.output
-    assert sorted(p.name for p in (tmp_path / "store" / "runs").iterdir()) == ["empty"]
+    store.put("runs/actor/env-steps/date=2026-12-04/b1.parquet", b"not read here")  # a value run's steps batch
+    language = runner.invoke(replay_app, ["--run", "actor", "--train", "--preset", "cartpole", "--set", "run_id=x"])
+    assert language.exit_code == 2 and "--preset dqn-cartpole" in language.output, language.output
+    assert sorted(p.name for p in (tmp_path / "store" / "runs").iterdir()) == ["actor", "empty"]

@@ -29,7 +29,11 @@ def test_generate_train_eval_report_through_the_cli(tmp_path: Path, monkeypatch:
     out = rlpipe("replay", "--run", "hvac-mixed", "--train", "--preset", "cql-building", "--set", f"store.root={root}",
                  "--set", "value.learner.max_steps=2", "--set", "value.offline.updates_per_step=20",
                  "--set", "value.learner.publish_every=1", "--set", "value.learner.hidden_sizes=[16]")
-    assert "trained 2 steps; value-network version 2" in out
+    assert "trained 2 steps (run cql-building, step 0 to 2); value-network version 2" in out
+    again = rlpipe("replay", "--run", "hvac-mixed", "--train", "--preset", "cql-building", "--set",
+                   f"store.root={root}", "--set", "value.learner.max_steps=2", "--set", "value.offline.updates_per_step=20",
+                   "--set", "value.learner.publish_every=1", "--set", "value.learner.hidden_sizes=[16]")
+    assert "already at step 2: nothing left to train" in again  # not "trained 2 steps" again
     results = json.loads(rlpipe("eval", "--run", "cql-building", "--root", root, "--version", "latest",
                                 "--episodes", "2", "--baseline", "heuristic", "--json"))["results"]
     version, heuristic = results
