@@ -357,9 +357,11 @@ def dataset_to_trajectories(
         try:
             info = archive.write_batch(run_id, table, batch_id=batch_id, created=card.created_at)
         except FileExistsError:
-            raise FileExistsError(
-                f"run {run_id} already holds batches of dataset {name}; convert into a new --run"
-            ) from None
+            if store.exists(f"runs/{run_id}/offline/{name}.json"):
+                raise FileExistsError(f"run {run_id} already holds dataset {name}; convert into a new --run") from None
+            raise FileExistsError(  # batches without the summary: a conversion cut short
+                f"an earlier conversion of dataset {name} into run {run_id} did not finish; delete it with "
+                f"`rlpipe runs delete --run {run_id} --yes` and convert again, or convert into a new --run") from None
         rows, tokens, generated = rows + info.num_rows, tokens + info.num_tokens, generated + info.num_generated_tokens
         if progress is not None:
             progress(index + 1, len(plan))

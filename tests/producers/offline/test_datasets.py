@@ -240,6 +240,9 @@ def test_to_trajectories_writes_the_online_prompt_and_the_logged_answer(store, t
     with pytest.raises(FileExistsError, match="new --run"):
         dataset_to_trajectories(store, "heur", "heur-data", tiny_tokenizer, options)
     assert card.name == "heur"
+    store.delete("runs/heur-data/offline/heur.json")  # as a conversion cut short leaves it: batches, no summary
+    with pytest.raises(FileExistsError, match=r"did not finish.*rlpipe runs delete --run heur-data"):
+        dataset_to_trajectories(store, "heur", "heur-data", tiny_tokenizer, options)
 
 
 # ---- evaluation ------------------------------------------------------------------------------------
