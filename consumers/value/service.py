@@ -29,7 +29,7 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
-from schemas.events import Payload
+from schemas.events import Payload, RunStarted
 
 log = logging.getLogger("rlpipe.value")
 CONTINUOUS_ACTION_ENVS = ("building-hvac",)  # setpoints, not action indices: offline CQL (value.offline)
@@ -97,12 +97,17 @@ def replay_train_value(config: RunConfig, source_run: str, date_from: str | None
         raise ValueError(f"the value learner needs discrete actions and {config.env.name} has none; for offline "
                          "CQL on logged building days use --preset cql-building (--run names the dataset)")
     store = open_store(config.store)
-    create_run(store, config, config.env.name)  # run.json, so eval/report know the run
+    _, _, created = create_run(store, config, config.env.name)  # run.json, so eval/report know the run
     source = StepsReplaySource(store, source_run, date_from, date_to)
     learner = build_value_learner(config, store, source, lambda payload: None)
     source.already_trained = lambda batch_id: batch_id in learner.state.trained
     learner.resume()
-    learner.run(on_step=lambda metrics: log.info(progress_line(metrics)), poll_timeout_s=0.0)
+    try:
+        learner.run(on_step=lambda metrics: log.info(progress_line(metrics)), poll_timeout_s=0.0)
+    except ValueError:  # the batches do not suit this agent: a run this call created and never trained goes
+        if isinstance(created, RunStarted) and learner.state.step == 0:
+            store.delete(f"runs/{config.run_id}", recursive=True)
+        raise
     published = learner.registry.latest()
     if learner.state.step and (published is None or published.learner_step < learner.state.step):
         learner.publish(learner.last_metrics)  # the batches ran out between two publish_every steps

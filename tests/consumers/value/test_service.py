@@ -44,3 +44,19 @@ def test_replay_train_refuses_a_value_run_without_discrete_actions() -> None:
                                              "--set", "run_id=hvac-cql", "--set", "env.name=building-hvac"])
     assert result.exit_code == 2
     assert "--preset cql-building" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_replay_refused_on_the_batches_content_leaves_no_run_behind(tmp_path: Path) -> None:
+    import pytest
+
+    store = ObjectStore((tmp_path / "store").as_uri())
+    actor = ValueActor(run_id="actors", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
+                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "actors"), tmp_path / "cache"),
+                       config=ValueActorConfig(steps_per_batch=50))
+    actor.write_batch()
+    raw = load_preset("slateq-recsim")  # a slate agent on CartPole's steps: no click_position feature
+    raw["run_id"] = "wrong-agent"
+    raw["store"] = {"root": (tmp_path / "store").as_uri()}
+    with pytest.raises(ValueError, match="click_position"):
+        replay_train_value(RunConfig.model_validate(raw), "actors")
+    assert store.list("runs/wrong-agent", recursive=True) == []
