@@ -151,7 +151,7 @@ def _trained(cfg, before: int, after: int, version: str) -> str:  # type: ignore
 def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, steps: bool) -> None:  # type: ignore[no-untyped-def]
     """Exit 2 in one line, before anything is written, when ``run`` has no batches to replay in the date range."""
     from consumers.sources import in_date_range
-    from pipeline.analysis.runs import list_runs
+    from pipeline.analysis.runs import list_runs, runs_there
     from pipeline.io.archive import TrajectoryArchive
     from pipeline.runtime import open_store
     from schemas.names import validate_name
@@ -163,10 +163,8 @@ def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, 
     if any(in_date_range(key, date_from, date_to) for key in keys):
         return
     what = "steps batches (a value run's)" if steps else "trajectory batches"
-    runs = list_runs(store)
-    if run not in runs:
-        known = ", ".join(runs[:10]) or "none"
-        fail(f"nothing to replay: no run {run!r} in {store.root} (runs there: {known}); "
+    if run not in list_runs(store):
+        fail(f"nothing to replay: no run {run!r} in {store.root} ({runs_there(store)}); "
              "check --run, or the store (RLPIPE_STORE__ROOT)", 2)
     span = f" between {date_from or 'the first day'} and {date_to or 'the last'}" if date_from or date_to else ""
     if not span and (archive.list_batches(run) if steps else archive.list_steps(run)):  # the other kind of run

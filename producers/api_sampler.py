@@ -109,7 +109,8 @@ def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[S
             stop_ids = tuple(int(item) for item in items)  # [] = never stop before max_tokens
         else:
             raise ApiError("sampling_params.stop mixes strings and token ids; send one kind")
-    params = SampleParams(max_tokens=max_model_len if given.max_tokens is None else given.max_tokens, num_samples=request.num_samples,
+    max_tokens = max_model_len if given.max_tokens is None else given.max_tokens
+    params = SampleParams(max_tokens=max_tokens, num_samples=request.num_samples,
                           temperature=given.temperature, top_p=given.top_p, top_k=max(0, given.top_k),
                           seed=given.seed,
                           stop_token_ids=stop_ids, prompt_logprobs=bool(request.prompt_logprobs))

@@ -21,14 +21,13 @@ app = typer.Typer(name="eval", add_completion=False)
 def stored_run_config(run: str, store_cfg: StoreConfig, overrides: list[str]) -> RunConfig:
     """The run's own configuration (``run.json`` with its newest recorded change; secrets masked there) with
     environment and --set layers on top."""
-    from pipeline.analysis.runs import list_runs
+    from pipeline.analysis.runs import runs_there
     from pipeline.analysis.runs import stored_run_config as stored
 
     store = open_store(store_cfg)
     data = stored(store, run)
     if data is None:
-        known = ", ".join(list_runs(store)[:10]) or "none"
-        fail(f"no run {run!r} in {store.url()} (runs there: {known}); check the run id, or --root for another store", 2)
+        fail(f"no run {run!r} in {store.url()} ({runs_there(store)}); check the run id, or --root for another store", 2)
     data["bus"]["sasl_password"] = None
     data = deep_merge(deep_merge(data, env_layer()), parse_overrides(overrides))
     data["store"] = {**data.get("store", {}), **store_cfg.model_dump(exclude_defaults=True)}

@@ -199,6 +199,12 @@ def list_runs(store: ObjectStore) -> list[str]:
     return sorted(run_ids(store))
 
 
+def runs_there(store: ObjectStore) -> str:
+    """For an error about a run the store lacks: the runs it does have (the first ten)."""
+    known = list_runs(store)
+    return f"runs there: {', '.join(known[:10])}" if known else "there are no runs there"
+
+
 # ---- delete ---------------------------------------------------------------------------------
 
 

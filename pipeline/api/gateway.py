@@ -100,6 +100,11 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise ApiError(f"{model.__name__}: {where}: {first['msg']}; send what the tinker SDK sends") from None
 
 
+def _no_session(session_id: str) -> str:
+    """The same answer for a session that does not exist and one of another key (which is not told apart)."""
+    return f"no session {session_id!r} for this API key; use one created with this key (ServiceClient())"
+
+
 class Gateway:
     """Sessions, models and calls of every tenant, kept in ``store``; calls announced through ``publish``."""
 
@@ -130,9 +135,9 @@ class Gateway:
         try:
             record = json.loads(self.store.get(f"{session_path(session_id)}/session.json"))
         except (FileNotFoundError, ValueError):
-            raise NotFoundError(f"no session {session_id!r} for this API key; use one created with this key (ServiceClient())") from None
+            raise NotFoundError(_no_session(session_id)) from None
         if record["tenant"] != tenant:
-            raise NotFoundError(f"no session {session_id!r} for this API key; use one created with this key (ServiceClient())")
+            raise NotFoundError(_no_session(session_id))
         self._owners[session_id] = tenant
         return dict(record)
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from pipeline.analysis.runs import runs_there
 from pipeline.cli.common import (
     EXIT_FAILURE,
     EXIT_USAGE,
@@ -29,7 +30,7 @@ from pipeline.cli.common import (
     shown_model,
 )
 from pipeline.devstack.gcs_emulator import probe_endpoint
-from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry, run_ids, version_folder
+from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry, version_folder
 from pipeline.io.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError
 from schemas.names import InvalidNameError
 from schemas.registry import AdapterManifest, ManifestError
@@ -141,9 +142,7 @@ def _registry(run: str, root: str | None, gcs_endpoint: str | None) -> AdapterRe
     store = _open_store(root, gcs_endpoint)
     registry = AdapterRegistry(store, run)
     if not registry.run_exists():
-        known = run_ids(store)
-        hint = f"runs there: {', '.join(known[:10])}" if known else "there are no runs there"
-        raise UsageError(f"run {run!r} not found under {store.root}; {hint}")
+        raise UsageError(f"run {run!r} not found under {store.root}; {runs_there(store)}")
     return registry
 
 

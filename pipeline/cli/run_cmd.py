@@ -106,7 +106,8 @@ def run(
         from pipeline.devstack.launcher import Launcher
 
         code = Launcher(configs, dashboard=dashboard).run()
-        console.print(f"{chr(10) if dashboard else ''}their packed report: rlpipe report {' '.join(f'--run {i}' for i in ids)}", markup=False)
+        console.print(f"{_below(dashboard)}their packed report: rlpipe report {' '.join(f'--run {i}' for i in ids)}",
+                      markup=False)
         raise typer.Exit(code)
     store = open_store(cfg.store)
     if resume is not None:
@@ -124,11 +125,15 @@ def run(
     from pipeline.devstack.launcher import Launcher
 
     code = Launcher(cfg, dashboard=dashboard).run()
-    lead = "\n" if dashboard else ""  # the dashboard's last frame ends without a line break
-    console.print(f"{lead}run {cfg.run_id}: rlpipe runs show --run {cfg.run_id}; "
+    console.print(f"{_below(dashboard)}run {cfg.run_id}: rlpipe runs show --run {cfg.run_id}; "
                   f"rlpipe eval --run {cfg.run_id}; rlpipe report --run {cfg.run_id}; continue it with "
                   f"rlpipe run --resume {cfg.run_id} --max-steps N", markup=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _below(dashboard: bool) -> str:
+    """What starts a closing line: a line break after the dashboard, whose last frame ends without one."""
+    return "\n" if dashboard else ""
 
 
 def with_budget(config: RunConfig, max_steps: int | None, producers: int | None) -> RunConfig:
@@ -276,7 +281,7 @@ def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
 def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     """The run's stored configuration (``run.json`` with its newest recorded change) with the ``RLPIPE_``
     environment and ``--set`` on top."""
-    from pipeline.analysis.runs import list_runs, stored_run_config
+    from pipeline.analysis.runs import runs_there, stored_run_config
     from pipeline.runtime import open_store
 
     validate_name(run_id, "run_id")
@@ -284,8 +289,7 @@ def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     store = open_store(located.store)
     stored = stored_run_config(store, run_id)
     if stored is None:
-        known = ", ".join(list_runs(store)[:10]) or "none"
-        raise ConfigError(f"no run {run_id!r} to resume in {store.root} (runs there: {known}); "
+        raise ConfigError(f"no run {run_id!r} to resume in {store.root} ({runs_there(store)}); "
                           "start a new one with rlpipe run --preset NAME")
     stored["bus"]["sasl_password"] = None  # stored as ***; the real one comes from the environment
     merged = deep_merge(deep_merge(stored, env_layer()), parse_overrides(overrides))

@@ -25,6 +25,7 @@ from pipeline.analysis.runs import (
     list_runs,
     plan_delete,
     run_exists,
+    runs_there,
     summarize,
 )
 from pipeline.cli.common import (
@@ -73,9 +74,7 @@ def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
 
 def _known_run(store: ObjectStore, run: str) -> None:
     if not run_exists(store, run):
-        known = list_runs(store)
-        hint = f"runs there: {', '.join(known[:10])}" if known else "there are no runs there"
-        fail(f"run {run!r} not found under {store.root}; {hint}", EXIT_USAGE)
+        fail(f"run {run!r} not found under {store.root}; {runs_there(store)}", EXIT_USAGE)
 
 
 def _json(summary: RunSummary) -> dict[str, object]:
@@ -93,9 +92,13 @@ def _when(moment: datetime | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
 
 
-def _width(rows: list[dict[str, str]], columns: list[str]) -> int:
-    """The width of a table of ``rows`` with ``columns``: each column's widest cell, padding and borders."""
-    return 1 + sum(3 + max(len(column), *(len(row[column]) for row in rows)) for column in columns)
+def _runs_table(title: str, rows: list[dict[str, str]], columns: list[str]) -> Table:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, no_wrap=True, overflow="fold")
+    for row in rows:
+        table.add_row(*(row[column] for column in columns))
+    return table
 
 
 def _steps(summary: RunSummary) -> str:
@@ -132,13 +135,11 @@ def list_command(
              "last active (UTC)": _when(s.last_activity)} for s in summaries]
     columns = list(rows[0])
     left_out = []
-    while _width(rows, columns) > console.width and len(columns) > 6:  # a narrow terminal: the least needed go
+    table = _runs_table(f"runs in {store.root}", rows, columns)
+    while console.measure(table, options=console.options.update_width(10**6)).maximum > console.width \
+            and len(columns) > 6:  # a narrow terminal: the least needed go
         left_out.append(columns.pop(3 if "base model" in columns else -1))
-    table = Table(title=f"runs in {store.root}")
-    for column in columns:
-        table.add_column(column, no_wrap=True, overflow="fold")
-    for row in rows:
-        table.add_row(*(row[column] for column in columns))
+        table = _runs_table(f"runs in {store.root}", rows, columns)
     console.print(table)
     if left_out:
         console.print(f"({' and '.join(left_out)} left out to fit {console.width} columns: widen the terminal, "

@@ -30,10 +30,11 @@ from pipeline.analysis.report.metrics import (
     value_traces,
 )
 from pipeline.analysis.report.model import ControlEvents, RunReport, dig, finite, first_known, iso
+from pipeline.analysis.runs import runs_there
 from pipeline.devstack.stack import resolve_bootstrap_servers
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import BusError, tail
-from pipeline.io.registry import AdapterRegistry, run_ids
+from pipeline.io.registry import AdapterRegistry
 from pipeline.io.steplog import StepLog, StepLogGapError
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import effective_run_config
@@ -63,9 +64,7 @@ def open_run(store: ObjectStore, run_id: str) -> str:
     """``run_id`` if the store has it, else ``UnknownRunError`` naming the runs it does have."""
     validate_name(run_id, "run_id")
     if not store.exists(f"runs/{run_id}"):
-        known = run_ids(store)
-        hint = f"runs there: {', '.join(known[:10])}" if known else "there are no runs there"
-        raise UnknownRunError(f"run {run_id!r} not found under {store.root}; {hint}")
+        raise UnknownRunError(f"run {run_id!r} not found under {store.root}; {runs_there(store)}")
     return run_id
 
 
