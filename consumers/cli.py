@@ -152,7 +152,7 @@ def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, 
     """Exit 2 in one line, before anything is written, when ``run`` has no batches to replay in the date range."""
     from consumers.sources import in_date_range
     from pipeline.analysis.runs import list_runs, runs_there
-    from pipeline.io.archive import TrajectoryArchive
+    from pipeline.io.archive import TrajectoryArchive, unfinished_conversions
     from pipeline.runtime import open_store
     from schemas.names import validate_name
 
@@ -161,6 +161,9 @@ def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, 
     validate_name(run, "run_id")
     keys = archive.list_steps(run) if steps else archive.list_batches(run)
     if any(in_date_range(key, date_from, date_to) for key in keys):
+        if unfinished := unfinished_conversions(store, run):
+            fail(f"run {run!r} holds a conversion of dataset {', '.join(unfinished)} that did not finish; delete it "
+                 f"with `rlpipe runs delete --run {run} --yes` and convert again (rlpipe datasets to-trajectories)", 2)
         return
     what = "steps batches (a value run's)" if steps else "trajectory batches"
     if run not in list_runs(store):

@@ -100,6 +100,19 @@ def batch_key(run_id: str, day: date, batch_id: str) -> str:
     return f"{trajectories_prefix(run_id)}/date={day.isoformat()}/{validate_name(batch_id, 'batch_id')}.parquet"
 
 
+def conversion_keys(run_id: str, dataset: str) -> tuple[str, str]:
+    """The marker a dataset conversion into ``run_id`` writes first and the summary it writes last."""
+    folder = f"runs/{validate_name(run_id, 'run_id')}/offline/{validate_name(dataset, 'dataset')}"
+    return f"{folder}.converting", f"{folder}.json"
+
+
+def unfinished_conversions(store: ObjectStore, run_id: str) -> list[str]:
+    """The datasets whose conversion into ``run_id`` started and never wrote its summary (cut short)."""
+    keys = set(store.list(f"runs/{validate_name(run_id, 'run_id')}/offline"))
+    started = [key.rsplit("/", 1)[-1].removesuffix(".converting") for key in keys if key.endswith(".converting")]
+    return sorted(name for name in started if conversion_keys(run_id, name)[1] not in keys)
+
+
 def new_batch_id(prefix: str = "b") -> str:
     """A fresh, unique, path-safe batch id (``<prefix>-<32 hex>``)."""
     return validate_name(f"{prefix}-{uuid.uuid4().hex}", "batch_id")

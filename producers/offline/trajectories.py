@@ -332,9 +332,11 @@ def dataset_to_trajectories(
 
     Batch ids are ``<dataset>-<index>`` in a date folder fixed by the dataset's card, so a
     second conversion into the same run fails on its first batch instead of mixing data.
-    A summary (``runs/<run>/offline/<dataset>.json``) is written last.
+    A marker (``runs/<run>/offline/<dataset>.converting``) is written first and the summary
+    (``runs/<run>/offline/<dataset>.json``) last: ``rlpipe replay`` refuses a run whose
+    conversion was cut short (a marker without its summary).
     """
-    from pipeline.io.archive import TrajectoryArchive
+    from pipeline.io.archive import TrajectoryArchive, conversion_keys
     from schemas.names import validate_name
 
     options = options or TrajectoryOptions()
@@ -349,6 +351,9 @@ def dataset_to_trajectories(
                         options.epochs, options.seed)
     archive = TrajectoryArchive(store)
     producer_id = validate_name(f"dataset-{name}"[:64].rstrip("-."), "producer_id")
+    marker_key, summary_key = conversion_keys(run_id, name)
+    if not store.exists(summary_key):
+        store.put(marker_key, (json.dumps({"dataset": name, "batches": len(plan)}) + "\n").encode())
     rows = tokens = generated = 0
     for index, items in enumerate(plan):
         batch_id = validate_name(f"{name[:48]}-{index:06d}", "batch_id")
@@ -357,7 +362,7 @@ def dataset_to_trajectories(
         try:
             info = archive.write_batch(run_id, table, batch_id=batch_id, created=card.created_at)
         except FileExistsError:
-            if store.exists(f"runs/{run_id}/offline/{name}.json"):
+            if store.exists(summary_key):
                 raise FileExistsError(f"run {run_id} already holds dataset {name}; convert into a new --run") from None
             raise FileExistsError(  # batches without the summary: a conversion cut short
                 f"an earlier conversion of dataset {name} into run {run_id} did not finish; delete it with "
@@ -365,7 +370,6 @@ def dataset_to_trajectories(
         rows, tokens, generated = rows + info.num_rows, tokens + info.num_tokens, generated + info.num_generated_tokens
         if progress is not None:
             progress(index + 1, len(plan))
-    summary_key = f"runs/{run_id}/offline/{name}.json"
     summary = {
         "dataset": name, "dataset_created_at": card.created_at.isoformat(), "model": model,
         "options": options.model_dump(mode="json"), "env": env.name,
@@ -374,4 +378,5 @@ def dataset_to_trajectories(
         "generated_tokens": generated, "created_at": dt.datetime.now(dt.UTC).isoformat(),
     }  # fmt: skip
     store.put_create(summary_key, (json.dumps(summary, indent=2) + "\n").encode())
+    store.delete(marker_key, missing_ok=True)
     return ConversionReport(run_id, name, len(episodes), len(plan), rows, tokens, generated, summary_key)

@@ -245,6 +245,31 @@ def test_to_trajectories_writes_the_online_prompt_and_the_logged_answer(store, t
         dataset_to_trajectories(store, "heur", "heur-data", tiny_tokenizer, options)
 
 
+def test_a_conversion_cut_short_is_refused_by_replay_until_it_is_deleted(store, tiny_tokenizer, monkeypatch):
+    from consumers.cli import replay_app
+
+    generate_building_dataset(store, "heur", GenerationSpec(days=1, policy="heuristic", first_day=0))
+    options = TrajectoryOptions(episodes_per_batch=1, turns_per_batch=48, history_turns=0)
+
+    def interrupted(done: int, total: int) -> None:
+        if done == 2:
+            raise KeyboardInterrupt  # as Ctrl-C or a killed process leaves it: two of six batches written
+
+    with pytest.raises(KeyboardInterrupt):
+        dataset_to_trajectories(store, "heur", "cut", tiny_tokenizer, options, progress=interrupted)
+    assert len(TrajectoryArchive(store).list_batches("cut")) == 2
+    monkeypatch.setenv("RLPIPE_HOME", str(store.root.removeprefix("file://")) + "-home")
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", store.root)
+    for args in (["--train", "--set", "run_id=from-cut"], ["--to-topic"]):
+        result = runner.invoke(replay_app, ["--run", "cut", *args, "--preset", "building-hvac"])
+        line = result.output.strip()
+        assert result.exit_code == 2 and "\n" not in line, result.output
+        assert "did not finish" in line and "heur" in line and "rlpipe runs delete --run cut" in line
+    assert not store.exists("runs/from-cut/run.json")
+    whole = dataset_to_trajectories(store, "heur", "whole", tiny_tokenizer, options)
+    assert whole.batches == 6 and store.list("runs/whole/offline") == ["runs/whole/offline/heur.json"]
+
+
 # ---- evaluation ------------------------------------------------------------------------------------
 
 
