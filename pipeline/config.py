@@ -35,6 +35,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from schemas.config import RunConfig
 
 ENV_PREFIX = "RLPIPE_"
+VALUE_RUN_LEARNER_FIELDS = {"torch_threads"}  # the one `learner` field a value run reads
 # RLPIPE_ variables that configure a process rather than a run (never checked against RunConfig's fields).
 PROCESS_ENV = {
     "RLPIPE_HOME": "where the embedded stack, caches and local store live (pipeline.devstack.stack)",
@@ -214,9 +215,31 @@ def resolve_config(
     for layer in layers:
         merged = deep_merge(merged, layer)
     try:
-        return RunConfig.model_validate(merged)
+        config = RunConfig.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(validation_message(exc)) from None
+    check_value_run_settings(config, layers[1 if preset else 0:])
+    return config
+
+
+def check_value_run_settings(config: RunConfig, layers: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse a LoRA learner setting given for a value run: ``learner.max_steps`` would be accepted and do nothing
+    (its budget is ``value.learner.max_steps``).  A value run reads only ``VALUE_RUN_LEARNER_FIELDS`` of ``learner``;
+    a setting equal to the default (a whole configuration written by ``rlpipe config show``) changes nothing."""
+    from schemas.config import LearnerConfig
+    from schemas.value import ValueLearnerConfig
+
+    if config.value is None:
+        return
+    defaults = LearnerConfig()
+    for layer in layers:
+        for key in layer.get("learner") or {}:
+            if key in VALUE_RUN_LEARNER_FIELDS or getattr(config.learner, key) == getattr(defaults, key):
+                continue
+            fix = (f"set value.learner.{key}" if key in ValueLearnerConfig.model_fields
+                   else "a value run's learner settings are value.learner.* (rlpipe config show --preset NAME)")
+            raise ConfigError(f"learner.{key} does not apply to a value run (it trains value.learner, not a LoRA "
+                              f"adapter); {fix}")
 
 
 def config_to_json(config: RunConfig, reveal_secrets: bool = False) -> str:

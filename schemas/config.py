@@ -393,3 +393,8 @@ def check_packable(configs: list[RunConfig], shared: tuple[str, ...], what: str)
             if ours != theirs:
                 raise ValueError(f"runs {first.run_id} and {cfg.run_id} differ in {name} ({ours} vs {theirs}); "
                                  f"packed runs share {what}: start them separately")
+
+
+def step_budget(config: RunConfig) -> int | None:
+    """The run's ``max_steps``: a value run's is its value learner's, any other run's its LoRA learner's."""
+    return (config.value.learner if config.value is not None else config.learner).max_steps

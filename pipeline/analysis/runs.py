@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -74,8 +75,17 @@ class RunActivity:
             self.stopped_s = self.stop_reason = None  # started (again) after any earlier stop
         elif isinstance(payload, LearnerCheckpointed):
             self.last_step = payload.step
-            if "reward_mean" in payload.metrics:
-                self.last_reward = float(payload.metrics["reward_mean"])
+            if (reward := episode_reward(payload.metrics)) is not None:
+                self.last_reward = reward
+
+
+def episode_reward(metrics: Mapping[str, float]) -> float | None:
+    """The mean episode return a version or checkpoint reports: ``reward_mean`` (a LoRA learner's sampled
+    trajectories) or ``episode_return_mean`` (a value learner's actors)."""
+    for name in ("reward_mean", "episode_return_mean"):
+        if name in metrics:
+            return float(metrics[name])
+    return None
 
 
 @dataclass
@@ -93,6 +103,7 @@ class RunSummary:
     last_activity: datetime | None = None
     stop_reason: str | None = None
     notes: list[str] = field(default_factory=list)
+    kind: str = "lora"  # what its versions are: "lora" adapters, or a value run's "value-network"
 
 
 def stored_run_config(store: ObjectStore, run_id: str) -> dict[str, Any] | None:
@@ -150,14 +161,16 @@ def summarize(
 ) -> RunSummary:
     """Everything ``runs show`` prints about one run."""
     config = stored_run_config(store, run_id) or {}
-    learner = config.get("learner") or {}
+    value = config.get("value")  # a value run: its budget and network are value.learner's, it has no base model
+    learner = (value.get("learner") or {}) if value else config.get("learner") or {}
     manifests = AdapterRegistry(store, run_id).list()
     steps = max([learner_step(store, run_id), *(m.learner_step for m in manifests[-1:])])
-    rewards = [m.metrics["reward_mean"] for m in manifests if "reward_mean" in m.metrics]
+    rewards = [reward for m in manifests if (reward := episode_reward(m.metrics)) is not None]
     summary = RunSummary(
         run_id=run_id, status="unknown", env=(config.get("env") or {}).get("name"),
-        base_model=(config.get("model") or {}).get("base_model"), steps=steps, max_steps=learner.get("max_steps"),
-        versions=len(manifests), last_reward=rewards[-1] if rewards else None,
+        base_model=f"{learner.get('agent')} value network" if value else (config.get("model") or {}).get("base_model"),
+        steps=steps, max_steps=learner.get("max_steps"), versions=len(manifests),
+        last_reward=rewards[-1] if rewards else None, kind="value-network" if value else "lora",
     )
     moments = [m.created_at.timestamp() for m in manifests[-1:]]
     if activity is not None:

@@ -37,9 +37,17 @@ from pydantic import ValidationError
 from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
 from pipeline.cli.demo_cmd import seed_overrides
 from pipeline.cli.options import SetOpt, run_config, setup_logging
-from pipeline.config import ConfigError, deep_merge, env_layer, load_file, parse_overrides, validation_message
+from pipeline.config import (
+    ConfigError,
+    check_value_run_settings,
+    deep_merge,
+    env_layer,
+    load_file,
+    parse_overrides,
+    validation_message,
+)
 from pipeline.io.store import ObjectStore
-from schemas.config import RunConfig, check_packable
+from schemas.config import RunConfig, check_packable, step_budget
 from schemas.names import validate_name
 
 app = typer.Typer(name="run", add_completion=False)
@@ -117,8 +125,9 @@ def run(
         cfg = cfg.model_copy(update={"run_id": new_run_id(store, cfg.run_id, explicit)})
     console.print(f"{'resuming' if resume else 'starting'} run {cfg.run_id}", markup=False)
     setup_logging()
-    if (cfg.value.learner if cfg.value is not None else cfg.learner).max_steps is None:
-        typer.echo("note: learner.max_steps is not set: the run goes on until Ctrl-C")
+    if step_budget(cfg) is None:
+        typer.echo(f"note: {'value.' if cfg.value is not None else ''}learner.max_steps is not set: the run goes on "
+                   "until Ctrl-C")
     if cfg.num_producers == 0:
         typer.echo(f"note: no producers (--producers 0): the learner waits for batches of producers started "
                    f"elsewhere, e.g. rlpipe producer start --run {cfg.run_id} --preset NAME")
@@ -175,12 +184,12 @@ def packed_configs(kinds: list[tuple[str | None, str | None]], overrides: list[s
                           "several runs of one)")
     from pipeline.runtime import open_store
 
-    stores = [open_store(run_config(*kind, overrides).store) for kind in kinds]
-    ids = packed_run_ids(stores, stems, count)
+    firsts = [run_config(*kind, overrides) for kind in kinds]
+    if any(c.value is not None for c in firsts):
+        raise ConfigError("value-based runs are not packed: start one rlpipe run per value run")
+    ids = packed_run_ids([open_store(c.store) for c in firsts], stems, count)
     configs = [with_budget(run_config(*kinds[k], [*seed_overrides(i), *overrides]), max_steps, producers)
                .model_copy(update={"run_id": ids[k][i]}) for k in range(len(kinds)) for i in range(len(ids[k]))]
-    if any(c.value is not None for c in configs):
-        raise ConfigError("value-based runs are not packed: start one rlpipe run per value run")
     try:
         check_packable(configs, PACKED_SHARED, "one base model, device, sampling engine and event log")
     except ValueError as exc:
@@ -292,11 +301,14 @@ def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
         raise ConfigError(f"no run {run_id!r} to resume in {store.root} ({runs_there(store)}); "
                           "start a new one with rlpipe run --preset NAME")
     stored["bus"]["sasl_password"] = None  # stored as ***; the real one comes from the environment
-    merged = deep_merge(deep_merge(stored, env_layer()), parse_overrides(overrides))
+    changes = [env_layer(), parse_overrides(overrides)]
+    merged = deep_merge(deep_merge(stored, changes[0]), changes[1])
     try:
-        return RunConfig.model_validate(merged)
+        config = RunConfig.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(validation_message(exc)) from None
+    check_value_run_settings(config, changes)
+    return config
 
 
 def stop_if_finished(store: ObjectStore, config: RunConfig) -> None:
@@ -305,7 +317,7 @@ def stop_if_finished(store: ObjectStore, config: RunConfig) -> None:
     from pipeline.config import preset_names
 
     preset_hint = config.env.name if config.env.name in preset_names() else "NAME"
-    limit = config.learner.max_steps
+    limit = step_budget(config)
     step = learner_step(store, config.run_id)
     if limit is not None and step >= limit:
         console.print(

@@ -84,7 +84,7 @@ def _json(summary: RunSummary) -> dict[str, object]:
         "steps": summary.steps, "max_steps": summary.max_steps, "versions": summary.versions,
         "last_reward": reward if reward is None or math.isfinite(reward) else None,
         "last_activity": summary.last_activity.isoformat() if summary.last_activity else None,
-        "stop_reason": summary.stop_reason, "notes": summary.notes,
+        "stop_reason": summary.stop_reason, "notes": summary.notes, "kind": summary.kind,
     }
 
 
@@ -178,7 +178,8 @@ def show_command(
     for label, value in (
         ("status", summary.status + (f" ({summary.stop_reason})" if summary.stop_reason else "")),
         ("environment", summary.env or "-"), ("base model", summary.base_model or "-"),
-        ("learner steps", _steps(summary)), ("adapter versions", str(summary.versions)),
+        ("learner steps", _steps(summary)),
+        ("value-network versions" if summary.kind == "value-network" else "adapter versions", str(summary.versions)),
         ("last reward", _reward(summary)), ("last activity (UTC)", _when(summary.last_activity)),
         ("store", store.url(f"runs/{name}")),
     ):  # fmt: skip

@@ -45,7 +45,7 @@ from pipeline.devstack.stack import StackState, read_stack_state, rlpipe_home, s
 from pipeline.io.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, tail
 from pipeline.io.registry import AdapterRegistry
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
-from schemas.config import RunConfig
+from schemas.config import RunConfig, step_budget
 from schemas.events import Envelope, LearnerCheckpointed, ProducerHeartbeat, RunStopped
 
 log = logging.getLogger("rlpipe.run")
@@ -147,11 +147,6 @@ def stop_signals_interrupt() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def step_budget(config: RunConfig) -> int | None:
-    """The run's ``max_steps`` (a value run's is its value learner's)."""
-    return (config.value.learner if config.value is not None else config.learner).max_steps
 
 
 def rlpipe_command(*args: str) -> list[str]:
@@ -363,7 +358,7 @@ class Launcher:
         """Every run's panel, one under the other."""
         from rich.console import Group
 
-        return Group(*(self.boards[c.run_id].render(c.run_id, c.learner.max_steps) for c in self.configs))
+        return Group(*(self.boards[c.run_id].render(c.run_id, step_budget(c)) for c in self.configs))
 
     def _producer_failed(self) -> bool:
         return any(p.poll() not in (None, 0) for name, p in self.processes.items() if name != "learner")

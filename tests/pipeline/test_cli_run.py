@@ -245,3 +245,15 @@ def test_a_packed_launch_gives_every_producer_process_every_run(tmp_path: Path) 
     config = RunConfig()
     ranges = [config.training_seeds(producer_id) for producer_id in ids]
     assert not set(ranges[0]) & set(ranges[1])  # the ordinal keeps the processes' seeds apart
+
+
+def test_resuming_a_value_run_that_reached_its_budget_says_so(home: Path) -> None:
+    """A value run's budget is value.learner.max_steps: a resume past it starts nothing, as a LoRA run's."""
+    assert _run("--preset", "dqn-cartpole", "--run", "vdone", "--max-steps", "2").exit_code == 0
+    assert FakeLauncher.launched[0].value.learner.max_steps == 2
+    store = open_store(FakeLauncher.launched[0].store)
+    tensors = {"w": torch.zeros(1)}
+    CheckpointStore(store, "vdone").save(LearnerState(step=2, version=2), tensors, tensors, {})
+    finished = _run("--resume", "vdone")
+    assert finished.exit_code == 0 and "already reached its max_steps (2)" in finished.output, finished.output
+    assert len(FakeLauncher.launched) == 1

@@ -65,7 +65,7 @@ def test_list_shows_every_run_from_the_store(two_runs: tuple[ObjectStore, Path])
     assert set(runs) == {"cart", "cartpole"}
     assert runs["cart"] | {"last_activity": None} == {
         "run_id": "cart", "status": "finished", "env": "cartpole", "base_model": "tiny", "steps": 2, "max_steps": 2,
-        "versions": 2, "last_reward": 1.0, "last_activity": None, "stop_reason": None, "notes": []}
+        "versions": 2, "last_reward": 1.0, "last_activity": None, "stop_reason": None, "notes": [], "kind": "lora"}
     assert runs["cartpole"]["status"] == "unknown" and runs["cartpole"]["steps"] == 3
     assert runs["cartpole"]["last_reward"] == 1.5 and runs["cartpole"]["env"] == "sokoban"
     assert runs["cart"]["last_activity"].startswith(str(datetime.now(UTC).year))
@@ -277,3 +277,23 @@ def test_eval_of_a_version_the_run_does_not_have_is_one_line(two_runs: tuple[Obj
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert "\n" not in result.output.strip() and "no adapter version 9" in result.output
     assert "rlpipe adapters list --run cart" in result.output
+
+
+def test_a_value_run_is_shown_with_its_own_budget_network_and_return(file_store: ObjectStore) -> None:
+    """A DQN run's budget is value.learner.max_steps (the LoRA learner's does not apply), it has no base model but a
+    value network of its agent, and its versions carry episode_return_mean rather than reward_mean."""
+    from pipeline.config import resolve_config
+
+    config = resolve_config("dqn-cartpole", overrides=["run_id=dq", "value.learner.max_steps=40"])
+    create_run(file_store, config, "dqn:cartpole")
+    registry = AdapterRegistry(file_store, "dq")
+    for step in (1, 2):
+        registry.publish_files({"value_network.safetensors": b"w", "value_config.json": b"{}"}, "dqn:cartpole",
+                               step - 1, step, {"episode_return_mean": 10.0 * step}, kind="value-network")
+    shown = runner.invoke(app, ["show", "--run", "dq", "--json", "--root", file_store.root, "--no-bus"])
+    assert shown.exit_code == 0, shown.output
+    summary = json.loads(shown.output)
+    assert summary["max_steps"] == 40 and summary["steps"] == 2 and summary["last_reward"] == 20.0
+    assert summary["base_model"] == "dqn value network"
+    table = runner.invoke(app, ["show", "--run", "dq", "--root", file_store.root, "--no-bus"])
+    assert "2/40" in table.output and "value-network versions" in table.output and "tiny" not in table.output

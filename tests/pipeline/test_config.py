@@ -142,3 +142,19 @@ def test_config_show_says_what_empty_broker_and_store_fields_resolve_to(tmp_path
     given = CliRunner().invoke(config_app, ["show", "--preset", "cartpole", "--set", "bus.bootstrap_servers=k:9092",
                                             "--set", "store.root=memory://x"])
     assert "note:" not in given.stderr
+
+
+def test_a_language_model_learner_setting_on_a_value_run_is_refused_naming_the_value_one(tmp_path):
+    """`--set learner.max_steps=30` on a DQN preset used to be accepted and do nothing (the value learner trains to
+    value.learner.max_steps): it is refused, naming the field that does apply."""
+    for layers in ({"overrides": ["learner.max_steps=30"]}, {"environ": {"RLPIPE_LEARNER__LEARNING_RATE": "0.1"}}):
+        with pytest.raises(ConfigError) as info:
+            resolve_config("dqn-cartpole", **layers)
+        line = str(info.value)
+        assert "\n" not in line and "value run" in line
+        assert ("value.learner.max_steps" in line) == ("overrides" in layers)
+    with pytest.raises(ConfigError, match=r"learner\.lora_rank.*value\.learner"):
+        resolve_config("cql-building", overrides=["learner.lora_rank=4"])  # no value field of that name
+    cfg = resolve_config("dqn-cartpole", overrides=["learner.torch_threads=1", "value.learner.max_steps=30"])
+    assert cfg.learner.torch_threads == 1 and cfg.value.learner.max_steps == 30  # what a value run does read
+    assert resolve_config("cartpole", overrides=["learner.max_steps=30"]).learner.max_steps == 30
