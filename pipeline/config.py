@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -42,7 +43,13 @@ PROCESS_ENV = {
     "RLPIPE_KAFKA_GROUP_TIMINGS_MS": "consumer-group timings as JSON (pipeline.io.bus)",
     "RLPIPE_KAFKA_PORT": "port of a broker started by `python -m pipeline.devstack.broker`",
     "RLPIPE_FAULT": "the learner's crash-test hook (consumers.faults)",
+    "RLPIPE_API_KEYS": "the Tinker API's tenants and their keys, tenant=key,... (pipeline.api.tenants)",
+    "RLPIPE_SWEEP_EXPERIMENT": "a sweep experiment's name, for its script (pipeline.sweeps.runner)",
 }
+# What Kubernetes sets in a pod for each Service of its namespace (a Service named rlpipe-kafka-bootstrap gives
+# RLPIPE_KAFKA_BOOTSTRAP_SERVICE_HOST, ..._PORT_9093_TCP_ADDR): never run configuration, never refused.
+SERVICE_LINK = re.compile(r"RLPIPE_(?!.*__)[A-Z0-9_]+_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?"
+                          r"|PORT(_[0-9]+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)")
 
 
 class ConfigError(ValueError):
@@ -111,7 +118,7 @@ def check_env_names(names: Sequence[str]) -> None:
     valid = config_env_names()
     for name in names:
         upper = name.upper()
-        if not upper.startswith(ENV_PREFIX) or upper in valid or upper in PROCESS_ENV:
+        if not upper.startswith(ENV_PREFIX) or upper in valid or upper in PROCESS_ENV or SERVICE_LINK.fullmatch(upper):
             continue
         section, _, rest = upper.partition("__")
         if f"{section}__{rest.partition('__')[0]}" in valid and _is_mapping_field(section, rest.partition("__")[0]):

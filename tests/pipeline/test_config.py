@@ -158,3 +158,37 @@ def test_a_language_model_learner_setting_on_a_value_run_is_refused_naming_the_v
     cfg = resolve_config("dqn-cartpole", overrides=["learner.torch_threads=1", "value.learner.max_steps=30"])
     assert cfg.learner.torch_threads == 1 and cfg.value.learner.max_steps == 30  # what a value run does read
     assert resolve_config("cartpole", overrides=["learner.max_steps=30"]).learner.max_steps == 30
+
+
+def test_every_rlpipe_variable_the_code_reads_is_accepted_by_the_configuration():
+    """A process variable the code reads (RLPIPE_API_KEYS, ...) that the configuration refused stopped every command
+    where it was set: each one named in the source must be a field or in PROCESS_ENV."""
+    import re
+    from pathlib import Path
+
+    from pipeline.config import PROCESS_ENV, config_env_names
+
+    root = Path(__file__).resolve().parents[2]
+    read = {name for package in ("pipeline", "producers", "consumers", "schemas")
+            for path in (root / package).rglob("*.py")
+            for name in re.findall(r"[\"'](RLPIPE_[A-Z0-9_]+)[\"']", path.read_text())}
+    assert "RLPIPE_API_KEYS" in read
+    assert not read - config_env_names() - set(PROCESS_ENV)
+    resolve_config(environ=dict.fromkeys(read - config_env_names(), "x"))
+
+
+def test_kubernetes_service_links_of_services_named_rlpipe_are_not_configuration():
+    """Kubernetes gives each pod <SERVICE>_SERVICE_HOST, <SERVICE>_PORT_9092_TCP, ... for every Service in its
+    namespace: a Service named rlpipe-kafka-bootstrap or rlpipe-api must not stop rlpipe from starting."""
+    links = {"RLPIPE_KAFKA_BOOTSTRAP_SERVICE_HOST": "10.96.0.10", "RLPIPE_KAFKA_BOOTSTRAP_SERVICE_PORT": "9093",
+             "RLPIPE_KAFKA_BOOTSTRAP_SERVICE_PORT_TCP_REPLICATION": "9091",
+             "RLPIPE_KAFKA_BOOTSTRAP_PORT": "tcp://10.96.0.10:9093",
+             "RLPIPE_KAFKA_BOOTSTRAP_PORT_9093_TCP": "tcp://10.96.0.10:9093",
+             "RLPIPE_KAFKA_BOOTSTRAP_PORT_9093_TCP_PROTO": "tcp", "RLPIPE_KAFKA_BOOTSTRAP_PORT_9093_TCP_PORT": "9093",
+             "RLPIPE_KAFKA_BOOTSTRAP_PORT_9093_TCP_ADDR": "10.96.0.10", "RLPIPE_API_SERVICE_HOST": "10.96.0.11",
+             "RLPIPE_API_PORT": "tcp://10.96.0.11:80"}
+    assert resolve_config("cartpole", environ=links).env.name == "cartpole"
+    with pytest.raises(ConfigError, match="RLPIPE_LEARNER__LEARNING_RATE"):  # a misspelt field is still refused
+        resolve_config(environ={**links, "RLPIPE_LEARNER__LEARNIG_RATE": "1e-4"})
+    with pytest.raises(ConfigError, match="RLPIPE_RUN_ID"):
+        resolve_config(environ={"RLPIPE_RUNID": "x"})
