@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from consumers.learner import (
 )
 from consumers.lease import LearnerLease
 from consumers.step_writer import finite_numbers
+from consumers.tracking import NOT_SCALARS
 from consumers.value.agent import ValueAgent, build_agent
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.networks import network_spec
@@ -229,8 +231,10 @@ class ValueLearner:
         """Add the batch's transitions, train, then record, publish and checkpoint when due."""
         if batch.table is None:
             raise ValueError(f"batch {batch.ref.batch_id} has no table to train (skipped or quarantined)")
+        started = time.time()  # with finished_at: the learner's lane of the report's duty cycle
         added = self.memory.add_steps_table(batch.table)
-        metrics: dict[str, Any] = {"step": self.state.step + 1, **self.train(added), **episode_metrics(batch.table)}
+        metrics: dict[str, Any] = {"step": self.state.step + 1, "started_at": started, **self.train(added),
+                                   **episode_metrics(batch.table)}
         metrics["batch_ids"] = [batch.ref.batch_id]
         metrics["batches"] = [{"batch_id": batch.ref.batch_id, "path": batch.ref.path,
                                "sha256": batch.ref.sha256, "transitions": added}]
@@ -245,6 +249,7 @@ class ValueLearner:
         if self.state.step % self.cfg.publish_every == 0 and self.agent.training_steps:
             self.publish(metrics)
         metrics["version"] = self.state.version
+        metrics["finished_at"] = time.time()
         self.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
         self.last_metrics = metrics
         if self.state.step % self.cfg.checkpoint_every == 0:
@@ -277,7 +282,7 @@ class ValueLearner:
         manifest = self.registry.publish_files(
             network_files(self.spec, self.agent.online), base_model=f"{self.cfg.agent}:{self.env_name}",
             parent_version=self.state.version, learner_step=self.state.step,
-            metrics=finite_numbers(metrics, exclude=("step",)), kind="value-network",
+            metrics=finite_numbers(metrics, exclude=NOT_SCALARS), kind="value-network",
         )
         self.state.version = manifest.version
         self.announce(self.registry.published_event(manifest))
@@ -297,7 +302,7 @@ class ValueLearner:
         key = self.checkpoints.save(self.state, self.agent.state_dict(), priorities, scalars)
         self.announce(LearnerCheckpointed(step=self.state.step, version=self.state.version, path=key,
                                           offsets=dict(self.state.positions),
-                                          metrics=finite_numbers(self.last_metrics)))
+                                          metrics=finite_numbers(self.last_metrics, exclude=NOT_SCALARS)))
         self.faults.reached("after_checkpoint")
         self.source.commit(dict(self.state.positions))  # only after the checkpoint is durable
         return key

@@ -269,6 +269,7 @@ def build_summary(
         "busy_fraction": {lane["name"]: lane["busy_fraction"] for lane in duty["lanes"]},
         "time_span": _time_span(duty, episodes),
         "run_stopped": events.stopped[1].reason if events.stopped else None,
+        "kind": "value-network" if run_config.get("value") else "lora",
     }  # fmt: skip
 
 
@@ -306,10 +307,16 @@ def add_missing_notes(
     """Say, per section, what is missing and why (the section shows this instead of a figure)."""
     bus_why = "event log skipped (--no-bus)" if bus_skipped else "; ".join(report.notes.get("bus", []))
     learner_why = f"no complete learner checkpoint under runs/{run_id}/checkpoints yet"
-    if rows.height == 0:
-        report.note("reward", f"no trajectory batches under runs/{run_id}/trajectories yet")
     if not evals:
         report.note("eval", f"no evaluation results under runs/{run_id}/eval (write them with `rlpipe eval`)")
+    if report.summary.get("kind") == "value-network":  # no trajectories, staleness or importance ratios
+        report.note("throughput", "value actors send no producer heartbeats: their steps are in the value section")
+        report.note("duty_cycle", "value actors send no producer heartbeats: only the learner's lane is drawn")
+        if state is None:
+            report.note("duty_cycle", f"learner lane missing: {learner_why}")
+        return
+    if rows.height == 0:
+        report.note("reward", f"no trajectory batches under runs/{run_id}/trajectories yet")
     if state is None:
         report.note("staleness", learner_why)
         report.note("importance", learner_why)

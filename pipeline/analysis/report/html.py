@@ -15,7 +15,12 @@ from typing import Any
 
 import jinja2
 
-from pipeline.analysis.report.model import FIGURE_FILES, SECTIONS, RunReport, percent
+from pipeline.analysis.report.model import (
+    FIGURE_FILES,
+    RunReport,
+    percent,
+    report_sections,
+)
 from pipeline.analysis.report.plots import render_figures
 
 
@@ -50,7 +55,7 @@ def render_html(report: RunReport, images: dict[str, bytes]) -> str:
         {"id": section, "title": title, "notes": report.notes.get(section, []),
          "image": base64.b64encode(images[section]).decode("ascii") if section in images else None,
          "table": section_table(section, report)}
-        for section, title in SECTIONS.items()
+        for section, title in report_sections(report.summary).items()
     ]  # fmt: skip
     summary_notes = [text for key in ("summary", "learner") for text in report.notes.get(key, [])]
     return report_templates().get_template(TEMPLATE).render(
@@ -68,9 +73,16 @@ _SUMMARY_LABELS = (
 )  # fmt: skip
 
 
+_LANGUAGE_MODEL_SUMMARY = ("trajectories", "dropped_stale_rows", "reward_first_version", "reward_last_version")
+
+
 def summary_lines(summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """(label, text) pairs of the summary, for the terminal and the HTML alike."""
-    return [(label, _format_summary_value(summary, key)) for key, label in _SUMMARY_LABELS]
+    """(label, text) pairs of the summary, for the terminal and the HTML alike (a value run's without the
+    language-model lines, its versions named as value-network versions)."""
+    if summary.get("kind") != "value-network":
+        return [(label, _format_summary_value(summary, key)) for key, label in _SUMMARY_LABELS]
+    return [("value-network versions" if key == "adapter_versions" else label, _format_summary_value(summary, key))
+            for key, label in _SUMMARY_LABELS if key not in _LANGUAGE_MODEL_SUMMARY]
 
 
 def _format_summary_value(summary: dict[str, Any], key: str) -> str:

@@ -26,6 +26,15 @@ SECTIONS: dict[str, str] = {
     "value": "Value learner: return, TD error, Q values and replay memory size per step",
 }
 FIGURE_FILES: dict[str, str] = {section: f"{section}.png" for section in SECTIONS}
+# Sections about sampled token trajectories: a value run (numeric actors, a value network) has none of them.
+LANGUAGE_MODEL_SECTIONS = ("reward", "staleness", "importance", "collapse")
+
+
+def report_sections(summary: dict[str, Any]) -> dict[str, str]:
+    """The sections a run's report has: a value run's leave out the language-model ones."""
+    if summary.get("kind") != "value-network":
+        return dict(SECTIONS)
+    return {section: title for section, title in SECTIONS.items() if section not in LANGUAGE_MODEL_SECTIONS}
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from consumers.value.service import replay_train_value
-from pipeline.analysis.report import gather_report, render_html
+from pipeline.analysis.report import gather_report, render_html, summary_lines
 from pipeline.analysis.report.metrics import value_traces
 from pipeline.analysis.report.plots import render_figures
 from pipeline.config import load_preset
@@ -55,3 +55,13 @@ def test_report_of_a_value_run_plots_its_learner(tmp_path: Path) -> None:
     images = render_figures(report)
     assert "value" in images and images["value"].startswith(b"\x89PNG")
     assert "Value learner" in render_html(report, images)
+    labels = dict(summary_lines(report.summary))
+    assert labels["value-network versions"] == "2 (latest v2)" and "adapter versions" not in labels
+    assert not {"trajectories", "dropped stale rows", "mean reward, last version"} & set(labels)
+    assert not {"reward", "staleness", "importance", "collapse"} & set(report.notes)  # a language-model run's
+    assert "value actors send no producer heartbeats" in " ".join(report.notes["throughput"])
+    page = render_html(report, images)
+    assert "Staleness of trained rows" not in page and "Importance ratios" not in page
+    lanes = report.series["duty_cycle"]["lanes"]
+    assert [lane["name"] for lane in lanes] == ["learner"] and len(lanes[0]["intervals"]) == 4
+    assert "started_at" not in AdapterRegistry(store, "value-report").list()[-1].metrics
