@@ -17,10 +17,11 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, fail
+from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, error_line, fail
 from producers.envs.base import StepResult, TextEnv
 from producers.envs.evaluate import EvalSummary, Policy, evaluate, make_policy, run_episode
 from producers.envs.registry import env_class, env_names
+from schemas.names import validate_name
 
 app = typer.Typer(name="envs", help="List, play and evaluate rlpipe's text environments.", no_args_is_help=True)
 
@@ -49,6 +50,11 @@ def _check_name(name: str) -> None:
         fail(f"unknown environment {name!r}; choose one of: {', '.join(env_names())}", EXIT_USAGE)
 
 
+OverridesOpt = Annotated[str, typer.Option(
+    "--overrides", help='Environment settings as JSON, e.g. \'{"split": "test"}\' (see `envs list --json`).')]
+SeedOpt = Annotated[int, typer.Option("--seed", "-s", min=0, help="Episode seed; the same seed gives the same episode.")]
+
+
 def _build_env(name: str, overrides: dict | None = None) -> TextEnv:
     """The named environment, or a one-line error: exit 2 for bad input, 1 if the env module is broken."""
     _check_name(name)
@@ -59,8 +65,19 @@ def _build_env(name: str, overrides: dict | None = None) -> TextEnv:
     try:
         return cls(cls.Config.model_validate(overrides or {}))
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        first = str(exc).splitlines()
-        fail(f"invalid settings for {name}: {' '.join(first[:3])}", EXIT_USAGE)
+        fail(f"invalid settings for {name}: {error_line(exc)}", EXIT_USAGE)
+
+
+def _overrides(text: str) -> dict:
+    """``--overrides`` as a dict, or a one-line error naming the option."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        fail(f"--overrides is not JSON ({exc.msg}); give an object, e.g. --overrides '{{\"max_turns\": 5}}'",
+             EXIT_USAGE)
+    if not isinstance(value, dict):
+        fail("--overrides must be a JSON object, e.g. --overrides '{\"max_turns\": 5}'", EXIT_USAGE)
+    return value
 
 
 def _defaults_text(name: str) -> tuple[str, str | Text, str]:
@@ -133,16 +150,18 @@ def _show_turn(env: TextEnv, answer: str, result: StepResult) -> None:
 @app.command("play")
 def play(
     name: Annotated[str, typer.Argument(help="Environment name (see `envs list`).")],
-    seed: Annotated[int, typer.Option("--seed", "-s", help="Episode seed; the same seed gives the same episode.")] = 0,
+    seed: SeedOpt = 0,
     policy: Annotated[PlayPolicy, typer.Option("--policy", "-p", help="Who answers.")] = PlayPolicy.human,
     max_turns: Annotated[int | None, typer.Option("--max-turns", min=1, help="Override the env's max_turns.")] = None,
+    overrides: OverridesOpt = "{}",
 ) -> None:
     """Play one episode, printing each observation and the reward per turn.
 
     As a human, type an action (e.g. `left`) or a full `<answer>...</answer>`.
     Example: envs play cartpole --seed 3 --policy heuristic --max-turns 20
     """
-    env = _build_env(name, {"max_turns": max_turns} if max_turns is not None else None)
+    settings = _overrides(overrides) | ({"max_turns": max_turns} if max_turns is not None else {})
+    env = _build_env(name, settings)
     chosen: Policy = _human_policy if policy is PlayPolicy.human else make_policy(policy.value, seed)
     console.print(env.system_prompt(), markup=False)
     console.print(f"--- {name}, seed {seed} ---", markup=False)
@@ -178,16 +197,20 @@ def eval_env(
     episodes: Annotated[
         int, typer.Option("--episodes", "-n", min=1, max=100_000, help="Episodes to run.")
     ] = 20,
-    seed_start: Annotated[int, typer.Option("--seed-start", help="Seed of the first episode (then +1 each).")] = 0,
+    seed_start: Annotated[
+        int, typer.Option("--seed-start", min=0, help="Seed of the first episode (then +1 each).")
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
+    overrides: OverridesOpt = "{}",
 ) -> None:
     """Evaluate a scripted policy: mean return (95% CI), success rate and env steps per second.
 
     Example: envs eval acrobot --policy heuristic --episodes 10 --json
     """
-    _build_env(name)  # one-line errors for a bad name or a broken module
+    settings = _overrides(overrides)
+    _build_env(name, settings)  # one-line errors for a bad name, a bad setting or a broken module
     try:
-        summary = evaluate(name, policy.value, episodes, seed_start)
+        summary = evaluate(name, policy.value, episodes, seed_start, settings)
     except NotImplementedError as exc:
         fail(str(exc), EXIT_FAILURE)
     if as_json:
@@ -205,7 +228,7 @@ def record(
     seed_start: Annotated[int, typer.Option(min=0, help="First episode seed.")] = 0,
     model: Annotated[str, typer.Option(help="Model whose tokenizer and chat template build the tokens.")] = "tiny",
     root: Annotated[str, typer.Option(help="Store root URL (default: configured or embedded).")] = "",
-    overrides: Annotated[str, typer.Option(help="Environment overrides as JSON.")] = "{}",
+    overrides: OverridesOpt = "{}",
     weighted: Annotated[bool, typer.Option(
         "--weighted", help="One row per answer choice, weighted by the noisy teacher's probability of it.")] = False,
     episodes_per_batch: Annotated[int, typer.Option(min=1, help="Episodes per stored batch (a replayed step reads "
@@ -215,7 +238,12 @@ def record(
 
     Example: rlpipe envs record cartpole --run cp-demos --episodes 64 --noise 0.5 [--weighted]
     """
-    _check_name(name)
+    env_overrides = _overrides(overrides)
+    _build_env(name, env_overrides)  # a bad setting or run name is one line before the tokenizer loads
+    try:
+        validate_name(run, "run")
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
     from transformers import AutoTokenizer
 
     from pipeline.io.archive import TrajectoryArchive
@@ -225,13 +253,12 @@ def record(
     from schemas.config import ModelConfig, StoreConfig
 
     try:
-        env_overrides = json.loads(overrides)
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(ModelConfig(base_model=model)))
         archive = TrajectoryArchive(open_store(StoreConfig(root=root)))
         infos = record_demonstrations(archive, run, name, env_overrides, tokenizer, episodes, noise, seed_start,
                                       episodes_per_batch, weighted=weighted)
     except (ValueError, OSError) as exc:
-        fail(str(exc), EXIT_USAGE)
+        fail(error_line(exc), EXIT_USAGE)
     rows = sum(i.num_rows for i in infos)
     mean = sum(i.reward_mean * i.num_rows for i in infos) / max(1, rows)
     console.print(f"recorded {episodes} episodes ({rows} rows, {len(infos)} batches) of {name} under run {run}; "

@@ -164,7 +164,7 @@ class TextToSQL(TextEnv[str]):
             result = f"Result: error: {score.error}"
         else:
             result = f"Result: {self._preview(score.rows)}\nThis is not the expected result."
-        left = self._cfg.max_turns - self.turn
+        left = self.queries - self.turn
         return f"{head}{result}" + (f"\nTurns left: {left}." if left > 0 else "")
 
     def _preview(self, rows: tuple[tuple[Any, ...], ...]) -> str:
@@ -175,12 +175,17 @@ class TextToSQL(TextEnv[str]):
         label = f"{count} row(s)" + (f", the first {len(shown)}:" if len(shown) < len(rows) else ":")
         return "\n".join([label, *lines]) if rows else "0 rows."
 
+    @property
+    def queries(self) -> int:
+        """The queries one episode runs: a turn each, up to ``max_actions_total``."""
+        return min(self._cfg.max_turns, self._cfg.max_actions_total)
+
     # ---- prompt -------------------------------------------------------------------------
     def system_prompt(self) -> str:
         cfg = self._cfg
         retry = (
-            f" After a wrong query you see its error or its first rows and may try again ({cfg.max_turns} "
-            "queries in all)." if cfg.max_turns > 1 else ""
+            f" After a wrong query you see its error or its first rows and may try again ({self.queries} "
+            "queries in all)." if self.queries > 1 else ""
         )
         return (
             "You translate questions into SQL. Each task shows a SQLite database schema and a question; answer "

@@ -94,3 +94,34 @@ def test_play_scripted_policies():
     recsim = runner.invoke(app, ["play", "recsim-interest-evolution", "--policy", "random", "--max-turns", "3"])
     assert recsim.exit_code == 0, recsim.output
     assert "Candidates:" in recsim.stdout and "over 3 turns" in recsim.stdout
+
+
+def test_a_negative_seed_is_refused_in_one_line():
+    """Seeds are >= 0 everywhere (building-hvac raised a traceback; the others played seed |n| silently)."""
+    for args in (["play", "building-hvac", "--seed", "-1", "--policy", "heuristic"],
+                 ["play", "sokoban", "--seed", "-1", "--policy", "random"],
+                 ["eval", "building-hvac", "--seed-start", "-3", "-n", "1"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert "Invalid value for '--seed" in result.output and "greater than or equal to" in result.output
+
+
+def test_play_and_eval_take_environment_overrides_and_name_a_bad_field():
+    played = runner.invoke(app, ["play", "text2sql", "--seed", "3", "--policy", "heuristic", "--overrides",
+                                 '{"split": "test"}'])
+    assert played.exit_code == 0 and "final return" in played.output, played.output
+    evaluated = runner.invoke(app, ["eval", "text2sql", "--policy", "random", "-n", "3", "--json", "--overrides",
+                                    '{"split": "all"}'])
+    assert evaluated.exit_code == 0, evaluated.output
+    base = json.loads(runner.invoke(app, ["eval", "text2sql", "--policy", "random", "-n", "3", "--json"]).output)
+    assert json.loads(evaluated.output)["mean_return"] != base["mean_return"]  # another task set was played
+    for command in (["play", "sokoban"], ["eval", "sokoban"], ["record", "sokoban", "--run", "x"]):
+        typo = runner.invoke(app, [*command, "--overrides", '{"widht": 3}'])
+        assert typo.exit_code == 2 and "widht" in typo.output and "\n" not in typo.output.strip(), typo.output
+        broken = runner.invoke(app, [*command, "--overrides", "{bad json"])
+        assert broken.exit_code == 2 and "--overrides" in broken.output, broken.output
+
+
+def test_record_refuses_a_bad_run_name_before_loading_anything():
+    result = runner.invoke(app, ["record", "sokoban", "--run", "../escape"])
+    assert result.exit_code == 2 and "run" in result.output and "'../escape'" in result.output, result.output

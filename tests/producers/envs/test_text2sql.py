@@ -367,3 +367,19 @@ def test_heuristic_beats_random() -> None:
     random_returns = [episode_return(s, lambda: env.random_answer(rng)) for s in range(n)]
     assert all(r == pytest.approx(2.25) for r in heuristic)
     assert sum(random_returns) / n < 1.0 < sum(heuristic) / n
+
+
+def test_the_prompt_counts_the_queries_an_episode_really_runs() -> None:
+    """max_turns 5 with the default max_actions_total 2 ends after two queries: the prompt and the feedback must
+    say two, not five (and the defaults' prompt is unchanged)."""
+    env = TextToSQL(split="all", max_turns=5)
+    assert "(2 queries in all)" in env.system_prompt()
+    env.reset(3)
+    first = env.step("<answer>SELECT 1</answer>")
+    assert "Turns left: 1." in first.observation
+    second = env.step("<answer>SELECT 2</answer>")
+    assert second.truncated and "Turns left" not in second.observation
+    roomy = TextToSQL(split="all", max_turns=5, max_actions_total=5)
+    assert "(5 queries in all)" in roomy.system_prompt()
+    assert "(2 queries in all)" in TextToSQL(split="all").system_prompt()
+    assert "try again" not in TextToSQL(split="all", max_actions_total=1).system_prompt()
