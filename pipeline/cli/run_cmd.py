@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
 from pipeline.cli.demo_cmd import seed_overrides
-from pipeline.cli.options import SetOpt, run_config, setup_logging
+from pipeline.cli.options import SetOpt, check_env, run_config, setup_logging
 from pipeline.config import (
     ConfigError,
     check_value_run_settings,
@@ -308,7 +308,7 @@ def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     except ValidationError as exc:
         raise ConfigError(validation_message(exc)) from None
     check_value_run_settings(config, changes)
-    return config
+    return check_env(config)
 
 
 def stop_if_finished(store: ObjectStore, config: RunConfig) -> None:

@@ -192,3 +192,23 @@ def test_kubernetes_service_links_of_services_named_rlpipe_are_not_configuration
         resolve_config(environ={**links, "RLPIPE_LEARNER__LEARNIG_RATE": "1e-4"})
     with pytest.raises(ConfigError, match="RLPIPE_RUN_ID"):
         resolve_config(environ={"RLPIPE_RUNID": "x"})
+
+
+def test_an_environment_name_or_setting_it_does_not_have_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """`--set env.overrides.widht=8` used to be accepted by every command and fail only when a producer built the
+    environment: the commands that resolve a run refuse it in one line naming the field."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli.config_cmd import app as config_app
+    from pipeline.cli.options import run_config
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path))
+    runner = CliRunner()
+    for setting, named in (("env.overrides.widht=8", "widht"), ("env.overrides.width=1000", "width"),
+                           ("env.name=nope", "nope")):
+        result = runner.invoke(config_app, ["show", "--preset", "tetris", "--set", setting])
+        assert result.exit_code == 2 and named in result.output, result.output
+        assert "\n" not in result.output.strip()
+    assert "sokoban" in runner.invoke(config_app, ["show", "--set", "env.name=nope"]).output  # the names there are
+    assert run_config("tetris", None, ["env.overrides.width=8"]).env.overrides == {"width": 8}
+    assert run_config(None, None, [], None).env.name == "cartpole"
