@@ -45,11 +45,12 @@ from torch import nn
 
 from pipeline.io.archive import TrajectoryArchive, new_batch_id, steps_prefix
 from pipeline.io.registry import AdapterRegistry, RegistryError
+from pipeline.runtime import RateMeter
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
 from producers.sink import OrphanSweep, announced_batches
 from schemas.config import RunConfig
-from schemas.events import Payload, TrajectoryBatchCommitted
+from schemas.events import Payload, ProducerHeartbeat, TrajectoryBatchCommitted
 from schemas.names import validate_name
 from schemas.steps import BATCH_SUMMARY_KEY, steps_to_table
 from schemas.value import ValueActorConfig
@@ -118,6 +119,10 @@ class ValueActor:
         self.episodes = 0
         self.batches_written = 0
         self.orphans: OrphanSweep | None = None  # the start's second look at batches too young to judge then
+        self.heartbeat_interval_s = 5.0  # a ProducerHeartbeat at most this often, between batches
+        self.busy_s = 0.0  # time spent playing and writing batches (not waiting for the learner)
+        self.meter = RateMeter(time.monotonic)
+        self.meter.rates(self._totals())
 
     # ---- acting ----------------------------------------------------------------------
     def action_choices(self, env: TextEnv) -> list[str]:
@@ -191,6 +196,13 @@ class ValueActor:
 
     def write_batch(self) -> TrajectoryBatchCommitted:
         """Play, write one steps batch create-only, announce it; return the event."""
+        started = time.monotonic()
+        try:
+            return self._write_batch()
+        finally:
+            self.busy_s += time.monotonic() - started
+
+    def _write_batch(self) -> TrajectoryBatchCommitted:
         table, returns, successes = self.collect_batch()
         created = datetime.now(UTC)
         batch_id = new_batch_id("s")
@@ -222,13 +234,32 @@ class ValueActor:
             self.wait_for_learner(should_stop)
             if not should_stop():
                 self.write_batch()
+                self.maybe_beat()
         return self.batches_written
+
+    # ---- heartbeats ------------------------------------------------------------------
+    def _totals(self) -> dict[str, float]:
+        return {"episodes": self.episodes, "env_steps": self.env_steps, "busy_s": self.busy_s}
+
+    def maybe_beat(self) -> None:
+        """Announce a ``ProducerHeartbeat`` when ``heartbeat_interval_s`` has passed since the last one: episodes
+        as samples, environment steps, and the share of the interval spent acting as the busy fraction."""
+        if time.monotonic() - self.meter.last_time < self.heartbeat_interval_s:
+            return
+        rates, interval = self.meter.rates(self._totals())
+        self.announce(ProducerHeartbeat(
+            producer_id=self.actor_id, adapter_version=self.watcher.version, samples_total=self.episodes,
+            batches_total=self.batches_written, tokens_total=0, env_steps_total=self.env_steps,
+            samples_per_s=rates["episodes"], tokens_per_s=0.0, env_steps_per_s=rates["env_steps"],
+            busy_fraction=min(1.0, max(0.0, rates["busy_s"])), interval_s=interval,
+        ))
 
     def wait_for_learner(self, should_stop: Callable[[], bool]) -> None:
         """With ``max_batches_ahead``: pause while this actor is that far ahead of the newest version's learner step."""
         limit = self.config.max_batches_ahead
         while limit is not None and not should_stop() and self.batches_written - self.learner_step() >= limit:
             time.sleep(max(self.config.registry_poll_s, 0.05))
+            self.maybe_beat()
 
     def learner_step(self) -> int:
         """The learner step of the newest published version (0 before the first)."""
@@ -300,6 +331,7 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
     actor = actor_class(run_id=config.run_id, actor_id=actor_id, env=env, archive=archive, watcher=watcher,
                         config=config.value.actor, announce=announce, seeds=config.training_seeds(actor_id))
     actor.orphans = orphans
+    actor.heartbeat_interval_s = config.producer.heartbeat_interval_s
     try:
         actor.run(should_stop=stop)
     finally:

@@ -131,3 +131,21 @@ def test_a_batch_stored_but_never_announced_is_announced_as_it_would_have_been(m
     sweep = steps_orphan_sweep(archive, "vrun", again.append, min_age_s=0.0, announced=lambda: [sent.batch_id])
     assert sweep.sweep() == [lost[0].batch_id]  # the two others are left alone, and the actor starts
     assert again == lost  # every field as the actor would have announced it
+
+
+def test_the_actor_beats_with_its_episodes_steps_and_busy_share(memory_store: ObjectStore, tmp_path: Path) -> None:
+    """A value actor sends ProducerHeartbeat like a language-model producer (the report's throughput and duty
+    cycle, the dashboard): episodes as samples, environment steps, batches, and the share of time spent acting."""
+    from schemas.events import ProducerHeartbeat
+
+    actor, announced = make_actor(memory_store, tmp_path, steps_per_batch=50)
+    actor.heartbeat_interval_s = 0.0  # a beat after every batch
+    assert actor.run(max_batches=3) == 3
+    beats = [p for p in announced if isinstance(p, ProducerHeartbeat)]
+    assert len(beats) == 3 and all(b.producer_id == "a0" and b.tokens_total == 0 for b in beats)
+    last = beats[-1]
+    assert (last.batches_total, last.samples_total, last.env_steps_total) == (3, actor.episodes, actor.env_steps)
+    assert last.interval_s > 0 and last.env_steps_per_s > 0 and 0.5 < last.busy_fraction <= 1.0
+    quiet, said = make_actor(memory_store, tmp_path / "q", steps_per_batch=50)
+    quiet.run(max_batches=2)  # the default interval (5 s) has not passed: no beat yet
+    assert not [p for p in said if isinstance(p, ProducerHeartbeat)]

@@ -309,21 +309,16 @@ def add_missing_notes(
     learner_why = f"no complete learner checkpoint under runs/{run_id}/checkpoints yet"
     if not evals:
         report.note("eval", f"no evaluation results under runs/{run_id}/eval (write them with `rlpipe eval`)")
-    if report.summary.get("kind") == "value-network":  # no trajectories, staleness or importance ratios
-        report.note("throughput", "value actors send no producer heartbeats: their steps are in the value section")
-        report.note("duty_cycle", "value actors send no producer heartbeats: only the learner's lane is drawn")
+    if report.summary.get("kind") != "value-network":  # a value run has no trajectories, staleness or ratios
+        if rows.height == 0:
+            report.note("reward", f"no trajectory batches under runs/{run_id}/trajectories yet")
         if state is None:
-            report.note("duty_cycle", f"learner lane missing: {learner_why}")
-        return
-    if rows.height == 0:
-        report.note("reward", f"no trajectory batches under runs/{run_id}/trajectories yet")
-    if state is None:
-        report.note("staleness", learner_why)
-        report.note("importance", learner_why)
-    elif not report.series["staleness_histogram"]:
-        report.note("staleness", "the learner's steps recorded no staleness histogram")
-    if state is not None and not any(finite(e.get("ratio_mean")) for e in step_log):
-        report.note("importance", "no learner step trained on rows yet (no importance ratios)")
+            report.note("staleness", learner_why)
+            report.note("importance", learner_why)
+        elif not report.series["staleness_histogram"]:
+            report.note("staleness", "the learner's steps recorded no staleness histogram")
+        if state is not None and not any(finite(e.get("ratio_mean")) for e in step_log):
+            report.note("importance", "no learner step trained on rows yet (no importance ratios)")
     if not events.heartbeats:
         report.note("throughput", bus_why or f"no ProducerHeartbeat events for run {run_id} on the control topic")
         report.note("duty_cycle", f"producer lanes missing: {bus_why or 'no ProducerHeartbeat events'}")
