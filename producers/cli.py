@@ -123,6 +123,52 @@ def list_envs(as_json: Annotated[bool, typer.Option("--json", help="Print JSON i
     console.print(table)
 
 
+def _settings(name: str) -> list[dict]:
+    """Each setting of an environment: name, default, bounds or choices, description."""
+    import typing
+
+    from annotated_types import Ge, Gt, Le, Lt
+
+    rows = []
+    for field_name, field in env_class(name).Config.model_fields.items():
+        low = next((f"{m.ge} ≤ " for m in field.metadata if isinstance(m, Ge)), "") or next(
+            (f"{m.gt} < " for m in field.metadata if isinstance(m, Gt)), "")
+        high = next((f" ≤ {m.le}" for m in field.metadata if isinstance(m, Le)), "") or next(
+            (f" < {m.lt}" for m in field.metadata if isinstance(m, Lt)), "")
+        choices = list(typing.get_args(field.annotation)) if typing.get_origin(field.annotation) is typing.Literal \
+            else None
+        default = field.get_default(call_default_factory=True)
+        rows.append({"name": field_name, "default": default, "bounds": f"{low}x{high}" if low or high else None,
+                     "choices": choices, "description": field.description or ""})
+    return rows
+
+
+@app.command("show")
+def show_env(
+    name: Annotated[str, typer.Argument(help="Environment name (see `envs list`).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Show every setting of one environment: its default, bounds or choices, and what it does.
+
+    A run sets them under env.overrides (--set env.overrides.NAME=VALUE); play, eval and record
+    take them as --overrides JSON.
+    Example: envs show sokoban
+    """
+    env = _build_env(name)  # one-line errors for a bad name or a broken module
+    rows = _settings(name)
+    if as_json:
+        typer.echo(json.dumps({"name": name, "description": env.description, "settings": rows}, indent=2,
+                              default=str))
+        return
+    table = Table(title=f"{name}: {env.description}")
+    for column in ("setting", "default", "allowed", "description"):
+        table.add_column(column, no_wrap=column == "setting", overflow="fold")
+    for row in rows:
+        allowed = " | ".join(map(str, row["choices"])) if row["choices"] else row["bounds"] or ""
+        table.add_row(row["name"], json.dumps(row["default"], default=str), allowed, row["description"])
+    console.print(table)
+
+
 def _human_policy(env: TextEnv) -> str:
     """Read one answer line from stdin; bare action text is wrapped in <answer> tags."""
     console.print("your answer> ", end="", markup=False)

@@ -125,3 +125,20 @@ def test_play_and_eval_take_environment_overrides_and_name_a_bad_field():
 def test_record_refuses_a_bad_run_name_before_loading_anything():
     result = runner.invoke(app, ["record", "sokoban", "--run", "../escape"])
     assert result.exit_code == 2 and "run" in result.output and "'../escape'" in result.output, result.output
+
+
+def test_show_lists_every_setting_with_its_default_bounds_and_description():
+    wide = CliRunner(env={"COLUMNS": "220"})
+    shown = wide.invoke(app, ["show", "tetris"])
+    assert shown.exit_code == 0, shown.output
+    from producers.envs.tetris import Tetris
+
+    for name in Tetris.Config.model_fields:
+        assert name in shown.output
+    assert "1 ≤ x ≤ 100000" in shown.output  # max_turns' bounds
+    as_json = json.loads(wide.invoke(app, ["show", "text2sql", "--json"]).output)
+    split = next(s for s in as_json["settings"] if s["name"] == "split")
+    assert split["default"] == "train" and set(split["choices"]) >= {"train", "test", "all"}
+    assert as_json["name"] == "text2sql" and all(s["description"] for s in as_json["settings"])
+    unknown = runner.invoke(app, ["show", "nope"])
+    assert unknown.exit_code == 2 and "sokoban" in unknown.output
