@@ -231,7 +231,7 @@ class VLLMEngine(SamplingEngine):
                 "give every adapter version a new version number"
             )
         lora_id = self._lora_ids.setdefault(key, next(self._next_lora_id))
-        return LoRARequest(f"{handle.run}/{handle.name}#{lora_id}", lora_id, handle.path)
+        return LoRARequest(f"{handle.run + '/' if handle.run else ''}{handle.name}#{lora_id}", lora_id, handle.path)
 
     async def load_adapter(self, handle: AdapterHandle) -> None:
         """Load ``handle`` into the engine once (concurrent first requests wait for the same load)."""
