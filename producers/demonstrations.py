@@ -61,7 +61,10 @@ def teacher_distribution(env: Any, noise: float) -> dict[str, float]:
     """The noisy teacher's probability of each answer in the current state."""
     choices = env.answer_choices()
     if not choices:
-        raise ValueError(f"{env.name} has no small answer set; record it without --weighted")
+        single = type(env)(env.config.model_copy(update={"max_actions_per_turn": 1}))
+        hint = (" or with --overrides '{\"max_actions_per_turn\": 1}' (one action per answer)"
+                if env.config.max_actions_per_turn > 1 and single.answer_choices() else "")
+        raise ValueError(f"{env.name} has no small answer set; record it without --weighted{hint}")
     best = env.heuristic_answer()
     if best not in choices:
         raise ValueError(f"{env.name}: the heuristic answer {best!r} is not one of answer_choices()")

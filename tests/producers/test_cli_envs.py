@@ -142,3 +142,11 @@ def test_show_lists_every_setting_with_its_default_bounds_and_description():
     assert as_json["name"] == "text2sql" and all(s["description"] for s in as_json["settings"])
     unknown = runner.invoke(app, ["show", "nope"])
     assert unknown.exit_code == 2 and "sokoban" in unknown.output
+
+
+def test_weighted_recording_of_an_environment_with_many_answers_names_the_setting_that_makes_few(tmp_path):
+    store = ["--root", (tmp_path / "store").as_uri(), "--episodes", "1", "--weighted"]
+    sokoban = runner.invoke(app, ["record", "sokoban", "--run", "w", *store])
+    assert sokoban.exit_code == 2 and "max_actions_per_turn" in sokoban.output, sokoban.output
+    tetris = runner.invoke(app, ["record", "tetris", "--run", "w", *store])
+    assert tetris.exit_code == 2 and "without --weighted" in tetris.output and "max_actions" not in tetris.output
