@@ -52,9 +52,10 @@ def sampler_command(base_model: str, store_root: str, bootstrap: str, namespace:
     return command + (["--direct-port", str(direct_port)] if direct_port else [])
 
 
-def sdk_example(base_url: str, base_model: str) -> str:
-    """Three lines that point the tinker SDK at this server."""
-    return (f"import tinker  # TINKER_API_KEY=tml-anything\n"
+def sdk_example(base_url: str, base_model: str, open_keys: bool = True) -> str:
+    """Three lines that point the tinker SDK at this server (with configured keys: a tenant's key)."""
+    key = "tml-anything" if open_keys else "<a tenant's key from RLPIPE_API_KEYS>"
+    return (f"import tinker  # TINKER_API_KEY={key}\n"
             f"service = tinker.ServiceClient(base_url={base_url!r})\n"
             f"training = service.create_lora_training_client(base_model={base_model!r}, rank=8).result()")
 
@@ -247,7 +248,7 @@ def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str
     base_url = f"http://{host}:{port}"
     console.print(f"rlpipe Tinker-compatible API at {base_url}  (store {store.root}, topics {bus.namespace}.requests"
                   f"/.results)\n{tenants.describe()}\nserving: {', '.join(models)}\n\n"
-                  f"{sdk_example(base_url, models[0])}", markup=False, soft_wrap=True)
+                  f"{sdk_example(base_url, models[0], tenants.open)}", markup=False, soft_wrap=True)
     signals, stopping = ResultSignals(), threading.Event()
     signals.follow(bus, stopping.is_set)
     try:

@@ -57,6 +57,7 @@ def test_serve_refuses_unknown_roles_and_prints_a_working_example():
     assert runner.invoke(app, ["serve", "--role", "chef"]).exit_code == 2
     example = sdk_example("http://127.0.0.1:8000", "/m/a/tiny")
     assert len(example.splitlines()) == 3 and "base_url='http://127.0.0.1:8000'" in example
+    assert "tml-anything" in example and "tml-anything" not in sdk_example("http://h:1", "/m", open_keys=False)
     assert trainer_command("/m/a/tiny", "file:///s", "h:1", "ns")[1:3] == ["-m", "consumers.api.worker"]
     sampler = sampler_command("/m/a/tiny", "file:///s", "h:1", "ns", "vllm")
     assert sampler[1:3] == ["-m", "producers.api_sampler"] and sampler[-2:] == ["--backend", "vllm"]
