@@ -1,4 +1,5 @@
-"""The Tinker-compatible API's manifests (infra/k8s/api): schema-valid, and gateway and trainer wired alike."""
+"""The Tinker-compatible API's manifests (infra/k8s/api): schema-valid, every role of `rlpipe serve` deployed,
+the roles wired alike, and their topics and consumer groups allowed by the Kafka cluster next to them."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from tests.infra.kustomize_render import is_builtin, pod_specs, render
+from pipeline.topics import API_TOPIC_KINDS, topic_name
+from tests.infra.kustomize_render import is_builtin, one, pod_specs, render
 
-API = Path(__file__).resolve().parents[2] / "infra" / "k8s" / "api"
+K8S = Path(__file__).resolve().parents[2] / "infra" / "k8s"
+API = K8S / "api"
+ROLES = {"gateway": ("Deployment", "rlpipe-gateway"), "trainer": ("StatefulSet", "rlpipe-trainer"),
+         "sampler": ("Deployment", "rlpipe-sampler")}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +29,7 @@ def _named(resources: list[dict], kind: str, name: str) -> dict:
 
 def test_renders_and_matches_the_kubernetes_schemas(resources):
     version = kubernetes_validate.latest_version()
-    assert {r["kind"] for r in resources} == {"Deployment", "Service", "StatefulSet"}
+    assert {r["kind"] for r in filter(is_builtin, resources)} == {"Deployment", "Service", "StatefulSet"}
     for resource in filter(is_builtin, resources):
         kubernetes_validate.validate(resource, version, strict=True)
         assert resource["metadata"]["namespace"] == "rlpipe"
@@ -47,3 +52,61 @@ def test_gateway_scales_apart_from_the_trainer_and_the_service_reaches_it(resour
     for spec, container in ((gateway_spec, gw), (trainer_spec, tr)):
         ctx = {**spec["securityContext"], **container["securityContext"]}
         assert ctx["runAsNonRoot"] and ctx["readOnlyRootFilesystem"] and not ctx["allowPrivilegeEscalation"]
+
+
+def _container(resources: list[dict], role: str) -> tuple[dict, dict]:
+    """(pod spec, its one container) of ``role``'s workload."""
+    (spec,) = pod_specs(_named(resources, *ROLES[role]))
+    (container,) = spec["containers"]
+    return spec, container
+
+
+def _option(container: dict, name: str) -> str:
+    return container["args"][container["args"].index(name) + 1]
+
+
+def test_every_role_of_serve_runs_on_the_same_base_model(resources):
+    # Without a sampler, sample calls wait on <ns>.requests for ever.
+    base_models = set()
+    for role in ROLES:
+        _, container = _container(resources, role)
+        assert container["command"] == ["rlpipe"] and container["args"][:3] == ["serve", "--role", role]
+        base_models.add(_option(container, "--base-model"))
+    assert len(base_models) == 1
+
+
+@pytest.mark.parametrize("role", ["trainer", "sampler"])
+def test_the_engines_find_their_base_model_filled_before_they_start(resources, role):
+    spec, container = _container(resources, role)
+    folder = _option(container, "--base-model")
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (volume,) = [name for name, path in mounts.items() if folder.startswith(path + "/")]
+    (init,) = spec["initContainers"]
+    assert folder in init["args"][-1]  # the folder the init container writes into
+    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}[volume] == mounts[volume]
+
+
+def test_the_trainer_statefulset_names_a_headless_service_that_selects_it(resources):
+    trainer = _named(resources, "StatefulSet", "rlpipe-trainer")
+    service = _named(resources, "Service", trainer["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= trainer["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_api_topics_are_declared_with_replicas_the_cluster_can_meet(resources):
+    strimzi = render(K8S / "kafka")
+    cluster = one(strimzi, "Kafka")["metadata"]["name"]
+    brokers = one(strimzi, "KafkaNodePool")["spec"]["replicas"]
+    topics = {t["spec"]["topicName"]: t for t in resources if t["kind"] == "KafkaTopic"}
+    assert sorted(topics) == sorted(topic_name("rlpipe", kind) for kind in API_TOPIC_KINDS)
+    for topic in topics.values():
+        spec = topic["spec"]
+        assert topic["metadata"]["labels"]["strimzi.io/cluster"] == cluster
+        assert 2 <= spec["config"]["min.insync.replicas"] < spec["replicas"] <= brokers  # one replica to lose
+        assert spec["config"]["max.message.bytes"] == 1024 * 1024 and spec["config"]["cleanup.policy"] == "delete"
+    # `rlpipe serve` creates a missing topic itself (before the Topic Operator has): with the same shape.
+    for role in ROLES:
+        env = {e["name"]: e.get("value") for e in _container(resources, role)[1]["env"]}
+        for topic in topics.values():
+            assert int(env["RLPIPE_BUS__REPLICATION_FACTOR"]) == topic["spec"]["replicas"], role
+            assert int(env["RLPIPE_BUS__TOPIC_PARTITIONS"]) == topic["spec"]["partitions"], role

@@ -13,14 +13,21 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pipeline.config import resolve_config
+from pipeline.config import env_layer, resolve_config
 from pipeline.topics import all_topics
-from schemas.config import RunConfig
+from schemas.config import BusConfig, RunConfig
 from tests.infra.kustomize_render import is_builtin, of_kind, one, pod_specs, render
 
 K8S = Path(__file__).resolve().parents[2] / "infra" / "k8s"
-KUSTOMIZATIONS = ["base", "kafka", "overlays/dev", "overlays/gke"]
+README = K8S.parent / "README.md"
+KUSTOMIZATIONS = ["base", "kafka", "overlays/dev", "overlays/gke", "overlays/gke-distributed", "api"]
 OVERLAYS = ["overlays/dev", "overlays/gke"]
+WITH_PODS = ["base", "overlays/dev", "overlays/gke", "overlays/gke-distributed", "api"]
+ON_GKE = ["overlays/gke", "overlays/gke-distributed", "api"]
+REGISTRY = "us-central1-docker.pkg.dev/my-gcp-project/rlpipe/"
+# The bus fields that say which cluster, which topics and who connects (the rest only shape topics rlpipe creates).
+BUS_CONNECTION = {"bootstrap_servers", "namespace", "security_protocol", "sasl_mechanism", "sasl_username",
+                  "sasl_password", "sasl_password_file", "ssl_cafile"}
 WORKLOADS = {"rlpipe-producer": "producer", "rlpipe-learner": "learner"}  # StatefulSet name -> rlpipe component
 STRIMZI_API = "kafka.strimzi.io/v1beta2"
 ONE_MIB = 1024 * 1024
@@ -46,6 +53,11 @@ def workloads(resources: list[dict]) -> list[tuple[str, dict, dict]]:
         (container,) = [c for c in spec["containers"] if c["name"] == component]
         result.append((component, workload, container))
     return result
+
+
+def pods(resources: list[dict]) -> list[tuple[dict, dict]]:
+    """(workload, pod spec) of every workload."""
+    return [(resource, spec) for resource in resources for spec in pod_specs(resource)]
 
 
 def env_of(container: dict) -> dict[str, dict]:
@@ -135,6 +147,31 @@ def test_every_container_runs_non_root_with_nothing_to_escalate(name):
             assert {"/tmp", "/home/rlpipe", "/cache"} <= mounts
 
 
+@pytest.mark.parametrize("name", WITH_PODS)
+def test_every_container_of_every_pod_meets_the_restricted_level(name):
+    for workload, spec in pods(rendered(name)):
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        for container in spec["containers"] + spec.get("initContainers", []):
+            where = f"{workload['metadata']['name']}/{container['name']}"
+            ctx = {**spec["securityContext"], **container.get("securityContext", {})}
+            assert ctx.get("runAsNonRoot") is True and ctx.get("runAsUser") == 10001, where
+            assert ctx.get("allowPrivilegeEscalation") is False, where
+            assert ctx.get("readOnlyRootFilesystem") is True, where
+            assert container.get("securityContext", {}).get("capabilities", {}).get("drop") == ["ALL"], where
+            assert {"/tmp", "/home/rlpipe"} <= {m["mountPath"] for m in container.get("volumeMounts", [])}, where
+
+
+@pytest.mark.parametrize("name", WITH_PODS)
+def test_no_pod_gets_service_link_variables(name):
+    # Kubernetes would give every pod <SERVICE>_SERVICE_HOST, <SERVICE>_PORT_<n>_TCP_ADDR, ... for each Service
+    # of the namespace: Services rlpipe-kafka-bootstrap and rlpipe-api make RLPIPE_KAFKA_BOOTSTRAP_SERVICE_HOST and
+    # RLPIPE_API_PORT, which look like run configuration.  rlpipe finds its peers by DNS name, never by these.
+    found = pods(rendered(name))
+    assert found
+    for workload, spec in found:
+        assert spec.get("enableServiceLinks") is False, workload["metadata"]["name"]
+
+
 @pytest.mark.parametrize("name", ["base", *OVERLAYS])
 def test_probes_metrics_and_config_agree_on_the_health_port(name):
     for component, workload, container in workloads(rendered(name)):
@@ -189,6 +226,23 @@ def test_gke_requests_one_gpu_per_pod_on_l4_nodes():
         (spec,) = pod_specs(workload)
         assert spec["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
         assert container["image"].startswith("us-central1-docker.pkg.dev/")
+
+
+@pytest.mark.parametrize("name", ON_GKE)
+def test_gke_pulls_every_image_from_the_registry(name):
+    # An overlay's `images:` rewrites only the resources it renders, a base's included: each GKE kustomization
+    # that adds workloads of its own needs the entries too.
+    for workload, spec in pods(rendered(name)):
+        for container in spec["containers"] + spec.get("initContainers", []):
+            assert container["image"].startswith(REGISTRY), f"{workload['metadata']['name']}: {container['image']}"
+
+
+def test_every_gpu_node_selector_names_a_node_pool_the_readme_creates():
+    created = set(re.findall(r"--accelerator=type=([\w-]+)", README.read_text()))
+    for name in ON_GKE:
+        for workload, spec in pods(rendered(name)):
+            accelerator = spec.get("nodeSelector", {}).get("cloud.google.com/gke-accelerator")
+            assert accelerator is None or accelerator in created, f"{name}: {workload['metadata']['name']}"
 
 
 def test_dev_asks_for_no_gpu_anywhere():
@@ -248,27 +302,38 @@ def test_the_secret_check_catches_literal_passwords():
 # the run configuration the pods will resolve ------------------------------------------
 
 
-def resolved_config(resources: list[dict], container: dict, tmp_path: Path,
-                    pod_name: str = "rlpipe-producer-0") -> RunConfig:
-    """What ``rlpipe ... --config /etc/rlpipe/run.yaml`` resolves to inside this container of pod ``pod_name``."""
-    (config_map,) = of_kind(resources, "ConfigMap")
-    run_yaml = tmp_path / "run.yaml"
-    run_yaml.write_text(config_map["data"]["run.yaml"])
+def pod_environ(container: dict, pod_name: str = "rlpipe-producer-0") -> dict[str, str]:
+    """The container's environment variables in pod ``pod_name`` (a Secret's value reads "from-the-secret")."""
     environ = {}
-    for env in container["env"]:
+    for env in container.get("env", []):
         if "value" in env:
             environ[env["name"]] = env["value"]
         elif "secretKeyRef" in env["valueFrom"]:
             environ[env["name"]] = "from-the-secret"
         elif "fieldRef" in env["valueFrom"]:
             environ[env["name"]] = pod_name
-    return resolve_config(config_file=run_yaml, environ=environ)
+    return environ
+
+
+def resolved_config(resources: list[dict], container: dict, tmp_path: Path,
+                    pod_name: str = "rlpipe-producer-0") -> RunConfig:
+    """What ``rlpipe ... --config /etc/rlpipe/run.yaml`` resolves to inside this container of pod ``pod_name``."""
+    (config_map,) = of_kind(resources, "ConfigMap")
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(config_map["data"]["run.yaml"])
+    return resolve_config(config_file=run_yaml, environ=pod_environ(container, pod_name))
+
+
+def command_line_bus(container: dict) -> BusConfig:
+    """The bus a command run in the container sees (``kubectl exec ... rlpipe topics lag``, ``rlpipe report``,
+    ``rlpipe serve``): ``RLPIPE_BUS__*`` variables only, as ``pipeline.cli.common.bus_config_from_cli`` reads them."""
+    return BusConfig.model_validate(env_layer(pod_environ(container)).get("bus", {}))
 
 
 def mounted_files(workload: dict, container: dict) -> dict[str, tuple[str, str]]:
     """Files projected into the container: path -> (ConfigMap or Secret name, key)."""
     (spec,) = pod_specs(workload)
-    volumes = {v["name"]: v for v in spec["volumes"]}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
     files = {}
     for mount in container["volumeMounts"]:
         volume = volumes.get(mount["name"], {})  # absent: a StatefulSet's volumeClaimTemplate
@@ -309,6 +374,54 @@ def test_pods_resolve_a_valid_run_config_that_matches_the_cluster(name, tmp_path
     # Both pods serve the same run: everything but their own section (health port, id) is equal.
     sections = {"producer", "learner"}
     assert configs["learner"].model_dump(exclude=sections) == producer.model_dump(exclude=sections)
+
+
+@pytest.mark.parametrize("name", WITH_PODS)
+def test_commands_run_in_a_pod_see_the_bus_its_process_uses(name, tmp_path):
+    # `kubectl exec POD -- rlpipe topics lag` (or report, or serve) takes no --config: the pod's environment alone
+    # must name the cluster, the listener, the user and the CA, and agree with what run.yaml + environment resolve to.
+    strimzi = rendered("kafka")
+    cluster = one(strimzi, "Kafka")["metadata"]["name"]
+    tls_listener = next(x for x in one(strimzi, "Kafka")["spec"]["kafka"]["listeners"] if x["tls"])
+    user = one(strimzi, "KafkaUser")["metadata"]["name"]
+    resources = rendered(name)
+    for workload, spec in pods(resources):
+        for container in spec["containers"]:
+            bus = command_line_bus(container)
+            assert bus.bootstrap_servers == f"{cluster}-kafka-bootstrap:{tls_listener['port']}"
+            assert (bus.security_protocol, bus.sasl_mechanism, bus.sasl_username) == ("SASL_SSL", "SCRAM-SHA-512", user)
+            assert bus.sasl_password.get_secret_value() == "from-the-secret"
+            files = mounted_files(workload, container)
+            assert files[bus.ssl_cafile] == (f"{cluster}-cluster-ca-cert", "ca.crt")
+            if "/etc/rlpipe/run.yaml" in files:
+                process_bus = resolved_config(resources, container, tmp_path).bus
+                assert process_bus.model_dump(include=BUS_CONNECTION) == bus.model_dump(include=BUS_CONNECTION)
+
+
+def test_dev_learner_builds_the_tiny_model_before_it_loads_it(tmp_path):
+    # The producer builds it too (producers.tiny_model.resolve_model); two builders are safe: each builds into a
+    # temporary folder and renames it into place, and the second finds the first one's model.
+    resources = rendered("overlays/dev")
+    (spec,) = pod_specs(one(resources, "StatefulSet", "rlpipe-learner"))
+    (container,) = [c for c in spec["containers"] if c["name"] == "learner"]
+    tiny_dir = resolved_config(resources, container, tmp_path).model.tiny_dir
+    (init,) = spec["initContainers"]
+    assert init["image"] == container["image"]
+    assert [*init["command"], *init["args"]] == ["rlpipe", "model", "init-tiny", "--out", tiny_dir]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (volume,) = [v for v, path in mounts.items() if tiny_dir.startswith(path + "/")]
+    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}[volume] == mounts[volume]
+
+
+def test_gke_learner_keeps_its_tensorboard_files_on_its_persistent_volume(tmp_path):
+    # With a gs:// store the default is $RLPIPE_HOME/tensorboard, under the home folder: an emptyDir.
+    resources = rendered("overlays/gke")
+    learner = one(resources, "StatefulSet", "rlpipe-learner")
+    (container,) = [c for component, _, c in workloads(resources) if component == "learner"]
+    folder = resolved_config(resources, container, tmp_path).learner.tensorboard_dir
+    claims = {claim["metadata"]["name"] for claim in learner["spec"]["volumeClaimTemplates"]}
+    persistent = [m["mountPath"] for m in container["volumeMounts"] if m["name"] in claims]
+    assert folder and any(folder.startswith(path + "/") for path in persistent)
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
@@ -412,14 +525,20 @@ def test_dev_kafka_is_one_ephemeral_node():
     assert one(resources, "Kafka")["spec"]["kafka"]["config"]["offsets.topic.replication.factor"] == 1
 
 
-def test_kafka_user_may_use_exactly_the_rlpipe_namespace():
+def test_kafka_user_may_use_exactly_the_rlpipe_namespace_and_the_api_groups():
     user = one(rendered("kafka"), "KafkaUser")
     assert user["apiVersion"] == STRIMZI_API and user["metadata"]["labels"]["strimzi.io/cluster"] == "rlpipe"
     acls = {(a["resource"]["type"], a["resource"].get("name"), a["resource"].get("patternType")): a["operations"]
             for a in user["spec"]["authorization"]["acls"]}
     assert {"Read", "Write"} <= set(acls[("topic", "rlpipe.", "prefix")])
     assert "Read" in acls[("group", "rlpipe", "prefix")]
-    assert all(name in (None, "rlpipe", "rlpipe.") for _, name, _ in acls)  # nothing broader than rlpipe
+    # The API's engines read <ns>.requests in groups named after their base model's digest: api-trainer-<16 hex>
+    # (consumers/api/worker.py group_for) and api-sampler-<16 hex> (producers/api_sampler.py group_for).
+    for group in ("api-trainer-0123456789abcdef", "api-sampler-0123456789abcdef"):
+        assert any(kind == "group" and pattern == "prefix" and group.startswith(prefix) and "Read" in operations
+                   for (kind, prefix, pattern), operations in acls.items()), group
+    # nothing broader than rlpipe's topics and groups and the API's two groups
+    assert all(name in (None, "rlpipe", "rlpipe.", "api-trainer-", "api-sampler-") for _, name, _ in acls)
 
 
 # autoscaling -------------------------------------------------------------------------
