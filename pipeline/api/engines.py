@@ -77,8 +77,13 @@ def engine_arguments(prog: str, description: str | None) -> argparse.ArgumentPar
 
 
 def engine_setup(args: argparse.Namespace, log: logging.Logger) -> BusConfig:
-    """Logging as the engine processes print it, and the bus configuration of ``args``."""
+    """Logging as the engine processes print it, and the bus configuration: ``--bootstrap`` and ``--namespace``
+    over the ``RLPIPE_BUS__`` environment (TLS, SASL, timeouts; ``rlpipe serve`` passes its own on)."""
+    from pipeline.config import resolve_config
+
     log.setLevel(args.log_level)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # connection chatter; rlpipe's own lines stay
-    return BusConfig(bootstrap_servers=args.bootstrap, namespace=args.namespace)
+    configured = resolve_config().bus
+    return BusConfig.model_validate({**configured.model_dump(), "bootstrap_servers": args.bootstrap,
+                                     "namespace": args.namespace})

@@ -52,6 +52,21 @@ def sampler_command(base_model: str, store_root: str, bootstrap: str, namespace:
     return command + (["--direct-port", str(direct_port)] if direct_port else [])
 
 
+def bus_environment(bus: BusConfig) -> dict[str, str]:
+    """``RLPIPE_BUS__`` variables that give an engine process the settings of ``bus`` that differ from the
+    defaults (the bootstrap servers and namespace excepted: its command line names them)."""
+    from schemas.config import BusConfig
+
+    defaults, variables = BusConfig(), {}
+    for name in BusConfig.model_fields:
+        value = getattr(bus, name)
+        if name in ("bootstrap_servers", "namespace") or value == getattr(defaults, name):
+            continue
+        secret = getattr(value, "get_secret_value", None)
+        variables[f"RLPIPE_BUS__{name.upper()}"] = str(secret() if secret else value)
+    return variables
+
+
 def sdk_example(base_url: str, base_model: str, open_keys: bool = True) -> str:
     """Three lines that point the tinker SDK at this server (with configured keys: a tenant's key)."""
     key = "tml-anything" if open_keys else "<a tenant's key from RLPIPE_API_KEYS>"
@@ -123,7 +138,7 @@ def serve(
     bus, store = resolved_bus(cfg.bus), open_store(cfg.store)
     models = resolve_models(base_model or ["tiny"])
     ensure_topics(bus, API_TOPIC_KINDS)
-    env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": bus.bootstrap_servers}
+    env = {**os.environ, **bus_environment(bus), "RLPIPE_BUS__BOOTSTRAP_SERVERS": bus.bootstrap_servers}
     if not cfg.bus.bootstrap_servers:
         env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
     stop_on_sigterm()

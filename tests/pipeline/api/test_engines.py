@@ -44,3 +44,30 @@ def test_a_failed_announcement_keeps_the_engine_serving(caplog: pytest.LogCaptur
         write_result(store, Publisher(fails=True), CALL, b"{}", "json")  # returns: the next call is served
     assert store.get(result_path("sess-1", "sess-1.sample.1", "json")) == b"{}"
     assert "not announced" in caplog.text and "sess-1.sample.1" in caplog.text
+
+
+def test_an_engine_connects_with_the_bus_settings_of_its_environment_and_serves_flags(monkeypatch) -> None:
+    """The trainer and sampler processes took only --bootstrap and --namespace: against a broker that wants TLS and
+    SASL (a cluster's) they connected in plain text.  They read every other RLPIPE_BUS__ setting, which `rlpipe
+    serve` passes on from its environment and its --set flags."""
+    import logging
+
+    from pipeline.api.engines import engine_arguments, engine_setup
+    from pipeline.cli.serve_cmd import bus_environment
+    from pipeline.config import resolve_config
+
+    served = resolve_config(overrides=["bus.security_protocol=SASL_SSL", "bus.sasl_mechanism=SCRAM-SHA-512",
+                                       "bus.sasl_username=rlpipe", "bus.sasl_password=s3cret",
+                                       "bus.ssl_cafile=/etc/kafka-ca/ca.crt", "bus.connect_timeout_s=30"]).bus
+    environment = bus_environment(served)
+    assert "RLPIPE_BUS__BOOTSTRAP_SERVERS" not in environment  # given as --bootstrap
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    args = engine_arguments("test", None).parse_args(
+        ["--base-model", "/m", "--store", "memory://s", "--bootstrap", "k:9093", "--namespace", "ns"])
+    bus = engine_setup(args, logging.getLogger("test"))
+    assert (bus.bootstrap_servers, bus.namespace) == ("k:9093", "ns")
+    assert (bus.security_protocol, bus.sasl_mechanism, bus.sasl_username, bus.ssl_cafile, bus.connect_timeout_s) == (
+        "SASL_SSL", "SCRAM-SHA-512", "rlpipe", "/etc/kafka-ca/ca.crt", 30.0)
+    assert bus.sasl_password is not None and bus.sasl_password.get_secret_value() == "s3cret"
+    assert bus_environment(resolve_config(environ={}).bus) == {}  # the defaults: nothing to pass on
