@@ -101,6 +101,13 @@ def _attempt_store(topology: Topology) -> dist.Store:
     return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def comm_device() -> torch.device:
+    """Where the tensors of a collective live: the rank's GPU under nccl (which refuses CPU tensors), else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def share(count: int, topology: Topology) -> tuple[int, int]:
     """[start, stop) of this rank's contiguous share of ``count`` items (the first ranks take one more)."""
     base, extra = divmod(count, topology.world_size)
@@ -171,7 +178,7 @@ class DistributedEngine(TrainingEngine):
         result = super()._run(local, loss, loss_fn, backward) if local else ForwardResult(0.0, [], LossStats())
         if self._sharded:
             passes = len(micro_batch_slices(local, self.max_batch_tokens)) if local else 0
-            most = torch.tensor([passes])
+            most = torch.tensor([passes], device=comm_device())
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
             for _ in range(int(most) - passes):
                 super()._run([_idle_datum()], loss, loss_fn, backward)  # adds exactly zero to the gradients
@@ -180,13 +187,15 @@ class DistributedEngine(TrainingEngine):
     def _combine(self, local: ForwardResult, datums: Sequence[Datum], start: int) -> ForwardResult:
         """Every rank's loss and statistics reduced, every datum's logprobs gathered (rows are disjoint: a sum)."""
         stats = _all_reduce_stats(local.stats)
-        loss = torch.tensor([local.loss], dtype=torch.float64)
+        device = comm_device()
+        loss = torch.tensor([local.loss], dtype=torch.float64, device=device)
         dist.all_reduce(loss)
         width = max(len(d) for d in datums)
-        logprobs_BT = torch.zeros((len(datums), width), dtype=torch.float32)
+        logprobs_BT = torch.zeros((len(datums), width), dtype=torch.float32, device=device)
         for offset, row in enumerate(local.logprobs):
-            logprobs_BT[start + offset, : row.numel()] = row
+            logprobs_BT[start + offset, : row.numel()] = row.to(device)
         dist.all_reduce(logprobs_BT)
+        logprobs_BT = logprobs_BT.cpu()
         return ForwardResult(float(loss), [logprobs_BT[b, : len(d)].clone() for b, d in enumerate(datums)], stats)
 
     def _all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
@@ -210,9 +219,10 @@ def _idle_datum() -> Datum:
 def _all_reduce_stats(stats: LossStats) -> LossStats:
     """``LossStats.merge`` over the ranks: sums, and the extremes of the ratios."""
     names = [f.name for f in fields(LossStats) if f.name not in ("ratio_max", "ratio_min")]
-    sums = torch.tensor([float(getattr(stats, n)) for n in names], dtype=torch.float64)
+    device = comm_device()
+    sums = torch.tensor([float(getattr(stats, n)) for n in names], dtype=torch.float64, device=device)
     dist.all_reduce(sums)
-    high = torch.tensor([stats.ratio_max, -stats.ratio_min], dtype=torch.float64)
+    high = torch.tensor([stats.ratio_max, -stats.ratio_min], dtype=torch.float64, device=device)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     values = {n: (int(v) if isinstance(getattr(stats, n), int) else float(v)) for n, v in zip(names, sums.tolist(), strict=True)}
     return LossStats(**values, ratio_max=float(high[0]), ratio_min=-float(high[1]))
@@ -318,14 +328,20 @@ def broadcast_batch(batch: Batch | None, topology: Topology) -> Batch:
         sizes = torch.tensor([header_bytes.numel(), ids.numel(), values.numel()])
     else:
         sizes = torch.zeros(3, dtype=torch.int64)
+    device = comm_device()
+    sizes = sizes.to(device)
     dist.broadcast(sizes, src=0)
-    if not topology.is_main:
-        header_bytes = torch.empty(int(sizes[0]), dtype=torch.uint8)
-        ids, values = torch.empty(int(sizes[1]), dtype=torch.int64), torch.empty(int(sizes[2]), dtype=torch.float32)
+    if topology.is_main:
+        header_bytes, ids, values = header_bytes.to(device), ids.to(device), values.to(device)
+    else:
+        header_bytes = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
+        ids = torch.empty(int(sizes[1]), dtype=torch.int64, device=device)
+        values = torch.empty(int(sizes[2]), dtype=torch.float32, device=device)
     for tensor in (header_bytes, ids, values):
         dist.broadcast(tensor, src=0)
     if topology.is_main:
         return batch
+    header_bytes, ids, values = header_bytes.cpu(), ids.cpu(), values.cpu()
     header = json.loads(bytes(header_bytes.tolist()).decode())
     datums, id_at, value_at = [], 0, 0
     for n, temperature, present in zip(header["lengths"], header["temperatures"], header["present"], strict=True):

@@ -38,7 +38,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from consumers.distributed import DistributedEngine, Topology, _all_reduce_stats, init_distributed, share
+from consumers.distributed import (
+    DistributedEngine,
+    Topology,
+    _all_reduce_stats,
+    comm_device,
+    init_distributed,
+    share,
+)
 from consumers.losses import LossStats, TokenBatch, loss_from_logprobs
 from consumers.packed import EnginePolicy
 from consumers.policy import StepResult
@@ -120,7 +127,7 @@ class DistributedPolicy(EnginePolicy):
             total_loss += float(loss.detach())
             stats = stats.merge(batch_stats)
         self.engine._all_reduce_gradients(self.params)
-        loss_sum = torch.tensor([total_loss], dtype=torch.float64)
+        loss_sum = torch.tensor([total_loss], dtype=torch.float64, device=comm_device())
         dist.all_reduce(loss_sum)
         stats = _all_reduce_stats(stats)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))
@@ -159,24 +166,26 @@ class DistributedPolicy(EnginePolicy):
 
 # ---- commands: a JSON header and a list of tensors, broadcast from rank 0 ----------------------
 def _send_command(header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-    tensors = [t.detach().to("cpu").contiguous() for t in tensors]
+    device = comm_device()  # the rank's GPU under nccl, the CPU under gloo
+    tensors = [t.detach().to(device).contiguous() for t in tensors]
     header = {**header, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]}
-    encoded = torch.tensor(list(json.dumps(header).encode()), dtype=torch.uint8)
-    dist.broadcast(torch.tensor([encoded.numel()]), src=0)
+    encoded = torch.tensor(list(json.dumps(header).encode()), dtype=torch.uint8, device=device)
+    dist.broadcast(torch.tensor([encoded.numel()], device=device), src=0)
     dist.broadcast(encoded, src=0)
     for tensor in tensors:
         dist.broadcast(tensor, src=0)
 
 
 def _receive_command() -> tuple[dict[str, Any], list[torch.Tensor]]:
-    size = torch.zeros(1, dtype=torch.int64)
+    device = comm_device()
+    size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.broadcast(size, src=0)
-    encoded = torch.empty(int(size), dtype=torch.uint8)
+    encoded = torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(encoded, src=0)
     header = json.loads(bytes(encoded.tolist()).decode())
     tensors = []
     for dtype, shape in header["tensors"]:
-        tensor = torch.empty(shape, dtype=DTYPES[dtype])
+        tensor = torch.empty(shape, dtype=DTYPES[dtype], device=device)
         dist.broadcast(tensor, src=0)
         tensors.append(tensor)
     return header, tensors
@@ -208,7 +217,8 @@ def run_on_group(config: RunConfig, lead: Callable[[DistributedPolicy], T]) -> T
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
     engine = DistributedEngine(resolve_base_model(config.model), topology, device=config.learner.device,
-                               dtype=config.model.dtype)
+                               dtype=config.model.dtype,
+                               gradient_checkpointing=config.learner.gradient_checkpointing)
     policy = DistributedPolicy(engine, config.run_id, config.learner)
     log.info("rank %d of %d: %s", topology.rank, topology.world_size,
              "runs the learner" if topology.is_main else "follows rank 0's steps")

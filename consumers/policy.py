@@ -263,6 +263,8 @@ class LoraPolicy:
         check_head_supported(base_model, model_config)
         seed_everything(config.seed)
         base = AutoModelForCausalLM.from_pretrained(base_model, dtype=weights_dtype(model_config, dtype))
+        if config.gradient_checkpointing:  # non-reentrant: frozen base inputs need no requires_grad hook
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lora = LoraConfig(
             r=config.lora_rank,
             lora_alpha=config.lora_alpha,

@@ -198,6 +198,10 @@ class LearnerConfig(_Section):
     )
     batch_rows: int = Field(16, ge=1, le=1_000_000, description="trajectory rows per optimizer step")
     micro_batch_tokens: int = Field(4096, ge=16, le=10_000_000, description="tokens per forward/backward")
+    gradient_checkpointing: bool = Field(
+        False, description="keep one hidden state per decoder layer and recompute the rest in the backward pass: "
+                           "far less activation memory for about a third more compute (rlpipe plan --checkpointing)",
+    )
     publish_every: int = Field(1, ge=1, le=1_000_000, description="optimizer steps between adapter versions")
     checkpoint_every: int = Field(1, ge=1, le=1_000_000, description="optimizer steps between checkpoints")
     keep_checkpoints: int = Field(

@@ -170,3 +170,18 @@ def test_the_latest_checkpoint_is_a_committed_step_never_one_being_written(tmp_p
         (tmp_path / name / CHECKPOINT_META).write_text("{}")
     (tmp_path / "step-00000012").mkdir()  # never committed
     assert latest_checkpoint(tmp_path) == tmp_path / "step-00000010"
+
+
+def test_collectives_use_the_ranks_gpu_under_nccl_and_the_cpu_otherwise(monkeypatch) -> None:
+    """nccl refuses CPU tensors: every command, statistic and batch a group sends lives on comm_device()."""
+    import torch.distributed as dist
+
+    from consumers.distributed import comm_device
+
+    assert comm_device() == torch.device("cpu")  # no group here
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert comm_device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert comm_device() == torch.device("cuda", 3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -237,3 +238,22 @@ def test_an_adapter_snapshots_files_are_the_folder_peft_writes(tiny_model_dir, t
     weights = {n.replace(".default", ""): p for n, p in loaded.named_parameters() if "lora_" in n}
     assert weights.keys() == snapshot.weights.keys()
     assert all(torch.equal(weights[k], snapshot.weights[k]) for k in weights)
+
+
+def test_gradient_checkpointing_trains_the_same_step_with_the_activations_recomputed(tiny_model_dir):
+    """learner.gradient_checkpointing keeps one hidden state per layer and recomputes the rest in the backward
+    pass (what `rlpipe plan --checkpointing` sizes): the same loss, gradients and weights as without it."""
+    batch = remedy_batch()
+    batch = dataclasses.replace(batch, advantages_B=torch.tensor([1.0, -0.5]))
+    results, weights = [], []
+    for checkpointing in (False, True):
+        policy = perturbed(LoraPolicy(tiny_model_dir, LearnerConfig(device="cpu", lora_rank=4, learning_rate=1e-2,
+                                                                    loss="cross_entropy",
+                                                                    gradient_checkpointing=checkpointing)), seed=3)
+        assert policy.model.get_base_model().is_gradient_checkpointing is checkpointing
+        results.append(policy.train_step([batch], normaliser=2.0))
+        weights.append({name: p.detach().clone() for name, p in policy.lora_parameters().items()})
+    assert results[0].loss != 0.0 and results[1].loss == pytest.approx(results[0].loss, rel=1e-6)
+    assert results[1].grad_norm == pytest.approx(results[0].grad_norm, rel=1e-5)
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-5, atol=1e-7)

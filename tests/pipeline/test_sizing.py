@@ -93,8 +93,11 @@ def test_plan_sizes_the_adapter_the_learner_trains_by_default(tmp_path):
     result = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--json"])
     assert result.exit_code == 0, result.output
     learner = LearnerConfig()
-    expected = plan_memory(LLAMA_8B, lora_rank=learner.lora_rank, target_modules=learner.target_modules)
-    assert json.loads(result.output)["bytes"] == expected.parts()
+    expected = plan_memory(LLAMA_8B, lora_rank=learner.lora_rank, target_modules=learner.target_modules,
+                           shard=False, gradient_checkpointing=learner.gradient_checkpointing)
+    assert json.loads(result.output)["bytes"] == expected.parts()  # what the learner holds: no sharding
+    checkpointed = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--json", "--checkpointing"])
+    assert json.loads(checkpointed.output)["bytes"]["activations"] < expected.parts()["activations"] / 10
 
 
 def test_plan_of_a_hub_id_it_cannot_reach_names_the_local_ways(monkeypatch):
