@@ -159,6 +159,7 @@ class SamplerWorker:
         self.activity = activity
         self.max_adapters = max_adapters
         self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="rlpipe-api-sampler-")
+        self._own_cache = cache_dir is None  # removed on close
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
         self.publisher = EventPublisher(bus)
@@ -247,6 +248,8 @@ class SamplerWorker:
         self.publisher.close()
         if self.activity is not None:
             self.activity.close()
+        if self._own_cache:  # the pulled versions in a folder of its own making
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
 
     # ---- one call -------------------------------------------------------------------------------------------
     async def execute(self, call: ApiRequestAccepted) -> None:

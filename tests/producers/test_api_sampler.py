@@ -222,6 +222,9 @@ def test_the_least_recently_sampled_version_is_unloaded_beyond_max_adapters_and_
         assert len(folders) == 2 and version_1_folder in held_folders and version_1_folder not in folders
         assert sample(samplers[0], 1) == first  # pulled and loaded again: the same weights, the same draw
         assert harness.sampler.adapters_held() == [(run, 3), (run, 1)]
+        harness.sampler.close()  # the pulled versions of a folder it made itself go with it
+        assert not Path(harness.sampler.cache_dir).exists()
+        harness.sampler.close()  # and a second close (the fixture's) is harmless
     finally:
         trainer.close()
 
