@@ -39,19 +39,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.options import model_folder, non_negative_int, positive_int
+
 PROMPT_WORDS = ("CartPole: keep a pole balanced upright on a moving cart by pushing the cart left or right. "
                 "Cart position 0.012, velocity -0.031, pole angle 0.044, angular velocity 0.020. Your action?")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, nargs="+", default=[1, 8, 32], help="concurrent calls per round")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per arm and round size")
-    parser.add_argument("--grow", type=int, default=10_000,
+    parser.add_argument("--calls", type=positive_int, nargs="+", default=[1, 8, 32], help="concurrent calls per round")
+    parser.add_argument("--rounds", type=positive_int, default=10, help="timed rounds per arm and round size")
+    parser.add_argument("--grow", type=non_negative_int, default=10_000,
                         help="filler events put on <ns>.requests before a second pass (0: one pass)")
     parser.add_argument("--log-storage", choices=["s3", "memory"], default="s3",
                         help="where the broker keeps its log (s3: the embedded stack's local S3 server)")
-    parser.add_argument("--base-model", default="tiny", help="a model folder, or 'tiny' (built once)")
+    parser.add_argument("--base-model", type=model_folder, default="tiny", help="a model folder, or 'tiny' (built once)")
     parser.add_argument("--json-out", type=Path, default=None)
     return parser.parse_args(argv)
 

@@ -35,9 +35,9 @@ already built under your ``RLPIPE_HOME`` is reused, not rebuilt.
     python bench/async_vs_sync.py --steps 2 --skip-concurrency     # a quick smoke run
     python bench/async_vs_sync.py --skip-comparison --concurrency 2 --concurrency-steps 1
 
-Why one module of about 600 lines: it runs as a script (``python bench/async_vs_sync.py``,
-``bench/`` is no package) and the tests import its pure parts as ``bench.async_vs_sync``;
-a sibling module for those parts would import in only one of the two ways.
+It runs as a script (``python bench/async_vs_sync.py``; ``bench/`` is no package) with the
+project root put on the path, as the other benches do, so it imports what they share
+(``bench.options``) and the tests import its pure parts as ``bench.async_vs_sync``.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.options import check_run_config
 
 BENCH_DIR = Path(__file__).resolve().parent
 PROJECT_ROOT = BENCH_DIR.parent
@@ -73,9 +76,9 @@ def parse_levels(text: str) -> list[int]:
     try:
         levels = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--concurrency {text!r} is not a comma-separated list like 1,2,3") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list like 1,2,3") from None
     if not levels or any(not 1 <= n <= 8 for n in levels):
-        raise argparse.ArgumentTypeError(f"--concurrency {text!r}: each level must be 1-8 runs, e.g. 1,2,3")
+        raise argparse.ArgumentTypeError(f"{text!r}: each level must be 1-8 runs, e.g. 1,2,3")
     return levels
 
 
@@ -115,6 +118,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--skip-comparison and --skip-concurrency together leave nothing to run; drop one")
     if args.timeout_s <= 0:
         parser.error("--timeout-s must be positive")
+    check_run_config(parser, args.preset, bench_overrides(args, None))
     return args
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
+from bench.options import non_negative_int, positive_int
 from producers.envs.building import BuildingHVAC
 from producers.envs.building.environment import _HEURISTIC_DAY_OFF_WATER_FLOOR, from_normalized
 from producers.envs.parsing import format_answer
@@ -74,11 +75,15 @@ def constant(water_k: float, air_k: float) -> Callable[[BuildingHVAC], str]:
     return lambda env: format_answer([f"{water_k:.3f}K, {air_k:.3f}K"])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--first-day", type=int, default=14, help="first held-out day index")
-    parser.add_argument("--days", type=int, default=7, help="days to play")
-    args = parser.parse_args()
+    parser.add_argument("--first-day", type=non_negative_int, default=14, help="first held-out day index")
+    parser.add_argument("--days", type=positive_int, default=7, help="days to play")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     days = list(range(args.first_day, args.first_day + args.days))
     reference = [o.episode_return for o in scripted_outcomes(lambda day: "heuristic", days, 0)]
     mean, ci95 = mean_ci95(reference)

@@ -34,6 +34,8 @@ from safetensors.torch import save as save_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import LoadAverage
+from bench.options import positive_int
 from consumers.batching import micro_batches
 from consumers.checkpoint import CheckpointStore, capture_rng
 from consumers.policy import LoraPolicy
@@ -111,12 +113,20 @@ def timed(action: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return statistics.median(durations), result
 
 
-def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    folder = Path(tempfile.mkdtemp(prefix="rlpipe-ckpt-bench-"))
-    policy, stats = trained_policy(str(build_tiny_model(folder / "tiny", pretrain=False)))
+def measure(args: argparse.Namespace, model_dir: str | None = None) -> list[dict[str, Any]]:
+    """The figures at ``args.early`` and ``args.late``, in a temporary folder removed afterwards; the policy is
+    the tiny model's (built there, untrained) unless ``model_dir`` is given."""
+    with tempfile.TemporaryDirectory(prefix="rlpipe-ckpt-bench-") as tmp:
+        folder = Path(tmp)
+        model = model_dir or str(build_tiny_model(folder / "tiny", pretrain=False))
+        return measure_in(args, model, ObjectStore((folder / "store").as_uri()))
+
+
+def measure_in(args: argparse.Namespace, model_dir: str, store: ObjectStore) -> list[dict[str, Any]]:
+    """A synthetic run in ``store`` up to each step, its checkpoint saved and loaded there: one row per step."""
+    policy, stats = trained_policy(model_dir)
     adapter = policy.adapter_tensors()
     optimizer, scalars = policy.optimizer_state()
-    store = ObjectStore((folder / "store").as_uri())
     checkpoints, state, history = CheckpointStore(store, "bench", keep=3), LearnerState(), []
     rows = []
     for step in (args.early, args.late):
@@ -133,15 +143,23 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--early", type=int, default=10, help="the early step")
-    parser.add_argument("--late", type=int, default=1000, help="the late step")
-    parser.add_argument("--batches-per-step", type=int, default=2, help="trajectory batches trained per step")
-    parser.add_argument("--repeats", type=int, default=5, help="saves (and loads) timed at each step; median")
-    args = parser.parse_args()
+    parser.add_argument("--early", type=positive_int, default=10, help="the early step")
+    parser.add_argument("--late", type=positive_int, default=1000, help="the late step")
+    parser.add_argument("--batches-per-step", type=positive_int, default=2, help="trajectory batches trained per step")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="saves (and loads) timed at each step; median")
+    args = parser.parse_args(argv)
+    if args.early >= args.late:
+        parser.error(f"--early {args.early} must come before --late {args.late}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(0)
-    early, late = measure(args)
+    with LoadAverage() as load:
+        early, late = measure(args)
     print(f"checkpoint of the tiny model's LoRA (rank 8, AdamW state), {args.batches_per_step} batches per step, "
           f"file:// store, median of {args.repeats}")
     print(f"| | step {early['step']:,} | step {late['step']:,} | ratio |")
@@ -154,6 +172,7 @@ def main() -> None:
         print(f"| {label} | {cells[0]} | {cells[1]} | {b / a:.2f}x |")
     print(f"writing one step-log object per step: {late['record_step_s'] * 1e3:.2f} ms (mean over steps "
           f"{early['step'] + 1}..{late['step']}, including the bookkeeping)")
+    print(load)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
-"""The machine's busy CPU, for the bound it puts on running several jobs at once.
+"""The machine's busy CPU, for the bound it puts on running several jobs at once, and its load around a timing.
 
 A benchmark that runs 1, 2 and 3 jobs side by side can measure how many core-seconds
 one job costs alone; N jobs cost N times that, so on C cores their combined throughput
 over one job's is at most ``min(N, C x wall / busy core-seconds)`` of the job alone
 (``cpu_bound``).  Busy time counts every process on the machine, and torch's worker
 threads while they spin between parallel regions.
+
+Every timing bench also names the machine's load average before and after its measurement
+(``LoadAverage``): on a shared machine other jobs move a figure by a third, and the load is how
+a reader tells an idle machine's figure from a busy one's.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -72,3 +77,30 @@ class CpuMeter:
     def _at(self, when: float) -> float:
         times, busy = list(self.times), list(self.busy)  # the thread may append meanwhile
         return float(np.interp(when, times[: len(busy)], busy[: len(times)])) if times else 0.0
+
+
+def load_text(before: float, after: float) -> str:
+    """``load average 1.20 before, 2.35 after``: the 1-minute load averages around a measurement."""
+    return f"load average {before:.2f} before, {after:.2f} after"
+
+
+class LoadAverage:
+    """The machine's 1-minute load average when it is made (or its block starts) and at ``stop`` (or its
+    block's end); ``str()`` names both (the load now, if not stopped yet)."""
+
+    def __init__(self) -> None:
+        self.before = os.getloadavg()[0]
+        self.after: float | None = None
+
+    def __enter__(self) -> LoadAverage:
+        self.before = os.getloadavg()[0]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.after = os.getloadavg()[0]
+
+    def __str__(self) -> str:
+        return load_text(self.before, os.getloadavg()[0] if self.after is None else self.after)

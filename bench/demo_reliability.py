@@ -2,8 +2,9 @@
 
 Each run is ``rlpipe demo --seed <i> --no-dashboard`` (demonstrations, sampling,
 LoRA initialisation and training seeds all follow the seed; the held-out
-evaluation seeds are the same for every run).  All runs share one embedded stack
-(started by the first, stopped at the end) and one tiny model (built by the
+evaluation seeds are the same for every run); its output shows as it comes.  All
+runs share one embedded stack (started by the first and stopped at the end, unless
+one was already running: that one is left running) and one tiny model (built by the
 first, cached for the rest).  Printed per run: the two ratios the demo is judged
 by (last / base, last / warm start) with whether the 95% intervals separate, the
 version at which the training return "took off" (the first version whose mean
@@ -14,10 +15,11 @@ the success count (both targets met).
     python bench/demo_reliability.py --runs 3 --first-seed 11 --steps 20
     python bench/demo_reliability.py --runs 10 --preset demo-gae   # the online phase of another preset
     python bench/demo_reliability.py --runs 5 --first-seed 0 --preset demo-sokoban   # Sokoban, judged on success
-    python bench/demo_reliability.py --runs 10 --resume    # only the seeds not yet in --out
+    python bench/demo_reliability.py --runs 10 --resume    # only the seeds not in --out, or FAILED there
     RLPIPE_SAMPLER__ENGINE=blocking python bench/demo_reliability.py --runs 3   # every phase with a setting
 
-Each run's record also holds the commit it ran on, the ``RLPIPE_`` variables that
+The records go to ``--out`` (default ``$RLPIPE_HOME/bench/demo-reliability.json``), rewritten after
+every run.  Each run's record also holds the commit it ran on, the ``RLPIPE_`` variables that
 configured it and the machine's load average before and after it, so runs collected over several sittings (``--resume``) can
 be checked to be of the same recipe on a comparable machine.
 """
@@ -29,11 +31,16 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.options import non_negative_int, positive_int
 from pipeline.devstack.launcher import rlpipe_command
+from pipeline.devstack.stack import read_stack_state, rlpipe_home
 
 TAKE_OFF_FACTOR = 1.5
 
@@ -66,15 +73,15 @@ def one_run(seed: int, steps: int | None, episodes: int | None, preset: str = "d
                              *(["--episodes", str(episodes)] if episodes else []),
                              *(["--steps", str(steps)] if steps else []))
     started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True)
+    returncode, output = run_streaming(command)
     minutes = (time.monotonic() - started) / 60
     machine = {"commit": ran_on, "preset": preset, "load_before": [round(x, 2) for x in load_before],
                "load_after": [round(x, 2) for x in os.getloadavg()],
                "settings": configuration_variables()}
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    if returncode != 0:
+        tail = output.strip().splitlines()[-1:] or ["no output"]
         return {"seed": seed, "failed": tail[0], "minutes": minutes, **machine}
-    report = next((line.split("report: ", 1)[1].split(";")[0] for line in done.stdout.splitlines()
+    report = next((line.split("report: ", 1)[1].split(";")[0] for line in output.splitlines()
                    if line.startswith("report: ")), None)
     if report is None:
         return {"seed": seed, "failed": "the demo printed no report line", "minutes": minutes, **machine}
@@ -82,10 +89,34 @@ def one_run(seed: int, steps: int | None, episodes: int | None, preset: str = "d
     outcome = json.loads((folder / "demo-result.json").read_text())
     series = json.loads((folder / "report.json").read_text())["series"]
     outcome["take_off_version"] = take_off_version(series.get("reward_by_version") or [])
-    outcome["phase_seconds"] = phase_seconds(done.stdout)
+    outcome["phase_seconds"] = phase_seconds(output)
     outcome["minutes"] = minutes
     outcome["seed"] = seed
     return {**outcome, **machine}
+
+
+def run_streaming(command: list[str]) -> tuple[int, str]:
+    """Run ``command``, printing each line of its output (stdout and stderr together) as it comes, indented;
+    its exit status and the whole output, for the report line, the phases and a failure's last line.
+    The child writes unbuffered: into a pipe Python would otherwise hold its lines back in blocks."""
+    lines: list[str] = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                          text=True, bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as child:
+        assert child.stdout is not None
+        for line in child.stdout:
+            lines.append(line)
+            print(f"  {line}", end="", flush=True)
+    return child.returncode, "".join(lines)
+
+
+def stack_running() -> bool:
+    """Whether an embedded stack already runs under this ``RLPIPE_HOME`` (the demo then uses it)."""
+    return read_stack_state() is not None
+
+
+def stop_stack() -> None:
+    """``rlpipe down``: stop the embedded stack the demos started."""
+    subprocess.run(rlpipe_command("down"), capture_output=True)
 
 
 def phase_seconds(stdout: str) -> dict[str, int]:
@@ -144,36 +175,65 @@ def line(outcome: dict[str, Any]) -> str:
             + (f"  load {outcome['load_before'][0]:.1f}->{outcome['load_after'][0]:.1f}" if "load_before" in outcome else ""))
 
 
-def main() -> None:
+def check_preset(parser: argparse.ArgumentParser, preset: str) -> None:
+    """Refuse a preset ``rlpipe demo`` cannot run (unknown, or no demo recipe for its environment, as
+    ``pipeline.cli.demo_cmd.recipe_for`` decides) in one line, before any run is started or recorded."""
+    from pipeline.cli.demo_cmd import RECIPES
+    from pipeline.config import ConfigError, load_preset
+
+    try:
+        env = (load_preset(preset).get("env") or {}).get("name", "cartpole")
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if env not in RECIPES:
+        parser.error(f"--preset {preset}: rlpipe demo has no recipe for {env!r}; presets on {', '.join(RECIPES)} work")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--first-seed", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=None, help="online steps (default: the demo preset's)")
-    parser.add_argument("--episodes", type=int, default=None,
+    parser.add_argument("--runs", type=positive_int, default=10)
+    parser.add_argument("--first-seed", type=non_negative_int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=None, help="online steps (default: the demo preset's)")
+    parser.add_argument("--episodes", type=positive_int, default=None,
                         help="held-out evaluation episodes per policy (default: the recipe's)")
     parser.add_argument("--preset", default="demo", help="the preset of the online phase (demo, demo-gae)")
-    parser.add_argument("--out", default="demo-reliability.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the records, rewritten after every run (default: $RLPIPE_HOME/bench/demo-reliability.json)")
     parser.add_argument("--resume", action="store_true",
-                        help="keep the runs already in --out and run only the seeds missing from it")
-    args = parser.parse_args()
-    out = Path(args.out)
+                        help="keep the runs already in --out and run only the seeds missing there or FAILED there")
+    args = parser.parse_args(argv)
+    check_preset(parser, args.preset)
+    if args.out is None:
+        args.out = rlpipe_home() / "bench" / "demo-reliability.json"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = args.out
     outcomes: list[dict[str, Any]] = json.loads(out.read_text()) if args.resume and out.exists() else []
-    done_seeds = {o["seed"] for o in outcomes}
+    done_seeds = {o["seed"] for o in outcomes if "failed" not in o}  # a FAILED seed runs again
     for outcome in outcomes:
         print(line(outcome) + "  (earlier)", flush=True)
+    print(f"records: {out}", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stack_was_up = stack_running()
     try:
         for seed in range(args.first_seed, args.first_seed + args.runs):
             if seed in done_seeds:
                 continue
-            outcomes.append(one_run(seed, args.steps, args.episodes, args.preset))
-            print(line(outcomes[-1]), flush=True)
+            print(f"seed {seed}: rlpipe demo --preset {args.preset}", flush=True)
+            outcome = one_run(seed, args.steps, args.episodes, args.preset)
+            outcomes = sorted([o for o in outcomes if o["seed"] != seed] + [outcome], key=lambda o: o["seed"])
+            print(line(outcome), flush=True)
             out.write_text(json.dumps(outcomes, indent=2))
     finally:
-        subprocess.run(rlpipe_command("down"), capture_output=True)
+        if not stack_was_up:  # the stack the first demo started; one that ran before stays up
+            stop_stack()
     if not outcomes:
         return
     print(f"targets met in {sum(met(o) for o in outcomes)} of {len(outcomes)} runs; "
-          f"median {sorted(o['minutes'] for o in outcomes)[len(outcomes) // 2]:.1f} min per run; details: {args.out}")
+          f"median {sorted(o['minutes'] for o in outcomes)[len(outcomes) // 2]:.1f} min per run; details: {out}")
 
 
 if __name__ == "__main__":

@@ -32,9 +32,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.cpu import LoadAverage
+from bench.options import model_folder, positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 WORKER = ROOT / "tests" / "consumers" / "distributed_worker.py"
+
 ARMS = {  # name -> (processes, threads per process, extra worker arguments)
     "1 process x 1 thread": (1, 1, ()),
     "1 process x 2 threads": (1, 2, ()),
@@ -81,25 +86,31 @@ def logprob_gap(model: str, args: argparse.Namespace) -> tuple[float, float, int
     return float(gap.mean()), float(gap.max()), gap.numel()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny", help="'tiny' (built if needed) or a model folder")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--per-batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=128)
-    args = parser.parse_args()
+    parser.add_argument("--model", type=model_folder, default="tiny", help="'tiny' (built if needed) or a model folder")
+    parser.add_argument("--steps", type=positive_int, default=6)
+    parser.add_argument("--per-batch", type=positive_int, default=8)
+    parser.add_argument("--length", type=positive_int, default=128)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     model = args.model
     if model == "tiny":
         from producers.tiny_model import build_tiny_model
 
         model = str(build_tiny_model())
     print(f"model {args.model}, {args.steps} steps x {args.per_batch} sequences of up to {args.length} tokens, "
-          f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}")
+          f"{os.cpu_count()} CPU cores")
     print("| arm | tokens/s | s/step | peak RSS rank 0 (MiB) |\n| --- | ---: | ---: | ---: |")
-    for name, (processes, threads, extra) in ARMS.items():
-        report = run_arm(model, processes, threads, extra, args)
-        print(f"| {name} | {report['tokens'] / report['seconds']:,.0f} | {report['seconds'] / args.steps:.3f} | "
-              f"{report['peak_rss'] / 2**20:,.0f} |", flush=True)
+    with LoadAverage() as load:
+        for name, (processes, threads, extra) in ARMS.items():
+            report = run_arm(model, processes, threads, extra, args)
+            print(f"| {name} | {report['tokens'] / report['seconds']:,.0f} | {report['seconds'] / args.steps:.3f} | "
+                  f"{report['peak_rss'] / 2**20:,.0f} |", flush=True)
+    print(load)
     mean, most, count = logprob_gap(model, args)
     print(f"logprob gap float32 vs bfloat16 base weights over {count} tokens: mean {mean:.4f}, max {most:.4f} nats")
 

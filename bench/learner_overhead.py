@@ -13,8 +13,9 @@ interleaved step by step (the order rotating) so a shared machine's load falls o
   the pipeline around the arithmetic.
 - bare (full logits): the same loop with the usual ``model(input_ids).logits`` over every position.
 
-Both bare loops start from the same seed as the learner, so after the same steps their adapters should
-agree with the learner's (printed as a check that the arms do the same work).
+Both bare loops start from the same seed as the learner, so after the same steps their adapters must
+agree with the learner's: the run fails (exit status 1) when an adapter differs by more than
+``SAME_WORK_TOLERANCE`` or the learner's did not move, since then the arms did not do the same work.
 
 Tokens are every token of every row (prompt and answer, no padding), as the learner's ``tokens`` metric.
 Rows imitate per-turn prompts (``--prompt-tokens`` random tokens) with short answers (``--answer-tokens``),
@@ -59,6 +60,8 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import load_text
+from bench.options import non_negative_int, positive_int
 from bench.stats import spread
 from consumers.advantages import compute_advantages, training_weights
 from consumers.batching import micro_batches
@@ -76,6 +79,7 @@ from schemas.trajectory import NO_ADAPTER_SHA
 SOURCE_RUN, LEARNER_RUN = "bench-src", "bench"
 NO_WRITES = "learner (no writes)"
 GROUP_SIZE = 4
+SAME_WORK_TOLERANCE = 1e-6  # max |difference| of a bare loop's adapter from the learner's (they agree bitwise)
 DAY = datetime(2026, 1, 1, tzinfo=UTC)
 
 
@@ -223,11 +227,11 @@ def bare_steps(loop: BareLoop, prepared: list[tuple[list[TokenBatch], float, int
 
 
 def measure(args: argparse.Namespace, model_dir: str, root: Path,
-            log: Callable[[str], None]) -> tuple[list[Arm], dict[str, float]]:
+            log: Callable[[str], None]) -> tuple[list[Arm], float, dict[str, float]]:
     """Block by block (``--block-steps``), each arm once per block (the order rotating), so load changes hit
     every arm alike; each block's time counts as that many steps of its mean time.  With ``--toggle-writes``
     the learner publishes and checkpoints in every other block only (the same learner, the same batches).
-    Returns the arms and each bare loop's largest difference from the learner's adapter at the end."""
+    Returns the arms and ``check_same_work``'s figures at the end."""
     cfg = LearnerConfig(loss=args.loss, batch_rows=args.rows, publish_every=args.publish_every,
                         checkpoint_every=args.checkpoint_every, max_staleness=1000, device="cpu",
                         torch_threads=args.threads, learning_rate=1e-3, seed=0)
@@ -267,12 +271,14 @@ def measure(args: argparse.Namespace, model_dir: str, root: Path,
         if (index + block) % 5 < block:
             log(f"step {index + block}/{n_steps}")
     learner.cfg = cfg
-    return list(arms.values()), check_same_work(learner, bare, log)
+    moved, diffs = check_same_work(learner, bare, log)
+    return list(arms.values()), moved, diffs
 
 
-def check_same_work(learner: Learner, bare: dict[str, BareLoop], log: Callable[[str], None]) -> dict[str, float]:
-    """The bare loops must end where the learner ended (same data, loss, optimizer), and have moved at all:
-    the largest |difference| from the learner's adapter, by arm."""
+def check_same_work(learner: Learner, bare: dict[str, BareLoop],
+                    log: Callable[[str], None]) -> tuple[float, dict[str, float]]:
+    """How far the learner's ``lora_B`` moved from 0, and each bare loop's largest |difference| from the
+    learner's adapter: they must end where the learner ended (same data, loss, optimizer)."""
     weights = learner.policy.adapter_tensors()
     moved = max(float(t.abs().max()) for name, t in weights.items() if "lora_B" in name)
     log(f"check: the learner's lora_B moved from 0 to max |w| {moved:.2e}")
@@ -280,7 +286,18 @@ def check_same_work(learner: Learner, bare: dict[str, BareLoop], log: Callable[[
     for name, loop in bare.items():
         diffs[name] = max(float((weights[k] - v).abs().max()) for k, v in loop.adapter().items())
         log(f"check: {name} adapter vs the learner's: max |difference| {diffs[name]:.2e}")
-    return diffs
+    return moved, diffs
+
+
+def same_work_failure(moved: float, diffs: dict[str, float]) -> str | None:
+    """Why the arms did not do the same work (a reason to fail the run), or None."""
+    if moved == 0:
+        return "the learner's lora_B did not move from 0: no step trained, so the arms compare nothing"
+    apart = {name: diff for name, diff in diffs.items() if diff > SAME_WORK_TOLERANCE}
+    if apart:
+        named = ", ".join(f"{name} by {diff:.2e}" for name, diff in apart.items())
+        return f"the bare loops' adapters differ from the learner's ({named}; at most {SAME_WORK_TOLERANCE:g})"
+    return None
 
 
 def report(arms: list[Arm], args: argparse.Namespace, load_before: tuple, load_after: tuple) -> str:
@@ -292,7 +309,7 @@ def report(arms: list[Arm], args: argparse.Namespace, load_before: tuple, load_a
         f"every {args.publish_every}, checkpoint every {args.checkpoint_every}; {args.steps} steps in blocks "
         f"of {args.block_steps} after {args.warmup_steps} warm-up"
         f"{', the learner writing in every other block' if args.toggle_writes else ''}; "
-        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after",
+        f"{load_text(load_before[0], load_after[0])}",
         "",
         "| arm | tokens/s | median s/step | time outside training |",
         "| --- | ---: | ---: | ---: |",
@@ -310,25 +327,33 @@ def report(arms: list[Arm], args: argparse.Namespace, load_before: tuple, load_a
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="measured optimizer steps per arm")
-    parser.add_argument("--warmup-steps", type=int, default=2)
-    parser.add_argument("--rows", type=int, default=8, help="rows per optimizer step (one batch)")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--answer-tokens", type=int, default=8)
+    parser.add_argument("--steps", type=positive_int, default=20, help="measured optimizer steps per arm")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=2)
+    parser.add_argument("--rows", type=positive_int, default=8, help="rows per optimizer step (one batch)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=128)
+    parser.add_argument("--answer-tokens", type=positive_int, default=8)
     parser.add_argument("--loss", choices=["importance_sampling", "cross_entropy"], default="importance_sampling")
-    parser.add_argument("--publish-every", type=int, default=1)
-    parser.add_argument("--checkpoint-every", type=int, default=1)
-    parser.add_argument("--block-steps", type=int, default=1,
+    parser.add_argument("--publish-every", type=positive_int, default=1)
+    parser.add_argument("--checkpoint-every", type=positive_int, default=1)
+    parser.add_argument("--block-steps", type=positive_int, default=1,
                         help="steps each arm runs per turn (the learner's writes overlap the next step within one)")
     parser.add_argument("--toggle-writes", action="store_true",
                         help="the learner publishes and checkpoints in every other block only: what the writes cost")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--model", default=None, help="a model folder (default: build the tiny model, untrained)")
-    args = parser.parse_args()
-    if args.block_steps < 1 or args.steps % args.block_steps or args.warmup_steps % args.block_steps:
-        parser.error("--block-steps must be at least 1 and divide both --steps and --warmup-steps")
+    args = parser.parse_args(argv)
+    if args.steps % args.block_steps or args.warmup_steps % args.block_steps:
+        parser.error("--block-steps must divide both --steps and --warmup-steps")
+    if args.toggle_writes and args.steps // args.block_steps < 2:
+        parser.error("--toggle-writes needs at least two measured blocks (one with writes, one without): "
+                     "--steps at least twice --block-steps")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -338,9 +363,11 @@ def main() -> None:
             from producers.tiny_model import build_tiny_model  # bench code may use both sides
 
             model_dir = str(build_tiny_model(Path(tmp) / "model", pretrain=False))  # weights do not change speed
-        arms, _ = measure(args, model_dir, Path(tmp) / "store", lambda line: print(line, flush=True))
+        arms, moved, diffs = measure(args, model_dir, Path(tmp) / "store", lambda line: print(line, flush=True))
     print()
     print(report(arms, args, load_before, os.getloadavg()))
+    if failure := same_work_failure(moved, diffs):
+        raise SystemExit(f"FAILED: {failure}")
 
 
 if __name__ == "__main__":

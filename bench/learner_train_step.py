@@ -13,7 +13,6 @@ Run: .venv/bin/python bench/learner_train_step.py [--rounds 20]
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -24,7 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import LoadAverage
 from bench.learner_overhead import BareLoop, step_micro_batches, write_batches
+from bench.options import positive_int
 from bench.stats import spread
 from consumers.policy import LoraPolicy
 from pipeline.io.archive import TrajectoryArchive
@@ -33,13 +34,16 @@ from producers.tiny_model import build_tiny_model
 from schemas.config import LearnerConfig
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=20)
-    args = parser.parse_args()
+    parser.add_argument("--rounds", type=positive_int, default=20, help="rounds of five steps per arm")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="rlpipe-bench-") as tmp:
+    with LoadAverage() as load, tempfile.TemporaryDirectory(prefix="rlpipe-bench-") as tmp:
         model = str(build_tiny_model(Path(tmp) / "model", pretrain=False))
         cfg = LearnerConfig(batch_rows=8, device="cpu", torch_threads=1, learning_rate=1e-3, seed=0,
                             max_staleness=1000)
@@ -59,7 +63,7 @@ def main() -> None:
                 times[name].append((time.perf_counter() - started) / 5)
     ratios = [b / a for a, b in zip(times["learner train_step"], times["bare step"], strict=True)]
     print(f"tiny model, CPU, torch {torch.__version__}, 1 thread; 8 rows/step of 128+8 tokens; {args.rounds} rounds "
-          f"of 5 steps each; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+          f"of 5 steps each; {load}")
     for name, values in times.items():
         print(f"{name}: median {statistics.median(values) * 1e3:.1f} ms/step")
     print(f"bare / learner per round: {spread(ratios)}")

@@ -22,6 +22,10 @@ days x seeds, and the reward's parts (per-day sums of the normalised comfort reg
 energy cost and carbon; reward = -(0.2 comfort + 0.4 energy + 0.4 carbon)), then each AWR
 adapter's paired difference against the others (same day, same sampling seed).
 
+Without ``--root`` the store is a temporary folder, removed at the end; with it, the dataset, the
+trajectories and the adapters stay there and a second run reuses them.  Each training logs a line
+per learner step.
+
 Run: .venv/bin/python bench/offline_building.py [--days 14] [--eval-days 7] [--threads 1] [--root DIR]
 """
 
@@ -32,13 +36,13 @@ import json
 import logging
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.options import model_folder, non_negative_int, positive_int, scratch_folder
 from consumers.service import replay_train
 from pipeline.io.datasets import read_card
 from pipeline.io.registry import AdapterRegistry
@@ -62,35 +66,40 @@ METHODS = {
 }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--days", type=int, default=14, help="logged days (one episode each)")
-    parser.add_argument("--eval-days", type=int, default=7, help="held-out days played online")
-    parser.add_argument("--seeds", type=int, default=2, help="sampling seeds per adapter")
+    parser.add_argument("--days", type=positive_int, default=14, help="logged days (one episode each)")
+    parser.add_argument("--eval-days", type=positive_int, default=7, help="held-out days played online")
+    parser.add_argument("--seeds", type=positive_int, default=2, help="sampling seeds per adapter")
     parser.add_argument("--methods", default="bc,awr-raw",
                         help="comma-separated: bc, awr-raw (AWR on the raw advantage), awr (std-normalised per "
                              "cell), fbc")
-    parser.add_argument("--episodes-per-batch", type=int, default=7)
-    parser.add_argument("--turns-per-batch", type=int, default=16)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--episodes-per-batch", type=positive_int, default=7)
+    parser.add_argument("--turns-per-batch", type=positive_int, default=16)
+    parser.add_argument("--epochs", type=positive_int, default=2)
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--awr-beta", type=float, default=2.0,
                         help="AWR temperature, in reward units for awr-raw (a day's return spans about 2-4 between "
                              "similar days)")
-    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-rank", type=positive_int, default=8)
     parser.add_argument("--temperatures", default="0.5,0", help="sampling temperatures of the model (0: greedy)")
-    parser.add_argument("--history-turns", type=int, default=0, help="earlier turns per prompt (0: shortest)")
+    parser.add_argument("--history-turns", type=non_negative_int, default=0, help="earlier turns per prompt (0: shortest)")
     parser.add_argument("--answer-format", choices=("normalized", "kelvin"), default="normalized",
                         help="how the logged setpoints are written as answers")
     parser.add_argument("--answer-decimals", type=int, default=None, help="default: 1 normalised, 0 kelvin")
     parser.add_argument("--no-base", action="store_true",
                         help="skip the base model (its figures depend only on the model and the held-out days)")
-    parser.add_argument("--model", default="tiny", help="'tiny' (pre-trained locally, cached) or a model folder")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--model", type=model_folder, default="tiny",
+                        help="'tiny' (pre-trained locally, cached) or a model folder")
+    parser.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--root", type=Path, default=None, help="store folder (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=1, help="seeds the logged controllers")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.methods.split(",")) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    return args
 
 
 def resolve_model(name: str) -> str:
@@ -133,6 +142,7 @@ def train(store: ObjectStore, args: argparse.Namespace, model: str, method: str)
     config = RunConfig(run_id=run_id, model=ModelConfig(base_model=model), store=StoreConfig(root=store.root),
                        learner=learner)
     started = time.perf_counter()
+    print(f"{method}: training (a line per learner step)", flush=True)
     trained = replay_train(config, DATA_RUN)
     print(f"{method}: {trained.state.step} steps, adapter v{trained.state.version}, "
           f"{time.perf_counter() - started:.0f} s", flush=True)
@@ -201,19 +211,20 @@ def print_table(summary: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("rlpipe.learner").setLevel(logging.INFO)  # replay_train's line per learner step
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    folder = args.root or Path(tempfile.mkdtemp(prefix="rlpipe-offline-"))
-    store = ObjectStore(folder.resolve().as_uri())
-    started = time.perf_counter()
-    model = resolve_model(args.model)
-    print(f"model {model}; store {store.root}", flush=True)
-    prepare_data(store, args, model)
-    runs = {method: train(store, args, model, method) for method in args.methods.split(",")}
-    summary = evaluate(store, args, model, runs)
+    with scratch_folder(args.root, "rlpipe-offline-") as folder:
+        store = ObjectStore(folder.resolve().as_uri())
+        started = time.perf_counter()
+        model = resolve_model(args.model)
+        print(f"model {model}; store {store.root}", flush=True)
+        prepare_data(store, args, model)
+        runs = {method: train(store, args, model, method) for method in args.methods.split(",")}
+        summary = evaluate(store, args, model, runs)
     print_table(summary, args)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     if args.json:

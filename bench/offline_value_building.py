@@ -29,6 +29,9 @@ Prints a markdown table for docs/value.md: mean daily return with its 95% CI ove
 seeds and the reward's parts (per-day sums of the normalised comfort regret, energy cost
 and carbon), then paired differences (same day, same seed) of each network against the others.
 
+Without ``--root`` the store is a temporary folder, removed at the end; with it, the logged dataset
+stays there and a second run reuses it.
+
 Run: nice .venv/bin/python bench/offline_value_building.py [--days 14] [--eval-days 7] [--seeds 3] [--root DIR]
 """
 
@@ -38,7 +41,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -49,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.options import non_negative_int, positive_int, scratch_folder
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.offline import (
     BehaviourCloningAgent,
@@ -81,33 +84,33 @@ def dataset_name(args: argparse.Namespace) -> str:
     return f"hvac-{args.policy}{hours}"
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--days", type=int, default=14, help="logged days (one episode each)")
-    parser.add_argument("--eval-days", type=int, default=7, help="held-out days played in the simulator")
-    parser.add_argument("--seeds", type=int, default=3, help="network seeds (and random-controller seeds)")
-    parser.add_argument("--first-seed", type=int, default=0,
+    parser.add_argument("--days", type=positive_int, default=14, help="logged days (one episode each)")
+    parser.add_argument("--eval-days", type=positive_int, default=7, help="held-out days played in the simulator")
+    parser.add_argument("--seeds", type=positive_int, default=3, help="network seeds (and random-controller seeds)")
+    parser.add_argument("--first-seed", type=non_negative_int, default=0,
                         help="the first of the --seeds seeds (a later run adds seeds without repeating)")
-    parser.add_argument("--levels", type=int, default=5, help="grid levels per setpoint (levels^2 actions)")
-    parser.add_argument("--steps", type=int, default=8000, help="training updates per agent")
+    parser.add_argument("--levels", type=positive_int, default=5, help="grid levels per setpoint (levels^2 actions)")
+    parser.add_argument("--steps", type=positive_int, default=8000, help="training updates per agent")
     parser.add_argument("--cql-alpha", type=float, default=0.1, help="weight of the CQL(H) regulariser")
     parser.add_argument("--gamma", type=float, default=0.9, help="discount per 5-minute step")
-    parser.add_argument("--n-step", type=int, default=3)
+    parser.add_argument("--n-step", type=positive_int, default=3)
     parser.add_argument("--hidden", default="128,128", help="MLP hidden widths")
     parser.add_argument("--learning-rate", type=float, default=3e-4)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--target-period", type=int, default=100, help="updates between target-network copies")
+    parser.add_argument("--batch-size", type=positive_int, default=128)
+    parser.add_argument("--target-period", type=positive_int, default=100, help="updates between target-network copies")
     parser.add_argument("--support-threshold", type=float, default=0.0,
                         help="> 0: also CQL acting only on cells with cloned probability >= T x the most likely's")
     parser.add_argument("--bcq-alpha", type=float, default=None,
                         help="with --support-threshold: also CQL (this alpha) with the filtered target (discrete BCQ)")
-    parser.add_argument("--ensemble", type=int, default=1, help="> 1: also this many CQL networks on their mean Q")
+    parser.add_argument("--ensemble", type=positive_int, default=1, help="> 1: also this many CQL networks on their mean Q")
     parser.add_argument("--ensemble-min", action="store_true", help="the ensemble acts on its members' minimum Q")
     parser.add_argument("--standardise-rewards", action="store_true",
                         help="train on (R - mean) / std of the n-step returns instead of R")
-    parser.add_argument("--validation-days", type=int, default=0,
+    parser.add_argument("--validation-days", type=non_negative_int, default=0,
                         help="also play the days after the held-out ones (for choosing settings)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     parser.add_argument("--root", type=Path, default=None, help="store folder (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=1, help="seeds the logged controllers")
     parser.add_argument("--policy", default="mixed", choices=["mixed", "heuristic", "varied"],
@@ -119,10 +122,10 @@ def parse_args() -> argparse.Namespace:
                         help="also print how warm each controller keeps the water before comfort hours")
     parser.add_argument("--with-echoes", action="store_true",
                         help="let the networks read the columns that echo the last setpoints (as before)")
-    parser.add_argument("--later-days", type=int, default=0,
+    parser.add_argument("--later-days", type=non_negative_int, default=0,
                         help="with --validation-days: also play the N days after the validation ones (a second "
                              "held-out set, for how far a result carries to other days)")
-    parser.add_argument("--select-from", type=int, default=0,
+    parser.add_argument("--select-from", type=non_negative_int, default=0,
                         help="> 1 (with --validation-days): also each network kind picked per group of this many "
                              "seeds by its validation return, a '-picked' row per group")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -130,7 +133,18 @@ def parse_args() -> argparse.Namespace:
                         help="train nothing: pool the per-day returns of these --json files (runs over different "
                              "--first-seed ranges) and print the paired differences over all their seeds "
                              "(with --select-from K, picking again per K seeds)")
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.pool:
+        return args
+    if args.bcq_alpha is not None and args.support_threshold <= 0:
+        parser.error("--bcq-alpha needs --support-threshold above 0 (the filter of its target)")
+    if args.select_from > 1 and (not args.validation_days or args.seeds % args.select_from):
+        parser.error("--select-from K needs --validation-days and a multiple of K seeds")
+    if args.later_days and not args.validation_days:
+        parser.error("--later-days needs --validation-days (they come after the validation days)")
+    if args.first_seed + args.seeds > ENSEMBLE_SEED_STRIDE:
+        parser.error(f"network seeds go up to {ENSEMBLE_SEED_STRIDE - 1}")
+    return args
 
 
 def prepare(store: ObjectStore, args: argparse.Namespace) -> tuple[Any, OfflineData]:
@@ -430,31 +444,23 @@ def main() -> None:
     if args.pool:
         pool(args.pool, args.select_from)
         return
-    if args.bcq_alpha is not None and args.support_threshold <= 0:
-        raise SystemExit("--bcq-alpha needs --support-threshold above 0 (the filter of its target)")
-    if args.select_from > 1 and (not args.validation_days or args.seeds % args.select_from):
-        raise SystemExit("--select-from K needs --validation-days and a multiple of K seeds")
-    if args.later_days and not args.validation_days:
-        raise SystemExit("--later-days needs --validation-days (they come after the validation days)")
-    if args.first_seed + args.seeds > ENSEMBLE_SEED_STRIDE:
-        raise SystemExit(f"network seeds go up to {ENSEMBLE_SEED_STRIDE - 1}")
     torch.set_num_threads(args.threads)
-    folder = args.root or Path(tempfile.mkdtemp(prefix="rlpipe-offline-value-"))
-    store = ObjectStore(folder.resolve().as_uri())
     started = time.perf_counter()
-    card, data = prepare(store, args)
-    held_out = held_out_days(card, args.eval_days)
-    day_sets = {"held-out": held_out}
-    if args.validation_days:
-        day_sets["validation"] = list(range(held_out[-1] + 1, held_out[-1] + 1 + args.validation_days))
-    if args.later_days:
-        first = held_out[-1] + 1 + args.validation_days
-        day_sets["later"] = list(range(first, first + args.later_days))
-    networks = train_and_play(card, data, args, day_sets)
-    if args.select_from > 1:
-        add_picked(networks, args.select_from)
-    summary = {name: summarise_days(networks[name] | play_baselines(store, card, args, days), days)
-               for name, days in day_sets.items()}
+    with scratch_folder(args.root, "rlpipe-offline-value-") as folder:
+        store = ObjectStore(folder.resolve().as_uri())
+        card, data = prepare(store, args)
+        held_out = held_out_days(card, args.eval_days)
+        day_sets = {"held-out": held_out}
+        if args.validation_days:
+            day_sets["validation"] = list(range(held_out[-1] + 1, held_out[-1] + 1 + args.validation_days))
+        if args.later_days:
+            first = held_out[-1] + 1 + args.validation_days
+            day_sets["later"] = list(range(first, first + args.later_days))
+        networks = train_and_play(card, data, args, day_sets)
+        if args.select_from > 1:
+            add_picked(networks, args.select_from)
+        summary = {name: summarise_days(networks[name] | play_baselines(store, card, args, days), days)
+                   for name, days in day_sets.items()}
     for name in ("validation", "later", "held-out"):  # the held-out table, the result, last
         if name in summary:
             print_table(summary[name], args, name)

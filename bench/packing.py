@@ -55,6 +55,7 @@ from bench.async_vs_sync import (
     wait_children,
 )
 from bench.cpu import CpuMeter, cpu_bound
+from bench.options import check_run_config
 
 ARMS = ("separate", "packed")
 
@@ -82,6 +83,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--steps and --batch-rows must be at least 1")
     if not 0.0 <= args.step_delay_s <= 60.0:
         parser.error("--step-delay-s must be within [0, 60] (the bounds of env.step_delay_s)")
+    check_run_config(parser, args.preset, overrides(args, None))
     return args
 
 

@@ -34,6 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import LoadAverage
+from bench.options import positive_int
 from producers.envs.registry import make_env
 from producers.rollout import RolloutWorker
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
@@ -203,14 +205,14 @@ def workload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """The producer's workload, the same in this bench and ``producer_overhead_async.py``."""
     parser.add_argument("--env", default="sokoban", help="environment (whole-episode rows for sokoban)")
     parser.add_argument("--model", default="tiny", help="'tiny' (the locally built model) or a local path")
-    parser.add_argument("--groups", type=int, default=32, help="groups per round")
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--concurrent-groups", type=int, default=8)
-    parser.add_argument("--groups-per-batch", type=int, default=4)
-    parser.add_argument("--env-workers", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of producer then bare replay")
+    parser.add_argument("--groups", type=positive_int, default=32, help="groups per round")
+    parser.add_argument("--group-size", type=positive_int, default=4)
+    parser.add_argument("--concurrent-groups", type=positive_int, default=8)
+    parser.add_argument("--groups-per-batch", type=positive_int, default=4)
+    parser.add_argument("--env-workers", type=positive_int, default=4)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32)
+    parser.add_argument("--max-model-len", type=positive_int, default=2048)
+    parser.add_argument("--rounds", type=positive_int, default=5, help="rounds of producer then bare replay")
     return parser
 
 
@@ -229,19 +231,21 @@ def main() -> None:
     sampler = VLLMSampler(model_path, SamplerConfig(max_model_len=args.max_model_len, seed=0))
     engine_s = time.perf_counter() - started
     try:
-        warm_s = warm_up(sampler, args)
-        rows, producers, bares, episodes = [], [], [], 0
-        for index in range(args.rounds):
-            producer, recorder, done = run_producer(sampler, args, seed_start=index * args.groups)
-            bare = replay_bare(sampler, recorder.calls, temperature=1.0)  # the very calls just made
-            rows.append((str(index + 1), producer, bare))
-            producers.append(producer)
-            bares.append(bare)
-            episodes += done
+        with LoadAverage() as load:  # the warm-up and the rounds
+            warm_s = warm_up(sampler, args)
+            rows, producers, bares, episodes = [], [], [], 0
+            for index in range(args.rounds):
+                producer, recorder, done = run_producer(sampler, args, seed_start=index * args.groups)
+                bare = replay_bare(sampler, recorder.calls, temperature=1.0)  # the very calls just made
+                rows.append((str(index + 1), producer, bare))
+                producers.append(producer)
+                bares.append(bare)
+                episodes += done
     finally:
         sampler.close()
     producer, bare = total(producers), total(bares)
-    print(f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), vllm {vllm_version}, model {model_path}")
+    print(f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {load}; vllm {vllm_version}, "
+          f"model {model_path}")
     print(f"engine start {engine_s:.1f} s, warm-up {warm_s:.1f} s")
     print(f"env {args.env}, {args.groups} groups x {args.group_size} per round, concurrent_groups "
           f"{args.concurrent_groups}, max_new_tokens {args.max_new_tokens}, temperature 1.0, {args.rounds} rounds")

@@ -45,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import producer_overhead
+from bench.cpu import LoadAverage
 from bench.producer_overhead import BaseModelOnly, MemorySink, rounds_table, total, workload_arguments
 from bench.stats import spread
 from producers.envs.registry import make_env
@@ -268,7 +269,7 @@ def main() -> None:
     from producers.samplers.engine import VLLMEngine
 
     model_path = resolve_model(ModelConfig(base_model=args.model))
-    load_before = os.getloadavg()
+    load = LoadAverage()  # the engine's start, the warm-up and the rounds
     started = time.perf_counter()
     engine = SyncSampler(lambda: VLLMEngine(model_path, SamplerConfig(max_model_len=args.max_model_len, seed=0)))
     engine_s = time.perf_counter() - started
@@ -297,10 +298,11 @@ def main() -> None:
                 line += f"; loop tasks {tasks.seconds:.2f} s, bare {tasks_bare.seconds:.2f} s"
             print(line, flush=True)
     finally:
+        load.stop()
         engine.close()
     producer, bare = total(producers), total(bares)
-    print(f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), load average {load_before[0]:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after; vllm {vllm_version} (AsyncLLM), model {model_path}")
+    print(f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {load}; vllm {vllm_version} (AsyncLLM), "
+          f"model {model_path}")
     print(f"engine start {engine_s:.1f} s, warm-up {warm_s:.1f} s")
     print(f"env {args.env} (step delay {args.step_delay_s} s), {args.groups} groups x {args.group_size} per round, "
           f"concurrent_groups {args.concurrent_groups}, max_new_tokens {args.max_new_tokens}, temperature 1.0, "

@@ -23,6 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import LoadAverage
+from bench.options import positive_int
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 
@@ -35,22 +37,33 @@ def time_ms(call: Callable[[], object], repeat: int) -> float:
     return (time.perf_counter() - started) / repeat * 1e3
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--versions", type=int, nargs="+", default=[35, 2000, 10000])
-    parser.add_argument("--repeat", type=int, default=20)
-    args = parser.parse_args()
+    parser.add_argument("--versions", type=positive_int, nargs="+", default=[35, 2000, 10000])
+    parser.add_argument("--repeat", type=positive_int, default=20, help="timed calls per figure (after one untimed)")
+    return parser.parse_args(argv)
+
+
+def measure(count: int, repeat: int) -> str:
+    """The table row of a registry of ``count`` committed versions: listing and probe, ms per call."""
+    with tempfile.TemporaryDirectory(prefix="rlpipe-bench-") as tmp:
+        registry = AdapterRegistry(ObjectStore(Path(tmp).as_uri()), "bench")
+        for version in range(1, count + 1):
+            folder = Path(tmp) / registry.version_key(version)
+            folder.mkdir(parents=True)
+            (folder / "manifest.json").write_bytes(b"{}")
+        listing = time_ms(registry._next_version, repeat)
+        probe = time_ms(partial(registry._follows_a_committed, count + 1), repeat)
+        return f"| {count:,} | {listing:.2f} | {probe:.3f} |"
+
+
+def main() -> None:
+    args = parse_args()
     print("| committed versions | listing ms | probe ms |\n| ---: | ---: | ---: |")
-    for count in args.versions:
-        with tempfile.TemporaryDirectory(prefix="rlpipe-bench-") as tmp:
-            registry = AdapterRegistry(ObjectStore(Path(tmp).as_uri()), "bench")
-            for version in range(1, count + 1):
-                folder = Path(tmp) / registry.version_key(version)
-                folder.mkdir(parents=True)
-                (folder / "manifest.json").write_bytes(b"{}")
-            listing = time_ms(registry._next_version, args.repeat)
-            probe = time_ms(partial(registry._follows_a_committed, count + 1), args.repeat)
-            print(f"| {count:,} | {listing:.2f} | {probe:.3f} |")
+    with LoadAverage() as load:
+        for count in args.versions:
+            print(measure(count, args.repeat), flush=True)
+    print(f"\n{load}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
+from bench.cpu import LoadAverage
+from bench.options import positive_int
 from consumers.value.slateq import SlateQAgent, SlateQConfig, SlateTransitions, choice_weights, select_slate
 from producers.envs.parsing import format_answer
 from producers.envs.recsim import InterestEvolution, InterestEvolutionConfig
@@ -43,22 +45,23 @@ Policy = Callable[[InterestEvolution], tuple[int, ...]]
 TRAIN_SEED_BASE = 1_000_000
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=3, help="Agent seeds (networks, exploration, training users).")
-    parser.add_argument("--episodes", type=int, default=300, help="Training sessions per seed.")
-    parser.add_argument("--users", type=int, default=100, help="Held-out users (seeds 0..users-1).")
+    parser.add_argument("--seeds", type=positive_int, default=3,
+                        help="Agent seeds (networks, exploration, training users).")
+    parser.add_argument("--episodes", type=positive_int, default=300, help="Training sessions per seed.")
+    parser.add_argument("--users", type=positive_int, default=100, help="Held-out users (seeds 0..users-1).")
     parser.add_argument("--gamma", type=float, default=0.99)
     parser.add_argument("--td", choices=["q_learning", "sarsa"], default="q_learning")
     parser.add_argument("--selection", choices=["optimal", "topk", "greedy"], default="optimal")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=positive_int, default=64)
     parser.add_argument("--updates", type=float, default=1.0, help="Updates per environment step.")
-    parser.add_argument("--capacity", type=int, default=20_000, help="Replay memory (steps).")
+    parser.add_argument("--capacity", type=positive_int, default=20_000, help="Replay memory (steps).")
     parser.add_argument("--epsilon-end", type=float, default=0.05)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--target-period", type=int, default=100)
-    parser.add_argument("--threads", type=int, default=1)
-    return parser.parse_args()
+    parser.add_argument("--target-period", type=positive_int, default=100)
+    parser.add_argument("--threads", type=positive_int, default=1)
+    return parser.parse_args(argv)
 
 
 def interests(env: InterestEvolution) -> list[float]:
@@ -193,8 +196,10 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     config = InterestEvolutionConfig()
-    by_seed = {seed: run_seed(config, args, seed) for seed in range(args.seeds)}
+    with LoadAverage() as load:
+        by_seed = {seed: run_seed(config, args, seed) for seed in range(args.seeds)}
     print_table(by_seed, args)
+    print(f"\n{load}")
 
 
 if __name__ == "__main__":

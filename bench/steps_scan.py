@@ -35,6 +35,8 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import LoadAverage
+from bench.options import positive_int
 from pipeline.io.datasets import (
     BASE_COLUMNS,
     DatasetField,
@@ -111,14 +113,18 @@ def timed(fn, repeats: int) -> tuple[float, int]:
     return statistics.median(seconds), rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--days", type=int, default=348)
-    parser.add_argument("--buildings", type=int, default=100)
+    parser.add_argument("--days", type=positive_int, default=348)
+    parser.add_argument("--buildings", type=positive_int, default=100)
     parser.add_argument("--root", type=Path, default=None, help="folder for the store (default: a temporary one)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per query (median)")
     parser.add_argument("--keep", action="store_true", help="keep the dataset afterwards")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     folder = args.root or Path(tempfile.mkdtemp(prefix="rlpipe-scan-"))
     store = ObjectStore(folder.resolve().as_uri())
     name = f"scan-{args.days}d-{args.buildings}b"
@@ -134,6 +140,7 @@ def main() -> None:
         print("\n| window | matched rows | files read | scan_steps s | scan_steps rows/s | read_steps (Arrow) s "
               "| polars, all files s | polars, all files rows/s |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        load = LoadAverage()  # around the queries, named after the table
         for days in (1, 7, 30, 90, args.days):
             start = START + dt.timedelta(days=args.days // 2 - days // 2 if days < args.days else 0, hours=3)
             end = start + dt.timedelta(days=days)
@@ -155,6 +162,7 @@ def main() -> None:
             files = len(select_files(card, start, end))
             print(f"| {days} d | {our_rows:,} | {files} | {our_s:.3f} | {our_rows / our_s:,.0f} | {arrow_s:.3f} | "
                   f"{pl_s:.3f} | {pl_rows / pl_s:,.0f} |", flush=True)
+        print(f"\n{load}")
     finally:
         if not args.keep and args.root is None:
             shutil.rmtree(folder, ignore_errors=True)

@@ -7,6 +7,7 @@ learner steps by, then trains one learner step on them (the real learner, store
 and registry, no Kafka), publishes the adapter and loads it.  It is the
 synchronous baseline of ``bench/async_vs_sync.py`` and a fast way to tune a
 preset's hyper-parameters: it prints the mean episode return of every iteration.
+Its store and adapter cache live in a temporary folder, removed at the end.
 A slow environment is the run's own setting, as in the pipeline:
 
     python bench/sync_loop.py --preset demo --steps 20
@@ -19,12 +20,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.options import check_run_config, positive_int
 
 
 class ListSource:
@@ -51,14 +56,21 @@ class ListSource:
         return not self.refs
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options; the preset with every ``--set`` is resolved here, so a bad one is refused before anything starts."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="demo")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=positive_int, default=10)
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="override a config field, e.g. --set env.step_delay_s=0.05 (repeatable)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the summary and per-iteration timings here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_run_config(parser, args.preset, args.overrides)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     summary = run(args.preset, args.steps, args.overrides, args.json_out)
     print(json.dumps({k: v for k, v in summary.items() if k not in TIMELINE_KEYS}, indent=2))
 
@@ -75,8 +87,14 @@ def run(preset: str, steps: int, overrides: list[str], json_out: str | None = No
     sampling spent inside the engine.  ``sampler_intervals`` (engine generating)
     and ``learner_intervals`` (each step's ``started_at``..``finished_at``, as
     the pipeline's step log has them) feed ``bench/async_vs_sync.py``'s idle
-    fractions.
+    fractions.  The store and the adapter cache live in a temporary folder, removed at the end.
     """
+    with tempfile.TemporaryDirectory(prefix="rlpipe-sync-") as folder:
+        return run_in(Path(folder), preset, steps, overrides, json_out)
+
+
+def run_in(folder: Path, preset: str, steps: int, overrides: list[str], json_out: str | None) -> dict[str, Any]:
+    """``run`` with its store and adapter cache in ``folder``."""
     from transformers import AutoTokenizer
 
     from consumers.checkpoint import CheckpointStore
@@ -97,57 +115,58 @@ def run(preset: str, steps: int, overrides: list[str], json_out: str | None = No
     entered = time.monotonic()
     config = resolve_config(preset, overrides=overrides)
     run_id = config.run_id
-    folder = Path(tempfile.mkdtemp(prefix="rlpipe-sync-"))
     store = ObjectStore(folder.as_uri())
     archive = TrajectoryArchive(store)
     model_path = resolve_model(config.model)
     sampler = sampler_for_run(config, model_path)
-    registry = AdapterRegistry(store, run_id)
-    watcher = AdapterWatcher(registry, sampler, folder / "cache", max_loaded=config.sampler.max_loras,
-                             registry_poll_s=0.0)
-    source = ListSource()
-    committed: list[Any] = []
-    sink = StoreThenEventSink(archive, run_id, config.env.name, "sync", committed.append)
-    learner_cfg = config.learner.model_copy(update={"max_steps": None})
-    learner = Learner(run_id=run_id, base_model=model_path, config=learner_cfg,
-                      policy=LoraPolicy(model_path, learner_cfg), archive=archive, registry=registry,
-                      checkpoints=CheckpointStore(store, run_id), source=source)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    history: list[dict[str, Any]] = []
-    sampler_intervals: list[tuple[float, float]] = []
-    batches = 0
-    started, started_at = time.monotonic(), time.time()
-    for iteration in range(steps):
-        t0 = time.monotonic()
-        committed.clear()
-        generate_s = 0.0
-        while not learner.ready():  # whole batches until batch_rows rows wait, as the pipeline's learner steps
-            producer_cfg = config.producer.model_copy(update={
-                "max_groups": config.producer.groups_per_batch, "producer_id": "sync",
-                "seed_start": batches * 1000, "max_backlog_steps": None})
-            worker = RolloutWorker(run_id=run_id, producer_id="sync", env_name=config.env.name,
-                                   make_env=lambda: env_from_spec(config.env), tokenizer=tokenizer, sampler=sampler,
-                                   adapters=watcher, sink=sink, producer=producer_cfg, sampling=config.sampler)
-            new = len(committed)
-            worker.run()
-            batches += 1
-            generate_s += worker.stats.generate_s
-            sampler_intervals += worker.stats.busy_intervals
-            source.refs = [BatchRef(i.batch_id, i.path, i.sha256, {"sync": batches}) for i in committed[new:]]
-            learner.ingest(source.poll(0))
-        t1 = time.monotonic()
-        returns = episode_returns(archive, committed)
-        metrics = learner.step()
-        t2 = time.monotonic()
-        watcher.refresh()
-        history.append({"iteration": iteration, "mean_return": statistics.fmean(returns), "episodes": len(returns),
-                        "batches": len(committed), "rows": metrics.get("rows", 0),
-                        "sample_s": t1 - t0, "generate_s": generate_s, "train_s": t2 - t1,
-                        "version": learner.state.version,
-                        "ess": metrics.get("effective_sample_size"), "loss": metrics.get("loss")})
-        print(json.dumps(history[-1]), flush=True)
-    total = time.monotonic() - started
-    sampler.close()
+    try:
+        registry = AdapterRegistry(store, run_id)
+        watcher = AdapterWatcher(registry, sampler, folder / "cache", max_loaded=config.sampler.max_loras,
+                                 registry_poll_s=0.0)
+        source = ListSource()
+        committed: list[Any] = []
+        sink = StoreThenEventSink(archive, run_id, config.env.name, "sync", committed.append)
+        learner_cfg = config.learner.model_copy(update={"max_steps": None})
+        learner = Learner(run_id=run_id, base_model=model_path, config=learner_cfg,
+                          policy=LoraPolicy(model_path, learner_cfg), archive=archive, registry=registry,
+                          checkpoints=CheckpointStore(store, run_id), source=source)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        history: list[dict[str, Any]] = []
+        sampler_intervals: list[tuple[float, float]] = []
+        batches = 0
+        started, started_at = time.monotonic(), time.time()
+        for iteration in range(steps):
+            t0 = time.monotonic()
+            committed.clear()
+            generate_s = 0.0
+            while not learner.ready():  # whole batches until batch_rows rows wait, as the pipeline's learner steps
+                producer_cfg = config.producer.model_copy(update={
+                    "max_groups": config.producer.groups_per_batch, "producer_id": "sync",
+                    "seed_start": batches * 1000, "max_backlog_steps": None})
+                worker = RolloutWorker(run_id=run_id, producer_id="sync", env_name=config.env.name,
+                                       make_env=lambda: env_from_spec(config.env), tokenizer=tokenizer, sampler=sampler,
+                                       adapters=watcher, sink=sink, producer=producer_cfg, sampling=config.sampler)
+                new = len(committed)
+                worker.run()
+                batches += 1
+                generate_s += worker.stats.generate_s
+                sampler_intervals += worker.stats.busy_intervals
+                source.refs = [BatchRef(i.batch_id, i.path, i.sha256, {"sync": batches}) for i in committed[new:]]
+                learner.ingest(source.poll(0))
+            t1 = time.monotonic()
+            returns = episode_returns(archive, committed)
+            metrics = learner.step()
+            t2 = time.monotonic()
+            watcher.refresh()
+            history.append({"iteration": iteration, "mean_return": statistics.fmean(returns), "episodes": len(returns),
+                            "batches": len(committed), "rows": metrics.get("rows", 0),
+                            "sample_s": t1 - t0, "generate_s": generate_s, "train_s": t2 - t1,
+                            "version": learner.state.version,
+                            "ess": metrics.get("effective_sample_size"), "loss": metrics.get("loss")})
+            print(json.dumps(history[-1]), flush=True)
+        total = time.monotonic() - started
+    finally:
+        sampler.close()
     summary = {
         "preset": preset, "steps": steps, "setup_s": started - entered, "wall_s": total, "started_at": started_at,
         "sample_s": sum(h["sample_s"] for h in history), "train_s": sum(h["train_s"] for h in history),

@@ -1,6 +1,7 @@
 """Several researchers at once: 1, 2 and 3 copies of the CartPole loop against one Tinker-compatible server.
 
-One server (a private Tansu broker, a file:// store under ``--out``, ``rlpipe serve``
+One server (a private Tansu broker, a file:// store under ``--out``: a new temporary
+folder unless given, printed at the start and the end; ``rlpipe serve``
 with its trainer and sampler for the tiny model), warmed up with one sample and one
 training call.  Then, level by level, that many copies of ``examples/tinker_cartpole.py``
 run at once, client ``k`` with ``--seed k`` and its own API key (its own tenant), each
@@ -49,29 +50,31 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.cpu import busy_core_seconds, cpu_bound  # noqa: E402 - after the project root is on the path
+from bench.cpu import LoadAverage, busy_core_seconds, cpu_bound  # noqa: E402 - after the project root is on the path
+from bench.options import model_folder, positive_int  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "tinker_cartpole.py"
 SHORT_LOOP = ("--demo-episodes 10 --sft-steps 4 --batch 32 --rl-steps 3 --group-size 4 --eval-episodes 8 "
               "--max-steps 30")  # a few minutes per client on a CPU
-GOAL = 2.0  # level 3's combined throughput over level 1's
+GOAL, GOAL_CLIENTS = 2.0, 3  # the goal: level 3's combined throughput at least 2x level 1's
 ACTIVITY_FLUSH_WAIT_S = 12.0  # the engines write their activity every 10 s
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3], help="clients at once, per level")
+    parser.add_argument("--levels", type=positive_int, nargs="+", default=[1, 2, 3], help="clients at once, per level")
     parser.add_argument("--loop-args", default=SHORT_LOOP,
                         help="options of examples/tinker_cartpole.py for every client (not --seed/--result-file)")
     parser.add_argument("--no-alone", action="store_true",
                         help="do not run seeds 1.. alone first (then only client 0 has a result alone)")
-    parser.add_argument("--base-model", default="tiny", help="a model folder, or 'tiny' (built once)")
+    parser.add_argument("--base-model", type=model_folder, default="tiny", help="a model folder, or 'tiny' (built once)")
     parser.add_argument("--sampler", default="transformers", choices=["transformers", "vllm"])
-    parser.add_argument("--out", type=Path, default=Path("rlpipe-bench-clients"),
-                        help="results, client logs, the server's log and store, a figure per level")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results, client logs, the server's log and store, a figure per level (default: a new "
+                             "temporary folder, kept and printed)")
     args = parser.parse_args(argv)
-    if not args.levels or min(args.levels) < 1 or 1 not in args.levels:
-        parser.error("--levels needs level 1 (the baseline) and levels >= 1, e.g. --levels 1 2 3")
+    if 1 not in args.levels:
+        parser.error("--levels needs level 1 (the baseline), e.g. --levels 1 2 3")
     if any(flag in shlex.split(args.loop_args) for flag in ("--seed", "--result-file", "--base-url", "--base-model")):
         parser.error("--loop-args sets the loop's own options; the bench sets --seed, --result-file and the server")
     return args
@@ -182,6 +185,14 @@ def server(base_model: str, sampler: str, out: Path) -> Iterator[str]:
             yield url
         finally:
             _stop(process)
+
+
+def output_folder(out: Path | None) -> Path:
+    """``out`` (created), or a new temporary folder: never the working directory the bench was started in."""
+    if out is None:
+        return Path(tempfile.mkdtemp(prefix="rlpipe-bench-clients-"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def store_root(out: Path) -> str:
@@ -310,12 +321,12 @@ def report_lines(levels: list[Level], alone: dict[int, dict[str, Any]]) -> list[
             overlap = ("yes" if intervals_overlap(mine, base) else "NO") if base else "-"
             lines.append(f"{level.clients} | {seed} | {mine[0]:.1f} +/- {mine[1]:.1f} | {shown_alone} | {overlap}")
     first, last = levels[0], levels[-1]
+    goal = next((level for level in levels if level.clients == GOAL_CLIENTS), None)
+    if goal is not None and goal is not last:
+        lines += ["", versus_first(first, goal)]
     if last.clients != first.clients:
         ratio = last.tokens_per_s / first.tokens_per_s
-        lines += ["", f"{last.clients} clients vs 1: x{ratio:.2f} all tokens/s "
-                      f"(trained x{last.trained_per_s / first.trained_per_s:.2f}, "
-                      f"sampled x{last.sampled_per_s / first.sampled_per_s:.2f}); goal x{GOAL:.1f}: "
-                      f"{'met' if ratio >= GOAL else 'not met'}"]
+        lines += ["", versus_first(first, last)]
         if not math.isnan(first.cpu_busy_s):
             bound = level_cpu_bound(first, last.clients)
             lines.append(f"CPU bound on this machine: x{bound:.2f} ({first.cpu_busy_s:.0f} busy core-seconds per "
@@ -323,41 +334,53 @@ def report_lines(levels: list[Level], alone: dict[int, dict[str, Any]]) -> list[
     return lines
 
 
+def versus_first(first: Level, level: Level) -> str:
+    """``level``'s throughput over level 1's; at ``GOAL_CLIENTS`` clients, whether it meets the goal."""
+    ratio = level.tokens_per_s / first.tokens_per_s
+    line = (f"{level.clients} clients vs 1: x{ratio:.2f} all tokens/s (trained x{level.trained_per_s / first.trained_per_s:.2f}, "
+            f"sampled x{level.sampled_per_s / first.sampled_per_s:.2f})")
+    if level.clients == GOAL_CLIENTS:
+        line += f"; goal x{GOAL:.1f}: {'met' if ratio >= GOAL else 'not met'}"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.cli.serve_cmd import resolve_models
 
     args = parse_args(argv)
     (base_model,) = resolve_models([args.base_model])
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(args.out)
     levels = sorted(set(args.levels))
-    print(f"loop: examples/tinker_cartpole.py {args.loop_args}\nlevels: {levels}; out: {args.out}", flush=True)
+    print(f"loop: examples/tinker_cartpole.py {args.loop_args}\nlevels: {levels}; out: {out}", flush=True)
     alone: dict[int, dict[str, Any]] = {}
     measured: list[Level] = []
-    with server(base_model, args.sampler, args.out) as url:
+    with server(base_model, args.sampler, out) as url, LoadAverage() as load:
         print(f"server at {url}; warming up", flush=True)
         warm_up(url, base_model)
         for clients in levels:
             print(f"level {clients}: {clients} client(s) at once", flush=True)
-            folder = args.out / f"level-{clients}"
+            folder = out / f"level-{clients}"
             start, end, results, cpu_busy_s = run_clients(url, base_model, list(range(clients)), args.loop_args,
                                                           folder, f"level {clients}")
             time.sleep(ACTIVITY_FLUSH_WAIT_S)  # the window's activity reaches the store
-            measured.append(measure_level(store_root(args.out), clients, start, end, results, folder, cpu_busy_s))
+            measured.append(measure_level(store_root(out), clients, start, end, results, folder, cpu_busy_s))
             if clients == 1:
                 alone[0] = results[0]
                 for seed in [] if args.no_alone else range(1, max(levels)):
                     print(f"seed {seed} alone", flush=True)
                     _, _, (result,), _ = run_clients(url, base_model, [seed], args.loop_args,
-                                                  args.out / f"alone-{seed}", f"seed {seed} alone")
+                                                  out / f"alone-{seed}", f"seed {seed} alone")
                     alone[seed] = result
             print(f"level {clients}: {measured[-1].seconds:.0f} s, {measured[-1].tokens_per_s:.1f} tokens/s, "
                   f"trainer {measured[-1].trainer_busy:.0%} busy, sampler {measured[-1].sampler_busy:.0%} busy, "
                   f"CPU {measured[-1].cpu_busy_fraction:.0%} busy", flush=True)
-    lines = report_lines(measured, alone)
+    lines = [*report_lines(measured, alone), str(load)]
     print("\n".join(lines))
-    (args.out / "summary.json").write_text(json.dumps(
+    (out / "summary.json").write_text(json.dumps(
         {"loop_args": args.loop_args, "levels": [level.to_json() for level in measured],
-         "alone": {str(seed): result for seed, result in alone.items()}, "table": lines}, indent=2))
+         "alone": {str(seed): result for seed, result in alone.items()}, "table": lines,
+         "load_average": {"before": load.before, "after": load.after}}, indent=2))
+    print(f"results, logs and the server's store: {out}")
     return 0
 
 

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +38,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import LoadAverage
+from bench.options import model_folder, positive_int
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=64, help="sequences per forward_backward")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per arm (after one warm-up step)")
-    parser.add_argument("--base-model", default="tiny", help="a model folder, or 'tiny' (built once)")
+    parser.add_argument("--batch", type=positive_int, default=64, help="sequences per forward_backward")
+    parser.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per arm (after one warm-up step)")
+    parser.add_argument("--base-model", type=model_folder, default="tiny", help="a model folder, or 'tiny' (built once)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json-out", default=None, help="also write the figures here as JSON")
     parser.add_argument("--server-log", default=None, help="keep the gateway's and trainer's log here")
-    args = parser.parse_args(argv)
-    if min(args.batch, args.seq_len, args.steps) < 1:
-        parser.error("--batch, --seq-len and --steps must be >= 1")
-    return args
+    return parser.parse_args(argv)
 
 
 def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> list[Any]:
@@ -70,9 +70,11 @@ def speed_ratio(direct_s_per_step: float, api_s_per_step: float) -> float:
     return direct_s_per_step / api_s_per_step
 
 
-def interleaved(direct_step: Any, api_step: Any, steps: int) -> tuple[list[float], list[float]]:
+def interleaved(direct_step: Any, api_step: Any, steps: int,
+                log: Callable[[str], None] | None = None) -> tuple[list[float], list[float]]:
     """Seconds of each timed step per arm, after one warm-up step each; the arms alternate step by step
-    and swap who goes first every step, so a shared machine's load falls on both alike."""
+    and swap who goes first every step, so a shared machine's load falls on both alike.  ``log`` gets a
+    line as each timed step ends."""
     direct_step()
     api_step()
     direct_s, api_s = [], []
@@ -82,6 +84,8 @@ def interleaved(direct_step: Any, api_step: Any, steps: int) -> tuple[list[float
             started = time.perf_counter()
             step()
             times.append(time.perf_counter() - started)
+        if log is not None:
+            log(f"step {index + 1}/{steps}: direct {direct_s[-1]:.3f} s, API {api_s[-1]:.3f} s")
     return direct_s, api_s
 
 
@@ -176,17 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     (base_model,) = resolve_models([args.base_model])
     data = make_batch(args.batch, args.seq_len, int(AutoConfig.from_pretrained(base_model).vocab_size))
-    with api_server(base_model, args.device, args.server_log) as url:
+    print(f"starting a broker, the gateway and a trainer for {base_model}", flush=True)
+    with api_server(base_model, args.device, args.server_log) as url, LoadAverage() as load:
+        print(f"server up at {url}; one warm-up step per arm, then {args.steps} timed", flush=True)
         direct_s, api_s = interleaved(direct_step(base_model, data, args.device), api_step(url, base_model, data),
-                                      args.steps)
+                                      args.steps, lambda line: print(line, flush=True))
     direct, api = sum(direct_s) / len(direct_s), sum(api_s) / len(api_s)
     figures = {"batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "direct_s": direct_s,
                "api_s": api_s, "direct_s_per_step": direct, "api_s_per_step": api,
                "api_speed_vs_direct": speed_ratio(direct, api),
-               "median_step_ratio": statistics.median(d / a for d, a in zip(direct_s, api_s, strict=True))}
+               "median_step_ratio": statistics.median(d / a for d, a in zip(direct_s, api_s, strict=True)),
+               "load_average_before": load.before, "load_average_after": load.after}
     print(f"{args.batch} x {args.seq_len} tokens, {args.steps} steps per arm: direct {direct:.3f} s/step, "
           f"API {api:.3f} s/step -> API at {figures['api_speed_vs_direct']:.2f} of direct speed "
-          f"(median per-step ratio {figures['median_step_ratio']:.2f}; goal >= 0.9)")
+          f"(median per-step ratio {figures['median_step_ratio']:.2f}; goal >= 0.9); {load}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(figures, indent=2))
     return 0

@@ -17,6 +17,9 @@ Two measurements:
 - ``throughput``: ``--env-delay-s`` per environment step, the learner running, env steps
   per second of 1 actor and of ``--actors`` actors over ``--seconds`` each.
 
+The actors' network caches and the evaluation's pulled versions live in a temporary folder per run,
+removed at its end.
+
 Run: nice .venv/bin/python bench/value_pipeline.py learn [--preset dqn-cartpole] [--seeds 3]
      nice .venv/bin/python bench/value_pipeline.py throughput [--actors 4] [--env-delay-s 0.05]
 """
@@ -27,6 +30,7 @@ import argparse
 import queue
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,10 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
+from bench.cpu import LoadAverage
+from bench.options import positive_int
 from consumers.checkpoint import CheckpointStore
 from consumers.learner import BatchRef
 from consumers.value.learner import ValueLearner
-from pipeline.config import resolve_config
+from pipeline.config import ConfigError, resolve_config
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
@@ -79,7 +85,8 @@ class QueueSource:
 
 
 def pipeline(config: RunConfig, store: ObjectStore, source: QueueSource, actors: int, delay_s: float,
-             seed: int) -> tuple[ValueLearner, list[ValueActor]]:
+             seed: int, cache: Path) -> tuple[ValueLearner, list[ValueActor]]:
+    """The learner and ``actors`` actors of ``config`` over ``store``; the actors cache networks under ``cache``."""
     value = config.value
     assert value is not None
     learner_config = value.learner.model_copy(update={"seed": seed, "max_steps": None})
@@ -89,7 +96,6 @@ def pipeline(config: RunConfig, store: ObjectStore, source: QueueSource, actors:
         registry=AdapterRegistry(store, config.run_id), checkpoints=CheckpointStore(store, config.run_id),
         source=source,
     )
-    cache = Path("/tmp") / f"rlpipe-bench-value-{seed}"
     team = [
         ValueActor(run_id=config.run_id, actor_id=f"a{i}", env=make_env(config.env.name, config.env.overrides, delay_s),
                    archive=TrajectoryArchive(store),
@@ -117,9 +123,10 @@ def stop_actors(threads: list[threading.Thread], stop: threading.Event, source: 
             thread.join(timeout=0.05)
 
 
-def evaluate(config: RunConfig, store: ObjectStore, version: int, episodes: int) -> float:
+def evaluate(config: RunConfig, store: ObjectStore, version: int, episodes: int, cache: Path) -> float:
+    """The mean return of ``version`` played greedily on ``episodes`` held-out seeds (pulled into ``cache``)."""
     registry = AdapterRegistry(store, config.run_id)
-    _, network = load_network(registry.pull(version, Path("/tmp/rlpipe-bench-value-eval"), kind="value-network"))
+    _, network = load_network(registry.pull(version, cache, kind="value-network"))
     env, rng = make_env(config.env.name, config.env.overrides), np.random.default_rng(0)
     offset = config.env.eval_seed_offset
     return float(np.mean([play_greedy(env, network, offset + s, rng)[0] for s in range(episodes)]))
@@ -127,29 +134,10 @@ def evaluate(config: RunConfig, store: ObjectStore, version: int, episodes: int)
 
 def learn(args: argparse.Namespace) -> None:
     rows = []
-    for seed in range(args.seeds):
-        config = resolve_config(args.preset, overrides=[f"run_id=bench-{seed}"], environ={})
-        store = ObjectStore(f"memory://bench-value-learn-{seed}-{time.time_ns()}")
-        source = QueueSource(args.backlog)
-        learner, team = pipeline(config, store, source, 1, 0.0, seed)
-        stop, started = threading.Event(), time.perf_counter()
-        threads = start(team, stop)
-        curve: list[tuple[int, float]] = []
-        reached = None
-        while team[0].env_steps < args.max_env_steps and reached is None:
-            refs = source.poll(1.0)
-            if not refs:
-                continue
-            learner.step(learner.ingest(refs[0]))
-            if learner.state.step % args.eval_every == 0 and learner.state.version:
-                score = evaluate(config, store, learner.state.version, args.eval_episodes)
-                curve.append((team[0].env_steps, score))
-                print(f"seed {seed} step {learner.state.step} env steps {team[0].env_steps} "
-                      f"v{learner.state.version} eval {score:.1f}", flush=True)
-                if score >= args.target:
-                    reached = (team[0].env_steps, time.perf_counter() - started, learner.agent.training_steps)
-        stop_actors(threads, stop, source)
-        rows.append((seed, reached, curve[-1] if curve else None))
+    with LoadAverage() as load:
+        for seed in range(args.seeds):
+            with tempfile.TemporaryDirectory(prefix="rlpipe-bench-value-") as tmp:
+                rows.append((seed, *learn_seed(args, seed, Path(tmp))))
     print(f"\n| seed | env steps to {args.target:g} | wall-clock s | updates | last eval |")
     print("| --- | --- | --- | --- | --- |")
     for seed, reached, last in rows:
@@ -161,47 +149,94 @@ def learn(args: argparse.Namespace) -> None:
     if len(done) > 1:
         steps = [r[0] for r in done]
         print(f"\nenv steps to target: median {statistics.median(steps):,.0f}, range {min(steps):,}-{max(steps):,}")
+    print(f"\n{load}")
+
+
+def learn_seed(args: argparse.Namespace, seed: int, folder: Path) -> tuple[tuple | None, tuple | None]:
+    """One seed's run to the target: (env steps, seconds, updates) when it got there, and the last evaluation."""
+    config = resolve_config(args.preset, overrides=[f"run_id=bench-{seed}"], environ={})
+    store = ObjectStore(f"memory://bench-value-learn-{seed}-{time.time_ns()}")
+    source = QueueSource(args.backlog)
+    learner, team = pipeline(config, store, source, 1, 0.0, seed, folder / "actors")
+    stop, started = threading.Event(), time.perf_counter()
+    threads = start(team, stop)
+    curve: list[tuple[int, float]] = []
+    reached = None
+    while team[0].env_steps < args.max_env_steps and reached is None:
+        refs = source.poll(1.0)
+        if not refs:
+            continue
+        learner.step(learner.ingest(refs[0]))
+        if learner.state.step % args.eval_every == 0 and learner.state.version:
+            score = evaluate(config, store, learner.state.version, args.eval_episodes, folder / "eval")
+            curve.append((team[0].env_steps, score))
+            print(f"seed {seed} step {learner.state.step} env steps {team[0].env_steps} "
+                  f"v{learner.state.version} eval {score:.1f}", flush=True)
+            if score >= args.target:
+                reached = (team[0].env_steps, time.perf_counter() - started, learner.agent.training_steps)
+    stop_actors(threads, stop, source)
+    return reached, curve[-1] if curve else None
 
 
 def throughput(args: argparse.Namespace) -> None:
     print("| actors | env delay | env steps/s | learner steps |")
     print("| --- | --- | --- | --- |")
     rates = {}
-    for actors in (1, args.actors):
-        config = resolve_config(args.preset, overrides=[f"run_id=tp-{actors}"], environ={})
-        store = ObjectStore(f"memory://bench-value-tp-{actors}-{time.time_ns()}")
-        source = QueueSource(backlog=1_000_000)
-        learner, team = pipeline(config, store, source, actors, args.env_delay_s, 0)
-        stop = threading.Event()
-        threads = start(team, stop)
-        started = time.perf_counter()
-        learner_thread = threading.Thread(target=learner.run, kwargs={"should_stop": stop.is_set}, daemon=True)
-        learner_thread.start()
-        time.sleep(args.seconds)
-        steps = sum(actor.env_steps for actor in team)
-        elapsed = time.perf_counter() - started
-        stop.set()
-        for thread in [*threads, learner_thread]:
-            thread.join(timeout=30)
-        rates[actors] = steps / elapsed
-        print(f"| {actors} | {args.env_delay_s * 1000:.0f} ms | {rates[actors]:.1f} | {learner.state.step} |", flush=True)
-    print(f"\nspeed-up of {args.actors} actors over 1: {rates[args.actors] / rates[1]:.2f}x")
+    with LoadAverage() as load:
+        for actors in (1, args.actors):
+            with tempfile.TemporaryDirectory(prefix="rlpipe-bench-value-") as tmp:
+                rates[actors], learner_steps = actors_rate(args, actors, Path(tmp))
+            print(f"| {actors} | {args.env_delay_s * 1000:.0f} ms | {rates[actors]:.1f} | {learner_steps} |", flush=True)
+    print(f"\nspeed-up of {args.actors} actors over 1: {rates[args.actors] / rates[1]:.2f}x; {load}")
+
+
+def actors_rate(args: argparse.Namespace, actors: int, folder: Path) -> tuple[float, int]:
+    """Env steps per second of ``actors`` actors over ``args.seconds`` with the learner running, and its steps."""
+    config = resolve_config(args.preset, overrides=[f"run_id=tp-{actors}"], environ={})
+    store = ObjectStore(f"memory://bench-value-tp-{actors}-{time.time_ns()}")
+    source = QueueSource(backlog=1_000_000)
+    learner, team = pipeline(config, store, source, actors, args.env_delay_s, 0, folder)
+    stop = threading.Event()
+    threads = start(team, stop)
+    started = time.perf_counter()
+    learner_thread = threading.Thread(target=learner.run, kwargs={"should_stop": stop.is_set}, daemon=True)
+    learner_thread.start()
+    time.sleep(args.seconds)
+    steps = sum(actor.env_steps for actor in team)
+    elapsed = time.perf_counter() - started
+    stop.set()
+    for thread in [*threads, learner_thread]:
+        thread.join(timeout=30)
+    return steps / elapsed, learner.state.step
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("mode", choices=["learn", "throughput"])
+    parser.add_argument("--preset", default="dqn-cartpole", help="a value run's preset (with a value section)")
+    parser.add_argument("--seeds", type=positive_int, default=3)
+    parser.add_argument("--backlog", type=positive_int, default=1)
+    parser.add_argument("--eval-every", type=positive_int, default=5)
+    parser.add_argument("--eval-episodes", type=positive_int, default=5)
+    parser.add_argument("--target", type=float, default=150.0)
+    parser.add_argument("--max-env-steps", type=positive_int, default=30_000)
+    parser.add_argument("--actors", type=positive_int, default=4)
+    parser.add_argument("--env-delay-s", type=float, default=0.05)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    args = parser.parse_args(argv)
+    if args.seconds <= 0 or args.env_delay_s < 0:
+        parser.error("--seconds must be above 0 and --env-delay-s at least 0")
+    try:
+        config = resolve_config(args.preset, overrides=["run_id=bench"], environ={})
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if config.value is None:
+        parser.error(f"--preset {args.preset} is not a value run (no value section); e.g. --preset dqn-cartpole")
+    return args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=["learn", "throughput"])
-    parser.add_argument("--preset", default="dqn-cartpole")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--backlog", type=int, default=1)
-    parser.add_argument("--eval-every", type=int, default=5)
-    parser.add_argument("--eval-episodes", type=int, default=5)
-    parser.add_argument("--target", type=float, default=150.0)
-    parser.add_argument("--max-env-steps", type=int, default=30_000)
-    parser.add_argument("--actors", type=int, default=4)
-    parser.add_argument("--env-delay-s", type=float, default=0.05)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    args = parser.parse_args()
+    args = parse_args()
     torch.set_num_threads(1)
     learn(args) if args.mode == "learn" else throughput(args)
 

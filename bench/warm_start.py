@@ -22,14 +22,19 @@ states by teacher forcing and prints
 from __future__ import annotations
 
 import argparse
-import os
 import random
+import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.cpu import LoadAverage
+from bench.options import positive_int
 from consumers.batching import micro_batches
 from consumers.policy import LoraPolicy
 from pipeline.config import load_preset
@@ -71,19 +76,25 @@ def score(policy: LoraPolicy, pairs: list[tuple[dict, dict]]) -> tuple[float, fl
     return sum(chosen) / len(chosen), sum(p > 0.5 for p in chosen) / len(chosen)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--rows", type=int, default=128, help="rows per optimizer step (the preset's batch_rows)")
+    parser.add_argument("--steps", type=positive_int, default=150)
+    parser.add_argument("--rows", type=positive_int, default=128, help="rows per optimizer step (the preset's batch_rows)")
     parser.add_argument("--learning-rate", type=float, default=None, help="default: the preset's")
     parser.add_argument("--noise", type=float, default=0.76, help="the teacher's share of random answers")
-    parser.add_argument("--every", type=int, default=25, help="steps between evaluations")
-    parser.add_argument("--held-out", type=int, default=192, help="held-out states scored")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--every", type=positive_int, default=25, help="steps between evaluations")
+    parser.add_argument("--held-out", type=positive_int, default=192, help="held-out states scored")
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--model", default=None, help="a model folder (default: the cached tiny model)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 0.0 < args.noise < 1.0:
-        raise SystemExit("--noise must be strictly between 0 and 1 (the heuristic's answer must be the heavier)")
+        parser.error("--noise must be strictly between 0 and 1 (the heuristic's answer must be the heavier)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    load = LoadAverage()
     torch.set_num_threads(args.threads)
     model_dir = args.model or resolve_base_model(ModelConfig())  # the tiny model `rlpipe model init-tiny` built
     preset = load_preset("demo-warmstart")["learner"]
@@ -99,8 +110,7 @@ def main() -> None:
     held = recorded_pairs(model_dir, range(1_000_000, 1_000_100), args.noise)  # the demo's held-out seeds
     held = random.Random(1).sample(held, min(args.held_out, len(held)))
     print(f"{len(train):,} training rows from {seed} episodes (noise {args.noise:g}: the teacher's p(heuristic) "
-          f"{1 - args.noise / 2:.2f}), {len(held)} held-out states; {settings}; {args.threads} threads; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"{1 - args.noise / 2:.2f}), {len(held)} held-out states; {settings}; {args.threads} threads", flush=True)
     policy = LoraPolicy(model_dir, LearnerConfig(device="cpu", loss="cross_entropy", seed=0, **settings))
     started = time.monotonic()
     print("step 0: p(heuristic) {:.3f}  favour {:.2f}".format(*score(policy, held)), flush=True)
@@ -113,7 +123,7 @@ def main() -> None:
             p_heuristic, favour = score(policy, held)
             print(f"step {step} ({time.monotonic() - started:.0f} s): p(heuristic) {p_heuristic:.3f}  "
                   f"favour {favour:.2f}", flush=True)
-    print(f"load average {os.getloadavg()[0]:.2f}")
+    print(load)
 
 
 if __name__ == "__main__":

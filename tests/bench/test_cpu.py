@@ -38,3 +38,12 @@ def test_packing_bounds_come_from_the_first_one_run_level():
     three = {"runs": 3, "combined": {"window_s": 60.0, "cpu_busy_s": 110.0}}
     assert level_bounds([one, three], cores=2) == {1: 1.0, 3: pytest.approx(2.5)}
     assert level_bounds([three], cores=2) == {}
+
+
+def test_the_load_average_is_named_before_and_after_a_measurement():
+    from bench.cpu import LoadAverage, load_text
+
+    assert load_text(1.234, 3.0) == "load average 1.23 before, 3.00 after"
+    with LoadAverage() as load:
+        assert load.before >= 0 and load.after is None
+    assert load.after is not None and str(load) == load_text(load.before, load.after)

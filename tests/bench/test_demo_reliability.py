@@ -30,15 +30,17 @@ def test_a_recipe_judged_on_success_needs_both_success_targets():
     assert not met({**good, "success_x1_5": False}) and not met({**good, "success_above_random": False})
 
 
-def test_resume_keeps_the_earlier_runs_and_runs_only_the_missing_seeds(tmp_path, monkeypatch, capsys):
+def test_resume_keeps_the_earlier_runs_and_runs_the_missing_and_failed_seeds(tmp_path, monkeypatch, capsys):
     import json
-    import sys
 
     from bench import demo_reliability
 
     out = tmp_path / "runs.json"
-    earlier = {"seed": 1, "failed": "exit 1", "minutes": 3.0}
-    out.write_text(json.dumps([earlier]))
+    finished = {"seed": 1, "base_mean": 20.0, "warm_mean": 30.0, "last_mean": 35.0, "last_version": 9, "ratio": 1.75,
+                "intervals_separate": True, "ratio_rl": 1.17, "rl_intervals_separate": False, "take_off_version": None,
+                "minutes": 3.0}
+    earlier = [finished, {"seed": 2, "failed": "exit 1", "minutes": 3.0}]
+    out.write_text(json.dumps(earlier))
     ran: list[int] = []
 
     def fake_run(seed, steps, episodes, preset="demo"):
@@ -46,12 +48,52 @@ def test_resume_keeps_the_earlier_runs_and_runs_only_the_missing_seeds(tmp_path,
         return {"seed": seed, "failed": "exit 2", "minutes": 1.0}
 
     monkeypatch.setattr(demo_reliability, "one_run", fake_run)
-    monkeypatch.setattr(demo_reliability.subprocess, "run", lambda *a, **k: None)
-    monkeypatch.setattr(sys, "argv", ["demo_reliability.py", "--runs", "3", "--out", str(out), "--resume"])
-    demo_reliability.main()
-    assert ran == [2, 3]
-    assert [o["seed"] for o in json.loads(out.read_text())] == [1, 2, 3]
+    monkeypatch.setattr(demo_reliability, "stack_running", lambda: False)
+    monkeypatch.setattr(demo_reliability, "stop_stack", lambda: None)
+    demo_reliability.main(["--runs", "3", "--out", str(out), "--resume"])
+    assert ran == [2, 3]  # seed 1 is kept, seed 2 failed before and runs again
+    records = json.loads(out.read_text())
+    assert [o["seed"] for o in records] == [1, 2, 3] and records[1]["failed"] == "exit 2"
     assert "met in 0 of 3 runs" in capsys.readouterr().out
+
+
+def test_a_stack_running_before_the_bench_is_left_running(tmp_path, monkeypatch):
+    from bench import demo_reliability
+
+    stopped: list[bool] = []
+    monkeypatch.setattr(demo_reliability, "one_run", lambda seed, *a: {"seed": seed, "failed": "x", "minutes": 1.0})
+    monkeypatch.setattr(demo_reliability, "stop_stack", lambda: stopped.append(True))
+    for running, expected in ((True, []), (False, [True])):
+        monkeypatch.setattr(demo_reliability, "stack_running", lambda running=running: running)
+        demo_reliability.main(["--runs", "1", "--out", str(tmp_path / f"{running}.json")])
+        assert stopped == expected  # only the stack the demo started for the bench is stopped
+
+
+def test_the_records_go_under_rlpipe_home_unless_out_says(tmp_path, monkeypatch):
+    from bench.demo_reliability import parse_args
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path))
+    assert parse_args([]).out == tmp_path / "bench" / "demo-reliability.json"
+    assert parse_args(["--out", "x.json"]).out.name == "x.json"
+
+
+def test_the_demo_s_output_shows_while_it_runs_and_its_report_is_read(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    from bench import demo_reliability
+
+    (tmp_path / "demo-result.json").write_text(json.dumps({"ratio": 2.5}))
+    (tmp_path / "report.json").write_text(json.dumps({"series": {"reward_by_version": [
+        {"version": 1, "reward_mean": 10.0}, {"version": 2, "reward_mean": 20.0}]}}))
+    script = (f"print('──── 4/6 online RL ────', flush=True); print('done in 7s');"
+              f"print('report: {tmp_path}/report.html; figures')")
+    monkeypatch.setattr(demo_reliability, "rlpipe_command", lambda *args: [sys.executable, "-c", script])
+    outcome = demo_reliability.one_run(3, None, None)
+    assert outcome["ratio"] == 2.5 and outcome["take_off_version"] == 2 and outcome["seed"] == 3
+    assert outcome["phase_seconds"] == {"4/6 online RL": 7}
+    shown = capsys.readouterr().out
+    assert "4/6 online RL" in shown and "done in 7s" in shown  # the child's lines, printed as they came
 
 
 def test_the_command_it_runs_is_rlpipe():
@@ -65,12 +107,9 @@ def test_the_command_it_runs_is_rlpipe():
 
 
 def test_a_demo_that_prints_no_report_is_a_failed_run(monkeypatch):
-    import subprocess
-
     from bench import demo_reliability
 
-    monkeypatch.setattr(demo_reliability.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
-        a[0], 0, stdout="something else\n", stderr=""))
+    monkeypatch.setattr(demo_reliability, "run_streaming", lambda command: (0, "something else\n"))
     outcome = demo_reliability.one_run(3, None, 32)
     assert outcome["seed"] == 3
     assert "no report" in outcome["failed"]
@@ -78,16 +117,14 @@ def test_a_demo_that_prints_no_report_is_a_failed_run(monkeypatch):
 
 
 def test_a_run_records_the_configuration_variables_it_ran_with(monkeypatch):
-    import subprocess
-
     from bench import demo_reliability
 
     monkeypatch.setenv("RLPIPE_SAMPLER__ENGINE", "async")
     monkeypatch.setenv("RLPIPE_HOME", "/somewhere")  # a process setting, not run configuration
-    monkeypatch.setattr(demo_reliability.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
-        a[0], 1, stdout="", stderr="boom\n"))
+    monkeypatch.setattr(demo_reliability, "run_streaming", lambda command: (1, "boom\n"))
     outcome = demo_reliability.one_run(3, None, 32)
     assert outcome["settings"] == {"RLPIPE_SAMPLER__ENGINE": "async"}
+    assert outcome["failed"] == "boom"  # the last line the demo printed
 
 
 def test_phase_seconds_are_read_from_the_demo_s_output():

@@ -36,3 +36,10 @@ def test_every_run_gets_the_slow_step_and_batch_size_and_the_users_sets_last():
 def test_bad_options_are_refused(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)
+
+
+def test_a_bad_level_names_the_option_given(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--levels", "0,2"])
+    err = capsys.readouterr().err
+    assert "argument --levels" in err and "--concurrency" not in err

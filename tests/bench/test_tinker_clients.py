@@ -55,3 +55,27 @@ def test_the_cpu_bound_is_what_the_cores_give_at_level_one_cost():
     assert "3 | 15 | 20.0 | 2.0 | 22.0 | 90% | 50% | 80% of 2 cores" in lines
     assert lines[-1] == ("CPU bound on this machine: x2.50 (8 busy core-seconds per client alone, 2 cores); "
                          "reached 0.80 of it")
+
+
+def test_the_goal_is_judged_at_three_clients_only():
+    result = {"samples": [10.0, 12.0], "tokens": {"trained": 100, "sampled": 10}}
+    one, two = Level(1, 10.0, 100, 10, 0.5, 0.2, [result]), Level(2, 10.0, 300, 30, 0.9, 0.5, [result] * 2)
+    assert not any("goal" in line for line in report_lines([one, two], {0: result}))  # x3.0 at 2 clients: no verdict
+    three = Level(3, 10.0, 150, 15, 0.9, 0.5, [result] * 3)
+    four = Level(4, 10.0, 500, 50, 0.9, 0.5, [result] * 4)
+    lines = report_lines([one, three, four], {0: result})
+    assert [line for line in lines if "goal" in line] == [
+        "3 clients vs 1: x1.50 all tokens/s (trained x1.50, sampled x1.50); goal x2.0: not met"]
+    assert any(line.startswith("4 clients vs 1: x5.00") for line in lines)
+
+
+def test_the_server_store_and_logs_go_to_a_new_temporary_folder_unless_out_says(tmp_path, monkeypatch):
+    import tempfile
+
+    from bench.tinker_clients import output_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert parse_args([]).out is None
+    made = output_folder(None)
+    assert made.is_dir() and made.parent == tmp_path and made.name.startswith("rlpipe-bench-clients-")
+    assert output_folder(tmp_path / "mine") == tmp_path / "mine" and (tmp_path / "mine").is_dir()

@@ -21,3 +21,9 @@ def test_batch_ratio_and_timing():
     direct_s, api_s = interleaved(lambda: calls.append("d"), lambda: calls.append("a"), 3)
     assert len(direct_s) == len(api_s) == 3
     assert calls == ["d", "a", "d", "a", "a", "d", "d", "a"]  # warm-ups, then alternating who goes first
+
+
+def test_every_timed_step_is_reported_as_it_ends():
+    lines: list[str] = []
+    interleaved(lambda: None, lambda: None, 2, log=lines.append)
+    assert len(lines) == 2 and lines[0].startswith("step 1/2: direct ") and " API " in lines[0]
