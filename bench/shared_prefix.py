@@ -4,9 +4,9 @@ Per-turn rows of a long-horizon environment all start with the same system promp
 (CartPole's is 129 of about 230 tokens with the tiny model's chat template), and a
 group's samples start with the same prompt.  ``consumers.policy.position_logprobs``
 runs the columns every row of a micro-batch shares once and lets every row's rest
-attend to their keys and values.  This bench trains the same steps twice from the
-same seed, alternating step by step (the order rotating, so the machine's load falls
-on both arms alike):
+attend to their keys and values.  This bench trains the same steps twice, alternating step by step (the order rotating,
+so the machine's load falls on both arms alike), each step of both arms from the same
+weights and AdamW state:
 
 - **shared**: ``LoraPolicy.train_step`` as the learner runs it;
 - **plain**: the same with sharing switched off (every row through the whole body).
@@ -110,6 +110,7 @@ def measure(args: argparse.Namespace, model_dir: str, log: Callable[[str], None]
     minimum = policy_module.MIN_SHARED_PREFIX
     try:
         for step in range(args.steps + 1):
+            same_start(arms["shared"], arms["plain"])  # each step compared from the same weights and AdamW state
             for name in (list(arms) if step % 2 == 0 else list(reversed(arms))):
                 policy_module.MIN_SHARED_PREFIX = minimum if name == "shared" else 10**9
                 started, started_cpu = time.perf_counter(), time.process_time()
@@ -123,6 +124,18 @@ def measure(args: argparse.Namespace, model_dir: str, log: Callable[[str], None]
     finally:
         policy_module.MIN_SHARED_PREFIX = minimum
     return measured
+
+
+def same_start(source: LoraPolicy, target: LoraPolicy) -> None:
+    """``target`` takes ``source``'s adapter, AdamW state and schedule (outside the timed steps).
+
+    Two arms trained apart drift: AdamW turns float-rounding differences of near-zero gradient
+    entries into steps of the learning rate's size, so after one step the arms' weights, and from
+    then on their losses, differ by far more than the arithmetic of one step does.
+    """
+    optimizer, scalars = source.optimizer_state()
+    target.load_state({name: value.clone() for name, value in source.adapter_tensors().items()},
+                      {name: value.clone() for name, value in optimizer.items()}, scalars)
 
 
 def relative_difference(a: Any, b: Any) -> float:
