@@ -197,9 +197,13 @@ def lag(
         which = f"group {group!r} has" if group else "no consumer group has"
         console.print(f"{which} no committed offsets on {config.namespace}.* topics")
         return
-    table = Table(
-        "group", "topic", "partition", "committed", "end offset", "lag", title=f"consumer lag ({config.namespace})"
-    )
+    table = Table(title=f"consumer lag ({config.namespace})",
+                  caption="lag: messages after the committed offset, every run's events on a shared topic "
+                          "(a run's learner reads and skips the others')")
+    for column in ("group", "topic"):
+        table.add_column(column, overflow="fold")  # a long run id folds over lines, never cut short
+    for column in ("partition", "committed", "end offset", "lag"):
+        table.add_column(column, no_wrap=True)
     for row in rows:
         style = "yellow" if row.lag else None
         table.add_row(

@@ -107,6 +107,16 @@ def test_lag_of_a_group(bus_config: BusConfig, published: list, fast_group: dict
     assert (row["committed"], row["end_offset"], row["lag"]) == (2, len(published), len(published) - 2)
     table = _invoke(["topics", "lag", *_where(bus_config)])
     assert "cli-lag" in table.stdout
+    long_group = "rlpipe-learner-cartpole-20261204-141527-a-long-run-name"  # a run's learner group, as named
+    with bus.EventConsumer(bus_config, "control", long_group, **fast_group) as consumer:
+        consumer.wait_for_assignment()
+        consumer.commit({(topic, 0): 1})
+    narrow = runner.invoke(app, ["topics", "lag", "--group", long_group, *_where(bus_config)],
+                           env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0 and "…" not in narrow.stdout, narrow.stdout  # folded over lines, never cut
+    first_cells = "".join(line.split("│")[1].strip() for line in narrow.stdout.splitlines() if line.startswith("│"))
+    assert first_cells == long_group
+    assert "every run's events" in " ".join(narrow.stdout.split())  # what the lag counts on a shared topic
 
 
 def test_unreachable_broker_is_one_red_line_not_a_traceback() -> None:
