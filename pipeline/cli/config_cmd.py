@@ -51,7 +51,10 @@ def presets(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")]
     if as_json:
         print_json(rows)
         return
-    table = Table("preset", "environment", "settings")
+    table = Table()
+    table.add_column("preset", no_wrap=True)  # whole, to be copied into --preset
+    table.add_column("environment", overflow="fold")
+    table.add_column("settings")
     for name, data in rows.items():
         table.add_row(name, str(data.get("env", {}).get("name", "")), ", ".join(k for k in data if k != "env"))
     console.print(table)

@@ -212,3 +212,15 @@ def test_an_environment_name_or_setting_it_does_not_have_is_refused_before_anyth
     assert "sokoban" in runner.invoke(config_app, ["show", "--set", "env.name=nope"]).output  # the names there are
     assert run_config("tetris", None, ["env.overrides.width=8"]).env.overrides == {"width": 8}
     assert run_config(None, None, [], None).env.name == "cartpole"
+
+
+def test_config_presets_shows_every_name_whole_on_an_80_column_terminal():
+    """A preset name cut short (`recsim-interest-evolut…`) cannot be copied into --preset."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli.config_cmd import app as config_app
+
+    shown = CliRunner(env={"COLUMNS": "80"}).invoke(config_app, ["presets"])
+    assert shown.exit_code == 0 and "…" not in shown.output, shown.output
+    names = {line.split("│")[1].strip() for line in shown.output.splitlines() if line.startswith("│")}
+    assert set(preset_names()) <= names
