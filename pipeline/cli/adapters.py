@@ -26,6 +26,8 @@ from pipeline.cli.common import (
     StoreRootOpt,
     console,
     fail,
+    fitted_table,
+    left_out_note,
     print_json,
     shown_model,
 )
@@ -65,7 +67,10 @@ def list_versions(
         elif not manifests:
             console.print(f"run {run} has no adapter versions yet")
         else:
-            console.print(_versions_table(run, manifests))
+            table, left_out = _versions_table(run, manifests)
+            console.print(table)
+            if left_out:
+                console.print(left_out_note(left_out), markup=False)
 
 
 @app.command("show")
@@ -192,30 +197,25 @@ def _parse_version(text: str, registry: AdapterRegistry) -> int:
     return int(digits)
 
 
+FIRST_METRICS = ("reward_mean", "episode_return_mean", "loss")  # what a reader of the list looks for first
+
+
 def _short_metrics(metrics: dict[str, float], limit: int = 3) -> str:
-    shown = [f"{name}={value:.4g}" for name, value in sorted(metrics.items())[:limit]]
+    ordered = sorted(metrics.items(), key=lambda item: (item[0] not in FIRST_METRICS,
+                                                        FIRST_METRICS.index(item[0]) if item[0] in FIRST_METRICS
+                                                        else 0, item[0]))
+    shown = [f"{name}={value:.4g}" for name, value in ordered[:limit]]
     return ", ".join(shown) + (" ..." if len(metrics) > limit else "")
 
 
-def _versions_table(run: str, manifests: list[AdapterManifest]) -> Table:
-    table = Table(title=f"adapters of run {run}")
-    for column in ("version", "step", "parent", "files", "bytes"):
-        table.add_column(column, justify="right")
-    table.add_column("created (UTC)", no_wrap=True)
-    table.add_column("base model", overflow="fold")
-    table.add_column("metrics", overflow="fold")
-    for m in manifests:
-        table.add_row(
-            str(m.version),
-            str(m.learner_step),
-            str(m.parent_version),
-            str(len(m.files)),
-            str(sum(f.size for f in m.files.values())),
-            m.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-            shown_model(m.base_model),
-            _short_metrics(m.metrics),
-        )
-    return table
+def _versions_table(run: str, manifests: list[AdapterManifest]) -> tuple[Table, list[str]]:
+    """The versions, every cell whole; on a narrow terminal without the metrics, then the base model."""
+    rows = [{"version": str(m.version), "step": str(m.learner_step), "parent": str(m.parent_version),
+             "files": str(len(m.files)), "bytes": str(sum(f.size for f in m.files.values())),
+             "created (UTC)": m.created_at.strftime("%Y-%m-%d %H:%M:%S"), "base model": shown_model(m.base_model),
+             "metrics": _short_metrics(m.metrics)} for m in manifests]
+    return fitted_table(f"adapters of run {run}", rows, ["metrics", "base model"],
+                        right=("version", "step", "parent", "files", "bytes"))
 
 
 def _manifest_table(manifest: AdapterManifest, digest: str) -> Table:

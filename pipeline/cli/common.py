@@ -158,3 +158,34 @@ def shown_model(base_model: str | None) -> str:
     if not base_model:
         return "-"
     return Path(base_model).name if base_model.startswith(("/", "~", ".")) else base_model
+
+
+def fitted_table(title: str, rows: list[dict[str, str]], droppable: list[str],
+                 right: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
+    """A table of ``rows`` (column -> cell) with every cell whole, leaving out the ``droppable`` columns in that
+    order while it is wider than the terminal; (the table, the columns left out).  ``right``: right-justified."""
+    from rich.table import Table
+
+    columns, left_out = list(rows[0]), []
+
+    def build() -> Table:
+        table = Table(title=title)
+        for column in columns:
+            table.add_column(column, no_wrap=True, overflow="fold", justify="right" if column in right else "left")
+        for row in rows:
+            table.add_row(*(row[column] for column in columns))
+        return table
+
+    table = build()
+    for column in droppable:
+        if console.measure(table, options=console.options.update_width(10**6)).maximum <= console.width:
+            break
+        columns.remove(column)
+        left_out.append(column)
+        table = build()
+    return table, left_out
+
+
+def left_out_note(left_out: list[str]) -> str:
+    """The line under a table that left columns out to fit the terminal."""
+    return f"({' and '.join(left_out)} left out to fit {console.width} columns: widen the terminal, or see --json)"

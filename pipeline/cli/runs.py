@@ -38,7 +38,9 @@ from pipeline.cli.common import (
     bus_config_from_cli,
     console,
     fail,
+    fitted_table,
     handle_user_errors,
+    left_out_note,
     print_json,
     shown_model,
 )
@@ -92,15 +94,6 @@ def _when(moment: datetime | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
 
 
-def _runs_table(title: str, rows: list[dict[str, str]], columns: list[str]) -> Table:
-    table = Table(title=title)
-    for column in columns:
-        table.add_column(column, no_wrap=True, overflow="fold")
-    for row in rows:
-        table.add_row(*(row[column] for column in columns))
-    return table
-
-
 def _steps(summary: RunSummary) -> str:
     return f"{summary.steps}/{summary.max_steps}" if summary.max_steps else str(summary.steps)
 
@@ -133,17 +126,10 @@ def list_command(
     rows = [{"run": s.run_id, "status": s.status, "env": s.env or "-", "base model": shown_model(s.base_model),
              "steps": _steps(s), "versions": str(s.versions), "reward": _reward(s),
              "last active (UTC)": _when(s.last_activity)} for s in summaries]
-    columns = list(rows[0])
-    left_out = []
-    table = _runs_table(f"runs in {store.root}", rows, columns)
-    while console.measure(table, options=console.options.update_width(10**6)).maximum > console.width \
-            and len(columns) > 6:  # a narrow terminal: the least needed go
-        left_out.append(columns.pop(3 if "base model" in columns else -1))
-        table = _runs_table(f"runs in {store.root}", rows, columns)
-    console.print(table)
+    table, left_out = fitted_table(f"runs in {store.root}", rows, ["base model", "last active (UTC)"])
+    console.print(table)  # a narrow terminal: the least needed columns went
     if left_out:
-        console.print(f"({' and '.join(left_out)} left out to fit {console.width} columns: widen the terminal, "
-                      "or see --json)", markup=False)
+        console.print(left_out_note(left_out), markup=False)
     if note:
         console.print(f"note: {note}", style="yellow", markup=False)
 

@@ -46,6 +46,25 @@ def test_list_shows_versions_from_a_gs_root(published: tuple[ObjectStore, list[s
     assert [m["version"] for m in json.loads(as_json.output)] == [1, 2]
 
 
+def test_the_list_fits_an_80_column_terminal_and_leads_with_reward_and_loss(gcs_store: ObjectStore,
+                                                                           tmp_path: Path) -> None:
+    registry = AdapterRegistry(gcs_store, "wide")
+    make_adapter(tmp_path / "a", marker=1)
+    metrics = {"batches_dead_lettered": 0.0, "clip_fraction": 0.0, "dropped_stale_rows": 0.0, "loss": 0.25,
+               "reward_mean": 12.5, "tokens": 4096.0}
+    registry.publish(tmp_path / "a", "/models/tiny-cacbf641467c8247", 0, 10, metrics)
+    where = ["--root", gcs_store.root, "--gcs-endpoint", gcs_store.gcs_endpoint or ""]
+    wide = runner.invoke(app, ["list", "--run", "wide", *where])
+    assert "reward_mean=12.5, loss=0.25" in wide.output, wide.output  # what a reader looks for, first
+    narrow = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["list", "--run", "wide", *where])
+    assert narrow.exit_code == 0 and "…" not in narrow.output, narrow.output
+    row = next(line for line in narrow.output.splitlines() if line.startswith("│"))
+    files = registry.show(1).files
+    assert [cell.strip() for cell in row.split("│")[1:6]] == ["1", "10", "0", str(len(files)),
+                                                              str(sum(f.size for f in files.values()))]
+    assert "left out to fit 80 columns" in narrow.output
+
+
 def test_show_and_pull(published: tuple[ObjectStore, list[str]], tmp_path: Path) -> None:
     store, where = published
     shown = runner.invoke(app, ["show", "--run", "demo", "latest", "--json", *where])
