@@ -160,10 +160,11 @@ def shown_model(base_model: str | None) -> str:
     return Path(base_model).name if base_model.startswith(("/", "~", ".")) else base_model
 
 
-def fitted_table(title: str, rows: list[dict[str, str]], droppable: list[str],
+def fitted_table(title: str, rows: list[dict[str, Any]], droppable: list[str],
                  right: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
-    """A table of ``rows`` (column -> cell) with every cell whole, leaving out the ``droppable`` columns in that
-    order while it is wider than the terminal; (the table, the columns left out).  ``right``: right-justified."""
+    """A table of ``rows`` (column -> cell: text or rich ``Text``) with every cell whole, leaving out the ``droppable``
+    columns in that order while it is wider than the terminal; (the table, the columns left out).  What still does
+    not fit wraps or folds over lines, never cut short.  ``right``: the right-justified columns."""
     from rich.table import Table
 
     columns, left_out = list(rows[0]), []
@@ -171,7 +172,7 @@ def fitted_table(title: str, rows: list[dict[str, str]], droppable: list[str],
     def build() -> Table:
         table = Table(title=title)
         for column in columns:
-            table.add_column(column, no_wrap=True, overflow="fold", justify="right" if column in right else "left")
+            table.add_column(column, overflow="fold", justify="right" if column in right else "left")
         for row in rows:
             table.add_row(*(row[column] for column in columns))
         return table

@@ -23,7 +23,9 @@ from pipeline.cli.common import (
     NamespaceOpt,
     bus_config_from_cli,
     console,
+    fitted_table,
     handle_user_errors,
+    left_out_note,
     print_json,
     to_jsonable,
 )
@@ -157,12 +159,14 @@ def _print_records(records: list[bus.TailRecord], as_json: bool, title: str) -> 
     if not records:
         console.print(f"no messages on {title}")
         return
-    table = Table("time (UTC)", "p:offset", "type", "run", "payload", title=title)
-    for r in records:
-        kind = r.event.type if r.event is not None else Text("invalid", style="red")
-        run = r.event.run_id if r.event is not None else (r.key or "")
-        table.add_row(_short_time(r.timestamp_ms), f"{r.partition}:{r.offset}", kind, run, _summary(r))
+    rows = [{"time (UTC)": _short_time(r.timestamp_ms), "p:offset": f"{r.partition}:{r.offset}",
+             "type": r.event.type if r.event is not None else Text("invalid", style="red"),
+             "run": r.event.run_id if r.event is not None else (r.key or ""), "payload": _summary(r)}
+            for r in records]
+    table, left_out = fitted_table(title, rows, ["payload"])  # run ids whole; the payload goes first
     console.print(table)
+    if left_out:
+        console.print(left_out_note(left_out), markup=False)
 
 
 def _stream(records: Iterator[bus.TailRecord], as_json: bool) -> None:

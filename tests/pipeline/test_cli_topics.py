@@ -51,6 +51,12 @@ def test_tail_shows_events_from_the_live_broker(bus_config: BusConfig, published
     assert "RunStopped" in result.stdout
     assert "not JSON" in result.stdout, "an undecodable message is shown with why"
 
+    narrow = runner.invoke(app, ["topics", "tail", "control", *_where(bus_config)], env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0 and "…" not in narrow.stdout, narrow.stdout  # run ids whole, however narrow
+    assert "payload left out to fit 80 columns" in narrow.stdout
+    assert {"run-a", "run-b"} <= {line.split("│")[4].strip() for line in narrow.stdout.splitlines()
+                                  if line.startswith("│")}
+
     only_a = _invoke(["topics", "tail", "control", "--run", "run-a", *_where(bus_config)])
     assert only_a.exit_code == 0
     assert "alpha" in only_a.stdout and "delta" in only_a.stdout
