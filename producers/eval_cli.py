@@ -127,8 +127,9 @@ def eval(
                   title=f"{run} on {config.env.name}, {played}")
     for r in results:
         version = "-" if r.policy in ("heuristic", "random") else f"v{r.version}"  # a baseline has no version
-        table.add_row(r.policy, version, str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
-                      f"{r.success_rate:.0%}")
+        policy = "uniform random" if config.value is not None and r.version == 0 and version != "-" else r.policy
+        table.add_row(policy, version, str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
+                      f"{r.success_rate:.0%}")  # a value run's v0 plays no network
     console.print(table)
     if building:
         from producers.offline.policy_eval import breakdown_line

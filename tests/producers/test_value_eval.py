@@ -44,3 +44,9 @@ def test_a_value_version_is_played_greedily_on_held_out_seeds(tmp_path: Path) ->
     payload = json.loads(out.output)
     assert [(r["policy"], r["version"]) for r in payload["results"]] == [("value-network", 1), ("value-network", 0)]
     assert payload["results"][0]["returns"] == result.returns and len(payload["saved"]) == 2
+    table = CliRunner(env={"COLUMNS": "120"}).invoke(
+        eval_app, ["--run", "vrun", "--root", store.url(""), "--version", "latest", "--version", "0",
+                   "--episodes", "3", "--no-save"])
+    assert table.exit_code == 0, table.output
+    rows = [line for line in table.output.splitlines() if line.startswith("│")]
+    assert "value-network" in rows[0] and "uniform random" in rows[1]  # v0 plays no network
