@@ -33,7 +33,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from schemas.config import RunConfig
+from schemas.config import LearnerConfig, RunConfig
+from schemas.value import ValueLearnerConfig
 
 ENV_PREFIX = "RLPIPE_"
 VALUE_RUN_LEARNER_FIELDS = {"torch_threads"}  # the one `learner` field a value run reads
@@ -233,9 +234,6 @@ def check_value_run_settings(config: RunConfig, layers: Sequence[Mapping[str, An
     """Refuse a LoRA learner setting given for a value run: ``learner.max_steps`` would be accepted and do nothing
     (its budget is ``value.learner.max_steps``).  A value run reads only ``VALUE_RUN_LEARNER_FIELDS`` of ``learner``;
     a setting equal to the default (a whole configuration written by ``rlpipe config show``) changes nothing."""
-    from schemas.config import LearnerConfig
-    from schemas.value import ValueLearnerConfig
-
     if config.value is None:
         return
     defaults = LearnerConfig()

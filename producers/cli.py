@@ -51,7 +51,7 @@ def _check_name(name: str) -> None:
 
 
 OverridesOpt = Annotated[str, typer.Option(
-    "--overrides", help='Environment settings as JSON, e.g. \'{"split": "test"}\' (see `envs list --json`).')]
+    "--overrides", help='Environment settings as JSON, e.g. \'{"split": "test"}\' (see `envs show NAME`).')]
 SeedOpt = Annotated[int, typer.Option("--seed", "-s", min=0, help="Episode seed; the same seed gives the same episode.")]
 
 

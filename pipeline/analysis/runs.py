@@ -79,6 +79,11 @@ class RunActivity:
                 self.last_reward = reward
 
 
+def run_kind(config: Mapping[str, Any]) -> str:
+    """What a run's versions are, from its stored configuration: a value run's ``value-network``, else ``lora``."""
+    return "value-network" if config.get("value") else "lora"
+
+
 def episode_reward(metrics: Mapping[str, float]) -> float | None:
     """The mean episode return a version or checkpoint reports: ``reward_mean`` (a LoRA learner's sampled
     trajectories) or ``episode_return_mean`` (a value learner's actors)."""
@@ -170,7 +175,7 @@ def summarize(
         run_id=run_id, status="unknown", env=(config.get("env") or {}).get("name"),
         base_model=f"{learner.get('agent')} value network" if value else (config.get("model") or {}).get("base_model"),
         steps=steps, max_steps=learner.get("max_steps"), versions=len(manifests),
-        last_reward=rewards[-1] if rewards else None, kind="value-network" if value else "lora",
+        last_reward=rewards[-1] if rewards else None, kind=run_kind(config),
     )
     moments = [m.created_at.timestamp() for m in manifests[-1:]]
     if activity is not None:

@@ -79,11 +79,10 @@ def engine_arguments(prog: str, description: str | None) -> argparse.ArgumentPar
 def engine_setup(args: argparse.Namespace, log: logging.Logger) -> BusConfig:
     """Logging as the engine processes print it, and the bus configuration: ``--bootstrap`` and ``--namespace``
     over the ``RLPIPE_BUS__`` environment (TLS, SASL, timeouts; ``rlpipe serve`` passes its own on)."""
-    from pipeline.config import resolve_config
+    from pipeline.config import env_layer
 
     log.setLevel(args.log_level)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)  # connection chatter; rlpipe's own lines stay
-    configured = resolve_config().bus
-    return BusConfig.model_validate({**configured.model_dump(), "bootstrap_servers": args.bootstrap,
+    return BusConfig.model_validate({**(env_layer().get("bus") or {}), "bootstrap_servers": args.bootstrap,
                                      "namespace": args.namespace})

@@ -22,6 +22,7 @@ from uuid import UUID
 import typer
 from pydantic import BaseModel, ValidationError
 from rich.console import Console
+from rich.table import Table
 
 from pipeline.devstack.broker import BrokerStartError
 from pipeline.devstack.gcs_emulator import EmulatorError
@@ -161,12 +162,10 @@ def shown_model(base_model: str | None) -> str:
 
 
 def fitted_table(title: str, rows: list[dict[str, Any]], droppable: list[str],
-                 right: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
+                 right: tuple[str, ...] = ()) -> tuple[Table, list[str]]:
     """A table of ``rows`` (column -> cell: text or rich ``Text``) with every cell whole, leaving out the ``droppable``
     columns in that order while it is wider than the terminal; (the table, the columns left out).  What still does
     not fit wraps or folds over lines, never cut short.  ``right``: the right-justified columns."""
-    from rich.table import Table
-
     columns, left_out = list(rows[0]), []
 
     def build() -> Table:

@@ -30,7 +30,7 @@ from pipeline.analysis.report.metrics import (
     value_traces,
 )
 from pipeline.analysis.report.model import ControlEvents, RunReport, dig, finite, first_known, iso
-from pipeline.analysis.runs import runs_there
+from pipeline.analysis.runs import run_kind, runs_there
 from pipeline.devstack.stack import resolve_bootstrap_servers
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import BusError, tail
@@ -269,7 +269,7 @@ def build_summary(
         "busy_fraction": {lane["name"]: lane["busy_fraction"] for lane in duty["lanes"]},
         "time_span": _time_span(duty, episodes),
         "run_stopped": events.stopped[1].reason if events.stopped else None,
-        "kind": "value-network" if run_config.get("value") else "lora",
+        "kind": run_kind(run_config),
     }  # fmt: skip
 
 
