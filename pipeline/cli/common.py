@@ -52,6 +52,7 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 EXIT_FAILURE = 1  # something outside the command failed (broker unreachable, stack would not start)
 EXIT_USAGE = 2  # bad input: an unknown name, an invalid value (click uses 2 for usage errors too)
+EXIT_NOT_RUNNING = 3  # `rlpipe status`: no stack runs (the LSB code of a service's status command)
 
 # Errors that are the user's to fix; anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (

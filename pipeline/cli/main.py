@@ -24,7 +24,15 @@ import typer
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
-from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json
+from pipeline.cli.common import (
+    EXIT_FAILURE,
+    EXIT_NOT_RUNNING,
+    JsonOpt,
+    console,
+    fail,
+    handle_user_errors,
+    print_json,
+)
 from pipeline.cli.topics import app as topics_app
 from pipeline.devstack.broker import answers_kafka_metadata
 from pipeline.devstack.stack import (
@@ -214,18 +222,24 @@ def _stopped_parts(state: StackState) -> list[str]:
 @app.command(epilog="Example: rlpipe status --json")
 @handle_user_errors
 def status(as_json: JsonOpt = False) -> None:
-    """Say whether the embedded stack runs, where it listens, and whether the broker answers."""
+    """Say whether the embedded stack runs, where it listens, and whether the broker answers.
+
+    Exit status, for scripts: 0 when the stack runs and its broker answers, 1 when it runs but the broker does
+    not answer, 3 when no stack runs (as service `status` commands do).
+    """
     state = read_stack_state()
     if state is None:
         if as_json:
             print_json({"running": False, "home": str(rlpipe_home())})
         else:
             console.print(f"no rlpipe stack is running (RLPIPE_HOME={rlpipe_home()}); start one with `rlpipe up`")
-        return
+        raise typer.Exit(EXIT_NOT_RUNNING)
     host, _, port = state.bootstrap_servers.rpartition(":")
     answers = answers_kafka_metadata(host, int(port), timeout_s=2.0)
     if as_json:
         print_json({"running": True, "kafka_answers": answers, **state.model_dump()})
+        if not answers:
+            raise typer.Exit(EXIT_FAILURE)
         return
     console.print(_state_table(state, "rlpipe stack running"))
     if not answers:

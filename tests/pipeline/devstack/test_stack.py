@@ -192,3 +192,24 @@ def test_down_lists_what_it_stops(home: Path, monkeypatch: pytest.MonkeyPatch) -
     assert as_json["status"] == "stopped" and as_json["pid"] == 4242
     monkeypatch.setattr(cli_main, "stop_background", lambda timeout_s: None)
     assert json.loads(runner.invoke(app, ["down", "--json"]).stdout) == {"status": "not running"}
+
+
+def test_status_exit_code_tells_a_script_whether_a_stack_runs_and_answers(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0: running and the broker answers; 1: running, broker silent; 3: no stack (as LSB `status` commands)."""
+    from pipeline.cli import main as cli_main
+
+    for args in (["status"], ["status", "--json"]):
+        none = runner.invoke(app, args)
+        assert none.exit_code == 3, none.output
+    assert "rlpipe up" in runner.invoke(app, ["status"]).stdout
+    assert json.loads(runner.invoke(app, ["status", "--json"]).stdout)["running"] is False
+
+    monkeypatch.setattr(cli_main, "read_stack_state", lambda: _state(home, 4242))
+    for answers, code in ((True, 0), (False, 1)):
+        monkeypatch.setattr(cli_main, "answers_kafka_metadata", lambda host, port, timeout_s, a=answers: a)
+        for args in (["status"], ["status", "--json"]):
+            result = runner.invoke(app, args)
+            assert result.exit_code == code, (args, result.output)
+        assert json.loads(runner.invoke(app, ["status", "--json"]).stdout)["kafka_answers"] is answers
