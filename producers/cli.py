@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -179,13 +179,21 @@ def _human_policy(env: TextEnv) -> str:
     return text if "<answer>" in text else f"<answer>{text}</answer>"
 
 
+def _rejected(env: TextEnv, info: dict[str, Any]) -> str:
+    """Why an answer that parsed was no action: the action text, and what the environment would take."""
+    help_text = env.action_help()
+    return f"{info['rejected_action']!r} is not an action here; {help_text[:1].lower()}{help_text[1:]}"
+
+
 def _show_first(env: TextEnv, observation: str) -> None:
     console.print(observation, markup=False)
 
 
 def _show_turn(env: TextEnv, answer: str, result: StepResult) -> None:
-    status = "" if result.info["action_is_valid"] else f" (invalid: {result.info['format_error'] or 'bad action'})"
-    console.print(f"turn {env.turn}: answer {answer!r} -> reward {result.reward:+.3f}{status}", markup=False)
+    info = result.info
+    status = "" if info["action_is_valid"] else f" (invalid: {info['format_error'] or _rejected(env, info)})"
+    notes = "".join(f" ({note})" for note in info["notes"])
+    console.print(f"turn {env.turn}: answer {answer!r} -> reward {result.reward:+.3f}{status}{notes}", markup=False)
     if result.terminated or result.truncated:
         end = "terminated" if result.terminated else "truncated"
         console.print(f"episode {end}; success: {result.info['success']}", markup=False)

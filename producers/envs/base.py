@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from producers.envs.parsing import parse_answer
 
 ActionT = TypeVar("ActionT")
+REJECTED_SHOWN_CHARS = 80  # of an action that is no action here, as much is kept to name it
 
 ANSWER_FORMAT = (
     "You may think inside <think>...</think>. Give your answer inside "
@@ -57,6 +58,7 @@ class ActionOutcome:
     effective: bool = True  # the state changed
     terminated: bool = False
     success: bool = False
+    note: str = ""  # how the action was taken when not as written (a setpoint clipped to its range)
 
 
 @dataclass
@@ -123,6 +125,10 @@ class TextEnv(abc.ABC, Generic[ActionT]):
         """Rules, legend and answer format; the first message of a conversation."""
         return f"{self.description}\n{ANSWER_FORMAT}"
 
+    def action_help(self) -> str:
+        """What one valid action looks like, in a few words (told to a player whose action was not one)."""
+        return "see the rules for the actions"
+
     def numeric_state(self) -> list[float]:
         """The state as numbers for the steps table ([] when there is none)."""
         return []
@@ -183,10 +189,12 @@ class TextEnv(abc.ABC, Generic[ActionT]):
         effective = False
         terminated = success = False
         applied = 0
+        rejected: str | None = None
+        notes: list[str] = []
         for action_text in parsed.actions:
             action = self._parse_action(action_text)
             if action is None:
-                valid = False
+                valid, rejected = False, action_text.strip()[:REJECTED_SHOWN_CHARS]
                 break
             numeric_before = self.numeric_state()
             outcome = self._apply_action(action)
@@ -194,6 +202,7 @@ class TextEnv(abc.ABC, Generic[ActionT]):
             self.env_steps += 1
             reward += outcome.reward
             effective = effective or outcome.effective
+            notes += [outcome.note] if outcome.note else []
             terminated, success = outcome.terminated, outcome.success
             self._record_step(numeric_before, action, outcome)
             if terminated or self.env_steps >= cfg.max_env_steps:
@@ -220,6 +229,8 @@ class TextEnv(abc.ABC, Generic[ActionT]):
             "actions_total": self.actions_used,
             "env_steps": self.env_steps,
             "format_error": parsed.error,
+            "rejected_action": rejected,  # the action text that is no action here (None when every one was)
+            "notes": notes,  # how actions were taken when not as written
         }
         return StepResult(self.observation(), reward, terminated, truncated, info)
 

@@ -177,6 +177,9 @@ class CartPole(TextEnv[int]):
     def answer_choices(self) -> list[str]:
         return [format_answer(["left"]), format_answer(["right"])]
 
+    def action_help(self) -> str:
+        return "answer left or right"
+
 
 class CartPoleV1(CartPole):
     """CartPole-v1: the same task with truncation at 500 steps."""
@@ -375,3 +378,6 @@ class Acrobot(TextEnv[int]):
 
     def answer_choices(self) -> list[str]:
         return [format_answer([torque]) for torque in ("-1", "0", "+1")]
+
+    def action_help(self) -> str:
+        return "answer a torque of -1, 0 or +1"

@@ -220,6 +220,10 @@ class InterestEvolution(TextEnv[Slate]):
         self.candidates = [sample_document(self.rng, self.means, self.config) for _ in range(count)]
 
     # ---- actions ------------------------------------------------------------
+    def action_help(self) -> str:
+        n, count = self.config.slate_size, len(self.candidates)
+        return f"answer {n} distinct candidate numbers from 1 to {count}, e.g. {', '.join(map(str, range(1, n + 1)))}"
+
     def _parse_action(self, text: str) -> Slate | None:
         """Exactly ``slate_size`` distinct candidate numbers (1-based), separated by commas or spaces."""
         pieces = [p for p in _SLATE_SPLIT.split(text.strip().strip("[]()")) if p]

@@ -470,6 +470,9 @@ class Sokoban(TextEnv[str]):
     def random_answer(self, rng: random.Random) -> str:
         return format_answer([rng.choice(ACTIONS) for _ in range(self._action_budget())])
 
+    def action_help(self) -> str:
+        return "answer Up, Down, Left or Right"
+
     def answer_choices(self) -> list[str] | None:
         """The four single moves when an answer holds one action (``max_actions_per_turn: 1``)."""
         return [format_answer([a]) for a in ACTIONS] if self.config.max_actions_per_turn == 1 else None

@@ -163,6 +163,9 @@ class Tetris(TextEnv[str]):
     def _parse_action(self, text: str) -> str | None:
         return match_action(text, ACTIONS)
 
+    def action_help(self) -> str:
+        return "answer Left, Right or Down"
+
     def _apply_action(self, action: str) -> ActionOutcome:
         cfg: TetrisConfig = self.config  # type: ignore[assignment]
         piece = self._require_piece()

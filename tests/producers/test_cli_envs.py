@@ -78,6 +78,7 @@ def test_play_human_reads_bare_and_tagged_answers():
     assert "Cart position" in out and "Actions: left" in out
     assert out.count("reward +1.000") == 3 and out.count("reward -0.100") == 1
     assert "final return +2.900 over 4 turns (3 env steps)" in out
+    assert "(invalid: 'jump' is not an action here; answer left or right)" in out
 
 
 def test_play_human_stops_cleanly_when_input_ends():

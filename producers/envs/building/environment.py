@@ -171,7 +171,9 @@ class BuildingHVAC(BuildingTelemetry, TextEnv[Setpoints]):
         self.report = self.plant.advance(s, action, occupancy_Z, lambda sec: self._outside(t0 + sec))
         self.breakdown = self._reward(s, occupancy_Z, local)
         self.step_index += 1
-        return ActionOutcome(reward=self.breakdown.reward)
+        note = (f"setpoints clipped to their ranges: water {action.water_k:g} K, air {action.air_k:g} K"
+                if action.clipped else "")
+        return ActionOutcome(reward=self.breakdown.reward, note=note)
 
     def _update_occupancy(self, s: PlantState, local: dt.datetime) -> None:
         """Each occupant: away -> in with p during arrival hours; in -> away with p once departures start."""

@@ -416,3 +416,12 @@ def test_heuristic_keeps_the_hot_water_loop_warm_on_days_off_and_beats_random_th
         workday_waters.append(thursday.heuristic_setpoints()[0])
         thursday.step(thursday.heuristic_answer())
     assert min(workday_waters) == pytest.approx(w_lo)
+
+
+def test_a_clipped_setpoint_is_said_in_the_step_notes():
+    env = BuildingHVAC()
+    env.reset(0)
+    clipped = env.step(answer("400K, 280K"))
+    assert clipped.info["action_is_valid"]
+    assert any("clipped" in note and "355" in note for note in clipped.info["notes"]), clipped.info["notes"]
+    assert env.step(answer("330K, 292K")).info["notes"] == []

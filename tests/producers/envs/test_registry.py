@@ -54,3 +54,26 @@ def test_delay_out_of_bounds_is_refused(delay_s):
         delay_steps(make_env("cartpole"), delay_s)
     with pytest.raises(ValidationError, match="step_delay_s"):
         EnvSpec(step_delay_s=delay_s)
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("cartpole", "left or right"),
+        ("acrobot", "-1, 0 or +1"),
+        ("sokoban", "Up, Down, Left or Right"),
+        ("tetris", "Left, Right or Down"),
+        ("recsim-interest-evolution", "distinct candidate numbers"),
+        ("building-hvac", "supply-water setpoint (310-355 K)"),
+    ],
+)
+def test_an_action_the_environment_does_not_know_is_named_with_what_it_would_take(name: str, says: str) -> None:
+    env = make_env(name)
+    env.reset(0)
+    result = env.step("<answer>jump</answer>")
+    assert not result.info["action_is_valid"] and result.info["format_error"] == ""
+    assert result.info["rejected_action"] == "jump"
+    assert says in env.action_help()
+    ok = make_env(name)
+    ok.reset(0)
+    assert ok.step(ok.random_answer(random.Random(0))).info["rejected_action"] is None
