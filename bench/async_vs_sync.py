@@ -37,7 +37,8 @@ already built under your ``RLPIPE_HOME`` is reused, not rebuilt.
 
 It runs as a script (``python bench/async_vs_sync.py``; ``bench/`` is no package) with the
 project root put on the path, as the other benches do, so it imports what they share
-(``bench.options``) and the tests import its pure parts as ``bench.async_vs_sync``.
+(``bench.options``, ``bench.timelines``, ``bench.children``) and the tests import its options as
+``bench.async_vs_sync``.
 """
 
 from __future__ import annotations
@@ -46,13 +47,10 @@ import argparse
 import json
 import math
 import os
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,11 +58,29 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.children import (
+    Child,
+    Clock,
+    built_tiny_model,
+    rlpipe_argv,
+    start_child,
+    stop_children,
+    tail_text,
+    wait_children,
+)
 from bench.options import check_run_config
+from bench.timelines import (
+    combined_numbers,
+    overlap_bound,
+    ratio,
+    report_timeline,
+    side_numbers,
+    sync_phase_shares,
+    sync_timeline,
+    to_json,
+)
 
 BENCH_DIR = Path(__file__).resolve().parent
-PROJECT_ROOT = BENCH_DIR.parent
-Interval = tuple[float, float, float]  # (start, end, busy share), unix seconds
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -135,211 +151,6 @@ def bench_overrides(args: argparse.Namespace, tiny_dir: str | None) -> list[str]
     if tiny_dir:
         items.append(f"model.tiny_dir={tiny_dir}")
     return items + list(args.overrides)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Timelines and the numbers taken from them (pure)
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """When one run's samplers and learner were busy, in unix seconds."""
-
-    start: float  # the first sample: sampling started here
-    learner: list[Interval]  # one per learner step, share 1
-    samplers: list[list[Interval]]  # one lane per sampler (producer)
-    rows: int  # rows trained, summed over steps
-
-    @property
-    def steps(self) -> int:
-        return len(self.learner)
-
-    @property
-    def end(self) -> float:
-        """The end of the last learner step (the work is done)."""
-        return max((e for _, e, _ in self.learner), default=self.start)
-
-
-def idle_fraction(lane: Sequence[Interval], start: float, end: float) -> float:
-    """1 - busy seconds / window length, for one lane over [start, end] (NaN for an empty window)."""
-    from pipeline.analysis.report import busy_seconds
-
-    span = end - start
-    return 1.0 - busy_seconds(lane, start, end) / span if span > 0 else math.nan
-
-
-def side_numbers(timeline: Timeline) -> dict[str, Any]:
-    """Work window, throughput and idle fractions of one run over its own work window."""
-    start, end = timeline.start, timeline.end
-    window_s = end - start
-    sampler_idle = [idle_fraction(lane, start, end) for lane in timeline.samplers]
-    step_s = [e - s for s, e, _ in timeline.learner]
-    return {
-        "window_s": window_s, "steps": timeline.steps, "rows": timeline.rows,
-        "step_s": statistics.fmean(step_s) if step_s else math.nan,
-        "rows_per_s": timeline.rows / window_s if window_s > 0 else math.nan,
-        "sampler_idle": statistics.fmean(sampler_idle) if sampler_idle else math.nan,
-        "learner_idle": idle_fraction(timeline.learner, start, end),
-    }  # fmt: skip
-
-
-def combined_numbers(timelines: Sequence[Timeline]) -> dict[str, Any]:
-    """Several runs sharing the machine: totals over the union of their work windows, mean idle fractions."""
-    if not timelines:
-        return {"window_s": math.nan, "steps": 0, "rows": 0, "rows_per_s": math.nan, "steps_per_s": math.nan,
-                "sampler_idle": math.nan, "learner_idle": math.nan}  # fmt: skip
-    start, end = min(t.start for t in timelines), max(t.end for t in timelines)
-    window_s = end - start
-    each = [side_numbers(t) for t in timelines]
-    rows, steps = sum(t.rows for t in timelines), sum(t.steps for t in timelines)
-    return {
-        "window_s": window_s, "steps": steps, "rows": rows,
-        "rows_per_s": rows / window_s if window_s > 0 else math.nan,
-        "steps_per_s": steps / window_s if window_s > 0 else math.nan,
-        "sampler_idle": _mean_finite(n["sampler_idle"] for n in each),
-        "learner_idle": _mean_finite(n["learner_idle"] for n in each),
-    }  # fmt: skip
-
-
-def sync_timeline(summary: dict[str, Any]) -> Timeline:
-    """The sync loop's summary (``bench/sync_loop.run``) as a timeline."""
-    return Timeline(
-        start=float(summary["started_at"]),
-        learner=[(float(s), float(e), 1.0) for s, e in summary["learner_intervals"]],
-        samplers=[[(float(s), float(e), 1.0) for s, e in summary["sampler_intervals"]]],
-        rows=int(summary["rows"]),
-    )
-
-
-def sync_phase_shares(summary: dict[str, Any]) -> dict[str, float]:
-    """The sync loop's phase split: the sampler waits while it trains, the learner while it samples."""
-    wall = float(summary["wall_s"])
-    if wall <= 0:
-        return {"sampler_waits_on_training": math.nan, "learner_waits_on_sampling": math.nan}
-    return {"sampler_waits_on_training": summary["train_s"] / wall,
-            "learner_waits_on_sampling": summary["sample_s"] / wall}  # fmt: skip
-
-
-def overlap_bound(summary: dict[str, Any]) -> float:
-    """The most overlapping sampling and training can speed the sync loop up: its wall over its longer phase
-    (sample or train), as if the shorter one ran entirely beside it."""
-    longer = max(float(summary["sample_s"]), float(summary["train_s"]))
-    return float(summary["wall_s"]) / longer if longer > 0 else math.nan
-
-
-def report_timeline(learner_steps: Sequence[dict[str, Any]], lanes: Sequence[dict[str, Any]]) -> Timeline | None:
-    """A pipeline run's timeline from ``gather_report``'s series (``learner_steps``, ``duty_cycle.lanes``).
-
-    Sampling starts where the first producer heartbeat interval starts (the
-    producer's heartbeat meter starts with its rollout loop); None when the run
-    trained no step or no heartbeat was read.
-    """
-    steps = [s for s in learner_steps if _finite(s.get("started_at")) and _finite(s.get("finished_at"))]
-    samplers = [[(float(a), float(b), float(c)) for a, b, c in lane["intervals"]]
-                for lane in lanes if lane["kind"] == "producer" and lane["intervals"]]  # fmt: skip
-    if not steps or not samplers:
-        return None
-    return Timeline(
-        start=min(lane[0][0] for lane in samplers),
-        learner=[(float(s["started_at"]), float(s["finished_at"]), 1.0) for s in steps],
-        samplers=samplers,
-        rows=sum(int(s.get("rows") or 0) for s in steps),
-    )
-
-
-def ratio(numerator: float, denominator: float) -> float:
-    return numerator / denominator if denominator > 0 else math.nan
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
-
-
-def _mean_finite(values: Any) -> float:
-    kept = [v for v in values if _finite(v)]
-    return statistics.fmean(kept) if kept else math.nan
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Processes
-
-
-class Clock:
-    """Progress lines with the elapsed time since the bench started."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-
-    def __call__(self, message: str) -> None:
-        print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
-
-
-@dataclass
-class Child:
-    """One process the bench started (in its own session, so it can be stopped with its engines)."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    started: float
-    finished: float | None = None
-
-    @property
-    def wall_s(self) -> float:
-        return (self.finished or time.monotonic()) - self.started
-
-
-def start_child(name: str, argv: list[str], log_path: Path) -> Child:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   cwd=PROJECT_ROOT, start_new_session=True)
-    return Child(name, process, log_path, time.monotonic())
-
-
-def wait_children(children: list[Child], timeout_s: float, clock: Clock, status: Callable[[], str]) -> bool:
-    """Wait for every child (a status line every 30 s); on timeout stop them all and return False."""
-    deadline = time.monotonic() + timeout_s
-    next_status = time.monotonic() + 30.0
-    while any(c.finished is None for c in children):
-        for child in children:
-            if child.finished is None and child.process.poll() is not None:
-                child.finished = time.monotonic()
-        if time.monotonic() >= deadline:
-            clock(f"timeout after {timeout_s:.0f}s: stopping {', '.join(c.name for c in children if not c.finished)}")
-            stop_children(children)
-            return False
-        if time.monotonic() >= next_status:
-            clock(status())
-            next_status += 30.0
-        time.sleep(0.5)
-    return True
-
-
-def stop_children(children: list[Child], grace_s: float = 60.0) -> None:
-    """Ctrl-C each running child (``rlpipe run`` then stops its learner and producers), then kill its group."""
-    running = [c for c in children if c.process.poll() is None]
-    for child in running:
-        child.process.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + grace_s
-    for child in running:
-        try:
-            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(child.process.pid, signal.SIGKILL)  # its own session: the child and what it started
-            child.process.wait()
-        child.finished = child.finished or time.monotonic()
-
-
-def rlpipe_argv(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from pipeline.cli.main import main; main()", *args]
-
-
-def tail_text(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -489,33 +300,8 @@ def _fmt(fmt: str, value: Any) -> str:
     return fmt.format(value)
 
 
-def to_json(value: Any) -> Any:
-    """Plain JSON: timelines become dicts, NaN becomes null."""
-    if isinstance(value, Timeline):
-        return to_json({"start": value.start, "end": value.end, "rows": value.rows, "learner": value.learner,
-                        "samplers": value.samplers})
-    if isinstance(value, dict):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_json(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Entry point
-
-
-def built_tiny_model() -> str | None:
-    """The tiny model already built under the caller's RLPIPE_HOME (reused as ``model.tiny_dir``), else None."""
-    from pipeline.models import ModelNotBuiltError, resolve_base_model
-    from schemas.config import ModelConfig
-
-    try:
-        return resolve_base_model(ModelConfig())
-    except ModelNotBuiltError:
-        return None
 
 
 def run_comparison(bench: Bench) -> dict[str, Any]:

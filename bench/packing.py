@@ -42,20 +42,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project root, for `python bench/packing.py`
 
-from bench.async_vs_sync import (
-    Bench,
-    Clock,
-    built_tiny_model,
-    combined_numbers,
-    parse_levels,
-    rlpipe_argv,
-    steps_per_run,
-    stop_children,
-    to_json,
-    wait_children,
-)
+from bench.async_vs_sync import Bench, parse_levels, steps_per_run
+from bench.children import Clock, built_tiny_model, rlpipe_argv, stop_children, wait_children
 from bench.cpu import CpuMeter, cpu_bound
 from bench.options import check_run_config
+from bench.timelines import combined_numbers, to_json
 
 ARMS = ("separate", "packed")
 

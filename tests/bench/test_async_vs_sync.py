@@ -6,16 +6,13 @@ import math
 
 import pytest
 
-from bench.async_vs_sync import (
+from bench.async_vs_sync import bench_overrides, parse_args, parse_levels, steps_per_run
+from bench.timelines import (
     Timeline,
-    bench_overrides,
     combined_numbers,
     overlap_bound,
-    parse_args,
-    parse_levels,
     report_timeline,
     side_numbers,
-    steps_per_run,
     sync_phase_shares,
     sync_timeline,
     to_json,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.async_vs_sync import Bench, Clock
+from bench.async_vs_sync import Bench
+from bench.children import Clock
 from bench.packing import level_commands, overrides, parse_args
 
 
