@@ -169,6 +169,18 @@ class DistributedEngine(TrainingEngine):
         fully_shard(body, mesh=mesh, ignored_params=ignored)
         self._sharded = True
 
+    def held_fraction(self) -> float:
+        """The share of the base model's weights this rank holds: 1 replicated, about 1/N sharded over N ranks."""
+        from torch.distributed.tensor import DTensor
+
+        held = total = 0
+        for param in self.base.parameters():
+            if param.requires_grad:
+                continue
+            total += param.numel()
+            held += param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+        return held / total if total else 1.0
+
     def _run(self, datums: Sequence[Datum], loss: str, loss_fn: Callable[..., Any], backward: bool) -> ForwardResult:
         """This rank's share of the request, zero-weight passes to keep sharded ranks in step, results combined."""
         if not self.distributed:

@@ -22,9 +22,12 @@ pickled):
 
 A rank that fails ends the torchrun group (its agent stops the others); the
 restarted group resumes from rank 0's last checkpoint exactly as one process
-does.  Not supported yet: ``learner.kl_coef > 0`` (the KL reference lives on
-rank 0 only) and FSDP sharding of the base weights (every rank would have to
-run the same number of forwards).
+does.  With ``learner.shard`` the frozen base weights are sharded over the
+ranks with FSDP2 (``DistributedEngine``): every forward gathers each layer
+from all ranks, so a rank whose share has fewer micro-batches runs idle passes
+(a two-token row whose loss is multiplied by zero) until every rank has run as
+many.  Not supported yet: ``learner.kl_coef > 0`` (the KL reference lives on
+rank 0 only).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class DistributedPolicy(EnginePolicy):
                              "one process); unset it or run one learner process")
         super().__init__(engine, name, config.model_copy(update={"device": str(engine.device)}))
         self.topology: Topology = engine.topology
+        self.idle_passes = 0  # forwards run only to keep sharded ranks in step (a share with fewer micro-batches)
 
     # ---- rank 0: the learner's calls, sent to the followers first ----------------------------
     def train_step(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
@@ -113,6 +117,7 @@ class DistributedPolicy(EnginePolicy):
     def _train_share(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
         """This rank's share of the micro-batches, gradients and statistics summed over the ranks, one AdamW step."""
         start, stop = share(len(micro_batches), self.topology)
+        idle = self._idle_count(stop - start) if self.engine.shard else 0  # agreed before any sharded forward
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, stats = 0.0, LossStats()
@@ -126,6 +131,7 @@ class DistributedPolicy(EnginePolicy):
             loss.backward()
             total_loss += float(loss.detach())
             stats = stats.merge(batch_stats)
+        self._idle_passes(idle)
         self.engine._all_reduce_gradients(self.params)
         loss_sum = torch.tensor([total_loss], dtype=torch.float64, device=comm_device())
         dist.all_reduce(loss_sum)
@@ -135,6 +141,22 @@ class DistributedPolicy(EnginePolicy):
         self.optimizer.step()
         self.scheduler.step()
         return StepResult(float(loss_sum), grad_norm, learning_rate, stats)
+
+    def _idle_count(self, passes: int) -> int:
+        """How many passes this rank runs beyond its ``passes`` to run as many as the rank with the most: each pass
+        of a sharded model gathers every layer from all ranks, so their passes must pair up."""
+        most = torch.tensor([passes], device=comm_device())
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most) - passes
+
+    def _idle_passes(self, count: int) -> None:
+        """Forward and backward passes on a two-token row that add exactly zero to the gradients."""
+        tokens_BT = torch.zeros((1, 2), dtype=torch.int64, device=self.device)
+        mask_BT = torch.tensor([[0.0, 1.0]], device=self.device)
+        for _ in range(count):
+            logprobs_BT = self.generated_logprobs(tokens_BT, mask_BT)
+            (logprobs_BT.sum() * 0.0).backward()
+            self.idle_passes += 1
 
     # ---- ranks other than 0 ------------------------------------------------------------------
     def follow(self) -> int:
@@ -217,15 +239,17 @@ def run_on_group(config: RunConfig, lead: Callable[[DistributedPolicy], T]) -> T
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
     engine = DistributedEngine(resolve_base_model(config.model), topology, device=config.learner.device,
-                               dtype=config.model.dtype,
+                               dtype=config.model.dtype, shard=config.learner.shard,
                                gradient_checkpointing=config.learner.gradient_checkpointing)
     policy = DistributedPolicy(engine, config.run_id, config.learner)
-    log.info("rank %d of %d: %s", topology.rank, topology.world_size,
-             "runs the learner" if topology.is_main else "follows rank 0's steps")
+    log.info("rank %d of %d: %s%s", topology.rank, topology.world_size,
+             "runs the learner" if topology.is_main else "follows rank 0's steps",
+             f"; base weights sharded over {topology.world_size} ranks" if engine.shard else "")
     with engine.holding(config.run_id):
         if not topology.is_main:
             steps = policy.follow()
-            log.info("rank %d followed %d steps", topology.rank, steps)
+            log.info("rank %d followed %d steps, %d idle passes, holding %.0f%% of the base weights", topology.rank,
+                     steps, policy.idle_passes, 100 * engine.held_fraction())
             return None
         result = lead(policy)
         policy.release()

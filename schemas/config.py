@@ -202,6 +202,11 @@ class LearnerConfig(_Section):
         False, description="keep one hidden state per decoder layer and recompute the rest in the backward pass: "
                            "far less activation memory for about a third more compute (rlpipe plan --checkpointing)",
     )
+    shard: bool = Field(
+        False, description="under torchrun, shard the frozen base weights over the ranks with FSDP2: each rank holds "
+                           "1/N of them, LoRA weights and AdamW state stay whole; no effect on one process "
+                           "(rlpipe plan --shard)",
+    )
     publish_every: int = Field(1, ge=1, le=1_000_000, description="optimizer steps between adapter versions")
     checkpoint_every: int = Field(1, ge=1, le=1_000_000, description="optimizer steps between checkpoints")
     keep_checkpoints: int = Field(

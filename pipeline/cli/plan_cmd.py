@@ -33,8 +33,8 @@ def plan(
     lora_rank: Annotated[int, typer.Option(min=1, help="LoRA rank (default: learner.lora_rank's)")] = _LEARNER.lora_rank,
     targets: Annotated[str, typer.Option(help="LoRA target modules, comma-separated (default: "
                                               "learner.target_modules')")] = ",".join(_LEARNER.target_modules),
-    shard: Annotated[bool, typer.Option(help="shard the base weights over the ranks (FSDP2: the training engine "
-                                             "can, the learner does not yet)")] = False,
+    shard: Annotated[bool, typer.Option(help="shard the base weights over the ranks (FSDP2; default: "
+                                             "learner.shard's)")] = _LEARNER.shard,
     checkpointing: Annotated[bool, typer.Option(help="gradient checkpointing (default: "
                                                      "learner.gradient_checkpointing's)")] = _LEARNER.gradient_checkpointing,
     overhead: Annotated[float, typer.Option(min=0.0, help="runtime overhead per rank, GiB (CUDA context)")] = 1.0,
