@@ -18,6 +18,10 @@ pickled):
   sync   rank 0's adapter weights (and AdamW state and schedule, after a
          checkpoint was loaded): a resume or a warm start on rank 0 reaches the
          followers.
+  reference  rank 0's KL reference (``learner.kl_coef`` > 0 after a warm
+         start, and again on a resume): every rank computes the penalty of its
+         share against the same weights.  Without a warm start the reference is
+         the base model on every rank.
   stop   the learner finished; followers return.
 
 A rank that fails ends the torchrun group (its agent stops the others); the
@@ -25,9 +29,9 @@ restarted group resumes from rank 0's last checkpoint exactly as one process
 does.  With ``learner.shard`` the frozen base weights are sharded over the
 ranks with FSDP2 (``DistributedEngine``): every forward gathers each layer
 from all ranks, so a rank whose share has fewer micro-batches runs idle passes
-(a two-token row whose loss is multiplied by zero) until every rank has run as
-many.  Not supported yet: ``learner.kl_coef > 0`` (the KL reference lives on
-rank 0 only).
+(a two-token row whose loss is multiplied by zero, with the reference's forward
+too under a KL penalty) until every rank has run as many.  Not supported yet:
+``learner.max_step_kl`` (the step's KL is measured on one process).
 """
 
 from __future__ import annotations
@@ -73,9 +77,6 @@ class DistributedPolicy(EnginePolicy):
     """One run's policy on a ``DistributedEngine``: rank 0 trains through it, the other ranks ``follow`` it."""
 
     def __init__(self, engine: DistributedEngine, name: str, config: LearnerConfig) -> None:
-        if config.kl_coef > 0:
-            raise ValueError("learner.kl_coef > 0 is not supported under torchrun (the KL reference lives on rank 0 "
-                             "only); set learner.kl_coef to 0 or run one learner process")
         if config.max_step_kl is not None:
             raise ValueError("learner.max_step_kl is not supported under torchrun yet (the step's KL is measured on "
                              "one process); unset it or run one learner process")
@@ -98,6 +99,17 @@ class DistributedPolicy(EnginePolicy):
 
     def load_adapter_folder(self, folder: Any) -> None:
         super().load_adapter_folder(folder)
+        self._sync(with_optimizer=False)
+
+    def keep_reference(self) -> None:
+        """The KL penalty's reference is the adapter as it is now, on every rank."""
+        super().keep_reference()
+        assert self.reference is not None
+        _send_command({"command": "reference", "names": list(self.reference)}, list(self.reference.values()))
+
+    def keep_reference_folder(self, folder: Any) -> None:
+        """A published adapter as every rank's reference; every rank's adapter is then rank 0's again."""
+        super().keep_reference_folder(folder)  # loads the folder (sent), keeps it (sent), puts rank 0's weights back
         self._sync(with_optimizer=False)
 
     def release(self) -> None:
@@ -123,11 +135,13 @@ class DistributedPolicy(EnginePolicy):
         total_loss, stats = 0.0, LossStats()
         for batch in micro_batches[start:stop]:
             batch = batch.to(self.device)
+            reference_BT = self.reference_logprobs(batch) if self.config.kl_coef > 0 else None
             logprobs_BT, entropy_BT = self.generated_logprobs_and_entropy(
                 batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B,
                 entropy="grad" if self.config.entropy_coef > 0 else "detached",
             )
-            loss, batch_stats = loss_from_logprobs(self.config, logprobs_BT, batch, normaliser, entropy_BT=entropy_BT)
+            loss, batch_stats = loss_from_logprobs(self.config, logprobs_BT, batch, normaliser, entropy_BT=entropy_BT,
+                                                   reference_logprobs_BT=reference_BT)
             loss.backward()
             total_loss += float(loss.detach())
             stats = stats.merge(batch_stats)
@@ -150,10 +164,14 @@ class DistributedPolicy(EnginePolicy):
         return int(most) - passes
 
     def _idle_passes(self, count: int) -> None:
-        """Forward and backward passes on a two-token row that add exactly zero to the gradients."""
+        """Passes on a two-token row that add exactly zero to the gradients, with the forwards of a real one: the
+        reference's (with a KL penalty), then the policy's and its backward."""
         tokens_BT = torch.zeros((1, 2), dtype=torch.int64, device=self.device)
         mask_BT = torch.tensor([[0.0, 1.0]], device=self.device)
         for _ in range(count):
+            if self.config.kl_coef > 0:
+                self.reference_logprobs(TokenBatch(tokens_BT, mask_BT, torch.zeros((1, 2), device=self.device),
+                                                   torch.zeros(1, device=self.device), torch.zeros(1, device=self.device)))
             logprobs_BT = self.generated_logprobs(tokens_BT, mask_BT)
             (logprobs_BT.sum() * 0.0).backward()
             self.idle_passes += 1
@@ -171,6 +189,9 @@ class DistributedPolicy(EnginePolicy):
                 steps += 1
             elif header["command"] == "sync":
                 self._receive_sync(header, tensors)
+            elif header["command"] == "reference":
+                self.reference = {name: tensor.to(self.device) for name, tensor in zip(header["names"], tensors,
+                                                                                       strict=True)}
             else:
                 raise ValueError(f"unknown command {header['command']!r} from rank 0; run the same rlpipe on every rank")
 

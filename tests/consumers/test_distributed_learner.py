@@ -150,7 +150,34 @@ def test_two_sharded_ranks_train_to_the_adapter_of_one_process_and_resume_alike(
     assert difference <= TOLERANCE
 
 
-def test_learner_start_under_torchrun_refuses_packed_runs_and_a_kl_reference(monkeypatch):
+def test_two_sharded_ranks_with_a_kl_penalty_to_a_warm_start_train_as_one_process_across_a_resume(setup, tmp_path):
+    """``learner.kl_coef`` under torchrun: rank 0's warm start is every rank's KL reference, after a resume too."""
+    store = ObjectStore(tmp_path.as_uri())
+    rng = np.random.default_rng(23)
+    write_batches(TrajectoryArchive(store), setup, 2, rng)
+    assert replay_train(RunConfig.model_validate(run_config(setup["model_dir"], tmp_path, "start")), RUN).state.step == 2
+    configs = {name: run_config(setup["model_dir"], tmp_path, name) for name in ("group", "one", "no-kl")}
+    for name, config in configs.items():
+        config["learner"].update(init_from="start", kl_coef=0.0 if name == "no-kl" else 0.5, micro_batch_tokens=96)
+    configs["group"]["learner"]["shard"] = True
+    config_file = tmp_path / "group.yaml"
+    config_file.write_text(json.dumps(configs["group"]))
+
+    assert "rank 1 followed 2 steps" in replay_on_two_ranks(config_file)
+    write_batches(TrajectoryArchive(store), setup, 1, rng, first=2)
+    assert "rank 1 followed 1 steps" in replay_on_two_ranks(config_file)  # resumed: the reference re-read from v1
+    for name in ("one", "no-kl"):
+        assert replay_train(RunConfig.model_validate(configs[name]), RUN).state.step == 3
+
+    adapters = {name: latest_adapter(store, name, tmp_path / f"cache-{name}") for name in ("group", "one", "no-kl")}
+    def gap(a: str, b: str) -> float:
+        return max(float((adapters[a][k] - adapters[b][k]).abs().max()) for k in adapters[a])
+    print(f"KL group against one process: {gap('group', 'one'):.2e}; against no KL: {gap('group', 'no-kl'):.2e}")
+    assert gap("group", "one") <= TOLERANCE
+    assert gap("group", "no-kl") > 100 * TOLERANCE  # the penalty changed the steps
+
+
+def test_learner_start_under_torchrun_refuses_packed_runs_and_a_trust_region(monkeypatch):
     from typer.testing import CliRunner
 
     from consumers.cli import app
@@ -160,7 +187,5 @@ def test_learner_start_under_torchrun_refuses_packed_runs_and_a_kl_reference(mon
     monkeypatch.setenv("WORLD_SIZE", "2")
     result = CliRunner().invoke(app, ["--preset", "cartpole", "--run", "a", "--run", "b"])
     assert result.exit_code != 0 and "one torchrun learner per run" in result.output
-    with pytest.raises(ValueError, match="kl_coef"):
-        DistributedPolicy(None, "a", LearnerConfig(kl_coef=0.1))  # type: ignore[arg-type]  # refused before the engine
     with pytest.raises(ValueError, match="max_step_kl"):
         DistributedPolicy(None, "a", LearnerConfig(max_step_kl=0.05))  # type: ignore[arg-type]
