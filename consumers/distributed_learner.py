@@ -30,8 +30,9 @@ does.  With ``learner.shard`` the frozen base weights are sharded over the
 ranks with FSDP2 (``DistributedEngine``): every forward gathers each layer
 from all ranks, so a rank whose share has fewer micro-batches runs idle passes
 (a two-token row whose loss is multiplied by zero, with the reference's forward
-too under a KL penalty) until every rank has run as many.  Not supported yet:
-``learner.max_step_kl`` (the step's KL is measured on one process).
+too under a KL penalty) until every rank has run as many.  ``learner.max_step_kl``
+runs on every rank: each has every micro-batch, measures the step's KL on the
+same rows and halves the step on rank 0's measure, so the ranks stay equal.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from consumers.distributed import (
 from consumers.losses import LossStats, TokenBatch, loss_from_logprobs
 from consumers.packed import EnginePolicy
 from consumers.policy import StepResult
+from consumers.trust_region import TrustRegion
 from pipeline.models import resolve_base_model
 from schemas.config import LearnerConfig, RunConfig
 
@@ -77,9 +79,6 @@ class DistributedPolicy(EnginePolicy):
     """One run's policy on a ``DistributedEngine``: rank 0 trains through it, the other ranks ``follow`` it."""
 
     def __init__(self, engine: DistributedEngine, name: str, config: LearnerConfig) -> None:
-        if config.max_step_kl is not None:
-            raise ValueError("learner.max_step_kl is not supported under torchrun yet (the step's KL is measured on "
-                             "one process); unset it or run one learner process")
         super().__init__(engine, name, config.model_copy(update={"device": str(engine.device)}))
         self.topology: Topology = engine.topology
         self.idle_passes = 0  # forwards run only to keep sharded ranks in step (a share with fewer micro-batches)
@@ -152,9 +151,26 @@ class DistributedPolicy(EnginePolicy):
         stats = _all_reduce_stats(stats)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))
         learning_rate = self.optimizer.param_groups[0]["lr"]
+        trust = self._trust_region()
+        previous = [p.detach().clone() for p in self.params] if trust is not None else []
         self.optimizer.step()
         self.scheduler.step()
-        return StepResult(float(loss_sum), grad_norm, learning_rate, stats)
+        bounded = trust.bound(micro_batches, self.params, previous, self.device) if trust is not None else None
+        return StepResult(float(loss_sum), grad_norm, learning_rate, stats, bounded)
+
+    def _trust_region(self) -> TrustRegion | None:
+        """``learner.max_step_kl`` on every rank: the same probe rows (every rank has every micro-batch) and the same
+        forwards, each halving decided by rank 0's measure, so the ranks shrink the step alike and in step."""
+        if self.config.max_step_kl is None:
+            return None
+
+        def rank_0s(kl: float) -> float:
+            value = torch.tensor([kl], dtype=torch.float64, device=comm_device())
+            dist.broadcast(value, src=0)
+            return float(value)
+
+        return TrustRegion(self.config.max_step_kl, self.config.trust_region_rows, self.answer_distributions,
+                           agree=rank_0s)
 
     def _idle_count(self, passes: int) -> int:
         """How many passes this rank runs beyond its ``passes`` to run as many as the rank with the most: each pass

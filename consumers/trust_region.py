@@ -78,10 +78,12 @@ class TrustRegionResult:
 class TrustRegion:
     """Measure a step's KL on sampled rows and shrink the step into ``max_kl``."""
 
-    def __init__(self, max_kl: float, rows: int, distributions: Distributions) -> None:
+    def __init__(self, max_kl: float, rows: int, distributions: Distributions,
+                 agree: Callable[[float], float] = lambda kl: kl) -> None:
+        """``agree`` turns a measured KL into the one every process acts on (a torchrun group: rank 0's)."""
         if max_kl <= 0:
             raise ValueError(f"max_step_kl must be > 0, got {max_kl}")
-        self.max_kl, self.rows, self.distributions = max_kl, rows, distributions
+        self.max_kl, self.rows, self.distributions, self.agree = max_kl, rows, distributions, agree
 
     @torch.no_grad()
     def bound(
@@ -111,7 +113,7 @@ class TrustRegion:
                 before_NV = self.distributions(probe)
                 place(scale)
                 total += answer_kl(before_NV, self.distributions(probe), 1)
-            return total / answers if answers else 0.0
+            return self.agree(total / answers if answers else 0.0)
 
         full = kl = kl_at(1.0)
         scale = 1.0

@@ -177,15 +177,40 @@ def test_two_sharded_ranks_with_a_kl_penalty_to_a_warm_start_train_as_one_proces
     assert gap("group", "no-kl") > 100 * TOLERANCE  # the penalty changed the steps
 
 
-def test_learner_start_under_torchrun_refuses_packed_runs_and_a_trust_region(monkeypatch):
+def test_two_sharded_ranks_bound_each_step_by_its_kl_as_one_process_does(setup, tmp_path):
+    """``learner.max_step_kl`` under torchrun: every rank measures the step on the same rows and shrinks it by rank 0's
+    measure, so the adapter is one process's; a tight bound shrinks the steps."""
+    store = ObjectStore(tmp_path.as_uri())
+    write_batches(TrajectoryArchive(store), setup, 2, np.random.default_rng(24))
+    configs = {name: run_config(setup["model_dir"], tmp_path, name) for name in ("group", "one", "unbounded")}
+    for name, config in configs.items():
+        config["learner"].update(micro_batch_tokens=96, learning_rate=2e-2)
+        if name != "unbounded":
+            config["learner"].update(max_step_kl=1e-4, trust_region_rows=8)
+    configs["group"]["learner"]["shard"] = True
+    config_file = tmp_path / "group.yaml"
+    config_file.write_text(json.dumps(configs["group"]))
+
+    assert "rank 1 followed 2 steps" in replay_on_two_ranks(config_file)
+    for name in ("one", "unbounded"):
+        assert replay_train(RunConfig.model_validate(configs[name]), RUN).state.step == 2
+    scales = [m.metrics.get("step_scale") for m in AdapterRegistry(store, "group").list()]
+    assert scales and all(scale is not None and scale < 1.0 for scale in scales), scales  # the bound shrank each step
+
+    adapters = {name: latest_adapter(store, name, tmp_path / f"cache-{name}") for name in configs}
+    def gap(a: str, b: str) -> float:
+        return max(float((adapters[a][k] - adapters[b][k]).abs().max()) for k in adapters[a])
+    print(f"bounded group against one process: {gap('group', 'one'):.2e}; against unbounded: "
+          f"{gap('group', 'unbounded'):.2e}")
+    assert gap("group", "one") <= TOLERANCE
+    assert gap("group", "unbounded") > 100 * TOLERANCE
+
+
+def test_learner_start_under_torchrun_refuses_packed_runs(monkeypatch):
     from typer.testing import CliRunner
 
     from consumers.cli import app
-    from consumers.distributed_learner import DistributedPolicy
-    from schemas.config import LearnerConfig
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     result = CliRunner().invoke(app, ["--preset", "cartpole", "--run", "a", "--run", "b"])
     assert result.exit_code != 0 and "one torchrun learner per run" in result.output
-    with pytest.raises(ValueError, match="max_step_kl"):
-        DistributedPolicy(None, "a", LearnerConfig(max_step_kl=0.05))  # type: ignore[arg-type]
