@@ -47,8 +47,8 @@ BootstrapOpt = Annotated[
 NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Topic namespace; default: bus config (rlpipe).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+console = Console(highlight=False, soft_wrap=True, emoji=False)  # a ":train:" in a Tinker id is no emoji
+err_console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 EXIT_FAILURE = 1  # something outside the command failed (broker unreachable, stack would not start)
 EXIT_USAGE = 2  # bad input: an unknown name, an invalid value (click uses 2 for usage errors too)

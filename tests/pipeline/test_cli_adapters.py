@@ -85,6 +85,7 @@ def test_show_and_pull(published: tuple[ObjectStore, list[str]], tmp_path: Path)
         (["show", "--run", "demo", "9"], "has no adapter version 9"),
         (["show", "--run", "demo", "nine"], "is not a number"),
         (["list", "--run", "../up"], "run_id '../up' is not allowed"),
+        (["list", "--run", "sess-ab12:train:0"], "'sess-ab12:train:0' is a Tinker model id: its run is 'sess-ab12.train.0'"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(
