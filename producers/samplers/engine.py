@@ -100,6 +100,7 @@ class SamplingEngine(abc.ABC):
 
     eos_token_id: int
     max_model_len: int
+    vocab_size: int | None = None  # the model's input vocabulary: prompt ids outside it are refused
 
     @abc.abstractmethod
     async def sample(
@@ -127,6 +128,11 @@ class SamplingEngine(abc.ABC):
         """``max_tokens`` cut so prompt plus output fit ``max_model_len``; refuses a prompt that cannot fit."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids is empty; render the prompt with the chat template first")
+        if self.vocab_size is not None:
+            low, high = min(prompt_token_ids), max(prompt_token_ids)
+            if low < 0 or high >= self.vocab_size:
+                raise ValueError(f"the prompt holds id {low if low < 0 else high}, outside the model's vocabulary "
+                                 f"[0, {self.vocab_size}); encode it with the model's tokenizer")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_token_ids)} tokens does not fit max_model_len {self.max_model_len}; "
@@ -203,6 +209,7 @@ class VLLMEngine(SamplingEngine):
         )
         self._llm = AsyncLLM.from_engine_args(args)
         self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
+        self.vocab_size = int(self._llm.model_config.get_vocab_size())
 
     def _init_state(self, config: SamplerConfig, zero_base_adapter: bool) -> None:
         """Everything but the vLLM engine itself (``_llm``)."""
@@ -420,6 +427,7 @@ class TransformersEngine(SamplingEngine):
 
         self.sampler = TransformersSampler(model_path, config, **kwargs)
         self.eos_token_id = self.sampler.eos_token_id
+        self.vocab_size = self.sampler.vocab_size
         self.max_model_len = self.sampler.max_model_len
         self._waiting: list[_Waiting] = []
         self._worker: asyncio.Task[None] | None = None

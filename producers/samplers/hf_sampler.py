@@ -64,6 +64,7 @@ class TransformersSampler(Sampler):
         torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         self._base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
         self.max_model_len = min(config.max_model_len, int(self._base.config.max_position_embeddings))
+        self.vocab_size = int(self._base.get_input_embeddings().num_embeddings)
         self._peft: Any = None  # PeftModel once the first adapter is loaded
         self._handles: dict[str, AdapterHandle] = {}
 

@@ -299,6 +299,19 @@ def test_prompt_that_does_not_fit_fails_alone(hf_engine, prompts) -> None:
     assert isinstance(results[1], SampleResult)
 
 
+@pytest.mark.parametrize("engine", ["hf_engine", "vllm_engine"])
+def test_a_token_id_outside_the_vocabulary_fails_alone_naming_it(engine, prompts, request) -> None:
+    sampler = request.getfixturevalue(engine)
+    vocab = sampler.engine.vocab_size
+    bad = [prompts[0][:3] + [vocab], [-1, *prompts[0][1:]]]
+    calls = [(prompt, None, SampleParams(2)) for prompt in bad] + [(prompts[0], None, SampleParams(2))]
+    results = run_concurrently(sampler, calls)
+    assert isinstance(results[0], ValueError) and f"id {vocab}, outside the model's vocabulary [0, {vocab})" in str(
+        results[0])
+    assert isinstance(results[1], ValueError) and "id -1" in str(results[1])
+    assert isinstance(results[2], SampleResult)
+
+
 def test_engine_for_run_loads_the_base_weights_in_model_dtype(tiny_trained_dir, prompts) -> None:
     from producers.samplers.engine import engine_for_run
     from schemas.config import ModelConfig, RunConfig
