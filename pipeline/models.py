@@ -41,10 +41,37 @@ def record_tiny_model(folder: str | Path) -> None:
     os.replace(tmp, pointer)
 
 
+class ModelPathError(ValueError):
+    """A base model named by a path that is not a model folder."""
+
+
+def check_model_path(name: str) -> str:
+    """``name`` itself, if it is a model folder (with config.json) or a hub id; ``ModelPathError`` naming the fix.
+
+    A name that exists here, or reads as a path (absolute, ``./``, ``../``, ``~``, or more than one ``/``), is a
+    path; anything else (``org/name``, ``gpt2``) is a hub id, left to the loader.  URLs pass unchanged.
+    """
+    if "://" in name:
+        return name
+    path = Path(name).expanduser()
+    looks_like_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+    if not path.exists():
+        if looks_like_path:
+            raise ModelPathError(f"base model {name}: no such folder; give a model folder (with config.json), a hub "
+                                 "id, or tiny")
+        return name
+    if not path.is_dir():
+        raise ModelPathError(f"base model {name} is a file; give the folder that holds its config.json")
+    if not (path / "config.json").is_file():
+        raise ModelPathError(f"base model {name} has no config.json; give a model folder (saved with "
+                             "save_pretrained), a hub id, or tiny")
+    return name
+
+
 def resolve_base_model(model: ModelConfig) -> str:
     """The path or hub id to load: ``tiny`` -> the recorded (or configured) tiny model folder."""
     if model.base_model != "tiny":
-        return model.base_model
+        return check_model_path(model.base_model)
     if model.tiny_dir:
         return model.tiny_dir
     try:

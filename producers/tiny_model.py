@@ -41,7 +41,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.models import record_tiny_model
+from pipeline.models import check_model_path, record_tiny_model
 from producers.tiny_corpus import (
     ENDOFTEXT,
     IM_END,
@@ -182,7 +182,7 @@ def build_tiny_model(
 def resolve_model(config: ModelConfig) -> str:
     """The path or hub id to load for ``config``: 'tiny' builds or reuses the local tiny model."""
     if config.base_model != "tiny":
-        return config.base_model
+        return check_model_path(config.base_model)
     folder = build_tiny_model(config.tiny_dir or None)
     record_tiny_model(folder)  # so the learner side finds the same weights
     return str(folder)

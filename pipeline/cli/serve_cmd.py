@@ -114,6 +114,7 @@ def serve(
     stack is started if nothing is configured).  Point the tinker SDK at the printed base URL."""
     from pipeline.devstack.launcher import EMBEDDED_GROUP_TIMINGS_MS, ensure_stack
     from pipeline.io.bus import GROUP_TIMINGS_ENV, ensure_topics
+    from pipeline.models import check_model_path
     from pipeline.runtime import open_store, resolved_bus
     from pipeline.topics import API_TOPIC_KINDS
 
@@ -134,6 +135,8 @@ def serve(
         fail("--direct-port is for --role sampler; --role all picks its own ports", EXIT_USAGE)
     setup_logging()
     cfg = run_config(None, None, overrides or [])
+    for name in base_model or []:
+        check_model_path(name)  # before anything starts
     ensure_stack(cfg)
     bus, store = resolved_bus(cfg.bus), open_store(cfg.store)
     models = resolve_models(base_model or ["tiny"])

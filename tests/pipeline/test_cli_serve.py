@@ -147,3 +147,35 @@ def test_an_engine_that_dies_is_started_again_and_one_that_keeps_dying_is_given_
     assert "sampler for a exited with code 3 after 2 restarts in 60 s; giving up" in caplog.text
     time.sleep(0.5)
     assert starts.read_text() == "ss"  # stopped for good: nothing started after stop()
+
+
+def test_serve_refuses_a_base_model_folder_that_is_not_there_before_starting_anything(tmp_path, monkeypatch):
+    from pipeline.devstack import launcher
+
+    def started(config):
+        raise AssertionError("the stack was started before the base model was checked")
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(launcher, "ensure_stack", started)
+    missing = tmp_path / "no-such-model"
+    result = runner.invoke(app, ["serve", "--base-model", str(missing)])
+    assert result.exit_code == 2, result.output
+    assert f"base model {missing}: no such folder" in result.stderr and "Traceback" not in result.output
+
+
+def test_a_base_model_path_must_be_a_model_folder_and_a_hub_id_passes(tmp_path):
+    import pytest
+
+    from pipeline.models import ModelPathError, resolve_base_model
+    from schemas.config import ModelConfig
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_text("")
+    for name, says in ((str(tmp_path / "gone"), "no such folder"), (str(tmp_path / "empty"), "has no config.json"),
+                       (str(tmp_path / "weights.bin"), "is a file"), ("./not-here/model", "no such folder")):
+        with pytest.raises(ModelPathError, match=says):
+            resolve_base_model(ModelConfig(base_model=name))
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    assert resolve_base_model(ModelConfig(base_model=str(tmp_path / "empty"))) == str(tmp_path / "empty")
+    for hub_id in ("Qwen/Qwen2.5-0.5B-Instruct", "gpt2"):
+        assert resolve_base_model(ModelConfig(base_model=hub_id)) == hub_id

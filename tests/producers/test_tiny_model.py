@@ -200,7 +200,11 @@ def test_resolve_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
     monkeypatch.setattr(tiny_model, "build_tiny_model", lambda out=None: calls.append(out) or Path(out or "/d"))
     assert resolve_model(ModelConfig(base_model="Qwen/Qwen2.5-0.5B")) == "Qwen/Qwen2.5-0.5B"
-    assert resolve_model(ModelConfig(base_model="/models/x")) == "/models/x"
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text("{}")
+    assert resolve_model(ModelConfig(base_model=str(tmp_path / "x"))) == str(tmp_path / "x")
+    with pytest.raises(ValueError, match="no such folder"):
+        resolve_model(ModelConfig(base_model="/models/x"))
     assert resolve_model(ModelConfig(base_model="tiny", tiny_dir=str(tmp_path))) == str(tmp_path)
     assert resolve_model(ModelConfig()) == "/d"
     assert calls == [str(tmp_path), None]
