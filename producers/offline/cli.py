@@ -15,12 +15,24 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from pipeline.cli.common import GcsEndpointOpt, StoreRootOpt, console, fail, handle_user_errors, print_json
+from pipeline.cli.common import (
+    GcsEndpointOpt,
+    StoreRootOpt,
+    console,
+    err_console,
+    error_line,
+    fail,
+    handle_user_errors,
+    print_json,
+)
 from pipeline.config import parse_overrides
 from pipeline.io.datasets import (
     BASE_COLUMNS,
+    CARD_NAME,
+    DATASETS_PREFIX,
     DatasetCard,
     dataset_names,
+    dataset_prefix,
     read_card,
     read_steps,
     verify_dataset,
@@ -56,21 +68,51 @@ def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
 @app.command("list", epilog="Example: rlpipe datasets list --root file:///data/rlpipe")
 @handle_user_errors
 def list_datasets(root: StoreRootOpt = None, gcs_endpoint: GcsEndpointOpt = None, as_json: JsonOpt = False) -> None:
-    """List the datasets in the store (those whose card is written)."""
+    """List the datasets in the store (those whose card is written).
+
+    A card that cannot be read is listed as unreadable with the reason, among the others; then the command exits 1.
+    """
     store = _store(root, gcs_endpoint)
-    cards = [read_card(store, name) for name in dataset_names(store)]
+    cards, broken = _read_cards(store)
     if as_json:
-        print_json([_summary(card) for card in cards])
-        return
-    if not cards:
+        print_json(sorted([*map(_summary, cards), *({"name": n, "error": e} for n, e in broken.items())],
+                          key=lambda row: row["name"]))
+    elif not cards and not broken:
         console.print(f"no datasets in {store.url('datasets')}; import one with `rlpipe datasets import ...`")
-        return
+    else:
+        _print_listing(cards, broken)
+    if broken:
+        where = store.url(dataset_prefix(next(iter(broken))) if len(broken) == 1 else DATASETS_PREFIX)
+        fail(f"{len(broken)} dataset card{'s' if len(broken) > 1 else ''} cannot be read: {', '.join(broken)}; "
+             f"restore the card ({CARD_NAME}) or delete the dataset's folder ({where})")
+
+
+def _read_cards(store: ObjectStore) -> tuple[list[DatasetCard], dict[str, str]]:
+    """Every dataset's card, and name -> why its card cannot be read (one broken card hides no other)."""
+    cards, broken = [], {}
+    for name in dataset_names(store):
+        try:
+            cards.append(read_card(store, name))
+        except ValueError as exc:  # DatasetError: not JSON, not a valid card, a newer schema
+            broken[name] = error_line(exc)
+    return cards, broken
+
+
+def _print_listing(cards: list[DatasetCard], broken: dict[str, str]) -> None:
     table = Table("name", "source", "rows", "episodes", "from", "to", "files", "MB", title="rlpipe datasets")
-    for card in cards:
-        s = _summary(card)
-        table.add_row(card.name, card.source, f"{card.num_rows:,}", f"{card.num_episodes:,}", s["from"], s["to"],
-                      str(len(card.files)), f"{s['bytes'] / 1e6:.1f}")
+    rows = {card.name: _listing_row(card) for card in cards}
+    rows |= {name: [name, "[red]unreadable[/red]", *["-"] * 6] for name in broken}
+    for name in sorted(rows):
+        table.add_row(*rows[name])
     console.print(table)
+    for name, reason in broken.items():
+        console.print(f"{name}: {reason}", style="red", markup=False)
+
+
+def _listing_row(card: DatasetCard) -> list[str]:
+    s = _summary(card)
+    return [card.name, card.source, f"{card.num_rows:,}", f"{card.num_episodes:,}", s["from"], s["to"],
+            str(len(card.files)), f"{s['bytes'] / 1e6:.1f}"]
 
 
 def _summary(card: DatasetCard) -> dict[str, Any]:
@@ -156,8 +198,14 @@ def sample(
     base = [c for c in BASE_COLUMNS if c not in ("observation", "action")]
     table = read_steps(store, name, start=start, columns=[*base, *chosen]).slice(0, n)
     rows = table.to_pylist()
+    if not rows and start is not None:  # the only way a dataset (at least one row) shows none
+        s = _summary(card)
+        note = f"no steps of {name} from {start:%Y-%m-%d %H:%M} on: it spans {s['from']} .. {s['to']} (UTC)"
+        (err_console if as_json else console).print(note, markup=False)
     if as_json:
         print_json(rows)
+        return
+    if not rows:
         return
     view = Table(*base, *chosen, title=f"{name}: {len(rows)} of {card.num_rows:,} steps")
     for row in rows:
@@ -272,8 +320,11 @@ def parse_preheat_hours(text: str) -> tuple[float, ...]:
 
 
 def _model_path(model: str) -> str:
+    """``tiny``: the tiny model's folder (built the first time); else ``model``: a model folder or a hub id."""
     if model != "tiny":
-        return model
+        from pipeline.models import check_model_path
+
+        return check_model_path(model)
     from producers.tiny_model import resolve_model
     from schemas.config import ModelConfig
 
@@ -306,8 +357,7 @@ def to_trajectories(
 ) -> None:
     """Render every logged step as the online building prompt (the logged action as the answer) and write
     token trajectories under --run, ready for `rlpipe replay --run RUN --train`."""
-    from transformers import AutoTokenizer
-
+    from producers.offline.evaluation import model_tokenizer
     from producers.offline.trajectories import TrajectoryOptions, dataset_to_trajectories
 
     options = TrajectoryOptions(episodes_per_batch=episodes_per_batch, turns_per_batch=turns_per_batch, epochs=epochs,
@@ -315,7 +365,7 @@ def to_trajectories(
                                 answer_format=answer_format,  # type: ignore[arg-type]  # checked by the model
                                 answer_decimals=answer_decimals, with_text=with_text)
     model_path = _model_path(model)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = model_tokenizer(model_path)
     with console.status("rendering and tokenizing"):
         report = dataset_to_trajectories(_store(root, gcs_endpoint), name, run, tokenizer, options, model_path)
     console.print(f"wrote {report.batches} batches ({report.rows:,} rows, {report.tokens:,} tokens, "
@@ -323,6 +373,7 @@ def to_trajectories(
     console.print(
         f"train: rlpipe replay --run {run} --train --preset building-hvac --set run_id={run}-awr "
         f"--set model.base_model={model_path} --set learner.loss=awr --set learner.advantage=return_to_go "
+        "--set learner.awr_beta=2 "  # raw return-to-go advantages are in reward units (docs/offline.md's recipe)
         f"--set learner.batch_rows={min(report.rows, episodes_per_batch * turns_per_batch)} "
         "--set learner.max_staleness=1000"
     )
@@ -362,20 +413,28 @@ def eval_building(
         first_day = 1_000_000
     day_list = _held_out(card, days, first_day)
     model_path = _model_path(model) if model else None
-    with console.status(f"playing {days} days x {len(chosen)} policies"):
+    with console.status(f"playing {days} days x {len(chosen)} policies") as status:
+
+        def progress(line: str) -> None:  # a line per day played; off a terminal (no spinner) on stderr
+            if console.is_terminal:
+                status.update(f"playing {days} days x {len(chosen)} policies: {line}")
+            else:
+                err_console.print(line, markup=False)
+
         results = evaluate_building(
             store, run, chosen, day_list, card=card, model_path=model_path, version=version,
             sampling=SamplingSettings(temperature=temperature, seed=seed), history_turns=history_turns,
-            env_overrides=parse_overrides(overrides or []),
+            env_overrides=parse_overrides(overrides or []), progress=progress,
         )
-    if as_json:
-        print_json(results)
+    if as_json:  # one day has no interval: ci95 null (the stored EvalResult keeps 0.0)
+        print_json([r.model_dump(mode="json") | ({"ci95": None} if r.episodes < 2 else {}) for r in results])
         return
     table = Table("policy", "version", "days", "mean return", "95% CI", "comfort", "energy", "carbon", "energy $",
                   "carbon kg", "invalid", title=f"building-hvac, days {day_list[0]}..{day_list[-1]}")
     for r in results:
         b = r.breakdown
-        table.add_row(r.policy, str(r.version), str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
+        table.add_row(r.policy, str(r.version), str(r.episodes), f"{r.mean_return:.3f}",
+                      f"± {r.ci95:.3f}" if r.episodes > 1 else "n/a",
                       f"{b['comfort']:.2f}", f"{b['energy']:.2f}", f"{b['carbon']:.2f}", f"{b['energy_usd']:.2f}",
                       f"{b['carbon_kg']:.1f}", f"{b['invalid_rate']:.1%}")
     console.print(table)

@@ -75,8 +75,12 @@ def _is_setpoint_pair(cfg: BuildingConfig, action: str) -> bool:
             and to_kelvin(values[1], cfg.supply_air_heating_range_k) is not None)
 
 
+DayDone = Callable[[DayOutcome], None]  # told of each day as it ends (progress)
+
+
 def scripted_outcomes(
-    policy_of_day: Callable[[int], str], days: Sequence[int], seed: int, overrides: Mapping[str, Any] | None = None
+    policy_of_day: Callable[[int], str], days: Sequence[int], seed: int, overrides: Mapping[str, Any] | None = None,
+    on_day: DayDone | None = None,
 ) -> list[DayOutcome]:
     """Days played by scripted controllers (``heuristic`` or ``random`` per day)."""
     outcomes = []
@@ -90,6 +94,8 @@ def scripted_outcomes(
             result = env.step(policy_answer(env, policy, rng))
             outcome.add(env, result.reward, bool(result.info["action_is_valid"]))
         outcomes.append(outcome)
+        if on_day is not None:
+            on_day(outcome)
     return outcomes
 
 
@@ -143,6 +149,7 @@ def model_outcomes(
     days: Sequence[int],
     overrides: Mapping[str, Any] | None = None,
     sampling: SamplingSettings | None = None,
+    on_day: DayDone | None = None,
 ) -> list[DayOutcome]:
     """Days played by the language model (``adapter`` None: the base model), all days in lockstep
     so each turn is one batched generation; prompts are built by the producer's own ``Episode``."""
@@ -175,6 +182,8 @@ def model_outcomes(
             result = env.step(answer)
             episode.apply_step(result)
             outcomes[i].add(env, result.reward + (0.0 if valid else env.config.format_penalty), valid)
+            if episode.done and on_day is not None:
+                on_day(outcomes[i])
         turn += 1
     return outcomes
 
@@ -247,6 +256,7 @@ def evaluate_building(
     env_overrides: Mapping[str, Any] | None = None,
     cache_dir: str | Path | None = None,
     store_results: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Any]:
     """Play ``days`` with each policy and store one ``EvalResult`` each under ``runs/<run_id>/eval/``.
 
@@ -254,11 +264,18 @@ def evaluate_building(
     ``base``: the model without adapter; ``behaviour``: the controller that logged ``card``;
     ``heuristic`` / ``random``: the environment's own.  The environment settings are the
     dataset's (so the model sees the prompts it was trained on), then ``env_overrides`` and
-    ``history_turns``.
+    ``history_turns``.  What a policy needs (the model, the adapter version, the dataset) is
+    checked before any day is played; ``progress`` is told of each day played.
     """
     unknown = [p for p in policies if p not in EVAL_POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(EVAL_POLICIES)}")
+    needs_model = [p for p in policies if p in ("adapter", "base")]
+    if needs_model and model_path is None:
+        raise ValueError(f"policy {needs_model[0]!r} needs a model (--model PATH or tiny)")
+    if "behaviour" in policies and card is None:
+        raise ValueError("the behaviour policy needs the dataset (--dataset) whose controller it replays")
+    adapter = _adapter_handle(store, run_id, version, cache_dir) if "adapter" in policies else None
     overrides = dict(card.extras.get("env_overrides") or {}) if card is not None else {}
     overrides |= dict(env_overrides or {})
     if history_turns is not None:
@@ -266,8 +283,9 @@ def evaluate_building(
     sampling = sampling or SamplingSettings()
     results = []
     for policy in policies:
-        outcomes, policy_version = _policy_outcomes(store, run_id, policy, days, card, model_path, version,
-                                                    sampling, overrides, cache_dir)
+        on_day = _day_reporter(progress, policy, len(days)) if progress is not None else None
+        outcomes, policy_version = _policy_outcomes(policy, days, card, model_path, adapter, sampling, overrides,
+                                                    on_day)
         result = eval_result(run_id, policy, policy_version, outcomes)
         if store_results:
             store_eval_result(store, result)
@@ -275,31 +293,49 @@ def evaluate_building(
     return results
 
 
+def _day_reporter(progress: Callable[[str], None], policy: str, total: int) -> DayDone:
+    played = 0
+
+    def report(outcome: DayOutcome) -> None:
+        nonlocal played
+        played += 1
+        progress(f"{policy}: day {played} of {total} played (day {outcome.day}, return {outcome.episode_return:.3f})")
+
+    return report
+
+
 def _policy_outcomes(
-    store: ObjectStore, run_id: str, policy: str, days: Sequence[int], card: DatasetCard | None,
-    model_path: str | None, version: int | None, sampling: SamplingSettings, overrides: dict[str, Any],
-    cache_dir: str | Path | None,
+    policy: str, days: Sequence[int], card: DatasetCard | None, model_path: str | None, adapter: Any,
+    sampling: SamplingSettings, overrides: dict[str, Any], on_day: DayDone | None,
 ) -> tuple[list[DayOutcome], int]:
     if policy in ("heuristic", "random"):
-        return scripted_outcomes(lambda day: policy, days, sampling.seed, overrides), 0
+        return scripted_outcomes(lambda day: policy, days, sampling.seed, overrides, on_day), 0
     if policy == "behaviour":
-        if card is None:
-            raise ValueError("the behaviour policy needs the dataset (--dataset) whose controller it replays")
+        assert card is not None  # checked by evaluate_building
         spec = behaviour_spec(card)
-        return scripted_outcomes(lambda day: day_policy(spec, day), days, sampling.seed, overrides), 0
-    if model_path is None:
-        raise ValueError(f"policy {policy!r} needs a model (--model PATH or tiny)")
-    adapter = _adapter_handle(store, run_id, version, cache_dir) if policy == "adapter" else None
-    from transformers import AutoTokenizer
-
+        return scripted_outcomes(lambda day: day_policy(spec, day), days, sampling.seed, overrides, on_day), 0
     from producers.samplers import make_sampler
     from schemas.config import SamplerConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    assert model_path is not None  # checked by evaluate_building
+    adapter = adapter if policy == "adapter" else None
+    tokenizer = model_tokenizer(model_path)
     config = SamplerConfig(backend="transformers", temperature=sampling.temperature, top_p=sampling.top_p,
                            max_new_tokens=sampling.max_new_tokens, seed=sampling.seed)
     with make_sampler("transformers", model_path, config, max_batch=max(1, min(len(days), 32))) as sampler:
-        return model_outcomes(sampler, tokenizer, adapter, days, overrides, sampling), getattr(adapter, "version", 0)
+        outcomes = model_outcomes(sampler, tokenizer, adapter, days, overrides, sampling, on_day)
+        return outcomes, getattr(adapter, "version", 0)
+
+
+def model_tokenizer(model_path: str) -> Any:
+    """The tokenizer of the model folder ``model_path``; a ``ValueError`` naming the fix when it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, KeyError):  # no tokenizer files, an unknown model type (messages run to pages)
+        raise ValueError(f"cannot load a tokenizer from {model_path}; pass a model folder with its tokenizer files "
+                         "(tokenizer.json, tokenizer_config.json), or 'tiny'") from None
 
 
 def _adapter_handle(store: ObjectStore, run_id: str, version: int | None, cache_dir: str | Path | None) -> Any:
@@ -309,10 +345,20 @@ def _adapter_handle(store: ObjectStore, run_id: str, version: int | None, cache_
     from producers.samplers.base import AdapterHandle
 
     registry = AdapterRegistry(store, run_id)
+    versions = registry.versions()
+    if not versions:
+        raise FileNotFoundError(f"run {run_id} has no adapter versions; train it first (`rlpipe replay --train`)")
     if version is None:
-        latest = registry.latest()
-        if latest is None:
-            raise FileNotFoundError(f"run {run_id} has no adapter versions; train it first (`rlpipe replay --train`)")
-        version = latest.version
+        version = versions[-1]
+    elif version not in versions:
+        raise ValueError(f"run {run_id!r} has no adapter version {version}; its versions: {_version_list(versions)} "
+                         "(leave out --version for the latest)")
     folder = registry.pull(version, Path(cache_dir) if cache_dir else rlpipe_home() / "cache" / "adapters")
     return AdapterHandle.for_version(version, str(folder), registry.adapter_sha256(version))
+
+
+def _version_list(versions: Sequence[int], most: int = 12) -> str:
+    """``1, 2, 3``; a long run's as its first and last few (``1, 2, 3 ... 98, 99, 100``)."""
+    if len(versions) <= most:
+        return ", ".join(map(str, versions))
+    return f"{', '.join(map(str, versions[:3]))} ... {', '.join(map(str, versions[-3:]))}"

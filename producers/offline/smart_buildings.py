@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import io
+import itertools
 import json
 import math
 import pickle
@@ -332,6 +333,7 @@ def import_smart_buildings(
     for folder, metadata in zip(folders[1:], metadatas[1:], strict=True):
         if metadata.ids != metadatas[0].ids:
             raise DatasetImportError(f"{folder} has other columns than {folders[0]}; import them as separate datasets")
+    check_each_time_once(folders, metadatas, path)
     if reward_id not in metadatas[0].ids["reward_value_matrix"]:
         raise DatasetImportError(f"the reward matrix has no column {reward_id!r}; pass one of its reward_value_ids")
     extension = metadatas[0].rlpipe
@@ -357,6 +359,39 @@ def import_smart_buildings(
         extras={**extension, "layout": "smart-buildings", "utc_offset_hours": offset, "timestamps_aligned": aligned,
                 "partitions": [str(f.relative_to(path)) if f != path else "." for f in folders]},
     )
+
+
+def check_each_time_once(folders: list[Path], metadatas: list[SbdMetadata], root: Path) -> None:
+    """Refuse a time logged twice: within one partition, or by two partitions whose time ranges overlap
+    (a folder holding a copy of a partition would otherwise import every step twice)."""
+
+    def shown(folder: Path) -> str:
+        return str(folder.relative_to(root)) if folder != root and folder.is_relative_to(root) else folder.name
+
+    for folder, metadata in zip(folders, metadatas, strict=True):
+        times = metadata.times_us_R
+        twice = times.size - np.unique(times).size
+        if twice:
+            raise DatasetImportError(
+                f"{shown(folder / metadata_path(folder).name)} logs {twice} timestamp{'s' if twice > 1 else ''} "
+                "twice; a dataset holds each time once: drop the repeated rows from the partition"
+            )
+    spans = sorted(((int(m.times_us_R.min()), int(m.times_us_R.max()), f, m)
+                    for f, m in zip(folders, metadatas, strict=True) if m.times_us_R.size), key=lambda s: s[:2])
+    # sorted by first time, two partitions overlap only if some neighbours do
+    for (_, end, first, earlier), (start, _, second, later) in itertools.pairwise(spans):
+        if start <= end:
+            both = np.intersect1d(earlier.times_us_R, later.times_us_R).size
+            raise DatasetImportError(
+                f"partitions {shown(first)} and {shown(second)} overlap in time ({_utc_text(start)} .. "
+                f"{_utc_text(min(end, int(later.times_us_R.max())))} UTC, {both} timestamps in both); a dataset "
+                "holds each time once: import one of them, or each as its own dataset (another --name)"
+            )
+
+
+def _utc_text(epoch_us: int) -> str:
+    moment = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(microseconds=epoch_us)
+    return moment.strftime("%Y-%m-%d %H:%M")
 
 
 def _partition_days(

@@ -124,7 +124,7 @@ def _ordered_frame(frame: pl.DataFrame, mapping: TableMapping, where: str) -> pl
                          *mapping.observation, *mapping.action) if c is not None]
     missing = [c for c in named if c not in frame.columns]
     if missing:
-        raise DatasetImportError(f"{where} has no columns {missing}; fix the mapping (it has {frame.columns[:8]})")
+        raise DatasetImportError(f"{where} has no columns {missing}; fix the mapping (it has {frame.columns})")
     frame = frame.with_row_index(_ROW)
     if mapping.timestamp:
         frame = frame.with_columns(pl.Series(_TIME, _times_us(frame[mapping.timestamp], mapping)))

@@ -183,3 +183,21 @@ def test_malformed_partitions_are_refused_before_writing(tmp_path, store):
     with pytest.raises(DatasetImportError, match="action_value_matrix has shape"):
         import_smart_buildings(store, tmp_path / "bad", "bad")
     assert "bad" not in dataset_names(store)
+
+
+def test_partitions_that_overlap_in_time_are_refused_naming_both_and_nothing_is_written(tmp_path, store):
+    matrices, metadata = _sbd_partition()
+    _write_json_partition(tmp_path / "sb1" / "2023_a", matrices, metadata)
+    _write_json_partition(tmp_path / "sb1" / "2023_a_copy", matrices, metadata)  # the same partition twice
+    result = runner.invoke(app, ["import", "smart-buildings", str(tmp_path / "sb1"), "--name", "twice",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "2023_a" in result.output and "2023_a_copy" in result.output and "76 timestamps" in result.output
+    assert _nothing_written(store)
+    # one partition that logs a time twice is refused the same way
+    metadata["observation_timestamps"][5] = metadata["observation_timestamps"][4]
+    _write_json_partition(tmp_path / "dup", matrices, metadata)
+    with pytest.raises(DatasetImportError, match=r"metadata.json logs 1 timestamp twice"):
+        import_smart_buildings(store, tmp_path / "dup", "dup")
+    assert _nothing_written(store)

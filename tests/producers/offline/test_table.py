@@ -51,3 +51,16 @@ def test_import_table_with_a_column_mapping(tmp_path, store):
                                  "--root", store.root])
     assert result.exit_code == 2 and "missing_column" in result.output
     assert "p2" not in dataset_names(store)
+
+
+def test_a_missing_mapping_column_is_named_with_every_column_the_file_has(tmp_path, store):
+    csv = tmp_path / "wide.csv"
+    columns = ["building", "time", "temp", "setpoint", "r", "done", "humidity", "pressure", "note", "flow"]
+    csv.write_text(",".join(columns) + "\n" + "b1,2023-05-01T10:00:00Z,20,0.3,-0.2,false,42,1.0,x,3.5\n")
+    bad = tmp_path / "map.yaml"
+    bad.write_text("timestamp: time\nreward: missing_column\n")
+    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(bad), "--name", "wide",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "missing_column" in result.output
+    assert all(repr(c) in result.output for c in columns), result.output
+    assert dataset_names(store) == []
