@@ -48,7 +48,7 @@ from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from pipeline.api.activity import ActivityRecorder
 from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
-from pipeline.api.gateway import checkpoint_prefix, parse_body
+from pipeline.api.gateway import checkpoint_prefix, parse_body, weights_key
 from pipeline.api.samplers import find_sampler, write_sampler
 from pipeline.api.wire import TinkerPath, decode_forward_backward, encode_forward_backward_output, parse_tinker_path
 from pipeline.io.bus import (
@@ -280,7 +280,7 @@ class TrainerWorker:
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def _weights_key(self, path: TinkerPath) -> str:
-        return f"{checkpoint_prefix(path.run, 'weights')}/{path.name}.safetensors"
+        return weights_key(path)
 
     def _save_weights(self, model: _Model, call: ApiRequestAccepted, request: types.SaveWeightsRequest) -> bytes:
         """The state under its name, then its record (naming this call).  A name another save recorded is

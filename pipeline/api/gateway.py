@@ -81,6 +81,14 @@ class ServedModel:
     max_context_length: int | None = None
 
 
+MAX_LORA_RANK = 512  # the largest LoRA rank vLLM serves (its max_lora_rank slots)
+
+
+def weights_key(path: TinkerPath) -> str:
+    """The store key of a ``save_state`` checkpoint's tensors."""
+    return f"{checkpoint_prefix(path.run, 'weights')}/{path.name}.safetensors"
+
+
 def checkpoint_prefix(run: str, folder: str) -> str:
     """Store folder of a model's ``weights`` (training states) or ``sampler_weights`` (one JSON each)."""
     return f"runs/{run}/{folder}"
@@ -184,9 +192,15 @@ class Gateway:
 
     def register_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora_rank: int,
                        lora: dict[str, Any], user_metadata: dict[str, Any] | None) -> str:
-        """Record a new training client (create-only; a resent create finds its own record)."""
+        """Record a new training client (create-only; a resent create finds its own record).
+
+        What the trainer would refuse is refused here first, so no training client is recorded for it.
+        """
         self.check_owner(tenant, session_id)
         self.served(base_model)
+        if not 1 <= lora_rank <= MAX_LORA_RANK:
+            raise ApiError(f"lora_config.rank={lora_rank}: use a rank of at least 1 and at most {MAX_LORA_RANK} "
+                           "(the largest vLLM serves)")
         model_id = model_id_for(session_id, "train", model_seq_id)
         record = {"model_id": model_id, "tenant": tenant, "base_model": base_model, "lora_rank": lora_rank,
                   "lora": lora, "user_metadata": user_metadata or {}, "created_at": now()}
@@ -210,6 +224,17 @@ class Gateway:
         """A ``tinker://`` path of one of this tenant's models (another tenant's is not found)."""
         parsed = parse_tinker_path(path)
         self.model(tenant, parsed.model_id)
+        return parsed
+
+    def saved_state(self, tenant: str, path: str) -> TinkerPath:
+        """A ``tinker://.../weights/<name>`` path of this tenant's that ``save_state`` wrote (what a new training
+        client loads); ``ApiError`` for sampler weights or a name never saved."""
+        parsed = self.owned_path(tenant, path)
+        if parsed.kind != "training":
+            raise ApiError(f"{path} is sampler weights; start a training client from a tinker://.../weights/<name> "
+                           "path (save_state)")
+        if not self.store.exists(weights_key(parsed)):
+            raise ApiError(f"no saved weights at {path}; see list_checkpoints")
         return parsed
 
     # ---- calls --------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from pipeline.api.app import create_app
-from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.api.gateway import Gateway, ServedModel, weights_key
 from pipeline.api.tenants import Tenants
+from pipeline.api.wire import parse_tinker_path
 from pipeline.io.store import ObjectStore
 from schemas.api import result_path
 
@@ -105,6 +106,7 @@ def test_heartbeat_finish_and_load_paths(api):
     stolen = api.post("/api/v1/load_weights", headers=BOB, json={
         "session_id": bob_session, "model_seq_id": 0, "path": f"tinker://{model_id}/weights/w1", "optimizer": True})
     assert stolen.status_code == 404
+    api.store.put(weights_key(parse_tinker_path(f"tinker://{model_id}/weights/w1")), b"saved by save_state")
     own = api.post("/api/v1/load_weights", headers=ALICE, json={
         "session_id": session, "model_seq_id": 1, "path": f"tinker://{model_id}/weights/w1", "optimizer": True})
     assert own.json() == {"request_id": f"{session}.train.1.create", "model_id": f"{session}:train:1"}
@@ -256,3 +258,22 @@ def test_a_numbered_call_refused_here_is_still_logged_as_failing(api):
     again = api.post("/api/v1/save_weights", headers=ALICE, json={"model_id": model_id, "seq_id": 1, "path": "c/d"})
     assert again.status_code == 400
     assert len([e for _, e in api.published if e.payload.refused is not None]) == 2
+
+
+def test_a_create_the_trainer_would_refuse_is_refused_here_and_leaves_no_training_client(api):
+    """A rank out of range, or a new client from sampler weights or from no saved state, fails at the gateway:
+    nothing is recorded, so list_training_runs never shows it."""
+    session = _session(api)
+    for rank, says in ((0, "at least 1"), (100_000, "at most 512")):
+        refused = api.post("/api/v1/create_model", headers=ALICE, json={
+            "session_id": session, "model_seq_id": 0, "base_model": "/models/base/tiny", "lora_config": {"rank": rank},
+            "type": "create_model"})
+        assert refused.status_code == 400 and says in refused.json()["error"], refused.text
+    assert _create(api, session).status_code == 200  # model_seq_id 0 is still free
+    for seq, path, says in ((1, f"tinker://{session}:train:0/sampler_weights/final", "sampler weights"),
+                            (2, f"tinker://{session}:train:0/weights/never-saved", "no saved weights")):
+        refused = api.post("/api/v1/load_weights", headers=ALICE, json={
+            "session_id": session, "model_seq_id": seq, "path": path, "optimizer": False, "type": "load_weights"})
+        assert refused.status_code == 400 and says in refused.json()["error"], refused.text
+    models = [key for key in api.store.list(f"sessions/{session}/models", recursive=True) if key.endswith(".json")]
+    assert models == [f"sessions/{session}/models/0.json"], models
