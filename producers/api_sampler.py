@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -74,6 +75,7 @@ log = logging.getLogger("rlpipe.api.sampler")
 SAMPLING_OPS = ("sample",)
 DEFAULT_MAX_ADAPTERS = 8
 MAX_RECORDS_KEPT = 4096  # sampling session records kept in memory (a loop makes one per saved version)
+CALL_ROUND_SAMPLES = 16  # samples of one call in the engine at a time: a call of many takes turns with the others
 
 
 def group_for(base_model: str) -> str:
@@ -283,7 +285,7 @@ class SamplerWorker:
         adapter = None if key is None else await self._acquire(key)
         started, wall = time.perf_counter(), time.time()
         try:
-            result = await self.engine.sample(request.prompt.to_ints(), adapter, params)
+            result = await self._sample_in_rounds(request.prompt.to_ints(), adapter, params)
         finally:
             if key is not None:
                 self._in_use[key] -= 1
@@ -293,6 +295,22 @@ class SamplerWorker:
                                  sum(len(sample.token_ids) for sample in result.sequences))
         sequences = [cut_at_stop_strings(sample, strings, self.decode) for sample in result.sequences]
         return encode_sample_response(SampleResult(sequences, result.prompt_logprobs))
+
+    async def _sample_in_rounds(self, prompt: list[int], adapter: AdapterHandle | None,
+                                params: SampleParams) -> SampleResult:
+        """``params.num_samples`` samples, at most ``CALL_ROUND_SAMPLES`` in the engine at a time: a call of many
+        samples takes turns with the calls that arrive meanwhile instead of holding the engine until it ends.
+        Round k draws streams k * CALL_ROUND_SAMPLES on, so a seeded call draws what it would in one piece."""
+        sequences: list[SampleOutput] = []
+        prompt_logprobs = None
+        for first in range(0, params.num_samples, CALL_ROUND_SAMPLES):
+            part = dataclasses.replace(params, num_samples=min(CALL_ROUND_SAMPLES, params.num_samples - first),
+                                       first_stream=params.first_stream + first,
+                                       prompt_logprobs=params.prompt_logprobs and first == 0)
+            result = await self.engine.sample(prompt, adapter, part)
+            sequences += result.sequences
+            prompt_logprobs = result.prompt_logprobs if first == 0 else prompt_logprobs
+        return SampleResult(sequences, prompt_logprobs)
 
     def _read_call(self, call: ApiRequestAccepted) -> tuple[dict[str, Any], bytes]:
         """The sampling session's record (kept: records are create-only) and the call's body, tenant checked."""
