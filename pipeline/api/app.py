@@ -47,6 +47,11 @@ def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None)
 Tenant = Annotated[str, Depends(_tenant)]
 
 
+def _unserved(request: Request) -> str:
+    return (f"{request.method} {request.url.path} is not served by rlpipe; the calls it serves are listed in "
+            "docs/api.md")
+
+
 def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOLD_S,
                signals: ResultSignals | None = None, direct: DirectSamplers | None = None) -> FastAPI:
     """The ASGI app serving ``gateway`` to the tenants ``tenants`` admits; ``signals`` (following
@@ -64,12 +69,9 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
 
     @app.exception_handler(StarletteHTTPException)
     async def unserved(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code in (404, 405):  # no such route: a call of the SDK rlpipe does not serve
-            message = (f"{request.method} {request.url.path} is not served by rlpipe; the calls it serves are "
-                       "listed in docs/api.md")
-        else:
-            message = str(exc.detail)
-        return JSONResponse({"error": message, "category": "user"}, status_code=exc.status_code)
+        if exc.status_code in (404, 405):  # no such route (or not with this method): a call rlpipe does not serve
+            return JSONResponse({"error": _unserved(request), "category": "user"}, status_code=404)
+        return JSONResponse({"error": str(exc.detail), "category": "user"}, status_code=exc.status_code)
 
     # ---- client start-up, sessions, telemetry ------------------------------------------------------
     @app.get("/api/v1/healthz")
@@ -264,6 +266,13 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     def list_checkpoints(model_id: str, who: Tenant) -> dict[str, Any]:
         return {"checkpoints": gateway.checkpoints(who, model_id)}
+
+    @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish",
+                   methods=["POST", "DELETE", "PUT"])
+    @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl",
+                   methods=["POST", "DELETE", "PUT"])
+    def unserved_checkpoint_call(request: Request) -> JSONResponse:  # not a checkpoint named .../publish to delete
+        return JSONResponse({"error": _unserved(request), "category": "user"}, status_code=404)
 
     @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     def delete_checkpoint(model_id: str, checkpoint_id: str, who: Tenant) -> Response:

@@ -277,3 +277,16 @@ def test_a_create_the_trainer_would_refuse_is_refused_here_and_leaves_no_trainin
         assert refused.status_code == 400 and says in refused.json()["error"], refused.text
     models = [key for key in api.store.list(f"sessions/{session}/models", recursive=True) if key.endswith(".json")]
     assert models == [f"sessions/{session}/models/0.json"], models
+
+
+def test_the_rest_clients_publish_and_ttl_calls_answer_404_not_served_and_delete_nothing(api):
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    base = f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/final"
+    deleted: list[tuple] = []
+    api.app.state.gateway.delete_checkpoint = lambda *args: deleted.append(args)
+    for method, path in (("POST", f"{base}/publish"), ("DELETE", f"{base}/publish"), ("PUT", f"{base}/ttl"),
+                         ("POST", f"{base}/ttl")):
+        answer = api.request(method, path, headers=ALICE, json={"ttl_seconds": 60})
+        assert answer.status_code == 404 and "is not served by rlpipe" in answer.json()["error"], (method, path)
+    assert deleted == []
