@@ -284,17 +284,18 @@ class TrainerWorker:
 
     def _save_weights(self, model: _Model, call: ApiRequestAccepted, request: types.SaveWeightsRequest) -> bytes:
         """The state under its name, then its record (naming this call).  A name another save recorded is
-        refused; this call's own earlier attempt (killed before its result) is replaced, since a replay need
-        not write the same bytes."""
+        refused unless the call asks to overwrite it; this call's own earlier attempt (killed before its result)
+        is replaced, since a replay need not write the same bytes.  ``ttl_seconds`` is not applied: a checkpoint
+        stays until it is deleted."""
         path = TinkerPath(model.model_id, "training", request.path or "")
         record_key = f"{checkpoint_prefix(model.run, 'weights')}/{path.name}.json"
         try:
             owner = json.loads(self.store.get(record_key)).get("request_id")
         except FileNotFoundError:
             owner = call.request_id  # none, or this call's attempt killed before its record
-        if owner != call.request_id:
+        if owner != call.request_id and not request.overwrite:
             raise ApiError(f"weights {path.name!r} of {model.model_id} already exist; save under another name, "
-                           "or delete them first (delete_checkpoint)")
+                           "pass overwrite=True, or delete them first (delete_checkpoint)")
         state = ops.save_state(self.engine, model.model_id, True)
         self.store.put(self._weights_key(path), state)
         self._record_checkpoint(model, "weights", path, len(state), {"request_id": call.request_id})

@@ -152,7 +152,8 @@ def test_bad_calls_are_user_errors_and_the_model_carries_on(harness):
     bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 10**6]})
     vocab = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, [bad]), "pb")
     fine = harness.gateway.submit(TENANT, "forward_backward", model_id, 3, _fb(model_id, 3, [_datum(1)]), "pb")
-    broken = harness.gateway.register_model(TENANT, harness.session, 1, harness.base_model, 0, {}, None)
+    # the gateway refuses rank 0 itself: a create logged with it anyway (an older gateway) fails on the trainer
+    broken = harness.gateway.register_model(TENANT, harness.session, 1, harness.base_model, 4, {}, None)
     body = types.CreateModelRequest(session_id=harness.session, model_seq_id=1, base_model=harness.base_model,
                                     lora_config=types.LoraConfig(rank=0)).model_dump_json().encode()
     harness.gateway.submit(TENANT, "create_model", broken, None, body)
@@ -255,8 +256,9 @@ def test_a_corrupt_fold_fails_its_own_models_calls_and_no_other_and_an_older_fol
     restarted.close()
 
 
-def _save(model_id: str, seq: int, name: str) -> bytes:
-    return types.SaveWeightsRequest(model_id=model_id, path=name, seq_id=seq).model_dump_json().encode()
+def _save(model_id: str, seq: int, name: str, overwrite: bool = False) -> bytes:
+    return types.SaveWeightsRequest(model_id=model_id, path=name, seq_id=seq,
+                                    overwrite=overwrite).model_dump_json().encode()
 
 
 def test_a_save_replayed_after_a_kill_completes_and_a_taken_name_is_a_user_error(harness, monkeypatch):
@@ -279,7 +281,12 @@ def test_a_save_replayed_after_a_kill_completes_and_a_taken_name_is_a_user_error
     again = harness.gateway.submit(TENANT, "save_weights", model_id, 2, _save(model_id, 2, "w1"))
     run_until(restarted, harness, [again])
     answer = json.loads(harness.result(again)[0])
-    assert answer["category"] == "user" and "already exist" in answer["error"]
+    assert answer["category"] == "user" and "already exist" in answer["error"] and "overwrite=True" in answer["error"]
+    replaced = harness.gateway.submit(TENANT, "save_weights", model_id, 3, _save(model_id, 3, "w1", overwrite=True))
+    run_until(restarted, harness, [replaced])
+    assert "weights/w1" in json.loads(harness.result(replaced)[0])["path"]  # save_state(name, overwrite=True)
+    record = json.loads(harness.store.get(weights.removesuffix(".safetensors") + ".json"))
+    assert record["request_id"] == replaced  # the name is this save's now
     restarted.close()
 
 
