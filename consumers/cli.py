@@ -100,7 +100,8 @@ def replay(
     """Replay Parquet trajectories of --run: into training (--train, no broker) or onto the topic (--to-topic).
 
     With --to-topic the batches are announced for the configured run_id (seed a new run from an old one);
-    the learner trains each batch_id once, so re-announcing is harmless.
+    the learner trains each batch_id once, so re-announcing is harmless.  A damaged batch (rewritten, or its
+    commit record missing or corrupt) refuses the replay in one line before anything is trained or announced.
     """
     if train == to_topic:
         fail("choose exactly one of --train or --to-topic", 2)
@@ -128,6 +129,7 @@ def replay(
         return
     from consumers.replay import announce_batches
 
+    _require_intact_batches(cfg, run, date_from, date_to)
     count = announce_batches(cfg, run, date_from, date_to)
     console.print(f"announced {count} batches of run {run} for run {cfg.run_id}")
 
@@ -162,8 +164,9 @@ def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, 
     keys = archive.list_steps(run) if steps else archive.list_batches(run)
     if any(in_date_range(key, date_from, date_to) for key in keys):
         if unfinished := unfinished_conversions(store, run):
-            fail(f"run {run!r} holds a conversion of dataset {', '.join(unfinished)} that did not finish; delete it "
-                 f"with `rlpipe runs delete --run {run} --yes` and convert again (rlpipe datasets to-trajectories)", 2)
+            fail(f"run {run!r} holds a conversion of dataset {', '.join(unfinished)} that did not finish; delete the "
+                 f"run with `rlpipe runs delete --run {run} --yes` (its other datasets too) and convert again "
+                 "(rlpipe datasets to-trajectories)", 2)
         return
     what = "steps batches (a value run's)" if steps else "trajectory batches"
     if run not in list_runs(store):
@@ -177,6 +180,17 @@ def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, 
         fail(f"nothing to replay: run {run!r} has no {what}; {fix}", 2)
     fail(f"nothing to replay: run {run!r} has no {what}{span} in {store.root}; "
          "replay a run that has sampled some" + (", or widen --date-from/--date-to" if span else ""), 2)
+
+
+def _require_intact_batches(cfg, run: str, date_from: str | None, date_to: str | None) -> None:  # type: ignore[no-untyped-def]
+    """Exit 2 in one line, before anything is announced, when a batch of ``run`` in the date range is damaged
+    (``replay_train`` checks the same before it trains)."""
+    from consumers.sources import in_date_range
+    from pipeline.io.archive import TrajectoryArchive
+    from pipeline.runtime import open_store
+
+    archive = TrajectoryArchive(open_store(cfg.store))
+    archive.check_digests(run, [c for c in archive.commits(run) if in_date_range(c.key, date_from, date_to)])
 
 
 def _replay_train_value(cfg, run: str, date_from: str | None, date_to: str | None) -> None:  # type: ignore[no-untyped-def]

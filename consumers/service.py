@@ -20,14 +20,14 @@ from consumers.policy import LoraPolicy
 from consumers.sources import KafkaSource, ReplaySource
 from consumers.tracking import open_metric_logger
 from pipeline.health import HealthServer
-from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.archive import ArchiveError, TrajectoryArchive, damaged_run_fix
 from pipeline.io.bus import EventPublisher
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.models import resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
-from schemas.events import Payload
+from schemas.events import DeadLetter, Payload
 
 log = logging.getLogger("rlpipe.learner")
 
@@ -154,11 +154,20 @@ def replay_train(config: RunConfig, source_run: str, date_from: str | None = Non
     """Train ``config.run_id``'s adapter from the stored batches of ``source_run`` (no broker needed).
 
     ``policy``: as for ``run_learner``.
+
+    A damaged batch (its file rewritten, its commit record missing, corrupt or naming
+    another file) refuses the whole replay before anything is written or trained: with
+    no broker there is no dead-letter topic, and training on the rest would silently
+    train on part of the data.  Every batch is read once for that check.
     """
     store = open_store(config.store)
+    archive = TrajectoryArchive(store)
+    source = ReplaySource(archive, source_run, date_from, date_to)  # refuses a batch without a sound commit record
+    log.info("checking the digests of %d batches of run %s", len(source.queue), source_run)
+    archive.check_digests(source_run, source.queue)
     create_run(store, config, config.model.base_model)  # run.json, so eval/report know the run
-    source = ReplaySource(TrajectoryArchive(store), source_run, date_from, date_to)
-    learner = build_learner(config, store, source, announce or (lambda payload: None), policy=policy)
+    announce = refuse_dead_letters(announce or (lambda payload: None), source_run)  # no dead-letter topic here
+    learner = build_learner(config, store, source, announce, policy=policy)
     source.already_trained = lambda batch_id: batch_id in learner.state.trained
     learner.resume()
     started = time.monotonic()
@@ -171,3 +180,17 @@ def replay_train(config: RunConfig, source_run: str, date_from: str | None = Non
     learner.metric_logger.close()
     log.info("replay trained %d steps in %.1fs", learner.state.step, time.monotonic() - started)
     return learner
+
+
+def refuse_dead_letters(announce: Callable[[Payload], Any], source_run: str) -> Callable[[Payload], Any]:
+    """``announce`` for a replay: a batch the learner would dead-letter (one that became unreadable after the
+    digest check) stops the replay instead, so nothing is skipped silently and a rerun resumes before it."""
+
+    def replay_announce(payload: Payload) -> Any:
+        if isinstance(payload, DeadLetter):
+            error = payload.reason.partition(" quarantined: ")[2] or payload.reason
+            raise ArchiveError(f"replay stopped at trajectory batch {payload.key} of run {source_run}: {error}; "
+                               f"{damaged_run_fix(source_run)}")
+        return announce(payload)
+
+    return replay_announce

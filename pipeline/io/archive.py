@@ -12,9 +12,10 @@ schema metadata carries ``rlpipe.schema_version``; readers refuse a newer major.
 Each batch records when it was committed: in the Parquet file's metadata
 (``rlpipe.committed_at``) and, with the file's sha256, in a small commit record
 ``<batch_id>.commit.json`` beside it, written first (a record without its file is
-ignored; a file without a record comes from an older writer).  Offline replay
-orders batches by that time and verifies that digest without a broker
-(``commits``).
+ignored).  Offline replay orders batches by that time and verifies that digest
+without a broker (``commits``, ``check_digests``).  A file whose record is missing,
+corrupt or names another file is refused: without its digest nothing shows that
+the file is the one committed, and replay would train on it unchecked.
 
 Reading one batch (``read_batch``) verifies the sha256 from the claim-check event.
 Scanning many (``scan``) is for replay and analysis: it prunes runs and dates by
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import uuid
 from collections.abc import Iterable, Mapping
 from datetime import UTC, date, datetime
@@ -38,15 +38,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.io.store import ObjectStore, sha256_hex, validate_key
+from pipeline.io.store import ChecksumError, ObjectStore, sha256_hex, validate_key
 from schemas.events import TrajectoryBatchCommitted
 from schemas.names import validate_name
 from schemas.steps import BATCH_SUMMARY_KEY, STEPS_BASE_FIELDS, check_steps_table
 from schemas.trajectory import TRAJECTORY_SCHEMA, TrajectoryRecord, conform_table, records_to_table
-
-log = logging.getLogger("rlpipe.archive")
 
 COMMITTED_AT_KEY = b"rlpipe.committed_at"
 COMMIT_RECORD_SUFFIX = ".commit.json"
@@ -143,14 +141,14 @@ def batch_committed_payload(
 
 
 class BatchCommit(BaseModel):
-    """When a stored batch was committed and its file's digest (None for files of older writers)."""
+    """When a stored batch was committed and its file's digest (the commit record beside the file)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     key: str
     batch_id: str
     committed_at: datetime
-    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
     @property
     def order(self) -> tuple[datetime, str]:
@@ -214,27 +212,41 @@ class TrajectoryArchive:
     def commits(self, run_id: str) -> list[BatchCommit]:
         """Every stored batch of ``run_id`` with its commit time and digest, in commit order.
 
-        From the commit records; for files without one (older writers) the time
-        comes from the file's metadata, else its rows' newest ``created_at``, and
-        the digest is unknown.
+        From the commit records; a batch whose record is missing, corrupt or names
+        another file is refused (``ArchiveError``, naming the batch and the fix).
         """
-        found = []
-        for key in self.list_batches(run_id):
-            batch_id = key.rsplit("/", 1)[-1].removesuffix(".parquet")
-            try:
-                found.append(BatchCommit.model_validate_json(self.store.get(commit_record_key(key))))
-            except FileNotFoundError:
-                log.warning("batch %s has no commit record (an older writer): its digest cannot be checked", key)
-                found.append(BatchCommit(key=key, batch_id=batch_id, committed_at=self._commit_time_in_file(key)))
-        return sorted(found, key=lambda commit: commit.order)
+        return sorted((self._commit_of(run_id, key) for key in self.list_batches(run_id)),
+                      key=lambda commit: commit.order)
 
-    def _commit_time_in_file(self, key: str) -> datetime:
-        with self.store.open_input(key) as handle:
-            parquet = pq.ParquetFile(handle)
-            recorded = (parquet.schema_arrow.metadata or {}).get(COMMITTED_AT_KEY)
-            if recorded is not None:
-                return _utc(datetime.fromisoformat(recorded.decode()))
-            return _utc(pc.max(parquet.read(columns=["created_at"])["created_at"]).as_py())
+    def _commit_of(self, run_id: str, key: str) -> BatchCommit:
+        record_key = commit_record_key(key)
+        batch_id = key.rsplit("/", 1)[-1].removesuffix(".parquet")
+        try:
+            data = self.store.get(record_key)
+        except FileNotFoundError:
+            raise ArchiveError(f"trajectory batch {batch_id} of run {run_id} has no commit record "
+                               f"({self.store.url(record_key)}), so its digest cannot be checked; "
+                               f"{damaged_run_fix(run_id)}") from None
+        try:
+            commit = BatchCommit.model_validate_json(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ArchiveError(f"commit record {self.store.url(record_key)} is corrupt "
+                               f"({where + ': ' if where else ''}{first['msg']}); {damaged_run_fix(run_id)}") from None
+        if commit.key != key or commit.batch_id != batch_id:  # else one file is offered twice, the other never
+            raise ArchiveError(f"commit record {self.store.url(record_key)} names batch {commit.key}, not the file "
+                               f"beside it; {damaged_run_fix(run_id)}")
+        return commit
+
+    def check_digests(self, run_id: str, commits: Iterable[BatchCommit]) -> None:
+        """Refuse (``ChecksumError``, naming the batch and the fix) the first batch whose file no longer has the
+        digest its commit record holds: replay checks every batch before it trains or announces any."""
+        for commit in commits:
+            if sha256_hex(self.store.get(commit.key)) != commit.sha256:
+                raise ChecksumError(f"trajectory batch {commit.batch_id} of run {run_id} "
+                                    f"({self.store.url(commit.key)}) does not match the sha256 in its commit "
+                                    f"record: it is corrupt or was replaced; {damaged_run_fix(run_id)}")
 
     def read_batch(self, path: str, sha256: str | None = None) -> pa.Table:
         """The batch at ``path`` (a key from an event), digest-verified when ``sha256`` is given, schema-checked."""
@@ -398,6 +410,12 @@ def _as_trajectory_table(table_or_records: Any) -> pa.Table:
     if isinstance(table_or_records, pa.Table):
         return conform_table(table_or_records)
     return records_to_table(table_or_records)
+
+
+def damaged_run_fix(run_id: str) -> str:
+    """What to do about a damaged batch of ``run_id`` (the end of each refusal's one line)."""
+    return (f"restore it from where the run came from, or delete the run (rlpipe runs delete --run {run_id} "
+            "--yes) and convert or sample it again")
 
 
 def _distinct(table: pa.Table, column: str) -> list[str]:

@@ -9,6 +9,7 @@ written in the format the environment parses.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,7 @@ from producers.envs.parsing import format_answer
 from producers.offline.episodes import DatasetImportError
 from producers.offline.generation import SIM_ACTIONS, SIM_REWARDS
 from producers.offline.smart_buildings import ROLE_PREFIX
+from schemas.names import validate_name
 from schemas.trajectory import discounted_returns
 
 # The previous step's reward line of the prompt comes from these dataset columns.
@@ -319,6 +321,15 @@ def trajectory_table(
     return pa.Table.from_pydict(columns, schema=TRAJECTORY_SCHEMA)
 
 
+def conversion_batch_id(dataset: str, index: int) -> str:
+    """Batch ``index`` of a conversion of ``dataset``: ``<its first 40 characters>-<10 hex of its name's
+    sha256>-<index:06d>``, at most 64 characters (a valid name), readable, and distinct for distinct dataset
+    names even where they share a long prefix: the learner trains each batch id of a run once, so two datasets'
+    batches in one run must never share an id."""
+    digest = hashlib.sha256(dataset.encode()).hexdigest()[:10]
+    return validate_name(f"{dataset[:40]}-{digest}-{index:06d}", "batch_id")
+
+
 def dataset_to_trajectories(
     store: ObjectStore,
     name: str,
@@ -330,14 +341,15 @@ def dataset_to_trajectories(
 ) -> ConversionReport:
     """Write dataset ``name`` as trajectory batches of run ``run_id`` (for ``rlpipe replay --train``).
 
-    Batch ids are ``<dataset>-<index>`` in a date folder fixed by the dataset's card, so a
-    second conversion into the same run fails on its first batch instead of mixing data.
-    A marker (``runs/<run>/offline/<dataset>.converting``) is written first and the summary
-    (``runs/<run>/offline/<dataset>.json``) last: ``rlpipe replay`` refuses a run whose
-    conversion was cut short (a marker without its summary).
+    Batch ids are ``conversion_batch_id``s in a date folder fixed by the dataset's card, so a
+    second conversion of the same dataset into the same run fails on its first batch instead
+    of mixing data, and other datasets converted into the run never collide with it.
+    A marker (``runs/<run>/offline/<dataset>.converting``) is written first, create-only, and
+    the summary (``runs/<run>/offline/<dataset>.json``) last: ``rlpipe replay`` refuses a run
+    whose conversion was cut short (a marker without its summary).  A conversion refused
+    before it wrote a batch leaves the run as it found it (no marker of its own).
     """
     from pipeline.io.archive import TrajectoryArchive, conversion_keys
-    from schemas.names import validate_name
 
     options = options or TrajectoryOptions()
     validate_name(run_id, "run_id")
@@ -352,21 +364,23 @@ def dataset_to_trajectories(
     archive = TrajectoryArchive(store)
     producer_id = validate_name(f"dataset-{name}"[:64].rstrip("-."), "producer_id")
     marker_key, summary_key = conversion_keys(run_id, name)
-    if not store.exists(summary_key):
-        store.put(marker_key, (json.dumps({"dataset": name, "batches": len(plan)}) + "\n").encode())
+    if store.exists(summary_key):
+        raise FileExistsError(f"run {run_id} already holds dataset {name}; convert into a new --run")
+    try:
+        store.put_create(marker_key, (json.dumps({"dataset": name, "batches": len(plan)}) + "\n").encode())
+    except FileExistsError:
+        raise FileExistsError(_unfinished_conversion(name, run_id)) from None
     rows = tokens = generated = 0
     for index, items in enumerate(plan):
-        batch_id = validate_name(f"{name[:48]}-{index:06d}", "batch_id")
+        batch_id = conversion_batch_id(name, index)
         ids = {"run_id": run_id, "batch_id": batch_id, "producer_id": producer_id, "group_prefix": name}
         table = trajectory_table(items, episodes, tokenizer, env, ids, card.created_at, options.with_text)
         try:
             info = archive.write_batch(run_id, table, batch_id=batch_id, created=card.created_at)
-        except FileExistsError:
-            if store.exists(summary_key):
-                raise FileExistsError(f"run {run_id} already holds dataset {name}; convert into a new --run") from None
-            raise FileExistsError(  # batches without the summary: a conversion cut short
-                f"an earlier conversion of dataset {name} into run {run_id} did not finish; delete it with "
-                f"`rlpipe runs delete --run {run_id} --yes` and convert again, or convert into a new --run") from None
+        except FileExistsError:  # batches of this dataset without its summary: a conversion cut short
+            if index == 0:  # nothing written by this one: leave no marker that would block the run's replay
+                store.delete(marker_key, missing_ok=True)
+            raise FileExistsError(_unfinished_conversion(name, run_id)) from None
         rows, tokens, generated = rows + info.num_rows, tokens + info.num_tokens, generated + info.num_generated_tokens
         if progress is not None:
             progress(index + 1, len(plan))
@@ -380,3 +394,9 @@ def dataset_to_trajectories(
     store.put_create(summary_key, (json.dumps(summary, indent=2) + "\n").encode())
     store.delete(marker_key, missing_ok=True)
     return ConversionReport(run_id, name, len(episodes), len(plan), rows, tokens, generated, summary_key)
+
+
+def _unfinished_conversion(name: str, run_id: str) -> str:
+    return (f"an earlier conversion of dataset {name} into run {run_id} did not finish; delete the run with "
+            f"`rlpipe runs delete --run {run_id} --yes` (its other datasets too) and convert again, or convert "
+            "into a new --run")

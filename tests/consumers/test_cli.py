@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pytest
 from typer.testing import CliRunner
 
 from consumers.cli import replay_app
@@ -52,3 +54,48 @@ def test_replay_of_a_run_with_no_batches_is_refused_and_writes_nothing(tmp_path,
     language = runner.invoke(replay_app, ["--run", "actor", "--train", "--preset", "cartpole", "--set", "run_id=x"])
     assert language.exit_code == 2 and "--preset dqn-cartpole" in language.output, language.output
     assert sorted(p.name for p in (tmp_path / "store" / "runs").iterdir()) == ["actor", "empty"]
+
+
+def damage(store, mode: str) -> str:
+    """Two batches of run src, one damaged as ``mode`` says; the damaged batch's id."""
+    from datetime import UTC, datetime
+
+    from pipeline.io.archive import TrajectoryArchive, commit_record_key, parquet_bytes
+    from tests.consumers.test_sources import rows
+
+    archive = TrajectoryArchive(store)
+    first, second = (archive.write_batch("src", [{**row, "run_id": "src"} for row in rows(batch_id, "p")],
+                                         created=datetime(2026, 3, 1, minute, tzinfo=UTC)).path
+                     for minute, batch_id in enumerate(("b1", "b2")))
+    if mode in ("rewritten", "unrecorded"):  # another valid Parquet file under the same name
+        table = archive.read_batch(second)
+        store.put(second, parquet_bytes(table.set_column(table.schema.get_field_index("reward"), "reward",
+                                                         pa.array([-1.0], pa.float32()))))
+        if mode == "unrecorded":  # and its commit record deleted
+            store.delete(commit_record_key(second))
+    elif mode == "corrupt record":
+        record = store.get(commit_record_key(second))
+        store.put(commit_record_key(second), record.replace(b'"sha256":"', b'"sha256":"zz'))
+    else:  # b2's commit record names b1: b2 would never be read
+        store.put(commit_record_key(second), store.get(commit_record_key(first)))
+    return "b2"
+
+
+@pytest.mark.parametrize("mode", ["rewritten", "unrecorded", "corrupt record", "record of another batch"])
+@pytest.mark.parametrize("how", ["--train", "--to-topic"])
+def test_replay_of_a_damaged_run_is_refused_in_one_line_before_anything_is_written(tmp_path, monkeypatch, mode,
+                                                                                   how) -> None:
+    from pipeline.io.store import ObjectStore
+
+    root = f"file://{tmp_path}/store"
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", root)
+    monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", "127.0.0.1:1")  # nothing listens: the refusal comes first
+    batch = damage(ObjectStore(root), mode)
+    result = runner.invoke(replay_app, ["--run", "src", how, "--preset", "cartpole", "--set", "run_id=offline"])
+    errors = [line for line in result.output.splitlines() if "error" in line]  # log lines may come before
+    assert result.exit_code == 2 and len(errors) == 1 and errors[0].startswith("error: "), result.output
+    line = errors[0]
+    assert f"{batch}." in line or f"batch {batch} " in line, line
+    assert "rlpipe runs delete --run src --yes" in line
+    assert sorted(p.name for p in (tmp_path / "store" / "runs").iterdir()) == ["src"]  # nothing trained or created

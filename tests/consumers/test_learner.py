@@ -281,6 +281,52 @@ def test_replay_publishes_the_last_step_even_between_publish_steps(tmp_path, set
     assert CheckpointStore(store, "sft").latest().state.version == 2  # the checkpoint knows the last publish
 
 
+def replay_config(tmp_path, setup, run_id="sft"):
+    from schemas.config import ModelConfig, RunConfig, StoreConfig
+
+    return RunConfig(run_id=run_id, model=ModelConfig(base_model=setup["model_dir"]),
+                     store=StoreConfig(root=tmp_path.as_uri()),
+                     learner=LearnerConfig(lora_rank=4, lora_alpha=8, batch_rows=16, max_staleness=1000))
+
+
+def test_replay_refuses_a_rewritten_batch_before_training_anything(tmp_path, setup):
+    """No broker, no dead-letter topic: training the other batches would train on part of the data silently."""
+    from consumers.service import replay_train
+    from pipeline.io.archive import parquet_bytes
+    from pipeline.io.store import ChecksumError
+
+    store = ObjectStore(tmp_path.as_uri())
+    archive = TrajectoryArchive(store)
+    write_batches(archive, setup, 3, np.random.default_rng(14))
+    last = archive.commits(RUN)[-1]
+    table = archive.read_batch(last.key)
+    store.put(last.key, parquet_bytes(table.slice(1)))  # a valid Parquet file, one row short; its record kept
+    with pytest.raises(ChecksumError, match=rf"batch {last.batch_id} of run {RUN} .*rlpipe runs delete --run {RUN}"):
+        replay_train(replay_config(tmp_path, setup), RUN)
+    assert store.list("runs") == [f"runs/{RUN}"]  # nothing trained, not even the run created
+
+
+def test_replay_stops_at_a_batch_it_cannot_read_instead_of_skipping_it(tmp_path, setup):
+    """A batch whose recorded digest matches but that the learner cannot read (a writer's bad bytes) would be
+    dead-lettered by a live learner; replay has no dead-letter topic, so it stops, naming the batch."""
+    from consumers.service import replay_train
+    from pipeline.io.archive import BatchCommit, commit_record_key
+    from pipeline.io.store import sha256_hex
+
+    store = ObjectStore(tmp_path.as_uri())
+    archive = TrajectoryArchive(store)
+    write_batches(archive, setup, 2, np.random.default_rng(15))
+    bad = archive.commits(RUN)[-1]
+    garbage = b"PAR1 this is not a parquet file"
+    store.put(bad.key, garbage)
+    store.put(commit_record_key(bad.key), bad.model_copy(update={"sha256": sha256_hex(garbage)}).model_dump_json()
+              .encode())
+    assert BatchCommit.model_validate_json(store.get(commit_record_key(bad.key))).sha256 == sha256_hex(garbage)
+    with pytest.raises(ValueError, match=rf"replay stopped at trajectory batch {bad.batch_id} of run {RUN}: "
+                                         r"\S+ is not a readable Parquet file"):
+        replay_train(replay_config(tmp_path, setup), RUN)
+
+
 def tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
     """tag -> step -> value, read back the way TensorBoard reads a log folder."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

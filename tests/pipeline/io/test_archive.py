@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, date, datetime
 
 import polars as pl
@@ -9,7 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.io.archive import ArchiveError, TrajectoryArchive, batch_committed_payload, new_batch_id
+from pipeline.io.archive import (
+    ArchiveError,
+    TrajectoryArchive,
+    batch_committed_payload,
+    commit_record_key,
+    new_batch_id,
+)
 from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.events import TrajectoryBatchCommitted
 from schemas.steps import steps_to_table
@@ -101,6 +108,56 @@ def test_tampered_batch_is_refused(file_store: ObjectStore) -> None:
     file_store.put(info.path, bytes(data))
     with pytest.raises(ChecksumError, match="checksum mismatch"):
         archive.read_batch(info.path, info.sha256)
+
+
+def two_batches(store: ObjectStore) -> tuple[TrajectoryArchive, str, str]:
+    """Batches b1 and b2 of run r, and their keys."""
+    archive = TrajectoryArchive(store)
+    first = archive.write_batch("r", two_rows(), created=DAY).path
+    second = archive.write_batch("r", two_rows(batch_id="b2"), created=DAY).path
+    return archive, first, second
+
+
+def test_commits_are_refused_for_a_batch_without_its_commit_record(memory_store: ObjectStore) -> None:
+    """Without its record a batch's digest cannot be checked, so it is refused, not trained unchecked."""
+    archive, _, second = two_batches(memory_store)
+    memory_store.delete(commit_record_key(second))
+    with pytest.raises(ArchiveError) as refused:
+        archive.commits("r")
+    line = str(refused.value)
+    assert "\n" not in line and "b2" in line and "no commit record" in line and "rlpipe runs delete --run r" in line
+
+
+def test_a_corrupt_commit_record_is_refused_naming_its_file(memory_store: ObjectStore) -> None:
+    archive, first, _ = two_batches(memory_store)
+    record = commit_record_key(first)
+    memory_store.put(record, memory_store.get(record).replace(b'"sha256":"', b'"sha256":"zz'))
+    corrupt = rf"commit record {re.escape(memory_store.url(record))} is corrupt \(sha256: "
+    with pytest.raises(ArchiveError, match=corrupt):
+        archive.commits("r")
+    memory_store.put(record, b"{not json")
+    with pytest.raises(ArchiveError, match=r"b1\.commit\.json is corrupt"):
+        archive.commits("r")
+
+
+def test_a_commit_record_naming_another_batch_is_refused(memory_store: ObjectStore) -> None:
+    """b2's record replaced by b1's: b2 would never be offered and b1 twice."""
+    archive, first, second = two_batches(memory_store)
+    memory_store.put(commit_record_key(second), memory_store.get(commit_record_key(first)))
+    named = rf"{re.escape(commit_record_key(second))} names batch {re.escape(first)}, not"
+    with pytest.raises(ArchiveError, match=named):
+        archive.commits("r")
+
+
+def test_check_digests_refuses_a_rewritten_batch_naming_it_and_the_fix(memory_store: ObjectStore) -> None:
+    archive, _, second = two_batches(memory_store)
+    commits = archive.commits("r")
+    archive.check_digests("r", commits)  # intact
+    memory_store.put(second, memory_store.get(second) + b"tampered")
+    with pytest.raises(ChecksumError) as refused:
+        archive.check_digests("r", commits)
+    line = str(refused.value)
+    assert "\n" not in line and "batch b2 " in line and "commit record" in line and "rlpipe runs delete --run r" in line
 
 
 def test_batch_must_match_its_run_and_id(memory_store: ObjectStore) -> None:

@@ -406,3 +406,100 @@ def test_generate_takes_the_varied_logs_preheat_hours(tmp_path):
     refused = runner.invoke(app, ["generate", "building-hvac", "--days", "1", "--policy", "varied",
                                   "--preheat-hours", "2,x", "--name", "bad", "--root", root])
     assert refused.exit_code == 2 and "--preheat-hours takes hours" in refused.output
+
+
+# ---- the commands' mistakes and edges -------------------------------------------------------------
+
+
+def _one_line_error(result, code: int = 2) -> str:
+    assert result.exit_code == code and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    return result.stderr
+
+
+def test_a_missing_model_folder_or_adapter_version_ends_in_one_line(store, tmp_path):
+    generate_building_dataset(store, "short", GenerationSpec(days=1, policy="heuristic"))
+    error = _one_line_error(runner.invoke(app, ["to-trajectories", "short", "--run", "r", "--model", "/nonexistent",
+                                                "--root", store.root]))
+    assert "base model /nonexistent: no such folder" in error and "tiny" in error
+    error = _one_line_error(runner.invoke(app, ["eval-building", "--run", "r", "--model", "/nonexistent", "--days",
+                                                "1", "--policies", "base", "--root", store.root]))
+    assert "base model /nonexistent: no such folder" in error
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # a folder that is not a whole model: no tokenizer
+    error = _one_line_error(runner.invoke(app, ["to-trajectories", "short", "--run", "r", "--model", str(model),
+                                                "--root", store.root]))
+    assert f"cannot load a tokenizer from {model}" in error
+    registry = AdapterRegistry(store, "trained")
+    for step in (1, 2):
+        registry.publish_files({"adapter_config.json": b"{}", "adapter_model.safetensors": b"\0"}, str(model),
+                               step - 1, step)
+    evaluated = runner.invoke(app, ["eval-building", "--run", "trained", "--model", str(model), "--version", "999",
+                                    "--days", "1", "--policies", "behaviour,adapter", "--dataset", "short",
+                                    "--root", store.root])
+    error = _one_line_error(evaluated)
+    assert "run 'trained' has no adapter version 999" in error and "versions: 1, 2" in error
+    assert store.list("runs/trained/eval") == []  # refused before any policy played
+
+
+def test_list_flags_a_broken_card_and_still_lists_the_others(store):
+    generate_building_dataset(store, "good", GenerationSpec(days=1, policy="heuristic"))
+    store.put_create("datasets/bad/dataset.json", b"{not json")
+    listed = runner.invoke(app, ["list", "--root", store.root])
+    assert listed.exit_code == 1 and "Traceback" not in listed.output
+    assert "good" in listed.stdout and "bad" in listed.stdout and "not JSON" in listed.stdout
+    assert "1 dataset card cannot be read: bad" in listed.stderr
+    listed = runner.invoke(app, ["list", "--root", store.root, "--json"])
+    rows = {row["name"]: row for row in json.loads(listed.stdout)}
+    assert listed.exit_code == 1 and rows["good"]["rows"] == 288 and "not JSON" in rows["bad"]["error"]
+
+
+def test_to_trajectories_hints_the_documented_training_recipe(store, tiny_model_dir):
+    from pathlib import Path
+
+    generate_building_dataset(store, "short", GenerationSpec(days=1, policy="heuristic"))
+    result = runner.invoke(app, ["to-trajectories", "short", "--run", "r", "--model", tiny_model_dir,
+                                 "--history-turns", "0", "--root", store.root])
+    assert result.exit_code == 0, result.output
+    hint = next(line for line in result.stdout.splitlines() if line.startswith("train:"))
+    doc = (Path(__file__).parents[3] / "docs" / "offline.md").read_text()
+    recipe = doc[doc.index("rlpipe replay --run hvac-mixed-data"):].split("rlpipe datasets eval-building")[0]
+    documented = set(re.findall(r"--set (learner\.(?:loss|advantage|awr_beta|max_staleness)=\S+)", recipe))
+    assert "learner.awr_beta=2" in documented
+    assert documented <= set(re.findall(r"--set (\S+)", hint)), hint
+
+
+def test_sample_after_the_end_says_so_and_a_single_day_has_no_interval(store):
+    generate_building_dataset(store, "short", GenerationSpec(days=1, policy="heuristic"))
+    sampled = runner.invoke(app, ["sample", "short", "--start", "2030-01-01", "--root", store.root])
+    assert sampled.exit_code == 0
+    assert "no steps of short from 2030-01-01 00:00 on" in sampled.output and "it spans" in sampled.output
+    played = runner.invoke(app, ["eval-building", "--run", "base", "--dataset", "short", "--days", "1",
+                                 "--policies", "behaviour,random", "--set", "episode_days=0.01", "--root", store.root])
+    assert played.exit_code == 0, played.output
+    assert "n/a" in played.stdout and "± 0.000" not in played.stdout
+    assert "behaviour: day 1 of 1" in played.stderr  # a line per day played, off a terminal too
+    played = runner.invoke(app, ["eval-building", "--run", "base", "--dataset", "short", "--days", "2",
+                                 "--policies", "random", "--set", "episode_days=0.01", "--root", store.root,
+                                 "--json"])
+    assert played.exit_code == 0 and json.loads(played.stdout)[0]["ci95"] is not None
+    played = runner.invoke(app, ["eval-building", "--run", "base", "--dataset", "short", "--days", "1",
+                                 "--policies", "random", "--set", "episode_days=0.01", "--root", store.root,
+                                 "--json"])
+    assert played.exit_code == 0 and json.loads(played.stdout)[0]["ci95"] is None
+
+
+def test_the_docs_recipe_uses_the_benchmarks_history_and_temperature():
+    from pathlib import Path
+
+    from bench.offline_building import parse_args
+
+    bench = parse_args([])
+    doc = (Path(__file__).parents[3] / "docs" / "offline.md").read_text()
+    recipe = doc[:doc.index("## In the store")]
+    for command in ("rlpipe datasets to-trajectories", "rlpipe datasets eval-building"):
+        line = recipe[recipe.index(command):].split("\nrlpipe ")[0]
+        assert f"--history-turns {bench.history_turns}" in line, line
+    evaluation = recipe[recipe.index("rlpipe datasets eval-building"):].split("```")[0]
+    assert "--temperature 0.5" in evaluation and "0.5" in bench.temperatures.split(",")
