@@ -156,6 +156,8 @@ class TrainingEngine:
         self.base.to(self.device)
         self.input_vocab = int(self.base.get_input_embeddings().num_embeddings)
         self.output_vocab = int(self.base.get_output_embeddings().out_features)
+        # the longest datum it trains: the positions the model was built for (unknown: no bound)
+        self.max_length: int | None = getattr(model_config, "max_position_embeddings", None)
         self.max_batch_tokens = max_batch_tokens
         self.autocast = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         self.model: PeftModel | None = None
@@ -357,7 +359,7 @@ class TrainingEngine:
         normaliser = float(args.pop("normaliser", 1.0))
         if not (math.isfinite(normaliser) and normaliser > 0):
             raise EngineError(f"normaliser must be a positive number, got {normaliser}")
-        validate_datums(datums, loss, self.input_vocab, self.output_vocab)
+        validate_datums(datums, loss, self.input_vocab, self.output_vocab, self.max_length)
         return self._get(name), lambda logprobs_BT, batch: loss_fn(logprobs_BT, batch, normaliser, **args)
 
     def _run(

@@ -98,11 +98,15 @@ def _check_datum(datum: Datum, loss: str, input_vocab: int, output_vocab: int) -
         raise EngineError(f"temperature must be >= 0 (0 = greedy), got {datum.temperature}")
 
 
-def validate_datums(datums: Sequence[Datum], loss: str, input_vocab: int, output_vocab: int) -> None:
+def validate_datums(datums: Sequence[Datum], loss: str, input_vocab: int, output_vocab: int,
+                    max_length: int | None = None) -> None:
     """Check every datum of a request before anything runs; the error names the first bad datum."""
     if not datums:
         raise EngineError("no datums; send at least one")
     for index, datum in enumerate(datums):
+        if max_length is not None and isinstance(datum, Datum) and len(datum) > max_length:
+            raise EngineError(f"datum {index} has {len(datum)} tokens; the model takes at most {max_length} "
+                              "(its max_position_embeddings): split or shorten it")
         try:
             _check_datum(datum, loss, input_vocab, output_vocab)
         except EngineError as exc:

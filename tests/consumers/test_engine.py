@@ -204,6 +204,8 @@ def test_export_for_sampling_is_a_peft_folder_that_scores_like_the_engine(engine
         (lambda e: e.forward_backward("a", [Datum([1, 5000], [2, 3])], "cross_entropy"),
          "datum 0: tokens holds id 5000, outside the model's vocabulary"),
         (lambda e: e.forward("a", [Datum([1, 2], [2, -1])], "cross_entropy"), "target_tokens holds id -1"),
+        (lambda e: e.forward_backward("a", [Datum([1] * (e.max_length + 1), [2] * (e.max_length + 1))],
+                                      "cross_entropy"), r"datum 0 has \d+ tokens; the model takes at most \d+"),
         (lambda e: e.forward_backward("a", datums(1), "importance_sampling"), "needs logprobs"),
         (lambda e: e.forward_backward("a", datums(1), "dpo"), "unknown loss 'dpo'"),
         (lambda e: e.forward_backward("a", datums(1), "ppo", {"is_cap": 2.0}), "does not take"),
