@@ -34,6 +34,7 @@ import importlib.util
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -106,6 +107,7 @@ class TensorBoardLogger:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only once something is logged
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        wait_past_event_files(self.log_dir)
         log.info("TensorBoard event files in %s (view: tensorboard --logdir %s)", self.log_dir, self.log_dir.parent)
         return SummaryWriter(str(self.log_dir), purge_step=purge_step)
 
@@ -113,6 +115,21 @@ class TensorBoardLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def wait_past_event_files(log_dir: Path) -> None:
+    """Wait until the clock is past the second of every event file in ``log_dir``.
+
+    TensorBoard reads a folder's files in name order and names them ``events.out.tfevents.<second>.<host>.<pid>.
+    <counter>``, the counter not zero-padded: a file opened in the same second as an earlier one (a learner
+    restarted at once) could sort before it (".9" after ".10"), and the earlier file's steps would then replace
+    the retrained ones.  A file of a later second sorts after them all.
+    """
+    seconds = [int(parts[3]) for path in log_dir.glob("events.out.tfevents.*")
+               if len(parts := path.name.split(".")) > 3 and parts[3].isdigit()]
+    latest = max(seconds, default=0)
+    while time.time() < latest + 1:
+        time.sleep(min(1.0, latest + 1 - time.time()) + 0.01)
 
 
 class WandbLogger:

@@ -154,3 +154,23 @@ def test_wandb_offline_run_is_written_locally(tmp_path: Path, monkeypatch) -> No
     logger.log(METRICS)
     logger.close()
     assert list(tmp_path.glob("wandb/offline-run-*offline-run*"))
+
+
+def test_a_resumed_learners_event_file_sorts_after_the_crashed_ones_in_the_same_second(tmp_path: Path) -> None:
+    """TensorBoard reads a folder's event files in name order, and names them by the second, the pid and a counter
+    that is not zero-padded: a file made in the same second as an earlier one can sort first (".9" > ".10") and
+    the earlier file's steps then replace the retrained ones.  A new file is made only after every earlier second."""
+    import os
+    import socket
+    import time
+
+    from torch.utils.tensorboard import SummaryWriter  # noqa: F401  # imported now: the file opens at once below
+
+    later_second = int(time.time()) + 1  # an earlier writer's file of the second to come (the same second, or later)
+    earlier = tmp_path / f"events.out.tfevents.{later_second:010d}.{socket.gethostname()}.{os.getpid()}.99999"
+    earlier.write_bytes(b"")
+    logger = TensorBoardLogger(tmp_path)
+    logger.log({"step": 3, "loss": 1.0})
+    logger.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files[0] == earlier.name and len(files) == 2, files
