@@ -103,7 +103,7 @@ class Loop:
             prompts = [self.prompt_tokens(envs[i]) for i in live]
             self.calls += 1
             results = await asyncio.gather(*(
-                sampling.sample_async(types.ModelInput.from_ints(p), 1, types.SamplingParams(
+                sampling.sample(types.ModelInput.from_ints(p), 1, types.SamplingParams(
                     max_tokens=self.args.max_tokens, temperature=temperature, stop=["</answer>"],
                     seed=self.args.seed * 1_000_003 + self.calls * 10_007 + i))
                 for i, p in zip(live, prompts, strict=True)))
