@@ -22,13 +22,12 @@ obeys the name rule.
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from schemas.events import PAYLOAD_TYPES, Payload, Sha256
-from schemas.names import InvalidNameError, validate_name
+from schemas.names import MODEL_ID_RE, InvalidNameError, validate_name
 
 ApiOp = Literal[
     "create_model",
@@ -45,7 +44,6 @@ BodyFormat = Literal["json", "pb"]
 ErrorCategory = Literal["user", "server", "unknown"]
 SESSION_TIMEOUT_S = 300.0  # heartbeats every 10 s; a session silent this long has ended (engines unload it)
 
-_MODEL_ID_RE = re.compile(r"(?P<session>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<kind>train|sample):(?P<seq>[0-9]+)")
 
 
 class ApiError(ValueError):
@@ -86,7 +84,7 @@ def model_run_name(model_id: str) -> str:
 
     Session ids are made by the gateway without dots, so the mapping is one to one.
     """
-    match = _MODEL_ID_RE.fullmatch(model_id or "")
+    match = MODEL_ID_RE.fullmatch(model_id or "")
     if match is None:
         raise InvalidNameError(f"model_id {model_id!r} is not of the form <session>:train:<n>")
     return validate_name(f"{match['session']}.{match['kind']}.{match['seq']}", "model run name")

@@ -12,7 +12,8 @@ import re
 
 MAX_NAME_LENGTH = 64
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_TINKER_ID_RE = re.compile(r"(?P<session>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<kind>train|sample):(?P<seq>\d+)")
+# a Tinker model id (``<session>:train:<n>``, schemas.api): never a name, but named with its run when given as one
+MODEL_ID_RE = re.compile(r"(?P<session>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<kind>train|sample):(?P<seq>[0-9]+)")
 
 
 class InvalidNameError(ValueError):
@@ -25,7 +26,7 @@ def validate_name(value: str, kind: str = "name") -> str:
         raise InvalidNameError(f"{kind} must be a non-empty string")
     if len(value) > MAX_NAME_LENGTH:
         raise InvalidNameError(f"{kind} {value[:20]!r}... is {len(value)} characters; use at most {MAX_NAME_LENGTH}")
-    tinker = _TINKER_ID_RE.fullmatch(value)
+    tinker = MODEL_ID_RE.fullmatch(value)
     if tinker is not None:
         raise InvalidNameError(f"{kind} {value!r} is a Tinker model id: its run is "
                                f"'{tinker['session']}.{tinker['kind']}.{tinker['seq']}'")

@@ -279,9 +279,6 @@ class TrainerWorker:
             raise ApiError(f"no session {session_id!r} for this API key; use your own session's models and paths")
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
-    def _weights_key(self, path: TinkerPath) -> str:
-        return weights_key(path)
-
     def _save_weights(self, model: _Model, call: ApiRequestAccepted, request: types.SaveWeightsRequest) -> bytes:
         """The state under its name, then its record (naming this call).  A name another save recorded is
         refused unless the call asks to overwrite it; this call's own earlier attempt (killed before its result)
@@ -297,7 +294,7 @@ class TrainerWorker:
             raise ApiError(f"weights {path.name!r} of {model.model_id} already exist; save under another name, "
                            "pass overwrite=True, or delete them first (delete_checkpoint)")
         state = ops.save_state(self.engine, model.model_id, True)
-        self.store.put(self._weights_key(path), state)
+        self.store.put(weights_key(path), state)
         self._record_checkpoint(model, "weights", path, len(state), {"request_id": call.request_id})
         return _json({"type": "save_weights", "path": str(path)})
 
@@ -335,7 +332,7 @@ class TrainerWorker:
             raise ApiError(f"{request.path} is sampler weights; load a tinker://.../weights/<name> path")
         self._check_tenant(call.tenant, path.run.split(".")[0])
         try:
-            state = self.store.get(self._weights_key(path))
+            state = self.store.get(weights_key(path))
         except FileNotFoundError:
             raise ApiError(f"no saved weights at {request.path}; see list_checkpoints") from None
         ops.load_state(self.engine, model.model_id, state, request.optimizer)

@@ -243,10 +243,12 @@ class TrajectoryArchive:
         """Refuse (``ChecksumError``, naming the batch and the fix) the first batch whose file no longer has the
         digest its commit record holds: replay checks every batch before it trains or announces any."""
         for commit in commits:
-            if sha256_hex(self.store.get(commit.key)) != commit.sha256:
+            try:
+                self.store.get(commit.key, sha256=commit.sha256)
+            except ChecksumError:
                 raise ChecksumError(f"trajectory batch {commit.batch_id} of run {run_id} "
                                     f"({self.store.url(commit.key)}) does not match the sha256 in its commit "
-                                    f"record: it is corrupt or was replaced; {damaged_run_fix(run_id)}")
+                                    f"record: it is corrupt or was replaced; {damaged_run_fix(run_id)}") from None
 
     def read_batch(self, path: str, sha256: str | None = None) -> pa.Table:
         """The batch at ``path`` (a key from an event), digest-verified when ``sha256`` is given, schema-checked."""
