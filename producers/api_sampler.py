@@ -374,10 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.io.bus import group_timings_from_env
     from pipeline.runtime import StopFlag
     from producers.samplers.engine import make_engine
-    from schemas.config import SamplerConfig
+    from schemas.config import LORA_RANK_SLOTS, SamplerConfig
 
     parser = engine_arguments("rlpipe-api-sampler", main.__doc__)
     parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    parser.add_argument("--max-lora-rank", type=int, default=None, choices=LORA_RANK_SLOTS,
+                        help="--backend vllm: the largest adapter rank it loads (default: the sampler config's)")
     parser.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS,
                         help="adapter versions kept loaded (least recently sampled out first)")
     parser.add_argument("--direct-port", type=int, default=None,
@@ -385,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bus = engine_setup(args, log)
     log.info("initialising the %s sampling engine for %s", args.backend, args.base_model)
-    engine = make_engine(args.backend, args.base_model, SamplerConfig(backend=args.backend))
+    config = SamplerConfig(backend=args.backend)
+    if args.max_lora_rank:
+        config = config.model_copy(update={"max_lora_rank": args.max_lora_rank})
+    engine = make_engine(args.backend, args.base_model, config)
     tokenizer = AutoTokenizer.from_pretrained(args.base_model)
     store = ObjectStore(args.store)
     worker = SamplerWorker(store, bus, args.base_model, engine,

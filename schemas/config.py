@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -94,6 +94,10 @@ class EnvSpec(_Section):
     )
 
 
+LoraRankSlot = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]  # the max_lora_rank values vLLM accepts
+LORA_RANK_SLOTS: tuple[int, ...] = get_args(LoraRankSlot)
+
+
 class SamplerConfig(_Section):
     """How the producer samples from the policy."""
 
@@ -113,7 +117,7 @@ class SamplerConfig(_Section):
     max_model_len: int = Field(2048, ge=64, le=1_048_576, description="context length the engine allows")
     gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0, description="vLLM memory share (KV cache on CPU)")
     max_loras: int = Field(3, ge=1, le=64, description="adapter versions kept loaded (>= max_staleness + 1)")
-    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(8, description="vLLM LoRA rank slot")
+    max_lora_rank: LoraRankSlot = Field(8, description="vLLM LoRA rank slot")
     seed: int = Field(0, ge=0, description="sampling seed")
 
 

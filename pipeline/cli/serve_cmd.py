@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 app = typer.Typer(name="serve", add_completion=False)
 log = logging.getLogger("rlpipe.serve")
 Role = Literal["all", "gateway", "trainer", "sampler"]
+DEFAULT_MAX_LORA_RANK = 32  # the tinker SDK's default rank
 
 
 def trainer_command(base_model: str, store_root: str, bootstrap: str, namespace: str) -> list[str]:
@@ -45,10 +46,13 @@ def trainer_command(base_model: str, store_root: str, bootstrap: str, namespace:
 
 
 def sampler_command(base_model: str, store_root: str, bootstrap: str, namespace: str, backend: str,
-                    direct_port: int | None = None) -> list[str]:
-    """The argv of one sampler process (one per base model); ``direct_port``: its direct endpoint."""
+                    direct_port: int | None = None, max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> list[str]:
+    """The argv of one sampler process (one per base model); ``direct_port``: its direct endpoint;
+    ``max_lora_rank``: the largest adapter rank a vLLM sampler loads."""
     command = [sys.executable, "-m", "producers.api_sampler", "--base-model", base_model, "--store", store_root,
                "--bootstrap", bootstrap, "--namespace", namespace, "--backend", backend]
+    if backend == "vllm":
+        command += ["--max-lora-rank", str(max_lora_rank)]
     return command + (["--direct-port", str(direct_port)] if direct_port else [])
 
 
@@ -102,6 +106,9 @@ def serve(
     host: Annotated[str, typer.Option(help="Address the gateway listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the gateway.")] = 8000,
     sampler: Annotated[str, typer.Option(help="Sampling engine: transformers | vllm.")] = "transformers",
+    max_lora_rank: Annotated[int, typer.Option(
+        help="--sampler vllm: the largest LoRA rank it samples (vLLM reserves a slot this wide per adapter; "
+             "one of 1, 8, 16, 32, 64, 128, 256, 320, 512).")] = DEFAULT_MAX_LORA_RANK,
     direct_port: Annotated[int | None, typer.Option(
         min=1, max=65535, help="--role sampler: also take calls straight from a gateway on 127.0.0.1:PORT "
                                "(PORT+1, ... for further base models).")] = None,
@@ -117,11 +124,15 @@ def serve(
     from pipeline.models import check_model_path
     from pipeline.runtime import open_store, resolved_bus
     from pipeline.topics import API_TOPIC_KINDS
+    from schemas.config import LORA_RANK_SLOTS
 
     if role not in ("all", "gateway", "trainer", "sampler"):
         fail(f"--role {role!r} is not one of all, gateway, trainer, sampler", EXIT_USAGE)
     if sampler not in ("transformers", "vllm"):
         fail(f"--sampler {sampler!r} is not one of transformers, vllm", EXIT_USAGE)
+    if max_lora_rank not in LORA_RANK_SLOTS:
+        fail(f"--max-lora-rank {max_lora_rank} is not a vLLM rank slot; use one of "
+             f"{', '.join(map(str, LORA_RANK_SLOTS))}", EXIT_USAGE)
     if direct_sampler and role != "gateway":
         fail("--direct-sampler is for --role gateway; --role all wires its samplers itself", EXIT_USAGE)
     bad = [url for url in direct_sampler or [] if not url.startswith(("http://", "https://"))]
@@ -151,7 +162,7 @@ def serve(
     direct_ports = ({m: free_port() for m in models} if role == "all"
                     else {m: direct_port + i for i, m in enumerate(models)} if direct_port else {})
     engines += [(f"sampler for {m}", sampler_command(m, store.root, bus.bootstrap_servers, bus.namespace, sampler,
-                                                     direct_ports.get(m)))
+                                                     direct_ports.get(m), max_lora_rank))
                 for m in models] if role in ("all", "sampler") else []
     if role in ("trainer", "sampler"):  # one role per process: its supervisor (Kubernetes) starts it again
         workers = [subprocess.Popen(command, env=env) for _, command in engines]

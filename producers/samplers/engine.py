@@ -193,12 +193,12 @@ class VLLMEngine(SamplingEngine):
         if not cuda:
             engine_kwargs.setdefault("enable_chunked_prefill", False)
             engine_kwargs.setdefault("max_num_batched_tokens", max(config.max_model_len, 2048))
-        self._init_state(config, not cuda if zero_base_adapter is None else zero_base_adapter)
+        self._init_state(config, not cuda if zero_base_adapter is None else zero_base_adapter, max_lora_rank)
         args = AsyncEngineArgs(
             model=model_path,
             enable_lora=True,
             max_loras=(max_loras or config.max_loras) + (1 if self.zero_base_adapter else 0),
-            max_lora_rank=max_lora_rank or config.max_lora_rank,
+            max_lora_rank=self.max_lora_rank,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_model_len=config.max_model_len,
             dtype=checkpoint_dtype(model_path) if dtype == "auto" else dtype,
@@ -211,9 +211,10 @@ class VLLMEngine(SamplingEngine):
         self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
 
-    def _init_state(self, config: SamplerConfig, zero_base_adapter: bool) -> None:
+    def _init_state(self, config: SamplerConfig, zero_base_adapter: bool, max_lora_rank: int | None = None) -> None:
         """Everything but the vLLM engine itself (``_llm``)."""
         self.config = config
+        self.max_lora_rank = max_lora_rank or config.max_lora_rank
         self.max_model_len = config.max_model_len
         self.zero_base_adapter = zero_base_adapter
         self._handles: dict[tuple[str, int], AdapterHandle] = {}  # (run, version) -> the handle it serves
@@ -243,7 +244,7 @@ class VLLMEngine(SamplingEngine):
     async def load_adapter(self, handle: AdapterHandle) -> None:
         """Load ``handle`` into the engine once (concurrent first requests wait for the same load)."""
         handle.check_folder()
-        check_vllm_can_load(handle.path)
+        check_vllm_can_load(handle.path, self.max_lora_rank)
         request = self._lora_request(handle)
         key = (handle.run, handle.version)
         if self.zero_base_adapter and self._base is None and handle.run != BASE_RUN:

