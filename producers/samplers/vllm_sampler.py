@@ -58,8 +58,8 @@ def check_vllm_can_load(folder: str, max_lora_rank: int) -> None:
     if rank > max_lora_rank:
         wanted = min((slot for slot in LORA_RANK_SLOTS if slot >= rank), default=LORA_RANK_SLOTS[-1])
         raise ValueError(
-            f"adapter {folder} has LoRA rank {rank}, above this vLLM engine's max_lora_rank {max_lora_rank}: "
-            f"start the sampler with a larger slot (rlpipe serve --max-lora-rank {wanted}; a run's "
+            f"these weights have LoRA rank {rank}, above this vLLM sampler's max_lora_rank {max_lora_rank}: "
+            f"sample them from a sampler with a larger slot (rlpipe serve --max-lora-rank {wanted}, or a run's "
             f"sampler.max_lora_rank={wanted}), or train at rank {max_lora_rank} or less"
         )
 
