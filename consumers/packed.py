@@ -53,6 +53,7 @@ from pipeline.models import resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import LearnerConfig, RunConfig
 from schemas.config import check_packable as packable
+from schemas.events import LearnerLeft
 
 log = logging.getLogger("rlpipe.learner")
 
@@ -332,6 +333,7 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                     join(packed, change.config, open_run, close_run)
                 else:
                     learner = packed.remove(change.run_id, after_step)
+                    learner.announce(LearnerLeft(step=learner.state.step, version=learner.state.version))
                     close_run(change.run_id)
                     log.info("run %s left at step %d, version %d", learner.run_id, learner.state.step,
                              learner.state.version)

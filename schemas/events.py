@@ -163,6 +163,19 @@ class LearnerProgress(Payload):
     )
 
 
+class LearnerLeft(Payload):
+    """learner -> monitors, on ``<ns>.control``: a packed learner let the run go (a ``RunStopped``, or its budget
+    reached) after training the rows it had waiting; its final checkpoint is durable.
+
+    A run stopped while its learner still trains gets this learner's last events after its ``RunStopped``;
+    this event says that they were its wind-down, not a restart (``rlpipe runs show``).
+    """
+
+    event_type: ClassVar[str] = "LearnerLeft"
+    step: NonNegInt
+    version: Version
+
+
 class RunStopped(Payload):
     """launcher -> everyone, on ``<ns>.control``: the run ended."""
 
@@ -195,6 +208,7 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
         ProducerHeartbeat,
         LearnerCheckpointed,
         LearnerProgress,
+        LearnerLeft,
         RunStopped,
         DeadLetter,
     )

@@ -41,7 +41,7 @@ from pipeline.io.registry import AdapterRegistry, run_ids
 from pipeline.io.store import ObjectStore
 from schemas.checkpoint import checkpoint_prefix, complete_folders
 from schemas.config import BusConfig
-from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted, RunStopped
+from schemas.events import LearnerCheckpointed, LearnerLeft, ProducerHeartbeat, RunStarted, RunStopped
 from schemas.names import validate_name
 
 ACTIVE_WITHIN_S = 120.0  # a run with an event this recent (heartbeats come every few seconds) is running
@@ -71,6 +71,8 @@ class RunActivity:
             self.live_s = time_s
         if isinstance(payload, RunStopped):
             self.stopped_s, self.stop_reason = time_s, payload.reason
+        elif isinstance(payload, LearnerLeft) and self.stopped_s is not None and time_s >= self.stopped_s:
+            self.live_s = self.stopped_s  # what the learner sent since the stop was its wind-down, not a restart
         elif isinstance(payload, RunStarted):
             self.stopped_s = self.stop_reason = None  # started (again) after any earlier stop
         elif isinstance(payload, LearnerCheckpointed):
@@ -197,7 +199,8 @@ def run_status(summary: RunSummary, activity: RunActivity | None, log_read: bool
     """running (recent events, no stop after them) > finished (max_steps reached) > stopped > idle > unknown.
 
     Producer heartbeats within ``LEAVING_WITHIN_S`` after a stop are its producers letting the run go, not a
-    restart; any other event after a stop (a resumed learner's) is one.
+    restart, and so is what a packed learner sent after a stop up to its ``LearnerLeft``; any other event after a
+    stop (a resumed learner's) is one.
     """
     now_s = time.time() if now_s is None else now_s
     recent = activity is not None and activity.last_event_s is not None and now_s - activity.last_event_s < ACTIVE_WITHIN_S

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -58,6 +59,10 @@ def test_a_run_joins_and_leaves_packed_processes_while_another_trains(tmp_path, 
         wait_for(lambda: all("run late-1 left" in p.read_text() for p in logs.values()), "late-1 leaving", 300,
                  list(logs.values()))
         left_at = newest_state(store, "late-1")["step"]
+        shown = subprocess.run([*RLPIPE, "runs", "show", "--run", "late-1", "--json", "--root", store_root,
+                                "--bootstrap", kafka_broker.bootstrap_servers, "--namespace", "e2efollow"],
+                               env=env, capture_output=True, text=True, timeout=120)
+        assert json.loads(shown.stdout)["status"] == "stopped", shown.stdout + shown.stderr  # not its wind-down's
         base_then = len(AdapterRegistry(store, "base").versions())
         wait_for(lambda: len(AdapterRegistry(store, "base").versions()) > base_then, "base going on", 300,
                  list(logs.values()))

@@ -20,7 +20,15 @@ from pipeline.io.store import ObjectStore
 from pipeline.runtime import create_run
 from schemas.checkpoint import LearnerState
 from schemas.config import BusConfig, RunConfig
-from schemas.events import LearnerCheckpointed, LearnerProgress, ProducerHeartbeat, RunStarted, RunStopped, make_event
+from schemas.events import (
+    LearnerCheckpointed,
+    LearnerLeft,
+    LearnerProgress,
+    ProducerHeartbeat,
+    RunStarted,
+    RunStopped,
+    make_event,
+)
 from tests.pipeline.io.test_registry import make_adapter
 
 runner = CliRunner(env={"COLUMNS": "220"})
@@ -158,6 +166,25 @@ def test_a_run_whose_processes_report_while_letting_it_go_is_not_running_again()
     late.add(now - 100, RunStopped(reason="stopped"))
     late.add(now - 5, heartbeat)  # long after the stop: started again
     assert run_status(RunSummary("d", "unknown", steps=1), late, log_read=True, now_s=now) == "running"
+
+
+def test_a_run_a_packed_learner_let_go_after_training_its_waiting_rows_is_stopped() -> None:
+    """`runs stop` on a packed run: its learner trains the rows waiting and checkpoints after the RunStopped, then
+    says it let the run go.  The run is stopped from then on (it read "running", then "idle" for ever); a learner's
+    report after that (a resume) makes it running again."""
+    now = 1_000_000.0
+    checkpointed = LearnerCheckpointed(step=4, version=4, path="runs/a/checkpoints/4", offsets={})
+    winding = RunActivity()
+    winding.add(now - 30, RunStopped(reason="stopped by rlpipe runs stop", final_step=3))
+    winding.add(now - 20, LearnerProgress(step=4, version=4, positions={}))
+    winding.add(now - 19, checkpointed)
+    assert run_status(RunSummary("a", "unknown", steps=4), winding, log_read=True, now_s=now) == "running"
+    winding.add(now - 18, LearnerLeft(step=4, version=4))
+    for later in (now, now + 3600):
+        assert run_status(RunSummary("a", "unknown", steps=4), winding, log_read=True, now_s=later) == "stopped"
+    assert winding.stop_reason == "stopped by rlpipe runs stop" and winding.last_step == 4
+    winding.add(now - 5, LearnerProgress(step=4, version=4, positions={}))  # started again
+    assert run_status(RunSummary("a", "unknown", steps=4), winding, log_read=True, now_s=now) == "running"
 
 
 def test_activity_is_read_per_run_from_the_control_topic(bus_config: BusConfig) -> None:
