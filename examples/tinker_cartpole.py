@@ -160,6 +160,7 @@ class Turn:
 class Episode:
     turns: list[Turn] = field(default_factory=list)
     cut: bool = False  # ended by the step limit rather than a fall or an answer without an action
+    no_action: bool = False  # ended by an answer that held no action
     last_state: np.ndarray = field(default_factory=lambda: np.zeros(4))
 
     @property
@@ -250,7 +251,7 @@ class Loop:
                 action = parse_action(self.tokenizer.decode(sequence.tokens, skip_special_tokens=True))
                 reward = 0.0
                 if action is None:  # an answer that holds no action ends the episode
-                    envs[i].done = True
+                    envs[i].done = episodes[i].no_action = True
                 else:
                     reward = envs[i].step(action)
                 episode = episodes[i]
@@ -291,17 +292,19 @@ class Loop:
             self.train(data, self.args.loss)
             self.training.optim_step(types.AdamParams(learning_rate=self.args.rl_lr)).result()
         returns = [e.total for e in runs]
-        print(f"rl step {step}: mean return {np.mean(returns):.1f} over {len(returns)} episodes, "
+        print(f"rl step {step}: mean return {np.mean(returns):.1f} over {len(returns)} episodes "
+              f"({sum(e.no_action for e in runs)} ended by an answer without an action), "
               f"{len(data)} datums ({time.monotonic() - started:.1f} s)", flush=True)
 
     # 3. held-out evaluation
     def evaluate(self, sampling, label: str) -> tuple[float, float]:
         seeds = list(range(90_000, 90_000 + self.args.eval_episodes))
-        returns = np.array([e.total for e in asyncio.run(self.episodes(sampling, seeds, 1.0))])
+        played = asyncio.run(self.episodes(sampling, seeds, 1.0))
+        returns = np.array([e.total for e in played])
         self.evaluations[label] = returns.tolist()
         half = 1.96 * returns.std(ddof=1) / math.sqrt(len(returns)) if len(returns) > 1 else float("nan")
-        print(f"held-out {label}: return {returns.mean():.1f} +/- {half:.1f} (95%, {len(returns)} episodes)",
-              flush=True)
+        print(f"held-out {label}: return {returns.mean():.1f} +/- {half:.1f} (95%, {len(returns)} episodes; "
+              f"{sum(e.no_action for e in played)} ended by an answer without an action)", flush=True)
         return float(returns.mean()), float(half)
 
 
