@@ -10,22 +10,33 @@ import pytest
 from producers.samplers.vllm_sampler import check_vllm_can_load
 
 
-def _adapter(tmp_path: Path, targets) -> Path:
+def _adapter(tmp_path: Path, targets, rank: int = 8, **config) -> Path:
     folder = tmp_path / "adapter"
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "target_modules": targets}))
+    folder.mkdir(exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "target_modules": targets,
+                                                            **config}))
     return folder
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj", "lm_head"], "(.*q_proj|lm_head)"])
 def test_a_lora_on_the_output_head_is_refused_naming_train_unembed(tmp_path, targets):
     with pytest.raises(ValueError, match="train_unembed=False") as refused:
-        check_vllm_can_load(str(_adapter(tmp_path, targets)))
+        check_vllm_can_load(str(_adapter(tmp_path, targets)), 8)
     assert "lm_head" in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_linear_layers_only_load(tmp_path):
-    check_vllm_can_load(str(_adapter(tmp_path, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])))
+    check_vllm_can_load(str(_adapter(tmp_path, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"])), 8)
+
+
+def test_a_rank_above_the_engines_slot_is_refused_naming_the_slot_that_takes_it(tmp_path):
+    """The rank of the weights, or of any module in peft's rank_pattern; the fix names vLLM's next slot up."""
+    check_vllm_can_load(str(_adapter(tmp_path, ["q_proj"], rank=32)), 32)
+    with pytest.raises(ValueError, match=r"rank 24, above this vLLM sampler's max_lora_rank 16") as refused:
+        check_vllm_can_load(str(_adapter(tmp_path, ["q_proj"], rank=24)), 16)
+    assert "--max-lora-rank 32" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"rank 64\b.*--max-lora-rank 64"):
+        check_vllm_can_load(str(_adapter(tmp_path, ["q_proj"], rank=8, rank_pattern={"q_proj": 64})), 32)
 
 
 def _prepare_in_a_process(tmp_path: Path, **env: str) -> str:
