@@ -22,7 +22,8 @@ here, client-side; the server only trains and samples.  The recipe is the one
 3. held-out evaluation: the base model, the warm start and the last weights on
    unseen seeds (sampled at temperature 1, as trained), mean return with a 95% interval.
 
-An answer that holds no action ends its episode.
+An answer that holds no action costs 0.1 and shows the same state again, as rlpipe's
+environments do (``format_penalty``); an episode has at most ``--max-steps`` turns.
 
   rlpipe serve                                 # prints the base URL and the base model path
   TINKER_API_KEY=tml-me python examples/tinker_cartpole.py --base-url http://127.0.0.1:8000 \\
@@ -45,6 +46,7 @@ from tinker import types
 from transformers import AutoTokenizer
 
 ACTIONS = ("left", "right")
+FORMAT_PENALTY = -0.1  # the reward of an answer that holds no action (rlpipe's environments: format_penalty)
 SYSTEM = (
     "CartPole: keep a pole balanced upright on a moving cart by pushing the cart left or right. +1 per step until "
     "the pole falls past 12 degrees or the cart leaves the track (|x| > 2.4).\n"
@@ -59,11 +61,20 @@ SYSTEM = (
 
 
 class CartPole:
-    """Gym's CartPole-v0: Euler steps, +1 per step until |angle| > 12 degrees or |x| > 2.4, 200 steps at most."""
+    """Gym's CartPole-v0: Euler steps, +1 per step until |angle| > 12 degrees or |x| > 2.4, 200 steps at most.
+
+    As in rlpipe's environment, a turn whose answer holds no action costs ``FORMAT_PENALTY`` and leaves the cart
+    as it was; an episode has at most ``max_steps`` turns, such turns included."""
 
     def __init__(self, seed: int, max_steps: int) -> None:
         self.state = np.random.default_rng(seed).uniform(-0.05, 0.05, 4)
-        self.max_steps, self.steps, self.done, self.fell = max_steps, 0, False, False
+        self.max_steps, self.steps, self.turns, self.done, self.fell = max_steps, 0, 0, False, False
+
+    def skip(self) -> float:
+        """A turn without an action: the penalty, the cart unchanged."""
+        self.turns += 1
+        self.done = self.turns >= self.max_steps
+        return FORMAT_PENALTY
 
     def step(self, action: int) -> float:
         x, x_dot, theta, theta_dot = self.state
@@ -75,8 +86,9 @@ class CartPole:
         self.state = np.array([x + 0.02 * x_dot, x_dot + 0.02 * x_acc, theta + 0.02 * theta_dot,
                                theta_dot + 0.02 * theta_acc])
         self.steps += 1
+        self.turns += 1
         self.fell = abs(self.state[0]) > 2.4 or abs(self.state[2]) > 12 * 2 * math.pi / 360
-        self.done = self.fell or self.steps >= self.max_steps
+        self.done = self.fell or self.turns >= self.max_steps
         return 1.0
 
     def observation(self) -> str:
@@ -159,8 +171,8 @@ class Turn:
 @dataclass
 class Episode:
     turns: list[Turn] = field(default_factory=list)
-    cut: bool = False  # ended by the step limit rather than a fall or an answer without an action
-    no_action: bool = False  # ended by an answer that held no action
+    cut: bool = False  # ended by the turn limit rather than a fall
+    no_action: int = 0  # turns whose answer held no action
     last_state: np.ndarray = field(default_factory=lambda: np.zeros(4))
 
     @property
@@ -207,6 +219,9 @@ class Loop:
             inputs[name] = [0.0] * (len(prompt) - 1) + values
         return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
 
+    def adam(self, learning_rate: float) -> types.AdamParams:
+        return types.AdamParams(learning_rate=learning_rate, beta2=self.args.beta2)
+
     def train(self, data: list[types.Datum], loss: str) -> types.ForwardBackwardOutput:
         self.tokens["trained"] += sum(d.model_input.length for d in data)
         return self.training.forward_backward(data, loss).result()
@@ -226,7 +241,7 @@ class Loop:
         for step in range(self.args.sft_steps):
             batch = [rows[i] for i in rng.choice(len(rows), min(self.args.batch, len(rows)), replace=False)]
             out = self.train([self.datum(p, a, w) for p, a, w in batch], "cross_entropy")
-            self.training.optim_step(types.AdamParams(learning_rate=self.args.sft_lr)).result()
+            self.training.optim_step(self.adam(self.args.sft_lr)).result()
             weight = sum(w * len(a) for _, a, w in batch)
             print(f"sft step {step}: loss/token {out.metrics['loss:sum'] / weight:.3f}", flush=True)
 
@@ -249,15 +264,15 @@ class Loop:
                 self.tokens["sampled"] += len(sequence.tokens)
                 state = envs[i].state.copy()
                 action = parse_action(self.tokenizer.decode(sequence.tokens, skip_special_tokens=True))
-                reward = 0.0
-                if action is None:  # an answer that holds no action ends the episode
-                    envs[i].done = episodes[i].no_action = True
+                if action is None:  # an answer that holds no action: the penalty, and the same state again
+                    reward = envs[i].skip()
+                    episodes[i].no_action += 1
                 else:
                     reward = envs[i].step(action)
                 episode = episodes[i]
                 episode.turns.append(Turn(prompt, list(sequence.tokens), list(sequence.logprobs), reward, state))
-                if envs[i].done:  # cut at the step limit: the state it was cut in still had a future
-                    episode.cut = action is not None and envs[i].steps >= self.args.max_steps and not envs[i].fell
+                if envs[i].done:  # cut at the turn limit: the state it was cut in still had a future
+                    episode.cut = not envs[i].fell
                     episode.last_state = envs[i].state.copy()
         return episodes
 
@@ -290,10 +305,10 @@ class Loop:
                 for i in picked if turns[i].tokens and spread > 0]
         if data:
             self.train(data, self.args.loss)
-            self.training.optim_step(types.AdamParams(learning_rate=self.args.rl_lr)).result()
+            self.training.optim_step(self.adam(self.args.rl_lr)).result()
         returns = [e.total for e in runs]
         print(f"rl step {step}: mean return {np.mean(returns):.1f} over {len(returns)} episodes "
-              f"({sum(e.no_action for e in runs)} ended by an answer without an action), "
+              f"({answers_without_action(runs)}), "
               f"{len(data)} datums ({time.monotonic() - started:.1f} s)", flush=True)
 
     # 3. held-out evaluation
@@ -304,8 +319,13 @@ class Loop:
         self.evaluations[label] = returns.tolist()
         half = 1.96 * returns.std(ddof=1) / math.sqrt(len(returns)) if len(returns) > 1 else float("nan")
         print(f"held-out {label}: return {returns.mean():.1f} +/- {half:.1f} (95%, {len(returns)} episodes; "
-              f"{sum(e.no_action for e in played)} ended by an answer without an action)", flush=True)
+              f"{answers_without_action(played)})", flush=True)
         return float(returns.mean()), float(half)
+
+
+def answers_without_action(episodes: list[Episode]) -> str:
+    """``N of M answers held no action`` over ``episodes``' turns."""
+    return f"{sum(e.no_action for e in episodes)} of {sum(len(e.turns) for e in episodes)} answers held no action"
 
 
 def ratio(last: tuple[float, float], before: tuple[float, float], what: str) -> str:
@@ -320,8 +340,8 @@ def main() -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--base-model", required=True, help="the base model name rlpipe serve printed")
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--train-unembed", action=argparse.BooleanOptionalAction, default=True,
-                        help="a LoRA on the output head too (--no-train-unembed for a server sampling with vLLM)")
+    parser.add_argument("--train-unembed", action=argparse.BooleanOptionalAction, default=False,
+                        help="a LoRA on the output head too (a server sampling with vLLM cannot load it)")
     parser.add_argument("--max-steps", type=int, default=200, help="episode length limit")
     parser.add_argument("--max-tokens", type=int, default=12, help="tokens per answer")
     parser.add_argument("--demo-episodes", type=int, default=250)
@@ -331,6 +351,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128, help="rows per warm-start step")
     parser.add_argument("--rl-steps", type=int, default=12)
     parser.add_argument("--rl-lr", type=float, default=1e-3)
+    parser.add_argument("--beta2", type=float, default=0.999,
+                        help="Adam's second-moment decay (the SDK's default, 0.95, kept the warm start from learning)")
     parser.add_argument("--train-turns", type=int, default=512,
                         help="turns an RL step trains on at most (drawn uniformly once its episodes are longer)")
     parser.add_argument("--loss", default="importance_sampling", choices=["importance_sampling", "ppo", "cispo"],

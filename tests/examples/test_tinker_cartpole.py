@@ -78,3 +78,17 @@ def test_a_long_steps_turns_are_subsampled_uniformly_and_short_ones_kept_whole(l
     for _ in range(200):
         counts[loop.train_subset(1500, 512, rng)] += 1
     assert abs(counts[:500].mean() - counts[-500:].mean()) < 5 and abs(counts.mean() / 200 - 512 / 1500) < 1e-9
+
+
+def test_an_answer_without_an_action_costs_the_penalty_and_a_turn_and_leaves_the_cart(loop):
+    """As in rlpipe's environments: the same state again, -0.1, and it counts towards the turn limit."""
+    env = loop.CartPole(3, 4)
+    before = env.state.copy()
+    assert env.skip() == pytest.approx(-0.1) and not env.done
+    assert np.array_equal(env.state, before) and (env.steps, env.turns) == (0, 1)
+    env.step(1)
+    env.skip()
+    assert not env.done and (env.steps, env.turns) == (1, 3)
+    env.step(0)
+    assert env.done and not env.fell and (env.steps, env.turns) == (2, 4)  # the turn limit, not a fall
+    assert loop.parse_action("<answer>up</answer>") is None and loop.parse_action("<answer> Left </answer>") == 0

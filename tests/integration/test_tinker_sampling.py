@@ -191,7 +191,8 @@ def test_the_cartpole_example_runs_end_to_end_for_two_steps(server, tmp_path):
     assert "sft step 1" in done.stdout and "rl step 1" in done.stdout and "held-out last version" in done.stdout
     result = json.loads((tmp_path / "r.json").read_text())  # what rlpipe sweep reads
     assert set(result["evaluations"]) == {"base model", "warm start"} and len(result["samples"]) == 3
-    assert all(1 <= r <= 5 or r == 0 for r in result["samples"])
+    # 5 turns at most: +1 a push, -0.1 an answer without an action
+    assert all(-0.5 <= r <= 5 and abs(r * 10 - round(r * 10)) < 1e-6 for r in result["samples"])
     assert result["tokens"]["sampled"] > 0 and result["tokens"]["trained"] > 0
 
 
@@ -232,7 +233,7 @@ def test_a_sweep_of_the_cartpole_loop_packs_a_2x2_grid_onto_the_server(server, t
         "rl-lr=1e-3 loss=importance_sampling", "rl-lr=1e-3 loss=ppo", "rl-lr=1e-4 loss=importance_sampling",
         "rl-lr=1e-4 loss=ppo"]
     for entry in board["entries"]:
-        assert entry["finished"] == 1 and entry["samples"] == 3 and 0 <= entry["mean"] <= 5
+        assert entry["finished"] == 1 and entry["samples"] == 3 and -0.5 <= entry["mean"] <= 5
         assert set(entry["evaluations"]) == {"base model", "warm start"}  # beside the score (the last version)
     for index in range(4):  # each experiment trained its own session for two RL steps
         log = (folder / f"exp-{index:03d}" / "log.txt").read_text()
