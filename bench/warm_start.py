@@ -15,8 +15,13 @@ states by teacher forcing and prints
   renormalised (the teacher's is ``1 - noise / 2``);
 - ``favour``: the share of states in which the heuristic's answer is the likelier.
 
+With ``--api`` the same rows train through the training engine as the Tinker API
+does (``consumers.engine``: LoRA alpha 32 on the same modules, a loss summed over
+tokens, AdamW with the SDK's ``AdamParams``: beta2 0.95, eps 1e-12 unless given).
+
     python bench/warm_start.py                      # the tiny model init-tiny built, 150 steps of 128 rows
     python bench/warm_start.py --learning-rate 5e-3 --steps 60
+    python bench/warm_start.py --api --beta2 0.999 --eps 1e-8 --steps 100
 """
 
 from __future__ import annotations
@@ -69,6 +74,49 @@ def score(policy: LoraPolicy, pairs: list[tuple[dict, dict]]) -> tuple[float, fl
                                [[0.0] * len(r["tokens"]) for r in flat], [0.0] * len(flat), 16_384):
         with torch.no_grad():
             totals += policy.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT).sum(-1).tolist()
+    return _chosen(totals, pairs)
+
+
+class ApiTrainer:
+    """The warm start through ``TrainingEngine``, as the Tinker API's trainer runs ``forward_backward`` and
+    ``optim_step`` (weights per token, the loss summed), scored from the engine's own forward."""
+
+    def __init__(self, model_dir: str, rank: int, alpha: float, learning_rate: float, beta2: float | None,
+                 eps: float | None) -> None:
+        from consumers.api.ops import LORA_ALPHA
+        from consumers.engine import AdamParams, TrainingEngine
+
+        defaults = AdamParams()
+        self.adam = AdamParams(learning_rate=learning_rate, beta2=defaults.beta2 if beta2 is None else beta2,
+                               eps=defaults.eps if eps is None else eps)
+        self.alpha = alpha or LORA_ALPHA
+        self.engine = TrainingEngine(model_dir, device="cpu")
+        self.engine.create_adapter("warm", rank, self.alpha, LearnerConfig().target_modules, seed=0)
+
+    @staticmethod
+    def datum(row: dict, weight: float):
+        from consumers.engine_data import Datum
+
+        mask = [float(m) for m in row["loss_mask"]]
+        return Datum.from_sequence(row["tokens"], mask, weights=[m * weight for m in mask])
+
+    def train_step(self, rows: list[dict]) -> None:
+        self.engine.forward_backward("warm", [self.datum(r, r["weight"]) for r in rows], "cross_entropy")
+        self.engine.optim_step("warm", self.adam)
+
+    def answer_logprobs(self, rows: list[dict]) -> list[float]:
+        data = [self.datum(r, 1.0) for r in rows]
+        out = self.engine.forward("warm", data, "cross_entropy")
+        return [float((lp * d.weights).sum()) for lp, d in zip(out.logprobs, data, strict=True)]
+
+
+def score_api(trainer: ApiTrainer, pairs: list[tuple[dict, dict]]) -> tuple[float, float]:
+    """``score`` through the engine."""
+    totals = trainer.answer_logprobs([row for pair in pairs for row in pair])
+    return _chosen(totals, pairs)
+
+
+def _chosen(totals: list[float], pairs: list[tuple[dict, dict]]) -> tuple[float, float]:
     chosen = []
     for i, (left, right) in enumerate(pairs):
         heuristic = 0 if left["weight"] > right["weight"] else 1
@@ -86,6 +134,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--held-out", type=positive_int, default=192, help="held-out states scored")
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--model", default=None, help="a model folder (default: the cached tiny model)")
+    parser.add_argument("--api", action="store_true", help="train through the training engine as the Tinker API does")
+    parser.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: the preset's; --api: 32)")
+    parser.add_argument("--beta2", type=float, default=None, help="--api: Adam's beta2 (default: the SDK's)")
+    parser.add_argument("--eps", type=float, default=None, help="--api: Adam's eps (default: the SDK's)")
     args = parser.parse_args(argv)
     if not 0.0 < args.noise < 1.0:
         parser.error("--noise must be strictly between 0 and 1 (the heuristic's answer must be the heavier)")
@@ -101,6 +153,8 @@ def main() -> None:
     settings = {key: preset[key] for key in ("lora_rank", "lora_alpha", "learning_rate")}
     if args.learning_rate is not None:
         settings["learning_rate"] = args.learning_rate
+    if args.alpha is not None:
+        settings["lora_alpha"] = args.alpha
     train: list[dict] = []
     seed = 0
     while len(train) < args.steps * args.rows:
@@ -109,18 +163,31 @@ def main() -> None:
     random.Random(0).shuffle(train)
     held = recorded_pairs(model_dir, range(1_000_000, 1_000_100), args.noise)  # the demo's held-out seeds
     held = random.Random(1).sample(held, min(args.held_out, len(held)))
+    if args.api:
+        trainer = ApiTrainer(model_dir, settings["lora_rank"], args.alpha or 0.0, settings["learning_rate"],
+                             args.beta2, args.eps)
+        settings.update(lora_alpha=trainer.alpha, beta2=trainer.adam.beta2, eps=trainer.adam.eps, path="api")
+        measure = lambda: score_api(trainer, held)  # noqa: E731
+    else:
+        if args.eps is not None or args.beta2 is not None:
+            raise SystemExit("--beta2 and --eps are for --api (the learner's AdamW keeps torch's: 0.999, 1e-8)")
+        policy = LoraPolicy(model_dir, LearnerConfig(device="cpu", loss="cross_entropy", seed=0, **settings))
+        measure = lambda: score(policy, held)  # noqa: E731
     print(f"{len(train):,} training rows from {seed} episodes (noise {args.noise:g}: the teacher's p(heuristic) "
           f"{1 - args.noise / 2:.2f}), {len(held)} held-out states; {settings}; {args.threads} threads", flush=True)
-    policy = LoraPolicy(model_dir, LearnerConfig(device="cpu", loss="cross_entropy", seed=0, **settings))
     started = time.monotonic()
-    print("step 0: p(heuristic) {:.3f}  favour {:.2f}".format(*score(policy, held)), flush=True)
+    print("step 0: p(heuristic) {:.3f}  favour {:.2f}".format(*measure()), flush=True)
     for step in range(1, args.steps + 1):
         chunk = train[(step - 1) * args.rows: step * args.rows]
-        batches = micro_batches([r["tokens"] for r in chunk], [r["loss_mask"] for r in chunk],
-                                [r["logprobs"] for r in chunk], [0.0] * len(chunk), 8192, [r["weight"] for r in chunk])
-        policy.train_step(batches, normaliser=float(len(chunk)))
+        if args.api:
+            trainer.train_step(chunk)
+        else:
+            batches = micro_batches([r["tokens"] for r in chunk], [r["loss_mask"] for r in chunk],
+                                    [r["logprobs"] for r in chunk], [0.0] * len(chunk), 8192,
+                                    [r["weight"] for r in chunk])
+            policy.train_step(batches, normaliser=float(len(chunk)))
         if step % args.every == 0 or step == args.steps:
-            p_heuristic, favour = score(policy, held)
+            p_heuristic, favour = measure()
             print(f"step {step} ({time.monotonic() - started:.0f} s): p(heuristic) {p_heuristic:.3f}  "
                   f"favour {favour:.2f}", flush=True)
     print(load)
