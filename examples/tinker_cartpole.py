@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=12, help="tokens per answer")
     parser.add_argument("--demo-episodes", type=int, default=250)
     parser.add_argument("--noise", type=float, default=0.76, help="how often the teacher pushes at random")
-    parser.add_argument("--sft-steps", type=int, default=90)
+    parser.add_argument("--sft-steps", type=int, default=180)
     parser.add_argument("--sft-lr", type=float, default=2e-3)
     parser.add_argument("--batch", type=int, default=128, help="rows per warm-start step")
     parser.add_argument("--rl-steps", type=int, default=12)
