@@ -46,6 +46,7 @@ from tinker import types
 from transformers import AutoTokenizer
 
 ACTIONS = ("left", "right")
+MAX_RETRIES = 4  # --max-step-kl: how many times a step above the bound is taken again, shorter
 FORMAT_PENALTY = -0.1  # the reward of an answer that holds no action (rlpipe's environments: format_penalty)
 SYSTEM = (
     "CartPole: keep a pole balanced upright on a moving cart by pushing the cart left or right. +1 per step until "
@@ -148,6 +149,19 @@ def train_subset(turns: int, limit: int, rng: np.random.Generator) -> np.ndarray
     if turns <= limit:
         return np.arange(turns)
     return np.sort(rng.choice(turns, limit, replace=False))
+
+
+def sampled_kl(before: list[list[float]], after: list[list[float]]) -> float:
+    """KL(before || after) per answer, estimated from answers sampled from ``before``.
+
+    Each answer's logprobs under the policy it was sampled from and under another; per token
+    ``r - 1 - log r`` with ``r = p_after / p_before`` (an unbiased, never negative estimate of that
+    token's KL), summed over the answer's tokens and averaged over the answers."""
+    totals = []
+    for old, new in zip(before, after, strict=True):
+        log_r = np.asarray(new, dtype=np.float64) - np.asarray(old, dtype=np.float64)
+        totals.append(float(np.sum(np.expm1(log_r) - log_r)))
+    return float(np.mean(totals)) if totals else 0.0
 
 
 def parse_action(text: str) -> int | None:
@@ -291,6 +305,42 @@ class Loop:
             result.append(gae([t.reward for t in e.turns], values, last, self.args.discount, self.args.gae_lambda))
         return result
 
+    def step_kl(self, data: list[types.Datum], turns: list[Turn]) -> float:
+        """How far the last step moved the policy on the answers of ``turns`` (``sampled_kl``), measured with a
+        ``forward`` of at most ``--kl-rows`` of them (``data``, one datum per turn, spread evenly) against the
+        logprobs they were sampled with."""
+        stride = -(-len(data) // self.args.kl_rows)
+        probe, probed = data[::stride], turns[::stride]
+        out = self.training.forward(probe, self.args.loss).result()
+        after = [result["logprobs"].tolist()[-len(turn.tokens):]
+                 for turn, result in zip(probed, out.loss_fn_outputs, strict=True)]
+        return sampled_kl([turn.logprobs for turn in probed], after)
+
+    def bounded_update(self, data: list[types.Datum], turns: list[Turn]) -> str:
+        """One RL update on ``data`` whose move is within ``--max-step-kl``; what it took, for the step's line.
+
+        The step is taken at ``--rl-lr`` and measured (``step_kl``). Above the bound the loop goes on from the
+        state before it (saved with ``save_state``, loaded with its optimizer into a new training client) and takes
+        it again, shorter: Adam's move is proportional to the learning rate and the KL of a small move to its
+        square, so the rate is scaled by ``0.9 * sqrt(bound / KL)``, and at least halved; at most
+        ``MAX_RETRIES`` times (rlpipe's learner bounds its steps the same way: ``learner.max_step_kl``)."""
+        self.train(data, self.args.loss)
+        bound = self.args.max_step_kl
+        if bound is None:
+            self.training.optim_step(self.adam(self.args.rl_lr)).result()
+            return ""
+        saved = self.training.save_state("before-rl-step", overwrite=True).result().path
+        scale = 1.0
+        for retry in range(MAX_RETRIES + 1):
+            self.training.optim_step(self.adam(self.args.rl_lr * scale)).result()
+            kl = self.step_kl(data, turns)
+            if kl <= bound or retry == MAX_RETRIES:
+                break
+            scale *= min(0.5, 0.9 * math.sqrt(bound / kl))
+            self.training = self.service.create_training_client_from_state_with_optimizer(saved).result()
+            self.train(data, self.args.loss)  # the new client has no gradients
+        return f", step KL {kl:.3f}" + (f" at {scale:.2g} x --rl-lr" if scale < 1 else "")
+
     def rl_step(self, step: int) -> None:
         started = time.monotonic()
         sampling = self.training.save_weights_and_get_sampling_client().result()
@@ -300,16 +350,15 @@ class Loop:
         values = np.concatenate(self.advantages(runs)) if turns else np.zeros(0)
         spread = values.std() if len(values) > 1 else 0.0
         picked = train_subset(len(turns), self.args.train_turns, np.random.default_rng([self.args.seed, step]))
+        chosen = [i for i in picked if turns[i].tokens and spread > 0]
         data = [self.datum(turns[i].prompt, turns[i].tokens, logprobs=turns[i].logprobs,
                            advantages=[float((values[i] - values.mean()) / spread)] * len(turns[i].tokens))
-                for i in picked if turns[i].tokens and spread > 0]
-        if data:
-            self.train(data, self.args.loss)
-            self.training.optim_step(self.adam(self.args.rl_lr)).result()
+                for i in chosen]
+        moved = self.bounded_update(data, [turns[i] for i in chosen]) if data else ""
         returns = [e.total for e in runs]
         print(f"rl step {step}: mean return {np.mean(returns):.1f} over {len(returns)} episodes "
               f"({answers_without_action(runs)}), "
-              f"{len(data)} datums ({time.monotonic() - started:.1f} s)", flush=True)
+              f"{len(data)} datums{moved} ({time.monotonic() - started:.1f} s)", flush=True)
 
     # 3. held-out evaluation
     def evaluate(self, sampling, label: str) -> tuple[float, float]:
@@ -353,6 +402,9 @@ def main() -> None:
     parser.add_argument("--rl-lr", type=float, default=1e-3)
     parser.add_argument("--beta2", type=float, default=0.999,
                         help="Adam's second-moment decay (the SDK's default, 0.95, kept the warm start from learning)")
+    parser.add_argument("--max-step-kl", type=float, default=0.05,
+                        help="bound on each RL step's KL from the policy before it, per answer (0: no bound)")
+    parser.add_argument("--kl-rows", type=int, default=128, help="answers each step's KL is measured on")
     parser.add_argument("--train-turns", type=int, default=512,
                         help="turns an RL step trains on at most (drawn uniformly once its episodes are longer)")
     parser.add_argument("--loss", default="importance_sampling", choices=["importance_sampling", "ppo", "cispo"],
@@ -369,6 +421,8 @@ def main() -> None:
     parser.add_argument("--result-file", type=Path, default=None,
                         help="write the held-out returns and token counts here as JSON (what rlpipe sweep reads)")
     args = parser.parse_args()
+    if args.max_step_kl is not None and args.max_step_kl <= 0:
+        args.max_step_kl = None
     started = time.monotonic()
     phases: dict[str, float] = {}
 

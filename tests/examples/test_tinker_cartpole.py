@@ -1,4 +1,4 @@
-"""The CartPole SDK loop's own pieces (``examples/tinker_cartpole.py``): its environment and advantage estimates.
+"""The CartPole SDK loop's own pieces (``examples/tinker_cartpole.py``): its environment, advantage estimates and step bound.
 
 The loop itself runs against a real server in ``tests/integration/test_tinker_sampling.py``.
 """
@@ -92,3 +92,101 @@ def test_an_answer_without_an_action_costs_the_penalty_and_a_turn_and_leaves_the
     env.step(0)
     assert env.done and not env.fell and (env.steps, env.turns) == (2, 4)  # the turn limit, not a fall
     assert loop.parse_action("<answer>up</answer>") is None and loop.parse_action("<answer> Left </answer>") == 0
+
+
+def test_the_sampled_kl_estimate_on_hand_computed_answers(loop):
+    assert loop.sampled_kl([[-0.5, -1.0]], [[-0.5, -1.0]]) == 0.0  # the same policy
+    # per token r - 1 - log r: r = e^-1 (a token became less likely) and r = e^0.5
+    expected = (np.exp(-1) - 1 + 1) + (np.exp(0.5) - 1 - 0.5)
+    assert loop.sampled_kl([[-0.2, -0.7]], [[-1.2, -0.2]]) == pytest.approx(expected)
+    assert loop.sampled_kl([[-0.2, -0.7], [-0.3]], [[-1.2, -0.2], [-0.3]]) == pytest.approx(expected / 2)  # per answer
+    # an unbiased estimate of the KL: answers drawn from one distribution, scored by another
+    p, q = np.array([0.7, 0.2, 0.1]), np.array([0.5, 0.3, 0.2])
+    drawn = np.random.default_rng(0).choice(3, 200_000, p=p)
+    estimate = loop.sampled_kl([[v] for v in np.log(p[drawn])], [[v] for v in np.log(q[drawn])])
+    assert estimate == pytest.approx(float(np.sum(p * np.log(p / q))), rel=0.02)
+
+
+class OneParameterTrainer:
+    """A training client whose policy is one number ``w`` that shifts every logprob: Adam's step moves it by the
+    learning rate. ``saved`` and ``calls`` are shared with the clients loaded from its saved states."""
+
+    class Done:
+        def __init__(self, value=None):
+            self.value = value
+
+        def result(self):
+            return self.value
+
+    floor = 0.0  # a shift of every logprob that no step undoes (numerical noise between sampler and trainer)
+
+    def __init__(self, w=0.0, saved=None, calls=None):
+        self.w, self.saved, self.calls = w, {} if saved is None else saved, [] if calls is None else calls
+
+    def forward_backward(self, data, loss):
+        self.calls.append("forward_backward")
+        return self.Done()
+
+    def optim_step(self, adam):
+        self.calls.append(f"optim_step {adam.learning_rate:.4g}")
+        self.w += adam.learning_rate
+        return self.Done()
+
+    def save_state(self, name, overwrite=False):
+        self.saved[name] = self.w
+        return self.Done(type("Saved", (), {"path": name}))
+
+    def forward(self, data, loss):
+        from tinker import types
+
+        outputs = [{"logprobs": types.TensorData(data=[lp + self.w + self.floor for lp in d.loss_fn_inputs["logprobs"].tolist()],
+                                                 dtype="float32", shape=[d.model_input.length])} for d in data]
+        return self.Done(type("Out", (), {"loss_fn_outputs": outputs}))
+
+
+class Service:
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def create_training_client_from_state_with_optimizer(self, path):
+        self.trainer.calls.append("load")
+        return OneParameterTrainer.Done(OneParameterTrainer(self.trainer.saved[path], self.trainer.saved,
+                                                            self.trainer.calls))
+
+
+def bounded_loop(loop, bound, floor=0.0):
+    import argparse
+
+    from tinker import types
+
+    turns = [loop.Turn([5, 6], [7, 8], [-0.3, -0.1], 1.0, np.zeros(4)) for _ in range(4)]
+    args = argparse.Namespace(max_step_kl=bound, rl_lr=1.0, beta2=0.999, kl_rows=2, loss="importance_sampling")
+    runner = loop.Loop.__new__(loop.Loop)  # the loop's update without a server behind it
+    runner.args, runner.training, runner.tokens = args, OneParameterTrainer(), {"trained": 0}
+    runner.service = Service(runner.training)
+    OneParameterTrainer.floor = floor
+    data = [types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8], "logprobs": [0.0, -0.3, -0.1],
+                                        "advantages": [0.0, 1.0, 1.0]}) for _ in turns]
+    try:
+        line = runner.bounded_update(data, turns)
+        return runner.training, line  # the client it went on with
+    finally:
+        OneParameterTrainer.floor = 0.0
+
+
+def test_a_step_above_the_kl_bound_is_taken_again_shorter_from_the_state_before_it(loop):
+    # w moves each of an answer's 2 tokens' logprob by the step's learning rate: KL per answer 2 (e^w - 1 - w)
+    kl = lambda w: 2 * (np.exp(w) - 1 - w)  # noqa: E731
+    bound = kl(0.2)
+    trainer, line = bounded_loop(loop, bound)
+    first = min(0.5, 0.9 * np.sqrt(bound / kl(1.0)))  # the rate scaled for the KL's square law, at least halved
+    assert trainer.w == pytest.approx(first) and kl(first) <= bound  # the state before the step, then the shorter one
+    assert trainer.calls == ["forward_backward", "optim_step 1", "load", "forward_backward", f"optim_step {first:.4g}"]
+    assert line == f", step KL {kl(first):.3f} at {first:.2g} x --rl-lr"
+    trainer, line = bounded_loop(loop, bound=10.0)  # within the bound at once: one step, nothing loaded
+    assert trainer.w == 1.0 and "load" not in trainer.calls and line == f", step KL {kl(1):.3f}"
+    trainer, line = bounded_loop(loop, bound=None)  # no bound: the plain step, no state saved
+    assert trainer.w == 1.0 and line == "" and trainer.saved == {}
+    trainer, line = bounded_loop(loop, bound=1e-3, floor=0.1)  # never within: the last retry's step is kept
+    assert trainer.calls.count("load") == loop.MAX_RETRIES and 0 < trainer.w <= 0.5**loop.MAX_RETRIES

@@ -189,6 +189,8 @@ def test_the_cartpole_example_runs_end_to_end_for_two_steps(server, tmp_path):
         env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "sft step 1" in done.stdout and "rl step 1" in done.stdout and "held-out last version" in done.stdout
+    rl = [line for line in done.stdout.splitlines() if line.startswith("rl step ")]
+    assert len(rl) == 2 and all(", step KL " in line for line in rl), rl  # each step measured against its bound
     result = json.loads((tmp_path / "r.json").read_text())  # what rlpipe sweep reads
     assert set(result["evaluations"]) == {"base model", "warm start"} and len(result["samples"]) == 3
     # 5 turns at most: +1 a push, -0.1 an answer without an action
