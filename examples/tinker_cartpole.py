@@ -18,7 +18,9 @@ here, client-side; the server only trains and samples.  The recipe is the one
    baseline the loop fits itself: a ridge regression of the discounted return-to-go
    on quadratic features of the cart's state over the last few steps' turns, so
    that a push is judged by the state it leads to rather than by the whole rest
-   of its episode.  Either is then centred and scaled over the step;
+   of its episode.  Either is then centred and scaled over the step.  Each step is bounded
+   (``--max-step-kl``): its KL from the policy before it, estimated on the sampled answers with a
+   ``forward``; a step above the bound is taken again, shorter, from the state saved before it;
 3. held-out evaluation: the base model, the warm start and the last weights on
    unseen seeds (sampled at temperature 1, as trained), mean return with a 95% interval.
 
