@@ -325,7 +325,9 @@ class Loop:
         state before it (saved with ``save_state``, loaded with its optimizer into a new training client) and takes
         it again, shorter: Adam's move is proportional to the learning rate and the KL of a small move to its
         square, so the rate is scaled by ``0.9 * sqrt(bound / KL)``, and at least halved; at most
-        ``MAX_RETRIES`` times (rlpipe's learner bounds its steps the same way: ``learner.max_step_kl``)."""
+        ``MAX_RETRIES`` times. (rlpipe's own learner bounds its steps too, ``learner.max_step_kl``, by a line
+        search on the step's parameters, which an API client cannot reach.) The SDK unloads nothing: a client
+        left behind keeps its adapter on the server until the session ends."""
         self.train(data, self.args.loss)
         bound = self.args.max_step_kl
         if bound is None:
@@ -423,6 +425,8 @@ def main() -> None:
     parser.add_argument("--result-file", type=Path, default=None,
                         help="write the held-out returns and token counts here as JSON (what rlpipe sweep reads)")
     args = parser.parse_args()
+    if args.kl_rows < 1:
+        parser.error(f"--kl-rows must be at least 1, got {args.kl_rows}")
     if args.max_step_kl is not None and args.max_step_kl <= 0:
         args.max_step_kl = None
     started = time.monotonic()
