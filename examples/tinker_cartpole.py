@@ -427,8 +427,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.kl_rows < 1:
         parser.error(f"--kl-rows must be at least 1, got {args.kl_rows}")
-    if args.max_step_kl is not None and args.max_step_kl <= 0:
-        args.max_step_kl = None
+    if args.max_step_kl <= 0:
+        args.max_step_kl = None  # no bound
     started = time.monotonic()
     phases: dict[str, float] = {}
 

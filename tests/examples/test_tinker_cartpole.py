@@ -118,10 +118,9 @@ class OneParameterTrainer:
         def result(self):
             return self.value
 
-    floor = 0.0  # a shift of every logprob that no step undoes (numerical noise between sampler and trainer)
-
-    def __init__(self, w=0.0, saved=None, calls=None):
+    def __init__(self, w=0.0, saved=None, calls=None, floor=0.0):
         self.w, self.saved, self.calls = w, {} if saved is None else saved, [] if calls is None else calls
+        self.floor = floor  # a shift of every logprob that no step undoes (noise between sampler and trainer)
 
     def forward_backward(self, data, loss):
         self.calls.append("forward_backward")
@@ -139,7 +138,8 @@ class OneParameterTrainer:
     def forward(self, data, loss):
         from tinker import types
 
-        outputs = [{"logprobs": types.TensorData(data=[lp + self.w + self.floor for lp in d.loss_fn_inputs["logprobs"].tolist()],
+        shift = self.w + self.floor
+        outputs = [{"logprobs": types.TensorData(data=[lp + shift for lp in d.loss_fn_inputs["logprobs"].tolist()],
                                                  dtype="float32", shape=[d.model_input.length])} for d in data]
         return self.Done(type("Out", (), {"loss_fn_outputs": outputs}))
 
@@ -150,8 +150,8 @@ class Service:
 
     def create_training_client_from_state_with_optimizer(self, path):
         self.trainer.calls.append("load")
-        return OneParameterTrainer.Done(OneParameterTrainer(self.trainer.saved[path], self.trainer.saved,
-                                                            self.trainer.calls))
+        trainer = self.trainer
+        return trainer.Done(OneParameterTrainer(trainer.saved[path], trainer.saved, trainer.calls, trainer.floor))
 
 
 def bounded_loop(loop, bound, floor=0.0):
@@ -162,17 +162,13 @@ def bounded_loop(loop, bound, floor=0.0):
     turns = [loop.Turn([5, 6], [7, 8], [-0.3, -0.1], 1.0, np.zeros(4)) for _ in range(4)]
     args = argparse.Namespace(max_step_kl=bound, rl_lr=1.0, beta2=0.999, kl_rows=2, loss="importance_sampling")
     runner = loop.Loop.__new__(loop.Loop)  # the loop's update without a server behind it
-    runner.args, runner.training, runner.tokens = args, OneParameterTrainer(), {"trained": 0}
+    runner.args, runner.training, runner.tokens = args, OneParameterTrainer(floor=floor), {"trained": 0}
     runner.service = Service(runner.training)
-    OneParameterTrainer.floor = floor
     data = [types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
                         loss_fn_inputs={"target_tokens": [6, 7, 8], "logprobs": [0.0, -0.3, -0.1],
                                         "advantages": [0.0, 1.0, 1.0]}) for _ in turns]
-    try:
-        line = runner.bounded_update(data, turns)
-        return runner.training, line  # the client it went on with
-    finally:
-        OneParameterTrainer.floor = 0.0
+    line = runner.bounded_update(data, turns)
+    return runner.training, line  # the client it went on with
 
 
 def test_a_step_above_the_kl_bound_is_taken_again_shorter_from_the_state_before_it(loop):
