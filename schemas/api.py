@@ -37,6 +37,7 @@ ApiOp = Literal[
     "save_weights",
     "load_weights",
     "save_weights_for_sampler",
+    "save_weights_external",
     "create_sampling_session",
     "sample",
 ]

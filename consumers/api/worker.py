@@ -46,9 +46,11 @@ from tinker import types
 from consumers.api import ops
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
+from pipeline.api import checkpoints
 from pipeline.api.activity import ActivityRecorder
+from pipeline.api.checkpoints import weights_key
 from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
-from pipeline.api.gateway import checkpoint_prefix, parse_body, weights_key
+from pipeline.api.gateway import parse_body
 from pipeline.api.samplers import find_sampler, write_sampler
 from pipeline.api.wire import TinkerPath, decode_forward_backward, encode_forward_backward_output, parse_tinker_path
 from pipeline.io.bus import (
@@ -65,7 +67,7 @@ from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted, model_r
 from schemas.config import BusConfig
 
 log = logging.getLogger("rlpipe.api.trainer")
-_PURE_OPS = ("save_weights", "save_weights_for_sampler")  # change no adapter state: never re-executed
+_PURE_OPS = ("save_weights", "save_weights_for_sampler", "save_weights_external")  # change no adapter state: never re-executed
 _SAMPLING_OPS = ("create_sampling_session", "sample")
 
 
@@ -263,6 +265,8 @@ class TrainerWorker:
             return self._save_weights(model, call, parse_body(types.SaveWeightsRequest, body)), "json"
         if call.op == "save_weights_for_sampler":
             return self._save_for_sampler(model, call, parse_body(types.SaveWeightsForSamplerRequest, body)), "json"
+        if call.op == "save_weights_external":
+            return self._save_external(model, call, parse_body(types.SaveWeightsExternalRequest, body)), "json"
         raise ApiError(f"{call.op} is not a training call; send it to the sampler")
 
     def _require_loaded(self, model: _Model) -> None:
@@ -280,23 +284,34 @@ class TrainerWorker:
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def _save_weights(self, model: _Model, call: ApiRequestAccepted, request: types.SaveWeightsRequest) -> bytes:
-        """The state under its name, then its record (naming this call).  A name another save recorded is
-        refused unless the call asks to overwrite it; this call's own earlier attempt (killed before its result)
-        is replaced, since a replay need not write the same bytes.  ``ttl_seconds`` is not applied: a checkpoint
-        stays until it is deleted."""
+        """The state under its name, then its record (naming this call; ``ttl_seconds`` sets when it expires)."""
         path = TinkerPath(model.model_id, "training", request.path or "")
-        record_key = f"{checkpoint_prefix(model.run, 'weights')}/{path.name}.json"
-        try:
-            owner = json.loads(self.store.get(record_key)).get("request_id")
-        except FileNotFoundError:
-            owner = call.request_id  # none, or this call's attempt killed before its record
-        if owner != call.request_id and not request.overwrite:
-            raise ApiError(f"weights {path.name!r} of {model.model_id} already exist; save under another name, "
-                           "pass overwrite=True, or delete them first (delete_checkpoint)")
+        self._claim_name(path, call, request.overwrite)
         state = ops.save_state(self.engine, model.model_id, True)
         self.store.put(weights_key(path), state)
-        self._record_checkpoint(model, "weights", path, len(state), {"request_id": call.request_id})
+        checkpoints.write_record(self.store, path, len(state), checkpoints.expiry(request.ttl_seconds),
+                                 request_id=call.request_id)
         return _json({"type": "save_weights", "path": str(path)})
+
+    def _save_external(self, model: _Model, call: ApiRequestAccepted,
+                       request: types.SaveWeightsExternalRequest) -> bytes:
+        """The adapter as a PEFT folder (what peft and vLLM load) under its name, for download by signed URLs."""
+        path = TinkerPath(model.model_id, "external", request.path)
+        self._claim_name(path, call, overwrite=False)
+        files = self.engine.adapter_snapshot(ops.adapter_name(model.model_id)).files()
+        size = checkpoints.write_external(self.store, path, files, checkpoints.expiry(request.ttl_seconds),
+                                          request_id=call.request_id)
+        return _json({"type": "save_weights_external", "path": str(path), "size_bytes": size})
+
+    def _claim_name(self, path: TinkerPath, call: ApiRequestAccepted, overwrite: bool) -> None:
+        """Refuse a name another save recorded, unless ``overwrite``; this call's own earlier attempt (killed before
+        its result) is replaced, since a replay need not write the same bytes."""
+        record = checkpoints.read_record(self.store, path)
+        owner = call.request_id if record is None else record.get("request_id")
+        if owner != call.request_id and not overwrite:
+            again = ", pass overwrite=True," if path.kind == "training" else ""
+            raise ApiError(f"{path} already exists; save under another name{again} or delete it first "
+                           "(delete_checkpoint)")
 
     def _save_for_sampler(self, model: _Model, call: ApiRequestAccepted,
                           request: types.SaveWeightsForSamplerRequest) -> bytes:
@@ -318,23 +333,22 @@ class TrainerWorker:
                                                 int(request.sampling_session_seq_id or 0), self.base_model, None,
                                                 model.run, manifest.version)
             return _json({"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id})
-        self._record_checkpoint(model, "sampler_weights", path, None, {"version": manifest.version})
+        checkpoints.write_record(self.store, path, None, version=manifest.version)
         return _json({"type": "save_weights_for_sampler", "path": str(path)})
-
-    def _record_checkpoint(self, model: _Model, folder: str, path: TinkerPath, size: int | None,
-                           extra: dict[str, Any]) -> None:
-        meta = {"name": path.name, "tinker_path": str(path), "time": time.time(), "size_bytes": size, **extra}
-        self.store.put(f"{checkpoint_prefix(model.run, folder)}/{path.name}.json", _json(meta))
 
     def _load_weights(self, model: _Model, call: ApiRequestAccepted, request: types.LoadWeightsRequest) -> bytes:
         path = parse_tinker_path(request.path)
         if path.kind != "training":
-            raise ApiError(f"{request.path} is sampler weights; load a tinker://.../weights/<name> path")
+            raise ApiError(f"{request.path} is not a training state; load a tinker://.../weights/<name> path "
+                           "(save_state)")
         self._check_tenant(call.tenant, path.run.split(".")[0])
         try:
+            if checkpoints.read_record(self.store, path) is None:
+                raise FileNotFoundError(request.path)
             state = self.store.get(weights_key(path))
         except FileNotFoundError:
-            raise ApiError(f"no saved weights at {request.path}; see list_checkpoints") from None
+            raise ApiError(f"no saved weights at {request.path} (never saved, deleted or expired); see "
+                           "list_checkpoints") from None
         ops.load_state(self.engine, model.model_id, state, request.optimizer)
         model.loaded, model.has_gradients = True, False
         return _json({"type": "load_weights", "model_id": model.model_id, "path": request.path})

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -25,18 +26,20 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinker import types
 
-from pipeline.api import listing
+from pipeline.api import checkpoints, listing
 from pipeline.api.direct import DirectSamplers
 from pipeline.api.gateway import BusyError, Gateway, NotFoundError, SessionEndedError, parse_body
 from pipeline.api.results import ResultSignals
 from pipeline.api.tenants import Tenants, UnauthorizedError
 from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header
+from pipeline.io.store import ChecksumError
 from schemas.api import ApiError, ApiOp, BodyFormat
 
 log = logging.getLogger(__name__)
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
-_STATUS = {UnauthorizedError: 401, NotFoundError: 404, SessionEndedError: 410, BusyError: 429}
+_STATUS = {UnauthorizedError: 401, NotFoundError: 404, checkpoints.NotFound: 404, checkpoints.UrlRefused: 403,
+           SessionEndedError: 410, BusyError: 429}
 
 
 def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
@@ -167,7 +170,20 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         with numbered(who, "save_weights", raw):
             body = parse_body(types.SaveWeightsRequest, raw)
             checkpoint_name(body.path)
+            checkpoints.expiry(body.ttl_seconds)
             return {"request_id": gateway.submit(who, "save_weights", body.model_id, body.seq_id, raw)}
+
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request, who: Tenant) -> dict[str, Any]:
+        raw = await request.body()
+        with numbered(who, "save_weights_external", raw):
+            body = parse_body(types.SaveWeightsExternalRequest, raw)
+            checkpoint_name(body.path)
+            checkpoints.expiry(body.ttl_seconds)
+            if body.age_encryption_recipients:
+                raise ApiError("age encryption of external weights is not served by rlpipe; leave out "
+                               "age_encryption_recipients (the files are served only through signed URLs)")
+            return {"request_id": gateway.submit(who, "save_weights_external", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request, who: Tenant) -> dict[str, Any]:
@@ -267,10 +283,37 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     def list_checkpoints(model_id: str, who: Tenant) -> dict[str, Any]:
         return {"checkpoints": gateway.checkpoints(who, model_id)}
 
+    @app.put("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> dict[str, Any]:
+        raw = json.loads(await request.body() or b"{}")
+        ttl = raw.get("ttl_seconds") if isinstance(raw, dict) else None
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):
+            raise ApiError(f"ttl_seconds={ttl!r}: send a whole number of seconds, or null to remove the TTL")
+        await asyncio.to_thread(gateway.set_checkpoint_ttl, who, model_id, checkpoint_id, ttl)
+        return {}
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request,
+                                    who: Tenant) -> dict[str, Any]:
+        urls, expires = await asyncio.to_thread(gateway.external_weights_urls, who, model_id, checkpoint_id,
+                                                str(request.base_url))
+        return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+    @app.get(checkpoints.DOWNLOAD_PATH + "/{model_id}/{name}/{file:path}")
+    async def download_external_file(model_id: str, name: str, file: str, expires: int, signature: str) -> Response:
+        """A file of external weights, for whoever holds its signed URL (no API key, as with a bucket's URL)."""
+        try:
+            data = await asyncio.to_thread(checkpoints.download, gateway.store, model_id, name, file, expires,
+                                           signature)
+        except ChecksumError as exc:
+            log.error("refused a corrupt download: %s", exc)
+            return JSONResponse({"error": str(exc), "category": "server"}, status_code=500)
+        return Response(data, media_type="application/octet-stream")
+
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish",
                    methods=["POST", "DELETE", "PUT"])
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl",
-                   methods=["POST", "DELETE", "PUT"])
+                   methods=["POST", "DELETE"])
     def unserved_checkpoint_call(request: Request) -> JSONResponse:  # not a checkpoint named .../publish to delete
         return JSONResponse({"error": _unserved(request), "category": "user"}, status_code=404)
 

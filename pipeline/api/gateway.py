@@ -33,10 +33,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from pipeline.api import checkpoints
 from pipeline.api.samplers import read_sampler, write_sampler
 from pipeline.api.wire import (
     TinkerPath,
-    checkpoint_name,
     numbered_call,
     parse_tinker_path,
     request_id_for,
@@ -82,16 +82,6 @@ class ServedModel:
 
 
 MAX_LORA_RANK = 512  # the largest LoRA rank vLLM serves (its max_lora_rank slots)
-
-
-def weights_key(path: TinkerPath) -> str:
-    """The store key of a ``save_state`` checkpoint's tensors."""
-    return f"{checkpoint_prefix(path.run, 'weights')}/{path.name}.safetensors"
-
-
-def checkpoint_prefix(run: str, folder: str) -> str:
-    """Store folder of a model's ``weights`` (training states) or ``sampler_weights`` (one JSON each)."""
-    return f"runs/{run}/{folder}"
 
 
 def now() -> str:
@@ -231,10 +221,10 @@ class Gateway:
         client loads); ``ApiError`` for sampler weights or a name never saved."""
         parsed = self.owned_path(tenant, path)
         if parsed.kind != "training":
-            raise ApiError(f"{path} is sampler weights; start a training client from a tinker://.../weights/<name> "
-                           "path (save_state)")
-        if not self.store.exists(weights_key(parsed)):
-            raise ApiError(f"no saved weights at {path}; see list_checkpoints")
+            raise ApiError(f"{path} is not a training state; start a training client from a "
+                           "tinker://.../weights/<name> path (save_state)")
+        if checkpoints.read_record(self.store, parsed) is None:
+            raise ApiError(f"no saved weights at {path} (never saved, deleted or expired); see list_checkpoints")
         return parsed
 
     # ---- calls --------------------------------------------------------------------------------
@@ -310,12 +300,12 @@ class Gateway:
             return write_sampler(self.store, tenant, session_id, seq, self.served(base_model).name, None, None, None)
         path = self.owned_path(tenant, model_path)
         if path.kind != "sampler":
-            raise ApiError(f"{model_path} is a training state; sample from a tinker://.../sampler_weights/<name> "
+            raise ApiError(f"{model_path} is not sampler weights; sample from a tinker://.../sampler_weights/<name> "
                            "path (save_weights_for_sampler)")
-        try:
-            meta = json.loads(self.store.get(f"{checkpoint_prefix(path.run, 'sampler_weights')}/{path.name}.json"))
-        except FileNotFoundError:
-            raise ApiError(f"no sampler weights at {model_path}; see list_checkpoints") from None
+        meta = checkpoints.read_record(self.store, path)
+        if meta is None:
+            raise ApiError(f"no sampler weights at {model_path} (never saved, deleted or expired); see "
+                           "list_checkpoints")
         record = self.model(tenant, path.model_id)
         return write_sampler(self.store, tenant, session_id, seq, record["base_model"], model_path, path.run,
                              int(meta["version"]))
@@ -364,32 +354,27 @@ class Gateway:
                                    body_path=key, body_format="json", body_sha256=digest)
         return event
 
-    # ---- checkpoints (RestClient) ---------------------------------------------------------------
+    # ---- checkpoints (RestClient; ``pipeline.api.checkpoints``) ---------------------------------------------
     def checkpoints(self, tenant: str, model_id: str) -> list[dict[str, Any]]:
-        """The training states and sampler weights of one model, as the SDK's ``Checkpoint``."""
+        """The live training states, sampler weights and external weights of one model, as the SDK's
+        ``Checkpoint``."""
         self.model(tenant, model_id)
-        run = model_run_name(model_id)
-        found = []
-        for kind, folder in (("training", "weights"), ("sampler", "sampler_weights")):
-            for key in self.store.list(checkpoint_prefix(run, folder)):
-                if not key.endswith(".json"):
-                    continue
-                meta = json.loads(self.store.get(key))
-                found.append({"checkpoint_id": f"{folder}/{meta['name']}", "checkpoint_type": kind,
-                              "time": meta["time"], "tinker_path": meta["tinker_path"],
-                              "size_bytes": meta.get("size_bytes")})
-        return sorted(found, key=lambda item: item["time"])
+        return checkpoints.list_checkpoints(self.store, model_id)
+
+    def _checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> TinkerPath:
+        self.model(tenant, model_id)
+        return checkpoints.path_of(model_id, checkpoint_id)
 
     def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
-        self.model(tenant, model_id)
-        folder, _, name = checkpoint_id.partition("/")
-        if folder not in ("weights", "sampler_weights"):
-            raise ApiError(f"checkpoint id {checkpoint_id!r} is not weights/<name> or sampler_weights/<name>")
-        name = checkpoint_name(name)
-        prefix = checkpoint_prefix(model_run_name(model_id), folder)
-        if not self.store.exists(f"{prefix}/{name}.json"):
+        path = self._checkpoint(tenant, model_id, checkpoint_id)
+        if not self.store.exists(checkpoints.record_key(path)):
             raise NotFoundError(f"no checkpoint {checkpoint_id} of {model_id}; see list_checkpoints")
-        # the record last: a delete cut short leaves it listed, and deleting it again finishes the job
-        self.store.delete(f"{prefix}/{name}", recursive=True, missing_ok=True)
-        self.store.delete(f"{prefix}/{name}.safetensors", missing_ok=True)
-        self.store.delete(f"{prefix}/{name}.json")
+        checkpoints.delete(self.store, path)  # a delete cut short leaves the record: deleting again finishes it
+
+    def set_checkpoint_ttl(self, tenant: str, model_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        checkpoints.set_ttl(self.store, self._checkpoint(tenant, model_id, checkpoint_id), ttl_seconds)
+
+    def external_weights_urls(self, tenant: str, model_id: str, checkpoint_id: str,
+                              base_url: str) -> tuple[dict[str, str], int]:
+        """Signed download URLs of an external-weights checkpoint of this tenant's, and their expiry."""
+        return checkpoints.download_urls(self.store, self._checkpoint(tenant, model_id, checkpoint_id), base_url)

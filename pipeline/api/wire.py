@@ -32,7 +32,8 @@ _DTYPES: dict[int, tuple[np.dtype, str]] = {
     public_pb.DTYPE_INT64: (np.dtype(np.int64), "int64"),
     public_pb.DTYPE_INT32: (np.dtype(np.int32), "int64"),
 }
-_PATH_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+PATH_FOLDERS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}  # kind -> folder
+_PATH_KINDS = {folder: kind for kind, folder in PATH_FOLDERS.items()}
 
 
 def request_id_for(model_id: str, seq_id: int | None) -> str:
@@ -55,10 +56,10 @@ def session_of_request(request_id: str) -> str:
 
 @dataclass(frozen=True)
 class TinkerPath:
-    """A parsed ``tinker://<model_id>/<weights|sampler_weights>/<name>``."""
+    """A parsed ``tinker://<model_id>/<weights|sampler_weights|external_weights>/<name>``."""
 
     model_id: str
-    kind: str  # "training" or "sampler"
+    kind: str  # "training", "sampler" or "external" (the SDK's CheckpointType)
     name: str
 
     @property
@@ -66,16 +67,15 @@ class TinkerPath:
         return model_run_name(self.model_id)
 
     def __str__(self) -> str:
-        segment = "weights" if self.kind == "training" else "sampler_weights"
-        return f"tinker://{self.model_id}/{segment}/{self.name}"
+        return f"tinker://{self.model_id}/{PATH_FOLDERS[self.kind]}/{self.name}"
 
 
 def parse_tinker_path(path: str) -> TinkerPath:
     """Parse and validate a ``tinker://`` checkpoint path (names must obey the name rule)."""
     parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
     if len(parts) != 3 or parts[1] not in _PATH_KINDS:
-        raise ApiError(f"{path!r} is not a checkpoint path; use tinker://<model_id>/weights/<name> "
-                       "or tinker://<model_id>/sampler_weights/<name>")
+        raise ApiError(f"{path!r} is not a checkpoint path; use tinker://<model_id>/weights/<name>, "
+                       "tinker://<model_id>/sampler_weights/<name> or tinker://<model_id>/external_weights/<name>")
     try:
         model_run_name(parts[0])
         validate_name(parts[2], "checkpoint name")

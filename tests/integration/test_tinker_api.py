@@ -209,6 +209,44 @@ def test_the_rest_clients_listings_show_a_tenant_its_own_runs_and_checkpoints(se
     assert unserved.status_code == 404 and "not served by rlpipe" in unserved.json()["error"]
 
 
+@pytest.mark.filterwarnings("ignore:.*tie_word_embeddings:UserWarning")  # peft on the tiny model's tied head
+def test_weights_leave_the_server_by_the_tinker_cli_and_score_in_peft_as_in_training(server, tmp_path):
+    """`tinker checkpoint download` of a training state: the CLI loads it into a new training client, exports it
+    as external weights (a PEFT folder) with a one-hour TTL, downloads each file by its signed URL and deletes
+    the export.  peft loads the folder onto the base model and gives the logprobs the training client gave."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    erin = f"tml-erin-{uuid.uuid4().hex[:6]}"
+    training = server.service(erin).create_lora_training_client(base_model=server.base_model, rank=4).result()
+    data = _data(5)
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    trained = _logprobs(training.forward(data, "cross_entropy").result())
+    state = training.save_state("final").result().path
+    env = {**server.env, "TINKER_BASE_URL": server.url, "TINKER_API_KEY": erin}
+    done = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", state, "--output",
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    folder = tmp_path / state.removeprefix("tinker://").replace("/", "_")
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    rest = tinker.RestClient(base_url=server.url, api_key=erin)
+    left = [(c.checkpoint_type, c.tinker_path) for c in rest.list_user_checkpoints().result().checkpoints]
+    assert left == [("training", state)]  # the CLI deleted its temporary export
+
+    base = AutoModelForCausalLM.from_pretrained(server.base_model, torch_dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, folder).eval()
+    untrained = _logprobs(server.service(erin).create_lora_training_client(
+        base_model=server.base_model, rank=4).result().forward(data, "cross_entropy").result())
+    with torch.no_grad():
+        for datum, expected, before in zip(data, trained, untrained, strict=True):
+            logits = model(torch.tensor([datum.model_input.to_ints()])).logits[0].float()
+            targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)
+            scored = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0].tolist()
+            assert np.allclose(scored, expected, atol=1e-4), (scored, expected)
+            assert not np.allclose(scored, before, atol=1e-3)  # the training step is in the download
+
+
 def test_two_base_models_served_at_once_each_client_on_its_own(server):
     service = server.service()
     first = service.create_lora_training_client(base_model=server.base_model, rank=4).result()

@@ -9,13 +9,16 @@ import uuid
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from consumers.api.worker import TrainerWorker, group_for, ops
 from consumers.engine import AdamParams, TrainingEngine
+from pipeline.api import checkpoints
 from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.api.wire import parse_tinker_path
 from pipeline.io.bus import EventPublisher, ensure_topics
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
@@ -336,4 +339,35 @@ def test_three_clients_training_at_once_end_as_each_trained_alone(harness):
     for seq, model_id in enumerate(models):
         assert_same(trainer.engine.weights(f"{harness.session}.train.{seq}"),
                     reference_weights(harness.base_model, chunks[model_id]))
+    trainer.close()
+
+
+def test_external_weights_are_the_adapters_peft_folder_with_its_ttl_and_a_taken_name_is_refused(harness):
+    trainer = harness.trainer()
+    model_id = harness.create()
+    calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(1)]), "pb"),
+             harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))]
+
+    def export(seq: int) -> str:
+        body = types.SaveWeightsExternalRequest(model_id=model_id, path="final", seq_id=seq, ttl_seconds=7200)
+        return harness.gateway.submit(TENANT, "save_weights_external", model_id, seq, body.model_dump_json().encode())
+
+    save = export(3)
+    started = time.time()
+    run_until(trainer, harness, [*calls, save])
+    answer = json.loads(harness.result(save)[0])
+    path = parse_tinker_path(answer["path"])
+    assert answer["path"] == f"tinker://{model_id}/external_weights/final"
+    files = {file: harness.store.get(checkpoints.external_file_key(path, file))
+             for file in ("adapter_config.json", "adapter_model.safetensors")}
+    assert answer["size_bytes"] == sum(map(len, files.values()))
+    trained = load_safetensors(files["adapter_model.safetensors"])
+    assert_same(trained, reference_weights(harness.base_model, [[_datum(1)]]))  # the adapter as trained
+    assert json.loads(files["adapter_config.json"])["r"] == 4
+    record = checkpoints.read_record(harness.store, path)
+    assert started + 7200 <= record["expires_at"] <= time.time() + 7200 and record["request_id"] == save
+    again = export(4)
+    run_until(trainer, harness, [again])
+    refused = json.loads(harness.result(again)[0])
+    assert refused["category"] == "user" and "already exists" in refused["error"]
     trainer.close()

@@ -9,24 +9,14 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from pipeline.api.app import create_app
-from pipeline.api.gateway import Gateway, ServedModel, weights_key
+from pipeline.api.checkpoints import weights_key, write_record
+from pipeline.api.gateway import Gateway, ServedModel
 from pipeline.api.tenants import Tenants
 from pipeline.api.wire import parse_tinker_path
 from pipeline.io.store import ObjectStore
 from schemas.api import result_path
 
 ALICE, BOB = {"X-API-Key": "tml-alice"}, {"X-API-Key": "tml-bob"}
-
-
-@pytest.fixture
-def api():
-    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
-    published = []
-    gateway = Gateway(store, lambda event, key: published.append((key, event)),
-                      [ServedModel("/models/base/tiny", "/models/base/tiny")])
-    client = TestClient(create_app(gateway, Tenants(), poll_hold_s=0.05))
-    client.store, client.published = store, published
-    return client
 
 
 def _session(api, headers=ALICE) -> str:
@@ -106,13 +96,16 @@ def test_heartbeat_finish_and_load_paths(api):
     stolen = api.post("/api/v1/load_weights", headers=BOB, json={
         "session_id": bob_session, "model_seq_id": 0, "path": f"tinker://{model_id}/weights/w1", "optimizer": True})
     assert stolen.status_code == 404
-    api.store.put(weights_key(parse_tinker_path(f"tinker://{model_id}/weights/w1")), b"saved by save_state")
+    saved = parse_tinker_path(f"tinker://{model_id}/weights/w1")
+    api.store.put(weights_key(saved), b"saved by save_state")
+    write_record(api.store, saved, 19)  # as the trainer's save_weights leaves them
     own = api.post("/api/v1/load_weights", headers=ALICE, json={
         "session_id": session, "model_seq_id": 1, "path": f"tinker://{model_id}/weights/w1", "optimizer": True})
     assert own.json() == {"request_id": f"{session}.train.1.create", "model_id": f"{session}:train:1"}
     assert api.post(f"/api/v1/sessions/{session}/finish", headers=ALICE, json={"reason": {"type": "success"}}).is_success
     assert api.post("/api/v1/session_heartbeat", headers=ALICE, json=beat).status_code == 410
-    assert api.get(f"/api/v1/training_runs/{model_id}/checkpoints", headers=ALICE).json() == {"checkpoints": []}
+    listed = api.get(f"/api/v1/training_runs/{model_id}/checkpoints", headers=ALICE).json()["checkpoints"]
+    assert [(c["tinker_path"], c["expires_at"]) for c in listed] == [(str(saved), None)]
 
 
 def test_an_announced_result_wakes_the_held_poll_at_once():
@@ -212,7 +205,7 @@ def test_unnamed_save_for_sampler_is_accepted(api):
 
 
 def test_a_checkpoint_delete_cut_short_can_be_done_again_and_leaves_nothing(monkeypatch):
-    from pipeline.api.gateway import checkpoint_prefix
+    from pipeline.api.checkpoints import checkpoint_prefix
     from schemas.api import model_run_name
 
     store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
@@ -270,7 +263,7 @@ def test_a_create_the_trainer_would_refuse_is_refused_here_and_leaves_no_trainin
             "type": "create_model"})
         assert refused.status_code == 400 and says in refused.json()["error"], refused.text
     assert _create(api, session).status_code == 200  # model_seq_id 0 is still free
-    for seq, path, says in ((1, f"tinker://{session}:train:0/sampler_weights/final", "sampler weights"),
+    for seq, path, says in ((1, f"tinker://{session}:train:0/sampler_weights/final", "not a training state"),
                             (2, f"tinker://{session}:train:0/weights/never-saved", "no saved weights")):
         refused = api.post("/api/v1/load_weights", headers=ALICE, json={
             "session_id": session, "model_seq_id": seq, "path": path, "optimizer": False, "type": "load_weights"})
@@ -279,14 +272,14 @@ def test_a_create_the_trainer_would_refuse_is_refused_here_and_leaves_no_trainin
     assert models == [f"sessions/{session}/models/0.json"], models
 
 
-def test_the_rest_clients_publish_and_ttl_calls_answer_404_not_served_and_delete_nothing(api):
+def test_the_rest_clients_publish_calls_answer_404_not_served_and_delete_nothing(api):
     session = _session(api)
     model_id = _create(api, session).json()["model_id"]
     base = f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/final"
     deleted: list[tuple] = []
     api.app.state.gateway.delete_checkpoint = lambda *args: deleted.append(args)
-    for method, path in (("POST", f"{base}/publish"), ("DELETE", f"{base}/publish"), ("PUT", f"{base}/ttl"),
-                         ("POST", f"{base}/ttl")):
+    for method, path in (("POST", f"{base}/publish"), ("DELETE", f"{base}/publish"), ("DELETE", f"{base}/ttl"),
+                         ("POST", f"{base}/ttl")):  # the SDK sets a TTL with PUT
         answer = api.request(method, path, headers=ALICE, json={"ttl_seconds": 60})
         assert answer.status_code == 404 and "is not served by rlpipe" in answer.json()["error"], (method, path)
     assert deleted == []

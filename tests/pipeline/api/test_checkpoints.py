@@ -1,0 +1,142 @@
+"""Checkpoints through the gateway: time to live, external weights and their signed download URLs."""
+
+import json
+import time
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from pipeline.api import checkpoints
+from pipeline.api.wire import parse_tinker_path
+from tests.pipeline.api.test_app import ALICE, BOB, _create, _session
+
+FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"tensors" * 100}
+
+
+def _model(api) -> str:
+    return _create(api, _session(api)).json()["model_id"]
+
+
+def _saved_state(api, model_id: str, name: str = "w1"):
+    path = parse_tinker_path(f"tinker://{model_id}/weights/{name}")
+    api.store.put(checkpoints.weights_key(path), b"saved by save_state")
+    checkpoints.write_record(api.store, path, 19, request_id="r")  # as the trainer's save_weights leaves them
+    return path
+
+
+def _external(api, model_id: str, name: str = "final"):
+    path = parse_tinker_path(f"tinker://{model_id}/external_weights/{name}")
+    checkpoints.write_external(api.store, path, FILES, None, request_id="r")
+    return path
+
+
+def _listed(api, model_id: str, headers=ALICE) -> dict[str, dict]:
+    answer = api.get(f"/api/v1/training_runs/{model_id}/checkpoints", headers=headers)
+    assert answer.status_code == 200, answer.text
+    return {c["checkpoint_id"]: c for c in answer.json()["checkpoints"]}
+
+
+def _ttl(api, model_id: str, checkpoint_id: str, ttl, headers=ALICE):
+    return api.put(f"/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id}/ttl", headers=headers,
+                   json={"ttl_seconds": ttl})
+
+
+def test_a_ttl_is_set_in_range_shown_and_removed_and_only_by_its_owner(api):
+    model_id = _model(api)
+    _saved_state(api, model_id)
+    for bad, says in ((60, "between 3600"), (10**12, "ten years"), ("soon", "whole number")):
+        refused = _ttl(api, model_id, "weights/w1", bad)
+        assert refused.status_code == 400 and says in refused.json()["error"], refused.text
+    assert _listed(api, model_id)["weights/w1"]["expires_at"] is None
+    before = time.time()
+    assert _ttl(api, model_id, "weights/w1", 7200).status_code == 200
+    assert before + 7200 <= _listed(api, model_id)["weights/w1"]["expires_at"] <= time.time() + 7200
+    assert _ttl(api, model_id, "weights/w1", None).status_code == 200  # None removes it
+    assert _listed(api, model_id)["weights/w1"]["expires_at"] is None
+    assert _ttl(api, model_id, "weights/w1", 7200, headers=BOB).status_code == 404
+    assert _ttl(api, model_id, "weights/other", 7200).status_code == 404
+    assert _ttl(api, model_id, "elsewhere/w1", 7200).status_code == 400
+
+
+def test_an_expired_checkpoint_is_not_listed_loaded_or_downloaded_and_its_objects_are_deleted(api):
+    model_id = _model(api)
+    state, external = _saved_state(api, model_id), _external(api, model_id)
+    urls = api.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final/external_weights_urls",
+                   headers=ALICE).json()["urls"]
+    for path in (state, external):
+        key = checkpoints.record_key(path)
+        record = json.loads(api.store.get(key))
+        api.store.put(key, json.dumps({**record, "expires_at": time.time() - 1}).encode())  # its time is over
+    refused = api.post("/api/v1/load_weights", headers=ALICE, json={
+        "session_id": model_id.split(":")[0], "model_seq_id": 1, "path": str(state), "optimizer": True})
+    assert refused.status_code == 400 and "expired" in refused.json()["error"]
+    assert api.store.list(f"runs/{state.run}/weights", recursive=True) == []  # the load found it expired: deleted
+    assert api.store.exists(checkpoints.record_key(external))  # not read since
+    assert _listed(api, model_id) == {}
+    assert api.store.list(f"runs/{state.run}", recursive=True) == []  # the listing found it expired: deleted
+    assert api.get(urls["adapter_config.json"]).status_code == 404
+
+
+def test_external_weights_download_by_signed_urls_that_need_no_key_and_are_checked(api):
+    model_id = _model(api)
+    path = _external(api, model_id)
+    listed = _listed(api, model_id)["external_weights/final"]
+    assert listed["checkpoint_type"] == "external" and listed["tinker_path"] == str(path)
+    assert listed["size_bytes"] == sum(map(len, FILES.values()))
+    route = f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final/external_weights_urls"
+    answer = api.get(route, headers=ALICE).json()
+    assert sorted(answer["urls"]) == sorted(FILES) and answer["expires"]
+    for file, url in answer["urls"].items():
+        assert url.startswith("http://testserver/")  # on the gateway the client called
+        got = api.get(url)  # no API key
+        assert got.status_code == 200 and got.content == FILES[file]
+    assert api.get(route, headers=BOB).status_code == 404  # another tenant gets no URLs
+    url = answer["urls"]["adapter_config.json"]
+    query = parse_qs(urlsplit(url).query)
+    forged = url.replace(query["signature"][0], "0" * 64)
+    assert api.get(forged).status_code == 403 and "signature" in api.get(forged).json()["error"]
+    other_file = url.replace("adapter_config.json", "adapter_model.safetensors")  # a signature names its file
+    assert api.get(other_file).status_code == 403
+    later = int(query["expires"][0]) + 1
+    with pytest.raises(checkpoints.UrlRefused, match="expired"):
+        checkpoints.download(api.store, model_id, "final", "adapter_config.json", int(query["expires"][0]),
+                             query["signature"][0], now=later)
+    api.store.put(checkpoints.external_file_key(path, "adapter_config.json"), b'{"r": 8}')  # corrupted in the store
+    corrupt = api.get(url)
+    assert corrupt.status_code == 500 and "checksum" in corrupt.json()["error"]
+    state_urls = api.get(route.replace("external_weights/final", "weights/w1"), headers=ALICE)
+    assert state_urls.status_code == 400 and "not external weights" in state_urls.json()["error"]
+
+
+def test_deleting_external_weights_removes_their_files_then_their_record(api):
+    model_id = _model(api)
+    path = _external(api, model_id)
+    assert api.delete(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final",
+                      headers=ALICE).status_code == 204
+    assert api.store.list(f"runs/{path.run}", recursive=True) == []
+    assert api.delete(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final",
+                      headers=ALICE).status_code == 404
+
+
+def test_save_weights_external_is_logged_and_what_the_trainer_would_refuse_is_refused_here(api):
+    model_id = _model(api)
+    body = {"model_id": model_id, "path": "final", "seq_id": 1, "type": "save_weights_external"}
+    accepted = api.post("/api/v1/save_weights_external", headers=ALICE, json={**body, "ttl_seconds": 7200})
+    assert accepted.status_code == 200 and accepted.json()["request_id"].endswith(".1")
+    for seq, extra, says in ((2, {"ttl_seconds": 5}, "between 3600"),
+                             (3, {"age_encryption_recipients": ["age1xyz"]}, "age encryption"),
+                             (4, {"path": "a/b"}, "checkpoint name")):
+        refused = api.post("/api/v1/save_weights_external", headers=ALICE, json={**body, "seq_id": seq, **extra})
+        assert refused.status_code == 400 and says in refused.json()["error"], refused.text
+    logged = [(e.payload.op, e.payload.seq_id, e.payload.refused is None) for _, e in api.published
+              if e.payload.op == "save_weights_external"]
+    assert logged == [("save_weights_external", 1, True), ("save_weights_external", 2, False),
+                      ("save_weights_external", 3, False), ("save_weights_external", 4, False)]
+    too_short = api.post("/api/v1/save_weights", headers=ALICE, json={
+        "model_id": model_id, "path": "w", "seq_id": 5, "ttl_seconds": 60, "type": "save_weights"})
+    assert too_short.status_code == 400 and "between 3600" in too_short.json()["error"]
+
+
+def test_one_signing_key_per_store_for_every_gateway(api):
+    first = checkpoints.signing_key(api.store)
+    assert len(first) == 32 and checkpoints.signing_key(api.store) == first
