@@ -67,7 +67,8 @@ from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted, model_r
 from schemas.config import BusConfig
 
 log = logging.getLogger("rlpipe.api.trainer")
-_PURE_OPS = ("save_weights", "save_weights_for_sampler", "save_weights_external")  # change no adapter state: never re-executed
+# calls that change no adapter state: never re-executed
+_PURE_OPS = ("save_weights", "save_weights_for_sampler", "save_weights_external")
 _SAMPLING_OPS = ("create_sampling_session", "sample")
 
 

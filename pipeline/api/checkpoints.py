@@ -72,17 +72,18 @@ def record_key(path: TinkerPath) -> str:
 
 
 def external_file_key(path: TinkerPath, file: str) -> str:
+    """The store key of one file of an external-weights checkpoint."""
     return f"{checkpoint_prefix(path.run, 'external_weights')}/{path.name}/{file}"
 
 
 def path_of(model_id: str, checkpoint_id: str) -> TinkerPath:
     """The checkpoint ``<folder>/<name>`` of a model (a RestClient route's ``checkpoint_id``)."""
     folder, _, name = checkpoint_id.partition("/")
-    kinds = {folder: kind for kind, folder in PATH_FOLDERS.items()}
-    if folder not in kinds:
+    kind = next((kind for kind, its_folder in PATH_FOLDERS.items() if its_folder == folder), None)
+    if kind is None:
         raise ApiError(f"checkpoint id {checkpoint_id!r} is not weights/<name>, sampler_weights/<name> or "
                        "external_weights/<name>")
-    return TinkerPath(model_id, kinds[folder], checkpoint_name(name))
+    return TinkerPath(model_id, kind, checkpoint_name(name))
 
 
 # ---- time to live ------------------------------------------------------------------------------------------
