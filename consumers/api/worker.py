@@ -121,6 +121,7 @@ class TrainerWorker:
         self._last_expiry = self._last_executed = 0.0
         self._committed: dict[TopicPartitionKey, int] = {}
         self._tokens = 0
+        self._replaying = False  # the call being run succeeded before (a replay after a restart)
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
@@ -202,6 +203,7 @@ class TrainerWorker:
             return  # its result stands and it changed nothing (a call that failed changed nothing either)
         started, wall = time.perf_counter(), time.time()
         self._tokens = 0  # trained tokens of this call (set by a forward_backward)
+        self._replaying = done == "ok"  # a call that succeeded once: what it was allowed to read, it may read again
         try:
             data, fmt = self._run(model, call)
             result: tuple[bytes, str, str | None, str | None] = (data, fmt, None, None)
@@ -342,9 +344,11 @@ class TrainerWorker:
         if path.kind != "training":
             raise ApiError(f"{request.path} is not a training state; load a tinker://.../weights/<name> path "
                            "(save_state)")
-        self._check_tenant(call.tenant, path.run.split(".")[0])
+        record = checkpoints.read_record(self.store, path)
+        if not (record is not None and record.get("public")) and not self._replaying:
+            self._check_tenant(call.tenant, path.run.split(".")[0])  # a published state is anyone's to load
         try:
-            if checkpoints.read_record(self.store, path) is None:
+            if record is None:
                 raise FileNotFoundError(request.path)
             state = self.store.get(weights_key(path))
         except FileNotFoundError:

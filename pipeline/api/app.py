@@ -206,7 +206,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
                 return {"request_id": gateway.submit(who, "load_weights", body.model_id, body.seq_id, raw)}
         if body.session_id is None or body.model_seq_id is None:
             raise ApiError("load_weights needs model_id and seq_id, or session_id and model_seq_id")
-        source = gateway.model(who, gateway.saved_state(who, body.path).model_id)
+        _, source = gateway.saved_state(who, body.path)
         model_id = gateway.register_model(who, body.session_id, body.model_seq_id, source["base_model"],
                                           source["lora_rank"], source["lora"], body.user_metadata)
         return {"request_id": gateway.submit(who, "load_weights", model_id, None, raw), "model_id": model_id}
@@ -311,7 +311,12 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return Response(data, media_type="application/octet-stream")
 
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish",
-                   methods=["POST", "DELETE", "PUT"])
+                   methods=["POST", "DELETE"])
+    async def publish_checkpoint(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> dict[str, Any]:
+        await asyncio.to_thread(gateway.publish_checkpoint, who, model_id, checkpoint_id, request.method == "POST")
+        return {}
+
+    @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish", methods=["PUT"])
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl",
                    methods=["POST", "DELETE"])
     def unserved_checkpoint_call(request: Request) -> JSONResponse:  # not a checkpoint named .../publish to delete
@@ -325,7 +330,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.post("/api/v1/weights_info")
     async def weights_info(request: Request, who: Tenant) -> dict[str, Any]:
         raw = json.loads(await request.body() or b"{}")
-        record = gateway.model(who, gateway.owned_path(who, str(raw.get("tinker_path", ""))).model_id)
+        _, record = gateway.readable_path(who, str(raw.get("tinker_path", "")))
         lora = record["lora"]
         return {"base_model": record["base_model"], "is_lora": True, "lora_rank": record["lora_rank"],
                 "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),

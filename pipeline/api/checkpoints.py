@@ -108,6 +108,16 @@ def set_ttl(store: ObjectStore, path: TinkerPath, ttl_seconds: int | None) -> No
     store.put(record_key(path), json.dumps({**record, "expires_at": expires_at}).encode())
 
 
+def set_public(store: ObjectStore, path: TinkerPath, public: bool) -> None:
+    """Publish the checkpoint (every tenant may load, sample from or download it) or take that back; doing
+    either twice is harmless (the SDK resends a 409, so "already public" would only make the client wait)."""
+    record = read_record(store, path)
+    if record is None:
+        raise NotFound(f"no checkpoint {path}; see list_checkpoints")
+    if bool(record.get("public")) != public:
+        store.put(record_key(path), json.dumps({**record, "public": public}).encode())
+
+
 # ---- records -----------------------------------------------------------------------------------------------
 
 
@@ -146,7 +156,8 @@ def list_checkpoints(store: ObjectStore, model_id: str, now: float | None = None
             if record is not None:
                 found.append({"checkpoint_id": f"{folder}/{record['name']}", "checkpoint_type": kind,
                               "time": record["time"], "tinker_path": record["tinker_path"],
-                              "size_bytes": record.get("size_bytes"), "expires_at": record.get("expires_at")})
+                              "size_bytes": record.get("size_bytes"), "expires_at": record.get("expires_at"),
+                              "public": bool(record.get("public"))})
     return sorted(found, key=lambda item: item["time"])
 
 

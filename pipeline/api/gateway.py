@@ -173,6 +173,9 @@ class Gateway:
         except ValueError:
             raise NotFoundError(f"unknown model {model_id!r}; use the model_id create_model returned") from None
         self.check_owner(tenant, model_run_name(model_id).split(".")[0])
+        return self._model_record(key, model_id)
+
+    def _model_record(self, key: str, model_id: str) -> dict[str, Any]:
         if key not in self._models:  # records are create-only, so a cached one never goes stale
             try:
                 self._models[key] = json.loads(self.store.get(key))
@@ -210,22 +213,28 @@ class Gateway:
                 "model_name": served.name,
                 "model_data": {"arch": "lora", "model_name": served.name, "tokenizer_id": served.tokenizer_id}}
 
-    def owned_path(self, tenant: str, path: str) -> TinkerPath:
-        """A ``tinker://`` path of one of this tenant's models (another tenant's is not found)."""
+    def readable_path(self, tenant: str, path: str) -> tuple[TinkerPath, dict[str, Any]]:
+        """A ``tinker://`` path this tenant may read, and its model's record: a path of its own models, or a
+        published checkpoint of anyone's (another tenant's unpublished path is not found, as a missing one)."""
         parsed = parse_tinker_path(path)
-        self.model(tenant, parsed.model_id)
-        return parsed
+        try:
+            return parsed, self.model(tenant, parsed.model_id)
+        except NotFoundError:
+            record = checkpoints.read_record(self.store, parsed)
+            if record is None or not record.get("public"):
+                raise
+        return parsed, self._model_record(self._model_key(parsed.model_id), parsed.model_id)
 
-    def saved_state(self, tenant: str, path: str) -> TinkerPath:
-        """A ``tinker://.../weights/<name>`` path of this tenant's that ``save_state`` wrote (what a new training
-        client loads); ``ApiError`` for sampler weights or a name never saved."""
-        parsed = self.owned_path(tenant, path)
+    def saved_state(self, tenant: str, path: str) -> tuple[TinkerPath, dict[str, Any]]:
+        """A ``tinker://.../weights/<name>`` path this tenant may read that ``save_state`` wrote (what a new training
+        client loads), and its model's record; ``ApiError`` for other kinds or a name never saved."""
+        parsed, record = self.readable_path(tenant, path)
         if parsed.kind != "training":
             raise ApiError(f"{path} is not a training state; start a training client from a "
                            "tinker://.../weights/<name> path (save_state)")
         if checkpoints.read_record(self.store, parsed) is None:
             raise ApiError(f"no saved weights at {path} (never saved, deleted or expired); see list_checkpoints")
-        return parsed
+        return parsed, record
 
     # ---- calls --------------------------------------------------------------------------------
     def submit(self, tenant: str, op: ApiOp, model_id: str, seq_id: int | None, body: bytes,
@@ -298,7 +307,7 @@ class Gateway:
         self.check_owner(tenant, session_id)
         if model_path is None:
             return write_sampler(self.store, tenant, session_id, seq, self.served(base_model).name, None, None, None)
-        path = self.owned_path(tenant, model_path)
+        path, record = self.readable_path(tenant, model_path)
         if path.kind != "sampler":
             raise ApiError(f"{model_path} is not sampler weights; sample from a tinker://.../sampler_weights/<name> "
                            "path (save_weights_for_sampler)")
@@ -306,7 +315,6 @@ class Gateway:
         if meta is None:
             raise ApiError(f"no sampler weights at {model_path} (never saved, deleted or expired); see "
                            "list_checkpoints")
-        record = self.model(tenant, path.model_id)
         return write_sampler(self.store, tenant, session_id, seq, record["base_model"], model_path, path.run,
                              int(meta["version"]))
 
@@ -371,10 +379,16 @@ class Gateway:
             raise NotFoundError(f"no checkpoint {checkpoint_id} of {model_id}; see list_checkpoints")
         checkpoints.delete(self.store, path)  # a delete cut short leaves the record: deleting again finishes it
 
+    def publish_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str, public: bool) -> None:
+        """Let every tenant read the checkpoint (``public``), or only its owner again."""
+        checkpoints.set_public(self.store, self._checkpoint(tenant, model_id, checkpoint_id), public)
+
     def set_checkpoint_ttl(self, tenant: str, model_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         checkpoints.set_ttl(self.store, self._checkpoint(tenant, model_id, checkpoint_id), ttl_seconds)
 
     def external_weights_urls(self, tenant: str, model_id: str, checkpoint_id: str,
                               base_url: str) -> tuple[dict[str, str], int]:
-        """Signed download URLs of an external-weights checkpoint of this tenant's, and their expiry."""
-        return checkpoints.download_urls(self.store, self._checkpoint(tenant, model_id, checkpoint_id), base_url)
+        """Signed download URLs of external weights this tenant may read (its own, or published), and their expiry."""
+        path = checkpoints.path_of(model_id, checkpoint_id)
+        self.readable_path(tenant, str(path))
+        return checkpoints.download_urls(self.store, path, base_url)

@@ -22,7 +22,7 @@ from pipeline.api.wire import parse_tinker_path
 from pipeline.io.bus import EventPublisher, ensure_topics
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
-from schemas.api import result_path
+from schemas.api import model_run_name, result_path
 
 TENANT = "t-alice"
 
@@ -66,14 +66,15 @@ class Harness:
         self.gateway.submit(TENANT, "create_model", model_id, None, body)
         return model_id
 
-    def result(self, request_id: str) -> tuple[bytes, str] | None:
-        return self.gateway.result(TENANT, request_id)
+    def result(self, request_id: str, tenant: str = TENANT) -> tuple[bytes, str] | None:
+        return self.gateway.result(tenant, request_id)
 
 
-def run_until(trainer: TrainerWorker, harness: Harness, request_ids: list[str], timeout_s: float = 60.0) -> None:
+def run_until(trainer: TrainerWorker, harness: Harness, request_ids: list[str], timeout_s: float = 60.0,
+              tenant: str = TENANT) -> None:
     deadline = time.monotonic() + timeout_s
-    while not all(harness.result(rid) for rid in request_ids):
-        assert time.monotonic() < deadline, f"no results for {[r for r in request_ids if not harness.result(r)]}"
+    while not all(harness.result(rid, tenant) for rid in request_ids):
+        assert time.monotonic() < deadline, f"no results for {[r for r in request_ids if not harness.result(r, tenant)]}"
         trainer.step(poll_timeout_s=0.2)
 
 
@@ -371,3 +372,46 @@ def test_external_weights_are_the_adapters_peft_folder_with_its_ttl_and_a_taken_
     refused = json.loads(harness.result(again)[0])
     assert refused["category"] == "user" and "already exists" in refused["error"]
     trainer.close()
+
+
+def test_a_published_state_is_anyones_to_load_and_a_load_that_ran_replays_after_it_is_unpublished(harness):
+    """Bob loads Alice's state only once she publishes it; after she takes that back, Bob cannot load it again,
+    but his load that ran is replayed by a restarted trainer (its log is a fold: the same weights again)."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(2)]), "pb"),
+             harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2)),
+             harness.gateway.submit(TENANT, "save_weights", model_id, 3, _save(model_id, 3, "shared"))]
+    run_until(trainer, harness, calls)
+    path, bob = f"tinker://{model_id}/weights/shared", "t-bob"
+    bob_session = harness.gateway.create_session(bob, [], {})
+
+    def load(seq: int) -> tuple[str, str]:
+        bob_model = harness.gateway.register_model(bob, bob_session, seq, harness.base_model, 4, {}, None)
+        body = types.LoadWeightsRequest(path=path, session_id=bob_session, model_seq_id=seq, optimizer=False)
+        return harness.gateway.submit(bob, "load_weights", bob_model, None, body.model_dump_json().encode()), bob_model
+
+    def error(request_id: str) -> str:
+        return json.loads(harness.result(request_id, bob)[0]).get("error", "")
+
+    private, _ = load(0)
+    run_until(trainer, harness, [private], tenant=bob)
+    assert "no session" in error(private)
+    harness.gateway.publish_checkpoint(TENANT, model_id, "weights/shared", True)
+    public, bob_model = load(1)
+    run_until(trainer, harness, [public], tenant=bob)
+    alice_weights = trainer.engine.weights(model_run_name(model_id))
+    assert error(public) == ""
+    assert_same(trainer.engine.weights(model_run_name(bob_model)), alice_weights)
+    harness.gateway.publish_checkpoint(TENANT, model_id, "weights/shared", False)
+    abandon(trainer)  # nothing folded or committed: a restarted trainer replays the whole log
+    restarted = harness.trainer()
+    again, _ = load(2)
+    run_until(restarted, harness, [again], tenant=bob)
+    assert "no session" in error(again)
+    deadline = time.monotonic() + 60
+    while model_run_name(bob_model) not in restarted.engine.adapters():
+        assert time.monotonic() < deadline, "the load that ran was not replayed"
+        restarted.step(poll_timeout_s=0.2)
+    assert_same(restarted.engine.weights(model_run_name(bob_model)), alice_weights)
+    restarted.close()

@@ -272,14 +272,17 @@ def test_a_create_the_trainer_would_refuse_is_refused_here_and_leaves_no_trainin
     assert models == [f"sessions/{session}/models/0.json"], models
 
 
-def test_the_rest_clients_publish_calls_answer_404_not_served_and_delete_nothing(api):
+def test_checkpoint_calls_with_other_methods_answer_404_not_served_and_delete_nothing(api):
+    """`.../publish` and `.../ttl` are served with the SDK's methods only; no method makes them a delete of a
+    checkpoint named `final/publish`."""
     session = _session(api)
     model_id = _create(api, session).json()["model_id"]
     base = f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/final"
     deleted: list[tuple] = []
     api.app.state.gateway.delete_checkpoint = lambda *args: deleted.append(args)
-    for method, path in (("POST", f"{base}/publish"), ("DELETE", f"{base}/publish"), ("DELETE", f"{base}/ttl"),
-                         ("POST", f"{base}/ttl")):  # the SDK sets a TTL with PUT
-        answer = api.request(method, path, headers=ALICE, json={"ttl_seconds": 60})
+    for method, path in (("PUT", f"{base}/publish"), ("DELETE", f"{base}/ttl"), ("POST", f"{base}/ttl")):
+        answer = api.request(method, path, headers=ALICE, json={"ttl_seconds": 7200})
         assert answer.status_code == 404 and "is not served by rlpipe" in answer.json()["error"], (method, path)
+    unpublished = api.delete(f"{base}/publish", headers=ALICE)  # unpublish: there is no such checkpoint
+    assert unpublished.status_code == 404 and "no checkpoint" in unpublished.json()["error"]
     assert deleted == []

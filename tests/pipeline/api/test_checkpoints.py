@@ -140,3 +140,41 @@ def test_save_weights_external_is_logged_and_what_the_trainer_would_refuse_is_re
 def test_one_signing_key_per_store_for_every_gateway(api):
     first = checkpoints.signing_key(api.store)
     assert len(first) == 32 and checkpoints.signing_key(api.store) == first
+
+
+def test_a_published_checkpoint_is_every_tenants_to_read_and_only_its_owners_to_change(api):
+    model_id = _model(api)
+    state = _saved_state(api, model_id)
+    _external(api, model_id)
+    sampler = parse_tinker_path(f"tinker://{model_id}/sampler_weights/s1")
+    checkpoints.write_record(api.store, sampler, None, version=1)  # as the trainer's save_weights_for_sampler
+    bob_session = _session(api, BOB)
+    route = f"/api/v1/training_runs/{model_id}/checkpoints"
+
+    def bob_reads() -> list[int]:
+        return [
+            api.post("/api/v1/weights_info", headers=BOB, json={"tinker_path": str(state)}).status_code,
+            api.post("/api/v1/load_weights", headers=BOB, json={
+                "session_id": bob_session, "model_seq_id": 0, "path": str(state), "optimizer": False}).status_code,
+            api.post("/api/v1/create_sampling_session", headers=BOB, json={
+                "session_id": bob_session, "sampling_session_seq_id": 0, "model_path": str(sampler)}).status_code,
+            api.get(f"{route}/external_weights/final/external_weights_urls", headers=BOB).status_code,
+        ]
+
+    assert bob_reads() == [404, 404, 404, 404]
+    for checkpoint_id in ("weights/w1", "sampler_weights/s1", "external_weights/final"):
+        for _ in range(2):  # publishing twice is harmless
+            assert api.post(f"{route}/{checkpoint_id}/publish", headers=ALICE).status_code == 200
+    assert all(c["public"] for c in _listed(api, model_id).values())
+    assert bob_reads() == [200, 200, 200, 200]
+    loaded = json.loads(api.store.get(f"sessions/{bob_session}/models/0.json"))
+    assert loaded["base_model"] == "/models/base/tiny" and loaded["lora_rank"] == 4  # Alice's model's
+    for method, path in (("POST", f"{route}/weights/w1/publish"), ("DELETE", f"{route}/weights/w1/publish"),
+                         ("PUT", f"{route}/weights/w1/ttl"), ("DELETE", f"{route}/weights/w1")):
+        assert api.request(method, path, headers=BOB, json={"ttl_seconds": 7200}).status_code == 404, (method, path)
+    assert _listed(api, model_id)["weights/w1"]["expires_at"] is None
+    for checkpoint_id in ("weights/w1", "sampler_weights/s1", "external_weights/final"):
+        assert api.delete(f"{route}/{checkpoint_id}/publish", headers=ALICE).status_code == 200
+    assert not any(c["public"] for c in _listed(api, model_id).values())
+    assert bob_reads() == [404, 404, 404, 404]
+    assert api.post(f"{route}/weights/never/publish", headers=ALICE).status_code == 404
