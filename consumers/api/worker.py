@@ -70,6 +70,7 @@ log = logging.getLogger("rlpipe.api.trainer")
 # calls that change no adapter state: never re-executed
 _PURE_OPS = ("save_weights", "save_weights_for_sampler", "save_weights_external")
 _SAMPLING_OPS = ("create_sampling_session", "sample")
+SWEEP_S = 600.0  # how often a trainer deletes its base model's expired checkpoints
 
 
 # ---- the worker --------------------------------------------------------------------------------------------------
@@ -122,6 +123,8 @@ class TrainerWorker:
         self._committed: dict[TopicPartitionKey, int] = {}
         self._tokens = 0
         self._replaying = False  # the call being run succeeded before (a replay after a restart)
+        self._last_sweep = time.monotonic()  # the first sweep comes after a restart's replay
+        self._base_models: dict[str, str | None] = {}  # model record key -> its base model (for sweeps)
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
@@ -143,7 +146,18 @@ class TrainerWorker:
             self.fold_all()
         if time.monotonic() - self._last_expiry > 5.0:
             self.expire_sessions()
+        if time.monotonic() - self._last_sweep > SWEEP_S:
+            self.sweep_checkpoints()
         return executed
+
+    def sweep_checkpoints(self) -> int:
+        """Delete the expired checkpoints of this base model's training clients (between calls, so never beside a
+        save of the same name); how many."""
+        self._last_sweep = time.monotonic()
+        swept = checkpoints.sweep_base_model(self.store, self.base_model, self._base_models)
+        if swept:
+            log.info("deleted %d expired checkpoints", swept)
+        return swept
 
     def close(self) -> None:
         self.consumer.close()
@@ -336,7 +350,8 @@ class TrainerWorker:
                                                 int(request.sampling_session_seq_id or 0), self.base_model, None,
                                                 model.run, manifest.version)
             return _json({"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id})
-        checkpoints.write_record(self.store, path, None, version=manifest.version)
+        checkpoints.write_record(self.store, path, None, checkpoints.expiry(request.ttl_seconds),
+                                 version=manifest.version)
         return _json({"type": "save_weights_for_sampler", "path": str(path)})
 
     def _load_weights(self, model: _Model, call: ApiRequestAccepted, request: types.LoadWeightsRequest) -> bytes:
@@ -344,7 +359,7 @@ class TrainerWorker:
         if path.kind != "training":
             raise ApiError(f"{request.path} is not a training state; load a tinker://.../weights/<name> path "
                            "(save_state)")
-        record = checkpoints.read_record(self.store, path)
+        record = checkpoints.read_record(self.store, path, expired=self._replaying)  # a replay reads what it read
         if not (record is not None and record.get("public")) and not self._replaying:
             self._check_tenant(call.tenant, path.run.split(".")[0])  # a published state is anyone's to load
         try:

@@ -22,11 +22,12 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinker import types
 
-from pipeline.api import checkpoints, listing
+from pipeline.api import checkpoints, downloads, listing
 from pipeline.api.direct import DirectSamplers
 from pipeline.api.gateway import BusyError, Gateway, NotFoundError, SessionEndedError, parse_body
 from pipeline.api.results import ResultSignals
@@ -38,7 +39,7 @@ from schemas.api import ApiError, ApiOp, BodyFormat
 log = logging.getLogger(__name__)
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
-_STATUS = {UnauthorizedError: 401, NotFoundError: 404, checkpoints.NotFound: 404, checkpoints.UrlRefused: 403,
+_STATUS = {UnauthorizedError: 401, NotFoundError: 404, checkpoints.NotFound: 404, downloads.UrlRefused: 403,
            SessionEndedError: 410, BusyError: 429}
 
 
@@ -56,10 +57,13 @@ def _unserved(request: Request) -> str:
 
 
 def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOLD_S,
-               signals: ResultSignals | None = None, direct: DirectSamplers | None = None) -> FastAPI:
+               signals: ResultSignals | None = None, direct: DirectSamplers | None = None,
+               public_url: str | None = None) -> FastAPI:
     """The ASGI app serving ``gateway`` to the tenants ``tenants`` admits; ``signals`` (following
     ``<ns>.results``) wakes long polls, without it they re-read the store every 20 ms; ``direct`` also hands
-    sample calls straight to their sampler (``pipeline.api.direct``), waking polls through ``signals``."""
+    sample calls straight to their sampler (``pipeline.api.direct``), waking polls through ``signals``;
+    ``public_url``: the gateway's address as clients reach it (behind a proxy), for the download URLs it signs
+    (default: the address each request came to)."""
     if signals is None and direct is not None:
         signals = direct.signals
     app = FastAPI(title="rlpipe Tinker-compatible API", docs_url=None, redoc_url=None)
@@ -69,6 +73,14 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         status = next((code for cls, code in _STATUS.items() if isinstance(exc, cls)), 400)
         return JSONResponse({"error": str(exc), "category": exc.category}, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ())) or "request"
+        return JSONResponse({"error": f"{request.url.path}: {where}: {first.get('msg')}; send what the tinker "
+                                      "SDK sends (a download URL is used whole, as get_external_weights_urls gave it)",
+                             "category": "user"}, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def unserved(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -195,6 +207,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
                                "SDK")
             if body.path is not None:
                 checkpoint_name(body.path)
+            checkpoints.expiry(body.ttl_seconds)
             return {"request_id": gateway.submit(who, "save_weights_for_sampler", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/load_weights")
@@ -283,10 +296,23 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     def list_checkpoints(model_id: str, who: Tenant) -> dict[str, Any]:
         return {"checkpoints": gateway.checkpoints(who, model_id)}
 
+    def named_like_a_route(who: str, model_id: str, checkpoint_id: str, route: str) -> Response | None:
+        """``DELETE .../checkpoints/weights/ttl`` deletes the checkpoint named ``ttl``, not a TTL."""
+        if "/" in checkpoint_id:
+            return None
+        gateway.delete_checkpoint(who, model_id, f"{checkpoint_id}/{route}")
+        return Response(status_code=204)
+
     @app.put("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
     async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> dict[str, Any]:
-        raw = json.loads(await request.body() or b"{}")
-        ttl = raw.get("ttl_seconds") if isinstance(raw, dict) else None
+        try:
+            raw = json.loads(await request.body())
+        except ValueError:
+            raise ApiError("set_checkpoint_ttl takes a JSON body {\"ttl_seconds\": seconds or null}; use the "
+                           "tinker SDK's RestClient") from None
+        if not isinstance(raw, dict) or "ttl_seconds" not in raw:
+            raise ApiError("set_checkpoint_ttl needs ttl_seconds: a number of seconds, or null to remove the TTL")
+        ttl = raw["ttl_seconds"]
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):
             raise ApiError(f"ttl_seconds={ttl!r}: send a whole number of seconds, or null to remove the TTL")
         await asyncio.to_thread(gateway.set_checkpoint_ttl, who, model_id, checkpoint_id, ttl)
@@ -296,30 +322,36 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request,
                                     who: Tenant) -> dict[str, Any]:
         urls, expires = await asyncio.to_thread(gateway.external_weights_urls, who, model_id, checkpoint_id,
-                                                str(request.base_url))
+                                                public_url or str(request.base_url))
         return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
-    @app.get(checkpoints.DOWNLOAD_PATH + "/{model_id}/{name}/{file:path}")
+    @app.get(downloads.DOWNLOAD_PATH + "/{model_id}/{name}/{file:path}")
     async def download_external_file(model_id: str, name: str, file: str, expires: int, signature: str) -> Response:
         """A file of external weights, for whoever holds its signed URL (no API key, as with a bucket's URL)."""
         try:
-            data = await asyncio.to_thread(checkpoints.download, gateway.store, model_id, name, file, expires,
-                                           signature)
+            found = await asyncio.to_thread(downloads.check_download, gateway.store, model_id, name, file, expires,
+                                            signature)
         except ChecksumError as exc:
             log.error("refused a corrupt download: %s", exc)
             return JSONResponse({"error": str(exc), "category": "server"}, status_code=500)
-        return Response(data, media_type="application/octet-stream")
+        return StreamingResponse(downloads.send(gateway.store, found), media_type="application/octet-stream",
+                                 headers={"Content-Length": str(found.size)})
 
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish",
                    methods=["POST", "DELETE"])
-    async def publish_checkpoint(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> dict[str, Any]:
+    async def publish_checkpoint(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> Response:
+        if request.method == "DELETE" and (deleted := named_like_a_route(who, model_id, checkpoint_id, "publish")):
+            return deleted
         await asyncio.to_thread(gateway.publish_checkpoint, who, model_id, checkpoint_id, request.method == "POST")
-        return {}
+        return JSONResponse({})
+
+    @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+    def delete_a_checkpoint_named_ttl(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> Response:
+        return named_like_a_route(who, model_id, checkpoint_id, "ttl") or unserved_checkpoint_call(request)
 
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish", methods=["PUT"])
-    @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl",
-                   methods=["POST", "DELETE"])
-    def unserved_checkpoint_call(request: Request) -> JSONResponse:  # not a checkpoint named .../publish to delete
+    @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl", methods=["POST"])
+    def unserved_checkpoint_call(request: Request) -> JSONResponse:
         return JSONResponse({"error": _unserved(request), "category": "user"}, status_code=404)
 
     @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
@@ -330,7 +362,9 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.post("/api/v1/weights_info")
     async def weights_info(request: Request, who: Tenant) -> dict[str, Any]:
         raw = json.loads(await request.body() or b"{}")
-        _, record = gateway.readable_path(who, str(raw.get("tinker_path", "")))
+        path, record = gateway.readable_path(who, str(raw.get("tinker_path", "")))
+        if checkpoints.read_record(gateway.store, path) is None:
+            raise NotFoundError(f"no checkpoint at {path} (never saved, deleted or expired); see list_checkpoints")
         lora = record["lora"]
         return {"base_model": record["base_model"], "is_lora": True, "lora_rank": record["lora_rank"],
                 "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),

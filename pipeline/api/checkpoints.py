@@ -1,59 +1,52 @@
-"""A training client's checkpoints in the store: records, time to live, external weights and their download URLs.
+"""A training client's checkpoints in the store: records, time to live, publication and external weights.
 
-  runs/<run>/weights/<name>.safetensors        ``save_state``: adapter, AdamW and RNG state (one blob)
-  runs/<run>/weights/<name>.json               its record
-  runs/<run>/sampler_weights/<name>.json       ``save_weights_for_sampler``: the registry version it published
-  runs/<run>/external_weights/<name>/<file>    ``save_weights_external``: the PEFT folder (adapter_config.json,
-                                               adapter_model.safetensors) that peft and vLLM load
-  runs/<run>/external_weights/<name>.json      its record, with each file's sha256 and size
+  runs/<run>/weights/<name>.safetensors              ``save_state``: adapter, AdamW and RNG state (one blob)
+  runs/<run>/weights/<name>.json                     its record
+  runs/<run>/sampler_weights/<name>.json             ``save_weights_for_sampler``: the registry version it made
+  runs/<run>/external_weights/<name>.json            ``save_weights_external``: the record, each file's sha256
+  runs/<run>/external_weights_files/<name>/<file>    and the PEFT folder (adapter_config.json,
+                                                     adapter_model.safetensors) that peft and vLLM load
 
-A record is written after its files and deleted after them, so a checkpoint exists
+A record is written after its objects and deleted after them, so a checkpoint exists
 exactly while its record does; a delete cut short is finished by deleting again.
+Only records end in ``.json`` in their folders and no checkpoint has a folder there, so
+any name (``a.json`` too) is a checkpoint like another.
 
-**Time to live.** ``ttl_seconds`` on ``save_state`` and ``save_weights_external``,
-or ``set_checkpoint_ttl_from_tinker_path`` later, puts ``expires_at`` (unix
-seconds) in the record; the range is the SDK's, one hour to ten years, and
-``None`` removes it.  An expired checkpoint is gone for every call: it is not
-listed, loaded or downloaded, and the first call that finds it expired (a listing
-of its run, a load, a download) deletes its objects.
+**Time to live.** ``ttl_seconds`` on ``save_state``, ``save_weights_for_sampler`` and
+``save_weights_external``, or ``set_checkpoint_ttl_from_tinker_path`` later, puts
+``expires_at`` (unix seconds) in the record; the range is the SDK's, one hour to ten
+years, and ``None`` removes it.  An expired checkpoint is hidden from every call that
+reads one (listings, loads, new sampling clients, downloads, ``weights_info``).  Its
+objects are deleted by ``sweep_expired``, which the trainer of its base model runs
+between calls: the trainer is the one writer of checkpoints, so a sweep never races a
+save of the same name, as a delete by a gateway that read an old record would.
 
-**Downloads.** ``get_external_weights_urls`` answers one URL per file, on the
-gateway that answered, valid for ``URL_TTL_S``.  A URL names the model, the
-checkpoint, the file and its expiry, signed with HMAC-SHA256 under a key kept in
-the store (``SIGNING_KEY``, made by the first gateway that signs), so any gateway
-of a deployment honours any other's URLs.  Like a bucket's signed URL it needs no
-API key; the file is served only if its bytes match the sha256 its record holds.
+**Publication.** A published checkpoint (``public`` in its record) is every tenant's
+to load, sample from and download; only its owner changes or deletes it.
+
+A TTL or publication change rewrites the record (read, then write): one that meets a
+save of the same name with ``overwrite=True`` at the same moment can put the old
+save's fields back beside the new weights, until the next save or change of it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import hmac
 import json
-import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote, urlencode
 
 from pipeline.api.wire import PATH_FOLDERS, TinkerPath, checkpoint_name
 from pipeline.io.store import ObjectStore, sha256_hex
-from schemas.api import ApiError, model_run_name
+from schemas.api import ApiError, model_id_for, model_run_name
 
 MIN_TTL_S = 3600  # the SDK's documented range for a checkpoint's ttl_seconds: one hour ...
 MAX_TTL_S = 10 * 365 * 86400  # ... to ten years
-URL_TTL_S = 3600  # how long a download URL is honoured (the tinker CLI asks again five minutes before)
-SIGNING_KEY = "api/url-signing.key"
-DOWNLOAD_PATH = "/api/v1/external_weights_files"
+EXTERNAL_FILES = "external_weights_files"  # the folder of the exports' files, apart from their records
 
 
 class NotFound(ApiError):
     """No such checkpoint (or not this tenant's): HTTP 404."""
-
-
-class UrlRefused(ApiError):
-    """A download URL whose signature does not hold or whose time is over: HTTP 403."""
 
 
 def checkpoint_prefix(run: str, folder: str) -> str:
@@ -73,7 +66,7 @@ def record_key(path: TinkerPath) -> str:
 
 def external_file_key(path: TinkerPath, file: str) -> str:
     """The store key of one file of an external-weights checkpoint."""
-    return f"{checkpoint_prefix(path.run, 'external_weights')}/{path.name}/{file}"
+    return f"{checkpoint_prefix(path.run, EXTERNAL_FILES)}/{path.name}/{file}"
 
 
 def path_of(model_id: str, checkpoint_id: str) -> TinkerPath:
@@ -129,43 +122,79 @@ def write_record(store: ObjectStore, path: TinkerPath, size_bytes: int | None, e
     store.put(record_key(path), json.dumps(record).encode())
 
 
-def read_record(store: ObjectStore, path: TinkerPath, now: float | None = None) -> dict[str, Any] | None:
-    """The checkpoint's record; None when there is none, or when it has expired (its objects are then deleted)."""
+def read_record(store: ObjectStore, path: TinkerPath, now: float | None = None,
+                expired: bool = False) -> dict[str, Any] | None:
+    """The checkpoint's record; None when there is none or it has expired (unless ``expired``)."""
     try:
         record = json.loads(store.get(record_key(path)))
     except FileNotFoundError:
         return None
-    if not isinstance(record, dict):
-        return None
-    expires_at = record.get("expires_at")
-    if expires_at is not None and float(expires_at) <= (time.time() if now is None else now):
-        delete(store, path)
+    if not isinstance(record, dict) or (not expired and has_expired(record, now)):
         return None
     return record
 
 
-def list_checkpoints(store: ObjectStore, model_id: str, now: float | None = None) -> list[dict[str, Any]]:
-    """Every live checkpoint of a model, oldest first, as the SDK's ``Checkpoint`` (expired ones are deleted)."""
+def has_expired(record: dict[str, Any], now: float | None = None) -> bool:
+    expires_at = record.get("expires_at")
+    return expires_at is not None and float(expires_at) <= (time.time() if now is None else now)
+
+
+def _records(store: ObjectStore, model_id: str) -> list[tuple[TinkerPath, dict[str, Any]]]:
+    """Every checkpoint record of a model, expired ones too."""
     run = model_run_name(model_id)
     found = []
     for kind, folder in PATH_FOLDERS.items():
         for key in store.list(checkpoint_prefix(run, folder)):
-            if not key.endswith(".json"):
-                continue
-            record = read_record(store, TinkerPath(model_id, kind, key.rsplit("/", 1)[-1].removesuffix(".json")), now)
-            if record is not None:
-                found.append({"checkpoint_id": f"{folder}/{record['name']}", "checkpoint_type": kind,
-                              "time": record["time"], "tinker_path": record["tinker_path"],
-                              "size_bytes": record.get("size_bytes"), "expires_at": record.get("expires_at"),
-                              "public": bool(record.get("public"))})
+            if key.endswith(".json"):
+                path = TinkerPath(model_id, kind, key.rsplit("/", 1)[-1].removesuffix(".json"))
+                record = read_record(store, path, expired=True)
+                if record is not None:
+                    found.append((path, record))
+    return found
+
+
+def list_checkpoints(store: ObjectStore, model_id: str, now: float | None = None) -> list[dict[str, Any]]:
+    """Every live checkpoint of a model, oldest first, as the SDK's ``Checkpoint``."""
+    found = [{"checkpoint_id": f"{PATH_FOLDERS[path.kind]}/{path.name}", "checkpoint_type": path.kind,
+              "time": record["time"], "tinker_path": record["tinker_path"], "size_bytes": record.get("size_bytes"),
+              "expires_at": record.get("expires_at"), "public": bool(record.get("public"))}
+             for path, record in _records(store, model_id) if not has_expired(record, now)]
     return sorted(found, key=lambda item: item["time"])
+
+
+def sweep_expired(store: ObjectStore, model_id: str, now: float | None = None) -> int:
+    """Delete the model's expired checkpoints; how many.  Run it where checkpoints are written (the trainer)."""
+    expired = [path for path, record in _records(store, model_id) if has_expired(record, now)]
+    for path in expired:
+        delete(store, path)
+    return len(expired)
+
+
+def sweep_base_model(store: ObjectStore, base_model: str, base_models: dict[str, str | None]) -> int:
+    """``sweep_expired`` for every training client of ``base_model`` in the store (its trainer runs this); how many
+    were deleted.  ``base_models`` caches each model record's base model (records are create-only)."""
+    swept = 0
+    for session in store.list("sessions"):
+        for key in store.list(f"{session}/models"):
+            number = key.rsplit("/", 1)[-1].removesuffix(".json")
+            if not (key.endswith(".json") and number.isdigit()):  # a fold's files
+                continue
+            if key not in base_models:
+                try:
+                    base_models[key] = json.loads(store.get(key)).get("base_model")
+                except (FileNotFoundError, ValueError, AttributeError):
+                    continue
+            if base_models[key] == base_model:
+                swept += sweep_expired(store, model_id_for(session.rsplit("/", 1)[-1], "train", int(number)))
+    return swept
 
 
 def delete(store: ObjectStore, path: TinkerPath) -> None:
     """Remove the checkpoint's objects, its record last."""
-    prefix = checkpoint_prefix(path.run, PATH_FOLDERS[path.kind])
-    store.delete(f"{prefix}/{path.name}", recursive=True, missing_ok=True)
-    store.delete(f"{prefix}/{path.name}.safetensors", missing_ok=True)
+    if path.kind == "training":
+        store.delete(weights_key(path), missing_ok=True)
+    elif path.kind == "external":
+        store.delete(f"{checkpoint_prefix(path.run, EXTERNAL_FILES)}/{path.name}", recursive=True, missing_ok=True)
     store.delete(record_key(path), missing_ok=True)
 
 
@@ -181,51 +210,3 @@ def write_external(store: ObjectStore, path: TinkerPath, files: Mapping[str, byt
     size = sum(len(data) for data in files.values())
     write_record(store, path, size, expires_at, files=listed, **extra)
     return size
-
-
-def signing_key(store: ObjectStore) -> bytes:
-    """The deployment's URL-signing key (made once, create-only, by the first gateway that signs)."""
-    try:
-        return store.get(SIGNING_KEY)
-    except FileNotFoundError:
-        with contextlib.suppress(FileExistsError):  # another gateway made it first
-            store.put_create(SIGNING_KEY, secrets.token_bytes(32))
-        return store.get(SIGNING_KEY)
-
-
-def _signature(key: bytes, path: TinkerPath, file: str, expires: int) -> str:
-    message = f"{path.model_id}\n{path.name}\n{file}\n{expires}".encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
-
-
-def download_urls(store: ObjectStore, path: TinkerPath, base_url: str,
-                  now: float | None = None) -> tuple[dict[str, str], int]:
-    """One signed URL per file of an external-weights checkpoint, and when they expire (unix seconds)."""
-    if path.kind != "external":
-        raise ApiError(f"{path} is not external weights; save them with save_weights_external, or download a "
-                       "training state with `tinker checkpoint download`")
-    record = read_record(store, path, now)
-    if record is None:
-        raise NotFound(f"no external weights at {path}; see list_checkpoints")
-    expires = int((time.time() if now is None else now) + URL_TTL_S)
-    key = signing_key(store)
-    base = base_url.rstrip("/")
-    urls = {}
-    for file in sorted(record["files"]):
-        query = urlencode({"expires": expires, "signature": _signature(key, path, file, expires)})
-        urls[file] = f"{base}{DOWNLOAD_PATH}/{quote(path.model_id)}/{quote(path.name)}/{quote(file)}?{query}"
-    return urls, expires
-
-
-def download(store: ObjectStore, model_id: str, name: str, file: str, expires: int, signature: str,
-             now: float | None = None) -> bytes:
-    """The bytes a signed URL names, checked against the record's sha256; ``UrlRefused`` for a bad or old URL."""
-    path = TinkerPath(model_id, "external", checkpoint_name(name))
-    if not hmac.compare_digest(_signature(signing_key(store), path, file, expires), signature):
-        raise UrlRefused("this download URL's signature does not hold; ask for new URLs (get_external_weights_urls)")
-    if expires <= (time.time() if now is None else now):
-        raise UrlRefused("this download URL has expired; ask for new URLs (get_external_weights_urls)")
-    record = read_record(store, path, now)
-    if record is None or file not in record["files"]:
-        raise NotFound(f"no file {file!r} in external weights {path}; it was deleted or has expired")
-    return store.get(external_file_key(path, file), record["files"][file]["sha256"])

@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from pipeline.api import checkpoints
+from pipeline.api import checkpoints, downloads
 from pipeline.api.samplers import read_sampler, write_sampler
 from pipeline.api.wire import (
     TinkerPath,
@@ -391,4 +391,4 @@ class Gateway:
         """Signed download URLs of external weights this tenant may read (its own, or published), and their expiry."""
         path = checkpoints.path_of(model_id, checkpoint_id)
         self.readable_path(tenant, str(path))
-        return checkpoints.download_urls(self.store, path, base_url)
+        return downloads.download_urls(self.store, path, base_url)

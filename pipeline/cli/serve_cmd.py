@@ -115,6 +115,9 @@ def serve(
     direct_sampler: Annotated[list[str] | None, typer.Option(
         help="--role gateway: a sampler's direct endpoint (http://127.0.0.1:PORT), one per --base-model in "
              "order; --role all wires its own.")] = None,
+    public_url: Annotated[str | None, typer.Option(
+        help="--role all|gateway: the gateway's address as clients reach it (e.g. https://rl.example.org behind a "
+             "proxy), for the download URLs it signs; default: the address each request came to.")] = None,
     overrides: SetOpt = None,
 ) -> None:
     """Serve the Tinker-compatible API: the gateway, one trainer and one sampler per base model (the embedded
@@ -142,6 +145,9 @@ def serve(
     if direct_sampler and len(direct_sampler) != len(base_model or ["tiny"]):
         fail(f"{len(direct_sampler)} --direct-sampler URLs for {len(base_model or ['tiny'])} base models; give one "
              "per --base-model", EXIT_USAGE)
+    if public_url is not None and not public_url.startswith(("http://", "https://")):
+        fail(f"--public-url {public_url!r} is not a URL; give the gateway's address as clients reach it, "
+             "e.g. https://rl.example.org", EXIT_USAGE)
     if direct_port and role != "sampler":
         fail("--direct-port is for --role sampler; --role all picks its own ports", EXIT_USAGE)
     setup_logging()
@@ -174,7 +180,7 @@ def serve(
     try:
         urls = dict(zip(models, direct_sampler, strict=True)) if direct_sampler else {
             m: f"http://127.0.0.1:{p}" for m, p in direct_ports.items()}
-        run_gateway(store, bus, models, host, port, urls)
+        run_gateway(store, bus, models, host, port, urls, public_url)
     finally:
         supervisor.stop()
 
@@ -258,8 +264,9 @@ class EngineSupervisor:
 
 
 def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str, port: int,
-                direct_urls: dict[str, str] | None = None) -> None:
-    """Serve the gateway with uvicorn until Ctrl-C; ``direct_urls``: samplers that take calls straight from it."""
+                direct_urls: dict[str, str] | None = None, public_url: str | None = None) -> None:
+    """Serve the gateway with uvicorn until Ctrl-C; ``direct_urls``: samplers that take calls straight from it;
+    ``public_url``: its address as clients reach it (for signed download URLs)."""
     import uvicorn
 
     from pipeline.api.app import create_app
@@ -282,8 +289,8 @@ def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str
     signals.follow(bus, stopping.is_set)
     try:
         direct = DirectSamplers(direct_urls, signals) if direct_urls else None
-        uvicorn.run(create_app(gateway, tenants, signals=signals, direct=direct), host=host, port=port,
-                    log_level="warning")
+        uvicorn.run(create_app(gateway, tenants, signals=signals, direct=direct, public_url=public_url),
+                    host=host, port=port, log_level="warning")
     finally:
         stopping.set()
         publisher.close()

@@ -66,6 +66,11 @@ def test_serve_refuses_unknown_roles_and_prints_a_working_example():
     assert "--max-lora-rank" not in sampler_command("/m", "file:///s", "h:1", "ns", "transformers")
 
 
+def test_serve_refuses_a_public_url_that_is_not_one():
+    result = runner.invoke(app, ["serve", "--public-url", "rl.example.org"])
+    assert result.exit_code == 2 and "--public-url 'rl.example.org' is not a URL" in " ".join(result.output.split())
+
+
 def test_serve_refuses_a_max_lora_rank_vllm_has_no_slot_for():
     result = runner.invoke(app, ["serve", "--sampler", "vllm", "--max-lora-rank", "24"])
     assert result.exit_code == 2

@@ -311,7 +311,8 @@ def test_finished_session_unloads_its_adapters(harness):
 def test_other_base_models_calls_are_left_to_their_trainer_and_lapsed_sessions_end(harness):
     harness.gateway.models["/models/other"] = ServedModel("/models/other", "/models/other")
     trainer = harness.trainer()
-    other = harness.gateway.register_model(TENANT, harness.session, 5, "/models/other", 4, {}, None)
+    harness.store.put(f"sessions/{harness.session}/models/5.json", json.dumps({"base_model": "/models/other"}).encode())
+    other = f"{harness.session}:train:5"
     harness.gateway.submit(TENANT, "create_model", other, None, b"{}")
     mine = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
@@ -415,3 +416,35 @@ def test_a_published_state_is_anyones_to_load_and_a_load_that_ran_replays_after_
         restarted.step(poll_timeout_s=0.2)
     assert_same(restarted.engine.weights(model_run_name(bob_model)), alice_weights)
     restarted.close()
+
+
+def test_ttls_apply_to_every_named_save_an_expired_state_is_not_loaded_and_the_trainer_sweeps_it(harness):
+    trainer = harness.trainer()
+    model_id = harness.create()
+    sampler = types.SaveWeightsForSamplerRequest(model_id=model_id, path="s1", seq_id=2, ttl_seconds=7200)
+    calls = [harness.gateway.submit(TENANT, "save_weights", model_id, 1, types.SaveWeightsRequest(
+                 model_id=model_id, path="w1", seq_id=1, ttl_seconds=3600).model_dump_json().encode()),
+             harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, 2,
+                                    sampler.model_dump_json().encode())]
+    started = time.time()
+    run_until(trainer, harness, calls)
+    listed = {c["checkpoint_id"]: c["expires_at"] for c in harness.gateway.checkpoints(TENANT, model_id)}
+    assert started + 3600 <= listed["weights/w1"] <= time.time() + 3600
+    assert started + 7200 <= listed["sampler_weights/s1"] <= time.time() + 7200
+    # another base model's client with an expired checkpoint: not this trainer's to sweep
+    harness.store.put(f"sessions/{harness.session}/models/5.json", json.dumps({"base_model": "/models/other"}).encode())
+    other = f"{harness.session}:train:5"
+    other_state = parse_tinker_path(f"tinker://{other}/weights/w")
+    checkpoints.write_record(harness.store, other_state, 1, time.time() - 1)
+    state = parse_tinker_path(f"tinker://{model_id}/weights/w1")
+    key = checkpoints.record_key(state)
+    harness.store.put(key, json.dumps({**json.loads(harness.store.get(key)), "expires_at": time.time() - 1}).encode())
+    load = harness.gateway.submit(TENANT, "load_weights", model_id, 3, types.LoadWeightsRequest(
+        model_id=model_id, path=str(state), seq_id=3, optimizer=True).model_dump_json().encode())
+    run_until(trainer, harness, [load])
+    assert "expired" in json.loads(harness.result(load)[0])["error"]
+    assert trainer.sweep_checkpoints() == 1
+    assert not harness.store.exists(checkpoints.weights_key(state)) and not harness.store.exists(key)
+    assert harness.store.exists(checkpoints.record_key(other_state))
+    assert trainer.sweep_checkpoints() == 0
+    trainer.close()

@@ -2,11 +2,11 @@
 
 import json
 import time
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import pytest
 
-from pipeline.api import checkpoints
+from pipeline.api import checkpoints, downloads
 from pipeline.api.wire import parse_tinker_path
 from tests.pipeline.api.test_app import ALICE, BOB, _create, _session
 
@@ -58,7 +58,7 @@ def test_a_ttl_is_set_in_range_shown_and_removed_and_only_by_its_owner(api):
     assert _ttl(api, model_id, "elsewhere/w1", 7200).status_code == 400
 
 
-def test_an_expired_checkpoint_is_not_listed_loaded_or_downloaded_and_its_objects_are_deleted(api):
+def test_an_expired_checkpoint_is_not_listed_loaded_or_downloaded(api):
     model_id = _model(api)
     state, external = _saved_state(api, model_id), _external(api, model_id)
     urls = api.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final/external_weights_urls",
@@ -70,11 +70,11 @@ def test_an_expired_checkpoint_is_not_listed_loaded_or_downloaded_and_its_object
     refused = api.post("/api/v1/load_weights", headers=ALICE, json={
         "session_id": model_id.split(":")[0], "model_seq_id": 1, "path": str(state), "optimizer": True})
     assert refused.status_code == 400 and "expired" in refused.json()["error"]
-    assert api.store.list(f"runs/{state.run}/weights", recursive=True) == []  # the load found it expired: deleted
-    assert api.store.exists(checkpoints.record_key(external))  # not read since
     assert _listed(api, model_id) == {}
-    assert api.store.list(f"runs/{state.run}", recursive=True) == []  # the listing found it expired: deleted
     assert api.get(urls["adapter_config.json"]).status_code == 404
+    info = api.post("/api/v1/weights_info", headers=ALICE, json={"tinker_path": str(state)})
+    assert info.status_code == 404 and "expired" in info.json()["error"]
+    assert _ttl(api, model_id, "weights/w1", 7200).status_code == 404  # too late to extend
 
 
 def test_external_weights_download_by_signed_urls_that_need_no_key_and_are_checked(api):
@@ -98,8 +98,8 @@ def test_external_weights_download_by_signed_urls_that_need_no_key_and_are_check
     other_file = url.replace("adapter_config.json", "adapter_model.safetensors")  # a signature names its file
     assert api.get(other_file).status_code == 403
     later = int(query["expires"][0]) + 1
-    with pytest.raises(checkpoints.UrlRefused, match="expired"):
-        checkpoints.download(api.store, model_id, "final", "adapter_config.json", int(query["expires"][0]),
+    with pytest.raises(downloads.UrlRefused, match="expired"):
+        downloads.check_download(api.store, model_id, "final", "adapter_config.json", int(query["expires"][0]),
                              query["signature"][0], now=later)
     api.store.put(checkpoints.external_file_key(path, "adapter_config.json"), b'{"r": 8}')  # corrupted in the store
     corrupt = api.get(url)
@@ -137,9 +137,32 @@ def test_save_weights_external_is_logged_and_what_the_trainer_would_refuse_is_re
     assert too_short.status_code == 400 and "between 3600" in too_short.json()["error"]
 
 
-def test_one_signing_key_per_store_for_every_gateway(api):
-    first = checkpoints.signing_key(api.store)
-    assert len(first) == 32 and checkpoints.signing_key(api.store) == first
+def test_a_url_one_gateway_signed_is_honoured_by_another_on_the_store(api, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from pipeline.api.app import create_app
+    from pipeline.api.gateway import Gateway, ServedModel
+    from pipeline.api.tenants import Tenants
+
+    model_id = _model(api)
+    _external(api, model_id)
+    winner = b"k" * 32  # another gateway makes the key between this one's read and its create
+    get = api.store.get
+
+    def key_made_meanwhile(key, sha256=None):
+        if key == downloads.SIGNING_KEY and not api.store.exists(key):
+            api.store.put_create(key, winner)
+            raise FileNotFoundError(key)
+        return get(key, sha256)
+
+    monkeypatch.setattr(api.store, "get", key_made_meanwhile)
+    url = api.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final/external_weights_urls",
+                  headers=ALICE).json()["urls"]["adapter_config.json"]
+    monkeypatch.undo()
+    assert downloads.signing_key(api.store) == winner
+    other = TestClient(create_app(Gateway(api.store, lambda event, key: None,
+                                          [ServedModel("/models/base/tiny", "/models/base/tiny")]), Tenants()))
+    assert other.get(url).content == FILES["adapter_config.json"]
 
 
 def test_a_published_checkpoint_is_every_tenants_to_read_and_only_its_owners_to_change(api):
@@ -178,3 +201,114 @@ def test_a_published_checkpoint_is_every_tenants_to_read_and_only_its_owners_to_
     assert not any(c["public"] for c in _listed(api, model_id).values())
     assert bob_reads() == [404, 404, 404, 404]
     assert api.post(f"{route}/weights/never/publish", headers=ALICE).status_code == 404
+
+
+@pytest.fixture
+def file_api(tmp_path):
+    """The app on a file:// store, where a name's folder and another name's record can meet."""
+    from fastapi.testclient import TestClient
+
+    from pipeline.api.app import create_app
+    from pipeline.api.gateway import Gateway, ServedModel
+    from pipeline.api.tenants import Tenants
+    from pipeline.io.store import ObjectStore
+
+    store = ObjectStore(f"file://{tmp_path}/store")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    client = TestClient(create_app(gateway, Tenants(), poll_hold_s=0.05))
+    client.store = store
+    return client
+
+
+def test_names_that_end_in_json_are_checkpoints_like_any_other(file_api):
+    api = file_api
+    model_id = _model(api)
+    for name in ("a", "a.json", "a.json.json"):
+        _external(api, model_id, name)
+        _saved_state(api, model_id, name)
+    listed = _listed(api, model_id)
+    assert sorted(listed) == sorted(f"{folder}/{name}" for folder in ("weights", "external_weights")
+                                    for name in ("a", "a.json", "a.json.json"))
+    route = f"/api/v1/training_runs/{model_id}/checkpoints"
+    for checkpoint_id in ("external_weights/a.json", "weights/a.json"):
+        assert api.delete(f"{route}/{checkpoint_id}", headers=ALICE).status_code == 204
+    assert sorted(_listed(api, model_id)) == ["external_weights/a", "external_weights/a.json.json", "weights/a",
+                                              "weights/a.json.json"]
+    urls = api.get(f"{route}/external_weights/a/external_weights_urls", headers=ALICE).json()["urls"]
+    assert api.get(urls["adapter_model.safetensors"]).content == FILES["adapter_model.safetensors"]
+
+
+def test_checkpoints_named_like_a_route_can_be_deleted(api):
+    model_id = _model(api)
+    route = f"/api/v1/training_runs/{model_id}/checkpoints"
+    for name in ("ttl", "publish"):
+        _saved_state(api, model_id, name)
+        assert api.delete(f"{route}/weights/{name}", headers=ALICE).status_code == 204
+    assert _listed(api, model_id) == {}
+
+
+def test_a_read_hides_an_expired_checkpoint_and_only_the_sweep_deletes_it(api):
+    """A gateway that finds a checkpoint expired hides it and deletes nothing: the trainer may be saving that name
+    again at that moment.  The sweep (run by the trainer, between its calls) deletes it."""
+    model_id = _model(api)
+    state = _saved_state(api, model_id)
+    external = _external(api, model_id)
+    for path in (state, external):
+        key = checkpoints.record_key(path)
+        api.store.put(key, json.dumps({**json.loads(api.store.get(key)), "expires_at": time.time() - 1}).encode())
+    objects = api.store.list(f"runs/{state.run}", recursive=True)
+    assert _listed(api, model_id) == {}
+    assert api.store.list(f"runs/{state.run}", recursive=True) == objects
+    checkpoints.write_record(api.store, state, 19, request_id="again")  # saved again under the same name
+    assert checkpoints.sweep_expired(api.store, model_id) == 1  # the export; the state lives again
+    assert list(_listed(api, model_id)) == ["weights/w1"]
+    assert api.store.list(f"runs/{state.run}", recursive=True) == sorted([checkpoints.weights_key(state),
+                                                                            checkpoints.record_key(state)])
+
+
+def test_a_download_url_is_refused_for_another_model_a_resaved_checkpoint_or_missing_files(api):
+    model_id, other = _model(api), _model(api)
+    path = _external(api, model_id)
+    _external(api, other)
+    route = f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final/external_weights_urls"
+    url = api.get(route, headers=ALICE).json()["urls"]["adapter_config.json"]
+    assert api.get(url.replace(quote(model_id), quote(other))).status_code == 403  # a signature names its model
+    api.store.delete(checkpoints.external_file_key(path, "adapter_config.json"))  # a delete cut short
+    missing = api.get(url)
+    assert missing.status_code == 404 and "delete it again" in missing.json()["error"]
+    assert api.get(route, headers=ALICE).status_code == 404  # no URLs for files that are not there
+    checkpoints.write_external(api.store, path, FILES, None, request_id="again")  # saved again under its name
+    assert api.get(url).status_code == 403  # a URL is for the export it was made for
+    assert api.get(api.get(route, headers=ALICE).json()["urls"]["adapter_config.json"]).status_code == 200
+    truncated = api.get(url.split("&")[0])
+    assert truncated.status_code == 400 and "signature" in truncated.json()["error"]
+
+
+def test_the_ttl_route_refuses_what_is_not_a_ttl_in_one_line(api):
+    model_id = _model(api)
+    _saved_state(api, model_id)
+    route = f"/api/v1/training_runs/{model_id}/checkpoints/weights/w1/ttl"
+    for body, says in ((b"not json", "JSON body"), (b"{}", "ttl_seconds")):
+        refused = api.put(route, headers={**ALICE, "Content-Type": "application/json"}, content=body)
+        assert refused.status_code == 400 and says in refused.json()["error"], refused.text
+
+
+def test_download_urls_use_the_public_url_when_one_is_set():
+    import uuid
+
+    from fastapi.testclient import TestClient
+
+    from pipeline.api.app import create_app
+    from pipeline.api.gateway import Gateway, ServedModel
+    from pipeline.api.tenants import Tenants
+    from pipeline.io.store import ObjectStore
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    api = TestClient(create_app(gateway, Tenants(), poll_hold_s=0.05, public_url="https://rl.example.org/tinker/"))
+    api.store = store
+    model_id = _model(api)
+    _external(api, model_id)
+    urls = api.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final/external_weights_urls",
+                   headers=ALICE).json()["urls"]
+    assert all(url.startswith("https://rl.example.org/tinker/api/v1/external_weights_files/") for url in urls.values())
