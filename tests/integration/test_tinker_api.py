@@ -213,7 +213,8 @@ def test_the_rest_clients_listings_show_a_tenant_its_own_runs_and_checkpoints(se
 def test_weights_leave_the_server_by_the_tinker_cli_and_score_in_peft_as_in_training(server, tmp_path):
     """`tinker checkpoint download` of a training state: the CLI loads it into a new training client, exports it
     as external weights (a PEFT folder) with a one-hour TTL, downloads each file by its signed URL and deletes
-    the export.  peft loads the folder onto the base model and gives the logprobs the training client gave."""
+    the export.  peft loads the folder onto the base model and gives the logprobs the training client gave.
+    `tinker checkpoint publish` lets another key start from the state; `unpublish` takes that back."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -233,6 +234,19 @@ def test_weights_leave_the_server_by_the_tinker_cli_and_score_in_peft_as_in_trai
     rest = tinker.RestClient(base_url=server.url, api_key=erin)
     left = [(c.checkpoint_type, c.tinker_path) for c in rest.list_user_checkpoints().result().checkpoints]
     assert left == [("training", state)]  # the CLI deleted its temporary export
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", *args], env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    # published, Alice's key may start a training client from Erin's state; taken back, it may not
+    assert cli("publish", state).returncode == 0
+    assert [c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [True]
+    borrowed = server.service(ALICE).create_training_client_from_state(state).result()
+    assert _logprobs(borrowed.forward(data, "cross_entropy").result()) == trained
+    assert cli("unpublish", state).returncode == 0
+    with pytest.raises(tinker.APIStatusError, match="no session"):
+        server.service(ALICE).create_training_client_from_state(state).result()
 
     base = AutoModelForCausalLM.from_pretrained(server.base_model, torch_dtype=torch.float32)
     model = PeftModel.from_pretrained(base, folder).eval()
