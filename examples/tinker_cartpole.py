@@ -447,6 +447,8 @@ def main() -> None:
     timed("RL", lambda: [loop.rl_step(step) for step in range(args.rl_steps)])
     last = timed("last evaluation", lambda: loop.evaluate(
         loop.training.save_weights_and_get_sampling_client().result(), "last version"))
+    final = loop.training.save_state("final").result().path  # kept on the server until deleted
+    print(f"final state: {final}  (take it home: tinker checkpoint download {final})", flush=True)
     print("phases: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items()), flush=True)
     print(f"base {base[0]:.1f}, warm start {warm[0]:.1f} -> last {last[0]:.1f} "
           f"({ratio(last, base, 'the base model')}, {ratio(last, warm, 'the warm start')}) "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import string
 import subprocess
 import sys
@@ -189,6 +190,7 @@ def test_the_cartpole_example_runs_end_to_end_for_two_steps(server, tmp_path):
         env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "sft step 1" in done.stdout and "rl step 1" in done.stdout and "held-out last version" in done.stdout
+    assert re.search(r"final state: tinker://\S+:train:\d+/weights/final ", done.stdout), done.stdout[-2000:]
     rl = [line for line in done.stdout.splitlines() if line.startswith("rl step ")]
     assert len(rl) == 2 and all(", step KL " in line for line in rl), rl  # each step measured against its bound
     result = json.loads((tmp_path / "r.json").read_text())  # what rlpipe sweep reads
