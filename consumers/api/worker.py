@@ -217,7 +217,7 @@ class TrainerWorker:
             return  # its result stands and it changed nothing (a call that failed changed nothing either)
         started, wall = time.perf_counter(), time.time()
         self._tokens = 0  # trained tokens of this call (set by a forward_backward)
-        self._replaying = done == "ok"  # a call that succeeded once: what it was allowed to read, it may read again
+        self._replaying = done == "ok"  # a call that succeeded once (a restart's replay, or the call resent)
         try:
             data, fmt = self._run(model, call)
             result: tuple[bytes, str, str | None, str | None] = (data, fmt, None, None)
@@ -230,6 +230,8 @@ class TrainerWorker:
             result = (json.dumps({"error": message, "category": "server"}).encode(), "json", message, "server")
         if done is None:
             self._write_result(call, *result)
+        elif result[2] is not None:  # it succeeded before and cannot again: its model is lost, and says so
+            log.warning("%s %s ran before and failed on replay: %s", call.op, call.request_id, result[2])
         seconds = time.perf_counter() - started
         if self.activity is not None:
             self.activity.record(call.session_id, call.tenant, call.op, wall, wall + seconds, self._tokens)
@@ -359,8 +361,13 @@ class TrainerWorker:
         if path.kind != "training":
             raise ApiError(f"{request.path} is not a training state; load a tinker://.../weights/<name> path "
                            "(save_state)")
-        record = checkpoints.read_record(self.store, path, expired=self._replaying)  # a replay reads what it read
-        if not (record is not None and record.get("public")) and not self._replaying:
+        record = checkpoints.read_record(self.store, path, expired=self._replaying)
+        source = None if record is None else {"request_id": record.get("request_id"), "time": record["time"]}
+        if self._replaying:  # it loaded once: only the very save it loaded then may be loaded again
+            if source is None or self._stored_answer(call).get("source") != source:
+                raise ApiError(f"{request.path} was saved again, deleted or expired since this training client "
+                               "started from it, so its weights cannot be restored; start a new training client")
+        elif record is None or not record.get("public"):
             self._check_tenant(call.tenant, path.run.split(".")[0])  # a published state is anyone's to load
         try:
             if record is None:
@@ -371,7 +378,15 @@ class TrainerWorker:
                            "list_checkpoints") from None
         ops.load_state(self.engine, model.model_id, state, request.optimizer)
         model.loaded, model.has_gradients = True, False
-        return _json({"type": "load_weights", "model_id": model.model_id, "path": request.path})
+        return _json({"type": "load_weights", "model_id": model.model_id, "path": request.path, "source": source})
+
+    def _stored_answer(self, call: ApiRequestAccepted) -> dict[str, Any]:
+        """The JSON result stored for a call ({} when there is none, or it is not JSON)."""
+        try:
+            answer = json.loads(self.store.get(result_path(call.session_id, call.request_id, "json")))
+        except (FileNotFoundError, ValueError):
+            return {}
+        return answer if isinstance(answer, dict) else {}
 
     # ---- fold ------------------------------------------------------------------------------------------------
     def fold_all(self) -> None:

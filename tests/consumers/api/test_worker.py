@@ -448,3 +448,41 @@ def test_ttls_apply_to_every_named_save_an_expired_state_is_not_loaded_and_the_t
     assert harness.store.exists(checkpoints.record_key(other_state))
     assert trainer.sweep_checkpoints() == 0
     trainer.close()
+
+
+def test_a_replayed_load_never_loads_weights_saved_since_under_its_name(harness):
+    """Bob's client started from Alice's published `latest`; she takes it back and saves `latest` again, privately.
+    A replay of Bob's load (a restarted trainer, or Bob resending the call) must not hand him her new weights:
+    his client is lost instead (its calls say so), and Alice's own client is untouched."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(3)]), "pb"),
+             harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2)),
+             harness.gateway.submit(TENANT, "save_weights", model_id, 3, _save(model_id, 3, "latest"))]
+    run_until(trainer, harness, calls)
+    harness.gateway.publish_checkpoint(TENANT, model_id, "weights/latest", True)
+    bob = "t-bob"
+    bob_session = harness.gateway.create_session(bob, [], {})
+    bob_model = harness.gateway.register_model(bob, bob_session, 0, harness.base_model, 4, {}, None)
+    load = harness.gateway.submit(bob, "load_weights", bob_model, None, types.LoadWeightsRequest(
+        path=f"tinker://{model_id}/weights/latest", session_id=bob_session, model_seq_id=0,
+        optimizer=False).model_dump_json().encode())
+    run_until(trainer, harness, [load], tenant=bob)
+    harness.gateway.publish_checkpoint(TENANT, model_id, "weights/latest", False)
+    again = [harness.gateway.submit(TENANT, "forward_backward", model_id, 4, _fb(model_id, 4, [_datum(4)]), "pb"),
+             harness.gateway.submit(TENANT, "optim_step", model_id, 5, _optim(model_id, 5)),
+             harness.gateway.submit(TENANT, "save_weights", model_id, 6, _save(model_id, 6, "latest", overwrite=True))]
+    run_until(trainer, harness, again)
+    alice_weights = trainer.engine.weights(model_run_name(model_id))
+    abandon(trainer)  # nothing folded or committed: a restarted trainer replays the whole log
+    restarted = harness.trainer()
+    probe = harness.gateway.submit(bob, "forward_backward", bob_model, 1, _fb(bob_model, 1, [_datum(5)]), "pb")
+    run_until(restarted, harness, [probe], tenant=bob)
+    assert "does not exist" in json.loads(harness.result(probe, bob)[0])["error"]
+    assert model_run_name(bob_model) not in restarted.engine.adapters()
+    deadline = time.monotonic() + 60
+    while model_run_name(model_id) not in restarted.engine.adapters() or restarted.models[model_id].next_seq < 7:
+        assert time.monotonic() < deadline, "Alice's calls were not replayed"
+        restarted.step(poll_timeout_s=0.2)
+    assert_same(restarted.engine.weights(model_run_name(model_id)), alice_weights)
+    restarted.close()
