@@ -154,7 +154,11 @@ class TrainerWorker:
         """Delete the expired checkpoints of this base model's training clients (between calls, so never beside a
         save of the same name); how many."""
         self._last_sweep = time.monotonic()
-        swept = checkpoints.sweep_base_model(self.store, self.base_model, self._base_models)
+        try:
+            swept = checkpoints.sweep_base_model(self.store, self.base_model, self._base_models)
+        except Exception as exc:  # the store's trouble must not stop the calls; the next sweep tries again
+            log.warning("the sweep of expired checkpoints failed, to be tried again in %.0f s: %s", SWEEP_S, exc)
+            return 0
         if swept:
             log.info("deleted %d expired checkpoints", swept)
         return swept

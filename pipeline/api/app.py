@@ -326,15 +326,16 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
     @app.get(downloads.DOWNLOAD_PATH + "/{model_id}/{name}/{file:path}")
-    async def download_external_file(model_id: str, name: str, file: str, expires: int, signature: str) -> Response:
+    async def download_external_file(model_id: str, name: str, file: str, expires: int, signature: str, v: str = "",
+                                     p: str = "0") -> Response:
         """A file of external weights, for whoever holds its signed URL (no API key, as with a bucket's URL)."""
         try:
             found = await asyncio.to_thread(downloads.check_download, gateway.store, model_id, name, file, expires,
-                                            signature)
+                                            signature, v, p)
         except ChecksumError as exc:
             log.error("refused a corrupt download: %s", exc)
             return JSONResponse({"error": str(exc), "category": "server"}, status_code=500)
-        return StreamingResponse(downloads.send(gateway.store, found), media_type="application/octet-stream",
+        return StreamingResponse(downloads.send(found), media_type="application/octet-stream",
                                  headers={"Content-Length": str(found.size)})
 
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish",
@@ -361,8 +362,12 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
 
     @app.post("/api/v1/weights_info")
     async def weights_info(request: Request, who: Tenant) -> dict[str, Any]:
-        raw = json.loads(await request.body() or b"{}")
-        path, record = gateway.readable_path(who, str(raw.get("tinker_path", "")))
+        try:
+            raw = json.loads(await request.body() or b"{}")
+        except ValueError:
+            raise ApiError("weights_info takes a JSON body {\"tinker_path\": ...}; use the tinker SDK's RestClient") \
+                from None
+        path, record = gateway.readable_path(who, str(raw.get("tinker_path", "")) if isinstance(raw, dict) else "")
         if checkpoints.read_record(gateway.store, path) is None:
             raise NotFoundError(f"no checkpoint at {path} (never saved, deleted or expired); see list_checkpoints")
         lora = record["lora"]

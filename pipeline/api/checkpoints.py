@@ -17,9 +17,10 @@ any name (``a.json`` too) is a checkpoint like another.
 ``expires_at`` (unix seconds) in the record; the range is the SDK's, one hour to ten
 years, and ``None`` removes it.  An expired checkpoint is hidden from every call that
 reads one (listings, loads, new sampling clients, downloads, ``weights_info``).  Its
-objects are deleted by ``sweep_expired``, which the trainer of its base model runs
+objects are deleted by ``sweep_base_model``, which the trainer of its base model runs
 between calls: the trainer is the one writer of checkpoints, so a sweep never races a
-save of the same name, as a delete by a gateway that read an old record would.
+save of the same name, as a delete by a gateway that read an old record would.  The
+sweep visits the clients in the expiring index (``EXPIRING``), not the whole store.
 
 **Publication.** A published checkpoint (``public`` in its record) is every tenant's
 to load, sample from and download; only its owner changes or deletes it.
@@ -43,6 +44,7 @@ from schemas.api import ApiError, model_id_for, model_run_name
 MIN_TTL_S = 3600  # the SDK's documented range for a checkpoint's ttl_seconds: one hour ...
 MAX_TTL_S = 10 * 365 * 86400  # ... to ten years
 EXTERNAL_FILES = "external_weights_files"  # the folder of the exports' files, apart from their records
+EXPIRING = "api/expiring"  # one empty object per training client (its run name) with checkpoints that have a TTL
 
 
 class NotFound(ApiError):
@@ -95,20 +97,49 @@ def expiry(ttl_seconds: int | None, now: float | None = None) -> float | None:
 def set_ttl(store: ObjectStore, path: TinkerPath, ttl_seconds: int | None) -> None:
     """Make the checkpoint expire ``ttl_seconds`` from now (None: never)."""
     expires_at = expiry(ttl_seconds)
-    record = read_record(store, path)
-    if record is None:
-        raise NotFound(f"no checkpoint {path}; see list_checkpoints")
-    store.put(record_key(path), json.dumps({**record, "expires_at": expires_at}).encode())
+    _rewrite(store, path, "expires_at", expires_at)
+    if expires_at is not None:
+        mark_expiring(store, path.model_id)
 
 
 def set_public(store: ObjectStore, path: TinkerPath, public: bool) -> None:
     """Publish the checkpoint (every tenant may load, sample from or download it) or take that back; doing
     either twice is harmless (the SDK resends a 409, so "already public" would only make the client wait)."""
+    _rewrite(store, path, "public", public)
+
+
+def _rewrite(store: ObjectStore, path: TinkerPath, field: str, value: Any) -> None:
+    """One field of a live checkpoint's record.  A sweep or delete that took the checkpoint between the read and
+    the write leaves a record without its objects: it is removed again, and the change is answered as not found."""
     record = read_record(store, path)
     if record is None:
-        raise NotFound(f"no checkpoint {path}; see list_checkpoints")
-    if bool(record.get("public")) != public:
-        store.put(record_key(path), json.dumps({**record, "public": public}).encode())
+        raise NotFound(f"no checkpoint {path} (never saved, deleted or expired); see list_checkpoints")
+    if record.get(field) == value:
+        return
+    store.put(record_key(path), json.dumps({**record, field: value}).encode())
+    if not _objects_there(store, path, record):
+        store.delete(record_key(path), missing_ok=True)
+        raise NotFound(f"checkpoint {path} was deleted meanwhile; see list_checkpoints")
+
+
+def _objects_there(store: ObjectStore, path: TinkerPath, record: dict[str, Any]) -> bool:
+    if path.kind == "training":
+        return store.exists(weights_key(path))
+    if path.kind == "external":
+        return all(store.exists(external_file_key(path, file)) for file in record.get("files", {}))
+    return True  # sampler weights: the record names a registry version, which is never deleted
+
+
+# ---- the expiring index: which training clients have checkpoints with a TTL --------------------------------
+
+
+def _expiring_key(model_id: str) -> str:
+    return f"{EXPIRING}/{model_run_name(model_id)}"
+
+
+def mark_expiring(store: ObjectStore, model_id: str) -> None:
+    """Note that the model has a checkpoint with a TTL (after its record is written), so sweeps visit it."""
+    store.put(_expiring_key(model_id), b"")
 
 
 # ---- records -----------------------------------------------------------------------------------------------
@@ -120,6 +151,8 @@ def write_record(store: ObjectStore, path: TinkerPath, size_bytes: int | None, e
     record = {"name": path.name, "tinker_path": str(path), "time": time.time(), "size_bytes": size_bytes,
               "expires_at": expires_at, **extra}
     store.put(record_key(path), json.dumps(record).encode())
+    if expires_at is not None:
+        mark_expiring(store, path.model_id)
 
 
 def read_record(store: ObjectStore, path: TinkerPath, now: float | None = None,
@@ -170,22 +203,31 @@ def sweep_expired(store: ObjectStore, model_id: str, now: float | None = None) -
     return len(expired)
 
 
-def sweep_base_model(store: ObjectStore, base_model: str, base_models: dict[str, str | None]) -> int:
-    """``sweep_expired`` for every training client of ``base_model`` in the store (its trainer runs this); how many
-    were deleted.  ``base_models`` caches each model record's base model (records are create-only)."""
+def sweep_base_model(store: ObjectStore, base_model: str, base_models: dict[str, str | None],
+                     now: float | None = None) -> int:
+    """``sweep_expired`` for the training clients of ``base_model`` that have checkpoints with a TTL (the
+    expiring index, not every session in the store); how many checkpoints were deleted.  ``base_models`` caches
+    each model record's base model (records are create-only).  A client keeps its index entry while any of its
+    checkpoints has a TTL: the entry is removed before its records are read, and put back if one still has."""
     swept = 0
-    for session in store.list("sessions"):
-        for key in store.list(f"{session}/models"):
-            number = key.rsplit("/", 1)[-1].removesuffix(".json")
-            if not (key.endswith(".json") and number.isdigit()):  # a fold's files
-                continue
-            if key not in base_models:
-                try:
-                    base_models[key] = json.loads(store.get(key)).get("base_model")
-                except (FileNotFoundError, ValueError, AttributeError):
-                    continue
-            if base_models[key] == base_model:
-                swept += sweep_expired(store, model_id_for(session.rsplit("/", 1)[-1], "train", int(number)))
+    for key in store.list(EXPIRING):
+        run = key.rsplit("/", 1)[-1]
+        session, _, number = run.partition(".train.")
+        if not number.isdigit():
+            continue
+        record_key_ = f"sessions/{session}/models/{number}.json"
+        if record_key_ not in base_models:
+            try:
+                base_models[record_key_] = json.loads(store.get(record_key_)).get("base_model")
+            except (FileNotFoundError, ValueError, AttributeError):
+                base_models[record_key_] = None
+        if base_models[record_key_] != base_model:
+            continue
+        model_id = model_id_for(session, "train", int(number))
+        store.delete(key, missing_ok=True)
+        swept += sweep_expired(store, model_id, now)
+        if any(record.get("expires_at") is not None for _, record in _records(store, model_id)):
+            mark_expiring(store, model_id)
     return swept
 
 

@@ -1,17 +1,19 @@
 """Signed download URLs for external weights (``get_external_weights_urls``), served by the gateway itself.
 
-A URL names the model, the checkpoint, the file and when it expires (``URL_TTL_S``
-after it was made), signed with HMAC-SHA256 under a key kept in the store
-(``SIGNING_KEY``, made by the first gateway that signs), so any gateway of a
-deployment honours any other's URLs.  The signature also covers the export's
-``time``, so a URL is for the export it was made for: once the name is saved
-again, the old URLs are refused.  Like a bucket's signed URL it needs no API key.
+A URL names the model, the checkpoint, the file, the export (``v``, its record's
+``time``), whether it was handed out through publication (``p``) and when it expires
+(``URL_TTL_S`` after it was made), all signed with HMAC-SHA256 under a key kept in the
+store (``SIGNING_KEY``, made by the first gateway that signs), so any gateway of a
+deployment honours any other's URLs.  Like a bucket's signed URL it needs no API key.
+The signature is checked first, and every URL it does not hold for gets the same 403,
+so a URL says nothing about other checkpoints.  A URL is for its export only: once the
+name is saved again its URLs are refused, and so are URLs handed out through
+publication once the owner takes it back.
 
-A file is read twice in pieces: once to check it against the sha256 in its record
-(a mismatch is answered as an error before anything is sent), then to send it, its
-sha256 checked again on the way (a file replaced between the two reads ends the
-response short).  So a large adapter costs a gateway one piece of memory per
-download, not the whole file.
+A file is checked against the sha256 in its record before anything is sent, and the
+bytes checked are the bytes sent: on local disk both reads go through one open file
+(a save of the same name meanwhile replaces the name, not the file being read), from
+a bucket the file is held in memory between the check and the send.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import IO
 from urllib.parse import quote, urlencode
 
 from pipeline.api.checkpoints import NotFound, external_file_key, read_record
-from pipeline.api.wire import TinkerPath, checkpoint_name
+from pipeline.api.wire import TinkerPath
 from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.api import ApiError
+from schemas.names import InvalidNameError, validate_name
 
 URL_TTL_S = 3600  # how long a download URL is honoured (the tinker CLI asks again five minutes before)
 SIGNING_KEY = "api/url-signing.key"
@@ -40,13 +44,16 @@ class UrlRefused(ApiError):
     """A download URL whose signature does not hold or whose time is over: HTTP 403."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Download:
-    """A file a signed URL names, checked against its record: where it is, its size and its sha256."""
+    """A file a signed URL names, checked against its record: its size, its sha256, and its checked bytes (an open
+    local file, rewound, or the bytes read from a bucket)."""
 
     key: str
     size: int
     sha256: str
+    handle: IO[bytes] | None = None
+    data: bytes | None = None
 
 
 def signing_key(store: ObjectStore) -> bytes:
@@ -59,14 +66,15 @@ def signing_key(store: ObjectStore) -> bytes:
         return store.get(SIGNING_KEY)
 
 
-def _signature(key: bytes, path: TinkerPath, made: float, file: str, expires: int) -> str:
-    message = f"{path.model_id}\n{path.name}\n{made!r}\n{file}\n{expires}".encode()
+def _signature(key: bytes, path: TinkerPath, made: str, published: str, file: str, expires: int) -> str:
+    message = f"{path.model_id}\n{path.name}\n{made}\n{published}\n{file}\n{expires}".encode()
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
-def download_urls(store: ObjectStore, path: TinkerPath, base_url: str,
+def download_urls(store: ObjectStore, path: TinkerPath, base_url: str, published: bool = False,
                   now: float | None = None) -> tuple[dict[str, str], int]:
-    """One signed URL per file of an external-weights checkpoint, and when they expire (unix seconds)."""
+    """One signed URL per file of an external-weights checkpoint, and when they expire (unix seconds);
+    ``published``: handed to another tenant through publication (refused once it is taken back)."""
     if path.kind != "external":
         raise ApiError(f"{path} is not external weights; save them with save_weights_external, or download a "
                        "training state with `tinker checkpoint download`")
@@ -78,58 +86,76 @@ def download_urls(store: ObjectStore, path: TinkerPath, base_url: str,
         raise NotFound(_partly_deleted(path, missing[0]))
     expires = int((time.time() if now is None else now) + URL_TTL_S)
     key = signing_key(store)
+    made, flag = repr(record["time"]), "1" if published else "0"
     base = base_url.rstrip("/")
     urls = {}
     for file in sorted(record["files"]):
-        query = urlencode({"expires": expires, "signature": _signature(key, path, record["time"], file, expires)})
+        query = urlencode({"expires": expires, "v": made, "p": flag,
+                           "signature": _signature(key, path, made, flag, file, expires)})
         urls[file] = f"{base}{DOWNLOAD_PATH}/{quote(path.model_id)}/{quote(path.name)}/{quote(file)}?{query}"
     return urls, expires
 
 
-def check_download(store: ObjectStore, model_id: str, name: str, file: str, expires: int, signature: str,
-                   now: float | None = None) -> Download:
-    """The file a signed URL names, its bytes checked against its record; ``UrlRefused`` for a bad or old URL,
-    ``NotFound`` for a file no longer there, ``ChecksumError`` for one whose bytes changed."""
-    path = TinkerPath(model_id, "external", checkpoint_name(name))
-    record = read_record(store, path, now)
-    if record is None:
-        raise NotFound(f"no external weights at {path}: deleted or expired; save them again "
-                       "(save_weights_external)")
-    if not hmac.compare_digest(_signature(signing_key(store), path, record["time"], file, expires), signature):
-        raise UrlRefused("this download URL's signature does not hold (or the weights were saved again since); "
-                         "ask for new URLs (get_external_weights_urls)")
+def check_download(store: ObjectStore, model_id: str, name: str, file: str, expires: int, signature: str, made: str,
+                   published: str, now: float | None = None) -> Download:
+    """The file a signed URL names, its bytes checked against its record; ``UrlRefused`` for a URL that is not one
+    of ours, is too old or no longer holds, ``NotFound`` for a file no longer there, ``ChecksumError`` for one whose
+    bytes changed."""
+    try:
+        path = TinkerPath(model_id, "external", validate_name(name, "checkpoint name"))
+        path.run  # noqa: B018 - a model id that is not one raises here
+        signed = hmac.compare_digest(_signature(signing_key(store), path, made, published, file, expires), signature)
+    except (InvalidNameError, ApiError):
+        signed = False
+    if not signed:
+        raise UrlRefused("this download URL's signature does not hold; use a URL whole, as "
+                         "get_external_weights_urls gave it, or ask for new URLs")
     if expires <= (time.time() if now is None else now):
         raise UrlRefused("this download URL has expired; ask for new URLs (get_external_weights_urls)")
+    record = read_record(store, path, now)
+    if record is None:
+        raise NotFound(f"no external weights at {path} any more: deleted or expired; save them again "
+                       "(save_weights_external)")
+    if repr(record["time"]) != made:
+        raise UrlRefused(f"{path} was saved again since this URL was made; ask for new URLs")
+    if published == "1" and not record.get("public"):
+        raise UrlRefused(f"{path} is no longer published; ask its owner to publish it again")
     listed = record["files"].get(file)
     if listed is None:
         raise NotFound(f"no file {file!r} in external weights {path}; ask for new URLs (get_external_weights_urls)")
     download = Download(external_file_key(path, file), int(listed["size"]), str(listed["sha256"]))
+    try:
+        handle = store.open_input(download.key)
+    except FileNotFoundError:
+        raise NotFound(_partly_deleted(path, file)) from None
     digest = hashlib.sha256()
-    for piece in _pieces(store, download.key, path, file):
+    pieces = []
+    while piece := handle.read(PIECE):
         digest.update(piece)
+        if not store.is_local:
+            pieces.append(piece)
     if digest.hexdigest() != download.sha256:
+        handle.close()
         raise ChecksumError(f"checksum mismatch for {file} of {path}: expected sha256 {download.sha256}, found "
                             f"{digest.hexdigest()}; the file is corrupt, so it was not sent: save the weights again")
+    if store.is_local:
+        handle.seek(0)
+        download.handle = handle
+    else:
+        handle.close()
+        download.data = b"".join(pieces)
     return download
 
 
-def send(store: ObjectStore, download: Download) -> Iterator[bytes]:
-    """The file's bytes in pieces, checked again on the way; a file changed since ``check_download`` ends short."""
-    digest = hashlib.sha256()
-    for piece in _pieces(store, download.key, None, ""):
-        digest.update(piece)
-        yield piece
-    if digest.hexdigest() != download.sha256:
-        raise ChecksumError(f"{download.key} changed while it was sent; the response was cut short")
-
-
-def _pieces(store: ObjectStore, key: str, path: TinkerPath | None, file: str) -> Iterator[bytes]:
-    try:
-        handle = store.open_input(key)
-    except FileNotFoundError:
-        raise NotFound(_partly_deleted(path, file) if path is not None else f"no object at {key}") from None
-    with handle:
-        while piece := handle.read(PIECE):
+def send(download: Download) -> Iterator[bytes]:
+    """The checked bytes, in pieces."""
+    if download.data is not None:
+        for start in range(0, len(download.data), PIECE):
+            yield download.data[start: start + PIECE]
+        return
+    assert download.handle is not None
+    with download.handle:
+        while piece := download.handle.read(PIECE):
             yield piece
 
 

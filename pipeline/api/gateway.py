@@ -390,5 +390,10 @@ class Gateway:
                               base_url: str) -> tuple[dict[str, str], int]:
         """Signed download URLs of external weights this tenant may read (its own, or published), and their expiry."""
         path = checkpoints.path_of(model_id, checkpoint_id)
-        self.readable_path(tenant, str(path))
-        return downloads.download_urls(self.store, path, base_url)
+        try:
+            self.model(tenant, model_id)
+            published = False
+        except NotFoundError:
+            self.readable_path(tenant, str(path))  # another tenant's: published, or the same "not found"
+            published = True
+        return downloads.download_urls(self.store, path, base_url, published)

@@ -100,7 +100,7 @@ def test_external_weights_download_by_signed_urls_that_need_no_key_and_are_check
     later = int(query["expires"][0]) + 1
     with pytest.raises(downloads.UrlRefused, match="expired"):
         downloads.check_download(api.store, model_id, "final", "adapter_config.json", int(query["expires"][0]),
-                             query["signature"][0], now=later)
+                                 query["signature"][0], query["v"][0], query["p"][0], now=later)
     api.store.put(checkpoints.external_file_key(path, "adapter_config.json"), b'{"r": 8}')  # corrupted in the store
     corrupt = api.get(url)
     assert corrupt.status_code == 500 and "checksum" in corrupt.json()["error"]
@@ -312,3 +312,61 @@ def test_download_urls_use_the_public_url_when_one_is_set():
     urls = api.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final/external_weights_urls",
                    headers=ALICE).json()["urls"]
     assert all(url.startswith("https://rl.example.org/tinker/api/v1/external_weights_files/") for url in urls.values())
+
+
+def test_a_download_url_says_nothing_without_its_signature_and_a_published_ones_end_with_publication(api):
+    model_id = _model(api)
+    _external(api, model_id)
+    route = f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final"
+    url = api.get(f"{route}/external_weights_urls", headers=ALICE).json()["urls"]["adapter_config.json"]
+    forged = url.replace(parse_qs(urlsplit(url).query)["signature"][0], "0" * 64)
+    answers = [api.get(forged), api.get(forged.replace("/final/", "/never-saved/")),
+               api.get(forged.replace(quote(model_id), "garbage"))]
+    assert [a.status_code for a in answers] == [403, 403, 403]  # exists, does not, cannot: the same answer
+    assert len({a.json()["error"] for a in answers}) == 1
+    assert api.post(f"{route}/publish", headers=ALICE).status_code == 200
+    bobs = api.get(f"{route}/external_weights_urls", headers=BOB).json()["urls"]["adapter_config.json"]
+    assert api.get(bobs).status_code == 200
+    assert api.delete(f"{route}/publish", headers=ALICE).status_code == 200
+    taken_back = api.get(bobs)
+    assert taken_back.status_code == 403 and "no longer published" in taken_back.json()["error"]
+    assert api.get(url).status_code == 200  # the owner's URL is the owner's
+
+
+def test_a_download_sends_the_bytes_it_checked_even_if_the_name_is_saved_again_meanwhile(file_api):
+    api = file_api
+    model_id = _model(api)
+    path = _external(api, model_id)
+    url = api.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final/external_weights_urls",
+                  headers=ALICE).json()["urls"]["adapter_model.safetensors"]
+    query = {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
+    found = downloads.check_download(api.store, model_id, "final", "adapter_model.safetensors",
+                                     int(query["expires"]), query["signature"], query["v"], query["p"])
+    api.store.put(checkpoints.external_file_key(path, "adapter_model.safetensors"), b"X" * len(FILES[
+        "adapter_model.safetensors"]))  # the same size, other bytes
+    assert b"".join(downloads.send(found)) == FILES["adapter_model.safetensors"]
+
+
+def test_weights_info_refuses_a_body_that_is_not_json_in_one_line(api):
+    answer = api.post("/api/v1/weights_info", headers={**ALICE, "Content-Type": "application/json"}, content=b"{")
+    assert answer.status_code == 400 and "JSON" in answer.json()["error"]
+
+
+def test_the_sweep_visits_only_clients_with_a_ttl_and_forgets_them_once_none_has_one(api):
+    with_ttl, without = _model(api), _model(api)
+    expiring = parse_tinker_path(f"tinker://{with_ttl}/weights/old")
+    api.store.put(checkpoints.weights_key(expiring), b"state")
+    checkpoints.write_record(api.store, expiring, 5, time.time() + 3600)
+    _saved_state(api, without)
+    assert api.store.list(checkpoints.EXPIRING) == [f"{checkpoints.EXPIRING}/{expiring.run}"]
+    lists: list[str] = []
+    listing = api.store.list
+    api.store.list = lambda prefix="", recursive=False: lists.append(prefix) or listing(prefix, recursive)
+    assert checkpoints.sweep_base_model(api.store, "/models/base/tiny", {}, now=time.time() + 7200) == 1
+    assert not any(without.split(":")[0] in prefix for prefix in lists)  # a client without TTLs costs nothing
+    assert api.store.list(checkpoints.EXPIRING) == []  # nothing of it has a TTL any more
+    assert not api.store.exists(checkpoints.weights_key(expiring))
+    assert _ttl(api, without, "weights/w1", 7200).status_code == 200
+    assert api.store.list(checkpoints.EXPIRING) == [f"{checkpoints.EXPIRING}/{without.replace(':', '.')}"]
+    assert checkpoints.sweep_base_model(api.store, "/models/other", {}, now=time.time() + 9000) == 0  # not its model
+    assert api.store.list(checkpoints.EXPIRING) != []
