@@ -233,18 +233,20 @@ def test_weights_leave_the_server_by_the_tinker_cli_and_score_in_peft_as_in_trai
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     rest = tinker.RestClient(base_url=server.url, api_key=erin)
     left = [(c.checkpoint_type, c.tinker_path) for c in rest.list_user_checkpoints().result().checkpoints]
-    assert left == [("training", state)]  # the CLI deleted its temporary export
+    assert left == [("training", state)], done.stderr[-3000:]  # the CLI deleted its temporary export
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", *args], env=env, capture_output=True,
                               text=True, timeout=300)
 
     # published, Alice's key may start a training client from Erin's state; taken back, it may not
-    assert cli("publish", state).returncode == 0
+    published = cli("publish", state)
+    assert published.returncode == 0, published.stdout + published.stderr
     assert [c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [True]
     borrowed = server.service(ALICE).create_training_client_from_state(state).result()
     assert _logprobs(borrowed.forward(data, "cross_entropy").result()) == trained
-    assert cli("unpublish", state).returncode == 0
+    unpublished = cli("unpublish", state)
+    assert unpublished.returncode == 0, unpublished.stdout + unpublished.stderr
     with pytest.raises(tinker.APIStatusError, match="no session"):
         server.service(ALICE).create_training_client_from_state(state).result()
 
