@@ -226,27 +226,31 @@ def test_weights_leave_the_server_by_the_tinker_cli_and_score_in_peft_as_in_trai
     trained = _logprobs(training.forward(data, "cross_entropy").result())
     state = training.save_state("final").result().path
     env = {**server.env, "TINKER_BASE_URL": server.url, "TINKER_API_KEY": erin}
-    done = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", state, "--output",
-                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        """`tinker checkpoint ARGS` in its own process, as a user runs it; its effects are checked after it.  On a
+        loaded machine tinker 0.38's CLI can abort as its interpreter exits, its work done (README, field notes):
+        that exit is let pass, with faulthandler's report to tell it from a crash in the work."""
+        done = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "tinker.cli", "checkpoint", *args],
+                              env=env, capture_output=True, text=True, timeout=300)
+        aborted_at_exit = done.returncode == -signal.SIGABRT and "<no Python frame>" in done.stderr
+        assert done.returncode == 0 or aborted_at_exit, done.stdout + done.stderr
+        return done
+
+    done = cli("download", state, "--output", str(tmp_path))
     folder = tmp_path / state.removeprefix("tinker://").replace("/", "_")
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     rest = tinker.RestClient(base_url=server.url, api_key=erin)
     left = [(c.checkpoint_type, c.tinker_path) for c in rest.list_user_checkpoints().result().checkpoints]
     assert left == [("training", state)], done.stderr[-3000:]  # the CLI deleted its temporary export
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", *args], env=env, capture_output=True,
-                              text=True, timeout=300)
-
     # published, Alice's key may start a training client from Erin's state; taken back, it may not
-    published = cli("publish", state)
-    assert published.returncode == 0, published.stdout + published.stderr
+    cli("publish", state)
     assert [c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [True]
     borrowed = server.service(ALICE).create_training_client_from_state(state).result()
     assert _logprobs(borrowed.forward(data, "cross_entropy").result()) == trained
-    unpublished = cli("unpublish", state)
-    assert unpublished.returncode == 0, unpublished.stdout + unpublished.stderr
+    cli("unpublish", state)
+    assert [c.public for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [False]
     with pytest.raises(tinker.APIStatusError, match="no session"):
         server.service(ALICE).create_training_client_from_state(state).result()
 
