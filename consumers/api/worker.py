@@ -367,11 +367,12 @@ class TrainerWorker:
                            "(save_state)")
         record = checkpoints.read_record(self.store, path, expired=self._replaying)
         source = None if record is None else {"request_id": record.get("request_id"), "time": record["time"]}
-        if self._replaying:  # it loaded once: only the very save it loaded then may be loaded again
-            if source is None or self._stored_answer(call).get("source") != source:
+        first = self._stored_answer(call) if self._replaying else {}
+        if "source" in first:  # it loaded once: only the very save it loaded then may be loaded again
+            if first["source"] != source:
                 raise ApiError(f"{request.path} was saved again, deleted or expired since this training client "
                                "started from it, so its weights cannot be restored; start a new training client")
-        elif record is None or not record.get("public"):
+        elif record is None or not record.get("public"):  # (an answer without its source: checked as new)
             self._check_tenant(call.tenant, path.run.split(".")[0])  # a published state is anyone's to load
         try:
             if record is None:

@@ -486,3 +486,28 @@ def test_a_replayed_load_never_loads_weights_saved_since_under_its_name(harness)
         restarted.step(poll_timeout_s=0.2)
     assert_same(restarted.engine.weights(model_run_name(model_id)), alice_weights)
     restarted.close()
+
+
+def test_a_replayed_load_whose_answer_names_no_source_is_checked_as_a_new_one(harness):
+    """An answer stored before loads named their source: its replay gets the access check of a first load."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    run_until(trainer, harness, [harness.gateway.submit(TENANT, "save_weights", model_id, 1, _save(model_id, 1, "w"))])
+    harness.gateway.publish_checkpoint(TENANT, model_id, "weights/w", True)
+    bob, bob_session = "t-bob", harness.gateway.create_session("t-bob", [], {})
+    bob_model = harness.gateway.register_model(bob, bob_session, 0, harness.base_model, 4, {}, None)
+    load = harness.gateway.submit(bob, "load_weights", bob_model, None, types.LoadWeightsRequest(
+        path=f"tinker://{model_id}/weights/w", session_id=bob_session, model_seq_id=0,
+        optimizer=False).model_dump_json().encode())
+    run_until(trainer, harness, [load], tenant=bob)
+    key = result_path(bob_session, load, "json")
+    answer = json.loads(harness.store.get(key))
+    assert answer.pop("source")["request_id"] == f"{harness.session}.train.0.1"
+    harness.store.put(key, json.dumps(answer).encode())  # as an older trainer wrote it
+    harness.gateway.publish_checkpoint(TENANT, model_id, "weights/w", False)
+    abandon(trainer)
+    restarted = harness.trainer()
+    probe = harness.gateway.submit(bob, "forward_backward", bob_model, 1, _fb(bob_model, 1, [_datum(5)]), "pb")
+    run_until(restarted, harness, [probe], tenant=bob)
+    assert "does not exist" in json.loads(harness.result(probe, bob)[0])["error"]
+    restarted.close()
