@@ -24,6 +24,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinker import types
 
@@ -41,6 +42,12 @@ POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under th
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
 _STATUS = {UnauthorizedError: 401, NotFoundError: 404, checkpoints.NotFound: 404, downloads.UrlRefused: 403,
            SessionEndedError: 410, BusyError: 429}
+
+
+class WeightsInfoRequest(BaseModel):
+    """What ``RestClient.get_weights_info_by_tinker_path`` sends (the SDK has no type of its own for it)."""
+
+    tinker_path: str = ""
 
 
 def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
@@ -362,12 +369,8 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
 
     @app.post("/api/v1/weights_info")
     async def weights_info(request: Request, who: Tenant) -> dict[str, Any]:
-        try:
-            raw = json.loads(await request.body() or b"{}")
-        except ValueError:
-            raise ApiError("weights_info takes a JSON body {\"tinker_path\": ...}; use the tinker SDK's RestClient") \
-                from None
-        path, record = gateway.readable_path(who, str(raw.get("tinker_path", "")) if isinstance(raw, dict) else "")
+        body = parse_body(WeightsInfoRequest, await request.body())
+        path, record = gateway.readable_path(who, body.tinker_path)
         if checkpoints.read_record(gateway.store, path) is None:
             raise NotFoundError(f"no checkpoint at {path} (never saved, deleted or expired); see list_checkpoints")
         lora = record["lora"]

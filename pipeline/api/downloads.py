@@ -31,7 +31,7 @@ from urllib.parse import quote, urlencode
 from pipeline.api.checkpoints import NotFound, external_file_key, read_record
 from pipeline.api.wire import TinkerPath
 from pipeline.io.store import ChecksumError, ObjectStore
-from schemas.api import ApiError
+from schemas.api import ApiError, model_run_name
 from schemas.names import InvalidNameError, validate_name
 
 URL_TTL_S = 3600  # how long a download URL is honoured (the tinker CLI asks again five minutes before)
@@ -102,8 +102,8 @@ def check_download(store: ObjectStore, model_id: str, name: str, file: str, expi
     of ours, is too old or no longer holds, ``NotFound`` for a file no longer there, ``ChecksumError`` for one whose
     bytes changed."""
     try:
+        model_run_name(model_id)  # a model id that is not one is refused as any URL of no signature
         path = TinkerPath(model_id, "external", validate_name(name, "checkpoint name"))
-        path.run  # noqa: B018 - a model id that is not one raises here
         signed = hmac.compare_digest(_signature(signing_key(store), path, made, published, file, expires), signature)
     except (InvalidNameError, ApiError):
         signed = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -375,6 +376,24 @@ def test_external_weights_are_the_adapters_peft_folder_with_its_ttl_and_a_taken_
     trainer.close()
 
 
+BOB = "t-bob"
+
+
+def load_as(harness: Harness, session: str, seq: int, path: str) -> tuple[str, str]:
+    """Bob's new training client ``seq`` of ``session`` started from ``path`` (load_weights); (request id, model)."""
+    model_id = harness.gateway.register_model(BOB, session, seq, harness.base_model, 4, {}, None)
+    body = types.LoadWeightsRequest(path=path, session_id=session, model_seq_id=seq, optimizer=False)
+    return harness.gateway.submit(BOB, "load_weights", model_id, None, body.model_dump_json().encode()), model_id
+
+
+def step_until(trainer: TrainerWorker, done: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Step ``trainer`` until ``done()`` (e.g. a restart's replay reached a model), failing with ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, what
+        trainer.step(poll_timeout_s=0.2)
+
+
 def test_a_published_state_is_anyones_to_load_and_a_load_that_ran_replays_after_it_is_unpublished(harness):
     """Bob loads Alice's state only once she publishes it; after she takes that back, Bob cannot load it again,
     but his load that ran is replayed by a restarted trainer (its log is a fold: the same weights again)."""
@@ -384,13 +403,11 @@ def test_a_published_state_is_anyones_to_load_and_a_load_that_ran_replays_after_
              harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2)),
              harness.gateway.submit(TENANT, "save_weights", model_id, 3, _save(model_id, 3, "shared"))]
     run_until(trainer, harness, calls)
-    path, bob = f"tinker://{model_id}/weights/shared", "t-bob"
+    path, bob = f"tinker://{model_id}/weights/shared", BOB
     bob_session = harness.gateway.create_session(bob, [], {})
 
     def load(seq: int) -> tuple[str, str]:
-        bob_model = harness.gateway.register_model(bob, bob_session, seq, harness.base_model, 4, {}, None)
-        body = types.LoadWeightsRequest(path=path, session_id=bob_session, model_seq_id=seq, optimizer=False)
-        return harness.gateway.submit(bob, "load_weights", bob_model, None, body.model_dump_json().encode()), bob_model
+        return load_as(harness, bob_session, seq, path)
 
     def error(request_id: str) -> str:
         return json.loads(harness.result(request_id, bob)[0]).get("error", "")
@@ -410,10 +427,8 @@ def test_a_published_state_is_anyones_to_load_and_a_load_that_ran_replays_after_
     again, _ = load(2)
     run_until(restarted, harness, [again], tenant=bob)
     assert "no session" in error(again)
-    deadline = time.monotonic() + 60
-    while model_run_name(bob_model) not in restarted.engine.adapters():
-        assert time.monotonic() < deadline, "the load that ran was not replayed"
-        restarted.step(poll_timeout_s=0.2)
+    step_until(restarted, lambda: model_run_name(bob_model) in restarted.engine.adapters(),
+               "the load that ran was not replayed")
     assert_same(restarted.engine.weights(model_run_name(bob_model)), alice_weights)
     restarted.close()
 
@@ -461,12 +476,9 @@ def test_a_replayed_load_never_loads_weights_saved_since_under_its_name(harness)
              harness.gateway.submit(TENANT, "save_weights", model_id, 3, _save(model_id, 3, "latest"))]
     run_until(trainer, harness, calls)
     harness.gateway.publish_checkpoint(TENANT, model_id, "weights/latest", True)
-    bob = "t-bob"
-    bob_session = harness.gateway.create_session(bob, [], {})
-    bob_model = harness.gateway.register_model(bob, bob_session, 0, harness.base_model, 4, {}, None)
-    load = harness.gateway.submit(bob, "load_weights", bob_model, None, types.LoadWeightsRequest(
-        path=f"tinker://{model_id}/weights/latest", session_id=bob_session, model_seq_id=0,
-        optimizer=False).model_dump_json().encode())
+    bob = BOB
+    load, bob_model = load_as(harness, harness.gateway.create_session(bob, [], {}), 0,
+                              f"tinker://{model_id}/weights/latest")
     run_until(trainer, harness, [load], tenant=bob)
     harness.gateway.publish_checkpoint(TENANT, model_id, "weights/latest", False)
     again = [harness.gateway.submit(TENANT, "forward_backward", model_id, 4, _fb(model_id, 4, [_datum(4)]), "pb"),
@@ -480,10 +492,8 @@ def test_a_replayed_load_never_loads_weights_saved_since_under_its_name(harness)
     run_until(restarted, harness, [probe], tenant=bob)
     assert "does not exist" in json.loads(harness.result(probe, bob)[0])["error"]
     assert model_run_name(bob_model) not in restarted.engine.adapters()
-    deadline = time.monotonic() + 60
-    while model_run_name(model_id) not in restarted.engine.adapters() or restarted.models[model_id].next_seq < 7:
-        assert time.monotonic() < deadline, "Alice's calls were not replayed"
-        restarted.step(poll_timeout_s=0.2)
+    step_until(restarted, lambda: model_run_name(model_id) in restarted.engine.adapters()
+               and restarted.models[model_id].next_seq >= 7, "Alice's calls were not replayed")
     assert_same(restarted.engine.weights(model_run_name(model_id)), alice_weights)
     restarted.close()
 
@@ -494,11 +504,8 @@ def test_a_replayed_load_whose_answer_names_no_source_is_checked_as_a_new_one(ha
     model_id = harness.create()
     run_until(trainer, harness, [harness.gateway.submit(TENANT, "save_weights", model_id, 1, _save(model_id, 1, "w"))])
     harness.gateway.publish_checkpoint(TENANT, model_id, "weights/w", True)
-    bob, bob_session = "t-bob", harness.gateway.create_session("t-bob", [], {})
-    bob_model = harness.gateway.register_model(bob, bob_session, 0, harness.base_model, 4, {}, None)
-    load = harness.gateway.submit(bob, "load_weights", bob_model, None, types.LoadWeightsRequest(
-        path=f"tinker://{model_id}/weights/w", session_id=bob_session, model_seq_id=0,
-        optimizer=False).model_dump_json().encode())
+    bob, bob_session = BOB, harness.gateway.create_session(BOB, [], {})
+    load, bob_model = load_as(harness, bob_session, 0, f"tinker://{model_id}/weights/w")
     run_until(trainer, harness, [load], tenant=bob)
     key = result_path(bob_session, load, "json")
     answer = json.loads(harness.store.get(key))

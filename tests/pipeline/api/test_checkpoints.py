@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.api import checkpoints, downloads
 from pipeline.api.wire import parse_tinker_path
+from tests.pipeline.api.conftest import gateway_client
 from tests.pipeline.api.test_app import ALICE, BOB, _create, _session
 
 FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"tensors" * 100}
@@ -138,12 +139,6 @@ def test_save_weights_external_is_logged_and_what_the_trainer_would_refuse_is_re
 
 
 def test_a_url_one_gateway_signed_is_honoured_by_another_on_the_store(api, monkeypatch):
-    from fastapi.testclient import TestClient
-
-    from pipeline.api.app import create_app
-    from pipeline.api.gateway import Gateway, ServedModel
-    from pipeline.api.tenants import Tenants
-
     model_id = _model(api)
     _external(api, model_id)
     winner = b"k" * 32  # another gateway makes the key between this one's read and its create
@@ -160,8 +155,7 @@ def test_a_url_one_gateway_signed_is_honoured_by_another_on_the_store(api, monke
                   headers=ALICE).json()["urls"]["adapter_config.json"]
     monkeypatch.undo()
     assert downloads.signing_key(api.store) == winner
-    other = TestClient(create_app(Gateway(api.store, lambda event, key: None,
-                                          [ServedModel("/models/base/tiny", "/models/base/tiny")]), Tenants()))
+    other = gateway_client(api.store)
     assert other.get(url).content == FILES["adapter_config.json"]
 
 
@@ -206,18 +200,9 @@ def test_a_published_checkpoint_is_every_tenants_to_read_and_only_its_owners_to_
 @pytest.fixture
 def file_api(tmp_path):
     """The app on a file:// store, where a name's folder and another name's record can meet."""
-    from fastapi.testclient import TestClient
-
-    from pipeline.api.app import create_app
-    from pipeline.api.gateway import Gateway, ServedModel
-    from pipeline.api.tenants import Tenants
     from pipeline.io.store import ObjectStore
 
-    store = ObjectStore(f"file://{tmp_path}/store")
-    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
-    client = TestClient(create_app(gateway, Tenants(), poll_hold_s=0.05))
-    client.store = store
-    return client
+    return gateway_client(ObjectStore(f"file://{tmp_path}/store"))
 
 
 def test_names_that_end_in_json_are_checkpoints_like_any_other(file_api):
@@ -294,19 +279,7 @@ def test_the_ttl_route_refuses_what_is_not_a_ttl_in_one_line(api):
 
 
 def test_download_urls_use_the_public_url_when_one_is_set():
-    import uuid
-
-    from fastapi.testclient import TestClient
-
-    from pipeline.api.app import create_app
-    from pipeline.api.gateway import Gateway, ServedModel
-    from pipeline.api.tenants import Tenants
-    from pipeline.io.store import ObjectStore
-
-    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
-    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
-    api = TestClient(create_app(gateway, Tenants(), poll_hold_s=0.05, public_url="https://rl.example.org/tinker/"))
-    api.store = store
+    api = gateway_client(public_url="https://rl.example.org/tinker/")
     model_id = _model(api)
     _external(api, model_id)
     urls = api.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final/external_weights_urls",
