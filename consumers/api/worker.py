@@ -6,7 +6,9 @@ of phases: read (queue each call under its model), execute (each model's calls
 in ``seq_id`` order, waiting for gaps, since the SDK sends a batch's chunks
 concurrently and the first last), fold (checkpoint clean adapters, then commit
 offsets; when idle for ``fold_idle_s`` or every ``fold_every`` calls), expire
-(unload the adapters of sessions that ended or whose heartbeats lapsed).
+(unload the adapters of sessions that ended or whose heartbeats lapsed), and
+every ``SWEEP_S`` a sweep (delete expired checkpoints, retire the snapshots of
+sessions that ended: ``pipeline.api.lifecycle``).
 
 A training client's state is a fold over its request log.  The fold of a model
 (``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob, stored under
@@ -46,7 +48,7 @@ from tinker import types
 from consumers.api import ops
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
-from pipeline.api import checkpoints
+from pipeline.api import checkpoints, lifecycle
 from pipeline.api.activity import ActivityRecorder
 from pipeline.api.checkpoints import weights_key
 from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
@@ -152,15 +154,19 @@ class TrainerWorker:
 
     def sweep_checkpoints(self) -> int:
         """Delete the expired checkpoints of this base model's training clients (between calls, so never beside a
-        save of the same name); how many."""
+        save of the same name), and retire the snapshots of their sessions that ended; how many of both."""
         self._last_sweep = time.monotonic()
-        try:
-            swept = checkpoints.sweep_base_model(self.store, self.base_model, self._base_models)
-        except Exception as exc:  # the store's trouble must not stop the calls; the next sweep tries again
-            log.warning("the sweep of expired checkpoints failed, to be tried again in %.0f s: %s", SWEEP_S, exc)
-            return 0
-        if swept:
-            log.info("deleted %d expired checkpoints", swept)
+        swept = 0
+        for what, sweep in (("expired checkpoints", checkpoints.sweep_base_model),
+                            ("snapshots of ended sessions", lifecycle.sweep_snapshots)):
+            try:
+                done = sweep(self.store, self.base_model, self._base_models)
+            except Exception as exc:  # the store's trouble must not stop the calls; the next sweep tries again
+                log.warning("the sweep of %s failed, to be tried again in %.0f s: %s", what, SWEEP_S, exc)
+                continue
+            if done:
+                log.info("swept %d %s", done, what)
+            swept += done
         return swept
 
     def close(self) -> None:
@@ -347,6 +353,8 @@ class TrainerWorker:
             known = find_sampler(self.store, call.session_id, int(request.sampling_session_seq_id or 0))
             if known is not None and known.get("run") == model.run:
                 return _json({"type": "save_weights_for_sampler", "sampling_session_id": known["sampling_session_id"]})
+        if request.path is None:  # a snapshot: indexed first, so the sweep after its session's end finds it
+            lifecycle.mark_snapshots(self.store, model.model_id)
         with tempfile.TemporaryDirectory() as folder:
             ops.export_for_sampling(self.engine, model.model_id, Path(folder) / "adapter")
             manifest = AdapterRegistry(self.store, model.run).publish(

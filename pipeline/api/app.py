@@ -226,6 +226,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
                 return {"request_id": gateway.submit(who, "load_weights", body.model_id, body.seq_id, raw)}
         if body.session_id is None or body.model_seq_id is None:
             raise ApiError("load_weights needs model_id and seq_id, or session_id and model_seq_id")
+        gateway.live_session(who, body.session_id)
         _, source = gateway.saved_state(who, body.path)
         model_id = gateway.register_model(who, body.session_id, body.model_seq_id, source["base_model"],
                                           source["lora_rank"], source["lora"], body.user_metadata)

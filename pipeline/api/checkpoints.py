@@ -203,27 +203,35 @@ def sweep_expired(store: ObjectStore, model_id: str, now: float | None = None) -
     return len(expired)
 
 
+def clients_in_index(store: ObjectStore, index: str, base_model: str,
+                     base_models: dict[str, str | None]) -> list[tuple[str, str]]:
+    """(index key, model id) of the training clients of ``base_model`` in an index of empty objects named after
+    their runs (``EXPIRING``, ``pipeline.api.lifecycle.SNAPSHOTS``).  ``base_models`` caches each model record's
+    base model (records are create-only)."""
+    found = []
+    for key in store.list(index):
+        session, _, number = key.rsplit("/", 1)[-1].partition(".train.")
+        if not number.isdigit():
+            continue
+        model_key = f"sessions/{session}/models/{number}.json"
+        if model_key not in base_models:
+            try:
+                base_models[model_key] = json.loads(store.get(model_key)).get("base_model")
+            except (FileNotFoundError, ValueError, AttributeError):
+                base_models[model_key] = None
+        if base_models[model_key] == base_model:
+            found.append((key, model_id_for(session, "train", int(number))))
+    return found
+
+
 def sweep_base_model(store: ObjectStore, base_model: str, base_models: dict[str, str | None],
                      now: float | None = None) -> int:
     """``sweep_expired`` for the training clients of ``base_model`` that have checkpoints with a TTL (the
-    expiring index, not every session in the store); how many checkpoints were deleted.  ``base_models`` caches
-    each model record's base model (records are create-only).  A client keeps its index entry while any of its
-    checkpoints has a TTL: the entry is removed before its records are read, and put back if one still has."""
+    expiring index, not every session in the store); how many checkpoints were deleted.  A client keeps its index
+    entry while any of its checkpoints has a TTL: the entry is removed before its records are read, and put back
+    if one still has."""
     swept = 0
-    for key in store.list(EXPIRING):
-        run = key.rsplit("/", 1)[-1]
-        session, _, number = run.partition(".train.")
-        if not number.isdigit():
-            continue
-        record_key_ = f"sessions/{session}/models/{number}.json"
-        if record_key_ not in base_models:
-            try:
-                base_models[record_key_] = json.loads(store.get(record_key_)).get("base_model")
-            except (FileNotFoundError, ValueError, AttributeError):
-                base_models[record_key_] = None
-        if base_models[record_key_] != base_model:
-            continue
-        model_id = model_id_for(session, "train", int(number))
+    for key, model_id in clients_in_index(store, EXPIRING, base_model, base_models):
         store.delete(key, missing_ok=True)
         swept += sweep_expired(store, model_id, now)
         if any(record.get("expires_at") is not None for _, record in _records(store, model_id)):

@@ -5,7 +5,7 @@ What the gateway keeps is all in the store, so any number of gateways can serve
 the same clients and a restarted one carries on:
 
   sessions/<session>/session.json        owner tenant, tags, creation time (create-only)
-  sessions/<session>/heartbeat.json      last heartbeat; ``ended`` once finished (replaced)
+  sessions/<session>/heartbeat.json      last heartbeat; ``ended`` once finished or expired (replaced)
   sessions/<session>/models/<n>.json     a training client: base model, LoRA rank (create-only)
   sessions/<session>/requests/<id>.<fmt> an accepted call's body (create-only; the log's claim check)
   sessions/<session>/results/<id>.<fmt>  its result, written by an engine (create-only)
@@ -19,6 +19,15 @@ idempotent) and covers a gateway that died between the write and the announce.
 
 A tenant reaches a session only through its own key: every method takes the
 tenant and checks it against the session's owner.
+
+A session that ended (finished by its client, or expired after a day
+without a heartbeat: ``pipeline.api.lifecycle``) takes no new calls: creating
+training or sampling clients, training calls and samples answer 410.  What it
+made stays readable: results of calls accepted before, checkpoints, downloads.
+Each gateway looks at a live session's heartbeat record at most every
+``live_check_s`` seconds, so a call can still be accepted that long after another
+gateway recorded the end; nothing a session made is deleted sooner than a minute
+after its end.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from pipeline.api import checkpoints, downloads
+from pipeline.api.lifecycle import SESSION_EXPIRY_S, heartbeat_key, session_end
 from pipeline.api.samplers import read_sampler, write_sampler
 from pipeline.api.wire import (
     TinkerPath,
@@ -57,6 +67,7 @@ from schemas.api import (
 from schemas.events import Envelope, make_event
 
 Publish = Callable[[Envelope, str], Any]  # (event, key) -> anything; publishes on <ns>.requests
+LIVE_CHECK_S = 1.0  # how long a gateway takes a session it saw live as live, before reading its record again
 MAX_PENDING_SAMPLES = 512  # sample calls per base model this gateway holds without a result before answering 429
 
 
@@ -107,13 +118,17 @@ class Gateway:
     """Sessions, models and calls of every tenant, kept in ``store``; calls announced through ``publish``."""
 
     def __init__(self, store: ObjectStore, publish: Publish, models: list[ServedModel],
-                 max_pending_samples: int = MAX_PENDING_SAMPLES) -> None:
+                 max_pending_samples: int = MAX_PENDING_SAMPLES, live_check_s: float = LIVE_CHECK_S,
+                 session_expiry_s: float = SESSION_EXPIRY_S) -> None:
         if not models:
             raise ValueError("a gateway needs at least one served base model")
         self.store = store
         self.publish = publish
         self.models = {model.name: model for model in models}
         self._owners: dict[str, str] = {}
+        self.live_check_s, self.session_expiry_s = live_check_s, session_expiry_s
+        self._ended: dict[str, str] = {}  # session -> why it ended (an end is final)
+        self._live_until: dict[str, float] = {}  # session -> monotonic time until which it is taken as live
         self._models: dict[str, dict[str, Any]] = {}
         self.max_pending_samples = max_pending_samples
         self._pending_samples: dict[str, set[str]] = {}  # base model -> sample requests without a result yet
@@ -145,16 +160,37 @@ class Gateway:
 
     def heartbeat(self, tenant: str, session_id: str) -> None:
         self.check_owner(tenant, session_id)
-        key = f"{session_path(session_id)}/heartbeat.json"
-        if self.store.exists(key) and json.loads(self.store.get(key)).get("ended"):
-            raise SessionEndedError(f"session {session_id} has ended; create a new ServiceClient")
-        self.store.put(key, json.dumps({"time": time.time(), "ended": False}).encode())
+        self._live_until.pop(session_id, None)  # a heartbeat always reads the record afresh
+        self.check_live(session_id)
+        self.store.put(heartbeat_key(session_id), json.dumps({"time": time.time(), "ended": False}).encode())
 
     def finish(self, tenant: str, session_id: str, reason: str) -> None:
-        """End the session: engines unload its adapters (they watch ``heartbeat.json``)."""
+        """End the session: engines unload its adapters (they watch ``heartbeat.json``), and it takes no new calls."""
         self.check_owner(tenant, session_id)
         record = {"time": time.time(), "ended": True, "reason": reason}
-        self.store.put(f"{session_path(session_id)}/heartbeat.json", json.dumps(record).encode())
+        self.store.put(heartbeat_key(session_id), json.dumps(record).encode())
+        self._ended[session_id] = f"finished: {reason}"
+
+    def live_session(self, tenant: str, session_id: str) -> None:
+        """This tenant's session, taking calls: ``NotFoundError`` for another's, ``SessionEndedError`` if it ended."""
+        self.check_owner(tenant, session_id)
+        self.check_live(session_id)
+
+    def check_live(self, session_id: str) -> None:
+        """``SessionEndedError`` (410) for a session that ended; the record is read at most every ``live_check_s``."""
+        if session_id not in self._ended and time.monotonic() >= self._live_until.get(session_id, 0.0):
+            try:
+                record = json.loads(self.store.get(heartbeat_key(session_id)))
+            except FileNotFoundError:
+                record = {"time": time.time()}  # (a session record written, its first heartbeat not yet)
+            end = session_end(record, expiry_s=self.session_expiry_s)
+            if end is not None:
+                self._ended[session_id] = end[0]
+            else:
+                self._live_until[session_id] = time.monotonic() + self.live_check_s
+        if session_id in self._ended:
+            raise SessionEndedError(f"session {session_id} has ended ({self._ended[session_id]}); create a new "
+                                    "ServiceClient")
 
     # ---- models -------------------------------------------------------------------------------
     def served(self, base_model: str | None) -> ServedModel:
@@ -189,7 +225,7 @@ class Gateway:
 
         What the trainer would refuse is refused here first, so no training client is recorded for it.
         """
-        self.check_owner(tenant, session_id)
+        self.live_session(tenant, session_id)
         self.served(base_model)
         if not 1 <= lora_rank <= MAX_LORA_RANK:
             raise ApiError(f"lora_config.rank={lora_rank}: use a rank of at least 1 and at most {MAX_LORA_RANK} "
@@ -241,6 +277,7 @@ class Gateway:
                fmt: BodyFormat = "json") -> str:
         """Accept a call on one of the tenant's models: body to the store, event on the log; its request id."""
         record = self.model(tenant, model_id)
+        self.check_live(model_run_name(model_id).split(".")[0])
         if op != "create_model" and op != "load_weights" and not seq_id:
             raise ApiError(f"{op} needs a seq_id >= 1; use the tinker SDK's TrainingClient")
         request_id = self._log_call(tenant, op, record, model_id, seq_id, body, fmt)
@@ -262,6 +299,7 @@ class Gateway:
         model_id, seq_id = numbered
         try:
             record = self.model(tenant, model_id)
+            self.check_live(model_run_name(model_id).split(".")[0])
         except ApiError:
             return  # not this tenant's model (or its session ended): no training client of theirs waits
         self._log_call(tenant, op, record, model_id, seq_id, body, fmt, refused=reason)
@@ -304,7 +342,7 @@ class Gateway:
     def create_sampling_session(self, tenant: str, session_id: str, seq: int, base_model: str | None,
                                 model_path: str | None) -> str:
         """A sampling session on the base model, or on the sampler weights a ``tinker://`` path names."""
-        self.check_owner(tenant, session_id)
+        self.live_session(tenant, session_id)
         if model_path is None:
             return write_sampler(self.store, tenant, session_id, seq, self.served(base_model).name, None, None, None)
         path, record = self.readable_path(tenant, model_path)
@@ -344,6 +382,7 @@ class Gateway:
         ``BusyError`` when the base model's sampler has ``max_pending_samples`` calls without a result.
         """
         record = self.sampler(tenant, sampling_session_id)
+        self.check_live(model_run_name(sampling_session_id).split(".")[0])
         base_model = record["base_model"]
         pending = self._pending_samples.setdefault(base_model, set())
         request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)

@@ -36,6 +36,12 @@ Identity.  ``adapter_sha256(version)`` is the sha256 of the stored manifest byte
 The manifest lists every file's sha256, so this one digest pins the whole adapter
 (and its lineage); producers record it in every trajectory row they sample.
 
+Retiring.  ``retire(version, reason)`` deletes a version's files and keeps its
+manifest, beside a ``retired.json`` that says why (written first): the number stays
+taken, so versions stay dense and a number never names other weights, and a pull
+of it is refused with the reason.  The API retires the snapshots of a session
+that ended (``pipeline.api.snapshots``).
+
 Pulls go to ``<cache_dir>/<run_id>/v000007/`` (a flat PEFT folder plus the
 manifest).  Every file is verified against the manifest while downloading into a
 temporary sibling folder, which is renamed into place only when complete, so a
@@ -46,9 +52,11 @@ manifest matches the store's byte for byte and every file re-hashes correctly.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -69,6 +77,7 @@ from schemas.registry import (
 )
 
 MANIFEST_NAME = "manifest.json"
+RETIRED_NAME = "retired.json"
 REQUIRED_FILES = REQUIRED_FILES_BY_KIND["lora"]
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _VERSION_RE = re.compile(r"v(\d{6,})")
@@ -280,6 +289,25 @@ class AdapterRegistry:
     def _manifest_key(self, version: int) -> str:
         return f"{self.version_key(version)}/{MANIFEST_NAME}"
 
+    # -- retiring ----------------------------------------------------------------------------
+
+    def retire(self, version: int, reason: str) -> None:
+        """Delete the files of committed ``version``, keeping its manifest and, first, why (module docstring)."""
+        self.manifest_bytes(version)  # AdapterNotFoundError for a version never committed
+        folder = self.version_key(version)
+        kept = {f"{folder}/{MANIFEST_NAME}", f"{folder}/{RETIRED_NAME}"}
+        self.store.put(f"{folder}/{RETIRED_NAME}", json.dumps({"reason": reason, "time": time.time()}).encode())
+        for key in self.store.list(folder):
+            if key not in kept:
+                self.store.delete(key, recursive=True, missing_ok=True)
+
+    def retired_reason(self, version: int) -> str | None:
+        """Why ``version`` was retired, or None if it was not."""
+        try:
+            return str(json.loads(self.store.get(f"{self.version_key(version)}/{RETIRED_NAME}"))["reason"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return None
+
     # -- pulling -----------------------------------------------------------------------------
 
     def pull(self, version: int, cache_dir: str | os.PathLike[str], kind: ArtifactKind | None = None) -> Path:
@@ -311,7 +339,14 @@ class AdapterRegistry:
 
     def _download(self, manifest: AdapterManifest, folder: Path) -> None:
         for name, entry in manifest.files.items():
-            data = self.store.get(f"{self.version_key(manifest.version)}/{entry.path}", entry.sha256)
+            try:
+                data = self.store.get(f"{self.version_key(manifest.version)}/{entry.path}", entry.sha256)
+            except FileNotFoundError:
+                reason = self.retired_reason(manifest.version)
+                if reason is None:
+                    raise
+                raise AdapterNotFoundError(f"run {self.run_id!r} version {manifest.version} was deleted: {reason}"
+                                           ) from None
             destination = folder / name
             destination.parent.mkdir(parents=True, exist_ok=True)
             destination.write_bytes(data)

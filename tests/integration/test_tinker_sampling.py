@@ -17,6 +17,7 @@ import re
 import string
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,3 +244,25 @@ def test_a_sweep_of_the_cartpole_loop_packs_a_2x2_grid_onto_the_server(server, t
         log = (folder / f"exp-{index:03d}" / "log.txt").read_text()
         assert "rl step 1" in log and "held-out last version" in log
     assert (folder / "leaderboard.png").exists() and "leaderboard" in done.stdout
+
+
+def test_an_expired_session_takes_no_more_calls_and_its_named_weights_outlive_it(server):
+    """A session whose heartbeats stopped a day ago has ended: its clients' calls are refused with the reason,
+    while weights it saved under a name are sampled from a new session."""
+    service = server.service()
+    training = service.create_lora_training_client(base_model=server.base_model, rank=4).result()
+    snapshot = training.save_weights_and_get_sampling_client().result()
+    path = training.save_weights_for_sampler("outlives").result().path
+    prompt = types.ModelInput.from_ints(PROMPT)
+    assert len(snapshot.sample(prompt, 1, _params(stop=[])).result().sequences) == 1
+    session = training.model_id.split(":")[0]
+    for _ in range(2):  # twice: a heartbeat in flight at the first write cannot outlast the second
+        server.store.put(f"sessions/{session}/heartbeat.json", json.dumps(
+            {"time": time.time() - 2 * 86400, "ended": False}).encode())
+        time.sleep(1.5)  # past the gateway's last look at the session (live_check_s)
+    with pytest.raises(Exception, match=f"session {session} has ended .expired: no heartbeat since"):
+        snapshot.sample(prompt, 1, _params(stop=[])).result()
+    with pytest.raises(Exception, match="create a new ServiceClient"):
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    named = server.service().create_sampling_client(model_path=path).result()
+    assert len(named.sample(prompt, 1, _params(stop=[])).result().sequences) == 1

@@ -18,9 +18,10 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 from consumers.api.worker import TrainerWorker, group_for, ops
 from consumers.engine import AdamParams, TrainingEngine
 from pipeline.api import checkpoints
-from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.api.gateway import Gateway, ServedModel, SessionEndedError
 from pipeline.api.wire import parse_tinker_path
 from pipeline.io.bus import EventPublisher, ensure_topics
+from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
 from schemas.api import model_run_name, result_path
@@ -303,9 +304,8 @@ def test_finished_session_unloads_its_adapters(harness):
     harness.gateway.finish(TENANT, harness.session, "success")
     trainer.expire_sessions()
     assert trainer.engine.adapters() == []
-    late = harness.gateway.submit(TENANT, "optim_step", model_id, 1, _optim(model_id, 1))
-    run_until(trainer, harness, [late])  # reloaded from its fold: a late call still completes
-    assert result_path(harness.session, late, "json")
+    with pytest.raises(SessionEndedError):  # and it takes no more calls
+        harness.gateway.submit(TENANT, "optim_step", model_id, 1, _optim(model_id, 1))
     trainer.close()
 
 
@@ -324,6 +324,9 @@ def test_other_base_models_calls_are_left_to_their_trainer_and_lapsed_sessions_e
     trainer.expire_sessions()
     assert trainer.engine.adapters() == [] and harness.store.exists(
         f"sessions/{harness.session}/models/0.fold.json")
+    late = harness.gateway.submit(TENANT, "optim_step", mine, 1, _optim(mine, 1))  # the client comes back
+    run_until(trainer, harness, [late])  # reloaded from its fold: a late call still completes
+    assert "metrics" in json.loads(harness.result(late)[0])
     trainer.close()
 
 
@@ -518,3 +521,36 @@ def test_a_replayed_load_whose_answer_names_no_source_is_checked_as_a_new_one(ha
     run_until(restarted, harness, [probe], tenant=bob)
     assert "does not exist" in json.loads(harness.result(probe, bob)[0])["error"]
     restarted.close()
+
+
+def test_snapshots_live_as_long_as_their_session_and_named_sampler_weights_outlive_it(harness, tmp_path):
+    """save_weights_and_get_sampling_client's versions are retired by the trainer's sweep once the session ended
+    (a grace after it); the version of a named save_weights_for_sampler is a checkpoint and stays."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+
+    def save(seq: int, path: str | None) -> str:
+        body = types.SaveWeightsForSamplerRequest(model_id=model_id, seq_id=seq, path=path,
+                                                  sampling_session_seq_id=None if path else seq)
+        return harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, seq, body.model_dump_json().encode())
+
+    calls = [save(1, None), harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2)),
+             save(3, None), save(4, "kept")]
+    run_until(trainer, harness, calls)
+    registry = AdapterRegistry(harness.store, model_run_name(model_id))
+    snapshots = [json.loads(harness.store.get(f"sessions/{harness.session}/samplers/{seq}.json"))["version"]
+                 for seq in (1, 3)]
+    kept = checkpoints.read_record(harness.store, parse_tinker_path(f"tinker://{model_id}/sampler_weights/kept"))
+    assert sorted([*snapshots, kept["version"]]) == registry.versions() == [1, 2, 3]
+    assert trainer.sweep_checkpoints() == 0  # the session lives
+    harness.gateway.finish(TENANT, harness.session, "success")
+    assert trainer.sweep_checkpoints() == 0  # ended, but within the grace
+    harness.store.put(f"sessions/{harness.session}/heartbeat.json", json.dumps(
+        {"time": time.time() - 120, "ended": True, "reason": "success"}).encode())  # two minutes ago
+    assert trainer.sweep_checkpoints() == 2
+    for version in snapshots:
+        with pytest.raises(AdapterNotFoundError, match="the session that made it ended"):
+            registry.pull(version, tmp_path / "cache")
+    assert registry.pull(kept["version"], tmp_path / "cache").is_dir()
+    assert trainer.sweep_checkpoints() == 0  # done with
+    trainer.close()

@@ -15,6 +15,7 @@ from pipeline.api.tenants import Tenants
 from pipeline.api.wire import parse_tinker_path
 from pipeline.io.store import ObjectStore
 from schemas.api import result_path
+from tests.pipeline.api.conftest import gateway_client
 
 ALICE, BOB = {"X-API-Key": "tml-alice"}, {"X-API-Key": "tml-bob"}
 
@@ -286,3 +287,34 @@ def test_checkpoint_calls_with_other_methods_answer_404_not_served_and_delete_no
     unpublished = api.delete(f"{base}/publish", headers=ALICE)  # unpublish: there is no such checkpoint
     assert unpublished.status_code == 404 and "no checkpoint" in unpublished.json()["error"]
     assert deleted == []
+
+
+def test_a_finished_session_refuses_new_calls_and_still_answers_reads(api):
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    sampler_id = _sampling_session(api, session, base_model="/models/base/tiny").json()["sampling_session_id"]
+    optim = {"model_id": model_id, "seq_id": 1, "type": "optim_step", "adam_params": {"learning_rate": 1e-3}}
+    before = api.post("/api/v1/optim_step", headers=ALICE, json=optim).json()["request_id"]
+    other = gateway_client(api.store)  # a second gateway, which saw the session alive just now
+    other.app.state.gateway.live_check_s = 0.0  # (and reads the record at every call)
+    other.app.state.gateway.check_live(session)
+    assert api.post(f"/api/v1/sessions/{session}/finish", headers=ALICE, json={"reason": {"type": "success"}}).is_success
+    logged = len(api.published)
+    refused = [
+        api.post("/api/v1/optim_step", headers=ALICE, json={**optim, "seq_id": 2}),
+        _create(api, session),
+        _sampling_session(api, session, base_model="/models/base/tiny"),
+        _asample(api, sampler_id, seq_id=1),
+        api.post("/api/v1/load_weights", headers=ALICE, json={
+            "session_id": session, "model_seq_id": 3, "path": f"tinker://{model_id}/weights/w", "optimizer": True}),
+    ]
+    for answer in refused:
+        assert answer.status_code == 410 and answer.json()["category"] == "user", answer.text
+        assert f"session {session} has ended (finished: success); create a new ServiceClient" in answer.json()["error"]
+    assert len(api.published) == logged  # nothing was logged for them, not even as failing
+    # what was accepted before is still answered, and the checkpoints stay reachable
+    assert api.post("/api/v1/retrieve_future", headers=ALICE, json={"request_id": before}).json()["type"] == "try_again"
+    assert api.get(f"/api/v1/training_runs/{model_id}/checkpoints", headers=ALICE).status_code == 200
+    # the other gateway refuses too, once its last look at the session is older than live_check_s
+    assert _asample(other, sampler_id, seq_id=1).status_code == 410
+    assert _asample(api, sampler_id, seq_id=1, headers=BOB).status_code == 404  # another key: not told it ended

@@ -335,3 +335,22 @@ def test_a_wrong_expected_version_never_leaves_a_gap_or_takes_a_committed_one(tm
     registry.publish_files(files, "tiny", 1, 2)
     assert registry.publish_files(files, "tiny", 1, 3, expected_version=expected).version == 3
     assert registry.versions() == [1, 2, 3]
+
+
+def test_a_retired_version_keeps_its_number_and_a_pull_of_it_names_why(any_store: ObjectStore, tmp_path: Path) -> None:
+    make_adapter(tmp_path / "a", marker=1)
+    registry = AdapterRegistry(any_store, "run1")
+    for step in (1, 2, 3):
+        registry.publish(tmp_path / "a", "tiny", 0, step)
+    registry.pull(2, tmp_path / "warm")  # a cached copy elsewhere is no way back to the files
+    registry.retire(2, "its session ended")
+    registry.retire(2, "its session ended")  # again: nothing left to do, no error
+    assert registry.versions() == [1, 2, 3] and registry.next_version() == 4  # the number is never reused
+    assert sorted(any_store.list("runs/run1/adapters/v000002")) == [  # the files are gone, the why is noted
+        "runs/run1/adapters/v000002/manifest.json", "runs/run1/adapters/v000002/retired.json"]
+    with pytest.raises(AdapterNotFoundError, match="run 'run1' version 2 was deleted: its session ended"):
+        registry.pull(2, tmp_path / "cache")
+    assert not (tmp_path / "cache" / "run1" / "v000002").exists()
+    assert registry.pull(3, tmp_path / "cache").is_dir()  # the others are untouched
+    with pytest.raises(AdapterNotFoundError, match="has no adapter version 9"):
+        registry.retire(9, "never published")
