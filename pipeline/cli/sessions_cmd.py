@@ -3,7 +3,9 @@
 A session's calls and results are objects under ``sessions/<id>/`` (see
 ``pipeline.api.gateway``), so everything shown here needs only the store:
 its models, how many calls were accepted and answered (the difference is
-the pending futures), and its last heartbeat.
+the pending futures), its last heartbeat, and its state: live, lapsed (no
+heartbeat for ``SESSION_TIMEOUT_S``: the engines unloaded it until its next
+call) or ended (finished, or expired: ``pipeline.api.lifecycle``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Column, Table
 
+from pipeline.api.lifecycle import session_end
 from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json
 from pipeline.cli.options import SetOpt, run_config
 from pipeline.io.store import ObjectStore
@@ -31,13 +34,14 @@ def session_summary(store: ObjectStore, session_id: str) -> dict[str, Any]:
     beat = json.loads(store.get(f"{prefix}/heartbeat.json")) if store.exists(f"{prefix}/heartbeat.json") else {}
     requests = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/requests")}
     results = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/results")}
-    lapsed = "time" in beat and time.time() - beat["time"] > SESSION_TIMEOUT_S  # engines unload it as ended
-    end = "finished" if beat.get("ended") else "lapsed" if lapsed else None
+    end = session_end(beat) if "time" in beat else None  # finished, or a day without a heartbeat
+    lapsed = "time" in beat and time.time() - beat["time"] > SESSION_TIMEOUT_S  # engines unload it until its next call
+    state = "ended" if end else "lapsed" if lapsed else "live"
     models = [json.loads(store.get(key)) for key in store.list(f"{prefix}/models")
               if key.endswith(".json") and not key.endswith(".fold.json")]
     return {
         "session_id": session_id, "tenant": record["tenant"], "created_at": record["created_at"],
-        "ended": end is not None, "end": end,
+        "state": state, "ended": end is not None, "end": end[0] if end else None,
         "last_heartbeat_s_ago": round(time.time() - beat["time"], 1) if "time" in beat else None,
         "models": [{"model_id": m["model_id"], "base_model": m["base_model"], "lora_rank": m["lora_rank"]}
                    for m in models],
@@ -64,7 +68,8 @@ def list_sessions(overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
     table = Table(Column("session", no_wrap=True), Column("tenant", no_wrap=True), "models", "calls", "pending",
                   "last heartbeat", title="API sessions")
     for s in summaries:
-        beat = f"{s['end']} ({s['last_heartbeat_s_ago']} s ago)" if s["ended"] else f"{s['last_heartbeat_s_ago']} s ago"
+        state = s["end"] if s["ended"] else s["state"]
+        beat = f"{s['last_heartbeat_s_ago']} s ago" if s["state"] == "live" else f"{state} ({s['last_heartbeat_s_ago']} s ago)"
         table.add_row(s["session_id"], s["tenant"], str(len(s["models"])), str(s["requests"]),
                       str(len(s["pending"])), beat)
     console.print(table)

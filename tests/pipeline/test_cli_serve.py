@@ -32,8 +32,9 @@ def test_sessions_list_and_show(tmp_path):
     assert missing.exit_code == 2 and "rlpipe sessions list" in missing.output
 
 
-def test_a_session_whose_heartbeats_lapsed_shows_as_ended(tmp_path):
-    """Engines unload a session silent for SESSION_TIMEOUT_S as if it had finished: so does the listing."""
+def test_the_listing_tells_live_lapsed_and_ended_sessions_apart(tmp_path):
+    """Engines unload a session silent for SESSION_TIMEOUT_S (lapsed: its next call brings it back); one that was
+    finished, or silent for a day, has ended and takes no calls."""
     import time
 
     from schemas.api import SESSION_TIMEOUT_S, session_path
@@ -41,15 +42,17 @@ def test_a_session_whose_heartbeats_lapsed_shows_as_ended(tmp_path):
     root = f"file://{tmp_path}/store"
     store = ObjectStore(root)
     gateway = Gateway(store, lambda event, key: None, [ServedModel("/m/a/tiny", "/m/a/tiny")])
-    live, silent, done = (gateway.create_session("t-alice", [], {}) for _ in range(3))
-    beat = {"time": time.time() - SESSION_TIMEOUT_S - 5, "ended": False}
-    store.put(f"{session_path(silent)}/heartbeat.json", json.dumps(beat).encode())
-    gateway.finish("t-alice", done, "success")
+    live, silent, gone, done = (gateway.create_session("t-alice", [], {}) for _ in range(4))
+    for session, ago in ((silent, SESSION_TIMEOUT_S + 5), (gone, 86400 + 5)):
+        store.put(f"{session_path(session)}/heartbeat.json", json.dumps({"time": time.time() - ago}).encode())
+    gateway.finish("t-alice", done, "interrupted")
     listed = runner.invoke(app, ["sessions", "list", "--json", "--set", f"store.root={root}"])
-    ended = {s["session_id"]: (s["ended"], s["end"]) for s in json.loads(listed.output)}
-    assert ended == {live: (False, None), silent: (True, "lapsed"), done: (True, "finished")}
+    states = {s["session_id"]: (s["state"], s["ended"], s["end"]) for s in json.loads(listed.output)}
+    assert states[live] == ("live", False, None) and states[silent] == ("lapsed", False, None)
+    assert states[done] == ("ended", True, "finished: interrupted")
+    assert states[gone][:2] == ("ended", True) and states[gone][2].startswith("expired: no heartbeat since")
     table = runner.invoke(app, ["sessions", "list", "--set", f"store.root={root}"], env={"COLUMNS": "200"})
-    assert "lapsed" in table.output and "t-alice" in table.output
+    assert "lapsed" in table.output and "finished: interrupted" in table.output and "t-alice" in table.output
 
 
 def test_serve_refuses_unknown_roles_and_prints_a_working_example():
