@@ -83,6 +83,8 @@ class AdapterManifest(BaseModel):
     learner_step: int = Field(ge=0, description="optimizer step that produced this version")
     files: dict[str, AdapterFile] = Field(description="file name in the adapter folder -> where and what")
     metrics: dict[str, FiniteFloat] = Field(default_factory=dict, description="learner metrics at publish time")
+    ends_with_session: str | None = Field(
+        None, description="a snapshot of the Tinker-compatible API: retired when this session ends; None: kept")
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
     @model_validator(mode="before")

@@ -353,12 +353,14 @@ class TrainerWorker:
             known = find_sampler(self.store, call.session_id, int(request.sampling_session_seq_id or 0))
             if known is not None and known.get("run") == model.run:
                 return _json({"type": "save_weights_for_sampler", "sampling_session_id": known["sampling_session_id"]})
-        if request.path is None:  # a snapshot: indexed first, so the sweep after its session's end finds it
+        snapshot_of = call.session_id if request.path is None else None  # retired when the session ends
+        if snapshot_of is not None:  # indexed first, so the sweep after the session's end finds it
             lifecycle.mark_snapshots(self.store, model.model_id)
         with tempfile.TemporaryDirectory() as folder:
             ops.export_for_sampling(self.engine, model.model_id, Path(folder) / "adapter")
             manifest = AdapterRegistry(self.store, model.run).publish(
-                Path(folder) / "adapter", self.base_model, parent_version=0, learner_step=model.next_seq)
+                Path(folder) / "adapter", self.base_model, parent_version=0, learner_step=model.next_seq,
+                ends_with_session=snapshot_of)
         if request.path is None:
             sampling_session_id = write_sampler(self.store, call.tenant, call.session_id,
                                                 int(request.sampling_session_seq_id or 0), self.base_model, None,
@@ -466,11 +468,11 @@ class TrainerWorker:
             if not model.loaded:
                 continue
             session = model.run.split(".")[0]
-            try:
-                beat = json.loads(self.store.get(f"{session_path(session)}/heartbeat.json"))
-            except FileNotFoundError:
+            beat = lifecycle.read_heartbeat(self.store, session)
+            if beat is None:
                 continue
-            if beat.get("ended") or time.time() - float(beat["time"]) > self.session_timeout_s:
+            lapsed = time.time() - float(beat["time"]) > self.session_timeout_s
+            if lapsed or lifecycle.session_end(self.store, session, record=False) is not None:
                 if model.unfolded and not model.has_gradients:
                     self._fold(model)
                 ops.unload(self.engine, model.model_id)

@@ -5,7 +5,8 @@ What the gateway keeps is all in the store, so any number of gateways can serve
 the same clients and a restarted one carries on:
 
   sessions/<session>/session.json        owner tenant, tags, creation time (create-only)
-  sessions/<session>/heartbeat.json      last heartbeat; ``ended`` once finished or expired (replaced)
+  sessions/<session>/heartbeat.json      last heartbeat (replaced)
+  sessions/<session>/ended.json          why and when the session ended (create-only: the first end stands)
   sessions/<session>/models/<n>.json     a training client: base model, LoRA rank (create-only)
   sessions/<session>/requests/<id>.<fmt> an accepted call's body (create-only; the log's claim check)
   sessions/<session>/results/<id>.<fmt>  its result, written by an engine (create-only)
@@ -26,7 +27,7 @@ training or sampling clients, training calls and samples answer 410.  What it
 made stays readable: results of calls accepted before, checkpoints, downloads.
 Each gateway looks at a live session's heartbeat record at most every
 ``live_check_s`` seconds, so a call can still be accepted that long after another
-gateway recorded the end; nothing a session made is deleted sooner than a minute
+gateway recorded the end; nothing a session made is deleted sooner than ten minutes
 after its end.
 """
 
@@ -43,7 +44,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from pipeline.api import checkpoints, downloads
-from pipeline.api.lifecycle import SESSION_EXPIRY_S, heartbeat_key, session_end
+from pipeline.api.lifecycle import SESSION_EXPIRY_S, heartbeat_key, record_end, session_end
 from pipeline.api.samplers import read_sampler, write_sampler
 from pipeline.api.wire import (
     TinkerPath,
@@ -162,14 +163,12 @@ class Gateway:
         self.check_owner(tenant, session_id)
         self._live_until.pop(session_id, None)  # a heartbeat always reads the record afresh
         self.check_live(session_id)
-        self.store.put(heartbeat_key(session_id), json.dumps({"time": time.time(), "ended": False}).encode())
+        self.store.put(heartbeat_key(session_id), json.dumps({"time": time.time()}).encode())
 
     def finish(self, tenant: str, session_id: str, reason: str) -> None:
-        """End the session: engines unload its adapters (they watch ``heartbeat.json``), and it takes no new calls."""
+        """End the session (the first end recorded stands): it takes no new calls, and engines unload its adapters."""
         self.check_owner(tenant, session_id)
-        record = {"time": time.time(), "ended": True, "reason": reason}
-        self.store.put(heartbeat_key(session_id), json.dumps(record).encode())
-        self._ended[session_id] = f"finished: {reason}"
+        self._ended[session_id] = record_end(self.store, session_id, f"finished: {reason}")[0]
 
     def live_session(self, tenant: str, session_id: str) -> None:
         """This tenant's session, taking calls: ``NotFoundError`` for another's, ``SessionEndedError`` if it ended."""
@@ -177,13 +176,9 @@ class Gateway:
         self.check_live(session_id)
 
     def check_live(self, session_id: str) -> None:
-        """``SessionEndedError`` (410) for a session that ended; the record is read at most every ``live_check_s``."""
+        """``SessionEndedError`` (410) for a session that ended; a live one is looked at again after ``live_check_s``."""
         if session_id not in self._ended and time.monotonic() >= self._live_until.get(session_id, 0.0):
-            try:
-                record = json.loads(self.store.get(heartbeat_key(session_id)))
-            except FileNotFoundError:
-                record = {"time": time.time()}  # (a session record written, its first heartbeat not yet)
-            end = session_end(record, expiry_s=self.session_expiry_s)
+            end = session_end(self.store, session_id, expiry_s=self.session_expiry_s)
             if end is not None:
                 self._ended[session_id] = end[0]
             else:

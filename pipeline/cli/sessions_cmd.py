@@ -34,7 +34,7 @@ def session_summary(store: ObjectStore, session_id: str) -> dict[str, Any]:
     beat = json.loads(store.get(f"{prefix}/heartbeat.json")) if store.exists(f"{prefix}/heartbeat.json") else {}
     requests = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/requests")}
     results = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/results")}
-    end = session_end(beat) if "time" in beat else None  # finished, or a day without a heartbeat
+    end = session_end(store, session_id, record=False)  # finished, or a day without a heartbeat
     lapsed = "time" in beat and time.time() - beat["time"] > SESSION_TIMEOUT_S  # engines unload it until its next call
     state = "ended" if end else "lapsed" if lapsed else "live"
     models = [json.loads(store.get(key)) for key in store.list(f"{prefix}/models")

@@ -40,7 +40,7 @@ Retiring.  ``retire(version, reason)`` deletes a version's files and keeps its
 manifest, beside a ``retired.json`` that says why (written first): the number stays
 taken, so versions stay dense and a number never names other weights, and a pull
 of it is refused with the reason.  The API retires the snapshots of a session
-that ended (``pipeline.api.snapshots``).
+that ended (``pipeline.api.lifecycle``).
 
 Pulls go to ``<cache_dir>/<run_id>/v000007/`` (a flat PEFT folder plus the
 manifest).  Every file is verified against the manifest while downloading into a
@@ -171,12 +171,15 @@ class AdapterRegistry:
         parent_version: int,
         learner_step: int,
         metrics: Mapping[str, float] | None = None,
+        ends_with_session: str | None = None,
     ) -> AdapterManifest:
         """Upload a PEFT adapter folder as the next version; return the committed manifest.
 
         Retries with the next number when another publisher commits the chosen one first.
+        ``ends_with_session`` marks a snapshot of the API, retired when that session ends.
         """
-        return self.publish_files(read_adapter_folder(folder), base_model, parent_version, learner_step, metrics)
+        return self.publish_files(read_adapter_folder(folder), base_model, parent_version, learner_step, metrics,
+                                  ends_with_session=ends_with_session)
 
     def publish_files(
         self,
@@ -187,6 +190,7 @@ class AdapterRegistry:
         metrics: Mapping[str, float] | None = None,
         kind: ArtifactKind = "lora",
         expected_version: int | None = None,
+        ends_with_session: str | None = None,
     ) -> AdapterManifest:
         """Publish ``files`` (relative name -> bytes) as the next version of ``kind``; as ``publish`` otherwise.
 
@@ -204,7 +208,7 @@ class AdapterRegistry:
             else:
                 version = max(self._next_version(), lost + 1)
             manifest = self._try_publish(
-                version, files, base_model, parent_version, learner_step, dict(metrics or {}), kind
+                version, files, base_model, parent_version, learner_step, dict(metrics or {}), kind, ends_with_session
             )
             if manifest is not None:
                 return manifest
@@ -256,6 +260,7 @@ class AdapterRegistry:
         learner_step: int,
         metrics: dict[str, float],
         kind: ArtifactKind = "lora",
+        ends_with_session: str | None = None,
     ) -> AdapterManifest | None:
         """Stage the files, then try to commit the manifest; None if another publisher got ``version``."""
         attempt = uuid.uuid4().hex
@@ -273,6 +278,7 @@ class AdapterRegistry:
                 for name, data in files.items()
             },
             metrics=metrics,
+            ends_with_session=ends_with_session,
             created_at=datetime.now(UTC),
         )
         self.store.put_create_many({f"{stage_key}/{name}": data for name, data in files.items()})
@@ -291,15 +297,20 @@ class AdapterRegistry:
 
     # -- retiring ----------------------------------------------------------------------------
 
-    def retire(self, version: int, reason: str) -> None:
-        """Delete the files of committed ``version``, keeping its manifest and, first, why (module docstring)."""
+    def retire(self, version: int, reason: str) -> bool:
+        """Delete the files of committed ``version``, keeping its manifest and, first, why (module docstring);
+        whether there was anything to delete (a retire cut short is finished by retiring again)."""
         self.manifest_bytes(version)  # AdapterNotFoundError for a version never committed
         folder = self.version_key(version)
         kept = {f"{folder}/{MANIFEST_NAME}", f"{folder}/{RETIRED_NAME}"}
-        self.store.put(f"{folder}/{RETIRED_NAME}", json.dumps({"reason": reason, "time": time.time()}).encode())
-        for key in self.store.list(folder):
-            if key not in kept:
-                self.store.delete(key, recursive=True, missing_ok=True)
+        files = [key for key in self.store.list(folder) if key not in kept]
+        if not files:
+            return False
+        if self.retired_reason(version) is None:
+            self.store.put(f"{folder}/{RETIRED_NAME}", json.dumps({"reason": reason, "time": time.time()}).encode())
+        for key in files:
+            self.store.delete(key, recursive=True, missing_ok=True)
+        return True
 
     def retired_reason(self, version: int) -> str | None:
         """Why ``version`` was retired, or None if it was not."""

@@ -192,6 +192,24 @@ def test_unnamed_save_for_sampler_gives_a_sampling_session_on_the_new_version(ha
         trainer.close()
 
 
+def test_a_call_accepted_before_its_snapshot_was_retired_fails_as_the_users_with_the_reason(harness):
+    trainer, model_id = harness.trainer_with_a_model()
+    try:
+        save = types.SaveWeightsForSamplerRequest(model_id=model_id, sampling_session_seq_id=1, seq_id=1)
+        saved = harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, 1, save.model_dump_json().encode())
+        sampler_id = json.loads(harness.train(trainer, [saved])[0][0])["sampling_session_id"]
+        sampled = harness.sample(sampler_id, 0, _request(None, seed=2))  # accepted; then the session's end frees it
+        registry = AdapterRegistry(harness.store, f"{harness.session}.train.0")
+        assert registry.show(1).ends_with_session == harness.session  # a snapshot: retired with its session
+        registry.retire(1, "the session that made it ended")
+        data, fmt = harness.run([sampled])[0]
+        answer = json.loads(data)
+        assert fmt == "json" and answer["category"] == "user"
+        assert "version 1 was deleted: the session that made it ended" in answer["error"]
+    finally:
+        trainer.close()
+
+
 def test_the_least_recently_sampled_version_is_unloaded_beyond_max_adapters_and_reloaded_on_demand(harness):
     # A researcher's loop saves a version per step: the sampler holds at most max_adapters of them.
     harness.sampler.max_adapters = 2

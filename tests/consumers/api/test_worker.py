@@ -17,7 +17,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from consumers.api.worker import TrainerWorker, group_for, ops
 from consumers.engine import AdamParams, TrainingEngine
-from pipeline.api import checkpoints
+from pipeline.api import checkpoints, lifecycle
 from pipeline.api.gateway import Gateway, ServedModel, SessionEndedError
 from pipeline.api.wire import parse_tinker_path
 from pipeline.io.bus import EventPublisher, ensure_topics
@@ -545,8 +545,8 @@ def test_snapshots_live_as_long_as_their_session_and_named_sampler_weights_outli
     assert trainer.sweep_checkpoints() == 0  # the session lives
     harness.gateway.finish(TENANT, harness.session, "success")
     assert trainer.sweep_checkpoints() == 0  # ended, but within the grace
-    harness.store.put(f"sessions/{harness.session}/heartbeat.json", json.dumps(
-        {"time": time.time() - 120, "ended": True, "reason": "success"}).encode())  # two minutes ago
+    harness.store.put(lifecycle.end_key(harness.session), json.dumps(
+        {"time": time.time() - lifecycle.END_GRACE_S - 1, "reason": "finished: success"}).encode())  # as long ago
     assert trainer.sweep_checkpoints() == 2
     for version in snapshots:
         with pytest.raises(AdapterNotFoundError, match="the session that made it ended"):

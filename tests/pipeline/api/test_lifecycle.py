@@ -9,12 +9,12 @@ import pytest
 from safetensors.numpy import save_file
 
 from pipeline.api.gateway import Gateway, ServedModel, SessionEndedError
-from pipeline.api.lifecycle import SNAPSHOTS, mark_snapshots, session_end, sweep_snapshots
+from pipeline.api.lifecycle import END_GRACE_S, SNAPSHOTS, end_key, mark_snapshots, session_end, sweep_snapshots
 from pipeline.api.samplers import write_sampler
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
 from pipeline.io.store import ObjectStore
 
-BASE, DAY = "/models/base/tiny", 86400.0
+BASE, DAY, LATER = "/models/base/tiny", 86400.0, END_GRACE_S + 1
 
 
 @pytest.fixture
@@ -22,15 +22,25 @@ def store() -> ObjectStore:
     return ObjectStore(f"memory://life-{uuid.uuid4().hex}")
 
 
-@pytest.fixture
-def gateway(store) -> Gateway:
+def gateway_on(store: ObjectStore) -> Gateway:
     return Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE), ServedModel("/other", "/other")],
                    live_check_s=0.0)
 
 
-def snapshot(store: ObjectStore, tmp_path, session: str, model_id: str, seq: int, path: str | None = None) -> int:
-    """What the trainer does for save_weights_and_get_sampling_client (or, with ``path``, a named save followed
-    by create_sampling_client on it): a registry version and a sampling session on it; the version."""
+@pytest.fixture
+def gateway(store) -> Gateway:
+    return gateway_on(store)
+
+
+def beat(store: ObjectStore, session: str, ago: float) -> None:
+    """The session's last heartbeat, ``ago`` seconds ago (as a gateway writes it)."""
+    store.put(f"sessions/{session}/heartbeat.json", json.dumps({"time": time.time() - ago}).encode())
+
+
+def snapshot(store: ObjectStore, tmp_path, session: str, model_id: str, seq: int, path: str | None = None,
+             record: bool = True) -> int:
+    """What the trainer does for save_weights_and_get_sampling_client (with ``path``: for a named save, then a
+    create_sampling_client on it; without ``record``: killed before the sampling session was written)."""
     folder = tmp_path / uuid.uuid4().hex
     folder.mkdir()
     (folder / "adapter_config.json").write_text(json.dumps({"r": 4, "peft_type": "LORA"}))
@@ -38,27 +48,56 @@ def snapshot(store: ObjectStore, tmp_path, session: str, model_id: str, seq: int
     run = model_id.replace(":", ".")
     if path is None:
         mark_snapshots(store, model_id)
-    version = AdapterRegistry(store, run).publish(folder, BASE, 0, seq).version
-    write_sampler(store, "t-alice", session, seq, BASE, path, run, version)
+    version = AdapterRegistry(store, run).publish(folder, BASE, 0, seq,
+                                                  ends_with_session=None if path else session).version
+    if record:
+        write_sampler(store, "t-alice", session, seq, BASE, path, run, version)
     return version
 
 
-def test_a_session_ends_when_finished_or_after_a_day_without_a_heartbeat():
-    now = 1_000_000.0
-    assert session_end({"time": now - 60, "ended": False}, now) is None
-    assert session_end({"time": now - 60, "ended": True, "reason": "errored"}, now) == ("finished: errored", now - 60)
-    why, at = session_end({"time": now - DAY - 1, "ended": False}, now)
-    assert why.startswith("expired: no heartbeat since") and at == now - 1
+def test_a_session_ends_when_finished_or_after_a_day_without_a_heartbeat_and_the_first_end_stands(gateway, store):
+    finished, silent, live = (gateway.create_session("t-alice", [], {}) for _ in range(3))
+    gateway.finish("t-alice", finished, "errored")
+    gateway.finish("t-alice", finished, "success")  # a second finish keeps the first reason
+    assert session_end(store, finished)[0] == "finished: errored"
+    beat(store, silent, DAY + 5)
+    assert session_end(store, silent, record=False)[0].startswith("expired: no heartbeat since")
+    assert not store.exists(end_key(silent))  # a reader that only looks records nothing
+    why, at = session_end(store, silent)
+    assert store.exists(end_key(silent)) and why.startswith("expired") and abs(at - (time.time() - 5)) < 2
+    assert session_end(store, live) is None
 
 
-def test_an_expired_session_refuses_its_heartbeat_and_calls(gateway, store):
+def test_a_heartbeat_on_its_way_when_the_session_ended_does_not_bring_it_back(gateway, store):
+    """Gateway B read the session live for a heartbeat, gateway A recorded the finish, then B wrote the heartbeat."""
     session = gateway.create_session("t-alice", [], {})
-    gateway.heartbeat("t-alice", session)  # alive
-    store.put(f"sessions/{session}/heartbeat.json", json.dumps({"time": time.time() - DAY - 5, "ended": False}).encode())
-    with pytest.raises(SessionEndedError, match=f"session {session} has ended \\(expired: no heartbeat since"):
-        gateway.heartbeat("t-alice", session)
+    gateway.finish("t-alice", session, "success")
+    beat(store, session, 0)  # B's late write
+    for other in (gateway, gateway_on(store)):
+        with pytest.raises(SessionEndedError, match="finished: success"):
+            other.create_sampling_session("t-alice", session, 0, BASE, None)
+    # the same for an expiry: whoever sees it first records it, and a later heartbeat is refused
+    lapsed = gateway.create_session("t-alice", [], {})
+    beat(store, lapsed, DAY + 5)
+    with pytest.raises(SessionEndedError, match=f"session {lapsed} has ended \\(expired: no heartbeat since"):
+        gateway_on(store).heartbeat("t-alice", lapsed)
+    beat(store, lapsed, 0)  # a heartbeat that was on its way
     with pytest.raises(SessionEndedError, match="create a new ServiceClient"):
-        gateway.create_sampling_session("t-alice", session, 0, BASE, None)
+        gateway_on(store).create_sampling_session("t-alice", lapsed, 0, BASE, None)
+
+
+def test_a_gateway_takes_a_session_it_saw_live_as_live_for_live_check_s(store, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("pipeline.api.gateway.time.monotonic", lambda: clock[0])
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=1.0)
+    session = gateway.create_session("t-alice", [], {})
+    gateway.check_live(session)
+    gateway_on(store).finish("t-alice", session, "success")  # on another gateway
+    clock[0] += 0.5
+    gateway.check_live(session)  # within the second: still taken as live
+    clock[0] += 0.6
+    with pytest.raises(SessionEndedError):
+        gateway.check_live(session)
 
 
 def test_snapshots_are_retired_a_grace_after_their_session_ends_and_named_weights_are_kept(gateway, store, tmp_path):
@@ -66,8 +105,9 @@ def test_snapshots_are_retired_a_grace_after_their_session_ends_and_named_weight
     model_id = gateway.register_model("t-alice", session, 0, BASE, 4, {}, None)
     other_model = gateway.register_model("t-alice", session, 1, "/other", 4, {}, None)
     versions = [snapshot(store, tmp_path, session, model_id, seq) for seq in (1, 2)]
-    named = snapshot(store, tmp_path, session, model_id, 3, path=f"tinker://{model_id}/sampler_weights/keep")
-    theirs = snapshot(store, tmp_path, session, other_model, 4)  # another base model's trainer sweeps that one
+    versions.append(snapshot(store, tmp_path, session, model_id, 3, record=False))  # its sampling session unwritten
+    named = snapshot(store, tmp_path, session, model_id, 4, path=f"tinker://{model_id}/sampler_weights/keep")
+    theirs = snapshot(store, tmp_path, session, other_model, 5)  # another base model's trainer sweeps that one
     live = gateway.create_session("t-alice", [], {})
     live_model = gateway.register_model("t-alice", live, 0, BASE, 4, {}, None)
     live_version = snapshot(store, tmp_path, live, live_model, 1)
@@ -75,7 +115,7 @@ def test_snapshots_are_retired_a_grace_after_their_session_ends_and_named_weight
     assert sweep_snapshots(store, BASE, cache) == 0  # both sessions live
     gateway.finish("t-alice", session, "success")
     assert sweep_snapshots(store, BASE, cache) == 0  # within the grace after the end
-    assert sweep_snapshots(store, BASE, cache, now=time.time() + 61) == 2
+    assert sweep_snapshots(store, BASE, cache, now=time.time() + LATER) == 3
     registry = AdapterRegistry(store, model_id.replace(":", "."))
     for version in versions:
         with pytest.raises(AdapterNotFoundError, match="the session that made it ended"):
@@ -85,31 +125,42 @@ def test_snapshots_are_retired_a_grace_after_their_session_ends_and_named_weight
     assert AdapterRegistry(store, live_model.replace(":", ".")).pull(live_version, tmp_path / "cache").is_dir()
     assert sorted(key.rsplit("/", 1)[-1] for key in store.list(SNAPSHOTS)) == sorted(
         m.replace(":", ".") for m in (other_model, live_model))  # done with: out of the index
-    assert sweep_snapshots(store, "/other", {}, now=time.time() + 61) == 1
-    # the live session lapses for a day: it has ended without anyone saying so
-    store.put(f"sessions/{live}/heartbeat.json", json.dumps({"time": time.time() - DAY, "ended": False}).encode())
-    assert sweep_snapshots(store, BASE, cache, now=time.time() + 30) == 0  # expired 30 s ago: the grace
-    assert sweep_snapshots(store, BASE, cache, now=time.time() + 61) == 1
+    assert sweep_snapshots(store, "/other", {}, now=time.time() + LATER) == 1
+    # the live session goes silent for a day: it has ended without anyone saying so
+    beat(store, live, DAY)
+    assert sweep_snapshots(store, BASE, cache, now=time.time() + END_GRACE_S / 2) == 0  # within the grace
+    assert sweep_snapshots(store, BASE, cache, now=time.time() + LATER) == 1
     assert store.list(SNAPSHOTS) == []
 
 
-def test_a_sweep_cut_short_is_finished_by_the_next(gateway, store, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dies", ["before the reason", "after the reason"])
+def test_a_sweep_cut_short_is_finished_by_the_next(gateway, store, tmp_path, monkeypatch, dies):
     session = gateway.create_session("t-alice", [], {})
     model_id = gateway.register_model("t-alice", session, 0, BASE, 4, {}, None)
     first, second = (snapshot(store, tmp_path, session, model_id, seq) for seq in (1, 2))
     gateway.finish("t-alice", session, "interrupted")
-    retire = AdapterRegistry.retire
-
-    def dies_on_the_second(registry, version, reason):
-        if version == second:
-            raise OSError("the store went away")
-        retire(registry, version, reason)
-
-    monkeypatch.setattr(AdapterRegistry, "retire", dies_on_the_second)
-    with pytest.raises(OSError):
-        sweep_snapshots(store, BASE, {}, now=time.time() + 61)
-    assert store.list(SNAPSHOTS) != []  # still indexed
-    monkeypatch.setattr(AdapterRegistry, "retire", retire)
-    assert sweep_snapshots(store, BASE, {}, now=time.time() + 61) == 1  # the one left
     registry = AdapterRegistry(store, model_id.replace(":", "."))
-    assert registry.retired_reason(first) and registry.retired_reason(second)
+    put, delete = store.put, store.delete
+
+    def put_or_die(key, data):
+        if key.endswith("v000002/retired.json") and dies == "before the reason":
+            raise OSError("the store went away")
+        return put(key, data)
+
+    def delete_or_die(key, **options):
+        if "v000002/" in key:
+            raise OSError("the store went away")
+        return delete(key, **options)
+
+    monkeypatch.setattr(store, "put", put_or_die)
+    monkeypatch.setattr(store, "delete", delete_or_die)
+    with pytest.raises(OSError):
+        sweep_snapshots(store, BASE, {}, now=time.time() + LATER)
+    assert store.list(SNAPSHOTS) != []  # still indexed
+    monkeypatch.setattr(store, "put", put)
+    monkeypatch.setattr(store, "delete", delete)
+    assert sweep_snapshots(store, BASE, {}, now=time.time() + LATER) == 1  # the one left
+    for version in (first, second):
+        with pytest.raises(AdapterNotFoundError, match="the session that made it ended"):
+            registry.pull(version, tmp_path / "cache")
+    assert store.list(SNAPSHOTS) == []

@@ -343,8 +343,8 @@ def test_a_retired_version_keeps_its_number_and_a_pull_of_it_names_why(any_store
     for step in (1, 2, 3):
         registry.publish(tmp_path / "a", "tiny", 0, step)
     registry.pull(2, tmp_path / "warm")  # a cached copy elsewhere is no way back to the files
-    registry.retire(2, "its session ended")
-    registry.retire(2, "its session ended")  # again: nothing left to do, no error
+    assert registry.retire(2, "its session ended")
+    assert not registry.retire(2, "another reason")  # again: nothing left to do, and the first reason stays
     assert registry.versions() == [1, 2, 3] and registry.next_version() == 4  # the number is never reused
     assert sorted(any_store.list("runs/run1/adapters/v000002")) == [  # the files are gone, the why is noted
         "runs/run1/adapters/v000002/manifest.json", "runs/run1/adapters/v000002/retired.json"]
