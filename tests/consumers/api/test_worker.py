@@ -301,11 +301,14 @@ def test_finished_session_unloads_its_adapters(harness):
     model_id = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
     assert trainer.engine.adapters() == [f"{harness.session}.train.0"]
+    accepted = harness.gateway.submit(TENANT, "optim_step", model_id, 1, _optim(model_id, 1))  # not yet run
     harness.gateway.finish(TENANT, harness.session, "success")
     trainer.expire_sessions()
     assert trainer.engine.adapters() == []
-    with pytest.raises(SessionEndedError):  # and it takes no more calls
-        harness.gateway.submit(TENANT, "optim_step", model_id, 1, _optim(model_id, 1))
+    with pytest.raises(SessionEndedError):  # it takes no more calls
+        harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
+    run_until(trainer, harness, [accepted])  # but one accepted before its end runs, reloaded from its fold
+    assert "metrics" in json.loads(harness.result(accepted)[0])
     trainer.close()
 
 
