@@ -416,3 +416,46 @@ def test_a_trainer_killed_mid_run_ends_with_the_weights_of_an_uninterrupted_run(
     assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
     # the sampler version was published once, whatever the trainer re-executed after the restart
     assert AdapterRegistry(server.store, crashed.model_id.replace(":", ".")).versions() == [1]
+
+
+def test_forward_backward_custom_trains_as_the_same_loss_served_and_a_pairwise_loss_moves_the_pair(server):
+    """The SDK's forward_backward_custom (a forward, the loss's gradient on the laptop, then a cross_entropy
+    backward weighted by it, negative weights included) against two clients of the same seed: a custom loss equal
+    to cross_entropy ends with the weights of forward_backward(cross_entropy); a DPO-like pairwise loss raises the
+    chosen sequence's logprob against the rejected one's."""
+    import torch as th
+
+    service = server.service()
+    custom, served = (service.create_lora_training_client(base_model=server.base_model, rank=4, seed=11).result()
+                      for _ in range(2))
+    data = _data(5)
+
+    def cross_entropy(batch: list[types.Datum], logprobs: list[th.Tensor]) -> tuple[th.Tensor, dict[str, float]]:
+        loss = sum(-(lp * th.tensor(d.loss_fn_inputs["weights"].data)).sum() for d, lp in zip(batch, logprobs, strict=True))
+        return loss, {"custom": 1.0}
+
+    out = custom.forward_backward_custom(data, cross_entropy).result()
+    reference = served.forward_backward(data, "cross_entropy").result()
+    assert out.metrics["loss:sum"] == pytest.approx(reference.metrics["loss:sum"], rel=1e-5)
+    assert out.metrics["custom"] == 1.0
+    for client in (custom, served):
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    for a, b in zip(_logprobs(custom.forward(data, "cross_entropy").result()),
+                    _logprobs(served.forward(data, "cross_entropy").result()), strict=True):
+        assert np.allclose(a, b, atol=1e-5)
+
+    chosen, rejected = _data(6, count=2)
+
+    def pairwise(batch: list[types.Datum], logprobs: list[th.Tensor]) -> tuple[th.Tensor, dict[str, float]]:
+        margin = logprobs[0].sum() - logprobs[1].sum()
+        return -th.nn.functional.logsigmoid(margin), {"margin": float(margin)}
+
+    def margin() -> float:
+        first, second = _logprobs(custom.forward([chosen, rejected], "cross_entropy").result())
+        return sum(first) - sum(second)
+
+    before = margin()
+    for _ in range(3):
+        custom.forward_backward_custom([chosen, rejected], pairwise).result()
+        custom.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    assert margin() > before + 1.0
