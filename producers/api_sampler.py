@@ -63,7 +63,7 @@ from pipeline.api.engines import announce_result, engine_arguments, engine_setup
 from pipeline.api.gateway import parse_body
 from pipeline.api.samplers import read_sampler
 from pipeline.io.bus import ConsumedEvent, EventPublisher, TopicPartitionKey, ensure_topics
-from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
+from pipeline.io.registry import AdapterRegistry, RetiredAdapterError
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
 from producers.samplers.base import AdapterHandle, SampleOutput
@@ -263,7 +263,7 @@ class SamplerWorker:
             data, fmt, error, category = await self._sample(call), "pb", None, None
         except ApiError as exc:
             error, category = str(exc), exc.category
-        except AdapterNotFoundError as exc:  # weights retired since the call was accepted (its session ended)
+        except RetiredAdapterError as exc:  # weights retired since the call was accepted (its session ended)
             error, category = str(exc), "user"
         except ValueError as exc:  # the engine's refusals (a prompt that does not fit): the request's fault
             error, category = f"{exc}", "user"

@@ -468,10 +468,9 @@ class TrainerWorker:
             if not model.loaded:
                 continue
             session = model.run.split(".")[0]
-            beat = lifecycle.read_heartbeat(self.store, session)
-            if beat is None:
-                continue
-            lapsed = time.time() - float(beat["time"]) > self.session_timeout_s
+            beat = lifecycle.read_heartbeat(self.store, session) or {}
+            at = beat.get("time")
+            lapsed = isinstance(at, int | float) and time.time() - at > self.session_timeout_s
             if lapsed or lifecycle.session_end(self.store, session, record=False) is not None:
                 if model.unfolded and not model.has_gradients:
                     self._fold(model)

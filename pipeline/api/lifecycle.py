@@ -29,6 +29,8 @@ queue behind it.  Named sampler weights are checkpoints, kept by their own rules
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -38,6 +40,7 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from schemas.api import model_run_name, session_path
 
+log = logging.getLogger("rlpipe.api.lifecycle")
 SESSION_EXPIRY_S = 86400.0  # a session with no heartbeat for a day has ended
 END_GRACE_S = 600.0  # what a session made is freed no sooner than this after its end
 SNAPSHOTS = "api/snapshots"  # one empty object per training client (its run name) that made a snapshot
@@ -67,8 +70,7 @@ def record_end(store: ObjectStore, session_id: str, reason: str, at: float | Non
     try:
         store.put_create(end_key(session_id), json.dumps(record).encode())
     except FileExistsError:
-        standing = _read(store, end_key(session_id)) or record
-        return str(standing["reason"]), float(standing["time"])
+        return _recorded_end(store, session_id) or (reason, float(record["time"]))
     return reason, float(record["time"])
 
 
@@ -76,20 +78,46 @@ def session_end(store: ObjectStore, session_id: str, now: float | None = None,
                 expiry_s: float = SESSION_EXPIRY_S, record: bool = True) -> tuple[str, float] | None:
     """Why and when (unix seconds) the session ended, or None while it lives.  An expiry seen here is recorded
     (unless not ``record``: a reader that only looks)."""
-    ended = _read(store, end_key(session_id))
+    ended = _recorded_end(store, session_id)
     if ended is not None:
-        return str(ended["reason"]), float(ended["time"])
+        return ended
     beat = read_heartbeat(store, session_id)
-    if beat is None:  # (a session whose first heartbeat is being written)
+    at = None if beat is None else _seconds(beat.get("time"))
+    if beat is not None and beat.get("ended") is True:  # the end as sessions recorded it before ended.json
+        return f"finished: {beat.get('reason') or 'success'}", time.time() if at is None else at
+    if at is None:  # no heartbeat yet (being written), or one without a time: nothing to expire from
+        if beat is not None or store.exists(heartbeat_key(session_id)):
+            log.warning("session %s: its heartbeat record has no time; taken as live", session_id)
         return None
-    at = float(beat.get("time", 0.0))
-    if beat.get("ended"):  # the end as sessions recorded it before ended.json
-        return f"finished: {beat.get('reason') or 'success'}", at
     if (time.time() if now is None else now) - at <= expiry_s:
         return None
     since = datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M UTC")
     end = f"expired: no heartbeat since {since}", at + expiry_s
     return record_end(store, session_id, *end) if record else end
+
+
+def _recorded_end(store: ObjectStore, session_id: str) -> tuple[str, float] | None:
+    """The end recorded in ``ended.json``; one that cannot be read is still an end (its reason unknown, its time
+    taken as now, so a grace counted from it starts late rather than early)."""
+    try:
+        raw = store.get(end_key(session_id))
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        record = {}
+    at = _seconds(record.get("time"))
+    return str(record.get("reason") or "ended"), time.time() if at is None else at
+
+
+def _seconds(value: Any) -> float | None:
+    """A unix time from a record, or None when it is missing or not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def mark_snapshots(store: ObjectStore, model_id: str) -> None:
@@ -103,20 +131,34 @@ def sweep_snapshots(store: ObjectStore, base_model: str, base_models: dict[str, 
     """Retire the snapshots of ``base_model``'s training clients whose session ended at least ``grace_s`` ago
     (the index, not every session in the store); how many versions were retired.  ``base_models`` caches each
     model record's base model.  An index entry is removed after its snapshots are retired, so a sweep cut short
-    is finished by the next."""
+    is finished by the next, and put back when a version was committed meanwhile (another trainer of the base
+    model).  A client whose records cannot be read is logged and left for the next sweep; the others go on."""
     now = time.time() if now is None else now
     retired = 0
     for key, model_id in clients_in_index(store, SNAPSHOTS, base_model, base_models):
-        run = model_run_name(model_id)
-        session = run.split(".")[0]
-        end = session_end(store, session, now, expiry_s)
-        if end is None or now - end[1] < grace_s:
-            continue
-        registry = AdapterRegistry(store, run)
-        for manifest in registry.list():
-            if manifest.ends_with_session == session and registry.retire(manifest.version, RETIRED_REASON):
-                retired += 1
-        store.delete(key, missing_ok=True)
+        try:
+            retired += _sweep_client(store, key, model_id, now, expiry_s, grace_s)
+        except (OSError, ValueError, LookupError) as exc:
+            log.warning("the snapshots of %s were not swept, to be tried at the next sweep: %s", model_id, exc)
+    return retired
+
+
+def _sweep_client(store: ObjectStore, key: str, model_id: str, now: float, expiry_s: float, grace_s: float) -> int:
+    run = model_run_name(model_id)
+    session = run.split(".")[0]
+    end = session_end(store, session, now, expiry_s)
+    if end is None or now - end[1] < grace_s:
+        return 0
+    registry = AdapterRegistry(store, run)
+    versions = registry.versions()
+    retired = 0
+    for version in versions:
+        manifest = registry.show(version)
+        if manifest.ends_with_session == session and registry.retire(version, RETIRED_REASON):
+            retired += 1
+    store.delete(key, missing_ok=True)
+    if registry.versions() != versions:  # committed meanwhile, by a trainer that indexed it before our delete
+        mark_snapshots(store, model_id)
     return retired
 
 

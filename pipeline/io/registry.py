@@ -91,6 +91,10 @@ class AdapterNotFoundError(LookupError):
     """No committed adapter version of that number in the run."""
 
 
+class RetiredAdapterError(AdapterNotFoundError):
+    """The version was committed, then retired: its files were deleted (``retire``), for the reason given."""
+
+
 def version_folder(version: int) -> str:
     """``7`` -> ``"v000007"`` (six digits, wider past 999999; sorted numerically by the registry)."""
     if version < 1:
@@ -356,8 +360,8 @@ class AdapterRegistry:
                 reason = self.retired_reason(manifest.version)
                 if reason is None:
                     raise
-                raise AdapterNotFoundError(f"run {self.run_id!r} version {manifest.version} was deleted: {reason}"
-                                           ) from None
+                raise RetiredAdapterError(f"run {self.run_id!r} version {manifest.version} was deleted: {reason}"
+                                          ) from None
             destination = folder / name
             destination.parent.mkdir(parents=True, exist_ok=True)
             destination.write_bytes(data)

@@ -154,8 +154,7 @@ def test_a_sweep_cut_short_is_finished_by_the_next(gateway, store, tmp_path, mon
 
     monkeypatch.setattr(store, "put", put_or_die)
     monkeypatch.setattr(store, "delete", delete_or_die)
-    with pytest.raises(OSError):
-        sweep_snapshots(store, BASE, {}, now=time.time() + LATER)
+    sweep_snapshots(store, BASE, {}, now=time.time() + LATER)  # logged, not raised: the calls go on
     assert store.list(SNAPSHOTS) != []  # still indexed
     monkeypatch.setattr(store, "put", put)
     monkeypatch.setattr(store, "delete", delete)
@@ -163,4 +162,62 @@ def test_a_sweep_cut_short_is_finished_by_the_next(gateway, store, tmp_path, mon
     for version in (first, second):
         with pytest.raises(AdapterNotFoundError, match="the session that made it ended"):
             registry.pull(version, tmp_path / "cache")
+    assert store.list(SNAPSHOTS) == []
+
+
+def test_damaged_records_never_revive_a_session_nor_end_a_live_one_nor_fail_its_calls(gateway, store):
+    finished = gateway.create_session("t-alice", [], {})
+    gateway.finish("t-alice", finished, "success")
+    store.put(end_key(finished), b"{not json")  # an end that cannot be read is still an end
+    with pytest.raises(SessionEndedError, match="has ended"):
+        gateway_on(store).create_sampling_session("t-alice", finished, 0, BASE, None)
+    store.put(end_key(finished), b'{"time": 5}')  # (no reason)
+    with pytest.raises(SessionEndedError, match="has ended"):
+        gateway_on(store).create_sampling_session("t-alice", finished, 0, BASE, None)
+    for damaged in (b'{"ended": false}', b'{"time": null}', b'{"time": "soon"}', b"[]", b"{not json"):
+        live = gateway.create_session("t-alice", [], {})
+        store.put(f"sessions/{live}/heartbeat.json", damaged)
+        assert session_end(store, live) is None, damaged  # no time to expire from: taken as live
+        assert not store.exists(end_key(live))
+        gateway_on(store).create_sampling_session("t-alice", live, 0, BASE, None)
+
+
+def test_one_clients_damaged_records_do_not_stop_the_sweep_of_the_others(gateway, store, tmp_path):
+    sessions = [gateway.create_session("t-alice", [], {}) for _ in range(3)]
+    models = [gateway.register_model("t-alice", s, 0, BASE, 4, {}, None) for s in sessions]
+    versions = [snapshot(store, tmp_path, s, m, 1) for s, m in zip(sessions, models, strict=True)]
+    for session in sessions:
+        gateway.finish("t-alice", session, "success")
+    # the first client's manifest is damaged (copied from elsewhere), the second's end record unreadable
+    run = models[0].replace(":", ".")
+    store.put(f"runs/{run}/adapters/v000001/manifest.json", b"{}")
+    store.put(end_key(sessions[1]), b"{not json")
+    assert sweep_snapshots(store, BASE, {}, now=time.time() + LATER) == 2  # the two that can be read
+    for model_id, version in zip(models[1:], versions[1:], strict=True):
+        with pytest.raises(AdapterNotFoundError, match="the session that made it ended"):
+            AdapterRegistry(store, model_id.replace(":", ".")).pull(version, tmp_path / "cache")
+    assert [key.rsplit("/", 1)[-1] for key in store.list(SNAPSHOTS)] == [run]  # kept, for another look
+
+
+def test_a_snapshot_committed_while_the_sweep_removed_its_clients_entry_is_indexed_again(gateway, store, tmp_path,
+                                                                                         monkeypatch):
+    """Two trainers of one base model: B indexes and publishes a snapshot while A's sweep, which listed the
+    versions before B's commit, removes the index entry."""
+    session = gateway.create_session("t-alice", [], {})
+    model_id = gateway.register_model("t-alice", session, 0, BASE, 4, {}, None)
+    snapshot(store, tmp_path, session, model_id, 1)
+    gateway.finish("t-alice", session, "success")
+    delete = store.delete
+
+    def b_commits_meanwhile(key, **options):
+        delete(key, **options)
+        if key.startswith(SNAPSHOTS):
+            snapshot(store, tmp_path, session, model_id, 2)  # B: index (again), then its version
+            delete(key, **options)  # ... but A's delete of the entry lands after B's mark
+
+    monkeypatch.setattr(store, "delete", b_commits_meanwhile)
+    assert sweep_snapshots(store, BASE, {}, now=time.time() + LATER) == 1
+    monkeypatch.setattr(store, "delete", delete)
+    assert store.list(SNAPSHOTS) != []  # put back: the new version is seen by the next sweep
+    assert sweep_snapshots(store, BASE, {}, now=time.time() + LATER) == 1
     assert store.list(SNAPSHOTS) == []
