@@ -11,7 +11,8 @@ call still running, so a sampler that dies re-runs only unfinished calls.
 One call: the tenant is checked against the sampling session's record
 (``pipeline.api.samplers``), its weights resolved (base model, or the adapter
 registry version a ``sampler_weights`` path or ``save_weights_and_get_sampling_client``
-names, pulled into a local cache), the SDK's ``SamplingParams`` translated
+names, or for an inflight session its training client's latest inflight save, pulled
+into a local cache), the SDK's ``SamplingParams`` translated
 (``sampling_params``), the engine sampled, and the SDK's protobuf
 ``SampleResponse`` written create-only, then announced with ``ApiResultReady``.
 
@@ -61,7 +62,7 @@ from pipeline.api.activity import ActivityRecorder
 from pipeline.api.direct import direct_app, serve_direct
 from pipeline.api.engines import announce_result, engine_arguments, engine_setup, request_reader, store_result
 from pipeline.api.gateway import parse_body
-from pipeline.api.samplers import read_sampler
+from pipeline.api.samplers import read_sampler, sampled_version
 from pipeline.io.bus import ConsumedEvent, EventPublisher, TopicPartitionKey, ensure_topics
 from pipeline.io.registry import AdapterRegistry, RetiredAdapterError
 from pipeline.io.store import ObjectStore
@@ -283,7 +284,11 @@ class SamplerWorker:
         record, body = await asyncio.to_thread(self._read_call, call)
         request = parse_body(types.SampleRequest, body)
         params, strings = sampling_params(request, self.engine.max_model_len)
-        key = None if record.get("run") is None else (str(record["run"]), int(record["version"]))
+        key = None
+        if record.get("run") is not None:  # an inflight session reads its training client's latest inflight save
+            version = (await asyncio.to_thread(sampled_version, self.store, record) if record.get("kind") == "inflight"
+                       else int(record["version"]))
+            key = (str(record["run"]), version)
         adapter = None if key is None else await self._acquire(key)
         started, wall = time.perf_counter(), time.time()
         try:

@@ -53,7 +53,7 @@ from pipeline.api.activity import ActivityRecorder
 from pipeline.api.checkpoints import weights_key
 from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
 from pipeline.api.gateway import parse_body
-from pipeline.api.samplers import find_sampler, write_sampler
+from pipeline.api.samplers import find_sampler, point_inflight, write_sampler
 from pipeline.api.wire import TinkerPath, decode_forward_backward, encode_forward_backward_output, parse_tinker_path
 from pipeline.io.bus import (
     ConsumedEvent,
@@ -362,9 +362,12 @@ class TrainerWorker:
                 Path(folder) / "adapter", self.base_model, parent_version=0, learner_step=model.next_seq,
                 ends_with_session=snapshot_of)
         if request.path is None:
+            inflight = request.kind == "inflight"
+            if inflight:  # every inflight session of this client samples this save from now on
+                point_inflight(self.store, model.run, manifest.version)
             sampling_session_id = write_sampler(self.store, call.tenant, call.session_id,
                                                 int(request.sampling_session_seq_id or 0), self.base_model, None,
-                                                model.run, manifest.version)
+                                                model.run, manifest.version, inflight=inflight)
             return _json({"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id})
         checkpoints.write_record(self.store, path, None, checkpoints.expiry(request.ttl_seconds),
                                  version=manifest.version)

@@ -10,6 +10,12 @@ weights it serves:
 ``run``/``version`` name the adapter registry version the trainer published for
 a ``tinker://<model_id>/sampler_weights/<name>`` path (or for the ephemeral
 ``save_weights_and_get_sampling_client``); both are None for the base model.
+
+``save_weights_and_get_sampling_client(kind="inflight")`` makes a session with
+``"kind": "inflight"``: it samples the weights of its training client's latest
+inflight save, never older than its own (``version``).  The trainer points at
+that save in ``runs/<run>/inflight.json`` (``{"version"}``, replaced; written
+before the new session's record), and the sampler reads it at every call.
 The gateway writes records for ``create_sampling_session``, the trainer for the
 ephemeral path; the sampler reads them.
 """
@@ -39,11 +45,13 @@ def sampler_record_key(sampling_session_id: str) -> str:
 
 
 def write_sampler(store: ObjectStore, tenant: str, session_id: str, seq: int, base_model: str,
-                  model_path: str | None, run: str | None, version: int | None) -> str:
+                  model_path: str | None, run: str | None, version: int | None, inflight: bool = False) -> str:
     """Record a sampling session (create-only; a resent create with the same weights is the same session)."""
     sampling_session_id = model_id_for(session_id, "sample", seq)
-    record = {"sampling_session_id": sampling_session_id, "tenant": tenant, "base_model": base_model,
-              "model_path": model_path, "run": run, "version": version}
+    record: dict[str, Any] = {"sampling_session_id": sampling_session_id, "tenant": tenant, "base_model": base_model,
+                              "model_path": model_path, "run": run, "version": version}
+    if inflight:
+        record["kind"] = "inflight"
     key = sampler_record_key(sampling_session_id)
     try:
         store.put_create(key, json.dumps(record).encode())
@@ -73,3 +81,26 @@ def read_sampler(store: ObjectStore, tenant: str, sampling_session_id: str) -> d
         raise ApiError(f"no sampling session {sampling_session_id!r} for this API key; "
                        "create one with create_sampling_client")
     return dict(record)
+
+
+def inflight_key(run: str) -> str:
+    return f"runs/{run}/inflight.json"
+
+
+def point_inflight(store: ObjectStore, run: str, version: int) -> None:
+    """Make ``version`` the weights of the training client's inflight sampling sessions (the trainer, in call order)."""
+    store.put(inflight_key(run), json.dumps({"version": version}).encode())
+
+
+def sampled_version(store: ObjectStore, record: dict[str, Any]) -> int:
+    """The registry version a sampling session on adapter weights samples now: its own, or for an inflight session
+    its training client's latest inflight save when that is newer."""
+    version = int(record["version"])
+    if record.get("kind") == "inflight":
+        try:
+            latest = json.loads(store.get(inflight_key(str(record["run"]))))["version"]
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return version
+        if isinstance(latest, int) and latest > version:
+            return latest
+    return version

@@ -271,3 +271,22 @@ def test_an_expired_session_takes_no_more_calls_and_its_named_weights_outlive_it
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     named = server.service().create_sampling_client(model_path=path).result()
     assert len(named.sample(prompt, 1, _params(stop=[])).result().sequences) == 1
+
+
+def test_inflight_sampling_clients_move_to_the_latest_inflight_weights(server):
+    """save_weights_and_get_sampling_client(kind="inflight"): a client made earlier samples the weights of the
+    latest inflight save, as the SDK's contract says; a snapshot client keeps its own."""
+    training = server.service().create_lora_training_client(base_model=server.base_model, rank=4).result()
+    prompt = types.ModelInput.from_ints(PROMPT + [12, 30, 7])
+    early = training.save_weights_and_get_sampling_client(kind="inflight").result()
+    fixed = training.save_weights_and_get_sampling_client().result()
+    before = early.compute_logprobs(prompt).result()[1:]
+    datum = types.Datum(model_input=types.ModelInput.from_ints(PROMPT[:-1]),
+                        loss_fn_inputs={"target_tokens": PROMPT[1:]})
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    late = training.save_weights_and_get_sampling_client(kind="inflight").result()
+    after = late.compute_logprobs(prompt).result()[1:]
+    assert not np.allclose(after, before, atol=1e-4)
+    assert np.allclose(early.compute_logprobs(prompt).result()[1:], after, atol=1e-6)
+    assert np.allclose(fixed.compute_logprobs(prompt).result()[1:], before, atol=1e-6)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_sample_response
 from transformers import AutoTokenizer
 
@@ -206,6 +207,54 @@ def test_a_call_accepted_before_its_snapshot_was_retired_fails_as_the_users_with
         answer = json.loads(data)
         assert fmt == "json" and answer["category"] == "user"
         assert "version 1 was deleted: the session that made it ended" in answer["error"]
+    finally:
+        trainer.close()
+
+
+def test_inflight_sampling_clients_follow_the_latest_inflight_save_and_snapshots_stay(harness):
+    """kind="inflight": every inflight client of a training model samples the weights of its latest inflight save
+    (or newer than its own), while a snapshot client keeps the weights it was made on."""
+    trainer, model_id = harness.trainer_with_a_model()
+    try:
+        def save(seq: int, kind: str) -> str:
+            body = types.SaveWeightsForSamplerRequest(model_id=model_id, sampling_session_seq_id=seq, seq_id=seq,
+                                                      kind=kind)
+            saved = harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, seq,
+                                           body.model_dump_json().encode())
+            return json.loads(harness.train(trainer, [saved])[0][0])["sampling_session_id"]
+
+        def train(seq: int) -> None:
+            datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+                                loss_fn_inputs={"target_tokens": [6, 7, 8, 9]})
+            fb = types.ForwardBackwardRequest(types.ForwardBackwardInput([datum], "cross_entropy"), model_id,
+                                              seq_id=seq)
+            step = types.OptimStepRequest(adam_params=types.AdamParams(learning_rate=5e-2), model_id=model_id,
+                                          seq_id=seq + 1)
+            harness.train(trainer, [
+                harness.gateway.submit(TENANT, "forward_backward", model_id, seq,
+                                       forward_backward_request_to_proto(fb).SerializeToString(), "pb"),
+                harness.gateway.submit(TENANT, "optim_step", model_id, seq + 1, step.model_dump_json().encode())])
+
+        scored = _request(None, seed=3, num_samples=1, prompt_logprobs=True)
+        seqs: dict[str, int] = {}
+
+        def logprobs(sampler_id: str) -> list[float]:
+            seqs[sampler_id] = seqs.get(sampler_id, -1) + 1
+            data, fmt = harness.run([harness.sample(sampler_id, seqs[sampler_id], scored)])[0]
+            assert fmt == "pb", data
+            return deserialize_sample_response(data).prompt_logprobs[1:]
+
+        first, snapshot = save(1, "inflight"), save(2, "snapshot")
+        before = logprobs(first)
+        assert logprobs(snapshot) == before
+        train(3)
+        second = save(5, "inflight")
+        after = logprobs(second)
+        assert not np.allclose(after, before, atol=1e-4)  # the training moved the weights
+        assert logprobs(first) == after  # the first inflight client follows the latest inflight save
+        assert logprobs(snapshot) == before  # a snapshot does not
+        registry = AdapterRegistry(harness.store, f"{harness.session}.train.0")
+        assert all(registry.show(v).ends_with_session == harness.session for v in registry.versions())
     finally:
         trainer.close()
 
