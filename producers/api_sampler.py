@@ -90,10 +90,16 @@ def group_for(base_model: str) -> str:
 def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[SampleParams, list[str]]:
     """The engine's ``SampleParams`` and the stop strings (cut after sampling) of one ``SampleRequest``."""
     given = request.sampling_params
-    if request.prompt_alt_tokens_k or request.prompt_logprobs_last_n or request.topk_prompt_logprobs \
+    if request.prompt_alt_tokens_k or request.topk_prompt_logprobs \
             or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
         raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "
                        "ask for prompt_logprobs and sampled-token logprobs only")
+    if request.record_stability_info:
+        raise ApiError("record_stability_info (StableReinforce) is not served; leave it unset")
+    last_n = request.prompt_logprobs_last_n
+    if last_n is not None and not (request.prompt_logprobs and 1 <= last_n <= request.prompt.length - 1):
+        raise ApiError(f"prompt_logprobs_last_n={last_n}: it needs prompt_logprobs=True and a value from 1 to the "
+                       f"prompt's length - 1 ({request.prompt.length - 1})")
     if given.max_tokens is not None and given.max_tokens < 1:
         raise ApiError(f"sampling_params.max_tokens={given.max_tokens}: ask for at least 1 token, or leave it "
                        "unset for up to the context length")
@@ -301,7 +307,10 @@ class SamplerWorker:
             self.activity.record(call.session_id, call.tenant, call.op, wall, wall + time.perf_counter() - started,
                                  sum(len(sample.token_ids) for sample in result.sequences))
         sequences = [cut_at_stop_strings(sample, strings, self.decode) for sample in result.sequences]
-        return encode_sample_response(SampleResult(sequences, result.prompt_logprobs))
+        prompt_logprobs, last_n = result.prompt_logprobs, request.prompt_logprobs_last_n
+        if prompt_logprobs is not None and last_n is not None:  # only the last N are asked for
+            prompt_logprobs = [None] * (len(prompt_logprobs) - last_n) + list(prompt_logprobs[-last_n:])
+        return encode_sample_response(SampleResult(sequences, prompt_logprobs))
 
     async def _sample_in_rounds(self, prompt: list[int], adapter: AdapterHandle | None,
                                 params: SampleParams) -> SampleResult:

@@ -51,6 +51,12 @@ def test_the_four_stop_forms_and_refusals():
         sampling_params(_request(None, top_k=-3), 64)
     with pytest.raises(ApiError, match="prompt_alt_tokens"):
         sampling_params(_request(None, prompt_alt_tokens_k=2), 64)
+    with pytest.raises(ApiError, match=r"record_stability_info \(StableReinforce\) is not served"):
+        sampling_params(_request(None, record_stability_info=True), 64)
+    assert sampling_params(_request(None, prompt_logprobs=True, prompt_logprobs_last_n=2), 64)[0].prompt_logprobs
+    for last_n, given in ((2, False), (0, True), (3, True)):  # the prompt has 3 tokens: at most 2 are scored
+        with pytest.raises(ApiError, match="prompt_logprobs_last_n"):
+            sampling_params(_request(None, prompt_logprobs=given, prompt_logprobs_last_n=last_n), 64)
 
 
 def test_max_tokens_none_is_up_to_the_context_and_zero_is_refused():
@@ -162,9 +168,12 @@ def test_base_model_samples_with_prompt_logprobs_stop_ids_and_tenant_checks(harn
     assert all(len(s.tokens) == 4 and len(s.logprobs) == 4 and s.stop_reason == "length" for s in one.sequences)
     assert one.prompt_logprobs[0] is None and all(math.isfinite(v) for v in one.prompt_logprobs[1:])
     assert len(one.prompt_logprobs) == 3
+    last_one = _request([], seed=11, num_samples=1, prompt_logprobs=True, prompt_logprobs_last_n=1)
+    data, _ = harness.run([harness.sample(sampler_id, 3, last_one)])[0]
+    assert deserialize_sample_response(data).prompt_logprobs == [None, None, one.prompt_logprobs[2]]
     assert len(three.sequences[0].tokens) == 1 and three.sequences[0].stop_reason == "stop"
     with pytest.raises(ApiError, match="sampling session"):
-        harness.sample(sampler_id, 3, seeded, tenant="t-bob")
+        harness.sample(sampler_id, 4, seeded, tenant="t-bob")
 
 
 def test_unnamed_save_for_sampler_gives_a_sampling_session_on_the_new_version(harness):
