@@ -46,6 +46,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import shutil
 import tempfile
 import threading
@@ -62,7 +63,7 @@ from pipeline.api.activity import ActivityRecorder
 from pipeline.api.direct import direct_app, serve_direct
 from pipeline.api.engines import announce_result, engine_arguments, engine_setup, request_reader, store_result
 from pipeline.api.gateway import parse_body
-from pipeline.api.samplers import read_sampler, sampled_version
+from pipeline.api.samplers import inflight_version, read_sampler, sampled_version
 from pipeline.io.bus import ConsumedEvent, EventPublisher, TopicPartitionKey, ensure_topics
 from pipeline.io.registry import AdapterRegistry, RetiredAdapterError
 from pipeline.io.store import ObjectStore
@@ -75,6 +76,7 @@ from schemas.config import BusConfig
 log = logging.getLogger("rlpipe.api.sampler")
 SAMPLING_OPS = ("sample",)
 DEFAULT_MAX_ADAPTERS = 8
+INFLIGHT_CHECK_S = 0.5  # how long the latest inflight save a run's pointer names is taken as known
 MAX_RECORDS_KEPT = 4096  # sampling session records kept in memory (a loop makes one per saved version)
 CALL_ROUND_SAMPLES = 16  # samples of one call in the engine at a time: a call of many takes turns with the others
 
@@ -182,6 +184,8 @@ class SamplerWorker:
         self._announcing: set[asyncio.Task[None]] = set()
         self._records: OrderedDict[str, dict[str, Any]] = OrderedDict()  # sampling session id -> its record
         self._records_lock = threading.Lock()
+        self.inflight_check_s = INFLIGHT_CHECK_S
+        self._inflight: dict[str, tuple[float, int | None]] = {}  # run -> (monotonic time read, latest inflight save)
 
     # ---- the loop -------------------------------------------------------------------------------------------
     async def run(self, stop: Callable[[], bool], direct_port: int | None = None) -> None:
@@ -292,9 +296,8 @@ class SamplerWorker:
         params, strings = sampling_params(request, self.engine.max_model_len)
         key = None
         if record.get("run") is not None:  # an inflight session reads its training client's latest inflight save
-            version = (await asyncio.to_thread(sampled_version, self.store, record) if record.get("kind") == "inflight"
-                       else int(record["version"]))
-            key = (str(record["run"]), version)
+            latest = await self._latest_inflight(str(record["run"])) if record.get("kind") == "inflight" else None
+            key = (str(record["run"]), sampled_version(record, latest))
         adapter = None if key is None else await self._acquire(key)
         started, wall = time.perf_counter(), time.time()
         try:
@@ -327,6 +330,17 @@ class SamplerWorker:
             sequences += result.sequences
             prompt_logprobs = result.prompt_logprobs if first == 0 else prompt_logprobs
         return SampleResult(sequences, prompt_logprobs)
+
+    async def _latest_inflight(self, run: str) -> int | None:
+        """The run's latest inflight save, read at most every ``inflight_check_s`` (inflight weights propagate
+        asynchronously; a session never samples older weights than its own whatever this says)."""
+        checked, latest = self._inflight.get(run, (-math.inf, None))
+        if time.monotonic() - checked >= self.inflight_check_s:
+            latest = await asyncio.to_thread(inflight_version, self.store, run)
+            self._inflight[run] = (time.monotonic(), latest)
+            while len(self._inflight) > MAX_RECORDS_KEPT:
+                self._inflight.pop(next(iter(self._inflight)))
+        return latest
 
     def _read_call(self, call: ApiRequestAccepted) -> tuple[dict[str, Any], bytes]:
         """The sampling session's record (kept: records are create-only) and the call's body, tenant checked."""

@@ -352,6 +352,8 @@ class TrainerWorker:
         if request.path is None:  # re-executed after a crash before its result was written: the same session
             known = find_sampler(self.store, call.session_id, int(request.sampling_session_seq_id or 0))
             if known is not None and known.get("run") == model.run:
+                if known.get("kind") == "inflight":  # (killed before the pointer moved? it moves now)
+                    point_inflight(self.store, model.run, int(known["version"]))
                 return _json({"type": "save_weights_for_sampler", "sampling_session_id": known["sampling_session_id"]})
         snapshot_of = call.session_id if request.path is None else None  # retired when the session ends
         if snapshot_of is not None:  # indexed first, so the sweep after the session's end finds it

@@ -88,19 +88,26 @@ def inflight_key(run: str) -> str:
 
 
 def point_inflight(store: ObjectStore, run: str, version: int) -> None:
-    """Make ``version`` the weights of the training client's inflight sampling sessions (the trainer, in call order)."""
-    store.put(inflight_key(run), json.dumps({"version": version}).encode())
+    """Make ``version`` the weights of the training client's inflight sampling sessions (the trainer, in call
+    order); a pointer already at a newer save stays (a replayed or raced older save never moves it back)."""
+    current = inflight_version(store, run)
+    if current is None or version > current:
+        store.put(inflight_key(run), json.dumps({"version": version}).encode())
 
 
-def sampled_version(store: ObjectStore, record: dict[str, Any]) -> int:
+def inflight_version(store: ObjectStore, run: str) -> int | None:
+    """The training client's latest inflight save, or None before its first."""
+    try:
+        latest = json.loads(store.get(inflight_key(run)))["version"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    return latest if isinstance(latest, int) and not isinstance(latest, bool) else None
+
+
+def sampled_version(record: dict[str, Any], latest_inflight: int | None) -> int:
     """The registry version a sampling session on adapter weights samples now: its own, or for an inflight session
-    its training client's latest inflight save when that is newer."""
+    its training client's latest inflight save (``inflight_version``) when that is newer."""
     version = int(record["version"])
-    if record.get("kind") == "inflight":
-        try:
-            latest = json.loads(store.get(inflight_key(str(record["run"]))))["version"]
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            return version
-        if isinstance(latest, int) and latest > version:
-            return latest
+    if record.get("kind") == "inflight" and latest_inflight is not None and latest_inflight > version:
+        return latest_inflight
     return version

@@ -288,5 +288,6 @@ def test_inflight_sampling_clients_move_to_the_latest_inflight_weights(server):
     late = training.save_weights_and_get_sampling_client(kind="inflight").result()
     after = late.compute_logprobs(prompt).result()[1:]
     assert not np.allclose(after, before, atol=1e-4)
+    time.sleep(0.6)  # inflight weights propagate within the sampler's INFLIGHT_CHECK_S
     assert np.allclose(early.compute_logprobs(prompt).result()[1:], after, atol=1e-6)
     assert np.allclose(fixed.compute_logprobs(prompt).result()[1:], before, atol=1e-6)

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from consumers.api.worker import TrainerWorker
 from consumers.engine import TrainingEngine
 from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.api.samplers import point_inflight
 from pipeline.io.bus import EventPublisher, ensure_topics
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
@@ -253,15 +254,27 @@ def test_inflight_sampling_clients_follow_the_latest_inflight_save_and_snapshots
             assert fmt == "pb", data
             return deserialize_sample_response(data).prompt_logprobs[1:]
 
+        harness.sampler.inflight_check_s = 0.0  # (the sampler looks at the pointer at every call)
         first, snapshot = save(1, "inflight"), save(2, "snapshot")
         before = logprobs(first)
         assert logprobs(snapshot) == before
         train(3)
-        second = save(5, "inflight")
-        after = logprobs(second)
+        later_snapshot = save(5, "snapshot")
+        after = logprobs(later_snapshot)
         assert not np.allclose(after, before, atol=1e-4)  # the training moved the weights
+        assert logprobs(first) == before  # a snapshot save moves no inflight client
+        second = save(6, "inflight")
+        assert logprobs(second) == after
         assert logprobs(first) == after  # the first inflight client follows the latest inflight save
         assert logprobs(snapshot) == before  # a snapshot does not
+        # a pointer behind a session's own save (an older save replayed) never takes it back
+        run = f"{harness.session}.train.0"
+        harness.store.put(f"runs/{run}/inflight.json", json.dumps({"version": 1}).encode())
+        assert logprobs(second) == after and logprobs(first) == before
+        point_inflight(harness.store, run, 4)  # the pointer only moves forward
+        assert json.loads(harness.store.get(f"runs/{run}/inflight.json"))["version"] == 4
+        point_inflight(harness.store, run, 2)
+        assert json.loads(harness.store.get(f"runs/{run}/inflight.json"))["version"] == 4
         registry = AdapterRegistry(harness.store, f"{harness.session}.train.0")
         assert all(registry.show(v).ends_with_session == harness.session for v in registry.versions())
     finally:
