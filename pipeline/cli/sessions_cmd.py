@@ -1,11 +1,12 @@
-"""``rlpipe sessions list|show``: the Tinker-compatible API's sessions, read from the store.
+"""``rlpipe sessions list|show|end``: the Tinker-compatible API's sessions, read from the store.
 
 A session's calls and results are objects under ``sessions/<id>/`` (see
 ``pipeline.api.gateway``), so everything shown here needs only the store:
 its models, how many calls were accepted and answered (the difference is
 the pending futures), its last heartbeat, and its state: live, lapsed (no
 heartbeat for ``SESSION_TIMEOUT_S``: the engines unloaded it until its next
-call) or ended (finished, or expired: ``pipeline.api.lifecycle``).
+call) or ended (finished, or expired: ``pipeline.api.lifecycle``).  ``end`` records an
+operator's end of a session, as its client's close would.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Column, Table
 
-from pipeline.api.lifecycle import session_end
+from pipeline.api.lifecycle import END_GRACE_S, record_end, session_end
 from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json
 from pipeline.cli.options import SetOpt, run_config
 from pipeline.io.store import ObjectStore
@@ -90,3 +91,27 @@ def show_session(session_id: Annotated[str, typer.Argument(help="The session id.
         print_json(summary)
         return
     console.print_json(json.dumps(summary))
+
+
+@app.command("end", epilog="Example: rlpipe sessions end sess-0123456789abcdef --reason 'its loop crashed'")
+@handle_user_errors
+def end_session(session_id: Annotated[str, typer.Argument(help="The session id.")],
+                reason: Annotated[str, typer.Option(help="Why, shown to its client's calls.")] = "no reason given",
+                overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
+    """End a session as its client's close would: it takes no new calls, and its snapshots are freed after the
+    grace (docs/api.md, "When a session ends"); a session that already ended keeps its first end."""
+    from schemas.api import session_path
+
+    store = _store(overrides)
+    if not store.exists(f"{session_path(session_id)}/session.json"):
+        fail(f"no session {session_id!r} in {store.root}; see `rlpipe sessions list`", 2)
+    ours = f"ended by an operator: {reason}"
+    why, at = record_end(store, session_id, ours)
+    if as_json:
+        print_json({"session_id": session_id, "end": why, "time": at, "already_ended": why != ours})
+        return
+    if why != ours:
+        console.print(f"session {session_id} already ended ({why})")
+        return
+    console.print(f"session {session_id} ended ({why}); its snapshots are freed {END_GRACE_S / 60:.0f} minutes "
+                  "after, at a trainer's sweep")

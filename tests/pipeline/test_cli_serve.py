@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
-from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.api.gateway import Gateway, ServedModel, SessionEndedError
 from pipeline.cli.main import app
 from pipeline.cli.serve_cmd import sampler_command, sdk_example, trainer_command
 from pipeline.io.store import ObjectStore
@@ -53,6 +54,24 @@ def test_the_listing_tells_live_lapsed_and_ended_sessions_apart(tmp_path):
     assert states[gone][:2] == ("ended", True) and states[gone][2].startswith("expired: no heartbeat since")
     table = runner.invoke(app, ["sessions", "list", "--set", f"store.root={root}"], env={"COLUMNS": "200"})
     assert "lapsed" in table.output and "finished: interrupted" in table.output and "t-alice" in table.output
+
+
+def test_an_operator_ends_a_session_and_the_first_end_stands(tmp_path):
+    root = f"file://{tmp_path}/store"
+    store = ObjectStore(root)
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/m/a/tiny", "/m/a/tiny")], live_check_s=0.0)
+    session, closed = gateway.create_session("t-alice", [], {}), gateway.create_session("t-alice", [], {})
+    gateway.finish("t-alice", closed, "success")
+    ended = runner.invoke(app, ["sessions", "end", session, "--reason", "crashed loop", "--set", f"store.root={root}"])
+    assert ended.exit_code == 0 and "ended by an operator: crashed loop" in ended.output
+    with pytest.raises(SessionEndedError, match="ended by an operator: crashed loop"):
+        gateway.heartbeat("t-alice", session)
+    again = runner.invoke(app, ["sessions", "end", closed, "--set", f"store.root={root}"])
+    assert again.exit_code == 0 and "already ended (finished: success)" in again.output
+    as_json = json.loads(runner.invoke(app, ["sessions", "end", closed, "--json", "--set", f"store.root={root}"]).output)
+    assert as_json["already_ended"] and as_json["end"] == "finished: success"
+    missing = runner.invoke(app, ["sessions", "end", "sess-nope", "--set", f"store.root={root}"])
+    assert missing.exit_code == 2 and "rlpipe sessions list" in missing.output
 
 
 def test_serve_refuses_unknown_roles_and_prints_a_working_example():
