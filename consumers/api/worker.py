@@ -473,9 +473,8 @@ class TrainerWorker:
             if not model.loaded:
                 continue
             session = model.run.split(".")[0]
-            beat = lifecycle.read_heartbeat(self.store, session) or {}
-            at = beat.get("time")
-            lapsed = isinstance(at, int | float) and time.time() - at > self.session_timeout_s
+            at = lifecycle.heartbeat_time(self.store, session)
+            lapsed = at is not None and time.time() - at > self.session_timeout_s
             if lapsed or lifecycle.session_end(self.store, session, record=False) is not None:
                 if model.unfolded and not model.has_gradients:
                     self._fold(model)

@@ -64,6 +64,12 @@ def read_heartbeat(store: ObjectStore, session_id: str) -> dict[str, Any] | None
     return _read(store, heartbeat_key(session_id))
 
 
+def heartbeat_time(store: ObjectStore, session_id: str) -> float | None:
+    """When the session last beat (unix seconds), or None without a readable record."""
+    beat = read_heartbeat(store, session_id)
+    return None if beat is None else _seconds(beat.get("time"))
+
+
 def record_end(store: ObjectStore, session_id: str, reason: str, at: float | None = None) -> tuple[str, float]:
     """Record the session's end, unless one is recorded already; the end that stands (reason, unix time)."""
     record = {"reason": reason, "time": time.time() if at is None else at}

@@ -14,8 +14,9 @@ a ``tinker://<model_id>/sampler_weights/<name>`` path (or for the ephemeral
 ``save_weights_and_get_sampling_client(kind="inflight")`` makes a session with
 ``"kind": "inflight"``: it samples the weights of its training client's latest
 inflight save, never older than its own (``version``).  The trainer points at
-that save in ``runs/<run>/inflight.json`` (``{"version"}``, replaced; written
-before the new session's record), and the sampler reads it at every call.
+that save in ``runs/<run>/inflight.json`` (``{"version"}``, replaced, only ever
+forward; written before the new session's record), and the sampler reads it at
+most every ``INFLIGHT_CHECK_S`` (``producers.api_sampler``).
 The gateway writes records for ``create_sampling_session``, the trainer for the
 ephemeral path; the sampler reads them.
 """

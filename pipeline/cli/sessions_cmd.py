@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Column, Table
 
-from pipeline.api.lifecycle import END_GRACE_S, record_end, session_end
+from pipeline.api.lifecycle import END_GRACE_S, heartbeat_time, record_end, session_end
 from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json
 from pipeline.cli.options import SetOpt, run_config
 from pipeline.io.store import ObjectStore
@@ -32,18 +32,18 @@ def session_summary(store: ObjectStore, session_id: str) -> dict[str, Any]:
     """One session: owner, models, accepted calls, answered calls, pending request ids, last heartbeat."""
     prefix = f"sessions/{session_id}"
     record = json.loads(store.get(f"{prefix}/session.json"))
-    beat = json.loads(store.get(f"{prefix}/heartbeat.json")) if store.exists(f"{prefix}/heartbeat.json") else {}
+    beat_at = heartbeat_time(store, session_id)
     requests = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/requests")}
     results = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/results")}
     end = session_end(store, session_id, record=False)  # finished, or a day without a heartbeat
-    lapsed = "time" in beat and time.time() - beat["time"] > SESSION_TIMEOUT_S  # engines unload it until its next call
+    lapsed = beat_at is not None and time.time() - beat_at > SESSION_TIMEOUT_S  # engines unload it until its next call
     state = "ended" if end else "lapsed" if lapsed else "live"
     models = [json.loads(store.get(key)) for key in store.list(f"{prefix}/models")
               if key.endswith(".json") and not key.endswith(".fold.json")]
     return {
         "session_id": session_id, "tenant": record["tenant"], "created_at": record["created_at"],
         "state": state, "ended": end is not None, "end": end[0] if end else None,
-        "last_heartbeat_s_ago": round(time.time() - beat["time"], 1) if "time" in beat else None,
+        "last_heartbeat_s_ago": round(time.time() - beat_at, 1) if beat_at is not None else None,
         "models": [{"model_id": m["model_id"], "base_model": m["base_model"], "lora_rank": m["lora_rank"]}
                    for m in models],
         "requests": len(requests), "results": len(results), "pending": sorted(requests - results),

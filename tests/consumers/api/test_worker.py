@@ -400,15 +400,20 @@ def step_until(trainer: TrainerWorker, done: Callable[[], bool], what: str, time
         trainer.step(poll_timeout_s=0.2)
 
 
+def train_and_save(harness: Harness, trainer: TrainerWorker, model_id: str, seed: int, name: str) -> None:
+    """Alice's first three calls: a forward_backward on ``_datum(seed)``, an optim_step, save_state(``name``)."""
+    calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(seed)]), "pb"),
+             harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2)),
+             harness.gateway.submit(TENANT, "save_weights", model_id, 3, _save(model_id, 3, name))]
+    run_until(trainer, harness, calls)
+
+
 def test_a_published_state_is_anyones_to_load_and_a_load_that_ran_replays_after_it_is_unpublished(harness):
     """Bob loads Alice's state only once she publishes it; after she takes that back, Bob cannot load it again,
     but his load that ran is replayed by a restarted trainer (its log is a fold: the same weights again)."""
     trainer = harness.trainer()
     model_id = harness.create()
-    calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(2)]), "pb"),
-             harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2)),
-             harness.gateway.submit(TENANT, "save_weights", model_id, 3, _save(model_id, 3, "shared"))]
-    run_until(trainer, harness, calls)
+    train_and_save(harness, trainer, model_id, 2, "shared")
     path, bob = f"tinker://{model_id}/weights/shared", BOB
     bob_session = harness.gateway.create_session(bob, [], {})
 
@@ -477,10 +482,7 @@ def test_a_replayed_load_never_loads_weights_saved_since_under_its_name(harness)
     his client is lost instead (its calls say so), and Alice's own client is untouched."""
     trainer = harness.trainer()
     model_id = harness.create()
-    calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(3)]), "pb"),
-             harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2)),
-             harness.gateway.submit(TENANT, "save_weights", model_id, 3, _save(model_id, 3, "latest"))]
-    run_until(trainer, harness, calls)
+    train_and_save(harness, trainer, model_id, 3, "latest")
     harness.gateway.publish_checkpoint(TENANT, model_id, "weights/latest", True)
     bob = BOB
     load, bob_model = load_as(harness, harness.gateway.create_session(bob, [], {}), 0,
