@@ -54,6 +54,7 @@ from consumers.losses import (
     cispo_loss,
     cross_entropy_loss,
     dro_loss,
+    gspo_loss,
     importance_sampling_loss,
     logit_divisors,
     ppo_loss,
@@ -78,6 +79,7 @@ LOSSES: dict[str, tuple[Callable[..., tuple[torch.Tensor, LossStats]], frozenset
     "ppo": (ppo_loss, frozenset({"clip_eps", "clip_low", "clip_high", "ratio_mask_low", "ratio_mask_high"})),
     "cispo": (cispo_loss, frozenset({"clip_low_threshold", "clip_high_threshold"})),
     "dro": (dro_loss, frozenset({"beta"})),
+    "gspo": (gspo_loss, frozenset({"clip_low_threshold", "clip_high_threshold"})),
 }
 
 

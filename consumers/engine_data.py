@@ -12,10 +12,12 @@ Loss inputs, all per target token:
   advantages  the target's advantage (the ratio losses)
   mask        which targets are trained tokens (1) and which are context (0); by
               default the non-zero weights (cross_entropy) or non-zero advantages
-              (importance_sampling, ppo, cispo), which changes no loss or gradient, only
+              (importance_sampling, ppo, cispo, gspo), which changes no loss or gradient, only
               which tokens the statistics count; for dro, whose penalty also acts where
               the advantage is 0, the targets with a non-zero advantage or sampler logprob
               (context targets carry 0 for both)
+  sequence_ratio_mask  the targets whose log-ratios gspo's sequence ratio averages
+              (non-zero = in the mean); gspo needs it and refuses a datum that marks none
   temperature the row's sampling temperature (logits are divided by it; 0 = greedy = 1)
 
 Everything is checked before the engine touches its model, so a bad request
@@ -32,8 +34,8 @@ import torch
 
 from consumers.losses import TokenBatch
 
-RATIO_LOSSES = ("importance_sampling", "ppo", "cispo", "dro")
-_PER_TOKEN = ("weights", "logprobs", "advantages", "mask")
+RATIO_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
+_PER_TOKEN = ("weights", "logprobs", "advantages", "mask", "sequence_ratio_mask")
 
 
 class EngineError(ValueError):
@@ -54,6 +56,7 @@ class Datum:
     logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    sequence_ratio_mask: torch.Tensor | None = None
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
@@ -94,6 +97,12 @@ def _check_datum(datum: Datum, loss: str, input_vocab: int, output_vocab: int) -
             raise EngineError(f"{name} holds id {bad}, outside the model's vocabulary [0, {vocab})")
     if loss in RATIO_LOSSES and (datum.logprobs is None or datum.advantages is None):
         raise EngineError(f"loss {loss} needs logprobs (the sampler's) and advantages for every target")
+    if loss == "gspo" and datum.sequence_ratio_mask is None:
+        raise EngineError("loss gspo needs sequence_ratio_mask: 1 on the sampled targets whose log-ratios the "
+                          "sequence ratio averages, 0 elsewhere")
+    if loss == "gspo" and not bool((datum.sequence_ratio_mask != 0).any()):
+        raise EngineError("sequence_ratio_mask marks no token; mark the sampled targets (1) whose log-ratios the "
+                          "sequence ratio averages")
     if not (math.isfinite(datum.temperature) and datum.temperature >= 0):
         raise EngineError(f"temperature must be >= 0 (0 = greedy), got {datum.temperature}")
 
@@ -163,6 +172,7 @@ def collate(
         token_weights_BT=weights_BT,
         temperatures_B=torch.tensor([d.temperature for d in datums], dtype=torch.float32),
         token_advantages_BT=advantages_BT if loss in RATIO_LOSSES else None,
+        sequence_ratio_mask_BT=column("sequence_ratio_mask", 0.0) if loss == "gspo" else None,
     )
     input_ids_BT = _padded([d.tokens for d in datums], width, torch.int64)
     lengths_B = torch.tensor([len(d) for d in datums])

@@ -35,6 +35,12 @@ Notation per token t of sequence b (all masks are 0 on prompt and padding):
   (absolute ratio thresholds, default [0, 4]: the clipped ratio is a constant
   coefficient, so no token's gradient is ever zeroed, only bounded)
 
+``gspo`` (group sequence policy optimisation, the token-level variant, as the Tinker API defines it):
+  s_b   = exp(mean of (logp_t - q_t) over the tokens of row b that sequence_ratio_mask marks)
+  s_t   = sg(s_b) exp(logp_t - sg(logp_t))  (the value of s_b, the gradient of its own logp_t)
+  loss = -(1/N) sum_bt m_t w_b min(s_t A_t, clip(s_t, c_low, c_high) A_t)
+  (absolute thresholds on the ratio itself, like cispo's; whole sequences are kept or clipped)
+
 ``dro`` (direct reward optimisation with a quadratic penalty, as the Tinker API defines it):
   loss = -(1/N) sum_bt m_t w_b (A_t logp_t - beta/2 (logp_t - q_t)^2)
 
@@ -178,6 +184,11 @@ def _ratio_mask(log_ratio_BT: torch.Tensor, generated_BT: torch.Tensor, low: flo
     return generated_BT & (log_ratio >= log_low) & (log_ratio <= math.log(high))
 
 
+def _log_or_minus_inf(threshold: float) -> float:
+    """log of a ratio threshold, -inf for 0 (no lower bound; an upper bound of 0 clips everything)."""
+    return math.log(threshold) if threshold > 0 else -math.inf
+
+
 def _finish(
     loss_sum: torch.Tensor, normaliser: float, batch: TokenBatch, generated_BT: torch.Tensor, **ratio: float
 ) -> tuple[torch.Tensor, LossStats]:
@@ -274,8 +285,48 @@ def cispo_loss(
     coefficient_BT = torch.exp(log_ratio_BT).clamp(clip_low_threshold, clip_high_threshold)
     weight_BT = batch.weighted_mask_BT() * batch.weights_B.float()[:, None]
     loss_sum = -(weight_BT * coefficient_BT * batch.advantages_BT() * logprobs_BT).sum()
-    log_low = math.log(clip_low_threshold) if clip_low_threshold > 0 else -math.inf
-    clipped_BT = (log_ratio_BT < log_low) | (log_ratio_BT > math.log(clip_high_threshold))
+    log_low = _log_or_minus_inf(clip_low_threshold)
+    clipped_BT = (log_ratio_BT < log_low) | (log_ratio_BT > _log_or_minus_inf(clip_high_threshold))
+    return _finish(
+        loss_sum, normaliser, batch, generated_BT,
+        **_ratio_stats(log_ratio_BT, generated_BT, clipped_BT, generated_BT),
+    )
+
+
+def gspo_loss(
+    logprobs_BT: torch.Tensor,
+    batch: TokenBatch,
+    normaliser: float,
+    *,
+    clip_low_threshold: float = 0.8,
+    clip_high_threshold: float = 1.2,
+) -> tuple[torch.Tensor, LossStats]:
+    """GSPO-token: each generated token carries its row's sequence ratio; PPO's min over it and its clip.
+
+    The sequence ratio is the geometric mean of the token ratios that
+    ``batch.sequence_ratio_mask_BT`` marks (a row marking none gets ratio 1);
+    ``num_clipped`` counts generated tokens whose sequence ratio lay outside the thresholds.
+    """
+    _check_normaliser(normaliser)
+    if batch.sequence_ratio_mask_BT is None:
+        raise ValueError("gspo needs sequence_ratio_mask_BT: the tokens whose log-ratios the sequence ratio averages")
+    if not 0 <= clip_low_threshold <= clip_high_threshold:
+        raise ValueError(f"gspo needs 0 <= clip_low_threshold <= clip_high_threshold, got "
+                         f"{clip_low_threshold} and {clip_high_threshold}")
+    generated_BT = batch.loss_mask_BT > 0
+    in_ratio_BT = batch.sequence_ratio_mask_BT != 0
+    token_log_ratio_BT = logprobs_BT.detach() - batch.sampler_logprobs_BT
+    marked_sum_B = torch.where(in_ratio_BT, token_log_ratio_BT, torch.zeros_like(token_log_ratio_BT)).sum(1)
+    sequence_log_ratio_BT = (marked_sum_B / in_ratio_BT.sum(1).clamp(min=1))[:, None].expand_as(logprobs_BT)
+    # where() before exp(): only generated tokens carry the ratio, so padding never meets an overflow
+    log_ratio_BT = torch.where(generated_BT, sequence_log_ratio_BT, torch.zeros_like(sequence_log_ratio_BT))
+    ratio_BT = torch.exp(log_ratio_BT + logprobs_BT - logprobs_BT.detach())
+    advantages_BT = batch.advantages_BT()
+    objective_BT = torch.minimum(ratio_BT * advantages_BT,
+                                 ratio_BT.clamp(clip_low_threshold, clip_high_threshold) * advantages_BT)
+    loss_sum = -(objective_BT * batch.weighted_mask_BT() * batch.weights_B.float()[:, None]).sum()
+    log_low = _log_or_minus_inf(clip_low_threshold)
+    clipped_BT = (log_ratio_BT < log_low) | (log_ratio_BT > _log_or_minus_inf(clip_high_threshold))
     return _finish(
         loss_sum, normaliser, batch, generated_BT,
         **_ratio_stats(log_ratio_BT, generated_BT, clipped_BT, generated_BT),

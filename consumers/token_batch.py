@@ -24,6 +24,8 @@ class TokenBatch:
     ``temperatures_B`` is each row's sampling temperature (None = 1 for every row).
     ``token_advantages_BT``, if given, replaces ``advantages_B`` with one advantage
     per token (the training engine's datums carry them so).
+    ``sequence_ratio_mask_BT``, if given, marks the tokens whose log-ratios GSPO's
+    sequence ratio averages (non-zero = in the mean).
     """
 
     tokens_BT: torch.Tensor
@@ -34,6 +36,7 @@ class TokenBatch:
     token_weights_BT: torch.Tensor | None = None
     temperatures_B: torch.Tensor | None = None
     token_advantages_BT: torch.Tensor | None = None
+    sequence_ratio_mask_BT: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.tokens_BT.dim() != 2 or self.tokens_BT.dtype != torch.int64:
@@ -41,7 +44,8 @@ class TokenBatch:
                 f"tokens_BT must be a 2-D int64 tensor, got {self.tokens_BT.dtype} {self.shape_of('tokens_BT')}"
             )
         shape_BT = tuple(self.tokens_BT.shape)
-        for name in ("loss_mask_BT", "sampler_logprobs_BT", "token_weights_BT", "token_advantages_BT"):
+        for name in ("loss_mask_BT", "sampler_logprobs_BT", "token_weights_BT", "token_advantages_BT",
+                     "sequence_ratio_mask_BT"):
             tensor = getattr(self, name)
             if tensor is not None and tuple(tensor.shape) != shape_BT:
                 raise ValueError(f"{name} has shape {self.shape_of(name)}, expected {shape_BT} like tokens_BT")

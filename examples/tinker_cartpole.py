@@ -235,6 +235,10 @@ class Loop:
             inputs[name] = [0.0] * (len(prompt) - 1) + values
         return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
 
+    def ratio_mask(self, answer: list[int]) -> dict[str, list[float]]:
+        """gspo's sequence_ratio_mask: the answer's sampled tokens form the sequence ratio (other losses: none)."""
+        return {"sequence_ratio_mask": [1.0] * len(answer)} if self.args.loss == "gspo" else {}
+
     def adam(self, learning_rate: float) -> types.AdamParams:
         return types.AdamParams(learning_rate=learning_rate, beta2=self.args.beta2)
 
@@ -356,7 +360,8 @@ class Loop:
         picked = train_subset(len(turns), self.args.train_turns, np.random.default_rng([self.args.seed, step]))
         chosen = [i for i in picked if turns[i].tokens and spread > 0]
         data = [self.datum(turns[i].prompt, turns[i].tokens, logprobs=turns[i].logprobs,
-                           advantages=[float((values[i] - values.mean()) / spread)] * len(turns[i].tokens))
+                           advantages=[float((values[i] - values.mean()) / spread)] * len(turns[i].tokens),
+                           **self.ratio_mask(turns[i].tokens))
                 for i in chosen]
         moved = self.bounded_update(data, [turns[i] for i in chosen]) if data else ""
         returns = [e.total for e in runs]
@@ -411,7 +416,7 @@ def main() -> None:
     parser.add_argument("--kl-rows", type=int, default=128, help="answers each step's KL is measured on")
     parser.add_argument("--train-turns", type=int, default=512,
                         help="turns an RL step trains on at most (drawn uniformly once its episodes are longer)")
-    parser.add_argument("--loss", default="importance_sampling", choices=["importance_sampling", "ppo", "cispo"],
+    parser.add_argument("--loss", default="importance_sampling", choices=["importance_sampling", "ppo", "cispo", "gspo"],
                         help="the RL loss")
     parser.add_argument("--discount", type=float, default=0.9, help="of the return-to-go")
     parser.add_argument("--advantage", default="return", choices=["return", "gae"],

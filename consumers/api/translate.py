@@ -14,6 +14,8 @@ engine's losses reproduce with these arguments:
                        clip_high_threshold 1.2) as the engine's epsilons, no ratio mask
   cispo                thresholds as given (default 0 and 4)
   dro                  beta (default 0.05)
+  gspo                 thresholds on the sequence ratio as given (default 0.8 and 1.2,
+                       ppo's), the ratio over the targets ``sequence_ratio_mask`` marks
 
 LoRA modules: ``train_attn`` / ``train_mlp`` select the linear layers inside a
 block's attention / MLP (found by their parents' names, so any Hugging Face
@@ -33,7 +35,7 @@ from tinker import types
 from consumers.engine_data import Datum
 from schemas.api import ApiError
 
-LOSS_INPUTS = ("target_tokens", "weights", "logprobs", "advantages")
+LOSS_INPUTS = ("target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask")
 # loss -> its loss_fn_config keys with Tinker's defaults
 LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
     "cross_entropy": {},
@@ -41,6 +43,7 @@ LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
 }
 _OPEN_RATIO_MASK = {"ratio_mask_low": 0.0, "ratio_mask_high": math.inf}
 _ATTENTION_PARTS = ("attn", "attention")

@@ -6,6 +6,7 @@ tensor read off each token's coefficient directly: d loss / d logp_t.
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from consumers.losses import (
     compute_loss,
     cross_entropy_loss,
     dro_loss,
+    gspo_loss,
     importance_sampling_loss,
     loss_from_logprobs,
     ppo_loss,
@@ -470,3 +472,50 @@ def test_ratio_losses_accept_an_open_ratio_mask():
                                            ratio_mask_high=math.inf)
     torch.testing.assert_close(grad_of(loss, logprobs)[0], torch.tensor([0.0, -0.001, -50.0]), rtol=1e-4, atol=1e-6)
     assert stats.num_masked == 0
+
+
+# ---------------------------------------------------------------- GSPO (the API's sequence-ratio loss)
+
+
+def test_gspo_gives_every_token_its_sequences_ratio_and_its_own_gradient():
+    # ratios e^0.3, e^-0.1, e^2; sequence_ratio_mask marks the first two, so s = exp(mean(0.3, -0.1)) = e^0.1
+    # and the third token's own ratio is left out.  w = 0.5, N = 2.
+    # A = -1, thresholds [0.9, 1.2]: s lies inside, loss = -(w/N) sum_t min(s A, clip(s) A) = 0.25 * 3 s,
+    # and d loss / d logp_t = -(w/N) A s = 0.25 s on each generated token (its own logp only: s is sg'd)
+    s = math.exp(0.1)
+    logprobs, batch = leaf_batch([math.exp(0.3), math.exp(-0.1), math.exp(2.0)], advantage=-1.0, weight=0.5)
+    batch = replace(batch, sequence_ratio_mask_BT=torch.tensor([[0.0, 1.0, 1.0, 0.0]]))
+    loss, stats = gspo_loss(logprobs, batch, 2.0, clip_low_threshold=0.9, clip_high_threshold=1.2)
+    assert loss.item() == pytest.approx(0.75 * s, rel=1e-5)
+    torch.testing.assert_close(grad_of(loss, logprobs)[0], torch.tensor([0.0, 0.25 * s, 0.25 * s, 0.25 * s]))
+    assert (stats.num_tokens, stats.num_clipped) == (3, 0)
+    assert stats.ratio_max == pytest.approx(s, rel=1e-5) and stats.ratio_min == pytest.approx(s, rel=1e-5)
+    # A = 2 with the upper threshold 1.05 < s: the clip binds on every token, the loss is -(w/N) 3 * 1.05 * 2
+    # and no gradient flows
+    logprobs, batch = leaf_batch([math.exp(0.3), math.exp(-0.1), math.exp(2.0)], advantage=2.0, weight=0.5)
+    batch = replace(batch, sequence_ratio_mask_BT=torch.tensor([[0.0, 1.0, 1.0, 0.0]]))
+    loss, stats = gspo_loss(logprobs, batch, 2.0, clip_low_threshold=0.9, clip_high_threshold=1.05)
+    assert loss.item() == pytest.approx(-0.25 * 3 * 1.05 * 2, rel=1e-5)
+    torch.testing.assert_close(grad_of(loss, logprobs)[0], torch.zeros(4))
+    assert stats.num_clipped == 3
+
+
+def test_gspo_takes_each_sequences_own_ratio_and_refuses_what_it_cannot_compute():
+    # two sequences in one batch: each token carries its own row's sequence ratio
+    first, first_batch = leaf_batch([math.exp(0.2), math.exp(0.4)])
+    second, second_batch = leaf_batch([math.exp(-0.5), math.exp(0.5)])
+    logprobs = torch.cat([first.detach(), second.detach()]).requires_grad_(True)
+    batch = TokenBatch(**{name: torch.cat([getattr(first_batch, name), getattr(second_batch, name)])
+                          for name in ("tokens_BT", "loss_mask_BT", "sampler_logprobs_BT", "advantages_B",
+                                       "weights_B")},
+                       sequence_ratio_mask_BT=torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]))
+    loss, stats = gspo_loss(logprobs, batch, 1.0, clip_low_threshold=0.0, clip_high_threshold=10.0)
+    ratios = [math.exp(0.3), math.exp(-0.5)]
+    assert loss.item() == pytest.approx(-2 * sum(ratios), rel=1e-5)
+    torch.testing.assert_close(grad_of(loss, logprobs)[:, 1:], -torch.tensor(ratios)[:, None].expand(2, 2))
+    assert stats.ratio_max == pytest.approx(ratios[0], rel=1e-5)
+    with pytest.raises(ValueError, match="sequence_ratio_mask"):
+        gspo_loss(first, first_batch, 1.0)
+    with pytest.raises(ValueError, match="clip_low_threshold"):
+        gspo_loss(first, replace(first_batch, sequence_ratio_mask_BT=first_batch.loss_mask_BT), 1.0,
+                  clip_low_threshold=1.5, clip_high_threshold=1.2)

@@ -329,8 +329,8 @@ def test_out_of_order_chunks_and_resent_calls(server):
 def test_bad_input_is_a_user_error_and_others_carry_on(server):
     alice, bob = server.service(ALICE), server.service(BOB)
     training = alice.create_lora_training_client(base_model=server.base_model, rank=4).result()
-    with pytest.raises(tinker.RequestFailedError, match="gspo"):
-        training.forward_backward(_data(1), "gspo").result()
+    with pytest.raises(tinker.RequestFailedError, match="stable_reinforce"):
+        training.forward_backward(_data(1), "stable_reinforce").result()
     vocab = [types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 10**7]})]
     with pytest.raises(tinker.RequestFailedError, match="vocabulary"):
         training.forward_backward(vocab, "cross_entropy").result()
@@ -459,3 +459,35 @@ def test_forward_backward_custom_trains_as_the_same_loss_served_and_a_pairwise_l
         custom.forward_backward_custom([chosen, rejected], pairwise).result()
         custom.optim_step(types.AdamParams(learning_rate=2e-2)).result()
     assert margin() > before + 1.0
+
+
+def test_gspo_through_the_sdk_raises_the_better_sequence_and_lowers_the_worse(server):
+    """The SDK's forward_backward(loss_fn="gspo") with sequence_ratio_mask: the sampler logprobs are the model's
+    own (a forward), advantage +1 on one sequence and -1 on the other; three steps widen their margin."""
+    service = server.service()
+    training = service.create_lora_training_client(base_model=server.base_model, rank=4, seed=5).result()
+    better, worse = _data(7, count=2)
+
+    def rl_data() -> list[types.Datum]:
+        sampled = _logprobs(training.forward([better, worse], "cross_entropy").result())
+        signs = (1.0, -1.0)
+        return [types.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": lp, "advantages": [sign] * len(lp),
+            "sequence_ratio_mask": [1.0] * len(lp)}) for d, lp, sign in zip((better, worse), sampled, signs, strict=True)]
+
+    def margin() -> float:
+        first, second = _logprobs(training.forward([better, worse], "cross_entropy").result())
+        return sum(first) - sum(second)
+
+    before = margin()
+    for _ in range(3):
+        out = training.forward_backward(rl_data(), "gspo", {"clip_low_threshold": 0.9,
+                                                            "clip_high_threshold": 1.1}).result()
+        assert out.metrics["ratio_max:max"] == pytest.approx(1.0, abs=1e-4)  # fresh samples: every ratio is 1
+        assert out.metrics["num_clipped:sum"] == 0
+        training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    assert margin() > before + 1.0
+    no_mask = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        k: v for k, v in d.loss_fn_inputs.items() if k != "sequence_ratio_mask"}) for d in rl_data()]
+    with pytest.raises(tinker.RequestFailedError, match="sequence_ratio_mask"):
+        training.forward_backward(no_mask, "gspo").result()

@@ -54,7 +54,8 @@ def batch(seed: int, loss: str = "cross_entropy", count: int = 4, sampler: list[
         advantages = [0.0] * prompt + [rng.uniform(-1, 1) for _ in range(n - prompt)]
         logprobs = [rng.uniform(-7.3, -6.6) for _ in range(n)]  # drawn either way: the same sequences follow
         logprobs = sampler[index] if sampler else logprobs
-        out.append(datum(sequence, prompt, logprobs=logprobs, advantages=advantages))
+        extra = {"sequence_ratio_mask": [0.0] * prompt + [1.0] * (n - prompt)} if loss == "gspo" else {}
+        out.append(datum(sequence, prompt, logprobs=logprobs, advantages=advantages, **extra))
     return out
 
 
@@ -137,6 +138,11 @@ def tinker_loss(loss: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor], co
         return -torch.minimum(ratio * advantages, clipped * advantages).sum()
     if loss == "cispo":
         return -(ratio.clamp(0.0, 4.0).detach() * lp * advantages).sum()
+    if loss == "gspo":  # GSPO-token: the masked tokens' mean log-ratio, each token with its own gradient
+        in_ratio = inputs["sequence_ratio_mask"] != 0
+        sequence_ratio = torch.exp((lp.detach() - q)[in_ratio].mean() + lp - lp.detach())
+        clipped = sequence_ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+        return -torch.minimum(sequence_ratio * advantages, clipped * advantages).sum()
     assert loss == "dro"
     return -(lp * advantages - 0.5 * config["beta"] * (lp - q) ** 2).sum()
 
@@ -166,7 +172,7 @@ def reference_loop(model_dir: str, seed: int, targets: list[str], steps: list[tu
     return {k.replace(".default.", "."): p.detach() for k, p in model.named_parameters() if p.requires_grad}
 
 
-def test_five_steps_of_the_five_losses_equal_a_plain_peft_adamw_loop(tiny_model_dir):
+def test_a_step_of_each_served_loss_equals_a_plain_peft_adamw_loop(tiny_model_dir):
     """float64 on both sides (Adam divides by the gradients' size, which turns float32 rounding into ~1e-5).
 
     Each step's sampler logprobs are the model's own (a forward_only call) plus noise, so ratios lie
@@ -181,7 +187,8 @@ def test_five_steps_of_the_five_losses_equal_a_plain_peft_adamw_loop(tiny_model_
              types.AdamParams(learning_rate=2e-2, eps=1e-8, grad_clip_norm=0.01)),
             ("cispo", None, ADAM),
             ("dro", {"beta": 0.3}, types.AdamParams(learning_rate=1e-3, beta1=0.5, beta2=0.999, eps=1e-7,
-                                                    weight_decay=0.5, grad_clip_norm=1.0))]
+                                                    weight_decay=0.5, grad_clip_norm=1.0)),
+            ("gspo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}, ADAM)]
     steps, norms, rng = [], [], random.Random(0)
     for index, (loss, config, adam) in enumerate(plan):
         data = batch(40 + index, loss)
@@ -191,6 +198,8 @@ def test_five_steps_of_the_five_losses_equal_a_plain_peft_adamw_loop(tiny_model_
             data = batch(40 + index, loss, sampler=sampler)
         out = fb(engine, "five:train:0", data, loss, config)
         assert set(out.metrics) >= {"loss:sum", "num_tokens:sum"}
+        if loss == "gspo":  # the noise moves some sequences' ratios outside [0.95, 1.05] and keeps others inside
+            assert 0 < out.metrics["num_clipped:sum"] < out.metrics["num_tokens:sum"]
         norms.append(step(engine, "five:train:0", adam).metrics["grad_norm:mean"])
         steps.append((data, loss, config or {"beta": 0.05}, adam))
     targets = lora_target_modules(engine.base, types.LoraConfig(rank=4))
@@ -199,7 +208,7 @@ def test_five_steps_of_the_five_losses_equal_a_plain_peft_adamw_loop(tiny_model_
     assert norms[2] > 0.01  # the clip at 0.01 was binding, and still matched
 
 
-@pytest.mark.parametrize("loss", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
+@pytest.mark.parametrize("loss", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"])
 def test_a_batch_in_chunks_gives_the_gradients_of_one_call_and_forward_changes_nothing(engine, loss):
     data = batch(5, loss, count=6)
     for model_id in (f"one{loss[:3]}:train:0", f"chunks{loss[:3]}:train:0"):
@@ -326,6 +335,11 @@ BAD_CALLS = {
     "unknown loss input": (lambda e: fb(e, "bad:train:0", [datum([1, 2, 3], 1, mask=types.TensorData([1.0, 1.0], "float32"))]),
                            "\\['mask'\\] are not served"),
     "missing sampler logprobs": (lambda e: fb(e, "bad:train:0", batch(1), "importance_sampling"), "needs logprobs"),
+    "gspo without its mask": (lambda e: fb(e, "bad:train:0", batch(1, "ppo"), "gspo"),
+                              "loss gspo needs sequence_ratio_mask"),
+    "gspo mask marking nothing": (lambda e: fb(e, "bad:train:0", [*batch(1, "gspo"), datum(
+        [1, 2, 3], 1, logprobs=[-1.0, -1.0], advantages=[0.0, 1.0], sequence_ratio_mask=[0.0, 0.0])], "gspo"),
+        "datum 4: sequence_ratio_mask marks no token"),
     "no datums": (lambda e: fb(e, "bad:train:0", []), "no datums"),
     "optimizer not served": (lambda e: ops.optim_step(e, "bad:train:0", types.OptimStepRequest(
         optim_params=types.DimuonParams(learning_rate=0.1), model_id="bad:train:0")), "'dimuon' is not served"),

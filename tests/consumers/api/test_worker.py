@@ -154,7 +154,7 @@ def test_bad_calls_are_user_errors_and_the_model_carries_on(harness):
     trainer = harness.trainer()
     model_id = harness.create()
     unknown = harness.gateway.submit(TENANT, "forward_backward", model_id, 1,
-                                     _fb(model_id, 1, [_datum(1)], loss="gspo"), "pb")
+                                     _fb(model_id, 1, [_datum(1)], loss="stable_reinforce"), "pb")
     bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 10**6]})
     vocab = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, [bad]), "pb")
     fine = harness.gateway.submit(TENANT, "forward_backward", model_id, 3, _fb(model_id, 3, [_datum(1)]), "pb")
@@ -165,7 +165,7 @@ def test_bad_calls_are_user_errors_and_the_model_carries_on(harness):
     harness.gateway.submit(TENANT, "create_model", broken, None, body)
     orphan = harness.gateway.submit(TENANT, "forward_backward", broken, 1, _fb(broken, 1, [_datum(1)]), "pb")
     run_until(trainer, harness, [unknown, vocab, fine, orphan])
-    for rid, words in ((unknown, "gspo"), (vocab, "vocabulary"), (f"{harness.session}.train.1.create", "rank"),
+    for rid, words in ((unknown, "stable_reinforce"), (vocab, "vocabulary"), (f"{harness.session}.train.1.create", "rank"),
                        (orphan, "does not exist")):
         answer = json.loads(harness.result(rid)[0])
         assert answer["category"] == "user" and words in answer["error"]
