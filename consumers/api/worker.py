@@ -116,6 +116,7 @@ class TrainerWorker:
         self.store, self.bus, self.base_model, self.engine = store, bus, base_model, engine
         self.activity = activity
         self.fold_every, self.fold_idle_s, self.session_timeout_s = fold_every, fold_idle_s, session_timeout_s
+        self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's unclean adapter is held this long
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
         self.publisher = EventPublisher(bus)
@@ -467,20 +468,34 @@ class TrainerWorker:
 
     # ---- expire ------------------------------------------------------------------------------------------------
     def expire_sessions(self) -> None:
-        """Unload the adapters of sessions that were finished or whose heartbeats lapsed."""
+        """Unload the adapters of sessions that ended or whose heartbeats lapsed, once nothing would be lost.
+
+        A fold holds an adapter's weights and optimizer but not its accumulated gradients, and a call waiting
+        for an earlier ``seq_id`` is held only by the worker.  So an adapter with either stays loaded: while its
+        session lives (a laptop that slept between a step's ``forward_backward`` and its ``optim_step`` comes
+        back to its gradients), and for ``end_grace_s`` after its session's end (calls accepted before the end
+        may still be on their way); after that an ended session's adapter is unloaded whatever it holds."""
         self._last_expiry = time.monotonic()
         for model in list(self.models.values()):
             if not model.loaded:
                 continue
             session = model.run.split(".")[0]
-            at = lifecycle.heartbeat_time(self.store, session)
-            lapsed = at is not None and time.time() - at > self.session_timeout_s
-            if lapsed or lifecycle.session_end(self.store, session, record=False) is not None:
-                if model.unfolded and not model.has_gradients:
-                    self._fold(model)
-                ops.unload(self.engine, model.model_id)
-                del self.models[model.model_id]
-                log.info("session %s ended: unloaded %s", session, model.model_id)
+            end = lifecycle.session_end(self.store, session, record=False)
+            if end is None:
+                at = lifecycle.heartbeat_time(self.store, session)
+                if at is None or time.time() - at <= self.session_timeout_s:
+                    continue
+            clean = not model.has_gradients and not model.pending
+            if not clean and (end is None or time.time() - end[1] < self.end_grace_s):
+                continue
+            if not clean:
+                log.warning("%s: its session ended %.0f s ago; dropping %s", model.model_id, time.time() - end[1],
+                            "its accumulated gradients" if model.has_gradients else "calls waiting for a gap")
+            elif model.unfolded:
+                self._fold(model)
+            ops.unload(self.engine, model.model_id)
+            del self.models[model.model_id]
+            log.info("session %s %s: unloaded %s", session, "ended" if end else "lapsed", model.model_id)
 
     # ---- results -----------------------------------------------------------------------------------------------
     def _write_result(self, call: ApiRequestAccepted, data: bytes, fmt: str, error: str | None,
