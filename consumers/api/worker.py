@@ -8,7 +8,9 @@ concurrently and the first last), fold (checkpoint clean adapters, then commit
 offsets; when idle for ``fold_idle_s`` or every ``fold_every`` calls), expire
 (unload the adapters of sessions that ended or whose heartbeats lapsed), and
 every ``SWEEP_S`` a sweep (delete expired checkpoints, retire the snapshots of
-sessions that ended: ``pipeline.api.lifecycle``).
+sessions that ended, delete ended sessions' call bodies, results and folds a day
+after the end: ``pipeline.api.lifecycle``; every trainer sweeps every session, and
+deleting twice is harmless).
 
 A training client's state is a fold over its request log.  The fold of a model
 (``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob, stored under
@@ -102,6 +104,10 @@ class _Model:
         return f"{session_path(session)}/models/{seq}.fold"
 
 
+class _FilesDeleted(Exception):
+    """A call's body is gone with its ended session's files (``pipeline.api.lifecycle.sweep_sessions``)."""
+
+
 def group_for(base_model: str) -> str:
     """The consumer group of the trainers of one base model (every trainer reads every call)."""
     return f"api-trainer-{hashlib.sha256(base_model.encode()).hexdigest()[:16]}"
@@ -117,6 +123,7 @@ class TrainerWorker:
         self.activity = activity
         self.fold_every, self.fold_idle_s, self.session_timeout_s = fold_every, fold_idle_s, session_timeout_s
         self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's unclean adapter is held this long
+        self.session_files_kept_s = lifecycle.SESSION_FILES_KEPT_S  # its call bodies, results and folds this long
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
         self.publisher = EventPublisher(bus)
@@ -158,10 +165,16 @@ class TrainerWorker:
         save of the same name), and retire the snapshots of their sessions that ended; how many of both."""
         self._last_sweep = time.monotonic()
         swept = 0
-        for what, sweep in (("expired checkpoints", checkpoints.sweep_base_model),
-                            ("snapshots of ended sessions", lifecycle.sweep_snapshots)):
+        sweeps: tuple[tuple[str, Callable[[], int]], ...] = (
+            ("expired checkpoints", lambda: checkpoints.sweep_base_model(self.store, self.base_model,
+                                                                        self._base_models)),
+            ("snapshots of ended sessions", lambda: lifecycle.sweep_snapshots(self.store, self.base_model,
+                                                                             self._base_models)),
+            ("files of ended sessions", lambda: lifecycle.sweep_sessions(self.store,
+                                                                         kept_s=self.session_files_kept_s)))
+        for what, sweep in sweeps:
             try:
-                done = sweep(self.store, self.base_model, self._base_models)
+                done = sweep()
             except Exception as exc:  # the store's trouble must not stop the calls; the next sweep tries again
                 log.warning("the sweep of %s failed, to be tried again in %.0f s: %s", what, SWEEP_S, exc)
                 continue
@@ -232,6 +245,9 @@ class TrainerWorker:
         try:
             data, fmt = self._run(model, call)
             result: tuple[bytes, str, str | None, str | None] = (data, fmt, None, None)
+        except _FilesDeleted:  # read after its session's files were deleted (a trainer down for a day): no answer
+            log.warning("%s %s dropped: its session ended and its calls were deleted", call.op, call.request_id)
+            return
         except (ApiError, EngineError) as exc:
             category = exc.category if isinstance(exc, ApiError) else "user"
             result = (json.dumps({"error": str(exc), "category": category}).encode(), "json", str(exc), category)
@@ -264,7 +280,12 @@ class TrainerWorker:
                                         and decode_forward_backward(self._body(call))[1])
 
     def _body(self, call: ApiRequestAccepted) -> bytes:
-        return self.store.get(call.body_path, call.body_sha256)
+        try:
+            return self.store.get(call.body_path, call.body_sha256)
+        except FileNotFoundError:
+            if lifecycle.files_deleted(self.store, call.session_id) is not None:
+                raise _FilesDeleted(call.session_id) from None
+            raise
 
     def _run(self, model: _Model, call: ApiRequestAccepted) -> tuple[bytes, str]:
         """Execute one call on the engine; the result's bytes and format."""

@@ -44,7 +44,14 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from pipeline.api import checkpoints, downloads
-from pipeline.api.lifecycle import SESSION_EXPIRY_S, heartbeat_key, record_end, session_end
+from pipeline.api.lifecycle import (
+    SESSION_EXPIRY_S,
+    files_deleted,
+    heartbeat_key,
+    mark_open,
+    record_end,
+    session_end,
+)
 from pipeline.api.samplers import read_sampler, write_sampler
 from pipeline.api.wire import (
     TinkerPath,
@@ -139,6 +146,7 @@ class Gateway:
         session_id = f"sess-{uuid.uuid4().hex[:16]}"
         record = {"session_id": session_id, "tenant": tenant, "created_at": now(), "tags": tags,
                   "user_metadata": user_metadata}
+        mark_open(self.store, session_id)  # first, so that no session's files escape the sweeps
         self.store.put_create(f"{session_path(session_id)}/session.json", json.dumps(record).encode())
         self._owners[session_id] = tenant
         self.heartbeat(tenant, session_id)
@@ -330,6 +338,12 @@ class Gateway:
             return found  # type: ignore[return-value]
         if not self.store.exists(request_body_path(session_id, request_id, "json")) and not self.store.exists(
                 request_body_path(session_id, request_id, "pb")):
+            deleted = files_deleted(self.store, session_id)
+            if deleted is not None:
+                on = datetime.fromtimestamp(float(deleted.get("time") or 0), UTC).strftime("%Y-%m-%d %H:%M UTC")
+                raise NotFoundError(f"request {request_id!r} is of session {session_id}, which ended "
+                                    f"({deleted.get('end')}); its calls' bodies and results were deleted on {on} "
+                                    f"({deleted.get('reason')})")
             raise NotFoundError(f"no request {request_id!r}; poll with the request_id the call returned")
         return None
 

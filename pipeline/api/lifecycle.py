@@ -24,6 +24,20 @@ removes the index entry.  The grace covers a call accepted just before the end
 (gateways look at a live session at most every ``live_check_s``) and a sampler
 queue behind it.  Named sampler weights are checkpoints, kept by their own rules
 (``pipeline.api.checkpoints``).
+
+**Calls, results and folds.** Every accepted call leaves its body under
+``sessions/<session>/requests/``, its result under ``results/``, and each training
+client a fold (``models/<n>.fold.*``, its adapter with the optimizer state).  After
+the end they serve only a result fetched late and a trainer replaying calls from
+before the end, so they are deleted ``SESSION_FILES_KEPT_S`` (a day) after it.  The
+gateway notes every session it creates in an index (``OPEN_SESSIONS``); a trainer's
+sweep visits the index (recording the expiries it sees), writes
+``files_deleted.json`` (so a late poll is told why its result is gone), deletes the
+files and removes the entry, so a sweep cut short is finished by the next.  The
+session's own records stay: ``session.json``, its end, its models' and sampling
+sessions' records (the listings read them), and its checkpoints, which live under
+``runs/``.  ``free_session_files`` does the same for one ended session at once
+(``rlpipe sessions free``), including a session the index does not hold.
 """
 
 from __future__ import annotations
@@ -44,6 +58,9 @@ log = logging.getLogger("rlpipe.api.lifecycle")
 SESSION_EXPIRY_S = 86400.0  # a session with no heartbeat for a day has ended
 END_GRACE_S = 600.0  # what a session made is freed no sooner than this after its end
 SNAPSHOTS = "api/snapshots"  # one empty object per training client (its run name) that made a snapshot
+SESSION_FILES_KEPT_S = 86400.0  # an ended session's call bodies, results and folds are deleted a day after its end
+OPEN_SESSIONS = "api/open-sessions"  # one empty object per session whose files are not deleted yet
+_DELETED_FOLDERS = ("requests", "results")
 RETIRED_REASON = ("the session that made it ended, and unnamed sampler weights "
                   "(save_weights_and_get_sampling_client) live as long as their session; "
                   "save_weights_for_sampler(name) keeps weights")
@@ -166,6 +183,63 @@ def _sweep_client(store: ObjectStore, key: str, model_id: str, now: float, expir
     if registry.versions() != versions:  # committed meanwhile, by a trainer that indexed it before our delete
         mark_snapshots(store, model_id)
     return retired
+
+
+def mark_open(store: ObjectStore, session_id: str) -> None:
+    """Note a new session (before its record is written), so sweeps visit it after its end."""
+    session_path(session_id)  # a valid name
+    store.put(f"{OPEN_SESSIONS}/{session_id}", b"")
+
+
+def files_deleted(store: ObjectStore, session_id: str) -> dict[str, Any] | None:
+    """When and why the session's call bodies, results and folds were deleted; None while they are kept."""
+    return _read(store, f"{session_path(session_id)}/files_deleted.json")
+
+
+def sweep_sessions(store: ObjectStore, now: float | None = None, expiry_s: float = SESSION_EXPIRY_S,
+                   kept_s: float = SESSION_FILES_KEPT_S) -> int:
+    """Delete the call bodies, results and folds of the indexed sessions that ended at least ``kept_s`` ago;
+    how many sessions were freed.  A session whose files cannot be deleted is logged and left for the next
+    sweep; the others go on."""
+    now = time.time() if now is None else now
+    freed = 0
+    for key in store.list(OPEN_SESSIONS):
+        session = key.rsplit("/", 1)[-1]
+        try:
+            end = session_end(store, session, now, expiry_s)
+            if end is None or now - end[1] < kept_s:
+                continue
+            _delete_files(store, session, end, kept_s)
+            store.delete(key, missing_ok=True)
+            freed += 1
+        except (OSError, ValueError) as exc:
+            log.warning("the files of session %s were not deleted, to be tried at the next sweep: %s", session, exc)
+    return freed
+
+
+def free_session_files(store: ObjectStore, session_id: str) -> int:
+    """Delete one ended session's call bodies, results and folds now (``ValueError`` while it lives); how many
+    objects were deleted."""
+    end = session_end(store, session_id)
+    if end is None:
+        raise ValueError(f"session {session_id} has not ended; end it first (rlpipe sessions end {session_id})")
+    deleted = _delete_files(store, session_id, end, None)
+    store.delete(f"{OPEN_SESSIONS}/{session_id}", missing_ok=True)
+    return deleted
+
+
+def _delete_files(store: ObjectStore, session_id: str, end: tuple[str, float], kept_s: float | None) -> int:
+    """The note first (a late poll reads why), then the files; how many objects were deleted."""
+    prefix = session_path(session_id)
+    if files_deleted(store, session_id) is None:
+        note = {"time": time.time(), "end": end[0], "ended_at": end[1],
+                "reason": f"kept {kept_s / 3600:g} h after the end" if kept_s is not None else "freed by an operator"}
+        store.put(f"{prefix}/files_deleted.json", json.dumps(note).encode())
+    keys = [key for folder in _DELETED_FOLDERS for key in store.list(f"{prefix}/{folder}", recursive=True)]
+    keys += [key for key in store.list(f"{prefix}/models") if ".fold." in key.rsplit("/", 1)[-1]]
+    for key in keys:
+        store.delete(key, missing_ok=True)
+    return len(keys)
 
 
 def _read(store: ObjectStore, key: str) -> dict[str, Any] | None:

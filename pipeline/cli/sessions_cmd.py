@@ -6,7 +6,9 @@ its models, how many calls were accepted and answered (the difference is
 the pending futures), its last heartbeat, and its state: live, lapsed (no
 heartbeat for ``SESSION_TIMEOUT_S``: the engines unloaded it until its next
 call) or ended (finished, or expired: ``pipeline.api.lifecycle``).  ``end`` records an
-operator's end of a session, as its client's close would.
+operator's end of a session, as its client's close would; ``free`` deletes an ended
+session's call bodies, results and folds at once, as the trainers' sweep does a day
+after the end.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Column, Table
 
-from pipeline.api.lifecycle import END_GRACE_S, heartbeat_time, record_end, session_end
+from pipeline.api.lifecycle import (
+    END_GRACE_S,
+    SESSION_FILES_KEPT_S,
+    files_deleted,
+    free_session_files,
+    heartbeat_time,
+    record_end,
+    session_end,
+)
 from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json
 from pipeline.cli.options import SetOpt, run_config
 from pipeline.io.store import ObjectStore
@@ -47,6 +57,7 @@ def session_summary(store: ObjectStore, session_id: str) -> dict[str, Any]:
         "models": [{"model_id": m["model_id"], "base_model": m["base_model"], "lora_rank": m["lora_rank"]}
                    for m in models],
         "requests": len(requests), "results": len(results), "pending": sorted(requests - results),
+        "files_deleted": files_deleted(store, session_id),
     }
 
 
@@ -114,4 +125,26 @@ def end_session(session_id: Annotated[str, typer.Argument(help="The session id."
         console.print(f"session {session_id} already ended ({why})")
         return
     console.print(f"session {session_id} ended ({why}); its snapshots are freed {END_GRACE_S / 60:.0f} minutes "
-                  "after, at a trainer's sweep")
+                  f"after, its call bodies, results and folds {SESSION_FILES_KEPT_S / 3600:g} h after, at a "
+                  f"trainer's sweep (or now: rlpipe sessions free {session_id})")
+
+
+@app.command("free", epilog="Example: rlpipe sessions free sess-0123456789abcdef")
+@handle_user_errors
+def free_session(session_id: Annotated[str, typer.Argument(help="The session id.")], overrides: SetOpt = None,
+                 as_json: JsonOpt = False) -> None:
+    """Delete an ended session's call bodies, results and folds now (the trainers' sweep does it a day after the
+    end); its records, checkpoints and sampler weights stay.  A live session is refused: end it first."""
+    from schemas.api import session_path
+
+    store = _store(overrides)
+    if not store.exists(f"{session_path(session_id)}/session.json"):
+        fail(f"no session {session_id!r} in {store.root}; see `rlpipe sessions list`", 2)
+    try:
+        deleted = free_session_files(store, session_id)
+    except ValueError as exc:
+        fail(str(exc), 1)
+    if as_json:
+        print_json({"session_id": session_id, "deleted": deleted})
+        return
+    console.print(f"session {session_id}: deleted {deleted} call bodies, results and fold files")

@@ -74,6 +74,24 @@ def test_an_operator_ends_a_session_and_the_first_end_stands(tmp_path):
     assert missing.exit_code == 2 and "rlpipe sessions list" in missing.output
 
 
+def test_an_operator_frees_an_ended_sessions_files_and_a_live_one_is_refused(tmp_path):
+    root = f"file://{tmp_path}/store"
+    store = ObjectStore(root)
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/m/a/tiny", "/m/a/tiny")], live_check_s=0.0)
+    session = gateway.create_session("t-alice", [], {})
+    model_id = gateway.register_model("t-alice", session, 0, "/m/a/tiny", 8, {}, None)
+    gateway.submit("t-alice", "create_model", model_id, None, b"{}")
+    live = runner.invoke(app, ["sessions", "free", session, "--set", f"store.root={root}"])
+    assert live.exit_code == 1 and f"rlpipe sessions end {session}" in live.output
+    assert store.list(f"sessions/{session}/requests") != []
+    runner.invoke(app, ["sessions", "end", session, "--set", f"store.root={root}"])
+    freed = runner.invoke(app, ["sessions", "free", session, "--json", "--set", f"store.root={root}"])
+    assert freed.exit_code == 0 and json.loads(freed.output) == {"session_id": session, "deleted": 1}
+    shown = json.loads(runner.invoke(app, ["sessions", "show", session, "--json", "--set", f"store.root={root}"]).output)
+    assert shown["requests"] == 0 and shown["files_deleted"]["reason"] == "freed by an operator"
+    assert shown["models"] == [{"model_id": model_id, "base_model": "/m/a/tiny", "lora_rank": 8}]
+
+
 def test_serve_refuses_unknown_roles_and_prints_a_working_example():
     assert runner.invoke(app, ["serve", "--role", "sampler", "--sampler", "chef"]).exit_code == 2
     assert runner.invoke(app, ["serve", "--role", "chef"]).exit_code == 2

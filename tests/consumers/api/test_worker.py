@@ -18,7 +18,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 from consumers.api.worker import TrainerWorker, group_for, ops
 from consumers.engine import AdamParams, TrainingEngine
 from pipeline.api import checkpoints, lifecycle
-from pipeline.api.gateway import Gateway, ServedModel, SessionEndedError
+from pipeline.api.gateway import Gateway, NotFoundError, ServedModel, SessionEndedError
 from pipeline.api.wire import parse_tinker_path
 from pipeline.io.bus import EventPublisher, ensure_topics
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
@@ -389,6 +389,32 @@ def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then
     trainer.end_grace_s = 0.0
     trainer.expire_sessions()
     assert trainer.engine.adapters() == []
+    # the trainer's sweep deletes both ended sessions' call bodies, results and folds (here at once)
+    trainer.session_files_kept_s = 0.0
+    assert harness.store.list(f"sessions/{harness.session}/requests") != []
+    trainer.sweep_checkpoints()
+    for folder in ("requests", "results"):
+        assert harness.store.list(f"sessions/{harness.session}/{folder}") == []
+    assert not harness.store.exists(f"sessions/{harness.session}/models/0.fold.json")
+    assert harness.store.exists(f"sessions/{harness.session}/models/0.json")
+    trainer.close()
+
+
+def test_a_call_whose_sessions_files_were_deleted_before_it_ran_is_dropped_and_the_others_run(harness):
+    """A trainer that was down for longer than an ended session's files are kept reads its calls with their bodies
+    gone: it writes no result into the deleted folder and goes on with the next session's calls."""
+    gone = harness.create()
+    late = harness.gateway.submit(TENANT, "forward_backward", gone, 1, _fb(gone, 1, [_datum(1)]), "pb")
+    gone_session = harness.session
+    harness.gateway.finish(TENANT, gone_session, "success")
+    assert lifecycle.free_session_files(harness.store, gone_session) == 2
+    harness.session = harness.gateway.create_session(TENANT, [], {})
+    trainer = harness.trainer()
+    harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    assert harness.store.list(f"sessions/{gone_session}/results") == []
+    with pytest.raises(NotFoundError, match="deleted"):
+        harness.result(late)
     trainer.close()
 
 

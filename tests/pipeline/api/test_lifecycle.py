@@ -8,11 +8,25 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from pipeline.api.gateway import Gateway, ServedModel, SessionEndedError
-from pipeline.api.lifecycle import END_GRACE_S, SNAPSHOTS, end_key, mark_snapshots, session_end, sweep_snapshots
+from pipeline.api.checkpoints import checkpoint_prefix
+from pipeline.api.gateway import Gateway, NotFoundError, ServedModel, SessionEndedError
+from pipeline.api.lifecycle import (
+    END_GRACE_S,
+    OPEN_SESSIONS,
+    SESSION_FILES_KEPT_S,
+    SNAPSHOTS,
+    end_key,
+    files_deleted,
+    free_session_files,
+    mark_snapshots,
+    session_end,
+    sweep_sessions,
+    sweep_snapshots,
+)
 from pipeline.api.samplers import write_sampler
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
 from pipeline.io.store import ObjectStore
+from schemas.api import model_run_name
 
 BASE, DAY, LATER = "/models/base/tiny", 86400.0, END_GRACE_S + 1
 
@@ -221,3 +235,70 @@ def test_a_snapshot_committed_while_the_sweep_removed_its_clients_entry_is_index
     assert store.list(SNAPSHOTS) != []  # put back: the new version is seen by the next sweep
     assert sweep_snapshots(store, BASE, {}, now=time.time() + LATER) == 1
     assert store.list(SNAPSHOTS) == []
+
+
+# ---- what an ended session leaves behind ------------------------------------------------------------------------
+def session_with_files(gateway: Gateway, store: ObjectStore) -> tuple[str, str, list[str], list[str]]:
+    """A session with a training client, one call, its result and a fold (deleted after its end), and its records,
+    a checkpoint and a sampling session (kept): (session, request id, keys to delete, keys to keep)."""
+    session = gateway.create_session("t-alice", [], {})
+    model_id = gateway.register_model("t-alice", session, 0, BASE, 4, {}, None)
+    request_id = gateway.submit("t-alice", "optim_step", model_id, 1, b"{}")
+    prefix = f"sessions/{session}"
+    deleted = [*store.list(f"{prefix}/requests"), f"{prefix}/results/{request_id}.json",
+               f"{prefix}/models/0.fold.json", f"{prefix}/models/0.fold.0123456789abcdef.safetensors"]
+    for key in deleted[1:]:
+        store.put(key, b"{}")
+    write_sampler(store, "t-alice", session, 1, BASE, None, None, None)
+    checkpoint = f"{checkpoint_prefix(model_run_name(model_id), 'weights')}/mine.safetensors"
+    store.put(checkpoint, b"weights")
+    kept = [f"{prefix}/session.json", f"{prefix}/models/0.json", checkpoint, *store.list(f"{prefix}/samplers")]
+    assert len(deleted) == 4 and len(kept) == 4 and all(store.exists(key) for key in deleted + kept)
+    return session, request_id, deleted, kept
+
+
+def test_an_ended_sessions_calls_results_and_folds_are_deleted_a_day_after_its_end_its_records_kept(gateway, store):
+    finished, finished_call, finished_files, finished_kept = session_with_files(gateway, store)
+    silent, silent_call, silent_files, silent_kept = session_with_files(gateway, store)
+    live, _, live_files, live_kept = session_with_files(gateway, store)
+    gateway.finish("t-alice", finished, "success")
+    beat(store, silent, 2 * DAY + 60)  # expired a day and a minute ago, and nobody has looked since
+    assert sweep_sessions(store) == 1
+    assert session_end(store, silent)[0].startswith("expired")  # the sweep recorded the expiry it saw
+    assert not any(store.exists(key) for key in silent_files) and all(store.exists(key) for key in silent_kept)
+    assert all(store.exists(key) for key in finished_files + live_files)  # a day after the end, not before
+    with pytest.raises(NotFoundError, match=f"session {silent}, which ended .* its calls' bodies and results were deleted"):
+        gateway.result("t-alice", silent_call)
+    assert gateway.result("t-alice", finished_call) == (b"{}", "json")
+    assert sweep_sessions(store, now=time.time() + SESSION_FILES_KEPT_S + 1) == 1
+    assert not any(store.exists(key) for key in finished_files) and all(store.exists(key) for key in finished_kept)
+    assert all(store.exists(key) for key in live_files + live_kept)
+    assert [key.rsplit("/", 1)[-1] for key in store.list(OPEN_SESSIONS)] == [live]
+    assert files_deleted(store, finished) is not None and files_deleted(store, live) is None
+
+
+def test_a_deletion_cut_short_is_finished_by_the_next_sweep_and_an_operator_frees_an_unindexed_session(
+        gateway, store, monkeypatch):
+    session, _, files, kept = session_with_files(gateway, store)
+    gateway.finish("t-alice", session, "success")
+    delete = store.delete
+
+    def delete_or_die(key, **options):
+        if "/results/" in key:
+            raise OSError("the store went away")
+        return delete(key, **options)
+
+    monkeypatch.setattr(store, "delete", delete_or_die)
+    assert sweep_sessions(store, now=time.time() + SESSION_FILES_KEPT_S + 1) == 0  # logged, not raised
+    assert store.list(OPEN_SESSIONS) != []
+    monkeypatch.setattr(store, "delete", delete)
+    assert sweep_sessions(store, now=time.time() + SESSION_FILES_KEPT_S + 1) == 1
+    assert not any(store.exists(key) for key in files) and all(store.exists(key) for key in kept)
+    # a session made before the index (or whose entry was lost) is freed by name; a live one is refused
+    older, _, older_files, older_kept = session_with_files(gateway, store)
+    store.delete(f"{OPEN_SESSIONS}/{older}")
+    with pytest.raises(ValueError, match="has not ended"):
+        free_session_files(store, older)
+    gateway.finish("t-alice", older, "success")
+    assert free_session_files(store, older) == len(older_files)
+    assert not any(store.exists(key) for key in older_files) and all(store.exists(key) for key in older_kept)
