@@ -63,6 +63,7 @@ from pipeline.api.activity import ActivityRecorder
 from pipeline.api.direct import direct_app, serve_direct
 from pipeline.api.engines import announce_result, engine_arguments, engine_setup, request_reader, store_result
 from pipeline.api.gateway import parse_body
+from pipeline.api.lifecycle import files_deleted
 from pipeline.api.samplers import inflight_version, read_sampler, sampled_version
 from pipeline.io.bus import ConsumedEvent, EventPublisher, TopicPartitionKey, ensure_topics
 from pipeline.io.registry import AdapterRegistry, RetiredAdapterError
@@ -278,6 +279,12 @@ class SamplerWorker:
             error, category = str(exc), "user"
         except ValueError as exc:  # the engine's refusals (a prompt that does not fit): the request's fault
             error, category = f"{exc}", "user"
+        except FileNotFoundError as exc:
+            if await asyncio.to_thread(files_deleted, self.store, call.session_id) is not None:
+                log.warning("sample %s dropped: its session ended and its calls were deleted", call.request_id)
+                return  # read a day after its session's end (a sampler that far behind): nobody waits for it
+            log.exception("sample %s failed", call.request_id)
+            error, category = f"sample failed on the sampler (FileNotFoundError: {exc}); retry, or report it", "server"
         except Exception as exc:
             log.exception("sample %s failed", call.request_id)
             error, category = f"sample failed on the sampler ({type(exc).__name__}: {exc}); retry, or report it", "server"

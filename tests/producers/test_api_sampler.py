@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 
 from consumers.api.worker import TrainerWorker
 from consumers.engine import TrainingEngine
-from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.api import lifecycle
+from pipeline.api.gateway import Gateway, NotFoundError, ServedModel
 from pipeline.api.samplers import point_inflight
 from pipeline.io.bus import EventPublisher, ensure_topics
 from pipeline.io.registry import AdapterRegistry
@@ -219,6 +220,23 @@ def test_a_call_accepted_before_its_snapshot_was_retired_fails_as_the_users_with
         assert "version 1 was deleted: the session that made it ended" in answer["error"]
     finally:
         trainer.close()
+
+
+def test_a_call_whose_sessions_files_were_deleted_before_it_ran_is_dropped_and_the_next_runs(harness, caplog):
+    """A sampler behind by more than an ended session's files are kept reads a call whose body is gone: it writes
+    no result into the deleted folder, and another session's call after it is sampled."""
+    gone = harness.session
+    sampler_id = harness.gateway.create_sampling_session(TENANT, gone, 0, harness.base_model, None)
+    late = harness.sample(sampler_id, 0, _request(None, seed=2))
+    harness.gateway.finish(TENANT, gone, "success")
+    assert lifecycle.free_session_files(harness.store, gone) == 1
+    harness.session = harness.gateway.create_session(TENANT, [], {})
+    other = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
+    assert harness.run([harness.sample(other, 0, _request(None, seed=2))])[0][1] == "pb"
+    assert f"sample {late} dropped" in caplog.text
+    assert harness.store.list(f"sessions/{gone}/results") == []
+    with pytest.raises(NotFoundError, match="deleted"):
+        harness.gateway.result(TENANT, late)
 
 
 def test_inflight_sampling_clients_follow_the_latest_inflight_save_and_snapshots_stay(harness):
