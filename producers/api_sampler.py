@@ -98,7 +98,8 @@ def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[S
         raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "
                        "ask for prompt_logprobs and sampled-token logprobs only")
     if request.record_stability_info:
-        raise ApiError("record_stability_info (StableReinforce) is not served; leave it unset")
+        raise ApiError("record_stability_info (StableReinforce) is not served; leave it unset and train with "
+                       "another loss (e.g. importance_sampling)")
     last_n = request.prompt_logprobs_last_n
     if last_n is not None and not (request.prompt_logprobs and 1 <= last_n <= request.prompt.length - 1):
         raise ApiError(f"prompt_logprobs_last_n={last_n}: it needs prompt_logprobs=True and a value from 1 to the "

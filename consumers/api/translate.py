@@ -52,6 +52,10 @@ _MLP_PARTS = ("mlp", "feed_forward", "ffn", "experts")
 
 def engine_loss_args(loss: str, config: Mapping[str, float | str] | None) -> dict[str, float]:
     """The engine's keyword arguments for Tinker loss ``loss`` with ``loss_fn_config`` ``config``."""
+    if loss == "stable_reinforce":
+        raise ApiError("loss_fn stable_reinforce is not served (it needs the sampler's stability records, which "
+                       "rlpipe does not keep); train with another, e.g. the cookbook's rl_loop with "
+                       "loss_fn=importance_sampling")
     if loss not in LOSS_CONFIG_DEFAULTS:
         raise ApiError(f"unknown loss_fn {loss!r}; rlpipe serves {', '.join(LOSS_CONFIG_DEFAULTS)}")
     values = dict(LOSS_CONFIG_DEFAULTS[loss])

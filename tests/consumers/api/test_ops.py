@@ -315,6 +315,8 @@ BAD_CALLS = {
     "model id of another route": (lambda e: ops.forward_backward(e, "bad:train:0", types.ForwardBackwardRequest(
         types.ForwardBackwardInput(batch(1), "cross_entropy"), model_id="other:train:0"), False), "was sent to"),
     "unknown loss": (lambda e: fb(e, "bad:train:0", batch(1), "dpo"), "unknown loss_fn 'dpo'"),
+    "stable_reinforce": (lambda e: fb(e, "bad:train:0", batch(1, "ppo"), "stable_reinforce"),
+                         "stable_reinforce is not served .* loss_fn=importance_sampling"),
     "unknown loss config": (lambda e: fb(e, "bad:train:0", batch(1, "ppo"), "ppo", {"beta": 0.1}), "does not take"),
     "non-numeric loss config": (lambda e: fb(e, "bad:train:0", batch(1, "dro"), "dro", {"beta": "x"}),
                                 "not a finite number"),
