@@ -10,7 +10,8 @@ offsets; when idle for ``fold_idle_s`` or every ``fold_every`` calls), expire
 every ``SWEEP_S`` a sweep (delete expired checkpoints, retire the snapshots of
 sessions that ended, delete ended sessions' call bodies, results and folds a day
 after the end: ``pipeline.api.lifecycle``; every trainer sweeps every session, and
-deleting twice is harmless).
+deleting twice is harmless; and every ``ACTIVITY_SWEEP_S`` the engines' activity
+records older than ``ACTIVITY_KEPT_S``: ``pipeline.api.activity``).
 
 A training client's state is a fold over its request log.  The fold of a model
 (``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob, stored under
@@ -38,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -51,7 +53,7 @@ from consumers.api import ops
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from pipeline.api import checkpoints, lifecycle
-from pipeline.api.activity import ActivityRecorder
+from pipeline.api.activity import ACTIVITY_SWEEP_S, ActivityRecorder, sweep_activity
 from pipeline.api.checkpoints import weights_key
 from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
 from pipeline.api.gateway import parse_body
@@ -134,6 +136,7 @@ class TrainerWorker:
         self._tokens = 0
         self._replaying = False  # the call being run succeeded before (a replay after a restart)
         self._last_sweep = time.monotonic()  # the first sweep comes after a restart's replay
+        self._last_activity_sweep = -math.inf
         self._base_models: dict[str, str | None] = {}  # model record key -> its base model (for sweeps)
 
     # ---- the loop -------------------------------------------------------------------------------------------
@@ -171,7 +174,8 @@ class TrainerWorker:
             ("snapshots of ended sessions", lambda: lifecycle.sweep_snapshots(self.store, self.base_model,
                                                                              self._base_models)),
             ("files of ended sessions", lambda: lifecycle.sweep_sessions(self.store,
-                                                                         kept_s=self.session_files_kept_s)))
+                                                                         kept_s=self.session_files_kept_s)),
+            ("engine activity records past their days", self._sweep_activity))
         for what, sweep in sweeps:
             try:
                 done = sweep()
@@ -182,6 +186,13 @@ class TrainerWorker:
                 log.info("swept %d %s", done, what)
             swept += done
         return swept
+
+    def _sweep_activity(self) -> int:
+        """``sweep_activity`` at most every ``ACTIVITY_SWEEP_S`` (it lists every engine's records)."""
+        if time.monotonic() - self._last_activity_sweep < ACTIVITY_SWEEP_S:
+            return 0
+        self._last_activity_sweep = time.monotonic()
+        return sweep_activity(self.store)
 
     def close(self) -> None:
         self.consumer.close()

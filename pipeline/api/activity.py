@@ -17,6 +17,11 @@ a lock; a daemon thread writes the batch every ``flush_every_s`` seconds or once
 ``flush_every_calls`` records wait, and ``close`` writes what is left, so the
 call path never waits for the store.  A failed write is logged and its batch
 dropped: activity is telemetry, never a reason to stop serving.
+
+Objects are kept ``ACTIVITY_KEPT_S`` (30 days): ``sweep_activity`` (a trainer's
+sweep, at most every ``ACTIVITY_SWEEP_S``) deletes every engine's objects that
+ended before, by their names alone, and the folder of an engine left with none
+(a process that ended long ago).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import re
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -40,6 +46,8 @@ EngineKind = Literal["trainer", "sampler"]
 ENGINE_KINDS: tuple[EngineKind, ...] = ("trainer", "sampler")
 ENGINES_PREFIX = "engines"
 _NAME_RE = re.compile(r"(\d+)-(\d+)-[0-9a-f]+\.jsonl")
+ACTIVITY_KEPT_S = 30 * 86400.0  # engine activity older than this is deleted
+ACTIVITY_SWEEP_S = 6 * 3600.0  # how often a trainer sweeps it (listing every engine's objects)
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,23 @@ def read_activity(store: ObjectStore, since: float | None = None, until: float |
                 continue
             found += _overlapping(_parse(store.get(key), key), since, until)
     return sorted(found, key=lambda a: (a.start, a.engine, a.end))
+
+
+def sweep_activity(store: ObjectStore, now: float | None = None, kept_s: float = ACTIVITY_KEPT_S) -> int:
+    """Delete every engine's activity objects that ended more than ``kept_s`` before ``now`` (read from their
+    names), and the folder of an engine left with none; how many objects were deleted."""
+    cutoff = (time.time() if now is None else now) - kept_s
+    deleted = 0
+    for engine in engines(store):
+        keys = store.list(_folder(engine))
+        old = [key for key in keys if (match := _NAME_RE.fullmatch(key.rsplit("/", 1)[-1]))
+               and int(match[2]) / 1000 < cutoff]
+        for key in old:
+            store.delete(key, missing_ok=True)
+        deleted += len(old)
+        if old and len(old) == len(keys):
+            store.delete(f"{ENGINES_PREFIX}/{engine}", recursive=True, missing_ok=True)
+    return deleted
 
 
 def _parse(body: bytes, key: str) -> list[EngineActivity]:

@@ -392,7 +392,10 @@ def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then
     # the trainer's sweep deletes both ended sessions' call bodies, results and folds (here at once)
     trainer.session_files_kept_s = 0.0
     assert harness.store.list(f"sessions/{harness.session}/requests") != []
+    old_activity = "engines/trainer-gone-1/activity/1600000000000-1600000001000-0a1b2c3d.jsonl"  # 2020
+    harness.store.put(old_activity, b"")
     trainer.sweep_checkpoints()
+    assert not harness.store.exists(old_activity)  # and engine activity past its days
     for folder in ("requests", "results"):
         assert harness.store.list(f"sessions/{harness.session}/{folder}") == []
     assert not harness.store.exists(f"sessions/{harness.session}/models/0.fold.json")

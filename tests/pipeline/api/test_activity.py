@@ -13,7 +13,14 @@ import uuid
 
 import pytest
 
-from pipeline.api.activity import ActivityRecorder, EngineActivity, activity_prefix, read_activity
+from pipeline.api.activity import (
+    ActivityRecorder,
+    EngineActivity,
+    activity_prefix,
+    engines,
+    read_activity,
+    sweep_activity,
+)
 from pipeline.io.store import ObjectStore
 from schemas.names import InvalidNameError
 
@@ -95,3 +102,22 @@ def test_a_stored_line_that_is_not_a_record_is_skipped() -> None:
                   {"engine": "trainer-t", "kind": "trainer", "session": "s1", "tenant": None, "op": "optim_step",
                    "start": T0, "end": T0 + 1.0, "tokens": 0}).encode())
     assert [a.session for a in read_activity(store)] == ["s1"]
+
+
+def test_records_older_than_the_kept_days_are_deleted_and_an_engine_left_with_none_is_gone() -> None:
+    store = _store()
+    old_engine = ActivityRecorder(store, "trainer", "gone", flush_every_s=3600.0)
+    current = ActivityRecorder(store, "sampler", "s", flush_every_s=3600.0)
+    _record(old_engine, "s1", 0.0, 1.0)  # a process that ended long ago
+    for start in (0.0, 50.0, 100.0, 150.0):  # two objects: [0, 51] and [100, 151]
+        _record(current, "s2", start, start + 1.0, op="sample")
+        if start in (50.0, 150.0):
+            current.flush()
+    old_engine.close()
+    current.close()
+    assert len(engines(store)) == 2
+    # keep what ends within 60 s of T0 + 151: the object ending at T0 + 151 only
+    assert sweep_activity(store, now=T0 + 151.0, kept_s=60.0) == 2
+    assert sorted(a.start - T0 for a in read_activity(store)) == [100.0, 150.0]
+    assert engines(store) == ["sampler-s"]
+    assert sweep_activity(store, now=T0 + 151.0, kept_s=60.0) == 0
