@@ -8,7 +8,7 @@ concurrently and the first last), fold (checkpoint clean adapters, then commit
 offsets; when idle for ``fold_idle_s`` or every ``fold_every`` calls), expire
 (unload the adapters of sessions that ended or whose heartbeats lapsed), and
 every ``SWEEP_S`` a sweep (delete expired checkpoints, retire the snapshots of
-sessions that ended, delete ended sessions' call bodies, results and folds a day
+sessions that ended and the sampler weights whose name was deleted, delete ended sessions' call bodies, results and folds a day
 after the end: ``pipeline.api.lifecycle``; every trainer sweeps every session, and
 deleting twice is harmless; and every ``ACTIVITY_SWEEP_S`` the engines' activity
 records older than ``ACTIVITY_KEPT_S``: ``pipeline.api.activity``).
@@ -173,6 +173,8 @@ class TrainerWorker:
                                                                         self._base_models)),
             ("snapshots of ended sessions", lambda: lifecycle.sweep_snapshots(self.store, self.base_model,
                                                                              self._base_models)),
+            ("sampler weights whose name is gone", lambda: lifecycle.sweep_unnamed_versions(
+                self.store, self.base_model, self._base_models)),
             ("files of ended sessions", lambda: lifecycle.sweep_sessions(self.store,
                                                                          kept_s=self.session_files_kept_s)),
             ("engine activity records past their days", self._sweep_activity))

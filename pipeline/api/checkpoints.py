@@ -22,6 +22,11 @@ between calls: the trainer is the one writer of checkpoints, so a sweep never ra
 save of the same name, as a delete by a gateway that read an old record would.  The
 sweep visits the clients in the expiring index (``EXPIRING``), not the whole store.
 
+**Sampler weights** are a registry version named by their record: when the record is
+deleted (or swept after its TTL) the version is noted in ``UNNAMED_VERSIONS`` first,
+and ``pipeline.api.lifecycle.sweep_unnamed_versions`` retires it once no live session
+samples from it.
+
 **Publication.** A published checkpoint (``public`` in its record) is every tenant's
 to load, sample from and download; only its owner changes or deletes it.
 
@@ -45,6 +50,7 @@ MIN_TTL_S = 3600  # the SDK's documented range for a checkpoint's ttl_seconds: o
 MAX_TTL_S = 10 * 365 * 86400  # ... to ten years
 EXTERNAL_FILES = "external_weights_files"  # the folder of the exports' files, apart from their records
 EXPIRING = "api/expiring"  # one empty object per training client (its run name) with checkpoints that have a TTL
+UNNAMED_VERSIONS = "api/unnamed-versions"  # <run>/<version>: registry versions whose sampler_weights name is gone
 
 
 class NotFound(ApiError):
@@ -210,18 +216,35 @@ def clients_in_index(store: ObjectStore, index: str, base_model: str,
     base model (records are create-only)."""
     found = []
     for key in store.list(index):
-        session, _, number = key.rsplit("/", 1)[-1].partition(".train.")
-        if not number.isdigit():
-            continue
-        model_key = f"sessions/{session}/models/{number}.json"
-        if model_key not in base_models:
-            try:
-                base_models[model_key] = json.loads(store.get(model_key)).get("base_model")
-            except (FileNotFoundError, ValueError, AttributeError):
-                base_models[model_key] = None
-        if base_models[model_key] == base_model:
-            found.append((key, model_id_for(session, "train", int(number))))
+        model_id = model_of_run(key.rsplit("/", 1)[-1])
+        if model_id is not None and base_model_of(store, model_id, base_models) == base_model:
+            found.append((key, model_id))
     return found
+
+
+def model_of_run(run: str) -> str | None:
+    """The training client's model id of a run name (``<session>.train.<n>``), None for any other name."""
+    session, _, number = run.partition(".train.")
+    return model_id_for(session, "train", int(number)) if number.isdigit() and session else None
+
+
+def base_model_of(store: ObjectStore, model_id: str, base_models: dict[str, str | None]) -> str | None:
+    """A training client's base model from its record (None without one), cached in ``base_models`` (records are
+    create-only)."""
+    session, _, number = model_id.split(":")
+    model_key = f"sessions/{session}/models/{number}.json"
+    if model_key not in base_models:
+        try:
+            base_models[model_key] = json.loads(store.get(model_key)).get("base_model")
+        except (FileNotFoundError, ValueError, AttributeError):
+            base_models[model_key] = None
+    return base_models[model_key]
+
+
+def named_versions(store: ObjectStore, model_id: str) -> set[int]:
+    """The registry versions that the model's sampler_weights records name (expired ones too, until swept)."""
+    return {record["version"] for path, record in _records(store, model_id)
+            if path.kind == "sampler" and isinstance(record.get("version"), int)}
 
 
 def sweep_base_model(store: ObjectStore, base_model: str, base_models: dict[str, str | None],
@@ -240,7 +263,12 @@ def sweep_base_model(store: ObjectStore, base_model: str, base_models: dict[str,
 
 
 def delete(store: ObjectStore, path: TinkerPath) -> None:
-    """Remove the checkpoint's objects, its record last."""
+    """Remove the checkpoint's objects, its record last (sampler weights: their version noted as unnamed first)."""
+    if path.kind == "sampler":
+        record = read_record(store, path, expired=True)
+        version = None if record is None else record.get("version")
+        if isinstance(version, int) and not isinstance(version, bool):
+            store.put(f"{UNNAMED_VERSIONS}/{path.run}/{version}", json.dumps({"time": time.time()}).encode())
     if path.kind == "training":
         store.delete(weights_key(path), missing_ok=True)
     elif path.kind == "external":

@@ -25,6 +25,16 @@ removes the index entry.  The grace covers a call accepted just before the end
 queue behind it.  Named sampler weights are checkpoints, kept by their own rules
 (``pipeline.api.checkpoints``).
 
+**Sampler weights whose name is gone.** A named ``save_weights_for_sampler`` is a
+registry version that its checkpoint record names; deleting the record (or the
+sweep of its TTL) notes the version in ``UNNAMED_VERSIONS``, and every session that
+samples a path is noted under ``VERSION_USERS`` before its sampling record.  A
+trainer's sweep (``sweep_unnamed_versions``) retires a noted version
+``END_GRACE_S`` after the note once every session sampling it has ended at least
+as long ago (a gateway that read the record just before the delete writes its
+note within the grace); a version a record still names (a delete cut short) is
+kept.  The version's number is kept, and a pull names the reason.
+
 **Calls, results and folds.** Every accepted call leaves its body under
 ``sessions/<session>/requests/``, its result under ``results/``, and each training
 client a fold (``models/<n>.fold.*``, its adapter with the optimizer state).  After
@@ -49,8 +59,9 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from pipeline.api.checkpoints import clients_in_index
-from pipeline.io.registry import AdapterRegistry
+from pipeline.api.checkpoints import UNNAMED_VERSIONS, base_model_of, clients_in_index, model_of_run, named_versions
+from pipeline.api.samplers import VERSION_USERS
+from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
 from pipeline.io.store import ObjectStore
 from schemas.api import model_run_name, session_path
 
@@ -61,6 +72,8 @@ SNAPSHOTS = "api/snapshots"  # one empty object per training client (its run nam
 SESSION_FILES_KEPT_S = 86400.0  # an ended session's call bodies, results and folds are deleted a day after its end
 OPEN_SESSIONS = "api/open-sessions"  # one empty object per session whose files are not deleted yet
 _DELETED_FOLDERS = ("requests", "results")
+UNNAMED_REASON = ("its name (sampler_weights) was deleted or expired, and no live session samples from it; "
+                  "save_weights_for_sampler(name) keeps weights while the name lives")
 RETIRED_REASON = ("the session that made it ended, and unnamed sampler weights "
                   "(save_weights_and_get_sampling_client) live as long as their session; "
                   "save_weights_for_sampler(name) keeps weights")
@@ -183,6 +196,49 @@ def _sweep_client(store: ObjectStore, key: str, model_id: str, now: float, expir
     if registry.versions() != versions:  # committed meanwhile, by a trainer that indexed it before our delete
         mark_snapshots(store, model_id)
     return retired
+
+
+def sweep_unnamed_versions(store: ObjectStore, base_model: str, base_models: dict[str, str | None],
+                           now: float | None = None, expiry_s: float = SESSION_EXPIRY_S,
+                           grace_s: float = END_GRACE_S) -> int:
+    """Retire ``base_model``'s registry versions whose sampler_weights name is gone and that no session sampling
+    them still needs (the module docstring); how many.  A version whose records cannot be read is logged and left
+    for the next sweep; the others go on."""
+    now = time.time() if now is None else now
+    retired = 0
+    for folder in store.list(UNNAMED_VERSIONS):
+        model_id = model_of_run(folder.rsplit("/", 1)[-1])
+        if model_id is None or base_model_of(store, model_id, base_models) != base_model:
+            continue
+        for key in store.list(folder):
+            try:
+                retired += _sweep_unnamed(store, key, model_id, now, expiry_s, grace_s)
+            except (OSError, ValueError, LookupError) as exc:
+                log.warning("%s was not swept, to be tried at the next sweep: %s", key, exc)
+    return retired
+
+
+def _sweep_unnamed(store: ObjectStore, key: str, model_id: str, now: float, expiry_s: float, grace_s: float) -> int:
+    run, version = model_run_name(model_id), int(key.rsplit("/", 1)[-1])
+    noted = _seconds((_read(store, key) or {}).get("time"))
+    if noted is not None and now - noted < grace_s:
+        return 0
+    if version not in named_versions(store, model_id):
+        users = f"{VERSION_USERS}/{run}/{version}"
+        for user in store.list(users):
+            end = session_end(store, user.rsplit("/", 1)[-1], now, expiry_s)
+            if end is None or now - end[1] < grace_s:
+                return 0  # a session that may still sample it
+        try:
+            retired = AdapterRegistry(store, run).retire(version, UNNAMED_REASON)
+        except AdapterNotFoundError:
+            retired = False  # never committed, or its manifest is gone: nothing to retire
+        for user in store.list(users):
+            store.delete(user, missing_ok=True)
+    else:
+        retired = False  # still named (a delete cut short): kept, and noted again when deleted again
+    store.delete(key, missing_ok=True)
+    return int(retired)
 
 
 def mark_open(store: ObjectStore, session_id: str) -> None:

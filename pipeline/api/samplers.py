@@ -10,6 +10,9 @@ weights it serves:
 ``run``/``version`` name the adapter registry version the trainer published for
 a ``tinker://<model_id>/sampler_weights/<name>`` path (or for the ephemeral
 ``save_weights_and_get_sampling_client``); both are None for the base model.
+A session sampling a path is noted under ``VERSION_USERS`` before its record, so
+the version is not retired while the session lives after the name is deleted
+(``pipeline.api.lifecycle.sweep_unnamed_versions``).
 
 ``save_weights_and_get_sampling_client(kind="inflight")`` makes a session with
 ``"kind": "inflight"``: it samples the weights of its training client's latest
@@ -31,6 +34,7 @@ from schemas.api import ApiError, model_id_for, model_run_name, session_path
 from schemas.names import InvalidNameError
 
 SAMPLE_KIND = "sample"
+VERSION_USERS = "api/version-users"  # <run>/<version>/<session>: sessions sampling named sampler weights
 
 
 def sampler_record_key(sampling_session_id: str) -> str:
@@ -54,6 +58,8 @@ def write_sampler(store: ObjectStore, tenant: str, session_id: str, seq: int, ba
     if inflight:
         record["kind"] = "inflight"
     key = sampler_record_key(sampling_session_id)
+    if model_path is not None and run is not None and version is not None:  # before the record: sweeps see it
+        store.put(f"{VERSION_USERS}/{run}/{int(version)}/{session_id}", b"")
     try:
         store.put_create(key, json.dumps(record).encode())
     except FileExistsError:

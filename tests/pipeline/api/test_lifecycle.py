@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from pipeline.api.checkpoints import checkpoint_prefix
+from pipeline.api.checkpoints import UNNAMED_VERSIONS, checkpoint_prefix, sweep_base_model, write_record
 from pipeline.api.gateway import Gateway, NotFoundError, ServedModel, SessionEndedError
 from pipeline.api.lifecycle import (
     END_GRACE_S,
@@ -22,8 +22,10 @@ from pipeline.api.lifecycle import (
     session_end,
     sweep_sessions,
     sweep_snapshots,
+    sweep_unnamed_versions,
 )
-from pipeline.api.samplers import write_sampler
+from pipeline.api.samplers import VERSION_USERS, write_sampler
+from pipeline.api.wire import TinkerPath
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
 from pipeline.io.store import ObjectStore
 from schemas.api import model_run_name
@@ -302,3 +304,69 @@ def test_a_deletion_cut_short_is_finished_by_the_next_sweep_and_an_operator_free
     gateway.finish("t-alice", older, "success")
     assert free_session_files(store, older) == len(older_files)
     assert not any(store.exists(key) for key in older_files) and all(store.exists(key) for key in older_kept)
+
+
+# ---- named sampler weights whose name is gone --------------------------------------------------------------------
+def named_save(store: ObjectStore, tmp_path, session: str, model_id: str, seq: int, name: str,
+               ttl: float | None = None) -> int:
+    """What the trainer does for save_weights_for_sampler(name): a registry version and its checkpoint record."""
+    version = snapshot(store, tmp_path, session, model_id, seq, path=f"tinker://{model_id}/sampler_weights/{name}",
+                       record=False)
+    write_record(store, TinkerPath(model_id, "sampler", name), None,
+                 None if ttl is None else time.time() + ttl, version=version)
+    return version
+
+
+def test_named_sampler_weights_whose_name_was_deleted_or_expired_are_retired_once_no_live_session_samples_them(
+        gateway, store, tmp_path):
+    session = gateway.create_session("t-alice", [], {})
+    model_id = gateway.register_model("t-alice", session, 0, BASE, 4, {}, None)
+    other_model = gateway.register_model("t-alice", session, 1, "/other", 4, {}, None)
+    used = named_save(store, tmp_path, session, model_id, 1, "used")
+    unused = named_save(store, tmp_path, session, model_id, 2, "unused")
+    kept = named_save(store, tmp_path, session, model_id, 3, "kept")
+    expiring = named_save(store, tmp_path, session, model_id, 4, "expiring", ttl=3600)
+    theirs = named_save(store, tmp_path, session, other_model, 5, "theirs")
+    reader = gateway.create_session("t-alice", [], {})  # another session samples from "used"
+    gateway.create_sampling_session("t-alice", reader, 0, None, f"tinker://{model_id}/sampler_weights/used")
+    for name in ("used", "unused"):
+        gateway.delete_checkpoint("t-alice", model_id, f"sampler_weights/{name}")
+    gateway.delete_checkpoint("t-alice", other_model, "sampler_weights/theirs")
+    later = time.time() + LATER
+    assert sweep_unnamed_versions(store, BASE, {}) == 0  # within the grace after the delete
+    assert sweep_unnamed_versions(store, BASE, {}, now=later) == 1  # "unused"; "used" is sampled by a live session
+    registry = AdapterRegistry(store, model_run_name(model_id))
+    with pytest.raises(AdapterNotFoundError, match=r"its name .* was deleted or expired"):
+        registry.pull(unused, tmp_path / "cache")
+    for version in (used, kept, expiring):
+        assert registry.pull(version, tmp_path / "cache").is_dir()
+    gateway.finish("t-alice", reader, "success")
+    assert sweep_base_model(store, BASE, {}, now=time.time() + 3600 + LATER) == 1  # "expiring" has expired
+    assert sweep_unnamed_versions(store, BASE, {}, now=time.time() + 3600 + 2 * LATER) == 2  # "used", "expiring"
+    for version in (used, expiring):
+        with pytest.raises(AdapterNotFoundError, match="was deleted or expired"):
+            registry.pull(version, tmp_path / "fresh-cache")  # (a reader's cached copy stays its own)
+    assert registry.pull(kept, tmp_path / "cache").is_dir()
+    assert AdapterRegistry(store, model_run_name(other_model)).pull(theirs, tmp_path / "cache").is_dir()
+    assert sweep_unnamed_versions(store, "/other", {}, now=later) == 1  # another base model's trainer's
+    assert store.list(UNNAMED_VERSIONS) == [] and store.list(VERSION_USERS) == []
+
+
+def test_a_delete_cut_short_keeps_the_version_it_still_names(gateway, store, tmp_path, monkeypatch):
+    session = gateway.create_session("t-alice", [], {})
+    model_id = gateway.register_model("t-alice", session, 0, BASE, 4, {}, None)
+    version = named_save(store, tmp_path, session, model_id, 1, "mine")
+    delete = store.delete
+
+    def delete_or_die(key, **options):
+        if key.endswith("sampler_weights/mine.json"):
+            raise OSError("the store went away")
+        return delete(key, **options)
+
+    monkeypatch.setattr(store, "delete", delete_or_die)
+    with pytest.raises(OSError):
+        gateway.delete_checkpoint("t-alice", model_id, "sampler_weights/mine")
+    monkeypatch.setattr(store, "delete", delete)
+    assert sweep_unnamed_versions(store, BASE, {}, now=time.time() + LATER) == 0  # still named: kept
+    assert AdapterRegistry(store, model_run_name(model_id)).pull(version, tmp_path / "cache").is_dir()
+    assert store.list(UNNAMED_VERSIONS) == []
