@@ -10,6 +10,7 @@ operations (the Tinker training calls, TINKER.md sections 5 and 10):
   forward           per-token logprobs and loss, no gradients, nothing changes
   forward_backward  the same, and gradients ADD to the adapter's accumulated ones
   optim_step        clip (optional), AdamW with this call's hyper-parameters, zero the gradients
+                    (gradients that are not finite are discarded and the step refused)
   save_state        adapter + optimizer + RNG as one safetensors blob (metadata in its JSON header)
   load_state        the reverse; the optimizer is optional, an unknown name is created from the state
   export_for_sampling  PEFT folder (adapter_config.json + adapter_model.safetensors) for the registry
@@ -232,6 +233,11 @@ class TrainingEngine:
             max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
             grads = [p for p in params if p.grad is not None]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+            if not math.isfinite(grad_norm):  # a step would write NaN weights; the gradients are of no use
+                adapter.optimizer.zero_grad(set_to_none=True)
+                raise EngineError(f"optim_step refused: the accumulated gradients are not finite (norm {grad_norm}; "
+                                  "a loss that overflowed, e.g. an importance ratio far from 1); they were "
+                                  "discarded and the weights are unchanged: check the batch's sampler logprobs")
             for group in adapter.optimizer.param_groups:
                 group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                              weight_decay=adam.weight_decay)

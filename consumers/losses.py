@@ -39,7 +39,8 @@ Notation per token t of sequence b (all masks are 0 on prompt and padding):
   s_b   = exp(mean of (logp_t - q_t) over the tokens of row b that sequence_ratio_mask marks)
   s_t   = sg(s_b) exp(logp_t - sg(logp_t))  (the value of s_b, the gradient of its own logp_t)
   loss = -(1/N) sum_bt m_t w_b min(s_t A_t, clip(s_t, c_low, c_high) A_t)
-  (absolute thresholds on the ratio itself, like cispo's; whole sequences are kept or clipped)
+  (absolute thresholds on the ratio itself, like cispo's; whole sequences are kept or clipped;
+  log s_b is clamped to [-20, 20], so an absurd sequence is clipped instead of overflowing)
 
 ``dro`` (direct reward optimisation with a quadratic penalty, as the Tinker API defines it):
   loss = -(1/N) sum_bt m_t w_b (A_t logp_t - beta/2 (logp_t - q_t)^2)
@@ -80,6 +81,8 @@ from schemas.trajectory import behaviour_policy_problem
 # Log-ratios are clamped to this range for the statistics only, so one absurd
 # token cannot turn the ESS into inf/inf = NaN (exp(40) ~ 2e17 still reads as absurd).
 _STATS_LOG_RATIO_LIMIT = 40.0
+# GSPO's sequence log-ratio is clamped to this (a ratio of 5e8, far outside any clip): its exp stays finite
+_MAX_LOG_RATIO = 20.0
 
 
 
@@ -317,7 +320,8 @@ def gspo_loss(
     in_ratio_BT = batch.sequence_ratio_mask_BT != 0
     token_log_ratio_BT = logprobs_BT.detach() - batch.sampler_logprobs_BT
     marked_sum_B = torch.where(in_ratio_BT, token_log_ratio_BT, torch.zeros_like(token_log_ratio_BT)).sum(1)
-    sequence_log_ratio_BT = (marked_sum_B / in_ratio_BT.sum(1).clamp(min=1))[:, None].expand_as(logprobs_BT)
+    sequence_log_B = (marked_sum_B / in_ratio_BT.sum(1).clamp(min=1)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    sequence_log_ratio_BT = sequence_log_B[:, None].expand_as(logprobs_BT)
     # where() before exp(): only generated tokens carry the ratio, so padding never meets an overflow
     log_ratio_BT = torch.where(generated_BT, sequence_log_ratio_BT, torch.zeros_like(sequence_log_ratio_BT))
     ratio_BT = torch.exp(log_ratio_BT + logprobs_BT - logprobs_BT.detach())

@@ -248,9 +248,15 @@ class TrainerWorker:
     def _execute(self, model: _Model, consumed: ConsumedEvent) -> None:
         call: ApiRequestAccepted = consumed.event.payload
         done = self._answered(call)
-        model.unfolded.append(((consumed.topic, consumed.partition), consumed.offset))
+        try:
+            stands = done == "error" or (done == "ok" and self._changes_nothing(call))
+        except _FilesDeleted:  # its result is there and its body is gone (a deletion under way): skipped
+            log.warning("%s %s dropped: its session ended and its calls were deleted", call.op, call.request_id)
+            return
+        entry = ((consumed.topic, consumed.partition), consumed.offset)
+        model.unfolded.append(entry)
         self._since_fold += 1
-        if done == "error" or (done == "ok" and self._changes_nothing(call)):
+        if stands:
             return  # its result stands and it changed nothing (a call that failed changed nothing either)
         started, wall = time.perf_counter(), time.time()
         self._tokens = 0  # trained tokens of this call (set by a forward_backward)
@@ -260,6 +266,7 @@ class TrainerWorker:
             result: tuple[bytes, str, str | None, str | None] = (data, fmt, None, None)
         except _FilesDeleted:  # read after its session's files were deleted (a trainer down for a day): no answer
             log.warning("%s %s dropped: its session ended and its calls were deleted", call.op, call.request_id)
+            model.unfolded.remove(entry)  # nothing to rebuild from it
             return
         except (ApiError, EngineError) as exc:
             category = exc.category if isinstance(exc, ApiError) else "user"
@@ -458,6 +465,9 @@ class TrainerWorker:
         """The model's state under a name of its own, then the record naming it, then older states deleted:
         a trainer killed between two writes leaves the fold before whole (its record, its state)."""
         started, wall = time.perf_counter(), time.time()
+        if lifecycle.files_deleted(self.store, model.run.split(".")[0]) is not None:
+            model.unfolded.clear()  # its session's files are gone: nothing would read a fold written now
+            return
         state = ops.save_state(self.engine, model.model_id, True)
         digest = sha256_hex(state)
         state_key = f"{model.fold_key}.{digest[:16]}.safetensors"
@@ -525,6 +535,12 @@ class TrainerWorker:
             if not clean:
                 log.warning("%s: its session ended %.0f s ago; dropping %s", model.model_id, time.time() - end[1],
                             "its accumulated gradients" if model.has_gradients else "calls waiting for a gap")
+                for seq in sorted(model.pending):  # answered: a call left without a result would run for ever
+                    call = model.pending.pop(seq).event.payload
+                    message = (f"{call.op} did not run: session {session} ended before seq_id {model.next_seq} of "
+                               f"{model.model_id} arrived; create a new ServiceClient")
+                    self._write_result(call, json.dumps({"error": message, "category": "user"}).encode(), "json",
+                                       message, "user")
             elif model.unfolded:
                 self._fold(model)
             ops.unload(self.engine, model.model_id)

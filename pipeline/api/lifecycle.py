@@ -71,7 +71,7 @@ END_GRACE_S = 600.0  # what a session made is freed no sooner than this after it
 SNAPSHOTS = "api/snapshots"  # one empty object per training client (its run name) that made a snapshot
 SESSION_FILES_KEPT_S = 86400.0  # an ended session's call bodies, results and folds are deleted a day after its end
 OPEN_SESSIONS = "api/open-sessions"  # one empty object per session whose files are not deleted yet
-_DELETED_FOLDERS = ("requests", "results")
+_DELETED_FOLDERS = ("results", "requests")  # results first: a call replayed meanwhile finds no result either
 UNNAMED_REASON = ("its name (sampler_weights) was deleted or expired, and no live session samples from it; "
                   "save_weights_for_sampler(name) keeps weights while the name lives")
 RETIRED_REASON = ("the session that made it ended, and unnamed sampler weights "
@@ -273,12 +273,18 @@ def sweep_sessions(store: ObjectStore, now: float | None = None, expiry_s: float
     return freed
 
 
-def free_session_files(store: ObjectStore, session_id: str) -> int:
-    """Delete one ended session's call bodies, results and folds now (``ValueError`` while it lives); how many
-    objects were deleted."""
-    end = session_end(store, session_id)
+def free_session_files(store: ObjectStore, session_id: str, now: float | None = None,
+                       grace_s: float = END_GRACE_S) -> int:
+    """Delete one ended session's call bodies, results and folds now; how many objects were deleted.
+    ``ValueError`` while it lives, and within ``grace_s`` of its end (calls accepted before it may still run)."""
+    now = time.time() if now is None else now
+    end = session_end(store, session_id, now)
     if end is None:
         raise ValueError(f"session {session_id} has not ended; end it first (rlpipe sessions end {session_id})")
+    if now - end[1] < grace_s:
+        since = datetime.fromtimestamp(end[1] + grace_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        raise ValueError(f"session {session_id} ended less than {grace_s / 60:g} minutes ago; free it from {since} "
+                         "(calls accepted before its end may still run)")
     deleted = _delete_files(store, session_id, end, None)
     store.delete(f"{OPEN_SESSIONS}/{session_id}", missing_ok=True)
     return deleted

@@ -126,7 +126,8 @@ def end_session(session_id: Annotated[str, typer.Argument(help="The session id."
         return
     console.print(f"session {session_id} ended ({why}); its snapshots are freed {END_GRACE_S / 60:.0f} minutes "
                   f"after, its call bodies, results and folds {SESSION_FILES_KEPT_S / 3600:g} h after, at a "
-                  f"trainer's sweep (or now: rlpipe sessions free {session_id})")
+                  f"trainer's sweep (or from {END_GRACE_S / 60:.0f} minutes after the end: "
+                  f"rlpipe sessions free {session_id})")
 
 
 @app.command("free", epilog="Example: rlpipe sessions free sess-0123456789abcdef")
@@ -134,7 +135,8 @@ def end_session(session_id: Annotated[str, typer.Argument(help="The session id."
 def free_session(session_id: Annotated[str, typer.Argument(help="The session id.")], overrides: SetOpt = None,
                  as_json: JsonOpt = False) -> None:
     """Delete an ended session's call bodies, results and folds now (the trainers' sweep does it a day after the
-    end); its records, checkpoints and sampler weights stay.  A live session is refused: end it first."""
+    end); its records, checkpoints and sampler weights stay.  A live session is refused (end it first), and one
+    that ended less than 10 minutes ago (calls accepted before its end may still run)."""
     from schemas.api import session_path
 
     store = _store(overrides)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
@@ -307,3 +308,18 @@ def test_calls_from_several_threads_run_one_at_a_time(tiny_model_dir):
         alone.create_adapter(name, **spec)
         train(alone, name)
         assert max_difference(shared.weights(name), alone.weights(name)) <= 1e-6
+
+
+def test_an_optim_step_on_gradients_that_are_not_finite_is_refused_and_they_are_discarded(engine):
+    """A loss that overflowed (a ratio far from 1) leaves inf or NaN gradients: the step would write NaN weights."""
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
+    engine.forward_backward("a", datums(1), "cross_entropy")
+    weights = engine.weights("a")
+    next(iter(engine._get("a").params.values())).grad.view(-1)[0] = math.nan
+    with pytest.raises(EngineError, match=r"not finite.*discarded.*unchanged"):
+        engine.optim_step("a", ADAM)
+    assert max_difference(weights, engine.weights("a")) == 0.0
+    assert all(g.abs().max() == 0 for g in engine.gradients("a").values())  # gone: the next step starts clean
+    engine.forward_backward("a", datums(2), "cross_entropy")
+    assert engine.optim_step("a", ADAM).step == 1  # and the adapter trains on
+    assert all(bool(torch.isfinite(w).all()) for w in engine.weights("a").values())

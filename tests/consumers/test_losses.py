@@ -519,3 +519,13 @@ def test_gspo_takes_each_sequences_own_ratio_and_refuses_what_it_cannot_compute(
     with pytest.raises(ValueError, match="clip_low_threshold"):
         gspo_loss(first, replace(first_batch, sequence_ratio_mask_BT=first_batch.loss_mask_BT), 1.0,
                   clip_low_threshold=1.5, clip_high_threshold=1.2)
+
+
+def test_gspo_stays_finite_when_the_sequence_ratio_is_absurd():
+    # sampler logprob -500 against the policy's -1: a log-ratio of 499, whose exp overflows float32
+    logprobs, batch = leaf_batch([math.exp(499.0), 1.0], advantage=-1.0)
+    batch = replace(batch, sequence_ratio_mask_BT=torch.tensor([[0.0, 1.0, 1.0]]))
+    loss, stats = gspo_loss(logprobs, batch, 1.0)
+    grads = grad_of(loss, logprobs)
+    assert math.isfinite(loss.item()) and bool(torch.isfinite(grads).all())
+    assert stats.num_clipped == 2

@@ -85,6 +85,10 @@ def test_an_operator_frees_an_ended_sessions_files_and_a_live_one_is_refused(tmp
     assert live.exit_code == 1 and f"rlpipe sessions end {session}" in live.output
     assert store.list(f"sessions/{session}/requests") != []
     runner.invoke(app, ["sessions", "end", session, "--set", f"store.root={root}"])
+    early = runner.invoke(app, ["sessions", "free", session, "--set", f"store.root={root}"])
+    assert early.exit_code == 1 and "ended less than 10 minutes ago" in early.output  # calls may be in flight
+    ended = json.loads(store.get(f"sessions/{session}/ended.json"))
+    store.put(f"sessions/{session}/ended.json", json.dumps({**ended, "time": ended["time"] - 601}).encode())
     freed = runner.invoke(app, ["sessions", "free", session, "--json", "--set", f"store.root={root}"])
     assert freed.exit_code == 0 and json.loads(freed.output) == {"session_id": session, "deleted": 1}
     shown = json.loads(runner.invoke(app, ["sessions", "show", session, "--json", "--set", f"store.root={root}"]).output)

@@ -229,7 +229,7 @@ def test_a_call_whose_sessions_files_were_deleted_before_it_ran_is_dropped_and_t
     sampler_id = harness.gateway.create_sampling_session(TENANT, gone, 0, harness.base_model, None)
     late = harness.sample(sampler_id, 0, _request(None, seed=2))
     harness.gateway.finish(TENANT, gone, "success")
-    assert lifecycle.free_session_files(harness.store, gone) == 1
+    assert lifecycle.free_session_files(harness.store, gone, now=time.time() + 3600) == 1
     harness.session = harness.gateway.create_session(TENANT, [], {})
     other = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
     assert harness.run([harness.sample(other, 0, _request(None, seed=2))])[0][1] == "pb"

@@ -383,12 +383,16 @@ def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
     run_until(trainer, harness, [harness.gateway.submit(TENANT, "forward_backward", model_id, 1,
                                                         _fb(model_id, 1, first), "pb")])
+    stranded = harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3))  # seq_id 2 never comes
+    trainer.step()
     harness.gateway.finish(TENANT, harness.session, "success")
     trainer.expire_sessions()
     assert trainer.engine.adapters() == [model_run_name(model_id)]
     trainer.end_grace_s = 0.0
     trainer.expire_sessions()
     assert trainer.engine.adapters() == []
+    answer = json.loads(harness.result(stranded)[0])  # answered, not left running for ever
+    assert answer["category"] == "user" and "seq_id 2" in answer["error"] and "did not run" in answer["error"]
     # the trainer's sweep deletes both ended sessions' call bodies, results and folds (here at once)
     trainer.session_files_kept_s = 0.0
     assert harness.store.list(f"sessions/{harness.session}/requests") != []
@@ -410,7 +414,7 @@ def test_a_call_whose_sessions_files_were_deleted_before_it_ran_is_dropped_and_t
     late = harness.gateway.submit(TENANT, "forward_backward", gone, 1, _fb(gone, 1, [_datum(1)]), "pb")
     gone_session = harness.session
     harness.gateway.finish(TENANT, gone_session, "success")
-    assert lifecycle.free_session_files(harness.store, gone_session) == 2
+    assert lifecycle.free_session_files(harness.store, gone_session, now=time.time() + 3600) == 2
     harness.session = harness.gateway.create_session(TENANT, [], {})
     trainer = harness.trainer()
     harness.create()
@@ -419,6 +423,28 @@ def test_a_call_whose_sessions_files_were_deleted_before_it_ran_is_dropped_and_t
     with pytest.raises(NotFoundError, match="deleted"):
         harness.result(late)
     trainer.close()
+
+
+def test_a_replayed_call_whose_body_was_deleted_but_not_yet_its_result_is_skipped(harness):
+    """A trainer restarted while an ended session's files are being deleted replays a forward_backward whose
+    result is still there and whose body is gone: it is skipped, and the trainer goes on."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    trainer.fold_all()
+    fb = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(3)]), "pb")
+    run_until(trainer, harness, [fb])
+    abandon(trainer)  # nothing committed past the forward_backward
+    gone = harness.session
+    lifecycle.record_end(harness.store, gone, "finished: success", at=time.time() - 2 * 86400)
+    harness.store.put(f"sessions/{gone}/files_deleted.json", json.dumps({"time": time.time()}).encode())
+    for key in harness.store.list(f"sessions/{gone}/requests"):  # a sweep half done: bodies gone, results not
+        harness.store.delete(key)
+    harness.session = harness.gateway.create_session(TENANT, [], {})
+    restarted = harness.trainer()
+    harness.create()
+    run_until(restarted, harness, [f"{harness.session}.train.0.create"])  # it did not stop at the old call
+    restarted.close()
 
 
 def test_three_clients_training_at_once_end_as_each_trained_alone(harness):
