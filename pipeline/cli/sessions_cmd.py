@@ -13,6 +13,7 @@ after the end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Annotated, Any
@@ -130,16 +131,36 @@ def end_session(session_id: Annotated[str, typer.Argument(help="The session id."
                   f"rlpipe sessions free {session_id})")
 
 
-@app.command("free", epilog="Example: rlpipe sessions free sess-0123456789abcdef")
+@app.command("free", epilog="Examples: rlpipe sessions free sess-0123456789abcdef; rlpipe sessions free --all-ended")
 @handle_user_errors
-def free_session(session_id: Annotated[str, typer.Argument(help="The session id.")], overrides: SetOpt = None,
-                 as_json: JsonOpt = False) -> None:
+def free_session(session_id: Annotated[str | None, typer.Argument(help="The session id.")] = None,
+                 all_ended: Annotated[bool, typer.Option("--all-ended", help=(
+                     "Every session that ended at least 10 minutes ago and still has its files (the whole store "
+                     "is read: sessions from before the trainers' index are found too)."))] = False,
+                 overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
     """Delete an ended session's call bodies, results and folds now (the trainers' sweep does it a day after the
     end); its records, checkpoints and sampler weights stay.  A live session is refused (end it first), and one
     that ended less than 10 minutes ago (calls accepted before its end may still run)."""
     from schemas.api import session_path
 
+    if (session_id is None) == (not all_ended):
+        fail("name one session, or pass --all-ended", 2)
     store = _store(overrides)
+    if all_ended:
+        freed: dict[str, int] = {}
+        for key in store.list("sessions"):
+            sid = key.rsplit("/", 1)[-1]
+            if not store.exists(f"sessions/{sid}/session.json") or files_deleted(store, sid) is not None:
+                continue
+            with contextlib.suppress(ValueError):  # live, or ended within the grace: left for later
+                freed[sid] = free_session_files(store, sid)
+        if as_json:
+            print_json({"freed": freed, "deleted": sum(freed.values())})
+            return
+        console.print(f"freed {len(freed)} ended sessions: deleted {sum(freed.values())} call bodies, results and "
+                      "fold files")
+        return
+    assert session_id is not None
     if not store.exists(f"{session_path(session_id)}/session.json"):
         fail(f"no session {session_id!r} in {store.root}; see `rlpipe sessions list`", 2)
     try:

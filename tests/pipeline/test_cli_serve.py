@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -94,6 +95,17 @@ def test_an_operator_frees_an_ended_sessions_files_and_a_live_one_is_refused(tmp
     shown = json.loads(runner.invoke(app, ["sessions", "show", session, "--json", "--set", f"store.root={root}"]).output)
     assert shown["requests"] == 0 and shown["files_deleted"]["reason"] == "freed by an operator"
     assert shown["models"] == [{"model_id": model_id, "base_model": "/m/a/tiny", "lora_rank": 8}]
+    # every ended session at once: a day-silent one (expired), not a live one nor the one already freed
+    silent, live = gateway.create_session("t-alice", [], {}), gateway.create_session("t-alice", [], {})
+    for sid in (silent, live):
+        gateway.submit("t-alice", "create_model", gateway.register_model("t-alice", sid, 0, "/m/a/tiny", 8, {}, None),
+                       None, b"{}")
+    store.put(f"sessions/{silent}/heartbeat.json", json.dumps({"time": time.time() - 2 * 86400}).encode())
+    every = runner.invoke(app, ["sessions", "free", "--all-ended", "--json", "--set", f"store.root={root}"])
+    assert every.exit_code == 0 and json.loads(every.output) == {"freed": {silent: 1}, "deleted": 1}
+    assert store.list(f"sessions/{live}/requests") != []
+    neither = runner.invoke(app, ["sessions", "free", "--set", f"store.root={root}"])
+    assert neither.exit_code == 2 and "--all-ended" in neither.output
 
 
 def test_serve_refuses_unknown_roles_and_prints_a_working_example():
