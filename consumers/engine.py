@@ -8,7 +8,8 @@ operations (the Tinker training calls, TINKER.md sections 5 and 10):
 
   create_adapter    new LoRA adapter (rank, alpha, target modules, seed)
   forward           per-token logprobs and loss, no gradients, nothing changes
-  forward_backward  the same, and gradients ADD to the adapter's accumulated ones
+  forward_backward  the same, and gradients ADD to the adapter's accumulated ones (a call whose
+                    loss is not finite is refused and adds none)
   optim_step        clip (optional), AdamW with this call's hyper-parameters, zero the gradients
                     (gradients that are not finite are discarded and the step refused)
   save_state        adapter + optimizer + RNG as one safetensors blob (metadata in its JSON header)
@@ -218,6 +219,10 @@ class TrainingEngine:
             try:
                 with _swapped_rng(adapter.rng):
                     result = self._run(datums, loss, loss_fn, backward=True)
+                    if not math.isfinite(result.loss):  # its gradients are inf or NaN: a step would ruin the weights
+                        raise EngineError(f"forward_backward refused: its loss is not finite ({result.loss}; an "
+                                          "importance ratio far from 1 overflows exp(lp - q)); no gradient was "
+                                          "added: check the datums' sampler logprobs")
                     adapter.rng = _capture_rng()
             except Exception:  # a call that fails half-way (e.g. out of memory) adds no gradient at all
                 for key, p in adapter.params.items():

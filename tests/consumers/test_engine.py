@@ -323,3 +323,18 @@ def test_an_optim_step_on_gradients_that_are_not_finite_is_refused_and_they_are_
     engine.forward_backward("a", datums(2), "cross_entropy")
     assert engine.optim_step("a", ADAM).step == 1  # and the adapter trains on
     assert all(bool(torch.isfinite(w).all()) for w in engine.weights("a").values())
+
+
+def test_a_forward_backward_whose_loss_is_not_finite_is_refused_and_adds_no_gradient(engine):
+    """Sampler logprobs of -500 make exp(lp - q) overflow: the call is refused, and the gradients accumulated by
+    the calls before it are kept, so the step can go on without it."""
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
+    engine.forward_backward("a", datums(1), "cross_entropy")
+    before = engine.gradients("a")
+    absurd = [Datum(d.tokens, d.target_tokens, weights=d.weights, logprobs=[-500.0 if w else 0.0 for w in d.weights],
+                    advantages=[1.0 if w else 0.0 for w in d.weights]) for d in datums(2)]
+    open_mask = {"is_cap": math.inf, "ratio_mask_low": 0.0, "ratio_mask_high": math.inf}
+    with pytest.raises(EngineError, match=r"loss is not finite.*no gradient was added"):
+        engine.forward_backward("a", absurd, "importance_sampling", open_mask)
+    assert max_difference(before, engine.gradients("a")) == 0.0
+    assert engine.optim_step("a", ADAM).step == 1
