@@ -74,6 +74,8 @@ from pipeline.io.tensors import save_tensors as save_safetensors
 from schemas.names import validate_name
 
 STATE_FORMAT = "rlpipe.engine.state/1"
+# how the refusal of a step on gradients that are not finite begins (it discards them: a replay must too)
+NOT_FINITE_STEP = "optim_step refused: the accumulated gradients are not finite"
 # loss name -> (function, the keyword arguments it accepts besides the normaliser)
 LOSSES: dict[str, tuple[Callable[..., tuple[torch.Tensor, LossStats]], frozenset[str]]] = {
     "cross_entropy": (cross_entropy_loss, frozenset()),
@@ -179,6 +181,16 @@ class TrainingEngine:
         with self._lock:
             return {key: p.detach().to("cpu", copy=True) for key, p in self._get(name).params.items()}
 
+    def has_gradients(self, name: str) -> bool:
+        """Whether adapter ``name`` holds gradients accumulated since its last step."""
+        with self._lock:
+            return any(p.grad is not None for p in self._get(name).params.values())
+
+    def discard_gradients(self, name: str) -> None:
+        """Drop adapter ``name``'s accumulated gradients (what a step refused for ``NOT_FINITE_STEP`` did)."""
+        with self._lock:
+            self._get(name).optimizer.zero_grad(set_to_none=True)
+
     def gradients(self, name: str) -> dict[str, torch.Tensor]:
         """The gradients accumulated since the adapter's last step (CPU copies; absent where none)."""
         with self._lock:
@@ -240,9 +252,9 @@ class TrainingEngine:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
             if not math.isfinite(grad_norm):  # a step would write NaN weights; the gradients are of no use
                 adapter.optimizer.zero_grad(set_to_none=True)
-                raise EngineError(f"optim_step refused: the accumulated gradients are not finite (norm {grad_norm}; "
-                                  "a loss that overflowed, e.g. an importance ratio far from 1); they were "
-                                  "discarded and the weights are unchanged: check the batch's sampler logprobs")
+                raise EngineError(f"{NOT_FINITE_STEP} (norm {grad_norm}; a loss that overflowed, e.g. an importance "
+                                  "ratio far from 1); they were discarded and the weights are unchanged: check the "
+                                  "batch's sampler logprobs")
             for group in adapter.optimizer.param_groups:
                 group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                              weight_decay=adam.weight_decay)

@@ -50,7 +50,7 @@ from typing import Any
 from tinker import types
 
 from consumers.api import ops
-from consumers.engine import TrainingEngine
+from consumers.engine import NOT_FINITE_STEP, TrainingEngine
 from consumers.engine_data import EngineError
 from pipeline.api import checkpoints, lifecycle
 from pipeline.api.activity import ACTIVITY_SWEEP_S, ActivityRecorder, sweep_activity
@@ -137,6 +137,7 @@ class TrainerWorker:
         self._replaying = False  # the call being run succeeded before (a replay after a restart)
         self._last_sweep = time.monotonic()  # the first sweep comes after a restart's replay
         self._last_activity_sweep = -math.inf
+        self._indexed = False  # whether the store's existing sessions are in the sweeps' indexes
         self._base_models: dict[str, str | None] = {}  # model record key -> its base model (for sweeps)
 
     # ---- the loop -------------------------------------------------------------------------------------------
@@ -168,6 +169,16 @@ class TrainerWorker:
         save of the same name), and retire the snapshots of their sessions that ended; how many of both."""
         self._last_sweep = time.monotonic()
         swept = 0
+        if not self._indexed:  # sessions from before the indexes: indexed once, before anything is swept
+            try:
+                indexed = lifecycle.index_existing_sessions(self.store)
+            except Exception as exc:
+                log.warning("indexing the store's existing sessions failed, to be tried again in %.0f s: %s",
+                            SWEEP_S, exc)
+                return 0
+            self._indexed = True
+            if indexed:
+                log.info("indexed %d sessions made before the sweeps' indexes", indexed)
         sweeps: tuple[tuple[str, Callable[[], int]], ...] = (
             ("expired checkpoints", lambda: checkpoints.sweep_base_model(self.store, self.base_model,
                                                                         self._base_models)),
@@ -256,8 +267,10 @@ class TrainerWorker:
         entry = ((consumed.topic, consumed.partition), consumed.offset)
         model.unfolded.append(entry)
         self._since_fold += 1
+        if stands and done == "error" and call.op == "optim_step" and model.loaded:
+            self._replay_refused_step(model, call)
         if stands:
-            return  # its result stands and it changed nothing (a call that failed changed nothing either)
+            return  # its result stands and it changed nothing (a call that failed changed nothing but this)
         started, wall = time.perf_counter(), time.time()
         self._tokens = 0  # trained tokens of this call (set by a forward_backward)
         self._replaying = done == "ok"  # a call that succeeded once (a restart's replay, or the call resent)
@@ -283,6 +296,13 @@ class TrainerWorker:
         if self.activity is not None:
             self.activity.record(call.session_id, call.tenant, call.op, wall, wall + seconds, self._tokens)
         log.debug("%s %s: %.3f s", call.op, call.request_id, seconds)
+
+    def _replay_refused_step(self, model: _Model, call: ApiRequestAccepted) -> None:
+        """A step refused for gradients that were not finite discarded them: a replay discards them there too."""
+        answer = json.loads(self.store.get(result_path(call.session_id, call.request_id, "json")))
+        if str(answer.get("error", "")).startswith(NOT_FINITE_STEP):
+            self.engine.discard_gradients(ops.adapter_name(model.model_id))
+            model.has_gradients = False
 
     def _answered(self, call: ApiRequestAccepted) -> str | None:
         """Whether the call has a stored result: None, "ok" or "error" (a JSON ``{"error", "category"}``)."""
@@ -329,8 +349,10 @@ class TrainerWorker:
             model.has_gradients |= not forward_only
             return encode_forward_backward_output(output), "pb"
         if call.op == "optim_step":
-            response = ops.optim_step(self.engine, model.model_id, parse_body(types.OptimStepRequest, body))
-            model.has_gradients = False
+            try:
+                response = ops.optim_step(self.engine, model.model_id, parse_body(types.OptimStepRequest, body))
+            finally:  # a refusal may have discarded them (gradients that are not finite), or kept them
+                model.has_gradients = self.engine.has_gradients(ops.adapter_name(model.model_id))
             return _json(response.model_dump(mode="json")), "json"
         if call.op == "save_weights":
             return self._save_weights(model, call, parse_body(types.SaveWeightsRequest, body)), "json"
@@ -413,8 +435,7 @@ class TrainerWorker:
                                                 int(request.sampling_session_seq_id or 0), self.base_model, None,
                                                 model.run, manifest.version, inflight=inflight)
             return _json({"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id})
-        checkpoints.write_record(self.store, path, None, checkpoints.expiry(request.ttl_seconds),
-                                 version=manifest.version)
+        checkpoints.name_sampler_version(self.store, path, manifest.version, checkpoints.expiry(request.ttl_seconds))
         return _json({"type": "save_weights_for_sampler", "path": str(path)})
 
     def _load_weights(self, model: _Model, call: ApiRequestAccepted, request: types.LoadWeightsRequest) -> bytes:

@@ -20,8 +20,8 @@ dropped: activity is telemetry, never a reason to stop serving.
 
 Objects are kept ``ACTIVITY_KEPT_S`` (30 days): ``sweep_activity`` (a trainer's
 sweep, at most every ``ACTIVITY_SWEEP_S``) deletes every engine's objects that
-ended before, by their names alone, and the folder of an engine left with none
-(a process that ended long ago).
+ended before, by their names alone, and on a local store the emptied folder of an
+engine left with none (a process that ended long ago).
 """
 
 from __future__ import annotations
@@ -194,8 +194,9 @@ def sweep_activity(store: ObjectStore, now: float | None = None, kept_s: float =
         for key in old:
             store.delete(key, missing_ok=True)
         deleted += len(old)
-        if old and len(old) == len(keys):
-            store.delete(f"{ENGINES_PREFIX}/{engine}", recursive=True, missing_ok=True)
+        if old and len(old) == len(keys):  # only what was listed: a live engine may be writing meanwhile
+            store.remove_empty_folder(_folder(engine))
+            store.remove_empty_folder(f"{ENGINES_PREFIX}/{engine}")
     return deleted
 
 

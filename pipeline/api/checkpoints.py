@@ -23,9 +23,10 @@ save of the same name, as a delete by a gateway that read an old record would.  
 sweep visits the clients in the expiring index (``EXPIRING``), not the whole store.
 
 **Sampler weights** are a registry version named by their record: when the record is
-deleted (or swept after its TTL) the version is noted in ``UNNAMED_VERSIONS`` first,
-and ``pipeline.api.lifecycle.sweep_unnamed_versions`` retires it once no live session
-samples from it.
+deleted (or swept after its TTL), or a save under the same name replaces it
+(``name_sampler_version``), the version it named is noted in ``UNNAMED_VERSIONS``
+first, and ``pipeline.api.lifecycle.sweep_unnamed_versions`` retires it once no live
+session samples from it.
 
 **Publication.** A published checkpoint (``public`` in its record) is every tenant's
 to load, sample from and download; only its owner changes or deletes it.
@@ -133,7 +134,8 @@ def _objects_there(store: ObjectStore, path: TinkerPath, record: dict[str, Any])
         return store.exists(weights_key(path))
     if path.kind == "external":
         return all(store.exists(external_file_key(path, file)) for file in record.get("files", {}))
-    return True  # sampler weights: the record names a registry version, which is never deleted
+    version = record.get("version")  # sampler weights: their version, unless a delete noted it as unnamed since
+    return not store.exists(f"{UNNAMED_VERSIONS}/{path.run}/{version}")
 
 
 # ---- the expiring index: which training clients have checkpoints with a TTL --------------------------------
@@ -262,13 +264,26 @@ def sweep_base_model(store: ObjectStore, base_model: str, base_models: dict[str,
     return swept
 
 
+def note_unnamed(store: ObjectStore, run: str, version: Any) -> None:
+    """Note that no record names registry ``version`` of ``run`` any more (sweeps retire it when unused)."""
+    if isinstance(version, int) and not isinstance(version, bool):
+        store.put(f"{UNNAMED_VERSIONS}/{run}/{version}", json.dumps({"time": time.time()}).encode())
+
+
+def name_sampler_version(store: ObjectStore, path: TinkerPath, version: int, expires_at: float | None) -> None:
+    """Record sampler weights ``path`` as registry ``version``; a version the name held before is noted unnamed
+    first (the SDK's named sampler saves replace their name)."""
+    before = read_record(store, path, expired=True)
+    if before is not None and before.get("version") != version:
+        note_unnamed(store, path.run, before.get("version"))
+    write_record(store, path, None, expires_at, version=version)
+
+
 def delete(store: ObjectStore, path: TinkerPath) -> None:
     """Remove the checkpoint's objects, its record last (sampler weights: their version noted as unnamed first)."""
     if path.kind == "sampler":
         record = read_record(store, path, expired=True)
-        version = None if record is None else record.get("version")
-        if isinstance(version, int) and not isinstance(version, bool):
-            store.put(f"{UNNAMED_VERSIONS}/{path.run}/{version}", json.dumps({"time": time.time()}).encode())
+        note_unnamed(store, path.run, None if record is None else record.get("version"))
     if path.kind == "training":
         store.delete(weights_key(path), missing_ok=True)
     elif path.kind == "external":

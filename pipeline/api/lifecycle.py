@@ -46,7 +46,9 @@ sweep visits the index (recording the expiries it sees), writes
 files and removes the entry, so a sweep cut short is finished by the next.  The
 session's own records stay: ``session.json``, its end, its models' and sampling
 sessions' records (the listings read them), and its checkpoints, which live under
-``runs/``.  ``free_session_files`` does the same for one ended session at once
+``runs/``; its notes as a user of named sampler weights go.  Sessions made before
+these indexes existed are put in them once per store (``index_existing_sessions``,
+a trainer's first sweep).  ``free_session_files`` does the same for one ended session at once
 (``rlpipe sessions free``), including a session the index does not hold.
 """
 
@@ -71,6 +73,7 @@ END_GRACE_S = 600.0  # what a session made is freed no sooner than this after it
 SNAPSHOTS = "api/snapshots"  # one empty object per training client (its run name) that made a snapshot
 SESSION_FILES_KEPT_S = 86400.0  # an ended session's call bodies, results and folds are deleted a day after its end
 OPEN_SESSIONS = "api/open-sessions"  # one empty object per session whose files are not deleted yet
+INDEXED = "api/indexed.json"  # written once the sessions already in a store were put in the indexes
 _DELETED_FOLDERS = ("results", "requests")  # results first: a call replayed meanwhile finds no result either
 UNNAMED_REASON = ("its name (sampler_weights) was deleted or expired, and no live session samples from it; "
                   "save_weights_for_sampler(name) keeps weights while the name lives")
@@ -203,40 +206,57 @@ def sweep_unnamed_versions(store: ObjectStore, base_model: str, base_models: dic
                            grace_s: float = END_GRACE_S) -> int:
     """Retire ``base_model``'s registry versions whose sampler_weights name is gone and that no session sampling
     them still needs (the module docstring); how many.  A version whose records cannot be read is logged and left
-    for the next sweep; the others go on."""
+    for the next sweep; the others go on.  Each session's end and each model's named versions are read once."""
     now = time.time() if now is None else now
     retired = 0
+    ends: dict[str, tuple[str, float] | None] = {}
     for folder in store.list(UNNAMED_VERSIONS):
         model_id = model_of_run(folder.rsplit("/", 1)[-1])
         if model_id is None or base_model_of(store, model_id, base_models) != base_model:
             continue
+        named: set[int] | None = None
         for key in store.list(folder):
             try:
-                retired += _sweep_unnamed(store, key, model_id, now, expiry_s, grace_s)
+                run, version = model_run_name(model_id), int(key.rsplit("/", 1)[-1])
+                noted = _seconds((_read(store, key) or {}).get("time"))
+                if (noted is not None and now - noted < grace_s) or _in_use(store, run, version, ends, now,
+                                                                           expiry_s, grace_s):
+                    continue
+                named = named_versions(store, model_id) if named is None else named
+                retired += _retire_unnamed(store, key, run, version, version in named)
             except (OSError, ValueError, LookupError) as exc:
                 log.warning("%s was not swept, to be tried at the next sweep: %s", key, exc)
+        store.remove_empty_folder(folder)
     return retired
 
 
-def _sweep_unnamed(store: ObjectStore, key: str, model_id: str, now: float, expiry_s: float, grace_s: float) -> int:
-    run, version = model_run_name(model_id), int(key.rsplit("/", 1)[-1])
-    noted = _seconds((_read(store, key) or {}).get("time"))
-    if noted is not None and now - noted < grace_s:
-        return 0
-    if version not in named_versions(store, model_id):
-        users = f"{VERSION_USERS}/{run}/{version}"
-        for user in store.list(users):
-            end = session_end(store, user.rsplit("/", 1)[-1], now, expiry_s)
-            if end is None or now - end[1] < grace_s:
-                return 0  # a session that may still sample it
+def _in_use(store: ObjectStore, run: str, version: int, ends: dict[str, tuple[str, float] | None], now: float,
+            expiry_s: float, grace_s: float) -> bool:
+    """Whether a session that samples the version may still sample it (live, or ended within ``grace_s``)."""
+    for user in store.list(f"{VERSION_USERS}/{run}/{version}"):
+        session = user.rsplit("/", 1)[-1]
+        if session not in ends:
+            ends[session] = session_end(store, session, now, expiry_s)
+        end = ends[session]
+        if end is None or now - end[1] < grace_s:
+            return True
+    return False
+
+
+def _retire_unnamed(store: ObjectStore, key: str, run: str, version: int, still_named: bool) -> int:
+    """Retire the noted version unless a record still names it (a delete cut short: noted again when deleted
+    again); then its notes go."""
+    retired = False
+    if not still_named:
         try:
             retired = AdapterRegistry(store, run).retire(version, UNNAMED_REASON)
         except AdapterNotFoundError:
             retired = False  # never committed, or its manifest is gone: nothing to retire
+        users = f"{VERSION_USERS}/{run}/{version}"
         for user in store.list(users):
             store.delete(user, missing_ok=True)
-    else:
-        retired = False  # still named (a delete cut short): kept, and noted again when deleted again
+        store.remove_empty_folder(users)
+        store.remove_empty_folder(users.rsplit("/", 1)[0])
     store.delete(key, missing_ok=True)
     return int(retired)
 
@@ -301,7 +321,39 @@ def _delete_files(store: ObjectStore, session_id: str, end: tuple[str, float], k
     keys += [key for key in store.list(f"{prefix}/models") if ".fold." in key.rsplit("/", 1)[-1]]
     for key in keys:
         store.delete(key, missing_ok=True)
+    for run, version in _sampled_paths(store, session_id):  # it samples nothing any more
+        store.delete(f"{VERSION_USERS}/{run}/{version}/{session_id}", missing_ok=True)
     return len(keys)
+
+
+def _sampled_paths(store: ObjectStore, session_id: str) -> set[tuple[str, int]]:
+    """(run, version) of every named sampler weights path the session made a sampling client on."""
+    found = set()
+    for key in store.list(f"{session_path(session_id)}/samplers"):
+        record = _read(store, key) or {}
+        run, version = record.get("run"), record.get("version")
+        if record.get("model_path") and isinstance(run, str) and isinstance(version, int):
+            found.add((run, version))
+    return found
+
+
+def index_existing_sessions(store: ObjectStore) -> int:
+    """Note every session already in the store in ``OPEN_SESSIONS`` (unless its files were deleted), and each of
+    its sampling clients on a path in ``VERSION_USERS``, once per store (``INDEXED``): sessions made before these
+    indexes existed are then swept, and the weights they sample kept, like new ones.  How many sessions."""
+    if _read(store, INDEXED) is not None:
+        return 0
+    count = 0
+    for folder in store.list("sessions"):
+        session = folder.rsplit("/", 1)[-1]
+        if not store.exists(f"{folder}/session.json") or files_deleted(store, session) is not None:
+            continue
+        for run, version in _sampled_paths(store, session):
+            store.put(f"{VERSION_USERS}/{run}/{version}/{session}", b"")
+        store.put(f"{OPEN_SESSIONS}/{session}", b"")
+        count += 1
+    store.put(INDEXED, json.dumps({"version": 1, "time": time.time(), "sessions": count}).encode())
+    return count
 
 
 def _read(store: ObjectStore, key: str) -> dict[str, Any] | None:

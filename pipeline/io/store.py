@@ -241,6 +241,12 @@ class ObjectStore:
             if not missing_ok:
                 raise FileNotFoundError(f"nothing to delete at {self.url(key)}") from None
 
+    def remove_empty_folder(self, key: str) -> None:
+        """Remove the folder at ``key`` if it holds nothing (a local store's; object stores have no folders)."""
+        if self._is_local:
+            with contextlib.suppress(OSError):  # not empty (written meanwhile), or already gone
+                os.rmdir(self.path(validate_key(key)))
+
     # -- reads -------------------------------------------------------------------------------
 
     def get(self, key: str, sha256: str | None = None) -> bytes:

@@ -447,6 +447,39 @@ def test_a_replayed_call_whose_body_was_deleted_but_not_yet_its_result_is_skippe
     restarted.close()
 
 
+def test_an_optim_step_refused_for_gradients_that_are_not_finite_discards_them_again_on_replay(harness):
+    """The refusal discards the gradients (a change), so a restarted trainer replaying from an older fold must
+    discard them at the same point, not skip the call as one that changed nothing."""
+    import math
+
+    trainer = harness.trainer()
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    trainer.fold_all()
+    run = model_run_name(model_id)
+
+    def poison_gradients() -> None:  # what a loss that overflowed in its backward leaves (here by hand, once)
+        next(iter(trainer.engine._get(run).params.values())).grad.view(-1)[0] = math.nan
+
+    calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(1)]), "pb")]
+    run_until(trainer, harness, calls)
+    poison_gradients()
+    calls.append(harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2)))
+    run_until(trainer, harness, calls)
+    assert "not finite" in json.loads(harness.result(calls[-1])[0])["error"]
+    assert not trainer.models[model_id].has_gradients  # discarded: the model may be folded again
+    calls += [harness.gateway.submit(TENANT, "forward_backward", model_id, 3, _fb(model_id, 3, [_datum(2)]), "pb"),
+              harness.gateway.submit(TENANT, "optim_step", model_id, 4, _optim(model_id, 4))]
+    run_until(trainer, harness, calls)
+    weights = trainer.engine.weights(run)
+    abandon(trainer)  # nothing folded or committed after the create
+    restarted = harness.trainer()
+    probe = harness.gateway.submit(TENANT, "forward_backward", model_id, 5, _fb(model_id, 5, [_datum(3)]), "pb")
+    run_until(restarted, harness, [probe])
+    assert_same(restarted.engine.weights(run), weights)
+    restarted.close()
+
+
 def test_three_clients_training_at_once_end_as_each_trained_alone(harness):
     trainer = harness.trainer()
     models = [harness.create(seq) for seq in range(3)]

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from pipeline.api.checkpoints import UNNAMED_VERSIONS, checkpoint_prefix, sweep_base_model, write_record
+from pipeline.api.checkpoints import (
+    UNNAMED_VERSIONS,
+    NotFound,
+    checkpoint_prefix,
+    name_sampler_version,
+    set_ttl,
+    sweep_base_model,
+)
 from pipeline.api.gateway import Gateway, NotFoundError, ServedModel, SessionEndedError
 from pipeline.api.lifecycle import (
     END_GRACE_S,
@@ -18,6 +25,7 @@ from pipeline.api.lifecycle import (
     end_key,
     files_deleted,
     free_session_files,
+    index_existing_sessions,
     mark_snapshots,
     session_end,
     sweep_sessions,
@@ -314,8 +322,8 @@ def named_save(store: ObjectStore, tmp_path, session: str, model_id: str, seq: i
     """What the trainer does for save_weights_for_sampler(name): a registry version and its checkpoint record."""
     version = snapshot(store, tmp_path, session, model_id, seq, path=f"tinker://{model_id}/sampler_weights/{name}",
                        record=False)
-    write_record(store, TinkerPath(model_id, "sampler", name), None,
-                 None if ttl is None else time.time() + ttl, version=version)
+    name_sampler_version(store, TinkerPath(model_id, "sampler", name), version,
+                         None if ttl is None else time.time() + ttl)
     return version
 
 
@@ -372,3 +380,46 @@ def test_a_delete_cut_short_keeps_the_version_it_still_names(gateway, store, tmp
     assert sweep_unnamed_versions(store, BASE, {}, now=time.time() + LATER) == 0  # still named: kept
     assert AdapterRegistry(store, model_run_name(model_id)).pull(version, tmp_path / "cache").is_dir()
     assert store.list(UNNAMED_VERSIONS) == []
+
+
+def test_a_name_saved_again_frees_the_version_it_named_and_a_ttl_set_after_a_delete_does_not_revive_it(
+        gateway, store, tmp_path):
+    session = gateway.create_session("t-alice", [], {})
+    model_id = gateway.register_model("t-alice", session, 0, BASE, 4, {}, None)
+    first = named_save(store, tmp_path, session, model_id, 1, "latest")
+    second = named_save(store, tmp_path, session, model_id, 2, "latest")  # the SDK's named saves replace the name
+    assert sweep_unnamed_versions(store, BASE, {}, now=time.time() + LATER) == 1
+    registry = AdapterRegistry(store, model_run_name(model_id))
+    with pytest.raises(AdapterNotFoundError, match="was deleted or expired"):
+        registry.pull(first, tmp_path / "cache")
+    assert registry.pull(second, tmp_path / "cache").is_dir()
+    # a TTL change that read the record before a delete and writes it after: the record is removed again
+    path = TinkerPath(model_id, "sampler", "latest")
+    record = store.get(f"{checkpoint_prefix(model_run_name(model_id), 'sampler_weights')}/latest.json")
+    gateway.delete_checkpoint("t-alice", model_id, "sampler_weights/latest")
+    store.put(f"{checkpoint_prefix(model_run_name(model_id), 'sampler_weights')}/latest.json", record)
+    with pytest.raises(NotFound, match="deleted meanwhile"):
+        set_ttl(store, path, 7200)
+    assert sweep_unnamed_versions(store, BASE, {}, now=time.time() + LATER) == 1
+
+
+def test_sessions_made_before_the_indexes_are_indexed_once_and_the_weights_they_sample_kept(
+        gateway, tmp_path):
+    store = ObjectStore(f"file://{tmp_path}/store")  # a local store: emptied index folders go too
+    gateway = gateway_on(store)
+    session = gateway.create_session("t-alice", [], {})
+    model_id = gateway.register_model("t-alice", session, 0, BASE, 4, {}, None)
+    version = named_save(store, tmp_path, session, model_id, 1, "shared")
+    reader = gateway.create_session("t-alice", [], {})
+    gateway.create_sampling_session("t-alice", reader, 0, None, f"tinker://{model_id}/sampler_weights/shared")
+    for key in store.list("api", recursive=True):  # as a store written before the indexes existed
+        store.delete(key)
+    assert index_existing_sessions(store) == 2 and index_existing_sessions(store) == 0  # once per store
+    assert sorted(k.rsplit("/", 1)[-1] for k in store.list(OPEN_SESSIONS)) == sorted([session, reader])
+    gateway.delete_checkpoint("t-alice", model_id, "sampler_weights/shared")
+    assert sweep_unnamed_versions(store, BASE, {}, now=time.time() + LATER) == 0  # the reader still samples it
+    gateway.finish("t-alice", reader, "success")
+    assert sweep_sessions(store, now=time.time() + SESSION_FILES_KEPT_S + 1) == 1  # the reader's files go...
+    assert store.list(f"{VERSION_USERS}/{model_run_name(model_id)}/{version}") == []  # ...and its user note
+    assert sweep_unnamed_versions(store, BASE, {}, now=time.time() + LATER) == 1
+    assert store.list(UNNAMED_VERSIONS) == [] and store.list(VERSION_USERS) == []
