@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -137,7 +138,8 @@ class TrainerWorker:
         self._replaying = False  # the call being run succeeded before (a replay after a restart)
         self._last_sweep = time.monotonic()  # the first sweep comes after a restart's replay
         self._last_activity_sweep = -math.inf
-        self._indexed = False  # whether the store's existing sessions are in the sweeps' indexes
+        self._indexed = threading.Event()  # set once the store's existing sessions are in the sweeps' indexes
+        self._indexing: threading.Thread | None = None
         self._base_models: dict[str, str | None] = {}  # model record key -> its base model (for sweeps)
 
     # ---- the loop -------------------------------------------------------------------------------------------
@@ -166,28 +168,22 @@ class TrainerWorker:
 
     def sweep_checkpoints(self) -> int:
         """Delete the expired checkpoints of this base model's training clients (between calls, so never beside a
-        save of the same name), and retire the snapshots of their sessions that ended; how many of both."""
+        save of the same name), retire the snapshots of their sessions that ended and their sampler weights whose
+        name is gone, delete ended sessions' files and old engine activity; how many things in all.  The two
+        sweeps that need the store's sessions indexed wait for ``_index_existing_sessions``."""
         self._last_sweep = time.monotonic()
         swept = 0
-        if not self._indexed:  # sessions from before the indexes: indexed once, before anything is swept
-            try:
-                indexed = lifecycle.index_existing_sessions(self.store)
-            except Exception as exc:
-                log.warning("indexing the store's existing sessions failed, to be tried again in %.0f s: %s",
-                            SWEEP_S, exc)
-                return 0
-            self._indexed = True
-            if indexed:
-                log.info("indexed %d sessions made before the sweeps' indexes", indexed)
+        self._index_existing_sessions()
+        indexed = self._indexed.is_set()  # until then a session from before the indexes could lose its weights
         sweeps: tuple[tuple[str, Callable[[], int]], ...] = (
             ("expired checkpoints", lambda: checkpoints.sweep_base_model(self.store, self.base_model,
                                                                         self._base_models)),
             ("snapshots of ended sessions", lambda: lifecycle.sweep_snapshots(self.store, self.base_model,
                                                                              self._base_models)),
             ("sampler weights whose name is gone", lambda: lifecycle.sweep_unnamed_versions(
-                self.store, self.base_model, self._base_models)),
-            ("files of ended sessions", lambda: lifecycle.sweep_sessions(self.store,
-                                                                         kept_s=self.session_files_kept_s)),
+                self.store, self.base_model, self._base_models) if indexed else 0),
+            ("files of ended sessions", lambda: lifecycle.sweep_sessions(
+                self.store, kept_s=self.session_files_kept_s) if indexed else 0),
             ("engine activity records past their days", self._sweep_activity))
         for what, sweep in sweeps:
             try:
@@ -199,6 +195,29 @@ class TrainerWorker:
                 log.info("swept %d %s", done, what)
             swept += done
         return swept
+
+    def _index_existing_sessions(self) -> None:
+        """Put the sessions made before the sweeps' indexes into them, once per store, in a thread of its own (it
+        reads the whole store); the sweeps that need the indexes wait for it (``wait_indexed``)."""
+        if self._indexed.is_set() or (self._indexing is not None and self._indexing.is_alive()):
+            return
+
+        def index() -> None:
+            try:
+                count = lifecycle.index_existing_sessions(self.store)
+            except Exception as exc:  # tried again at the next sweep
+                log.warning("indexing the store's existing sessions failed, to be tried again: %s", exc)
+                return
+            self._indexed.set()
+            if count:
+                log.info("indexed %d sessions made before the sweeps' indexes", count)
+
+        self._indexing = threading.Thread(target=index, name="index-sessions", daemon=True)
+        self._indexing.start()
+
+    def wait_indexed(self, timeout_s: float) -> bool:
+        """Whether the store's existing sessions are in the sweeps' indexes, waiting up to ``timeout_s``."""
+        return self._indexed.wait(timeout_s)
 
     def _sweep_activity(self) -> int:
         """``sweep_activity`` at most every ``ACTIVITY_SWEEP_S`` (it lists every engine's records)."""

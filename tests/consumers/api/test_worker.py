@@ -398,6 +398,8 @@ def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then
     assert harness.store.list(f"sessions/{harness.session}/requests") != []
     old_activity = "engines/trainer-gone-1/activity/1600000000000-1600000001000-0a1b2c3d.jsonl"  # 2020
     harness.store.put(old_activity, b"")
+    trainer.sweep_checkpoints()  # the first sweep indexes the store's sessions (once, in a thread) first
+    assert trainer.wait_indexed(30.0)
     trainer.sweep_checkpoints()
     assert not harness.store.exists(old_activity)  # and engine activity past its days
     for folder in ("requests", "results"):
