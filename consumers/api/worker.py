@@ -7,11 +7,8 @@ in ``seq_id`` order, waiting for gaps, since the SDK sends a batch's chunks
 concurrently and the first last), fold (checkpoint clean adapters, then commit
 offsets; when idle for ``fold_idle_s`` or every ``fold_every`` calls), expire
 (unload the adapters of sessions that ended or whose heartbeats lapsed), and
-every ``SWEEP_S`` a sweep (delete expired checkpoints, retire the snapshots of
-sessions that ended and the sampler weights whose name was deleted, delete ended sessions' call bodies, results and folds a day
-after the end: ``pipeline.api.lifecycle``; every trainer sweeps every session, and
-deleting twice is harmless; and every ``ACTIVITY_SWEEP_S`` the engines' activity
-records older than ``ACTIVITY_KEPT_S``: ``pipeline.api.activity``).
+every ``SWEEP_S`` the sweeps of ``consumers.api.sweeps`` (expired checkpoints,
+what ended sessions and deleted names leave, old engine activity).
 
 A training client's state is a fold over its request log.  The fold of a model
 (``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob, stored under
@@ -39,9 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,10 +46,11 @@ from typing import Any
 from tinker import types
 
 from consumers.api import ops
+from consumers.api.sweeps import SWEEP_S, Sweeper
 from consumers.engine import NOT_FINITE_STEP, TrainingEngine
 from consumers.engine_data import EngineError
 from pipeline.api import checkpoints, lifecycle
-from pipeline.api.activity import ACTIVITY_SWEEP_S, ActivityRecorder, sweep_activity
+from pipeline.api.activity import ActivityRecorder
 from pipeline.api.checkpoints import weights_key
 from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
 from pipeline.api.gateway import parse_body
@@ -77,7 +73,6 @@ log = logging.getLogger("rlpipe.api.trainer")
 # calls that change no adapter state: never re-executed
 _PURE_OPS = ("save_weights", "save_weights_for_sampler", "save_weights_external")
 _SAMPLING_OPS = ("create_sampling_session", "sample")
-SWEEP_S = 600.0  # how often a trainer deletes its base model's expired checkpoints
 
 
 # ---- the worker --------------------------------------------------------------------------------------------------
@@ -126,7 +121,6 @@ class TrainerWorker:
         self.activity = activity
         self.fold_every, self.fold_idle_s, self.session_timeout_s = fold_every, fold_idle_s, session_timeout_s
         self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's unclean adapter is held this long
-        self.session_files_kept_s = lifecycle.SESSION_FILES_KEPT_S  # its call bodies, results and folds this long
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
         self.publisher = EventPublisher(bus)
@@ -137,10 +131,7 @@ class TrainerWorker:
         self._tokens = 0
         self._replaying = False  # the call being run succeeded before (a replay after a restart)
         self._last_sweep = time.monotonic()  # the first sweep comes after a restart's replay
-        self._last_activity_sweep = -math.inf
-        self._indexed = threading.Event()  # set once the store's existing sessions are in the sweeps' indexes
-        self._indexing: threading.Thread | None = None
-        self._base_models: dict[str, str | None] = {}  # model record key -> its base model (for sweeps)
+        self.sweeper = Sweeper(store, base_model)
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
@@ -167,64 +158,9 @@ class TrainerWorker:
         return executed
 
     def sweep_checkpoints(self) -> int:
-        """Delete the expired checkpoints of this base model's training clients (between calls, so never beside a
-        save of the same name), retire the snapshots of their sessions that ended and their sampler weights whose
-        name is gone, delete ended sessions' files and old engine activity; how many things in all.  The two
-        sweeps that need the store's sessions indexed wait for ``_index_existing_sessions``."""
+        """The sweeps of ``consumers.api.sweeps`` now (between calls, so never beside a save of the same name)."""
         self._last_sweep = time.monotonic()
-        swept = 0
-        self._index_existing_sessions()
-        indexed = self._indexed.is_set()  # until then a session from before the indexes could lose its weights
-        sweeps: tuple[tuple[str, Callable[[], int]], ...] = (
-            ("expired checkpoints", lambda: checkpoints.sweep_base_model(self.store, self.base_model,
-                                                                        self._base_models)),
-            ("snapshots of ended sessions", lambda: lifecycle.sweep_snapshots(self.store, self.base_model,
-                                                                             self._base_models)),
-            ("sampler weights whose name is gone", lambda: lifecycle.sweep_unnamed_versions(
-                self.store, self.base_model, self._base_models) if indexed else 0),
-            ("files of ended sessions", lambda: lifecycle.sweep_sessions(
-                self.store, kept_s=self.session_files_kept_s) if indexed else 0),
-            ("engine activity records past their days", self._sweep_activity))
-        for what, sweep in sweeps:
-            try:
-                done = sweep()
-            except Exception as exc:  # the store's trouble must not stop the calls; the next sweep tries again
-                log.warning("the sweep of %s failed, to be tried again in %.0f s: %s", what, SWEEP_S, exc)
-                continue
-            if done:
-                log.info("swept %d %s", done, what)
-            swept += done
-        return swept
-
-    def _index_existing_sessions(self) -> None:
-        """Put the sessions made before the sweeps' indexes into them, once per store, in a thread of its own (it
-        reads the whole store); the sweeps that need the indexes wait for it (``wait_indexed``)."""
-        if self._indexed.is_set() or (self._indexing is not None and self._indexing.is_alive()):
-            return
-
-        def index() -> None:
-            try:
-                count = lifecycle.index_existing_sessions(self.store)
-            except Exception as exc:  # tried again at the next sweep
-                log.warning("indexing the store's existing sessions failed, to be tried again: %s", exc)
-                return
-            self._indexed.set()
-            if count:
-                log.info("indexed %d sessions made before the sweeps' indexes", count)
-
-        self._indexing = threading.Thread(target=index, name="index-sessions", daemon=True)
-        self._indexing.start()
-
-    def wait_indexed(self, timeout_s: float) -> bool:
-        """Whether the store's existing sessions are in the sweeps' indexes, waiting up to ``timeout_s``."""
-        return self._indexed.wait(timeout_s)
-
-    def _sweep_activity(self) -> int:
-        """``sweep_activity`` at most every ``ACTIVITY_SWEEP_S`` (it lists every engine's records)."""
-        if time.monotonic() - self._last_activity_sweep < ACTIVITY_SWEEP_S:
-            return 0
-        self._last_activity_sweep = time.monotonic()
-        return sweep_activity(self.store)
+        return self.sweeper.sweep()
 
     def close(self) -> None:
         self.consumer.close()

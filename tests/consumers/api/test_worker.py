@@ -394,12 +394,12 @@ def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then
     answer = json.loads(harness.result(stranded)[0])  # answered, not left running for ever
     assert answer["category"] == "user" and "seq_id 2" in answer["error"] and "did not run" in answer["error"]
     # the trainer's sweep deletes both ended sessions' call bodies, results and folds (here at once)
-    trainer.session_files_kept_s = 0.0
+    trainer.sweeper.session_files_kept_s = 0.0
     assert harness.store.list(f"sessions/{harness.session}/requests") != []
     old_activity = "engines/trainer-gone-1/activity/1600000000000-1600000001000-0a1b2c3d.jsonl"  # 2020
     harness.store.put(old_activity, b"")
     trainer.sweep_checkpoints()  # the first sweep indexes the store's sessions (once, in a thread) first
-    assert trainer.wait_indexed(30.0)
+    assert trainer.sweeper.wait_indexed(30.0)
     trainer.sweep_checkpoints()
     assert not harness.store.exists(old_activity)  # and engine activity past its days
     for folder in ("requests", "results"):
