@@ -82,6 +82,8 @@ def list_sessions(overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
                   "last heartbeat", title="API sessions")
     for s in summaries:
         state = s["end"] if s["ended"] else s["state"]
+        if s["files_deleted"]:
+            state += "; its calls' files deleted"
         beat = f"{s['last_heartbeat_s_ago']} s ago" if s["state"] == "live" else f"{state} ({s['last_heartbeat_s_ago']} s ago)"
         table.add_row(s["session_id"], s["tenant"], str(len(s["models"])), str(s["requests"]),
                       str(len(s["pending"])), beat)

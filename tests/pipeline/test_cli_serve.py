@@ -95,6 +95,8 @@ def test_an_operator_frees_an_ended_sessions_files_and_a_live_one_is_refused(tmp
     shown = json.loads(runner.invoke(app, ["sessions", "show", session, "--json", "--set", f"store.root={root}"]).output)
     assert shown["requests"] == 0 and shown["files_deleted"]["reason"] == "freed by an operator"
     assert shown["models"] == [{"model_id": model_id, "base_model": "/m/a/tiny", "lora_rank": 8}]
+    table = runner.invoke(app, ["sessions", "list", "--set", f"store.root={root}"], env={"COLUMNS": "250"})
+    assert "calls' files deleted" in " ".join(table.output.split())
     # every ended session at once: a day-silent one (expired), not a live one nor the one already freed
     silent, live = gateway.create_session("t-alice", [], {}), gateway.create_session("t-alice", [], {})
     for sid in (silent, live):
