@@ -12,7 +12,8 @@ operations (the Tinker training calls, TINKER.md sections 5 and 10):
                     loss is not finite is refused and adds none)
   optim_step        clip (optional), AdamW with this call's hyper-parameters, zero the gradients
                     (gradients that are not finite are discarded and the step refused)
-  save_state        adapter + optimizer + RNG as one safetensors blob (metadata in its JSON header)
+  save_state        adapter + optimizer + RNG as one safetensors blob (metadata in its JSON header),
+                    optionally the accumulated gradients too (what a trainer's fold keeps)
   load_state        the reverse; the optimizer is optional, an unknown name is created from the state
   export_for_sampling  PEFT folder (adapter_config.json + adapter_model.safetensors) for the registry
   delete_adapter    forget it
@@ -263,11 +264,16 @@ class TrainingEngine:
             adapter.step += 1
             return StepInfo(grad_norm, adam.learning_rate, adapter.step)
 
-    def save_state(self, name: str) -> bytes:
-        """Adapter weights, AdamW state and RNG as safetensors bytes; configuration in the header's JSON."""
+    def save_state(self, name: str, with_gradients: bool = False) -> bytes:
+        """Adapter weights, AdamW state and RNG as safetensors bytes; configuration in the header's JSON.  With
+        ``with_gradients`` also the gradients accumulated since the last step (a trainer's fold; a checkpoint,
+        as Tinker's, holds none)."""
         with self._lock:
             adapter = self._get(name)
             tensors = {f"adapter.{key}": p.detach().to("cpu").contiguous() for key, p in adapter.params.items()}
+            if with_gradients:
+                tensors.update({f"gradient.{key}": p.grad.detach().to("cpu").contiguous()
+                                for key, p in adapter.params.items() if p.grad is not None})
             optimizer, param_groups = optimizer_tensors(adapter.optimizer)
             tensors.update({f"optimizer.{key}": value for key, value in optimizer.items()})
             tensors.update({f"rng.{key}": value for key, value in adapter.rng.items()})
@@ -278,7 +284,7 @@ class TrainingEngine:
     def load_state(self, name: str, state: bytes, with_optimizer: bool = True) -> None:
         """Restore a ``save_state`` blob into ``name`` (created if unknown); without the optimizer, Adam starts afresh.
 
-        Accumulated gradients are dropped either way.
+        Accumulated gradients are replaced by those of the state (none, unless it was saved with them).
         """
         with self._lock:
             tensors, meta = _read_state(state)
@@ -424,8 +430,12 @@ class TrainingEngine:
             for key, value in weights.items():
                 adapter.params[key].copy_(value.to(adapter.params[key].device))
         adapter.optimizer = torch.optim.AdamW(list(adapter.params.values()), lr=0.0)  # drops the old state
-        for p in adapter.params.values():
-            p.grad = None
+        gradients = {key[len("gradient."):]: t for key, t in tensors.items() if key.startswith("gradient.")}
+        if not all(key in adapter.params and tuple(t.shape) == tuple(adapter.params[key].shape)
+                   for key, t in gradients.items()):
+            raise EngineError("state's gradients do not match its adapter's tensors; it is damaged")
+        for key, p in adapter.params.items():
+            p.grad = gradients[key].to(p.device, p.dtype).clone() if key in gradients else None
         if with_optimizer:
             optimizer = {key[len("optimizer."):]: t for key, t in tensors.items() if key.startswith("optimizer.")}
             load_optimizer_tensors(adapter.optimizer, optimizer, meta["param_groups"], self.device)

@@ -95,10 +95,12 @@ def optim_step(engine: TrainingEngine, model_id: str, request: types.OptimStepRe
                                             "learning_rate:mean": step.learning_rate, "step:max": float(step.step)})
 
 
-def save_state(engine: TrainingEngine, model_id: str, with_optimizer: bool = True) -> bytes:
-    """The model's weights, and unless ``with_optimizer`` is False its AdamW state, as safetensors bytes."""
+def save_state(engine: TrainingEngine, model_id: str, with_optimizer: bool = True,
+               with_gradients: bool = False) -> bytes:
+    """The model's weights, and unless ``with_optimizer`` is False its AdamW state, as safetensors bytes (with
+    ``with_gradients`` also its accumulated gradients: a trainer's fold)."""
     name = _known_model(engine, model_id)
-    state = engine.save_state(name)
+    state = engine.save_state(name, with_gradients=with_gradients)
     if with_optimizer:
         return state
     tensors = {key: t for key, t in load_safetensors(state).items() if not key.startswith("optimizer.")}

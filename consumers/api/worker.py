@@ -11,9 +11,9 @@ every ``SWEEP_S`` the sweeps of ``consumers.api.sweeps`` (expired checkpoints,
 what ended sessions and deleted names leave, old engine activity).
 
 A training client's state is a fold over its request log.  The fold of a model
-(``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob, stored under
-a name of its own, and the last ``seq_id`` it includes) is written only at a
-clean point, when no gradients are accumulated (they are not part of the state), and the group's
+(``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob with the
+accumulated gradients too, stored under a name of its own, and the last ``seq_id``
+it includes) is written when idle or every ``fold_every`` calls, and the group's
 offsets are committed only below the oldest call not yet in a fold.  A trainer
 that dies is restarted from the folds plus the calls after them, re-executed in
 order, so it ends with the same weights.  Results are written create-only:
@@ -428,9 +428,9 @@ class TrainerWorker:
 
     # ---- fold ------------------------------------------------------------------------------------------------
     def fold_all(self) -> None:
-        """Checkpoint every clean model with executed calls, then commit offsets below what no fold covers."""
+        """Checkpoint every model with executed calls, then commit offsets below what no fold covers."""
         for model in self.models.values():
-            if model.unfolded and model.loaded and not model.has_gradients:
+            if model.unfolded and model.loaded:
                 self._fold(model)
             elif model.unfolded and not model.loaded and not model.creating:
                 model.unfolded.clear()  # its calls only failed: nothing to rebuild
@@ -444,7 +444,7 @@ class TrainerWorker:
         if lifecycle.files_deleted(self.store, model.run.split(".")[0]) is not None:
             model.unfolded.clear()  # its session's files are gone: nothing would read a fold written now
             return
-        state = ops.save_state(self.engine, model.model_id, True)
+        state = ops.save_state(self.engine, model.model_id, True, with_gradients=model.has_gradients)
         digest = sha256_hex(state)
         state_key = f"{model.fold_key}.{digest[:16]}.safetensors"
         self.store.put_create_once(state_key, state)
@@ -473,6 +473,7 @@ class TrainerWorker:
                              "create a new training client, or load one of its checkpoints (see list_checkpoints)")
             return
         model.loaded, model.next_seq = True, int(record["seq_id"]) + 1
+        model.has_gradients = self.engine.has_gradients(ops.adapter_name(model.model_id))
         log.info("restored %s from its fold at seq_id %d", model.model_id, record["seq_id"])
 
     def _commit(self) -> None:
@@ -488,13 +489,13 @@ class TrainerWorker:
 
     # ---- expire ------------------------------------------------------------------------------------------------
     def expire_sessions(self) -> None:
-        """Unload the adapters of sessions that ended or whose heartbeats lapsed, once nothing would be lost.
+        """Fold and unload the adapters of sessions that ended or whose heartbeats lapsed, once nothing would be lost.
 
-        A fold holds an adapter's weights and optimizer but not its accumulated gradients, and a call waiting
-        for an earlier ``seq_id`` is held only by the worker.  So an adapter with either stays loaded: while its
-        session lives (a laptop that slept between a step's ``forward_backward`` and its ``optim_step`` comes
-        back to its gradients), and for ``end_grace_s`` after its session's end (calls accepted before the end
-        may still be on their way); after that an ended session's adapter is unloaded whatever it holds."""
+        A fold holds an adapter's weights, optimizer and accumulated gradients (a laptop that slept between a
+        step's ``forward_backward`` and its ``optim_step`` comes back to them), but a call waiting for an
+        earlier ``seq_id`` is held only by the worker.  So an adapter with such a call stays loaded: while its
+        session lives, and for ``end_grace_s`` after its session's end (calls accepted before the end may still
+        be on their way); after that the waiting calls are answered with an error and the adapter goes."""
         self._last_expiry = time.monotonic()
         for model in list(self.models.values()):
             if not model.loaded:
@@ -505,19 +506,18 @@ class TrainerWorker:
                 at = lifecycle.heartbeat_time(self.store, session)
                 if at is None or time.time() - at <= self.session_timeout_s:
                     continue
-            clean = not model.has_gradients and not model.pending
-            if not clean and (end is None or time.time() - end[1] < self.end_grace_s):
+            if model.pending and (end is None or time.time() - end[1] < self.end_grace_s):
                 continue
-            if not clean:
-                log.warning("%s: its session ended %.0f s ago; dropping %s", model.model_id, time.time() - end[1],
-                            "its accumulated gradients" if model.has_gradients else "calls waiting for a gap")
+            if model.pending:
+                log.warning("%s: its session ended %.0f s ago; answering the calls waiting for seq_id %d",
+                            model.model_id, time.time() - end[1], model.next_seq)
                 for seq in sorted(model.pending):  # answered: a call left without a result would run for ever
                     call = model.pending.pop(seq).event.payload
                     message = (f"{call.op} did not run: session {session} ended before seq_id {model.next_seq} of "
                                f"{model.model_id} arrived; create a new ServiceClient")
                     self._write_result(call, json.dumps({"error": message, "category": "user"}).encode(), "json",
                                        message, "user")
-            elif model.unfolded:
+            if model.unfolded:
                 self._fold(model)
             ops.unload(self.engine, model.model_id)
             del self.models[model.model_id]

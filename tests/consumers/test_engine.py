@@ -338,3 +338,19 @@ def test_a_forward_backward_whose_loss_is_not_finite_is_refused_and_adds_no_grad
         engine.forward_backward("a", absurd, "importance_sampling", open_mask)
     assert max_difference(before, engine.gradients("a")) == 0.0
     assert engine.optim_step("a", ADAM).step == 1
+
+
+def test_a_state_saved_with_its_gradients_continues_as_if_never_saved(engine, tiny_model_dir):
+    """What a trainer's fold holds: a state taken between forward_backward and optim_step, gradients included,
+    loads into another engine and steps to the weights of the uninterrupted adapter."""
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
+    engine.forward_backward("a", datums(1), "cross_entropy")
+    with_gradients, without = engine.save_state("a", with_gradients=True), engine.save_state("a")
+    engine.optim_step("a", ADAM)
+    other = TrainingEngine(tiny_model_dir, device="cpu")
+    other.load_state("b", with_gradients)
+    assert other.has_gradients("b")
+    other.optim_step("b", ADAM)
+    assert max_difference(engine.weights("a"), other.weights("b")) <= 1e-7
+    other.load_state("c", without)  # a checkpoint: no gradients
+    assert not other.has_gradients("c")

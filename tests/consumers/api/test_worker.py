@@ -335,8 +335,8 @@ def test_other_base_models_calls_are_left_to_their_trainer_and_lapsed_sessions_e
 
 def test_a_lapse_between_forward_backward_and_optim_step_keeps_the_gradients(harness):
     """A laptop that sleeps between a step's forward_backward and its optim_step: its heartbeats lapse while the
-    adapter holds gradients (not part of a fold).  The adapter stays loaded, and the late optim_step completes
-    with the weights of an uninterrupted run."""
+    adapter holds gradients.  The adapter is folded with them and unloaded, and the late optim_step completes
+    with the weights of an uninterrupted run, on this trainer and on one restarted from the fold."""
     trainer = harness.trainer()
     model_id = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
@@ -346,19 +346,20 @@ def test_a_lapse_between_forward_backward_and_optim_step_keeps_the_gradients(har
     run_until(trainer, harness, [fb])
     trainer.session_timeout_s = 0.0  # every heartbeat has lapsed
     trainer.expire_sessions()
-    assert trainer.engine.adapters() == [model_run_name(model_id)]  # kept: its gradients are in no fold
+    assert trainer.engine.adapters() == []  # folded with its gradients, unloaded
+    abandon(trainer)  # and even a trainer restarted meanwhile reloads them from the fold
     late = harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
-    run_until(trainer, harness, [late], timeout_s=20.0)
-    assert_same(trainer.engine.weights(model_run_name(model_id)), reference_weights(harness.base_model, [chunk]))
-    trainer.expire_sessions()  # clean now: a lapsed session's adapter is unloaded, folded
-    assert trainer.engine.adapters() == []
-    trainer.close()
+    restarted = harness.trainer()
+    run_until(restarted, harness, [late], timeout_s=20.0)
+    assert_same(restarted.engine.weights(model_run_name(model_id)), reference_weights(harness.base_model, [chunk]))
+    restarted.close()
 
 
 def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then_unloads(harness):
     """close() right after a step's futures were sent: the end comes while the adapter holds gradients, its
     optim_step waiting for a forward_backward chunk that the trainer has not read yet.  Both run as if the
-    session lived; the adapter is unloaded once clean, or ``end_grace_s`` after the end whatever it holds."""
+    session lived; the adapter is unloaded once no call waits, or ``end_grace_s`` after the end, when the calls
+    still waiting are answered."""
     trainer = harness.trainer()
     model_id = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
@@ -371,13 +372,13 @@ def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then
     fb2 = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, second), "pb")
     harness.gateway.finish(TENANT, harness.session, "success")
     trainer.expire_sessions()
-    assert trainer.engine.adapters() == [model_run_name(model_id)]  # gradients, and a call waiting
+    assert trainer.engine.adapters() == [model_run_name(model_id)]  # a call waiting
     run_until(trainer, harness, [fb2, step], timeout_s=20.0)
     assert_same(trainer.engine.weights(model_run_name(model_id)),
                 reference_weights(harness.base_model, [first, second]))
     trainer.expire_sessions()
-    assert trainer.engine.adapters() == []  # clean: unloaded, as any ended session's
-    # gradients that no optim_step will ever take: held for end_grace_s after the end, then dropped
+    assert trainer.engine.adapters() == []  # none waits: unloaded, as any ended session's
+    # a call waiting for a seq_id that will never come: held for end_grace_s after the end, then answered
     harness.session = harness.gateway.create_session(TENANT, [], {})
     model_id = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
