@@ -187,9 +187,16 @@ def _ratio_mask(log_ratio_BT: torch.Tensor, generated_BT: torch.Tensor, low: flo
     return generated_BT & (log_ratio >= log_low) & (log_ratio <= math.log(high))
 
 
-def _log_or_minus_inf(threshold: float) -> float:
-    """log of a ratio threshold, -inf for 0 (no lower bound; an upper bound of 0 clips everything)."""
-    return math.log(threshold) if threshold > 0 else -math.inf
+def _check_thresholds(loss: str, low: float, high: float) -> None:
+    if not 0 <= low <= high:
+        raise ValueError(f"{loss} needs 0 <= clip_low_threshold <= clip_high_threshold, got {low} and {high}")
+
+
+def _outside(log_ratio_BT: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Where the ratio lies outside the absolute thresholds [low, high] (compared in log space; 0 = no bound)."""
+    log_low = math.log(low) if low > 0 else -math.inf
+    log_high = math.log(high) if high > 0 else -math.inf  # an upper bound of 0 clips everything
+    return (log_ratio_BT < log_low) | (log_ratio_BT > log_high)
 
 
 def _finish(
@@ -280,16 +287,13 @@ def cispo_loss(
     ``num_clipped`` counts tokens whose ratio lay outside [low, high]; no token is masked.
     """
     _check_normaliser(normaliser)
-    if not 0 <= clip_low_threshold <= clip_high_threshold:
-        raise ValueError(f"cispo needs 0 <= clip_low_threshold <= clip_high_threshold, got "
-                         f"{clip_low_threshold} and {clip_high_threshold}")
+    _check_thresholds("cispo", clip_low_threshold, clip_high_threshold)
     generated_BT = batch.loss_mask_BT > 0
     log_ratio_BT = (logprobs_BT - batch.sampler_logprobs_BT).detach()
     coefficient_BT = torch.exp(log_ratio_BT).clamp(clip_low_threshold, clip_high_threshold)
     weight_BT = batch.weighted_mask_BT() * batch.weights_B.float()[:, None]
     loss_sum = -(weight_BT * coefficient_BT * batch.advantages_BT() * logprobs_BT).sum()
-    log_low = _log_or_minus_inf(clip_low_threshold)
-    clipped_BT = (log_ratio_BT < log_low) | (log_ratio_BT > _log_or_minus_inf(clip_high_threshold))
+    clipped_BT = _outside(log_ratio_BT, clip_low_threshold, clip_high_threshold)
     return _finish(
         loss_sum, normaliser, batch, generated_BT,
         **_ratio_stats(log_ratio_BT, generated_BT, clipped_BT, generated_BT),
@@ -313,9 +317,7 @@ def gspo_loss(
     _check_normaliser(normaliser)
     if batch.sequence_ratio_mask_BT is None:
         raise ValueError("gspo needs sequence_ratio_mask_BT: the tokens whose log-ratios the sequence ratio averages")
-    if not 0 <= clip_low_threshold <= clip_high_threshold:
-        raise ValueError(f"gspo needs 0 <= clip_low_threshold <= clip_high_threshold, got "
-                         f"{clip_low_threshold} and {clip_high_threshold}")
+    _check_thresholds("gspo", clip_low_threshold, clip_high_threshold)
     generated_BT = batch.loss_mask_BT > 0
     in_ratio_BT = batch.sequence_ratio_mask_BT != 0
     token_log_ratio_BT = logprobs_BT.detach() - batch.sampler_logprobs_BT
@@ -329,8 +331,7 @@ def gspo_loss(
     objective_BT = torch.minimum(ratio_BT * advantages_BT,
                                  ratio_BT.clamp(clip_low_threshold, clip_high_threshold) * advantages_BT)
     loss_sum = -(objective_BT * batch.weighted_mask_BT() * batch.weights_B.float()[:, None]).sum()
-    log_low = _log_or_minus_inf(clip_low_threshold)
-    clipped_BT = (log_ratio_BT < log_low) | (log_ratio_BT > _log_or_minus_inf(clip_high_threshold))
+    clipped_BT = _outside(log_ratio_BT, clip_low_threshold, clip_high_threshold)
     return _finish(
         loss_sum, normaliser, batch, generated_BT,
         **_ratio_stats(log_ratio_BT, generated_BT, clipped_BT, generated_BT),
