@@ -28,7 +28,8 @@ and trained tokens in the engine's activity (``pipeline.api.activity``), which
 ``rlpipe report --server`` draws as the trainer's duty cycle.
 
 The translation between the SDK's training types and the engine is
-``consumers.api.ops``.
+``consumers.api.ops``; the calls that write or read saved weights are
+``consumers.api.saves``.
 """
 
 from __future__ import annotations
@@ -36,26 +37,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tinker import types
 
-from consumers.api import ops
+from consumers.api import ops, saves
 from consumers.api.sweeps import SWEEP_S, Sweeper
 from consumers.engine import NOT_FINITE_STEP, TrainingEngine
 from consumers.engine_data import EngineError
-from pipeline.api import checkpoints, lifecycle
+from pipeline.api import lifecycle
 from pipeline.api.activity import ActivityRecorder
-from pipeline.api.checkpoints import weights_key
 from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
 from pipeline.api.gateway import parse_body
-from pipeline.api.samplers import find_sampler, point_inflight, write_sampler
-from pipeline.api.wire import TinkerPath, decode_forward_backward, encode_forward_backward_output, parse_tinker_path
+from pipeline.api.wire import decode_forward_backward, encode_forward_backward_output
 from pipeline.io.bus import (
     ConsumedEvent,
     EventPublisher,
@@ -63,7 +60,6 @@ from pipeline.io.bus import (
     ensure_topics,
     group_timings_from_env,
 )
-from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore, sha256_hex
 from pipeline.topics import API_TOPIC_KINDS
 from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted, model_run_name, result_path, session_path
@@ -284,7 +280,7 @@ class TrainerWorker:
 
     def _run(self, model: _Model, call: ApiRequestAccepted) -> tuple[bytes, str]:
         """Execute one call on the engine; the result's bytes and format."""
-        self._check_tenant(call.tenant, call.session_id)
+        saves.check_tenant(self.store, call.tenant, call.session_id)
         if call.refused is not None:  # refused by the gateway (the client has its 400): answered, and the next goes on
             raise ApiError(call.refused)
         if model.refused:
@@ -295,7 +291,10 @@ class TrainerWorker:
             model.loaded = True
             return _json({"type": "create_model", "model_id": model.model_id}), "json"
         if call.op == "load_weights":
-            return self._load_weights(model, call, parse_body(types.LoadWeightsRequest, body)), "json"
+            data = saves.load_weights(self.store, self.engine, model.model_id, call,
+                                      parse_body(types.LoadWeightsRequest, body), self._replaying)
+            model.loaded, model.has_gradients = True, False
+            return data, "json"
         self._require_loaded(model)
         if call.op == "forward_backward":
             request, forward_only = decode_forward_backward(body)
@@ -310,121 +309,20 @@ class TrainerWorker:
                 model.has_gradients = self.engine.has_gradients(ops.adapter_name(model.model_id))
             return _json(response.model_dump(mode="json")), "json"
         if call.op == "save_weights":
-            return self._save_weights(model, call, parse_body(types.SaveWeightsRequest, body)), "json"
+            return saves.save_weights(self.store, self.engine, model.model_id, call,
+                                      parse_body(types.SaveWeightsRequest, body)), "json"
         if call.op == "save_weights_for_sampler":
-            return self._save_for_sampler(model, call, parse_body(types.SaveWeightsForSamplerRequest, body)), "json"
+            return saves.save_for_sampler(self.store, self.engine, self.base_model, model.model_id, model.next_seq,
+                                          call, parse_body(types.SaveWeightsForSamplerRequest, body)), "json"
         if call.op == "save_weights_external":
-            return self._save_external(model, call, parse_body(types.SaveWeightsExternalRequest, body)), "json"
+            return saves.save_external(self.store, self.engine, model.model_id, call,
+                                       parse_body(types.SaveWeightsExternalRequest, body)), "json"
         raise ApiError(f"{call.op} is not a training call; send it to the sampler")
 
     def _require_loaded(self, model: _Model) -> None:
         if not model.loaded:
             raise ApiError(f"model {model.model_id} does not exist or has been unloaded (session ended); "
                            "create a new training client")
-
-    def _check_tenant(self, tenant: str, session_id: str) -> None:
-        try:
-            owner = json.loads(self.store.get(f"{session_path(session_id)}/session.json"))["tenant"]
-        except FileNotFoundError:
-            owner = None
-        if owner != tenant:
-            raise ApiError(f"no session {session_id!r} for this API key; use your own session's models and paths")
-
-    # ---- checkpoints -------------------------------------------------------------------------------------------
-    def _save_weights(self, model: _Model, call: ApiRequestAccepted, request: types.SaveWeightsRequest) -> bytes:
-        """The state under its name, then its record (naming this call; ``ttl_seconds`` sets when it expires)."""
-        path = TinkerPath(model.model_id, "training", request.path or "")
-        self._claim_name(path, call, request.overwrite)
-        state = ops.save_state(self.engine, model.model_id, True)
-        self.store.put(weights_key(path), state)
-        checkpoints.write_record(self.store, path, len(state), checkpoints.expiry(request.ttl_seconds),
-                                 request_id=call.request_id)
-        return _json({"type": "save_weights", "path": str(path)})
-
-    def _save_external(self, model: _Model, call: ApiRequestAccepted,
-                       request: types.SaveWeightsExternalRequest) -> bytes:
-        """The adapter as a PEFT folder (what peft and vLLM load) under its name, for download by signed URLs."""
-        path = TinkerPath(model.model_id, "external", request.path)
-        self._claim_name(path, call, overwrite=False)
-        files = self.engine.adapter_snapshot(ops.adapter_name(model.model_id)).files()
-        size = checkpoints.write_external(self.store, path, files, checkpoints.expiry(request.ttl_seconds),
-                                          request_id=call.request_id)
-        return _json({"type": "save_weights_external", "path": str(path), "size_bytes": size})
-
-    def _claim_name(self, path: TinkerPath, call: ApiRequestAccepted, overwrite: bool) -> None:
-        """Refuse a name another save recorded, unless ``overwrite``; this call's own earlier attempt (killed before
-        its result) is replaced, since a replay need not write the same bytes."""
-        record = checkpoints.read_record(self.store, path)
-        owner = call.request_id if record is None else record.get("request_id")
-        if owner != call.request_id and not overwrite:
-            again = ", pass overwrite=True," if path.kind == "training" else ""
-            raise ApiError(f"{path} already exists; save under another name{again} or delete it first "
-                           "(delete_checkpoint)")
-
-    def _save_for_sampler(self, model: _Model, call: ApiRequestAccepted,
-                          request: types.SaveWeightsForSamplerRequest) -> bytes:
-        """Publish the adapter as a registry version; a named save records a ``sampler_weights`` checkpoint,
-        an unnamed one (``save_weights_and_get_sampling_client``) a sampling session on that version."""
-        if request.path is None and request.sampling_session_seq_id is None:
-            raise ApiError("save_weights_for_sampler needs a path or a sampling_session_seq_id; use the tinker SDK")
-        path = TinkerPath(model.model_id, "sampler", request.path or "")
-        if request.path is None:  # re-executed after a crash before its result was written: the same session
-            known = find_sampler(self.store, call.session_id, int(request.sampling_session_seq_id or 0))
-            if known is not None and known.get("run") == model.run:
-                if known.get("kind") == "inflight":  # (killed before the pointer moved? it moves now)
-                    point_inflight(self.store, model.run, int(known["version"]))
-                return _json({"type": "save_weights_for_sampler", "sampling_session_id": known["sampling_session_id"]})
-        snapshot_of = call.session_id if request.path is None else None  # retired when the session ends
-        if snapshot_of is not None:  # indexed first, so the sweep after the session's end finds it
-            lifecycle.mark_snapshots(self.store, model.model_id)
-        with tempfile.TemporaryDirectory() as folder:
-            ops.export_for_sampling(self.engine, model.model_id, Path(folder) / "adapter")
-            manifest = AdapterRegistry(self.store, model.run).publish(
-                Path(folder) / "adapter", self.base_model, parent_version=0, learner_step=model.next_seq,
-                ends_with_session=snapshot_of)
-        if request.path is None:
-            inflight = request.kind == "inflight"
-            if inflight:  # every inflight session of this client samples this save from now on
-                point_inflight(self.store, model.run, manifest.version)
-            sampling_session_id = write_sampler(self.store, call.tenant, call.session_id,
-                                                int(request.sampling_session_seq_id or 0), self.base_model, None,
-                                                model.run, manifest.version, inflight=inflight)
-            return _json({"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id})
-        checkpoints.name_sampler_version(self.store, path, manifest.version, checkpoints.expiry(request.ttl_seconds))
-        return _json({"type": "save_weights_for_sampler", "path": str(path)})
-
-    def _load_weights(self, model: _Model, call: ApiRequestAccepted, request: types.LoadWeightsRequest) -> bytes:
-        path = parse_tinker_path(request.path)
-        if path.kind != "training":
-            raise ApiError(f"{request.path} is not a training state; load a tinker://.../weights/<name> path "
-                           "(save_state)")
-        record = checkpoints.read_record(self.store, path, expired=self._replaying)
-        source = None if record is None else {"request_id": record.get("request_id"), "time": record["time"]}
-        first = self._stored_answer(call) if self._replaying else {}
-        if "source" in first:  # it loaded once: only the very save it loaded then may be loaded again
-            if first["source"] != source:
-                raise ApiError(f"{request.path} was saved again, deleted or expired since this training client "
-                               "started from it, so its weights cannot be restored; start a new training client")
-        elif record is None or not record.get("public"):  # (an answer without its source: checked as new)
-            self._check_tenant(call.tenant, path.run.split(".")[0])  # a published state is anyone's to load
-        try:
-            if record is None:
-                raise FileNotFoundError(request.path)
-            state = self.store.get(weights_key(path))
-        except FileNotFoundError:
-            raise ApiError(f"no saved weights at {request.path} (never saved, deleted or expired); see "
-                           "list_checkpoints") from None
-        ops.load_state(self.engine, model.model_id, state, request.optimizer)
-        model.loaded, model.has_gradients = True, False
-        return _json({"type": "load_weights", "model_id": model.model_id, "path": request.path, "source": source})
-
-    def _stored_answer(self, call: ApiRequestAccepted) -> dict[str, Any]:
-        """The JSON result stored for a call ({} when there is none, or it is not JSON)."""
-        try:
-            answer = json.loads(self.store.get(result_path(call.session_id, call.request_id, "json")))
-        except (FileNotFoundError, ValueError):
-            return {}
-        return answer if isinstance(answer, dict) else {}
 
     # ---- fold ------------------------------------------------------------------------------------------------
     def fold_all(self) -> None:

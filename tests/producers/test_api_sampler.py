@@ -16,6 +16,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_sample_response
 from transformers import AutoTokenizer
 
+from consumers.api import saves
 from consumers.api.worker import TrainerWorker
 from consumers.engine import TrainingEngine
 from pipeline.api import lifecycle
@@ -197,7 +198,7 @@ def test_unnamed_save_for_sampler_gives_a_sampling_session_on_the_new_version(ha
         call = ApiRequestAccepted(request_id=saved, tenant=TENANT, session_id=harness.session,
                                   op="save_weights_for_sampler", model_id=model_id, seq_id=1,
                                   base_model=harness.base_model, body_path="unused", body_sha256="0" * 64)
-        again = trainer._save_for_sampler(trainer.models[model_id], call, save)
+        again = saves.save_for_sampler(harness.store, trainer.engine, harness.base_model, model_id, 2, call, save)
         assert json.loads(again)["sampling_session_id"] == sampler_id
         assert AdapterRegistry(harness.store, f"{harness.session}.train.0").versions() == [1]
     finally:
