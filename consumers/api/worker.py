@@ -69,6 +69,7 @@ log = logging.getLogger("rlpipe.api.trainer")
 # calls that change no adapter state: never re-executed
 _PURE_OPS = ("save_weights", "save_weights_for_sampler", "save_weights_external")
 _SAMPLING_OPS = ("create_sampling_session", "sample")
+IDLE_UNLOAD_S = 600.0  # a training client without a call this long is folded and leaves the engine
 
 
 # ---- the worker --------------------------------------------------------------------------------------------------
@@ -81,8 +82,10 @@ class _Model:
     model_id: str
     tenant: str | None = None
     next_seq: int = 1
-    loaded: bool = False
+    loaded: bool = False  # in the engine
+    parked: bool = False  # folded and out of the engine (idle, or to make room); its next call reloads it
     has_gradients: bool = False
+    last_used: float = 0.0  # monotonic time of its last call
     refused: str | None = None  # why every call fails (its fold is corrupt)
     unfolded: list[tuple[TopicPartitionKey, int]] = field(default_factory=list)  # executed, not yet in a fold
     pending: dict[int, ConsumedEvent] = field(default_factory=dict)  # seq_id -> call waiting for its turn
@@ -112,10 +115,13 @@ class TrainerWorker:
 
     def __init__(self, store: ObjectStore, bus: BusConfig, base_model: str, engine: TrainingEngine,
                  fold_every: int = 20, fold_idle_s: float = 0.5, session_timeout_s: float = SESSION_TIMEOUT_S,
-                 consumer_options: dict[str, Any] | None = None, activity: ActivityRecorder | None = None) -> None:
+                 consumer_options: dict[str, Any] | None = None, activity: ActivityRecorder | None = None,
+                 idle_unload_s: float = IDLE_UNLOAD_S, max_adapters: int | None = None) -> None:
         self.store, self.bus, self.base_model, self.engine = store, bus, base_model, engine
         self.activity = activity
         self.fold_every, self.fold_idle_s, self.session_timeout_s = fold_every, fold_idle_s, session_timeout_s
+        self.idle_unload_s = idle_unload_s  # an adapter without a call this long leaves the engine
+        self.max_adapters = max_adapters  # adapters in the engine at once (None: no limit)
         self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's unclean adapter is held this long
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
@@ -175,18 +181,20 @@ class TrainerWorker:
         model = self._model(call.model_id)
         model.tenant = call.tenant
         if not call.seq_id:
-            if model.loaded:
+            if model.loaded or model.parked:
                 return  # created before (and folded, or replayed already)
             model.creating.append(consumed)
         elif call.seq_id >= model.next_seq:
             model.pending.setdefault(call.seq_id, consumed)
 
     def _model(self, model_id: str) -> _Model:
-        """The worker's record of a model, loaded from its fold if it has one and is not in the engine yet."""
+        """The worker's record of a model; one with a fold starts parked at its ``seq_id`` (loaded at its first call)."""
         model = self.models.get(model_id)
         if model is None:
             model = self.models[model_id] = _Model(model_id)
-            self._load_fold(model)
+            record = self._fold_record(model)
+            if record is not None:
+                model.parked, model.next_seq = True, int(record["seq_id"]) + 1
         return model
 
     # ---- execute ---------------------------------------------------------------------------------------------
@@ -194,11 +202,15 @@ class TrainerWorker:
         """Every call whose turn has come, model by model in seq_id order; a gap waits."""
         executed = 0
         for model in list(self.models.values()):
+            if model.creating or (model.parked and model.next_seq in model.pending):
+                self._make_room(model)
+                if model.parked:
+                    self._unpark(model)
             while model.creating:
                 self._execute(model, model.creating.pop(0))
                 executed += 1
-            if not model.loaded and model.pending:  # never created, or its creation failed: each call says so
-                for seq in sorted(model.pending):
+            if not model.loaded and not model.parked and model.pending:  # never created, its creation failed,
+                for seq in sorted(model.pending):                         # or its fold is lost: each call says so
                     self._execute(model, model.pending.pop(seq))
                     executed += 1
             while model.loaded and model.next_seq in model.pending:
@@ -223,6 +235,7 @@ class TrainerWorker:
         if stands:
             return  # its result stands and it changed nothing (a call that failed changed nothing but this)
         started, wall = time.perf_counter(), time.time()
+        model.last_used = time.monotonic()
         self._tokens = 0  # trained tokens of this call (set by a forward_backward)
         self._replaying = done == "ok"  # a call that succeeded once (a restart's replay, or the call resent)
         try:
@@ -357,10 +370,15 @@ class TrainerWorker:
             self.activity.record(model.run.split(".")[0], model.tenant, "fold", wall,
                                  wall + time.perf_counter() - started)
 
-    def _load_fold(self, model: _Model) -> None:
+    def _fold_record(self, model: _Model) -> dict[str, Any] | None:
         try:
-            record = json.loads(self.store.get(f"{model.fold_key}.json"))
+            return json.loads(self.store.get(f"{model.fold_key}.json"))
         except FileNotFoundError:
+            return None
+
+    def _load_fold(self, model: _Model) -> None:
+        record = self._fold_record(model)
+        if record is None:
             return
         try:
             state = self.store.get(record.get("state", f"{model.fold_key}.safetensors"), record["state_sha256"])
@@ -372,7 +390,29 @@ class TrainerWorker:
             return
         model.loaded, model.next_seq = True, int(record["seq_id"]) + 1
         model.has_gradients = self.engine.has_gradients(ops.adapter_name(model.model_id))
+        model.last_used = time.monotonic()
         log.info("restored %s from its fold at seq_id %d", model.model_id, record["seq_id"])
+
+    # ---- park: fold an adapter and take it out of the engine, its record (and waiting calls) kept ------------
+    def _park(self, model: _Model, why: str) -> None:
+        if model.unfolded:
+            self._fold(model)
+        ops.unload(self.engine, model.model_id)
+        model.loaded, model.parked = False, True
+        log.info("unloaded %s (%s); its next call reloads it", model.model_id, why)
+
+    def _unpark(self, model: _Model) -> None:
+        """Reload a parked model from its fold; a fold that cannot be loaded refuses its calls (``refused``)."""
+        model.parked = False
+        self._load_fold(model)
+
+    def _make_room(self, keep: _Model) -> None:
+        """Park the least recently used adapters until one more fits under ``max_adapters``."""
+        if self.max_adapters is None:
+            return
+        loaded = sorted((m for m in self.models.values() if m.loaded and m is not keep), key=lambda m: m.last_used)
+        for model in loaded[:max(0, len(loaded) + 1 - self.max_adapters)]:
+            self._park(model, f"room for {keep.model_id}: at most {self.max_adapters} adapters")
 
     def _commit(self) -> None:
         held: dict[TopicPartitionKey, int] = {}
@@ -387,24 +427,30 @@ class TrainerWorker:
 
     # ---- expire ------------------------------------------------------------------------------------------------
     def expire_sessions(self) -> None:
-        """Fold and unload the adapters of sessions that ended or whose heartbeats lapsed, once nothing would be lost.
+        """Park the adapters idle for ``idle_unload_s``, and drop those of sessions that ended or whose heartbeats
+        lapsed, once nothing would be lost.
 
         A fold holds an adapter's weights, optimizer and accumulated gradients (a laptop that slept between a
-        step's ``forward_backward`` and its ``optim_step`` comes back to them), but a call waiting for an
-        earlier ``seq_id`` is held only by the worker.  So an adapter with such a call stays loaded: while its
-        session lives, and for ``end_grace_s`` after its session's end (calls accepted before the end may still
-        be on their way); after that the waiting calls are answered with an error and the adapter goes."""
-        self._last_expiry = time.monotonic()
+        step's ``forward_backward`` and its ``optim_step`` comes back to them), so any adapter may leave the
+        engine between calls.  Calls waiting for an earlier ``seq_id`` are held only by the worker, so a model
+        with such calls keeps its record (parked): while its session lives, and for ``end_grace_s`` after its
+        session's end (calls accepted before the end may still be on their way); after that the waiting calls
+        are answered with an error and the record goes."""
+        self._last_expiry = now = time.monotonic()
         for model in list(self.models.values()):
-            if not model.loaded:
+            if not (model.loaded or model.parked):
                 continue
             session = model.run.split(".")[0]
             end = lifecycle.session_end(self.store, session, record=False)
             if end is None:
                 at = lifecycle.heartbeat_time(self.store, session)
                 if at is None or time.time() - at <= self.session_timeout_s:
+                    if model.loaded and not model.creating and now - model.last_used >= self.idle_unload_s:
+                        self._park(model, f"no call for {now - model.last_used:.0f} s")
                     continue
             if model.pending and (end is None or time.time() - end[1] < self.end_grace_s):
+                if model.loaded:  # its calls wait for a seq_id that may come late, or never
+                    self._park(model, f"session {session} {'ended' if end else 'lapsed'} with calls waiting")
                 continue
             if model.pending:
                 log.warning("%s: its session ended %.0f s ago; answering the calls waiting for seq_id %d",
@@ -415,9 +461,10 @@ class TrainerWorker:
                                f"{model.model_id} arrived; create a new ServiceClient")
                     self._write_result(call, json.dumps({"error": message, "category": "user"}).encode(), "json",
                                        message, "user")
-            if model.unfolded:
-                self._fold(model)
-            ops.unload(self.engine, model.model_id)
+            if model.loaded:
+                if model.unfolded:
+                    self._fold(model)
+                ops.unload(self.engine, model.model_id)
             del self.models[model.model_id]
             log.info("session %s %s: unloaded %s", session, "ended" if end else "lapsed", model.model_id)
 
@@ -441,14 +488,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = engine_arguments("rlpipe-api-trainer", main.__doc__)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--session-timeout-s", type=float, default=SESSION_TIMEOUT_S)
+    parser.add_argument("--max-adapters", type=int, default=None,
+                        help="training clients in the engine at once; the least recently used leave (folded)")
+    parser.add_argument("--idle-unload-s", type=float, default=IDLE_UNLOAD_S,
+                        help="a training client without a call this long is folded and leaves the engine")
     args = parser.parse_args(argv)
+    if args.max_adapters is not None and args.max_adapters < 1:
+        parser.error(f"--max-adapters {args.max_adapters}: give at least 1, or leave it out for no limit")
     bus = engine_setup(args, log)
     log.info("initialising the training engine for %s", args.base_model)
     engine = TrainingEngine(args.base_model, device=args.device)
     store = ObjectStore(args.store)
     worker = TrainerWorker(store, bus, args.base_model, engine, session_timeout_s=args.session_timeout_s,
                            consumer_options=group_timings_from_env(),
-                           activity=ActivityRecorder(store, "trainer", args.engine_id))
+                           activity=ActivityRecorder(store, "trainer", args.engine_id),
+                           idle_unload_s=args.idle_unload_s, max_adapters=args.max_adapters)
     worker.run(StopFlag().install())
     return 0
 

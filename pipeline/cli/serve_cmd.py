@@ -39,10 +39,15 @@ Role = Literal["all", "gateway", "trainer", "sampler"]
 DEFAULT_MAX_LORA_RANK = 32  # the tinker SDK's default rank
 
 
-def trainer_command(base_model: str, store_root: str, bootstrap: str, namespace: str) -> list[str]:
-    """The argv of one trainer process (one per base model)."""
-    return [sys.executable, "-m", "consumers.api.worker", "--base-model", base_model, "--store", store_root,
-            "--bootstrap", bootstrap, "--namespace", namespace]
+def trainer_command(base_model: str, store_root: str, bootstrap: str, namespace: str,
+                    max_adapters: int | None = None, idle_unload_s: float | None = None) -> list[str]:
+    """The argv of one trainer process (one per base model); ``max_adapters``: training clients held in its
+    engine at once; ``idle_unload_s``: how long one without a call stays (both: the trainer's default if None)."""
+    command = [sys.executable, "-m", "consumers.api.worker", "--base-model", base_model, "--store", store_root,
+               "--bootstrap", bootstrap, "--namespace", namespace]
+    if max_adapters is not None:
+        command += ["--max-adapters", str(max_adapters)]
+    return command + (["--idle-unload-s", f"{idle_unload_s:g}"] if idle_unload_s is not None else [])
 
 
 def sampler_command(base_model: str, store_root: str, bootstrap: str, namespace: str, backend: str,
@@ -118,6 +123,13 @@ def serve(
     public_url: Annotated[str | None, typer.Option(
         help="--role all|gateway: the gateway's address as clients reach it (e.g. https://rl.example.org behind a "
              "proxy), for the download URLs it signs; default: the address each request came to.")] = None,
+    max_adapters: Annotated[int | None, typer.Option(
+        min=1, help="--role all|trainer: training clients held in a trainer's engine at once; the least recently "
+                    "used are saved to the store and leave, and reload at their next call (default: no limit).")
+    ] = None,
+    idle_unload_s: Annotated[float | None, typer.Option(
+        min=0.0, help="--role all|trainer: a training client without a call this many seconds is saved to the "
+                      "store and leaves the trainer's engine until its next call (default 600).")] = None,
     overrides: SetOpt = None,
 ) -> None:
     """Serve the Tinker-compatible API: the gateway, one trainer and one sampler per base model (the embedded
@@ -148,6 +160,8 @@ def serve(
     if public_url is not None and not public_url.startswith(("http://", "https://")):
         fail(f"--public-url {public_url!r} is not a URL; give the gateway's address as clients reach it, "
              "e.g. https://rl.example.org", EXIT_USAGE)
+    if (max_adapters is not None or idle_unload_s is not None) and role not in ("all", "trainer"):
+        fail("--max-adapters and --idle-unload-s are the trainer's; use them with --role all or trainer", EXIT_USAGE)
     if direct_port and role != "sampler":
         fail("--direct-port is for --role sampler; --role all picks its own ports", EXIT_USAGE)
     setup_logging()
@@ -162,7 +176,8 @@ def serve(
     if not cfg.bus.bootstrap_servers:
         env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
     stop_on_sigterm()
-    engines = [(f"trainer for {m}", trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace))
+    engines = [(f"trainer for {m}", trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace,
+                                                    max_adapters, idle_unload_s))
                for m in models] if role in ("all", "trainer") else []
     # with the gateway in this process, each sampler also takes its calls straight from it (pipeline.api.direct)
     direct_ports = ({m: free_port() for m in models} if role == "all"

@@ -8,6 +8,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from consumers.api.worker import main
 from pipeline.api.gateway import Gateway, ServedModel, SessionEndedError
 from pipeline.cli.main import app
 from pipeline.cli.serve_cmd import sampler_command, sdk_example, trainer_command
@@ -127,6 +128,18 @@ def test_serve_refuses_unknown_roles_and_prints_a_working_example():
 def test_serve_refuses_a_public_url_that_is_not_one():
     result = runner.invoke(app, ["serve", "--public-url", "rl.example.org"])
     assert result.exit_code == 2 and "--public-url 'rl.example.org' is not a URL" in " ".join(result.output.split())
+
+
+def test_the_trainers_adapter_limits_reach_its_command_and_only_a_trainer_takes_them():
+    command = trainer_command("/m", "file:///s", "h:1", "ns", max_adapters=4, idle_unload_s=120)
+    assert command[-4:] == ["--max-adapters", "4", "--idle-unload-s", "120"]
+    assert "--max-adapters" not in trainer_command("/m", "file:///s", "h:1", "ns")
+    with pytest.raises(SystemExit):  # the trainer refuses a limit of 0, naming the fix
+        main(["--base-model", "/m", "--store", "file:///s", "--bootstrap", "h:1", "--max-adapters", "0"])
+    result = runner.invoke(app, ["serve", "--role", "sampler", "--max-adapters", "2"])
+    assert result.exit_code == 2 and "--max-adapters and --idle-unload-s are the trainer's" in " ".join(
+        result.output.split())
+    assert runner.invoke(app, ["serve", "--max-adapters", "0"]).exit_code == 2
 
 
 def test_serve_refuses_a_max_lora_rank_vllm_has_no_slot_for():

@@ -358,8 +358,8 @@ def test_a_lapse_between_forward_backward_and_optim_step_keeps_the_gradients(har
 def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then_unloads(harness):
     """close() right after a step's futures were sent: the end comes while the adapter holds gradients, its
     optim_step waiting for a forward_backward chunk that the trainer has not read yet.  Both run as if the
-    session lived; the adapter is unloaded once no call waits, or ``end_grace_s`` after the end, when the calls
-    still waiting are answered."""
+    session lived.  Meanwhile the adapter waits folded, out of the engine; the model's record goes once no call
+    waits, or ``end_grace_s`` after the end, when the calls still waiting are answered."""
     trainer = harness.trainer()
     model_id = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
@@ -372,12 +372,12 @@ def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then
     fb2 = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, second), "pb")
     harness.gateway.finish(TENANT, harness.session, "success")
     trainer.expire_sessions()
-    assert trainer.engine.adapters() == [model_run_name(model_id)]  # a call waiting
+    assert trainer.engine.adapters() == [] and model_id in trainer.models  # parked: a call waits
     run_until(trainer, harness, [fb2, step], timeout_s=20.0)
     assert_same(trainer.engine.weights(model_run_name(model_id)),
                 reference_weights(harness.base_model, [first, second]))
     trainer.expire_sessions()
-    assert trainer.engine.adapters() == []  # none waits: unloaded, as any ended session's
+    assert trainer.engine.adapters() == [] and model_id not in trainer.models  # none waits: gone
     # a call waiting for a seq_id that will never come: held for end_grace_s after the end, then answered
     harness.session = harness.gateway.create_session(TENANT, [], {})
     model_id = harness.create()
@@ -388,10 +388,10 @@ def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then
     trainer.step()
     harness.gateway.finish(TENANT, harness.session, "success")
     trainer.expire_sessions()
-    assert trainer.engine.adapters() == [model_run_name(model_id)]
+    assert trainer.engine.adapters() == [] and model_id in trainer.models  # parked: its call waits
     trainer.end_grace_s = 0.0
     trainer.expire_sessions()
-    assert trainer.engine.adapters() == []
+    assert model_id not in trainer.models
     answer = json.loads(harness.result(stranded)[0])  # answered, not left running for ever
     assert answer["category"] == "user" and "seq_id 2" in answer["error"] and "did not run" in answer["error"]
     # the trainer's sweep deletes both ended sessions' call bodies, results and folds (here at once)
@@ -499,6 +499,66 @@ def test_three_clients_training_at_once_end_as_each_trained_alone(harness):
         assert_same(trainer.engine.weights(f"{harness.session}.train.{seq}"),
                     reference_weights(harness.base_model, chunks[model_id]))
     trainer.close()
+
+
+def test_an_adapter_idle_past_its_limit_is_unloaded_and_its_next_call_reloads_it(harness):
+    """A live session's training client that makes no call for ``idle_unload_s`` (a long sampling phase, a
+    notebook left open) leaves the engine's memory, gradients and all; its next call reloads it from its fold
+    and the run ends as if it had never left."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    first, second = [_datum(51)], [_datum(52), _datum(53)]
+    run_until(trainer, harness, [harness.gateway.submit(TENANT, "forward_backward", model_id, 1,
+                                                        _fb(model_id, 1, first), "pb")])
+    trainer.expire_sessions()
+    assert trainer.engine.adapters() == [model_run_name(model_id)]  # used a moment ago: kept
+    trainer.idle_unload_s = 0.0
+    trainer.expire_sessions()
+    assert trainer.engine.adapters() == [] and model_id in trainer.models  # parked, its session alive
+    trainer.idle_unload_s = 600.0
+    calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, second), "pb"),
+             harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3))]
+    run_until(trainer, harness, calls)
+    assert_same(trainer.engine.weights(model_run_name(model_id)),
+                reference_weights(harness.base_model, [first, second]))
+    trainer.close()
+
+
+def test_with_room_for_one_adapter_three_clients_take_turns_and_end_as_each_trained_alone(harness, monkeypatch):
+    """``max_adapters``: the least recently used adapters are folded and unloaded to make room, even one whose
+    client has calls waiting; every client's weights end as if it had the engine to itself."""
+    trainer = harness.trainer()
+    trainer.max_adapters = 1
+    held: list[int] = []
+    forward_backward = trainer.engine.forward_backward
+
+    def counting(*args, **kwargs):
+        held.append(len(trainer.engine.adapters()))
+        return forward_backward(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.engine, "forward_backward", counting)
+    models = [harness.create(seq) for seq in range(3)]
+    chunks = {model_id: [[_datum(60 + i)], [_datum(70 + i), _datum(80 + i)]] for i, model_id in enumerate(models)}
+    steps = []
+    for seq in (1, 2):  # the three clients' calls interleaved on the log
+        for model_id in models:
+            harness.gateway.submit(TENANT, "forward_backward", model_id, seq,
+                                   _fb(model_id, seq, chunks[model_id][seq - 1]), "pb")
+    for model_id in models:
+        steps.append(harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3)))
+    run_until(trainer, harness, steps)
+    assert len(held) == 6 and max(held) == 1
+    for seq, model_id in enumerate(models):
+        name = f"{harness.session}.train.{seq}"
+        if name not in trainer.engine.adapters():
+            ops.load_state(trainer.engine, model_id, _fold_state(harness, seq), True)
+        assert_same(trainer.engine.weights(name), reference_weights(harness.base_model, chunks[model_id]))
+    trainer.close()
+
+
+def _fold_state(harness: Harness, seq: int) -> bytes:
+    record = json.loads(harness.store.get(f"sessions/{harness.session}/models/{seq}.fold.json"))
+    return harness.store.get(record["state"])
 
 
 def test_external_weights_are_the_adapters_peft_folder_with_its_ttl_and_a_taken_name_is_refused(harness):
