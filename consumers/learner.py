@@ -66,12 +66,12 @@ from pipeline.io.registry import AdapterRegistry
 from schemas.checkpoint import LearnerState
 from schemas.config import LearnerConfig, parse_init_from
 from schemas.events import DeadLetter, LearnerProgress, Payload
-from schemas.trajectory import TRAJECTORY_SCHEMA
+from schemas.trajectory import TRAJECTORY_SCHEMA, check_trajectory_values
 
 log = logging.getLogger("rlpipe.learner")
 
 PROGRESS_INTERVAL_S = 5.0  # while waiting for rows, re-announce progress this often (for producers just started)
-# What reading a batch raises when the batch itself is bad (wrong digest, not Parquet, wrong schema, gone):
+# What reading a batch raises when the batch itself is bad (wrong digest, not Parquet, wrong schema, NaN, gone):
 # retrying cannot help, so it is quarantined.  Other errors (a storage hiccup) stop the learner, which retries.
 POISON_BATCH_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError)
 
@@ -285,6 +285,7 @@ class Learner:
                 continue
             try:
                 table = self.reader.read(ref)
+                check_trajectory_values(table)  # a NaN reward would poison the weights, or stop here for ever
             except POISON_BATCH_ERRORS as exc:
                 self.quarantine(ref, exc)
                 continue

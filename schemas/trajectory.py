@@ -21,11 +21,13 @@ whole-episode rows, for environments without one, and in files before schema 1.2
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Annotated
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.names import validate_name
@@ -164,6 +166,24 @@ def check_trajectory_table(table: pa.Table) -> None:
         actual = table.schema.field(f.name).type
         if actual != f.type:
             raise TrajectoryTableError(f"column {f.name!r} has type {actual}, expected {f.type}")
+
+
+FINITE_COLUMNS = ("reward", "return_to_go", "turn_rewards", "logprobs", "weight")  # numbers a learner trains on
+
+
+def check_trajectory_values(table: pa.Table) -> None:
+    """Refuse a table whose rewards, returns, logprobs or weights hold NaN or an infinity (nulls pass)."""
+    for name in FINITE_COLUMNS:
+        if name not in table.schema.names:
+            continue
+        column = table.column(name)
+        flat = pc.list_flatten(column) if pa.types.is_list(column.type) else column
+        if pc.all(pc.is_finite(flat)).as_py() is False:
+            rows = [i for i, value in enumerate(column.to_pylist())
+                    if value is not None and not all(map(math.isfinite, value if isinstance(value, list) else [value]))]
+            raise TrajectoryTableError(
+                f"column {name!r} holds a value that is not a finite number (NaN or infinity) in row {rows[0]} of "
+                f"{table.num_rows}; the producer wrote it: fix what computes {name} (the environment's reward?)")
 
 
 def conform_table(table: pa.Table) -> pa.Table:

@@ -146,6 +146,31 @@ def test_a_poison_batch_is_dead_lettered_and_the_next_one_trained(store, setup):
     assert b"rlpipe_learner_dead_lettered_batches_total 2.0" in health.render_metrics()
 
 
+def test_a_batch_with_a_reward_that_is_not_a_number_is_dead_lettered_not_trained_or_stuck_on(store, setup):
+    """A producer that wrote NaN (an environment's bug) must neither poison the weights nor stop the learner at that
+    batch for ever: it is dead-lettered naming the column, and the batches after it are trained."""
+    archive = TrajectoryArchive(store)
+    rng = np.random.default_rng(6)
+    write_batches(archive, setup, 1, rng)
+    (good,) = stored_refs(store)
+    rows = archive.read_batch(good.path).to_pylist()
+    rows[3]["reward"] = float("nan")
+    archive.write_batch(RUN, [dict(r, batch_id="bnan") for r in rows], batch_id="bnan")
+    write_batches(archive, setup, 1, rng, first=5)
+    refs = {r.batch_id: r for r in stored_refs(store)}
+    nan, last = refs.pop("bnan"), next(r for b, r in refs.items() if b != good.batch_id)
+    scripted = [good, BatchRef(nan.batch_id, nan.path, nan.sha256, {f"{TOPIC}:0": 2}),
+                BatchRef(last.batch_id, last.path, last.sha256, {f"{TOPIC}:0": 3})]
+    learner, announced = scripted_learner(store, setup, scripted)
+    steps = []
+    calls = iter(range(5))
+    learner.run(should_stop=lambda: next(calls, None) is None, on_step=steps.append, poll_timeout_s=0)
+    (letter,) = [p for p in announced if isinstance(p, DeadLetter)]
+    assert letter.key == "bnan" and "'reward'" in letter.reason and "not a finite number" in letter.reason
+    assert [m["batch_ids"] for m in steps] == [[good.batch_id], [last.batch_id]]
+    assert learner.state.positions == {f"{TOPIC}:0": 3} and "bnan" not in learner.state.trained
+
+
 def test_a_storage_error_is_not_a_poison_batch(store, setup, monkeypatch):
     write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(5))
     learner, announced = scripted_learner(store, setup, stored_refs(store))

@@ -10,6 +10,7 @@ from schemas.trajectory import (
     SCHEMA_VERSION_KEY,
     TrajectoryRecord,
     TrajectoryTableError,
+    check_trajectory_values,
     conform_table,
     records_to_table,
     table_to_records,
@@ -42,6 +43,20 @@ def test_round_trip_keeps_values():
 def test_length_mismatch_refused(change):
     with pytest.raises(ValidationError, match=r"same length|at least one token"):
         TrajectoryRecord(**row(**change))
+
+
+@pytest.mark.parametrize("change, column", [
+    (dict(reward=float("nan")), "reward"), (dict(return_to_go=float("inf")), "return_to_go"),
+    (dict(turn_rewards=[0.0, float("-inf")]), "turn_rewards"), (dict(logprobs=[0.0, float("nan"), -1.0]), "logprobs"),
+    (dict(weight=float("nan")), "weight"),
+])
+def test_numbers_a_learner_trains_on_must_be_finite(change, column):
+    good = records_to_table([row(), row(episode_id="e2", weight=None)])
+    check_trajectory_values(good)  # a null weight is no weight, not a bad one
+    bad = records_to_table([row(), row(episode_id="e2", **change)])
+    with pytest.raises(TrajectoryTableError, match=rf"column '{column}' holds a value that is not a finite number "
+                                                   r"\(NaN or infinity\) in row 1 of 2"):
+        check_trajectory_values(bad)
 
 
 def test_negative_version_and_bad_mask_refused():
