@@ -199,21 +199,35 @@ class PackedLearner:
         self.engine.delete_adapter(run_id)
         return run.learner
 
+    def drop(self, run: PackedRun) -> None:
+        """Let ``run`` go at once, as a learner that stopped on an error: its writes under way end (or fail), its
+        adapter is deleted, and nothing more is trained or committed; it resumes from its newest checkpoint."""
+        run.learner.outputs.writer.wait_quietly()
+        if run in self.runs:
+            self.runs.remove(run)
+        with contextlib.suppress(EngineError):
+            self.engine.delete_adapter(run.run_id)
+
     def run(self, should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[str, dict], None] = lambda run_id, metrics: None, poll_timeout_s: float = 1.0,
-            between_rounds: Callable[[PackedLearner], None] | None = None, until_stopped: bool = False) -> None:
+            between_rounds: Callable[[PackedLearner], None] | None = None,
+            until_stopped: bool | Callable[[], bool] = False,
+            on_failure: Callable[[str, Exception], None] | None = None) -> None:
         """Round-robin until stopped or every run is finished (``max_steps``, or its finite source ran dry).
 
         A waiting run polls for ``poll_timeout_s`` divided among the runs still
         going, so one full round waits about ``poll_timeout_s`` when none has rows.
         ``between_rounds`` (runs joining and leaving) is called before every round;
-        with ``until_stopped`` the loop also goes on while no run is going, waiting for one to join.
+        while ``until_stopped`` (or what it returns) is true the loop also goes on while no run is going,
+        waiting for one to join.
         A run that finishes writes its final checkpoint at once (``settle``), so its end is durable and
         announced while the others train.  A run's publish and checkpoint are written while the next runs
         take their turns; every run's writes are done when this returns.
+        With ``on_failure``, a run whose turn raises (its lease taken, its store failing, a step that cannot
+        run) is dropped (``drop``) and reported, and the others go on; without, the error ends the loop.
         """
         try:
-            self._rounds(should_stop, on_step, poll_timeout_s, between_rounds, until_stopped)
+            self._rounds(should_stop, on_step, poll_timeout_s, between_rounds, until_stopped, on_failure)
         except BaseException:
             for run in self.runs:
                 run.learner.outputs.writer.wait_quietly()
@@ -222,12 +236,13 @@ class PackedLearner:
             run.learner.finish_writes()
 
     def _rounds(self, should_stop: Callable[[], bool], on_step: Callable[[str, dict], None], poll_timeout_s: float,
-                between_rounds: Callable[[PackedLearner], None] | None, until_stopped: bool) -> None:
+                between_rounds: Callable[[PackedLearner], None] | None, until_stopped: bool | Callable[[], bool],
+                on_failure: Callable[[str, Exception], None] | None) -> None:
         while not should_stop():
             if between_rounds is not None:
                 between_rounds(self)
             going = [run for run in self.runs if not run.finished()]
-            if not going and not until_stopped:
+            if not going and not (until_stopped() if callable(until_stopped) else until_stopped):
                 return
             if not going:
                 time.sleep(poll_timeout_s)
@@ -235,11 +250,19 @@ class PackedLearner:
             for run in going:
                 if should_stop():
                     return
-                with self.turn(run) as learner:
-                    for metrics in one_pass(learner, poll_timeout_s / len(going)):
-                        on_step(run.run_id, metrics)
-                if run.finished():
-                    self.settle(run, on_step)
+                try:
+                    with self.turn(run) as learner:
+                        for metrics in one_pass(learner, poll_timeout_s / len(going)):
+                            on_step(run.run_id, metrics)
+                    if run.finished():
+                        self.settle(run, on_step)
+                except Exception as exc:
+                    if on_failure is None:
+                        raise
+                    log.error("run %s stopped on an error (%s: %s); the other runs go on", run.run_id,
+                              type(exc).__name__, exc)
+                    self.drop(run)
+                    on_failure(run.run_id, exc)
 
     def settle(self, run: PackedRun, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
         """``run`` is finished: train what it has waiting, write its final checkpoint and wait for its writes."""

@@ -10,8 +10,9 @@ or leaves between two turns of the packed loop.
 A joining run's configuration is its stored one (``run.json`` and the changes
 recorded since, as ``rlpipe run --resume`` reads it) placed on the process's own
 broker and store: the process found the run there, and packed runs share one
-event log.  A run that cannot join (no stored configuration, a setting the
-engine cannot share) is logged and skipped; the process goes on.
+event log.  A run that cannot join (no stored configuration or a damaged one, a
+setting the engine cannot share, a value-based run, which its own value learner
+and producer serve) is logged and skipped; the process goes on.
 
 A packed process started without ``--follow-runs`` follows no pattern: it takes
 no new run, but still lets a served run go on its ``RunStopped`` (``rlpipe run``
@@ -72,11 +73,21 @@ def joining_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunC
         stored = effective_run_config(store, run_id)
     except FileNotFoundError:
         raise ValueError(f"run {run_id} has no run.json in {store.root}") from None
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not a configuration record
+        raise ValueError(f"run {run_id}'s stored configuration cannot be read ({type(exc).__name__}: {exc}); "
+                         "create the run again under a new name (rlpipe runs create)") from None
     stored["bus"], stored["store"] = template.bus.model_dump(), template.store.model_dump()
     try:
-        return RunConfig.model_validate(stored)
+        config = RunConfig.model_validate(stored)
     except ValidationError as exc:
         raise ValueError(f"run {run_id}'s stored configuration is not valid here: {exc.errors()[0]['msg']}") from None
+    if config.run_id != run_id:
+        raise ValueError(f"run {run_id}'s stored configuration names run {config.run_id}; create the run again "
+                         "under a new name (rlpipe runs create)")
+    if config.value is not None:  # its own value learner and producer serve it (they hold its lease)
+        raise ValueError("it is value-based (value:); packed processes serve LoRA runs: start its own value "
+                         "learner and producer")
+    return config
 
 
 class RunMembership:
@@ -138,6 +149,11 @@ class RunMembership:
             self.packable([self.template, config])
         except ValueError as exc:
             log.warning("run %s cannot join this packed process: %s", run_id, exc)
+            return None
+        except Exception as exc:  # the store failing: this run is skipped, and the process serves the others
+            log.warning("run %s cannot join this packed process: reading its configuration failed (%s: %s); "
+                        "name it (--run) when the packed process starts again", run_id, type(exc).__name__,
+                        exc)
             return None
         return config
 

@@ -12,6 +12,7 @@ from consumers.checkpoint import CheckpointStore
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from consumers.learner import Learner
+from consumers.lease import FencedStore, LearnerLease, LeaseLostError
 from consumers.packed import EnginePolicy, PackedLearner
 from consumers.policy import LoraPolicy
 from consumers.sources import ReplaySource
@@ -208,3 +209,73 @@ def test_a_run_at_its_budget_is_checkpointed_at_once_and_can_leave_while_the_oth
     assert AdapterRegistry(batches, "a").versions() == [1]
     packed.finish_all()
     assert CheckpointStore(batches, "b").latest().state.step == 3
+
+
+def fenced_learner(store: ObjectStore, run: str, policy: LoraPolicy, cfg: LearnerConfig) -> Learner:
+    """``learner_of`` with the run's lease taken on resume and checked at every commit point."""
+    archive, lease = TrajectoryArchive(store), LearnerLease(store, run, holder=f"packed-{run}")
+    fenced = FencedStore(store, lease)
+    return Learner(run_id=run, base_model="tiny", config=cfg, policy=policy, archive=archive,
+                   registry=AdapterRegistry(fenced, run), checkpoints=CheckpointStore(fenced, run),
+                   source=ReplaySource(archive, f"src-{run}"), lease=lease)
+
+
+def test_a_run_that_fails_leaves_and_the_others_train_on(batches, setup):  # noqa: F811
+    """b's lease is taken by a learner elsewhere mid-run: b leaves the packed learner (its adapter deleted, reported
+    to ``on_failure``), and a trains to its max_steps as if alone."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    a, b = (fenced_learner(batches, run, EnginePolicy(engine, run, config(run)), config(run)) for run in SOURCES)
+    packed = PackedLearner(engine, [a, b])
+    packed.resume()
+    failures: list[tuple[str, Exception]] = []
+    taken: list[int] = []
+
+    def between_rounds(packed: PackedLearner) -> None:
+        if a.state.step >= 1 and not taken:
+            taken.append(LearnerLease(batches, "b", holder="elsewhere").acquire())
+
+    packed.run(on_step=lambda run, metrics: None, poll_timeout_s=0, between_rounds=between_rounds,
+               on_failure=lambda run, exc: failures.append((run, exc)))
+    assert [(run, type(exc)) for run, exc in failures] == [("b", LeaseLostError)]
+    assert [run.run_id for run in packed.runs] == ["a"] and engine.adapters() == ["a"]
+    assert a.state.step == 4 and CheckpointStore(batches, "a").latest().state.step == 4
+    alone = learner_of(batches, "a-alone", "src-a", LoraPolicy(setup["model_dir"], config("a")), config("a"))
+    alone.run(poll_timeout_s=0)
+    ours, theirs = adapter_of(batches, "a"), adapter_of(batches, "a-alone")
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6
+
+
+def test_a_run_whose_step_failed_comes_back_from_its_checkpoint_and_trains_each_batch_once(batches, setup):  # noqa: F811
+    """A storage error in b's third step: b leaves, comes back (as the packed process brings it back) from its
+    step-2 checkpoint, and ends with the weights of b alone; a is not disturbed."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    a, b = (learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, config(run)), config(run))
+            for run in SOURCES)
+    train_step, calls = b.policy.train_step, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(len(calls))
+        if len(calls) == 3:
+            raise OSError("the bucket is unreachable")
+        return train_step(*args, **kwargs)
+
+    b.policy.train_step = fails_once
+    packed = PackedLearner(engine, [a, b])
+    packed.resume()
+    failed: list[str] = []
+
+    def between_rounds(packed: PackedLearner) -> None:
+        if failed and "b" not in {run.run_id for run in packed.runs}:
+            again = learner_of(batches, "b", "src-b", EnginePolicy(engine, "b", config("b")), config("b"))
+            again.source.already_trained = lambda batch_id: batch_id in again.state.trained
+            packed.add(again)
+
+    packed.run(poll_timeout_s=0, between_rounds=between_rounds, on_failure=lambda run, exc: failed.append(run))
+    assert failed == ["b"] and sorted(run.run_id for run in packed.runs) == ["a", "b"]
+    for run in SOURCES:
+        alone = learner_of(batches, f"{run}-alone", f"src-{run}", LoraPolicy(setup["model_dir"], config(run)),
+                           config(run))
+        alone.run(poll_timeout_s=0)
+        ours, theirs = adapter_of(batches, run), adapter_of(batches, f"{run}-alone")
+        assert CheckpointStore(batches, run).latest().state.step == 4
+        assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6, run

@@ -122,3 +122,31 @@ def test_a_process_following_no_pattern_only_lets_its_stopped_runs_go(setup):
     assert membership.changes(serving={"base", "other"}) == [Left("base")]
     feed.put("base", started(store, config("base")))
     assert membership.changes(serving={"other"}) == []
+
+
+def test_value_runs_damaged_configs_and_misnamed_ones_are_skipped_and_the_next_run_joins(setup, caplog):
+    """A value-based run (its own value learner and producer hold its lease), a stored configuration that is not
+    one, and a run.json naming another run never join; they are logged, and the sound run after them joins."""
+    store, _, feed, membership = setup
+    value = config("exp-dqn", env={"name": "cartpole"},
+                   value={"observation_size": 4, "num_actions": 2, "learner": {"agent": "dqn"}})
+    feed.put("exp-dqn", started(store, value))
+    store.put("runs/exp-cut/run.json", b"{}")
+    store.put("runs/exp-cut/config-changes/000001.json", b'{"changed": "cut short"}')
+    feed.put("exp-cut", RunStarted(config_path="runs/exp-cut/run.json", config_sha256="0" * 64, env="cartpole",
+                                   base_model="tiny"))
+    store.put("runs/exp-list/run.json", b"[]")
+    feed.put("exp-list", RunStarted(config_path="runs/exp-list/run.json", config_sha256="0" * 64, env="cartpole",
+                                    base_model="tiny"))
+    started(store, config("exp-copy"))
+    store.put("runs/exp-other/run.json", store.get("runs/exp-copy/run.json"))
+    feed.put("exp-other", RunStarted(config_path="runs/exp-other/run.json", config_sha256="0" * 64, env="cartpole",
+                                     base_model="tiny"))
+    feed.put("exp-1", started(store, config("exp-1")))
+    with caplog.at_level(logging.WARNING, logger="rlpipe.membership"):
+        changes = membership.changes(serving=set())
+    assert [c.config.run_id for c in changes if isinstance(c, Joined)] == ["exp-1"]
+    messages = " | ".join(r.getMessage() for r in caplog.records)
+    assert "run exp-dqn cannot join" in messages and "value-based" in messages
+    assert "run exp-cut cannot join" in messages and "run exp-list cannot join" in messages
+    assert "run exp-other cannot join" in messages and "names run exp-copy" in messages
