@@ -10,8 +10,9 @@ guarantee; the packed loop only decides whose turn it is.
 
 Fairness: round-robin.  Each turn is one pass of that run's own learner loop
 (poll, ingest at most one announced batch, train a step once enough rows
-wait), so a run whose episodes are slow, or which waits for rows, costs the
-others one short poll and never a whole step's worth of waiting.
+wait), so a run whose episodes are slow, or which waits for rows, never makes
+another wait a whole step: its poll waits for rows only while no other run has
+batches delivered and not yet ingested, and returns at once otherwise.
 
 Membership: runs may join and leave between two rounds (``add``, ``remove``),
 e.g. as ``RunStarted`` and ``RunStopped`` arrive on the control topic
@@ -43,6 +44,7 @@ from peft import set_peft_model_state_dict
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from consumers.learner import Learner
+from consumers.lease import LeaseLostError
 from consumers.policy import AdapterSnapshot, LoraPolicy, pick_device
 from consumers.service import build_learner, finish, progress_line
 from consumers.sources import KafkaSource
@@ -59,6 +61,8 @@ log = logging.getLogger("rlpipe.learner")
 
 JOIN_TIMEOUT_S = 60.0  # at most this long joining the runs' consumer groups before training starts
 JOIN_POLL_S = 0.2  # each run's share of one joining round
+COMEBACK_FIRST_S = 30.0  # a run stopped on an error comes back after this pause, doubled for each failure in a row
+COMEBACK_MAX_S = 600.0  # up to this
 
 
 class EnginePolicy(LoraPolicy):
@@ -216,7 +220,8 @@ class PackedLearner:
         """Round-robin until stopped or every run is finished (``max_steps``, or its finite source ran dry).
 
         A waiting run polls for ``poll_timeout_s`` divided among the runs still
-        going, so one full round waits about ``poll_timeout_s`` when none has rows.
+        going, so one full round waits about ``poll_timeout_s`` when none has rows; while another run has
+        batches delivered and not yet ingested, it polls without waiting.
         ``between_rounds`` (runs joining and leaving) is called before every round;
         while ``until_stopped`` (or what it returns) is true the loop also goes on while no run is going,
         waiting for one to join.
@@ -250,9 +255,11 @@ class PackedLearner:
             for run in going:
                 if should_stop():
                     return
+                # a poll waits only while no other run has batches delivered and not yet ingested
+                busy = any(other.learner.incoming for other in going if other is not run)
                 try:
                     with self.turn(run) as learner:
-                        for metrics in one_pass(learner, poll_timeout_s / len(going)):
+                        for metrics in one_pass(learner, 0.0 if busy else poll_timeout_s / len(going)):
                             on_step(run.run_id, metrics)
                     if run.finished():
                         self.settle(run, on_step)
@@ -270,11 +277,65 @@ class PackedLearner:
             finish(learner, lambda metrics: on_step(run.run_id, metrics))
         run.settled = True
 
-    def finish_all(self, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
-        """On a stop: every run not yet settled trains what it has waiting and writes its final checkpoint."""
-        for run in self.runs:
-            if not run.settled:
+    def finish_all(self, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None,
+                   on_failure: Callable[[str, Exception], None] | None = None) -> None:
+        """On a stop: every run not yet settled trains what it has waiting and writes its final checkpoint (with
+        ``on_failure``, a run that fails to is dropped and reported, and the others still settle)."""
+        for run in list(self.runs):
+            if run.settled:
+                continue
+            try:
                 self.settle(run, on_step)
+            except Exception as exc:
+                if on_failure is None:
+                    raise
+                self.drop(run)
+                on_failure(run.run_id, exc)
+
+
+class Comebacks:
+    """Runs of a packed process that stopped on an error, brought back from their newest checkpoint after a pause.
+
+    The pause is ``first_s`` doubled for each failure in a row, at most ``max_s``, as a supervisor restarts a
+    single-run learner; a step trained resets the count.  A run whose lease another learner took is not brought
+    back: that learner serves it now (``lost`` keeps why, for the process's exit).
+    """
+
+    def __init__(self, first_s: float = COMEBACK_FIRST_S, max_s: float = COMEBACK_MAX_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.first_s, self.max_s, self.clock = first_s, max_s, clock
+        self.waiting: dict[str, tuple[RunConfig, float]] = {}  # run -> (its configuration, when it comes back)
+        self.failures: dict[str, int] = {}  # run -> failures in a row
+        self.lost: dict[str, str] = {}  # run -> why it is not brought back
+
+    def failed(self, config: RunConfig, error: Exception) -> float | None:
+        """Note ``config``'s run stopped on ``error``; the pause before it comes back (None: it does not)."""
+        run_id = config.run_id
+        if isinstance(error, LeaseLostError):
+            self.lost[run_id] = str(error)
+            log.error("run %s left this packed learner: %s", run_id, error)
+            return None
+        count = self.failures[run_id] = self.failures.get(run_id, 0) + 1
+        pause = min(self.max_s, self.first_s * 2 ** (count - 1))
+        self.waiting[run_id] = (config, self.clock() + pause)
+        log.error("run %s stopped on an error (%s: %s); it comes back from its newest checkpoint in %.0f s "
+                  "(failure %d in a row)", run_id, type(error).__name__, error, pause, count)
+        return pause
+
+    def due(self) -> list[RunConfig]:
+        """The runs whose pause is over, taken off the waiting list."""
+        now = self.clock()
+        ready = [run_id for run_id, (_, at) in self.waiting.items() if at <= now]
+        return [self.waiting.pop(run_id)[0] for run_id in ready]
+
+    def stepped(self, run_id: str) -> None:
+        """``run_id`` trained a step: its next failure pauses ``first_s`` again."""
+        self.failures.pop(run_id, None)
+
+    def forget(self, run_id: str) -> bool:
+        """``run_id`` was stopped (``RunStopped``): it does not come back; whether it was waiting to."""
+        self.failures.pop(run_id, None)
+        return self.waiting.pop(run_id, None) is not None
 
 
 def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:
@@ -314,14 +375,20 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
     publisher = EventPublisher(bus)
     sources: dict[str, KafkaSource] = {}
     learners: dict[str, Learner] = {}
+    configs_of: dict[str, RunConfig] = {}
+    comebacks = Comebacks()
     membership: RunMembership | None = None
 
     def after_step(run_id: str, metrics: dict[str, Any]) -> None:
+        comebacks.stepped(run_id)
         log.info("%s: %s", run_id, progress_line(metrics))
         if on_step is not None:
             on_step(run_id, metrics)
 
     try:
+        # every packed learner lets a run go on its RunStopped; with --follow-runs it also takes new runs up.
+        # Followed from before the model loads, so a run announced meanwhile is not missed.
+        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
         base_model = resolve_base_model(first.model)
         if first.learner.torch_threads:
             torch.set_num_threads(first.learner.torch_threads)
@@ -331,6 +398,7 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
         done.add("engine")
 
         def open_run(cfg: RunConfig) -> Learner:
+            configs_of[cfg.run_id] = cfg
             store = open_store(cfg.store)
             announcer = Announcer(publisher, cfg.run_id)
             _, _, created = create_run(store, cfg, cfg.model.base_model)
@@ -343,19 +411,42 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
 
         packed = PackedLearner(engine, [open_run(cfg) for cfg in configs])
         done.add("broker")
-        # every packed learner lets a run go on its RunStopped; with --follow-runs it also takes new runs up
-        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
         packed.resume()
         done.add("resumed")
         health.set_gauge("rlpipe_learner_up", 1.0, "1 once the learner is set up and training")
 
+        def failed(run_id: str, error: Exception) -> None:
+            close_run(run_id)
+            comebacks.failed(configs_of[run_id], error)
+            health.set_gauge("rlpipe_learner_runs_waiting", float(len(comebacks.waiting)),
+                             "runs stopped on an error, waiting to come back from their newest checkpoint")
+
         def between_rounds(packed: PackedLearner) -> None:
             assert membership is not None
-            for change in membership.changes({run.run_id for run in packed.runs}):
+            for config in comebacks.due():
+                log.info("run %s comes back", config.run_id)
+                error = join(packed, config, open_run, close_run)
+                if error is not None:
+                    comebacks.failed(config, error)
+            health.set_gauge("rlpipe_learner_runs_waiting", float(len(comebacks.waiting)),
+                             "runs stopped on an error, waiting to come back from their newest checkpoint")
+            serving = {run.run_id for run in packed.runs}
+            for change in membership.changes(serving | set(comebacks.waiting)):
                 if isinstance(change, Joined):
                     join(packed, change.config, open_run, close_run)
+                elif change.run_id not in serving:  # stopped while waiting to come back
+                    comebacks.forget(change.run_id)
+                    log.info("run %s stopped while waiting to come back; it stays stopped", change.run_id)
                 else:
-                    learner = packed.remove(change.run_id, after_step)
+                    try:
+                        learner = packed.remove(change.run_id, after_step)
+                    except Exception as exc:  # its last step or checkpoint failed: as any failure, the others go on
+                        run = next(run for run in packed.runs if run.run_id == change.run_id)
+                        packed.drop(run)
+                        close_run(change.run_id)
+                        log.error("run %s failed while leaving (%s: %s); it resumes from its newest checkpoint "
+                                  "when served again", change.run_id, type(exc).__name__, exc)
+                        continue
                     learner.announce(LearnerLeft(step=learner.state.step, version=learner.state.version))
                     close_run(change.run_id)
                     log.info("run %s left at step %d, version %d", learner.run_id, learner.state.step,
@@ -369,8 +460,8 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                 learner.metric_logger.close()
 
         packed.run(should_stop=stop, on_step=after_step, between_rounds=between_rounds,
-                   until_stopped=follow_runs is not None)
-        packed.finish_all(after_step)
+                   until_stopped=lambda: follow_runs is not None or bool(comebacks.waiting), on_failure=failed)
+        packed.finish_all(after_step, on_failure=failed)
     finally:
         if membership is not None:
             membership.close()
@@ -382,18 +473,23 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
         health.stop()
     for learner in learners.values():
         log.info("run %s stopped at step %d, version %d", learner.run_id, learner.state.step, learner.state.version)
+    if comebacks.lost:  # as a single-run learner whose lease was taken, the process says so in its exit
+        raise LeaseLostError("; ".join(comebacks.lost.values()))
     return packed
 
 
 def join(packed: PackedLearner, config: RunConfig, open_run: Callable[[RunConfig], Learner],
-         close_run: Callable[[str], None]) -> None:
+         close_run: Callable[[str], None]) -> Exception | None:
     """Add ``config``'s run to ``packed``; a run that cannot start (its lease held elsewhere, a broken store) is
-    logged and dropped, and the others go on."""
+    logged and dropped, and the others go on.  The error it could not join on, if any."""
     log.info("run %s joins", config.run_id)
     try:
         packed.add(open_run(config))
     except Exception as exc:  # one run's failure to start must not stop the runs already served
         log.error("run %s could not join: %s", config.run_id, exc)
         close_run(config.run_id)
+        packed.runs = [run for run in packed.runs if run.run_id != config.run_id]  # (added, then its group failed)
         with contextlib.suppress(EngineError):  # it failed before its adapter was made
             packed.engine.delete_adapter(config.run_id)
+        return exc
+    return None

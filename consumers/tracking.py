@@ -144,8 +144,10 @@ class WandbLogger:
         if self._run is None:
             import wandb
 
+            # create_new (wandb >= 0.19.10): packed runs share a process, each with a W&B run of its own
             self._run = wandb.init(project=os.environ.get("WANDB_PROJECT") or WANDB_PROJECT_DEFAULT,
-                                   id=self.run_id, name=self.run_id, resume="allow", config=self.config)
+                                   id=self.run_id, name=self.run_id, resume="allow", config=self.config,
+                                   reinit="create_new")
         self._run.log(scalars, step=step)
 
     def close(self) -> None:

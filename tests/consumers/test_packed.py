@@ -13,13 +13,13 @@ from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from consumers.learner import Learner
 from consumers.lease import FencedStore, LearnerLease, LeaseLostError
-from consumers.packed import EnginePolicy, PackedLearner
+from consumers.packed import Comebacks, EnginePolicy, PackedLearner
 from consumers.policy import LoraPolicy
 from consumers.sources import ReplaySource
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
-from schemas.config import LearnerConfig
+from schemas.config import LearnerConfig, RunConfig
 from tests.consumers import test_learner
 from tests.consumers.test_learner import setup  # noqa: F401  # the module fixture: tiny model, prompt, answers
 
@@ -279,3 +279,59 @@ def test_a_run_whose_step_failed_comes_back_from_its_checkpoint_and_trains_each_
         ours, theirs = adapter_of(batches, run), adapter_of(batches, f"{run}-alone")
         assert CheckpointStore(batches, run).latest().state.step == 4
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6, run
+
+
+class IdleSource:
+    """A run with nothing to train: each poll waits out its timeout (as an idle Kafka poll does), recorded."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def poll(self, timeout_s: float) -> list:
+        self.timeouts.append(timeout_s)
+        return []
+
+    def seek(self, positions: dict[str, int]) -> None:
+        pass
+
+    def commit(self, positions: dict[str, int]) -> None:
+        pass
+
+    def keep_alive(self) -> None:
+        pass
+
+    def exhausted(self) -> bool:
+        return False
+
+
+def test_an_idle_run_does_not_wait_out_its_poll_while_another_run_has_batches_delivered(batches, setup):  # noqa: F811
+    """b needs four delivered batches for one step and ingests one per turn; a, idle, polls between them without
+    waiting, so b's step never waits for a's empty polls (they wait only when no run has anything to do)."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    cfg_b = config("b", batch_rows=64)
+    a = learner_of(batches, "a", "src-a", EnginePolicy(engine, "a", config("a")), config("a"))
+    b = learner_of(batches, "b", "src-b", EnginePolicy(engine, "b", cfg_b), cfg_b)
+    a.source, b.source.batches_per_poll = IdleSource(), 100
+    packed = PackedLearner(engine, [a, b])
+    packed.resume()
+    packed.run(should_stop=lambda: b.state.step >= 1, poll_timeout_s=4.0)
+    assert b.state.step == 1 and len(a.source.timeouts) >= 3
+    assert a.source.timeouts[0] == 2.0  # before b's first poll nobody had anything: half of the round's wait
+    assert set(a.source.timeouts[1:]) == {0.0}  # b had batches delivered: a's polls did not wait
+
+
+def test_a_failed_run_comes_back_after_a_pause_that_doubles_and_a_lost_lease_is_not_retried():
+    now = [0.0]
+    comebacks = Comebacks(first_s=30.0, max_s=100.0, clock=lambda: now[0])
+    b = RunConfig(run_id="b")
+    assert comebacks.failed(b, OSError("bucket")) == 30.0 and comebacks.due() == []
+    now[0] = 30.0
+    assert comebacks.due() == [b] and comebacks.due() == []
+    assert comebacks.failed(b, OSError("again")) == 60.0  # failures in a row: longer pauses, up to max_s
+    now[0] = 90.0
+    assert comebacks.due() == [b] and comebacks.failed(b, OSError("again")) == 100.0
+    comebacks.stepped("b")  # it trained a step: the next failure is a first one
+    assert comebacks.failed(b, OSError("later")) == 30.0 and set(comebacks.waiting) == {"b"}
+    assert comebacks.forget("b") and comebacks.waiting == {}  # stopped while waiting: it stays stopped
+    assert comebacks.failed(RunConfig(run_id="c"), LeaseLostError("run c has a newer learner")) is None
+    assert comebacks.waiting == {} and comebacks.lost == {"c": "run c has a newer learner"}

@@ -108,8 +108,21 @@ def test_wandb_logger_resumes_the_run_named_after_the_rlpipe_run(monkeypatch) ->
     logger.close()
     (_, init), (_, (step, data)), (finish, _) = calls
     assert init == {"project": "rl-experiments", "id": "cartpole-1", "name": "cartpole-1", "resume": "allow",
-                    "config": {"learner": {"loss": "ppo"}}}  # fmt: skip
+                    "config": {"learner": {"loss": "ppo"}}, "reinit": "create_new"}  # fmt: skip
     assert (step, data) == step_scalars(METRICS) and finish == "finish"
+
+
+def test_packed_runs_in_one_process_each_log_to_their_own_wandb_run(monkeypatch) -> None:
+    """A packed learner holds one logger per run: each makes its own W&B run (``reinit="create_new"``, not the
+    process's one active run) and logs only there; one run leaving finishes only its own."""
+    calls = fake_wandb(monkeypatch)
+    a, b = WandbLogger("run-a"), WandbLogger("run-b")
+    a.log(METRICS)
+    b.log(METRICS)
+    assert a._run is not b._run and [kwargs["reinit"] for name, kwargs in calls if name == "init"] == ["create_new"] * 2
+    b.close()
+    a.log(METRICS)
+    assert [name for name, _ in calls] == ["init", "log", "init", "log", "finish", "log"]
 
 
 def test_open_metric_logger_adds_wandb_when_configured(tmp_path: Path, monkeypatch) -> None:
