@@ -50,7 +50,7 @@ from consumers.service import build_learner, finish, progress_line
 from consumers.sources import KafkaSource
 from pipeline.health import HealthServer
 from pipeline.io.bus import EventPublisher
-from pipeline.membership import Joined, RunMembership, engine_config
+from pipeline.membership import Comebacks, Joined, RunMembership, engine_config
 from pipeline.models import resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import LearnerConfig, RunConfig
@@ -61,8 +61,6 @@ log = logging.getLogger("rlpipe.learner")
 
 JOIN_TIMEOUT_S = 60.0  # at most this long joining the runs' consumer groups before training starts
 JOIN_POLL_S = 0.2  # each run's share of one joining round
-COMEBACK_FIRST_S = 30.0  # a run stopped on an error comes back after this pause, doubled for each failure in a row
-COMEBACK_MAX_S = 600.0  # up to this
 
 
 class EnginePolicy(LoraPolicy):
@@ -293,51 +291,6 @@ class PackedLearner:
                 on_failure(run.run_id, exc)
 
 
-class Comebacks:
-    """Runs of a packed process that stopped on an error, brought back from their newest checkpoint after a pause.
-
-    The pause is ``first_s`` doubled for each failure in a row, at most ``max_s``, as a supervisor restarts a
-    single-run learner; a step trained resets the count.  A run whose lease another learner took is not brought
-    back: that learner serves it now (``lost`` keeps why, for the process's exit).
-    """
-
-    def __init__(self, first_s: float = COMEBACK_FIRST_S, max_s: float = COMEBACK_MAX_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.first_s, self.max_s, self.clock = first_s, max_s, clock
-        self.waiting: dict[str, tuple[RunConfig, float]] = {}  # run -> (its configuration, when it comes back)
-        self.failures: dict[str, int] = {}  # run -> failures in a row
-        self.lost: dict[str, str] = {}  # run -> why it is not brought back
-
-    def failed(self, config: RunConfig, error: Exception) -> float | None:
-        """Note ``config``'s run stopped on ``error``; the pause before it comes back (None: it does not)."""
-        run_id = config.run_id
-        if isinstance(error, LeaseLostError):
-            self.lost[run_id] = str(error)
-            log.error("run %s left this packed learner: %s", run_id, error)
-            return None
-        count = self.failures[run_id] = self.failures.get(run_id, 0) + 1
-        pause = min(self.max_s, self.first_s * 2 ** (count - 1))
-        self.waiting[run_id] = (config, self.clock() + pause)
-        log.error("run %s stopped on an error (%s: %s); it comes back from its newest checkpoint in %.0f s "
-                  "(failure %d in a row)", run_id, type(error).__name__, error, pause, count)
-        return pause
-
-    def due(self) -> list[RunConfig]:
-        """The runs whose pause is over, taken off the waiting list."""
-        now = self.clock()
-        ready = [run_id for run_id, (_, at) in self.waiting.items() if at <= now]
-        return [self.waiting.pop(run_id)[0] for run_id in ready]
-
-    def stepped(self, run_id: str) -> None:
-        """``run_id`` trained a step: its next failure pauses ``first_s`` again."""
-        self.failures.pop(run_id, None)
-
-    def forget(self, run_id: str) -> bool:
-        """``run_id`` was stopped (``RunStopped``): it does not come back; whether it was waiting to."""
-        self.failures.pop(run_id, None)
-        return self.waiting.pop(run_id, None) is not None
-
-
 def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:
     """One pass of ``learner``'s own loop (``Learner.run``): poll, ingest one batch, step if ready; the steps taken."""
     passes = iter((False,))  # lets the loop's condition pass once
@@ -380,7 +333,7 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
     membership: RunMembership | None = None
 
     def after_step(run_id: str, metrics: dict[str, Any]) -> None:
-        comebacks.stepped(run_id)
+        comebacks.progressed(run_id)
         log.info("%s: %s", run_id, progress_line(metrics))
         if on_step is not None:
             on_step(run_id, metrics)
@@ -413,11 +366,12 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
         done.add("broker")
         packed.resume()
         done.add("resumed")
+        health.add_readiness_check("runs", lambda: bool(packed.runs) or not comebacks.waiting)  # not all failing
         health.set_gauge("rlpipe_learner_up", 1.0, "1 once the learner is set up and training")
 
         def failed(run_id: str, error: Exception) -> None:
             close_run(run_id)
-            comebacks.failed(configs_of[run_id], error)
+            comebacks.failed(configs_of[run_id], error, again=not isinstance(error, LeaseLostError))
             health.set_gauge("rlpipe_learner_runs_waiting", float(len(comebacks.waiting)),
                              "runs stopped on an error, waiting to come back from their newest checkpoint")
 
@@ -427,7 +381,7 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                 log.info("run %s comes back", config.run_id)
                 error = join(packed, config, open_run, close_run)
                 if error is not None:
-                    comebacks.failed(config, error)
+                    comebacks.failed(config, error, again=not isinstance(error, LeaseLostError))
             health.set_gauge("rlpipe_learner_runs_waiting", float(len(comebacks.waiting)),
                              "runs stopped on an error, waiting to come back from their newest checkpoint")
             serving = {run.run_id for run in packed.runs}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -36,6 +37,9 @@ from schemas.config import RunConfig
 from schemas.events import RunStarted, RunStopped
 
 log = logging.getLogger("rlpipe.membership")
+
+COMEBACK_FIRST_S = 30.0  # a run stopped on an error comes back after this pause, doubled for each failure in a row
+COMEBACK_MAX_S = 600.0  # up to this
 
 
 @dataclass(frozen=True)
@@ -159,3 +163,49 @@ class RunMembership:
 
     def close(self) -> None:
         self.follower.close()
+
+
+class Comebacks:
+    """Runs of a packed process that stopped on an error, brought back from their newest checkpoint after a pause.
+
+    The pause is ``first_s`` doubled for each failure in a row, at most ``max_s``, as a supervisor restarts a
+    single-run process; progress (a step trained, a batch written) resets the count.  A run that must not come
+    back (its learner lease taken by another learner, which serves it now) is kept in ``lost`` with why, for the
+    process's exit.
+    """
+
+    def __init__(self, first_s: float = COMEBACK_FIRST_S, max_s: float = COMEBACK_MAX_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.first_s, self.max_s, self.clock = first_s, max_s, clock
+        self.waiting: dict[str, tuple[RunConfig, float]] = {}  # run -> (its configuration, when it comes back)
+        self.failures: dict[str, int] = {}  # run -> failures in a row
+        self.lost: dict[str, str] = {}  # run -> why it is not brought back
+
+    def failed(self, config: RunConfig, error: Exception, again: bool = True) -> float | None:
+        """Note ``config``'s run stopped on ``error``; the pause before it comes back (None: not ``again``)."""
+        run_id = config.run_id
+        if not again:
+            self.lost[run_id] = str(error)
+            log.error("run %s left this packed process: %s", run_id, error)
+            return None
+        count = self.failures[run_id] = self.failures.get(run_id, 0) + 1
+        pause = min(self.max_s, self.first_s * 2 ** (count - 1))
+        self.waiting[run_id] = (config, self.clock() + pause)
+        log.error("run %s stopped on an error (%s: %s); it comes back from its newest checkpoint in %.0f s "
+                  "(failure %d in a row)", run_id, type(error).__name__, error, pause, count)
+        return pause
+
+    def due(self) -> list[RunConfig]:
+        """The runs whose pause is over, taken off the waiting list."""
+        now = self.clock()
+        ready = [run_id for run_id, (_, at) in self.waiting.items() if at <= now]
+        return [self.waiting.pop(run_id)[0] for run_id in ready]
+
+    def progressed(self, run_id: str) -> None:
+        """``run_id`` made progress: its next failure pauses ``first_s`` again."""
+        self.failures.pop(run_id, None)
+
+    def forget(self, run_id: str) -> bool:
+        """``run_id`` was stopped (``RunStopped``): it does not come back; whether it was waiting to."""
+        self.failures.pop(run_id, None)
+        return self.waiting.pop(run_id, None) is not None

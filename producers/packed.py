@@ -33,7 +33,7 @@ from dataclasses import replace
 from transformers import AutoTokenizer
 
 from pipeline.health import HealthServer
-from pipeline.membership import Left, RunMembership, engine_config
+from pipeline.membership import Comebacks, Left, RunMembership, engine_config
 from pipeline.runtime import StopFlag, open_store
 from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
@@ -115,6 +115,8 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
     done = health.add_setup_steps(("broker", "store", "sampler", "adapters"))
     health.add_readiness_check("stopping", lambda: not stop())
     runs: list[RunProducer] = []
+    configs_of: dict[str, RunConfig] = {}
+    comebacks = Comebacks()
     sampler: SyncSampler | None = None
     membership: RunMembership | None = None
     try:
@@ -131,6 +133,7 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
         shared = sampler
 
         def open_run(cfg: RunConfig, connection: RunConnection | None = None) -> RunProducer:
+            configs_of[cfg.run_id] = cfg
             producer_id = f"{process_id}-{cfg.run_id}" if cfg.producer.producer_id is None else cfg.producer.producer_id
             tokenizer = AutoTokenizer.from_pretrained(model_path)  # one per thread: tokenizers are not shared
             run = open_run_producer(cfg, connection or connect_run(cfg), producer_id, RunSampler(shared, cfg.run_id),
@@ -143,7 +146,7 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
             open_run(cfg, connection)
         done.add("adapters")
         health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
-        follow = following(membership, open_run)
+        follow = following(membership, open_run, comebacks)
 
         def release(run: RunProducer) -> None:  # a run that left: its connections and adapter cache go
             runs.remove(run)
@@ -152,7 +155,14 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
             log.info("run %s left: %d batches, %d samples", run.worker.run_id, run.worker.stats.batches,
                      run.worker.stats.samples)
 
-        serve(list(runs), stop, follow, release, until_stopped=follow_runs is not None)
+        def failed(run: RunProducer, error: Exception) -> None:  # (released already) it comes back after a pause
+            if run.worker.stats.batches:  # it wrote since it last (re)started: a first failure again
+                comebacks.progressed(run.worker.run_id)
+            comebacks.failed(configs_of[run.worker.run_id], error)
+
+        health.add_readiness_check("runs", lambda: bool(runs) or not comebacks.waiting)  # not every run failing
+        serve(list(runs), stop, follow, release, until_stopped=lambda: follow_runs is not None or bool(
+            comebacks.waiting), on_failure=failed)
     finally:
         if membership is not None:
             membership.close()
@@ -172,17 +182,31 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
 Follow = Callable[[set[str]], tuple[list[RunProducer], list[str]]]
 
 
-def following(membership: RunMembership, open_run: Callable[[RunConfig], RunProducer]) -> Follow:
-    """For ``serve``: the runs that joined (opened) and the served ones that left since the last call.
+def following(membership: RunMembership, open_run: Callable[[RunConfig], RunProducer],
+              comebacks: Comebacks | None = None) -> Follow:
+    """For ``serve``: the runs that joined (opened; those of ``comebacks`` whose pause is over too) and the served
+    ones that left since the last call.
 
-    A run that cannot start (its store or the broker unreachable) is logged and skipped: the others go on.
+    A run that cannot start (its store or the broker unreachable) is logged and skipped: the others go on (one
+    coming back waits its next pause).
     """
+    comebacks = comebacks or Comebacks()
+
     def changes(serving: set[str]) -> tuple[list[RunProducer], list[str]]:
         joined: list[RunProducer] = []
         left: list[str] = []
-        for change in membership.changes(serving):
+        for config in comebacks.due():
+            log.info("run %s comes back", config.run_id)
+            try:
+                joined.append(open_run(config))
+            except Exception as exc:
+                comebacks.failed(config, exc)
+        for change in membership.changes(serving | set(comebacks.waiting)):
             if isinstance(change, Left):
-                left.append(change.run_id)
+                if comebacks.forget(change.run_id):
+                    log.info("run %s stopped while waiting to come back; it stays stopped", change.run_id)
+                else:
+                    left.append(change.run_id)
                 continue
             log.info("run %s joins", change.config.run_id)
             try:
@@ -196,14 +220,17 @@ def following(membership: RunMembership, open_run: Callable[[RunConfig], RunProd
 
 def serve(runs: list[RunProducer], stop: StopFlag, follow: Follow | None = None,
           release: Callable[[RunProducer], None] = lambda run: None, poll_s: float = 0.5,
-          until_stopped: bool = False) -> None:
-    """Each run's rollout loop in its own thread; the first error stops them all and is raised here.
+          until_stopped: bool | Callable[[], bool] = False,
+          on_failure: Callable[[RunProducer, Exception], None] | None = None) -> None:
+    """Each run's rollout loop in its own thread; without ``on_failure`` the first error stops them all and is
+    raised here, with it a run whose loop raised is released and handed to ``on_failure`` while the others go on.
 
     With ``follow``, runs join (a thread started) and leave (their thread stopped and waited for, then the run
-    handed to ``release``) as it says.  This returns when every run's loop has ended or left, or, with
-    ``until_stopped`` (a process following new runs), only when stopped.
+    handed to ``release``) as it says.  This returns when every run's loop has ended or left, or, while
+    ``until_stopped`` (or what it returns) is true (a process following new runs), only when stopped.
     """
-    errors: list[BaseException] = []
+    errors: list[BaseException] = []  # what stops every run
+    failed: list[tuple[RunProducer, Exception]] = []  # runs whose loop raised, for on_failure
     threads: dict[str, tuple[threading.Thread, threading.Event, RunProducer]] = {}
 
     def stopping() -> bool:
@@ -212,7 +239,12 @@ def serve(runs: list[RunProducer], stop: StopFlag, follow: Follow | None = None,
     def one(run: RunProducer, leave: threading.Event) -> None:
         try:
             run.run(lambda: stopping() or leave.is_set())
-        except BaseException as exc:  # raised again below, in the main thread
+        except Exception as exc:
+            if on_failure is None:
+                errors.append(exc)  # raised again below, in the main thread
+            else:
+                failed.append((run, exc))
+        except BaseException as exc:
             errors.append(exc)
 
     def start(run: RunProducer) -> None:
@@ -221,9 +253,20 @@ def serve(runs: list[RunProducer], stop: StopFlag, follow: Follow | None = None,
         threads[run.worker.run_id] = thread, leave, run
         thread.start()
 
+    def going_on() -> bool:
+        return (until_stopped() if callable(until_stopped) else until_stopped) or any(
+            thread.is_alive() for thread, _, _ in threads.values())
+
     for run in runs:
         start(run)
-    while not stopping() and (until_stopped or any(thread.is_alive() for thread, _, _ in threads.values())):
+    while not stopping() and (going_on() or failed):
+        while failed:  # (appended by the runs' threads; popped only here)
+            run, error = failed.pop(0)
+            thread, _, _ = threads.pop(run.worker.run_id)
+            thread.join()
+            release(run)
+            assert on_failure is not None
+            on_failure(run, error)
         if follow is not None:
             joined, left = follow(set(threads))
             for run_id in left:

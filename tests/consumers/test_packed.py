@@ -13,13 +13,13 @@ from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from consumers.learner import Learner
 from consumers.lease import FencedStore, LearnerLease, LeaseLostError
-from consumers.packed import Comebacks, EnginePolicy, PackedLearner
+from consumers.packed import EnginePolicy, PackedLearner
 from consumers.policy import LoraPolicy
 from consumers.sources import ReplaySource
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
-from schemas.config import LearnerConfig, RunConfig
+from schemas.config import LearnerConfig
 from tests.consumers import test_learner
 from tests.consumers.test_learner import setup  # noqa: F401  # the module fixture: tiny model, prompt, answers
 
@@ -319,19 +319,3 @@ def test_an_idle_run_does_not_wait_out_its_poll_while_another_run_has_batches_de
     assert a.source.timeouts[0] == 2.0  # before b's first poll nobody had anything: half of the round's wait
     assert set(a.source.timeouts[1:]) == {0.0}  # b had batches delivered: a's polls did not wait
 
-
-def test_a_failed_run_comes_back_after_a_pause_that_doubles_and_a_lost_lease_is_not_retried():
-    now = [0.0]
-    comebacks = Comebacks(first_s=30.0, max_s=100.0, clock=lambda: now[0])
-    b = RunConfig(run_id="b")
-    assert comebacks.failed(b, OSError("bucket")) == 30.0 and comebacks.due() == []
-    now[0] = 30.0
-    assert comebacks.due() == [b] and comebacks.due() == []
-    assert comebacks.failed(b, OSError("again")) == 60.0  # failures in a row: longer pauses, up to max_s
-    now[0] = 90.0
-    assert comebacks.due() == [b] and comebacks.failed(b, OSError("again")) == 100.0
-    comebacks.stepped("b")  # it trained a step: the next failure is a first one
-    assert comebacks.failed(b, OSError("later")) == 30.0 and set(comebacks.waiting) == {"b"}
-    assert comebacks.forget("b") and comebacks.waiting == {}  # stopped while waiting: it stays stopped
-    assert comebacks.failed(RunConfig(run_id="c"), LeaseLostError("run c has a newer learner")) is None
-    assert comebacks.waiting == {} and comebacks.lost == {"c": "run c has a newer learner"}

@@ -9,7 +9,7 @@ import pytest
 from consumers.packed import check_packable
 from pipeline.io.bus.records import ConsumedEvent
 from pipeline.io.store import ObjectStore
-from pipeline.membership import Joined, Left, RunMembership, engine_config
+from pipeline.membership import Comebacks, Joined, Left, RunMembership, engine_config
 from pipeline.runtime import create_run
 from schemas.config import RunConfig
 from schemas.events import LearnerCheckpointed, Payload, RunStarted, RunStopped, make_event
@@ -150,3 +150,20 @@ def test_value_runs_damaged_configs_and_misnamed_ones_are_skipped_and_the_next_r
     assert "run exp-dqn cannot join" in messages and "value-based" in messages
     assert "run exp-cut cannot join" in messages and "run exp-list cannot join" in messages
     assert "run exp-other cannot join" in messages and "names run exp-copy" in messages
+
+
+def test_a_failed_run_comes_back_after_a_pause_that_doubles_and_a_lost_lease_is_not_retried():
+    now = [0.0]
+    comebacks = Comebacks(first_s=30.0, max_s=100.0, clock=lambda: now[0])
+    b = RunConfig(run_id="b")
+    assert comebacks.failed(b, OSError("bucket")) == 30.0 and comebacks.due() == []
+    now[0] = 30.0
+    assert comebacks.due() == [b] and comebacks.due() == []
+    assert comebacks.failed(b, OSError("again")) == 60.0  # failures in a row: longer pauses, up to max_s
+    now[0] = 90.0
+    assert comebacks.due() == [b] and comebacks.failed(b, OSError("again")) == 100.0
+    comebacks.progressed("b")  # it trained a step: the next failure is a first one
+    assert comebacks.failed(b, OSError("later")) == 30.0 and set(comebacks.waiting) == {"b"}
+    assert comebacks.forget("b") and comebacks.waiting == {}  # stopped while waiting: it stays stopped
+    assert comebacks.failed(RunConfig(run_id="c"), RuntimeError("run c has a newer learner"), again=False) is None
+    assert comebacks.waiting == {} and comebacks.lost == {"c": "run c has a newer learner"}

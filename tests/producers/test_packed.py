@@ -109,3 +109,31 @@ def test_without_following_serving_ends_once_every_run_has_left():
     serve([a, b], lambda: len(calls) > 500, follow, poll_s=0.01)  # the stop only ends a serve() that went on
     assert len(calls) == 4, "serve() went on with no run left"
     assert calls[2] == {"b"} and a.stopped.is_set() and b.stopped.is_set()
+
+
+class FailingRun(LoopingRun):
+    """A run whose rollout loop raises after a few passes (its environment's bug, its store failing)."""
+
+    def run(self, stop) -> None:
+        for _ in range(3):
+            self.passes += 1
+            time.sleep(0.01)
+        raise OSError("the bucket is unreachable")
+
+
+def test_a_run_whose_loop_raises_is_released_and_reported_while_the_others_sample_on():
+    a, b = LoopingRun("a"), FailingRun("b")
+    released: list[str] = []
+    failures: list[tuple[str, str]] = []
+    stop_now = threading.Event()
+
+    def on_failure(run, error: Exception) -> None:
+        failures.append((run.worker.run_id, str(error)))
+        threading.Timer(0.1, stop_now.set).start()  # a samples on for a while after b failed
+
+    serve([a, b], stop_now.is_set, None, lambda run: released.append(run.worker.run_id), poll_s=0.01,
+          on_failure=on_failure)
+    assert failures == [("b", "the bucket is unreachable")] and released == ["b"]
+    assert a.stopped.is_set() and a.passes > 10  # stopped by the process's stop, not by b's error
+    with pytest.raises(OSError, match="unreachable"):  # without on_failure the first error stops every run
+        serve([LoopingRun("c"), FailingRun("d")], lambda: False, None, poll_s=0.01)
