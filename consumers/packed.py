@@ -20,6 +20,12 @@ e.g. as ``RunStarted`` and ``RunStopped`` arrive on the control topic
 leaving run trains what it has waiting and writes its checkpoint first, as on a
 stop, and its adapter is deleted from the engine.  The others never restart.
 
+Failures: a run whose turn raises (its lease taken by another learner, its
+store failing, a step that cannot run) is dropped, as a single-run learner
+that stopped on the error, while the others train on; the packed process
+brings it back from its newest checkpoint after a pause
+(``pipeline.membership.Comebacks``), except a run whose lease was taken.
+
 Isolation: a turn holds the engine with the run's adapter active (only its LoRA
 weights require gradients) and the run's own torch, numpy and Python RNG states
 in place, so what one run draws never depends on the others; a run trained

@@ -19,6 +19,10 @@ announced later join (a new thread on the same engine) and served runs stopped
 later leave (their thread stops as on SIGTERM: finished groups flushed), while
 the others sample on (``pipeline.membership``); the engine then keeps room for
 ``FOLLOW_RESERVE_RUNS`` more runs' adapters in one batch.
+
+A run whose rollout loop raises (its environment, its store, its broker) is
+released and comes back after a pause (``pipeline.membership.Comebacks``: 30 s,
+doubled for each failure in a row, at most 10 minutes); the others sample on.
 """
 
 from __future__ import annotations
