@@ -80,6 +80,8 @@ class EnginePolicy(LoraPolicy):
         self.device = engine.device
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
+        if config.gradient_checkpointing and not engine.base.is_gradient_checkpointing:  # (every packed run's)
+            engine.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         engine.create_adapter(name, config.lora_rank, config.lora_alpha, list(config.target_modules), config.seed,
                               config.lora_dropout)
         with engine.holding(name) as (model, slot):
@@ -309,8 +311,9 @@ def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:
 # ---- the packed learner process ---------------------------------------------------------------------------------
 def check_packable(configs: list[RunConfig]) -> None:
     """Refuse, in one line, runs that cannot share one engine and one event log."""
-    packable(configs, ("model.base_model", "model.dtype", "learner.device", "bus.bootstrap_servers", "bus.namespace"),
-             "one base model, device and event log")
+    packable(configs, ("model.base_model", "model.dtype", "learner.device", "learner.gradient_checkpointing",
+                       "learner.torch_threads", "bus.bootstrap_servers", "bus.namespace"),
+             "one base model (its gradient checkpointing and torch threads too), device and event log")
 
 
 def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,

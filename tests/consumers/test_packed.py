@@ -319,3 +319,25 @@ def test_an_idle_run_does_not_wait_out_its_poll_while_another_run_has_batches_de
     assert a.source.timeouts[0] == 2.0  # before b's first poll nobody had anything: half of the round's wait
     assert set(a.source.timeouts[1:]) == {0.0}  # b had batches delivered: a's polls did not wait
 
+
+
+def test_settings_of_the_shared_model_must_agree_and_gradient_checkpointing_reaches_it(batches, setup):  # noqa: F811
+    """Gradient checkpointing and torch's thread count belong to the process's one model: packed runs must agree
+    on them, and a run that asks for gradient checkpointing (to fit its memory) gets it on the shared model."""
+    from consumers.packed import check_packable
+    from schemas.config import RunConfig
+
+    base = RunConfig(run_id="a")
+    for setting in ({"gradient_checkpointing": True}, {"torch_threads": 3}):
+        other = RunConfig(run_id="b", learner=setting)
+        with pytest.raises(ValueError, match=rf"learner\.{next(iter(setting))}"):
+            check_packable([base, other])
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    assert not engine.base.is_gradient_checkpointing
+    cfg = config("a", gradient_checkpointing=True, max_steps=1)
+    learner = learner_of(batches, "a", "src-a", EnginePolicy(engine, "a", cfg), cfg)
+    assert engine.base.is_gradient_checkpointing
+    packed = PackedLearner(engine, [learner])
+    packed.resume()
+    packed.run(poll_timeout_s=0)
+    assert learner.state.step == 1
