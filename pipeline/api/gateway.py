@@ -202,7 +202,9 @@ class Gateway:
         return self.models[base_model]
 
     def _model_key(self, model_id: str) -> str:
-        session, _, seq = model_run_name(model_id).split(".")
+        session, kind, seq = model_run_name(model_id).split(".")
+        if kind != "train":  # <session>:sample:<n> names a sampling client, never a training one
+            raise ValueError(f"{model_id!r} is not a training client's model_id")
         return f"{session_path(session)}/models/{seq}.json"
 
     def model(self, tenant: str, model_id: str) -> dict[str, Any]:
@@ -262,7 +264,11 @@ class Gateway:
             record = checkpoints.read_record(self.store, parsed)
             if record is None or not record.get("public"):
                 raise
-        return parsed, self._model_record(self._model_key(parsed.model_id), parsed.model_id)
+        try:
+            key = self._model_key(parsed.model_id)
+        except ValueError:
+            raise NotFoundError(f"unknown model {parsed.model_id!r}; use the model_id create_model returned") from None
+        return parsed, self._model_record(key, parsed.model_id)
 
     def saved_state(self, tenant: str, path: str) -> tuple[TinkerPath, dict[str, Any]]:
         """A ``tinker://.../weights/<name>`` path this tenant may read that ``save_state`` wrote (what a new training

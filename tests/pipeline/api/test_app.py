@@ -318,3 +318,21 @@ def test_a_finished_session_refuses_new_calls_and_still_answers_reads(api):
     # the other gateway refuses too, once its last look at the session is older than live_check_s
     assert _asample(other, sampler_id, seq_id=1).status_code == 410
     assert _asample(api, sampler_id, seq_id=1, headers=BOB).status_code == 404  # another key: not told it ended
+
+
+def test_a_sampling_session_id_is_no_training_model_id(api):
+    """``<session>:sample:N`` names a sampling client: as a training client's model_id it is an unknown model (it
+    once reached the record of ``<session>:train:N`` and trained an adapter no create_model made)."""
+    session = _session(api)
+    _create(api, session)
+    alias = f"{session}:sample:0"
+    for call, body in (("get_info", {"model_id": alias}),
+                       ("optim_step", {"model_id": alias, "seq_id": 1, "type": "optim_step",
+                                       "adam_params": {"learning_rate": 1e-3}})):
+        answer = api.post(f"/api/v1/{call}", headers=ALICE, json=body)
+        assert answer.status_code == 404 and f"unknown model {alias!r}" in answer.json()["error"], call
+    assert api.get(f"/api/v1/training_runs/{alias}", headers=ALICE).status_code == 404
+    path = f"tinker://{alias}/weights/w1"
+    loaded = api.post("/api/v1/load_weights", headers=ALICE, json={
+        "session_id": session, "model_seq_id": 1, "path": path, "optimizer": True})
+    assert loaded.status_code in (400, 404) and loaded.json()["category"] == "user"
