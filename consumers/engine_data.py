@@ -15,7 +15,7 @@ Loss inputs, all per target token:
               (importance_sampling, ppo, cispo, gspo), which changes no loss or gradient, only
               which tokens the statistics count; for dro, whose penalty also acts where
               the advantage is 0, the targets with a non-zero advantage or sampler logprob
-              (context targets carry 0 for both)
+              (context targets carry 0 for both); a target of weight 0 is never in it
   sequence_ratio_mask  the targets whose log-ratios gspo's sequence ratio averages
               (non-zero = in the mean); gspo needs it and refuses a datum that marks none
   temperature the row's sampling temperature (logits are divided by it; 0 = greedy = 1)
@@ -162,6 +162,9 @@ def collate(
                     else d.advantages for d in datums]
     if loss == "dro":
         default_mask = [d.advantages.abs() + d.logprobs.abs() for d in datums]
+    if loss in RATIO_LOSSES:  # a target of weight 0 trains nothing, so the statistics leave it out too
+        default_mask = [m if d.weights is None else m * (d.weights != 0) for d, m in zip(datums, default_mask,
+                                                                                             strict=True)]
     masks = [d.mask if d.mask is not None else (m != 0).float() for d, m in zip(datums, default_mask, strict=True)]
     batch = TokenBatch(
         tokens_BT=_padded([d.target_tokens for d in datums], width, torch.int64),

@@ -354,3 +354,18 @@ def test_a_state_saved_with_its_gradients_continues_as_if_never_saved(engine, ti
     assert max_difference(engine.weights("a"), other.weights("b")) <= 1e-7
     other.load_state("c", without)  # a checkpoint: no gradients
     assert not other.has_gradients("c")
+
+
+@pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo", "dro"])
+def test_the_ratio_statistics_leave_out_targets_whose_weight_is_zero(engine, loss):
+    """Weights mask targets for every loss (docs/api.md): a target of weight 0 trains nothing, so it is no trained
+    token in ``num_tokens`` and its ratio (here e^3, far off) moves neither ``ratio_max`` nor ``num_clipped``."""
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=3)
+    sequence = list(range(10, 21))
+    probe = engine.forward("a", [Datum(sequence[:-1], sequence[1:])], "cross_entropy").logprobs[0].tolist()
+    weights = [0.0] * 5 + [1.0] * 5
+    logprobs = [lp - 3.0 if w == 0 else lp for lp, w in zip(probe, weights, strict=True)]  # ratio e^3 where w = 0
+    datum = Datum(sequence[:-1], sequence[1:], weights=weights, logprobs=logprobs, advantages=[1.0] * 10)
+    stats = engine.forward("a", [datum], loss).stats
+    assert stats.num_tokens == 5 and stats.ratio_max == pytest.approx(1.0, abs=1e-4)
+    assert stats.num_clipped == 0
