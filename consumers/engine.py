@@ -192,6 +192,18 @@ class TrainingEngine:
         with self._lock:
             self._get(name).optimizer.zero_grad(set_to_none=True)
 
+    def gradient_mark(self, name: str) -> dict[str, torch.Tensor | None]:
+        """Adapter ``name``'s accumulated gradients as they are now (clones, on its device), for ``restore_gradients``."""
+        with self._lock:
+            return {key: None if p.grad is None else p.grad.detach().clone()
+                    for key, p in self._get(name).params.items()}
+
+    def restore_gradients(self, name: str, mark: dict[str, torch.Tensor | None]) -> None:
+        """Put adapter ``name``'s accumulated gradients back as ``gradient_mark`` took them (undo calls since)."""
+        with self._lock:
+            for key, p in self._get(name).params.items():
+                p.grad = mark[key]
+
     def gradients(self, name: str) -> dict[str, torch.Tensor]:
         """The gradients accumulated since the adapter's last step (CPU copies; absent where none)."""
         with self._lock:

@@ -90,6 +90,7 @@ class _Model:
     unfolded: list[tuple[TopicPartitionKey, int]] = field(default_factory=list)  # executed, not yet in a fold
     pending: dict[int, ConsumedEvent] = field(default_factory=dict)  # seq_id -> call waiting for its turn
     creating: list[ConsumedEvent] = field(default_factory=list)  # create_model / load_weights as a new model
+    split: _SplitCall | None = None  # the forward_backward the SDK split into requests, while they run
 
     @property
     def run(self) -> str:
@@ -99,6 +100,23 @@ class _Model:
     def fold_key(self) -> str:
         session, _, seq = self.run.split(".")
         return f"{session_path(session)}/models/{seq}.fold"
+
+
+@dataclass
+class _SplitCall:
+    """One SDK ``forward_backward`` sent as several requests: seq_ids ``first`` to ``last``, all logged before the
+    first (the SDK sends a call's first request last), so all are read when the first runs.  If one fails the
+    call failed for the client, so none may leave gradients: ``mark`` is the gradients from before it."""
+
+    first: int
+    last: int
+    mark: dict[str, Any] | None
+    datums_before: int = 0  # datums of the call's requests already run (where the next one's datum 0 is)
+    failed: str | None = None  # why the call failed: the requests after it do not run
+
+    def describe(self, seq: int) -> str:
+        return (f"request {seq - self.first + 1} of the {self.last - self.first + 1} the SDK split one "
+                f"forward_backward into (its datum 0 is datum {self.datums_before} of the call)")
 
 
 class _FilesDeleted(Exception):
@@ -221,6 +239,41 @@ class TrainerWorker:
 
     def _execute(self, model: _Model, consumed: ConsumedEvent) -> None:
         call: ApiRequestAccepted = consumed.event.payload
+        split = self._split_call(model, consumed)
+        try:
+            self._execute_call(model, consumed, split)
+        finally:
+            if split is not None and call.seq_id == split.last:
+                model.split = None
+
+    def _split_call(self, model: _Model, consumed: ConsumedEvent) -> _SplitCall | None:
+        """The split ``forward_backward`` this call is a request of, found when its first request runs: the
+        forward_backward calls of the next seq_ids logged before it (a call of its own is logged after)."""
+        call: ApiRequestAccepted = consumed.event.payload
+        if model.split is not None and model.split.first <= (call.seq_id or 0) <= model.split.last:
+            return model.split
+        if call.op != "forward_backward" or not call.seq_id:
+            return None
+        last = call.seq_id
+        while (later := model.pending.get(last + 1)) is not None and later.event.payload.op == "forward_backward" \
+                and (later.topic, later.partition) == (consumed.topic, consumed.partition) \
+                and later.offset < consumed.offset:
+            last += 1
+        if last == call.seq_id:
+            return None
+        mark = self.engine.gradient_mark(ops.adapter_name(model.model_id)) if model.loaded else None
+        model.split = _SplitCall(call.seq_id, last, mark)
+        return model.split
+
+    def _fail_split(self, model: _Model, split: _SplitCall, why: str) -> None:
+        """A request of ``split`` failed: the call's gradients are undone, and its later requests will not run."""
+        if split.failed is None and split.mark is not None and model.loaded:
+            self.engine.restore_gradients(ops.adapter_name(model.model_id), split.mark)
+            model.has_gradients = self.engine.has_gradients(ops.adapter_name(model.model_id))
+        split.failed = split.failed or why
+
+    def _execute_call(self, model: _Model, consumed: ConsumedEvent, split: _SplitCall | None) -> None:
+        call: ApiRequestAccepted = consumed.event.payload
         done = self._answered(call)
         try:
             stands = done == "error" or (done == "ok" and self._changes_nothing(call))
@@ -232,8 +285,16 @@ class TrainerWorker:
         self._since_fold += 1
         if stands and done == "error" and call.op == "optim_step" and model.loaded:
             self._replay_refused_step(model, call)
+        if stands and done == "error" and split is not None:  # (a replay: it failed, and undid its call)
+            self._fail_split(model, split, f"request {call.seq_id - split.first + 1} failed")
         if stands:
             return  # its result stands and it changed nothing (a call that failed changed nothing but this)
+        if split is not None and split.failed is not None:  # its call failed for the client: it does not run
+            message = (f"forward_backward request {call.seq_id} did not run: {split.failed} in the same "
+                       "forward_backward call, whose gradients were all discarded; send the batch again")
+            self._write_result(call, json.dumps({"error": message, "category": "user"}).encode(), "json", message,
+                               "user")
+            return
         started, wall = time.perf_counter(), time.time()
         model.last_used = time.monotonic()
         self._tokens = 0  # trained tokens of this call (set by a forward_backward)
@@ -247,11 +308,15 @@ class TrainerWorker:
             return
         except (ApiError, EngineError) as exc:
             category = exc.category if isinstance(exc, ApiError) else "user"
-            result = (json.dumps({"error": str(exc), "category": category}).encode(), "json", str(exc), category)
+            message = str(exc) if split is None else (
+                f"{exc}; in {split.describe(call.seq_id)}: the whole call was undone, no gradient of it was kept")
+            result = (json.dumps({"error": message, "category": category}).encode(), "json", message, category)
         except Exception as exc:
             log.exception("%s %s failed", call.op, call.request_id)
             message = f"{call.op} failed on the trainer ({type(exc).__name__}: {exc}); retry, or report it"
             result = (json.dumps({"error": message, "category": "server"}).encode(), "json", message, "server")
+        if split is not None and result[2] is not None:
+            self._fail_split(model, split, f"request {call.seq_id - split.first + 1} failed")
         if done is None:
             self._write_result(call, *result)
         elif result[2] is not None:  # it succeeded before and cannot again: its model is lost, and says so
@@ -314,6 +379,8 @@ class TrainerWorker:
             output = ops.forward_backward(self.engine, model.model_id, request, forward_only)
             self._tokens = sum(datum.model_input.length for datum in request.forward_backward_input.data)
             model.has_gradients |= not forward_only
+            if model.split is not None:
+                model.split.datums_before += len(request.forward_backward_input.data)
             return encode_forward_backward_output(output), "pb"
         if call.op == "optim_step":
             try:

@@ -102,7 +102,9 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
 
     @app.post("/api/v1/client/config")
     def client_config(_: Tenant) -> dict[str, Any]:
-        return {"pjwt_auth_enabled": False}
+        # a split forward_backward's requests sent at once, the first last: how the trainer tells them apart from
+        # calls of their own, to undo the whole call if one request fails (consumers.api.worker)
+        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True}
 
     @app.post("/api/v1/client/dynamic_config")
     def dynamic_config(_: Tenant) -> dict[str, Any]:

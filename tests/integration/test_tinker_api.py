@@ -345,6 +345,23 @@ def test_bad_input_is_a_user_error_and_others_carry_on(server):
     assert training.forward_backward(_data(1), "cross_entropy").result().metrics["loss:sum"] > 0
 
 
+def test_a_forward_backward_the_sdk_splits_fails_as_a_whole_and_leaves_no_gradient(server):
+    """1,025 datums: the SDK sends them as two requests.  A bad datum in the second fails the call, and the first
+    request's gradients are undone with it: the next optim_step finds none (grad_norm 0) and the weights stay."""
+    service = server.service()
+    training = service.create_lora_training_client(base_model=server.base_model, rank=4, seed=1).result()
+    bad = types.Datum(model_input=types.ModelInput.from_ints([5, 6]), loss_fn_inputs={"target_tokens": [6, 10**7]})
+    data = _data(30, count=1024, n=3) + [bad]
+    with pytest.raises(tinker.RequestFailedError, match=r"request 2 of the 2 the SDK split .*its datum 0 is datum 1024 of the call"):
+        training.forward_backward(data, "cross_entropy").result()
+    before = training.save_state("before").result().path
+    step = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert step.metrics["grad_norm:mean"] == 0.0  # before the fix: the first request's gradients were applied
+    after = training.save_state("after").result().path
+    a, b = _adapter(server.store, before), _adapter(server.store, after)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_call_the_gateway_refuses_leaves_the_training_client_usable(server):
     """The SDK numbers a call before sending it: a refused one must not leave a gap the trainer waits on."""
     training = server.service().create_lora_training_client(base_model=server.base_model, rank=4).result()

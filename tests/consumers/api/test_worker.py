@@ -150,6 +150,47 @@ def test_out_of_order_chunks_run_in_seq_order_and_match_a_direct_run(harness):
     trainer.close()
 
 
+def _bad_datum() -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                       loss_fn_inputs={"target_tokens": [6, 7, 10_000_000], "weights": [1.0] * 3})
+
+
+@pytest.mark.parametrize("bad", [1, 2])
+def test_a_forward_backward_the_sdk_split_into_requests_fails_as_a_whole_and_adds_no_gradient(harness, bad):
+    """The SDK splits a large forward_backward into requests (consecutive seq_ids, sent at once, the first last) and
+    fails the call if one fails: then none of them may leave gradients (an optim_step would apply part of the
+    batch).  Gradients of an earlier, separate call stay; the error names the request and where its datums start."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    earlier = [_datum(90)]
+    run_until(trainer, harness, [harness.gateway.submit(TENANT, "forward_backward", model_id, 1,
+                                                        _fb(model_id, 1, earlier), "pb")])
+    chunks = [[_datum(91), _datum(92)], [_datum(93)], [_datum(94)]]
+    chunks[bad] = [_datum(95), _bad_datum()]
+    requests = {seq: harness.gateway.submit(TENANT, "forward_backward", model_id, seq,
+                                            _fb(model_id, seq, chunks[seq - 2]), "pb") for seq in (3, 4, 2)}
+    step = harness.gateway.submit(TENANT, "optim_step", model_id, 5, _optim(model_id, 5))
+    run_until(trainer, harness, [*requests.values(), step])
+    failed = json.loads(harness.result(requests[2 + bad])[0])
+    assert failed["category"] == "user" and "target_tokens" in failed["error"]
+    assert f"request {bad + 1} of the 3 the SDK split one forward_backward into" in failed["error"]
+    assert f"its datum 0 is datum {sum(map(len, chunks[:bad]))} of the call" in failed["error"]
+    for seq in range(3 + bad, 5):  # the requests after it do not run
+        assert "did not run" in json.loads(harness.result(requests[seq])[0])["error"]
+    assert "metrics" in json.loads(harness.result(step)[0])  # the step takes the earlier call's gradients alone
+    assert_same(trainer.engine.weights(model_run_name(model_id)), reference_weights(harness.base_model, [earlier]))
+    abandon(trainer)  # a trainer restarted from before the call replays it the same way
+    harness.store.delete(f"sessions/{harness.session}/models/0.fold.json", missing_ok=True)
+    restarted = harness.trainer()
+    undone: list[str] = []
+    fail_split = restarted._fail_split
+    restarted._fail_split = lambda model, split, why: (undone.append(why), fail_split(model, split, why))
+    step_until(restarted, lambda: restarted.models and restarted.models[model_id].next_seq == 6, "the replay")
+    assert undone[0] == f"request {bad + 1} failed"  # its stored failure undid the call again
+    assert_same(restarted.engine.weights(model_run_name(model_id)), reference_weights(harness.base_model, [earlier]))
+    restarted.close()
+
+
 def test_bad_calls_are_user_errors_and_the_model_carries_on(harness):
     trainer = harness.trainer()
     model_id = harness.create()

@@ -36,7 +36,7 @@ def _create(api, session, headers=ALICE, base="/models/base/tiny"):
 def test_start_up_calls_and_keys(api):
     assert api.get("/api/v1/healthz").json() == {"status": "ok"}
     assert api.post("/api/v1/client/config", headers=ALICE, json={"sdk_version": "0.38.0"}).json() == {
-        "pjwt_auth_enabled": False}
+        "pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True}
     assert api.post("/api/v1/client/config", json={}).status_code == 401
     refused = api.post("/api/v1/client/config", headers={"X-API-Key": "secret"}, json={})
     assert refused.status_code == 401 and "tml-" in refused.json()["error"]
