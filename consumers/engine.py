@@ -51,7 +51,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load as load_safetensors
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from consumers.engine_data import Datum, EngineError, collate, micro_batch_slices, validate_datums
+from consumers.engine_data import AdapterShapeError, Datum, EngineError, collate, micro_batch_slices, validate_datums
 from consumers.losses import (
     LossStats,
     cispo_loss,
@@ -304,8 +304,9 @@ class TrainingEngine:
             if name in self._adapters:
                 adapter = self._adapters[name]
                 if _lora_fields(adapter.lora) != lora_fields:
-                    raise EngineError(f"state for a {lora_fields} adapter cannot load into adapter {name!r} "
-                                      f"({_lora_fields(adapter.lora)}); load it under a new name")
+                    raise AdapterShapeError(f"state for a {lora_fields} adapter cannot load into adapter {name!r} "
+                                            f"({_lora_fields(adapter.lora)}); load it under a new name",
+                                            lora_fields, _lora_fields(adapter.lora))
                 self._load_into(adapter, tensors, meta, with_optimizer)
                 return
             validate_name(name, "adapter name")

@@ -42,6 +42,14 @@ class EngineError(ValueError):
     """A request the training engine refuses; nothing was changed."""
 
 
+class AdapterShapeError(EngineError):
+    """A saved state of another adapter shape (rank, alpha, dropout, modules) than the adapter it would load into."""
+
+    def __init__(self, message: str, saved: dict, current: dict) -> None:
+        super().__init__(message)
+        self.saved, self.current = saved, current
+
+
 def _as_tensor(values: Sequence[float] | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if values is None else torch.as_tensor(values).detach().to("cpu", dtype).reshape(-1)
 

@@ -93,6 +93,13 @@ def group_for(base_model: str) -> str:
 def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[SampleParams, list[str]]:
     """The engine's ``SampleParams`` and the stop strings (cut after sampling) of one ``SampleRequest``."""
     given = request.sampling_params
+    for chunk in request.prompt.chunks:
+        if not isinstance(chunk, types.EncodedTextChunk):
+            kind = getattr(chunk, "type", type(chunk).__name__)
+            raise ApiError(f"prompt chunk of kind {kind!r} is not supported; send token chunks")
+    if request.prompt.length >= max_model_len:
+        raise ApiError(f"prompt of {request.prompt.length} tokens does not fit this server's context of "
+                       f"{max_model_len} tokens (max_context_length in get_server_capabilities); shorten it")
     if request.prompt_alt_tokens_k or request.topk_prompt_logprobs \
             or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
         raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "

@@ -30,13 +30,14 @@ import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import load as load_safetensors
 from tinker import types
 
 from consumers.api.translate import engine_datums, engine_loss_args, lora_target_modules
 from consumers.engine import AdamParams, ForwardResult, TrainingEngine
-from consumers.engine_data import EngineError
+from consumers.engine_data import AdapterShapeError, EngineError
 from pipeline.io.tensors import save_tensors as save_safetensors
 from schemas.api import ApiError, model_run_name
 from schemas.names import InvalidNameError
@@ -107,14 +108,26 @@ def save_state(engine: TrainingEngine, model_id: str, with_optimizer: bool = Tru
     return save_safetensors(tensors, metadata={**_metadata(state), _WEIGHTS_ONLY_KEY: "true"})
 
 
-def load_state(engine: TrainingEngine, model_id: str, state: bytes, with_optimizer: bool) -> None:
-    """Restore a ``save_state`` blob into ``model_id`` (created if unknown); without the optimizer, Adam restarts."""
+def load_state(engine: TrainingEngine, model_id: str, state: bytes, with_optimizer: bool,
+               source: str = "this state") -> None:
+    """Restore a ``save_state`` blob into ``model_id`` (created if unknown); without the optimizer, Adam restarts.
+    ``source`` names the state in a refusal (its tinker:// path)."""
     name = adapter_name(model_id)
     if with_optimizer and _metadata(state).get(_WEIGHTS_ONLY_KEY) == "true":
         raise ApiError("this checkpoint holds weights only (saved without the optimizer); load it without "
                        "the optimizer (create_training_client_from_state)")
     with _as_user_errors():
-        engine.load_state(name, state, with_optimizer=with_optimizer)
+        try:
+            engine.load_state(name, state, with_optimizer=with_optimizer)
+        except AdapterShapeError as exc:
+            raise ApiError(f"{source} holds a {_shape(exc.saved)} adapter and this training client a "
+                           f"{_shape(exc.current)} one; start a training client from it instead "
+                           "(create_training_client_from_state)", "user") from None
+
+
+def _shape(lora: dict[str, Any]) -> str:
+    """An adapter's shape in the SDK's words: rank, alpha and the modules it trains."""
+    return f"rank {lora['r']} (alpha {lora['lora_alpha']:g}, modules {', '.join(lora['target_modules'])})"
 
 
 def export_for_sampling(engine: TrainingEngine, model_id: str, folder: Path) -> Path:

@@ -130,7 +130,7 @@ def load_weights(store: ObjectStore, engine: TrainingEngine, model_id: str, call
     except FileNotFoundError:
         raise ApiError(f"no saved weights at {request.path} (never saved, deleted or expired); see "
                        "list_checkpoints") from None
-    ops.load_state(engine, model_id, state, request.optimizer)
+    ops.load_state(engine, model_id, state, request.optimizer, source=request.path)
     return _json({"type": "load_weights", "model_id": model_id, "path": request.path, "source": source})
 
 

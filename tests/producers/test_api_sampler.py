@@ -62,6 +62,17 @@ def test_the_four_stop_forms_and_refusals():
             sampling_params(_request(None, prompt_logprobs=given, prompt_logprobs_last_n=last_n), 64)
 
 
+def test_a_prompt_of_image_chunks_or_past_the_context_is_refused_in_the_sdks_terms():
+    image = types.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=4)
+    mixed = _request(None).model_copy(update={"prompt": types.ModelInput(
+        chunks=[types.EncodedTextChunk(tokens=[5, 6]), image])})
+    with pytest.raises(ApiError, match=r"^prompt chunk of kind 'image' is not supported; send token chunks"):
+        sampling_params(mixed, 64)
+    with pytest.raises(ApiError, match=r"prompt of 3 tokens does not fit this server's context of 3 tokens "
+                                       r"\(max_context_length in get_server_capabilities\); shorten it"):
+        sampling_params(_request(None), 3)
+
+
 def test_max_tokens_none_is_up_to_the_context_and_zero_is_refused():
     request = _request(None)
     assert sampling_params(request, 64)[0].max_tokens == 4

@@ -810,3 +810,22 @@ def test_snapshots_live_as_long_as_their_session_and_named_sampler_weights_outli
     assert registry.pull(kept["version"], tmp_path / "cache").is_dir()
     assert trainer.sweep_checkpoints() == 0  # done with
     trainer.close()
+
+
+def test_a_state_of_another_rank_is_refused_naming_both_shapes_and_the_call_to_use(harness):
+    trainer = harness.trainer()
+    model_id = harness.create()
+    train_and_save(harness, trainer, model_id, 7, "w")
+    other = harness.gateway.register_model(TENANT, harness.session, 1, harness.base_model, 8, {}, None)
+    harness.gateway.submit(TENANT, "create_model", other, None, types.CreateModelRequest(
+        session_id=harness.session, model_seq_id=1, base_model=harness.base_model,
+        lora_config=types.LoraConfig(rank=8, seed=3)).model_dump_json().encode())
+    load = types.LoadWeightsRequest(model_id=other, seq_id=1, path=f"tinker://{model_id}/weights/w", optimizer=False)
+    request_id = harness.gateway.submit(TENANT, "load_weights", other, 1, load.model_dump_json().encode())
+    run_until(trainer, harness, [request_id])
+    answer = json.loads(harness.result(request_id)[0])
+    assert answer["category"] == "user"
+    assert answer["error"].startswith(f"tinker://{model_id}/weights/w holds a rank 4 (alpha 32, modules ")
+    assert "and this training client a rank 8 (alpha 32" in answer["error"]
+    assert answer["error"].endswith("start a training client from it instead (create_training_client_from_state)")
+    trainer.close()
