@@ -354,7 +354,8 @@ BAD_CALLS = {
     "weights-only state with the optimizer": (lambda e: ops.load_state(
         e, "new:train:0", ops.save_state(e, "bad:train:0", with_optimizer=False), True), "holds weights only"),
     "state of another shape": (lambda e: ops.load_state(e, "bad:train:1", ops.save_state(e, "bad:train:0"), True),
-                               "cannot load into adapter"),
+                               r"this state holds a rank 4 \(alpha 32, modules .*\) adapter and this training "
+                               r"client a rank 4 \(alpha 32, modules k_proj.*create_training_client_from_state"),
     "save of an unknown model": (lambda e: ops.save_state(e, "nobody:train:0"), "unknown model"),
 }
 
