@@ -78,8 +78,9 @@ class EnginePolicy(LoraPolicy):
                              f"{engine.device}; pack only runs on the same device")
         self.config, self.engine, self.name = config, engine, name
         self.device = engine.device
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
+        if config.torch_threads and config.torch_threads != torch.get_num_threads():  # the process's, set once
+            log.info("run %s: learner.torch_threads=%d left as the packed process set it (%d)", name,
+                     config.torch_threads, torch.get_num_threads())
         if config.gradient_checkpointing and not engine.base.is_gradient_checkpointing:  # (every packed run's)
             engine.base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         engine.create_adapter(name, config.lora_rank, config.lora_alpha, list(config.target_modules), config.seed,
@@ -312,8 +313,8 @@ def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:
 def check_packable(configs: list[RunConfig]) -> None:
     """Refuse, in one line, runs that cannot share one engine and one event log."""
     packable(configs, ("model.base_model", "model.dtype", "learner.device", "learner.gradient_checkpointing",
-                       "learner.torch_threads", "bus.bootstrap_servers", "bus.namespace"),
-             "one base model (its gradient checkpointing and torch threads too), device and event log")
+                       "bus.bootstrap_servers", "bus.namespace"),
+             "one base model (its gradient checkpointing too), device and event log")
 
 
 def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,

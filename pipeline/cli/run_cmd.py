@@ -56,8 +56,9 @@ MAX_NAME = 64  # schemas.names: run ids are at most 64 characters
 MAX_PACKED = 16  # runs one `rlpipe run --runs N` packs (the sampling engine holds every run's adapters)
 _STAMP = "%Y%m%d-%H%M%S"
 # what every packed run shares: the learner's engine and the producers' engine (consumers/ and producers/packed.py)
-PACKED_SHARED = ("model.base_model", "model.dtype", "learner.device", "sampler.backend", "sampler.max_model_len",
-                 "bus.bootstrap_servers", "bus.namespace")
+PACKED_SHARED = ("model.base_model", "model.dtype", "learner.device", "learner.gradient_checkpointing",
+                 "sampler.backend", "sampler.max_model_len", "bus.bootstrap_servers",
+                 "bus.namespace")  # what the packed learner's and producer's checks refuse to differ
 
 PresetsOpt = Annotated[list[str] | None, typer.Option(
     "--preset", "-p", help="A shipped preset (see `rlpipe config presets`); repeat it to start one packed run of "
