@@ -39,12 +39,12 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tinker import types
 
 from consumers.api import ops, saves
+from consumers.api.calls import Model, SplitCall, split_end
 from consumers.api.sweeps import SWEEP_S, Sweeper
 from consumers.engine import NOT_FINITE_STEP, TrainingEngine
 from consumers.engine_data import EngineError
@@ -62,7 +62,7 @@ from pipeline.io.bus import (
 )
 from pipeline.io.store import ObjectStore, sha256_hex
 from pipeline.topics import API_TOPIC_KINDS
-from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted, model_run_name, result_path, session_path
+from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted, result_path
 from schemas.config import BusConfig
 
 log = logging.getLogger("rlpipe.api.trainer")
@@ -73,50 +73,6 @@ IDLE_UNLOAD_S = 600.0  # a training client without a call this long is folded an
 
 
 # ---- the worker --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Model:
-    """What the worker holds for one training client."""
-
-    model_id: str
-    tenant: str | None = None
-    next_seq: int = 1
-    loaded: bool = False  # in the engine
-    parked: bool = False  # folded and out of the engine (idle, or to make room); its next call reloads it
-    has_gradients: bool = False
-    last_used: float = 0.0  # monotonic time of its last call
-    refused: str | None = None  # why every call fails (its fold is corrupt)
-    unfolded: list[tuple[TopicPartitionKey, int]] = field(default_factory=list)  # executed, not yet in a fold
-    pending: dict[int, ConsumedEvent] = field(default_factory=dict)  # seq_id -> call waiting for its turn
-    creating: list[ConsumedEvent] = field(default_factory=list)  # create_model / load_weights as a new model
-    split: _SplitCall | None = None  # the forward_backward the SDK split into requests, while they run
-
-    @property
-    def run(self) -> str:
-        return model_run_name(self.model_id)
-
-    @property
-    def fold_key(self) -> str:
-        session, _, seq = self.run.split(".")
-        return f"{session_path(session)}/models/{seq}.fold"
-
-
-@dataclass
-class _SplitCall:
-    """One SDK ``forward_backward`` sent as several requests: seq_ids ``first`` to ``last``, all logged before the
-    first (the SDK sends a call's first request last), so all are read when the first runs.  If one fails the
-    call failed for the client, so none may leave gradients: ``mark`` is the gradients from before it."""
-
-    first: int
-    last: int
-    mark: dict[str, Any] | None
-    datums_before: int = 0  # datums of the call's requests already run (where the next one's datum 0 is)
-    failed: str | None = None  # why the call failed: the requests after it do not run
-
-    def describe(self, seq: int) -> str:
-        return (f"request {seq - self.first + 1} of the {self.last - self.first + 1} the SDK split one "
-                f"forward_backward into (its datum 0 is datum {self.datums_before} of the call)")
 
 
 class _FilesDeleted(Exception):
@@ -144,7 +100,7 @@ class TrainerWorker:
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
         self.publisher = EventPublisher(bus)
-        self.models: dict[str, _Model] = {}
+        self.models: dict[str, Model] = {}
         self._since_fold = 0
         self._last_expiry = self._last_executed = 0.0
         self._committed: dict[TopicPartitionKey, int] = {}
@@ -205,11 +161,11 @@ class TrainerWorker:
         elif call.seq_id >= model.next_seq:
             model.pending.setdefault(call.seq_id, consumed)
 
-    def _model(self, model_id: str) -> _Model:
+    def _model(self, model_id: str) -> Model:
         """The worker's record of a model; one with a fold starts parked at its ``seq_id`` (loaded at its first call)."""
         model = self.models.get(model_id)
         if model is None:
-            model = self.models[model_id] = _Model(model_id)
+            model = self.models[model_id] = Model(model_id)
             record = self._fold_record(model)
             if record is not None:
                 model.parked, model.next_seq = True, int(record["seq_id"]) + 1
@@ -237,7 +193,7 @@ class TrainerWorker:
                 executed += 1
         return executed
 
-    def _execute(self, model: _Model, consumed: ConsumedEvent) -> None:
+    def _execute(self, model: Model, consumed: ConsumedEvent) -> None:
         call: ApiRequestAccepted = consumed.event.payload
         split = self._split_call(model, consumed)
         try:
@@ -246,33 +202,26 @@ class TrainerWorker:
             if split is not None and call.seq_id == split.last:
                 model.split = None
 
-    def _split_call(self, model: _Model, consumed: ConsumedEvent) -> _SplitCall | None:
-        """The split ``forward_backward`` this call is a request of, found when its first request runs: the
-        forward_backward calls of the next seq_ids logged before it (a call of its own is logged after)."""
-        call: ApiRequestAccepted = consumed.event.payload
-        if model.split is not None and model.split.first <= (call.seq_id or 0) <= model.split.last:
+    def _split_call(self, model: Model, consumed: ConsumedEvent) -> SplitCall | None:
+        """The split ``forward_backward`` this call is a request of (``consumers.api.calls``), found when its first
+        request runs; the gradients are marked then, to be put back if one of its requests fails."""
+        if model.split is not None and model.split.covers(consumed.event.payload.seq_id):
             return model.split
-        if call.op != "forward_backward" or not call.seq_id:
-            return None
-        last = call.seq_id
-        while (later := model.pending.get(last + 1)) is not None and later.event.payload.op == "forward_backward" \
-                and (later.topic, later.partition) == (consumed.topic, consumed.partition) \
-                and later.offset < consumed.offset:
-            last += 1
-        if last == call.seq_id:
+        last = split_end(model.pending, consumed)
+        if last is None:
             return None
         mark = self.engine.gradient_mark(ops.adapter_name(model.model_id)) if model.loaded else None
-        model.split = _SplitCall(call.seq_id, last, mark)
+        model.split = SplitCall(consumed.event.payload.seq_id, last, mark)
         return model.split
 
-    def _fail_split(self, model: _Model, split: _SplitCall, why: str) -> None:
+    def _fail_split(self, model: Model, split: SplitCall, why: str) -> None:
         """A request of ``split`` failed: the call's gradients are undone, and its later requests will not run."""
         if split.failed is None and split.mark is not None and model.loaded:
             self.engine.restore_gradients(ops.adapter_name(model.model_id), split.mark)
             model.has_gradients = self.engine.has_gradients(ops.adapter_name(model.model_id))
         split.failed = split.failed or why
 
-    def _execute_call(self, model: _Model, consumed: ConsumedEvent, split: _SplitCall | None) -> None:
+    def _execute_call(self, model: Model, consumed: ConsumedEvent, split: SplitCall | None) -> None:
         call: ApiRequestAccepted = consumed.event.payload
         done = self._answered(call)
         try:
@@ -290,8 +239,7 @@ class TrainerWorker:
         if stands:
             return  # its result stands and it changed nothing (a call that failed changed nothing but this)
         if split is not None and split.failed is not None:  # its call failed for the client: it does not run
-            message = (f"forward_backward request {call.seq_id} did not run: {split.failed} in the same "
-                       "forward_backward call, whose gradients were all discarded; send the batch again")
+            message = split.not_run(call.seq_id)
             self._write_result(call, json.dumps({"error": message, "category": "user"}).encode(), "json", message,
                                "user")
             return
@@ -326,7 +274,7 @@ class TrainerWorker:
             self.activity.record(call.session_id, call.tenant, call.op, wall, wall + seconds, self._tokens)
         log.debug("%s %s: %.3f s", call.op, call.request_id, seconds)
 
-    def _replay_refused_step(self, model: _Model, call: ApiRequestAccepted) -> None:
+    def _replay_refused_step(self, model: Model, call: ApiRequestAccepted) -> None:
         """A step refused for gradients that were not finite discarded them: a replay discards them there too."""
         answer = json.loads(self.store.get(result_path(call.session_id, call.request_id, "json")))
         if str(answer.get("error", "")).startswith(NOT_FINITE_STEP):
@@ -356,7 +304,7 @@ class TrainerWorker:
                 raise _FilesDeleted(call.session_id) from None
             raise
 
-    def _run(self, model: _Model, call: ApiRequestAccepted) -> tuple[bytes, str]:
+    def _run(self, model: Model, call: ApiRequestAccepted) -> tuple[bytes, str]:
         """Execute one call on the engine; the result's bytes and format."""
         saves.check_tenant(self.store, call.tenant, call.session_id)
         if call.refused is not None:  # refused by the gateway (the client has its 400): answered, and the next goes on
@@ -399,7 +347,7 @@ class TrainerWorker:
                                        parse_body(types.SaveWeightsExternalRequest, body)), "json"
         raise ApiError(f"{call.op} is not a training call; send it to the sampler")
 
-    def _require_loaded(self, model: _Model) -> None:
+    def _require_loaded(self, model: Model) -> None:
         if not model.loaded:
             raise ApiError(f"model {model.model_id} does not exist or has been unloaded (session ended); "
                            "create a new training client")
@@ -415,7 +363,7 @@ class TrainerWorker:
         self._since_fold = 0
         self._commit()
 
-    def _fold(self, model: _Model) -> None:
+    def _fold(self, model: Model) -> None:
         """The model's state under a name of its own, then the record naming it, then older states deleted:
         a trainer killed between two writes leaves the fold before whole (its record, its state)."""
         started, wall = time.perf_counter(), time.time()
@@ -437,13 +385,13 @@ class TrainerWorker:
             self.activity.record(model.run.split(".")[0], model.tenant, "fold", wall,
                                  wall + time.perf_counter() - started)
 
-    def _fold_record(self, model: _Model) -> dict[str, Any] | None:
+    def _fold_record(self, model: Model) -> dict[str, Any] | None:
         try:
             return json.loads(self.store.get(f"{model.fold_key}.json"))
         except FileNotFoundError:
             return None
 
-    def _load_fold(self, model: _Model) -> None:
+    def _load_fold(self, model: Model) -> None:
         record = self._fold_record(model)
         if record is None:
             return
@@ -461,19 +409,19 @@ class TrainerWorker:
         log.info("restored %s from its fold at seq_id %d", model.model_id, record["seq_id"])
 
     # ---- park: fold an adapter and take it out of the engine, its record (and waiting calls) kept ------------
-    def _park(self, model: _Model, why: str) -> None:
+    def _park(self, model: Model, why: str) -> None:
         if model.unfolded:
             self._fold(model)
         ops.unload(self.engine, model.model_id)
         model.loaded, model.parked = False, True
         log.info("unloaded %s (%s); its next call reloads it", model.model_id, why)
 
-    def _unpark(self, model: _Model) -> None:
+    def _unpark(self, model: Model) -> None:
         """Reload a parked model from its fold; a fold that cannot be loaded refuses its calls (``refused``)."""
         model.parked = False
         self._load_fold(model)
 
-    def _make_room(self, keep: _Model) -> None:
+    def _make_room(self, keep: Model) -> None:
         """Park the least recently used adapters until one more fits under ``max_adapters``."""
         if self.max_adapters is None:
             return
