@@ -405,13 +405,17 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                     try:
                         learner = packed.remove(change.run_id, after_step)
                     except Exception as exc:  # its last step or checkpoint failed: as any failure, the others go on
-                        run = next(run for run in packed.runs if run.run_id == change.run_id)
-                        packed.drop(run)
+                        run = next((run for run in packed.runs if run.run_id == change.run_id), None)
+                        if run is not None:
+                            packed.drop(run)
                         close_run(change.run_id)
                         log.error("run %s failed while leaving (%s: %s); it resumes from its newest checkpoint "
                                   "when served again", change.run_id, type(exc).__name__, exc)
                         continue
-                    learner.announce(LearnerLeft(step=learner.state.step, version=learner.state.version))
+                    try:
+                        learner.announce(LearnerLeft(step=learner.state.step, version=learner.state.version))
+                    except Exception as exc:  # its checkpoint is written: the announcement only informs
+                        log.warning("run %s left, but its LearnerLeft was not announced (%s)", change.run_id, exc)
                     close_run(change.run_id)
                     log.info("run %s left at step %d, version %d", learner.run_id, learner.state.step,
                              learner.state.version)

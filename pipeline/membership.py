@@ -120,7 +120,13 @@ class RunMembership:
         rejoining, self._rejoining = self._rejoining, {}
         for run_id in rejoining:
             self._join(run_id, now, found)
-        for item in self.follower.poll(0.0):
+        try:
+            items = self.follower.poll(0.0)
+        except Exception as exc:  # the broker unreachable for a moment: the served runs go on, and it is read later
+            log.warning("reading the control topic failed (%s: %s); the served runs go on, and it is read again "
+                        "next round", type(exc).__name__, exc)
+            items = []
+        for item in items:
             run_id, payload = item.event.run_id, item.event.payload
             if isinstance(payload, RunStarted) and self.pattern is not None and fnmatch.fnmatchcase(run_id,
                                                                                                    self.pattern):

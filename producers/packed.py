@@ -199,12 +199,8 @@ def following(membership: RunMembership, open_run: Callable[[RunConfig], RunProd
     def changes(serving: set[str]) -> tuple[list[RunProducer], list[str]]:
         joined: list[RunProducer] = []
         left: list[str] = []
-        for config in comebacks.due():
-            log.info("run %s comes back", config.run_id)
-            try:
-                joined.append(open_run(config))
-            except Exception as exc:
-                comebacks.failed(config, exc)
+        # the log first: a run stopped while it waited stays stopped, and one started again meanwhile (still
+        # waiting, so taken for served) comes back once, below
         for change in membership.changes(serving | set(comebacks.waiting)):
             if isinstance(change, Left):
                 if comebacks.forget(change.run_id):
@@ -217,6 +213,12 @@ def following(membership: RunMembership, open_run: Callable[[RunConfig], RunProd
                 joined.append(open_run(change.config))
             except Exception as exc:  # one run's failure to start must not stop the runs already served
                 log.error("run %s could not join: %s", change.config.run_id, exc)
+        for config in comebacks.due():
+            log.info("run %s comes back", config.run_id)
+            try:
+                joined.append(open_run(config))
+            except Exception as exc:
+                comebacks.failed(config, exc)
         return joined, left
 
     return changes
@@ -246,6 +248,8 @@ def serve(runs: list[RunProducer], stop: StopFlag, follow: Follow | None = None,
         except Exception as exc:
             if on_failure is None:
                 errors.append(exc)  # raised again below, in the main thread
+            elif leave.is_set():  # it was leaving (stopped): released as it leaves, and it does not come back
+                log.error("run %s failed as it left (%s: %s)", run.worker.run_id, type(exc).__name__, exc)
             else:
                 failed.append((run, exc))
         except BaseException as exc:
@@ -263,24 +267,31 @@ def serve(runs: list[RunProducer], stop: StopFlag, follow: Follow | None = None,
 
     for run in runs:
         start(run)
-    while not stopping() and (going_on() or failed):
-        while failed:  # (appended by the runs' threads; popped only here)
-            run, error = failed.pop(0)
-            thread, _, _ = threads.pop(run.worker.run_id)
-            thread.join()
-            release(run)
-            assert on_failure is not None
-            on_failure(run, error)
-        if follow is not None:
-            joined, left = follow(set(threads))
-            for run_id in left:
-                thread, leave, run = threads.pop(run_id)
-                leave.set()
+    try:
+        while not stopping() and (going_on() or failed):
+            while failed:  # (appended by the runs' threads; popped only here)
+                run, error = failed.pop(0)
+                if threads.get(run.worker.run_id, (None, None, None))[2] is not run:  # failed just as it was let
+                    # go (and was released), or as it was let go before it joined again
+                    log.error("run %s failed as it left (%s: %s)", run.worker.run_id, type(error).__name__, error)
+                    continue
+                thread, _, _ = threads.pop(run.worker.run_id)
                 thread.join()
                 release(run)
-            for run in joined:
-                start(run)
-        time.sleep(poll_s)
+                assert on_failure is not None
+                on_failure(run, error)
+            if follow is not None:
+                joined, left = follow(set(threads))
+                for run_id in left:
+                    thread, leave, run = threads.pop(run_id)
+                    leave.set()
+                    thread.join()
+                    release(run)
+                for run in joined:
+                    start(run)
+            time.sleep(poll_s)
+    except BaseException as exc:  # (follow or release failed) every run stops before the process closes under it
+        errors.append(exc)
     for thread, _, _ in threads.values():
         thread.join()
     if errors:

@@ -167,3 +167,15 @@ def test_a_failed_run_comes_back_after_a_pause_that_doubles_and_a_lost_lease_is_
     assert comebacks.forget("b") and comebacks.waiting == {}  # stopped while waiting: it stays stopped
     assert comebacks.failed(RunConfig(run_id="c"), RuntimeError("run c has a newer learner"), again=False) is None
     assert comebacks.waiting == {} and comebacks.lost == {"c": "run c has a newer learner"}
+
+
+def test_a_control_topic_that_cannot_be_read_for_a_moment_changes_nothing_and_is_read_again(setup, caplog):
+    store, _, feed, membership = setup
+    feed.put("exp-1", started(store, config("exp-1")))
+    poll = feed.poll
+    feed.poll = lambda timeout_s=0.0: (_ for _ in ()).throw(ConnectionError("no broker"))
+    with caplog.at_level(logging.WARNING, logger="rlpipe.membership"):
+        assert membership.changes(serving={"base"}) == []
+    assert "reading the control topic failed (ConnectionError: no broker)" in caplog.text
+    feed.poll = poll
+    assert [c.config.run_id for c in membership.changes(serving={"base"})] == ["exp-1"]

@@ -137,3 +137,70 @@ def test_a_run_whose_loop_raises_is_released_and_reported_while_the_others_sampl
     assert a.stopped.is_set() and a.passes > 10  # stopped by the process's stop, not by b's error
     with pytest.raises(OSError, match="unreachable"):  # without on_failure the first error stops every run
         serve([LoopingRun("c"), FailingRun("d")], lambda: False, None, poll_s=0.01)
+
+
+class FailsAsItLeaves(LoopingRun):
+    """Its loop ends on the leave, and the flush of its finished groups then raises."""
+
+    def run(self, stop) -> None:
+        super().run(stop)
+        raise OSError("flushing its finished groups failed")
+
+
+def test_a_run_failing_as_it_leaves_is_released_once_and_the_others_sample_on():
+    a, b = FailsAsItLeaves("a"), LoopingRun("b")
+    released, failures, calls = [], [], []
+    stop_now = threading.Event()
+
+    def follow(serving):
+        calls.append(set(serving))
+        if len(calls) == 2:
+            return [], ["a"]  # a RunStopped for a
+        if len(calls) == 20:
+            stop_now.set()
+        return [], []
+
+    serve([a, b], stop_now.is_set, follow, lambda run: released.append(run.worker.run_id), poll_s=0.01,
+          until_stopped=True, on_failure=lambda run, exc: failures.append(run.worker.run_id))
+    assert released == ["a"] and failures == []  # it was stopped: it does not come back
+    assert len(calls) == 20 and b.stopped.is_set()
+
+
+def test_an_error_in_follow_stops_every_runs_thread_before_it_is_raised():
+    b = LoopingRun("b")
+    calls = []
+
+    def follow(serving):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ConnectionError("the control topic's broker is unreachable")
+        return [], []
+
+    with pytest.raises(ConnectionError):
+        serve([b], lambda: False, follow, poll_s=0.01, until_stopped=True, on_failure=lambda run, exc: None)
+    assert b.stopped.is_set()  # not left sampling while the process closes its engine under it
+
+
+def test_a_run_stopped_or_started_again_as_its_pause_ends_is_served_as_the_log_says(tmp_path):
+    from pipeline.io.store import ObjectStore
+    from pipeline.membership import Comebacks, RunMembership
+    from producers.packed import following
+    from schemas.events import RunStopped
+    from tests.pipeline.test_membership import Feed, config, started
+
+    store = ObjectStore(tmp_path.as_uri())
+    now = [0.0]
+    for last_word in ("stopped", "started"):
+        feed = Feed()
+        membership = RunMembership("exp-*", config("base", store={"root": store.root}), store, check_packable,
+                                   follower=feed)
+        comebacks = Comebacks(clock=lambda: now[0])
+        follow = following(membership, lambda cfg: cfg.run_id, comebacks)
+        cfg = config(f"exp-{last_word}", store={"root": store.root})
+        event = started(store, cfg)
+        comebacks.failed(cfg, OSError("boom"))
+        assert follow(set()) == ([], [])  # waiting
+        now[0] += 31.0  # its pause is over, and meanwhile ...
+        feed.put(cfg.run_id, RunStopped(reason="the user stopped it") if last_word == "stopped" else event)
+        joined, left = follow(set())
+        assert (joined, left) == (([], []) if last_word == "stopped" else ([cfg.run_id], [])), last_word
