@@ -71,6 +71,7 @@ class Model:
     parked: bool = False  # folded and out of the engine (idle, or to make room); its next call reloads it
     has_gradients: bool = False
     last_used: float = 0.0  # monotonic time of its last call
+    reload_failing_since: float | None = None  # parked, and its reload failed since then (store, memory)
     refused: str | None = None  # why every call fails (its fold is corrupt)
     unfolded: list[tuple[TopicPartitionKey, int]] = field(default_factory=list)  # executed, not yet in a fold
     pending: dict[int, ConsumedEvent] = field(default_factory=dict)  # seq_id -> call waiting for its turn

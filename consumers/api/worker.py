@@ -70,6 +70,7 @@ log = logging.getLogger("rlpipe.api.trainer")
 _PURE_OPS = ("save_weights", "save_weights_for_sampler", "save_weights_external")
 _SAMPLING_OPS = ("create_sampling_session", "sample")
 IDLE_UNLOAD_S = 600.0  # a training client without a call this long is folded and leaves the engine
+RELOAD_RETRY_S = 60.0  # a parked client whose reload fails (store, memory) is retried this long before its calls fail
 
 
 # ---- the worker --------------------------------------------------------------------------------------------------
@@ -96,6 +97,7 @@ class TrainerWorker:
         self.fold_every, self.fold_idle_s, self.session_timeout_s = fold_every, fold_idle_s, session_timeout_s
         self.idle_unload_s = idle_unload_s  # an adapter without a call this long leaves the engine
         self.max_adapters = max_adapters  # adapters in the engine at once (None: no limit)
+        self.reload_retry_s = RELOAD_RETRY_S
         self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's unclean adapter is held this long
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
@@ -178,8 +180,8 @@ class TrainerWorker:
         for model in list(self.models.values()):
             if model.creating or (model.parked and model.next_seq in model.pending):
                 self._make_room(model)
-                if model.parked:
-                    self._unpark(model)
+                if model.parked and not self._unpark(model):
+                    continue  # its reload failed for now: tried again next round
             while model.creating:
                 self._execute(model, model.creating.pop(0))
                 executed += 1
@@ -398,7 +400,8 @@ class TrainerWorker:
         try:
             state = self.store.get(record.get("state", f"{model.fold_key}.safetensors"), record["state_sha256"])
             ops.load_state(self.engine, model.model_id, state, True)
-        except Exception as exc:  # missing, corrupt or unloadable: this model's calls fail, every other goes on
+        except (FileNotFoundError, ValueError, KeyError) as exc:  # missing, corrupt or unloadable: this model's calls
+            # fail, every other goes on (errors that may pass, a store timeout or memory short, are raised)
             log.error("%s cannot be restored: %s", model.model_id, exc)
             model.refused = (f"the saved state of {model.model_id} is missing or corrupt ({type(exc).__name__}); "
                              "create a new training client, or load one of its checkpoints (see list_checkpoints)")
@@ -416,10 +419,26 @@ class TrainerWorker:
         model.loaded, model.parked = False, True
         log.info("unloaded %s (%s); its next call reloads it", model.model_id, why)
 
-    def _unpark(self, model: Model) -> None:
-        """Reload a parked model from its fold; a fold that cannot be loaded refuses its calls (``refused``)."""
-        model.parked = False
-        self._load_fold(model)
+    def _unpark(self, model: Model) -> bool:
+        """Reload a parked model from its fold; a fold that cannot be loaded refuses its calls (``refused``).
+
+        False while a reload failed on an error that may pass (the store, memory): the model stays parked and is
+        tried again next round, for ``reload_retry_s``; then its calls are answered with that error."""
+        try:
+            self._load_fold(model)
+        except Exception as exc:
+            now = time.monotonic()
+            model.reload_failing_since = model.reload_failing_since or now
+            if now - model.reload_failing_since < self.reload_retry_s:
+                log.warning("reloading %s failed (%s: %s); tried again next round", model.model_id,
+                            type(exc).__name__, exc)
+                return False
+            log.error("%s could not be reloaded for %.0f s: %s", model.model_id, now - model.reload_failing_since, exc)
+            model.refused = (f"{model.model_id} could not be reloaded for {now - model.reload_failing_since:.0f} s "
+                             f"({type(exc).__name__}: {exc}); load one of its checkpoints into a new training "
+                             "client (see list_checkpoints), or report it")
+        model.parked, model.reload_failing_since = False, None
+        return True
 
     def _make_room(self, keep: Model) -> None:
         """Park the least recently used adapters until one more fits under ``max_adapters``."""

@@ -829,3 +829,45 @@ def test_a_state_of_another_rank_is_refused_naming_both_shapes_and_the_call_to_u
     assert "and this training client a rank 8 (alpha 32" in answer["error"]
     assert answer["error"].endswith("start a training client from it instead (create_training_client_from_state)")
     trainer.close()
+
+
+def test_a_parked_client_whose_reload_fails_for_a_moment_is_reloaded_later_and_one_that_keeps_failing_says_so(
+        harness, monkeypatch):
+    """A store read that times out (or memory short for a moment) while a parked client is reloaded is no corrupt
+    fold: the reload is tried again at the next rounds and the calls run.  Only a reload failing for
+    ``reload_retry_s`` answers the client's calls with a server error naming it."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    first = [_datum(71)]
+    run_until(trainer, harness, [harness.gateway.submit(TENANT, "forward_backward", model_id, 1,
+                                                        _fb(model_id, 1, first), "pb")])
+    trainer.idle_unload_s = 0.0
+    trainer.expire_sessions()  # parked
+    trainer.idle_unload_s = 600.0
+    get, failures = harness.store.get, []
+
+    def flaky_get(key, *args, **kwargs):
+        if ".fold." in key and key.endswith(".safetensors") and len(failures) < failing[0]:
+            failures.append(key)
+            raise ConnectionError("the bucket timed out")
+        return get(key, *args, **kwargs)
+
+    failing = [1]
+    monkeypatch.setattr(harness.store, "get", flaky_get)
+    second = [_datum(72)]
+    calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, second), "pb"),
+             harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3))]
+    run_until(trainer, harness, calls)
+    assert len(failures) == 1 and all(harness.result(c)[1] == "pb" or "metrics" in json.loads(harness.result(c)[0])
+                                      for c in calls)
+    assert_same(trainer.engine.weights(model_run_name(model_id)),
+                reference_weights(harness.base_model, [first, second]))
+    trainer.idle_unload_s = 0.0
+    trainer.expire_sessions()  # parked again; now every read fails
+    trainer.idle_unload_s, trainer.reload_retry_s, failing[0] = 600.0, 0.0, 10**6
+    late = harness.gateway.submit(TENANT, "optim_step", model_id, 4, _optim(model_id, 4))
+    run_until(trainer, harness, [late])
+    answer = json.loads(harness.result(late)[0])
+    assert answer["category"] == "server" and "could not be reloaded" in answer["error"]
+    assert "ConnectionError" in answer["error"]
+    trainer.close()
