@@ -311,7 +311,7 @@ def test_event_log_and_parquet_replay_give_bitwise_the_same_adapters(
 # Where each learner start is killed: an RLPIPE_FAULT point (SIGKILL from inside, at that exact place), or
 # "random" (SIGKILL from here at a random moment up to RANDOM_KILL_WINDOW_S after the start's first new
 # checkpoint, or once the step after it is checkpointed if that comes first, so it lands in any phase of the
-# next steps), or "early" (a random moment in the first seconds:
+# next steps), or "early" (a random moment in the first seconds, before its first checkpoint:
 # importing, loading the model, joining the group).  Every start has max_steps N, so one that finds the work
 # done exits.  Exact points come early, so that batches are left for each whatever the random kills took.
 # The last start (no max_steps) trains the rest and is stopped with SIGTERM.
@@ -340,8 +340,9 @@ def run_until_killed(world: World, config: Path, plan: str, index: int, rng: ran
     if index == SECOND_ANNOUNCEMENT_AT:
         announce(world, config)  # while this learner starts and trains
     killed = False
-    if plan == "early":
-        killed = _kill_after(proc, rng.uniform(0.5, 4.0))
+    if plan == "early":  # in the first seconds, and before this start's first checkpoint: on an idle machine a
+        # start took 17 steps within 4 s, leaving the later starts nothing to be killed in
+        killed = _kill_after(proc, rng.uniform(0.5, 4.0), sooner=lambda: latest_step(checkpoints) > before)
     elif plan == "random":
         deadline = time.monotonic() + PROCESS_TIMEOUT_S
         while latest_step(checkpoints) <= before and proc.poll() is None and time.monotonic() < deadline:
