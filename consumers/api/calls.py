@@ -72,6 +72,7 @@ class Model:
     has_gradients: bool = False
     last_used: float = 0.0  # monotonic time of its last call
     reload_failing_since: float | None = None  # parked, and its reload failed since then (store, memory)
+    gap_since: float | None = None  # its calls have waited for a missing seq_id since then (monotonic)
     refused: str | None = None  # why every call fails (its fold is corrupt)
     unfolded: list[tuple[TopicPartitionKey, int]] = field(default_factory=list)  # executed, not yet in a fold
     pending: dict[int, ConsumedEvent] = field(default_factory=dict)  # seq_id -> call waiting for its turn

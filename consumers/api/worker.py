@@ -70,6 +70,7 @@ log = logging.getLogger("rlpipe.api.trainer")
 _PURE_OPS = ("save_weights", "save_weights_for_sampler", "save_weights_external")
 _SAMPLING_OPS = ("create_sampling_session", "sample")
 IDLE_UNLOAD_S = 600.0  # a training client without a call this long is folded and leaves the engine
+GAP_GIVE_UP_S = 600.0  # calls of a live session waiting this long for a seq_id are answered: its client gave it up
 RELOAD_RETRY_S = 60.0  # a parked client whose reload fails (store, memory) is retried this long before its calls fail
 
 
@@ -98,6 +99,7 @@ class TrainerWorker:
         self.idle_unload_s = idle_unload_s  # an adapter without a call this long leaves the engine
         self.max_adapters = max_adapters  # adapters in the engine at once (None: no limit)
         self.reload_retry_s = RELOAD_RETRY_S
+        self.gap_give_up_s = GAP_GIVE_UP_S
         self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's unclean adapter is held this long
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
@@ -193,6 +195,8 @@ class TrainerWorker:
                 self._execute(model, model.pending.pop(model.next_seq))
                 model.next_seq += 1
                 executed += 1
+            waiting = bool(model.pending) and model.next_seq not in model.pending
+            model.gap_since = (model.gap_since or time.monotonic()) if waiting else None
         return executed
 
     def _execute(self, model: Model, consumed: ConsumedEvent) -> None:
@@ -481,26 +485,40 @@ class TrainerWorker:
                 if at is None or time.time() - at <= self.session_timeout_s:
                     if model.loaded and not model.creating and now - model.last_used >= self.idle_unload_s:
                         self._park(model, f"no call for {now - model.last_used:.0f} s")
+                    if model.gap_since is not None and now - model.gap_since >= self.gap_give_up_s:
+                        # its client lives on (it heartbeats) and gave this seq_id up: the SDK sends a call's
+                        # requests in order, retrying each, and stops for good after one fails
+                        self._answer_waiting(model, f"seq_id {model.next_seq} of {model.model_id} never arrived "
+                                                    f"within {now - model.gap_since:.0f} s while its session "
+                                                    "lived (its client gave that call up); create a new training "
+                                                    "client")
                     continue
+            if end is None and model.gap_since is not None:  # lapsed (a laptop asleep): its wait counts from its
+                model.gap_since = now                            # return, when its client sends again
             if model.pending and (end is None or time.time() - end[1] < self.end_grace_s):
                 if model.loaded:  # its calls wait for a seq_id that may come late, or never
                     self._park(model, f"session {session} {'ended' if end else 'lapsed'} with calls waiting")
                 continue
             if model.pending:
-                log.warning("%s: its session ended %.0f s ago; answering the calls waiting for seq_id %d",
-                            model.model_id, time.time() - end[1], model.next_seq)
-                for seq in sorted(model.pending):  # answered: a call left without a result would run for ever
-                    call = model.pending.pop(seq).event.payload
-                    message = (f"{call.op} did not run: session {session} ended before seq_id {model.next_seq} of "
-                               f"{model.model_id} arrived; create a new ServiceClient")
-                    self._write_result(call, json.dumps({"error": message, "category": "user"}).encode(), "json",
-                                       message, "user")
+                self._answer_waiting(model, f"session {session} ended before seq_id {model.next_seq} of "
+                                            f"{model.model_id} arrived; create a new ServiceClient")
             if model.loaded:
                 if model.unfolded:
                     self._fold(model)
                 ops.unload(self.engine, model.model_id)
             del self.models[model.model_id]
             log.info("session %s %s: unloaded %s", session, "ended" if end else "lapsed", model.model_id)
+
+    def _answer_waiting(self, model: Model, why: str) -> None:
+        """Answer every call waiting for an earlier seq_id with a user error (a call left without a result would
+        be polled for ever, and would hold the log's offsets back)."""
+        log.warning("%s: answering the calls waiting for seq_id %d: %s", model.model_id, model.next_seq, why)
+        for seq in sorted(model.pending):
+            call = model.pending.pop(seq).event.payload
+            message = f"{call.op} did not run: {why}"
+            self._write_result(call, json.dumps({"error": message, "category": "user"}).encode(), "json", message,
+                               "user")
+        model.gap_since = None
 
     # ---- results -----------------------------------------------------------------------------------------------
     def _write_result(self, call: ApiRequestAccepted, data: bytes, fmt: str, error: str | None,

@@ -871,3 +871,36 @@ def test_a_parked_client_whose_reload_fails_for_a_moment_is_reloaded_later_and_o
     assert answer["category"] == "server" and "could not be reloaded" in answer["error"]
     assert "ConnectionError" in answer["error"]
     trainer.close()
+
+
+def test_calls_waiting_for_a_seq_id_a_live_client_gave_up_on_are_answered_and_free_the_log(harness):
+    """A request of a split call refused by the gateway makes the SDK give up the call (and poison its training
+    client) before it sends the first request: the others wait for a seq_id that never comes while the session
+    lives on (its other clients heartbeat).  After ``gap_give_up_s`` they are answered, so the log's offsets
+    move on; a lapsed session's calls still wait (a laptop asleep)."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    stranded = harness.gateway.submit(TENANT, "forward_backward", model_id, 3, _fb(model_id, 3, [_datum(81)]), "pb")
+    harness.gateway.heartbeat(TENANT, harness.session)
+    trainer.step()
+    trainer.expire_sessions()
+    assert harness.result(stranded) is None and trainer.models[model_id].pending  # it waits for seq_id 1 and 2
+    trainer.models[model_id].gap_since -= 100.0  # it has waited 100 s, then the laptop sleeps
+    trainer.gap_give_up_s = 0.0
+    trainer.session_timeout_s = 0.0  # lapsed: still waiting
+    trainer.expire_sessions()
+    assert harness.result(stranded) is None
+    trainer.session_timeout_s, trainer.gap_give_up_s = 300.0, 5.0
+    harness.gateway.heartbeat(TENANT, harness.session)  # back from its sleep: the wait counts from now
+    trainer.expire_sessions()
+    assert harness.result(stranded) is None
+    trainer.gap_give_up_s = 0.0  # live, and waited long enough: given up on
+    trainer.expire_sessions()
+    answer = json.loads(harness.result(stranded)[0])
+    assert answer["category"] == "user" and "seq_id 1" in answer["error"] and "never arrived" in answer["error"]
+    assert not trainer.models[model_id].pending
+    offsets = trainer.consumer.positions()
+    trainer.fold_all()
+    assert trainer._committed == offsets  # nothing held back any more
+    trainer.close()
