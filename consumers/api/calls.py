@@ -1,8 +1,12 @@
-"""What the API trainer holds for each training client, and how it tells the requests of one split call.
+"""What the API trainer holds for each training client, its fold, and how it tells the requests of one split call.
 
 ``Model`` is the worker's record of one training client (``consumers.api.worker``):
 its next ``seq_id``, the calls waiting for their turn, whether its adapter is in
 the engine or parked in its fold, and the calls not yet in a fold.
+
+A fold (``write_fold``, ``load_fold``) is the client's whole state after its
+calls up to a ``seq_id``: adapter, Adam state, RNG and accumulated gradients,
+stored under a name of its own, then the record ``<n>.fold.json`` naming it.
 
 ``SplitCall`` is one ``forward_backward`` that the SDK split into several
 requests (more than 1,024 datums, or about 5 MB): consecutive ``seq_id``s sent
@@ -16,11 +20,20 @@ run the requests after it.
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from consumers.api import ops
+from consumers.engine import TrainingEngine
+from pipeline.api import lifecycle
 from pipeline.io.bus import ConsumedEvent, TopicPartitionKey
+from pipeline.io.store import ObjectStore, sha256_hex
 from schemas.api import model_run_name, session_path
+
+log = logging.getLogger("rlpipe.api.trainer")
 
 
 @dataclass
@@ -87,3 +100,51 @@ class Model:
     def fold_key(self) -> str:
         session, _, seq = self.run.split(".")
         return f"{session_path(session)}/models/{seq}.fold"
+
+
+def write_fold(store: ObjectStore, engine: TrainingEngine, model: Model) -> bool:
+    """The model's state under a name of its own, then the record naming it, then older states deleted (a trainer
+    killed between two writes leaves the fold before whole); False, writing nothing, once its session's files were
+    deleted (nothing would read it)."""
+    if lifecycle.files_deleted(store, model.run.split(".")[0]) is not None:
+        model.unfolded.clear()
+        return False
+    state = ops.save_state(engine, model.model_id, True, with_gradients=model.has_gradients)
+    digest = sha256_hex(state)
+    state_key = f"{model.fold_key}.{digest[:16]}.safetensors"
+    store.put_create_once(state_key, state)
+    record = {"model_id": model.model_id, "seq_id": model.next_seq - 1, "state": state_key, "state_sha256": digest}
+    store.put(f"{model.fold_key}.json", json.dumps(record).encode())
+    for key in store.list(model.fold_key.rsplit("/", 1)[0]):
+        if key.startswith(f"{model.fold_key}.") and key.endswith(".safetensors") and key != state_key:
+            store.delete(key, missing_ok=True)
+    model.unfolded.clear()
+    return True
+
+
+def fold_record(store: ObjectStore, model: Model) -> dict[str, Any] | None:
+    """The record of the model's fold (None before its first)."""
+    try:
+        return json.loads(store.get(f"{model.fold_key}.json"))
+    except FileNotFoundError:
+        return None
+
+
+def load_fold(store: ObjectStore, engine: TrainingEngine, model: Model) -> None:
+    """Load the model's fold into the engine.  A fold missing or corrupt refuses the model's calls (``refused``:
+    every other model goes on); errors that may pass (a store timeout, memory short) are raised."""
+    record = fold_record(store, model)
+    if record is None:
+        return
+    try:
+        state = store.get(record.get("state", f"{model.fold_key}.safetensors"), record["state_sha256"])
+        ops.load_state(engine, model.model_id, state, True)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        log.error("%s cannot be restored: %s", model.model_id, exc)
+        model.refused = (f"the saved state of {model.model_id} is missing or corrupt ({type(exc).__name__}); "
+                         "create a new training client, or load one of its checkpoints (see list_checkpoints)")
+        return
+    model.loaded, model.next_seq = True, int(record["seq_id"]) + 1
+    model.has_gradients = engine.has_gradients(ops.adapter_name(model.model_id))
+    model.last_used = time.monotonic()
+    log.info("restored %s from its fold at seq_id %d", model.model_id, record["seq_id"])

@@ -43,7 +43,7 @@ from typing import Any
 
 from tinker import types
 
-from consumers.api import ops, saves
+from consumers.api import calls, ops, saves
 from consumers.api.calls import Model, SplitCall, split_end
 from consumers.api.sweeps import SWEEP_S, Sweeper
 from consumers.engine import NOT_FINITE_STEP, TrainingEngine
@@ -60,7 +60,7 @@ from pipeline.io.bus import (
     ensure_topics,
     group_timings_from_env,
 )
-from pipeline.io.store import ObjectStore, sha256_hex
+from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
 from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted, result_path
 from schemas.config import BusConfig
@@ -170,7 +170,7 @@ class TrainerWorker:
         model = self.models.get(model_id)
         if model is None:
             model = self.models[model_id] = Model(model_id)
-            record = self._fold_record(model)
+            record = calls.fold_record(self.store, model)
             if record is not None:
                 model.parked, model.next_seq = True, int(record["seq_id"]) + 1
         return model
@@ -370,50 +370,11 @@ class TrainerWorker:
         self._commit()
 
     def _fold(self, model: Model) -> None:
-        """The model's state under a name of its own, then the record naming it, then older states deleted:
-        a trainer killed between two writes leaves the fold before whole (its record, its state)."""
+        """``calls.write_fold``, noted in the engine's activity."""
         started, wall = time.perf_counter(), time.time()
-        if lifecycle.files_deleted(self.store, model.run.split(".")[0]) is not None:
-            model.unfolded.clear()  # its session's files are gone: nothing would read a fold written now
-            return
-        state = ops.save_state(self.engine, model.model_id, True, with_gradients=model.has_gradients)
-        digest = sha256_hex(state)
-        state_key = f"{model.fold_key}.{digest[:16]}.safetensors"
-        self.store.put_create_once(state_key, state)
-        record = {"model_id": model.model_id, "seq_id": model.next_seq - 1, "state": state_key,
-                  "state_sha256": digest}
-        self.store.put(f"{model.fold_key}.json", _json(record))
-        for key in self.store.list(model.fold_key.rsplit("/", 1)[0]):
-            if key.startswith(f"{model.fold_key}.") and key.endswith(".safetensors") and key != state_key:
-                self.store.delete(key, missing_ok=True)
-        model.unfolded.clear()
-        if self.activity is not None:
+        if calls.write_fold(self.store, self.engine, model) and self.activity is not None:
             self.activity.record(model.run.split(".")[0], model.tenant, "fold", wall,
                                  wall + time.perf_counter() - started)
-
-    def _fold_record(self, model: Model) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.store.get(f"{model.fold_key}.json"))
-        except FileNotFoundError:
-            return None
-
-    def _load_fold(self, model: Model) -> None:
-        record = self._fold_record(model)
-        if record is None:
-            return
-        try:
-            state = self.store.get(record.get("state", f"{model.fold_key}.safetensors"), record["state_sha256"])
-            ops.load_state(self.engine, model.model_id, state, True)
-        except (FileNotFoundError, ValueError, KeyError) as exc:  # missing, corrupt or unloadable: this model's calls
-            # fail, every other goes on (errors that may pass, a store timeout or memory short, are raised)
-            log.error("%s cannot be restored: %s", model.model_id, exc)
-            model.refused = (f"the saved state of {model.model_id} is missing or corrupt ({type(exc).__name__}); "
-                             "create a new training client, or load one of its checkpoints (see list_checkpoints)")
-            return
-        model.loaded, model.next_seq = True, int(record["seq_id"]) + 1
-        model.has_gradients = self.engine.has_gradients(ops.adapter_name(model.model_id))
-        model.last_used = time.monotonic()
-        log.info("restored %s from its fold at seq_id %d", model.model_id, record["seq_id"])
 
     # ---- park: fold an adapter and take it out of the engine, its record (and waiting calls) kept ------------
     def _park(self, model: Model, why: str) -> None:
@@ -429,7 +390,7 @@ class TrainerWorker:
         False while a reload failed on an error that may pass (the store, memory): the model stays parked and is
         tried again next round, for ``reload_retry_s``; then its calls are answered with that error."""
         try:
-            self._load_fold(model)
+            calls.load_fold(self.store, self.engine, model)
         except Exception as exc:
             now = time.monotonic()
             model.reload_failing_since = model.reload_failing_since or now
