@@ -193,11 +193,11 @@ class PackedLearner:
         run = PackedRun(learner.run_id, learner, seeded_rng(learner.cfg.seed))
         with self.turn(run):
             learner.resume()
-        self.runs.append(run)
         source = learner.source
         deadline = time.monotonic() + join_timeout_s
         while hasattr(source, "join") and not source.join(JOIN_POLL_S) and time.monotonic() < deadline:
             pass
+        self.runs.append(run)  # (last: a run whose group join failed is not served)
 
     def remove(self, run_id: str, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> Learner:
         """Let ``run_id`` go: train what it has waiting, write its checkpoint (as on a stop), delete its adapter."""
@@ -271,12 +271,7 @@ class PackedLearner:
                     if run.finished():
                         self.settle(run, on_step)
                 except Exception as exc:
-                    if on_failure is None:
-                        raise
-                    log.error("run %s stopped on an error (%s: %s); the other runs go on", run.run_id,
-                              type(exc).__name__, exc)
-                    self.drop(run)
-                    on_failure(run.run_id, exc)
+                    self._failed(run, exc, on_failure)
 
     def settle(self, run: PackedRun, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
         """``run`` is finished: train what it has waiting, write its final checkpoint and wait for its writes."""
@@ -294,10 +289,17 @@ class PackedLearner:
             try:
                 self.settle(run, on_step)
             except Exception as exc:
-                if on_failure is None:
-                    raise
-                self.drop(run)
-                on_failure(run.run_id, exc)
+                self._failed(run, exc, on_failure)
+
+    def _failed(self, run: PackedRun, error: Exception, on_failure: Callable[[str, Exception], None] | None) -> None:
+        """``run`` raised ``error``: without ``on_failure`` it is raised again, with it the run is dropped and
+        reported while the others go on."""
+        if on_failure is None:
+            raise error
+        log.error("run %s stopped on an error (%s: %s); the other runs go on", run.run_id, type(error).__name__,
+                  error)
+        self.drop(run)
+        on_failure(run.run_id, error)
 
 
 def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:
@@ -379,11 +381,14 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
         health.add_readiness_check("runs", lambda: bool(packed.runs) or not comebacks.waiting)  # not all failing
         health.set_gauge("rlpipe_learner_up", 1.0, "1 once the learner is set up and training")
 
+        def note_waiting() -> None:
+            health.set_gauge("rlpipe_learner_runs_waiting", float(len(comebacks.waiting)),
+                             "runs stopped on an error, waiting to come back from their newest checkpoint")
+
         def failed(run_id: str, error: Exception) -> None:
             close_run(run_id)
             comebacks.failed(configs_of[run_id], error, again=not isinstance(error, LeaseLostError))
-            health.set_gauge("rlpipe_learner_runs_waiting", float(len(comebacks.waiting)),
-                             "runs stopped on an error, waiting to come back from their newest checkpoint")
+            note_waiting()
 
         def between_rounds(packed: PackedLearner) -> None:
             assert membership is not None
@@ -391,9 +396,8 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                 log.info("run %s comes back", config.run_id)
                 error = join(packed, config, open_run, close_run)
                 if error is not None:
-                    comebacks.failed(config, error, again=not isinstance(error, LeaseLostError))
-            health.set_gauge("rlpipe_learner_runs_waiting", float(len(comebacks.waiting)),
-                             "runs stopped on an error, waiting to come back from their newest checkpoint")
+                    failed(config.run_id, error)
+            note_waiting()
             serving = {run.run_id for run in packed.runs}
             for change in membership.changes(serving | set(comebacks.waiting)):
                 if isinstance(change, Joined):
@@ -456,7 +460,6 @@ def join(packed: PackedLearner, config: RunConfig, open_run: Callable[[RunConfig
     except Exception as exc:  # one run's failure to start must not stop the runs already served
         log.error("run %s could not join: %s", config.run_id, exc)
         close_run(config.run_id)
-        packed.runs = [run for run in packed.runs if run.run_id != config.run_id]  # (added, then its group failed)
         with contextlib.suppress(EngineError):  # it failed before its adapter was made
             packed.engine.delete_adapter(config.run_id)
         return exc

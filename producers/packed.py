@@ -248,8 +248,6 @@ def serve(runs: list[RunProducer], stop: StopFlag, follow: Follow | None = None,
         except Exception as exc:
             if on_failure is None:
                 errors.append(exc)  # raised again below, in the main thread
-            elif leave.is_set():  # it was leaving (stopped): released as it leaves, and it does not come back
-                log.error("run %s failed as it left (%s: %s)", run.worker.run_id, type(exc).__name__, exc)
             else:
                 failed.append((run, exc))
         except BaseException as exc:
@@ -271,8 +269,8 @@ def serve(runs: list[RunProducer], stop: StopFlag, follow: Follow | None = None,
         while not stopping() and (going_on() or failed):
             while failed:  # (appended by the runs' threads; popped only here)
                 run, error = failed.pop(0)
-                if threads.get(run.worker.run_id, (None, None, None))[2] is not run:  # failed just as it was let
-                    # go (and was released), or as it was let go before it joined again
+                if threads.get(run.worker.run_id, (None, None, None))[2] is not run:  # failed as it was let go
+                    # (released as it left, and it does not come back), or as it left before it joined again
                     log.error("run %s failed as it left (%s: %s)", run.worker.run_id, type(error).__name__, error)
                     continue
                 thread, _, _ = threads.pop(run.worker.run_id)

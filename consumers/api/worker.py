@@ -100,7 +100,7 @@ class TrainerWorker:
         self.max_adapters = max_adapters  # adapters in the engine at once (None: no limit)
         self.reload_retry_s = RELOAD_RETRY_S
         self.gap_give_up_s = GAP_GIVE_UP_S
-        self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's unclean adapter is held this long
+        self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's calls waiting for a seq_id are held this long
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
         self.publisher = EventPublisher(bus)
@@ -220,12 +220,12 @@ class TrainerWorker:
         model.split = SplitCall(consumed.event.payload.seq_id, last, mark)
         return model.split
 
-    def _fail_split(self, model: Model, split: SplitCall, why: str) -> None:
-        """A request of ``split`` failed: the call's gradients are undone, and its later requests will not run."""
+    def _fail_split(self, model: Model, split: SplitCall, seq: int) -> None:
+        """Request ``seq`` of ``split`` failed: the call's gradients are undone, and its later requests will not run."""
         if split.failed is None and split.mark is not None and model.loaded:
             self.engine.restore_gradients(ops.adapter_name(model.model_id), split.mark)
             model.has_gradients = self.engine.has_gradients(ops.adapter_name(model.model_id))
-        split.failed = split.failed or why
+        split.failed = split.failed or f"request {seq - split.first + 1} failed"
 
     def _execute_call(self, model: Model, consumed: ConsumedEvent, split: SplitCall | None) -> None:
         call: ApiRequestAccepted = consumed.event.payload
@@ -241,13 +241,11 @@ class TrainerWorker:
         if stands and done == "error" and call.op == "optim_step" and model.loaded:
             self._replay_refused_step(model, call)
         if stands and done == "error" and split is not None:  # (a replay: it failed, and undid its call)
-            self._fail_split(model, split, f"request {call.seq_id - split.first + 1} failed")
+            self._fail_split(model, split, call.seq_id)
         if stands:
             return  # its result stands and it changed nothing (a call that failed changed nothing but this)
         if split is not None and split.failed is not None:  # its call failed for the client: it does not run
-            message = split.not_run(call.seq_id)
-            self._write_result(call, json.dumps({"error": message, "category": "user"}).encode(), "json", message,
-                               "user")
+            self._write_error(call, split.not_run(call.seq_id))
             return
         started, wall = time.perf_counter(), time.time()
         model.last_used = time.monotonic()
@@ -270,7 +268,7 @@ class TrainerWorker:
             message = f"{call.op} failed on the trainer ({type(exc).__name__}: {exc}); retry, or report it"
             result = (json.dumps({"error": message, "category": "server"}).encode(), "json", message, "server")
         if split is not None and result[2] is not None:
-            self._fail_split(model, split, f"request {call.seq_id - split.first + 1} failed")
+            self._fail_split(model, split, call.seq_id)
         if done is None:
             self._write_result(call, *result)
         elif result[2] is not None:  # it succeeded before and cannot again: its model is lost, and says so
@@ -282,8 +280,7 @@ class TrainerWorker:
 
     def _replay_refused_step(self, model: Model, call: ApiRequestAccepted) -> None:
         """A step refused for gradients that were not finite discarded them: a replay discards them there too."""
-        answer = json.loads(self.store.get(result_path(call.session_id, call.request_id, "json")))
-        if str(answer.get("error", "")).startswith(NOT_FINITE_STEP):
+        if str(saves.stored_answer(self.store, call).get("error", "")).startswith(NOT_FINITE_STEP):
             self.engine.discard_gradients(ops.adapter_name(model.model_id))
             model.has_gradients = False
 
@@ -476,12 +473,14 @@ class TrainerWorker:
         log.warning("%s: answering the calls waiting for seq_id %d: %s", model.model_id, model.next_seq, why)
         for seq in sorted(model.pending):
             call = model.pending.pop(seq).event.payload
-            message = f"{call.op} did not run: {why}"
-            self._write_result(call, json.dumps({"error": message, "category": "user"}).encode(), "json", message,
-                               "user")
+            self._write_error(call, f"{call.op} did not run: {why}")
         model.gap_since = None
 
     # ---- results -----------------------------------------------------------------------------------------------
+    def _write_error(self, call: ApiRequestAccepted, message: str) -> None:
+        """Answer ``call`` with a user error."""
+        self._write_result(call, json.dumps({"error": message, "category": "user"}).encode(), "json", message, "user")
+
     def _write_result(self, call: ApiRequestAccepted, data: bytes, fmt: str, error: str | None,
                       category: str | None) -> None:
         write_result(self.store, self.publisher, call, data, fmt, error, category)  # type: ignore[arg-type]

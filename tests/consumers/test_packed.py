@@ -22,6 +22,7 @@ from pipeline.io.store import ObjectStore
 from schemas.config import LearnerConfig
 from tests.consumers import test_learner
 from tests.consumers.test_learner import setup  # noqa: F401  # the module fixture: tiny model, prompt, answers
+from tests.consumers.test_learner_progress import ScriptedSource
 
 SOURCES = {"a": 0, "b": 1}  # run -> seed of its batches' answers
 
@@ -281,27 +282,16 @@ def test_a_run_whose_step_failed_comes_back_from_its_checkpoint_and_trains_each_
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6, run
 
 
-class IdleSource:
-    """A run with nothing to train: each poll waits out its timeout (as an idle Kafka poll does), recorded."""
+class IdleSource(ScriptedSource):
+    """A run with nothing to train: each poll's timeout (what an idle Kafka poll waits out) is recorded."""
 
     def __init__(self) -> None:
+        super().__init__([])
         self.timeouts: list[float] = []
 
     def poll(self, timeout_s: float) -> list:
         self.timeouts.append(timeout_s)
         return []
-
-    def seek(self, positions: dict[str, int]) -> None:
-        pass
-
-    def commit(self, positions: dict[str, int]) -> None:
-        pass
-
-    def keep_alive(self) -> None:
-        pass
-
-    def exhausted(self) -> bool:
-        return False
 
 
 def test_an_idle_run_does_not_wait_out_its_poll_while_another_run_has_batches_delivered(batches, setup):  # noqa: F811

@@ -51,6 +51,14 @@ def started(store: ObjectStore, cfg: RunConfig) -> RunStarted:
     return event
 
 
+def joined_and_warnings(membership: RunMembership, caplog) -> tuple[list[str], str]:
+    """The runs one ``changes`` call lets join, and the warnings it logged (one string)."""
+    with caplog.at_level(logging.WARNING, logger="rlpipe.membership"):
+        changes = membership.changes(serving=set())
+    return ([c.config.run_id for c in changes if isinstance(c, Joined)],
+            " | ".join(r.getMessage() for r in caplog.records))
+
+
 def test_a_matching_run_joins_with_its_stored_configuration_and_leaves_when_stopped(setup):
     store, template, feed, membership = setup
     stored = config("exp-1", bus={"bootstrap_servers": "elsewhere:1"}, learner={"learning_rate": 3e-3})
@@ -77,10 +85,8 @@ def test_a_run_that_cannot_share_the_engine_is_skipped_with_a_warning(setup, cap
     feed.put("exp-gone", RunStarted(config_path="runs/exp-gone/run.json", config_sha256="0" * 64, env="cartpole",
                                     base_model="tiny"))  # announced, but no run.json in this store
     feed.put("exp-1", started(store, config("exp-1")))
-    with caplog.at_level(logging.WARNING, logger="rlpipe.membership"):
-        changes = membership.changes(serving=set())
-    assert [c.config.run_id for c in changes if isinstance(c, Joined)] == ["exp-1"]
-    messages = " | ".join(r.getMessage() for r in caplog.records)
+    joined, messages = joined_and_warnings(membership, caplog)
+    assert joined == ["exp-1"]
     assert "run exp-big cannot join" in messages and "model.base_model" in messages
     assert "run exp-gone cannot join" in messages and "no run.json" in messages
 
@@ -143,10 +149,8 @@ def test_value_runs_damaged_configs_and_misnamed_ones_are_skipped_and_the_next_r
     feed.put("exp-other", RunStarted(config_path="runs/exp-other/run.json", config_sha256="0" * 64, env="cartpole",
                                      base_model="tiny"))
     feed.put("exp-1", started(store, config("exp-1")))
-    with caplog.at_level(logging.WARNING, logger="rlpipe.membership"):
-        changes = membership.changes(serving=set())
-    assert [c.config.run_id for c in changes if isinstance(c, Joined)] == ["exp-1"]
-    messages = " | ".join(r.getMessage() for r in caplog.records)
+    joined, messages = joined_and_warnings(membership, caplog)
+    assert joined == ["exp-1"]
     assert "run exp-dqn cannot join" in messages and "value-based" in messages
     assert "run exp-cut cannot join" in messages and "run exp-list cannot join" in messages
     assert "run exp-other cannot join" in messages and "names run exp-copy" in messages

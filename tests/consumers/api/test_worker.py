@@ -184,7 +184,7 @@ def test_a_forward_backward_the_sdk_split_into_requests_fails_as_a_whole_and_add
     restarted = harness.trainer()
     undone: list[str] = []
     fail_split = restarted._fail_split
-    restarted._fail_split = lambda model, split, why: (undone.append(why), fail_split(model, split, why))
+    restarted._fail_split = lambda model, split, seq: (fail_split(model, split, seq), undone.append(split.failed))
     step_until(restarted, lambda: restarted.models and restarted.models[model_id].next_seq == 6, "the replay")
     assert undone[0] == f"request {bad + 1} failed"  # its stored failure undid the call again
     assert_same(restarted.engine.weights(model_run_name(model_id)), reference_weights(harness.base_model, [earlier]))
@@ -524,18 +524,25 @@ def test_an_optim_step_refused_for_gradients_that_are_not_finite_discards_them_a
     restarted.close()
 
 
-def test_three_clients_training_at_once_end_as_each_trained_alone(harness):
-    trainer = harness.trainer()
+def three_clients_interleaved(harness: Harness, trainer: TrainerWorker, first_seed: int) -> dict[str, list]:
+    """Three training clients, each two forward_backwards and an optim_step, their calls interleaved on the log and
+    run to the end; each client's chunks."""
     models = [harness.create(seq) for seq in range(3)]
-    chunks = {model_id: [[_datum(20 + i)], [_datum(30 + i), _datum(40 + i)]] for i, model_id in enumerate(models)}
-    steps = []
-    for seq in (1, 2):  # the three clients' calls interleaved on the log
+    chunks = {model_id: [[_datum(first_seed + i)], [_datum(first_seed + 10 + i), _datum(first_seed + 20 + i)]]
+              for i, model_id in enumerate(models)}
+    for seq in (1, 2):
         for model_id in models:
             harness.gateway.submit(TENANT, "forward_backward", model_id, seq,
                                    _fb(model_id, seq, chunks[model_id][seq - 1]), "pb")
-    for model_id in models:
-        steps.append(harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3)))
+    steps = [harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3)) for model_id in models]
     run_until(trainer, harness, steps)
+    return chunks
+
+
+def test_three_clients_training_at_once_end_as_each_trained_alone(harness):
+    trainer = harness.trainer()
+    chunks = three_clients_interleaved(harness, trainer, 20)
+    models = list(chunks)
     for seq, model_id in enumerate(models):
         assert_same(trainer.engine.weights(f"{harness.session}.train.{seq}"),
                     reference_weights(harness.base_model, chunks[model_id]))
@@ -578,16 +585,8 @@ def test_with_room_for_one_adapter_three_clients_take_turns_and_end_as_each_trai
         return forward_backward(*args, **kwargs)
 
     monkeypatch.setattr(trainer.engine, "forward_backward", counting)
-    models = [harness.create(seq) for seq in range(3)]
-    chunks = {model_id: [[_datum(60 + i)], [_datum(70 + i), _datum(80 + i)]] for i, model_id in enumerate(models)}
-    steps = []
-    for seq in (1, 2):  # the three clients' calls interleaved on the log
-        for model_id in models:
-            harness.gateway.submit(TENANT, "forward_backward", model_id, seq,
-                                   _fb(model_id, seq, chunks[model_id][seq - 1]), "pb")
-    for model_id in models:
-        steps.append(harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3)))
-    run_until(trainer, harness, steps)
+    chunks = three_clients_interleaved(harness, trainer, 60)
+    models = list(chunks)
     assert len(held) == 6 and max(held) == 1
     for seq, model_id in enumerate(models):
         name = f"{harness.session}.train.{seq}"
