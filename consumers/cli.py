@@ -42,7 +42,8 @@ def start(
     one LoRA adapter per run, each run with its own offsets, checkpoints and versions.  With
     --follow-runs PATTERN, runs created later (rlpipe runs create) join and stopped ones leave; with no
     --run or --config as well, the process starts with no run, its engine set up from the configuration.
-    SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0.
+    SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0 (1 when a
+    packed run was at that moment stopped on an error, waiting to come back).
     """
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
@@ -51,6 +52,7 @@ def start(
                 for cfg in cfgs]
     from consumers.lease import LeaseLostError
     from consumers.service import run_learner
+    from pipeline.membership import RunsFailedError
 
     if any(cfg.value is not None for cfg in cfgs) and (len(cfgs) > 1 or follow_runs is not None):
         fail("value-based runs are not packed: start one learner per value run")
@@ -81,7 +83,7 @@ def start(
             named = bool(run or config)  # following with no run named: an engine waiting for runs to join
             run_packed_learner(cfgs if named or follow_runs is None else [], StopFlag().install(),
                                follow_runs=follow_runs, template=cfgs[0])
-    except LeaseLostError as exc:  # another learner of the run took over: one line, not a traceback
+    except (LeaseLostError, RunsFailedError) as exc:  # another learner took over, a packed run failing: one line
         fail(str(exc))
 
 

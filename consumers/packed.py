@@ -24,7 +24,9 @@ Failures: a run whose turn raises (its lease taken by another learner, its
 store failing, a step that cannot run) is dropped, as a single-run learner
 that stopped on the error, while the others train on; the packed process
 brings it back from its newest checkpoint after a pause
-(``pipeline.membership.Comebacks``), except a run whose lease was taken.
+(``pipeline.membership.Comebacks``), except a run whose lease was taken.  A
+process stopped while a run waits to come back, or after a run's lease was
+taken, ends with ``RunsFailedError`` naming it (the command exits 1).
 
 Isolation: a turn holds the engine with the run's adapter active (only its LoRA
 weights require gradients) and the run's own torch, numpy and Python RNG states
@@ -445,8 +447,7 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
         health.stop()
     for learner in learners.values():
         log.info("run %s stopped at step %d, version %d", learner.run_id, learner.state.step, learner.state.version)
-    if comebacks.lost:  # as a single-run learner whose lease was taken, the process says so in its exit
-        raise LeaseLostError("; ".join(comebacks.lost.values()))
+    comebacks.check_settled()  # a run lost or still failing: the exit says so, as a single-run learner's does
     return packed
 
 

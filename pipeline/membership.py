@@ -171,6 +171,10 @@ class RunMembership:
         self.follower.close()
 
 
+class RunsFailedError(RuntimeError):
+    """A packed process ended with runs that did not end as asked: stopped on an error and not back, or let go."""
+
+
 class Comebacks:
     """Runs of a packed process that stopped on an error, brought back from their newest checkpoint after a pause.
 
@@ -186,6 +190,7 @@ class Comebacks:
         self.waiting: dict[str, tuple[RunConfig, float]] = {}  # run -> (its configuration, when it comes back)
         self.failures: dict[str, int] = {}  # run -> failures in a row
         self.lost: dict[str, str] = {}  # run -> why it is not brought back
+        self.errors: dict[str, str] = {}  # run -> the error it waits to come back from
 
     def failed(self, config: RunConfig, error: Exception, again: bool = True) -> float | None:
         """Note ``config``'s run stopped on ``error``; the pause before it comes back (None: not ``again``)."""
@@ -194,6 +199,7 @@ class Comebacks:
             self.lost[run_id] = str(error)
             log.error("run %s left this packed process: %s", run_id, error)
             return None
+        self.errors[run_id] = f"{type(error).__name__}: {error}"
         count = self.failures[run_id] = self.failures.get(run_id, 0) + 1
         pause = min(self.max_s, self.first_s * 2 ** (count - 1))
         self.waiting[run_id] = (config, self.clock() + pause)
@@ -215,3 +221,13 @@ class Comebacks:
         """``run_id`` was stopped (``RunStopped``): it does not come back; whether it was waiting to."""
         self.failures.pop(run_id, None)
         return self.waiting.pop(run_id, None) is not None
+
+    def check_settled(self) -> None:
+        """At the process's end, raise ``RunsFailedError`` (one line) naming each run that did not end as asked:
+        one whose lease was taken, one still waiting to come back from an error (its newest checkpoint stands),
+        so a supervisor sees the failure as it would a single-run process's."""
+        parts = [*self.lost.values()]
+        parts += [f"run {run_id} stopped on an error and had not come back ({self.errors[run_id]}); it resumes from "
+                  "its newest checkpoint when served again" for run_id in self.waiting]
+        if parts:
+            raise RunsFailedError("; ".join(" ".join(part.split()) for part in parts))

@@ -180,6 +180,7 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
     for run in runs:
         log.info("run %s: %d batches, %d samples", run.worker.run_id, run.worker.stats.batches,
                  run.worker.stats.samples)
+    comebacks.check_settled()  # a run still failing: the exit says so, as a single-run producer's does
     return [run.worker for run in runs]
 
 

@@ -49,11 +49,15 @@ def start(
     if len(cfgs) > 1 or follow_runs is not None:
         if any(cfg.value is not None for cfg in cfgs):
             fail("value-based runs are not packed: start one producer per value run")
+        from pipeline.membership import RunsFailedError
         from producers.packed import run_packed_producer
 
         named = bool(run or config)  # following with no run named: an engine waiting for runs to join
-        run_packed_producer(cfgs if named or follow_runs is None else [], StopFlag().install(),
-                            follow_runs=follow_runs, template=cfgs[0])
+        try:
+            run_packed_producer(cfgs if named or follow_runs is None else [], StopFlag().install(),
+                                follow_runs=follow_runs, template=cfgs[0])
+        except RunsFailedError as exc:  # stopped while a run waited to come back from an error: one line, exit 1
+            fail(str(exc))
         return
     cfg = cfgs[0]
     if cfg.value is not None:  # a value-based run: a numeric actor plays with the published Q-network

@@ -9,7 +9,7 @@ import pytest
 from consumers.packed import check_packable
 from pipeline.io.bus.records import ConsumedEvent
 from pipeline.io.store import ObjectStore
-from pipeline.membership import Comebacks, Joined, Left, RunMembership, engine_config
+from pipeline.membership import Comebacks, Joined, Left, RunMembership, RunsFailedError, engine_config
 from pipeline.runtime import create_run
 from schemas.config import RunConfig
 from schemas.events import LearnerCheckpointed, Payload, RunStarted, RunStopped, make_event
@@ -183,3 +183,18 @@ def test_a_control_topic_that_cannot_be_read_for_a_moment_changes_nothing_and_is
     assert "reading the control topic failed (ConnectionError: no broker)" in caplog.text
     feed.poll = poll
     assert [c.config.run_id for c in membership.changes(serving={"base"})] == ["exp-1"]
+
+
+def test_a_process_stopped_while_a_run_waits_to_come_back_ends_in_an_error_naming_it():
+    comebacks = Comebacks(first_s=30.0, clock=lambda: 0.0)
+    comebacks.check_settled()  # nothing failed: a clean stop
+    comebacks.failed(RunConfig(run_id="b"), OSError("bucket unreachable"))
+    with pytest.raises(RunsFailedError, match=r"run b .*OSError: bucket unreachable") as caught:
+        comebacks.check_settled()
+    assert "\n" not in str(caught.value)
+    comebacks.forget("b")  # stopped while waiting: it stays stopped, as asked
+    comebacks.check_settled()
+    comebacks.failed(RunConfig(run_id="c"), RuntimeError("run c has a newer learner"), again=False)
+    comebacks.failed(RunConfig(run_id="d"), OSError("disk\nfull"))
+    with pytest.raises(RunsFailedError, match=r"run c has a newer learner; run d .*OSError: disk full"):
+        comebacks.check_settled()  # a lease taken is named as a single-run learner's exit names it
