@@ -68,6 +68,9 @@ class ValueLearnerConfig(BaseModel):
             raise ValueError(f"hidden_sizes {self.hidden_sizes} must each be between 1 and 65536")
         if self.batch_size > self.replay_capacity:
             raise ValueError(f"batch_size {self.batch_size} exceeds replay_capacity {self.replay_capacity}; lower it")
+        if self.min_replay_size > self.replay_capacity:  # the memory never holds that many: no update would run
+            raise ValueError(f"min_replay_size {self.min_replay_size} exceeds replay_capacity {self.replay_capacity}, "
+                             "so training would never start; lower min_replay_size")
         if self.agent == "slateq" and self.replay_scheme != "uniform":
             raise ValueError("slateq samples its replay memory uniformly; set replay_scheme: uniform")
         return self

@@ -70,11 +70,12 @@ log = logging.getLogger("rlpipe.value")
 
 @dataclass
 class IngestedBatch:
-    """A batch taken from the source: its table (None when already trained or quarantined)."""
+    """A batch taken from the source: its table and transitions (None when already trained or quarantined)."""
 
     ref: BatchRef
     table: pa.Table | None
     quarantined: bool = False
+    transitions: dict[str, np.ndarray] | None = None
 
 
 class ValueLearner:
@@ -105,7 +106,8 @@ class ValueLearner:
             SlateQLearnerAgent(config, slate, slate.selection) if slate is not None
             else build_agent(config, observation_size, num_actions)
         )
-        self.memory: ReplayMemory = build_replay_memory(config, observation_size)
+        self.num_actions = slate.num_candidates if slate is not None else num_actions  # what an action indexes
+        self.memory: ReplayMemory = build_replay_memory(config, observation_size, self.num_actions)
         self.rng = np.random.default_rng(config.seed)
         self.update_credit = 0.0
         self.archive, self.registry, self.checkpoints = archive, registry, checkpoints
@@ -152,7 +154,7 @@ class ValueLearner:
 
     def rebuild_memory(self, batches: list[dict[str, Any]]) -> ReplayMemory:
         """The replay memory after adding ``batches`` in order, reading only those still in it from the store."""
-        memory = build_replay_memory(self.cfg, self.spec.observation_size)
+        memory = build_replay_memory(self.cfg, self.spec.observation_size, self.num_actions)
         newest, covered = len(batches), 0
         while newest > 0 and covered < memory.capacity:  # the suffix of batches the memory still holds
             newest -= 1
@@ -202,7 +204,9 @@ class ValueLearner:
 
     # ---- phase: ingest ---------------------------------------------------------------
     def ingest(self, ref: BatchRef) -> IngestedBatch:
-        """Read and verify one batch; a batch already trained is skipped, an unreadable one dead-lettered.
+        """Read and verify one batch and form its transitions; a batch already trained is skipped, one unreadable
+        or whose contents cannot train (a NaN, another observation width, an action outside the agent's) is
+        dead-lettered before anything of it reaches the memory.
 
         Neither makes a step (a step without data would publish unchanged weights as a new version):
         their positions are carried into the next step's, so its checkpoint commits past them.
@@ -214,7 +218,8 @@ class ValueLearner:
             log.info("batch %s already trained; skipped", ref.batch_id)
             return IngestedBatch(ref, None)
         try:
-            return IngestedBatch(ref, self.archive.read_steps(ref.path, ref.sha256))
+            table = self.archive.read_steps(ref.path, ref.sha256)
+            return IngestedBatch(ref, table, transitions=self.memory.transitions_of(table))
         except POISON_BATCH_ERRORS as exc:
             reason = f"steps batch {ref.batch_id} quarantined: {str(exc).strip().splitlines()[0]}"[:2000]
             topic, partition, offset = origin_of(ref)
@@ -229,10 +234,11 @@ class ValueLearner:
     # ---- phase: train ----------------------------------------------------------------
     def step(self, batch: IngestedBatch) -> dict[str, Any]:
         """Add the batch's transitions, train, then record, publish and checkpoint when due."""
-        if batch.table is None:
+        if batch.table is None or batch.transitions is None:
             raise ValueError(f"batch {batch.ref.batch_id} has no table to train (skipped or quarantined)")
         started = time.time()  # with finished_at: the learner's lane of the report's duty cycle
-        added = self.memory.add_steps_table(batch.table)
+        self.memory.add(batch.transitions)
+        added = len(batch.transitions["action"])
         metrics: dict[str, Any] = {"step": self.state.step + 1, "started_at": started, **self.train(added),
                                    **episode_metrics(batch.table)}
         metrics["batch_ids"] = [batch.ref.batch_id]

@@ -85,6 +85,7 @@ class ReplayMemory:
     def __init__(
         self, capacity: int, observation_size: int, scheme: Scheme = "uniform", alpha: float = 0.5,
         n_step: int = 1, gamma: float = 0.99, read_actions: ActionReader | None = None,
+        num_actions: int | None = None,
     ) -> None:
         if capacity < 1 or observation_size < 1 or n_step < 1:
             raise ValueError(f"capacity {capacity}, observation_size {observation_size}, n_step {n_step}: each >= 1")
@@ -93,6 +94,7 @@ class ReplayMemory:
         self.capacity, self.observation_size = capacity, observation_size
         self.scheme, self.alpha, self.n_step, self.gamma = scheme, float(alpha), n_step, float(gamma)
         self.read_actions = read_actions or discrete_actions
+        self.num_actions = num_actions  # actions (slateq: candidates) a stored one must be below; None: unchecked
         self.observation = np.zeros((capacity, observation_size), np.float32)
         self.action = np.zeros(capacity, np.int64)
         self.reward = np.zeros(capacity, np.float32)
@@ -123,16 +125,30 @@ class ReplayMemory:
 
     def add_steps_table(self, table: pa.Table) -> int:
         """Form n-step transitions from a steps table's episodes and add them; return how many."""
+        transitions = self.transitions_of(table)
+        self.add(transitions)
+        return len(transitions["action"])
+
+    def transitions_of(self, table: pa.Table) -> dict[str, np.ndarray]:
+        """The n-step transitions of a steps table, checked to fit this memory; a ``ValueError`` naming the first
+        problem (observations of another width, an action outside ``0..num_actions-1``, a NaN or infinity)."""
         if table.num_rows == 0:
-            return 0
+            return {name: getattr(self, name)[:0] for name in _FIELDS}
         transitions = steps_to_transitions(table, self.n_step, self.gamma, self.read_actions)
         if transitions["observation"].shape[1] != self.observation_size:
             raise ValueError(
                 f"steps table observations have {transitions['observation'].shape[1]} values, "
                 f"the memory holds {self.observation_size}; build the memory for this environment"
             )
-        self.add(transitions)
-        return len(transitions["action"])
+        actions = transitions["action"]
+        floor = -1 if self.read_actions is consumed_items else 0  # slateq's -1: the user clicked nothing
+        upper = self.num_actions if self.num_actions is not None else np.iinfo(np.int64).max
+        bad = (actions < floor) | (actions >= upper)
+        if bad.any():
+            allowed = f"{floor}..{upper - 1}" if self.num_actions is not None else f"{floor} or more"
+            raise ValueError(f"steps table holds action {int(actions[bad][0])}, outside {allowed} for this run's "
+                             "agent; the table is of another environment or action encoding")
+        return transitions
 
     # ---- sampling ----------------------------------------------------------------------
     def sample(self, batch_size: int, rng: np.random.Generator, beta: float = 0.5) -> dict[str, np.ndarray]:
@@ -156,8 +172,11 @@ class ReplayMemory:
     def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> None:
         """Set p_i for sampled transitions (e.g. |TD error| + epsilon); no-op when uniform."""
         priorities = np.asarray(priorities, dtype=np.float64)
-        if not np.all(np.isfinite(priorities)) or np.any(priorities <= 0):
-            raise ValueError("priorities must be finite and positive; add a small epsilon to |TD error|")
+        if not np.all(np.isfinite(priorities)):  # the batches are checked finite: the network's values are not
+            raise ValueError("the TD errors are not finite: training diverged; lower value.learner.learning_rate "
+                             "or scale the rewards down")
+        if np.any(priorities <= 0):
+            raise ValueError("priorities must be positive; add a small epsilon to |TD error|")
         if self.scheme == "prioritized":
             self.tree.set(indices, priorities**self.alpha)
             self.max_priority = max(self.max_priority, float(priorities.max()))
@@ -190,11 +209,13 @@ class ReplayMemory:
         return memory
 
 
-def build_replay_memory(config: ValueLearnerConfig, observation_size: int) -> ReplayMemory:
-    """The replay memory ``config`` describes, for observations of ``observation_size`` floats."""
+def build_replay_memory(config: ValueLearnerConfig, observation_size: int,
+                        num_actions: int | None = None) -> ReplayMemory:
+    """The replay memory ``config`` describes, for observations of ``observation_size`` floats and actions below
+    ``num_actions`` (slateq: the candidates)."""
     return ReplayMemory(
         config.replay_capacity, observation_size, config.replay_scheme, config.priority_alpha, config.n_step,
-        config.gamma, consumed_items if config.agent == "slateq" else discrete_actions,
+        config.gamma, consumed_items if config.agent == "slateq" else discrete_actions, num_actions,
     )
 
 
@@ -212,6 +233,12 @@ def steps_to_transitions(table: pa.Table, n_step: int, gamma: float,
     is_last_R = table["is_last"].to_numpy(zero_copy_only=False)
     is_terminal_R = table["is_terminal"].to_numpy(zero_copy_only=False)
     obs_RO = _vectors(table["observation"], "observation")
+    for name, values in (("reward", reward_R), ("discount", discount_R), ("observation", obs_RO)):
+        finite_R = np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+        if not finite_R.all():
+            row = int(np.flatnonzero(~finite_R)[0])
+            raise ValueError(f"steps column {name!r} holds a NaN or infinity (row {row}, episode "
+                             f"{episode_R[row]}); the environment or importer that wrote it is at fault")
     action_R = (read_actions or discrete_actions)(table)
     n_rows = table.num_rows
     # An episode is a run of equal ids with consecutive steps; it ends at is_last or where the id changes.
@@ -272,6 +299,8 @@ def consumed_items(table: pa.Table) -> np.ndarray:
                          "slateq trains on recsim-interest-evolution")
     slate_RK = np.rint(_vectors(table["action"], "action")).astype(np.int64)
     slot_R = np.rint(table[CLICK_SLOT_FEATURE].to_numpy(zero_copy_only=False)).astype(np.int64)
+    if (slate_RK < 0).any():
+        raise ValueError("steps table holds a slate with a negative candidate index; the table is malformed")
     if slate_RK.shape[1] == 0 or (slot_R >= slate_RK.shape[1]).any():
         raise ValueError(f"click_position beyond the slate of {slate_RK.shape[1]} items; the table is malformed")
     consumed_R = slate_RK[np.arange(len(slot_R)), np.maximum(slot_R, 0)]

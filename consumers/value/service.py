@@ -29,7 +29,7 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
-from schemas.events import Payload, RunStarted
+from schemas.events import DeadLetter, Payload, RunStarted
 
 log = logging.getLogger("rlpipe.value")
 CONTINUOUS_ACTION_ENVS = ("building-hvac",)  # setpoints, not action indices: offline CQL (value.offline)
@@ -99,7 +99,12 @@ def replay_train_value(config: RunConfig, source_run: str, date_from: str | None
     store = open_store(config.store)
     _, _, created = create_run(store, config, config.env.name)  # run.json, so eval/report know the run
     source = StepsReplaySource(store, source_run, date_from, date_to)
-    learner = build_value_learner(config, store, source, lambda payload: None)
+
+    def refuse_unusable(payload: Payload) -> None:  # no log to dead-letter onto: a batch that cannot train stops it
+        if isinstance(payload, DeadLetter):
+            raise ValueError(payload.reason)
+
+    learner = build_value_learner(config, store, source, refuse_unusable)
     source.already_trained = lambda batch_id: batch_id in learner.state.trained
     learner.resume()
     try:

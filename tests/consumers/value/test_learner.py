@@ -19,6 +19,7 @@ from pipeline.value_network import load_network
 from producers.envs.classic import CartPole
 from producers.value_actor import ValueActor, ValueNetworkWatcher
 from schemas.events import DeadLetter
+from schemas.steps import steps_to_table
 from schemas.value import ValueActorConfig
 
 BATCHES = 12
@@ -171,3 +172,59 @@ def test_a_learner_resuming_on_a_new_log_reads_it_from_the_start_and_skips_what_
     again.run(poll_timeout_s=0.0)
     assert again.duplicates_skipped == 4 and again.state.step == 6
     assert list(again.state.trained) == [ref.batch_id for ref in refs[:6]]
+
+
+def store_steps(store: ObjectStore, name: str, rows: list[dict], position: int) -> BatchRef:
+    key = f"runs/actors/env-steps/date=2026-01-01/{name}.parquet"
+    sha256 = TrajectoryArchive(store).write_steps(key, steps_to_table(rows))
+    return BatchRef(name, key, sha256, {"mem:0": position})
+
+
+def episode(name: str, length: int = 10, width: int = 4, action: float = 0.0, reward: float = 1.0,
+            value: float = 0.1) -> list[dict]:
+    return [dict(episode_id=name, step=t, is_first=t == 0, is_last=t == length - 1, is_terminal=t == length - 1,
+                 observation=[value] * width, action=[action], reward=reward,
+                 discount=0.0 if t == length - 1 else 1.0) for t in range(length)]
+
+
+BAD_BATCHES = {
+    "nan_reward": (episode("b", reward=float("nan")), "reward"),
+    "inf_observation": (episode("b", value=float("inf")), "observation"),
+    "wide_observation": (episode("b", width=5), "5 values"),
+    "action_out_of_range": (episode("b", action=7.0), "action 7"),
+    "negative_action": (episode("b", action=-1.0), "action -1"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_BATCHES))
+@pytest.mark.parametrize("agent", ["dqn", "c51"])
+def test_a_batch_whose_contents_cannot_train_is_dead_lettered_and_the_next_one_trains(tmp_path: Path, bad: str,
+                                                                                     agent: str) -> None:
+    store = ObjectStore((tmp_path / "store").as_uri())
+    rows, named = BAD_BATCHES[bad]
+    refs = [store_steps(store, "good", episode("g"), 1), store_steps(store, "poisoned", rows, 2),
+            store_steps(store, "after", episode("a"), 3)]
+    announced: list = []
+    learner = make_learner(store, "bad", refs, announced, agent=agent, min_replay_size=1, batch_size=4)
+    learner.resume()
+    learner.run(poll_timeout_s=0.0)
+    letters = [p for p in announced if isinstance(p, DeadLetter)]
+    assert [p.key for p in letters] == ["poisoned"] and named in letters[0].reason
+    assert sorted(learner.state.trained) == ["after", "good"] and learner.state.positions == {"mem:0": 3}
+    assert learner.agent.training_steps > 0
+
+
+def test_a_nan_batch_taken_before_training_starts_never_reaches_the_memory(tmp_path: Path) -> None:
+    store = ObjectStore((tmp_path / "store").as_uri())
+    refs = [store_steps(store, "nan", episode("n", reward=float("nan")), 1), store_steps(store, "good", episode("g"), 2),
+            store_steps(store, "more", episode("m"), 3)]
+    for _ in range(2):  # and again after a restart, which rebuilds the memory from the step log
+        learner = make_learner(store, "wedge", refs, min_replay_size=15, batch_size=4, checkpoint_every=1)
+        learner.resume()
+        learner.run(poll_timeout_s=0.0)
+        assert sorted(learner.state.trained) == ["good", "more"] and np.isfinite(learner.memory.reward).all()
+
+
+def test_a_replay_memory_that_could_never_hold_its_minimum_is_refused() -> None:
+    with pytest.raises(ValueError, match="min_replay_size 500 exceeds replay_capacity 200"):
+        ValueLearnerConfig(replay_capacity=200, min_replay_size=500, batch_size=64)

@@ -37,7 +37,7 @@ def test_cql_regulariser_and_its_gradient_by_hand():
 
 
 def test_cql_loss_adds_alpha_times_the_regulariser_to_the_td_loss():
-    config = ValueLearnerConfig(hidden_sizes=(4,), batch_size=2, replay_capacity=2, double_q=False)
+    config = ValueLearnerConfig(hidden_sizes=(4,), batch_size=2, replay_capacity=2, min_replay_size=2, double_q=False)
     agent = CQLAgent(config, observation_size=1, num_actions=2, cql_alpha=0.5)
     plain = CQLAgent(config, observation_size=1, num_actions=2, cql_alpha=0.0)
     batch = [torch.tensor([[1.0], [-1.0]]), torch.tensor([0, 1]), torch.tensor([0.1, -0.2]),
@@ -122,7 +122,7 @@ def test_offline_pipeline_end_to_end_on_generated_days(tmp_path):
 
 
 def test_the_filtered_target_takes_the_argmax_over_supported_cells_only():
-    config = ValueLearnerConfig(hidden_sizes=(4,), batch_size=1, replay_capacity=1, double_q=True)
+    config = ValueLearnerConfig(hidden_sizes=(4,), batch_size=1, replay_capacity=1, min_replay_size=1, double_q=True)
     behaviour = BehaviourCloningAgent(config, observation_size=1, num_actions=3)
     agent = CQLAgent(config, 1, 3, cql_alpha=0.0, behaviour=behaviour, support_threshold=0.5)
     with torch.no_grad():  # online Q(s', .) = (5, 1, 0): cell 0 best, but cloned probabilities (0.1, 0.6, 0.3)
