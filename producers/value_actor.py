@@ -117,12 +117,30 @@ class ValueActor:
         self.rng = np.random.default_rng([config.seed, seeds.start if seeds else 0])
         self.env_steps = 0
         self.episodes = 0
-        self.batches_written = 0
+        self.batches_written = 0  # by this process
+        self.batches_before = 0  # by this actor's earlier processes (``resume``)
         self.orphans: OrphanSweep | None = None  # the start's second look at batches too young to judge then
         self.heartbeat_interval_s = 5.0  # a ProducerHeartbeat at most this often, between batches
         self.busy_s = 0.0  # time spent playing and writing batches (not waiting for the learner)
         self.meter = RateMeter(time.monotonic)
         self.meter.rates(self._totals())
+
+    def resume(self, earlier: Iterable[TrajectoryBatchCommitted]) -> None:
+        """Go on from this actor's earlier batches (a restarted actor keeps its id): the exploration schedule
+        continues over the steps they hold, episode ids and environment seeds follow theirs, and the exploration
+        draws are seeded from that point, so no earlier batch is played again.  Other actors' batches, and a
+        batch announced twice, count for nothing."""
+        mine = {event.batch_id: event for event in earlier if event.producer_id == self.actor_id}
+        if not mine:
+            return
+        self.env_steps += sum(event.num_rows for event in mine.values())
+        self.episodes += sum(event.num_groups for event in mine.values())
+        self.batches_before += len(mine)
+        self.rng = np.random.default_rng([self.config.seed, self.seeds.start if self.seeds else 0, self.episodes])
+        self.meter = RateMeter(time.monotonic)  # rates count from here, not from 0
+        self.meter.rates(self._totals())
+        log.info("actor %s goes on after %d earlier batches: %d episodes, %d steps, epsilon %.3f once a version "
+                 "is loaded", self.actor_id, len(mine), self.episodes, self.env_steps, self.epsilon_at_steps())
 
     # ---- acting ----------------------------------------------------------------------
     def action_choices(self, env: TextEnv) -> list[str]:
@@ -145,6 +163,10 @@ class ValueActor:
         """Exploration now: 1 before a version is loaded, else the schedule over this actor's steps."""
         if self.watcher.network is None:
             return 1.0
+        return self.epsilon_at_steps()
+
+    def epsilon_at_steps(self) -> float:
+        """The schedule's epsilon after this actor's steps so far."""
         cfg = self.config
         return linearly_decaying_epsilon(self.env_steps, cfg.epsilon_decay_steps, cfg.epsilon_warmup_steps,
                                          cfg.final_epsilon)
@@ -257,7 +279,8 @@ class ValueActor:
     def wait_for_learner(self, should_stop: Callable[[], bool]) -> None:
         """With ``max_batches_ahead``: pause while this actor is that far ahead of the newest version's learner step."""
         limit = self.config.max_batches_ahead
-        while limit is not None and not should_stop() and self.batches_written - self.learner_step() >= limit:
+        while (limit is not None and not should_stop()
+               and self.batches_before + self.batches_written - self.learner_step() >= limit):
             time.sleep(max(self.config.registry_poll_s, 0.05))
             self.maybe_beat()
 
@@ -265,6 +288,12 @@ class ValueActor:
         """The learner step of the newest published version (0 before the first)."""
         latest = self.watcher.registry.latest()
         return latest.learner_step if latest is not None else 0
+
+
+def batch_events(records: Iterable[Any]) -> list[TrajectoryBatchCommitted]:
+    """The ``TrajectoryBatchCommitted`` events among tail records (or envelopes)."""
+    events = [getattr(getattr(record, "event", record), "payload", None) for record in records]
+    return [event for event in events if isinstance(event, TrajectoryBatchCommitted)]
 
 
 def stored_steps_event(archive: TrajectoryArchive, key: str) -> TrajectoryBatchCommitted | None:
@@ -324,12 +353,20 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
     bus = resolved_bus(config.bus)
     publisher = EventPublisher(bus)
     archive, announce = TrajectoryArchive(store), Announcer(publisher, config.run_id)
-    orphans = steps_orphan_sweep(archive, config.run_id, announce, 2 * config.producer.batch_timeout_s,
+    swept: list[Payload] = []  # what the sweeps announce for batches a crashed actor stored but never announced
+
+    def announce_orphan(payload: Payload) -> None:
+        announce(payload)
+        swept.append(payload)
+
+    orphans = steps_orphan_sweep(archive, config.run_id, announce_orphan, 2 * config.producer.batch_timeout_s,
                                  lambda: announced_batches(tail(bus, "trajectories", n=10**9, run_id=config.run_id)))
-    orphans.sweep()  # batches a crashed actor of this run stored but never announced
+    earlier = batch_events(tail(bus, "trajectories", n=10**9, run_id=config.run_id))
+    orphans.sweep({event.batch_id for event in earlier})
     watcher = open_watcher(AdapterRegistry(store, config.run_id), None, config.value.actor.registry_poll_s)
     actor = actor_class(run_id=config.run_id, actor_id=actor_id, env=env, archive=archive, watcher=watcher,
                         config=config.value.actor, announce=announce, seeds=config.training_seeds(actor_id))
+    actor.resume([*earlier, *batch_events(swept)])  # a restart goes on where this actor's batches end
     actor.orphans = orphans
     actor.heartbeat_interval_s = config.producer.heartbeat_interval_s
     try:

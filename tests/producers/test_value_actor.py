@@ -149,3 +149,23 @@ def test_the_actor_beats_with_its_episodes_steps_and_busy_share(memory_store: Ob
     quiet, said = make_actor(memory_store, tmp_path / "q", steps_per_batch=50)
     quiet.run(max_batches=2)  # the default interval (5 s) has not passed: no beat yet
     assert not [p for p in said if isinstance(p, ProducerHeartbeat)]
+
+
+def test_a_restarted_actor_goes_on_exploring_from_its_earlier_batches_and_plays_none_of_them_again(
+        memory_store: ObjectStore, tmp_path: Path) -> None:
+    publish_preferring(AdapterRegistry(memory_store, "vrun"), action=0)
+    first, announced = make_actor(memory_store, tmp_path, steps_per_batch=60, epsilon_decay_steps=400)
+    first_batches = [TrajectoryArchive(memory_store).read_steps(first.write_batch().path) for _ in range(4)]
+    epsilon_before = first.epsilon()
+    other = TrajectoryBatchCommitted(**{**announced[0].model_dump(), "batch_id": "s-other", "producer_id": "a1"})
+    second, _ = make_actor(memory_store, tmp_path, steps_per_batch=60, epsilon_decay_steps=400)  # same id, restarted
+    second.resume([*announced, announced[1], other])  # a batch announced twice counts once; another actor's not
+    assert (second.env_steps, second.episodes) == (first.env_steps, first.episodes)
+    assert second.epsilon_at_steps() == pytest.approx(epsilon_before) and epsilon_before < 1.0  # once it loads v1
+    table = TrajectoryArchive(memory_store).read_steps(second.write_batch().path)
+    earlier_ids = {i for batch in first_batches for i in batch["episode_id"].to_pylist()}
+    assert not earlier_ids & set(table["episode_id"].to_pylist())  # episode ids (and their seeds) go on
+    assert max(table[EPSILON_FEATURE].to_pylist()) <= epsilon_before
+    fresh, _ = make_actor(memory_store, tmp_path / "fresh", steps_per_batch=60, epsilon_decay_steps=400)
+    fresh.resume([other])  # nothing of its own: it starts as a new actor
+    assert (fresh.env_steps, fresh.episodes, fresh.epsilon_at_steps()) == (0, 0, 1.0)

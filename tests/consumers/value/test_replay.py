@@ -94,7 +94,7 @@ def test_new_transitions_enter_at_the_largest_priority_seen():
 def test_priorities_must_be_positive():
     with pytest.raises(ValueError, match="epsilon"):
         prioritized_memory().update_priorities(np.array([0]), np.array([0.0]))
-    with pytest.raises(ValueError, match="diverged; lower value.learner.learning_rate"):  # the batches were finite
+    with pytest.raises(ValueError, match="training diverged"):  # the batches were finite
         prioritized_memory().update_priorities(np.array([0]), np.array([np.nan]))
 
 
