@@ -112,7 +112,10 @@ def shared_prefix_length(input_ids_BT: torch.Tensor, first_needed: int) -> int:
 
 def _may_share(model: PeftModel) -> bool:
     """Sharing a prefix is exact unless dropout runs (it would draw one mask for every row's prefix); not with
-    gradient checkpointing, which turns the cache off in training."""
+    gradient checkpointing, which turns the cache off in training; never on a sharded body (FSDP2), whose every
+    pass gathers each layer from all ranks, so that every rank must run as many passes as the others."""
+    if _sharded(model.get_base_model()):
+        return False
     if not model.training:
         return True
     rates = [getattr(cfg, "lora_dropout", 0.0) or 0.0 for cfg in model.peft_config.values()]
@@ -122,6 +125,15 @@ def _may_share(model: PeftModel) -> bool:
         return False
     # last: transformers answers this by walking every module
     return not getattr(model.get_base_model(), "is_gradient_checkpointing", False)
+
+
+def _sharded(base: torch.nn.Module) -> bool:
+    body = getattr(base, "model", None)
+    if body is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(body, FSDPModule)
 
 
 def position_logprobs(
@@ -139,7 +151,7 @@ def position_logprobs(
     to their cached keys and values: the same numbers up to float rounding, and the
     prefix's share of the body's work saved (per-turn CartPole rows share 129 of about
     230 tokens).  Not while dropout runs (one mask would serve every row's prefix) or under gradient
-    checkpointing (no cache in training).
+    checkpointing (no cache in training) or on a sharded body (every rank must run as many passes).
 
     ``divisors_N`` (None = 1) divides each selected row of logits (sampling
     temperature, see ``logit_divisors``).  The body runs with the model's active

@@ -189,3 +189,27 @@ def test_learner_start_under_torchrun_refuses_packed_runs(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     result = CliRunner().invoke(app, ["--preset", "cartpole", "--run", "a", "--run", "b"])
     assert result.exit_code != 0 and "one torchrun learner per run" in result.output
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_sharded_ranks_train_a_step_whose_rows_share_a_long_prompt_on_one_rank_only_as_one_process(
+        tiny_model_dir, tmp_path, kl):
+    """Rank 0's rows share a 40-token prompt, rank 1's none.  One process runs such a prompt through the body once
+    and the rest of the rows after it; sharded ranks gather every layer for each pass of the body, so they must run
+    as many passes, and a sharded model runs the prompt with the rows (before, the group hung)."""
+    from consumers.policy import MIN_SHARED_PREFIX, LoraPolicy
+    from tests.consumers.distributed_policy_worker import learner_config, policy_batches
+
+    assert MIN_SHARED_PREFIX <= 40
+    worker = Path(__file__).with_name("distributed_policy_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(worker), "--model", tiny_model_dir, "--out", str(tmp_path), "--prefix", "40",
+               *(["--kl"] if kl else [])]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    group = load_file(str(tmp_path / "adapter.safetensors"))
+    alone = LoraPolicy(tiny_model_dir, learner_config(kl))
+    alone.train_step(policy_batches(40), normaliser=3.0)
+    single = alone.adapter_tensors()
+    assert max(float((group[k] - single[k]).abs().max()) for k in single) < TOLERANCE
