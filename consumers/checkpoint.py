@@ -78,11 +78,15 @@ class Checkpoint:
 
 
 def capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """RNG states: torch's as a tensor, python's and numpy's as JSON."""
+    """RNG states: torch's as tensors (the GPU's too where one is in use: dropout there draws from it), python's and
+    numpy's as JSON."""
     py_version, py_state, py_gauss = random.getstate()
     np_state = np.random.get_state()
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
     return (
-        {"rng.torch": torch.get_rng_state()},
+        tensors,
         {
             "python": [py_version, list(py_state), py_gauss],
             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
@@ -94,6 +98,8 @@ def restore_rng(tensors: dict[str, torch.Tensor], states: dict[str, Any]) -> Non
     """Inverse of ``capture_rng``."""
     if "rng.torch" in tensors:
         torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():  # resumed without a GPU: nothing draws from one
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
     if "python" in states:
         version, state, gauss = states["python"]
         random.setstate((version, tuple(state), gauss))

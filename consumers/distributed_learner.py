@@ -26,7 +26,8 @@ pickled):
 
 A rank that fails ends the torchrun group (its agent stops the others); the
 restarted group resumes from rank 0's last checkpoint exactly as one process
-does.  With ``learner.shard`` the frozen base weights are sharded over the
+does (a following rank seeds each step's random numbers, such as dropout masks,
+from its rank and the step's tensors: ``follower_seed``).  With ``learner.shard`` the frozen base weights are sharded over the
 ranks with FSDP2 (``DistributedEngine``): every forward gathers each layer
 from all ranks, so a rank whose share has fewer micro-batches runs idle passes
 (a two-token row whose loss is multiplied by zero, with the reference's forward
@@ -37,6 +38,7 @@ same rows and halves the step on rank 0's measure, so the ranks stay equal.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -201,6 +203,7 @@ class DistributedPolicy(EnginePolicy):
             if header["command"] == "stop":
                 return steps
             if header["command"] == "step":
+                torch.manual_seed(follower_seed(self.topology.rank, tensors))  # dropout masks a resume draws again
                 self._train_share(_batches_from(header["present"], tensors), header["normaliser"])
                 steps += 1
             elif header["command"] == "sync":
@@ -221,6 +224,16 @@ class DistributedPolicy(EnginePolicy):
             return
         optimizer = dict(zip(header["optimizer"], tensors[len(adapter):], strict=True))
         super().load_state(adapter, optimizer, header["scalars"])
+
+
+def follower_seed(rank: int, tensors: list[torch.Tensor]) -> int:
+    """The seed a following rank draws a step's random numbers from (dropout masks): a function of its rank and the
+    step's tensors alone, so a group resumed from rank 0's checkpoint draws what it drew before (rank 0's own
+    generators are in the checkpoint)."""
+    digest = hashlib.sha256(str(rank).encode())
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
 # ---- commands: a JSON header and a list of tensors, broadcast from rank 0 ----------------------

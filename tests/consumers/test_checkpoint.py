@@ -222,3 +222,20 @@ def test_pruning_after_a_save_lists_the_checkpoints_once(store: FlakyStore, monk
     save_step(checkpoints, 3)
     assert listed == [checkpoints.prefix]
     assert [step for step, _ in checkpoints.complete()] == [3, 2]
+
+
+def test_the_rng_states_include_the_gpus_where_one_is_in_use(monkeypatch) -> None:
+    """Dropout on a GPU draws from the GPU's generator: a resumed step must draw the same masks."""
+    from consumers import checkpoint
+
+    set_to: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.tensor([7, 7, 7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, *args, **kwargs: set_to.append(state))
+    tensors, states = checkpoint.capture_rng()
+    assert torch.equal(tensors["rng.cuda"], torch.tensor([7, 7, 7], dtype=torch.uint8))
+    checkpoint.restore_rng(tensors, states)
+    assert len(set_to) == 1 and torch.equal(set_to[0], tensors["rng.cuda"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # resumed on a machine without one: CPU only
+    checkpoint.restore_rng(tensors, states)
+    assert len(set_to) == 1 and "rng.cuda" not in checkpoint.capture_rng()[0]

@@ -213,3 +213,14 @@ def test_sharded_ranks_train_a_step_whose_rows_share_a_long_prompt_on_one_rank_o
     alone.train_step(policy_batches(40), normaliser=3.0)
     single = alone.adapter_tensors()
     assert max(float((group[k] - single[k]).abs().max()) for k in single) < TOLERANCE
+
+
+def test_a_following_rank_seeds_each_step_from_its_rank_and_the_steps_tensors_alone():
+    """What a follower draws in a step (dropout masks) must not depend on what it drew before a restart."""
+    from consumers.distributed_learner import follower_seed
+
+    step = [torch.tensor([[1, 2, 3]]), torch.tensor([0.5, -1.0])]
+    seed = follower_seed(1, step)
+    assert seed == follower_seed(1, [t.clone() for t in step]) and 0 <= seed < 2**63
+    assert seed != follower_seed(2, step)  # each rank its own masks
+    assert seed != follower_seed(1, [torch.tensor([[1, 2, 4]]), step[1]])  # each step its own
