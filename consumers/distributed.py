@@ -38,6 +38,7 @@ batch log from it, so every batch is trained, and logged, exactly once.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -53,7 +54,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as load_safetensors
 
 from consumers.engine import AdamParams, ForwardResult, StepInfo, TrainingEngine
-from consumers.engine_data import Datum, EngineError, micro_batch_slices
+from consumers.engine_data import PER_TOKEN, Datum, EngineError, micro_batch_slices
 from consumers.losses import LossStats
 from pipeline.io.tensors import save_tensors as save_safetensors
 
@@ -245,7 +246,8 @@ def save_checkpoint(engine: DistributedEngine, name: str, folder: str | Path, ex
     """Adapter ``name``'s state (weights, AdamW, RNG) to ``folder`` with DCP; committed by renaming into place.
 
     Every rank calls it.  ``extra`` (JSON-able) is stored with the engine's
-    metadata; a folder without ``engine_state.json`` was never committed.
+    metadata and the sha256 of every file, which ``load_checkpoint`` checks; a
+    folder without ``engine_state.json`` was never committed.
     """
     folder = Path(folder)
     staging = folder.with_name(folder.name + ".partial")
@@ -256,7 +258,8 @@ def save_checkpoint(engine: DistributedEngine, name: str, folder: str | Path, ex
     with _single_process_quiet():
         dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(staging), save_distributed=True))
     if engine.topology.is_main:
-        (staging / CHECKPOINT_META).write_text(json.dumps({"engine": meta, "extra": extra}))
+        files = {path.name: _sha256(path) for path in sorted(staging.iterdir()) if path.is_file()}
+        (staging / CHECKPOINT_META).write_text(json.dumps({"engine": meta, "extra": extra, "files": files}))
         shutil.rmtree(folder, ignore_errors=True)
         staging.rename(folder)
     _barrier(engine)
@@ -270,6 +273,11 @@ def load_checkpoint(engine: DistributedEngine, name: str, folder: str | Path) ->
     if not meta_path.is_file():
         raise EngineError(f"{folder} is not a committed checkpoint (no {CHECKPOINT_META}); pick another")
     saved = json.loads(meta_path.read_text())
+    for file_name, digest in saved.get("files", {}).items():  # (a checkpoint written before digests: none)
+        path = folder / file_name
+        if not path.is_file() or _sha256(path) != digest:
+            raise EngineError(f"checkpoint file {path} is {'missing' if not path.is_file() else 'damaged'} "
+                              "(sha256 differs from engine_state.json); it is not loaded: restore it or start over")
     reader = dcp.HuggingFaceStorageReader(str(folder))
     layout = reader.read_metadata().state_dict_metadata
     tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in layout.items()}
@@ -284,6 +292,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     committed = [p for p in Path(root).glob("step-*")
                  if p.name[len("step-"):].isdigit() and (p / CHECKPOINT_META).is_file()]  # not a .partial one
     return max(committed, key=lambda p: int(p.name[len("step-"):]), default=None)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _split_state(blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -320,14 +336,14 @@ def broadcast_batch(batch: Batch | None, topology: Topology) -> Batch:
     """Rank 0's ``batch`` on every rank (the others pass None): only rank 0 reads the event log.
 
     Sent as a JSON header (id, loss, its arguments, lengths, temperatures, which
-    per-token inputs each datum has) and two flat tensors (token ids; weights,
-    logprobs, advantages, mask): nothing is pickled.
+    per-token inputs each datum has) and two flat tensors (token ids; the per-token
+    inputs of ``engine_data.PER_TOKEN``): nothing is pickled.
     """
     if topology.world_size == 1:
         if batch is None:
             raise ValueError("broadcast_batch: rank 0 of a group of one must pass its batch")
         return batch
-    columns = ("weights", "logprobs", "advantages", "mask")
+    columns = PER_TOKEN  # every per-token input a loss may need (gspo's sequence_ratio_mask too)
     if topology.is_main:
         header = json.dumps({"batch_id": batch.batch_id, "loss": batch.loss, "loss_args": batch.loss_args,
                              "lengths": [len(d) for d in batch.datums],

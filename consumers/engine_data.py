@@ -35,7 +35,7 @@ import torch
 from consumers.losses import TokenBatch
 
 RATIO_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
-_PER_TOKEN = ("weights", "logprobs", "advantages", "mask", "sequence_ratio_mask")
+PER_TOKEN = ("weights", "logprobs", "advantages", "mask", "sequence_ratio_mask")
 
 
 class EngineError(ValueError):
@@ -70,14 +70,14 @@ class Datum:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", _as_tensor(self.tokens, torch.int64))
         object.__setattr__(self, "target_tokens", _as_tensor(self.target_tokens, torch.int64))
-        for name in _PER_TOKEN:
+        for name in PER_TOKEN:
             object.__setattr__(self, name, _as_tensor(getattr(self, name), torch.float32))
 
     @classmethod
     def from_sequence(cls, sequence: Sequence[int], loss_mask: Sequence[float], **per_token: Sequence[float]) -> Datum:
         """From a whole sequence with per-token inputs aligned to it (rlpipe's rows): input drops the last token."""
-        shifted = {name: list(values)[1:] for name, values in per_token.items() if name in _PER_TOKEN}
-        rest = {name: value for name, value in per_token.items() if name not in _PER_TOKEN}
+        shifted = {name: list(values)[1:] for name, values in per_token.items() if name in PER_TOKEN}
+        rest = {name: value for name, value in per_token.items() if name not in PER_TOKEN}
         return cls(list(sequence)[:-1], list(sequence)[1:], mask=list(loss_mask)[1:], **shifted, **rest)
 
     def __len__(self) -> int:
@@ -91,7 +91,7 @@ def _check_datum(datum: Datum, loss: str, input_vocab: int, output_vocab: int) -
     n = len(datum)
     if n < 1:
         raise EngineError("tokens is empty; a datum needs at least one input token")
-    for name in ("target_tokens", *_PER_TOKEN):
+    for name in ("target_tokens", *PER_TOKEN):
         tensor = getattr(datum, name)
         if tensor is not None and tensor.numel() != n:
             raise EngineError(f"{name} has {tensor.numel()} values, expected {n} (one per input token)")

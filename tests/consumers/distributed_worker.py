@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from consumers.distributed import Batch, DistributedEngine, broadcast_batch, init_distributed, train_batches
 from consumers.engine import AdamParams
-from consumers.engine_data import Datum
+from consumers.engine_data import PER_TOKEN, Datum
 
 ADAM = AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.99, eps=1e-8)
 LORA = dict(rank=4, alpha=8, target_modules=("q_proj", "v_proj"), seed=3)
@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1, help="checkpoint every this many steps")
     parser.add_argument("--broadcast", action="store_true",
                         help="only rank 0 makes the batches; the others receive them (broadcast_batch)")
+    parser.add_argument("--only-broadcast", action="store_true",
+                        help="broadcast one gspo batch and write what each rank received (datums.json)")
     parser.add_argument("--second-adapter", action="store_true",
                         help="then train adapter 'other' (created after sharding) on the same batches")
     args = parser.parse_args()
@@ -89,6 +91,17 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     topology = init_distributed("cpu")
+    if args.only_broadcast:
+        gspo = Batch("gspo", [Datum([1, 2, 3], [2, 3, 4], logprobs=[-1.0] * 3, advantages=[1.0, 1.0, 1.0],
+                                    sequence_ratio_mask=[0.0, 1.0, 1.0])], "gspo")
+        got = broadcast_batch(gspo if topology.is_main else None, topology).datums[0]
+        fields = ("tokens", "target_tokens", *PER_TOKEN)
+        (out / f"datums{topology.rank}.json").write_text(json.dumps(
+            {name: None if getattr(got, name) is None else torch.as_tensor(getattr(got, name)).tolist()
+             for name in fields}))
+        torch.distributed.barrier()  # no rank leaves while another still receives
+        torch.distributed.destroy_process_group()
+        return
     bare_rss = rss_bytes("VmRSS")  # before the model: what the peak is measured above
     engine = DistributedEngine(args.model, topology, device="cpu", dtype=args.dtype, shard=args.shard,
                                gradient_checkpointing=args.gradient_checkpointing)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from consumers.distributed import DistributedEngine, Topology, load_checkpoint, save_checkpoint, share
 from consumers.engine import TrainingEngine
+from consumers.engine_data import EngineError
 from tests.consumers.distributed_worker import ADAM, LORA, OTHER_LORA, make_batches
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +35,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(nproc: int, model: str, out: Path, *args: str, restarts: int = 0, env: dict[str, str] | None = None
-             ) -> dict[int, dict]:
+def torchrun(nproc: int, model: str, out: Path, *args: str, restarts: int = 0, env: dict[str, str] | None = None,
+             check_reports: bool = True) -> dict[int, dict]:
     """Run the worker on ``nproc`` ranks; each rank's report (``rank<r>.json``) by rank."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
@@ -44,7 +45,7 @@ def torchrun(nproc: int, model: str, out: Path, *args: str, restarts: int = 0, e
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
     assert done.returncode == 0, done.stderr[-3000:]
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)}
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)} if check_reports else {}
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -90,6 +91,12 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(tiny_model_dir, tm
         engine.forward_backward("policy", batches[1].datums, batches[1].loss, batches[1].loss_args)
         engine.optim_step("policy", ADAM)
     assert max_difference(engines[0].weights("policy"), engines[1].weights("policy")) == 0.0
+    damaged = next((tmp_path / "step-1").glob("*.safetensors"))
+    blob = bytearray(damaged.read_bytes())
+    blob[-5] ^= 0x40  # one bit of a tensor's data: safetensors itself would load it
+    damaged.write_bytes(bytes(blob))
+    with pytest.raises(EngineError, match=f"checkpoint file .*{damaged.name} is damaged"):
+        load_checkpoint(DistributedEngine(tiny_model_dir, Topology(), device="cpu"), "policy", tmp_path / "step-1")
 
 
 def test_two_ranks_end_with_the_adapter_of_one_process(tiny_model_dir, one_process, tmp_path):
@@ -97,6 +104,14 @@ def test_two_ranks_end_with_the_adapter_of_one_process(tiny_model_dir, one_proce
     reports = torchrun(2, tiny_model_dir, tmp_path, "--broadcast")
     assert max_difference(load_file(str(tmp_path / "adapter.safetensors")), one_process) < TOLERANCE
     assert reports[0]["base_bytes"] == reports[1]["base_bytes"]  # replicated base weights
+
+
+def test_a_broadcast_batch_reaches_every_rank_with_every_per_token_input(tiny_model_dir, tmp_path):
+    """gspo's sequence_ratio_mask included: without it the other ranks refuse the batch and rank 0 waits alone."""
+    out = tmp_path / "broadcast"
+    torchrun(2, tiny_model_dir, out, "--only-broadcast", check_reports=False)
+    sent, received = (json.loads((out / f"datums{rank}.json").read_text()) for rank in (0, 1))
+    assert received == sent and received["sequence_ratio_mask"] == [0.0, 1.0, 1.0]
 
 
 def test_bf16_base_weights_shard_in_bf16_and_train_float32_lora_like_one_bf16_process(tiny_model_dir, tmp_path):
