@@ -186,7 +186,7 @@ def serve(
                                                      direct_ports.get(m), max_lora_rank))
                 for m in models] if role in ("all", "sampler") else []
     if role in ("trainer", "sampler"):  # one role per process: its supervisor (Kubernetes) starts it again
-        workers = [subprocess.Popen(command, env=env) for _, command in engines]
+        workers = [start_engine(command, env) for _, command in engines]
         try:
             raise typer.Exit(max(process.wait() for process in workers))
         finally:
@@ -213,6 +213,12 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def start_engine(command: list[str], env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+    """An engine process in a process group of its own: a Ctrl-C at serve's terminal reaches serve alone, which then
+    stops each engine once with SIGTERM (the terminal's SIGINT and then serve's request made it abort its shutdown)."""
+    return subprocess.Popen(command, env=env, process_group=0)
+
+
 def stop_workers(workers: list[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> None:
     """Ask the engine processes to stop; kill those still running after ``timeout_s``.
 
@@ -236,7 +242,7 @@ class EngineSupervisor:
                  window_s: float = 600.0, poll_s: float = 1.0) -> None:
         self.engines, self.env = engines, env
         self.max_restarts, self.window_s, self.poll_s = max_restarts, window_s, poll_s
-        self.processes = [subprocess.Popen(command, env=env) for _, command in engines]
+        self.processes = [start_engine(command, env) for _, command in engines]
         self._restarts: list[list[float]] = [[] for _ in engines]
         self._given_up: set[int] = set()
         self._stopping = threading.Event()
@@ -267,7 +273,7 @@ class EngineSupervisor:
                       name, code, len(recent), self.window_s)
             return
         log.error("%s exited with code %s; starting it again (calls after its last fold run again)", name, code)
-        self.processes[index] = subprocess.Popen(command, env=self.env)
+        self.processes[index] = start_engine(command, self.env)
         self._restarts[index] = [*recent, now]
 
     def stop(self, timeout_s: float = 60.0) -> None:

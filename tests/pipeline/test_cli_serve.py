@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -222,6 +223,10 @@ def test_an_engine_that_dies_is_started_again_and_one_that_keeps_dying_is_given_
                 time.sleep(0.1)
             assert starts.read_text() == "ss"
             assert supervisor.processes[0].poll() is None
+            # a process group of its own, restarted ones too: a Ctrl-C at serve's terminal reaches serve alone,
+            # which then stops each engine once (a second signal would abort its shutdown)
+            engine = supervisor.processes[0].pid
+            assert os.getpgid(engine) == engine != os.getpgid(0)
             while "giving up" not in caplog.text and time.monotonic() < deadline:
                 time.sleep(0.1)
         finally:
