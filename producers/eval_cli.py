@@ -76,6 +76,16 @@ def eval(
     setup_logging()
     from producers.evaluation import baseline_result, save_result
 
+    wrong = [policy for policy in baseline or [] if policy not in ("heuristic", "random")]
+    if wrong:  # before a model is loaded
+        fail(f"--baseline must be heuristic or random, got {wrong[0]!r}", 2)
+    if env:
+        from producers.envs.registry import env_class
+
+        try:
+            env_class(env)
+        except ValueError as exc:
+            fail(str(exc), 2)
     store_cfg = StoreConfig(root=root) if root else StoreConfig()
     config = stored_run_config(run, store_cfg, overrides or [])
     if env:
@@ -109,8 +119,6 @@ def eval(
     else:
         results = evaluate_model_versions(config, store, numbers, episodes, greedy, in_flight)
     for policy in baseline or []:
-        if policy not in ("heuristic", "random"):
-            fail(f"--baseline must be heuristic or random, got {policy!r}", 2)
         results.append(building_baseline(config, store, policy, episodes, skip) if building
                        else baseline_result(config, policy, episodes))
     keys = [save_result(store, r) for r in results] if save is not False and not validation else []

@@ -324,3 +324,18 @@ def test_a_value_run_is_shown_with_its_own_budget_network_and_return(file_store:
     assert summary["base_model"] == "dqn value network"
     table = runner.invoke(app, ["show", "--run", "dq", "--root", file_store.root, "--no-bus"])
     assert "2/40" in table.output and "value-network versions" in table.output and "tiny" not in table.output
+
+
+@pytest.mark.parametrize("mistake", [["--baseline", "heuristc"], ["--env", "cartpol"]])
+def test_eval_refuses_a_misspelt_baseline_or_environment_before_any_model_loads(
+        mistake: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import producers.eval_cli as eval_cli
+
+    def loaded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a model was loaded before the mistake was named")
+
+    monkeypatch.setattr(eval_cli, "evaluate_model_versions", loaded)
+    store = ObjectStore((tmp_path / "store").as_uri())
+    create_run(store, RunConfig(run_id="typo", store={"root": store.root}), "tiny")
+    result = runner.invoke(eval_cli.app, ["--run", "typo", "--root", store.root, "--version", "0", *mistake])
+    assert result.exit_code == 2 and mistake[1] in result.output and "AssertionError" not in repr(result.exception)
