@@ -171,7 +171,8 @@ def up(
     """Start the embedded stack (Kafka broker, GCS emulator, local store) in the background.
 
     Its addresses are recorded in $RLPIPE_HOME/stack.json (default ~/.rlpipe), where every
-    other rlpipe command finds them; events live in memory until `rlpipe down`.
+    other rlpipe command finds them.  The broker's log (the events) and the store stay across
+    `rlpipe down` and `rlpipe up`.
     """
     if foreground:
         raise typer.Exit(serve(rlpipe_home().resolve(), kafka_port=kafka_port, gcs_port=gcs_port, with_gcs=gcs))
@@ -180,6 +181,11 @@ def up(
         title = "rlpipe stack started"
     except StackAlreadyRunningError as exc:
         state, title = exc.state, "rlpipe stack already running"
+        asked = {"Kafka": (kafka_port, state.bootstrap_servers), "the GCS emulator": (gcs_port, state.gcs_endpoint)}
+        for part, (port, address) in asked.items():
+            if port is not None and (address is None or not address.endswith(f":{port}")):
+                fail(f"the rlpipe stack is already running with {part} at {address or 'nothing'}, not port {port}; "
+                     "stop it with rlpipe down, then start it on that port")
     if as_json:
         print_json({"status": "started" if title.endswith("started") else "already running", **state.model_dump()})
     else:

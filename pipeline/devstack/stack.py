@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -286,7 +287,7 @@ def start_background(
             return state
         if process.poll() is not None:
             code = process.returncode
-            raise StackError(f"the stack exited at start (code {code}); see {log_path}: {_tail(log_path)}")
+            raise StackError(f"the stack exited at start (code {code}): {_last_line(log_path)} (see {log_path})")
         time.sleep(0.1)
     _terminate(process.pid, timeout_s=5.0)
     raise StackError(f"the stack did not become ready within {timeout_s:g}s; see {log_path}")
@@ -349,6 +350,12 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _last_line(path: Path) -> str:
+    """The log's last line, an exception's message without its module path (``BrokerStartError: port ...``)."""
+    lines = [line.strip() for line in _tail(path, 2000).split(" | ") if line.strip()]
+    return re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", lines[-1]) if lines else "nothing logged"
 
 
 def _tail(path: Path, chars: int = 400) -> str:

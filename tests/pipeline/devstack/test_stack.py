@@ -140,6 +140,12 @@ def test_up_and_down_run_the_stack_in_the_background(home: Path) -> None:
         assert again.exit_code == 0
         assert "already running" in again.stdout
         assert read_stack_state() == state
+        running_port = int(state.bootstrap_servers.rsplit(":", 1)[1])
+        same = runner.invoke(app, ["up", "--kafka-port", str(running_port)])
+        assert same.exit_code == 0 and "already running" in same.stdout
+        other = runner.invoke(app, ["up", "--kafka-port", str(running_port % 60000 + 1)])  # not what it listens on
+        assert other.exit_code == 1 and state.bootstrap_servers in other.output and "rlpipe down" in other.output
+        assert read_stack_state() == state
 
         status = runner.invoke(app, ["status", "--json"])
         assert json.loads(status.stdout)["running"] is True
@@ -213,3 +219,16 @@ def test_status_exit_code_tells_a_script_whether_a_stack_runs_and_answers(
             result = runner.invoke(app, args)
             assert result.exit_code == code, (args, result.output)
         assert json.loads(runner.invoke(app, ["status", "--json"]).stdout)["kafka_answers"] is answers
+
+
+def test_up_on_a_port_in_use_says_why_in_one_line(home: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(app, ["up", "--no-gcs", "--kafka-port", str(port)])
+    assert result.exit_code == 1 and read_stack_state() is None
+    assert f"port {port} is already in use" in result.output and "Traceback" not in result.output
+    assert "|" not in result.output and "stack.log" in result.output
