@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import date
 from typing import Annotated
 
 import typer
@@ -107,11 +108,19 @@ def replay(
     """
     if train == to_topic:
         fail("choose exactly one of --train or --to-topic", 2)
+    for option, value in (("--date-from", date_from), ("--date-to", date_to)):
+        try:
+            if value is not None:
+                date.fromisoformat(value)
+        except ValueError:
+            fail(f"{option} {value!r} is not a date; write it YYYY-MM-DD", 2)
     setup_logging()
     cfg = run_config(preset, config, overrides)
     if train and cfg.run_id == run:  # its adapters, checkpoints and step log would mix with the run it replays
         fail(f"replay --train would train into run {run}, the run it reads from; name the run it trains, "
              f"e.g. --set run_id={run}-offline", 2)
+    if train:
+        _refuse_a_sampling_run(cfg, run)
     if train and cfg.value is not None:  # a value run: the value learner over the stored steps batches
         _replay_train_value(cfg, run, date_from, date_to)
         return
@@ -182,6 +191,18 @@ def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, 
         fail(f"nothing to replay: run {run!r} has no {what}; {fix}", 2)
     fail(f"nothing to replay: run {run!r} has no {what}{span} in {store.root}; "
          "replay a run that has sampled some" + (", or widen --date-from/--date-to" if span else ""), 2)
+
+
+def _refuse_a_sampling_run(cfg, source: str) -> None:  # type: ignore[no-untyped-def]
+    """Exit 2 in one line when the run ``replay --train`` would train holds batches of its own: an online run, whose
+    versions and steps the replay would mix with data from elsewhere (most of it too stale to train)."""
+    from pipeline.io.archive import TrajectoryArchive
+    from pipeline.runtime import open_store
+
+    archive = TrajectoryArchive(open_store(cfg.store))
+    if archive.list_batches(cfg.run_id) or archive.list_steps(cfg.run_id):
+        fail(f"run {cfg.run_id} holds batches of its own (its producers'); replay --train trains a run of its own: "
+             f"name a new one, e.g. --set run_id={source}-offline", 2)
 
 
 def _require_intact_batches(cfg, run: str, date_from: str | None, date_to: str | None) -> None:  # type: ignore[no-untyped-def]

@@ -141,6 +141,7 @@ class Learner:
         self.progress_sent: tuple[dict[str, int], float] = ({}, float("-inf"))  # what was announced, and when
         self.lease_checked_at = float("-inf")
         self.last_metrics: dict[str, Any] = {}
+        self.unpublished_training = True  # whether a step trained rows since the last version (unknown: assume so)
         self.faults = FaultInjector.from_env()  # read once: crash tests only
         self.metric_logger = metric_logger or NullMetricLogger()  # TensorBoard / W&B (consumers.tracking)
         self.collapse = CollapseMonitor(config)
@@ -364,6 +365,7 @@ class Learner:
         metrics: dict[str, Any] = {"step": self.state.step + 1, "started_at": started}
         if rows is not None and rows.num_rows:
             metrics.update(self.train(rows))
+            self.unpublished_training = True
         else:
             metrics.update({"rows": 0, "skipped": True})
         self.state.step += 1
@@ -393,6 +395,7 @@ class Learner:
         publication = None
         if self.state.step % self.cfg.publish_every == 0 and not metrics.get("skipped"):
             publication = self.outputs.prepare_publication(self.policy, self.state, metrics)  # none if nothing trained
+            self.unpublished_training = False
         metrics["version"] = self.state.version
         self.last_metrics = metrics
         prepared = (self.outputs.prepare_checkpoint(self.policy, self.state, metrics)
@@ -451,6 +454,7 @@ class Learner:
         """Save the adapter and publish it as the next version, then announce it (now, in this thread)."""
         self.finish_writes()
         self.outputs.write_publication(self.outputs.prepare_publication(self.policy, self.state, metrics))
+        self.unpublished_training = False
 
     def checkpoint(self) -> str:
         """Write the checkpoint (manifest last), announce it, then commit the source's offsets (now)."""

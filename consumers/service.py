@@ -170,11 +170,13 @@ def replay_train(config: RunConfig, source_run: str, date_from: str | None = Non
     learner = build_learner(config, store, source, announce, policy=policy)
     source.already_trained = lambda batch_id: batch_id in learner.state.trained
     learner.resume()
+    published = learner.registry.latest()  # the steps resumed past the newest version trained rows, if any
+    learner.unpublished_training = bool(learner.state.step) and (
+        published is None or published.learner_step < learner.state.step)
     started = time.monotonic()
     learner.run(on_step=lambda m: log.info(progress_line(m)), poll_timeout_s=0.0)
-    published = learner.registry.latest()
-    if learner.state.step and (published is None or published.learner_step < learner.state.step):
-        learner.publish(learner.last_metrics)  # the data ran out between two publish_every steps
+    if learner.unpublished_training:  # the data ran out between two publish_every steps (steps with no rows: none)
+        learner.publish(learner.last_metrics)
     if learner.state.step % config.learner.checkpoint_every or learner.state.step % config.learner.publish_every:
         learner.checkpoint()
     learner.metric_logger.close()

@@ -99,3 +99,20 @@ def test_replay_of_a_damaged_run_is_refused_in_one_line_before_anything_is_writt
     assert f"{batch}." in line or f"batch {batch} " in line, line
     assert "rlpipe runs delete --run src --yes" in line
     assert sorted(p.name for p in (tmp_path / "store" / "runs").iterdir()) == ["src"]  # nothing trained or created
+
+
+def test_replay_refuses_a_date_that_is_not_one_and_a_run_with_batches_of_its_own(tmp_path, monkeypatch) -> None:
+    from pipeline.io.store import ObjectStore
+
+    root = f"file://{tmp_path}/store"
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", root)
+    bad_date = runner.invoke(replay_app, ["--run", "src", "--train", "--date-from", "notadate", "--preset", "cartpole",
+                                          "--set", "run_id=off"])
+    assert bad_date.exit_code == 2 and "'notadate' is not a date; write it YYYY-MM-DD" in bad_date.output
+    store = ObjectStore(root)
+    store.put("runs/online/trajectories/date=2026-12-04/b1.parquet", b"an online run's batch")
+    into_online = runner.invoke(replay_app, ["--run", "src", "--train", "--preset", "cartpole",
+                                             "--set", "run_id=online"])
+    assert into_online.exit_code == 2, into_online.output
+    assert "run online holds batches of its own" in into_online.output and "--set run_id=src-offline" in into_online.output

@@ -609,3 +609,28 @@ def test_the_next_batches_are_read_while_a_step_trains(store, setup):
     # the first before any step; every later one on the read-ahead thread while an earlier step trained
     assert readers[0] == threading.current_thread().name
     assert all(name.startswith("rlpipe-read-ahead") for name in readers[1:]), readers
+
+
+def test_a_replay_whose_rows_are_all_too_stale_publishes_no_version(setup, tmp_path):
+    """Steps that trained nothing (every row older than max_staleness) leave the run's versions as they were."""
+    from consumers.service import replay_train
+    from schemas.config import RunConfig
+
+    store = ObjectStore(tmp_path.as_uri())
+    rng = np.random.default_rng(5)
+    write_batches(TrajectoryArchive(store), setup, 3, rng)
+
+    def config(max_staleness: int) -> RunConfig:
+        return RunConfig.model_validate({
+            "run_id": "off", "model": {"base_model": setup["model_dir"]}, "store": {"root": store.root},
+            "learner": {"lora_rank": 4, "lora_alpha": 8, "batch_rows": 16, "publish_every": 2, "checkpoint_every": 2,
+                        "max_staleness": max_staleness, "torch_threads": 1, "device": "cpu"},
+            "producer": {"max_staleness": 1}})
+
+    first = replay_train(config(1000), RUN)
+    published = AdapterRegistry(store, "off").latest()
+    assert first.state.step == 3 and published is not None and published.learner_step == 3  # the last, odd step too
+    write_batches(TrajectoryArchive(store), setup, 2, rng, first=3)  # version 0 rows: too stale for max_staleness 1
+    again = replay_train(config(1), RUN)
+    assert again.state.step == 5 and again.state.dropped_stale_rows == 2 * 16
+    assert AdapterRegistry(store, "off").latest() == published
