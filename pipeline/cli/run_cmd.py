@@ -125,6 +125,9 @@ def run(
         explicit = name or explicit_run_id(kinds[0][1], overrides or [])
         cfg = cfg.model_copy(update={"run_id": new_run_id(store, cfg.run_id, explicit)})
     console.print(f"{'resuming' if resume else 'starting'} run {cfg.run_id}", markup=False)
+    if resume is None and not preset and not config:
+        typer.echo("note: no --preset or --config: the built-in defaults (rlpipe config show), not the demo preset; "
+                   "rlpipe config presets lists the presets")
     setup_logging()
     if step_budget(cfg) is None:
         typer.echo(f"note: {'value.' if cfg.value is not None else ''}learner.max_steps is not set: the run goes on "

@@ -60,6 +60,9 @@ def test_each_run_is_a_fresh_one_named_after_the_preset_and_the_time(home: Path)
     assert all(re.fullmatch(r"cartpole-\d{8}-\d{6}(-\d+)?", run_id) for run_id in ids), ids
     assert ids[0] != ids[1]
     assert f"run {ids[0]}" in first.output
+    assert "no --preset or --config" not in first.output
+    defaults = _run("--max-steps", "2")  # neither: the built-in defaults, and it says so
+    assert defaults.exit_code == 0 and "no --preset or --config: the built-in defaults" in defaults.output
 
 
 def test_a_named_run_is_created_once_and_then_only_resumed_when_asked(home: Path) -> None:
