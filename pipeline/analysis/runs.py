@@ -190,9 +190,24 @@ def summarize(
     if moments:
         summary.last_activity = datetime.fromtimestamp(max(moments), tz=UTC)
     if not config:
-        summary.notes.append("no run.json: written by a command that does not start a run (e.g. envs record)")
+        summary.env, note = origin_without_run_json(store, run_id)
+        summary.notes.append(note)
     summary.status = run_status(summary, activity if log_read else None, log_read, now_s)
     return summary
+
+
+def origin_without_run_json(store: ObjectStore, run_id: str) -> tuple[str | None, str]:
+    """What wrote a run folder that has no ``run.json`` (as its listing's environment, in brackets) and a note."""
+    session, _, number = run_id.partition(".train.")
+    if session and number.isdigit():
+        return ("(Tinker API)", f"no run.json: the weights of a training client of Tinker API session {session}; "
+                                f"see rlpipe sessions show {session}")
+    datasets = sorted(key.rsplit("/", 1)[-1].removesuffix(".json") for key in store.list(f"runs/{run_id}/offline")
+                      if key.endswith(".json"))
+    if datasets:
+        return ("(dataset)", f"no run.json: dataset {', '.join(datasets)} converted by rlpipe datasets "
+                             f"to-trajectories; train from it with rlpipe replay --run {run_id} --train")
+    return None, "no run.json: written by a command that does not start a run (e.g. envs record)"
 
 
 def run_status(summary: RunSummary, activity: RunActivity | None, log_read: bool, now_s: float | None = None) -> str:

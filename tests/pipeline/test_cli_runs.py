@@ -339,3 +339,19 @@ def test_eval_refuses_a_misspelt_baseline_or_environment_before_any_model_loads(
     create_run(store, RunConfig(run_id="typo", store={"root": store.root}), "tiny")
     result = runner.invoke(eval_cli.app, ["--run", "typo", "--root", store.root, "--version", "0", *mistake])
     assert result.exit_code == 2 and mistake[1] in result.output and "AssertionError" not in repr(result.exception)
+
+
+def test_folders_without_a_run_json_say_what_wrote_them(file_store: ObjectStore, tmp_path: Path) -> None:
+    """A Tinker API training client's weights and a converted dataset are listed, each named for what it is."""
+    make_adapter(tmp_path / "adapter", marker=1)
+    AdapterRegistry(file_store, "sess-0123abcd.train.0").publish(tmp_path / "adapter", "tiny", 0, 1, {})
+    file_store.put("runs/hvac-data/offline/hvac-mini.json", b"{}")
+    file_store.put("runs/recorded/trajectories/date=2026-12-04/b1.parquet", b"demonstrations")
+    result = runner.invoke(app, ["list", *_where(file_store), "--json"])
+    runs = {r["run_id"]: r for r in json.loads(result.stdout)["runs"]}
+    api, dataset, other = runs["sess-0123abcd.train.0"], runs["hvac-data"], runs["recorded"]
+    assert api["env"] == "(Tinker API)" and "rlpipe sessions show sess-0123abcd" in api["notes"][0]
+    assert dataset["env"] == "(dataset)" and "dataset hvac-mini converted" in dataset["notes"][0]
+    assert "rlpipe replay --run hvac-data --train" in dataset["notes"][0]
+    assert other["env"] is None
+    assert "e.g. envs record" in other["notes"][0]
