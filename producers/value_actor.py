@@ -290,10 +290,24 @@ class ValueActor:
         return latest.learner_step if latest is not None else 0
 
 
-def batch_events(records: Iterable[Any]) -> list[TrajectoryBatchCommitted]:
-    """The ``TrajectoryBatchCommitted`` events among tail records (or envelopes)."""
-    events = [getattr(getattr(record, "event", record), "payload", None) for record in records]
-    return [event for event in events if isinstance(event, TrajectoryBatchCommitted)]
+def batch_events(items: Iterable[Any]) -> list[TrajectoryBatchCommitted]:
+    """The ``TrajectoryBatchCommitted`` events among tail records, envelopes or payloads."""
+    payloads = [getattr(event, "payload", event) for event in (getattr(item, "event", item) for item in items)]
+    return [payload for payload in payloads if isinstance(payload, TrajectoryBatchCommitted)]
+
+
+def stored_events(archive: TrajectoryArchive, keys: Iterable[str]) -> list[TrajectoryBatchCommitted]:
+    """The events of stored steps batches, from their files; one that cannot be read is left out (its sweep names it)."""
+    events = []
+    for key in keys:
+        try:
+            event = stored_steps_event(archive, key)
+        except (OSError, ValueError) as exc:
+            log.warning("could not read %s to count it (%s)", key, exc)
+            continue
+        if event is not None:
+            events.append(event)
+    return events
 
 
 def stored_steps_event(archive: TrajectoryArchive, key: str) -> TrajectoryBatchCommitted | None:
@@ -366,7 +380,9 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
     watcher = open_watcher(AdapterRegistry(store, config.run_id), None, config.value.actor.registry_poll_s)
     actor = actor_class(run_id=config.run_id, actor_id=actor_id, env=env, archive=archive, watcher=watcher,
                         config=config.value.actor, announce=announce, seeds=config.training_seeds(actor_id))
-    actor.resume([*earlier, *batch_events(swept)])  # a restart goes on where this actor's batches end
+    # a restart goes on where this actor's batches end: those the log names, those the sweep just announced, and
+    # those too young for the sweep to judge yet (a predecessor restarted at once may have left its last one)
+    actor.resume([*earlier, *batch_events(swept), *stored_events(archive, orphans.pending)])
     actor.orphans = orphans
     actor.heartbeat_interval_s = config.producer.heartbeat_interval_s
     try:

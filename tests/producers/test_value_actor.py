@@ -18,6 +18,8 @@ from producers.value_actor import (
     VERSION_FEATURE,
     ValueActor,
     ValueNetworkWatcher,
+    batch_events,
+    stored_events,
 )
 from schemas.events import TrajectoryBatchCommitted
 from schemas.steps import check_steps_table
@@ -166,6 +168,9 @@ def test_a_restarted_actor_goes_on_exploring_from_its_earlier_batches_and_plays_
     earlier_ids = {i for batch in first_batches for i in batch["episode_id"].to_pylist()}
     assert not earlier_ids & set(table["episode_id"].to_pylist())  # episode ids (and their seeds) go on
     assert max(table[EPSILON_FEATURE].to_pylist()) <= epsilon_before
+    assert batch_events([announced[0], "not an event"]) == [announced[0]]  # payloads as the sweep announces them
+    assert stored_events(TrajectoryArchive(memory_store), [announced[1].path, "runs/vrun/env-steps/gone.parquet"]) == [
+        announced[1].model_copy(update={"path": announced[1].path})]  # a file's own summary, as if announced
     fresh, _ = make_actor(memory_store, tmp_path / "fresh", steps_per_batch=60, epsilon_decay_steps=400)
     fresh.resume([other])  # nothing of its own: it starts as a new actor
     assert (fresh.env_steps, fresh.episodes, fresh.epsilon_at_steps()) == (0, 0, 1.0)
