@@ -201,12 +201,14 @@ def serve(
 
 
 def stop_on_sigterm() -> None:
-    """Make SIGTERM raise ``SystemExit`` here, so serve's ``finally`` stops its engine processes.
+    """Make SIGTERM and SIGHUP raise ``SystemExit`` here, so serve's ``finally`` stops its engine processes.
 
     uvicorn shuts down gracefully on SIGTERM, then restores the handler it found and raises the
     signal again; under Python's default handler that ended serve at once and left its engines running.
+    A closed terminal (SIGHUP) reaches serve alone, its engines being in process groups of their own.
     """
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _exit_on_signal)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

@@ -167,8 +167,10 @@ def test_serve_stops_its_engines_and_kills_one_that_ignores_the_request():
     assert time.monotonic() - started < 10
 
 
-def test_sigterm_lets_serve_stop_its_engines_after_uvicorn_shuts_down(tmp_path):
-    """uvicorn raises SIGTERM again after its graceful shutdown; serve's clean-up must still run."""
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
+def test_sigterm_lets_serve_stop_its_engines_after_uvicorn_shuts_down(tmp_path, signal_name):
+    """uvicorn raises SIGTERM again after its graceful shutdown; serve's clean-up must still run.  A closed
+    terminal's SIGHUP too: it reaches serve alone, its engines being in process groups of their own."""
     import signal
     import subprocess
     import sys
@@ -194,9 +196,10 @@ def test_sigterm_lets_serve_stop_its_engines_after_uvicorn_shuts_down(tmp_path):
     while port_is_free(port) and time.monotonic() < deadline:  # uvicorn listening, its signal handlers in place
         time.sleep(0.1)
     time.sleep(0.5)
-    process.send_signal(signal.SIGTERM)
+    sent = getattr(signal, signal_name)
+    process.send_signal(sent)
     out, _ = process.communicate(timeout=30)
-    assert "engines stopped" in out and process.returncode == 128 + signal.SIGTERM, out
+    assert "engines stopped" in out and process.returncode == 128 + sent, out
 
 
 def test_an_engine_that_dies_is_started_again_and_one_that_keeps_dying_is_given_up(tmp_path, caplog):
