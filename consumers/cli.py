@@ -109,9 +109,9 @@ def replay(
     if train == to_topic:
         fail("choose exactly one of --train or --to-topic", 2)
     for option, value in (("--date-from", date_from), ("--date-to", date_to)):
-        try:
-            if value is not None:
-                date.fromisoformat(value)
+        try:  # compared with the store's date= folders as text, so only this spelling ranges right
+            if value is not None and (len(value) != 10 or date.fromisoformat(value).isoformat() != value):
+                raise ValueError(value)
         except ValueError:
             fail(f"{option} {value!r} is not a date; write it YYYY-MM-DD", 2)
     setup_logging()

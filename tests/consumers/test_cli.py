@@ -110,6 +110,10 @@ def test_replay_refuses_a_date_that_is_not_one_and_a_run_with_batches_of_its_own
     bad_date = runner.invoke(replay_app, ["--run", "src", "--train", "--date-from", "notadate", "--preset", "cartpole",
                                           "--set", "run_id=off"])
     assert bad_date.exit_code == 2 and "'notadate' is not a date; write it YYYY-MM-DD" in bad_date.output
+    for other_spelling in ("20261204", "2026-W49-4"):  # dates to Python, but not as the store's folders spell them
+        refused = runner.invoke(replay_app, ["--run", "src", "--train", "--date-to", other_spelling, "--preset",
+                                             "cartpole", "--set", "run_id=off"])
+        assert refused.exit_code == 2 and "write it YYYY-MM-DD" in refused.output
     store = ObjectStore(root)
     store.put("runs/online/trajectories/date=2026-12-04/b1.parquet", b"an online run's batch")
     into_online = runner.invoke(replay_app, ["--run", "src", "--train", "--preset", "cartpole",
