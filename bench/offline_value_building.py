@@ -175,7 +175,7 @@ def learner_config(args: argparse.Namespace, seed: int, transitions: int) -> Val
     return ValueLearnerConfig(
         seed=seed, hidden_sizes=tuple(int(w) for w in args.hidden.split(",")), gamma=args.gamma,
         n_step=args.n_step, learning_rate=args.learning_rate, batch_size=args.batch_size,
-        target_update_period=args.target_period, replay_capacity=max(transitions, 1),
+        target_update_period=args.target_period, replay_capacity=max(transitions, 1), min_replay_size=1,  # offline: all data in at once
     )
 
 
