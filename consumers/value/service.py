@@ -102,7 +102,9 @@ def replay_train_value(config: RunConfig, source_run: str, date_from: str | None
 
     def refuse_unusable(payload: Payload) -> None:  # no log to dead-letter onto: a batch that cannot train stops it
         if isinstance(payload, DeadLetter):
-            raise ValueError(payload.reason)
+            why = payload.reason.split(": ", 1)[-1]
+            raise ValueError(f"steps batch {payload.key} of run {source_run} cannot be trained ({why}); the replay "
+                             "stopped there: leave its day out with --date-from/--date-to")
 
     learner = build_value_learner(config, store, source, refuse_unusable)
     source.already_trained = lambda batch_id: batch_id in learner.state.trained

@@ -39,6 +39,26 @@ def test_replay_train_trains_a_value_run_from_the_stored_batches_once(tmp_path: 
     assert again.state.step == BATCHES and again.agent.training_steps == learner.agent.training_steps
 
 
+def test_a_replay_stops_at_a_batch_that_cannot_train_naming_it_and_how_to_leave_it_out(tmp_path: Path) -> None:
+    from schemas.steps import steps_to_table
+
+    store = ObjectStore((tmp_path / "store").as_uri())
+    rows = [dict(episode_id="e", step=t, is_first=t == 0, is_last=t == 9, is_terminal=t == 9, observation=[0.1] * 4,
+                 action=[0.0], reward=float("nan") if t == 5 else 1.0, discount=0.0 if t == 9 else 1.0)
+            for t in range(10)]
+    TrajectoryArchive(store).write_steps("runs/actors/env-steps/date=2026-12-04/s-nan.parquet", steps_to_table(rows))
+    raw = load_preset("dqn-cartpole")
+    raw.update(run_id="offline-dqn", store={"root": (tmp_path / "store").as_uri()})
+    try:
+        replay_train_value(RunConfig.model_validate(raw), "actors")
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a replay trained past a batch holding a NaN reward")
+    assert "steps batch s-nan of run actors cannot be trained" in message and "NaN" in message
+    assert "--date-from/--date-to" in message and "\n" not in message
+
+
 def test_replay_train_refuses_a_value_run_without_discrete_actions() -> None:
     result = CliRunner().invoke(replay_app, ["--run", "hvac", "--train", "--preset", "dqn-cartpole",
                                              "--set", "run_id=hvac-cql", "--set", "env.name=building-hvac"])
