@@ -83,7 +83,7 @@ def capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     py_version, py_state, py_gauss = random.getstate()
     np_state = np.random.get_state()
     tensors = {"rng.torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # in use (asking would start CUDA otherwise)
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     return (
         tensors,

@@ -129,8 +129,8 @@ def _may_share(model: PeftModel) -> bool:
 
 def _sharded(base: torch.nn.Module) -> bool:
     body = getattr(base, "model", None)
-    if body is None or not torch.distributed.is_available():
-        return False
+    if body is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return False  # sharding needs a process group
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(body, FSDPModule)

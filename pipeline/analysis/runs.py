@@ -206,7 +206,8 @@ def origin_without_run_json(store: ObjectStore, run_id: str) -> tuple[str | None
                       if key.endswith(".json"))
     if datasets:
         return ("(dataset)", f"no run.json: dataset {', '.join(datasets)} converted by rlpipe datasets "
-                             f"to-trajectories; train from it with rlpipe replay --run {run_id} --train")
+                             f"to-trajectories; train a run from it with rlpipe replay --run {run_id} --train --preset "
+                             f"building-hvac --set run_id={run_id}-awr (docs/offline.md)")
     return None, "no run.json: written by a command that does not start a run (e.g. envs record)"
 
 

@@ -230,6 +230,7 @@ def test_the_rng_states_include_the_gpus_where_one_is_in_use(monkeypatch) -> Non
 
     set_to: list[torch.Tensor] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.tensor([7, 7, 7], dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, *args, **kwargs: set_to.append(state))
     tensors, states = checkpoint.capture_rng()
@@ -239,3 +240,6 @@ def test_the_rng_states_include_the_gpus_where_one_is_in_use(monkeypatch) -> Non
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # resumed on a machine without one: CPU only
     checkpoint.restore_rng(tensors, states)
     assert len(set_to) == 1 and "rng.cuda" not in checkpoint.capture_rng()[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a GPU the learner never used: left alone
+    assert "rng.cuda" not in checkpoint.capture_rng()[0]

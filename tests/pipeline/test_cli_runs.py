@@ -352,6 +352,6 @@ def test_folders_without_a_run_json_say_what_wrote_them(file_store: ObjectStore,
     api, dataset, other = runs["sess-0123abcd.train.0"], runs["hvac-data"], runs["recorded"]
     assert api["env"] == "(Tinker API)" and "rlpipe sessions show sess-0123abcd" in api["notes"][0]
     assert dataset["env"] == "(dataset)" and "dataset hvac-mini converted" in dataset["notes"][0]
-    assert "rlpipe replay --run hvac-data --train" in dataset["notes"][0]
+    assert "rlpipe replay --run hvac-data --train --preset building-hvac --set run_id=hvac-data-awr" in dataset["notes"][0]
     assert other["env"] is None
     assert "e.g. envs record" in other["notes"][0]
