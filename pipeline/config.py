@@ -198,11 +198,13 @@ def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any
     return merged
 
 
-def validation_message(exc: ValidationError) -> str:
-    """The first validation error as one line: ``learner.learning_rate: Input should be > 0``."""
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "config"
-    return f"invalid configuration: {where}: {first['msg']}"
+def validation_message(exc: ValidationError, shown: int = 3) -> str:
+    """Every validation error in one line (the first ``shown``, then how many more), so a file with several
+    mistakes is fixed in one go: ``learner.learning_rate: Input should be > 0; learner.max_steps: ...``."""
+    errors = exc.errors()
+    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'config'}: {error['msg']}" for error in errors[:shown]]
+    more = f" (and {len(errors) - shown} more)" if len(errors) > shown else ""
+    return f"invalid configuration: {'; '.join(parts)}{more}"
 
 
 def resolve_config(

@@ -13,8 +13,9 @@ import hashlib
 import re
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from schemas.fields import NoYesNoNumbers
 from schemas.names import validate_name
 from schemas.trajectory import behaviour_policy_problem
 from schemas.value import ValueRunConfig
@@ -23,7 +24,7 @@ PRODUCER_SLOTS = 256  # training seed ranges per run: one per producer ordinal (
 _ORDINAL = re.compile(r"-p?(\d{1,3})$")  # the launcher's <run>-p<i>, a StatefulSet pod's <name>-<i>
 
 
-class _Section(BaseModel):
+class _Section(NoYesNoNumbers):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

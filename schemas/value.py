@@ -14,10 +14,12 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from schemas.fields import NoYesNoNumbers
 
 
-class ValueLearnerConfig(BaseModel):
+class ValueLearnerConfig(NoYesNoNumbers):
     """A DQN-family agent: network, targets, optimizer and replay memory."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -76,7 +78,7 @@ class ValueLearnerConfig(BaseModel):
         return self
 
 
-class ValueActorConfig(BaseModel):
+class ValueActorConfig(NoYesNoNumbers):
     """How one numeric actor explores and batches its steps."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -94,7 +96,7 @@ class ValueActorConfig(BaseModel):
     )
 
 
-class OfflineValueConfig(BaseModel):
+class OfflineValueConfig(NoYesNoNumbers):
     """Offline CQL on a logged building dataset (``rlpipe replay --run DATASET --train``, preset ``cql-building``).
 
     The value learner's network (``learner``: DQN head, gamma, n-step, optimiser) learns from the
@@ -122,7 +124,7 @@ class OfflineValueConfig(BaseModel):
     dataset: str | None = Field(None, description="the dataset trained on (set by rlpipe replay from --run)")
 
 
-class SlateSpec(BaseModel):
+class SlateSpec(NoYesNoNumbers):
     """A slate environment's shape and choice model: what SlateQ's learner and actors need of it.
 
     The values must be the environment's own (RecSim's ``InterestEvolutionConfig``); an actor
@@ -153,7 +155,7 @@ class SlateSpec(BaseModel):
         return self
 
 
-class ValueRunConfig(BaseModel):
+class ValueRunConfig(NoYesNoNumbers):
     """A value-based run: ``rlpipe run`` starts actors and a value learner instead of producers and a LoRA learner."""
 
     model_config = ConfigDict(extra="forbid")

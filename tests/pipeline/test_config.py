@@ -28,6 +28,18 @@ def test_bad_value_is_one_line_naming_the_field():
     assert "learner.learning_rate" in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_yes_or_no_for_a_number_is_refused_and_every_mistake_is_named_at_once(tmp_path):
+    """YAML reads ``yes`` as true, which pydantic's lax mode took for the number 1: a budget of one step."""
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("learner:\n  max_steps: yes\n  learning_rate: -1\n  lora_rank: 4\n")
+    with pytest.raises(ConfigError) as info:
+        resolve_config(config_file=cfg_file, overrides=["value.learner.batch_size=false"])
+    message = str(info.value)
+    assert "learner.max_steps: Value error, max_steps is true (a yes/no), not a number" in message
+    assert "learner.learning_rate" in message and "\n" not in message  # both mistakes, one line
+    assert resolve_config(overrides=["learner.max_steps=7", "learner.gradient_checkpointing=yes"]).learner.max_steps == 7
+
+
 def test_unknown_key_refused():
     with pytest.raises(ConfigError, match=r"learner\.learnig_rate"):
         resolve_config(overrides=["learner.learnig_rate=0.1"])
