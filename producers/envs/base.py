@@ -196,19 +196,22 @@ class TextEnv(abc.ABC, Generic[ActionT]):
             if action is None:
                 valid, rejected = False, action_text.strip()[:REJECTED_SHOWN_CHARS]
                 break
-            numeric_before = self.numeric_state()
-            outcome = self._apply_action(action)
+            outcome = self._take(action)
             applied += 1
-            self.env_steps += 1
             reward += outcome.reward
             effective = effective or outcome.effective
             notes += [outcome.note] if outcome.note else []
             terminated, success = outcome.terminated, outcome.success
-            self._record_step(numeric_before, action, outcome)
             if terminated or self.env_steps >= cfg.max_env_steps:
                 break
         if not valid:
             reward += cfg.format_penalty
+            idle = self._idle_action() if applied == 0 else None
+            if idle is not None:  # time passes all the same: sitting a long episode out must not pay
+                outcome = self._take(idle)
+                reward += outcome.reward
+                terminated, success = outcome.terminated, outcome.success
+                notes.append(f"no valid action: time passed as with {self._describe_idle(idle)}")
         self.actions_used += applied
         self.turn += 1
         truncated = not terminated and (
@@ -233,6 +236,26 @@ class TextEnv(abc.ABC, Generic[ActionT]):
             "notes": notes,  # how actions were taken when not as written
         }
         return StepResult(self.observation(), reward, terminated, truncated, info)
+
+    def _take(self, action: ActionT) -> ActionOutcome:
+        """Apply one action: the environment's step, counted and recorded."""
+        numeric_before = self.numeric_state()
+        outcome = self._apply_action(action)
+        self.env_steps += 1
+        self._record_step(numeric_before, action, outcome)
+        return outcome
+
+    def _idle_action(self) -> ActionT | None:
+        """What happens in a turn whose answer applied no action, for a task whose time runs on regardless (the
+        acrobot's torque 0, the building's setpoints held); None (the default): the turn moves nothing.
+
+        Where every step costs more than the format penalty, a turn that moves nothing would make never
+        answering validly score better than playing; the idle action makes it cost the step and the penalty.
+        """
+        return None
+
+    def _describe_idle(self, action: ActionT) -> str:
+        return str(action)
 
     def _record_step(self, observation: list[float], action: ActionT, outcome: ActionOutcome) -> None:
         self.step_records.append(

@@ -335,6 +335,12 @@ class Acrobot(TextEnv[int]):
     def _parse_action(self, text: str) -> int | None:
         return _ACROBOT_WORDS.get(text.strip().lower())
 
+    def _idle_action(self) -> int:
+        return 0  # no torque: the links swing on
+
+    def _describe_idle(self, action: int) -> str:
+        return "torque 0"
+
     def _apply_action(self, action: int) -> ActionOutcome:
         self.state = acrobot_step(self.state, float(action), self.config)
         terminated = acrobot_terminated(self.state)

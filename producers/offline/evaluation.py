@@ -58,10 +58,8 @@ def hold_answer(env: BuildingHVAC) -> str:
 def applicable_answer(env: BuildingHVAC, text: str) -> tuple[str, bool]:
     """``(text, True)`` when the environment would accept ``text``, else ``(hold_answer, False)``.
 
-    Why: online, an invalid answer costs the format penalty and does not move the clock, so
-    a policy that always fails would sit out the day at -0.1 a turn and look better than a
-    real controller.  Here every policy runs the same simulated day; an invalid answer keeps
-    the previous setpoints for that step and still pays the penalty.
+    Every policy runs the same simulated day; an invalid answer keeps the previous setpoints
+    for that step and still pays the penalty, as the environment itself does online.
     """
     parsed = parse_answer(text, max_actions=env.config.max_actions_per_turn)
     ok = parsed.ok and all(_is_setpoint_pair(env.config, action) for action in parsed.actions)

@@ -53,7 +53,7 @@ Departures, each chosen for a small fast model that keeps the trade-offs:
   trains on 14-day episodes (set ``episode_days=14``).
 - Local time is UTC + ``utc_offset_hours`` (fixed; no daylight saving).
 
-An invalid answer costs the format penalty and does not move the clock.
+An invalid answer costs the format penalty and plays the step with the setpoints held (time runs on).
 
 Modules: ``config`` (constants, tariffs, ``BuildingConfig``), ``plant`` (the thermal
 plant: pure building blocks and ``Plant``), ``environment`` (``BuildingHVAC``: episodes,

@@ -156,6 +156,12 @@ class BuildingHVAC(BuildingTelemetry, TextEnv[Setpoints]):
             return None
         return Setpoints(water[0], air[0], clipped=water[1] or air[1])
 
+    def _idle_action(self) -> Setpoints:
+        return Setpoints(self.setpoints.water_k, self.setpoints.air_k)  # held, as the offline evaluation does
+
+    def _describe_idle(self, action: Setpoints) -> str:
+        return f"the setpoints held at {action.water_k:g} K and {action.air_k:g} K"
+
     def _apply_action(self, action: Setpoints) -> ActionOutcome:
         cfg = self.config
         s = self._require_state()

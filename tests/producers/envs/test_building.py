@@ -338,23 +338,31 @@ def test_action_forms(text, water, air, clipped):
     "text",
     ["hello", "0.2", "0.1, 0.2, 0.3", "57, 0", "-5K, 290K", "nan, 0", "0.2,", "330C, 290K", "<answer></answer>"],
 )
-def test_invalid_answers_cost_the_penalty_and_keep_the_clock(text):
-    env = BuildingHVAC()
+def test_invalid_answers_cost_the_penalty_and_a_step_with_the_setpoints_held(text):
+    """Time runs on: a turn whose answer is refused plays the step with the setpoints held, and pays the penalty
+    too (before, it kept the clock, so never answering validly sat the day out at -0.1 a turn)."""
+    from producers.offline.evaluation import hold_answer
+
+    env, held = BuildingHVAC(), BuildingHVAC()
     env.reset(0)
-    before = env.observation()
+    held.reset(0)
+    setpoints = env.setpoints
     result = env.step(text if text.startswith("<") else answer(text))
-    assert not result.info["action_is_valid"]
-    assert result.reward == pytest.approx(env.config.format_penalty)
-    assert env.env_steps == 0 and env.current_timestamp == env.start_timestamp
-    assert env.observation() == before
+    kept = held.step(hold_answer(held))
+    assert not result.info["action_is_valid"] and kept.info["action_is_valid"]
+    assert result.reward == pytest.approx(kept.reward + env.config.format_penalty)
+    assert env.env_steps == 1 and env.current_timestamp == held.current_timestamp > env.start_timestamp
+    assert env.setpoints == setpoints and env.observation() == held.observation()
 
 
 def test_missing_answer_tags_and_extra_actions():
     env = BuildingHVAC()
     env.reset(0)
-    assert env.step("330K, 292K").reward == pytest.approx(-0.1)  # no <answer> block
+    untagged = env.step("330K, 292K")  # no <answer> block: refused, the setpoints held for the step
+    assert not untagged.info["action_is_valid"] and env.env_steps == 1
+    assert untagged.reward == pytest.approx(env.telemetry()["reward@reward"] - 0.1)
     two = env.step(format_answer(["0, 0", "1, 1"]))  # one action per turn: the first applies, then the penalty
-    assert not two.info["action_is_valid"] and env.env_steps == 1
+    assert not two.info["action_is_valid"] and env.env_steps == 2
     assert two.reward == pytest.approx(env.telemetry()["reward@reward"] - 0.1)
 
 

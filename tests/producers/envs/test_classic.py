@@ -298,3 +298,21 @@ def test_heuristic_beats_random(name, episodes):
     rand = evaluate(name, "random", episodes, seed_start=100)
     assert heuristic.mean_return > rand.mean_return + 50
     assert heuristic.success_rate == 1.0
+
+
+@pytest.mark.parametrize("name", ["acrobot", "building-hvac"])
+def test_never_answering_validly_scores_below_playing_where_every_step_costs(name: str) -> None:
+    """An answer that moves nothing still lets the environment's time pass (and pays the format penalty), so a
+    policy that never answers validly cannot sit out the episode at -0.1 a turn and beat a real controller."""
+    from producers.envs.evaluate import evaluate, run_episode
+    from producers.envs.registry import make_env
+
+    env = make_env(name)
+    garbage = [run_episode(env, lambda env: "I am not sure.", seed) for seed in range(3)]
+    random_play = evaluate(name, "random", 3)
+    assert all(result.env_steps == result.turns for result in garbage)  # the clock moved every turn
+    assert sum(result.episode_return for result in garbage) / 3 < random_play.mean_return
+    env.reset(0)
+    result = env.step("I am not sure.")
+    assert not result.info["action_is_valid"] and result.info["env_steps"] == 1
+    assert any("time passed" in note for note in result.info["notes"])
