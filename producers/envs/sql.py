@@ -23,9 +23,10 @@ select, function calls, recursive CTEs) and ``PRAGMA query_only`` on the
 connection, so no statement can change the database; a progress handler that
 interrupts any query running past the time limit (0.25 s); caps on result rows,
 result bytes and the length of any one value, so a query cannot fill memory.  The
-time limit is checked between VM instructions, so one built-in call can overrun it
-(``printf`` with a width in the hundreds of millions takes seconds); a hard wall-clock
-bound would need a separate process, and an overrun still scores as an error.
+time limit is checked between VM instructions, so one built-in call could overrun it:
+``printf``/``format`` with a width of a billion took seconds a call, so they refuse a
+width or precision above ``MAX_FORMAT_WIDTH`` (``capped_printf``).  A query that returns
+after its time limit all the same scores as timed out.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -152,6 +154,40 @@ def select_split(tasks: Sequence[SQLTask], split: str, test_every: int) -> tuple
 
 
 # ---- the database -------------------------------------------------------------------------
+MAX_FORMAT_WIDTH = 10_000  # printf/format widths and precisions above this are refused (one call took seconds)
+_FORMAT_SPEC = re.compile(r"%[-+ 0#,!]*(\*|\d*)(?:\.(\*|\d*))?(?:ll|l)?([a-zA-Z%])")
+_PLAIN = sqlite3.connect(":memory:", check_same_thread=False)  # its own printf, for capped_printf to call
+_PLAIN_LOCK = threading.Lock()
+_REFUSED = threading.local()  # why capped_printf refused a call (SQLite reports only that a function raised)
+
+
+def capped_printf(format_text: object, *args: object) -> object:
+    """SQLite's ``printf(format, ...)``, refusing a width or precision (written, or ``*`` from an argument) above
+    ``MAX_FORMAT_WIDTH``: the time limit is checked between VM instructions, never inside one call."""
+    if not isinstance(format_text, str):
+        return None if format_text is None else str(format_text)
+    consumed = 0
+    for match in _FORMAT_SPEC.finditer(format_text):
+        width, precision, kind = match.groups()
+        for part in (width, precision):
+            if part == "*":
+                value = args[consumed] if consumed < len(args) else 0
+                consumed += 1
+            else:
+                value = part or 0
+            try:
+                too_wide = abs(int(float(value))) > MAX_FORMAT_WIDTH  # type: ignore[arg-type]
+            except (TypeError, ValueError, OverflowError):
+                too_wide = False
+            if too_wide:
+                _REFUSED.message = f"printf/format width or precision above {MAX_FORMAT_WIDTH}; use a smaller one"
+                raise ValueError(_REFUSED.message)
+        consumed += kind != "%"
+    with _PLAIN_LOCK:
+        placeholders = ", ".join("?" * (len(args) + 1))
+        return _PLAIN.execute(f"SELECT printf({placeholders})", (format_text, *args)).fetchone()[0]
+
+
 def build_database(schema_sql: str, max_value_bytes: int = MAX_VALUE_BYTES) -> sqlite3.Connection:
     """A fresh in-memory database holding ``schema_sql``, then switched to read-only (query_only)."""
     db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
@@ -167,6 +203,8 @@ def build_database(schema_sql: str, max_value_bytes: int = MAX_VALUE_BYTES) -> s
         ) from None
     db.set_authorizer(None)
     db.execute("PRAGMA query_only = ON")
+    for name in ("printf", "format"):  # before any model-written query: a call that cannot be interrupted
+        db.create_function(name, -1, capped_printf, deterministic=True)
     return db
 
 
@@ -213,6 +251,7 @@ def run_query(db: sqlite3.Connection, sql: str, time_limit_s: float, max_rows: i
 
     start = time.monotonic()
     deadline = start + time_limit_s
+    _REFUSED.message = ""
     db.set_authorizer(authorize)
     db.set_progress_handler(lambda: int(time.monotonic() > deadline), PROGRESS_OPS)  # nonzero interrupts
     try:
@@ -222,11 +261,16 @@ def run_query(db: sqlite3.Connection, sql: str, time_limit_s: float, max_rows: i
             return QueryRun(rows=(), error="not a query: it returns no columns; write one SELECT query")
         rows = _fetch(cursor, max_rows)
     except _SQL_ERRORS as e:
-        return _failed_run(e, bool(denied), time.monotonic() - start, time_limit_s)
+        return _failed_run(ValueError(_REFUSED.message) if _REFUSED.message else e, bool(denied),
+                           time.monotonic() - start, time_limit_s)
     finally:
         db.set_authorizer(None)
         db.set_progress_handler(None, 0)
-    return QueryRun(rows=rows, seconds=time.monotonic() - start)
+    seconds = time.monotonic() - start
+    if seconds > time_limit_s:  # one call ran on past the checks: an overrun is an error all the same
+        return QueryRun(rows=(), error=f"the query ran past the {time_limit_s:g} s time limit", timed_out=True,
+                        seconds=seconds)
+    return QueryRun(rows=rows, seconds=seconds)
 
 
 def _fetch(cursor: sqlite3.Cursor, max_rows: int) -> tuple[tuple[Any, ...], ...]:

@@ -148,6 +148,28 @@ def test_an_infinite_recursive_query_is_stopped_at_the_time_limit(db: sqlite3.Co
     assert row_counts(db) == ROW_COUNTS
 
 
+def test_a_built_in_call_that_would_outrun_the_time_limit_is_refused_and_an_overrun_scores_as_an_error(
+        db: sqlite3.Connection) -> None:
+    """One built-in call runs between two time checks: printf with a width of 1e9 took seconds a call, and a query
+    of 194 of them (one answer's length) about 20 minutes, scored as a query that ran."""
+    for call in ("printf('%.*c', 1000000000, 'x')", "format('%*d', 2000000000, 1)", "printf('%1000000000d', 1)"):
+        start = time.monotonic()
+        score = score_query(db, f"SELECT length({call}), length({call})", "SELECT 1", LIMIT_S)
+        assert time.monotonic() - start < 1.0 and not score.runs and "width" in score.error, call
+    assert score_query(db, "SELECT printf('%d items at %.2f', 3, 1.234)", "SELECT '3 items at 1.23'", LIMIT_S).matches
+    assert score_query(db, "SELECT format('%5s|%-3d|%%', 'ab', 7)", "SELECT '   ab|7  |%'", LIMIT_S).matches
+    assert row_counts(db) == ROW_COUNTS
+
+
+def test_a_query_that_overran_its_time_limit_scores_as_timed_out(db: sqlite3.Connection, monkeypatch) -> None:
+    import producers.envs.sql as sql
+
+    clock = iter([0.0, 5.0, 5.0, 5.0])  # the query returned, but 5 s after it started (past LIMIT_S)
+    monkeypatch.setattr(sql.time, "monotonic", lambda: next(clock))
+    run = sql.run_query(db, "SELECT 1", LIMIT_S)
+    assert run.timed_out and run.rows == () and "time limit" in run.error
+
+
 def test_a_finite_recursive_query_is_allowed(db: sqlite3.Connection) -> None:
     ten = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < 10) SELECT SUM(x) FROM n"
     assert score_query(db, ten, "SELECT 55", LIMIT_S).matches  # 1 + ... + 10 = 55
