@@ -170,6 +170,16 @@ def test_a_query_that_overran_its_time_limit_scores_as_timed_out(db: sqlite3.Con
     assert run.timed_out and run.rows == () and "time limit" in run.error
 
 
+def test_floats_that_differ_in_the_last_bit_match_whichever_side_of_a_rounding_boundary_they_fall() -> None:
+    """The same average summed in another order (another query plan): 44.19625 and 44.196250000000006 rounded to
+    4 decimals land on 44.1962 and 44.1963; a correct query was scored wrong."""
+    gold, pred = [(44.19625, "a"), (1.0, "b")], [(1.0, "b"), (44.196250000000006, "a")]
+    assert results_match(pred, gold, ordered=False) and results_match(pred[::-1], gold, ordered=True)
+    assert not results_match([(44.1964, "a"), (1.0, "b")], gold, ordered=False)  # a real difference still counts
+    assert not results_match([(44.19625, "b"), (1.0, "a")], gold, ordered=False)
+    assert not results_match([(44.19625, "a")], gold, ordered=False) and results_match([(2,)], [(2.0,)], ordered=True)
+
+
 def test_a_finite_recursive_query_is_allowed(db: sqlite3.Connection) -> None:
     ten = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < 10) SELECT SUM(x) FROM n"
     assert score_query(db, ten, "SELECT 55", LIMIT_S).matches  # 1 + ... + 10 = 55
