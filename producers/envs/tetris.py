@@ -148,10 +148,12 @@ class Tetris(TextEnv[str]):
         self._spawn()
 
     def _spawn(self) -> bool:
-        """Draw the next piece (balanced) at a random column; False when it has no room."""
+        """Draw the next piece (balanced) at a random column where it fits; False when it fits in none."""
         shape = self.shapes[next_shape_index(self.rng, self.shape_counts)]
-        self.piece, self.position = shape, (0, self.rng.randint(0, len(self.board[0]) - shape.width))
-        return fits(self.board, shape, self.position)
+        columns = [c for c in range(len(self.board[0]) - shape.width + 1) if fits(self.board, shape, (0, c))]
+        # (when every column fits, as always with single cells, the draw is the one a plain randint made)
+        self.piece, self.position = shape, (0, self.rng.choice(columns) if columns else 0)
+        return bool(columns)
 
     def set_state(self, board: Board | str, piece: Shape, position: Cell) -> None:
         """Play from a hand-built board and piece (tests, demonstrations); call after ``reset``."""
