@@ -425,8 +425,9 @@ class Sokoban(TextEnv[str]):
             "Legend: # wall, _ floor, O target, √ box on target, X box, P player, S player on a target.\n"
             "Actions: Up (1), Down (2), Left (3), Right (4). Walking into a box pushes it one cell if the "
             "cell behind it is floor or an empty target; you cannot pull boxes or push two at once.\n"
-            "Rewards: -0.1 per action, +1 when a box lands on a target, -1 when one leaves, "
-            "+10 when every box is on a target (the episode then ends).\n"
+            f"Rewards: {cfg.step_penalty:+g} per action, {cfg.box_on_target_reward:+g} when a box lands on a target, "
+            f"{cfg.box_off_target_penalty:+g} when one leaves, "
+            f"{cfg.finish_reward:+g} when every box is on a target (the episode then ends).\n"
             f"Up to {cfg.max_actions_per_turn} actions per answer, {cfg.max_actions_total} in all.\n"
             f"{ANSWER_FORMAT}"
         )

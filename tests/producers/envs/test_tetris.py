@@ -220,3 +220,16 @@ def test_a_new_piece_appears_where_it_fits_and_only_a_board_with_no_room_ends_th
         width = len(env.board[0])
         needless += not fitted and any(fits(env.board, shape, (0, c)) for c in range(width - shape.width + 1))
     assert needless == 0
+
+
+def test_the_prompts_state_the_configured_rewards_and_the_defaults_read_as_before() -> None:
+    from producers.envs.sokoban import Sokoban
+    from producers.envs.tetris import Tetris
+
+    assert "Rewards: -0.1 per action, +1 when a box lands on a target, -1 when one leaves, +10 when every box is on " \
+           "a target (the episode then ends)." in Sokoban().system_prompt()
+    assert "Rewards: -0.1 per action, +10 per cleared row. Clearing a row ends the game (you win)" in \
+           Tetris().system_prompt()
+    assert "Rewards: -0.5 per action, +1 when a box lands on a target, -1 when one leaves, +2 when every" in \
+           Sokoban(step_penalty=-0.5, finish_reward=2.0).system_prompt()
+    assert "Rewards: +0 per action, +3 per cleared row." in Tetris(step_penalty=0.0, line_reward=3.0).system_prompt()
