@@ -170,6 +170,12 @@ def test_a_query_that_overran_its_time_limit_scores_as_timed_out(db: sqlite3.Con
     assert run.timed_out and run.rows == () and "time limit" in run.error
 
 
+def test_a_function_that_reveals_the_process_is_refused(db: sqlite3.Connection) -> None:
+    run = run_query(db, "SELECT hex(fts3_tokenizer('simple'))", LIMIT_S)
+    assert run.refused and run.rows == ()
+    assert run_query(db, "SELECT upper('ok')", LIMIT_S).rows == (("OK",),)
+
+
 def test_floats_that_differ_in_the_last_bit_match_whichever_side_of_a_rounding_boundary_they_fall() -> None:
     """The same average summed in another order (another query plan): 44.19625 and 44.196250000000006 rounded to
     4 decimals land on 44.1962 and 44.1963; a correct query was scored wrong."""
