@@ -75,6 +75,18 @@ class Topology:
         return self.rank == 0
 
 
+def leave_group() -> None:
+    """Every rank, once its work is done: wait for the others, then close the process group.
+
+    A rank that exits with the group open can abort in its exit ("terminate called without an
+    active exception", SIGABRT) while another still receives its last message, and torchrun then
+    reports a finished group as failed.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def init_distributed(device: str = "auto") -> Topology:
     """Join the torchrun group (nccl on CUDA, gloo otherwise); outside torchrun, a group of one without a backend."""
     if "WORLD_SIZE" not in os.environ:

@@ -54,6 +54,7 @@ from consumers.distributed import (
     _all_reduce_stats,
     comm_device,
     init_distributed,
+    leave_group,
     share,
 )
 from consumers.losses import LossStats, TokenBatch, loss_from_logprobs
@@ -300,7 +301,9 @@ def run_on_group(config: RunConfig, lead: Callable[[DistributedPolicy], T]) -> T
             steps = policy.follow()
             log.info("rank %d followed %d steps, %d idle passes, holding %.0f%% of the base weights", topology.rank,
                      steps, policy.idle_passes, 100 * engine.held_fraction())
+            leave_group()
             return None
         result = lead(policy)
         policy.release()
-        return result
+    leave_group()  # after the followers took the stop: none may be left receiving as rank 0 exits
+    return result

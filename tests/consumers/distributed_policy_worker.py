@@ -43,7 +43,7 @@ def main() -> None:
     import torch
     from safetensors.torch import save_file
 
-    from consumers.distributed import DistributedEngine, init_distributed
+    from consumers.distributed import DistributedEngine, init_distributed, leave_group
     from consumers.distributed_learner import DistributedPolicy
 
     torch.set_num_threads(1)
@@ -58,6 +58,7 @@ def main() -> None:
                       str(Path(args.out) / "adapter.safetensors"))
         else:
             policy.follow()
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,14 @@ if __package__ in (None, ""):  # run as a script by torchrun: the repository roo
 
 from safetensors.torch import save_file
 
-from consumers.distributed import Batch, DistributedEngine, broadcast_batch, init_distributed, train_batches
+from consumers.distributed import (
+    Batch,
+    DistributedEngine,
+    broadcast_batch,
+    init_distributed,
+    leave_group,
+    train_batches,
+)
 from consumers.engine import AdamParams
 from consumers.engine_data import PER_TOKEN, Datum
 
@@ -99,8 +106,7 @@ def main() -> None:
         (out / f"datums{topology.rank}.json").write_text(json.dumps(
             {name: None if getattr(got, name) is None else torch.as_tensor(getattr(got, name)).tolist()
              for name in fields}))
-        torch.distributed.barrier()  # no rank leaves while another still receives
-        torch.distributed.destroy_process_group()
+        leave_group()  # no rank leaves while another still receives
         return
     bare_rss = rss_bytes("VmRSS")  # before the model: what the peak is measured above
     engine = DistributedEngine(args.model, topology, device="cpu", dtype=args.dtype, shard=args.shard,
@@ -135,6 +141,7 @@ def main() -> None:
         save_file(engine.weights("policy"), str(out / "adapter.safetensors"))
         if args.second_adapter:
             save_file(engine.weights("other"), str(out / "other.safetensors"))
+    leave_group()
 
 
 if __name__ == "__main__":
