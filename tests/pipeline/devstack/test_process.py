@@ -68,6 +68,9 @@ def test_no_answer_within_the_timeout_is_an_error() -> None:
     with pytest.raises(ProcessError, match=r"did not answer on port \d+ within 0 s"):
         script.start()
     assert time.monotonic() - started < 10 and not script.running
+    log_path = script.log_path  # kept after a failed start, for its error to point at
+    script.stop()
+    assert log_path is None or not log_path.exists()
 
 
 def test_port_is_free_sees_a_listener() -> None:
