@@ -307,11 +307,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _split_state(blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -137,11 +137,12 @@ def _age_s(archive: TrajectoryArchive, key: str) -> float:
         return float("inf")
 
 
+def batch_events(items: Iterable[Any]) -> list[TrajectoryBatchCommitted]:
+    """The ``TrajectoryBatchCommitted`` events among tail records, envelopes or payloads."""
+    payloads = [getattr(event, "payload", event) for event in (getattr(item, "event", item) for item in items)]
+    return [payload for payload in payloads if isinstance(payload, TrajectoryBatchCommitted)]
+
+
 def announced_batches(events: Iterable[Any]) -> set[str]:
-    """batch ids named by ``TrajectoryBatchCommitted`` events (tail records or envelopes)."""
-    ids = set()
-    for item in events:
-        event = getattr(item, "event", item)
-        if event is not None and isinstance(getattr(event, "payload", None), TrajectoryBatchCommitted):
-            ids.add(event.payload.batch_id)
-    return ids
+    """batch ids named by ``TrajectoryBatchCommitted`` events (tail records, envelopes or payloads)."""
+    return {event.batch_id for event in batch_events(events)}

@@ -48,7 +48,7 @@ from pipeline.io.registry import AdapterRegistry, RegistryError
 from pipeline.runtime import RateMeter
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
-from producers.sink import OrphanSweep, announced_batches
+from producers.sink import OrphanSweep, announced_batches, batch_events
 from schemas.config import RunConfig
 from schemas.events import Payload, ProducerHeartbeat, TrajectoryBatchCommitted
 from schemas.names import validate_name
@@ -288,12 +288,6 @@ class ValueActor:
         """The learner step of the newest published version (0 before the first)."""
         latest = self.watcher.registry.latest()
         return latest.learner_step if latest is not None else 0
-
-
-def batch_events(items: Iterable[Any]) -> list[TrajectoryBatchCommitted]:
-    """The ``TrajectoryBatchCommitted`` events among tail records, envelopes or payloads."""
-    payloads = [getattr(event, "payload", event) for event in (getattr(item, "event", item) for item in items)]
-    return [payload for payload in payloads if isinstance(payload, TrajectoryBatchCommitted)]
 
 
 def stored_events(archive: TrajectoryArchive, keys: Iterable[str]) -> list[TrajectoryBatchCommitted]:

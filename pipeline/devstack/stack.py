@@ -354,7 +354,10 @@ def _alive(pid: int) -> bool:
 
 def _last_line(path: Path) -> str:
     """The log's last line, an exception's message without its module path (``BrokerStartError: port ...``)."""
-    lines = [line.strip() for line in _tail(path, 2000).split(" | ") if line.strip()]
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace")[-2000:].splitlines() if line.strip()]
+    except OSError:
+        lines = []
     return re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", lines[-1]) if lines else "nothing logged"
 
 

@@ -13,12 +13,12 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.value_network import NetworkSpec, build_from_spec, network_files
 from producers.envs.classic import Acrobot, CartPole
+from producers.sink import batch_events
 from producers.value_actor import (
     EPSILON_FEATURE,
     VERSION_FEATURE,
     ValueActor,
     ValueNetworkWatcher,
-    batch_events,
     stored_events,
 )
 from schemas.events import TrajectoryBatchCommitted
