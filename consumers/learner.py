@@ -164,6 +164,7 @@ class Learner:
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
             self.rewind_if_the_log_changed()
+            self.source.seek({})  # every partition from its start, whatever the group committed
             if self.cfg.init_from:
                 self.warm_start(self.cfg.init_from)
             return False

@@ -80,7 +80,15 @@ class KafkaSource:
         return refs
 
     def seek(self, positions: dict[str, int]) -> None:
-        self.consumer.seek({_parse_position(k): v for k, v in positions.items() if not k.startswith("replay:")})
+        """Read from ``positions`` next, and every partition they do not name from its start.
+
+        Not from the group's committed offset there: that may come from a newer
+        checkpoint than the one resumed (the newer one damaged), and would skip
+        batches the resumed weights never trained.  Batches already trained are
+        skipped by their ids.
+        """
+        named = {_parse_position(k): v for k, v in positions.items() if not k.startswith("replay:")}
+        self.consumer.seek({**dict.fromkeys(self.consumer.assignment(), 0), **named})
 
     def commit(self, positions: dict[str, int]) -> None:
         """Commit the positions (under the run's learner group id)."""

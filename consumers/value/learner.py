@@ -128,6 +128,7 @@ class ValueLearner:
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
             self.rewind_if_the_log_changed()
+            self.source.seek({})  # every partition from its start, whatever the group committed
             return False
         self.agent.load_state_dict(checkpoint.adapter)
         self.state = checkpoint.state

@@ -109,6 +109,15 @@ def test_resume_commits_the_checkpoint_positions(store, setup):
     assert next(p.positions for p in announced if isinstance(p, LearnerProgress)) == {f"{TOPIC}:0": 2}
 
 
+def test_resume_without_a_checkpoint_seeks_every_partition_from_its_start(store, setup):
+    """No checkpoint that loads (all damaged, or none yet): the source is told so, instead of reading on from
+    offsets the group committed after checkpoints this learner cannot resume from."""
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(5))
+    learner, _ = scripted_learner(store, setup, stored_refs(store))
+    assert not learner.resume()
+    assert learner.source.seeks == [{}]
+
+
 def test_a_poison_batch_is_dead_lettered_and_the_next_one_trained(store, setup):
     archive = TrajectoryArchive(store)
     write_batches(archive, setup, 3, np.random.default_rng(3))

@@ -113,6 +113,28 @@ def test_a_resumed_source_reads_from_its_checkpoint_and_commits_at_once(bus_conf
         source.close()
 
 
+def test_partitions_the_positions_do_not_name_are_read_from_their_start_not_from_the_committed_offset(
+        bus_config: BusConfig, fast_group: dict[str, Any]) -> None:
+    """A learner resuming from an older checkpoint (the newest one damaged) or from none at all: the group's
+    committed offsets may come from a newer checkpoint, and reading a partition it names but the resumed one does
+    not from there would skip batches the resumed weights never trained."""
+    with EventPublisher(bus_config) as publisher:
+        for index in range(3):
+            announce_batch(publisher, "a", index)
+    topic = topic_name(bus_config.namespace, "trajectories")
+    first = KafkaSource(bus_config, "a", **fast_group)
+    try:
+        first.commit({f"{topic}:0": 3})  # what a newer checkpoint committed
+    finally:
+        first.close()
+    source = KafkaSource(bus_config, "a", **fast_group)
+    try:
+        source.seek({})  # the resumed checkpoint names no partition
+        assert [ref.batch_id for ref in poll_until_some(source, timeout_s=10.0)] == ["a-b0", "a-b1", "a-b2"]
+    finally:
+        source.close()
+
+
 def test_a_learner_taking_over_reads_at_once_beside_the_one_it_replaces(bus_config: BusConfig) -> None:
     """No group join: the new learner's source neither waits for the old one nor depends on how it leaves."""
     with EventPublisher(bus_config) as publisher:
