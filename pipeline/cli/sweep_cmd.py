@@ -46,34 +46,38 @@ def sweep(
         "--grid", "-g", help="KEY=V1,V2,...: the script's --KEY takes each value (repeat for more keys)")] = None,
     fixed: Annotated[list[str] | None, typer.Option(
         "--set", "-s", help="KEY=VALUE passed to every experiment as --KEY VALUE (KEY alone: a flag)")] = None,
-    seeds: Annotated[str, typer.Option(help="seeds, comma-separated: each grid point runs once per seed")] = "0",
+    seeds: Annotated[str | None, typer.Option(
+        help="seeds, comma-separated: each grid point runs once per seed [default: 0]")] = None,
     parallel: Annotated[int, typer.Option(min=1, max=64, help="experiments running at once")] = 4,
     folder: Annotated[Path | None, typer.Option(
         "--dir", help="the sweep's folder (default: ./rlpipe-sweep-SCRIPT-TIME); the same folder resumes it")] = None,
     resume: Annotated[Path | None, typer.Option(
         help="continue the sweep in this folder with its recorded plan (its unfinished experiments)")] = None,
-    python: Annotated[str, typer.Option(help="the interpreter that runs the script")] = sys.executable,
+    python: Annotated[str | None, typer.Option(
+        help="the interpreter that runs the script [default: this one; on --resume, the recorded one]")] = None,
     progress_every: Annotated[float, typer.Option(min=1.0, help="seconds between progress lines")] = 30.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Run a grid of experiments in parallel against one server and rank them on their held-out scores."""
     with user_errors():
         if resume is not None:
-            if script is not None or grid or fixed:
-                fail("--resume continues the plan recorded in its folder: drop SCRIPT, --grid and --set", EXIT_USAGE)
+            if script is not None or grid or fixed or seeds is not None:
+                fail("--resume continues the plan recorded in its folder: drop SCRIPT, --grid, --set and --seeds",
+                     EXIT_USAGE)
             sweep_dir = SweepDir(resume)
             spec = sweep_dir.plan()
+            if python is not None:
+                spec = spec.model_copy(update={"python": python})
         else:
             if script is None or not grid:
                 fail("name the script and at least one --grid KEY=V1,V2 (or --resume DIR)", EXIT_USAGE)
             if not script.is_file():
                 fail(f"no script at {script}: give the path of a Python file", EXIT_USAGE)
             spec = SweepSpec(script=str(script.resolve()), grid=parse_grid(grid), fixed=parse_fixed(fixed or []),
-                             seeds=_seeds(seeds), python=python)
+                             seeds=_seeds(seeds or "0"), python=python or sys.executable)
             sweep_dir = SweepDir(folder or Path(f"rlpipe-sweep-{script.stem}-{time.strftime('%Y%m%d-%H%M%S')}"))
         with sweep_dir.lock():
-            if resume is None:
-                sweep_dir.create_or_check(spec)
+            sweep_dir.create_or_check(spec)  # resuming: records a new --python
             counts = _run(sweep_dir, spec, parallel, progress_every, err_console if as_json else console)
             entries = write_leaderboard(sweep_dir, spec)
     if as_json:  # progress went to stderr; stdout is the leaderboard alone

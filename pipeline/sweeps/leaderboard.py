@@ -43,7 +43,7 @@ class Entry:
     half: float | None = None  # 95% half-width
     samples: int = 0  # evaluation episodes over the finished seeds
     seed_means: dict[str, float] = field(default_factory=dict)
-    evaluations: dict[str, float] = field(default_factory=dict)  # label -> mean over finished seeds
+    evaluations: dict[str, float] = field(default_factory=dict)  # label -> mean over the seeds that report it
     metric: str = "score"
 
 
@@ -59,6 +59,7 @@ def interval(values: list[float]) -> tuple[float, float]:
 def gather(sweep: SweepDir, spec: SweepSpec) -> list[Entry]:
     """Every grid point's entry, best first; points with no finished seed last."""
     entries: dict[str, Entry] = {}
+    reported: dict[str, dict[str, list[float]]] = {}  # label -> evaluation label -> one mean per seed reporting it
     for experiment in experiments(spec):
         entry = entries.setdefault(experiment.label, Entry(experiment.label, experiment.config, 0, 0, 0))
         entry.seeds += 1
@@ -72,8 +73,7 @@ def gather(sweep: SweepDir, spec: SweepSpec) -> list[Entry]:
         entry.seed_means[str(experiment.seed)] = float(np.mean(result["samples"]))
         for label, values in result.get("evaluations", {}).items():
             if values:
-                entry.evaluations.setdefault(label, 0.0)
-                entry.evaluations[label] += float(np.mean(values))
+                reported.setdefault(entry.label, {}).setdefault(label, []).append(float(np.mean(values)))
         if entry.finished == 1:
             entry.mean, entry.half = interval(result["samples"])
     for entry in entries.values():
@@ -81,7 +81,7 @@ def gather(sweep: SweepDir, spec: SweepSpec) -> list[Entry]:
             entry.mean, entry.half = interval(list(entry.seed_means.values()))
         if entry.half is not None and not math.isfinite(entry.half):
             entry.half = None  # one evaluation episode: no interval
-        entry.evaluations = {k: v / entry.finished for k, v in entry.evaluations.items()} if entry.finished else {}
+        entry.evaluations = {label: float(np.mean(means)) for label, means in reported.get(entry.label, {}).items()}
     return sorted(entries.values(), key=lambda e: (e.mean is None, -(e.mean or 0.0)))
 
 

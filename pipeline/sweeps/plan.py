@@ -164,13 +164,22 @@ class SweepDir:
         return SweepSpec.model_validate_json(plan_path.read_text())
 
     def create_or_check(self, spec: SweepSpec) -> bool:
-        """Record ``spec`` in a new folder (True), or check that it is the folder's plan (False: resuming)."""
+        """Record ``spec`` in a new folder (True), or check that it is the folder's plan (False: resuming).
+
+        The interpreter is how the plan runs, not what it runs: a resume with another
+        one (a virtualenv made again, a mistyped ``--python`` corrected) records it.
+        """
         plan_path = self.path / PLAN_FILE
         if plan_path.is_file():
             recorded = self.plan()
-            if recorded != spec:
-                raise ValueError(f"{self.path} holds another sweep (its {PLAN_FILE} differs): use a new --dir, or "
+            differing = [name for name in SweepSpec.model_fields
+                         if name != "python" and getattr(recorded, name) != getattr(spec, name)]
+            if differing:
+                raise ValueError(f"{self.path} holds another sweep (its {PLAN_FILE} differs in "
+                                 f"{', '.join(differing)}): use a new --dir, or "
                                  f"`rlpipe sweep --resume {self.path}` to continue the one it holds")
+            if recorded.python != spec.python:
+                _write_atomically(plan_path, spec.model_dump_json(indent=2))
             return False
         if self.path.exists() and any(p.name != LOCK_FILE for p in self.path.iterdir()):
             raise FileExistsError(f"{self.path} is not empty and holds no sweep: use a new --dir")

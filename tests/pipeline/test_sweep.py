@@ -165,6 +165,31 @@ def test_a_folder_holding_another_plan_is_refused(script, tmp_path):
     assert missing.exit_code != 0 and "holds no sweep" in missing.output
 
 
+def test_a_wrong_interpreter_is_corrected_on_resume_and_seeds_are_not_silently_ignored(script, tmp_path):
+    folder = tmp_path / "sweep"
+    first = _sweep(str(script), "--grid", "lr=1e-3", "--dir", str(folder), "--python", str(tmp_path / "nope"))
+    assert first.exit_code == 1
+    seeds = _sweep("--resume", str(folder), "--seeds", "0,1")
+    assert seeds.exit_code == 2 and "--seeds" in seeds.output
+    fixed = _sweep("--resume", str(folder), "--python", sys.executable)
+    assert fixed.exit_code == 0, fixed.output
+    assert SweepDir(folder).plan().python == sys.executable  # recorded: a later plain resume uses it too
+    other = _sweep(str(script), "--grid", "lr=1e-3", "--seeds", "0,1", "--dir", str(folder))
+    assert other.exit_code == 2 and "differs in seeds" in other.output
+
+
+def test_an_evaluation_is_averaged_over_the_seeds_that_report_it(tmp_path):
+    spec = SweepSpec(script=str(tmp_path / "x.py"), grid={"lr": ["1"]}, seeds=[0, 1])
+    sweep = SweepDir(tmp_path / "s")
+    for experiment in experiments(spec):
+        sweep.folder(experiment).mkdir(parents=True)
+        evaluations = {"base": [4.0, 4.0]} if experiment.seed == 0 else {"base": []}
+        (sweep.folder(experiment) / "result.json").write_text(
+            json.dumps({"samples": [1.0, 2.0], "evaluations": evaluations}))
+    (entry,) = gather(sweep, spec)
+    assert entry.finished == 2 and entry.evaluations == {"base": 4.0}
+
+
 def test_a_killed_sweep_takes_its_experiments_with_it_and_resumes_the_unfinished(script, tmp_path):
     folder = tmp_path / "sweep"
     (script.parent / "hang-0.003").touch()  # the third experiment hangs until it is killed
