@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from pipeline.io.archive import producer_batch_id
 from producers.envs.base import StepResult, TextEnv
 from producers.episode import ChatFormat, ChatTokenizer, Episode, direct_tokenizer
 from producers.rows import episode_rows
@@ -428,7 +429,7 @@ class RolloutWorker:
         if not self.finished:
             return
         groups, self.finished, self.first_finished_at = self.finished, [], None
-        batch_id = f"{self.producer_id}-b{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+        batch_id = producer_batch_id(self.producer_id, datetime.now(UTC))
         created = datetime.now(UTC)
         rows = [
             row

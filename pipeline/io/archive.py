@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.io.store import ChecksumError, ObjectStore, sha256_hex, validate_key
 from schemas.events import TrajectoryBatchCommitted
-from schemas.names import validate_name
+from schemas.names import MAX_NAME_LENGTH, validate_name
 from schemas.steps import BATCH_SUMMARY_KEY, STEPS_BASE_FIELDS, check_steps_table
 from schemas.trajectory import TRAJECTORY_SCHEMA, TrajectoryRecord, conform_table, records_to_table
 
@@ -114,6 +114,14 @@ def unfinished_conversions(store: ObjectStore, run_id: str) -> list[str]:
 def new_batch_id(prefix: str = "b") -> str:
     """A fresh, unique, path-safe batch id (``<prefix>-<32 hex>``)."""
     return validate_name(f"{prefix}-{uuid.uuid4().hex}", "batch_id")
+
+
+def producer_batch_id(producer_id: str, now: datetime) -> str:
+    """A producer's next batch id, ``<producer>-b<UTC time>-<8 hex>``: readable in listings, unique by its time
+    and random part.  A producer id too long to leave room for them is cut short (its batches' rows name it
+    in full)."""
+    suffix = f"-b{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+    return validate_name(producer_id[: MAX_NAME_LENGTH - len(suffix)] + suffix, "batch_id")
 
 
 def batch_committed_payload(

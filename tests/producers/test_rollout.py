@@ -57,14 +57,15 @@ class FixedAdapters:
         pass
 
 
-def make_worker(tokenizer, env_name, announced, *, adapters=None, sampling=None, sampler=None, **producer):
+def make_worker(tokenizer, env_name, announced, *, adapters=None, sampling=None, sampler=None,
+                producer_id="prod-1", **producer):
     store = ObjectStore("memory://rollout-test-" + env_name)
     archive = TrajectoryArchive(store)
-    sink = StoreThenEventSink(archive, "run1", env_name, "prod-1", announced.append)
-    cfg = ProducerConfig(producer_id="prod-1", **{"group_size": 2, "groups_per_batch": 2, "concurrent_groups": 2,
+    sink = StoreThenEventSink(archive, "run1", env_name, producer_id, announced.append)
+    cfg = ProducerConfig(producer_id=producer_id, **{"group_size": 2, "groups_per_batch": 2, "concurrent_groups": 2,
                                                   "max_groups": 2, **producer})
     worker = RolloutWorker(
-        run_id="run1", producer_id="prod-1", env_name=env_name,
+        run_id="run1", producer_id=producer_id, env_name=env_name,
         make_env=lambda: make_env(env_name, {"max_turns": 3} if env_name == "sokoban" else {"max_turns": 4,
                                                                                             "max_actions_total": 4}),
         tokenizer=tokenizer, sampler=sampler or ScriptedSampler(tokenizer), adapters=adapters or FixedAdapters(),
@@ -172,6 +173,17 @@ def test_rows_record_the_sampling_parameters_of_their_logprobs(tiny_tokenizer):
     worker.run()
     rows = table_to_records(archive.read_batch(announced[0].path))
     assert rows and [(r.temperature, r.top_p, r.top_k) for r in rows] == [(pytest.approx(0.7), pytest.approx(0.95), 0)] * len(rows)
+
+
+def test_a_producer_id_of_the_longest_allowed_length_still_names_its_batches(tiny_tokenizer):
+    """``rlpipe run`` names producers ``<run>-p<i>``: a long run id made every batch id too long to store."""
+    announced = []
+    producer_id = "sokoban-qwen2.5-0.5b-grpo-lr1e-5-2026-01-15-and-a-longer-tail-p0"[:64]
+    worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", announced, producer_id=producer_id)
+    worker.run()
+    assert len(announced) == 1 and announced[0].producer_id == producer_id
+    assert announced[0].batch_id.startswith(producer_id[:30]) and len(announced[0].batch_id) <= 64
+    assert {r.producer_id for r in table_to_records(archive.read_batch(announced[0].path))} == {producer_id}
 
 
 def test_stop_flushes_finished_groups_only(tiny_tokenizer):
