@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from consumers.losses import TokenBatch
@@ -58,6 +60,29 @@ def _check_row(index: int, tokens: Sequence[int], loss_mask: Sequence[int], logp
             f"row {index}: loss_mask[0] is 1, but the first token has no context to predict it; "
             "rows must start with at least one prompt token"
         )
+
+
+def check_trainable_rows(table: pa.Table, vocab_size: int) -> None:
+    """Refuse a trajectory table holding a row ``pad_rows`` would refuse (``_check_row``), or a token id outside
+    ``[0, vocab_size)`` (the embedding lookup would fail): all rows at once, before any reaches a step."""
+    if not table.num_rows:
+        return
+    columns = [table.column(name) for name in ("tokens", "loss_mask", "logprobs")]
+    lengths = [pc.list_value_length(column) for column in columns]
+    malformed = pc.or_(pc.or_(pc.not_equal(lengths[0], lengths[1]), pc.not_equal(lengths[0], lengths[2])),
+                       pc.equal(lengths[0], 0))
+    if not pc.any(malformed).as_py():
+        malformed = pc.not_equal(pc.list_element(columns[1], 0), 0)
+    if pc.any(malformed).as_py():
+        index = pc.index(malformed, True).as_py()
+        _check_row(index, *(column[index].as_py() for column in columns))
+    flat = pc.list_flatten(columns[0])
+    outside = pc.or_(pc.less(flat, 0), pc.greater_equal(flat, vocab_size))
+    if pc.any(outside).as_py():
+        first = pc.index(outside, True).as_py()
+        row = pc.list_parent_indices(columns[0])[first].as_py()
+        raise ValueError(f"row {row}: token id {flat[first].as_py()} is outside the model's vocabulary (0 to "
+                         f"{vocab_size - 1}); the batch was sampled with another tokenizer than the base model's")
 
 
 def pad_rows(

@@ -51,7 +51,7 @@ import numpy as np
 import pyarrow as pa
 
 from consumers.advantages import EpisodeColumns, compute_advantages, training_weights, with_discounted_returns
-from consumers.batching import drop_stale, micro_batches
+from consumers.batching import check_trainable_rows, drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.faults import FaultInjector
@@ -285,14 +285,17 @@ class Learner:
                 log.info("batch %s already trained; skipped", ref.batch_id)
                 self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}))
                 continue
-            try:
+            try:  # a row training refuses would stop every restart at this batch; a NaN would poison the weights
                 table = self.reader.read(ref)
-                check_trajectory_values(table)  # a NaN reward would poison the weights, or stop here for ever
+                check_trajectory_values(table)
+                check_trainable_rows(table, self.policy.input_vocab)
+                check_behaviour_policy(self.cfg.loss, *(table.column(name).to_pylist()
+                                                        for name in ("temperature", "top_p", "top_k")))
+                if self.cfg.discount < 1.0 and table.num_rows:
+                    table = with_discounted_returns(table, self.cfg.discount)
             except POISON_BATCH_ERRORS as exc:
                 self.quarantine(ref, exc)
                 continue
-            if self.cfg.discount < 1.0 and table.num_rows:
-                table = with_discounted_returns(table, self.cfg.discount)
             keep, dropped, histogram = drop_stale(
                 table.column("policy_version").to_numpy(), self.state.version, self.cfg.max_staleness
             )
@@ -423,7 +426,6 @@ class Learner:
             return_to_go_baseline=self.cfg.return_to_go_baseline, episode=episode,
         )
         weights_R = training_weights(self.cfg, advantages_R, cols.get("weight"))
-        check_behaviour_policy(self.cfg.loss, cols["temperature"], cols["top_p"], cols["top_k"])
         batches = micro_batches(cols["tokens"], cols["loss_mask"], cols["logprobs"], advantages_R,
                                 self.cfg.micro_batch_tokens, weights_R, temperatures_R=cols["temperature"])
         self.source.keep_alive()

@@ -294,6 +294,11 @@ class LoraPolicy:
         self.autocast = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         self.reference: dict[str, torch.Tensor] | None = None  # KL reference; None = the base model
 
+    @property
+    def input_vocab(self) -> int:
+        """Token ids the model reads: below its input embedding's row count."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
     def _lr_factor(self, step: int) -> float:
         cfg = self.config
         if cfg.warmup_steps and step < cfg.warmup_steps:

@@ -180,6 +180,37 @@ def test_a_batch_with_a_reward_that_is_not_a_number_is_dead_lettered_not_trained
     assert learner.state.positions == {f"{TOPIC}:0": 3} and "bnan" not in learner.state.trained
 
 
+@pytest.mark.parametrize(("spoil", "reason"), [
+    (lambda row, vocab: row.update(loss_mask=[1, *row["loss_mask"][1:]]), "loss_mask[0] is 1"),
+    (lambda row, vocab: row.update(tokens=[*row["tokens"][:-1], vocab]), "outside the model's vocabulary"),
+    (lambda row, vocab: row.update(temperature=0.0), "cannot train on rows sampled with temperature 0"),
+])
+def test_a_batch_that_reads_but_cannot_be_trained_is_dead_lettered_not_stuck_on(store, setup, spoil, reason):
+    """Rows the store accepts but training refuses (no context for the first token, a token id past the
+    vocabulary, greedy rows for an importance-weighted loss) raised inside the step, and every restart met the
+    same batch again: they are refused at ingest instead, like an unreadable file."""
+    archive = TrajectoryArchive(store)
+    rng = np.random.default_rng(7)
+    write_batches(archive, setup, 1, rng)
+    (good,) = stored_refs(store)
+    rows = archive.read_batch(good.path).to_pylist()
+    learner, announced = scripted_learner(store, setup, [])
+    spoil(rows[2], learner.policy.input_vocab)
+    archive.write_batch(RUN, [dict(r, batch_id="bad") for r in rows], batch_id="bad")
+    write_batches(archive, setup, 1, rng, first=5)
+    refs = {r.batch_id: r for r in stored_refs(store)}
+    bad, last = refs.pop("bad"), next(r for b, r in refs.items() if b != good.batch_id)
+    learner.source = ScriptedSource([good, BatchRef(bad.batch_id, bad.path, bad.sha256, {f"{TOPIC}:0": 2}),
+                                     BatchRef(last.batch_id, last.path, last.sha256, {f"{TOPIC}:0": 3})])
+    steps = []
+    calls = iter(range(5))
+    learner.run(should_stop=lambda: next(calls, None) is None, on_step=steps.append, poll_timeout_s=0)
+    (letter,) = [p for p in announced if isinstance(p, DeadLetter)]
+    assert letter.key == "bad" and reason in letter.reason
+    assert [m["batch_ids"] for m in steps] == [[good.batch_id], [last.batch_id]]
+    assert learner.state.positions == {f"{TOPIC}:0": 3} and "bad" not in learner.state.trained
+
+
 def test_a_storage_error_is_not_a_poison_batch(store, setup, monkeypatch):
     write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(5))
     learner, announced = scripted_learner(store, setup, stored_refs(store))
