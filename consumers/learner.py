@@ -67,6 +67,7 @@ from schemas.checkpoint import LearnerState
 from schemas.config import LearnerConfig, parse_init_from
 from schemas.events import DeadLetter, LearnerProgress, Payload
 from schemas.trajectory import TRAJECTORY_SCHEMA, check_trajectory_values
+from schemas.versions import NewerSchemaError
 
 log = logging.getLogger("rlpipe.learner")
 
@@ -293,6 +294,8 @@ class Learner:
                                                         for name in ("temperature", "top_p", "top_k")))
                 if self.cfg.discount < 1.0 and table.num_rows:
                     table = with_discounted_returns(table, self.cfg.discount)
+            except NewerSchemaError:
+                raise  # written by a newer rlpipe: readable once this one is upgraded, so never skipped
             except POISON_BATCH_ERRORS as exc:
                 self.quarantine(ref, exc)
                 continue

@@ -48,8 +48,9 @@ class KafkaSource:
     def __init__(self, bus: BusConfig, run_id: str, group_id: str | None = None, **consumer_options: Any) -> None:
         options = {**group_timings_from_env(), **consumer_options}
         self.bus = bus
+        # an announcement from a newer rlpipe stops the learner (upgrade it): skipping would lose the batch
         self.consumer = EventConsumer(bus, "trajectories", group_id or learner_group_id(run_id), run_id=run_id,
-                                      membership=False, **options)
+                                      membership=False, refuse_newer=True, **options)
 
     def log_identity(self) -> dict[str, str]:
         """The topic's id (``{topic: id}``; empty where the broker reports none)."""

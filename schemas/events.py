@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
 from schemas.names import validate_name
-from schemas.versions import EVENT_SCHEMA_VERSION, SchemaVersionError, check_readable
+from schemas.versions import EVENT_SCHEMA_VERSION, NewerSchemaError, SchemaVersionError, check_readable
 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="hex sha256 digest")]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -28,6 +28,10 @@ Version = Annotated[int, Field(ge=0, description="adapter version; 0 is the base
 
 class EventDecodeError(ValueError):
     """Bytes from a topic that are not a valid event (they go to the dead-letter topic)."""
+
+
+class NewerEventError(EventDecodeError, NewerSchemaError):
+    """An event from a newer rlpipe (dead-lettered, unless its reader must not skip it: ``refuse_newer``)."""
 
 
 class Payload(BaseModel):
@@ -259,6 +263,8 @@ def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelop
         raise EventDecodeError(f"expected a {expected_type} event, got {event_type}")
     try:
         check_readable(str(raw.get("schema_version", "")), EVENT_SCHEMA_VERSION, f"{event_type} event")
+    except NewerSchemaError as exc:
+        raise NewerEventError(str(exc)) from None
     except SchemaVersionError as exc:
         raise EventDecodeError(str(exc)) from None
     try:

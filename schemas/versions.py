@@ -18,6 +18,10 @@ class SchemaVersionError(ValueError):
     """A record's schema version cannot be read by this version of rlpipe."""
 
 
+class NewerSchemaError(SchemaVersionError):
+    """A record written by a newer rlpipe: readable after an upgrade, so a reader that must not skip it stops."""
+
+
 def parse_version(version: str) -> tuple[int, int]:
     """``"1.2"`` -> ``(1, 2)``; a clear error for anything else."""
     try:
@@ -35,6 +39,6 @@ def check_readable(version: str, supported: str, what: str) -> None:
     major, _ = parse_version(version)
     supported_major, _ = parse_version(supported)
     if major > supported_major:
-        raise SchemaVersionError(
+        raise NewerSchemaError(
             f"{what} has schema version {version}, newer than this rlpipe reads ({supported}); upgrade rlpipe"
         )

@@ -64,6 +64,7 @@ from pipeline.value_network import network_files
 from schemas.checkpoint import LearnerState
 from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
 from schemas.value import SlateSpec
+from schemas.versions import NewerSchemaError
 
 log = logging.getLogger("rlpipe.value")
 
@@ -221,6 +222,8 @@ class ValueLearner:
         try:
             table = self.archive.read_steps(ref.path, ref.sha256)
             return IngestedBatch(ref, table, transitions=self.memory.transitions_of(table))
+        except NewerSchemaError:
+            raise  # written by a newer rlpipe: readable once this one is upgraded, so never skipped
         except POISON_BATCH_ERRORS as exc:
             reason = f"steps batch {ref.batch_id} quarantined: {str(exc).strip().splitlines()[0]}"[:2000]
             topic, partition, offset = origin_of(ref)

@@ -12,10 +12,11 @@ import pytest
 from consumers.learner import BatchRef
 from consumers.service import record_step_metrics
 from pipeline.health import HealthServer
-from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.archive import TrajectoryArchive, parquet_bytes
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import sha256_hex
 from schemas.events import DeadLetter, LearnerProgress
+from schemas.versions import SchemaVersionError
 from tests.consumers import test_learner
 from tests.consumers.test_learner import RUN, make_learner, write_batches
 
@@ -209,6 +210,23 @@ def test_a_batch_that_reads_but_cannot_be_trained_is_dead_lettered_not_stuck_on(
     assert letter.key == "bad" and reason in letter.reason
     assert [m["batch_ids"] for m in steps] == [[good.batch_id], [last.batch_id]]
     assert learner.state.positions == {f"{TOPIC}:0": 3} and "bad" not in learner.state.trained
+
+
+def test_a_batch_written_by_a_newer_rlpipe_stops_the_learner_instead_of_being_skipped(store, setup):
+    """Producers upgraded before the learner: the batch is readable after the learner's upgrade, so it is
+    neither dead-lettered nor committed past; the learner stops asking for the upgrade."""
+    archive = TrajectoryArchive(store)
+    write_batches(archive, setup, 2, np.random.default_rng(8))
+    first, newer = stored_refs(store)
+    table = archive.read_batch(newer.path)
+    data = parquet_bytes(table.replace_schema_metadata({**table.schema.metadata, b"rlpipe.schema_version": b"2.0"}))
+    store.put(newer.path, data)
+    learner, announced = scripted_learner(
+        store, setup, [first, BatchRef(newer.batch_id, newer.path, sha256_hex(data), newer.position)])
+    with pytest.raises(SchemaVersionError, match="upgrade rlpipe"):
+        run_polls(learner, 4)
+    assert not [p for p in announced if isinstance(p, DeadLetter)]
+    assert learner.state.positions == {f"{TOPIC}:0": 1} and newer.batch_id not in learner.state.trained
 
 
 def test_a_storage_error_is_not_a_poison_batch(store, setup, monkeypatch):

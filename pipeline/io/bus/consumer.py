@@ -81,7 +81,10 @@ class EventConsumer:
     * ``poll`` returns decoded events.  Undecodable or misplaced messages are
       published to ``<ns>.dlq`` as ``DeadLetter`` (reason and origin) and skipped;
       events of other runs are skipped when ``run_id`` is given.  Both are counted
-      in ``stats`` and covered by the next ``commit()``.
+      in ``stats`` and covered by the next ``commit()``.  With ``refuse_newer``,
+      an event from a newer rlpipe raises ``NewerEventError`` instead (nothing of
+      that poll is consumed): for a reader that must not skip one, and can read
+      it after an upgrade.
     * ``commit()`` commits everything polled so far; ``commit(offsets)`` commits the
       given next offsets (e.g. ``next_offsets(events)`` or a checkpoint's offsets).
     * ``seek`` positions partitions (applied on assignment if not yet assigned).
@@ -113,6 +116,7 @@ class EventConsumer:
         create_topics: bool = True,
         fetch_max_wait_ms: int = 500,
         membership: bool = True,
+        refuse_newer: bool = False,
     ) -> None:
         if auto_offset_reset not in ("earliest", "latest"):
             raise ValueError(f"auto_offset_reset must be 'earliest' or 'latest', got {auto_offset_reset!r}")
@@ -147,7 +151,7 @@ class EventConsumer:
         }
         self._timeout_ms = int(max(bus_config.connect_timeout_s, 5.0) * 1000)
         self._consumer: KafkaConsumer = _connect(KafkaConsumer, bus_config, settings)
-        self.membership = membership
+        self.membership, self.refuse_newer = membership, refuse_newer
         if membership:
             self._consumer.subscribe([self.topic], listener=_ApplyPendingSeeks(self))
         else:  # every partition, no group membership: the group id only names the committed offsets
@@ -178,7 +182,7 @@ class EventConsumer:
 
     def _accept(self, record: Any) -> ConsumedEvent | None:
         key = _key_text(record.key)
-        event, error = decode_record(record)
+        event, error = decode_record(record, self.refuse_newer)
         if event is None:
             return self._dead_letter(record, error or "undecodable message")
         wrong = _check_event_belongs(self.kind, self.topic, event.type)

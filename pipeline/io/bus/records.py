@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.events import Envelope, EventDecodeError, decode_event
+from schemas.events import Envelope, EventDecodeError, NewerEventError, decode_event
 
 TopicPartitionKey = tuple[str, int]  # (topic, partition)
 OffsetsLike = Mapping[TopicPartitionKey, int] | Mapping[str, int]  # also "topic:partition" keys, as in checkpoints
@@ -77,11 +77,16 @@ def _key_text(key: bytes | None) -> str | None:
     return None if key is None else key.decode("utf-8", errors="replace")
 
 
-def decode_record(record: Any) -> tuple[Envelope | None, str | None]:
-    """A consumed record's event, or None and why it is not one (null value, bad JSON, unknown version)."""
+def decode_record(record: Any, refuse_newer: bool = False) -> tuple[Envelope | None, str | None]:
+    """A consumed record's event, or None and why it is not one (null value, bad JSON, unknown version).
+
+    ``refuse_newer``: an event from a newer rlpipe raises ``NewerEventError`` instead.
+    """
     if record.value is None:
         return None, "empty message (null value)"
     try:
         return decode_event(record.value), None
     except EventDecodeError as exc:
+        if refuse_newer and isinstance(exc, NewerEventError):
+            raise
         return None, str(exc)

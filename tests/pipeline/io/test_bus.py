@@ -28,7 +28,7 @@ from pipeline.io.bus import (
     WrongEventTypeError,
 )
 from schemas.config import BusConfig
-from schemas.events import DeadLetter, RunStopped, encode_event, make_event
+from schemas.events import DeadLetter, NewerEventError, RunStopped, encode_event, make_event
 
 
 def _stop(run_id: str, reason: str) -> Any:
@@ -296,6 +296,25 @@ def test_poison_messages_go_to_the_dlq_and_consumption_continues(bus_config: Bus
         assert letter.payload.key == "run-a"
         assert letter.run_id == "run-a"
         assert letter.payload.raw == (value or b"").decode("utf-8", errors="replace")
+
+
+def test_a_reader_that_must_not_skip_stops_at_a_newer_event_instead_of_dead_lettering_it(
+        bus_config: BusConfig, fast_group: dict) -> None:
+    """``refuse_newer``: an event from a newer rlpipe is readable after an upgrade, so a reader that must not
+    skip one (the learner's batch announcements) stops there, asking for the upgrade, and reads it again next."""
+    topic = f"{bus_config.namespace}.control"
+    newer = json.loads(encode_event(_stop("run-a", "from the future")))
+    newer["schema_version"] = "2.0"
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", _stop("run-a", "before"))
+        publisher.publish_raw(topic, json.dumps(newer).encode(), "run-a")
+    with EventConsumer(bus_config, "control", "strict", refuse_newer=True, **fast_group) as consumer:
+        consumer.wait_for_assignment()
+        for _ in range(2):
+            with pytest.raises(NewerEventError, match="upgrade rlpipe"):
+                _poll_until(consumer, 2)
+        assert consumer.stats.dead_lettered == 0 and consumer.commit() == {}
+    assert not [r for r in bus.tail(bus_config, "dlq", n=20) if r.event is not None]
 
 
 def test_a_failed_dead_letter_loses_nothing(bus_config: BusConfig, fast_group: dict, monkeypatch) -> None:
