@@ -200,7 +200,7 @@ class TrajectoryArchive:
         data = parquet_bytes(_with_commit_time(table, created))
         sha256 = sha256_hex(data)
         self._write_commit_record(key, batch_id, created, sha256)
-        if self.store.put_create(key, data) != sha256:
+        if self.store.put_create_once(key, data) != sha256:  # once: a retried create of our own file lands
             raise ArchiveError(f"{self.store.url(key)} was stored with other bytes than written; write it again")
         return summarize_batch(
             table, run_id=run_id, batch_id=batch_id, path=key, sha256=sha256, size_bytes=len(data), created_at=created
@@ -260,7 +260,9 @@ class TrajectoryArchive:
 
     def read_batch(self, path: str, sha256: str | None = None) -> pa.Table:
         """The batch at ``path`` (a key from an event), digest-verified when ``sha256`` is given, schema-checked."""
-        data = self.store.get(path, sha256)
+        return self._batch_table(path, self.store.get(path, sha256))
+
+    def _batch_table(self, path: str, data: bytes) -> pa.Table:
         try:
             table = pq.read_table(pa.BufferReader(data))
         except pa.ArrowException as exc:
@@ -268,13 +270,14 @@ class TrajectoryArchive:
         return conform_table(table)
 
     def describe_batch(self, key: str, run_id: str) -> BatchInfo:
-        """The summary of a stored batch (its digest computed from the bytes), for re-announcing it."""
-        data = self.store.get(key)
-        sha256 = sha256_hex(data)
-        table = self.read_batch(key, sha256)
+        """The summary of a stored batch, for announcing it: verified against its commit record's digest, so a
+        file changed since its commit is refused (``ChecksumError``), as the learner would refuse it."""
+        commit = self._commit_of(run_id, key)
+        data = self.store.get(key, commit.sha256)
+        table = self._batch_table(key, data)
         return summarize_batch(
-            table, run_id=run_id, batch_id=key.rsplit("/", 1)[-1].removesuffix(".parquet"), path=key, sha256=sha256,
-            size_bytes=len(data), created_at=min(table.column("created_at").to_pylist()),
+            table, run_id=run_id, batch_id=commit.batch_id, path=key, sha256=commit.sha256, size_bytes=len(data),
+            created_at=min(table.column("created_at").to_pylist()),
         )
 
     def list_batches(self, run_id: str) -> list[str]:
@@ -336,7 +339,7 @@ class TrajectoryArchive:
     def write_steps(self, key: str, table: pa.Table) -> str:
         """Write a steps table create-only at ``key`` (e.g. ``datasets/<name>/part-0000.parquet``); return sha256."""
         check_steps_table(table)
-        return self.store.put_create(validate_key(key), parquet_bytes(table))
+        return self.store.put_create_once(validate_key(key), parquet_bytes(table))
 
     def read_steps(self, key: str, sha256: str | None = None) -> pa.Table:
         """One steps table, digest-verified when ``sha256`` is given, schema-checked."""

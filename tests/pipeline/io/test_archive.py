@@ -16,6 +16,7 @@ from pipeline.io.archive import (
     batch_committed_payload,
     commit_record_key,
     new_batch_id,
+    parquet_bytes,
 )
 from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.events import TrajectoryBatchCommitted
@@ -108,6 +109,41 @@ def test_tampered_batch_is_refused(file_store: ObjectStore) -> None:
     file_store.put(info.path, bytes(data))
     with pytest.raises(ChecksumError, match="checksum mismatch"):
         archive.read_batch(info.path, info.sha256)
+
+
+def test_a_batch_changed_after_its_commit_is_described_by_its_recorded_digest_or_refused(
+        file_store: ObjectStore) -> None:
+    """The orphan sweep announces a stored batch nobody announced: from its commit record's digest, so a file
+    altered since (still valid Parquet) is refused, not announced with a digest that makes the learner trust it."""
+    archive = TrajectoryArchive(file_store)
+    info = archive.write_batch("r", two_rows(), created=DAY)
+    assert archive.describe_batch(info.path, "r") == info
+    table = pq.read_table(pa.BufferReader(file_store.get(info.path)))
+    rewarded = table.set_column(table.schema.get_field_index("reward"), "reward", pa.array([9.0, 9.0], pa.float32()))
+    file_store.put(info.path, parquet_bytes(rewarded))
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        archive.describe_batch(info.path, "r")
+
+
+class RetriedCreateStore(ObjectStore):
+    """A gs:// create whose response was lost: the client retries it and reports ``FileExistsError`` for the
+    object the first attempt wrote."""
+
+    def put_create(self, key: str, data: bytes) -> str:
+        digest = super().put_create(key, data)
+        if key.endswith(".parquet"):
+            raise FileExistsError(f"{self.url(key)} already exists")
+        return digest
+
+
+def test_a_retried_create_of_the_writers_own_file_is_not_a_failure(tmp_path) -> None:
+    archive = TrajectoryArchive(RetriedCreateStore(tmp_path.as_uri()))
+    info = archive.write_batch("r", two_rows(), created=DAY)
+    assert archive.read_batch(info.path, info.sha256).num_rows == 2
+    steps = steps_to_table([dict(episode_id="ep", step=0, is_first=True, is_last=True, is_terminal=True,
+                                 observation=[0.0], action=[0.5], reward=1.0, discount=1.0)])
+    digest = archive.write_steps("datasets/d/part-0000.parquet", steps)
+    assert archive.read_steps("datasets/d/part-0000.parquet", digest).equals(steps)
 
 
 def two_batches(store: ObjectStore) -> tuple[TrajectoryArchive, str, str]:
