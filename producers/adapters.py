@@ -74,6 +74,9 @@ class KafkaAdapterEvents:
         self.follower.close()
 
 
+LOAD_RETRY_S = 10.0  # a version whose pull failed (damaged, not yet readable) is tried again after this
+
+
 class AdapterWatcher:
     """Keeps the sampler on the newest verified adapter version (the producer's ``AdapterSource``)."""
 
@@ -93,6 +96,7 @@ class AdapterWatcher:
         self.last_registry_poll = float("-inf")
         self.ids = itertools.count(1)  # lora_int_id: positive, never reused in this process
         self.load_failures = 0
+        self.failed_at: dict[int, float] = {}  # version -> when its last load failed (retried after LOAD_RETRY_S)
         self.in_use: Callable[[], set[int]] = set  # versions running groups sample with (the producer sets it)
         self.retired: list[AdapterHandle] = []  # evicted from the sampler; folder deleted once not in use
 
@@ -110,11 +114,12 @@ class AdapterWatcher:
         now = time.monotonic()
         if now - self.last_registry_poll >= self.registry_poll_s:
             self.last_registry_poll = now
-            latest = self.registry.latest()
-            if latest is not None:
-                self.newest_seen = max(self.newest_seen, latest.version)
+            versions = self.registry.versions()  # a listing: a manifest that does not read fails its load instead
+            if versions:
+                self.newest_seen = max(self.newest_seen, versions[-1])
         current = self.current()
-        if self.newest_seen > (current.version if current else 0):
+        retry_at = self.failed_at.get(self.newest_seen, float("-inf")) + LOAD_RETRY_S
+        if self.newest_seen > (current.version if current else 0) and now >= retry_at:
             self.load(self.newest_seen)
         if self.retired:
             self.delete_retired()
@@ -126,6 +131,7 @@ class AdapterWatcher:
             sha = self.registry.adapter_sha256(version)
         except (OSError, ValueError, LookupError) as exc:
             self.load_failures += 1
+            self.failed_at[version] = time.monotonic()
             log.warning("could not pull adapter v%d (keeping v%s): %s", version,
                         self.current().version if self.current() else 0, exc)
             return None

@@ -160,6 +160,28 @@ def test_evicted_versions_leave_the_cache_and_close_removes_the_folder(memory_st
     assert not cache.exists() and (tmp_path / "adapter-cache").exists()
 
 
+def test_a_damaged_newest_manifest_keeps_the_loaded_version_and_is_retried_only_at_the_poll_interval(
+    memory_store: ObjectStore, tmp_path: Path
+) -> None:
+    """A newest manifest that does not read (damaged, or from a newer rlpipe) raised out of every refresh,
+    crash-looping every producer of the run; the producer keeps serving what it has and tries again later."""
+    registry = AdapterRegistry(memory_store, "r1")
+    registry.publish(make_adapter(tmp_path / "a1", 1), base_model="tiny", parent_version=0, learner_step=0)
+    sampler = LoadRecorder()
+    watcher = AdapterWatcher(registry, sampler, tmp_path / "cache", max_loaded=2, registry_poll_s=3600)
+    watcher.refresh()
+    memory_store.put("runs/r1/adapters/v000002/manifest.json", b'{"truncated": ')
+    watcher.last_registry_poll = float("-inf")  # the poll interval has passed
+    for _ in range(5):
+        watcher.refresh()
+    assert watcher.current().version == 1 and watcher.newest_published() == 2  # type: ignore[union-attr]
+    assert watcher.load_failures == 1  # once per poll interval, not once per refresh
+    registry.publish(make_adapter(tmp_path / "a3", 3), base_model="tiny", parent_version=1, learner_step=3)
+    watcher.last_registry_poll = float("-inf")
+    watcher.refresh()
+    assert [h.version for h in sampler.loaded] == [1, 3]
+
+
 def test_the_sweep_removes_only_folders_of_dead_processes_of_this_host(tmp_path: Path) -> None:
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                               check=True)
