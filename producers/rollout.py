@@ -40,7 +40,7 @@ from producers.episode import ChatFormat, ChatTokenizer, Episode, direct_tokeniz
 from producers.rows import episode_rows
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
 from schemas.config import ProducerConfig, SamplerConfig
-from schemas.trajectory import NO_ADAPTER_SHA
+from schemas.trajectory import NO_ADAPTER_SHA, non_finite_column
 
 log = logging.getLogger("rlpipe.producer")
 
@@ -93,6 +93,7 @@ class RolloutStats:
     tokens: int = 0
     generated_tokens: int = 0
     env_steps: int = 0
+    dropped_groups: int = 0  # groups holding a number that is not finite, never written
     generate_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
     busy_intervals: list[tuple[float, float]] = field(default_factory=list)  # (start, end) unix times generating
@@ -431,13 +432,22 @@ class RolloutWorker:
         groups, self.finished, self.first_finished_at = self.finished, [], None
         batch_id = producer_batch_id(self.producer_id, datetime.now(UTC))
         created = datetime.now(UTC)
-        rows = [
-            row
-            for group in groups
-            for episode in group.episodes
-            for row in episode_rows(episode, run_id=self.run_id, batch_id=batch_id, producer_id=self.producer_id,
-                                    env_name=self.env_name, created_at=created)
-        ]
+        rows = []
+        for group in list(groups):
+            group_rows = [row for episode in group.episodes
+                          for row in episode_rows(episode, run_id=self.run_id, batch_id=batch_id,
+                                                  producer_id=self.producer_id, env_name=self.env_name,
+                                                  created_at=created)]
+            spoiled = non_finite_column(group_rows)
+            if spoiled is None:
+                rows += group_rows
+                continue
+            groups.remove(group)  # the learner would refuse the whole batch for it
+            self.stats.dropped_groups += 1
+            log.error("group %s dropped: its %s holds a value that is not a finite number (NaN or infinity); "
+                      "fix what computes it (environment %s's reward?)", group.group_id, spoiled, self.env_name)
+        if not rows:
+            return
         self.sink.commit(rows, batch_id)
         self.stats.batches += 1
         self.stats.samples += sum(len(g.episodes) for g in groups)

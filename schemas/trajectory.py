@@ -22,9 +22,9 @@ whole-episode rows, for environments without one, and in files before schema 1.2
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -169,6 +169,17 @@ def check_trajectory_table(table: pa.Table) -> None:
 
 
 FINITE_COLUMNS = ("reward", "return_to_go", "turn_rewards", "logprobs", "weight")  # numbers a learner trains on
+
+
+def non_finite_column(rows: Iterable[Mapping[str, Any]]) -> str | None:
+    """The first of ``FINITE_COLUMNS`` holding NaN or an infinity in any of ``rows`` (dicts), or None."""
+    for row in rows:
+        for name in FINITE_COLUMNS:
+            value = row.get(name)
+            values = value if isinstance(value, list) else [] if value is None else [value]
+            if not all(map(math.isfinite, values)):
+                return name
+    return None
 
 
 def check_trajectory_values(table: pa.Table) -> None:

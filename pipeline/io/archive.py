@@ -44,7 +44,13 @@ from pipeline.io.store import ChecksumError, ObjectStore, sha256_hex, validate_k
 from schemas.events import TrajectoryBatchCommitted
 from schemas.names import MAX_NAME_LENGTH, validate_name
 from schemas.steps import BATCH_SUMMARY_KEY, STEPS_BASE_FIELDS, check_steps_table
-from schemas.trajectory import TRAJECTORY_SCHEMA, TrajectoryRecord, conform_table, records_to_table
+from schemas.trajectory import (
+    TRAJECTORY_SCHEMA,
+    TrajectoryRecord,
+    check_trajectory_values,
+    conform_table,
+    records_to_table,
+)
 
 COMMITTED_AT_KEY = b"rlpipe.committed_at"
 COMMIT_RECORD_SUFFIX = ".commit.json"
@@ -192,6 +198,7 @@ class TrajectoryArchive:
         table = _as_trajectory_table(table_or_records)
         if table.num_rows == 0:
             raise ArchiveError("a batch needs at least one row; write nothing instead")
+        check_trajectory_values(table)  # no learner trains on a NaN, and no event can carry its mean
         _require_only(table, "run_id", validate_name(run_id, "run_id"))
         batch_id = batch_id or _only(_distinct(table, "batch_id"), "batch_id")
         _require_only(table, "batch_id", batch_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 
 import pyarrow as pa
@@ -184,6 +186,31 @@ def test_a_producer_id_of_the_longest_allowed_length_still_names_its_batches(tin
     assert len(announced) == 1 and announced[0].producer_id == producer_id
     assert announced[0].batch_id.startswith(producer_id[:30]) and len(announced[0].batch_id) <= 64
     assert {r.producer_id for r in table_to_records(archive.read_batch(announced[0].path))} == {producer_id}
+
+
+def test_a_group_whose_environment_paid_a_reward_that_is_not_a_number_is_dropped_alone(tiny_tokenizer):
+    """Its batch's event would carry a reward mean no reader can decode, and the learner would refuse the whole
+    batch: the group is dropped, named in the log, and the other groups are written."""
+    announced = []
+    worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", announced)
+    make_env = worker.make_env
+    envs = []
+
+    def spoiled_env():
+        env = make_env()
+        envs.append(env)
+        if len(envs) <= worker.cfg.group_size:  # the first group's episodes
+            step = env.step
+            env.step = lambda answer: dataclasses.replace(step(answer), reward=float("nan"))
+        return env
+
+    worker.make_env = spoiled_env
+    worker.run()
+    assert len(announced) == 1 and announced[0].num_groups == 1 and worker.stats.dropped_groups == 1
+    rows = table_to_records(archive.read_batch(announced[0].path, announced[0].sha256))
+    assert all(math.isfinite(r.reward) for r in rows)
+    with pytest.raises(ValueError, match="not a finite number"):
+        archive.write_batch("run1", [dict(rows[0].model_dump(), reward=float("nan"), batch_id="b-nan")])
 
 
 def test_stop_flushes_finished_groups_only(tiny_tokenizer):
