@@ -116,11 +116,28 @@ def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[
 
 
 def effective_run_config(store: ObjectStore, run_id: str) -> dict[str, Any]:
-    """The run's configuration now: the newest recorded change, else ``run.json``."""
+    """The run's configuration now: the newest recorded change, else ``run.json``.
+
+    ``FileNotFoundError`` without ``run.json``; ``ValueError`` naming the file when it is not a JSON object.
+    """
     changes = _change_keys(store, run_id)
     if changes:
-        return dict(json.loads(store.get(changes[-1]))["config"])
-    return dict(json.loads(store.get(f"runs/{run_id}/run.json")))
+        record = _json_object(store, changes[-1])
+        if not isinstance(record.get("config"), dict):
+            raise ValueError(f"{changes[-1]} unreadable: no configuration object under 'config'")
+        return dict(record["config"])
+    return _json_object(store, f"runs/{run_id}/run.json")
+
+
+def _json_object(store: ObjectStore, key: str) -> dict[str, Any]:
+    """The JSON object stored at ``key``; ``ValueError`` naming the key for anything else."""
+    try:
+        data = json.loads(store.get(key))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{key} unreadable: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{key} unreadable: a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def record_config_change(store: ObjectStore, config: RunConfig) -> tuple[str, str, RunConfigChanged | None]:

@@ -111,17 +111,18 @@ class RunSummary:
     stop_reason: str | None = None
     notes: list[str] = field(default_factory=list)
     kind: str = "lora"  # what its versions are: "lora" adapters, or a value run's "value-network"
+    unreadable: bool = False  # its run.json (or newest recorded change) could not be read: the first note says why
 
 
 def stored_run_config(store: ObjectStore, run_id: str) -> dict[str, Any] | None:
     """The run's configuration now (``run.json`` with its newest recorded change, e.g. a resume's ``max_steps``)
-    as a dict; None when it has no ``run.json`` (e.g. demonstrations recorded under a name)."""
+    as a dict; None when it has no ``run.json`` (e.g. demonstrations recorded under a name); ``ValueError``
+    naming the file when it is not a JSON object."""
     from pipeline.runtime import effective_run_config
 
     if not store.exists(f"runs/{validate_name(run_id, 'run_id')}/run.json"):
         return None
-    data = effective_run_config(store, run_id)
-    return data if isinstance(data, dict) else None
+    return effective_run_config(store, run_id)
 
 
 def run_exists(store: ObjectStore, run_id: str) -> bool:
@@ -166,8 +167,11 @@ def activity_or_note(
 def summarize(
     store: ObjectStore, run_id: str, activity: RunActivity | None, log_read: bool, now_s: float | None = None
 ) -> RunSummary:
-    """Everything ``runs show`` prints about one run."""
-    config = stored_run_config(store, run_id) or {}
+    """Everything ``runs show`` prints about one run; an unreadable ``run.json`` is a note (the rest still shows)."""
+    try:
+        config, unreadable = stored_run_config(store, run_id) or {}, None
+    except ValueError as exc:
+        config, unreadable = {}, str(exc)  # names the file
     value = config.get("value")  # a value run: its budget and network are value.learner's, it has no base model
     learner = (value.get("learner") or {}) if value else config.get("learner") or {}
     manifests = AdapterRegistry(store, run_id).list()
@@ -189,7 +193,10 @@ def summarize(
         moments += [activity.last_event_s] if activity.last_event_s is not None else []
     if moments:
         summary.last_activity = datetime.fromtimestamp(max(moments), tz=UTC)
-    if not config:
+    if unreadable:
+        summary.notes.append(unreadable)
+        summary.unreadable = True
+    elif not config:
         summary.env, note = origin_without_run_json(store, run_id)
         summary.notes.append(note)
     summary.status = run_status(summary, activity if log_read else None, log_read, now_s)

@@ -130,6 +130,9 @@ def list_command(
     console.print(table)  # a narrow terminal: the least needed columns went
     if left_out:
         console.print(left_out_note(left_out), markup=False)
+    for summary in summaries:
+        if summary.unreadable:
+            console.print(f"note: {summary.notes[0]}", style="yellow", markup=False)
     if note:
         console.print(f"note: {note}", style="yellow", markup=False)
 

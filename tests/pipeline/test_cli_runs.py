@@ -355,3 +355,21 @@ def test_folders_without_a_run_json_say_what_wrote_them(file_store: ObjectStore,
     assert "rlpipe replay --run hvac-data --train --preset building-hvac --set run_id=hvac-data-awr" in dataset["notes"][0]
     assert other["env"] is None
     assert "e.g. envs record" in other["notes"][0]
+
+
+@pytest.mark.parametrize("damage", [b"[1, 2]", b"{not json"])
+def test_one_unreadable_run_json_is_noted_and_the_other_runs_are_listed(
+    two_runs: tuple[ObjectStore, Path], damage: bytes
+) -> None:
+    store, _ = two_runs
+    store.put_create("runs/broken/run.json", damage)
+    table = runner.invoke(app, ["list", *_where(store)])
+    assert table.exit_code == 0, (table.output, table.exception)
+    assert "cartpole" in table.output and "sokoban" in table.output and "broken" in table.output
+    assert "runs/broken/run.json unreadable:" in table.output
+    listed = runner.invoke(app, ["list", *_where(store), "--json"])
+    runs = {r["run_id"]: r for r in json.loads(listed.stdout)["runs"]}
+    assert set(runs) == {"cart", "cartpole", "broken"} and runs["cart"]["notes"] == []
+    assert runs["broken"]["env"] is None and runs["broken"]["notes"][0].startswith("runs/broken/run.json unreadable:")
+    shown = runner.invoke(app, ["show", "--run", "broken", *_where(store)])
+    assert shown.exit_code == 0 and "runs/broken/run.json unreadable:" in shown.output

@@ -68,3 +68,10 @@ def test_safe_changes_are_allowed_and_recorded_once(store: ObjectStore) -> None:
     # Where the run's parts connect (broker, store, health ports) is not part of its definition.
     moved = config(bus={"bootstrap_servers": "kafka:9092"}, learner={"health_port": 9100})
     assert create_run(store, moved, "tiny")[2] is None
+
+
+@pytest.mark.parametrize("damage", [b"[1, 2]", b"{not json"])
+def test_a_run_json_that_is_not_a_json_object_is_an_error_naming_the_file(store: ObjectStore, damage: bytes) -> None:
+    store.put("runs/damaged/run.json", damage)  # the memory store outlives a test: overwrite, and not r1's
+    with pytest.raises(ValueError, match=r"^runs/damaged/run\.json unreadable: (not JSON|a JSON list, not an object)"):
+        effective_run_config(store, "damaged")

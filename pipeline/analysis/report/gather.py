@@ -126,9 +126,9 @@ def read_run_config(store: ObjectStore, run_id: str, report: RunReport) -> dict[
         report.note("summary", f"no runs/{run_id}/run.json in the store: env and base model come from elsewhere")
         return {}
     except ValueError as exc:
-        report.note("summary", f"runs/{run_id}/run.json is not JSON ({exc}); ignored")
+        report.note("summary", f"{exc}; ignored")  # names the file
         return {}
-    return data if isinstance(data, dict) else {}
+    return data
 
 
 def load_trajectories(archive: TrajectoryArchive, run_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:

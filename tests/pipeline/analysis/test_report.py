@@ -439,3 +439,14 @@ def test_report_html_comes_from_the_packaged_templates_with_autoescaping(run_sto
     assert page.startswith("<!DOCTYPE html>") and "<script>" not in page
     assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; &amp; more" in page
     assert f'src="data:image/png;base64,{base64.b64encode(PNG_SIGNATURE).decode()}"' in page
+
+
+@pytest.mark.parametrize("damage", [b"[1, 2]", b"{not json"])
+def test_an_unreadable_run_json_is_a_note_not_a_failed_report(tmp_path: Path, damage: bytes) -> None:
+    store = ObjectStore(f"file://{tmp_path}/store")
+    store.put_create(f"runs/{RUN}/run.json", damage)
+    TrajectoryArchive(store).write_batch(RUN, _turn_rows("e00", EPISODES["e00"], "only"))
+    result = run_report("--run", RUN, "--root", store.root, "--out", str(tmp_path / "o"), "--json", "--no-bus")
+    data = json.loads(result.stdout)
+    assert data["summary"]["trajectories"]["episodes"] == 1
+    assert any(note.startswith(f"runs/{RUN}/run.json unreadable:") for note in data["notes"]["summary"])
