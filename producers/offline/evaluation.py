@@ -262,8 +262,9 @@ def evaluate_building(
     ``base``: the model without adapter; ``behaviour``: the controller that logged ``card``;
     ``heuristic`` / ``random``: the environment's own.  The environment settings are the
     dataset's (so the model sees the prompts it was trained on), then ``env_overrides`` and
-    ``history_turns``.  What a policy needs (the model, the adapter version, the dataset) is
-    checked before any day is played; ``progress`` is told of each day played.
+    ``history_turns``.  What a policy needs (the model, the adapter version, the dataset and, for
+    ``behaviour``, the controller that logged it) is checked before any day is played; ``progress``
+    is told of each day played.
     """
     unknown = [p for p in policies if p not in EVAL_POLICIES]
     if unknown:
@@ -273,6 +274,7 @@ def evaluate_building(
         raise ValueError(f"policy {needs_model[0]!r} needs a model (--model PATH or tiny)")
     if "behaviour" in policies and card is None:
         raise ValueError("the behaviour policy needs the dataset (--dataset) whose controller it replays")
+    behaviour = behaviour_spec(card) if "behaviour" in policies else None  # refuses a log it cannot replay
     adapter = _adapter_handle(store, run_id, version, cache_dir) if "adapter" in policies else None
     overrides = dict(card.extras.get("env_overrides") or {}) if card is not None else {}
     overrides |= dict(env_overrides or {})
@@ -282,8 +284,8 @@ def evaluate_building(
     results = []
     for policy in policies:
         on_day = _day_reporter(progress, policy, len(days)) if progress is not None else None
-        outcomes, policy_version = _policy_outcomes(policy, days, card, model_path, adapter, sampling, overrides,
-                                                    on_day)
+        outcomes, policy_version = _policy_outcomes(policy, days, behaviour, model_path, adapter, sampling,
+                                                    overrides, on_day)
         result = eval_result(run_id, policy, policy_version, outcomes)
         if store_results:
             store_eval_result(store, result)
@@ -303,15 +305,14 @@ def _day_reporter(progress: Callable[[str], None], policy: str, total: int) -> D
 
 
 def _policy_outcomes(
-    policy: str, days: Sequence[int], card: DatasetCard | None, model_path: str | None, adapter: Any,
+    policy: str, days: Sequence[int], behaviour: GenerationSpec | None, model_path: str | None, adapter: Any,
     sampling: SamplingSettings, overrides: dict[str, Any], on_day: DayDone | None,
 ) -> tuple[list[DayOutcome], int]:
     if policy in ("heuristic", "random"):
         return scripted_outcomes(lambda day: policy, days, sampling.seed, overrides, on_day), 0
     if policy == "behaviour":
-        assert card is not None  # checked by evaluate_building
-        spec = behaviour_spec(card)
-        return scripted_outcomes(lambda day: day_policy(spec, day), days, sampling.seed, overrides, on_day), 0
+        assert behaviour is not None  # checked by evaluate_building
+        return scripted_outcomes(lambda day: day_policy(behaviour, day), days, sampling.seed, overrides, on_day), 0
     from producers.samplers import make_sampler
     from schemas.config import SamplerConfig
 
