@@ -89,7 +89,7 @@ def import_table(
     renamed = {f.source_id: f.name for f in fields}
     columns = ([renamed[c] for c in mapping.observation], [renamed[c] for c in mapping.action],
                renamed[mapping.reward])
-    terminal = frame[mapping.terminal].cast(pl.Boolean).fill_null(False).to_numpy() if mapping.terminal else None
+    terminal = _terminal_flags(frame, mapping.terminal) if mapping.terminal else None
     writer = DatasetWriter(store, name).open()
     for day, table in day_tables(times_us, days, starts, episode_ids, features, columns, terminal):
         writer.write_partition(day, table)
@@ -178,6 +178,36 @@ def _table_features(
         fields.append(DatasetField(name=name, role=roles.get(column, "feature"), source_id=column,
                                    unit=mapping.units.get(column)))
     return features, fields
+
+
+_FLAGS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def _terminal_flags(frame: pl.DataFrame, column: str) -> np.ndarray:
+    """The terminal column as booleans: true/false, yes/no or 1/0 (text in any case, numbers or booleans);
+    a missing cell is false; anything else is refused, naming the first such row."""
+    values = frame[column]
+    if values.dtype == pl.Boolean:
+        return values.fill_null(False).to_numpy()
+    if values.dtype.is_numeric():
+        numbers = values.cast(pl.Float64)
+        flags, readable = numbers == 1.0, numbers.is_in([0.0, 1.0]) | numbers.is_null()
+    else:
+        words = values.cast(pl.Utf8).str.strip_chars().str.to_lowercase()
+        flags = words.replace_strict(_FLAGS, default=None, return_dtype=pl.Boolean)
+        readable = flags.is_not_null() | words.is_null() | (words == "")
+    if not readable.all():
+        first = int(readable.arg_min())
+        raise DatasetImportError(
+            f"column {column!r}: {values[first]!r} ({_row_name(frame, first)}) is not a terminal flag; "
+            "use true/false, yes/no or 1/0 (any case), or leave the cell empty for false"
+        )
+    return flags.fill_null(False).to_numpy()
+
+
+def _row_name(frame: pl.DataFrame, index: int) -> str:
+    """Where a row of the sorted frame is in the file: "row N", counting the rows below the header from 1."""
+    return f"row {int(frame[_ROW][index]) + 1}"
 
 
 def _table_episodes(

@@ -64,3 +64,39 @@ def test_a_missing_mapping_column_is_named_with_every_column_the_file_has(tmp_pa
     assert result.exit_code == 2 and "missing_column" in result.output
     assert all(repr(c) in result.output for c in columns), result.output
     assert dataset_names(store) == []
+
+
+@pytest.mark.parametrize(("no", "yes"), [("no", "YES"), ("False", "true"), ("0", "1"), ("n0", None)])
+def test_a_terminal_column_of_text_reads_true_false_yes_no_1_0_in_any_case(tmp_path, store, no, yes):
+    """Parquet text columns, and CSV yes/no (which polars leaves as text); anything else is refused."""
+    import polars as pl
+
+    log = tmp_path / "log.parquet"
+    flags = [no, no.upper(), no.lower(), yes if yes is not None else "maybe"]
+    pl.DataFrame({"temp": [20.0, 21.0, 22.0, 23.0], "r": [-1.0, -2.0, -3.0, -4.0], "done": flags}).write_parquet(log)
+    mapping = TableMapping(observation=["temp"], reward="r", terminal="done")  # no times: one episode, file order
+    if yes is None:
+        with pytest.raises(ValueError, match=r"^column 'done': 'n0' \(row 1\) is not a terminal flag; .*yes/no"):
+            import_table(store, log, "plant", mapping)
+        assert dataset_names(store) == []
+        return
+    table = next(t for _, t in iter_partitions(store, import_table(store, log, "plant", mapping)))
+    assert table.column("is_terminal").to_pylist() == [False, False, False, True]
+
+
+def test_a_csv_terminal_column_that_is_not_a_flag_is_one_line_naming_it(tmp_path, store):
+    csv = tmp_path / "log.csv"
+    csv.write_text("temp,r,done\n20,-1,no\n21,-2,maybe\n22,-3,yes\n")
+    mapping = tmp_path / "map.yaml"
+    mapping.write_text("observation: [temp]\nreward: r\nterminal: done\n")
+    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(mapping), "--name", "p",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "column 'done': 'maybe' (row 2) is not a terminal flag" in result.stderr and "yes/no" in result.stderr
+    numbers = tmp_path / "numbers.csv"
+    numbers.write_text("temp,r,done\n20,-1,0\n21,-2,2\n")
+    result = runner.invoke(app, ["import", "table", str(numbers), "--mapping", str(mapping), "--name", "p",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "column 'done': 2 (row 2) is not a terminal flag" in result.stderr
+    assert dataset_names(store) == []
