@@ -89,7 +89,7 @@ def import_table(
     renamed = {f.source_id: f.name for f in fields}
     columns = ([renamed[c] for c in mapping.observation], [renamed[c] for c in mapping.action],
                renamed[mapping.reward])
-    terminal = _terminal_flags(frame, mapping.terminal) if mapping.terminal else None
+    terminal = _terminal_flags(frame, mapping.terminal, file.name) if mapping.terminal else None
     writer = DatasetWriter(store, name).open()
     for day, table in day_tables(times_us, days, starts, episode_ids, features, columns, terminal):
         writer.write_partition(day, table)
@@ -175,15 +175,28 @@ def _table_features(
             continue
         name = f"col:{column}" if column in base else column
         features[name] = frame[column].cast(pl.Float64).fill_null(float("nan")).to_numpy()
+        if roles.get(column) in ("action", "reward"):
+            _require_finite(frame, column, roles[column], features[name], where)
         fields.append(DatasetField(name=name, role=roles.get(column, "feature"), source_id=column,
                                    unit=mapping.units.get(column)))
     return features, fields
 
 
+def _require_finite(frame: pl.DataFrame, column: str, role: str, values: np.ndarray, where: str) -> None:
+    """Every step needs its action and reward: a missing or non-finite one is refused, naming the first row."""
+    finite = np.isfinite(values)
+    if not finite.all():
+        first = int(np.argmin(finite))
+        raise DatasetImportError(
+            f"{where}: column {column!r} ({role}) has a missing or non-finite value at {_row_name(frame, first)}; "
+            "fill it in or drop the row"
+        )
+
+
 _FLAGS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
-def _terminal_flags(frame: pl.DataFrame, column: str) -> np.ndarray:
+def _terminal_flags(frame: pl.DataFrame, column: str, where: str) -> np.ndarray:
     """The terminal column as booleans: true/false, yes/no or 1/0 (text in any case, numbers or booleans);
     a missing cell is false; anything else is refused, naming the first such row."""
     values = frame[column]
@@ -199,7 +212,7 @@ def _terminal_flags(frame: pl.DataFrame, column: str) -> np.ndarray:
     if not readable.all():
         first = int(readable.arg_min())
         raise DatasetImportError(
-            f"column {column!r}: {values[first]!r} ({_row_name(frame, first)}) is not a terminal flag; "
+            f"{where}: column {column!r}: {values[first]!r} ({_row_name(frame, first)}) is not a terminal flag; "
             "use true/false, yes/no or 1/0 (any case), or leave the cell empty for false"
         )
     return flags.fill_null(False).to_numpy()

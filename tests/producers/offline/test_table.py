@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 
 import pytest
 from typer.testing import CliRunner
@@ -76,7 +77,7 @@ def test_a_terminal_column_of_text_reads_true_false_yes_no_1_0_in_any_case(tmp_p
     pl.DataFrame({"temp": [20.0, 21.0, 22.0, 23.0], "r": [-1.0, -2.0, -3.0, -4.0], "done": flags}).write_parquet(log)
     mapping = TableMapping(observation=["temp"], reward="r", terminal="done")  # no times: one episode, file order
     if yes is None:
-        with pytest.raises(ValueError, match=r"^column 'done': 'n0' \(row 1\) is not a terminal flag; .*yes/no"):
+        with pytest.raises(ValueError, match=r"^log.parquet: column 'done': 'n0' \(row 1\) is not a terminal flag; .*yes/no"):
             import_table(store, log, "plant", mapping)
         assert dataset_names(store) == []
         return
@@ -100,3 +101,28 @@ def test_a_csv_terminal_column_that_is_not_a_flag_is_one_line_naming_it(tmp_path
                                  "--root", store.root])
     assert result.exit_code == 2 and "column 'done': 2 (row 2) is not a terminal flag" in result.stderr
     assert dataset_names(store) == []
+
+
+@pytest.mark.parametrize(("column", "cells", "row"), [("r", ["-1", "", "-3"], 2), ("sp", ["21.0", "21.5", "NaN"], 3),
+                                                       ("sp", ["inf", "21", "21"], 1)])
+def test_a_missing_or_non_finite_reward_or_action_is_refused_naming_the_column_and_row(
+    tmp_path, store, column, cells, row
+):
+    """A NaN reward or action would train on nothing; an observation may miss values (it stays NaN)."""
+    values = {"temp": ["20", "", "22"], "sp": ["21", "21", "21"], "r": ["-1", "-2", "-3"]} | {column: cells}
+    csv = tmp_path / "log.csv"
+    csv.write_text("temp,sp,r\n" + "".join(f"{values['temp'][i]},{values['sp'][i]},{values['r'][i]}\n"
+                                           for i in range(3)))
+    mapping = tmp_path / "map.yaml"
+    mapping.write_text("observation: [temp]\naction: [sp]\nreward: r\n")
+    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(mapping), "--name", "p",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert f"column {column!r}" in result.stderr and f"row {row}" in result.stderr, result.stderr
+    assert dataset_names(store) == []
+    gappy = tmp_path / "gappy.csv"
+    gappy.write_text("temp,sp,r\n20,21,-1\n,21,-2\n")
+    card = import_table(store, gappy, "gappy", TableMapping(observation=["temp"], action=["sp"], reward="r"))
+    temps = next(t for _, t in iter_partitions(store, card)).column("temp").to_pylist()
+    assert temps[0] == 20.0 and math.isnan(temps[1])
