@@ -18,7 +18,9 @@ import jinja2
 from pipeline.analysis.report.model import (
     FIGURE_FILES,
     RunReport,
+    half_width,
     percent,
+    readable,
     report_sections,
 )
 from pipeline.analysis.report.plots import render_figures
@@ -95,10 +97,12 @@ def _format_summary_value(summary: dict[str, Any], key: str) -> str:
     if key == "adapter_versions":
         return f"{value} (latest v{summary.get('latest_version', 0)})"
     if key.startswith("reward_"):
-        return (f"v{value['version']}: {value['reward_mean']:.4g} ± {value['reward_ci95']:.2g} "
+        mean, ci95 = readable(value["reward_mean"]), half_width(value["reward_ci95"], value["episodes"])
+        return (f"v{value['version']}: {mean} ± {ci95} "
                 f"({value['episodes']} episodes, success {percent(value['success_rate'])})")  # fmt: skip
     if key == "eval":
-        return "; ".join(f"{e['policy']} v{e['version']}: {e['mean_return']:.4g} ± {e['ci95']:.2g} "
+        return "; ".join(f"{e['policy']} v{e['version']}: {readable(e['mean_return'])} ± "
+                         f"{half_width(e['ci95'], e['episodes'])} "
                          f"(success {percent(e['success_rate'])}, {e['episodes']} ep)" for e in value)  # fmt: skip
     if key == "busy_fraction":
         return ", ".join(f"{name} {percent(fraction)}" for name, fraction in value.items())
@@ -113,8 +117,8 @@ def section_table(section: str, report: RunReport) -> dict[str, list[Any]] | Non
         keys = sorted({k for p in report.series["eval"] for k in p["breakdown"]})
         head = ["policy", "version", "episodes", "seed start", "mean return", "95% CI", "success", *keys]
         rows = [
-            [p["policy"], p["version"], p["episodes"], p["seed_start"], f"{p['mean_return']:.4g}",
-             f"± {p['ci95']:.3g}", percent(p["success_rate"]),
+            [p["policy"], p["version"], p["episodes"], p["seed_start"], readable(p["mean_return"]),
+             f"± {half_width(p['ci95'], p['episodes'])}", percent(p["success_rate"]),
              *(f"{p['breakdown'][k]:.4g}" if k in p["breakdown"] else "-" for k in keys)]
             for p in report.series["eval"]
         ]  # fmt: skip

@@ -94,6 +94,23 @@ def finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
+def readable(value: Any, significant: int = 3) -> str:
+    """A number in fixed notation with about ``significant`` significant digits and never an exponent
+    (123.4 -> 123, -31.63 -> -31.6, 0.01234 -> 0.0123); "-" when it is not a finite number."""
+    if not finite(value):
+        return "-"
+    if value == 0:
+        return "0"
+    decimals = significant - 1 - math.floor(math.log10(abs(value)))
+    return f"{value:.{min(max(decimals, 0), 6)}f}"
+
+
+def half_width(ci95: Any, episodes: int) -> str:
+    """The half-width of a mean's 95% interval, ``readable``; "n/a" below two episodes, where there is none
+    (a 0 there would read as certainty)."""
+    return readable(ci95) if episodes >= 2 else "n/a"
+
+
 def percent(value: Any) -> str:
     return f"{100 * value:.1f}%" if finite(value) else "-"
 

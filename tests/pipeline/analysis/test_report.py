@@ -450,3 +450,28 @@ def test_an_unreadable_run_json_is_a_note_not_a_failed_report(tmp_path: Path, da
     data = json.loads(result.stdout)
     assert data["summary"]["trajectories"]["episodes"] == 1
     assert any(note.startswith(f"runs/{RUN}/run.json unreadable:") for note in data["notes"]["summary"])
+
+
+def test_summary_and_eval_table_intervals_read_without_exponents_and_one_episode_has_none() -> None:
+    from pipeline.analysis.report.html import section_table, summary_lines
+    from pipeline.analysis.report.model import RunReport
+
+    def version(episodes: int, mean: float, ci95: float) -> dict[str, Any]:
+        return {"version": 0, "episodes": episodes, "reward_mean": mean, "reward_ci95": ci95, "success_rate": 0.5}
+
+    def evaluation(episodes: int, mean: float, ci95: float) -> dict[str, Any]:
+        return {"policy": "adapter", "version": 3, "episodes": episodes, "seed_start": 0, "mean_return": mean,
+                "ci95": ci95, "success_rate": 0.5, "breakdown": {}}
+
+    summary = {"reward_first_version": version(1, 10.0, 0.0), "reward_last_version": version(5, 150.0, 123.4),
+               "eval": [evaluation(1, -31.631, 0.0), evaluation(40, 12345.6, 1234.5), evaluation(8, 0.01234, 0.00123)]}
+    lines = dict(summary_lines(summary))
+    assert lines["mean reward, first version"].startswith("v0: 10.0 ± n/a (1 episodes")  # not "± 0": no interval
+    assert lines["mean reward, last version"].startswith("v0: 150 ± 123 (5 episodes")  # not 1.2e+02
+    assert lines["evaluations"].split("; ")[0].startswith("adapter v3: -31.6 ± n/a")
+    assert "12346 ± 1234" in lines["evaluations"] and "0.0123 ± 0.00123" in lines["evaluations"]
+    report = RunReport("r", "file:///s", "now", summary, {"eval": summary["eval"]})
+    table = section_table("eval", report)
+    assert table is not None
+    assert [(row[4], row[5]) for row in table["rows"]] == [("-31.6", "± n/a"), ("12346", "± 1234"),
+                                                          ("0.0123", "± 0.00123")]
