@@ -76,20 +76,21 @@ def import_table(
     """Import a CSV or Parquet log as dataset ``name`` using ``mapping``; return the card.
 
     Rows are grouped by episode (episodes ordered by their first time, or first
-    appearance without times) and sorted by time within each.  Numeric columns the
+    appearance without times) and sorted by time within each; a terminal row ends its
+    episode.  Numeric columns the
     mapping does not claim become features; other columns are left out (logged).
     """
     file = Path(path)
     frame = _ordered_frame(_read_frame(file), mapping, file.name)
     times_us = frame[_TIME].to_numpy() if mapping.timestamp else None
     features, fields = _table_features(frame, mapping, file.name)
-    starts, episode_ids = _table_episodes(frame, mapping, times_us)
+    terminal = _terminal_flags(frame, mapping.terminal, file.name) if mapping.terminal else None
+    starts, episode_ids = _table_episodes(frame, mapping, times_us, terminal, file.name)
     days = (episode_days(times_us, starts, mapping.utc_offset_hours) if times_us is not None
             else [dt.date(1970, 1, 1)] * len(starts))  # no times: one partition
     renamed = {f.source_id: f.name for f in fields}
     columns = ([renamed[c] for c in mapping.observation], [renamed[c] for c in mapping.action],
                renamed[mapping.reward])
-    terminal = _terminal_flags(frame, mapping.terminal, file.name) if mapping.terminal else None
     writer = DatasetWriter(store, name).open()
     for day, table in day_tables(times_us, days, starts, episode_ids, features, columns, terminal):
         writer.write_partition(day, table)
@@ -97,8 +98,7 @@ def import_table(
         source=source, description=mapping.description,
         source_files={file.name: hashlib.sha256(file.read_bytes()).hexdigest()}, fields=fields,
         observation_columns=columns[0], action_columns=columns[1], reward_column=columns[2],
-        episode_rule=f"episodes from column {mapping.episode_id!r}" if mapping.episode_id
-        else episode_rule(mapping.episode_split, mapping.utc_offset_hours),
+        episode_rule=_episode_rule(mapping),
         step_seconds=median_step(times_us) if times_us is not None and times_us.size > 1 else None,
         extras={"layout": "table", "mapping": mapping.model_dump(mode="json")},
     )
@@ -224,14 +224,53 @@ def _row_name(frame: pl.DataFrame, index: int) -> str:
 
 
 def _table_episodes(
-    frame: pl.DataFrame, mapping: TableMapping, times_us: np.ndarray | None
+    frame: pl.DataFrame, mapping: TableMapping, times_us: np.ndarray | None, terminal: np.ndarray | None,
+    where: str,
 ) -> tuple[np.ndarray, list[str]]:
-    """Episode start rows and ids: from the episode column, by day or gap in time, or one episode."""
+    """Episode start rows and ids: from the episode column, else by day or gap in time (or one episode
+    without times) and after every terminal row, since a terminal row is where an episode truly ended."""
     if mapping.episode_id is not None:
         codes = frame[mapping.episode_id].cast(pl.Utf8).to_numpy()
         starts = np.flatnonzero(np.append(True, codes[1:] != codes[:-1]))
+        _require_terminal_last(frame, starts, terminal, codes, where)
         return starts, [str(codes[s]) for s in starts]
     if times_us is None:
-        return np.zeros(1, dtype=np.int64), ["episode-0"]
+        starts = _after_terminals(np.zeros(1, dtype=np.int64), terminal)
+        return starts, [f"episode-{e}" for e in range(starts.size)]
     starts = episode_starts(times_us, median_step(times_us), mapping.episode_split, mapping.utc_offset_hours)
+    starts = _after_terminals(starts, terminal)
     return starts, [episode_id_for(int(times_us[s])) for s in starts]
+
+
+def _episode_rule(mapping: TableMapping) -> str:
+    """How the log was cut into episodes, in words, for the dataset card."""
+    rule = (f"episodes from column {mapping.episode_id!r}" if mapping.episode_id
+            else episode_rule(mapping.episode_split, mapping.utc_offset_hours) if mapping.timestamp
+            else "one episode in file order")
+    return f"{rule}; a terminal row ({mapping.terminal!r}) ends its episode" if mapping.terminal else rule
+
+
+def _after_terminals(starts_E: np.ndarray, terminal_R: np.ndarray | None) -> np.ndarray:
+    """``starts_E`` and the row after every terminal row (but the last row), sorted and unique."""
+    if terminal_R is None:
+        return starts_E
+    after = np.flatnonzero(terminal_R[:-1]) + 1
+    return np.union1d(starts_E, after).astype(np.int64)
+
+
+def _require_terminal_last(
+    frame: pl.DataFrame, starts_E: np.ndarray, terminal_R: np.ndarray | None, codes_R: np.ndarray, where: str
+) -> None:
+    """With an episode column, a terminal row must be the last of its episode (a truly ended episode has no
+    more steps); refuse the first that is not, naming its row."""
+    if terminal_R is None:
+        return
+    last_R = np.zeros(terminal_R.size, dtype=bool)
+    last_R[np.append(starts_E[1:], terminal_R.size) - 1] = True
+    inside = np.flatnonzero(terminal_R & ~last_R)
+    if inside.size:
+        row = int(inside[0])
+        raise DatasetImportError(
+            f"{where}: {_row_name(frame, row)} is terminal but not the last row of its episode {codes_R[row]!r}; "
+            "give the rows after it another episode id, or clear its terminal flag"
+        )

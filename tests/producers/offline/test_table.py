@@ -126,3 +126,35 @@ def test_a_missing_or_non_finite_reward_or_action_is_refused_naming_the_column_a
     card = import_table(store, gappy, "gappy", TableMapping(observation=["temp"], action=["sp"], reward="r"))
     temps = next(t for _, t in iter_partitions(store, card)).column("temp").to_pylist()
     assert temps[0] == 20.0 and math.isnan(temps[1])
+
+
+def test_a_terminal_row_ends_its_episode_and_the_next_row_starts_another(tmp_path, store):
+    """Twelve hourly rows of one day, terminal at row 6 (and at the last): two episodes, 6 + 6 rows."""
+    csv = tmp_path / "log.csv"
+    csv.write_text("time,temp,sp,r,done\n" + "".join(
+        f"2024-01-01T{h:02d}:00:00Z,{20 + h},21,{-h},{'true' if h in (5, 11) else 'false'}\n" for h in range(12)))
+    mapping = TableMapping(timestamp="time", observation=["temp"], action=["sp"], reward="r", terminal="done")
+    card = import_table(store, csv, "plant", mapping)
+    assert card.num_episodes == 2 and card.num_rows == 12
+    assert card.episode_rule.endswith("a terminal row ('done') ends its episode")
+    cols = next(t for _, t in iter_partitions(store, card)).to_pydict()
+    assert cols["episode_id"] == ["20240101T000000Z"] * 6 + ["20240101T060000Z"] * 6
+    assert cols["step"] == [*range(6), *range(6)]
+    assert [i for i, last in enumerate(cols["is_last"]) if last] == [5, 11]
+    assert [i for i, t in enumerate(cols["is_terminal"]) if t] == [5, 11]
+    assert cols["discount"][5] == 0.0 and cols["discount"][6] == 1.0
+    untimed = import_table(store, csv, "untimed", TableMapping(observation=["temp"], reward="r", terminal="done"))
+    assert untimed.num_episodes == 2  # file order, no times: the terminal row still ends the first episode
+
+
+def test_a_terminal_row_inside_a_named_episode_is_refused_naming_the_row(tmp_path, store):
+    csv = tmp_path / "log.csv"
+    csv.write_text("building,temp,r,done\nb1,20,-1,false\nb1,21,-2,true\nb1,22,-3,false\nb2,23,-4,true\n")
+    mapping = tmp_path / "map.yaml"
+    mapping.write_text("episode_id: building\nobservation: [temp]\nreward: r\nterminal: done\n")
+    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(mapping), "--name", "p",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "row 2" in result.stderr and "'b1'" in result.stderr and "last row of its episode" in result.stderr
+    assert dataset_names(store) == []
