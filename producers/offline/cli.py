@@ -374,7 +374,7 @@ def to_trajectories(
         f"train: rlpipe replay --run {run} --train --preset building-hvac --set run_id={run}-awr "
         f"--set model.base_model={model_path} --set learner.loss=awr --set learner.advantage=return_to_go "
         "--set learner.awr_beta=2 "  # raw return-to-go advantages are in reward units (docs/offline.md's recipe)
-        f"--set learner.batch_rows={min(report.rows, episodes_per_batch * turns_per_batch)} "
+        f"--set learner.batch_rows={report.smallest_batch_rows} "  # the learner steps once enough rows wait
         "--set learner.max_staleness=1000"
     )
 

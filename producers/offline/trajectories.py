@@ -208,6 +208,7 @@ class ConversionReport:
     tokens: int
     generated_tokens: int
     summary_key: str
+    smallest_batch_rows: int  # learner.batch_rows at most this: each batch is one optimizer step on its own
 
 
 def turn_messages(system: str, steps: Sequence[RenderedStep], turn: int, history_turns: int) -> list[dict[str, str]]:
@@ -371,6 +372,7 @@ def dataset_to_trajectories(
     except FileExistsError:
         raise FileExistsError(_unfinished_conversion(name, run_id)) from None
     rows = tokens = generated = 0
+    smallest = None
     for index, items in enumerate(plan):
         batch_id = conversion_batch_id(name, index)
         ids = {"run_id": run_id, "batch_id": batch_id, "producer_id": producer_id, "group_prefix": name}
@@ -382,6 +384,7 @@ def dataset_to_trajectories(
                 store.delete(marker_key, missing_ok=True)
             raise FileExistsError(_unfinished_conversion(name, run_id)) from None
         rows, tokens, generated = rows + info.num_rows, tokens + info.num_tokens, generated + info.num_generated_tokens
+        smallest = info.num_rows if smallest is None else min(smallest, info.num_rows)
         if progress is not None:
             progress(index + 1, len(plan))
     summary = {
@@ -393,7 +396,8 @@ def dataset_to_trajectories(
     }  # fmt: skip
     store.put_create(summary_key, (json.dumps(summary, indent=2) + "\n").encode())
     store.delete(marker_key, missing_ok=True)
-    return ConversionReport(run_id, name, len(episodes), len(plan), rows, tokens, generated, summary_key)
+    return ConversionReport(run_id, name, len(episodes), len(plan), rows, tokens, generated, summary_key,
+                            smallest or 0)
 
 
 def _unfinished_conversion(name: str, run_id: str) -> str:

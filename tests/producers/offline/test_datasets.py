@@ -484,6 +484,21 @@ def test_to_trajectories_hints_the_documented_training_recipe(store, tiny_model_
     assert documented <= set(re.findall(r"--set (\S+)", hint)), hint
 
 
+def test_to_trajectories_hints_the_rows_of_its_smallest_batch_so_each_batch_is_one_step(store, tiny_model_dir):
+    """2 days of 288 turns, 7 episodes x 17 turns a batch: only 2 episodes, every 17th turn (16 phases of 17
+    turns, one of 16), so 16 batches of 34 rows and one of 32; batch_rows 32 makes each batch one learner step
+    (7 x 17 = 119 would train seven batches a step, 34 would join the 32-row batch to the next)."""
+    generate_building_dataset(store, "short", GenerationSpec(days=2, policy="heuristic"))
+    result = runner.invoke(app, ["to-trajectories", "short", "--run", "r", "--model", tiny_model_dir,
+                                 "--episodes-per-batch", "7", "--turns-per-batch", "17", "--history-turns", "0",
+                                 "--root", store.root])
+    assert result.exit_code == 0, result.output
+    archive = TrajectoryArchive(store)
+    sizes = sorted(archive.read_batch(ref).num_rows for ref in archive.list_batches("r"))
+    assert sizes == [32] + [34] * 16
+    hint = next(line for line in result.stdout.splitlines() if line.startswith("train:"))
+    assert "--set learner.batch_rows=32 " in hint, hint
+
 def test_sample_after_the_end_says_so_and_a_single_day_has_no_interval(store):
     generate_building_dataset(store, "short", GenerationSpec(days=1, policy="heuristic"))
     sampled = runner.invoke(app, ["sample", "short", "--start", "2030-01-01", "--root", store.root])
