@@ -29,11 +29,11 @@ from schemas.versions import check_readable
 EVAL_SCHEMA_VERSION = "1.0"
 EVAL_FOLDER = "eval"
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-# Two-sided 95% Student-t critical values t_{0.975, df} for df = 1..30 (a t table); an expansion beyond.
+# Two-sided 95% Student-t critical values t_{0.975, df} for df = 1..30 (a t table, 6 decimals); an expansion beyond.
 _T_975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+    12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
+    2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
+    2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272,
 )  # fmt: skip
 _CONSISTENCY_TOLERANCE = 1e-6
 
@@ -80,7 +80,6 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
         return mean, 0.0
     variance = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
     return mean, t_critical_95(n - 1) * math.sqrt(variance) / math.sqrt(n)
-
 
 
 def paired_difference(a: Mapping[int, Sequence[float]], b: Mapping[int, Sequence[float]]) -> dict[str, float]:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
-from scipy import stats
 
 from pipeline.analysis.report.plots import png_bytes
 from pipeline.sweeps.plan import SweepDir, SweepSpec, experiments
+from schemas.evaluation import t_critical_95
 
 FIGURE = "leaderboard.png"
 
@@ -53,7 +53,7 @@ def interval(values: list[float]) -> tuple[float, float]:
     mean = float(array.mean())
     if len(array) < 2:
         return mean, float("nan")
-    return mean, float(stats.t.ppf(0.975, len(array) - 1) * array.std(ddof=1) / math.sqrt(len(array)))
+    return mean, float(t_critical_95(len(array) - 1) * array.std(ddof=1) / math.sqrt(len(array)))
 
 
 def gather(sweep: SweepDir, spec: SweepSpec) -> list[Entry]:

@@ -9,9 +9,9 @@ def test_paired_difference_pairs_same_seed_and_falls_back_to_seed_zero():
     a = {0: [1.0, 2.0], 1: [3.0, 4.0]}
     b = {0: [0.0, 1.0]}  # one seed: a's seed 1 is compared with b's seed 0
     d = paired_difference(a, b)
-    # differences 1, 1, 3, 3: mean 2, s = sqrt(4/3), half-width t(3)=3.182 * s / 2
+    # differences 1, 1, 3, 3: mean 2, s = sqrt(4/3), half-width t(3)=3.182446 * s / 2
     assert d["mean"] == pytest.approx(2.0)
-    assert d["ci95"] == pytest.approx(3.182 * (4 / 3) ** 0.5 / 2)
+    assert d["ci95"] == pytest.approx(3.182446 * (4 / 3) ** 0.5 / 2)
     assert d["pairs"] == 4 and d["above"] is True
 
 
