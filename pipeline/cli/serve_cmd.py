@@ -106,7 +106,8 @@ def resolve_models(names: list[str]) -> list[str]:
 @handle_user_errors
 def serve(
     base_model: Annotated[list[str] | None, typer.Option(
-        "--base-model", "-m", help="A base model to serve (a local folder, or 'tiny'); repeat for several.")] = None,
+        "--base-model", "-m", help="A base model to serve (a local folder, a hub id, or 'tiny'); repeat for several. --role gateway "
+             "only names it: give the engines' string.")] = None,
     role: Annotated[str, typer.Option(help="all | gateway | trainer | sampler")] = "all",
     host: Annotated[str, typer.Option(help="Address the gateway listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the gateway.")] = 8000,
@@ -166,11 +167,12 @@ def serve(
         fail("--direct-port is for --role sampler; --role all picks its own ports", EXIT_USAGE)
     setup_logging()
     cfg = run_config(None, None, overrides or [])
-    for name in base_model or []:
+    gateway_only = role == "gateway"  # it only names the models (routing calls to their engines): no copy here
+    for name in [] if gateway_only else base_model or []:
         check_model_path(name)  # before anything starts
     ensure_stack(cfg)
     bus, store = resolved_bus(cfg.bus), open_store(cfg.store)
-    models = resolve_models(base_model or ["tiny"])
+    models = base_model if gateway_only and base_model else resolve_models(base_model or ["tiny"])
     ensure_topics(bus, API_TOPIC_KINDS)
     env = {**os.environ, **bus_environment(bus), "RLPIPE_BUS__BOOTSTRAP_SERVERS": bus.bootstrap_servers}
     if not cfg.bus.bootstrap_servers:

@@ -77,13 +77,19 @@ def test_every_role_of_serve_runs_on_the_same_base_model(resources):
 
 @pytest.mark.parametrize("role", ["trainer", "sampler"])
 def test_the_engines_find_their_base_model_filled_before_they_start(resources, role):
+    """Served by its hub id (what clients name, and load its tokenizer by), from the hub cache the init container
+    filled on the same volume; offline, so a start makes no hub calls."""
     spec, container = _container(resources, role)
-    folder = _option(container, "--base-model")
-    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    (volume,) = [name for name, path in mounts.items() if folder.startswith(path + "/")]
+    hub_id = _option(container, "--base-model")
+    assert not hub_id.startswith("/") and hub_id.count("/") == 1  # a hub id, not a folder only the pods have
     (init,) = spec["initContainers"]
-    assert folder in init["args"][-1]  # the folder the init container writes into
-    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}[volume] == mounts[volume]
+    assert f'snapshot_download("{hub_id}")' in init["args"][-1]
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["cache"] == mounts["cache"] == "/cache"
+    dockerfile = K8S.parent / "docker" / f"{'producer' if role == 'sampler' else 'learner'}.Dockerfile"
+    assert "HF_HOME=/cache/hf" in dockerfile.read_text()  # the cache both containers read, on that volume
 
 
 def test_the_trainer_statefulset_names_a_headless_service_that_selects_it(resources):

@@ -256,6 +256,26 @@ def test_serve_refuses_a_base_model_folder_that_is_not_there_before_starting_any
     assert f"base model {missing}: no such folder" in result.stderr and "Traceback" not in result.output
 
 
+def test_a_gateway_names_base_models_it_holds_no_copy_of(tmp_path, monkeypatch):
+    """The gateway only routes calls to the engines serving a model: a folder that exists only in the engines'
+    pods is no reason for it to refuse to start (it restarted for ever in infra/k8s/api)."""
+    from pipeline.cli import serve_cmd
+    from pipeline.devstack import launcher
+    from pipeline.io import bus
+
+    served = []
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", (tmp_path / "store").as_uri())
+    monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    monkeypatch.setattr(launcher, "ensure_stack", lambda config: None)
+    monkeypatch.setattr(bus, "ensure_topics", lambda *args, **kwargs: None)
+    monkeypatch.setattr(serve_cmd, "run_gateway", lambda store, bus, models, *rest: served.append(models))
+    elsewhere = "/cache/models/base"
+    result = runner.invoke(app, ["serve", "--role", "gateway", "--base-model", elsewhere])
+    assert result.exit_code == 0, result.output
+    assert served == [[elsewhere]]
+
+
 def test_a_base_model_path_must_be_a_model_folder_and_a_hub_id_passes(tmp_path):
     import pytest
 
