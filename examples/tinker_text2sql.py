@@ -2,8 +2,9 @@
 
 The loop runs on the researcher's machine against ``rlpipe serve``; the
 environment is stepped here, client-side.  It uses rlpipe's text-to-SQL
-environment for the tasks and the scoring (``pip install rlpipe`` beside
-``tinker``; the shipped 44 tasks, or ``--tasks`` with a JSONL file of your own):
+environment for the tasks and the scoring (rlpipe installed beside ``tinker``,
+from a checkout: ``pip install -e path/to/rlpipe``; the shipped 44 tasks, or
+``--tasks`` with a JSONL file of your own):
 
 1. supervised warm start: ``cross_entropy`` on the gold queries of the training
    tasks, in the answer format the environment parses (skip with ``--sft-steps 0``);
