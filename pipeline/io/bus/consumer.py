@@ -37,7 +37,7 @@ from pipeline.io.bus.records import (
 )
 from pipeline.topics import topic_name
 from schemas.config import BusConfig
-from schemas.events import DeadLetter, encode_event, make_event
+from schemas.events import DeadLetter, NewerEventError, encode_event, make_event
 from schemas.names import InvalidNameError, validate_name
 
 GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"  # consumer-group timings, JSON (group_timings_from_env)
@@ -48,8 +48,8 @@ DEAD_LETTER_RAW_BYTES = 4096  # the start of a poison message kept in its DeadLe
 _UNKNOWN_RUN = "unknown"
 
 
-def _dead_letter_run_id(key: str | None, raw: bytes | None) -> str:
-    """The run a poison message probably belongs to: its key (run_id by convention), else ``unknown``."""
+def _probable_run_id(key: str | None, raw: bytes | None) -> str:
+    """The run an undecodable message probably belongs to: its key (run_id by convention), else ``unknown``."""
     with contextlib.suppress(InvalidNameError):
         return validate_name(key or "", "run_id")
     match = re.search(rb'"run_id"\s*:\s*"([A-Za-z0-9._-]{1,64})"', raw or b"")
@@ -182,7 +182,13 @@ class EventConsumer:
 
     def _accept(self, record: Any) -> ConsumedEvent | None:
         key = _key_text(record.key)
-        event, error = decode_record(record, self.refuse_newer)
+        try:
+            event, error = decode_record(record, self.refuse_newer)
+        except NewerEventError:
+            if self.run_id is not None and _probable_run_id(key, record.value) != self.run_id:
+                self.stats.skipped_other_runs += 1  # that run's own readers stop on it
+                return None
+            raise
         if event is None:
             return self._dead_letter(record, error or "undecodable message")
         wrong = _check_event_belongs(self.kind, self.topic, event.type)
@@ -210,7 +216,7 @@ class EventConsumer:
             raw=raw[:DEAD_LETTER_RAW_BYTES].decode("utf-8", errors="replace"),
             raw_truncated=len(raw) > DEAD_LETTER_RAW_BYTES,
         )
-        envelope = make_event(_dead_letter_run_id(key, raw), letter)
+        envelope = make_event(_probable_run_id(key, raw), letter)
         self._dead_letter_publisher().publish_raw(self.dlq_topic, encode_event(envelope), record.key, "DeadLetter")
         self.stats.dead_lettered += 1
         log.warning("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)

@@ -308,12 +308,17 @@ def test_a_reader_that_must_not_skip_stops_at_a_newer_event_instead_of_dead_lett
     with EventPublisher(bus_config) as publisher:
         publisher.publish("control", _stop("run-a", "before"))
         publisher.publish_raw(topic, json.dumps(newer).encode(), "run-a")
-    with EventConsumer(bus_config, "control", "strict", refuse_newer=True, **fast_group) as consumer:
+    with EventConsumer(bus_config, "control", "strict", refuse_newer=True, run_id="run-a", **fast_group) as consumer:
         consumer.wait_for_assignment()
         for _ in range(2):
             with pytest.raises(NewerEventError, match="upgrade rlpipe"):
                 _poll_until(consumer, 2)
         assert consumer.stats.dead_lettered == 0 and consumer.commit() == {}
+    # another run's reader goes past it: that run's own readers stop on it (the topic is shared by every run)
+    with EventConsumer(bus_config, "control", "other", refuse_newer=True, run_id="run-b", **fast_group) as consumer:
+        consumer.wait_for_assignment()
+        assert _poll_until(consumer, 1, timeout_s=5.0) == []
+        assert consumer.stats.skipped_other_runs == 2 and consumer.stats.dead_lettered == 0
     assert not [r for r in bus.tail(bus_config, "dlq", n=20) if r.event is not None]
 
 
