@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Literal
 
@@ -239,7 +240,17 @@ def _table_episodes(
         return starts, [f"episode-{e}" for e in range(starts.size)]
     starts = episode_starts(times_us, median_step(times_us), mapping.episode_split, mapping.utc_offset_hours)
     starts = _after_terminals(starts, terminal)
-    return starts, [episode_id_for(int(times_us[s])) for s in starts]
+    return starts, _distinct([episode_id_for(int(times_us[s])) for s in starts])
+
+
+def _distinct(ids: list[str]) -> list[str]:
+    """``ids`` with each repeat suffixed ``-1``, ``-2``, ... (ids are start times to the second)."""
+    seen: Counter[str] = Counter()
+    distinct = []
+    for episode_id in ids:
+        distinct.append(f"{episode_id}-{seen[episode_id]}" if seen[episode_id] else episode_id)
+        seen[episode_id] += 1
+    return distinct
 
 
 def _episode_rule(mapping: TableMapping) -> str:

@@ -147,6 +147,19 @@ def test_a_terminal_row_ends_its_episode_and_the_next_row_starts_another(tmp_pat
     assert untimed.num_episodes == 2  # file order, no times: the terminal row still ends the first episode
 
 
+def test_episodes_that_start_within_one_second_get_ids_of_their_own(tmp_path, store):
+    """Ids are start times to the second: steps of 0.1 s cut by terminal rows every 3 rows gave three episodes one
+    id, which everything grouping by episode_id then merged."""
+    csv = tmp_path / "log.csv"
+    csv.write_text("time,temp,sp,r,done\n" + "".join(
+        f"2024-01-01T00:00:00.{i}Z,{20 + i},21,{-i},{'true' if i % 3 == 2 else 'false'}\n" for i in range(8)))
+    mapping = TableMapping(timestamp="time", observation=["temp"], action=["sp"], reward="r", terminal="done")
+    card = import_table(store, csv, "fast", mapping)
+    cols = next(t for _, t in iter_partitions(store, card)).to_pydict()
+    assert card.num_episodes == 3 == len(set(cols["episode_id"]))
+    assert cols["step"] == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
 def test_a_terminal_row_inside_a_named_episode_is_refused_naming_the_row(tmp_path, store):
     csv = tmp_path / "log.csv"
     csv.write_text("building,temp,r,done\nb1,20,-1,false\nb1,21,-2,true\nb1,22,-3,false\nb2,23,-4,true\n")
