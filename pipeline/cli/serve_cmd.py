@@ -107,7 +107,7 @@ def resolve_models(names: list[str]) -> list[str]:
 def serve(
     base_model: Annotated[list[str] | None, typer.Option(
         "--base-model", "-m", help="A base model to serve (a local folder, a hub id, or 'tiny'); repeat for several. --role gateway "
-             "only names it: give the engines' string.")] = None,
+             "only names it: a folder only the engines have needs no copy there.")] = None,
     role: Annotated[str, typer.Option(help="all | gateway | trainer | sampler")] = "all",
     host: Annotated[str, typer.Option(help="Address the gateway listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the gateway.")] = 8000,
@@ -167,12 +167,14 @@ def serve(
         fail("--direct-port is for --role sampler; --role all picks its own ports", EXIT_USAGE)
     setup_logging()
     cfg = run_config(None, None, overrides or [])
-    gateway_only = role == "gateway"  # it only names the models (routing calls to their engines): no copy here
-    for name in [] if gateway_only else base_model or []:
+    # the gateway only names the models (it routes calls to their engines): a folder it lacks is the engines'
+    named = [name for name in base_model or ["tiny"] if role != "gateway" or name == "tiny" or Path(name).exists()]
+    for name in named:
         check_model_path(name)  # before anything starts
     ensure_stack(cfg)
     bus, store = resolved_bus(cfg.bus), open_store(cfg.store)
-    models = base_model if gateway_only and base_model else resolve_models(base_model or ["tiny"])
+    resolved = dict(zip(named, resolve_models(named), strict=True))  # as the engines name them
+    models = [resolved.get(name, name) for name in base_model or ["tiny"]]
     ensure_topics(bus, API_TOPIC_KINDS)
     env = {**os.environ, **bus_environment(bus), "RLPIPE_BUS__BOOTSTRAP_SERVERS": bus.bootstrap_servers}
     if not cfg.bus.bootstrap_servers:

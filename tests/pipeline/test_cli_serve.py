@@ -271,9 +271,12 @@ def test_a_gateway_names_base_models_it_holds_no_copy_of(tmp_path, monkeypatch):
     monkeypatch.setattr(bus, "ensure_topics", lambda *args, **kwargs: None)
     monkeypatch.setattr(serve_cmd, "run_gateway", lambda store, bus, models, *rest: served.append(models))
     elsewhere = "/cache/models/base"
-    result = runner.invoke(app, ["serve", "--role", "gateway", "--base-model", elsewhere])
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["serve", "--role", "gateway", "--base-model", elsewhere, "--base-model", "./here"])
     assert result.exit_code == 0, result.output
-    assert served == [[elsewhere]]
+    assert served == [[elsewhere, str(tmp_path / "here")]]  # a folder it has is named as its engines name it
 
 
 def test_a_base_model_path_must_be_a_model_folder_and_a_hub_id_passes(tmp_path):
