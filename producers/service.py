@@ -85,6 +85,8 @@ class Heartbeat:
             for name, value in payload.model_dump().items():
                 if isinstance(value, int | float):
                     self.health.set_gauge(f"rlpipe_producer_{name}", float(value), f"producer {name}")
+            self.health.set_gauge("rlpipe_producer_groups_dropped_total", float(stats.dropped_groups),
+                                  "groups never written: a number in them was not finite (the log names each)")
         self.next_at = time.monotonic() + self.interval_s
         return payload
 

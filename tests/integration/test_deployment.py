@@ -204,6 +204,7 @@ def test_env_only_producer_and_learner_serve_health_metrics_and_stop_cleanly(
                    "the producer's heartbeat metrics", producer.died)
         produced = scrape(producer_port)
         assert produced["rlpipe_producer_samples_total"] >= 2  # at least the group the learner trained on
+        assert produced["rlpipe_producer_groups_dropped_total"] == 0.0
         learned = scrape(learner_port)
         assert learned["rlpipe_learner_step"] >= 1 and "rlpipe_learner_loss" in learned
 
