@@ -258,12 +258,16 @@ class TrajectoryArchive:
         """Refuse (``ChecksumError``, naming the batch and the fix) the first batch whose file no longer has the
         digest its commit record holds: replay checks every batch before it trains or announces any."""
         for commit in commits:
-            try:
-                self.store.get(commit.key, sha256=commit.sha256)
-            except ChecksumError:
-                raise ChecksumError(f"trajectory batch {commit.batch_id} of run {run_id} "
-                                    f"({self.store.url(commit.key)}) does not match the sha256 in its commit "
-                                    f"record: it is corrupt or was replaced; {damaged_run_fix(run_id)}") from None
+            self._committed_bytes(run_id, commit)
+
+    def _committed_bytes(self, run_id: str, commit: BatchCommit) -> bytes:
+        """A batch's file, refused (``ChecksumError`` naming it and the fix) unless its commit record's digest."""
+        try:
+            return self.store.get(commit.key, sha256=commit.sha256)
+        except ChecksumError:
+            raise ChecksumError(f"trajectory batch {commit.batch_id} of run {run_id} "
+                                f"({self.store.url(commit.key)}) does not match the sha256 in its commit "
+                                f"record: it is corrupt or was replaced; {damaged_run_fix(run_id)}") from None
 
     def read_batch(self, path: str, sha256: str | None = None) -> pa.Table:
         """The batch at ``path`` (a key from an event), digest-verified when ``sha256`` is given, schema-checked."""
@@ -276,11 +280,11 @@ class TrajectoryArchive:
             raise ArchiveError(f"{self.store.url(path)} is not a readable Parquet file: {exc}") from None
         return conform_table(table)
 
-    def describe_batch(self, key: str, run_id: str) -> BatchInfo:
-        """The summary of a stored batch, for announcing it: verified against its commit record's digest, so a
-        file changed since its commit is refused (``ChecksumError``), as the learner would refuse it."""
-        commit = self._commit_of(run_id, key)
-        data = self.store.get(key, commit.sha256)
+    def describe_batch(self, key: str, run_id: str, commit: BatchCommit | None = None) -> BatchInfo:
+        """The summary of a stored batch, for announcing it: verified against its commit record's digest (read
+        unless given), so a file changed since its commit is refused (``ChecksumError``), as a learner would."""
+        commit = commit or self._commit_of(run_id, key)
+        data = self._committed_bytes(run_id, commit)
         table = self._batch_table(key, data)
         return summarize_batch(
             table, run_id=run_id, batch_id=commit.batch_id, path=key, sha256=commit.sha256, size_bytes=len(data),
