@@ -158,7 +158,10 @@ class ReplaySource:
         return refs
 
     def seek(self, positions: dict[str, int]) -> None:
-        """Resume: offer, in commit order, every batch not trained yet (the listing is read again)."""
+        """Resume: offer, in commit order, every batch not trained yet (the listing is read again, unless this
+        is a seek to the start before anything was handed out: the listing just read stands)."""
+        if not positions.get(self.position_key) and not self.cursor:
+            return
         self.cursor = positions.get(self.position_key, 0)
         trained = self.already_trained or (lambda batch_id: False)
         self.queue = deque(c for c in self._listing() if not trained(c.batch_id))

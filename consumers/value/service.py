@@ -154,7 +154,10 @@ class StepsReplaySource:
         return [BatchRef(batch_id, key, None, {self.position_key: self.handed_out})]
 
     def seek(self, positions: dict[str, int]) -> None:
-        """Resume: offer every batch not trained yet, in key order."""
+        """Resume: offer every batch not trained yet, in key order (a seek to the start before anything was
+        handed out keeps the listing just read)."""
+        if not positions.get(self.position_key) and not self.handed_out:
+            return
         self.handed_out = positions.get(self.position_key, 0)
         trained = self.already_trained or (lambda batch_id: False)
         self.queue = [k for k in self._listing() if not trained(k.rsplit("/", 1)[-1].removesuffix(".parquet"))]

@@ -121,7 +121,7 @@ def test_a_batch_changed_after_its_commit_is_described_by_its_recorded_digest_or
     table = pq.read_table(pa.BufferReader(file_store.get(info.path)))
     rewarded = table.set_column(table.schema.get_field_index("reward"), "reward", pa.array([9.0, 9.0], pa.float32()))
     file_store.put(info.path, parquet_bytes(rewarded))
-    with pytest.raises(ChecksumError, match="trajectory batch b1 of run r .* does not match the sha256 in its commit"):
+    with pytest.raises(ChecksumError, match=r"trajectory batch b1 of run r .* does not match the sha256 in its commit"):
         archive.describe_batch(info.path, "r")
 
 
