@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 
 from pipeline.analysis.report.plots import png_bytes
 from pipeline.sweeps.plan import SweepDir, SweepSpec, experiments
-from schemas.evaluation import t_critical_95
+from schemas.evaluation import mean_ci95
 
 FIGURE = "leaderboard.png"
 
@@ -49,11 +49,8 @@ class Entry:
 
 def interval(values: list[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95% t interval (NaN for fewer than two values)."""
-    array = np.asarray(values, dtype=float)
-    mean = float(array.mean())
-    if len(array) < 2:
-        return mean, float("nan")
-    return mean, float(t_critical_95(len(array) - 1) * array.std(ddof=1) / math.sqrt(len(array)))
+    mean, half = mean_ci95(values)
+    return mean, half if len(values) > 1 else float("nan")
 
 
 def gather(sweep: SweepDir, spec: SweepSpec) -> list[Entry]:

@@ -160,7 +160,7 @@ def test_evicted_versions_leave_the_cache_and_close_removes_the_folder(memory_st
     assert not cache.exists() and (tmp_path / "adapter-cache").exists()
 
 
-def test_a_damaged_newest_manifest_keeps_the_loaded_version_and_is_retried_only_at_the_poll_interval(
+def test_a_damaged_newest_manifest_keeps_the_loaded_version_and_is_not_retried_at_every_refresh(
     memory_store: ObjectStore, tmp_path: Path
 ) -> None:
     """A newest manifest that does not read (damaged, or from a newer rlpipe) raised out of every refresh,
@@ -175,7 +175,7 @@ def test_a_damaged_newest_manifest_keeps_the_loaded_version_and_is_retried_only_
     for _ in range(5):
         watcher.refresh()
     assert watcher.current().version == 1 and watcher.newest_published() == 2  # type: ignore[union-attr]
-    assert watcher.load_failures == 1  # once per poll interval, not once per refresh
+    assert watcher.load_failures == 1  # tried again after LOAD_RETRY_S, not at every refresh
     registry.publish(make_adapter(tmp_path / "a3", 3), base_model="tiny", parent_version=1, learner_step=3)
     watcher.last_registry_poll = float("-inf")
     watcher.refresh()

@@ -17,7 +17,7 @@ def test_the_interval_uses_students_t_at_every_sample_size(n):
     mean, half = mean_ci95(values)
     expected = stats.t.ppf(0.975, n - 1) * np.std(values, ddof=1) / math.sqrt(n)
     assert mean == pytest.approx(np.mean(values))
-    assert half == pytest.approx(expected, rel=1e-3 if n <= 31 else 1e-6)  # the table up to 30 has 3 decimals
+    assert half == pytest.approx(expected, rel=1e-6)  # the table to 30 has 6 decimals, the expansion beyond
 
 
 def test_the_critical_value_falls_smoothly_to_the_normal_one():

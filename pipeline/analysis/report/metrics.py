@@ -17,11 +17,10 @@ import polars as pl
 
 from pipeline.analysis.report.model import ControlEvents, Lane, dig, first_known
 from schemas.config import LearnerConfig
-from schemas.evaluation import EvalResult, mean_ci95
+from schemas.evaluation import Z_975, EvalResult, mean_ci95
 from schemas.events import ProducerHeartbeat
 
 MAX_SERIES_POINTS = 2000  # reward-over-time points kept in JSON and plots (evenly thinned)
-_WILSON_Z = 1.959964  # two-sided 95% normal quantile
 
 
 def episodes_of(rows: pl.DataFrame) -> pl.DataFrame:
@@ -50,9 +49,9 @@ def wilson_interval(successes: int, n: int) -> tuple[float, float]:
     """95% Wilson score interval of a success rate (sensible at 0% and 100%, unlike the normal one)."""
     if n == 0:
         return math.nan, math.nan
-    p, z2 = successes / n, _WILSON_Z**2
+    p, z2 = successes / n, Z_975**2
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = _WILSON_Z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    half = Z_975 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
