@@ -21,6 +21,19 @@ def store(tmp_path):
     return ObjectStore((tmp_path / "store").as_uri())
 
 
+def refused(tmp_path, store, rows: str, mapping: str) -> str:
+    """The one-line error of importing the CSV ``rows`` with ``mapping`` (YAML), which must store nothing."""
+    csv, mapping_file = tmp_path / "log.csv", tmp_path / "map.yaml"
+    csv.write_text(rows)
+    mapping_file.write_text(mapping)
+    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(mapping_file), "--name", "p",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert dataset_names(store) == []
+    return result.stderr
+
+
 def test_import_table_with_a_column_mapping(tmp_path, store):
     csv = tmp_path / "plant.csv"
     csv.write_text(
@@ -86,21 +99,11 @@ def test_a_terminal_column_of_text_reads_true_false_yes_no_1_0_in_any_case(tmp_p
 
 
 def test_a_csv_terminal_column_that_is_not_a_flag_is_one_line_naming_it(tmp_path, store):
-    csv = tmp_path / "log.csv"
-    csv.write_text("temp,r,done\n20,-1,no\n21,-2,maybe\n22,-3,yes\n")
-    mapping = tmp_path / "map.yaml"
-    mapping.write_text("observation: [temp]\nreward: r\nterminal: done\n")
-    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(mapping), "--name", "p",
-                                 "--root", store.root])
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert "column 'done': 'maybe' (row 2) is not a terminal flag" in result.stderr and "yes/no" in result.stderr
-    numbers = tmp_path / "numbers.csv"
-    numbers.write_text("temp,r,done\n20,-1,0\n21,-2,2\n")
-    result = runner.invoke(app, ["import", "table", str(numbers), "--mapping", str(mapping), "--name", "p",
-                                 "--root", store.root])
-    assert result.exit_code == 2 and "column 'done': 2 (row 2) is not a terminal flag" in result.stderr
-    assert dataset_names(store) == []
+    mapping = "observation: [temp]\nreward: r\nterminal: done\n"
+    said = refused(tmp_path, store, "temp,r,done\n20,-1,no\n21,-2,maybe\n22,-3,yes\n", mapping)
+    assert "column 'done': 'maybe' (row 2) is not a terminal flag" in said and "yes/no" in said
+    said = refused(tmp_path, store, "temp,r,done\n20,-1,0\n21,-2,2\n", mapping)
+    assert "column 'done': 2 (row 2) is not a terminal flag" in said
 
 
 @pytest.mark.parametrize(("column", "cells", "row"), [("r", ["-1", "", "-3"], 2), ("sp", ["21.0", "21.5", "NaN"], 3),
@@ -110,17 +113,9 @@ def test_a_missing_or_non_finite_reward_or_action_is_refused_naming_the_column_a
 ):
     """A NaN reward or action would train on nothing; an observation may miss values (it stays NaN)."""
     values = {"temp": ["20", "", "22"], "sp": ["21", "21", "21"], "r": ["-1", "-2", "-3"]} | {column: cells}
-    csv = tmp_path / "log.csv"
-    csv.write_text("temp,sp,r\n" + "".join(f"{values['temp'][i]},{values['sp'][i]},{values['r'][i]}\n"
-                                           for i in range(3)))
-    mapping = tmp_path / "map.yaml"
-    mapping.write_text("observation: [temp]\naction: [sp]\nreward: r\n")
-    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(mapping), "--name", "p",
-                                 "--root", store.root])
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert f"column {column!r}" in result.stderr and f"row {row}" in result.stderr, result.stderr
-    assert dataset_names(store) == []
+    rows = "temp,sp,r\n" + "".join(f"{values['temp'][i]},{values['sp'][i]},{values['r'][i]}\n" for i in range(3))
+    said = refused(tmp_path, store, rows, "observation: [temp]\naction: [sp]\nreward: r\n")
+    assert f"column {column!r}" in said and f"row {row}" in said, said
     gappy = tmp_path / "gappy.csv"
     gappy.write_text("temp,sp,r\n20,21,-1\n,21,-2\n")
     card = import_table(store, gappy, "gappy", TableMapping(observation=["temp"], action=["sp"], reward="r"))
@@ -161,13 +156,6 @@ def test_episodes_that_start_within_one_second_get_ids_of_their_own(tmp_path, st
 
 
 def test_a_terminal_row_inside_a_named_episode_is_refused_naming_the_row(tmp_path, store):
-    csv = tmp_path / "log.csv"
-    csv.write_text("building,temp,r,done\nb1,20,-1,false\nb1,21,-2,true\nb1,22,-3,false\nb2,23,-4,true\n")
-    mapping = tmp_path / "map.yaml"
-    mapping.write_text("episode_id: building\nobservation: [temp]\nreward: r\nterminal: done\n")
-    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(mapping), "--name", "p",
-                                 "--root", store.root])
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert "row 2" in result.stderr and "'b1'" in result.stderr and "last row of its episode" in result.stderr
-    assert dataset_names(store) == []
+    said = refused(tmp_path, store, "building,temp,r,done\nb1,20,-1,false\nb1,21,-2,true\nb1,22,-3,false\nb2,23,-4,true\n",
+                   "episode_id: building\nobservation: [temp]\nreward: r\nterminal: done\n")
+    assert "row 2" in said and "'b1'" in said and "last row of its episode" in said
