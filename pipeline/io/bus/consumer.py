@@ -82,9 +82,9 @@ class EventConsumer:
       published to ``<ns>.dlq`` as ``DeadLetter`` (reason and origin) and skipped;
       events of other runs are skipped when ``run_id`` is given.  Both are counted
       in ``stats`` and covered by the next ``commit()``.  With ``refuse_newer``,
-      an event from a newer rlpipe raises ``NewerEventError`` instead (nothing of
-      that poll is consumed): for a reader that must not skip one, and can read
-      it after an upgrade.
+      an event from a newer rlpipe (of this reader's run, when ``run_id`` is given)
+      raises ``NewerEventError`` instead, and nothing of that poll is consumed: for
+      a reader that must not skip one, and can read it after an upgrade.
     * ``commit()`` commits everything polled so far; ``commit(offsets)`` commits the
       given next offsets (e.g. ``next_offsets(events)`` or a checkpoint's offsets).
     * ``seek`` positions partitions (applied on assignment if not yet assigned).
