@@ -290,23 +290,23 @@ class Learner:
                 table = self.reader.read(ref)
                 check_trajectory_values(table)
                 check_trainable_rows(table, self.policy.input_vocab)
+                # every row, stale or not: whether a batch is refused must not depend on the learner's version
+                check_behaviour_policy(self.cfg.loss, *(table.column(name).to_pylist()
+                                                        for name in ("temperature", "top_p", "top_k")))
                 if self.cfg.discount < 1.0 and table.num_rows:
                     table = with_discounted_returns(table, self.cfg.discount)
-                keep, dropped, histogram = drop_stale(
-                    table.column("policy_version").to_numpy(), self.state.version, self.cfg.max_staleness
-                )
-                table = table.filter(pa.array(keep))
-                check_behaviour_policy(self.cfg.loss, *(table.column(name).to_pylist()  # of the rows kept
-                                                        for name in ("temperature", "top_p", "top_k")))
             except NewerSchemaError:
                 raise  # written by a newer rlpipe: readable once this one is upgraded, so never skipped
             except POISON_BATCH_ERRORS as exc:
                 self.quarantine(ref, exc)
                 continue
+            keep, dropped, histogram = drop_stale(
+                table.column("policy_version").to_numpy(), self.state.version, self.cfg.max_staleness
+            )
             if dropped:
                 log.info("batch %s: dropped %d rows older than %d versions", ref.batch_id, dropped,
                          self.cfg.max_staleness)
-            self.pending.append(PendingBatch(ref, table, dropped, histogram))
+            self.pending.append(PendingBatch(ref, table.filter(pa.array(keep)), dropped, histogram))
 
     def quarantine(self, ref: BatchRef, error: Exception) -> None:
         """Dead-letter a batch that can never be read, and go on past it.

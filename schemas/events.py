@@ -31,7 +31,12 @@ class EventDecodeError(ValueError):
 
 
 class NewerEventError(EventDecodeError, NewerSchemaError):
-    """An event from a newer rlpipe (dead-lettered, unless its reader must not skip it: ``refuse_newer``)."""
+    """An event from a newer rlpipe (dead-lettered, unless its reader must not skip it: ``refuse_newer``);
+    ``run_id``: the envelope's, as written (None if it has none)."""
+
+    def __init__(self, message: str, run_id: object = None) -> None:
+        super().__init__(message)
+        self.run_id = run_id
 
 
 class Payload(BaseModel):
@@ -264,7 +269,7 @@ def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelop
     try:
         check_readable(str(raw.get("schema_version", "")), EVENT_SCHEMA_VERSION, f"{event_type} event")
     except NewerSchemaError as exc:
-        raise NewerEventError(str(exc)) from None
+        raise NewerEventError(str(exc), raw.get("run_id")) from None
     except SchemaVersionError as exc:
         raise EventDecodeError(str(exc)) from None
     try:

@@ -48,8 +48,8 @@ DEAD_LETTER_RAW_BYTES = 4096  # the start of a poison message kept in its DeadLe
 _UNKNOWN_RUN = "unknown"
 
 
-def _probable_run_id(key: str | None, raw: bytes | None) -> str:
-    """The run an undecodable message probably belongs to: its key (run_id by convention), else ``unknown``."""
+def _dead_letter_run_id(key: str | None, raw: bytes | None) -> str:
+    """The run a poison message probably belongs to: its key (run_id by convention), else ``unknown``."""
     with contextlib.suppress(InvalidNameError):
         return validate_name(key or "", "run_id")
     match = re.search(rb'"run_id"\s*:\s*"([A-Za-z0-9._-]{1,64})"', raw or b"")
@@ -184,11 +184,11 @@ class EventConsumer:
         key = _key_text(record.key)
         try:
             event, error = decode_record(record, self.refuse_newer)
-        except NewerEventError:
-            if self.run_id is not None and _probable_run_id(key, record.value) != self.run_id:
-                self.stats.skipped_other_runs += 1  # that run's own readers stop on it
+        except NewerEventError as exc:
+            if self.run_id is not None and isinstance(exc.run_id, str) and exc.run_id != self.run_id:
+                self.stats.skipped_other_runs += 1  # another run's: its own readers stop on it
                 return None
-            raise
+            raise  # this run's, or whose run cannot be told
         if event is None:
             return self._dead_letter(record, error or "undecodable message")
         wrong = _check_event_belongs(self.kind, self.topic, event.type)
@@ -216,7 +216,7 @@ class EventConsumer:
             raw=raw[:DEAD_LETTER_RAW_BYTES].decode("utf-8", errors="replace"),
             raw_truncated=len(raw) > DEAD_LETTER_RAW_BYTES,
         )
-        envelope = make_event(_probable_run_id(key, raw), letter)
+        envelope = make_event(_dead_letter_run_id(key, raw), letter)
         self._dead_letter_publisher().publish_raw(self.dlq_topic, encode_event(envelope), record.key, "DeadLetter")
         self.stats.dead_lettered += 1
         log.warning("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)

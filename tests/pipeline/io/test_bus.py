@@ -314,11 +314,19 @@ def test_a_reader_that_must_not_skip_stops_at_a_newer_event_instead_of_dead_lett
             with pytest.raises(NewerEventError, match="upgrade rlpipe"):
                 _poll_until(consumer, 2)
         assert consumer.stats.dead_lettered == 0 and consumer.commit() == {}
-    # another run's reader goes past it: that run's own readers stop on it (the topic is shared by every run)
+    # another run's reader goes past it: that run's own readers stop on it (the topic is shared by every run);
+    # whose run it is comes from the envelope, not the key (which a newer rlpipe may use otherwise)
+    keyed_otherwise = {**newer, "run_id": "run-c"}
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish_raw(topic, json.dumps(keyed_otherwise).encode(), "producer-7")
+    with EventConsumer(bus_config, "control", "third", refuse_newer=True, run_id="run-c", **fast_group) as consumer:
+        consumer.wait_for_assignment()
+        with pytest.raises(NewerEventError):
+            _poll_until(consumer, 3)
     with EventConsumer(bus_config, "control", "other", refuse_newer=True, run_id="run-b", **fast_group) as consumer:
         consumer.wait_for_assignment()
         assert _poll_until(consumer, 1, timeout_s=5.0) == []
-        assert consumer.stats.skipped_other_runs == 2 and consumer.stats.dead_lettered == 0
+        assert consumer.stats.skipped_other_runs == 3 and consumer.stats.dead_lettered == 0
     assert not [r for r in bus.tail(bus_config, "dlq", n=20) if r.event is not None]
 
 
