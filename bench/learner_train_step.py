@@ -54,6 +54,8 @@ def main() -> None:
         steps = [step_micro_batches(archive.read_batch(c.key), cfg)[:2] for c in archive.commits("bench-src")]
         arms = {"learner train_step": lambda i: policy.train_step(*steps[i % 4]),
                 "bare step": lambda i: bare.step(*steps[i % 4])}
+        for arm in arms.values():  # untimed: first calls (allocations, kernels' first runs) cost more
+            arm(0)
         times: dict[str, list[float]] = {name: [] for name in arms}
         for round_ in range(args.rounds):
             for name in (list(arms) if round_ % 2 else list(arms)[::-1]):
@@ -62,8 +64,8 @@ def main() -> None:
                     arms[name](i)
                 times[name].append((time.perf_counter() - started) / 5)
     ratios = [b / a for a, b in zip(times["learner train_step"], times["bare step"], strict=True)]
-    print(f"tiny model, CPU, torch {torch.__version__}, 1 thread; 8 rows/step of 128+8 tokens; {args.rounds} rounds "
-          f"of 5 steps each; {load}")
+    print(f"tiny model, CPU, torch {torch.__version__}, 1 thread; 8 rows/step of 128+8 tokens; one untimed step of "
+          f"each arm, then {args.rounds} rounds of 5 steps each; {load}")
     for name, values in times.items():
         print(f"{name}: median {statistics.median(values) * 1e3:.1f} ms/step")
     print(f"bare / learner per round: {spread(ratios)}")

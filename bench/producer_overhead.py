@@ -235,7 +235,9 @@ def main() -> None:
             warm_s = warm_up(sampler, args)
             rows, producers, bares, episodes = [], [], [], 0
             for index in range(args.rounds):
+                sampler._llm.reset_prefix_cache()  # each arm computes its own prompts: none finds the other's cached
                 producer, recorder, done = run_producer(sampler, args, seed_start=index * args.groups)
+                sampler._llm.reset_prefix_cache()
                 bare = replay_bare(sampler, recorder.calls, temperature=1.0)  # the very calls just made
                 rows.append((str(index + 1), producer, bare))
                 producers.append(producer)

@@ -196,6 +196,11 @@ def run_loop_tasks(engine: SyncSampler, args: argparse.Namespace, seed_start: in
     return Measurement(seconds, len(turns), sum(t.generated_tokens for t in turns), 0.0, cpu), turns
 
 
+def cold_prefix_cache(engine: SyncSampler) -> None:
+    """Empty vLLM's prefix cache (on by default), so an arm replaying another's prompts does not find them cached."""
+    engine.call(engine.engine._engine().reset_prefix_cache())
+
+
 def replay_bare(engine: SyncSampler, turns: list[Turn], args: argparse.Namespace) -> tuple[Measurement, int]:
     """The recorded turns into ``AsyncLLM.generate``, episode by episode, groups admitted as the worker admits
     them; returns the measurement and how many turns generated other tokens than the producer's."""
@@ -284,7 +289,9 @@ def main() -> None:
             arms = [run_producer, run_loop_tasks] if args.loop_tasks else [run_producer]
             measured = {}
             for arm in arms if index % 2 == 0 else arms[::-1]:  # with --loop-tasks, alternately first
+                cold_prefix_cache(engine)  # each arm computes its own prompts: none finds another's cached
                 run, turns = arm(engine, args, seed_start=index * args.groups)
+                cold_prefix_cache(engine)
                 measured[arm] = run, *replay_bare(engine, turns, args)  # the very requests just sent
             producer, bare, differ = measured[run_producer]
             rows.append((str(index + 1), producer, bare))

@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cpu import LoadAverage, busy_core_seconds, cpu_bound  # noqa: E402 - after the project root is on the path
 from bench.options import model_folder, positive_int  # noqa: E402
+from schemas.evaluation import mean_ci95  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "tinker_cartpole.py"
 SHORT_LOOP = ("--demo-episodes 10 --sft-steps 4 --batch 32 --rl-steps 3 --group-size 4 --eval-episodes 8 "
@@ -84,13 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def mean_interval(samples: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% interval (normal approximation; NaN for fewer than two samples)."""
-    n = len(samples)
-    mean = math.fsum(samples) / n if n else math.nan
-    if n < 2:
-        return mean, math.nan
-    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in samples) / (n - 1))
-    return mean, 1.96 * sd / math.sqrt(n)
+    """Mean and the half-width of its 95% t interval (``mean_ci95``; NaN for fewer than two samples)."""
+    if not samples:
+        return math.nan, math.nan
+    mean, half = mean_ci95(samples)
+    return mean, half if len(samples) > 1 else math.nan
 
 
 def intervals_overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:

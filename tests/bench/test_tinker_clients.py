@@ -24,8 +24,8 @@ def test_options_need_the_baseline_and_leave_the_seed_to_the_bench():
 
 
 def test_mean_and_interval():
-    mean, half = mean_interval([1.0, 3.0])  # sd sqrt(2); half 1.96 * sqrt(2) / sqrt(2)
-    assert (mean, half) == pytest.approx((2.0, 1.96))
+    mean, half = mean_interval([1.0, 3.0])  # sd sqrt(2); half t(0.975, 1) * sqrt(2) / sqrt(2), not a normal 1.96
+    assert (mean, half) == pytest.approx((2.0, 12.706205))
     assert math.isnan(mean_interval([4.0])[1])
     assert intervals_overlap((2.0, 1.0), (3.5, 0.5)) and not intervals_overlap((2.0, 1.0), (3.6, 0.5))
     assert intervals_overlap((2.0, math.nan), (9.0, 0.1))
@@ -40,7 +40,7 @@ def test_busy_by_kind_and_the_table():
     three = Level(3, 12.0, 300, 30, 0.9, 0.5, [result, result, {**result, "samples": [30.0, 31.0]}])
     lines = report_lines([one, three], {0: result, 2: result})
     assert "1 | 10 | 10.0 | 1.0 | 11.0 | 50% | 20% | -" in lines
-    assert "3 | 2 | 30.5 +/- 1.0 | 11.0 +/- 2.0 | NO" in lines and "3 | 1 | 11.0 +/- 2.0 | - | -" in lines
+    assert "3 | 2 | 30.5 +/- 6.4 | 11.0 +/- 12.7 | NO" in lines and "3 | 1 | 11.0 +/- 12.7 | - | -" in lines
     assert lines[-1].startswith("3 clients vs 1: x2.50 all tokens/s") and lines[-1].endswith("goal x2.0: met")
 
 
