@@ -53,9 +53,12 @@ Regularisers against collapse, added to any of the losses above (both off by def
   entropy bonus   - (c_H/N) sum_bt m_t H_t, H_t the entropy of the policy's tempered
                   distribution at the position that predicts token t
   KL penalty      + (c_KL/N) sum_bt m_t k3_t, k3_t = exp(d_t) - d_t - 1 with
-                  d_t = logref_t - logp_t (Schulman's k3: unbiased for KL(policy || ref)
-                  on tokens the policy sampled, always >= 0; here the tokens come from
-                  the sampler, a close off-policy approximation)
+                  d_t = logref_t - logp_t (Schulman's k3: its value is unbiased for
+                  KL(policy || ref) on tokens the policy sampled, always >= 0; here the
+                  tokens come from the sampler, a close off-policy approximation).  Its
+                  gradient in expectation is that of KL(ref || policy), the mass-covering
+                  direction, not of KL(policy || ref): both hold the policy near its
+                  reference, and both are 0 there
   They use m_t but not the sample weight w_b: a row that awr or filtered_bc weighs 0
   still keeps the policy near its reference and its entropy up.
 

@@ -17,7 +17,7 @@ from pydantic import ConfigDict, Field, SecretStr, field_validator, model_valida
 
 from schemas.fields import NoYesNoNumbers
 from schemas.names import validate_name
-from schemas.trajectory import behaviour_policy_problem
+from schemas.trajectory import MIN_SAMPLING_TEMPERATURE, behaviour_policy_problem
 from schemas.value import ValueRunConfig
 
 PRODUCER_SLOTS = 256  # training seed ranges per run: one per producer ordinal (num_producers' bound)
@@ -110,7 +110,17 @@ class SamplerConfig(_Section):
             "as one call (vLLM's LLM.generate); packed producers always use the engine"
         ),
     )
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="sampling temperature (0 = greedy)")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="sampling temperature (0 = greedy; otherwise at "
+                               "least 0.01, below which vLLM samples at 0.01 whatever it is given)")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        if 0.0 < value < MIN_SAMPLING_TEMPERATURE:
+            raise ValueError(f"sampler.temperature {value:g}: use 0 (greedy) or at least {MIN_SAMPLING_TEMPERATURE:g}; "
+                             f"vLLM samples at {MIN_SAMPLING_TEMPERATURE:g} below it, and the rows would record "
+                             f"{value:g}")
+        return value
     top_p: float = Field(
         1.0, gt=0.0, le=1.0, description="nucleus sampling mass (below 1 only with losses without importance ratios)"
     )
@@ -233,12 +243,14 @@ class LearnerConfig(_Section):
     # Remedies against collapse (consumers.collapse, consumers.losses); all off by default.
     entropy_coef: float = Field(
         0.0, ge=0.0, le=10.0,
-        description="entropy bonus: loss -= coef x mean policy entropy over generated tokens (0 = off)",
+        description="entropy bonus: loss -= coef x policy entropy summed over each row's generated tokens, averaged "
+        "over rows, as the policy loss is (so it grows with answer length; 0 = off)",
     )
     kl_coef: float = Field(
         0.0, ge=0.0, le=100.0,
         description="KL penalty to the starting policy (the warm start, else the base model): "
-        "loss += coef x k3 estimate on the sampled tokens (0 = off; one extra no-grad forward per micro-batch)",
+        "loss += coef x k3 estimate summed over each row's sampled tokens, averaged over rows (its value estimates "
+        "KL(policy||ref), its gradient that of KL(ref||policy); 0 = off; one extra no-grad forward per micro-batch)",
     )
     ppo_clip_low: float | None = Field(
         None, gt=0.0, lt=1.0, description="PPO lower clip: ratio floor 1 - ppo_clip_low (None = ppo_clip)"

@@ -214,6 +214,9 @@ def _missing_column(field: pa.Field, num_rows: int) -> pa.Array:
     return pa.nulls(num_rows, field.type)
 
 
+MIN_SAMPLING_TEMPERATURE = 0.01  # the lowest temperature vLLM samples at (it raises one below it to this)
+
+
 def behaviour_policy_problem(temperature: float, top_p: float, top_k: int) -> str | None:
     """Why importance ratios against rows sampled this way would be wrong, or None when they are right.
 
@@ -223,6 +226,9 @@ def behaviour_policy_problem(temperature: float, top_p: float, top_k: int) -> st
     """
     if temperature == 0.0:
         return "greedy sampling (temperature 0) has no sampling distribution to correct for"
+    if temperature < MIN_SAMPLING_TEMPERATURE:
+        return (f"temperature {temperature:g} is below {MIN_SAMPLING_TEMPERATURE:g}, where vLLM samples at "
+                f"{MIN_SAMPLING_TEMPERATURE:g} instead: the row's temperature is not the one sampled with")
     if top_p < 1.0:
         return f"top_p {top_p:g} truncates the sampling distribution in a way the learner does not reproduce"
     if top_k > 0:

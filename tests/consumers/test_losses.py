@@ -130,6 +130,7 @@ def test_importance_losses_refuse_a_behaviour_policy_they_cannot_reproduce():
         ("importance_sampling", dict(top_ps_R=[1.0, 0.9]), "top_p"),
         ("ppo", dict(top_ks_R=[0, 40]), "top_k"),
         ("ppo", dict(temperatures_R=[0.0, 1.0]), "greedy"),
+        ("ppo", dict(temperatures_R=[0.005, 1.0]), "vLLM samples at 0.01"),  # and the row would say 0.005
     ]:
         with pytest.raises(ValueError, match=match) as info:
             check_behaviour_policy(loss, **{**ok, **bad})

@@ -51,3 +51,11 @@ def test_statefulset_replicas_get_disjoint_ranges_and_other_ids_a_stable_one():
         seeds = config.training_seeds(producer_id)
         assert seeds == config.training_seeds(producer_id)
         assert seeds.start >= 5000 and seeds.stop <= 3_000_000
+
+
+def test_a_sampling_temperature_vllm_would_not_use_is_refused():
+    """vLLM samples at 0.01 below it, while rows would record the configured temperature and the learner divide by it."""
+    with pytest.raises(ValueError, match=r"use 0 \(greedy\) or at least 0\.01"):
+        RunConfig.model_validate({"run_id": "r", "sampler": {"temperature": 0.005}})
+    greedy = {"run_id": "r", "sampler": {"temperature": 0.0}, "learner": {"loss": "cross_entropy"}}
+    assert RunConfig.model_validate(greedy).sampler.temperature == 0.0
