@@ -85,6 +85,12 @@ def check_trainable_rows(table: pa.Table, vocab_size: int) -> None:
                          f"{vocab_size - 1}); the batch was sampled with another tokenizer than the base model's")
 
 
+def generated_logprobs(table: pa.Table) -> np.ndarray:
+    """The sampler's logprob of every generated token (loss mask 1) of a trajectory table, row after row."""
+    mask = pc.equal(pc.list_flatten(table.column("loss_mask")), 1)
+    return pc.filter(pc.list_flatten(table.column("logprobs")), mask).to_numpy(zero_copy_only=False)
+
+
 def pad_rows(
     tokens_R: IntRows,
     loss_mask_R: IntRows,

@@ -185,21 +185,23 @@ def test_a_batch_with_a_reward_that_is_not_a_number_is_dead_lettered_not_trained
 
 
 @pytest.mark.parametrize(("spoil", "reason"), [
-    (lambda row, vocab: row.update(loss_mask=[1, *row["loss_mask"][1:]]), "loss_mask[0] is 1"),
-    (lambda row, vocab: row.update(tokens=[*row["tokens"][:-1], vocab]), "outside the model's vocabulary"),
-    (lambda row, vocab: row.update(temperature=0.0), "cannot train on rows sampled with temperature 0"),
+    (lambda rows, vocab: rows[2].update(loss_mask=[1, *rows[2]["loss_mask"][1:]]), "loss_mask[0] is 1"),
+    (lambda rows, vocab: rows[2].update(tokens=[*rows[2]["tokens"][:-1], vocab]), "outside the model's vocabulary"),
+    (lambda rows, vocab: rows[2].update(temperature=0.0), "cannot train on rows sampled with temperature 0"),
+    (lambda rows, vocab: [row.update(logprobs=[0.0] * len(row["logprobs"])) for row in rows], "no sampler scored"),
 ])
 def test_a_batch_that_reads_but_cannot_be_trained_is_dead_lettered_not_stuck_on(store, setup, spoil, reason):
     """Rows the store accepts but training refuses (no context for the first token, a token id past the
     vocabulary, greedy rows for an importance-weighted loss) raised inside the step, and every restart met the
-    same batch again: they are refused at ingest instead, like an unreadable file."""
+    same batch again: they are refused at ingest instead, like an unreadable file.  So are rows no sampler scored
+    (demonstrations: every logprob 0), whose importance ratios would be the policy's probabilities themselves."""
     archive = TrajectoryArchive(store)
     rng = np.random.default_rng(7)
     write_batches(archive, setup, 1, rng)
     (good,) = stored_refs(store)
     rows = archive.read_batch(good.path).to_pylist()
     learner, announced = scripted_learner(store, setup, [])
-    spoil(rows[2], learner.policy.input_vocab)
+    spoil(rows, learner.policy.input_vocab)
     archive.write_batch(RUN, [dict(r, batch_id="bad") for r in rows], batch_id="bad")
     write_batches(archive, setup, 1, rng, first=5)
     refs = {r.batch_id: r for r in stored_refs(store)}
