@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 import torch
 
 from consumers.losses import TokenBatch
+from schemas.config import IMPORTANCE_LOSSES
 
 IntRows = Sequence[Sequence[int]] | Sequence[np.ndarray]
 FloatRows = Sequence[Sequence[float]] | Sequence[np.ndarray]
@@ -85,10 +86,18 @@ def check_trainable_rows(table: pa.Table, vocab_size: int) -> None:
                          f"{vocab_size - 1}); the batch was sampled with another tokenizer than the base model's")
 
 
-def generated_logprobs(table: pa.Table) -> np.ndarray:
-    """The sampler's logprob of every generated token (loss mask 1) of a trajectory table, row after row."""
-    mask = pc.equal(pc.list_flatten(table.column("loss_mask")), 1)
-    return pc.filter(pc.list_flatten(table.column("logprobs")), mask).to_numpy(zero_copy_only=False)
+def check_sampler_scored(table: pa.Table, loss: str) -> None:
+    """Refuse, for a ``loss`` with importance ratios, a trajectory table whose every generated token has logprob 0:
+    no sampler scored its rows (demonstrations, logged data), and a ratio over them would be the policy's
+    probability itself."""
+    if loss not in IMPORTANCE_LOSSES:
+        return
+    generated = pc.filter(pc.list_flatten(table.column("logprobs")),
+                          pc.equal(pc.list_flatten(table.column("loss_mask")), 1))
+    if len(generated) and not pc.any(pc.not_equal(generated, 0.0)).as_py():
+        raise ValueError(f"learner.loss {loss} needs the sampler's logprobs, and no sampler scored these rows (every "
+                         "generated token's logprob is 0: demonstrations or logged data); train them with "
+                         "cross_entropy, awr or filtered_bc")
 
 
 def pad_rows(

@@ -51,12 +51,12 @@ import numpy as np
 import pyarrow as pa
 
 from consumers.advantages import EpisodeColumns, compute_advantages, training_weights, with_discounted_returns
-from consumers.batching import check_trainable_rows, drop_stale, generated_logprobs, micro_batches
+from consumers.batching import check_sampler_scored, check_trainable_rows, drop_stale, micro_batches
 from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
-from consumers.losses import check_behaviour_policy, check_sampler_logprobs
+from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
 from consumers.read_ahead import BatchReader
 from consumers.step_writer import StepOutputs
@@ -293,7 +293,7 @@ class Learner:
                 # every row, stale or not: whether a batch is refused must not depend on the learner's version
                 check_behaviour_policy(self.cfg.loss, *(table.column(name).to_pylist()
                                                         for name in ("temperature", "top_p", "top_k")))
-                check_sampler_logprobs(self.cfg.loss, generated_logprobs(table))
+                check_sampler_scored(table, self.cfg.loss)
                 if self.cfg.discount < 1.0 and table.num_rows:
                     table = with_discounted_returns(table, self.cfg.discount)
             except NewerSchemaError:

@@ -75,7 +75,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 from consumers.token_batch import LossStats, TokenBatch
@@ -149,15 +148,6 @@ def check_behaviour_policy(
                 f"learner.loss {loss} cannot train on rows sampled with temperature {temperature:g}, top_p "
                 f"{top_p:g}, top_k {top_k}: {problem}; train them with cross_entropy, awr or filtered_bc"
             )
-
-
-def check_sampler_logprobs(loss: str, generated_logprobs: np.ndarray) -> None:
-    """Refuse, for a ``loss`` with importance ratios, rows whose every generated token has logprob 0: no sampler
-    scored them (demonstrations, logged data), and a ratio over them would be the policy's probability itself."""
-    if loss in IMPORTANCE_LOSSES and generated_logprobs.size and not generated_logprobs.any():
-        raise ValueError(f"learner.loss {loss} needs the sampler's logprobs, and no sampler scored these rows (every "
-                         "generated token's logprob is 0: demonstrations or logged data); train them with "
-                         "cross_entropy, awr or filtered_bc")
 
 
 def _check_normaliser(normaliser: float) -> None:

@@ -106,8 +106,8 @@ def resolve_models(names: list[str]) -> list[str]:
 @handle_user_errors
 def serve(
     base_model: Annotated[list[str] | None, typer.Option(
-        "--base-model", "-m", help="A base model to serve (a local folder, a hub id, or 'tiny'); repeat for several. --role gateway "
-             "only names it: a folder only the engines have needs no copy there.")] = None,
+        "--base-model", "-m", help="A base model to serve (a local folder, a hub id, or 'tiny'); repeat for "
+        "several. --role gateway only names it: a folder only the engines have needs no copy there.")] = None,
     role: Annotated[str, typer.Option(help="all | gateway | trainer | sampler")] = "all",
     host: Annotated[str, typer.Option(help="Address the gateway listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the gateway.")] = 8000,
