@@ -52,7 +52,7 @@ def wilson_interval(successes: int, n: int) -> tuple[float, float]:
     p, z2 = successes / n, Z_975**2
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = Z_975 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))  # it holds p; rounding must not move it
 
 
 def reward_by_version(episodes: pl.DataFrame) -> list[dict[str, Any]]:

@@ -370,6 +370,10 @@ def test_wilson_interval_brackets_the_rate_and_stays_in_0_1() -> None:
     assert low == 0.0 and 0.4 < high < 0.5  # textbook: 0 of 4 -> [0, 0.490]
     low, high = wilson_interval(5, 10)
     assert low == pytest.approx(0.2366, abs=1e-3) and high == pytest.approx(0.7634, abs=1e-3)
+    for n in range(1, 200):  # rounding must not put 0% or 100% outside its own interval (the plot's error bars)
+        for k in (0, n):
+            low, high = wilson_interval(k, n)
+            assert low <= k / n <= high, (k, n, low, high)
 
 
 def test_eval_result_round_trips_and_refuses_inconsistent_summaries() -> None:
