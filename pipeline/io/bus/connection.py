@@ -157,9 +157,14 @@ def _first_unreachable_reason(servers: list[str], protocol: str, cafile: str | N
 
 
 class _KafkaReasons(logging.Handler):
-    """Collects why kafka-python's bootstrap failed; it logs the reason and raises a bare timeout."""
+    """Collects why kafka-python's bootstrap failed; it logs the reason and raises a bare timeout.
+
+    kafka-python retries a refused attempt (a SASL mechanism the broker lacks, say) until the deadline, so
+    its last attempt may end in a timeout of its own: a timeout never replaces a reason already seen.
+    """
 
     _FAILED = re.compile(r"(?:failed|Connection lost):\s*(.+?)(?:\s+\(backoff [^)]*\))?$")
+    _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
     def __init__(self) -> None:
         super().__init__(level=logging.WARNING)
@@ -168,7 +173,9 @@ class _KafkaReasons(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         with contextlib.suppress(TypeError, ValueError):  # a record whose message does not format
             match = self._FAILED.search(record.getMessage())
-            if match and "Unable to bootstrap" not in match.group(1):  # the bare timeout that follows the reasons
+            if not match or "Unable to bootstrap" in match.group(1):  # the bare timeout that follows the reasons
+                return
+            if self.last is None or not self._TIMEOUT.search(match.group(1)):
                 self.last = match.group(1)
 
 

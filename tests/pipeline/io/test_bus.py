@@ -8,6 +8,7 @@ consumers as it can.  Expected offsets and counts are derived from what
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from collections import Counter
@@ -470,6 +471,31 @@ def test_wrong_sasl_setting_fails_within_bounded_time(kafka_broker: Any) -> None
     assert time.monotonic() - started < 1.5 + 1.5
     assert "sasl" in str(caught.value).lower()
     assert "hunter2" not in str(caught.value)
+
+
+def test_a_timeout_at_the_deadline_does_not_hide_the_failure_that_explains_it() -> None:
+    """kafka-python retries a refused SASL handshake until the deadline; on a busy machine its last attempt can
+    end in a connect timeout, which must not replace the refusal (the reason the user can act on)."""
+    from pipeline.io.bus.connection import _KafkaReasons
+
+    reasons = _KafkaReasons()
+    kafka_log = logging.getLogger("kafka.net.manager")
+    kafka_log.addHandler(reasons)
+    try:
+        for failure in (
+            "[Error 33] UnsupportedSaslMechanismError (backoff 0.05 secs)",
+            "KafkaConnectionError: Connection timed out (backoff 0.11 secs)",
+            "KafkaTimeoutError: Connection timed out",
+        ):
+            kafka_log.warning("Bootstrap connection to bootstrap-0 failed: %s", failure)
+    finally:
+        kafka_log.removeHandler(reasons)
+    assert reasons.last == "[Error 33] UnsupportedSaslMechanismError"
+
+    only_timeouts = _KafkaReasons()
+    only_timeouts.emit(logging.LogRecord("kafka", logging.WARNING, "", 0, "Bootstrap connection to b failed: %s",
+                                         ("KafkaConnectionError: Connection timed out",), None))
+    assert only_timeouts.last == "KafkaConnectionError: Connection timed out"
 
 
 def test_tls_against_a_plaintext_broker_fails_within_bounded_time(kafka_broker: Any) -> None:
