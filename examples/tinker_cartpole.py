@@ -41,6 +41,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 import tinker
@@ -375,10 +376,23 @@ class Loop:
         played = asyncio.run(self.episodes(sampling, seeds, 1.0))
         returns = np.array([e.total for e in played])
         self.evaluations[label] = returns.tolist()
-        half = 1.96 * returns.std(ddof=1) / math.sqrt(len(returns)) if len(returns) > 1 else float("nan")
+        half = t_95(len(returns) - 1) * returns.std(ddof=1) / math.sqrt(len(returns)) if len(returns) > 1 \
+            else float("nan")
         print(f"held-out {label}: return {returns.mean():.1f} +/- {half:.1f} (95%, {len(returns)} episodes; "
               f"{answers_without_action(played)})", flush=True)
         return float(returns.mean()), float(half)
+
+
+def t_95(dof: int) -> float:
+    """Two-sided 95% quantile of Student's t: exact for 1 and 2 degrees of freedom, then the expansion in 1/dof
+    around the normal quantile (Abramowitz & Stegun 26.7.5), within 0.2% from 3 on (a normal 1.96 is 4% narrow
+    over 32 episodes)."""
+    if dof <= 2:
+        return (12.706205, 4.302653)[dof - 1]
+    z = NormalDist().inv_cdf(0.975)
+    terms = ((z**3 + z) / 4, (5 * z**5 + 16 * z**3 + 3 * z) / 96, (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+             (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160)
+    return z + sum(g / dof ** (k + 1) for k, g in enumerate(terms))
 
 
 def answers_without_action(episodes: list[Episode]) -> str:

@@ -186,3 +186,9 @@ def test_a_step_above_the_kl_bound_is_taken_again_shorter_from_the_state_before_
     assert trainer.w == 1.0 and line == "" and trainer.saved == {}
     trainer, line = bounded_loop(loop, bound=1e-3, floor=0.1)  # never within: the last retry's step is kept
     assert trainer.calls.count("load") == loop.MAX_RETRIES and 0 < trainer.w <= 0.5**loop.MAX_RETRIES
+
+
+@pytest.mark.parametrize(("dof", "exact"), [(1, 12.7062), (2, 4.3027), (3, 3.1824), (7, 2.3646), (31, 2.0395), (120, 1.9799)])
+def test_held_out_intervals_use_students_t(loop, dof, exact):
+    # exact: the t table's two-sided 95% values; a normal 1.96 would be 4% narrow at 31 degrees of freedom
+    assert loop.t_95(dof) == pytest.approx(exact, rel=2e-3)
