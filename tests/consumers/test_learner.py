@@ -306,6 +306,26 @@ def test_replay_refuses_a_rewritten_batch_before_training_anything(tmp_path, set
     assert store.list("runs") == [f"runs/{RUN}"]  # nothing trained, not even the run created
 
 
+def test_a_resumed_replay_checks_the_batches_stored_since_before_training_any(tmp_path, setup):
+    """A resumed replay lists its source again; a batch stored since, damaged, refuses the replay before it
+    trains another step, as a damaged batch refuses a fresh replay."""
+    from consumers.service import replay_train
+    from pipeline.io.archive import parquet_bytes
+    from pipeline.io.store import ChecksumError
+
+    store = ObjectStore(tmp_path.as_uri())
+    archive = TrajectoryArchive(store)
+    write_batches(archive, setup, 2, np.random.default_rng(16))
+    config = replay_config(tmp_path, setup)
+    assert replay_train(config, RUN).state.step == 2
+    write_batches(archive, setup, 2, np.random.default_rng(17), first=2)
+    last = archive.commits(RUN)[-1]
+    store.put(last.key, parquet_bytes(archive.read_batch(last.key).slice(1)))  # rewritten after its commit
+    with pytest.raises(ChecksumError, match=rf"batch {last.batch_id} of run {RUN} "):
+        replay_train(config, RUN)
+    assert CheckpointStore(store, "sft").latest().state.step == 2  # nothing trained from the new batches
+
+
 def test_replay_stops_at_a_batch_it_cannot_read_instead_of_skipping_it(tmp_path, setup):
     """A batch whose recorded digest matches but that the learner cannot read (a writer's bad bytes) would be
     dead-lettered by a live learner; replay has no dead-letter topic, so it stops, naming the batch."""
