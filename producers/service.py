@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from pipeline.health import HealthServer
 from pipeline.io.archive import TrajectoryArchive
-from pipeline.io.bus import BusError, EventFollower, EventPublisher, group_lag, tail
+from pipeline.io.bus import BusError, EventFollower, EventPublisher, group_lag, run_log
 from pipeline.io.registry import AdapterRegistry
 from pipeline.runtime import Announcer, RateMeter, StopFlag, open_store, resolved_bus
 from pipeline.topics import topic_name
@@ -30,7 +30,7 @@ from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_pr
 from producers.envs.registry import env_from_spec
 from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers import Sampler, sampler_for_run
-from producers.sink import OrphanSweep, StoreThenEventSink, announced_batches
+from producers.sink import OrphanSweep, StoreThenEventSink, logged_batches
 from producers.tiny_model import resolve_model
 from schemas.config import BusConfig, RunConfig
 from schemas.events import LearnerProgress, ProducerHeartbeat, TrajectoryBatchCommitted
@@ -274,7 +274,7 @@ def connect_run(config: RunConfig, done: set[str] | None = None) -> RunConnectio
     publisher = EventPublisher(bus)
     announce = Announcer(publisher, config.run_id)
     orphans = OrphanSweep(archive, config.run_id, announce, 2 * config.producer.batch_timeout_s,
-                          lambda: announced_batches(tail(bus, "trajectories", n=10**9, run_id=config.run_id)))
+                          lambda: logged_batches(run_log(bus, "trajectories", config.run_id)))
     announced = orphans.announced()
     if done is not None:
         done.add("broker")

@@ -7,6 +7,13 @@ never announced on ``<ns>.trajectories`` are announced (the learner trains each
 ``batch_id`` once, so announcing twice is harmless).  A file too young to judge
 then (a live producer may be about to announce it) is judged again once it is
 old enough, so a producer restarted at once still announces what it lost.
+
+The topic's retention trims a long run's oldest events.  A batch stored more than
+a day before the oldest event the log still holds for the run (``LoggedBatches``)
+is taken as announced: its event aged out, or, had its producer crashed before
+announcing it, any producer start of the run within the retention announced it.
+Only a batch orphaned by a crash and followed by no producer start for the whole
+retention stays unannounced; it stays in the store (``rlpipe replay``).
 """
 
 from __future__ import annotations
@@ -14,10 +21,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
-from pipeline.io.archive import BatchInfo, TrajectoryArchive, batch_committed_payload
+from pipeline.io.archive import BatchInfo, TrajectoryArchive, batch_committed_payload, key_date
 from schemas.events import Payload, TrajectoryBatchCommitted
+
+if TYPE_CHECKING:
+    from pipeline.io.bus import RunLog
 
 log = logging.getLogger("rlpipe.producer")
 
@@ -53,6 +65,7 @@ def announce_orphans(
     keys: Iterable[str] | None = None,
     too_young: dict[str, float] | None = None,
     describe: Callable[[str], Payload | None] | None = None,
+    complete_since: datetime | None = None,
 ) -> list[str]:
     """Announce every stored batch of ``run_id`` (or of ``keys``) that no event names; return their batch ids.
 
@@ -60,13 +73,20 @@ def announce_orphans(
     be about to announce itself; each is noted in ``too_young`` with the seconds
     until it is old enough.  ``describe`` makes a file's event (default: a
     trajectory batch's, from its rows); None leaves the file alone.
+    ``complete_since``: the log holds every event since then (None: every event
+    ever); a file in a date folder more than a day older is taken as announced.
     """
     known = set(announced_batch_ids)
     describe = describe or (lambda key: batch_committed_payload(archive.describe_batch(key, run_id)))
-    orphans = []
+    aged_out_before = _aged_out_before(complete_since)
+    orphans, aged_out = [], 0
     for key in archive.list_batches(run_id) if keys is None else keys:
         batch_id = key.rsplit("/", 1)[-1].removesuffix(".parquet")
         if batch_id in known:
+            continue
+        day = key_date(key) if aged_out_before is not None else None
+        if day is not None and aged_out_before is not None and day < aged_out_before:
+            aged_out += 1
             continue
         age = _age_s(archive, key) if min_age_s else float("inf")
         if age < min_age_s:
@@ -83,7 +103,32 @@ def announce_orphans(
         announce(payload)
         orphans.append(batch_id)
         log.warning("announced orphaned batch %s (stored but never announced)", batch_id)
+    if aged_out:
+        log.info("%d batches of run %s stored before %s, older than the events the log still holds, are taken "
+                 "as announced", aged_out, run_id, aged_out_before)
     return orphans
+
+
+@dataclass(frozen=True)
+class LoggedBatches:
+    """The batch ids a run's events name on the log, and since when the log holds every one of them.
+
+    ``complete_since`` None: no event of the run's partition ever aged out.
+    """
+
+    ids: set[str]
+    complete_since: datetime | None = None
+
+
+def logged_batches(log: RunLog) -> LoggedBatches:
+    """The batches a run's retained events on ``<ns>.trajectories`` name (``pipeline.io.bus.run_log``)."""
+    since = None if log.complete_since_ms is None else datetime.fromtimestamp(log.complete_since_ms / 1000, UTC)
+    return LoggedBatches(announced_batches(log.records), since)
+
+
+def _aged_out_before(complete_since: datetime | None) -> date | None:
+    """The first date folder still judged: a day before ``complete_since``'s (a margin for writers' clocks)."""
+    return None if complete_since is None else complete_since.date() - timedelta(days=1)
 
 
 class OrphanSweep:
@@ -95,7 +140,7 @@ class OrphanSweep:
     """
 
     def __init__(self, archive: TrajectoryArchive, run_id: str, announce: Callable[[Payload], Any],
-                 min_age_s: float, announced: Callable[[], Iterable[str]],
+                 min_age_s: float, announced: Callable[[], Iterable[str] | LoggedBatches],
                  list_keys: Callable[[], list[str]] | None = None,
                  describe: Callable[[str], Payload | None] | None = None) -> None:
         self.archive, self.run_id, self.announce, self.min_age_s = archive, run_id, announce, min_age_s
@@ -106,14 +151,15 @@ class OrphanSweep:
         self.due = 0.0  # monotonic time they are all old enough
         self._looked = False
 
-    def sweep(self, announced: Iterable[str] | None = None) -> list[str]:
+    def sweep(self, announced: Iterable[str] | LoggedBatches | None = None) -> list[str]:
         """Announce the orphans old enough (at the first call, of the whole run); note the younger ones.
         ``announced``: the batch ids the log names, if just read (else they are read now)."""
         young: dict[str, float] = {}
         keys = self.pending if self._looked else self.list_keys()
         known = self.announced() if announced is None else announced
-        found = announce_orphans(self.archive, self.run_id, known, self.announce, self.min_age_s, keys=keys,
-                                 too_young=young, describe=self.describe)
+        logged = known if isinstance(known, LoggedBatches) else LoggedBatches(set(known))
+        found = announce_orphans(self.archive, self.run_id, logged.ids, self.announce, self.min_age_s, keys=keys,
+                                 too_young=young, describe=self.describe, complete_since=logged.complete_since)
         self._looked, self.pending = True, list(young)
         self.due = time.monotonic() + max(young.values(), default=0.0)
         return found

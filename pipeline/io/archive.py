@@ -473,6 +473,11 @@ def _as_date(value: date | str | None) -> date | None:
         raise ArchiveError(f"date {value!r} is not of the form YYYY-MM-DD") from None
 
 
+def key_date(key: str) -> date | None:
+    """The ``date=`` folder of a batch's key (``runs/<run>/trajectories/date=2026-03-10/<id>.parquet``), if any."""
+    return _partition_date(key.rsplit("/", 1)[0])
+
+
 def _partition_date(folder_key: str) -> date | None:
     name = folder_key.rsplit("/", 1)[-1]
     if not name.startswith("date="):

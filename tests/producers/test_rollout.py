@@ -235,6 +235,30 @@ def test_orphaned_batch_is_announced_once(tiny_tokenizer):
     assert isinstance(archive.read_batch(first.path), pa.Table)
 
 
+def test_batches_older_than_the_logs_retained_history_are_taken_as_announced(tiny_tokenizer):
+    """Retention trims a long run's oldest events: the batches they announced are not orphans, and reading and
+    announcing them again at every producer start would grow with the run's age."""
+    from datetime import UTC, datetime
+
+    from producers.sink import LoggedBatches
+
+    worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", [])
+    worker.run()
+    [recent] = [key.rsplit("/", 1)[-1].removesuffix(".parquet") for key in archive.list_batches("run1")]
+    rows = archive.read_batch(archive.list_batches("run1")[0]).to_pylist()
+    for batch_id, day in (("old", datetime(2026, 1, 1, 12, tzinfo=UTC)), ("edge", datetime(2026, 3, 9, 23, tzinfo=UTC))):
+        archive.write_batch("run1", [{**row, "batch_id": batch_id} for row in rows], batch_id=batch_id, created=day)
+    # the log holds every event of the run's partition since 2026-03-10 05:00; "old"'s event aged out before it
+    on_log = LoggedBatches(ids=set(), complete_since=datetime(2026, 3, 10, 5, tzinfo=UTC))
+    announced = []
+    found = announce_orphans(archive, "run1", on_log.ids, announced.append, complete_since=on_log.complete_since)
+    assert sorted(found) == sorted(["edge", recent])  # a day's margin for clocks: "edge" is judged
+    announced.clear()
+    assert sorted(OrphanSweep(archive, "run1", announced.append, 0.0, lambda: on_log).sweep()) == sorted(["edge", recent])
+    # a log that lost nothing (complete_since None) judges every stored batch
+    assert len(OrphanSweep(archive, "run1", announced.append, 0.0, lambda: LoggedBatches(set())).sweep()) == 3
+
+
 def test_a_batch_too_young_at_start_is_judged_again_once_old_enough(tiny_tokenizer):
     worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", [], max_groups=4)
     worker.run()  # two batches stored; their events are not on the log (lost with a crashed writer)

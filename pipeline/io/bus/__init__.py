@@ -20,7 +20,8 @@ sees a Kafka client, and every network call here has a bound:
   events every process must see without waiting for a group join (a producer
   following ``<ns>.adapters``, or its run's batches on ``<ns>.trajectories``).
 * Admin helpers for the command line: topics, end offsets, group lag, and a
-  ``tail`` reader that does not join a group.
+  ``tail`` reader that does not join a group; ``run_log``, what the log still
+  holds of one run (its partition only), and since when.
 
 An unreachable broker (or one that refuses our credentials) raises
 ``BusUnavailableError`` with one line naming the fix within about
@@ -71,7 +72,7 @@ from pipeline.io.bus.records import (
     normalize_offsets,
     offsets_as_strings,
 )
-from pipeline.io.bus.tail import TailRecord, tail
+from pipeline.io.bus.tail import RunLog, TailRecord, run_log, tail
 
 __all__ = [
     "DEAD_LETTER_RAW_BYTES",
@@ -91,6 +92,7 @@ __all__ = [
     "PartitionLag",
     "PublishError",
     "RewindError",
+    "RunLog",
     "TailRecord",
     "TopicInfo",
     "TopicPartitionKey",
@@ -111,6 +113,7 @@ __all__ = [
     "parse_bootstrap_servers",
     "redacted",
     "resolve_topic",
+    "run_log",
     "tail",
     "topic_kind",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
+from kafka.partitioner.default import murmur2
 
 from pipeline.io.bus.admin import resolve_topic
 from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
@@ -95,6 +96,54 @@ def tail(
                     yield from (item for item in map(_tail_record, records) if _matches_run(item, run_id))
     finally:
         consumer.close(autocommit=False, timeout_ms=2000)
+
+
+@dataclass(frozen=True)
+class RunLog:
+    """What the log still holds of one run: its messages, and since when none can be missing.
+
+    ``complete_since_ms`` is None when nothing ever aged out of the run's partition (its first
+    offset is 0); else the time of its oldest retained message (now, when every one aged out).
+    """
+
+    records: list[TailRecord]
+    complete_since_ms: int | None
+
+
+def run_log(bus_config: BusConfig, kind_or_topic: str, run_id: str, read_timeout_s: float = 10.0) -> RunLog:
+    """Every retained message of ``run_id`` on a topic, read from the one partition its key hashes to.
+
+    Publishers key a run's events by its id, and kafka-python's default partitioner sends
+    every one to ``murmur2(run_id) % partitions``; a topic whose partition count changed
+    holds a run's older events on another partition as well (those are not read here).
+    """
+    topic = resolve_topic(bus_config.namespace, kind_or_topic)
+    settings = kafka_client_settings(bus_config)
+    settings |= {"client_id": f"{_CLIENT_ID}-tail", "group_id": None, "enable_auto_commit": False}
+    settings |= {"allow_auto_create_topics": False, "request_timeout_ms": 30_000}
+    consumer: KafkaConsumer = _connect(KafkaConsumer, bus_config, settings)
+    try:
+        with _bus_errors(bus_config, settings["bootstrap_servers"], "read"):
+            partitions = sorted(consumer.partitions_for_topic(topic) or ())
+            if not partitions:
+                raise UnknownTopicError(f"topic {topic} does not exist; see `rlpipe topics list`")
+            tp = TopicPartition(topic, partitions[(murmur2(run_id.encode()) & 0x7FFFFFFF) % len(partitions)])
+            consumer.assign([tp])
+            begin, end = int(consumer.beginning_offsets([tp])[tp]), int(consumer.end_offsets([tp])[tp])
+            consumer.seek(tp, begin)
+            backlog, _ = _read_until(consumer, {tp: end}, idle_timeout_s=read_timeout_s)
+    finally:
+        consumer.close(autocommit=False, timeout_ms=2000)
+    since = complete_since_ms(begin, backlog, now_ms=int(time.time() * 1000))
+    return RunLog([item for item in backlog if _matches_run(item, run_id)], since)
+
+
+def complete_since_ms(first_offset: int, records: list[TailRecord], now_ms: int) -> int | None:
+    """Since when a partition holds every message, from its first offset and the ``records`` it still holds:
+    None when nothing aged out (offset 0), else the oldest record's time (``now_ms`` when none is left)."""
+    if first_offset == 0:
+        return None
+    return min((item.timestamp_ms for item in records), default=now_ms)
 
 
 def _assign_last(consumer: KafkaConsumer, topic: str, n: int) -> dict[TopicPartition, int]:

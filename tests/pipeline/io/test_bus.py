@@ -26,6 +26,7 @@ from pipeline.io.bus import (
     EventConsumer,
     EventPublisher,
     PublishError,
+    TailRecord,
     WrongEventTypeError,
 )
 from schemas.config import BusConfig
@@ -214,6 +215,30 @@ def test_commit_then_restart_continues_after_the_committed_offset(bus_config: Bu
     (lag,) = bus.group_lag(bus_config, "learner")
     assert (lag.topic, lag.partition, lag.committed, lag.end_offset, lag.lag) == (topic, 0, 5, 5, 0)
     assert "learner" in bus.list_groups(bus_config)
+
+
+def test_run_log_reads_the_runs_partition_and_says_since_when_it_is_complete(bus_config: BusConfig) -> None:
+    config = bus_config.model_copy(update={"topic_partitions": 3})
+    bus.ensure_topics(config)
+    runs = [f"run{i}" for i in range(6)]  # over 3 partitions: some share one, some do not
+    with EventPublisher(config) as publisher:
+        sent = {(run, k): publisher.publish("control", _stop(run, f"{run}-{k}")) for k in range(2) for run in runs}
+    placed = {run: sent[run, 0][0] for run in runs}
+    for run in runs:
+        log = bus.run_log(config, "control", run)
+        assert [r.event.payload.reason for r in log.records] == [f"{run}-0", f"{run}-1"]
+        assert {r.partition for r in log.records} == {placed[run]}  # the partition its events went to
+        assert log.complete_since_ms is None  # nothing ever aged out of a new topic
+
+
+
+def test_a_run_log_is_complete_since_its_oldest_retained_message_once_retention_trimmed_it() -> None:
+    from pipeline.io.bus.tail import complete_since_ms
+
+    records = [TailRecord("t", 0, offset, stamp, "r", None, None, None) for offset, stamp in ((7, 500), (8, 400))]
+    assert complete_since_ms(0, records, now_ms=900) is None  # the partition starts at offset 0: nothing aged out
+    assert complete_since_ms(7, records, now_ms=900) == 400  # the oldest message still held (clocks may disagree)
+    assert complete_since_ms(9, [], now_ms=900) == 900  # every message aged out
 
 
 def test_seek_and_lag_per_partition(bus_config: BusConfig, fast_group: dict) -> None:
