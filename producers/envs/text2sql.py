@@ -197,7 +197,7 @@ class TextToSQL(TextEnv[str]):
             f"Rewards: +{RUN_REWARD:g} if the query runs ({ERROR_REWARD:g} if it fails), +{MATCH_REWARD:g} more "
             "if its result matches the expected result (the episode then ends)." + retry + "\n"
             "You may think inside <think>...</think>. Give the query inside <answer>...</answer>, for example "
-            "<answer>SELECT name FROM students WHERE grade_level = 10</answer>. The whole answer is one query; "
+            "<answer>SELECT name FROM planets WHERE moons > 2</answer>. The whole answer is one query; "
             "|| is SQL string concatenation here."
         )
 

@@ -421,3 +421,18 @@ def test_the_prompt_counts_the_queries_an_episode_really_runs() -> None:
     assert "(5 queries in all)" in roomy.system_prompt()
     assert "(2 queries in all)" in TextToSQL(split="all").system_prompt()
     assert "try again" not in TextToSQL(split="all", max_actions_total=1).system_prompt()
+
+
+def test_the_prompt_s_example_query_answers_no_shipped_task() -> None:
+    """The format example in the system prompt must not be any task's answer: a model that copies it scores no match."""
+    env = TextToSQL(split="all")
+    prompt = env.system_prompt()
+    example = prompt[prompt.index("for example <answer>") + len("for example <answer>"):]
+    example = example[: example.index("</answer>")]
+    leaked = []
+    for seed, task in enumerate(env.tasks):
+        env.reset(seed)
+        score = score_query(env._require_db(), example, task.gold_sql)
+        if score.matches:
+            leaked.append(task.id)
+    assert leaked == []
