@@ -2,7 +2,8 @@
 
 Uses the very rollout worker the producers run (same prompts, same token
 handling, same batched generation), with one episode per seed, seeds starting
-at ``env.eval_seed_offset`` so they never overlap training seeds, and a sink
+at ``env.eval_seed_offset`` so they never overlap training seeds (and, where seeds index a finite set, on
+the environment's held-out part of it: ``TextEnv.held_out_overrides``), and a sink
 that keeps the rows in memory instead of writing a batch.  Results are stored as
 ``runs/<run>/eval/<name>.json`` for ``rlpipe report``.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
-from producers.envs.registry import env_from_spec
+from producers.envs.registry import env_from_spec, held_out_spec
 from producers.rollout import RolloutWorker
 from producers.samplers import sampler_for_run
 from producers.samplers.base import AdapterHandle, Sampler
@@ -122,7 +123,7 @@ def _evaluate_pulled(
     sink = _MemorySink()
     worker = RolloutWorker(
         run_id=config.run_id, producer_id="eval", env_name=config.env.name,
-        make_env=lambda: env_from_spec(config.env),
+        make_env=lambda: env_from_spec(held_out_spec(config.env)),
         tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler, adapters=_Fixed(handle), sink=sink,
         producer=producer, sampling=sampling, incarnation=0,  # the same draws every time: a score reproduces
     )
@@ -153,7 +154,7 @@ def baseline_result(config: RunConfig, policy: str, episodes: int) -> EvalResult
     from producers.envs.evaluate import evaluate
 
     summary = evaluate(config.env.name, policy, episodes, seed_start=config.env.eval_seed_offset,
-                       overrides=config.env.overrides)
+                       overrides=held_out_spec(config.env).overrides)
     return EvalResult.from_episodes(
         run_id=config.run_id, env=config.env.name, version=0, seed_start=config.env.eval_seed_offset,
         returns=[r.episode_return for r in summary.results], successes=[r.success for r in summary.results],

@@ -149,6 +149,15 @@ class TextEnv(abc.ABC, Generic[ActionT]):
         """A uniformly random valid answer text for the current state."""
         raise NotImplementedError(f"{self.name} has no random policy")
 
+    @classmethod
+    def held_out_overrides(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The settings of this environment's held-out (evaluation) episodes, given the training run's ``overrides``.
+
+        By default the same: a seed the run never trained on is an episode it never saw.  An environment whose seeds
+        index a finite set (text-to-SQL's tasks) overrides this to play a held-out part of that set instead.
+        """
+        return dict(overrides)
+
     def per_turn_prompts(self) -> bool:
         """Whether each turn is its own prompt and row (long-horizon envs) rather than one growing chat."""
         return self.long_horizon

@@ -54,6 +54,12 @@ def env_from_spec(spec: EnvSpec) -> TextEnv:
     return make_env(spec.name, spec.overrides, spec.step_delay_s)
 
 
+def held_out_spec(spec: EnvSpec) -> EnvSpec:
+    """``spec`` as held-out evaluation plays it: the environment's ``held_out_overrides`` of the run's overrides."""
+    overrides = env_class(spec.name).held_out_overrides(spec.overrides)
+    return spec.model_copy(update={"overrides": overrides})
+
+
 def delay_steps(env: TextEnv, delay_s: float) -> TextEnv:
     """Make each ``env.step`` sleep ``delay_s`` seconds before stepping; returns ``env`` itself.
 

@@ -106,6 +106,13 @@ class TextToSQL(TextEnv[str]):
         self._create_sql = ""
         self._tables: dict[str, list[str]] = {}
 
+    @classmethod
+    def held_out_overrides(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+        """A run on the train split is evaluated on the test split: seeds index the task list (``seed % len``), so
+        seeds the run never played still replay its training tasks."""
+        split = overrides.get("split", cls.Config.model_fields["split"].default)
+        return {**overrides, "split": "test"} if split == "train" else dict(overrides)
+
     # ---- hooks ------------------------------------------------------------------------
     def _reset(self, seed: int) -> None:
         task = self.tasks[seed % len(self.tasks)]

@@ -78,3 +78,52 @@ def test_one_version_evaluated_twice_on_one_sampler(tmp_path: Path, tiny_model_d
     first = evaluate_version(config, store, tiny_model_dir, version=1, episodes=2, sampler=sampler)
     second = evaluate_version(config, store, tiny_model_dir, version=1, episodes=2, sampler=sampler)
     assert first.version == second.version == 1 and not sampler.loaded  # unloaded after each pass
+
+
+class _Recording(ScriptedSampler):
+    """Answers like ScriptedSampler and keeps every prompt's text."""
+
+    def __init__(self, tokenizer, answer: str) -> None:
+        super().__init__(tokenizer, answer)
+        self.prompts: list[str] = []
+
+    def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None):
+        self.prompts += [self.tokenizer.decode(r.prompt_token_ids) for r in requests]
+        return super().generate(requests, adapter, temperature, top_p, seed)
+
+
+def _questions(split: str) -> set[str]:
+    from producers.envs.text2sql import TextToSQL
+
+    return {task.question for task in TextToSQL(split=split).tasks}
+
+
+def test_held_out_text2sql_episodes_ask_only_test_questions(tmp_path: Path, tiny_model_dir: str, monkeypatch) -> None:
+    """A run trains on the train split; its held-out seeds index the same task list, so evaluation must play the test
+    split (otherwise seeds from eval_seed_offset replay training tasks)."""
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    store = ObjectStore((tmp_path / "store").as_uri())
+    config = RunConfig(run_id="ev", env={"name": "text2sql"})
+    sampler = _Recording(AutoTokenizer.from_pretrained(tiny_model_dir), "<answer>SELECT 1</answer>")
+    train, test = _questions("train"), _questions("test")
+    result = evaluate_version(config, store, tiny_model_dir, version=0, episodes=len(test), sampler=sampler)
+    asked = {q for q in train | test if any(f"Question: {q}" in p for p in sampler.prompts)}
+    assert result.episodes == len(test) and asked == test  # every test question once, no training question
+
+
+def test_held_out_baselines_play_the_test_split_too(monkeypatch) -> None:
+    import producers.envs.evaluate as env_evaluate
+    from producers.envs.registry import make_env
+    from producers.evaluation import baseline_result
+
+    seen: list[dict] = []
+    real = env_evaluate.evaluate
+
+    def spy(name, policy, episodes, seed_start=0, overrides=None):
+        seen.append(dict(overrides or {}))
+        return real(name, policy, episodes, seed_start, overrides)
+
+    monkeypatch.setattr(env_evaluate, "evaluate", spy)
+    baseline_result(RunConfig(run_id="ev", env={"name": "text2sql"}), "heuristic", 3)
+    played = {task.question for task in make_env("text2sql", seen[0]).tasks}
+    assert played == _questions("test")
