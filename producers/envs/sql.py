@@ -406,6 +406,18 @@ class QueryScore:
     ordered: bool = False  # the comparison respected row order (the gold query orders or limits)
 
 
+def gold_result(
+    db: sqlite3.Connection, gold_sql: str, time_limit_s: float = 0.25, max_rows: int = 1_000,
+) -> tuple[tuple[Any, ...], ...]:
+    """The gold query's rows; ValueError (naming the fix) when it fails or returns more than ``max_rows``."""
+    gold = run_query(db, gold_sql, time_limit_s, max_rows)
+    if gold.error:
+        raise ValueError(f"text2sql: gold query fails ({gold.error}); fix the task's gold_sql")
+    if len(gold.rows) > max_rows:
+        raise ValueError(f"text2sql: gold result has over {max_rows} rows; raise max_result_rows")
+    return gold.rows
+
+
 def score_query(
     db: sqlite3.Connection,
     predicted_sql: str,
@@ -415,23 +427,21 @@ def score_query(
     float_digits: int = 4,
     max_rows: int = 1_000,
     similarity_weight: float = 0.2,
+    gold_rows: Sequence[Sequence[Any]] | None = None,
 ) -> QueryScore:
     """Score ``predicted_sql`` against ``gold_sql``: the recipe's reward, pure apart from the time limit.
 
     reward = +0.25 if it runs (-0.25 if not) + 2.0 if the results match; when they do
     not, + similarity_weight * similarity, except for refused or timed-out queries, which
     get exactly -0.25.  Order: errors < running non-matching queries < a match (2.25).
-    Raises ValueError only when the gold query itself fails.
+    ``gold_rows``: the gold query's result on ``db`` when the caller already has it (``gold_result``); then
+    only the predicted query runs.  Raises ValueError only when the gold query itself fails.
     """
-    gold = run_query(db, gold_sql, time_limit_s, max_rows)
-    if gold.error:
-        raise ValueError(f"text2sql: gold query fails ({gold.error}); fix the task's gold_sql")
-    if len(gold.rows) > max_rows:
-        raise ValueError(f"text2sql: gold result has over {max_rows} rows; raise max_result_rows")
+    gold = gold_result(db, gold_sql, time_limit_s, max_rows) if gold_rows is None else gold_rows
     pred = run_query(db, predicted_sql, time_limit_s, max_rows)
     ordered = orders_rows(gold_sql)
     runs = not pred.error
-    matches = runs and results_match(pred.rows, gold.rows, ordered, float_digits)
+    matches = runs and results_match(pred.rows, gold, ordered, float_digits)
     similarity = query_similarity(predicted_sql, gold_sql, schema_items(db))
     reward = (RUN_REWARD if runs else ERROR_REWARD) + (MATCH_REWARD if matches else 0.0)
     if not matches and not (pred.refused or pred.timed_out):

@@ -32,8 +32,8 @@ from producers.envs.sql import (
     SQLTask,
     build_database,
     create_statements,
+    gold_result,
     load_tasks,
-    run_query,
     score_query,
     select_split,
     table_columns,
@@ -105,6 +105,7 @@ class TextToSQL(TextEnv[str]):
         self._db_schema_sql = ""
         self._create_sql = ""
         self._tables: dict[str, list[str]] = {}
+        self._gold_rows: tuple[tuple[Any, ...], ...] = ()  # the task's gold result, run once at reset
 
     @classmethod
     def held_out_overrides(cls, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -117,9 +118,11 @@ class TextToSQL(TextEnv[str]):
     def _reset(self, seed: int) -> None:
         task = self.tasks[seed % len(self.tasks)]
         self._open_database(task.schema_sql)
-        gold = run_query(self._require_db(), task.gold_sql, self._cfg.time_limit_s, self._cfg.max_result_rows)
-        if gold.error:
-            raise ValueError(f"text2sql: task {task.id!r}: gold query fails ({gold.error}); fix its gold_sql")
+        try:  # the database never changes, so the gold result holds for every query of the episode
+            self._gold_rows = gold_result(self._require_db(), task.gold_sql, self._cfg.time_limit_s,
+                                          self._cfg.max_result_rows)
+        except ValueError as e:
+            raise ValueError(f"text2sql: task {task.id!r}: {str(e).removeprefix('text2sql: ')}") from None
         self.task = task
         self.attempts = []
         self._score_so_far = 0.0
@@ -144,6 +147,7 @@ class TextToSQL(TextEnv[str]):
         score = score_query(
             self._require_db(), action, self._require_task().gold_sql, cfg.time_limit_s,
             float_digits=cfg.float_digits, max_rows=cfg.max_result_rows, similarity_weight=cfg.similarity_weight,
+            gold_rows=self._gold_rows,
         )
         self.attempts.append(Attempt(action, score, turn=self.turn + 1))  # base counts the turn after
         reward = score.reward

@@ -436,3 +436,17 @@ def test_the_prompt_s_example_query_answers_no_shipped_task() -> None:
         if score.matches:
             leaked.append(task.id)
     assert leaked == []
+
+
+def test_a_step_on_a_machine_too_slow_for_the_time_limit_scores_the_query_and_never_raises(monkeypatch) -> None:
+    """The gold query was checked at reset; a step that stalls (a busy machine: every query returns 5 s after it
+    started) must score the model's query as timed out, not fail the episode because the gold query overran."""
+    import producers.envs.sql as sql
+
+    env = TextToSQL(split="all")
+    env.reset(0)
+    ticks = iter(range(0, 10_000, 5))  # every reading of the clock is 5 s after the one before
+    monkeypatch.setattr(sql.time, "monotonic", lambda: float(next(ticks)))
+    result = env.step(format_answer(["SELECT 1"]))
+    assert result.reward == pytest.approx(-0.25) and not result.terminated and not result.truncated
+    assert "time limit" in result.observation
