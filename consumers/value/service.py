@@ -115,10 +115,11 @@ def replay_train_value(config: RunConfig, source_run: str, date_from: str | None
         if isinstance(created, RunStarted) and learner.state.step == 0:
             store.delete(f"runs/{config.run_id}", recursive=True)
         raise
-    published = learner.registry.latest()
-    if learner.state.step and (published is None or published.learner_step < learner.state.step):
-        learner.publish(learner.last_metrics)  # the batches ran out between two publish_every steps
-    if learner.state.step % learner.cfg.checkpoint_every:
+    published = learner.registry.latest()  # the learner publishes a replay's last batch itself, before its checkpoint
+    tail = bool(learner.state.step) and (published is None or published.learner_step < learner.state.step)
+    if tail:  # a resumed replay whose last step was never published
+        learner.publish(learner.last_metrics)
+    if tail or learner.state.step % learner.cfg.checkpoint_every:  # a checkpoint that records the newest version
         learner.checkpoint()
     log.info("value replay trained %d steps, version %d", learner.state.step, learner.state.version)
     return learner

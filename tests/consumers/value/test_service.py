@@ -80,3 +80,27 @@ def test_a_replay_refused_on_the_batches_content_leaves_no_run_behind(tmp_path: 
     with pytest.raises(ValueError, match="click_position"):
         replay_train_value(RunConfig.model_validate(raw), "actors")
     assert store.list("runs/wrong-agent", recursive=True) == []
+
+
+def test_the_version_a_replay_publishes_at_its_end_is_in_its_last_checkpoint(tmp_path: Path) -> None:
+    from consumers.checkpoint import CheckpointStore
+
+    store = ObjectStore((tmp_path / "store").as_uri())
+    actor = ValueActor(run_id="actors", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
+                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "actors"), tmp_path / "cache"),
+                       config=ValueActorConfig(steps_per_batch=50))
+    for _ in range(BATCHES):
+        actor.write_batch()
+    raw = load_preset("dqn-cartpole")
+    raw["run_id"] = "offline-dqn"
+    raw["store"] = {"root": (tmp_path / "store").as_uri()}
+    # 4 steps: v1 at step 3, a checkpoint at step 4 (before the tail's version), then v2 for step 4
+    raw["value"]["learner"].update(min_replay_size=32, batch_size=16, checkpoint_every=4, publish_every=3)
+    config = RunConfig.model_validate(raw)
+    learner = replay_train_value(config, "actors")
+    newest = learner.registry.latest()
+    assert (newest.version, newest.learner_step) == (2, BATCHES)
+    checkpoint = CheckpointStore(store, "offline-dqn").latest()
+    assert (checkpoint.state.step, checkpoint.state.version) == (BATCHES, 2)
+    again = replay_train_value(config, "actors")  # resumes knowing the version it published last
+    assert (again.state.step, again.state.version) == (BATCHES, 2)
