@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 import uuid
 from contextlib import suppress
 from dataclasses import dataclass
@@ -119,6 +120,16 @@ class PreparedCheckpoint:
     state_json: bytes
 
 
+def attempt_name() -> str:
+    """A checkpoint attempt's folder suffix: the write time in nanoseconds (16 hex digits), then 4 random ones.
+
+    Folders sort by step, then by this name: of two checkpoints of one step (a replay ending between two
+    publish steps checkpoints its last step again, with the version it just published), the later one is
+    the newest.
+    """
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:4]}"
+
+
 class CheckpointStore:
     """Writes and finds learner checkpoints for one run."""
 
@@ -164,7 +175,7 @@ class CheckpointStore:
 
     def write(self, prepared: PreparedCheckpoint) -> str:
         """Serialise and write a prepared checkpoint's files, then its manifest (create-only), then prune."""
-        key = CheckpointFolder(self.prefix, prepared.step, uuid.uuid4().hex[:8]).key
+        key = CheckpointFolder(self.prefix, prepared.step, attempt_name()).key
         files = {"adapter.safetensors": save_tensors(prepared.adapter),
                  "optimizer.safetensors": save_tensors(prepared.optimizer), STATE_FILE: prepared.state_json}
         # create-once: a retried create of our own object (gs://) is not a conflict; on local disk the

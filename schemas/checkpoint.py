@@ -12,7 +12,9 @@ one from writing create-only::
 
 A checkpoint is complete exactly when its manifest exists; the manifest names
 every file with its sha256.  Folder names are parsed here and nowhere else: a
-name of another shape is not a checkpoint.
+name of another shape is not a checkpoint.  ``<attempt>`` begins with the write
+time (``consumers.checkpoint.attempt_name``), so of two checkpoints of one step the
+later sorts first.
 """
 
 from __future__ import annotations

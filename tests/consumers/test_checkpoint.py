@@ -126,6 +126,19 @@ def test_checkpoint_bytes_do_not_grow_with_the_steps(store: FlakyStore) -> None:
     assert loaded is not None and loaded.state.trained == state.trained and len(state.trained) == 600
 
 
+def test_of_two_checkpoints_of_one_step_the_later_one_is_the_latest(tmp_path) -> None:
+    """A replay ending between two publish steps checkpoints its last step again after publishing it: the second
+    checkpoint, with the newer version, is the one to resume from (every time, not by the folders' random names)."""
+    store = ObjectStore(tmp_path.as_uri())
+    for attempt in range(12):
+        checkpoints = CheckpointStore(store, f"{RUN}{attempt}")
+        checkpoints.record_step({"step": 1, "batch_ids": ["b1"]})
+        checkpoints.save(LearnerState(step=1, version=0), ADAPTER, {}, {})
+        second = checkpoints.save(LearnerState(step=1, version=1), ADAPTER, {}, {})
+        assert checkpoints.complete()[0] == (1, second)
+        assert checkpoints.latest().state.version == 1
+
+
 def test_only_the_newest_checkpoints_are_kept(store: FlakyStore) -> None:
     checkpoints, state = CheckpointStore(store, RUN, keep=2), LearnerState()
     store.put_create(f"{checkpoints.prefix}/step-000002-deadbeef/adapter.safetensors", b"a crashed attempt")
