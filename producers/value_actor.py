@@ -14,7 +14,8 @@ torques -1, 0, +1 are actions 0, 1, 2): the discrete action a Q-network scores. 
 since the last one, written once it holds at least ``steps_per_batch`` steps, so
 the learner can form every n-step transition of an episode from one table.  Actors
 do not wait for the learner unless ``max_batches_ahead`` is set: then an actor pauses
-while it is that many batches ahead of the newest version's learner step.
+while it is that many batches ahead of the newest version's learner step (from the
+first version on).
 
 Layout of a batch: ``runs/<run>/env-steps/date=YYYY-MM-DD/<batch_id>.parquet``
 (create-only; the event carries its sha256).  Each row carries the actor's policy
@@ -277,17 +278,24 @@ class ValueActor:
         ))
 
     def wait_for_learner(self, should_stop: Callable[[], bool]) -> None:
-        """With ``max_batches_ahead``: pause while this actor is that far ahead of the newest version's learner step."""
+        """With ``max_batches_ahead``: pause while this actor is that far ahead of the newest version's learner step.
+
+        Not before the first version: the learner is then filling its replay memory, and how many batches that takes
+        is not known in advance (an episode cut by the time limit gives fewer transitions than steps), so a wait could
+        last for ever.
+        """
         limit = self.config.max_batches_ahead
-        while (limit is not None and not should_stop()
-               and self.batches_before + self.batches_written - self.learner_step() >= limit):
+        while limit is not None and not should_stop():
+            step = self.learner_step()
+            if step is None or self.batches_before + self.batches_written - step < limit:
+                return
             time.sleep(max(self.config.registry_poll_s, 0.05))
             self.maybe_beat()
 
-    def learner_step(self) -> int:
-        """The learner step of the newest published version (0 before the first)."""
+    def learner_step(self) -> int | None:
+        """The learner step of the newest published version (None before the first)."""
         latest = self.watcher.registry.latest()
-        return latest.learner_step if latest is not None else 0
+        return latest.learner_step if latest is not None else None
 
 
 def stored_events(archive: TrajectoryArchive, keys: Iterable[str]) -> list[TrajectoryBatchCommitted]:

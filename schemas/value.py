@@ -179,10 +179,10 @@ class ValueRunConfig(NoYesNoNumbers):
         if slate is not None and self.observation_size < slate.num_topics + slate.num_candidates:
             raise ValueError(f"observation_size {self.observation_size} cannot hold {slate.num_topics} interests and "
                              f"{slate.num_candidates} candidate topics; fix value.observation_size")
-        ahead, learner = self.actor.max_batches_ahead, self.learner
-        # The first version comes once min_replay_size transitions are in and a publish step is reached.
-        first_version = math.ceil(learner.min_replay_size / self.actor.steps_per_batch) + learner.publish_every
-        if ahead is not None and ahead < first_version:
+        ahead, publish_every = self.actor.max_batches_ahead, self.learner.publish_every
+        # After a version at learner step L the actor writes up to L + ahead batches; the next version comes at step
+        # L + publish_every (one step per batch), so a smaller bound stops a lone actor for good.
+        if ahead is not None and ahead < publish_every:
             raise ValueError(f"actor.max_batches_ahead {ahead} would stop the actor before the learner publishes its "
-                             f"first version; raise it to at least {first_version}")
+                             f"next version; raise it to at least learner.publish_every ({publish_every})")
         return self

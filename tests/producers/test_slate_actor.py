@@ -116,9 +116,12 @@ def stop_after(calls: int) -> Callable[[], bool]:
 
 def test_with_max_batches_ahead_the_actor_waits_for_the_learners_newest_version(memory_store, tmp_path) -> None:
     actor = make_actor(memory_store, tmp_path, steps_per_batch=20, max_batches_ahead=2, registry_poll_s=0.0)
-    assert actor.run(should_stop=stop_after(40)) == 2  # two batches ahead of a learner at step 0: it waits
+    # before the first version the learner is still filling its replay memory (time-limit cuts drop transitions,
+    # so how many batches that takes is not known in advance): the actor does not wait
+    assert actor.run(should_stop=stop_after(40), max_batches=3) == 3
     publish_favouring(AdapterRegistry(memory_store, "srun"), topic=1)  # a version at learner step 1
-    assert actor.run(should_stop=stop_after(40), max_batches=5) == 3  # one more, then two ahead of step 1
-    with pytest.raises(ValueError, match="at least 3"):
-        ValueRunConfig(observation_size=26, num_actions=5, learner={"agent": "slateq", "min_replay_size": 500},
+    assert actor.run(should_stop=stop_after(40), max_batches=5) == 3  # two ahead of step 1: it waits, none more
+    with pytest.raises(ValueError, match=r"at least learner.publish_every \(3\)"):
+        ValueRunConfig(observation_size=26, num_actions=5, learner={"agent": "slateq", "min_replay_size": 500,
+                                                                    "publish_every": 3},
                        actor={"steps_per_batch": 400, "max_batches_ahead": 2}, slate=SLATE)
