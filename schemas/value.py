@@ -87,8 +87,11 @@ class ValueActorConfig(NoYesNoNumbers):
     epsilon_decay_steps: int = Field(4_000, ge=1, le=100_000_000, description="steps over which epsilon falls to its floor")
     epsilon_warmup_steps: int = Field(0, ge=0, le=100_000_000, description="steps at epsilon 1 before the decay starts")
     final_epsilon: float = Field(0.05, ge=0.0, le=1.0, description="epsilon after the decay")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the exploration; the environment seeds are the run's training seeds "
-                      "(RunConfig.training_seeds), or seed * 1000003 + episode for an actor built without them")
+    seed: int = Field(
+        0, ge=0, le=2**31 - 1,
+        description="seeds the exploration; the environment seeds are the run's training seeds "
+        "(RunConfig.training_seeds), or seed * 1000003 + episode for an actor built without them",
+    )
     registry_poll_s: float = Field(1.0, ge=0.0, le=3600.0, description="look for a newer version this often")
     max_batches_ahead: int | None = Field(
         None, ge=1, le=1_000_000,
