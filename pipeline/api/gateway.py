@@ -232,6 +232,9 @@ class Gateway:
         """
         self.live_session(tenant, session_id)
         self.served(base_model)
+        if model_seq_id < 0:
+            raise ApiError(f"model_seq_id={model_seq_id}: a ServiceClient numbers its training clients from 0; "
+                           "use the tinker SDK's create_lora_training_client")
         if not 1 <= lora_rank <= MAX_LORA_RANK:
             raise ApiError(f"lora_config.rank={lora_rank}: use a rank of at least 1 and at most {MAX_LORA_RANK} "
                            "(the largest vLLM serves)")
@@ -287,8 +290,9 @@ class Gateway:
         """Accept a call on one of the tenant's models: body to the store, event on the log; its request id."""
         record = self.model(tenant, model_id)
         self.check_live(model_run_name(model_id).split(".")[0])
-        if op != "create_model" and op != "load_weights" and not seq_id:
-            raise ApiError(f"{op} needs a seq_id >= 1; use the tinker SDK's TrainingClient")
+        if (op != "create_model" and op != "load_weights" and not seq_id) or (seq_id is not None and seq_id < 0):
+            raise ApiError(f"{op} seq_id={seq_id}: a training call needs a seq_id >= 1 (the next of its training "
+                           "client); use the tinker SDK's TrainingClient")
         request_id = self._log_call(tenant, op, record, model_id, seq_id, body, fmt)
         if request_id is None:
             raise ApiError(f"seq_id {seq_id} of {model_id} was already used for another call; "
@@ -398,6 +402,9 @@ class Gateway:
         """
         record = self.sampler(tenant, sampling_session_id)
         self.check_live(model_run_name(sampling_session_id).split(".")[0])
+        if seq_id is not None and seq_id < 0:
+            raise ApiError(f"seq_id={seq_id}: a sampling client numbers its sample calls from 0; use the tinker "
+                           "SDK's SamplingClient")
         base_model = record["base_model"]
         pending = self._pending_samples.setdefault(base_model, set())
         request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)

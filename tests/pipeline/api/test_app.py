@@ -336,3 +336,27 @@ def test_a_sampling_session_id_is_no_training_model_id(api):
     loaded = api.post("/api/v1/load_weights", headers=ALICE, json={
         "session_id": session, "model_seq_id": 1, "path": path, "optimizer": True})
     assert loaded.status_code in (400, 404) and loaded.json()["category"] == "user"
+
+
+def test_negative_sequence_numbers_are_a_400_that_logs_and_holds_nothing(api):
+    """The SDK numbers calls from 0 (samples, model_seq_id) or 1 (training calls): a negative number is a bad request,
+    answered 400 naming the field, not a 500 that the SDK resends for minutes; nothing is stored or logged for it, and
+    a refused sample holds none of the sampler queue's places."""
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    sampler_id = _sampling_session(api, session, base_model="/models/base/tiny").json()["sampling_session_id"]
+    logged, stored = len(api.published), set(api.store.list("sessions", recursive=True))
+    answers = {
+        "optim_step": api.post("/api/v1/optim_step", headers=ALICE, json={
+            "model_id": model_id, "seq_id": -2, "type": "optim_step", "adam_params": {"learning_rate": 1e-3}}),
+        "create_model": api.post("/api/v1/create_model", headers=ALICE, json={
+            "session_id": session, "model_seq_id": -1, "base_model": "/models/base/tiny", "lora_config": {"rank": 4},
+            "type": "create_model"}),
+        "asample": _asample(api, sampler_id, seq_id=-7),
+        "asample -1": _asample(api, sampler_id, seq_id=-1),
+    }
+    for call, answer in answers.items():
+        assert answer.status_code == 400 and answer.json()["category"] == "user", (call, answer.text)
+        assert "seq_id" in answer.json()["error"], (call, answer.text)
+    assert len(api.published) == logged and set(api.store.list("sessions", recursive=True)) == stored
+    assert not any(api.app.state.gateway._pending_samples.values())
