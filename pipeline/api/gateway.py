@@ -34,6 +34,8 @@ after its end.
 from __future__ import annotations
 
 import json
+import math
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -77,6 +79,7 @@ from schemas.events import Envelope, make_event
 Publish = Callable[[Envelope, str], Any]  # (event, key) -> anything; publishes on <ns>.requests
 LIVE_CHECK_S = 1.0  # how long a gateway takes a session it saw live as live, before reading its record again
 MAX_PENDING_SAMPLES = 512  # sample calls per base model this gateway holds without a result before answering 429
+PENDING_RECHECK_S = 1.0  # a full sampler queue is checked against the stored results at most this often
 
 
 class NotFoundError(ApiError):
@@ -139,7 +142,10 @@ class Gateway:
         self._live_until: dict[str, float] = {}  # session -> monotonic time until which it is taken as live
         self._models: dict[str, dict[str, Any]] = {}
         self.max_pending_samples = max_pending_samples
+        self.pending_recheck_s = PENDING_RECHECK_S
         self._pending_samples: dict[str, set[str]] = {}  # base model -> sample requests without a result yet
+        self._pending_checked: dict[str, float] = {}  # base model -> monotonic time its queue was last re-checked
+        self._pending_lock = threading.Lock()  # the sample calls and the polls run in worker threads
 
     # ---- sessions ---------------------------------------------------------------------------
     def create_session(self, tenant: str, tags: list[str], user_metadata: dict[str, Any]) -> str:
@@ -343,8 +349,9 @@ class Gateway:
                 found = self.store.get(key), fmt
             except FileNotFoundError:
                 continue
-            for pending in self._pending_samples.values():
-                pending.discard(request_id)
+            with self._pending_lock:
+                for pending in self._pending_samples.values():
+                    pending.discard(request_id)
             return found  # type: ignore[return-value]
         if not self.store.exists(request_body_path(session_id, request_id, "json")) and not self.store.exists(
                 request_body_path(session_id, request_id, "pb")):
@@ -406,10 +413,10 @@ class Gateway:
             raise ApiError(f"seq_id={seq_id}: a sampling client numbers its sample calls from 0; use the tinker "
                            "SDK's SamplingClient")
         base_model = record["base_model"]
-        pending = self._pending_samples.setdefault(base_model, set())
         request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)
-        if request_id not in pending and len(pending) >= self.max_pending_samples:
-            raise BusyError(f"the sampler of {base_model} has {len(pending)} calls queued; retry shortly", "server")
+        queued = self._queued_samples(base_model, request_id)
+        if queued >= self.max_pending_samples:
+            raise BusyError(f"the sampler of {base_model} has {queued} calls queued; retry shortly", "server")
         session_id = session_of_request(request_id)
         key = request_body_path(session_id, request_id, "json")
         try:
@@ -417,11 +424,35 @@ class Gateway:
         except FileExistsError:
             raise ApiError(f"seq_id {seq_id} of sampling session {sampling_session_id} was already used for "
                            "another call; each call takes the next seq_id") from None
-        pending.add(request_id)
+        with self._pending_lock:
+            self._pending_samples.setdefault(base_model, set()).add(request_id)
         event = ApiRequestAccepted(request_id=request_id, tenant=tenant, session_id=session_id, op="sample",
                                    model_id=sampling_session_id, seq_id=(seq_id or 0) + 1, base_model=base_model,
                                    body_path=key, body_format="json", body_sha256=digest)
         return event
+
+    def _queued_samples(self, base_model: str, request_id: str) -> int:
+        """The base model's sample calls without a result that a new call ``request_id`` would queue behind (0 for
+        a resent call, already queued).  Results are noticed when polled here; a full queue is also checked against
+        the store (at most every ``pending_recheck_s``), since a call's client may never poll this gateway (it
+        died, or polls another) and its place would otherwise be held for ever, for every tenant."""
+        with self._pending_lock:
+            pending = set(self._pending_samples.get(base_model, ()))
+            checked = self._pending_checked.get(base_model, -math.inf)
+        if request_id in pending:
+            return 0
+        if len(pending) < self.max_pending_samples or time.monotonic() - checked < self.pending_recheck_s:
+            return len(pending)
+        answered = {queued for queued in pending if self._has_result(queued)}
+        with self._pending_lock:
+            self._pending_checked[base_model] = time.monotonic()
+            still = self._pending_samples.setdefault(base_model, set())
+            still -= answered
+            return len(still)
+
+    def _has_result(self, request_id: str) -> bool:
+        session_id = session_of_request(request_id)
+        return any(self.store.exists(result_path(session_id, request_id, fmt)) for fmt in ("pb", "json"))
 
     # ---- checkpoints (RestClient; ``pipeline.api.checkpoints``) ---------------------------------------------
     def checkpoints(self, tenant: str, model_id: str) -> list[dict[str, Any]]:

@@ -360,3 +360,18 @@ def test_negative_sequence_numbers_are_a_400_that_logs_and_holds_nothing(api):
         assert "seq_id" in answer.json()["error"], (call, answer.text)
     assert len(api.published) == logged and set(api.store.list("sessions", recursive=True)) == stored
     assert not any(api.app.state.gateway._pending_samples.values())
+
+
+def test_a_sample_answered_but_never_polled_here_frees_its_place_in_the_queue(api):
+    """The queue counts samples without a result, not samples this gateway has not answered a poll for: a client
+    that died after its call, or that polls through another gateway, must not fill it for every tenant for ever."""
+    gateway = api.app.state.gateway
+    gateway.max_pending_samples, gateway.pending_recheck_s = 2, 0.0
+    alice = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
+    abandoned = [_asample(api, alice, seq_id=seq).json()["request_id"] for seq in range(2)]
+    bob = _sampling_session(api, _session(api, BOB), headers=BOB,
+                            base_model="/models/base/tiny").json()["sampling_session_id"]
+    assert _asample(api, bob, headers=BOB).status_code == 429  # still running: the queue is full
+    for request_id in abandoned:  # the sampler answers them; nobody polls
+        api.store.put_create(result_path(request_id.split(".")[0], request_id, "pb"), b"")
+    assert _asample(api, bob, headers=BOB).status_code == 200
