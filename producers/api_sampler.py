@@ -64,7 +64,7 @@ from pipeline.api.direct import direct_app, serve_direct
 from pipeline.api.engines import announce_result, engine_arguments, engine_setup, request_reader, store_result
 from pipeline.api.gateway import parse_body
 from pipeline.api.lifecycle import files_deleted
-from pipeline.api.samplers import inflight_version, read_sampler, sampled_version
+from pipeline.api.samplers import check_sample_request, inflight_version, read_sampler, sampled_version
 from pipeline.io.bus import ConsumedEvent, EventPublisher, TopicPartitionKey, ensure_topics
 from pipeline.io.registry import AdapterRegistry, RetiredAdapterError
 from pipeline.io.store import ObjectStore
@@ -92,30 +92,11 @@ def group_for(base_model: str) -> str:
 
 def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[SampleParams, list[str]]:
     """The engine's ``SampleParams`` and the stop strings (cut after sampling) of one ``SampleRequest``."""
+    check_sample_request(request)
     given = request.sampling_params
-    for chunk in request.prompt.chunks:
-        if not isinstance(chunk, types.EncodedTextChunk):
-            kind = getattr(chunk, "type", type(chunk).__name__)
-            raise ApiError(f"prompt chunk of kind {kind!r} is not supported; send token chunks")
     if request.prompt.length >= max_model_len:
         raise ApiError(f"prompt of {request.prompt.length} tokens does not fit this server's context of "
                        f"{max_model_len} tokens (max_context_length in get_server_capabilities); shorten it")
-    if request.prompt_alt_tokens_k or request.topk_prompt_logprobs \
-            or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
-        raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "
-                       "ask for prompt_logprobs and sampled-token logprobs only")
-    if request.record_stability_info:
-        raise ApiError("record_stability_info (StableReinforce) is not served; leave it unset and train with "
-                       "another loss (e.g. importance_sampling)")
-    last_n = request.prompt_logprobs_last_n
-    if last_n is not None and not (request.prompt_logprobs and 1 <= last_n <= request.prompt.length - 1):
-        raise ApiError(f"prompt_logprobs_last_n={last_n}: it needs prompt_logprobs=True and a value from 1 to the "
-                       f"prompt's length - 1 ({request.prompt.length - 1})")
-    if given.max_tokens is not None and given.max_tokens < 1:
-        raise ApiError(f"sampling_params.max_tokens={given.max_tokens}: ask for at least 1 token, or leave it "
-                       "unset for up to the context length")
-    if given.top_k < -1:
-        raise ApiError(f"sampling_params.top_k={given.top_k}: use -1 (no cut) or a number of tokens >= 1")
     stop = given.stop
     strings: list[str] = []
     stop_ids: tuple[int, ...] | None = None

@@ -32,6 +32,7 @@ from pipeline.api import checkpoints, downloads, listing
 from pipeline.api.direct import DirectSamplers
 from pipeline.api.gateway import BusyError, Gateway, NotFoundError, SessionEndedError, parse_body
 from pipeline.api.results import ResultSignals
+from pipeline.api.samplers import check_sample_request
 from pipeline.api.tenants import Tenants, UnauthorizedError
 from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header
 from pipeline.io.store import ChecksumError
@@ -256,6 +257,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         body = parse_body(types.SampleRequest, raw)
         if body.sampling_session_id is None:
             raise ApiError("asample needs a sampling_session_id; create a SamplingClient first")
+        check_sample_request(body)
         call = await asyncio.to_thread(gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw)
         if direct is not None:  # the sampler starts while the log takes the call; the answer still waits for the log
             direct.dispatch(call)

@@ -27,13 +27,18 @@ ephemeral path; the sampler reads them.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
+
+from tinker import types
 
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiError, model_id_for, model_run_name, session_path
 from schemas.names import InvalidNameError
+from schemas.trajectory import MIN_SAMPLING_TEMPERATURE
 
 SAMPLE_KIND = "sample"
+MAX_SAMPLES_PER_CALL = 1024  # num_samples of one sample call (the SDK's chunk of a forward_backward, in datums)
 VERSION_USERS = "api/version-users"  # <run>/<version>/<session>: sessions sampling named sampler weights
 
 
@@ -118,3 +123,41 @@ def sampled_version(record: dict[str, Any], latest_inflight: int | None) -> int:
     if record.get("kind") == "inflight" and latest_inflight is not None and latest_inflight > version:
         return latest_inflight
     return version
+
+
+def check_sample_request(request: types.SampleRequest) -> None:
+    """Refuse a ``sample`` call rlpipe cannot serve as asked (``ApiError`` naming the field and the fix); the gateway
+    answers it 400 at submit, and the sampler checks again what it reads from the log.  What needs the engine (the
+    prompt's length against its context) is the sampler's to check."""
+    given = request.sampling_params
+    if not 1 <= request.num_samples <= MAX_SAMPLES_PER_CALL:
+        raise ApiError(f"num_samples={request.num_samples}: ask for 1 to {MAX_SAMPLES_PER_CALL} samples a call "
+                       "(send more calls for more)")
+    for chunk in request.prompt.chunks:
+        if not isinstance(chunk, types.EncodedTextChunk):
+            kind = getattr(chunk, "type", type(chunk).__name__)
+            raise ApiError(f"prompt chunk of kind {kind!r} is not supported; send token chunks")
+    if request.prompt_alt_tokens_k or request.topk_prompt_logprobs \
+            or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
+        raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "
+                       "ask for prompt_logprobs and sampled-token logprobs only")
+    if request.record_stability_info:
+        raise ApiError("record_stability_info (StableReinforce) is not served; leave it unset and train with "
+                       "another loss (e.g. importance_sampling)")
+    last_n = request.prompt_logprobs_last_n
+    if last_n is not None and not (request.prompt_logprobs and 1 <= last_n <= request.prompt.length - 1):
+        raise ApiError(f"prompt_logprobs_last_n={last_n}: it needs prompt_logprobs=True and a value from 1 to the "
+                       f"prompt's length - 1 ({request.prompt.length - 1})")
+    if given.max_tokens is not None and given.max_tokens < 1:
+        raise ApiError(f"sampling_params.max_tokens={given.max_tokens}: ask for at least 1 token, or leave it "
+                       "unset for up to the context length")
+    if given.top_k < -1:
+        raise ApiError(f"sampling_params.top_k={given.top_k}: use -1 (no cut) or a number of tokens >= 1")
+    if not (math.isfinite(given.temperature) and given.temperature >= 0):
+        raise ApiError(f"sampling_params.temperature={given.temperature}: use 0 (greedy) or a positive number")
+    if 0 < given.temperature < MIN_SAMPLING_TEMPERATURE:
+        # vLLM samples at MIN_SAMPLING_TEMPERATURE below it: samples and logprobs of another temperature than asked
+        raise ApiError(f"sampling_params.temperature={given.temperature:g}: use 0 (greedy) or at least "
+                       f"{MIN_SAMPLING_TEMPERATURE:g}, the lowest temperature rlpipe's samplers sample at as asked")
+    if not 0 < given.top_p <= 1:  # (False for NaN too)
+        raise ApiError(f"sampling_params.top_p={given.top_p}: use a probability in (0, 1] (1 = no cut)")

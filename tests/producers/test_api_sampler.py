@@ -444,3 +444,13 @@ def test_a_call_of_many_samples_runs_in_rounds_that_let_another_call_in(harness,
     assert len(whole.sequences) == 40 and len(whole.prompt_logprobs) == 3
     again = harness.run([harness.sample(sampler_id, 2, big)])[0]
     assert [s.tokens for s in deserialize_sample_response(again[0]).sequences] == [s.tokens for s in whole.sequences]
+
+
+def test_a_temperature_the_engine_would_not_sample_at_is_refused():
+    """vLLM samples at 0.01 below it: the samples and their logprobs would be of another temperature than the call's."""
+    for temperature in (0.005, float("nan"), -0.5):
+        request = _request(None)
+        request = request.model_copy(update={"sampling_params": request.sampling_params.model_copy(
+            update={"temperature": temperature})})
+        with pytest.raises(ApiError, match="temperature"):
+            sampling_params(request, 64)

@@ -375,3 +375,32 @@ def test_a_sample_answered_but_never_polled_here_frees_its_place_in_the_queue(ap
     for request_id in abandoned:  # the sampler answers them; nobody polls
         api.store.put_create(result_path(request_id.split(".")[0], request_id, "pb"), b"")
     assert _asample(api, bob, headers=BOB).status_code == 200
+
+
+def test_sampling_parameters_that_cannot_be_honoured_are_a_400_at_submit(api):
+    """A temperature vLLM would raise to 0.01 (or one that is not a number), a top_p outside (0, 1], a count of samples
+    below 1 or above the limit: answered 400 naming the field before anything is queued, not a future that fails (or,
+    for 0 < T < 0.01, samples and logprobs of another temperature than asked for)."""
+    import math
+
+    from pipeline.api.samplers import MAX_SAMPLES_PER_CALL
+
+    sampler_id = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
+    logged = len(api.published)
+    good = {"num_samples": 1, "prompt": {"chunks": [{"tokens": [1, 2, 3], "type": "encoded_text"}]},
+            "sampling_params": {"max_tokens": 5, "temperature": 1.0, "top_k": -1, "top_p": 1.0},
+            "sampling_session_id": sampler_id, "seq_id": 0, "type": "sample"}
+    bad = {"temperature": (0.005, 1e-9, -1.0, math.nan, math.inf), "top_p": (0.0, 1.5, math.nan),
+           "num_samples": (0, -3, MAX_SAMPLES_PER_CALL + 1), "max_tokens": (0,), "top_k": (-2,)}
+    for field, values in bad.items():
+        for value in values:
+            body = json.loads(json.dumps(good))
+            (body if field == "num_samples" else body["sampling_params"])[field] = value
+            answer = api.post("/api/v1/asample", headers=ALICE, content=json.dumps(body).encode())
+            assert answer.status_code == 400 and answer.json()["category"] == "user", (field, value, answer.text)
+            assert field in answer.json()["error"], (field, value, answer.text)
+    assert len(api.published) == logged
+    for temperature in (0.0, 0.01, 0.7):  # greedy, and the lowest temperature sampled as asked
+        body = {**good, "sampling_params": {**good["sampling_params"], "temperature": temperature}}
+        assert api.post("/api/v1/asample", headers=ALICE, json=body).status_code == 200, temperature
+        good["seq_id"] += 1
