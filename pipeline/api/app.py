@@ -51,6 +51,13 @@ class WeightsInfoRequest(BaseModel):
     tinker_path: str = ""
 
 
+class FinishRequest(BaseModel):
+    """What ``ServiceClient.close`` sends to ``sessions/{id}/finish`` (an empty body is a success)."""
+
+    reason: types.ClientSessionFinishReason = types.ClientSessionFinishSuccess()
+    detail: str | None = None
+
+
 def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
     """The caller's tenant, from its ``X-API-Key``."""
     return request.app.state.tenants.tenant_of(x_api_key)  # type: ignore[no-any-return]
@@ -131,8 +138,8 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request, who: Tenant) -> dict[str, str]:
-        raw = json.loads(await request.body() or b"{}")
-        gateway.finish(who, session_id, str((raw.get("reason") or {}).get("type", "success")))
+        body = parse_body(FinishRequest, await request.body())
+        gateway.finish(who, session_id, body.reason.type)
         return {"status": "ok"}
 
     @app.post("/api/v1/telemetry")

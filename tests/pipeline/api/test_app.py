@@ -404,3 +404,17 @@ def test_sampling_parameters_that_cannot_be_honoured_are_a_400_at_submit(api):
         body = {**good, "sampling_params": {**good["sampling_params"], "temperature": temperature}}
         assert api.post("/api/v1/asample", headers=ALICE, json=body).status_code == 200, temperature
         good["seq_id"] += 1
+
+
+def test_a_finish_with_a_body_that_is_not_the_sdks_is_a_400_and_ends_nothing(api):
+    session = _session(api)
+    finish = f"/api/v1/sessions/{session}/finish"
+    for body in (b"not json", b"[1]", json.dumps({"reason": {"type": "x" * 1000}}).encode()):
+        answer = api.post(finish, headers=ALICE, content=body)
+        assert answer.status_code == 400 and answer.json()["category"] == "user", (body, answer.text)
+        assert answer.json()["error"].startswith("FinishRequest: "), answer.text
+    beat = {"session_id": session, "type": "session_heartbeat"}
+    assert api.post("/api/v1/session_heartbeat", headers=ALICE, json=beat).status_code == 200  # still live
+    assert api.post(finish, headers=ALICE, json={"reason": {"type": "errored"}, "detail": "boom"}).is_success
+    assert api.post("/api/v1/session_heartbeat", headers=ALICE, json=beat).status_code == 410
+    assert "finished: errored" in api.post("/api/v1/session_heartbeat", headers=ALICE, json=beat).json()["error"]
