@@ -39,9 +39,51 @@ from pipeline.io.store import ChecksumError
 from schemas.api import ApiError, ApiOp, BodyFormat
 
 log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 << 20  # a call's body, held in memory: the SDK's forward_backward chunks are about 5 MB
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
-_STATUS = {UnauthorizedError: 401, NotFoundError: 404, checkpoints.NotFound: 404, downloads.UrlRefused: 403,
+
+
+class BodyTooLarge(ApiError):
+    """A request body over the gateway's limit (HTTP 413)."""
+
+
+class _BodyLimit:
+    """ASGI middleware refusing a body over ``limit`` bytes: at once when its Content-Length says so, else as soon as
+    reading it passes the limit (a chunked body), so the gateway never holds more of one call than that."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def _refusal(self) -> BodyTooLarge:
+        return BodyTooLarge(f"request body over {self.limit} bytes; send smaller calls (the tinker SDK splits a "
+                            "forward_backward into chunks of about 5 MB), or shorten the datums or the prompt")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            refusal = self._refusal()
+            await JSONResponse({"error": str(refusal), "category": refusal.category}, status_code=413)(
+                scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            if message.get("type") == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise self._refusal()  # inside the handler's read: answered by the ApiError handler
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+_STATUS = {UnauthorizedError: 401, BodyTooLarge: 413, NotFoundError: 404, checkpoints.NotFound: 404, downloads.UrlRefused: 403,
            SessionEndedError: 410, BusyError: 429}
 
 
@@ -73,16 +115,17 @@ def _unserved(request: Request) -> str:
 
 def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOLD_S,
                signals: ResultSignals | None = None, direct: DirectSamplers | None = None,
-               public_url: str | None = None) -> FastAPI:
+               public_url: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The ASGI app serving ``gateway`` to the tenants ``tenants`` admits; ``signals`` (following
     ``<ns>.results``) wakes long polls, without it they re-read the store every 20 ms; ``direct`` also hands
     sample calls straight to their sampler (``pipeline.api.direct``), waking polls through ``signals``;
     ``public_url``: the gateway's address as clients reach it (behind a proxy), for the download URLs it signs
-    (default: the address each request came to)."""
+    (default: the address each request came to); ``max_body_bytes``: the largest request body taken (413 above)."""
     if signals is None and direct is not None:
         signals = direct.signals
     app = FastAPI(title="rlpipe Tinker-compatible API", docs_url=None, redoc_url=None)
     app.state.gateway, app.state.tenants = gateway, tenants
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -418,3 +418,24 @@ def test_a_finish_with_a_body_that_is_not_the_sdks_is_a_400_and_ends_nothing(api
     assert api.post(finish, headers=ALICE, json={"reason": {"type": "errored"}, "detail": "boom"}).is_success
     assert api.post("/api/v1/session_heartbeat", headers=ALICE, json=beat).status_code == 410
     assert "finished: errored" in api.post("/api/v1/session_heartbeat", headers=ALICE, json=beat).json()["error"]
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read_whole():
+    """The gateway holds a call's body in memory: one tenant's huge body must not take the memory every tenant's calls
+    share.  Declared too large (Content-Length) or found too large while read (chunked), it is refused with 413."""
+    api = gateway_client(max_body_bytes=4096)
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    logged = len(api.published)
+    optim = json.dumps({"model_id": model_id, "seq_id": 1, "type": "optim_step", "padding": "x" * 5000,
+                        "adam_params": {"learning_rate": 1e-3}}).encode()
+    declared = api.post("/api/v1/optim_step", headers=ALICE, content=optim)
+    chunked = api.post("/api/v1/optim_step", headers=ALICE,
+                       content=(optim[start:start + 1000] for start in range(0, len(optim), 1000)))
+    for answer in (declared, chunked):
+        assert answer.status_code == 413 and answer.json()["category"] == "user", answer.text
+        assert "4096 bytes" in answer.json()["error"], answer.text
+    assert len(api.published) == logged
+    small = json.dumps({"model_id": model_id, "seq_id": 1, "type": "optim_step",
+                        "adam_params": {"learning_rate": 1e-3}}).encode()
+    assert api.post("/api/v1/optim_step", headers=ALICE, content=small).status_code == 200
