@@ -119,14 +119,25 @@ def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[S
 
 
 def cut_at_stop_strings(sample: SampleOutput, strings: list[str], decode: Callable[[list[int]], str]) -> SampleOutput:
-    """``sample`` ended with the first token that completes a stop string (kept, logprobs aligned), if any."""
+    """``sample`` ended with the first token that completes a stop string (kept, logprobs aligned), if any.
+
+    A prefix that holds a stop string is held by every longer prefix, so the first such prefix is found by
+    bisection: about log2(n) decodes of a sample of n tokens, instead of one per prefix (time quadratic in n, on
+    the event loop every call shares), and one decode when no stop string occurs."""
     if not strings:
         return sample
-    for end in range(1, len(sample.token_ids) + 1):
+
+    def stops(end: int) -> bool:
         text = decode(sample.token_ids[:end])
-        if any(stop in text for stop in strings):
-            return SampleOutput(token_ids=sample.token_ids[:end], logprobs=sample.logprobs[:end], finish_reason="stop")
-    return sample
+        return any(stop in text for stop in strings)
+
+    if not sample.token_ids or not stops(len(sample.token_ids)):
+        return sample
+    low, high = 0, len(sample.token_ids)  # the prefix of high tokens holds a stop string, that of low does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if stops(middle) else (middle, high)
+    return SampleOutput(token_ids=sample.token_ids[:high], logprobs=sample.logprobs[:high], finish_reason="stop")
 
 
 def encode_sample_response(result: SampleResult) -> bytes:

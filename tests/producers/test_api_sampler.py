@@ -454,3 +454,27 @@ def test_a_temperature_the_engine_would_not_sample_at_is_refused():
             update={"temperature": temperature})})
         with pytest.raises(ApiError, match="temperature"):
             sampling_params(request, 64)
+
+
+def test_stop_strings_are_found_with_a_number_of_decodes_logarithmic_in_the_sample():
+    """Every sample of a renderer's loop carries stop strings (role_colon's "\\n\\nUser:"): decoding every prefix
+    costs time quadratic in its length, on the sampler's event loop that every tenant's calls share."""
+    text = {token: chr(ord("a") + token % 20) for token in range(4000)} | {9000: "\n", 9001: "U"}
+    calls: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        calls.append(len(ids))
+        return "".join(text[i] for i in ids)
+
+    tokens = list(range(4000))
+    for stop_at in (0, 1, 2500, 3998):
+        ids = tokens[:stop_at] + [9000, 9001] + tokens[stop_at + 2:]
+        sample = SampleOutput(token_ids=ids, logprobs=[-float(i) for i in range(len(ids))], finish_reason="length")
+        calls.clear()
+        cut = cut_at_stop_strings(sample, ["\nU"], decode)
+        assert (cut.token_ids, cut.logprobs, cut.finish_reason) == (ids[:stop_at + 2], sample.logprobs[:stop_at + 2],
+                                                                   "stop")
+        assert len(calls) <= 2 * 12 + 2 and sum(calls) <= 30 * len(ids), (stop_at, len(calls))
+    calls.clear()
+    sample = SampleOutput(token_ids=tokens, logprobs=[0.0] * len(tokens), finish_reason="length")
+    assert cut_at_stop_strings(sample, ["\nU"], decode) is sample and len(calls) == 1
