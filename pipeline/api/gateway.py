@@ -79,6 +79,7 @@ from schemas.events import Envelope, make_event
 Publish = Callable[[Envelope, str], Any]  # (event, key) -> anything; publishes on <ns>.requests
 LIVE_CHECK_S = 1.0  # how long a gateway takes a session it saw live as live, before reading its record again
 MAX_PENDING_SAMPLES = 512  # sample calls per base model this gateway holds without a result before answering 429
+MAX_METADATA_BYTES = 64 << 10  # a session's tags, or a session's or training client's user_metadata, as JSON
 PENDING_RECHECK_S = 1.0  # a full sampler queue is checked against the stored results at most this often
 
 
@@ -120,6 +121,14 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise ApiError(f"{model.__name__}: {where}: {first['msg']}; send what the tinker SDK sends") from None
 
 
+def check_metadata(field: str, value: Any) -> None:
+    """Refuse metadata over ``MAX_METADATA_BYTES`` (kept in records every listing reads and a gateway caches)."""
+    size = len(json.dumps(value).encode())
+    if size > MAX_METADATA_BYTES:
+        raise ApiError(f"{field} of {size} bytes (as JSON): keep it within {MAX_METADATA_BYTES} bytes; store "
+                       "larger data elsewhere and put its address in it")
+
+
 def _no_session(session_id: str) -> str:
     """The same answer for a session that does not exist and one of another key (which is not told apart)."""
     return f"no session {session_id!r} for this API key; use one created with this key (ServiceClient())"
@@ -149,6 +158,8 @@ class Gateway:
 
     # ---- sessions ---------------------------------------------------------------------------
     def create_session(self, tenant: str, tags: list[str], user_metadata: dict[str, Any]) -> str:
+        check_metadata("tags", tags)
+        check_metadata("user_metadata", user_metadata)
         session_id = f"sess-{uuid.uuid4().hex[:16]}"
         record = {"session_id": session_id, "tenant": tenant, "created_at": now(), "tags": tags,
                   "user_metadata": user_metadata}
@@ -238,6 +249,7 @@ class Gateway:
         """
         self.live_session(tenant, session_id)
         self.served(base_model)
+        check_metadata("user_metadata", user_metadata or {})
         if model_seq_id < 0:
             raise ApiError(f"model_seq_id={model_seq_id}: a ServiceClient numbers its training clients from 0; "
                            "use the tinker SDK's create_lora_training_client")

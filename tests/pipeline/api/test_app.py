@@ -439,3 +439,28 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read_whole():
     small = json.dumps({"model_id": model_id, "seq_id": 1, "type": "optim_step",
                         "adam_params": {"learning_rate": 1e-3}}).encode()
     assert api.post("/api/v1/optim_step", headers=ALICE, content=small).status_code == 200
+
+
+def test_metadata_over_the_limit_is_a_400_and_records_nothing(api):
+    """Sessions' and training clients' metadata are kept in their records, which every listing reads and a gateway
+    keeps in memory: a few megabytes each from one tenant would cost every tenant's listings and the gateway's memory."""
+    from pipeline.api.gateway import MAX_METADATA_BYTES
+
+    big = "x" * MAX_METADATA_BYTES
+    stored = set(api.store.list("sessions", recursive=True))
+    for body in ({"tags": [], "user_metadata": {"notes": big}}, {"tags": [big], "user_metadata": {}}):
+        answer = api.post("/api/v1/create_session", headers=ALICE,
+                          json={**body, "sdk_version": "0.38.0", "type": "create_session"})
+        assert answer.status_code == 400 and answer.json()["category"] == "user", answer.text
+        assert f"{MAX_METADATA_BYTES} bytes" in answer.json()["error"], answer.text
+    assert set(api.store.list("sessions", recursive=True)) == stored
+    session = _session(api)
+    answer = api.post("/api/v1/create_model", headers=ALICE, json={
+        "session_id": session, "model_seq_id": 0, "base_model": "/models/base/tiny", "lora_config": {"rank": 4},
+        "user_metadata": {"notes": big}, "type": "create_model"})
+    assert answer.status_code == 400 and "user_metadata" in answer.json()["error"], answer.text
+    assert not api.store.exists(f"sessions/{session}/models/0.json")
+    kept = api.post("/api/v1/create_model", headers=ALICE, json={
+        "session_id": session, "model_seq_id": 0, "base_model": "/models/base/tiny", "lora_config": {"rank": 4},
+        "user_metadata": {"renderer_name": "role_colon"}, "type": "create_model"})
+    assert kept.status_code == 200, kept.text
