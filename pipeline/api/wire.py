@@ -96,23 +96,34 @@ def checkpoint_name(name: str | None) -> str:
 # ---- forward_backward: protobuf request -> SDK type --------------------------------------------------------------
 
 
+def _array(data: bytes, dtype: np.dtype, what: str) -> np.ndarray:
+    """``data`` as a 1-D array of ``dtype``; a length that is no multiple of its size is the client's error."""
+    if len(data) % dtype.itemsize:
+        raise ApiError(f"{what} holds {len(data)} bytes, not a whole number of {dtype} values "
+                       f"({dtype.itemsize} bytes each); send what the tinker SDK encodes")
+    return np.frombuffer(data, dtype)
+
+
 def _tensor(msg: public_pb.Tensor, name: str) -> types.TensorData:
     if msg.dtype not in _DTYPES:
         raise ApiError(f"loss_fn_inputs[{name!r}] has dtype {msg.dtype}; send float32 or int64 tensors")
     np_dtype, dtype = _DTYPES[msg.dtype]
     shape = list(msg.shape) or None
+    what = f"loss_fn_inputs[{name!r}]"
     if msg.HasField("sparse_csr"):
         csr = msg.sparse_csr
-        return types.TensorData(np.frombuffer(csr.values, np_dtype).astype(dtype), dtype, shape,
-                                np.frombuffer(csr.crow_indices, np.int64).tolist(),
-                                np.frombuffer(csr.col_indices, np.int64).tolist())
-    return types.TensorData(np.frombuffer(msg.dense, np_dtype).astype(dtype), dtype, shape)
+        int64 = np.dtype(np.int64)
+        return types.TensorData(_array(csr.values, np_dtype, what).astype(dtype), dtype, shape,
+                                _array(csr.crow_indices, int64, f"{what} crow_indices").tolist(),
+                                _array(csr.col_indices, int64, f"{what} col_indices").tolist())
+    return types.TensorData(_array(msg.dense, np_dtype, what).astype(dtype), dtype, shape)
 
 
 def _chunk(msg: public_pb.Chunk) -> types.EncodedTextChunk:
     if msg.WhichOneof("chunk") != "encoded_text":
         raise ApiError(f"model_input chunk of kind {msg.WhichOneof('chunk')!r} is not supported; send token chunks")
-    return types.EncodedTextChunk(tokens=np.frombuffer(msg.encoded_text.tokens, np.int32).tolist())
+    return types.EncodedTextChunk(tokens=_array(msg.encoded_text.tokens, np.dtype(np.int32),
+                                                "model_input tokens").tolist())
 
 
 def _loss_fn_config(msg: public_pb.ForwardBackwardRequest) -> dict[str, float | str] | None:

@@ -74,3 +74,25 @@ def test_every_reader_of_the_log_knows_the_api_events():
 
     code = "from schemas.events import PAYLOAD_TYPES; assert {'ApiRequestAccepted', 'ApiResultReady'} <= set(PAYLOAD_TYPES)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tensor_and_token_bytes_of_a_length_no_dtype_divides_are_the_users_error():
+    """Such a body is the client's fault: answered as a user error naming the input, not a server fault."""
+    from tinker.proto import tinker_public_pb2 as public_pb
+
+    def body(tokens: bytes, weights: bytes) -> bytes:
+        msg = public_pb.ForwardBackwardRequest(model_id="sess-a:train:0", seq_id=1, loss_fn="cross_entropy")
+        datum = msg.data.add()
+        datum.model_input.add().encoded_text.tokens = tokens
+        datum.loss_fn_inputs["target_tokens"].CopyFrom(public_pb.Tensor(dense=np.arange(2, dtype=np.int64).tobytes(),
+                                                                         dtype=public_pb.DTYPE_INT64))
+        datum.loss_fn_inputs["weights"].CopyFrom(public_pb.Tensor(dense=weights, dtype=public_pb.DTYPE_FLOAT32))
+        return msg.SerializeToString()
+
+    good_tokens, good_weights = np.arange(2, dtype=np.int32).tobytes(), np.ones(2, np.float32).tobytes()
+    assert decode_forward_backward(body(good_tokens, good_weights))[0].model_id == "sess-a:train:0"
+    for tokens, weights, names in ((good_tokens, good_weights[:7], "weights"), (good_tokens[:5], good_weights,
+                                                                              "tokens")):
+        with pytest.raises(ApiError, match=names) as refused:
+            decode_forward_backward(body(tokens, weights))
+        assert refused.value.category == "user"
