@@ -49,7 +49,7 @@ from pipeline.io.registry import AdapterRegistry, RegistryError
 from pipeline.runtime import RateMeter
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
-from producers.sink import OrphanSweep, announced_batches, batch_events
+from producers.sink import OrphanSweep, batch_events, logged_batches
 from schemas.config import RunConfig
 from schemas.events import Payload, ProducerHeartbeat, TrajectoryBatchCommitted
 from schemas.names import validate_name
@@ -347,7 +347,7 @@ def check_environment(env: TextEnv, observation_size: int, num_actions: int) -> 
 
 def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False) -> ValueActor:
     """One actor process of a value run: play and write batches until stopped (``rlpipe producer start``)."""
-    from pipeline.io.bus import EventPublisher, tail
+    from pipeline.io.bus import EventPublisher, run_log
     from pipeline.runtime import Announcer, open_store, resolved_bus
     from producers.envs.registry import env_from_spec
 
@@ -376,9 +376,10 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
         swept.append(payload)
 
     orphans = steps_orphan_sweep(archive, config.run_id, announce_orphan, 2 * config.producer.batch_timeout_s,
-                                 lambda: announced_batches(tail(bus, "trajectories", n=10**9, run_id=config.run_id)))
-    earlier = batch_events(tail(bus, "trajectories", n=10**9, run_id=config.run_id))
-    orphans.sweep({event.batch_id for event in earlier})
+                                 lambda: logged_batches(run_log(bus, "trajectories", config.run_id)))
+    history = run_log(bus, "trajectories", config.run_id)
+    earlier = batch_events(history.records)
+    orphans.sweep(logged_batches(history))
     watcher = open_watcher(AdapterRegistry(store, config.run_id), None, config.value.actor.registry_poll_s)
     actor = actor_class(run_id=config.run_id, actor_id=actor_id, env=env, archive=archive, watcher=watcher,
                         config=config.value.actor, announce=announce, seeds=config.training_seeds(actor_id))
