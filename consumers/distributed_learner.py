@@ -22,6 +22,11 @@ pickled):
          start, and again on a resume): every rank computes the penalty of its
          share against the same weights.  Without a warm start the reference is
          the base model on every rank.
+  wait   nothing to do yet: rank 0 sends it whenever ``KEEP_ALIVE_S`` passed
+         without a command (a learner waiting for rows, writing a checkpoint,
+         resuming), because a follower waits for the next command in a
+         collective, and a collective gives up after the group's timeout (30
+         minutes under gloo, 10 under nccl), ending the whole group.
   stop   the learner finished; followers return.
 
 A rank that fails ends the torchrun group (its agent stops the others); the
@@ -42,6 +47,8 @@ import hashlib
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -71,6 +78,7 @@ BATCH_FIELDS = ("tokens_BT", "loss_mask_BT", "sampler_logprobs_BT", "advantages_
                 "temperatures_B", "token_advantages_BT")
 DTYPES = {"int64": torch.int64, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "int32": torch.int32, "bool": torch.bool}
+KEEP_ALIVE_S = 60.0  # rank 0 sends "wait" after this long without a command: well inside any collective's timeout
 
 
 def launched_by_torchrun() -> bool:
@@ -85,14 +93,19 @@ class DistributedPolicy(EnginePolicy):
         super().__init__(engine, name, config.model_copy(update={"device": str(engine.device)}))
         self.topology: Topology = engine.topology
         self.idle_passes = 0  # forwards run only to keep sharded ranks in step (a share with fewer micro-batches)
+        # rank 0: one command, with the collectives it starts, at a time (the keep-alive thread sends too)
+        self._commands = threading.RLock()
+        self._last_command = time.monotonic()
+        self._keep_alive: tuple[threading.Thread, threading.Event] | None = None
 
     # ---- rank 0: the learner's calls, sent to the followers first ----------------------------
     def train_step(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
         present, tensors = _batch_tensors(micro_batches)
-        _send_command({"command": "step", "normaliser": normaliser, "present": present}, tensors)
-        return self._train_share(micro_batches, normaliser)
+        with self._commands:  # the followers run the step's collectives with rank 0: no "wait" in between
+            self._send({"command": "step", "normaliser": normaliser, "present": present}, tensors)
+            return self._train_share(micro_batches, normaliser)
 
     def load_state(self, adapter: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor],
                    scalars: dict[str, Any]) -> None:
@@ -107,7 +120,7 @@ class DistributedPolicy(EnginePolicy):
         """The KL penalty's reference is the adapter as it is now, on every rank."""
         super().keep_reference()
         assert self.reference is not None
-        _send_command({"command": "reference", "names": list(self.reference)}, list(self.reference.values()))
+        self._send({"command": "reference", "names": list(self.reference)}, list(self.reference.values()))
 
     def keep_reference_folder(self, folder: Any) -> None:
         """A published adapter as every rank's reference; every rank's adapter is then rank 0's again."""
@@ -116,7 +129,41 @@ class DistributedPolicy(EnginePolicy):
 
     def release(self) -> None:
         """Rank 0 finished: the followers return from ``follow``."""
-        _send_command({"command": "stop"}, [])
+        self.stop_keep_alive()
+        self._send({"command": "stop"}, [])
+
+    def start_keep_alive(self, interval_s: float | None = None) -> None:
+        """Rank 0: send "wait" from a thread whenever ``interval_s`` (``KEEP_ALIVE_S``) passed without a command."""
+        if self._keep_alive is not None or not self.engine.distributed:
+            return
+        interval = KEEP_ALIVE_S if interval_s is None else interval_s
+        stopped = threading.Event()
+        thread = threading.Thread(target=self._keep_followers_waiting, args=(interval, stopped), daemon=True,
+                                  name="rlpipe-rank0-keep-alive")
+        self._keep_alive = thread, stopped
+        thread.start()
+
+    def stop_keep_alive(self) -> None:
+        """Stop sending "wait" (before ``stop``, and before the group is left: nothing may follow them)."""
+        if self._keep_alive is None:
+            return
+        thread, stopped = self._keep_alive
+        stopped.set()
+        thread.join()
+        self._keep_alive = None
+
+    def _keep_followers_waiting(self, interval_s: float, stopped: threading.Event) -> None:
+        if self.device.type == "cuda":  # a thread's current GPU is GPU 0: collectives use the rank's own
+            torch.cuda.set_device(self.device)
+        while not stopped.wait(min(interval_s, 1.0) / 2):
+            with self._commands:
+                if not stopped.is_set() and time.monotonic() - self._last_command >= interval_s:
+                    self._send({"command": "wait"}, [])
+
+    def _send(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        with self._commands:
+            _send_command(header, tensors)
+            self._last_command = time.monotonic()
 
     def _sync(self, with_optimizer: bool) -> None:
         tensors = dict(self.adapter_tensors())
@@ -125,7 +172,7 @@ class DistributedPolicy(EnginePolicy):
             optimizer, scalars = self.optimizer_state()
             header.update(optimizer=list(optimizer), scalars=scalars)
             tensors.update({f"optimizer/{k}": v for k, v in optimizer.items()})
-        _send_command(header, list(tensors.values()))
+        self._send(header, list(tensors.values()))
 
     # ---- every rank ----------------------------------------------------------------------------
     def _train_share(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
@@ -203,6 +250,8 @@ class DistributedPolicy(EnginePolicy):
             header, tensors = _receive_command()
             if header["command"] == "stop":
                 return steps
+            if header["command"] == "wait":  # rank 0 is alive and has nothing for us yet
+                continue
             if header["command"] == "step":
                 torch.manual_seed(follower_seed(self.topology.rank, tensors))  # dropout masks a resume draws again
                 self._train_share(_batches_from(header["present"], tensors), header["normaliser"])
@@ -303,7 +352,11 @@ def run_on_group(config: RunConfig, lead: Callable[[DistributedPolicy], T]) -> T
                      steps, policy.idle_passes, 100 * engine.held_fraction())
             leave_group()
             return None
-        result = lead(policy)
+        policy.start_keep_alive()
+        try:
+            result = lead(policy)
+        finally:
+            policy.stop_keep_alive()  # (on an error the group ends: torchrun stops the followers)
         policy.release()
     leave_group()  # after the followers took the stop: none may be left receiving as rank 0 exits
     return result
