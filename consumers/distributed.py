@@ -224,7 +224,16 @@ class DistributedEngine(TrainingEngine):
         return ForwardResult(float(loss), [logprobs_BT[b, : len(d)].clone() for b, d in enumerate(datums)], stats)
 
     def _all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """SUM every LoRA gradient over the ranks in one flat buffer (a rank without one contributes zeros)."""
+        """SUM every LoRA gradient over the ranks in one flat buffer (a rank without one contributes zeros).
+
+        A parameter with a gradient on no rank keeps none, as in one process: AdamW skips it (a zero
+        gradient would still move it by its momentum and weight decay).
+        """
+        held = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=comm_device())
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        params = [p for p, anywhere in zip(params, held.tolist(), strict=True) if anywhere]
+        if not params:
+            return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -89,6 +89,8 @@ def main() -> None:
                         help="only rank 0 makes the batches; the others receive them (broadcast_batch)")
     parser.add_argument("--only-broadcast", action="store_true",
                         help="broadcast one gspo batch and write what each rank received (datums.json)")
+    parser.add_argument("--empty-steps", type=int, default=0,
+                        help="then take this many optim_steps with no forward_backward before them")
     parser.add_argument("--second-adapter", action="store_true",
                         help="then train adapter 'other' (created after sharding) on the same batches")
     args = parser.parse_args()
@@ -132,6 +134,8 @@ def main() -> None:
     (out / f"rank{topology.rank}.json").write_text(json.dumps(
         {"peak_rss": rss_bytes(), "start_rss": start_rss, "bare_rss": bare_rss, "seconds": seconds, "tokens": tokens, "trained": trained,
          "base_bytes": base_bytes}))
+    for _ in range(args.empty_steps):
+        engine.optim_step("policy", ADAM)
     if args.second_adapter:
         engine.create_adapter("other", **OTHER_LORA)
         for batch in batches:

@@ -106,6 +106,14 @@ def test_two_ranks_end_with_the_adapter_of_one_process(tiny_model_dir, one_proce
     assert reports[0]["base_bytes"] == reports[1]["base_bytes"]  # replicated base weights
 
 
+def test_an_optim_step_without_gradients_on_any_rank_leaves_the_adapter_as_one_process_does(
+        tiny_model_dir, one_process, tmp_path):
+    """One process's AdamW skips a step on no gradients; the ranks must too, not step on zeros (Adam's momentum
+    would move every weight)."""
+    torchrun(2, tiny_model_dir, tmp_path, "--empty-steps", "2")
+    assert max_difference(load_file(str(tmp_path / "adapter.safetensors")), one_process) < TOLERANCE
+
+
 def test_a_broadcast_batch_reaches_every_rank_with_every_per_token_input(tiny_model_dir, tmp_path):
     """gspo's sequence_ratio_mask included: without it the other ranks refuse the batch and rank 0 waits alone."""
     out = tmp_path / "broadcast"
