@@ -229,12 +229,12 @@ def test_a_following_rank_seeds_each_step_from_its_rank_and_the_steps_tensors_al
 def test_followers_outlast_a_rank_0_idle_for_longer_than_a_collective_may_wait(tiny_model_dir, tmp_path):
     """Rank 0's learner may wait for rows for hours while the other ranks wait in a broadcast for its next command;
     a collective gives up after the group's timeout (30 minutes under gloo, 10 under nccl), and a follower that gave
-    up ended the whole group.  Here the timeout is 4 s and rank 0 idles 10 s before its step: the group must still
+    up ended the whole group.  Here the timeout is 6 s and rank 0 idles 15 s before its step: the group must still
     train that step on both ranks alike."""
     worker = Path(__file__).with_name("distributed_idle_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(free_port()), str(worker), "--model", tiny_model_dir, "--out", str(tmp_path),
-               "--timeout-s", "4", "--idle-s", "10", "--keep-alive-s", "0.5"]
+               "--timeout-s", "6", "--idle-s", "15", "--keep-alive-s", "0.5"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
