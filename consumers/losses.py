@@ -265,13 +265,19 @@ def ppo_loss(
     generated_BT = batch.loss_mask_BT > 0
     log_ratio_BT = logprobs_BT - batch.sampler_logprobs_BT
     kept_BT = _ratio_mask(log_ratio_BT, generated_BT, ratio_mask_low, ratio_mask_high)
-    ratio_BT = torch.exp(torch.where(kept_BT, log_ratio_BT, torch.zeros_like(log_ratio_BT)))
     advantages_BT = batch.advantages_BT()
-    unclipped_BT = ratio_BT * advantages_BT
-    clipped_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages_BT
-    token_loss_BT = -torch.minimum(unclipped_BT, clipped_BT)
+    # Where the clip binds (A > 0 above 1+eps_high, A < 0 below 1-eps_low) min() is the constant clip(r) A.  It is
+    # found in log space and taken without a gradient: exp() of a log-ratio past ~88 is inf in float32, and its
+    # backward would turn the clip's zero gradient into 0 * inf = NaN for every weight of the adapter.
+    log_ratio = log_ratio_BT.detach()
+    log_low = math.log(1.0 - eps_low) if eps_low < 1.0 else -math.inf
+    binding_BT = kept_BT & (((advantages_BT > 0) & (log_ratio > math.log(1.0 + eps_high)))
+                            | ((advantages_BT < 0) & (log_ratio < log_low)))  # the clip zeroed this token's gradient
+    ratio_BT = torch.exp(torch.where(kept_BT & ~binding_BT, log_ratio_BT, torch.zeros_like(log_ratio_BT)))
+    clipped_ratio_BT = torch.exp(torch.where(kept_BT, log_ratio, torch.zeros_like(log_ratio))).clamp(
+        1.0 - eps_low, 1.0 + eps_high)
+    token_loss_BT = -torch.where(binding_BT, clipped_ratio_BT * advantages_BT, ratio_BT * advantages_BT)
     loss_sum = (token_loss_BT * batch.weighted_mask_BT() * kept_BT * batch.weights_B.float()[:, None]).sum()
-    binding_BT = kept_BT & (clipped_BT.detach() < unclipped_BT.detach())  # the clip zeroed this token's gradient
     return _finish(
         loss_sum, normaliser, batch, generated_BT, **_ratio_stats(log_ratio_BT, generated_BT, binding_BT, kept_BT)
     )

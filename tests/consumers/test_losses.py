@@ -437,6 +437,19 @@ def test_ppo_asymmetric_clip():
     torch.testing.assert_close(grad_of(via_config, logprobs)[0, 1:], torch.tensor([-0.79, -1.25, -1.27, 0.0]))
 
 
+def test_ppo_where_the_clip_binds_on_a_ratio_past_float32_has_no_gradient_and_no_nan():
+    # The API's ppo has no ratio mask (0, inf).  r = e^100 overflows float32, and with A = +1 the clip binds:
+    # the token's term is the constant -1.2 A, so d loss / d logp = 0 there (not 0 * inf = NaN); the others
+    # as in test_ppo_clipping_at_the_boundaries: -r inside the clip, -0.79 below it (min is rA).
+    logprobs, batch = leaf_batch([0.79, 1.1, 1.0])
+    with torch.no_grad():
+        batch.sampler_logprobs_BT[0, 3] = -1.0 - 100.0
+    loss, stats = ppo_loss(logprobs, batch, 1.0, clip_eps=0.2, ratio_mask_low=0.0, ratio_mask_high=math.inf)
+    assert loss.item() == pytest.approx(-(0.79 + 1.1 + 1.2), rel=1e-5)
+    torch.testing.assert_close(grad_of(loss, logprobs)[0], torch.tensor([0.0, -0.79, -1.1, 0.0]))
+    assert stats.num_clipped == 1
+
+
 # ---------------------------------------------------------------- CISPO and DRO (the API's losses)
 
 
