@@ -272,7 +272,12 @@ class TrainerWorker:
         if done is None:
             self._write_result(call, *result)
         elif result[2] is not None:  # it succeeded before and cannot again: its model is lost, and says so
-            log.warning("%s %s ran before and failed on replay: %s", call.op, call.request_id, result[2])
+            log.error("%s %s ran before and failed on replay: %s", call.op, call.request_id, result[2])
+            if model.loaded:  # (one whose creation failed again is not: its calls say it does not exist)
+                model.refused = (f"the state of {model.model_id} could not be rebuilt after its trainer restarted: its "
+                                 f"{call.op} (seq_id {call.seq_id}) succeeded before and failed when run again "
+                                 f"({result[2]}); load one of its checkpoints into a new training client (see "
+                                 "list_checkpoints), or report it")
         seconds = time.perf_counter() - started
         if self.activity is not None:
             self.activity.record(call.session_id, call.tenant, call.op, wall, wall + seconds, self._tokens)
@@ -367,7 +372,10 @@ class TrainerWorker:
         self._commit()
 
     def _fold(self, model: Model) -> None:
-        """``calls.write_fold``, noted in the engine's activity."""
+        """``calls.write_fold``, noted in the engine's activity.  A model refused for a state it could not rebuild is
+        not folded: its calls stay in the log (offsets held), so a trainer restarted later rebuilds it from them."""
+        if model.refused:
+            return
         started, wall = time.perf_counter(), time.time()
         if calls.write_fold(self.store, self.engine, model) and self.activity is not None:
             self.activity.record(model.run.split(".")[0], model.tenant, "fold", wall,

@@ -231,6 +231,34 @@ def test_a_restarted_trainer_replays_from_its_fold_to_the_same_weights(harness):
     restarted.close()
 
 
+def test_a_call_that_ran_before_and_fails_when_replayed_fails_its_models_later_calls(harness, monkeypatch):
+    """A restarted trainer that cannot re-run a call which succeeded before (memory short for a moment) has lost the
+    model's state: its later calls are answered with that, not run on the gradients that are missing."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    fb = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(5)]), "pb")
+    run_until(trainer, harness, [fb])
+    abandon(trainer)  # dies before its fold: a restart replays the create and the forward_backward
+    step = harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
+    forward_backward = ops.forward_backward
+    failures = iter([RuntimeError("CUDA out of memory")])
+
+    def fails_once(*args, **kwargs):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return forward_backward(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "forward_backward", fails_once)
+    restarted = harness.trainer()
+    run_until(restarted, harness, [step])
+    answer = json.loads(harness.result(step)[0])
+    assert answer["category"] == "server"
+    assert "forward_backward" in answer["error"] and "checkpoints" in answer["error"]
+    assert "\n" not in answer["error"]
+    restarted.close()
+
+
 def test_calls_that_failed_replay_after_a_restart_without_stopping_the_trainer(harness):
     """A call answered with an error (refused by the gateway, or failing on the trainer) is read again by a
     restarted trainer: its stored error stands and the calls after it run."""
