@@ -158,22 +158,23 @@ def position_logprobs(
     LoRA adapter: peft injects its layers in place, so the base body applies them.
     """
     base = model.get_base_model()
+    body, head = base.base_model, base.get_output_embeddings()  # Llama/Qwen: .model, .lm_head; GPT-2: .transformer
     device = input_ids_BT.device
     shared = shared_prefix_length(input_ids_BT, int(cols_N.min()) if len(cols_N) else 0) if _may_share(model) else 0
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         if shared:
             # the columns every row starts with (a system prompt, a group's prompt) run once, and every row's
             # rest attends to their keys and values: the same arithmetic, the prefix's share of the work saved
-            cache = base.model(input_ids=input_ids_BT[:1, :shared], use_cache=True).past_key_values
+            cache = body(input_ids=input_ids_BT[:1, :shared], use_cache=True).past_key_values
             if cache is None or cache.get_seq_length() != shared:  # a model that would not cache: no sharing
                 shared = 0
             else:
                 cache.batch_repeat_interleave(input_ids_BT.shape[0])
-                hidden_BTH = base.model(input_ids=input_ids_BT[:, shared:], past_key_values=cache,
-                                        use_cache=True).last_hidden_state
+                hidden_BTH = body(input_ids=input_ids_BT[:, shared:], past_key_values=cache,
+                                  use_cache=True).last_hidden_state
         if not shared:
-            hidden_BTH = base.model(input_ids=input_ids_BT).last_hidden_state
-    logits_NV = head_float32(base.lm_head, hidden_BTH[rows_N, cols_N - shared])
+            hidden_BTH = body(input_ids=input_ids_BT).last_hidden_state
+    logits_NV = head_float32(head, hidden_BTH[rows_N, cols_N - shared])
     if divisors_N is not None:
         logits_NV = logits_NV / divisors_N[:, None]
     return torch.log_softmax(logits_NV, dim=-1)

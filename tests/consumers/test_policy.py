@@ -257,3 +257,25 @@ def test_gradient_checkpointing_trains_the_same_step_with_the_activations_recomp
     assert results[1].grad_norm == pytest.approx(results[0].grad_norm, rel=1e-5)
     for name, value in weights[0].items():
         torch.testing.assert_close(weights[1][name], value, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_position_logprobs_on_a_model_whose_body_is_not_named_model(shared_prefix) -> None:
+    """GPT-2's body is ``transformer`` and its head ``lm_head`` by another path than Llama's and Qwen's ``model``:
+    the head-at-selected-positions forward uses transformers' generic accessors, and agrees with the full forward."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from consumers.policy import position_logprobs
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=64))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"])).eval()
+    tokens = torch.randint(0, 50, (3, 9))
+    if shared_prefix:
+        tokens[:, :5] = tokens[0, :5]  # every row starts alike: the prefix runs once
+    rows, cols = torch.tensor([0, 1, 2, 2]), torch.tensor([4, 8, 6, 7])
+    with torch.no_grad():
+        got = position_logprobs(model, tokens, rows, cols, None, autocast=False)
+        full = torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1)[rows, cols]
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
