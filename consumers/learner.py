@@ -166,6 +166,7 @@ class Learner:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
             self.rewind_if_the_log_changed()
             self.source.seek({})  # every partition from its start, whatever the group committed
+            self.unpublished_training = False
             if self.cfg.init_from:
                 self.warm_start(self.cfg.init_from)
             return False
@@ -178,6 +179,9 @@ class Learner:
             self.restore_reference()
         self.source.seek(self.state.positions)
         self.source.commit(dict(self.state.positions))
+        published = self.registry.latest()  # the steps resumed past the newest version trained rows, if any
+        self.unpublished_training = bool(self.state.step) and (
+            published is None or published.learner_step < self.state.step)
         log.info("resumed from %s: step %d, version %d", checkpoint.key, self.state.step, self.state.version)
         return True
 
@@ -463,6 +467,14 @@ class Learner:
         self.finish_writes()
         self.outputs.write_publication(self.outputs.prepare_publication(self.policy, self.state, metrics))
         self.unpublished_training = False
+
+    def publish_last_steps(self) -> bool:
+        """Publish the adapter if steps since the newest version trained rows (a run that ended between two
+        ``publish_every`` steps); whether it did.  The caller checkpoints after it, so the version is recorded."""
+        if not self.unpublished_training:
+            return False
+        self.publish(self.last_metrics)
+        return True
 
     def checkpoint(self) -> str:
         """Write the checkpoint (manifest last), announce it, then commit the source's offsets (now)."""

@@ -2,7 +2,9 @@
 
 One line per component (store, bus, model, policy, registry, checkpoints,
 source), then ``Learner.run`` with a progress line per step.  SIGTERM stops the
-loop between steps and writes a final checkpoint, so nothing trained is lost.
+loop between steps and writes a final checkpoint, so nothing trained is lost; a
+learner that reaches ``max_steps`` between two ``publish_every`` steps publishes
+its last step before that checkpoint, as a replay does when its data runs out.
 Offline replay (``replay_train``) is the same loop fed from the store.
 """
 
@@ -141,10 +143,15 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
 
 
 def finish(learner: Learner, after_step: Callable[[dict], None]) -> None:
-    """On a stop: train the rows still waiting, so the final checkpoint covers them, and write that checkpoint."""
+    """On a stop: train the rows still waiting, so the final checkpoint covers them, and write that checkpoint.
+
+    A learner that reached ``max_steps`` between two ``publish_every`` steps also publishes its last step
+    first, so the run's newest version holds everything it trained.
+    """
     if learner.work_waiting():
         after_step(learner.step())
-    if learner.state.step % learner.cfg.checkpoint_every:
+    published = learner.budget_reached() and learner.publish_last_steps()
+    if published or learner.state.step % learner.cfg.checkpoint_every:
         learner.checkpoint()
     learner.finish_writes()  # the last step's own checkpoint, when it was due, may still be being written
 
@@ -170,15 +177,11 @@ def replay_train(config: RunConfig, source_run: str, date_from: str | None = Non
     learner = build_learner(config, store, source, announce, policy=policy)
     source.already_trained = lambda batch_id: batch_id in learner.state.trained
     learner.resume()
-    published = learner.registry.latest()  # the steps resumed past the newest version trained rows, if any
-    learner.unpublished_training = bool(learner.state.step) and (
-        published is None or published.learner_step < learner.state.step)
     started = time.monotonic()
     learner.run(on_step=lambda m: log.info(progress_line(m)), poll_timeout_s=0.0)
-    if learner.unpublished_training:  # the data ran out between two publish_every steps (steps with no rows: none)
-        learner.publish(learner.last_metrics)
-    if learner.state.step % config.learner.checkpoint_every or learner.state.step % config.learner.publish_every:
-        learner.checkpoint()
+    # the data ran out between two publish_every steps (steps with no rows: nothing to publish)
+    if learner.publish_last_steps() or learner.state.step % config.learner.checkpoint_every:
+        learner.checkpoint()  # after a publish too: the checkpoint records the version
     learner.metric_logger.close()
     log.info("replay trained %d steps in %.1fs", learner.state.step, time.monotonic() - started)
     return learner

@@ -7,11 +7,13 @@ import threading
 import time
 import uuid
 from datetime import UTC, datetime
+from tempfile import TemporaryDirectory
 
 import numpy as np
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from consumers.advantages import with_discounted_returns
@@ -654,3 +656,26 @@ def test_a_replay_whose_rows_are_all_too_stale_publishes_no_version(setup, tmp_p
     again = replay_train(config(1), RUN)
     assert again.state.step == 5 and again.state.dropped_stale_rows == 2 * 16
     assert AdapterRegistry(store, "off").latest() == published
+
+
+def test_a_learner_reaching_max_steps_between_publish_steps_publishes_its_last_step_once(store, setup):
+    """The run's last version holds every step it trained, and the final checkpoint records that version."""
+    from consumers.service import finish
+
+    write_batches(TrajectoryArchive(store), setup, 5, np.random.default_rng(9))
+    learner, _ = make_learner(store, setup, max_steps=4, publish_every=3, checkpoint_every=3)
+    learner.run(poll_timeout_s=0)
+    finish(learner, lambda metrics: None)
+    registry = AdapterRegistry(store, RUN)
+    assert [registry.show(v).learner_step for v in registry.versions()] == [3, 4]
+    with TemporaryDirectory() as cache:
+        published = load_file(str(registry.pull(2, cache) / "adapter_model.safetensors"))
+    trained = learner.policy.adapter_snapshot().weights
+    assert published.keys() == trained.keys() and all(torch.equal(published[k], trained[k]) for k in trained)
+    latest = CheckpointStore(store, RUN).latest()
+    assert (latest.state.step, latest.state.version) == (4, 2)
+    again, _ = make_learner(store, setup, max_steps=4, publish_every=3, checkpoint_every=3)
+    assert again.resume()
+    again.run(poll_timeout_s=0)  # the budget is reached already: nothing to train, nothing new to publish
+    finish(again, lambda metrics: None)
+    assert registry.versions() == [1, 2] and again.state.step == 4
