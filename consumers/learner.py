@@ -287,6 +287,7 @@ class Learner:
                 self.ingested[key] = max(value, self.ingested.get(key, 0))
             if ref.batch_id in self.state.trained or any(p.ref.batch_id == ref.batch_id for p in self.pending):
                 self.duplicates_skipped += 1
+                self.reader.forget(ref)  # read ahead before it was known to be a duplicate
                 log.info("batch %s already trained; skipped", ref.batch_id)
                 self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}))
                 continue

@@ -50,6 +50,12 @@ class BatchReader:
         future = self.reads.pop((ref.path, ref.sha256), None)
         return future.result() if future is not None else self.archive.read_batch(ref.path, ref.sha256)
 
+    def forget(self, ref: Readable) -> None:
+        """Drop the read started ahead for ``ref``, if any (a batch skipped unread): its table is not kept."""
+        future = self.reads.pop((ref.path, ref.sha256), None)
+        if future is not None:
+            future.cancel()
+
     def close(self) -> None:
         """Drop reads not used and stop the thread (after a read in progress ends)."""
         for future in self.reads.values():

@@ -679,3 +679,37 @@ def test_a_learner_reaching_max_steps_between_publish_steps_publishes_its_last_s
     again.run(poll_timeout_s=0)  # the budget is reached already: nothing to train, nothing new to publish
     finish(again, lambda metrics: None)
     assert registry.versions() == [1, 2] and again.state.step == 4
+
+
+class ListSource:
+    """Announcements from a list, one per poll (a batch may be announced twice, as a re-announcing producer does)."""
+
+    def __init__(self, refs):
+        self.refs = list(refs)
+
+    def poll(self, timeout_s):
+        return [self.refs.pop(0)] if self.refs else []
+
+    def seek(self, positions):
+        pass
+
+    def commit(self, positions):
+        pass
+
+    def keep_alive(self):
+        pass
+
+    def exhausted(self):
+        return not self.refs
+
+
+def test_a_batch_read_ahead_and_then_skipped_as_a_duplicate_is_not_kept_in_memory(store, setup):
+    write_batches(TrajectoryArchive(store), setup, 3, np.random.default_rng(10))
+    refs = ReplaySource(TrajectoryArchive(store), RUN, batches_per_poll=3).poll(0)
+    learner, _ = make_learner(store, setup)  # one batch a step
+    learner.source = ListSource([refs[0], refs[0], refs[1], refs[2]])  # the first one announced twice in a row
+    held = []
+    learner.run(poll_timeout_s=0, on_step=lambda metrics: held.append(sorted(learner.reader.reads)))
+    assert learner.duplicates_skipped == 1 and learner.state.step == 3
+    # after step 2 only the third batch, read ahead for step 3, is held; nothing after the last step
+    assert held[1:] == [[(refs[2].path, refs[2].sha256)], []]
