@@ -204,6 +204,7 @@ class Learner:
         keeps base (v0), warm start (v1) and everything trained after it side by
         side for evaluation.  The optimizer starts fresh.  A checkpoint follows at
         step 0, so a restart resumes instead of warm-starting (and publishing) again.
+        The adapter must have this learner's LoRA shape (rank, alpha, target modules).
         """
         source_run, wanted = parse_init_from(init_from)
         source = AdapterRegistry(self.registry.store, source_run)

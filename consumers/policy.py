@@ -498,8 +498,36 @@ class LoraPolicy:
         self.scheduler.load_state_dict(scalars["scheduler"])
 
     def load_adapter_folder(self, folder: str | Path) -> None:
-        """Start from a published PEFT adapter folder (e.g. a warm-start version)."""
+        """Start from a published PEFT adapter folder (e.g. a warm-start version) of this adapter's LoRA shape.
+
+        An adapter of another rank, alpha or set of target modules is refused: peft would load the weights
+        whose names match, leave the others as they are and scale them by this adapter's alpha, a different
+        policy from the one in the folder.
+        """
         from safetensors.torch import load_file
 
-        weights = load_file(str(Path(folder) / "adapter_model.safetensors"))
+        folder = Path(folder)
+        self.check_adapter_shape(json.loads((folder / "adapter_config.json").read_text()), folder)
+        weights = load_file(str(folder / "adapter_model.safetensors"))
+        expected = {name.replace(".default.", ".", 1) for name in self._lora_named}  # PEFT's file names
+        if set(weights) != expected:
+            strays = sorted(set(weights) ^ expected)
+            raise ValueError(f"{folder}: its LoRA weights are not this adapter's ({len(strays)} names differ, e.g. "
+                             f"{strays[0]}); load an adapter trained with the same learner.target_modules")
         set_peft_model_state_dict(self.model, weights)
+
+    def check_adapter_shape(self, adapter_config: dict[str, Any], folder: str | Path) -> None:
+        """Refuse an adapter_config.json whose rank, alpha or target modules differ from this adapter's."""
+        ours = self.model.peft_config["default"]
+        fields = (("lora_rank", "r", ours.r), ("lora_alpha", "lora_alpha", ours.lora_alpha),
+                  ("target_modules", "target_modules", ours.target_modules))
+        for setting, key, value in fields:
+            theirs = adapter_config.get(key)
+            if isinstance(value, set | list | tuple) and isinstance(theirs, list | tuple):
+                same = set(theirs) == set(value)
+            else:
+                same = theirs == value
+            if not same:
+                shown = sorted(value) if isinstance(value, set | list | tuple) else value
+                raise ValueError(f"{folder}: the adapter has {key}={theirs!r} and this learner {setting}={shown!r}; "
+                                 f"start from an adapter of the same LoRA shape, or set learner.{setting} to match")

@@ -713,3 +713,19 @@ def test_a_batch_read_ahead_and_then_skipped_as_a_duplicate_is_not_kept_in_memor
     assert learner.duplicates_skipped == 1 and learner.state.step == 3
     # after step 2 only the third batch, read ahead for step 3, is held; nothing after the last step
     assert held[1:] == [[(refs[2].path, refs[2].sha256)], []]
+
+
+@pytest.mark.parametrize("differs", [{"lora_alpha": 32}, {"target_modules": ["q_proj", "v_proj"]}])
+def test_a_warm_start_from_an_adapter_of_another_lora_shape_is_refused_before_publishing(store, setup, differs):
+    """Loading it would keep some of its weights (or scale them otherwise) and publish that as 'unchanged' v1."""
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(11))
+    source, _ = make_learner(store, setup, **differs)
+    source.run(poll_timeout_s=0)  # run "learn": v1
+    cfg = LearnerConfig(lora_rank=4, lora_alpha=8, batch_rows=16, init_from=f"{RUN}@1")
+    archive = TrajectoryArchive(store)
+    warm = Learner(run_id="warm", base_model=setup["model_dir"], config=cfg, policy=LoraPolicy(setup["model_dir"], cfg),
+                   archive=archive, registry=AdapterRegistry(store, "warm"), checkpoints=CheckpointStore(store, "warm"),
+                   source=ReplaySource(archive, "warm"))
+    with pytest.raises(ValueError, match=next(iter(differs))):
+        warm.resume()
+    assert AdapterRegistry(store, "warm").versions() == []
