@@ -496,6 +496,23 @@ class LoraPolicy:
                 params[name].copy_(value.to(params[name].device))
         load_optimizer_tensors(self.optimizer, optimizer, scalars["param_groups"], self.device)
         self.scheduler.load_state_dict(scalars["scheduler"])
+        self._apply_configured_rates()
+
+    def _apply_configured_rates(self) -> None:
+        """This configuration's learning rate, weight decay and schedule from the restored step on.
+
+        The optimizer's groups and the schedule's base rates come back from the checkpoint as they were
+        written, but a restart may change ``learning_rate``, ``weight_decay``, ``max_steps`` or the schedule
+        (``run.json`` records such changes): without this the old rates would stay, and the next step would
+        take the rate the old schedule set for it (0 at the end of a decay to the old ``max_steps``).
+        Unchanged settings give the same numbers the checkpoint holds.
+        """
+        rate = self.config.learning_rate
+        self.scheduler.base_lrs = [rate for _ in self.optimizer.param_groups]
+        factor = self._lr_factor(self.scheduler.last_epoch)  # as LambdaLR computes it at that step
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=rate, lr=rate * factor, weight_decay=self.config.weight_decay)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # get_last_lr()
 
     def load_adapter_folder(self, folder: str | Path) -> None:
         """Start from a published PEFT adapter folder (e.g. a warm-start version) of this adapter's LoRA shape.

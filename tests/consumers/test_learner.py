@@ -729,3 +729,35 @@ def test_a_warm_start_from_an_adapter_of_another_lora_shape_is_refused_before_pu
     with pytest.raises(ValueError, match=next(iter(differs))):
         warm.resume()
     assert AdapterRegistry(store, "warm").versions() == []
+
+
+def test_a_run_resumed_with_another_max_steps_and_learning_rate_trains_on_at_the_new_schedules_rate(store, setup):
+    """Both are changes a restart may make (run.json records them): the step after the resume follows them."""
+    write_batches(TrajectoryArchive(store), setup, 3, np.random.default_rng(12))
+    first, _ = make_learner(store, setup, max_steps=2, lr_schedule="linear")
+    first.run(poll_timeout_s=0)
+    resumed, _ = make_learner(store, setup, max_steps=4, lr_schedule="linear", learning_rate=1e-2)
+    assert resumed.resume()
+    steps = []
+    resumed.run(poll_timeout_s=0, on_step=steps.append)
+    assert [m["step"] for m in steps] == [3]
+    # linear decay over 4 steps, 2 taken: half of the new rate (not the old schedule's 0 at its own end)
+    assert steps[0]["learning_rate"] == pytest.approx(1e-2 * (1 - 2 / 4))
+
+
+def test_a_run_stopped_and_resumed_ends_with_the_weights_of_one_that_was_not(tmp_path, setup):
+    """Dropout draws from the restored RNG, AdamW and the schedule from the restored state: bit for bit the same."""
+    settings = {"lora_dropout": 0.3, "lr_schedule": "cosine", "warmup_steps": 1, "max_steps": 4}
+    weights = []
+    for stopped in (False, True):
+        store = ObjectStore((tmp_path / f"stopped-{stopped}").as_uri())
+        write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(13))
+        learner, _ = make_learner(store, setup, **settings)
+        if stopped:
+            learner.run(poll_timeout_s=0, should_stop=lambda learner=learner: learner.state.step >= 2)
+            learner, _ = make_learner(store, setup, **settings)
+            assert learner.resume() and learner.state.step == 2
+        learner.run(poll_timeout_s=0)
+        assert learner.state.step == 4
+        weights.append(learner.policy.adapter_tensors())
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
