@@ -3,7 +3,9 @@
 Every event travels as JSON in the same envelope (``type``, ``schema_version``,
 ``event_id``, ``run_id``, ``time``, ``payload``) so that ``rlpipe topics tail``
 can show any of them, and a reader can refuse what it cannot understand before
-acting on it.  Direction of each event is noted on its class.
+acting on it: a newer major version is refused, a newer minor one is read without
+the optional fields it added, and an unknown field in an event of this rlpipe's
+own version is refused.  Direction of each event is noted on its class.
 
 Bulk data never rides here: a ``TrajectoryBatchCommitted`` is a claim check for
 a Parquet file already durable in the store.
@@ -12,6 +14,7 @@ a Parquet file already durable in the store.
 from __future__ import annotations
 
 import json
+import typing
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar
@@ -19,7 +22,13 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
 from schemas.names import validate_name
-from schemas.versions import EVENT_SCHEMA_VERSION, NewerSchemaError, SchemaVersionError, check_readable
+from schemas.versions import (
+    EVENT_SCHEMA_VERSION,
+    NewerSchemaError,
+    SchemaVersionError,
+    check_readable,
+    parse_version,
+)
 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="hex sha256 digest")]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -272,6 +281,9 @@ def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelop
         raise NewerEventError(str(exc), raw.get("run_id")) from None
     except SchemaVersionError as exc:
         raise EventDecodeError(str(exc)) from None
+    if parse_version(str(raw["schema_version"])) > parse_version(EVENT_SCHEMA_VERSION):
+        # a newer minor of our major: the fields it added are optional, so they are left out (versions.py)
+        raw = {**_known_fields(Envelope, raw), "payload": _known_fields(payload_cls, raw.get("payload"))}
     try:
         payload = payload_cls.model_validate(raw.get("payload"))
         return Envelope.model_validate({**raw, "payload": payload})
@@ -279,6 +291,30 @@ def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelop
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise EventDecodeError(f"invalid {event_type}: {where}: {first['msg']}") from None
+
+
+def _known_fields(model: type[BaseModel], data: Any) -> Any:
+    """``data`` less the keys ``model`` (and the records nested in it) does not know; anything else as given."""
+    if not isinstance(data, dict):
+        return data
+    known = {}
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is not None:
+            known[key] = _known_nested(field.annotation, value)
+    return known
+
+
+def _known_nested(annotation: Any, value: Any) -> Any:
+    """``value`` of a field typed ``annotation``, its nested records (alone, in a list or a dict) pruned."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel) and annotation is not Payload:
+        return _known_fields(annotation, value)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list and args and isinstance(value, list):
+        return [_known_nested(args[0], item) for item in value]
+    if origin is dict and len(args) == 2 and isinstance(value, dict):
+        return {key: _known_nested(args[1], item) for key, item in value.items()}
+    return value
 
 
 # The API's events live in ``schemas.api``, which builds on this module and adds them to

@@ -116,3 +116,26 @@ def test_run_id_with_path_refused():
 def test_expected_type_mismatch():
     with pytest.raises(EventDecodeError, match="expected a AdapterPublished"):
         decode_event(_raw(), expected_type="AdapterPublished")
+
+
+def test_newer_minor_with_new_optional_fields_is_read_and_they_are_ignored():
+    # a newer minor version adds optional fields (schemas.versions): to the envelope, the payload or a nested record
+    data = json.loads(_raw(schema_version="1.7", trace_id="abc"))
+    data["payload"]["compression"] = "zstd"
+    decoded = decode_event(json.dumps(data))
+    assert decoded.payload == EXAMPLES[0]
+    changed = json.loads(encode_event(make_event("run-1", RunConfigChanged(
+        config_path="runs/run-1/config-changes/1.json", config_sha256="c" * 64,
+        changes=[ConfigFieldChange(field="learner.learning_rate", before=0.1, after=0.2)]))))
+    changed["schema_version"] = "1.3"
+    changed["payload"]["changes"][0]["reason"] = "restart"
+    assert decode_event(json.dumps(changed)).payload.changes[0].after == 0.2
+
+
+def test_unknown_field_of_this_version_still_refused():
+    data = json.loads(_raw())
+    data["payload"]["compression"] = "zstd"
+    with pytest.raises(EventDecodeError, match="compression"):
+        decode_event(json.dumps(data))
+    with pytest.raises(EventDecodeError, match="trace_id"):
+        decode_event(_raw(trace_id="abc"))
