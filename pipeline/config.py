@@ -24,6 +24,8 @@ import difflib
 import json
 import os
 import re
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -71,6 +73,7 @@ class _EnvLayer(BaseSettings):
     sampler: dict[str, Any] | None = None
     producer: dict[str, Any] | None = None
     learner: dict[str, Any] | None = None
+    value: dict[str, Any] | None = None
 
 
 def preset_names() -> list[str]:
@@ -104,14 +107,30 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def config_env_names() -> set[str]:
-    """Every ``RLPIPE_`` name that sets a field: top-level fields, sections and ``SECTION__FIELD``."""
+    """Every ``RLPIPE_`` name that sets a field: top-level fields, sections and their fields at any depth
+    (``SECTION__FIELD``, ``VALUE__LEARNER__MAX_STEPS``)."""
+    return _env_names(RunConfig, ENV_PREFIX)
+
+
+def _env_names(model: type[BaseModel], prefix: str) -> set[str]:
+    """``prefix`` + each field of ``model``, and of the sections nested in it, ``__``-joined and upper case."""
     names = set()
-    for name, field in RunConfig.model_fields.items():
-        names.add(f"{ENV_PREFIX}{name.upper()}")
-        section = field.annotation
-        if isinstance(section, type) and issubclass(section, BaseModel):
-            names.update(f"{ENV_PREFIX}{name.upper()}__{inner.upper()}" for inner in section.model_fields)
+    for name, field in model.model_fields.items():
+        full = f"{prefix}{name.upper()}"
+        names.add(full)
+        section = _section_model(field.annotation)
+        if section is not None:
+            names |= _env_names(section, f"{full}__")
     return names
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The configuration section a field holds (``LearnerConfig``, or ``ValueRunConfig`` of ``... | None``)."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    for option in options or (annotation,):
+        if isinstance(option, type) and issubclass(option, BaseModel):
+            return option
+    return None
 
 
 def check_env_names(names: Sequence[str]) -> None:
@@ -131,8 +150,8 @@ def check_env_names(names: Sequence[str]) -> None:
 
 def _is_mapping_field(section: str, field: str) -> bool:
     model = RunConfig.model_fields.get(section.removeprefix(ENV_PREFIX).lower())
-    annotation = model.annotation if model else None
-    if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+    annotation = _section_model(model.annotation) if model else None
+    if annotation is None:
         return False
     inner = annotation.model_fields.get(field.lower())
     return inner is not None and getattr(inner.annotation, "__origin__", inner.annotation) is dict

@@ -236,3 +236,19 @@ def test_config_presets_shows_every_name_whole_on_an_80_column_terminal():
     assert shown.exit_code == 0 and "…" not in shown.output, shown.output
     names = {line.split("│")[1].strip() for line in shown.output.splitlines() if line.startswith("│")}
     assert set(preset_names()) <= names
+
+
+def test_a_value_run_is_configured_by_environment_variables_like_any_other_section():
+    """RLPIPE_VALUE was accepted as a field's name and then dropped (the run stayed a LoRA run), and
+    RLPIPE_VALUE__LEARNER__MAX_STEPS was refused as a variable that sets no field."""
+    config = resolve_config(environ={"RLPIPE_VALUE": '{"observation_size": 4, "num_actions": 2}'})
+    assert config.value is not None and config.value.num_actions == 2
+    config = resolve_config("dqn-cartpole", environ={"RLPIPE_VALUE__LEARNER__MAX_STEPS": "7",
+                                                     "RLPIPE_VALUE__ACTOR__FINAL_EPSILON": "0.1"})
+    assert (config.value.learner.max_steps, config.value.actor.final_epsilon) == (7, 0.1)
+    with pytest.raises(ConfigError, match="RLPIPE_VALUE__LEARNER__MAX_STEPS"):
+        resolve_config("dqn-cartpole", environ={"RLPIPE_VALUE__LEARNER__MAX_STEP": "7"})
+    from pipeline.config import _EnvLayer
+    from schemas.config import RunConfig
+
+    assert set(RunConfig.model_fields) <= set(_EnvLayer.model_fields)  # no accepted name is read and dropped
