@@ -88,7 +88,10 @@ class EnvSpec(_Section):
 
     name: str = Field("cartpole", max_length=64, description="registered environment name")
     overrides: dict[str, Any] = Field(default_factory=dict, description="environment config fields to change")
-    eval_seed_offset: int = Field(1_000_000, ge=0, description="held-out evaluation seeds start here")
+    eval_seed_offset: int = Field(
+        1_000_000, ge=0, le=2**62,
+        description="held-out evaluation seeds start here (at most 2^62: seeds are int64 in trajectory rows)",
+    )
     step_delay_s: float = Field(
         0.0, ge=0.0, le=60.0,
         description="seconds each environment step takes on top of the simulation, e.g. a remote reward service",
@@ -229,7 +232,7 @@ class LearnerConfig(_Section):
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     max_staleness: int = Field(2, ge=0, le=1000, description="rows more versions behind than this are dropped")
-    seed: int = Field(0, ge=0, description="torch seed")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="torch seed")
     device: str = Field("auto", max_length=32, description="auto, cpu, cuda, cuda:N")
     torch_threads: int | None = Field(
         None, ge=1, le=1024, description="CPU threads for training (None = torch's default); 1 beside a CPU sampler"

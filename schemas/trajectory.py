@@ -87,7 +87,7 @@ class TrajectoryRecord(BaseModel):
     episode_id: str
     group_id: str
     env: str
-    env_seed: int
+    env_seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # the int64 column
     producer_id: str
     policy_version: Annotated[int, Field(ge=0, le=2**31 - 1)]
     adapter_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]

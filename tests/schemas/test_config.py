@@ -59,3 +59,13 @@ def test_a_sampling_temperature_vllm_would_not_use_is_refused():
         RunConfig.model_validate({"run_id": "r", "sampler": {"temperature": 0.005}})
     greedy = {"run_id": "r", "sampler": {"temperature": 0.0}, "learner": {"loss": "cross_entropy"}}
     assert RunConfig.model_validate(greedy).sampler.temperature == 0.0
+
+
+def test_seeds_that_an_environment_row_or_torch_cannot_hold_are_refused():
+    """env.eval_seed_offset (and so the training seeds below it) and learner.seed took any integer: a seed past
+    int64 failed only when a producer wrote its first batch (the env_seed column) or the learner seeded torch."""
+    RunConfig.model_validate({"env": {"eval_seed_offset": 2**62}, "learner": {"seed": 2**63 - 1}})
+    with pytest.raises(ValueError, match="eval_seed_offset"):
+        RunConfig.model_validate({"env": {"eval_seed_offset": 2**63}})
+    with pytest.raises(ValueError, match=r"learner\.seed"):
+        RunConfig.model_validate({"learner": {"seed": 2**64}})

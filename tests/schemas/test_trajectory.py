@@ -120,3 +120,10 @@ def test_steps_table_with_features():
     assert table.column("is_last").to_pylist() == [False, True]
     with pytest.raises(StepsTableError, match="clash"):
         steps_to_table(rows, ["reward"])
+
+
+def test_env_seed_beyond_the_int64_column_is_refused_by_the_record():
+    """The record took any integer and the Parquet write then failed with an OverflowError."""
+    records_to_table([row(env_seed=2**63 - 1)])
+    with pytest.raises(ValidationError, match="env_seed"):
+        TrajectoryRecord(**row(env_seed=2**63))
