@@ -21,6 +21,7 @@ from schemas.trajectory import MIN_SAMPLING_TEMPERATURE, behaviour_policy_proble
 from schemas.value import ValueRunConfig
 
 PRODUCER_SLOTS = 256  # training seed ranges per run: one per producer ordinal (num_producers' bound)
+_DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:[0-9]+)?")  # learner.device: what torch.device() opens
 _ORDINAL = re.compile(r"-p?(\d{1,3})$")  # the launcher's <run>-p<i>, a StatefulSet pod's <name>-<i>
 
 
@@ -233,7 +234,7 @@ class LearnerConfig(_Section):
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     max_staleness: int = Field(2, ge=0, le=1000, description="rows more versions behind than this are dropped")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="torch seed")
-    device: str = Field("auto", max_length=32, description="auto, cpu, cuda, cuda:N")
+    device: str = Field("auto", max_length=32, description="auto, cpu, cuda, cuda:N (also mps, xpu, xpu:N)")
     torch_threads: int | None = Field(
         None, ge=1, le=1024, description="CPU threads for training (None = torch's default); 1 beside a CPU sampler"
     )
@@ -292,6 +293,14 @@ class LearnerConfig(_Section):
     collapse_baseline_steps: int = Field(
         3, ge=1, le=1000, description="first trained steps whose entropy and reward spread are the reference"
     )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not _DEVICE.fullmatch(value):
+            raise ValueError(f"learner.device {value!r} is not a device the learner can train on; use auto, cpu, "
+                             "cuda, cuda:N, mps, xpu or xpu:N")
+        return value
 
     @field_validator("init_from")
     @classmethod

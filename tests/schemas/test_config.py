@@ -69,3 +69,15 @@ def test_seeds_that_an_environment_row_or_torch_cannot_hold_are_refused():
         RunConfig.model_validate({"env": {"eval_seed_offset": 2**63}})
     with pytest.raises(ValueError, match=r"learner\.seed"):
         RunConfig.model_validate({"learner": {"seed": 2**64}})
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1", "mps", "xpu:0"])
+def test_a_learner_device_torch_knows_is_accepted(device):
+    assert RunConfig.model_validate({"learner": {"device": device}}).learner.device == device
+
+
+@pytest.mark.parametrize("device", ["cuda0", "gpu", "CUDA", "cuda:", "cuda:x", ""])
+def test_a_learner_device_torch_cannot_open_is_refused_up_front(device):
+    """Any text was accepted, and the learner failed in torch.device() only after the run had started."""
+    with pytest.raises(ValueError, match=r"learner\.device"):
+        RunConfig.model_validate({"learner": {"device": device}})
