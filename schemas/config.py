@@ -294,6 +294,14 @@ class LearnerConfig(_Section):
         3, ge=1, le=1000, description="first trained steps whose entropy and reward spread are the reference"
     )
 
+    @field_validator("target_modules")
+    @classmethod
+    def _target_modules(cls, value: list[str]) -> list[str]:
+        if not value or not all(name.strip() for name in value):
+            raise ValueError(f"learner.target_modules {value!r} names no module for LoRA; name at least one "
+                             "(e.g. q_proj, v_proj)")
+        return value
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:

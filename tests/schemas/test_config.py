@@ -81,3 +81,10 @@ def test_a_learner_device_torch_cannot_open_is_refused_up_front(device):
     """Any text was accepted, and the learner failed in torch.device() only after the run had started."""
     with pytest.raises(ValueError, match=r"learner\.device"):
         RunConfig.model_validate({"learner": {"device": device}})
+
+
+@pytest.mark.parametrize("modules", [[], [""]])
+def test_lora_without_target_modules_is_refused_up_front(modules):
+    """An empty learner.target_modules was accepted and peft refused it only when the learner built its adapter."""
+    with pytest.raises(ValueError, match=r"learner\.target_modules"):
+        RunConfig.model_validate({"learner": {"target_modules": modules}})
