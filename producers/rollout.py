@@ -171,6 +171,9 @@ class RolloutWorker:
         self.make_env, self.tokenizer, self.sampler = make_env, direct_tokenizer(tokenizer), sampler
         self.adapters, self.sink, self.cfg, self.sampling = adapters, sink, producer, sampling
         self.chat = ChatFormat.from_tokenizer(self.tokenizer)
+        # the context an episode may fill: the sampler's, which can be shorter than the configured one (the
+        # transformers sampler caps it at the model's position count) and refuses any prompt that does not fit
+        self.max_model_len = min(sampling.max_model_len, sampler.max_model_len)
         self.pool = ThreadPoolExecutor(max_workers=producer.env_workers, thread_name_prefix="env")
         self.active: list[Group] = []
         self.finished: list[Group] = []
@@ -277,7 +280,7 @@ class RolloutWorker:
             adapter_sha256=adapter.sha256 if adapter else NO_ADAPTER_SHA,
             per_turn=env.per_turn_prompts(),
             history_turns=env.config.history_turns,
-            max_model_len=self.sampling.max_model_len,
+            max_model_len=self.max_model_len,
             temperature=self.sampling.temperature,
             top_p=self.sampling.top_p,
             place=place,

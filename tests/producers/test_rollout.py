@@ -12,6 +12,7 @@ import pytest
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.store import ObjectStore
 from producers.envs.registry import make_env
+from producers.episode import prompt_ids
 from producers.rollout import RolloutWorker, SamplingStreams, StaleAdapterError
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, request_seed
 from producers.sink import OrphanSweep, StoreThenEventSink, announce_orphans
@@ -306,3 +307,38 @@ def test_an_engine_wide_stream_is_new_per_process_and_reproducible_from_the_logg
     again = SamplingStreams(0, "run-p0", incarnation=first.incarnation)
     assert again.engine_seed() == first.engine_seed() < 2**31
     assert [again.next_call_seed() for _ in range(3)] == [first.next_call_seed() for _ in range(3)]
+
+
+class ShortContextSampler(ScriptedSampler):
+    """A scripted sampler whose context is shorter than the run's ``sampler.max_model_len``, refusing what does not
+    fit as every real backend does (the transformers sampler caps its context at the model's position count)."""
+
+    def __init__(self, tokenizer, max_model_len: int) -> None:
+        super().__init__(tokenizer)
+        self.max_model_len = max_model_len
+        self.prompt_lengths: list[int] = []
+
+    def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None):
+        self.check_requests(requests)
+        self.prompt_lengths += [len(r.prompt_token_ids) for r in requests]
+        return [SampleOutput(o.token_ids[:self.new_token_budget(r)], o.logprobs[:self.new_token_budget(r)],
+                             o.finish_reason)
+                for r, o in zip(requests, super().generate(requests, adapter, temperature, top_p, seed), strict=True)]
+
+
+def test_episodes_end_at_the_samplers_context_when_it_is_shorter_than_configured(tiny_tokenizer):
+    """The sampler's context, not the configuration's, bounds an episode: a sampler capped below
+    ``sampler.max_model_len`` refused the growing prompt, and the refusal stopped the whole producer."""
+    env = make_env("sokoban", {"max_turns": 3})
+    first_prompt = len(prompt_ids(tiny_tokenizer, [{"role": "system", "content": env.system_prompt()},
+                                                   {"role": "user", "content": env.reset(0)}]))
+    context = first_prompt + 20  # room for the first answer, not for the second turn's observation
+    sampler = ShortContextSampler(tiny_tokenizer, context)
+    announced = []
+    worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", announced, sampler=sampler,
+                                     sampling=SamplerConfig(max_new_tokens=16, max_model_len=2048))
+    worker.run()
+    rows = table_to_records(archive.read_batch(announced[0].path))
+    assert len(rows) == 4 and max(sampler.prompt_lengths) < context
+    assert all(len(r.tokens) < context for r in rows)
+    assert all(r.truncated for r in rows if r.num_turns < 3 and not r.terminated)
