@@ -11,7 +11,8 @@ adapter; the sampler keeps at most ``max_loaded`` versions.
 The cache is the producer's own folder (``$RLPIPE_HOME/adapter-cache/<producer_id>``):
 a version evicted from the sampler is deleted from it once no running group
 samples with it any more (``in_use``: the sampler reloads an evicted adapter
-from its folder when such a group generates again), ``close`` removes the
+from its folder when such a group generates again, and is told to unload it
+again then), ``close`` removes the
 folder at exit, and ``sweep_dead_process_caches`` removes, at start, the folders
 that producers of this host left behind when they were killed (the default
 producer id is ``<host>-<pid>``, so a dead pid names a folder nobody will use).
@@ -148,9 +149,13 @@ class AdapterWatcher:
         return handle
 
     def delete_retired(self) -> None:
-        """Delete the cached folders of evicted versions that no loaded handle and no running group uses."""
+        """Unload and delete the cached folders of evicted versions that no loaded handle and no running group uses.
+
+        Unloaded again: a running group's turn after the eviction made the sampler load the version back.
+        """
         busy = self.in_use() | {h.version for h in self.loaded}
         for handle in [h for h in self.retired if h.version not in busy]:
+            self.sampler.unload_adapter(handle)  # a no-op when nothing loaded it back
             shutil.rmtree(handle.path, ignore_errors=True)
             self.retired.remove(handle)
 

@@ -192,3 +192,33 @@ def test_the_sweep_removes_only_folders_of_dead_processes_of_this_host(tmp_path:
     removed = sweep_dead_process_caches(tmp_path, "node-a")
     assert [p.name for p in removed] == [f"node-a-{dead_pid}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+
+
+def test_an_evicted_version_a_running_group_reloaded_is_unloaded_once_no_group_uses_it(
+    memory_store: ObjectStore, tmp_path: Path, tiny_trained_dir: Path, lora_adapters: tuple[AdapterHandle, ...]
+) -> None:
+    """A group still sampling on an evicted version makes the sampler load it again; once that group is done the
+    version leaves the sampler with its cached folder, or every such version stays loaded for the rest of the run."""
+    from producers.samplers.hf_sampler import TransformersSampler
+    from tests.fixtures.vllm import save_random_lora
+
+    registry = AdapterRegistry(memory_store, "r1")
+    folders = [Path(h.path) for h in lora_adapters] + [save_random_lora(tiny_trained_dir, tmp_path / "v3", seed=3)]
+    sampler = TransformersSampler(str(tiny_trained_dir))
+    watcher = AdapterWatcher(registry, sampler, tmp_path / "cache", max_loaded=2, registry_poll_s=0.0)
+    running: set[int] = {1}  # a group started on v1 is still sampling
+    watcher.in_use = lambda: running
+    registry.publish(folders[0], base_model="tiny", parent_version=0, learner_step=1)
+    watcher.refresh()
+    v1 = watcher.current()
+    for version in (2, 3):
+        registry.publish(folders[version - 1], base_model="tiny", parent_version=version - 1, learner_step=version)
+        watcher.refresh()
+    assert [h.version for h in watcher.loaded] == [2, 3] and v1.name not in sampler._handles  # type: ignore[union-attr]
+    sampler.generate([SampleRequest([1, 2, 3], 2)], v1, seed=0)  # the running group's next turn reloads v1
+    assert v1.name in sampler._handles  # type: ignore[union-attr]
+    running.clear()
+    watcher.refresh()
+    assert sorted(sampler._handles) == sorted(h.name for h in watcher.loaded)
+    assert not Path(v1.path).exists()  # type: ignore[union-attr]
+    sampler.close()
