@@ -124,7 +124,8 @@ class Sampler(abc.ABC):
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> list[SampleOutput]:
-        """One output per request, in order; generation stops at ``eos_token_id`` or ``max_new_tokens``.
+        """One output per request, in order; generation stops at ``eos_token_id`` (or another eos id of the
+        model's ``generation_config.json``, as vLLM does) or at ``max_new_tokens``.
 
         ``adapter`` None samples the base model; an adapter not loaded yet is loaded
         first.  ``temperature`` 0 is greedy.  With ``seed`` set, request i samples

@@ -19,7 +19,8 @@ Conventions, the same on every backend:
 - logprobs of generated tokens are of the distribution they were drawn from
   (``processed_logprobs``, base.py); prompt logprobs are the model's own
   (temperature 1, no top-p), ``None`` at position 0, one per prompt token;
-- ``stop_token_ids`` None stops at eos; ``()`` never stops before ``max_tokens``;
+- ``stop_token_ids`` None stops at eos and at the eos ids of the model's
+  ``generation_config.json`` (vLLM adds those); ``()`` never stops before ``max_tokens``;
   a tuple of ids stops at exactly those (add eos to keep it).  A sequence that
   stopped ends with its stop token, ``finish_reason`` "stop"; else "length";
 - an adapter is (``run``, ``version``) of its handle; the vLLM engine gives each
@@ -444,6 +445,12 @@ class TransformersEngine(SamplingEngine):
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await waiting.result
+
+    def stop_ids(self, params: SampleParams) -> tuple[int, ...]:
+        """Unless told otherwise, the sampler's stop ids: eos and the generation config's eos ids, as vLLM's."""
+        if params.stop_token_ids is None:
+            return tuple(sorted(self.sampler.stop_token_ids))
+        return tuple(params.stop_token_ids)
 
     async def _drain(self) -> None:
         """Run what waits, one batch of compatible calls at a time, until nothing waits."""

@@ -60,6 +60,7 @@ class TransformersSampler(Sampler):
         self._lock = threading.Lock()  # one batch at a time: the adapter choice is model state
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_id = int(tokenizer.eos_token_id)
+        self.stop_token_ids = frozenset({self.eos_token_id, *generation_eos_ids(model_path)})
         self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id)
         torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         self._base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
@@ -152,7 +153,7 @@ class TransformersSampler(Sampler):
     ) -> tuple[list[SampleOutput], list[float | None] | None]:
         """One batch of ``len(seeds)`` continuations of ``prompt`` (sample j from ``seeds[j]``).
 
-        ``stop_ids`` None stops at eos, an empty set only at ``max_new_tokens``; ``top_k`` >= 1
+        ``stop_ids`` None stops at ``stop_token_ids``, an empty set only at ``max_new_tokens``; ``top_k`` >= 1
         keeps the k most likely tokens before the ``top_p`` cut.
         With ``with_prompt_logprobs``, also the model's own (temperature 1) logprob
         of every prompt token given the ones before it (None at position 0).
@@ -209,7 +210,7 @@ class TransformersSampler(Sampler):
         """Decode one left-padded batch token by token until every row stopped (at a stop id or its budget)."""
         import torch
 
-        stops = frozenset({self.eos_token_id}) if stop_ids is None else stop_ids
+        stops = self.stop_token_ids if stop_ids is None else stop_ids
         generators = [_generator(s, self.device) for s in seeds]
         budgets = [self.new_token_budget(r) for r in requests]
         input_ids_BT, attention_BT = self._left_pad(requests)
@@ -266,6 +267,23 @@ class TransformersSampler(Sampler):
         """Drop the model (frees its memory once nothing else holds it)."""
         self._peft = None
         self._base = None
+
+
+def generation_eos_ids(model_path: str) -> list[int]:
+    """The eos ids of the model's ``generation_config.json`` (none when it has none).
+
+    vLLM stops at these as well as at the tokenizer's eos (instruct models often list their end-of-turn and
+    end-of-text tokens there), so the transformers sampler does too.
+    """
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        return []
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
 def _generator(seed: int | None, device: Any) -> Any:

@@ -21,7 +21,7 @@ import torch
 from producers.samplers import AdapterHandle, SampleOutput, SampleRequest, make_sampler, request_seed, sampler_for_run
 from producers.samplers.engine import SampleParams
 from producers.samplers.hf_sampler import TransformersSampler, _sample, sampling_logprobs
-from schemas.config import SamplerConfig
+from schemas.config import RunConfig, SamplerConfig
 
 LOGPROB_TOL = 1e-4  # NOTES.md: ~2e-7 seen for vLLM in float32; anything near 1e-2 means a dtype or policy mismatch
 LEARNER_TOL = 1e-5  # sampler vs learner in float32: the importance ratio must start at 1
@@ -301,6 +301,34 @@ def test_run_sampler_on_the_async_engine_takes_each_turn_as_its_own_request(tiny
 def test_prompt_that_does_not_fit_is_refused(hf_sampler) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         hf_sampler.generate([SampleRequest([5] * 1024, 4)])
+
+
+def test_generation_stops_at_every_eos_id_of_the_models_generation_config(tiny_trained_dir, prompts, tmp_path) -> None:
+    """vLLM stops at the eos ids of the model's generation_config.json as well as the tokenizer's eos (Qwen2.5
+    and Llama 3 instruct models list two or three); the transformers sampler, and the engine on it, must too."""
+    import json
+    import shutil
+
+    greedy = TransformersSampler(str(tiny_trained_dir)).generate([SampleRequest(prompts[0], 12)], temperature=0.0)[0]
+    extra = greedy.token_ids[2]  # a token the model produces third, greedily
+    assert extra != greedy.token_ids[-1] or greedy.finish_reason == "length"
+    model = shutil.copytree(tiny_trained_dir, tmp_path / "model")
+    settings = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**settings, "eos_token_id": [settings["eos_token_id"],
+                                                                                           extra]}))
+    expected = greedy.token_ids[:greedy.token_ids.index(extra) + 1]
+    out = TransformersSampler(str(model)).generate([SampleRequest(prompts[0], 12)], temperature=0.0)[0]
+    assert (out.token_ids, out.finish_reason) == (expected, "stop")
+    engine = sampler_for_run(RunConfig(sampler=SamplerConfig(backend="transformers", max_model_len=1024)), str(model))
+    try:
+        out = engine.generate([SampleRequest(prompts[0], 12)], temperature=0.0)[0]
+        assert (out.token_ids, out.finish_reason) == (expected, "stop")
+        # stop ids given explicitly are the whole rule, as in vLLM (ignore_eos)
+        explicit = engine.sample(prompts[0], None, SampleParams(12, temperature=0.0, stop_token_ids=(2,)))
+        assert explicit.sequences[0].token_ids[:len(expected)] == expected
+        assert len(explicit.sequences[0].token_ids) > len(expected)
+    finally:
+        engine.close()
 
 
 # ---- vLLM (one engine per session) ------------------------------------------------
