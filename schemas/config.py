@@ -35,7 +35,8 @@ class BusConfig(_Section):
     bootstrap_servers: str = Field(
         "", max_length=2048, description="host:port[,host:port]; empty = the embedded broker from `rlpipe up`"
     )
-    namespace: str = Field("rlpipe", description="topic prefix: <namespace>.trajectories, .adapters, .control, .dlq")
+    namespace: str = Field("rlpipe", description="topic prefix: <namespace>.trajectories, .adapters, .control, .dlq, "
+                           "and the API's .requests and .results")
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         "PLAINTEXT", description="Kafka security protocol"
     )
