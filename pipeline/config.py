@@ -197,11 +197,23 @@ def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r} is not KEY=VALUE (e.g. --set learner.learning_rate=1e-4)")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({problem}); write a mapping as JSON "
+                              '({"key": 1}) and quote text that holds YAML\'s marks ({, [, :, #)') from None
         node = result
         parts = key.strip().split(".")
-        for part in parts[:-1]:
+        if not all(part.strip() for part in parts):
+            raise ConfigError(f"--set {item!r}: the key has an empty part; write it as section.field, "
+                              "e.g. --set learner.learning_rate=1e-4")
+        for depth, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                where = ".".join(parts[:depth + 1])
+                raise ConfigError(f"--set {item!r}: {where} is already set to {node!r} by another --set, so it "
+                                  "has no fields to set; drop one of the two")
         node[parts[-1]] = value
     return result
 

@@ -252,3 +252,14 @@ def test_a_value_run_is_configured_by_environment_variables_like_any_other_secti
     from schemas.config import RunConfig
 
     assert set(RunConfig.model_fields) <= set(_EnvLayer.model_fields)  # no accepted name is read and dropped
+
+
+def test_a_set_value_that_is_not_yaml_or_a_key_under_a_value_is_one_line_naming_the_flag():
+    """`--set 'env.overrides={bad'` used to end in a YAML traceback, and `--set learner=3 --set learner.x=1` in a
+    TypeError: both are the user's to fix, named in one line."""
+    with pytest.raises(ConfigError, match=r"--set 'env.overrides=\{bad': the value is not valid YAML"):
+        resolve_config("cartpole", overrides=["env.overrides={bad"], environ={})
+    with pytest.raises(ConfigError, match=r"--set 'learner.learning_rate=1': learner is already set to 3"):
+        resolve_config("cartpole", overrides=["learner=3", "learner.learning_rate=1"], environ={})
+    with pytest.raises(ConfigError, match=r"--set 'learner..x=1': the key has an empty part"):
+        resolve_config("cartpole", overrides=["learner..x=1"], environ={})
