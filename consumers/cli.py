@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import console, fail, handle_user_errors
+from pipeline.cli.common import console, fail, handle_user_errors, reachable_store
 from pipeline.cli.options import (
     ConfigOpt,
     FollowRunsOpt,
@@ -48,6 +48,8 @@ def start(
     """
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
+    for cfg in cfgs:
+        reachable_store(cfg.store)
     if max_steps is not None:
         cfgs = [cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
                 for cfg in cfgs]
@@ -116,6 +118,7 @@ def replay(
             fail(f"{option} {value!r} is not a date; write it YYYY-MM-DD", 2)
     setup_logging()
     cfg = run_config(preset, config, overrides)
+    reachable_store(cfg.store)
     if train and cfg.run_id == run:  # its adapters, checkpoints and step log would mix with the run it replays
         fail(f"replay --train would train into run {run}, the run it reads from; name the run it trains, "
              f"e.g. --set run_id={run}-offline", 2)

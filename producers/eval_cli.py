@@ -8,11 +8,10 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from pipeline.cli.common import console, fail, handle_user_errors, print_json
+from pipeline.cli.common import console, fail, handle_user_errors, print_json, reachable_store
 from pipeline.cli.options import DeprecatedRunArg, RunOpt, chosen_run, setup_logging
 from pipeline.config import deep_merge, env_layer, parse_overrides
 from pipeline.io.registry import AdapterRegistry
-from pipeline.runtime import open_store
 from schemas.config import RunConfig, StoreConfig
 
 app = typer.Typer(name="eval", add_completion=False)
@@ -24,7 +23,7 @@ def stored_run_config(run: str, store_cfg: StoreConfig, overrides: list[str]) ->
     from pipeline.analysis.runs import runs_there
     from pipeline.analysis.runs import stored_run_config as stored
 
-    store = open_store(store_cfg)
+    store = reachable_store(store_cfg)
     data = stored(store, run)
     if data is None:
         fail(f"no run {run!r} in {store.url()} ({runs_there(store)}); check the run id, or --root for another store", 2)
@@ -90,7 +89,7 @@ def eval(
     config = stored_run_config(run, store_cfg, overrides or [])
     if env:
         config = config.model_copy(update={"env": config.env.model_copy(update={"name": env})})
-    store = open_store(config.store)
+    store = reachable_store(config.store)
     registry = AdapterRegistry(store, run)
     numbers = [resolve_version(registry, v) for v in (version or ["latest"])]
     published = registry.versions()

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import fail, handle_user_errors
+from pipeline.cli.common import fail, handle_user_errors, reachable_store
 from pipeline.cli.options import (
     FollowRunsOpt,
     PackedConfigOpt,
@@ -43,6 +43,8 @@ def start(
     """
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
+    for cfg in cfgs:
+        reachable_store(cfg.store)
     if max_groups is not None:
         cfgs = [cfg.model_copy(update={"producer": cfg.producer.model_copy(update={"max_groups": max_groups})})
                 for cfg in cfgs]

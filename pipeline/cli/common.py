@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 from collections.abc import Callable, Iterator
 from datetime import date, datetime
 from enum import Enum
@@ -25,10 +26,11 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.devstack.broker import BrokerStartError
-from pipeline.devstack.gcs_emulator import EmulatorError
+from pipeline.devstack.gcs_emulator import EmulatorError, probe_endpoint
 from pipeline.devstack.stack import StackError
 from pipeline.io.bus import BusError
-from schemas.config import BusConfig
+from pipeline.io.store import ObjectStore
+from schemas.config import BusConfig, StoreConfig
 
 # Options several commands take, spelled and explained the same everywhere.
 StoreRootOpt = Annotated[
@@ -54,10 +56,16 @@ EXIT_FAILURE = 1  # something outside the command failed (broker unreachable, st
 EXIT_USAGE = 2  # bad input: an unknown name, an invalid value (click uses 2 for usage errors too)
 EXIT_NOT_RUNNING = 3  # `rlpipe status`: no stack runs (the LSB code of a service's status command)
 
+
+class StoreUnreachableError(ConnectionError):
+    """The GCS endpoint of the configured store does not answer."""
+
+
 # Errors that are the user's to fix; anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,  # schemas' InvalidNameError, SchemaVersionError, EventDecodeError, ConfigError, pydantic errors
     BusError,
+    StoreUnreachableError,
     StackError,
     BrokerStartError,  # the local broker or emulator would not start: the message names the log
     EmulatorError,
@@ -153,6 +161,25 @@ def bus_config_from_cli(bootstrap: str | None = None, namespace: str | None = No
     if namespace:
         values["namespace"] = namespace
     return BusConfig.model_validate(values)
+
+
+def reachable_store(config: StoreConfig) -> ObjectStore:
+    """The store ``config`` names (default: the embedded stack's), once its GCS endpoint answers.
+
+    gcsfs would fail the first read with a connection traceback, or retry for half a minute; this says in
+    seconds which endpoint does not answer (``StoreUnreachableError``, one line and exit 1 in a command).
+    """
+    from pipeline.runtime import open_store
+
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
+    store = open_store(config)
+    if store.gcs_endpoint:
+        reason = probe_endpoint(store.gcs_endpoint)
+        if reason is not None:
+            raise StoreUnreachableError(
+                f"cannot reach the GCS endpoint {store.gcs_endpoint} of the store {store.root}: {reason}; is the "
+                "emulator running? (store.gcs_endpoint, RLPIPE_STORE__GCS_ENDPOINT)")
+    return store
 
 
 def shown_model(base_model: str | None) -> str:

@@ -49,12 +49,11 @@ from pipeline.cli.common import (
     error_line,
     fail,
     print_json,
+    reachable_store,
     user_errors,
 )
 from pipeline.cli.options import DeprecatedRunArg, chosen_run
-from pipeline.devstack.gcs_emulator import probe_endpoint
 from pipeline.io.store import ObjectStore
-from pipeline.runtime import open_store
 from schemas.config import StoreConfig
 
 app = typer.Typer(
@@ -232,12 +231,7 @@ command = typer.main.get_command(app)
 
 def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
     """The store ``--root`` names (default: the embedded stack's), failing fast if the emulator is down."""
-    store = open_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint))
-    if store.gcs_endpoint:
-        reason = probe_endpoint(store.gcs_endpoint)
-        if reason is not None:
-            fail(f"cannot reach the GCS endpoint {store.gcs_endpoint}: {reason}; is the emulator running?")
-    return store
+    return reachable_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint))
 
 
 def _print_summary(gathered: RunReport, html_path: Path) -> None:

@@ -34,7 +34,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
+from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors, reachable_store
 from pipeline.cli.demo_cmd import seed_overrides
 from pipeline.cli.options import SetOpt, check_env, run_config, setup_logging
 from pipeline.config import (
@@ -92,7 +92,6 @@ def run(
     Stops when the learner reaches its step budget or on Ctrl-C; the run stays inspectable with
     `rlpipe runs show --run RUN`, `rlpipe report --run RUN` and `rlpipe adapters list --run RUN`.
     """
-    from pipeline.runtime import open_store
 
     kinds = run_kinds(preset or [], config or [])
     if resume is not None:
@@ -118,7 +117,7 @@ def run(
         console.print(f"{_below(dashboard)}their packed report: rlpipe report {' '.join(f'--run {i}' for i in ids)}",
                       markup=False)
         raise typer.Exit(code)
-    store = open_store(cfg.store)
+    store = reachable_store(cfg.store)
     if resume is not None:
         stop_if_finished(store, cfg)
     else:
@@ -186,12 +185,11 @@ def packed_configs(kinds: list[tuple[str | None, str | None]], overrides: list[s
         twice = sorted({stem for stem in named if named.count(stem) > 1})
         raise ConfigError(f"{', '.join(twice)} named twice: give each preset or file once (--runs N starts "
                           "several runs of one)")
-    from pipeline.runtime import open_store
 
     firsts = [run_config(*kind, overrides) for kind in kinds]
     if any(c.value is not None for c in firsts):
         raise ConfigError("value-based runs are not packed: start one rlpipe run per value run")
-    ids = packed_run_ids([open_store(c.store) for c in firsts], stems, count)
+    ids = packed_run_ids([reachable_store(c.store) for c in firsts], stems, count)
     configs = [with_budget(run_config(*kinds[k], [*seed_overrides(i), *overrides]), max_steps, producers)
                .model_copy(update={"run_id": ids[k][i]}) for k in range(len(kinds)) for i in range(len(ids[k]))]
     try:
@@ -295,11 +293,10 @@ def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     """The run's stored configuration (``run.json`` with its newest recorded change) with the ``RLPIPE_``
     environment and ``--set`` on top."""
     from pipeline.analysis.runs import runs_there, stored_run_config
-    from pipeline.runtime import open_store
 
     validate_name(run_id, "run_id")
     located = run_config(None, None, overrides)  # only where the store is: environment, --set, else embedded
-    store = open_store(located.store)
+    store = reachable_store(located.store)
     stored = stored_run_config(store, run_id)
     if stored is None:
         raise ConfigError(f"no run {run_id!r} to resume in {store.root} ({runs_there(store)}); "

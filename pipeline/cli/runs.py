@@ -9,7 +9,6 @@ cached adapters, never another run's.
 
 from __future__ import annotations
 
-import logging
 import math
 from datetime import datetime
 from typing import Annotated
@@ -42,13 +41,12 @@ from pipeline.cli.common import (
     handle_user_errors,
     left_out_note,
     print_json,
+    reachable_store,
     shown_model,
 )
 from pipeline.cli.options import ConfigOpt, PresetOpt, RunOpt, SetOpt, chosen_run, run_config
-from pipeline.devstack.gcs_emulator import probe_endpoint
 from pipeline.devstack.stack import rlpipe_home
 from pipeline.io.store import ObjectStore
-from pipeline.runtime import open_store
 from schemas.config import StoreConfig
 
 app = typer.Typer(
@@ -65,13 +63,7 @@ TimeoutOpt = Annotated[float, typer.Option("--bus-timeout", min=0.5, max=120.0, 
 
 def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
     """The store ``--root`` names (default: the embedded stack's), failing fast if the emulator is down."""
-    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
-    store = open_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint))
-    if store.gcs_endpoint:
-        reason = probe_endpoint(store.gcs_endpoint)
-        if reason is not None:
-            fail(f"cannot reach the GCS endpoint {store.gcs_endpoint}: {reason}; is the emulator running?")
-    return store
+    return reachable_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint))
 
 
 def _known_run(store: ObjectStore, run: str) -> None:
@@ -230,7 +222,7 @@ def create_command(
     cfg = run_config(preset, config, overrides)
     if cfg.value is not None:
         fail("value-based runs are not packed: start the run with rlpipe run", EXIT_USAGE)
-    store = open_store(cfg.store)
+    store = reachable_store(cfg.store)
     cfg = cfg.model_copy(update={"run_id": new_run_id(store, cfg.run_id, run or explicit_run_id(config, overrides or []))})
     bus = resolved_bus(cfg.bus)
     with EventPublisher(bus) as publisher:  # the broker first: a run that cannot be announced is not created

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors
+from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors, reachable_store
 from pipeline.cli.options import SetOpt, run_config, setup_logging
 from pipeline.devstack.process import free_port, stop_processes
 
@@ -138,7 +138,7 @@ def serve(
     from pipeline.devstack.launcher import EMBEDDED_GROUP_TIMINGS_MS, ensure_stack
     from pipeline.io.bus import GROUP_TIMINGS_ENV, ensure_topics
     from pipeline.models import check_model_path
-    from pipeline.runtime import open_store, resolved_bus
+    from pipeline.runtime import resolved_bus
     from pipeline.topics import API_TOPIC_KINDS
     from schemas.config import LORA_RANK_SLOTS
 
@@ -172,7 +172,7 @@ def serve(
     for name in named:
         check_model_path(name)  # before anything starts
     ensure_stack(cfg)
-    bus, store = resolved_bus(cfg.bus), open_store(cfg.store)
+    bus, store = resolved_bus(cfg.bus), reachable_store(cfg.store)
     resolved = dict(zip(named, resolve_models(named), strict=True))  # as the engines name them
     models = [resolved.get(name, name) for name in base_model or ["tiny"]]
     ensure_topics(bus, API_TOPIC_KINDS)

@@ -30,7 +30,7 @@ from pipeline.api.lifecycle import (
     record_end,
     session_end,
 )
-from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json
+from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json, reachable_store
 from pipeline.cli.options import SetOpt, run_config
 from pipeline.io.store import ObjectStore
 from schemas.api import SESSION_TIMEOUT_S
@@ -63,9 +63,7 @@ def session_summary(store: ObjectStore, session_id: str) -> dict[str, Any]:
 
 
 def _store(overrides: list[str] | None) -> ObjectStore:
-    from pipeline.runtime import open_store
-
-    return open_store(run_config(None, None, overrides or []).store)
+    return reachable_store(run_config(None, None, overrides or []).store)
 
 
 @app.command("list", epilog="Example: rlpipe sessions list --json")
