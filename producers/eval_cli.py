@@ -57,7 +57,8 @@ def eval(
         "Episodes played at once (one batched generation per turn); lower it when the model's memory is short."))
     ] = 32,  # producers.evaluation.IN_FLIGHT (imported only once a model is evaluated)
     baseline: Annotated[list[str] | None, typer.Option(help="Also evaluate heuristic and/or random.")] = None,
-    root: Annotated[str | None, typer.Option(help="Store root URL (default: configured or embedded).")] = None,
+    root: Annotated[str | None, typer.Option(help=(
+        "Store root URL (default: --set store.root, RLPIPE_STORE__ROOT, else the embedded stack's)."))] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a config field.")] = None,
     validation: Annotated[bool, typer.Option(help=(
         "Play --episodes episodes after the first --held-out held-out ones instead (building runs: the days "
@@ -85,7 +86,8 @@ def eval(
             env_class(env)
         except ValueError as exc:
             fail(str(exc), 2)
-    store_cfg = StoreConfig(root=root) if root else StoreConfig()
+    located = deep_merge(env_layer(), parse_overrides(overrides or [])).get("store") or {}
+    store_cfg = StoreConfig.model_validate({**located, **({"root": root} if root else {})})
     config = stored_run_config(run, store_cfg, overrides or [])
     if env:
         config = config.model_copy(update={"env": config.env.model_copy(update={"name": env})})

@@ -1,5 +1,5 @@
 """A store whose GCS endpoint does not answer ends every command that reads it with one line naming the endpoint
-(exit 1), not gcsfs's connection traceback."""
+(exit 1), not gcsfs's connection traceback; and the store is the one the environment or --set names."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pipeline.devstack.process import free_port
 COMMANDS = [
     ["sessions", "list"],
     ["sessions", "show", "sess-0123"],
+    ["eval", "--run", "cp", "--episodes", "1"],
     ["replay", "--run", "cp", "--to-topic", "--preset", "cartpole", "--set", "run_id=seeded"],
     ["runs", "create", "--preset", "cartpole", "--run", "exp-1"],
     ["run", "--preset", "cartpole", "--run", "cp", "--no-dashboard"],
@@ -37,3 +38,21 @@ def test_a_store_whose_endpoint_does_not_answer_is_one_line_naming_it(
     assert "Traceback" not in result.output
     assert f"error: cannot reach the GCS endpoint {endpoint}" in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize("how", ["environment", "--set"])
+def test_eval_finds_the_run_in_the_store_the_environment_or_set_names(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rlpipe eval` looked for the run in the embedded stack's store whatever RLPIPE_STORE__ROOT said."""
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    other = (tmp_path / "other").as_uri()
+    (tmp_path / "other").mkdir()
+    if how == "environment":
+        monkeypatch.setenv("RLPIPE_STORE__ROOT", other)
+        args = []
+    else:
+        args = ["--set", f"store.root={other}"]
+    result = CliRunner().invoke(app, ["eval", "--run", "cp", "--episodes", "1", *args])
+    assert result.exit_code == 2
+    assert f"no run 'cp' in {other}" in result.output
