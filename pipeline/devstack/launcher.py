@@ -41,7 +41,13 @@ from typing import Any
 
 import yaml
 
-from pipeline.devstack.stack import StackState, read_stack_state, rlpipe_home, start_background
+from pipeline.devstack.stack import (
+    StackAlreadyRunningError,
+    StackState,
+    read_stack_state,
+    rlpipe_home,
+    start_background,
+)
 from pipeline.io.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, tail
 from pipeline.io.registry import AdapterRegistry
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
@@ -117,7 +123,10 @@ def ensure_stack(config: RunConfig) -> StackState | None:
     if config.bus.bootstrap_servers or read_stack_state() is not None:
         return None
     log.info("no broker configured: starting the embedded stack in the background")
-    state = start_background(with_gcs=False)
+    try:
+        state = start_background(with_gcs=False)
+    except StackAlreadyRunningError:  # another command started it meanwhile: this run uses that one
+        return None
     log.info("started the embedded stack (pid %d: Kafka broker at %s, store %s); it keeps running after this "
              "run: stop it with `rlpipe down`", state.pid, state.bootstrap_servers, state.store_root)
     return state

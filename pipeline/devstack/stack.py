@@ -4,7 +4,9 @@
 process that owns the servers (Tansu, the local S3 server under Tansu's log, and
 fake-gcs-server), writes where they
 listen to ``$RLPIPE_HOME/stack.json`` (default ``~/.rlpipe``) and stops them
-cleanly on SIGTERM.  ``rlpipe down`` sends that SIGTERM.  Every other command finds
+cleanly on SIGTERM.  ``rlpipe down`` sends that SIGTERM.  The serving process holds a lock on
+``$RLPIPE_HOME/stack.lock`` for its life, so two ``rlpipe up`` at once start one stack and the
+other reports it as already running.  Every other command finds
 the broker through ``resolve_bootstrap_servers``: the configured address if there
 is one, else the running stack's, else a one-line error naming ``rlpipe up``.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import re
 import signal
@@ -38,6 +41,8 @@ from schemas.config import BusConfig
 
 HOME_ENV = "RLPIPE_HOME"
 STATE_FILE = "stack.json"
+LOCK_FILE = "stack.lock"  # held (flock) by the one serving process of a home, for its whole life
+EXIT_ALREADY_RUNNING = 3  # `serve` found another stack serving this home
 DEFAULT_BUCKET = "rlpipe"
 _SERVE_MARKER = "pipeline.devstack.stack"
 
@@ -234,15 +239,48 @@ class DevStack:
 # The background server and its control (rlpipe up / down)
 
 
+def _hold_home_lock(home: Path, wait_for_state_s: float = 30.0) -> int:
+    """Take the home's lock for this process's life (the descriptor, kept open); one stack serves a home.
+
+    Two ``rlpipe up`` at once would otherwise each start a stack on the same folders (two S3 servers rewriting
+    one journal).  Where another process holds the lock, ``StackAlreadyRunningError`` names its stack once it
+    has recorded its state (``StackError`` if it records none within ``wait_for_state_s``).  The kernel drops
+    the lock when the holder dies, so a crashed stack never blocks the next one.
+    """
+    home.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(home / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        deadline = time.monotonic() + wait_for_state_s
+        while time.monotonic() < deadline:
+            running = read_stack_state(home)
+            if running is not None:
+                raise StackAlreadyRunningError(running) from None
+            time.sleep(0.1)
+        raise StackError(f"another rlpipe stack is starting or stopping for {home}; try again in a moment") from None
+    return descriptor
+
+
 def serve(home: Path, kafka_port: int | None = None, gcs_port: int | None = None, with_gcs: bool = True) -> int:
-    """Run the stack in this process until SIGTERM/SIGINT; the state file exists exactly while it serves."""
+    """Run the stack in this process until SIGTERM/SIGINT; the state file exists exactly while it serves.
+
+    ``StackAlreadyRunningError`` when another process serves ``home`` (``_hold_home_lock``).
+    """
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     path = state_path(home)
-    running = read_stack_state(home)
-    if running is not None and running.pid != os.getpid():
-        raise StackAlreadyRunningError(running)
+    lock = _hold_home_lock(home)
+    try:
+        return _serve_locked(home, path, stop, kafka_port, gcs_port, with_gcs)
+    finally:
+        os.close(lock)
+
+
+def _serve_locked(home: Path, path: Path, stop: threading.Event, kafka_port: int | None, gcs_port: int | None,
+                  with_gcs: bool) -> int:
     stack = DevStack(home=home, kafka_port=kafka_port, gcs_port=gcs_port, with_gcs=with_gcs)
     with stack:
         _write_state(path, stack.state())
@@ -275,8 +313,6 @@ def start_background(
     running = read_stack_state(home)
     if running is not None:
         raise StackAlreadyRunningError(running)
-    with contextlib.suppress(FileNotFoundError):
-        state_path(home).unlink()  # stale: its process is gone
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / "stack.log"
     process = _spawn_server(home, kafka_port, gcs_port, with_gcs, log_path)
@@ -287,6 +323,8 @@ def start_background(
             return state
         if process.poll() is not None:
             code = process.returncode
+            if code == EXIT_ALREADY_RUNNING and (running := read_stack_state(home)) is not None:
+                raise StackAlreadyRunningError(running)  # another `up` started it meanwhile
             raise StackError(f"the stack exited at start (code {code}): {_last_line(log_path)} (see {log_path})")
         time.sleep(0.1)
     _terminate(process.pid, timeout_s=5.0)
@@ -382,7 +420,7 @@ def _main(argv: list[str] | None = None) -> int:
         return serve(home, kafka_port=args.kafka_port, gcs_port=args.gcs_port, with_gcs=not args.no_gcs)
     except StackAlreadyRunningError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ALREADY_RUNNING
 
 
 if __name__ == "__main__":

@@ -232,3 +232,26 @@ def test_up_on_a_port_in_use_says_why_in_one_line(home: Path) -> None:
     assert result.exit_code == 1 and read_stack_state() is None
     assert f"port {port} is already in use" in result.output and "Traceback" not in result.output
     assert "|" not in result.output and "stack.log" in result.output
+
+
+def test_two_ups_at_once_start_one_stack_and_the_other_says_it_runs(home: Path) -> None:
+    """Two `rlpipe up` at the same moment each started a stack on one RLPIPE_HOME (two S3 servers rewriting one
+    journal); the slower waited 30 s and failed, and the first to stop removed the other's stack.json, so `rlpipe
+    down` no longer found the stack still running."""
+    command = [sys.executable, "-m", "pipeline.cli.main", "up", "--json", "--no-gcs", "--timeout", "20"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    ups = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+           for _ in range(2)]
+    try:
+        answers = [up.communicate(timeout=60) for up in ups]
+        assert [up.returncode for up in ups] == [0, 0], answers
+        infos = [json.loads(out) for out, _ in answers]
+        assert sorted(info["status"] for info in infos) == ["already running", "started"]
+        assert infos[0]["pid"] == infos[1]["pid"]
+        servers = subprocess.run(["pgrep", "-f", f"pipeline.devstack.stack serve --home {home.resolve()}"],
+                                 capture_output=True, text=True).stdout.split()
+        assert servers == [str(infos[0]["pid"])]
+    finally:
+        stopped = runner.invoke(app, ["down"])
+    assert f"stopped (pid {infos[0]['pid']})" in stopped.stdout
+    assert not _alive(infos[0]["pid"])
