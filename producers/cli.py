@@ -17,7 +17,17 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, error_line, fail
+from pipeline.cli.common import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    GcsEndpointOpt,
+    StoreRootOpt,
+    console,
+    error_line,
+    fail,
+    reachable_store,
+    user_errors,
+)
 from producers.envs.base import StepResult, TextEnv
 from producers.envs.evaluate import EvalSummary, Policy, evaluate, make_policy, run_episode
 from producers.envs.registry import env_class, env_names
@@ -281,7 +291,8 @@ def record(
     noise: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of turns answered by the random policy.")] = 0.5,
     seed_start: Annotated[int, typer.Option(min=0, help="First episode seed.")] = 0,
     model: Annotated[str, typer.Option(help="Model whose tokenizer and chat template build the tokens.")] = "tiny",
-    root: Annotated[str, typer.Option(help="Store root URL (default: configured or embedded).")] = "",
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
     overrides: OverridesOpt = "{}",
     weighted: Annotated[bool, typer.Option(
         "--weighted", help="One row per answer choice, weighted by the noisy teacher's probability of it.")] = False,
@@ -301,14 +312,14 @@ def record(
     from transformers import AutoTokenizer
 
     from pipeline.io.archive import TrajectoryArchive
-    from pipeline.runtime import open_store
     from producers.demonstrations import record_demonstrations
     from producers.tiny_model import resolve_model
     from schemas.config import ModelConfig, StoreConfig
 
+    with user_errors():  # an unreachable store exits 1, a bad URL 2
+        archive = TrajectoryArchive(reachable_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint)))
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(ModelConfig(base_model=model)))
-        archive = TrajectoryArchive(open_store(StoreConfig(root=root)))
         infos = record_demonstrations(archive, run, name, env_overrides, tokenizer, episodes, noise, seed_start,
                                       episodes_per_batch, weighted=weighted)
     except (ValueError, OSError) as exc:

@@ -151,3 +151,14 @@ def test_weighted_recording_of_an_environment_with_many_answers_names_the_settin
     assert sokoban.exit_code == 2 and "max_actions_per_turn" in sokoban.output, sokoban.output
     tetris = runner.invoke(app, ["record", "tetris", "--run", "w", *store])
     assert tetris.exit_code == 2 and "without --weighted" in tetris.output and "max_actions" not in tetris.output
+
+
+def test_record_writes_to_the_store_the_environment_names(tmp_path, monkeypatch, tiny_model_dir):
+    """`envs record` wrote into the embedded stack's store whatever RLPIPE_STORE__ROOT said, so a warm start reading
+    the configured store found no demonstrations."""
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", (tmp_path / "configured").as_uri())
+    result = runner.invoke(app, ["record", "cartpole", "--run", "demos", "--episodes", "1", "--model", tiny_model_dir])
+    assert result.exit_code == 0, result.output
+    assert list((tmp_path / "configured" / "runs" / "demos").rglob("*.parquet"))
+    assert not (tmp_path / "home" / "store" / "runs" / "demos").exists()
