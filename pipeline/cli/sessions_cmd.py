@@ -143,7 +143,10 @@ def free_session(session_id: Annotated[str | None, typer.Argument(help="The sess
     that ended less than 10 minutes ago (calls accepted before its end may still run)."""
     from schemas.api import session_path
 
-    if (session_id is None) == (not all_ended):
+    if session_id is not None and all_ended:
+        fail(f"name one session or pass --all-ended, not both (--all-ended frees every ended one; {session_id} "
+             "alone frees that one)", 2)
+    if session_id is None and not all_ended:
         fail("name one session, or pass --all-ended", 2)
     store = _store(overrides)
     if all_ended:

@@ -110,6 +110,8 @@ def test_an_operator_frees_an_ended_sessions_files_and_a_live_one_is_refused(tmp
     assert store.list(f"sessions/{live}/requests") != []
     neither = runner.invoke(app, ["sessions", "free", "--set", f"store.root={root}"])
     assert neither.exit_code == 2 and "--all-ended" in neither.output
+    both = runner.invoke(app, ["sessions", "free", live, "--all-ended", "--set", f"store.root={root}"])
+    assert both.exit_code == 2 and "not both" in both.output  # it said to name one session, which it did
 
 
 def test_serve_refuses_unknown_roles_and_prints_a_working_example():
