@@ -16,7 +16,7 @@ runner = CliRunner()
 
 def test_list_shows_envs_and_survives_a_broken_module(monkeypatch):
     monkeypatch.setitem(registry._REGISTRY, "zz-broken", "producers.envs.does_not_exist:Nope")
-    monkeypatch.setattr(cli.console, "width", 250)  # one table row per line
+    monkeypatch.setattr(cli.console, "_width", 250)  # one table row per line; undoing the width property would fix the width of later tests
     result = runner.invoke(app, ["list"])
     assert result.exit_code == 0, result.output
     for name in ("cartpole", "cartpole-v1", "acrobot", "recsim-interest-evolution", "zz-broken"):
@@ -48,7 +48,7 @@ def test_eval_random_acrobot_and_table_output(monkeypatch):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["mean_return"] == -500.0 and summary["success_rate"] == 0.0 and summary["seed_start"] == 7
-    monkeypatch.setattr(cli.console, "width", 200)
+    monkeypatch.setattr(cli.console, "_width", 200)
     table = runner.invoke(app, ["eval", "recsim-interest-evolution", "-n", "2"])
     assert table.exit_code == 0, table.output
     assert "mean return" in table.stdout and "95% CI" in table.stdout and "env steps / s" in table.stdout

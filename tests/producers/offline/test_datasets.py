@@ -169,7 +169,7 @@ def test_normalised_answers_make_the_env_apply_the_logged_setpoints_within_the_r
 def test_list_show_and_sample_commands(store, monkeypatch):
     from pipeline.cli import common
 
-    monkeypatch.setattr(common.console, "width", 200)  # rich fixes its width when the console is made: wide enough
+    monkeypatch.setattr(common.console, "_width", 200)  # rich fixes its width when the console is made: wide enough
     spec = GenerationSpec(days=2, policy="heuristic")
     generate_building_dataset(store, "two-days", spec)
     listed = runner.invoke(app, ["list", "--root", store.root, "--json"])
