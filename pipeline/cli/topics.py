@@ -18,11 +18,13 @@ from rich.table import Table
 from rich.text import Text
 
 from pipeline.cli.common import (
+    EXIT_USAGE,
     BootstrapOpt,
     JsonOpt,
     NamespaceOpt,
     bus_config_from_cli,
     console,
+    fail,
     fitted_table,
     handle_user_errors,
     left_out_note,
@@ -108,6 +110,8 @@ def tail(
     as_json: JsonOpt = False,
 ) -> None:
     """Show the last events of a topic without joining a consumer group (and follow new ones)."""
+    if follow_for is not None and not follow:
+        fail(f"--for goes with --follow (tail -f --for {follow_for:g})", EXIT_USAGE)
     config = bus_config_from_cli(bootstrap, namespace)
     records = bus.tail(config, topic, n=n, follow=follow, run_id=run, follow_for_s=follow_for)
     try:

@@ -192,3 +192,9 @@ def test_lag_example_names_the_group_a_learner_joins() -> None:
     assert shown.exit_code == 0, shown.output
     example = shown.stdout[shown.stdout.index("Example"):]
     assert f"--group {learner_group_id('demo')}" in " ".join(example.split())
+
+
+def test_tail_for_without_follow_is_refused_naming_the_flag() -> None:
+    done = _invoke(["topics", "tail", "control", "--for", "5", "--bootstrap", "127.0.0.1:1"])
+    assert done.exit_code == 2
+    assert done.output.strip().splitlines()[-1] == "error: --for goes with --follow (tail -f --for 5)"
