@@ -36,6 +36,7 @@ from pipeline.cli.common import (
     StoreRootOpt,
     bus_config_from_cli,
     console,
+    err_console,
     fail,
     fitted_table,
     handle_user_errors,
@@ -184,12 +185,15 @@ def delete_command(
 ) -> None:
     """Delete one run: its objects in the store (trajectories, adapters, checkpoints, evaluations) and its
     cached adapters and launcher folder on this machine.  Its events stay on the shared topics.
-    A run the log shows running is refused: stop it first."""
+    A run the log shows running is refused: stop it first.  Without the event log (--no-bus, no broker) that
+    check is skipped, and the command says so."""
     name = chosen_run(run, None, "runs delete")
     store = _store(root, gcs_endpoint)
     _known_run(store, name)
-    activity, _ = activity_or_note(None if no_bus else bus_config_from_cli(bootstrap, namespace), bus_timeout, name)
-    if activity is not None and summarize(store, name, activity.get(name), True).status == "running":
+    activity, note = activity_or_note(None if no_bus else bus_config_from_cli(bootstrap, namespace), bus_timeout, name)
+    if activity is None:
+        err_console.print(f"not checked whether run {name} is running: {note}", markup=False)
+    elif summarize(store, name, activity.get(name), True).status == "running":
         fail(f"run {name} is running (events in the last {ACTIVE_WITHIN_S:.0f} s); stop it first, then delete it",
              EXIT_USAGE)
     plan = plan_delete(store, name, rlpipe_home())

@@ -132,6 +132,15 @@ def test_a_running_run_is_not_deleted(two_runs: tuple[ObjectStore, Path], monkey
     assert store.exists("runs/cart/run.json")
 
 
+def test_a_delete_that_cannot_read_the_log_says_it_could_not_check_the_run_is_stopped(
+    two_runs: tuple[ObjectStore, Path]
+) -> None:
+    store, _ = two_runs
+    declined = runner.invoke(app, ["delete", "--run", "cart", "--root", store.root, "--no-bus"], input="n\n")
+    assert "not checked whether run cart is running: event log not read (--no-bus)" in declined.output
+    assert declined.exit_code == 1 and store.exists("runs/cart/run.json")
+
+
 def test_status_from_the_log() -> None:
     done = RunSummary("a", "unknown", steps=5, max_steps=5)
     now = 1_000_000.0
