@@ -318,6 +318,9 @@ def record(
 
     with user_errors():  # an unreachable store exits 1, a bad URL 2
         archive = TrajectoryArchive(reachable_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint)))
+    if archive.store.exists(f"runs/{run}/run.json"):  # its producers would announce the batches to its learner
+        fail(f"run {run} is a training run; record demonstrations under a run of their own (--run {run}-demos) "
+             "and warm start from it", EXIT_USAGE)
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(ModelConfig(base_model=model)))
         infos = record_demonstrations(archive, run, name, env_overrides, tokenizer, episodes, noise, seed_start,

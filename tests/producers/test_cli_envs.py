@@ -162,3 +162,16 @@ def test_record_writes_to_the_store_the_environment_names(tmp_path, monkeypatch,
     assert result.exit_code == 0, result.output
     assert list((tmp_path / "configured" / "runs" / "demos").rglob("*.parquet"))
     assert not (tmp_path / "home" / "store" / "runs" / "demos").exists()
+
+
+def test_record_refuses_a_training_run_before_writing_into_it(tmp_path):
+    """Demonstrations written under a training run (one with run.json) would be announced by its producers' orphan
+    sweep and reach its learner, and its replay would mix them with the run's own rows."""
+    from pipeline.io.store import ObjectStore
+
+    store = ObjectStore((tmp_path / "store").as_uri())
+    store.put("runs/live/run.json", b"{}")
+    result = runner.invoke(app, ["record", "cartpole", "--run", "live", "--episodes", "1", "--root", store.root])
+    assert result.exit_code == 2, result.output
+    assert "run live is a training run" in result.output and "--run live-demos" in result.output
+    assert store.list("runs/live", recursive=True) == ["runs/live/run.json"]
