@@ -70,6 +70,7 @@ log = logging.getLogger("rlpipe.api.trainer")
 _PURE_OPS = ("save_weights", "save_weights_for_sampler", "save_weights_external")
 _SAMPLING_OPS = ("create_sampling_session", "sample")
 IDLE_UNLOAD_S = 600.0  # a training client without a call this long is folded and leaves the engine
+MAX_WAITING_CALLS = 1024  # a model's calls waiting behind a missing seq_id; later ones are answered at once
 GAP_GIVE_UP_S = 600.0  # calls of a live session waiting this long for a seq_id are answered: its client gave it up
 RELOAD_RETRY_S = 60.0  # a parked client whose reload fails (store, memory) is retried this long before its calls fail
 
@@ -100,6 +101,7 @@ class TrainerWorker:
         self.max_adapters = max_adapters  # adapters in the engine at once (None: no limit)
         self.reload_retry_s = RELOAD_RETRY_S
         self.gap_give_up_s = GAP_GIVE_UP_S
+        self.max_waiting_calls = MAX_WAITING_CALLS
         self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's calls waiting for a seq_id are held this long
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = request_reader(bus, group_for(base_model), consumer_options)
@@ -197,7 +199,19 @@ class TrainerWorker:
                 executed += 1
             waiting = bool(model.pending) and model.next_seq not in model.pending
             model.gap_since = (model.gap_since or time.monotonic()) if waiting else None
+            if waiting and len(model.pending) > self.max_waiting_calls:
+                self._refuse_beyond_limit(model)
         return executed
+
+    def _refuse_beyond_limit(self, model: Model) -> None:
+        """Answer the calls furthest ahead beyond ``max_waiting_calls`` waiting behind a gap: each holds memory and
+        the log's offsets (every tenant's) until the gap fills, and an SDK client never sends that far ahead."""
+        kept = sorted(model.pending)[: self.max_waiting_calls]
+        for seq in sorted(model.pending)[self.max_waiting_calls:]:
+            call = model.pending.pop(seq).event.payload
+            self._write_error(call, f"{call.op} did not run: {len(kept)} calls of {model.model_id} already wait for "
+                                    f"seq_id {model.next_seq}; send each call's seq_id after the one before it "
+                                    "(the tinker SDK's TrainingClient does)")
 
     def _execute(self, model: Model, consumed: ConsumedEvent) -> None:
         call: ApiRequestAccepted = consumed.event.payload

@@ -900,6 +900,23 @@ def test_a_parked_client_whose_reload_fails_for_a_moment_is_reloaded_later_and_o
     trainer.close()
 
 
+def test_calls_beyond_the_limit_waiting_behind_a_gap_are_answered_at_once(harness):
+    """A client that skips a seq_id and sends on would park every later call in the trainer's memory, holding the
+    log's offsets back for every tenant: beyond ``max_waiting_calls`` they are answered with a user error."""
+    trainer = harness.trainer()
+    trainer.max_waiting_calls = 3
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    sent = {seq: harness.gateway.submit(TENANT, "forward_backward", model_id, seq, _fb(model_id, seq, [_datum(seq)]),
+                                        "pb") for seq in range(2, 7)}  # seq_id 1 never sent
+    run_until(trainer, harness, [sent[5], sent[6]])
+    for seq in (5, 6):
+        answer = json.loads(harness.result(sent[seq])[0])
+        assert answer["category"] == "user" and "3 calls of" in answer["error"] and "seq_id 1" in answer["error"]
+    assert sorted(trainer.models[model_id].pending) == [2, 3, 4] and harness.result(sent[2]) is None
+    trainer.close()
+
+
 def test_calls_waiting_for_a_seq_id_a_live_client_gave_up_on_are_answered_and_free_the_log(harness):
     """A request of a split call refused by the gateway makes the SDK give up the call (and poison its training
     client) before it sends the first request: the others wait for a seq_id that never comes while the session
