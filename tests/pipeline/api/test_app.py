@@ -366,7 +366,7 @@ def test_a_sample_answered_but_never_polled_here_frees_its_place_in_the_queue(ap
     """The queue counts samples without a result, not samples this gateway has not answered a poll for: a client
     that died after its call, or that polls through another gateway, must not fill it for every tenant for ever."""
     gateway = api.app.state.gateway
-    gateway.max_pending_samples, gateway.pending_recheck_s = 2, 0.0
+    gateway.max_pending_samples, gateway.pending_recheck_s, gateway.tenant_share = 2, 0.0, 1.0
     alice = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
     abandoned = [_asample(api, alice, seq_id=seq).json()["request_id"] for seq in range(2)]
     bob = _sampling_session(api, _session(api, BOB), headers=BOB,
@@ -374,6 +374,20 @@ def test_a_sample_answered_but_never_polled_here_frees_its_place_in_the_queue(ap
     assert _asample(api, bob, headers=BOB).status_code == 429  # still running: the queue is full
     for request_id in abandoned:  # the sampler answers them; nobody polls
         api.store.put_create(result_path(request_id.split(".")[0], request_id, "pb"), b"")
+    assert _asample(api, bob, headers=BOB).status_code == 200
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_sampler_queue(api):
+    """One tenant's many sample calls (legitimate ones) cannot take every place of a base model's queue: past its
+    share (half, by default) its next call is answered 429, and another tenant's call still gets a place."""
+    gateway = api.app.state.gateway
+    gateway.max_pending_samples = 4
+    alice = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
+    assert [_asample(api, alice, seq_id=seq).status_code for seq in range(2)] == [200, 200]
+    busy = _asample(api, alice, seq_id=2)
+    assert busy.status_code == 429 and "2 of the 4 places" in busy.json()["error"], busy.text
+    bob = _sampling_session(api, _session(api, BOB), headers=BOB,
+                            base_model="/models/base/tiny").json()["sampling_session_id"]
     assert _asample(api, bob, headers=BOB).status_code == 200
 
 
