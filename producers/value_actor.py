@@ -49,7 +49,7 @@ from pipeline.io.registry import AdapterRegistry, RegistryError
 from pipeline.runtime import RateMeter
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
-from producers.sink import OrphanSweep, batch_events, logged_batches
+from producers.sink import OrphanSweep, announced_batches, batch_events
 from schemas.config import RunConfig
 from schemas.events import Payload, ProducerHeartbeat, TrajectoryBatchCommitted
 from schemas.names import validate_name
@@ -375,11 +375,12 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
         announce(payload)
         swept.append(payload)
 
+    # every stored batch whose event the log no longer holds is announced again (not taken as announced, as a
+    # producer's sweep does): the actor goes on from the count of its batches, which must include those
     orphans = steps_orphan_sweep(archive, config.run_id, announce_orphan, 2 * config.producer.batch_timeout_s,
-                                 lambda: logged_batches(run_log(bus, "trajectories", config.run_id)))
-    history = run_log(bus, "trajectories", config.run_id)
-    earlier = batch_events(history.records)
-    orphans.sweep(logged_batches(history))
+                                 lambda: announced_batches(run_log(bus, "trajectories", config.run_id).records))
+    earlier = batch_events(run_log(bus, "trajectories", config.run_id).records)
+    orphans.sweep({event.batch_id for event in earlier})
     watcher = open_watcher(AdapterRegistry(store, config.run_id), None, config.value.actor.registry_poll_s)
     actor = actor_class(run_id=config.run_id, actor_id=actor_id, env=env, archive=archive, watcher=watcher,
                         config=config.value.actor, announce=announce, seeds=config.training_seeds(actor_id))
