@@ -14,7 +14,7 @@ A checkpoint is complete exactly when its manifest exists; the manifest names
 every file with its sha256.  Folder names are parsed here and nowhere else: a
 name of another shape is not a checkpoint.  ``<attempt>`` begins with the write
 time (``consumers.checkpoint.attempt_name``), so of two checkpoints of one step the
-later sorts first.
+later sorts first (older attempts, named by 8 random characters, before them).
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def complete_folders(
                 found.append(parsed)
             elif on_unexpected is not None:
                 on_unexpected(folder)
-    return sorted(found, key=lambda f: (f.step, f.key), reverse=True)
+    # within a step: attempts named by their write time (20 characters) after the older random 8-character names
+    return sorted(found, key=lambda f: (f.step, len(f.attempt) > 8, f.key), reverse=True)
 
 
 @dataclass(frozen=True)

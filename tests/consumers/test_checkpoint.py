@@ -139,6 +139,22 @@ def test_of_two_checkpoints_of_one_step_the_later_one_is_the_latest(tmp_path) ->
         assert checkpoints.latest().state.version == 1
 
 
+def test_a_checkpoint_written_now_is_later_than_one_of_the_same_step_with_an_older_random_name(tmp_path) -> None:
+    """Attempt names were 8 random hex digits before they began with the write time: at one step, a folder
+    named the old way was written before any named the new way, whatever its digits."""
+    store = ObjectStore(tmp_path.as_uri())
+    checkpoints = CheckpointStore(store, RUN)
+    checkpoints.record_step({"step": 1, "batch_ids": ["b1"]})
+    old = checkpoints.save(LearnerState(step=1, version=0), ADAPTER, {}, {})
+    renamed = f"{checkpoints.prefix}/step-000001-ffffffff"  # the largest old-style name
+    for key in store.list(old, recursive=True):
+        store.put(key.replace(old, renamed), store.get(key))
+    store.delete(old, recursive=True)
+    new = checkpoints.save(LearnerState(step=1, version=1), ADAPTER, {}, {})
+    assert [key for _, key in checkpoints.complete()] == [new, renamed]
+    assert checkpoints.latest().state.version == 1
+
+
 def test_only_the_newest_checkpoints_are_kept(store: FlakyStore) -> None:
     checkpoints, state = CheckpointStore(store, RUN, keep=2), LearnerState()
     store.put_create(f"{checkpoints.prefix}/step-000002-deadbeef/adapter.safetensors", b"a crashed attempt")
