@@ -109,10 +109,10 @@ class EnginePolicy(LoraPolicy):
         return self.engine.adapter_snapshot(self.name)
 
     def load_adapter_folder(self, folder: str | Path) -> None:
-        from safetensors.torch import load_file
+        set_peft_model_state_dict(self.model, self.checked_adapter_weights(folder), adapter_name=self.slot)
 
-        weights = load_file(str(Path(folder) / "adapter_model.safetensors"))
-        set_peft_model_state_dict(self.model, weights, adapter_name=self.slot)
+    def lora_config(self) -> Any:
+        return self.model.peft_config[self.slot]
 
 
 @dataclass

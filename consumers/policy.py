@@ -521,21 +521,29 @@ class LoraPolicy:
         whose names match, leave the others as they are and scale them by this adapter's alpha, a different
         policy from the one in the folder.
         """
+        set_peft_model_state_dict(self.model, self.checked_adapter_weights(folder))
+
+    def checked_adapter_weights(self, folder: str | Path) -> dict[str, torch.Tensor]:
+        """A PEFT folder's weights, refused (``ValueError`` naming the setting) unless of this adapter's LoRA shape."""
         from safetensors.torch import load_file
 
         folder = Path(folder)
         self.check_adapter_shape(json.loads((folder / "adapter_config.json").read_text()), folder)
         weights = load_file(str(folder / "adapter_model.safetensors"))
-        expected = {name.replace(".default.", ".", 1) for name in self._lora_named}  # PEFT's file names
+        expected = {name.replace(".default.", ".", 1) for name in self.lora_parameters()}  # PEFT's file names
         if set(weights) != expected:
             strays = sorted(set(weights) ^ expected)
             raise ValueError(f"{folder}: its LoRA weights are not this adapter's ({len(strays)} names differ, e.g. "
                              f"{strays[0]}); load an adapter trained with the same learner.target_modules")
-        set_peft_model_state_dict(self.model, weights)
+        return weights
+
+    def lora_config(self) -> Any:
+        """This adapter's peft ``LoraConfig``."""
+        return self.model.peft_config["default"]
 
     def check_adapter_shape(self, adapter_config: dict[str, Any], folder: str | Path) -> None:
         """Refuse an adapter_config.json whose rank, alpha or target modules differ from this adapter's."""
-        ours = self.model.peft_config["default"]
+        ours = self.lora_config()
         fields = (("lora_rank", "r", ours.r), ("lora_alpha", "lora_alpha", ours.lora_alpha),
                   ("target_modules", "target_modules", ours.target_modules))
         for setting, key, value in fields:

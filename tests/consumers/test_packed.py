@@ -332,3 +332,16 @@ def test_settings_of_the_shared_model_must_agree_and_gradient_checkpointing_reac
     packed.resume()
     packed.run(poll_timeout_s=0)
     assert learner.state.step == 1
+
+
+@pytest.mark.parametrize("differs", [{"lora_alpha": 32}, {"target_modules": ["q_proj", "v_proj"]}])
+def test_a_packed_run_refuses_a_warm_start_adapter_of_another_lora_shape(tmp_path, setup, differs):  # noqa: F811
+    """As a lone learner does: loading it would keep some of its weights (or scale them otherwise)."""
+    folder = LoraPolicy(setup["model_dir"], config("x", **differs)).save_adapter(tmp_path / "other")
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    policy = EnginePolicy(engine, "a", config("a"))
+    with engine.holding("a"), pytest.raises(ValueError, match=next(iter(differs))):
+        policy.load_adapter_folder(folder)
+    same = LoraPolicy(setup["model_dir"], config("y")).save_adapter(tmp_path / "same")
+    with engine.holding("a"):
+        policy.load_adapter_folder(same)  # the same shape loads
