@@ -466,9 +466,12 @@ class Gateway:
             1, int(self.max_pending_samples * self.tenant_share))
         if not at_limit or time.monotonic() - checked < self.pending_recheck_s:
             return len(pending), mine
+        with self._pending_lock:  # one call re-checks; those arriving meanwhile go by the counts as they are
+            if self._pending_checked.get(base_model, -math.inf) != checked:
+                return len(pending), mine
+            self._pending_checked[base_model] = time.monotonic()
         answered = {queued for queued in pending if self._has_result(queued)}
         with self._pending_lock:
-            self._pending_checked[base_model] = time.monotonic()
             still = self._pending_samples.setdefault(base_model, {})
             for queued in answered:
                 still.pop(queued, None)

@@ -478,3 +478,30 @@ def test_metadata_over_the_limit_is_a_400_and_records_nothing(api):
         "session_id": session, "model_seq_id": 0, "base_model": "/models/base/tiny", "lora_config": {"rank": 4},
         "user_metadata": {"renderer_name": "role_colon"}, "type": "create_model"})
     assert kept.status_code == 200, kept.text
+
+
+def test_a_full_queue_is_checked_against_the_store_by_one_call_at_a_time(api, monkeypatch):
+    """On a slow store every sample call arriving during a re-check ran its own: one re-checks, the others go by
+    the counts as they are."""
+    import threading
+    import time
+
+    gateway = api.app.state.gateway
+    gateway.max_pending_samples, gateway.pending_recheck_s, gateway.tenant_share = 2, 60.0, 1.0
+    alice = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
+    assert [_asample(api, alice, seq_id=seq).status_code for seq in range(2)] == [200, 200]
+    looked: list[str] = []
+
+    def slow_has_result(request_id: str) -> bool:
+        looked.append(request_id)
+        time.sleep(0.3)
+        return False
+
+    monkeypatch.setattr(gateway, "_has_result", slow_has_result)
+    callers = [threading.Thread(target=gateway._queued_samples, args=("/models/base/tiny", f"x.{i}", "t"))
+               for i in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(looked) == 2  # the two queued calls, looked up once
