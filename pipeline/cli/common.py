@@ -163,15 +163,18 @@ def bus_config_from_cli(bootstrap: str | None = None, namespace: str | None = No
     return BusConfig.model_validate(values)
 
 
-def reachable_store(config: StoreConfig) -> ObjectStore:
+def reachable_store(config: StoreConfig, quiet: bool = False) -> ObjectStore:
     """The store ``config`` names (default: the embedded stack's), once its GCS endpoint answers.
 
     gcsfs would fail the first read with a connection traceback, or retry for half a minute; this says in
     seconds which endpoint does not answer (``StoreUnreachableError``, one line and exit 1 in a command).
+    ``quiet``: silence gcsfs's own logging for the rest of the process (a short listing command; a
+    long-running process keeps its warnings).
     """
     from pipeline.runtime import open_store
 
-    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
+    if quiet:
+        logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
     store = open_store(config)
     if store.gcs_endpoint:
         reason = probe_endpoint(store.gcs_endpoint)

@@ -64,7 +64,7 @@ TimeoutOpt = Annotated[float, typer.Option("--bus-timeout", min=0.5, max=120.0, 
 
 def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
     """The store ``--root`` names (default: the embedded stack's), failing fast if the emulator is down."""
-    return reachable_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint))
+    return reachable_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint), quiet=True)
 
 
 def _known_run(store: ObjectStore, run: str) -> None:

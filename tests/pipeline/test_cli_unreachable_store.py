@@ -56,3 +56,22 @@ def test_eval_finds_the_run_in_the_store_the_environment_or_set_names(
     result = CliRunner().invoke(app, ["eval", "--run", "cp", "--episodes", "1", *args])
     assert result.exit_code == 2
     assert f"no run 'cp' in {other}" in result.output
+
+
+def test_a_long_running_process_keeps_gcsfs_warnings(tmp_path) -> None:
+    """Only the short listing commands silence gcsfs; a learner or producer keeps its warnings for the run."""
+    import logging
+
+    from pipeline.cli.common import reachable_store
+    from schemas.config import StoreConfig
+
+    gcsfs_log = logging.getLogger("gcsfs")
+    level = gcsfs_log.level
+    try:
+        gcsfs_log.setLevel(logging.NOTSET)
+        reachable_store(StoreConfig(root=tmp_path.as_uri()))
+        assert gcsfs_log.level == logging.NOTSET
+        reachable_store(StoreConfig(root=tmp_path.as_uri()), quiet=True)
+        assert gcsfs_log.level == logging.CRITICAL
+    finally:
+        gcsfs_log.setLevel(level)
