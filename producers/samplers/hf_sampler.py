@@ -60,10 +60,10 @@ class TransformersSampler(Sampler):
         self._lock = threading.Lock()  # one batch at a time: the adapter choice is model state
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_id = int(tokenizer.eos_token_id)
-        self.stop_token_ids = frozenset({self.eos_token_id, *generation_eos_ids(model_path)})
         self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id)
         torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         self._base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        self.stop_token_ids = frozenset({self.eos_token_id, *generation_eos_ids(self._base.generation_config)})
         self.max_model_len = min(config.max_model_len, int(self._base.config.max_position_embeddings))
         self.vocab_size = int(self._base.get_input_embeddings().num_embeddings)
         self._peft: Any = None  # PeftModel once the first adapter is loaded
@@ -269,18 +269,13 @@ class TransformersSampler(Sampler):
         self._base = None
 
 
-def generation_eos_ids(model_path: str) -> list[int]:
-    """The eos ids of the model's ``generation_config.json`` (none when it has none).
+def generation_eos_ids(generation_config: Any) -> list[int]:
+    """The eos ids of a loaded model's generation config (its ``generation_config.json``, else its config's).
 
     vLLM stops at these as well as at the tokenizer's eos (instruct models often list their end-of-turn and
     end-of-text tokens there), so the transformers sampler does too.
     """
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:  # no generation_config.json
-        return []
+    eos = getattr(generation_config, "eos_token_id", None)
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
