@@ -38,7 +38,7 @@ from schemas.names import InvalidNameError
 from schemas.trajectory import MIN_SAMPLING_TEMPERATURE
 
 SAMPLE_KIND = "sample"
-MAX_SAMPLES_PER_CALL = 1024  # num_samples of one sample call (the SDK's chunk of a forward_backward, in datums)
+MAX_SAMPLES_PER_CALL = 1024  # num_samples of one sample call: the gateway makes a sequence id for each
 VERSION_USERS = "api/version-users"  # <run>/<version>/<session>: sessions sampling named sampler weights
 
 
