@@ -512,7 +512,6 @@ class LoraPolicy:
         factor = self._lr_factor(self.scheduler.last_epoch)  # as LambdaLR computes it at that step
         for group in self.optimizer.param_groups:
             group.update(initial_lr=rate, lr=rate * factor, weight_decay=self.config.weight_decay)
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # get_last_lr()
 
     def load_adapter_folder(self, folder: str | Path) -> None:
         """Start from a published PEFT adapter folder (e.g. a warm-start version) of this adapter's LoRA shape.
