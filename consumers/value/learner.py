@@ -6,8 +6,8 @@ One *step* is one ingested batch (one not trained before and readable): its n-st
 replay memory, then ``updates_per_transition`` gradient updates per transition
 (a fractional credit carries over) sample the memory, once it holds
 ``min_replay_size``.  A value-network version (registry kind ``value-network``) is
-published every ``publish_every`` steps (and at the last batch of a finite source, a
-replay, so the checkpoint of that step records it) and a checkpoint written every
+published every ``publish_every`` steps (and at the last step: a replay's last batch, or
+``max_steps`` reached, so the checkpoint of that step records it) and a checkpoint written every
 ``checkpoint_every`` steps, the source's offsets committed only after it.  With a
 ``slate`` (agent ``slateq``) the agent is SlateQ (``consumers.value.slateq``): the
 transitions' action is the consumed item, and the published network the item values.
@@ -257,8 +257,10 @@ class ValueLearner:
         metrics.update(replay_size=len(self.memory), training_steps=self.agent.training_steps,
                        batches_dead_lettered=self.dead_lettered_unrecorded)
         self.dead_lettered_unrecorded = 0
-        source_done = not self.incoming and self.source.exhausted()  # a replay's last batch: publish what it ends with
-        if (self.state.step % self.cfg.publish_every == 0 and self.agent.training_steps) or source_done:
+        # the last step (a replay's last batch, or max_steps reached): publish what the run ends with, before the
+        # step's checkpoint, so that it records the version
+        last = (not self.incoming and self.source.exhausted()) or self.budget_reached()
+        if (self.state.step % self.cfg.publish_every == 0 and self.agent.training_steps) or last:
             self.publish(metrics)
         metrics["version"] = self.state.version
         metrics["finished_at"] = time.time()

@@ -104,3 +104,29 @@ def test_the_version_a_replay_publishes_at_its_end_is_in_its_last_checkpoint(tmp
     assert (checkpoint.state.step, checkpoint.state.version) == (BATCHES, 2)
     again = replay_train_value(config, "actors")  # resumes knowing the version it published last
     assert (again.state.step, again.state.version) == (BATCHES, 2)
+
+
+def test_a_value_learner_reaching_max_steps_between_publish_steps_publishes_its_last_step(tmp_path: Path) -> None:
+    """As the LoRA learner does: the run's newest version holds every step it trained, and the step's checkpoint
+    records it (the source still had batches: an online learner's never runs dry)."""
+    from consumers.checkpoint import CheckpointStore
+    from consumers.value.service import StepsReplaySource, build_value_learner
+
+    store = ObjectStore((tmp_path / "store").as_uri())
+    actor = ValueActor(run_id="actors", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
+                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "actors"), tmp_path / "cache"),
+                       config=ValueActorConfig(steps_per_batch=50))
+    for _ in range(BATCHES):
+        actor.write_batch()
+    raw = load_preset("dqn-cartpole")
+    raw["run_id"] = "online-dqn"
+    raw["store"] = {"root": (tmp_path / "store").as_uri()}
+    raw["value"]["learner"].update(min_replay_size=32, batch_size=16, checkpoint_every=2, publish_every=3,
+                                   max_steps=2)
+    config = RunConfig.model_validate(raw)
+    learner = build_value_learner(config, store, StepsReplaySource(store, "actors"), lambda payload: None)
+    learner.resume()
+    learner.run(poll_timeout_s=0.0)
+    assert learner.state.step == 2 and not learner.source.exhausted()
+    assert [learner.registry.show(v).learner_step for v in learner.registry.versions()] == [2]
+    assert CheckpointStore(store, "online-dqn").latest().state.version == 1
