@@ -30,8 +30,9 @@ from tinker import types
 
 from pipeline.api import checkpoints, downloads, listing
 from pipeline.api.direct import DirectSamplers
-from pipeline.api.gateway import BusyError, Gateway, NotFoundError, SessionEndedError, parse_body
+from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, parse_body
 from pipeline.api.results import ResultSignals
+from pipeline.api.sample_queue import BusyError
 from pipeline.api.samplers import check_sample_request
 from pipeline.api.tenants import Tenants, UnauthorizedError
 from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header

@@ -34,8 +34,6 @@ after its end.
 from __future__ import annotations
 
 import json
-import math
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -54,6 +52,7 @@ from pipeline.api.lifecycle import (
     record_end,
     session_end,
 )
+from pipeline.api.sample_queue import MAX_PENDING_SAMPLES, SampleQueue
 from pipeline.api.samplers import read_sampler, write_sampler
 from pipeline.api.wire import (
     TinkerPath,
@@ -78,10 +77,7 @@ from schemas.events import Envelope, make_event
 
 Publish = Callable[[Envelope, str], Any]  # (event, key) -> anything; publishes on <ns>.requests
 LIVE_CHECK_S = 1.0  # how long a gateway takes a session it saw live as live, before reading its record again
-MAX_PENDING_SAMPLES = 512  # sample calls per base model this gateway holds without a result before answering 429
-TENANT_SHARE = 0.5  # of those places, the most one tenant's calls may hold
 MAX_METADATA_BYTES = 64 << 10  # a session's tags, or a session's or training client's user_metadata, as JSON
-PENDING_RECHECK_S = 1.0  # a full sampler queue is checked against the stored results at most this often
 
 
 class NotFoundError(ApiError):
@@ -90,10 +86,6 @@ class NotFoundError(ApiError):
 
 class SessionEndedError(ApiError):
     """The session was finished or expired (HTTP 410 stops the SDK's heartbeat)."""
-
-
-class BusyError(ApiError):
-    """The sampler's queue for a base model is full (HTTP 429: the SDK backs off and resends)."""
 
 
 @dataclass(frozen=True)
@@ -151,13 +143,7 @@ class Gateway:
         self._ended: dict[str, str] = {}  # session -> why it ended (an end is final)
         self._live_until: dict[str, float] = {}  # session -> monotonic time until which it is taken as live
         self._models: dict[str, dict[str, Any]] = {}
-        self.max_pending_samples = max_pending_samples
-        self.tenant_share = TENANT_SHARE
-        self.pending_recheck_s = PENDING_RECHECK_S
-        # base model -> sample request without a result yet -> its tenant
-        self._pending_samples: dict[str, dict[str, str]] = {}
-        self._pending_checked: dict[str, float] = {}  # base model -> monotonic time its queue was last re-checked
-        self._pending_lock = threading.Lock()  # the sample calls and the polls run in worker threads
+        self.samples = SampleQueue(store, max_pending_samples)  # sample calls without a result: backpressure
 
     # ---- sessions ---------------------------------------------------------------------------
     def create_session(self, tenant: str, tags: list[str], user_metadata: dict[str, Any]) -> str:
@@ -364,9 +350,7 @@ class Gateway:
                 found = self.store.get(key), fmt
             except FileNotFoundError:
                 continue
-            with self._pending_lock:
-                for pending in self._pending_samples.values():
-                    pending.pop(request_id, None)
+            self.samples.answered(request_id)
             return found  # type: ignore[return-value]
         if not self.store.exists(request_body_path(session_id, request_id, "json")) and not self.store.exists(
                 request_body_path(session_id, request_id, "pb")):
@@ -420,8 +404,8 @@ class Gateway:
                        body: bytes) -> ApiRequestAccepted:
         """The checks and the stored body of a ``sample`` call: its event, not yet on the log.
 
-        ``BusyError`` when the base model's sampler has ``max_pending_samples`` calls without a result, or the
-        tenant's calls hold ``tenant_share`` of those places (so that one tenant never takes every place).
+        ``BusyError`` when the base model's sampler queue is full, or the tenant holds its share of it
+        (``pipeline.api.sample_queue``).
         """
         record = self.sampler(tenant, sampling_session_id)
         self.check_live(model_run_name(sampling_session_id).split(".")[0])
@@ -430,12 +414,7 @@ class Gateway:
                            "SDK's SamplingClient")
         base_model = record["base_model"]
         request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)
-        queued, mine = self._queued_samples(base_model, request_id, tenant)
-        if queued >= self.max_pending_samples:
-            raise BusyError(f"the sampler of {base_model} has {queued} calls queued; retry shortly", "server")
-        if mine >= max(1, int(self.max_pending_samples * self.tenant_share)):
-            raise BusyError(f"your sample calls hold {mine} of the {self.max_pending_samples} places of the sampler "
-                            f"of {base_model}, your share; retry once some are answered", "server")
+        self.samples.admit(base_model, request_id, tenant)
         session_id = session_of_request(request_id)
         key = request_body_path(session_id, request_id, "json")
         try:
@@ -443,43 +422,11 @@ class Gateway:
         except FileExistsError:
             raise ApiError(f"seq_id {seq_id} of sampling session {sampling_session_id} was already used for "
                            "another call; each call takes the next seq_id") from None
-        with self._pending_lock:
-            self._pending_samples.setdefault(base_model, {})[request_id] = tenant
+        self.samples.add(base_model, request_id, tenant)
         event = ApiRequestAccepted(request_id=request_id, tenant=tenant, session_id=session_id, op="sample",
                                    model_id=sampling_session_id, seq_id=(seq_id or 0) + 1, base_model=base_model,
                                    body_path=key, body_format="json", body_sha256=digest)
         return event
-
-    def _queued_samples(self, base_model: str, request_id: str, tenant: str) -> tuple[int, int]:
-        """The base model's sample calls without a result that a new call ``request_id`` would queue behind, all
-        and ``tenant``'s ((0, 0) for a resent call, already queued).  Results are noticed when polled here; a
-        queue at a limit is also checked against the store (at most every ``pending_recheck_s``), since a call's
-        client may never poll this gateway (it died, or polls another) and its place would otherwise be held for
-        ever, for every tenant."""
-        with self._pending_lock:
-            pending = dict(self._pending_samples.get(base_model, {}))
-            checked = self._pending_checked.get(base_model, -math.inf)
-        if request_id in pending:
-            return 0, 0
-        mine = sum(owner == tenant for owner in pending.values())
-        at_limit = len(pending) >= self.max_pending_samples or mine >= max(
-            1, int(self.max_pending_samples * self.tenant_share))
-        if not at_limit or time.monotonic() - checked < self.pending_recheck_s:
-            return len(pending), mine
-        with self._pending_lock:  # one call re-checks; those arriving meanwhile go by the counts as they are
-            if self._pending_checked.get(base_model, -math.inf) != checked:
-                return len(pending), mine
-            self._pending_checked[base_model] = time.monotonic()
-        answered = {queued for queued in pending if self._has_result(queued)}
-        with self._pending_lock:
-            still = self._pending_samples.setdefault(base_model, {})
-            for queued in answered:
-                still.pop(queued, None)
-            return len(still), sum(owner == tenant for owner in still.values())
-
-    def _has_result(self, request_id: str) -> bool:
-        session_id = session_of_request(request_id)
-        return any(self.store.exists(result_path(session_id, request_id, fmt)) for fmt in ("pb", "json"))
 
     # ---- checkpoints (RestClient; ``pipeline.api.checkpoints``) ---------------------------------------------
     def checkpoints(self, tenant: str, model_id: str) -> list[dict[str, Any]]:

@@ -185,7 +185,7 @@ def test_sampling_session_from_a_sampler_path_is_tenant_scoped(api):
 
 
 def test_a_full_sampler_queue_answers_429_until_results_arrive(api):
-    api.app.state.gateway.max_pending_samples = 1
+    api.app.state.gateway.samples.max_places = 1
     session = _session(api)
     sampler_id = _sampling_session(api, session, base_model="/models/base/tiny").json()["sampling_session_id"]
     first = _asample(api, sampler_id, seq_id=0).json()["request_id"]
@@ -359,14 +359,15 @@ def test_negative_sequence_numbers_are_a_400_that_logs_and_holds_nothing(api):
         assert answer.status_code == 400 and answer.json()["category"] == "user", (call, answer.text)
         assert "seq_id" in answer.json()["error"], (call, answer.text)
     assert len(api.published) == logged and set(api.store.list("sessions", recursive=True)) == stored
-    assert not any(api.app.state.gateway._pending_samples.values())
+    assert api.app.state.gateway.samples.queued() == 0
 
 
 def test_a_sample_answered_but_never_polled_here_frees_its_place_in_the_queue(api):
     """The queue counts samples without a result, not samples this gateway has not answered a poll for: a client
     that died after its call, or that polls through another gateway, must not fill it for every tenant for ever."""
     gateway = api.app.state.gateway
-    gateway.max_pending_samples, gateway.pending_recheck_s, gateway.tenant_share = 2, 0.0, 1.0
+    queue = gateway.samples
+    queue.max_places, queue.recheck_s, queue.tenant_share = 2, 0.0, 1.0
     alice = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
     abandoned = [_asample(api, alice, seq_id=seq).json()["request_id"] for seq in range(2)]
     bob = _sampling_session(api, _session(api, BOB), headers=BOB,
@@ -381,7 +382,7 @@ def test_one_tenant_holds_at_most_its_share_of_the_sampler_queue(api):
     """One tenant's many sample calls (legitimate ones) cannot take every place of a base model's queue: past its
     share (half, by default) its next call is answered 429, and another tenant's call still gets a place."""
     gateway = api.app.state.gateway
-    gateway.max_pending_samples = 4
+    gateway.samples.max_places = 4
     alice = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
     assert [_asample(api, alice, seq_id=seq).status_code for seq in range(2)] == [200, 200]
     busy = _asample(api, alice, seq_id=2)
@@ -483,11 +484,15 @@ def test_metadata_over_the_limit_is_a_400_and_records_nothing(api):
 def test_a_full_queue_is_checked_against_the_store_by_one_call_at_a_time(api, monkeypatch):
     """On a slow store every sample call arriving during a re-check ran its own: one re-checks, the others go by
     the counts as they are."""
+    import contextlib
     import threading
     import time
 
+    from pipeline.api.sample_queue import BusyError
+
     gateway = api.app.state.gateway
-    gateway.max_pending_samples, gateway.pending_recheck_s, gateway.tenant_share = 2, 60.0, 1.0
+    queue = gateway.samples
+    queue.max_places, queue.recheck_s, queue.tenant_share = 2, 60.0, 1.0
     alice = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
     assert [_asample(api, alice, seq_id=seq).status_code for seq in range(2)] == [200, 200]
     looked: list[str] = []
@@ -497,9 +502,12 @@ def test_a_full_queue_is_checked_against_the_store_by_one_call_at_a_time(api, mo
         time.sleep(0.3)
         return False
 
-    monkeypatch.setattr(gateway, "_has_result", slow_has_result)
-    callers = [threading.Thread(target=gateway._queued_samples, args=("/models/base/tiny", f"x.{i}", "t"))
-               for i in range(4)]
+    monkeypatch.setattr(queue, "_has_result", slow_has_result)
+    def admit(request_id: str) -> None:
+        with contextlib.suppress(BusyError):  # the queue stays full: each call is answered 429
+            queue.admit("/models/base/tiny", request_id, "t")
+
+    callers = [threading.Thread(target=admit, args=(f"x.{i}",)) for i in range(4)]
     for caller in callers:
         caller.start()
     for caller in callers:
