@@ -214,6 +214,12 @@ def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
                 where = ".".join(parts[:depth + 1])
                 raise ConfigError(f"--set {item!r}: {where} is already set to {node!r} by another --set, so it "
                                   "has no fields to set; drop one of the two")
+        earlier = node.get(parts[-1])
+        if isinstance(earlier, dict) and earlier:  # fields another --set gave: a mapping adds to them
+            if not isinstance(value, dict):
+                raise ConfigError(f"--set {item!r}: {key.strip()} already has fields set by another --set "
+                                  f"({', '.join(sorted(earlier))}); drop one of the two")
+            value = deep_merge(earlier, value)
         node[parts[-1]] = value
     return result
 

@@ -254,6 +254,16 @@ def test_a_value_run_is_configured_by_environment_variables_like_any_other_secti
     assert set(RunConfig.model_fields) <= set(_EnvLayer.model_fields)  # no accepted name is read and dropped
 
 
+def test_a_set_value_over_fields_another_set_gave_merges_a_mapping_and_refuses_anything_else():
+    """`--set learner.learning_rate=1 --set learner=3` dropped the first silently (the other order was refused)."""
+    from pipeline.config import parse_overrides
+
+    with pytest.raises(ConfigError, match=r"--set 'learner=3': learner already has fields set by another --set"):
+        parse_overrides(["learner.learning_rate=1", "learner=3"])
+    merged = parse_overrides(["env.overrides.size=6", 'env.overrides={"boxes": 2}'])
+    assert merged == {"env": {"overrides": {"size": 6, "boxes": 2}}}
+
+
 def test_a_set_value_that_is_not_yaml_or_a_key_under_a_value_is_one_line_naming_the_flag():
     """`--set 'env.overrides={bad'` used to end in a YAML traceback, and `--set learner=3 --set learner.x=1` in a
     TypeError: both are the user's to fix, named in one line."""
