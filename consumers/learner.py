@@ -144,6 +144,10 @@ class Learner:
         self.last_metrics: dict[str, Any] = {}
         self.unpublished_training = True  # whether a step trained rows since the last version (unknown: assume so)
         self.faults = FaultInjector.from_env()  # read once: crash tests only
+        if config.lr_schedule != "constant" and not config.max_steps:
+            log.warning("run %s: learner.lr_schedule=%s decays over learner.max_steps, which is not set: the learning "
+                        "rate stays constant; set learner.max_steps (or rlpipe run --max-steps)", run_id,
+                        config.lr_schedule)
         self.metric_logger = metric_logger or NullMetricLogger()  # TensorBoard / W&B (consumers.tracking)
         self.collapse = CollapseMonitor(config)
         # a step's publish and checkpoint: prepared here, written beside the next step's training

@@ -761,3 +761,17 @@ def test_a_run_stopped_and_resumed_ends_with_the_weights_of_one_that_was_not(tmp
         assert learner.state.step == 4
         weights.append(learner.policy.adapter_tensors())
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+
+def test_a_decaying_schedule_without_max_steps_is_named_in_a_warning(store, setup, caplog):
+    """It runs at a constant rate (there is nothing to decay over); the configuration cannot refuse it, since
+    `rlpipe run --max-steps` sets the budget after the configuration is read."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="rlpipe.learner"):
+        make_learner(store, setup, lr_schedule="cosine", max_steps=None)
+    assert "learner.lr_schedule=cosine decays over learner.max_steps, which is not set" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlpipe.learner"):
+        make_learner(store, setup, lr_schedule="cosine", max_steps=10)
+    assert "lr_schedule" not in caplog.text
