@@ -14,7 +14,8 @@ A checkpoint is complete exactly when its manifest exists; the manifest names
 every file with its sha256.  Folder names are parsed here and nowhere else: a
 name of another shape is not a checkpoint.  ``<attempt>`` begins with the write
 time (``consumers.checkpoint.attempt_name``), so of two checkpoints of one step the
-later sorts first (older attempts, named by 8 random characters, before them).
+later sorts first (an attempt named the older way, by 8 random characters, counts as
+written before any named by its time).
 """
 
 from __future__ import annotations
