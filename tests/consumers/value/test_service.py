@@ -20,7 +20,8 @@ from schemas.value import ValueActorConfig
 BATCHES = 4
 
 
-def test_replay_train_trains_a_value_run_from_the_stored_batches_once(tmp_path: Path) -> None:
+def actors_batches(tmp_path: Path, run_id: str) -> tuple[ObjectStore, dict]:
+    """BATCHES steps batches of CartPole under run "actors", and the dqn-cartpole preset for ``run_id`` on that store."""
     store = ObjectStore((tmp_path / "store").as_uri())
     actor = ValueActor(run_id="actors", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
                        watcher=ValueNetworkWatcher(AdapterRegistry(store, "actors"), tmp_path / "cache"),
@@ -28,8 +29,13 @@ def test_replay_train_trains_a_value_run_from_the_stored_batches_once(tmp_path: 
     for _ in range(BATCHES):
         actor.write_batch()
     raw = load_preset("dqn-cartpole")
-    raw["run_id"] = "offline-dqn"
+    raw["run_id"] = run_id
     raw["store"] = {"root": (tmp_path / "store").as_uri()}
+    return store, raw
+
+
+def test_replay_train_trains_a_value_run_from_the_stored_batches_once(tmp_path: Path) -> None:
+    _, raw = actors_batches(tmp_path, "offline-dqn")
     raw["value"]["learner"].update(min_replay_size=32, batch_size=16, checkpoint_every=3, publish_every=3)
     config = RunConfig.model_validate(raw)
     learner = replay_train_value(config, "actors")
@@ -85,15 +91,7 @@ def test_a_replay_refused_on_the_batches_content_leaves_no_run_behind(tmp_path: 
 def test_the_version_a_replay_publishes_at_its_end_is_in_its_last_checkpoint(tmp_path: Path) -> None:
     from consumers.checkpoint import CheckpointStore
 
-    store = ObjectStore((tmp_path / "store").as_uri())
-    actor = ValueActor(run_id="actors", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
-                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "actors"), tmp_path / "cache"),
-                       config=ValueActorConfig(steps_per_batch=50))
-    for _ in range(BATCHES):
-        actor.write_batch()
-    raw = load_preset("dqn-cartpole")
-    raw["run_id"] = "offline-dqn"
-    raw["store"] = {"root": (tmp_path / "store").as_uri()}
+    store, raw = actors_batches(tmp_path, "offline-dqn")
     # 4 steps: v1 at step 3, a checkpoint at step 4 (before the tail's version), then v2 for step 4
     raw["value"]["learner"].update(min_replay_size=32, batch_size=16, checkpoint_every=4, publish_every=3)
     config = RunConfig.model_validate(raw)
@@ -112,15 +110,7 @@ def test_a_value_learner_reaching_max_steps_between_publish_steps_publishes_its_
     from consumers.checkpoint import CheckpointStore
     from consumers.value.service import StepsReplaySource, build_value_learner
 
-    store = ObjectStore((tmp_path / "store").as_uri())
-    actor = ValueActor(run_id="actors", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
-                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "actors"), tmp_path / "cache"),
-                       config=ValueActorConfig(steps_per_batch=50))
-    for _ in range(BATCHES):
-        actor.write_batch()
-    raw = load_preset("dqn-cartpole")
-    raw["run_id"] = "online-dqn"
-    raw["store"] = {"root": (tmp_path / "store").as_uri()}
+    store, raw = actors_batches(tmp_path, "online-dqn")
     raw["value"]["learner"].update(min_replay_size=32, batch_size=16, checkpoint_every=2, publish_every=3,
                                    max_steps=2)
     config = RunConfig.model_validate(raw)
