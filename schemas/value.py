@@ -55,7 +55,7 @@ class ValueLearnerConfig(NoYesNoNumbers):
     min_replay_size: int = Field(500, ge=1, le=10_000_000, description="transitions stored before training starts")
     # The service around the agent (consumers.value.learner): one step per ingested steps batch.
     updates_per_transition: float = Field(
-        1.0, ge=0.0, le=1_000.0, description="gradient updates per transition ingested (Dopamine: 1 per env step)"
+        1.0, gt=0.0, le=1_000.0, description="gradient updates per transition ingested (Dopamine: 1 per env step)"
     )
     publish_every: int = Field(1, ge=1, le=1_000_000, description="steps (ingested batches) between published versions")
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="steps between checkpoints")

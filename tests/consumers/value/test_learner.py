@@ -228,3 +228,13 @@ def test_a_nan_batch_taken_before_training_starts_never_reaches_the_memory(tmp_p
 def test_a_replay_memory_that_could_never_hold_its_minimum_is_refused() -> None:
     with pytest.raises(ValueError, match="min_replay_size 500 exceeds replay_capacity 200"):
         ValueLearnerConfig(replay_capacity=200, min_replay_size=500, batch_size=64)
+
+
+def test_a_value_learner_that_would_never_update_is_refused_up_front() -> None:
+    """updates_per_transition 0: the network never trains and no version is published before the last step, so
+    actors waiting on max_batches_ahead would wait for ever."""
+    from schemas.value import ValueLearnerConfig
+
+    with pytest.raises(ValueError, match="updates_per_transition"):
+        ValueLearnerConfig(updates_per_transition=0.0)
+    assert ValueLearnerConfig(updates_per_transition=0.25).updates_per_transition == 0.25
