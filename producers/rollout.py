@@ -194,6 +194,7 @@ class RolloutWorker:
         self.first_finished_at: float | None = None
         self.stale_since: float | None = None
         self.stats = RolloutStats()
+        self.warned_first_prompt = False
         self.stopping = False
         self.backlog_full: Callable[[], bool] = lambda: False  # set by the service (learner lag)
         self.paused_for_backlog_s = 0.0
@@ -312,6 +313,12 @@ class RolloutWorker:
         room = episode.room_left(len(prompt))
         if room < 1:
             episode.done = episode.truncated = episode.overflow = True
+            if not episode.turns and not self.warned_first_prompt:  # a setting to fix, said once
+                self.warned_first_prompt = True
+                log.warning("producer %s: a first prompt of %d tokens does not fit the context of %d tokens, so its "
+                            "episode ends before its first turn; raise sampler.max_model_len (within the model's "
+                            "context) or shorten the environment's prompt", self.producer_id, len(prompt),
+                            self.max_model_len)
             return None
         return SampleRequest(prompt, min(self.sampling.max_new_tokens, room))
 
@@ -383,7 +390,7 @@ class RolloutWorker:
             if not done and not self.episodes_waiting():
                 done, _ = wait(list(self.pending_steps), timeout=1.0, return_when=FIRST_COMPLETED)
         else:
-            return
+            done = []  # nothing out; a group may still have ended (its episodes' context full): moved on below
         for future in done:
             if future in self.pending_generations:
                 self.finish_generation(future)

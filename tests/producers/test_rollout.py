@@ -326,6 +326,27 @@ class ShortContextSampler(ScriptedSampler):
                 for r, o in zip(requests, super().generate(requests, adapter, temperature, top_p, seed), strict=True)]
 
 
+def test_a_first_prompt_longer_than_the_context_is_named_in_one_warning(tiny_tokenizer, caplog):
+    """Such an episode ends before its first turn: a setting to fix (the context, or the environment's prompt),
+    said once, not an episode that silently never plays.  And the worker goes on: with no environment step out,
+    a group whose every episode ended so was never moved on, and the loop spun for ever."""
+    import logging
+
+    env = make_env("sokoban", {"max_turns": 3})
+    first_prompt = len(prompt_ids(tiny_tokenizer, [{"role": "system", "content": env.system_prompt()},
+                                                   {"role": "user", "content": env.reset(0)}]))
+    sampler = ShortContextSampler(tiny_tokenizer, first_prompt - 5)
+    worker, _, _ = make_worker(tiny_tokenizer, "sokoban", [], sampler=sampler,
+                               sampling=SamplerConfig(max_new_tokens=16, max_model_len=2048))
+    deadline = time.monotonic() + 60.0
+    with caplog.at_level(logging.WARNING, logger="rlpipe.producer"):
+        worker.run(should_stop=lambda: time.monotonic() > deadline)
+    assert worker.exhausted and time.monotonic() < deadline  # it finished its groups, not stopped by the deadline
+    warnings = [r.getMessage() for r in caplog.records if "does not fit the context" in r.getMessage()]
+    assert len(warnings) == 1 and "sampler.max_model_len" in warnings[0], caplog.text
+    assert not sampler.prompt_lengths  # nothing was sent to the sampler
+
+
 def test_episodes_end_at_the_samplers_context_when_it_is_shorter_than_configured(tiny_tokenizer):
     """The sampler's context, not the configuration's, bounds an episode: a sampler capped below
     ``sampler.max_model_len`` refused the growing prompt, and the refusal stopped the whole producer."""
