@@ -6,6 +6,7 @@ and the report read the log through it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -78,22 +79,29 @@ def tail(
     if n < 0:
         raise ValueError(f"n must be zero or more, got {n}")
     topic = resolve_topic(bus_config.namespace, kind_or_topic)
+    with _reader(bus_config, bootstrap_servers, "tail") as consumer:
+        ends = _assign_last(consumer, topic, n)
+        backlog, newer = _read_until(consumer, ends, idle_timeout_s=read_timeout_s)
+        yield from (item for item in backlog if _matches_run(item, run_id))
+        if follow:
+            yield from (item for item in newer if _matches_run(item, run_id))
+        stop_at = None if follow_for_s is None else time.monotonic() + follow_for_s
+        while follow and (stop_at is None or time.monotonic() < stop_at):
+            wait_ms = 500 if stop_at is None else max(0, min(500, int((stop_at - time.monotonic()) * 1000)))
+            for records in consumer.poll(timeout_ms=wait_ms).values():
+                yield from (item for item in map(_tail_record, records) if _matches_run(item, run_id))
+
+
+@contextlib.contextmanager
+def _reader(bus_config: BusConfig, bootstrap_servers: str | None, what: str) -> Iterator[KafkaConsumer]:
+    """A consumer outside any group (nothing committed), its errors one line each (``what`` names the read)."""
     settings = kafka_client_settings(bus_config, bootstrap_servers)
     settings |= {"client_id": f"{_CLIENT_ID}-tail", "group_id": None, "enable_auto_commit": False}
     settings |= {"allow_auto_create_topics": False, "request_timeout_ms": 30_000}
     consumer: KafkaConsumer = _connect(KafkaConsumer, bus_config, settings)
     try:
-        with _bus_errors(bus_config, settings["bootstrap_servers"], "tail"):
-            ends = _assign_last(consumer, topic, n)
-            backlog, newer = _read_until(consumer, ends, idle_timeout_s=read_timeout_s)
-            yield from (item for item in backlog if _matches_run(item, run_id))
-            if follow:
-                yield from (item for item in newer if _matches_run(item, run_id))
-            stop_at = None if follow_for_s is None else time.monotonic() + follow_for_s
-            while follow and (stop_at is None or time.monotonic() < stop_at):
-                wait_ms = 500 if stop_at is None else max(0, min(500, int((stop_at - time.monotonic()) * 1000)))
-                for records in consumer.poll(timeout_ms=wait_ms).values():
-                    yield from (item for item in map(_tail_record, records) if _matches_run(item, run_id))
+        with _bus_errors(bus_config, settings["bootstrap_servers"], what):
+            yield consumer
     finally:
         consumer.close(autocommit=False, timeout_ms=2000)
 
@@ -118,22 +126,13 @@ def run_log(bus_config: BusConfig, kind_or_topic: str, run_id: str, read_timeout
     holds a run's older events on another partition as well (those are not read here).
     """
     topic = resolve_topic(bus_config.namespace, kind_or_topic)
-    settings = kafka_client_settings(bus_config)
-    settings |= {"client_id": f"{_CLIENT_ID}-tail", "group_id": None, "enable_auto_commit": False}
-    settings |= {"allow_auto_create_topics": False, "request_timeout_ms": 30_000}
-    consumer: KafkaConsumer = _connect(KafkaConsumer, bus_config, settings)
-    try:
-        with _bus_errors(bus_config, settings["bootstrap_servers"], "read"):
-            partitions = sorted(consumer.partitions_for_topic(topic) or ())
-            if not partitions:
-                raise UnknownTopicError(f"topic {topic} does not exist; see `rlpipe topics list`")
-            tp = TopicPartition(topic, partitions[(murmur2(run_id.encode()) & 0x7FFFFFFF) % len(partitions)])
-            consumer.assign([tp])
-            begin, end = int(consumer.beginning_offsets([tp])[tp]), int(consumer.end_offsets([tp])[tp])
-            consumer.seek(tp, begin)
-            backlog, _ = _read_until(consumer, {tp: end}, idle_timeout_s=read_timeout_s)
-    finally:
-        consumer.close(autocommit=False, timeout_ms=2000)
+    with _reader(bus_config, None, "read") as consumer:
+        partitions = _partitions(consumer, topic)
+        tp = TopicPartition(topic, partitions[(murmur2(run_id.encode()) & 0x7FFFFFFF) % len(partitions)])
+        consumer.assign([tp])
+        begin, end = int(consumer.beginning_offsets([tp])[tp]), int(consumer.end_offsets([tp])[tp])
+        consumer.seek(tp, begin)
+        backlog, _ = _read_until(consumer, {tp: end}, idle_timeout_s=read_timeout_s)
     since = complete_since_ms(begin, backlog, now_ms=int(time.time() * 1000))
     return RunLog([item for item in backlog if _matches_run(item, run_id)], since)
 
@@ -148,16 +147,21 @@ def complete_since_ms(first_offset: int, records: list[TailRecord], now_ms: int)
 
 def _assign_last(consumer: KafkaConsumer, topic: str, n: int) -> dict[TopicPartition, int]:
     """Assign every partition of ``topic`` positioned ``n`` before its end; returns the end offsets."""
-    partitions = consumer.partitions_for_topic(topic)
-    if not partitions:
-        raise UnknownTopicError(f"topic {topic} does not exist; see `rlpipe topics list`")
-    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    tps = [TopicPartition(topic, p) for p in _partitions(consumer, topic)]
     consumer.assign(tps)
     ends = consumer.end_offsets(tps)
     begins = consumer.beginning_offsets(tps)
     for tp in tps:
         consumer.seek(tp, max(int(begins[tp]), int(ends[tp]) - n))
     return {tp: int(ends[tp]) for tp in tps}
+
+
+def _partitions(consumer: KafkaConsumer, topic: str) -> list[int]:
+    """The partitions of ``topic``, in order (``UnknownTopicError`` when it does not exist)."""
+    partitions = sorted(consumer.partitions_for_topic(topic) or ())
+    if not partitions:
+        raise UnknownTopicError(f"topic {topic} does not exist; see `rlpipe topics list`")
+    return partitions
 
 
 def _read_until(
