@@ -40,6 +40,7 @@ draws as the sampler's duty cycle.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import hashlib
@@ -131,13 +132,11 @@ def cut_at_stop_strings(sample: SampleOutput, strings: list[str], decode: Callab
         text = decode(sample.token_ids[:end])
         return any(stop in text for stop in strings)
 
-    if not sample.token_ids or not stops(len(sample.token_ids)):
+    n = len(sample.token_ids)
+    if not n or not stops(n):
         return sample
-    low, high = 0, len(sample.token_ids)  # the prefix of high tokens holds a stop string, that of low does not
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if stops(middle) else (middle, high)
-    return SampleOutput(token_ids=sample.token_ids[:high], logprobs=sample.logprobs[:high], finish_reason="stop")
+    end = 1 + bisect.bisect_left(range(1, n + 1), True, key=stops)  # the shortest prefix that holds one
+    return SampleOutput(token_ids=sample.token_ids[:end], logprobs=sample.logprobs[:end], finish_reason="stop")
 
 
 def encode_sample_response(result: SampleResult) -> bytes:
