@@ -681,29 +681,9 @@ def test_a_learner_reaching_max_steps_between_publish_steps_publishes_its_last_s
     assert registry.versions() == [1, 2] and again.state.step == 4
 
 
-class ListSource:
-    """Announcements from a list, one per poll (a batch may be announced twice, as a re-announcing producer does)."""
-
-    def __init__(self, refs):
-        self.refs = list(refs)
-
-    def poll(self, timeout_s):
-        return [self.refs.pop(0)] if self.refs else []
-
-    def seek(self, positions):
-        pass
-
-    def commit(self, positions):
-        pass
-
-    def keep_alive(self):
-        pass
-
-    def exhausted(self):
-        return not self.refs
-
-
 def test_a_batch_read_ahead_and_then_skipped_as_a_duplicate_is_not_kept_in_memory(store, setup):
+    from tests.consumers.value.test_learner import ListSource  # announcements from a list, one per poll
+
     write_batches(TrajectoryArchive(store), setup, 3, np.random.default_rng(10))
     refs = ReplaySource(TrajectoryArchive(store), RUN, batches_per_poll=3).poll(0)
     learner, _ = make_learner(store, setup)  # one batch a step
