@@ -27,7 +27,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from schemas.events import PAYLOAD_TYPES, Payload, Sha256
-from schemas.names import MODEL_ID_RE, InvalidNameError, validate_name
+from schemas.names import MODEL_ID_RE, InvalidNameError, echoed, validate_name
 
 ApiOp = Literal[
     "create_model",
@@ -87,7 +87,7 @@ def model_run_name(model_id: str) -> str:
     """
     match = MODEL_ID_RE.fullmatch(model_id or "")
     if match is None:
-        raise InvalidNameError(f"model_id {model_id!r} is not of the form <session>:train:<n>")
+        raise InvalidNameError(f"model_id {echoed(model_id)} is not of the form <session>:train:<n>")
     return validate_name(f"{match['session']}.{match['kind']}.{match['seq']}", "model run name")
 
 

@@ -11,9 +11,17 @@ from __future__ import annotations
 import re
 
 MAX_NAME_LENGTH = 64
+MAX_ECHOED = 100  # characters of a client's input an error message repeats
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # a Tinker model id (``<session>:train:<n>``, schemas.api): never a name, but named with its run when given as one
 MODEL_ID_RE = re.compile(r"(?P<session>[A-Za-z0-9][A-Za-z0-9_-]*):(?P<kind>train|sample):(?P<seq>[0-9]+)")
+
+
+def echoed(value: object) -> str:
+    """``repr(value)`` for an error message, cut to ``MAX_ECHOED`` characters and "…": the input is the client's,
+    of any length, and the message goes into answers and logs."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHOED else text[:MAX_ECHOED] + "…"
 
 
 class InvalidNameError(ValueError):

@@ -38,6 +38,7 @@ from pipeline.api.tenants import Tenants, UnauthorizedError
 from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header
 from pipeline.io.store import ChecksumError
 from schemas.api import ApiError, ApiOp, BodyFormat
+from schemas.names import echoed
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # a call's body, held in memory: the SDK's forward_backward chunks are about 5 MB
@@ -110,7 +111,7 @@ Tenant = Annotated[str, Depends(_tenant)]
 
 
 def _unserved(request: Request) -> str:
-    return (f"{request.method} {request.url.path} is not served by rlpipe; the calls it serves are listed in "
+    return (f"{request.method} {echoed(request.url.path)} is not served by rlpipe; the calls it serves are listed in "
             "docs/api.md")
 
 
@@ -137,7 +138,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first.get("loc", ())) or "request"
-        return JSONResponse({"error": f"{request.url.path}: {where}: {first.get('msg')}; send what the tinker "
+        return JSONResponse({"error": f"{echoed(request.url.path)}: {where}: {first.get('msg')}; send what the tinker "
                                       "SDK sends (a download URL is used whole, as get_external_weights_urls gave it)",
                              "category": "user"}, status_code=400)
 

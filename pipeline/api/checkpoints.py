@@ -46,6 +46,7 @@ from typing import Any
 from pipeline.api.wire import PATH_FOLDERS, TinkerPath, checkpoint_name
 from pipeline.io.store import ObjectStore, sha256_hex
 from schemas.api import ApiError, model_id_for, model_run_name
+from schemas.names import echoed
 
 MIN_TTL_S = 3600  # the SDK's documented range for a checkpoint's ttl_seconds: one hour ...
 MAX_TTL_S = 10 * 365 * 86400  # ... to ten years
@@ -83,7 +84,7 @@ def path_of(model_id: str, checkpoint_id: str) -> TinkerPath:
     folder, _, name = checkpoint_id.partition("/")
     kind = next((kind for kind, its_folder in PATH_FOLDERS.items() if its_folder == folder), None)
     if kind is None:
-        raise ApiError(f"checkpoint id {checkpoint_id!r} is not weights/<name>, sampler_weights/<name> or "
+        raise ApiError(f"checkpoint id {echoed(checkpoint_id)} is not weights/<name>, sampler_weights/<name> or "
                        "external_weights/<name>")
     return TinkerPath(model_id, kind, checkpoint_name(name))
 

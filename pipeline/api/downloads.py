@@ -32,7 +32,7 @@ from pipeline.api.checkpoints import NotFound, external_file_key, read_record
 from pipeline.api.wire import TinkerPath
 from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.api import ApiError, model_run_name
-from schemas.names import InvalidNameError, validate_name
+from schemas.names import InvalidNameError, echoed, validate_name
 
 URL_TTL_S = 3600  # how long a download URL is honoured (the tinker CLI asks again five minutes before)
 SIGNING_KEY = "api/url-signing.key"
@@ -122,7 +122,7 @@ def check_download(store: ObjectStore, model_id: str, name: str, file: str, expi
         raise UrlRefused(f"{path} is no longer published; ask its owner to publish it again")
     listed = record["files"].get(file)
     if listed is None:
-        raise NotFound(f"no file {file!r} in external weights {path}; ask for new URLs (get_external_weights_urls)")
+        raise NotFound(f"no file {echoed(file)} in external weights {path}; ask for new URLs (get_external_weights_urls)")
     download = Download(external_file_key(path, file), int(listed["size"]), str(listed["sha256"]))
     try:
         handle = store.open_input(download.key)

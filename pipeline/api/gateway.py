@@ -74,6 +74,7 @@ from schemas.api import (
     session_path,
 )
 from schemas.events import Envelope, make_event
+from schemas.names import echoed
 
 Publish = Callable[[Envelope, str], Any]  # (event, key) -> anything; publishes on <ns>.requests
 LIVE_CHECK_S = 1.0  # how long a gateway takes a session it saw live as live, before reading its record again
@@ -124,7 +125,7 @@ def check_metadata(field: str, value: Any) -> None:
 
 def _no_session(session_id: str) -> str:
     """The same answer for a session that does not exist and one of another key (which is not told apart)."""
-    return f"no session {session_id!r} for this API key; use one created with this key (ServiceClient())"
+    return f"no session {echoed(session_id)} for this API key; use one created with this key (ServiceClient())"
 
 
 class Gateway:
@@ -204,13 +205,13 @@ class Gateway:
     # ---- models -------------------------------------------------------------------------------
     def served(self, base_model: str | None) -> ServedModel:
         if base_model not in self.models:
-            raise ApiError(f"base model {base_model!r} is not served here; choose one of {', '.join(self.models)}")
+            raise ApiError(f"base model {echoed(base_model)} is not served here; choose one of {', '.join(self.models)}")
         return self.models[base_model]
 
     def _model_key(self, model_id: str) -> str:
         session, kind, seq = model_run_name(model_id).split(".")
         if kind != "train":  # <session>:sample:<n> names a sampling client, never a training one
-            raise ValueError(f"{model_id!r} is not a training client's model_id")
+            raise ValueError(f"{echoed(model_id)} is not a training client's model_id")
         return f"{session_path(session)}/models/{seq}.json"
 
     def model(self, tenant: str, model_id: str) -> dict[str, Any]:
@@ -218,7 +219,7 @@ class Gateway:
         try:
             key = self._model_key(model_id)
         except ValueError:
-            raise NotFoundError(f"unknown model {model_id!r}; use the model_id create_model returned") from None
+            raise NotFoundError(f"unknown model {echoed(model_id)}; use the model_id create_model returned") from None
         self.check_owner(tenant, model_run_name(model_id).split(".")[0])
         return self._model_record(key, model_id)
 
@@ -227,7 +228,7 @@ class Gateway:
             try:
                 self._models[key] = json.loads(self.store.get(key))
             except FileNotFoundError:
-                raise NotFoundError(f"unknown model {model_id!r}; create it with create_lora_training_client") from None
+                raise NotFoundError(f"unknown model {echoed(model_id)}; create it with create_lora_training_client") from None
         return dict(self._models[key])
 
     def register_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora_rank: int,
@@ -277,7 +278,7 @@ class Gateway:
         try:
             key = self._model_key(parsed.model_id)
         except ValueError:
-            raise NotFoundError(f"unknown model {parsed.model_id!r}; use the model_id create_model returned") from None
+            raise NotFoundError(f"unknown model {echoed(parsed.model_id)}; use the model_id create_model returned") from None
         return parsed, self._model_record(key, parsed.model_id)
 
     def saved_state(self, tenant: str, path: str) -> tuple[TinkerPath, dict[str, Any]]:
@@ -357,10 +358,10 @@ class Gateway:
             deleted = files_deleted(self.store, session_id)
             if deleted is not None:
                 on = datetime.fromtimestamp(float(deleted.get("time") or 0), UTC).strftime("%Y-%m-%d %H:%M UTC")
-                raise NotFoundError(f"request {request_id!r} is of session {session_id}, which ended "
+                raise NotFoundError(f"request {echoed(request_id)} is of session {session_id}, which ended "
                                     f"({deleted.get('end')}); its calls' bodies and results were deleted on {on} "
                                     f"({deleted.get('reason')})")
-            raise NotFoundError(f"no request {request_id!r}; poll with the request_id the call returned")
+            raise NotFoundError(f"no request {echoed(request_id)}; poll with the request_id the call returned")
         return None
 
     # ---- sampling -------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from tinker import types
 
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiError, model_id_for, model_run_name, session_path
-from schemas.names import InvalidNameError
+from schemas.names import InvalidNameError, echoed
 from schemas.trajectory import MIN_SAMPLING_TEMPERATURE
 
 SAMPLE_KIND = "sample"
@@ -49,7 +49,7 @@ def sampler_record_key(sampling_session_id: str) -> str:
     except InvalidNameError:
         kind = ""
     if kind != SAMPLE_KIND:
-        raise ApiError(f"{sampling_session_id!r} is not a sampling session id; use the id "
+        raise ApiError(f"{echoed(sampling_session_id)} is not a sampling session id; use the id "
                        "create_sampling_session returned")
     return f"{session_path(session)}/samplers/{seq}.json"
 
@@ -90,7 +90,7 @@ def read_sampler(store: ObjectStore, tenant: str, sampling_session_id: str) -> d
     except FileNotFoundError:
         record = None
     if record is None or record["tenant"] != tenant:
-        raise ApiError(f"no sampling session {sampling_session_id!r} for this API key; "
+        raise ApiError(f"no sampling session {echoed(sampling_session_id)} for this API key; "
                        "create one with create_sampling_client")
     return dict(record)
 
@@ -136,7 +136,7 @@ def check_sample_request(request: types.SampleRequest) -> None:
     for chunk in request.prompt.chunks:
         if not isinstance(chunk, types.EncodedTextChunk):
             kind = getattr(chunk, "type", type(chunk).__name__)
-            raise ApiError(f"prompt chunk of kind {kind!r} is not supported; send token chunks")
+            raise ApiError(f"prompt chunk of kind {echoed(kind)} is not supported; send token chunks")
     if request.prompt_alt_tokens_k or request.topk_prompt_logprobs \
             or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
         raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "

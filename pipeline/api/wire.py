@@ -24,7 +24,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as public_pb
 
 from schemas.api import ApiError, model_run_name
-from schemas.names import InvalidNameError, validate_name
+from schemas.names import InvalidNameError, echoed, validate_name
 
 PROTOBUF = "application/x-protobuf"
 _DTYPES: dict[int, tuple[np.dtype, str]] = {
@@ -74,13 +74,13 @@ def parse_tinker_path(path: str) -> TinkerPath:
     """Parse and validate a ``tinker://`` checkpoint path (names must obey the name rule)."""
     parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
     if len(parts) != 3 or parts[1] not in _PATH_KINDS:
-        raise ApiError(f"{path!r} is not a checkpoint path; use tinker://<model_id>/weights/<name>, "
+        raise ApiError(f"{echoed(path)} is not a checkpoint path; use tinker://<model_id>/weights/<name>, "
                        "tinker://<model_id>/sampler_weights/<name> or tinker://<model_id>/external_weights/<name>")
     try:
         model_run_name(parts[0])
         validate_name(parts[2], "checkpoint name")
     except InvalidNameError as exc:
-        raise ApiError(f"checkpoint path {path!r}: {exc}") from None
+        raise ApiError(f"checkpoint path {echoed(path)}: {exc}") from None
     return TinkerPath(parts[0], _PATH_KINDS[parts[1]], parts[2])
 
 
@@ -106,10 +106,10 @@ def _array(data: bytes, dtype: np.dtype, what: str) -> np.ndarray:
 
 def _tensor(msg: public_pb.Tensor, name: str) -> types.TensorData:
     if msg.dtype not in _DTYPES:
-        raise ApiError(f"loss_fn_inputs[{name!r}] has dtype {msg.dtype}; send float32 or int64 tensors")
+        raise ApiError(f"loss_fn_inputs[{echoed(name)}] has dtype {msg.dtype}; send float32 or int64 tensors")
     np_dtype, dtype = _DTYPES[msg.dtype]
     shape = list(msg.shape) or None
-    what = f"loss_fn_inputs[{name!r}]"
+    what = f"loss_fn_inputs[{echoed(name)}]"
     if msg.HasField("sparse_csr"):
         csr = msg.sparse_csr
         int64 = np.dtype(np.int64)

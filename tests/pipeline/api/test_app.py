@@ -513,3 +513,32 @@ def test_a_full_queue_is_checked_against_the_store_by_one_call_at_a_time(api, mo
     for caller in callers:
         caller.join()
     assert len(looked) == 2  # the two queued calls, looked up once
+
+
+def test_an_input_of_any_length_is_echoed_cut_short_in_errors(api):
+    """An error repeats the client's input so it can see what was wrong, but an input of a megabyte repeated whole
+    would go into every log line and answer: it is cut to ``MAX_ECHOED`` characters and "…"."""
+    from schemas.names import MAX_ECHOED
+
+    session = _session(api)
+    long = "x" * 1_000_000
+    sample = {"num_samples": 1, "prompt": {"chunks": [{"tokens": [1], "type": "encoded_text"}]},
+              "sampling_params": {"max_tokens": 5}, "seq_id": 0, "type": "sample"}
+    calls = [("/api/v1/get_info", {"model_id": long}),
+             ("/api/v1/get_info", {"model_id": f"{long}:train:0"}),
+             ("/api/v1/session_heartbeat", {"session_id": long}),
+             ("/api/v1/create_model", {"session_id": session, "model_seq_id": 0, "base_model": long,
+                                       "lora_config": {"rank": 4}}),
+             ("/api/v1/weights_info", {"tinker_path": long}),
+             ("/api/v1/weights_info", {"tinker_path": f"tinker://{session}:train:0/weights/{long}"}),
+             ("/api/v1/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                  "model_path": long}),
+             ("/api/v1/asample", {**sample, "sampling_session_id": long}),
+             ("/api/v1/asample", {**sample, "sampling_session_id": f"{session}:sample:{'9' * 100_000}"})]
+    for path, body in calls:
+        answer = api.post(path, headers=ALICE, json=body)
+        assert 400 <= answer.status_code < 500, (path, answer.status_code)
+        error = answer.json()["error"]
+        assert len(error) < MAX_ECHOED + 400 and "…" in error, (path, error[:300])
+    unserved = api.get("/api/v1/" + "y" * 20_000, headers=ALICE)
+    assert unserved.status_code == 404 and len(unserved.json()["error"]) < MAX_ECHOED + 400, unserved.text[:300]
