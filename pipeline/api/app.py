@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -25,6 +25,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinker import types
 
@@ -35,7 +36,7 @@ from pipeline.api.results import ResultSignals
 from pipeline.api.sample_queue import BusyError
 from pipeline.api.samplers import check_sample_request
 from pipeline.api.tenants import Tenants, UnauthorizedError
-from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header
+from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header, forward_backward_prefix
 from pipeline.io.store import ChecksumError
 from schemas.api import ApiError, ApiOp, BodyFormat
 from schemas.names import echoed
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # a call's body, held in memory: the SDK's forward_backward chunks are about 5 MB
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
+HEADER_BYTES = 1024  # of a body refused for its size, read to find its call (a forward_backward names it first)
 
 
 class BodyTooLarge(ApiError):
@@ -52,22 +54,43 @@ class BodyTooLarge(ApiError):
 
 class _BodyLimit:
     """ASGI middleware refusing a body over ``limit`` bytes: at once when its Content-Length says so, else as soon as
-    reading it passes the limit (a chunked body), so the gateway never holds more of one call than that."""
+    reading it passes the limit (a chunked body), so the gateway never holds more of one call than that.
+    ``refused(scope, first_bytes, reason)`` is told of each refusal, with the body's first ``HEADER_BYTES`` (in a
+    worker thread, before the answer)."""
 
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: Any, limit: int, refused: Callable[[Any, bytes, str], None] | None = None) -> None:
+        self.app, self.limit, self.refused = app, limit, refused
 
     def _refusal(self) -> BodyTooLarge:
         return BodyTooLarge(f"request body over {self.limit} bytes; send smaller calls (the tinker SDK splits a "
                             "forward_backward into chunks of about 5 MB), or shorten the datums or the prompt")
 
+    async def _refuse(self, scope: Any, first: bytes) -> BodyTooLarge:
+        refusal = self._refusal()
+        if self.refused is not None:
+            try:
+                await asyncio.to_thread(self.refused, scope, first, str(refusal))
+            except Exception:  # the client still gets its 413
+                log.exception("could not log a call refused for its size")
+        return refusal
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        first = bytearray()  # the body's first HEADER_BYTES, as read
+
+        def keep(message: Any) -> None:
+            if message.get("type") == "http.request" and len(first) < HEADER_BYTES:
+                first.extend(message.get("body", b"")[:HEADER_BYTES - len(first)])
+
         declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            refusal = self._refusal()
+            message: Any = {"more_body": True}
+            while len(first) < HEADER_BYTES and message.get("more_body"):
+                message = await receive()
+                keep(message)
+            refusal = await self._refuse(scope, bytes(first))
             await JSONResponse({"error": str(refusal), "category": refusal.category}, status_code=413)(
                 scope, receive, send)
             return
@@ -76,10 +99,11 @@ class _BodyLimit:
         async def limited_receive() -> Any:
             nonlocal received
             message = await receive()
+            keep(message)
             if message.get("type") == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
-                    raise self._refusal()  # inside the handler's read: answered by the ApiError handler
+                    raise await self._refuse(scope, bytes(first))  # inside the handler's read: the ApiError handler
             return message
 
         await self.app(scope, limited_receive, send)
@@ -127,7 +151,21 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         signals = direct.signals
     app = FastAPI(title="rlpipe Tinker-compatible API", docs_url=None, redoc_url=None)
     app.state.gateway, app.state.tenants = gateway, tenants
-    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+
+    def refused_for_size(scope: Any, first: bytes, reason: str) -> None:
+        """A ``forward_backward`` refused for its size is logged as refused (``Gateway.refuse``) when its first bytes
+        name the call, so its training client's later calls do not wait on its seq_id; the SDK's JSON training calls
+        are a few hundred bytes, so a refused one is no call of the SDK's and is not looked into."""
+        header = forward_backward_prefix(first) if scope.get("path") == "/api/v1/forward_backward" else None
+        if header is None:
+            return
+        try:
+            who = tenants.tenant_of(Headers(scope=scope).get("x-api-key"))
+        except UnauthorizedError:
+            return
+        gateway.refuse(who, "forward_backward", header, "pb", reason)
+
+    app.add_middleware(_BodyLimit, limit=max_body_bytes, refused=refused_for_size)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -144,6 +144,40 @@ def forward_backward_header(body: bytes) -> tuple[str, int | None]:
     return msg.model_id, msg.seq_id or None
 
 
+def _varint(data: bytes, pos: int) -> tuple[int, int] | None:
+    """The protobuf varint at ``pos`` and the position after it; None when ``data`` stops inside it."""
+    value = 0
+    for shift, at in zip(range(0, 70, 7), range(pos, len(data)), strict=False):
+        value |= (data[at] & 0x7F) << shift
+        if data[at] < 0x80:
+            return value, at + 1
+    return None
+
+
+_HEADER_TAGS = (0x0A, 0x10)  # ForwardBackwardRequest's model_id (field 1, length-delimited), seq_id (field 2, varint)
+
+
+def forward_backward_prefix(first: bytes) -> bytes | None:
+    """The ``model_id`` and ``seq_id`` fields that start a protobuf ``ForwardBackwardRequest``, cut from the first
+    bytes of a body too large to read whole, as a message of their own; None when ``first`` stops inside them (or
+    right after them: more of them may follow) or holds another message.
+
+    Protobuf's serializers, the SDK's among them, write fields in the order of their numbers, so these two come
+    before the datums (field 3).  Protobuf parses only whole messages, hence the walk over the wire format here:
+    a tag, then a length and that many bytes (``model_id``) or a varint (``seq_id``)."""
+    pos = 0
+    while (tag := _varint(first, pos)) is not None:
+        if tag[0] not in _HEADER_TAGS:
+            return first[:pos] or None
+        value = _varint(first, tag[1])
+        if value is None:
+            return None
+        pos = value[1] + (value[0] if tag[0] == _HEADER_TAGS[0] else 0)
+        if pos > len(first):
+            return None
+    return None
+
+
 def numbered_call(body: bytes, fmt: str) -> tuple[str, int] | None:
     """``(model_id, seq_id)`` read leniently from a training call's body that may be invalid otherwise (a
     protobuf ``forward_backward``, else JSON, where Python's reader takes the NaN a strict one refuses); None

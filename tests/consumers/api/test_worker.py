@@ -283,6 +283,25 @@ def test_calls_that_failed_replay_after_a_restart_without_stopping_the_trainer(h
     restarted.close()
 
 
+def test_a_forward_backward_refused_for_its_size_is_answered_from_its_header_and_the_next_call_runs(harness):
+    """A forward_backward the gateway refused for its size (413) is logged with only its first fields as its body
+    (``pipeline.api.wire.forward_backward_prefix``): the trainer answers it with the gateway's error, reading no
+    datums, and runs the training client's next call at once."""
+    from pipeline.api.wire import forward_backward_prefix
+
+    trainer = harness.trainer()
+    model_id = harness.create()
+    header = forward_backward_prefix(_fb(model_id, 1, [_datum(5)] * 50)[:1024])
+    harness.gateway.refuse(TENANT, "forward_backward", header, "pb", "request body over 4096 bytes; send smaller")
+    refused = f"{harness.session}.train.0.1"
+    fine = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, [_datum(6)]), "pb")
+    run_until(trainer, harness, [refused, fine], timeout_s=30.0)
+    answer = json.loads(harness.result(refused)[0])
+    assert answer["category"] == "user" and "4096 bytes" in answer["error"]
+    assert harness.result(fine)[1] == "pb"
+    trainer.close()
+
+
 def test_a_trainer_killed_between_a_folds_two_writes_restarts_from_the_fold_before(harness, monkeypatch):
     trainer = harness.trainer()
     model_id = harness.create()

@@ -456,6 +456,38 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read_whole():
     assert api.post("/api/v1/optim_step", headers=ALICE, content=small).status_code == 200
 
 
+def test_a_forward_backward_over_the_limit_is_logged_as_refused_so_later_calls_go_on():
+    """The SDK numbers a call before sending it: a forward_backward refused 413 and never logged would leave a gap its
+    training client's later calls wait on for ``GAP_GIVE_UP_S``.  Its model_id and seq_id are in its first bytes, so it
+    is logged as refused (the trainer answers it with the same error and goes on), read no further than those."""
+    api = gateway_client(max_body_bytes=4096)
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    headers = {**ALICE, "Content-Type": "application/x-protobuf"}
+
+    def body(seq_id: int, tokens: int = 2000) -> bytes:
+        datum = types.Datum(model_input=types.ModelInput.from_ints([1] * tokens),
+                            loss_fn_inputs={"target_tokens": [2] * tokens})
+        fb = types.ForwardBackwardRequest(types.ForwardBackwardInput([datum], "cross_entropy"), model_id, seq_id)
+        return forward_backward_request_to_proto(fb).SerializeToString()
+
+    logged = len(api.published)
+    big = body(1)
+    assert api.post("/api/v1/forward_backward", headers={**BOB, "Content-Type": "application/x-protobuf"},
+                    content=big).status_code == 413
+    assert len(api.published) == logged  # not Bob's model: no training client of his waits on it
+    declared = api.post("/api/v1/forward_backward", headers=headers, content=big)
+    chunked = api.post("/api/v1/forward_backward", headers=headers,
+                       content=(part for part in (body(2)[:1000], body(2)[1000:])))
+    for answer in (declared, chunked):
+        assert answer.status_code == 413 and "4096 bytes" in answer.json()["error"], answer.text
+    refused = [event.payload for _, event in api.published[logged:]]
+    assert [(call.op, call.seq_id) for call in refused] == [("forward_backward", 1), ("forward_backward", 2)]
+    assert all("4096 bytes" in (call.refused or "") for call in refused)
+    assert all(len(api.store.get(call.body_path)) < 100 for call in refused)  # the header, not the body
+    assert api.post("/api/v1/forward_backward", headers=headers, content=body(3, tokens=10)).status_code == 200
+
+
 def test_metadata_over_the_limit_is_a_400_and_records_nothing(api):
     """Sessions' and training clients' metadata are kept in their records, which every listing reads and a gateway
     keeps in memory: a few megabytes each from one tenant would cost every tenant's listings and the gateway's memory."""

@@ -96,3 +96,22 @@ def test_tensor_and_token_bytes_of_a_length_no_dtype_divides_are_the_users_error
         with pytest.raises(ApiError, match=names) as refused:
             decode_forward_backward(body(tokens, weights))
         assert refused.value.category == "user"
+
+
+def test_a_forward_backward_too_large_to_read_is_numbered_from_its_first_bytes():
+    """The SDK's encoder writes ``model_id`` and ``seq_id`` before the datums: the first bytes of a body name its call
+    without the rest; bytes that stop inside those fields, or a body of another shape, name none."""
+    from pipeline.api.wire import forward_backward_prefix, numbered_call
+
+    datum = types.Datum(model_input=types.ModelInput.from_ints(list(range(2000))),
+                        loss_fn_inputs={"target_tokens": list(range(2000))})
+    sent = types.ForwardBackwardRequest(types.ForwardBackwardInput([datum] * 4, "cross_entropy"), "sess-a:train:3",
+                                        seq_id=300)
+    body = forward_backward_request_to_proto(sent).SerializeToString()
+    header = forward_backward_prefix(body[:1024])
+    assert header is not None and len(header) < 40  # 2 + 14 bytes of model_id, 1 + 2 of seq_id
+    assert numbered_call(header, "pb") == ("sess-a:train:3", 300)
+    assert forward_backward_prefix(body[:10]) is None  # inside model_id
+    assert forward_backward_prefix(body[:17]) is None  # inside seq_id's varint
+    assert forward_backward_prefix(b'{"model_id": "sess-a:train:3", "seq_id": 1}') is None
+    assert forward_backward_prefix(b"") is None
