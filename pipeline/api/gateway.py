@@ -33,9 +33,13 @@ after its end.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -79,6 +83,8 @@ from schemas.names import echoed
 Publish = Callable[[Envelope, str], Any]  # (event, key) -> anything; publishes on <ns>.requests
 LIVE_CHECK_S = 1.0  # how long a gateway takes a session it saw live as live, before reading its record again
 MAX_METADATA_BYTES = 64 << 10  # a session's tags, or a session's or training client's user_metadata, as JSON
+CACHED_SESSIONS = 10_000  # sessions whose owner and state a gateway keeps in memory (the rest are read again)
+CACHED_MODELS = 1_000  # training clients' records a gateway keeps in memory (each up to MAX_METADATA_BYTES)
 
 
 class NotFoundError(ApiError):
@@ -133,17 +139,23 @@ class Gateway:
 
     def __init__(self, store: ObjectStore, publish: Publish, models: list[ServedModel],
                  max_pending_samples: int = MAX_PENDING_SAMPLES, live_check_s: float = LIVE_CHECK_S,
-                 session_expiry_s: float = SESSION_EXPIRY_S) -> None:
+                 session_expiry_s: float = SESSION_EXPIRY_S, cached_sessions: int = CACHED_SESSIONS,
+                 cached_models: int = CACHED_MODELS) -> None:
         if not models:
             raise ValueError("a gateway needs at least one served base model")
+        if cached_sessions < 1 or cached_models < 1:
+            raise ValueError(f"cached_sessions={cached_sessions}, cached_models={cached_models}: cache at least one")
         self.store = store
         self.publish = publish
         self.models = {model.name: model for model in models}
-        self._owners: dict[str, str] = {}
         self.live_check_s, self.session_expiry_s = live_check_s, session_expiry_s
-        self._ended: dict[str, str] = {}  # session -> why it ended (an end is final)
-        self._live_until: dict[str, float] = {}  # session -> monotonic time until which it is taken as live
-        self._models: dict[str, dict[str, Any]] = {}
+        # what a gateway keeps of sessions and models, each bounded (least recently used dropped): all of it is
+        # in the store, records are create-only and an end is final, so a dropped entry is only read again
+        self._owner = functools.lru_cache(maxsize=cached_sessions)(self._read_owner)
+        self._model_records = functools.lru_cache(maxsize=cached_models)(self._read_model_record)
+        self._cached_sessions = cached_sessions
+        self._liveness: OrderedDict[str, tuple[str | None, float]] = OrderedDict()  # session -> (why it ended, or
+        self._liveness_lock = threading.Lock()  # None and the monotonic time until which it is taken as live)
         self.samples = SampleQueue(store, max_pending_samples)  # sample calls without a result: backpressure
 
     # ---- sessions ---------------------------------------------------------------------------
@@ -155,7 +167,6 @@ class Gateway:
                   "user_metadata": user_metadata}
         mark_open(self.store, session_id)  # first, so that no session's files escape the sweeps
         self.store.put_create(f"{session_path(session_id)}/session.json", json.dumps(record).encode())
-        self._owners[session_id] = tenant
         self.heartbeat(tenant, session_id)
         return session_id
 
@@ -167,23 +178,29 @@ class Gateway:
             raise NotFoundError(_no_session(session_id)) from None
         if record["tenant"] != tenant:
             raise NotFoundError(_no_session(session_id))
-        self._owners[session_id] = tenant
         return dict(record)
 
+    def _read_owner(self, session_id: str) -> str:
+        """The tenant owning the session (cached in ``_owner``); ``NotFoundError`` (not cached) without a record."""
+        try:
+            return str(json.loads(self.store.get(f"{session_path(session_id)}/session.json"))["tenant"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            raise NotFoundError(_no_session(session_id)) from None
+
     def check_owner(self, tenant: str, session_id: str) -> None:
-        if self._owners.get(session_id) != tenant:
-            self.session(tenant, session_id)
+        if self._owner(session_id) != tenant:
+            raise NotFoundError(_no_session(session_id))
 
     def heartbeat(self, tenant: str, session_id: str) -> None:
         self.check_owner(tenant, session_id)
-        self._live_until.pop(session_id, None)  # a heartbeat always reads the record afresh
+        self._note_liveness(session_id, None, 0.0)  # a heartbeat always reads the record afresh
         self.check_live(session_id)
         self.store.put(heartbeat_key(session_id), json.dumps({"time": time.time()}).encode())
 
     def finish(self, tenant: str, session_id: str, reason: str) -> None:
         """End the session (the first end recorded stands): it takes no new calls, and engines unload its adapters."""
         self.check_owner(tenant, session_id)
-        self._ended[session_id] = record_end(self.store, session_id, f"finished: {reason}")[0]
+        self._note_liveness(session_id, record_end(self.store, session_id, f"finished: {reason}")[0], math.inf)
 
     def live_session(self, tenant: str, session_id: str) -> None:
         """This tenant's session, taking calls: ``NotFoundError`` for another's, ``SessionEndedError`` if it ended."""
@@ -192,15 +209,24 @@ class Gateway:
 
     def check_live(self, session_id: str) -> None:
         """``SessionEndedError`` (410) for a session that ended; a live one is looked at again after ``live_check_s``."""
-        if session_id not in self._ended and time.monotonic() >= self._live_until.get(session_id, 0.0):
+        with self._liveness_lock:
+            ended, live_until = self._liveness.get(session_id, (None, 0.0))
+        if ended is None and time.monotonic() >= live_until:
             end = session_end(self.store, session_id, expiry_s=self.session_expiry_s)
-            if end is not None:
-                self._ended[session_id] = end[0]
-            else:
-                self._live_until[session_id] = time.monotonic() + self.live_check_s
-        if session_id in self._ended:
-            raise SessionEndedError(f"session {session_id} has ended ({self._ended[session_id]}); create a new "
-                                    "ServiceClient")
+            ended = None if end is None else end[0]
+            self._note_liveness(session_id, ended, math.inf if end else time.monotonic() + self.live_check_s)
+        if ended is not None:
+            raise SessionEndedError(f"session {session_id} has ended ({ended}); create a new ServiceClient")
+
+    def _note_liveness(self, session_id: str, ended: str | None, live_until: float) -> None:
+        """Keep what the gateway saw of a session (an end stands), the ``cached_sessions`` latest noted only."""
+        with self._liveness_lock:
+            if ended is None and self._liveness.get(session_id, (None,))[0] is not None:
+                return
+            self._liveness[session_id] = (ended, live_until)
+            self._liveness.move_to_end(session_id)
+            while len(self._liveness) > self._cached_sessions:
+                self._liveness.popitem(last=False)
 
     # ---- models -------------------------------------------------------------------------------
     def served(self, base_model: str | None) -> ServedModel:
@@ -224,12 +250,13 @@ class Gateway:
         return self._model_record(key, model_id)
 
     def _model_record(self, key: str, model_id: str) -> dict[str, Any]:
-        if key not in self._models:  # records are create-only, so a cached one never goes stale
-            try:
-                self._models[key] = json.loads(self.store.get(key))
-            except FileNotFoundError:
-                raise NotFoundError(f"unknown model {echoed(model_id)}; create it with create_lora_training_client") from None
-        return dict(self._models[key])
+        try:
+            return dict(self._model_records(key))  # records are create-only, so a cached one never goes stale
+        except FileNotFoundError:
+            raise NotFoundError(f"unknown model {echoed(model_id)}; create it with create_lora_training_client") from None
+
+    def _read_model_record(self, key: str) -> dict[str, Any]:
+        return json.loads(self.store.get(key))  # type: ignore[no-any-return]
 
     def register_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora_rank: int,
                        lora: dict[str, Any], user_metadata: dict[str, Any] | None) -> str:

@@ -1,0 +1,49 @@
+"""The gateway without HTTP, on an in-memory store: what it keeps in memory and what it counts per tenant."""
+
+import uuid
+
+import pytest
+
+from pipeline.api.gateway import Gateway, NotFoundError, ServedModel, SessionEndedError
+from pipeline.io.store import ObjectStore
+
+BASE = "/models/base/tiny"
+
+
+def cached_entries(gateway: Gateway) -> int:
+    """Entries the gateway holds per session or model: its dicts, and its functions' caches."""
+    total = 0
+    for value in vars(gateway).values():
+        if isinstance(value, dict):
+            total += len(value)
+        elif hasattr(value, "cache_info"):
+            total += value.cache_info().currsize
+    return total
+
+
+def test_the_caches_of_sessions_and_models_stay_bounded_and_what_they_drop_is_read_again():
+    """A long-running gateway sees every session and training client of every tenant: what it caches of them is
+    bounded, and a session or model dropped from the cache is read again from the store, ended, owned and whole."""
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=60.0,
+                      cached_sessions=4, cached_models=4)
+    made = []
+    for _ in range(30):
+        session = gateway.create_session("alice", [], {})
+        model_id = gateway.register_model("alice", session, 0, BASE, 4, {}, None)
+        assert gateway.get_info("alice", model_id)["lora_rank"] == 4
+        made.append((session, model_id))
+    gateway.finish("alice", made[0][0], "success")
+    for session, model_id in made[1:]:
+        gateway.heartbeat("alice", session)
+        gateway.submit("alice", "optim_step", model_id, 1, b"{}")
+    assert cached_entries(gateway) <= 3 * 4 + len(gateway.models)  # owners, liveness and models: 4 each at most
+    ended, model_id = made[0]
+    with pytest.raises(SessionEndedError, match="finished: success"):
+        gateway.heartbeat("alice", ended)
+    with pytest.raises(NotFoundError):
+        gateway.heartbeat("bob", made[1][0])
+    assert gateway.model("alice", made[1][1])["lora_rank"] == 4
+    with pytest.raises(NotFoundError):
+        gateway.model("bob", made[2][1])
+    assert cached_entries(gateway) <= 3 * 4 + len(gateway.models)
