@@ -35,7 +35,7 @@ from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, pars
 from pipeline.api.results import ResultSignals
 from pipeline.api.sample_queue import BusyError
 from pipeline.api.samplers import check_sample_request
-from pipeline.api.tenants import Tenants, UnauthorizedError
+from pipeline.api.tenants import TenantLimitError, Tenants, UnauthorizedError
 from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header, forward_backward_prefix
 from pipeline.io.store import ChecksumError
 from schemas.api import ApiError, ApiOp, BodyFormat
@@ -110,7 +110,7 @@ class _BodyLimit:
 
 
 _STATUS = {UnauthorizedError: 401, BodyTooLarge: 413, NotFoundError: 404, checkpoints.NotFound: 404, downloads.UrlRefused: 403,
-           SessionEndedError: 410, BusyError: 429}
+           SessionEndedError: 410, BusyError: 429, TenantLimitError: 403}
 
 
 class WeightsInfoRequest(BaseModel):

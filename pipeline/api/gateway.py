@@ -56,8 +56,10 @@ from pipeline.api.lifecycle import (
     record_end,
     session_end,
 )
+from pipeline.api.quotas import TenantQuota
 from pipeline.api.sample_queue import MAX_PENDING_SAMPLES, SampleQueue
 from pipeline.api.samplers import read_sampler, write_sampler
+from pipeline.api.tenants import TenantLimits
 from pipeline.api.wire import (
     TinkerPath,
     numbered_call,
@@ -140,7 +142,7 @@ class Gateway:
     def __init__(self, store: ObjectStore, publish: Publish, models: list[ServedModel],
                  max_pending_samples: int = MAX_PENDING_SAMPLES, live_check_s: float = LIVE_CHECK_S,
                  session_expiry_s: float = SESSION_EXPIRY_S, cached_sessions: int = CACHED_SESSIONS,
-                 cached_models: int = CACHED_MODELS) -> None:
+                 cached_models: int = CACHED_MODELS, limits: TenantLimits | None = None) -> None:
         if not models:
             raise ValueError("a gateway needs at least one served base model")
         if cached_sessions < 1 or cached_models < 1:
@@ -157,15 +159,19 @@ class Gateway:
         self._liveness: OrderedDict[str, tuple[str | None, float]] = OrderedDict()  # session -> (why it ended, or
         self._liveness_lock = threading.Lock()  # None and the monotonic time until which it is taken as live)
         self.samples = SampleQueue(store, max_pending_samples)  # sample calls without a result: backpressure
+        self.quota = TenantQuota(store, limits or TenantLimits(),  # sessions and training clients per tenant
+                                 lambda session: session_end(store, session, expiry_s=session_expiry_s) is not None)
 
     # ---- sessions ---------------------------------------------------------------------------
     def create_session(self, tenant: str, tags: list[str], user_metadata: dict[str, Any]) -> str:
         check_metadata("tags", tags)
         check_metadata("user_metadata", user_metadata)
+        self.quota.admit_session(tenant)
         session_id = f"sess-{uuid.uuid4().hex[:16]}"
         record = {"session_id": session_id, "tenant": tenant, "created_at": now(), "tags": tags,
                   "user_metadata": user_metadata}
         mark_open(self.store, session_id)  # first, so that no session's files escape the sweeps
+        self.quota.note_session(tenant, session_id)  # and no session escapes its tenant's count
         self.store.put_create(f"{session_path(session_id)}/session.json", json.dumps(record).encode())
         self.heartbeat(tenant, session_id)
         return session_id
@@ -276,6 +282,9 @@ class Gateway:
         model_id = model_id_for(session_id, "train", model_seq_id)
         record = {"model_id": model_id, "tenant": tenant, "base_model": base_model, "lora_rank": lora_rank,
                   "lora": lora, "user_metadata": user_metadata or {}, "created_at": now()}
+        if not self.store.exists(self._model_key(model_id)):  # a resent create takes no new place
+            self.quota.admit_model(tenant)
+        self.quota.note_model(tenant, model_id)
         try:
             self.store.put_create(self._model_key(model_id), json.dumps(record).encode())
         except FileExistsError:

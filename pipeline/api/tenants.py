@@ -5,6 +5,10 @@ Keys are secrets like the bus password: configured in ``RLPIPE_API_KEYS``
 With no keys configured (the embedded default of ``rlpipe serve``), any key the
 SDK accepts (``tml-...``) is taken, and its tenant is named after a digest of
 the key, so two different keys are still two tenants that cannot see each other.
+
+What one tenant may hold at once is bounded (``TenantLimits``, from ``RLPIPE_API_MAX_SESSIONS`` and
+``RLPIPE_API_MAX_MODELS``; counted by ``pipeline.api.quotas``), so one key cannot fill the store and the
+trainers with sessions and training clients.
 """
 
 from __future__ import annotations
@@ -12,18 +16,53 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Mapping
 
-from pydantic import SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from schemas.api import ApiError
 from schemas.names import InvalidNameError, validate_name
 
 KEYS_ENV = "RLPIPE_API_KEYS"
+MAX_SESSIONS_ENV = "RLPIPE_API_MAX_SESSIONS"
+MAX_MODELS_ENV = "RLPIPE_API_MAX_MODELS"
 SDK_KEY_PREFIX = "tml-"
 
 
 class UnauthorizedError(ApiError):
     """No key, or a key no tenant holds (HTTP 401)."""
+
+
+class TenantLimitError(ApiError):
+    """A tenant at its limit of sessions or training clients (HTTP 403)."""
+
+
+class TenantLimits(BaseModel):
+    """What one tenant may hold at once.  A session that crashed without finishing holds its place until it expires
+    (a day without a heartbeat), hence limits well above what one user's loops run at a time."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_sessions: int = Field(256, ge=1, le=1_000_000, description=(
+        f"sessions of one tenant that have not ended (finished, or expired) ({MAX_SESSIONS_ENV})"))
+    max_models: int = Field(1024, ge=1, le=1_000_000, description=(
+        f"training clients in those sessions ({MAX_MODELS_ENV})"))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TenantLimits:
+        """From ``RLPIPE_API_MAX_SESSIONS`` and ``RLPIPE_API_MAX_MODELS`` (unset or empty: the defaults)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, int] = {}
+        for field, name in (("max_sessions", MAX_SESSIONS_ENV), ("max_models", MAX_MODELS_ENV)):
+            raw = env.get(name, "").strip()
+            if not raw:
+                continue
+            try:
+                values[field] = int(raw)
+                cls.model_validate({field: values[field]})
+            except ValueError:  # pydantic's ValidationError is one
+                raise ValueError(f"{name}={raw!r}: set a whole number from 1 to 1000000") from None
+        return cls(**values)
 
 
 class Tenants:

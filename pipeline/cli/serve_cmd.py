@@ -300,14 +300,15 @@ def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str
     from pipeline.api.direct import DirectSamplers
     from pipeline.api.gateway import Gateway, ServedModel
     from pipeline.api.results import ResultSignals
-    from pipeline.api.tenants import Tenants
+    from pipeline.api.tenants import TenantLimits, Tenants
     from pipeline.io.bus import EventPublisher
     from schemas.config import SamplerConfig
 
     tenants = Tenants.from_env()
     publisher = EventPublisher(bus, create_topics=False)
     gateway = Gateway(store, lambda event, key: publisher.publish("requests", event, key),
-                      [ServedModel(m, m, SamplerConfig().max_model_len) for m in models])  # the samplers' context
+                      [ServedModel(m, m, SamplerConfig().max_model_len) for m in models],  # the samplers' context
+                      limits=TenantLimits.from_env())
     base_url = f"http://{host}:{port}"
     console.print(f"rlpipe Tinker-compatible API at {base_url}  (store {store.root}, topics {bus.namespace}.requests"
                   f"/.results)\n{tenants.describe()}\nserving: {', '.join(models)}\n\n"

@@ -574,3 +574,18 @@ def test_an_input_of_any_length_is_echoed_cut_short_in_errors(api):
         assert len(error) < MAX_ECHOED + 400 and "…" in error, (path, error[:300])
     unserved = api.get("/api/v1/" + "y" * 20_000, headers=ALICE)
     assert unserved.status_code == 404 and len(unserved.json()["error"]) < MAX_ECHOED + 400, unserved.text[:300]
+
+
+def test_a_tenant_at_its_session_limit_is_answered_403_naming_the_setting():
+    from pipeline.api.tenants import TenantLimits
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")],
+                      limits=TenantLimits(max_sessions=1))
+    api = TestClient(create_app(gateway, Tenants(), poll_hold_s=0.05))
+    _session(api)
+    refused = api.post("/api/v1/create_session", headers=ALICE, json={"tags": [], "user_metadata": {},
+                                                                      "sdk_version": "0.38.0", "type": "create_session"})
+    assert refused.status_code == 403 and refused.json()["category"] == "user", refused.text
+    assert "RLPIPE_API_MAX_SESSIONS" in refused.json()["error"]
+    _session(api, BOB)

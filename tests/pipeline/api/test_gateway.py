@@ -47,3 +47,30 @@ def test_the_caches_of_sessions_and_models_stay_bounded_and_what_they_drop_is_re
     with pytest.raises(NotFoundError):
         gateway.model("bob", made[2][1])
     assert cached_entries(gateway) <= 3 * 4 + len(gateway.models)
+
+
+def test_a_tenant_holds_at_most_its_limit_of_sessions_and_training_clients_and_an_end_frees_places():
+    """One tenant cannot create sessions or training clients without bound: at its limit a creation is refused
+    naming the setting, other tenants are not held by it, a resent creation takes no new place, and a session's end
+    frees its place and its training clients'."""
+    from pipeline.api.tenants import TenantLimitError, TenantLimits
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0,
+                      limits=TenantLimits(max_sessions=2, max_models=3))
+    first, second = gateway.create_session("alice", [], {}), gateway.create_session("alice", [], {})
+    with pytest.raises(TenantLimitError, match=r"2 sessions that have not ended.*RLPIPE_API_MAX_SESSIONS"):
+        gateway.create_session("alice", [], {})
+    gateway.create_session("bob", [], {})  # Bob's places are his own
+    for session, seq in ((first, 0), (first, 1), (second, 0)):
+        gateway.register_model("alice", session, seq, BASE, 4, {}, None)
+    with pytest.raises(TenantLimitError, match=r"3 training clients.*RLPIPE_API_MAX_MODELS"):
+        gateway.register_model("alice", second, 1, BASE, 4, {}, None)
+    assert not store.exists(f"sessions/{second}/models/1.json")
+    gateway.register_model("alice", first, 0, BASE, 4, {}, None)  # resent: its own place
+    gateway.finish("alice", first, "success")
+    third = gateway.create_session("alice", [], {})
+    gateway.register_model("alice", second, 1, BASE, 4, {}, None)
+    gateway.register_model("alice", third, 0, BASE, 4, {}, None)
+    with pytest.raises(TenantLimitError):
+        gateway.register_model("alice", third, 1, BASE, 4, {}, None)

@@ -25,3 +25,14 @@ def test_configured_keys_are_secrets():
     for bad in ("team-a", "../x=tml-k"):
         with pytest.raises(ValueError):
             Tenants.from_env(bad)
+
+
+def test_tenant_limits_come_from_the_environment_with_defaults_and_bad_values_name_the_variable():
+    from pipeline.api.tenants import MAX_MODELS_ENV, MAX_SESSIONS_ENV, TenantLimits
+
+    assert TenantLimits.from_env({}) == TenantLimits()
+    assert TenantLimits.from_env({MAX_SESSIONS_ENV: "5", MAX_MODELS_ENV: " 20 "}) == TenantLimits(max_sessions=5,
+                                                                                               max_models=20)
+    for value in ("0", "-3", "many", "1.5"):
+        with pytest.raises(ValueError, match=MAX_SESSIONS_ENV):
+            TenantLimits.from_env({MAX_SESSIONS_ENV: value})

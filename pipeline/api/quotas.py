@@ -1,0 +1,73 @@
+"""Counting what each tenant holds, against its ``TenantLimits``: sessions that have not ended, and their
+training clients.
+
+The count is in the store, so every gateway sees the same: one empty object per session and per training
+client under ``api/tenants/<tenant>/`` (named ``<session>`` and ``<session>.train.<n>``), written when a gateway
+creates it.  A creation lists that folder.  Entries of sessions that ended are removed only when the count
+reaches a limit (each listed session's end is then read), so a tenant under its limits costs one listing per
+creation, and its folder holds little more than its limits.  Gateways creating for one tenant at the same moment
+may together pass a limit by one creation each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pipeline.api.tenants import MAX_MODELS_ENV, MAX_SESSIONS_ENV, TenantLimitError, TenantLimits
+from pipeline.io.store import ObjectStore
+from schemas.api import model_run_name
+
+TENANTS = "api/tenants"
+
+
+class TenantQuota:
+    """Admits a tenant's new session or training client while it is under its limits; ``has_ended(session)``
+    says whether a session ended (read when a limit is reached)."""
+
+    def __init__(self, store: ObjectStore, limits: TenantLimits, has_ended: Callable[[str], bool]) -> None:
+        self.store, self.limits, self.has_ended = store, limits, has_ended
+
+    def admit_session(self, tenant: str) -> None:
+        """``TenantLimitError`` when ``tenant`` holds ``max_sessions`` sessions that have not ended."""
+        held = self._held(tenant, models=False)
+        if held >= self.limits.max_sessions:
+            raise TenantLimitError(
+                f"this API key holds {held} sessions that have not ended, its limit ({MAX_SESSIONS_ENV}="
+                f"{self.limits.max_sessions}); close the ServiceClients it no longer uses (or end them with "
+                f"`rlpipe sessions end <id>`), or ask the operator to raise {MAX_SESSIONS_ENV}")
+
+    def admit_model(self, tenant: str) -> None:
+        """``TenantLimitError`` when ``tenant`` holds ``max_models`` training clients in sessions not ended."""
+        held = self._held(tenant, models=True)
+        if held >= self.limits.max_models:
+            raise TenantLimitError(
+                f"this API key holds {held} training clients in sessions that have not ended, its limit "
+                f"({MAX_MODELS_ENV}={self.limits.max_models}); close the ServiceClients it no longer uses, or ask "
+                f"the operator to raise {MAX_MODELS_ENV}")
+
+    def note_session(self, tenant: str, session_id: str) -> None:
+        self.store.put(f"{TENANTS}/{tenant}/{session_id}", b"")
+
+    def note_model(self, tenant: str, model_id: str) -> None:
+        self.store.put(f"{TENANTS}/{tenant}/{model_run_name(model_id)}", b"")
+
+    def _held(self, tenant: str, models: bool) -> int:
+        """The tenant's sessions (or training clients) noted; at the limit, those of sessions that ended are
+        removed first."""
+        limit = self.limits.max_models if models else self.limits.max_sessions
+        names = [key.rsplit("/", 1)[-1] for key in self.store.list(f"{TENANTS}/{tenant}")]
+        if _count(names, models) >= limit:
+            names = self._drop_ended(tenant, names)
+        return _count(names, models)
+
+    def _drop_ended(self, tenant: str, names: list[str]) -> list[str]:
+        ended = {session for session in {name.split(".")[0] for name in names} if self.has_ended(session)}
+        for name in names:
+            if name.split(".")[0] in ended:
+                self.store.delete(f"{TENANTS}/{tenant}/{name}", missing_ok=True)
+        return [name for name in names if name.split(".")[0] not in ended]
+
+
+def _count(names: list[str], models: bool) -> int:
+    """Entries of training clients (``<session>.train.<n>``), or of sessions (``<session>``)."""
+    return sum(("." in name) == models for name in names)
