@@ -14,7 +14,10 @@ JSON (lists, numbers, objects) are decoded, the rest stay strings for pydantic's
 own coercion.  Secrets stay ``SecretStr`` and print as ``***``.  A variable
 with the prefix that names no field (``RLPIPE_LERNER__LEARNING_RATE``) is
 refused with the closest valid name rather than ignored: a typo must not
-silently leave the default in place.  The few ``RLPIPE_`` variables that are
+silently leave the default in place.  Names match whatever their case
+(``rlpipe_learner__max_steps`` sets ``learner.max_steps``), as pydantic-settings
+reads them, whether they come from the process or from ``environ=``; one name
+given twice in different cases with different values is refused.  The few ``RLPIPE_`` variables that are
 not run configuration are listed in ``PROCESS_ENV``.
 """
 
@@ -135,6 +138,22 @@ def _section_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _is_rlpipe(name: str) -> bool:
+    return name.upper().startswith(ENV_PREFIX)
+
+
+def check_env_case(environ: Mapping[str, str]) -> None:
+    """Refuse one ``RLPIPE_`` name set in two cases to different values: which one is read would be an accident."""
+    seen: dict[str, str] = {}
+    for name, value in environ.items():
+        if not _is_rlpipe(name):
+            continue
+        other = seen.setdefault(name.upper(), name)
+        if other != name and environ[other] != value:
+            raise ConfigError(f"environment variables {other} and {name} set the same field to different values; "
+                              "unset one of them")
+
+
 def check_env_names(names: Sequence[str]) -> None:
     """Refuse an ``RLPIPE_`` variable that sets no field, naming the closest valid one (``ConfigError``)."""
     valid = config_env_names()
@@ -162,20 +181,23 @@ def _is_mapping_field(section: str, field: str) -> bool:
 def env_layer(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``RLPIPE_*`` variables of ``environ`` (default ``os.environ``) as a nested dict.
 
-    ``ConfigError`` names a variable that sets no field (see ``check_env_names``).
+    Names match whatever their case, as pydantic-settings reads them.  ``ConfigError`` names a variable that
+    sets no field (see ``check_env_names``) or a name set twice in different cases (``check_env_case``).
     """
-    check_env_names(list(os.environ if environ is None else environ))
+    source = os.environ if environ is None else environ
+    check_env_case(source)
+    check_env_names(list(source))
     if environ is None:
         layer = _EnvLayer()
-    else:
-        saved = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    else:  # pydantic-settings reads only os.environ: swap the RLPIPE_ variables in for the duration
+        saved = {k: v for k, v in os.environ.items() if _is_rlpipe(k)}
         try:
             for k in saved:
                 del os.environ[k]
-            os.environ.update({k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)})
+            os.environ.update({k: v for k, v in environ.items() if _is_rlpipe(k)})
             layer = _EnvLayer()
         finally:
-            for k in [k for k in os.environ if k.startswith(ENV_PREFIX)]:
+            for k in [k for k in os.environ if _is_rlpipe(k)]:
                 del os.environ[k]
             os.environ.update(saved)
     return _decode_json_leaves(layer.model_dump(exclude_none=True))

@@ -273,3 +273,21 @@ def test_a_set_value_that_is_not_yaml_or_a_key_under_a_value_is_one_line_naming_
         resolve_config("cartpole", overrides=["learner=3", "learner.learning_rate=1"], environ={})
     with pytest.raises(ConfigError, match=r"--set 'learner..x=1': the key has an empty part"):
         resolve_config("cartpole", overrides=["learner..x=1"], environ={})
+
+
+def test_lower_case_rlpipe_names_are_read_like_the_process_environment_reads_them(monkeypatch):
+    """Names are matched whatever their case, as pydantic-settings matches the process's own variables."""
+    assert resolve_config(environ={"rlpipe_learner__max_steps": "7"}).learner.max_steps == 7
+    monkeypatch.setenv("rlpipe_learner__max_steps", "9")
+    assert resolve_config().learner.max_steps == 9  # the process environment, read by pydantic-settings
+    assert resolve_config(environ={}).learner.max_steps != 9  # an explicit environ replaces the process's
+    with pytest.raises(ConfigError, match="RLPIPE_LEARNER__LEARNING_RATE"):
+        resolve_config(environ={"rlpipe_learner__learnig_rate": "1e-4"})
+
+
+def test_one_name_given_in_two_cases_with_different_values_is_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"RLPIPE_LEARNER__MAX_STEPS.*rlpipe_learner__max_steps") as info:
+        resolve_config(environ={"RLPIPE_LEARNER__MAX_STEPS": "7", "rlpipe_learner__max_steps": "8"})
+    assert "\n" not in str(info.value)
+    assert resolve_config(environ={"RLPIPE_LEARNER__MAX_STEPS": "7", "rlpipe_learner__max_steps": "7"}
+                          ).learner.max_steps == 7
