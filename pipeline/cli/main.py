@@ -144,7 +144,8 @@ app.add_typer(topics_app, name="topics")
 
 
 def _state_table(state: StackState, title: str) -> Table:
-    table = Table("part", "where", title=title, show_header=False)
+    table = Table("part", title=title, show_header=False)
+    table.add_column("where", overflow="fold")  # a long path folds onto more lines, never cut short with "…"
     table.add_row("Kafka (bus.bootstrap_servers)", state.bootstrap_servers)
     if state.s3_endpoint:
         table.add_row("broker log (kept across restarts)", f"{state.log_storage} on {state.s3_endpoint}")

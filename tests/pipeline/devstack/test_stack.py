@@ -255,3 +255,21 @@ def test_two_ups_at_once_start_one_stack_and_the_other_says_it_runs(home: Path) 
         stopped = runner.invoke(app, ["down"])
     assert f"stopped (pid {infos[0]['pid']})" in stopped.stdout
     assert not _alive(infos[0]["pid"])
+
+
+def test_status_shows_a_long_store_path_whole_on_an_80_column_terminal(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `where` column folds a path too long for the terminal onto more lines instead of cutting it."""
+    from pipeline.cli import main as cli_main
+
+    deep = home / ("a-folder-with-a-long-name/" * 5).strip("/")
+    state = _state(deep, 4242)
+    monkeypatch.setattr(cli_main, "read_stack_state", lambda: state)
+    monkeypatch.setattr(cli_main, "answers_kafka_metadata", lambda host, port, timeout_s: True)
+    result = runner.invoke(app, ["status"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert "…" not in result.stdout and max(len(line) for line in lines) <= 80
+    where = "".join(line.split("│")[2].strip() for line in lines if line.count("│") == 3)  # the second cells, joined
+    assert state.store_root in where and state.log_dir in where
