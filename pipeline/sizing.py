@@ -31,11 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+from huggingface_hub import HfApi, constants
+from huggingface_hub.errors import RepositoryNotFoundError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 GIB = 2**30
+HUB_TIMEOUT_S = 5.0  # one look-up of a hub id not in the cache; the hub client alone retries for about 30 s
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # values kept for the backward pass, per token per decoder layer, as multiples of hidden and intermediate size
 ACTIVATION_HIDDEN, ACTIVATION_INTERMEDIATE = 8, 4
@@ -72,11 +76,40 @@ class MemoryPlan:
 
 
 def load_model_config(model: str) -> PretrainedConfig:
-    """A hub id, a model folder or a ``config.json`` path -> its configuration (no weights are read)."""
+    """A hub id, a model folder or a ``config.json`` path -> its configuration (no weights are read).
+
+    A hub id is read from the local cache first.  Only when it is not there is the hub asked, once and with
+    ``HUB_TIMEOUT_S``, whether the model exists, so an unknown id or an unreachable hub is an ``OSError`` in
+    seconds rather than after the hub client's retries.
+    """
     if model.endswith(".json"):
         return AutoConfig.from_pretrained(model.rsplit("/", 1)[0] or ".") if model.endswith("config.json") \
             else PretrainedConfig.from_json_file(model)
+    folder = Path(model).expanduser()
+    if folder.exists() or model.startswith(("/", ".", "~")):
+        if not folder.is_dir():
+            raise OSError(f"there is no model folder {str(folder)!r}")
+        return AutoConfig.from_pretrained(folder)
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    except OSError:
+        if constants.HF_HUB_OFFLINE:
+            raise OSError(f"{model!r} is not in the hub cache and HF_HUB_OFFLINE is set") from None
+    _check_on_hub(model)
     return AutoConfig.from_pretrained(model)
+
+
+def _check_on_hub(model: str) -> None:
+    """``OSError`` unless the hub answers, within ``HUB_TIMEOUT_S``, that ``model`` exists."""
+    try:
+        HfApi().model_info(model, timeout=HUB_TIMEOUT_S)
+    except RepositoryNotFoundError:
+        raise OSError(f"the hub has no model {model!r} (or it is private: log in with `hf auth login`)") from None
+    except ValueError:
+        raise  # not a valid hub id
+    except Exception as exc:  # the hub client's transport errors are requests', httpx' or httpx2's by version
+        raise OSError(f"{model!r} is not in the hub cache and the hub at {constants.ENDPOINT} cannot be reached "
+                      f"({type(exc).__name__}: {exc})") from None
 
 
 def plan_memory(

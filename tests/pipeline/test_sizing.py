@@ -105,3 +105,33 @@ def test_plan_of_a_hub_id_it_cannot_reach_names_the_local_ways(monkeypatch):
     result = CliRunner().invoke(app, ["plan", "--model", "nobody/no-such-model"])
     line = result.output.strip()
     assert result.exit_code == 2 and "model folder" in line and "config.json" in line, line
+
+
+def test_plan_of_an_unknown_hub_id_fails_in_seconds_without_offline_mode(monkeypatch):
+    """The cache is read first and the hub asked once with a short timeout: no minute of retries before the error
+    (whether the hub answers "no such model" or cannot be reached at all)."""
+    import time
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["plan", "--model", "nobody/no-such-model-rlpipe"])
+    elapsed = time.monotonic() - started
+    line = result.output.strip().splitlines()[-1]
+    assert result.exit_code == 2 and "model folder" in line and "nobody/no-such-model-rlpipe" in line, result.output
+    assert elapsed < 15, f"took {elapsed:.0f} s"
+
+
+def test_plan_of_a_hub_id_in_the_cache_reads_it_without_asking_the_hub(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    repo = tmp_path / "models--rlpipe--cached"
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    LLAMA_8B.to_json_file(str(repo / "snapshots" / ("0" * 40) / "config.json"))
+    result = CliRunner().invoke(app, ["plan", "--model", "rlpipe/cached", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["parameters"] == plan_memory(LLAMA_8B).parameters
