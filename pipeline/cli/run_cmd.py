@@ -27,11 +27,14 @@ which serve every run, are as many as the most any run asks for.
 
 from __future__ import annotations
 
+import json
+import shlex
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
 from pydantic import ValidationError
 
 from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors, reachable_store
@@ -40,6 +43,7 @@ from pipeline.cli.options import SetOpt, check_env, run_config, setup_logging
 from pipeline.config import (
     ConfigError,
     check_value_run_settings,
+    config_to_json,
     deep_merge,
     env_layer,
     load_file,
@@ -315,18 +319,43 @@ def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
 def stop_if_finished(store: ObjectStore, config: RunConfig) -> None:
     """Exit 0 with one line when the run's learner already reached ``max_steps``: nothing would train."""
     from pipeline.analysis.runs import learner_step
-    from pipeline.config import preset_names
 
-    preset_hint = config.env.name if config.env.name in preset_names() else "NAME"
     limit = step_budget(config)
     step = learner_step(store, config.run_id)
     if limit is not None and step >= limit:
         console.print(
             f"run {config.run_id} already reached its max_steps ({limit}): continue it with "
             f"`rlpipe run --resume {config.run_id} --max-steps {step + limit}`, or start a fresh run with "
-            f"`rlpipe run --preset {preset_hint}`", markup=False, soft_wrap=True,
+            f"`{fresh_run_command(config)}`", markup=False, soft_wrap=True,
         )
         raise typer.Exit(0)
+
+
+def fresh_run_command(config: RunConfig) -> str:
+    """``rlpipe run`` that starts a new run configured as ``config``: its environment's preset (when one ships) and a
+    ``--set`` for every field that differs from what that preset resolves to here, name and placement left out (the
+    new run gets its own name; bus and store come from where it is started)."""
+    from pipeline.config import preset_names, resolve_config
+    from pipeline.runtime import config_differences
+
+    preset = config.env.name if config.env.name in preset_names() else None
+    base = json.loads(config_to_json(resolve_config(preset)))
+    differences = config_differences(base, json.loads(config_to_json(config)))
+    words = ["rlpipe", "run", *(["--preset", preset] if preset else [])]
+    for change in differences:
+        if change.field != "run_id":
+            words += ["--set", f"{change.field}={_set_value(change.after)}"]
+    return shlex.join(words)
+
+
+def _set_value(value: object) -> str:
+    """``value`` as ``--set`` reads it back (YAML): text as it is unless YAML would read it as something else."""
+    try:
+        if isinstance(value, str) and yaml.safe_load(value) == value:
+            return value
+    except yaml.YAMLError:
+        pass
+    return json.dumps(value)
 
 
 command = typer.main.get_command(app)

@@ -260,3 +260,31 @@ def test_resuming_a_value_run_that_reached_its_budget_says_so(home: Path) -> Non
     finished = _run("--resume", "vdone")
     assert finished.exit_code == 0 and "already reached its max_steps (2)" in finished.output, finished.output
     assert len(FakeLauncher.launched) == 1
+
+
+def test_a_finished_runs_fresh_command_carries_the_options_it_was_started_with(home: Path) -> None:
+    """The suggested fresh run is the recorded one under a new name: the same preset and every field its run.json
+    holds apart from the preset's (the --set and --max-steps it was started with), placement and name left out."""
+    import shlex
+
+    from pipeline.runtime import config_differences
+
+    started = _run("--preset", "cartpole", "--run", "tuned", "--max-steps", "2", "--set", "learner.learning_rate=0.01",
+                   "--set", "sampler.temperature=0.5", "--producers", "2")
+    assert started.exit_code == 0, started.output
+    original = FakeLauncher.launched[0]
+    store = open_store(original.store)
+    tensors = {"w": torch.zeros(1)}
+    CheckpointStore(store, "tuned").save(LearnerState(step=2, version=2), tensors, tensors, {})
+    finished = _run("--resume", "tuned")
+    assert finished.exit_code == 0 and len(FakeLauncher.launched) == 1, finished.output
+    fresh = finished.output.split("start a fresh run with `", 1)[1].split("`", 1)[0]
+    assert "learner.learning_rate=0.01" in fresh and "sampler.temperature=0.5" in fresh and "run_id" not in fresh
+    words = shlex.split(fresh)
+    assert words[:4] == ["rlpipe", "run", "--preset", "cartpole"], fresh
+    again = _run(*words[2:])
+    assert again.exit_code == 0, again.output
+    copy = FakeLauncher.launched[-1]
+    assert copy.run_id != "tuned"
+    differences = config_differences(original.model_dump(mode="json"), copy.model_dump(mode="json"))
+    assert [change.field for change in differences] == ["run_id"], differences
