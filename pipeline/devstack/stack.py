@@ -356,7 +356,9 @@ def _spawn_server(
 
 
 def stop_background(home: Path | None = None, timeout_s: float = 10.0) -> StackState | None:
-    """Stop the stack of ``home`` (SIGTERM, then SIGKILL after ``timeout_s``); returns its state, None if none ran."""
+    """Stop the stack of ``home`` (SIGTERM, then SIGKILL after ``timeout_s``); returns its state, None if none ran.
+
+    ``StackError`` names the stack's processes that a SIGKILL left running (``_kill_stack``)."""
     home = (home or rlpipe_home()).expanduser().resolve()
     state = read_stack_state(home)
     if state is not None:
@@ -374,8 +376,52 @@ def _terminate(pid: int, timeout_s: float) -> None:
         if not _alive(pid):
             return
         time.sleep(0.1)
+    _kill_stack(pid)
+
+
+def _kill_stack(pid: int, wait_s: float = 5.0) -> None:
+    """SIGKILL the serving process ``pid`` and, where it leads its process group, the whole group.
+
+    The servers it started (broker, local S3 server, GCS emulator) share its group: ``start_background`` gives it a
+    session of its own and ``ManagedProcess`` none.  Killing it alone would drop the home's lock while they still
+    run, and the next ``rlpipe up`` would start a second S3 server on the same journal.  A serving process that does
+    not lead its group (``rlpipe up --foreground`` run by a script) is killed alone; its servers get SIGTERM from
+    the kernel (``die_with_parent``).  ``StackError`` names what still runs ``wait_s`` after the SIGKILL.
+    """
+    try:
+        leads_group = os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return
+    if not leads_group:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return
     with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while left := _living_in_group(pid):
+        if time.monotonic() > deadline:
+            raise StackError(f"the stack's processes {', '.join(map(str, left))} still run {wait_s:g}s after "
+                             "SIGKILL; wait for them to exit (ps -o pid,stat,cmd -p PID) before rlpipe up")
+        time.sleep(0.05)
+
+
+def _living_in_group(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that are not zombies (from /proc; without it, ``[pgid]`` while any runs)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        return [pgid]
+    living = []
+    for stat in proc.glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rpartition(")")[2].split()  # after "pid (comm)": state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                living.append(int(stat.parent.name))
+    return sorted(living)
 
 
 def _alive(pid: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -273,3 +274,53 @@ def test_status_shows_a_long_store_path_whole_on_an_80_column_terminal(
     assert "…" not in result.stdout and max(len(line) for line in lines) <= 80
     where = "".join(line.split("│")[2].strip() for line in lines if line.count("│") == 3)  # the second cells, joined
     assert state.store_root in where and state.log_dir in where
+
+
+STUCK_SERVER = """
+import fcntl, os, signal, subprocess, sys, time
+home = sys.argv[1]
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stack stuck on its way down: only SIGKILL ends it
+lock = os.open(os.path.join(home, "stack.lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(lock, fcntl.LOCK_EX)
+server = subprocess.Popen([sys.executable, "-c",  # one of its servers, as stuck, and not told when its parent dies
+                           "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+with open(os.path.join(home, "server.pid"), "w") as file:
+    file.write(str(server.pid))
+time.sleep(120)
+"""
+
+
+def test_down_that_has_to_kill_the_stack_kills_the_servers_it_started_too(home: Path) -> None:
+    """SIGKILL of the serving process alone released the home's lock while its servers still ran (the next `rlpipe
+    up` would start a second S3 server on the same journal); the servers share its process group and die with it."""
+    import fcntl
+
+    home.mkdir(parents=True)
+    script = home / "stuck_stack.py"
+    script.write_text(STUCK_SERVER)
+    stack = subprocess.Popen([sys.executable, str(script), str(home), "pipeline.devstack.stack"],
+                             start_new_session=True)  # as `rlpipe up` starts the serving process
+    server_pid = None
+    try:
+        deadline = time.monotonic() + 20
+        while not (home / "server.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server_pid = int((home / "server.pid").read_text())
+        state_path(home).write_text(_state(home, stack.pid).model_dump_json())
+        assert read_stack_state() is not None
+
+        from pipeline.devstack.stack import stop_background
+
+        assert stop_background(timeout_s=0.5) is not None
+        stack.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(server_pid), "a server of the killed stack still runs"
+        with open(home / "stack.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: nothing of the old stack holds or needs it
+    finally:
+        for pid in (stack.pid, server_pid):
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        stack.wait(timeout=5)
