@@ -62,7 +62,14 @@ from tinker.proto import tinker_public_pb2 as public_pb
 
 from pipeline.api.activity import ActivityRecorder
 from pipeline.api.direct import direct_app, serve_direct
-from pipeline.api.engines import announce_result, engine_arguments, engine_setup, request_reader, store_result
+from pipeline.api.engines import (
+    announce_result,
+    engine_arguments,
+    engine_health,
+    engine_setup,
+    request_reader,
+    store_result,
+)
 from pipeline.api.gateway import parse_body
 from pipeline.api.lifecycle import files_deleted
 from pipeline.api.samplers import check_sample_request, inflight_version, read_sampler, sampled_version
@@ -422,17 +429,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="also take calls straight from the gateway on 127.0.0.1:PORT (pipeline.api.direct)")
     args = parser.parse_args(argv)
     bus = engine_setup(args, log)
+    ready = engine_health(args)
     log.info("initialising the %s sampling engine for %s", args.backend, args.base_model)
     config = SamplerConfig(backend=args.backend)
     if args.max_lora_rank:
         config = config.model_copy(update={"max_lora_rank": args.max_lora_rank})
     engine = make_engine(args.backend, args.base_model, config)
     tokenizer = AutoTokenizer.from_pretrained(args.base_model)
+    ready.add("engine loaded")
     store = ObjectStore(args.store)
     worker = SamplerWorker(store, bus, args.base_model, engine,
                            lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
                            consumer_options=group_timings_from_env(), max_adapters=args.max_adapters,
                            activity=ActivityRecorder(store, "sampler", args.engine_id))
+    ready.add("reading calls")
     try:
         asyncio.run(worker.run(StopFlag().install(), args.direct_port))
     finally:

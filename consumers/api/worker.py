@@ -50,7 +50,7 @@ from consumers.engine import NOT_FINITE_STEP, TrainingEngine
 from consumers.engine_data import EngineError
 from pipeline.api import lifecycle
 from pipeline.api.activity import ActivityRecorder
-from pipeline.api.engines import engine_arguments, engine_setup, request_reader, write_result
+from pipeline.api.engines import engine_arguments, engine_health, engine_setup, request_reader, write_result
 from pipeline.api.gateway import parse_body
 from pipeline.api.wire import decode_forward_backward, encode_forward_backward_output
 from pipeline.io.bus import (
@@ -530,13 +530,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_adapters is not None and args.max_adapters < 1:
         parser.error(f"--max-adapters {args.max_adapters}: give at least 1, or leave it out for no limit")
     bus = engine_setup(args, log)
+    ready = engine_health(args)
     log.info("initialising the training engine for %s", args.base_model)
     engine = TrainingEngine(args.base_model, device=args.device)
+    ready.add("engine loaded")
     store = ObjectStore(args.store)
     worker = TrainerWorker(store, bus, args.base_model, engine, session_timeout_s=args.session_timeout_s,
                            consumer_options=group_timings_from_env(),
                            activity=ActivityRecorder(store, "trainer", args.engine_id),
                            idle_unload_s=args.idle_unload_s, max_adapters=args.max_adapters)
+    ready.add("reading calls")
     worker.run(StopFlag().install())
     return 0
 

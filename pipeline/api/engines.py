@@ -1,11 +1,15 @@
 """What the API's engine processes (the trainer and the sampler roles) share: writing a call's result,
-and their command line.
+their command line and their health endpoints.
 
 A result is written create-only under the call's session and announced with
 ``ApiResultReady`` on ``<ns>.results`` (keyed by model, so one model's results
 keep their order); a call executed again after a restart finds its result
 already there and announces nothing new.  The announcement only wakes waiting
 polls early: one that cannot be published is logged and the engine goes on.
+
+An engine takes no HTTP traffic, so with ``--health-port`` it serves only
+``pipeline.health``'s ``/healthz`` (from its start, while the model loads) and
+``/readyz`` (once ``ENGINE_SETUP_STEPS`` are done) for Kubernetes' probes.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import logging
 from typing import Any
 
+from pipeline.health import HealthServer
 from pipeline.io.bus import EventConsumer, EventPublisher, PublishError
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiRequestAccepted, ApiResultReady, BodyFormat, ErrorCategory, result_path
@@ -21,6 +26,7 @@ from schemas.config import BusConfig
 from schemas.events import make_event
 
 log = logging.getLogger(__name__)
+ENGINE_SETUP_STEPS = ("engine loaded", "reading calls")  # what /readyz waits for, in order
 
 
 def request_reader(bus: BusConfig, group_id: str, options: dict[str, Any] | None = None) -> EventConsumer:
@@ -73,7 +79,17 @@ def engine_arguments(prog: str, description: str | None) -> argparse.ArgumentPar
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument("--engine-id", default=None,
                         help="this engine's name in its activity (engines/<kind>-<id>/); default <host>-<pid>")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="serve /healthz and /readyz (engine loaded, reading calls) on 0.0.0.0:PORT for "
+                             "Kubernetes probes; default: none")
     return parser
+
+
+def engine_health(args: argparse.Namespace) -> set[str]:
+    """Serve ``--health-port``'s endpoints from now on (nothing without it), before the slow engine load, so
+    ``/healthz`` answers while it loads.  Add each of ``ENGINE_SETUP_STEPS`` to the returned set once done:
+    ``/readyz`` is 200 when all are, else 503 naming those missing."""
+    return HealthServer(args.health_port).start().add_setup_steps(ENGINE_SETUP_STEPS)
 
 
 def engine_setup(args: argparse.Namespace, log: logging.Logger) -> BusConfig:

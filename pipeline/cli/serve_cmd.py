@@ -40,25 +40,33 @@ DEFAULT_MAX_LORA_RANK = 32  # the tinker SDK's default rank
 
 
 def trainer_command(base_model: str, store_root: str, bootstrap: str, namespace: str,
-                    max_adapters: int | None = None, idle_unload_s: float | None = None) -> list[str]:
+                    max_adapters: int | None = None, idle_unload_s: float | None = None,
+                    health_port: int | None = None) -> list[str]:
     """The argv of one trainer process (one per base model); ``max_adapters``: training clients held in its
-    engine at once; ``idle_unload_s``: how long one without a call stays (both: the trainer's default if None)."""
+    engine at once; ``idle_unload_s``: how long one without a call stays (both: the trainer's default if None);
+    ``health_port``: where it serves /healthz and /readyz (none if None)."""
     command = [sys.executable, "-m", "consumers.api.worker", "--base-model", base_model, "--store", store_root,
                "--bootstrap", bootstrap, "--namespace", namespace]
     if max_adapters is not None:
         command += ["--max-adapters", str(max_adapters)]
-    return command + (["--idle-unload-s", f"{idle_unload_s:g}"] if idle_unload_s is not None else [])
+    if idle_unload_s is not None:
+        command += ["--idle-unload-s", f"{idle_unload_s:g}"]
+    return command + (["--health-port", str(health_port)] if health_port else [])
 
 
 def sampler_command(base_model: str, store_root: str, bootstrap: str, namespace: str, backend: str,
-                    direct_port: int | None = None, max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> list[str]:
+                    direct_port: int | None = None, max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+                    health_port: int | None = None) -> list[str]:
     """The argv of one sampler process (one per base model); ``direct_port``: its direct endpoint;
-    ``max_lora_rank``: the largest adapter rank a vLLM sampler loads."""
+    ``max_lora_rank``: the largest adapter rank a vLLM sampler loads; ``health_port``: where it serves
+    /healthz and /readyz (none if None)."""
     command = [sys.executable, "-m", "producers.api_sampler", "--base-model", base_model, "--store", store_root,
                "--bootstrap", bootstrap, "--namespace", namespace, "--backend", backend]
     if backend == "vllm":
         command += ["--max-lora-rank", str(max_lora_rank)]
-    return command + (["--direct-port", str(direct_port)] if direct_port else [])
+    if direct_port:
+        command += ["--direct-port", str(direct_port)]
+    return command + (["--health-port", str(health_port)] if health_port else [])
 
 
 def bus_environment(bus: BusConfig) -> dict[str, str]:
@@ -131,6 +139,9 @@ def serve(
     idle_unload_s: Annotated[float | None, typer.Option(
         min=0.0, help="--role all|trainer: a training client without a call this many seconds is saved to the "
                       "store and leaves the trainer's engine until its next call (default 600).")] = None,
+    health_port: Annotated[int | None, typer.Option(
+        min=1, max=65535, help="--role trainer|sampler: each engine serves /healthz and /readyz (loaded, reading "
+                               "calls) on 0.0.0.0:PORT (PORT+1, ... for further base models), for probes.")] = None,
     overrides: SetOpt = None,
 ) -> None:
     """Serve the Tinker-compatible API: the gateway, one trainer and one sampler per base model (the embedded
@@ -165,6 +176,9 @@ def serve(
         fail("--max-adapters and --idle-unload-s are the trainer's; use them with --role all or trainer", EXIT_USAGE)
     if direct_port and role != "sampler":
         fail("--direct-port is for --role sampler; --role all picks its own ports", EXIT_USAGE)
+    if health_port and role not in ("trainer", "sampler"):
+        fail("--health-port is for --role trainer or sampler (the gateway answers /api/v1/healthz on its --port)",
+             EXIT_USAGE)
     setup_logging()
     cfg = run_config(None, None, overrides or [])
     # the gateway only names the models (it routes calls to their engines): a folder it lacks is the engines'
@@ -180,14 +194,15 @@ def serve(
     if not cfg.bus.bootstrap_servers:
         env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
     stop_on_sigterm()
+    health_ports = {m: health_port + i for i, m in enumerate(models)} if health_port else {}
     engines = [(f"trainer for {m}", trainer_command(m, store.root, bus.bootstrap_servers, bus.namespace,
-                                                    max_adapters, idle_unload_s))
+                                                    max_adapters, idle_unload_s, health_ports.get(m)))
                for m in models] if role in ("all", "trainer") else []
     # with the gateway in this process, each sampler also takes its calls straight from it (pipeline.api.direct)
     direct_ports = ({m: free_port() for m in models} if role == "all"
                     else {m: direct_port + i for i, m in enumerate(models)} if direct_port else {})
     engines += [(f"sampler for {m}", sampler_command(m, store.root, bus.bootstrap_servers, bus.namespace, sampler,
-                                                     direct_ports.get(m), max_lora_rank))
+                                                     direct_ports.get(m), max_lora_rank, health_ports.get(m)))
                 for m in models] if role in ("all", "sampler") else []
     if role in ("trainer", "sampler"):  # one role per process: its supervisor (Kubernetes) starts it again
         workers = [start_engine(command, env) for _, command in engines]

@@ -116,3 +116,16 @@ def test_api_topics_are_declared_with_replicas_the_cluster_can_meet(resources):
         for topic in topics.values():
             assert int(env["RLPIPE_BUS__REPLICATION_FACTOR"]) == topic["spec"]["replicas"], role
             assert int(env["RLPIPE_BUS__TOPIC_PARTITIONS"]) == topic["spec"]["partitions"], role
+
+
+@pytest.mark.parametrize("role", ["trainer", "sampler"])
+def test_the_engines_are_probed_where_they_serve_their_health(resources, role):
+    """The engines take no HTTP traffic: `rlpipe serve --health-port` gives each /healthz (the process answers,
+    even while its model loads) and /readyz (the engine loaded and reading calls), which the probes ask."""
+    _, container = _container(resources, role)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(_option(container, "--health-port")) == ports["health"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    # a restart reloads the model: liveness gives a stuck engine a minute before it is killed
+    assert container["livenessProbe"]["periodSeconds"] * container["livenessProbe"]["failureThreshold"] >= 60

@@ -297,3 +297,13 @@ def test_a_base_model_path_must_be_a_model_folder_and_a_hub_id_passes(tmp_path):
     assert resolve_base_model(ModelConfig(base_model=str(tmp_path / "empty"))) == str(tmp_path / "empty")
     for hub_id in ("Qwen/Qwen2.5-0.5B-Instruct", "gpt2"):
         assert resolve_base_model(ModelConfig(base_model=hub_id)) == hub_id
+
+
+def test_each_engine_of_a_trainer_or_sampler_role_gets_its_own_health_port():
+    assert trainer_command("/m", "file:///s", "h:1", "ns", health_port=8080)[-2:] == ["--health-port", "8080"]
+    assert sampler_command("/m", "file:///s", "h:1", "ns", "vllm", health_port=8081)[-2:] == ["--health-port",
+                                                                                             "8081"]
+    assert "--health-port" not in trainer_command("/m", "file:///s", "h:1", "ns")
+    result = runner.invoke(app, ["serve", "--role", "gateway", "--health-port", "8080"])
+    assert result.exit_code == 2 and "--health-port is for --role trainer or sampler" in " ".join(
+        result.output.split())

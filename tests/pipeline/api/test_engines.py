@@ -71,3 +71,62 @@ def test_an_engine_connects_with_the_bus_settings_of_its_environment_and_serves_
         "SASL_SSL", "SCRAM-SHA-512", "rlpipe", "/etc/kafka-ca/ca.crt", 30.0)
     assert bus.sasl_password is not None and bus.sasl_password.get_secret_value() == "s3cret"
     assert bus_environment(resolve_config(environ={}).bus) == {}  # the defaults: nothing to pass on
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["consumers.api.worker", "producers.api_sampler"])
+def test_an_engine_process_answers_its_health_probes_while_loading_and_is_ready_once_reading_calls(
+    module, tmp_path, bus_config, tiny_model_dir
+) -> None:
+    """Kubernetes probes the trainer and the sampler on --health-port: /healthz as soon as the process runs,
+    /readyz 503 naming what is missing until the engine is loaded and reading calls, then 200."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    from pipeline.devstack.process import free_port
+
+    port = free_port()
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    process = subprocess.Popen([sys.executable, "-m", module, "--base-model", tiny_model_dir, "--store",
+                                f"file://{tmp_path}/store", "--bootstrap", bus_config.bootstrap_servers,
+                                "--namespace", bus_config.namespace, "--health-port", str(port)],
+                               env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def get(path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    try:
+        statuses = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                statuses.append(get("/readyz"))
+            except OSError:  # not listening yet
+                time.sleep(0.1)
+                continue
+            if statuses[-1][0] == 200:
+                break
+            assert get("/healthz")[0] == 200
+            time.sleep(0.1)
+        assert process.poll() is None, process.stderr.read().decode()[-2000:] if process.stderr else ""
+        assert statuses and statuses[-1][0] == 200, statuses[-3:]
+        assert get("/healthz")[0] == 200
+        assert any(code == 503 and "engine loaded" in body for code, body in statuses), statuses[:3]
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
