@@ -189,11 +189,18 @@ class ReplayMemory:
         state["counters"] = np.array([self.size, self.cursor, self.add_count, self.n_step], np.int64)
         state["scalars"] = np.array([self.alpha, self.gamma, self.max_priority], np.float64)
         state["prioritized"] = np.array([self.scheme == "prioritized"], np.bool_)
+        # [reader, num_actions]: the reader's index in _READERS (-1: one of the caller's), num_actions -1 for None
+        reader = _READERS.index(self.read_actions) if self.read_actions in _READERS else -1
+        state["actions"] = np.array([reader, -1 if self.num_actions is None else self.num_actions], np.int64)
         return state
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, np.ndarray]) -> ReplayMemory:
-        """The memory ``to_state_dict`` described (capacity and sizes read off the arrays)."""
+    def from_state_dict(cls, state: dict[str, np.ndarray], read_actions: ActionReader | None = None) -> ReplayMemory:
+        """The memory ``to_state_dict`` described (capacity and sizes read off the arrays).
+
+        The action reader is the one the memory had (``discrete_actions`` for a state written without it);
+        a memory built with a reader of the caller's own needs it given back as ``read_actions``.
+        """
         missing = {*_FIELDS, "priority", "counters", "scalars", "prioritized"} - set(state)
         if missing:
             raise ValueError(f"replay state lacks {sorted(missing)}; was it written by ReplayMemory.to_state_dict?")
@@ -201,7 +208,12 @@ class ReplayMemory:
         alpha, gamma, max_priority = (float(v) for v in state["scalars"])
         capacity, observation_size = state["observation"].shape
         scheme: Scheme = "prioritized" if bool(state["prioritized"][0]) else "uniform"
-        memory = cls(capacity, observation_size, scheme, alpha, n_step, gamma)
+        reader, num_actions = (int(v) for v in state.get("actions", np.array([0, -1])))
+        if read_actions is None and not 0 <= reader < len(_READERS):
+            raise ValueError("this replay state's memory read actions with a reader of its own; pass it back: "
+                             "ReplayMemory.from_state_dict(state, read_actions=...)")
+        memory = cls(capacity, observation_size, scheme, alpha, n_step, gamma,
+                     read_actions or _READERS[reader], None if num_actions < 0 else num_actions)
         for name in _FIELDS:
             getattr(memory, name)[:] = state[name]
         memory.tree.set(np.arange(capacity), state["priority"])
@@ -305,3 +317,6 @@ def consumed_items(table: pa.Table) -> np.ndarray:
         raise ValueError(f"click_position beyond the slate of {slate_RK.shape[1]} items; the table is malformed")
     consumed_R = slate_RK[np.arange(len(slot_R)), np.maximum(slot_R, 0)]
     return np.where(slot_R >= 0, consumed_R, -1)
+
+
+_READERS: tuple[ActionReader, ...] = (discrete_actions, consumed_items)  # what a state's reader index means

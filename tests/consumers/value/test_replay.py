@@ -6,7 +6,7 @@ import pytest
 import safetensors.numpy
 from scipy.stats import chisquare
 
-from consumers.value.replay import ReplayMemory, SumTree, steps_to_transitions
+from consumers.value.replay import ReplayMemory, SumTree, consumed_items, discrete_actions, steps_to_transitions
 from schemas.steps import steps_to_table
 
 
@@ -128,6 +128,24 @@ def test_state_round_trips_through_safetensors_bytes():
     after = restored.sample(16, np.random.default_rng(5))
     for name in before:
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+
+
+def test_state_keeps_the_action_reader_and_the_action_bound():
+    """A SlateQ memory (actions read as the consumed item, -1 for no click, below 5 candidates) comes back as one."""
+    slate = ReplayMemory.from_state_dict(ReplayMemory(4, 2, read_actions=consumed_items, num_actions=5).to_state_dict())
+    assert slate.read_actions is consumed_items and slate.num_actions == 5
+    plain = ReplayMemory.from_state_dict(ReplayMemory(4, 2).to_state_dict())
+    assert plain.read_actions is discrete_actions and plain.num_actions is None
+
+
+def test_a_state_of_a_memory_with_its_own_action_reader_needs_it_given_back():
+    def first_column(table: pa.Table) -> np.ndarray:
+        return np.zeros(table.num_rows, np.int64)
+
+    state = ReplayMemory(4, 2, read_actions=first_column).to_state_dict()
+    with pytest.raises(ValueError, match="read_actions="):
+        ReplayMemory.from_state_dict(state)
+    assert ReplayMemory.from_state_dict(state, read_actions=first_column).read_actions is first_column
 
 
 def test_a_state_missing_arrays_is_refused():
