@@ -14,8 +14,8 @@ torques -1, 0, +1 are actions 0, 1, 2): the discrete action a Q-network scores. 
 since the last one, written once it holds at least ``steps_per_batch`` steps, so
 the learner can form every n-step transition of an episode from one table.  Actors
 do not wait for the learner unless ``max_batches_ahead`` is set: then an actor pauses
-while it is that many batches ahead of the newest version's learner step (from the
-first version on).
+while it has written that many batches more than the learner had read (trained or
+dead-lettered) at its newest version (from the first version on).
 
 Layout of a batch: ``runs/<run>/env-steps/date=YYYY-MM-DD/<batch_id>.parquet``
 (create-only; the event carries its sha256).  Each row carries the actor's policy
@@ -278,7 +278,8 @@ class ValueActor:
         ))
 
     def wait_for_learner(self, should_stop: Callable[[], bool]) -> None:
-        """With ``max_batches_ahead``: pause while this actor is that far ahead of the newest version's learner step.
+        """With ``max_batches_ahead``: pause while this actor is that far ahead of the batches the learner had read at
+        its newest version.
 
         Not before the first version: the learner is then filling its replay memory, and how many batches that takes
         is not known in advance (an episode cut by the time limit gives fewer transitions than steps), so a wait could
@@ -286,16 +287,19 @@ class ValueActor:
         """
         limit = self.config.max_batches_ahead
         while limit is not None and not should_stop():
-            step = self.learner_step()
-            if step is None or self.batches_before + self.batches_written - step < limit:
+            read = self.learner_read()
+            if read is None or self.batches_before + self.batches_written - read < limit:
                 return
             time.sleep(max(self.config.registry_poll_s, 0.05))
             self.maybe_beat()
 
-    def learner_step(self) -> int | None:
-        """The learner step of the newest published version (None before the first)."""
+    def learner_read(self) -> int | None:
+        """The batches the learner had read (trained or dead-lettered) at the newest version, None before the first;
+        a version that does not say (an older learner's): its learner step, one step per batch trained."""
         latest = self.watcher.registry.latest()
-        return latest.learner_step if latest is not None else None
+        if latest is None:
+            return None
+        return int(latest.metrics.get("batches_read", latest.learner_step))
 
 
 def stored_events(archive: TrajectoryArchive, keys: Iterable[str]) -> list[TrajectoryBatchCommitted]:

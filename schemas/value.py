@@ -57,7 +57,10 @@ class ValueLearnerConfig(NoYesNoNumbers):
     updates_per_transition: float = Field(
         1.0, gt=0.0, le=1_000.0, description="gradient updates per transition ingested (Dopamine: 1 per env step)"
     )
-    publish_every: int = Field(1, ge=1, le=1_000_000, description="steps (ingested batches) between published versions")
+    publish_every: int = Field(
+        1, ge=1, le=1_000_000,
+        description="batches read between published versions (online: trained or dead-lettered; offline: steps)",
+    )
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="steps between checkpoints")
     keep_checkpoints: int | None = Field(3, ge=1, le=10_000, description="complete checkpoints kept (None = all)")
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps (ingested batches)")
@@ -184,8 +187,8 @@ class ValueRunConfig(NoYesNoNumbers):
             raise ValueError(f"observation_size {self.observation_size} cannot hold {slate.num_topics} interests and "
                              f"{slate.num_candidates} candidate topics; fix value.observation_size")
         ahead, publish_every = self.actor.max_batches_ahead, self.learner.publish_every
-        # After a version at learner step L the actor writes up to L + ahead batches; the next version comes at step
-        # L + publish_every (one step per batch), so a smaller bound stops a lone actor for good.
+        # After a version at B batches read the actor writes up to B + ahead batches; the next version comes at
+        # B + publish_every read (trained or dead-lettered), so a smaller bound stops a lone actor for good.
         if ahead is not None and ahead < publish_every:
             raise ValueError(f"actor.max_batches_ahead {ahead} would stop the actor before the learner publishes its "
                              f"next version; raise it to at least learner.publish_every ({publish_every})")

@@ -6,9 +6,14 @@ One *step* is one ingested batch (one not trained before and readable): its n-st
 replay memory, then ``updates_per_transition`` gradient updates per transition
 (a fractional credit carries over) sample the memory, once it holds
 ``min_replay_size``.  A value-network version (registry kind ``value-network``) is
-published every ``publish_every`` steps (and at the last step: a replay's last batch, or
+published every ``publish_every`` batches read (and at the last step: a replay's last batch, or
 ``max_steps`` reached, so the checkpoint of that step records it) and a checkpoint written every
-``checkpoint_every`` steps, the source's offsets committed only after it.  With a
+``checkpoint_every`` steps, the source's offsets committed only after it.  A batch read
+counts whether it trained or was dead-lettered, and each version records how many were read
+(``batches_read``): an actor bounded by ``max_batches_ahead`` compares its own count with
+that, so a dead-lettered batch of its never leaves it waiting for a version that a step the
+batch did not make was due to publish.  A version due at a dead-lettered batch is published
+then, with the weights of the last step.  With a
 ``slate`` (agent ``slateq``) the agent is SlateQ (``consumers.value.slateq``): the
 transitions' action is the consumed item, and the published network the item values.
 
@@ -117,6 +122,7 @@ class ValueLearner:
         self.state = LearnerState()
         self.incoming: deque[BatchRef] = deque()
         self.duplicates_skipped = self.dead_lettered = self.dead_lettered_unrecorded = 0
+        self.batches_read = 0  # trained or dead-lettered (a duplicate is neither): what publish_every counts
         self.carried: dict[str, int] = {}  # positions read since the last step (skipped batches' included)
         self.last_metrics: dict[str, Any] = {}
         self.faults = FaultInjector.from_env()
@@ -138,6 +144,7 @@ class ValueLearner:
         self.rng.bit_generator.state = checkpoint.scalars["rng"]
         self.update_credit = float(checkpoint.scalars["update_credit"])
         entries = self.checkpoints.steps.read(upto=self.state.step)
+        self.batches_read = sum(1 + int(entry.get("batches_dead_lettered", 0)) for entry in entries)
         self.memory = self.rebuild_memory([batch for entry in entries for batch in entry.get("batches", [])])
         self.restore_memory_counters(checkpoint.optimizer, checkpoint.scalars["replay"])
         self.source.seek(self.state.positions)
@@ -196,6 +203,8 @@ class ValueLearner:
                 batch = self.ingest(self.incoming.popleft())
                 if batch.table is not None:
                     on_step(self.step(batch))
+                elif batch.quarantined and self.version_due():
+                    self.publish({**self.last_metrics, "batches_read": self.batches_read})
             elif self.source.exhausted():
                 break
             elif self.lease is not None:
@@ -204,6 +213,10 @@ class ValueLearner:
 
     def budget_reached(self) -> bool:
         return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
+
+    def version_due(self) -> bool:
+        """Whether the batch just read (trained or dead-lettered) is a ``publish_every``-th, once the network trains."""
+        return self.batches_read % self.cfg.publish_every == 0 and self.agent.training_steps > 0
 
     # ---- phase: ingest ---------------------------------------------------------------
     def ingest(self, ref: BatchRef) -> IngestedBatch:
@@ -233,6 +246,7 @@ class ValueLearner:
                                      origin_offset=offset, key=ref.batch_id, raw=raw))
             self.dead_lettered += 1
             self.dead_lettered_unrecorded += 1
+            self.batches_read += 1
             log.warning("%s (sent to the dead-letter topic)", reason)
             return IngestedBatch(ref, None, quarantined=True)
 
@@ -257,10 +271,12 @@ class ValueLearner:
         metrics.update(replay_size=len(self.memory), training_steps=self.agent.training_steps,
                        batches_dead_lettered=self.dead_lettered_unrecorded)
         self.dead_lettered_unrecorded = 0
+        self.batches_read += 1
+        metrics["batches_read"] = self.batches_read
         # the last step (a replay's last batch, or max_steps reached): publish what the run ends with, before the
         # step's checkpoint, so that it records the version
         last = (not self.incoming and self.source.exhausted()) or self.budget_reached()
-        if (self.state.step % self.cfg.publish_every == 0 and self.agent.training_steps) or last:
+        if self.version_due() or last:
             self.publish(metrics)
         metrics["version"] = self.state.version
         metrics["finished_at"] = time.time()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -146,7 +147,10 @@ def test_a_batch_announced_twice_is_trained_once_and_a_tampered_one_is_dead_lett
     learner.run(poll_timeout_s=0.0)
     assert learner.duplicates_skipped == 1 and learner.dead_lettered == 1
     assert learner.state.trained == {refs[0].batch_id: 1, refs[2].batch_id: 2}  # neither skip made a step
-    assert learner.state.positions == {"mem:0": 4} and learner.state.version == 2  # no version of unchanged weights
+    assert learner.state.positions == {"mem:0": 4} and learner.state.version == 3
+    # the dead-lettered batch is the second read (publish_every 1): v2 holds step 1's weights and says so
+    read_at = {m.version: (m.learner_step, m.metrics["batches_read"]) for m in learner.registry.list()}
+    assert read_at == {1: (1, 1), 2: (1, 2), 3: (2, 3)}
     assert [p.key for p in announced if isinstance(p, DeadLetter)] == [tampered.batch_id]
     assert learner.last_metrics["batches_dead_lettered"] == 1
 
@@ -238,3 +242,46 @@ def test_a_value_learner_that_would_never_update_is_refused_up_front() -> None:
     with pytest.raises(ValueError, match="updates_per_transition"):
         ValueLearnerConfig(updates_per_transition=0.0)
     assert ValueLearnerConfig(updates_per_transition=0.25).updates_per_transition == 0.25
+
+
+class OpenSource(ListSource):
+    """A source that never runs dry (a live broker): the learner's last batch read is not a run's last."""
+
+    def exhausted(self) -> bool:
+        return False
+
+
+def waits_for_the_learner(actor: ValueActor) -> bool:
+    """Whether ``actor`` pauses for a newer version (it gives up after a few looks at the registry)."""
+    looks = itertools.count()
+    actor.wait_for_learner(lambda: next(looks) >= 3)
+    return next(looks) > 1
+
+
+@pytest.mark.parametrize("publish_every", [1, 2])
+def test_an_actor_at_max_batches_ahead_does_not_wait_for_ever_on_a_dead_lettered_batch(
+        tmp_path: Path, publish_every: int) -> None:
+    """max_batches_ahead = publish_every (the least the run allows) and one batch of the actor's dead-lettered.
+
+    Each round the actor writes until the bound stops it (at most 3 batches), then the learner reads all of them.
+    The learner has then read every batch the actor wrote, so an actor still waiting would wait for ever: a
+    dead-lettered batch counts as read for the versions' cadence and for the actor's bound.
+    """
+    store = ObjectStore((tmp_path / "store").as_uri())
+    actor = ValueActor(run_id="ahead", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
+                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "ahead"), tmp_path / "cache"),
+                       config=ValueActorConfig(steps_per_batch=40, max_batches_ahead=publish_every,
+                                               registry_poll_s=0.0))
+    refs: list[BatchRef] = []
+    learner = make_learner(store, "ahead", refs, publish_every=publish_every, min_replay_size=16, batch_size=8)
+    learner.source = source = OpenSource(refs)
+    for _ in range(5):
+        for _ in range(3):
+            if waits_for_the_learner(actor):
+                break
+            event = actor.write_batch()
+            sha256 = "0" * 64 if len(refs) == 2 else event.sha256  # the third batch's file does not match its event
+            refs.append(BatchRef(event.batch_id, event.path, sha256, {"mem:0": len(refs) + 1}))
+        learner.run(should_stop=lambda: source.index >= len(refs) and not learner.incoming, poll_timeout_s=0.0)
+        assert not waits_for_the_learner(actor), f"the learner read all {len(refs)} batches and published none more"
+    assert learner.dead_lettered == 1 and learner.state.step == len(refs) - 1 >= 5
