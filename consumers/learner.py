@@ -375,6 +375,22 @@ class Learner:
         """
         return any(p.table.num_rows or p.dropped for p in self.pending)
 
+    def pass_untrainable(self) -> bool:
+        """When every pending batch is one no step trains (dead-lettered, or already trained), move the read
+        position past them and drop them; whether the position moved.
+
+        For a stop: the checkpoint written then covers them, so a restart neither dead-letters a batch a second
+        time nor reads a duplicate again.  No step is made for them (it would train nothing).
+        """
+        if not self.pending or self.work_waiting():
+            return False
+        before = dict(self.state.positions)
+        for batch in self.pending:
+            for key, value in batch.ref.position.items():
+                self.state.positions[key] = max(value, self.state.positions.get(key, 0))
+        self.pending = []
+        return self.state.positions != before
+
     # ---- phase: train -------------------------------------------------------
     def step(self) -> dict[str, Any]:
         """Train on every pending batch (one optimizer step), then publish/checkpoint when due."""

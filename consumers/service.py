@@ -146,12 +146,14 @@ def finish(learner: Learner, after_step: Callable[[dict], None]) -> None:
     """On a stop: train the rows still waiting, so the final checkpoint covers them, and write that checkpoint.
 
     A learner that reached ``max_steps`` between two ``publish_every`` steps also publishes its last step
-    first, so the run's newest version holds everything it trained.
+    first, so the run's newest version holds everything it trained.  Batches read since the last step that no
+    step trains (dead-lettered ones, duplicates) are covered too, so a restart does not read them again.
     """
     if learner.work_waiting():
         after_step(learner.step())
+    passed = learner.pass_untrainable()
     published = learner.budget_reached() and learner.publish_last_steps()
-    if published or learner.state.step % learner.cfg.checkpoint_every:
+    if passed or published or learner.state.step % learner.cfg.checkpoint_every:
         learner.checkpoint()
     learner.finish_writes()  # the last step's own checkpoint, when it was due, may still be being written
 

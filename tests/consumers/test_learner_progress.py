@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from consumers.learner import BatchRef
-from consumers.service import record_step_metrics
+from consumers.service import finish, record_step_metrics
 from pipeline.health import HealthServer
 from pipeline.io.archive import TrajectoryArchive, parquet_bytes
 from pipeline.io.registry import AdapterRegistry
@@ -245,3 +245,19 @@ def test_a_storage_error_is_not_a_poison_batch(store, setup, monkeypatch):
     with pytest.raises(ConnectionError):
         run_polls(learner, 1)
     assert not [p for p in announced if isinstance(p, DeadLetter)]
+
+
+def test_a_stop_with_only_a_dead_lettered_batch_pending_checkpoints_past_it(store, setup):
+    """The restart reads on after it: the batch is not dead-lettered a second time."""
+    write_batches(TrajectoryArchive(store), setup, 2, np.random.default_rng(8))
+    good, bad = stored_refs(store)
+    bad = BatchRef(bad.batch_id, bad.path, "0" * 64, bad.position)
+    first, announced = scripted_learner(store, setup, [good, bad])
+    run_polls(first, 3)  # step 1 (checkpointed), then the bad batch read and dead-lettered
+    assert first.state.step == 1 and [p.key for p in announced if isinstance(p, DeadLetter)] == [bad.batch_id]
+    finish(first, lambda metrics: None)  # what a stop does
+    assert first.source.commits[-1] == {f"{TOPIC}:0": 2}
+    second, announced_again = scripted_learner(store, setup, [good, bad])
+    assert second.resume() and second.state.positions == {f"{TOPIC}:0": 2} and second.state.step == 1
+    run_polls(second, 3)
+    assert not [p for p in announced_again if isinstance(p, DeadLetter)] and second.state.step == 1
