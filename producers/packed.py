@@ -45,7 +45,7 @@ from producers.samplers.engine import engine_for_run
 from producers.samplers.sync import SyncSampler
 from producers.service import RunConnection, RunProducer, connect_run, default_producer_id, open_run_producer
 from producers.tiny_model import resolve_model
-from schemas.config import RunConfig
+from schemas.config import RunConfig, check_sampler_holds_rank
 from schemas.config import check_packable as packable
 
 log = logging.getLogger("rlpipe.producer")
@@ -85,9 +85,14 @@ class RunSampler(Sampler):
 
 
 def check_packable(configs: list[RunConfig]) -> None:
-    """Refuse, in one line, runs that cannot share one sampling engine and one event log."""
+    """Refuse, in one line, runs that cannot share one sampling engine and one event log: the engine takes the
+    first run's sampler settings, so every run's adapters must fit its LoRA rank slot too."""
     packable(configs, ("model.base_model", "model.dtype", "sampler.backend", "sampler.max_model_len",
                        "bus.bootstrap_servers", "bus.namespace"), "one sampling engine and event log")
+    first = configs[0]
+    for cfg in configs[1:]:
+        check_sampler_holds_rank(first.sampler, cfg.learner.lora_rank, cfg.run_id,
+                                 f"the shared engine's (run {first.run_id}'s)")
 
 
 FOLLOW_RESERVE_RUNS = 3  # a following producer's engine keeps LoRA slots for this many runs joining later

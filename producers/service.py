@@ -24,7 +24,8 @@ from pipeline.health import HealthServer
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import BusError, EventFollower, EventPublisher, group_lag, run_log
 from pipeline.io.registry import AdapterRegistry
-from pipeline.runtime import Announcer, RateMeter, StopFlag, open_store, resolved_bus
+from pipeline.io.store import ObjectStore
+from pipeline.runtime import Announcer, RateMeter, StopFlag, effective_run_config, open_store, resolved_bus
 from pipeline.topics import topic_name
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_process_caches
 from producers.envs.registry import env_from_spec
@@ -32,7 +33,7 @@ from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers import Sampler, sampler_for_run
 from producers.sink import OrphanSweep, StoreThenEventSink, logged_batches
 from producers.tiny_model import resolve_model
-from schemas.config import BusConfig, RunConfig
+from schemas.config import BusConfig, RunConfig, check_sampler_holds_rank
 from schemas.events import LearnerProgress, ProducerHeartbeat, TrajectoryBatchCommitted
 
 log = logging.getLogger("rlpipe.producer")
@@ -233,6 +234,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
     done = health.add_setup_steps(("broker", "store", "sampler", "adapters"))
     health.add_readiness_check("stopping", lambda: not stop())
     connection = connect_run(config, done)
+    check_run_lora_rank(config, connection.archive.store)
     model_path = resolve_model(config.model)
     log.info("initialising sampler %s on %s", config.sampler.backend, model_path)
     streams = SamplingStreams(config.sampler.seed, producer_id)  # this process's incarnation: new streams
@@ -253,6 +255,20 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, producer_id: str, health:
     worker = run.worker
     log.info("producer %s stopped: %d batches, %d samples", producer_id, worker.stats.batches, worker.stats.samples)
     return worker
+
+
+def check_run_lora_rank(config: RunConfig, store: ObjectStore) -> None:
+    """Refuse, before the sampler starts, a vLLM sampler that cannot load the run's adapters: one whose
+    ``max_lora_rank`` is below the ``learner.lora_rank`` of the run's stored configuration (a producer
+    started with other settings than the run's learner), or of ``config`` while the run is not created."""
+    try:
+        stored = effective_run_config(store, config.run_id)
+        lora_rank = int(stored.get("learner", {}).get("lora_rank", config.learner.lora_rank))
+    except FileNotFoundError:
+        lora_rank = config.learner.lora_rank
+    except (ValueError, TypeError, AttributeError):  # a stored configuration that does not read: the learner names it
+        return
+    check_sampler_holds_rank(config.sampler, lora_rank, config.run_id, "this producer's")
 
 
 @dataclass

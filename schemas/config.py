@@ -104,6 +104,25 @@ LoraRankSlot = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]  # the max_lora_ran
 LORA_RANK_SLOTS: tuple[int, ...] = get_args(LoraRankSlot)
 
 
+def lora_rank_slot(rank: int) -> int:
+    """The smallest vLLM ``max_lora_rank`` slot that holds LoRA rank ``rank`` (the largest slot above them all)."""
+    return min((slot for slot in LORA_RANK_SLOTS if slot >= rank), default=LORA_RANK_SLOTS[-1])
+
+
+def check_sampler_holds_rank(sampler: SamplerConfig, lora_rank: int, run_id: str, whose: str) -> None:
+    """Refuse, in one line naming both settings, a vLLM sampler whose ``max_lora_rank`` is below the rank run
+    ``run_id`` trains at: it would refuse every adapter version of the run once sampling started.
+
+    ``whose`` names the sampler: "this producer's", "the shared engine's (run a's)".
+    """
+    if sampler.backend == "vllm" and lora_rank > sampler.max_lora_rank:
+        raise ValueError(
+            f"run {run_id} trains at learner.lora_rank {lora_rank}, above {whose} sampler.max_lora_rank "
+            f"{sampler.max_lora_rank}: vLLM would refuse every adapter version; start the producer with "
+            f"--set sampler.max_lora_rank={lora_rank_slot(lora_rank)}"
+        )
+
+
 class SamplerConfig(_Section):
     """How the producer samples from the policy."""
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, request_seed
-from producers.samplers.vllm_sampler import check_vllm_can_load
+from producers.samplers.vllm_sampler import check_vllm_can_load, refusal_named, refused_adapter
 from schemas.config import RunConfig, SamplerConfig
 
 log = logging.getLogger(__name__)
@@ -254,8 +254,10 @@ class VLLMEngine(SamplingEngine):
         async with self._loading.setdefault(key, asyncio.Lock()):
             if self._handles.get(key) == handle:
                 return
-            if not await self._engine().add_lora(request):
-                raise RuntimeError(f"vLLM refused adapter {handle.name} from {handle.path}")
+            with refusal_named(handle):
+                added = await self._engine().add_lora(request)
+            if not added:
+                raise refused_adapter(handle)
             self._handles[key] = handle
         log.info("loaded adapter %s (LoRA id %d) from %s", request.lora_name, request.lora_int_id, handle.path)
 

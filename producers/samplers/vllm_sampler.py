@@ -19,16 +19,18 @@ FlashInfer's sampling kernel, which cannot report them; its PyTorch sampler runs
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
-from schemas.config import LORA_RANK_SLOTS, SamplerConfig
+from schemas.config import SamplerConfig, lora_rank_slot
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +58,33 @@ def check_vllm_can_load(folder: str, max_lora_rank: int) -> None:
     ranks = [config.get("r") or 0, *(config.get("rank_pattern") or {}).values()]
     rank = max(int(r) for r in ranks)
     if rank > max_lora_rank:
-        wanted = min((slot for slot in LORA_RANK_SLOTS if slot >= rank), default=LORA_RANK_SLOTS[-1])
+        wanted = lora_rank_slot(rank)
         raise ValueError(
             f"these weights have LoRA rank {rank}, above this vLLM sampler's max_lora_rank {max_lora_rank}: "
             f"sample them from a sampler with a larger slot (rlpipe serve --max-lora-rank {wanted}, or a run's "
             f"sampler.max_lora_rank={wanted}), or train at rank {max_lora_rank} or less"
         )
+
+
+def refused_adapter(handle: AdapterHandle, error: Exception | None = None) -> ValueError:
+    """The one-line error for an adapter vLLM refused to load after ``check_vllm_can_load`` let it through."""
+    reason = f" ({str(error).strip().splitlines()[0]})" if error is not None and str(error).strip() else ""
+    return ValueError(
+        f"vLLM refused adapter {handle.name} from {handle.path}{reason}: sample only adapters trained on this "
+        "sampler's base model (model.base_model), on linear layers, at a rank its max_lora_rank holds"
+    )
+
+
+@contextlib.contextmanager
+def refusal_named(handle: AdapterHandle) -> Iterator[None]:
+    """Around vLLM's ``add_lora``: its refusal of ``handle`` raised as ``refused_adapter`` (vLLM's engine core
+    answers a failed load with a bare Exception; its other errors, a dead engine's, pass unchanged)."""
+    try:
+        yield
+    except Exception as exc:
+        if type(exc) is not Exception:
+            raise
+        raise refused_adapter(handle, exc) from exc
 
 
 RPC_FOLDER_PREFIX = "rlpipe-vllm-"
@@ -172,8 +195,10 @@ class VLLMSampler(Sampler):
         check_vllm_can_load(handle.path, self.max_lora_rank)
         with self._lock:
             request = self._lora_request(handle)
-            if not self._engine().llm_engine.add_lora(request):
-                raise RuntimeError(f"vLLM refused adapter {handle.name} from {handle.path}")
+            with refusal_named(handle):
+                added = self._engine().llm_engine.add_lora(request)
+            if not added:
+                raise refused_adapter(handle)
             self._handles[handle.lora_int_id] = handle
         log.info("loaded adapter %s (id %d) from %s", handle.name, handle.lora_int_id, handle.path)
 

@@ -58,6 +58,17 @@ def test_runs_that_cannot_share_an_engine_are_refused_in_one_line():
         check_packable([first, other])
 
 
+def test_a_run_whose_lora_rank_the_shared_engine_cannot_load_is_refused_naming_both_settings():
+    """The engine takes the first run's sampler settings: a second run training at a higher rank than its
+    max_lora_rank would have every adapter refused once sampling started."""
+    first = RunConfig(run_id="a")  # sampler.max_lora_rank 8
+    wide = RunConfig(run_id="b", learner={"lora_rank": 12}, sampler={"max_lora_rank": 16})
+    with pytest.raises(ValueError, match=r"run b .*learner\.lora_rank 12.*run a's\) sampler\.max_lora_rank 8") as refused:
+        check_packable([first, wide])
+    assert "sampler.max_lora_rank=16" in str(refused.value) and "\n" not in str(refused.value)
+    check_packable([wide, first])  # an engine of slot 16 holds both
+
+
 class LoopingRun:
     """A run's rollout loop that counts its passes until its stop says so."""
 

@@ -14,11 +14,13 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from pipeline.io.bus import EventConsumer, EventPublisher
-from pipeline.runtime import Announcer
+from pipeline.runtime import Announcer, create_run
 from pipeline.topics import topic_name
-from producers.service import LearnerBacklog, unconsumed_rows
-from schemas.config import BusConfig
+from producers.service import LearnerBacklog, check_run_lora_rank, unconsumed_rows
+from schemas.config import BusConfig, RunConfig
 from schemas.events import LearnerProgress, TrajectoryBatchCommitted
 
 ROWS = 16  # rows per batch, and the learner's batch_rows: max_backlog_steps 1 = one batch
@@ -144,3 +146,18 @@ def test_a_restarted_producer_announces_a_batch_too_young_at_its_start_once_old_
         run.tick()
         time.sleep(0.2)
     connection.publisher.close()
+
+
+def test_a_producer_whose_sampler_cannot_load_the_runs_adapters_is_refused_before_it_samples(memory_store) -> None:
+    """The run's learner trains at its stored learner.lora_rank; a vLLM sampler with a smaller max_lora_rank would
+    refuse its first adapter mid-run, so the producer stops at start naming both settings."""
+    created = RunConfig(run_id="wide", learner={"lora_rank": 12}, sampler={"max_lora_rank": 16})
+    create_run(memory_store, created, "tiny")
+    producer = RunConfig(run_id="wide")  # started without the run's settings: sampler.max_lora_rank 8
+    with pytest.raises(ValueError, match=r"run wide .*learner\.lora_rank 12.*sampler\.max_lora_rank 8") as refused:
+        check_run_lora_rank(producer, memory_store)
+    assert "sampler.max_lora_rank=16" in str(refused.value) and "\n" not in str(refused.value)
+    check_run_lora_rank(created, memory_store)
+    check_run_lora_rank(RunConfig(run_id="not-created-yet"), memory_store)  # its own (validated) settings hold
+    transformers = producer.model_copy(update={"sampler": producer.sampler.model_copy(update={"backend": "transformers"})})
+    check_run_lora_rank(transformers, memory_store)  # no rank slots there

@@ -180,6 +180,32 @@ def test_base_rows_go_through_zeros_from_the_first_adapter_load(lora_adapters) -
     on_cuda.close()
 
 
+class RefusingAsyncLLM(FakeAsyncLLM):
+    """vLLM refusing an adapter: its engine core answers a failed load with a bare Exception, or with False."""
+
+    def __init__(self, answer: Exception | bool) -> None:
+        super().__init__()
+        self.answer = answer
+
+    async def add_lora(self, request: Any) -> bool:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [Exception("Call to add_lora method failed: the adapter's shapes do not match"),
+                                    False])
+def test_an_adapter_vllm_refuses_to_load_is_a_one_line_error_naming_it(lora_adapters, answer) -> None:
+    engine = fake_vllm_engine(zero_base_adapter=False)
+    engine._llm = RefusingAsyncLLM(answer)
+    with pytest.raises(ValueError, match=r"vLLM refused adapter v1 .*model\.base_model") as refused:
+        asyncio.run(engine.load_adapter(lora_adapters[0]))
+    assert lora_adapters[0].path in str(refused.value) and "\n" not in str(refused.value)
+    if isinstance(answer, Exception):
+        assert "shapes do not match" in str(refused.value)
+    engine.close()
+
+
 # ---- transformers backend ---------------------------------------------------------------
 
 
