@@ -146,12 +146,20 @@ class VLLMSampler(Sampler):
         (None = only without CUDA) skips graph capture and compilation, which on a
         CPU cost start-up time and buy nothing.  ``dtype`` "auto" is the
         checkpoint's own dtype.  ``engine_kwargs`` pass straight to ``vllm.LLM``.
+        On a CPU, chunked prefill is off (as in the sampling engine): vLLM 0.32
+        cannot seed a request whose prefill is chunked there, and every request
+        here is seeded.
         """
         import torch
 
         config = config or SamplerConfig()
         _prepare_environment()
         from vllm import LLM
+
+        cuda = torch.cuda.is_available()
+        if not cuda:
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
+            engine_kwargs.setdefault("max_num_batched_tokens", max(config.max_model_len, 2048))
 
         self.config = config
         self.max_model_len = config.max_model_len
@@ -167,15 +175,15 @@ class VLLMSampler(Sampler):
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_model_len=config.max_model_len,
             dtype=checkpoint_dtype(model_path) if dtype == "auto" else dtype,
-            enforce_eager=not torch.cuda.is_available() if enforce_eager is None else enforce_eager,
+            enforce_eager=not cuda if enforce_eager is None else enforce_eager,
             seed=config.seed,
             logprobs_mode="processed_logprobs",  # of the distribution drawn from: after temperature and top-p
             **engine_kwargs,
         )
         self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
-        # vLLM 0.32 on the CPU crashes ("CPU Generator does not use offset") when a seeded
-        # request's prefill is chunked; there, requests draw from the engine's seeded stream.
-        self.per_request_seeds = torch.cuda.is_available()
+        # vLLM 0.32 on the CPU crashes ("CPU Generator does not use offset") when a seeded request's prefill is
+        # chunked; a caller that turns chunked prefill on there gets requests drawn from the engine's seeded stream.
+        self.per_request_seeds = cuda or not engine_kwargs["enable_chunked_prefill"]
 
     # ---- adapters ----------------------------------------------------------------
     def _lora_request(self, handle: AdapterHandle) -> Any:
