@@ -43,7 +43,14 @@ from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
 from producers.samplers.engine import engine_for_run
 from producers.samplers.sync import SyncSampler
-from producers.service import RunConnection, RunProducer, connect_run, default_producer_id, open_run_producer
+from producers.service import (
+    RunConnection,
+    RunProducer,
+    check_run_lora_rank,
+    connect_run,
+    default_producer_id,
+    open_run_producer,
+)
 from producers.tiny_model import resolve_model
 from schemas.config import RunConfig, check_sampler_holds_rank
 from schemas.config import check_packable as packable
@@ -130,6 +137,10 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
     membership: RunMembership | None = None
     try:
         connections = [connect_run(cfg, done) for cfg in configs]
+        # each run's stored LoRA rank against the engine's slot (the first run's sampler settings), before the
+        # engine starts; a run joining later is checked by check_packable on its stored configuration
+        for cfg, connection in zip(configs, connections, strict=True):
+            check_run_lora_rank(cfg.model_copy(update={"sampler": first.sampler}), connection.archive.store)
         # every packed producer lets a run go on its RunStopped; with --follow-runs it also takes new runs up.  It
         # follows the control topic from before the engine starts, so a run stopped meanwhile is let go too.
         membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
