@@ -3,7 +3,7 @@
 After the self-hosted post-training API's recipe: each task is a schema (CREATE
 statements plus INSERTs), a question and a gold query.  The schema is loaded into
 an in-memory SQLite database; the predicted and the gold query run there under a
-time limit and their results are compared.  The environment that shows the tasks
+budget of SQLite VM steps and their results are compared.  The environment that shows the tasks
 to a model is ``producers.envs.text2sql``; this module knows nothing of episodes.
 
 Task files are JSON lines, one task per line, with the fields ``id``, ``db_id``,
@@ -21,12 +21,17 @@ otherwise; "all" keeps both.
 Safety, in two layers: an authorizer that allows only what a SELECT needs (read,
 select, function calls, recursive CTEs) and ``PRAGMA query_only`` on the
 connection, so no statement can change the database; a progress handler that
-interrupts any query running past the time limit (0.25 s); caps on result rows,
-result bytes and the length of any one value, so a query cannot fill memory.  The
-time limit is checked between VM instructions, so one built-in call could overrun it:
-``printf``/``format`` with a width of a billion took seconds a call, so they refuse a
-width or precision above ``MAX_FORMAT_WIDTH`` (``capped_printf``).  A query that returns
-after its time limit all the same scores as timed out.
+interrupts any query past its budget of SQLite VM steps (``MAX_QUERY_STEPS``, ten
+million by default: about a third of a second on an idle core); caps on result rows,
+result bytes and the length of any one value, so a query cannot fill memory.
+
+The budget counts VM instructions, not seconds, so a query's score does not depend on
+how busy the machine is: the same query is refused, or runs, on every machine and every
+try.  One built-in call is one instruction however long it takes, so the same handler
+also keeps a generous wall-clock guard (``TIME_GUARD_S``, 10 s) for queries that repeat a
+slow call; ``printf``/``format`` with a width of a billion took seconds a call, so they
+refuse a width or precision above ``MAX_FORMAT_WIDTH`` (``capped_printf``).  A query that
+returns after the guard all the same scores as timed out.
 """
 
 from __future__ import annotations
@@ -48,18 +53,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 SHIPPED_TASKS_PATH = Path(__file__).with_name("data") / "text2sql_tasks.jsonl"
 RUN_REWARD = 0.25  # the predicted query ran
-ERROR_REWARD = -0.25  # it failed: syntax error, unknown column, refused write, time limit
+ERROR_REWARD = -0.25  # it failed: syntax error, unknown column, refused write, step budget or time guard
 MATCH_REWARD = 2.0  # its result equals the gold result (on top of RUN_REWARD)
 MAX_SCORE = RUN_REWARD + MATCH_REWARD
 
-PROGRESS_OPS = 1_000  # SQLite VM instructions between time-limit checks (~microseconds)
+PROGRESS_OPS = 1_000  # SQLite VM instructions between budget checks (~30 microseconds)
+MAX_QUERY_STEPS = 10_000_000  # SQLite VM instructions one query may run (the shipped gold queries take < 2,000)
+TIME_GUARD_S = 10.0  # wall-clock last resort per query, for slow built-in calls the step budget counts as one
 # SQLITE_LIMIT_LENGTH: the longest string/blob a statement may build (or a row may hold).  Small,
 # because one built-in call on long values (instr on two long strings) runs between the
-# time-limit checks: at 100 kB the worst such call takes about half a second.
+# budget checks: at 100 kB the worst such call takes about half a second.
 MAX_VALUE_BYTES = 100_000
 MAX_RESULT_BYTES = 8_000_000  # a result larger than this (roughly counted) is an error
 # Authorizer actions a read-only query needs; everything else (writes, PRAGMA, ATTACH,
-# transactions, DDL) is denied.  RECURSIVE is a read: the time limit bounds runaway CTEs.
+# transactions, DDL) is denied.  RECURSIVE is a read: the step budget bounds runaway CTEs.
 _READ_ACTIONS = frozenset(
     {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
 )
@@ -165,7 +172,7 @@ _REFUSED = threading.local()  # why capped_printf refused a call (SQLite reports
 
 def capped_printf(format_text: object, *args: object) -> object:
     """SQLite's ``printf(format, ...)``, refusing a width or precision (written, or ``*`` from an argument) above
-    ``MAX_FORMAT_WIDTH``: the time limit is checked between VM instructions, never inside one call."""
+    ``MAX_FORMAT_WIDTH``: the budget and the time guard are checked between VM instructions, never inside one call."""
     if not isinstance(format_text, str):
         return None if format_text is None else str(format_text)
     consumed = 0
@@ -241,8 +248,12 @@ class QueryRun:
     seconds: float = 0.0
 
 
-def run_query(db: sqlite3.Connection, sql: str, time_limit_s: float, max_rows: int = 1_000) -> QueryRun:
-    """Run ``sql`` read-only under a time limit; never raises for a bad query."""
+def run_query(
+    db: sqlite3.Connection, sql: str, time_limit_s: float = TIME_GUARD_S, max_rows: int = 1_000,
+    max_steps: int = MAX_QUERY_STEPS,
+) -> QueryRun:
+    """Run ``sql`` read-only within ``max_steps`` SQLite VM instructions (``time_limit_s``: the wall-clock guard);
+    never raises for a bad query."""
     denied: list[int] = []
 
     def authorize(action: int, first: object = None, second: object = None, *_: object) -> int:
@@ -253,9 +264,15 @@ def run_query(db: sqlite3.Connection, sql: str, time_limit_s: float, max_rows: i
 
     start = time.monotonic()
     deadline = start + time_limit_s
+    steps = [0]  # VM instructions run so far, counted in PROGRESS_OPS
+
+    def progress() -> int:  # nonzero interrupts the query
+        steps[0] += PROGRESS_OPS
+        return int(steps[0] > max_steps or time.monotonic() > deadline)
+
     _REFUSED.message = ""
     db.set_authorizer(authorize)
-    db.set_progress_handler(lambda: int(time.monotonic() > deadline), PROGRESS_OPS)  # nonzero interrupts
+    db.set_progress_handler(progress, PROGRESS_OPS)
     try:
         cursor = db.execute(sql)
         if cursor.description is None:  # empty text or only a comment: nothing ran, nothing to reward
@@ -263,8 +280,9 @@ def run_query(db: sqlite3.Connection, sql: str, time_limit_s: float, max_rows: i
             return QueryRun(rows=(), error="not a query: it returns no columns; write one SELECT query")
         rows = _fetch(cursor, max_rows)
     except _SQL_ERRORS as e:
+        over_budget = steps[0] > max_steps
         return _failed_run(ValueError(_REFUSED.message) if _REFUSED.message else e, bool(denied),
-                           time.monotonic() - start, time_limit_s)
+                           time.monotonic() - start, time_limit_s, max_steps if over_budget else None)
     finally:
         db.set_authorizer(None)
         db.set_progress_handler(None, 0)
@@ -290,12 +308,18 @@ def _fetch(cursor: sqlite3.Cursor, max_rows: int) -> tuple[tuple[Any, ...], ...]
     return tuple(rows)
 
 
-def _failed_run(error: BaseException, refused: bool, seconds: float, time_limit_s: float) -> QueryRun:
+def _failed_run(
+    error: BaseException, refused: bool, seconds: float, time_limit_s: float, over_steps: int | None,
+) -> QueryRun:
+    """``over_steps``: the step budget when the progress handler stopped the query for exceeding it."""
     message = str(error)
     refused = refused or "readonly database" in message
-    timed_out = not refused and seconds >= time_limit_s and "interrupted" in message
+    interrupted = not refused and "interrupted" in message
+    timed_out = interrupted and (over_steps is not None or seconds >= time_limit_s)
     if refused:
         message = f"refused: only read-only SELECT queries may run ({message})"
+    elif timed_out and over_steps is not None:
+        message = f"the query ran past its budget of {over_steps:,} SQLite steps; write a simpler query"
     elif timed_out:
         message = f"the query ran past the {time_limit_s:g} s time limit"
     return QueryRun(rows=(), error=message or type(error).__name__, refused=refused, timed_out=timed_out,
@@ -407,10 +431,14 @@ class QueryScore:
 
 
 def gold_result(
-    db: sqlite3.Connection, gold_sql: str, time_limit_s: float = 0.25, max_rows: int = 1_000,
+    db: sqlite3.Connection, gold_sql: str, time_limit_s: float = TIME_GUARD_S, max_rows: int = 1_000,
+    max_steps: int = MAX_QUERY_STEPS,
 ) -> tuple[tuple[Any, ...], ...]:
     """The gold query's rows; ValueError (naming the fix) when it fails or returns more than ``max_rows``."""
-    gold = run_query(db, gold_sql, time_limit_s, max_rows)
+    gold = run_query(db, gold_sql, time_limit_s, max_rows, max_steps)
+    if gold.timed_out:
+        raise ValueError(f"text2sql: gold query fails ({gold.error}); raise max_query_steps (or time_limit_s) "
+                         "or fix the task's gold_sql")
     if gold.error:
         raise ValueError(f"text2sql: gold query fails ({gold.error}); fix the task's gold_sql")
     if len(gold.rows) > max_rows:
@@ -422,14 +450,15 @@ def score_query(
     db: sqlite3.Connection,
     predicted_sql: str,
     gold_sql: str,
-    time_limit_s: float = 0.25,
+    time_limit_s: float = TIME_GUARD_S,
     *,
     float_digits: int = 4,
     max_rows: int = 1_000,
+    max_steps: int = MAX_QUERY_STEPS,
     similarity_weight: float = 0.2,
     gold_rows: Sequence[Sequence[Any]] | None = None,
 ) -> QueryScore:
-    """Score ``predicted_sql`` against ``gold_sql``: the recipe's reward, pure apart from the time limit.
+    """Score ``predicted_sql`` against ``gold_sql``: the recipe's reward, pure apart from the wall-clock guard.
 
     reward = +0.25 if it runs (-0.25 if not) + 2.0 if the results match; when they do
     not, + similarity_weight * similarity, except for refused or timed-out queries, which
@@ -437,8 +466,8 @@ def score_query(
     ``gold_rows``: the gold query's result on ``db`` when the caller already has it (``gold_result``); then
     only the predicted query runs.  Raises ValueError only when the gold query itself fails.
     """
-    gold = gold_result(db, gold_sql, time_limit_s, max_rows) if gold_rows is None else gold_rows
-    pred = run_query(db, predicted_sql, time_limit_s, max_rows)
+    gold = gold_result(db, gold_sql, time_limit_s, max_rows, max_steps) if gold_rows is None else gold_rows
+    pred = run_query(db, predicted_sql, time_limit_s, max_rows, max_steps)
     ordered = orders_rows(gold_sql)
     runs = not pred.error
     matches = runs and results_match(pred.rows, gold, ordered, float_digits)

@@ -3,7 +3,7 @@
 After the self-hosted post-training API's recipe: each task is a schema (CREATE
 statements plus INSERTs), a question and a gold query.  This module is the
 environment: prompts, turns, feedback and rewards.  The tasks, the read-only
-database, running a query under a time limit and scoring it live in
+database, running a query within a step budget and scoring it live in
 ``producers.envs.sql``, which also describes the task file and the safety layers.
 
 Episode for ``seed``: task ``tasks[seed % len(tasks)]`` of the configured split,
@@ -26,8 +26,10 @@ from producers.envs.parsing import format_answer
 from producers.envs.sql import (
     ERROR_REWARD,
     MATCH_REWARD,
+    MAX_QUERY_STEPS,
     MAX_VALUE_BYTES,
     RUN_REWARD,
+    TIME_GUARD_S,
     QueryScore,
     SQLTask,
     build_database,
@@ -57,7 +59,18 @@ class TextToSQLConfig(EnvConfig):
         "train", description="Task subset: every test_every-th task (by file position) is test, the rest train.",
     )
     test_every: int = Field(5, ge=2, le=1_000, description="Hold out every n-th task as the test split.")
-    time_limit_s: float = Field(0.25, gt=0.0, le=60.0, description="Wall-clock limit per query, seconds.")
+    max_query_steps: int = Field(
+        MAX_QUERY_STEPS, ge=1_000, le=10_000_000_000,
+        description=(
+            "SQLite VM instructions one query may run, checked every 1,000 (about 33 million a second on one idle "
+            "core): a cost limit that does not depend on how busy the machine is."
+        ),
+    )
+    time_limit_s: float = Field(
+        TIME_GUARD_S, gt=0.0, le=600.0,
+        description="Wall-clock guard per query, seconds: a last resort for slow built-in calls the step budget "
+                    "counts as one step; keep it far above what max_query_steps takes.",
+    )
     float_digits: int = Field(4, ge=0, le=15, description="Decimals floats are rounded to before comparing.")
     max_result_rows: int = Field(1_000, ge=1, le=1_000_000, description="Rows fetched per query; more never match.")
     max_value_bytes: int = Field(
@@ -120,7 +133,7 @@ class TextToSQL(TextEnv[str]):
         self._open_database(task.schema_sql)
         try:  # the database never changes, so the gold result holds for every query of the episode
             self._gold_rows = gold_result(self._require_db(), task.gold_sql, self._cfg.time_limit_s,
-                                          self._cfg.max_result_rows)
+                                          self._cfg.max_result_rows, self._cfg.max_query_steps)
         except ValueError as e:
             raise ValueError(f"text2sql: task {task.id!r}: {str(e).removeprefix('text2sql: ')}") from None
         self.task = task
@@ -147,7 +160,7 @@ class TextToSQL(TextEnv[str]):
         score = score_query(
             self._require_db(), action, self._require_task().gold_sql, cfg.time_limit_s,
             float_digits=cfg.float_digits, max_rows=cfg.max_result_rows, similarity_weight=cfg.similarity_weight,
-            gold_rows=self._gold_rows,
+            gold_rows=self._gold_rows, max_steps=cfg.max_query_steps,
         )
         self.attempts.append(Attempt(action, score, turn=self.turn + 1))  # base counts the turn after
         reward = score.reward
@@ -193,7 +206,6 @@ class TextToSQL(TextEnv[str]):
 
     # ---- prompt -------------------------------------------------------------------------
     def system_prompt(self) -> str:
-        cfg = self._cfg
         retry = (
             f" After a wrong query you see its error or its first rows and may try again ({self.queries} "
             "queries in all)." if self.queries > 1 else ""
@@ -202,7 +214,7 @@ class TextToSQL(TextEnv[str]):
             "You translate questions into SQL. Each task shows a SQLite database schema and a question; answer "
             "with ONE SQLite SELECT query whose result answers the question.\n"
             "Rules: the database is read-only, so statements that would change it (INSERT, UPDATE, DELETE, "
-            f"CREATE, DROP, ATTACH, PRAGMA, ...) are refused; each query has a {cfg.time_limit_s:g} s time limit. "
+            "CREATE, DROP, ATTACH, PRAGMA, ...) are refused; a query that runs too long (such as endless recursion) fails. "
             "Column names do not matter; the columns asked for, their order and the rows do. Row order matters "
             "only when the question asks for an order.\n"
             f"Rewards: +{RUN_REWARD:g} if the query runs ({ERROR_REWARD:g} if it fails), +{MATCH_REWARD:g} more "

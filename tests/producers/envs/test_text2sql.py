@@ -132,20 +132,51 @@ def test_attach_is_refused_and_creates_no_file(db: sqlite3.Connection, tmp_path:
     assert not target.exists()
 
 
-def test_an_infinite_recursive_query_is_stopped_at_the_time_limit(db: sqlite3.Connection) -> None:
-    forever = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT COUNT(*) FROM n"
+FOREVER = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT COUNT(*) FROM n"
+
+
+def test_an_infinite_recursive_query_is_stopped_at_its_step_budget_whatever_the_clock_says(
+        db: sqlite3.Connection, monkeypatch) -> None:
+    """The budget counts SQLite VM steps, so the same query is refused the same way on a fast or a stalled clock."""
+    import producers.envs.sql as sql
+
+    first = score_query(db, FOREVER, "SELECT 1", max_steps=200_000)
+    monkeypatch.setattr(sql.time, "monotonic", lambda: 0.0)  # a clock that never moves: only the budget can stop it
+    again = score_query(db, FOREVER, "SELECT 1", max_steps=200_000)
+    for score in (first, again):
+        assert score.timed_out and not score.runs and score.reward == -0.25
+        assert "200,000 SQLite steps" in score.error
+    assert first == again
+    assert score_query(db, "SELECT SUM(a) FROM t", "SELECT 7", max_steps=200_000).matches  # a small query runs
+    assert row_counts(db) == ROW_COUNTS
+
+
+def test_the_wall_clock_guard_still_stops_a_query_the_step_budget_allows(db: sqlite3.Connection) -> None:
     scores: list[QueryScore] = []
-    # A daemon thread, so a broken time limit fails this test instead of hanging the run.
-    worker = threading.Thread(target=lambda: scores.append(score_query(db, forever, "SELECT 1", LIMIT_S)), daemon=True)
+    # A daemon thread, so a broken guard fails this test instead of hanging the run.
+    worker = threading.Thread(
+        target=lambda: scores.append(score_query(db, FOREVER, "SELECT 1", LIMIT_S, max_steps=10**12)), daemon=True)
     start = time.monotonic()
     worker.start()
     worker.join(timeout=3.0)
     elapsed = time.monotonic() - start
     assert not worker.is_alive() and scores, "the infinite query was not interrupted"
     score = scores[0]
-    assert LIMIT_S <= elapsed < 1.0  # it really ran until the limit, then stopped
-    assert score.timed_out and not score.runs and score.reward == -0.25
+    assert LIMIT_S <= elapsed < 1.0  # it really ran until the guard, then stopped
+    assert score.timed_out and not score.runs and score.reward == -0.25 and "time limit" in score.error
     assert row_counts(db) == ROW_COUNTS
+
+
+def test_a_gold_query_over_the_step_budget_names_the_setting_to_raise(tmp_path: Path) -> None:
+    count = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < 100000) SELECT COUNT(*) FROM n"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(task_line("big", "How many?", count) + "\n")
+    env = TextToSQL(tasks_path=str(tasks), split="all", max_query_steps=100_000)
+    with pytest.raises(ValueError, match="raise max_query_steps"):
+        env.reset(0)
+    env = TextToSQL(tasks_path=str(tasks), split="all")  # the default budget holds it
+    env.reset(0)
+    assert env.step(env.heuristic_answer()).info["success"]
 
 
 def test_a_built_in_call_that_would_outrun_the_time_limit_is_refused_and_an_overrun_scores_as_an_error(
@@ -438,15 +469,16 @@ def test_the_prompt_s_example_query_answers_no_shipped_task() -> None:
     assert leaked == []
 
 
-def test_a_step_on_a_machine_too_slow_for_the_time_limit_scores_the_query_and_never_raises(monkeypatch) -> None:
-    """The gold query was checked at reset; a step that stalls (a busy machine: every query returns 5 s after it
-    started) must score the model's query as timed out, not fail the episode because the gold query overran."""
+def test_a_correct_query_on_a_busy_machine_is_scored_correct_not_timed_out(monkeypatch) -> None:
+    """Query cost is counted in SQLite VM steps, not seconds: on a machine so busy that every reading of the clock is
+    a second after the one before (four times the old 0.25 s limit), the gold query still resets and matches."""
     import producers.envs.sql as sql
 
-    env = TextToSQL(split="all")
-    env.reset(0)
-    ticks = iter(range(0, 10_000, 5))  # every reading of the clock is 5 s after the one before
+    ticks = iter(range(100_000))  # every reading of the clock is 1 s after the one before
     monkeypatch.setattr(sql.time, "monotonic", lambda: float(next(ticks)))
-    result = env.step(format_answer(["SELECT 1"]))
-    assert result.reward == pytest.approx(-0.25) and not result.terminated and not result.truncated
-    assert "time limit" in result.observation
+    env = TextToSQL(split="all")
+    for seed in (0, len(env.tasks) - 1):
+        env.reset(seed)
+        result = env.step(env.heuristic_answer())
+        assert result.terminated and result.info["success"], (seed, result.observation)
+        assert result.reward == pytest.approx(2.25)
