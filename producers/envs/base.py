@@ -4,7 +4,9 @@ A rollout worker drives every environment the same way: ``reset(seed)`` gives th
 first observation text, ``step(answer_text)`` parses the model's answer, applies
 up to ``max_actions_per_turn`` actions and returns the next observation, the
 turn's reward, ``terminated``, ``truncated`` and an info dict.  Bad answers cost
-a format penalty; they never raise.
+a format penalty; they never raise.  An answer holding more actions than the
+episode has left (``max_actions_total``) plays those that fit and ends the episode
+truncated, without the penalty: it followed the rules, the episode ran out.
 
 Subclasses implement four small hooks (``_reset``, ``_parse_action``,
 ``_apply_action``, ``_render``) and get the answer parsing, the action limits,
@@ -191,16 +193,19 @@ class TextEnv(abc.ABC, Generic[ActionT]):
         if self.done:
             raise RuntimeError(f"{self.name}: step() after the episode ended; call reset(seed) first")
         cfg = self.config
-        budget = min(cfg.max_actions_per_turn, cfg.max_actions_total - self.actions_used)
-        parsed = parse_answer(answer_text, max_actions=budget, split=self.split_actions)
+        # More actions than one answer may hold breaks a stated rule (format penalty); more than the episode has
+        # left (>= 1 while it runs) is a well-formed answer the episode's end cuts short: no penalty.
+        parsed = parse_answer(answer_text, max_actions=cfg.max_actions_per_turn, split=self.split_actions)
+        actions_left = cfg.max_actions_total - self.actions_used
+        cut = max(0, len(parsed.actions) - actions_left)
         reward = 0.0
         valid = parsed.ok
         effective = False
         terminated = success = False
         applied = 0
         rejected: str | None = None
-        notes: list[str] = []
-        for action_text in parsed.actions:
+        notes = [f"{cut} action(s) not played: the episode's {cfg.max_actions_total}-action budget ran out"] if cut else []
+        for action_text in parsed.actions[:actions_left]:
             action = self._parse_action(action_text)
             if action is None:
                 valid, rejected = False, action_text.strip()[:REJECTED_SHOWN_CHARS]
@@ -239,6 +244,7 @@ class TextEnv(abc.ABC, Generic[ActionT]):
             "action_is_effective": effective,
             "actions_used": applied,
             "actions_total": self.actions_used,
+            "actions_cut": cut,  # actions of a well-formed answer past the episode's action budget, never read
             "env_steps": self.env_steps,
             "format_error": parsed.error,
             "rejected_action": rejected,  # the action text that is no action here (None when every one was)

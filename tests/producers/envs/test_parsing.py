@@ -4,6 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from producers.envs.base import ActionOutcome, TextEnv
 from producers.envs.parsing import ACTION_SEPARATOR, MAX_ACTION_CHARS, format_answer, match_action, parse_answer
 from producers.envs.registry import env_names, make_env
 
@@ -96,3 +97,46 @@ def test_every_env_is_deterministic(name):
         return trace
 
     assert play(11) == play(11)
+
+
+class Counter(TextEnv[str]):
+    """A tiny environment for the limits: the action ``a`` earns +1, anything else is no action."""
+
+    name = "counter"
+    description = "Say a."
+
+    def _reset(self, seed: int) -> None:
+        pass
+
+    def _parse_action(self, text: str) -> str | None:
+        return text if text == "a" else None
+
+    def _apply_action(self, action: str) -> ActionOutcome:
+        return ActionOutcome(1.0)
+
+    def _render(self) -> str:
+        return f"{self.actions_used} said"
+
+
+def test_an_answer_past_the_episodes_action_budget_plays_what_fits_and_ends_truncated_without_the_penalty():
+    """5 actions per answer, 3 in all: after 2, an answer of 3 (within the per-answer rule) plays 1 and ends the
+    episode truncated; the 2 cut off by the episode's budget are no format error (+1, not 1 - 0.1)."""
+    env = Counter(max_actions_per_turn=5, max_actions_total=3, max_turns=10)
+    env.reset(0)
+    assert env.step(format_answer(["a", "a"])).reward == 2.0
+    result = env.step(format_answer(["a", "a", "a"]))
+    assert result.reward == 1.0 and result.truncated and not result.terminated
+    assert result.info["action_is_valid"] and result.info["format_error"] == ""
+    assert result.info["actions_used"] == 1 and result.info["actions_cut"] == 2 and env.actions_used == 3
+    assert any("budget" in note for note in result.info["notes"])
+    assert env.episode_return == 3.0
+
+
+def test_an_answer_past_the_per_answer_limit_is_still_a_format_error():
+    """The rules say how many actions one answer may hold: 6 of 5 plays 5 and costs the penalty (5 - 0.1)."""
+    env = Counter(max_actions_per_turn=5, max_actions_total=100, max_turns=10)
+    env.reset(0)
+    result = env.step(format_answer(["a"] * 6))
+    assert result.reward == pytest.approx(4.9) and not result.truncated
+    assert not result.info["action_is_valid"] and result.info["format_error"] == "too many actions"
+    assert result.info["actions_used"] == 5 and result.info["actions_cut"] == 0
