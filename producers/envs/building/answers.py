@@ -10,17 +10,22 @@ _VALUE = re.compile(
     r"^(?:[A-Za-z_][\w \-]*\s*[=:]\s*)?([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*([Kk])?$"
 )
 _SPLIT = re.compile(r"\s*[,;]\s*")
+_BRACKETS = {"[": "]", "(": ")"}  # one pair around the whole answer, as a list or a tuple is written
 KELVIN_MIN_BARE = 100.0  # a bare number this large is read as kelvin
 NORMALIZED_MAX_BARE = 2.0  # bare numbers up to this magnitude are normalised values (clipped to [-1, 1])
 
 
 def parse_setpoint_values(text: str) -> tuple[tuple[float, bool], tuple[float, bool]] | None:
-    """Two ``(value, is_kelvin)`` pairs from text like "0.2, -0.5", "330K 292K" or "water=330 K; air=292 K".
+    """Two ``(value, is_kelvin)`` pairs from text like "0.2, -0.5", "330K 292K", "water=330 K; air=292 K"
+    or "[0.2, -0.5]".
 
     Values are separated by a comma or semicolon (or spaces when there is neither); each
-    may carry a ``label=`` or ``label:`` prefix and a ``K`` suffix.  None if not exactly two.
+    may carry a ``label=`` or ``label:`` prefix and a ``K`` suffix; the pair may sit in one
+    pair of square brackets or parentheses.  None if not exactly two.
     """
     body = text.strip()
+    if body[:1] in _BRACKETS and body[-1:] == _BRACKETS[body[:1]]:
+        body = body[1:-1].strip()
     if _SPLIT.search(body):
         pieces = _SPLIT.split(body)
     else:

@@ -320,6 +320,11 @@ def test_occupancy_follows_the_workday():
         ("0.2, 292K", 337.0, 292.0, 0.0),
         ("400K, 280K", 355.0, 285.0, 1.0),  # clipped to the ranges
         ("1.5, -1.2", 355.0, 285.0, 1.0),  # normalised values clipped to [-1, 1]
+        ("[0.2, -0.5]", 337.0, 288.75, 0.0),  # the pair as a list or a tuple, as models write it
+        ("(330K, 292K)", 330.0, 292.0, 0.0),
+        ("[ 330 K; 292 k ]", 330.0, 292.0, 0.0),
+        ("(330K 292K)", 330.0, 292.0, 0.0),
+        ("[water=330K, air: 292K]", 330.0, 292.0, 0.0),
     ],
 )
 def test_action_forms(text, water, air, clipped):
@@ -336,7 +341,8 @@ def test_action_forms(text, water, air, clipped):
 
 @pytest.mark.parametrize(
     "text",
-    ["hello", "0.2", "0.1, 0.2, 0.3", "57, 0", "-5K, 290K", "nan, 0", "0.2,", "330C, 290K", "<answer></answer>"],
+    ["hello", "0.2", "0.1, 0.2, 0.3", "57, 0", "-5K, 290K", "nan, 0", "0.2,", "330C, 290K", "<answer></answer>",
+     "[0.2, -0.5", "0.2, -0.5]", "(0.2, -0.5]", "[[0.2, -0.5]]", "[0.2]", "[]", "[0.2, -0.5, 0.1]", "[0.2], [-0.5]"],
 )
 def test_invalid_answers_cost_the_penalty_and_a_step_with_the_setpoints_held(text):
     """Time runs on: a turn whose answer is refused plays the step with the setpoints held, and pays the penalty
