@@ -36,6 +36,18 @@ ANSWER_FORMAT = (
 )
 
 
+def checked_seed(env_name: str, seed: int) -> int:
+    """``seed`` as an int; ValueError naming the fix when it is negative.
+
+    Seeds are 0 or more: numpy's generators refuse a negative seed, and ``random.Random(-n)``
+    would quietly replay the episode of ``n``.
+    """
+    value = int(seed)
+    if value < 0:
+        raise ValueError(f"{env_name}: seed must be 0 or more, got {value}; use a seed >= 0")
+    return value
+
+
 class EnvConfig(BaseModel):
     """Settings every environment shares; subclasses add their own fields."""
 
@@ -174,8 +186,8 @@ class TextEnv(abc.ABC, Generic[ActionT]):
 
     # ---- driver -----------------------------------------------------------
     def reset(self, seed: int) -> str:
-        """Start the episode for ``seed`` (same seed, same episode); return the first observation."""
-        self.seed = int(seed)
+        """Start the episode for ``seed`` (0 or more; same seed, same episode); return the first observation."""
+        self.seed = checked_seed(self.name, seed)
         self.rng = random.Random(self.seed)
         self.turn = self.actions_used = self.env_steps = 0
         self.done = False

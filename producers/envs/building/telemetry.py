@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from producers.envs.base import checked_seed
 from producers.envs.building.config import SECONDS_PER_DAY, SECONDS_PER_HOUR, BuildingConfig
 from producers.envs.building.plant import (
     COOL,
@@ -156,6 +157,7 @@ class BuildingTelemetry:
         The episode may be stepped from here: the turn and action counters equal ``step_index``.
         """
         cfg = self.config
+        seed = checked_seed(self.name, seed)
         timestamp = float(row["time@timestamp"])
         if step_index is None:
             step_index = self.steps_since_start_hour(timestamp)

@@ -372,6 +372,16 @@ def test_missing_answer_tags_and_extra_actions():
     assert two.reward == pytest.approx(env.telemetry()["reward@reward"] - 0.1)
 
 
+def test_a_negative_seed_is_refused_at_reset_and_when_loading_a_logged_state():
+    env = BuildingHVAC()
+    env.reset(0)
+    env.step(answer("0, 0"))
+    row = env.telemetry()
+    for refuse in (lambda: BuildingHVAC().reset(-3), lambda: BuildingHVAC().load_state_from_telemetry(row, seed=-3)):
+        with pytest.raises(ValueError, match=r"^building-hvac: seed must be 0 or more, got -3; use a seed >= 0$"):
+            refuse()
+
+
 # ---- episode and policies ------------------------------------------------------------------------
 
 

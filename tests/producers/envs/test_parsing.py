@@ -140,3 +140,14 @@ def test_an_answer_past_the_per_answer_limit_is_still_a_format_error():
     assert result.reward == pytest.approx(4.9) and not result.truncated
     assert not result.info["action_is_valid"] and result.info["format_error"] == "too many actions"
     assert result.info["actions_used"] == 5 and result.info["actions_cut"] == 0
+
+
+@pytest.mark.parametrize("name", env_names())
+def test_every_env_refuses_a_negative_seed_in_one_line_and_stays_usable(name):
+    """Seeds are 0 or more: -1 is refused before the episode changes (it was a numpy traceback for the building and
+    silently the episode of seed 1 elsewhere)."""
+    env = make_env(name)
+    with pytest.raises(ValueError, match=r"seed must be 0 or more, got -1") as refused:
+        env.reset(-1)
+    assert "\n" not in str(refused.value) and env.done
+    assert env.reset(1) == make_env(name).reset(1)
