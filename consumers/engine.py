@@ -23,6 +23,12 @@ Losses are those of ``consumers.losses``, SUMS over tokens divided by
 batch over several ``forward_backward`` calls gives the same gradients.  There
 is no learning-rate schedule: the learning rate comes with each ``optim_step``.
 
+Dropout: the base model's own dropout (GPT-2's ``attn_pdrop``, OPT's ``dropout``, ...)
+is zeroed when the model loads (unless ``base_dropout``), so the logprobs of
+``forward`` and ``forward_backward`` are a function of the weights, as Tinker's
+are.  An adapter's LoRA dropout, when its creator asks for one, runs in
+``forward_backward`` (the Tinker API never asks: its LoraConfig has no dropout).
+
 Isolation: peft keeps every adapter's weights in its own parameters and lets
 only the active adapter require gradients, so a backward pass touches no other
 adapter's ``.grad``; each adapter has its own optimizer over its own
@@ -49,7 +55,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load as load_safetensors
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from consumers.engine_data import AdapterShapeError, Datum, EngineError, collate, micro_batch_slices, validate_datums
 from consumers.losses import (
@@ -152,14 +158,20 @@ class TrainingEngine:
     """One base model and its named LoRA adapters; every public method is one serialised operation."""
 
     def __init__(
-        self, base_model: str, device: str = "auto", dtype: str = "auto", max_batch_tokens: int = 32768
+        self, base_model: str, device: str = "auto", dtype: str = "auto", max_batch_tokens: int = 32768,
+        base_dropout: bool = False,
     ) -> None:
-        """``max_batch_tokens`` bounds one padded micro-batch (datums x longest) inside a call."""
+        """``max_batch_tokens`` bounds one padded micro-batch (datums x longest) inside a call.  ``base_dropout``
+        keeps the dropout the base model's config sets (GPT-2's ``attn_pdrop``, OPT's ``dropout``, ...); by
+        default it is zeroed at load, so logprobs depend on the weights only (Tinker's semantics)."""
         self.base_model = base_model
         self.device = pick_device(device)
         model_config = AutoConfig.from_pretrained(base_model)
         check_head_supported(base_model, model_config)
-        self.base = AutoModelForCausalLM.from_pretrained(base_model, dtype=weights_dtype(model_config, dtype))
+        if not base_dropout:
+            _zero_dropout(model_config)
+        self.base = AutoModelForCausalLM.from_pretrained(base_model, config=model_config,
+                                                         dtype=weights_dtype(model_config, dtype))
         self.base.to(self.device)
         self.input_vocab = int(self.base.get_input_embeddings().num_embeddings)
         self.output_vocab = int(self.base.get_output_embeddings().out_features)
@@ -482,6 +494,17 @@ def _restore_rng(rng: dict[str, torch.Tensor]) -> None:
     torch.random.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _zero_dropout(config: PretrainedConfig) -> None:
+    """Set every dropout rate of a model config (and of its sub-configs) to 0: the fields named ``*drop*``
+    (``attn_pdrop``, ``attention_dropout``, ``hidden_dropout_prob``, OPT's ``layerdrop``, ...), which the
+    modules read when they are built."""
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            _zero_dropout(value)
+        elif "drop" in name and isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            setattr(config, name, 0.0)
 
 
 def _lora_fields(lora: LoraConfig) -> dict[str, Any]:

@@ -7,9 +7,11 @@ model.  A Tinker model is one engine adapter, named ``model_run_name(model_id)``
   create_model      LoRA of ``lora_config.rank`` on the modules that train_attn /
                     train_mlp / train_unembed select, alpha ``LORA_ALPHA``, initialised
                     from ``lora_config.seed`` (or from the model id, so a replay of the
-                    request log initialises it the same way)
+                    request log initialises it the same way); no LoRA dropout
   forward_backward  the loss (a sum over tokens), per-datum ``logprobs`` of the targets
-                    and ``name:reduction`` metrics (``loss:sum`` always); the gradients add
+                    and ``name:reduction`` metrics (``loss:sum`` always); no dropout runs
+                    (the engine zeroes the base model's), so the logprobs are a function
+                    of the weights, as Tinker's are; the gradients add
                     up until ``optim_step``; ``forward_only`` leaves every state untouched
   optim_step        AdamW with this call's AdamParams (``grad_clip_norm`` 0 = no clipping),
                     then the gradients are zeroed

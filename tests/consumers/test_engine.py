@@ -369,3 +369,34 @@ def test_the_ratio_statistics_leave_out_targets_whose_weight_is_zero(engine, los
     stats = engine.forward("a", [datum], loss).stats
     assert stats.num_tokens == 5 and stats.ratio_max == pytest.approx(1.0, abs=1e-4)
     assert stats.num_clipped == 0
+
+
+@pytest.fixture(scope="module")
+def gpt2_with_dropout_dir(tmp_path_factory) -> str:
+    """A tiny random GPT-2 whose config keeps GPT-2's dropout (attention, residual, embeddings: 0.1 each)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                        eos_token_id=0)
+    assert config.attn_pdrop == config.resid_pdrop == config.embd_pdrop == 0.1
+    folder = tmp_path_factory.mktemp("gpt2") / "model"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_base_model_with_dropout_in_its_config_gives_the_same_logprobs_in_every_call(gpt2_with_dropout_dir):
+    """Tinker's forward_backward logprobs are a function of the weights: the base model's own dropout does not run,
+    so two forward_backward calls (and a forward) on the same weights agree exactly."""
+    engine = TrainingEngine(gpt2_with_dropout_dir, device="cpu")
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=("c_attn",), seed=1)
+    batch = datums(1)
+    first = engine.forward_backward("a", batch, "cross_entropy")
+    second = engine.forward_backward("a", batch, "cross_entropy")
+    scored = engine.forward("a", batch, "cross_entropy")
+    for other in (second, scored):
+        assert all(torch.equal(x, y) for x, y in zip(first.logprobs, other.logprobs, strict=True))
+    kept = TrainingEngine(gpt2_with_dropout_dir, device="cpu", base_dropout=True)  # the packed learner's choice
+    kept.create_adapter("a", rank=4, alpha=8, target_modules=("c_attn",), seed=1)
+    runs = [kept.forward_backward("a", batch, "cross_entropy").logprobs for _ in range(2)]
+    assert not all(torch.equal(x, y) for x, y in zip(*runs, strict=True))
