@@ -11,7 +11,8 @@ operations (the Tinker training calls, TINKER.md sections 5 and 10):
   forward_backward  the same, and gradients ADD to the adapter's accumulated ones (a call whose
                     loss is not finite is refused and adds none)
   optim_step        clip (optional), AdamW with this call's hyper-parameters, zero the gradients
-                    (gradients that are not finite are discarded and the step refused)
+                    (gradients that are not finite are discarded and the step refused; without
+                    gradients nothing changes and no step is counted)
   save_state        adapter + optimizer + RNG as one safetensors blob (metadata in its JSON header),
                     optionally the accumulated gradients too (what a trainer's fold keeps)
   load_state        the reverse; the optimizer is optional, an unknown name is created from the state
@@ -268,13 +269,19 @@ class TrainingEngine:
             return result
 
     def optim_step(self, name: str, adam: AdamParams) -> StepInfo:
-        """Clip (if ``grad_clip_norm``), one AdamW step with ``adam``'s values, zero the accumulated gradients."""
+        """Clip (if ``grad_clip_norm``), one AdamW step with ``adam``'s values, zero the accumulated gradients.
+
+        Without gradients (no ``forward_backward`` since the last step) nothing changes and no step is counted:
+        AdamW moves no parameter that has no gradient (nor its moments), so a counted step would only make the
+        step count disagree with the steps that trained."""
         with self._lock:
             adapter = self._get(name)
             params = list(adapter.params.values())
             max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
             grads = [p for p in params if p.grad is not None]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+            if not grads:
+                return StepInfo(0.0, adam.learning_rate, adapter.step)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
             if not math.isfinite(grad_norm):  # a step would write NaN weights; the gradients are of no use
                 adapter.optimizer.zero_grad(set_to_none=True)
                 raise EngineError(f"{NOT_FINITE_STEP} (norm {grad_norm}; a loss that overflowed, e.g. an importance "

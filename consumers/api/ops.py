@@ -14,7 +14,8 @@ model.  A Tinker model is one engine adapter, named ``model_run_name(model_id)``
                     of the weights, as Tinker's are; the gradients add
                     up until ``optim_step``; ``forward_only`` leaves every state untouched
   optim_step        AdamW with this call's AdamParams (``grad_clip_norm`` 0 = no clipping),
-                    then the gradients are zeroed
+                    then the gradients are zeroed; with no forward_backward since the last
+                    step nothing changes and no step is counted (``step:max`` stays)
   save_state / load_state  weights (+ AdamW state) as one safetensors blob
   export_for_sampling      the PEFT folder a sampler loads
   unload            forget the model

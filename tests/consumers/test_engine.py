@@ -173,7 +173,8 @@ def test_save_and_load_state_continue_training_identically(engine, tiny_model_di
             step = target.optim_step("restored" if target is other else "a", ADAM)
         assert step.step == 4
     assert max_difference(engine.weights("a"), other.weights("restored")) == 0.0
-    assert weights_only.optim_step("a", ADAM).step == 1
+    weights_only.forward_backward("a", datums(2), "cross_entropy")
+    assert weights_only.optim_step("a", ADAM).step == 1  # Adam started afresh
     with pytest.raises(EngineError, match="cannot load into adapter 'x'"):
         other.load_state("x", state)
     with pytest.raises(EngineError, match="not a training-engine state"):
@@ -323,6 +324,19 @@ def test_an_optim_step_on_gradients_that_are_not_finite_is_refused_and_they_are_
     engine.forward_backward("a", datums(2), "cross_entropy")
     assert engine.optim_step("a", ADAM).step == 1  # and the adapter trains on
     assert all(bool(torch.isfinite(w).all()) for w in engine.weights("a").values())
+
+
+def test_an_optim_step_without_gradients_changes_nothing_and_counts_no_step(engine):
+    """No forward_backward since the last step: AdamW would move nothing, so the step is not counted either."""
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
+    fresh = engine.save_state("a")
+    idle = engine.optim_step("a", ADAM)
+    assert (idle.step, idle.grad_norm) == (0, 0.0) and engine.save_state("a") == fresh
+    engine.forward_backward("a", datums(1), "cross_entropy")
+    assert engine.optim_step("a", ADAM).step == 1
+    stepped = engine.save_state("a")
+    again = engine.optim_step("a", AdamParams(learning_rate=0.5))
+    assert (again.step, again.grad_norm) == (1, 0.0) and engine.save_state("a") == stepped
 
 
 def test_a_forward_backward_whose_loss_is_not_finite_is_refused_and_adds_no_gradient(engine):

@@ -279,6 +279,16 @@ def test_saved_state_continues_training_identically_with_or_without_the_optimize
     assert "sv.train.1" not in engine.adapters()
 
 
+def test_an_optim_step_with_no_forward_backward_since_the_last_changes_nothing_and_counts_no_step(engine):
+    create(engine, "idle:train:0")
+    fb(engine, "idle:train:0", batch(1))
+    assert step(engine, "idle:train:0", ADAM).metrics["step:max"] == 1.0
+    stepped = ops.save_state(engine, "idle:train:0")
+    metrics = step(engine, "idle:train:0", ADAM).metrics
+    assert (metrics["step:max"], metrics["grad_norm:mean"]) == (1.0, 0.0)
+    assert ops.save_state(engine, "idle:train:0") == stepped
+
+
 # ---- LoRA modules -------------------------------------------------------------------------------
 def test_lora_modules_of_the_tiny_model_and_of_a_gpt2_style_model(engine):
     parts = {"attn": dict(train_mlp=False, train_unembed=False), "mlp": dict(train_attn=False, train_unembed=False),
