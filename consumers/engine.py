@@ -315,7 +315,8 @@ class TrainingEngine:
     def load_state(self, name: str, state: bytes, with_optimizer: bool = True) -> None:
         """Restore a ``save_state`` blob into ``name`` (created if unknown); without the optimizer, Adam starts afresh.
 
-        Accumulated gradients are replaced by those of the state (none, unless it was saved with them).
+        Accumulated gradients are replaced by those of the state (none, unless it was saved with them).  All or
+        nothing: a damaged state is refused (``EngineError``) before any of the adapter changes.
         """
         with self._lock:
             tensors, meta = _read_state(state)
@@ -451,31 +452,59 @@ class TrainingEngine:
 
     def _load_into(self, adapter: _Adapter, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
                    with_optimizer: bool) -> None:
+        """Set ``adapter`` to the state: all of it or, when any part is damaged, none of it (``EngineError``).
+
+        Everything is checked and built aside first (the optimizer is a new one, loaded there); only then is
+        the adapter changed, by steps that cannot fail on a state that passed."""
         weights = {key[len("adapter."):]: t for key, t in tensors.items() if key.startswith("adapter.")}
         matches = meta.get("param_names") == list(adapter.params) and all(
             tuple(weights[key].shape) == tuple(p.shape) for key, p in adapter.params.items() if key in weights)
         if not matches or set(weights) != set(adapter.params):
             raise EngineError("state's adapter tensors do not match this base model's layers; "
                               "load it into an engine on the same base model")
-        self.model.set_adapter(adapter.slot)
-        with torch.no_grad():
-            for key, value in weights.items():
-                adapter.params[key].copy_(value.to(adapter.params[key].device))
-        adapter.optimizer = torch.optim.AdamW(list(adapter.params.values()), lr=0.0)  # drops the old state
         gradients = {key[len("gradient."):]: t for key, t in tensors.items() if key.startswith("gradient.")}
         if not all(key in adapter.params and tuple(t.shape) == tuple(adapter.params[key].shape)
                    for key, t in gradients.items()):
             raise EngineError("state's gradients do not match its adapter's tensors; it is damaged")
+        optimizer = torch.optim.AdamW(list(adapter.params.values()), lr=0.0)  # a fresh Adam unless loaded
+        step = 0
+        if with_optimizer:
+            optimizer, step = self._checked_optimizer(adapter, tensors, meta)
+        rng = {key[len("rng."):]: t for key, t in tensors.items() if key.startswith("rng.")}
+        if rng:
+            try:
+                with _swapped_rng(None):  # torch's own check of each generator state; the process's is put back
+                    _restore_rng(rng)
+            except (KeyError, RuntimeError, TypeError) as exc:
+                raise EngineError(f"state's RNG is damaged ({type(exc).__name__}: {exc}); save it again") from None
+        self.model.set_adapter(adapter.slot)
+        with torch.no_grad():
+            for key, value in weights.items():
+                adapter.params[key].copy_(value.to(adapter.params[key].device))
         for key, p in adapter.params.items():
             p.grad = gradients[key].to(p.device, p.dtype).clone() if key in gradients else None
-        if with_optimizer:
-            optimizer = {key[len("optimizer."):]: t for key, t in tensors.items() if key.startswith("optimizer.")}
-            load_optimizer_tensors(adapter.optimizer, optimizer, meta["param_groups"], self.device)
-            adapter.step = int(meta["step"])
-        else:
-            adapter.step = 0
-        rng = {key[len("rng."):]: t for key, t in tensors.items() if key.startswith("rng.")}
+        adapter.optimizer, adapter.step = optimizer, step
         adapter.rng = rng or adapter.rng
+
+    def _checked_optimizer(self, adapter: _Adapter, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+                           ) -> tuple[torch.optim.AdamW, int]:
+        """A new AdamW over ``adapter``'s parameters holding the state's Adam state, and the state's step count;
+        ``EngineError`` if that state is damaged (malformed, or moments of another shape than their parameter)."""
+        saved = {key[len("optimizer."):]: t for key, t in tensors.items() if key.startswith("optimizer.")}
+        optimizer = torch.optim.AdamW(list(adapter.params.values()), lr=0.0)
+        try:
+            load_optimizer_tensors(optimizer, saved, meta["param_groups"], self.device)
+            step = int(meta["step"])
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
+            raise EngineError(f"state's optimizer is damaged ({type(exc).__name__}: {exc}); load it without the "
+                              "optimizer, or save it again") from None
+        for p in adapter.params.values():
+            moments = optimizer.state.get(p, {})
+            if any(tuple(moments[slot].shape) != tuple(p.shape) for slot in ("exp_avg", "exp_avg_sq")
+                   if slot in moments):
+                raise EngineError("state's optimizer moments do not match its adapter's tensors; it is damaged: "
+                                  "load it without the optimizer, or save it again")
+        return optimizer, step
 
 
 @contextlib.contextmanager

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
 
 from consumers.batching import micro_batches
@@ -16,6 +19,7 @@ from consumers.engine import LOSSES, AdamParams, TrainingEngine
 from consumers.engine_data import Datum, EngineError
 from consumers.losses import cross_entropy_loss, loss_from_logprobs
 from consumers.policy import LoraPolicy
+from pipeline.io.tensors import save_tensors
 from schemas.config import LearnerConfig
 
 TARGETS = ("q_proj", "v_proj")
@@ -414,3 +418,48 @@ def test_a_base_model_with_dropout_in_its_config_gives_the_same_logprobs_in_ever
     kept.create_adapter("a", rank=4, alpha=8, target_modules=("c_attn",), seed=1)
     runs = [kept.forward_backward("a", batch, "cross_entropy").logprobs for _ in range(2)]
     assert not all(torch.equal(x, y) for x, y in zip(*runs, strict=True))
+
+
+def _damaged(state: bytes, change: Callable[[dict[str, torch.Tensor], dict], None]) -> bytes:
+    """``state`` with ``change(tensors, meta)`` applied: a state file damaged in one place, still readable."""
+    tensors = load_safetensors(state)
+    header = json.loads(state[8 : 8 + int.from_bytes(state[:8], "little")])
+    meta = json.loads(header["__metadata__"]["rlpipe"])
+    change(tensors, meta)
+    return save_tensors(tensors, metadata={"rlpipe": json.dumps(meta)})
+
+
+def _wrong_gradient(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    key = next(k for k in tensors if k.startswith("gradient."))
+    tensors[key] = tensors[key][:1]
+
+
+def _wrong_moment(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    key = next(k for k in tensors if k.startswith("optimizer.") and k.endswith(".exp_avg"))
+    tensors[key] = tensors[key].flatten()[:3]
+
+
+def _no_param_groups(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    del meta["param_groups"]
+
+
+def _bad_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    tensors["rng.cpu"] = torch.zeros(3)
+
+
+@pytest.mark.parametrize("damage", [_wrong_gradient, _wrong_moment, _no_param_groups, _bad_rng])
+def test_a_damaged_state_loaded_into_an_adapter_is_refused_and_leaves_it_as_it_was(engine, damage):
+    """A load is all or nothing: a state that fails any check (the last ones too) changes none of the adapter's
+    weights, optimizer, step count, gradients or RNG."""
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
+    engine.create_adapter("b", rank=4, alpha=8, target_modules=TARGETS, seed=2)
+    for name in ("a", "b"):
+        engine.forward_backward(name, datums(1), "cross_entropy")
+        engine.optim_step(name, ADAM)
+        engine.forward_backward(name, datums(2), "cross_entropy")
+    before = snapshot(engine, "a")
+    bad = _damaged(engine.save_state("b", with_gradients=True), damage)
+    with pytest.raises(EngineError, match="damaged"):
+        engine.load_state("a", bad)
+    assert same_snapshot(before, snapshot(engine, "a"))
+    engine.optim_step("a", ADAM)  # and it trains on
