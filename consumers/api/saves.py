@@ -5,7 +5,8 @@ Each takes the store and the training engine, the call as logged and its parsed 
 result's bytes; a refusal raises ``ApiError`` with the fix in its message.  A save writes its bytes under the
 name first and its record (naming the call that wrote it) last, so a trainer killed between the two and
 re-executing the call replaces its own half-done save, and a name another call recorded is refused unless
-``overwrite``.  ``consumers.api.worker`` decides when each runs.
+``overwrite``.  ``save_weights_for_sampler`` re-executed after such a kill reuses the registry version its first
+run published.  ``consumers.api.worker`` decides when each runs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pipeline.api.wire import TinkerPath, parse_tinker_path
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiError, ApiRequestAccepted, model_run_name, result_path, session_path
+from schemas.registry import AdapterManifest
 
 
 def check_tenant(store: ObjectStore, tenant: str, session_id: str) -> None:
@@ -75,7 +77,9 @@ def _claim_name(store: ObjectStore, path: TinkerPath, call: ApiRequestAccepted, 
 def save_for_sampler(store: ObjectStore, engine: TrainingEngine, base_model: str, model_id: str, learner_step: int,
                      call: ApiRequestAccepted, request: types.SaveWeightsForSamplerRequest) -> bytes:
     """Publish the adapter as a registry version; a named save records a ``sampler_weights`` checkpoint,
-    an unnamed one (``save_weights_and_get_sampling_client``) a sampling session on that version."""
+    an unnamed one (``save_weights_and_get_sampling_client``) a sampling session on that version.
+    ``learner_step`` is the call's ``seq_id``, which the version records: a call run again after its trainer
+    died between the publish and its answer finds its version and publishes no second one."""
     if request.path is None and request.sampling_session_seq_id is None:
         raise ApiError("save_weights_for_sampler needs a path or a sampling_session_seq_id; use the tinker SDK")
     run = model_run_name(model_id)
@@ -87,13 +91,15 @@ def save_for_sampler(store: ObjectStore, engine: TrainingEngine, base_model: str
                 point_inflight(store, run, int(known["version"]))
             return _json({"type": "save_weights_for_sampler", "sampling_session_id": known["sampling_session_id"]})
     snapshot_of = call.session_id if request.path is None else None  # retired when the session ends
-    if snapshot_of is not None:  # indexed first, so the sweep after the session's end finds it
-        lifecycle.mark_snapshots(store, model_id)
-    with tempfile.TemporaryDirectory() as folder:
-        ops.export_for_sampling(engine, model_id, Path(folder) / "adapter")
-        manifest = AdapterRegistry(store, run).publish(
-            Path(folder) / "adapter", base_model, parent_version=0, learner_step=learner_step,
-            ends_with_session=snapshot_of)
+    registry = AdapterRegistry(store, run)
+    manifest = _published_by_this_call(registry, learner_step, snapshot_of)
+    if manifest is None:
+        if snapshot_of is not None:  # indexed first, so the sweep after the session's end finds it
+            lifecycle.mark_snapshots(store, model_id)
+        with tempfile.TemporaryDirectory() as folder:
+            ops.export_for_sampling(engine, model_id, Path(folder) / "adapter")
+            manifest = registry.publish(Path(folder) / "adapter", base_model, parent_version=0,
+                                        learner_step=learner_step, ends_with_session=snapshot_of)
     if request.path is None:
         inflight = request.kind == "inflight"
         if inflight:  # every inflight session of this client samples this save from now on
@@ -104,6 +110,19 @@ def save_for_sampler(store: ObjectStore, engine: TrainingEngine, base_model: str
         return _json({"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id})
     checkpoints.name_sampler_version(store, path, manifest.version, checkpoints.expiry(request.ttl_seconds))
     return _json({"type": "save_weights_for_sampler", "path": str(path)})
+
+
+def _published_by_this_call(registry: AdapterRegistry, seq_id: int, snapshot_of: str | None
+                            ) -> AdapterManifest | None:
+    """The version an earlier run of this call published before its trainer died (before the name or sampling
+    session that answers it was written), or None.  A training client's calls run one at a time in ``seq_id``
+    order and each of its versions records the ``seq_id`` of the call that published it (``learner_step``), so
+    only the client's newest version can be one, and it is when it records this call's ``seq_id``."""
+    newest = registry.next_version() - 1
+    if newest < 1:
+        return None
+    manifest = registry.show(newest)
+    return manifest if (manifest.learner_step, manifest.ends_with_session) == (seq_id, snapshot_of) else None
 
 
 def load_weights(store: ObjectStore, engine: TrainingEngine, model_id: str, call: ApiRequestAccepted,

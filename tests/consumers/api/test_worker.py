@@ -15,6 +15,7 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
+from consumers.api import saves
 from consumers.api.worker import TrainerWorker, group_for, ops
 from consumers.engine import AdamParams, TrainingEngine
 from pipeline.api import checkpoints, lifecycle
@@ -856,6 +857,44 @@ def test_snapshots_live_as_long_as_their_session_and_named_sampler_weights_outli
     assert registry.pull(kept["version"], tmp_path / "cache").is_dir()
     assert trainer.sweep_checkpoints() == 0  # done with
     trainer.close()
+
+
+@pytest.mark.parametrize("path", ["kept", None])
+def test_a_sampler_save_killed_after_it_published_reuses_that_version_when_replayed(harness, monkeypatch, path):
+    """A trainer killed between publishing a save_weights_for_sampler's registry version and naming it (a
+    checkpoint, or a sampling session) publishes no second version when the call runs again after its restart."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    body = types.SaveWeightsForSamplerRequest(model_id=model_id, seq_id=1, path=path,
+                                              sampling_session_seq_id=None if path else 1)
+    save = harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, 1, body.model_dump_json().encode())
+
+    def killed(*args, **kwargs):
+        raise Killed("after the publish")
+
+    monkeypatch.setattr(saves.checkpoints if path else saves, "name_sampler_version" if path else "write_sampler",
+                        killed)
+    with pytest.raises(Killed):
+        run_until(trainer, harness, [save])
+    monkeypatch.undo()
+    abandon(trainer)
+    registry = AdapterRegistry(harness.store, model_run_name(model_id))
+    assert registry.versions() == [1]  # published, and no result written
+    restarted = harness.trainer()
+    run_until(restarted, harness, [save])
+    assert registry.versions() == [1]
+    answer = json.loads(harness.result(save)[0])
+    if path:
+        kept = checkpoints.read_record(harness.store, parse_tinker_path(answer["path"]))
+        assert kept["version"] == 1
+    else:
+        record = json.loads(harness.store.get(f"sessions/{harness.session}/samplers/1.json"))
+        assert (answer["sampling_session_id"], record["version"]) == (record["sampling_session_id"], 1)
+    later = types.SaveWeightsForSamplerRequest(model_id=model_id, seq_id=2, path="later")
+    run_until(restarted, harness, [harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, 2,
+                                                          later.model_dump_json().encode())])
+    assert registry.versions() == [1, 2]  # the next save publishes its own
+    restarted.close()
 
 
 def test_a_state_of_another_rank_is_refused_naming_both_shapes_and_the_call_to_use(harness):
