@@ -34,6 +34,10 @@ from pipeline.io.store import ObjectStore, sha256_hex
 from schemas.api import model_run_name, session_path
 
 log = logging.getLogger("rlpipe.api.trainer")
+# how a refused model's answers end: a checkpoint loaded into it replaces its whole state and lifts the refusal
+REFUSED_WAY_OUT = ("load one of its checkpoints into it (load_state or load_state_with_optimizer; see "
+                   "list_checkpoints) to go on, or start a new training client from one "
+                   "(create_training_client_from_state)")
 
 
 @dataclass
@@ -86,7 +90,7 @@ class Model:
     last_used: float = 0.0  # monotonic time of its last call
     reload_failing_since: float | None = None  # parked, and its reload failed since then (store, memory)
     gap_since: float | None = None  # its calls have waited for a missing seq_id since then (monotonic)
-    refused: str | None = None  # why every call fails (its fold is corrupt)
+    refused: str | None = None  # why every call but a load_weights fails (its state is lost; see REFUSED_WAY_OUT)
     unfolded: list[tuple[TopicPartitionKey, int]] = field(default_factory=list)  # executed, not yet in a fold
     pending: dict[int, ConsumedEvent] = field(default_factory=dict)  # seq_id -> call waiting for its turn
     creating: list[ConsumedEvent] = field(default_factory=list)  # create_model / load_weights as a new model
@@ -142,7 +146,7 @@ def load_fold(store: ObjectStore, engine: TrainingEngine, model: Model) -> None:
     except (FileNotFoundError, ValueError, KeyError) as exc:
         log.error("%s cannot be restored: %s", model.model_id, exc)
         model.refused = (f"the saved state of {model.model_id} is missing or corrupt ({type(exc).__name__}); "
-                         "create a new training client, or load one of its checkpoints (see list_checkpoints)")
+                         f"{REFUSED_WAY_OUT}")
         return
     model.loaded, model.next_seq = True, int(record["seq_id"]) + 1
     model.has_gradients = engine.has_gradients(ops.adapter_name(model.model_id))

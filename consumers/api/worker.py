@@ -193,6 +193,9 @@ class TrainerWorker:
                 for seq in sorted(model.pending):                         # or its fold is lost: each call says so
                     self._execute(model, model.pending.pop(seq))
                     executed += 1
+                    if model.loaded:  # a load_weights brought it in: the calls after it run in seq_id order
+                        model.next_seq = seq + 1
+                        break
             while model.loaded and model.next_seq in model.pending:
                 self._execute(model, model.pending.pop(model.next_seq))
                 model.next_seq += 1
@@ -287,11 +290,12 @@ class TrainerWorker:
             self._write_result(call, *result)
         elif result[2] is not None:  # it succeeded before and cannot again: its model is lost, and says so
             log.error("%s %s ran before and failed on replay: %s", call.op, call.request_id, result[2])
-            if model.loaded:  # (one whose creation failed again is not: its calls say it does not exist)
-                model.refused = (f"the state of {model.model_id} could not be rebuilt after its trainer restarted: its "
-                                 f"{call.op} (seq_id {call.seq_id}) succeeded before and failed when run again "
-                                 f"({result[2]}); load one of its checkpoints into a new training client (see "
-                                 "list_checkpoints), or report it")
+            # (one whose creation failed again is not loaded: its calls say it does not exist); the first failure
+            # is the cause, the later calls failed on its refusal
+            if model.loaded and not model.refused:
+                model.refused = (f"the state of {model.model_id} could not be rebuilt after its trainer restarted: "
+                                 f"its {call.op} (seq_id {call.seq_id}) succeeded before and failed when run again "
+                                 f"({result[2]}); {calls.REFUSED_WAY_OUT}")
         seconds = time.perf_counter() - started
         if self.activity is not None:
             self.activity.record(call.session_id, call.tenant, call.op, wall, wall + seconds, self._tokens)
@@ -331,7 +335,7 @@ class TrainerWorker:
         saves.check_tenant(self.store, call.tenant, call.session_id)
         if call.refused is not None:  # refused by the gateway (the client has its 400): answered, and the next goes on
             raise ApiError(call.refused)
-        if model.refused:
+        if model.refused and call.op != "load_weights":  # a load replaces the whole state: the way out
             raise ApiError(model.refused, "server")
         body = self._body(call)
         if call.op == "create_model":
@@ -341,7 +345,7 @@ class TrainerWorker:
         if call.op == "load_weights":
             data = saves.load_weights(self.store, self.engine, model.model_id, call,
                                       parse_body(types.LoadWeightsRequest, body), self._replaying)
-            model.loaded, model.has_gradients = True, False
+            model.loaded, model.has_gradients, model.refused = True, False, None
             return data, "json"
         self._require_loaded(model)
         if call.op == "forward_backward":
@@ -387,7 +391,8 @@ class TrainerWorker:
 
     def _fold(self, model: Model) -> None:
         """``calls.write_fold``, noted in the engine's activity.  A model refused for a state it could not rebuild is
-        not folded: its calls stay in the log (offsets held), so a trainer restarted later rebuilds it from them."""
+        not folded: its calls stay in the log (offsets held), so a trainer restarted later rebuilds it from them; a
+        checkpoint loaded into it lifts the refusal, and it is folded again."""
         if model.refused:
             return
         started, wall = time.perf_counter(), time.time()
@@ -419,8 +424,7 @@ class TrainerWorker:
                 return False
             log.error("%s could not be reloaded for %.0f s: %s", model.model_id, now - model.reload_failing_since, exc)
             model.refused = (f"{model.model_id} could not be reloaded for {now - model.reload_failing_since:.0f} s "
-                             f"({type(exc).__name__}: {exc}); load one of its checkpoints into a new training "
-                             "client (see list_checkpoints), or report it")
+                             f"({type(exc).__name__}: {exc}); {calls.REFUSED_WAY_OUT}")
         model.parked, model.reload_failing_since = False, None
         return True
 

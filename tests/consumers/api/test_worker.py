@@ -260,6 +260,43 @@ def test_a_call_that_ran_before_and_fails_when_replayed_fails_its_models_later_c
     restarted.close()
 
 
+def test_a_model_refused_after_a_failed_replay_goes_on_from_a_checkpoint_loaded_into_it(harness, monkeypatch):
+    """The refusal names the way out, and a load_state into the refused training client replaces its whole state:
+    the refusal is lifted, its calls run again and it is folded from then on."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    train_and_save(harness, trainer, model_id, 2, "w")  # seq_ids 1 to 3
+    saved = trainer.engine.weights(model_run_name(model_id))
+    fb = harness.gateway.submit(TENANT, "forward_backward", model_id, 4, _fb(model_id, 4, [_datum(3)]), "pb")
+    run_until(trainer, harness, [fb])
+    abandon(trainer)  # nothing folded: a restart replays seq_ids 1 to 4
+    forward_backward, failures = ops.forward_backward, iter([RuntimeError("CUDA out of memory")])
+
+    def fails_once(*args, **kwargs):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return forward_backward(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "forward_backward", fails_once)
+    restarted = harness.trainer()
+    refused = harness.gateway.submit(TENANT, "optim_step", model_id, 5, _optim(model_id, 5))
+    run_until(restarted, harness, [refused])
+    assert "load_state" in json.loads(harness.result(refused)[0])["error"]
+    body = types.LoadWeightsRequest(model_id=model_id, seq_id=6, path=f"tinker://{model_id}/weights/w", optimizer=True)
+    load = harness.gateway.submit(TENANT, "load_weights", model_id, 6, body.model_dump_json().encode())
+    run_until(restarted, harness, [load])
+    assert "error" not in json.loads(harness.result(load)[0])
+    assert_same(restarted.engine.weights(model_run_name(model_id)), saved)
+    calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 7, _fb(model_id, 7, [_datum(3)]), "pb"),
+             harness.gateway.submit(TENANT, "optim_step", model_id, 8, _optim(model_id, 8))]
+    run_until(restarted, harness, calls)
+    assert "metrics" in json.loads(harness.result(calls[1])[0])
+    restarted.fold_all()
+    assert json.loads(harness.store.get(f"sessions/{harness.session}/models/0.fold.json"))["seq_id"] == 8
+    restarted.close()
+
+
 def test_calls_that_failed_replay_after_a_restart_without_stopping_the_trainer(harness):
     """A call answered with an error (refused by the gateway, or failing on the trainer) is read again by a
     restarted trainer: its stored error stands and the calls after it run."""
@@ -347,7 +384,16 @@ def test_a_corrupt_fold_fails_its_own_models_calls_and_no_other_and_an_older_fol
     run_until(restarted, harness, calls)
     answer = json.loads(harness.result(calls[0])[0])
     assert answer["category"] == "server" and "missing or corrupt (ChecksumError)" in answer["error"]
+    assert "load_state" in answer["error"]
     assert "metrics" in json.loads(harness.result(calls[1])[0])
+    run_until(restarted, harness, [harness.gateway.submit(TENANT, "save_weights", fine, 2, _save(fine, 2, "f"))])
+    body = types.LoadWeightsRequest(model_id=broken, seq_id=2, path=f"tinker://{fine}/weights/f", optimizer=False)
+    load = harness.gateway.submit(TENANT, "load_weights", broken, 2, body.model_dump_json().encode())
+    run_until(restarted, harness, [load])
+    step = harness.gateway.submit(TENANT, "optim_step", broken, 3, _optim(broken, 3))
+    run_until(restarted, harness, [step])  # the checkpoint loaded into it brought it back
+    assert "metrics" in json.loads(harness.result(step)[0])
+    assert_same(restarted.engine.weights(model_run_name(broken)), restarted.engine.weights(model_run_name(fine)))
     restarted.close()
 
 
