@@ -29,21 +29,22 @@ class TenantQuota:
 
     def admit_session(self, tenant: str) -> None:
         """``TenantLimitError`` when ``tenant`` holds ``max_sessions`` sessions that have not ended."""
-        held = self._held(tenant, models=False)
-        if held >= self.limits.max_sessions:
-            raise TenantLimitError(
-                f"this API key holds {held} sessions that have not ended, its limit ({MAX_SESSIONS_ENV}="
-                f"{self.limits.max_sessions}); close the ServiceClients it no longer uses (or end them with "
-                f"`rlpipe sessions end <id>`), or ask the operator to raise {MAX_SESSIONS_ENV}")
+        self._admit(tenant, models=False)
 
     def admit_model(self, tenant: str) -> None:
         """``TenantLimitError`` when ``tenant`` holds ``max_models`` training clients in sessions not ended."""
-        held = self._held(tenant, models=True)
-        if held >= self.limits.max_models:
+        self._admit(tenant, models=True)
+
+    def _admit(self, tenant: str, models: bool) -> None:
+        held = self._held(tenant, models)
+        limit, setting = ((self.limits.max_models, MAX_MODELS_ENV) if models
+                          else (self.limits.max_sessions, MAX_SESSIONS_ENV))
+        if held >= limit:
+            what = "training clients in sessions" if models else "sessions"
+            end = "" if models else " (or end them with `rlpipe sessions end <id>`)"
             raise TenantLimitError(
-                f"this API key holds {held} training clients in sessions that have not ended, its limit "
-                f"({MAX_MODELS_ENV}={self.limits.max_models}); close the ServiceClients it no longer uses, or ask "
-                f"the operator to raise {MAX_MODELS_ENV}")
+                f"this API key holds {held} {what} that have not ended, its limit ({setting}={limit}); close the "
+                f"ServiceClients it no longer uses{end}, or ask the operator to raise {setting}")
 
     def note_session(self, tenant: str, session_id: str) -> None:
         self.store.put(f"{TENANTS}/{tenant}/{session_id}", b"")

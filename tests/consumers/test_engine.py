@@ -199,6 +199,16 @@ def test_export_for_sampling_is_a_peft_folder_that_scores_like_the_engine(engine
     assert float((engine.forward("a", [datum], "cross_entropy").logprobs[0] - expected).abs().max()) <= 1e-5
 
 
+def two_trained_adapters(engine) -> None:
+    """Adapters "a" and "b", each one step in with gradients of a second batch accumulated."""
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
+    engine.create_adapter("b", rank=4, alpha=8, target_modules=TARGETS, seed=2)
+    for name in ("a", "b"):
+        engine.forward_backward(name, datums(1), "cross_entropy")
+        engine.optim_step(name, ADAM)
+        engine.forward_backward(name, datums(2), "cross_entropy")
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -221,12 +231,7 @@ def test_export_for_sampling_is_a_peft_folder_that_scores_like_the_engine(engine
     ],
 )
 def test_a_bad_request_fails_in_one_line_and_changes_nothing(engine, call, message):
-    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
-    engine.create_adapter("b", rank=4, alpha=8, target_modules=TARGETS, seed=2)
-    for name in ("a", "b"):
-        engine.forward_backward(name, datums(1), "cross_entropy")
-        engine.optim_step(name, ADAM)
-        engine.forward_backward(name, datums(2), "cross_entropy")
+    two_trained_adapters(engine)
     before = {name: snapshot(engine, name) for name in ("a", "b")}
     with pytest.raises(ValueError, match=message) as error:
         call(engine)
@@ -451,12 +456,7 @@ def _bad_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
 def test_a_damaged_state_loaded_into_an_adapter_is_refused_and_leaves_it_as_it_was(engine, damage):
     """A load is all or nothing: a state that fails any check (the last ones too) changes none of the adapter's
     weights, optimizer, step count, gradients or RNG."""
-    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
-    engine.create_adapter("b", rank=4, alpha=8, target_modules=TARGETS, seed=2)
-    for name in ("a", "b"):
-        engine.forward_backward(name, datums(1), "cross_entropy")
-        engine.optim_step(name, ADAM)
-        engine.forward_backward(name, datums(2), "cross_entropy")
+    two_trained_adapters(engine)
     before = snapshot(engine, "a")
     bad = _damaged(engine.save_state("b", with_gradients=True), damage)
     with pytest.raises(EngineError, match="damaged"):

@@ -232,6 +232,19 @@ def test_a_restarted_trainer_replays_from_its_fold_to_the_same_weights(harness):
     restarted.close()
 
 
+def fail_next_forward_backward(monkeypatch) -> None:
+    """The next forward_backward the engine runs fails as a device would; the ones after it run."""
+    forward_backward, failures = ops.forward_backward, iter([RuntimeError("CUDA out of memory")])
+
+    def fails_once(*args, **kwargs):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return forward_backward(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "forward_backward", fails_once)
+
+
 def test_a_call_that_ran_before_and_fails_when_replayed_fails_its_models_later_calls(harness, monkeypatch):
     """A restarted trainer that cannot re-run a call which succeeded before (memory short for a moment) has lost the
     model's state: its later calls are answered with that, not run on the gradients that are missing."""
@@ -241,16 +254,7 @@ def test_a_call_that_ran_before_and_fails_when_replayed_fails_its_models_later_c
     run_until(trainer, harness, [fb])
     abandon(trainer)  # dies before its fold: a restart replays the create and the forward_backward
     step = harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
-    forward_backward = ops.forward_backward
-    failures = iter([RuntimeError("CUDA out of memory")])
-
-    def fails_once(*args, **kwargs):
-        failure = next(failures, None)
-        if failure is not None:
-            raise failure
-        return forward_backward(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "forward_backward", fails_once)
+    fail_next_forward_backward(monkeypatch)
     restarted = harness.trainer()
     run_until(restarted, harness, [step])
     answer = json.loads(harness.result(step)[0])
@@ -270,15 +274,7 @@ def test_a_model_refused_after_a_failed_replay_goes_on_from_a_checkpoint_loaded_
     fb = harness.gateway.submit(TENANT, "forward_backward", model_id, 4, _fb(model_id, 4, [_datum(3)]), "pb")
     run_until(trainer, harness, [fb])
     abandon(trainer)  # nothing folded: a restart replays seq_ids 1 to 4
-    forward_backward, failures = ops.forward_backward, iter([RuntimeError("CUDA out of memory")])
-
-    def fails_once(*args, **kwargs):
-        failure = next(failures, None)
-        if failure is not None:
-            raise failure
-        return forward_backward(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "forward_backward", fails_once)
+    fail_next_forward_backward(monkeypatch)
     restarted = harness.trainer()
     refused = harness.gateway.submit(TENANT, "optim_step", model_id, 5, _optim(model_id, 5))
     run_until(restarted, harness, [refused])
