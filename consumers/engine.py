@@ -55,10 +55,18 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from safetensors.torch import load as load_safetensors
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from consumers.engine_data import AdapterShapeError, Datum, EngineError, collate, micro_batch_slices, validate_datums
+from consumers.engine_state import (
+    STATE_FORMAT,
+    capture_rng,
+    checked_optimizer,
+    read_state,
+    restore_rng,
+    swapped_rng,
+    zero_dropout,
+)
 from consumers.losses import (
     LossStats,
     cispo_loss,
@@ -72,7 +80,6 @@ from consumers.losses import (
 from consumers.policy import (
     AdapterSnapshot,
     check_head_supported,
-    load_optimizer_tensors,
     optimizer_tensors,
     pick_device,
     selected_logprobs,
@@ -81,7 +88,6 @@ from consumers.policy import (
 from pipeline.io.tensors import save_tensors as save_safetensors
 from schemas.names import validate_name
 
-STATE_FORMAT = "rlpipe.engine.state/1"
 # how the refusal of a step on gradients that are not finite begins (it discards them: a replay must too)
 NOT_FINITE_STEP = "optim_step refused: the accumulated gradients are not finite"
 # loss name -> (function, the keyword arguments it accepts besides the normaliser)
@@ -170,7 +176,7 @@ class TrainingEngine:
         model_config = AutoConfig.from_pretrained(base_model)
         check_head_supported(base_model, model_config)
         if not base_dropout:
-            _zero_dropout(model_config)
+            zero_dropout(model_config)
         self.base = AutoModelForCausalLM.from_pretrained(base_model, config=model_config,
                                                          dtype=weights_dtype(model_config, dtype))
         self.base.to(self.device)
@@ -243,7 +249,7 @@ class TrainingEngine:
         with self._lock:
             adapter, loss_fn = self._prepare(name, datums, loss, loss_args or {})
             self.model.eval()
-            with torch.no_grad(), _swapped_rng(adapter.rng):  # the adapter's RNG is not advanced
+            with torch.no_grad(), swapped_rng(adapter.rng):  # the adapter's RNG is not advanced
                 return self._run(datums, loss, loss_fn, backward=False)
 
     def forward_backward(
@@ -255,13 +261,13 @@ class TrainingEngine:
             self.model.train()
             before = {key: None if p.grad is None else p.grad.clone() for key, p in adapter.params.items()}
             try:
-                with _swapped_rng(adapter.rng):
+                with swapped_rng(adapter.rng):
                     result = self._run(datums, loss, loss_fn, backward=True)
                     if not math.isfinite(result.loss):  # its gradients are inf or NaN: a step would ruin the weights
                         raise EngineError(f"forward_backward refused: its loss is not finite ({result.loss}; an "
                                           "importance ratio far from 1 overflows exp(lp - q)); no gradient was "
                                           "added: check the datums' sampler logprobs")
-                    adapter.rng = _capture_rng()
+                    adapter.rng = capture_rng()
             except Exception:  # a call that fails half-way (e.g. out of memory) adds no gradient at all
                 for key, p in adapter.params.items():
                     p.grad = before[key]
@@ -319,7 +325,7 @@ class TrainingEngine:
         nothing: a damaged state is refused (``EngineError``) before any of the adapter changes.
         """
         with self._lock:
-            tensors, meta = _read_state(state)
+            tensors, meta = read_state(state)
             lora_fields = meta["lora"]
             if name in self._adapters:
                 adapter = self._adapters[name]
@@ -371,11 +377,11 @@ class TrainingEngine:
         """
         with self._lock:
             adapter = self._get(name)
-            with _swapped_rng(adapter.rng):
+            with swapped_rng(adapter.rng):
                 try:
                     yield self.model, adapter.slot
                 finally:
-                    adapter.rng = _capture_rng()
+                    adapter.rng = capture_rng()
 
     # ---- phases ------------------------------------------------------------------------------
     def _get(self, name: str) -> _Adapter:
@@ -396,14 +402,14 @@ class TrainingEngine:
         self._slots += 1
         slot = f"adapter{self._slots}"
         lora.base_model_name_or_path = self.base_model  # written into adapter_config.json by export_for_sampling
-        with _swapped_rng(None):
+        with swapped_rng(None):
             torch.manual_seed(seed)
             if self.model is None:
                 self.model = get_peft_model(self.base, lora, adapter_name=slot, autocast_adapter_dtype=True)
             else:
                 self.model.add_adapter(slot, lora, autocast_adapter_dtype=True)
             self.model.set_adapter(slot)
-            adapter_rng = _capture_rng()
+            adapter_rng = capture_rng()
         marker = f".{slot}."
         params = {key.replace(marker, ".", 1): p for key, p in self.model.named_parameters() if marker in key}
         optimizer = torch.optim.AdamW(list(params.values()), lr=0.0)
@@ -469,12 +475,12 @@ class TrainingEngine:
         optimizer = torch.optim.AdamW(list(adapter.params.values()), lr=0.0)  # a fresh Adam unless loaded
         step = 0
         if with_optimizer:
-            optimizer, step = self._checked_optimizer(adapter, tensors, meta)
+            optimizer, step = checked_optimizer(list(adapter.params.values()), tensors, meta, self.device)
         rng = {key[len("rng."):]: t for key, t in tensors.items() if key.startswith("rng.")}
         if rng:
             try:
-                with _swapped_rng(None):  # torch's own check of each generator state; the process's is put back
-                    _restore_rng(rng)
+                with swapped_rng(None):  # torch's own check of each generator state; the process's is put back
+                    restore_rng(rng)
             except (KeyError, RuntimeError, TypeError) as exc:
                 raise EngineError(f"state's RNG is damaged ({type(exc).__name__}: {exc}); save it again") from None
         self.model.set_adapter(adapter.slot)
@@ -486,77 +492,7 @@ class TrainingEngine:
         adapter.optimizer, adapter.step = optimizer, step
         adapter.rng = rng or adapter.rng
 
-    def _checked_optimizer(self, adapter: _Adapter, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
-                           ) -> tuple[torch.optim.AdamW, int]:
-        """A new AdamW over ``adapter``'s parameters holding the state's Adam state, and the state's step count;
-        ``EngineError`` if that state is damaged (malformed, or moments of another shape than their parameter)."""
-        saved = {key[len("optimizer."):]: t for key, t in tensors.items() if key.startswith("optimizer.")}
-        optimizer = torch.optim.AdamW(list(adapter.params.values()), lr=0.0)
-        try:
-            load_optimizer_tensors(optimizer, saved, meta["param_groups"], self.device)
-            step = int(meta["step"])
-        except (KeyError, ValueError, TypeError, IndexError) as exc:
-            raise EngineError(f"state's optimizer is damaged ({type(exc).__name__}: {exc}); load it without the "
-                              "optimizer, or save it again") from None
-        for p in adapter.params.values():
-            moments = optimizer.state.get(p, {})
-            if any(tuple(moments[slot].shape) != tuple(p.shape) for slot in ("exp_avg", "exp_avg_sq")
-                   if slot in moments):
-                raise EngineError("state's optimizer moments do not match its adapter's tensors; it is damaged: "
-                                  "load it without the optimizer, or save it again")
-        return optimizer, step
-
-
-@contextlib.contextmanager
-def _swapped_rng(state: dict[str, torch.Tensor] | None) -> Iterator[None]:
-    """Run the block with RNG ``state`` (None = as it is) and give the process its own state back afterwards."""
-    saved = _capture_rng()
-    if state:
-        _restore_rng(state)
-    try:
-        yield
-    finally:
-        _restore_rng(saved)
-
-
-def _capture_rng() -> dict[str, torch.Tensor]:
-    rng = {"cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    return rng
-
-
-def _restore_rng(rng: dict[str, torch.Tensor]) -> None:
-    torch.random.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-
-
-def _zero_dropout(config: PretrainedConfig) -> None:
-    """Set every dropout rate of a model config (and of its sub-configs) to 0: the fields named ``*drop*``
-    (``attn_pdrop``, ``attention_dropout``, ``hidden_dropout_prob``, OPT's ``layerdrop``, ...), which the
-    modules read when they are built."""
-    for name, value in list(vars(config).items()):
-        if isinstance(value, PretrainedConfig):
-            _zero_dropout(value)
-        elif "drop" in name and isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-            setattr(config, name, 0.0)
-
 
 def _lora_fields(lora: LoraConfig) -> dict[str, Any]:
     return {"r": lora.r, "lora_alpha": lora.lora_alpha, "lora_dropout": lora.lora_dropout,
             "target_modules": sorted(lora.target_modules)}
-
-
-def _read_state(state: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors and metadata of a ``save_state`` blob; anything else is refused in one line."""
-    try:
-        header_len = int.from_bytes(state[:8], "little")
-        header = json.loads(state[8 : 8 + header_len])
-        meta = json.loads(header["__metadata__"]["rlpipe"])
-        tensors = load_safetensors(state)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise EngineError(f"not a training-engine state ({type(exc).__name__}); pass bytes from save_state") from None
-    if meta.get("format") != STATE_FORMAT:
-        raise EngineError(f"state format {meta.get('format')!r} is not {STATE_FORMAT!r}")
-    return tensors, meta

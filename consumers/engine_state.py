@@ -1,0 +1,90 @@
+"""A training-engine state's format and the pieces of ``TrainingEngine`` that read it or set a process up for it:
+the state blob (safetensors, its metadata as JSON), an adapter's Adam state checked before it is used, the
+RNG swapped around an adapter's operation, and a base model's dropout zeroed at load."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from transformers import PretrainedConfig
+
+from consumers.engine_data import EngineError
+from consumers.policy import load_optimizer_tensors
+
+STATE_FORMAT = "rlpipe.engine.state/1"
+
+
+def read_state(state: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors and metadata of a ``save_state`` blob; anything else is refused in one line."""
+    try:
+        header_len = int.from_bytes(state[:8], "little")
+        header = json.loads(state[8 : 8 + header_len])
+        meta = json.loads(header["__metadata__"]["rlpipe"])
+        tensors = load_safetensors(state)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"not a training-engine state ({type(exc).__name__}); pass bytes from save_state") from None
+    if meta.get("format") != STATE_FORMAT:
+        raise EngineError(f"state format {meta.get('format')!r} is not {STATE_FORMAT!r}")
+    return tensors, meta
+
+
+def checked_optimizer(params: list[torch.nn.Parameter], tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                      device: torch.device) -> tuple[torch.optim.AdamW, int]:
+    """A new AdamW over ``params`` holding the state's Adam state, and the state's step count; ``EngineError`` if
+    that state is damaged (malformed, or moments of another shape than their parameter)."""
+    saved = {key[len("optimizer."):]: t for key, t in tensors.items() if key.startswith("optimizer.")}
+    optimizer = torch.optim.AdamW(params, lr=0.0)
+    try:
+        load_optimizer_tensors(optimizer, saved, meta["param_groups"], device)
+        step = int(meta["step"])
+    except (KeyError, ValueError, TypeError, IndexError) as exc:
+        raise EngineError(f"state's optimizer is damaged ({type(exc).__name__}: {exc}); load it without the "
+                          "optimizer, or save it again") from None
+    for p in params:
+        moments = optimizer.state.get(p, {})
+        if any(tuple(moments[slot].shape) != tuple(p.shape) for slot in ("exp_avg", "exp_avg_sq")
+               if slot in moments):
+            raise EngineError("state's optimizer moments do not match its adapter's tensors; it is damaged: "
+                              "load it without the optimizer, or save it again")
+    return optimizer, step
+
+
+@contextlib.contextmanager
+def swapped_rng(state: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """Run the block with RNG ``state`` (None = as it is) and give the process its own state back afterwards."""
+    saved = capture_rng()
+    if state:
+        restore_rng(state)
+    try:
+        yield
+    finally:
+        restore_rng(saved)
+
+
+def capture_rng() -> dict[str, torch.Tensor]:
+    rng = {"cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def restore_rng(rng: dict[str, torch.Tensor]) -> None:
+    torch.random.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def zero_dropout(config: PretrainedConfig) -> None:
+    """Set every dropout rate of a model config (and of its sub-configs) to 0: the fields named ``*drop*``
+    (``attn_pdrop``, ``attention_dropout``, ``hidden_dropout_prob``, OPT's ``layerdrop``, ...), which the
+    modules read when they are built."""
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            zero_dropout(value)
+        elif "drop" in name and isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            setattr(config, name, 0.0)
