@@ -18,7 +18,8 @@ silently leave the default in place.  Names match whatever their case
 (``rlpipe_learner__max_steps`` sets ``learner.max_steps``), as pydantic-settings
 reads them, whether they come from the process or from ``environ=``; one name
 given twice in different cases with different values is refused.  The few ``RLPIPE_`` variables that are
-not run configuration are listed in ``PROCESS_ENV``.
+not run configuration are listed in ``PROCESS_ENV``; they are read by their exact name, so one of them written in
+another case is refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -159,6 +160,8 @@ def check_env_names(names: Sequence[str]) -> None:
     valid = config_env_names()
     for name in names:
         upper = name.upper()
+        if upper in PROCESS_ENV and name != upper:  # read by its exact name (os.environ.get): other cases are ignored
+            raise ConfigError(f"environment variable {name} is read only as {upper}; rename it {upper}")
         if not upper.startswith(ENV_PREFIX) or upper in valid or upper in PROCESS_ENV or SERVICE_LINK.fullmatch(upper):
             continue
         section, _, rest = upper.partition("__")

@@ -291,3 +291,14 @@ def test_one_name_given_in_two_cases_with_different_values_is_refused_naming_bot
     assert "\n" not in str(info.value)
     assert resolve_config(environ={"RLPIPE_LEARNER__MAX_STEPS": "7", "rlpipe_learner__max_steps": "7"}
                           ).learner.max_steps == 7
+
+
+def test_a_process_variable_written_in_another_case_is_refused_naming_its_exact_name():
+    """``RLPIPE_API_KEYS``, ``RLPIPE_HOME`` and the other ``PROCESS_ENV`` names are read by their exact name
+    (``os.environ.get``): one written in lower case would be accepted here and then ignored where it is read, e.g. a
+    gateway open to any key while ``rlpipe_api_keys`` names its tenants."""
+    for name in ("rlpipe_api_keys", "Rlpipe_Home", "rlpipe_api_max_sessions"):
+        with pytest.raises(ConfigError, match=rf"{name}.*{name.upper()}") as info:
+            resolve_config(environ={name: "x"})
+        assert "\n" not in str(info.value)
+    assert resolve_config(environ={"RLPIPE_API_KEYS": "team-a=tml-k"}).learner.lora_rank > 0
