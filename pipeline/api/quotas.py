@@ -3,7 +3,8 @@ training clients.
 
 The count is in the store, so every gateway sees the same: one empty object per session and per training
 client under ``api/tenants/<tenant>/`` (named ``<session>`` and ``<session>.train.<n>``), written when a gateway
-creates it.  A creation lists that folder.  Entries of sessions that ended are removed only when the count
+creates it (a session once its record and first heartbeat are written: one that has none never ends, so its entry
+would never be removed).  A creation lists that folder.  Entries of sessions that ended are removed only when the count
 reaches a limit (each listed session's end is then read), so a tenant under its limits costs one listing per
 creation, and its folder holds little more than its limits.  Gateways creating for one tenant at the same moment
 may together pass a limit by one creation each.

@@ -74,3 +74,26 @@ def test_a_tenant_holds_at_most_its_limit_of_sessions_and_training_clients_and_a
     gateway.register_model("alice", third, 0, BASE, 4, {}, None)
     with pytest.raises(TenantLimitError):
         gateway.register_model("alice", third, 1, BASE, 4, {}, None)
+
+
+def test_a_session_whose_creation_failed_takes_no_place_of_its_tenant(monkeypatch):
+    """A session whose record or first heartbeat was never written (the store failed, or the gateway died) never
+    ends: counted, it would hold its tenant's place for good, with no id the tenant could end."""
+    from pipeline.api.tenants import TenantLimits
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0,
+                      limits=TenantLimits(max_sessions=1, max_models=1))
+    put_create = store.put_create
+
+    def failing(key: str, data: bytes) -> None:
+        if key.endswith("/session.json"):
+            raise OSError("the store is down")
+        put_create(key, data)
+
+    monkeypatch.setattr(store, "put_create", failing)
+    with pytest.raises(OSError, match="the store is down"):
+        gateway.create_session("alice", [], {})
+    monkeypatch.setattr(store, "put_create", put_create)
+    session = gateway.create_session("alice", [], {})  # the failed one held no place
+    assert gateway.session("alice", session)["tenant"] == "alice"
