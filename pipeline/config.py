@@ -155,6 +155,19 @@ def check_env_case(environ: Mapping[str, str]) -> None:
                               "unset one of them")
 
 
+def child_environment(settings: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default the process's) with the ``RLPIPE_`` ``settings`` a child process is given on top.
+
+    A name set here drops its other spellings (``rlpipe_bus__bootstrap_servers`` for
+    ``RLPIPE_BUS__BOOTSTRAP_SERVERS``): the child would read both and refuse them when their values differ
+    (``check_env_case``), and the value given here is the one meant.
+    """
+    given = {name.upper() for name in settings}
+    kept = {name: value for name, value in (os.environ if environ is None else environ).items()
+            if not (_is_rlpipe(name) and name.upper() in given)}
+    return {**kept, **settings}
+
+
 def check_env_names(names: Sequence[str]) -> None:
     """Refuse an ``RLPIPE_`` variable that sets no field, naming the closest valid one (``ConfigError``)."""
     valid = config_env_names()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -82,6 +81,13 @@ def bus_environment(bus: BusConfig) -> dict[str, str]:
         secret = getattr(value, "get_secret_value", None)
         variables[f"RLPIPE_BUS__{name.upper()}"] = str(secret() if secret else value)
     return variables
+
+
+def engine_environment(bus: BusConfig) -> dict[str, str]:
+    """The environment of an engine process: this one's, with the settings of ``bus`` it needs passed on."""
+    from pipeline.config import child_environment
+
+    return child_environment({**bus_environment(bus), "RLPIPE_BUS__BOOTSTRAP_SERVERS": bus.bootstrap_servers})
 
 
 def sdk_example(base_url: str, base_model: str, open_keys: bool = True) -> str:
@@ -190,7 +196,7 @@ def serve(
     resolved = dict(zip(named, resolve_models(named), strict=True))  # as the engines name them
     models = [resolved.get(name, name) for name in base_model or ["tiny"]]
     ensure_topics(bus, API_TOPIC_KINDS)
-    env = {**os.environ, **bus_environment(bus), "RLPIPE_BUS__BOOTSTRAP_SERVERS": bus.bootstrap_servers}
+    env = engine_environment(bus)
     if not cfg.bus.bootstrap_servers:
         env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
     stop_on_sigterm()

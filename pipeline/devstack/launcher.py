@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.config import child_environment
 from pipeline.devstack.stack import (
     StackAlreadyRunningError,
     StackState,
@@ -224,7 +224,7 @@ class Launcher:
 
     def spawn(self, name: str, *args: str) -> None:
         out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it for its lifetime
-        env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": self.bus.bootstrap_servers}
+        env = child_environment({"RLPIPE_BUS__BOOTSTRAP_SERVERS": self.bus.bootstrap_servers})
         if not self.config.bus.bootstrap_servers:  # the embedded broker: one learner, so join fast
             env.setdefault(GROUP_TIMINGS_ENV, json.dumps(EMBEDDED_GROUP_TIMINGS_MS))
         # a process group of its own: a Ctrl-C at the terminal reaches only this launcher, which then stops each

@@ -130,3 +130,18 @@ def test_an_engine_process_answers_its_health_probes_while_loading_and_is_ready_
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def test_an_engine_reads_a_bus_setting_given_in_lower_case_once(monkeypatch) -> None:
+    """`rlpipe serve` passes its bus settings on as RLPIPE_BUS__ names; one the serving process read from a
+    lower-case name (as the process environment is read) must not reach the engine in both spellings, where two
+    values (``30`` and ``30.0``) would be refused as one name set twice."""
+    from pipeline.cli.serve_cmd import engine_environment
+    from pipeline.config import env_layer, resolve_config
+
+    monkeypatch.setenv("rlpipe_bus__connect_timeout_s", "30")
+    bus = resolve_config().bus
+    environment = engine_environment(bus)
+    assert float(env_layer(environment)["bus"]["connect_timeout_s"]) == 30.0
+    assert [name for name in environment if name.upper() == "RLPIPE_BUS__CONNECT_TIMEOUT_S"] == [
+        "RLPIPE_BUS__CONNECT_TIMEOUT_S"]

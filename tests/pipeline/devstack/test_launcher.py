@@ -210,3 +210,26 @@ def test_a_run_stopped_by_hand_is_not_announced_again_at_the_end(tmp_path: Path)
     fake.on_control(make_event("a", RunStopped(reason="stopped by rlpipe runs stop")), published)  # seen on the feed
     fake.announce_stops(published, {"learner": 0}, interrupted=False)
     assert [e.run_id for e in published.events] == ["b"]
+
+
+def test_a_child_reads_the_broker_it_is_given_whatever_the_case_of_the_launchers_variable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's processes get the broker as RLPIPE_BUS__BOOTSTRAP_SERVERS; a lower-case spelling of it in the
+    launcher's environment (overridden by --set) must not reach them too, where the two values would be refused."""
+    from pipeline.config import env_layer, resolve_config
+
+    monkeypatch.setenv("rlpipe_bus__bootstrap_servers", "kafka:9092")
+    config = resolve_config("cartpole", overrides=["bus.bootstrap_servers=other:9093"])
+    started: list[dict[str, str]] = []
+
+    class Popen:
+        pid = 1
+
+        def __init__(self, args: list[str], env: dict[str, str], **kwargs: object) -> None:
+            started.append(env)
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", Popen)
+    spawner = launcher.Launcher.__new__(launcher.Launcher)  # its spawn only: no stack, no broker
+    spawner.config, spawner.bus, spawner.log_dir, spawner.processes = config, config.bus, tmp_path, {}
+    spawner.spawn("learner", "learner")
+    assert env_layer(started[0])["bus"]["bootstrap_servers"] == "other:9093"
