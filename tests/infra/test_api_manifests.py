@@ -129,3 +129,8 @@ def test_the_engines_are_probed_where_they_serve_their_health(resources, role):
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     # a restart reloads the model: liveness gives a stuck engine a minute before it is killed
     assert container["livenessProbe"]["periodSeconds"] * container["livenessProbe"]["failureThreshold"] >= 60
+    # the health server starts after torch (and vLLM) are imported, which on a cold node can take past that
+    # minute: liveness is asked only once a startup probe of the same endpoint answered, within minutes
+    startup = container["startupProbe"]
+    assert startup["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
