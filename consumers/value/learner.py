@@ -144,7 +144,10 @@ class ValueLearner:
         self.rng.bit_generator.state = checkpoint.scalars["rng"]
         self.update_credit = float(checkpoint.scalars["update_credit"])
         entries = self.checkpoints.steps.read(upto=self.state.step)
-        self.batches_read = sum(1 + int(entry.get("batches_dead_lettered", 0)) for entry in entries)
+        # dead-lettered batches a stop passed count as read; the next step's log entry records them
+        self.dead_lettered_unrecorded = int(checkpoint.scalars.get("dead_lettered_unrecorded", 0))
+        self.batches_read = self.dead_lettered_unrecorded + sum(
+            1 + int(entry.get("batches_dead_lettered", 0)) for entry in entries)
         self.memory = self.rebuild_memory([batch for entry in entries for batch in entry.get("batches", [])])
         self.restore_memory_counters(checkpoint.optimizer, checkpoint.scalars["replay"])
         self.source.seek(self.state.positions)
@@ -307,6 +310,21 @@ class ValueLearner:
         return metrics
 
     # ---- phase: publish / checkpoint -------------------------------------------------
+    def finish(self) -> None:
+        """On a stop: write a checkpoint unless the last step's is the newest state.
+
+        Batches read since the last step that no step trains (dead-lettered, duplicates) are covered too: the
+        checkpoint's positions pass them and it keeps the count of those dead-lettered (the step log records it
+        only with the next step), so a restart neither dead-letters one again nor publishes again a version that
+        fell due at one.
+        """
+        passed = bool(self.carried)
+        for key, value in self.carried.items():
+            self.state.positions[key] = max(value, self.state.positions.get(key, 0))
+        self.carried = {}
+        if passed or self.state.step % self.cfg.checkpoint_every:
+            self.checkpoint()
+
     def publish(self, metrics: dict[str, Any]) -> None:
         """Publish the online network as the next value-network version, then announce it."""
         manifest = self.registry.publish_files(
@@ -325,6 +343,7 @@ class ValueLearner:
         memory = self.memory
         scalars = {
             "rng": self.rng.bit_generator.state, "update_credit": self.update_credit,
+            "dead_lettered_unrecorded": self.dead_lettered_unrecorded,
             "replay": {"size": memory.size, "cursor": memory.cursor, "add_count": memory.add_count,
                        "max_priority": memory.max_priority},
         }

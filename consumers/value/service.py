@@ -81,8 +81,7 @@ def run_value_learner(config: RunConfig, stop: StopFlag | None = None) -> ValueL
     try:
         learner.resume()
         learner.run(should_stop=stop, on_step=lambda metrics: log.info(progress_line(metrics)))
-        if learner.state.step % learner.cfg.checkpoint_every:
-            learner.checkpoint()
+        learner.finish()
     finally:
         source.close()
         publisher.close()

@@ -155,6 +155,32 @@ def test_a_batch_announced_twice_is_trained_once_and_a_tampered_one_is_dead_lett
     assert learner.last_metrics["batches_dead_lettered"] == 1
 
 
+def test_a_stop_after_a_dead_lettered_batch_does_not_read_it_again_after_the_restart(batches) -> None:
+    """A batch dead-lettered after the last step (no step covers its position) is passed at the stop: the restart
+    neither dead-letters it again nor publishes again the version that fell due at it, and counts it as read."""
+    store, refs = batches
+    tampered = BatchRef(refs[1].batch_id + "x", refs[1].path, "0" * 64, {"mem:0": 3})
+    log = [refs[0], refs[1], tampered, BatchRef(refs[2].batch_id, refs[2].path, refs[2].sha256, {"mem:0": 4})]
+    announced: list = []
+    first = make_learner(store, "dead-stop", log[:3], announced, publish_every=1, min_replay_size=1)
+    first.run(poll_timeout_s=0.0)
+    first.finish()
+    assert first.state.step == 2 and first.state.version == 3 and first.batches_read == 3
+    again: list = []
+    second = make_learner(store, "dead-stop", log, again, publish_every=1, min_replay_size=1)
+    second.resume()
+    assert second.batches_read == 3 and second.state.version == 3
+    second.run(poll_timeout_s=0.0)
+    assert not [p for p in again if isinstance(p, DeadLetter)]
+    assert second.state.step == 3 and second.last_metrics["batches_dead_lettered"] == 1
+    read_at = {m.version: (m.learner_step, m.metrics["batches_read"]) for m in second.registry.list()}
+    assert read_at == {1: (1, 1), 2: (2, 2), 3: (2, 3), 4: (3, 4)}
+    second.finish()
+    third = make_learner(store, "dead-stop", log, [], publish_every=1, min_replay_size=1)
+    third.resume()
+    assert third.batches_read == 4  # the step log records the dead-lettered batch with the step after it
+
+
 class RenewedLogSource(ListSource):
     """A log created again under the same name: the old positions point past its end."""
 
