@@ -99,12 +99,11 @@ def test_probability_of_the_rewarded_token_rises_across_versions(store, setup, t
     for version in registry.versions():
         folder = registry.pull(version, tmp_path / "cache")
         probs.append(probability_of(setup["model_dir"], folder, setup["prompt"], setup["good"]))
-    # Noisy steps may dip, but the trend across versions rises: rank correlation with the version
-    # number is high, and the last version is far above the base model.
-    ranks = np.argsort(np.argsort(probs))
-    spearman = np.corrcoef(ranks, np.arange(len(probs)))[0, 1]
-    assert spearman >= 0.8, probs
-    assert probs[-1] > 3 * probs[0], probs
+    # The first step moves towards the reward, and later versions keep a large gain.  The gain levels off
+    # after a few versions (the rows come from the base model, and their importance weights are truncated at
+    # is_cap), where each step moves it up or down by noise: an order of the versions is not asserted.
+    assert probs[1] > probs[0], probs
+    assert np.median(probs[4:]) > 5 * probs[0] and probs[-1] > 3 * probs[0], probs
     kinds = [type(p).__name__ for p in announced]
     assert kinds.count("AdapterPublished") == 6 and kinds.count("LearnerCheckpointed") == 6
 
