@@ -17,8 +17,9 @@ refused with the closest valid name rather than ignored: a typo must not
 silently leave the default in place.  Names match whatever their case
 (``rlpipe_learner__max_steps`` sets ``learner.max_steps``), as pydantic-settings
 reads them, whether they come from the process or from ``environ=``; one name
-given twice in different cases with different values is refused.  The few ``RLPIPE_`` variables that are
-not run configuration are listed in ``PROCESS_ENV``; they are read by their exact name, so one of them written in
+given twice in different cases with different values is refused.  The few
+``RLPIPE_`` variables that are not run configuration are listed in
+``PROCESS_ENV``; they are read by their exact name, so one of them written in
 another case is refused rather than ignored.
 """
 
