@@ -2,7 +2,7 @@
 
 Per-turn rows of a long-horizon environment all start with the same system prompt
 (CartPole's is 129 of about 230 tokens with the tiny model's chat template), and a
-group's samples start with the same prompt.  ``consumers.policy.position_logprobs``
+group's samples start with the same prompt.  ``consumers.logprobs.position_logprobs``
 runs the columns every row of a micro-batch shares once and lets every row's rest
 attend to their keys and values.  This bench trains the same steps twice, alternating step by step (the order rotating,
 so the machine's load falls on both arms alike), each step of both arms from the same
@@ -48,7 +48,8 @@ from bench.cpu import LoadAverage
 from bench.options import positive_int
 from consumers import policy as policy_module
 from consumers.batching import micro_batches
-from consumers.policy import LoraPolicy, shared_prefix_length
+from consumers.logprobs import shared_prefix_length
+from consumers.policy import LoraPolicy
 from consumers.token_batch import TokenBatch
 from producers.demonstrations import demonstration_episode
 from producers.envs.registry import env_names

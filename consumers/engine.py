@@ -67,6 +67,7 @@ from consumers.engine_state import (
     swapped_rng,
     zero_dropout,
 )
+from consumers.logprobs import selected_logprobs
 from consumers.losses import (
     LossStats,
     cispo_loss,
@@ -77,14 +78,7 @@ from consumers.losses import (
     logit_divisors,
     ppo_loss,
 )
-from consumers.policy import (
-    AdapterSnapshot,
-    check_head_supported,
-    optimizer_tensors,
-    pick_device,
-    selected_logprobs,
-    weights_dtype,
-)
+from consumers.policy import AdapterSnapshot, check_head_supported, optimizer_tensors, pick_device, weights_dtype
 from pipeline.io.tensors import save_tensors as save_safetensors
 from schemas.names import validate_name
 

@@ -197,7 +197,8 @@ def test_sharded_ranks_train_a_step_whose_rows_share_a_long_prompt_on_one_rank_o
     """Rank 0's rows share a 40-token prompt, rank 1's none.  One process runs such a prompt through the body once
     and the rest of the rows after it; sharded ranks gather every layer for each pass of the body, so they must run
     as many passes, and a sharded model runs the prompt with the rows (before, the group hung)."""
-    from consumers.policy import MIN_SHARED_PREFIX, LoraPolicy
+    from consumers.logprobs import MIN_SHARED_PREFIX
+    from consumers.policy import LoraPolicy
     from tests.consumers.distributed_policy_worker import learner_config, policy_batches
 
     assert MIN_SHARED_PREFIX <= 40

@@ -266,7 +266,7 @@ def test_position_logprobs_on_a_model_whose_body_is_not_named_model(shared_prefi
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from consumers.policy import position_logprobs
+    from consumers.logprobs import position_logprobs
 
     torch.manual_seed(0)
     base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=64))

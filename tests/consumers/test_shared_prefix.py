@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from consumers import policy as policy_module
+from consumers import logprobs as logprobs_module
 from consumers.batching import micro_batches
-from consumers.policy import LoraPolicy, shared_prefix_length
+from consumers.logprobs import shared_prefix_length
+from consumers.policy import LoraPolicy
 from schemas.config import LearnerConfig
 
 
@@ -56,7 +57,7 @@ def test_sharing_the_prefix_gives_the_same_logprobs_and_gradients(tiny_model_dir
                                           with_kwargs=True)
     shared, shared_grads = logprobs_and_grads(policy, batch)
     assert calls == [48, batch.tokens_BT.shape[1] - 48]  # the prefix once, then every row's rest
-    monkeypatch.setattr(policy_module, "MIN_SHARED_PREFIX", 10**9)
+    monkeypatch.setattr(logprobs_module, "MIN_SHARED_PREFIX", 10**9)
     calls.clear()
     plain, plain_grads = logprobs_and_grads(policy, batch)
     hook.remove()
