@@ -98,8 +98,9 @@ def run_in(folder: Path, preset: str, steps: int, overrides: list[str], json_out
     from transformers import AutoTokenizer
 
     from consumers.checkpoint import CheckpointStore
-    from consumers.learner import BatchRef, Learner
+    from consumers.learner import Learner
     from consumers.policy import LoraPolicy
+    from consumers.sources import BatchRef
     from pipeline.config import resolve_config
     from pipeline.io.archive import TrajectoryArchive
     from pipeline.io.registry import AdapterRegistry

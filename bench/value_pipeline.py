@@ -44,7 +44,7 @@ import torch
 from bench.cpu import LoadAverage
 from bench.options import positive_int
 from consumers.checkpoint import CheckpointStore
-from consumers.learner import BatchRef
+from consumers.sources import BatchRef
 from consumers.value.learner import ValueLearner
 from pipeline.config import ConfigError, resolve_config
 from pipeline.io.archive import TrajectoryArchive

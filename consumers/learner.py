@@ -45,7 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -59,6 +59,7 @@ from consumers.lease import LearnerLease
 from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
 from consumers.read_ahead import BatchReader
+from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, origin_of, rewind_if_the_log_changed
 from consumers.step_writer import StepOutputs
 from consumers.tracking import MetricLogger, NullMetricLogger
 from pipeline.io.archive import TrajectoryArchive
@@ -72,31 +73,6 @@ from schemas.versions import NewerSchemaError
 log = logging.getLogger("rlpipe.learner")
 
 PROGRESS_INTERVAL_S = 5.0  # while waiting for rows, re-announce progress this often (for producers just started)
-# What reading a batch raises when the batch itself is bad (wrong digest, not Parquet, wrong schema, NaN, gone):
-# retrying cannot help, so it is quarantined.  Other errors (a storage hiccup) stop the learner, which retries.
-POISON_BATCH_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError)
-
-
-@dataclass(frozen=True)
-class BatchRef:
-    """One announced trajectory batch and the source position just after it."""
-
-    batch_id: str
-    path: str
-    sha256: str | None
-    position: dict[str, int]  # e.g. {"rlpipe.trajectories:0": 13}
-
-
-class TrajectorySource(Protocol):
-    """Where batch announcements come from (Kafka or the store)."""
-
-    def poll(self, timeout_s: float) -> list[BatchRef]: ...
-    def seek(self, positions: dict[str, int]) -> None: ...
-    def commit(self, positions: dict[str, int]) -> None: ...
-    def keep_alive(self) -> None: ...
-    def exhausted(self) -> bool: ...
-    # Optional, for sources whose log can be replaced under the same name (Kafka):
-    # log_identity() -> {topic: id}; positions_elsewhere(positions, recorded identity) -> keys to read from 0.
 
 
 @dataclass
@@ -510,38 +486,3 @@ class Learner:
         positions = self.outputs.writer.wait()
         if positions:
             self.source.commit(positions)  # only after the checkpoint is durable
-
-
-def origin_of(ref: BatchRef) -> tuple[str, int, int]:
-    """(topic, partition, offset) a batch was announced at, from its position (the offset just after it).
-
-    Positions that are not ``topic:partition`` (offline replay's cursor) give the
-    whole key as the topic and partition 0.
-    """
-    key, after = next(iter(ref.position.items()), ("unknown", 1))
-    topic, _, partition = key.rpartition(":")
-    if topic and partition.isdigit():
-        return topic, int(partition), max(0, after - 1)
-    return key, 0, max(0, after - 1)
-
-
-def rewind_if_the_log_changed(source: object, state: Any) -> None:
-    """Point ``state.positions`` back to 0 where they point into another log than the one ``source`` reads.
-
-    A broker that lost its log numbers events from 0 again, so resumed positions
-    would skip them.  Sources that know their log's identity (Kafka: the topic id)
-    say which positions point elsewhere; those start over at 0, and batches already
-    trained are skipped by their ids.  ``state.log_identity`` becomes the identity of
-    the log read from now on (recorded with the next checkpoint).  Sources without
-    an identity (replay from the store) leave ``state`` alone.
-    """
-    identify = getattr(source, "log_identity", None)
-    pointing_elsewhere = getattr(source, "positions_elsewhere", None)
-    if identify is None or pointing_elsewhere is None:
-        return
-    elsewhere = pointing_elsewhere(state.positions, state.log_identity)
-    if elsewhere:
-        log.warning("the event log is not the one the checkpoint points into (%s): reading it from the start; "
-                    "batches already trained are skipped", ", ".join(elsewhere))
-        state.positions.update(dict.fromkeys(elsewhere, 0))
-    state.log_identity = identify()

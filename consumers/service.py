@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from consumers.checkpoint import CheckpointStore
-from consumers.learner import Learner, TrajectorySource
+from consumers.learner import Learner
 from consumers.lease import FencedStore, LearnerLease
 from consumers.policy import LoraPolicy
-from consumers.sources import KafkaSource, ReplaySource
+from consumers.sources import KafkaSource, ReplaySource, TrajectorySource
 from consumers.tracking import open_metric_logger
 from pipeline.health import HealthServer
 from pipeline.io.archive import ArchiveError, TrajectoryArchive, damaged_run_fix

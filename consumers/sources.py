@@ -5,20 +5,88 @@ consumer group and commits offsets only when told (after a checkpoint).
 ``ReplaySource`` walks the Parquet batches already in the store in commit order,
 digests checked, for offline training without a broker.  Both hand the learner ``BatchRef``s
 carrying the position just after each one, which checkpoints store.
+
+``TrajectorySource`` is the protocol both follow, which the LoRA and value learners
+read through; ``origin_of`` names where a batch was announced (for its dead letter) and
+``rewind_if_the_log_changed`` restarts positions that point into a log the broker replaced.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import date
-from typing import Any
+from typing import Any, Protocol
 
-from consumers.learner import BatchRef
 from pipeline.io.archive import BatchCommit, TrajectoryArchive
 from pipeline.io.bus import EventConsumer, describe_topic, group_timings_from_env
 from schemas.config import BusConfig
 from schemas.events import TrajectoryBatchCommitted
+
+log = logging.getLogger("rlpipe.learner")
+
+# What reading a batch raises when the batch itself is bad (wrong digest, not Parquet, wrong schema, NaN, gone):
+# retrying cannot help, so it is quarantined.  Other errors (a storage hiccup) stop the learner, which retries.
+POISON_BATCH_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError)
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """One announced trajectory batch and the source position just after it."""
+
+    batch_id: str
+    path: str
+    sha256: str | None
+    position: dict[str, int]  # e.g. {"rlpipe.trajectories:0": 13}
+
+
+class TrajectorySource(Protocol):
+    """Where batch announcements come from (Kafka or the store)."""
+
+    def poll(self, timeout_s: float) -> list[BatchRef]: ...
+    def seek(self, positions: dict[str, int]) -> None: ...
+    def commit(self, positions: dict[str, int]) -> None: ...
+    def keep_alive(self) -> None: ...
+    def exhausted(self) -> bool: ...
+    # Optional, for sources whose log can be replaced under the same name (Kafka):
+    # log_identity() -> {topic: id}; positions_elsewhere(positions, recorded identity) -> keys to read from 0.
+
+
+def origin_of(ref: BatchRef) -> tuple[str, int, int]:
+    """(topic, partition, offset) a batch was announced at, from its position (the offset just after it).
+
+    Positions that are not ``topic:partition`` (offline replay's cursor) give the
+    whole key as the topic and partition 0.
+    """
+    key, after = next(iter(ref.position.items()), ("unknown", 1))
+    topic, _, partition = key.rpartition(":")
+    if topic and partition.isdigit():
+        return topic, int(partition), max(0, after - 1)
+    return key, 0, max(0, after - 1)
+
+
+def rewind_if_the_log_changed(source: object, state: Any) -> None:
+    """Point ``state.positions`` back to 0 where they point into another log than the one ``source`` reads.
+
+    A broker that lost its log numbers events from 0 again, so resumed positions
+    would skip them.  Sources that know their log's identity (Kafka: the topic id)
+    say which positions point elsewhere; those start over at 0, and batches already
+    trained are skipped by their ids.  ``state.log_identity`` becomes the identity of
+    the log read from now on (recorded with the next checkpoint).  Sources without
+    an identity (replay from the store) leave ``state`` alone.
+    """
+    identify = getattr(source, "log_identity", None)
+    pointing_elsewhere = getattr(source, "positions_elsewhere", None)
+    if identify is None or pointing_elsewhere is None:
+        return
+    elsewhere = pointing_elsewhere(state.positions, state.log_identity)
+    if elsewhere:
+        log.warning("the event log is not the one the checkpoint points into (%s): reading it from the start; "
+                    "batches already trained are skipped", ", ".join(elsewhere))
+        state.positions.update(dict.fromkeys(elsewhere, 0))
+    state.log_identity = identify()
 
 
 def learner_group_id(run_id: str) -> str:

@@ -48,15 +48,9 @@ import pyarrow as pa
 import torch
 
 from consumers.checkpoint import CheckpointStore
-from consumers.learner import (
-    POISON_BATCH_ERRORS,
-    BatchRef,
-    FaultInjector,
-    TrajectorySource,
-    origin_of,
-    rewind_if_the_log_changed,
-)
+from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
+from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, origin_of, rewind_if_the_log_changed
 from consumers.step_writer import finite_numbers
 from consumers.tracking import NOT_SCALARS
 from consumers.value.agent import ValueAgent, build_agent

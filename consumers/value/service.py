@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from consumers.checkpoint import CheckpointStore
-from consumers.learner import BatchRef
 from consumers.lease import FencedStore, LearnerLease
-from consumers.sources import KafkaSource, in_date_range
+from consumers.sources import BatchRef, KafkaSource, in_date_range
 from consumers.value.learner import ValueLearner
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import EventPublisher

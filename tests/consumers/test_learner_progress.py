@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from consumers.learner import BatchRef
 from consumers.service import finish, record_step_metrics
+from consumers.sources import BatchRef
 from pipeline.health import HealthServer
 from pipeline.io.archive import TrajectoryArchive, parquet_bytes
 from pipeline.io.registry import AdapterRegistry

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from consumers.checkpoint import CheckpointStore
-from consumers.learner import BatchRef
+from consumers.sources import BatchRef
 from consumers.value.learner import ValueLearner
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import GROUP_TIMINGS_ENV, EventPublisher

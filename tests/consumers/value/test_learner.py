@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from consumers.checkpoint import CheckpointStore
-from consumers.learner import BatchRef
+from consumers.sources import BatchRef
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.learner import ValueLearner
 from pipeline.io.archive import TrajectoryArchive

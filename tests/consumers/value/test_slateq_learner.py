@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from consumers.checkpoint import CheckpointStore
-from consumers.learner import BatchRef
+from consumers.sources import BatchRef
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.learner import ValueLearner
 from consumers.value.replay import consumed_items, discrete_actions
