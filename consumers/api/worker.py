@@ -27,9 +27,9 @@ Every executed call (and every fold) is noted with its session, wall-clock span
 and trained tokens in the engine's activity (``pipeline.api.activity``), which
 ``rlpipe report --server`` draws as the trainer's duty cycle.
 
-The translation between the SDK's training types and the engine is
-``consumers.api.ops``; the calls that write or read saved weights are
-``consumers.api.saves``.
+What one call does on the engine is ``consumers.api.execute``; the translation
+between the SDK's training types and the engine is ``consumers.api.ops``; the
+calls that write or read saved weights are ``consumers.api.saves``.
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tinker import types
-
-from consumers.api import calls, ops, saves
+from consumers.api import calls, execute, ops, saves
 from consumers.api.calls import Model, SplitCall, split_end
 from consumers.api.sweeps import SWEEP_S, Sweeper
 from consumers.engine import NOT_FINITE_STEP, TrainingEngine
@@ -51,8 +49,6 @@ from consumers.engine_data import EngineError
 from pipeline.api import lifecycle
 from pipeline.api.activity import ActivityRecorder
 from pipeline.api.engines import engine_arguments, engine_health, engine_setup, request_reader, write_result
-from pipeline.api.gateway import parse_body
-from pipeline.api.wire import decode_forward_backward, encode_forward_backward_output
 from pipeline.io.bus import (
     ConsumedEvent,
     EventPublisher,
@@ -62,13 +58,11 @@ from pipeline.io.bus import (
 )
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
-from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted, result_path
+from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted
 from schemas.config import BusConfig
 
 log = logging.getLogger("rlpipe.api.trainer")
-# calls that change no adapter state: never re-executed
-_PURE_OPS = ("save_weights", "save_weights_for_sampler", "save_weights_external")
-_SAMPLING_OPS = ("create_sampling_session", "sample")
+_SAMPLING_OPS = ("create_sampling_session", "sample")  # the sampler's calls (its own consumer group reads them)
 IDLE_UNLOAD_S = 600.0  # a training client without a call this long is folded and leaves the engine
 MAX_WAITING_CALLS = 1024  # a model's calls waiting behind a missing seq_id; later ones are answered at once
 GAP_GIVE_UP_S = 600.0  # calls of a live session waiting this long for a seq_id are answered: its client gave it up
@@ -76,10 +70,6 @@ RELOAD_RETRY_S = 60.0  # a parked client whose reload fails (store, memory) is r
 
 
 # ---- the worker --------------------------------------------------------------------------------------------------
-
-
-class _FilesDeleted(Exception):
-    """A call's body is gone with its ended session's files (``pipeline.api.lifecycle.sweep_sessions``)."""
 
 
 def group_for(base_model: str) -> str:
@@ -110,8 +100,6 @@ class TrainerWorker:
         self._since_fold = 0
         self._last_expiry = self._last_executed = 0.0
         self._committed: dict[TopicPartitionKey, int] = {}
-        self._tokens = 0
-        self._replaying = False  # the call being run succeeded before (a replay after a restart)
         self._last_sweep = time.monotonic()  # the first sweep comes after a restart's replay
         self.sweeper = Sweeper(store, base_model)
 
@@ -246,10 +234,10 @@ class TrainerWorker:
 
     def _execute_call(self, model: Model, consumed: ConsumedEvent, split: SplitCall | None) -> None:
         call: ApiRequestAccepted = consumed.event.payload
-        done = self._answered(call)
+        done = execute.answered(self.store, call)
         try:
-            stands = done == "error" or (done == "ok" and self._changes_nothing(call))
-        except _FilesDeleted:  # its result is there and its body is gone (a deletion under way): skipped
+            stands = done == "error" or (done == "ok" and execute.changes_nothing(self.store, call))
+        except execute.FilesDeleted:  # its result is there and its body is gone (a deletion under way): skipped
             log.warning("%s %s dropped: its session ended and its calls were deleted", call.op, call.request_id)
             return
         entry = ((consumed.topic, consumed.partition), consumed.offset)
@@ -266,12 +254,11 @@ class TrainerWorker:
             return
         started, wall = time.perf_counter(), time.time()
         model.last_used = time.monotonic()
-        self._tokens = 0  # trained tokens of this call (set by a forward_backward)
-        self._replaying = done == "ok"  # a call that succeeded once (a restart's replay, or the call resent)
-        try:
-            data, fmt = self._run(model, call)
+        tokens = 0  # trained tokens of this call (a forward_backward's)
+        try:  # done == "ok": a call that succeeded once (a restart's replay, or the call resent)
+            data, fmt, tokens = execute.run_call(self.store, self.engine, self.base_model, model, call, done == "ok")
             result: tuple[bytes, str, str | None, str | None] = (data, fmt, None, None)
-        except _FilesDeleted:  # read after its session's files were deleted (a trainer down for a day): no answer
+        except execute.FilesDeleted:  # read after its session's files were deleted (a trainer down for a day): no answer
             log.warning("%s %s dropped: its session ended and its calls were deleted", call.op, call.request_id)
             model.unfolded.remove(entry)  # nothing to rebuild from it
             return
@@ -298,7 +285,7 @@ class TrainerWorker:
                                  f"({result[2]}); {calls.REFUSED_WAY_OUT}")
         seconds = time.perf_counter() - started
         if self.activity is not None:
-            self.activity.record(call.session_id, call.tenant, call.op, wall, wall + seconds, self._tokens)
+            self.activity.record(call.session_id, call.tenant, call.op, wall, wall + seconds, tokens)
         log.debug("%s %s: %.3f s", call.op, call.request_id, seconds)
 
     def _replay_refused_step(self, model: Model, call: ApiRequestAccepted) -> None:
@@ -306,77 +293,6 @@ class TrainerWorker:
         if str(saves.stored_answer(self.store, call).get("error", "")).startswith(NOT_FINITE_STEP):
             self.engine.discard_gradients(ops.adapter_name(model.model_id))
             model.has_gradients = False
-
-    def _answered(self, call: ApiRequestAccepted) -> str | None:
-        """Whether the call has a stored result: None, "ok" or "error" (a JSON ``{"error", "category"}``)."""
-        if self.store.exists(result_path(call.session_id, call.request_id, "pb")):
-            return "ok"
-        try:
-            answer = json.loads(self.store.get(result_path(call.session_id, call.request_id, "json")))
-        except FileNotFoundError:
-            return None
-        return "error" if isinstance(answer, dict) and "error" in answer else "ok"
-
-    def _changes_nothing(self, call: ApiRequestAccepted) -> bool:
-        """A call that leaves the model as it was: a pure one, or a forward-only ``forward_backward``."""
-        return call.op in _PURE_OPS or (call.op == "forward_backward" and call.body_format == "pb"
-                                        and decode_forward_backward(self._body(call))[1])
-
-    def _body(self, call: ApiRequestAccepted) -> bytes:
-        try:
-            return self.store.get(call.body_path, call.body_sha256)
-        except FileNotFoundError:
-            if lifecycle.files_deleted(self.store, call.session_id) is not None:
-                raise _FilesDeleted(call.session_id) from None
-            raise
-
-    def _run(self, model: Model, call: ApiRequestAccepted) -> tuple[bytes, str]:
-        """Execute one call on the engine; the result's bytes and format."""
-        saves.check_tenant(self.store, call.tenant, call.session_id)
-        if call.refused is not None:  # refused by the gateway (the client has its 400): answered, and the next goes on
-            raise ApiError(call.refused)
-        if model.refused and call.op != "load_weights":  # a load replaces the whole state: the way out
-            raise ApiError(model.refused, "server")
-        body = self._body(call)
-        if call.op == "create_model":
-            ops.create_model(self.engine, model.model_id, parse_body(types.CreateModelRequest, body))
-            model.loaded = True
-            return _json({"type": "create_model", "model_id": model.model_id}), "json"
-        if call.op == "load_weights":
-            data = saves.load_weights(self.store, self.engine, model.model_id, call,
-                                      parse_body(types.LoadWeightsRequest, body), self._replaying)
-            model.loaded, model.has_gradients, model.refused = True, False, None
-            return data, "json"
-        self._require_loaded(model)
-        if call.op == "forward_backward":
-            request, forward_only = decode_forward_backward(body)
-            output = ops.forward_backward(self.engine, model.model_id, request, forward_only)
-            self._tokens = sum(datum.model_input.length for datum in request.forward_backward_input.data)
-            model.has_gradients |= not forward_only
-            if model.split is not None:
-                model.split.datums_before += len(request.forward_backward_input.data)
-            return encode_forward_backward_output(output), "pb"
-        if call.op == "optim_step":
-            try:
-                response = ops.optim_step(self.engine, model.model_id, parse_body(types.OptimStepRequest, body))
-            finally:  # a refusal may have discarded them (gradients that are not finite), or kept them
-                model.has_gradients = self.engine.has_gradients(ops.adapter_name(model.model_id))
-            return _json(response.model_dump(mode="json")), "json"
-        if call.op == "save_weights":
-            return saves.save_weights(self.store, self.engine, model.model_id, call,
-                                      parse_body(types.SaveWeightsRequest, body)), "json"
-        if call.op == "save_weights_for_sampler":
-            return saves.save_for_sampler(self.store, self.engine, self.base_model, model.model_id, model.next_seq,
-                                          call, parse_body(types.SaveWeightsForSamplerRequest, body)), "json"
-        if call.op == "save_weights_external":
-            return saves.save_external(self.store, self.engine, model.model_id, call,
-                                       parse_body(types.SaveWeightsExternalRequest, body)), "json"
-        raise ApiError(f"{call.op} is not a training call; send it to the sampler")
-
-    def _require_loaded(self, model: Model) -> None:
-        if not model.loaded:
-            raise ApiError(f"model {model.model_id} does not exist or has been unloaded (session ended); "
-                           "create a new training client")
 
     # ---- fold ------------------------------------------------------------------------------------------------
     def fold_all(self) -> None:
@@ -510,10 +426,6 @@ class TrainerWorker:
     def _write_result(self, call: ApiRequestAccepted, data: bytes, fmt: str, error: str | None,
                       category: str | None) -> None:
         write_result(self.store, self.publisher, call, data, fmt, error, category)  # type: ignore[arg-type]
-
-
-def _json(value: Any) -> bytes:
-    return json.dumps(value).encode()
 
 
 # ---- entry point -------------------------------------------------------------------------------------------------
