@@ -380,13 +380,15 @@ def _terminate(pid: int, timeout_s: float) -> None:
 
 
 def _kill_stack(pid: int, wait_s: float = 5.0) -> None:
-    """SIGKILL the serving process ``pid`` and, where it leads its process group, the whole group.
+    """SIGKILL the serving process ``pid`` and the servers it started (broker, local S3 server, GCS emulator).
 
-    The servers it started (broker, local S3 server, GCS emulator) share its group: ``start_background`` gives it a
-    session of its own and ``ManagedProcess`` none.  Killing it alone would drop the home's lock while they still
-    run, and the next ``rlpipe up`` would start a second S3 server on the same journal.  A serving process that does
-    not lead its group (``rlpipe up --foreground`` run by a script) is killed alone; its servers get SIGTERM from
-    the kernel (``die_with_parent``).  ``StackError`` names what still runs ``wait_s`` after the SIGKILL.
+    Killing it alone would drop the home's lock while they still run, and the next ``rlpipe up`` would start a
+    second S3 server on the same journal.  The servers are its descendants in its process group (``ManagedProcess``
+    gives them no group of their own); other members of that group are spared: ``rlpipe up --foreground | tee
+    log`` in a shell makes ``tee`` one.  Without ``/proc`` (macOS) the whole group is killed.  A serving process
+    that does not lead its group (``rlpipe up --foreground`` run by a script) is killed alone; its servers get
+    SIGTERM from the kernel (``die_with_parent``).  ``StackError`` names what still runs ``wait_s`` after the
+    SIGKILL.
     """
     try:
         leads_group = os.getpgid(pid) == pid
@@ -396,32 +398,59 @@ def _kill_stack(pid: int, wait_s: float = 5.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+    processes = _processes()
+    if processes is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        targets = None
+    else:
+        targets = _descendants_in_group(pid, processes)
+        for target in targets:  # the serving process first: it starts no server after
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
-    while left := _living_in_group(pid):
+    while left := _still_living(pid, targets):
         if time.monotonic() > deadline:
             raise StackError(f"the stack's processes {', '.join(map(str, left))} still run {wait_s:g}s after "
                              "SIGKILL; wait for them to exit (ps -o pid,stat,cmd -p PID) before rlpipe up")
         time.sleep(0.05)
 
 
-def _living_in_group(pgid: int) -> list[int]:
-    """The processes of group ``pgid`` that are not zombies (from /proc; without it, ``[pgid]`` while any runs)."""
+def _processes() -> dict[int, tuple[str, int, int]] | None:
+    """Every process as pid -> (state, parent pid, process group), from /proc; None without /proc."""
     proc = Path("/proc")
     if not proc.is_dir():
+        return None
+    processes = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rpartition(")")[2].split()  # after "pid (comm)": state, ppid, pgrp, ...
+            processes[int(stat.parent.name)] = (fields[0], int(fields[1]), int(fields[2]))
+    return processes
+
+
+def _descendants_in_group(pid: int, processes: dict[int, tuple[str, int, int]]) -> list[int]:
+    """``pid`` and its descendants that are in its process group, ``pid`` first."""
+    children: dict[int, list[int]] = {}
+    for child, (_, parent, group) in processes.items():
+        if group == pid:
+            children.setdefault(parent, []).append(child)
+    found = [pid]
+    for parent in found:  # grows as it goes: breadth first
+        found += sorted(children.get(parent, []))
+    return found
+
+
+def _still_living(pgid: int, targets: list[int] | None) -> list[int]:
+    """Which of ``targets`` are not zombies; with None (no /proc), ``[pgid]`` while any of its group runs."""
+    if targets is None:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return []
         return [pgid]
-    living = []
-    for stat in proc.glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rpartition(")")[2].split()  # after "pid (comm)": state, ppid, pgrp, ...
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                living.append(int(stat.parent.name))
-    return sorted(living)
+    processes = _processes() or {}
+    return [pid for pid in targets if pid in processes and processes[pid][0] not in ("Z", "X")]
 
 
 def _alive(pid: int) -> bool:

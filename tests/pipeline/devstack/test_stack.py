@@ -324,3 +324,39 @@ def test_down_that_has_to_kill_the_stack_kills_the_servers_it_started_too(home: 
             if pid is not None and _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         stack.wait(timeout=5)
+
+
+def test_down_that_has_to_kill_the_stack_spares_the_other_processes_of_its_shell_pipeline(home: Path) -> None:
+    """``rlpipe up --foreground | tee log`` in an interactive shell: the pipeline is one process group led by the
+    serving process, and the SIGKILL fallback killed the whole group, ``tee`` with it.  Only the serving process and
+    the servers it started die."""
+    home.mkdir(parents=True)
+    script = home / "stuck_stack.py"
+    script.write_text(STUCK_SERVER)
+    # as a shell with job control starts a pipeline: its first process leads a new group, the next joins it
+    stack = subprocess.Popen([sys.executable, str(script), str(home), "pipeline.devstack.stack"], process_group=0)
+    tee = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], process_group=stack.pid)
+    server_pid = None
+    try:
+        deadline = time.monotonic() + 20
+        while not (home / "server.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server_pid = int((home / "server.pid").read_text())
+        assert os.getpgid(tee.pid) == os.getpgid(server_pid) == stack.pid
+        state_path(home).write_text(_state(home, stack.pid).model_dump_json())
+
+        from pipeline.devstack.stack import stop_background
+
+        assert stop_background(timeout_s=0.5) is not None
+        stack.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(server_pid), "a server of the killed stack still runs"
+        assert tee.poll() is None, "the pipeline's other process was killed with the stack"
+    finally:
+        for pid in (stack.pid, server_pid, tee.pid):
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        stack.wait(timeout=5)
+        tee.wait(timeout=5)
