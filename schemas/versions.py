@@ -3,7 +3,9 @@
 Versions are ``MAJOR.MINOR``.  A reader accepts any minor version of its own
 major (new optional fields are ignored) and refuses a newer major: the record
 may mean something it cannot know.  Older majors are accepted when the reader
-still understands them (today there is only major 1).
+still understands them (today there is only major 1).  A newer minor may also
+add event types: readers skip those, counted in their stats, and never
+dead-letter them (``schemas.events.NewerEventTypeError``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from schemas.events import (
     LearnerCheckpointed,
     LearnerLeft,
     LearnerProgress,
+    NewerEventError,
+    NewerEventTypeError,
     ProducerHeartbeat,
     RunConfigChanged,
     RunStarted,
@@ -80,6 +82,20 @@ def _raw(**changes):
 def test_unknown_type_refused():
     with pytest.raises(EventDecodeError, match="unknown event type 'Nope'"):
         decode_event(_raw(type="Nope"))
+
+
+def test_an_event_type_a_newer_minor_added_is_told_apart_from_an_unknown_one():
+    """A newer minor of this major may add event types (schemas.versions): readers skip those, counted, while an
+    unknown type of this version (or of no version) is invalid and goes to the dead-letter topic."""
+    with pytest.raises(NewerEventTypeError, match=r"'Nope'.*1\.7.*skipped") as info:
+        decode_event(_raw(type="Nope", schema_version="1.7"))
+    assert info.value.event_type == "Nope"
+    for version in ("1.0", "0.9", "x"):
+        with pytest.raises(EventDecodeError) as info:
+            decode_event(_raw(type="Nope", schema_version=version))
+        assert not isinstance(info.value, NewerEventTypeError), version
+    with pytest.raises(NewerEventError):  # a newer major: not readable at all, whatever its type
+        decode_event(_raw(type="Nope", schema_version="2.0"))
 
 
 def test_newer_major_refused_but_newer_minor_read():

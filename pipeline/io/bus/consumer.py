@@ -37,7 +37,7 @@ from pipeline.io.bus.records import (
 )
 from pipeline.topics import topic_name
 from schemas.config import BusConfig
-from schemas.events import DeadLetter, NewerEventError, encode_event, make_event
+from schemas.events import DeadLetter, NewerEventError, NewerEventTypeError, encode_event, make_event
 from schemas.names import InvalidNameError, validate_name
 
 GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"  # consumer-group timings, JSON (group_timings_from_env)
@@ -80,8 +80,9 @@ class EventConsumer:
 
     * ``poll`` returns decoded events.  Undecodable or misplaced messages are
       published to ``<ns>.dlq`` as ``DeadLetter`` (reason and origin) and skipped;
-      events of other runs are skipped when ``run_id`` is given.  Both are counted
-      in ``stats`` and covered by the next ``commit()``.  With ``refuse_newer``,
+      events of other runs are skipped when ``run_id`` is given, as are event types
+      that a newer minor version added.  All are counted in ``stats`` and covered by
+      the next ``commit()``.  With ``refuse_newer``,
       an event from a newer rlpipe (of this reader's run, when ``run_id`` is given)
       raises ``NewerEventError`` instead, and nothing of that poll is consumed: for
       a reader that must not skip one, and can read it after an upgrade.
@@ -184,6 +185,10 @@ class EventConsumer:
         key = _key_text(record.key)
         try:
             event, error = decode_record(record, self.refuse_newer)
+        except NewerEventTypeError as exc:
+            self.stats.skipped_newer_types += 1
+            log.info("skipped %s:%d@%d: %s", record.topic, record.partition, record.offset, exc)
+            return None
         except NewerEventError as exc:
             if self.run_id is not None and isinstance(exc.run_id, str) and exc.run_id != self.run_id:
                 self.stats.skipped_other_runs += 1  # another run's: its own readers stop on it

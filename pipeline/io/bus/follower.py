@@ -18,6 +18,7 @@ from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_
 from pipeline.io.bus.errors import UnknownTopicError
 from pipeline.io.bus.records import ConsumedEvent, ConsumerStats, TopicPartitionKey, _key_text, decode_record
 from schemas.config import BusConfig
+from schemas.events import NewerEventTypeError
 from schemas.names import validate_name
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,12 @@ class EventFollower:
         return events
 
     def _accept(self, record: Any) -> ConsumedEvent | None:
-        event, reason = decode_record(record)
+        try:
+            event, reason = decode_record(record)
+        except NewerEventTypeError as exc:
+            self.stats.skipped_newer_types += 1
+            log.info("skipped %s:%d@%d: %s", record.topic, record.partition, record.offset, exc)
+            return None
         if event is not None:
             reason = _check_event_belongs(self.kind, self.topic, event.type)
         if reason is not None or event is None:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.events import Envelope, EventDecodeError, NewerEventError, decode_event
+from schemas.events import Envelope, EventDecodeError, NewerEventError, NewerEventTypeError, decode_event
 
 TopicPartitionKey = tuple[str, int]  # (topic, partition)
 OffsetsLike = Mapping[TopicPartitionKey, int] | Mapping[str, int]  # also "topic:partition" keys, as in checkpoints
@@ -37,6 +37,7 @@ class ConsumerStats:
     skipped_other_runs: int = 0
     skipped_invalid_dead_letters: int = 0  # undecodable messages on the DLQ itself are not re-queued
     skipped_invalid: int = 0  # undecodable or misplaced messages an ``EventFollower`` skipped
+    skipped_newer_types: int = 0  # event types a newer minor version added (``NewerEventTypeError``)
 
 
 def _tp_key(key: TopicPartitionKey | str) -> TopicPartitionKey:
@@ -80,13 +81,14 @@ def _key_text(key: bytes | None) -> str | None:
 def decode_record(record: Any, refuse_newer: bool = False) -> tuple[Envelope | None, str | None]:
     """A consumed record's event, or None and why it is not one (null value, bad JSON, unknown version).
 
-    ``refuse_newer``: an event from a newer rlpipe raises ``NewerEventError`` instead.
+    ``refuse_newer``: an event from a newer rlpipe raises ``NewerEventError`` instead.  An event type that a
+    newer minor version added raises ``NewerEventTypeError`` whatever ``refuse_newer``: readers skip it, counted.
     """
     if record.value is None:
         return None, "empty message (null value)"
     try:
         return decode_event(record.value), None
     except EventDecodeError as exc:
-        if refuse_newer and isinstance(exc, NewerEventError):
+        if isinstance(exc, NewerEventTypeError) or (refuse_newer and isinstance(exc, NewerEventError)):
             raise
         return None, str(exc)

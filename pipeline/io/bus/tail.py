@@ -20,7 +20,7 @@ from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_
 from pipeline.io.bus.errors import BusError, UnknownTopicError
 from pipeline.io.bus.records import _key_text, decode_record
 from schemas.config import BusConfig
-from schemas.events import Envelope
+from schemas.events import Envelope, NewerEventTypeError
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,10 @@ class TailRecord:
 
 
 def _tail_record(record: Any) -> TailRecord:
-    event, error = decode_record(record)
+    try:
+        event, error = decode_record(record)
+    except NewerEventTypeError as exc:  # shown as it is, readers skip it
+        event, error = None, str(exc)
     return TailRecord(
         topic=record.topic,
         partition=record.partition,

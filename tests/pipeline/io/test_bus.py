@@ -356,6 +356,34 @@ def test_a_reader_that_must_not_skip_stops_at_a_newer_event_instead_of_dead_lett
     assert not [r for r in bus.tail(bus_config, "dlq", n=20) if r.event is not None]
 
 
+def test_an_event_type_added_by_a_newer_minor_is_skipped_and_counted_not_dead_lettered(
+        bus_config: BusConfig, fast_group: dict) -> None:
+    """A newer rlpipe of the same major may add event types; an older reader skips them (counted in its stats),
+    the strict ones too, since a minor version adds only what older readers may ignore: no dead letter."""
+    topic = f"{bus_config.namespace}.control"
+    added = {**json.loads(encode_event(_stop("run-a", "x"))), "type": "RunPaused", "schema_version": "1.9",
+             "payload": {"reason": "a later feature"}}
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", _stop("run-a", "before"))
+        publisher.publish_raw(topic, json.dumps(added).encode(), "run-a")
+        publisher.publish("control", _stop("run-a", "after"))
+    for group, strict in (("lenient", False), ("strict", True)):
+        with EventConsumer(bus_config, "control", group, refuse_newer=strict, run_id="run-a", **fast_group) as consumer:
+            events = _poll_until(consumer, 2)
+            assert [e.event.payload.reason for e in events] == ["before", "after"]
+            assert consumer.stats == bus.ConsumerStats(delivered=2, skipped_newer_types=1), group
+            consumer.commit()
+            assert consumer.lag() == {0: 0}
+    follower = bus.EventFollower(bus_config, "control", run_id="run-a", start="earliest")
+    try:
+        events = _poll_until(follower, 2)
+        assert [e.event.payload.reason for e in events] == ["before", "after"]
+        assert follower.stats.skipped_newer_types == 1 and follower.stats.skipped_invalid == 0
+    finally:
+        follower.close()
+    assert not [r for r in bus.tail(bus_config, "dlq", n=20) if r.event is not None]
+
+
 def test_a_failed_dead_letter_loses_nothing(bus_config: BusConfig, fast_group: dict, monkeypatch) -> None:
     topic = f"{bus_config.namespace}.control"
     with EventPublisher(bus_config) as publisher:
