@@ -21,6 +21,7 @@ from typing import Any
 from pipeline.config import config_to_json
 from pipeline.devstack.stack import read_stack_state, resolve_bootstrap_servers, resolve_store_root
 from pipeline.io.bus import EventPublisher
+from pipeline.io.registry import run_ids
 from pipeline.io.store import ObjectStore, sha256_hex
 from schemas.config import BusConfig, RunConfig, StoreConfig
 from schemas.events import (
@@ -95,6 +96,10 @@ class RunConfigConflictError(ValueError):
     """A restart asked to change a field that defines the run's stored data."""
 
 
+class RunIdCaseError(ValueError):
+    """A new run's id differs only in case from a run in the store."""
+
+
 def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[str, str, Payload | None]:
     """Write ``runs/<run_id>/run.json`` create-only; return (key, sha256, the event to announce or None).
 
@@ -104,9 +109,17 @@ def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[
     changes (learning rate, ``max_steps``, producer count, ...) are recorded
     create-only under ``runs/<run_id>/config-changes/`` and give
     ``RunConfigChanged``; no change gives None.  Secrets are never written: the
-    stored config shows them as ``***``.
+    stored config shows them as ``***``.  A new run whose id differs only in case from a run in the store raises
+    ``RunIdCaseError``: on a case-insensitive filesystem the two would share one folder.
     """
     key = f"runs/{config.run_id}/run.json"
+    if not store.exists(key):
+        twin = next((run for run in run_ids(store) if run != config.run_id and run.lower() == config.run_id.lower()),
+                    None)
+        if twin is not None:
+            raise RunIdCaseError(f"run {config.run_id!r} differs only in case from the run {twin!r} in {store.root}; "
+                                 "on a case-insensitive filesystem (macOS, Windows) the two would share their files: "
+                                 "name the run otherwise")
     data = config_to_json(config).encode()
     try:
         digest = store.put_create(key, data)

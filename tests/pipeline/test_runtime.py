@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pipeline.io.store import ObjectStore
-from pipeline.runtime import RunConfigConflictError, create_run, effective_run_config
+from pipeline.runtime import RunConfigConflictError, RunIdCaseError, create_run, effective_run_config
 from schemas.config import RunConfig
 from schemas.events import RunConfigChanged, RunStarted
 
@@ -30,6 +30,20 @@ def test_a_new_run_is_created_and_the_same_config_again_changes_nothing(store: O
     assert isinstance(started, RunStarted) and key == "runs/r1/run.json"
     assert create_run(store, config(), "tiny")[2] is None
     assert store.list("runs/r1/config-changes") == []
+
+
+def test_a_run_whose_id_differs_only_in_case_from_one_in_the_store_is_refused(store: ObjectStore, tmp_path) -> None:
+    """On a case-insensitive filesystem (macOS, Windows) runs ``Demo`` and ``demo`` would share one folder, each
+    reading the other's batches, checkpoints and adapters; so a new run may not differ from one only in case."""
+    create_run(store, config(run_id="demo-A"), "tiny")
+    with pytest.raises(RunIdCaseError, match=r"'demo-a' differs only in case from the run 'demo-A'.*name the run otherwise"):
+        create_run(store, config(run_id="demo-a"), "tiny")
+    assert "runs/demo-a" not in store.list("runs")
+    assert create_run(store, config(run_id="demo-A"), "tiny")[2] is None  # the run itself goes on
+    local = ObjectStore(f"file://{tmp_path}/store")
+    create_run(local, config(run_id="Run1"), "tiny")
+    with pytest.raises(RunIdCaseError):
+        create_run(local, config(run_id="run1"), "tiny")
 
 
 @pytest.mark.parametrize(("updates", "field"), [
