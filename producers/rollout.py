@@ -43,6 +43,7 @@ from schemas.config import ProducerConfig, SamplerConfig
 from schemas.trajectory import NO_ADAPTER_SHA, non_finite_column
 
 log = logging.getLogger("rlpipe.producer")
+UNPLAYABLE_GROUPS_LIMIT = 16  # groups in a row whose first prompt does not fit the context stop the producer
 
 
 class StaleAdapterError(RuntimeError):
@@ -94,6 +95,7 @@ class RolloutStats:
     generated_tokens: int = 0
     env_steps: int = 0
     dropped_groups: int = 0  # groups holding a number that is not finite, never written
+    unplayable_groups: int = 0  # groups whose first prompt did not fit the context: never played, never written
     generate_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
     busy_intervals: list[tuple[float, float]] = field(default_factory=list)  # (start, end) unix times generating
@@ -195,6 +197,7 @@ class RolloutWorker:
         self.stale_since: float | None = None
         self.stats = RolloutStats()
         self.warned_first_prompt = False
+        self.unplayable_in_a_row = 0  # groups in a row whose first prompt did not fit (UNPLAYABLE_GROUPS_LIMIT)
         self.stopping = False
         self.backlog_full: Callable[[], bool] = lambda: False  # set by the service (learner lag)
         self.paused_for_backlog_s = 0.0
@@ -316,7 +319,7 @@ class RolloutWorker:
             if not episode.turns and not self.warned_first_prompt:  # a setting to fix, said once
                 self.warned_first_prompt = True
                 log.warning("producer %s: a first prompt of %d tokens does not fit the context of %d tokens, so its "
-                            "episode ends before its first turn; raise sampler.max_model_len (within the model's "
+                            "group is not played nor written; raise sampler.max_model_len (within the model's "
                             "context) or shorten the environment's prompt", self.producer_id, len(prompt),
                             self.max_model_len)
             return None
@@ -421,6 +424,17 @@ class RolloutWorker:
                 return done
 
     # ---- batches ----------------------------------------------------------
+    def count_unplayable(self) -> None:
+        """One more group whose first prompt did not fit; ``UNPLAYABLE_GROUPS_LIMIT`` of them in a row stop the
+        producer: its settings leave nothing to play, and its learner would wait for ever."""
+        self.stats.unplayable_groups += 1
+        self.unplayable_in_a_row += 1
+        if self.unplayable_in_a_row >= UNPLAYABLE_GROUPS_LIMIT:
+            raise ValueError(f"producer {self.producer_id}: no episode of the last {self.unplayable_in_a_row} groups "
+                             f"could start, their first prompt did not fit the context of {self.max_model_len} "
+                             "tokens; raise sampler.max_model_len (within the model's context) or shorten the "
+                             "environment's prompt (history_turns, the observation)")
+
     def maybe_flush(self) -> None:
         """Write a batch when enough groups are done, the oldest waited ``batch_timeout_s``, or no group is left.
 
@@ -444,6 +458,11 @@ class RolloutWorker:
         created = datetime.now(UTC)
         rows = []
         for group in list(groups):
+            if any(not episode.turns for episode in group.episodes):  # its first prompt did not fit (warned)
+                groups.remove(group)
+                self.count_unplayable()
+                continue
+            self.unplayable_in_a_row = 0
             group_rows = [row for episode in group.episodes
                           for row in episode_rows(episode, run_id=self.run_id, batch_id=batch_id,
                                                   producer_id=self.producer_id, env_name=self.env_name,

@@ -88,6 +88,8 @@ class Heartbeat:
                     self.health.set_gauge(f"rlpipe_producer_{name}", float(value), f"producer {name}")
             self.health.set_gauge("rlpipe_producer_groups_dropped_total", float(stats.dropped_groups),
                                   "groups never written: a number in them was not finite (the log names each)")
+            self.health.set_gauge("rlpipe_producer_groups_unplayable_total", float(stats.unplayable_groups),
+                                  "groups never played: their first prompt did not fit the context")
         self.next_at = time.monotonic() + self.interval_s
         return payload
 

@@ -329,14 +329,16 @@ class ShortContextSampler(ScriptedSampler):
 def test_a_first_prompt_longer_than_the_context_is_named_in_one_warning(tiny_tokenizer, caplog):
     """Such an episode ends before its first turn: a setting to fix (the context, or the environment's prompt),
     said once, not an episode that silently never plays.  And the worker goes on: with no environment step out,
-    a group whose every episode ended so was never moved on, and the loop spun for ever."""
+    a group whose every episode ended so was never moved on, and the loop spun for ever.  Its group writes no
+    row: a return of 0 that nothing played would count in the learner's baselines."""
     import logging
 
     env = make_env("sokoban", {"max_turns": 3})
     first_prompt = len(prompt_ids(tiny_tokenizer, [{"role": "system", "content": env.system_prompt()},
                                                    {"role": "user", "content": env.reset(0)}]))
     sampler = ShortContextSampler(tiny_tokenizer, first_prompt - 5)
-    worker, _, _ = make_worker(tiny_tokenizer, "sokoban", [], sampler=sampler,
+    announced: list = []
+    worker, _, _ = make_worker(tiny_tokenizer, "sokoban", announced, sampler=sampler,
                                sampling=SamplerConfig(max_new_tokens=16, max_model_len=2048))
     deadline = time.monotonic() + 60.0
     with caplog.at_level(logging.WARNING, logger="rlpipe.producer"):
@@ -345,6 +347,23 @@ def test_a_first_prompt_longer_than_the_context_is_named_in_one_warning(tiny_tok
     warnings = [r.getMessage() for r in caplog.records if "does not fit the context" in r.getMessage()]
     assert len(warnings) == 1 and "sampler.max_model_len" in warnings[0], caplog.text
     assert not sampler.prompt_lengths  # nothing was sent to the sampler
+    assert announced == [] and worker.stats.rows == 0 and worker.stats.unplayable_groups == 2
+
+
+def test_a_producer_whose_first_prompts_never_fit_stops_with_one_line_naming_the_fix(tiny_tokenizer):
+    """Without a group limit such a producer dropped groups for ever and its learner waited for ever."""
+    from producers.rollout import UNPLAYABLE_GROUPS_LIMIT
+
+    env = make_env("sokoban", {"max_turns": 3})
+    first_prompt = len(prompt_ids(tiny_tokenizer, [{"role": "system", "content": env.system_prompt()},
+                                                   {"role": "user", "content": env.reset(0)}]))
+    sampler = ShortContextSampler(tiny_tokenizer, first_prompt - 5)
+    worker, _, _ = make_worker(tiny_tokenizer, "sokoban", [], sampler=sampler, max_groups=None,
+                               sampling=SamplerConfig(max_new_tokens=16, max_model_len=2048))
+    deadline = time.monotonic() + 60.0
+    with pytest.raises(ValueError, match=r"no episode.*first prompt.*fit.*sampler\.max_model_len") as info:
+        worker.run(should_stop=lambda: time.monotonic() > deadline)
+    assert "\n" not in str(info.value) and worker.stats.unplayable_groups == UNPLAYABLE_GROUPS_LIMIT
 
 
 def test_episodes_end_at_the_samplers_context_when_it_is_shorter_than_configured(tiny_tokenizer):
