@@ -290,22 +290,31 @@ time.sleep(120)
 """
 
 
-def test_down_that_has_to_kill_the_stack_kills_the_servers_it_started_too(home: Path) -> None:
+@pytest.mark.parametrize("in_a_pipeline", [False, True], ids=["detached", "shell-pipeline"])
+def test_down_that_has_to_kill_the_stack_kills_the_servers_it_started_and_nothing_else(
+        home: Path, in_a_pipeline: bool) -> None:
     """SIGKILL of the serving process alone released the home's lock while its servers still ran (the next `rlpipe
-    up` would start a second S3 server on the same journal); the servers share its process group and die with it."""
+    up` would start a second S3 server on the same journal); the servers share its process group and die with it.
+    ``rlpipe up --foreground | tee log`` in an interactive shell makes the pipeline one process group led by the
+    serving process: the fallback killed ``tee`` too, and now spares it."""
     import fcntl
 
     home.mkdir(parents=True)
     script = home / "stuck_stack.py"
     script.write_text(STUCK_SERVER)
-    stack = subprocess.Popen([sys.executable, str(script), str(home), "pipeline.devstack.stack"],
-                             start_new_session=True)  # as `rlpipe up` starts the serving process
+    command = [sys.executable, str(script), str(home), "pipeline.devstack.stack"]
+    if in_a_pipeline:  # as a shell with job control starts one: its first process leads a new group, the next joins
+        stack = subprocess.Popen(command, process_group=0)
+        tee = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], process_group=stack.pid)
+    else:  # as `rlpipe up` starts the serving process
+        stack, tee = subprocess.Popen(command, start_new_session=True), None
     server_pid = None
     try:
         deadline = time.monotonic() + 20
         while not (home / "server.pid").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         server_pid = int((home / "server.pid").read_text())
+        assert os.getpgid(server_pid) == stack.pid and (tee is None or os.getpgid(tee.pid) == stack.pid)
         state_path(home).write_text(_state(home, stack.pid).model_dump_json())
         assert read_stack_state() is not None
 
@@ -317,46 +326,13 @@ def test_down_that_has_to_kill_the_stack_kills_the_servers_it_started_too(home: 
         while _alive(server_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(server_pid), "a server of the killed stack still runs"
+        assert tee is None or tee.poll() is None, "the pipeline's other process was killed with the stack"
         with open(home / "stack.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: nothing of the old stack holds or needs it
     finally:
-        for pid in (stack.pid, server_pid):
-            if pid is not None and _alive(pid):
+        for pid in (stack.pid, server_pid, tee and tee.pid):
+            if pid and _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         stack.wait(timeout=5)
-
-
-def test_down_that_has_to_kill_the_stack_spares_the_other_processes_of_its_shell_pipeline(home: Path) -> None:
-    """``rlpipe up --foreground | tee log`` in an interactive shell: the pipeline is one process group led by the
-    serving process, and the SIGKILL fallback killed the whole group, ``tee`` with it.  Only the serving process and
-    the servers it started die."""
-    home.mkdir(parents=True)
-    script = home / "stuck_stack.py"
-    script.write_text(STUCK_SERVER)
-    # as a shell with job control starts a pipeline: its first process leads a new group, the next joins it
-    stack = subprocess.Popen([sys.executable, str(script), str(home), "pipeline.devstack.stack"], process_group=0)
-    tee = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], process_group=stack.pid)
-    server_pid = None
-    try:
-        deadline = time.monotonic() + 20
-        while not (home / "server.pid").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        server_pid = int((home / "server.pid").read_text())
-        assert os.getpgid(tee.pid) == os.getpgid(server_pid) == stack.pid
-        state_path(home).write_text(_state(home, stack.pid).model_dump_json())
-
-        from pipeline.devstack.stack import stop_background
-
-        assert stop_background(timeout_s=0.5) is not None
-        stack.wait(timeout=5)
-        deadline = time.monotonic() + 5
-        while _alive(server_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(server_pid), "a server of the killed stack still runs"
-        assert tee.poll() is None, "the pipeline's other process was killed with the stack"
-    finally:
-        for pid in (stack.pid, server_pid, tee.pid):
-            if pid is not None and _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        stack.wait(timeout=5)
-        tee.wait(timeout=5)
+        if tee is not None:
+            tee.wait(timeout=5)
