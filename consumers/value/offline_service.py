@@ -41,7 +41,7 @@ from consumers.value.offline import (
 )
 from consumers.value.replay import ReplayMemory
 from pipeline.building_policy import BuildingPolicySpec, SetpointGrid, building_policy_files, network_columns
-from pipeline.io.datasets import DatasetCard, read_card, read_steps
+from pipeline.io.datasets import DatasetCard, read_card, read_dataset
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import create_run, open_store
@@ -118,7 +118,7 @@ def open_offline_run(config: RunConfig, dataset: str) -> OfflineRun:
     card = _building_card(store, dataset)
     assert config.value is not None  # check_offline_config
     learner_cfg = config.value.learner
-    data = prepare_offline_data(read_steps(store, dataset), building_grid(card, offline),
+    data = prepare_offline_data(read_dataset(store, card), building_grid(card, offline),
                                 float(card.extras.get("utc_offset_hours", 0.0)), learner_cfg.n_step, learner_cfg.gamma,
                                 card.observation_columns, network_columns(card.observation_columns, card.action_columns))
     if (config.value.observation_size, config.value.num_actions) != (data.observation_size, data.grid.num_actions):

@@ -38,7 +38,7 @@ import pyarrow.dataset as ds
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.io.archive import TrajectoryArchive
-from pipeline.io.store import ObjectStore
+from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.names import validate_name
 from schemas.steps import STEPS_BASE_FIELDS, check_steps_table
 from schemas.versions import check_readable
@@ -280,9 +280,23 @@ def read_card(store: ObjectStore, name: str) -> DatasetCard:
 
 
 def read_partition(store: ObjectStore, card: DatasetCard, entry: DatasetFile, verify: bool = True) -> pa.Table:
-    """One partition file, its sha256 checked against the card unless ``verify`` is False."""
+    """One partition file, its sha256 checked against the card unless ``verify`` is False (``ChecksumError``
+    naming the file and the fix)."""
     key = f"{dataset_prefix(card.name)}/{entry.path}"
-    return TrajectoryArchive(store).read_steps(key, entry.sha256 if verify else None)
+    try:
+        return TrajectoryArchive(store).read_steps(key, entry.sha256 if verify else None)
+    except ChecksumError:
+        raise ChecksumError(
+            f"{store.url(key)} does not match the sha256 checksum in dataset {card.name}'s card: it is corrupt or "
+            f"was replaced; restore it, or import the dataset again under a new --name (`rlpipe datasets show "
+            f"{card.name} --verify` lists every such file)"
+        ) from None
+
+
+def read_dataset(store: ObjectStore, card: DatasetCard) -> pa.Table:
+    """Every step of the dataset as one table, each partition digest-checked against the card first: what
+    trains on the whole dataset reads it here, so a file changed since the card was written is refused."""
+    return pa.concat_tables([table for _, table in iter_partitions(store, card, verify=True)])
 
 
 def iter_partitions(

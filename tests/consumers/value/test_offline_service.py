@@ -93,3 +93,15 @@ def test_a_support_threshold_publishes_the_cloned_network_and_resumes_it(store_r
     spec, policy = load_building_policy(folder)
     assert (folder / BEHAVIOUR_FILE).exists() and spec.support_threshold == 0.3 and policy.behaviour is not None
     torch.testing.assert_close(dict(policy.behaviour.state_dict()), dict(straight.behaviour.online.state_dict()))
+
+
+def test_a_partition_changed_since_the_card_refuses_the_run_naming_the_file(tmp_path: Path) -> None:
+    store = ObjectStore((tmp_path / "store").as_uri())
+    generate_building_dataset(store, "swapped", GenerationSpec(days=2, policy="mixed", seed=1))
+    first, second = (f"datasets/swapped/{entry.path}" for entry in read_card(store, "swapped").files)
+    day_one, day_two = store.get(first), store.get(second)
+    store.put(first, day_two)  # two valid Parquet files, each where the other belongs
+    store.put(second, day_one)
+    with pytest.raises(ValueError, match=rf"{first}.*does not match.*sha256.*rlpipe datasets show swapped --verify"):
+        replay_train_offline(small_config(tmp_path / "store", "cql-swapped", max_steps=1), "swapped")
+    assert not store.exists("runs/cql-swapped")  # refused before anything of the run was written
