@@ -354,7 +354,7 @@ class TrajectoryArchive:
 
     def read_steps(self, key: str, sha256: str | None = None) -> pa.Table:
         """One steps table, digest-verified when ``sha256`` is given, schema-checked."""
-        return _steps_table(self.store.get(key, sha256))
+        return _steps_table(self.store.get(key, sha256), self.store.url(key))
 
     def list_steps(self, run_id: str) -> list[str]:
         """Keys of every steps batch of ``run_id`` (a numeric actor's), oldest date first."""
@@ -364,7 +364,7 @@ class TrajectoryArchive:
         """A stored steps batch's sha256 (from its bytes) and the event fields its actor wrote into it
         (``BATCH_SUMMARY_KEY``; None for a file without them)."""
         data = self.store.get(key)
-        summary = (_steps_table(data).schema.metadata or {}).get(BATCH_SUMMARY_KEY)
+        summary = (_steps_table(data, self.store.url(key)).schema.metadata or {}).get(BATCH_SUMMARY_KEY)
         return sha256_hex(data), None if summary is None else dict(json.loads(summary))
 
     def scan_steps(self, prefix: str) -> pl.LazyFrame:
@@ -379,8 +379,12 @@ class TrajectoryArchive:
 # -- pure helpers ----------------------------------------------------------------------------
 
 
-def _steps_table(data: bytes) -> pa.Table:
-    table = _restore_timestamp_units(pq.read_table(pa.BufferReader(data)))
+def _steps_table(data: bytes, where: str) -> pa.Table:
+    """The steps table in ``data`` (the file at ``where``), refused in one line naming it unless readable."""
+    try:
+        table = _restore_timestamp_units(pq.read_table(pa.BufferReader(data)))
+    except pa.ArrowException as exc:
+        raise ArchiveError(f"{where} is not a readable Parquet file: {str(exc).splitlines()[0]}") from None
     check_steps_table(table)
     return table
 

@@ -120,3 +120,16 @@ def test_a_value_learner_reaching_max_steps_between_publish_steps_publishes_its_
     assert learner.state.step == 2 and not learner.source.exhausted()
     assert [learner.registry.show(v).learner_step for v in learner.registry.versions()] == [2]
     assert CheckpointStore(store, "online-dqn").latest().state.version == 1
+
+
+def test_a_truncated_steps_batch_stops_the_replay_in_one_line_naming_its_file(tmp_path: Path) -> None:
+    store, raw = actors_batches(tmp_path, "offline-dqn")
+    key = TrajectoryArchive(store).list_steps("actors")[1]
+    store.put(key, store.get(key)[:-100])  # cut short, as by an interrupted copy
+    try:
+        replay_train_value(RunConfig.model_validate(raw), "actors")
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a replay trained past a truncated steps batch")
+    assert store.url(key) in message and "not a readable Parquet file" in message and "\n" not in message
