@@ -116,6 +116,8 @@ def replay(
                 raise ValueError(value)
         except ValueError:
             fail(f"{option} {value!r} is not a date; write it YYYY-MM-DD", 2)
+    if date_from is not None and date_to is not None and date_from > date_to:  # nothing lies between: say why
+        fail(f"--date-from {date_from} is after --date-to {date_to}; swap them", 2)
     setup_logging()
     cfg = run_config(preset, config, overrides)
     reachable_store(cfg.store)

@@ -120,3 +120,14 @@ def test_replay_refuses_a_date_that_is_not_one_and_a_run_with_batches_of_its_own
                                              "--set", "run_id=online"])
     assert into_online.exit_code == 2, into_online.output
     assert "run online holds batches of its own" in into_online.output and "--set run_id=src-offline" in into_online.output
+
+
+def test_replay_refuses_a_date_range_that_ends_before_it_starts(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", f"file://{tmp_path}/store")
+    for how in ("--train", "--to-topic"):
+        result = runner.invoke(replay_app, ["--run", "src", how, "--date-from", "2026-12-05", "--date-to", "2026-12-01",
+                                            "--preset", "cartpole", "--set", "run_id=dst"])
+        line = result.output.strip()
+        assert result.exit_code == 2 and "\n" not in line, result.output
+        assert "--date-from 2026-12-05 is after --date-to 2026-12-01" in line and "swap them" in line
