@@ -184,11 +184,7 @@ class DatasetWriter:
 
     def open(self) -> DatasetWriter:
         """Check the name is free and clear an unfinished earlier import; return self."""
-        if self.store.exists(card_key(self.name)):
-            raise FileExistsError(
-                f"dataset {self.name} already exists in {self.store.url(dataset_prefix(self.name))}; "
-                "choose another --name"
-            )
+        require_free_name(self.store, self.name)
         leftovers = self.store.list(dataset_prefix(self.name), recursive=True)
         if leftovers:
             log.warning("dataset %s: removing %d files of an unfinished import", self.name, len(leftovers))
@@ -230,6 +226,15 @@ class DatasetWriter:
         self.store.put_create(card_key(self.name), card_to_bytes(card))
         self._committed = True
         return card
+
+
+def require_free_name(store: ObjectStore, name: str) -> str:
+    """``name`` if it is a valid dataset name that no committed dataset holds (``FileExistsError`` naming the fix
+    otherwise): what writes a dataset checks this before work that would be lost on refusal."""
+    if store.exists(card_key(name)):
+        raise FileExistsError(f"dataset {name} already exists in {store.url(dataset_prefix(name))}; "
+                              "choose another --name")
+    return name
 
 
 def card_to_bytes(card: DatasetCard) -> bytes:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipeline.io.datasets import DatasetCard
+from pipeline.io.datasets import DatasetCard, require_free_name
 from pipeline.io.store import ObjectStore
 from producers.envs.building import BuildingConfig, BuildingHVAC, zone_names
 from producers.offline.episodes import DatasetImportError
@@ -236,7 +236,9 @@ def generate_building_dataset(
     progress: Callable[[int, int], None] | None = None,
 ) -> DatasetCard:
     """Simulate ``spec.days`` days, write them in the Smart Buildings layout (into ``raw_dir``, or a
-    temporary folder), then import that layout with the same importer as real data."""
+    temporary folder), then import that layout with the same importer as real data.  A taken or invalid
+    ``name`` is refused before any day is simulated."""
+    require_free_name(store, name)
     logs = []
     for index, day in enumerate(range(spec.first_day, spec.first_day + spec.days)):
         logs.append(simulate_day(day, day_policy(spec, day), spec.seed, spec.env_overrides))

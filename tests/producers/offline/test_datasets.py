@@ -532,3 +532,13 @@ def test_the_docs_recipe_uses_the_benchmarks_history_and_temperature():
         assert f"--history-turns {bench.history_turns}" in line, line
     evaluation = recipe[recipe.index("rlpipe datasets eval-building"):].split("```")[0]
     assert "--temperature 0.5" in evaluation and "0.5" in bench.temperatures.split(",")
+
+
+def test_generate_refuses_a_taken_or_bad_name_before_simulating_a_day(store, tmp_path):
+    generate_building_dataset(store, "taken", GenerationSpec(days=1, policy="heuristic"))
+    simulated = []
+    for name, error in (("taken", FileExistsError), ("../up", ValueError)):
+        with pytest.raises(error, match=r"choose another --name|dataset name"):
+            generate_building_dataset(store, name, GenerationSpec(days=30, policy="heuristic"), tmp_path / "raw",
+                                      progress=lambda done, total: simulated.append(done))
+    assert simulated == [] and not (tmp_path / "raw").exists()  # refused up front: no day simulated, nothing written
