@@ -355,6 +355,8 @@ def dataset_to_trajectories(
     options = options or TrajectoryOptions()
     validate_name(run_id, "run_id")
     card = read_card(store, name)
+    marker_key, summary_key = conversion_keys(run_id, name)
+    _require_unconverted(store, name, run_id)  # before the days are read and rendered (minutes for a long log)
     overrides = {} if options.history_turns is None else {"history_turns": options.history_turns}
     env = building_env_for(card, overrides)
     check_building_dataset(card, env)
@@ -364,9 +366,6 @@ def dataset_to_trajectories(
                         options.epochs, options.seed)
     archive = TrajectoryArchive(store)
     producer_id = validate_name(f"dataset-{name}"[:64].rstrip("-."), "producer_id")
-    marker_key, summary_key = conversion_keys(run_id, name)
-    if store.exists(summary_key):
-        raise FileExistsError(f"run {run_id} already holds dataset {name}; convert into a new --run")
     try:
         store.put_create(marker_key, (json.dumps({"dataset": name, "batches": len(plan)}) + "\n").encode())
     except FileExistsError:
@@ -398,6 +397,17 @@ def dataset_to_trajectories(
     store.delete(marker_key, missing_ok=True)
     return ConversionReport(run_id, name, len(episodes), len(plan), rows, tokens, generated, summary_key,
                             smallest or 0)
+
+
+def _require_unconverted(store: ObjectStore, name: str, run_id: str) -> None:
+    """Refuse (``FileExistsError`` naming the fix) a run that holds dataset ``name`` already, whole or cut short."""
+    from pipeline.io.archive import conversion_keys
+
+    marker_key, summary_key = conversion_keys(run_id, name)
+    if store.exists(summary_key):
+        raise FileExistsError(f"run {run_id} already holds dataset {name}; convert into a new --run")
+    if store.exists(marker_key):
+        raise FileExistsError(_unfinished_conversion(name, run_id))
 
 
 def _unfinished_conversion(name: str, run_id: str) -> str:

@@ -542,3 +542,15 @@ def test_generate_refuses_a_taken_or_bad_name_before_simulating_a_day(store, tmp
             generate_building_dataset(store, name, GenerationSpec(days=30, policy="heuristic"), tmp_path / "raw",
                                       progress=lambda done, total: simulated.append(done))
     assert simulated == [] and not (tmp_path / "raw").exists()  # refused up front: no day simulated, nothing written
+
+
+def test_a_second_conversion_into_a_run_is_refused_before_the_dataset_is_read(store, tiny_tokenizer):
+    generate_building_dataset(store, "heur", GenerationSpec(days=1, policy="heuristic", first_day=0))
+    options = TrajectoryOptions(episodes_per_batch=1, turns_per_batch=48, history_turns=0)
+    dataset_to_trajectories(store, "heur", "once", tiny_tokenizer, options)
+    store.put_create("runs/cut/offline/heur.converting", b"{}\n")  # a conversion into run cut that did not finish
+    store.delete("datasets/heur/steps", recursive=True)  # reading the days now fails: the refusal must come first
+    with pytest.raises(FileExistsError, match="run once already holds dataset heur"):
+        dataset_to_trajectories(store, "heur", "once", tiny_tokenizer, options)
+    with pytest.raises(FileExistsError, match="conversion of dataset heur into run cut did not finish"):
+        dataset_to_trajectories(store, "heur", "cut", tiny_tokenizer, options)
