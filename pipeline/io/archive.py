@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.io.store import ChecksumError, ObjectStore, sha256_hex, validate_key
 from schemas.events import TrajectoryBatchCommitted
@@ -161,7 +161,7 @@ class BatchCommit(BaseModel):
 
     key: str
     batch_id: str
-    committed_at: datetime
+    committed_at: AwareDatetime = Field(description="UTC; a time without a zone cannot be ordered among the others")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
     @property

@@ -77,6 +77,17 @@ def test_a_batch_that_appears_after_a_resume_is_not_skipped_whatever_its_name_or
     assert drain(second) == ["z-000", "a-003"]  # every untrained batch, in commit order; nothing trained again
 
 
+def test_a_commit_record_whose_time_has_no_zone_is_refused_as_corrupt_naming_it(archive: TrajectoryArchive) -> None:
+    from pipeline.io.archive import ArchiveError, commit_record_key
+
+    commit(archive, "m-001", "m", minutes=1)
+    second = commit(archive, "m-002", "m", minutes=2)
+    record = archive.store.get(commit_record_key(second))
+    archive.store.put(commit_record_key(second), record.replace(b"+00:00", b"").replace(b"Z\"", b"\""))
+    with pytest.raises(ArchiveError, match=r"m-002.commit.json is corrupt \(committed_at: .*rlpipe runs delete"):
+        ReplaySource(archive, RUN)  # one line, not a comparison of naive and aware times deep in the sort
+
+
 def test_refs_carry_the_recorded_digest_and_a_corrupted_batch_is_refused(
     archive: TrajectoryArchive, tmp_path: Path
 ) -> None:
