@@ -89,12 +89,30 @@ def preset_names() -> list[str]:
     return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+class _Yaml12Booleans(yaml.SafeLoader):
+    """YAML as configuration reads it: only true/false are booleans (YAML 1.2), so ``run_id: off`` or ``--set
+    producer.producer_id=no`` stay text; a boolean field still reads yes/no/on/off (pydantic's lax mode)."""
+
+
+_Yaml12Booleans.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Booleans.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                      list("tTfF"))
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` read as configuration reads YAML (``_Yaml12Booleans``)."""
+    return yaml.load(text, Loader=_Yaml12Booleans)  # a SafeLoader: plain data only
+
+
 def load_preset(name: str) -> dict[str, Any]:
     """A shipped preset as a dict; a clear error lists the choices."""
     path = resources.files("pipeline") / "presets" / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(preset_names())}")
-    return yaml.safe_load(path.read_text()) or {}
+    return load_yaml(path.read_text()) or {}
 
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -103,7 +121,7 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not file.is_file():
         raise ConfigError(f"config file {str(file)!r} does not exist")
     try:
-        data = yaml.safe_load(file.read_text())
+        data = load_yaml(file.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(file)!r} is not valid YAML/JSON: {exc}".splitlines()[0]) from None
     if data is None:
@@ -239,7 +257,7 @@ def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r} is not KEY=VALUE (e.g. --set learner.learning_rate=1e-4)")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
             raise ConfigError(f"--set {item!r}: the value is not valid YAML ({problem}); write a mapping as JSON "

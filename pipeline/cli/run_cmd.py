@@ -47,6 +47,7 @@ from pipeline.config import (
     deep_merge,
     env_layer,
     load_file,
+    load_yaml,
     parse_overrides,
     validation_message,
 )
@@ -351,7 +352,7 @@ def fresh_run_command(config: RunConfig) -> str:
 def _set_value(value: object) -> str:
     """``value`` as ``--set`` reads it back (YAML): text as it is unless YAML would read it as something else."""
     try:
-        if isinstance(value, str) and yaml.safe_load(value) == value:
+        if isinstance(value, str) and load_yaml(value) == value:
             return value
     except yaml.YAMLError:
         pass

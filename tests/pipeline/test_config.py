@@ -35,7 +35,7 @@ def test_a_yes_or_no_for_a_number_is_refused_and_every_mistake_is_named_at_once(
     with pytest.raises(ConfigError) as info:
         resolve_config(config_file=cfg_file, overrides=["value.learner.batch_size=false"])
     message = str(info.value)
-    assert "learner.max_steps: Value error, max_steps is true (a yes/no), not a number" in message
+    assert "learner.max_steps: Value error, max_steps is yes (a yes/no), not a number" in message
     assert "learner.learning_rate" in message and "\n" not in message  # both mistakes, one line
     assert resolve_config(overrides=["learner.max_steps=7", "learner.gradient_checkpointing=yes"]).learner.max_steps == 7
 
@@ -302,3 +302,26 @@ def test_a_process_variable_written_in_another_case_is_refused_naming_its_exact_
             resolve_config(environ={name: "x"})
         assert "\n" not in str(info.value)
     assert resolve_config(environ={"RLPIPE_API_KEYS": "team-a=tml-k"}).learner.lora_rank > 0
+
+
+@pytest.mark.parametrize("text", ["off", "on", "yes", "no", "2024", "1"])
+def test_a_text_field_set_to_what_yaml_reads_as_a_yes_no_or_a_number_keeps_the_text(text: str, tmp_path) -> None:
+    """``--set run_id=off`` was refused ("run_id: Input should be a valid string"): YAML 1.1 reads off/on/yes/no
+    as booleans and 2024 as a number.  Only true/false are booleans (YAML 1.2), and a text field keeps a number as
+    the text written; the same in a config file."""
+    assert resolve_config(preset="cartpole", overrides=[f"run_id={text}"]).run_id == text
+    path = tmp_path / "run.yaml"
+    path.write_text(f"run_id: {text}\nproducer:\n  producer_id: {text}\n")
+    config = resolve_config(preset="cartpole", config_file=str(path))
+    assert (config.run_id, config.producer.producer_id) == (text, text)
+
+
+def test_yes_no_words_still_set_a_boolean_field_and_are_still_refused_for_a_number() -> None:
+    config = resolve_config(preset="cartpole", overrides=["learner.normalize_advantage_std=off"])
+    assert config.learner.normalize_advantage_std is False
+    assert resolve_config(preset="cartpole", overrides=["learner.normalize_advantage_std=yes"]
+                          ).learner.normalize_advantage_std is True
+    with pytest.raises(ConfigError, match=r"max_steps is yes \(a yes/no\)"):
+        resolve_config(preset="cartpole", overrides=["learner.max_steps=yes"])
+    with pytest.raises(ConfigError, match=r"learner.max_steps: .*max_steps is true \(a yes/no\)"):
+        resolve_config(preset="cartpole", overrides=["learner.max_steps=true"])
