@@ -11,8 +11,9 @@ readers never see half an object.
 - local disk: the bytes go to a temporary file in the destination folder (fsynced),
   which is then hard-linked to the final name; ``os.link`` fails with
   ``FileExistsError`` if the name exists, atomically, also across processes.  The
-  folder is fsynced after the link, so the name survives a crash of the machine;
-  ``put_create_many`` fsyncs each folder once after all of its files.
+  folder is fsynced after the link, and so is the parent of every folder the write
+  created (a new folder's name lives in its parent), so the name survives a crash
+  of the machine; ``put_create_many`` fsyncs each folder once after all of its files.
 - ``gs://``: a single-request upload with ``ifGenerationMatch=0`` (gcsfs
   ``mode="create"``); a clash answers 412, which gcsfs raises as ``FileExistsError``.
   The single request matters: fake-gcs-server ignores the precondition on resumable
@@ -200,9 +201,10 @@ class ObjectStore:
 
         Every key is checked before anything is written.  On local disk each file's bytes are
         fsynced before it is linked, as always, and each folder's new names are made durable by one
-        fsync of that folder after the last file, instead of one per file: a checkpoint's three files
-        cost four fsyncs instead of six.  Nothing is durable until this returns, so a caller commits
-        (writes the manifest that names these files) only after it.
+        fsync of that folder after the last file, instead of one per file (and the parent of each
+        folder made for them once): a checkpoint's three files cost five fsyncs instead of eight.
+        Nothing is durable until this returns, so a caller commits (writes the manifest that names
+        these files) only after it.
         """
         items = [(validate_key(key), bytes(data)) for key, data in files.items()]
         if not self._is_local:
@@ -212,11 +214,10 @@ class ObjectStore:
         for key, data in items:
             path = self.path(key)
             try:
-                self._local_write(path, data, replace=False, sync_folder=False)
+                folders.update(dict.fromkeys(self._local_write(path, data, replace=False, sync_folder=False)))
             except FileExistsError:
                 if self.get(key) != data:
                     raise
-            folders[Path(path).parent] = None
             digests[key] = sha256_hex(data)
         for folder in folders:
             _fsync_dir(folder)
@@ -290,11 +291,12 @@ class ObjectStore:
 
     # -- local atomic writes -----------------------------------------------------------------
 
-    def _local_write(self, path: str, data: bytes, replace: bool, sync_folder: bool = True) -> None:
-        """The bytes to a fsynced temporary file, linked (or renamed, ``replace``) to ``path``; with
-        ``sync_folder`` the folder too, so the new name survives a crash of the machine."""
+    def _local_write(self, path: str, data: bytes, replace: bool, sync_folder: bool = True) -> list[Path]:
+        """The bytes to a fsynced temporary file, linked (or renamed, ``replace``) to ``path``; the folders
+        whose names changed (``path``'s, then the parent of each folder made for it), fsynced here with
+        ``sync_folder``, so the new name survives a crash of the machine."""
         final = Path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        changed = [final.parent, *_make_folders(final.parent)]
         temp = final.parent / f"{_TEMP_PREFIX}{uuid.uuid4().hex}-{final.name}"
         try:
             with open(temp, "xb") as handle:
@@ -311,7 +313,20 @@ class ObjectStore:
             with contextlib.suppress(FileNotFoundError):
                 temp.unlink()
         if sync_folder:
-            _fsync_dir(final.parent)
+            for folder in changed:
+                _fsync_dir(folder)
+        return changed
+
+
+def _make_folders(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing ancestors; the parent of each one created, innermost first."""
+    missing = []
+    while not folder.exists() and folder.parent != folder:
+        missing.append(folder)
+        folder = folder.parent
+    for new in reversed(missing):
+        new.mkdir(exist_ok=True)  # another writer may make it meanwhile
+    return [new.parent for new in missing]
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,11 +80,12 @@ class RetriedCreateStore(ObjectStore):
 
     ghosts = 0
 
-    def _local_write(self, path: str, data: bytes, replace: bool, sync_folder: bool = True) -> None:
-        super()._local_write(path, data, replace, sync_folder)  # every create on local disk ends here
+    def _local_write(self, path: str, data: bytes, replace: bool, sync_folder: bool = True) -> list[Path]:
+        changed = super()._local_write(path, data, replace, sync_folder)  # every create on local disk ends here
         if not replace:
             self.ghosts += 1
             raise FileExistsError(f"{path} already exists")
+        return changed
 
 
 def test_a_create_conflict_on_our_own_checkpoint_files_is_not_a_failure(tmp_path) -> None:
@@ -225,15 +227,16 @@ def test_an_old_layout_checkpoint_loads_and_its_log_moves_to_step_objects(store:
     assert checkpoints.latest().state.trained == state.trained and "empty-batch" in state.trained
 
 
-def test_a_checkpoint_on_local_disk_costs_six_fsyncs(store: FlakyStore, fsyncs: list[str]) -> None:
-    """Its three files' bytes, their folder once, then the manifest and the folder again: the manifest
-    is linked only after the files it names are durable."""
+def test_a_checkpoint_on_local_disk_costs_seven_fsyncs(store: FlakyStore, fsyncs: list[str]) -> None:
+    """Its three files' bytes, their new folder once and the checkpoints folder that now names it, then the
+    manifest and its folder again: the manifest is linked only after the files it names are durable."""
     checkpoints = CheckpointStore(store, RUN)
-    checkpoints.record_step({"step": 1, "batch_ids": ["b1"]})
+    save_step(checkpoints, 1)
+    checkpoints.record_step({"step": 2, "batch_ids": ["b2"]})
     fsyncs.clear()
-    checkpoints.save(LearnerState(step=1, version=1, positions={"t:0": 1}), {"lora_A": torch.ones(2, 2)},
+    checkpoints.save(LearnerState(step=2, version=2, positions={"t:0": 2}), {"lora_A": torch.ones(2, 2)},
                      {"exp_avg": torch.zeros(2)}, {})
-    assert fsyncs == ["file"] * 3 + ["folder"] + ["file", "folder"]
+    assert fsyncs == ["file"] * 3 + ["folder"] * 2 + ["file", "folder"]
 
 
 def test_pruning_after_a_save_lists_the_checkpoints_once(store: FlakyStore, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -206,11 +206,12 @@ class RetriedCreateStore(ObjectStore):
         super().__init__(root)
         self.ghost_suffixes, self.ghosts = ghost_suffixes, 0
 
-    def _local_write(self, path: str, data: bytes, replace: bool, sync_folder: bool = True) -> None:
-        super()._local_write(path, data, replace, sync_folder)  # every create on local disk ends here
+    def _local_write(self, path: str, data: bytes, replace: bool, sync_folder: bool = True) -> list[Path]:
+        changed = super()._local_write(path, data, replace, sync_folder)  # every create on local disk ends here
         if not replace and path.endswith(self.ghost_suffixes):
             self.ghosts += 1
             raise FileExistsError(f"{path} already exists")
+        return changed
 
 
 @pytest.mark.parametrize("ghost", ["manifest.json", "adapter_model.safetensors"])
@@ -292,10 +293,14 @@ def test_a_manifest_without_a_kind_reads_as_a_lora_adapter() -> None:
 
 def test_a_version_on_local_disk_makes_its_files_durable_before_its_manifest(file_store: ObjectStore,
                                                                              fsyncs: list[str]) -> None:
-    """Each file's bytes, their folder once, then the manifest and its folder: five fsyncs for two files."""
+    """Each file's bytes, their new attempt folder once with the new version folder and the adapters folder
+    that name them, then the manifest and its folder: seven fsyncs for two files."""
     files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"weights"}
-    AdapterRegistry(file_store, "run1").publish_files(files, "tiny", parent_version=0, learner_step=1)
-    assert fsyncs == ["file", "file", "folder", "file", "folder"]
+    registry = AdapterRegistry(file_store, "run1")
+    registry.publish_files(files, "tiny", parent_version=0, learner_step=1)
+    fsyncs.clear()
+    registry.publish_files(files, "tiny", parent_version=1, learner_step=2)
+    assert fsyncs == ["file", "file", "folder", "folder", "folder", "file", "folder"]
 
 
 class ListingCountStore(ObjectStore):

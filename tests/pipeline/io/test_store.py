@@ -202,7 +202,44 @@ def test_create_many_refuses_a_bad_key_before_writing_anything(file_store: Objec
 
 def test_create_many_makes_each_folder_durable_once(file_store: ObjectStore, fsyncs: list[str]) -> None:
     """Every file's bytes are fsynced before it is linked, and each folder's new names with one fsync of
-    the folder: three files in one folder and one in another cost 4 + 2 fsyncs, not 8."""
+    the folder: three files in one new folder and one in another cost 4 + 2 fsyncs, not 8, and the root
+    that holds both new folders one more."""
+    file_store.put_create("old", b"o")
+    fsyncs.clear()
     file_store.put_create_many({"f/a": b"a", "f/b": b"b", "f/c": b"c", "g/d": b"d"})
-    assert fsyncs == ["file"] * 4 + ["folder"] * 2  # the folders after every file's bytes
+    assert fsyncs == ["file"] * 4 + ["folder"] * 3  # the folders after every file's bytes
     assert sorted(os.listdir(os.path.dirname(file_store.path("f/a")))) == ["a", "b", "c"]  # no temporary left
+
+
+@pytest.fixture
+def synced_folders(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The path of every folder ``os.fsync`` synced during the test, in order."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fsynced folders through /proc")
+@pytest.mark.parametrize("many", [False, True], ids=["put_create", "put_create_many"])
+def test_a_create_in_new_folders_makes_each_new_folders_name_durable(
+    file_store: ObjectStore, synced_folders: list[str], many: bool
+) -> None:
+    """A new folder's name lives in its parent: a crash of the machine would drop the folder, and the
+    object in it, unless the parent of every folder the write created is fsynced too."""
+    file_store.put_create("runs/r/old.json", b"{}")
+    synced_folders.clear()
+    key = "runs/r/checkpoints/step-000001-a/state.json"
+    if many:
+        file_store.put_create_many({key: b"{}"})
+    else:
+        file_store.put_create(key, b"{}")
+    for folder in ("runs/r/checkpoints/step-000001-a", "runs/r/checkpoints", "runs/r"):
+        assert file_store.path(folder) in synced_folders
+    assert file_store.path("runs") not in synced_folders  # it existed: its names did not change
