@@ -57,8 +57,15 @@ from schemas.checkpoint import (
     checkpoint_prefix,
     complete_folders,
 )
+from schemas.versions import NewerSchemaError
 
 log = logging.getLogger("rlpipe.learner")
+CHECKPOINT_FILES = ("adapter.safetensors", "optimizer.safetensors", STATE_FILE)
+
+
+class CheckpointManifestError(ValueError):
+    """A checkpoint's manifest that is not one: damaged, or not written by rlpipe.  Raised, not skipped: its
+    checkpoint may be the newest, and resuming from an older one would drop the steps trained since."""
 
 
 @dataclass
@@ -238,7 +245,7 @@ class CheckpointStore:
 
     def load(self, key: str) -> Checkpoint:
         """Load and verify one checkpoint (digests must match)."""
-        manifest = CheckpointManifest.from_json(json.loads(self.store.get(f"{key}/{MANIFEST_FILE}")))
+        manifest = self._manifest(key)
         blobs = {name: self.store.get(f"{key}/{name}", sha256=digest) for name, digest in manifest.files.items()}
         meta = json.loads(blobs[STATE_FILE])
         optimizer = load_tensors(blobs["optimizer.safetensors"])
@@ -250,6 +257,23 @@ class CheckpointStore:
             key=key, state=state, adapter=load_tensors(blobs["adapter.safetensors"]),
             optimizer=optimizer, scalars=meta["scalars"], rng=meta["rng"], rng_tensors=rng_tensors,
         )
+
+    def _manifest(self, key: str) -> CheckpointManifest:
+        """The manifest of the checkpoint at ``key``; ``CheckpointManifestError`` (one line naming it and the fix)
+        unless it names every file a checkpoint has, ``NewerSchemaError`` for one of a newer rlpipe."""
+        where = self.store.url(f"{key}/{MANIFEST_FILE}")
+        fix = f"restore it, or delete the folder {key} to resume from the checkpoint before it"
+        try:
+            manifest = CheckpointManifest.from_json(json.loads(self.store.get(f"{key}/{MANIFEST_FILE}")))
+        except NewerSchemaError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            reason = f"lacks {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
+            raise CheckpointManifestError(f"checkpoint manifest {where} is unreadable ({reason}); {fix}") from None
+        missing = [name for name in CHECKPOINT_FILES if name not in manifest.files]
+        if missing:
+            raise CheckpointManifestError(f"checkpoint manifest {where} names no {missing[0]}; {fix}")
+        return manifest
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint that loads and verifies.

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.versions import check_readable
+
 CHECKPOINT_SCHEMA_VERSION = "1.0"
 MANIFEST_FILE = "manifest.json"
 STATE_FILE = "state.json"
@@ -132,7 +134,12 @@ class CheckpointManifest:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CheckpointManifest:
-        """Raises ``KeyError``, ``TypeError`` or ``ValueError`` for a manifest that is not of this shape."""
+        """Raises ``KeyError``, ``TypeError`` or ``ValueError`` for a manifest that is not of this shape, and
+        ``NewerSchemaError`` (a ``ValueError``) for one of a newer major version, which may mean other things."""
+        if not isinstance(data, dict):
+            raise TypeError("it is not a JSON object")
+        check_readable(str(data.get("schema_version", CHECKPOINT_SCHEMA_VERSION)), CHECKPOINT_SCHEMA_VERSION,
+                       "checkpoint manifest")
         files = data["files"]
         if not isinstance(files, dict):
             raise TypeError("its 'files' is not an object")

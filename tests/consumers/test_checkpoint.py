@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import save as save_tensors
 
-from consumers.checkpoint import CheckpointStore
+from consumers.checkpoint import CheckpointManifestError, CheckpointStore
 from pipeline.io.steplog import StepLogGapError
 from pipeline.io.store import ObjectStore
 from schemas.checkpoint import LearnerState
+from schemas.versions import NewerSchemaError
 
 RUN = "ckpt"
 
@@ -66,12 +67,29 @@ def test_a_corrupt_or_missing_file_falls_back_to_the_previous_checkpoint(store: 
     assert torch.equal(latest.adapter["lora_A"], torch.full((2, 2), 1.0))
 
 
-def test_an_unreadable_manifest_is_raised(store: FlakyStore) -> None:
+@pytest.mark.parametrize("manifest", [
+    json.dumps({"step": 2}).encode(),  # no "files"
+    b'{"step": 2, "files": {"state.js',  # not JSON
+    json.dumps({"step": 2, "version": 2, "files": {"state.json": "0" * 64}}).encode(),  # names no tensors
+    b"[2]",  # not an object
+], ids=["no-files", "not-json", "no-tensors", "not-an-object"])
+def test_an_unreadable_manifest_is_raised_in_one_line_naming_it(store: FlakyStore, manifest: bytes) -> None:
+    """Not skipped: an older checkpoint would drop the steps trained since; the error names the file."""
     checkpoints = CheckpointStore(store, RUN)
     save_step(checkpoints, 1)
     newest = save_step(checkpoints, 2)
-    store.put(f"{newest}/manifest.json", json.dumps({"step": 2}).encode())  # no "files": not a storage fault
-    with pytest.raises(KeyError):
+    store.put(f"{newest}/manifest.json", manifest)
+    with pytest.raises(CheckpointManifestError, match=rf"{newest}/manifest.json .*delete the folder") as caught:
+        checkpoints.latest()
+    assert "\n" not in str(caught.value)
+
+
+def test_a_manifest_of_a_newer_schema_is_refused_not_misread(store: FlakyStore) -> None:
+    checkpoints = CheckpointStore(store, RUN)
+    newest = save_step(checkpoints, 1)
+    manifest = json.loads(store.get(f"{newest}/manifest.json"))
+    store.put(f"{newest}/manifest.json", json.dumps({**manifest, "schema_version": "2.0"}).encode())
+    with pytest.raises(NewerSchemaError, match=r"checkpoint manifest has schema version 2\.0.*upgrade rlpipe"):
         checkpoints.latest()
 
 
