@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.names import validate_name
 from schemas.versions import check_readable
 
 CHECKPOINT_SCHEMA_VERSION = "1.0"
@@ -32,8 +33,8 @@ STATE_FILE = "state.json"
 
 
 def checkpoint_prefix(run_id: str) -> str:
-    """Where a run's checkpoint folders lie in the store."""
-    return f"runs/{run_id}/checkpoints"
+    """Where a run's checkpoint folders lie in the store (``InvalidNameError`` for a run id that is no name)."""
+    return f"runs/{validate_name(run_id, 'run_id')}/checkpoints"
 
 
 @dataclass

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.io.store import ObjectStore
+from schemas.names import validate_name
 
 log = logging.getLogger("rlpipe.learner")
 
@@ -46,8 +47,8 @@ class StepLog:
     """Writes and reads the per-step objects of one run."""
 
     def __init__(self, store: ObjectStore, run_id: str) -> None:
-        self.store, self.run_id = store, run_id
-        self.prefix = f"runs/{run_id}/steps"
+        self.store, self.run_id = store, validate_name(run_id, "run_id")
+        self.prefix = f"runs/{self.run_id}/steps"
 
     def key(self, step: int) -> str:
         """``runs/<run>/steps/step-000123.json``."""

@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from consumers.checkpoint import CheckpointManifestError, CheckpointStore
-from pipeline.io.steplog import StepLogGapError
+from pipeline.io.steplog import StepLog, StepLogGapError
 from pipeline.io.store import ObjectStore
-from schemas.checkpoint import LearnerState
+from schemas.checkpoint import LearnerState, checkpoint_prefix
+from schemas.names import InvalidNameError
 from schemas.versions import NewerSchemaError
 
 RUN = "ckpt"
@@ -293,3 +294,14 @@ def test_the_rng_states_include_the_gpus_where_one_is_in_use(monkeypatch) -> Non
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a GPU the learner never used: left alone
     assert "rng.cuda" not in checkpoint.capture_rng()[0]
+
+
+@pytest.mark.parametrize("run_id", ["a/b", "a/checkpoints", ".hidden", ""])
+def test_a_run_id_that_is_not_a_name_is_refused_before_it_becomes_a_path(store: FlakyStore, run_id: str) -> None:
+    """``a/b`` would put run a/b's checkpoints and step objects inside run a's folder."""
+    with pytest.raises(InvalidNameError, match="run_id"):
+        CheckpointStore(store, run_id)
+    with pytest.raises(InvalidNameError, match="run_id"):
+        StepLog(store, run_id)
+    with pytest.raises(InvalidNameError, match="run_id"):
+        checkpoint_prefix(run_id)
