@@ -379,6 +379,7 @@ def read_adapter_folder(folder: str | os.PathLike[str]) -> dict[str, bytes]:
     for name in names:
         if name.endswith(PICKLED_SUFFIXES):
             raise RegistryError(f"refusing pickled file {name} in {root}; save the adapter as safetensors only")
+        _check_not_the_manifest(name)
         check_relative_path(name, "adapter file name")
     return {name: (root / name).read_bytes() for name in names}
 
@@ -393,8 +394,17 @@ def check_artifact_files(files: dict[str, bytes], kind: str) -> dict[str, bytes]
     for name in files:
         if name.endswith(PICKLED_SUFFIXES):
             raise RegistryError(f"refusing pickled file {name}; save tensors as safetensors only")
+        _check_not_the_manifest(name)
         check_relative_path(name, "artifact file name")
     return files
+
+
+def _check_not_the_manifest(name: str) -> None:
+    """A pull writes the version's manifest beside its files as ``manifest.json``: a file of that name would be
+    replaced by it."""
+    if name == MANIFEST_NAME:
+        raise RegistryError(f"an artifact file may not be named {MANIFEST_NAME}: a pulled version keeps its "
+                            "registry manifest under that name; rename it")
 
 
 def cached_folder_matches(folder: Path, manifest_raw: bytes, manifest: AdapterManifest) -> bool:

@@ -282,6 +282,19 @@ def test_publish_refuses_a_value_network_without_its_files_or_with_pickles(memor
     assert registry.versions() == []
 
 
+
+def test_publish_refuses_a_file_named_like_the_pulled_manifest(memory_store: ObjectStore, tmp_path: Path) -> None:
+    """A pull writes the version's manifest beside its files as manifest.json: a file of that name would be
+    replaced by it, and the pulled folder would never match its manifest."""
+    registry = AdapterRegistry(memory_store, "run1")
+    files = make_adapter(tmp_path / "a", marker=1)
+    with pytest.raises(RegistryError, match=r"manifest\.json.*rename it"):
+        registry.publish_files({**files, "manifest.json": b'{"mine": 1}'}, "tiny", 0, 1)
+    (tmp_path / "a" / "manifest.json").write_bytes(b'{"mine": 1}')
+    with pytest.raises(RegistryError, match=r"manifest\.json.*rename it"):
+        registry.publish(tmp_path / "a", "tiny", 0, 1)
+    assert registry.versions() == []
+
 def test_a_manifest_without_a_kind_reads_as_a_lora_adapter() -> None:
     old = {
         "schema_version": "1.0", "run_id": "r", "version": 1, "base_model": "tiny", "parent_version": 0,
