@@ -20,6 +20,8 @@ from the checkpoint retrains that step and writes its own entry over it (``write
 replaces an object whose bytes differ; every step up to a durable checkpoint was
 therefore written by the attempt that wrote that checkpoint, or by one it resumed
 from).  Readers pass ``upto`` (the checkpoint's step) to see only the history.
+An object that is not a JSON object of the step its name says is refused
+(``StepLogError``) rather than read: the dedup of batch ids would be wrong.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ _READ_THREADS = 16  # concurrent GETs: thousands of small objects on gs:// are l
 
 class StepLogGapError(RuntimeError):
     """Step objects that the history must hold are missing (deleted by hand or never migrated)."""
+
+
+class StepLogError(ValueError):
+    """A step object that is not one: not JSON, not an object, or the entry of another step than its name's."""
 
 
 class StepLog:
@@ -85,7 +91,23 @@ class StepLog:
             )
         with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
             blobs = list(pool.map(self._get, steps))
-        return [json.loads(blob) for blob in blobs]
+        return [self._entry(step, blob) for step, blob in zip(steps, blobs, strict=True)]
+
+    def _entry(self, step: int, blob: bytes) -> dict[str, Any]:
+        """The entry in ``blob``, refused (``StepLogError``, naming the object) unless it is step ``step``'s."""
+        try:
+            entry = json.loads(blob)
+            problem = None
+        except ValueError as exc:
+            entry, problem = None, f"not JSON: {exc}"
+        if problem is None and not isinstance(entry, dict):
+            problem = "not a JSON object"
+        elif problem is None and entry.get("step") != step:
+            problem = f"it holds the entry of step {entry.get('step')!r}"
+        if problem is not None:
+            raise StepLogError(f"step object {self.store.url(self.key(step))} is damaged ({problem}); restore it "
+                               "from a backup, or the learner could train that step's batches twice")
+        return entry  # type: ignore[no-any-return]
 
     def _get(self, step: int) -> bytes:
         try:

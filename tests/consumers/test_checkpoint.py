@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from consumers.checkpoint import CheckpointManifestError, CheckpointStore
-from pipeline.io.steplog import StepLog, StepLogGapError
+from pipeline.io.steplog import StepLog, StepLogError, StepLogGapError
 from pipeline.io.store import ObjectStore
 from schemas.checkpoint import LearnerState, checkpoint_prefix
 from schemas.names import InvalidNameError
@@ -219,6 +219,19 @@ def test_missing_step_objects_are_an_error_not_a_fresh_start(store: FlakyStore) 
     with pytest.raises(StepLogGapError, match="step 2"):
         checkpoints.latest()
 
+
+
+@pytest.mark.parametrize("entry", [b'{"step": 2, "batch_ids": ["b', b'["b2"]', b'{"step": 5, "batch_ids": ["b2"]}'],
+                         ids=["not-json", "not-an-object", "another-step"])
+def test_a_damaged_step_object_is_an_error_naming_it(store: FlakyStore, entry: bytes) -> None:
+    """The learner's dedup of batch ids reads these: one line naming the object, not a bare JSON error."""
+    checkpoints, state = CheckpointStore(store, RUN), LearnerState()
+    run_steps(checkpoints, state, 3)
+    checkpoints.save(state, ADAPTER, {}, {})
+    store.put(checkpoints.steps.key(2), entry)
+    with pytest.raises(StepLogError, match=r"step-000002\.json .*restore it from a backup") as caught:
+        checkpoints.latest()
+    assert "\n" not in str(caught.value)
 
 def write_old_layout_checkpoint(store: ObjectStore, step: int) -> dict[str, int]:
     """A checkpoint as written before the step log: ``trained`` and ``step_log`` inside state.json."""
