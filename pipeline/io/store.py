@@ -194,6 +194,8 @@ class ObjectStore:
         except FileExistsError:
             if self.get(key) != data:
                 raise
+            if self._is_local:  # the attempt that linked it may have died before syncing its folder
+                _fsync_dir(Path(self.path(key)).parent)
             return sha256_hex(data)
 
     def put_create_many(self, files: Mapping[str, bytes]) -> dict[str, str]:
@@ -218,6 +220,7 @@ class ObjectStore:
             except FileExistsError:
                 if self.get(key) != data:
                     raise
+                folders[Path(path).parent] = None  # an attempt that died before syncing it may have linked it
             digests[key] = sha256_hex(data)
         for folder in folders:
             _fsync_dir(folder)

@@ -243,3 +243,21 @@ def test_a_create_in_new_folders_makes_each_new_folders_name_durable(
     for folder in ("runs/r/checkpoints/step-000001-a", "runs/r/checkpoints", "runs/r"):
         assert file_store.path(folder) in synced_folders
     assert file_store.path("runs") not in synced_folders  # it existed: its names did not change
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fsynced folders through /proc")
+@pytest.mark.parametrize("many", [False, True], ids=["put_create_once", "put_create_many"])
+def test_accepting_our_own_bytes_makes_their_name_durable(
+    file_store: ObjectStore, synced_folders: list[str], many: bool
+) -> None:
+    """An attempt that linked the file and died before syncing its folder left a name a crash of the machine
+    may drop: the create that accepts those bytes as its own syncs the folder before it returns."""
+    path = file_store.path("f/a")
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as handle:  # linked, never synced
+        handle.write(PAYLOAD)
+    if many:
+        file_store.put_create_many({"f/a": PAYLOAD})
+    else:
+        file_store.put_create_once("f/a", PAYLOAD)
+    assert file_store.path("f") in synced_folders
