@@ -212,7 +212,8 @@ class CheckpointStore:
         state.legacy_step_log = []
 
     def prune(self, newest: str) -> None:
-        """Delete all but the ``keep`` newest complete checkpoints (never ``newest``) and dead attempts below it."""
+        """Delete all but the ``keep`` newest complete checkpoints (never ``newest``) and dead attempts of steps below
+        it."""
         keys = self.store.list(self.prefix, recursive=True)  # one listing for both questions below
         folders: dict[str, bool] = {}  # folder -> has a manifest
         for path in keys:
@@ -223,8 +224,9 @@ class CheckpointStore:
         newest_step = newest_folder.step if newest_folder else 0
         for folder, complete in folders.items():
             parsed = CheckpointFolder.parse(folder)
-            if folder in kept or parsed is None or (not complete and parsed.step > newest_step):
-                continue  # an incomplete folder above the newest step may still be being written
+            if folder in kept or parsed is None or (not complete and parsed.step >= newest_step):
+                continue  # an incomplete folder of the newest step or above may still be being written (by a
+                # learner that took the run over while this one was fenced out)
             with suppress(OSError):
                 if complete:
                     self.store.delete(f"{folder}/{MANIFEST_FILE}", missing_ok=True)  # uncommit first

@@ -191,6 +191,19 @@ def test_only_the_newest_checkpoints_are_kept(store: FlakyStore) -> None:
     assert checkpoints.latest().state.trained == state.trained
 
 
+def test_a_prune_leaves_an_unfinished_attempt_of_its_own_step_alone(store: FlakyStore) -> None:
+    """Two learners of one run may write the same step at once (one fenced out by the lease a moment later, and
+    the one that took over); the first to finish must not delete the other's folder half-written.  An unfinished
+    attempt below the newest step is a dead one, and goes."""
+    checkpoints, state = CheckpointStore(store, RUN, keep=2), LearnerState()
+    run_steps(checkpoints, state, 3)
+    store.put_create(f"{checkpoints.prefix}/step-000003-0another/adapter.safetensors", b"being written")
+    store.put_create(f"{checkpoints.prefix}/step-000002-deadbeef/adapter.safetensors", b"a crashed attempt")
+    checkpoints.save(state, ADAPTER, {}, {})
+    folders = [key.rsplit("/", 1)[-1] for key in store.list(checkpoints.prefix)]
+    assert "step-000003-0another" in folders and "step-000002-deadbeef" not in folders
+
+
 def test_keep_one_never_deletes_the_checkpoint_just_written(store: FlakyStore) -> None:
     checkpoints, state = CheckpointStore(store, RUN, keep=1), LearnerState()
     run_steps(checkpoints, state, 3)
