@@ -238,7 +238,8 @@ class PackedLearner:
         announced while the others train.  A run's publish and checkpoint are written while the next runs
         take their turns; every run's writes are done when this returns.
         With ``on_failure``, a run whose turn raises (its lease taken, its store failing, a step that cannot
-        run) is dropped (``drop``) and reported, and the others go on; without, the error ends the loop.
+        run) or whose last writes fail is dropped (``drop``) and reported, and the others go on; without, the
+        error ends the loop.
         """
         try:
             self._rounds(should_stop, on_step, poll_timeout_s, between_rounds, until_stopped, on_failure)
@@ -246,8 +247,11 @@ class PackedLearner:
             for run in self.runs:
                 run.learner.outputs.writer.wait_quietly()
             raise
-        for run in self.runs:
-            run.learner.finish_writes()
+        for run in list(self.runs):
+            try:
+                run.learner.finish_writes()
+            except Exception as exc:
+                self._failed(run, exc, on_failure)
 
     def _rounds(self, should_stop: Callable[[], bool], on_step: Callable[[str, dict], None], poll_timeout_s: float,
                 between_rounds: Callable[[PackedLearner], None] | None, until_stopped: bool | Callable[[], bool],

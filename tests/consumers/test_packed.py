@@ -345,3 +345,28 @@ def test_a_packed_run_refuses_a_warm_start_adapter_of_another_lora_shape(tmp_pat
     same = LoraPolicy(setup["model_dir"], config("y")).save_adapter(tmp_path / "same")
     with engine.holding("a"):
         policy.load_adapter_folder(same)  # the same shape loads
+
+
+def test_a_run_whose_last_write_fails_on_a_stop_is_dropped_and_the_others_still_write_their_checkpoints(batches, setup):  # noqa: F811
+    """A stop comes while a's publish is still being written and that write fails: a is reported and dropped, as a
+    failure in a turn is, and b's final checkpoint is still written (``finish_all``)."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    cfgs = {run: config(run, checkpoint_every=10) for run in SOURCES}
+    a, b = (learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, cfgs[run]), cfgs[run]) for run in SOURCES)
+
+    def failing_write(*args, **kwargs):
+        raise OSError("the bucket is unreachable")
+
+    a.outputs.write_step = failing_write
+    packed = PackedLearner(engine, [a, b])
+    packed.resume()
+    failures: list[tuple[str, type]] = []
+
+    def on_failure(run: str, exc: Exception) -> None:
+        failures.append((run, type(exc)))
+
+    packed.run(should_stop=lambda: b.state.step >= 1, poll_timeout_s=0, on_failure=on_failure)
+    packed.finish_all(on_failure=on_failure)
+    assert failures == [("a", OSError)] and [run.run_id for run in packed.runs] == ["b"]
+    assert engine.adapters() == ["b"]
+    assert CheckpointStore(batches, "b").latest().state.step == 1
