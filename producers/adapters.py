@@ -12,14 +12,16 @@ The cache is the producer's own folder (``$RLPIPE_HOME/adapter-cache/<producer_i
 a version evicted from the sampler is deleted from it once no running group
 samples with it any more (``in_use``: the sampler reloads an evicted adapter
 from its folder when such a group generates again, and is told to unload it
-again then), ``close`` removes the
-folder at exit, and ``sweep_dead_process_caches`` removes, at start, the folders
-that producers of this host left behind when they were killed (the default
-producer id is ``<host>-<pid>``, so a dead pid names a folder nobody will use).
+again then), ``close`` removes the run's versions at exit (and the folder once
+empty: packed runs with one configured producer id share it), and
+``sweep_dead_process_caches`` removes, at start, the folders that producers of
+this host left behind when they were killed (the default producer id is
+``<host>-<pid>``, so a dead pid names a folder nobody will use).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -160,8 +162,11 @@ class AdapterWatcher:
             self.retired.remove(handle)
 
     def close(self) -> None:
-        """Delete this producer's cache folder (call after the sampler is closed)."""
-        shutil.rmtree(self.cache_dir, ignore_errors=True)
+        """Delete this run's versions from the cache, and the cache folder once no other run's are in it (packed
+        runs with one configured producer id share it); call after the sampler is closed or the run left it."""
+        shutil.rmtree(self.cache_dir / self.registry.run_id, ignore_errors=True)
+        with contextlib.suppress(OSError):  # another run's versions are still there, or it is gone already
+            self.cache_dir.rmdir()
 
 
 def sweep_dead_process_caches(cache_root: str | Path, host: str) -> list[Path]:

@@ -160,6 +160,24 @@ def test_evicted_versions_leave_the_cache_and_close_removes_the_folder(memory_st
     assert not cache.exists() and (tmp_path / "adapter-cache").exists()
 
 
+def test_closing_one_runs_watcher_leaves_another_runs_adapters_in_a_shared_cache(memory_store: ObjectStore,
+                                                                                 tmp_path: Path) -> None:
+    """Packed runs with one configured producer id (``rlpipe run``'s ``packed-p0``) cache under one folder: a run
+    that leaves removes its own versions only, and the folder goes with the last run."""
+    cache = tmp_path / "adapter-cache" / "packed-p0"
+    watchers = {}
+    for run in ("r1", "r2"):
+        registry = AdapterRegistry(memory_store, run)
+        registry.publish(make_adapter(tmp_path / f"{run}-a1", 1), base_model="tiny", parent_version=0, learner_step=1)
+        watchers[run] = AdapterWatcher(registry, LoadRecorder(), cache, max_loaded=2, registry_poll_s=0.0)
+        watchers[run].refresh()
+    watchers["r1"].close()
+    assert not (cache / "r1").exists()
+    assert (cache / "r2" / "v000001" / "adapter_config.json").is_file()  # r2 still samples with it
+    watchers["r2"].close()
+    assert not cache.exists()
+
+
 def test_a_damaged_newest_manifest_keeps_the_loaded_version_and_is_not_retried_at_every_refresh(
     memory_store: ObjectStore, tmp_path: Path
 ) -> None:
