@@ -220,7 +220,8 @@ class Learner:
         happened to group its deliveries (Kafka and replay give the same steps).
         With ``wait_for_writes`` False the last step's writes may still be going
         when this returns (a packed learner's turn): the next step, ``checkpoint``
-        or ``finish_writes`` waits for them.
+        or ``finish_writes`` waits for them; and the batches it started reading
+        ahead are kept for the next call (``reader.close()`` drops them).
         """
         was_pipelined, self.pipelined = self.pipelined, True
         try:
@@ -243,11 +244,12 @@ class Learner:
                     self.check_lease_while_waiting()
         except BaseException:
             self.outputs.writer.wait_quietly()
+            self.reader.close()
             raise
         finally:
             self.pipelined = was_pipelined
-            self.reader.close()
         if wait_for_writes:
+            self.reader.close()
             self.finish_writes()
         return self.state
 

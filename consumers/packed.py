@@ -216,6 +216,7 @@ class PackedLearner:
         """Let ``run`` go at once, as a learner that stopped on an error: its writes under way end (or fail), its
         adapter is deleted, and nothing more is trained or committed; it resumes from its newest checkpoint."""
         run.learner.outputs.writer.wait_quietly()
+        run.learner.reader.close()
         if run in self.runs:
             self.runs.remove(run)
         with contextlib.suppress(EngineError):
@@ -246,6 +247,7 @@ class PackedLearner:
         except BaseException:
             for run in self.runs:
                 run.learner.outputs.writer.wait_quietly()
+                run.learner.reader.close()
             raise
         for run in list(self.runs):
             try:
@@ -282,6 +284,7 @@ class PackedLearner:
     def settle(self, run: PackedRun, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
         """``run`` is finished: train what it has waiting, write its final checkpoint and wait for its writes."""
         with self.turn(run) as learner:
+            learner.reader.close()  # (batches read ahead for turns it will not take)
             finish(learner, lambda metrics: on_step(run.run_id, metrics))
         run.settled = True
 

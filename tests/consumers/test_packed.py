@@ -370,3 +370,25 @@ def test_a_run_whose_last_write_fails_on_a_stop_is_dropped_and_the_others_still_
     assert failures == [("a", OSError)] and [run.run_id for run in packed.runs] == ["b"]
     assert engine.adapters() == ["b"]
     assert CheckpointStore(batches, "b").latest().state.step == 1
+
+
+def test_a_packed_run_reads_each_batch_from_the_store_once_as_it_does_alone(batches, setup):  # noqa: F811
+    """The batches a run starts reading ahead before its step are kept for its next turns, not dropped at the end of
+    the turn and read from the store a second time."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    learners = [learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, config(run)), config(run))
+                for run in SOURCES]
+    reads: list[str] = []
+    for learner in learners:
+        read_batch = learner.reader.archive.read_batch
+
+        def counted(path, sha256, read_batch=read_batch):
+            reads.append(path)
+            return read_batch(path, sha256)
+
+        learner.reader.archive.read_batch = counted
+    packed = PackedLearner(engine, learners)
+    packed.resume()
+    packed.run(poll_timeout_s=0)
+    assert [learner.state.step for learner in learners] == [4, 4]
+    assert len(reads) == 8 and len(set(reads)) == 8, sorted(reads)
