@@ -52,7 +52,7 @@ from pipeline.config import (
     validation_message,
 )
 from pipeline.io.store import ObjectStore
-from schemas.config import RunConfig, check_packable, step_budget
+from schemas.config import RunConfig, check_packable, check_sampler_holds_rank, step_budget
 from schemas.names import validate_name
 
 app = typer.Typer(name="run", add_completion=False)
@@ -180,7 +180,8 @@ def run_kinds(presets: list[str], configs: list[str]) -> list[tuple[str | None, 
 def packed_configs(kinds: list[tuple[str | None, str | None]], overrides: list[str],
                    name: str | None, count: int, max_steps: int | None, producers: int | None) -> list[RunConfig]:
     """``count`` new runs of each kind, run ``i`` of a kind with recipe seed ``i - 1``, named by ``packed_run_ids``;
-    refused in one line when they cannot be packed (a value run, a run named twice, engines they cannot share)."""
+    refused in one line when they cannot be packed (a value run, a run named twice, engines they cannot share, a
+    run whose adapters the first run's sampler settings cannot load)."""
     by_preset = len({preset for preset, _ in kinds}) > 1
     stems = [run_stem(preset, config_file, overrides, name,
                       kind_label(preset, config_file, by_preset) if len(kinds) > 1 else None, by_preset)
@@ -199,6 +200,9 @@ def packed_configs(kinds: list[tuple[str | None, str | None]], overrides: list[s
                .model_copy(update={"run_id": ids[k][i]}) for k in range(len(kinds)) for i in range(len(ids[k]))]
     try:
         check_packable(configs, PACKED_SHARED, "one base model, device, sampling engine and event log")
+        for config in configs[1:]:  # the producers' one engine takes the first run's sampler settings
+            check_sampler_holds_rank(configs[0].sampler, config.learner.lora_rank, config.run_id,
+                                     f"the shared engine's (run {configs[0].run_id}'s)")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     widest = max(c.num_producers for c in configs)

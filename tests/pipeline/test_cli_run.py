@@ -288,3 +288,19 @@ def test_a_finished_runs_fresh_command_carries_the_options_it_was_started_with(h
     assert copy.run_id != "tuned"
     differences = config_differences(original.model_dump(mode="json"), copy.model_dump(mode="json"))
     assert [change.field for change in differences] == ["run_id"], differences
+
+
+def test_packed_runs_whose_adapters_the_first_runs_sampling_engine_cannot_load_are_refused(home: Path,
+                                                                                         tmp_path: Path) -> None:
+    """The packed producers' one engine takes the first run's sampler settings: a run training at a rank above its
+    sampler.max_lora_rank is refused in one line before anything starts, as the packed producer would refuse it."""
+    mine, wide = tmp_path / "mine.yaml", tmp_path / "wide.yaml"
+    mine.write_text("run_id: mine\n")  # learner.lora_rank 8, sampler.max_lora_rank 8
+    wide.write_text("run_id: wide\nlearner:\n  lora_rank: 16\nsampler:\n  max_lora_rank: 16\n")
+    refused = _run("--config", str(mine), "--config", str(wide), "--max-steps", "2")
+    assert refused.exit_code == 2, refused.output
+    assert "sampler.max_lora_rank 8" in refused.output and "\n" not in refused.output.strip()
+    assert FakeLauncher.launched == []
+    widest_first = _run("--config", str(wide), "--config", str(mine), "--max-steps", "2")
+    assert widest_first.exit_code == 0, widest_first.output
+    assert [c.run_id for c in FakeLauncher.launched] == ["wide", "mine"]
