@@ -170,7 +170,8 @@ class AdapterWatcher:
 
 
 def sweep_dead_process_caches(cache_root: str | Path, host: str) -> list[Path]:
-    """Delete the cache folders ``<host>-<pid>`` under ``cache_root`` whose process is gone; return them.
+    """Delete the cache folders ``<host>-<pid>`` (and a packed producer's ``<host>-<pid>-<run>``) under
+    ``cache_root`` whose process is gone; return them.
 
     Only this host's folders are touched (a pid means nothing on another machine),
     and only names of the default producer-id shape: a configured producer id
@@ -181,7 +182,7 @@ def sweep_dead_process_caches(cache_root: str | Path, host: str) -> list[Path]:
     if not root.is_dir():
         return removed
     for folder in sorted(root.iterdir()):
-        pid = folder.name.removeprefix(f"{host}-")
+        pid = folder.name.removeprefix(f"{host}-").split("-", 1)[0]
         if folder.name.startswith(f"{host}-") and pid.isdigit() and not _process_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
             log.info("removed the adapter cache of dead producer process %s", folder.name)

@@ -212,6 +212,19 @@ def test_the_sweep_removes_only_folders_of_dead_processes_of_this_host(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
 
 
+def test_the_sweep_removes_the_per_run_folders_of_a_dead_packed_producer(tmp_path: Path) -> None:
+    """A packed producer's default id in each run is ``<host>-<pid>-<run>``: its folders go with its process."""
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                              check=True)
+    dead_pid = int(finished.stdout)
+    names = [f"node-a-{dead_pid}-exp-1", f"node-a-{dead_pid}-exp-2", f"node-a-{os.getpid()}-exp-1", "node-a-x-1"]
+    for name in names:
+        (tmp_path / name / "exp-1").mkdir(parents=True)
+    removed = sweep_dead_process_caches(tmp_path, "node-a")
+    assert sorted(p.name for p in removed) == sorted(names[:2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+
+
 def test_an_evicted_version_a_running_group_reloaded_is_unloaded_once_no_group_uses_it(
     memory_store: ObjectStore, tmp_path: Path, tiny_trained_dir: Path, lora_adapters: tuple[AdapterHandle, ...]
 ) -> None:
