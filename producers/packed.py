@@ -58,6 +58,12 @@ from schemas.config import check_packable as packable
 log = logging.getLogger("rlpipe.producer")
 
 
+def adapter_name_part(run_id: str) -> str:
+    """``run_id`` as part of an adapter name, which peft refuses with a ``.`` in it: ``_`` written ``__`` and ``.``
+    written ``_d``, so two run ids never give one name ("exp.1" -> "exp_d1", "exp_1" -> "exp__1")."""
+    return run_id.replace("_", "__").replace(".", "_d")
+
+
 class RunSampler(Sampler):
     """One run's view of a shared engine: its adapter handles carry the run, its requests go to the engine."""
 
@@ -69,7 +75,8 @@ class RunSampler(Sampler):
         """``handle`` as the run's own: the run named, and a name no other run's version has."""
         if handle is None:
             return None
-        return replace(handle, run=self.run_id, name=f"{self.run_id.replace('.', '_')}-{handle.name}")
+        return replace(handle, run=self.run_id, name=f"{adapter_name_part(self.run_id)}-{handle.name}")
+
 
     def generate(self, requests: list[SampleRequest], adapter: AdapterHandle | None = None, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None) -> list[SampleOutput]:

@@ -44,9 +44,18 @@ def test_equal_versions_of_two_runs_reach_the_engine_as_two_adapters():
     b.unload_adapter(handle)
     (_, loaded_a), (_, loaded_b), (_, sampled_a), (_, sampled_b), (_, unloaded_b) = shared.handles
     assert (loaded_a.run, loaded_a.version, loaded_a.name) == ("run-a", 3, "run-a-v3")
-    assert (loaded_b.run, loaded_b.name) == ("run.b", "run_b-v3")  # a name peft and vLLM take as an adapter name
+    assert (loaded_b.run, loaded_b.name) == ("run.b", "run_db-v3")  # a name peft and vLLM take as an adapter name
     assert sampled_a == loaded_a and sampled_b is None and unloaded_b == loaded_b
     assert (a.eos_token_id, a.max_model_len) == (2, 64)
+
+
+def test_runs_whose_ids_differ_only_in_a_dot_or_an_underscore_get_adapter_names_of_their_own():
+    """The transformers engine keys adapters by name: two runs' equal versions must never share one, or the
+    second run's every version is refused."""
+    shared = Recorder()
+    handle = AdapterHandle.for_version(3, "/cache/v3", "0" * 64)
+    names = {RunSampler(shared, run).tagged(handle).name for run in ("exp.1", "exp_1", "exp__1", "exp._1", "exp_.1")}
+    assert len(names) == 5 and not any("." in name for name in names), names
 
 
 def test_runs_that_cannot_share_an_engine_are_refused_in_one_line():
