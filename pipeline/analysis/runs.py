@@ -239,8 +239,17 @@ def run_status(summary: RunSummary, activity: RunActivity | None, log_read: bool
 
 
 def list_runs(store: ObjectStore) -> list[str]:
-    """Every run with a folder in the store, sorted."""
-    return sorted(run_ids(store))
+    """Every run with a folder in the store, sorted; entries whose names no run can have (``.DS_Store``, a
+    folder with a space) are not runs and are left out."""
+    return sorted(name for name in run_ids(store) if _is_run_id(name))
+
+
+def _is_run_id(name: str) -> bool:
+    try:
+        validate_name(name, "run_id")
+    except ValueError:
+        return False
+    return True
 
 
 def runs_there(store: ObjectStore) -> str:

@@ -382,3 +382,15 @@ def test_one_unreadable_run_json_is_noted_and_the_other_runs_are_listed(
     assert runs["broken"]["env"] is None and runs["broken"]["notes"][0].startswith("runs/broken/run.json unreadable:")
     shown = runner.invoke(app, ["show", "--run", "broken", *_where(store)])
     assert shown.exit_code == 0 and "runs/broken/run.json unreadable:" in shown.output
+
+
+def test_entries_of_the_runs_folder_that_cannot_be_run_ids_are_not_listed(two_runs: tuple[ObjectStore, Path]) -> None:
+    store, _ = two_runs
+    runs_folder = Path(store.path("runs"))
+    (runs_folder / ".DS_Store").write_bytes(b"\0")  # what a file browser leaves in a local store's folders
+    (runs_folder / "not a run").mkdir()
+    listed = runner.invoke(app, ["list", *_where(store), "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert [r["run_id"] for r in json.loads(listed.stdout)["runs"]] == ["cart", "cartpole"]
+    missing = runner.invoke(app, ["show", "--run", "car", *_where(store)])
+    assert missing.exit_code == 2 and "runs there: cart, cartpole" in missing.output
