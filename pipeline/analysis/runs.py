@@ -6,7 +6,8 @@ own each layout, never by parsing their files here):
 - environment, base model, ``max_steps``: the run's ``run.json`` with its newest recorded change
   (``runs/<run>/config-changes/``: a resume with another ``--max-steps`` is one);
 - versions, last reward: the adapter registry (``AdapterRegistry``; the newest
-  manifest whose metrics hold ``reward_mean``);
+  manifest whose metrics hold ``reward_mean``); a manifest that cannot be read is a note, and the
+  versions are then counted by their folders;
 - steps: the newest complete learner checkpoint (its folder name, read through
   ``schemas.checkpoint``, the checkpoint's contract), or the newest
   version's ``learner_step`` when that is further;
@@ -43,6 +44,7 @@ from schemas.checkpoint import checkpoint_prefix, complete_folders
 from schemas.config import BusConfig
 from schemas.events import LearnerCheckpointed, LearnerLeft, ProducerHeartbeat, RunStarted, RunStopped
 from schemas.names import validate_name
+from schemas.registry import AdapterManifest
 
 ACTIVE_WITHIN_S = 120.0  # a run with an event this recent (heartbeats come every few seconds) is running
 # a packed run is stopped while its producers serve it: their last heartbeats, as they let it go, follow its RunStopped
@@ -111,7 +113,8 @@ class RunSummary:
     stop_reason: str | None = None
     notes: list[str] = field(default_factory=list)
     kind: str = "lora"  # what its versions are: "lora" adapters, or a value run's "value-network"
-    unreadable: bool = False  # its run.json (or newest recorded change) could not be read: the first note says why
+    # its run.json (or newest recorded change) or an adapter manifest could not be read: the first note says why
+    unreadable: bool = False
 
 
 def stored_run_config(store: ObjectStore, run_id: str) -> dict[str, Any] | None:
@@ -174,13 +177,14 @@ def summarize(
         config, unreadable = {}, str(exc)  # names the file
     value = config.get("value")  # a value run: its budget and network are value.learner's, it has no base model
     learner = (value.get("learner") or {}) if value else config.get("learner") or {}
-    manifests = AdapterRegistry(store, run_id).list()
+    manifests, unreadable_versions = read_manifests(store, run_id)
     steps = max([learner_step(store, run_id), *(m.learner_step for m in manifests[-1:])])
     rewards = [reward for m in manifests if (reward := episode_reward(m.metrics)) is not None]
     summary = RunSummary(
         run_id=run_id, status="unknown", env=(config.get("env") or {}).get("name"),
         base_model=f"{learner.get('agent')} value network" if value else (config.get("model") or {}).get("base_model"),
-        steps=steps, max_steps=learner.get("max_steps"), versions=len(manifests),
+        steps=steps, max_steps=learner.get("max_steps"),
+        versions=len(manifests) if unreadable_versions is None else len(AdapterRegistry(store, run_id).versions()),
         last_reward=rewards[-1] if rewards else None, kind=run_kind(config),
     )
     moments = [m.created_at.timestamp() for m in manifests[-1:]]
@@ -193,14 +197,24 @@ def summarize(
         moments += [activity.last_event_s] if activity.last_event_s is not None else []
     if moments:
         summary.last_activity = datetime.fromtimestamp(max(moments), tz=UTC)
-    if unreadable:
-        summary.notes.append(unreadable)
-        summary.unreadable = True
-    elif not config:
+    for why in (unreadable, unreadable_versions):
+        if why:
+            summary.notes.append(why)
+            summary.unreadable = True
+    if not config and not unreadable:
         summary.env, note = origin_without_run_json(store, run_id)
         summary.notes.append(note)
     summary.status = run_status(summary, activity if log_read else None, log_read, now_s)
     return summary
+
+
+def read_manifests(store: ObjectStore, run_id: str) -> tuple[list[AdapterManifest], str | None]:
+    """The run's adapter manifests, oldest first; ([], why) when one cannot be read (damaged, or written by a
+    newer rlpipe): the message names its file, and the run is still listed from the rest of the store."""
+    try:
+        return AdapterRegistry(store, run_id).list(), None
+    except ValueError as exc:  # ManifestError, SchemaVersionError
+        return [], f"adapter versions unreadable, last reward not shown: {exc}"
 
 
 def origin_without_run_json(store: ObjectStore, run_id: str) -> tuple[str | None, str]:

@@ -394,3 +394,20 @@ def test_entries_of_the_runs_folder_that_cannot_be_run_ids_are_not_listed(two_ru
     assert [r["run_id"] for r in json.loads(listed.stdout)["runs"]] == ["cart", "cartpole"]
     missing = runner.invoke(app, ["show", "--run", "car", *_where(store)])
     assert missing.exit_code == 2 and "runs there: cart, cartpole" in missing.output
+
+
+def test_a_run_with_an_unreadable_adapter_manifest_is_noted_and_the_other_runs_are_listed(
+    two_runs: tuple[ObjectStore, Path],
+) -> None:
+    store, _ = two_runs
+    store.put_create("runs/cart/adapters/v000003/manifest.json", b"{not json")  # damaged, or a newer rlpipe's
+    listed = runner.invoke(app, ["list", *_where(store), "--json"])
+    assert listed.exit_code == 0, listed.output
+    runs = {r["run_id"]: r for r in json.loads(listed.stdout)["runs"]}
+    assert runs["cartpole"]["versions"] == 3 and runs["cartpole"]["notes"] == []
+    assert runs["cart"]["versions"] == 3 and runs["cart"]["last_reward"] is None
+    assert "v000003/manifest.json" in runs["cart"]["notes"][0]
+    table = runner.invoke(app, ["list", *_where(store)])
+    assert table.exit_code == 0 and "v000003/manifest.json" in table.output
+    shown = runner.invoke(app, ["show", "--run", "cart", *_where(store)])
+    assert shown.exit_code == 0 and "v000003/manifest.json" in shown.output
