@@ -220,8 +220,9 @@ def read_events(bus_config: BusConfig | None, run_id: str, timeout_s: float, rep
 def _collect(events: ControlEvents, time_s: float, payload: Any) -> None:
     if isinstance(payload, ProducerHeartbeat):
         events.heartbeats.append((time_s, payload))
-    elif isinstance(payload, RunStarted):
+    elif isinstance(payload, RunStarted):  # events come oldest first: the run's window opens at its first start
         events.started = events.started or (time_s, payload)
+        events.stopped = None  # started again (resumed) after any earlier stop
     elif isinstance(payload, RunStopped):
         events.stopped = (time_s, payload)
     elif isinstance(payload, LearnerCheckpointed):

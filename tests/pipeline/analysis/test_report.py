@@ -41,7 +41,7 @@ from pipeline.io.steplog import StepLog
 from pipeline.io.store import ObjectStore
 from schemas.config import BusConfig
 from schemas.evaluation import EvalResult, EvalResultError, eval_from_bytes, eval_key, eval_to_bytes, mean_ci95
-from schemas.events import Envelope, ProducerHeartbeat
+from schemas.events import Envelope, ProducerHeartbeat, RunStarted, RunStopped
 from schemas.trajectory import NO_ADAPTER_SHA, records_to_table
 from tests.fixtures.browser import load_page, require_chromium
 
@@ -338,6 +338,30 @@ def test_heartbeats_from_the_broker_become_throughput_and_producer_lanes(
     assert lanes["p1"]["busy_fraction"] == pytest.approx(p1_busy / 25.0)
     assert lanes["learner"]["busy_fraction"] == pytest.approx(15.0 / 25.0)
     assert png_size((tmp_path / "b" / FIGURE_FILES["throughput"]).read_bytes())[0] > 400
+
+
+def test_a_run_resumed_after_a_stop_is_not_reported_stopped(
+    run_store: ObjectStore, bus_config: BusConfig, tmp_path: Path
+) -> None:
+    started = RunStarted(config_path=f"runs/{RUN}/run.json", config_sha256="0" * 64, env="cartpole", base_model="tiny")
+    stops = [RunStopped(reason="stopped by Ctrl-C or a signal", final_step=3), RunStopped(reason="step budget reached")]
+    history = [(0.0, started), (10.0, stops[0]), (12.0, started)]  # stopped, then resumed: running again
+    with EventPublisher(bus_config) as publisher:
+        for offset, payload in history:
+            publisher.publish("control", Envelope(type=payload.event_type, run_id=RUN, payload=payload,
+                                                  time=datetime.fromtimestamp(T0 + offset, UTC)))
+    where = ["--root", run_store.root, "--json", "--bootstrap", bus_config.bootstrap_servers,
+             "--namespace", bus_config.namespace]  # fmt: skip
+    resumed = json.loads(run_report("--run", RUN, *where, "--out", str(tmp_path / "a")).stdout)
+    assert resumed["summary"]["run_stopped"] is None
+    assert resumed["series"]["duty_cycle"]["start"] == pytest.approx(T0)  # the run's window starts at its first start
+
+    with EventPublisher(bus_config) as publisher:  # the resumed run ends too
+        publisher.publish("control", Envelope(type=stops[1].event_type, run_id=RUN, payload=stops[1],
+                                              time=datetime.fromtimestamp(T0 + 30.0, UTC)))
+    ended = json.loads(run_report("--run", RUN, *where, "--out", str(tmp_path / "b")).stdout)
+    assert ended["summary"]["run_stopped"] == "step budget reached"
+    assert ended["series"]["duty_cycle"]["end"] == pytest.approx(T0 + 30.0)
 
 
 def heartbeat(run_id: str, producer: str, time_s: float, interval: float, busy: float, rate: float) -> Envelope:
