@@ -212,7 +212,9 @@ def _moment(value: str | None, option: str) -> float | None:
     if value is None:
         return None
     try:
-        return float(value)
+        seconds = float(value)
+        if math.isfinite(seconds):  # 'nan', 'inf' and '1e999' parse as floats but name no moment
+            return seconds
     except ValueError:
         pass
     try:

@@ -113,3 +113,13 @@ def test_the_command_reads_the_store_it_is_pointed_at(tmp_path) -> None:
     assert nothing.exit_code == 2 and "no engine activity" in nothing.output
     both = CliRunner().invoke(app, ["--server", "--run", "a", "--root", store.root])
     assert both.exit_code == 2 and "--server" in both.output
+
+
+@pytest.mark.parametrize("since", ["nan", "inf", "-inf", "1e999"])
+def test_a_window_bound_that_is_no_moment_is_one_line(tmp_path, since: str) -> None:
+    store = _store_with_activity()
+    result = CliRunner().invoke(app, ["--server", "--root", store.root, "--out", str(tmp_path / "out"),
+                                      "--since", since])
+    assert result.exit_code == 2, result.output
+    assert f"--since {since!r} is neither unix seconds nor an ISO 8601 time" in result.output
+    assert not (tmp_path / "out").exists()
