@@ -12,7 +12,7 @@ Where each number comes from (nothing else is read; no hidden state):
   Rewards are episode-level: long-horizon environments write one row per turn
   (``turn`` > 0 exists), and there each episode counts once with its ``reward``
   (the episode return), its first turn's ``policy_version`` and its last row's time.
-- adapters: the registry's manifests (versions, base model).
+- adapters: the registry's manifests (versions, base model); an unreadable one is noted and skipped.
 - learner: ``state.json`` of the newest complete checkpoint, its digest checked
   against the checkpoint's manifest (the contract of ``schemas.checkpoint``),
   and the step log up to its step (``pipeline.io.steplog``; a checkpoint of the old

@@ -79,7 +79,7 @@ def gather_report(
     report = RunReport(run_id, store.root, datetime.now(UTC).isoformat(), summary={}, series={})
     run_config = read_run_config(store, run_id, report)
     rows, episodes = load_trajectories(TrajectoryArchive(store), run_id)
-    manifests = AdapterRegistry(store, run_id).list()
+    manifests = load_manifests(AdapterRegistry(store, run_id), report)
     evals = load_evals(store, run_id, report)
     state, checkpoint_key = read_learner_state(store, run_id, report)
     events = read_events(bus_config, run_id, bus_timeout_s, report)
@@ -144,6 +144,18 @@ def load_trajectories(archive: TrajectoryArchive, run_id: str) -> tuple[pl.DataF
         .collect()
     )  # fmt: skip
     return rows, episodes_of(rows)
+
+
+def load_manifests(registry: AdapterRegistry, report: RunReport) -> list[AdapterManifest]:
+    """Every readable adapter manifest, oldest first; one that cannot be read (damaged, or written by a newer
+    rlpipe) is noted and skipped."""
+    manifests = []
+    for version in registry.versions():
+        try:
+            manifests.append(registry.show(version))
+        except ValueError as exc:  # ManifestError, SchemaVersionError: the message names the file
+            report.note("summary", f"skipped adapter v{version}: {exc}")
+    return manifests
 
 
 def load_evals(store: ObjectStore, run_id: str, report: RunReport) -> list[EvalResult]:

@@ -480,6 +480,16 @@ def test_an_unreadable_run_json_is_a_note_not_a_failed_report(tmp_path: Path, da
     assert any(note.startswith(f"runs/{RUN}/run.json unreadable:") for note in data["notes"]["summary"])
 
 
+def test_an_unreadable_adapter_manifest_is_a_note_not_a_failed_report(run_store: ObjectStore, tmp_path: Path) -> None:
+    run_store.put_create(f"runs/{RUN}/adapters/v000003/manifest.json", b"{not json")  # damaged, or a newer rlpipe's
+    result = run_report("--run", RUN, "--root", run_store.root, "--out", str(tmp_path / "o"), "--json", "--no-bus")
+    summary = json.loads(result.stdout)["summary"]
+    assert summary["adapter_versions"] == 2 and summary["latest_version"] == 2  # v1 and v2 still read
+    assert summary["base_model"] == "tiny-test" and summary["trajectories"]["episodes"] == len(EPISODES)
+    notes = json.loads(result.stdout)["notes"]["summary"]
+    assert any(note.startswith("skipped adapter v3:") and "v000003/manifest.json" in note for note in notes)
+
+
 def test_summary_and_eval_table_intervals_read_without_exponents_and_one_episode_has_none() -> None:
     from pipeline.analysis.report.html import section_table, summary_lines
     from pipeline.analysis.report.model import RunReport
