@@ -113,16 +113,19 @@ def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[
     ``RunIdCaseError``: on a case-insensitive filesystem the two would share one folder.
     """
     key = f"runs/{config.run_id}/run.json"
-    if not store.exists(key):
-        twin = next((run for run in run_ids(store) if run != config.run_id and run.lower() == config.run_id.lower()),
-                    None)
-        if twin is not None:
-            raise RunIdCaseError(f"run {config.run_id!r} differs only in case from the run {twin!r} in {store.root}; "
-                                 "on a case-insensitive filesystem (macOS, Windows) the two would share their files: "
-                                 "name the run otherwise")
+    if store.exists(key):
+        return record_config_change(store, config)
+    twin = next((run for run in run_ids(store) if run != config.run_id and run.lower() == config.run_id.lower()),
+                None)
+    if twin is not None:
+        raise RunIdCaseError(f"run {config.run_id!r} differs only in case from the run {twin!r} in {store.root}; "
+                             "on a case-insensitive filesystem (macOS, Windows) the two would share their files: "
+                             "name the run otherwise")
     data = config_to_json(config).encode()
     try:
-        digest = store.put_create(key, data)
+        # once: absent a moment ago, so the same bytes there are this create's (a gs:// retry whose first
+        # attempt landed reports a conflict), or an identical create's at the same moment: the same run
+        digest = store.put_create_once(key, data)
     except FileExistsError:
         return record_config_change(store, config)
     return key, digest, RunStarted(config_path=key, config_sha256=digest, env=config.env.name, base_model=base_model)
@@ -173,7 +176,8 @@ def record_config_change(store: ObjectStore, config: RunConfig) -> tuple[str, st
         key = f"runs/{config.run_id}/config-changes/{len(changes) + 1:06d}.json"
         record = {"config": wanted, "changes": [change.model_dump(mode="json") for change in differences]}
         try:
-            digest = store.put_create(key, json.dumps(record, indent=2, sort_keys=True).encode())
+            # once: as for run.json (absent from the listing a moment ago)
+            digest = store.put_create_once(key, json.dumps(record, indent=2, sort_keys=True).encode())
         except FileExistsError:
             continue
         log.info("run %s: configuration changed (%s); recorded at %s", config.run_id,

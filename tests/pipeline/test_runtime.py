@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.io.store import ObjectStore
+from pipeline.io.store import ObjectStore, sha256_hex
 from pipeline.runtime import RunConfigConflictError, RunIdCaseError, create_run, effective_run_config
 from schemas.config import RunConfig
 from schemas.events import RunConfigChanged, RunStarted
@@ -89,3 +89,22 @@ def test_a_run_json_that_is_not_a_json_object_is_an_error_naming_the_file(store:
     store.put("runs/damaged/run.json", damage)  # the memory store outlives a test: overwrite, and not r1's
     with pytest.raises(ValueError, match=r"^runs/damaged/run\.json unreadable: (not JSON|a JSON list, not an object)"):
         effective_run_config(store, "damaged")
+
+
+class RetriedCreateStore(ObjectStore):
+    """A gs:// create whose answer was lost: the client retries it, and the retry reports ``FileExistsError`` for
+    the object the first attempt wrote."""
+
+    def put_create(self, key: str, data: bytes) -> str:
+        super().put_create(key, data)
+        raise FileExistsError(f"{self.url(key)} already exists")
+
+
+def test_a_retried_create_that_landed_still_starts_the_run_and_records_the_change(tmp_path) -> None:
+    """Otherwise ``rlpipe runs create`` refuses its own new run, and no ``RunStarted`` reaches packed followers."""
+    store = RetriedCreateStore(tmp_path.as_uri())
+    key, digest, started = create_run(store, config(), "tiny")
+    assert isinstance(started, RunStarted) and started.config_sha256 == digest == sha256_hex(store.get(key))
+    key, _, changed = create_run(store, config(learner={"learning_rate": 5e-4}), "tiny")
+    assert isinstance(changed, RunConfigChanged) and key == "runs/r1/config-changes/000001.json"
+    assert store.list("runs/r1/config-changes") == [key]
