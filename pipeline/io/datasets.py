@@ -223,7 +223,8 @@ class DatasetWriter:
             num_episodes=card_fields.pop("num_episodes", sum(f.episodes for f in files)),
             time_start=min(starts) if starts else None, time_end=max(ends) if ends else None, **card_fields,
         )
-        self.store.put_create(card_key(self.name), card_to_bytes(card))
+        # once: a retried create (gs://) whose first attempt landed finds this card, with its own created_at
+        self.store.put_create_once(card_key(self.name), card_to_bytes(card))
         self._committed = True
         return card
 

@@ -97,6 +97,21 @@ def test_a_dataset_is_create_only_and_a_crashed_import_is_cleared(store):
     assert store.list("datasets/half", recursive=True) == []
 
 
+class RetriedCreateStore(ObjectStore):
+    """A gs:// create whose answer was lost: the client retries it, and the retry reports ``FileExistsError`` for
+    the object the first attempt wrote."""
+
+    def put_create(self, key: str, data: bytes) -> str:
+        super().put_create(key, data)
+        raise FileExistsError(f"{self.url(key)} already exists")
+
+
+def test_a_retried_create_of_the_card_that_landed_commits_the_dataset(tmp_path):
+    store = RetriedCreateStore(tmp_path.as_uri())
+    card = _write(store)
+    assert read_card(store, "demo") == card and dataset_names(store) == ["demo"]
+
+
 def test_verify_finds_a_tampered_file(store):
     card = _write(store)
     key = f"datasets/demo/{card.files[1].path}"
