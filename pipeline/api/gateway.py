@@ -171,7 +171,8 @@ class Gateway:
         record = {"session_id": session_id, "tenant": tenant, "created_at": now(), "tags": tags,
                   "user_metadata": user_metadata}
         mark_open(self.store, session_id)  # first, so that no session's files escape the sweeps
-        self.store.put_create(f"{session_path(session_id)}/session.json", json.dumps(record).encode())
+        # once: the id is new, so a conflict with these bytes is a retried create (gs://) whose first attempt landed
+        self.store.put_create_once(f"{session_path(session_id)}/session.json", json.dumps(record).encode())
         self.heartbeat(tenant, session_id)
         # counted once it can end (a session without a heartbeat never expires, so a count noted before it would
         # hold its tenant's place for good if the store failed or the gateway died in between)

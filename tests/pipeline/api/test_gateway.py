@@ -97,3 +97,22 @@ def test_a_session_whose_creation_failed_takes_no_place_of_its_tenant(monkeypatc
     monkeypatch.setattr(store, "put_create", put_create)
     session = gateway.create_session("alice", [], {})  # the failed one held no place
     assert gateway.session("alice", session)["tenant"] == "alice"
+
+
+class RetriedCreateStore(ObjectStore):
+    """A gs:// create of a session record whose answer was lost: the client retries it, and the retry reports
+    ``FileExistsError`` for the object the first attempt wrote."""
+
+    def put_create(self, key: str, data: bytes) -> str:
+        digest = super().put_create(key, data)
+        if key.endswith("/session.json"):
+            raise FileExistsError(f"{self.url(key)} already exists")
+        return digest
+
+
+def test_a_retried_create_of_a_session_record_that_landed_creates_the_session():
+    store = RetriedCreateStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0)
+    session = gateway.create_session("alice", ["t"], {})
+    gateway.heartbeat("alice", session)
+    assert gateway.session("alice", session)["tags"] == ["t"]
