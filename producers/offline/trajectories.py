@@ -12,6 +12,7 @@ import datetime as dt
 import hashlib
 import json
 import math
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -366,8 +367,11 @@ def dataset_to_trajectories(
                         options.epochs, options.seed)
     archive = TrajectoryArchive(store)
     producer_id = validate_name(f"dataset-{name}"[:64].rstrip("-."), "producer_id")
+    # this attempt's own id in the marker: create-once then finds a retried create (gs://) whose first attempt
+    # landed as its own, and still refuses the marker of any other conversion
+    marker = {"dataset": name, "batches": len(plan), "attempt": uuid.uuid4().hex}
     try:
-        store.put_create(marker_key, (json.dumps({"dataset": name, "batches": len(plan)}) + "\n").encode())
+        store.put_create_once(marker_key, (json.dumps(marker) + "\n").encode())
     except FileExistsError:
         raise FileExistsError(_unfinished_conversion(name, run_id)) from None
     rows = tokens = generated = 0
@@ -393,7 +397,7 @@ def dataset_to_trajectories(
         "episodes": len(episodes), "batches": len(plan), "rows": rows, "tokens": tokens,
         "generated_tokens": generated, "created_at": dt.datetime.now(dt.UTC).isoformat(),
     }  # fmt: skip
-    store.put_create(summary_key, (json.dumps(summary, indent=2) + "\n").encode())
+    store.put_create_once(summary_key, (json.dumps(summary, indent=2) + "\n").encode())  # its created_at: ours
     store.delete(marker_key, missing_ok=True)
     return ConversionReport(run_id, name, len(episodes), len(plan), rows, tokens, generated, summary_key,
                             smallest or 0)

@@ -62,3 +62,20 @@ def test_a_refused_conversion_leaves_the_run_as_it_found_it_and_exits_non_zero(s
         dataset_to_trajectories(store, "two", "run", tiny_tokenizer, OPTIONS)
     assert sorted(store.list("runs/run", recursive=True)) == taken
     assert unfinished_conversions(store, "run") == []
+
+
+class RetriedCreateStore(ObjectStore):
+    """A gs:// create whose answer was lost: the client retries it, and the retry reports ``FileExistsError`` for
+    the object the first attempt wrote."""
+
+    def put_create(self, key: str, data: bytes) -> str:
+        super().put_create(key, data)
+        raise FileExistsError(f"{self.url(key)} already exists")
+
+
+def test_a_retried_create_that_landed_is_not_taken_for_an_unfinished_conversion(tmp_path, tiny_tokenizer):
+    """The marker (written first) and the summary (last) found as this conversion's own, not another's."""
+    store = RetriedCreateStore((tmp_path / "store").as_uri())
+    generate_building_dataset(store, "one", GenerationSpec(days=1, policy="heuristic"))
+    assert dataset_to_trajectories(store, "one", "run", tiny_tokenizer, OPTIONS).batches == 3
+    assert unfinished_conversions(store, "run") == [] and store.exists("runs/run/offline/one.json")
