@@ -145,7 +145,7 @@ def _evaluate_pulled(
 def save_result(store: ObjectStore, result: EvalResult) -> str:
     """Store ``result`` under ``runs/<run>/eval/`` (create-only: nothing is overwritten)."""
     key = eval_key(result)
-    store.put_create(key, eval_to_bytes(result))
+    store.put_create_once(key, eval_to_bytes(result))  # once: a retried create (gs://) of our own result
     return key
 
 

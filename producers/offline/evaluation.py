@@ -216,7 +216,7 @@ def store_eval_result(store: ObjectStore, result: Any) -> str:
     from schemas.evaluation import eval_key, eval_to_bytes
 
     key = eval_key(result)
-    store.put_create(key, eval_to_bytes(result))
+    store.put_create_once(key, eval_to_bytes(result))  # once: a retried create (gs://) of our own result
     return key
 
 

@@ -127,3 +127,24 @@ def test_held_out_baselines_play_the_test_split_too(monkeypatch) -> None:
     baseline_result(RunConfig(run_id="ev", env={"name": "text2sql"}), "heuristic", 3)
     played = {task.question for task in make_env("text2sql", seen[0]).tasks}
     assert played == _questions("test")
+
+
+class RetriedCreateStore(ObjectStore):
+    """A gs:// create whose answer was lost: the client retries it, and the retry reports ``FileExistsError`` for
+    the object the first attempt wrote."""
+
+    def put_create(self, key: str, data: bytes) -> str:
+        super().put_create(key, data)
+        raise FileExistsError(f"{self.url(key)} already exists")
+
+
+def test_a_retried_create_of_a_result_that_landed_is_stored_not_failed(tmp_path: Path) -> None:
+    from producers.evaluation import save_result
+    from producers.offline.evaluation import store_eval_result
+    from schemas.evaluation import EvalResult, eval_from_bytes
+
+    store = RetriedCreateStore((tmp_path / "store").as_uri())
+    for save, version in ((save_result, 1), (store_eval_result, 2)):
+        result = EvalResult.from_episodes(run_id="ev", env="cartpole", version=version, seed_start=1000,
+                                          returns=[1.0, 2.0], successes=[True, False])
+        assert eval_from_bytes(store.get(save(store, result))) == result
