@@ -86,6 +86,10 @@ class Announcer:
 RUN_DEFINING_FIELDS = (
     "model.base_model", "env.name", "env.overrides", "learner.loss",
     "learner.lora_rank", "learner.lora_alpha", "learner.target_modules",
+    # a value run's checkpoints hold its network's tensors, its replay memory is rebuilt from the step log at its
+    # capacity and n-step, and an offline run's network learnt one dataset's scaled observations
+    "value.observation_size", "value.num_actions", "value.slate", "value.learner.agent", "value.learner.hidden_sizes",
+    "value.learner.num_atoms", "value.learner.n_step", "value.learner.replay_capacity", "value.offline.dataset",
 )
 # Where the run's parts connect, not what the run is: never compared.
 _PLACEMENT_PREFIXES = ("bus.", "store.", "model.tiny_dir")
@@ -168,8 +172,8 @@ def record_config_change(store: ObjectStore, config: RunConfig) -> tuple[str, st
             first = refused[0]
             raise RunConfigConflictError(
                 f"run {config.run_id} was created with {first.field}={json.dumps(first.before)}, this configuration "
-                f"says {json.dumps(first.after)}: base model, environment, loss and LoRA shape define the run's stored "
-                "data; keep them or start a new run_id"
+                f"says {json.dumps(first.after)}: base model, environment, loss, LoRA shape and a value run's network, "
+                "replay memory and dataset define the run's stored data; keep them or start a new run_id"
             )
         if not differences:
             return _latest_key(store, config.run_id, changes), sha256_hex(json.dumps(current).encode()), None

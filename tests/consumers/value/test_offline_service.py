@@ -105,3 +105,15 @@ def test_a_partition_changed_since_the_card_refuses_the_run_naming_the_file(tmp_
     with pytest.raises(ValueError, match=rf"{first}.*does not match.*sha256.*rlpipe datasets show swapped --verify"):
         replay_train_offline(small_config(tmp_path / "store", "cql-swapped", max_steps=1), "swapped")
     assert not store.exists("runs/cql-swapped")  # refused before anything of the run was written
+
+
+def test_a_run_trained_on_one_dataset_refuses_another_naming_the_fix(store_root: Path) -> None:
+    """Its checkpoint's network learnt the first dataset's scaled observations and its versions name that dataset's
+    held-out days: resuming it on another would mix two logs under one run."""
+    store = ObjectStore(store_root.as_uri())
+    generate_building_dataset(store, "hvac-other", GenerationSpec(days=2, policy="mixed", seed=2))
+    replay_train_offline(small_config(store_root, "cql-one-log", max_steps=1), DATASET)
+    with pytest.raises(ValueError, match=r"value\.offline\.dataset.*new run_id") as raised:
+        replay_train_offline(small_config(store_root, "cql-one-log", max_steps=2), "hvac-other")
+    assert "\n" not in str(raised.value)
+    assert AdapterRegistry(store, "cql-one-log").latest().learner_step == 1  # nothing trained on the other log

@@ -133,3 +133,20 @@ def test_a_truncated_steps_batch_stops_the_replay_in_one_line_naming_its_file(tm
     else:
         raise AssertionError("a replay trained past a truncated steps batch")
     assert store.url(key) in message and "not a readable Parquet file" in message and "\n" not in message
+
+
+def test_a_replay_into_a_run_with_another_network_or_memory_shape_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The run's checkpoint holds tensors of its network's shape and its replay memory is rebuilt at its capacity: a
+    restart that changes either is refused up front, naming the field, not at the checkpoint's load."""
+    _, raw = actors_batches(tmp_path, "offline-shape")
+    raw["value"]["learner"].update(min_replay_size=32, batch_size=16, checkpoint_every=2, hidden_sizes=[16])
+    replay_train_value(RunConfig.model_validate(raw), "actors")
+    for field, value in (("hidden_sizes", [32]), ("replay_capacity", 10_000)):
+        changed = {**raw, "value": {**raw["value"], "learner": {**raw["value"]["learner"], field: value}}}
+        try:
+            replay_train_value(RunConfig.model_validate(changed), "actors")
+        except ValueError as exc:
+            message = str(exc)
+        else:
+            raise AssertionError(f"a restart with another value.learner.{field} was not refused")
+        assert f"value.learner.{field}" in message and "new run_id" in message and "\n" not in message
