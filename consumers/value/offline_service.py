@@ -163,12 +163,16 @@ def resume(run: OfflineRun) -> None:
     if checkpoint is None:
         log.info("no checkpoint for run %s: starting at step 0", run.config.run_id)
         return
+    behaviour = {k[len(BEHAVIOUR):]: v for k, v in checkpoint.adapter.items() if k.startswith(BEHAVIOUR)}
+    if run.behaviour is not None and not behaviour:  # cloning trains alongside from step 1, or not at all
+        raise ValueError(f"run {run.config.run_id} trained {checkpoint.state.step} steps without the support filter, so "
+                         "it has no behaviour-cloning network to go on with; keep value.offline.support_threshold at 0 "
+                         "or start a new run_id")
     run.agent.load_state_dict({k: v for k, v in checkpoint.adapter.items() if not k.startswith(BEHAVIOUR)})
     run.state = checkpoint.state
     run.rng.bit_generator.state = checkpoint.scalars["rng"]
     if run.behaviour is not None and run.behaviour_rng is not None:
-        run.behaviour.load_state_dict({k[len(BEHAVIOUR):]: v for k, v in checkpoint.adapter.items()
-                                       if k.startswith(BEHAVIOUR)})
+        run.behaviour.load_state_dict(behaviour)
         run.behaviour_rng.bit_generator.state = checkpoint.scalars["behaviour_rng"]
     log.info("resumed from %s: step %d, version %d", checkpoint.key, run.state.step, run.state.version)
 

@@ -117,3 +117,19 @@ def test_a_run_trained_on_one_dataset_refuses_another_naming_the_fix(store_root:
         replay_train_offline(small_config(store_root, "cql-one-log", max_steps=2), "hvac-other")
     assert "\n" not in str(raised.value)
     assert AdapterRegistry(store, "cql-one-log").latest().learner_step == 1  # nothing trained on the other log
+
+
+def test_a_restart_that_adds_the_support_filter_is_refused_in_one_line(store_root: Path) -> None:
+    """The behaviour-cloning network trains alongside from step 1: a run trained without it has none in its
+    checkpoint to go on with (dropping it is fine: the CQL network never reads it)."""
+    def with_threshold(threshold: float, max_steps: int) -> RunConfig:
+        config = small_config(store_root, "cql-unfiltered", max_steps=max_steps)
+        assert config.value is not None and config.value.offline is not None
+        offline = config.value.offline.model_copy(update={"support_threshold": threshold})
+        return config.model_copy(update={"value": config.value.model_copy(update={"offline": offline})})
+
+    replay_train_offline(with_threshold(0.0, 1), DATASET)
+    with pytest.raises(ValueError, match=r"support_threshold.*new run_id") as raised:
+        replay_train_offline(with_threshold(0.3, 2), DATASET)
+    assert "\n" not in str(raised.value)
+    assert AdapterRegistry(ObjectStore(store_root.as_uri()), "cql-unfiltered").latest().learner_step == 1
