@@ -28,7 +28,7 @@ from pipeline.slate_network import best_slate, random_slate
 from pipeline.value_network import NetworkSpec, load_network
 from producers.envs.base import TextEnv
 from producers.envs.registry import env_from_spec
-from producers.slate_actor import slate_answer
+from producers.slate_actor import check_slate_environment, slate_answer
 from schemas.config import RunConfig
 from schemas.evaluation import EvalResult
 
@@ -65,6 +65,20 @@ def play_slates(env: TextEnv, network: nn.Module | None, spec: NetworkSpec | Non
     return float(env.episode_return), False
 
 
+def check_version_fits(spec: NetworkSpec, env: TextEnv, version: int) -> None:
+    """Refuse a version whose network cannot play ``env`` (``rlpipe eval --env`` naming an environment of another
+    shape), before any episode."""
+    if spec.slate is not None:
+        check_slate_environment(env, spec.observation_size, spec.slate)
+        return
+    env.reset(0)
+    shape = (len(env.numeric_state()), len(env.answer_choices() or []))
+    if shape != (spec.observation_size, spec.num_actions):
+        raise ValueError(f"value-network v{version} reads {spec.observation_size} observation values and scores "
+                         f"{spec.num_actions} actions, environment {env.name} has {shape[0]} and {shape[1]}; "
+                         "evaluate it on its run's environment (leave out --env)")
+
+
 def evaluate_value_version(config: RunConfig, store: ObjectStore, version: int, episodes: int) -> EvalResult:
     """Play ``episodes`` held-out seeds greedily with value-network ``version`` (0: uniform random)."""
     network, spec = None, None
@@ -75,6 +89,8 @@ def evaluate_value_version(config: RunConfig, store: ObjectStore, version: int, 
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     env, rng = env_from_spec(config.env), np.random.default_rng(0)
+    if spec is not None:
+        check_version_fits(spec, env, version)
     seeds = range(config.env.eval_seed_offset, config.env.eval_seed_offset + episodes)
     if config.value is not None and config.value.slate is not None:
         outcomes = [play_slates(env, network, spec, seed, rng) for seed in seeds]

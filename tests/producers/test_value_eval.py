@@ -50,3 +50,20 @@ def test_a_value_version_is_played_greedily_on_held_out_seeds(tmp_path: Path) ->
     assert table.exit_code == 0, table.output
     rows = [line for line in table.output.splitlines() if line.startswith("│")]
     assert "value-network" in rows[0] and "uniform random" in rows[1]  # v0 plays no network
+
+
+def test_a_version_whose_network_does_not_fit_the_environment_is_refused_in_one_line(tmp_path: Path) -> None:
+    """``rlpipe eval --env acrobot`` on a CartPole run: the network reads 4 values and scores 2 actions, Acrobot has
+    6 and 3, so the version cannot play it (CartPole's other versions, cartpole-v1, can)."""
+    store = ObjectStore((tmp_path / "store").as_uri())
+    config = resolve_config("dqn-cartpole", overrides=["run_id=vfit", f"store.root={store.url('')}"], environ={})
+    create_run(store, config, config.env.name)
+    publish_preferring(AdapterRegistry(store, "vfit"), action=1)
+    out = CliRunner().invoke(eval_app, ["--run", "vfit", "--root", store.url(""), "--version", "1",
+                                        "--episodes", "2", "--env", "acrobot", "--no-save"])
+    assert out.exit_code != 0 and not isinstance(out.exception, RuntimeError), out.output
+    assert "reads 4 observation values and scores 2 actions" in out.output and "acrobot" in out.output
+    assert len(out.output.strip().splitlines()) == 1
+    wider = CliRunner().invoke(eval_app, ["--run", "vfit", "--root", store.url(""), "--version", "1",
+                                          "--episodes", "2", "--env", "cartpole-v1", "--no-save", "--json"])
+    assert wider.exit_code == 0, wider.output
