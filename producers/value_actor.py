@@ -54,7 +54,7 @@ from schemas.config import RunConfig
 from schemas.events import Payload, ProducerHeartbeat, TrajectoryBatchCommitted
 from schemas.names import validate_name
 from schemas.steps import BATCH_SUMMARY_KEY, steps_to_table
-from schemas.value import ValueActorConfig
+from schemas.value import ValueActorConfig, ValueRunConfig
 
 log = logging.getLogger("rlpipe.actor")
 
@@ -349,6 +349,17 @@ def check_environment(env: TextEnv, observation_size: int, num_actions: int) -> 
                          "and value.num_actions")
 
 
+def check_value_environment(env: TextEnv, value: ValueRunConfig) -> None:
+    """Refuse an environment that does not fit a value run's network (for slateq: its slate section), in one line;
+    the actors check it at start, ``rlpipe run`` before anything starts."""
+    if value.slate is not None:
+        from producers.slate_actor import check_slate_environment
+
+        check_slate_environment(env, value.observation_size, value.slate)
+    else:
+        check_environment(env, value.observation_size, value.num_actions)
+
+
 def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False) -> ValueActor:
     """One actor process of a value run: play and write batches until stopped (``rlpipe producer start``)."""
     from pipeline.io.bus import EventPublisher, run_log
@@ -360,14 +371,12 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
     if config.learner.torch_threads is not None:  # tiny forward passes: extra threads only contend for the CPU
         torch.set_num_threads(config.learner.torch_threads)
     env = env_from_spec(config.env)
+    check_value_environment(env, config.value)
     actor_class: type[ValueActor] = ValueActor
     if config.value.slate is not None:  # slateq: a slate of candidates per step (producers.slate_actor)
-        from producers.slate_actor import SlateActor, check_slate_environment
+        from producers.slate_actor import SlateActor
 
-        check_slate_environment(env, config.value.observation_size, config.value.slate)
         actor_class = SlateActor
-    else:
-        check_environment(env, config.value.observation_size, config.value.num_actions)
     actor_id = config.producer.producer_id or f"{config.run_id}-p0"
     store = open_store(config.store)
     bus = resolved_bus(config.bus)

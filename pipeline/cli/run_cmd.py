@@ -110,6 +110,7 @@ def run(
     else:
         cfg = run_config(*kinds[0], overrides)
     cfg = with_budget(cfg, max_steps, producers)
+    check_actors_environment(cfg)
     if runs > 1 or len(kinds) > 1:
         configs = packed_configs(kinds, overrides or [], name, runs, max_steps, producers)
         ids = [c.run_id for c in configs]
@@ -146,6 +147,17 @@ def run(
                   f"rlpipe eval --run {cfg.run_id}; rlpipe report --run {cfg.run_id}; continue it with "
                   f"rlpipe run --resume {cfg.run_id} --max-steps N", markup=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def check_actors_environment(config: RunConfig) -> None:
+    """A value run's environment against its network, as its actors check it once started: refused here in one
+    line rather than as a producer's exit and a log to read (offline CQL plays no environment while it trains)."""
+    if config.value is None or config.value.offline is not None:
+        return
+    from producers.envs.registry import env_from_spec
+    from producers.value_actor import check_value_environment
+
+    check_value_environment(env_from_spec(config.env), config.value)
 
 
 def _below(dashboard: bool) -> str:

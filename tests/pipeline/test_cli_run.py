@@ -304,3 +304,15 @@ def test_packed_runs_whose_adapters_the_first_runs_sampling_engine_cannot_load_a
     widest_first = _run("--config", str(wide), "--config", str(mine), "--max-steps", "2")
     assert widest_first.exit_code == 0, widest_first.output
     assert [c.run_id for c in FakeLauncher.launched] == ["wide", "mine"]
+
+
+@pytest.mark.parametrize("change", ["env.name=acrobot", "value.num_actions=3", "value.slate.slate_size=3"])
+def test_a_value_run_whose_environment_does_not_fit_its_network_is_refused_before_anything_starts(
+    home: Path, change: str
+) -> None:
+    """The actors refuse such an environment only once started (the launcher then reports a producer exit and a
+    log to read); ``rlpipe run`` refuses it first, in one line naming the fields to fix."""
+    preset = "slateq-recsim" if change.startswith("value.slate") else "dqn-cartpole"
+    result = _run("--preset", preset, "--set", change, "--max-steps", "2")
+    assert result.exit_code != 0 and FakeLauncher.launched == [], result.output
+    assert "value." in result.output and len(result.output.strip().splitlines()) == 1, result.output
