@@ -130,6 +130,14 @@ class OfflineValueConfig(NoYesNoNumbers):
     updates_per_step: int = Field(500, ge=1, le=1_000_000, description="gradient updates per learner step")
     dataset: str | None = Field(None, description="the dataset trained on (set by rlpipe replay from --run)")
 
+    @model_validator(mode="after")
+    def _ranges(self) -> OfflineValueConfig:
+        for name in ("water_range_k", "air_range_k"):
+            low, high = getattr(self, name)
+            if low >= high:
+                raise ValueError(f"{name} ({low}, {high}) must be (low, high) with low below high; swap or widen it")
+        return self
+
 
 class SlateSpec(NoYesNoNumbers):
     """A slate environment's shape and choice model: what SlateQ's learner and actors need of it.
