@@ -50,7 +50,7 @@ from pipeline.runtime import RateMeter
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
 from producers.sink import OrphanSweep, announced_batches, batch_events
-from schemas.config import RunConfig
+from schemas.config import PRODUCER_SLOTS, EnvSpec, RunConfig
 from schemas.events import Payload, ProducerHeartbeat, TrajectoryBatchCommitted
 from schemas.names import validate_name
 from schemas.steps import BATCH_SUMMARY_KEY, steps_to_table
@@ -114,7 +114,7 @@ class ValueActor:
         self.run_id, self.actor_id = validate_name(run_id, "run_id"), validate_name(actor_id, "actor_id")
         self.env, self.archive, self.watcher, self.config, self.announce = env, archive, watcher, config, announce
         self.choices = self.action_choices(env)
-        self.seeds = seeds  # environment seeds this actor plays, in turn (None: seed * 1_000_003 + episode)
+        self.seeds = seeds  # environment seeds this actor plays, in turn (None: ``default_training_seeds``)
         self.rng = np.random.default_rng([config.seed, seeds.start if seeds else 0])
         self.env_steps = 0
         self.episodes = 0
@@ -184,8 +184,8 @@ class ValueActor:
         """One episode with the current version: (its steps table rows, its return, success)."""
         self.watcher.refresh()  # a new version is taken between episodes, never within one
         version, episode_id = self.watcher.version, f"{self.actor_id}-e{self.episodes}"
-        seeds = self.seeds
-        self.env.reset(seeds[self.episodes % len(seeds)] if seeds else self.config.seed * 1_000_003 + self.episodes)
+        seeds = self.seeds or default_training_seeds(self.config.seed)
+        self.env.reset(seeds[self.episodes % len(seeds)])
         success, epsilons, actions = False, [], []
         while not self.env.done:
             observation = self.env.numeric_state()
@@ -300,6 +300,15 @@ class ValueActor:
         if latest is None:
             return None
         return int(latest.metrics.get("batches_read", latest.learner_step))
+
+
+def default_training_seeds(actor_seed: int) -> range:
+    """The environment seeds of an actor built without its run's: slot ``actor_seed`` mod ``PRODUCER_SLOTS`` of the
+    training seeds below the default ``env.eval_seed_offset`` (as ``RunConfig.training_seeds`` cuts them), so it
+    never plays a held-out evaluation seed and actors of different seeds play different ones."""
+    width = EnvSpec.model_fields["eval_seed_offset"].default // PRODUCER_SLOTS
+    start = (actor_seed % PRODUCER_SLOTS) * width
+    return range(start, start + width)
 
 
 def stored_events(archive: TrajectoryArchive, keys: Iterable[str]) -> list[TrajectoryBatchCommitted]:

@@ -93,7 +93,8 @@ class ValueActorConfig(NoYesNoNumbers):
     seed: int = Field(
         0, ge=0, le=2**31 - 1,
         description="seeds the exploration; the environment seeds are the run's training seeds "
-        "(RunConfig.training_seeds), or seed * 1000003 + episode for an actor built without them",
+        "(RunConfig.training_seeds), or for an actor built without them slot seed mod 256 of the default run's "
+        "training seeds (below the held-out ones)",
     )
     registry_poll_s: float = Field(1.0, ge=0.0, le=3600.0, description="look for a newer version this often")
     max_batches_ahead: int | None = Field(

@@ -174,3 +174,29 @@ def test_a_restarted_actor_goes_on_exploring_from_its_earlier_batches_and_plays_
     fresh, _ = make_actor(memory_store, tmp_path / "fresh", steps_per_batch=60, epsilon_decay_steps=400)
     fresh.resume([other])  # nothing of its own: it starts as a new actor
     assert (fresh.env_steps, fresh.episodes, fresh.epsilon_at_steps()) == (0, 0, 1.0)
+
+
+class SeedRecordingCartPole(CartPole):
+    """CartPole that keeps the seed of every reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeds: list[int] = []
+
+    def reset(self, seed: int):  # type: ignore[no-untyped-def]
+        self.seeds.append(seed)
+        return super().reset(seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 2**31 - 1])
+def test_an_actor_built_without_training_seeds_never_plays_a_held_out_seed(memory_store: ObjectStore, tmp_path: Path,
+                                                                           seed: int) -> None:
+    """Held-out evaluation seeds start at env.eval_seed_offset (1,000,000 by default); actor seed 1 used to play
+    1,000,003, 1,000,004, ... (seed * 1000003 + episode), the seeds rlpipe eval scores it on."""
+    from schemas.config import EnvSpec
+
+    env = SeedRecordingCartPole()
+    actor, _ = make_actor(memory_store, tmp_path, env=env, seed=seed, steps_per_batch=30)
+    actor.write_batch()
+    assert env.seeds and len(set(env.seeds)) == len(env.seeds)
+    assert all(0 <= s < EnvSpec().eval_seed_offset for s in env.seeds), env.seeds
