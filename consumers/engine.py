@@ -65,7 +65,6 @@ from consumers.engine_state import (
     read_state,
     restore_rng,
     swapped_rng,
-    zero_dropout,
 )
 from consumers.logprobs import selected_logprobs
 from consumers.losses import (
@@ -78,7 +77,14 @@ from consumers.losses import (
     logit_divisors,
     ppo_loss,
 )
-from consumers.policy import AdapterSnapshot, check_head_supported, optimizer_tensors, pick_device, weights_dtype
+from consumers.policy import (
+    AdapterSnapshot,
+    check_head_supported,
+    optimizer_tensors,
+    pick_device,
+    weights_dtype,
+    zero_dropout,
+)
 from pipeline.io.tensors import save_tensors as save_safetensors
 from schemas.names import validate_name
 

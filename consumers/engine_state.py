@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
-from transformers import PretrainedConfig
 
 from consumers.engine_data import EngineError
 from consumers.policy import load_optimizer_tensors
@@ -77,14 +76,3 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
     torch.random.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-
-
-def zero_dropout(config: PretrainedConfig) -> None:
-    """Set every dropout rate of a model config (and of its sub-configs) to 0: the fields named ``*drop*``
-    (``attn_pdrop``, ``attention_dropout``, ``hidden_dropout_prob``, OPT's ``layerdrop``, ...), which the
-    modules read when they are built."""
-    for name, value in list(vars(config).items()):
-        if isinstance(value, PretrainedConfig):
-            zero_dropout(value)
-        elif "drop" in name and isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-            setattr(config, name, 0.0)

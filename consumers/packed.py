@@ -368,8 +368,8 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
             torch.set_num_threads(first.learner.torch_threads)
         log.info("initialising a training engine on %s for runs %s", base_model,
                  ", ".join(c.run_id for c in configs) or f"matching {follow_runs}")
-        engine = TrainingEngine(base_model, device=first.learner.device, dtype=first.model.dtype,
-                                base_dropout=True)  # trains as a run's own learner does (``consumers.policy``)
+        # the base model's dropout off, as in a run's own learner (``consumers.policy``): samplers never drop
+        engine = TrainingEngine(base_model, device=first.learner.device, dtype=first.model.dtype)
         done.add("engine")
 
         def open_run(cfg: RunConfig) -> Learner:

@@ -6,6 +6,11 @@ a GPU where present (``device="auto"``); bf16 autocast is used where the
 hardware has it.  State for checkpoints is exported as plain tensors (for
 safetensors) plus JSON-able scalars: nothing is pickled.
 
+Dropout: the base model's own (GPT-2's ``attn_pdrop``, OPT's ``dropout``, ...) is
+zeroed when it loads, as in the training engine: samplers never drop, so a training
+forward must score the policy that sampled, or every importance ratio is noise
+around 1.  Only ``learner.lora_dropout``, when set, runs in training.
+
 Precision: the frozen base weights load in ``model.dtype`` (bfloat16 on GPUs
 halves their memory); the LoRA weights, hence the AdamW state, are float32
 whatever the base dtype, and the output head and log-softmax run in float32.
@@ -61,6 +66,17 @@ def weights_dtype(model_config: PretrainedConfig, dtype: str) -> torch.dtype:
     if isinstance(saved, str):
         saved = getattr(torch, saved, None)
     return saved if isinstance(saved, torch.dtype) else torch.float32
+
+
+def zero_dropout(config: PretrainedConfig) -> None:
+    """Set every dropout rate of a model config (and of its sub-configs) to 0: the fields named ``*drop*``
+    (``attn_pdrop``, ``attention_dropout``, ``hidden_dropout_prob``, OPT's ``layerdrop``, ...), which the
+    modules read when they are built."""
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            zero_dropout(value)
+        elif "drop" in name and isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            setattr(config, name, 0.0)
 
 
 def check_head_supported(base_model: str, config: PretrainedConfig) -> None:
@@ -163,8 +179,10 @@ class LoraPolicy:
             torch.set_num_threads(config.torch_threads)
         model_config = AutoConfig.from_pretrained(base_model)
         check_head_supported(base_model, model_config)
+        zero_dropout(model_config)  # samplers never drop: training logprobs must be the sampled policy's
         seed_everything(config.seed)
-        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=weights_dtype(model_config, dtype))
+        base = AutoModelForCausalLM.from_pretrained(base_model, config=model_config,
+                                                    dtype=weights_dtype(model_config, dtype))
         if config.gradient_checkpointing:  # non-reentrant: frozen base inputs need no requires_grad hook
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lora = LoraConfig(

@@ -419,7 +419,7 @@ def test_a_base_model_with_dropout_in_its_config_gives_the_same_logprobs_in_ever
     scored = engine.forward("a", batch, "cross_entropy")
     for other in (second, scored):
         assert all(torch.equal(x, y) for x, y in zip(first.logprobs, other.logprobs, strict=True))
-    kept = TrainingEngine(gpt2_with_dropout_dir, device="cpu", base_dropout=True)  # the packed learner's choice
+    kept = TrainingEngine(gpt2_with_dropout_dir, device="cpu", base_dropout=True)  # kept on request
     kept.create_adapter("a", rank=4, alpha=8, target_modules=("c_attn",), seed=1)
     runs = [kept.forward_backward("a", batch, "cross_entropy").logprobs for _ in range(2)]
     assert not all(torch.equal(x, y) for x, y in zip(*runs, strict=True))

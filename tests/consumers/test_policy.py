@@ -279,3 +279,21 @@ def test_position_logprobs_on_a_model_whose_body_is_not_named_model(shared_prefi
         got = position_logprobs(model, tokens, rows, cols, None, autocast=False)
         full = torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1)[rows, cols]
     torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+
+
+def test_the_base_models_dropout_is_off_so_training_logprobs_are_the_samplers(tiny_model_dir, tmp_path):
+    # The sampler never runs dropout, so an on-policy row's training logprobs must equal the policy's own:
+    # a base model whose config sets dropout (GPT-2's attn_pdrop, here Qwen2's attention_dropout) would make
+    # every importance ratio of a training forward noise around 1.
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    policy = LoraPolicy(str(path), LearnerConfig(device="cpu", lora_rank=4))
+    batch = micro_batches([[3, 4, 5, 6, 7, 8]], [[0, 0, 1, 1, 1, 1]], [[0.0] * 6], [1.0], 1000)[0]
+    with torch.no_grad():
+        policy.model.eval()
+        scored = policy.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT)
+        policy.model.train()
+        trained = policy.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT)
+    torch.testing.assert_close(trained, scored)
