@@ -206,7 +206,8 @@ class LearnerConfig(_Section):
     )
     discount: float = Field(
         1.0, gt=0.0, le=1.0,
-        description="discount of return_to_go advantages; below 1 the learner recomputes it per episode",
+        description="discount of return_to_go and gae advantages (refused below 1 with the others, which read the "
+        "undiscounted reward); below 1 the learner recomputes the return-to-go per episode",
     )
     gae_lambda: float = Field(
         0.5, ge=0.0, le=1.0,
@@ -336,6 +337,15 @@ class LearnerConfig(_Section):
         if value is not None:
             parse_init_from(value)
         return value
+
+    @model_validator(mode="after")
+    def _discounted(self) -> LearnerConfig:
+        if self.discount < 1.0 and self.advantage not in ("return_to_go", "gae"):
+            raise ValueError(
+                f"learner.discount {self.discount:g} has no effect on learner.advantage {self.advantage}, which reads "
+                "each row's undiscounted reward; set learner.advantage=return_to_go (or gae) or learner.discount=1"
+            )
+        return self
 
 
 class RunConfig(_Section):

@@ -88,3 +88,16 @@ def test_lora_without_target_modules_is_refused_up_front(modules):
     """An empty learner.target_modules was accepted and peft refused it only when the learner built its adapter."""
     with pytest.raises(ValueError, match=r"learner\.target_modules"):
         RunConfig.model_validate({"learner": {"target_modules": modules}})
+
+
+@pytest.mark.parametrize("advantage", ["group", "raw"])
+def test_a_discount_the_advantage_never_reads_is_refused(advantage):
+    """group and raw advantages read the episode's undiscounted reward: a discount below 1 would change nothing."""
+    from schemas.config import LearnerConfig
+
+    with pytest.raises(ValueError, match=r"learner\.discount") as info:
+        LearnerConfig(advantage=advantage, discount=0.9)
+    assert "learner.advantage=return_to_go" in str(info.value)
+    for kind in ("return_to_go", "gae"):
+        assert LearnerConfig(advantage=kind, discount=0.9).discount == 0.9
+    assert LearnerConfig(advantage=advantage, discount=1.0).discount == 1.0
