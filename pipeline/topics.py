@@ -10,6 +10,9 @@ TopicKind = Literal["trajectories", "adapters", "control", "dlq", "requests", "r
 # The topics of every run; the API's two (``requests``, ``results``) are made by ``rlpipe serve``.
 TOPIC_KINDS: tuple[TopicKind, ...] = ("trajectories", "adapters", "control", "dlq")
 API_TOPIC_KINDS: tuple[TopicKind, ...] = ("requests", "results")
+# Kafka's limit on a topic name; also used for consumer group ids, which rlpipe builds from a run id and a prefix.
+# Both are longer than the names they are built from (64 characters: schemas.names).
+MAX_TOPIC_NAME_LENGTH = 249
 
 
 def topic_name(namespace: str, kind: TopicKind) -> str:

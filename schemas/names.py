@@ -28,12 +28,15 @@ class InvalidNameError(ValueError):
     """A name that would become a path or topic is not safe."""
 
 
-def validate_name(value: str, kind: str = "name") -> str:
-    """Return ``value`` if it is a safe name, else raise ``InvalidNameError`` naming the fix."""
+def validate_name(value: str, kind: str = "name", max_length: int = MAX_NAME_LENGTH) -> str:
+    """Return ``value`` if it is a safe name, else raise ``InvalidNameError`` naming the fix.
+
+    ``max_length``: names built from others (a full topic name, a consumer group id) may be longer.
+    """
     if not isinstance(value, str) or not value:
         raise InvalidNameError(f"{kind} must be a non-empty string")
-    if len(value) > MAX_NAME_LENGTH:
-        raise InvalidNameError(f"{kind} {value[:20]!r}... is {len(value)} characters; use at most {MAX_NAME_LENGTH}")
+    if len(value) > max_length:
+        raise InvalidNameError(f"{kind} {value[:20]!r}... is {len(value)} characters; use at most {max_length}")
     tinker = MODEL_ID_RE.fullmatch(value)
     if tinker is not None:
         raise InvalidNameError(f"{kind} {value!r} is a Tinker model id: its run is "

@@ -168,3 +168,22 @@ def poll_until_some(source: KafkaSource, timeout_s: float = 30.0) -> list:
     while not refs and time.monotonic() < deadline:
         refs = source.poll(0.5)
     return refs
+
+
+def test_a_run_and_namespace_of_the_longest_allowed_names_read_their_batches(bus_config: BusConfig) -> None:
+    """Run ids and namespaces may be 64 characters; the learner's group id (``rlpipe-learner-<run>``) and the
+    full topic names built from them are longer, and Kafka takes names up to 249 characters."""
+    run = "r" * 60  # its batch ids (``<run>-b0``) stay within 64 characters
+    config = bus_config.model_copy(update={"namespace": "n" * 52 + bus_config.namespace[-12:]})
+    assert len(learner_group_id(run)) > 64 and len(topic_name(config.namespace, "trajectories")) > 64
+    with EventPublisher(config) as publisher:
+        announce_batch(publisher, run, 0)
+    source = KafkaSource(config, run)
+    try:
+        assert source.log_identity() == source.log_identity()  # the topic is described by its full name
+        refs = poll_until_some(source)
+        assert [ref.batch_id for ref in refs] == [f"{run}-b0"]
+        source.commit(refs[0].position)
+    finally:
+        source.close()
+    assert [lag.committed for lag in group_lag(config, learner_group_id(run))] == [1]

@@ -21,7 +21,7 @@ from kafka.admin import OffsetSpec
 
 from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
 from pipeline.io.bus.errors import BusError, UnknownTopicError
-from pipeline.topics import API_TOPIC_KINDS, TOPIC_KINDS, TopicKind, topic_name
+from pipeline.topics import API_TOPIC_KINDS, MAX_TOPIC_NAME_LENGTH, TOPIC_KINDS, TopicKind, topic_name
 from schemas.config import BusConfig
 from schemas.names import InvalidNameError, validate_name
 
@@ -43,7 +43,7 @@ def resolve_topic(namespace: str, kind_or_topic: str) -> str:
     if kind_or_topic in TOPIC_KINDS + API_TOPIC_KINDS:
         return topic_name(namespace, kind_or_topic)  # type: ignore[arg-type]  # checked just above
     try:
-        validate_name(kind_or_topic, "topic")
+        validate_name(kind_or_topic, "topic", max_length=MAX_TOPIC_NAME_LENGTH)
     except InvalidNameError as exc:
         raise UnknownTopicError(str(exc)) from None
     if "." not in kind_or_topic:

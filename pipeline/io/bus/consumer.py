@@ -35,7 +35,7 @@ from pipeline.io.bus.records import (
     decode_record,
     normalize_offsets,
 )
-from pipeline.topics import topic_name
+from pipeline.topics import MAX_TOPIC_NAME_LENGTH, topic_name
 from schemas.config import BusConfig
 from schemas.events import DeadLetter, NewerEventError, NewerEventTypeError, encode_event, make_event
 from schemas.names import InvalidNameError, validate_name
@@ -126,7 +126,7 @@ class EventConsumer:
         self.bus_config = bus_config
         self.topic = resolve_topic(bus_config.namespace, kind)
         self.kind = topic_kind(bus_config.namespace, self.topic)
-        self.group_id = validate_name(group_id, "group_id")
+        self.group_id = validate_name(group_id, "group_id", max_length=MAX_TOPIC_NAME_LENGTH)
         self.run_id = validate_name(run_id, "run_id") if run_id is not None else None
         self.dlq_topic = topic_name(bus_config.namespace, "dlq")
         self.stats = ConsumerStats()
