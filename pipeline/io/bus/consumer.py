@@ -87,7 +87,8 @@ class EventConsumer:
       raises ``NewerEventError`` instead, and nothing of that poll is consumed: for
       a reader that must not skip one, and can read it after an upgrade.
     * ``commit()`` commits everything polled so far; ``commit(offsets)`` commits the
-      given next offsets (e.g. ``next_offsets(events)`` or a checkpoint's offsets).
+      given next offsets (e.g. ``next_offsets(events)`` or a checkpoint's offsets);
+      a group member commits only the partitions it owns at that moment.
     * ``seek`` positions partitions (applied on assignment if not yet assigned).
     * ``keep_alive`` polls with the partitions paused, so long work does not get
       the member dropped after ``max_poll_interval_ms``.
@@ -256,8 +257,19 @@ class EventConsumer:
     # -- offsets -----------------------------------------------------------------------------------------------------
 
     def commit(self, offsets: OffsetsLike | None = None) -> dict[TopicPartitionKey, int]:
-        """Commit next offsets (default: everything polled so far); returns what was committed."""
+        """Commit next offsets (default: everything polled so far); returns what was committed.
+
+        A group member commits only the partitions it owns now: the broker would take a commit for any
+        partition, and one a rebalance gave to another member would lose that member's offsets.  The
+        events of such a partition are delivered again to its owner.
+        """
         to_commit = dict(self._polled) if offsets is None else normalize_offsets(offsets)
+        if self.membership:
+            owned = set(self.assignment())
+            if not_owned := sorted(set(to_commit) - owned):
+                log.warning("not committing %s for group %s: another member owns it now (its events are "
+                            "delivered again there)", ", ".join(f"{t}:{p}" for t, p in not_owned), self.group_id)
+            to_commit = {tp: offset for tp, offset in to_commit.items() if tp in owned}
         if not to_commit:
             return {}
         payload = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in to_commit.items()}

@@ -456,6 +456,32 @@ def test_keep_alive_keeps_the_member_in_its_group(bus_config: BusConfig, fast_gr
                 consumer.commit()
 
 
+def test_a_commit_after_a_rebalance_leaves_the_partitions_another_member_owns_now(
+        bus_config: BusConfig, fast_group: dict) -> None:
+    # The broker accepts a member's commit for any partition of the group; a member that commits what it read
+    # before a rebalance would overwrite the offsets of the partition's new owner.
+    config = bus_config.model_copy(update={"topic_partitions": 2})
+    with EventPublisher(config) as publisher:
+        placed = {run: publisher.publish("control", _stop(run, run)) for run in "abcdef"}
+    assert {partition for partition, _ in placed.values()} == {0, 1}
+    first = EventConsumer(config, "control", "pair", **fast_group)
+    try:
+        events = _poll_until(first, len(placed))
+        assert len(events) == len(placed)
+        with EventConsumer(config, "control", "pair", **fast_group) as newcomer:
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline and not (
+                    len(first.assignment()) == len(newcomer.assignment()) == 1 and not first.rebalancing):
+                first.keep_alive()
+                newcomer.wait_for_assignment(timeout_s=0.1)
+            (mine,), (theirs,) = first.assignment(), newcomer.assignment()
+            committed = first.commit(bus.next_offsets(events))
+            assert committed == {mine: bus.next_offsets(events)[mine]}
+            assert newcomer.committed()[theirs[1]] is None, "the newcomer's partition was committed by the other"
+    finally:
+        first.close()
+
+
 def test_a_member_closed_during_a_rebalance_hands_its_partitions_over(bus_config: BusConfig, fast_group: dict) -> None:
     # A learner fenced out while a newer one joins: it is closed with its rejoin still in flight (keep_alive
     # polls without waiting).  Leaving then must not strand the newcomer in a generation led by a gone member.
