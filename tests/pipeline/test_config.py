@@ -325,3 +325,18 @@ def test_yes_no_words_still_set_a_boolean_field_and_are_still_refused_for_a_numb
         resolve_config(preset="cartpole", overrides=["learner.max_steps=yes"])
     with pytest.raises(ConfigError, match=r"learner.max_steps: .*max_steps is true \(a yes/no\)"):
         resolve_config(preset="cartpole", overrides=["learner.max_steps=true"])
+
+
+@pytest.mark.parametrize(("settings", "match"), [
+    ({"SASL_MECHANISM": "SCRAM-SHA-512", "SASL_USERNAME": "alice", "SASL_PASSWORD": "pw"},
+     r"bus.sasl_mechanism.*security_protocol is PLAINTEXT.*SASL_PLAINTEXT or SASL_SSL"),
+    ({"SECURITY_PROTOCOL": "SSL", "SASL_USERNAME": "alice"}, r"bus.sasl_username.*security_protocol is SSL"),
+    ({"SECURITY_PROTOCOL": "SASL_PLAINTEXT", "SASL_MECHANISM": "PLAIN", "SASL_USERNAME": "alice",
+      "SSL_CAFILE": "/etc/ca.pem"}, r"bus.ssl_cafile.*security_protocol is SASL_PLAINTEXT.*SSL or SASL_SSL"),
+])
+def test_security_settings_the_protocol_would_ignore_are_refused(settings: dict[str, str], match: str) -> None:
+    """The Kafka client drops SASL settings under a non-SASL protocol, and TLS ones under a plaintext one: the
+    client would connect without them and fail (or succeed) for a reason nobody sees."""
+    with pytest.raises(ConfigError, match=match) as info:
+        resolve_config(environ={f"RLPIPE_BUS__{name}": value for name, value in settings.items()})
+    assert "\n" not in str(info.value).strip()

@@ -93,7 +93,8 @@ def test_password_file_and_cafile(tmp_path: Path) -> None:
         ({"sasl_password_file": "/nonexistent/password"}, "cannot read bus.sasl_password_file"),
         ({"sasl_password": SecretStr("x"), "sasl_password_file": "/x"}, "only one of"),
         ({}, "needs a password"),
-        ({"sasl_password": SecretStr("x"), "ssl_cafile": "/nonexistent/ca.pem"}, "bus.ssl_cafile"),
+        ({"sasl_password": SecretStr("x"), "security_protocol": "SASL_SSL", "ssl_cafile": "/nonexistent/ca.pem"},
+         "bus.ssl_cafile"),
         ({"sasl_password": SecretStr("x"), "bootstrap_servers": "no-port"}, "not host:port"),
     ],
 )
