@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -86,7 +87,10 @@ class EventFollower:
             raise
 
     def _assign(self, start: str, offsets: Mapping[int, int]) -> None:
-        partitions = self._consumer.partitions_for_topic(self.topic)
+        # A topic another process has just created may reach this client's metadata a moment later.
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while not (partitions := self._consumer.partitions_for_topic(self.topic)) and time.monotonic() < deadline:
+            time.sleep(0.1)
         if not partitions:
             raise UnknownTopicError(f"topic {self.topic} does not exist; see `rlpipe topics list`")
         tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]

@@ -621,3 +621,37 @@ def test_a_failed_seek_while_rewinding_is_raised_not_swallowed() -> None:
     consumer._consumer = _SeekingClient({tp}, None)
     consumer._rewind({tp: [_record(7), _record(8)], gone: [_record(3)]})
     assert consumer._consumer.seeks == [(tp, 7)]
+
+
+class _LateMetadataClient:
+    """A client whose broker learns of a topic another process has just created only after a few requests."""
+
+    def __init__(self, unknown_for: int) -> None:
+        self.unknown_for, self.assigned, self.positioned = unknown_for, [], []
+
+    def partitions_for_topic(self, topic: str) -> set[int]:
+        self.unknown_for -= 1
+        return set() if self.unknown_for >= 0 else {0, 1}
+
+    def assign(self, tps: list[Any]) -> None:
+        self.assigned = list(tps)
+
+    def seek_to_end(self, tp: Any) -> None:
+        self.positioned.append(tp.partition)
+
+    def position(self, tp: Any, timeout_ms: int | None = None) -> int:
+        return 0
+
+
+def test_a_follower_waits_for_a_topic_just_created_elsewhere_to_reach_its_metadata() -> None:
+    # Two processes of a run create the namespace's topics at once: the one that lost the race (the topic already
+    # exists) goes on at once, before the broker it asks for metadata may know the topic.
+    follower = bus.EventFollower.__new__(bus.EventFollower)  # no broker: only the client stand-in below is used
+    follower.topic, follower._timeout_ms = "ns.adapters", 5000
+    follower._consumer = _LateMetadataClient(unknown_for=3)
+    follower._assign("latest", {})
+    assert [tp.partition for tp in follower._consumer.assigned] == follower._consumer.positioned == [0, 1]
+    follower._consumer = _LateMetadataClient(unknown_for=10**6)
+    follower._timeout_ms = 300
+    with pytest.raises(bus.UnknownTopicError, match=r"ns\.adapters does not exist"):
+        follower._assign("latest", {})
