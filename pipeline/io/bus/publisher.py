@@ -17,6 +17,7 @@ from kafka import KafkaProducer
 from kafka.errors import (
     InvalidProducerEpochError,
     KafkaError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     OutOfOrderSequenceNumberError,
     UnknownProducerIdError,
@@ -118,6 +119,12 @@ class EventPublisher:
             raise PublishError(
                 f"publishing a {what} of {len(value or b'')} bytes to {topic} failed: it exceeds the message size limit "
                 "(1 MiB by default); keep bulk data in the store and publish a claim check"
+            ) from exc
+        except KafkaTimeoutError as exc:  # the broker may still write it: reported as failed, never as sent
+            raise PublishError(
+                f"publishing a {what} to {topic} failed: no acknowledgement within {self.send_timeout_s:g}s "
+                f"({_describe(exc)}); it may still arrive (its event id makes a resend harmless); check that the "
+                "broker is up and the topic exists (`rlpipe topics list`)"
             ) from exc
         except KafkaError as exc:
             raise PublishError(f"publishing a {what} to {topic} failed: {_describe(exc)}") from exc

@@ -179,6 +179,24 @@ def test_a_sequence_error_before_the_producer_knows_it_failed_is_sent_again_by_a
     assert [r.event.payload.reason for r in records if r.event] == ["before", "after"]
 
 
+def test_a_publish_the_broker_never_acknowledged_is_reported_as_failed_naming_what_to_do(
+        bus_config: BusConfig) -> None:
+    from kafka.errors import KafkaTimeoutError
+
+    class Unanswered:
+        def get(self, timeout: float | None = None) -> None:
+            raise KafkaTimeoutError(f"Timeout after waiting for {timeout} secs.")
+
+    with EventPublisher(bus_config, send_timeout_s=1.0) as publisher:
+        publisher._producer.send = lambda *args, **kwargs: Unanswered()
+        with pytest.raises(PublishError) as caught:
+            publisher.publish("control", _stop("run-a", "unanswered"))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "no acknowledgement within 1s" in message and "rlpipe topics list" in message
+    assert "may still arrive" in message  # not known to be lost either: a consumer must not rely on its absence
+
+
 def test_publish_refuses_an_event_on_the_wrong_topic(bus_config: BusConfig) -> None:
     with EventPublisher(bus_config) as publisher, pytest.raises(WrongEventTypeError, match="does not belong"):
         publisher.publish("trajectories", _stop("run-a", "x"))
