@@ -44,7 +44,7 @@ GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"  # consumer-group timings, J
 
 log = logging.getLogger(__name__)
 
-DEAD_LETTER_RAW_BYTES = 4096  # the start of a poison message kept in its DeadLetter
+DEAD_LETTER_RAW_BYTES = 4096  # the start of a poison message (and of its key) kept in its DeadLetter
 _UNKNOWN_RUN = "unknown"
 
 
@@ -207,7 +207,10 @@ class EventConsumer:
         return ConsumedEvent(topic=record.topic, partition=record.partition, offset=record.offset, key=key, event=event)
 
     def _dead_letter(self, record: Any, reason: str) -> None:
-        key = _key_text(record.key)
+        # The key too is cut: it travels twice in a dead letter (as its key and in it), which must fit the
+        # broker's message limit however large the poison message's key was, or every poll would fail on it.
+        key_bytes = None if record.key is None else record.key[:DEAD_LETTER_RAW_BYTES]
+        key = _key_text(key_bytes)
         if self.kind == "dlq":
             self.stats.skipped_invalid_dead_letters += 1
             log.warning("skipped invalid %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
@@ -223,7 +226,7 @@ class EventConsumer:
             raw_truncated=len(raw) > DEAD_LETTER_RAW_BYTES,
         )
         envelope = make_event(_dead_letter_run_id(key, raw), letter)
-        self._dead_letter_publisher().publish_raw(self.dlq_topic, encode_event(envelope), record.key, "DeadLetter")
+        self._dead_letter_publisher().publish_raw(self.dlq_topic, encode_event(envelope), key_bytes, "DeadLetter")
         self.stats.dead_lettered += 1
         log.warning("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
         return None

@@ -343,6 +343,23 @@ def test_poison_messages_go_to_the_dlq_and_consumption_continues(bus_config: Bus
         assert letter.payload.raw == (value or b"").decode("utf-8", errors="replace")
 
 
+def test_a_poison_message_with_a_huge_key_is_dead_lettered_not_retried_for_ever(
+        bus_config: BusConfig, fast_group: dict) -> None:
+    # The message fits the broker's limit; its dead letter would carry the key twice (as its key and in the
+    # letter), exceed it, and fail on every poll: one poison message would block the topic.
+    topic = f"{bus_config.namespace}.control"
+    huge_key = "k" * 700_000
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish_raw(topic, b"{poison", huge_key)
+        publisher.publish("control", _stop("run-a", "after"))
+    with EventConsumer(bus_config, "control", "worker", **fast_group) as consumer:
+        assert [e.event.payload.reason for e in _poll_until(consumer, 1)] == ["after"]
+        assert consumer.stats.dead_lettered == 1
+    (letter,) = [r for r in bus.tail(bus_config, "dlq", n=5) if r.event is not None]
+    assert letter.event.payload.key == huge_key[:bus.DEAD_LETTER_RAW_BYTES]
+    assert letter.event.run_id == "unknown"
+
+
 def test_a_reader_that_must_not_skip_stops_at_a_newer_event_instead_of_dead_lettering_it(
         bus_config: BusConfig, fast_group: dict) -> None:
     """``refuse_newer``: an event from a newer rlpipe is readable after an upgrade, so a reader that must not
