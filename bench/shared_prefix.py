@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu import LoadAverage
 from bench.options import positive_int
-from consumers import policy as policy_module
+from consumers import logprobs as logprobs_module
 from consumers.batching import micro_batches
 from consumers.logprobs import shared_prefix_length
 from consumers.policy import LoraPolicy
@@ -108,12 +108,12 @@ def measure(args: argparse.Namespace, model_dir: str, log: Callable[[str], None]
     log(f"{args.env}: {len(rows)} rows, {measured.tokens:,} tokens, {len(batches)} micro-batches; shared prefix "
         f"per micro-batch {min(shared)}-{max(shared)} tokens; mean row {measured.tokens / len(rows):.0f} tokens; "
         f"{args.threads} threads")
-    minimum = policy_module.MIN_SHARED_PREFIX
+    minimum = logprobs_module.MIN_SHARED_PREFIX
     try:
         for step in range(args.steps + 1):
             same_start(arms["shared"], arms["plain"])  # each step compared from the same weights and AdamW state
             for name in (list(arms) if step % 2 == 0 else list(reversed(arms))):
-                policy_module.MIN_SHARED_PREFIX = minimum if name == "shared" else 10**9
+                logprobs_module.MIN_SHARED_PREFIX = minimum if name == "shared" else 10**9
                 started, started_cpu = time.perf_counter(), time.process_time()
                 measured.results[name].append(arms[name].train_step(batches, normaliser=float(len(rows))))
                 if step:
@@ -123,7 +123,7 @@ def measure(args: argparse.Namespace, model_dir: str, log: Callable[[str], None]
                 log(f"step {step}: shared {measured.times['shared'][-1]:.2f} s ({measured.cpu['shared'][-1]:.2f} s "
                     f"of CPU), plain {measured.times['plain'][-1]:.2f} s ({measured.cpu['plain'][-1]:.2f} s of CPU)")
     finally:
-        policy_module.MIN_SHARED_PREFIX = minimum
+        logprobs_module.MIN_SHARED_PREFIX = minimum
     return measured
 
 
