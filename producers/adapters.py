@@ -161,6 +161,13 @@ class AdapterWatcher:
             shutil.rmtree(handle.path, ignore_errors=True)
             self.retired.remove(handle)
 
+    def unload_all(self) -> None:
+        """Unload every version this watcher gave the sampler (loaded, and evicted ones a running group may have
+        loaded back), for a run leaving an engine that serves on for other runs (``producers.packed``)."""
+        for handle in self.retired + self.loaded:
+            self.sampler.unload_adapter(handle)  # a no-op for a version not loaded
+        self.retired, self.loaded = [], []
+
     def close(self) -> None:
         """Delete this run's versions from the cache, and the cache folder once no other run's are in it (packed
         runs with one configured producer id share it); call after the sampler is closed or the run left it."""

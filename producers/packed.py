@@ -16,7 +16,8 @@ two adapters with two LoRA ids.  The engine holds up to the sum of the runs'
 
 With ``follow_runs`` (``rlpipe producer start --follow-runs PATTERN``) runs
 announced later join (a new thread on the same engine) and served runs stopped
-later leave (their thread stops as on SIGTERM: finished groups flushed), while
+later leave (their thread stops as on SIGTERM: finished groups flushed; their
+adapter versions are unloaded from the engine), while
 the others sample on (``pipeline.membership``); the engine then keeps room for
 ``FOLLOW_RESERVE_RUNS`` more runs' adapters in one batch.
 
@@ -109,6 +110,15 @@ def check_packable(configs: list[RunConfig]) -> None:
                                  f"the shared engine's (run {first.run_id}'s)")
 
 
+def release_run(run: RunProducer) -> None:
+    """Let go of a run that left the shared engine (stopped, failed, deleted): its connections closed, its versions
+    unloaded from the engine, which samples on for the other runs (a run created again under its id then loads
+    its own weights), and their cached folders deleted."""
+    run.close()
+    run.watcher.unload_all()
+    run.watcher.close()
+
+
 FOLLOW_RESERVE_RUNS = 3  # a following producer's engine keeps LoRA slots for this many runs joining later
 
 
@@ -175,10 +185,9 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
         health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
         follow = following(membership, open_run, comebacks)
 
-        def release(run: RunProducer) -> None:  # a run that left: its connections and adapter cache go
+        def release(run: RunProducer) -> None:  # a run that left: its connections, adapters and cache go
             runs.remove(run)
-            run.close()
-            run.watcher.close()
+            release_run(run)
             log.info("run %s left: %d batches, %d samples", run.worker.run_id, run.worker.stats.batches,
                      run.worker.stats.samples)
 

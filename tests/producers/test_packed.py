@@ -9,8 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from producers.packed import RunSampler, check_packable, serve
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from producers.adapters import AdapterWatcher
+from producers.packed import RunSampler, check_packable, release_run, serve
 from producers.samplers.base import AdapterHandle, SampleRequest
+from producers.service import RunProducer
 from schemas.config import RunConfig
 
 
@@ -47,6 +51,48 @@ def test_equal_versions_of_two_runs_reach_the_engine_as_two_adapters():
     assert (loaded_b.run, loaded_b.name) == ("run.b", "run_db-v3")  # a name peft and vLLM take as an adapter name
     assert sampled_a == loaded_a and sampled_b is None and unloaded_b == loaded_b
     assert (a.eos_token_id, a.max_model_len) == (2, 64)
+
+
+class Closes:
+    """A run's publisher or event reader: only closed here."""
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_run_that_leaves_takes_its_versions_out_of_the_shared_engine(memory_store: ObjectStore, tmp_path,
+                                                                        tiny_trained_dir, lora_adapters):
+    """The engine serves on for the other runs, so a run let go (stopped, failed, deleted) unloads its versions:
+    they are not held for the life of the process, and a run created again under its id loads its own version 1
+    (the engine refused it while it still held the old run's other weights under that run and version)."""
+    from producers.samplers.engine import TransformersEngine
+    from producers.samplers.sync import SyncSampler
+
+    shared = SyncSampler(lambda: TransformersEngine(str(tiny_trained_dir)))
+
+    def join(weights: AdapterHandle) -> RunProducer:
+        registry = AdapterRegistry(memory_store, "exp")
+        registry.publish(weights.path, base_model="tiny", parent_version=0, learner_step=1)
+        watcher = AdapterWatcher(registry, RunSampler(shared, "exp"), tmp_path / "cache", max_loaded=2,
+                                 registry_poll_s=0.0)
+        watcher.refresh()
+        return RunProducer(worker=None, watcher=watcher, heartbeat=None, publisher=Closes(),  # type: ignore[arg-type]
+                           events=Closes(), backlog=None)
+
+    try:
+        first = join(lora_adapters[0])
+        held = shared.engine.sampler._handles  # type: ignore[attr-defined]
+        assert [h.run for h in held.values()] == ["exp"]
+        release_run(first)
+        assert held == {}, "the run that left still holds its versions in the shared engine"
+        memory_store.delete("runs/exp", recursive=True)  # the run deleted, then created again with other weights
+        again = join(lora_adapters[1])
+        assert [h.sha256 for h in held.values()] == [again.watcher.current().sha256]  # type: ignore[union-attr]
+        sample = shared.generate([SampleRequest([1, 2, 3], 4)], RunSampler(shared, "exp").tagged(
+            again.watcher.current()), seed=0)[0]
+        assert len(sample.token_ids) == len(sample.logprobs) >= 1
+    finally:
+        shared.close()
 
 
 def test_runs_whose_ids_differ_only_in_a_dot_or_an_underscore_get_adapter_names_of_their_own():
