@@ -410,6 +410,12 @@ class SamplerWorker:
 # ---- entry point -------------------------------------------------------------------------------------------------
 
 
+def engine_options(backend: str, max_adapters: int) -> dict[str, Any]:
+    """``make_engine``'s settings for a sampler holding ``max_adapters`` versions: vLLM keeps them all loaded
+    (``max_cpu_loras``) rather than evicting all but ``max_loras`` and reading them from disk at every turn."""
+    return {"max_cpu_loras": max_adapters} if backend == "vllm" else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m producers.api_sampler --base-model PATH --store URL --bootstrap HOST:PORT [--backend B]``."""
     from transformers import AutoTokenizer
@@ -434,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     config = SamplerConfig(backend=args.backend)
     if args.max_lora_rank:
         config = config.model_copy(update={"max_lora_rank": args.max_lora_rank})
-    engine = make_engine(args.backend, args.base_model, config)
+    engine = make_engine(args.backend, args.base_model, config, **engine_options(args.backend, args.max_adapters))
     tokenizer = AutoTokenizer.from_pretrained(args.base_model)
     ready.add("engine loaded")
     store = ObjectStore(args.store)

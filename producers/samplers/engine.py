@@ -172,12 +172,15 @@ class VLLMEngine(SamplingEngine):
         dtype: str = "auto",
         enforce_eager: bool | None = None,
         zero_base_adapter: bool | None = None,
+        max_cpu_loras: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine (about 30 s on a CPU); ``engine_kwargs`` pass to ``AsyncEngineArgs``.
 
         ``max_loras`` (adapters in one batch; default the config's) should cover every
-        version of every run served at once: runs x (max_staleness + 1).  On a CPU,
+        version of every run served at once: runs x (max_staleness + 1).  ``max_cpu_loras``
+        (adapters kept loaded; default ``max_loras``) should cover every version a caller
+        keeps loaded, or vLLM evicts some and reads them from disk again (``lora_slots``).  On a CPU,
         chunked prefill is off: vLLM 0.32 cannot seed a request whose prefill is
         chunked there, and every request here may be seeded.
         """
@@ -195,10 +198,12 @@ class VLLMEngine(SamplingEngine):
             engine_kwargs.setdefault("enable_chunked_prefill", False)
             engine_kwargs.setdefault("max_num_batched_tokens", max(config.max_model_len, 2048))
         self._init_state(config, not cuda if zero_base_adapter is None else zero_base_adapter, max_lora_rank)
+        batch_slots, cache_slots = lora_slots(max_loras or config.max_loras, max_cpu_loras, self.zero_base_adapter)
         args = AsyncEngineArgs(
             model=model_path,
             enable_lora=True,
-            max_loras=(max_loras or config.max_loras) + (1 if self.zero_base_adapter else 0),
+            max_loras=batch_slots,
+            max_cpu_loras=cache_slots,
             max_lora_rank=self.max_lora_rank,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_model_len=config.max_model_len,
@@ -349,6 +354,14 @@ class VLLMEngine(SamplingEngine):
         if self._llm is None:
             raise RuntimeError("this VLLMEngine is closed; build a new one")
         return self._llm
+
+
+def lora_slots(max_loras: int, max_cpu_loras: int | None, zero_base_adapter: bool) -> tuple[int, int]:
+    """vLLM's ``max_loras`` (adapters in one batch) and ``max_cpu_loras`` (adapters it keeps loaded: beyond them it
+    evicts the least recently used, and reads one from its folder again when a request names it), each with a
+    slot for the zero adapter when base rows go through it; the cache is never smaller than a batch."""
+    extra = 1 if zero_base_adapter else 0
+    return max_loras + extra, max(max_loras, max_cpu_loras or 0) + extra
 
 
 BASE_RUN = "#base"  # the zero adapter's run: no run name can take it (names never hold "#")

@@ -488,3 +488,20 @@ def reference_model(model_dir: Path, adapter: AdapterHandle | None) -> Any:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         _REFERENCE[key] = (PeftModel.from_pretrained(model, adapter.path) if adapter else model).eval()
     return _REFERENCE[key]
+
+
+def test_the_vllm_engines_adapter_cache_holds_what_its_callers_keep_loaded_and_the_zero_adapter() -> None:
+    """vLLM evicts beyond ``max_cpu_loras`` (least recently used first) and reads an evicted adapter from its folder
+    again at its next request: a cache smaller than what a caller keeps loaded reloads adapters from disk."""
+    from producers.samplers.engine import lora_slots
+
+    assert lora_slots(3, None, zero_base_adapter=True) == (4, 4)  # batch slots and cache, each with the zero one
+    assert lora_slots(3, 8, zero_base_adapter=True) == (4, 9)
+    assert lora_slots(3, 2, zero_base_adapter=False) == (3, 3)  # never smaller than a batch's adapters
+
+
+def test_the_api_samplers_vllm_engine_keeps_every_held_version_in_its_adapter_cache() -> None:
+    from producers.api_sampler import engine_options
+
+    assert engine_options("vllm", 8) == {"max_cpu_loras": 8}
+    assert engine_options("transformers", 8) == {}
