@@ -160,7 +160,8 @@ class VLLMEngine(SamplingEngine):
     so a base-model request batched with adapter requests gets that adapter's
     delta added.  On a CPU (``zero_base_adapter`` None), from the first adapter load
     on, base-model requests are served through a copy of that adapter with every
-    B matrix zero: the same batch, an exact zero delta, one extra LoRA slot.
+    B matrix zero: the same batch, an exact zero delta, one extra LoRA slot (an
+    adapter vLLM refuses leaves no copy: vLLM would refuse the copy as well).
     """
 
     def __init__(
@@ -253,17 +254,24 @@ class VLLMEngine(SamplingEngine):
         check_vllm_can_load(handle.path, self.max_lora_rank)
         request = self._lora_request(handle)
         key = (handle.run, handle.version)
+        zero = None
         if self.zero_base_adapter and self._base is None and handle.run != BASE_RUN:
             # before this adapter can share a batch with a base-model row, base rows go through zeros
-            self._base = _zero_copy(handle, os.path.join(self._scratch, "base"))
-        async with self._loading.setdefault(key, asyncio.Lock()):
-            if self._handles.get(key) == handle:
-                return
-            with refusal_named(handle):
-                added = await self._engine().add_lora(request)
-            if not added:
-                raise refused_adapter(handle)
-            self._handles[key] = handle
+            self._base = zero = _zero_copy(handle, os.path.join(self._scratch, "base"))
+        try:
+            async with self._loading.setdefault(key, asyncio.Lock()):
+                if self._handles.get(key) == handle:
+                    return
+                with refusal_named(handle):
+                    added = await self._engine().add_lora(request)
+                if not added:
+                    raise refused_adapter(handle)
+                self._handles[key] = handle
+        except BaseException:
+            if zero is not None and self._base is zero and (BASE_RUN, 0) not in self._handles:
+                self._base = None  # vLLM refuses its zero copy too: the next adapter that loads makes one
+                self._lora_ids.pop((BASE_RUN, 0), None)
+            raise
         log.info("loaded adapter %s (LoRA id %d) from %s", request.lora_name, request.lora_int_id, handle.path)
 
     async def unload_adapter(self, handle: AdapterHandle) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,6 +205,40 @@ def test_an_adapter_vllm_refuses_to_load_is_a_one_line_error_naming_it(lora_adap
     assert lora_adapters[0].path in str(refused.value) and "\n" not in str(refused.value)
     if isinstance(answer, Exception):
         assert "shapes do not match" in str(refused.value)
+    engine.close()
+
+
+class ShapeCheckingAsyncLLM(FakeAsyncLLM):
+    """vLLM refusing the adapters of another base model (marked in their config here, as a shape is in theirs)."""
+
+    async def add_lora(self, request: Any) -> bool:
+        with open(Path(request.lora_path) / "adapter_config.json") as config:
+            if json.load(config).get("other_base_model"):
+                raise Exception("Call to add_lora method failed: the adapter's shapes do not match")
+        return await super().add_lora(request)
+
+
+def test_an_adapter_vllm_refuses_first_does_not_break_the_base_models_requests(lora_adapters, tmp_path) -> None:
+    """On a CPU, base rows go through a zero copy of the first adapter loaded: never of one vLLM refused, whose
+    copy it refuses too, or every later base-model request of the engine fails."""
+    engine = fake_vllm_engine(zero_base_adapter=True)
+    engine._llm = ShapeCheckingAsyncLLM()
+    wrong = Path(shutil.copytree(lora_adapters[0].path, tmp_path / "wrong"))
+    config = json.loads((wrong / "adapter_config.json").read_text())
+    (wrong / "adapter_config.json").write_text(json.dumps({**config, "other_base_model": True}))
+    bad = dataclasses.replace(lora_adapters[0], path=str(wrong), run="run-a")
+    good = dataclasses.replace(lora_adapters[1], run="run-b")
+
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match="vLLM refused adapter v1"):
+            await engine.sample([1, 2], bad, SampleParams(1))
+        assert (await engine.sample([1, 2, 3], None, SampleParams(1))).sequences[0].token_ids == [2]
+        await engine.sample([1, 2], good, SampleParams(1))
+        await engine.sample([1, 2], None, SampleParams(1))
+
+    asyncio.run(scenario())
+    assert engine._llm.loras[0] is None  # no adapter loaded yet: a plain base row
+    assert engine._llm.loras[-1].lora_name.startswith(BASE_RUN)  # then through the zero copy of the good one
     engine.close()
 
 
