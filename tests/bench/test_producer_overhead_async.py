@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.producer_overhead_async import run_loop_tasks
-from producers.samplers.engine import TransformersEngine
+from producers.samplers.hf_engine import TransformersEngine
 from producers.samplers.sync import SyncSampler
 from schemas.config import SamplerConfig
 

@@ -28,7 +28,8 @@ from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
 from producers.api_sampler import SamplerWorker, cut_at_stop_strings, encode_sample_response, sampling_params
 from producers.samplers.base import SampleOutput
-from producers.samplers.engine import SampleResult, TransformersEngine
+from producers.samplers.engine import SampleResult
+from producers.samplers.hf_engine import TransformersEngine
 from schemas.api import ApiError, ApiRequestAccepted, result_path
 
 TENANT = "t-alice"

@@ -65,7 +65,7 @@ def test_a_run_that_leaves_takes_its_versions_out_of_the_shared_engine(memory_st
     """The engine serves on for the other runs, so a run let go (stopped, failed, deleted) unloads its versions:
     they are not held for the life of the process, and a run created again under its id loads its own version 1
     (the engine refused it while it still held the old run's other weights under that run and version)."""
-    from producers.samplers.engine import TransformersEngine
+    from producers.samplers.hf_engine import TransformersEngine
     from producers.samplers.sync import SyncSampler
 
     shared = SyncSampler(lambda: TransformersEngine(str(tiny_trained_dir)))

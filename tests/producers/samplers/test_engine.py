@@ -24,10 +24,10 @@ from producers.samplers.engine import (
     BASE_RUN,
     SampleParams,
     SampleResult,
-    TransformersEngine,
     _zero_copy,
     make_engine,
 )
+from producers.samplers.hf_engine import TransformersEngine
 from producers.samplers.hf_sampler import TransformersSampler
 from producers.samplers.sync import SyncSampler
 from schemas.config import SamplerConfig

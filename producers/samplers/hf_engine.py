@@ -1,0 +1,121 @@
+"""``TransformersEngine``: the plain transformers sampler behind the sampling engine's coroutine.
+
+Calls that wait together and share the adapter and the sampling settings are decoded
+as one batch in a worker thread; the conventions are the engine's (``producers.samplers.engine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from producers.samplers.base import AdapterHandle
+from producers.samplers.engine import SampleParams, SampleResult, SamplingEngine
+from schemas.config import SamplerConfig
+
+
+@dataclass
+class _Waiting:
+    """A ``sample`` call of the transformers engine waiting for its batch."""
+
+    prompt: list[int]
+    adapter: AdapterHandle | None
+    params: SampleParams
+    budget: int
+    result: asyncio.Future[SampleResult]
+
+    def batch_key(self, engine: SamplingEngine) -> tuple[Any, ...]:
+        """Calls with equal keys can share a batch: the same weights and sampling settings."""
+        weights = None if self.adapter is None else (self.adapter.name, self.adapter.lora_int_id, self.adapter.path)
+        p = self.params
+        return weights, p.temperature, p.top_p, p.top_k, engine.stop_ids(p)
+
+
+def _settle(waiting: _Waiting, result: SampleResult | None = None, exception: BaseException | None = None) -> None:
+    if waiting.result.done():  # its caller went away (cancelled)
+        return
+    if exception is not None:
+        waiting.result.set_exception(exception)
+    else:
+        waiting.result.set_result(result)  # type: ignore[arg-type]
+
+
+class TransformersEngine(SamplingEngine):
+    """The transformers sampler behind the engine's coroutine, calls batched in a worker thread.
+
+    Calls that wait together and share the adapter and the sampling settings (temperature,
+    top-p, top-k, stop ids) are decoded as one batch; the rest wait for the next.  Every
+    sample draws from its own seed, so a call's tokens do not depend on what else runs;
+    its logprobs agree with the call alone within float rounding.  It is the readable
+    reference and the backend for machines without vLLM, not a continuous-batching engine.
+    """
+
+    def __init__(self, model_path: str, config: SamplerConfig | None = None, **kwargs: Any) -> None:
+        from producers.samplers.hf_sampler import TransformersSampler
+
+        self.sampler = TransformersSampler(model_path, config, **kwargs)
+        self.eos_token_id = self.sampler.eos_token_id
+        self.vocab_size = self.sampler.vocab_size
+        self.max_model_len = self.sampler.max_model_len
+        self._waiting: list[_Waiting] = []
+        self._worker: asyncio.Task[None] | None = None
+
+    async def sample(
+        self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
+    ) -> SampleResult:
+        budget = self.token_budget(prompt_token_ids, params)
+        if adapter is not None:
+            adapter.check_folder()
+        waiting = _Waiting(list(prompt_token_ids), adapter, params, budget, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiting)
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await waiting.result
+
+    def stop_ids(self, params: SampleParams) -> tuple[int, ...]:
+        """Unless told otherwise, the sampler's stop ids: eos and the generation config's eos ids, as vLLM's."""
+        if params.stop_token_ids is None:
+            return tuple(sorted(self.sampler.stop_token_ids))
+        return tuple(params.stop_token_ids)
+
+    async def _drain(self) -> None:
+        """Run what waits, one batch of compatible calls at a time, until nothing waits."""
+        while self._waiting:
+            key = self._waiting[0].batch_key(self)
+            batch = [w for w in self._waiting if w.batch_key(self) == key]
+            self._waiting = [w for w in self._waiting if w.batch_key(self) != key]
+            try:
+                results = await asyncio.to_thread(self._sample_blocking, batch)
+            except Exception as exc:
+                if len(batch) == 1:
+                    _settle(batch[0], exception=exc)
+                    continue
+                for one in batch:  # one call's failure must not fail the others: each runs alone
+                    try:
+                        _settle(one, result=(await asyncio.to_thread(self._sample_blocking, [one]))[0])
+                    except Exception as alone:
+                        _settle(one, exception=alone)
+                continue
+            for one, result in zip(batch, results, strict=True):
+                _settle(one, result=result)
+
+    def _sample_blocking(self, batch: list[_Waiting]) -> list[SampleResult]:
+        from producers.samplers.hf_sampler import Continuation
+
+        first = batch[0]
+        done = self.sampler.continue_prompts(
+            [Continuation(w.prompt, w.budget, w.params.seeds(), w.params.prompt_logprobs) for w in batch],
+            first.adapter, first.params.temperature, first.params.top_p,
+            stop_ids=frozenset(self.stop_ids(first.params)), top_k=first.params.top_k,
+        )
+        return [SampleResult(outputs, prompt_logprobs) for outputs, prompt_logprobs in done]
+
+    async def load_adapter(self, handle: AdapterHandle) -> None:
+        await asyncio.to_thread(self.sampler.load_adapter, handle)
+
+    async def unload_adapter(self, handle: AdapterHandle) -> None:
+        await asyncio.to_thread(self.sampler.unload_adapter, handle)
+
+    def close(self) -> None:
+        self.sampler.close()
