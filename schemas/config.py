@@ -62,9 +62,9 @@ class BusConfig(_Section):
             raise ValueError(f"security_protocol {self.security_protocol} needs sasl_mechanism (e.g. SCRAM-SHA-512)")
         if self.sasl_mechanism and not self.sasl_username:
             raise ValueError("sasl_mechanism is set but sasl_username is empty; set bus.sasl_username")
-        # The Kafka client ignores SASL settings under a non-SASL protocol, and TLS ones under a plaintext one.
-        sasl_set = [name for name in ("sasl_mechanism", "sasl_username", "sasl_password", "sasl_password_file")
-                    if getattr(self, name) is not None]
+        # The Kafka client ignores SASL settings under a non-SASL protocol, and TLS ones under a plaintext one.  A
+        # password alone is no such setting: a pod may hold the Secret whatever its bus (it is then unused).
+        sasl_set = [name for name in ("sasl_mechanism", "sasl_username") if getattr(self, name) is not None]
         if sasl_set and not self.security_protocol.startswith("SASL"):
             raise ValueError(f"bus.{sasl_set[0]} is set but bus.security_protocol is {self.security_protocol}, which "
                              "uses no SASL; set security_protocol to SASL_PLAINTEXT or SASL_SSL, or unset it")

@@ -340,3 +340,9 @@ def test_security_settings_the_protocol_would_ignore_are_refused(settings: dict[
     with pytest.raises(ConfigError, match=match) as info:
         resolve_config(environ={f"RLPIPE_BUS__{name}": value for name, value in settings.items()})
     assert "\n" not in str(info.value).strip()
+
+
+def test_a_password_alone_under_a_plaintext_bus_is_accepted_as_a_pod_holding_its_secret() -> None:
+    """A deployment may give every pod the Kafka Secret whatever its bus; the password is then unused."""
+    config = resolve_config(environ={"RLPIPE_BUS__SASL_PASSWORD": "pw"})
+    assert config.bus.security_protocol == "PLAINTEXT" and config.bus.sasl_password is not None
