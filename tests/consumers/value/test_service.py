@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from consumers.cli import replay_app
@@ -126,12 +127,9 @@ def test_a_truncated_steps_batch_stops_the_replay_in_one_line_naming_its_file(tm
     store, raw = actors_batches(tmp_path, "offline-dqn")
     key = TrajectoryArchive(store).list_steps("actors")[1]
     store.put(key, store.get(key)[:-100])  # cut short, as by an interrupted copy
-    try:
+    with pytest.raises(ValueError) as info:  # not trained past it
         replay_train_value(RunConfig.model_validate(raw), "actors")
-    except ValueError as exc:
-        message = str(exc)
-    else:
-        raise AssertionError("a replay trained past a truncated steps batch")
+    message = str(info.value)
     assert store.url(key) in message and "not a readable Parquet file" in message and "\n" not in message
 
 
