@@ -281,13 +281,17 @@ def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelop
     event_type = raw.get("type")
     payload_cls = PAYLOAD_TYPES.get(event_type) if isinstance(event_type, str) else None
     if payload_cls is None:
-        newer = _newer(raw.get("schema_version"))
-        if newer == "major":
-            raise NewerEventError(f"{event_type!r} event has schema version {raw['schema_version']}, newer than "
-                                  f"this rlpipe reads ({EVENT_SCHEMA_VERSION}); upgrade rlpipe", raw.get("run_id"))
-        if newer == "minor" and isinstance(event_type, str):
-            raise NewerEventTypeError(f"event type {event_type!r} of schema version {raw['schema_version']} is newer "
-                                      f"than this rlpipe ({EVENT_SCHEMA_VERSION}); skipped", event_type)
+        version = str(raw.get("schema_version", ""))
+        try:  # a newer major is unreadable whatever its type; a newer minor may add types (skipped)
+            check_readable(version, EVENT_SCHEMA_VERSION, f"{event_type!r} event")
+            newer_minor = parse_version(version) > parse_version(EVENT_SCHEMA_VERSION)
+        except NewerSchemaError as exc:
+            raise NewerEventError(str(exc), raw.get("run_id")) from None
+        except SchemaVersionError:
+            newer_minor = False
+        if newer_minor and isinstance(event_type, str):
+            raise NewerEventTypeError(f"event type {event_type!r} of schema version {version} is newer than this "
+                                      f"rlpipe ({EVENT_SCHEMA_VERSION}); skipped", event_type)
         raise EventDecodeError(f"unknown event type {event_type!r}; known: {', '.join(sorted(PAYLOAD_TYPES))}")
     if expected_type is not None and event_type != expected_type:
         raise EventDecodeError(f"expected a {expected_type} event, got {event_type}")
@@ -307,17 +311,6 @@ def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelop
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise EventDecodeError(f"invalid {event_type}: {where}: {first['msg']}") from None
-
-
-def _newer(version: object) -> str | None:
-    """Whether ``version`` is newer than this rlpipe's event schema: "major", "minor", or None (not newer, or not
-    a version)."""
-    try:
-        major, minor = parse_version(str(version))
-    except SchemaVersionError:
-        return None
-    ours = parse_version(EVENT_SCHEMA_VERSION)
-    return "major" if major > ours[0] else "minor" if major == ours[0] and minor > ours[1] else None
 
 
 def _known_fields(model: type[BaseModel], data: Any) -> Any:
