@@ -170,7 +170,8 @@ def _require_batches(cfg, run: str, date_from: str | None, date_to: str | None, 
     """Exit 2 in one line, before anything is written, when ``run`` has no batches to replay in the date range."""
     from consumers.sources import in_date_range
     from pipeline.analysis.runs import list_runs, runs_there
-    from pipeline.io.archive import TrajectoryArchive, unfinished_conversions
+    from pipeline.io.archive import TrajectoryArchive
+    from pipeline.io.archive_layout import unfinished_conversions
     from pipeline.runtime import open_store
     from schemas.names import validate_name
 

@@ -22,7 +22,8 @@ from consumers.policy import LoraPolicy
 from consumers.sources import KafkaSource, ReplaySource, TrajectorySource
 from consumers.tracking import open_metric_logger
 from pipeline.health import HealthServer
-from pipeline.io.archive import ArchiveError, TrajectoryArchive, damaged_run_fix
+from pipeline.io.archive import ArchiveError, TrajectoryArchive
+from pipeline.io.archive_layout import damaged_run_fix
 from pipeline.io.bus import EventPublisher
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore

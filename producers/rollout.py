@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from pipeline.io.archive import producer_batch_id
+from pipeline.io.archive_layout import producer_batch_id
 from producers.envs.base import StepResult, TextEnv
 from producers.episode import ChatFormat, ChatTokenizer, Episode, direct_tokenizer
 from producers.rows import episode_rows

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from pipeline.io.archive import BatchInfo, TrajectoryArchive, batch_committed_payload, key_date
+from pipeline.io.archive import BatchInfo, TrajectoryArchive, batch_committed_payload
+from pipeline.io.archive_layout import key_date
 from schemas.events import Payload, TrajectoryBatchCommitted
 
 if TYPE_CHECKING:

@@ -44,7 +44,8 @@ import pyarrow as pa
 import torch
 from torch import nn
 
-from pipeline.io.archive import TrajectoryArchive, new_batch_id, steps_prefix
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.archive_layout import new_batch_id, steps_prefix
 from pipeline.io.registry import AdapterRegistry, RegistryError
 from pipeline.runtime import RateMeter
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network

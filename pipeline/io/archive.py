@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import io
 import json
-import uuid
 from collections.abc import Iterable, Mapping
 from datetime import UTC, date, datetime
 from typing import Any
@@ -40,9 +39,17 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.io.archive_layout import (
+    batch_key,
+    commit_record_key,
+    damaged_run_fix,
+    partition_date,
+    steps_prefix,
+    trajectories_prefix,
+)
 from pipeline.io.store import ChecksumError, ObjectStore, sha256_hex, validate_key
 from schemas.events import TrajectoryBatchCommitted
-from schemas.names import MAX_NAME_LENGTH, validate_name
+from schemas.names import validate_name
 from schemas.steps import BATCH_SUMMARY_KEY, STEPS_BASE_FIELDS, check_steps_table
 from schemas.trajectory import (
     TRAJECTORY_SCHEMA,
@@ -53,7 +60,6 @@ from schemas.trajectory import (
 )
 
 COMMITTED_AT_KEY = b"rlpipe.committed_at"
-COMMIT_RECORD_SUFFIX = ".commit.json"
 DATE_PARTITION = pa.field("date", pa.date32())
 SCAN_SCHEMA = TRAJECTORY_SCHEMA.append(DATE_PARTITION)
 _HIVE_DATE = ds.partitioning(pa.schema([DATE_PARTITION]), flavor="hive")
@@ -87,47 +93,6 @@ class BatchInfo(BaseModel):
     reward_max: float
     success_rate: float = Field(ge=0.0, le=1.0)
     created_at: datetime
-
-
-def trajectories_prefix(run_id: str) -> str:
-    """Folder key of a run's trajectory batches."""
-    return f"runs/{validate_name(run_id, 'run_id')}/trajectories"
-
-
-def steps_prefix(run_id: str) -> str:
-    """Folder key of a run's steps batches (numeric actors): ``runs/<run>/env-steps``."""
-    return f"runs/{validate_name(run_id, 'run_id')}/env-steps"
-
-
-def batch_key(run_id: str, day: date, batch_id: str) -> str:
-    """Object key of one batch: ``runs/<run_id>/trajectories/date=YYYY-MM-DD/<batch_id>.parquet``."""
-    return f"{trajectories_prefix(run_id)}/date={day.isoformat()}/{validate_name(batch_id, 'batch_id')}.parquet"
-
-
-def conversion_keys(run_id: str, dataset: str) -> tuple[str, str]:
-    """The marker a dataset conversion into ``run_id`` writes first and the summary it writes last."""
-    folder = f"runs/{validate_name(run_id, 'run_id')}/offline/{validate_name(dataset, 'dataset')}"
-    return f"{folder}.converting", f"{folder}.json"
-
-
-def unfinished_conversions(store: ObjectStore, run_id: str) -> list[str]:
-    """The datasets whose conversion into ``run_id`` started and never wrote its summary (cut short)."""
-    keys = set(store.list(f"runs/{validate_name(run_id, 'run_id')}/offline"))
-    started = [key.rsplit("/", 1)[-1].removesuffix(".converting") for key in keys if key.endswith(".converting")]
-    return sorted(name for name in started if conversion_keys(run_id, name)[1] not in keys)
-
-
-def new_batch_id(prefix: str = "b") -> str:
-    """A fresh, unique, path-safe batch id (``<prefix>-<32 hex>``)."""
-    return validate_name(f"{prefix}-{uuid.uuid4().hex}", "batch_id")
-
-
-def producer_batch_id(producer_id: str, now: datetime) -> str:
-    """A producer's next batch id, ``<producer>-b<UTC time>-<8 hex>``: readable in listings, unique by its time
-    and random part.  A producer id too long to leave room for them is cut short (its batches' rows name it
-    in full)."""
-    suffix = f"-b{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
-    return validate_name(producer_id[: MAX_NAME_LENGTH - len(suffix)] + suffix, "batch_id")
 
 
 def batch_committed_payload(
@@ -168,11 +133,6 @@ class BatchCommit(BaseModel):
     def order(self) -> tuple[datetime, str]:
         """Commit order: time, then batch id (ties between producers broken the same way everywhere)."""
         return self.committed_at, self.batch_id
-
-
-def commit_record_key(batch_key: str) -> str:
-    """``.../<batch_id>.commit.json`` beside ``.../<batch_id>.parquet``."""
-    return batch_key.removesuffix(".parquet") + COMMIT_RECORD_SUFFIX
 
 
 class TrajectoryArchive:
@@ -339,7 +299,7 @@ class TrajectoryArchive:
         keys: list[str] = []
         for run in runs:
             for folder in self.store.list(f"runs/{run}/trajectories"):
-                day = _partition_date(folder)
+                day = partition_date(folder)
                 if day is None or (date_from and day < date_from) or (date_to and day > date_to):
                     continue
                 keys += [key for key in self.store.list(folder) if key.endswith(".parquet")]
@@ -440,12 +400,6 @@ def _as_trajectory_table(table_or_records: Any) -> pa.Table:
     return records_to_table(table_or_records)
 
 
-def damaged_run_fix(run_id: str) -> str:
-    """What to do about a damaged batch of ``run_id`` (the end of each refusal's one line)."""
-    return (f"restore it from where the run came from, or delete the run (rlpipe runs delete --run {run_id} "
-            "--yes) and convert or sample it again")
-
-
 def _distinct(table: pa.Table, column: str) -> list[str]:
     return sorted(pc.unique(table[column]).to_pylist())
 
@@ -475,21 +429,6 @@ def _as_date(value: date | str | None) -> date | None:
         return date.fromisoformat(value)
     except ValueError:
         raise ArchiveError(f"date {value!r} is not of the form YYYY-MM-DD") from None
-
-
-def key_date(key: str) -> date | None:
-    """The ``date=`` folder of a batch's key (``runs/<run>/trajectories/date=2026-03-10/<id>.parquet``), if any."""
-    return _partition_date(key.rsplit("/", 1)[0])
-
-
-def _partition_date(folder_key: str) -> date | None:
-    name = folder_key.rsplit("/", 1)[-1]
-    if not name.startswith("date="):
-        return None
-    try:
-        return date.fromisoformat(name.removeprefix("date="))
-    except ValueError:
-        return None
 
 
 def _scan_filter(

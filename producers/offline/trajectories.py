@@ -351,7 +351,8 @@ def dataset_to_trajectories(
     whose conversion was cut short (a marker without its summary).  A conversion refused
     before it wrote a batch leaves the run as it found it (no marker of its own).
     """
-    from pipeline.io.archive import TrajectoryArchive, conversion_keys
+    from pipeline.io.archive import TrajectoryArchive
+    from pipeline.io.archive_layout import conversion_keys
 
     options = options or TrajectoryOptions()
     validate_name(run_id, "run_id")
@@ -405,7 +406,7 @@ def dataset_to_trajectories(
 
 def _require_unconverted(store: ObjectStore, name: str, run_id: str) -> None:
     """Refuse (``FileExistsError`` naming the fix) a run that holds dataset ``name`` already, whole or cut short."""
-    from pipeline.io.archive import conversion_keys
+    from pipeline.io.archive_layout import conversion_keys
 
     marker_key, summary_key = conversion_keys(run_id, name)
     if store.exists(summary_key):

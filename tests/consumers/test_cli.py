@@ -60,7 +60,8 @@ def damage(store, mode: str) -> str:
     """Two batches of run src, one damaged as ``mode`` says; the damaged batch's id."""
     from datetime import UTC, datetime
 
-    from pipeline.io.archive import TrajectoryArchive, commit_record_key, parquet_bytes
+    from pipeline.io.archive import TrajectoryArchive, parquet_bytes
+    from pipeline.io.archive_layout import commit_record_key
     from tests.consumers.test_sources import rows
 
     archive = TrajectoryArchive(store)

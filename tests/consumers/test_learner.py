@@ -331,7 +331,8 @@ def test_replay_stops_at_a_batch_it_cannot_read_instead_of_skipping_it(tmp_path,
     """A batch whose recorded digest matches but that the learner cannot read (a writer's bad bytes) would be
     dead-lettered by a live learner; replay has no dead-letter topic, so it stops, naming the batch."""
     from consumers.service import replay_train
-    from pipeline.io.archive import BatchCommit, commit_record_key
+    from pipeline.io.archive import BatchCommit
+    from pipeline.io.archive_layout import commit_record_key
     from pipeline.io.store import sha256_hex
 
     store = ObjectStore(tmp_path.as_uri())

@@ -78,7 +78,8 @@ def test_a_batch_that_appears_after_a_resume_is_not_skipped_whatever_its_name_or
 
 
 def test_a_commit_record_whose_time_has_no_zone_is_refused_as_corrupt_naming_it(archive: TrajectoryArchive) -> None:
-    from pipeline.io.archive import ArchiveError, commit_record_key
+    from pipeline.io.archive import ArchiveError
+    from pipeline.io.archive_layout import commit_record_key
 
     commit(archive, "m-001", "m", minutes=1)
     second = commit(archive, "m-002", "m", minutes=2)

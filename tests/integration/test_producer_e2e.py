@@ -35,7 +35,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.io.archive import COMMIT_RECORD_SUFFIX, TrajectoryArchive, trajectories_prefix
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.archive_layout import COMMIT_RECORD_SUFFIX, trajectories_prefix
 from pipeline.io.bus import EventPublisher, UnknownTopicError, tail
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore

@@ -10,14 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.io.archive import (
-    ArchiveError,
-    TrajectoryArchive,
-    batch_committed_payload,
-    commit_record_key,
-    new_batch_id,
-    parquet_bytes,
-)
+from pipeline.io.archive import ArchiveError, TrajectoryArchive, batch_committed_payload, parquet_bytes
+from pipeline.io.archive_layout import commit_record_key, new_batch_id
 from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.events import TrajectoryBatchCommitted
 from schemas.steps import steps_to_table

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.io.archive import TrajectoryArchive, unfinished_conversions
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.archive_layout import unfinished_conversions
 from pipeline.io.datasets import read_card
 from pipeline.io.store import ObjectStore
 from producers.offline.cli import app
