@@ -40,6 +40,7 @@ class BatchRef:
     path: str
     sha256: str | None
     position: dict[str, int]  # e.g. {"rlpipe.trajectories:0": 13}
+    producer_id: str | None = None  # who wrote it, where the announcement says (None: a source that does not)
 
 
 class TrajectorySource(Protocol):
@@ -145,7 +146,8 @@ class KafkaSource:
             payload = consumed.event.payload
             if isinstance(payload, TrajectoryBatchCommitted):
                 refs.append(BatchRef(payload.batch_id, payload.path, payload.sha256,
-                                     {_position_key(consumed.topic, consumed.partition): consumed.offset + 1}))
+                                     {_position_key(consumed.topic, consumed.partition): consumed.offset + 1},
+                                     payload.producer_id))
         return refs
 
     def seek(self, positions: dict[str, int]) -> None:

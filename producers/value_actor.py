@@ -14,8 +14,9 @@ torques -1, 0, +1 are actions 0, 1, 2): the discrete action a Q-network scores. 
 since the last one, written once it holds at least ``steps_per_batch`` steps, so
 the learner can form every n-step transition of an episode from one table.  Actors
 do not wait for the learner unless ``max_batches_ahead`` is set: then an actor pauses
-while it has written that many batches more than the learner had read (trained or
-dead-lettered) at its newest version (from the first version on).
+while it has written that many batches more than the learner had read of them (trained or
+dead-lettered) at its newest version (from the first version on).  The bound is per actor:
+the learner's backlog is at most the actors' number times it.
 
 Layout of a batch: ``runs/<run>/env-steps/date=YYYY-MM-DD/<batch_id>.parquet``
 (create-only; the event carries its sha256).  Each row carries the actor's policy
@@ -55,7 +56,7 @@ from schemas.config import PRODUCER_SLOTS, EnvSpec, RunConfig
 from schemas.events import Payload, ProducerHeartbeat, TrajectoryBatchCommitted
 from schemas.names import validate_name
 from schemas.steps import BATCH_SUMMARY_KEY, steps_to_table
-from schemas.value import ValueActorConfig, ValueRunConfig
+from schemas.value import READ_BY_PRODUCER_METRIC, ValueActorConfig, ValueRunConfig
 
 log = logging.getLogger("rlpipe.actor")
 
@@ -279,8 +280,8 @@ class ValueActor:
         ))
 
     def wait_for_learner(self, should_stop: Callable[[], bool]) -> None:
-        """With ``max_batches_ahead``: pause while this actor is that far ahead of the batches the learner had read at
-        its newest version.
+        """With ``max_batches_ahead``: pause while this actor is that far ahead of the learner's reads of its batches
+        at the newest version (each actor bounds its own batches; the run's backlog is at most N times the bound).
 
         Not before the first version: the learner is then filling its replay memory, and how many batches that takes
         is not known in advance (an episode cut by the time limit gives fewer transitions than steps), so a wait could
@@ -295,12 +296,16 @@ class ValueActor:
             self.maybe_beat()
 
     def learner_read(self) -> int | None:
-        """The batches the learner had read (trained or dead-lettered) at the newest version, None before the first;
-        a version that does not say (an older learner's): its learner step, one step per batch trained."""
+        """The batches of this actor's the learner had read (trained or dead-lettered) at the newest version, None
+        before the first.  A version without per-actor counts (a learner whose source does not name producers, an
+        older learner's) gives the run's count: its ``batches_read``, or else its learner step."""
         latest = self.watcher.registry.latest()
         if latest is None:
             return None
-        return int(latest.metrics.get("batches_read", latest.learner_step))
+        metrics = latest.metrics
+        if any(name.startswith(READ_BY_PRODUCER_METRIC) for name in metrics):
+            return int(metrics.get(READ_BY_PRODUCER_METRIC + self.actor_id, 0))
+        return int(metrics.get("batches_read", latest.learner_step))
 
 
 def default_training_seeds(actor_seed: int) -> range:

@@ -18,6 +18,10 @@ from pydantic import ConfigDict, Field, model_validator
 
 from schemas.fields import NoYesNoNumbers
 
+# A value-network version's metric (+ producer id): how many of that actor's batches the learner had read,
+# trained or dead-lettered (value learner -> actors, through the registry; what max_batches_ahead compares with).
+READ_BY_PRODUCER_METRIC = "batches_read/"
+
 
 class ValueLearnerConfig(NoYesNoNumbers):
     """A DQN-family agent: network, targets, optimizer and replay memory."""
@@ -99,8 +103,9 @@ class ValueActorConfig(NoYesNoNumbers):
     registry_poll_s: float = Field(1.0, ge=0.0, le=3600.0, description="look for a newer version this often")
     max_batches_ahead: int | None = Field(
         None, ge=1, le=1_000_000,
-        description="pause while this actor has written this many batches more than the newest version's learner "
-        "step (None: never wait; set it when the actor outruns the learner and would explore on stale versions)",
+        description="pause while this actor has written this many batches more than the learner had read of them "
+        "at its newest version (per actor: with N actors the learner's backlog is at most N times this; None: "
+        "never wait; set it when the actors outrun the learner and would explore on stale versions)",
     )
 
 
@@ -196,8 +201,9 @@ class ValueRunConfig(NoYesNoNumbers):
             raise ValueError(f"observation_size {self.observation_size} cannot hold {slate.num_topics} interests and "
                              f"{slate.num_candidates} candidate topics; fix value.observation_size")
         ahead, publish_every = self.actor.max_batches_ahead, self.learner.publish_every
-        # After a version at B batches read the actor writes up to B + ahead batches; the next version comes at
-        # B + publish_every read (trained or dead-lettered), so a smaller bound stops a lone actor for good.
+        # After a version at B of its batches read an actor writes up to B + ahead; the next version comes
+        # publish_every reads later (trained or dead-lettered, any actor's), so a smaller bound stops a lone actor
+        # for good.  With several, all waiting means N * ahead >= publish_every unread: a version always comes.
         if ahead is not None and ahead < publish_every:
             raise ValueError(f"actor.max_batches_ahead {ahead} would stop the actor before the learner publishes its "
                              f"next version; raise it to at least learner.publish_every ({publish_every})")

@@ -10,10 +10,10 @@ published every ``publish_every`` batches read (and at the last step: a replay's
 ``max_steps`` reached, so the checkpoint of that step records it) and a checkpoint written every
 ``checkpoint_every`` steps, the source's offsets committed only after it.  A batch read
 counts whether it trained or was dead-lettered, and each version records how many were read
-(``batches_read``): an actor bounded by ``max_batches_ahead`` compares its own count with
-that, so a dead-lettered batch of its never leaves it waiting for a version that a step the
-batch did not make was due to publish.  A version due at a dead-lettered batch is published
-then, with the weights of the last step.  With a
+(``batches_read``) and, per actor, how many of that actor's (``batches_read/<producer_id>``):
+an actor bounded by ``max_batches_ahead`` compares its own count with its own, so neither
+another actor's batches nor a dead-lettered batch of its leave it writing or waiting wrongly.
+A version due at a dead-lettered batch is published then, with the weights of the last step.  With a
 ``slate`` (agent ``slateq``) the agent is SlateQ (``consumers.value.slateq``): the
 transitions' action is the consumed item, and the published network the item values.
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +63,7 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.value_network import network_files
 from schemas.checkpoint import LearnerState
 from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
-from schemas.value import SlateSpec
+from schemas.value import READ_BY_PRODUCER_METRIC, SlateSpec
 from schemas.versions import NewerSchemaError
 
 log = logging.getLogger("rlpipe.value")
@@ -117,6 +117,9 @@ class ValueLearner:
         self.incoming: deque[BatchRef] = deque()
         self.duplicates_skipped = self.dead_lettered = self.dead_lettered_unrecorded = 0
         self.batches_read = 0  # trained or dead-lettered (a duplicate is neither): what publish_every counts
+        self.read_by_producer: Counter[str] = Counter()  # the same, per producer (what max_batches_ahead bounds)
+        self.reads_attributed = True  # False once a batch read has no producer (such a source, an older step log)
+        self.dead_lettered_producers: list[str | None] = []  # since the last step (its log entry records them)
         self.carried: dict[str, int] = {}  # positions read since the last step (skipped batches' included)
         self.last_metrics: dict[str, Any] = {}
         self.faults = FaultInjector.from_env()
@@ -142,6 +145,9 @@ class ValueLearner:
         self.dead_lettered_unrecorded = int(checkpoint.scalars.get("dead_lettered_unrecorded", 0))
         self.batches_read = self.dead_lettered_unrecorded + sum(
             1 + int(entry.get("batches_dead_lettered", 0)) for entry in entries)
+        self.dead_lettered_producers = list(checkpoint.scalars.get("dead_lettered_producers",
+                                                                   [None] * self.dead_lettered_unrecorded))
+        self.count_reads_by_producer(entries)
         self.memory = self.rebuild_memory([batch for entry in entries for batch in entry.get("batches", [])])
         self.restore_memory_counters(checkpoint.optimizer, checkpoint.scalars["replay"])
         self.source.seek(self.state.positions)
@@ -149,6 +155,28 @@ class ValueLearner:
         log.info("resumed from %s: step %d, version %d, replay memory %d", checkpoint.key, self.state.step,
                  self.state.version, len(self.memory))
         return True
+
+    def count_reads_by_producer(self, entries: list[dict[str, Any]]) -> None:
+        """The batches read per producer, from the step log's entries and the dead-lettered ones no entry records
+        yet; a read the log does not attribute (an entry of an older rlpipe) leaves versions without the counts."""
+        producers: list[str | None] = [*self.dead_lettered_producers]
+        for entry in entries:
+            producers += [batch.get("producer_id") for batch in entry.get("batches", [])]
+            dead = entry.get("dead_lettered_producers", [None] * int(entry.get("batches_dead_lettered", 0)))
+            producers += dead
+        self.read_by_producer = Counter(producer for producer in producers if producer is not None)
+        self.reads_attributed = None not in producers
+        if not self.reads_attributed:
+            log.warning("the step log does not name the actor of every batch read: versions record no per-actor "
+                        "counts, and actors bounded by max_batches_ahead compare theirs with the run's")
+
+    def count_read(self, producer_id: str | None) -> None:
+        """One more batch read (trained or dead-lettered), of ``producer_id``."""
+        self.batches_read += 1
+        if producer_id is None:
+            self.reads_attributed = False
+        else:
+            self.read_by_producer[producer_id] += 1
 
     def rewind_if_the_log_changed(self) -> None:
         """Read a log that is not the one the checkpoint's positions point into from its start.
@@ -243,7 +271,8 @@ class ValueLearner:
                                      origin_offset=offset, key=ref.batch_id, raw=raw))
             self.dead_lettered += 1
             self.dead_lettered_unrecorded += 1
-            self.batches_read += 1
+            self.dead_lettered_producers.append(ref.producer_id)
+            self.count_read(ref.producer_id)
             log.warning("%s (sent to the dead-letter topic)", reason)
             return IngestedBatch(ref, None, quarantined=True)
 
@@ -259,16 +288,18 @@ class ValueLearner:
                                    **episode_metrics(batch.table)}
         metrics["batch_ids"] = [batch.ref.batch_id]
         metrics["batches"] = [{"batch_id": batch.ref.batch_id, "path": batch.ref.path,
-                               "sha256": batch.ref.sha256, "transitions": added}]
+                               "sha256": batch.ref.sha256, "transitions": added,
+                               "producer_id": batch.ref.producer_id}]
         self.state.step += 1
         self.state.trained[batch.ref.batch_id] = self.state.step
         for key, value in self.carried.items():
             self.state.positions[key] = max(value, self.state.positions.get(key, 0))
         self.carried = {}
         metrics.update(replay_size=len(self.memory), training_steps=self.agent.training_steps,
-                       batches_dead_lettered=self.dead_lettered_unrecorded)
-        self.dead_lettered_unrecorded = 0
-        self.batches_read += 1
+                       batches_dead_lettered=self.dead_lettered_unrecorded,
+                       dead_lettered_producers=self.dead_lettered_producers)
+        self.dead_lettered_unrecorded, self.dead_lettered_producers = 0, []
+        self.count_read(batch.ref.producer_id)
         metrics["batches_read"] = self.batches_read
         # the last step (a replay's last batch, or max_steps reached): publish what the run ends with, before the
         # step's checkpoint, so that it records the version
@@ -320,11 +351,16 @@ class ValueLearner:
             self.checkpoint()
 
     def publish(self, metrics: dict[str, Any]) -> None:
-        """Publish the online network as the next value-network version, then announce it."""
+        """Publish the online network as the next value-network version, then announce it.
+
+        Its metrics carry ``batches_read/<producer_id>`` for each actor whose batches were read (none when a read
+        batch named no producer: an actor would then take its count for too low and could wait for ever)."""
+        per_producer = {READ_BY_PRODUCER_METRIC + producer: count for producer, count in self.read_by_producer.items()}
         manifest = self.registry.publish_files(
             network_files(self.spec, self.agent.online), base_model=f"{self.cfg.agent}:{self.env_name}",
             parent_version=self.state.version, learner_step=self.state.step,
-            metrics=finite_numbers(metrics, exclude=NOT_SCALARS), kind="value-network",
+            metrics={**finite_numbers(metrics, exclude=NOT_SCALARS), **(per_producer if self.reads_attributed else {})},
+            kind="value-network",
         )
         self.state.version = manifest.version
         self.announce(self.registry.published_event(manifest))
@@ -338,6 +374,7 @@ class ValueLearner:
         scalars = {
             "rng": self.rng.bit_generator.state, "update_credit": self.update_credit,
             "dead_lettered_unrecorded": self.dead_lettered_unrecorded,
+            "dead_lettered_producers": list(self.dead_lettered_producers),
             "replay": {"size": memory.size, "cursor": memory.cursor, "add_count": memory.add_count,
                        "max_priority": memory.max_priority},
         }

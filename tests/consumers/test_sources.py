@@ -120,7 +120,7 @@ def test_a_resumed_source_reads_from_its_checkpoint_and_commits_at_once(bus_conf
         refs, deadline = [], time.monotonic() + 30.0
         while not refs and time.monotonic() < deadline:
             refs = source.poll(0.5)
-        assert [ref.batch_id for ref in refs] == ["a-b2"]
+        assert [(ref.batch_id, ref.producer_id) for ref in refs] == [("a-b2", "a-p0")]  # the event's producer
     finally:
         source.close()
 

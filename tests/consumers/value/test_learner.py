@@ -19,7 +19,7 @@ from pipeline.io.store import ObjectStore
 from pipeline.value_network import load_network
 from producers.envs.classic import CartPole
 from producers.value_actor import ValueActor, ValueNetworkWatcher
-from schemas.events import DeadLetter
+from schemas.events import DeadLetter, TrajectoryBatchCommitted
 from schemas.steps import steps_to_table
 from schemas.value import ValueActorConfig
 
@@ -311,3 +311,48 @@ def test_an_actor_at_max_batches_ahead_does_not_wait_for_ever_on_a_dead_lettered
         learner.run(should_stop=lambda: source.index >= len(refs) and not learner.incoming, poll_timeout_s=0.0)
         assert not waits_for_the_learner(actor), f"the learner read all {len(refs)} batches and published none more"
     assert learner.dead_lettered == 1 and learner.state.step == len(refs) - 1 >= 5
+
+
+def test_max_batches_ahead_bounds_each_actor_by_the_learners_reads_of_its_own_batches(tmp_path: Path) -> None:
+    """Two actors at max_batches_ahead 2.  The learner has read five batches, all a0's: a1 has written none, so it
+    may write 2 before it waits, not 2 + 5.  Each version records the batches read per actor (trained or
+    dead-lettered), and a restarted learner counts on from the step log."""
+    store = ObjectStore((tmp_path / "store").as_uri())
+
+    def actor(actor_id: str) -> ValueActor:
+        return ValueActor(run_id="two", actor_id=actor_id, env=CartPole(), archive=TrajectoryArchive(store),
+                          watcher=ValueNetworkWatcher(AdapterRegistry(store, "two"), tmp_path / actor_id),
+                          config=ValueActorConfig(steps_per_batch=40, max_batches_ahead=2, registry_poll_s=0.0))
+
+    a0, a1 = actor("a0"), actor("a1")
+    refs: list[BatchRef] = []
+
+    def announce(event: TrajectoryBatchCommitted, sha256: str | None = None) -> None:
+        refs.append(BatchRef(event.batch_id, event.path, sha256 or event.sha256, {"mem:0": len(refs) + 1},
+                             event.producer_id))
+
+    learner = make_learner(store, "two", refs, publish_every=1, min_replay_size=16, batch_size=8)
+    learner.source = source = OpenSource(refs)
+
+    def read_all(learner: ValueLearner) -> None:
+        learner.run(should_stop=lambda: source.index >= len(refs) and not learner.incoming, poll_timeout_s=0.0)
+
+    for _ in range(5):
+        announce(a0.write_batch())
+        read_all(learner)
+    assert learner.batches_read == 5 and learner.state.version == 5
+    written = 0
+    while written < 8 and not waits_for_the_learner(a1):
+        announce(a1.write_batch(), "0" * 64 if written == 1 else None)  # its second is dead-lettered when read
+        written += 1
+    assert written == 2  # its own two unread batches stop it
+    assert not waits_for_the_learner(a0)  # every batch of a0's was read
+    read_all(learner)
+    assert learner.dead_lettered == 1 and not waits_for_the_learner(a1)
+    per_actor = {key: value for key, value in learner.registry.latest().metrics.items() if "/" in key}
+    assert per_actor == {"batches_read/a0": 5.0, "batches_read/a1": 2.0}
+    learner.finish()
+    again = make_learner(store, "two", refs, publish_every=1, min_replay_size=16, batch_size=8)
+    again.source = source
+    again.resume()
+    assert dict(again.read_by_producer) == {"a0": 5, "a1": 2}
