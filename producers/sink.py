@@ -67,6 +67,7 @@ def announce_orphans(
     too_young: dict[str, float] | None = None,
     describe: Callable[[str], Payload | None] | None = None,
     complete_since: datetime | None = None,
+    aged_out_keys: list[str] | None = None,
 ) -> list[str]:
     """Announce every stored batch of ``run_id`` (or of ``keys``) that no event names; return their batch ids.
 
@@ -75,7 +76,8 @@ def announce_orphans(
     until it is old enough.  ``describe`` makes a file's event (default: a
     trajectory batch's, from its rows); None leaves the file alone.
     ``complete_since``: the log holds every event since then (None: every event
-    ever); a file in a date folder more than a day older is taken as announced.
+    ever); a file in a date folder more than a day older is taken as announced (and noted in
+    ``aged_out_keys``).
     """
     known = set(announced_batch_ids)
     describe = describe or (lambda key: batch_committed_payload(archive.describe_batch(key, run_id)))
@@ -88,6 +90,8 @@ def announce_orphans(
         day = key_date(key) if aged_out_before is not None else None
         if day is not None and aged_out_before is not None and day < aged_out_before:
             aged_out += 1
+            if aged_out_keys is not None:
+                aged_out_keys.append(key)
             continue
         age = _age_s(archive, key) if min_age_s else float("inf")
         if age < min_age_s:
@@ -149,6 +153,7 @@ class OrphanSweep:
         self.list_keys = list_keys or (lambda: archive.list_batches(run_id))  # default: the run's trajectory batches
         self.describe = describe
         self.pending: list[str] = []  # keys too young at the last look
+        self.aged_out: list[str] = []  # keys taken as announced: stored before the events the log still holds
         self.due = 0.0  # monotonic time they are all old enough
         self._looked = False
 
@@ -160,7 +165,8 @@ class OrphanSweep:
         known = self.announced() if announced is None else announced
         logged = known if isinstance(known, LoggedBatches) else LoggedBatches(set(known))
         found = announce_orphans(self.archive, self.run_id, logged.ids, self.announce, self.min_age_s, keys=keys,
-                                 too_young=young, describe=self.describe, complete_since=logged.complete_since)
+                                 too_young=young, describe=self.describe, complete_since=logged.complete_since,
+                                 aged_out_keys=self.aged_out)
         self._looked, self.pending = True, list(young)
         self.due = time.monotonic() + max(young.values(), default=0.0)
         return found

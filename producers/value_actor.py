@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, date, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -51,12 +51,15 @@ from pipeline.io.registry import AdapterRegistry, RegistryError
 from pipeline.runtime import RateMeter
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
-from producers.sink import OrphanSweep, announced_batches, batch_events
+from producers.sink import OrphanSweep, batch_events, logged_batches
 from schemas.config import PRODUCER_SLOTS, EnvSpec, RunConfig
 from schemas.events import Payload, ProducerHeartbeat, TrajectoryBatchCommitted
 from schemas.names import validate_name
 from schemas.steps import BATCH_SUMMARY_KEY, steps_to_table
 from schemas.value import READ_BY_PRODUCER_METRIC, ValueActorConfig, ValueRunConfig
+
+if TYPE_CHECKING:
+    from pipeline.io.bus import RunLog
 
 log = logging.getLogger("rlpipe.actor")
 
@@ -348,6 +351,30 @@ def steps_orphan_sweep(archive: TrajectoryArchive, run_id: str, announce: Callab
                        describe=lambda key: stored_steps_event(archive, key))
 
 
+def run_history(archive: TrajectoryArchive, run_id: str, announce: Callable[[Payload], Any], min_age_s: float,
+                read_log: Callable[[], RunLog]) -> tuple[OrphanSweep, list[TrajectoryBatchCommitted]]:
+    """At an actor's start: sweep the run's steps batches stored but never announced, and return the sweep (for
+    its second look) with the events of every batch of the run, which a restarted actor goes on from.
+
+    A batch stored before the events the log still holds (its event aged out) is taken as announced, as a
+    producer's sweep takes it (``producers.sink``): announced again at every start, it would only have the learner
+    read it once more.  Its event comes from the file's summary instead, so the actor's count includes it."""
+    swept: list[Payload] = []  # what the sweeps announce for batches a crashed actor stored but never announced
+
+    def announce_orphan(payload: Payload) -> None:
+        announce(payload)
+        swept.append(payload)
+
+    orphans = steps_orphan_sweep(archive, run_id, announce_orphan, min_age_s, lambda: logged_batches(read_log()))
+    history = read_log()
+    earlier = batch_events(history.records)
+    orphans.sweep(logged_batches(history))
+    # a restart goes on where this actor's batches end: those the log names, those the sweep just announced, those
+    # too young for the sweep to judge yet (a predecessor restarted at once may have left its last one), and those
+    # whose events aged out
+    return orphans, [*earlier, *batch_events(swept), *stored_events(archive, [*orphans.pending, *orphans.aged_out])]
+
+
 def open_watcher(registry: AdapterRegistry, cache_dir: str | Path | None, poll_s: float) -> ValueNetworkWatcher:
     """A watcher caching under ``cache_dir`` (a fresh temporary folder when None)."""
     folder = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="rlpipe-value-"))
@@ -397,24 +424,12 @@ def run_value_actor(config: RunConfig, stop: Callable[[], bool] = lambda: False)
     bus = resolved_bus(config.bus)
     publisher = EventPublisher(bus)
     archive, announce = TrajectoryArchive(store), Announcer(publisher, config.run_id)
-    swept: list[Payload] = []  # what the sweeps announce for batches a crashed actor stored but never announced
-
-    def announce_orphan(payload: Payload) -> None:
-        announce(payload)
-        swept.append(payload)
-
-    # every stored batch whose event the log no longer holds is announced again (not taken as announced, as a
-    # producer's sweep does): the actor goes on from the count of its batches, which must include those
-    orphans = steps_orphan_sweep(archive, config.run_id, announce_orphan, 2 * config.producer.batch_timeout_s,
-                                 lambda: announced_batches(run_log(bus, "trajectories", config.run_id).records))
-    earlier = batch_events(run_log(bus, "trajectories", config.run_id).records)
-    orphans.sweep({event.batch_id for event in earlier})
+    orphans, history = run_history(archive, config.run_id, announce, 2 * config.producer.batch_timeout_s,
+                                   lambda: run_log(bus, "trajectories", config.run_id))
     watcher = open_watcher(AdapterRegistry(store, config.run_id), None, config.value.actor.registry_poll_s)
     actor = actor_class(run_id=config.run_id, actor_id=actor_id, env=env, archive=archive, watcher=watcher,
                         config=config.value.actor, announce=announce, seeds=config.training_seeds(actor_id))
-    # a restart goes on where this actor's batches end: those the log names, those the sweep just announced, and
-    # those too young for the sweep to judge yet (a predecessor restarted at once may have left its last one)
-    actor.resume([*earlier, *batch_events(swept), *stored_events(archive, orphans.pending)])
+    actor.resume(history)
     actor.orphans = orphans
     actor.heartbeat_interval_s = config.producer.heartbeat_interval_s
     try:

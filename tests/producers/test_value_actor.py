@@ -200,3 +200,31 @@ def test_an_actor_built_without_training_seeds_never_plays_a_held_out_seed(memor
     actor.write_batch()
     assert env.seeds and len(set(env.seeds)) == len(env.seeds)
     assert all(0 <= s < EnvSpec().eval_seed_offset for s in env.seeds), env.seeds
+
+
+def test_a_batch_whose_event_aged_out_of_the_log_is_counted_at_a_restart_and_never_announced_again(
+        memory_store: ObjectStore, tmp_path: Path) -> None:
+    """Retention trimmed the log to the actor's last event; its two older batches (stored in January) aged out.
+    A restarted actor announces none of them again (each restart did, and the learner read them once more as
+    duplicates or dead-lettered them again), yet goes on from all three, as it does from those the log holds."""
+    from datetime import UTC, datetime
+
+    from pipeline.io.bus import RunLog
+    from producers.value_actor import run_history
+
+    first, _ = make_actor(memory_store, tmp_path, steps_per_batch=30)
+    events = [first.write_batch() for _ in range(3)]
+    for event in events[:2]:  # written on 2026-01-05
+        memory_store.put(event.path.replace(event.path.split("/")[3], "date=2026-01-05"), memory_store.get(event.path))
+        memory_store.delete(event.path)
+    since_ms = int(datetime(2026, 2, 1, tzinfo=UTC).timestamp() * 1000)  # the log holds every event since then
+    again: list = []
+    sweep, history = run_history(TrajectoryArchive(memory_store), "vrun", again.append, 0.0,
+                                 lambda: RunLog([events[2]], since_ms))
+    assert again == [] and len(sweep.aged_out) == 2  # counted, not announced
+    sweep.sweep()
+    assert again == []  # nor at the second look
+    assert sorted(event.batch_id for event in history) == sorted(event.batch_id for event in events)
+    second, _ = make_actor(memory_store, tmp_path / "second", steps_per_batch=30)  # the same id, restarted
+    second.resume(history)
+    assert (second.episodes, second.env_steps, second.batches_before) == (first.episodes, first.env_steps, 3)
