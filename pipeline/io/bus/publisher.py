@@ -10,8 +10,10 @@ is replaced by a new one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from typing import Any
 
 from kafka import KafkaProducer
 from kafka.errors import (
@@ -159,8 +161,38 @@ class EventPublisher:
         self._producer.flush(timeout=timeout_s if timeout_s is not None else self.send_timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Flush and close the producer; safe to call twice."""
-        self._producer.close(timeout=timeout_s)
+        """Flush and close the producer; safe to call twice.
+
+        Events still unacknowledged after ``timeout_s`` are dropped and reported as ``PublishError`` (one line:
+        how many, to which topics), with the producer closed all the same.
+        """
+        producer = self._producer
+        # what is still buffered, named in the error below; kafka-python has no public view of it
+        accumulator = getattr(producer, "_accumulator", None)
+        pending = accumulator._incomplete.all() if accumulator is not None else []
+        try:
+            producer.close(timeout=timeout_s)
+        except KafkaTimeoutError as exc:
+            # kafka-python's close raises from its flush before it stops its sender thread: stop that without
+            # sending (which fails what is still buffered), then close again, now with nothing left to wait for
+            sender = getattr(producer, "_sender", None)
+            if sender is not None:
+                sender.force_close()
+                sender.join(timeout_s)
+            with contextlib.suppress(KafkaError):
+                producer.close(timeout=0)
+            raise PublishError(self._undelivered(pending, timeout_s)) from exc
+
+    @staticmethod
+    def _undelivered(batches: list[Any], timeout_s: float) -> str:
+        """The one-line error for events dropped when closing: how many, to which topics, and what to do."""
+        count = sum(int(getattr(batch, "record_count", 0)) for batch in batches)
+        topics = sorted({batch.topic_partition.topic for batch in batches if hasattr(batch, "topic_partition")})
+        what = (f"{count} event{'s' if count != 1 else ''} to {', '.join(topics)} {'was' if count == 1 else 'were'}"
+                if topics else "the events buffered were")
+        return (f"closing the event publisher: {what} not acknowledged within {timeout_s:g}s and are dropped; "
+                "check that the broker is up (`rlpipe topics list`) and publish them again (their event ids make a "
+                "resend harmless)")
 
     def __enter__(self) -> EventPublisher:
         return self

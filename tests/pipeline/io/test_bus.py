@@ -197,6 +197,37 @@ def test_a_publish_the_broker_never_acknowledged_is_reported_as_failed_naming_wh
     assert "may still arrive" in message  # not known to be lost either: a consumer must not rely on its absence
 
 
+def test_closing_with_events_the_broker_never_acknowledged_names_them_and_still_closes_the_client(
+        tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from pipeline.devstack.broker import TansuBroker
+
+    with TansuBroker(log_path=tmp_path / "tansu.log") as broker:  # its own broker: this test freezes it
+        config = BusConfig(bootstrap_servers=broker.bootstrap_servers, namespace="close", connect_timeout_s=5.0)
+        publisher = EventPublisher(config, send_timeout_s=30.0)
+        publisher.publish("control", _stop("run-a", "acknowledged"))  # connected, the topic's leader known
+        assert broker.pid is not None
+        os.kill(broker.pid, signal.SIGSTOP)
+        try:
+            producer = publisher._producer
+            for reason in ("unanswered-1", "unanswered-2"):  # buffered without waiting, as a publish under way is
+                producer.send("close.control", value=encode_event(_stop("run-a", reason)), key=b"run-a")
+            started = time.monotonic()
+            with pytest.raises(PublishError) as caught:
+                publisher.close(timeout_s=1.0)
+            assert time.monotonic() - started < 10
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "2 events to close.control were not acknowledged within 1s" in message
+    assert "publish them again" in message
+    assert producer._closed and not producer._sender.is_alive()  # the client closed all the same
+    publisher.close()  # and closing again is harmless
+
+
 def test_publish_refuses_an_event_on_the_wrong_topic(bus_config: BusConfig) -> None:
     with EventPublisher(bus_config) as publisher, pytest.raises(WrongEventTypeError, match="does not belong"):
         publisher.publish("trajectories", _stop("run-a", "x"))
