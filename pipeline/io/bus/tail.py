@@ -1,12 +1,15 @@
 """``tail``: the last messages of a topic, then new ones, read without joining a group.
 
 It never moves anyone's committed offsets; the command line's ``rlpipe topics tail``
-and the report read the log through it.
+and the report read the log through it.  Messages retention removes while they are
+being read are skipped: the read goes on from the earliest one left and says so in
+one warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +24,8 @@ from pipeline.io.bus.errors import BusError, UnknownTopicError
 from pipeline.io.bus.records import _key_text, decode_record
 from schemas.config import BusConfig
 from schemas.events import Envelope, NewerEventTypeError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +96,10 @@ def tail(
         stop_at = None if follow_for_s is None else time.monotonic() + follow_for_s
         while follow and (stop_at is None or time.monotonic() < stop_at):
             wait_ms = 500 if stop_at is None else max(0, min(500, int((stop_at - time.monotonic()) * 1000)))
-            for records in consumer.poll(timeout_ms=wait_ms).values():
+            positions = {tp: consumer.position(tp) for tp in ends}
+            batches = consumer.poll(timeout_ms=wait_ms)
+            _note_removed(consumer, positions, batches)
+            for records in batches.values():
                 yield from (item for item in map(_tail_record, records) if _matches_run(item, run_id))
 
 
@@ -101,6 +109,9 @@ def _reader(bus_config: BusConfig, bootstrap_servers: str | None, what: str) -> 
     settings = kafka_client_settings(bus_config, bootstrap_servers)
     settings |= {"client_id": f"{_CLIENT_ID}-tail", "group_id": None, "enable_auto_commit": False}
     settings |= {"allow_auto_create_topics": False, "request_timeout_ms": 30_000}
+    # a position retention removed meanwhile goes on from the earliest message left (kafka-python's default,
+    # latest, would skip to the end and return nothing of what is left)
+    settings |= {"auto_offset_reset": "earliest"}
     consumer: KafkaConsumer = _connect(KafkaConsumer, bus_config, settings)
     try:
         with _bus_errors(bus_config, settings["bootstrap_servers"], what):
@@ -179,7 +190,9 @@ def _read_until(
     newer: list[TailRecord] = []
     last_progress = time.monotonic()
     while any(consumer.position(tp) < end for tp, end in ends.items()):
+        positions = {tp: consumer.position(tp) for tp in ends}
         batches = consumer.poll(timeout_ms=200)
+        _note_removed(consumer, positions, batches)
         if batches:
             last_progress = time.monotonic()
         elif time.monotonic() - last_progress > idle_timeout_s:
@@ -190,3 +203,16 @@ def _read_until(
                 (backlog if record.offset < ends[tp] else newer).append(_tail_record(record))
     backlog.sort(key=lambda item: (item.timestamp_ms, item.partition, item.offset))
     return backlog, newer
+
+
+def _note_removed(consumer: KafkaConsumer, positions: dict[TopicPartition, int],
+                  batches: dict[TopicPartition, list[Any]]) -> None:
+    """One warning per partition whose read jumped ahead of ``positions`` (where it stood before the poll that
+    gave ``batches``): retention removed those messages before they were read."""
+    for tp, before in positions.items():
+        records = batches.get(tp)
+        first = records[0].offset if records else consumer.position(tp)
+        if first > before:
+            log.warning("%s partition %d: offsets %d to %d were removed by retention before they were read; "
+                        "reading on from offset %d, the earliest left", tp.topic, tp.partition, before, first - 1,
+                        first)

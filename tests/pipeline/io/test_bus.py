@@ -291,6 +291,43 @@ def test_a_run_log_is_complete_since_its_oldest_retained_message_once_retention_
     assert complete_since_ms(9, [], now_ms=900) == 900  # every message aged out
 
 
+def test_a_read_positioned_on_messages_retention_removed_goes_on_from_the_earliest_left(monkeypatch, caplog) -> None:
+    """Not against Tansu: it neither trims on demand nor reports a position out of range, so the reader's reset
+    policy is checked as set, and what the read makes of the jump with a consumer whose position jumps."""
+    import importlib
+    from types import SimpleNamespace
+
+    from kafka import TopicPartition
+
+    tail_module = importlib.import_module("pipeline.io.bus.tail")  # the module, not the function of that name
+
+    settings: dict[str, Any] = {}
+    closed = SimpleNamespace(close=lambda **kwargs: None)
+    monkeypatch.setattr(tail_module, "_connect", lambda cls, config, given: settings.update(given) or closed)
+    with tail_module._reader(BusConfig(bootstrap_servers="localhost:9092"), None, "tail"):
+        pass
+    assert settings["auto_offset_reset"] == "earliest"  # kafka-python's default, latest, would skip to the end
+
+    tp = TopicPartition("ns.control", 0)
+
+    class Trimmed:  # offsets 0-2 removed by retention after the read was positioned at 0
+        at = 0
+
+        def position(self, partition: TopicPartition) -> int:
+            return self.at
+
+        def poll(self, timeout_ms: int = 0) -> dict[TopicPartition, list[Any]]:
+            self.at = 5
+            return {tp: [SimpleNamespace(topic=tp.topic, partition=0, offset=offset, timestamp=offset, key=b"r",
+                                         value=encode_event(_stop("r", f"m{offset}"))) for offset in (3, 4)]}
+
+    with caplog.at_level(logging.WARNING, logger="pipeline.io.bus"):
+        backlog, newer = tail_module._read_until(Trimmed(), {tp: 5}, idle_timeout_s=1.0)  # type: ignore[arg-type]
+    assert [item.offset for item in backlog] == [3, 4] and newer == []
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "ns.control" in line and "offsets 0 to 2" in line and "removed by retention" in line
+
+
 def test_seek_and_lag_per_partition(bus_config: BusConfig, fast_group: dict) -> None:
     config = bus_config.model_copy(update={"topic_partitions": 2})
     with EventPublisher(config) as publisher:
