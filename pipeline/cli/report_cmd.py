@@ -27,9 +27,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -86,9 +86,11 @@ ServerOpt = Annotated[
     bool, typer.Option("--server", help="the duty cycle of a Tinker-compatible server's engines, by session")
 ]
 SinceOpt = Annotated[
-    str | None, typer.Option("--since", help="--server: from this time (unix seconds or ISO 8601, e.g. 2026-01-31T14:00)")
+    str | None, typer.Option("--since", help="--server: from this time (unix seconds or ISO 8601, e.g. 2026-01-31T14:00; "
+                                      "UTC unless it names its zone, e.g. 2026-01-31T14:00+01:00)")
 ]
-UntilOpt = Annotated[str | None, typer.Option("--until", help="--server: up to this time (unix seconds or ISO 8601)")]
+UntilOpt = Annotated[str | None, typer.Option(
+    "--until", help="--server: up to this time (unix seconds or ISO 8601, UTC unless it names its zone)")]
 LastOpt = Annotated[
     float | None, typer.Option("--last", min=0.01, help="--server: the last N minutes (instead of --since)")
 ]
@@ -201,6 +203,7 @@ def server_report(root: str | None, gcs_endpoint: str | None, out: Path | None, 
     if as_json:
         print_json({**body, "server": str(json_path), "figure": str(folder / SERVER_FIGURE)})
         return
+    console.print(_window_line(summary), markup=False)
     for lane, by_session in summary["busy_fraction_by_session"].items():
         shares = ", ".join(f"{session} {_shown(f)}" for session, f in by_session.items())
         console.print(f"{lane}: busy {_shown(summary['busy_fraction'][lane])} ({shares})", markup=False)
@@ -208,7 +211,8 @@ def server_report(root: str | None, gcs_endpoint: str | None, out: Path | None, 
 
 
 def _moment(value: str | None, option: str) -> float | None:
-    """Unix seconds of ``value`` (unix seconds, or an ISO 8601 time: local time unless it names its zone)."""
+    """Unix seconds of ``value`` (unix seconds, or an ISO 8601 time: UTC unless it names its zone, as rlpipe prints
+    times in UTC and a server's activity is usually read from another machine)."""
     if value is None:
         return None
     try:
@@ -218,9 +222,19 @@ def _moment(value: str | None, option: str) -> float | None:
     except ValueError:
         pass
     try:
-        return datetime.fromisoformat(value).timestamp()
+        moment = datetime.fromisoformat(value)
     except ValueError:
         fail(f"{option} {value!r} is neither unix seconds nor an ISO 8601 time (e.g. 2026-01-31T14:00)", EXIT_USAGE)
+    return (moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)).timestamp()
+
+
+def _window_line(summary: dict[str, Any]) -> str:
+    """The window the fractions are of, in UTC (rlpipe prints every time in UTC)."""
+    start, end = summary.get("start"), summary.get("end")
+    if start is None or end is None:
+        return "window: the whole activity recorded"
+    shown = [datetime.fromtimestamp(moment, tz=UTC).strftime("%Y-%m-%d %H:%M:%S") for moment in (start, end)]
+    return f"window {shown[0]} to {shown[1]} UTC ({end - start:.0f} s)"
 
 
 def _shown(fraction: float | None) -> str:

@@ -123,3 +123,27 @@ def test_a_window_bound_that_is_no_moment_is_one_line(tmp_path, since: str) -> N
     assert result.exit_code == 2, result.output
     assert f"--since {since!r} is neither unix seconds nor an ISO 8601 time" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_window_time_without_a_zone_is_read_as_utc_and_the_window_is_printed_in_utc(tmp_path, monkeypatch) -> None:
+    """rlpipe prints times in UTC (``runs list``, ``topics tail``), so a time copied from there means the same
+    moment here whatever the machine's zone: T0 is 2023-11-14 22:13:20 UTC, 17:13:20 in New York."""
+    import time
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    store = _store_with_activity()
+    try:
+        naive = CliRunner().invoke(app, ["--server", "--root", store.root, "--out", str(tmp_path / "naive"),
+                                         "--since", "2023-11-14T22:13:20", "--until", "2023-11-14 22:13:24"])
+        zoned = CliRunner().invoke(app, ["--server", "--root", store.root, "--out", str(tmp_path / "zoned"),
+                                         "--since", "2023-11-14T17:13:20-05:00", "--until", str(T0 + 4.0)])
+    finally:  # the machine's zone back for the tests after this one
+        monkeypatch.undo()
+        time.tzset()
+    for result in (naive, zoned):
+        assert result.exit_code == 0, result.output
+        assert "trainer-t0: busy 75.0% (s1 50.0%, s2 25.0%)" in result.output
+        assert "window 2023-11-14 22:13:20 to 2023-11-14 22:13:24 UTC (4 s)" in result.output
+    help_text = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "400"}).output
+    assert "UTC unless it names its zone" in help_text
