@@ -95,7 +95,8 @@ def joining_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunC
 
 
 class RunMembership:
-    """Which runs join and leave, from ``RunStarted`` and ``RunStopped`` on the control topic (from now on).
+    """Which runs join and leave, from ``RunStarted`` and ``RunStopped`` on the control topic (from now on, or
+    from ``since_s``, unix seconds: the process's start, so what was announced while it set up is not missed).
 
     ``pattern`` None takes no run up (only served runs leave).  ``packable`` raises ValueError for a run that
     cannot share the process's engine with ``template`` (the process's first run).  Not thread-safe: poll it
@@ -103,9 +104,11 @@ class RunMembership:
     """
 
     def __init__(self, pattern: str | None, template: RunConfig, store: ObjectStore,
-                 packable: Callable[[list[RunConfig]], None], follower: EventFollower | None = None) -> None:
+                 packable: Callable[[list[RunConfig]], None], follower: EventFollower | None = None,
+                 since_s: float | None = None) -> None:
         self.pattern, self.template, self.store, self.packable = pattern, template, store, packable
-        self.follower = follower if follower is not None else EventFollower(template.bus, "control", start="latest")
+        self.follower = follower if follower is not None else EventFollower(template.bus, "control", start="latest",
+                                                                            since_s=since_s)
         self._rejoining: dict[str, None] = {}  # served runs stopped and started again: they join on the next call
 
     def changes(self, serving: Collection[str]) -> list[Change]:

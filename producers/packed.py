@@ -133,14 +133,19 @@ def shared_engine(configs: list[RunConfig], model_path: str, seed: int, reserve_
 
 
 def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
-                        follow_runs: str | None = None, template: RunConfig | None = None) -> list[RolloutWorker]:
+                        follow_runs: str | None = None, template: RunConfig | None = None,
+                        started_s: float | None = None) -> list[RolloutWorker]:
     """Serve several runs from one process and one engine until stopped or each wrote its ``max_groups``.
 
     Each run's producer id is the process's with the run appended, so its
     training seeds and episode ids are its own.  With ``follow_runs`` (a glob of
     run ids) runs announced later join and served runs stopped later leave, and
     the process serves until stopped; it may then start with no run, its engine set up from ``template``.
+    ``started_s`` (unix seconds, default now) is when the process started: a run stopped since then is let go
+    even if its ``RunStopped`` came while the process was still importing and connecting; one stopped before
+    it is served as named (that is how stopped packed runs are resumed).
     """
+    started_s = time.time() if started_s is None else started_s
     first = engine_config(configs, follow_runs, template, check_packable)
     stop = stop or StopFlag()
     process_id = first.producer.producer_id or default_producer_id()
@@ -159,8 +164,8 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
         for cfg, connection in zip(configs, connections, strict=True):
             check_run_lora_rank(cfg.model_copy(update={"sampler": first.sampler}), connection.archive.store)
         # every packed producer lets a run go on its RunStopped; with --follow-runs it also takes new runs up.  It
-        # follows the control topic from before the engine starts, so a run stopped meanwhile is let go too.
-        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
+        # follows the control topic from the process's start, so a run stopped while it set up is let go too.
+        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable, since_s=started_s)
         model_path = resolve_model(first.model)
         streams = SamplingStreams(first.sampler.seed, process_id)
         log.info("initialising one %s engine on %s for runs %s", first.sampler.backend, model_path,

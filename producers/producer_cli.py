@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import typer
@@ -41,6 +42,7 @@ def start(
     starts with no run, its engine set up from the configuration.
     SIGTERM or Ctrl-C finishes cleanly: complete groups are flushed, unfinished ones dropped.
     """
+    started_s = time.time()  # a packed producer follows the control topic from here (before its slow imports)
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
     for cfg in cfgs:
@@ -57,7 +59,7 @@ def start(
         named = bool(run or config)  # following with no run named: an engine waiting for runs to join
         try:
             run_packed_producer(cfgs if named or follow_runs is None else [], StopFlag().install(),
-                                follow_runs=follow_runs, template=cfgs[0])
+                                follow_runs=follow_runs, template=cfgs[0], started_s=started_s)
         except RunsFailedError as exc:  # stopped while a run waited to come back from an error: one line, exit 1
             fail(str(exc))
         return

@@ -198,3 +198,32 @@ def test_a_process_stopped_while_a_run_waits_to_come_back_ends_in_an_error_namin
     comebacks.failed(RunConfig(run_id="d"), OSError("disk\nfull"))
     with pytest.raises(RunsFailedError, match=r"run c has a newer learner; run d .*OSError: disk full"):
         comebacks.check_settled()  # a lease taken is named as a single-run learner's exit names it
+
+
+def test_a_run_stopped_after_the_process_started_leaves_though_it_stopped_before_the_log_was_followed(
+        tmp_path, bus_config):
+    """The control topic is followed from the process's start, not from when it is first read (after the
+    imports and the connections): a stop in between is not missed.  A stop before the start is an earlier
+    session's end (a run resumed by naming it), so it makes no run leave."""
+    import time
+
+    from pipeline.io.bus import EventPublisher
+    from pipeline.runtime import Announcer
+
+    store = ObjectStore(tmp_path.as_uri())
+    template = config("base", bus=bus_config.model_dump(), store={"root": store.root})
+    with EventPublisher(bus_config) as publisher:
+        Announcer(publisher, "exp-old")(RunStopped(reason="the last session's end"))
+        time.sleep(0.05)  # its timestamp before the start, in milliseconds
+        started_s = time.time()
+        Announcer(publisher, "exp-1")(RunStopped(reason="stopped while the process set up"))
+        membership = RunMembership(None, template, store, check_packable, since_s=started_s)
+    try:
+        changes: list = []
+        deadline = time.monotonic() + 10.0
+        while not changes and time.monotonic() < deadline:  # poll(0) hands over what a fetch brought: a pass or two
+            changes = membership.changes(serving={"exp-old", "exp-1"})
+            time.sleep(0.1)
+        assert changes == [Left("exp-1")]
+    finally:
+        membership.close()

@@ -33,8 +33,9 @@ class EventFollower:
     the registry itself), or counting its run's unconsumed batches on
     ``<ns>.trajectories``.  It is assigned every partition and positioned before
     the constructor returns (``start``: ``"latest"`` or ``"earliest"``; ``offsets``
-    overrides that per partition), so every event published after construction is
-    delivered.  Without a group there is no join: on the local broker a join takes
+    overrides that per partition; ``since_s``, unix seconds, places each partition at its
+    first event published at or after that moment, its end when there is none), so every
+    event published after construction (or since ``since_s``) is delivered.  Without a group there is no join: on the local broker a join takes
     3-25 s and is repeated after every rebalance, and kafka-python completes one only
     inside a poll that waits.  ``poll(0)`` never waits: it hands over what earlier
     fetches brought and starts the next, so a caller polling every pass of its loop
@@ -56,9 +57,12 @@ class EventFollower:
         bootstrap_servers: str | None = None,
         create_topics: bool = True,
         fetch_max_wait_ms: int = 500,
+        since_s: float | None = None,
     ) -> None:
         if start not in ("earliest", "latest"):
             raise ValueError(f"start must be 'earliest' or 'latest', got {start!r}")
+        if since_s is not None and not since_s >= 0:
+            raise ValueError(f"since_s must be unix seconds (zero or more), got {since_s!r}")
         self.bus_config = bus_config
         self.topic = resolve_topic(bus_config.namespace, kind)
         self.kind = topic_kind(bus_config.namespace, self.topic)
@@ -81,12 +85,12 @@ class EventFollower:
         self._consumer: KafkaConsumer = _connect(KafkaConsumer, bus_config, settings)
         try:
             with self._errors("assign"):
-                self._assign(start, offsets or {})
+                self._assign(start, offsets or {}, since_s)
         except BaseException:
             self._consumer.close(autocommit=False, timeout_ms=2000)
             raise
 
-    def _assign(self, start: str, offsets: Mapping[int, int]) -> None:
+    def _assign(self, start: str, offsets: Mapping[int, int], since_s: float | None = None) -> None:
         # A topic another process has just created may reach this client's metadata a moment later.
         deadline = time.monotonic() + self._timeout_ms / 1000
         while not (partitions := self._consumer.partitions_for_topic(self.topic)) and time.monotonic() < deadline:
@@ -95,9 +99,17 @@ class EventFollower:
             raise UnknownTopicError(f"topic {self.topic} does not exist; see `rlpipe topics list`")
         tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
         self._consumer.assign(tps)
+        found = {} if since_s is None else self._consumer.offsets_for_times({tp: int(since_s * 1000) for tp in tps})
         for tp in tps:
             if tp.partition in offsets:
                 self._consumer.seek(tp, int(offsets[tp.partition]))
+            elif since_s is not None:
+                at = found.get(tp)
+                # none published since (Tansu answers that with timestamp -1 and offset 0, not with None): the end
+                if at is None or at.timestamp < 0:
+                    self._consumer.seek_to_end(tp)
+                else:
+                    self._consumer.seek(tp, int(at.offset))
             elif start == "latest":
                 self._consumer.seek_to_end(tp)
             else:

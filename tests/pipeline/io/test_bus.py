@@ -746,6 +746,22 @@ class _LateMetadataClient:
         return 0
 
 
+def test_a_follower_placed_at_a_moment_reads_what_was_published_since_and_nothing_before(
+        bus_config: BusConfig) -> None:
+    topic = f"{bus_config.namespace}.control"
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", _stop("run-a", "before"))
+        time.sleep(0.05)  # the next event's timestamp after the moment, in milliseconds
+        moment = time.time()
+        since = publisher.publish("control", _stop("run-a", "since"))[1]
+        with bus.EventFollower(bus_config, "control", since_s=moment) as placed, \
+                bus.EventFollower(bus_config, "control", since_s=time.time() + 60) as later:
+            assert placed.positions() == {(topic, 0): since}
+            assert later.positions() == {(topic, 0): since + 1}  # nothing published since: its end
+    with pytest.raises(ValueError, match="since_s must be unix seconds"):
+        bus.EventFollower(bus_config, "control", since_s=float("nan"))
+
+
 def test_a_follower_waits_for_a_topic_just_created_elsewhere_to_reach_its_metadata() -> None:
     # Two processes of a run create the namespace's topics at once: the one that lost the race (the topic already
     # exists) goes on at once, before the broker it asks for metadata may know the topic.
