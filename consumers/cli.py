@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import date
 from typing import Annotated
 
@@ -46,6 +47,7 @@ def start(
     SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0 (1 when a
     packed run was at that moment stopped on an error, waiting to come back).
     """
+    started_s = time.time()  # a packed learner follows the control topic from here (before its slow imports)
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
     for cfg in cfgs:
@@ -85,7 +87,7 @@ def start(
 
             named = bool(run or config)  # following with no run named: an engine waiting for runs to join
             run_packed_learner(cfgs if named or follow_runs is None else [], StopFlag().install(),
-                               follow_runs=follow_runs, template=cfgs[0])
+                               follow_runs=follow_runs, template=cfgs[0], started_s=started_s)
     except (LeaseLostError, RunsFailedError) as exc:  # another learner took over, a packed run failing: one line
         fail(str(exc))
 

@@ -330,7 +330,8 @@ def check_packable(configs: list[RunConfig]) -> None:
 
 def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                        on_step: Callable[[str, dict], None] | None = None,
-                       follow_runs: str | None = None, template: RunConfig | None = None) -> PackedLearner:
+                       follow_runs: str | None = None, template: RunConfig | None = None,
+                       started_s: float | None = None) -> PackedLearner:
     """Train several runs in one process on one engine until stopped or each reaches its ``max_steps``.
 
     Every run is set up as ``run_learner`` sets up one (its ``run.json``, its own
@@ -338,8 +339,11 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
     run has waiting and writes each one's final checkpoint.  With ``follow_runs``
     (a glob of run ids) runs announced later join and served runs stopped later
     leave (``pipeline.membership``), and the process serves until stopped; it may then start with no run, its
-    engine set up from ``template`` (base model, device, event log and store).
+    engine set up from ``template`` (base model, device, event log and store).  ``started_s`` (unix seconds,
+    default now) is when the process started: a run stopped since then leaves, even if its ``RunStopped`` came
+    while the process was still importing; one stopped before it is trained as named (resuming packed runs).
     """
+    started_s = time.time() if started_s is None else started_s
     first = engine_config(configs, follow_runs, template, check_packable)
     stop = stop or StopFlag()
     health = HealthServer(first.learner.health_port).start()
@@ -362,7 +366,8 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
     try:
         # every packed learner lets a run go on its RunStopped; with --follow-runs it also takes new runs up.
         # Followed from before the model loads, so a run announced meanwhile is not missed.
-        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable)
+        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable,
+                                   since_s=started_s)
         base_model = resolve_base_model(first.model)
         if first.learner.torch_threads:
             torch.set_num_threads(first.learner.torch_threads)
