@@ -16,8 +16,10 @@ however long the run.  The per-step metrics, with the ``batch_id``s each step
 trained, live in the step log (``pipeline.io.steplog``: one immutable object per
 step, written before the checkpoint that covers it); loading a checkpoint
 rebuilds the trained ``batch_id``s from the step objects up to its step.  The
-newest complete checkpoint is the highest step whose manifest exists and whose
-files match their digests.  Nothing is unpickled: safetensors and JSON only.
+newest complete checkpoint is the highest step whose manifest exists, whose
+files match their digests, and whose step objects are still the ones its
+learner wrote (``state.json`` records the step log's hash-chain head:
+``StepLog.history``).  Nothing is unpickled: safetensors and JSON only.
 
 Checkpoints written before the step log existed carry ``trained`` and
 ``step_log`` inline; they load as they are, and the next ``save`` first writes
@@ -45,7 +47,7 @@ import numpy as np
 import torch
 from safetensors.torch import load as load_tensors
 
-from pipeline.io.steplog import StepLog, trained_batches
+from pipeline.io.steplog import StepLog, StepLogForkedError, linked, trained_batches
 from pipeline.io.store import ChecksumError, ObjectStore
 from pipeline.io.tensors import save_tensors
 from schemas.checkpoint import (
@@ -147,8 +149,16 @@ class CheckpointStore:
         self.prefix = checkpoint_prefix(run_id)
         self.steps = StepLog(store, run_id)
 
+    def link_step(self, state: LearnerState, entry: dict[str, Any]) -> dict[str, Any]:
+        """Step ``state.step``'s entry as the step log stores it: naming the step object before it in this
+        learner's history, whose digest becomes ``state.step_log_head`` (memory only; before the step's
+        checkpoint is prepared, so that the checkpoint records it)."""
+        entry, state.step_log_head = linked(entry, state.step_log_head)
+        return entry
+
     def record_step(self, entry: dict[str, Any]) -> None:
-        """Append one step's metrics (with the ``batch_ids`` it trained) to the step log, before any checkpoint."""
+        """Append one step's linked entry (``link_step``: its metrics, with the ``batch_ids`` it trained) to the
+        step log, before any checkpoint."""
         self.steps.write(entry)
 
     def save(
@@ -254,7 +264,7 @@ class CheckpointStore:
         rng_tensors = {k: optimizer.pop(k) for k in [k for k in optimizer if k.startswith("rng.")]}
         state = LearnerState.from_json(meta["state"])
         if not state.legacy_layout:  # the current layout: trained ids come from the step log
-            state.trained = trained_batches(self.steps.read(upto=state.step))
+            state.trained = trained_batches(self.steps.history(state.step, state.step_log_head))
         return Checkpoint(
             key=key, state=state, adapter=load_tensors(blobs["adapter.safetensors"]),
             optimizer=optimizer, scalars=meta["scalars"], rng=meta["rng"], rng_tensors=rng_tensors,
@@ -283,15 +293,21 @@ class CheckpointStore:
         Only damage skips a checkpoint: a file whose bytes do not match the
         manifest's digest (``ChecksumError``) or a file the manifest names that is
         gone (``FileNotFoundError``); then the next older one is tried, with a
-        warning.  Every other error (a timeout, a refused connection, a permission
-        error) is raised: the process exits and is restarted to try again, instead
-        of resuming from an older checkpoint (or from scratch) and dropping the
-        steps trained since.
+        warning.  So does a checkpoint whose step objects a newer learner rewrote
+        (``StepLogForkedError``): one a learner fenced out a moment late committed
+        after the newer one had resumed from an older checkpoint.  Its weights
+        trained other batches than the step log now records, so resuming from it
+        would skip batches never trained and train others twice.  Every other
+        error (a timeout, a refused connection, a permission error) is raised: the
+        process exits and is restarted to try again, instead of resuming from an
+        older checkpoint (or from scratch) and dropping the steps trained since.
         """
         for _, key in self.complete():
             try:
                 return self.load(key)
             except (ChecksumError, FileNotFoundError) as exc:
                 log.warning("skipping damaged checkpoint %s: %s", key, exc)
+            except StepLogForkedError as exc:
+                log.warning("skipping checkpoint %s, committed by a learner fenced out late: %s", key, exc)
         return None
 

@@ -29,7 +29,10 @@ topic), so producers' backpressure never waits for a checkpoint's commit; a
 batch that can never be read is dead-lettered and skipped instead of crashing
 the learner at the same offset forever; and the run's learner lease
 (``consumers.lease``), taken on resume, is checked before every commit point,
-so a second learner of the run fences this one out.
+so a second learner of the run fences this one out; a checkpoint this one still
+commits after the second resumed is skipped by later resumes once the second
+rewrote the step objects it covers (each checkpoint records the step log's
+hash-chain head, ``pipeline.io.steplog``).
 
 The source is a small protocol: Kafka (``consumers.sources.KafkaSource``) and
 offline replay from the store (``consumers.sources.ReplaySource``) feed the same
@@ -411,10 +414,12 @@ class Learner:
             self.unpublished_training = False
         metrics["version"] = self.state.version
         self.last_metrics = metrics
+        # the step object's content (a copy, whatever callers do with ``metrics``), linked before the checkpoint
+        # that records its digest is prepared
+        recorded = self.checkpoints.link_step(self.state, metrics)
         prepared = (self.outputs.prepare_checkpoint(self.policy, self.state, metrics)
                     if self.state.step % self.cfg.checkpoint_every == 0 else None)
         self.metric_logger.log(metrics)
-        recorded = dict(metrics)  # the step object's content, whatever callers do with ``metrics``
         self.outputs.writer.submit(lambda: self.outputs.write_step(recorded, publication, prepared))
         if not self.pipelined:
             self.finish_writes()

@@ -21,7 +21,11 @@ restarts it hands the lease back: still one learner at a time).
 
 The check and the manifest write are two calls, so a learner that loses the
 lease in between may commit once more; both learners then wrote a valid manifest
-from a complete state, and versions and checkpoints stay dense and readable.
+from a complete state, and versions and checkpoints stay dense and readable.  A
+checkpoint committed that late may cover steps the newer learner (resumed from an
+older checkpoint) trains again on other batches and rewrites in the step log; the
+step log's hash chain (``pipeline.io.steplog``) makes a resume skip it then, so its
+weights are never paired with the other learner's record of what was trained.
 """
 
 from __future__ import annotations

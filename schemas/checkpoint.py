@@ -50,6 +50,9 @@ class LearnerState:
     # the inline per-step metrics of a checkpoint in the old layout, written out as step objects by the next save
     legacy_step_log: list[dict[str, Any]] = field(default_factory=list, repr=False)
     log_identity: dict[str, str] = field(default_factory=dict)  # topic -> id of the log ``positions`` point into
+    # sha256 of the step object of ``step`` as this learner wrote it (``pipeline.io.steplog``: the step log's hash
+    # chain); None in checkpoints written before it was recorded, and before the first step
+    step_log_head: str | None = None
     # read from a checkpoint of the old layout (``trained`` and the step log inline); never written
     legacy_layout: bool = field(default=False, repr=False, compare=False)
 
@@ -57,6 +60,7 @@ class LearnerState:
         return {
             "step": self.step, "version": self.version, "positions": self.positions,
             "dropped_stale_rows": self.dropped_stale_rows, "log_identity": self.log_identity,
+            "step_log_head": self.step_log_head,
         }
 
     @classmethod
@@ -66,6 +70,7 @@ class LearnerState:
             trained=dict(data.get("trained", {})), dropped_stale_rows=int(data.get("dropped_stale_rows", 0)),
             legacy_step_log=list(data.get("step_log", [])), log_identity=dict(data.get("log_identity", {})),
             legacy_layout="step_log" in data,
+            step_log_head=None if data.get("step_log_head") is None else str(data["step_log_head"]),
         )
 
 

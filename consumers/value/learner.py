@@ -308,7 +308,7 @@ class ValueLearner:
             self.publish(metrics)
         metrics["version"] = self.state.version
         metrics["finished_at"] = time.time()
-        self.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
+        self.checkpoints.record_step(self.checkpoints.link_step(self.state, metrics))  # before its checkpoint
         self.last_metrics = metrics
         if self.state.step % self.cfg.checkpoint_every == 0:
             self.checkpoint()

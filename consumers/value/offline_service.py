@@ -195,7 +195,7 @@ def replay_train_offline(config: RunConfig, dataset: str) -> OfflineRun:
         if run.state.step % learner_cfg.publish_every == 0 or last:
             publish(run, metrics)
         metrics["version"] = run.state.version
-        run.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
+        run.checkpoints.record_step(run.checkpoints.link_step(run.state, metrics))  # before its checkpoint
         if run.state.step % learner_cfg.checkpoint_every == 0 or last:
             checkpoint(run)
         log.info("step %d v%d loss %.4f td %.3f q %.2f", run.state.step, run.state.version, metrics["loss"],

@@ -22,6 +22,17 @@ therefore written by the attempt that wrote that checkpoint, or by one it resume
 from).  Readers pass ``upto`` (the checkpoint's step) to see only the history.
 An object that is not a JSON object of the step its name says is refused
 (``StepLogError``) rather than read: the dedup of batch ids would be wrong.
+
+Lineage.  Each entry names the sha256 of the step object before it in its
+learner's history (``previous_sha256``; None for step 1 and after an entry that
+predates the field), and a checkpoint records the sha256 of its step's object
+(``LearnerState.step_log_head``), so the objects a checkpoint covers form a hash
+chain ending in it.  A learner fenced out by a newer one may still commit one
+checkpoint (its lease check and its manifest write are two calls) after the newer
+one resumed from an older checkpoint; the newer one then rewrites the step objects
+above that older checkpoint.  ``history`` refuses a checkpoint whose chain no
+longer holds (``StepLogForkedError``): resuming from it would pair its weights
+with another learner's record of what was trained.
 """
 
 from __future__ import annotations
@@ -32,13 +43,14 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pipeline.io.store import ObjectStore
+from pipeline.io.store import ObjectStore, sha256_hex
 from schemas.names import validate_name
 
 log = logging.getLogger("rlpipe.learner")
 
 _STEP_RE = re.compile(r"step-(\d{6,})\.json")
 _READ_THREADS = 16  # concurrent GETs: thousands of small objects on gs:// are latency-bound
+PREVIOUS_KEY = "previous_sha256"  # an entry's link to the step object before it in its learner's history
 
 
 class StepLogGapError(RuntimeError):
@@ -47,6 +59,22 @@ class StepLogGapError(RuntimeError):
 
 class StepLogError(ValueError):
     """A step object that is not one: not JSON, not an object, or the entry of another step than its name's."""
+
+
+class StepLogForkedError(RuntimeError):
+    """The step objects a checkpoint covers are not the ones its learner wrote: a learner that took the run over
+    rewrote them, so the checkpoint is not part of the run's history any more."""
+
+
+def encode(entry: dict[str, Any]) -> bytes:
+    """A step entry's stored bytes (their sha256 is what the next entry and a checkpoint name)."""
+    return json.dumps(entry, sort_keys=True).encode()
+
+
+def linked(entry: dict[str, Any], previous_sha256: str | None) -> tuple[dict[str, Any], str]:
+    """``entry`` naming the step object before it, and the sha256 of its stored bytes (the new head)."""
+    entry = {**entry, PREVIOUS_KEY: previous_sha256}
+    return entry, sha256_hex(encode(entry))
 
 
 class StepLog:
@@ -63,7 +91,7 @@ class StepLog:
     def write(self, entry: dict[str, Any]) -> None:
         """Store ``entry`` (its ``step`` names it): created, or replacing a provisional entry of a crashed attempt."""
         step = int(entry["step"])
-        data = json.dumps(entry, sort_keys=True).encode()
+        data = encode(entry)
         try:
             self.store.put_create_once(self.key(step), data)
         except FileExistsError:
@@ -81,6 +109,28 @@ class StepLog:
         With ``upto`` every step of the range must be there (``StepLogGapError`` otherwise): the
         learner's dedup of batch ids relies on the complete history.
         """
+        return [entry for _, entry in self._read(upto, since)]
+
+    def history(self, upto: int, head: str | None) -> list[dict[str, Any]]:
+        """Entries of steps 1..``upto`` (as ``read``), refused with ``StepLogForkedError`` unless they are the
+        chain that a checkpoint at ``upto`` recorded: step ``upto``'s object has the sha256 ``head``, and each
+        entry's ``previous_sha256`` is that of the object before it (back to an entry naming none).  ``head``
+        None (a checkpoint that recorded none) checks nothing."""
+        blobs_entries = self._read(upto, since=1)
+        expected = head
+        for blob, entry in reversed(blobs_entries):
+            if expected is None:
+                break
+            if sha256_hex(blob) != expected:
+                raise StepLogForkedError(
+                    f"run {self.run_id}: step object {self.store.url(self.key(int(entry['step'])))} is not the one "
+                    f"the checkpoint at step {upto} follows; a learner that took the run over rewrote it"
+                )
+            expected = entry.get(PREVIOUS_KEY)
+        return [entry for _, entry in blobs_entries]
+
+    def _read(self, upto: int | None, since: int) -> list[tuple[bytes, dict[str, Any]]]:
+        """(bytes, entry) of steps ``since``..``upto`` in order, gap-checked as ``read`` says."""
         steps = [s for s in self.steps() if s >= since and (upto is None or s <= upto)]
         if upto is not None and len(steps) != upto - since + 1:
             missing = sorted(set(range(since, upto + 1)) - set(steps))
@@ -91,7 +141,7 @@ class StepLog:
             )
         with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
             blobs = list(pool.map(self._get, steps))
-        return [self._entry(step, blob) for step, blob in zip(steps, blobs, strict=True)]
+        return [(blob, self._entry(step, blob)) for step, blob in zip(steps, blobs, strict=True)]
 
     def _entry(self, step: int, blob: bytes) -> dict[str, Any]:
         """The entry in ``blob``, refused (``StepLogError``, naming the object) unless it is step ``step``'s."""

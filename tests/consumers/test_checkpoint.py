@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save as save_tensors
 
 from consumers.checkpoint import CheckpointManifestError, CheckpointStore
-from pipeline.io.steplog import StepLog, StepLogError, StepLogGapError
+from pipeline.io.steplog import StepLog, StepLogError, StepLogForkedError, StepLogGapError
 from pipeline.io.store import ObjectStore
 from schemas.checkpoint import LearnerState, checkpoint_prefix
 from schemas.names import InvalidNameError
@@ -128,8 +128,9 @@ def run_steps(checkpoints: CheckpointStore, state: LearnerState, until: int, bat
         ids = [f"producer-{state.step % 3}-b{state.step:06d}-{k}" for k in range(batches_per_step)]
         state.trained.update({batch_id: state.step for batch_id in ids})
         state.positions["rlpipe.trajectories:0"] = state.step * batches_per_step
-        checkpoints.record_step({"step": state.step, "batch_ids": ids, "rows": 16, "loss": 0.5,
-                                 "staleness_histogram": {"0": 16}, "version": state.version})
+        checkpoints.record_step(checkpoints.link_step(state, {"step": state.step, "batch_ids": ids, "rows": 16,
+                                                              "loss": 0.5, "staleness_histogram": {"0": 16},
+                                                              "version": state.version}))
 
 
 def checkpoint_bytes(store: ObjectStore, key: str) -> int:
@@ -245,6 +246,30 @@ def test_a_damaged_step_object_is_an_error_naming_it(store: FlakyStore, entry: b
     with pytest.raises(StepLogError, match=r"step-000002\.json .*restore it from a backup") as caught:
         checkpoints.latest()
     assert "\n" not in str(caught.value)
+
+def test_a_checkpoint_whose_steps_a_newer_learner_rewrote_is_skipped_for_the_one_before_it(store: FlakyStore) -> None:
+    """A learner fenced out a moment late commits its step-4 checkpoint after a newer learner resumed from step 2;
+    the newer one rewrites step 3 (other batches: it reads the partitions in another order) and dies.  Step 4's
+    object is still the old learner's, but the chain through step 3 is broken: the resume takes step 2."""
+    checkpoints, old = CheckpointStore(store, RUN), LearnerState()
+    run_steps(checkpoints, old, 2)
+    kept = checkpoints.save(old, ADAPTER, {}, {})
+    newer = checkpoints.latest().state  # the newer learner resumes before the old one's next manifest lands
+    run_steps(checkpoints, old, 4)
+    late = checkpoints.save(old, ADAPTER, {}, {})
+    assert checkpoints.latest().key == late  # nothing rewritten yet: the late checkpoint is the run's history
+    run_steps(checkpoints, newer, 3, batches_per_step=1)  # rewrites step 3, then dies
+    assert checkpoints.complete()[0] == (4, late)
+    with pytest.raises(StepLogForkedError, match=r"step-000003\.json is not the one the checkpoint at step 4") as forked:
+        checkpoints.load(late)
+    assert "\n" not in str(forked.value)
+    resumed = checkpoints.latest()
+    assert resumed.key == kept and resumed.state.step == 2
+    assert sorted(resumed.state.trained.values()) == [1, 1, 2, 2]
+    run_steps(checkpoints, resumed.state, 4, batches_per_step=1)  # the resumed learner's own steps 3 and 4
+    newest = checkpoints.save(resumed.state, ADAPTER, {}, {})
+    assert checkpoints.latest().key == newest
+
 
 def write_old_layout_checkpoint(store: ObjectStore, step: int) -> dict[str, int]:
     """A checkpoint as written before the step log: ``trained`` and ``step_log`` inside state.json."""

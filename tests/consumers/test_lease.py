@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from consumers.checkpoint import CheckpointStore
-from consumers.lease import LearnerLease, LeaseLostError
+from consumers.learner import Learner
+from consumers.lease import FencedStore, LearnerLease, LeaseLostError
+from consumers.policy import LoraPolicy
 from consumers.service import build_learner
-from consumers.sources import ReplaySource
+from consumers.sources import BatchRef, ReplaySource
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.steplog import StepLog
@@ -128,3 +134,107 @@ def test_a_fenced_learner_exits_with_one_line(monkeypatch):
     assert result.output.strip().splitlines() == [f"error: run {RUN} has a newer learner: pod-b (epoch 2, since "
                                                   "2026-01-01T00:00:00+00:00); this learner (pod-a, epoch 1) stops "
                                                   "without committing; run one learner per run"]
+
+
+class TwoPartitions:
+    """A Kafka-like log of two partitions holding the stored batches, two each; ``first`` names the partition a
+    poll serves while it has batches (consumers of one log get its partitions in different orders)."""
+
+    def __init__(self, store: ObjectStore, first: str) -> None:
+        commits = TrajectoryArchive(store).commits(RUN)
+        self.logs = {"t:0": commits[:2], "t:1": commits[2:]}
+        self.order = [first, *(key for key in self.logs if key != first)]
+        self.next = dict.fromkeys(self.logs, 0)
+
+    def poll(self, timeout_s: float) -> list[BatchRef]:
+        for key in self.order:
+            if self.next[key] < len(self.logs[key]):
+                commit = self.logs[key][self.next[key]]
+                self.next[key] += 1
+                return [BatchRef(commit.batch_id, commit.key, commit.sha256, {key: self.next[key]})]
+        return []
+
+    def seek(self, positions: dict[str, int]) -> None:
+        self.next = {key: positions.get(key, 0) for key in self.logs}
+
+    def commit(self, positions: dict[str, int]) -> None:
+        """Nothing to commit: positions come from the checkpoint."""
+
+    def keep_alive(self) -> None:
+        """Nothing to keep alive."""
+
+    def exhausted(self) -> bool:
+        return all(self.next[key] == len(log) for key, log in self.logs.items())
+
+
+class BeforeCheckpointManifest:
+    """``store``, running ``action`` once just before the manifest of a checkpoint of ``step`` is created: under a
+    ``FencedStore``, after the lease check passed."""
+
+    def __init__(self, store: ObjectStore, step: int, action: Callable[[], None]) -> None:
+        self._store, self.step, self.action = store, step, action
+
+    def put_create_once(self, key: str, data: bytes) -> str:
+        if f"/checkpoints/step-{self.step:06d}-" in key and key.endswith("/manifest.json") and self.action:
+            action, self.action = self.action, None
+            action()
+        return self._store.put_create_once(key, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+class Killed(Exception):
+    """The learner process dying."""
+
+
+def fenced_learner(store: ObjectStore, setup: dict, holder: str, first: str, hooked: Any = None) -> Learner:
+    """A learner built as ``build_learner`` builds one (lease, fenced registry and checkpoints), fed by
+    ``TwoPartitions``; ``hooked`` wraps ``store`` under the fence."""
+    cfg = LearnerConfig(lora_rank=4, lora_alpha=8, learning_rate=2e-2, batch_rows=16, max_staleness=1000)
+    lease = LearnerLease(store, RUN, holder=holder)
+    fenced: Any = FencedStore(hooked or store, lease)
+    return Learner(run_id=RUN, base_model=setup["model_dir"], config=cfg, policy=LoraPolicy(setup["model_dir"], cfg),
+                   archive=TrajectoryArchive(store), registry=AdapterRegistry(fenced, RUN),
+                   checkpoints=CheckpointStore(fenced, RUN), source=TwoPartitions(store, first), lease=lease)
+
+
+def test_a_checkpoint_committed_after_a_takeover_is_not_resumed_once_its_steps_were_rewritten(setup):
+    """The lease check and the manifest write are two calls.  Learner A passes the check for its step-2
+    checkpoint; learner B takes the lease and resumes from step 1 (A's step 2 is not committed yet); A's
+    manifest lands.  B reads the partitions in another order, so its step 2 trains another batch and rewrites
+    the step-2 object; B dies before its own checkpoint.  Learner C must not resume from A's step 2 with B's
+    step-2 object as its history: it would skip B's batch, which A's weights never trained (lost), and never
+    skip A's, which they did (trained twice if announced again)."""
+    store = ObjectStore(f"memory://rlpipe-test-{uuid.uuid4().hex}/prefix")
+    write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(3))
+    learners: dict[str, Learner] = {}
+    trained: dict[str, list[list[str]]] = {"a": [], "b": [], "c": []}  # per learner: each step's batch ids
+
+    def take_over() -> None:
+        learners["b"] = fenced_learner(store, setup, "pod-b", first="t:1",
+                                       hooked=BeforeCheckpointManifest(store, 2, crash))
+        assert learners["b"].resume() and learners["b"].state.step == 1
+
+    def crash() -> None:
+        raise Killed("pod-b dies before its step-2 checkpoint")
+
+    a = fenced_learner(store, setup, "pod-a", first="t:0", hooked=BeforeCheckpointManifest(store, 2, take_over))
+    a.resume()
+    for _ in range(2):
+        trained["a"].append(one_step(a)["batch_ids"])  # step 2's manifest lands after pod-b resumed from step 1
+    assert CheckpointStore(store, RUN).complete()[0][0] == 2
+    with pytest.raises(Killed):
+        one_step(learners["b"])  # trains another batch as step 2 and rewrites the step-2 object
+    assert StepLog(store, RUN).read(upto=2)[1]["batch_ids"] != trained["a"][1]
+
+    c = fenced_learner(store, setup, "pod-c", first="t:0")
+    assert c.resume()
+    resumed_from = [batch for step in trained["a"][:c.state.step] for batch in step]  # pod-a wrote every checkpoint
+    assert sorted(c.state.trained) == sorted(resumed_from)  # the dedup set is what the weights trained
+    c.run(poll_timeout_s=0, on_step=lambda metrics: trained["c"].append(metrics["batch_ids"]))
+    in_the_weights = resumed_from + [batch for step in trained["c"] for batch in step]
+    every_batch = [commit.batch_id for commit in TrajectoryArchive(store).commits(RUN)]
+    assert sorted(in_the_weights) == sorted(every_batch)  # each batch trained once: none lost, none twice
+    history = StepLog(store, RUN).read(upto=c.state.step)
+    assert sorted(batch for entry in history for batch in entry["batch_ids"]) == sorted(every_batch)
