@@ -32,6 +32,10 @@ Isolation: a turn holds the engine with the run's adapter active (only its LoRA
 weights require gradients) and the run's own torch, numpy and Python RNG states
 in place, so what one run draws never depends on the others; a run trained
 packed reaches the weights it reaches alone on the same batches.
+
+Health: ``/metrics`` carries every series of a single-run learner for each run,
+labelled ``run="<id>"``, and ``rlpipe_learner_run_serving{run}``; ``/readyz`` names
+each run; a run that leaves is no longer reported (``pipeline.health.PackedRunsHealth``).
 """
 
 from __future__ import annotations
@@ -54,9 +58,9 @@ from consumers.engine_data import EngineError
 from consumers.learner import Learner
 from consumers.lease import LeaseLostError
 from consumers.policy import AdapterSnapshot, LoraPolicy, pick_device
-from consumers.service import build_learner, finish, progress_line
+from consumers.service import build_learner, finish, progress_line, record_resumed, record_step_metrics
 from consumers.sources import KafkaSource
-from pipeline.health import HealthServer
+from pipeline.health import HealthServer, PackedRunsHealth
 from pipeline.io.bus import EventPublisher
 from pipeline.membership import Comebacks, Joined, RunMembership, engine_config
 from pipeline.models import resolve_base_model
@@ -356,10 +360,12 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
     configs_of: dict[str, RunConfig] = {}
     comebacks = Comebacks()
     membership: RunMembership | None = None
+    runs_health = PackedRunsHealth(health, "rlpipe_learner")
 
     def after_step(run_id: str, metrics: dict[str, Any]) -> None:
         comebacks.progressed(run_id)
         log.info("%s: %s", run_id, progress_line(metrics))
+        record_step_metrics(health, metrics, runs_health.labels(run_id))
         if on_step is not None:
             on_step(run_id, metrics)
 
@@ -392,31 +398,44 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
         packed = PackedLearner(engine, [open_run(cfg) for cfg in configs])
         done.add("broker")
         packed.resume()
+        for learner in learners.values():
+            record_resumed(health, learner, runs_health.labels(learner.run_id))
         done.add("resumed")
         health.add_readiness_check("runs", lambda: bool(packed.runs) or not comebacks.waiting)  # not all failing
         health.set_gauge("rlpipe_learner_up", 1.0, "1 once the learner is set up and training")
 
-        def note_waiting() -> None:
+        def note_runs() -> None:
+            """Who is served and who waits, on ``/metrics`` and ``/readyz``; the series of a run gone removed."""
             health.set_gauge("rlpipe_learner_runs_waiting", float(len(comebacks.waiting)),
                              "runs stopped on an error, waiting to come back from their newest checkpoint")
+            runs_health.sync([run.run_id for run in packed.runs],
+                             {run_id: comebacks.errors.get(run_id, "") for run_id in comebacks.waiting})
+
+        note_runs()
 
         def failed(run_id: str, error: Exception) -> None:
             close_run(run_id)
             comebacks.failed(configs_of[run_id], error, again=not isinstance(error, LeaseLostError))
-            note_waiting()
+            note_runs()
+
+        def joined(config: RunConfig) -> Exception | None:
+            error = join(packed, config, open_run, close_run)
+            if error is None:
+                record_resumed(health, learners[config.run_id], runs_health.labels(config.run_id))
+            return error
 
         def between_rounds(packed: PackedLearner) -> None:
             assert membership is not None
             for config in comebacks.due():
                 log.info("run %s comes back", config.run_id)
-                error = join(packed, config, open_run, close_run)
+                error = joined(config)
                 if error is not None:
                     failed(config.run_id, error)
-            note_waiting()
+            note_runs()
             serving = {run.run_id for run in packed.runs}
             for change in membership.changes(serving | set(comebacks.waiting)):
                 if isinstance(change, Joined):
-                    join(packed, change.config, open_run, close_run)
+                    joined(change.config)
                 elif change.run_id not in serving:  # stopped while waiting to come back
                     comebacks.forget(change.run_id)
                     log.info("run %s stopped while waiting to come back; it stays stopped", change.run_id)
@@ -438,6 +457,7 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                     close_run(change.run_id)
                     log.info("run %s left at step %d, version %d", learner.run_id, learner.state.step,
                              learner.state.version)
+            note_runs()
 
         def close_run(run_id: str) -> None:
             source, learner = sources.pop(run_id, None), learners.pop(run_id, None)

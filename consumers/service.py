@@ -75,13 +75,23 @@ def progress_line(metrics: dict[str, Any]) -> str:
     )
 
 
-def record_step_metrics(health: HealthServer, metrics: dict[str, Any]) -> None:
-    """A step's numbers on ``/metrics``: a gauge per numeric metric, and the run-long counters."""
+def record_step_metrics(health: HealthServer, metrics: dict[str, Any], labels: dict[str, str] | None = None) -> None:
+    """A step's numbers on ``/metrics``: a gauge per numeric metric, and the run-long counters.
+
+    ``labels``: those of the run's series (``{"run": id}`` in a packed learner); None for a learner of one run.
+    """
     for key, value in metrics.items():
         if isinstance(value, int | float):
-            health.set_gauge(f"rlpipe_learner_{key}", float(value), f"learner {key}")
+            health.set_gauge(f"rlpipe_learner_{key}", float(value), f"learner {key}", labels)
     health.inc_counter("rlpipe_learner_dead_lettered_batches", float(metrics.get("batches_dead_lettered", 0)),
-                       "trajectory batches that could not be read, sent to the dead-letter topic and skipped")
+                       "trajectory batches that could not be read, sent to the dead-letter topic and skipped", labels)
+
+
+def record_resumed(health: HealthServer, learner: Learner, labels: dict[str, str] | None = None) -> None:
+    """A resumed learner's step and version on ``/metrics`` (its counters at 0 until its first step)."""
+    health.set_gauge("rlpipe_learner_step", float(learner.state.step), "learner step", labels)
+    health.set_gauge("rlpipe_learner_version", float(learner.state.version), "learner version", labels)
+    record_step_metrics(health, {"batches_dead_lettered": 0}, labels)
 
 
 def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callable[[dict], None] | None = None,
@@ -122,9 +132,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
     learner.resume()
     done.add("resumed")
     health.set_gauge("rlpipe_learner_up", 1.0, "1 once the learner is set up and training")
-    health.set_gauge("rlpipe_learner_step", float(learner.state.step), "learner step")
-    health.set_gauge("rlpipe_learner_version", float(learner.state.version), "learner version")
-    record_step_metrics(health, {"batches_dead_lettered": 0})
+    record_resumed(health, learner)
 
     def after_step(metrics: dict[str, Any]) -> None:
         log.info(progress_line(metrics))

@@ -7,7 +7,9 @@ Kubernetes asks two different questions, and Prometheus a third:
 - ``/readyz`` (readiness): can it do its work now?  200 only when every check
   registered with :meth:`HealthServer.add_readiness_check` passes (connected to
   the broker and the store, model loaded, ...); otherwise 503 and one line per
-  failing check, so ``kubectl describe pod`` says *what* is not ready.
+  failing check, so ``kubectl describe pod`` says *what* is not ready.  Lines
+  added by :meth:`HealthServer.add_readiness_detail` follow, ready or not (a
+  packed process names each run it serves and each waiting to come back).
 - ``/metrics``: gauges and counters set by the process, in the Prometheus text
   exposition format (rendered by ``prometheus_client``, which does the HELP and
   label-value escaping).
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -87,6 +89,20 @@ class _Metrics(Collector):
             family = self._families.get(name)
             return None if family is None else family.values.get(label_values)
 
+    def remove(self, labels: Mapping[str, str]) -> int:
+        """Drop every sample, of any metric, whose labels include all of ``labels``; how many were dropped."""
+        wanted = set(labels.items())
+        removed = 0
+        with self._lock:
+            for name, family in list(self._families.items()):
+                matching = [v for v in family.values if wanted <= set(zip(family.label_names, v, strict=True))]
+                for label_values in matching:
+                    del family.values[label_values]
+                removed += len(matching)
+                if not family.values:  # (a family with no sample left would still render its HELP and TYPE)
+                    del self._families[name]
+        return removed
+
     def _family(self, kind: MetricKind, name: str, help_text: str, label_names: tuple[str, ...]) -> _Family:
         family = self._families.get(name)
         if family is None:
@@ -136,6 +152,7 @@ class HealthServer:
         self._requested_port = port
         self._host = host
         self._checks: dict[str, ReadinessCheck] = {}
+        self._details: list[Callable[[], list[str]]] = []
         self._checks_lock = threading.Lock()
         self._metrics = _Metrics()
         self._registry = CollectorRegistry(auto_describe=False)
@@ -181,6 +198,24 @@ class HealthServer:
             self.add_readiness_check(step, lambda step=step: step in done)
         return done
 
+    def add_readiness_detail(self, fn: Callable[[], list[str]]) -> None:
+        """Register ``fn`` (cheap, thread-safe): the lines it returns follow the status line of every ``/readyz``
+        answer, ready or not; they inform and never decide readiness."""
+        with self._checks_lock:
+            self._details.append(fn)
+
+    def readiness_details(self) -> list[str]:
+        """The lines of every ``add_readiness_detail`` function, in registration order (one raising is logged)."""
+        with self._checks_lock:
+            details = list(self._details)
+        lines: list[str] = []
+        for fn in details:
+            try:
+                lines += [" ".join(str(line).split()) for line in fn()]
+            except Exception as exc:  # informative only: a broken one must not break the probe
+                log.warning("readiness detail %r raised %s: %s", fn, type(exc).__name__, exc)
+        return lines
+
     def failing_checks(self) -> list[str]:
         """One line per failing check (``name`` or ``name: error``), in registration order; empty when ready."""
         with self._checks_lock:
@@ -208,6 +243,13 @@ class HealthServer:
         if amount < 0:
             raise ValueError(f"counter {name!r} can only go up; got {amount} (use set_gauge for values that fall)")
         self._metrics.set("counter", name.removesuffix("_total"), amount, help, labels)
+
+    def remove_series(self, labels: Mapping[str, str]) -> int:
+        """Stop serving every sample whose labels include all of ``labels`` (e.g. ``{"run": "a"}`` when run ``a``
+        leaves a packed process); how many were removed."""
+        if not labels:
+            raise ValueError("remove_series needs at least one label (e.g. {'run': 'a'}); an empty set matches all")
+        return self._metrics.remove({key: str(value) for key, value in labels.items()})
 
     def metric_value(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
         """The current value of a gauge or counter sample (None if never set); for tests and logs."""
@@ -263,6 +305,53 @@ class HealthServer:
         self.stop()
 
 
+class PackedRunsHealth:
+    """The runs of a packed process (several runs served by one learner or producer) on its health server.
+
+    Each run's own series carry the label ``run="<id>"`` (``labels``), beside the
+    process's unlabelled ones; ``<prefix>_run_serving{run}`` is 1 while the run is
+    served and 0 while it waits to come back from an error (its last numbers kept
+    meanwhile); ``/readyz`` adds a line per run.  ``sync`` is called with who is
+    served and who waits whenever that may have changed: a run reported before and
+    now in neither has left, and every series labelled with it is removed, so
+    scrapes stop carrying a run the process no longer serves.
+    """
+
+    def __init__(self, health: HealthServer, prefix: str) -> None:
+        self.health, self.prefix = health, prefix
+        self._lock = threading.Lock()
+        self._lines: list[str] = []
+        self._reported: set[str] = set()
+        health.add_readiness_detail(self.lines)
+
+    @staticmethod
+    def labels(run_id: str) -> dict[str, str]:
+        """The labels of ``run_id``'s series."""
+        return {"run": run_id}
+
+    def sync(self, serving: Collection[str], waiting: Mapping[str, str]) -> None:
+        """``serving``: the runs served now; ``waiting``: run -> the error each waits to come back from."""
+        for run_id in sorted(self._reported - set(serving) - set(waiting)):
+            self.health.remove_series(self.labels(run_id))
+        for run_id in serving:
+            self.health.set_gauge(f"{self.prefix}_run_serving", 1.0, _SERVING_HELP, self.labels(run_id))
+        for run_id in waiting:
+            self.health.set_gauge(f"{self.prefix}_run_serving", 0.0, _SERVING_HELP, self.labels(run_id))
+        self._reported = set(serving) | set(waiting)
+        lines = [f"run {run_id}: serving" for run_id in sorted(serving)]
+        lines += [f"run {run_id}: waiting to come back ({error})" for run_id, error in sorted(waiting.items())]
+        with self._lock:
+            self._lines = lines
+
+    def lines(self) -> list[str]:
+        """One ``/readyz`` line per run, as of the last ``sync``."""
+        with self._lock:
+            return list(self._lines)
+
+
+_SERVING_HELP = "1 while the run is served by this packed process, 0 while it waits to come back from an error"
+
+
 def _handler_for(server: HealthServer) -> type[BaseHTTPRequestHandler]:
     """A request handler class bound to ``server`` (http.server builds one handler per request)."""
 
@@ -274,11 +363,12 @@ def _handler_for(server: HealthServer) -> type[BaseHTTPRequestHandler]:
             if path == "/healthz":
                 self._reply(200, b"ok\n")
             elif path == "/readyz":
-                failing = server.failing_checks()
+                failing, details = server.failing_checks(), server.readiness_details()
                 if failing:
-                    self._reply(503, ("not ready: " + "\n".join(failing) + "\n").encode())
+                    self._reply(503, "".join(line + "\n" for line in ["not ready: " + "\n".join(failing), *details])
+                                .encode())
                 else:
-                    self._reply(200, b"ready\n")
+                    self._reply(200, "".join(line + "\n" for line in ["ready", *details]).encode())
             elif path == "/metrics":
                 self._reply(200, server.render_metrics(), METRICS_CONTENT_TYPE)
             else:

@@ -261,3 +261,15 @@ def test_a_stop_with_only_a_dead_lettered_batch_pending_checkpoints_past_it(stor
     assert second.resume() and second.state.positions == {f"{TOPIC}:0": 2} and second.state.step == 1
     run_polls(second, 3)
     assert not [p for p in announced_again if isinstance(p, DeadLetter)] and second.state.step == 1
+
+
+def test_a_packed_runs_step_metrics_are_labelled_with_its_run():
+    health = HealthServer(None)
+    record_step_metrics(health, {"step": 3, "loss": 0.5, "batches_dead_lettered": 1, "batch_ids": ["x"]},
+                        labels={"run": "a"})
+    record_step_metrics(health, {"step": 8, "loss": 0.25, "batches_dead_lettered": 0}, labels={"run": "b"})
+    assert health.metric_value("rlpipe_learner_step", {"run": "a"}) == 3.0
+    assert health.metric_value("rlpipe_learner_loss", {"run": "b"}) == 0.25
+    assert health.metric_value("rlpipe_learner_dead_lettered_batches_total", {"run": "a"}) == 1.0
+    assert health.metric_value("rlpipe_learner_dead_lettered_batches_total", {"run": "b"}) == 0.0
+    assert health.metric_value("rlpipe_learner_step") is None  # no unlabelled series beside the runs'

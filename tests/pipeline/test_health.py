@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.health import HealthServer
+from pipeline.health import HealthServer, PackedRunsHealth
 
 
 def _get(server: HealthServer, path: str) -> tuple[int, str, str]:
@@ -189,3 +189,55 @@ def test_a_raising_check_is_logged_as_a_warning(server, caplog):
         assert server.failing_checks() == ["model: RuntimeError: weights missing"]
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "model" in caplog.text and "weights missing" in caplog.text
+
+
+def test_remove_series_drops_every_sample_carrying_the_labels_and_keeps_the_rest(server):
+    server.set_gauge("rlpipe_learner_step", 3, labels={"run": "a"})
+    server.set_gauge("rlpipe_learner_step", 5, labels={"run": "b"})
+    server.inc_counter("rlpipe_lag", 2, labels={"run": "b", "topic": "t"})
+    server.set_gauge("rlpipe_learner_up", 1)
+
+    assert server.remove_series({"run": "b"}) == 2
+    samples = _samples(_get(server, "/metrics")[2])
+    assert samples == {("rlpipe_learner_step", (("run", "a"),)): 3.0, ("rlpipe_learner_up", ()): 1.0}
+    assert "rlpipe_lag" not in _get(server, "/metrics")[2]  # a family left with no sample is not rendered
+    assert server.remove_series({"run": "b"}) == 0
+    with pytest.raises(ValueError, match="at least one label"):
+        server.remove_series({})  # would remove everything: never what a caller means
+
+
+def test_readiness_details_are_listed_on_readyz_whether_ready_or_not(server):
+    ready = {"runs": True}
+    server.add_readiness_check("runs", lambda: ready["runs"])
+    server.add_readiness_detail(lambda: ["run a: serving", "run b: waiting to come back (OSError: gone)"])
+    status, _, body = _get(server, "/readyz")
+    assert (status, body) == (200, "ready\nrun a: serving\nrun b: waiting to come back (OSError: gone)\n")
+    ready["runs"] = False
+    status, _, body = _get(server, "/readyz")
+    assert (status, body.splitlines()) == (503, ["not ready: runs", "run a: serving",
+                                                 "run b: waiting to come back (OSError: gone)"])
+
+
+def test_packed_runs_are_labelled_marked_serving_or_waiting_and_forgotten_once_gone(server):
+    runs = PackedRunsHealth(server, "rlpipe_learner")
+    runs.sync(serving=["a", "b"], waiting={})
+    server.set_gauge("rlpipe_learner_step", 4, labels=runs.labels("a"))
+    server.set_gauge("rlpipe_learner_step", 7, labels=runs.labels("b"))
+    server.set_gauge("rlpipe_learner_up", 1)
+    samples = _samples(_get(server, "/metrics")[2])
+    assert samples[("rlpipe_learner_run_serving", (("run", "a"),))] == 1.0
+    assert samples[("rlpipe_learner_run_serving", (("run", "b"),))] == 1.0
+    assert _get(server, "/readyz")[2] == "ready\nrun a: serving\nrun b: serving\n"
+
+    # b stopped on an error: still reported, as not served, its last numbers kept until it comes back
+    runs.sync(serving=["a"], waiting={"b": "OSError: store gone"})
+    samples = _samples(_get(server, "/metrics")[2])
+    assert samples[("rlpipe_learner_run_serving", (("run", "b"),))] == 0.0
+    assert samples[("rlpipe_learner_step", (("run", "b"),))] == 7.0
+    assert "run b: waiting to come back (OSError: store gone)" in _get(server, "/readyz")[2]
+
+    runs.sync(serving=["a"], waiting={})  # b left: every series of it goes, a's and the process's stay
+    samples = _samples(_get(server, "/metrics")[2])
+    assert {labels for _, labels in samples} == {(("run", "a"),), ()}
+    assert samples[("rlpipe_learner_up", ())] == 1.0
+    assert _get(server, "/readyz")[2] == "ready\nrun a: serving\n"
