@@ -24,6 +24,10 @@ the others sample on (``pipeline.membership``); the engine then keeps room for
 A run whose rollout loop raises (its environment, its store, its broker) is
 released and comes back after a pause (``pipeline.membership.Comebacks``: 30 s,
 doubled for each failure in a row, at most 10 minutes); the others sample on.
+
+Health: ``/metrics`` carries each run's heartbeat series, labelled ``run="<id>"``,
+and ``rlpipe_producer_run_serving{run}``; ``/readyz`` names each run; a run that
+leaves is no longer reported (``pipeline.health.PackedRunsHealth``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from dataclasses import replace
 
 from transformers import AutoTokenizer
 
-from pipeline.health import HealthServer
+from pipeline.health import HealthServer, PackedRunsHealth
 from pipeline.membership import Comebacks, Left, RunMembership, engine_config
 from pipeline.runtime import StopFlag, open_store
 from producers.rollout import RolloutWorker, SamplingStreams
@@ -155,6 +159,7 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
     runs: list[RunProducer] = []
     configs_of: dict[str, RunConfig] = {}
     comebacks = Comebacks()
+    runs_health = PackedRunsHealth(health, "rlpipe_producer")
     sampler: SyncSampler | None = None
     membership: RunMembership | None = None
     try:
@@ -179,7 +184,7 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
             producer_id = f"{process_id}-{cfg.run_id}" if cfg.producer.producer_id is None else cfg.producer.producer_id
             tokenizer = AutoTokenizer.from_pretrained(model_path)  # one per thread: tokenizers are not shared
             run = open_run_producer(cfg, connection or connect_run(cfg), producer_id, RunSampler(shared, cfg.run_id),
-                                    tokenizer, streams.incarnation, None)
+                                    tokenizer, streams.incarnation, health, runs_health.labels(cfg.run_id))
             runs.append(run)
             return run
 
@@ -188,7 +193,20 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
             open_run(cfg, connection)
         done.add("adapters")
         health.set_gauge("rlpipe_producer_up", 1.0, "1 once the producer is set up and sampling")
-        follow = following(membership, open_run, comebacks)
+        changes = following(membership, open_run, comebacks)
+
+        def note_runs() -> None:
+            """Who is served and who waits, on ``/metrics`` and ``/readyz``; the series of a run gone removed."""
+            health.set_gauge("rlpipe_producer_runs_waiting", float(len(comebacks.waiting)),
+                             "runs stopped on an error, waiting to come back")
+            runs_health.sync([run.worker.run_id for run in runs],
+                             {run_id: comebacks.errors.get(run_id, "") for run_id in comebacks.waiting})
+
+        def follow(serving: set[str]) -> tuple[list[RunProducer], list[str]]:  # (the runs released since noted)
+            note_runs()
+            return changes(serving)
+
+        note_runs()
 
         def release(run: RunProducer) -> None:  # a run that left: its connections, adapters and cache go
             runs.remove(run)

@@ -50,15 +50,18 @@ def default_producer_id() -> str:
 
 
 class Heartbeat:
-    """Publishes ``ProducerHeartbeat`` with rates since the previous beat."""
+    """Publishes ``ProducerHeartbeat`` with rates since the previous beat, and sets them on ``/metrics``.
+
+    ``labels``: those of the run's series (``{"run": id}`` in a packed producer); None for a producer of one run.
+    """
 
     def __init__(self, worker: RolloutWorker, watcher: AdapterWatcher, announce: Announcer, interval_s: float,
-                 health: HealthServer | None = None) -> None:
+                 health: HealthServer | None = None, labels: Mapping[str, str] | None = None) -> None:
         self.worker, self.watcher, self.announce, self.interval_s = worker, watcher, announce, interval_s
         self.meter = RateMeter(time.monotonic)
         self.meter.rates(self._totals())
         self.next_at = time.monotonic() + interval_s
-        self.health = health
+        self.health, self.labels = health, labels
 
     def _totals(self) -> dict[str, float]:
         s = self.worker.stats
@@ -85,11 +88,12 @@ class Heartbeat:
         if self.health is not None:
             for name, value in payload.model_dump().items():
                 if isinstance(value, int | float):
-                    self.health.set_gauge(f"rlpipe_producer_{name}", float(value), f"producer {name}")
+                    self.health.set_gauge(f"rlpipe_producer_{name}", float(value), f"producer {name}", self.labels)
             self.health.set_gauge("rlpipe_producer_groups_dropped_total", float(stats.dropped_groups),
-                                  "groups never written: a number in them was not finite (the log names each)")
+                                  "groups never written: a number in them was not finite (the log names each)",
+                                  self.labels)
             self.health.set_gauge("rlpipe_producer_groups_unplayable_total", float(stats.unplayable_groups),
-                                  "groups never played: their first prompt did not fit the context")
+                                  "groups never played: their first prompt did not fit the context", self.labels)
         self.next_at = time.monotonic() + self.interval_s
         return payload
 
@@ -334,8 +338,12 @@ class RunProducer:
 
 
 def open_run_producer(config: RunConfig, connection: RunConnection, producer_id: str, sampler: Sampler,
-                      tokenizer: Any, incarnation: int, health: HealthServer | None) -> RunProducer:
-    """The producer of ``config.run_id`` on ``sampler`` (its own, or its view of an engine several runs share)."""
+                      tokenizer: Any, incarnation: int, health: HealthServer | None,
+                      health_labels: Mapping[str, str] | None = None) -> RunProducer:
+    """The producer of ``config.run_id`` on ``sampler`` (its own, or its view of an engine several runs share).
+
+    ``health_labels``: those of its series on ``health`` (``{"run": id}`` when several runs share the process).
+    """
     from pipeline.devstack.stack import rlpipe_home
 
     registry = AdapterRegistry(connection.archive.store, config.run_id)
@@ -357,5 +365,6 @@ def open_run_producer(config: RunConfig, connection: RunConnection, producer_id:
         backlog = LearnerBacklog(connection.bus, config.run_id, worker,
                                  config.producer.max_backlog_steps * config.learner.batch_rows)
         worker.backlog_full = backlog
-    heartbeat = Heartbeat(worker, watcher, connection.announce, config.producer.heartbeat_interval_s, health)
+    heartbeat = Heartbeat(worker, watcher, connection.announce, config.producer.heartbeat_interval_s, health,
+                          health_labels)
     return RunProducer(worker, watcher, heartbeat, connection.publisher, events, backlog, connection.orphans)

@@ -1,9 +1,11 @@
 """A packed process's health endpoints against the real broker: each run told apart, a leaving run forgotten.
 
-A packed learner serving runs ``a`` and ``b`` in this process, on a free health port:
+A packed learner and a packed producer, each serving runs ``a`` and ``b`` in this
+process, on a free health port:
 
 1. ``/metrics`` carries each run's own series labelled ``run="<id>"`` (the
-   learner's step, version and dead-letter counter) with ``<role>_run_serving`` 1, and the process-wide ``<role>_up`` once,
+   learner's step, version and dead-letter counter; the producer's heartbeat
+   gauges) with ``<role>_run_serving`` 1, and the process-wide ``<role>_up`` once,
    unlabelled; ``/readyz`` names each run served.
 2. After ``RunStopped`` for ``b`` (what ``rlpipe runs stop b`` announces), ``b``
    leaves: no series labelled ``run="b"`` is left, ``a``'s are, and ``/readyz`` no
@@ -100,3 +102,22 @@ def test_a_packed_learner_reports_each_run_and_forgets_one_that_left(
         thread.join(timeout=60)
     assert errors == []
 
+
+def test_a_packed_producer_reports_each_run_and_forgets_one_that_left(
+    bus_config: Any, tiny_model_dir: str, tmp_path: Path
+) -> None:
+    from producers.packed import run_packed_producer
+
+    port = free_port()
+    configs = two_runs(bus_config, tiny_model_dir, tmp_path, port, max_groups=1)  # then each run idles
+    stop = StopFlag()
+    # following a pattern no run matches keeps the process serving once both runs wrote their group
+    thread, errors = run_in_thread(lambda: run_packed_producer(configs, stop, follow_runs="none-*"))
+    try:
+        check_runs_reported_then_b_leaves(port, configs[0], "producer", {
+            "rlpipe_producer_samples_total", "rlpipe_producer_batches_total", "rlpipe_producer_adapter_version",
+            "rlpipe_producer_groups_dropped_total", "rlpipe_producer_run_serving"}, errors)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert errors == []
