@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
 from consumers.service import replay_train
@@ -36,6 +37,7 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from schemas.config import BusConfig
 from schemas.trajectory import NO_ADAPTER_SHA
+from tests.integration.test_deployment import free_port, http_get
 from tests.integration.test_learner_e2e import (
     FIRST_DAY,
     GROUP_TIMINGS,
@@ -243,12 +245,24 @@ def test_one_packed_producer_and_one_packed_learner_serve_two_environments(
     producer = rlpipe(world, ["producer", "start", *(a for c in configs for a in ("--config", str(c)))],
                       "packed-producer.log")
     monkeypatch.setenv(GROUP_TIMINGS_ENV, json.dumps(GROUP_TIMINGS))
+    port = free_port()
+    scraped_loss: dict[str, list[tuple[float, float | None]]] = {}  # run -> (its step's loss, /metrics' loss{run})
+
+    def scrape_step(run_id: str, metrics: dict) -> None:  # each step's loss is on /metrics, labelled with its run
+        families = text_string_to_metric_families(http_get(port, "/metrics")[1])
+        served = {tuple(s.labels.items()): s.value for f in families for s in f.samples if s.name == "rlpipe_learner_loss"}
+        scraped_loss.setdefault(run_id, []).append((metrics["loss"], served.get((("run", run_id),))))
+
     try:
         with one_torch_thread():
-            run_packed_learner([resolve_config(config_file=c) for c in configs])
+            run_packed_learner([resolve_config(config_file=c, overrides=[f"learner.health_port={port}"])
+                                for c in configs], on_step=scrape_step)
     finally:
         producer.send_signal(signal.SIGTERM)
     assert wait_for(producer) == 0, output_of(producer)
+    assert set(scraped_loss) == {f"{env}-pipe" for env in PIPELINE_ENVS}
+    for run_id, losses in scraped_loss.items():
+        assert all(loss == served for loss, served in losses), (run_id, losses)
     archive = TrajectoryArchive(world.store)
     for env in PIPELINE_ENVS:
         run_id = f"{env}-pipe"
