@@ -139,16 +139,19 @@ def _settings(name: str) -> list[dict]:
 
     from annotated_types import Ge, Gt, Le, Lt
 
+    config_class = env_class(name).Config
+    # Defaults as the environment runs with them: a validator may derive some from others
+    # (the building's limits from its episode length), which the fields' own defaults do not show.
+    defaults = config_class()
     rows = []
-    for field_name, field in env_class(name).Config.model_fields.items():
+    for field_name, field in config_class.model_fields.items():
         low = next((f"{m.ge} ≤ " for m in field.metadata if isinstance(m, Ge)), "") or next(
             (f"{m.gt} < " for m in field.metadata if isinstance(m, Gt)), "")
         high = next((f" ≤ {m.le}" for m in field.metadata if isinstance(m, Le)), "") or next(
             (f" < {m.lt}" for m in field.metadata if isinstance(m, Lt)), "")
         choices = list(typing.get_args(field.annotation)) if typing.get_origin(field.annotation) is typing.Literal \
             else None
-        default = field.get_default(call_default_factory=True)
-        rows.append({"name": field_name, "default": default, "bounds": f"{low}x{high}" if low or high else None,
+        rows.append({"name": field_name, "default": getattr(defaults, field_name), "bounds": f"{low}x{high}" if low or high else None,
                      "choices": choices, "description": field.description or ""})
     return rows
 

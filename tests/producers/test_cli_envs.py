@@ -145,6 +145,16 @@ def test_show_lists_every_setting_with_its_default_bounds_and_description():
     assert unknown.exit_code == 2 and "sokoban" in unknown.output
 
 
+def test_show_gives_the_defaults_an_environment_runs_with_even_those_derived_from_other_settings():
+    # The building's limits are filled in from its episode: 1 day of 300 s steps = 86,400 / 300 = 288.
+    as_json = json.loads(runner.invoke(app, ["show", "building-hvac", "--json"]).output)
+    shown = {s["name"]: s["default"] for s in as_json["settings"]}
+    assert shown["max_turns"] == shown["max_actions_total"] == shown["max_env_steps"] == 288
+    listed = next(e for e in json.loads(runner.invoke(app, ["list", "--json"]).output) if e["name"] == "building-hvac")
+    assert {name: listed["defaults"][name] for name in ("max_turns", "max_actions_total", "max_env_steps")} == {
+        "max_turns": 288, "max_actions_total": 288, "max_env_steps": 288}
+
+
 def test_weighted_recording_of_an_environment_with_many_answers_names_the_setting_that_makes_few(tmp_path):
     store = ["--root", (tmp_path / "store").as_uri(), "--episodes", "1", "--weighted"]
     sokoban = runner.invoke(app, ["record", "sokoban", "--run", "w", *store])
