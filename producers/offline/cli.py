@@ -364,10 +364,12 @@ def to_trajectories(
                                 discount=discount, history_turns=history_turns, max_episodes=max_episodes,
                                 answer_format=answer_format,  # type: ignore[arg-type]  # checked by the model
                                 answer_decimals=answer_decimals, with_text=with_text)
+    store = _store(root, gcs_endpoint)
+    read_card(store, name)  # a missing dataset is named before a model is loaded (building tiny takes minutes)
     model_path = _model_path(model)
     tokenizer = model_tokenizer(model_path)
     with console.status("rendering and tokenizing"):
-        report = dataset_to_trajectories(_store(root, gcs_endpoint), name, run, tokenizer, options, model_path)
+        report = dataset_to_trajectories(store, name, run, tokenizer, options, model_path)
     console.print(f"wrote {report.batches} batches ({report.rows:,} rows, {report.tokens:,} tokens, "
                   f"{report.generated_tokens:,} answer tokens) from {report.episodes} episodes into run {run}")
     console.print(

@@ -65,6 +65,16 @@ def test_a_refused_conversion_leaves_the_run_as_it_found_it_and_exits_non_zero(s
     assert unfinished_conversions(store, "run") == []
 
 
+def test_an_unknown_dataset_is_named_before_the_model_is_built(store, monkeypatch):
+    from producers.offline import cli
+
+    built: list[str] = []
+    monkeypatch.setattr(cli, "_model_path", lambda model: built.append(model) or model)  # building tiny takes minutes
+    result = runner.invoke(app, ["to-trajectories", "nosuch", "--run", "run", "--model", "tiny", "--root", store.root])
+    assert result.exit_code != 0 and "no dataset 'nosuch'" in result.output, result.output
+    assert built == []
+
+
 class RetriedCreateStore(ObjectStore):
     """A gs:// create whose answer was lost: the client retries it, and the retry reports ``FileExistsError`` for
     the object the first attempt wrote."""
