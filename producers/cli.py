@@ -118,7 +118,7 @@ def _env_record(name: str) -> dict:
 def list_envs(as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False) -> None:
     """List the registered environments with their default limits.
 
-    Example: envs list --json
+    Example: rlpipe envs list --json
     """
     if as_json:
         typer.echo(json.dumps([_env_record(name) for name in env_names()], indent=2))
@@ -165,7 +165,7 @@ def show_env(
 
     A run sets them under env.overrides (--set env.overrides.NAME=VALUE); play, eval and record
     take them as --overrides JSON.
-    Example: envs show sokoban
+    Example: rlpipe envs show sokoban
     """
     env = _build_env(name)  # one-line errors for a bad name or a broken module
     rows = _settings(name)
@@ -225,7 +225,7 @@ def play(
     """Play one episode, printing each observation and the reward per turn.
 
     As a human, type an action (e.g. `left`) or a full `<answer>...</answer>`.
-    Example: envs play cartpole --seed 3 --policy heuristic --max-turns 20
+    Example: rlpipe envs play cartpole --seed 3 --policy heuristic --max-turns 20
     """
     settings = _overrides(overrides) | ({"max_turns": max_turns} if max_turns is not None else {})
     env = _build_env(name, settings)
@@ -272,7 +272,7 @@ def eval_env(
 ) -> None:
     """Evaluate a scripted policy: mean return (95% CI), success rate and env steps per second.
 
-    Example: envs eval acrobot --policy heuristic --episodes 10 --json
+    Example: rlpipe envs eval acrobot --policy heuristic --episodes 10 --json
     """
     settings = _overrides(overrides)
     _build_env(name, settings)  # one-line errors for a bad name, a bad setting or a broken module

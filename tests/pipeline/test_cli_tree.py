@@ -111,6 +111,17 @@ def test_every_command_has_help_with_an_example() -> None:
         assert shown.exit_code == 0 and "Example" in shown.stdout, f"`rlpipe {path} --help`: {shown.output[-300:]}"
 
 
+def test_every_example_is_an_rlpipe_command_line_and_every_option_says_what_it_does() -> None:
+    for path, command in sorted(command_tree().items()):
+        text = f"{command.help or ''}\n{command.epilog or ''}"
+        example = text[text.index("Example"):].partition(":")[2].split()
+        assert example[:1] == ["rlpipe"] or "rlpipe" in example[:3], f"`rlpipe {path}`'s example: {' '.join(example)}"
+        for param in command.params:
+            if param.param_type_name == "option" and param.name != "help":
+                assert (param.help or "").strip(), f"`rlpipe {path}` option {param.opts} has no help text"
+        assert (command.help or "").strip().splitlines()[0], f"`rlpipe {path}` has no one-line description"
+
+
 def test_a_group_that_does_not_load_is_a_stub_and_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("WARNING", logger="pipeline.cli.main"):
         command = load_group("ghost", "no_such_package.cli:app")
