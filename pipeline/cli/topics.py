@@ -202,8 +202,8 @@ def lag(
         print_json([{**to_jsonable(row), "lag": row.lag} for row in rows])
         return
     if not rows:
-        which = f"group {group!r} has" if group else "no consumer group has"
-        console.print(f"{which} no committed offsets on {config.namespace}.* topics")
+        which = f"group {group!r} has no" if group else "no consumer group has"
+        console.print(f"{which} committed offsets on {config.namespace}.* topics")
         return
     table = Table(title=f"consumer lag ({config.namespace})",
                   caption="lag: messages after the committed offset, every run's events on a shared topic "

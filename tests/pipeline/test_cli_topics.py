@@ -198,3 +198,13 @@ def test_tail_for_without_follow_is_refused_naming_the_flag() -> None:
     done = _invoke(["topics", "tail", "control", "--for", "5", "--bootstrap", "127.0.0.1:1"])
     assert done.exit_code == 2
     assert done.output.strip().splitlines()[-1] == "error: --for goes with --follow (tail -f --for 5)"
+
+
+def test_lag_without_any_committed_offsets_says_so_plainly(monkeypatch) -> None:
+    monkeypatch.setattr(bus, "list_groups", lambda config: [])
+    monkeypatch.setattr(bus, "group_lag", lambda config, group: [])
+    everyone = _invoke(["topics", "lag", "--bootstrap", "127.0.0.1:9", "--namespace", "ns"])
+    assert everyone.exit_code == 0, everyone.output
+    assert " ".join(everyone.stdout.split()) == "no consumer group has committed offsets on ns.* topics"
+    one = _invoke(["topics", "lag", "--group", "g", "--bootstrap", "127.0.0.1:9", "--namespace", "ns"])
+    assert " ".join(one.stdout.split()) == "group 'g' has no committed offsets on ns.* topics"
