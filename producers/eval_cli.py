@@ -89,6 +89,10 @@ def eval(
     located = deep_merge(env_layer(), parse_overrides(overrides or [])).get("store") or {}
     store_cfg = StoreConfig.model_validate({**located, **({"root": root} if root else {})})
     config = stored_run_config(run, store_cfg, overrides or [])
+    offline_building = config.value is not None and config.value.offline is not None
+    if env and offline_building and env != config.env.name:  # its network reads the building's telemetry
+        fail(f"run {run!r} learned from a logged building dataset and plays {config.env.name} days only; "
+             f"drop --env {env}", 2)
     if env:
         config = config.model_copy(update={"env": config.env.model_copy(update={"name": env})})
     store = reachable_store(config.store)
@@ -100,7 +104,7 @@ def eval(
         have = f"versions {published[0]}-{published[-1]}" if published else "no versions yet"
         fail(f"run {run!r} has no adapter version {missing[0]} ({have}, 0 = the base model); "
              f"see rlpipe adapters list --run {run}", 2)
-    building = config.value is not None and config.value.offline is not None  # offline CQL: held-out days
+    building = offline_building  # offline CQL: held-out days
     if held_out is not None and not validation:
         fail("--held-out goes with --validation (the held-out episodes the validation ones come after)", 2)
     if validation and save:

@@ -51,6 +51,9 @@ def test_generate_train_eval_report_through_the_cli(tmp_path: Path, monkeypatch:
     first = json.loads(rlpipe("eval", "--run", "cql-building", "--root", root, "--episodes", "1", "--held-out", "2",
                               "--validation", "--json"))["results"][0]
     assert first["seed_start"] == 4 and first["returns"] == validation["results"][0]["returns"][:1]
+    elsewhere = runner.invoke(app, ["eval", "--run", "cql-building", "--root", root, "--env", "cartpole"],
+                              env={"RLPIPE_HOME": str(tmp_path / "home")})  # the network plays the building only
+    assert elsewhere.exit_code == 2 and "plays building-hvac days only" in elsewhere.output, elsewhere.output
     refused = runner.invoke(app, ["eval", "--run", "cql-building", "--root", root, "--validation", "--save"],
                             env={"RLPIPE_HOME": str(tmp_path / "home")})
     assert refused.exit_code == 2 and "drop --save" in refused.output
