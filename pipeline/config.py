@@ -298,9 +298,23 @@ def validation_message(exc: ValidationError, shown: int = 3) -> str:
     """Every validation error in one line (the first ``shown``, then how many more), so a file with several
     mistakes is fixed in one go: ``learner.learning_rate: Input should be > 0; learner.max_steps: ...``."""
     errors = exc.errors()
-    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'config'}: {error['msg']}" for error in errors[:shown]]
+    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'config'}: "
+             f"{_unknown_field(error['loc']) if error['type'] == 'extra_forbidden' else error['msg']}"
+             for error in errors[:shown]]
     more = f" (and {len(errors) - shown} more)" if len(errors) > shown else ""
     return f"invalid configuration: {'; '.join(parts)}{more}"
+
+
+def _unknown_field(loc: tuple[int | str, ...]) -> str:
+    """Why a key of a ``RunConfig`` was refused, naming the closest field of its section (a misspelt key)."""
+    section: type[BaseModel] | None = RunConfig
+    for part in loc[:-1]:
+        field = section.model_fields.get(str(part)) if section else None
+        section = _section_model(field.annotation) if field else None
+    closest = difflib.get_close_matches(str(loc[-1]), sorted(section.model_fields) if section else [], n=1, cutoff=0.6)
+    if not closest:
+        return "no such setting (rlpipe config show lists them)"
+    return f"no such setting; did you mean {'.'.join([*map(str, loc[:-1]), closest[0]])}?"
 
 
 def resolve_config(

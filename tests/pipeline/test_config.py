@@ -45,6 +45,21 @@ def test_unknown_key_refused():
         resolve_config(overrides=["learner.learnig_rate=0.1"])
 
 
+def test_a_misspelt_key_in_a_file_or_set_is_refused_naming_the_closest_field(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        resolve_config(overrides=["learner.lerning_rate=0.1", "lerner.max_steps=3"])
+    message = str(info.value)
+    assert "learner.lerning_rate: no such setting; did you mean learner.learning_rate?" in message, message
+    assert "lerner: no such setting; did you mean learner?" in message and "\n" not in message
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("value:\n  learner:\n    bach_size: 8\n")  # a section that is absent by default
+    with pytest.raises(ConfigError, match=r"value\.learner\.bach_size: no such setting; did you mean "
+                                          r"value\.learner\.batch_size\?"):
+        resolve_config("dqn-cartpole", cfg_file)
+    with pytest.raises(ConfigError, match=r"learner\.zzz: no such setting \(rlpipe config show lists them\)"):
+        resolve_config(overrides=["learner.zzz=1"])
+
+
 def test_incompatible_options_rejected_up_front():
     with pytest.raises(ConfigError, match="max_loras"):
         resolve_config(overrides=["producer.max_staleness=5", "sampler.max_loras=2"])
