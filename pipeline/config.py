@@ -299,22 +299,35 @@ def validation_message(exc: ValidationError, shown: int = 3) -> str:
     mistakes is fixed in one go: ``learner.learning_rate: Input should be > 0; learner.max_steps: ...``."""
     errors = exc.errors()
     parts = [f"{'.'.join(str(p) for p in error['loc']) or 'config'}: "
-             f"{_unknown_field(error['loc']) if error['type'] == 'extra_forbidden' else error['msg']}"
+             f"{unknown_setting(error['loc']) if error['type'] == 'extra_forbidden' else error['msg']}"
              for error in errors[:shown]]
     more = f" (and {len(errors) - shown} more)" if len(errors) > shown else ""
     return f"invalid configuration: {'; '.join(parts)}{more}"
 
 
-def _unknown_field(loc: tuple[int | str, ...]) -> str:
-    """Why a key of a ``RunConfig`` was refused, naming the closest field of its section (a misspelt key)."""
-    section: type[BaseModel] | None = RunConfig
+def unknown_setting(loc: tuple[int | str, ...], model: type[BaseModel] = RunConfig,
+                    listing: str = "rlpipe config show") -> str:
+    """Why key ``loc`` of ``model`` was refused, naming the closest field of its section (a misspelt key), else the
+    command ``listing`` them."""
+    section: type[BaseModel] | None = model
     for part in loc[:-1]:
         field = section.model_fields.get(str(part)) if section else None
         section = _section_model(field.annotation) if field else None
     closest = difflib.get_close_matches(str(loc[-1]), sorted(section.model_fields) if section else [], n=1, cutoff=0.6)
     if not closest:
-        return "no such setting (rlpipe config show lists them)"
+        return f"no such setting ({listing} lists them)"
     return f"no such setting; did you mean {'.'.join([*map(str, loc[:-1]), closest[0]])}?"
+
+
+def setting_error(exc: ValueError, model: type[BaseModel], listing: str) -> str:
+    """One line for settings of ``model`` that were refused: the first problem, a misspelt key with its closest field."""
+    if not isinstance(exc, ValidationError):
+        text = str(exc).strip()
+        return text.splitlines()[0] if text else type(exc).__name__
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    what = unknown_setting(first["loc"], model, listing) if first["type"] == "extra_forbidden" else first["msg"]
+    return f"{where}: {what}" if where else str(what)
 
 
 def resolve_config(

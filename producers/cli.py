@@ -28,6 +28,7 @@ from pipeline.cli.common import (
     reachable_store,
     user_errors,
 )
+from pipeline.config import setting_error
 from producers.envs.base import StepResult, TextEnv
 from producers.envs.evaluate import EvalSummary, Policy, evaluate, make_policy, run_episode
 from producers.envs.registry import env_class, env_names
@@ -75,7 +76,8 @@ def _build_env(name: str, overrides: dict | None = None) -> TextEnv:
     try:
         return cls(cls.Config.model_validate(overrides or {}))
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        fail(f"invalid settings for {name}: {error_line(exc)}", EXIT_USAGE)
+        problem = setting_error(exc, cls.Config, listing=f"rlpipe envs show {name}")
+        fail(f"invalid settings for {name}: {problem}", EXIT_USAGE)
 
 
 def _overrides(text: str) -> dict:

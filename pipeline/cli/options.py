@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.config import ConfigError, resolve_config
+from pipeline.config import ConfigError, resolve_config, setting_error
 from schemas.config import RunConfig
 
 PresetOpt = Annotated[str | None, typer.Option("--preset", "-p", help="A shipped preset (see `rlpipe config presets`).")]
@@ -27,15 +27,16 @@ def run_config(
 def check_env(config: RunConfig) -> RunConfig:
     """``config`` if its environment exists and takes its ``env.overrides``, else ``ConfigError`` naming the name or
     field (a producer would otherwise fail only when it builds the environment)."""
-    from pipeline.cli.common import error_line
     from producers.envs.registry import env_class, env_names
 
     if config.env.name not in env_names():
         raise ConfigError(f"env.name {config.env.name!r} is no environment; choose one of: {', '.join(env_names())}")
+    settings = env_class(config.env.name).Config
     try:
-        env_class(config.env.name).Config.model_validate(config.env.overrides)
+        settings.model_validate(config.env.overrides)
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        raise ConfigError(f"env.overrides of {config.env.name}: {error_line(exc)}") from None
+        problem = setting_error(exc, settings, listing=f"rlpipe envs show {config.env.name}")
+        raise ConfigError(f"env.overrides of {config.env.name}: {problem}") from None
     return config
 
 

@@ -236,6 +236,8 @@ def test_an_environment_name_or_setting_it_does_not_have_is_refused_before_anyth
         result = runner.invoke(config_app, ["show", "--preset", "tetris", "--set", setting])
         assert result.exit_code == 2 and named in result.output, result.output
         assert "\n" not in result.output.strip()
+    misspelt = runner.invoke(config_app, ["show", "--preset", "tetris", "--set", "env.overrides.widht=8"]).output
+    assert "env.overrides of tetris: widht: no such setting; did you mean width?" in misspelt, misspelt
     assert "sokoban" in runner.invoke(config_app, ["show", "--set", "env.name=nope"]).output  # the names there are
     assert run_config("tetris", None, ["env.overrides.width=8"]).env.overrides == {"width": 8}
     assert run_config(None, None, [], None).env.name == "cartpole"

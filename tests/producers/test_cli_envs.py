@@ -119,8 +119,11 @@ def test_play_and_eval_take_environment_overrides_and_name_a_bad_field():
     for command in (["play", "sokoban"], ["eval", "sokoban"], ["record", "sokoban", "--run", "x"]):
         typo = runner.invoke(app, [*command, "--overrides", '{"widht": 3}'])
         assert typo.exit_code == 2 and "widht" in typo.output and "\n" not in typo.output.strip(), typo.output
+        assert "widht: no such setting (rlpipe envs show sokoban lists them)" in typo.output, typo.output
         broken = runner.invoke(app, [*command, "--overrides", "{bad json"])
         assert broken.exit_code == 2 and "--overrides" in broken.output, broken.output
+    typo = runner.invoke(app, ["eval", "tetris", "--overrides", '{"widht": 3}'])
+    assert "invalid settings for tetris: widht: no such setting; did you mean width?" in typo.output, typo.output
 
 
 def test_record_refuses_a_bad_run_name_before_loading_anything():
