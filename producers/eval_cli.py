@@ -70,7 +70,7 @@ def eval(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     run_arg: DeprecatedRunArg = None,
 ) -> None:
-    """Play held-out episodes (seeds from env.eval_seed_offset) with one adapter version; print return and CI."""
+    """Play held-out episodes (seeds from env.eval_seed_offset) with each --version (0: the base model); print return and CI."""
     run = chosen_run(run, run_arg, "eval")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up lines would bury the table
     setup_logging()
