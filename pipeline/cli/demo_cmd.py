@@ -81,7 +81,11 @@ def recipe_for(preset: str) -> tuple[str, dict[str, Any], Recipe]:
     """The online preset's environment name and overrides, and the demo recipe for that environment."""
     from pipeline.config import load_preset
 
-    env = load_preset(preset).get("env") or {}
+    settings = load_preset(preset)
+    if settings.get("value"):  # the phases warm-start and train a LoRA adapter; a value run has none
+        fail(f"{preset} is value-based and rlpipe demo trains a language model's adapter; "
+             f"run it with rlpipe run --preset {preset}", 2)
+    env = settings.get("env") or {}
     name = env.get("name", "cartpole")
     if name not in RECIPES:
         fail(f"rlpipe demo has no recipe for {name!r} (preset {preset}); presets on {', '.join(RECIPES)} work")

@@ -81,3 +81,19 @@ def test_each_demo_preset_names_an_environment_with_a_recipe_and_a_matching_warm
         for key in ("lora_rank", "lora_alpha"):
             assert warm["learner"][key] == online["learner"][key]
     assert recipe_for("demo-sokoban")[2].judge == "success" and recipe_for("demo")[2].judge == "return"
+
+
+def test_a_value_based_preset_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """Its environment has a recipe, but the demo's phases warm-start and train a LoRA adapter: the online phase
+    would refuse `learner.init_from` on a value run only after the model, the demonstrations and the warm start."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import demo_cmd
+
+    phases: list[tuple[str, ...]] = []
+    monkeypatch.setattr(demo_cmd, "_phase", lambda title, *args, **kwargs: phases.append(args))
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path))
+    result = CliRunner().invoke(demo_cmd.app, ["--preset", "dqn-cartpole"])
+    assert result.exit_code == 2, result.output
+    assert "dqn-cartpole is value-based" in result.output and "rlpipe run --preset dqn-cartpole" in result.output
+    assert phases == []
