@@ -21,6 +21,7 @@ tokens, AdamW with the SDK's ``AdamParams``: beta2 0.95, eps 1e-12 unless given)
 
     python bench/warm_start.py                      # the tiny model init-tiny built, 150 steps of 128 rows
     python bench/warm_start.py --learning-rate 5e-3 --steps 60
+    python bench/warm_start.py --seed 6 --steps 100   # rlpipe demo --seed 6's episodes, LoRA start and order
     python bench/warm_start.py --api --beta2 0.999 --eps 1e-8 --steps 100
 """
 
@@ -39,7 +40,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu import LoadAverage
-from bench.options import positive_int
+from bench.options import non_negative_int, positive_int
 from consumers.batching import micro_batches
 from consumers.policy import LoraPolicy
 from pipeline.config import load_preset
@@ -82,7 +83,7 @@ class ApiTrainer:
     ``optim_step`` (weights per token, the loss summed), scored from the engine's own forward."""
 
     def __init__(self, model_dir: str, rank: int, alpha: float, learning_rate: float, beta2: float | None,
-                 eps: float | None) -> None:
+                 eps: float | None, seed: int = 0) -> None:
         from consumers.api.ops import LORA_ALPHA
         from consumers.engine import AdamParams, TrainingEngine
 
@@ -91,7 +92,7 @@ class ApiTrainer:
                                eps=defaults.eps if eps is None else eps)
         self.alpha = alpha or LORA_ALPHA
         self.engine = TrainingEngine(model_dir, device="cpu")
-        self.engine.create_adapter("warm", rank, self.alpha, LearnerConfig().target_modules, seed=0)
+        self.engine.create_adapter("warm", rank, self.alpha, LearnerConfig().target_modules, seed=seed)
 
     @staticmethod
     def datum(row: dict, weight: float):
@@ -133,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every", type=positive_int, default=25, help="steps between evaluations")
     parser.add_argument("--held-out", type=positive_int, default=192, help="held-out states scored")
     parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="LoRA initialisation, row order and demonstration episodes (seed*1000 on, as rlpipe demo "
+                             "--seed records them); the held-out states stay the same")
     parser.add_argument("--model", default=None, help="a model folder (default: the cached tiny model)")
     parser.add_argument("--api", action="store_true", help="train through the training engine as the Tinker API does")
     parser.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: the preset's; --api: 32)")
@@ -156,25 +160,26 @@ def main() -> None:
     if args.alpha is not None:
         settings["lora_alpha"] = args.alpha
     train: list[dict] = []
-    seed = 0
+    seed = first = args.seed * 1000
     while len(train) < args.steps * args.rows:
         train += [row for pair in recorded_pairs(model_dir, range(seed, seed + 20), args.noise) for row in pair]
         seed += 20
-    random.Random(0).shuffle(train)
+    random.Random(args.seed).shuffle(train)
     held = recorded_pairs(model_dir, range(1_000_000, 1_000_100), args.noise)  # the demo's held-out seeds
     held = random.Random(1).sample(held, min(args.held_out, len(held)))
     if args.api:
         trainer = ApiTrainer(model_dir, settings["lora_rank"], args.alpha or 0.0, settings["learning_rate"],
-                             args.beta2, args.eps)
+                             args.beta2, args.eps, args.seed)
         settings.update(lora_alpha=trainer.alpha, beta2=trainer.adam.beta2, eps=trainer.adam.eps, path="api")
         measure = lambda: score_api(trainer, held)  # noqa: E731
     else:
         if args.eps is not None or args.beta2 is not None:
             raise SystemExit("--beta2 and --eps are for --api (the learner's AdamW keeps torch's: 0.999, 1e-8)")
-        policy = LoraPolicy(model_dir, LearnerConfig(device="cpu", loss="cross_entropy", seed=0, **settings))
+        policy = LoraPolicy(model_dir, LearnerConfig(device="cpu", loss="cross_entropy", seed=args.seed, **settings))
         measure = lambda: score(policy, held)  # noqa: E731
-    print(f"{len(train):,} training rows from {seed} episodes (noise {args.noise:g}: the teacher's p(heuristic) "
-          f"{1 - args.noise / 2:.2f}), {len(held)} held-out states; {settings}; {args.threads} threads", flush=True)
+    print(f"{len(train):,} training rows from episodes {first}-{seed - 1} (noise {args.noise:g}: the teacher's "
+          f"p(heuristic) {1 - args.noise / 2:.2f}), {len(held)} held-out states; {settings}; seed {args.seed}; "
+          f"{args.threads} threads", flush=True)
     started = time.monotonic()
     print("step 0: p(heuristic) {:.3f}  favour {:.2f}".format(*measure()), flush=True)
     for step in range(1, args.steps + 1):
