@@ -6,7 +6,8 @@ fake-gcs-server), writes where they
 listen to ``$RLPIPE_HOME/stack.json`` (default ``~/.rlpipe``) and stops them
 cleanly on SIGTERM.  ``rlpipe down`` sends that SIGTERM.  The serving process holds a lock on
 ``$RLPIPE_HOME/stack.lock`` for its life, so two ``rlpipe up`` at once start one stack and the
-other reports it as already running.  Every other command finds
+other reports it as already running; a ``stack.json`` whose lock no process holds (left by a reboot or a
+``kill -9``) is stale and counts as no stack.  Every other command finds
 the broker through ``resolve_bootstrap_servers``: the configured address if there
 is one, else the running stack's, else a one-line error naming ``rlpipe up``.
 
@@ -44,7 +45,6 @@ STATE_FILE = "stack.json"
 LOCK_FILE = "stack.lock"  # held (flock) by the one serving process of a home, for its whole life
 EXIT_ALREADY_RUNNING = 3  # `serve` found another stack serving this home
 DEFAULT_BUCKET = "rlpipe"
-_SERVE_MARKER = "pipeline.devstack.stack"
 
 
 class StackError(RuntimeError):
@@ -68,7 +68,7 @@ class StackState(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    pid: int = Field(ge=1, description="process id of `python -m pipeline.devstack.stack serve`")
+    pid: int = Field(ge=1, description="process id of the serving process (`rlpipe up`'s background one, or `up --foreground`)")
     bootstrap_servers: str = Field(description="Kafka address of the embedded broker")
     gcs_endpoint: str | None = Field(None, description="fake-gcs-server endpoint; None when started without it")
     gcs_bucket: str | None = Field(None, description="bucket created on the emulator")
@@ -95,29 +95,41 @@ def default_store_root(home: Path | None = None) -> str:
     return ((home or rlpipe_home()) / "store").resolve().as_uri()
 
 
-def _is_stack_process(pid: int) -> bool:
-    """True if ``pid`` is alive and (where /proc tells) is a stack server, not a recycled pid."""
+def _is_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    if cmdline.exists():
-        with contextlib.suppress(OSError):
-            return _SERVE_MARKER in cmdline.read_bytes().decode(errors="replace")
+    except PermissionError:  # another user's process
+        pass
     return True
 
 
+def _home_is_served(home: Path) -> bool:
+    """True while a process holds the home's lock: ``serve`` holds it for its whole life, and the kernel drops it
+    when that process dies (a reboot or ``kill -9`` included), so a state file left behind is told apart from a
+    stack however it was started (``rlpipe up``, ``rlpipe up --foreground``) and whatever now has its pid."""
+    try:
+        descriptor = os.open(home / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)  # only refused while someone holds it exclusively
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(descriptor)  # also releases the shared lock, if taken
+    return False
+
+
 def read_stack_state(home: Path | None = None) -> StackState | None:
-    """The running stack's state, or None if none runs (a stale file of a dead process counts as none)."""
+    """The running stack's state, or None if none runs (a state file that no serving process holds is stale)."""
     path = state_path(home)
     try:
         state = StackState.model_validate_json(path.read_text())
     except (OSError, ValidationError, ValueError):
         return None
-    return state if _is_stack_process(state.pid) else None
+    return state if _is_alive(state.pid) and _home_is_served(path.parent) else None
 
 
 def resolve_bootstrap_servers(bus_config: BusConfig) -> str:
@@ -249,18 +261,20 @@ def _hold_home_lock(home: Path, wait_for_state_s: float = 30.0) -> int:
     """
     home.mkdir(parents=True, exist_ok=True)
     descriptor = os.open(home / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(descriptor)
-        deadline = time.monotonic() + wait_for_state_s
-        while time.monotonic() < deadline:
-            running = read_stack_state(home)
+    deadline = time.monotonic() + wait_for_state_s
+    while True:  # tried again: a reader's probe (``_home_is_served``) holds it shared for a moment
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return descriptor
+        except BlockingIOError:
+            pass
+        running = read_stack_state(home)
+        if running is not None or time.monotonic() > deadline:
+            os.close(descriptor)
             if running is not None:
-                raise StackAlreadyRunningError(running) from None
-            time.sleep(0.1)
-        raise StackError(f"another rlpipe stack is starting or stopping for {home}; try again in a moment") from None
-    return descriptor
+                raise StackAlreadyRunningError(running)
+            raise StackError(f"another rlpipe stack is starting or stopping for {home}; try again in a moment")
+        time.sleep(0.1)
 
 
 def serve(home: Path, kafka_port: int | None = None, gcs_port: int | None = None, with_gcs: bool = True) -> int:

@@ -336,3 +336,25 @@ def test_down_that_has_to_kill_the_stack_kills_the_servers_it_started_and_nothin
         stack.wait(timeout=5)
         if tee is not None:
             tee.wait(timeout=5)
+
+
+def test_a_stack_run_in_the_foreground_is_found_by_the_other_commands(home: Path) -> None:
+    """`rlpipe up --foreground` serves from the `rlpipe` process itself, whose command line is not the background
+    server's: its state must still count as a running stack (status, down, run), found through the home's lock."""
+    command = [sys.executable, "-m", "pipeline.cli.main", "up", "--foreground", "--no-gcs"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    foreground = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not state_path().exists() and foreground.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state_path().exists(), "the foreground stack did not record its state"
+        state = read_stack_state()
+        assert state is not None and state.pid == foreground.pid
+        stopped = runner.invoke(app, ["down"])
+        assert f"stopped (pid {foreground.pid})" in stopped.stdout, stopped.output
+        assert foreground.wait(timeout=20) == 0
+    finally:
+        if foreground.poll() is None:
+            foreground.kill()
+            foreground.wait()
