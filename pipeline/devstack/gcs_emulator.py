@@ -63,6 +63,7 @@ class FakeGCSServer(ManagedProcess):
     what = "fake-gcs-server"
     error = EmulatorError
     log_prefix = "fake-gcs-server-"
+    refuse_taken_port = True  # else the readiness probe may find another emulator (a container on 4443) there
 
     def __init__(
         self,

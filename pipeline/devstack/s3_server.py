@@ -70,6 +70,7 @@ class LocalS3Server(ManagedProcess):
     what = "the local S3 server"
     error = S3ServerError
     log_prefix = None  # without a log_path its output is discarded
+    refuse_taken_port = True  # else the readiness probe may find another S3 server there
 
     def __init__(
         self,

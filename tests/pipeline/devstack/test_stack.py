@@ -358,3 +358,36 @@ def test_a_stack_run_in_the_foreground_is_found_by_the_other_commands(home: Path
         if foreground.poll() is None:
             foreground.kill()
             foreground.wait()
+
+
+def test_up_with_the_gcs_emulator_on_a_port_in_use_says_why_in_one_line(home: Path) -> None:
+    """Another GCS emulator already on the port (a container on 4443, say) answered the readiness probe: the stack
+    recorded it as its own, and stopped a moment later when its own emulator exited on the taken port."""
+    import http.server
+    import threading
+
+    class Answers(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self) -> None:
+            self.do_GET()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    port = other.server_address[1]
+    try:
+        result = runner.invoke(app, ["up", "--gcs-port", str(port)])
+        assert result.exit_code == 1, result.output
+        assert read_stack_state() is None
+    finally:
+        stopped = runner.invoke(app, ["down"])
+        other.shutdown()
+        other.server_close()
+    assert "no rlpipe stack is running" in stopped.stdout
+    assert f"port {port} is already in use" in result.output and "Traceback" not in result.output
+    assert "|" not in result.output and "stack.log" in result.output
