@@ -238,16 +238,10 @@ class Launcher:
         """Launch everything, watch until the learner is done or Ctrl-C, stop cleanly; return an exit code."""
         self.prepare_model()
         self.create()
-        paths = [str(path) for path in self.config_paths]
-        self.spawn("learner", "learner", "start", *[arg for path in paths for arg in ("--config", path)])
-        for index in range(self.config.num_producers):
-            args = packed_producer_args(paths, index) if self.packed else producer_args(self.config, paths[0], index)
-            self.spawn(f"producer-{index}", *args)
-        self.watcher = threading.Thread(target=self.follow_control, daemon=True)
-        self.watcher.start()
         interrupted = False
         with stop_signals_interrupt():  # also while stopping: a second signal kills what has not stopped yet
-            try:
+            try:  # from the first spawn: a Ctrl-C (or a failed start) between two stops those already started
+                self.launch()
                 self.watch()
             except KeyboardInterrupt:
                 interrupted = True
@@ -255,6 +249,16 @@ class Launcher:
             finally:  # whatever ended the watch, the processes are stopped and the runs announced
                 code = self.shutdown(interrupted=interrupted)
         return code
+
+    def launch(self) -> None:
+        """The learner, then the producers, then the dashboard's feed."""
+        paths = [str(path) for path in self.config_paths]
+        self.spawn("learner", "learner", "start", *[arg for path in paths for arg in ("--config", path)])
+        for index in range(self.config.num_producers):
+            args = packed_producer_args(paths, index) if self.packed else producer_args(self.config, paths[0], index)
+            self.spawn(f"producer-{index}", *args)
+        self.watcher = threading.Thread(target=self.follow_control, daemon=True)
+        self.watcher.start()
 
     def follow_control(self) -> None:
         """Feed each run's dashboard from the control topic until the runs stop."""

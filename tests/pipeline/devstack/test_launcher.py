@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -233,3 +235,53 @@ def test_a_child_reads_the_broker_it_is_given_whatever_the_case_of_the_launchers
     spawner.config, spawner.bus, spawner.log_dir, spawner.processes = config, config.bus, tmp_path, {}
     spawner.spawn("learner", "learner")
     assert env_layer(started[0])["bus"]["bootstrap_servers"] == "other:9093"
+
+
+class PublisherStub(Published):
+    """The event publisher as a context manager, for the launcher's shutdown."""
+
+    def __init__(self, bus: object = None) -> None:
+        super().__init__()
+
+    def __enter__(self) -> PublisherStub:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+def scripted_launcher(root: Path, monkeypatch: pytest.MonkeyPatch, scripts: dict[str, str]) -> launcher.Launcher:
+    """A launcher whose learner and producer processes run ``scripts[kind]`` (python code) instead of rlpipe,
+    with no model, no stack and no broker; its announcements go to a stub."""
+    import sys
+
+    monkeypatch.setattr(launcher, "rlpipe_command", lambda *args: [sys.executable, "-c", scripts[args[0]]])
+    monkeypatch.setattr(launcher, "EventPublisher", PublisherStub)
+    fake = packed_launcher(root, {"run-a": 5})
+    fake.config = fake.config.model_copy(update={"num_producers": 2})
+    fake.prepare_model = fake.create = fake.follow_control = lambda: None
+    fake.config_paths, fake.log_dir, fake.processes = [root / "a.yaml"], root, {}
+    fake.bus = fake.config.bus.model_copy(update={"bootstrap_servers": "127.0.0.1:1"})
+    fake.show_dashboard, fake.started_stack, fake.watcher = False, None, None
+    fake.stopping = threading.Event()
+    return fake
+
+
+def test_a_ctrl_c_while_the_processes_start_stops_those_already_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = scripted_launcher(tmp_path, monkeypatch, {"learner": "import time; time.sleep(60)", "producer": "pass"})
+    spawn = fake.spawn
+
+    def interrupted_spawn(name: str, *args: str) -> None:
+        if name == "producer-1":
+            raise KeyboardInterrupt
+        spawn(name, *args)
+
+    fake.spawn = interrupted_spawn
+    try:
+        with contextlib.suppress(KeyboardInterrupt):  # not pytest's own: it would end the session
+            fake.run()
+        assert fake.processes["learner"].poll() is not None, "the learner was left running"
+    finally:
+        fake.processes["learner"].kill()
+        fake.processes["learner"].wait()
