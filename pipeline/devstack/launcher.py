@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -377,28 +378,9 @@ class Launcher:
         return any(p.poll() not in (None, 0) for name, p in self.processes.items() if name != "learner")
 
     def shutdown(self, timeout_s: float = 120.0, interrupted: bool = False) -> int:
-        """SIGTERM everyone still running, wait (bounded), then RunStopped; non-zero if any child failed."""
+        """Stop every process (``stop_processes``), then RunStopped; non-zero if any child failed."""
         self.stopping.set()
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for name, process in self.processes.items():
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time: killing it", name)
-                process.kill()
-                process.wait()
-            except KeyboardInterrupt:  # Ctrl-C (or a stop signal) again while stopping: do not wait any longer
-                interrupted = True
-                log.warning("interrupted again: killing the processes that have not stopped")
-                for other in self.processes.values():
-                    if other.poll() is None:
-                        other.kill()
-                for other in self.processes.values():
-                    other.wait()
-                break
+        interrupted = self.stop_processes(timeout_s) or interrupted
         codes = {name: process.returncode for name, process in self.processes.items()}
         if self.watcher is not None:
             self.watcher.join(timeout=10.0)  # its own announcements done before the last ones
@@ -411,3 +393,34 @@ class Launcher:
             log.info("the embedded stack started for this run is still running (pid %d); stop it with `rlpipe down`",
                      self.started_stack.pid)
         return 1 if failed else 0
+
+    def stop_processes(self, timeout_s: float) -> bool:
+        """SIGTERM every child still running and wait for them (``timeout_s`` in all); True if interrupted again.
+
+        A child still running after that, or every one on a second Ctrl-C, is killed with its process group (its
+        own, from ``spawn``: an engine process under a producer dies with it); so is whatever a child stopped here
+        left running in its group, so the run leaves no process behind.  The groups of children that had exited
+        before are left alone: their ids may belong to other processes by now.
+        """
+        running = [process for process in self.processes.values() if process.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        interrupted = False
+        try:
+            for name, process in self.processes.items():
+                try:
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time: killing it", name)
+        except KeyboardInterrupt:  # Ctrl-C (or a stop signal) again while stopping: do not wait any longer
+            interrupted = True
+            log.warning("interrupted again: killing the processes that have not stopped")
+        finally:
+            for process in running:
+                with contextlib.suppress(ProcessLookupError, PermissionError):  # an empty group is gone
+                    os.killpg(process.pid, signal.SIGKILL)
+            for process in running:
+                process.wait()
+        return interrupted
+

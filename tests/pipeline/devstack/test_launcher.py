@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -267,6 +268,17 @@ def scripted_launcher(root: Path, monkeypatch: pytest.MonkeyPatch, scripts: dict
     return fake
 
 
+def _gone(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rpartition(")")[2].split()[0] in ("Z", "X")
+
+
 def test_a_ctrl_c_while_the_processes_start_stops_those_already_started(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = scripted_launcher(tmp_path, monkeypatch, {"learner": "import time; time.sleep(60)", "producer": "pass"})
@@ -285,3 +297,44 @@ def test_a_ctrl_c_while_the_processes_start_stops_those_already_started(
     finally:
         fake.processes["learner"].kill()
         fake.processes["learner"].wait()
+
+
+LEAVES_A_GRANDCHILD = """
+import signal, subprocess, sys, time
+ignore = {ignore}
+if ignore:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+grandchild = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                               "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+print(grandchild.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_stopping_the_run_leaves_no_process_of_a_child_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that ignores SIGTERM is killed with its own processes (an engine process under a producer), and a
+    child that stops leaves none of its processes running either."""
+    scripts = {"learner": LEAVES_A_GRANDCHILD.format(ignore=True), "producer": LEAVES_A_GRANDCHILD.format(ignore=False)}
+    fake = scripted_launcher(tmp_path, monkeypatch, scripts)
+    fake.config = fake.config.model_copy(update={"num_producers": 1})
+    fake.spawn("learner", "learner")
+    fake.spawn("producer-0", "producer")
+    grandchildren: list[int] = []
+    try:
+        for name in ("learner", "producer-0"):
+            deadline = time.monotonic() + 20
+            while not (tmp_path / f"{name}.log").read_text().strip() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            grandchildren.append(int((tmp_path / f"{name}.log").read_text().split()[0]))
+        fake.shutdown(timeout_s=1.0)
+        deadline = time.monotonic() + 5
+        while not all(map(_gone, grandchildren)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(map(_gone, grandchildren)), "a child's process outlived the run"
+    finally:
+        import os
+        import signal
+
+        for pid in grandchildren:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
