@@ -388,7 +388,8 @@ class Launcher:
             self.announce_stops(publisher, codes, interrupted)
         failed = {name: code for name, code in codes.items() if code != 0}
         for name, code in failed.items():
-            log.error("%s exited with %s; see %s", name, code, self.log_dir / f"{name}.log")
+            path = self.log_dir / f"{name}.log"
+            log.error("%s exited with %s; the end of %s:\n%s", name, code, path, log_tail(path))
         if self.started_stack is not None:
             log.info("the embedded stack started for this run is still running (pid %d); stop it with `rlpipe down`",
                      self.started_stack.pid)
@@ -424,3 +425,11 @@ class Launcher:
                 process.wait()
         return interrupted
 
+
+def log_tail(path: Path, lines: int = 10) -> str:
+    """The last ``lines`` lines of a child's log, indented (what says why it exited)."""
+    try:
+        text = path.read_text(errors="replace")[-4000:]
+    except OSError as exc:
+        return f"  (unreadable: {exc})"
+    return "\n".join(f"  {line}" for line in text.rstrip().splitlines()[-lines:]) or "  (empty)"

@@ -279,6 +279,19 @@ def _gone(pid: int) -> bool:
     return stat.exists() and stat.read_text().rpartition(")")[2].split()[0] in ("Z", "X")
 
 
+def test_a_learner_that_dies_at_start_is_reported_with_its_log_and_the_producers_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    scripts = {"learner": "import sys; print('loading the config'); sys.exit('error: no such preset: cartpol')",
+               "producer": "import time; time.sleep(60)"}
+    fake = scripted_launcher(tmp_path, monkeypatch, scripts)
+    with caplog.at_level(logging.INFO, logger="rlpipe.run"):
+        assert fake.run() == 1
+    assert set(fake.processes) == {"learner", "producer-0", "producer-1"}
+    assert all(process.poll() is not None for process in fake.processes.values())
+    failure = next(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "learner" in r.getMessage())
+    assert "no such preset: cartpol" in failure and str(tmp_path / "learner.log") in failure
+
+
 def test_a_ctrl_c_while_the_processes_start_stops_those_already_started(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = scripted_launcher(tmp_path, monkeypatch, {"learner": "import time; time.sleep(60)", "producer": "pass"})
