@@ -13,6 +13,9 @@ says which command to run (``_command``), how to tell that the server answers
 The process is stopped by ``stop()``, by leaving a ``with`` block, at interpreter
 exit, and (on Linux) by the kernel when the thread that started it dies, so a
 crashed test run leaves no server behind.
+
+``process_table``, ``descendants_in_group`` and ``still_living`` read the process
+tree from ``/proc``, for ``rlpipe down`` to kill a stack's servers and nothing else.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import atexit
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -73,6 +77,43 @@ def stop_processes(processes: list[subprocess.Popen[bytes]], timeout_s: float = 
             log.warning("process %d did not stop within %.0f s; killing it", process.pid, timeout_s)
             process.kill()
             process.wait()
+
+
+def process_table() -> dict[int, tuple[str, int, int]] | None:
+    """Every process as pid -> (state, parent pid, process group), from /proc; None without /proc."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    processes = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rpartition(")")[2].split()  # after "pid (comm)": state, ppid, pgrp, ...
+            processes[int(stat.parent.name)] = (fields[0], int(fields[1]), int(fields[2]))
+    return processes
+
+
+def descendants_in_group(pid: int, processes: dict[int, tuple[str, int, int]]) -> list[int]:
+    """``pid`` and its descendants that are in its process group, ``pid`` first."""
+    children: dict[int, list[int]] = {}
+    for child, (_, parent, group) in processes.items():
+        if group == pid:
+            children.setdefault(parent, []).append(child)
+    found = [pid]
+    for parent in found:  # grows as it goes: breadth first
+        found += sorted(children.get(parent, []))
+    return found
+
+
+def still_living(pgid: int, targets: list[int] | None) -> list[int]:
+    """Which of ``targets`` are not zombies; with None (no /proc), ``[pgid]`` while any of its group runs."""
+    if targets is None:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        return [pgid]
+    processes = process_table() or {}
+    return [pid for pid in targets if pid in processes and processes[pid][0] not in ("Z", "X")]
 
 
 class ManagedProcess:

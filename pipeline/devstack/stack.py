@@ -37,6 +37,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.devstack.broker import TansuBroker
+from pipeline.devstack.process import descendants_in_group, process_table, still_living
 from pipeline.devstack.s3_server import LocalS3Server
 from schemas.config import BusConfig
 
@@ -412,59 +413,22 @@ def _kill_stack(pid: int, wait_s: float = 5.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         return
-    processes = _processes()
+    processes = process_table()
     if processes is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
         targets = None
     else:
-        targets = _descendants_in_group(pid, processes)
+        targets = descendants_in_group(pid, processes)
         for target in targets:  # the serving process first: it starts no server after
             with contextlib.suppress(ProcessLookupError):
                 os.kill(target, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
-    while left := _still_living(pid, targets):
+    while left := still_living(pid, targets):
         if time.monotonic() > deadline:
             raise StackError(f"the stack's processes {', '.join(map(str, left))} still run {wait_s:g}s after "
                              "SIGKILL; wait for them to exit (ps -o pid,stat,cmd -p PID) before rlpipe up")
         time.sleep(0.05)
-
-
-def _processes() -> dict[int, tuple[str, int, int]] | None:
-    """Every process as pid -> (state, parent pid, process group), from /proc; None without /proc."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return None
-    processes = {}
-    for stat in proc.glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rpartition(")")[2].split()  # after "pid (comm)": state, ppid, pgrp, ...
-            processes[int(stat.parent.name)] = (fields[0], int(fields[1]), int(fields[2]))
-    return processes
-
-
-def _descendants_in_group(pid: int, processes: dict[int, tuple[str, int, int]]) -> list[int]:
-    """``pid`` and its descendants that are in its process group, ``pid`` first."""
-    children: dict[int, list[int]] = {}
-    for child, (_, parent, group) in processes.items():
-        if group == pid:
-            children.setdefault(parent, []).append(child)
-    found = [pid]
-    for parent in found:  # grows as it goes: breadth first
-        found += sorted(children.get(parent, []))
-    return found
-
-
-def _still_living(pgid: int, targets: list[int] | None) -> list[int]:
-    """Which of ``targets`` are not zombies; with None (no /proc), ``[pgid]`` while any of its group runs."""
-    if targets is None:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return []
-        return [pgid]
-    processes = _processes() or {}
-    return [pid for pid in targets if pid in processes and processes[pid][0] not in ("Z", "X")]
 
 
 def _alive(pid: int) -> bool:
