@@ -23,7 +23,8 @@ Backends:
 - Weights & Biases, when ``wandb`` is importable and the environment configures it
   (``WANDB_MODE`` other than ``disabled``, ``WANDB_PROJECT`` or ``WANDB_API_KEY``;
   ``WANDB_MODE=offline`` writes a local run to sync later).  The W&B run id is the
-  rlpipe run id, resumed by a restarted learner; the project defaults to ``rlpipe``.
+  rlpipe run id, resumed by a restarted learner; the project defaults to ``rlpipe``.  W&B cannot rewrite
+  a step, so steps a restarted learner trains again keep there the values first logged (``WandbLogger``).
 
 A backend that fails is logged once and dropped: tracking never stops training.
 """
@@ -133,11 +134,20 @@ def wait_past_event_files(log_dir: Path) -> None:
 
 
 class WandbLogger:
-    """Scalars of each step to a Weights & Biases run named after the rlpipe run (started at the first step)."""
+    """Scalars of each step to a Weights & Biases run named after the rlpipe run (started at the first step).
+
+    W&B keeps one row per step, in step order, and cannot rewrite one: a resumed W&B run takes only steps from
+    ``run.step`` (its last row's step + 1) on, and drops lower ones with a warning per step.  A learner restarted
+    from its checkpoint trains the steps after it again; those W&B already holds keep the values the earlier
+    process logged (the store and TensorBoard hold the retrained ones), and are skipped here with one note, so
+    W&B shows each step once and in order.  Each step is committed as it is logged, not held back until the
+    next one, so W&B is never a step behind and a killed learner loses none of the steps it logged.
+    """
 
     def __init__(self, run_id: str, config: Mapping[str, Any] | None = None) -> None:
         self.run_id, self.config = run_id, dict(config or {})
         self._run: Any = None
+        self._held: list[int] = []  # steps trained again that the W&B run already holds (noted once)
 
     def log(self, metrics: Mapping[str, Any]) -> None:
         step, scalars = step_scalars(metrics)
@@ -148,9 +158,21 @@ class WandbLogger:
             self._run = wandb.init(project=os.environ.get("WANDB_PROJECT") or WANDB_PROJECT_DEFAULT,
                                    id=self.run_id, name=self.run_id, resume="allow", config=self.config,
                                    reinit="create_new")
-        self._run.log(scalars, step=step)
+        if step < int(self._run.step or 0):  # logged by a process before this one's restart
+            self._held.append(step)
+            return
+        self._note_held_steps()
+        self._run.log(scalars, step=step, commit=True)
+
+    def _note_held_steps(self) -> None:
+        if self._held:
+            log.info("W&B run %s already holds steps %d-%d from before this learner restarted: they keep the "
+                     "values logged then (TensorBoard and the store hold the retrained ones)",
+                     self.run_id, self._held[0], self._held[-1])
+            self._held = []
 
     def close(self) -> None:
+        self._note_held_steps()
         if self._run is not None:
             self._run.finish()
             self._run = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import types
@@ -68,20 +69,46 @@ def test_event_files_go_under_the_run_of_a_local_store_else_under_rlpipe_home(tm
     assert tensorboard_dir(chosen, local) == tmp_path / "tb" / "cartpole-1"
 
 
-def fake_wandb(monkeypatch) -> list[tuple[str, Any]]:
-    """A stand-in ``wandb`` module recording what the logger asks of it."""
+def fake_wandb(monkeypatch, server: dict[str, dict[int, dict[str, float]]] | None = None) -> list[tuple[str, Any]]:
+    """A stand-in ``wandb`` module recording what the logger asks of it.
+
+    ``server``: run id -> step -> the row W&B holds.  Its runs keep W&B's step rule: a resumed run starts at
+    its last row's step + 1 (``run.step``), a step below ``run.step`` is dropped (W&B warns and ignores it), and
+    a row is held back until a later step or ``commit=True`` (what a killed process held back is lost).
+    """
     calls: list[tuple[str, Any]] = []
+    server = {} if server is None else server
 
     class Run:
-        def log(self, data: dict[str, float], step: int) -> None:
+        def __init__(self, run_id: str) -> None:
+            self.rows = server.setdefault(run_id, {})
+            self.step = max(self.rows) + 1 if self.rows else 0
+            self.pending: dict[str, float] = {}
+
+        def log(self, data: dict[str, float], step: int, commit: bool | None = None) -> None:
+            if step < self.step:
+                calls.append(("dropped", step))
+                return
             calls.append(("log", (step, data)))
+            if step > self.step:
+                self.commit()
+                self.step = step
+            self.pending.update(data)
+            if commit:
+                self.commit()
+                self.step += 1
+
+        def commit(self) -> None:
+            if self.pending:
+                self.rows[self.step], self.pending = self.pending, {}
 
         def finish(self) -> None:
+            self.commit()
             calls.append(("finish", None))
 
     def init(**kwargs: Any) -> Run:
         calls.append(("init", kwargs))
-        return Run()
+        return Run(kwargs["id"])
 
     module = types.ModuleType("wandb")
     module.init = init  # type: ignore[attr-defined]
@@ -112,6 +139,27 @@ def test_wandb_logger_resumes_the_run_named_after_the_rlpipe_run(monkeypatch) ->
     assert (step, data) == step_scalars(METRICS) and finish == "finish"
 
 
+def test_a_restarted_learner_leaves_each_step_once_and_in_order_in_wandb(monkeypatch, caplog) -> None:
+    """W&B cannot rewrite a run's history: a learner resumed from its checkpoint at step 2, after logging up to
+    step 4, logs the steps it trains again (3, 4) only from the first one the W&B run lacks, and says so once;
+    each step reaches W&B as it is logged, so a killed learner loses none of them."""
+    server: dict[str, dict[int, dict[str, float]]] = {}
+    calls = fake_wandb(monkeypatch, server)
+    crashed = WandbLogger("cartpole-1")
+    for step in (1, 2, 3, 4):
+        crashed.log({"step": step, "loss": 1.0})
+    assert sorted(server["cartpole-1"]) == [1, 2, 3, 4]  # killed here: never closed
+    caplog.set_level(logging.INFO, logger="rlpipe.tracking")
+    resumed = WandbLogger("cartpole-1")
+    for step in (3, 4, 5):
+        resumed.log({"step": step, "loss": 0.5})
+    resumed.close()
+    assert [name for name, _ in calls if name == "dropped"] == []
+    assert {step: row["loss"] for step, row in server["cartpole-1"].items()} == {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 0.5}
+    notes = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
+    assert len(notes) == 1 and "steps 3-4" in notes[0], notes
+
+
 def test_packed_runs_in_one_process_each_log_to_their_own_wandb_run(monkeypatch) -> None:
     """A packed learner holds one logger per run: each makes its own W&B run (``reinit="create_new"``, not the
     process's one active run) and logs only there; one run leaving finishes only its own."""
@@ -121,7 +169,7 @@ def test_packed_runs_in_one_process_each_log_to_their_own_wandb_run(monkeypatch)
     b.log(METRICS)
     assert a._run is not b._run and [kwargs["reinit"] for name, kwargs in calls if name == "init"] == ["create_new"] * 2
     b.close()
-    a.log(METRICS)
+    a.log({**METRICS, "step": 4})
     assert [name for name, _ in calls] == ["init", "log", "init", "log", "finish", "log"]
 
 
