@@ -118,6 +118,32 @@ def test_two_ranks_replay_train_to_the_adapter_of_one_process_and_resume_alike(s
     assert difference <= TOLERANCE
 
 
+def test_two_ranks_with_dropout_stopped_and_resumed_end_with_the_weights_of_a_group_that_was_not(setup, tmp_path):
+    """LoRA dropout draws masks on every rank: rank 0 from the RNG its checkpoint restores, rank 1 from a seed of its
+    rank and the step (``follower_seed``).  A group stopped after 3 steps and resumed for 2 more ends bit for bit
+    where a group that trained the 5 steps at once does."""
+    store = ObjectStore(tmp_path.as_uri())
+    rng = np.random.default_rng(29)
+    write_batches(TrajectoryArchive(store), setup, STEPS, rng)
+    files = {}
+    for name in ("cut", "whole"):
+        config = run_config(setup["model_dir"], tmp_path, name)
+        config["learner"]["lora_dropout"] = 0.3
+        files[name] = tmp_path / f"{name}.yaml"
+        files[name].write_text(json.dumps(config))
+
+    assert "rank 1 followed 3 steps" in replay_on_two_ranks(files["cut"])
+    write_batches(TrajectoryArchive(store), setup, 2, rng, first=STEPS)
+    assert "rank 1 followed 2 steps" in replay_on_two_ranks(files["cut"])  # resumed from the checkpoint of step 3
+    assert "rank 1 followed 5 steps" in replay_on_two_ranks(files["whole"])
+
+    cut = latest_adapter(store, "cut", tmp_path / "cache-cut")
+    whole = latest_adapter(store, "whole", tmp_path / "cache-whole")
+    assert CheckpointStore(store, "cut").latest().state.step == CheckpointStore(store, "whole").latest().state.step == 5
+    assert max(float(whole[k].abs().max()) for k in whole if "lora_B" in k) > 1e-3  # training moved the adapter
+    assert all(torch.equal(cut[k], whole[k]) for k in whole), max(float((cut[k] - whole[k]).abs().max()) for k in whole)
+
+
 def test_two_sharded_ranks_with_a_kl_penalty_to_a_warm_start_train_as_one_process_across_a_resume(setup, tmp_path):
     """``learner.kl_coef`` under torchrun: rank 0's warm start is every rank's KL reference, after a resume too.
 
