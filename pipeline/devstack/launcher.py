@@ -6,8 +6,12 @@ producers as separate processes (``rlpipe learner start`` / ``rlpipe producer
 start``, the same commands a cluster runs) and watch them on one live
 dashboard fed by the control topic.  The run ends when the learner reaches its
 step budget (``learner.max_steps``) or on Ctrl-C: producers get SIGTERM, flush
-their finished groups and exit; then ``RunStopped``.  Everything stays in the
-store and on the topics for ``rlpipe report``.
+their finished groups and exit; then ``RunStopped``.  It also ends when every
+producer has exited 0 (each wrote its ``producer.max_groups``) and the learner
+has read every batch they announced (``pipeline.devstack.catch_up``): nothing
+more will come, so the learner gets SIGTERM, which trains what is waiting (a
+last step under ``learner.batch_rows`` too), checkpoints and commits.
+Everything stays in the store and on the topics for ``rlpipe report``.
 
 Several runs (``rlpipe run --runs N``) are launched packed: one learner
 process trains them all (``rlpipe learner start --config A --config B ...``)
@@ -42,6 +46,7 @@ from typing import Any
 import yaml
 
 from pipeline.config import child_environment
+from pipeline.devstack.catch_up import LearnerCatchUp
 from pipeline.devstack.stack import (
     StackAlreadyRunningError,
     StackState,
@@ -58,6 +63,7 @@ from schemas.events import Envelope, LearnerCheckpointed, ProducerHeartbeat, Run
 log = logging.getLogger("rlpipe.run")
 
 STORE_LOOK_S = 10.0  # how often a packed launch looks in the store for runs at their budget
+PRODUCERS_DONE = "every producer wrote its producer.max_groups groups"  # the RunStopped reason of such a run
 
 
 @dataclass
@@ -200,6 +206,10 @@ class Launcher:
         self.stopping = threading.Event()
         self.stopped: dict[str, str] = {}  # runs whose RunStopped went out, with its reason
         self.watcher: threading.Thread | None = None  # feeds the dashboards (follow_control)
+        self.launched_at = time.time()  # unix seconds: the learner's progress is read from then on
+        self.producers_exited = False  # every producer exited 0
+        self.catch_ups: dict[str, LearnerCatchUp] = {}  # per run going on when they had: what the learner read
+        self.producers_done = False  # ... and the learner has read every batch they wrote
 
     @property
     def packed(self) -> bool:
@@ -254,6 +264,7 @@ class Launcher:
     def launch(self) -> None:
         """The learner, then the producers, then the dashboard's feed."""
         paths = [str(path) for path in self.config_paths]
+        self.launched_at = time.time()
         self.spawn("learner", "learner", "start", *[arg for path in paths for arg in ("--config", path)])
         for index in range(self.config.num_producers):
             args = packed_producer_args(paths, index) if self.packed else producer_args(self.config, paths[0], index)
@@ -332,6 +343,8 @@ class Launcher:
             budget = step_budget(config)
             if budget is not None and step >= budget:
                 reason = "step budget reached"
+            elif self.producers_done and not failed:
+                reason = PRODUCERS_DONE
             elif interrupted:
                 reason = "stopped by Ctrl-C or a signal"
             else:
@@ -355,18 +368,56 @@ class Launcher:
         return max(step, stored), max([version, *versions[-1:]])
 
     def watch(self) -> None:
+        """Until the learner exits, a producer fails, or the producers are done and the learner has read it all."""
         from rich.live import Live
 
-        learner = self.processes["learner"]
-        if not self.show_dashboard:
-            while learner.poll() is None and not self._producer_failed():
-                time.sleep(0.5)
-            return
-        with Live(self.render(), refresh_per_second=2) as live:
-            while learner.poll() is None and not self._producer_failed():
+        try:
+            if not self.show_dashboard:
+                while self.going():
+                    time.sleep(0.5)
+                return
+            with Live(self.render(), refresh_per_second=2) as live:
+                while self.going():
+                    live.update(self.render())
+                    time.sleep(0.5)
                 live.update(self.render())
-                time.sleep(0.5)
-            live.update(self.render())
+        finally:
+            for catch_up in self.catch_ups.values():
+                catch_up.close()
+
+    def going(self) -> bool:
+        """Whether to keep watching."""
+        return (self.processes["learner"].poll() is None and not self._producer_failed()
+                and not self._producers_done())
+
+    def _producers_done(self) -> bool:
+        """Every producer exited 0 and the learner has read every batch of every run still going.
+
+        Said once, when the last producer is seen gone; until the learner has read everything it trains on.
+        """
+        producers = [process for name, process in self.processes.items() if name != "learner"]
+        if not producers or any(process.poll() != 0 for process in producers):
+            return False
+        if not self.producers_exited:
+            self.producers_exited = True
+            log.info("every producer has exited 0 (each wrote its producer.max_groups groups): the learner trains "
+                     "what they wrote, then is stopped (a last batch under learner.batch_rows is trained too)")
+        # a list, not a generator: every run's catch-up reads on at each look, not only up to the first behind
+        self.producers_done = all([self._caught_up(c.run_id) for c in self.configs])
+        return self.producers_done
+
+    def _caught_up(self, run_id: str) -> bool:
+        """Whether the learner has read every batch announced for ``run_id``, or let the run go (a packed run stopped
+        at its budget); False while the log is unreachable."""
+        if run_id in self.stopped:
+            return True
+        try:
+            if run_id not in self.catch_ups:
+                self.catch_ups[run_id] = LearnerCatchUp(self.bus, run_id, self.launched_at)
+            return self.catch_ups[run_id]()
+        except (BusError, UnknownTopicError, OSError) as exc:  # the log unreachable, no topic yet: look again
+            log.debug("whether the learner of %s has read everything: %s", run_id, exc)
+            return False
 
     def render(self) -> Any:
         """Every run's panel, one under the other."""

@@ -8,6 +8,7 @@ import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -100,6 +101,8 @@ def packed_launcher(root: Path, budgets: dict[str, int]) -> launcher.Launcher:
     fake.configs, fake.config = configs, configs[0]
     fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
     fake.stopped = {}
+    fake.producers_exited = fake.producers_done = False
+    fake.catch_ups, fake.launched_at = {}, time.time()
     return fake
 
 
@@ -351,3 +354,71 @@ def test_stopping_the_run_leaves_no_process_of_a_child_behind(tmp_path: Path, mo
         for pid in grandchildren:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+class CatchUpAfter:
+    """Stands in for ``LearnerCatchUp``: the learner has read every announced batch from the ``after``-th look on."""
+
+    after: ClassVar[int] = 2
+    made: ClassVar[list[str]] = []
+
+    def __init__(self, bus: object, run_id: str, since_s: float) -> None:
+        self.run_id, self.looks, self.closed = run_id, 0, False
+        CatchUpAfter.made.append(run_id)
+
+    def __call__(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.after
+
+    def close(self) -> None:
+        self.closed = True
+
+
+STOPS_CLEANLY_ON_SIGTERM = """
+import signal, sys, time
+def stop(signum, frame):
+    open({mark!r}, "w").write("stopped")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+time.sleep(20)  # a learner below its max_steps waiting for batches that never come
+sys.exit(3)
+"""
+
+
+def test_producers_that_wrote_their_max_groups_end_the_run_once_the_learner_has_read_their_batches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Every producer exits 0 (producer.max_groups) before the learner reaches learner.max_steps: the launcher says so
+    in one line, waits until the learner has read what they wrote, then stops it with SIGTERM (which trains what is
+    waiting, checkpoints and commits) and exits 0, instead of waiting for the learner for ever."""
+    mark = tmp_path / "learner-stopped"
+    scripts = {"learner": STOPS_CLEANLY_ON_SIGTERM.format(mark=str(mark)), "producer": "pass"}
+    fake = scripted_launcher(tmp_path, monkeypatch, scripts)
+    CatchUpAfter.made = []
+    monkeypatch.setattr(launcher, "LearnerCatchUp", CatchUpAfter, raising=False)
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="rlpipe.run"):
+        code = fake.run()
+    assert code == 0 and mark.read_text() == "stopped", (code, caplog.text)
+    assert time.monotonic() - started < 15, "the launcher waited for the learner's own timeout"
+    assert CatchUpAfter.made == ["run-a"]
+    said = [r.getMessage() for r in caplog.records if "every producer" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0] and "producer.max_groups" in said[0], said
+    assert fake.stopped == {"run-a": "every producer wrote its producer.max_groups groups"}
+
+
+def test_a_producer_that_fails_still_stops_the_run_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One producer exits 0, the other fails: everything is stopped and reported (exit 1), nothing waits to catch up."""
+    scripts = {"learner": "import time; time.sleep(20)",
+               "producer": "import sys, time; time.sleep(1.0 if sys.argv[-1].endswith('p1') else 0); "
+                           "sys.exit(2 if sys.argv[-1].endswith('p1') else 0)"}
+    fake = scripted_launcher(tmp_path, monkeypatch, scripts)
+    monkeypatch.setattr(launcher, "rlpipe_command", lambda *args: [__import__("sys").executable, "-c",
+                                                                    scripts[args[0]], *args])
+    CatchUpAfter.made = []
+    monkeypatch.setattr(launcher, "LearnerCatchUp", CatchUpAfter, raising=False)
+    monkeypatch.setattr(CatchUpAfter, "after", 10_000)  # never caught up: only the failure ends the watch
+    started = time.monotonic()
+    assert fake.run() == 1
+    assert time.monotonic() - started < 15
+    assert fake.processes["producer-1"].returncode == 2 and fake.processes["learner"].returncode != 0
+    assert "max_groups" not in fake.stopped["run-a"]
