@@ -273,3 +273,19 @@ def test_a_packed_runs_step_metrics_are_labelled_with_its_run():
     assert health.metric_value("rlpipe_learner_dead_lettered_batches_total", {"run": "a"}) == 1.0
     assert health.metric_value("rlpipe_learner_dead_lettered_batches_total", {"run": "b"}) == 0.0
     assert health.metric_value("rlpipe_learner_step") is None  # no unlabelled series beside the runs'
+
+
+def test_a_stop_trains_a_last_batch_too_small_for_a_step_and_commits_past_it(store, setup):
+    """`rlpipe run` stops the learner once its producers are done and it has read their batches: what waits under
+    learner.batch_rows is trained by the stop (a step of its own), not left behind."""
+    write_batches(TrajectoryArchive(store), setup, 3, np.random.default_rng(11))  # 16 rows each
+    refs = stored_refs(store)
+    learner, announced = scripted_learner(store, setup, refs, batch_rows=32)
+    run_polls(learner, 5)  # step 1 on the first two batches; the third read and waiting (16 of 32 rows)
+    assert learner.state.step == 1 and learner.work_waiting()
+    assert [p.positions for p in announced if isinstance(p, LearnerProgress)][-1] == {f"{TOPIC}:0": 3}
+    steps = []
+    finish(learner, steps.append)  # what a stop does
+    assert [(m["step"], m["rows"]) for m in steps] == [(2, 16)]
+    assert set(learner.state.trained) == {ref.batch_id for ref in refs}
+    assert learner.source.commits[-1] == {f"{TOPIC}:0": 3}
