@@ -69,7 +69,7 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     # CartPole: a weak, noisy teacher (0.62 on the heuristic's push), so online RL does the improving
-    "cartpole": Recipe("demo-warmstart", 250, 0.76, True, 2, 32, "return"),
+    "cartpole": Recipe("demo-warmstart", 250, 0.76, True, 1, 32, "return"),
     # Sokoban 6x6, one box, positions in words: the BFS solver's moves, then online RL (docs/demo.md)
     "sokoban": Recipe("demo-sokoban-warmstart", 20_000, 0.0, False, 20, 64, "success"),
     # Tetris 4x4, single cells, GRL's grid: the same shape on the scripted heuristic's answers
