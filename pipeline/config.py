@@ -298,9 +298,7 @@ def validation_message(exc: ValidationError, shown: int = 3) -> str:
     """Every validation error in one line (the first ``shown``, then how many more), so a file with several
     mistakes is fixed in one go: ``learner.learning_rate: Input should be > 0; learner.max_steps: ...``."""
     errors = exc.errors()
-    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'config'}: "
-             f"{unknown_setting(error['loc']) if error['type'] == 'extra_forbidden' else error['msg']}"
-             for error in errors[:shown]]
+    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'config'}: {_error_text(error)}" for error in errors[:shown]]
     more = f" (and {len(errors) - shown} more)" if len(errors) > shown else ""
     return f"invalid configuration: {'; '.join(parts)}{more}"
 
@@ -326,8 +324,13 @@ def setting_error(exc: ValueError, model: type[BaseModel], listing: str) -> str:
         return text.splitlines()[0] if text else type(exc).__name__
     first = exc.errors()[0]
     where = ".".join(str(part) for part in first["loc"])
-    what = unknown_setting(first["loc"], model, listing) if first["type"] == "extra_forbidden" else first["msg"]
-    return f"{where}: {what}" if where else str(what)
+    what = _error_text(first, model, listing)
+    return f"{where}: {what}" if where else what
+
+
+def _error_text(error: Any, model: type[BaseModel] = RunConfig, listing: str = "rlpipe config show") -> str:
+    """What is wrong with one setting: pydantic's message, or for a misspelt key the closest field (``unknown_setting``)."""
+    return unknown_setting(error["loc"], model, listing) if error["type"] == "extra_forbidden" else str(error["msg"])
 
 
 def resolve_config(
