@@ -22,7 +22,8 @@ Exactly once, as the LoRA learner (``consumers.learner``): every step records th
 batch already trained is skipped, and on restart the newest complete checkpoint is
 loaded and the source seeks to its positions.  Sampling draws from the learner's
 own generator, whose state is checkpointed, so a step repeated after a crash gives
-the same weights.
+the same weights.  After every step, and while it waits, the learner announces how far it has read
+(``LearnerProgress``), the batches it passed without a step (dead-lettered, already trained) included.
 
 The replay memory is not checkpointed: the store is the memory.  Each step-log
 entry names the batches (path, digest, transitions formed) the step added, and
@@ -121,6 +122,7 @@ class ValueLearner:
         self.reads_attributed = True  # False once a batch read has no producer (such a source, an older step log)
         self.dead_lettered_producers: list[str | None] = []  # since the last step (its log entry records them)
         self.carried: dict[str, int] = {}  # positions read since the last step (skipped batches' included)
+        self.progress_sent: dict[str, int] = {}  # the read positions last announced (LearnerProgress)
         self.last_metrics: dict[str, Any] = {}
         self.faults = FaultInjector.from_env()
 
@@ -232,8 +234,10 @@ class ValueLearner:
                     self.publish({**self.last_metrics, "batches_read": self.batches_read})
             elif self.source.exhausted():
                 break
-            elif self.lease is not None:
-                self.lease.check()
+            else:
+                self.announce_progress()  # waiting: batches passed since the last step are read too
+                if self.lease is not None:
+                    self.lease.check()
         return self.state
 
     def budget_reached(self) -> bool:
@@ -312,9 +316,21 @@ class ValueLearner:
         self.last_metrics = metrics
         if self.state.step % self.cfg.checkpoint_every == 0:
             self.checkpoint()
-        self.announce(LearnerProgress(step=self.state.step, version=self.state.version,
-                                      positions=dict(self.state.positions)))
+        self.announce_progress(force=True)
         return metrics
+
+    def announce_progress(self, force: bool = False) -> None:
+        """Announce how far this learner has read (``LearnerProgress``): after every step (``force``), and while it
+        waits whenever that changed.  Waiting, the positions include batches no step covers (dead-lettered, already
+        trained): read all the same, and ``rlpipe run`` stops the learner only once it is seen to have read every
+        batch of the run's."""
+        read = dict(self.state.positions)
+        for key, value in self.carried.items():
+            read[key] = max(value, read.get(key, 0))
+        if not force and (not read or read == self.progress_sent):
+            return
+        self.announce(LearnerProgress(step=self.state.step, version=self.state.version, positions=read))
+        self.progress_sent = read
 
     def train(self, transitions_added: int) -> dict[str, Any]:
         """The gradient updates this many new transitions pay for (none before ``min_replay_size``)."""

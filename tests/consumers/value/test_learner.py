@@ -19,7 +19,7 @@ from pipeline.io.store import ObjectStore
 from pipeline.value_network import load_network
 from producers.envs.classic import CartPole
 from producers.value_actor import ValueActor, ValueNetworkWatcher
-from schemas.events import DeadLetter, TrajectoryBatchCommitted
+from schemas.events import DeadLetter, LearnerProgress, TrajectoryBatchCommitted
 from schemas.steps import steps_to_table
 from schemas.value import ValueActorConfig
 
@@ -179,6 +179,25 @@ def test_a_stop_after_a_dead_lettered_batch_does_not_read_it_again_after_the_res
     third = make_learner(store, "dead-stop", log, [], publish_every=1, min_replay_size=1)
     third.resume()
     assert third.batches_read == 4  # the step log records the dead-lettered batch with the step after it
+
+
+@pytest.mark.parametrize("last", ["dead-lettered", "already trained"])
+def test_a_learner_waiting_after_a_batch_no_step_covers_announces_that_it_read_past_it(batches, last: str) -> None:
+    """No step covers a last batch dead-lettered or already trained, so the step's progress stops before it; while
+    the learner waits it announces the position past it (what ``rlpipe run`` waits for before it stops it)."""
+    store, refs = batches
+    second = (BatchRef(refs[1].batch_id + "x", refs[1].path, "0" * 64, {"mem:0": 2}) if last == "dead-lettered"
+              else BatchRef(refs[0].batch_id, refs[0].path, refs[0].sha256, {"mem:0": 2}))
+    announced: list = []
+    learner = make_learner(store, f"wait-{last[:4]}", [refs[0], second], announced, publish_every=1,
+                           min_replay_size=1)
+    learner.source = source = OpenSource([refs[0], second])
+    idle = itertools.count()
+    learner.run(should_stop=lambda: source.index >= 2 and next(idle) >= 3, poll_timeout_s=0.0)
+    assert learner.state.step == 1
+    progress = [p for p in announced if isinstance(p, LearnerProgress)]
+    assert progress[-1].positions == {"mem:0": 2} and progress[-1].step == 1
+    assert len(progress) == 2, "the same progress announced again on every idle poll"
 
 
 class RenewedLogSource(ListSource):

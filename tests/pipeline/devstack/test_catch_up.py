@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
 import time
+from pathlib import Path
 
+from consumers.checkpoint import CheckpointStore
+from consumers.sources import BatchRef
+from consumers.value.config import ValueLearnerConfig
+from consumers.value.learner import ValueLearner
 from pipeline.devstack.catch_up import LearnerCatchUp
+from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import EventPublisher, resolve_topic
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
 from pipeline.runtime import Announcer
+from producers.envs.classic import CartPole
+from producers.value_actor import ValueActor, ValueNetworkWatcher
 from schemas.config import BusConfig
 from schemas.events import LearnerProgress
+from schemas.value import ValueActorConfig
+from tests.consumers.value.test_learner import OpenSource
 from tests.producers.test_service import announce_batch
 
 
@@ -25,7 +38,7 @@ def settles_on(catch_up: LearnerCatchUp, expected: bool, within_s: float = 10.0)
 def test_the_learner_has_caught_up_once_its_progress_passes_the_runs_last_batch(bus_config: BusConfig) -> None:
     """Another run's batches written after this run's last one do not count (the group's lag would: the topic is
     shared); a progress announced before the check was built counts (a learner waiting says it every 5 s, a value
-    learner only after a step)."""
+    learner once each time it changed)."""
     topic = resolve_topic(bus_config.namespace, "trajectories")
     since = time.time()
     with EventPublisher(bus_config) as publisher:
@@ -52,5 +65,39 @@ def test_a_run_with_no_batch_written_is_caught_up_at_once(bus_config: BusConfig)
     catch_up = LearnerCatchUp(bus_config, "empty", time.time())
     try:
         assert settles_on(catch_up, True)
+    finally:
+        catch_up.close()
+
+
+def test_a_value_learner_whose_last_batch_is_dead_lettered_is_seen_to_have_caught_up(
+        bus_config: BusConfig, tmp_path: Path) -> None:
+    """A value run's actor writes two batches and the second is dead-lettered: no step covers it, yet the learner
+    has read it, and ``rlpipe run`` must not wait for ever before it stops the learner."""
+    topic = resolve_topic(bus_config.namespace, "trajectories")
+    store = ObjectStore((tmp_path / "store").as_uri())
+    actor = ValueActor(run_id="dqn", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
+                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "dqn"), tmp_path / "cache"),
+                       config=ValueActorConfig(steps_per_batch=40))
+    since = time.time()
+    with EventPublisher(bus_config) as publisher:
+        announce = Announcer(publisher, "dqn")
+        refs = []
+        for index in range(2):
+            event = actor.write_batch()
+            offset = announce(event)[1]
+            sha256 = "0" * 64 if index == 1 else event.sha256  # the second's file does not match its event
+            refs.append(BatchRef(event.batch_id, event.path, sha256, {f"{topic}:0": offset + 1}, event.producer_id))
+        learner = ValueLearner(
+            run_id="dqn", env_name="cartpole", observation_size=4, num_actions=2,
+            config=ValueLearnerConfig(hidden_sizes=(8,), batch_size=8, min_replay_size=8, publish_every=1),
+            archive=TrajectoryArchive(store), registry=AdapterRegistry(store, "dqn"),
+            checkpoints=CheckpointStore(store, "dqn"), source=(source := OpenSource(refs)), announce=announce)
+        idle = itertools.count()
+        learner.run(should_stop=lambda: source.index >= 2 and next(idle) >= 3, poll_timeout_s=0.0)
+        publisher.flush()
+        assert learner.state.step == 1 and learner.dead_lettered == 1
+    catch_up = LearnerCatchUp(bus_config, "dqn", since)
+    try:
+        assert settles_on(catch_up, True), "the learner read the dead-lettered batch, but is not seen to"
     finally:
         catch_up.close()
