@@ -58,6 +58,11 @@ class DatasetError(ValueError):
     """A dataset that cannot be written or read as asked."""
 
 
+class DatasetNotFoundError(FileNotFoundError, ValueError):
+    """No dataset of that name in the store: its card is missing (a ``FileNotFoundError``), and the name is the
+    user's to fix (a ``ValueError``, so a command exits 2, as for a missing run)."""
+
+
 class DatasetField(BaseModel):
     """One feature column of the steps table: where it came from and its unit."""
 
@@ -279,7 +284,7 @@ def read_card(store: ObjectStore, name: str) -> DatasetCard:
     try:
         data = store.get(key)
     except FileNotFoundError:
-        raise FileNotFoundError(
+        raise DatasetNotFoundError(
             f"no dataset {name!r} in {store.url(DATASETS_PREFIX)}; see `rlpipe datasets list`"
         ) from None
     return card_from_bytes(data, store.url(key))

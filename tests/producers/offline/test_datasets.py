@@ -417,6 +417,15 @@ def _one_line_error(result, code: int = 2) -> str:
     return result.stderr
 
 
+def test_a_missing_dataset_is_bad_input_that_ends_in_one_line_and_exit_2(store):
+    """As a missing run or session: the name is the user's to fix, so the commands exit 2 (a store failure exits 1)."""
+    where = ["--root", store.root]
+    for args in (["show", "nope"], ["sample", "nope"], ["to-trajectories", "nope", "--run", "r", "--model", "tiny"],
+                 ["eval-building", "--run", "r", "--dataset", "nope", "--policies", "random", "--days", "1"]):
+        error = _one_line_error(runner.invoke(app, [*args, *where]))
+        assert "no dataset 'nope'" in error and "rlpipe datasets list" in error, args
+
+
 def test_a_missing_model_folder_or_adapter_version_ends_in_one_line(store, tmp_path):
     generate_building_dataset(store, "short", GenerationSpec(days=1, policy="heuristic"))
     error = _one_line_error(runner.invoke(app, ["to-trajectories", "short", "--run", "r", "--model", "/nonexistent",
