@@ -92,11 +92,13 @@ def process_table() -> dict[int, tuple[str, int, int]] | None:
     return processes
 
 
-def descendants_in_group(pid: int, processes: dict[int, tuple[str, int, int]]) -> list[int]:
-    """``pid`` and its descendants that are in its process group, ``pid`` first."""
+def descendants_in_group(pid: int, processes: dict[int, tuple[str, int, int]], group: int | None = None) -> list[int]:
+    """``pid`` and its descendants that are in process group ``group`` (default: the one ``pid`` leads), ``pid``
+    first."""
+    group = pid if group is None else group
     children: dict[int, list[int]] = {}
-    for child, (_, parent, group) in processes.items():
-        if group == pid:
+    for child, (_, parent, child_group) in processes.items():
+        if child_group == group:
             children.setdefault(parent, []).append(child)
     found = [pid]
     for parent in found:  # grows as it goes: breadth first

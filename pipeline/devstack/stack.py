@@ -399,27 +399,28 @@ def _kill_stack(pid: int, wait_s: float = 5.0) -> None:
 
     Killing it alone would drop the home's lock while they still run, and the next ``rlpipe up`` would start a
     second S3 server on the same journal.  The servers are its descendants in its process group (``ManagedProcess``
-    gives them no group of their own); other members of that group are spared: ``rlpipe up --foreground | tee
-    log`` in a shell makes ``tee`` one.  Without ``/proc`` (macOS) the whole group is killed.  A serving process
-    that does not lead its group (``rlpipe up --foreground`` run by a script) is killed alone; its servers get
-    SIGTERM from the kernel (``die_with_parent``).  ``StackError`` names what still runs ``wait_s`` after the
-    SIGKILL.
+    gives them no group of their own), which it leads when ``rlpipe up`` started it, or a shell with job control
+    ran ``rlpipe up --foreground | tee log``; a script's shell keeps such a pipeline in its own group.  Only the
+    serving process and its descendants are killed, never the rest of the group (``tee``, the shell).  Without
+    ``/proc`` (macOS) the whole group is killed where the serving process leads it, else the serving process alone
+    (its servers get SIGTERM from the kernel, ``die_with_parent``).  ``StackError`` names what still runs
+    ``wait_s`` after the SIGKILL.
     """
     try:
-        leads_group = os.getpgid(pid) == pid
+        group = os.getpgid(pid)
     except ProcessLookupError:
         return
-    if not leads_group:
+    processes = process_table()
+    if processes is None and group != pid:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         return
-    processes = process_table()
     if processes is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
         targets = None
     else:
-        targets = descendants_in_group(pid, processes)
+        targets = descendants_in_group(pid, processes, group)
         for target in targets:  # the serving process first: it starts no server after
             with contextlib.suppress(ProcessLookupError):
                 os.kill(target, signal.SIGKILL)

@@ -284,6 +284,8 @@ lock = os.open(os.path.join(home, "stack.lock"), os.O_RDWR | os.O_CREAT)
 fcntl.flock(lock, fcntl.LOCK_EX)
 server = subprocess.Popen([sys.executable, "-c",  # one of its servers, as stuck, and not told when its parent dies
                            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+with open(os.path.join(home, "stack.pid"), "w") as file:
+    file.write(str(os.getpid()))
 with open(os.path.join(home, "server.pid"), "w") as file:
     file.write(str(server.pid))
 time.sleep(120)
@@ -336,6 +338,50 @@ def test_down_that_has_to_kill_the_stack_kills_the_servers_it_started_and_nothin
         stack.wait(timeout=5)
         if tee is not None:
             tee.wait(timeout=5)
+
+
+@pytest.mark.parametrize("shell", [["sh", "-c"], ["bash", "-c", "set -m;"]], ids=["script", "job-control"])
+def test_down_that_has_to_kill_a_stack_piped_into_tee_by_a_shell_spares_the_shell_and_tee(
+        home: Path, shell: list[str]) -> None:
+    """``rlpipe up --foreground | tee log`` run by a real shell.  A script's shell (no job control) keeps the
+    pipeline in its own process group, so the serving process leads none; a shell with job control makes it lead
+    the pipeline's group, tee in it.  Either way the SIGKILL ends the serving process and its servers (one ignores
+    SIGTERM and is not told when its parent dies), and neither the shell nor tee: tee reads to the end and exits 0."""
+    import shutil
+
+    if shutil.which(shell[0]) is None or shutil.which("tee") is None:
+        pytest.skip(f"needs {shell[0]} and tee")
+    home.mkdir(parents=True)
+    script = home / "stuck_stack.py"
+    script.write_text(STUCK_SERVER)
+    pipeline = f"{' '.join(shell[2:])} {sys.executable} {script} {home} | tee {home / 'up.log'}"
+    shell_process = subprocess.Popen([*shell[:2], pipeline], start_new_session=True, stdin=subprocess.DEVNULL)
+    stack_pid = server_pid = None
+    try:
+        deadline = time.monotonic() + 20
+        while not (home / "server.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stack_pid, server_pid = (int((home / f"{name}.pid").read_text()) for name in ("stack", "server"))
+        leads = os.getpgid(stack_pid) == stack_pid
+        assert leads == (len(shell) > 2), "the shell did not group the pipeline as this test expects"
+        state_path(home).write_text(_state(home, stack_pid).model_dump_json())
+
+        from pipeline.devstack.stack import stop_background
+
+        assert stop_background(timeout_s=0.5) is not None
+        deadline = time.monotonic() + 5
+        while (_alive(server_pid) or _alive(stack_pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(stack_pid), "the serving process still runs"
+        assert not _alive(server_pid), "a server of the killed stack still runs"
+        assert shell_process.wait(timeout=5) == 0, "the shell or tee was killed with the stack"
+    finally:
+        for pid in (stack_pid, server_pid):
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if shell_process.poll() is None:
+            os.kill(shell_process.pid, signal.SIGKILL)
+        shell_process.wait(timeout=5)
 
 
 def test_a_stack_run_in_the_foreground_is_found_by_the_other_commands(home: Path) -> None:
