@@ -117,14 +117,15 @@ def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[
     ``RunIdCaseError``: on a case-insensitive filesystem the two would share one folder.
     """
     key = f"runs/{config.run_id}/run.json"
-    if store.exists(key):
-        return record_config_change(store, config)
-    twin = next((run for run in run_ids(store) if run != config.run_id and run.lower() == config.run_id.lower()),
-                None)
-    if twin is not None:
+    # before the run's own run.json is looked for: on a case-insensitive filesystem it exists for a twin's
+    stored = run_ids(store)
+    twin = next((run for run in stored if run != config.run_id and run.lower() == config.run_id.lower()), None)
+    if twin is not None and config.run_id not in stored:
         raise RunIdCaseError(f"run {config.run_id!r} differs only in case from the run {twin!r} in {store.root}; "
                              "on a case-insensitive filesystem (macOS, Windows) the two would share their files: "
                              "name the run otherwise")
+    if store.exists(key):
+        return record_config_change(store, config)
     data = config_to_json(config).encode()
     try:
         # once: absent a moment ago, so the same bytes there are this create's (a gs:// retry whose first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,40 @@ def test_a_run_whose_id_differs_only_in_case_from_one_in_the_store_is_refused(st
     create_run(local, config(run_id="Run1"), "tiny")
     with pytest.raises(RunIdCaseError):
         create_run(local, config(run_id="run1"), "tiny")
+
+
+class CaseInsensitiveStore(ObjectStore):
+    """A local store that finds a name as macOS's and Windows's default filesystems do: ignoring its case (a new
+    name is made in the case given)."""
+
+    def path(self, key: str = "") -> str:
+        root = Path(self._root_path)
+        found = root
+        for part in Path(super().path(key)).relative_to(root).parts:
+            same = [child for child in found.iterdir() if child.name.lower() == part.lower()] if found.is_dir() else []
+            found = same[0] if same else found / part
+        return str(found)
+
+
+def test_on_a_case_insensitive_filesystem_a_run_differing_only_in_case_is_refused_not_taken_for_the_other(
+        tmp_path: Path) -> None:
+    """There ``runs/demo/run.json`` exists once ``runs/Demo/run.json`` does: a new run ``demo`` must not be taken
+    for a restart of ``Demo`` (it would train on, and record a change of, the other run's files)."""
+    local = CaseInsensitiveStore(f"file://{tmp_path}/store")
+    create_run(local, config(run_id="Demo"), "tiny")
+    assert local.exists("runs/demo/run.json")  # the filesystem is as the test says
+    with pytest.raises(RunIdCaseError, match=r"'demo' differs only in case from the run 'Demo'"):
+        create_run(local, config(run_id="demo", learner={"learning_rate": 5e-4}), "tiny")
+    assert local.list("runs/Demo/config-changes") == []
+    assert create_run(local, config(run_id="Demo"), "tiny")[2] is None  # the run itself goes on
+
+
+def test_runs_differing_only_in_case_made_before_the_check_both_restart(store: ObjectStore) -> None:
+    """On a case-sensitive store, runs made before ids were compared ignoring case keep restarting."""
+    for run_id in ("Old", "old"):
+        store.put_create(f"runs/{run_id}/run.json", json.dumps(config(run_id=run_id).model_dump(mode="json")).encode())
+    for run_id in ("Old", "old"):
+        assert create_run(store, config(run_id=run_id), "tiny")[2] is None
 
 
 @pytest.mark.parametrize(("updates", "field"), [
