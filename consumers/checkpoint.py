@@ -28,7 +28,8 @@ their inline log out as step objects, so the new checkpoint needs nothing else.
 Retention: with ``keep`` set, a ``save`` that made its manifest durable deletes
 all but the ``keep`` newest complete checkpoints (never the one just written)
 and the leftovers of crashed attempts below it (each manifest first, so a
-half-deleted folder is never complete).
+half-deleted folder is never complete).  Under the learner lease
+(``consumers.lease.FencedStore``) only the lease holder deletes: see ``prune``.
 """
 
 from __future__ import annotations
@@ -223,7 +224,15 @@ class CheckpointStore:
 
     def prune(self, newest: str) -> None:
         """Delete all but the ``keep`` newest complete checkpoints (never ``newest``) and dead attempts of steps below
-        it."""
+        it.
+
+        Through a ``FencedStore`` each delete first checks that this learner still holds the lease, after the
+        listing: a learner fenced out before its ``newest`` landed raises ``LeaseLostError`` and deletes nothing.
+        Its ``newest`` is then skipped by later resumes once the newer learner rewrote its steps, and the older
+        checkpoint it would have pruned is the one they fall back to.  A check that passes means no newer learner
+        had started when ``newest`` was already durable, so any learner that starts later resumes from
+        ``newest`` or something newer, never from a checkpoint deleted here.
+        """
         keys = self.store.list(self.prefix, recursive=True)  # one listing for both questions below
         folders: dict[str, bool] = {}  # folder -> has a manifest
         for path in keys:

@@ -137,12 +137,13 @@ class LearnerLease:
 
 
 class FencedStore:
-    """``store`` as the registry and checkpoints see it: creating a ``manifest.json`` checks the lease first.
+    """``store`` as the registry and checkpoints see it: creating a ``manifest.json``, replacing an object and
+    deleting one check the lease first.
 
     Manifests are the create-only commit points of adapter versions and
     checkpoints, so a learner fenced out by a newer one never commits either;
-    its staged files stay unnamed orphans, which readers never see.  Everything
-    else is the wrapped store's own.
+    its staged files stay unnamed orphans, which readers never see.  Nor does it
+    prune checkpoints.  Everything else is the wrapped store's own.
     """
 
     def __init__(self, store: ObjectStore, lease: LearnerLease) -> None:
@@ -172,6 +173,13 @@ class FencedStore:
         # that the lease holder's checkpoints cover.
         self.lease.check()
         return self._store.put(key, data)
+
+    def delete(self, key: str, recursive: bool = False, missing_ok: bool = False) -> None:
+        # A fenced-out learner deletes nothing: its checkpoint committed a moment late may be one the newer
+        # learner's steps fork from, and the older checkpoint it would prune as surplus is then the one the
+        # next resume falls back to (``CheckpointStore.prune``).
+        self.lease.check()
+        self._store.delete(key, recursive=recursive, missing_ok=missing_ok)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

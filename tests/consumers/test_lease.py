@@ -188,15 +188,17 @@ class Killed(Exception):
     """The learner process dying."""
 
 
-def fenced_learner(store: ObjectStore, setup: dict, holder: str, first: str, hooked: Any = None) -> Learner:
-    """A learner built as ``build_learner`` builds one (lease, fenced registry and checkpoints), fed by
-    ``TwoPartitions``; ``hooked`` wraps ``store`` under the fence."""
+def fenced_learner(store: ObjectStore, setup: dict, holder: str, first: str, hooked: Any = None,
+                   keep: int | None = None) -> Learner:
+    """A learner built as ``build_learner`` builds one (lease, fenced registry and checkpoints, ``keep`` of them),
+    fed by ``TwoPartitions``; ``hooked`` wraps ``store`` under the fence."""
     cfg = LearnerConfig(lora_rank=4, lora_alpha=8, learning_rate=2e-2, batch_rows=16, max_staleness=1000)
     lease = LearnerLease(store, RUN, holder=holder)
     fenced: Any = FencedStore(hooked or store, lease)
     return Learner(run_id=RUN, base_model=setup["model_dir"], config=cfg, policy=LoraPolicy(setup["model_dir"], cfg),
                    archive=TrajectoryArchive(store), registry=AdapterRegistry(fenced, RUN),
-                   checkpoints=CheckpointStore(fenced, RUN), source=TwoPartitions(store, first), lease=lease)
+                   checkpoints=CheckpointStore(fenced, RUN, keep=keep), source=TwoPartitions(store, first),
+                   lease=lease)
 
 
 def test_a_checkpoint_committed_after_a_takeover_is_not_resumed_once_its_steps_were_rewritten(setup):
@@ -238,3 +240,39 @@ def test_a_checkpoint_committed_after_a_takeover_is_not_resumed_once_its_steps_w
     assert sorted(in_the_weights) == sorted(every_batch)  # each batch trained once: none lost, none twice
     history = StepLog(store, RUN).read(upto=c.state.step)
     assert sorted(batch for entry in history for batch in entry["batch_ids"]) == sorted(every_batch)
+
+
+def test_a_learner_fenced_out_after_its_late_checkpoint_deletes_no_older_checkpoint(setup):
+    """The takeover above with ``keep_checkpoints: 1``: A's step-2 manifest lands after B resumed from step 1,
+    then A would prune step 1 as older than its newest.  Once B rewrote the step-2 object, step 1 is the
+    checkpoint the next learner must fall back to; deleted, C would start from scratch and the run's training
+    would be lost.  A holds no lease when it prunes, so it deletes nothing and stops."""
+    store = ObjectStore(f"memory://rlpipe-test-{uuid.uuid4().hex}/prefix")
+    write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(3))
+    learners: dict[str, Learner] = {}
+
+    def take_over() -> None:
+        learners["b"] = fenced_learner(store, setup, "pod-b", first="t:1", keep=1,
+                                       hooked=BeforeCheckpointManifest(store, 2, crash))
+        assert learners["b"].resume() and learners["b"].state.step == 1
+
+    def crash() -> None:
+        raise Killed("pod-b dies before its step-2 checkpoint")
+
+    a = fenced_learner(store, setup, "pod-a", first="t:0", keep=1,
+                       hooked=BeforeCheckpointManifest(store, 2, take_over))
+    a.resume()
+    step_1 = one_step(a)["batch_ids"]
+    with pytest.raises(LeaseLostError, match="pod-b"):
+        one_step(a)  # its step-2 manifest lands after the takeover; its pruning is refused
+    assert [step for step, _ in CheckpointStore(store, RUN).complete()] == [2, 1]
+    with pytest.raises(Killed):
+        one_step(learners["b"])  # rewrites the step-2 object, so A's step-2 checkpoint is forked
+
+    c = fenced_learner(store, setup, "pod-c", first="t:0", keep=1)
+    assert c.resume() and c.state.step == 1 and sorted(c.state.trained) == sorted(step_1)
+    c.run(poll_timeout_s=0)
+    every_batch = [commit.batch_id for commit in TrajectoryArchive(store).commits(RUN)]
+    history = StepLog(store, RUN).read(upto=c.state.step)
+    assert sorted(batch for entry in history for batch in entry["batch_ids"]) == sorted(every_batch)
+    assert [step for step, _ in CheckpointStore(store, RUN).complete()] == [c.state.step]  # C prunes as it holds
