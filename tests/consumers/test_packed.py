@@ -80,6 +80,32 @@ def test_two_packed_runs_reach_the_weights_each_reaches_alone(batches, setup):  
     assert not all(torch.equal(adapter_of(batches, "a")[k], adapter_of(batches, "b")[k]) for k in alone)
 
 
+def test_two_packed_runs_with_lora_dropout_reach_the_weights_each_reaches_alone(batches, setup):  # noqa: F811
+    """Dropout draws from the torch RNG: each run's draws come from its own RNG state, swapped in for its turn, so
+    neither run's masks depend on the other's steps."""
+    for run in SOURCES:
+        alone = learner_of(batches, f"{run}-alone", f"src-{run}", LoraPolicy(setup["model_dir"], dropout(run)),
+                           dropout(run))
+        alone.run(poll_timeout_s=0)
+    without = learner_of(batches, "a-without", "src-a", LoraPolicy(setup["model_dir"], config("a")), config("a"))
+    without.run(poll_timeout_s=0)
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    packed = PackedLearner(engine, [learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, dropout(run)),
+                                               dropout(run)) for run in SOURCES])
+    packed.resume()
+    packed.run(poll_timeout_s=0)
+    for run in SOURCES:
+        alone, together = adapter_of(batches, f"{run}-alone"), adapter_of(batches, run)
+        assert alone.keys() == together.keys()
+        assert max(float((alone[k] - together[k]).abs().max()) for k in alone) <= 1e-6, run
+    alone, without_dropout = adapter_of(batches, "a-alone"), adapter_of(batches, "a-without")
+    assert max(float((alone[k] - without_dropout[k]).abs().max()) for k in alone) > 1e-4  # dropout is in effect
+
+
+def dropout(run: str) -> LearnerConfig:
+    return config(run, lora_dropout=0.3)
+
+
 def test_a_packed_run_resumes_from_its_own_checkpoint_alone(batches, setup):  # noqa: F811
     """A packed run's checkpoint (adapter, optimizer, schedule) continues in a single-run learner and back."""
     engine = TrainingEngine(setup["model_dir"], device="cpu")
