@@ -42,8 +42,9 @@ def start(
 
     Several runs (--run A --run B, or one --config per run) train packed in one process: one base model,
     one LoRA adapter per run, each run with its own offsets, checkpoints and versions.  With
-    --follow-runs PATTERN, runs created later (rlpipe runs create) join and stopped ones leave; with no
+    --follow-runs PATTERN, runs created (rlpipe runs create) join and stopped ones leave; with no
     --run or --config as well, the process starts with no run, its engine set up from the configuration.
+    A packed run stopped (rlpipe runs stop) is not trained, even named, until rlpipe runs resume.
     SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0 (1 when a
     packed run was at that moment stopped on an error, waiting to come back).
     """

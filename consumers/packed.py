@@ -62,7 +62,7 @@ from consumers.service import build_learner, finish, progress_line, record_resum
 from consumers.sources import KafkaSource
 from pipeline.health import HealthServer, PackedRunsHealth
 from pipeline.io.bus import EventPublisher
-from pipeline.membership import Comebacks, Joined, RunMembership, engine_config
+from pipeline.membership import Comebacks, Joined, RunMembership, engine_config, runs_not_stopped
 from pipeline.models import resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import LearnerConfig, RunConfig
@@ -343,11 +343,13 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
     run has waiting and writes each one's final checkpoint.  With ``follow_runs``
     (a glob of run ids) runs announced later join and served runs stopped later
     leave (``pipeline.membership``), and the process serves until stopped; it may then start with no run, its
-    engine set up from ``template`` (base model, device, event log and store).  ``started_s`` (unix seconds,
-    default now) is when the process started: a run stopped since then leaves, even if its ``RunStopped`` came
-    while the process was still importing; one stopped before it is trained as named (resuming packed runs).
+    engine set up from ``template`` (base model, device, event log and store).  A named run recorded stopped is
+    not trained until ``rlpipe runs resume``.  ``started_s`` (unix seconds, default now) is when the process
+    started: a run stopped since then leaves, even if its ``RunStopped`` came while it was still importing.
     """
     started_s = time.time() if started_s is None else started_s
+    named = [cfg.run_id for cfg in configs]
+    configs = runs_not_stopped(configs, follow_runs)
     first = engine_config(configs, follow_runs, template, check_packable)
     stop = stop or StopFlag()
     health = HealthServer(first.learner.health_port).start()
@@ -373,7 +375,7 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
         # every packed learner lets a run go on its RunStopped; with --follow-runs it also takes new runs up.
         # Followed from before the model loads, so a run announced meanwhile is not missed.
         membership = RunMembership(follow_runs, first, open_store(first.store), check_packable,
-                                   since_s=started_s)
+                                   since_s=started_s, named=named)
         base_model = resolve_base_model(first.model)
         if first.learner.torch_threads:
             torch.set_num_threads(first.learner.torch_threads)

@@ -18,6 +18,16 @@ A packed process started without ``--follow-runs`` follows no pattern: it takes
 no new run, but still lets a served run go on its ``RunStopped`` (``rlpipe run``
 announces it when a packed run reaches its step budget, ``rlpipe runs stop`` on
 demand), so a finished run stops taking turns on the shared engines.
+
+A start or stop outlives the process: the commands that announce one
+(``rlpipe runs create|stop|resume``, ``rlpipe run``) also keep it as the run's
+newest membership event in the store (``runs/<run>/membership.json``, the event
+itself), which the control topic's retention does not trim.  A process starting
+(or restarted with the same command line) reads it: a named run whose newest
+event is a ``RunStopped`` is not served until ``rlpipe runs resume`` announces it
+again, and a run matching ``--follow-runs`` whose newest event is a
+``RunStarted`` joins as if it had been announced after the start.  A named run
+resumed while the process runs joins it again.
 """
 
 from __future__ import annotations
@@ -27,14 +37,17 @@ import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from datetime import UTC
 
 from pydantic import ValidationError
 
-from pipeline.io.bus import EventFollower
+from pipeline.io.bus import EventFollower, EventPublisher
+from pipeline.io.registry import run_ids
 from pipeline.io.store import ObjectStore
-from pipeline.runtime import effective_run_config
+from pipeline.runtime import effective_run_config, open_store
 from schemas.config import RunConfig
-from schemas.events import RunStarted, RunStopped
+from schemas.events import Envelope, EventDecodeError, RunStarted, RunStopped, decode_event, encode_event, make_event
+from schemas.names import validate_name
 
 log = logging.getLogger("rlpipe.membership")
 
@@ -94,22 +107,120 @@ def joining_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunC
     return config
 
 
+def membership_key(run_id: str) -> str:
+    """Where the store keeps the run's newest ``RunStarted`` or ``RunStopped``."""
+    return f"runs/{validate_name(run_id, 'run_id')}/membership.json"
+
+
+def announce_membership(store: ObjectStore, publisher: EventPublisher, run_id: str,
+                        payload: RunStarted | RunStopped) -> Envelope:
+    """Keep ``payload`` as the run's newest membership event in the store, then publish it on the control topic.
+
+    The store first: a stop that could not be published still holds at the next start of a packed process, and
+    the command that failed says so (it raises).
+    """
+    event = make_event(run_id, payload)
+    store.put(membership_key(run_id), encode_event(event))
+    publisher.publish("control", event)
+    return event
+
+
+def recorded_membership(store: ObjectStore, run_id: str) -> Envelope | None:
+    """The run's newest recorded ``RunStarted`` or ``RunStopped``; None when none was recorded (a run created by
+    the process serving it); ``ValueError`` naming the key when the record is not such an event of this run."""
+    key = membership_key(run_id)
+    if not store.exists(key):
+        return None
+    try:
+        event = decode_event(store.get(key))
+    except EventDecodeError as exc:
+        raise ValueError(f"{key} unreadable: {exc}") from None
+    if not isinstance(event.payload, RunStarted | RunStopped) or event.run_id != run_id:
+        raise ValueError(f"{key} unreadable: a {event.type} event of run {event.run_id}, not a start or stop of "
+                         f"run {run_id}")
+    return event
+
+
+def stopped_line(store: ObjectStore, run_id: str) -> str | None:
+    """Why a packed process starting does not serve the named run ``run_id`` (one line), None when it does."""
+    fix = f"resume it with `rlpipe runs resume --run {run_id}`"
+    try:
+        event = recorded_membership(store, run_id)
+    except ValueError as exc:  # read as a stop: a stop must never be undone by a damaged record
+        return f"run {run_id} is not served: {exc}; {fix}"
+    if event is None or not isinstance(event.payload, RunStopped):
+        return None
+    at = event.time.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"run {run_id} was stopped at {at} ({event.payload.reason}); {fix}"
+
+
+def runs_not_stopped(configs: list[RunConfig], follow_runs: str | None) -> list[RunConfig]:
+    """The named runs a packed process starts serving: those whose newest recorded event is not a ``RunStopped``
+    (each other one logged in one line naming ``rlpipe runs resume``); ValueError when every named run is
+    stopped and the process follows no runs."""
+    serving: list[RunConfig] = []
+    for config in configs:
+        line = stopped_line(open_store(config.store), config.run_id)
+        if line is None:
+            serving.append(config)
+        else:
+            log.warning(line)
+    if configs and not serving and follow_runs is None:
+        names = [config.run_id for config in configs]
+        raise ValueError(f"every run named is stopped ({', '.join(names)}); resume them with "
+                         + " and ".join(f"`rlpipe runs resume --run {name}`" for name in names))
+    return serving
+
+
 class RunMembership:
     """Which runs join and leave, from ``RunStarted`` and ``RunStopped`` on the control topic (from now on, or
     from ``since_s``, unix seconds: the process's start, so what was announced while it set up is not missed).
 
-    ``pattern`` None takes no run up (only served runs leave).  ``packable`` raises ValueError for a run that
-    cannot share the process's engine with ``template`` (the process's first run).  Not thread-safe: poll it
-    from one thread.
+    A run joins on its ``RunStarted`` when it matches ``pattern`` or is one of ``named`` (the runs the process was
+    started with, served or not: a named run stopped and resumed comes back).  ``pattern`` None takes no other
+    run up (only served runs leave).  The runs matching ``pattern`` whose newest recorded event is a
+    ``RunStarted`` (joined before the process started) join on the first call.  ``packable`` raises ValueError
+    for a run that cannot share the process's engine with ``template`` (the process's first run).  Not
+    thread-safe: poll it from one thread.
     """
 
     def __init__(self, pattern: str | None, template: RunConfig, store: ObjectStore,
                  packable: Callable[[list[RunConfig]], None], follower: EventFollower | None = None,
-                 since_s: float | None = None) -> None:
+                 since_s: float | None = None, named: Collection[str] = ()) -> None:
         self.pattern, self.template, self.store, self.packable = pattern, template, store, packable
+        self.named = frozenset(named)
         self.follower = follower if follower is not None else EventFollower(template.bus, "control", start="latest",
                                                                             since_s=since_s)
-        self._rejoining: dict[str, None] = {}  # served runs stopped and started again: they join on the next call
+        # served runs stopped and started again, and at first the runs started before the process: they join on
+        # the next call (a named run already served is left as it is)
+        self._rejoining: dict[str, None] = dict.fromkeys(self._started_before())
+
+    def _started_before(self) -> list[str]:
+        """The runs matching the pattern whose newest recorded event is a ``RunStarted``."""
+        if self.pattern is None:
+            return []
+        try:
+            matching = [run_id for run_id in run_ids(self.store) if fnmatch.fnmatchcase(run_id, self.pattern)]
+        except Exception as exc:  # the store failing: the runs announced from now on still join
+            log.warning("listing the runs in %s failed (%s: %s); runs matching %s started before this process "
+                        "join when named (--run) or resumed (rlpipe runs resume)", self.store.root,
+                        type(exc).__name__, exc, self.pattern)
+            return []
+        started = []
+        for run_id in matching:
+            try:
+                event = recorded_membership(self.store, run_id)
+            except Exception as exc:  # a damaged record or the store failing: as a stop, never undone by it
+                log.warning("run %s is not taken up: %s; resume it with `rlpipe runs resume --run %s`", run_id, exc,
+                            run_id)
+                continue
+            if event is not None and isinstance(event.payload, RunStarted):
+                started.append(run_id)
+        return started
+
+    def _follows(self, run_id: str) -> bool:
+        """Whether a ``RunStarted`` of ``run_id`` makes it join."""
+        return run_id in self.named or (self.pattern is not None and fnmatch.fnmatchcase(run_id, self.pattern))
 
     def changes(self, serving: Collection[str]) -> list[Change]:
         """What happened since the last call: runs to add (not yet ``serving``, matching) and served runs to drop.
@@ -131,8 +242,7 @@ class RunMembership:
             items = []
         for item in items:
             run_id, payload = item.event.run_id, item.event.payload
-            if isinstance(payload, RunStarted) and self.pattern is not None and fnmatch.fnmatchcase(run_id,
-                                                                                                   self.pattern):
+            if isinstance(payload, RunStarted) and self._follows(run_id):
                 if isinstance(found.get(run_id), Left):
                     self._rejoining[run_id] = None
                 else:

@@ -136,6 +136,19 @@ def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[
     return key, digest, RunStarted(config_path=key, config_sha256=digest, env=config.env.name, base_model=base_model)
 
 
+def started_again(store: ObjectStore, run_id: str) -> RunStarted:
+    """``RunStarted`` of an existing run (``rlpipe runs resume``), naming its effective configuration's file;
+    ``FileNotFoundError`` without ``run.json``, ``ValueError`` naming the file when it cannot be read."""
+    key = _latest_key(store, run_id, _change_keys(store, run_id))
+    config = effective_run_config(store, run_id)
+    env, model = config.get("env"), config.get("model")
+    if not (isinstance(env, dict) and isinstance(env.get("name"), str)
+            and isinstance(model, dict) and isinstance(model.get("base_model"), str)):
+        raise ValueError(f"{key} unreadable: no env.name or model.base_model")
+    return RunStarted(config_path=key, config_sha256=sha256_hex(store.get(key)), env=env["name"],
+                      base_model=model["base_model"])
+
+
 def effective_run_config(store: ObjectStore, run_id: str) -> dict[str, Any]:
     """The run's configuration now: the newest recorded change, else ``run.json``.
 

@@ -42,7 +42,7 @@ from dataclasses import replace
 from transformers import AutoTokenizer
 
 from pipeline.health import HealthServer, PackedRunsHealth
-from pipeline.membership import Comebacks, Left, RunMembership, engine_config
+from pipeline.membership import Comebacks, Left, RunMembership, engine_config, runs_not_stopped
 from pipeline.runtime import StopFlag, open_store
 from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
@@ -145,11 +145,14 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
     training seeds and episode ids are its own.  With ``follow_runs`` (a glob of
     run ids) runs announced later join and served runs stopped later leave, and
     the process serves until stopped; it may then start with no run, its engine set up from ``template``.
-    ``started_s`` (unix seconds, default now) is when the process started: a run stopped since then is let go
-    even if its ``RunStopped`` came while the process was still importing and connecting; one stopped before
-    it is served as named (that is how stopped packed runs are resumed).
+    A named run whose newest recorded event is a ``RunStopped`` is not served until ``rlpipe runs resume`` (a
+    restart does not undo a stop).  ``started_s`` (unix seconds, default now) is when the process started: a run
+    stopped since then is let go even if its ``RunStopped`` came while the process was still importing and
+    connecting.
     """
     started_s = time.time() if started_s is None else started_s
+    named_configs, configs = configs, runs_not_stopped(configs, follow_runs)
+    named = [cfg.run_id for cfg in named_configs]
     first = engine_config(configs, follow_runs, template, check_packable)
     stop = stop or StopFlag()
     process_id = first.producer.producer_id or default_producer_id()
@@ -170,12 +173,15 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
             check_run_lora_rank(cfg.model_copy(update={"sampler": first.sampler}), connection.archive.store)
         # every packed producer lets a run go on its RunStopped; with --follow-runs it also takes new runs up.  It
         # follows the control topic from the process's start, so a run stopped while it set up is let go too.
-        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable, since_s=started_s)
+        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable, since_s=started_s,
+                                   named=named)
         model_path = resolve_model(first.model)
         streams = SamplingStreams(first.sampler.seed, process_id)
         log.info("initialising one %s engine on %s for runs %s", first.sampler.backend, model_path,
                  ", ".join(c.run_id for c in configs) or f"matching {follow_runs}")
-        sampler = shared_engine(configs or [first], model_path, streams.engine_seed(),
+        # room for every named run's adapters: one stopped now joins when resumed
+        stopped = [cfg for cfg in named_configs if cfg.run_id not in {c.run_id for c in configs}]
+        sampler = shared_engine([first, *configs[1:], *stopped], model_path, streams.engine_seed(),
                                 FOLLOW_RESERVE_RUNS if follow_runs is not None else 0)
         shared = sampler
 

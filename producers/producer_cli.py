@@ -38,8 +38,9 @@ def start(
 
     Several runs (--run A --run B, or one --config per run) are served packed by one process and one
     sampling engine, each run writing its own batches and events.  With --follow-runs PATTERN, runs created
-    later (rlpipe runs create) join and stopped ones leave; with no --run or --config as well, the process
-    starts with no run, its engine set up from the configuration.
+    (rlpipe runs create) join and stopped ones leave; with no --run or --config as well, the process
+    starts with no run, its engine set up from the configuration.  A packed run stopped (rlpipe runs stop)
+    is not served, even named, until rlpipe runs resume.
     SIGTERM or Ctrl-C finishes cleanly: complete groups are flushed, unfinished ones dropped.
     """
     started_s = time.time()  # a packed producer follows the control topic from here (before its slow imports)

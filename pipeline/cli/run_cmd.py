@@ -104,8 +104,9 @@ def run(
             fail("--resume uses the run's stored configuration: drop --preset/--config/--run "
                  "(change a field with --set)", EXIT_USAGE)
         if runs > 1:
-            fail("--runs starts new runs: drop --resume, or resume the packed runs' processes with "
-                 "rlpipe learner start --run A --run B ... and rlpipe producer start --run A --run B ...", EXIT_USAGE)
+            fail("--runs starts new runs: drop --resume, or resume packed runs with rlpipe runs resume --run A "
+                 "(once per run), then start rlpipe learner start --run A --run B ... and rlpipe producer start "
+                 "--run A --run B ...", EXIT_USAGE)
         cfg = resumed_config(resume, overrides or [])
     else:
         cfg = run_config(*kinds[0], overrides)

@@ -1,4 +1,5 @@
-"""``rlpipe runs list|show|delete``: the runs in a store, how far each got, and removing one.
+"""``rlpipe runs list|show|delete``: the runs in a store, how far each got, and removing one;
+``rlpipe runs create|stop|resume``: a run's start and stop, for the packed processes that serve it.
 
 Reads the store (``run.json``, the adapter registry, checkpoints) and, unless
 ``--no-bus``, the control topic with a bounded wait for status and last activity
@@ -52,7 +53,7 @@ from schemas.config import StoreConfig
 
 app = typer.Typer(
     name="runs",
-    help="List the runs in a store, show one, delete one; create or stop one that packed processes follow.",
+    help="List the runs in a store, show one, delete one; create, stop or resume one that packed processes follow.",
     epilog="Example: rlpipe runs list && rlpipe runs show --run cartpole-20260101-120000",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -220,7 +221,8 @@ def create_command(
     and producer started with --follow-runs PATTERN take it up while serving their other runs."""
     from pipeline.cli.run_cmd import explicit_run_id, new_run_id
     from pipeline.io.bus import EventPublisher
-    from pipeline.runtime import Announcer, create_run, resolved_bus
+    from pipeline.membership import announce_membership, membership_key
+    from pipeline.runtime import create_run, resolved_bus
     from schemas.events import RunStarted
 
     cfg = run_config(preset, config, overrides)
@@ -234,9 +236,10 @@ def create_command(
         if not isinstance(started, RunStarted):  # another create took the name since it was checked
             fail(f"run {cfg.run_id} already exists in {store.root}; name a new one with --run", EXIT_USAGE)
         try:
-            Announcer(publisher, cfg.run_id)(started)
-        except BaseException:
-            store.delete(key, missing_ok=True)  # this create's own run.json: nothing else of the run exists yet
+            announce_membership(store, publisher, cfg.run_id, started)
+        except BaseException:  # this create's own run.json and record: nothing else of the run exists yet
+            store.delete(membership_key(cfg.run_id), missing_ok=True)
+            store.delete(key, missing_ok=True)
             raise
     console.print(f"created run {cfg.run_id}: processes started with --follow-runs matching it take it up; "
                   f"stop it with rlpipe runs stop --run {cfg.run_id}", markup=False, soft_wrap=True)
@@ -252,10 +255,12 @@ def stop_command(
     namespace: NamespaceOpt = None,
 ) -> None:
     """Announce that a run ends (RunStopped): packed processes following it let it go (its learner trains what
-    waits and checkpoints, its sampling flushes finished groups); the run stays in the store."""
+    waits and checkpoints, its sampling flushes finished groups); the run stays in the store, and stays stopped
+    when a packed process naming it starts again, until rlpipe runs resume."""
     from pipeline.analysis.runs import learner_step
     from pipeline.io.bus import EventPublisher
-    from pipeline.runtime import Announcer, resolved_bus
+    from pipeline.membership import announce_membership, recorded_membership
+    from pipeline.runtime import resolved_bus
     from schemas.events import RunStopped
 
     name = chosen_run(run, None, "runs stop")
@@ -265,10 +270,47 @@ def stop_command(
     activity, _ = activity_or_note(bus, 3.0, name)
     if activity is not None:
         summary = summarize(store, name, activity.get(name), log_read=True)
-        if summary.status == "stopped":  # nothing live since its last RunStopped: announcing again changes nothing
+        try:
+            recorded = recorded_membership(store, name)
+        except ValueError:  # a damaged record: this stop writes it again
+            recorded = None
+        # nothing live since its last RunStopped, which the store keeps: announcing again changes nothing
+        if summary.status == "stopped" and recorded is not None and isinstance(recorded.payload, RunStopped):
             console.print(f"run {name} is already stopped ({summary.stop_reason}); continue it with "
-                          f"rlpipe run --resume {name}", markup=False, soft_wrap=True)
+                          f"rlpipe runs resume --run {name} (packed) or rlpipe run --resume {name}", markup=False,
+                          soft_wrap=True)
             return
     with EventPublisher(bus) as publisher:
-        Announcer(publisher, name)(RunStopped(reason="stopped by rlpipe runs stop", final_step=learner_step(store, name)))
-    console.print(f"announced the end of run {name}; packed processes following it let it go", markup=False)
+        announce_membership(store, publisher, name, RunStopped(reason="stopped by rlpipe runs stop",
+                                                               final_step=learner_step(store, name)))
+    console.print(f"announced the end of run {name}; packed processes following it let it go, and do not serve it "
+                  f"when they start again; resume it with rlpipe runs resume --run {name}", markup=False,
+                  soft_wrap=True)
+
+
+@app.command("resume", epilog="Example: rlpipe runs resume --run exp-1")
+@handle_user_errors
+def resume_command(
+    run: RunOpt = None,
+    root: StoreRootOpt = None,
+    gcs_endpoint: GcsEndpointOpt = None,
+    bootstrap: BootstrapOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Announce a stopped run again (RunStarted): packed processes naming it (--run) or following it
+    (--follow-runs) take it up from its newest checkpoint, now and when they start again."""
+    from pipeline.io.bus import EventPublisher
+    from pipeline.membership import announce_membership
+    from pipeline.runtime import resolved_bus, started_again
+
+    name = chosen_run(run, None, "runs resume")
+    store = _store(root, gcs_endpoint)
+    _known_run(store, name)
+    try:
+        started = started_again(store, name)
+    except FileNotFoundError:
+        fail(f"run {name} has no run.json in {store.root}: only a created run can be resumed", EXIT_USAGE)
+    with EventPublisher(resolved_bus(bus_config_from_cli(bootstrap, namespace))) as publisher:
+        announce_membership(store, publisher, name, started)
+    console.print(f"announced run {name} again; packed processes naming or following it take it up", markup=False,
+                  soft_wrap=True)

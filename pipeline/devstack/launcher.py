@@ -19,7 +19,10 @@ and each producer process serves them all on one sampling engine; each run
 keeps its own ``run.json``, events, adapters and checkpoints, and the
 dashboard shows one panel per run.  A packed run whose learner reaches its step
 budget gets its ``RunStopped`` at once, and the packed processes let it go
-(``pipeline.membership``) while the others go on.
+(``pipeline.membership``) while the others go on.  Each ``RunStarted`` and
+``RunStopped`` this launcher announces is also kept in the store, so packed
+processes started later on the runs (``rlpipe learner start --run A --run B``)
+serve them only once ``rlpipe runs resume`` announces them again.
 
 ``pipeline`` may not import the producer or learner code, and need not: it
 starts them as commands, which is also what keeps each process's engine and
@@ -56,9 +59,10 @@ from pipeline.devstack.stack import (
 )
 from pipeline.io.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, tail
 from pipeline.io.registry import AdapterRegistry
+from pipeline.membership import announce_membership
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
 from schemas.config import RunConfig, step_budget
-from schemas.events import Envelope, LearnerCheckpointed, ProducerHeartbeat, RunStopped
+from schemas.events import Envelope, LearnerCheckpointed, ProducerHeartbeat, RunStarted, RunStopped
 
 log = logging.getLogger("rlpipe.run")
 
@@ -229,8 +233,11 @@ class Launcher:
         """Each run's ``run.json``, then its ``RunStarted``."""
         with EventPublisher(self.bus) as publisher:
             for config in self.configs:
-                _, _, started = create_run(open_store(config.store), config, config.model.base_model)
-                if started is not None:
+                store = open_store(config.store)
+                _, _, started = create_run(store, config, config.model.base_model)
+                if isinstance(started, RunStarted):
+                    announce_membership(store, publisher, config.run_id, started)
+                elif started is not None:
                     Announcer(publisher, config.run_id)(started)
 
     def spawn(self, name: str, *args: str) -> None:
@@ -321,7 +328,9 @@ class Launcher:
         with self.stop_lock:  # the watcher and the shutdown may race
             if run_id in self.stopped:
                 return
-            Announcer(publisher, run_id)(RunStopped(reason=reason, final_version=version, final_step=step))
+            config = next(c for c in self.configs if c.run_id == run_id)
+            announce_membership(open_store(config.store), publisher, run_id,
+                                RunStopped(reason=reason, final_version=version, final_step=step))
             self.stopped[run_id] = reason
 
     def stop_finished_runs(self, publisher: EventPublisher) -> None:

@@ -121,3 +121,38 @@ def test_a_packed_producer_reports_each_run_and_forgets_one_that_left(
         stop.set()
         thread.join(timeout=60)
     assert errors == []
+
+
+def test_a_packed_learner_started_again_leaves_out_a_run_stopped_before_until_it_is_resumed(
+    bus_config: Any, tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """`rlpipe learner start --run a --run b` started again (a pod restart) after `rlpipe runs stop --run b`: b's
+    stop holds, so only a is trained; `rlpipe runs resume --run b` then brings b in while a trains on."""
+    from consumers.packed import run_packed_learner
+    from pipeline.membership import announce_membership
+    from pipeline.runtime import create_run, open_store, started_again
+
+    port = free_port()
+    configs = two_runs(bus_config, tiny_model_dir, tmp_path, port)
+    store = open_store(configs[0].store)
+    for config in configs:  # created and served before the restart
+        create_run(store, config, config.model.base_model)
+    with EventPublisher(bus_config) as publisher:
+        announce_membership(store, publisher, "b", RunStopped(reason="stopped by rlpipe runs stop"))
+    stop = StopFlag()
+    thread, errors = run_in_thread(lambda: run_packed_learner(configs, stop))
+    alive = lambda: repr(errors[0]) if errors else None  # noqa: E731
+    try:
+        wait_until(lambda: http_get(port, "/readyz")[0] == 200 and "rlpipe_learner_step" in of_run(samples(port), "a"),
+                   READY_TIMEOUT_S, "/readyz and run a's series", alive)
+        body = http_get(port, "/readyz")[1]
+        assert "run a: serving" in body and "run b" not in body, body
+        assert not of_run(samples(port), "b")
+        with EventPublisher(bus_config) as publisher:
+            announce_membership(store, publisher, "b", started_again(store, "b"))
+        wait_until(lambda: "run b: serving" in http_get(port, "/readyz")[1], 120, "run b served once resumed", alive)
+        assert of_run(samples(port), "b")["rlpipe_learner_run_serving"] == 1.0
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert errors == []

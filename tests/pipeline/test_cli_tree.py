@@ -30,6 +30,7 @@ NO_DATA = {
     "runs delete",  # deletes after a confirmation prompt; prints what it removed
     "runs create",  # writes run.json and announces RunStarted; prints one line of what it did
     "runs stop",  # announces RunStopped; prints one line of what it did
+    "runs resume",  # announces RunStarted again; prints one line of what it did
     "producer start",  # long-running service: log lines only
     "learner start",  # long-running service: log lines only
     "replay",  # trains or re-announces; prints one line of what it did

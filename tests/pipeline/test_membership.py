@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -203,9 +204,8 @@ def test_a_process_stopped_while_a_run_waits_to_come_back_ends_in_an_error_namin
 def test_a_run_stopped_after_the_process_started_leaves_though_it_stopped_before_the_log_was_followed(
         tmp_path, bus_config):
     """The control topic is followed from the process's start, not from when it is first read (after the
-    imports and the connections): a stop in between is not missed.  A stop before the start is an earlier
-    session's end (a run resumed by naming it), so it makes no run leave."""
-    import time
+    imports and the connections): a stop in between is not missed.  A stop before the start makes no run leave:
+    whether a named run is served at the start is its recorded event's to say (``runs_not_stopped``)."""
 
     from pipeline.io.bus import EventPublisher
     from pipeline.runtime import Announcer
@@ -227,3 +227,101 @@ def test_a_run_stopped_after_the_process_started_leaves_though_it_stopped_before
         assert changes == [Left("exp-1")]
     finally:
         membership.close()
+
+
+def _cli_on(monkeypatch, tmp_path, bus_config) -> tuple[ObjectStore, list[str]]:
+    """`rlpipe runs ...` on a store of its own and the test's broker namespace; the options `runs stop` takes."""
+    store = ObjectStore((tmp_path / "store").as_uri())
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", store.root)
+    monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", bus_config.bootstrap_servers)
+    monkeypatch.setenv("RLPIPE_BUS__NAMESPACE", bus_config.namespace)
+    return store, ["--root", store.root, "--bootstrap", bus_config.bootstrap_servers,
+                   "--namespace", bus_config.namespace]
+
+
+def test_a_run_that_joined_before_a_restart_is_taken_up_again_and_a_stopped_one_is_not(
+        tmp_path, bus_config, monkeypatch):
+    """A packed process restarted with the same command line (a pod restart, a crash) serves what each run's newest
+    start or stop says, though both came before its start: `rlpipe runs create` made exp-1 join (it is taken up
+    again), `rlpipe runs stop` made exp-2 leave (it stays out)."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli.options import run_config
+    from pipeline.cli.runs import app
+
+    store, where = _cli_on(monkeypatch, tmp_path, bus_config)
+    runner = CliRunner()
+    for run_id in ("exp-1", "exp-2"):
+        created = runner.invoke(app, ["create", "--preset", "cartpole", "--run", run_id])
+        assert created.exit_code == 0, created.output
+    stopped = runner.invoke(app, ["stop", "--run", "exp-2", *where])
+    assert stopped.exit_code == 0, stopped.output
+    time.sleep(0.05)  # the events' timestamps before the start, in milliseconds
+    started_s = time.time()  # the process starts again
+    template = run_config("cartpole", None, []).model_copy(update={"run_id": "base"})
+    membership = RunMembership("exp-*", template, store, check_packable, since_s=started_s)
+    try:
+        changes = membership.changes(serving={"base"})
+        assert [(type(c).__name__, c.config.run_id) for c in changes] == [("Joined", "exp-1")]
+        assert membership.changes(serving={"base", "exp-1"}) == []
+    finally:
+        membership.close()
+
+
+def test_a_named_run_stopped_before_a_restart_stays_stopped_until_resumed(tmp_path, bus_config, monkeypatch, caplog):
+    """Naming a run (--run) serves it unless its newest recorded event is a stop: a restart does not undo a stop.
+    `rlpipe runs resume` does, and a process naming the run takes it up again as it runs."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli.options import run_config
+    from pipeline.cli.runs import app
+    from pipeline.membership import runs_not_stopped
+
+    store, where = _cli_on(monkeypatch, tmp_path, bus_config)
+    runner = CliRunner()
+    for run_id in ("a", "b"):
+        assert runner.invoke(app, ["create", "--preset", "cartpole", "--run", run_id]).exit_code == 0
+    stopped = runner.invoke(app, ["stop", "--run", "a", *where])
+    assert stopped.exit_code == 0 and "rlpipe runs resume --run a" in stopped.output, stopped.output
+    named = [run_config("cartpole", None, []).model_copy(update={"run_id": run_id}) for run_id in ("a", "b")]
+    started_s = time.time()  # the process starts again with --run a --run b
+    with caplog.at_level(logging.INFO, logger="rlpipe.membership"):
+        assert [c.run_id for c in runs_not_stopped(named, None)] == ["b"]
+    assert "run a was stopped at " in caplog.text and "resume it with `rlpipe runs resume --run a`" in caplog.text
+    with pytest.raises(ValueError, match=r"every run named is stopped \(a\).*rlpipe runs resume --run a"):
+        runs_not_stopped(named[:1], None)
+    assert [c.run_id for c in runs_not_stopped(named[:1], "a*")] == []  # following: it may wait for runs
+
+    membership = RunMembership(None, named[1], store, check_packable, named=["a", "b"], since_s=started_s)
+    try:
+        assert membership.changes(serving={"b"}) == []
+        resumed = runner.invoke(app, ["resume", "--run", "a", *where])
+        assert resumed.exit_code == 0 and "announced run a again" in resumed.output, resumed.output
+        changes: list = []
+        deadline = time.monotonic() + 10.0
+        while not changes and time.monotonic() < deadline:  # poll(0) hands over what a fetch brought: a pass or two
+            changes = membership.changes(serving={"b"})
+            time.sleep(0.1)
+        assert [(type(c).__name__, c.config.run_id) for c in changes] == [("Joined", "a")]
+    finally:
+        membership.close()
+    assert [c.run_id for c in runs_not_stopped(named, None)] == ["a", "b"]  # the next restart serves it too
+
+
+def test_a_damaged_membership_record_counts_as_a_stop_naming_the_fix(setup, caplog):
+    """A record that is not a start or stop of its run never undoes a stop: the named run is not served and a
+    following process does not take it up; each says in one line how to resume it."""
+    from pipeline.membership import membership_key, runs_not_stopped
+
+    store, template, feed, _ = setup
+    cfg = config("exp-1", store={"root": store.root})
+    started(store, cfg)
+    store.put(membership_key("exp-1"), b"{not json")
+    with caplog.at_level(logging.WARNING, logger="rlpipe.membership"):
+        assert runs_not_stopped([cfg], "exp-*") == []
+        membership = RunMembership("exp-*", template, store, check_packable, follower=feed)
+        assert membership.changes(serving=set()) == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("runs/exp-1/membership.json unreadable" in line for line in lines), lines
+    assert all("`rlpipe runs resume --run exp-1`" in line and "\n" not in line for line in lines)

@@ -142,6 +142,24 @@ def test_a_packed_run_that_reaches_its_budget_is_stopped_while_the_others_go_on(
         ("short", 2, "step budget reached"), ("long", 2, "stopped")]
 
 
+def test_each_run_the_launcher_stops_stays_stopped_for_packed_processes_started_later(tmp_path: Path) -> None:
+    """The launcher's RunStopped is kept in the store as the run's newest membership event, as `rlpipe runs stop`
+    keeps one: `rlpipe learner start --run a --run b` afterwards serves neither until `rlpipe runs resume`."""
+    from pipeline.membership import recorded_membership, runs_not_stopped
+    from pipeline.runtime import open_store
+    from schemas.events import RunStopped
+
+    fake = packed_launcher(tmp_path, {"a": 3, "b": 3})
+    checkpoint_at(fake, "a", 3)
+    fake.announce_stops(Published(), {"learner": 0}, interrupted=True)
+    store = open_store(fake.config.store)
+    recorded = {run: recorded_membership(store, run) for run in ("a", "b")}
+    assert {run: (type(e.payload), e.payload.reason) for run, e in recorded.items() if e is not None} == {
+        "a": (RunStopped, "step budget reached"), "b": (RunStopped, "stopped by Ctrl-C or a signal")}
+    with pytest.raises(ValueError, match="every run named is stopped"):
+        runs_not_stopped(fake.configs, None)
+
+
 def test_the_stop_reason_says_why_each_run_stopped(tmp_path: Path) -> None:
     """A run interrupted before its budget is "stopped", never "step budget reached" (the learner exits 0 on a clean
     stop too); a failed process is named; the final step is the newest checkpoint's, even one the dashboard missed."""
