@@ -94,6 +94,10 @@ class Model:
     unfolded: list[tuple[TopicPartitionKey, int]] = field(default_factory=list)  # executed, not yet in a fold
     pending: dict[int, ConsumedEvent] = field(default_factory=dict)  # seq_id -> call waiting for its turn
     creating: list[ConsumedEvent] = field(default_factory=list)  # create_model / load_weights as a new model
+    # seq_ids (first, last) that a load_weights run while the model was out of the engine went past: one of them
+    # arriving later cannot run in its turn, and is answered at once (``late``)
+    skipped: tuple[int, int] | None = None
+    late: list[ConsumedEvent] = field(default_factory=list)  # calls of ``skipped`` read since the last round
     split: SplitCall | None = None  # the forward_backward the SDK split into requests, while they run
 
     @property
@@ -117,7 +121,10 @@ def write_fold(store: ObjectStore, engine: TrainingEngine, model: Model) -> bool
     digest = sha256_hex(state)
     state_key = f"{model.fold_key}.{digest[:16]}.safetensors"
     store.put_create_once(state_key, state)
-    record = {"model_id": model.model_id, "seq_id": model.next_seq - 1, "state": state_key, "state_sha256": digest}
+    record: dict[str, Any] = {"model_id": model.model_id, "seq_id": model.next_seq - 1, "state": state_key,
+                              "state_sha256": digest}
+    if model.skipped is not None:
+        record["skipped"] = list(model.skipped)
     store.put(f"{model.fold_key}.json", json.dumps(record).encode())
     for key in store.list(model.fold_key.rsplit("/", 1)[0]):
         if key.startswith(f"{model.fold_key}.") and key.endswith(".safetensors") and key != state_key:

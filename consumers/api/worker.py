@@ -154,6 +154,8 @@ class TrainerWorker:
             model.creating.append(consumed)
         elif call.seq_id >= model.next_seq:
             model.pending.setdefault(call.seq_id, consumed)
+        elif model.skipped is not None and model.skipped[0] <= call.seq_id <= model.skipped[1]:
+            model.late.append(consumed)  # (or one answered before, sent again)
 
     def _model(self, model_id: str) -> Model:
         """The worker's record of a model; one with a fold starts parked at its ``seq_id`` (loaded at its first call)."""
@@ -163,6 +165,8 @@ class TrainerWorker:
             record = calls.fold_record(self.store, model)
             if record is not None:
                 model.parked, model.next_seq = True, int(record["seq_id"]) + 1
+                skipped = record.get("skipped")
+                model.skipped = (int(skipped[0]), int(skipped[1])) if skipped else None
         return model
 
     # ---- execute ---------------------------------------------------------------------------------------------
@@ -170,6 +174,8 @@ class TrainerWorker:
         """Every call whose turn has come, model by model in seq_id order; a gap waits."""
         executed = 0
         for model in list(self.models.values()):
+            while model.late:
+                self._answer_late(model, model.late.pop(0))
             if model.creating or (model.parked and model.next_seq in model.pending):
                 self._make_room(model)
                 if model.parked and not self._unpark(model):
@@ -182,6 +188,10 @@ class TrainerWorker:
                     self._execute(model, model.pending.pop(seq))
                     executed += 1
                     if model.loaded:  # a load_weights brought it in: the calls after it run in seq_id order
+                        if seq > model.next_seq:  # past seq_ids not read yet: those still to come are answered
+                            first = model.next_seq if model.skipped is None else min(model.skipped[0],
+                                                                                     model.next_seq)
+                            model.skipped = (first, seq - 1)
                         model.next_seq = seq + 1
                         break
             while model.loaded and model.next_seq in model.pending:
@@ -203,6 +213,17 @@ class TrainerWorker:
             self._write_error(call, f"{call.op} did not run: {len(kept)} calls of {model.model_id} already wait for "
                                     f"seq_id {model.next_seq}; send each call's seq_id after the one before it "
                                     "(the tinker SDK's TrainingClient does)")
+
+    def _answer_late(self, model: Model, consumed: ConsumedEvent) -> None:
+        """A call of a ``seq_id`` a load_weights went past (``Model.skipped``) is answered with a user error, unless
+        it was answered before (sent again): its turn is gone, and the state it would have run on with it."""
+        call: ApiRequestAccepted = consumed.event.payload
+        if execute.answered(self.store, call) is not None:
+            return
+        assert model.skipped is not None
+        self._write_error(call, f"{call.op} (seq_id {call.seq_id}) did not run: it reached the trainer after the "
+                                f"load_weights (seq_id {model.skipped[1] + 1}) that replaced the state of "
+                                f"{model.model_id}, and a training client's calls run in seq_id order; send it again")
 
     def _execute(self, model: Model, consumed: ConsumedEvent) -> None:
         call: ApiRequestAccepted = consumed.event.payload
@@ -355,7 +376,8 @@ class TrainerWorker:
     def _commit(self) -> None:
         held: dict[TopicPartitionKey, int] = {}
         for model in self.models.values():
-            waiting = [((c.topic, c.partition), c.offset) for c in (*model.pending.values(), *model.creating)]
+            waiting = [((c.topic, c.partition), c.offset)
+                       for c in (*model.pending.values(), *model.creating, *model.late)]
             for tp, offset in (*model.unfolded, *waiting):
                 held[tp] = min(offset, held.get(tp, offset))
         positions = self.consumer.positions()

@@ -393,6 +393,46 @@ def test_a_corrupt_fold_fails_its_own_models_calls_and_no_other_and_an_older_fol
     restarted.close()
 
 
+def test_a_call_arriving_after_a_load_with_a_later_seq_id_brought_back_a_lost_fold_is_answered(harness):
+    """While a training client's fold cannot be loaded, each of its calls is answered with an error as it comes,
+    and a load_weights brings it back, its calls running in seq_id order from there.  A call with a seq_id below
+    that load's reaching the trainer after it can no longer run in its turn: it is answered with a user error at
+    once (and again by a restarted trainer), rather than never."""
+    trainer = harness.trainer()
+    broken, fine = harness.create(0), harness.create(1)
+    run_until(trainer, harness, [f"{harness.session}.train.0.create", f"{harness.session}.train.1.create"])
+    train_and_save(harness, trainer, fine, 2, "f")  # seq_ids 1 to 3
+    trainer.fold_all()
+    trainer.close()
+    record = json.loads(harness.store.get(f"sessions/{harness.session}/models/0.fold.json"))
+    harness.store.put(record["state"], b"not the state")
+    restarted = harness.trainer()
+    first = harness.gateway.submit(TENANT, "optim_step", broken, 1, _optim(broken, 1))
+    run_until(restarted, harness, [first])
+    assert "missing or corrupt" in json.loads(harness.result(first)[0])["error"]
+    body = types.LoadWeightsRequest(model_id=broken, seq_id=4, path=f"tinker://{fine}/weights/f", optimizer=False)
+    load = harness.gateway.submit(TENANT, "load_weights", broken, 4, body.model_dump_json().encode())
+    run_until(restarted, harness, [load])  # seq_ids 2 and 3 not there yet
+    assert "error" not in json.loads(harness.result(load)[0])
+    late = harness.gateway.submit(TENANT, "optim_step", broken, 2, _optim(broken, 2))
+    run_until(restarted, harness, [late], timeout_s=10.0)
+    answer = json.loads(harness.result(late)[0])
+    assert answer["category"] == "user" and "load_weights (seq_id 4)" in answer["error"]
+    step = harness.gateway.submit(TENANT, "optim_step", broken, 5, _optim(broken, 5))
+    run_until(restarted, harness, [step])  # the calls after the load run in their turn
+    assert "metrics" in json.loads(harness.result(step)[0])
+    restarted.fold_all()
+    restarted.close()
+    again = harness.trainer()  # a restart keeps the seq_ids the load went past
+    later = harness.gateway.submit(TENANT, "forward_backward", broken, 3, _fb(broken, 3, [_datum(4)]), "pb")
+    resent = harness.gateway.submit(TENANT, "optim_step", broken, 1, _optim(broken, 1))
+    assert harness.result(later) is None
+    run_until(again, harness, [later], timeout_s=10.0)
+    assert "load_weights (seq_id 4)" in json.loads(harness.result(later)[0])["error"]
+    assert "missing or corrupt" in json.loads(harness.result(resent)[0])["error"]  # its first answer stands
+    again.close()
+
+
 def _save(model_id: str, seq: int, name: str, overwrite: bool = False) -> bytes:
     return types.SaveWeightsRequest(model_id=model_id, path=name, seq_id=seq,
                                     overwrite=overwrite).model_dump_json().encode()
