@@ -8,17 +8,26 @@ would never be removed).  A creation lists that folder.  Entries of sessions tha
 reaches a limit (each listed session's end is then read), so a tenant under its limits costs one listing per
 creation, and its folder holds little more than its limits.  Gateways creating for one tenant at the same moment
 may together pass a limit by one creation each.
+
+A store written by a gateway that kept no count (one older than the limits) holds sessions no entry names: the
+first creation that finds no ``COUNTED`` mark notes every session record's live session (one with a heartbeat)
+and its training clients, then writes the mark, so they hold their places.  That costs one read per session in
+the store, once per store; a session an older gateway creates after it is not counted.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
 
+from pipeline.api.lifecycle import heartbeat_time
 from pipeline.api.tenants import MAX_MODELS_ENV, MAX_SESSIONS_ENV, TenantLimitError, TenantLimits
 from pipeline.io.store import ObjectStore
-from schemas.api import model_run_name
+from schemas.api import model_id_for, model_run_name, session_path
 
 TENANTS = "api/tenants"
+COUNTED = "api/tenants-counted.json"  # written once the sessions of the store from before the count were noted
 
 
 class TenantQuota:
@@ -27,6 +36,7 @@ class TenantQuota:
 
     def __init__(self, store: ObjectStore, limits: TenantLimits, has_ended: Callable[[str], bool]) -> None:
         self.store, self.limits, self.has_ended = store, limits, has_ended
+        self._counted = False  # the store's ``COUNTED`` mark was seen
 
     def admit_session(self, tenant: str) -> None:
         """``TenantLimitError`` when ``tenant`` holds ``max_sessions`` sessions that have not ended."""
@@ -57,10 +67,34 @@ class TenantQuota:
         """The tenant's sessions (or training clients) noted; at the limit, those of sessions that ended are
         removed first."""
         limit = self.limits.max_models if models else self.limits.max_sessions
+        self._count_older_sessions()
         names = [key.rsplit("/", 1)[-1] for key in self.store.list(f"{TENANTS}/{tenant}")]
         if _count(names, models) >= limit:
             names = self._drop_ended(tenant, names)
         return _count(names, models)
+
+    def _count_older_sessions(self) -> None:
+        """Note every live session of the store and its training clients, once per store (module docstring)."""
+        if self._counted or self.store.exists(COUNTED):
+            self._counted = True
+            return
+        for key in self.store.list("sessions"):
+            session_id = key.rsplit("/", 1)[-1]
+            try:
+                tenant = json.loads(self.store.get(f"{session_path(session_id)}/session.json"))["tenant"]
+            except (FileNotFoundError, ValueError, KeyError, TypeError):
+                continue  # a folder without a readable record is no session of anyone's
+            if not isinstance(tenant, str):
+                continue
+            if heartbeat_time(self.store, session_id) is None or self.has_ended(session_id):
+                continue  # a creation cut short never ends (nor is it counted), or an end frees its places
+            self.note_session(tenant, session_id)
+            for model_key in self.store.list(f"{session_path(session_id)}/models"):
+                number = model_key.rsplit("/", 1)[-1].removesuffix(".json")
+                if model_key.endswith(".json") and number.isdigit():  # a model's record, not its fold
+                    self.note_model(tenant, model_id_for(session_id, "train", int(number)))
+        self.store.put(COUNTED, json.dumps({"time": time.time()}).encode())
+        self._counted = True
 
     def _drop_ended(self, tenant: str, names: list[str]) -> list[str]:
         ended = {session for session in {name.split(".")[0] for name in names} if self.has_ended(session)}

@@ -76,6 +76,38 @@ def test_a_tenant_holds_at_most_its_limit_of_sessions_and_training_clients_and_a
         gateway.register_model("alice", third, 1, BASE, 4, {}, None)
 
 
+def test_sessions_and_training_clients_made_before_the_count_existed_are_counted_from_their_records():
+    """A store from a gateway that kept no count (one older than the limits) holds live sessions no entry names:
+    the first creation counts every session record once (live sessions with a heartbeat, and their training
+    clients), so a tenant's sessions from before the upgrade hold their places."""
+    from pipeline.api import lifecycle, quotas
+    from pipeline.api.tenants import TenantLimitError, TenantLimits
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    older = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0)
+    first, second, ended, cut = (older.create_session("alice", [], {}) for _ in range(4))
+    store.delete(lifecycle.heartbeat_key(cut))  # its creation cut short: it never ends, and holds no place
+    older.register_model("alice", first, 0, BASE, 4, {}, None)
+    older.register_model("alice", second, 0, BASE, 4, {}, None)
+    older.finish("alice", ended, "success")
+    older.create_session("bob", [], {})
+    for key in store.list(quotas.TENANTS, recursive=True):  # what that gateway never wrote
+        store.delete(key)
+    store.delete(quotas.COUNTED, missing_ok=True)
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0,
+                      limits=TenantLimits(max_sessions=2, max_models=2))
+    with pytest.raises(TenantLimitError, match=r"2 sessions that have not ended"):
+        gateway.create_session("alice", [], {})
+    with pytest.raises(TenantLimitError, match=r"2 training clients"):
+        gateway.register_model("alice", first, 1, BASE, 4, {}, None)
+    gateway.create_session("bob", [], {})  # Bob held one
+    with pytest.raises(TenantLimitError):
+        gateway.create_session("bob", [], {})
+    gateway.finish("alice", second, "success")
+    gateway.register_model("alice", first, 1, BASE, 4, {}, None)  # the end freed its places
+    gateway.create_session("alice", [], {})
+
+
 def test_a_session_whose_creation_failed_takes_no_place_of_its_tenant(monkeypatch):
     """A session whose record or first heartbeat was never written (the store failed, or the gateway died) never
     ends: counted, it would hold its tenant's place for good, with no id the tenant could end."""
