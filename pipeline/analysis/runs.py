@@ -12,9 +12,11 @@ own each layout, never by parsing their files here):
   ``schemas.checkpoint``, the checkpoint's contract), or the newest
   version's ``learner_step`` when that is further;
 - status and last activity: the run's events on ``<ns>.control`` (``RunStarted``,
-  ``RunStopped``, ``LearnerCheckpointed``, heartbeats), read with a bounded wait.
-  Without the log a run is ``finished`` when its steps reached ``max_steps``, else
-  ``unknown``.
+  ``RunStopped``, ``LearnerCheckpointed``, heartbeats), read with a bounded wait, and
+  its newest start or stop as the store keeps it (``runs/<run>/membership.json``, what
+  packed processes starting obey; ``RunActivity.add_recorded``).  Without the log a run
+  is ``finished`` when its steps reached ``max_steps``, ``stopped`` when its record is a
+  stop, else ``unknown``.
 
 Deleting a run removes every object under ``runs/<run>/`` of the store (its
 trajectories, adapters, checkpoints, evaluations, step records) and, on this
@@ -31,7 +33,7 @@ import contextlib
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,7 @@ class RunActivity:
     stop_reason: str | None = None
     last_step: int | None = None
     last_reward: float | None = None
+    membership_s: float | None = None  # the newest RunStarted or RunStopped
 
     def add(self, time_s: float, payload: Any) -> None:
         if self.last_event_s is None or time_s >= self.last_event_s:
@@ -71,6 +74,8 @@ class RunActivity:
                    and time_s - self.stopped_s <= LEAVING_WITHIN_S)
         if not leaving and (self.live_s is None or time_s >= self.live_s):
             self.live_s = time_s
+        if isinstance(payload, RunStarted | RunStopped):
+            self.membership_s = time_s if self.membership_s is None else max(time_s, self.membership_s)
         if isinstance(payload, RunStopped):
             self.stopped_s, self.stop_reason = time_s, payload.reason
         elif isinstance(payload, LearnerLeft) and self.stopped_s is not None and time_s >= self.stopped_s:
@@ -81,6 +86,18 @@ class RunActivity:
             self.last_step = payload.step
             if (reward := episode_reward(payload.metrics)) is not None:
                 self.last_reward = reward
+
+    def add_recorded(self, time_s: float | None, payload: RunStarted | RunStopped) -> None:
+        """The run's newest start or stop as the store keeps it, added after the topic's events: it holds unless the
+        topic has a newer start or stop (the commands that record one publish it next, but the publish may fail, and
+        retention trims the topic, not the record).  Events after it still show the run going.  ``time_s`` None is a
+        damaged record, which packed processes take as a stop: one older than anything on the topic."""
+        if self.membership_s is not None and (time_s is None or time_s <= self.membership_s):
+            return
+        if time_s is not None:
+            self.add(time_s, payload)
+        elif isinstance(payload, RunStopped):
+            self.stopped_s, self.stop_reason = 0.0, payload.reason
 
 
 def run_kind(config: Mapping[str, Any]) -> str:
@@ -113,7 +130,8 @@ class RunSummary:
     stop_reason: str | None = None
     notes: list[str] = field(default_factory=list)
     kind: str = "lora"  # what its versions are: "lora" adapters, or a value run's "value-network"
-    # its run.json (or newest recorded change) or an adapter manifest could not be read: the first note says why
+    # its run.json (or newest recorded change), an adapter manifest or its membership record could not be read:
+    # the first note says why
     unreadable: bool = False
 
 
@@ -188,6 +206,7 @@ def summarize(
         last_reward=rewards[-1] if rewards else None, kind=run_kind(config),
     )
     moments = [m.created_at.timestamp() for m in manifests[-1:]]
+    activity, unreadable_record = with_recorded_membership(store, run_id, activity if log_read else None)
     if activity is not None:
         newest_version_step = manifests[-1].learner_step if manifests else -1
         if activity.last_reward is not None and (activity.last_step or 0) >= newest_version_step:
@@ -197,15 +216,35 @@ def summarize(
         moments += [activity.last_event_s] if activity.last_event_s is not None else []
     if moments:
         summary.last_activity = datetime.fromtimestamp(max(moments), tz=UTC)
-    for why in (unreadable, unreadable_versions):
+    for why in (unreadable, unreadable_versions, unreadable_record):
         if why:
             summary.notes.append(why)
             summary.unreadable = True
     if not config and not unreadable:
         summary.env, note = origin_without_run_json(store, run_id)
         summary.notes.append(note)
-    summary.status = run_status(summary, activity if log_read else None, log_read, now_s)
+    summary.status = run_status(summary, activity, log_read, now_s)
     return summary
+
+
+def with_recorded_membership(store: ObjectStore, run_id: str,
+                             activity: RunActivity | None) -> tuple[RunActivity | None, str | None]:
+    """``activity`` (a copy) with the run's recorded start or stop added (``RunActivity.add_recorded``), and a note
+    when the record cannot be read; ``activity`` itself when the run has no record."""
+    from pipeline.membership import recorded_membership
+
+    try:
+        event = recorded_membership(store, run_id)
+    except ValueError as exc:  # names the file
+        merged = replace(activity) if activity is not None else RunActivity()
+        merged.add_recorded(None, RunStopped(reason="membership record unreadable"))
+        return merged, (f"{exc}; packed processes starting take the run as stopped: write it again with "
+                        f"`rlpipe runs resume --run {run_id}` or `rlpipe runs stop --run {run_id}`")
+    if event is None:
+        return activity, None
+    merged = replace(activity) if activity is not None else RunActivity()
+    merged.add_recorded(event.time.timestamp(), event.payload)
+    return merged, None
 
 
 def read_manifests(store: ObjectStore, run_id: str) -> tuple[list[AdapterManifest], str | None]:
@@ -237,10 +276,12 @@ def run_status(summary: RunSummary, activity: RunActivity | None, log_read: bool
 
     Producer heartbeats within ``LEAVING_WITHIN_S`` after a stop are its producers letting the run go, not a
     restart, and so is what a packed learner sent after a stop up to its ``LearnerLeft``; any other event after a
-    stop (a resumed learner's) is one.
+    stop (a resumed learner's) is one.  Without the log (``activity`` then holds only the run's recorded start or
+    stop) nothing is recent.
     """
     now_s = time.time() if now_s is None else now_s
-    recent = activity is not None and activity.last_event_s is not None and now_s - activity.last_event_s < ACTIVE_WITHIN_S
+    recent = (log_read and activity is not None and activity.last_event_s is not None
+              and now_s - activity.last_event_s < ACTIVE_WITHIN_S)
     live_s = None if activity is None else activity.live_s if activity.live_s is not None else activity.last_event_s
     stopped_last = activity is not None and activity.stopped_s is not None and activity.stopped_s >= (live_s or 0.0)
     if recent and not stopped_last:

@@ -411,3 +411,69 @@ def test_a_run_with_an_unreadable_adapter_manifest_is_noted_and_the_other_runs_a
     assert table.exit_code == 0 and "v000003/manifest.json" in table.output
     shown = runner.invoke(app, ["show", "--run", "cart", *_where(store)])
     assert shown.exit_code == 0 and "v000003/manifest.json" in shown.output
+
+
+def _record(store: ObjectStore, run_id: str, payload: RunStarted | RunStopped, at: datetime | None = None) -> None:
+    """The run's newest start or stop as `rlpipe runs create|stop|resume` keep it in the store."""
+    from pipeline.membership import membership_key
+    from schemas.events import encode_event
+
+    event = make_event(run_id, payload)
+    store.put(membership_key(run_id), encode_event(event if at is None else event.model_copy(update={"time": at})))
+
+
+def _started(run_id: str) -> RunStarted:
+    return RunStarted(config_path=f"runs/{run_id}/run.json", config_sha256="0" * 64, env="cartpole", base_model="tiny")
+
+
+def test_a_stop_the_store_keeps_but_the_topic_lacks_lists_the_run_as_stopped(
+        file_store: ObjectStore, tmp_path: Path, bus_config: BusConfig) -> None:
+    """Packed processes starting obey the run's recorded start or stop (runs/<run>/membership.json); the listing
+    agrees: a stop the topic lacks (its publish failed) or no longer holds (trimmed by retention) is a stop, and a
+    resume recorded after the topic's stop is not."""
+    from datetime import timedelta
+
+    for run in ("missed", "trimmed", "resumed", "newer-stop"):
+        make_run(file_store, tmp_path, run, "cartpole", steps=1, max_steps=5)
+    long_ago = datetime.now(UTC) - timedelta(days=8)
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", make_event("missed", _started("missed")))
+        publisher.publish("control", make_event("resumed", RunStopped(reason="stopped by rlpipe runs stop")))
+        _record(file_store, "newer-stop", _started("newer-stop"), at=long_ago)
+        publisher.publish("control", make_event("newer-stop", RunStopped(reason="step budget reached")))
+    _record(file_store, "missed", RunStopped(reason="stopped by rlpipe runs stop"))
+    _record(file_store, "trimmed", RunStopped(reason="step budget reached"), at=long_ago)
+    _record(file_store, "resumed", _started("resumed"))
+    where = ["--root", file_store.root, "--bootstrap", bus_config.bootstrap_servers, "--namespace", bus_config.namespace]
+    listed = runner.invoke(app, ["list", *where, "--json"])
+    assert listed.exit_code == 0, listed.output
+    runs = {r["run_id"]: r for r in json.loads(listed.stdout)["runs"]}
+    assert (runs["missed"]["status"], runs["missed"]["stop_reason"]) == ("stopped", "stopped by rlpipe runs stop")
+    assert (runs["trimmed"]["status"], runs["trimmed"]["stop_reason"]) == ("stopped", "step budget reached")
+    assert runs["resumed"]["status"] == "running" and runs["resumed"]["stop_reason"] is None  # announced just now
+    assert runs["newer-stop"]["status"] == "stopped"  # the topic's stop is newer than the recorded start
+    shown = runner.invoke(app, ["show", "--run", "missed", *where])
+    assert shown.exit_code == 0 and "stopped (stopped by rlpipe runs stop)" in shown.output, shown.output
+
+
+def test_without_the_log_a_run_recorded_stopped_is_stopped_and_a_damaged_record_is_a_stop(
+        two_runs: tuple[ObjectStore, Path]) -> None:
+    """`--no-bus` reads status from the store alone, and the record is in the store.  A damaged record is what
+    packed processes take for a stop: listed so, with a note naming the file and the fix."""
+    from pipeline.membership import membership_key
+
+    store, _ = two_runs
+    _record(store, "cartpole", RunStopped(reason="stopped by rlpipe runs stop"))
+    runs = {r["run_id"]: r for r in json.loads(runner.invoke(app, ["list", *_where(store), "--json"]).stdout)["runs"]}
+    assert runs["cartpole"]["status"] == "stopped" and runs["cartpole"]["stop_reason"] == "stopped by rlpipe runs stop"
+    assert runs["cart"]["status"] == "finished"  # at its budget: finished goes before stopped
+    _record(store, "cartpole", _started("cartpole"))
+    assert json.loads(runner.invoke(app, ["show", "--run", "cartpole", *_where(store), "--json"]).stdout)[
+        "status"] == "unknown"  # started: whether it runs only the log says
+    store.put(membership_key("cartpole"), b"{not json")
+    table = runner.invoke(app, ["list", *_where(store)])
+    assert table.exit_code == 0, table.output
+    assert "runs/cartpole/membership.json unreadable" in table.output
+    assert "rlpipe runs resume --run cartpole" in table.output
+    shown = json.loads(runner.invoke(app, ["show", "--run", "cartpole", *_where(store), "--json"]).stdout)
+    assert shown["status"] == "stopped" and "membership.json unreadable" in shown["notes"][0]
