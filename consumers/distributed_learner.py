@@ -64,8 +64,8 @@ from consumers.distributed import (
     leave_group,
     share,
 )
+from consumers.engine_policy import EnginePolicy
 from consumers.losses import LossStats, TokenBatch, loss_from_logprobs
-from consumers.packed import EnginePolicy
 from consumers.policy import StepResult
 from consumers.trust_region import TrustRegion
 from pipeline.models import resolve_base_model

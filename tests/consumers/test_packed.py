@@ -11,9 +11,10 @@ import torch
 from consumers.checkpoint import CheckpointStore
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
+from consumers.engine_policy import EnginePolicy
 from consumers.learner import Learner
 from consumers.lease import FencedStore, LearnerLease, LeaseLostError
-from consumers.packed import EnginePolicy, PackedLearner
+from consumers.packed import PackedLearner
 from consumers.policy import LoraPolicy
 from consumers.sources import ReplaySource
 from pipeline.io.archive import TrajectoryArchive
