@@ -120,7 +120,13 @@ def write_fold(store: ObjectStore, engine: TrainingEngine, model: Model) -> bool
     state = ops.save_state(engine, model.model_id, True, with_gradients=model.has_gradients)
     digest = sha256_hex(state)
     state_key = f"{model.fold_key}.{digest[:16]}.safetensors"
-    store.put_create_once(state_key, state)
+    try:  # the same state folded again finds its own bytes under its name
+        store.put_create_once(state_key, state)
+    except FileExistsError:
+        # other bytes under this state's name are damaged: every reader refuses them (it checks the digest), and
+        # kept, they would fail every later fold of this state
+        log.warning("%s held other bytes than the state it names (damaged); replaced", store.url(state_key))
+        store.put(state_key, state)
     record: dict[str, Any] = {"model_id": model.model_id, "seq_id": model.next_seq - 1, "state": state_key,
                               "state_sha256": digest}
     if model.skipped is not None:

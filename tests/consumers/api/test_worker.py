@@ -393,6 +393,35 @@ def test_a_corrupt_fold_fails_its_own_models_calls_and_no_other_and_an_older_fol
     restarted.close()
 
 
+def test_a_damaged_object_under_a_folds_state_name_is_replaced_when_that_state_is_folded_again(harness, caplog):
+    """A fold's state is stored under a name made of its sha256.  When the object under that name holds other
+    bytes (damaged on disk) and the model folds the same state again (its calls since only failed), the fold
+    replaces the damaged object rather than failing at every round, and the model reloads from it."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    trainer.fold_all()
+    record = json.loads(harness.store.get(f"sessions/{harness.session}/models/0.fold.json"))
+    harness.store.put(record["state"], b"damaged")
+    failed = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_bad_datum()]), "pb")
+    run_until(trainer, harness, [failed])  # a user error: the state is the one folded
+    assert json.loads(harness.result(failed)[0])["category"] == "user"
+    for _ in range(2):
+        trainer.fold_all()
+    assert any(record["state"] in r.getMessage() and "damaged" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
+    again = json.loads(harness.store.get(f"sessions/{harness.session}/models/0.fold.json"))
+    assert (again["state"], again["seq_id"]) == (record["state"], 1)
+    harness.store.get(record["state"], record["state_sha256"])  # the state again, not the damaged bytes
+    trainer.idle_unload_s = 0.0
+    trainer.expire_sessions()  # parked: its next call reloads the fold
+    trainer.idle_unload_s = 600.0
+    step = harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
+    run_until(trainer, harness, [step])
+    assert "metrics" in json.loads(harness.result(step)[0])
+    trainer.close()
+
+
 def test_a_call_arriving_after_a_load_with_a_later_seq_id_brought_back_a_lost_fold_is_answered(harness):
     """While a training client's fold cannot be loaded, each of its calls is answered with an error as it comes,
     and a load_weights brings it back, its calls running in seq_id order from there.  A call with a seq_id below
