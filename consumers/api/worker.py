@@ -395,13 +395,17 @@ class TrainerWorker:
         engine between calls.  Calls waiting for an earlier ``seq_id`` are held only by the worker, so a model
         with such calls keeps its record (parked): while its session lives, and for ``end_grace_s`` after its
         session's end (calls accepted before the end may still be on their way); after that the waiting calls
-        are answered with an error and the record goes."""
+        are answered with an error and the record goes.  The record of a model in neither place (its creation
+        failed, or its fold could not be loaded) goes ``end_grace_s`` after its session's end."""
         self._last_expiry = now = time.monotonic()
         for model in list(self.models.values()):
-            if not (model.loaded or model.parked):
-                continue
+            if model.creating:
+                continue  # its creation runs next round
             session = model.run.split(".")[0]
             end = lifecycle.session_end(self.store, session, record=False)
+            if not (model.loaded or model.parked):
+                self._expire_unloadable(model, end)
+                continue
             if end is None:
                 at = lifecycle.heartbeat_time(self.store, session)
                 if at is None or time.time() - at <= self.session_timeout_s:
@@ -430,6 +434,15 @@ class TrainerWorker:
                 ops.unload(self.engine, model.model_id)
             del self.models[model.model_id]
             log.info("session %s %s: unloaded %s", session, "ended" if end else "lapsed", model.model_id)
+
+    def _expire_unloadable(self, model: Model, end: tuple[str, float] | None) -> None:
+        """Drop the record of a model in neither the engine nor a fold it can load (its creation failed, or its fold
+        is lost) ``end_grace_s`` after its session's end.  Its calls are answered as they come, out of turn, and a
+        record made again from its fold would wait for the seq_ids answered so: it stays while its session may
+        send one (a lapsed session expires a day after its last heartbeat)."""
+        if end is not None and time.time() - end[1] >= self.end_grace_s:
+            del self.models[model.model_id]
+            log.info("session %s ended: dropped the record of %s", model.run.split(".")[0], model.model_id)
 
     def _answer_waiting(self, model: Model, why: str) -> None:
         """Answer every call waiting for an earlier seq_id with a user error (a call left without a result would

@@ -422,6 +422,40 @@ def test_a_damaged_object_under_a_folds_state_name_is_replaced_when_that_state_i
     trainer.close()
 
 
+def test_models_whose_fold_is_lost_or_whose_creation_failed_go_after_their_sessions_end(harness):
+    """A training client neither in the engine nor folded (its fold cannot be loaded, or its creation failed) has a
+    record on the trainer too.  It answers a lapsed session's late call as before, and goes ``end_grace_s`` after
+    its session's end, as a parked model's does."""
+    trainer = harness.trainer()
+    lost = harness.create(0)
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    trainer.fold_all()
+    trainer.close()
+    record = json.loads(harness.store.get(f"sessions/{harness.session}/models/0.fold.json"))
+    harness.store.put(record["state"], b"not the state")
+    failed = harness.gateway.register_model(TENANT, harness.session, 1, harness.base_model, 4, {}, None)
+    body = types.CreateModelRequest(session_id=harness.session, model_seq_id=1, base_model=harness.base_model,
+                                    lora_config=types.LoraConfig(rank=0)).model_dump_json().encode()
+    harness.gateway.submit(TENANT, "create_model", failed, None, body)  # refused on the trainer (rank 0)
+    restarted = harness.trainer()
+    first = harness.gateway.submit(TENANT, "optim_step", lost, 1, _optim(lost, 1))
+    run_until(restarted, harness, [first, f"{harness.session}.train.1.create"])
+    assert "missing or corrupt" in json.loads(harness.result(first)[0])["error"]
+    assert "rank" in json.loads(harness.result(f"{harness.session}.train.1.create")[0])["error"]
+    restarted.session_timeout_s = 0.0  # every heartbeat has lapsed
+    restarted.expire_sessions()
+    late = harness.gateway.submit(TENANT, "optim_step", lost, 2, _optim(lost, 2))  # the client comes back
+    run_until(restarted, harness, [late], timeout_s=10.0)
+    assert "missing or corrupt" in json.loads(harness.result(late)[0])["error"]
+    harness.gateway.finish(TENANT, harness.session, "success")
+    restarted.expire_sessions()
+    assert lost in restarted.models and failed in restarted.models  # a call accepted before the end may come
+    restarted.end_grace_s = 0.0
+    restarted.expire_sessions()
+    assert lost not in restarted.models and failed not in restarted.models
+    restarted.close()
+
+
 def test_a_call_arriving_after_a_load_with_a_later_seq_id_brought_back_a_lost_fold_is_answered(harness):
     """While a training client's fold cannot be loaded, each of its calls is answered with an error as it comes,
     and a load_weights brings it back, its calls running in seq_id order from there.  A call with a seq_id below
