@@ -179,8 +179,9 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
         streams = SamplingStreams(first.sampler.seed, process_id)
         log.info("initialising one %s engine on %s for runs %s", first.sampler.backend, model_path,
                  ", ".join(c.run_id for c in configs) or f"matching {follow_runs}")
-        # room for every named run's adapters: one stopped now joins when resumed
-        stopped = [cfg for cfg in named_configs if cfg.run_id not in {c.run_id for c in configs}]
+        # room for every named run's adapters, each once: one stopped now joins when resumed (``first`` is one
+        # of them when every named run is stopped)
+        stopped = [cfg for cfg in named_configs if cfg.run_id not in {c.run_id for c in [first, *configs]}]
         sampler = shared_engine([first, *configs[1:], *stopped], model_path, streams.engine_seed(),
                                 FOLLOW_RESERVE_RUNS if follow_runs is not None else 0)
         shared = sampler

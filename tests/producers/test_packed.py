@@ -270,3 +270,36 @@ def test_a_run_stopped_or_started_again_as_its_pause_ends_is_served_as_the_log_s
         feed.put(cfg.run_id, RunStopped(reason="the user stopped it") if last_word == "stopped" else event)
         joined, left = follow(set())
         assert (joined, left) == (([], []) if last_word == "stopped" else ([cfg.run_id], [])), last_word
+
+
+def test_a_producer_whose_named_runs_are_all_stopped_keeps_engine_room_for_each_once(tmp_path, monkeypatch):
+    """`rlpipe producer start --run a --run b --follow-runs 'exp-*'` after both were stopped: the engine is set up
+    from a's settings and keeps adapter room for a and b (each joins when resumed) and three runs to come, not
+    a's room twice."""
+    import producers.packed as packed
+    from pipeline.io.store import ObjectStore
+    from pipeline.membership import membership_key
+    from pipeline.runtime import StopFlag
+    from schemas.events import RunStopped, encode_event, make_event
+    from tests.pipeline.test_membership import Feed, config, started
+
+    store = ObjectStore(tmp_path.as_uri())
+    named = [config(run, store={"root": store.root}) for run in ("a", "b")]
+    for cfg in named:
+        started(store, cfg)
+        store.put(membership_key(cfg.run_id), encode_event(make_event(cfg.run_id, RunStopped(reason="stopped"))))
+    room: list[list[str]] = []
+
+    class EngineAsked(Exception):
+        pass
+
+    def shared_engine(configs, model_path, seed, reserve_runs=0):
+        room.append([cfg.run_id for cfg in configs])
+        raise EngineAsked  # the runs it was asked to hold are all this test needs
+
+    monkeypatch.setattr(packed, "RunMembership", lambda *args, **kwargs: Feed())
+    monkeypatch.setattr(packed, "resolve_model", lambda model: "tiny")
+    monkeypatch.setattr(packed, "shared_engine", shared_engine)
+    with pytest.raises(EngineAsked):
+        packed.run_packed_producer(named, StopFlag(), follow_runs="exp-*", template=named[0])
+    assert room == [["a", "b"]]
