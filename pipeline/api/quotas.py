@@ -11,8 +11,9 @@ may together pass a limit by one creation each.
 
 A store written by a gateway that kept no count (one older than the limits) holds sessions no entry names: the
 first creation that finds no ``COUNTED`` mark notes every session record's live session (one with a heartbeat)
-and its training clients, then writes the mark, so they hold their places.  That costs one read per session in
-the store, once per store; a session an older gateway creates after it is not counted.
+and its training clients, then writes the mark, so they hold their places.  That costs a few reads per session
+in the store (its record, heartbeat and end, and a listing of its training clients), once per store, inside that
+creation; a session an older gateway creates after it is not counted.
 """
 
 from __future__ import annotations
