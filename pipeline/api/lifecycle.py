@@ -356,6 +356,23 @@ def index_existing_sessions(store: ObjectStore) -> int:
     return count
 
 
+def session_record(store: ObjectStore, session_id: str) -> dict[str, Any] | None:
+    """The session's ``session.json`` (owner tenant, tags, creation time); None when missing or unreadable (a
+    folder without a readable record is no session of anyone's)."""
+    return _read(store, f"{session_path(session_id)}/session.json")
+
+
+def record_numbers(store: ObjectStore, session_id: str, folder: str) -> list[int]:
+    """The numbers of a session's model (``folder`` models) or sampler (``samplers``) records, in order; a model's
+    fold files are not records."""
+    numbers = []
+    for key in store.list(f"{session_path(session_id)}/{folder}"):
+        name = key.rsplit("/", 1)[-1]
+        if name.endswith(".json") and name.removesuffix(".json").isdigit():
+            numbers.append(int(name.removesuffix(".json")))
+    return sorted(numbers)
+
+
 def _read(store: ObjectStore, key: str) -> dict[str, Any] | None:
     try:
         record = json.loads(store.get(key))

@@ -10,11 +10,11 @@ Pages are ``offset``/``limit`` as the SDK sends them, with the SDK's ``Cursor``.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pipeline.api.gateway import Gateway
-from schemas.api import ApiError, model_id_for, session_path
+from pipeline.api.lifecycle import record_numbers, session_record
+from schemas.api import ApiError, model_id_for
 
 SESSIONS = "sessions"
 
@@ -24,23 +24,15 @@ def tenant_sessions(gateway: Gateway, tenant: str) -> list[str]:
     found = []
     for key in gateway.store.list(SESSIONS):
         session_id = key.rsplit("/", 1)[-1]
-        try:
-            record = json.loads(gateway.store.get(f"{session_path(session_id)}/session.json"))
-        except (FileNotFoundError, ValueError):
-            continue  # a folder without a readable record is no session of anyone's
-        if isinstance(record, dict) and record.get("tenant") == tenant:
+        record = session_record(gateway.store, session_id)
+        if record is not None and record.get("tenant") == tenant:
             found.append((str(record.get("created_at", "")), session_id))
     return [session_id for _, session_id in sorted(found, reverse=True)]
 
 
 def _numbered(gateway: Gateway, session_id: str, folder: str, kind: str) -> list[str]:
     """The ids of a session's models (``kind`` train) or samplers (``sample``) in the order of their numbers."""
-    numbers = []
-    for key in gateway.store.list(f"{session_path(session_id)}/{folder}"):
-        name = key.rsplit("/", 1)[-1]
-        if name.endswith(".json") and name.removesuffix(".json").isdigit():  # not a fold's files
-            numbers.append(int(name.removesuffix(".json")))
-    return [model_id_for(session_id, kind, n) for n in sorted(numbers)]
+    return [model_id_for(session_id, kind, n) for n in record_numbers(gateway.store, session_id, folder)]
 
 
 def session_info(gateway: Gateway, tenant: str, session_id: str) -> dict[str, Any]:

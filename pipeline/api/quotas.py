@@ -22,10 +22,10 @@ import json
 import time
 from collections.abc import Callable
 
-from pipeline.api.lifecycle import heartbeat_time
+from pipeline.api.lifecycle import heartbeat_time, record_numbers, session_record
 from pipeline.api.tenants import MAX_MODELS_ENV, MAX_SESSIONS_ENV, TenantLimitError, TenantLimits
 from pipeline.io.store import ObjectStore
-from schemas.api import model_id_for, model_run_name, session_path
+from schemas.api import model_id_for, model_run_name
 
 TENANTS = "api/tenants"
 COUNTED = "api/tenants-counted.json"  # written once the sessions of the store from before the count were noted
@@ -81,19 +81,14 @@ class TenantQuota:
             return
         for key in self.store.list("sessions"):
             session_id = key.rsplit("/", 1)[-1]
-            try:
-                tenant = json.loads(self.store.get(f"{session_path(session_id)}/session.json"))["tenant"]
-            except (FileNotFoundError, ValueError, KeyError, TypeError):
-                continue  # a folder without a readable record is no session of anyone's
+            tenant = (session_record(self.store, session_id) or {}).get("tenant")
             if not isinstance(tenant, str):
-                continue
+                continue  # no session of anyone's
             if heartbeat_time(self.store, session_id) is None or self.has_ended(session_id):
                 continue  # a creation cut short never ends (nor is it counted), or an end frees its places
             self.note_session(tenant, session_id)
-            for model_key in self.store.list(f"{session_path(session_id)}/models"):
-                number = model_key.rsplit("/", 1)[-1].removesuffix(".json")
-                if model_key.endswith(".json") and number.isdigit():  # a model's record, not its fold
-                    self.note_model(tenant, model_id_for(session_id, "train", int(number)))
+            for number in record_numbers(self.store, session_id, "models"):
+                self.note_model(tenant, model_id_for(session_id, "train", number))
         self.store.put(COUNTED, json.dumps({"time": time.time()}).encode())
         self._counted = True
 
