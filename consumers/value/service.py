@@ -7,7 +7,8 @@ environment against them).  Versions and checkpoints are fenced by the run's
 learner lease like the LoRA learner's.  SIGTERM stops between steps and writes a
 final checkpoint, so nothing trained is lost.  ``rlpipe replay --train`` on a value run
 lands in ``replay_train_value``: the same learner fed by another run's stored steps
-batches (``StepsReplaySource``, the value runs' ``ReplaySource``), no broker, each batch trained once.
+batches (``StepsReplaySource``, the value runs' ``ReplaySource``), no broker, each batch trained once, in the
+order that run's learner trained them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from consumers.value.learner import ValueLearner
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import EventPublisher
 from pipeline.io.registry import AdapterRegistry
+from pipeline.io.steplog import StepLog, trained_batches
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
@@ -124,12 +126,18 @@ def replay_train_value(config: RunConfig, source_run: str, date_from: str | None
 
 
 class StepsReplaySource:
-    """A run's stored steps batches (``runs/<run>/env-steps/date=.../<id>.parquet``), oldest date first.
+    """A run's stored steps batches (``runs/<run>/env-steps/date=.../<id>.parquet``) in the order its learner
+    trained them.
 
-    Steps batches carry no commit record, so the order is the key's (date, then
-    batch id) and no digest is checked.  The position is the count handed out;
-    resuming offers again, in the same order, every batch the learner has not
-    trained (``already_trained``), like ``consumers.sources.ReplaySource``.
+    Steps batches carry no commit record and their ids are random, so their keys say
+    nothing of the order the run's learner read them in (its actors' announcements,
+    interleaved), and the replay memory, so the weights, depend on that order.  The
+    run's step log records it: the batches it names come first, in its steps' order;
+    the others (none trained there: written after its learner stopped, or a run with
+    no learner) follow in key order (date, then batch id).  No digest is checked.
+    The position is the count handed out; resuming offers again, in the same order,
+    every batch the learner has not trained (``already_trained``), like
+    ``consumers.sources.ReplaySource``.
     """
 
     def __init__(self, store: ObjectStore, run_id: str, date_from: str | None = None, date_to: str | None = None,
@@ -142,7 +150,13 @@ class StepsReplaySource:
 
     def _listing(self) -> list[str]:
         keys = TrajectoryArchive(self.store).list_steps(self.run_id)
-        return sorted(k for k in keys if in_date_range(k, self.date_from, self.date_to))
+        trained_at = trained_batches(StepLog(self.store, self.run_id).read())  # batch_id -> the step that trained it
+
+        def order(key: str) -> tuple[bool, int, str]:  # the step log's batches first, by step; then by key
+            step = trained_at.get(key.rsplit("/", 1)[-1].removesuffix(".parquet"))
+            return (False, step, "") if step is not None else (True, 0, key)
+
+        return sorted((k for k in keys if in_date_range(k, self.date_from, self.date_to)), key=order)
 
     def poll(self, timeout_s: float) -> list[BatchRef]:
         if not self.queue:
@@ -153,8 +167,8 @@ class StepsReplaySource:
         return [BatchRef(batch_id, key, None, {self.position_key: self.handed_out})]
 
     def seek(self, positions: dict[str, int]) -> None:
-        """Resume: offer every batch not trained yet, in key order (a seek to the start before anything was
-        handed out keeps the listing just read)."""
+        """Resume: offer every batch not trained yet, in the listing's order (a seek to the start before anything
+        was handed out keeps the listing just read)."""
         if not positions.get(self.position_key) and not self.handed_out:
             return
         self.handed_out = positions.get(self.position_key, 0)

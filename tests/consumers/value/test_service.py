@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from consumers.cli import replay_app
@@ -148,3 +149,30 @@ def test_a_replay_into_a_run_with_another_network_or_memory_shape_is_refused_in_
         else:
             raise AssertionError(f"a restart with another value.learner.{field} was not refused")
         assert f"value.learner.{field}" in message and "new run_id" in message and "\n" not in message
+
+
+def test_a_replay_trains_the_batches_in_the_order_the_source_runs_learner_trained_them(tmp_path: Path) -> None:
+    """Steps batch ids are random (``s-<uuid>``), so their keys' order is not the order the run's learner consumed
+    them in (the announcements', several actors interleaved).  The replay follows the source run's step log: with
+    the same configuration it trains the same steps and reaches the online learner's weights exactly."""
+    from consumers.sources import BatchRef
+    from consumers.value.service import build_value_learner
+    from pipeline.io.steplog import StepLog
+    from tests.consumers.value.test_learner import ListSource
+
+    store, raw = actors_batches(tmp_path, "actors")
+    raw["value"]["learner"].update(min_replay_size=32, batch_size=16, checkpoint_every=2, publish_every=2)
+    keys = TrajectoryArchive(store).list_steps("actors")
+    announced = list(reversed(keys))  # the order the online learner read them in: not the keys'
+    refs = [BatchRef(key.rsplit("/", 1)[-1].removesuffix(".parquet"), key, None, {"mem:0": index + 1})
+            for index, key in enumerate(announced)]
+    online = build_value_learner(RunConfig.model_validate(raw), store, ListSource(refs), lambda payload: None)
+    online.resume()
+    online.run(poll_timeout_s=0.0)
+    assert online.state.step == BATCHES and online.agent.training_steps > 0
+
+    offline = replay_train_value(RunConfig.model_validate({**raw, "run_id": "offline-dqn"}), "actors")
+    trained = [entry["batches"][0]["path"] for entry in StepLog(store, "offline-dqn").read()]
+    assert trained == announced
+    online_weights, offline_weights = online.agent.online.state_dict(), offline.agent.online.state_dict()
+    assert all(torch.equal(online_weights[name], offline_weights[name]) for name in online_weights)
