@@ -26,3 +26,10 @@ def topic_name(namespace: str, kind: TopicKind) -> str:
 def all_topics(namespace: str) -> list[str]:
     """Every topic of a namespace."""
     return [topic_name(namespace, kind) for kind in TOPIC_KINDS]
+
+
+def in_namespace(topic: str, namespace: str) -> bool:
+    """Whether ``topic`` is one of ``namespace``'s: ``<namespace>.<kind>`` exactly.  Names may hold dots, so a
+    prefix is not enough: ``rl.eval.control`` belongs to namespace ``rl.eval``, not to ``rl``."""
+    head, _, kind = topic.rpartition(".")
+    return head == namespace and kind in TOPIC_KINDS + API_TOPIC_KINDS

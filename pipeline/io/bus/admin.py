@@ -21,7 +21,14 @@ from kafka.admin import OffsetSpec
 
 from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
 from pipeline.io.bus.errors import BusError, UnknownTopicError
-from pipeline.topics import API_TOPIC_KINDS, MAX_TOPIC_NAME_LENGTH, TOPIC_KINDS, TopicKind, topic_name
+from pipeline.topics import (
+    API_TOPIC_KINDS,
+    MAX_TOPIC_NAME_LENGTH,
+    TOPIC_KINDS,
+    TopicKind,
+    in_namespace,
+    topic_name,
+)
 from schemas.config import BusConfig
 from schemas.names import InvalidNameError, validate_name
 
@@ -179,8 +186,8 @@ def list_topics(bus_config: BusConfig, all_namespaces: bool = False, bootstrap_s
     """Topic names under the namespace (every non-internal topic with ``all_namespaces``), sorted."""
     with admin_client(bus_config, bootstrap_servers) as admin:
         names = admin.list_topics()
-    prefix = f"{bus_config.namespace}."
-    return sorted(n for n in names if not n.startswith("__") and (all_namespaces or n.startswith(prefix)))
+    namespace = bus_config.namespace
+    return sorted(n for n in names if not n.startswith("__") and (all_namespaces or in_namespace(n, namespace)))
 
 
 def _offsets(admin: KafkaAdminClient, tps: list[TopicPartition], spec: Any) -> dict[TopicPartition, int]:
@@ -232,11 +239,10 @@ def group_lag(
     bootstrap_servers: str | None = None,
 ) -> list[PartitionLag]:
     """Committed offset, end offset and lag of ``group_id`` per partition it has committed (namespace topics)."""
-    prefix = f"{bus_config.namespace}."
     with admin_client(bus_config, bootstrap_servers) as admin:
         committed = admin.list_group_offsets(group_id).get(group_id, {})
         tps = sorted(
-            (tp for tp in committed if all_namespaces or tp.topic.startswith(prefix)),
+            (tp for tp in committed if all_namespaces or in_namespace(tp.topic, bus_config.namespace)),
             key=lambda tp: (tp.topic, tp.partition),
         )
         ends = _offsets(admin, tps, OffsetSpec.LATEST)

@@ -136,6 +136,26 @@ def test_ensure_topics_is_idempotent(bus_config: BusConfig) -> None:
     assert bus.list_topics(bus_config) == expected
 
 
+def test_a_namespace_lists_its_own_topics_and_lag_not_those_of_a_namespace_its_name_starts(
+    bus_config: BusConfig,
+) -> None:
+    # "<ns>.eval" is a namespace of its own (names may hold dots): its "<ns>.eval.control" starts with "<ns>.",
+    # but a topic of <ns> is "<ns>.<kind>", nothing more
+    inner = bus_config.model_copy(update={"namespace": f"{bus_config.namespace}.eval"})
+    bus.ensure_topics(bus_config)
+    bus.ensure_topics(inner)
+    assert bus.list_topics(bus_config) == sorted(f"{bus_config.namespace}.{kind}"
+                                                 for kind in ("trajectories", "adapters", "control", "dlq"))
+    assert f"{inner.namespace}.control" in bus.list_topics(bus_config, all_namespaces=True)
+    for config in (bus_config, inner):  # one group (a learner's id names the run, not its namespace) reads both
+        with EventPublisher(config) as publisher:
+            publisher.publish("control", _stop("run-a", config.namespace))
+        with EventConsumer(config, "control", "learner-run-a", membership=False) as reader:
+            reader.commit(bus.next_offsets(_poll_until(reader, 1)))
+    assert [lag.topic for lag in bus.group_lag(bus_config, "learner-run-a")] == [f"{bus_config.namespace}.control"]
+    assert [lag.topic for lag in bus.group_lag(inner, "learner-run-a")] == [f"{inner.namespace}.control"]
+
+
 def test_publish_returns_increasing_offsets_keyed_by_run(bus_config: BusConfig) -> None:
     with EventPublisher(bus_config) as publisher:
         placed = [publisher.publish("control", _stop("run-a", f"r{i}")) for i in range(3)]
