@@ -176,3 +176,20 @@ def test_a_replay_trains_the_batches_in_the_order_the_source_runs_learner_traine
     assert trained == announced
     online_weights, offline_weights = online.agent.online.state_dict(), offline.agent.online.state_dict()
     assert all(torch.equal(online_weights[name], offline_weights[name]) for name in online_weights)
+
+
+def test_steps_batches_the_source_run_never_trained_follow_those_it_did_in_key_order() -> None:
+    from consumers.value.service import StepsReplaySource
+    from pipeline.io.steplog import StepLog
+    from schemas.steps import steps_to_table
+
+    store = ObjectStore("memory://steps-order")
+    rows = [dict(episode_id="e", step=t, is_first=t == 0, is_last=t == 2, is_terminal=t == 2, observation=[0.1] * 4,
+                 action=[0.0], reward=1.0, discount=0.0 if t == 2 else 1.0) for t in range(3)]
+    folder = "runs/actors/env-steps/date=2026-12-04"
+    for name in ("s-a", "s-b", "s-c", "s-d"):
+        TrajectoryArchive(store).write_steps(f"{folder}/{name}.parquet", steps_to_table(rows))
+    for step, name in enumerate(("s-c", "s-a"), start=1):  # the run's learner trained s-c, then s-a; then stopped
+        StepLog(store, "actors").write({"step": step, "batch_ids": [name]})
+    source = StepsReplaySource(store, "actors")
+    assert [ref.batch_id for _ in range(4) for ref in source.poll(0.0)] == ["s-c", "s-a", "s-b", "s-d"]
