@@ -57,35 +57,57 @@ STATUSES = ("running", "finished", "stopped", "idle", "unknown")
 
 @dataclass
 class RunActivity:
-    """What the control topic says about one run."""
+    """What the control topic says about one run.
+
+    The newest event of each kind that can show the run going is kept rather than a verdict, and whether the run
+    went on after its stop is read from them when asked (``stopped_last``): a stop added late (the store's record
+    of one the topic no longer holds, ``add_recorded``) then reads the events after it as the topic's own stop
+    would have.
+    """
 
     last_event_s: float | None = None
-    live_s: float | None = None  # the newest event that shows the run going (not a producer letting it go)
     stopped_s: float | None = None
     stop_reason: str | None = None
     last_step: int | None = None
     last_reward: float | None = None
     membership_s: float | None = None  # the newest RunStarted or RunStopped
+    heartbeat_s: float | None = None  # the newest ProducerHeartbeat
+    left_s: float | None = None  # the newest LearnerLeft
+    other_s: float | None = None  # the newest event of any other kind
 
     def add(self, time_s: float, payload: Any) -> None:
-        if self.last_event_s is None or time_s >= self.last_event_s:
-            self.last_event_s = time_s
-        leaving = (isinstance(payload, ProducerHeartbeat) and self.stopped_s is not None
-                   and time_s - self.stopped_s <= LEAVING_WITHIN_S)
-        if not leaving and (self.live_s is None or time_s >= self.live_s):
-            self.live_s = time_s
+        self.last_event_s = _newest(self.last_event_s, time_s)
+        if isinstance(payload, ProducerHeartbeat):
+            self.heartbeat_s = _newest(self.heartbeat_s, time_s)
+        elif isinstance(payload, LearnerLeft):
+            self.left_s = _newest(self.left_s, time_s)
+        else:
+            self.other_s = _newest(self.other_s, time_s)
         if isinstance(payload, RunStarted | RunStopped):
-            self.membership_s = time_s if self.membership_s is None else max(time_s, self.membership_s)
+            self.membership_s = _newest(self.membership_s, time_s)
         if isinstance(payload, RunStopped):
             self.stopped_s, self.stop_reason = time_s, payload.reason
-        elif isinstance(payload, LearnerLeft) and self.stopped_s is not None and time_s >= self.stopped_s:
-            self.live_s = self.stopped_s  # what the learner sent since the stop was its wind-down, not a restart
         elif isinstance(payload, RunStarted):
             self.stopped_s = self.stop_reason = None  # started (again) after any earlier stop
         elif isinstance(payload, LearnerCheckpointed):
             self.last_step = payload.step
             if (reward := episode_reward(payload.metrics)) is not None:
                 self.last_reward = reward
+
+    def stopped_last(self) -> bool:
+        """Whether the run's newest start or stop is a stop and nothing after it shows the run going.
+
+        After a stop, its producers' heartbeats within ``LEAVING_WITHIN_S`` are them letting it go, and what a
+        packed learner sent up to its ``LearnerLeft`` is its wind-down; a later heartbeat, or any other event after
+        the stop and the ``LearnerLeft`` (a resumed learner's), shows the run going again.
+        """
+        if self.stopped_s is None:
+            return False
+        stop = self.stopped_s
+        beating = self.heartbeat_s is not None and self.heartbeat_s - stop > LEAVING_WITHIN_S
+        wound_down = self.left_s is not None and self.left_s >= stop
+        acting = self.other_s is not None and self.other_s > stop and not (wound_down and self.other_s <= self.left_s)
+        return not (beating or acting)
 
     def add_recorded(self, time_s: float | None, payload: RunStarted | RunStopped) -> None:
         """The run's newest start or stop as the store keeps it, added after the topic's events: it holds unless the
@@ -98,6 +120,10 @@ class RunActivity:
             self.add(time_s, payload)
         elif isinstance(payload, RunStopped):
             self.stopped_s, self.stop_reason = 0.0, payload.reason
+
+
+def _newest(known: float | None, time_s: float) -> float:
+    return time_s if known is None else max(known, time_s)
 
 
 def run_kind(config: Mapping[str, Any]) -> str:
@@ -282,8 +308,7 @@ def run_status(summary: RunSummary, activity: RunActivity | None, log_read: bool
     now_s = time.time() if now_s is None else now_s
     recent = (log_read and activity is not None and activity.last_event_s is not None
               and now_s - activity.last_event_s < ACTIVE_WITHIN_S)
-    live_s = None if activity is None else activity.live_s if activity.live_s is not None else activity.last_event_s
-    stopped_last = activity is not None and activity.stopped_s is not None and activity.stopped_s >= (live_s or 0.0)
+    stopped_last = activity is not None and activity.stopped_last()
     if recent and not stopped_last:
         return "running"
     if summary.max_steps is not None and summary.steps >= summary.max_steps:

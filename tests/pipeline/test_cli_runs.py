@@ -477,3 +477,42 @@ def test_without_the_log_a_run_recorded_stopped_is_stopped_and_a_damaged_record_
     assert "rlpipe runs resume --run cartpole" in table.output
     shown = json.loads(runner.invoke(app, ["show", "--run", "cartpole", *_where(store), "--json"]).stdout)
     assert shown["status"] == "stopped" and "membership.json unreadable" in shown["notes"][0]
+
+
+def _heartbeat() -> ProducerHeartbeat:
+    return ProducerHeartbeat(producer_id="p", adapter_version=3, samples_total=1, batches_total=1, tokens_total=1,
+                             env_steps_total=1, samples_per_s=0.0, tokens_per_s=0.0, env_steps_per_s=0.0,
+                             busy_fraction=0.0, interval_s=5.0)
+
+
+def test_a_stop_trimmed_from_the_topic_whose_producers_last_heartbeats_are_kept_is_stopped(
+        memory_store: ObjectStore, tmp_path: Path) -> None:
+    """Retention trims the oldest events first: the RunStopped goes while the producers' heartbeats just after it
+    (they let the run go) and the learner's wind-down up to its LearnerLeft stay.  The recorded stop makes the
+    run stopped, as it would had the topic kept it: those events are read against it, not as the run going."""
+    from pipeline.analysis.runs import summarize
+
+    now = 1_000_000.0
+    stop = RunStopped(reason="stopped by rlpipe runs stop")
+    for run in ("producers-left", "learner-left", "served-again"):
+        make_run(memory_store, tmp_path, run, "cartpole", steps=1, max_steps=5)
+        _record(memory_store, run, stop, at=datetime.fromtimestamp(now - 600, UTC))
+    topic = {run: RunActivity() for run in ("producers-left", "learner-left", "served-again")}
+    for seconds in (590, 585, 580):  # within LEAVING_WITHIN_S of the stop
+        topic["producers-left"].add(now - seconds, _heartbeat())
+    topic["learner-left"].add(now - 595, LearnerCheckpointed(step=2, version=2, path="p", offsets={}))
+    topic["learner-left"].add(now - 594, LearnerLeft(step=2, version=2))
+    topic["learner-left"].add(now - 590, _heartbeat())
+    topic["served-again"].add(now - 590, _heartbeat())
+    topic["served-again"].add(now - 300, _heartbeat())  # long after the stop: a producer serves it again
+    status = {run: summarize(memory_store, run, activity, log_read=True, now_s=now)
+              for run, activity in topic.items()}
+    assert (status["producers-left"].status, status["producers-left"].stop_reason) == ("stopped", stop.reason)
+    assert status["learner-left"].status == "stopped"
+    assert status["served-again"].status == "idle"  # its last event is older than ACTIVE_WITHIN_S
+    # the same events with the stop still on the topic read the same
+    kept = RunActivity()
+    kept.add(now - 600, stop)
+    for seconds in (590, 585, 580):
+        kept.add(now - seconds, _heartbeat())
+    assert run_status(RunSummary("k", "unknown", steps=1), kept, log_read=True, now_s=now) == "stopped"
