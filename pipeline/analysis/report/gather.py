@@ -83,6 +83,7 @@ def gather_report(
     evals = load_evals(store, run_id, report)
     state, checkpoint_key = read_learner_state(store, run_id, report)
     events = read_events(bus_config, run_id, bus_timeout_s, report)
+    add_recorded_membership(store, run_id, events, report)
     step_log = read_step_log(store, run_id, state, report)
 
     report.series["reward_by_version"] = reward_by_version(episodes)
@@ -229,7 +230,28 @@ def read_events(bus_config: BusConfig | None, run_id: str, timeout_s: float, rep
     return events
 
 
+def add_recorded_membership(store: ObjectStore, run_id: str, events: ControlEvents, report: RunReport) -> None:
+    """The run's newest start or stop as the store keeps it (``runs/<run>/membership.json``, which retention does
+    not trim and ``rlpipe runs list|show`` follow too), added unless the topic holds a newer start or stop; an
+    unreadable record is a note."""
+    from pipeline.membership import recorded_membership
+
+    try:
+        event = recorded_membership(store, run_id)
+    except ValueError as exc:  # names the file
+        report.note("summary", f"{exc}; packed processes starting take the run as stopped: write it again with "
+                               f"`rlpipe runs resume --run {run_id}` or `rlpipe runs stop --run {run_id}`")
+        return
+    if event is None:
+        return
+    time_s = event.time.timestamp()
+    if events.membership_s is None or time_s > events.membership_s:
+        _collect(events, time_s, event.payload)
+
+
 def _collect(events: ControlEvents, time_s: float, payload: Any) -> None:
+    if isinstance(payload, RunStarted | RunStopped):
+        events.membership_s = time_s if events.membership_s is None else max(events.membership_s, time_s)
     if isinstance(payload, ProducerHeartbeat):
         events.heartbeats.append((time_s, payload))
     elif isinstance(payload, RunStarted):  # events come oldest first: the run's window opens at its first start
@@ -282,6 +304,7 @@ def build_summary(
         "busy_fraction": {lane["name"]: lane["busy_fraction"] for lane in duty["lanes"]},
         "time_span": _time_span(duty, episodes),
         "run_stopped": events.stopped[1].reason if events.stopped else None,
+        "run_stopped_at": iso(events.stopped[0]) if events.stopped else None,
         "kind": run_kind(run_config),
     }  # fmt: skip
 

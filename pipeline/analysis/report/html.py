@@ -70,7 +70,8 @@ _SUMMARY_LABELS = (
     ("adapter_versions", "adapter versions"), ("trajectories", "trajectories"),
     ("dropped_stale_rows", "dropped stale rows"), ("reward_first_version", "mean reward, first version"),
     ("reward_last_version", "mean reward, last version"), ("eval", "evaluations"),
-    ("busy_fraction", "busy fraction over the run"), ("time_span", "time span"), ("checkpoint", "newest checkpoint"),
+    ("busy_fraction", "busy fraction over the run"), ("time_span", "time span"), ("run_stopped_at", "stopped"),
+    ("checkpoint", "newest checkpoint"),
     ("value_replay_size", "value learner: replay memory size"), ("value_return_last", "value learner: last return"),
 )  # fmt: skip
 
@@ -106,6 +107,8 @@ def _format_summary_value(summary: dict[str, Any], key: str) -> str:
                          f"(success {percent(e['success_rate'])}, {e['episodes']} ep)" for e in value)  # fmt: skip
     if key == "busy_fraction":
         return ", ".join(f"{name} {percent(fraction)}" for name, fraction in value.items())
+    if key == "run_stopped_at":
+        return f"{value} ({summary.get('run_stopped')})"
     if key == "time_span":
         return f"{value['start']} to {value['end']} ({value['seconds']:.0f} s)"
     return str(value)

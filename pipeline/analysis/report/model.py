@@ -66,6 +66,7 @@ class ControlEvents:
     heartbeats: list[tuple[float, ProducerHeartbeat]] = field(default_factory=list)
     started: tuple[float, RunStarted] | None = None
     stopped: tuple[float, RunStopped] | None = None  # the newest stop, unless the run started again after it
+    membership_s: float | None = None  # the newest RunStarted or RunStopped
     checkpoints: list[tuple[float, LearnerCheckpointed]] = field(default_factory=list)
 
 

@@ -364,6 +364,40 @@ def test_a_run_resumed_after_a_stop_is_not_reported_stopped(
     assert ended["series"]["duty_cycle"]["end"] == pytest.approx(T0 + 30.0)
 
 
+def test_a_stop_the_topic_no_longer_holds_is_reported_from_the_runs_record(
+    run_store: ObjectStore, bus_config: BusConfig, tmp_path: Path
+) -> None:
+    """Retention trims the control topic, not the run's newest start or stop as the store keeps it
+    (runs/<run>/membership.json, what `rlpipe runs list|show` and packed processes follow): the report shows the
+    stop from it, with the log and without, unless the topic holds a newer start or stop."""
+    from pipeline.membership import membership_key
+    from schemas.events import encode_event
+
+    started = RunStarted(config_path=f"runs/{RUN}/run.json", config_sha256="0" * 64, env="cartpole", base_model="tiny")
+    stop = RunStopped(reason="stopped by rlpipe runs stop", final_step=6)
+    run_store.put(membership_key(RUN), encode_event(Envelope(type=stop.event_type, run_id=RUN, payload=stop,
+                                                             time=datetime.fromtimestamp(T0 + 30.0, UTC))))
+    with EventPublisher(bus_config) as publisher:  # the run's start is kept, its stop trimmed
+        publisher.publish("control", Envelope(type=started.event_type, run_id=RUN, payload=started,
+                                              time=datetime.fromtimestamp(T0, UTC)))
+    bus = ["--bootstrap", bus_config.bootstrap_servers, "--namespace", bus_config.namespace]
+    for where in (bus, ["--no-bus"]):
+        report = json.loads(run_report("--run", RUN, "--root", run_store.root, "--json", *where,
+                                       "--out", str(tmp_path / where[0].strip("-"))).stdout)
+        assert report["summary"]["run_stopped"] == "stopped by rlpipe runs stop", where
+        assert report["summary"]["run_stopped_at"] == "2023-11-14 22:13:50 UTC"  # T0 + 30 s
+        assert report["series"]["duty_cycle"]["end"] == pytest.approx(T0 + 30.0)  # the run's window ends at its stop
+    printed = run_report("--run", RUN, "--root", run_store.root, "--no-bus", "--out", str(tmp_path / "p")).stdout
+    assert "stopped" in printed and "2023-11-14 22:13:50 UTC (stopped by rlpipe runs stop)" in printed
+
+    with EventPublisher(bus_config) as publisher:  # resumed after the recorded stop, its own record not written
+        publisher.publish("control", Envelope(type=started.event_type, run_id=RUN, payload=started,
+                                              time=datetime.fromtimestamp(T0 + 40.0, UTC)))
+    resumed = json.loads(run_report("--run", RUN, "--root", run_store.root, "--json", *bus,
+                                    "--out", str(tmp_path / "r")).stdout)
+    assert resumed["summary"]["run_stopped"] is None and resumed["summary"]["run_stopped_at"] is None
+
+
 def heartbeat(run_id: str, producer: str, time_s: float, interval: float, busy: float, rate: float) -> Envelope:
     payload = ProducerHeartbeat(
         producer_id=producer, adapter_version=1, samples_total=10, batches_total=1,
