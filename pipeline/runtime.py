@@ -104,6 +104,16 @@ class RunIdCaseError(ValueError):
     """A new run's id differs only in case from a run in the store."""
 
 
+def case_twin(store: ObjectStore, run_id: str) -> str | None:
+    """The run in the store whose id differs from ``run_id`` only in case, when ``run_id`` itself is not listed
+    there; else None.  On a case-insensitive filesystem (macOS, Windows) ``runs/<run_id>`` is the twin's folder,
+    so every lookup of ``run_id`` finds the twin's files: only the listed ids tell the two apart."""
+    stored = run_ids(store)
+    if run_id in stored:
+        return None
+    return next((run for run in stored if run.lower() == run_id.lower()), None)
+
+
 def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[str, str, Payload | None]:
     """Write ``runs/<run_id>/run.json`` create-only; return (key, sha256, the event to announce or None).
 
@@ -118,9 +128,8 @@ def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[
     """
     key = f"runs/{config.run_id}/run.json"
     # before the run's own run.json is looked for: on a case-insensitive filesystem it exists for a twin's
-    stored = run_ids(store)
-    twin = next((run for run in stored if run != config.run_id and run.lower() == config.run_id.lower()), None)
-    if twin is not None and config.run_id not in stored:
+    twin = case_twin(store, config.run_id)
+    if twin is not None:
         raise RunIdCaseError(f"run {config.run_id!r} differs only in case from the run {twin!r} in {store.root}; "
                              "on a case-insensitive filesystem (macOS, Windows) the two would share their files: "
                              "name the run otherwise")

@@ -69,6 +69,14 @@ def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
 
 
 def _known_run(store: ObjectStore, run: str) -> None:
+    """Fail unless the store holds ``run`` under that exact id; one differing only in case is named (on a
+    case-insensitive filesystem its files would be taken for this run's)."""
+    from pipeline.runtime import case_twin
+
+    twin = case_twin(store, run)
+    if twin is not None:
+        fail(f"run {run!r} is not in {store.root}, but run {twin!r} is: run ids are case-sensitive; "
+             f"name it --run {twin}", EXIT_USAGE)
     if not run_exists(store, run):
         fail(f"run {run!r} not found under {store.root}; {runs_there(store)}", EXIT_USAGE)
 
@@ -256,7 +264,8 @@ def stop_command(
 ) -> None:
     """Announce that a run ends (RunStopped): packed processes following it let it go (its learner trains what
     waits and checkpoints, its sampling flushes finished groups); the run stays in the store, and stays stopped
-    when a packed process naming it starts again, until rlpipe runs resume."""
+    when a packed process naming it starts again, until rlpipe runs resume.  The run id is matched exactly: one
+    differing only in case from the stored run is refused, naming it."""
     from pipeline.analysis.runs import learner_step
     from pipeline.io.bus import EventPublisher
     from pipeline.membership import announce_membership, recorded_membership
@@ -298,7 +307,8 @@ def resume_command(
     namespace: NamespaceOpt = None,
 ) -> None:
     """Announce a stopped run again (RunStarted): packed processes naming it (--run) or following it
-    (--follow-runs) take it up from its newest checkpoint, now and when they start again."""
+    (--follow-runs) take it up from its newest checkpoint, now and when they start again.  The run id is matched
+    exactly: one differing only in case from the stored run is refused, naming it."""
     from pipeline.io.bus import EventPublisher
     from pipeline.membership import announce_membership
     from pipeline.runtime import resolved_bus, started_again

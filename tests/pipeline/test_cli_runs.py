@@ -516,3 +516,30 @@ def test_a_stop_trimmed_from_the_topic_whose_producers_last_heartbeats_are_kept_
     for seconds in (590, 585, 580):
         kept.add(now - seconds, _heartbeat())
     assert run_status(RunSummary("k", "unknown", steps=1), kept, log_read=True, now_s=now) == "stopped"
+
+
+@pytest.mark.parametrize("command", [["stop"], ["resume"], ["delete", "--yes"], ["show", "--no-bus"]])
+def test_a_run_named_in_another_case_than_the_stored_one_is_refused_naming_it(
+        command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a case-insensitive filesystem (macOS, Windows) runs/exp is runs/Exp: acting on `exp` would write a record
+    of run `exp` into run Exp's folder (which packed processes then read as damaged, a stop), announce a run no
+    process serves, or delete Exp's files.  Run ids are case-sensitive, as `runs create` and `rlpipe run` hold."""
+    from pipeline.cli import runs as runs_cli
+    from pipeline.devstack.process import free_port
+    from pipeline.membership import membership_key
+    from tests.pipeline.test_runtime import CaseInsensitiveStore
+
+    store = CaseInsensitiveStore(f"file://{tmp_path}/store")
+    make_run(store, tmp_path, "Exp", "cartpole", steps=1, max_steps=5)
+    _record(store, "Exp", _started("Exp"))
+    before = {key: store.get(key) for key in store.list("runs/Exp", recursive=True)}
+    assert store.exists("runs/exp/run.json")  # the filesystem is as the test says
+    monkeypatch.setattr(runs_cli, "_store", lambda root, gcs_endpoint: store)
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", f"127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("RLPIPE_BUS__CONNECT_TIMEOUT_S", "1")
+    result = runner.invoke(app, [*command, "--run", "exp"])
+    assert result.exit_code == 2 and "\n" not in result.output.strip(), result.output
+    assert "'exp'" in result.output and "'Exp'" in result.output and "--run Exp" in result.output, result.output
+    assert {key: store.get(key) for key in store.list("runs/Exp", recursive=True)} == before
+    assert store.get(membership_key("Exp")) == before[membership_key("Exp")]
