@@ -20,7 +20,7 @@ from pipeline.cli.options import (
     run_configs,
     setup_logging,
 )
-from pipeline.runtime import StopFlag
+from pipeline.runtime import StopFlag, refuse_case_twin
 
 app = typer.Typer(name="learner", help="The off-policy learner: LoRA training from trajectories.", no_args_is_help=True)
 replay_app = typer.Typer(name="replay", add_completion=False)
@@ -52,7 +52,9 @@ def start(
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
     for cfg in cfgs:
-        reachable_store(cfg.store)
+        store = reachable_store(cfg.store)
+        if run or config or follow_runs is None:  # else the configuration is only the engine's template
+            refuse_case_twin(store, cfg.run_id)
     if max_steps is not None:
         cfgs = [cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
                 for cfg in cfgs]
@@ -123,7 +125,10 @@ def replay(
         fail(f"--date-from {date_from} is after --date-to {date_to}; swap them", 2)
     setup_logging()
     cfg = run_config(preset, config, overrides)
-    reachable_store(cfg.store)
+    store = reachable_store(cfg.store)
+    if cfg.value is None or cfg.value.offline is None:  # offline CQL's --run names a dataset, not a run
+        refuse_case_twin(store, run)
+    refuse_case_twin(store, cfg.run_id, "--set run_id=")  # the run it trains or announces the batches for
     if train and cfg.run_id == run:  # its adapters, checkpoints and step log would mix with the run it replays
         fail(f"replay --train would train into run {run}, the run it reads from; name the run it trains, "
              f"e.g. --set run_id={run}-offline", 2)

@@ -101,7 +101,7 @@ class RunConfigConflictError(ValueError):
 
 
 class RunIdCaseError(ValueError):
-    """A new run's id differs only in case from a run in the store."""
+    """A run id differs only in case from a run in the store, and is not itself there."""
 
 
 def case_twin(store: ObjectStore, run_id: str) -> str | None:
@@ -112,6 +112,19 @@ def case_twin(store: ObjectStore, run_id: str) -> str | None:
     if run_id in stored:
         return None
     return next((run for run in stored if run.lower() == run_id.lower()), None)
+
+
+def refuse_case_twin(store: ObjectStore, run_id: str, flag: str = "--run ") -> None:
+    """Raise ``RunIdCaseError`` when ``run_id`` is not in the store but a run differing from it only in case is.
+
+    Every command that names a run, to read it or to write into it, asks this before it touches the store: on a
+    case-insensitive filesystem it would read the twin's files as this run's, or write into the twin's folder.
+    ``flag``: how the command names the run (``--run ``, ``--set run_id=``), for the fix the error names.
+    """
+    twin = case_twin(store, run_id)
+    if twin is not None:
+        raise RunIdCaseError(f"run {run_id!r} is not in {store.root}, but run {twin!r} is: run ids are "
+                             f"case-sensitive; name it {flag}{twin}")
 
 
 def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[str, str, Payload | None]:

@@ -22,8 +22,10 @@ def stored_run_config(run: str, store_cfg: StoreConfig, overrides: list[str]) ->
     environment and --set layers on top."""
     from pipeline.analysis.runs import runs_there
     from pipeline.analysis.runs import stored_run_config as stored
+    from pipeline.runtime import refuse_case_twin
 
     store = reachable_store(store_cfg)
+    refuse_case_twin(store, run)  # its results would go into the other run's folder
     data = stored(store, run)
     if data is None:
         fail(f"no run {run!r} in {store.url()} ({runs_there(store)}); check the run id, or --root for another store", 2)

@@ -17,7 +17,7 @@ from pipeline.cli.options import (
     run_configs,
     setup_logging,
 )
-from pipeline.runtime import StopFlag
+from pipeline.runtime import StopFlag, refuse_case_twin
 
 app = typer.Typer(name="producer", help="Rollout producers: sample the policy against an environment.",
                   no_args_is_help=True)
@@ -47,7 +47,9 @@ def start(
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
     for cfg in cfgs:
-        reachable_store(cfg.store)
+        store = reachable_store(cfg.store)
+        if run or config or follow_runs is None:  # else the configuration is only the engine's template
+            refuse_case_twin(store, cfg.run_id)  # its batches would go into the other run's folder
     if max_groups is not None:
         cfgs = [cfg.model_copy(update={"producer": cfg.producer.model_copy(update={"max_groups": max_groups})})
                 for cfg in cfgs]

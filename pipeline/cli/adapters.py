@@ -34,6 +34,7 @@ from pipeline.cli.common import (
 from pipeline.devstack.gcs_emulator import probe_endpoint
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry, version_folder
 from pipeline.io.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError
+from pipeline.runtime import RunIdCaseError, refuse_case_twin
 from schemas.names import InvalidNameError
 from schemas.registry import AdapterManifest, ManifestError
 from schemas.versions import SchemaVersionError
@@ -126,7 +127,7 @@ def _errors() -> Iterator[None]:
         yield
     except typer.Exit:
         raise
-    except (UsageError, StoreURLError, InvalidKeyError, InvalidNameError, AdapterNotFoundError) as exc:
+    except (UsageError, StoreURLError, InvalidKeyError, InvalidNameError, AdapterNotFoundError, RunIdCaseError) as exc:
         fail(str(exc), EXIT_USAGE)
     except (ChecksumError, ManifestError, SchemaVersionError) as exc:
         fail(str(exc), EXIT_FAILURE)
@@ -145,6 +146,7 @@ def _remote_failures() -> tuple[type[Exception], ...]:
 
 def _registry(run: str, root: str | None, gcs_endpoint: str | None) -> AdapterRegistry:
     store = _open_store(root, gcs_endpoint)
+    refuse_case_twin(store, run)
     registry = AdapterRegistry(store, run)
     if not registry.run_exists():
         raise UsageError(f"run {run!r} not found under {store.root}; {runs_there(store)}")

@@ -54,6 +54,7 @@ from pipeline.cli.common import (
 )
 from pipeline.cli.options import DeprecatedRunArg, chosen_run
 from pipeline.io.store import ObjectStore
+from pipeline.runtime import refuse_case_twin
 from schemas.config import StoreConfig
 
 app = typer.Typer(
@@ -135,6 +136,7 @@ def report(
     run = chosen_run(run[0] if run else None, run_arg, "report")
     with user_errors():
         store = _store(root, gcs_endpoint)
+        refuse_case_twin(store, run)
         bus_config = None if no_bus else bus_config_from_cli(bootstrap, namespace)
         try:
             gathered = gather_report(store, run, bus_config, bus_timeout_s=bus_timeout)
@@ -161,6 +163,8 @@ def packed_report(
         fail(f"a run is named twice in --run {' --run '.join(runs)}; name each once", EXIT_USAGE)
     with user_errors():
         store = _store(root, gcs_endpoint)
+        for run in runs:
+            refuse_case_twin(store, run)
         bus_config = None if bus is None else bus_config_from_cli(*bus)
         folder = out if out is not None else Path(f"rlpipe-report-{'-'.join(runs)}")
         gathered = []

@@ -301,9 +301,11 @@ def explicit_run_id(config_file: str | None, overrides: list[str]) -> str | None
 def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
     """``explicit`` if that run does not exist yet, else ``<base>-<UTC time>`` (``-2``, ``-3`` if taken)."""
     from pipeline.analysis.runs import run_exists
+    from pipeline.runtime import refuse_case_twin
 
     if explicit is not None:
         validate_name(explicit, "run_id")
+        refuse_case_twin(store, explicit)  # on a case-insensitive filesystem the twin's files read as this run's
         if run_exists(store, explicit):
             raise ConfigError(f"run {explicit!r} already exists in {store.root}; continue it with `rlpipe run --resume "
                               f"{explicit}`, or name a new one (or drop --run/run_id for a fresh name)")
@@ -315,10 +317,12 @@ def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     """The run's stored configuration (``run.json`` with its newest recorded change) with the ``RLPIPE_``
     environment and ``--set`` on top."""
     from pipeline.analysis.runs import runs_there, stored_run_config
+    from pipeline.runtime import refuse_case_twin
 
     validate_name(run_id, "run_id")
     located = run_config(None, None, overrides)  # only where the store is: environment, --set, else embedded
     store = reachable_store(located.store)
+    refuse_case_twin(store, run_id, "--resume ")
     stored = stored_run_config(store, run_id)
     if stored is None:
         raise ConfigError(f"no run {run_id!r} to resume in {store.root} ({runs_there(store)}); "

@@ -71,12 +71,9 @@ def _store(root: str | None, gcs_endpoint: str | None) -> ObjectStore:
 def _known_run(store: ObjectStore, run: str) -> None:
     """Fail unless the store holds ``run`` under that exact id; one differing only in case is named (on a
     case-insensitive filesystem its files would be taken for this run's)."""
-    from pipeline.runtime import case_twin
+    from pipeline.runtime import refuse_case_twin
 
-    twin = case_twin(store, run)
-    if twin is not None:
-        fail(f"run {run!r} is not in {store.root}, but run {twin!r} is: run ids are case-sensitive; "
-             f"name it --run {twin}", EXIT_USAGE)
+    refuse_case_twin(store, run)
     if not run_exists(store, run):
         fail(f"run {run!r} not found under {store.root}; {runs_there(store)}", EXIT_USAGE)
 

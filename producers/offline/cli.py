@@ -38,6 +38,7 @@ from pipeline.io.datasets import (
     verify_dataset,
 )
 from pipeline.io.store import ObjectStore
+from pipeline.runtime import refuse_case_twin
 
 app = typer.Typer(
     name="datasets",
@@ -365,6 +366,7 @@ def to_trajectories(
                                 answer_format=answer_format,  # type: ignore[arg-type]  # checked by the model
                                 answer_decimals=answer_decimals, with_text=with_text)
     store = _store(root, gcs_endpoint)
+    refuse_case_twin(store, run)  # its batches would go into the other run's folder
     read_card(store, name)  # a missing dataset is named before a model is loaded (building tiny takes minutes)
     model_path = _model_path(model)
     tokenizer = model_tokenizer(model_path)
@@ -409,6 +411,7 @@ def eval_building(
     from producers.offline.evaluation import SamplingSettings, evaluate_building
 
     store = _store(root, gcs_endpoint)
+    refuse_case_twin(store, run)  # its results would go into the other run's folder
     card = read_card(store, dataset) if dataset else None
     chosen = [p.strip() for p in policies.split(",") if p.strip()]
     if first_day is None and card is None:

@@ -47,17 +47,21 @@ def test_a_run_whose_id_differs_only_in_case_from_one_in_the_store_is_refused(st
         create_run(local, config(run_id="run1"), "tiny")
 
 
+def found_ignoring_case(root: str, path: str) -> str:
+    """``path`` under the folder ``root`` as macOS's and Windows's default filesystems find it: each part matched
+    ignoring its case (a new name is made in the case given)."""
+    found = Path(root)
+    for part in Path(path).relative_to(root).parts:
+        same = [child for child in found.iterdir() if child.name.lower() == part.lower()] if found.is_dir() else []
+        found = same[0] if same else found / part
+    return str(found)
+
+
 class CaseInsensitiveStore(ObjectStore):
-    """A local store that finds a name as macOS's and Windows's default filesystems do: ignoring its case (a new
-    name is made in the case given)."""
+    """A local store on a filesystem that finds names ignoring their case."""
 
     def path(self, key: str = "") -> str:
-        root = Path(self._root_path)
-        found = root
-        for part in Path(super().path(key)).relative_to(root).parts:
-            same = [child for child in found.iterdir() if child.name.lower() == part.lower()] if found.is_dir() else []
-            found = same[0] if same else found / part
-        return str(found)
+        return found_ignoring_case(self._root_path, super().path(key))
 
 
 def test_on_a_case_insensitive_filesystem_a_run_differing_only_in_case_is_refused_not_taken_for_the_other(
