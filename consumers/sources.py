@@ -2,8 +2,8 @@
 
 ``KafkaSource`` reads ``TrajectoryBatchCommitted`` events of one run through a
 consumer group and commits offsets only when told (after a checkpoint).
-``ReplaySource`` walks the Parquet batches already in the store in commit order,
-digests checked, for offline training without a broker.  Both hand the learner ``BatchRef``s
+``ReplaySource`` walks the Parquet batches already in the store in the order the
+run's learner trained them (then commit order), digests checked, for offline training without a broker.  Both hand the learner ``BatchRef``s
 carrying the position just after each one, which checkpoints store.
 
 ``TrajectorySource`` is the protocol both follow, which the LoRA and value learners
@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from pipeline.io.archive import BatchCommit, TrajectoryArchive
 from pipeline.io.bus import EventConsumer, describe_topic, group_timings_from_env
+from pipeline.io.steplog import StepLog, in_trained_order
 from schemas.config import BusConfig
 from schemas.events import TrajectoryBatchCommitted
 
@@ -185,15 +186,22 @@ class KafkaSource:
 
 
 class ReplaySource:
-    """Batches of a run straight from the store, in commit order (offline training, no broker).
+    """Batches of a run straight from the store, in the order its learner trained them (offline training,
+    no broker).
 
-    Order: each batch's recorded commit time, then its id (``TrajectoryArchive.commits``),
+    Order: the batches the run's step log names first, in the order its steps trained
+    them; a learner trains batches as their announcements reach it, which commit
+    times do not record (a producer that restarts announces the batches it wrote but
+    never announced late; producers' clocks differ), and its steps form from them in
+    that order, so only that order reproduces its weights.  The batches it never
+    trained (written after it stopped, or a run without a learner) follow in commit
+    order: each batch's recorded commit time, then its id (``TrajectoryArchive.commits``),
     so batches of several producers interleave as they were committed, whatever their
     names.  Each ``BatchRef`` carries the digest recorded at commit, so a file changed
-    since is refused when read.  The position is a cursor, the commit time (in
-    microseconds) of the newest batch handed out.  Resuming cannot skip: every batch
+    since is refused when read.  The position is a cursor, the newest commit time (in
+    microseconds) among the batches handed out.  Resuming cannot skip: every batch
     not trained yet (``already_trained``, the learner's idempotency check) is offered
-    again in commit order, also one that appeared later with an older name or an
+    again in that order, also one that appeared later with an older name or an
     earlier time; without ``already_trained`` every batch is offered and the learner
     skips those it trained.
     """
@@ -217,7 +225,8 @@ class ReplaySource:
 
     def _listing(self) -> list[BatchCommit]:
         commits = self.archive.commits(self.run_id)
-        return [c for c in commits if in_date_range(c.key, self.date_from, self.date_to)]
+        in_range = [c for c in commits if in_date_range(c.key, self.date_from, self.date_to)]
+        return in_trained_order(in_range, lambda c: c.batch_id, StepLog(self.archive.store, self.run_id).read())
 
     def poll(self, timeout_s: float) -> list[BatchRef]:
         refs = []
@@ -228,7 +237,7 @@ class ReplaySource:
         return refs
 
     def seek(self, positions: dict[str, int]) -> None:
-        """Resume: offer, in commit order, every batch not trained yet (the listing is read again, unless this
+        """Resume: offer, in the listing's order, every batch not trained yet (the listing is read again, unless this
         is a seek to the start before anything was handed out: the listing just read stands)."""
         if not positions.get(self.position_key) and not self.cursor:
             return

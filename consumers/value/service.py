@@ -26,7 +26,7 @@ from consumers.value.learner import ValueLearner
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import EventPublisher
 from pipeline.io.registry import AdapterRegistry
-from pipeline.io.steplog import StepLog, trained_batches
+from pipeline.io.steplog import StepLog, in_trained_order
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
@@ -150,13 +150,9 @@ class StepsReplaySource:
 
     def _listing(self) -> list[str]:
         keys = TrajectoryArchive(self.store).list_steps(self.run_id)
-        trained_at = trained_batches(StepLog(self.store, self.run_id).read())  # batch_id -> the step that trained it
-
-        def order(key: str) -> tuple[bool, int, str]:  # the step log's batches first, by step; then by key
-            step = trained_at.get(key.rsplit("/", 1)[-1].removesuffix(".parquet"))
-            return (False, step, "") if step is not None else (True, 0, key)
-
-        return sorted((k for k in keys if in_date_range(k, self.date_from, self.date_to)), key=order)
+        in_range = sorted(k for k in keys if in_date_range(k, self.date_from, self.date_to))
+        return in_trained_order(in_range, lambda key: key.rsplit("/", 1)[-1].removesuffix(".parquet"),
+                                StepLog(self.store, self.run_id).read())
 
     def poll(self, timeout_s: float) -> list[BatchRef]:
         if not self.queue:

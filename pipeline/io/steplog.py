@@ -40,8 +40,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from pipeline.io.store import ObjectStore, sha256_hex
 from schemas.names import validate_name
@@ -50,6 +51,7 @@ log = logging.getLogger("rlpipe.learner")
 
 _STEP_RE = re.compile(r"step-(\d{6,})\.json")
 _READ_THREADS = 16  # concurrent GETs: thousands of small objects on gs:// are latency-bound
+T = TypeVar("T")
 PREVIOUS_KEY = "previous_sha256"  # an entry's link to the step object before it in its learner's history
 
 
@@ -173,3 +175,19 @@ def trained_batches(entries: list[dict[str, Any]]) -> dict[str, int]:
         for batch_id in entry.get("batch_ids", []):
             trained.setdefault(batch_id, int(entry["step"]))
     return trained
+
+
+def in_trained_order(items: Iterable[T], batch_id_of: Callable[[T], str], entries: list[dict[str, Any]]) -> list[T]:
+    """``items`` in the order the step ``entries`` trained them (step by step, each step's ``batch_ids`` as
+    listed), then the items no entry names, in their given order.
+
+    A replay that reproduces a run follows this: a learner trains batches in the
+    order their announcements reach it, which neither their names nor their
+    commit times record, and its steps form from them in that order.
+    """
+    rank: dict[str, int] = {}
+    for entry in entries:
+        for batch_id in entry.get("batch_ids", []):
+            rank.setdefault(batch_id, len(rank))
+    untrained = len(rank)
+    return sorted(items, key=lambda item: rank.get(batch_id_of(item), untrained))  # stable: the rest keep their order

@@ -195,6 +195,31 @@ def test_replaying_the_same_batches_gives_bitwise_the_same_weights(tmp_path, set
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+def test_a_replay_of_a_run_reaches_its_weights_when_it_trained_its_batches_out_of_commit_order(tmp_path, setup):
+    """The run's learner read its batches last-committed first (as it reads a batch whose producer announced it
+    late); replaying its stored batches follows its step log, so the replay trains the same steps."""
+    from consumers.service import replay_train
+    from consumers.sources import BatchRef
+    from tests.consumers.value.test_learner import ListSource
+
+    store = ObjectStore(tmp_path.as_uri())
+    archive = TrajectoryArchive(store)
+    write_batches(archive, setup, 3, np.random.default_rng(5))
+    announced = list(reversed(archive.commits(RUN)))  # one batch of batch_rows rows per step
+    online, _ = make_learner(store, setup)
+    online.source = ListSource([BatchRef(c.batch_id, c.key, c.sha256, {"mem:0": i + 1})
+                                for i, c in enumerate(announced)])
+    online.run(poll_timeout_s=0)
+    assert [e["batch_ids"] for e in StepLog(store, RUN).read()] == [[c.batch_id] for c in announced]
+
+    config = replay_config(tmp_path, setup, run_id="offline")
+    config.learner = online.cfg
+    offline = replay_train(config, RUN)
+    assert [e["batch_ids"] for e in StepLog(store, "offline").read()] == [[c.batch_id] for c in announced]
+    online_weights, offline_weights = online.policy.adapter_tensors(), offline.policy.adapter_tensors()
+    assert all(torch.equal(online_weights[name], offline_weights[name]) for name in online_weights)
+
+
 def test_generated_logprobs_equal_full_logits_path(setup):
     from consumers.batching import micro_batches
     from consumers.losses import token_logprobs

@@ -15,6 +15,7 @@ import pytest
 from consumers.sources import KafkaSource, ReplaySource, learner_group_id
 from pipeline.io.archive import TrajectoryArchive, parquet_bytes
 from pipeline.io.bus import EventPublisher, group_lag
+from pipeline.io.steplog import StepLog
 from pipeline.io.store import ChecksumError, ObjectStore
 from pipeline.topics import topic_name
 from schemas.config import BusConfig
@@ -75,6 +76,37 @@ def test_a_batch_that_appears_after_a_resume_is_not_skipped_whatever_its_name_or
     second = ReplaySource(archive, RUN, already_trained=trained.__contains__)
     second.seek(positions)
     assert drain(second) == ["z-000", "a-003"]  # every untrained batch, in commit order; nothing trained again
+
+
+def step_log_archive(name: str) -> TrajectoryArchive:
+    """Four batches committed in the order orphan, b-002, b-003, b-004, and a step log whose learner trained
+    b-002, then b-003 and the orphan together, and never b-004.
+
+    The orphan was written first but announced last: its producer died between writing it and announcing it,
+    and the restarted producer announced it late (a producer whose clock runs behind does the same).  The
+    learner trains batches in the order their announcements reach it, not in commit-time order."""
+    archive = TrajectoryArchive(ObjectStore(f"memory://{name}"))
+    for minutes, batch_id in enumerate(("orphan", "b-002", "b-003", "b-004"), start=1):
+        commit(archive, batch_id, "p", minutes)
+    for step, batch_ids in enumerate((["b-002"], ["b-003", "orphan"]), start=1):
+        StepLog(archive.store, RUN).write({"step": step, "batch_ids": batch_ids})
+    return archive
+
+
+def test_a_replay_follows_the_source_runs_step_log_then_commit_order_for_batches_it_never_trained() -> None:
+    """Steps form from the batches in the order they arrive, so only the trained order reproduces the run."""
+    archive = step_log_archive("replay-trained-order")
+    assert drain(ReplaySource(archive, RUN)) == ["b-002", "b-003", "orphan", "b-004"]
+
+
+def test_a_resumed_replay_offers_the_batches_not_trained_yet_in_the_source_runs_trained_order() -> None:
+    archive = step_log_archive("replay-trained-order-resume")
+    first = ReplaySource(archive, RUN)
+    (ref,) = first.poll(0.0)
+    assert ref.batch_id == "b-002"
+    second = ReplaySource(archive, RUN, already_trained={"b-002"}.__contains__)
+    second.seek(ref.position)
+    assert drain(second) == ["b-003", "orphan", "b-004"]
 
 
 def test_a_commit_record_whose_time_has_no_zone_is_refused_as_corrupt_naming_it(archive: TrajectoryArchive) -> None:
