@@ -196,6 +196,31 @@ def test_a_learner_taking_over_reads_at_once_beside_the_one_it_replaces(bus_conf
         old.close()
 
 
+def test_one_run_id_in_two_namespaces_keeps_its_offsets_apart_in_the_learner_group_both_name(
+        bus_config: BusConfig) -> None:
+    """The learner's group id (``rlpipe-learner-<run>``) names no namespace and needs none: the learner joins no
+    group, so neither namespace's learner waits on a rebalance of the other's, and a group's offsets are kept per
+    topic, each namespace's own; readers of the offsets (``group_lag``) read their namespace's topics only."""
+    prod = bus_config.model_copy(update={"namespace": f"{bus_config.namespace}p"})
+    sources = []
+    try:
+        for config, batches in ((bus_config, 2), (prod, 1)):
+            with EventPublisher(config) as publisher:
+                for index in range(batches):
+                    announce_batch(publisher, "a", index)
+            sources.append(KafkaSource(config, "a"))  # Kafka's default group timings: a join takes tens of seconds
+            assert sources[-1].join(0.0)
+            sources[-1].commit({f"{topic_name(config.namespace, 'trajectories')}:0": batches})
+        for config, batches in ((bus_config, 2), (prod, 1)):
+            lags = group_lag(config, learner_group_id("a"))
+            assert [(p.topic, p.committed) for p in lags] == [(topic_name(config.namespace, "trajectories"), batches)]
+        sources[1].seek({})  # the learner's resume with no checkpoint: prod's log from its start, staging's not in it
+        assert [ref.batch_id for ref in poll_until_some(sources[1])] == ["a-b0"]
+    finally:
+        for source in sources:
+            source.close()
+
+
 def poll_until_some(source: KafkaSource, timeout_s: float = 30.0) -> list:
     refs, deadline = [], time.monotonic() + timeout_s
     while not refs and time.monotonic() < deadline:
