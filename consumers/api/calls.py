@@ -99,6 +99,7 @@ class Model:
     skipped: tuple[int, int] | None = None
     late: list[ConsumedEvent] = field(default_factory=list)  # calls of ``skipped`` read since the last round
     split: SplitCall | None = None  # the forward_backward the SDK split into requests, while they run
+    abandoned: tuple[int, str] | None = None  # a seq_id that never comes, and why (``abandoned_seq``)
 
     @property
     def run(self) -> str:
@@ -108,6 +109,29 @@ class Model:
     def fold_key(self) -> str:
         session, _, seq = self.run.split(".")
         return f"{session_path(session)}/models/{seq}.fold"
+
+
+def abandoned_seq(model: Model) -> str | None:
+    """Why the missing ``model.next_seq`` never comes, when a ``forward_backward`` the gateway refused waits behind
+    it (then noted in ``model.abandoned``, so requests still on their way are answered as they arrive); else None.
+
+    The SDK sends a split call's first request only after the others were accepted, and any other call only once
+    the ones before it were answered: a refused request logged while an earlier ``seq_id`` is missing is a later
+    request of a split call whose first request will not be sent."""
+    if not model.pending or model.next_seq in model.pending:
+        return None  # no call waits for a missing seq_id
+    if model.abandoned is not None and model.abandoned[0] == model.next_seq:
+        return model.abandoned[1]
+    refused = next((consumed.event.payload for _, consumed in sorted(model.pending.items())
+                    if consumed.event.payload.op == "forward_backward" and consumed.event.payload.refused), None)
+    if refused is None:
+        return None
+    why = (f"request seq_id {refused.seq_id} of the same forward_backward was refused by the gateway "
+           f"({refused.refused}), so the tinker SDK never sends the call's first request (seq_id {model.next_seq}) "
+           "and takes no further calls on this training client; nothing of the call was trained: create a new "
+           "training client")
+    model.abandoned = (model.next_seq, why)
+    return why
 
 
 def write_fold(store: ObjectStore, engine: TrainingEngine, model: Model) -> bool:

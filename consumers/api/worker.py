@@ -198,6 +198,8 @@ class TrainerWorker:
                 self._execute(model, model.pending.pop(model.next_seq))
                 model.next_seq += 1
                 executed += 1
+            if (why := calls.abandoned_seq(model)) is not None:  # a split call whose first request never comes
+                self._answer_waiting(model, why)
             waiting = bool(model.pending) and model.next_seq not in model.pending
             model.gap_since = (model.gap_since or time.monotonic()) if waiting else None
             if waiting and len(model.pending) > self.max_waiting_calls:
@@ -450,7 +452,7 @@ class TrainerWorker:
         log.warning("%s: answering the calls waiting for seq_id %d: %s", model.model_id, model.next_seq, why)
         for seq in sorted(model.pending):
             call = model.pending.pop(seq).event.payload
-            self._write_error(call, f"{call.op} did not run: {why}")
+            self._write_error(call, call.refused or f"{call.op} did not run: {why}")
         model.gap_since = None
 
     # ---- results -----------------------------------------------------------------------------------------------

@@ -1121,10 +1121,10 @@ def test_calls_beyond_the_limit_waiting_behind_a_gap_are_answered_at_once(harnes
 
 
 def test_calls_waiting_for_a_seq_id_a_live_client_gave_up_on_are_answered_and_free_the_log(harness):
-    """A request of a split call refused by the gateway makes the SDK give up the call (and poison its training
-    client) before it sends the first request: the others wait for a seq_id that never comes while the session
-    lives on (its other clients heartbeat).  After ``gap_give_up_s`` they are answered, so the log's offsets
-    move on; a lapsed session's calls still wait (a laptop asleep)."""
+    """A request of a split call whose retries ran out (a lost connection) makes the SDK give up the call (and
+    poison its training client) before it sends the first request: the others wait for a seq_id that never comes
+    while the session lives on (its other clients heartbeat).  After ``gap_give_up_s`` they are answered, so the
+    log's offsets move on; a lapsed session's calls still wait (a laptop asleep)."""
     trainer = harness.trainer()
     model_id = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
@@ -1150,4 +1150,31 @@ def test_calls_waiting_for_a_seq_id_a_live_client_gave_up_on_are_answered_and_fr
     offsets = trainer.consumer.positions()
     trainer.fold_all()
     assert trainer._committed == offsets  # nothing held back any more
+    trainer.close()
+
+
+def test_a_split_call_whose_later_request_the_gateway_refused_is_answered_at_once_and_trains_nothing(harness):
+    """The SDK sends a split forward_backward's first request only once the others were accepted: when the gateway
+    refuses a later one (413 over-size), the first never comes.  The refusal on the log tells the trainer so: the
+    call's requests are answered at once, not after ``gap_give_up_s``, none of them trains, and a request of the
+    call still on its way is answered as it arrives."""
+    from pipeline.api.wire import forward_backward_prefix
+
+    trainer = harness.trainer()
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    accepted = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, [_datum(71)]), "pb")
+    header = forward_backward_prefix(_fb(model_id, 3, [_datum(72)] * 50)[:1024])
+    harness.gateway.refuse(TENANT, "forward_backward", header, "pb", "request body over 4096 bytes; send smaller")
+    refused = f"{harness.session}.train.0.3"  # seq_id 1, the call's first request, is never sent
+    run_until(trainer, harness, [accepted, refused], timeout_s=30.0)
+    assert "4096 bytes" in json.loads(harness.result(refused)[0])["error"]
+    answer = json.loads(harness.result(accepted)[0])
+    assert answer["category"] == "user" and "did not run" in answer["error"] and "seq_id 3" in answer["error"]
+    late = harness.gateway.submit(TENANT, "forward_backward", model_id, 4, _fb(model_id, 4, [_datum(73)]), "pb")
+    run_until(trainer, harness, [late], timeout_s=30.0)
+    assert "did not run" in json.loads(harness.result(late)[0])["error"]
+    model = trainer.models[model_id]
+    assert not model.pending and not model.has_gradients
+    assert not trainer.engine.has_gradients(ops.adapter_name(model_id))  # nothing of the call was trained
     trainer.close()
