@@ -36,10 +36,8 @@ from __future__ import annotations
 import functools
 import json
 import math
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -56,6 +54,7 @@ from pipeline.api.lifecycle import (
     record_end,
     session_end,
 )
+from pipeline.api.liveness import SessionLiveness
 from pipeline.api.quotas import TenantQuota
 from pipeline.api.sample_queue import MAX_PENDING_SAMPLES, SampleQueue
 from pipeline.api.samplers import read_sampler, write_sampler
@@ -150,14 +149,11 @@ class Gateway:
         self.store = store
         self.publish = publish
         self.models = {model.name: model for model in models}
-        self.live_check_s, self.session_expiry_s = live_check_s, session_expiry_s
         # what a gateway keeps of sessions and models, each bounded (least recently used dropped): all of it is
         # in the store, records are create-only and an end is final, so a dropped entry is only read again
         self._owner = functools.lru_cache(maxsize=cached_sessions)(self._read_owner)
         self._model_records = functools.lru_cache(maxsize=cached_models)(self._read_model_record)
-        self._cached_sessions = cached_sessions
-        self._liveness: OrderedDict[str, tuple[str | None, float]] = OrderedDict()  # session -> (why it ended, or
-        self._liveness_lock = threading.Lock()  # None and the monotonic time until which it is taken as live)
+        self.liveness = SessionLiveness(store, live_check_s, session_expiry_s, cached_sessions)
         self.samples = SampleQueue(store, max_pending_samples)  # sample calls without a result: backpressure
         self.quota = TenantQuota(store, limits or TenantLimits(),  # sessions and training clients per tenant
                                  lambda session: session_end(store, session, expiry_s=session_expiry_s) is not None)
@@ -202,14 +198,14 @@ class Gateway:
 
     def heartbeat(self, tenant: str, session_id: str) -> None:
         self.check_owner(tenant, session_id)
-        self._note_liveness(session_id, None, 0.0)  # a heartbeat always reads the record afresh
+        self.liveness.note(session_id, None, 0.0)  # a heartbeat always reads the record afresh
         self.check_live(session_id)
         self.store.put(heartbeat_key(session_id), json.dumps({"time": time.time()}).encode())
 
     def finish(self, tenant: str, session_id: str, reason: str) -> None:
         """End the session (the first end recorded stands): it takes no new calls, and engines unload its adapters."""
         self.check_owner(tenant, session_id)
-        self._note_liveness(session_id, record_end(self.store, session_id, f"finished: {reason}")[0], math.inf)
+        self.liveness.note(session_id, record_end(self.store, session_id, f"finished: {reason}")[0], math.inf)
 
     def live_session(self, tenant: str, session_id: str) -> None:
         """This tenant's session, taking calls: ``NotFoundError`` for another's, ``SessionEndedError`` if it ended."""
@@ -217,25 +213,11 @@ class Gateway:
         self.check_live(session_id)
 
     def check_live(self, session_id: str) -> None:
-        """``SessionEndedError`` (410) for a session that ended; a live one is looked at again after ``live_check_s``."""
-        with self._liveness_lock:
-            ended, live_until = self._liveness.get(session_id, (None, 0.0))
-        if ended is None and time.monotonic() >= live_until:
-            end = session_end(self.store, session_id, expiry_s=self.session_expiry_s)
-            ended = None if end is None else end[0]
-            self._note_liveness(session_id, ended, math.inf if end else time.monotonic() + self.live_check_s)
+        """``SessionEndedError`` (410) for a session that ended; a live one is looked at again after ``live_check_s``
+        (``pipeline.api.liveness``)."""
+        ended = self.liveness.ended(session_id)
         if ended is not None:
             raise SessionEndedError(f"session {session_id} has ended ({ended}); create a new ServiceClient")
-
-    def _note_liveness(self, session_id: str, ended: str | None, live_until: float) -> None:
-        """Keep what the gateway saw of a session (an end stands), the ``cached_sessions`` latest noted only."""
-        with self._liveness_lock:
-            if ended is None and self._liveness.get(session_id, (None,))[0] is not None:
-                return
-            self._liveness[session_id] = (ended, live_until)
-            self._liveness.move_to_end(session_id)
-            while len(self._liveness) > self._cached_sessions:
-                self._liveness.popitem(last=False)
 
     # ---- models -------------------------------------------------------------------------------
     def served(self, base_model: str | None) -> ServedModel:

@@ -301,7 +301,7 @@ def test_a_finished_session_refuses_new_calls_and_still_answers_reads(api):
     optim = {"model_id": model_id, "seq_id": 1, "type": "optim_step", "adam_params": {"learning_rate": 1e-3}}
     before = api.post("/api/v1/optim_step", headers=ALICE, json=optim).json()["request_id"]
     other = gateway_client(api.store)  # a second gateway, which saw the session alive just now
-    other.app.state.gateway.live_check_s = 0.0  # (and reads the record at every call)
+    other.app.state.gateway.liveness.live_check_s = 0.0  # (and reads the record at every call)
     other.app.state.gateway.check_live(session)
     assert api.post(f"/api/v1/sessions/{session}/finish", headers=ALICE, json={"reason": {"type": "success"}}).is_success
     logged = len(api.published)

@@ -112,7 +112,7 @@ def test_a_heartbeat_on_its_way_when_the_session_ended_does_not_bring_it_back(ga
 
 def test_a_gateway_takes_a_session_it_saw_live_as_live_for_live_check_s(store, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("pipeline.api.gateway.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("pipeline.api.liveness.time.monotonic", lambda: clock[0])
     gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=1.0)
     session = gateway.create_session("t-alice", [], {})
     gateway.check_live(session)
