@@ -364,6 +364,12 @@ def _fsspec_filesystem(root: str) -> tuple[Any, str]:
         raise StoreURLError(
             f"cannot open store root {root!r}: {exc}; use file:///path, memory://name or gs://bucket/prefix"
         ) from None
+    except OSError as exc:  # a filesystem that connects when it is made (ftp://, sftp://) and cannot
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise StoreURLError(
+            f"cannot reach the store root {root!r}: {reason}; check its host and port, or use file:///path, "
+            "memory://name or gs://bucket/prefix"
+        ) from None
 
 
 def _gcs_filesystem(endpoint: str | None, project: str | None) -> Any:

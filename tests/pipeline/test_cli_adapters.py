@@ -144,3 +144,10 @@ def test_a_bug_keeps_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(adapters, "_registry", broken)
     result = runner.invoke(app, ["list", "--run", "demo", "--root", f"file://{tmp_path}"])
     assert isinstance(result.exception, KeyError)
+
+
+def test_a_root_whose_host_does_not_answer_exits_2_with_one_line() -> None:
+    from pipeline.devstack.process import free_port
+
+    root = f"ftp://127.0.0.1:{free_port()}/rlpipe"  # a filesystem that connects when it is made
+    assert "cannot reach the store root" in _one_line_error(runner.invoke(app, ["list", "--run", "x", "--root", root]), 2)

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from pipeline.devstack.gcs_emulator import FakeGCSServer, ensure_bucket
+from pipeline.devstack.process import free_port
 from pipeline.io.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError, validate_key
 from schemas.config import StoreConfig
 
@@ -261,3 +262,10 @@ def test_accepting_our_own_bytes_makes_their_name_durable(
     else:
         file_store.put_create_once("f/a", PAYLOAD)
     assert file_store.path("f") in synced_folders
+
+
+def test_a_root_whose_filesystem_cannot_connect_is_refused_with_a_clear_error() -> None:
+    """fsspec filesystems such as ftp:// connect when they are made: a host that does not answer is a bad root."""
+    root = f"ftp://127.0.0.1:{free_port()}/rlpipe"  # nothing listens there
+    with pytest.raises(StoreURLError, match=f"cannot reach the store root {root!r}: .*Connection refused"):
+        ObjectStore(root)
