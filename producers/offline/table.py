@@ -112,11 +112,18 @@ def _read_frame(file: Path) -> pl.DataFrame:
     if not file.is_file():
         raise FileNotFoundError(f"no such file: {file}")
     suffix = file.suffix.lower()
-    if suffix == ".csv":
-        return pl.read_csv(file, try_parse_dates=True, infer_schema_length=10_000)
-    if suffix in (".parquet", ".pq"):
+    if suffix not in (".csv", ".parquet", ".pq"):
+        raise DatasetImportError(f"{file.name}: only .csv and .parquet files can be imported")
+    kind = "CSV" if suffix == ".csv" else "Parquet"
+    try:
+        if kind == "CSV":
+            return pl.read_csv(file, try_parse_dates=True, infer_schema_length=10_000)
         return pl.read_parquet(file)
-    raise DatasetImportError(f"{file.name}: only .csv and .parquet files can be imported")
+    except pl.exceptions.PolarsError as exc:  # not the format its name says, or a damaged file
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DatasetImportError(
+            f"{file.name} cannot be read as {kind} ({reason}); check the file, or give it the suffix of its format"
+        ) from None
 
 
 def _ordered_frame(frame: pl.DataFrame, mapping: TableMapping, where: str) -> pl.DataFrame:

@@ -159,3 +159,16 @@ def test_a_terminal_row_inside_a_named_episode_is_refused_naming_the_row(tmp_pat
     said = refused(tmp_path, store, "building,temp,r,done\nb1,20,-1,false\nb1,21,-2,true\nb1,22,-3,false\nb2,23,-4,true\n",
                    "episode_id: building\nobservation: [temp]\nreward: r\nterminal: done\n")
     assert "row 2" in said and "'b1'" in said and "last row of its episode" in said
+
+
+@pytest.mark.parametrize(("name", "content"), [("log.parquet", b"a,b\n1,2\n"), ("log.csv", b'a,b\n1,2\n"open,3\n')])
+def test_a_file_that_is_not_what_its_name_says_is_one_line_naming_it(tmp_path, store, name, content):
+    log, mapping = tmp_path / name, tmp_path / "map.yaml"
+    log.write_bytes(content)
+    mapping.write_text("reward: b\nobservation: [a]\n")
+    result = runner.invoke(app, ["import", "table", str(log), "--mapping", str(mapping), "--name", "p",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"{name} cannot be read as {'Parquet' if name.endswith('parquet') else 'CSV'}" in result.stderr
+    assert dataset_names(store) == []
