@@ -118,10 +118,15 @@ def load_preset(name: str) -> dict[str, Any]:
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A YAML or JSON config file as a dict."""
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"config file {str(file)!r} is a folder; give the path of a YAML or JSON file")
     if not file.is_file():
         raise ConfigError(f"config file {str(file)!r} does not exist")
     try:
         data = load_yaml(file.read_text())
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(file)!r} is not text ({exc.reason} at byte {exc.start}); "
+                          "give a YAML or JSON file") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(file)!r} is not valid YAML/JSON: {exc}".splitlines()[0]) from None
     if data is None:

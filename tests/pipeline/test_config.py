@@ -105,6 +105,15 @@ def test_unknown_preset_and_missing_file():
         resolve_config(config_file="/no/such/file.yaml")
 
 
+def test_a_config_path_that_is_a_folder_or_not_text_is_refused_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file '{tmp_path}' is a folder; give the path of a YAML or JSON file"):
+        resolve_config(config_file=str(tmp_path))
+    binary = tmp_path / "run.yaml"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00\xf0\x9f")
+    with pytest.raises(ConfigError, match=f"config file '{binary}' is not text .*; give a YAML or JSON file"):
+        resolve_config(config_file=str(binary))
+
+
 def test_env_variable_with_a_misspelt_section_is_refused_naming_the_closest():
     with pytest.raises(ConfigError) as info:
         resolve_config(environ={"RLPIPE_LERNER__LEARNING_RATE": "1e-4"})
