@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors, reachable_store
+from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, fail, handle_user_errors, reachable_store
 from pipeline.cli.options import SetOpt, run_config, setup_logging
 from pipeline.devstack.process import free_port, stop_processes
 
@@ -185,6 +186,8 @@ def serve(
     if health_port and role not in ("trainer", "sampler"):
         fail("--health-port is for --role trainer or sampler (the gateway answers /api/v1/healthz on its --port)",
              EXIT_USAGE)
+    if role in ("all", "gateway"):
+        check_gateway_address(host, port)  # before the stack, the models and the engines take minutes to start
     setup_logging()
     cfg = run_config(None, None, overrides or [])
     # the gateway only names the models (it routes calls to their engines): a folder it lacks is the engines'
@@ -223,6 +226,19 @@ def serve(
         run_gateway(store, bus, models, host, port, urls, public_url)
     finally:
         supervisor.stop()
+
+
+def check_gateway_address(host: str, port: int) -> None:
+    """Fail in one line if the gateway could not listen on ``host:port`` (a port in use, an unknown host)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+            sock.bind(address)
+    except OSError as exc:
+        fail(f"the gateway cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port, or "
+             "another --host", EXIT_FAILURE)
 
 
 def stop_on_sigterm() -> None:

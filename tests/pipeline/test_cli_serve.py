@@ -307,3 +307,22 @@ def test_each_engine_of_a_trainer_or_sampler_role_gets_its_own_health_port():
     result = runner.invoke(app, ["serve", "--role", "gateway", "--health-port", "8080"])
     assert result.exit_code == 2 and "--health-port is for --role trainer or sampler" in " ".join(
         result.output.split())
+
+
+def test_a_gateway_port_in_use_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """The port is checked first: not after the stack, the base models and the engines have started."""
+    import socket
+
+    from pipeline.devstack.process import free_port
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", (tmp_path / "store").as_uri())
+    monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", f"127.0.0.1:{free_port()}")  # nothing listens there
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(app, ["serve", "--role", "gateway", "--port", str(port), "-m", "/models/elsewhere"])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"the gateway cannot listen on 127.0.0.1:{port}" in result.output and "--port" in result.output
