@@ -194,6 +194,7 @@ def resolve_model(config: ModelConfig) -> str:
 def _build_into(folder: Path, spec: TinyModelSpec, key: str, progress: ProgressFn | None) -> None:
     """Write a complete tiny model to ``folder``; the marker goes last."""
     started = time.monotonic()
+    folder.mkdir(parents=True)  # first: a folder that cannot be made fails now, not after the pre-training
     log.info("building tiny model %s in %s", key, folder)
     if progress is not None:
         progress(0, spec.steps if spec.pretrain else 0, float("nan"))
@@ -206,7 +207,6 @@ def _build_into(folder: Path, spec: TinyModelSpec, key: str, progress: ProgressF
         encoded = [encode_conversation(tokenizer, c, spec.max_seq_len) for c in corpus.conversations]
         sequences = [(ids, mask) for ids, mask in encoded if any(mask)]  # cut before any answer: nothing to learn
         losses = pretrain(model, sequences, spec, tokenizer.token_to_id(ENDOFTEXT), progress)
-    folder.mkdir(parents=True)
     _save_model(folder, model, tokenizer)
     (folder / LOSS_FILE).write_text(json.dumps({"spec_hash": key, "curve": losses}, indent=1))
     marker = {

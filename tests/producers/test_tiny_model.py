@@ -275,3 +275,14 @@ def test_spec_rejects_shapes_vllm_cannot_serve() -> None:
         TinyModelSpec(num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="extra"):
         TinyModelSpec(hidden=3)  # type: ignore[call-arg]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where nobody may make a folder")
+def test_a_folder_that_cannot_be_made_fails_before_the_build_starts() -> None:
+    """Minutes of pre-training are not spent on a model that could not be saved."""
+
+    def started(done: int, total: int, loss: float) -> None:
+        raise AssertionError("the build started before its folder was made")
+
+    with pytest.raises(OSError):
+        build_tiny_model(Path("/proc/rlpipe-tiny"), steps=1, progress=started)
