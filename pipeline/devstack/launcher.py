@@ -57,7 +57,7 @@ from pipeline.devstack.stack import (
     rlpipe_home,
     start_background,
 )
-from pipeline.io.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, tail
+from pipeline.io.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, list_topics, tail
 from pipeline.io.registry import AdapterRegistry
 from pipeline.membership import announce_membership
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
@@ -225,6 +225,7 @@ class Launcher:
         """Build the tiny model once (the producer side builds it; the learner reads the recorded path)."""
         if self.config.model.base_model != "tiny" or self.config.value is not None:  # value runs need no model
             return
+        list_topics(self.bus)  # a broker that does not answer is named in seconds, before a first build's minutes
         log.info("initialising the tiny base model (built once, then cached)")
         args = ["model", "init-tiny"] + (["--out", self.config.model.tiny_dir] if self.config.model.tiny_dir else [])
         subprocess.run(rlpipe_command(*args), check=True)

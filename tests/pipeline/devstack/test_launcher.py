@@ -440,3 +440,19 @@ def test_a_producer_that_fails_still_stops_the_run_at_once(tmp_path: Path, monke
     assert time.monotonic() - started < 15
     assert fake.processes["producer-1"].returncode == 2 and fake.processes["learner"].returncode != 0
     assert "max_groups" not in fake.stopped["run-a"]
+
+
+def test_an_unreachable_broker_is_named_before_the_tiny_model_is_built(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first build of the tiny model takes minutes: a broker that does not answer is found in seconds first."""
+    from pipeline.devstack.process import free_port
+    from pipeline.io.bus import BusUnavailableError
+
+    def build(*args: str) -> list[str]:
+        raise AssertionError("the tiny model was built before the broker was reached")
+
+    monkeypatch.setattr(launcher, "rlpipe_command", build)
+    fake = packed_launcher(tmp_path, {"run-a": 5})
+    fake.bus = fake.config.bus.model_copy(update={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    with pytest.raises(BusUnavailableError, match="cannot reach Kafka"):
+        fake.prepare_model()
