@@ -316,7 +316,7 @@ def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
 def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     """The run's stored configuration (``run.json`` with its newest recorded change) with the ``RLPIPE_``
     environment and ``--set`` on top."""
-    from pipeline.analysis.runs import runs_there, stored_run_config
+    from pipeline.analysis.runs import list_runs, runs_there, stored_run_config
     from pipeline.runtime import refuse_case_twin
 
     validate_name(run_id, "run_id")
@@ -324,6 +324,10 @@ def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     store = reachable_store(located.store)
     refuse_case_twin(store, run_id, "--resume ")
     stored = stored_run_config(store, run_id)
+    if stored is None and run_id in list_runs(store):
+        raise ConfigError(f"run {run_id!r} in {store.root} has no run.json (a command that starts no run, such as "
+                          "envs record, wrote it), so there is no configuration to resume; start a new run with "
+                          "rlpipe run --preset NAME")
     if stored is None:
         raise ConfigError(f"no run {run_id!r} to resume in {store.root} ({runs_there(store)}); "
                           "start a new one with rlpipe run --preset NAME")

@@ -316,3 +316,12 @@ def test_a_value_run_whose_environment_does_not_fit_its_network_is_refused_befor
     result = _run("--preset", preset, "--set", change, "--max-steps", "2")
     assert result.exit_code != 0 and FakeLauncher.launched == [], result.output
     assert "value." in result.output and len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_resuming_a_run_folder_without_run_json_says_what_it_lacks(home: Path, tmp_path: Path) -> None:
+    store = open_store(RunConfig.model_validate({"store": {"root": (tmp_path / "store").as_uri()}}).store)
+    store.put("runs/recorded/trajectories/date=2026-01-01/part-0.parquet", b"rows")  # as envs record leaves it
+    result = _run("--resume", "recorded", "--set", f"store.root={store.root}")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"run 'recorded' in {store.root} has no run.json" in result.output and "no run 'recorded'" not in result.output
+    assert FakeLauncher.launched == []
