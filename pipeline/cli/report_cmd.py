@@ -121,6 +121,9 @@ def report(
 ) -> None:
     """Gather a run's numbers from the store and the event log and write report.html, PNGs and report.json."""
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
+    if out is not None and out.exists() and not out.is_dir():
+        fail(f"--out {out} is a file, not a folder; name a folder for the report's files (it is made if missing)",
+             EXIT_USAGE)
     if server:
         if run or run_arg is not None:
             fail("--server reports a server's engines, not runs; drop --run (or drop --server)", EXIT_USAGE)

@@ -547,3 +547,14 @@ def test_summary_and_eval_table_intervals_read_without_exponents_and_one_episode
     assert table is not None
     assert [(row[4], row[5]) for row in table["rows"]] == [("-31.6", "± n/a"), ("12346", "± 1234"),
                                                           ("0.0123", "± 0.00123")]
+
+
+@pytest.mark.parametrize("kind", ["run", "packed", "server"])
+def test_an_out_path_that_is_a_file_is_one_line_naming_it(run_store: ObjectStore, tmp_path: Path, kind: str) -> None:
+    taken = tmp_path / "notes.txt"
+    taken.write_text("kept")
+    which = {"run": ["--run", RUN], "packed": ["--run", RUN, "--run", RUN + "-b"], "server": ["--server"]}[kind]
+    result = runner.invoke(app, [*which, "--root", run_store.root, "--out", str(taken), "--no-bus"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"--out {taken} is a file, not a folder" in result.output
+    assert taken.read_text() == "kept"
