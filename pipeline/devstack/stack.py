@@ -86,6 +86,14 @@ def rlpipe_home() -> Path:
     return Path(os.environ.get(HOME_ENV) or Path.home() / ".rlpipe").expanduser()
 
 
+def make_home(home: Path) -> None:
+    """Create the rlpipe home folder; ``StackError`` naming the fix if a file holds its name."""
+    if home.exists() and not home.is_dir():
+        raise StackError(f"RLPIPE_HOME {home} is a file, not a folder; point RLPIPE_HOME at a folder "
+                         "(default ~/.rlpipe)")
+    home.mkdir(parents=True, exist_ok=True)
+
+
 def state_path(home: Path | None = None) -> Path:
     """The state file of the stack of ``home``."""
     return (home or rlpipe_home()) / STATE_FILE
@@ -260,7 +268,7 @@ def _hold_home_lock(home: Path, wait_for_state_s: float = 30.0) -> int:
     has recorded its state (``StackError`` if it records none within ``wait_for_state_s``).  The kernel drops
     the lock when the holder dies, so a crashed stack never blocks the next one.
     """
-    home.mkdir(parents=True, exist_ok=True)
+    make_home(home)
     descriptor = os.open(home / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + wait_for_state_s
     while True:  # tried again: a reader's probe (``_home_is_served``) holds it shared for a moment
@@ -328,7 +336,7 @@ def start_background(
     running = read_stack_state(home)
     if running is not None:
         raise StackAlreadyRunningError(running)
-    home.mkdir(parents=True, exist_ok=True)
+    make_home(home)
     log_path = home / "stack.log"
     process = _spawn_server(home, kafka_port, gcs_port, with_gcs, log_path)
     deadline = time.monotonic() + timeout_s

@@ -222,6 +222,17 @@ def test_status_exit_code_tells_a_script_whether_a_stack_runs_and_answers(
         assert json.loads(runner.invoke(app, ["status", "--json"]).stdout)["kafka_answers"] is answers
 
 
+def test_an_rlpipe_home_that_is_a_file_is_named_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    home.write_text("kept")
+    monkeypatch.setenv("RLPIPE_HOME", str(home))
+    monkeypatch.delenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", raising=False)
+    result = runner.invoke(app, ["up", "--no-gcs"])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"RLPIPE_HOME {home} is a file, not a folder" in result.output
+    assert home.read_text() == "kept"
+
+
 def test_up_on_a_port_in_use_says_why_in_one_line(home: Path) -> None:
     import socket
 
