@@ -32,6 +32,7 @@ from pipeline.cli.common import (
     to_jsonable,
 )
 from pipeline.io import bus
+from schemas.names import validate_name
 
 app = typer.Typer(
     name="topics",
@@ -112,6 +113,8 @@ def tail(
     """Show the last events of a topic without joining a consumer group (and follow new ones)."""
     if follow_for is not None and not follow:
         fail(f"--for goes with --follow (tail -f --for {follow_for:g})", EXIT_USAGE)
+    if run is not None:
+        validate_name(run, "run_id")  # a name no run can have matches no event: say so rather than "no messages"
     config = bus_config_from_cli(bootstrap, namespace)
     records = bus.tail(config, topic, n=n, follow=follow, run_id=run, follow_for_s=follow_for)
     try:

@@ -208,3 +208,11 @@ def test_lag_without_any_committed_offsets_says_so_plainly(monkeypatch) -> None:
     assert " ".join(everyone.stdout.split()) == "no consumer group has committed offsets on ns.* topics"
     one = _invoke(["topics", "lag", "--group", "g", "--bootstrap", "127.0.0.1:9", "--namespace", "ns"])
     assert " ".join(one.stdout.split()) == "group 'g' has no committed offsets on ns.* topics"
+
+
+@pytest.mark.parametrize("run", ["Bad Id", "../up", "a/b"])
+def test_a_run_no_event_can_name_is_refused_before_reading_the_topic(run: str) -> None:
+    """Not 'no messages': the filter could never match, so the mistake is named (and no broker is needed to say so)."""
+    result = _invoke(["topics", "tail", "control", "--run", run, "--bootstrap", f"127.0.0.1:{free_port()}"])
+    assert result.exit_code == 2 and result.stderr.strip().count("\n") == 0, result.output
+    assert f"run_id {run!r} is not allowed" in result.stderr
