@@ -24,6 +24,7 @@ from pipeline.cli.common import (
     GcsEndpointOpt,
     JsonOpt,
     StoreRootOpt,
+    check_folder_option,
     console,
     fail,
     fitted_table,
@@ -109,6 +110,7 @@ def pull_version(
 
     Example: rlpipe adapters pull --run demo latest --to ~/.cache/rlpipe/adapters
     """
+    check_folder_option(to, "--to")
     with _errors():
         registry = _registry(run, root, gcs_endpoint)
         number = _parse_version(version, registry)

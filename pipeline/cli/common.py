@@ -87,6 +87,12 @@ def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     raise typer.Exit(code)
 
 
+def check_folder_option(path: Path | None, option: str) -> None:
+    """Refuse, before any work, an output-folder ``option`` that names an existing file (exit 2)."""
+    if path is not None and path.exists() and not path.is_dir():
+        fail(f"{option} {path} is a file, not a folder; name a folder (it is made if missing)", EXIT_USAGE)
+
+
 def error_line(exc: BaseException) -> str:
     """One line describing ``exc``: a pydantic error's first problem, else the first line of its message."""
     if isinstance(exc, ValidationError):

@@ -45,6 +45,7 @@ from pipeline.cli.common import (
     NamespaceOpt,
     StoreRootOpt,
     bus_config_from_cli,
+    check_folder_option,
     console,
     error_line,
     fail,
@@ -121,9 +122,7 @@ def report(
 ) -> None:
     """Gather a run's numbers from the store and the event log and write report.html, PNGs and report.json."""
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks while retrying
-    if out is not None and out.exists() and not out.is_dir():
-        fail(f"--out {out} is a file, not a folder; name a folder for the report's files (it is made if missing)",
-             EXIT_USAGE)
+    check_folder_option(out, "--out")
     if server:
         if run or run_arg is not None:
             fail("--server reports a server's engines, not runs; drop --run (or drop --server)", EXIT_USAGE)

@@ -25,7 +25,17 @@ import typer
 from rich.console import Console
 from rich.table import Column, Table
 
-from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, JsonOpt, console, err_console, fail, print_json, user_errors
+from pipeline.cli.common import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    JsonOpt,
+    check_folder_option,
+    console,
+    err_console,
+    fail,
+    print_json,
+    user_errors,
+)
 from pipeline.sweeps.leaderboard import FIGURE, Entry, interval, shown, write_leaderboard
 from pipeline.sweeps.plan import SweepDir, SweepSpec, experiments, parse_fixed, parse_grid
 from pipeline.sweeps.runner import Event, pending, run_sweep
@@ -59,6 +69,7 @@ def sweep(
     as_json: JsonOpt = False,
 ) -> None:
     """Run a grid of experiments in parallel against one server and rank them on their held-out scores."""
+    check_folder_option(folder, "--dir")
     with user_errors():
         if resume is not None:
             if script is not None or grid or fixed or seeds is not None:

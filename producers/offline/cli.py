@@ -18,6 +18,7 @@ from rich.table import Table
 from pipeline.cli.common import (
     GcsEndpointOpt,
     StoreRootOpt,
+    check_folder_option,
     console,
     err_console,
     error_line,
@@ -298,6 +299,7 @@ def generate_building(
     and import that with the same importer as real data."""
     from producers.offline.generation import GenerationSpec, generate_building_dataset
 
+    check_folder_option(raw_dir, "--raw-dir")
     spec = GenerationSpec(days=days, policy=policy, seed=seed, first_day=first_day,  # type: ignore[arg-type]
                           random_fraction=random_fraction, env_overrides=parse_overrides(overrides or []),
                           preheat_hours=parse_preheat_hours(preheat_hours))

@@ -151,3 +151,11 @@ def test_a_root_whose_host_does_not_answer_exits_2_with_one_line() -> None:
 
     root = f"ftp://127.0.0.1:{free_port()}/rlpipe"  # a filesystem that connects when it is made
     assert "cannot reach the store root" in _one_line_error(runner.invoke(app, ["list", "--run", "x", "--root", root]), 2)
+
+
+def test_a_to_that_is_a_file_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    taken = tmp_path / "notes.txt"
+    taken.write_text("kept")
+    result = runner.invoke(app, ["pull", "--run", "demo", "1", "--to", str(taken), "--root", f"file://{tmp_path}/s"])
+    assert f"--to {taken} is a file, not a folder" in _one_line_error(result, 2)
+    assert taken.read_text() == "kept"

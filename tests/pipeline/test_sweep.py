@@ -239,3 +239,11 @@ def test_json_output_is_the_leaderboard_alone_with_progress_on_stderr(script, tm
     board = json.loads(done.stdout)
     assert [e["label"] for e in board["entries"]] == ["lr=2e-3", "lr=1e-3"] and board["failed_now"] == 0
     assert board["folder"] == str(tmp_path / "s") and "finished exp-000" in done.stderr
+
+
+def test_a_dir_that_is_a_file_is_refused_in_one_line(script, tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("kept")
+    result = _sweep(str(script), "--grid", "lr=1e-3", "--dir", str(taken))
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"--dir {taken} is a file, not a folder" in result.output and taken.read_text() == "kept"

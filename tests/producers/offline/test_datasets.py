@@ -563,3 +563,12 @@ def test_a_second_conversion_into_a_run_is_refused_before_the_dataset_is_read(st
         dataset_to_trajectories(store, "heur", "once", tiny_tokenizer, options)
     with pytest.raises(FileExistsError, match="conversion of dataset heur into run cut did not finish"):
         dataset_to_trajectories(store, "heur", "cut", tiny_tokenizer, options)
+
+
+def test_a_raw_dir_that_is_a_file_is_refused_before_the_simulation(store, tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("kept")
+    result = runner.invoke(app, ["generate", "building-hvac", "--days", "1", "--name", "sim", "--raw-dir", str(taken),
+                                 "--root", store.root])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"--raw-dir {taken} is a file, not a folder" in result.output and taken.read_text() == "kept"
