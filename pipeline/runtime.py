@@ -203,14 +203,7 @@ def record_config_change(store: ObjectStore, config: RunConfig) -> tuple[str, st
         changes = _change_keys(store, config.run_id)
         current = effective_run_config(store, config.run_id)
         differences = config_differences(current, wanted)
-        refused = [change for change in differences if _defines_run(change.field)]
-        if refused:
-            first = refused[0]
-            raise RunConfigConflictError(
-                f"run {config.run_id} was created with {first.field}={json.dumps(first.before)}, this configuration "
-                f"says {json.dumps(first.after)}: base model, environment, loss, LoRA shape and a value run's network, "
-                "replay memory and dataset define the run's stored data; keep them or start a new run_id"
-            )
+        check_run_definition(config.run_id, differences)
         if not differences:
             return _latest_key(store, config.run_id, changes), sha256_hex(json.dumps(current).encode()), None
         key = f"runs/{config.run_id}/config-changes/{len(changes) + 1:06d}.json"
@@ -224,6 +217,19 @@ def record_config_change(store: ObjectStore, config: RunConfig) -> tuple[str, st
                  ", ".join(change.field for change in differences), key)
         return key, digest, RunConfigChanged(config_path=key, config_sha256=digest, changes=differences)
     raise RuntimeError(f"run {config.run_id}: configuration changes kept racing with another process; try again")
+
+
+def check_run_definition(run_id: str, differences: list[ConfigFieldChange]) -> None:
+    """``RunConfigConflictError`` naming the first of ``differences`` (``config_differences``) that would change what
+    the run's stored data means (``RUN_DEFINING_FIELDS``)."""
+    refused = [change for change in differences if _defines_run(change.field)]
+    if refused:
+        first = refused[0]
+        raise RunConfigConflictError(
+            f"run {run_id} was created with {first.field}={json.dumps(first.before)}, this configuration "
+            f"says {json.dumps(first.after)}: base model, environment, loss, LoRA shape and a value run's network, "
+            "replay memory and dataset define the run's stored data; keep them or start a new run_id"
+        )
 
 
 def config_differences(before: dict[str, Any], after: dict[str, Any]) -> list[ConfigFieldChange]:

@@ -317,7 +317,7 @@ def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     """The run's stored configuration (``run.json`` with its newest recorded change) with the ``RLPIPE_``
     environment and ``--set`` on top."""
     from pipeline.analysis.runs import list_runs, runs_there, stored_run_config
-    from pipeline.runtime import refuse_case_twin
+    from pipeline.runtime import check_run_definition, config_differences, refuse_case_twin
 
     validate_name(run_id, "run_id")
     located = run_config(None, None, overrides)  # only where the store is: environment, --set, else embedded
@@ -339,6 +339,8 @@ def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     except ValidationError as exc:
         raise ConfigError(validation_message(exc)) from None
     check_value_run_settings(config, changes)
+    # refused now, as the launcher's create_run would refuse it once the stack and the model had started
+    check_run_definition(run_id, config_differences(stored, json.loads(config_to_json(config))))
     return check_env(config)
 
 

@@ -325,3 +325,18 @@ def test_resuming_a_run_folder_without_run_json_says_what_it_lacks(home: Path, t
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert f"run 'recorded' in {store.root} has no run.json" in result.output and "no run 'recorded'" not in result.output
     assert FakeLauncher.launched == []
+
+
+def test_a_resume_that_changes_what_defines_the_run_is_refused_before_anything_starts(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not after the embedded stack started and the tiny model was built: the stored configuration says it now."""
+    assert _run("--preset", "cartpole", "--run", "kept", "--max-steps", "2").exit_code == 0
+
+    class NoLaunch:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise AssertionError("the launcher started before the change was refused")
+
+    monkeypatch.setattr(launcher, "Launcher", NoLaunch)
+    changed = _run("--resume", "kept", "--set", "env.name=sokoban")
+    assert changed.exit_code == 2 and len(changed.output.strip().splitlines()) == 1, changed.output
+    assert 'run kept was created with env.name="cartpole", this configuration says "sokoban"' in changed.output
