@@ -40,6 +40,7 @@ from pipeline.io.datasets import (
 )
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import refuse_case_twin
+from schemas.names import validate_name
 
 app = typer.Typer(
     name="datasets",
@@ -370,6 +371,10 @@ def to_trajectories(
     store = _store(root, gcs_endpoint)
     refuse_case_twin(store, run)  # its batches would go into the other run's folder
     read_card(store, name)  # a missing dataset is named before a model is loaded (building tiny takes minutes)
+    validate_name(run, "run_id")  # and so is a run that cannot take the batches
+    if store.exists(f"runs/{run}/run.json"):  # its learner's data would be mixed with the dataset's
+        raise ValueError(f"run {run} is a training run (it has a run.json); convert into a run of its own "
+                         f"(--run {run}-data), then train with rlpipe replay --run {run}-data --train")
     model_path = _model_path(model)
     tokenizer = model_tokenizer(model_path)
     with console.status("rendering and tokenizing"):

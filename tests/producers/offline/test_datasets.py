@@ -572,3 +572,23 @@ def test_a_raw_dir_that_is_a_file_is_refused_before_the_simulation(store, tmp_pa
                                  "--root", store.root])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert f"--raw-dir {taken} is a file, not a folder" in result.output and taken.read_text() == "kept"
+
+
+@pytest.mark.parametrize(("run", "message"), [
+    ("A B", "run_id 'A B' is not allowed"),
+    ("trained", "run trained is a training run (it has a run.json); convert into a run of its own"),
+])
+def test_a_run_that_cannot_take_the_conversion_is_refused_before_the_model_loads(store, monkeypatch, run, message):
+    """Loading the model (building tiny takes minutes) comes after the run is known to be a fit."""
+    from producers.offline import cli
+
+    def load(model: str) -> str:
+        raise AssertionError("the model was loaded before the run was checked")
+
+    monkeypatch.setattr(cli, "_model_path", load)
+    generate_building_dataset(store, "sim", GenerationSpec(days=1, policy="heuristic"))
+    store.put("runs/trained/run.json", b"{}")
+    result = runner.invoke(app, ["to-trajectories", "sim", "--run", run, "--model", "tiny", "--root", store.root])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert message in result.output
+    assert not store.exists("runs/trained/offline/sim.converting")
