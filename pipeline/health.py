@@ -139,6 +139,10 @@ def _split_labels(name: str, labels: Mapping[str, str] | None) -> tuple[tuple[st
     return tuple(k for k, _ in items), tuple(str(v) for _, v in items)
 
 
+class HealthPortError(OSError):
+    """The health endpoints cannot listen on the configured port (taken, or not this machine's)."""
+
+
 class HealthServer:
     """``/healthz``, ``/readyz`` and ``/metrics`` on one port, served from a daemon thread.
 
@@ -271,7 +275,7 @@ class HealthServer:
         try:
             httpd = ThreadingHTTPServer((self._host, self._requested_port), _handler_for(self))
         except OSError as exc:
-            raise OSError(
+            raise HealthPortError(
                 f"cannot serve health endpoints on {self._host}:{self._requested_port}: {exc.strerror}; "
                 "choose another health_port (0 = any free port)"
             ) from None

@@ -28,6 +28,7 @@ from rich.table import Table
 from pipeline.devstack.broker import BrokerStartError
 from pipeline.devstack.gcs_emulator import EmulatorError, probe_endpoint
 from pipeline.devstack.stack import StackError
+from pipeline.health import HealthPortError
 from pipeline.io.bus import BusError
 from pipeline.io.store import ObjectStore
 from schemas.config import BusConfig, StoreConfig
@@ -69,6 +70,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     StackError,
     BrokerStartError,  # the local broker or emulator would not start: the message names the log
     EmulatorError,
+    HealthPortError,  # a learner's or producer's health_port is taken
     FileNotFoundError,
     FileExistsError,
     NotADirectoryError,

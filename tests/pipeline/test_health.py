@@ -167,6 +167,26 @@ def test_busy_port_is_a_one_line_error():
         HealthServer(first.port, host="127.0.0.1").start()
 
 
+@pytest.mark.parametrize("part", ["learner", "producer"])
+def test_a_busy_health_port_ends_the_command_in_one_line(part, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from pipeline.cli.main import app
+    from pipeline.devstack.process import free_port
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, [part, "start", "--preset", "cartpole", "--set", f"{part}.health_port={port}",
+                                          "--set", f"bus.bootstrap_servers=127.0.0.1:{free_port()}",
+                                          "--set", f"store.root={(tmp_path / 'store').as_uri()}"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.exception
+    assert f"error: cannot serve health endpoints on 0.0.0.0:{port}" in result.output and "health_port" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_serves_concurrent_requests_while_a_check_blocks(server):
     # A slow readiness check must not stall liveness: ThreadingHTTPServer answers each request in its own thread.
     release = threading.Event()
