@@ -186,8 +186,11 @@ def serve(
     if health_port and role not in ("trainer", "sampler"):
         fail("--health-port is for --role trainer or sampler (the gateway answers /api/v1/healthz on its --port)",
              EXIT_USAGE)
+    # before the stack, the models and the engines take minutes to start
     if role in ("all", "gateway"):
-        check_gateway_address(host, port)  # before the stack, the models and the engines take minutes to start
+        check_listen_address("the gateway", host, port, "--port")
+    for offset in range(len(base_model or ["tiny"]) if health_port and role in ("trainer", "sampler") else 0):
+        check_listen_address("an engine's health endpoints", "0.0.0.0", health_port + offset, "--health-port")
     setup_logging()
     cfg = run_config(None, None, overrides or [])
     # the gateway only names the models (it routes calls to their engines): a folder it lacks is the engines'
@@ -228,8 +231,8 @@ def serve(
         supervisor.stop()
 
 
-def check_gateway_address(host: str, port: int) -> None:
-    """Fail in one line if the gateway could not listen on ``host:port`` (a port in use, an unknown host)."""
+def check_listen_address(what: str, host: str, port: int, option: str) -> None:
+    """Fail in one line if ``what`` could not listen on ``host:port`` (a port in use, an unknown host)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -237,8 +240,8 @@ def check_gateway_address(host: str, port: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
             sock.bind(address)
     except OSError as exc:
-        fail(f"the gateway cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port, or "
-             "another --host", EXIT_FAILURE)
+        fail(f"{what} cannot listen on {host}:{port} ({exc.strerror or exc}); choose another {option}"
+             + (", or another --host" if option == "--port" else ""), EXIT_FAILURE)
 
 
 def stop_on_sigterm() -> None:

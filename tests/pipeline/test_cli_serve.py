@@ -326,3 +326,26 @@ def test_a_gateway_port_in_use_is_refused_before_anything_starts(tmp_path, monke
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
     assert f"the gateway cannot listen on 127.0.0.1:{port}" in result.output and "--port" in result.output
+
+
+@pytest.mark.parametrize("role", ["trainer", "sampler"])
+def test_an_engines_health_port_in_use_is_refused_before_the_engine_starts(role, tmp_path, monkeypatch):
+    """Not a traceback from the engine process once it has loaded: serve checks the port first."""
+    import socket
+
+    from pipeline.devstack.process import free_port
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", (tmp_path / "store").as_uri())
+    monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", f"127.0.0.1:{free_port()}")  # nothing listens there
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(app, ["serve", "--role", role, "--health-port", str(port), "-m", str(model)])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"cannot listen on 0.0.0.0:{port}" in result.output and "--health-port" in result.output
