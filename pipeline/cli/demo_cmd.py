@@ -88,7 +88,7 @@ def recipe_for(preset: str) -> tuple[str, dict[str, Any], Recipe]:
     env = settings.get("env") or {}
     name = env.get("name", "cartpole")
     if name not in RECIPES:
-        fail(f"rlpipe demo has no recipe for {name!r} (preset {preset}); presets on {', '.join(RECIPES)} work")
+        fail(f"rlpipe demo has no recipe for {name!r} (preset {preset}); presets on {', '.join(RECIPES)} work", 2)
     return name, dict(env.get("overrides") or {}), RECIPES[name]
 
 

@@ -97,3 +97,16 @@ def test_a_value_based_preset_is_refused_before_the_model_is_built(tmp_path, mon
     assert result.exit_code == 2, result.output
     assert "dqn-cartpole is value-based" in result.output and "rlpipe run --preset dqn-cartpole" in result.output
     assert phases == []
+
+
+def test_a_preset_without_a_demo_recipe_is_a_usage_error(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import demo_cmd
+
+    phases: list[tuple[str, ...]] = []
+    monkeypatch.setattr(demo_cmd, "_phase", lambda title, *args, **kwargs: phases.append(args))
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path))
+    result = CliRunner().invoke(demo_cmd.app, ["--preset", "text2sql"])
+    assert result.exit_code == 2, result.output  # the user's choice of preset, as an unknown preset is
+    assert "rlpipe demo has no recipe for 'text2sql'" in result.output and phases == []
