@@ -19,7 +19,8 @@ sees a Kafka client, and every network call here has a bound:
 * ``EventFollower``: a reader outside any group (assign + seek, no commits), for
   events every process must see without waiting for a group join (a producer
   following ``<ns>.adapters``, or its run's batches on ``<ns>.trajectories``).
-* Admin helpers for the command line: topics, end offsets, group lag, and a
+* Admin helpers for the command line: topics, end offsets, group lag (and
+  ``adopt_group_offsets``, for a renamed group), and a
   ``tail`` reader that does not join a group; ``run_log``, what the log still
   holds of one run (its partition only), and since when.
 
@@ -40,6 +41,7 @@ from pipeline.io.bus.admin import (
     PartitionLag,
     TopicInfo,
     admin_client,
+    adopt_group_offsets,
     describe_topic,
     ensure_topics,
     group_lag,
@@ -99,6 +101,7 @@ __all__ = [
     "UnknownTopicError",
     "WrongEventTypeError",
     "admin_client",
+    "adopt_group_offsets",
     "decode_record",
     "describe_topic",
     "ensure_topics",

@@ -5,7 +5,8 @@ back; ``TOPIC_EVENT_TYPES`` says which event types belong on which topic.
 ``ensure_topics`` creates a namespace's missing topics (idempotent), and the helpers
 for the command line (``list_topics``, ``describe_topic``, ``list_groups``,
 ``group_lag``) read topics, offset ranges and consumer-group lag through a
-``KafkaAdminClient`` with bounded timeouts.
+``KafkaAdminClient`` with bounded timeouts; ``adopt_group_offsets`` lets a renamed
+group start where its former name had got to.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from typing import Any
 
 from kafka import KafkaAdminClient, TopicPartition
 from kafka.admin import OffsetSpec
+from kafka.errors import NoError
+from kafka.structs import OffsetAndMetadata
 
 from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
 from pipeline.io.bus.errors import BusError, UnknownTopicError
+from pipeline.io.bus.records import TopicPartitionKey
 from pipeline.topics import (
     API_TOPIC_KINDS,
     MAX_TOPIC_NAME_LENGTH,
@@ -251,3 +255,40 @@ def group_lag(
         for tp in tps
         if committed[tp].offset >= 0
     ]
+
+
+def adopt_group_offsets(
+    bus_config: BusConfig,
+    kind_or_topic: str,
+    group_id: str,
+    former_group_id: str,
+    bootstrap_servers: str | None = None,
+) -> dict[TopicPartitionKey, int]:
+    """Commit for ``group_id`` the offsets ``former_group_id`` committed on one topic, on each partition where
+    ``group_id`` has none; returns those adopted.
+
+    For a group that was renamed: its members start where the former name had got to, not at the start of the
+    log.  Call it before joining ``group_id``.  The broker takes these commits only while ``group_id`` has no
+    members, so where another member joined first (and adopted the offsets itself) they are left as they are.
+    """
+    topic = resolve_topic(bus_config.namespace, kind_or_topic)
+    with admin_client(bus_config, bootstrap_servers) as admin:
+        own = _committed_on(admin, group_id, topic)
+        former = _committed_on(admin, former_group_id, topic)
+        wanted = {tp: offset for tp, offset in former.items() if tp not in own}
+        if not wanted:
+            return {}
+        answer = admin.alter_group_offsets(group_id, {tp: OffsetAndMetadata(offset, "", None)
+                                                      for tp, offset in wanted.items()})
+    adopted = {(tp.topic, tp.partition): wanted[tp] for tp, error in answer.items() if error is NoError}
+    if refused := sorted(f"{tp.topic}:{tp.partition} ({error.__name__})"
+                         for tp, error in answer.items() if error is not NoError):
+        log.info("group %s adopted no offsets of %s on %s: the broker takes them only while the group has no "
+                 "members", group_id, former_group_id, ", ".join(refused))
+    return adopted
+
+
+def _committed_on(admin: KafkaAdminClient, group_id: str, topic: str) -> dict[TopicPartition, int]:
+    """``group_id``'s committed next offsets on ``topic`` (partitions without one left out)."""
+    committed = admin.list_group_offsets(group_id).get(group_id, {})
+    return {tp: int(oam.offset) for tp, oam in committed.items() if tp.topic == topic and oam.offset >= 0}

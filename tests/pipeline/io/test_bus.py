@@ -394,6 +394,33 @@ def test_a_reader_without_membership_reads_every_partition_and_commits_for_its_g
                                                       if o >= committed.get((topic, p), 0)}
 
 
+def test_a_renamed_group_adopts_its_former_names_offsets_where_it_has_none_and_no_members(
+        bus_config: BusConfig, fast_group: dict) -> None:
+    config = bus_config.model_copy(update={"topic_partitions": 2})
+    other = config.model_copy(update={"namespace": f"{config.namespace}-other"})
+    with EventPublisher(config) as publisher:
+        placed = {run: publisher.publish("control", _stop(run, run)) for run in "abcdef"}
+    assert {partition for partition, _ in placed.values()} == {0, 1}
+    topic, other_topic = f"{config.namespace}.control", f"{other.namespace}.control"
+    with EventPublisher(other) as publisher:
+        publisher.publish("control", _stop("a", "other"))
+    with EventConsumer(config, "control", "former", membership=False) as former:
+        former.commit({(topic, 0): 1, (topic, 1): 1})
+    with EventConsumer(other, "control", "former", membership=False) as former:
+        former.commit({(other_topic, 0): 1})  # another namespace's topic: not this one's to adopt
+    with EventConsumer(config, "control", "renamed", membership=False) as own:
+        own.commit({(topic, 1): 0})  # the renamed group's own offset is kept
+    with EventConsumer(config, "control", "renamed", **fast_group) as member:
+        member.wait_for_assignment()
+        assert bus.adopt_group_offsets(config, "control", "renamed", "former") == {}, "the group has a member"
+    assert bus.adopt_group_offsets(config, "control", "renamed", "former") == {(topic, 0): 1}
+    assert {lag.partition: lag.committed for lag in bus.group_lag(config, "renamed")} == {0: 1, 1: 0}
+    assert bus.adopt_group_offsets(config, "control", "renamed", "former") == {}  # nothing left without its own
+    expected = {run for run, (partition, offset) in placed.items() if partition == 1 or offset >= 1}
+    with EventConsumer(config, "control", "renamed", membership=False) as reader:
+        assert {e.event.payload.reason for e in _poll_until(reader, len(expected))} == expected
+
+
 def test_poison_messages_go_to_the_dlq_and_consumption_continues(bus_config: BusConfig, fast_group: dict) -> None:
     topic = f"{bus_config.namespace}.control"
     newer = json.loads(encode_event(_stop("run-a", "from the future")))
