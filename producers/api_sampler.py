@@ -43,7 +43,6 @@ import asyncio
 import bisect
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import json
 import logging
@@ -66,8 +65,8 @@ from pipeline.api.engines import (
     announce_result,
     engine_arguments,
     engine_health,
+    engine_reader,
     engine_setup,
-    request_reader,
     store_result,
 )
 from pipeline.api.gateway import parse_body
@@ -88,11 +87,6 @@ DEFAULT_MAX_ADAPTERS = 8
 INFLIGHT_CHECK_S = 0.5  # how long the latest inflight save a run's pointer names is taken as known
 MAX_RECORDS_KEPT = 4096  # sampling session records kept in memory (a loop makes one per saved version)
 CALL_ROUND_SAMPLES = 16  # samples of one call in the engine at a time: a call of many takes turns with the others
-
-
-def group_for(base_model: str) -> str:
-    """The consumer group of the samplers of one base model (the calls are shared among its members)."""
-    return f"api-sampler-{hashlib.sha256(base_model.encode()).hexdigest()[:16]}"
 
 
 # ---- translation: the SDK's request -> the engine, the engine's result -> the SDK's protobuf ---------------------
@@ -179,7 +173,7 @@ class SamplerWorker:
         self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="rlpipe-api-sampler-")
         self._own_cache = cache_dir is None  # removed on close
         ensure_topics(bus, API_TOPIC_KINDS)
-        self.consumer = request_reader(bus, group_for(base_model), consumer_options)
+        self.consumer = engine_reader(bus, "sampler", base_model, consumer_options)
         self.publisher = EventPublisher(bus)
         self.running: dict[asyncio.Task[None], tuple[TopicPartitionKey, int]] = {}
         self._adapters: OrderedDict[tuple[str, int], AdapterHandle] = OrderedDict()  # least recently used first

@@ -34,7 +34,6 @@ calls that write or read saved weights are ``consumers.api.saves``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -48,7 +47,7 @@ from consumers.engine import NOT_FINITE_STEP, TrainingEngine
 from consumers.engine_data import EngineError
 from pipeline.api import lifecycle
 from pipeline.api.activity import ActivityRecorder
-from pipeline.api.engines import engine_arguments, engine_health, engine_setup, request_reader, write_result
+from pipeline.api.engines import engine_arguments, engine_health, engine_reader, engine_setup, write_result
 from pipeline.io.bus import (
     ConsumedEvent,
     EventPublisher,
@@ -72,11 +71,6 @@ RELOAD_RETRY_S = 60.0  # a parked client whose reload fails (store, memory) is r
 # ---- the worker --------------------------------------------------------------------------------------------------
 
 
-def group_for(base_model: str) -> str:
-    """The consumer group of the trainers of one base model (every trainer reads every call)."""
-    return f"api-trainer-{hashlib.sha256(base_model.encode()).hexdigest()[:16]}"
-
-
 class TrainerWorker:
     """Executes one base model's API calls from the log; see the module docstring."""
 
@@ -94,7 +88,7 @@ class TrainerWorker:
         self.max_waiting_calls = MAX_WAITING_CALLS
         self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's calls waiting for a seq_id are held this long
         ensure_topics(bus, API_TOPIC_KINDS)
-        self.consumer = request_reader(bus, group_for(base_model), consumer_options)
+        self.consumer = engine_reader(bus, "trainer", base_model, consumer_options)
         self.publisher = EventPublisher(bus)
         self.models: dict[str, Model] = {}
         self._since_fold = 0

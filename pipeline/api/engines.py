@@ -1,5 +1,13 @@
-"""What the API's engine processes (the trainer and the sampler roles) share: writing a call's result,
-their command line and their health endpoints.
+"""What the API's engine processes (the trainer and the sampler roles) share: reading the calls, writing a
+call's result, their command line and their health endpoints.
+
+Each role of each base model reads ``<ns>.requests`` in a consumer group of its own
+per namespace, ``api-<role>-<namespace>-<digest of the base model>``: a group is the
+broker's, not a namespace's, and one shared by two namespaces would make an engine
+starting or stopping in one stall the other's in a rebalance.  Releases before the
+namespace was part of the name used ``api-<role>-<digest>``; a group that has no
+committed offset on a partition starts where that name had committed, so an upgrade
+neither replays the log nor skips calls.
 
 A result is written create-only under the call's session and announced with
 ``ApiResultReady`` on ``<ns>.results`` (keyed by model, so one model's results
@@ -15,18 +23,49 @@ An engine takes no HTTP traffic, so with ``--health-port`` it serves only
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.health import HealthServer
-from pipeline.io.bus import EventConsumer, EventPublisher, PublishError
+from pipeline.io.bus import EventConsumer, EventPublisher, PublishError, adopt_group_offsets
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiRequestAccepted, ApiResultReady, BodyFormat, ErrorCategory, result_path
 from schemas.config import BusConfig
 from schemas.events import make_event
+from schemas.names import validate_name
 
 log = logging.getLogger(__name__)
 ENGINE_SETUP_STEPS = ("engine loaded", "reading calls")  # what /readyz waits for, in order
+EngineRole = Literal["trainer", "sampler"]
+
+
+def engine_group(role: EngineRole, namespace: str, base_model: str) -> str:
+    """The consumer group of ``role``'s engines of ``base_model`` in ``namespace``.
+
+    The ``api-<role>-`` prefix is what the deployment's Kafka ACLs grant; the digest keeps a long model path short.
+    """
+    return f"api-{role}-{validate_name(namespace, 'namespace')}-{_digest(base_model)}"
+
+
+def _unnamespaced_group(role: EngineRole, base_model: str) -> str:
+    """The group name of earlier releases, shared by every namespace (read only to adopt its offsets)."""
+    return f"api-{role}-{_digest(base_model)}"
+
+
+def _digest(base_model: str) -> str:
+    return hashlib.sha256(base_model.encode()).hexdigest()[:16]
+
+
+def engine_reader(bus: BusConfig, role: EngineRole, base_model: str,
+                  options: dict[str, Any] | None = None) -> EventConsumer:
+    """``request_reader`` in ``engine_group``, which first adopts the offsets of the un-namespaced group."""
+    group_id = engine_group(role, bus.namespace, base_model)
+    former = _unnamespaced_group(role, base_model)
+    if adopted := adopt_group_offsets(bus, "requests", group_id, former):
+        log.info("group %s starts where %s had got to: %s", group_id, former,
+                 ", ".join(f"{topic}:{partition}@{offset}" for (topic, partition), offset in sorted(adopted.items())))
+    return request_reader(bus, group_id, options)
 
 
 def request_reader(bus: BusConfig, group_id: str, options: dict[str, Any] | None = None) -> EventConsumer:

@@ -532,9 +532,10 @@ def test_kafka_user_may_use_exactly_the_rlpipe_namespace_and_the_api_groups():
             for a in user["spec"]["authorization"]["acls"]}
     assert {"Read", "Write"} <= set(acls[("topic", "rlpipe.", "prefix")])
     assert "Read" in acls[("group", "rlpipe", "prefix")]
-    # The API's engines read <ns>.requests in groups named after their base model's digest: api-trainer-<16 hex>
-    # (consumers/api/worker.py group_for) and api-sampler-<16 hex> (producers/api_sampler.py group_for).
-    for group in ("api-trainer-0123456789abcdef", "api-sampler-0123456789abcdef"):
+    # The API's engines read <ns>.requests in groups named after their namespace and base model's digest
+    # (pipeline/api/engines.py engine_group), and read the un-namespaced groups of earlier releases once.
+    for group in ("api-trainer-rlpipe-0123456789abcdef", "api-sampler-rlpipe-0123456789abcdef",
+                  "api-trainer-0123456789abcdef", "api-sampler-0123456789abcdef"):
         assert any(kind == "group" and pattern == "prefix" and group.startswith(prefix) and "Read" in operations
                    for (kind, prefix, pattern), operations in acls.items()), group
     # nothing broader than rlpipe's topics and groups and the API's two groups

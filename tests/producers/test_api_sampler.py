@@ -20,6 +20,7 @@ from consumers.api import saves
 from consumers.api.worker import TrainerWorker
 from consumers.engine import TrainingEngine
 from pipeline.api import lifecycle
+from pipeline.api.engines import engine_group
 from pipeline.api.gateway import Gateway, NotFoundError, ServedModel
 from pipeline.api.samplers import point_inflight
 from pipeline.io.bus import EventPublisher, ensure_topics
@@ -177,6 +178,7 @@ def test_base_model_samples_with_prompt_logprobs_stop_ids_and_tenant_checks(harn
     first, again, stopped = (harness.sample(sampler_id, 0, seeded), harness.sample(sampler_id, 1, seeded),
                              harness.sample(sampler_id, 2, stop_any))
     results = harness.run([first, again, stopped])
+    assert harness.sampler.consumer.group_id == engine_group("sampler", harness.bus.namespace, harness.base_model)
     assert all(fmt == "pb" for _, fmt in results)
     one, two, three = (deserialize_sample_response(data) for data, _ in results)
     assert [s.tokens for s in one.sequences] == [s.tokens for s in two.sequences]  # a seed fixes the draw

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -16,9 +17,10 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from consumers.api import saves
-from consumers.api.worker import TrainerWorker, group_for, ops
+from consumers.api.worker import TrainerWorker, ops
 from consumers.engine import AdamParams, TrainingEngine
 from pipeline.api import checkpoints, lifecycle
+from pipeline.api.engines import engine_group, request_reader
 from pipeline.api.gateway import Gateway, NotFoundError, ServedModel, SessionEndedError
 from pipeline.api.wire import parse_tinker_path
 from pipeline.io.bus import EventPublisher, ensure_topics
@@ -147,7 +149,7 @@ def test_out_of_order_chunks_run_in_seq_order_and_match_a_direct_run(harness):
     assert output.metrics["loss:sum"] > 0
     assert json.loads(harness.result(step)[0])["metrics"]["step:max"] == 1.0
     assert_same(trainer.engine.weights(f"{harness.session}.train.0"), reference_weights(harness.base_model, chunks))
-    assert group_for(harness.base_model) == trainer.consumer.group_id
+    assert trainer.consumer.group_id == engine_group("trainer", harness.bus.namespace, harness.base_model)
     trainer.close()
 
 
@@ -1178,3 +1180,61 @@ def test_a_split_call_whose_later_request_the_gateway_refused_is_answered_at_onc
     assert not model.pending and not model.has_gradients
     assert not trainer.engine.has_gradients(ops.adapter_name(model_id))  # nothing of the call was trained
     trainer.close()
+
+
+def test_trainers_of_one_base_model_in_two_namespaces_read_in_groups_of_their_own(harness):
+    # A consumer group is the broker's, not a namespace's: had a base model's trainers in two namespaces one group,
+    # the second one's join would stall the first in a rebalance (the dev stack's broker never assigns it at all).
+    staging = harness.trainer()
+    prod_bus = harness.bus.model_copy(update={"namespace": f"{harness.bus.namespace}-prod"})
+    prod = TrainerWorker(harness.store, prod_bus, harness.base_model, TrainingEngine(harness.base_model, device="cpu"),
+                         consumer_options=harness.fast_group)
+    try:
+        assert staging.consumer.wait_for_assignment() == [(f"{harness.bus.namespace}.requests", 0)]
+        deadline, staging_rebalanced = time.monotonic() + 20.0, False
+        while not prod.consumer.assignment() and time.monotonic() < deadline:
+            staging.step(poll_timeout_s=0.1)  # the staging trainer works on meanwhile
+            staging_rebalanced |= staging.consumer.rebalancing
+            prod.consumer.wait_for_assignment(timeout_s=1.0)  # (a join needs polls longer than 0.1 s to finish)
+        assert prod.consumer.assignment() == [(f"{prod_bus.namespace}.requests", 0)], "prod never got its partition"
+        assert not staging_rebalanced, "prod's trainer joining stalled staging's in a rebalance"
+        assert staging.consumer.group_id != prod.consumer.group_id
+        harness.create()
+        run_until(staging, harness, [f"{harness.session}.train.0.create"])
+        staging.fold_all()
+        assert staging.consumer.committed() == {0: 1}, "staging's trainer commits in its own group undisturbed"
+    finally:
+        staging.close()
+        prod.close()
+
+
+def test_a_trainer_upgraded_from_the_unnamespaced_group_starts_where_that_group_had_committed(harness):
+    # A trainer of an earlier release read in api-trainer-<digest>, whatever its namespace: here one stand-in reads
+    # in that group, executes and folds the first two calls (committed: offset 2), and goes away.
+    earlier = harness.trainer()
+    earlier.consumer.close()
+    digest = hashlib.sha256(harness.base_model.encode()).hexdigest()[:16]
+    earlier.consumer = request_reader(harness.bus, f"api-trainer-{digest}", harness.fast_group)
+    model_id = harness.create()
+    chunk = [_datum(7)]
+    run_until(earlier, harness, [f"{harness.session}.train.0.create",
+                                 harness.gateway.submit(TENANT, "forward_backward", model_id, 1,
+                                                        _fb(model_id, 1, chunk), "pb")])
+    earlier.fold_all()
+    assert earlier.consumer.committed() == {0: 2}
+    earlier.close()
+    step = harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
+    trainer = harness.trainer()
+    try:
+        assert trainer.consumer.committed() == {0: 2}, "the namespaced group starts where the former one stopped"
+        deadline, read = time.monotonic() + 20.0, []
+        while not read and time.monotonic() < deadline:
+            read = trainer.consumer.poll(timeout_s=1.0)
+        assert [event.offset for event in read] == [2], "calls the former group had done are not read again"
+        for event in read:
+            trainer.accept(event)
+        run_until(trainer, harness, [step])
+        assert_same(trainer.engine.weights(f"{harness.session}.train.0"),
+                    reference_weights(harness.base_model, [chunk]))
+    finally:
+        trainer.close()

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from pipeline.api.engines import write_result
+from pipeline.api.engines import engine_group, write_result
 from pipeline.io.bus import PublishError
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiRequestAccepted, result_path
@@ -27,6 +27,18 @@ class Publisher:
 CALL = ApiRequestAccepted(request_id="sess-1.sample.1", tenant="alice", session_id="sess-1", op="sample",
                           model_id="sess-1.sample", seq_id=1, body_path="sessions/sess-1/requests/1.json",
                           body_sha256="0" * 64)
+
+
+def test_each_role_of_a_base_model_reads_in_a_group_of_its_own_per_namespace():
+    groups = {engine_group(role, namespace, "/models/base/tiny") for role in ("trainer", "sampler")
+              for namespace in ("staging", "prod")}
+    assert len(groups) == 4
+    # the prefixes the deployment's Kafka ACLs grant (infra/k8s/kafka/user.yaml), the namespace readable in tooling
+    assert engine_group("trainer", "prod", "/models/base/tiny").startswith("api-trainer-prod-")
+    assert engine_group("sampler", "prod", "/models/base/tiny").startswith("api-sampler-prod-")
+    assert engine_group("trainer", "prod", "/models/other") != engine_group("trainer", "prod", "/models/base/tiny")
+    with pytest.raises(ValueError, match="namespace"):
+        engine_group("trainer", "prod/x", "/models/base/tiny")
 
 
 def test_a_result_is_stored_then_announced_once():
