@@ -90,6 +90,7 @@ from schemas.names import validate_name
 
 # how the refusal of a step on gradients that are not finite begins (it discards them: a replay must too)
 NOT_FINITE_STEP = "optim_step refused: the accumulated gradients are not finite"
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the adapters' weights and Adam state are float32
 # loss name -> (function, the keyword arguments it accepts besides the normaliser)
 LOSSES: dict[str, tuple[Callable[..., tuple[torch.Tensor, LossStats]], frozenset[str]]] = {
     "cross_entropy": (cross_entropy_loss, frozenset()),
@@ -126,6 +127,15 @@ class AdamParams:
             if not (ok and math.isfinite(value)):
                 raise EngineError(f"adam {name}={value} is out of range (learning_rate, eps, weight_decay, "
                                   "grad_clip_norm >= 0 with eps > 0; betas in [0, 1))")
+        # AdamW's scalars meet the float32 weights: the first step's size lr / (1 - beta1) (bias correction shrinks
+        # the later ones) and the decoupled decay lr * weight_decay; beyond float32, torch fails between two
+        # parameters (some stepped, some not) or writes infinite weights
+        for what, value in (("a step", self.learning_rate / (1 - self.beta1)),
+                            ("a weight decay", self.learning_rate * self.weight_decay)):
+            if value > FLOAT32_MAX:
+                raise EngineError(f"adam learning_rate={self.learning_rate:g}, beta1={self.beta1:g} and weight_decay="
+                                  f"{self.weight_decay:g} make {what} of {value:g}, beyond float32's {FLOAT32_MAX:g}; "
+                                  "use a smaller learning rate or weight decay")
 
 
 @dataclass

@@ -356,6 +356,10 @@ BAD_CALLS = {
     "optimizer not served": (lambda e: ops.optim_step(e, "bad:train:0", types.OptimStepRequest(
         optim_params=types.DimuonParams(learning_rate=0.1), model_id="bad:train:0")), "'dimuon' is not served"),
     "adam out of range": (lambda e: step(e, "bad:train:0", types.AdamParams(eps=0.0)), "adam eps=0"),
+    "adam step size beyond float32": (lambda e: step(e, "bad:train:0", types.AdamParams(learning_rate=1e300)),
+                                      "learning_rate=1e\\+300, .* make a step of 1e\\+301, beyond float32"),
+    "adam weight decay beyond float32": (lambda e: step(e, "bad:train:0", types.AdamParams(
+        learning_rate=1e-3, weight_decay=1e300)), "weight_decay=1e\\+300 make a weight decay of 1e\\+297, beyond"),
     "optim_step of an unknown model": (lambda e: step(e, "nobody:train:0", ADAM), "unknown model"),
     "model exists": (lambda e: ops.create_model(e, "bad:train:0", create_request()), "already exists"),
     "no module selected": (lambda e: ops.create_model(e, "new:train:0", create_request(
