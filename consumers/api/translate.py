@@ -45,6 +45,7 @@ LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
     "dro": {"beta": 0.05},
     "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
 }
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _OPEN_RATIO_MASK = {"ratio_mask_low": 0.0, "ratio_mask_high": math.inf}
 _ATTENTION_PARTS = ("attn", "attention")
 _MLP_PARTS = ("mlp", "feed_forward", "ffn", "experts")
@@ -87,6 +88,9 @@ def _number(key: str, value: float | str) -> float:
         number = math.nan
     if not math.isfinite(number):
         raise ApiError(f"loss_fn_config {key}={value!r} is not a finite number")
+    if abs(number) > _FLOAT32_MAX:  # the losses compute in float32, where torch cannot hold it
+        raise ApiError(f"loss_fn_config {key}={value!r} is beyond float32's {_FLOAT32_MAX:g}, the precision the "
+                       "losses compute in; use a number within it")
     return number
 
 

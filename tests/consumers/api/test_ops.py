@@ -328,6 +328,8 @@ BAD_CALLS = {
     "stable_reinforce": (lambda e: fb(e, "bad:train:0", batch(1, "ppo"), "stable_reinforce"),
                          "stable_reinforce is not served .* loss_fn=importance_sampling"),
     "unknown loss config": (lambda e: fb(e, "bad:train:0", batch(1, "ppo"), "ppo", {"beta": 0.1}), "does not take"),
+    "loss config beyond float32": (lambda e: fb(e, "bad:train:0", batch(1, "ppo"), "ppo", {
+        "clip_low_threshold": 0.0, "clip_high_threshold": 1e308}), "clip_high_threshold=1e\\+308 .* float32"),
     "non-numeric loss config": (lambda e: fb(e, "bad:train:0", batch(1, "dro"), "dro", {"beta": "x"}),
                                 "not a finite number"),
     "lengths differ": (lambda e: fb(e, "bad:train:0", [*batch(1), datum([1, 2, 3, 4], 1, weights=[1.0, 1.0])]),
