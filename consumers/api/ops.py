@@ -41,6 +41,7 @@ from tinker import types
 from consumers.api.translate import engine_datums, engine_loss_args, lora_target_modules
 from consumers.engine import AdamParams, ForwardResult, TrainingEngine
 from consumers.engine_data import AdapterShapeError, EngineError
+from pipeline.api.gateway import check_lora_seed
 from pipeline.io.tensors import save_tensors as save_safetensors
 from schemas.api import ApiError, model_run_name
 from schemas.names import InvalidNameError
@@ -61,6 +62,7 @@ def create_model(engine: TrainingEngine, model_id: str, request: types.CreateMod
     lora = request.lora_config
     if name in engine.adapters():
         raise ApiError(f"model {model_id!r} already exists; unload it first or create another model")
+    check_lora_seed(lora.seed)
     targets = lora_target_modules(engine.base, lora)
     seed = lora.seed if lora.seed is not None else _seed_of(model_id)
     with _as_user_errors():

@@ -106,6 +106,15 @@ class ServedModel:
 
 
 MAX_LORA_RANK = 512  # the largest LoRA rank vLLM serves (its max_lora_rank slots)
+LORA_SEEDS = range(-(2**63), 2**64)  # the seeds torch.manual_seed takes (a new adapter's initialisation)
+
+
+def check_lora_seed(seed: int | None) -> None:
+    """Refuse a ``lora_config.seed`` the trainer cannot initialise an adapter from (the gateway's and the trainer's
+    check, so that no training client is recorded for it)."""
+    if seed is not None and seed not in LORA_SEEDS:
+        raise ApiError(f"lora_config.seed={echoed(seed)}: use a seed from {LORA_SEEDS.start} to "
+                       f"{LORA_SEEDS.stop - 1}, or none (the model id seeds it)")
 
 
 def now() -> str:
@@ -264,6 +273,7 @@ class Gateway:
         if not 1 <= lora_rank <= MAX_LORA_RANK:
             raise ApiError(f"lora_config.rank={lora_rank}: use a rank of at least 1 and at most {MAX_LORA_RANK} "
                            "(the largest vLLM serves)")
+        check_lora_seed(lora.get("seed"))
         model_id = model_id_for(session_id, "train", model_seq_id)
         record = {"model_id": model_id, "tenant": tenant, "base_model": base_model, "lora_rank": lora_rank,
                   "lora": lora, "user_metadata": user_metadata or {}, "created_at": now()}

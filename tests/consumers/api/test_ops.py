@@ -364,6 +364,8 @@ BAD_CALLS = {
         learning_rate=1e-3, weight_decay=1e300)), "weight_decay=1e\\+300 make a weight decay of 1e\\+297, beyond"),
     "optim_step of an unknown model": (lambda e: step(e, "nobody:train:0", ADAM), "unknown model"),
     "model exists": (lambda e: ops.create_model(e, "bad:train:0", create_request()), "already exists"),
+    "lora seed beyond torch's": (lambda e: ops.create_model(e, "new:train:0", create_request(seed=2**64)),
+                                 "lora_config.seed=18446744073709551616: use"),
     "no module selected": (lambda e: ops.create_model(e, "new:train:0", create_request(
         train_attn=False, train_mlp=False, train_unembed=False)), "trains no module"),
     "not a state": (lambda e: ops.load_state(e, "bad:train:0", b"\x00" * 16, True), "not a training-engine state"),

@@ -268,6 +268,11 @@ def test_a_create_the_trainer_would_refuse_is_refused_here_and_leaves_no_trainin
             "session_id": session, "model_seq_id": 0, "base_model": "/models/base/tiny", "lora_config": {"rank": rank},
             "type": "create_model"})
         assert refused.status_code == 400 and says in refused.json()["error"], refused.text
+    for seed in (2**64, -2**63 - 1):  # outside the seeds torch takes
+        refused = api.post("/api/v1/create_model", headers=ALICE, json={
+            "session_id": session, "model_seq_id": 0, "base_model": "/models/base/tiny",
+            "lora_config": {"rank": 4, "seed": seed}, "type": "create_model"})
+        assert refused.status_code == 400 and f"lora_config.seed={seed}: use" in refused.json()["error"], refused.text
     assert _create(api, session).status_code == 200  # model_seq_id 0 is still free
     for seq, path, says in ((1, f"tinker://{session}:train:0/sampler_weights/final", "not a training state"),
                             (2, f"tinker://{session}:train:0/weights/never-saved", "no saved weights")):
