@@ -31,7 +31,7 @@ from tinker import types
 
 from pipeline.api import checkpoints, downloads, listing
 from pipeline.api.direct import DirectSamplers
-from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, parse_body
+from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, check_sampling_seq, parse_body
 from pipeline.api.results import ResultSignals
 from pipeline.api.sample_queue import BusyError
 from pipeline.api.samplers import check_sample_request
@@ -307,6 +307,8 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
                                "SDK")
             if body.path is not None:
                 checkpoint_name(body.path)
+            if body.sampling_session_seq_id is not None:
+                check_sampling_seq(body.sampling_session_seq_id)
             checkpoints.expiry(body.ttl_seconds)
             return {"request_id": gateway.submit(who, "save_weights_for_sampler", body.model_id, body.seq_id, raw)}
 

@@ -60,6 +60,7 @@ from pipeline.api.sample_queue import MAX_PENDING_SAMPLES, SampleQueue
 from pipeline.api.samplers import read_sampler, write_sampler
 from pipeline.api.tenants import TenantLimits
 from pipeline.api.wire import (
+    MAX_SEQ,
     TinkerPath,
     numbered_call,
     parse_tinker_path,
@@ -137,6 +138,13 @@ def check_metadata(field: str, value: Any) -> None:
     if size > MAX_METADATA_BYTES:
         raise ApiError(f"{field} of {size} bytes (as JSON): keep it within {MAX_METADATA_BYTES} bytes; store "
                        "larger data elsewhere and put its address in it")
+
+
+def check_sampling_seq(seq: int) -> None:
+    """Refuse a ``sampling_session_seq_id`` the SDK never sends (it numbers sampling clients from 0)."""
+    if not 0 <= seq <= MAX_SEQ:
+        raise ApiError(f"sampling_session_seq_id={echoed(seq)}: a ServiceClient numbers its sampling clients from 0 "
+                       f"(up to {MAX_SEQ}); use the tinker SDK's create_sampling_client")
 
 
 def _no_session(session_id: str) -> str:
@@ -267,9 +275,9 @@ class Gateway:
         self.live_session(tenant, session_id)
         self.served(base_model)
         check_metadata("user_metadata", user_metadata or {})
-        if model_seq_id < 0:
-            raise ApiError(f"model_seq_id={model_seq_id}: a ServiceClient numbers its training clients from 0; "
-                           "use the tinker SDK's create_lora_training_client")
+        if not 0 <= model_seq_id <= MAX_SEQ:
+            raise ApiError(f"model_seq_id={echoed(model_seq_id)}: a ServiceClient numbers its training clients from 0 "
+                           f"(up to {MAX_SEQ}); use the tinker SDK's create_lora_training_client")
         if not 1 <= lora_rank <= MAX_LORA_RANK:
             raise ApiError(f"lora_config.rank={lora_rank}: use a rank of at least 1 and at most {MAX_LORA_RANK} "
                            "(the largest vLLM serves)")
@@ -329,9 +337,10 @@ class Gateway:
         """Accept a call on one of the tenant's models: body to the store, event on the log; its request id."""
         record = self.model(tenant, model_id)
         self.check_live(model_run_name(model_id).split(".")[0])
-        if (op != "create_model" and op != "load_weights" and not seq_id) or (seq_id is not None and seq_id < 0):
-            raise ApiError(f"{op} seq_id={seq_id}: a training call needs a seq_id >= 1 (the next of its training "
-                           "client); use the tinker SDK's TrainingClient")
+        if (op != "create_model" and op != "load_weights" and not seq_id) or (
+                seq_id is not None and not 0 <= seq_id <= MAX_SEQ):
+            raise ApiError(f"{op} seq_id={echoed(seq_id)}: a training call needs a seq_id from 1 to {MAX_SEQ} (the "
+                           "next of its training client); use the tinker SDK's TrainingClient")
         request_id = self._log_call(tenant, op, record, model_id, seq_id, body, fmt)
         if request_id is None:
             raise ApiError(f"seq_id {seq_id} of {model_id} was already used for another call; "
@@ -400,6 +409,7 @@ class Gateway:
                                 model_path: str | None) -> str:
         """A sampling session on the base model, or on the sampler weights a ``tinker://`` path names."""
         self.live_session(tenant, session_id)
+        check_sampling_seq(seq)
         if model_path is None:
             return write_sampler(self.store, tenant, session_id, seq, self.served(base_model).name, None, None, None)
         path, record = self.readable_path(tenant, model_path)
@@ -441,9 +451,9 @@ class Gateway:
         """
         record = self.sampler(tenant, sampling_session_id)
         self.check_live(model_run_name(sampling_session_id).split(".")[0])
-        if seq_id is not None and seq_id < 0:
-            raise ApiError(f"seq_id={seq_id}: a sampling client numbers its sample calls from 0; use the tinker "
-                           "SDK's SamplingClient")
+        if seq_id is not None and not 0 <= seq_id < MAX_SEQ:
+            raise ApiError(f"seq_id={echoed(seq_id)}: a sampling client numbers its sample calls from 0 (below "
+                           f"{MAX_SEQ}); use the tinker SDK's SamplingClient")
         base_model = record["base_model"]
         request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)
         self.samples.admit(base_model, request_id, tenant)

@@ -32,6 +32,7 @@ _DTYPES: dict[int, tuple[np.dtype, str]] = {
     public_pb.DTYPE_INT64: (np.dtype(np.int64), "int64"),
     public_pb.DTYPE_INT32: (np.dtype(np.int32), "int64"),
 }
+MAX_SEQ = 2**31 - 1  # the largest sequence number (seq_id, model_seq_id, ...): the SDK's protobuf seq_id is int32
 PATH_FOLDERS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}  # kind -> folder
 _PATH_KINDS = {folder: kind for kind, folder in PATH_FOLDERS.items()}
 
@@ -190,7 +191,7 @@ def numbered_call(body: bytes, fmt: str) -> tuple[str, int] | None:
             model_id, seq_id = data.get("model_id"), data.get("seq_id")
     except (ApiError, ValueError, AttributeError):
         return None
-    if not isinstance(model_id, str) or not model_id or type(seq_id) is not int or seq_id < 1:
+    if not isinstance(model_id, str) or not model_id or type(seq_id) is not int or not 1 <= seq_id <= MAX_SEQ:
         return None
     return model_id, seq_id
 

@@ -372,6 +372,39 @@ def test_negative_sequence_numbers_are_a_400_that_logs_and_holds_nothing(api):
     assert api.app.state.gateway.samples.queued() == 0
 
 
+def test_sequence_numbers_beyond_the_sdks_are_a_400_that_records_and_logs_nothing(api):
+    """The SDK's sequence numbers are int32 (its protobuf's seq_id): a larger one is a bad request naming its field,
+    and no training client, sampling client or call is recorded for it (a model_seq_id of 10**30 used to leave a
+    training client whose create was never logged, counted against its tenant)."""
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    sampler_id = _sampling_session(api, session, base_model="/models/base/tiny").json()["sampling_session_id"]
+    logged, stored = len(api.published), set(api.store.list("sessions", recursive=True))
+    huge = 10**30
+    answers = {
+        "model_seq_id": api.post("/api/v1/create_model", headers=ALICE, json={
+            "session_id": session, "model_seq_id": huge, "base_model": "/models/base/tiny", "lora_config": {"rank": 4},
+            "type": "create_model"}),
+        "sampling_session_seq_id": api.post("/api/v1/create_sampling_session", headers=ALICE, json={
+            "session_id": session, "sampling_session_seq_id": huge, "base_model": "/models/base/tiny",
+            "type": "create_sampling_session"}),
+        "seq_id": api.post("/api/v1/optim_step", headers=ALICE, json={
+            "model_id": model_id, "seq_id": huge, "type": "optim_step", "adam_params": {"learning_rate": 1e-3}}),
+        "seq_id ": _asample(api, sampler_id, seq_id=huge),
+        "sampling_session_seq_id ": api.post("/api/v1/save_weights_for_sampler", headers=ALICE, json={
+            "model_id": model_id, "seq_id": 1, "sampling_session_seq_id": huge, "type": "save_weights_for_sampler"}),
+    }
+    for field, answer in answers.items():
+        assert answer.status_code == 400 and answer.json()["category"] == "user", (field, answer.text)
+        assert f"{field.strip()}={huge}: " in answer.json()["error"] and "2147483647" in answer.json()["error"], (
+            field, answer.text)
+    refused = [event.payload for _, event in api.published[logged:]]
+    assert [(call.op, call.seq_id, call.refused is not None) for call in refused] == [
+        ("save_weights_for_sampler", 1, True)]  # a numbered call refused here is logged as refused, as ever
+    stored_now = set(api.store.list("sessions", recursive=True)) - stored
+    assert stored_now == {refused[0].body_path}, stored_now
+
+
 def test_a_sample_answered_but_never_polled_here_frees_its_place_in_the_queue(api):
     """The queue counts samples without a result, not samples this gateway has not answered a poll for: a client
     that died after its call, or that polls through another gateway, must not fill it for every tenant for ever."""
