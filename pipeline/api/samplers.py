@@ -39,6 +39,7 @@ from schemas.trajectory import MIN_SAMPLING_TEMPERATURE
 
 SAMPLE_KIND = "sample"
 MAX_SAMPLES_PER_CALL = 1024  # num_samples of one sample call: the gateway makes a sequence id for each
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on the SDK's wire (its protobuf's tokens); vLLM's engine takes 64 bits
 VERSION_USERS = "api/version-users"  # <run>/<version>/<session>: sessions sampling named sampler weights
 
 
@@ -151,8 +152,14 @@ def check_sample_request(request: types.SampleRequest) -> None:
     if given.max_tokens is not None and given.max_tokens < 1:
         raise ApiError(f"sampling_params.max_tokens={given.max_tokens}: ask for at least 1 token, or leave it "
                        "unset for up to the context length")
-    if given.top_k < -1:
-        raise ApiError(f"sampling_params.top_k={given.top_k}: use -1 (no cut) or a number of tokens >= 1")
+    if not -1 <= given.top_k <= MAX_TOKEN_ID:
+        raise ApiError(f"sampling_params.top_k={echoed(given.top_k)}: use -1 (no cut) or a number of tokens from 1 to "
+                       f"{MAX_TOKEN_ID}")
+    stop = [] if given.stop is None or isinstance(given.stop, str) else list(given.stop)
+    bad = next((item for item in stop if isinstance(item, int) and not 0 <= item <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise ApiError(f"sampling_params.stop holds {echoed(bad)}, which is no token id; send ids from 0 to "
+                       f"{MAX_TOKEN_ID} (the model's tokenizer's), or stop strings")
     if not (math.isfinite(given.temperature) and given.temperature >= 0):
         raise ApiError(f"sampling_params.temperature={given.temperature}: use 0 (greedy) or a positive number")
     if 0 < given.temperature < MIN_SAMPLING_TEMPERATURE:
