@@ -34,6 +34,7 @@ from tinker import types
 
 from consumers.engine_data import Datum
 from schemas.api import ApiError
+from schemas.names import echoed
 
 LOSS_INPUTS = ("target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask")
 # loss -> its loss_fn_config keys with Tinker's defaults
@@ -125,7 +126,11 @@ def _engine_datum(datum: types.Datum) -> Datum:
 
 
 def _vector(key: str, value: types.TensorData, n: int) -> torch.Tensor:
-    """One loss input as a 1-D tensor (sparse CSR densified with 0, as the SDK encodes it)."""
+    """One loss input as a 1-D tensor.  Its shape is checked first: a sparse CSR input (2-D, as the SDK encodes
+    top-k inputs) would be densified to whatever size its shape claims."""
+    if value.shape is not None and len(value.shape) != 1:
+        raise ApiError(f"{key} has shape {echoed(list(value.shape))}, expected [{n}] (one value per model_input token; "
+                       "2-D inputs are not served)")
     try:
         tensor = value.to_torch()
     except (AssertionError, RuntimeError, TypeError, ValueError) as exc:

@@ -346,6 +346,10 @@ BAD_CALLS = {
     "2-D targets": (lambda e: fb(e, "bad:train:0", [types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
                     loss_fn_inputs={"target_tokens": types.TensorData.from_torch(torch.ones(2, 3, dtype=torch.long))})]),
                     "2-D inputs are not served"),
+    "sparse input of a huge shape": (lambda e: fb(e, "bad:train:0", [types.Datum(  # refused before it is densified
+        model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3], "weights": types.
+        TensorData([], "float32", [1, 2**62], sparse_crow_indices=[0, 0], sparse_col_indices=[])})]),
+        r"weights has shape \[1, 4611686018427387904\], expected \[2\] .*2-D inputs are not served"),
     "unknown loss input": (lambda e: fb(e, "bad:train:0", [datum([1, 2, 3], 1, mask=types.TensorData([1.0, 1.0], "float32"))]),
                            "\\['mask'\\] are not served"),
     "missing sampler logprobs": (lambda e: fb(e, "bad:train:0", batch(1), "importance_sampling"), "needs logprobs"),
