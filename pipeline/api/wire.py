@@ -17,6 +17,7 @@ dot, which is how ``retrieve_future`` finds a result's folder.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,7 +118,11 @@ def _tensor(msg: public_pb.Tensor, name: str) -> types.TensorData:
         return types.TensorData(_array(csr.values, np_dtype, what).astype(dtype), dtype, shape,
                                 _array(csr.crow_indices, int64, f"{what} crow_indices").tolist(),
                                 _array(csr.col_indices, int64, f"{what} col_indices").tolist())
-    return types.TensorData(_array(msg.dense, np_dtype, what).astype(dtype), dtype, shape)
+    values = _array(msg.dense, np_dtype, what)
+    if shape is not None and (min(shape) < 0 or math.prod(shape) != values.size):
+        raise ApiError(f"{what} holds {values.size} values, not its shape {echoed(shape)}; send what the tinker SDK "
+                       "encodes")
+    return types.TensorData(values.astype(dtype), dtype, shape)
 
 
 def _chunk(msg: public_pb.Chunk) -> types.EncodedTextChunk:

@@ -98,6 +98,26 @@ def test_tensor_and_token_bytes_of_a_length_no_dtype_divides_are_the_users_error
         assert refused.value.category == "user"
 
 
+def test_a_tensor_whose_shape_does_not_hold_its_values_is_the_users_error():
+    """A dense tensor's shape that its values do not fill (3 values, shape [5]) is the client's fault, answered as a
+    user error naming the input, not a server fault."""
+    from tinker.proto import tinker_public_pb2 as public_pb
+
+    msg = public_pb.ForwardBackwardRequest(model_id="sess-a:train:0", seq_id=1, loss_fn="cross_entropy")
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.arange(3, dtype=np.int32).tobytes()
+    datum.loss_fn_inputs["target_tokens"].CopyFrom(public_pb.Tensor(
+        dense=np.arange(3, dtype=np.int64).tobytes(), dtype=public_pb.DTYPE_INT64, shape=[5]))
+    with pytest.raises(ApiError, match=r"loss_fn_inputs\['target_tokens'\] holds 3 values, not its shape \[5\]"
+                       ) as refused:
+        decode_forward_backward(msg.SerializeToString())
+    assert refused.value.category == "user"
+    del datum.loss_fn_inputs["target_tokens"].shape[:]
+    datum.loss_fn_inputs["target_tokens"].shape.extend([-1, -3])  # numpy would take neither
+    with pytest.raises(ApiError, match=r"holds 3 values, not its shape \[-1, -3\]"):
+        decode_forward_backward(msg.SerializeToString())
+
+
 def test_a_forward_backward_too_large_to_read_is_numbered_from_its_first_bytes():
     """The SDK's encoder writes ``model_id`` and ``seq_id`` before the datums: the first bytes of a body name its call
     without the rest; bytes that stop inside those fields, or a body of another shape, name none."""
