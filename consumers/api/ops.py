@@ -41,7 +41,7 @@ from tinker import types
 from consumers.api.translate import engine_datums, engine_loss_args, lora_target_modules
 from consumers.engine import AdamParams, ForwardResult, TrainingEngine
 from consumers.engine_data import AdapterShapeError, EngineError
-from pipeline.api.gateway import check_lora_seed
+from pipeline.api.clients import check_create_model
 from pipeline.io.tensors import save_tensors as save_safetensors
 from schemas.api import ApiError, model_run_name
 from schemas.names import InvalidNameError
@@ -55,14 +55,9 @@ _WEIGHTS_ONLY_KEY = "rlpipe.api.weights_only"
 def create_model(engine: TrainingEngine, model_id: str, request: types.CreateModelRequest) -> None:
     """A new LoRA adapter for ``model_id`` (see the module docstring for the modules and the seed)."""
     name = adapter_name(model_id)
-    if request.lora_config is None:
-        raise ApiError("create_model needs a lora_config (rlpipe trains LoRA adapters); send its rank")
-    if request.optimizer_config.type != "adamw":
-        raise ApiError(f"optimizer {request.optimizer_config.type!r} is not served; use adamw (the default)")
-    lora = request.lora_config
+    lora = check_create_model(request)
     if name in engine.adapters():
         raise ApiError(f"model {model_id!r} already exists; unload it first or create another model")
-    check_lora_seed(lora.seed)
     targets = lora_target_modules(engine.base, lora)
     seed = lora.seed if lora.seed is not None else _seed_of(model_id)
     with _as_user_errors():

@@ -30,8 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinker import types
 
 from pipeline.api import checkpoints, downloads, listing
+from pipeline.api.clients import check_create_model, check_sampling_seq
 from pipeline.api.direct import DirectSamplers
-from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, check_sampling_seq, parse_body
+from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, parse_body
 from pipeline.api.results import ResultSignals
 from pipeline.api.sample_queue import BusyError
 from pipeline.api.samplers import check_sample_request
@@ -247,7 +248,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     async def create_model(request: Request, who: Tenant) -> dict[str, Any]:
         raw = await request.body()
         body = parse_body(types.CreateModelRequest, raw)
-        lora = body.lora_config or types.LoraConfig(rank=32)
+        lora = check_create_model(body)
         model_id = gateway.register_model(who, body.session_id, body.model_seq_id, body.base_model, lora.rank,
                                           lora.model_dump(), body.user_metadata)
         return {"request_id": gateway.submit(who, "create_model", model_id, None, raw), "model_id": model_id}

@@ -46,6 +46,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from pipeline.api import checkpoints, downloads
+from pipeline.api.clients import check_sampling_seq
 from pipeline.api.lifecycle import (
     SESSION_EXPIRY_S,
     files_deleted,
@@ -107,15 +108,6 @@ class ServedModel:
 
 
 MAX_LORA_RANK = 512  # the largest LoRA rank vLLM serves (its max_lora_rank slots)
-LORA_SEEDS = range(-(2**63), 2**64)  # the seeds torch.manual_seed takes (a new adapter's initialisation)
-
-
-def check_lora_seed(seed: int | None) -> None:
-    """Refuse a ``lora_config.seed`` the trainer cannot initialise an adapter from (the gateway's and the trainer's
-    check, so that no training client is recorded for it)."""
-    if seed is not None and seed not in LORA_SEEDS:
-        raise ApiError(f"lora_config.seed={echoed(seed)}: use a seed from {LORA_SEEDS.start} to "
-                       f"{LORA_SEEDS.stop - 1}, or none (the model id seeds it)")
 
 
 def now() -> str:
@@ -138,13 +130,6 @@ def check_metadata(field: str, value: Any) -> None:
     if size > MAX_METADATA_BYTES:
         raise ApiError(f"{field} of {size} bytes (as JSON): keep it within {MAX_METADATA_BYTES} bytes; store "
                        "larger data elsewhere and put its address in it")
-
-
-def check_sampling_seq(seq: int) -> None:
-    """Refuse a ``sampling_session_seq_id`` the SDK never sends (it numbers sampling clients from 0)."""
-    if not 0 <= seq <= MAX_SEQ:
-        raise ApiError(f"sampling_session_seq_id={echoed(seq)}: a ServiceClient numbers its sampling clients from 0 "
-                       f"(up to {MAX_SEQ}); use the tinker SDK's create_sampling_client")
 
 
 def _no_session(session_id: str) -> str:
@@ -281,7 +266,6 @@ class Gateway:
         if not 1 <= lora_rank <= MAX_LORA_RANK:
             raise ApiError(f"lora_config.rank={lora_rank}: use a rank of at least 1 and at most {MAX_LORA_RANK} "
                            "(the largest vLLM serves)")
-        check_lora_seed(lora.get("seed"))
         model_id = model_id_for(session_id, "train", model_seq_id)
         record = {"model_id": model_id, "tenant": tenant, "base_model": base_model, "lora_rank": lora_rank,
                   "lora": lora, "user_metadata": user_metadata or {}, "created_at": now()}

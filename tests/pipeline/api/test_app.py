@@ -260,7 +260,8 @@ def test_a_numbered_call_refused_here_is_still_logged_as_failing(api):
 
 
 def test_a_create_the_trainer_would_refuse_is_refused_here_and_leaves_no_training_client(api):
-    """A rank out of range, or a new client from sampler weights or from no saved state, fails at the gateway:
+    """A rank or seed out of range, no lora_config, an optimizer not served, a LoRA on no module, or a new client from
+    sampler weights or from no saved state, fails at the gateway:
     nothing is recorded, so list_training_runs never shows it."""
     session = _session(api)
     for rank, says in ((0, "at least 1"), (100_000, "at most 512")):
@@ -273,6 +274,14 @@ def test_a_create_the_trainer_would_refuse_is_refused_here_and_leaves_no_trainin
             "session_id": session, "model_seq_id": 0, "base_model": "/models/base/tiny",
             "lora_config": {"rank": 4, "seed": seed}, "type": "create_model"})
         assert refused.status_code == 400 and f"lora_config.seed={seed}: use" in refused.json()["error"], refused.text
+    for change, says in (({"lora_config": None}, "needs a lora_config"),
+                         ({"optimizer_config": {"type": "muon"}}, "optimizer 'muon' is not served"),
+                         ({"lora_config": {"rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False}},
+                          "trains no module")):
+        refused = api.post("/api/v1/create_model", headers=ALICE, json={
+            "session_id": session, "model_seq_id": 0, "base_model": "/models/base/tiny", "lora_config": {"rank": 4},
+            "type": "create_model", **change})
+        assert refused.status_code == 400 and says in refused.json()["error"], refused.text
     assert _create(api, session).status_code == 200  # model_seq_id 0 is still free
     for seq, path, says in ((1, f"tinker://{session}:train:0/sampler_weights/final", "not a training state"),
                             (2, f"tinker://{session}:train:0/weights/never-saved", "no saved weights")):
