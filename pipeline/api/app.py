@@ -412,7 +412,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> dict[str, Any]:
         try:
             raw = json.loads(await request.body())
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested deeper than Python's reader goes)
             raise ApiError("set_checkpoint_ttl takes a JSON body {\"ttl_seconds\": seconds or null}; use the "
                            "tinker SDK's RestClient") from None
         if not isinstance(raw, dict) or "ttl_seconds" not in raw:

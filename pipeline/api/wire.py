@@ -194,7 +194,7 @@ def numbered_call(body: bytes, fmt: str) -> tuple[str, int] | None:
         else:
             data = json.loads(body)
             model_id, seq_id = data.get("model_id"), data.get("seq_id")
-    except (ApiError, ValueError, AttributeError):
+    except (ApiError, ValueError, AttributeError, RecursionError):
         return None
     if not isinstance(model_id, str) or not model_id or type(seq_id) is not int or not 1 <= seq_id <= MAX_SEQ:
         return None

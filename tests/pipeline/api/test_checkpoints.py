@@ -273,7 +273,8 @@ def test_the_ttl_route_refuses_what_is_not_a_ttl_in_one_line(api):
     model_id = _model(api)
     _saved_state(api, model_id)
     route = f"/api/v1/training_runs/{model_id}/checkpoints/weights/w1/ttl"
-    for body, says in ((b"not json", "JSON body"), (b"{}", "ttl_seconds")):
+    nested = b'{"ttl_seconds": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # deeper than Python's JSON reader goes
+    for body, says in ((b"not json", "JSON body"), (b"{}", "ttl_seconds"), (nested, "JSON body")):
         refused = api.put(route, headers={**ALICE, "Content-Type": "application/json"}, content=body)
         assert refused.status_code == 400 and says in refused.json()["error"], refused.text
 

@@ -135,3 +135,4 @@ def test_a_forward_backward_too_large_to_read_is_numbered_from_its_first_bytes()
     assert forward_backward_prefix(body[:17]) is None  # inside seq_id's varint
     assert forward_backward_prefix(b'{"model_id": "sess-a:train:3", "seq_id": 1}') is None
     assert forward_backward_prefix(b"") is None
+    assert numbered_call(b'{"model_id": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "json") is None
