@@ -59,12 +59,12 @@ def engine_loss_args(loss: str, config: Mapping[str, float | str] | None) -> dic
                        "rlpipe does not keep); train with another, e.g. the cookbook's rl_loop with "
                        "loss_fn=importance_sampling")
     if loss not in LOSS_CONFIG_DEFAULTS:
-        raise ApiError(f"unknown loss_fn {loss!r}; rlpipe serves {', '.join(LOSS_CONFIG_DEFAULTS)}")
+        raise ApiError(f"unknown loss_fn {echoed(loss)}; rlpipe serves {', '.join(LOSS_CONFIG_DEFAULTS)}")
     values = dict(LOSS_CONFIG_DEFAULTS[loss])
     for key, value in (config or {}).items():
         if key not in values:
             takes = ", ".join(LOSS_CONFIG_DEFAULTS[loss]) or "no loss_fn_config"
-            raise ApiError(f"loss_fn {loss} does not take loss_fn_config {key!r}; it takes {takes}")
+            raise ApiError(f"loss_fn {loss} does not take loss_fn_config {echoed(key)}; it takes {takes}")
         values[key] = _number(key, value)
     if loss == "cross_entropy":
         return {}
@@ -88,9 +88,9 @@ def _number(key: str, value: float | str) -> float:
     except (TypeError, ValueError):
         number = math.nan
     if not math.isfinite(number):
-        raise ApiError(f"loss_fn_config {key}={value!r} is not a finite number")
+        raise ApiError(f"loss_fn_config {key}={echoed(value)} is not a finite number")
     if abs(number) > _FLOAT32_MAX:  # the losses compute in float32, where torch cannot hold it
-        raise ApiError(f"loss_fn_config {key}={value!r} is beyond float32's {_FLOAT32_MAX:g}, the precision the "
+        raise ApiError(f"loss_fn_config {key}={echoed(value)} is beyond float32's {_FLOAT32_MAX:g}, the precision the "
                        "losses compute in; use a number within it")
     return number
 
@@ -118,7 +118,7 @@ def _engine_datum(datum: types.Datum) -> Datum:
     inputs = dict(datum.loss_fn_inputs)
     unknown = sorted(set(inputs) - set(LOSS_INPUTS))
     if unknown:
-        raise ApiError(f"loss_fn_inputs {unknown} are not served; send {', '.join(LOSS_INPUTS)}")
+        raise ApiError(f"loss_fn_inputs {echoed(unknown)} are not served; send {', '.join(LOSS_INPUTS)}")
     if "target_tokens" not in inputs:
         raise ApiError("loss_fn_inputs has no target_tokens; send one target per model_input token")
     tensors = {key: _vector(key, value, len(tokens)) for key, value in inputs.items()}

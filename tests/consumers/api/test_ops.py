@@ -404,3 +404,19 @@ def test_bad_input_is_a_user_error_and_changes_nothing(bad_engine, case):
     assert error.value.category == "user" and "\n" not in str(error.value)
     assert all(same_snapshot(before[model_id], snapshot(bad_engine, model_id)) for model_id in before)
     assert bad_engine.adapters() == adapters
+
+
+def test_an_input_of_any_length_is_echoed_cut_short_in_the_trainers_errors(bad_engine):
+    """A loss name, a loss_fn_config key or value, a loss input's name: the client's, of any length; an error that
+    repeats one cuts it short (``schemas.names.echoed``), as the gateway's do, so answers and logs stay small."""
+    long = "x" * 100_000
+    calls = {
+        "loss": lambda: fb(bad_engine, "bad:train:0", batch(1), long),
+        "config key": lambda: fb(bad_engine, "bad:train:0", batch(1, "ppo"), "ppo", {long: 1.0}),
+        "config value": lambda: fb(bad_engine, "bad:train:0", batch(1, "dro"), "dro", {"beta": long}),
+        "loss input": lambda: fb(bad_engine, "bad:train:0", [datum([1, 2, 3], 1, **{long: types.TensorData([1.0, 1.0], "float32")})]),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ApiError) as error:
+            call()
+        assert len(str(error.value)) < 500 and "xxx…" in str(error.value), (what, str(error.value)[:300])
