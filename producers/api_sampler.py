@@ -124,8 +124,8 @@ def cut_at_stop_strings(sample: SampleOutput, strings: list[str], decode: Callab
     """``sample`` ended with the first token that completes a stop string (kept, logprobs aligned), if any.
 
     A prefix that holds a stop string is held by every longer prefix, so the first such prefix is found by
-    bisection: about log2(n) decodes of a sample of n tokens (this runs on the event loop every call shares),
-    and one decode when no stop string occurs."""
+    bisection: about log2(n) decodes of a sample of n tokens (this runs on the event loop every call shares, hence
+    the limits on stop strings of ``check_sample_request``), and one decode when no stop string occurs."""
     if not strings:
         return sample
 

@@ -40,6 +40,8 @@ from schemas.trajectory import MIN_SAMPLING_TEMPERATURE
 SAMPLE_KIND = "sample"
 MAX_SAMPLES_PER_CALL = 1024  # num_samples of one sample call: the gateway makes a sequence id for each
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on the SDK's wire (its protobuf's tokens); vLLM's engine takes 64 bits
+# stop strings of one call: the sampler searches every sample's text for each, on the event loop all calls share
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 VERSION_USERS = "api/version-users"  # <run>/<version>/<session>: sessions sampling named sampler weights
 
 
@@ -155,7 +157,12 @@ def check_sample_request(request: types.SampleRequest) -> None:
     if not -1 <= given.top_k <= MAX_TOKEN_ID:
         raise ApiError(f"sampling_params.top_k={echoed(given.top_k)}: use -1 (no cut) or a number of tokens from 1 to "
                        f"{MAX_TOKEN_ID}")
-    stop = [] if given.stop is None or isinstance(given.stop, str) else list(given.stop)
+    stop = [] if given.stop is None else [given.stop] if isinstance(given.stop, str) else list(given.stop)
+    strings = [item for item in stop if isinstance(item, str)]
+    if len(strings) > MAX_STOP_STRINGS or any(len(item) > MAX_STOP_CHARS for item in strings):
+        raise ApiError(f"sampling_params.stop holds {len(strings)} strings of up to "
+                       f"{max(len(item) for item in strings)} characters; send at most {MAX_STOP_STRINGS} of at most "
+                       f"{MAX_STOP_CHARS} characters each")
     bad = next((item for item in stop if isinstance(item, int) and not 0 <= item <= MAX_TOKEN_ID), None)
     if bad is not None:
         raise ApiError(f"sampling_params.stop holds {echoed(bad)}, which is no token id; send ids from 0 to "

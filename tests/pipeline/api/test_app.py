@@ -446,7 +446,8 @@ def test_one_tenant_holds_at_most_its_share_of_the_sampler_queue(api):
 
 def test_sampling_parameters_that_cannot_be_honoured_are_a_400_at_submit(api):
     """A temperature vLLM would raise to 0.01 (or one that is not a number), a top_p outside (0, 1], a count of samples
-    below 1 or above the limit, a top_k or a stop token id that is no int32 token id: answered 400 naming the field before anything is queued, not a future that fails (or,
+    below 1 or above the limit, a top_k or a stop token id that is no int32 token id, more or longer stop strings than
+    the sampler searches: answered 400 naming the field before anything is queued, not a future that fails (or,
     for 0 < T < 0.01, samples and logprobs of another temperature than asked for)."""
     import math
 
@@ -459,7 +460,8 @@ def test_sampling_parameters_that_cannot_be_honoured_are_a_400_at_submit(api):
             "sampling_session_id": sampler_id, "seq_id": 0, "type": "sample"}
     bad = {"temperature": (0.005, 1e-9, -1.0, math.nan, math.inf), "top_p": (0.0, 1.5, math.nan),
            "num_samples": (0, -3, MAX_SAMPLES_PER_CALL + 1), "max_tokens": (0,), "top_k": (-2, 2**31, 10**30),
-           "stop": ([5, 10**30], [-1], [2**31])}  # numbers a sampler's engine cannot take (vLLM's: 64 bits)
+           "stop": ([5, 10**30], [-1], [2**31],  # numbers a sampler's engine cannot take (vLLM's: 64 bits)
+                    ["\n"] * 65, ["x" * 1025])}  # stop strings the sampler's event loop would search for minutes
     for field, values in bad.items():
         for value in values:
             body = json.loads(json.dumps(good))
