@@ -140,6 +140,8 @@ def check_sample_request(request: types.SampleRequest) -> None:
         if not isinstance(chunk, types.EncodedTextChunk):
             kind = getattr(chunk, "type", type(chunk).__name__)
             raise ApiError(f"prompt chunk of kind {echoed(kind)} is not supported; send token chunks")
+    if request.prompt.length < 1:
+        raise ApiError("prompt is empty; send at least one token (render the prompt with the model's chat template)")
     if request.prompt_alt_tokens_k or request.topk_prompt_logprobs \
             or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
         raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "

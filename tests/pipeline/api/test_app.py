@@ -447,7 +447,7 @@ def test_one_tenant_holds_at_most_its_share_of_the_sampler_queue(api):
 def test_sampling_parameters_that_cannot_be_honoured_are_a_400_at_submit(api):
     """A temperature vLLM would raise to 0.01 (or one that is not a number), a top_p outside (0, 1], a count of samples
     below 1 or above the limit, a top_k or a stop token id that is no int32 token id, more or longer stop strings than
-    the sampler searches: answered 400 naming the field before anything is queued, not a future that fails (or,
+    the sampler searches, an empty prompt: answered 400 naming the field before anything is queued, not a future that fails (or,
     for 0 < T < 0.01, samples and logprobs of another temperature than asked for)."""
     import math
 
@@ -469,6 +469,8 @@ def test_sampling_parameters_that_cannot_be_honoured_are_a_400_at_submit(api):
             answer = api.post("/api/v1/asample", headers=ALICE, content=json.dumps(body).encode())
             assert answer.status_code == 400 and answer.json()["category"] == "user", (field, value, answer.text)
             assert field in answer.json()["error"], (field, value, answer.text)
+    empty = api.post("/api/v1/asample", headers=ALICE, json={**good, "prompt": {"chunks": []}})
+    assert empty.status_code == 400 and "prompt is empty" in empty.json()["error"], empty.text
     assert len(api.published) == logged
     for temperature in (0.0, 0.01, 0.7):  # greedy, and the lowest temperature sampled as asked
         body = {**good, "sampling_params": {**good["sampling_params"], "temperature": temperature}}
