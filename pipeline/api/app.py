@@ -44,6 +44,10 @@ from schemas.names import echoed
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # a call's body, held in memory: the SDK's forward_backward chunks are about 5 MB
+# a JSON call's body (every route but forward_backward's protobuf), parsed on the event loop every call shares at
+# about 50 ms a MB: the largest the SDK sends is a sample's prompt, about a million tokens in 8 MiB
+MAX_JSON_BODY_BYTES = 8 << 20
+FORWARD_BACKWARD_PATH = "/api/v1/forward_backward"
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
 HEADER_BYTES = 1024  # of a body refused for its size, read to find its call (a forward_backward names it first)
@@ -54,20 +58,24 @@ class BodyTooLarge(ApiError):
 
 
 class _BodyLimit:
-    """ASGI middleware refusing a body over ``limit`` bytes: at once when its Content-Length says so, else as soon as
-    reading it passes the limit (a chunked body), so the gateway never holds more of one call than that.
-    ``refused(scope, first_bytes, reason)`` is told of each refusal, with the body's first ``HEADER_BYTES`` (in a
-    worker thread, before the answer)."""
+    """ASGI middleware refusing a body over ``limit`` bytes (``json_limit`` on every route but forward_backward's): at
+    once when its Content-Length says so, else as soon as reading it passes the limit (a chunked body), so the gateway
+    never holds more of one call than that.  ``refused(scope, first_bytes, reason)`` is told of each refusal, with the
+    body's first ``HEADER_BYTES`` (in a worker thread, before the answer)."""
 
-    def __init__(self, app: Any, limit: int, refused: Callable[[Any, bytes, str], None] | None = None) -> None:
-        self.app, self.limit, self.refused = app, limit, refused
+    def __init__(self, app: Any, limit: int, json_limit: int,
+                 refused: Callable[[Any, bytes, str], None] | None = None) -> None:
+        self.app, self.limit, self.json_limit, self.refused = app, limit, json_limit, refused
 
-    def _refusal(self) -> BodyTooLarge:
-        return BodyTooLarge(f"request body over {self.limit} bytes; send smaller calls (the tinker SDK splits a "
-                            "forward_backward into chunks of about 5 MB), or shorten the datums or the prompt")
+    def _limit(self, scope: Any) -> int:
+        return self.limit if scope.get("path") == FORWARD_BACKWARD_PATH else min(self.limit, self.json_limit)
+
+    def _refusal(self, scope: Any) -> BodyTooLarge:
+        return BodyTooLarge(f"request body over {self._limit(scope)} bytes; send smaller calls (the tinker SDK splits "
+                            "a forward_backward into chunks of about 5 MB), or shorten the datums or the prompt")
 
     async def _refuse(self, scope: Any, first: bytes) -> BodyTooLarge:
-        refusal = self._refusal()
+        refusal = self._refusal(scope)
         if self.refused is not None:
             try:
                 await asyncio.to_thread(self.refused, scope, first, str(refusal))
@@ -86,7 +94,8 @@ class _BodyLimit:
                 first.extend(message.get("body", b"")[:HEADER_BYTES - len(first)])
 
         declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
+        limit = self._limit(scope)
+        if declared.isdigit() and int(declared) > limit:
             message: Any = {"more_body": True}
             while len(first) < HEADER_BYTES and message.get("more_body"):
                 message = await receive()
@@ -103,7 +112,7 @@ class _BodyLimit:
             keep(message)
             if message.get("type") == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
+                if received > limit:
                     raise await self._refuse(scope, bytes(first))  # inside the handler's read: the ApiError handler
             return message
 
@@ -142,12 +151,14 @@ def _unserved(request: Request) -> str:
 
 def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOLD_S,
                signals: ResultSignals | None = None, direct: DirectSamplers | None = None,
-               public_url: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               public_url: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               max_json_body_bytes: int = MAX_JSON_BODY_BYTES) -> FastAPI:
     """The ASGI app serving ``gateway`` to the tenants ``tenants`` admits; ``signals`` (following
     ``<ns>.results``) wakes long polls, without it they re-read the store every 20 ms; ``direct`` also hands
     sample calls straight to their sampler (``pipeline.api.direct``), waking polls through ``signals``;
     ``public_url``: the gateway's address as clients reach it (behind a proxy), for the download URLs it signs
-    (default: the address each request came to); ``max_body_bytes``: the largest request body taken (413 above)."""
+    (default: the address each request came to); ``max_body_bytes``: the largest request body taken (413 above),
+    ``max_json_body_bytes`` that of every route but forward_backward's."""
     if signals is None and direct is not None:
         signals = direct.signals
     app = FastAPI(title="rlpipe Tinker-compatible API", docs_url=None, redoc_url=None)
@@ -157,7 +168,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         """A ``forward_backward`` refused for its size is logged as refused (``Gateway.refuse``) when its first bytes
         name the call, so its training client's later calls do not wait on its seq_id; the SDK's JSON training calls
         are a few hundred bytes, so a refused one is no call of the SDK's and is not looked into."""
-        header = forward_backward_prefix(first) if scope.get("path") == "/api/v1/forward_backward" else None
+        header = forward_backward_prefix(first) if scope.get("path") == FORWARD_BACKWARD_PATH else None
         if header is None:
             return
         try:
@@ -166,7 +177,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             return
         gateway.refuse(who, "forward_backward", header, "pb", reason)
 
-    app.add_middleware(_BodyLimit, limit=max_body_bytes, refused=refused_for_size)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes, json_limit=max_json_body_bytes, refused=refused_for_size)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -258,7 +269,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         body = parse_body(types.GetInfoRequest, await request.body())
         return gateway.get_info(who, body.model_id)
 
-    @app.post("/api/v1/forward_backward")
+    @app.post(FORWARD_BACKWARD_PATH)
     async def forward_backward(request: Request, who: Tenant) -> dict[str, Any]:
         raw = await request.body()
         if PROTOBUF not in request.headers.get("content-type", ""):

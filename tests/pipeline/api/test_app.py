@@ -513,6 +513,32 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read_whole():
     assert api.post("/api/v1/optim_step", headers=ALICE, content=small).status_code == 200
 
 
+def test_a_json_body_over_its_limit_is_a_413_before_it_is_parsed(api):
+    """JSON bodies are parsed on the event loop every tenant's calls share (a sample call's prompt of 64 MB took
+    seconds of it): one over ``MAX_JSON_BODY_BYTES`` is refused with 413 before it is parsed, and nothing is logged;
+    a forward_backward (protobuf, which the SDK sends in chunks) keeps the larger limit."""
+    from pipeline.api.app import MAX_JSON_BODY_BYTES
+
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    sampler_id = _sampling_session(api, session, base_model="/models/base/tiny").json()["sampling_session_id"]
+    logged = len(api.published)
+    tokens = [123456] * (MAX_JSON_BODY_BYTES // 7 + 1)  # 7 bytes each as JSON
+    big = json.dumps({"num_samples": 1, "prompt": {"chunks": [{"tokens": tokens, "type": "encoded_text"}]},
+                      "sampling_params": {"max_tokens": 5}, "sampling_session_id": sampler_id, "seq_id": 0,
+                      "type": "sample"}).encode()
+    answer = api.post("/api/v1/asample", headers=ALICE, content=big)
+    assert answer.status_code == 413 and f"{MAX_JSON_BODY_BYTES} bytes" in answer.json()["error"], answer.text[:300]
+    assert len(api.published) == logged
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": tokens})
+    fb = types.ForwardBackwardRequest(types.ForwardBackwardInput([datum], "cross_entropy"), model_id, seq_id=1)
+    body = forward_backward_request_to_proto(fb).SerializeToString()
+    assert len(body) > MAX_JSON_BODY_BYTES
+    taken = api.post("/api/v1/forward_backward", headers={**ALICE, "Content-Type": "application/x-protobuf"},
+                     content=body)
+    assert taken.status_code == 200, taken.text[:300]
+
+
 def test_a_forward_backward_over_the_limit_is_logged_as_refused_so_later_calls_go_on():
     """The SDK numbers a call before sending it: a forward_backward refused 413 and never logged would leave a gap its
     training client's later calls wait on for ``GAP_GIVE_UP_S``.  Its model_id and seq_id are in its first bytes, so it
