@@ -37,7 +37,13 @@ from pipeline.api.results import ResultSignals
 from pipeline.api.sample_queue import BusyError
 from pipeline.api.samplers import check_sample_request
 from pipeline.api.tenants import TenantLimitError, Tenants, UnauthorizedError
-from pipeline.api.wire import PROTOBUF, checkpoint_name, forward_backward_header, forward_backward_prefix
+from pipeline.api.wire import (
+    PROTOBUF,
+    checkpoint_name,
+    forward_backward_header,
+    forward_backward_prefix,
+    parse_tinker_path,
+)
 from pipeline.io.store import ChecksumError
 from schemas.api import ApiError, ApiOp, BodyFormat
 from schemas.names import echoed
@@ -330,6 +336,9 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         with numbered(who, "load_weights", raw):
             body = parse_body(types.LoadWeightsRequest, raw)
             if body.model_id is not None:  # into an existing training client, in its seq_id order
+                if parse_tinker_path(body.path).kind != "training":  # (whether it is saved is the trainer's to see)
+                    raise ApiError(f"{echoed(body.path)} is not a training state; load a tinker://.../weights/<name> "
+                                   "path (save_state)")
                 return {"request_id": gateway.submit(who, "load_weights", body.model_id, body.seq_id, raw)}
         if body.session_id is None or body.model_seq_id is None:
             raise ApiError("load_weights needs model_id and seq_id, or session_id and model_seq_id")

@@ -259,6 +259,23 @@ def test_a_numbered_call_refused_here_is_still_logged_as_failing(api):
     assert len([e for _, e in api.published if e.payload.refused is not None]) == 2
 
 
+def test_a_load_into_a_training_client_of_what_is_no_training_state_path_is_a_400_logged_as_refused(api):
+    """load_state(path) names a path the trainer would refuse whatever was saved meanwhile (no tinker:// path, or not a
+    weights/ path): answered 400 at once, and logged as refused so the client's later calls go on."""
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    for seq, path, says in ((1, "file:///etc/passwd", "is not a checkpoint path"),
+                            (2, f"tinker://{model_id}/sampler_weights/s1", "is not a training state")):
+        refused = api.post("/api/v1/load_weights", headers=ALICE, json={
+            "model_id": model_id, "seq_id": seq, "path": path, "optimizer": True, "type": "load_weights"})
+        assert refused.status_code == 400 and says in refused.json()["error"], refused.text
+    logged = [event.payload for _, event in api.published if event.payload.refused is not None]
+    assert [(call.op, call.seq_id) for call in logged] == [("load_weights", 1), ("load_weights", 2)]
+    later = api.post("/api/v1/load_weights", headers=ALICE, json={  # saved by an earlier call, maybe: the trainer's
+        "model_id": model_id, "seq_id": 3, "path": f"tinker://{model_id}/weights/not-yet", "optimizer": True})
+    assert later.status_code == 200, later.text
+
+
 def test_a_create_the_trainer_would_refuse_is_refused_here_and_leaves_no_training_client(api):
     """A rank or seed out of range, no lora_config, an optimizer not served, a LoRA on no module, or a new client from
     sampler weights or from no saved state, fails at the gateway:
