@@ -150,6 +150,17 @@ def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None)
 Tenant = Annotated[str, Depends(_tenant)]
 
 
+async def _body(request: Request) -> bytes:
+    """The request's body, read on the event loop (within ``_BodyLimit``'s limit)."""
+    return await request.body()
+
+
+# A route taking its body as ``RawBody`` is a plain ``def``: FastAPI runs it in a worker thread, so the store and log
+# writes of one tenant's call (a chunk of up to 64 MiB to a remote store) never hold up the event loop that every
+# tenant's calls, heartbeats and polls share.
+RawBody = Annotated[bytes, Depends(_body)]
+
+
 def _unserved(request: Request) -> str:
     return (f"{request.method} {echoed(request.url.path)} is not served by rlpipe; the calls it serves are listed in "
             "docs/api.md")
@@ -226,20 +237,20 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             for m in gateway.models.values()]}
 
     @app.post("/api/v1/create_session")
-    async def create_session(request: Request, who: Tenant) -> dict[str, Any]:
-        body = parse_body(types.CreateSessionRequest, await request.body())
+    def create_session(who: Tenant, raw: RawBody) -> dict[str, Any]:
+        body = parse_body(types.CreateSessionRequest, raw)
         session_id = gateway.create_session(who, list(body.tags), dict(body.user_metadata or {}))
         return {"type": "create_session", "session_id": session_id}
 
     @app.post("/api/v1/session_heartbeat")
-    async def heartbeat(request: Request, who: Tenant) -> dict[str, str]:
-        body = parse_body(types.SessionHeartbeatRequest, await request.body())
+    def heartbeat(who: Tenant, raw: RawBody) -> dict[str, str]:
+        body = parse_body(types.SessionHeartbeatRequest, raw)
         gateway.heartbeat(who, body.session_id)
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
-    async def finish(session_id: str, request: Request, who: Tenant) -> dict[str, str]:
-        body = parse_body(FinishRequest, await request.body())
+    def finish(session_id: str, who: Tenant, raw: RawBody) -> dict[str, str]:
+        body = parse_body(FinishRequest, raw)
         gateway.finish(who, session_id, body.reason.type)
         return {"status": "ok"}
 
@@ -250,8 +261,8 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     # ---- training calls (futures) -------------------------------------------------------------------
     @contextlib.contextmanager
     def numbered(who: str, op: ApiOp, raw: bytes, fmt: BodyFormat = "json") -> Iterator[None]:
-        """A numbered training call: refused here, it is still logged as failing (``Gateway.refuse``), so the
-        training client's later calls do not wait on its seq_id."""
+        """A numbered training call (in a worker thread): refused here, it is still logged as failing
+        (``Gateway.refuse``), so the training client's later calls do not wait on its seq_id."""
         try:
             yield
         except ApiError as exc:
@@ -262,8 +273,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             raise
 
     @app.post("/api/v1/create_model")
-    async def create_model(request: Request, who: Tenant) -> dict[str, Any]:
-        raw = await request.body()
+    def create_model(who: Tenant, raw: RawBody) -> dict[str, Any]:
         body = parse_body(types.CreateModelRequest, raw)
         lora = check_create_model(body)
         model_id = gateway.register_model(who, body.session_id, body.model_seq_id, body.base_model, lora.rank,
@@ -271,13 +281,12 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return {"request_id": gateway.submit(who, "create_model", model_id, None, raw), "model_id": model_id}
 
     @app.post("/api/v1/get_info")
-    async def get_info(request: Request, who: Tenant) -> dict[str, Any]:
-        body = parse_body(types.GetInfoRequest, await request.body())
+    def get_info(who: Tenant, raw: RawBody) -> dict[str, Any]:
+        body = parse_body(types.GetInfoRequest, raw)
         return gateway.get_info(who, body.model_id)
 
     @app.post(FORWARD_BACKWARD_PATH)
-    async def forward_backward(request: Request, who: Tenant) -> dict[str, Any]:
-        raw = await request.body()
+    def forward_backward(request: Request, who: Tenant, raw: RawBody) -> dict[str, Any]:
         if PROTOBUF not in request.headers.get("content-type", ""):
             raise ApiError("forward_backward takes a protobuf body; use the tinker SDK >= 0.25")
         with numbered(who, "forward_backward", raw, "pb"):
@@ -286,8 +295,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
                     "model_id": model_id}
 
     @app.post("/api/v1/optim_step")
-    async def optim_step(request: Request, who: Tenant) -> dict[str, Any]:
-        raw = await request.body()
+    def optim_step(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "optim_step", raw):
             body = parse_body(types.OptimStepRequest, raw)
             if not isinstance(body.optim_params, types.AdamParams):
@@ -295,8 +303,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             return {"request_id": gateway.submit(who, "optim_step", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/save_weights")
-    async def save_weights(request: Request, who: Tenant) -> dict[str, Any]:
-        raw = await request.body()
+    def save_weights(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "save_weights", raw):
             body = parse_body(types.SaveWeightsRequest, raw)
             checkpoint_name(body.path)
@@ -304,8 +311,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             return {"request_id": gateway.submit(who, "save_weights", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/save_weights_external")
-    async def save_weights_external(request: Request, who: Tenant) -> dict[str, Any]:
-        raw = await request.body()
+    def save_weights_external(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "save_weights_external", raw):
             body = parse_body(types.SaveWeightsExternalRequest, raw)
             checkpoint_name(body.path)
@@ -316,8 +322,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             return {"request_id": gateway.submit(who, "save_weights_external", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request, who: Tenant) -> dict[str, Any]:
-        raw = await request.body()
+    def save_weights_for_sampler(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "save_weights_for_sampler", raw):
             body = parse_body(types.SaveWeightsForSamplerRequest, raw)
             if body.path is None and body.sampling_session_seq_id is None:
@@ -331,8 +336,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             return {"request_id": gateway.submit(who, "save_weights_for_sampler", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/load_weights")
-    async def load_weights(request: Request, who: Tenant) -> dict[str, Any]:
-        raw = await request.body()
+    def load_weights(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "load_weights", raw):
             body = parse_body(types.LoadWeightsRequest, raw)
             if body.model_id is not None:  # into an existing training client, in its seq_id order
@@ -466,7 +470,8 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish",
                    methods=["POST", "DELETE"])
     async def publish_checkpoint(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> Response:
-        if request.method == "DELETE" and (deleted := named_like_a_route(who, model_id, checkpoint_id, "publish")):
+        if request.method == "DELETE" and (deleted := await asyncio.to_thread(
+                named_like_a_route, who, model_id, checkpoint_id, "publish")):
             return deleted
         await asyncio.to_thread(gateway.publish_checkpoint, who, model_id, checkpoint_id, request.method == "POST")
         return JSONResponse({})
@@ -486,8 +491,8 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return Response(status_code=204)
 
     @app.post("/api/v1/weights_info")
-    async def weights_info(request: Request, who: Tenant) -> dict[str, Any]:
-        body = parse_body(WeightsInfoRequest, await request.body())
+    def weights_info(who: Tenant, raw: RawBody) -> dict[str, Any]:
+        body = parse_body(WeightsInfoRequest, raw)
         path, record = gateway.readable_path(who, body.tinker_path)
         if checkpoints.read_record(gateway.store, path) is None:
             raise NotFoundError(f"no checkpoint at {path} (never saved, deleted or expired); see list_checkpoints")

@@ -1,0 +1,86 @@
+"""The gateway's one event loop is shared by every tenant: a call waiting on the store must not hold up the others.
+
+The app is served in process (httpx's ASGI transport runs requests as tasks on one loop, as uvicorn does) over a
+memory store whose write of one call can be held, as a slow remote store holds it."""
+
+import asyncio
+import threading
+import uuid
+
+import httpx
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from pipeline.api.app import create_app
+from pipeline.api.gateway import Gateway, ServedModel
+from pipeline.api.tenants import Tenants
+from pipeline.io.store import ObjectStore
+
+ALICE, BOB = {"X-API-Key": "tml-alice"}, {"X-API-Key": "tml-bob"}
+HELD_AT_MOST_S = 3.0  # a held write goes on after this, so that a call stuck on the loop fails the test, not hangs it
+
+
+class HeldStore(ObjectStore):
+    """A memory store holding the write of every forward_backward body until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(f"memory://held-{uuid.uuid4().hex}")
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def put_create_once(self, key: str, data: bytes) -> str:
+        if "/requests/" in key and key.endswith(".pb"):
+            self.holding.set()
+            self.release.wait(HELD_AT_MOST_S)
+        return super().put_create_once(key, data)
+
+
+async def _session(client: httpx.AsyncClient, headers: dict[str, str]) -> str:
+    answer = await client.post("/api/v1/create_session", headers=headers, json={
+        "tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"})
+    assert answer.status_code == 200, answer.text
+    return str(answer.json()["session_id"])
+
+
+def _forward_backward(model_id: str) -> bytes:
+    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]})
+    request = types.ForwardBackwardRequest(types.ForwardBackwardInput([datum], "cross_entropy"), model_id, seq_id=1)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def test_a_tenants_call_waiting_on_the_store_does_not_hold_up_another_tenants_calls():
+    store = HeldStore()
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    app = create_app(gateway, Tenants(), poll_hold_s=0.05)
+    releaser = threading.Timer(HELD_AT_MOST_S, store.release.set)
+
+    async def calls() -> tuple[list[int], bool, int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            alice, bob = await _session(client, ALICE), await _session(client, BOB)
+            created = await client.post("/api/v1/create_model", headers=ALICE, json={
+                "session_id": alice, "model_seq_id": 0, "base_model": "/models/base/tiny",
+                "lora_config": {"rank": 4}, "type": "create_model"})
+            model_id = created.json()["model_id"]
+            held = asyncio.create_task(client.post(
+                "/api/v1/forward_backward", content=_forward_backward(model_id),
+                headers={**ALICE, "Content-Type": "application/x-protobuf"}))
+            while not store.holding.is_set():
+                await asyncio.sleep(0.005)
+            others = [
+                await client.post("/api/v1/session_heartbeat", headers=BOB,
+                                  json={"session_id": bob, "type": "session_heartbeat"}),
+                await client.get("/api/v1/get_server_capabilities", headers=BOB),
+                await client.post("/api/v1/retrieve_future", headers=ALICE,
+                                  json={"request_id": created.json()["request_id"]}),
+            ]
+            answered_while_held = not store.release.is_set()
+            store.release.set()
+            return [answer.status_code for answer in others], answered_while_held, (await held).status_code
+
+    releaser.start()
+    try:
+        statuses, answered_while_held, held_status = asyncio.run(calls())
+    finally:
+        releaser.cancel()
+    assert statuses == [200, 200, 200]
+    assert answered_while_held, "another tenant's calls waited for one tenant's write to the store"
+    assert held_status == 200
