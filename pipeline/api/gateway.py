@@ -164,17 +164,19 @@ class Gateway:
     def create_session(self, tenant: str, tags: list[str], user_metadata: dict[str, Any]) -> str:
         check_metadata("tags", tags)
         check_metadata("user_metadata", user_metadata)
-        self.quota.admit_session(tenant)
-        session_id = f"sess-{uuid.uuid4().hex[:16]}"
-        record = {"session_id": session_id, "tenant": tenant, "created_at": now(), "tags": tags,
-                  "user_metadata": user_metadata}
-        mark_open(self.store, session_id)  # first, so that no session's files escape the sweeps
-        # once: the id is new, so a conflict with these bytes is a retried create (gs://) whose first attempt landed
-        self.store.put_create_once(f"{session_path(session_id)}/session.json", json.dumps(record).encode())
-        self.heartbeat(tenant, session_id)
-        # counted once it can end (a session without a heartbeat never expires, so a count noted before it would
-        # hold its tenant's place for good if the store failed or the gateway died in between)
-        self.quota.note_session(tenant, session_id)
+        with self.quota.creating(tenant):
+            self.quota.admit_session(tenant)
+            session_id = f"sess-{uuid.uuid4().hex[:16]}"
+            record = {"session_id": session_id, "tenant": tenant, "created_at": now(), "tags": tags,
+                      "user_metadata": user_metadata}
+            mark_open(self.store, session_id)  # first, so that no session's files escape the sweeps
+            # once: the id is new, so a conflict with these bytes is a retried create (gs://) whose first attempt
+            # landed
+            self.store.put_create_once(f"{session_path(session_id)}/session.json", json.dumps(record).encode())
+            self.heartbeat(tenant, session_id)
+            # counted once it can end (a session without a heartbeat never expires, so a count noted before it
+            # would hold its tenant's place for good if the store failed or the gateway died in between)
+            self.quota.note_session(tenant, session_id)
         return session_id
 
     def session(self, tenant: str, session_id: str) -> dict[str, Any]:
@@ -269,11 +271,12 @@ class Gateway:
         model_id = model_id_for(session_id, "train", model_seq_id)
         record = {"model_id": model_id, "tenant": tenant, "base_model": base_model, "lora_rank": lora_rank,
                   "lora": lora, "user_metadata": user_metadata or {}, "created_at": now()}
-        if not self.store.exists(self._model_key(model_id)):  # a resent create takes no new place
-            self.quota.admit_model(tenant)
-        self.quota.note_model(tenant, model_id)
         try:
-            self.store.put_create(self._model_key(model_id), json.dumps(record).encode())
+            with self.quota.creating(tenant):  # (a resent create at the same time then finds the record)
+                if not self.store.exists(self._model_key(model_id)):  # a resent create takes no new place
+                    self.quota.admit_model(tenant)
+                self.quota.note_model(tenant, model_id)
+                self.store.put_create(self._model_key(model_id), json.dumps(record).encode())
         except FileExistsError:
             existing = self.model(tenant, model_id)
             if existing["base_model"] != base_model or existing["lora_rank"] != lora_rank:

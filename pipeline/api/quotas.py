@@ -6,8 +6,9 @@ client under ``api/tenants/<tenant>/`` (named ``<session>`` and ``<session>.trai
 creates it (a session once its record and first heartbeat are written: one that has none never ends, so its entry
 would never be removed).  A creation lists that folder.  Entries of sessions that ended are removed only when the count
 reaches a limit (each listed session's end is then read), so a tenant under its limits costs one listing per
-creation, and its folder holds little more than its limits.  Gateways creating for one tenant at the same moment
-may together pass a limit by one creation each.
+creation, and its folder holds little more than its limits.  One gateway runs one tenant's creations one at a time
+(``creating``: its routes run in worker threads), so it keeps the limits exactly; gateways creating for one tenant
+at the same moment may together pass a limit by one creation each.
 
 A store written by a gateway that kept no count (one older than the limits) holds sessions no entry names: the
 first creation that finds no ``COUNTED`` mark notes every session record's live session (one with a heartbeat)
@@ -19,7 +20,9 @@ creation; a session an older gateway creates after it is not counted.
 from __future__ import annotations
 
 import json
+import threading
 import time
+import zlib
 from collections.abc import Callable
 
 from pipeline.api.lifecycle import heartbeat_time, record_numbers, session_record
@@ -29,6 +32,7 @@ from schemas.api import model_id_for, model_run_name
 
 TENANTS = "api/tenants"
 COUNTED = "api/tenants-counted.json"  # written once the sessions of the store from before the count were noted
+CREATION_LOCKS = 64  # a tenant's creations take one of these locks (by its name): two tenants rarely share one
 
 
 class TenantQuota:
@@ -38,6 +42,12 @@ class TenantQuota:
     def __init__(self, store: ObjectStore, limits: TenantLimits, has_ended: Callable[[str], bool]) -> None:
         self.store, self.limits, self.has_ended = store, limits, has_ended
         self._counted = False  # the store's ``COUNTED`` mark was seen
+        self._creation_locks = [threading.Lock() for _ in range(CREATION_LOCKS)]  # bounded, however many tenants
+
+    def creating(self, tenant: str) -> threading.Lock:
+        """Held from a creation's ``admit_*`` to its ``note_*``, so that two creations of one tenant never both count
+        its places before either is noted."""
+        return self._creation_locks[zlib.crc32(tenant.encode()) % CREATION_LOCKS]
 
     def admit_session(self, tenant: str) -> None:
         """``TenantLimitError`` when ``tenant`` holds ``max_sessions`` sessions that have not ended."""

@@ -1,10 +1,13 @@
 """The gateway without HTTP, on an in-memory store: what it keeps in memory and what it counts per tenant."""
 
+import contextlib
+import threading
 import uuid
 
 import pytest
 
 from pipeline.api.gateway import Gateway, NotFoundError, ServedModel, SessionEndedError
+from pipeline.api.tenants import TenantLimitError, TenantLimits
 from pipeline.io.store import ObjectStore
 
 BASE = "/models/base/tiny"
@@ -148,3 +151,56 @@ def test_a_retried_create_of_a_session_record_that_landed_creates_the_session():
     session = gateway.create_session("alice", ["t"], {})
     gateway.heartbeat("alice", session)
     assert gateway.session("alice", session)["tags"] == ["t"]
+
+
+class MeetingStore(ObjectStore):
+    """A memory store whose listings of a tenant's count wait (at most ``MEET_S``) for a second one to meet them,
+    as two calls' requests to a remote store overlap."""
+
+    MEET_S = 0.5
+
+    def __init__(self) -> None:
+        super().__init__(f"memory://gw-{uuid.uuid4().hex}")
+        self.meeting: threading.Barrier | None = None
+
+    def list(self, prefix: str = "", recursive: bool = False) -> list[str]:
+        found = super().list(prefix, recursive)
+        if self.meeting is not None and prefix.startswith("api/tenants/"):
+            with contextlib.suppress(threading.BrokenBarrierError):  # the other listing waits on a lock
+                self.meeting.wait(self.MEET_S)
+        return found
+
+
+def _at_once(*creations) -> list[str]:
+    """Run the creations in threads at the same time; what each gave, or the name of its error."""
+    outcomes: list[str] = []
+
+    def run(create) -> None:
+        try:
+            outcomes.append(create())
+        except TenantLimitError:
+            outcomes.append("TenantLimitError")
+
+    threads = [threading.Thread(target=run, args=(create,)) for create in creations]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def test_creations_of_one_tenant_in_threads_at_once_stay_within_its_limits():
+    """The gateway's routes run in worker threads: two creations of one tenant that each count its places before
+    either notes its own are admitted one at a time, so one gateway keeps the limits exactly."""
+    store = MeetingStore()
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)],
+                      limits=TenantLimits(max_sessions=1, max_models=1))
+    store.meeting = threading.Barrier(2)
+    sessions = _at_once(*[lambda: gateway.create_session("alice", [], {})] * 2)
+    assert sessions.count("TenantLimitError") == 1, sessions  # and the other session was made
+    session = next(made for made in sessions if made != "TenantLimitError")
+    store.meeting = threading.Barrier(2)
+    models = _at_once(*[lambda seq=seq: gateway.register_model("alice", session, seq, BASE, 4, {}, None)
+                        for seq in (0, 1)])
+    assert models.count("TenantLimitError") == 1, models
+    assert len(store.list(f"sessions/{session}/models")) == 1
