@@ -438,10 +438,12 @@ class Gateway:
         """
         record = self.sampler(tenant, sampling_session_id)
         self.check_live(model_run_name(sampling_session_id).split(".")[0])
-        if seq_id is not None and not 0 <= seq_id < MAX_SEQ:
-            raise ApiError(f"seq_id={echoed(seq_id)}: a sampling client numbers its sample calls from 0 (below "
+        if seq_id is not None and not 0 <= seq_id <= MAX_SEQ:
+            raise ApiError(f"seq_id={echoed(seq_id)}: a sampling client numbers its sample calls from 0 (up to "
                            f"{MAX_SEQ}); use the tinker SDK's SamplingClient")
         base_model = record["base_model"]
+        # numbered seq_id + 1 (a request id numbered 0 is a creation's): the largest is 2**31, past int32, which is
+        # fine, since this number stays in rlpipe's request ids and events and never goes back to the SDK
         request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)
         self.samples.admit(base_model, request_id, tenant)
         session_id = session_of_request(request_id)

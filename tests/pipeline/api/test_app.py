@@ -431,6 +431,30 @@ def test_sequence_numbers_beyond_the_sdks_are_a_400_that_records_and_logs_nothin
     assert stored_now == {refused[0].body_path}, stored_now
 
 
+def test_the_largest_sequence_numbers_the_sdk_sends_are_taken(api):
+    """2,147,483,647 (the SDK's int32 limit) is a valid model_seq_id, sampling_session_seq_id and seq_id of a
+    training or sample call; one more is refused naming the field."""
+    session = _session(api)
+    top = 2**31 - 1
+    created = api.post("/api/v1/create_model", headers=ALICE, json={
+        "session_id": session, "model_seq_id": top, "base_model": "/models/base/tiny", "lora_config": {"rank": 4},
+        "type": "create_model"})
+    assert created.status_code == 200, created.text
+    model_id = created.json()["model_id"]
+    sampling = api.post("/api/v1/create_sampling_session", headers=ALICE, json={
+        "session_id": session, "sampling_session_seq_id": top, "base_model": "/models/base/tiny",
+        "type": "create_sampling_session"})
+    assert sampling.status_code == 200, sampling.text
+    sampler_id = sampling.json()["sampling_session_id"]
+    optim = {"model_id": model_id, "seq_id": top, "type": "optim_step", "adam_params": {"learning_rate": 1e-3}}
+    assert api.post("/api/v1/optim_step", headers=ALICE, json=optim).status_code == 200
+    sampled = _asample(api, sampler_id, seq_id=top)
+    assert sampled.status_code == 200, sampled.text
+    assert sampled.json()["request_id"] == f"{sampler_id.replace(':', '.')}.{top + 1}"
+    beyond = _asample(api, sampler_id, seq_id=top + 1)
+    assert beyond.status_code == 400 and f"seq_id={top + 1}: " in beyond.json()["error"], beyond.text
+
+
 def test_a_sample_answered_but_never_polled_here_frees_its_place_in_the_queue(api):
     """The queue counts samples without a result, not samples this gateway has not answered a poll for: a client
     that died after its call, or that polls through another gateway, must not fill it for every tenant for ever."""
