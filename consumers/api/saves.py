@@ -23,7 +23,7 @@ from consumers.engine import TrainingEngine
 from pipeline.api import checkpoints, lifecycle
 from pipeline.api.checkpoints import weights_key
 from pipeline.api.samplers import find_sampler, point_inflight, write_sampler
-from pipeline.api.wire import TinkerPath, parse_tinker_path
+from pipeline.api.wire import TinkerPath, training_state_path
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiError, ApiRequestAccepted, model_run_name, result_path, session_path
@@ -129,10 +129,7 @@ def load_weights(store: ObjectStore, engine: TrainingEngine, model_id: str, call
                  request: types.LoadWeightsRequest, replaying: bool) -> bytes:
     """A saved training state into the model (its optimizer's too when asked); ``replaying``: this call loaded
     once before (a restart's replay), and only the very save it loaded then may be loaded again."""
-    path = parse_tinker_path(request.path)
-    if path.kind != "training":
-        raise ApiError(f"{request.path} is not a training state; load a tinker://.../weights/<name> path "
-                       "(save_state)")
+    path = training_state_path(request.path)
     record = checkpoints.read_record(store, path, expired=replaying)
     source = None if record is None else {"request_id": record.get("request_id"), "time": record["time"]}
     first = stored_answer(store, call) if replaying else {}

@@ -42,7 +42,7 @@ from pipeline.api.wire import (
     checkpoint_name,
     forward_backward_header,
     forward_backward_prefix,
-    parse_tinker_path,
+    training_state_path,
 )
 from pipeline.io.store import ChecksumError
 from schemas.api import ApiError, ApiOp, BodyFormat
@@ -340,9 +340,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         with numbered(who, "load_weights", raw):
             body = parse_body(types.LoadWeightsRequest, raw)
             if body.model_id is not None:  # into an existing training client, in its seq_id order
-                if parse_tinker_path(body.path).kind != "training":  # (whether it is saved is the trainer's to see)
-                    raise ApiError(f"{echoed(body.path)} is not a training state; load a tinker://.../weights/<name> "
-                                   "path (save_state)")
+                training_state_path(body.path)  # (whether it is saved is the trainer's to see)
                 return {"request_id": gateway.submit(who, "load_weights", body.model_id, body.seq_id, raw)}
         if body.session_id is None or body.model_seq_id is None:
             raise ApiError("load_weights needs model_id and seq_id, or session_id and model_seq_id")

@@ -67,6 +67,7 @@ from pipeline.api.wire import (
     parse_tinker_path,
     request_id_for,
     session_of_request,
+    training_state_path,
 )
 from pipeline.io.store import ObjectStore
 from schemas.api import (
@@ -310,10 +311,8 @@ class Gateway:
     def saved_state(self, tenant: str, path: str) -> tuple[TinkerPath, dict[str, Any]]:
         """A ``tinker://.../weights/<name>`` path this tenant may read that ``save_state`` wrote (what a new training
         client loads), and its model's record; ``ApiError`` for other kinds or a name never saved."""
+        training_state_path(path)
         parsed, record = self.readable_path(tenant, path)
-        if parsed.kind != "training":
-            raise ApiError(f"{path} is not a training state; start a training client from a "
-                           "tinker://.../weights/<name> path (save_state)")
         if checkpoints.read_record(self.store, parsed) is None:
             raise ApiError(f"no saved weights at {path} (never saved, deleted or expired); see list_checkpoints")
         return parsed, record

@@ -86,6 +86,16 @@ def parse_tinker_path(path: str) -> TinkerPath:
     return TinkerPath(parts[0], _PATH_KINDS[parts[1]], parts[2])
 
 
+def training_state_path(path: str) -> TinkerPath:
+    """A parsed ``tinker://.../weights/<name>`` path, what ``load_weights`` loads (into a training client or as a new
+    one); ``ApiError`` naming the fix for another kind (the gateway and the trainer both check)."""
+    parsed = parse_tinker_path(path)
+    if parsed.kind != "training":
+        raise ApiError(f"{echoed(path)} is not a training state; load_weights takes a tinker://.../weights/<name> "
+                       "path (save_state)")
+    return parsed
+
+
 def checkpoint_name(name: str | None) -> str:
     """A checkpoint name given by the client, validated (it becomes a store path)."""
     try:

@@ -276,6 +276,19 @@ def test_a_load_into_a_training_client_of_what_is_no_training_state_path_is_a_40
     assert later.status_code == 200, later.text
 
 
+def test_a_load_of_what_is_no_training_state_says_the_same_into_a_client_or_as_a_new_one(api):
+    """load_state into a training client and create_training_client_from_state refuse a sampler path alike."""
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    path = f"tinker://{model_id}/sampler_weights/s1"
+    into = api.post("/api/v1/load_weights", headers=ALICE, json={
+        "model_id": model_id, "seq_id": 1, "path": path, "optimizer": True, "type": "load_weights"})
+    new = api.post("/api/v1/load_weights", headers=ALICE, json={
+        "session_id": session, "model_seq_id": 1, "path": path, "optimizer": True, "type": "load_weights"})
+    assert into.status_code == new.status_code == 400, (into.text, new.text)
+    assert into.json()["error"] == new.json()["error"], (into.text, new.text)
+
+
 def test_a_create_the_trainer_would_refuse_is_refused_here_and_leaves_no_training_client(api):
     """A rank or seed out of range, no lora_config, an optimizer not served, a LoRA on no module, or a new client from
     sampler weights or from no saved state, fails at the gateway:

@@ -12,6 +12,7 @@ from pipeline.api.wire import (
     parse_tinker_path,
     request_id_for,
     session_of_request,
+    training_state_path,
 )
 from schemas.api import ApiError
 
@@ -65,6 +66,18 @@ def test_ids_and_paths():
             parse_tinker_path(bad)
     with pytest.raises(ApiError):
         request_id_for("sess/a:train:1", 1)
+
+
+def test_a_training_state_path_is_a_weights_path():
+    """What load_weights loads (into a training client or as a new one) is a weights/ path; the gateway and the
+    trainer refuse any other with one message naming the fix."""
+    path = training_state_path("tinker://sess-a:train:0/weights/w1")
+    assert (path.model_id, path.kind, path.name) == ("sess-a:train:0", "training", "w1")
+    for other in ("tinker://sess-a:train:0/sampler_weights/s1", "tinker://sess-a:train:0/external_weights/e1"):
+        with pytest.raises(ApiError, match=r"is not a training state; .*tinker://\.\.\./weights/<name>.*save_state"):
+            training_state_path(other)
+    with pytest.raises(ApiError, match="is not a checkpoint path"):
+        training_state_path("file:///etc/passwd")
 
 
 def test_every_reader_of_the_log_knows_the_api_events():
