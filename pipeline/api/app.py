@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinker import types
 
 from pipeline.api import checkpoints, downloads, listing
-from pipeline.api.clients import check_create_model, check_sampling_seq
+from pipeline.api.clients import check_create_model
 from pipeline.api.direct import DirectSamplers
 from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, parse_body
 from pipeline.api.results import ResultSignals
@@ -39,6 +39,7 @@ from pipeline.api.samplers import check_sample_request
 from pipeline.api.tenants import TenantLimitError, Tenants, UnauthorizedError
 from pipeline.api.wire import (
     PROTOBUF,
+    check_seq,
     checkpoint_name,
     forward_backward_header,
     forward_backward_prefix,
@@ -331,7 +332,8 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             if body.path is not None:
                 checkpoint_name(body.path)
             if body.sampling_session_seq_id is not None:
-                check_sampling_seq(body.sampling_session_seq_id)
+                check_seq("sampling_session_seq_id", body.sampling_session_seq_id, 0,
+                          "the tinker SDK's create_sampling_client")
             checkpoints.expiry(body.ttl_seconds)
             return {"request_id": gateway.submit(who, "save_weights_for_sampler", body.model_id, body.seq_id, raw)}
 

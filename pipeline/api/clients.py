@@ -1,18 +1,20 @@
-"""What a request creating a training or sampling client may ask for: checks shared by the gateway and the trainer.
+"""What a request creating a training client may ask for: the checks the gateway and the trainer both run.
 
 The gateway records a training client (and counts it against its tenant) before the trainer makes it, so every
 creation the trainer would refuse is refused by the gateway first, with the same one-line error: the trainer
-checks again what it reads from the log.
+checks again what it reads from the log.  Sequence numbers (``model_seq_id`` too, which a ``load_weights`` making a
+new training client also sends) are the gateway's alone to check (``pipeline.api.wire.check_seq``): the trainer
+only sees calls the gateway numbered and logged.
 """
 
 from __future__ import annotations
 
 from tinker import types
 
-from pipeline.api.wire import MAX_SEQ
 from schemas.api import ApiError
 from schemas.names import echoed
 
+MAX_LORA_RANK = 512  # the largest LoRA rank vLLM serves (its max_lora_rank slots)
 LORA_SEEDS = range(-(2**63), 2**64)  # the seeds torch.manual_seed takes (a new adapter's initialisation)
 
 
@@ -25,11 +27,13 @@ def check_lora_seed(seed: int | None) -> None:
 
 def check_create_model(request: types.CreateModelRequest) -> types.LoraConfig:
     """The LoRA config of a ``create_model`` the trainer can make, or ``ApiError`` naming the fix; the gateway and
-    the trainer both check, so that no training client is recorded for one the trainer would refuse (the rank is
-    ``Gateway.register_model``'s to check)."""
+    the trainer both check, so that no training client is recorded for one the trainer would refuse."""
     lora = request.lora_config
     if lora is None:
         raise ApiError("create_model needs a lora_config (rlpipe trains LoRA adapters); send its rank")
+    if not 1 <= lora.rank <= MAX_LORA_RANK:
+        raise ApiError(f"lora_config.rank={echoed(lora.rank)}: use a rank of at least 1 and at most {MAX_LORA_RANK} "
+                       "(the largest vLLM serves)")
     if request.optimizer_config.type != "adamw":
         raise ApiError(f"optimizer {echoed(request.optimizer_config.type)} is not served; use adamw (the default)")
     if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
@@ -37,9 +41,3 @@ def check_create_model(request: types.CreateModelRequest) -> types.LoraConfig:
     check_lora_seed(lora.seed)
     return lora
 
-
-def check_sampling_seq(seq: int) -> None:
-    """Refuse a ``sampling_session_seq_id`` the SDK never sends (it numbers sampling clients from 0)."""
-    if not 0 <= seq <= MAX_SEQ:
-        raise ApiError(f"sampling_session_seq_id={echoed(seq)}: a ServiceClient numbers its sampling clients from 0 "
-                       f"(up to {MAX_SEQ}); use the tinker SDK's create_sampling_client")

@@ -46,7 +46,6 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from pipeline.api import checkpoints, downloads
-from pipeline.api.clients import check_sampling_seq
 from pipeline.api.lifecycle import (
     SESSION_EXPIRY_S,
     files_deleted,
@@ -61,8 +60,8 @@ from pipeline.api.sample_queue import MAX_PENDING_SAMPLES, SampleQueue
 from pipeline.api.samplers import read_sampler, write_sampler
 from pipeline.api.tenants import TenantLimits
 from pipeline.api.wire import (
-    MAX_SEQ,
     TinkerPath,
+    check_seq,
     numbered_call,
     parse_tinker_path,
     request_id_for,
@@ -106,9 +105,6 @@ class ServedModel:
     name: str
     tokenizer_id: str
     max_context_length: int | None = None
-
-
-MAX_LORA_RANK = 512  # the largest LoRA rank vLLM serves (its max_lora_rank slots)
 
 
 def now() -> str:
@@ -256,19 +252,12 @@ class Gateway:
 
     def register_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora_rank: int,
                        lora: dict[str, Any], user_metadata: dict[str, Any] | None) -> str:
-        """Record a new training client (create-only; a resent create finds its own record).
-
-        What the trainer would refuse is refused here first, so no training client is recorded for it.
-        """
+        """Record a new training client (create-only; a resent create finds its own record) of a checked creation
+        (``pipeline.api.clients.check_create_model``, or the record of the state it loads)."""
         self.live_session(tenant, session_id)
         self.served(base_model)
         check_metadata("user_metadata", user_metadata or {})
-        if not 0 <= model_seq_id <= MAX_SEQ:
-            raise ApiError(f"model_seq_id={echoed(model_seq_id)}: a ServiceClient numbers its training clients from 0 "
-                           f"(up to {MAX_SEQ}); use the tinker SDK's create_lora_training_client")
-        if not 1 <= lora_rank <= MAX_LORA_RANK:
-            raise ApiError(f"lora_config.rank={lora_rank}: use a rank of at least 1 and at most {MAX_LORA_RANK} "
-                           "(the largest vLLM serves)")
+        check_seq("model_seq_id", model_seq_id, 0, "the tinker SDK's create_lora_training_client")
         model_id = model_id_for(session_id, "train", model_seq_id)
         record = {"model_id": model_id, "tenant": tenant, "base_model": base_model, "lora_rank": lora_rank,
                   "lora": lora, "user_metadata": user_metadata or {}, "created_at": now()}
@@ -323,10 +312,10 @@ class Gateway:
         """Accept a call on one of the tenant's models: body to the store, event on the log; its request id."""
         record = self.model(tenant, model_id)
         self.check_live(model_run_name(model_id).split(".")[0])
-        if (op != "create_model" and op != "load_weights" and not seq_id) or (
-                seq_id is not None and not 0 <= seq_id <= MAX_SEQ):
-            raise ApiError(f"{op} seq_id={echoed(seq_id)}: a training call needs a seq_id from 1 to {MAX_SEQ} (the "
-                           "next of its training client); use the tinker SDK's TrainingClient")
+        ordered = op not in ("create_model", "load_weights")  # (a call making a training client has no seq_id)
+        if ordered or seq_id is not None:
+            check_seq(f"{op} seq_id", seq_id, 1 if ordered else 0, "the tinker SDK's TrainingClient (each call "
+                      "takes its training client's next seq_id)")
         request_id = self._log_call(tenant, op, record, model_id, seq_id, body, fmt)
         if request_id is None:
             raise ApiError(f"seq_id {seq_id} of {model_id} was already used for another call; "
@@ -395,7 +384,7 @@ class Gateway:
                                 model_path: str | None) -> str:
         """A sampling session on the base model, or on the sampler weights a ``tinker://`` path names."""
         self.live_session(tenant, session_id)
-        check_sampling_seq(seq)
+        check_seq("sampling_session_seq_id", seq, 0, "the tinker SDK's create_sampling_client")
         if model_path is None:
             return write_sampler(self.store, tenant, session_id, seq, self.served(base_model).name, None, None, None)
         path, record = self.readable_path(tenant, model_path)
@@ -437,9 +426,8 @@ class Gateway:
         """
         record = self.sampler(tenant, sampling_session_id)
         self.check_live(model_run_name(sampling_session_id).split(".")[0])
-        if seq_id is not None and not 0 <= seq_id <= MAX_SEQ:
-            raise ApiError(f"seq_id={echoed(seq_id)}: a sampling client numbers its sample calls from 0 (up to "
-                           f"{MAX_SEQ}); use the tinker SDK's SamplingClient")
+        if seq_id is not None:
+            check_seq("seq_id", seq_id, 0, "the tinker SDK's SamplingClient")
         base_model = record["base_model"]
         # numbered seq_id + 1 (a request id numbered 0 is a creation's): the largest is 2**31, past int32, which is
         # fine, since this number stays in rlpipe's request ids and events and never goes back to the SDK

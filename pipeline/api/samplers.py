@@ -32,6 +32,7 @@ from typing import Any
 
 from tinker import types
 
+from pipeline.api.wire import INT32_MAX
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiError, model_id_for, model_run_name, session_path
 from schemas.names import InvalidNameError, echoed
@@ -39,7 +40,7 @@ from schemas.trajectory import MIN_SAMPLING_TEMPERATURE
 
 SAMPLE_KIND = "sample"
 MAX_SAMPLES_PER_CALL = 1024  # num_samples of one sample call: the gateway makes a sequence id for each
-MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on the SDK's wire (its protobuf's tokens); vLLM's engine takes 64 bits
+MAX_TOKEN_ID = INT32_MAX  # token ids are int32 on the SDK's wire (its protobuf's tokens); vLLM's engine takes 64 bits
 # stop strings of one call: the sampler searches every sample's text for each, on the event loop all calls share
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 VERSION_USERS = "api/version-users"  # <run>/<version>/<session>: sessions sampling named sampler weights

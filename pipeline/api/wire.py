@@ -33,9 +33,19 @@ _DTYPES: dict[int, tuple[np.dtype, str]] = {
     public_pb.DTYPE_INT64: (np.dtype(np.int64), "int64"),
     public_pb.DTYPE_INT32: (np.dtype(np.int32), "int64"),
 }
-MAX_SEQ = 2**31 - 1  # the largest sequence number (seq_id, model_seq_id, ...): the SDK's protobuf seq_id is int32
+INT32_MAX = 2**31 - 1  # the largest int32, the type of the SDK's protobuf seq_id and token ids
+MAX_SEQ = INT32_MAX  # the largest sequence number (seq_id, model_seq_id, sampling_session_seq_id)
 PATH_FOLDERS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}  # kind -> folder
 _PATH_KINDS = {folder: kind for kind, folder in PATH_FOLDERS.items()}
+
+
+def check_seq(field: str, value: int | None, first: int, numbered_by: str) -> int:
+    """``value`` if the SDK could have sent it as ``field``: a sequence number from ``first`` (0, or 1 for a training
+    call's ``seq_id``) to ``MAX_SEQ``; else ``ApiError`` naming the field and ``numbered_by``, what numbers it."""
+    if value is None or not first <= value <= MAX_SEQ:
+        raise ApiError(f"{field}={echoed(value)}: the tinker SDK numbers it from {first} to {MAX_SEQ}; use "
+                       f"{numbered_by}")
+    return value
 
 
 def request_id_for(model_id: str, seq_id: int | None) -> str:
@@ -204,9 +214,11 @@ def numbered_call(body: bytes, fmt: str) -> tuple[str, int] | None:
         else:
             data = json.loads(body)
             model_id, seq_id = data.get("model_id"), data.get("seq_id")
+        if type(seq_id) is int:
+            check_seq("seq_id", seq_id, 1, "the tinker SDK's TrainingClient")
     except (ApiError, ValueError, AttributeError, RecursionError):
         return None
-    if not isinstance(model_id, str) or not model_id or type(seq_id) is not int or not 1 <= seq_id <= MAX_SEQ:
+    if not isinstance(model_id, str) or not model_id or type(seq_id) is not int:
         return None
     return model_id, seq_id
 

@@ -7,8 +7,11 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from pipeline.api.wire import (
+    MAX_SEQ,
+    check_seq,
     decode_forward_backward,
     encode_forward_backward_output,
+    numbered_call,
     parse_tinker_path,
     request_id_for,
     session_of_request,
@@ -78,6 +81,22 @@ def test_a_training_state_path_is_a_weights_path():
             training_state_path(other)
     with pytest.raises(ApiError, match="is not a checkpoint path"):
         training_state_path("file:///etc/passwd")
+
+
+def test_a_sequence_number_is_the_sdks_int32_from_its_first():
+    """Every sequence number (model_seq_id, sampling_session_seq_id, a call's seq_id) is refused alike outside
+    ``first`` (0, or 1 for a training call) to 2,147,483,647, naming the field and the SDK call that numbers it."""
+    assert MAX_SEQ == 2**31 - 1
+    assert check_seq("model_seq_id", 0, 0, "create_lora_training_client") == 0
+    assert check_seq("seq_id", MAX_SEQ, 1, "the TrainingClient") == MAX_SEQ
+    for field, value, first in (("seq_id", 0, 1), ("seq_id", None, 1), ("model_seq_id", -1, 0),
+                                ("sampling_session_seq_id", MAX_SEQ + 1, 0)):
+        with pytest.raises(ApiError, match=rf"^{field}={value}: the tinker SDK numbers it from {first} to "
+                                           rf"2147483647; use create_x$"):
+            check_seq(field, value, first, "create_x")
+    body = b'{"model_id": "sess-a:train:0", "seq_id": %d}'
+    assert numbered_call(body % MAX_SEQ, "json") == ("sess-a:train:0", MAX_SEQ)
+    assert numbered_call(body % (MAX_SEQ + 1), "json") is None and numbered_call(body % 0, "json") is None
 
 
 def test_every_reader_of_the_log_knows_the_api_events():
