@@ -432,15 +432,18 @@ class Gateway:
         # numbered seq_id + 1 (a request id numbered 0 is a creation's): the largest is 2**31, past int32, which is
         # fine, since this number stays in rlpipe's request ids and events and never goes back to the SDK
         request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)
-        self.samples.admit(base_model, request_id, tenant)
+        taken = self.samples.take(base_model, request_id, tenant)  # (its place, before it is stored)
         session_id = session_of_request(request_id)
         key = request_body_path(session_id, request_id, "json")
         try:
             digest = self.store.put_create_once(key, body)
-        except FileExistsError:
-            raise ApiError(f"seq_id {seq_id} of sampling session {sampling_session_id} was already used for "
-                           "another call; each call takes the next seq_id") from None
-        self.samples.add(base_model, request_id, tenant)
+        except Exception as exc:
+            if taken:  # the place of a call never accepted is free again (a resent call keeps its first's)
+                self.samples.answered(request_id)
+            if isinstance(exc, FileExistsError):
+                raise ApiError(f"seq_id {seq_id} of sampling session {sampling_session_id} was already used for "
+                               "another call; each call takes the next seq_id") from None
+            raise
         event = ApiRequestAccepted(request_id=request_id, tenant=tenant, session_id=session_id, op="sample",
                                    model_id=sampling_session_id, seq_id=(seq_id or 0) + 1, base_model=base_model,
                                    body_path=key, body_format="json", body_sha256=digest)

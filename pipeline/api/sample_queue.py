@@ -2,7 +2,7 @@
 
 A gateway holds at most ``max_places`` such calls per base model, and one tenant's calls at
 most ``tenant_share`` of them, so one tenant's burst never takes every place; beyond either
-``admit`` raises ``BusyError`` (HTTP 429: the SDK backs off and resends).  A call leaves the
+``take`` raises ``BusyError`` (HTTP 429: the SDK backs off and resends).  A call leaves the
 queue when its result is polled here; a queue at a limit is also checked against the results
 in the store (by one call at a time, at most every ``recheck_s``), since a call's client may
 never poll this gateway (it died, or polls another) and its place would otherwise be held for
@@ -44,20 +44,25 @@ class SampleQueue:
         """The most places one tenant's calls may hold."""
         return max(1, int(self.max_places * self.tenant_share))
 
-    def admit(self, base_model: str, request_id: str, tenant: str) -> None:
-        """Refuse (``BusyError``) a new call ``request_id`` of ``tenant`` when the base model's queue is full or the
-        tenant holds its share of it; a resent call, already queued, is always admitted."""
-        queued, mine = self._counts(base_model, request_id, tenant)
-        if queued >= self.max_places:
-            raise BusyError(f"the sampler of {base_model} has {queued} calls queued; retry shortly", "server")
-        if mine >= self.tenant_places:
-            raise BusyError(f"your sample calls hold {mine} of the {self.max_places} places of the sampler of "
-                            f"{base_model}, your share; retry once some are answered", "server")
+    def take(self, base_model: str, request_id: str, tenant: str) -> bool:
+        """Queue call ``request_id`` of ``tenant``, or refuse it (``BusyError``) when the base model's queue is full
+        or the tenant holds its share of it; True when it was queued now, False for a resent call already queued.
 
-    def add(self, base_model: str, request_id: str, tenant: str) -> None:
-        """Queue an admitted call."""
+        The counting and the queueing are one step under the lock, so calls taking places at the same time in
+        several threads never pass a limit."""
+        self._recheck_at_limit(base_model, request_id, tenant)
         with self._lock:
-            self._pending.setdefault(base_model, {})[request_id] = tenant
+            pending = self._pending.setdefault(base_model, {})
+            if request_id in pending:
+                return False
+            queued, mine = len(pending), sum(owner == tenant for owner in pending.values())
+            if queued >= self.max_places:
+                raise BusyError(f"the sampler of {base_model} has {queued} calls queued; retry shortly", "server")
+            if mine >= self.tenant_places:
+                raise BusyError(f"your sample calls hold {mine} of the {self.max_places} places of the sampler of "
+                                f"{base_model}, your share; retry once some are answered", "server")
+            pending[request_id] = tenant
+            return True
 
     def answered(self, request_id: str) -> None:
         """A call's result was read: its place is free."""
@@ -70,28 +75,24 @@ class SampleQueue:
         with self._lock:
             return sum(len(pending) for model, pending in self._pending.items() if base_model in (None, model))
 
-    def _counts(self, base_model: str, request_id: str, tenant: str) -> tuple[int, int]:
-        """The base model's calls without a result that ``request_id`` would queue behind, all and ``tenant``'s
-        ((0, 0) for a resent call, already queued); a queue at a limit is re-checked against the store first."""
+    def _recheck_at_limit(self, base_model: str, request_id: str, tenant: str) -> None:
+        """Drop from a queue at a limit (all of it, or ``tenant``'s share) that new call ``request_id`` would wait
+        behind the calls whose result is in the store: by one call at a time, at most every ``recheck_s``, and
+        outside the lock (it reads the store)."""
         with self._lock:
             pending = dict(self._pending.get(base_model, {}))
-            checked = self._checked.get(base_model, -math.inf)
-        if request_id in pending:
-            return 0, 0
-        mine = sum(owner == tenant for owner in pending.values())
-        at_limit = len(pending) >= self.max_places or mine >= self.tenant_places
-        if not at_limit or time.monotonic() - checked < self.recheck_s:
-            return len(pending), mine
-        with self._lock:  # one call re-checks; those arriving meanwhile go by the counts as they are
-            if self._checked.get(base_model, -math.inf) != checked:
-                return len(pending), mine
-            self._checked[base_model] = time.monotonic()
+            mine = sum(owner == tenant for owner in pending.values())
+            at_limit = len(pending) >= self.max_places or mine >= self.tenant_places
+            if request_id in pending or not at_limit:
+                return
+            if time.monotonic() - self._checked.get(base_model, -math.inf) < self.recheck_s:
+                return
+            self._checked[base_model] = time.monotonic()  # those arriving meanwhile go by the counts as they are
         answered = {queued for queued in pending if self._has_result(queued)}
         with self._lock:
             still = self._pending.setdefault(base_model, {})
             for queued in answered:
                 still.pop(queued, None)
-            return len(still), sum(owner == tenant for owner in still.values())
 
     def _has_result(self, request_id: str) -> bool:
         session_id = session_of_request(request_id)

@@ -674,7 +674,7 @@ def test_a_full_queue_is_checked_against_the_store_by_one_call_at_a_time(api, mo
     monkeypatch.setattr(queue, "_has_result", slow_has_result)
     def admit(request_id: str) -> None:
         with contextlib.suppress(BusyError):  # the queue stays full: each call is answered 429
-            queue.admit("/models/base/tiny", request_id, "t")
+            queue.take("/models/base/tiny", request_id, "t")
 
     callers = [threading.Thread(target=admit, args=(f"x.{i}",)) for i in range(4)]
     for caller in callers:

@@ -7,8 +7,10 @@ import uuid
 import pytest
 
 from pipeline.api.gateway import Gateway, NotFoundError, ServedModel, SessionEndedError
+from pipeline.api.sample_queue import BusyError
 from pipeline.api.tenants import TenantLimitError, TenantLimits
 from pipeline.io.store import ObjectStore
+from schemas.api import ApiError
 
 BASE = "/models/base/tiny"
 
@@ -178,8 +180,8 @@ def _at_once(*creations) -> list[str]:
     def run(create) -> None:
         try:
             outcomes.append(create())
-        except TenantLimitError:
-            outcomes.append("TenantLimitError")
+        except (TenantLimitError, BusyError) as exc:
+            outcomes.append(type(exc).__name__)
 
     threads = [threading.Thread(target=run, args=(create,)) for create in creations]
     for thread in threads:
@@ -204,3 +206,50 @@ def test_creations_of_one_tenant_in_threads_at_once_stay_within_its_limits():
                         for seq in (0, 1)])
     assert models.count("TenantLimitError") == 1, models
     assert len(store.list(f"sessions/{session}/models")) == 1
+
+
+class MeetingBodyStore(ObjectStore):
+    """A memory store whose writes of a call's body wait (at most ``MEET_S``) for a second one to meet them."""
+
+    MEET_S = 0.5
+
+    def __init__(self) -> None:
+        super().__init__(f"memory://gw-{uuid.uuid4().hex}")
+        self.meeting: threading.Barrier | None = None
+
+    def put_create(self, key: str, data: bytes) -> str:
+        if self.meeting is not None and "/requests/" in key:
+            with contextlib.suppress(threading.BrokenBarrierError):  # the other write waits on a lock
+                self.meeting.wait(self.MEET_S)
+        return super().put_create(key, data)
+
+
+def test_sample_calls_in_threads_at_once_stay_within_the_queues_places():
+    """Two sample calls whose bodies are written at the same time each take a place before either is queued: with
+    one place, one of them is answered 429 and the queue holds one call."""
+    store = MeetingBodyStore()
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], max_pending_samples=1)
+    session = gateway.create_session("alice", [], {})
+    sampler = gateway.create_sampling_session("alice", session, 0, BASE, None)
+    store.meeting = threading.Barrier(2)
+    calls = _at_once(*[lambda seq=seq: gateway.submit_sample("alice", sampler, seq, b"{}", 1)[0] for seq in (0, 1)])
+    assert calls.count("BusyError") == 1, calls
+    assert gateway.samples.queued(BASE) == 1
+
+
+def test_a_sample_call_refused_after_it_took_a_place_gives_it_back():
+    """A sample call whose seq_id was used for another body is refused, and frees the place it took; the call that
+    used it first keeps its own."""
+    gateway = Gateway(ObjectStore(f"memory://gw-{uuid.uuid4().hex}"), lambda event, key: None,
+                      [ServedModel(BASE, BASE)], max_pending_samples=4)
+    session = gateway.create_session("alice", [], {})
+    sampler = gateway.create_sampling_session("alice", session, 0, BASE, None)
+    gateway.submit_sample("alice", sampler, 0, b"{}", 1)
+    gateway.submit_sample("alice", sampler, 0, b"{}", 1)  # resent: the same call, one place
+    with pytest.raises(ApiError, match="already used"):
+        gateway.submit_sample("alice", sampler, 0, b'{"other": 1}', 1)
+    assert gateway.samples.queued(BASE) == 1
+    gateway.samples.answered(f"{sampler.replace(':', '.')}.1")
+    with pytest.raises(ApiError, match="already used"):
+        gateway.submit_sample("alice", sampler, 0, b'{"other": 1}', 1)
+    assert gateway.samples.queued(BASE) == 0
