@@ -7,7 +7,9 @@ broker's, not a namespace's, and one shared by two namespaces would make an engi
 starting or stopping in one stall the other's in a rebalance.  Releases before the
 namespace was part of the name used ``api-<role>-<digest>``; a group that has no
 committed offset on a partition starts where that name had committed, so an upgrade
-neither replays the log nor skips calls.
+neither replays the log nor skips calls.  That adoption is a one-off migration: where
+the broker refuses it (an ACL granting only ``api-<role>-<namespace>-``, no admin
+offset commits) the engine logs a warning naming the former group and starts anyway.
 
 A result is written create-only under the call's session and announced with
 ``ApiResultReady`` on ``<ns>.results`` (keyed by model, so one model's results
@@ -28,7 +30,7 @@ import logging
 from typing import Any, Literal
 
 from pipeline.health import HealthServer
-from pipeline.io.bus import EventConsumer, EventPublisher, PublishError, adopt_group_offsets
+from pipeline.io.bus import BusError, EventConsumer, EventPublisher, PublishError, adopt_group_offsets
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiRequestAccepted, ApiResultReady, BodyFormat, ErrorCategory, result_path
 from schemas.config import BusConfig
@@ -62,7 +64,12 @@ def engine_reader(bus: BusConfig, role: EngineRole, base_model: str,
     """``request_reader`` in ``engine_group``, which first adopts the offsets of the un-namespaced group."""
     group_id = engine_group(role, bus.namespace, base_model)
     former = _unnamespaced_group(role, base_model)
-    if adopted := adopt_group_offsets(bus, "requests", group_id, former):
+    try:
+        adopted = adopt_group_offsets(bus, "requests", group_id, former)
+    except BusError as exc:  # a migration step never blocks the start
+        log.warning("group %s did not adopt the offsets of the former group %s: %s", group_id, former, exc)
+        adopted = {}
+    if adopted:
         log.info("group %s starts where %s had got to: %s", group_id, former,
                  ", ".join(f"{topic}:{partition}@{offset}" for (topic, partition), offset in sorted(adopted.items())))
     return request_reader(bus, group_id, options)

@@ -283,8 +283,8 @@ def adopt_group_offsets(
     adopted = {(tp.topic, tp.partition): wanted[tp] for tp, error in answer.items() if error is NoError}
     if refused := sorted(f"{tp.topic}:{tp.partition} ({error.__name__})"
                          for tp, error in answer.items() if error is not NoError):
-        log.info("group %s adopted no offsets of %s on %s: the broker takes them only while the group has no "
-                 "members", group_id, former_group_id, ", ".join(refused))
+        log.info("group %s adopted no offsets of %s on %s: the broker refused them", group_id, former_group_id,
+                 ", ".join(refused))
     return adopted
 
 

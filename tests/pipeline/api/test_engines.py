@@ -164,3 +164,22 @@ def test_an_engine_reads_a_bus_setting_given_in_lower_case_once(monkeypatch) -> 
     assert float(env_layer(environment)["bus"]["connect_timeout_s"]) == 30.0
     assert [name for name in environment if name.upper() == "RLPIPE_BUS__CONNECT_TIMEOUT_S"] == [
         "RLPIPE_BUS__CONNECT_TIMEOUT_S"]
+
+
+def test_an_engine_whose_former_groups_offsets_cannot_be_adopted_starts_and_says_why(
+        bus_config, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # The adoption is a one-off migration: an ACL narrowed to api-trainer-<ns>- (or a broker refusing admin
+    # offset commits) must not keep the engine from reading its calls.
+    import pipeline.api.engines as engines
+    from pipeline.io.bus import BusError
+
+    def refused(*args, **kwargs):
+        raise BusError("admin request failed: GroupAuthorizationFailedError: [Error 30] GroupAuthorizationFailedError")
+
+    monkeypatch.setattr(engines, "adopt_group_offsets", refused)
+    with caplog.at_level(logging.WARNING, logger="pipeline.api.engines"):
+        reader = engines.engine_reader(bus_config, "trainer", "/models/base/tiny")
+    reader.close()
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert engines._unnamespaced_group("trainer", "/models/base/tiny") in warning.getMessage()
+    assert "GroupAuthorizationFailedError" in warning.getMessage()
