@@ -6,8 +6,8 @@ per namespace, ``api-<role>-<namespace>-<digest of the base model>``: a group is
 broker's, not a namespace's, and one shared by two namespaces would make an engine
 starting or stopping in one stall the other's in a rebalance.  Releases before the
 namespace was part of the name used ``api-<role>-<digest>``; a group that has no
-committed offset on a partition starts where that name had committed, so an upgrade
-neither replays the log nor skips calls.  That adoption is a one-off migration: where
+committed offset on ``<ns>.requests`` yet starts where that name had committed, so an
+upgrade neither replays the log nor skips calls.  That adoption is a one-off migration: where
 the broker refuses it (an ACL granting only ``api-<role>-<namespace>-``, no admin
 offset commits) the engine logs a warning naming the former group and starts anyway.
 

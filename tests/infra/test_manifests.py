@@ -533,7 +533,8 @@ def test_kafka_user_may_use_exactly_the_rlpipe_namespace_and_the_api_groups():
     assert {"Read", "Write"} <= set(acls[("topic", "rlpipe.", "prefix")])
     assert "Read" in acls[("group", "rlpipe", "prefix")]
     # The API's engines read <ns>.requests in groups named after their namespace and base model's digest
-    # (pipeline/api/engines.py engine_group), and read the un-namespaced groups of earlier releases once.
+    # (pipeline/api/engines.py engine_group), and read the un-namespaced groups of earlier releases at each start
+    # until their own group has committed an offset.
     for group in ("api-trainer-rlpipe-0123456789abcdef", "api-sampler-rlpipe-0123456789abcdef",
                   "api-trainer-0123456789abcdef", "api-sampler-0123456789abcdef"):
         assert any(kind == "group" and pattern == "prefix" and group.startswith(prefix) and "Read" in operations

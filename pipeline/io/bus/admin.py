@@ -264,19 +264,21 @@ def adopt_group_offsets(
     former_group_id: str,
     bootstrap_servers: str | None = None,
 ) -> dict[TopicPartitionKey, int]:
-    """Commit for ``group_id`` the offsets ``former_group_id`` committed on one topic, on each partition where
-    ``group_id`` has none; returns those adopted.
+    """Commit for ``group_id`` the offsets ``former_group_id`` committed on one topic, if ``group_id`` has none
+    on that topic at all; returns those adopted.
 
     For a group that was renamed: its members start where the former name had got to, not at the start of the
-    log.  Call it before joining ``group_id``.  The broker takes these commits only while ``group_id`` has no
-    members, so where another member joined first (and adopted the offsets itself) they are left as they are.
+    log.  Call it before joining ``group_id``.  Any offset of its own on the topic means ``group_id`` has read
+    it under the new name, so a partition without one is where it has read nothing yet: nothing is adopted.
+    The group's offsets are read again just before writing, and the broker takes the commits only while it
+    has no members, so a member that joined (and committed) first keeps its own.
     """
     topic = resolve_topic(bus_config.namespace, kind_or_topic)
     with admin_client(bus_config, bootstrap_servers) as admin:
-        own = _committed_on(admin, group_id, topic)
-        former = _committed_on(admin, former_group_id, topic)
-        wanted = {tp: offset for tp, offset in former.items() if tp not in own}
-        if not wanted:
+        if _committed_on(admin, group_id, topic):
+            return {}
+        wanted = _committed_on(admin, former_group_id, topic)
+        if not wanted or _committed_on(admin, group_id, topic):
             return {}
         answer = admin.alter_group_offsets(group_id, {tp: OffsetAndMetadata(offset, "", None)
                                                       for tp, offset in wanted.items()})

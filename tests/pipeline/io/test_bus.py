@@ -422,6 +422,22 @@ def test_a_renamed_group_adopts_its_former_names_offsets_while_it_has_none_and_n
         assert {e.event.payload.reason for e in _poll_until(reader, len(expected))} == expected
 
 
+def test_a_renamed_group_with_an_offset_on_any_partition_of_the_topic_adopts_nothing(bus_config: BusConfig) -> None:
+    # Its own offset on partition 1 says it has read this topic under its new name: partition 0 without one is
+    # where it has read nothing yet, not where the former name's offset still applies.
+    config = bus_config.model_copy(update={"topic_partitions": 2})
+    with EventPublisher(config) as publisher:
+        for run in "abcd":
+            publisher.publish("control", _stop(run, run))
+    topic = f"{config.namespace}.control"
+    with EventConsumer(config, "control", "former", membership=False) as former:
+        former.commit({(topic, 0): 1, (topic, 1): 1})
+    with EventConsumer(config, "control", "renamed", membership=False) as own:
+        own.commit({(topic, 1): 0})
+    assert bus.adopt_group_offsets(config, "control", "renamed", "former") == {}
+    assert {lag.partition: lag.committed for lag in bus.group_lag(config, "renamed")} == {1: 0}
+
+
 def test_poison_messages_go_to_the_dlq_and_consumption_continues(bus_config: BusConfig, fast_group: dict) -> None:
     topic = f"{bus_config.namespace}.control"
     newer = json.loads(encode_event(_stop("run-a", "from the future")))
