@@ -20,7 +20,7 @@ from pipeline.cli.options import (
     run_configs,
     setup_logging,
 )
-from pipeline.runtime import StopFlag, refuse_case_twin
+from pipeline.runtime import StopFlag, refuse_case_twin, refuse_new_run_case_twin
 
 app = typer.Typer(name="learner", help="The off-policy learner: LoRA training from trajectories.", no_args_is_help=True)
 replay_app = typer.Typer(name="replay", add_completion=False)
@@ -128,7 +128,7 @@ def replay(
     store = reachable_store(cfg.store)
     if cfg.value is None or cfg.value.offline is None:  # offline CQL's --run names a dataset, not a run
         refuse_case_twin(store, run)
-    refuse_case_twin(store, cfg.run_id, "--set run_id=")  # the run it trains or announces the batches for
+    refuse_new_run_case_twin(store, cfg.run_id)  # the run it trains or announces the batches for
     if train and cfg.run_id == run:  # its adapters, checkpoints and step log would mix with the run it replays
         fail(f"replay --train would train into run {run}, the run it reads from; name the run it trains, "
              f"e.g. --set run_id={run}-offline", 2)

@@ -117,14 +117,29 @@ def case_twin(store: ObjectStore, run_id: str) -> str | None:
 def refuse_case_twin(store: ObjectStore, run_id: str, flag: str = "--run ") -> None:
     """Raise ``RunIdCaseError`` when ``run_id`` is not in the store but a run differing from it only in case is.
 
-    Every command that names a run, to read it or to write into it, asks this before it touches the store: on a
-    case-insensitive filesystem it would read the twin's files as this run's, or write into the twin's folder.
-    ``flag``: how the command names the run (``--run ``, ``--set run_id=``), for the fix the error names.
+    Every command that names an existing run, to read it or to write into it, asks this before it touches the
+    store: on a case-insensitive filesystem it would read the twin's files as this run's, or write into the twin's
+    folder.  ``flag``: how the command names the run (``--run ``, ``--resume ``), for the fix the error names.
+    A command creating a run asks ``refuse_new_run_case_twin`` instead.
     """
     twin = case_twin(store, run_id)
     if twin is not None:
         raise RunIdCaseError(f"run {run_id!r} is not in {store.root}, but run {twin!r} is: run ids are "
                              f"case-sensitive; name it {flag}{twin}")
+
+
+def refuse_new_run_case_twin(store: ObjectStore, run_id: str) -> None:
+    """Raise ``RunIdCaseError`` when ``run_id``, a run being created (or filled by a command of its own), is not
+    in the store but a run differing from it only in case is.
+
+    The fix is another name, not the twin's: the twin is an unrelated run, which a new run of its name would
+    be refused as existing, or write into.
+    """
+    twin = case_twin(store, run_id)
+    if twin is not None:
+        raise RunIdCaseError(f"run {run_id!r} differs only in case from the run {twin!r} in {store.root}; "
+                             "on a case-insensitive filesystem (macOS, Windows) the two would share their files: "
+                             "name the run otherwise")
 
 
 def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[str, str, Payload | None]:
@@ -141,11 +156,7 @@ def create_run(store: ObjectStore, config: RunConfig, base_model: str) -> tuple[
     """
     key = f"runs/{config.run_id}/run.json"
     # before the run's own run.json is looked for: on a case-insensitive filesystem it exists for a twin's
-    twin = case_twin(store, config.run_id)
-    if twin is not None:
-        raise RunIdCaseError(f"run {config.run_id!r} differs only in case from the run {twin!r} in {store.root}; "
-                             "on a case-insensitive filesystem (macOS, Windows) the two would share their files: "
-                             "name the run otherwise")
+    refuse_new_run_case_twin(store, config.run_id)
     if store.exists(key):
         return record_config_change(store, config)
     data = config_to_json(config).encode()

@@ -317,14 +317,14 @@ def record(
     from transformers import AutoTokenizer
 
     from pipeline.io.archive import TrajectoryArchive
-    from pipeline.runtime import refuse_case_twin
+    from pipeline.runtime import refuse_new_run_case_twin
     from producers.demonstrations import record_demonstrations
     from producers.tiny_model import resolve_model
     from schemas.config import ModelConfig, StoreConfig
 
     with user_errors():  # an unreachable store exits 1, a bad URL 2
         archive = TrajectoryArchive(reachable_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint)))
-        refuse_case_twin(archive.store, run)  # its batches would go into the other run's folder
+        refuse_new_run_case_twin(archive.store, run)  # its batches would go into the other run's folder
     if archive.store.exists(f"runs/{run}/run.json"):  # its producers would announce the batches to its learner
         fail(f"run {run} is a training run; record demonstrations under a run of their own (--run {run}-demos) "
              "and warm start from it", EXIT_USAGE)

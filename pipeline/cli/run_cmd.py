@@ -301,11 +301,11 @@ def explicit_run_id(config_file: str | None, overrides: list[str]) -> str | None
 def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
     """``explicit`` if that run does not exist yet, else ``<base>-<UTC time>`` (``-2``, ``-3`` if taken)."""
     from pipeline.analysis.runs import run_exists
-    from pipeline.runtime import refuse_case_twin
+    from pipeline.runtime import refuse_new_run_case_twin
 
     if explicit is not None:
         validate_name(explicit, "run_id")
-        refuse_case_twin(store, explicit)  # on a case-insensitive filesystem the twin's files read as this run's
+        refuse_new_run_case_twin(store, explicit)  # on a case-insensitive filesystem the twin's folder is its own
         if run_exists(store, explicit):
             raise ConfigError(f"run {explicit!r} already exists in {store.root}; continue it with `rlpipe run --resume "
                               f"{explicit}`, or name a new one (or drop --run/run_id for a fresh name)")

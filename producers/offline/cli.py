@@ -39,7 +39,7 @@ from pipeline.io.datasets import (
     verify_dataset,
 )
 from pipeline.io.store import ObjectStore
-from pipeline.runtime import refuse_case_twin
+from pipeline.runtime import refuse_case_twin, refuse_new_run_case_twin
 from schemas.names import validate_name
 
 app = typer.Typer(
@@ -368,10 +368,10 @@ def to_trajectories(
                                 discount=discount, history_turns=history_turns, max_episodes=max_episodes,
                                 answer_format=answer_format,  # type: ignore[arg-type]  # checked by the model
                                 answer_decimals=answer_decimals, with_text=with_text)
+    validate_name(run, "run_id")  # a run that cannot take the batches is named before a model is loaded
     store = _store(root, gcs_endpoint)
-    refuse_case_twin(store, run)  # its batches would go into the other run's folder
-    read_card(store, name)  # a missing dataset is named before a model is loaded (building tiny takes minutes)
-    validate_name(run, "run_id")  # and so is a run that cannot take the batches
+    refuse_new_run_case_twin(store, run)  # its batches would go into the other run's folder
+    read_card(store, name)  # and so is a missing dataset (building tiny takes minutes)
     if store.exists(f"runs/{run}/run.json"):  # its learner's data would be mixed with the dataset's
         raise ValueError(f"run {run} is a training run (it has a run.json); convert into a run of its own "
                          f"(--run {run}-data), then train with rlpipe replay --run {run}-data --train")

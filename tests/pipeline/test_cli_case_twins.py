@@ -2,7 +2,9 @@
 
 On a case-insensitive filesystem (macOS, Windows) ``runs/exp`` is ``runs/Exp``: a command naming ``exp`` would read
 Exp's files as run exp's (a report, an evaluation, adapters pulled as exp's) or write into Exp's folder (batches,
-evaluations, a replay's announcements for a run no learner may create).  The test store finds names ignoring case,
+evaluations, a replay's announcements for a run no learner may create).  A command reading or continuing a run
+names the stored one as the fix; one creating a run (or filling one of its own) asks for another name, since the
+stored one is not the run it makes.  The test store finds names ignoring case,
 as those filesystems do; nothing listens on the broker's port, so a command that went on would fail otherwise.
 """
 
@@ -22,7 +24,8 @@ from tests.pipeline.test_cli_runs import make_run
 from tests.pipeline.test_runtime import found_ignoring_case
 
 runner = CliRunner(env={"COLUMNS": "220"})
-RUN_FIX = "--run Exp"
+RUN_FIX = "name it --run Exp"
+NEW_RUN_FIX = "name the run otherwise"  # the stored run is another run: taking its name would write into it
 
 # (the command, the fix its error names); {out} is a folder the command would write, which must stay absent
 COMMANDS = [
@@ -34,17 +37,17 @@ COMMANDS = [
     # a version Exp lacks: the refusal comes before anything is looked up (or a model loaded)
     (["eval", "--run", "exp", "--version", "3"], RUN_FIX),
     (["replay", "--run", "exp", "--to-topic", "--preset", "cartpole", "--set", "run_id=seeded"], RUN_FIX),
-    (["replay", "--run", "Src", "--to-topic", "--preset", "cartpole", "--set", "run_id=exp"], "--set run_id=Exp"),
-    (["replay", "--run", "Src", "--train", "--preset", "cartpole", "--set", "run_id=exp"], "--set run_id=Exp"),
+    (["replay", "--run", "Src", "--to-topic", "--preset", "cartpole", "--set", "run_id=exp"], NEW_RUN_FIX),
+    (["replay", "--run", "Src", "--train", "--preset", "cartpole", "--set", "run_id=exp"], NEW_RUN_FIX),
     # a dataset the store lacks: the run is named before the dataset is read
-    (["datasets", "to-trajectories", "missing", "--run", "exp", "--model", "tiny"], RUN_FIX),
+    (["datasets", "to-trajectories", "missing", "--run", "exp", "--model", "tiny"], NEW_RUN_FIX),
     (["datasets", "eval-building", "--run", "exp", "--dataset", "missing"], RUN_FIX),
-    (["envs", "record", "cartpole", "--run", "exp"], RUN_FIX),
+    (["envs", "record", "cartpole", "--run", "exp"], NEW_RUN_FIX),
     (["producer", "start", "--preset", "cartpole", "--run", "exp"], RUN_FIX),
     (["learner", "start", "--preset", "cartpole", "--run", "exp"], RUN_FIX),
-    (["run", "--preset", "cartpole", "--run", "exp", "--no-dashboard"], RUN_FIX),
+    (["run", "--preset", "cartpole", "--run", "exp", "--no-dashboard"], NEW_RUN_FIX),
     # a budget Exp has reached: a resume that went on would end at once, starting nothing
-    (["run", "--resume", "exp", "--max-steps", "1", "--no-dashboard"], "--resume Exp"),
+    (["run", "--resume", "exp", "--max-steps", "1", "--no-dashboard"], "name it --resume Exp"),
 ]
 
 
@@ -76,7 +79,7 @@ def test_a_run_named_in_another_case_than_the_stored_one_is_refused_naming_it(
     out = tmp_path / "out"
     result = runner.invoke(app, [part.format(out=out) for part in command])
     assert result.exit_code == 2 and "\n" not in result.output.strip(), result.output
-    assert "'exp'" in result.output and "'Exp'" in result.output and f"name it {fix}" in result.output, \
+    assert "'exp'" in result.output and "'Exp'" in result.output and fix in result.output, \
         result.output
     assert {key: store.get(key) for key in store.list("runs", recursive=True)} == before
     assert not out.exists()
