@@ -21,9 +21,11 @@ Where each number comes from (nothing else is read; no hidden state):
 - evaluations: ``runs/<run>/eval/*.json`` (``schemas.evaluation.EvalResult``).
 - producers: ``ProducerHeartbeat`` events on ``<ns>.control`` (rates, busy fraction),
   plus ``RunStarted``/``RunStopped``/``LearnerCheckpointed``; the read is bounded.
-- whether the run is stopped (the summary's ``stopped``, and the end of the run window): its newest
-  ``RunStopped`` unless a ``RunStarted`` came after, from the topic and from the run's newest start or stop
-  as the store keeps it (``runs/<run>/membership.json``, which retention does not trim), whichever is newer.
+- whether the run is stopped (the summary's ``stopped``, and the end of the run window): read as
+  ``rlpipe runs list|show`` read it (``pipeline.analysis.runs.RunActivity``), from the topic and from the
+  run's newest start or stop as the store keeps it (``runs/<run>/membership.json``, which retention does not
+  trim): its newest ``RunStopped`` unless a ``RunStarted`` or the run going on came after; a damaged record
+  is a stop.
 
 The duty-cycle timeline puts every producer and the learner on one time axis.
 A lane's busy fraction is its busy seconds inside the run window divided by the

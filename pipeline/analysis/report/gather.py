@@ -30,7 +30,7 @@ from pipeline.analysis.report.metrics import (
     value_traces,
 )
 from pipeline.analysis.report.model import ControlEvents, RunReport, dig, finite, first_known, iso
-from pipeline.analysis.runs import run_kind, runs_there
+from pipeline.analysis.runs import run_kind, runs_there, with_recorded_membership
 from pipeline.devstack.stack import resolve_bootstrap_servers
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import BusError, tail
@@ -48,7 +48,7 @@ from schemas.checkpoint import (
 )
 from schemas.config import BusConfig
 from schemas.evaluation import EvalResult, eval_from_bytes, eval_prefix
-from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted, RunStopped
+from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted
 from schemas.names import validate_name
 from schemas.registry import AdapterManifest
 
@@ -232,33 +232,20 @@ def read_events(bus_config: BusConfig | None, run_id: str, timeout_s: float, rep
 
 def add_recorded_membership(store: ObjectStore, run_id: str, events: ControlEvents, report: RunReport) -> None:
     """The run's newest start or stop as the store keeps it (``runs/<run>/membership.json``, which retention does
-    not trim and ``rlpipe runs list|show`` follow too), added unless the topic holds a newer start or stop; an
-    unreadable record is a note."""
-    from pipeline.membership import recorded_membership
-
-    try:
-        event = recorded_membership(store, run_id)
-    except ValueError as exc:  # names the file
-        report.note("summary", f"{exc}; packed processes starting take the run as stopped: write it again with "
-                               f"`rlpipe runs resume --run {run_id}` or `rlpipe runs stop --run {run_id}`")
-        return
-    if event is None:
-        return
-    time_s = event.time.timestamp()
-    if events.membership_s is None or time_s > events.membership_s:
-        _collect(events, time_s, event.payload)
+    not trim), added to ``events.activity`` as ``rlpipe runs list|show`` add it; an unreadable record is a stop
+    and a note."""
+    recorded, unreadable = with_recorded_membership(store, run_id, events.activity)
+    events.activity = recorded or events.activity
+    if unreadable:
+        report.note("summary", unreadable)
 
 
 def _collect(events: ControlEvents, time_s: float, payload: Any) -> None:
-    if isinstance(payload, RunStarted | RunStopped):
-        events.membership_s = time_s if events.membership_s is None else max(events.membership_s, time_s)
+    events.activity.add(time_s, payload)
     if isinstance(payload, ProducerHeartbeat):
         events.heartbeats.append((time_s, payload))
     elif isinstance(payload, RunStarted):  # events come oldest first: the run's window opens at its first start
         events.started = events.started or (time_s, payload)
-        events.stopped = None  # started again (resumed) after any earlier stop
-    elif isinstance(payload, RunStopped):
-        events.stopped = (time_s, payload)
     elif isinstance(payload, LearnerCheckpointed):
         events.checkpoints.append((time_s, payload))
 
@@ -303,8 +290,8 @@ def build_summary(
                  for point in report.series["eval"]],
         "busy_fraction": {lane["name"]: lane["busy_fraction"] for lane in duty["lanes"]},
         "time_span": _time_span(duty, episodes),
-        "run_stopped": events.stopped[1].reason if events.stopped else None,
-        "run_stopped_at": iso(events.stopped[0]) if events.stopped else None,
+        "run_stopped": events.stopped[1] if events.stopped else None,
+        "run_stopped_at": iso(events.stopped[0]) if events.stopped and events.stopped[0] is not None else None,
         "kind": run_kind(run_config),
     }  # fmt: skip
 

@@ -90,6 +90,8 @@ def summary_lines(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _format_summary_value(summary: dict[str, Any], key: str) -> str:
     value = summary.get(key)
+    if key == "run_stopped_at" and value is None and summary.get("run_stopped"):  # a damaged membership record
+        return f"at no recorded time ({summary['run_stopped']})"
     if value is None or value == [] or value == {}:
         return "-"
     if key == "trajectories":

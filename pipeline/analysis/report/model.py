@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted, RunStopped
+from pipeline.analysis.runs import RunActivity
+from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted
 
 SECTIONS: dict[str, str] = {
     "reward": "Reward and success per adapter version",
@@ -61,13 +62,24 @@ class RunReport:
 
 @dataclass
 class ControlEvents:
-    """What ``<ns>.control`` says about one run; times are unix seconds."""
+    """What ``<ns>.control`` says about one run; times are unix seconds.
+
+    ``activity`` reads the same events as ``rlpipe runs list|show`` do, with the run's recorded start or stop
+    added (``with_recorded_membership``), so the report's stop is theirs.
+    """
 
     heartbeats: list[tuple[float, ProducerHeartbeat]] = field(default_factory=list)
-    started: tuple[float, RunStarted] | None = None
-    stopped: tuple[float, RunStopped] | None = None  # the newest stop, unless the run started again after it
-    membership_s: float | None = None  # the newest RunStarted or RunStopped
+    started: tuple[float, RunStarted] | None = None  # the first start: where the run's window opens
     checkpoints: list[tuple[float, LearnerCheckpointed]] = field(default_factory=list)
+    activity: RunActivity = field(default_factory=RunActivity)
+
+    @property
+    def stopped(self) -> tuple[float | None, str | None] | None:
+        """The run's stop time and reason when nothing after it shows the run going (``RunActivity.stopped_last``),
+        else None; the time is None for a damaged membership record (a stop older than any event, at no time)."""
+        if not self.activity.stopped_last():
+            return None
+        return self.activity.stopped_s or None, self.activity.stop_reason
 
 
 @dataclass

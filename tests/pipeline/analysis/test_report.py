@@ -398,6 +398,44 @@ def test_a_stop_the_topic_no_longer_holds_is_reported_from_the_runs_record(
     assert resumed["summary"]["run_stopped"] is None and resumed["summary"]["run_stopped_at"] is None
 
 
+def test_a_stopped_run_whose_producers_beat_on_is_not_reported_stopped(
+    run_store: ObjectStore, bus_config: BusConfig, tmp_path: Path
+) -> None:
+    """As in `rlpipe runs show`: heartbeats within LEAVING_WITHIN_S of a stop are the producers letting the run go,
+    a later one shows it going again."""
+    from pipeline.analysis.runs import LEAVING_WITHIN_S
+
+    stop = RunStopped(reason="stopped by rlpipe runs stop")
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", Envelope(type=stop.event_type, run_id=RUN, payload=stop,
+                                              time=datetime.fromtimestamp(T0 + 10.0, UTC)))
+        publisher.publish("control", heartbeat(RUN, "p0", T0 + 10.0 + LEAVING_WITHIN_S + 5.0, 5.0, 0.5, 1.0))
+    report = json.loads(run_report("--run", RUN, "--root", run_store.root, "--json", "--bootstrap",
+                                   bus_config.bootstrap_servers, "--namespace", bus_config.namespace,
+                                   "--out", str(tmp_path / "out")).stdout)
+    assert report["summary"]["run_stopped"] is None
+
+
+def test_a_damaged_membership_record_reports_the_run_stopped_as_runs_show_does(
+    run_store: ObjectStore, tmp_path: Path
+) -> None:
+    """Packed processes starting take a run whose membership.json cannot be read as stopped, and so do `rlpipe runs
+    list|show`: the report says the same, the stop without a time, and notes the record."""
+    from pipeline.analysis.runs import summarize
+    from pipeline.membership import membership_key
+
+    run_store.put(membership_key(RUN), b"{not json")
+    report = json.loads(run_report("--run", RUN, "--root", run_store.root, "--json", "--no-bus",
+                                   "--out", str(tmp_path / "out")).stdout)
+    shown = summarize(run_store, RUN, None, log_read=False)
+    assert shown.status == "stopped" and shown.stop_reason is not None
+    assert report["summary"]["run_stopped"] == shown.stop_reason
+    assert report["summary"]["run_stopped_at"] is None  # a damaged record holds no time
+    assert any("membership.json" in note for notes in report["notes"].values() for note in notes)
+    printed = run_report("--run", RUN, "--root", run_store.root, "--no-bus", "--out", str(tmp_path / "p")).stdout
+    assert f"at no recorded time ({shown.stop_reason})" in printed
+
+
 def heartbeat(run_id: str, producer: str, time_s: float, interval: float, busy: float, rate: float) -> Envelope:
     payload = ProducerHeartbeat(
         producer_id=producer, adapter_version=1, samples_total=10, batches_total=1,
