@@ -28,8 +28,13 @@ def all_topics(namespace: str) -> list[str]:
     return [topic_name(namespace, kind) for kind in TOPIC_KINDS]
 
 
-def in_namespace(topic: str, namespace: str) -> bool:
-    """Whether ``topic`` is one of ``namespace``'s: ``<namespace>.<kind>`` exactly.  Names may hold dots, so a
-    prefix is not enough: ``rl.eval.control`` belongs to namespace ``rl.eval``, not to ``rl``."""
-    head, _, kind = topic.rpartition(".")
-    return head == namespace and kind in TOPIC_KINDS + API_TOPIC_KINDS
+def topic_kind(namespace: str, topic: str) -> TopicKind | None:
+    """The kind of ``topic`` under ``namespace`` (``<namespace>.<kind>`` exactly), or None for any other topic.
+
+    Names may hold dots, so a prefix is not enough: ``rl.eval.control`` belongs to namespace ``rl.eval``, not to
+    ``rl``.
+    """
+    for kind in TOPIC_KINDS + API_TOPIC_KINDS:
+        if topic == f"{namespace}.{kind}":
+            return kind
+    return None

@@ -32,6 +32,7 @@ from pipeline.cli.common import (
     to_jsonable,
 )
 from pipeline.io import bus
+from pipeline.topics import API_TOPIC_KINDS, TOPIC_KINDS
 from schemas.names import validate_name
 
 app = typer.Typer(
@@ -206,7 +207,8 @@ def lag(
         return
     if not rows:
         which = f"group {group!r} has no" if group else "no consumer group has"
-        console.print(f"{which} committed offsets on {config.namespace}.* topics")
+        topics = ", ".join(f"{config.namespace}.{kind}" for kind in TOPIC_KINDS + API_TOPIC_KINDS)
+        console.print(f"{which} committed offsets on {topics}")
         return
     table = Table(title=f"consumer lag ({config.namespace})",
                   caption="lag: messages after the committed offset, every run's events on a shared topic "

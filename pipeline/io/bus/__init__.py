@@ -48,7 +48,6 @@ from pipeline.io.bus.admin import (
     list_groups,
     list_topics,
     resolve_topic,
-    topic_kind,
 )
 from pipeline.io.bus.connection import kafka_client_settings, parse_bootstrap_servers, redacted
 from pipeline.io.bus.consumer import DEAD_LETTER_RAW_BYTES, GROUP_TIMINGS_ENV, EventConsumer, group_timings_from_env

@@ -1,7 +1,7 @@
 """Topics and the admin side of the event log: which events go where, creating topics, offsets and lag.
 
-``resolve_topic`` and ``topic_kind`` map topic kinds to names under a namespace and
-back; ``TOPIC_EVENT_TYPES`` says which event types belong on which topic.
+``resolve_topic`` maps topic kinds to names under a namespace (``pipeline.topics.topic_kind``
+maps them back); ``TOPIC_EVENT_TYPES`` says which event types belong on which topic.
 ``ensure_topics`` creates a namespace's missing topics (idempotent), and the helpers
 for the command line (``list_topics``, ``describe_topic``, ``list_groups``,
 ``group_lag``) read topics, offset ranges and consumer-group lag through a
@@ -30,7 +30,7 @@ from pipeline.topics import (
     MAX_TOPIC_NAME_LENGTH,
     TOPIC_KINDS,
     TopicKind,
-    in_namespace,
+    topic_kind,
     topic_name,
 )
 from schemas.config import BusConfig
@@ -63,14 +63,6 @@ def resolve_topic(namespace: str, kind_or_topic: str) -> str:
             f"nor a full topic name such as {namespace}.control"
         )
     return kind_or_topic
-
-
-def topic_kind(namespace: str, topic: str) -> TopicKind | None:
-    """The kind of ``topic`` under ``namespace``, or None for any other topic."""
-    for kind in TOPIC_KINDS + API_TOPIC_KINDS:
-        if topic == f"{namespace}.{kind}":
-            return kind
-    return None
 
 
 def _check_event_belongs(kind: TopicKind | None, topic: str, event_type: str) -> str | None:
@@ -191,7 +183,7 @@ def list_topics(bus_config: BusConfig, all_namespaces: bool = False, bootstrap_s
     with admin_client(bus_config, bootstrap_servers) as admin:
         names = admin.list_topics()
     namespace = bus_config.namespace
-    return sorted(n for n in names if not n.startswith("__") and (all_namespaces or in_namespace(n, namespace)))
+    return sorted(n for n in names if not n.startswith("__") and (all_namespaces or topic_kind(namespace, n) is not None))
 
 
 def _offsets(admin: KafkaAdminClient, tps: list[TopicPartition], spec: Any) -> dict[TopicPartition, int]:
@@ -246,7 +238,7 @@ def group_lag(
     with admin_client(bus_config, bootstrap_servers) as admin:
         committed = admin.list_group_offsets(group_id).get(group_id, {})
         tps = sorted(
-            (tp for tp in committed if all_namespaces or in_namespace(tp.topic, bus_config.namespace)),
+            (tp for tp in committed if all_namespaces or topic_kind(bus_config.namespace, tp.topic) is not None),
             key=lambda tp: (tp.topic, tp.partition),
         )
         ends = _offsets(admin, tps, OffsetSpec.LATEST)

@@ -22,7 +22,7 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
+from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic
 from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, _describe, kafka_client_settings
 from pipeline.io.bus.errors import BusError, CommitError, RewindError
 from pipeline.io.bus.publisher import EventPublisher
@@ -35,7 +35,7 @@ from pipeline.io.bus.records import (
     decode_record,
     normalize_offsets,
 )
-from pipeline.topics import MAX_TOPIC_NAME_LENGTH, topic_name
+from pipeline.topics import MAX_TOPIC_NAME_LENGTH, topic_kind, topic_name
 from schemas.config import BusConfig
 from schemas.events import DeadLetter, NewerEventError, NewerEventTypeError, encode_event, make_event
 from schemas.names import InvalidNameError, validate_name

@@ -14,10 +14,11 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
-from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
+from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic
 from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, kafka_client_settings
 from pipeline.io.bus.errors import UnknownTopicError
 from pipeline.io.bus.records import ConsumedEvent, ConsumerStats, TopicPartitionKey, _key_text, decode_record
+from pipeline.topics import topic_kind
 from schemas.config import BusConfig
 from schemas.events import NewerEventTypeError
 from schemas.names import validate_name

@@ -26,9 +26,10 @@ from kafka.errors import (
 )
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
-from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic, topic_kind
+from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic
 from pipeline.io.bus.connection import _CLIENT_ID, _connect, _describe, kafka_client_settings
 from pipeline.io.bus.errors import PublishError, WrongEventTypeError
+from pipeline.topics import topic_kind
 from schemas.config import BusConfig
 from schemas.events import Envelope, encode_event
 
