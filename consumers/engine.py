@@ -57,7 +57,15 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from consumers.engine_data import AdapterShapeError, Datum, EngineError, collate, micro_batch_slices, validate_datums
+from consumers.engine_data import (
+    FLOAT32_MAX,
+    AdapterShapeError,
+    Datum,
+    EngineError,
+    collate,
+    micro_batch_slices,
+    validate_datums,
+)
 from consumers.engine_state import (
     STATE_FORMAT,
     capture_rng,
@@ -90,7 +98,6 @@ from schemas.names import validate_name
 
 # how the refusal of a step on gradients that are not finite begins (it discards them: a replay must too)
 NOT_FINITE_STEP = "optim_step refused: the accumulated gradients are not finite"
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the adapters' weights and Adam state are float32
 # loss name -> (function, the keyword arguments it accepts besides the normaliser)
 LOSSES: dict[str, tuple[Callable[..., tuple[torch.Tensor, LossStats]], frozenset[str]]] = {
     "cross_entropy": (cross_entropy_loss, frozenset()),

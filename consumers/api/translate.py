@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import torch
 from tinker import types
 
-from consumers.engine_data import Datum
+from consumers.engine_data import FLOAT32_MAX, Datum
 from schemas.api import ApiError
 from schemas.names import echoed
 
@@ -46,7 +46,6 @@ LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
     "dro": {"beta": 0.05},
     "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
 }
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _OPEN_RATIO_MASK = {"ratio_mask_low": 0.0, "ratio_mask_high": math.inf}
 _ATTENTION_PARTS = ("attn", "attention")
 _MLP_PARTS = ("mlp", "feed_forward", "ffn", "experts")
@@ -89,8 +88,8 @@ def _number(key: str, value: float | str) -> float:
         number = math.nan
     if not math.isfinite(number):
         raise ApiError(f"loss_fn_config {key}={echoed(value)} is not a finite number")
-    if abs(number) > _FLOAT32_MAX:  # the losses compute in float32, where torch cannot hold it
-        raise ApiError(f"loss_fn_config {key}={echoed(value)} is beyond float32's {_FLOAT32_MAX:g}, the precision the "
+    if abs(number) > FLOAT32_MAX:  # the losses compute in float32, where torch cannot hold it
+        raise ApiError(f"loss_fn_config {key}={echoed(value)} is beyond float32's {FLOAT32_MAX:g}, the precision the "
                        "losses compute in; use a number within it")
     return number
 
