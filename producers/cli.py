@@ -316,6 +316,7 @@ def record(
         fail(str(exc), EXIT_USAGE)
     from transformers import AutoTokenizer
 
+    from pipeline.analysis.runs import refuse_training_run
     from pipeline.io.archive import TrajectoryArchive
     from pipeline.runtime import refuse_new_run_case_twin
     from producers.demonstrations import record_demonstrations
@@ -325,9 +326,8 @@ def record(
     with user_errors():  # an unreachable store exits 1, a bad URL 2
         archive = TrajectoryArchive(reachable_store(StoreConfig(root=root or "", gcs_endpoint=gcs_endpoint)))
         refuse_new_run_case_twin(archive.store, run)  # its batches would go into the other run's folder
-    if archive.store.exists(f"runs/{run}/run.json"):  # its producers would announce the batches to its learner
-        fail(f"run {run} is a training run; record demonstrations under a run of their own (--run {run}-demos) "
-             "and warm start from it", EXIT_USAGE)
+        refuse_training_run(archive.store, run, f"record demonstrations under a run of their own "
+                                                f"(--run {run}-demos) and warm start from it")
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(ModelConfig(base_model=model)))
         infos = record_demonstrations(archive, run, name, env_overrides, tokenizer, episodes, noise, seed_start,

@@ -20,18 +20,16 @@ app = typer.Typer(name="eval", add_completion=False)
 def stored_run_config(run: str, store_cfg: StoreConfig, overrides: list[str]) -> RunConfig:
     """The run's own configuration (``run.json`` with its newest recorded change; secrets masked there) with
     environment and --set layers on top."""
-    from pipeline.analysis.runs import list_runs, runs_there
-    from pipeline.analysis.runs import stored_run_config as stored
+    from pipeline.analysis.runs import NoRunConfigError, required_run_config
     from pipeline.runtime import refuse_case_twin
 
     store = reachable_store(store_cfg)
     refuse_case_twin(store, run)  # its results would go into the other run's folder
-    data = stored(store, run)
-    if data is None and run in list_runs(store):
-        fail(f"run {run!r} in {store.url()} has no run.json (a command that starts no run, such as envs record, "
-             "wrote it), so its environment and model are unknown; evaluate a run started with rlpipe run", 2)
-    if data is None:
-        fail(f"no run {run!r} in {store.url()} ({runs_there(store)}); check the run id, or --root for another store", 2)
+    try:
+        data = required_run_config(store, run)
+    except NoRunConfigError as exc:
+        fail(f"{exc}; " + ("so its environment and model are unknown: evaluate a run started with rlpipe run"
+                           if exc.listed else "check the run id, or --root for another store"), 2)
     data["bus"]["sasl_password"] = None
     data = deep_merge(deep_merge(data, env_layer()), parse_overrides(overrides))
     data["store"] = {**data.get("store", {}), **store_cfg.model_dump(exclude_defaults=True)}

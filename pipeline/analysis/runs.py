@@ -172,6 +172,36 @@ def stored_run_config(store: ObjectStore, run_id: str) -> dict[str, Any] | None:
     return effective_run_config(store, run_id)
 
 
+class NoRunConfigError(ValueError):
+    """A run named for its configuration has none; ``listed``: whether the store has the run at all."""
+
+    def __init__(self, message: str, listed: bool) -> None:
+        super().__init__(message)
+        self.listed = listed
+
+
+def required_run_config(store: ObjectStore, run_id: str) -> dict[str, Any]:
+    """``stored_run_config``, or ``NoRunConfigError`` saying why there is none: a run the store lists without a
+    ``run.json`` (a command that starts no run, such as envs record, wrote it), or no such run (naming the runs
+    there).  The caller adds what to do instead."""
+    data = stored_run_config(store, run_id)
+    if data is not None:
+        return data
+    listed = list_runs(store)
+    if run_id in listed:
+        raise NoRunConfigError(f"run {run_id!r} in {store.root} has no run.json (a command that starts no run, "
+                               "such as envs record, wrote it)", listed=True)
+    raise NoRunConfigError(f"no run {run_id!r} in {store.root} ({_runs_listed(listed)})", listed=False)
+
+
+def refuse_training_run(store: ObjectStore, run_id: str, fix: str) -> None:
+    """``ValueError`` when ``run_id`` is a training run (it has a ``run.json``), for a command writing batches of
+    its own: its producers would announce them to its learner, and its data would mix with theirs.  ``fix``:
+    what to do instead."""
+    if store.exists(f"runs/{validate_name(run_id, 'run_id')}/run.json"):
+        raise ValueError(f"run {run_id} is a training run (it has a run.json); {fix}")
+
+
 def run_exists(store: ObjectStore, run_id: str) -> bool:
     """True when anything of the run is in the store."""
     return AdapterRegistry(store, run_id).run_exists()
@@ -334,7 +364,10 @@ def _is_run_id(name: str) -> bool:
 
 def runs_there(store: ObjectStore) -> str:
     """For an error about a run the store lacks: the runs it does have (the first ten)."""
-    known = list_runs(store)
+    return _runs_listed(list_runs(store))
+
+
+def _runs_listed(known: list[str]) -> str:
     return f"runs there: {', '.join(known[:10])}" if known else "there are no runs there"
 
 

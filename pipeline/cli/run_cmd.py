@@ -316,21 +316,18 @@ def new_run_id(store: ObjectStore, base: str, explicit: str | None) -> str:
 def resumed_config(run_id: str, overrides: list[str]) -> RunConfig:
     """The run's stored configuration (``run.json`` with its newest recorded change) with the ``RLPIPE_``
     environment and ``--set`` on top."""
-    from pipeline.analysis.runs import list_runs, runs_there, stored_run_config
+    from pipeline.analysis.runs import NoRunConfigError, required_run_config
     from pipeline.runtime import check_run_definition, config_differences, refuse_case_twin
 
     validate_name(run_id, "run_id")
     located = run_config(None, None, overrides)  # only where the store is: environment, --set, else embedded
     store = reachable_store(located.store)
     refuse_case_twin(store, run_id, "--resume ")
-    stored = stored_run_config(store, run_id)
-    if stored is None and run_id in list_runs(store):
-        raise ConfigError(f"run {run_id!r} in {store.root} has no run.json (a command that starts no run, such as "
-                          "envs record, wrote it), so there is no configuration to resume; start a new run with "
-                          "rlpipe run --preset NAME")
-    if stored is None:
-        raise ConfigError(f"no run {run_id!r} to resume in {store.root} ({runs_there(store)}); "
-                          "start a new one with rlpipe run --preset NAME")
+    try:
+        stored = required_run_config(store, run_id)
+    except NoRunConfigError as exc:
+        raise ConfigError(f"{exc}, so there is nothing to resume; start a new run with rlpipe run --preset NAME") \
+            from None
     stored["bus"]["sasl_password"] = None  # stored as ***; the real one comes from the environment
     changes = [env_layer(), parse_overrides(overrides)]
     merged = deep_merge(deep_merge(stored, changes[0]), changes[1])

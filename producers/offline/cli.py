@@ -361,6 +361,7 @@ def to_trajectories(
 ) -> None:
     """Render every logged step as the online building prompt (the logged action as the answer) and write
     token trajectories under --run, ready for `rlpipe replay --run RUN --train`."""
+    from pipeline.analysis.runs import refuse_training_run
     from producers.offline.evaluation import model_tokenizer
     from producers.offline.trajectories import TrajectoryOptions, dataset_to_trajectories
 
@@ -372,9 +373,8 @@ def to_trajectories(
     store = _store(root, gcs_endpoint)
     refuse_new_run_case_twin(store, run)  # its batches would go into the other run's folder
     read_card(store, name)  # and so is a missing dataset (building tiny takes minutes)
-    if store.exists(f"runs/{run}/run.json"):  # its learner's data would be mixed with the dataset's
-        raise ValueError(f"run {run} is a training run (it has a run.json); convert into a run of its own "
-                         f"(--run {run}-data), then train with rlpipe replay --run {run}-data --train")
+    refuse_training_run(store, run, f"convert into a run of its own (--run {run}-data), then train with "
+                                    f"rlpipe replay --run {run}-data --train")
     model_path = _model_path(model)
     tokenizer = model_tokenizer(model_path)
     with console.status("rendering and tokenizing"):
