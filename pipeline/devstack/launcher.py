@@ -1,7 +1,7 @@
 """``rlpipe run``: one command for a whole local run.
 
-Set up (one line each): the embedded stack if nothing is configured, the base
-model, the run (``run.json`` then ``RunStarted``); then launch the learner and N
+Set up (one line each): the embedded stack if nothing is configured, the broker
+answering, the base model, the run (``run.json`` then ``RunStarted``); then launch the learner and N
 producers as separate processes (``rlpipe learner start`` / ``rlpipe producer
 start``, the same commands a cluster runs) and watch them on one live
 dashboard fed by the control topic.  The run ends when the learner reaches its
@@ -221,11 +221,15 @@ class Launcher:
         return len(self.configs) > 1
 
     # ---- set up -------------------------------------------------------------
+    def reach_broker(self) -> None:
+        """Ask the broker for its topics: one that does not answer is named in seconds, before the base model is
+        set up (a first build of the tiny model takes minutes) or anything is written."""
+        list_topics(self.bus)
+
     def prepare_model(self) -> None:
         """Build the tiny model once (the producer side builds it; the learner reads the recorded path)."""
         if self.config.model.base_model != "tiny" or self.config.value is not None:  # value runs need no model
             return
-        list_topics(self.bus)  # a broker that does not answer is named in seconds, before a first build's minutes
         log.info("initialising the tiny base model (built once, then cached)")
         args = ["model", "init-tiny"] + (["--out", self.config.model.tiny_dir] if self.config.model.tiny_dir else [])
         subprocess.run(rlpipe_command(*args), check=True)
@@ -255,6 +259,7 @@ class Launcher:
     # ---- run ------------------------------------------------------------------
     def run(self) -> int:
         """Launch everything, watch until the learner is done or Ctrl-C, stop cleanly; return an exit code."""
+        self.reach_broker()
         self.prepare_model()
         self.create()
         interrupted = False

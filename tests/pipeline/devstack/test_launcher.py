@@ -210,7 +210,7 @@ def test_a_packed_run_at_its_budget_in_the_store_is_stopped_even_if_its_event_wa
 def test_the_processes_are_stopped_whatever_ends_the_watch(tmp_path: Path) -> None:
     fake = launcher.Launcher.__new__(launcher.Launcher)
     calls: list[str] = []
-    fake.prepare_model = fake.create = lambda: None
+    fake.reach_broker = fake.prepare_model = fake.create = lambda: None
     fake.config_paths, fake.configs = [tmp_path / "a.yaml"], [RunConfig()]
     fake.config = fake.configs[0]
     fake.spawn = lambda *args: None
@@ -281,7 +281,7 @@ def scripted_launcher(root: Path, monkeypatch: pytest.MonkeyPatch, scripts: dict
     monkeypatch.setattr(launcher, "EventPublisher", PublisherStub)
     fake = packed_launcher(root, {"run-a": 5})
     fake.config = fake.config.model_copy(update={"num_producers": 2})
-    fake.prepare_model = fake.create = fake.follow_control = lambda: None
+    fake.reach_broker = fake.prepare_model = fake.create = fake.follow_control = lambda: None
     fake.config_paths, fake.log_dir, fake.processes = [root / "a.yaml"], root, {}
     fake.bus = fake.config.bus.model_copy(update={"bootstrap_servers": "127.0.0.1:1"})
     fake.show_dashboard, fake.started_stack, fake.watcher = False, None, None
@@ -455,4 +455,4 @@ def test_an_unreachable_broker_is_named_before_the_tiny_model_is_built(tmp_path:
     fake = packed_launcher(tmp_path, {"run-a": 5})
     fake.bus = fake.config.bus.model_copy(update={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
     with pytest.raises(BusUnavailableError, match="cannot reach Kafka"):
-        fake.prepare_model()
+        fake.run()
