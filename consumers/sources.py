@@ -203,7 +203,8 @@ class ReplaySource:
     not trained yet (``already_trained``, the learner's idempotency check) is offered
     again in that order, also one that appeared later with an older name or an
     earlier time; without ``already_trained`` every batch is offered and the learner
-    skips those it trained.
+    skips those it trained.  A damaged step object in the source run fails the replay
+    (``StepLogError``, naming it): without it the trained order is unknown.
     """
 
     def __init__(

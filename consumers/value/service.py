@@ -137,7 +137,8 @@ class StepsReplaySource:
     no learner) follow in key order (date, then batch id).  No digest is checked.
     The position is the count handed out; resuming offers again, in the same order,
     every batch the learner has not trained (``already_trained``), like
-    ``consumers.sources.ReplaySource``.
+    ``consumers.sources.ReplaySource``.  A damaged step object in the source run fails the
+    replay (``StepLogError``, naming it): without it the trained order is unknown.
     """
 
     def __init__(self, store: ObjectStore, run_id: str, date_from: str | None = None, date_to: str | None = None,

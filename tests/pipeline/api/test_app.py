@@ -413,8 +413,8 @@ def test_negative_sequence_numbers_are_a_400_that_logs_and_holds_nothing(api):
 
 def test_sequence_numbers_beyond_the_sdks_are_a_400_that_records_and_logs_nothing(api):
     """The SDK's sequence numbers are int32 (its protobuf's seq_id): a larger one is a bad request naming its field,
-    and no training client, sampling client or call is recorded for it (a model_seq_id of 10**30 used to leave a
-    training client whose create was never logged, counted against its tenant)."""
+    and no training client, sampling client or call is recorded for it (none whose create is not logged, none
+    counted against its tenant)."""
     session = _session(api)
     model_id = _create(api, session).json()["model_id"]
     sampler_id = _sampling_session(api, session, base_model="/models/base/tiny").json()["sampling_session_id"]
