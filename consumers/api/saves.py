@@ -48,7 +48,7 @@ def save_weights(store: ObjectStore, engine: TrainingEngine, model_id: str, call
     state = ops.save_state(engine, model_id, True)
     store.put(weights_key(path), state)
     checkpoints.write_record(store, path, len(state), checkpoints.expiry(request.ttl_seconds),
-                             request_id=call.request_id)
+                             request_id=call.request_id, base_model=call.base_model)
     return _json({"type": "save_weights", "path": str(path)})
 
 
@@ -127,8 +127,9 @@ def _published_by_this_call(registry: AdapterRegistry, seq_id: int, snapshot_of:
 
 def load_weights(store: ObjectStore, engine: TrainingEngine, model_id: str, call: ApiRequestAccepted,
                  request: types.LoadWeightsRequest, replaying: bool) -> bytes:
-    """A saved training state into the model (its optimizer's too when asked); ``replaying``: this call loaded
-    once before (a restart's replay), and only the very save it loaded then may be loaded again."""
+    """A saved training state into the model (its optimizer's too when asked), if it was trained on the model's base
+    model; ``replaying``: this call loaded once before (a restart's replay), and only the very save it loaded then
+    may be loaded again."""
     path = training_state_path(request.path)
     record = checkpoints.read_record(store, path, expired=replaying)
     source = None if record is None else {"request_id": record.get("request_id"), "time": record["time"]}
@@ -146,6 +147,7 @@ def load_weights(store: ObjectStore, engine: TrainingEngine, model_id: str, call
     except FileNotFoundError:
         raise ApiError(f"no saved weights at {request.path} (never saved, deleted or expired); see "
                        "list_checkpoints") from None
+    checkpoints.check_base_model(request.path, checkpoints.saved_base_model(store, path, record), call.base_model)
     ops.load_state(engine, model_id, state, request.optimizer, source=request.path)
     return _json({"type": "load_weights", "model_id": model_id, "path": request.path, "source": source})
 

@@ -43,7 +43,6 @@ from pipeline.api.wire import (
     checkpoint_name,
     forward_backward_header,
     forward_backward_prefix,
-    training_state_path,
 )
 from pipeline.io.store import ChecksumError
 from schemas.api import ApiError, ApiOp, BodyFormat
@@ -342,12 +341,12 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         with numbered(who, "load_weights", raw):
             body = parse_body(types.LoadWeightsRequest, raw)
             if body.model_id is not None:  # into an existing training client, in its seq_id order
-                training_state_path(body.path)  # (whether it is saved is the trainer's to see)
+                gateway.check_load_into(who, body.model_id, body.path)  # (whether it is saved is the trainer's)
                 return {"request_id": gateway.submit(who, "load_weights", body.model_id, body.seq_id, raw)}
         if body.session_id is None or body.model_seq_id is None:
             raise ApiError("load_weights needs model_id and seq_id, or session_id and model_seq_id")
         gateway.live_session(who, body.session_id)
-        _, source = gateway.saved_state(who, body.path)
+        _, source = gateway.saved_state(who, body.path, body.base_model)
         model_id = gateway.register_model(who, body.session_id, body.model_seq_id, source["base_model"],
                                           source["lora_rank"], source["lora"], body.user_metadata)
         return {"request_id": gateway.submit(who, "load_weights", model_id, None, raw), "model_id": model_id}

@@ -244,6 +244,21 @@ def base_model_of(store: ObjectStore, model_id: str, base_models: dict[str, str 
     return base_models[model_key]
 
 
+def saved_base_model(store: ObjectStore, path: TinkerPath, record: dict[str, Any]) -> str | None:
+    """The base model a checkpoint's weights were trained on: its record's ``base_model`` (written by every save),
+    else its training client's record's; None when neither says."""
+    return record.get("base_model") or base_model_of(store, path.model_id, {})
+
+
+def check_base_model(path: str, saved_on: str | None, base_model: str) -> None:
+    """Refuse to load weights trained on ``saved_on`` into a training client of another ``base_model`` (LoRA
+    weights of the same shapes load without an error, and then mean nothing); None (not known) loads as asked."""
+    if saved_on is not None and saved_on != base_model:
+        raise ApiError(f"{path} holds LoRA weights trained on {saved_on}, which mean nothing on {base_model}; load it "
+                       f"into a training client of {saved_on}, or start one from it "
+                       "(create_training_client_from_state without base_model)")
+
+
 def named_versions(store: ObjectStore, model_id: str) -> set[int]:
     """The registry versions that the model's sampler_weights records name (expired ones too, until swept)."""
     return {record["version"] for path, record in _records(store, model_id)

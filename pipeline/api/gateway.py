@@ -297,14 +297,28 @@ class Gateway:
             raise NotFoundError(f"unknown model {echoed(parsed.model_id)}; use the model_id create_model returned") from None
         return parsed, self._model_record(key, parsed.model_id)
 
-    def saved_state(self, tenant: str, path: str) -> tuple[TinkerPath, dict[str, Any]]:
+    def saved_state(self, tenant: str, path: str, base_model: str | None) -> tuple[TinkerPath, dict[str, Any]]:
         """A ``tinker://.../weights/<name>`` path this tenant may read that ``save_state`` wrote (what a new training
-        client loads), and its model's record; ``ApiError`` for other kinds or a name never saved."""
+        client loads), and its model's record; ``ApiError`` for other kinds, a name never saved, or a ``base_model``
+        asked for that is not the state's."""
         training_state_path(path)
         parsed, record = self.readable_path(tenant, path)
         if checkpoints.read_record(self.store, parsed) is None:
             raise ApiError(f"no saved weights at {path} (never saved, deleted or expired); see list_checkpoints")
+        if base_model is not None:
+            checkpoints.check_base_model(path, record["base_model"], base_model)
         return parsed, record
+
+    def check_load_into(self, tenant: str, model_id: str, path: str) -> None:
+        """Refuse a ``load_state`` of what is no training state, or of one of another base model; a path not
+        readable here (another tenant's unpublished, say) is the trainer's to refuse."""
+        training_state_path(path)
+        base_model = self.model(tenant, model_id)["base_model"]
+        try:
+            _, source = self.readable_path(tenant, path)
+        except ApiError:
+            return
+        checkpoints.check_base_model(path, source["base_model"], base_model)
 
     # ---- calls --------------------------------------------------------------------------------
     def submit(self, tenant: str, op: ApiOp, model_id: str, seq_id: int | None, body: bytes,

@@ -1238,3 +1238,34 @@ def test_a_trainer_upgraded_from_the_unnamespaced_group_starts_where_that_group_
                     reference_weights(harness.base_model, [chunk]))
     finally:
         trainer.close()
+
+
+def test_a_state_of_another_base_model_is_refused_by_the_trainer_naming_both(harness):
+    """A save records its base model; the trainer refuses to load a state trained on another base model (the
+    adapter's shapes may match, and the weights then mean nothing), whether its record says so or, for a state saved
+    without it, its training client's record does.  The gateway refuses such a load first where it can read the
+    state; the trainer checks what reaches it anyway."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    train_and_save(harness, trainer, model_id, 7, "w")
+    saved = parse_tinker_path(f"tinker://{model_id}/weights/w")
+    assert checkpoints.read_record(harness.store, saved)["base_model"] == harness.base_model
+    other_model = "/models/other"
+    harness.store.put(f"sessions/{harness.session}/models/5.json", json.dumps({"base_model": other_model}).encode())
+    foreign = parse_tinker_path(f"tinker://{harness.session}:train:5/weights/old")  # saved without a base_model
+    harness.store.put(checkpoints.weights_key(foreign), harness.store.get(checkpoints.weights_key(saved)))
+    checkpoints.write_record(harness.store, foreign, 1, request_id="r")
+    relabelled = parse_tinker_path(f"tinker://{model_id}/weights/relabelled")  # its record names another base
+    harness.store.put(checkpoints.weights_key(relabelled), harness.store.get(checkpoints.weights_key(saved)))
+    checkpoints.write_record(harness.store, relabelled, 1, request_id="r", base_model=other_model)
+    loads = [harness.gateway.submit(TENANT, "load_weights", model_id, seq, types.LoadWeightsRequest(
+        model_id=model_id, seq_id=seq, path=str(path), optimizer=False).model_dump_json().encode())
+        for seq, path in ((4, foreign), (5, relabelled), (6, saved))]
+    run_until(trainer, harness, loads)
+    for request_id, path in zip(loads[:2], (foreign, relabelled), strict=True):
+        answer = json.loads(harness.result(request_id)[0])
+        assert answer["category"] == "user"
+        assert answer["error"].startswith(f"{path} holds LoRA weights trained on {other_model}, which mean nothing "
+                                          f"on {harness.base_model}; load it into a training client of {other_model}")
+    assert json.loads(harness.result(loads[2])[0])["type"] == "load_weights"  # its own base model's state loads
+    trainer.close()

@@ -7,6 +7,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 import pytest
 
 from pipeline.api import checkpoints, downloads
+from pipeline.api.gateway import ServedModel
 from pipeline.api.wire import parse_tinker_path
 from tests.pipeline.api.conftest import gateway_client
 from tests.pipeline.api.test_app import ALICE, BOB, _create, _session
@@ -344,3 +345,48 @@ def test_the_sweep_visits_only_clients_with_a_ttl_and_forgets_them_once_none_has
     assert api.store.list(checkpoints.EXPIRING) == [f"{checkpoints.EXPIRING}/{without.replace(':', '.')}"]
     assert checkpoints.sweep_base_model(api.store, "/models/other", {}, now=time.time() + 9000) == 0  # not its model
     assert api.store.list(checkpoints.EXPIRING) != []
+
+
+def test_a_training_state_loads_only_on_the_base_model_it_was_trained_on():
+    """LoRA weights mean nothing on another base model: a state of a training client of one base model, loaded into a
+    client of another (load_state) or as a new client asked to be of another (create_training_client_from_state's
+    base_model), is a 400 at once naming both; the load_state is logged as refused, so the client's later calls go
+    on.  A state not saved yet is refused too: its training client's record says its base model."""
+    tiny, other = "/models/base/tiny", "/models/base/other"
+    api = gateway_client(models=[ServedModel(tiny, tiny), ServedModel(other, other)])
+    session = _session(api)
+    tiny_id = _create(api, session).json()["model_id"]
+    other_id = api.post("/api/v1/create_model", headers=ALICE, json={
+        "session_id": session, "model_seq_id": 1, "base_model": other, "lora_config": {"rank": 4},
+        "type": "create_model"}).json()["model_id"]
+    state = _saved_state(api, tiny_id)
+    for seq, path in ((1, state), (2, f"tinker://{tiny_id}/weights/not-yet")):
+        refused = api.post("/api/v1/load_weights", headers=ALICE, json={
+            "model_id": other_id, "seq_id": seq, "path": str(path), "optimizer": True, "type": "load_weights"})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"] == (
+            f"{path} holds LoRA weights trained on {tiny}, which mean nothing on {other}; load it into a training "
+            f"client of {tiny}, or start one from it (create_training_client_from_state without base_model)")
+    logged = [event.payload for _, event in api.published if event.payload.refused is not None]
+    assert [(call.op, call.model_id, call.seq_id) for call in logged] == [
+        ("load_weights", other_id, 1), ("load_weights", other_id, 2)]
+    same = api.post("/api/v1/load_weights", headers=ALICE, json={
+        "model_id": tiny_id, "seq_id": 1, "path": str(state), "optimizer": True, "type": "load_weights"})
+    assert same.status_code == 200, same.text
+    new = api.post("/api/v1/load_weights", headers=ALICE, json={
+        "session_id": session, "model_seq_id": 2, "base_model": other, "path": str(state), "optimizer": False})
+    assert new.status_code == 400 and f"trained on {tiny}, which mean nothing on {other}" in new.json()["error"]
+    assert api.post("/api/v1/get_info", headers=ALICE, json={"model_id": f"{session}:train:2"}).status_code == 404
+    new = api.post("/api/v1/load_weights", headers=ALICE, json={
+        "session_id": session, "model_seq_id": 2, "base_model": tiny, "path": str(state), "optimizer": False})
+    assert new.status_code == 200, new.text
+    info = api.post("/api/v1/get_info", headers=ALICE, json={"model_id": f"{session}:train:2"}).json()
+    assert info["model_name"] == tiny
+    # another tenant's unpublished state is not read here (not found, by the trainer), so its base model is not told
+    bob_session = _session(api, BOB)
+    bob_other = api.post("/api/v1/create_model", headers=BOB, json={
+        "session_id": bob_session, "model_seq_id": 0, "base_model": other, "lora_config": {"rank": 4},
+        "type": "create_model"}).json()["model_id"]
+    stolen = api.post("/api/v1/load_weights", headers=BOB, json={
+        "model_id": bob_other, "seq_id": 1, "path": str(state), "optimizer": True, "type": "load_weights"})
+    assert stolen.status_code == 200 and tiny not in stolen.text
