@@ -58,7 +58,6 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from consumers.engine_data import (
-    FLOAT32_MAX,
     AdapterShapeError,
     Datum,
     EngineError,
@@ -94,6 +93,7 @@ from consumers.policy import (
     zero_dropout,
 )
 from pipeline.io.tensors import save_tensors as save_safetensors
+from schemas.adam import adam_params_problem
 from schemas.names import validate_name
 
 # how the refusal of a step on gradients that are not finite begins (it discards them: a replay must too)
@@ -121,28 +121,10 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
     def __post_init__(self) -> None:
-        checks = {
-            "learning_rate": self.learning_rate >= 0,
-            "beta1": 0 <= self.beta1 < 1,
-            "beta2": 0 <= self.beta2 < 1,
-            "eps": self.eps > 0,
-            "weight_decay": self.weight_decay >= 0,
-            "grad_clip_norm": self.grad_clip_norm >= 0,
-        }
-        for name, ok in checks.items():
-            value = getattr(self, name)
-            if not (ok and math.isfinite(value)):
-                raise EngineError(f"adam {name}={value} is out of range (learning_rate, eps, weight_decay, "
-                                  "grad_clip_norm >= 0 with eps > 0; betas in [0, 1))")
-        # AdamW's scalars meet the float32 weights: the first step's size lr / (1 - beta1) (bias correction shrinks
-        # the later ones) and the decoupled decay lr * weight_decay; beyond float32, torch fails between two
-        # parameters (some stepped, some not) or writes infinite weights
-        for what, value in (("a step", self.learning_rate / (1 - self.beta1)),
-                            ("a weight decay", self.learning_rate * self.weight_decay)):
-            if value > FLOAT32_MAX:
-                raise EngineError(f"adam learning_rate={self.learning_rate:g}, beta1={self.beta1:g} and weight_decay="
-                                  f"{self.weight_decay:g} make {what} of {value:g}, beyond float32's {FLOAT32_MAX:g}; "
-                                  "use a smaller learning rate or weight decay")
+        problem = adam_params_problem(self.learning_rate, self.beta1, self.beta2, self.eps, self.weight_decay,
+                                      self.grad_clip_norm)
+        if problem is not None:
+            raise EngineError(problem)
 
 
 @dataclass

@@ -36,8 +36,6 @@ from consumers.losses import TokenBatch
 
 RATIO_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 PER_TOKEN = ("weights", "logprobs", "advantages", "mask", "sequence_ratio_mask")
-# the largest finite float32: the adapters' weights, Adam state and losses compute in float32
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class EngineError(ValueError):

@@ -32,7 +32,8 @@ from collections.abc import Mapping
 import torch
 from tinker import types
 
-from consumers.engine_data import FLOAT32_MAX, Datum
+from consumers.engine_data import Datum
+from schemas.adam import FLOAT32_MAX
 from schemas.api import ApiError
 from schemas.names import echoed
 

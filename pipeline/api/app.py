@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinker import types
 
 from pipeline.api import checkpoints, downloads, listing
-from pipeline.api.clients import check_create_model
+from pipeline.api.clients import check_create_model, check_optim_params
 from pipeline.api.direct import DirectSamplers
 from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, parse_body
 from pipeline.api.results import ResultSignals
@@ -298,8 +298,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     def optim_step(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "optim_step", raw):
             body = parse_body(types.OptimStepRequest, raw)
-            if not isinstance(body.optim_params, types.AdamParams):
-                raise ApiError(f"optimizer {body.optim_params.type!r} is not supported; use AdamParams")
+            check_optim_params(body.optim_params)
             return {"request_id": gateway.submit(who, "optim_step", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/save_weights")

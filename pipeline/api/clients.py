@@ -1,4 +1,5 @@
-"""What a request creating a training client may ask for: the checks the gateway and the trainer both run.
+"""What a request creating a training client, or stepping its optimizer, may ask for: the checks the gateway and
+the trainer both run.
 
 The gateway records a training client (and counts it against its tenant) before the trainer makes it, so every
 creation the trainer would refuse is refused by the gateway first, with the same one-line error: the trainer
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from tinker import types
 
+from schemas.adam import adam_params_problem
 from schemas.api import ApiError
 from schemas.names import echoed
 
@@ -41,3 +43,12 @@ def check_create_model(request: types.CreateModelRequest) -> types.LoraConfig:
     check_lora_seed(lora.seed)
     return lora
 
+
+def check_optim_params(params: types.OptimParams) -> None:
+    """Refuse an ``optim_step`` the trainer would refuse: an optimizer not served, or Adam parameters out of the
+    engine's ranges (``schemas.adam``), with the same one-line error."""
+    if not isinstance(params, types.AdamParams):
+        raise ApiError(f"optimizer {params.type!r} is not supported; use AdamParams")
+    problem = adam_params_problem(**params.model_dump())
+    if problem is not None:
+        raise ApiError(problem)

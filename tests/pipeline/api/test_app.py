@@ -726,3 +726,26 @@ def test_a_tenant_at_its_session_limit_is_answered_403_naming_the_setting():
     assert refused.status_code == 403 and refused.json()["category"] == "user", refused.text
     assert "RLPIPE_API_MAX_SESSIONS" in refused.json()["error"]
     _session(api, BOB)
+
+
+def test_adam_params_out_of_range_are_a_400_logged_as_refused_and_later_calls_go_on(api):
+    """The gateway checks the Adam parameters by the training engine's own ranges (``schemas.adam``): one out of range
+    or not a number is answered 400 naming it, and logged as refused, so the training client's next call runs."""
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    cases = [('{"learning_rate": NaN}', "adam learning_rate=nan is out of range"),
+             ('{"learning_rate": -0.001}', "adam learning_rate=-0.001 is out of range"),
+             ('{"beta1": 1.0}', "adam beta1=1.0 is out of range"),
+             ('{"beta2": Infinity}', "adam beta2=inf is out of range"),
+             ('{"eps": 0.0}', "adam eps=0.0 is out of range"),
+             ('{"weight_decay": -1.0}', "adam weight_decay=-1.0 is out of range"),
+             ('{"learning_rate": 1e38, "beta1": 0.99}', "make a step of 1e+40, beyond float32's")]
+    for seq, (params, says) in enumerate(cases, start=1):
+        refused = api.post("/api/v1/optim_step", headers={**ALICE, "Content-Type": "application/json"}, content=(
+            f'{{"model_id": "{model_id}", "seq_id": {seq}, "type": "optim_step", "adam_params": {params}}}'))
+        assert refused.status_code == 400 and says in refused.json()["error"], (params, refused.text)
+    logged = [event.payload for _, event in api.published if event.payload.refused is not None]
+    assert [(call.op, call.seq_id) for call in logged] == [("optim_step", seq) for seq in range(1, len(cases) + 1)]
+    later = api.post("/api/v1/optim_step", headers=ALICE, json={
+        "model_id": model_id, "seq_id": len(cases) + 1, "type": "optim_step", "adam_params": {"learning_rate": 1e-3}})
+    assert later.status_code == 200, later.text
