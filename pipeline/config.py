@@ -41,6 +41,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.config import LearnerConfig, RunConfig
+from schemas.names import echoed
 from schemas.value import ValueLearnerConfig
 
 ENV_PREFIX = "RLPIPE_"
@@ -227,20 +228,32 @@ def env_layer(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     source = os.environ if environ is None else environ
     check_env_case(source)
     check_env_names(list(source))
-    if environ is None:
-        layer = _EnvLayer()
-    else:  # pydantic-settings reads only os.environ: swap the RLPIPE_ variables in for the duration
-        saved = {k: v for k, v in os.environ.items() if _is_rlpipe(k)}
-        try:
-            for k in saved:
-                del os.environ[k]
-            os.environ.update({k: v for k, v in environ.items() if _is_rlpipe(k)})
+    try:
+        if environ is None:
             layer = _EnvLayer()
-        finally:
-            for k in [k for k in os.environ if _is_rlpipe(k)]:
-                del os.environ[k]
-            os.environ.update(saved)
+        else:  # pydantic-settings reads only os.environ: swap the RLPIPE_ variables in for the duration
+            saved = {k: v for k, v in os.environ.items() if _is_rlpipe(k)}
+            try:
+                for k in saved:
+                    del os.environ[k]
+                os.environ.update({k: v for k, v in environ.items() if _is_rlpipe(k)})
+                layer = _EnvLayer()
+            finally:
+                for k in [k for k in os.environ if _is_rlpipe(k)]:
+                    del os.environ[k]
+                os.environ.update(saved)
+    except ValidationError as exc:  # a section given one value (RLPIPE_LEARNER=3), not its fields
+        section = str(exc.errors()[0]["loc"][0])
+        name = env_variable(source, (section,)) or f"{ENV_PREFIX}{section.upper()}"
+        raise ConfigError(f"{name}={echoed(source.get(name, ''))}: {section} is a section, not a value; set its "
+                          f"settings one by one as {name}__<SETTING> (rlpipe config show lists them)") from None
     return _decode_json_leaves(layer.model_dump(exclude_none=True))
+
+
+def env_variable(environ: Mapping[str, str], loc: Sequence[int | str]) -> str | None:
+    """The ``RLPIPE_*`` variable of ``environ`` that sets the field at ``loc`` (whatever its case), if one does."""
+    wanted = (ENV_PREFIX + "__".join(str(part) for part in loc)).upper()
+    return next((name for name in environ if name.upper() == wanted), None)
 
 
 def _decode_json_leaves(value: Any) -> Any:
@@ -299,11 +312,15 @@ def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any
     return merged
 
 
-def validation_message(exc: ValidationError, shown: int = 3) -> str:
+def validation_message(exc: ValidationError, shown: int = 3, sources: Mapping[tuple[Any, ...], str] | None = None
+                       ) -> str:
     """Every validation error in one line (the first ``shown``, then how many more), so a file with several
-    mistakes is fixed in one go: ``learner.learning_rate: Input should be > 0; learner.max_steps: ...``."""
-    errors = exc.errors()
-    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'config'}: {_error_text(error)}" for error in errors[:shown]]
+    mistakes is fixed in one go: ``learner.learning_rate: Input should be > 0; learner.max_steps: ...``;
+    ``sources``: the environment variable each field's value came from, named after its error."""
+    errors, sources = exc.errors(), sources or {}
+    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'config'}: {_error_text(error)}"
+             + (f" (set by {sources[tuple(error['loc'])]})" if tuple(error["loc"]) in sources else "")
+             for error in errors[:shown]]
     more = f" (and {len(errors) - shown} more)" if len(errors) > shown else ""
     return f"invalid configuration: {'; '.join(parts)}{more}"
 
@@ -338,6 +355,20 @@ def _error_text(error: Any, model: type[BaseModel] = RunConfig, listing: str = "
     return unknown_setting(error["loc"], model, listing) if error["type"] == "extra_forbidden" else str(error["msg"])
 
 
+def _env_sources(exc: ValidationError, environ: Mapping[str, str] | None,
+                 overrides: Mapping[str, Any]) -> dict[tuple[Any, ...], str]:
+    """The ``RLPIPE_*`` variable behind each refused field whose value ``--set`` (``overrides``) did not replace."""
+    source = os.environ if environ is None else environ
+    found = {}
+    for error in exc.errors():
+        loc, layer = tuple(error["loc"]), overrides
+        for part in loc:  # a field --set gave, or a section it gave whole
+            layer = layer.get(str(part)) if isinstance(layer, Mapping) else None
+        if layer is None and (name := env_variable(source, loc)):
+            found[loc] = name
+    return found
+
+
 def resolve_config(
     preset: str | None = None,
     config_file: str | os.PathLike[str] | None = None,
@@ -358,7 +389,7 @@ def resolve_config(
     try:
         config = RunConfig.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(validation_message(exc)) from None
+        raise ConfigError(validation_message(exc, sources=_env_sources(exc, environ, layers[-1]))) from None
     check_value_run_settings(config, layers[1 if preset else 0:])
     return config
 

@@ -372,3 +372,20 @@ def test_a_password_alone_under_a_plaintext_bus_is_accepted_as_a_pod_holding_its
     """A deployment may give every pod the Kafka Secret whatever its bus; the password is then unused."""
     config = resolve_config(environ={"RLPIPE_BUS__SASL_PASSWORD": "pw"})
     assert config.bus.security_protocol == "PLAINTEXT" and config.bus.sasl_password is not None
+
+
+def test_a_bad_value_from_the_environment_names_its_variable():
+    with pytest.raises(ConfigError) as caught:
+        resolve_config("cartpole", environ={"RLPIPE_BUS__CONNECT_TIMEOUT_S": "-1"})
+    assert "bus.connect_timeout_s" in str(caught.value) and "RLPIPE_BUS__CONNECT_TIMEOUT_S" in str(caught.value)
+    # set again by --set, the value that fails is the command line's: no variable is blamed
+    with pytest.raises(ConfigError) as caught:
+        resolve_config("cartpole", overrides=["bus.connect_timeout_s=-2"], environ={"RLPIPE_BUS__CONNECT_TIMEOUT_S": "-1"})
+    assert "RLPIPE_" not in str(caught.value)
+
+
+def test_a_section_set_as_one_variable_names_it_and_how_to_set_its_fields():
+    with pytest.raises(ConfigError) as caught:
+        resolve_config("cartpole", environ={"RLPIPE_LEARNER": "3"})
+    message = str(caught.value)
+    assert "RLPIPE_LEARNER='3'" in message and "RLPIPE_LEARNER__" in message and "\n" not in message
