@@ -1,8 +1,8 @@
 """``rlpipe plan --model M --gpus N``: memory per learner rank, and whether it fits a GPU, from the config alone.
 
 The figures come from ``pipeline.sizing`` (the model built on the meta device:
-no weights are downloaded or read).  ``--model`` is a hub id, a model folder or
-a ``config.json``.  Exit status 0 when it fits, 1 when it does not, 2 on a bad option.
+no weights are downloaded or read).  ``--model`` is a hub id, a model folder, a
+``config.json``, or ``tiny`` (the tiny model built on this machine).  Exit status 0 when it fits, 1 when it does not, 2 on a bad option.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ app = typer.Typer(name="plan", add_completion=False, pretty_exceptions_enable=Fa
     epilog="Example: rlpipe plan --model Qwen/Qwen2.5-7B-Instruct --gpus 2 --gpu-memory 80 --seq-len 4096",
 )
 def plan(
-    model: Annotated[str, typer.Option(help="hub id, model folder or config.json")],
+    model: Annotated[str, typer.Option(help="hub id, model folder, config.json, or tiny (the tiny model built here)")],
     gpus: Annotated[int, typer.Option(min=1, help="ranks (GPUs) of the learner's torchrun group")] = 1,
     gpu_memory: Annotated[float, typer.Option(min=0.1, help="memory of one GPU, GiB")] = 80.0,
     dtype: Annotated[str, typer.Option(help="base weights' dtype (model.dtype)")] = "bfloat16",
@@ -41,10 +41,16 @@ def plan(
     as_json: JsonOpt = False,
 ) -> None:
     """Estimate the memory of one learner rank: weights, LoRA, optimizer, activations, logits."""
+    from pipeline.models import ModelNotBuiltError, resolve_base_model
     from pipeline.sizing import GIB, load_model_config, plan_memory
+    from schemas.config import ModelConfig
 
     try:
-        config = load_model_config(model)
+        where = resolve_base_model(ModelConfig(base_model=model)) if model == "tiny" else model
+    except ModelNotBuiltError as exc:
+        fail(f"cannot size 'tiny': {exc}", EXIT_USAGE)
+    try:
+        config = load_model_config(where)
         result = plan_memory(config, gpus, dtype, micro_batch, seq_len, lora_rank, tuple(targets.split(",")),
                              shard, checkpointing, overhead_gib=overhead)
     except (OSError, ValueError, AttributeError) as exc:

@@ -135,3 +135,18 @@ def test_plan_of_a_hub_id_in_the_cache_reads_it_without_asking_the_hub(tmp_path,
     result = CliRunner().invoke(app, ["plan", "--model", "rlpipe/cached", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["parameters"] == plan_memory(LLAMA_8B).parameters
+
+
+def test_plan_of_tiny_sizes_the_tiny_model_built_here_and_says_how_to_build_it_when_it_is_not(tmp_path, monkeypatch):
+    from pipeline.models import record_tiny_model
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    missing = CliRunner().invoke(app, ["plan", "--model", "tiny", "--json"])
+    assert missing.exit_code == 2 and "rlpipe model init-tiny" in missing.output and "hub" not in missing.output
+    built = tmp_path / "tiny"
+    built.mkdir()
+    LLAMA_8B.to_json_file(str(built / "config.json"))  # the folder the pointer names is what is sized
+    record_tiny_model(built)
+    result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["parameters"] == plan_memory(LLAMA_8B).parameters
