@@ -237,6 +237,11 @@ class DatasetWriter:
 def require_free_name(store: ObjectStore, name: str) -> str:
     """``name`` if it is a valid dataset name that no committed dataset holds (``FileExistsError`` naming the fix
     otherwise): what writes a dataset checks this before work that would be lost on refusal."""
+    folders = [key.rsplit("/", 1)[-1] for key in store.list(DATASETS_PREFIX)]
+    twin = next((folder for folder in folders if folder != name and folder.lower() == name.lower()), None)
+    if twin is not None and name not in folders:  # on a case-insensitive filesystem the twin's folder is this one
+        raise FileExistsError(f"dataset {name!r} differs only in case from {twin!r} in {store.url(DATASETS_PREFIX)}, "
+                              "whose files it would share on a case-insensitive filesystem; choose another --name")
     if store.exists(card_key(name)):
         raise FileExistsError(f"dataset {name} already exists in {store.url(dataset_prefix(name))}; "
                               "choose another --name")
@@ -287,7 +292,11 @@ def read_card(store: ObjectStore, name: str) -> DatasetCard:
         raise DatasetNotFoundError(
             f"no dataset {name!r} in {store.url(DATASETS_PREFIX)}; see `rlpipe datasets list`"
         ) from None
-    return card_from_bytes(data, store.url(key))
+    card = card_from_bytes(data, store.url(key))
+    if card.name != name and card.name.lower() == name.lower():  # a case-insensitive filesystem found the twin's
+        raise DatasetNotFoundError(f"no dataset {name!r} in {store.url(DATASETS_PREFIX)}, but {card.name!r} is: "
+                                   f"dataset names are case-sensitive; name it {card.name}")
+    return card
 
 
 def read_partition(store: ObjectStore, card: DatasetCard, entry: DatasetFile, verify: bool = True) -> pa.Table:

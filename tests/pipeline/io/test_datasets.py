@@ -160,3 +160,21 @@ def test_write_commit_and_scan_on_every_store_backend(any_store):
     table = read_steps(any_store, "demo", start, columns=["timestamp", "zone_1@temp"])
     assert table.num_rows == 10 and table["timestamp"].to_pylist()[0] == start  # 08:10 .. 08:55 on Jan 2
     assert scan_steps(any_store, "demo", start).collect().height == 10
+
+
+def test_a_dataset_name_differing_only_in_case_is_neither_read_nor_written_as_the_other(tmp_path):
+    """On a case-insensitive filesystem (macOS, Windows) ``datasets/demo`` is ``datasets/Demo``'s folder: a read of
+    ``demo`` would get Demo's card and files, and an import of ``demo`` would clear or mix with Demo's."""
+    from tests.pipeline.test_runtime import CaseInsensitiveStore
+
+    local = CaseInsensitiveStore(f"file://{tmp_path}/store")
+    _write(local, "Demo")
+    _write(local, "Half", commit=False)  # an import under way (or crashed): its files have no card yet
+    before = sorted(local.list("datasets", recursive=True))
+    with pytest.raises(FileNotFoundError, match=r"no dataset 'demo'.*'Demo'"):
+        read_card(local, "demo")
+    for name, twin in (("demo", "Demo"), ("half", "Half")):
+        with pytest.raises(FileExistsError, match=rf"'{name}'.*'{twin}'.*another --name"):
+            DatasetWriter(local, name).open()
+    assert sorted(local.list("datasets", recursive=True)) == before  # nothing of the others' cleared
+    assert read_card(local, "Demo").name == "Demo"
