@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consumers.sources import in_date_range
+from consumers.sources import replay_order
 from pipeline.io.archive import TrajectoryArchive, batch_committed_payload
 from pipeline.io.bus import EventPublisher
 from pipeline.runtime import open_store, resolved_bus
@@ -12,10 +12,12 @@ from schemas.events import make_event
 
 def announce_batches(config: RunConfig, source_run: str, date_from: str | None = None,
                      date_to: str | None = None) -> int:
-    """Publish ``TrajectoryBatchCommitted`` for each stored batch of ``source_run`` under ``config.run_id``."""
+    """Publish ``TrajectoryBatchCommitted`` for each stored batch of ``source_run`` under ``config.run_id``, in the
+    order a replay trains them (``replay_order``: the source run's trained order, then commit order), so a run seeded
+    with the source run's configuration forms the same steps."""
     store = open_store(config.store)
     archive = TrajectoryArchive(store)
-    commits = [c for c in archive.commits(source_run) if in_date_range(c.key, date_from, date_to)]  # commit order
+    commits = replay_order(archive, source_run, date_from, date_to)
     with EventPublisher(resolved_bus(config.bus)) as publisher:
         for commit in commits:
             info = archive.describe_batch(commit.key, source_run, commit)  # refuses a changed file: none after it

@@ -185,6 +185,14 @@ class KafkaSource:
         self.consumer.close()
 
 
+def replay_order(archive: TrajectoryArchive, run_id: str, date_from: date | str | None = None,
+                 date_to: date | str | None = None) -> list[BatchCommit]:
+    """``run_id``'s stored batches (within the dates) in the order a replay hands them out or re-announces them:
+    those its learner trained, in its step log's order, then the rest in commit order (see ``ReplaySource``)."""
+    in_range = [c for c in archive.commits(run_id) if in_date_range(c.key, date_from, date_to)]
+    return in_trained_order(in_range, lambda c: c.batch_id, StepLog(archive.store, run_id).read())
+
+
 class ReplaySource:
     """Batches of a run straight from the store, in the order its learner trained them (offline training,
     no broker).
@@ -225,9 +233,7 @@ class ReplaySource:
         self.queue: deque[BatchCommit] = deque(self._listing())
 
     def _listing(self) -> list[BatchCommit]:
-        commits = self.archive.commits(self.run_id)
-        in_range = [c for c in commits if in_date_range(c.key, self.date_from, self.date_to)]
-        return in_trained_order(in_range, lambda c: c.batch_id, StepLog(self.archive.store, self.run_id).read())
+        return replay_order(self.archive, self.run_id, self.date_from, self.date_to)
 
     def poll(self, timeout_s: float) -> list[BatchRef]:
         refs = []

@@ -245,3 +245,18 @@ def test_a_run_and_namespace_of_the_longest_allowed_names_read_their_batches(bus
     finally:
         source.close()
     assert [lag.committed for lag in group_lag(config, learner_group_id(run))] == [1]
+
+
+def test_to_topic_announces_the_batches_in_the_order_a_replay_trains_them(bus_config: BusConfig) -> None:
+    """A run seeded with ``replay --to-topic`` forms its steps from the announcements in the order they come, so they
+    come in the source run's trained order (then commit order), as ``ReplaySource`` hands them out."""
+    from consumers.replay import announce_batches
+    from pipeline.config import resolve_config
+    from pipeline.io.bus import tail
+
+    step_log_archive("to-topic-trained-order")
+    config = resolve_config("cartpole", overrides=["store.root=memory://to-topic-trained-order", "run_id=seeded"])
+    assert announce_batches(config.model_copy(update={"bus": bus_config}), RUN) == 4
+    announced = [record.event.payload.batch_id for record in tail(bus_config, "trajectories", n=10, run_id="seeded")
+                 if record.event is not None]
+    assert announced == ["b-002", "b-003", "orphan", "b-004"]
