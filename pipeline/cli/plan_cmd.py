@@ -2,7 +2,8 @@
 
 The figures come from ``pipeline.sizing`` (the model built on the meta device:
 no weights are downloaded or read).  ``--model`` is a hub id, a model folder, a
-``config.json``, or ``tiny`` (the tiny model built on this machine).  Exit status 0 when it fits, 1 when it does not, 2 on a bad option.
+``config.json``, or ``tiny`` (the tiny model built on this machine).  Exit status
+0 when it fits, 1 when it does not, 2 on a bad option.
 """
 
 from __future__ import annotations
