@@ -34,6 +34,7 @@ from schemas.events import (
     TrajectoryBatchCommitted,
     make_event,
 )
+from schemas.names import case_twin_of
 
 log = logging.getLogger("rlpipe")
 
@@ -108,10 +109,7 @@ def case_twin(store: ObjectStore, run_id: str) -> str | None:
     """The run in the store whose id differs from ``run_id`` only in case, when ``run_id`` itself is not listed
     there; else None.  On a case-insensitive filesystem (macOS, Windows) ``runs/<run_id>`` is the twin's folder,
     so every lookup of ``run_id`` finds the twin's files: only the listed ids tell the two apart."""
-    stored = run_ids(store)
-    if run_id in stored:
-        return None
-    return next((run for run in stored if run.lower() == run_id.lower()), None)
+    return case_twin_of(run_id, run_ids(store))
 
 
 def refuse_case_twin(store: ObjectStore, run_id: str, flag: str = "--run ") -> None:

@@ -9,6 +9,7 @@ separator or ``..`` could escape the run's folder, and Kafka only accepts
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 MAX_NAME_LENGTH = 64
 MAX_ECHOED = 100  # characters of a client's input an error message repeats
@@ -47,3 +48,13 @@ def validate_name(value: str, kind: str = "name", max_length: int = MAX_NAME_LEN
             "starting with a letter or digit, without '..' or '/'"
         )
     return value
+
+
+def case_twin_of(name: str, names: Iterable[str]) -> str | None:
+    """The one of ``names`` differing from ``name`` only in case, when ``name`` itself is not among them; else
+    None.  On a case-insensitive filesystem (macOS, Windows) the twin's folder is also ``name``'s, so only the
+    listed names tell the two apart."""
+    listed = list(names)
+    if name in listed:
+        return None
+    return next((other for other in listed if other.lower() == name.lower()), None)

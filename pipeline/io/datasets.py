@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.store import ChecksumError, ObjectStore
-from schemas.names import validate_name
+from schemas.names import case_twin_of, validate_name
 from schemas.steps import STEPS_BASE_FIELDS, check_steps_table
 from schemas.versions import check_readable
 
@@ -237,9 +237,8 @@ class DatasetWriter:
 def require_free_name(store: ObjectStore, name: str) -> str:
     """``name`` if it is a valid dataset name that no committed dataset holds (``FileExistsError`` naming the fix
     otherwise): what writes a dataset checks this before work that would be lost on refusal."""
-    folders = [key.rsplit("/", 1)[-1] for key in store.list(DATASETS_PREFIX)]
-    twin = next((folder for folder in folders if folder != name and folder.lower() == name.lower()), None)
-    if twin is not None and name not in folders:  # on a case-insensitive filesystem the twin's folder is this one
+    twin = case_twin_of(name, (key.rsplit("/", 1)[-1] for key in store.list(DATASETS_PREFIX)))
+    if twin is not None:  # committed or still importing: on a case-insensitive filesystem its folder is this one
         raise FileExistsError(f"dataset {name!r} differs only in case from {twin!r} in {store.url(DATASETS_PREFIX)}, "
                               "whose files it would share on a case-insensitive filesystem; choose another --name")
     if store.exists(card_key(name)):
