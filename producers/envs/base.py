@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from producers.envs.parsing import parse_answer
 
@@ -62,6 +62,23 @@ class EnvConfig(BaseModel):
         0, ge=0, le=64,
         description="For per-turn prompts (long-horizon envs): recent turns the producer keeps in context.",
     )
+
+
+class LongHorizonConfig(EnvConfig):
+    """Settings of an environment played one action a turn, whose every limit is its truncation limit.
+
+    ``max_turns`` and ``max_actions_total`` not given follow a given ``max_env_steps``: a truncation
+    limit set alone is the episode's length, rather than one the default turn limit cuts short
+    (which would also leave the episode's success, reaching the limit, out of reach).
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _limits_follow_env_steps(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_env_steps" in data:
+            steps = data["max_env_steps"]
+            return {"max_turns": steps, "max_actions_total": steps} | data
+        return data
 
 
 @dataclass(frozen=True)

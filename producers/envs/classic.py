@@ -9,7 +9,8 @@ other code can drive them from fixed states without an environment.
 
 Both are long-horizon: the producer starts a fresh prompt each turn, so each
 turn is one action (``max_actions_per_turn=1``) and every limit equals the
-truncation limit (200 for v0, 500 for v1 and Acrobot).
+truncation limit (200 for v0, 500 for v1 and Acrobot); setting ``max_env_steps``
+alone moves the other limits with it (``LongHorizonConfig``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from producers.envs.base import ANSWER_FORMAT, ActionOutcome, EnvConfig, TextEnv
+from producers.envs.base import ANSWER_FORMAT, ActionOutcome, EnvConfig, LongHorizonConfig, TextEnv
 from producers.envs.parsing import format_answer
 
 CartPoleState = tuple[float, float, float, float]  # x (m), x_dot (m/s), theta (rad), theta_dot (rad/s)
@@ -41,7 +42,7 @@ _TORQUE_TEXT = {-1: "-1", 0: "0", 1: "+1"}
 # ---- CartPole ----------------------------------------------------------------
 
 
-class CartPoleConfig(EnvConfig):
+class CartPoleConfig(LongHorizonConfig):
     """CartPole-v0: Gym's published constants; truncation at 200 steps."""
 
     max_turns: int = Field(200, ge=1, le=100_000, description="Turns per episode (one action each).")
@@ -192,7 +193,7 @@ class CartPoleV1(CartPole):
 # ---- Acrobot -----------------------------------------------------------------
 
 
-class AcrobotConfig(EnvConfig):
+class AcrobotConfig(LongHorizonConfig):
     """Acrobot-v1: Gym's published constants ("book" dynamics); truncation at 500 steps."""
 
     max_turns: int = Field(500, ge=1, le=100_000, description="Turns per episode (one action each).")

@@ -44,7 +44,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from producers.envs.base import ANSWER_FORMAT, ActionOutcome, EnvConfig, TextEnv
+from producers.envs.base import ANSWER_FORMAT, ActionOutcome, EnvConfig, LongHorizonConfig, TextEnv
 from producers.envs.parsing import format_answer
 
 Slate = tuple[int, ...]  # 0-based candidate indices, distinct, in recommendation order
@@ -52,7 +52,7 @@ _SLATE_SPLIT = re.compile(r"[\s,;]+")
 QUALITY_RANGE = 3.4  # RecSim's normaliser: qualities ~ N([-3, 3], 0.1) lie within +/-3.4
 
 
-class InterestEvolutionConfig(EnvConfig):
+class InterestEvolutionConfig(LongHorizonConfig):
     """RecSim interest-evolution defaults (``UtilityModel*Sampler``, proportional choice)."""
 
     max_turns: int = Field(500, ge=1, le=100_000, description="Turns per episode (one slate each).")

@@ -24,6 +24,7 @@ from producers.envs.classic import (
     cartpole_terminated,
 )
 from producers.envs.evaluate import evaluate, random_policy, run_episode
+from producers.envs.registry import make_env
 
 # ---- references ---------------------------------------------------------------
 
@@ -164,6 +165,21 @@ def test_cartpole_truncates_at_200_and_v1_at_500_with_success():
         assert result.truncated and not result.terminated
         assert result.env_steps == result.turns == limit
         assert result.episode_return == limit and result.success
+
+
+def test_a_longer_truncation_limit_alone_lengthens_the_episode():
+    """One action per turn: the turn and action limits follow ``max_env_steps`` unless they are given too."""
+    env = make_env("cartpole", {"max_env_steps": 300})
+    result = run_episode(env, lambda e: e.heuristic_answer(), seed=1)
+    assert result.truncated and not result.terminated
+    assert result.env_steps == result.turns == 300  # not cut at the default 200 turns
+    assert result.episode_return == 300 and result.success
+    for cls, steps in [(CartPoleConfig, 700), (AcrobotConfig, 800)]:
+        config = cls(max_env_steps=steps)
+        assert (config.max_turns, config.max_actions_total) == (steps, steps)
+    given = AcrobotConfig(max_env_steps=800, max_turns=20)
+    assert (given.max_turns, given.max_actions_total) == (20, 800)  # a limit given is kept
+    assert AcrobotConfig().max_turns == 500
 
 
 def test_cartpole_parses_words_and_digits_case_insensitively():

@@ -218,3 +218,9 @@ def test_heuristic_beats_random():
 def test_config_rejects_unrunnable_settings(overrides):
     with pytest.raises(ValueError):
         InterestEvolutionConfig(**overrides)
+
+
+def test_a_longer_truncation_cap_alone_raises_the_turn_and_slate_limits():
+    config = InterestEvolutionConfig(max_env_steps=800)
+    assert (config.max_turns, config.max_actions_total) == (800, 800)
+    assert InterestEvolutionConfig(max_env_steps=800, max_turns=30).max_turns == 30
