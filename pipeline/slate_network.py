@@ -84,6 +84,37 @@ def slate_values(
     return slate_value(weights_BC[:, index_SK], item_q_BC[:, index_SK], no_click_weight, no_click_q_B[:, None])
 
 
+def select_slates(
+    weights_BC: torch.Tensor, item_q_BC: torch.Tensor, no_click_weight: float, no_click_q_B: torch.Tensor,
+    slate_size: int, method: SlateSelection, slates_SK: np.ndarray | None = None,
+) -> torch.Tensor:
+    """The slate ``method`` picks in every row, (B, K) candidate indices in ascending order: ``select_slate``
+    for a batch (the same slates, ties to the lowest index).  ``optimal`` scores ``slates_SK`` (every k-subset);
+    ``topk`` and ``greedy`` never enumerate slates, so they serve candidate sets too large for that."""
+    if method == "optimal":
+        if slates_SK is None:
+            raise ValueError("optimal slate selection needs every k-subset: pass slates_SK=all_slates(C, k)")
+        values_BS = slate_values(weights_BC, item_q_BC, no_click_weight, no_click_q_B, slates_SK)
+        return torch.as_tensor(slates_SK)[values_BS.argmax(dim=1)]
+    if method == "topk":
+        gain_BC = weights_BC * (item_q_BC - no_click_q_B[:, None])
+        ranked_BC = torch.sort(gain_BC, dim=1, descending=True, stable=True).indices
+        return ranked_BC[:, :slate_size].sort(dim=1).values
+    if method == "greedy":
+        # Adding item c to the chosen set A: (sum_A v q + v_c q_c + v_0 q_0) / (v_0 + sum_A v + v_c).
+        numerator_B = no_click_weight * no_click_q_B
+        denominator_B = torch.full_like(numerator_B, no_click_weight)
+        free_BC = torch.ones_like(weights_BC, dtype=torch.bool)
+        for _ in range(slate_size):
+            value_BC = (numerator_B[:, None] + weights_BC * item_q_BC) / (denominator_B[:, None] + weights_BC)
+            best_B = value_BC.masked_fill(~free_BC, -torch.inf).argmax(dim=1)  # argmax: the first of equal maxima
+            free_BC[torch.arange(len(best_B)), best_B] = False
+            numerator_B = numerator_B + (weights_BC * item_q_BC).gather(1, best_B[:, None]).squeeze(1)
+            denominator_B = denominator_B + weights_BC.gather(1, best_B[:, None]).squeeze(1)
+        return torch.nonzero(~free_BC)[:, 1].view(-1, slate_size)
+    raise ValueError(f"unknown slate selection {method!r}; use optimal, topk or greedy")
+
+
 def select_slate(
     weights_C: np.ndarray, item_q_C: np.ndarray, no_click_weight: float, slate_size: int, method: SlateSelection,
     no_click_q: float = 0.0,

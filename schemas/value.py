@@ -163,7 +163,8 @@ class SlateSpec(NoYesNoNumbers):
     no_click_mass: float = Field(1.0, ge=-1e3, le=1e3, description="score of the no-click option")
     min_normalizer: float = Field(-1.0, ge=-1e3, le=0.0, description="subtracted from every score (proportional)")
     selection: Literal["optimal", "topk", "greedy"] = Field(
-        "optimal", description="how actors and eval pick a slate from the item values (optimal: every k-subset)"
+        "optimal", description="how actors, eval and the learner's Q-learning target pick a slate from the item values "
+        "(optimal: every k-subset)"
     )
 
     @model_validator(mode="after")

@@ -7,9 +7,13 @@ decomposition, the slate selections and the item-value network):
 
   Q(s, A)  = sum_{i in A} P(i | s, A) * Qbar(s, i) + P(none | s, A) * Qbar(s, none)
   target on the consumed item i (the clicked one, or "none") with reward r:
-    Q-learning: y = r + bootstrap * max_{A'} Q_target(s', A')
+    Q-learning: y = r + bootstrap * Q_target(s', A*), A* the slate the configured selection picks
+                with Q_target's item values (optimal: the max over every slate; topk, greedy: theirs)
     SARSA:      y = r + bootstrap * Q_target(s', A'_shown)
   loss = Huber(y - Qbar(s, i)).
+The target's slate is the one the agent would show (RecSim's SlateQ pairs each serving
+method with the same target method), so the values learned are those of the policy that
+acts, and topk and greedy never enumerate slates.
 The no-click option is an item with its own learned value (the paper's null item).
 RecSim's agent gives it value 0, which makes every no-click look like the end of the
 session: with about half the steps unclicked its values settle near r / (1 - gamma / 2)
@@ -47,6 +51,7 @@ from pipeline.slate_network import (
     choice_weights,
     item_values,
     select_slate,
+    select_slates,
     slate_value,
     slate_values,
     split_observation,
@@ -54,7 +59,7 @@ from pipeline.slate_network import (
 
 __all__ = [
     "SlateEnvSpec", "SlateQAgent", "SlateQConfig", "SlateQLearnerAgent", "SlateSelection", "SlateTransitions",
-    "all_slates", "choice_weights", "select_slate", "slate_value", "slate_values", "slateq_targets",
+    "all_slates", "choice_weights", "select_slate", "select_slates", "slate_value", "slate_values", "slateq_targets",
 ]
 
 
@@ -76,7 +81,7 @@ class SlateQConfig:
 
 
 def slateq_targets(rewards_B: torch.Tensor, bootstrap_B: torch.Tensor, next_value_B: torch.Tensor) -> torch.Tensor:
-    """y = r + bootstrap * Q_target(s', A') with A' the best slate (Q-learning) or the next one shown (SARSA)."""
+    """y = r + bootstrap * Q_target(s', A') with A' the selection's slate (Q-learning) or the next one shown (SARSA)."""
     return rewards_B + bootstrap_B * next_value_B
 
 
@@ -103,7 +108,8 @@ class SlateQAgent:
     def __init__(self, config: SlateQConfig, env: SlateEnvSpec) -> None:
         self.config, self.env = config, env
         self.num_topics = env.num_topics
-        self.slates_SK = all_slates(env.num_candidates, env.slate_size)
+        # every k-subset, for the optimal selection only (SlateSpec bounds their number for it)
+        self.slates_SK = all_slates(env.num_candidates, env.slate_size) if config.selection == "optimal" else None
         self.online: nn.Module = build_item_network(env.num_topics, config.hidden_sizes, config.seed)
         self.target: nn.Module = build_item_network(env.num_topics, config.hidden_sizes, config.seed)
         self.optimizer = torch.optim.Adam(self.online.parameters(), lr=config.learning_rate, eps=config.adam_eps)
@@ -120,16 +126,18 @@ class SlateQAgent:
         return best_slate(self.online, self.env, self.config.selection, [*interests_T, *topics_C])
 
     def next_values(self, batch: SlateTransitions) -> torch.Tensor:
-        """Q_target(s', A'): the best slate's value (Q-learning) or the shown slate's (SARSA)."""
+        """Q_target(s', A'): the value of the slate the selection picks (Q-learning) or of the shown one (SARSA)."""
         interests_BT = torch.as_tensor(batch.next_interests_BT, dtype=torch.float32)
         topics_BC = torch.as_tensor(batch.next_topics_BC, dtype=torch.int64)
         with torch.no_grad():
             q_BC, no_click_q_B = self.item_values(self.target, interests_BT, topics_BC)
         weights_BC, no_click = candidate_weights(interests_BT, topics_BC, self.env)
         if self.config.td == "sarsa":
-            shown_BK = torch.as_tensor(batch.next_slate_BK, dtype=torch.int64)
-            return slate_value(weights_BC.gather(1, shown_BK), q_BC.gather(1, shown_BK), no_click, no_click_q_B)
-        return slate_values(weights_BC, q_BC, no_click, no_click_q_B, self.slates_SK).max(dim=1).values
+            slate_BK = torch.as_tensor(batch.next_slate_BK, dtype=torch.int64)
+        else:
+            slate_BK = select_slates(weights_BC, q_BC, no_click, no_click_q_B, self.env.slate_size,
+                                     self.config.selection, self.slates_SK)
+        return slate_value(weights_BC.gather(1, slate_BK), q_BC.gather(1, slate_BK), no_click, no_click_q_B)
 
     def train_step(self, batch: SlateTransitions) -> dict[str, float]:
         """One Huber step of Qbar(s, consumed item) towards the SlateQ target; returns loss, |TD| and Q means."""

@@ -11,12 +11,15 @@ from consumers.value.slateq import (
     SlateQAgent,
     SlateQConfig,
     SlateTransitions,
+    all_slates,
     choice_weights,
     select_slate,
+    select_slates,
     slate_value,
     slateq_targets,
 )
 from producers.envs.recsim import InterestEvolutionConfig, choice_probabilities
+from schemas.value import SlateSpec
 
 SMALL_ENV = InterestEvolutionConfig(num_topics=3, num_candidates=3, slate_size=2)
 
@@ -74,6 +77,66 @@ def test_q_learning_target_bootstraps_on_the_best_next_slate():
     assert agent.next_values(_batch(0.9)).item() == pytest.approx(23 / 4.5, rel=1e-6)
     targets = slateq_targets(torch.tensor([4.0]), torch.tensor([0.9]), agent.next_values(_batch(0.9)))
     assert targets.item() == pytest.approx(4 + 0.9 * 23 / 4.5, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("selection", "next_interests", "topic_values", "expected"),
+    [
+        # Next weights 1.9, 1.9, 0.1 (no click 2, worth 0) and values 10, 0.1, 0.1:
+        # {0,1} (19 + 0.19) / 5.8 = 3.3086, {0,2} (19 + 0.01) / 4 = 4.7525, {1,2} 0.2 / 4 = 0.05.
+        ("optimal", [0.9, 0.9, -0.9], [10.0, 0.1, 0.1], 19.01 / 4),
+        ("greedy", [0.9, 0.9, -0.9], [10.0, 0.1, 0.1], 19.01 / 4),  # item 0 first, then 2 (4.7525 > 3.3086)
+        ("topk", [0.9, 0.9, -0.9], [10.0, 0.1, 0.1], 19.19 / 5.8),  # the two largest v q: {0,1}
+        # Next weights 0.5, 0.5, 1.5 and values 8, 8, 4: {0,1} 8 / 3 = 2.667, {0,2} and {1,2} 10 / 4 = 2.5.
+        ("optimal", [-0.5, -0.5, 0.5], [8.0, 8.0, 4.0], 8 / 3),
+        ("greedy", [-0.5, -0.5, 0.5], [8.0, 8.0, 4.0], 2.5),  # item 2 alone is best (6 / 3.5), so {0,2}
+        ("topk", [-0.5, -0.5, 0.5], [8.0, 8.0, 4.0], 2.5),  # v q = 4, 4, 6: {0,2}
+    ],
+)
+def test_q_learning_target_bootstraps_on_the_slate_the_configured_selection_shows(
+    selection, next_interests, topic_values, expected
+):
+    # As RecSim's SlateQ pairs them (top-k, greedy or optimal serving with the same target): the target is the
+    # value of the slate the agent would show in s', so the values learned are those of the policy that acts.
+    agent = SlateQAgent(SlateQConfig(selection=selection), SMALL_ENV)
+    linear = nn.Linear(6, 1)
+    with torch.no_grad():
+        linear.weight.copy_(torch.tensor([[0.0, 0.0, 0.0, *topic_values]]))
+        linear.bias.zero_()
+    agent.target = linear
+    batch = SlateTransitions(
+        interests_BT=np.zeros((1, 3)), topics_BC=np.array([[0, 1, 2]]), clicked_B=np.array([0]),
+        reward_B=np.array([1.0]), bootstrap_B=np.array([0.9]),
+        next_interests_BT=np.array([next_interests]), next_topics_BC=np.array([[0, 1, 2]]),
+        next_slate_BK=np.array([[0, 1]]),
+    )
+    assert agent.next_values(batch).item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["optimal", "topk", "greedy"])
+def test_batched_selection_picks_the_slates_acting_picks(method):
+    rng = np.random.default_rng(0)
+    weights_BC = rng.uniform(0.0, 2.0, size=(200, 5))
+    weights_BC[:20, 1] = weights_BC[:20, 3]  # some ties, which both break towards the lowest index
+    q_BC, no_click_q_B = rng.normal(5.0, 3.0, size=(200, 5)), rng.normal(2.0, 1.0, size=200)
+    picked_BK = select_slates(torch.as_tensor(weights_BC), torch.as_tensor(q_BC), 2.0, torch.as_tensor(no_click_q_B),
+                              2, method, all_slates(5, 2))
+    expected = [select_slate(w, q, 2.0, 2, method, float(q0))
+                for w, q, q0 in zip(weights_BC, q_BC, no_click_q_B, strict=True)]
+    assert [tuple(row) for row in picked_BK.tolist()] == expected
+
+
+def test_topk_and_greedy_targets_serve_candidate_sets_too_large_to_enumerate():
+    many = SlateSpec(num_topics=20, num_candidates=100, slate_size=10, selection="greedy")  # C(100, 10) = 1.7e13
+    rng = np.random.default_rng(0)
+    batch = SlateTransitions(
+        interests_BT=rng.uniform(-1, 1, (4, 20)), topics_BC=rng.integers(0, 20, (4, 100)), clicked_B=np.full(4, -1),
+        reward_B=np.ones(4), bootstrap_B=np.full(4, 0.9), next_interests_BT=rng.uniform(-1, 1, (4, 20)),
+        next_topics_BC=rng.integers(0, 20, (4, 100)), next_slate_BK=np.zeros((4, 10), np.int64),
+    )
+    for selection in ("greedy", "topk"):
+        agent = SlateQAgent(SlateQConfig(selection=selection, hidden_sizes=(8,)), many)
+        assert agent.next_values(batch).shape == (4,)
 
 
 def test_no_click_has_a_value_of_its_own_in_the_target():
