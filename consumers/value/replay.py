@@ -310,7 +310,13 @@ def consumed_items(table: pa.Table) -> np.ndarray:
         raise ValueError(f"steps table has no {CLICK_SLOT_FEATURE!r} feature: not a slate environment's table; "
                          "slateq trains on recsim-interest-evolution")
     slate_RK = np.rint(_vectors(table["action"], "action")).astype(np.int64)
-    slot_R = np.rint(table[CLICK_SLOT_FEATURE].to_numpy(zero_copy_only=False)).astype(np.int64)
+    slot_values_R = table[CLICK_SLOT_FEATURE].to_numpy(zero_copy_only=False).astype(np.float64)  # null: NaN
+    named_R = np.isfinite(slot_values_R) & (slot_values_R == np.round(slot_values_R)) & (slot_values_R >= -1)
+    if not named_R.all():
+        row = int(np.flatnonzero(~named_R)[0])
+        raise ValueError(f"steps feature {CLICK_SLOT_FEATURE!r} is {slot_values_R[row]} in row {row} (episode "
+                         f"{table['episode_id'][row]}): not a slot nor -1 for no click; the table is malformed")
+    slot_R = slot_values_R.astype(np.int64)
     if (slate_RK < 0).any():
         raise ValueError("steps table holds a slate with a negative candidate index; the table is malformed")
     if slate_RK.shape[1] == 0 or (slot_R >= slate_RK.shape[1]).any():

@@ -228,3 +228,28 @@ def test_a_table_in_several_chunks_gives_the_same_transitions():
     whole, pieces = steps_to_transitions(table, 2, 0.5), steps_to_transitions(chunked, 2, 0.5)
     for name in whole:
         np.testing.assert_array_equal(whole[name], pieces[name], err_msg=name)
+
+
+def slate_rows(click_positions):
+    """One RecSim-like episode: slates of 2 of 3 candidates, the clicked slot as the click_position feature."""
+    last = len(click_positions) - 1
+    return [
+        {
+            "episode_id": "s", "step": t, "is_first": t == 0, "is_last": t == last, "is_terminal": t == last,
+            "observation": [float(t)], "action": [2.0, 0.0], "reward": 1.0, "discount": 0.0 if t == last else 1.0,
+            "features": {"click_position": slot},
+        }
+        for t, slot in enumerate(click_positions)
+    ]
+
+
+def test_consumed_items_are_the_clicked_slots_candidates_or_minus_one():
+    table = steps_to_table(slate_rows([1.0, -1.0, 0.0]), ["click_position"])
+    assert consumed_items(table).tolist() == [0, -1, 2]  # slate (2, 0): slot 1 is candidate 0, slot 0 candidate 2
+
+
+@pytest.mark.parametrize("slot", [None, float("nan"), 0.5, -2.0])
+def test_a_click_position_that_names_no_slot_is_refused_not_read_as_no_click(slot):
+    table = steps_to_table(slate_rows([1.0, slot, 0.0]), ["click_position"])
+    with pytest.raises(ValueError, match="click_position"):
+        consumed_items(table)
