@@ -172,8 +172,9 @@ def compute_advantages(
     ``group``: group_relative(reward); ``raw``: the reward itself; ``return_to_go``:
     per-turn return-to-go minus its per-(group, turn) mean (see ``returns_to_go``);
     ``gae``: generalised advantage estimates against a value baseline of the rows'
-    state (``consumers.state_baseline``, from the ``episode`` columns), centred over
-    the step.  ``normalize_std`` (``LearnerConfig.normalize_advantage_std``) divides by the
+    state (``consumers.state_baseline``, from the ``episode`` columns, whose turn
+    rewards give the return-to-go it is fitted to at ``episode.discount``; the
+    ``return_to_go`` column is not read), centred over the step.  ``normalize_std`` (``LearnerConfig.normalize_advantage_std``) divides by the
     std of the baseline's cell (for ``gae``: the step's), so it is refused where there is no baseline.
     """
     if kind == "group":
@@ -189,12 +190,11 @@ def compute_advantages(
             returns_to_go_R, group_ids_R, turns_R, return_to_go_baseline, normalize_std=normalize_std, eps=eps
         )
     if kind == "gae":
-        if episode is None or returns_to_go_R is None or turns_R is None:
-            raise ValueError("advantage='gae' needs the rows' state, turn_rewards, episode_id, turn, terminated "
-                             "and return_to_go columns")
-        estimates_R = state_baseline_gae(episode.states_R, episode.turn_rewards_R, returns_to_go_R,
-                                         episode.episode_ids_R, turns_R, episode.terminated_R, episode.discount,
-                                         episode.gae_lambda)
+        if episode is None or turns_R is None:
+            raise ValueError("advantage='gae' needs the rows' state, turn_rewards, episode_id, turn and terminated "
+                             "columns")
+        estimates_R = state_baseline_gae(episode.states_R, episode.turn_rewards_R, episode.episode_ids_R, turns_R,
+                                         episode.terminated_R, episode.discount, episode.gae_lambda)
         return returns_to_go(estimates_R, baseline="step", normalize_std=normalize_std, eps=eps)  # centred over the step
     raise ValueError(f"unknown advantage kind {kind!r}; choose one of {', '.join(ADVANTAGE_KINDS)}")
 

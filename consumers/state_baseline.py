@@ -10,9 +10,12 @@ rows and forms generalised advantage estimates (Schulman et al. 2016):
     delta_t = r_t + discount * V(s_{t+1}) - V(s_t)
     A_t     = delta_t + discount * lambda * A_{t+1}
 
-``V`` is a ridge regression of the rows' discounted return-to-go on quadratic
+``V`` is a ridge regression of the discounted return-to-go on quadratic
 features of the standardised state (1, z, and z_i z_j; linear only beyond
-``QUADRATIC_UP_TO`` numbers). It is fitted per step from that step's rows and
+``QUADRATIC_UP_TO`` numbers).  The return-to-go is computed here from the turn
+rewards at the same ``discount`` the advantages use, G_t = r_t + discount * G_{t+1},
+not read from the rows (producers write it undiscounted): a baseline of another
+return would bias every advantage. It is fitted per step from that step's rows and
 nothing else, so a step's advantages depend only on its rows: a step trained
 again after a restart gets the same ones. After a terminal turn the future is 0;
 after a truncated episode's last turn it is the baseline of that turn's own state
@@ -27,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import numpy as np
+
+from schemas.trajectory import discounted_returns
 
 QUADRATIC_UP_TO = 16  # states with more numbers (board games' grids) get linear features
 RIDGE = 1e-2  # on standardised features
@@ -64,8 +69,8 @@ def episode_gae(rewards: Sequence[float], values: Sequence[float], last_value: f
 
 def state_baseline_gae(
     states_R: Sequence[Sequence[float] | None], turn_rewards_R: Sequence[Sequence[float]],
-    returns_to_go_R: Sequence[float] | np.ndarray, episode_ids_R: Sequence[Hashable], turns_R: Sequence[int],
-    terminated_R: Sequence[bool], discount: float, lam: float,
+    episode_ids_R: Sequence[Hashable], turns_R: Sequence[int], terminated_R: Sequence[bool], discount: float,
+    lam: float,
 ) -> np.ndarray:
     """GAE of every per-turn row of one step against a value baseline of its state fitted on the step's rows.
 
@@ -74,6 +79,8 @@ def state_baseline_gae(
     """
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"gae_lambda must be in [0, 1], got {lam}")
+    if not 0.0 < discount <= 1.0:
+        raise ValueError(f"discount must be in (0, 1], got {discount}")
     lengths = {len(s) if s is not None else 0 for s in states_R}
     if not states_R or 0 in lengths:
         raise ValueError("advantage 'gae' needs each row's state (per-turn rows of an environment with a numeric "
@@ -83,18 +90,29 @@ def state_baseline_gae(
     if any(len(r) != 1 for r in turn_rewards_R):
         raise ValueError("advantage 'gae' needs one row per turn (turn_rewards of one entry); whole-episode rows "
                          "have no per-turn state: use advantage 'group'")
-    states_RS = np.asarray(states_R, dtype=np.float64)
-    values_R = fitted_values(states_RS, np.asarray(returns_to_go_R, dtype=np.float64))
+    episodes = _whole_episodes(episode_ids_R, turns_R)
+    rewards_R = np.array([float(r[0]) for r in turn_rewards_R], dtype=np.float64)
+    targets_R = np.zeros(len(states_R), dtype=np.float64)
+    for rows in episodes:
+        targets_R[rows] = discounted_returns(rewards_R[rows].tolist(), discount)
+    values_R = fitted_values(np.asarray(states_R, dtype=np.float64), targets_R)
+    out_R = np.zeros(len(states_R), dtype=np.float64)
+    for rows in episodes:
+        last = rows[-1]
+        after = 0.0 if terminated_R[last] else float(values_R[last])  # cut short: its own state's baseline
+        out_R[rows] = episode_gae(rewards_R[rows].tolist(), values_R[rows].tolist(), after, discount, lam)
+    return out_R
+
+
+def _whole_episodes(episode_ids_R: Sequence[Hashable], turns_R: Sequence[int]) -> list[list[int]]:
+    """Each episode's rows in turn order; refuses an episode whose turns are not all present."""
     rows_by_episode: dict[Hashable, list[int]] = {}
     for row, episode in enumerate(episode_ids_R):
         rows_by_episode.setdefault(episode, []).append(row)
-    out_R = np.zeros(len(states_R), dtype=np.float64)
+    episodes = []
     for episode, rows in rows_by_episode.items():
         rows = sorted(rows, key=lambda r: int(turns_R[r]))
         if [int(turns_R[r]) for r in rows] != list(range(len(rows))):
             raise ValueError(f"episode {episode} is not whole in this step; advantage 'gae' needs all its turns")
-        last = rows[-1]
-        after = 0.0 if terminated_R[last] else float(values_R[last])  # cut short: its own state's baseline
-        out_R[rows] = episode_gae([float(turn_rewards_R[r][0]) for r in rows], values_R[rows].tolist(), after,
-                                  discount, lam)
-    return out_R
+        episodes.append(rows)
+    return episodes

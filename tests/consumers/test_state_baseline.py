@@ -31,7 +31,7 @@ def test_a_step_of_two_episodes_bootstraps_only_the_one_that_was_cut_short():
     states = [[0.0], [1.0], [2.0], [0.0], [1.0]]
     rewards = [[1.0], [1.0], [1.0], [1.0], [1.0]]
     to_go = [3.0, 2.0, 1.0, 2.0, 1.0]  # undiscounted; episode b was cut after 2 turns, a ended at its 3rd
-    out = state_baseline_gae(states, rewards, to_go, ["a", "a", "a", "b", "b"], [0, 1, 2, 0, 1],
+    out = state_baseline_gae(states, rewards, ["a", "a", "a", "b", "b"], [0, 1, 2, 0, 1],
                              [True, True, True, False, False], 1.0, 1.0)
     values = fitted_values(np.array(states), np.array(to_go))
     assert out[:3] == pytest.approx(np.array([3, 2, 1]) - values[:3])  # lambda 1: return-to-go minus baseline
@@ -39,7 +39,7 @@ def test_a_step_of_two_episodes_bootstraps_only_the_one_that_was_cut_short():
 
 
 def test_rows_that_cannot_have_state_advantages_are_refused_naming_the_fix():
-    common = dict(turn_rewards_R=[[1.0]], returns_to_go_R=[1.0], episode_ids_R=["a"], turns_R=[0],
+    common = dict(turn_rewards_R=[[1.0]], episode_ids_R=["a"], turns_R=[0],
                   terminated_R=[True], discount=1.0, lam=0.5)
     with pytest.raises(ValueError, match="use advantage 'return_to_go'"):
         state_baseline_gae([None], **common)
@@ -123,3 +123,21 @@ def test_gae_pushes_an_answer_that_does_nothing_down_where_the_return_to_go_bare
                                          **kwargs)[empty].mean())
     assert max(by_gae) < -1.0  # in every step, in units of the step's std
     assert np.mean(by_gae) < 3 * np.mean(by_return) < 0
+
+
+def test_the_baseline_is_fitted_to_the_return_discounted_at_the_advantages_discount():
+    """The baseline estimates the return the advantages discount: at discount 0.9 it is fitted to the
+    discounted return-to-go of the turn rewards, whatever ``return_to_go`` the rows carry (producers write it
+    undiscounted).  Episode a (terminal) rewards 1, 1, 1 -> 2.71, 1.9, 1; episode b (cut short) 2, 0 -> 2, 0."""
+    states = [[0.0], [1.0], [3.0], [0.5], [2.0]]
+    rewards = [[1.0], [1.0], [1.0], [2.0], [0.0]]
+    episodes, turns, ended = ["a", "a", "a", "b", "b"], [0, 1, 2, 0, 1], [True, True, True, False, False]
+    values = fitted_values(np.array(states), np.array([2.71, 1.9, 1.0, 2.0, 0.0]))
+    expected = np.concatenate([episode_gae([1, 1, 1], values[:3].tolist(), 0.0, 0.9, 0.5),
+                               episode_gae([2, 0], values[3:].tolist(), values[4], 0.9, 0.5)])
+    expected -= expected.mean()  # centred over the step
+    episode = EpisodeColumns(states, rewards, episodes, ended, 0.9, 0.5)
+    undiscounted = [3.0, 2.0, 1.0, 2.0, 0.0]  # as producers/rows.py writes return_to_go
+    out = compute_advantages("gae", np.zeros(5), episodes, returns_to_go_R=undiscounted, turns_R=turns,
+                             episode=episode)
+    assert out == pytest.approx(expected, abs=1e-9)
