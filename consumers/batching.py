@@ -64,8 +64,9 @@ def _check_row(index: int, tokens: Sequence[int], loss_mask: Sequence[int], logp
 
 
 def check_trainable_rows(table: pa.Table, vocab_size: int) -> None:
-    """Refuse a trajectory table holding a row ``pad_rows`` would refuse (``_check_row``), or a token id outside
-    ``[0, vocab_size)`` (the embedding lookup would fail): all rows at once, before any reaches a step."""
+    """Refuse a trajectory table holding a row ``pad_rows`` would refuse (``_check_row``), a loss mask other than
+    0 or 1, or a token id outside ``[0, vocab_size)`` (the embedding lookup would fail): all rows at once, before
+    any reaches a step."""
     if not table.num_rows:
         return
     columns = [table.column(name) for name in ("tokens", "loss_mask", "logprobs")]
@@ -77,6 +78,13 @@ def check_trainable_rows(table: pa.Table, vocab_size: int) -> None:
     if pc.any(malformed).as_py():
         index = pc.index(malformed, True).as_py()
         _check_row(index, *(column[index].as_py() for column in columns))
+    masks = pc.list_flatten(columns[1])
+    not_binary = pc.and_(pc.not_equal(masks, 0), pc.not_equal(masks, 1))  # every loss multiplies by the mask
+    if pc.any(not_binary).as_py():
+        first = pc.index(not_binary, True).as_py()
+        row = pc.list_parent_indices(columns[1])[first].as_py()
+        raise ValueError(f"row {row}: loss_mask holds {masks[first].as_py()}; a loss mask is 0 (context) or 1 "
+                         "(a generated token to train on): rewrite the batch with 0/1 masks (weigh whole rows with the weight column)")
     flat = pc.list_flatten(columns[0])
     outside = pc.or_(pc.less(flat, 0), pc.greater_equal(flat, vocab_size))
     if pc.any(outside).as_py():

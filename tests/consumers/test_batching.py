@@ -4,10 +4,11 @@ import itertools
 import random
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
-from consumers.batching import drop_stale, micro_batches, pack_by_token_budget, pad_rows
+from consumers.batching import check_trainable_rows, drop_stale, micro_batches, pack_by_token_budget, pad_rows
 
 
 def test_pack_greedily_in_order_within_budget():
@@ -97,3 +98,18 @@ def test_drop_stale_with_zero_staleness_keeps_only_the_current_version():
     assert keep.shape == (0,) and dropped == 0 and histogram == {}
     with pytest.raises(ValueError, match="max_staleness"):
         drop_stale([1], current_version=1, max_staleness=-1)
+
+
+@pytest.mark.parametrize("mask_value", [2, -1])
+def test_trainable_rows_refuse_a_loss_mask_that_is_not_0_or_1(mask_value):
+    """A loss mask of 2 would train its token twice over (every loss multiplies by it), and -1 would leave it out
+    while the statistics count it; the trajectory contract says 0 or 1, and a table written as a table is not
+    validated row by row, so the learner refuses it at ingest."""
+    def table(mask):
+        return pa.table({"tokens": pa.array([[1, 2, 3], [1, 2, 3]], pa.list_(pa.int32())),
+                         "loss_mask": pa.array([[0, 1, 1], mask], pa.list_(pa.int8())),
+                         "logprobs": pa.array([[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]], pa.list_(pa.float32()))})
+
+    check_trainable_rows(table([0, 1, 1]), vocab_size=10)
+    with pytest.raises(ValueError, match=f"row 1: loss_mask holds {mask_value}; .*0 .*or 1"):
+        check_trainable_rows(table([0, 1, mask_value]), vocab_size=10)
