@@ -259,9 +259,11 @@ def packed_run_ids(stores: list[ObjectStore], stems: list[tuple[str, bool]], cou
     """Each stem's run ids: the stem for one run, ``<stem>-1`` ... ``<stem>-<count>`` for several.
 
     A stem the user named is taken as it is and none of its runs may exist in its store (``stores``, one per
-    stem); any other gets the UTC time (one for all), and ``-2``, ``-3`` when its runs are taken.
+    stem), nor differ only in case from a stored run; any other gets the UTC time (one for all), and ``-2``,
+    ``-3`` when its runs are taken.
     """
     from pipeline.analysis.runs import run_exists
+    from pipeline.runtime import refuse_new_run_case_twin
 
     stamp = datetime.now(UTC).strftime(_STAMP)
 
@@ -272,6 +274,8 @@ def packed_run_ids(stores: list[ObjectStore], stems: list[tuple[str, bool]], cou
     ids = []
     for store, (stem, named) in zip(stores, stems, strict=True):
         if named:
+            for run_id in runs_of(stem):  # on a case-insensitive filesystem a twin's folder would be taken as it
+                refuse_new_run_case_twin(store, run_id)
             ids.append(runs_of(stem))
             continue
         fresh = f"{stem[: MAX_NAME - len(stamp) - 8].rstrip('-._')}-{stamp}"

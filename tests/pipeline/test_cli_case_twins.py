@@ -83,3 +83,16 @@ def test_a_run_named_in_another_case_than_the_stored_one_is_refused_naming_it(
         result.output
     assert {key: store.get(key) for key in store.list("runs", recursive=True)} == before
     assert not out.exists()
+
+
+def test_packed_runs_one_of_which_differs_only_in_case_from_a_stored_run_are_refused_as_twins(
+        case_insensitive_store: ObjectStore, tmp_path: Path) -> None:
+    """``--runs 3 --run exp`` makes exp-1 ... exp-3: with Exp-1 stored, exp-1 is its case twin, not a run of the
+    same name to continue; the refusal asks for another name, as for one new run."""
+    store = case_insensitive_store
+    make_run(store, tmp_path, "Exp-1", "cartpole", steps=1, max_steps=5)
+    result = runner.invoke(app, ["run", "--preset", "cartpole", "--runs", "3", "--run", "exp", "--no-dashboard"])
+    assert result.exit_code == 2 and "\n" not in result.output.strip(), result.output
+    assert "'exp-1'" in result.output and "'Exp-1'" in result.output and NEW_RUN_FIX in result.output, \
+        result.output
+    assert "already exist" not in result.output, result.output
