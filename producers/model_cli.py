@@ -73,7 +73,7 @@ def init_tiny(
 
         try:
             path = build_tiny_model(target, seed=seed, force=force, progress=on_step, **overrides)
-        except FileExistsError as exc:
+        except (FileExistsError, NotADirectoryError) as exc:
             fail(str(exc), EXIT_USAGE)
         except (RuntimeError, OSError) as exc:
             fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)

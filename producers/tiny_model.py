@@ -156,11 +156,14 @@ def build_tiny_model(
 
     ``overrides`` are :class:`TinyModelSpec` fields (``steps=5`` for a quick test).
     A folder whose marker matches the parameters is reused as is; one holding
-    something else is refused unless ``force`` (then it is replaced).
+    something else is refused unless ``force`` (then it is replaced); a file is refused (``NotADirectoryError``).
     """
     spec = TinyModelSpec(seed=seed, pretrain=pretrain, **overrides)
     key = spec_hash(spec)
     target = Path(out_dir).expanduser() if out_dir is not None else default_tiny_dir(spec)
+    if target.exists() and not target.is_dir():  # never replaced, even with force: it is not a model's folder
+        raise NotADirectoryError(f"{target} is a file: the tiny model is built into a folder; name a folder "
+                                 "(new or empty) with --out")
     if not force and _marker_matches(target, key):
         _warn_if_partial(target)
         return target

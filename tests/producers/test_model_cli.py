@@ -62,6 +62,18 @@ def test_init_tiny_refuses_an_occupied_folder_in_one_line(home: Path) -> None:
     assert "Traceback" not in result.output and (out / "keep.txt").exists()
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_init_tiny_refuses_a_file_as_its_folder_before_building(home: Path, force: list[str]) -> None:
+    """--force replaces a folder, never a file: the error says the path must be a folder, before any build."""
+    out = home / "notes.txt"
+    out.write_text("x")
+    result = runner.invoke(app, ["init-tiny", "--out", str(out), "--steps", "0", *force])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().count("\n") == 0 and "is a file" in result.stderr, result.stderr
+    assert "--force" not in result.stderr and "building" not in result.stderr
+    assert out.read_text() == "x" and [p.name for p in home.iterdir()] == ["notes.txt"]
+
+
 def test_init_tiny_rejects_a_negative_step_count(home: Path) -> None:
     result = runner.invoke(app, ["init-tiny", "--out", str(home / "x"), "--steps", "-1"])
     assert result.exit_code == 2 and not (home / "x").exists()
