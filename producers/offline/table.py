@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import logging
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Literal
@@ -115,15 +116,26 @@ def _read_frame(file: Path) -> pl.DataFrame:
     if suffix not in (".csv", ".parquet", ".pq"):
         raise DatasetImportError(f"{file.name}: only .csv and .parquet files can be imported")
     kind = "CSV" if suffix == ".csv" else "Parquet"
+    not_text = DatasetImportError(f"{file.name} is not a readable CSV: it is not UTF-8 text (a binary file, or "
+                                  "text in another encoding); export the log as a UTF-8 CSV")
     try:
-        if kind == "CSV":
-            return pl.read_csv(file, try_parse_dates=True, infer_schema_length=10_000)
-        return pl.read_parquet(file)
+        if kind == "Parquet":
+            return pl.read_parquet(file)
+        frame = pl.read_csv(file, try_parse_dates=True, infer_schema_length=10_000)
     except pl.exceptions.PolarsError as exc:  # not the format its name says, or a damaged file
+        if kind == "CSV" and "utf-8" in str(exc).lower():
+            raise not_text from None
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatasetImportError(
             f"{file.name} cannot be read as {kind} ({reason}); check the file, or give it the suffix of its format"
         ) from None
+    if any(_NOT_TEXT.search(column) for column in frame.columns):  # polars reads a header's bad bytes leniently
+        raise not_text
+    return frame
+
+
+# what no text header holds: U+FFFD (a byte that is not UTF-8, read leniently) and control characters
+_NOT_TEXT = re.compile("[\ufffd\x00-\x08\x0e-\x1f]")
 
 
 def _ordered_frame(frame: pl.DataFrame, mapping: TableMapping, where: str) -> pl.DataFrame:

@@ -172,3 +172,18 @@ def test_a_file_that_is_not_what_its_name_says_is_one_line_naming_it(tmp_path, s
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert f"{name} cannot be read as {'Parquet' if name.endswith('parquet') else 'CSV'}" in result.stderr
     assert dataset_names(store) == []
+
+
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n" + bytes(200), "a,b\n1,2\n".encode("utf-16"),
+                                     bytes(range(256)) * 4], ids=["png", "utf-16", "bytes"])
+def test_a_binary_file_named_csv_is_one_line_saying_it_is_not_utf8_text(tmp_path, store, content):
+    """Read as text, such a file would give garbage column names and an error about the mapping instead."""
+    log, mapping = tmp_path / "log.csv", tmp_path / "map.yaml"
+    log.write_bytes(content)
+    mapping.write_text("reward: b\nobservation: [a]\n")
+    result = runner.invoke(app, ["import", "table", str(log), "--mapping", str(mapping), "--name", "p",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "log.csv is not a readable CSV" in result.stderr and "UTF-8" in result.stderr, result.stderr
+    assert "mapping" not in result.stderr and dataset_names(store) == []
