@@ -21,6 +21,8 @@ Where each number comes from (nothing else is read; no hidden state):
 - evaluations: ``runs/<run>/eval/*.json`` (``schemas.evaluation.EvalResult``).
 - producers: ``ProducerHeartbeat`` events on ``<ns>.control`` (rates, busy fraction),
   plus ``RunStarted``/``RunStopped``/``LearnerCheckpointed``; the read is bounded.
+- the run's status (the summary's ``status``: running, finished, stopped, idle or unknown), as
+  ``rlpipe runs show`` gives it (``pipeline.analysis.runs.summarize``).
 - whether the run is stopped (the summary's ``stopped``, and the end of the run window): read as
   ``rlpipe runs list|show`` read it (``pipeline.analysis.runs.RunActivity``), from the topic and from the
   run's newest start or stop as the store keeps it (``runs/<run>/membership.json``, which retention does not

@@ -30,7 +30,7 @@ from pipeline.analysis.report.metrics import (
     value_traces,
 )
 from pipeline.analysis.report.model import ControlEvents, RunReport, dig, finite, first_known, iso
-from pipeline.analysis.runs import run_kind, runs_there, with_recorded_membership
+from pipeline.analysis.runs import run_kind, runs_there, summarize, with_recorded_membership
 from pipeline.devstack.stack import resolve_bootstrap_servers
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import BusError, tail
@@ -83,6 +83,7 @@ def gather_report(
     evals = load_evals(store, run_id, report)
     state, checkpoint_key = read_learner_state(store, run_id, report)
     events = read_events(bus_config, run_id, bus_timeout_s, report)
+    status = summarize(store, run_id, events.activity, events.log_read).status  # as `rlpipe runs show` gives it
     add_recorded_membership(store, run_id, events, report)
     step_log = read_step_log(store, run_id, state, report)
 
@@ -100,6 +101,7 @@ def gather_report(
     report.series["duty_cycle"] = duty_cycle(lanes_of(step_log, events.heartbeats), run_window_hints(events))
     report.series["value"] = value_traces(step_log)
     report.summary = build_summary(report, run_config, rows, episodes, manifests, evals, state, checkpoint_key, events)
+    report.summary["status"] = status
     add_value_summary(report, run_config)
     add_missing_notes(report, run_id, rows, evals, state, step_log, events, bus_config is None)
     return report
@@ -224,6 +226,7 @@ def read_events(bus_config: BusConfig | None, run_id: str, timeout_s: float, rep
         for record in tail(bounded, "control", n=MAX_CONTROL_EVENTS, run_id=run_id, read_timeout_s=timeout_s):
             if record.event is not None:
                 _collect(events, record.event.time.timestamp(), record.event.payload)
+        events.log_read = True
     except (BusError, ValueError, OSError) as exc:  # unreachable, no topic, no broker configured
         report.note("bus", f"event log not read ({type(exc).__name__}: {_first_line(exc)})")
         return ControlEvents()

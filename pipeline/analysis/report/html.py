@@ -66,7 +66,7 @@ def render_html(report: RunReport, images: dict[str, bytes]) -> str:
 
 
 _SUMMARY_LABELS = (
-    ("run_id", "run id"), ("env", "environment"), ("base_model", "base model"), ("learner_steps", "learner steps"),
+    ("run_id", "run id"), ("status", "status"), ("env", "environment"), ("base_model", "base model"), ("learner_steps", "learner steps"),
     ("adapter_versions", "adapter versions"), ("trajectories", "trajectories"),
     ("dropped_stale_rows", "dropped stale rows"), ("reward_first_version", "mean reward, first version"),
     ("reward_last_version", "mean reward, last version"), ("eval", "evaluations"),

@@ -72,6 +72,7 @@ class ControlEvents:
     started: tuple[float, RunStarted] | None = None  # the first start: where the run's window opens
     checkpoints: list[tuple[float, LearnerCheckpointed]] = field(default_factory=list)
     activity: RunActivity = field(default_factory=RunActivity)
+    log_read: bool = False  # the topic was read (else nothing above is known from it)
 
     @property
     def stopped(self) -> tuple[float | None, str | None] | None:

@@ -436,6 +436,35 @@ def test_a_damaged_membership_record_reports_the_run_stopped_as_runs_show_does(
     assert f"at no recorded time ({shown.stop_reason})" in printed
 
 
+def test_the_summary_gives_the_status_runs_show_gives_for_a_running_or_idle_run(
+    run_store: ObjectStore, bus_config: BusConfig, tmp_path: Path
+) -> None:
+    """Not only a stop: a run with a recent heartbeat is running, one without is idle (unknown without the log),
+    in the report's summary as in `rlpipe runs show`."""
+    import time
+
+    from pipeline.analysis.runs import read_activity, summarize
+
+    bus = ["--bootstrap", bus_config.bootstrap_servers, "--namespace", bus_config.namespace]
+    with EventPublisher(bus_config) as publisher:  # another run's event: the topic exists, this run has none
+        publisher.publish("control", heartbeat("other", "p0", time.time(), 5.0, 0.5, 1.0))
+    idle = json.loads(run_report("--run", RUN, "--root", run_store.root, "--json", *bus,
+                                 "--out", str(tmp_path / "idle")).stdout)
+    assert idle["summary"]["status"] == "idle" == summarize(run_store, RUN, None, log_read=True).status
+    blind = json.loads(run_report("--run", RUN, "--root", run_store.root, "--json", "--no-bus",
+                                  "--out", str(tmp_path / "blind")).stdout)
+    assert blind["summary"]["status"] == "unknown" == summarize(run_store, RUN, None, log_read=False).status
+
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", heartbeat(RUN, "p0", time.time() - 5.0, 5.0, 0.5, 1.0))
+    running = json.loads(run_report("--run", RUN, "--root", run_store.root, "--json", *bus,
+                                    "--out", str(tmp_path / "running")).stdout)
+    activity = read_activity(bus_config, 5.0, RUN)[RUN]
+    assert running["summary"]["status"] == "running" == summarize(run_store, RUN, activity, log_read=True).status
+    printed = run_report("--run", RUN, "--root", run_store.root, *bus, "--out", str(tmp_path / "p")).stdout
+    assert re.search(r"status\s+│?\s*running", printed), printed
+
+
 def heartbeat(run_id: str, producer: str, time_s: float, interval: float, busy: float, rate: float) -> Envelope:
     payload = ProducerHeartbeat(
         producer_id=producer, adapter_version=1, samples_total=10, batches_total=1,
