@@ -16,7 +16,7 @@ again then), ``close`` removes the run's versions at exit (and the folder once
 empty: packed runs with one configured producer id share it), and
 ``sweep_dead_process_caches`` removes, at start, the folders that producers of
 this host left behind when they were killed (the default producer id is
-``<host>-<pid>``, so a dead pid names a folder nobody will use).
+``<host>_<pid>``, so a dead pid names a folder nobody will use).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -177,20 +178,24 @@ class AdapterWatcher:
 
 
 def sweep_dead_process_caches(cache_root: str | Path, host: str) -> list[Path]:
-    """Delete the cache folders ``<host>-<pid>`` (and a packed producer's ``<host>-<pid>-<run>``) under
+    """Delete the cache folders ``<host>_<pid>`` (and a packed producer's ``<host>_<pid>-<run>``) under
     ``cache_root`` whose process is gone; return them.
 
-    Only this host's folders are touched (a pid means nothing on another machine),
-    and only names of the default producer-id shape: a configured producer id
+    Only this host's folders are touched (a pid means nothing on another machine): ``host`` holds no ``_``
+    (``producers.service.host_name``), so the first ``_`` ends it and host ``node`` never takes host ``node-7``'s
+    folders for its own.  Only names of the default producer-id shape are touched: a configured producer id
     (a Kubernetes replica's) is reused by its restart, which then reuses the cache.
     """
+    if "_" in host:
+        raise ValueError(f"host {host!r} holds '_', which ends the host in a cache folder's name; replace it by '-'")
+    shape = re.compile(rf"{re.escape(host)}_(?P<pid>[0-9]+)(-.+)?")
     removed = []
     root = Path(cache_root)
     if not root.is_dir():
         return removed
     for folder in sorted(root.iterdir()):
-        pid = folder.name.removeprefix(f"{host}-").split("-", 1)[0]
-        if folder.name.startswith(f"{host}-") and pid.isdigit() and not _process_alive(int(pid)):
+        match = shape.fullmatch(folder.name)
+        if match is not None and not _process_alive(int(match["pid"])):
             shutil.rmtree(folder, ignore_errors=True)
             log.info("removed the adapter cache of dead producer process %s", folder.name)
             removed.append(folder)

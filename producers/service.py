@@ -40,13 +40,16 @@ log = logging.getLogger("rlpipe.producer")
 
 
 def host_name() -> str:
-    """This machine's name as producer ids carry it (characters other than ``[A-Za-z0-9._-]`` become ``-``)."""
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "host"
+    """This machine's name as producer ids carry it (characters other than ``[A-Za-z0-9.-]`` become ``-``: never
+    ``_``, which ends the host in a default producer id)."""
+    return "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname())[:40] or "host"
 
 
 def default_producer_id() -> str:
-    """``<host>-<pid>``: unique per process, so a restart never reuses episode or batch ids."""
-    return f"{host_name()}-{os.getpid()}"
+    """``<host>_<pid>``: unique per process, so a restart never reuses episode or batch ids.  The host never holds
+    ``_``, so a cache folder of this shape names its host unambiguously (``sweep_dead_process_caches``): host
+    ``node``'s ``node_7`` is not host ``node-7``'s ``node-7_123``."""
+    return f"{host_name()}_{os.getpid()}"
 
 
 class Heartbeat:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
 from pipeline.io.bus import EventPublisher
@@ -207,26 +208,51 @@ def test_the_sweep_removes_only_folders_of_dead_processes_of_this_host(tmp_path:
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                               check=True)
     dead_pid = int(finished.stdout)
-    names = [f"node-a-{dead_pid}", f"node-a-{os.getpid()}", f"node-b-{dead_pid}", "producer-0", "node-a-x"]
+    names = [f"node-a_{dead_pid}", f"node-a_{os.getpid()}", f"node-b_{dead_pid}", "producer-0", "node-a_x"]
     for name in names:
         (tmp_path / name / "r1").mkdir(parents=True)
     removed = sweep_dead_process_caches(tmp_path, "node-a")
-    assert [p.name for p in removed] == [f"node-a-{dead_pid}"]
+    assert [p.name for p in removed] == [f"node-a_{dead_pid}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
 
 
 def test_the_sweep_removes_the_per_run_folders_of_a_dead_packed_producer(tmp_path: Path) -> None:
-    """A packed producer's default id in each run is ``<host>-<pid>-<run>``: its folders go with its process."""
+    """A packed producer's default id in each run is ``<host>_<pid>-<run>``: its folders go with its process."""
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                               check=True)
     dead_pid = int(finished.stdout)
-    names = [f"node-a-{dead_pid}-exp-1", f"node-a-{dead_pid}-exp-2", f"node-a-{os.getpid()}-exp-1", "node-a-x-1"]
+    names = [f"node-a_{dead_pid}-exp-1", f"node-a_{dead_pid}-exp-2", f"node-a_{os.getpid()}-exp-1", "node-a_x-1"]
     for name in names:
         (tmp_path / name / "exp-1").mkdir(parents=True)
     removed = sweep_dead_process_caches(tmp_path, "node-a")
     assert sorted(p.name for p in removed) == sorted(names[:2])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
 
+
+def test_the_sweep_leaves_the_folders_of_a_host_whose_name_extends_this_ones(tmp_path: Path) -> None:
+    """Hosts ``node`` and ``node-<n>`` sharing one $RLPIPE_HOME: ``node``'s sweep must not read ``node-<n>``'s
+    folders as its own with pid ``<n>`` (dead here), whatever that host's live producers are."""
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                              check=True)
+    dead_pid = int(finished.stdout)
+    other_host = f"node-{dead_pid}"
+    names = [f"{other_host}_{os.getpid()}", f"{other_host}_{os.getpid()}-exp-1", f"node-{dead_pid}-exp-1"]
+    for name in names:
+        (tmp_path / name / "exp-1").mkdir(parents=True)
+    assert sweep_dead_process_caches(tmp_path, "node") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+
+
+def test_a_default_producer_id_ends_its_host_at_the_only_underscore(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep reads the host as what comes before the first ``_``: a host name's own ``_`` becomes ``-``."""
+    import socket
+
+    from producers.service import default_producer_id
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "lab_node 7")
+    assert default_producer_id() == f"lab-node-7_{os.getpid()}"
+    with pytest.raises(ValueError, match="replace it by '-'"):
+        sweep_dead_process_caches(".", "lab_node")
 
 def test_an_evicted_version_a_running_group_reloaded_is_unloaded_once_no_group_uses_it(
     memory_store: ObjectStore, tmp_path: Path, tiny_trained_dir: Path, lora_adapters: tuple[AdapterHandle, ...]
