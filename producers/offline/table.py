@@ -60,9 +60,16 @@ def load_mapping(path: str | Path) -> TableMapping:
     import yaml
 
     file = Path(path)
+    if file.is_dir():
+        raise DatasetImportError(f"mapping file {str(file)!r} is a folder; give the path of a YAML or JSON file")
+    if not file.is_file():
+        raise DatasetImportError(f"mapping file {str(file)!r} does not exist; give the path of a YAML or JSON file")
     try:
         raw = yaml.safe_load(file.read_text())
         return TableMapping.model_validate(raw)
+    except UnicodeDecodeError as exc:
+        raise DatasetImportError(f"mapping file {str(file)!r} is not text ({exc.reason} at byte {exc.start}); "
+                                 "give a YAML or JSON file") from None
     except yaml.YAMLError as exc:
         raise DatasetImportError(f"{file} is not YAML/JSON: {str(exc).splitlines()[0]}") from None
     except ValidationError as exc:

@@ -187,3 +187,20 @@ def test_a_binary_file_named_csv_is_one_line_saying_it_is_not_utf8_text(tmp_path
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "log.csv is not a readable CSV" in result.stderr and "UTF-8" in result.stderr, result.stderr
     assert "mapping" not in result.stderr and dataset_names(store) == []
+
+
+@pytest.mark.parametrize(("make", "said"), [
+    (lambda path: None, "does not exist"),
+    (lambda path: path.mkdir(), "is a folder"),
+    (lambda path: path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(20)), "is not text"),
+], ids=["missing", "folder", "binary"])
+def test_a_mapping_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, store, make, said):
+    csv, mapping = tmp_path / "log.csv", tmp_path / "map.yaml"
+    csv.write_text("a,b\n1,2\n")
+    make(mapping)
+    result = runner.invoke(app, ["import", "table", str(csv), "--mapping", str(mapping), "--name", "p",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"mapping file {str(mapping)!r} {said}" in result.stderr, result.stderr
+    assert dataset_names(store) == []
