@@ -241,7 +241,8 @@ class SbdPartition:
 def partition_folders(path: Path) -> list[Path]:
     """``path`` itself if it holds ``data.npy.npz``, else its sub-folders that do (sorted)."""
     if not path.exists():
-        raise FileNotFoundError(f"no such file or folder: {path}")
+        raise DatasetImportError(f"no such file or folder: {path}; point at a partition folder (it holds "
+                                 f"{NPZ_NAME}) or a folder of them")
     if (path / NPZ_NAME).is_file():
         return [path]
     folders = sorted(p for p in path.iterdir() if (p / NPZ_NAME).is_file()) if path.is_dir() else []

@@ -118,7 +118,8 @@ _ROW, _TIME, _FIRST = "__rlpipe_row", "__rlpipe_time_us", "__rlpipe_episode_firs
 
 def _read_frame(file: Path) -> pl.DataFrame:
     if not file.is_file():
-        raise FileNotFoundError(f"no such file: {file}")
+        what = "is a folder" if file.is_dir() else "does not exist"
+        raise DatasetImportError(f"{file} {what}; give the path of a .csv or .parquet file")
     suffix = file.suffix.lower()
     if suffix not in (".csv", ".parquet", ".pq"):
         raise DatasetImportError(f"{file.name}: only .csv and .parquet files can be imported")

@@ -201,3 +201,12 @@ def test_partitions_that_overlap_in_time_are_refused_naming_both_and_nothing_is_
     with pytest.raises(DatasetImportError, match=r"metadata.json logs 1 timestamp twice"):
         import_smart_buildings(store, tmp_path / "dup", "dup")
     assert _nothing_written(store)
+
+
+def test_a_path_that_does_not_exist_is_bad_input_naming_it(tmp_path, store):
+    missing = tmp_path / "sb1" / "2022_a"
+    result = runner.invoke(app, ["import", "smart-buildings", str(missing), "--name", "sb", "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(missing) in lines[0] and "point at a partition folder" in lines[0], lines
+    assert _nothing_written(store)

@@ -204,3 +204,17 @@ def test_a_mapping_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, stor
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert f"mapping file {str(mapping)!r} {said}" in result.stderr, result.stderr
     assert dataset_names(store) == []
+
+
+@pytest.mark.parametrize("make", [lambda path: None, lambda path: path.mkdir()], ids=["missing", "folder"])
+def test_a_log_path_that_is_no_file_is_bad_input_naming_it(tmp_path, store, make):
+    """Exit status 2 (the input is wrong), as for every other refused import, and a folder is not called missing."""
+    log, mapping = tmp_path / "log.csv", tmp_path / "map.yaml"
+    make(log)
+    mapping.write_text("reward: b\nobservation: [a]\n")
+    result = runner.invoke(app, ["import", "table", str(log), "--mapping", str(mapping), "--name", "p",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert str(log) in result.stderr and ("is a folder" in result.stderr) == log.is_dir(), result.stderr
+    assert "give the path of a .csv or .parquet file" in result.stderr, result.stderr
