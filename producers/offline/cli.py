@@ -415,7 +415,7 @@ def eval_building(
 ) -> None:
     """Play held-out days of the building with the offline-trained adapter and with baselines (the logged
     controller, random, ...); energy, carbon and comfort broken out; results stored as EvalResult JSON."""
-    from producers.offline.evaluation import SamplingSettings, evaluate_building
+    from producers.offline.evaluation import SamplingSettings, adapter_version, evaluate_building
 
     store = _store(root, gcs_endpoint)
     refuse_case_twin(store, run)  # its results would go into the other run's folder
@@ -424,6 +424,8 @@ def eval_building(
     if first_day is None and card is None:
         first_day = 1_000_000
     day_list = _held_out(card, days, first_day)
+    if "adapter" in chosen and model:
+        adapter_version(store, run, version)  # before the model: loading (or building the tiny one) takes long
     model_path = _model_path(model) if model else None
     with console.status(f"playing {days} days x {len(chosen)} policies") as status:
 

@@ -337,6 +337,22 @@ def model_tokenizer(model_path: str) -> Any:
                          "(tokenizer.json, tokenizer_config.json), or 'tiny'") from None
 
 
+def adapter_version(store: ObjectStore, run_id: str, version: int | None) -> int:
+    """``version`` (None: the latest) when the run has it, else a ``ValueError`` naming the fix; asked before the
+    base model is loaded (or the tiny one built), which takes far longer than this listing."""
+    from pipeline.io.registry import AdapterRegistry
+
+    versions = AdapterRegistry(store, run_id).versions()
+    if not versions:
+        raise ValueError(f"run {run_id!r} has no adapter versions; train it first (`rlpipe replay --train`)")
+    if version is None:
+        return versions[-1]
+    if version not in versions:
+        raise ValueError(f"run {run_id!r} has no adapter version {version}; its versions: {_version_list(versions)} "
+                         "(leave out --version for the latest)")
+    return version
+
+
 def _adapter_handle(store: ObjectStore, run_id: str, version: int | None, cache_dir: str | Path | None) -> Any:
     """The run's adapter ``version`` (None: the latest) pulled, digest-checked, into a local folder."""
     from pipeline.devstack.stack import rlpipe_home
@@ -344,14 +360,7 @@ def _adapter_handle(store: ObjectStore, run_id: str, version: int | None, cache_
     from producers.samplers.base import AdapterHandle
 
     registry = AdapterRegistry(store, run_id)
-    versions = registry.versions()
-    if not versions:
-        raise FileNotFoundError(f"run {run_id} has no adapter versions; train it first (`rlpipe replay --train`)")
-    if version is None:
-        version = versions[-1]
-    elif version not in versions:
-        raise ValueError(f"run {run_id!r} has no adapter version {version}; its versions: {_version_list(versions)} "
-                         "(leave out --version for the latest)")
+    version = adapter_version(store, run_id, version)
     folder = registry.pull(version, Path(cache_dir) if cache_dir else rlpipe_home() / "cache" / "adapters")
     return AdapterHandle.for_version(version, str(folder), registry.adapter_sha256(version))
 

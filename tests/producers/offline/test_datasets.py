@@ -452,6 +452,23 @@ def test_a_missing_model_folder_or_adapter_version_ends_in_one_line(store, tmp_p
     assert store.list("runs/trained/eval") == []  # refused before any policy played
 
 
+def test_a_run_without_adapter_versions_is_bad_input_refused_before_the_model_is_loaded(
+    store, tmp_path, monkeypatch
+):
+    """The adapter policy needs a trained version: a run with none (or no such run) exits 2 before the base model
+    is looked at, so --model tiny builds nothing (minutes, the first time) only to be refused."""
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for base in (str(model), "tiny"):
+        error = _one_line_error(runner.invoke(app, ["eval-building", "--run", "untrained", "--model", base,
+                                                    "--days", "1", "--policies", "random,adapter",
+                                                    "--root", store.root]))
+        assert "run 'untrained' has no adapter versions" in error and "rlpipe replay --train" in error, error
+    assert not (tmp_path / "home" / "models").exists()  # the tiny model was not built
+    assert store.list("runs/untrained", recursive=True) == []  # random was not played and stored first
+
 def test_the_behaviour_policy_of_a_dataset_the_simulator_did_not_log_is_refused_before_any_policy_plays(
     store, tmp_path
 ):
