@@ -32,6 +32,15 @@ also keeps a generous wall-clock guard (``TIME_GUARD_S``, 10 s) for queries that
 slow call; ``printf``/``format`` with a width of a billion took seconds a call, so they
 refuse a width or precision above ``MAX_FORMAT_WIDTH`` (``capped_printf``).  A query that
 returns after the guard all the same scores as timed out.
+
+Temporary storage: a sort, DISTINCT or GROUP BY keeps 2 MB in memory and spills the rest to
+temporary files; thousands of 100 kB ``randomblob`` rows under an ORDER BY cost ~20 steps a
+row whatever their size, so the step budget cannot bound them.  ``temp_store=MEMORY`` would
+move those gigabytes into this process, where SQLite has no per-connection cap (its heap
+limits are process-wide and would fail other episodes' queries).  So they stay on disk,
+written by the query's own thread (no sorter worker threads), and the progress handler
+stops a query whose thread has written more than ``MAX_TEMP_BYTES`` (``ThreadWrites``;
+without Linux's per-thread counter only the step budget and the time guard apply).
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from producers.envs.thread_writes import ThreadWrites
+
 SHIPPED_TASKS_PATH = Path(__file__).with_name("data") / "text2sql_tasks.jsonl"
 RUN_REWARD = 0.25  # the predicted query ran
 ERROR_REWARD = -0.25  # it failed: syntax error, unknown column, refused write, step budget or time guard
@@ -65,6 +76,9 @@ TIME_GUARD_S = 10.0  # wall-clock last resort per query, for slow built-in calls
 # budget checks: at 100 kB the worst such call takes about half a second.
 MAX_VALUE_BYTES = 100_000
 MAX_RESULT_BYTES = 8_000_000  # a result larger than this (roughly counted) is an error
+MAX_TEMP_BYTES = 64_000_000  # bytes one query may write to SQLite's temporary files (module docstring)
+TEMP_CHECK_EVERY = 4  # progress calls between reads of the write counter: 4,000 steps, ~200 rows of 100 kB
+SORT_CACHE_KIB = 2_000  # what a sort keeps in memory before it spills to temporary files
 # Authorizer actions a read-only query needs; everything else (writes, PRAGMA, ATTACH,
 # transactions, DDL) is denied.  RECURSIVE is a read: the step budget bounds runaway CTEs.
 _READ_ACTIONS = frozenset(
@@ -201,6 +215,7 @@ def build_database(schema_sql: str, max_value_bytes: int = MAX_VALUE_BYTES) -> s
     """A fresh in-memory database holding ``schema_sql``, then switched to read-only (query_only)."""
     db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
     db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max_value_bytes)
+    db.setlimit(sqlite3.SQLITE_LIMIT_WORKER_THREADS, 0)  # sorts write from the query's thread, which is metered
     # The schema is trusted task data, but it still may not reach outside memory.
     db.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_ATTACH else sqlite3.SQLITE_OK)
     try:
@@ -211,6 +226,8 @@ def build_database(schema_sql: str, max_value_bytes: int = MAX_VALUE_BYTES) -> s
             f"text2sql: schema_sql does not build ({e}); fix the task's schema_sql (or raise max_value_bytes)"
         ) from None
     db.set_authorizer(None)
+    db.execute("PRAGMA temp_store = FILE")  # bounded by MAX_TEMP_BYTES; memory would have no per-connection cap
+    db.execute(f"PRAGMA cache_size = -{SORT_CACHE_KIB}")
     db.execute("PRAGMA query_only = ON")
     for name in ("printf", "format"):  # before any model-written query: a call that cannot be interrupted
         db.create_function(name, -1, capped_printf, deterministic=True)
@@ -250,10 +267,10 @@ class QueryRun:
 
 def run_query(
     db: sqlite3.Connection, sql: str, time_limit_s: float = TIME_GUARD_S, max_rows: int = 1_000,
-    max_steps: int = MAX_QUERY_STEPS,
+    max_steps: int = MAX_QUERY_STEPS, max_temp_bytes: int = MAX_TEMP_BYTES,
 ) -> QueryRun:
-    """Run ``sql`` read-only within ``max_steps`` SQLite VM instructions (``time_limit_s``: the wall-clock guard);
-    never raises for a bad query."""
+    """Run ``sql`` read-only within ``max_steps`` SQLite VM instructions (``time_limit_s``: the wall-clock guard)
+    and ``max_temp_bytes`` written to temporary files; never raises for a bad query."""
     denied: list[int] = []
 
     def authorize(action: int, first: object = None, second: object = None, *_: object) -> int:
@@ -265,10 +282,14 @@ def run_query(
     start = time.monotonic()
     deadline = start + time_limit_s
     steps = [0]  # VM instructions run so far, counted in PROGRESS_OPS
+    meter = ThreadWrites.start()
+    over_temp = [False]
 
     def progress() -> int:  # nonzero interrupts the query
         steps[0] += PROGRESS_OPS
-        return int(steps[0] > max_steps or time.monotonic() > deadline)
+        if meter is not None and steps[0] % (TEMP_CHECK_EVERY * PROGRESS_OPS) == 0:
+            over_temp[0] = meter.written() > max_temp_bytes
+        return int(over_temp[0] or steps[0] > max_steps or time.monotonic() > deadline)
 
     _REFUSED.message = ""
     db.set_authorizer(authorize)
@@ -280,12 +301,18 @@ def run_query(
             return QueryRun(rows=(), error="not a query: it returns no columns; write one SELECT query")
         rows = _fetch(cursor, max_rows)
     except _SQL_ERRORS as e:
+        if over_temp[0]:
+            return QueryRun(rows=(), error=f"the query wrote more than {max_temp_bytes:,} bytes of temporary storage "
+                            "(sorting or grouping many large values); sort or group fewer, smaller values",
+                            seconds=time.monotonic() - start)
         over_budget = steps[0] > max_steps
         return _failed_run(ValueError(_REFUSED.message) if _REFUSED.message else e, bool(denied),
                            time.monotonic() - start, time_limit_s, max_steps if over_budget else None)
     finally:
         db.set_authorizer(None)
         db.set_progress_handler(None, 0)
+        if meter is not None:
+            meter.close()
     seconds = time.monotonic() - start
     if seconds > time_limit_s:  # one call ran on past the checks: an overrun is an error all the same
         return QueryRun(rows=(), error=f"the query ran past the {time_limit_s:g} s time limit", timed_out=True,

@@ -246,6 +246,30 @@ def test_long_values_are_capped(db: sqlite3.Connection) -> None:
     assert build_database("CREATE TABLE big (x); INSERT INTO big VALUES (hex(zeroblob(2000)));")
 
 
+# 50 kB rows sorted by their value: 800 of them are 40 MB, twenty times the 2 MB a sort keeps in memory
+# before it spills to temporary files.
+SORT_LARGE_VALUES = ("WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c WHERE i < {rows}) "
+                     "SELECT length(b) FROM (SELECT randomblob(50000) AS b FROM c ORDER BY b) LIMIT 1")
+THREAD_IO = Path("/proc/thread-self/io")
+
+
+def bytes_written_by_this_thread() -> int:
+    """The calling thread's write counter (write/pwrite bytes): what SQLite wrote to its temporary files."""
+    fields = dict(line.split(": ") for line in THREAD_IO.read_text().splitlines())
+    return int(fields["wchar"])
+
+
+@pytest.mark.skipif(not THREAD_IO.exists(), reason="per-thread I/O counters are Linux's")
+def test_sorting_many_large_values_stops_at_the_temporary_storage_bound(db: sqlite3.Connection) -> None:
+    before = bytes_written_by_this_thread()
+    run = run_query(db, SORT_LARGE_VALUES.format(rows=800), max_temp_bytes=4_000_000)
+    written = bytes_written_by_this_thread() - before
+    assert "temporary storage" in run.error and not run.rows and not run.timed_out
+    assert written < 16_000_000  # the bound plus at most one check's worth (4,000 steps: 200 rows of 50 kB)
+    small = run_query(db, SORT_LARGE_VALUES.format(rows=20), max_temp_bytes=4_000_000)  # 1 MB: sorted in memory
+    assert small.rows == ((50_000,),)
+
+
 def test_too_many_rows_never_match_and_the_guard_is_removed_afterwards(db: sqlite3.Connection) -> None:
     run = run_query(db, "SELECT * FROM t, t AS t2, t AS t3", LIMIT_S, max_rows=10)
     assert not run.error and len(run.rows) == 11  # 64 rows exist; fetching stops at max_rows + 1
