@@ -25,7 +25,7 @@ from pipeline.api.checkpoints import weights_key
 from pipeline.api.samplers import find_sampler, point_inflight, write_sampler
 from pipeline.api.wire import TinkerPath, training_state_path
 from pipeline.io.registry import AdapterRegistry
-from pipeline.io.store import ObjectStore
+from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.api import ApiError, ApiRequestAccepted, model_run_name, result_path, session_path
 from schemas.registry import AdapterManifest
 
@@ -46,9 +46,9 @@ def save_weights(store: ObjectStore, engine: TrainingEngine, model_id: str, call
     path = TinkerPath(model_id, "training", request.path or "")
     _claim_name(store, path, call, request.overwrite)
     state = ops.save_state(engine, model_id, True)
-    store.put(weights_key(path), state)
+    sha256 = store.put(weights_key(path), state)
     checkpoints.write_record(store, path, len(state), checkpoints.expiry(request.ttl_seconds),
-                             request_id=call.request_id, base_model=call.base_model)
+                             request_id=call.request_id, base_model=call.base_model, sha256=sha256)
     return _json({"type": "save_weights", "path": str(path)})
 
 
@@ -143,10 +143,14 @@ def load_weights(store: ObjectStore, engine: TrainingEngine, model_id: str, call
     try:
         if record is None:
             raise FileNotFoundError(request.path)
-        state = store.get(weights_key(path))
+        state = store.get(weights_key(path), record.get("sha256"))  # a record from before digests checks nothing
     except FileNotFoundError:
         raise ApiError(f"no saved weights at {request.path} (never saved, deleted or expired); see "
                        "list_checkpoints") from None
+    except ChecksumError:
+        raise ApiError(f"the weights at {request.path} do not match the sha256 its save recorded: they are corrupt "
+                       "or were replaced, so they were not loaded; save the state again, or load another checkpoint "
+                       "(list_checkpoints)") from None
     checkpoints.check_base_model(request.path, checkpoints.saved_base_model(store, path, record), call.base_model)
     ops.load_state(engine, model_id, state, request.optimizer, source=request.path)
     return _json({"type": "load_weights", "model_id": model_id, "path": request.path, "source": source})

@@ -1,7 +1,7 @@
 """A training client's checkpoints in the store: records, time to live, publication and external weights.
 
   runs/<run>/weights/<name>.safetensors              ``save_state``: adapter, AdamW and RNG state (one blob)
-  runs/<run>/weights/<name>.json                     its record
+  runs/<run>/weights/<name>.json                     its record (with the blob's sha256, checked on every load)
   runs/<run>/sampler_weights/<name>.json             ``save_weights_for_sampler``: the registry version it made
   runs/<run>/external_weights/<name>.json            ``save_weights_external``: the record, each file's sha256
   runs/<run>/external_weights_files/<name>/<file>    and the PEFT folder (adapter_config.json,
