@@ -75,7 +75,7 @@ class BusConfig(_Section):
 
 
 class StoreConfig(_Section):
-    """Where the object store is (any fsspec URL)."""
+    """Where the object store is: a local folder, gs:// or memory:// (filesystems with a create-only write)."""
 
     root: str = Field("", max_length=4096, description="file:///..., memory://..., gs://bucket/prefix; empty = embedded")
     gcs_endpoint: str | None = Field(None, max_length=1024, description="GCS API endpoint (emulator); None = Google")

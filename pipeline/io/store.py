@@ -20,8 +20,14 @@ readers never see half an object.
   uploads.  Caveat: if a network error hides a successful create and gcsfs retries,
   the retry reports ``FileExistsError`` for our own object; ``put_create_once``
   reads the object back and accepts it when the bytes are ours.
-- ``memory://`` and any other filesystem: check-then-write under a process-wide lock.
-  That is atomic between threads of one process only, which is all unit tests need.
+- ``memory://``: check-then-write under a process-wide lock.  That is atomic between
+  threads of one process only, which is all unit tests need (a memory store lives in one
+  process anyway).
+
+Other filesystems (ftp://, http(s)://, webhdfs://, ...) are refused when the store is made,
+before any connection: they offer no atomic create-only write, and a check-then-write
+there lets two processes both commit the same manifest, the second silently replacing the
+first.
 
 Digests are hex sha256 of the exact bytes; ``get(key, sha256)`` refuses a mismatch
 with ``ChecksumError``.
@@ -41,6 +47,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 if TYPE_CHECKING:
     from schemas.config import StoreConfig
@@ -117,6 +124,7 @@ class ObjectStore:
             self._fs: Any = _gcs_filesystem(gcs_endpoint, gcs_project)
             self._root_path = _gcs_root_path(root)
         else:
+            _check_create_only(root, self.protocol)
             self._fs, path = _fsspec_filesystem(root)
             self._root_path = path.rstrip("/")
         self.root = self._fs.unstrip_protocol(self._root_path or "/").rstrip("/")
@@ -357,18 +365,28 @@ def _gcs_root_path(root: str) -> str:
     return path
 
 
+def _check_create_only(root: str, protocol: str) -> None:
+    """Refuse a root whose filesystem has no atomic create-only write (module docstring), before it is made."""
+    try:
+        filesystem = fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError) as exc:
+        raise StoreURLError(
+            f"cannot open store root {root!r}: {exc}; use file:///path, memory://name or gs://bucket/prefix"
+        ) from None
+    if not issubclass(filesystem, LocalFileSystem | MemoryFileSystem):
+        raise StoreURLError(
+            f"store root {root!r}: {protocol}:// has no atomic create-only write, so two processes could both "
+            "commit the same manifest or batch; use file:///path (a local or mounted disk), gs://bucket/prefix, "
+            "or memory://name in tests"
+        )
+
+
 def _fsspec_filesystem(root: str) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(root)
     except (ValueError, ImportError) as exc:
         raise StoreURLError(
             f"cannot open store root {root!r}: {exc}; use file:///path, memory://name or gs://bucket/prefix"
-        ) from None
-    except OSError as exc:  # a filesystem that connects when it is made (ftp://, sftp://) and cannot
-        reason = exc.strerror or str(exc) or type(exc).__name__
-        raise StoreURLError(
-            f"cannot reach the store root {root!r}: {reason}; check its host and port, or use file:///path, "
-            "memory://name or gs://bucket/prefix"
         ) from None
 
 

@@ -146,11 +146,12 @@ def test_a_bug_keeps_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert isinstance(result.exception, KeyError)
 
 
-def test_a_root_whose_host_does_not_answer_exits_2_with_one_line() -> None:
+def test_a_root_without_an_atomic_create_only_write_exits_2_with_one_line() -> None:
     from pipeline.devstack.process import free_port
 
-    root = f"ftp://127.0.0.1:{free_port()}/rlpipe"  # a filesystem that connects when it is made
-    assert "cannot reach the store root" in _one_line_error(runner.invoke(app, ["list", "--run", "x", "--root", root]), 2)
+    root = f"ftp://127.0.0.1:{free_port()}/rlpipe"  # refused before it connects
+    assert "has no atomic create-only write" in _one_line_error(
+        runner.invoke(app, ["list", "--run", "x", "--root", root]), 2)
 
 
 def test_a_to_that_is_a_file_is_refused_before_anything_is_read(tmp_path: Path) -> None:

@@ -264,8 +264,10 @@ def test_accepting_our_own_bytes_makes_their_name_durable(
     assert file_store.path("f") in synced_folders
 
 
-def test_a_root_whose_filesystem_cannot_connect_is_refused_with_a_clear_error() -> None:
-    """fsspec filesystems such as ftp:// connect when they are made: a host that does not answer is a bad root."""
-    root = f"ftp://127.0.0.1:{free_port()}/rlpipe"  # nothing listens there
-    with pytest.raises(StoreURLError, match=f"cannot reach the store root {root!r}: .*Connection refused"):
+@pytest.mark.parametrize("scheme", ["ftp", "https", "webhdfs"])
+def test_a_root_without_an_atomic_create_only_write_is_refused_before_connecting(scheme: str) -> None:
+    """Every commit (a manifest, a batch, a lease epoch) is a create-only write; these filesystems can only check,
+    then write, which two processes can both pass, the second silently replacing the first's commit."""
+    root = f"{scheme}://127.0.0.1:{free_port()}/rlpipe"  # nothing listens there: refused before any connection
+    with pytest.raises(StoreURLError, match=f"{scheme}:// has no atomic create-only write.*use file:///path"):
         ObjectStore(root)
