@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"
+THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 ACTION_SEPARATOR = "||"
 MAX_ACTION_CHARS = 4_096  # one action's text longer than this is invalid
@@ -28,10 +29,11 @@ class ParsedAnswer:
 def parse_answer(text: object, max_actions: int, split: bool = True) -> ParsedAnswer:
     """Extract up to ``max_actions`` action strings from the last ``<answer>`` block.
 
-    Text inside ``<think>`` is ignored: only what follows the last ``</think>`` counts.
-    ``ok`` is False when there is no complete answer block, it is empty, an action is
-    empty or too long, or it holds more actions than ``max_actions`` (the first
-    ``max_actions`` are still returned).
+    Text inside ``<think>`` is ignored: only what follows the last ``</think>`` counts, and an
+    answer block after a ``<think>`` never closed (a turn cut by ``max_tokens`` mid-thought)
+    is a thought, not an answer.  ``ok`` is False when there is no complete answer block
+    outside a thought, it is empty, an action is empty or too long, or it holds more
+    actions than ``max_actions`` (the first ``max_actions`` are still returned).
     """
     if not isinstance(text, str):
         return ParsedAnswer((), False, "answer is not text")
@@ -42,6 +44,8 @@ def parse_answer(text: object, max_actions: int, split: bool = True) -> ParsedAn
     start = tail.rfind(ANSWER_OPEN)
     if start < 0:
         return ParsedAnswer((), False, "missing <answer>")
+    if 0 <= tail.find(THINK_OPEN) < start:  # the answer block lies inside a thought never closed (cut by max_tokens)
+        return ParsedAnswer((), False, "unclosed <think>")
     end = tail.find(ANSWER_CLOSE, start)
     if end < 0:
         return ParsedAnswer((), False, "missing </answer>")

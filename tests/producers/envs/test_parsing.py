@@ -25,6 +25,16 @@ def test_thinking_cannot_smuggle_an_answer():
     assert not parse_answer("<think><answer>Down</answer></think>", 5).ok
 
 
+def test_an_unclosed_thought_cannot_smuggle_an_answer():
+    # a turn cut by max_tokens mid-thought: the answer it was weighing is no answer
+    parsed = parse_answer("<think>maybe <answer>Down</answer>, or else", 5)
+    assert parsed.actions == () and not parsed.ok and parsed.error == "unclosed <think>"
+    assert parse_answer("<think>a</think><think>b <answer>Down</answer>", 5).error == "unclosed <think>"
+    # an answer given before a new thought opens stands, and so does one that merely mentions the tag
+    assert parse_answer("<answer>Up</answer><think>more", 5).actions == ("Up",)
+    assert parse_answer("<answer>SELECT '<think>' FROM t</answer>", 1, split=False).actions == ("SELECT '<think>' FROM t",)
+
+
 def test_too_many_actions_keeps_the_first_and_flags_it():
     parsed = parse_answer("<answer>a || b || c</answer>", 2)
     assert parsed.actions == ("a", "b") and not parsed.ok and parsed.error == "too many actions"
