@@ -55,6 +55,8 @@ PROCESS_ENV = {
     "RLPIPE_API_KEYS": "the Tinker API's tenants and their keys, tenant=key,... (pipeline.api.tenants)",
     "RLPIPE_API_MAX_SESSIONS": "sessions one Tinker API tenant may hold that have not ended (pipeline.api.tenants)",
     "RLPIPE_API_MAX_MODELS": "training clients one Tinker API tenant may hold in them (pipeline.api.tenants)",
+    "RLPIPE_API_MAX_SAMPLING_SESSIONS": "sampling sessions one Tinker API tenant may hold in them "
+                                        "(pipeline.api.tenants)",
     "RLPIPE_SWEEP_EXPERIMENT": "a sweep experiment's name, for its script (pipeline.sweeps.runner)",
 }
 # What Kubernetes sets in a pod for each Service of its namespace (a Service named rlpipe-kafka-bootstrap gives

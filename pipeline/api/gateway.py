@@ -57,7 +57,7 @@ from pipeline.api.lifecycle import (
 from pipeline.api.liveness import SessionLiveness
 from pipeline.api.quotas import TenantQuota
 from pipeline.api.sample_queue import MAX_PENDING_SAMPLES, SampleQueue
-from pipeline.api.samplers import read_sampler, write_sampler
+from pipeline.api.samplers import find_sampler, read_sampler, write_sampler
 from pipeline.api.tenants import TenantLimits
 from pipeline.api.wire import (
     TinkerPath,
@@ -399,18 +399,25 @@ class Gateway:
         """A sampling session on the base model, or on the sampler weights a ``tinker://`` path names."""
         self.live_session(tenant, session_id)
         check_seq("sampling_session_seq_id", seq, 0, "the tinker SDK's create_sampling_client")
+        weights: tuple[str, str | None, str | None, int | None]
         if model_path is None:
-            return write_sampler(self.store, tenant, session_id, seq, self.served(base_model).name, None, None, None)
-        path, record = self.readable_path(tenant, model_path)
-        if path.kind != "sampler":
-            raise ApiError(f"{model_path} is not sampler weights; sample from a tinker://.../sampler_weights/<name> "
-                           "path (save_weights_for_sampler)")
-        meta = checkpoints.read_record(self.store, path)
-        if meta is None:
-            raise ApiError(f"no sampler weights at {model_path} (never saved, deleted or expired); see "
-                           "list_checkpoints")
-        return write_sampler(self.store, tenant, session_id, seq, record["base_model"], model_path, path.run,
-                             int(meta["version"]))
+            weights = (self.served(base_model).name, None, None, None)
+        else:
+            path, record = self.readable_path(tenant, model_path)
+            if path.kind != "sampler":
+                raise ApiError(f"{model_path} is not sampler weights; sample from a "
+                               "tinker://.../sampler_weights/<name> path (save_weights_for_sampler)")
+            meta = checkpoints.read_record(self.store, path)
+            if meta is None:
+                raise ApiError(f"no sampler weights at {model_path} (never saved, deleted or expired); see "
+                               "list_checkpoints")
+            weights = (record["base_model"], model_path, path.run, int(meta["version"]))
+        sampling_session_id = model_id_for(session_id, "sample", seq)
+        with self.quota.creating(tenant):
+            if find_sampler(self.store, session_id, seq) is None:  # a resent create takes no new place
+                self.quota.admit_sampler(tenant)
+            self.quota.note_sampler(tenant, sampling_session_id)
+            return write_sampler(self.store, tenant, session_id, seq, *weights)
 
     def sampler(self, tenant: str, sampling_session_id: str) -> dict[str, Any]:
         """A sampling session's record (``NotFoundError`` for one that is not this tenant's)."""

@@ -1,11 +1,12 @@
-"""Counting what each tenant holds, against its ``TenantLimits``: sessions that have not ended, and their
-training clients.
+"""Counting what each tenant holds, against its ``TenantLimits``: sessions that have not ended, their
+training clients and the sampling sessions ``create_sampling_session`` made in them.
 
 The count is in the store, so every gateway sees the same: one empty object per session and per training
 client under ``api/tenants/<tenant>/`` (named ``<session>`` and ``<session>.train.<n>``), written when a gateway
 creates it (a session once its record and first heartbeat are written: one that has none never ends, so its entry
-would never be removed).  A creation lists that folder.  Entries of sessions that ended are removed only when the count
-reaches a limit (each listed session's end is then read), so a tenant under its limits costs one listing per
+would never be removed); sampling sessions likewise under ``api/tenant-samplers/<tenant>/``
+(``<session>.sample.<n>``).  A creation lists its folder.  Entries of sessions that ended are removed only when the
+count reaches a limit (each listed session's end is then read), so a tenant under its limits costs one listing per
 creation, and its folder holds little more than its limits.  One gateway runs one tenant's creations one at a time
 (``creating``: its routes run in worker threads), so it keeps the limits exactly; gateways creating for one tenant
 at the same moment may together pass a limit by one creation each.
@@ -14,7 +15,8 @@ A store written by a gateway that kept no count (one older than the limits) hold
 first creation that finds no ``COUNTED`` mark notes every session record's live session (one with a heartbeat)
 and its training clients, then writes the mark, so they hold their places.  That costs a few reads per session
 in the store (its record, heartbeat and end, and a listing of its training clients), once per store, inside that
-creation; a session an older gateway creates after it is not counted.
+creation; a session an older gateway creates after it is not counted, nor are sampling sessions made before their
+count was kept (they are freed as their sessions end).
 """
 
 from __future__ import annotations
@@ -26,11 +28,20 @@ import zlib
 from collections.abc import Callable
 
 from pipeline.api.lifecycle import heartbeat_time, record_numbers, session_record
-from pipeline.api.tenants import MAX_MODELS_ENV, MAX_SESSIONS_ENV, TenantLimitError, TenantLimits
+from pipeline.api.tenants import (
+    MAX_MODELS_ENV,
+    MAX_SAMPLING_SESSIONS_ENV,
+    MAX_SESSIONS_ENV,
+    TenantLimitError,
+    TenantLimits,
+)
 from pipeline.io.store import ObjectStore
 from schemas.api import model_id_for, model_run_name
 
 TENANTS = "api/tenants"
+# <tenant>/<session>.sample.<n>: sampling sessions, in a folder of their own, so that counting a tenant's sessions and
+# training clients never lists them (a loop can make thousands)
+SAMPLERS = "api/tenant-samplers"
 COUNTED = "api/tenants-counted.json"  # written once the sessions of the store from before the count were noted
 CREATION_LOCKS = 64  # a tenant's creations take one of these locks (by its name): two tenants rarely share one
 
@@ -51,19 +62,26 @@ class TenantQuota:
 
     def admit_session(self, tenant: str) -> None:
         """``TenantLimitError`` when ``tenant`` holds ``max_sessions`` sessions that have not ended."""
-        self._admit(tenant, models=False)
+        self._admit(tenant, "sessions")
 
     def admit_model(self, tenant: str) -> None:
         """``TenantLimitError`` when ``tenant`` holds ``max_models`` training clients in sessions not ended."""
-        self._admit(tenant, models=True)
+        self._admit(tenant, "models")
 
-    def _admit(self, tenant: str, models: bool) -> None:
-        held = self._held(tenant, models)
-        limit, setting = ((self.limits.max_models, MAX_MODELS_ENV) if models
-                          else (self.limits.max_sessions, MAX_SESSIONS_ENV))
+    def admit_sampler(self, tenant: str) -> None:
+        """``TenantLimitError`` when ``tenant`` holds ``max_sampling_sessions`` sampling sessions in sessions not
+        ended."""
+        self._admit(tenant, "samplers")
+
+    def _admit(self, tenant: str, kind: str) -> None:
+        limit, setting, what = {
+            "sessions": (self.limits.max_sessions, MAX_SESSIONS_ENV, "sessions"),
+            "models": (self.limits.max_models, MAX_MODELS_ENV, "training clients in sessions"),
+            "samplers": (self.limits.max_sampling_sessions, MAX_SAMPLING_SESSIONS_ENV, "sampling sessions in sessions"),
+        }[kind]
+        held = self._held(tenant, kind, limit)
         if held >= limit:
-            what = "training clients in sessions" if models else "sessions"
-            end = "" if models else " (or end them with `rlpipe sessions end <id>`)"
+            end = " (or end them with `rlpipe sessions end <id>`)" if kind == "sessions" else ""
             raise TenantLimitError(
                 f"this API key holds {held} {what} that have not ended, its limit ({setting}={limit}); close the "
                 f"ServiceClients it no longer uses{end}, or ask the operator to raise {setting}")
@@ -74,15 +92,18 @@ class TenantQuota:
     def note_model(self, tenant: str, model_id: str) -> None:
         self.store.put(f"{TENANTS}/{tenant}/{model_run_name(model_id)}", b"")
 
-    def _held(self, tenant: str, models: bool) -> int:
-        """The tenant's sessions (or training clients) noted; at the limit, those of sessions that ended are
-        removed first."""
-        limit = self.limits.max_models if models else self.limits.max_sessions
+    def note_sampler(self, tenant: str, sampling_session_id: str) -> None:
+        self.store.put(f"{SAMPLERS}/{tenant}/{model_run_name(sampling_session_id)}", b"")
+
+    def _held(self, tenant: str, kind: str, limit: int) -> int:
+        """The tenant's sessions, training clients or sampling sessions noted; at the limit, those of sessions that
+        ended are removed first."""
         self._count_older_sessions()
-        names = [key.rsplit("/", 1)[-1] for key in self.store.list(f"{TENANTS}/{tenant}")]
-        if _count(names, models) >= limit:
-            names = self._drop_ended(tenant, names)
-        return _count(names, models)
+        folder = f"{SAMPLERS if kind == 'samplers' else TENANTS}/{tenant}"
+        names = [key.rsplit("/", 1)[-1] for key in self.store.list(folder)]
+        if _count(names, kind) >= limit:
+            names = self._drop_ended(folder, names)
+        return _count(names, kind)
 
     def _count_older_sessions(self) -> None:
         """Note every live session of the store and its training clients, once per store (module docstring)."""
@@ -102,14 +123,15 @@ class TenantQuota:
         self.store.put(COUNTED, json.dumps({"time": time.time()}).encode())
         self._counted = True
 
-    def _drop_ended(self, tenant: str, names: list[str]) -> list[str]:
+    def _drop_ended(self, folder: str, names: list[str]) -> list[str]:
         ended = {session for session in {name.split(".")[0] for name in names} if self.has_ended(session)}
         for name in names:
             if name.split(".")[0] in ended:
-                self.store.delete(f"{TENANTS}/{tenant}/{name}", missing_ok=True)
+                self.store.delete(f"{folder}/{name}", missing_ok=True)
         return [name for name in names if name.split(".")[0] not in ended]
 
 
-def _count(names: list[str], models: bool) -> int:
-    """Entries of training clients (``<session>.train.<n>``), or of sessions (``<session>``)."""
-    return sum(("." in name) == models for name in names)
+def _count(names: list[str], kind: str) -> int:
+    """Entries of sessions (``<session>``), or else of training clients or sampling sessions (``<session>.<kind>.<n>``,
+    each kind in its own folder)."""
+    return sum(("." in name) == (kind != "sessions") for name in names)

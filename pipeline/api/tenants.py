@@ -6,9 +6,9 @@ With no keys configured (the embedded default of ``rlpipe serve``), any key the
 SDK accepts (``tml-...``) is taken, and its tenant is named after a digest of
 the key, so two different keys are still two tenants that cannot see each other.
 
-What one tenant may hold at once is bounded (``TenantLimits``, from ``RLPIPE_API_MAX_SESSIONS`` and
-``RLPIPE_API_MAX_MODELS``; counted by ``pipeline.api.quotas``), so one key cannot fill the store and the
-trainers with sessions and training clients.
+What one tenant may hold at once is bounded (``TenantLimits``, from ``RLPIPE_API_MAX_SESSIONS``,
+``RLPIPE_API_MAX_MODELS`` and ``RLPIPE_API_MAX_SAMPLING_SESSIONS``; counted by ``pipeline.api.quotas``), so one key
+cannot fill the store and the engines with sessions, training clients and sampling sessions.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from schemas.names import InvalidNameError, validate_name
 KEYS_ENV = "RLPIPE_API_KEYS"
 MAX_SESSIONS_ENV = "RLPIPE_API_MAX_SESSIONS"
 MAX_MODELS_ENV = "RLPIPE_API_MAX_MODELS"
+MAX_SAMPLING_SESSIONS_ENV = "RLPIPE_API_MAX_SAMPLING_SESSIONS"
 SDK_KEY_PREFIX = "tml-"
 
 
@@ -34,7 +35,7 @@ class UnauthorizedError(ApiError):
 
 
 class TenantLimitError(ApiError):
-    """A tenant at its limit of sessions or training clients (HTTP 403)."""
+    """A tenant at its limit of sessions, training clients or sampling sessions (HTTP 403)."""
 
 
 class TenantLimits(BaseModel):
@@ -47,13 +48,19 @@ class TenantLimits(BaseModel):
         f"sessions of one tenant that have not ended (finished, or expired) ({MAX_SESSIONS_ENV})"))
     max_models: int = Field(1024, ge=1, le=1_000_000, description=(
         f"training clients in those sessions ({MAX_MODELS_ENV})"))
+    # a loop making a sampling client per step from a path (create_sampling_client(model_path=...)) makes one per
+    # step for as long as its session lives, hence a limit far above the others
+    max_sampling_sessions: int = Field(4096, ge=1, le=1_000_000, description=(
+        f"sampling sessions made by create_sampling_session in those sessions ({MAX_SAMPLING_SESSIONS_ENV})"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TenantLimits:
-        """From ``RLPIPE_API_MAX_SESSIONS`` and ``RLPIPE_API_MAX_MODELS`` (unset or empty: the defaults)."""
+        """From ``RLPIPE_API_MAX_SESSIONS``, ``RLPIPE_API_MAX_MODELS`` and ``RLPIPE_API_MAX_SAMPLING_SESSIONS`` (unset
+        or empty: the defaults)."""
         env = os.environ if environ is None else environ
         values: dict[str, int] = {}
-        for field, name in (("max_sessions", MAX_SESSIONS_ENV), ("max_models", MAX_MODELS_ENV)):
+        for field, name in (("max_sessions", MAX_SESSIONS_ENV), ("max_models", MAX_MODELS_ENV),
+                            ("max_sampling_sessions", MAX_SAMPLING_SESSIONS_ENV)):
             raw = env.get(name, "").strip()
             if not raw:
                 continue

@@ -81,6 +81,29 @@ def test_a_tenant_holds_at_most_its_limit_of_sessions_and_training_clients_and_a
         gateway.register_model("alice", third, 1, BASE, 4, {}, None)
 
 
+def test_a_tenant_holds_at_most_its_limit_of_sampling_sessions_and_an_end_frees_places():
+    """``create_sampling_session`` is a record in the store per call: one tenant holds at most its limit of them in
+    sessions not ended, refused naming the setting; a resent creation takes no new place, another tenant's places
+    are its own, and a session's end frees its sampling sessions' places."""
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0,
+                      limits=TenantLimits(max_sampling_sessions=3))
+    first, second = gateway.create_session("alice", [], {}), gateway.create_session("alice", [], {})
+    for session, seq in ((first, 0), (first, 1), (second, 0)):
+        gateway.create_sampling_session("alice", session, seq, BASE, None)
+    with pytest.raises(TenantLimitError, match=r"3 sampling sessions.*RLPIPE_API_MAX_SAMPLING_SESSIONS"):
+        gateway.create_sampling_session("alice", second, 1, BASE, None)
+    assert not store.exists(f"sessions/{second}/samplers/1.json")
+    gateway.create_sampling_session("alice", first, 0, BASE, None)  # resent: its own place
+    bob = gateway.create_session("bob", [], {})
+    gateway.create_sampling_session("bob", bob, 0, BASE, None)
+    gateway.finish("alice", first, "success")  # frees two places
+    gateway.create_sampling_session("alice", second, 1, BASE, None)
+    gateway.create_sampling_session("alice", second, 2, BASE, None)
+    with pytest.raises(TenantLimitError):
+        gateway.create_sampling_session("alice", second, 3, BASE, None)
+
+
 def test_sessions_and_training_clients_made_before_the_count_existed_are_counted_from_their_records():
     """A store from a gateway that kept no count (one older than the limits) holds live sessions no entry names:
     the first creation counts every session record once (live sessions with a heartbeat, and their training

@@ -28,7 +28,7 @@ def test_configured_keys_are_secrets():
 
 
 def test_tenant_limits_come_from_the_environment_with_defaults_and_bad_values_name_the_variable():
-    from pipeline.api.tenants import MAX_MODELS_ENV, MAX_SESSIONS_ENV, TenantLimits
+    from pipeline.api.tenants import MAX_MODELS_ENV, MAX_SAMPLING_SESSIONS_ENV, MAX_SESSIONS_ENV, TenantLimits
 
     assert TenantLimits.from_env({}) == TenantLimits()
     assert TenantLimits.from_env({MAX_SESSIONS_ENV: "5", MAX_MODELS_ENV: " 20 "}) == TenantLimits(max_sessions=5,
@@ -36,3 +36,6 @@ def test_tenant_limits_come_from_the_environment_with_defaults_and_bad_values_na
     for value in ("0", "-3", "many", "1.5"):
         with pytest.raises(ValueError, match=MAX_SESSIONS_ENV):
             TenantLimits.from_env({MAX_SESSIONS_ENV: value})
+    assert TenantLimits.from_env({MAX_SAMPLING_SESSIONS_ENV: "7"}).max_sampling_sessions == 7
+    with pytest.raises(ValueError, match=MAX_SAMPLING_SESSIONS_ENV):
+        TenantLimits.from_env({MAX_SAMPLING_SESSIONS_ENV: "0"})
