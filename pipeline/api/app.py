@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -37,6 +37,7 @@ from pipeline.api.results import ResultSignals
 from pipeline.api.sample_queue import BusyError
 from pipeline.api.samplers import check_sample_request
 from pipeline.api.tenants import TenantLimitError, Tenants, UnauthorizedError
+from pipeline.api.threads import PER_TENANT, TenantThreads
 from pipeline.api.wire import (
     PROTOBUF,
     check_seq,
@@ -142,12 +143,22 @@ class FinishRequest(BaseModel):
     detail: str | None = None
 
 
-def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
-    """The caller's tenant, from its ``X-API-Key``."""
+async def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
+    """The caller's tenant, from its ``X-API-Key`` (on the event loop: a key check takes no worker thread)."""
     return request.app.state.tenants.tenant_of(x_api_key)  # type: ignore[no-any-return]
 
 
-Tenant = Annotated[str, Depends(_tenant)]
+async def _tenant_in_place(request: Request, who: Annotated[str, Depends(_tenant)]) -> AsyncIterator[str]:
+    """The caller's tenant, holding one of its places in the worker threads while its route runs in one
+    (``pipeline.api.threads``)."""
+    async with request.app.state.threads.place(who):
+        yield who
+
+
+# the tenant of a plain ``def`` route (run in a worker thread, in one of its tenant's places)
+Tenant = Annotated[str, Depends(_tenant_in_place, scope="function")]
+# the tenant of an ``async def`` route, which takes a place for each piece of work it hands a thread (``threads.run``)
+TenantKey = Annotated[str, Depends(_tenant)]
 
 
 async def _body(request: Request) -> bytes:
@@ -157,7 +168,8 @@ async def _body(request: Request) -> bytes:
 
 # A route taking its body as ``RawBody`` is a plain ``def``: FastAPI runs it in a worker thread, so the store and log
 # writes of one tenant's call (a chunk of up to 64 MiB to a remote store) never hold up the event loop that every
-# tenant's calls, heartbeats and polls share.
+# tenant's calls, heartbeats and polls share; and in one of its tenant's places (``Tenant``), so that one tenant's
+# slow calls never hold every worker thread either.
 RawBody = Annotated[bytes, Depends(_body)]
 
 
@@ -169,17 +181,19 @@ def _unserved(request: Request) -> str:
 def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOLD_S,
                signals: ResultSignals | None = None, direct: DirectSamplers | None = None,
                public_url: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               max_json_body_bytes: int = MAX_JSON_BODY_BYTES) -> FastAPI:
+               max_json_body_bytes: int = MAX_JSON_BODY_BYTES, tenant_threads: int = PER_TENANT) -> FastAPI:
     """The ASGI app serving ``gateway`` to the tenants ``tenants`` admits; ``signals`` (following
     ``<ns>.results``) wakes long polls, without it they re-read the store every 20 ms; ``direct`` also hands
     sample calls straight to their sampler (``pipeline.api.direct``), waking polls through ``signals``;
     ``public_url``: the gateway's address as clients reach it (behind a proxy), for the download URLs it signs
     (default: the address each request came to); ``max_body_bytes``: the largest request body taken (413 above),
-    ``max_json_body_bytes`` that of every route but forward_backward's."""
+    ``max_json_body_bytes`` that of every route but forward_backward's; ``tenant_threads``: the worker threads one
+    tenant's calls hold at once (``pipeline.api.threads``)."""
     if signals is None and direct is not None:
         signals = direct.signals
     app = FastAPI(title="rlpipe Tinker-compatible API", docs_url=None, redoc_url=None)
     app.state.gateway, app.state.tenants = gateway, tenants
+    threads = app.state.threads = TenantThreads(tenant_threads)
 
     def refused_for_size(scope: Any, first: bytes, reason: str) -> None:
         """A ``forward_backward`` refused for its size is logged as refused (``Gateway.refuse``) when its first bytes
@@ -352,11 +366,11 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
 
     # ---- sampling ----------------------------------------------------------------------------------------
     @app.post("/api/v1/create_sampling_session")
-    async def create_sampling_session(request: Request, who: Tenant) -> dict[str, Any]:
+    async def create_sampling_session(request: Request, who: TenantKey) -> dict[str, Any]:
         body = parse_body(types.CreateSamplingSessionRequest, await request.body())
         if (body.base_model is None) == (body.model_path is None):
             raise ApiError("create_sampling_session takes a base_model or a model_path (one of the two)")
-        sampling_session_id = await asyncio.to_thread(gateway.create_sampling_session, who, body.session_id,
+        sampling_session_id = await threads.run(who, gateway.create_sampling_session, who, body.session_id,
                                                       body.sampling_session_seq_id, body.base_model, body.model_path)
         return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
 
@@ -367,26 +381,26 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
                 "model_path": record["model_path"]}
 
     @app.post("/api/v1/asample")
-    async def asample(request: Request, who: Tenant) -> dict[str, Any]:
+    async def asample(request: Request, who: TenantKey) -> dict[str, Any]:
         raw = await request.body()
         body = parse_body(types.SampleRequest, raw)
         if body.sampling_session_id is None:
             raise ApiError("asample needs a sampling_session_id; create a SamplingClient first")
         check_sample_request(body)
-        call = await asyncio.to_thread(gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw)
+        call = await threads.run(who, gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw)
         if direct is not None:  # the sampler starts while the log takes the call; the answer still waits for the log
             direct.dispatch(call)
-        await asyncio.to_thread(gateway.publish_call, call)
+        await threads.run(who, gateway.publish_call, call)
         return {"request_id": call.request_id,
                 "sample_sequence_ids": [f"{call.request_id}.{j}" for j in range(body.num_samples)]}
 
     @app.post("/api/v1/retrieve_future")
-    async def retrieve_future(request: Request, who: Tenant) -> Response:
+    async def retrieve_future(request: Request, who: TenantKey) -> Response:
         body = parse_body(types.FutureRetrieveRequest, await request.body())
         deadline = time.monotonic() + poll_hold_s
         with (signals or ResultSignals()).watch(body.request_id) as announced:
             while True:
-                found = await asyncio.to_thread(gateway.result, who, body.request_id)
+                found = await threads.run(who, gateway.result, who, body.request_id)
                 if found is not None:
                     data, fmt = found
                     return Response(data, media_type=PROTOBUF if fmt == "pb" else "application/json")
@@ -431,7 +445,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return Response(status_code=204)
 
     @app.put("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
-    async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> dict[str, Any]:
+    async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request, who: TenantKey) -> dict[str, Any]:
         try:
             raw = json.loads(await request.body())
         except (ValueError, RecursionError):  # (nested deeper than Python's reader goes)
@@ -442,13 +456,13 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         ttl = raw["ttl_seconds"]
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):
             raise ApiError(f"ttl_seconds={ttl!r}: send a whole number of seconds, or null to remove the TTL")
-        await asyncio.to_thread(gateway.set_checkpoint_ttl, who, model_id, checkpoint_id, ttl)
+        await threads.run(who, gateway.set_checkpoint_ttl, who, model_id, checkpoint_id, ttl)
         return {}
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request,
-                                    who: Tenant) -> dict[str, Any]:
-        urls, expires = await asyncio.to_thread(gateway.external_weights_urls, who, model_id, checkpoint_id,
+                                    who: TenantKey) -> dict[str, Any]:
+        urls, expires = await threads.run(who, gateway.external_weights_urls, who, model_id, checkpoint_id,
                                                 public_url or str(request.base_url))
         return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
@@ -467,11 +481,11 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
 
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish",
                    methods=["POST", "DELETE"])
-    async def publish_checkpoint(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> Response:
-        if request.method == "DELETE" and (deleted := await asyncio.to_thread(
-                named_like_a_route, who, model_id, checkpoint_id, "publish")):
+    async def publish_checkpoint(model_id: str, checkpoint_id: str, request: Request, who: TenantKey) -> Response:
+        if request.method == "DELETE" and (deleted := await threads.run(
+                who, named_like_a_route, who, model_id, checkpoint_id, "publish")):
             return deleted
-        await asyncio.to_thread(gateway.publish_checkpoint, who, model_id, checkpoint_id, request.method == "POST")
+        await threads.run(who, gateway.publish_checkpoint, who, model_id, checkpoint_id, request.method == "POST")
         return JSONResponse({})
 
     @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")

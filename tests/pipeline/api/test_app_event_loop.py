@@ -14,6 +14,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from pipeline.api.app import create_app
 from pipeline.api.gateway import Gateway, ServedModel
 from pipeline.api.tenants import Tenants
+from pipeline.api.threads import PER_TENANT
 from pipeline.io.store import ObjectStore
 
 ALICE, BOB = {"X-API-Key": "tml-alice"}, {"X-API-Key": "tml-bob"}
@@ -84,3 +85,56 @@ def test_a_tenants_call_waiting_on_the_store_does_not_hold_up_another_tenants_ca
     assert statuses == [200, 200, 200]
     assert answered_while_held, "another tenant's calls waited for one tenant's write to the store"
     assert held_status == 200
+
+
+class HeldHeartbeatStore(ObjectStore):
+    """A memory store holding every heartbeat write of the sessions in ``held`` until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(f"memory://held-{uuid.uuid4().hex}")
+        self.held: set[str] = set()
+        self.holding, self.release = 0, threading.Event()
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: bytes) -> str:
+        if key.endswith("/heartbeat.json") and key.split("/")[1] in self.held:
+            with self._lock:
+                self.holding += 1
+            self.release.wait(HELD_AT_MOST_S)
+        return super().put(key, data)
+
+
+def test_a_tenant_holding_all_its_worker_threads_does_not_hold_up_another_tenants_heartbeat():
+    """The routes that write to the store run in worker threads: one tenant with more slow calls at once than the
+    gateway has threads (a slow store) holds at most its share of them, so another tenant's heartbeat is answered
+    while they wait."""
+    store = HeldHeartbeatStore()
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    app = create_app(gateway, Tenants(), poll_hold_s=0.05)
+    slow_calls = 60  # more than the 40 worker threads Starlette runs plain handlers in
+
+    async def calls() -> tuple[int, int, bool, list[int]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            alice, bob = await _session(client, ALICE), await _session(client, BOB)
+            store.held.add(alice)
+            held = [asyncio.create_task(client.post("/api/v1/session_heartbeat", headers=ALICE, json={
+                "session_id": alice, "type": "session_heartbeat"})) for _ in range(slow_calls)]
+            while store.holding == 0:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)  # (every slow call that can start has started)
+            answer = await client.post("/api/v1/session_heartbeat", headers=BOB,
+                                       json={"session_id": bob, "type": "session_heartbeat"})
+            answered_while_held, holding = not store.release.is_set(), store.holding
+            store.release.set()
+            return answer.status_code, holding, answered_while_held, [(await call).status_code for call in held]
+
+    releaser = threading.Timer(HELD_AT_MOST_S, store.release.set)
+    releaser.start()
+    try:
+        status, holding, answered_while_held, held_statuses = asyncio.run(calls())
+    finally:
+        releaser.cancel()
+    assert status == 200
+    assert answered_while_held, f"another tenant's heartbeat waited for one tenant's {holding} slow calls"
+    assert holding <= PER_TENANT, holding  # one tenant held its share of the threads, no more
+    assert held_statuses == [200] * slow_calls
