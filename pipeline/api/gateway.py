@@ -58,7 +58,7 @@ from pipeline.api.liveness import SessionLiveness
 from pipeline.api.quotas import TenantQuota
 from pipeline.api.sample_queue import MAX_PENDING_SAMPLES, SampleQueue
 from pipeline.api.samplers import find_sampler, read_sampler, write_sampler
-from pipeline.api.tenants import TenantLimits
+from pipeline.api.tenants import TenantLimitError, TenantLimits
 from pipeline.api.wire import (
     TinkerPath,
     check_seq,
@@ -154,7 +154,7 @@ class Gateway:
         self._model_records = functools.lru_cache(maxsize=cached_models)(self._read_model_record)
         self.liveness = SessionLiveness(store, live_check_s, session_expiry_s, cached_sessions)
         self.samples = SampleQueue(store, max_pending_samples)  # sample calls without a result: backpressure
-        self.quota = TenantQuota(store, limits or TenantLimits(),  # sessions and training clients per tenant
+        self.quota = TenantQuota(store, limits or TenantLimits(),  # what each tenant holds
                                  lambda session: session_end(store, session, expiry_s=session_expiry_s) is not None)
 
     # ---- sessions ---------------------------------------------------------------------------
@@ -174,6 +174,11 @@ class Gateway:
             # counted once it can end (a session without a heartbeat never expires, so a count noted before it
             # would hold its tenant's place for good if the store failed or the gateway died in between)
             self.quota.note_session(tenant, session_id)
+            try:
+                self.quota.confirm_session(tenant, session_id)
+            except TenantLimitError:  # another gateway took the last place meanwhile: this session never served
+                record_end(self.store, session_id, "refused: its API key was at its limit of sessions")
+                raise
         return session_id
 
     def session(self, tenant: str, session_id: str) -> dict[str, Any]:
@@ -263,9 +268,12 @@ class Gateway:
                   "lora": lora, "user_metadata": user_metadata or {}, "created_at": now()}
         try:
             with self.quota.creating(tenant):  # (a resent create at the same time then finds the record)
-                if not self.store.exists(self._model_key(model_id)):  # a resent create takes no new place
+                fresh = not self.store.exists(self._model_key(model_id))  # a resent create takes no new place
+                if fresh:
                     self.quota.admit_model(tenant)
                 self.quota.note_model(tenant, model_id)
+                if fresh:
+                    self.quota.confirm_model(tenant, model_id)
                 self.store.put_create(self._model_key(model_id), json.dumps(record).encode())
         except FileExistsError:
             existing = self.model(tenant, model_id)
@@ -414,9 +422,12 @@ class Gateway:
             weights = (record["base_model"], model_path, path.run, int(meta["version"]))
         sampling_session_id = model_id_for(session_id, "sample", seq)
         with self.quota.creating(tenant):
-            if find_sampler(self.store, session_id, seq) is None:  # a resent create takes no new place
+            fresh = find_sampler(self.store, session_id, seq) is None  # a resent create takes no new place
+            if fresh:
                 self.quota.admit_sampler(tenant)
             self.quota.note_sampler(tenant, sampling_session_id)
+            if fresh:
+                self.quota.confirm_sampler(tenant, sampling_session_id)
             return write_sampler(self.store, tenant, session_id, seq, *weights)
 
     def sampler(self, tenant: str, sampling_session_id: str) -> dict[str, Any]:

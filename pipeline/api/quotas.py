@@ -5,11 +5,14 @@ The count is in the store, so every gateway sees the same: one empty object per 
 client under ``api/tenants/<tenant>/`` (named ``<session>`` and ``<session>.train.<n>``), written when a gateway
 creates it (a session once its record and first heartbeat are written: one that has none never ends, so its entry
 would never be removed); sampling sessions likewise under ``api/tenant-samplers/<tenant>/``
-(``<session>.sample.<n>``).  A creation lists its folder.  Entries of sessions that ended are removed only when the
-count reaches a limit (each listed session's end is then read), so a tenant under its limits costs one listing per
-creation, and its folder holds little more than its limits.  One gateway runs one tenant's creations one at a time
-(``creating``: its routes run in worker threads), so it keeps the limits exactly; gateways creating for one tenant
-at the same moment may together pass a limit by one creation each.
+(``<session>.sample.<n>``).  A creation lists its folder, notes its entry, then lists it again (``confirm_*``):
+one that finds more entries than the limit was admitted at the same moment as a creation on another gateway, and
+takes its entry back and is refused.  Of two such creations the later lister sees the other's entry (the store's
+listings follow its writes: local disk, gs://), so gateways together never pass a limit; at the limit both may be
+refused.  Entries of sessions that ended are removed only when a count reaches a limit (each listed session's end
+is then read), so a tenant under its limits costs two listings per creation, and its folder holds little more than
+its limits.  One gateway runs one tenant's creations one at a time (``creating``: its routes run in worker threads),
+so it never refuses both of two.
 
 A store written by a gateway that kept no count (one older than the limits) holds sessions no entry names: the
 first creation that finds no ``COUNTED`` mark notes every session record's live session (one with a heartbeat)
@@ -47,8 +50,8 @@ CREATION_LOCKS = 64  # a tenant's creations take one of these locks (by its name
 
 
 class TenantQuota:
-    """Admits a tenant's new session or training client while it is under its limits; ``has_ended(session)``
-    says whether a session ended (read when a limit is reached)."""
+    """Admits a tenant's new session, training client or sampling session while it is under its limits;
+    ``has_ended(session)`` says whether a session ended (read when a limit is reached)."""
 
     def __init__(self, store: ObjectStore, limits: TenantLimits, has_ended: Callable[[str], bool]) -> None:
         self.store, self.limits, self.has_ended = store, limits, has_ended
@@ -56,8 +59,8 @@ class TenantQuota:
         self._creation_locks = [threading.Lock() for _ in range(CREATION_LOCKS)]  # bounded, however many tenants
 
     def creating(self, tenant: str) -> threading.Lock:
-        """Held from a creation's ``admit_*`` to its ``note_*``, so that two creations of one tenant never both count
-        its places before either is noted."""
+        """Held from a creation's ``admit_*`` to its ``confirm_*``, so that two creations of one tenant never both
+        count its places before either is noted."""
         return self._creation_locks[zlib.crc32(tenant.encode()) % CREATION_LOCKS]
 
     def admit_session(self, tenant: str) -> None:
@@ -74,17 +77,10 @@ class TenantQuota:
         self._admit(tenant, "samplers")
 
     def _admit(self, tenant: str, kind: str) -> None:
-        limit, setting, what = {
-            "sessions": (self.limits.max_sessions, MAX_SESSIONS_ENV, "sessions"),
-            "models": (self.limits.max_models, MAX_MODELS_ENV, "training clients in sessions"),
-            "samplers": (self.limits.max_sampling_sessions, MAX_SAMPLING_SESSIONS_ENV, "sampling sessions in sessions"),
-        }[kind]
+        limit = self._limit(kind)[0]
         held = self._held(tenant, kind, limit)
         if held >= limit:
-            end = " (or end them with `rlpipe sessions end <id>`)" if kind == "sessions" else ""
-            raise TenantLimitError(
-                f"this API key holds {held} {what} that have not ended, its limit ({setting}={limit}); close the "
-                f"ServiceClients it no longer uses{end}, or ask the operator to raise {setting}")
+            raise self._refusal(kind, held)
 
     def note_session(self, tenant: str, session_id: str) -> None:
         self.store.put(f"{TENANTS}/{tenant}/{session_id}", b"")
@@ -95,13 +91,47 @@ class TenantQuota:
     def note_sampler(self, tenant: str, sampling_session_id: str) -> None:
         self.store.put(f"{SAMPLERS}/{tenant}/{model_run_name(sampling_session_id)}", b"")
 
-    def _held(self, tenant: str, kind: str, limit: int) -> int:
-        """The tenant's sessions, training clients or sampling sessions noted; at the limit, those of sessions that
-        ended are removed first."""
+    def confirm_session(self, tenant: str, session_id: str) -> None:
+        """After ``note_session`` of an admitted session: ``_confirm``."""
+        self._confirm(tenant, "sessions", session_id)
+
+    def confirm_model(self, tenant: str, model_id: str) -> None:
+        self._confirm(tenant, "models", model_run_name(model_id))
+
+    def confirm_sampler(self, tenant: str, sampling_session_id: str) -> None:
+        self._confirm(tenant, "samplers", model_run_name(sampling_session_id))
+
+    def _confirm(self, tenant: str, kind: str, name: str) -> None:
+        """``TenantLimitError``, with the entry ``name`` just noted removed, when the tenant now holds more than its
+        limit: creations admitted at the same moment by other gateways (module docstring)."""
+        limit = self._limit(kind)[0]
+        held = self._held(tenant, kind, limit + 1)
+        if held > limit:
+            self.store.delete(f"{_folder(kind)}/{tenant}/{name}", missing_ok=True)
+            raise self._refusal(kind, held - 1)
+
+    def _limit(self, kind: str) -> tuple[int, str, str]:
+        """The limit of ``kind`` (sessions, models or samplers), its setting, and what it counts."""
+        return {
+            "sessions": (self.limits.max_sessions, MAX_SESSIONS_ENV, "sessions"),
+            "models": (self.limits.max_models, MAX_MODELS_ENV, "training clients in sessions"),
+            "samplers": (self.limits.max_sampling_sessions, MAX_SAMPLING_SESSIONS_ENV, "sampling sessions in sessions"),
+        }[kind]
+
+    def _refusal(self, kind: str, held: int) -> TenantLimitError:
+        limit, setting, what = self._limit(kind)
+        end = " (or end them with `rlpipe sessions end <id>`)" if kind == "sessions" else ""
+        return TenantLimitError(
+            f"this API key holds {held} {what} that have not ended, its limit ({setting}={limit}); close the "
+            f"ServiceClients it no longer uses{end}, or ask the operator to raise {setting}")
+
+    def _held(self, tenant: str, kind: str, drop_at: int) -> int:
+        """The tenant's sessions, training clients or sampling sessions noted; from ``drop_at`` of them, those of
+        sessions that ended are removed first."""
         self._count_older_sessions()
-        folder = f"{SAMPLERS if kind == 'samplers' else TENANTS}/{tenant}"
+        folder = f"{_folder(kind)}/{tenant}"
         names = [key.rsplit("/", 1)[-1] for key in self.store.list(folder)]
-        if _count(names, kind) >= limit:
+        if _count(names, kind) >= drop_at:
             names = self._drop_ended(folder, names)
         return _count(names, kind)
 
@@ -129,6 +159,10 @@ class TenantQuota:
             if name.split(".")[0] in ended:
                 self.store.delete(f"{folder}/{name}", missing_ok=True)
         return [name for name in names if name.split(".")[0] not in ended]
+
+
+def _folder(kind: str) -> str:
+    return SAMPLERS if kind == "samplers" else TENANTS
 
 
 def _count(names: list[str], kind: str) -> int:

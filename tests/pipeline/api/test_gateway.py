@@ -231,6 +231,33 @@ def test_creations_of_one_tenant_in_threads_at_once_stay_within_its_limits():
     assert len(store.list(f"sessions/{session}/models")) == 1
 
 
+def test_two_gateways_on_one_store_creating_for_one_tenant_at_once_never_pass_its_limits():
+    """Gateways replicated on one store each count a tenant's places in the store: two creations that both count
+    before either notes its place would both see room for one.  Each re-counts after noting its own, and one that
+    finds the tenant over its limit takes its place back and is refused, so the limits hold across gateways (at
+    the limit both may be refused: the tenant's client sends again)."""
+    store = MeetingStore()
+    limits = TenantLimits(max_sessions=2, max_models=1, max_sampling_sessions=1)
+    first, second = (Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0,
+                             limits=limits) for _ in range(2))
+    held = first.create_session("alice", [], {})
+    store.meeting = threading.Barrier(2)
+    sessions = _at_once(lambda: first.create_session("alice", [], {}), lambda: second.create_session("alice", [], {}))
+    assert sessions.count("TenantLimitError") >= 1, sessions
+    live = [key.rsplit("/", 1)[-1] for key in store.list("sessions")]
+    assert len([session for session in live if not first.quota.has_ended(session)]) <= 2, live  # (refused: ended)
+    store.meeting = threading.Barrier(2)
+    models = _at_once(lambda: first.register_model("alice", held, 0, BASE, 4, {}, None),
+                      lambda: second.register_model("alice", held, 1, BASE, 4, {}, None))
+    assert models.count("TenantLimitError") >= 1, models
+    assert len(store.list(f"sessions/{held}/models")) <= 1
+    store.meeting = threading.Barrier(2)
+    samplers = _at_once(lambda: first.create_sampling_session("alice", held, 0, BASE, None),
+                        lambda: second.create_sampling_session("alice", held, 1, BASE, None))
+    assert samplers.count("TenantLimitError") >= 1, samplers
+    assert len(store.list(f"sessions/{held}/samplers")) <= 1
+
+
 class MeetingBodyStore(ObjectStore):
     """A memory store whose writes of a call's body wait (at most ``MEET_S``) for a second one to meet them."""
 
