@@ -51,8 +51,11 @@ from schemas.names import echoed
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # a call's body, held in memory: the SDK's forward_backward chunks are about 5 MB
-# a JSON call's body (every route but forward_backward's protobuf), parsed on the event loop every call shares at
-# about 50 ms a MB: the largest the SDK sends is a sample's prompt, about a million tokens in 8 MiB
+# a JSON call's body (every route but forward_backward's protobuf), parsed in a worker thread at about 50 ms a MB:
+# the largest the SDK sends is a sample's prompt, about a million tokens in 8 MiB.  A thread does not spare the
+# event loop every call shares one parse, since pydantic-core holds the GIL while it parses (a million-token prompt
+# read by parse_body(json_first=True) stops the loop about 0.1 s), but many at once stop it for a few parses (their
+# tenant's places), not for their sum
 MAX_JSON_BODY_BYTES = 8 << 20
 FORWARD_BACKWARD_PATH = "/api/v1/forward_backward"
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
@@ -367,7 +370,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     # ---- sampling ----------------------------------------------------------------------------------------
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request, who: TenantKey) -> dict[str, Any]:
-        body = parse_body(types.CreateSamplingSessionRequest, await request.body())
+        body = await threads.run(who, parse_body, types.CreateSamplingSessionRequest, await request.body())
         if (body.base_model is None) == (body.model_path is None):
             raise ApiError("create_sampling_session takes a base_model or a model_path (one of the two)")
         sampling_session_id = await threads.run(who, gateway.create_sampling_session, who, body.session_id,
@@ -380,13 +383,19 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return {"sampler_id": sampling_session_id, "base_model": record["base_model"],
                 "model_path": record["model_path"]}
 
-    @app.post("/api/v1/asample")
-    async def asample(request: Request, who: TenantKey) -> dict[str, Any]:
-        raw = await request.body()
-        body = parse_body(types.SampleRequest, raw)
+    def read_sample(raw: bytes) -> types.SampleRequest:
+        """A sample call's body, checked: in a worker thread, so that many large prompts at once hold the event loop
+        for a few parses at most (their tenant's places), not for all of them (``MAX_JSON_BODY_BYTES``)."""
+        body: types.SampleRequest = parse_body(types.SampleRequest, raw, json_first=True)
         if body.sampling_session_id is None:
             raise ApiError("asample needs a sampling_session_id; create a SamplingClient first")
         check_sample_request(body)
+        return body
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request, who: TenantKey) -> dict[str, Any]:
+        raw = await request.body()
+        body = await threads.run(who, read_sample, raw)
         call = await threads.run(who, gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw)
         if direct is not None:  # the sampler starts while the log takes the call; the answer still waits for the log
             direct.dispatch(call)
@@ -396,7 +405,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request, who: TenantKey) -> Response:
-        body = parse_body(types.FutureRetrieveRequest, await request.body())
+        body = await threads.run(who, parse_body, types.FutureRetrieveRequest, await request.body())
         deadline = time.monotonic() + poll_hold_s
         with (signals or ResultSignals()).watch(body.request_id) as announced:
             while True:
@@ -447,7 +456,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.put("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
     async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request, who: TenantKey) -> dict[str, Any]:
         try:
-            raw = json.loads(await request.body())
+            raw = await threads.run(who, json.loads, await request.body())
         except (ValueError, RecursionError):  # (nested deeper than Python's reader goes)
             raise ApiError("set_checkpoint_ttl takes a JSON body {\"ttl_seconds\": seconds or null}; use the "
                            "tinker SDK's RestClient") from None

@@ -568,9 +568,10 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read_whole():
 
 
 def test_a_json_body_over_its_limit_is_a_413_before_it_is_parsed(api):
-    """JSON bodies are parsed on the event loop every tenant's calls share (a sample call's prompt of 64 MB took
-    seconds of it): one over ``MAX_JSON_BODY_BYTES`` is refused with 413 before it is parsed, and nothing is logged;
-    a forward_backward (protobuf, which the SDK sends in chunks) keeps the larger limit."""
+    """JSON bodies are parsed with the GIL held, which stops the event loop every tenant's calls share (a sample
+    call's prompt of 64 MB took seconds of it): one over ``MAX_JSON_BODY_BYTES`` is refused with 413 before it is
+    parsed, and nothing is logged; a forward_backward (protobuf, which the SDK sends in chunks) keeps the larger
+    limit."""
     from pipeline.api.app import MAX_JSON_BODY_BYTES
 
     session = _session(api)

@@ -4,7 +4,9 @@ The app is served in process (httpx's ASGI transport runs requests as tasks on o
 memory store whose write of one call can be held, as a slow remote store holds it."""
 
 import asyncio
+import json
 import threading
+import time
 import uuid
 
 import httpx
@@ -138,3 +140,45 @@ def test_a_tenant_holding_all_its_worker_threads_does_not_hold_up_another_tenant
     assert answered_while_held, f"another tenant's heartbeat waited for one tenant's {holding} slow calls"
     assert holding <= PER_TENANT, holding  # one tenant held its share of the threads, no more
     assert held_statuses == [200] * slow_calls
+
+
+def test_many_large_sample_calls_at_once_hold_the_event_loop_for_a_short_time_at_most():
+    """A sample call's prompt (up to 8 MiB of JSON) takes pydantic a long time to parse, with the GIL held wherever it
+    runs: parsed on the event loop, many such calls at once would hold it for the sum of their parses, and every
+    tenant's heartbeats and polls with it.  They are parsed in worker threads, in their tenant's places, so the loop
+    waits for a few parses at most; and read as JSON before being validated, a quarter of the time."""
+    gateway = Gateway(ObjectStore(f"memory://gw-{uuid.uuid4().hex}"), lambda event, key: None,
+                      [ServedModel("/models/base/tiny", "/models/base/tiny")], max_pending_samples=64)
+    app = create_app(gateway, Tenants(), poll_hold_s=0.05)
+    calls, tokens = 16, 200_000  # each a prompt of 1.4 MB: about 0.1 s of parsing by the SDK's type on the loop
+
+    async def largest_gap() -> tuple[float, list[int]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            alice = await _session(client, ALICE)
+            created = await client.post("/api/v1/create_sampling_session", headers=ALICE, json={
+                "session_id": alice, "sampling_session_seq_id": 0, "base_model": "/models/base/tiny",
+                "type": "create_sampling_session"})
+            sampler = created.json()["sampling_session_id"]
+            bodies = [json.dumps({"prompt": {"chunks": [{"type": "encoded_text", "tokens": [50_000 + seq] * tokens}]},
+                                  "sampling_params": {"max_tokens": 4}, "num_samples": 1, "seq_id": seq,
+                                  "sampling_session_id": sampler, "type": "sample"}).encode() for seq in range(calls)]
+            gaps, done = [], asyncio.Event()
+
+            async def tick() -> None:
+                last = time.perf_counter()
+                while not done.is_set():
+                    await asyncio.sleep(0.002)
+                    gaps.append(time.perf_counter() - last)
+                    last = time.perf_counter()
+
+            ticker = asyncio.create_task(tick())
+            await asyncio.sleep(0.02)
+            answers = await asyncio.gather(*(client.post("/api/v1/asample", headers=ALICE, content=body)
+                                             for body in bodies))
+            done.set()
+            await ticker
+            return max(gaps), [answer.status_code for answer in answers]
+
+    gap, statuses = asyncio.run(largest_gap())
+    assert statuses == [200] * calls
+    assert gap < 0.5, f"the event loop stopped {gap:.2f} s for {calls} sample calls at once"
