@@ -69,9 +69,9 @@ from pipeline.api.engines import (
     engine_setup,
     store_result,
 )
-from pipeline.api.gateway import parse_body
 from pipeline.api.lifecycle import files_deleted
 from pipeline.api.samplers import check_sample_request, inflight_version, read_sampler, sampled_version
+from pipeline.api.wire import parse_body
 from pipeline.io.bus import ConsumedEvent, EventPublisher, TopicPartitionKey, ensure_topics
 from pipeline.io.registry import AdapterRegistry, RetiredAdapterError
 from pipeline.io.store import ObjectStore

@@ -19,8 +19,7 @@ from consumers.api import ops, saves
 from consumers.api.calls import Model
 from consumers.engine import TrainingEngine
 from pipeline.api import lifecycle
-from pipeline.api.gateway import parse_body
-from pipeline.api.wire import decode_forward_backward, encode_forward_backward_output
+from pipeline.api.wire import decode_forward_backward, encode_forward_backward_output, parse_body
 from pipeline.io.store import ObjectStore
 from schemas.api import ApiError, ApiRequestAccepted, result_path
 

@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -30,9 +30,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinker import types
 
 from pipeline.api import checkpoints, downloads, listing
+from pipeline.api.body_limit import (
+    FORWARD_BACKWARD_PATH,
+    MAX_BODY_BYTES,
+    MAX_JSON_BODY_BYTES,
+    BodyLimit,
+    BodyTooLarge,
+)
 from pipeline.api.clients import check_create_model, check_optim_params
 from pipeline.api.direct import DirectSamplers
-from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError, parse_body
+from pipeline.api.gateway import Gateway, NotFoundError, SessionEndedError
 from pipeline.api.results import ResultSignals
 from pipeline.api.sample_queue import BusyError
 from pipeline.api.samplers import check_sample_request
@@ -44,89 +51,15 @@ from pipeline.api.wire import (
     checkpoint_name,
     forward_backward_header,
     forward_backward_prefix,
+    parse_body,
 )
 from pipeline.io.store import ChecksumError
 from schemas.api import ApiError, ApiOp, BodyFormat
 from schemas.names import echoed
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 64 << 20  # a call's body, held in memory: the SDK's forward_backward chunks are about 5 MB
-# a JSON call's body (every route but forward_backward's protobuf), parsed in a worker thread at about 50 ms a MB:
-# the largest the SDK sends is a sample's prompt, about a million tokens in 8 MiB.  A thread does not spare the
-# event loop every call shares one parse, since pydantic-core holds the GIL while it parses (a million-token prompt
-# read by parse_body(json_first=True) stops the loop about 0.1 s), but many at once stop it for a few parses (their
-# tenant's places), not for their sum
-MAX_JSON_BODY_BYTES = 8 << 20
-FORWARD_BACKWARD_PATH = "/api/v1/forward_backward"
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
-HEADER_BYTES = 1024  # of a body refused for its size, read to find its call (a forward_backward names it first)
-
-
-class BodyTooLarge(ApiError):
-    """A request body over the gateway's limit (HTTP 413)."""
-
-
-class _BodyLimit:
-    """ASGI middleware refusing a body over ``limit`` bytes (``json_limit`` on every route but forward_backward's): at
-    once when its Content-Length says so, else as soon as reading it passes the limit (a chunked body), so the gateway
-    never holds more of one call than that.  ``refused(scope, first_bytes, reason)`` is told of each refusal, with the
-    body's first ``HEADER_BYTES`` (in a worker thread, before the answer)."""
-
-    def __init__(self, app: Any, limit: int, json_limit: int,
-                 refused: Callable[[Any, bytes, str], None] | None = None) -> None:
-        self.app, self.limit, self.json_limit, self.refused = app, limit, json_limit, refused
-
-    def _limit(self, scope: Any) -> int:
-        return self.limit if scope.get("path") == FORWARD_BACKWARD_PATH else min(self.limit, self.json_limit)
-
-    def _refusal(self, scope: Any) -> BodyTooLarge:
-        return BodyTooLarge(f"request body over {self._limit(scope)} bytes; send smaller calls (the tinker SDK splits "
-                            "a forward_backward into chunks of about 5 MB), or shorten the datums or the prompt")
-
-    async def _refuse(self, scope: Any, first: bytes) -> BodyTooLarge:
-        refusal = self._refusal(scope)
-        if self.refused is not None:
-            try:
-                await asyncio.to_thread(self.refused, scope, first, str(refusal))
-            except Exception:  # the client still gets its 413
-                log.exception("could not log a call refused for its size")
-        return refusal
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        first = bytearray()  # the body's first HEADER_BYTES, as read
-
-        def keep(message: Any) -> None:
-            if message.get("type") == "http.request" and len(first) < HEADER_BYTES:
-                first.extend(message.get("body", b"")[:HEADER_BYTES - len(first)])
-
-        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
-        limit = self._limit(scope)
-        if declared.isdigit() and int(declared) > limit:
-            message: Any = {"more_body": True}
-            while len(first) < HEADER_BYTES and message.get("more_body"):
-                message = await receive()
-                keep(message)
-            refusal = await self._refuse(scope, bytes(first))
-            await JSONResponse({"error": str(refusal), "category": refusal.category}, status_code=413)(
-                scope, receive, send)
-            return
-        received = 0
-
-        async def limited_receive() -> Any:
-            nonlocal received
-            message = await receive()
-            keep(message)
-            if message.get("type") == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise await self._refuse(scope, bytes(first))  # inside the handler's read: the ApiError handler
-            return message
-
-        await self.app(scope, limited_receive, send)
 
 
 _STATUS = {UnauthorizedError: 401, BodyTooLarge: 413, NotFoundError: 404, checkpoints.NotFound: 404, downloads.UrlRefused: 403,
@@ -165,7 +98,7 @@ TenantKey = Annotated[str, Depends(_tenant)]
 
 
 async def _body(request: Request) -> bytes:
-    """The request's body, read on the event loop (within ``_BodyLimit``'s limit)."""
+    """The request's body, read on the event loop (within ``BodyLimit``'s limit)."""
     return await request.body()
 
 
@@ -211,7 +144,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             return
         gateway.refuse(who, "forward_backward", header, "pb", reason)
 
-    app.add_middleware(_BodyLimit, limit=max_body_bytes, json_limit=max_json_body_bytes, refused=refused_for_size)
+    app.add_middleware(BodyLimit, limit=max_body_bytes, json_limit=max_json_body_bytes, refused=refused_for_size)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""What a request creating a training client, or stepping its optimizer, may ask for: the checks the gateway and
+"""What a request creating a session or a training client, or stepping its optimizer, may ask for: the checks the gateway and
 the trainer both run.
 
 The gateway records a training client (and counts it against its tenant) before the trainer makes it, so every
@@ -10,11 +10,16 @@ only sees calls the gateway numbered and logged.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from tinker import types
 
 from schemas.adam import adam_params_problem
 from schemas.api import ApiError
 from schemas.names import echoed
+
+MAX_METADATA_BYTES = 64 << 10  # a session's tags, or a session's or training client's user_metadata, as JSON
 
 MAX_LORA_RANK = 512  # the largest LoRA rank vLLM serves (its max_lora_rank slots)
 LORA_SEEDS = range(-(2**63), 2**64)  # the seeds torch.manual_seed takes (a new adapter's initialisation)
@@ -52,3 +57,11 @@ def check_optim_params(params: types.OptimParams) -> None:
     problem = adam_params_problem(**params.model_dump())
     if problem is not None:
         raise ApiError(problem)
+
+
+def check_metadata(field: str, value: Any) -> None:
+    """Refuse metadata over ``MAX_METADATA_BYTES`` (kept in records every listing reads and a gateway caches)."""
+    size = len(json.dumps(value).encode())
+    if size > MAX_METADATA_BYTES:
+        raise ApiError(f"{field} of {size} bytes (as JSON): keep it within {MAX_METADATA_BYTES} bytes; store "
+                       "larger data elsewhere and put its address in it")

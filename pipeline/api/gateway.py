@@ -43,10 +43,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import pydantic_core
-from pydantic import BaseModel, ValidationError
-
 from pipeline.api import checkpoints, downloads
+from pipeline.api.clients import check_metadata
 from pipeline.api.lifecycle import (
     SESSION_EXPIRY_S,
     files_deleted,
@@ -86,7 +84,6 @@ from schemas.names import echoed
 
 Publish = Callable[[Envelope, str], Any]  # (event, key) -> anything; publishes on <ns>.requests
 LIVE_CHECK_S = 1.0  # how long a gateway takes a session it saw live as live, before reading its record again
-MAX_METADATA_BYTES = 64 << 10  # a session's tags, or a session's or training client's user_metadata, as JSON
 CACHED_SESSIONS = 10_000  # sessions whose owner and state a gateway keeps in memory (the rest are read again)
 CACHED_MODELS = 1_000  # training clients' records a gateway keeps in memory (each up to MAX_METADATA_BYTES)
 
@@ -110,30 +107,6 @@ class ServedModel:
 
 def now() -> str:
     return datetime.now(UTC).isoformat()
-
-
-def parse_body(model: type[BaseModel], body: bytes, json_first: bool = False) -> Any:
-    """Validate a JSON body as the SDK's request type, or a one-line user error.  ``json_first``: read the JSON, then
-    validate it as Python data, for bodies of many values (a sample's prompt): pydantic's JSON path takes four times
-    as long over the SDK's token lists (``Sequence[int]``), with the GIL held."""
-    try:
-        if json_first:
-            return model.model_validate(pydantic_core.from_json(body or b"{}"))
-        return model.model_validate_json(body or b"{}")
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise ApiError(f"{model.__name__}: {where}: {first['msg']}; send what the tinker SDK sends") from None
-    except ValueError as exc:  # (not JSON, read by from_json: as model_validate_json words it)
-        raise ApiError(f"{model.__name__}: body: Invalid JSON: {exc}; send what the tinker SDK sends") from None
-
-
-def check_metadata(field: str, value: Any) -> None:
-    """Refuse metadata over ``MAX_METADATA_BYTES`` (kept in records every listing reads and a gateway caches)."""
-    size = len(json.dumps(value).encode())
-    if size > MAX_METADATA_BYTES:
-        raise ApiError(f"{field} of {size} bytes (as JSON): keep it within {MAX_METADATA_BYTES} bytes; store "
-                       "larger data elsewhere and put its address in it")
 
 
 def _no_session(session_id: str) -> str:

@@ -572,7 +572,7 @@ def test_a_json_body_over_its_limit_is_a_413_before_it_is_parsed(api):
     call's prompt of 64 MB took seconds of it): one over ``MAX_JSON_BODY_BYTES`` is refused with 413 before it is
     parsed, and nothing is logged; a forward_backward (protobuf, which the SDK sends in chunks) keeps the larger
     limit."""
-    from pipeline.api.app import MAX_JSON_BODY_BYTES
+    from pipeline.api.body_limit import MAX_JSON_BODY_BYTES
 
     session = _session(api)
     model_id = _create(api, session).json()["model_id"]
@@ -629,7 +629,7 @@ def test_a_forward_backward_over_the_limit_is_logged_as_refused_so_later_calls_g
 def test_metadata_over_the_limit_is_a_400_and_records_nothing(api):
     """Sessions' and training clients' metadata are kept in their records, which every listing reads and a gateway
     keeps in memory: a few megabytes each from one tenant would cost every tenant's listings and the gateway's memory."""
-    from pipeline.api.gateway import MAX_METADATA_BYTES
+    from pipeline.api.clients import MAX_METADATA_BYTES
 
     big = "x" * MAX_METADATA_BYTES
     stored = set(api.store.list("sessions", recursive=True))

@@ -311,7 +311,7 @@ def test_a_body_read_as_json_first_is_validated_as_the_sdks_json_path_validates_
     path takes, as the same request, and refuses what it refuses, naming the same field."""
     from tinker import types
 
-    from pipeline.api.gateway import parse_body
+    from pipeline.api.wire import parse_body
 
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
     bodies = [{"prompt": prompt, "sampling_params": {"max_tokens": 4, "temperature": 0.7, "stop": ["\n"]},
