@@ -351,12 +351,16 @@ class TrainingEngine:
         return self.adapter_snapshot(name).write(folder)
 
     def adapter_snapshot(self, name: str) -> AdapterSnapshot:
-        """Adapter ``name`` as it is now (its config, copies of its weights under PEFT's names), to write later."""
+        """Adapter ``name`` as it is now (its config, copies of its weights under PEFT's names), to write later.
+
+        The config has ``inference_mode`` on, as peft's ``save_pretrained`` and a run's own learner write it, so a
+        run publishes the same folder packed or alone; the accumulated gradients are neither in it nor touched."""
         with self._lock:
             adapter = self._get(name)
-            return AdapterSnapshot(copy.deepcopy(adapter.lora),
-                                   {key: p.detach().to("cpu", copy=True).contiguous()
-                                    for key, p in adapter.params.items()})
+            config = copy.deepcopy(adapter.lora)
+            config.inference_mode = True
+            return AdapterSnapshot(config, {key: p.detach().to("cpu", copy=True).contiguous()
+                                            for key, p in adapter.params.items()})
 
     def delete_adapter(self, name: str) -> None:
         """Forget adapter ``name``: weights, optimizer state, gradients, RNG."""

@@ -199,6 +199,23 @@ def test_export_for_sampling_is_a_peft_folder_that_scores_like_the_engine(engine
     assert float((engine.forward("a", [datum], "cross_entropy").logprobs[0] - expected).abs().max()) <= 1e-5
 
 
+def test_an_exported_adapter_is_the_folder_a_run_alone_publishes(engine, tiny_model_dir):
+    """A packed run publishes through the engine: its adapter_config.json is the one its own learner (LoraPolicy,
+    as peft's save_pretrained: ``inference_mode`` on) writes for the same LoRA settings, and its weights are the
+    adapter's as they are now, gradients pending or not (the export neither includes nor drops them)."""
+    config = LearnerConfig(device="cpu", lora_rank=4, lora_alpha=8, target_modules=list(TARGETS))
+    alone = LoraPolicy(tiny_model_dir, config).adapter_snapshot().files()["adapter_config.json"]
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
+    engine.forward_backward("a", datums(1), "cross_entropy")
+    engine.optim_step("a", ADAM)
+    engine.forward_backward("a", datums(2), "cross_entropy")
+    pending = engine.gradients("a")
+    snapshot = engine.adapter_snapshot("a")
+    assert json.loads(snapshot.files()["adapter_config.json"]) == json.loads(alone)
+    assert max_difference(snapshot.weights, engine.weights("a")) == 0.0
+    assert max_difference(pending, engine.gradients("a")) == 0.0
+
+
 def two_trained_adapters(engine) -> None:
     """Adapters "a" and "b", each one step in with gradients of a second batch accumulated."""
     engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
