@@ -12,7 +12,7 @@ operations (the Tinker training calls, TINKER.md sections 5 and 10):
                     loss is not finite is refused and adds none)
   optim_step        clip (optional), AdamW with this call's hyper-parameters, zero the gradients
                     (gradients that are not finite are discarded and the step refused; without
-                    gradients nothing changes and no step is counted)
+                    gradients nothing changes and no step is counted; a step failing part-way is undone)
   save_state        adapter + optimizer + RNG as one safetensors blob (metadata in its JSON header),
                     optionally the accumulated gradients too (what a trainer's fold keeps)
   load_state        the reverse; the optimizer is optional, an unknown name is created from the state
@@ -71,6 +71,7 @@ from consumers.engine_state import (
     checked_optimizer,
     read_state,
     restore_rng,
+    step_undo,
     swapped_rng,
 )
 from consumers.logprobs import selected_logprobs
@@ -278,7 +279,9 @@ class TrainingEngine:
 
         Without gradients (no ``forward_backward`` since the last step) nothing changes and no step is counted:
         AdamW moves no parameter that has no gradient (nor its moments), so a counted step would only make the
-        step count disagree with the steps that trained."""
+        step count disagree with the steps that trained.  A step that fails part-way (memory short on the
+        device) puts the weights, Adam state and unclipped gradients back (``step_undo``), so its retry, or a
+        trainer replaying the log without it, goes on from the state before it."""
         with self._lock:
             adapter = self._get(name)
             params = list(adapter.params.values())
@@ -286,16 +289,22 @@ class TrainingEngine:
             grads = [p for p in params if p.grad is not None]
             if not grads:
                 return StepInfo(0.0, adam.learning_rate, adapter.step)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+            undo = step_undo(adapter.params, adapter.optimizer)
+            try:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+                if math.isfinite(grad_norm):
+                    for group in adapter.optimizer.param_groups:
+                        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                                     weight_decay=adam.weight_decay)
+                    adapter.optimizer.step()
+            except BaseException:
+                undo()
+                raise
             if not math.isfinite(grad_norm):  # a step would write NaN weights; the gradients are of no use
                 adapter.optimizer.zero_grad(set_to_none=True)
                 raise EngineError(f"{NOT_FINITE_STEP} (norm {grad_norm}; a loss that overflowed, e.g. an importance "
                                   "ratio far from 1); they were discarded and the weights are unchanged: check the "
                                   "batch's sampler logprobs")
-            for group in adapter.optimizer.param_groups:
-                group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                             weight_decay=adam.weight_decay)
-            adapter.optimizer.step()
             adapter.optimizer.zero_grad(set_to_none=True)
             adapter.step += 1
             return StepInfo(grad_norm, adam.learning_rate, adapter.step)
@@ -351,10 +360,8 @@ class TrainingEngine:
         return self.adapter_snapshot(name).write(folder)
 
     def adapter_snapshot(self, name: str) -> AdapterSnapshot:
-        """Adapter ``name`` as it is now (its config, copies of its weights under PEFT's names), to write later.
-
-        The config has ``inference_mode`` on, as peft's ``save_pretrained`` and a run's own learner write it, so a
-        run publishes the same folder packed or alone; the accumulated gradients are neither in it nor touched."""
+        """Adapter ``name`` as it is now (its config with ``inference_mode`` on, as a run's own learner and peft write
+        it, and copies of its weights under PEFT's names), to write later; its gradients are neither in it nor touched."""
         with self._lock:
             adapter = self._get(name)
             config = copy.deepcopy(adapter.lora)

@@ -1,12 +1,13 @@
 """A training-engine state's format and the pieces of ``TrainingEngine`` that read it or set a process up for it:
 the state blob (safetensors, its metadata as JSON), an adapter's Adam state checked before it is used, the
-RNG swapped around an adapter's operation, and a base model's dropout zeroed at load."""
+RNG swapped around an adapter's operation, and the undo of an optimizer step that fails part-way."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +52,24 @@ def checked_optimizer(params: list[torch.nn.Parameter], tensors: dict[str, torch
             raise EngineError("state's optimizer moments do not match its adapter's tensors; it is damaged: "
                               "load it without the optimizer, or save it again")
     return optimizer, step
+
+
+def step_undo(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """What puts ``params`` (weights and gradients) and ``optimizer`` (moments, step counts, hyper-parameters) back
+    as they are now: for an optimizer step that fails part-way (clipping and AdamW change them in place, tensor by
+    tensor).  The copies stay on the device, about three adapters' worth while the step runs."""
+    weights = {key: p.detach().clone() for key, p in params.items()}
+    gradients = {key: None if p.grad is None else p.grad.detach().clone() for key, p in params.items()}
+    state = copy.deepcopy(optimizer.state_dict())
+
+    def undo() -> None:
+        with torch.no_grad():
+            for key, p in params.items():
+                p.copy_(weights[key])
+                p.grad = gradients[key]
+        optimizer.load_state_dict(state)
+
+    return undo
 
 
 @contextlib.contextmanager

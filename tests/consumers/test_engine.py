@@ -337,6 +337,30 @@ def test_calls_from_several_threads_run_one_at_a_time(tiny_model_dir):
         assert max_difference(shared.weights(name), alone.weights(name)) <= 1e-6
 
 
+def test_an_optim_step_failing_half_way_changes_nothing(engine):
+    """A step that fails inside AdamW (memory short on the device) after its clip and its updates ran leaves the
+    weights, Adam moments, step count and (unclipped) gradients as they were: the call's error stands, a trainer
+    replaying the log does not run it again, and the retried step is the one that would have run."""
+    two_trained_adapters(engine)
+    before = {name: snapshot(engine, name) for name in ("a", "b")}
+    state = engine.save_state("a", with_gradients=True)
+    clipped = AdamParams(learning_rate=1e-2, grad_clip_norm=1e-3)
+
+    def fails_after_the_update(optimizer, args, kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    hook = engine._get("a").optimizer.register_step_post_hook(fails_after_the_update)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.optim_step("a", clipped)
+    assert all(same_snapshot(before[name], snapshot(engine, name)) for name in ("a", "b"))
+    hook.remove()
+    engine.optim_step("a", clipped)
+    twin = TrainingEngine(engine.base_model, device="cpu")
+    twin.load_state("a", state)
+    twin.optim_step("a", clipped)
+    assert engine.save_state("a") == twin.save_state("a")  # weights, moments, step count
+
+
 def test_an_optim_step_on_gradients_that_are_not_finite_is_refused_and_they_are_discarded(engine):
     """A loss that overflowed (a ratio far from 1) leaves inf or NaN gradients: the step would write NaN weights."""
     engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
