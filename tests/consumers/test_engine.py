@@ -418,6 +418,9 @@ def test_a_state_saved_with_its_gradients_continues_as_if_never_saved(engine, ti
     assert max_difference(engine.weights("a"), other.weights("b")) <= 1e-7
     other.load_state("c", without)  # a checkpoint: no gradients
     assert not other.has_gradients("c")
+    other.forward_backward("b", datums(2), "cross_entropy")
+    other.load_state("b", without)  # a load replaces the whole state: the gradients pending are dropped too
+    assert not other.has_gradients("b") and other.optim_step("b", ADAM).step == 0
 
 
 @pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo", "dro"])
