@@ -29,10 +29,16 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """One prompt to continue (worker -> sampler)."""
+    """One prompt to continue (worker -> sampler).
+
+    ``extra_stop_ids`` end the request as well as the model's eos ids: a chat template's turn-closing token
+    where it is not eos (``<|im_end|>`` of a ChatML base model), so a turn does not run on into a user turn of
+    the model's own.
+    """
 
     prompt_token_ids: list[int]
     max_new_tokens: int
+    extra_stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -125,7 +131,8 @@ class Sampler(abc.ABC):
         seed: int | None = None,
     ) -> list[SampleOutput]:
         """One output per request, in order; generation stops at ``eos_token_id`` (or another eos id of the
-        model's ``generation_config.json``, as vLLM does) or at ``max_new_tokens``.
+        model's ``generation_config.json``, as vLLM does), at the request's ``extra_stop_ids`` or at
+        ``max_new_tokens``.
 
         ``adapter`` None samples the base model; an adapter not loaded yet is loaded
         first.  ``temperature`` 0 is greedy.  With ``seed`` set, request i samples

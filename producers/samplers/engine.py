@@ -20,8 +20,8 @@ Conventions, the same on every backend:
   (``processed_logprobs``, base.py); prompt logprobs are the model's own
   (temperature 1, no top-p), ``None`` at position 0, one per prompt token;
 - ``stop_token_ids`` None stops at eos and at the eos ids of the model's
-  ``generation_config.json`` (vLLM adds those); ``()`` never stops before ``max_tokens``;
-  a tuple of ids stops at exactly those (add eos to keep it).  A sequence that
+  ``generation_config.json`` (vLLM adds those), and at ``extra_stop_token_ids``;
+  ``()`` never stops before ``max_tokens``; a tuple of ids stops at exactly those (add eos to keep it).  A sequence that
   stopped ends with its stop token, ``finish_reason`` "stop"; else "length";
 - an adapter is (``run``, ``version``) of its handle; the vLLM engine gives each
   its own LoRA id (never reused), so runs with overlapping version numbers share
@@ -67,6 +67,7 @@ class SampleParams:
     seed: int | None = None
     first_stream: int = 0
     stop_token_ids: tuple[int, ...] | None = None
+    extra_stop_token_ids: tuple[int, ...] = ()  # with stop_token_ids None: ids that stop besides the eos ids
     prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
@@ -82,6 +83,9 @@ class SampleParams:
             raise ValueError(f"SampleParams.top_k must be 0 (no cut) or at least 1, got {self.top_k}")
         if self.first_stream < 0:
             raise ValueError(f"SampleParams.first_stream must be >= 0, got {self.first_stream}")
+        if self.stop_token_ids is not None and self.extra_stop_token_ids:
+            raise ValueError("SampleParams.extra_stop_token_ids add to the eos ids; with stop_token_ids given (the "
+                             "whole stop rule) put them in stop_token_ids instead")
 
     def seeds(self) -> list[int | None]:
         """The seed of every sample (None each when unseeded)."""
@@ -142,8 +146,10 @@ class SamplingEngine(abc.ABC):
         return min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
 
     def stop_ids(self, params: SampleParams) -> tuple[int, ...]:
-        """The token ids that end a sequence for ``params`` (eos unless told otherwise)."""
-        return (self.eos_token_id,) if params.stop_token_ids is None else tuple(params.stop_token_ids)
+        """The token ids that end a sequence for ``params`` (eos and the extra ids unless told otherwise)."""
+        if params.stop_token_ids is None:
+            return tuple(dict.fromkeys((self.eos_token_id, *params.extra_stop_token_ids)))
+        return tuple(params.stop_token_ids)
 
 
 # ---- vLLM ------------------------------------------------------------------------

@@ -74,9 +74,10 @@ class TransformersEngine(SamplingEngine):
         return await waiting.result
 
     def stop_ids(self, params: SampleParams) -> tuple[int, ...]:
-        """Unless told otherwise, the sampler's stop ids: eos and the generation config's eos ids, as vLLM's."""
+        """Unless told otherwise, the sampler's stop ids (eos and the generation config's eos ids, as vLLM's) and
+        the extra ones."""
         if params.stop_token_ids is None:
-            return tuple(sorted(self.sampler.stop_token_ids))
+            return tuple(sorted(self.sampler.stop_token_ids | set(params.extra_stop_token_ids)))
         return tuple(params.stop_token_ids)
 
     async def _drain(self) -> None:

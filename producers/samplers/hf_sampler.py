@@ -207,10 +207,13 @@ class TransformersSampler(Sampler):
         self, model: Any, requests: list[SampleRequest], temperature: float, top_p: float, seeds: list[int | None],
         stop_ids: frozenset[int] | None = None, top_k: int = 0,
     ) -> list[SampleOutput]:
-        """Decode one left-padded batch token by token until every row stopped (at a stop id or its budget)."""
+        """Decode one left-padded batch token by token until every row stopped (at a stop id or its budget).
+
+        A row stops at ``stop_ids`` (None: ``stop_token_ids``) and at its request's ``extra_stop_ids``."""
         import torch
 
         stops = self.stop_token_ids if stop_ids is None else stop_ids
+        stops_B = [stops | frozenset(r.extra_stop_ids) for r in requests]
         generators = [_generator(s, self.device) for s in seeds]
         budgets = [self.new_token_budget(r) for r in requests]
         input_ids_BT, attention_BT = self._left_pad(requests)
@@ -240,14 +243,14 @@ class TransformersSampler(Sampler):
                         continue
                     tokens_B[b].append(token)
                     logprobs_B[b].append(float(logprobs_BV[b, token]))
-                    done_B[b] = token in stops or len(tokens_B[b]) >= budgets[b]
+                    done_B[b] = token in stops_B[b] or len(tokens_B[b]) >= budgets[b]
                 if all(done_B):
                     break
                 step_ids_BT = torch.tensor(next_B, device=self.device).unsqueeze(-1)
                 attention_BT = torch.cat([attention_BT, torch.ones_like(step_ids_BT)], dim=-1)
         return [
-            SampleOutput(t, lp, "stop" if t and t[-1] in stops else "length")
-            for t, lp in zip(tokens_B, logprobs_B, strict=True)
+            SampleOutput(t, lp, "stop" if t and t[-1] in row_stops else "length")
+            for t, lp, row_stops in zip(tokens_B, logprobs_B, stops_B, strict=True)
         ]
 
     def _left_pad(self, requests: list[SampleRequest]) -> tuple[Any, Any]:

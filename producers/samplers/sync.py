@@ -85,7 +85,7 @@ class SyncSampler(Sampler):
                          top_p: float = 1.0, seed: int | None = None, stream: int = 0) -> SampleOutput:
         """Request ``stream`` of a call seeded ``seed``, as one engine request; awaited on the engine's loop."""
         params = SampleParams(self.new_token_budget(request), temperature=temperature, top_p=top_p, seed=seed,
-                              first_stream=stream)
+                              first_stream=stream, extra_stop_token_ids=request.extra_stop_ids)
         return (await self.engine.sample(request.prompt_token_ids, adapter, params)).sequences[0]
 
     concurrent_requests = True

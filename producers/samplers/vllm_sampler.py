@@ -246,7 +246,8 @@ class VLLMSampler(Sampler):
                 max_tokens=self.new_token_budget(r),
                 logprobs=0,  # just the sampled token's
                 seed=request_seed(seed, i) if self.per_request_seeds else None,
-                stop_token_ids=[self.eos_token_id],
+                # and the generation config's eos ids (vLLM adds them)
+                stop_token_ids=list(dict.fromkeys((self.eos_token_id, *r.extra_stop_ids))),
                 detokenize=False,  # token-in/token-out: text is never needed here
             )
             for i, r in enumerate(requests)

@@ -341,6 +341,15 @@ def test_stop_token_ids(hf_engine, prompts) -> None:
     assert on_second.sequences[0].finish_reason == "stop"
 
 
+def test_extra_stop_ids_add_to_eos_and_cannot_be_mixed_with_a_whole_stop_rule() -> None:
+    """vLLM keeps stopping at eos and the generation config's eos ids (ignore_eos off) and also at the extra ids."""
+    with pytest.raises(ValueError, match="extra_stop_token_ids"):
+        SampleParams(4, stop_token_ids=(2,), extra_stop_token_ids=(7,))
+    engine = fake_vllm_engine(zero_base_adapter=False)
+    vllm_params = engine._sampling_params(SampleParams(4, extra_stop_token_ids=(7, 2)), 4, None, False)
+    assert not vllm_params.ignore_eos and sorted(vllm_params.stop_token_ids) == [2, 7]
+    assert engine.stop_ids(SampleParams(4)) == (2,)
+
 def test_prompt_logprobs_are_the_models_own(hf_engine, prompts, lora_adapters, tiny_trained_dir) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

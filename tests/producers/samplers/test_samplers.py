@@ -331,6 +331,30 @@ def test_generation_stops_at_every_eos_id_of_the_models_generation_config(tiny_t
         engine.close()
 
 
+def test_a_request_also_stops_at_its_extra_stop_ids(hf_sampler, tiny_trained_dir, prompts) -> None:
+    """A request's ``extra_stop_ids`` (a chat template's turn-closing token) end it as well as eos, on that request
+    alone; the engine (behind the producer's ``submit``) honours them too, keeping eos."""
+    greedy = hf_sampler.generate([SampleRequest(prompts[0], 12)], temperature=0.0)[0]
+    extra = greedy.token_ids[2]
+    expected = greedy.token_ids[:greedy.token_ids.index(extra) + 1]
+    cut, whole = hf_sampler.generate([SampleRequest(prompts[0], 12, extra_stop_ids=(extra,)),
+                                      SampleRequest(prompts[0], 12)], temperature=0.0)
+    assert (cut.token_ids, cut.finish_reason) == (expected, "stop")
+    assert whole.token_ids == greedy.token_ids
+    unused = next(t for t in range(3, 100) if t not in greedy.token_ids)
+    assert hf_sampler.generate([SampleRequest(prompts[0], 12, extra_stop_ids=(unused,))],
+                               temperature=0.0)[0].token_ids == greedy.token_ids  # eos still stops it
+    engine = sampler_for_run(RunConfig(sampler=SamplerConfig(backend="transformers", max_model_len=1024)),
+                             str(tiny_trained_dir))
+    try:
+        out = engine.submit(SampleRequest(prompts[0], 12, extra_stop_ids=(extra,)), temperature=0.0).result()
+        assert (out.token_ids, out.finish_reason) == (expected, "stop")
+        kept = engine.submit(SampleRequest(prompts[0], 12, extra_stop_ids=(unused,)), temperature=0.0).result()
+        assert kept.token_ids == greedy.token_ids
+    finally:
+        engine.close()
+
+
 # ---- vLLM (one engine per session) ------------------------------------------------
 
 
