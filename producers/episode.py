@@ -86,11 +86,18 @@ _PROBE = "\u2063PROBE\u2063"  # a marker no observation contains
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """What the chat template puts between turns, learned once from the template itself."""
+    """What the chat template puts between turns, learned once from the template itself.
+
+    ``closing_token_id`` is the special token that opens ``after_assistant`` (``<|im_end|>``), None when the
+    closing text does not start with one.  A turn stops there as well as at eos: a base model's eos
+    (Qwen2.5 base: ``<|endoftext|>``) is not its template's closing token, and without it a turn runs on into a
+    user turn of the model's own, trained and read by the environment as its answer.
+    """
 
     after_assistant: str  # text closing an assistant turn, e.g. "<|im_end|>\n"
     user_prefix: str  # text opening a user turn, before its content
     user_suffix_and_prompt: str  # text after a user's content through the assistant generation prompt
+    closing_token_id: int | None = None
 
     @classmethod
     def from_tokenizer(cls, tokenizer: ChatTokenizer) -> ChatFormat:
@@ -104,7 +111,23 @@ class ChatFormat:
         after_assistant = closed[closed.index(_PROBE) + len(_PROBE):]
         tail = extended[len(closed):]
         user_prefix, _, rest = tail.partition(_PROBE)
-        return cls(after_assistant=after_assistant, user_prefix=user_prefix, user_suffix_and_prompt=rest)
+        return cls(after_assistant=after_assistant, user_prefix=user_prefix, user_suffix_and_prompt=rest,
+                   closing_token_id=_closing_token_id(tokenizer, after_assistant))
+
+    @property
+    def turn_stop_ids(self) -> tuple[int, ...]:
+        """The ids a turn stops at besides the model's eos ids (``SampleRequest.extra_stop_ids``)."""
+        return () if self.closing_token_id is None else (self.closing_token_id,)
+
+
+def _closing_token_id(tokenizer: ChatTokenizer, after_assistant: str) -> int | None:
+    """The first token of ``after_assistant`` when it is one special token (dropped by ``skip_special_tokens``)."""
+    ids = tokenizer.encode(after_assistant, add_special_tokens=False)
+    if not ids:
+        return None
+    text = tokenizer.decode(ids[:1], skip_special_tokens=False)
+    special = bool(text) and not tokenizer.decode(ids[:1], skip_special_tokens=True)
+    return ids[0] if special and after_assistant.startswith(text) else None
 
 
 def _render(tokenizer: ChatTokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> str:
@@ -220,10 +243,12 @@ class Episode:
             self.logprobs += [0.0] * len(continuation)
 
     def _continuation_ids(self, generated_ids: list[int], observation: str) -> list[int]:
+        """The tokens after a turn through the next generation prompt: the template's closing text (less the stop
+        token the turn ended with, eos or the closing token, already in the sequence), the observation."""
         closing = self.chat.after_assistant
-        eos = self.tokenizer.eos_token
-        if generated_ids and generated_ids[-1] == self.tokenizer.eos_token_id and closing.startswith(eos):
-            closing = closing[len(eos):]
+        if generated_ids and generated_ids[-1] in (self.tokenizer.eos_token_id, self.chat.closing_token_id):
+            stop = self.tokenizer.decode(generated_ids[-1:], skip_special_tokens=False)
+            closing = closing.removeprefix(stop)
         text = closing + self.chat.user_prefix + observation + self.chat.user_suffix_and_prompt
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -323,7 +323,7 @@ class RolloutWorker:
                             "context) or shorten the environment's prompt", self.producer_id, len(prompt),
                             self.max_model_len)
             return None
-        return SampleRequest(prompt, min(self.sampling.max_new_tokens, room))
+        return SampleRequest(prompt, min(self.sampling.max_new_tokens, room), self.chat.turn_stop_ids)
 
     def take_turn(self, episode: Episode, request: SampleRequest, output: SampleOutput) -> None:
         """Record what the model answered and step the environment with it (in the pool)."""

@@ -171,8 +171,9 @@ def model_outcomes(
     turn = 0
     while live := [i for i, episode in enumerate(episodes) if not episode.done]:
         prompts = [episodes[i].next_prompt() for i in live]
-        outputs = sampler.generate([SampleRequest(p, sampling.max_new_tokens) for p in prompts], adapter,
-                                   sampling.temperature, sampling.top_p, seed=sampling.seed * 1_000_003 + turn)
+        requests = [SampleRequest(p, sampling.max_new_tokens, chat.turn_stop_ids) for p in prompts]
+        outputs = sampler.generate(requests, adapter, sampling.temperature, sampling.top_p,
+                                   seed=sampling.seed * 1_000_003 + turn)
         for i, prompt, output in zip(live, prompts, outputs, strict=True):
             episode, env = episodes[i], episodes[i].env
             text = episode.record_generation(prompt, output.token_ids, output.logprobs)

@@ -382,3 +382,70 @@ def test_episodes_end_at_the_samplers_context_when_it_is_shorter_than_configured
     assert len(rows) == 4 and max(sampler.prompt_lengths) < context
     assert all(len(r.tokens) < context for r in rows)
     assert all(r.truncated for r in rows if r.num_turns < 3 and not r.terminated)
+
+
+@pytest.fixture(scope="module")
+def base_chatml_tokenizer(tiny_model_dir):
+    """The tiny tokenizer as a ChatML base model's (Qwen2.5 base): eos ``<|endoftext|>``, turns closed by
+    ``<|im_end|>``, a special token that is not eos."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
+    assert tokenizer.eos_token_id != tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return tokenizer
+
+
+class RunOnSampler(ScriptedSampler):
+    """A base model that closes its answer with ``<|im_end|>`` and runs on into a user turn of its own, cut only at
+    a stop id: eos, and the ids a request adds (as every backend stops)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.answer_ids = [*tokenizer.encode("<answer>Left</answer>", add_special_tokens=False), im_end]
+        invented = tokenizer.encode("\n<|im_start|>user\nsay <answer>Right</answer>", add_special_tokens=False)
+        self.stream = [*self.answer_ids, *invented, tokenizer.eos_token_id]
+
+    def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None):
+        outputs = []
+        for request in requests:
+            stops = {self.eos_token_id, *getattr(request, "extra_stop_ids", ())}
+            ids = self.stream[:next(i for i, t in enumerate(self.stream) if t in stops) + 1]
+            outputs.append(SampleOutput(ids, [-0.5] * len(ids), "stop"))
+        return outputs
+
+
+def test_a_turn_stops_at_the_templates_closing_token_when_it_is_not_eos(base_chatml_tokenizer):
+    """A base model's turn ends at ``<|im_end|>``, recorded once and trained (mask 1) like eos: the row is the
+    template's transcript, with no invented user turn in it and no closing token added a second time."""
+    announced = []
+    worker, archive, _ = make_worker(base_chatml_tokenizer, "sokoban", announced, sampler=RunOnSampler(base_chatml_tokenizer))
+    worker.run()
+    rows = table_to_records(archive.read_batch(announced[0].path, announced[0].sha256))
+    answer_ids = worker.sampler.answer_ids  # "<answer>Left</answer><|im_end|>"
+    for row in rows:
+        generated = [t for t, m in zip(row.tokens, row.loss_mask, strict=True) if m]
+        assert generated == answer_ids * row.num_turns
+        env = make_env("sokoban", {"max_turns": 3})
+        observation = env.reset(row.env_seed)
+        messages = [{"role": "system", "content": env.system_prompt()}]
+        for _ in range(row.num_turns):
+            messages += [{"role": "user", "content": observation},
+                         {"role": "assistant", "content": "<answer>Left</answer>"}]
+            observation = env.step("<answer>Left</answer>").observation
+        transcript = base_chatml_tokenizer.apply_chat_template(messages, tokenize=False)
+        assert row.text == transcript.removesuffix("\n")
+
+
+def test_the_closing_token_is_learned_from_the_template(base_chatml_tokenizer, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from producers.episode import ChatFormat
+
+    im_end = base_chatml_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ChatFormat.from_tokenizer(base_chatml_tokenizer).closing_token_id == im_end
+    plain = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+                           "{% if add_generation_prompt %}assistant: {% endif %}")
+    assert ChatFormat.from_tokenizer(plain).closing_token_id is None  # a closing of plain text: eos alone stops

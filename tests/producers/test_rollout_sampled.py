@@ -101,3 +101,57 @@ def sampler_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+class BaseModelOnly:
+    def current(self) -> None:
+        return None
+
+    def newest_published(self) -> int:
+        return 0
+
+    def refresh(self) -> None:
+        pass
+
+
+def base_chatml_model(model_dir: Path, folder: Path) -> Path:
+    """The tiny model as a ChatML base model (Qwen2.5 base): eos ``<|endoftext|>`` in the tokenizer, the model's
+    config and its generation config, while the template still closes turns with ``<|im_end|>``."""
+    import json
+    import shutil
+
+    model = shutil.copytree(model_dir, folder)
+    endoftext = sampler_tokenizer(model).convert_tokens_to_ids("<|endoftext|>")
+    for name, key, value in (("tokenizer_config.json", "eos_token", "<|endoftext|>"),
+                             ("config.json", "eos_token_id", endoftext),
+                             ("generation_config.json", "eos_token_id", endoftext)):
+        settings = json.loads((model / name).read_text())
+        (model / name).write_text(json.dumps({**settings, key: value}))
+    return model
+
+
+def test_a_base_models_turns_stop_at_the_templates_closing_token(tiny_trained_dir: Path, tmp_path: Path) -> None:
+    """Each turn ends at ``<|im_end|>`` (kept once, trained) rather than running on into a user turn of the
+    model's own until its eos or ``max_new_tokens``."""
+    model = base_chatml_model(tiny_trained_dir, tmp_path / "base")
+    sampler = TransformersSampler(str(model), SamplerConfig(max_model_len=1024))
+    tokenizer = sampler_tokenizer(model)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert sampler.eos_token_id != im_end and im_end not in sampler.stop_token_ids
+    sink = ListSink()
+    worker = RolloutWorker(
+        run_id="run1", producer_id="prod-1", env_name="sokoban",
+        make_env=lambda: make_env("sokoban", {"max_turns": 3}), tokenizer=tokenizer, sampler=sampler,
+        adapters=BaseModelOnly(), sink=sink,
+        producer=ProducerConfig(producer_id="prod-1", group_size=2, groups_per_batch=1, max_groups=1),
+        sampling=SamplerConfig(max_new_tokens=24, temperature=TEMPERATURE, max_model_len=1024), incarnation=0,
+    )
+    worker.run()
+    rows = [TrajectoryRecord.model_validate(r) for r in sink.rows]
+    stopped = 0
+    for row in rows:
+        for run in masked_runs(row):
+            assert im_end not in run[:-1], tokenizer.decode(run)  # no turn runs past its closing token
+            stopped += run[-1] == im_end
+        assert not any(a == b == im_end for a, b in zip(row.tokens, row.tokens[1:], strict=False))  # closed once
+    assert stopped
