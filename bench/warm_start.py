@@ -62,7 +62,7 @@ def recorded_pairs(model_dir: str, episodes: range, noise: float) -> list[tuple[
                                         teacher=teacher)
         plain = episode_rows(episode, run_id="bench", batch_id="bench", producer_id="bench", env_name="cartpole",
                              created_at=datetime.now(UTC), with_text=False)
-        rows = weighted_rows(plain, teacher, tokenizer)
+        rows = weighted_rows(plain, teacher, tokenizer, chat)
         pairs += list(zip(rows[::2], rows[1::2], strict=True))
     return pairs
 

@@ -51,7 +51,7 @@ def demonstration_episode(
         if teacher is not None:
             teacher.append(teacher_distribution(env, noise))
         answer = env.random_answer(rng) if rng.random() < noise else env.heuristic_answer()
-        ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+        ids = [*tokenizer.encode(answer, add_special_tokens=False), chat.answer_end_id(tokenizer)]
         episode.record_generation(episode.next_prompt(), ids, [0.0] * len(ids))
         episode.apply_step(env.step(answer))
     return episode
@@ -72,7 +72,7 @@ def teacher_distribution(env: Any, noise: float) -> dict[str, float]:
 
 
 def weighted_rows(rows: list[dict[str, Any]], teacher: list[dict[str, float]], tokenizer: ChatTokenizer,
-                  ) -> list[dict[str, Any]]:
+                  chat: ChatFormat) -> list[dict[str, Any]]:
     """Each per-turn row as one row per answer choice, weighted by the teacher's probability of it."""
     if len(rows) != len(teacher):
         raise ValueError("weighted demonstrations need one row per turn (a long-horizon environment)")
@@ -80,7 +80,7 @@ def weighted_rows(rows: list[dict[str, Any]], teacher: list[dict[str, float]], t
     for row, distribution in zip(rows, teacher, strict=True):
         prompt = row["tokens"][: row["loss_mask"].index(1)]
         for answer, probability in distribution.items():
-            ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+            ids = [*tokenizer.encode(answer, add_special_tokens=False), chat.answer_end_id(tokenizer)]
             out.append({**row, "tokens": prompt + ids, "loss_mask": [0] * len(prompt) + [1] * len(ids),
                         "logprobs": [0.0] * (len(prompt) + len(ids)), "weight": probability})
     return out
@@ -103,6 +103,6 @@ def record_demonstrations(
                                             teacher=teacher)
             episode_rows_ = episode_rows(episode, run_id=run_id, batch_id=batch_id, producer_id="demonstrations",
                                          env_name=env_name, created_at=created, with_text=False)
-            rows += weighted_rows(episode_rows_, teacher, tokenizer) if teacher is not None else episode_rows_
+            rows += weighted_rows(episode_rows_, teacher, tokenizer, chat) if teacher is not None else episode_rows_
         infos.append(archive.write_batch(run_id, rows, batch_id=batch_id, created=created))
     return infos

@@ -119,6 +119,11 @@ class ChatFormat:
         """The ids a turn stops at besides the model's eos ids (``SampleRequest.extra_stop_ids``)."""
         return () if self.closing_token_id is None else (self.closing_token_id,)
 
+    def answer_end_id(self, tokenizer: ChatTokenizer) -> int:
+        """The id that ends an answer written for the model (a demonstration): the template's closing token where it
+        has one, as sampling stops a turn there, else eos."""
+        return tokenizer.eos_token_id if self.closing_token_id is None else self.closing_token_id
+
 
 def _closing_token_id(tokenizer: ChatTokenizer, after_assistant: str) -> int | None:
     """The first token of ``after_assistant`` when it is one special token (dropped by ``skip_special_tokens``)."""

@@ -72,3 +72,20 @@ def test_weighted_demonstrations_need_a_small_answer_set(archive, tiny_tokenizer
     with pytest.raises(ValueError, match="no small answer set; record it without --weighted"):
         record_demonstrations(archive, RUN, "sokoban", {}, tiny_tokenizer, 1, noise=0.5, weighted=True)
     assert archive.list_batches(RUN) == []  # nothing written
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_base_models_demonstrations_end_each_answer_with_the_templates_closing_token(
+        archive, base_chatml_tokenizer, weighted):
+    """Sampling stops a base model's turn at the chat template's closing token (``<|im_end|>``, not its eos), so a
+    demonstration teaches that token as the end of an answer, once, and never eos."""
+    tokenizer = base_chatml_tokenizer
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    infos = record_demonstrations(archive, RUN, "cartpole", {"history_turns": 0}, tokenizer, 2, noise=0.5,
+                                  weighted=weighted)
+    rows = rows_of(archive, infos)
+    assert rows
+    for row in rows:
+        trained = [t for t, m in zip(row["tokens"], row["loss_mask"], strict=True) if m]
+        assert trained[-1] == im_end and trained.count(im_end) == 1, tokenizer.decode(trained)
+        assert tokenizer.eos_token_id not in trained

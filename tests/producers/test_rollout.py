@@ -384,18 +384,6 @@ def test_episodes_end_at_the_samplers_context_when_it_is_shorter_than_configured
     assert all(r.truncated for r in rows if r.num_turns < 3 and not r.terminated)
 
 
-@pytest.fixture(scope="module")
-def base_chatml_tokenizer(tiny_model_dir):
-    """The tiny tokenizer as a ChatML base model's (Qwen2.5 base): eos ``<|endoftext|>``, turns closed by
-    ``<|im_end|>``, a special token that is not eos."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>"})
-    assert tokenizer.eos_token_id != tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return tokenizer
-
-
 class RunOnSampler(ScriptedSampler):
     """A base model that closes its answer with ``<|im_end|>`` and runs on into a user turn of its own, cut only at
     a stop id: eos, and the ids a request adds (as every backend stops)."""
