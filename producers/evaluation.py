@@ -5,7 +5,10 @@ handling, same batched generation), with one episode per seed, seeds starting
 at ``env.eval_seed_offset`` so they never overlap training seeds (and, where seeds index a finite set, on
 the environment's held-out part of it: ``TextEnv.held_out_overrides``), and a sink
 that keeps the rows in memory instead of writing a batch.  Results are stored as
-``runs/<run>/eval/<name>.json`` for ``rlpipe report``.
+``runs/<run>/eval/<name>.json`` for ``rlpipe report``.  Every held-out seed must have
+played its episode (a result's episode i is seed ``seed_start + i``): an evaluation
+whose worker dropped a group (its prompt did not fit the context, a value not finite)
+is refused rather than stored with its later returns under the wrong seeds.
 """
 
 from __future__ import annotations
@@ -63,6 +66,19 @@ def episode_results(rows: list[dict[str, Any]]) -> list[tuple[int, float, bool]]
     for row in rows:
         episodes.setdefault(row["episode_id"], (row["env_seed"], float(row["reward"]), bool(row["success"])))
     return sorted(episodes.values())
+
+
+def check_every_seed_played(seeds: list[int], seed_start: int, episodes: int) -> None:
+    """Refuse an evaluation that lacks an episode of some held-out seed: a result's episode i is seed
+    ``seed_start + i``, so the returns after a gap would be stored under the wrong seeds (and a paired comparison
+    with another policy would pair different episodes).  The worker drops a group whose first prompt did not fit
+    the context or that holds a value that is not finite (the log names each)."""
+    missing = sorted(set(range(seed_start, seed_start + episodes)) - set(seeds))
+    if missing:
+        shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(f"only {episodes - len(missing)} of {episodes} held-out episodes were played: no episode of "
+                         f"seed {shown} (its first prompt did not fit sampler.max_model_len, or a value was not "
+                         "finite: the log above names each); fix that and evaluate again")
 
 
 def pull_handle(registry: AdapterRegistry, version: int, cache: Path) -> AdapterHandle | None:
@@ -135,6 +151,7 @@ def _evaluate_pulled(
         elif handle is not None:  # its folder is removed next; the same version evaluated again pulls a new one
             sampler.unload_adapter(handle)
     results = episode_results(sink.rows)
+    check_every_seed_played([seed for seed, _, _ in results], config.env.eval_seed_offset, episodes)
     return EvalResult.from_episodes(
         run_id=config.run_id, env=config.env.name, version=version, seed_start=config.env.eval_seed_offset,
         returns=[r for _, r, _ in results], successes=[s for _, _, s in results],

@@ -148,3 +148,28 @@ def test_a_retried_create_of_a_result_that_landed_is_stored_not_failed(tmp_path:
         result = EvalResult.from_episodes(run_id="ev", env="cartpole", version=version, seed_start=1000,
                                           returns=[1.0, 2.0], successes=[True, False])
         assert eval_from_bytes(store.get(save(store, result))) == result
+
+
+class _SpoilsSecondEpisode(ScriptedSampler):
+    """The second episode of the first call gets a NaN logprob: the worker drops its group (seed offset + 1)."""
+
+    def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None):
+        outputs = super().generate(requests, adapter, temperature, top_p, seed)
+        if len(self.calls) == 1 and len(outputs) > 1:
+            outputs[1].logprobs[0] = float("nan")
+        return outputs
+
+
+def test_a_held_out_seed_that_wrote_no_episode_is_refused_not_shifted(tmp_path: Path, tiny_model_dir: str,
+                                                                     monkeypatch) -> None:
+    """Episode i of a result is seed seed_start + i: with seed offset + 1 dropped, the returns of the seeds after it
+    would be stored under the wrong seeds (and paired comparisons would pair different episodes)."""
+    import pytest
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    store = ObjectStore((tmp_path / "store").as_uri())
+    config = RunConfig(run_id="ev", env={"name": "cartpole", "overrides": {"max_turns": 1, "max_actions_total": 1}})
+    sampler = _SpoilsSecondEpisode(AutoTokenizer.from_pretrained(tiny_model_dir))
+    first = config.env.eval_seed_offset
+    with pytest.raises(ValueError, match=rf"2 of 3 held-out episodes.*seed {first + 1}\b"):
+        evaluate_version(config, store, tiny_model_dir, version=0, episodes=3, sampler=sampler)
