@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     if not outcomes:
         return
     print(f"targets met in {sum(met(o) for o in outcomes)} of {len(outcomes)} runs; "
-          f"median {sorted(o['minutes'] for o in outcomes)[len(outcomes) // 2]:.1f} min per run; details: {out}")
+          f"median {statistics.median(o['minutes'] for o in outcomes):.1f} min per run; details: {out}")
 
 
 if __name__ == "__main__":

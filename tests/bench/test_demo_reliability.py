@@ -135,3 +135,14 @@ def test_phase_seconds_are_read_from_the_demo_s_output():
               "done in 9s\n")  # a line with no phase before it is nobody's
     assert phase_seconds(stdout) == {"1/6 tiny base model": 3,
                                      "4/6 online RL: learner + producer on the embedded stack": 412}
+
+
+def test_the_median_minutes_of_an_even_number_of_runs_is_the_mean_of_the_middle_two(tmp_path, monkeypatch, capsys):
+    from bench import demo_reliability
+
+    minutes = {1: 9.0, 2: 10.0, 3: 12.0, 4: 20.0}  # sorted 9, 10, 12, 20: median (10 + 12) / 2 = 11.0
+    monkeypatch.setattr(demo_reliability, "one_run",
+                        lambda seed, *a: {"seed": seed, "failed": "x", "minutes": minutes[seed]})
+    monkeypatch.setattr(demo_reliability, "stack_running", lambda: True)
+    demo_reliability.main(["--runs", "4", "--out", str(tmp_path / "runs.json")])
+    assert "median 11.0 min per run" in capsys.readouterr().out
