@@ -20,7 +20,8 @@ Where each number comes from (nothing else is read; no hidden state):
   signs of collapse (entropy, identical groups, zero advantages, reward spread).
 - evaluations: ``runs/<run>/eval/*.json`` (``schemas.evaluation.EvalResult``).
 - producers: ``ProducerHeartbeat`` events on ``<ns>.control`` (rates, busy fraction),
-  plus ``RunStarted``/``RunStopped``/``LearnerCheckpointed``; the read is bounded.
+  plus ``RunStarted``/``RunStopped``/``LearnerCheckpointed``; the read is bounded, and an event
+  resent by its publisher (two copies with one ``event_id``) counts once.
 - the run's status (the summary's ``status``: running, finished, stopped, idle or unknown), as
   ``rlpipe runs show`` gives it (``pipeline.analysis.runs.summarize``).
 - whether the run is stopped (the summary's ``stopped``, and the end of the run window): read as

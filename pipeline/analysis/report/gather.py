@@ -10,6 +10,7 @@ summary table and notes, per section, what is missing and why.
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -214,7 +215,8 @@ def read_step_log(
 
 
 def read_events(bus_config: BusConfig | None, run_id: str, timeout_s: float, report: RunReport) -> ControlEvents:
-    """The run's control events, or none (with a note) when the bus is skipped or cannot be read in time."""
+    """The run's control events, each once (by ``event_id``), or none (with a note) when the bus is skipped or
+    cannot be read in time."""
     events = ControlEvents()
     if bus_config is None:
         return events
@@ -223,8 +225,10 @@ def read_events(bus_config: BusConfig | None, run_id: str, timeout_s: float, rep
         bounded = bus_config.model_copy(
             update={"bootstrap_servers": servers, "connect_timeout_s": min(bus_config.connect_timeout_s, timeout_s)}
         )
+        seen: set[uuid.UUID] = set()  # event ids: a publisher resends an event in doubt, leaving two copies on the topic
         for record in tail(bounded, "control", n=MAX_CONTROL_EVENTS, run_id=run_id, read_timeout_s=timeout_s):
-            if record.event is not None:
+            if record.event is not None and record.event.event_id not in seen:
+                seen.add(record.event.event_id)
                 _collect(events, record.event.time.timestamp(), record.event.payload)
         events.log_read = True
     except (BusError, ValueError, OSError) as exc:  # unreachable, no topic, no broker configured

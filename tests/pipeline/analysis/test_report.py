@@ -340,6 +340,27 @@ def test_heartbeats_from_the_broker_become_throughput_and_producer_lanes(
     assert png_size((tmp_path / "b" / FIGURE_FILES["throughput"]).read_bytes())[0] > 400
 
 
+def test_an_event_sent_twice_counts_once_in_throughput_and_busy_fractions(
+    run_store: ObjectStore, bus_config: BusConfig, tmp_path: Path
+) -> None:
+    """A publisher that resends an event in doubt (the same ``event_id``) leaves two copies on the topic: the
+    second must not double the producer's busy seconds (0.8 busy over 5 s is 4 s, not 8 s) nor its points."""
+    beats = [heartbeat(RUN, "p0", T0 + 5.0 * k, 5.0, 0.8, 10.0) for k in range(1, 4)]
+    with EventPublisher(bus_config) as publisher:
+        for beat in beats:
+            publisher.publish("control", beat)
+            publisher.publish("control", beat)  # the resend
+    result = run_report("--run", RUN, "--root", run_store.root, "--out", str(tmp_path / "d"), "--json",
+                        "--bootstrap", bus_config.bootstrap_servers, "--namespace", bus_config.namespace)  # fmt: skip
+    series = json.loads(result.stdout)["series"]
+    assert len(series["throughput"]["p0"]) == 3
+    # Window: the learner's steps start at T0; p0's last beat ends at T0 + 15.  Busy: 3 beats x 5 s x 0.8 = 12 s.
+    lanes = {lane["name"]: lane for lane in series["duty_cycle"]["lanes"]}
+    window = series["duty_cycle"]["end"] - series["duty_cycle"]["start"]
+    assert lanes["p0"]["busy_s"] == pytest.approx(12.0)
+    assert lanes["p0"]["busy_fraction"] == pytest.approx(12.0 / window) and lanes["p0"]["busy_fraction"] <= 1.0
+
+
 def test_a_run_resumed_after_a_stop_is_not_reported_stopped(
     run_store: ObjectStore, bus_config: BusConfig, tmp_path: Path
 ) -> None:
