@@ -28,6 +28,9 @@ _ESS_WARNING = 0.3  # below this normalised ESS the off-policy correction is doi
 _LEARNER_COLOR = "#1f4e9c"
 _MAX_MARKED_POINTS = 80  # longer series are drawn faint with a rolling mean on top
 _MAX_EDGED_INTERVALS = 60  # heartbeat intervals per lane up to which each bar gets a separating edge
+# Evaluated policies whose results are a run's trained versions (a point at each version, even when one is evaluated);
+# any other policy (the base model, a scripted baseline) evaluated once is a horizontal reference band.
+_VERSIONED_POLICIES = ("adapter", "value-network")
 
 
 def render_figures(report: RunReport) -> dict[str, bytes]:
@@ -93,7 +96,7 @@ def plot_reward(by_version: list[dict[str, Any]], over_time: dict[str, Any], t0:
 
 
 def plot_eval(points: list[dict[str, Any]]) -> Figure | None:
-    """Mean return (95% CI) and success rate per evaluated version; a one-version baseline is a band."""
+    """Mean return (95% CI) and success rate per evaluated version; a baseline evaluated once is a band."""
     if not points:
         return None
     fig = Figure(figsize=(12, 4.4), layout="constrained")
@@ -104,7 +107,7 @@ def plot_eval(points: list[dict[str, Any]]) -> Figure | None:
     for index, policy in enumerate(policies):
         mine = [p for p in points if p["policy"] == policy]
         color = f"C{index}"
-        if policy != "adapter" and len(mine) == 1:  # a baseline: a horizontal reference across all versions
+        if policy not in _VERSIONED_POLICIES and len(mine) == 1:  # a baseline: a reference across all versions
             p = mine[0]
             ax_return.axhline(p["mean_return"], color=color, linestyle="--", label=f"{policy} ({p['episodes']} ep)")
             ax_return.axhspan(p["mean_return"] - p["ci95"], p["mean_return"] + p["ci95"], color=color, alpha=0.12)

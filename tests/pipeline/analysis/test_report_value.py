@@ -65,3 +65,23 @@ def test_report_of_a_value_run_plots_its_learner(tmp_path: Path) -> None:
     lanes = report.series["duty_cycle"]["lanes"]
     assert [lane["name"] for lane in lanes] == ["learner"] and len(lanes[0]["intervals"]) == 4
     assert "started_at" not in AdapterRegistry(store, "value-report").list()[-1].metrics
+
+
+def test_one_evaluated_value_network_version_is_a_point_at_its_version_not_a_baseline_band() -> None:
+    """``rlpipe eval`` of a value run's latest version alone stores one ``value-network`` result: the figure must
+    show it at v7 with its interval, as the adapter's versions are, while a scripted baseline stays a band."""
+    from pipeline.analysis.report.metrics import eval_series
+    from pipeline.analysis.report.plots import plot_eval
+    from schemas.evaluation import EvalResult
+
+    evals = [EvalResult.from_episodes(run_id="v", env="cartpole", version=version, seed_start=1000, policy=policy,
+                                      returns=[10.0, 20.0, 30.0], successes=[False, True, True])
+             for policy, version in (("value-network", 7), ("random", 0))]
+    fig = plot_eval(eval_series(evals))
+    assert fig is not None
+    ax_return = fig.axes[0]
+    points = [bars for bars in ax_return.containers if bars.get_label() == "value-network"]  # errorbar
+    assert len(points) == 1
+    assert list(points[0].lines[0].get_xdata()) == [7] and list(points[0].lines[0].get_ydata()) == [20.0]
+    bands = [line for line in ax_return.get_lines() if line.get_label().startswith("random")]
+    assert len(bands) == 1 and list(bands[0].get_ydata()) == [20.0, 20.0]  # axhline: a horizontal reference
