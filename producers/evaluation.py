@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
-from producers.envs.registry import env_from_spec, held_out_spec
+from producers.envs.registry import held_out_env, held_out_spec
 from producers.rollout import RolloutWorker
 from producers.samplers import sampler_for_run
 from producers.samplers.base import AdapterHandle, Sampler
@@ -139,7 +139,7 @@ def _evaluate_pulled(
     sink = _MemorySink()
     worker = RolloutWorker(
         run_id=config.run_id, producer_id="eval", env_name=config.env.name,
-        make_env=lambda: env_from_spec(held_out_spec(config.env)),
+        make_env=lambda: held_out_env(config.env),
         tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler, adapters=_Fixed(handle), sink=sink,
         producer=producer, sampling=sampling, incarnation=0,  # the same draws every time: a score reproduces
     )

@@ -3,7 +3,8 @@
 ``rlpipe eval --run RUN`` of a value run (``RunConfig.value``) lands here instead
 of the language-model rollout: the version is pulled from the registry (kind
 ``value-network``, digests verified), and each held-out seed (from
-``env.eval_seed_offset``, never a training seed) is played with argmax_a Q(s, a).
+``env.eval_seed_offset``, never a training seed) is played with argmax_a Q(s, a), on the
+environment as every held-out evaluation plays it (``held_out_env``).
 Version 0 (nothing trained yet) is the uniform random policy.  A SlateQ version
 (agent ``slateq``) recommends its best slate each step (``play_slates``; version 0
 random slates), and the return is the session's engagement (RecSim: minutes watched).  The result is the
@@ -27,7 +28,7 @@ from pipeline.io.store import ObjectStore
 from pipeline.slate_network import best_slate, random_slate
 from pipeline.value_network import NetworkSpec, load_network
 from producers.envs.base import TextEnv
-from producers.envs.registry import env_from_spec
+from producers.envs.registry import held_out_env
 from producers.slate_actor import check_slate_environment, slate_answer
 from schemas.config import RunConfig
 from schemas.evaluation import EvalResult
@@ -88,7 +89,7 @@ def evaluate_value_version(config: RunConfig, store: ObjectStore, version: int, 
             spec, network = load_network(AdapterRegistry(store, config.run_id).pull(version, cache, kind="value-network"))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    env, rng = env_from_spec(config.env), np.random.default_rng(0)
+    env, rng = held_out_env(config.env), np.random.default_rng(0)
     if spec is not None:
         check_version_fits(spec, env, version)
     seeds = range(config.env.eval_seed_offset, config.env.eval_seed_offset + episodes)

@@ -60,6 +60,11 @@ def held_out_spec(spec: EnvSpec) -> EnvSpec:
     return spec.model_copy(update={"overrides": overrides})
 
 
+def held_out_env(spec: EnvSpec) -> TextEnv:
+    """The environment every held-out evaluation plays (language-model and value runs alike): ``held_out_spec``."""
+    return env_from_spec(held_out_spec(spec))
+
+
 def delay_steps(env: TextEnv, delay_s: float) -> TextEnv:
     """Make each ``env.step`` sleep ``delay_s`` seconds before stepping; returns ``env`` itself.
 

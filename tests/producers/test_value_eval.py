@@ -67,3 +67,17 @@ def test_a_version_whose_network_does_not_fit_the_environment_is_refused_in_one_
     wider = CliRunner().invoke(eval_app, ["--run", "vfit", "--root", store.url(""), "--version", "1",
                                           "--episodes", "2", "--env", "cartpole-v1", "--no-save", "--json"])
     assert wider.exit_code == 0, wider.output
+
+
+def test_a_value_version_plays_the_held_out_part_of_its_environment(tmp_path: Path, monkeypatch) -> None:
+    """Value and language-model evaluation play one environment: the run's, as held-out evaluation plays it
+    (``held_out_spec``).  Here CartPole's held-out episodes are made 3 turns long, so every return is at most 3."""
+    monkeypatch.setattr(CartPole, "held_out_overrides", classmethod(lambda cls, overrides: {**overrides,
+                                                                                             "max_turns": 3}))
+    store = ObjectStore((tmp_path / "store").as_uri())
+    config = resolve_config("dqn-cartpole", overrides=["run_id=vheld", f"store.root={store.url('')}"], environ={})
+    create_run(store, config, config.env.name)
+    publish_preferring(AdapterRegistry(store, "vheld"), action=1)
+    result = evaluate_value_version(config, store, version=1, episodes=3)
+    assert result.returns == [3.0, 3.0, 3.0] and max(always(1, range(config.env.eval_seed_offset,
+                                                                       config.env.eval_seed_offset + 3))) > 3
