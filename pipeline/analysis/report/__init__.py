@@ -18,7 +18,8 @@ Where each number comes from (nothing else is read; no hidden state):
   and the step log up to its step (``pipeline.io.steplog``; a checkpoint of the old
   layout carries it inline): staleness, importance ratios, ESS, step times and the
   signs of collapse (entropy, identical groups, zero advantages, reward spread).
-- evaluations: ``runs/<run>/eval/*.json`` (``schemas.evaluation.EvalResult``).
+- evaluations: ``runs/<run>/eval/*.json`` (``schemas.evaluation.EvalResult``), the newest one per
+  (policy, environment, version, seed range), drawn as one series per (policy, environment).
 - producers: ``ProducerHeartbeat`` events on ``<ns>.control`` (rates, busy fraction),
   plus ``RunStarted``/``RunStopped``/``LearnerCheckpointed``; the read is bounded, and an event
   resent by its publisher (two copies with one ``event_id``) counts once.

@@ -104,7 +104,7 @@ def _format_summary_value(summary: dict[str, Any], key: str) -> str:
         return (f"v{value['version']}: {mean} ± {ci95} "
                 f"({value['episodes']} episodes, success {percent(value['success_rate'])})")  # fmt: skip
     if key == "eval":
-        return "; ".join(f"{e['policy']} v{e['version']}: {readable(e['mean_return'])} ± "
+        return "; ".join(f"{e['policy']} v{e['version']}{_elsewhere(e, summary)}: {readable(e['mean_return'])} ± "
                          f"{half_width(e['ci95'], e['episodes'])} "
                          f"(success {percent(e['success_rate'])}, {e['episodes']} ep)" for e in value)  # fmt: skip
     if key == "busy_fraction":
@@ -116,13 +116,20 @@ def _format_summary_value(summary: dict[str, Any], key: str) -> str:
     return str(value)
 
 
+def _elsewhere(evaluation: dict[str, Any], summary: dict[str, Any]) -> str:
+    """The words " on ENV" for an evaluation on an environment other than the run's (``rlpipe eval --env``)."""
+    env = evaluation.get("env")
+    return f" on {env}" if env and env != summary.get("env") else ""
+
+
 def section_table(section: str, report: RunReport) -> dict[str, list[Any]] | None:
     """The numbers under a figure (``head`` and ``rows``), where a table helps (eval details, busy fractions)."""
     if section == "eval" and report.series["eval"]:
         keys = sorted({k for p in report.series["eval"] for k in p["breakdown"]})
-        head = ["policy", "version", "episodes", "seed start", "mean return", "95% CI", "success", *keys]
+        head = ["policy", "environment", "version", "episodes", "seed start", "mean return", "95% CI", "success",
+                *keys]
         rows = [
-            [p["policy"], p["version"], p["episodes"], p["seed_start"], readable(p["mean_return"]),
+            [p["policy"], p["env"], p["version"], p["episodes"], p["seed_start"], readable(p["mean_return"]),
              f"± {half_width(p['ci95'], p['episodes'])}", percent(p["success_rate"]),
              *(f"{p['breakdown'][k]:.4g}" if k in p["breakdown"] else "-" for k in keys)]
             for p in report.series["eval"]

@@ -91,17 +91,24 @@ def reward_over_time(episodes: pl.DataFrame, max_points: int = MAX_SERIES_POINTS
 
 
 def eval_series(evals: Sequence[EvalResult]) -> list[dict[str, Any]]:
-    """One point per (policy, version): the newest evaluation of it."""
-    newest: dict[tuple[str, int], EvalResult] = {}
+    """One point per (policy, environment, version, seed range): the newest evaluation of it.
+
+    A newer result replaces an older one only where it played the same episodes (same policy, version,
+    environment, first seed and count); ``rlpipe eval --env OTHER`` or another seed range of a version is a point
+    of its own.  Points are sorted by policy, environment, version and seeds, so each (policy, env) series is in
+    version order.
+    """
+    newest: dict[tuple[str, str, int, int, int], EvalResult] = {}
     for result in evals:
-        current = newest.get((result.policy, result.version))
+        key = (result.policy, result.env, result.version, result.seed_start, result.episodes)
+        current = newest.get(key)
         if current is None or result.created_at >= current.created_at:
-            newest[(result.policy, result.version)] = result
+            newest[key] = result
     return [
         {"policy": r.policy, "version": r.version, "env": r.env, "episodes": r.episodes, "seed_start": r.seed_start,
          "mean_return": r.mean_return, "ci95": r.ci95, "success_rate": r.success_rate, "breakdown": r.breakdown,
          "created_at": r.created_at.isoformat()}
-        for r in sorted(newest.values(), key=lambda r: (r.policy, r.version))
+        for _, r in sorted(newest.items())
     ]  # fmt: skip
 
 

@@ -29,7 +29,7 @@ _LEARNER_COLOR = "#1f4e9c"
 _MAX_MARKED_POINTS = 80  # longer series are drawn faint with a rolling mean on top
 _MAX_EDGED_INTERVALS = 60  # heartbeat intervals per lane up to which each bar gets a separating edge
 # Evaluated policies whose results are a run's trained versions (a point at each version, even when one is evaluated);
-# any other policy (the base model, a scripted baseline) evaluated once is a horizontal reference band.
+# any other policy (the base model, a scripted baseline) evaluated at one version is a horizontal reference band.
 _VERSIONED_POLICIES = ("adapter", "value-network")
 
 
@@ -96,27 +96,34 @@ def plot_reward(by_version: list[dict[str, Any]], over_time: dict[str, Any], t0:
 
 
 def plot_eval(points: list[dict[str, Any]]) -> Figure | None:
-    """Mean return (95% CI) and success rate per evaluated version; a baseline evaluated once is a band."""
+    """Mean return (95% CI) and success rate per evaluated version, one series per (policy, environment) named
+    in the legend; a baseline evaluated at one version only is a band (one per seed range)."""
     if not points:
         return None
     fig = Figure(figsize=(12, 4.4), layout="constrained")
     ax_return, ax_success = fig.subplots(1, 2)
-    policies = sorted({p["policy"] for p in points}, key=lambda name: (name != "adapter", name))
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for p in points:  # eval_series sorts them by version within a (policy, env)
+        series.setdefault((p["policy"], p["env"]), []).append(p)
     versions = [p["version"] for p in points]
     x_low, x_high = min(versions) - 0.4, max(versions) + 0.4
-    for index, policy in enumerate(policies):
-        mine = [p for p in points if p["policy"] == policy]
-        color = f"C{index}"
-        if policy not in _VERSIONED_POLICIES and len(mine) == 1:  # a baseline: a reference across all versions
-            p = mine[0]
-            ax_return.axhline(p["mean_return"], color=color, linestyle="--", label=f"{policy} ({p['episodes']} ep)")
-            ax_return.axhspan(p["mean_return"] - p["ci95"], p["mean_return"] + p["ci95"], color=color, alpha=0.12)
-            ax_success.axhline(p["success_rate"], color=color, linestyle="--", label=policy)
+    color_index = 0
+    for (policy, env), mine in sorted(series.items(), key=lambda item: (item[0][0] != "adapter", item[0])):
+        label = f"{policy} on {env}"
+        if policy not in _VERSIONED_POLICIES and len({p["version"] for p in mine}) == 1:  # a reference band
+            for p in mine:
+                color = f"C{color_index}"
+                color_index += 1
+                ax_return.axhline(p["mean_return"], color=color, linestyle="--", label=f"{label} ({p['episodes']} ep)")
+                ax_return.axhspan(p["mean_return"] - p["ci95"], p["mean_return"] + p["ci95"], color=color, alpha=0.12)
+                ax_success.axhline(p["success_rate"], color=color, linestyle="--", label=label)
             continue
+        color = f"C{color_index}"
+        color_index += 1
         xs = [p["version"] for p in mine]
         ax_return.errorbar(xs, [p["mean_return"] for p in mine], yerr=[p["ci95"] for p in mine], marker="o",
-                           capsize=4, color=color, label=policy)  # fmt: skip
-        ax_success.plot(xs, [p["success_rate"] for p in mine], marker="s", color=color, label=policy)
+                           capsize=4, color=color, label=label)  # fmt: skip
+        ax_success.plot(xs, [p["success_rate"] for p in mine], marker="s", color=color, label=label)
     for ax in (ax_return, ax_success):
         ax.set_xlim(x_low, x_high)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

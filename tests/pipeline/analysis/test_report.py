@@ -620,10 +620,10 @@ def test_summary_and_eval_table_intervals_read_without_exponents_and_one_episode
         return {"version": 0, "episodes": episodes, "reward_mean": mean, "reward_ci95": ci95, "success_rate": 0.5}
 
     def evaluation(episodes: int, mean: float, ci95: float) -> dict[str, Any]:
-        return {"policy": "adapter", "version": 3, "episodes": episodes, "seed_start": 0, "mean_return": mean,
-                "ci95": ci95, "success_rate": 0.5, "breakdown": {}}
+        return {"policy": "adapter", "env": "cartpole", "version": 3, "episodes": episodes, "seed_start": 0,
+                "mean_return": mean, "ci95": ci95, "success_rate": 0.5, "breakdown": {}}
 
-    summary = {"reward_first_version": version(1, 10.0, 0.0), "reward_last_version": version(5, 150.0, 123.4),
+    summary = {"env": "cartpole", "reward_first_version": version(1, 10.0, 0.0), "reward_last_version": version(5, 150.0, 123.4),
                "eval": [evaluation(1, -31.631, 0.0), evaluation(40, 12345.6, 1234.5), evaluation(8, 0.01234, 0.00123)]}
     lines = dict(summary_lines(summary))
     assert lines["mean reward, first version"].startswith("v0: 10.0 ± n/a (1 episodes")  # not "± 0": no interval
@@ -633,7 +633,7 @@ def test_summary_and_eval_table_intervals_read_without_exponents_and_one_episode
     report = RunReport("r", "file:///s", "now", summary, {"eval": summary["eval"]})
     table = section_table("eval", report)
     assert table is not None
-    assert [(row[4], row[5]) for row in table["rows"]] == [("-31.6", "± n/a"), ("12346", "± 1234"),
+    assert [(row[5], row[6]) for row in table["rows"]] == [("-31.6", "± n/a"), ("12346", "± 1234"),
                                                           ("0.0123", "± 0.00123")]
 
 

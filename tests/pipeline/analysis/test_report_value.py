@@ -80,7 +80,7 @@ def test_one_evaluated_value_network_version_is_a_point_at_its_version_not_a_bas
     fig = plot_eval(eval_series(evals))
     assert fig is not None
     ax_return = fig.axes[0]
-    points = [bars for bars in ax_return.containers if bars.get_label() == "value-network"]  # errorbar
+    points = [bars for bars in ax_return.containers if bars.get_label() == "value-network on cartpole"]  # errorbar
     assert len(points) == 1
     assert list(points[0].lines[0].get_xdata()) == [7] and list(points[0].lines[0].get_ydata()) == [20.0]
     bands = [line for line in ax_return.get_lines() if line.get_label().startswith("random")]

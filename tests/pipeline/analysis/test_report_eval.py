@@ -1,0 +1,69 @@
+"""The report's evaluation section: which results it keeps, how it groups them, what its figure and table show."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from pipeline.analysis.report.html import section_table
+from pipeline.analysis.report.metrics import eval_series
+from pipeline.analysis.report.model import RunReport
+from pipeline.analysis.report.plots import plot_eval
+from schemas.evaluation import EvalResult
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def result(policy: str, env: str, version: int, seed_start: int, returns: list[float], minutes: int) -> EvalResult:
+    """An evaluation stored ``minutes`` after T0; episode i succeeds when its return is at least 1."""
+    return EvalResult.from_episodes(run_id="r", env=env, version=version, seed_start=seed_start, policy=policy,
+                                    returns=returns, successes=[r >= 1 for r in returns],
+                                    created_at=T0 + timedelta(minutes=minutes))
+
+
+EVALS = [
+    result("adapter", "cartpole", 3, 1000, [1.0, 1.0, 1.0], minutes=0),  # replaced by the one at minute 5
+    result("adapter", "acrobot", 3, 1000, [0.0, 0.0, 0.0], minutes=1),  # `rlpipe eval --env acrobot`: its own point
+    result("adapter", "cartpole", 3, 2000, [0.0, 1.0, 1.0], minutes=2),  # another seed range: its own point
+    result("adapter", "cartpole", 1, 1000, [0.0, 0.0, 1.0], minutes=3),
+    result("random", "cartpole", 0, 1000, [0.0, 0.0, 0.0], minutes=4),
+    result("adapter", "cartpole", 3, 1000, [2.0, 2.0, 2.0], minutes=5),
+]
+
+
+def test_only_a_result_of_the_same_policy_version_environment_and_seeds_replaces_an_older_one() -> None:
+    points = eval_series(EVALS)
+    assert [(p["policy"], p["env"], p["version"], p["seed_start"], p["mean_return"]) for p in points] == [
+        ("adapter", "acrobot", 3, 1000, 0.0),
+        ("adapter", "cartpole", 1, 1000, 1 / 3),
+        ("adapter", "cartpole", 3, 1000, 2.0),  # the newer of the two on seeds 1000-1002
+        ("adapter", "cartpole", 3, 2000, 2 / 3),
+        ("random", "cartpole", 0, 1000, 0.0),
+    ]
+
+
+def test_the_figure_draws_one_series_per_policy_and_environment_named_in_its_legend() -> None:
+    fig = plot_eval(eval_series(EVALS))
+    assert fig is not None
+    ax_return = fig.axes[0]
+    series = {bars.get_label(): bars for bars in ax_return.containers}  # errorbars: one per (policy, env)
+    assert set(series) == {"adapter on cartpole", "adapter on acrobot"}
+    assert list(series["adapter on acrobot"].lines[0].get_xdata()) == [3]
+    assert list(series["adapter on cartpole"].lines[0].get_ydata()) == [1 / 3, 2.0, 2 / 3]
+    bands = [line.get_label() for line in ax_return.get_lines() if line.get_label().startswith("random")]
+    assert bands == ["random on cartpole (3 ep)"]
+
+
+def test_the_table_names_each_results_environment() -> None:
+    points = eval_series(EVALS)
+    table = section_table("eval", RunReport("r", "file:///s", "now", {}, {"eval": points}))
+    assert table is not None and table["head"][:4] == ["policy", "environment", "version", "episodes"]
+    assert [row[:3] for row in table["rows"]][:2] == [["adapter", "acrobot", 3], ["adapter", "cartpole", 1]]
+
+
+def test_the_summary_names_the_environment_of_an_evaluation_on_another_one() -> None:
+    from pipeline.analysis.report.html import summary_lines
+
+    points = [{k: p[k] for k in ("policy", "env", "version", "episodes", "mean_return", "ci95", "success_rate")}
+              for p in eval_series(EVALS)]
+    line = dict(summary_lines({"env": "cartpole", "eval": points}))["evaluations"]
+    assert line.startswith("adapter v3 on acrobot: 0 ± 0") and "; adapter v1: 0.333 ± " in line
