@@ -139,13 +139,16 @@ def eval(
     unit = "days" if building else "seeds"
     played = f"held-out {unit} {first}-{last}" if not validation else \
         f"validation {unit} {first}-{last} (the {skip} held-out {unit} before them left alone)"
-    table = Table("policy", "version", "episodes", mean_label, "95% CI", "success",
+    from pipeline.analysis.report.metrics import wilson_interval
+
+    table = Table("policy", "version", "episodes", mean_label, "95% CI", "success (95% Wilson CI)",
                   title=f"{run} on {config.env.name}, {played}")
     for r in results:
         version = "-" if r.policy in ("heuristic", "random") else f"v{r.version}"  # a baseline has no version
         policy = "uniform random" if config.value is not None and r.version == 0 and version != "-" else r.policy
+        low, high = wilson_interval(sum(r.successes), r.episodes)
         table.add_row(policy, version, str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
-                      f"{r.success_rate:.0%}")  # a value run's v0 plays no network
+                      f"{r.success_rate:.0%} ({low:.0%} to {high:.0%})")  # a value run's v0 plays no network
     console.print(table)
     if building:
         from producers.offline.policy_eval import breakdown_line

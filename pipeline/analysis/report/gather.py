@@ -293,7 +293,8 @@ def build_summary(
         "dropped_stale_rows": state.dropped_stale_rows if state else None,
         "reward_first_version": _version_summary(by_version[0]) if by_version else None,
         "reward_last_version": _version_summary(by_version[-1]) if by_version else None,
-        "eval": [{k: point[k] for k in ("policy", "env", "version", "episodes", "mean_return", "ci95", "success_rate")}
+        "eval": [{k: point[k] for k in ("policy", "env", "version", "episodes", "mean_return", "ci95", "success_rate",
+                                        "success_low", "success_high")}
                  for point in report.series["eval"]],
         "busy_fraction": {lane["name"]: lane["busy_fraction"] for lane in duty["lanes"]},
         "time_span": _time_span(duty, episodes),

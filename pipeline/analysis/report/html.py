@@ -106,7 +106,8 @@ def _format_summary_value(summary: dict[str, Any], key: str) -> str:
     if key == "eval":
         return "; ".join(f"{e['policy']} v{e['version']}{_elsewhere(e, summary)}: {readable(e['mean_return'])} ± "
                          f"{half_width(e['ci95'], e['episodes'])} "
-                         f"(success {percent(e['success_rate'])}, {e['episodes']} ep)" for e in value)  # fmt: skip
+                         f"(success {percent(e['success_rate'])}, 95% CI {percent(e['success_low'])} to "
+                         f"{percent(e['success_high'])}, {e['episodes']} ep)" for e in value)  # fmt: skip
     if key == "busy_fraction":
         return ", ".join(f"{name} {percent(fraction)}" for name, fraction in value.items())
     if key == "run_stopped_at":
@@ -127,10 +128,11 @@ def section_table(section: str, report: RunReport) -> dict[str, list[Any]] | Non
     if section == "eval" and report.series["eval"]:
         keys = sorted({k for p in report.series["eval"] for k in p["breakdown"]})
         head = ["policy", "environment", "version", "episodes", "seed start", "mean return", "95% CI", "success",
-                *keys]
+                "success 95% CI (Wilson)", *keys]
         rows = [
             [p["policy"], p["env"], p["version"], p["episodes"], p["seed_start"], readable(p["mean_return"]),
              f"± {half_width(p['ci95'], p['episodes'])}", percent(p["success_rate"]),
+             f"{percent(p['success_low'])} to {percent(p['success_high'])}",
              *(f"{p['breakdown'][k]:.4g}" if k in p["breakdown"] else "-" for k in keys)]
             for p in report.series["eval"]
         ]  # fmt: skip

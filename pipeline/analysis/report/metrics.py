@@ -96,7 +96,7 @@ def eval_series(evals: Sequence[EvalResult]) -> list[dict[str, Any]]:
     A newer result replaces an older one only where it played the same episodes (same policy, version,
     environment, first seed and count); ``rlpipe eval --env OTHER`` or another seed range of a version is a point
     of its own.  Points are sorted by policy, environment, version and seeds, so each (policy, env) series is in
-    version order.
+    version order.  A point's success rate comes with its 95% Wilson interval (``success_low``, ``success_high``).
     """
     newest: dict[tuple[str, str, int, int, int], EvalResult] = {}
     for result in evals:
@@ -104,12 +104,18 @@ def eval_series(evals: Sequence[EvalResult]) -> list[dict[str, Any]]:
         current = newest.get(key)
         if current is None or result.created_at >= current.created_at:
             newest[key] = result
-    return [
-        {"policy": r.policy, "version": r.version, "env": r.env, "episodes": r.episodes, "seed_start": r.seed_start,
-         "mean_return": r.mean_return, "ci95": r.ci95, "success_rate": r.success_rate, "breakdown": r.breakdown,
-         "created_at": r.created_at.isoformat()}
-        for _, r in sorted(newest.items())
-    ]  # fmt: skip
+    return [_eval_point(r) for _, r in sorted(newest.items())]
+
+
+def _eval_point(result: EvalResult) -> dict[str, Any]:
+    """One evaluation as the report shows it: its summary, with the 95% Wilson interval of its success rate."""
+    low, high = wilson_interval(sum(result.successes), result.episodes)
+    return {
+        "policy": result.policy, "version": result.version, "env": result.env, "episodes": result.episodes,
+        "seed_start": result.seed_start, "mean_return": result.mean_return, "ci95": result.ci95,
+        "success_rate": result.success_rate, "success_low": low, "success_high": high,
+        "breakdown": result.breakdown, "created_at": result.created_at.isoformat(),
+    }  # fmt: skip
 
 
 def staleness_totals(step_log: Iterable[dict[str, Any]]) -> dict[str, int]:

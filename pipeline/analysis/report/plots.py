@@ -96,7 +96,7 @@ def plot_reward(by_version: list[dict[str, Any]], over_time: dict[str, Any], t0:
 
 
 def plot_eval(points: list[dict[str, Any]]) -> Figure | None:
-    """Mean return (95% CI) and success rate per evaluated version, one series per (policy, environment) named
+    """Mean return (95% CI) and success rate (95% Wilson CI) per evaluated version, one series per (policy, environment) named
     in the legend; a baseline evaluated at one version only is a band (one per seed range)."""
     if not points:
         return None
@@ -117,20 +117,24 @@ def plot_eval(points: list[dict[str, Any]]) -> Figure | None:
                 ax_return.axhline(p["mean_return"], color=color, linestyle="--", label=f"{label} ({p['episodes']} ep)")
                 ax_return.axhspan(p["mean_return"] - p["ci95"], p["mean_return"] + p["ci95"], color=color, alpha=0.12)
                 ax_success.axhline(p["success_rate"], color=color, linestyle="--", label=label)
+                ax_success.axhspan(p["success_low"], p["success_high"], color=color, alpha=0.12)
             continue
         color = f"C{color_index}"
         color_index += 1
         xs = [p["version"] for p in mine]
         ax_return.errorbar(xs, [p["mean_return"] for p in mine], yerr=[p["ci95"] for p in mine], marker="o",
                            capsize=4, color=color, label=label)  # fmt: skip
-        ax_success.plot(xs, [p["success_rate"] for p in mine], marker="s", color=color, label=label)
+        rates = np.array([p["success_rate"] for p in mine])
+        lows, highs = np.array([p["success_low"] for p in mine]), np.array([p["success_high"] for p in mine])
+        ax_success.errorbar(xs, rates, yerr=np.vstack([rates - lows, highs - rates]), marker="s", capsize=4,
+                            color=color, label=label)  # fmt: skip
     for ax in (ax_return, ax_success):
         ax.set_xlim(x_low, x_high)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(loc="best", fontsize=8)
     ax_success.set_ylim(-0.03, 1.03)
     _style(ax_return, "held-out mean return (95% CI)", "adapter version (0 = base)", "mean return")
-    _style(ax_success, "held-out success rate", "adapter version (0 = base)", "success rate")
+    _style(ax_success, "held-out success rate (95% Wilson CI)", "adapter version (0 = base)", "success rate")
     return fig
 
 

@@ -621,7 +621,8 @@ def test_summary_and_eval_table_intervals_read_without_exponents_and_one_episode
 
     def evaluation(episodes: int, mean: float, ci95: float) -> dict[str, Any]:
         return {"policy": "adapter", "env": "cartpole", "version": 3, "episodes": episodes, "seed_start": 0,
-                "mean_return": mean, "ci95": ci95, "success_rate": 0.5, "breakdown": {}}
+                "mean_return": mean, "ci95": ci95, "success_rate": 0.5, "success_low": 0.2, "success_high": 0.8,
+                "breakdown": {}}
 
     summary = {"env": "cartpole", "reward_first_version": version(1, 10.0, 0.0), "reward_last_version": version(5, 150.0, 123.4),
                "eval": [evaluation(1, -31.631, 0.0), evaluation(40, 12345.6, 1234.5), evaluation(8, 0.01234, 0.00123)]}

@@ -63,7 +63,36 @@ def test_the_table_names_each_results_environment() -> None:
 def test_the_summary_names_the_environment_of_an_evaluation_on_another_one() -> None:
     from pipeline.analysis.report.html import summary_lines
 
-    points = [{k: p[k] for k in ("policy", "env", "version", "episodes", "mean_return", "ci95", "success_rate")}
-              for p in eval_series(EVALS)]
-    line = dict(summary_lines({"env": "cartpole", "eval": points}))["evaluations"]
+    line = dict(summary_lines({"env": "cartpole", "eval": eval_series(EVALS)}))["evaluations"]
     assert line.startswith("adapter v3 on acrobot: 0 ± 0") and "; adapter v1: 0.333 ± " in line
+
+
+# 95% Wilson interval of 1 success in 3 (z = 1.959964, z^2 = 3.841459, p = 1/3, n = 3):
+# centre = (p + z^2/2n) / (1 + z^2/n) = 0.973577 / 2.280486 = 0.426916
+# half = z * sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n) = 1.959964 * sqrt(0.180781) / 2.280486 = 0.365426
+ONE_IN_THREE = (0.426916 - 0.365426, 0.426916 + 0.365426)
+
+
+def test_each_evaluation_point_carries_the_wilson_interval_of_its_success_rate() -> None:
+    point = next(p for p in eval_series(EVALS) if p["env"] == "cartpole" and p["version"] == 1)  # 1 success in 3
+    assert abs(point["success_low"] - ONE_IN_THREE[0]) < 1e-5 and abs(point["success_high"] - ONE_IN_THREE[1]) < 1e-5
+
+
+def test_the_success_figure_and_table_show_the_wilson_interval() -> None:
+    points = eval_series(EVALS)
+    fig = plot_eval(points)
+    assert fig is not None
+    bars = {b.get_label(): b for b in fig.axes[1].containers}["adapter on cartpole"]  # errorbars, v1 first
+    (caps_low, caps_high) = (bars.lines[1][0].get_ydata(), bars.lines[1][1].get_ydata())
+    assert abs(caps_low[0] - ONE_IN_THREE[0]) < 1e-5 and abs(caps_high[0] - ONE_IN_THREE[1]) < 1e-5
+    table = section_table("eval", RunReport("r", "file:///s", "now", {}, {"eval": points}))
+    assert table is not None and table["head"][8] == "success 95% CI (Wilson)"
+    assert table["rows"][1][7:9] == ["33.3%", "6.1% to 79.2%"]  # adapter on cartpole, v1
+
+
+def test_the_summary_gives_the_success_interval_of_each_evaluation() -> None:
+    from pipeline.analysis.report.html import summary_lines
+
+    point = next(p for p in eval_series(EVALS) if p["env"] == "cartpole" and p["version"] == 1)
+    line = dict(summary_lines({"env": "cartpole", "eval": [point]}))["evaluations"]
+    assert line == "adapter v1: 0.333 ± 1.43 (success 33.3%, 95% CI 6.1% to 79.2%, 3 ep)"
