@@ -274,7 +274,9 @@ def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelop
     """Bytes -> validated envelope with a typed payload; ``EventDecodeError`` says what is wrong."""
     try:
         raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:
+        # ValueError: bad UTF-8 or syntax, and an integer of more digits than ``int()`` takes; RecursionError:
+        # nesting deeper than the parser recurses.  Each must be a decode error, or a reader stops at it for good.
         raise EventDecodeError(f"not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise EventDecodeError("event is not a JSON object")

@@ -124,6 +124,16 @@ def test_garbage_is_a_decode_error(garbage):
         decode_event(garbage)
 
 
+@pytest.mark.parametrize("garbage", [
+    b"[" * 100_000,  # nested deeper than the JSON parser recurses
+    b'{"type": "RunStopped", "payload": {"final_step": ' + b"9" * 5_000 + b"}}",  # more digits than int() takes
+], ids=["deeply nested", "huge integer"])
+def test_json_the_parser_gives_up_on_is_a_decode_error(garbage):
+    # any other error would escape the readers' dead-letter path and stop them at this message for good
+    with pytest.raises(EventDecodeError, match="not JSON"):
+        decode_event(garbage)
+
+
 def test_run_id_with_path_refused():
     with pytest.raises(ValueError, match="run_id"):
         make_event("../etc", EXAMPLES[2])

@@ -580,6 +580,33 @@ def test_a_failed_dead_letter_loses_nothing(bus_config: BusConfig, fast_group: d
         assert consumer.commit() == {(topic, 0): 3}
 
 
+def test_json_the_parser_gives_up_on_is_dead_lettered_and_every_reader_goes_on(
+        bus_config: BusConfig, fast_group: dict) -> None:
+    """Nesting deeper than Python's JSON parser recurses, or an integer of more digits than ``int()`` takes, fails
+    the parser with other errors than a syntax error: still a poison message, dead-lettered by a group member and
+    skipped by a follower, the events around it delivered."""
+    topic = f"{bus_config.namespace}.control"
+    poison = {"deeply nested": b"[" * 100_000, "huge integer": b'{"type": "RunStopped", "n": ' + b"9" * 5_000 + b"}"}
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish("control", _stop("run-a", "before"))
+        origin = {name: publisher.publish_raw(topic, value, "run-a")[1] for name, value in poison.items()}
+        publisher.publish("control", _stop("run-a", "after"))
+    with bus.EventFollower(bus_config, "control", run_id="run-a", start="earliest") as follower:
+        events = _poll_until(follower, 2, timeout_s=10.0)
+        assert [e.event.payload.reason for e in events] == ["before", "after"]
+        assert follower.stats == bus.ConsumerStats(delivered=2, skipped_invalid=len(poison))
+    with EventConsumer(bus_config, "control", "worker", run_id="run-a", **fast_group) as consumer:
+        events = _poll_until(consumer, 2)
+        assert [e.event.payload.reason for e in events] == ["before", "after"]
+        assert consumer.stats == bus.ConsumerStats(delivered=2, dead_lettered=len(poison))
+        assert consumer.commit() == {(topic, 0): origin["huge integer"] + 2}
+    letters = {r.event.payload.origin_offset: r.event.payload for r in bus.tail(bus_config, "dlq", n=20) if r.event}
+    assert sorted(letters) == sorted(origin.values())
+    for name, offset in origin.items():
+        assert letters[offset].reason.startswith("not JSON"), name
+        assert letters[offset].raw_truncated == (len(poison[name]) > bus.DEAD_LETTER_RAW_BYTES), name
+
+
 def test_follower_reads_without_a_group_from_where_it_was_placed(bus_config: BusConfig) -> None:
     topic = f"{bus_config.namespace}.control"
     with EventPublisher(bus_config) as publisher:
