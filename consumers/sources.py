@@ -28,9 +28,11 @@ from schemas.events import TrajectoryBatchCommitted
 
 log = logging.getLogger("rlpipe.learner")
 
-# What reading a batch raises when the batch itself is bad (wrong digest, not Parquet, wrong schema, NaN, gone):
-# retrying cannot help, so it is quarantined.  Other errors (a storage hiccup) stop the learner, which retries.
-POISON_BATCH_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError)
+# What reading a batch raises when the batch itself is bad (wrong digest, not Parquet, wrong schema, NaN, gone, a
+# path naming a folder or passing through a file on a local store): retrying cannot help, so it is quarantined.
+# Other errors (a storage hiccup) stop the learner, which retries.
+POISON_BATCH_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, IsADirectoryError,
+                                                    NotADirectoryError)
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,28 @@ def test_a_poison_batch_is_dead_lettered_and_the_next_one_trained(store, setup):
     assert b"rlpipe_learner_dead_lettered_batches_total 2.0" in health.render_metrics()
 
 
+def test_a_claim_check_naming_no_file_or_a_folder_is_dead_lettered_and_the_next_batch_trained(store, setup):
+    """The store is immutable, so a batch path that names nothing, a folder, or passes through a file never becomes
+    readable: raising would restart the learner at that offset for ever."""
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(6))
+    (good,) = stored_refs(store)
+    folder = good.path.rsplit("/", 1)[0]  # runs/<run>/trajectories/date=...: a folder on a file store
+    missing = BatchRef("gone", f"{folder}/gone.parquet", "0" * 64, {f"{TOPIC}:0": 1})
+    a_folder = BatchRef("folder", folder, "0" * 64, {f"{TOPIC}:0": 2})
+    through_a_file = BatchRef("through", f"{good.path}/more.parquet", "0" * 64, {f"{TOPIC}:0": 3})
+    good = BatchRef(good.batch_id, good.path, good.sha256, {f"{TOPIC}:0": 4})
+    learner, announced = scripted_learner(store, setup, [missing, a_folder, through_a_file, good])
+    steps = []
+    calls = iter(range(5))
+    learner.run(should_stop=lambda: next(calls, None) is None, on_step=steps.append, poll_timeout_s=0)
+
+    letters = [p for p in announced if isinstance(p, DeadLetter)]
+    assert [(d.key, d.origin_offset) for d in letters] == [("gone", 0), ("folder", 1), ("through", 2)]
+    assert all(d.reason.startswith(f"trajectory batch {d.key} quarantined: ") for d in letters)
+    assert [m["batch_ids"] for m in steps] == [[good.batch_id]] and steps[0]["batches_dead_lettered"] == 3
+    assert learner.source.commits[-1] == {f"{TOPIC}:0": 4}
+
+
 def test_a_batch_with_a_reward_that_is_not_a_number_is_dead_lettered_not_trained_or_stuck_on(store, setup,
                                                                                           monkeypatch):
     """A producer that wrote NaN (an environment's bug) must neither poison the weights nor stop the learner at that
