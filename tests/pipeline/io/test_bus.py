@@ -607,6 +607,23 @@ def test_json_the_parser_gives_up_on_is_dead_lettered_and_every_reader_goes_on(
         assert letters[offset].raw_truncated == (len(poison[name]) > bus.DEAD_LETTER_RAW_BYTES), name
 
 
+def test_a_key_that_is_not_utf8_neither_hides_an_event_nor_stops_its_dead_letter(
+        bus_config: BusConfig, fast_group: dict) -> None:
+    topic = f"{bus_config.namespace}.control"
+    poison = b'{"run_id": "run-a", "type": "RunStopped"'  # cut short: whose run it is still shows
+    with EventPublisher(bus_config) as publisher:
+        publisher.publish_raw(topic, encode_event(_stop("run-a", "good")), b"\xff\xfe")
+        at = publisher.publish_raw(topic, poison, b"\x80run")[1]
+    with EventConsumer(bus_config, "control", "worker", run_id="run-a", **fast_group) as consumer:
+        (event,) = _poll_until(consumer, 1)
+        assert (event.event.payload.reason, event.key) == ("good", "\ufffd\ufffd")
+        assert consumer.stats == bus.ConsumerStats(delivered=1, dead_lettered=1)
+        assert consumer.commit() == {(topic, 0): at + 1}
+    (letter,) = [r for r in bus.tail(bus_config, "dlq", n=5) if r.event is not None]
+    assert (letter.key, letter.event.run_id) == ("\ufffdrun", "run-a")
+    assert (letter.event.payload.key, letter.event.payload.origin_offset) == ("\ufffdrun", at)
+
+
 def test_follower_reads_without_a_group_from_where_it_was_placed(bus_config: BusConfig) -> None:
     topic = f"{bus_config.namespace}.control"
     with EventPublisher(bus_config) as publisher:
