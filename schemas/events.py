@@ -308,11 +308,16 @@ def decode_event(data: bytes | str, expected_type: str | None = None) -> Envelop
         raw = {**_known_fields(Envelope, raw), "payload": _known_fields(payload_cls, raw.get("payload"))}
     try:
         payload = payload_cls.model_validate(raw.get("payload"))
-        return Envelope.model_validate({**raw, "payload": payload})
+        event = Envelope.model_validate({**raw, "payload": payload})
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise EventDecodeError(f"invalid {event_type}: {where}: {first['msg']}") from None
+    try:  # every event read can be written again (shown, forwarded, stored), as every event written can be read
+        encode_event(event)
+    except ValueError as exc:  # a string with a lone surrogate; a free JSON value nested too deep
+        raise EventDecodeError(f"invalid {event_type}: cannot be encoded again: {exc}") from None
+    return event
 
 
 def _known_fields(model: type[BaseModel], data: Any) -> Any:

@@ -134,6 +134,21 @@ def test_json_the_parser_gives_up_on_is_a_decode_error(garbage):
         decode_event(garbage)
 
 
+def _with_payload(payload: dict) -> str:
+    data = json.loads(encode_event(make_event("run-a", EXAMPLES[3])))  # a RunConfigChanged: free JSON values
+    return json.dumps({**data, "payload": {**data["payload"], **payload}})
+
+
+@pytest.mark.parametrize("payload", [
+    {"changes": [{"field": "f", "before": json.loads("[" * 400 + "]" * 400)}]},  # deeper than JSON output goes
+    {"config_path": "runs/r/\ud800.json"},  # a lone surrogate: no UTF-8 for it
+], ids=["deeply nested value", "lone surrogate"])
+def test_an_event_that_cannot_be_encoded_again_is_a_decode_error(payload):
+    # read as valid, it would fail whatever shows or forwards it (``rlpipe topics tail``) on every read
+    with pytest.raises(EventDecodeError, match="cannot be encoded again"):
+        decode_event(_with_payload(payload))
+
+
 def test_run_id_with_path_refused():
     with pytest.raises(ValueError, match="run_id"):
         make_event("../etc", EXAMPLES[2])
