@@ -155,6 +155,22 @@ def test_a_batch_announced_twice_is_trained_once_and_a_tampered_one_is_dead_lett
     assert learner.last_metrics["batches_dead_lettered"] == 1
 
 
+def test_a_claim_check_naming_no_file_a_folder_or_a_path_through_a_file_is_dead_lettered(batches) -> None:
+    """The store is immutable: none of them ever becomes readable, so raising would stop the learner there for good."""
+    store, refs = batches
+    folder = refs[0].path.rsplit("/", 1)[0]
+    unreadable = [BatchRef("gone", f"{folder}/gone.parquet", "0" * 64, {"mem:0": 1}),
+                  BatchRef("folder", folder, "0" * 64, {"mem:0": 2}),
+                  BatchRef("through", f"{refs[0].path}/more.parquet", "0" * 64, {"mem:0": 3})]
+    announced: list = []
+    learner = make_learner(store, "no-file", [*unreadable, BatchRef(refs[0].batch_id, refs[0].path, refs[0].sha256,
+                                                                    {"mem:0": 4})], announced)
+    learner.run(poll_timeout_s=0.0)
+    assert [(p.key, p.origin_offset) for p in announced if isinstance(p, DeadLetter)] == [
+        ("gone", 0), ("folder", 1), ("through", 2)]
+    assert learner.state.trained == {refs[0].batch_id: 1} and learner.state.positions == {"mem:0": 4}
+
+
 def test_a_stop_after_a_dead_lettered_batch_does_not_read_it_again_after_the_restart(batches) -> None:
     """A batch dead-lettered after the last step (no step covers its position) is passed at the stop: the restart
     neither dead-letters it again nor publishes again the version that fell due at it, and counts it as read."""
