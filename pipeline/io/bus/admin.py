@@ -38,7 +38,7 @@ from schemas.names import InvalidNameError, validate_name
 
 log = logging.getLogger(__name__)
 
-# Which event types belong on which topic; None = any known type (control is open-ended).
+# Which event types belong on which topic; None = any known type no other topic claims (control is open-ended).
 TOPIC_EVENT_TYPES: dict[TopicKind, frozenset[str] | None] = {
     "trajectories": frozenset({"TrajectoryBatchCommitted"}),
     "adapters": frozenset({"AdapterPublished"}),
@@ -67,8 +67,13 @@ def resolve_topic(namespace: str, kind_or_topic: str) -> str:
 
 def _check_event_belongs(kind: TopicKind | None, topic: str, event_type: str) -> str | None:
     """None if ``event_type`` may travel on ``topic``, else the reason."""
-    allowed = TOPIC_EVENT_TYPES.get(kind) if kind is not None else None
-    if allowed is None or event_type in allowed:
+    if kind is None:
+        return None
+    allowed = TOPIC_EVENT_TYPES.get(kind)
+    if allowed is None:  # open-ended, but an event another topic claims would be ignored by every reader here
+        home = next((other for other, types in TOPIC_EVENT_TYPES.items() if types and event_type in types), None)
+        return None if home is None else f"a {event_type} event does not belong on {topic} (it travels on {home})"
+    if event_type in allowed:
         return None
     return f"a {event_type} event does not belong on {topic} (expected {', '.join(sorted(allowed))})"
 

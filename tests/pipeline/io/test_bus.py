@@ -253,6 +253,24 @@ def test_publish_refuses_an_event_on_the_wrong_topic(bus_config: BusConfig) -> N
         publisher.publish("trajectories", _stop("run-a", "x"))
 
 
+def test_an_event_of_another_topic_does_not_pass_on_the_control_topic(bus_config: BusConfig) -> None:
+    """The control topic takes every event type no other topic claims; a claimed one there would be ignored by
+    every reader of it (a batch announcement never trained), so it is refused when published and skipped, counted,
+    when read."""
+    from tests.schemas.test_events import EXAMPLES
+    announcement = make_event("run-a", EXAMPLES[0])
+    letter = make_event("run-a", DeadLetter(reason="x", origin_topic="t", origin_partition=0, origin_offset=0, raw=""))
+    with EventPublisher(bus_config) as publisher:
+        for event in (announcement, letter):
+            with pytest.raises(WrongEventTypeError, match=f"a {event.type} event does not belong on .*control"):
+                publisher.publish("control", event)
+        with bus.EventFollower(bus_config, "control", run_id="run-a") as follower:
+            publisher.publish_raw(f"{bus_config.namespace}.control", encode_event(announcement), "run-a")
+            publisher.publish("control", _stop("run-a", "after"))
+            assert [e.event.payload.reason for e in _poll_until(follower, 1, timeout_s=10.0)] == ["after"]
+            assert follower.stats == bus.ConsumerStats(delivered=1, skipped_invalid=1)
+
+
 def test_oversized_event_raises_instead_of_vanishing(bus_config: BusConfig) -> None:
     letter = DeadLetter(reason="big", origin_topic="t.x", origin_partition=0, origin_offset=0, raw="x" * 2_000_000)
     started = time.monotonic()
