@@ -337,6 +337,8 @@ def import_smart_buildings(
     check_each_time_once(folders, metadatas, path)
     if reward_id not in metadatas[0].ids["reward_value_matrix"]:
         raise DatasetImportError(f"the reward matrix has no column {reward_id!r}; pass one of its reward_value_ids")
+    for folder, metadata in zip(folders, metadatas, strict=True):
+        check_steps_finite(folder, metadata, reward_id, path)
     extension = metadatas[0].rlpipe
     offset = float(utc_offset_hours if utc_offset_hours is not None else extension.get("utc_offset_hours", 0.0))
     fields = sbd_fields(metadatas[0])
@@ -388,6 +390,35 @@ def check_each_time_once(folders: list[Path], metadatas: list[SbdMetadata], root
                 f"{_utc_text(min(end, int(later.times_us_R.max())))} UTC, {both} timestamps in both); a dataset "
                 "holds each time once: import one of them, or each as its own dataset (another --name)"
             )
+
+
+def check_steps_finite(folder: Path, metadata: SbdMetadata, reward_id: str, root: Path) -> None:
+    """Refuse a partition whose action or reward (column ``reward_id``) is missing (NaN) or infinite at some
+    step, naming the column and the first such time: every step needs both (an observation may lack a reading).
+
+    Reads only the action and reward matrices, so it runs for every partition before anything is written.
+    """
+    npz_file = folder / NPZ_NAME
+    shown = str(npz_file.relative_to(root)) if npz_file.is_relative_to(root) else npz_file.name
+    reward_column = metadata.ids["reward_value_matrix"].index(reward_id)
+    with np.load(npz_file, allow_pickle=False) as npz:
+        wanted = {"action_value_matrix": None, "reward_value_matrix": reward_column}
+        for matrix, only in wanted.items():
+            if matrix not in npz.files:
+                continue  # load_partition names what is missing
+            values = np.asarray(npz[matrix], dtype=np.float64)
+            if values.shape != (metadata.times_us_R.size, len(metadata.ids[matrix])):
+                continue  # load_partition names the shape
+            columns = range(values.shape[1]) if only is None else [only]
+            for column in columns:
+                finite = np.isfinite(values[:, column])
+                if not finite.all():
+                    row = int(np.argmin(finite))
+                    name = ROLE_PREFIX[MATRIX_ROLE[matrix]] + metadata.ids[matrix][column]
+                    raise DatasetImportError(
+                        f"{shown}: {name} is missing or not finite at {_utc_text(int(metadata.times_us_R[row]))} UTC "
+                        f"(row {row}); every step needs its action and reward: fill it in or drop the row"
+                    )
 
 
 def _utc_text(epoch_us: int) -> str:

@@ -210,3 +210,28 @@ def test_a_path_that_does_not_exist_is_bad_input_naming_it(tmp_path, store):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and str(missing) in lines[0] and "point at a partition folder" in lines[0], lines
     assert _nothing_written(store)
+
+
+@pytest.mark.parametrize(("matrix", "column", "said"), [
+    ("action_value_matrix", 0, "action:2001@supply_water_temperature_setpoint"),
+    ("reward_value_matrix", 0, "reward:agent_reward_value"),
+])
+def test_a_missing_action_or_reward_is_refused_naming_column_and_time_and_nothing_is_written(
+    tmp_path, store, matrix, column, said
+):
+    # a NaN setpoint would become the grid's lowest cell in offline CQL, a NaN reward every return it touches
+    matrices, metadata = _sbd_partition()
+    matrices[matrix][30, column] = np.nan
+    _write_json_partition(tmp_path / "sb1" / "2023_a", matrices, metadata)
+    result = runner.invoke(app, ["import", "smart-buildings", str(tmp_path / "sb1"), "--name", "gappy",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert said in result.output and "2023_a" in result.output and "2023-03-02 00:30" in result.output
+    assert _nothing_written(store)
+    # a NaN in a reward column that is not the reward, or in an observation, is kept (a sensor may drop out)
+    matrices[matrix][30, column] = 0.0
+    matrices["reward_value_matrix"][30, 5] = np.nan
+    matrices["observation_value_matrix"][30, 0] = np.nan
+    _write_json_partition(tmp_path / "sb2" / "2023_a", matrices, metadata)
+    assert import_smart_buildings(store, tmp_path / "sb2", "kept").num_rows == 76
