@@ -92,6 +92,8 @@ def import_table(
     file = Path(path)
     frame = _ordered_frame(_read_frame(file), mapping, file.name)
     times_us = frame[_TIME].to_numpy() if mapping.timestamp else None
+    if times_us is not None:
+        _require_each_time_once(frame, mapping.episode_id, times_us, file.name)
     features, fields = _table_features(frame, mapping, file.name)
     terminal = _terminal_flags(frame, mapping.terminal, file.name) if mapping.terminal else None
     starts, episode_ids = _table_episodes(frame, mapping, times_us, terminal, file.name)
@@ -179,6 +181,28 @@ def _times_us(column: pl.Series, mapping: TableMapping) -> np.ndarray:
     if values.null_count():
         raise DatasetImportError(f"column {mapping.timestamp!r} has {values.null_count()} missing or unreadable times")
     return values.to_numpy()
+
+
+def _require_each_time_once(frame: pl.DataFrame, episode_id: str | None, times_us: np.ndarray, where: str) -> None:
+    """Refuse a time logged twice in one episode (in the whole log without an episode column), naming the
+    first such time and its first two rows: a step logged twice would train twice, as a step of no duration."""
+    same_R = times_us[1:] == times_us[:-1]
+    if episode_id is not None:
+        codes = frame[episode_id].cast(pl.Utf8).to_numpy()
+        same_R &= codes[1:] == codes[:-1]
+    if not same_R.any():
+        return
+    first = int(np.argmax(same_R)) + 1
+    twins = times_us == times_us[first]
+    if episode_id is not None:
+        twins &= codes == codes[first]
+    rows = sorted(int(r) + 1 for r in frame[_ROW].to_numpy()[twins])
+    moment = dt.datetime(1970, 1, 1) + dt.timedelta(microseconds=int(times_us[first]))
+    episode = f" of episode {codes[first]!r}" if episode_id is not None else ""
+    raise DatasetImportError(
+        f"{where}: rows {rows[0]} and {rows[1]}{episode} both log {moment:%Y-%m-%d %H:%M:%S} UTC; an episode holds "
+        "each time once: drop the repeated rows"
+    )
 
 
 def _table_features(

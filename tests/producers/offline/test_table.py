@@ -218,3 +218,29 @@ def test_a_log_path_that_is_no_file_is_bad_input_naming_it(tmp_path, store, make
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert str(log) in result.stderr and ("is a folder" in result.stderr) == log.is_dir(), result.stderr
     assert "give the path of a .csv or .parquet file" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("episode_id", ["episode_id: b\n", ""])
+def test_a_time_logged_twice_in_an_episode_is_refused_naming_both_rows(tmp_path, store, episode_id):
+    # the same step twice (a log exported twice) would train on it twice, as a step that took no time
+    rows = ("b,time,temp,sp,r\n"
+            "b1,2023-05-01T10:05:00Z,20,1,0\n"
+            "b1,2023-05-01T10:00:00Z,20,1,0\n"
+            "b2,2023-05-01T10:05:00Z,20,1,0\n"
+            "b1,2023-05-01T10:05:00Z,21,1,0\n")
+    mapping = episode_id + "timestamp: time\nobservation: [temp]\naction: [sp]\nreward: r\n"
+    if episode_id:  # another episode at the same time is fine
+        rows = rows.replace("b1,2023-05-01T10:05:00Z,21", "b1,2023-05-01T10:10:00Z,21")
+        assert import_table(store, _csv(tmp_path, rows), "two", TableMapping(
+            episode_id="b", timestamp="time", observation=["temp"], action=["sp"], reward="r")).num_rows == 4
+        rows = rows.replace("b1,2023-05-01T10:10:00Z,21", "b1,2023-05-01T10:05:00Z,21")
+        store = ObjectStore((tmp_path / "store2").as_uri())
+    error = refused(tmp_path, store, rows, mapping)
+    pair = "rows 1 and 4" if episode_id else "rows 1 and 3"
+    assert "2023-05-01 10:05:00" in error and pair in error and "drop" in error, error
+
+
+def _csv(tmp_path, rows: str):
+    path = tmp_path / "log.csv"
+    path.write_text(rows)
+    return path
