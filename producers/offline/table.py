@@ -93,7 +93,7 @@ def import_table(
     frame = _ordered_frame(_read_frame(file), mapping, file.name)
     times_us = frame[_TIME].to_numpy() if mapping.timestamp else None
     if times_us is not None:
-        _require_each_time_once(frame, mapping.episode_id, times_us, file.name)
+        _require_each_time_once(frame, _EPISODE if mapping.episode_id else None, times_us, file.name)
     features, fields = _table_features(frame, mapping, file.name)
     terminal = _terminal_flags(frame, mapping.terminal, file.name) if mapping.terminal else None
     starts, episode_ids = _table_episodes(frame, mapping, times_us, terminal, file.name)
@@ -116,6 +116,7 @@ def import_table(
 
 
 _ROW, _TIME, _FIRST = "__rlpipe_row", "__rlpipe_time_us", "__rlpipe_episode_first"
+_EPISODE = "__rlpipe_episode"  # the episode column as text, a named episode cut at its gaps (``_split_at_gaps``)
 
 
 def _read_frame(file: Path) -> pl.DataFrame:
@@ -161,8 +162,32 @@ def _ordered_frame(frame: pl.DataFrame, mapping: TableMapping, where: str) -> pl
     within = _TIME if mapping.timestamp else _ROW
     if mapping.episode_id is None:
         return frame.sort(within)
-    frame = frame.with_columns(pl.col(within).min().over(mapping.episode_id).alias(_FIRST))
-    return frame.sort([_FIRST, mapping.episode_id, within])
+    frame = frame.with_columns(pl.col(mapping.episode_id).cast(pl.Utf8).alias(_EPISODE))
+    if mapping.timestamp:
+        frame = _split_at_gaps(frame.sort([_EPISODE, _TIME]))
+    frame = frame.with_columns(pl.col(within).min().over(_EPISODE).alias(_FIRST))
+    return frame.sort([_FIRST, _EPISODE, within])
+
+
+def _split_at_gaps(frame: pl.DataFrame) -> pl.DataFrame:
+    """Cut each named episode (rows sorted by episode, then time) after every gap longer than 1.5 steps
+    (the median step within episodes): the parts after the first are ``<id>-1``, ``<id>-2``, ...
+
+    Why: no action was logged across the gap, so the row before it is not one step from the row after.
+    """
+    codes_R, times_R = frame[_EPISODE].to_numpy(), frame[_TIME].to_numpy()
+    same_R = codes_R[1:] == codes_R[:-1]
+    gaps_R = np.diff(times_R)[same_R]
+    if not gaps_R.size:
+        return frame
+    breaks_R = np.append(False, same_R & (np.diff(times_R) > 1.5 * float(np.median(gaps_R))))
+    if not breaks_R.any():
+        return frame
+    cuts_R = np.cumsum(breaks_R)
+    episode_start_R = np.maximum.accumulate(np.where(np.append(True, ~same_R), np.arange(codes_R.size), 0))
+    part_R = cuts_R - cuts_R[episode_start_R]
+    labels = [code if part == 0 else f"{code}-{part}" for code, part in zip(codes_R, part_R, strict=True)]
+    return frame.with_columns(pl.Series(_EPISODE, labels, dtype=pl.Utf8))
 
 
 def _times_us(column: pl.Series, mapping: TableMapping) -> np.ndarray:
@@ -212,7 +237,8 @@ def _table_features(
     from schemas.steps import STEPS_BASE_FIELDS
 
     base = {f.name for f in STEPS_BASE_FIELDS}
-    skip = {mapping.episode_id, mapping.timestamp, mapping.terminal, _ROW, _TIME, _FIRST, *mapping.exclude}
+    skip = {mapping.episode_id, mapping.timestamp, mapping.terminal, _ROW, _TIME, _FIRST, _EPISODE,
+            *mapping.exclude}
     roles = {c: "observation" for c in mapping.observation} | {c: "action" for c in mapping.action}
     roles[mapping.reward] = "reward"
     features, fields = {}, []
@@ -282,7 +308,7 @@ def _table_episodes(
     """Episode start rows and ids: from the episode column, else by day or gap in time (or one episode
     without times) and after every terminal row, since a terminal row is where an episode truly ended."""
     if mapping.episode_id is not None:
-        codes = frame[mapping.episode_id].cast(pl.Utf8).to_numpy()
+        codes = frame[_EPISODE].to_numpy()
         starts = np.flatnonzero(np.append(True, codes[1:] != codes[:-1]))
         _require_terminal_last(frame, starts, terminal, codes, where)
         return starts, [str(codes[s]) for s in starts]
@@ -306,7 +332,8 @@ def _distinct(ids: list[str]) -> list[str]:
 
 def _episode_rule(mapping: TableMapping) -> str:
     """How the log was cut into episodes, in words, for the dataset card."""
-    rule = (f"episodes from column {mapping.episode_id!r}" if mapping.episode_id
+    cut = "; a gap of more than 1.5 steps cuts one (the rest: <id>-1, <id>-2, ...)" if mapping.timestamp else ""
+    rule = (f"episodes from column {mapping.episode_id!r}{cut}" if mapping.episode_id
             else episode_rule(mapping.episode_split, mapping.utc_offset_hours) if mapping.timestamp
             else "one episode in file order")
     return f"{rule}; a terminal row ({mapping.terminal!r}) ends its episode" if mapping.terminal else rule

@@ -244,3 +244,19 @@ def _csv(tmp_path, rows: str):
     path = tmp_path / "log.csv"
     path.write_text(rows)
     return path
+
+
+def test_a_gap_inside_a_named_episode_ends_it_there_instead_of_becoming_one_long_step(tmp_path, store):
+    # b1 is logged every 5 minutes with a 5-hour hole: 10:10 -> 15:10 is no 5-minute step
+    rows = "b,time,temp,sp,r\n" + "".join(
+        f"b1,2023-05-01T{t}:00Z,20,1,-1\n" for t in ("10:00", "10:05", "10:10", "15:10", "15:15")
+    ) + "b2,2023-05-01T11:00:00Z,20,1,-1\nb2,2023-05-01T11:05:00Z,20,1,-1\n"
+    mapping = TableMapping(episode_id="b", timestamp="time", observation=["temp"], action=["sp"], reward="r")
+    card = import_table(store, _csv(tmp_path, rows), "holes", mapping)
+    assert card.num_episodes == 3 and card.step_seconds == 300
+    table = next(t for _, t in iter_partitions(store, card))
+    cols = table.to_pydict()
+    assert cols["episode_id"] == ["b1"] * 3 + ["b2"] * 2 + ["b1-1"] * 2  # episodes in order of their start
+    assert cols["step"] == [0, 1, 2, 0, 1, 0, 1]
+    assert cols["is_last"] == [False, False, True, False, True, False, True]
+    assert not any(cols["is_terminal"])  # cut by the gap, not ended
