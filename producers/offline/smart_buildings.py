@@ -350,7 +350,7 @@ def import_smart_buildings(
         partition = load_partition(folder, trust_pickle, root=path)
         source_files |= partition.source_files
         aligned &= partition.metadata.aligned
-        step_seconds = step_seconds or median_step(partition.metadata.times_us_R)
+        step_seconds = step_seconds or median_step(np.sort(partition.metadata.times_us_R))
         for day, table in _partition_days(partition, fields, reward_id, step_seconds, split, offset):
             writer.write_partition(day, table)
     return writer.commit(
@@ -430,12 +430,14 @@ def _partition_days(
     partition: SbdPartition, fields: list[DatasetField], reward_id: str, step_seconds: float,
     split: EpisodeSplit, offset: float,
 ) -> Iterator[tuple[dt.date, pa.Table]]:
-    """One partition's matrices -> per-day steps tables (every column a float64 feature)."""
-    times = partition.metadata.times_us_R
+    """One partition's matrices -> per-day steps tables (every column a float64 feature), rows in time order
+    (each row keeps its own values; ``check_each_time_once`` has refused a time logged twice)."""
+    order_R = np.argsort(partition.metadata.times_us_R, kind="stable")
+    times = partition.metadata.times_us_R[order_R]
     features: dict[str, np.ndarray] = {}
     index = 0
     for matrix in MATRICES:
-        values = partition.matrices[matrix]
+        values = partition.matrices[matrix][order_R]
         for column in range(values.shape[1]):
             features[fields[index].name] = values[:, column].astype(np.float64)
             index += 1

@@ -235,3 +235,21 @@ def test_a_missing_action_or_reward_is_refused_naming_column_and_time_and_nothin
     matrices["observation_value_matrix"][30, 0] = np.nan
     _write_json_partition(tmp_path / "sb2" / "2023_a", matrices, metadata)
     assert import_smart_buildings(store, tmp_path / "sb2", "kept").num_rows == 76
+
+
+def test_rows_out_of_time_order_are_imported_in_time_order_each_with_its_own_values(tmp_path, store):
+    matrices, metadata = _sbd_partition()
+    _write_json_partition(tmp_path / "sorted", matrices, metadata)
+    order = np.random.default_rng(0).permutation(76)  # the same rows, shuffled together with their times
+    shuffled = {name: values[order] for name, values in matrices.items()}
+    shuffled_meta = {k: ([v[i] for i in order] if k.endswith("_timestamps") else v) for k, v in metadata.items()}
+    _write_json_partition(tmp_path / "shuffled", shuffled, shuffled_meta)
+    expected = import_smart_buildings(store, tmp_path / "sorted", "sorted")
+    card = import_smart_buildings(store, tmp_path / "shuffled", "shuffled")
+    assert card.num_episodes == expected.num_episodes == 3
+    assert card.extras["timestamps_aligned"]
+    import pyarrow as pa
+
+    got = pa.concat_tables([t for _, t in iter_partitions(store, card)])
+    want = pa.concat_tables([t for _, t in iter_partitions(store, expected)])
+    assert got.equals(want)
