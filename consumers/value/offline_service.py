@@ -154,6 +154,12 @@ def _building_card(store: ObjectStore, dataset: str) -> DatasetCard:
     if card.extras.get("env") not in (None, BUILDING_ENV) or len(card.action_columns) != 2:
         raise ValueError(f"dataset {dataset} is not a {BUILDING_ENV} log (two setpoints per step); offline CQL "
                          "needs one")
+    units = card.units()
+    for column in card.action_columns:  # the setpoint grid is in kelvin; another unit would land on its ends
+        unit = units.get(column)
+        if unit is not None and unit.strip().lower() not in ("k", "kelvin"):
+            raise ValueError(f"dataset {dataset} logs setpoint {column} in {unit}; offline CQL's setpoint grid is in "
+                             "kelvin: convert the column to K (degC + 273.15) and import it again")
     return card
 
 

@@ -133,3 +133,17 @@ def test_a_restart_that_adds_the_support_filter_is_refused_in_one_line(store_roo
         replay_train_offline(with_threshold(0.3, 2), DATASET)
     assert "\n" not in str(raised.value)
     assert AdapterRegistry(ObjectStore(store_root.as_uri()), "cql-unfiltered").latest().learner_step == 1
+
+
+def test_setpoints_logged_in_another_unit_than_kelvin_are_refused_naming_the_column(tmp_path: Path) -> None:
+    # 60 degC of supply water would sit below the grid's 310 K and become its lowest cell on every step
+    from producers.offline.table import TableMapping, import_table
+
+    csv = tmp_path / "plant.csv"
+    csv.write_text("time,zone,water,air,r\n" + "".join(
+        f"2023-05-01T10:{m:02d}:00Z,21.0,60.0,18.0,-0.5\n" for m in range(0, 30, 5)))
+    store = ObjectStore((tmp_path / "store").as_uri())
+    import_table(store, csv, "celsius", TableMapping(timestamp="time", observation=["zone"], action=["water", "air"],
+                                                     reward="r", units={"water": "degC", "air": "degC"}))
+    with pytest.raises(ValueError, match=r"water.*degC.*kelvin"):
+        replay_train_offline(small_config(tmp_path / "store", "cql-celsius", max_steps=1), "celsius")
