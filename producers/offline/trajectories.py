@@ -35,7 +35,7 @@ from producers.envs.building import (
 )
 from producers.envs.parsing import format_answer
 from producers.offline.episodes import DatasetImportError
-from producers.offline.generation import SIM_ACTIONS, SIM_REWARDS
+from producers.offline.generation import REWARD_UNITS, SIM_ACTIONS, SIM_REWARDS
 from producers.offline.smart_buildings import ROLE_PREFIX
 from schemas.names import validate_name
 from schemas.trajectory import discounted_returns
@@ -65,6 +65,21 @@ def check_building_dataset(card: DatasetCard, env: BuildingHVAC) -> None:
             f"dataset {card.name} lacks {len(missing)} columns the building-hvac prompt needs (e.g. {missing[0]!r}); "
             "use a dataset from `rlpipe datasets generate building-hvac` or name its columns like the simulator's"
         )
+    units = card.units()
+    for column, unit in building_column_units(env).items():
+        stated = units.get(column)
+        if stated is not None and stated.strip() != unit:
+            raise DatasetImportError(
+                f"dataset {card.name} logs {column} in {stated}, the building-hvac prompt shows it in {unit}; "
+                f"convert the column to {unit} and import it again"
+            )
+
+
+def building_column_units(env: BuildingHVAC) -> dict[str, str]:
+    """The unit of each column ``required_building_columns`` names, as the simulator logs it."""
+    known = dict(BuildingHVAC.telemetry_fields(env.config)) | {WATER_ACTION: "K", AIR_ACTION: "K"}
+    known |= {column: REWARD_UNITS[rid] for rid, column in ((rid, ROLE_PREFIX["reward"] + rid) for rid in SIM_REWARDS)}
+    return {column: known[column] for column in required_building_columns(env)}
 
 
 @dataclass(frozen=True)

@@ -90,3 +90,17 @@ def test_a_retried_create_that_landed_is_not_taken_for_an_unfinished_conversion(
     generate_building_dataset(store, "one", GenerationSpec(days=1, policy="heuristic"))
     assert dataset_to_trajectories(store, "one", "run", tiny_tokenizer, OPTIONS).batches == 3
     assert unfinished_conversions(store, "run") == [] and store.exists("runs/run/offline/one.json")
+
+
+def test_a_dataset_logging_a_prompt_column_in_another_unit_is_refused_naming_it(store, tiny_tokenizer):
+    # a zone at 21.5 (degC) would be shown as 21.5 K, and the outside air solved from it hundreds of K too cold
+    from producers.offline.trajectories import building_env_for, check_building_dataset
+
+    card = generate_building_dataset(store, "hvac", GenerationSpec(days=1, policy="heuristic"))
+    env = building_env_for(card)
+    check_building_dataset(card, env)  # the simulator's own units
+    zone = "zone_0_0@zone_air_temperature_sensor"
+    celsius = card.model_copy(update={"fields": [f.model_copy(update={"unit": "degC"}) if f.name == zone else f
+                                                 for f in card.fields]})
+    with pytest.raises(ValueError, match=rf"{zone}.*degC.*K"):
+        check_building_dataset(celsius, env)
