@@ -54,6 +54,8 @@ REWARD_VALUE_IDS = (
 # may appear as an observation and as an action (a setpoint is both read and written).
 ROLE_PREFIX = {"observation": "", "action": "action:", "reward": "reward:", "reward_info": "reward_info:"}
 MATRIX_ROLE = dict(zip(MATRICES, ("observation", "action", "reward", "reward_info"), strict=True))
+MATRIX_TIMES = dict(zip(MATRICES, ("observation_timestamps", "action_timestamps", "reward_timestamps",
+                                   "reward_info_timestamps"), strict=True))
 
 
 class PickleRefusedError(DatasetImportError):
@@ -136,6 +138,7 @@ class SbdMetadata:
     units: dict[str, str]  # source id -> unit (optional in the metadata)
     rlpipe: dict[str, Any]  # rlpipe's own extension block (simulator settings), {} for real data
     aligned: bool  # the action / reward timestamps equal the observation timestamps
+    matrix_times_us: dict[str, np.ndarray]  # matrix name -> UTC epoch microseconds of its rows (its own timestamps)
 
 
 def read_metadata(path: Path, trust_pickle: bool) -> SbdMetadata:
@@ -173,15 +176,45 @@ def metadata_from_mapping(raw: Any, where: str = "metadata") -> SbdMetadata:
         "reward_value_matrix": [str(i) for i in raw.get("reward_value_ids", REWARD_VALUE_IDS)],
     }
     times = _timestamps_us(raw.get("observation_timestamps"), "observation_timestamps", where)
-    aligned = all(
-        key not in raw or np.array_equal(_timestamps_us(raw[key], key, where), times)
-        for key in ("action_timestamps", "reward_timestamps", "reward_info_timestamps")
-    )
+    matrix_times = {matrix: _timestamps_us(raw[key], key, where) if key in raw and key != "observation_timestamps"
+                    else times for matrix, key in MATRIX_TIMES.items()}
+    aligned = all(np.array_equal(stamps, times) for stamps in matrix_times.values())
     units = {str(k): str(v) for k, v in (raw.get("units") or {}).items()}
     extension = raw.get("rlpipe") or {}
     if not isinstance(extension, Mapping):
         raise DatasetImportError(f"{where}: 'rlpipe' must be a mapping")
-    return SbdMetadata(ids=ids, times_us_R=times, units=units, rlpipe=dict(extension), aligned=aligned)
+    return SbdMetadata(ids=ids, times_us_R=times, units=units, rlpipe=dict(extension), aligned=aligned,
+                       matrix_times_us=matrix_times)
+
+
+def step_rows(metadata: SbdMetadata, where: str) -> dict[str, np.ndarray]:
+    """Matrix name -> its row of each step, steps in time order.
+
+    A step starts at an observation time; its action, reward and reward info are the rows of
+    their matrices stamped with that time (each matrix has its own timestamps: upstream stamps
+    a reward with the start of the interval it scores, one step before the observation of the
+    same row).  An observation time that some matrix does not log starts no step.
+    """
+    order_S = np.argsort(metadata.times_us_R, kind="stable")
+    times_S = metadata.times_us_R[order_S]
+    rows = {}
+    found_S = np.ones(times_S.size, dtype=bool)
+    for matrix, stamps in metadata.matrix_times_us.items():
+        if np.array_equal(stamps, metadata.times_us_R):
+            rows[matrix] = order_S
+            continue
+        by_time = np.argsort(stamps, kind="stable")
+        sorted_stamps = stamps[by_time]
+        if np.any(np.diff(sorted_stamps) == 0):
+            raise DatasetImportError(f"{where}: {MATRIX_TIMES[matrix]} holds a time twice; a matrix logs each time "
+                                     "once: drop the repeated rows")
+        position_S = np.minimum(np.searchsorted(sorted_stamps, times_S), max(stamps.size - 1, 0))
+        found_S &= sorted_stamps[position_S] == times_S if stamps.size else False
+        rows[matrix] = by_time[position_S] if stamps.size else position_S
+    if not found_S.any():
+        raise DatasetImportError(f"{where}: no observation time has an action, reward and reward info stamped at it; "
+                                 "check the partition's timestamps")
+    return {matrix: rows_S[found_S] for matrix, rows_S in rows.items()}
 
 
 def _ordered_ids(raw: Mapping[str, Any], key: str, where: str) -> list[str]:
@@ -282,12 +315,11 @@ def load_partition(folder: Path, trust_pickle: bool, root: Path | None = None) -
 
 
 def _check_shapes(matrices: dict[str, np.ndarray], metadata: SbdMetadata, where: Path) -> None:
-    rows = metadata.times_us_R.size
     for name in MATRICES:
         matrix = matrices[name]
         if matrix.ndim != 2 or not np.issubdtype(matrix.dtype, np.number):
             raise DatasetImportError(f"{where}: {name} must be a 2-D numeric matrix, got {matrix.dtype} {matrix.shape}")
-        expected = (rows, len(metadata.ids[name]))
+        expected = (metadata.matrix_times_us[name].size, len(metadata.ids[name]))
         if matrix.shape != expected:
             raise DatasetImportError(
                 f"{where}: {name} has shape {matrix.shape} but the metadata names {expected[0]} timestamps "
@@ -401,14 +433,17 @@ def check_steps_finite(folder: Path, metadata: SbdMetadata, reward_id: str, root
     npz_file = folder / NPZ_NAME
     shown = str(npz_file.relative_to(root)) if npz_file.is_relative_to(root) else npz_file.name
     reward_column = metadata.ids["reward_value_matrix"].index(reward_id)
+    rows = step_rows(metadata, shown)
+    times_S = metadata.times_us_R[rows["observation_value_matrix"]]
     with np.load(npz_file, allow_pickle=False) as npz:
         wanted = {"action_value_matrix": None, "reward_value_matrix": reward_column}
         for matrix, only in wanted.items():
             if matrix not in npz.files:
                 continue  # load_partition names what is missing
             values = np.asarray(npz[matrix], dtype=np.float64)
-            if values.shape != (metadata.times_us_R.size, len(metadata.ids[matrix])):
+            if values.shape != (metadata.matrix_times_us[matrix].size, len(metadata.ids[matrix])):
                 continue  # load_partition names the shape
+            values = values[rows[matrix]]
             columns = range(values.shape[1]) if only is None else [only]
             for column in columns:
                 finite = np.isfinite(values[:, column])
@@ -416,8 +451,8 @@ def check_steps_finite(folder: Path, metadata: SbdMetadata, reward_id: str, root
                     row = int(np.argmin(finite))
                     name = ROLE_PREFIX[MATRIX_ROLE[matrix]] + metadata.ids[matrix][column]
                     raise DatasetImportError(
-                        f"{shown}: {name} is missing or not finite at {_utc_text(int(metadata.times_us_R[row]))} UTC "
-                        f"(row {row}); every step needs its action and reward: fill it in or drop the row"
+                        f"{shown}: {name} is missing or not finite at {_utc_text(int(times_S[row]))} UTC; every "
+                        "step needs its action and reward: fill it in or drop the row"
                     )
 
 
@@ -430,14 +465,14 @@ def _partition_days(
     partition: SbdPartition, fields: list[DatasetField], reward_id: str, step_seconds: float,
     split: EpisodeSplit, offset: float,
 ) -> Iterator[tuple[dt.date, pa.Table]]:
-    """One partition's matrices -> per-day steps tables (every column a float64 feature), rows in time order
-    (each row keeps its own values; ``check_each_time_once`` has refused a time logged twice)."""
-    order_R = np.argsort(partition.metadata.times_us_R, kind="stable")
-    times = partition.metadata.times_us_R[order_R]
+    """One partition's matrices -> per-day steps tables (every column a float64 feature), one row per step
+    (``step_rows``: in time order, each matrix's row stamped with the step's time)."""
+    rows = step_rows(partition.metadata, str(partition.folder))
+    times = partition.metadata.times_us_R[rows["observation_value_matrix"]]
     features: dict[str, np.ndarray] = {}
     index = 0
     for matrix in MATRICES:
-        values = partition.matrices[matrix][order_R]
+        values = partition.matrices[matrix][rows[matrix]]
         for column in range(values.shape[1]):
             features[fields[index].name] = values[:, column].astype(np.float64)
             index += 1

@@ -253,3 +253,29 @@ def test_rows_out_of_time_order_are_imported_in_time_order_each_with_its_own_val
     got = pa.concat_tables([t for _, t in iter_partitions(store, card)])
     want = pa.concat_tables([t for _, t in iter_partitions(store, expected)])
     assert got.equals(want)
+
+
+def test_rewards_stamped_a_step_before_the_observations_are_paired_by_time_not_by_row(tmp_path, store):
+    # as upstream's partitions: reward (and reward info) row j is stamped 5 minutes before observation row j,
+    # so the reward of the step that starts at observation t is the reward row stamped t (row j + 1), not row j
+    matrices, metadata = _sbd_partition()
+    five = dt.timedelta(minutes=5)
+    for key in ("reward_timestamps", "reward_info_timestamps"):
+        metadata[key] = [t - five for t in metadata["observation_timestamps"]]
+    _write_json_partition(tmp_path / "shifted", matrices, metadata)
+    card = import_smart_buildings(store, tmp_path / "shifted", "shifted")
+    import pyarrow as pa
+
+    table = pa.concat_tables([t for _, t in iter_partitions(store, card)])
+    reward_row = {t: j for j, t in enumerate(metadata["reward_timestamps"])}
+    paired = [k for k, t in enumerate(metadata["observation_timestamps"]) if t in reward_row]
+    # the row before the 1 h gap and the last row have no reward stamped at their time: no step starts there
+    assert paired == [*range(71), 72, 73, 74] and card.num_rows == 74
+    assert table["timestamp"].to_pylist() == [metadata["observation_timestamps"][k] for k in paired]
+    rewards = matrices["reward_value_matrix"][:, 0]
+    assert table["reward"].to_numpy().tolist() == [rewards[k + 1] for k in paired]
+    assert table["reward_info:2001@pump_electrical_energy_rate"].to_numpy().tolist() == \
+        [float(matrices["reward_info_value_matrix"][k + 1, 1]) for k in paired]
+    actions = matrices["action_value_matrix"][:, 0]  # stamped with the observations: row by row
+    assert table["action"].to_pylist() == [[actions[k]] for k in paired]
+    assert not card.extras["timestamps_aligned"]
