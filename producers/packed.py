@@ -24,6 +24,9 @@ the others sample on (``pipeline.membership``); the engine then keeps room for
 A run whose rollout loop raises (its environment, its store, its broker) is
 released and comes back after a pause (``pipeline.membership.Comebacks``: 30 s,
 doubled for each failure in a row, at most 10 minutes); the others sample on.
+Every opening of a run (its first, a comeback, a resume after a stop) draws a
+sampling incarnation of its own (``producers.rollout.SamplingStreams``), as a
+restarted single-run producer does, so it never replays the draws of an earlier one.
 
 Health: ``/metrics`` carries each run's heartbeat series, labelled ``run="<id>"``,
 and ``rlpipe_producer_run_serving{run}``; ``/readyz`` names each run; a run that
@@ -190,8 +193,11 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
             configs_of[cfg.run_id] = cfg
             producer_id = f"{process_id}-{cfg.run_id}" if cfg.producer.producer_id is None else cfg.producer.producer_id
             tokenizer = AutoTokenizer.from_pretrained(model_path)  # one per thread: tokenizers are not shared
+            # each opening its own sampling incarnation: a run opened again under its producer id (back from an
+            # error, or stopped and resumed) must not replay the streams, and so the samples, it drew before
+            incarnation = SamplingStreams(cfg.sampler.seed, producer_id).incarnation
             run = open_run_producer(cfg, connection or connect_run(cfg), producer_id, RunSampler(shared, cfg.run_id),
-                                    tokenizer, streams.incarnation, health, runs_health.labels(cfg.run_id))
+                                    tokenizer, incarnation, health, runs_health.labels(cfg.run_id))
             runs.append(run)
             return run
 

@@ -303,3 +303,43 @@ def test_a_producer_whose_named_runs_are_all_stopped_keeps_engine_room_for_each_
     with pytest.raises(EngineAsked):
         packed.run_packed_producer(named, StopFlag(), follow_runs="exp-*", template=named[0])
     assert room == [["a", "b"]]
+
+
+def test_a_run_opened_again_in_one_producer_draws_new_sampling_streams(tmp_path, monkeypatch):
+    """A run that comes back after an error, or is stopped and resumed, is opened again under the same producer
+    id; like a restarted single-run producer it gets a new sampling incarnation, so it never replays the streams
+    (with the same adapter and environment seeds, the very samples) its earlier opening drew."""
+    import producers.packed as packed
+    from pipeline.runtime import StopFlag
+    from tests.pipeline.test_membership import Feed, config
+
+    store = ObjectStore(tmp_path.as_uri())
+    cfg = config("a", store={"root": store.root})
+    opened: list[tuple[str, int | None]] = []  # (producer id, incarnation) of each opening
+
+    def open_run_producer(config, connection, producer_id, sampler, tokenizer, incarnation, health, labels=None):
+        opened.append((producer_id, incarnation))
+        worker = SimpleNamespace(run_id=config.run_id, stats=SimpleNamespace(batches=0, samples=0))
+        return SimpleNamespace(worker=worker, close=lambda: None, watcher=Closes())
+
+    def following(membership, open_run, comebacks=None):
+        return lambda serving: ([open_run(cfg)], [])  # a's comeback (or its resume), opened again
+
+    def serve(runs, stop, follow, release, **kwargs):
+        follow({"a"})
+
+    engine = SimpleNamespace(eos_token_id=2, max_model_len=64, close=lambda: None)
+    connection = SimpleNamespace(archive=SimpleNamespace(store=store))
+    monkeypatch.setattr(packed, "connect_run", lambda cfg, done=None: connection)
+    monkeypatch.setattr(packed, "check_run_lora_rank", lambda cfg, store: None)
+    monkeypatch.setattr(packed, "RunMembership", lambda *args, **kwargs: Feed())
+    monkeypatch.setattr(packed, "resolve_model", lambda model: "tiny")
+    monkeypatch.setattr(packed, "shared_engine", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(packed, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda path: None))
+    monkeypatch.setattr(packed, "open_run_producer", open_run_producer)
+    monkeypatch.setattr(packed, "following", following)
+    monkeypatch.setattr(packed, "serve", serve)
+    packed.run_packed_producer([cfg], StopFlag(), follow_runs="a")
+    (first_id, first), (again_id, again) = opened
+    assert first_id == again_id  # the same producer id, so the same environment seeds from the start
+    assert first != again, "the run opened again replays the sampling streams of its first opening"
