@@ -44,6 +44,7 @@ from dataclasses import replace
 
 from transformers import AutoTokenizer
 
+from pipeline.cli.options import check_env
 from pipeline.health import HealthServer, PackedRunsHealth
 from pipeline.membership import Comebacks, Left, RunMembership, engine_config, runs_not_stopped
 from pipeline.runtime import StopFlag, open_store
@@ -108,13 +109,17 @@ class RunSampler(Sampler):
 
 def check_packable(configs: list[RunConfig]) -> None:
     """Refuse, in one line, runs that cannot share one sampling engine and one event log: the engine takes the
-    first run's sampler settings, so every run's adapters must fit its LoRA rank slot too."""
+    first run's sampler settings, so every run's adapters must fit its LoRA rank slot too; and a run whose
+    environment this producer cannot build (a run joining from its stored configuration), which would otherwise
+    fail at its first episode and come back after every pause."""
     packable(configs, ("model.base_model", "model.dtype", "sampler.backend", "sampler.max_model_len",
                        "bus.bootstrap_servers", "bus.namespace"), "one sampling engine and event log")
     first = configs[0]
     for cfg in configs[1:]:
         check_sampler_holds_rank(first.sampler, cfg.learner.lora_rank, cfg.run_id,
                                  f"the shared engine's (run {first.run_id}'s)")
+    for cfg in configs:
+        check_env(cfg)
 
 
 def release_run(run: RunProducer) -> None:

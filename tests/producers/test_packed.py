@@ -343,3 +343,24 @@ def test_a_run_opened_again_in_one_producer_draws_new_sampling_streams(tmp_path,
     (first_id, first), (again_id, again) = opened
     assert first_id == again_id  # the same producer id, so the same environment seeds from the start
     assert first != again, "the run opened again replays the sampling streams of its first opening"
+
+
+def test_a_run_whose_environment_this_producer_cannot_build_is_refused_as_it_joins(tmp_path, caplog):
+    """A RunStarted for a run whose stored environment is unknown here (or takes no such override) is refused
+    for that run alone, in one line naming the fix, rather than taken up to fail at its first episode and come
+    back every pause; a sound run announced beside it joins."""
+    from pipeline.membership import RunMembership
+    from tests.pipeline.test_membership import Feed, config, joined_and_warnings, started
+
+    store = ObjectStore(tmp_path.as_uri())
+    feed = Feed()
+    membership = RunMembership("exp-*", config("base", store={"root": store.root}), store, check_packable,
+                               follower=feed)
+    feed.put("exp-1", started(store, config("exp-1", env={"name": "no-such-env"})))
+    feed.put("exp-2", started(store, config("exp-2", env={"name": "cartpole", "overrides": {"max_turnz": 3}})))
+    feed.put("exp-3", started(store, config("exp-3", env={"name": "cartpole", "overrides": {"max_turns": 3}})))
+    joined, warnings = joined_and_warnings(membership, caplog)
+    assert joined == ["exp-3"]
+    assert "run exp-1 cannot join" in warnings and "'no-such-env' is no environment; choose one of" in warnings
+    assert "run exp-2 cannot join" in warnings and "max_turnz" in warnings
+    assert all("\n" not in record.getMessage() for record in caplog.records)
