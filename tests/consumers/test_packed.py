@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections import deque
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -419,3 +422,55 @@ def test_a_packed_run_reads_each_batch_from_the_store_once_as_it_does_alone(batc
     packed.run(poll_timeout_s=0)
     assert [learner.state.step for learner in learners] == [4, 4]
     assert len(reads) == 8 and len(set(reads)) == 8, sorted(reads)
+
+
+class Holding:
+    """Stands in for the training engine: a turn only holds it."""
+
+    @contextlib.contextmanager
+    def holding(self, name: str):
+        yield None, name
+
+
+class Turns:
+    """A run's learner that records its turns: ``delivered`` batches wait at first (a run fallen behind), each
+    poll brings ``per_poll`` more, and every pass ingests one batch and steps on it (as a ``batch_rows`` of one
+    batch does)."""
+
+    def __init__(self, run_id: str, turns: list[str], delivered: int, per_poll: int) -> None:
+        self.run_id, self.turns, self.per_poll = run_id, turns, per_poll
+        self.cfg = SimpleNamespace(seed=0)
+        self.incoming = deque(range(delivered))
+        self.source = SimpleNamespace(exhausted=lambda: False)
+        self.steps = 0
+        self.poll_timeouts: list[float] = []
+
+    def budget_reached(self) -> bool:
+        return False
+
+    def run(self, should_stop, on_step, poll_timeout_s: float, wait_for_writes: bool) -> None:
+        while not should_stop():
+            self.turns.append(self.run_id)
+            if not self.incoming:
+                self.poll_timeouts.append(poll_timeout_s)
+                self.incoming.extend(range(self.per_poll))
+            if self.incoming:
+                self.incoming.popleft()
+                self.steps += 1
+                on_step({"step": self.steps})
+
+    def finish_writes(self) -> None:
+        pass
+
+
+def test_runs_take_one_pass_each_in_turn_however_far_behind_one_is():
+    """Round-robin, as the README states: a run with a hundred batches waiting (its learner fell behind) takes one
+    pass per round like the others, so it never trains two steps while another waits; the run with nothing
+    delivered polls without waiting while the busy one has batches delivered."""
+    turns: list[str] = []
+    behind, idle, steady = Turns("behind", turns, 100, 1), Turns("idle", turns, 0, 0), Turns("steady", turns, 0, 1)
+    packed = PackedLearner(Holding(), [behind, idle, steady])  # type: ignore[arg-type, list-item]
+    packed.run(should_stop=lambda: len(turns) >= 30, poll_timeout_s=3.0)
+    assert turns == ["behind", "idle", "steady"] * 10
+    assert (behind.steps, idle.steps, steady.steps) == (10, 0, 10)
+    assert set(idle.poll_timeouts) == {0.0}  # behind had batches delivered at each of idle's turns
