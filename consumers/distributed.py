@@ -9,6 +9,9 @@ with the same arguments; inside each call:
                   LoRA gradients over the ranks (all-reduce).  The losses are sums
                   over tokens divided by a normaliser, so the step equals one
                   process training on the whole request (up to float summation order).
+  random numbers  each rank draws its share's dropout masks from its own stream, seeded
+                  by one draw from the adapter's RNG, which stays the same on every rank
+                  (``_rank_stream``): a restarted group draws what an uninterrupted one does.
   results         loss and statistics are reduced, every datum's logprobs are
                   gathered: every rank returns what one process would.
   sharding        ``shard=True`` shards the frozen base weights over the ranks with
@@ -55,6 +58,7 @@ from safetensors.torch import load as load_safetensors
 
 from consumers.engine import AdamParams, ForwardResult, StepInfo, TrainingEngine
 from consumers.engine_data import PER_TOKEN, Datum, EngineError, micro_batch_slices
+from consumers.engine_state import capture_rng, restore_rng
 from consumers.losses import LossStats
 from pipeline.io.tensors import save_tensors as save_safetensors
 
@@ -200,14 +204,33 @@ class DistributedEngine(TrainingEngine):
             return super()._run(datums, loss, loss_fn, backward)
         start, stop = share(len(datums), self.topology)
         local = list(datums[start:stop])
-        result = super()._run(local, loss, loss_fn, backward) if local else ForwardResult(0.0, [], LossStats())
-        if self._sharded:
-            passes = len(micro_batch_slices(local, self.max_batch_tokens)) if local else 0
-            most = torch.tensor([passes], device=comm_device())
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            for _ in range(int(most) - passes):
-                super()._run([_idle_datum()], loss, loss_fn, backward)  # adds exactly zero to the gradients
+        with self._rank_stream():
+            result = super()._run(local, loss, loss_fn, backward) if local else ForwardResult(0.0, [], LossStats())
+            if self._sharded:
+                passes = len(micro_batch_slices(local, self.max_batch_tokens)) if local else 0
+                most = torch.tensor([passes], device=comm_device())
+                dist.all_reduce(most, op=dist.ReduceOp.MAX)
+                for _ in range(int(most) - passes):
+                    super()._run([_idle_datum()], loss, loss_fn, backward)  # adds exactly zero to the gradients
         return self._combine(result, datums, start)
+
+    @contextlib.contextmanager
+    def _rank_stream(self) -> Iterator[None]:
+        """Run the block on this rank's own random numbers (its share's dropout masks), seeded by one draw from the
+        adapter's RNG, which the block then leaves as that draw left it.
+
+        The adapter's RNG (swapped in by the caller) is thus the same on every rank after every call, as it starts
+        (one seed), so the one state a checkpoint keeps is every rank's and a restarted group draws what an
+        uninterrupted one does; and no two ranks draw the same masks for different rows.
+        """
+        draw = int(torch.randint(0, 2**62, (1,)))  # the same on every rank: the adapter's RNG is the group's
+        group_rng = capture_rng()
+        torch.manual_seed(int.from_bytes(hashlib.sha256(f"{draw}:{self.topology.rank}".encode()).digest()[:8],
+                                         "little") >> 1)
+        try:
+            yield
+        finally:
+            restore_rng(group_rng)
 
     def _combine(self, local: ForwardResult, datums: Sequence[Datum], start: int) -> ForwardResult:
         """Every rank's loss and statistics reduced, every datum's logprobs gathered (rows are disjoint: a sum)."""

@@ -91,6 +91,7 @@ def main() -> None:
                         help="broadcast one gspo batch and write what each rank received (datums.json)")
     parser.add_argument("--empty-steps", type=int, default=0,
                         help="then take this many optim_steps with no forward_backward before them")
+    parser.add_argument("--dropout", type=float, default=0.0, help="the adapter's LoRA dropout")
     parser.add_argument("--second-adapter", action="store_true",
                         help="then train adapter 'other' (created after sharding) on the same batches")
     args = parser.parse_args()
@@ -113,7 +114,7 @@ def main() -> None:
     bare_rss = rss_bytes("VmRSS")  # before the model: what the peak is measured above
     engine = DistributedEngine(args.model, topology, device="cpu", dtype=args.dtype, shard=args.shard,
                                gradient_checkpointing=args.gradient_checkpointing)
-    engine.create_adapter("policy", **LORA)
+    engine.create_adapter("policy", **LORA, dropout=args.dropout)
     batches = make_batches(args.steps, args.per_batch, engine.input_vocab - 24, args.length)
     if args.broadcast:  # as the learner: rank 0 reads the log, the others follow
         made = batches if topology.is_main else [None] * len(batches)
