@@ -34,7 +34,8 @@ engine's metadata in JSON; nothing pickled): ``save_checkpoint`` / ``load_checkp
 ``train_batches`` is the exactly-once loop over a fixed sequence of batches: a
 checkpoint after every ``every`` steps, committed by renaming its folder, records
 the ids of the batches trained so far; a restarted group (torchrun
-``--max-restarts``) resumes from the last committed one, and rank 0 rewrites the
+``--max-restarts``) resumes from the last committed one (as rank 0 lists the folder, which
+every rank must share), and rank 0 rewrites the
 batch log from it, so every batch is trained, and logged, exactly once.
 """
 
@@ -445,12 +446,33 @@ def train_batches(
 
 
 def _resume(engine: DistributedEngine, name: str, checkpoints: str | Path, batch_log: str | Path | None) -> list[str]:
-    """The batch ids of the last committed checkpoint (loaded into ``name``); rank 0 rewrites the batch log to match."""
-    latest = latest_checkpoint(checkpoints)
+    """The batch ids of rank 0's last committed checkpoint (loaded into ``name`` on every rank); rank 0 rewrites the
+    batch log to match."""
+    latest = _rank_0s_checkpoint(engine, checkpoints)
     trained = list(load_checkpoint(engine, name, latest)["batch_ids"]) if latest else []
     if batch_log is not None and engine.topology.is_main:
         Path(batch_log).write_text("".join(f"{batch_id}\n" for batch_id in trained))
     return trained
+
+
+def _rank_0s_checkpoint(engine: DistributedEngine, checkpoints: str | Path) -> Path | None:
+    """The newest committed checkpoint as rank 0 lists it, on every rank.
+
+    Only rank 0 lists the folder: a rank listing it on its own may be shown an older state of a shared
+    filesystem (a cached listing), resume from another step and pair its collectives with other steps'.
+    """
+    latest = latest_checkpoint(checkpoints) if engine.topology.is_main else None
+    if not engine.distributed:
+        return latest
+    step = torch.tensor([int(latest.name[len("step-"):]) if latest else -1], dtype=torch.int64, device=comm_device())
+    dist.broadcast(step, src=0)
+    if int(step) < 0:
+        return None
+    folder = latest if latest is not None else Path(checkpoints) / f"step-{int(step):08d}"
+    if not (folder / CHECKPOINT_META).is_file():
+        raise EngineError(f"rank {engine.topology.rank} does not see {folder}, rank 0's newest checkpoint; "
+                          "put the checkpoints in a folder every rank shares")
+    return folder
 
 
 def _commit(engine: DistributedEngine, name: str, checkpoints: str | Path, trained: list[str],

@@ -92,6 +92,8 @@ def main() -> None:
     parser.add_argument("--empty-steps", type=int, default=0,
                         help="then take this many optim_steps with no forward_backward before them")
     parser.add_argument("--dropout", type=float, default=0.0, help="the adapter's LoRA dropout")
+    parser.add_argument("--stale-listing", action="store_true",
+                        help="rank 1 lists no checkpoint (a shared folder whose listing it has cached)")
     parser.add_argument("--second-adapter", action="store_true",
                         help="then train adapter 'other' (created after sharding) on the same batches")
     args = parser.parse_args()
@@ -124,6 +126,10 @@ def main() -> None:
         if index == args.die_after and topology.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
             os.kill(os.getpid(), signal.SIGKILL)
 
+    if args.stale_listing and topology.rank == 1:
+        import consumers.distributed
+
+        consumers.distributed.latest_checkpoint = lambda root: None
     reset_peak_rss()
     start_rss = rss_bytes("VmRSS")
     started = time.perf_counter()

@@ -171,6 +171,19 @@ def test_two_ranks_with_lora_dropout_killed_and_restarted_end_bitwise_where_an_u
     assert all(torch.equal(cut[k], whole[k]) for k in whole), max_difference(cut, whole)
 
 
+def test_a_rank_whose_listing_misses_the_newest_checkpoint_resumes_from_rank_0s(tiny_model_dir, one_process,
+                                                                                tmp_path):
+    """Rank 0 alone picks the checkpoint a group resumes from: a rank that listed the shared folder on its own
+    could see an older one (a cached listing) and train batches the others skip, pairing their collectives
+    with those of other steps."""
+    torchrun(2, tiny_model_dir, tmp_path, "--steps", "3")
+    reports = torchrun(2, tiny_model_dir, tmp_path, "--stale-listing")  # rank 1 lists no checkpoint
+    ids = [f"batch-{step:03d}" for step in range(STEPS)]
+    assert reports[0]["trained"] == reports[1]["trained"] == ids
+    assert (tmp_path / "batches.log").read_text().split() == ids
+    assert max_difference(load_file(str(tmp_path / "adapter.safetensors")), one_process) < TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def wider_model(tmp_path_factory) -> str:
     """A Qwen2-shaped model of 12 layers x 512 (about 40 M parameters, 160 MB in float32), random weights."""
