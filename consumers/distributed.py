@@ -205,15 +205,21 @@ class DistributedEngine(TrainingEngine):
             return super()._run(datums, loss, loss_fn, backward)
         start, stop = share(len(datums), self.topology)
         local = list(datums[start:stop])
+        idle = self._idle_count(local) if self._sharded else 0  # agreed before any sharded forward gathers
         with self._rank_stream():
             result = super()._run(local, loss, loss_fn, backward) if local else ForwardResult(0.0, [], LossStats())
-            if self._sharded:
-                passes = len(micro_batch_slices(local, self.max_batch_tokens)) if local else 0
-                most = torch.tensor([passes], device=comm_device())
-                dist.all_reduce(most, op=dist.ReduceOp.MAX)
-                for _ in range(int(most) - passes):
-                    super()._run([_idle_datum()], loss, loss_fn, backward)  # adds exactly zero to the gradients
+            for _ in range(idle):
+                super()._run([_idle_datum()], loss, loss_fn, backward)  # adds exactly zero to the gradients
         return self._combine(result, datums, start)
+
+    def _idle_count(self, local: Sequence[Datum]) -> int:
+        """How many zero-weight passes this rank runs after its ``local`` share to run as many as the rank with the
+        most: each pass of a sharded body gathers every layer from all ranks, so the passes must pair up, and this
+        count is agreed before any of them (a collective between two ranks' gathers would pair with a gather)."""
+        passes = len(micro_batch_slices(local, self.max_batch_tokens)) if local else 0
+        most = torch.tensor([passes], device=comm_device())
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most) - passes
 
     @contextlib.contextmanager
     def _rank_stream(self) -> Iterator[None]:

@@ -53,12 +53,13 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def train_in_one_process(model: str, dtype: str = "auto", lora: dict | None = None) -> dict[str, torch.Tensor]:
+def train_in_one_process(model: str, dtype: str = "auto", lora: dict | None = None, per_batch: int = 6
+                         ) -> dict[str, torch.Tensor]:
     """The adapter after the worker's batches, trained by the ordinary engine in one process."""
     engine = TrainingEngine(model, device="cpu", dtype=dtype)
     engine.create_adapter("policy", **(lora or LORA))
     initial = engine.weights("policy")
-    for batch in make_batches(STEPS, vocab=engine.input_vocab - 24):
+    for batch in make_batches(STEPS, per_batch, vocab=engine.input_vocab - 24):
         engine.forward_backward("policy", batch.datums, batch.loss, batch.loss_args)
         engine.optim_step("policy", ADAM)
     weights = engine.weights("policy")
@@ -104,6 +105,14 @@ def test_two_ranks_end_with_the_adapter_of_one_process(tiny_model_dir, one_proce
     reports = torchrun(2, tiny_model_dir, tmp_path, "--broadcast")
     assert max_difference(load_file(str(tmp_path / "adapter.safetensors")), one_process) < TOLERANCE
     assert reports[0]["base_bytes"] == reports[1]["base_bytes"]  # replicated base weights
+
+
+def test_a_rank_with_no_rows_in_a_step_leaves_the_adapter_of_one_process(tiny_model_dir, tmp_path):
+    """One row a step over two sharded ranks: rank 1 has none (an idle pass keeps its gathers paired), yet the
+    summed gradients are one process's on that row, divided by the step's normaliser, not a rank's share."""
+    torchrun(2, tiny_model_dir, tmp_path, "--shard", "--per-batch", "1")
+    single = train_in_one_process(tiny_model_dir, per_batch=1)
+    assert max_difference(load_file(str(tmp_path / "adapter.safetensors")), single) < TOLERANCE
 
 
 def test_an_optim_step_without_gradients_on_any_rank_leaves_the_adapter_as_one_process_does(
