@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--empty-steps", type=int, default=0,
                         help="then take this many optim_steps with no forward_backward before them")
     parser.add_argument("--dropout", type=float, default=0.0, help="the adapter's LoRA dropout")
+    parser.add_argument("--max-batch-tokens", type=int, default=32768, help="the engine's micro-batch size")
     parser.add_argument("--stale-listing", action="store_true",
                         help="rank 1 lists no checkpoint (a shared folder whose listing it has cached)")
     parser.add_argument("--second-adapter", action="store_true",
@@ -115,7 +116,7 @@ def main() -> None:
         return
     bare_rss = rss_bytes("VmRSS")  # before the model: what the peak is measured above
     engine = DistributedEngine(args.model, topology, device="cpu", dtype=args.dtype, shard=args.shard,
-                               gradient_checkpointing=args.gradient_checkpointing)
+                               gradient_checkpointing=args.gradient_checkpointing, max_batch_tokens=args.max_batch_tokens)
     engine.create_adapter("policy", **LORA, dropout=args.dropout)
     batches = make_batches(args.steps, args.per_batch, engine.input_vocab - 24, args.length)
     if args.broadcast:  # as the learner: rank 0 reads the log, the others follow

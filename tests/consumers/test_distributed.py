@@ -107,11 +107,15 @@ def test_two_ranks_end_with_the_adapter_of_one_process(tiny_model_dir, one_proce
     assert reports[0]["base_bytes"] == reports[1]["base_bytes"]  # replicated base weights
 
 
-def test_a_rank_with_no_rows_in_a_step_leaves_the_adapter_of_one_process(tiny_model_dir, tmp_path):
-    """One row a step over two sharded ranks: rank 1 has none (an idle pass keeps its gathers paired), yet the
-    summed gradients are one process's on that row, divided by the step's normaliser, not a rank's share."""
-    torchrun(2, tiny_model_dir, tmp_path, "--shard", "--per-batch", "1")
-    single = train_in_one_process(tiny_model_dir, per_batch=1)
+@pytest.mark.parametrize("per_batch, max_batch_tokens", [(1, 32768), (3, 12)])
+def test_ranks_with_uneven_shares_leave_the_adapter_of_one_process(tiny_model_dir, tmp_path, per_batch,
+                                                                   max_batch_tokens):
+    """Sharded ranks with uneven shares: one row a step (rank 1 has none) or three rows in micro-batches of at
+    most 12 tokens (rank 0 runs more passes than rank 1).  Idle passes keep the ranks' gathers paired, and the
+    summed gradients are one process's on all the rows, divided by the step's normaliser, not a rank's share."""
+    torchrun(2, tiny_model_dir, tmp_path, "--shard", "--per-batch", str(per_batch), "--max-batch-tokens",
+             str(max_batch_tokens))
+    single = train_in_one_process(tiny_model_dir, per_batch=per_batch)
     assert max_difference(load_file(str(tmp_path / "adapter.safetensors")), single) < TOLERANCE
 
 
