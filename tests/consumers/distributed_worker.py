@@ -2,7 +2,8 @@
 
 Run as ``python -m torch.distributed.run --nproc-per-node N tests/consumers/distributed_worker.py --model DIR --out DIR``.
 Rank 0 writes the final adapter (``adapter.safetensors``); every rank writes
-``rank<r>.json`` (its peak resident memory during training, tokens, seconds).
+``rank<r>.json`` (its peak resident memory during training, tokens, seconds, the sha256 of its
+adapter's saved state: weights, AdamW state and RNG).
 ``--die-after K`` makes rank 1 SIGKILL itself after step K on the group's first
 attempt (torchrun's TORCHELASTIC_RESTART_COUNT is 0), so a restart can be tested.
 """
@@ -10,6 +11,7 @@ attempt (torchrun's TORCHELASTIC_RESTART_COUNT is 0), so a restart can be tested
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -141,7 +143,7 @@ def main() -> None:
     base_bytes = sum(local_bytes(p) for p in engine.base.parameters() if not p.requires_grad)
     (out / f"rank{topology.rank}.json").write_text(json.dumps(
         {"peak_rss": rss_bytes(), "start_rss": start_rss, "bare_rss": bare_rss, "seconds": seconds, "tokens": tokens, "trained": trained,
-         "base_bytes": base_bytes}))
+         "base_bytes": base_bytes, "state_sha256": hashlib.sha256(engine.save_state("policy")).hexdigest()}))
     for _ in range(args.empty_steps):
         engine.optim_step("policy", ADAM)
     if args.second_adapter:

@@ -113,8 +113,9 @@ def test_ranks_with_uneven_shares_leave_the_adapter_of_one_process(tiny_model_di
     """Sharded ranks with uneven shares: one row a step (rank 1 has none) or three rows in micro-batches of at
     most 12 tokens (rank 0 runs more passes than rank 1).  Idle passes keep the ranks' gathers paired, and the
     summed gradients are one process's on all the rows, divided by the step's normaliser, not a rank's share."""
-    torchrun(2, tiny_model_dir, tmp_path, "--shard", "--per-batch", str(per_batch), "--max-batch-tokens",
-             str(max_batch_tokens))
+    reports = torchrun(2, tiny_model_dir, tmp_path, "--shard", "--per-batch", str(per_batch), "--max-batch-tokens",
+                       str(max_batch_tokens))
+    assert reports[0]["state_sha256"] == reports[1]["state_sha256"]  # weights, AdamW state, RNG: alike on every rank
     single = train_in_one_process(tiny_model_dir, per_batch=per_batch)
     assert max_difference(load_file(str(tmp_path / "adapter.safetensors")), single) < TOLERANCE
 
@@ -176,8 +177,10 @@ def test_two_ranks_with_lora_dropout_killed_and_restarted_end_bitwise_where_an_u
     SIGKILLed after step 3 and the group resumes from that step's checkpoint: the adapter must be the one a
     group that was never interrupted trains, bit for bit."""
     args = ("--dropout", "0.3", "--every", "1")
-    torchrun(2, tiny_model_dir, tmp_path / "whole", *args)
-    torchrun(2, tiny_model_dir, tmp_path / "cut", *args, "--die-after", "2", restarts=1)
+    whole_reports = torchrun(2, tiny_model_dir, tmp_path / "whole", *args)
+    cut_reports = torchrun(2, tiny_model_dir, tmp_path / "cut", *args, "--die-after", "2", restarts=1)
+    states = {report["state_sha256"] for reports in (whole_reports, cut_reports) for report in reports.values()}
+    assert len(states) == 1  # weights, AdamW state and RNG alike on every rank, restarted or not
     assert (tmp_path / "cut" / "batches.log").read_text().split() == [f"batch-{step:03d}" for step in range(STEPS)]
     whole, cut = (load_file(str(tmp_path / name / "adapter.safetensors")) for name in ("whole", "cut"))
     assert max(float(whole[k].abs().max()) for k in whole if "lora_B" in k) > 1e-3  # training moved the adapter
