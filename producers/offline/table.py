@@ -171,7 +171,8 @@ def _ordered_frame(frame: pl.DataFrame, mapping: TableMapping, where: str) -> pl
 
 def _split_at_gaps(frame: pl.DataFrame) -> pl.DataFrame:
     """Cut each named episode (rows sorted by episode, then time) after every gap longer than 1.5 steps
-    (the median step within episodes): the parts after the first are ``<id>-1``, ``<id>-2``, ...
+    (the median step within episodes): the parts after the first are ``<id>-1``, ``<id>-2``, ..., skipping
+    any name another episode of the log already has (``_distinct``).
 
     Why: no action was logged across the gap, so the row before it is not one step from the row after.
     """
@@ -183,11 +184,10 @@ def _split_at_gaps(frame: pl.DataFrame) -> pl.DataFrame:
     breaks_R = np.append(False, same_R & (np.diff(times_R) > 1.5 * float(np.median(gaps_R))))
     if not breaks_R.any():
         return frame
-    cuts_R = np.cumsum(breaks_R)
-    episode_start_R = np.maximum.accumulate(np.where(np.append(True, ~same_R), np.arange(codes_R.size), 0))
-    part_R = cuts_R - cuts_R[episode_start_R]
-    labels = [code if part == 0 else f"{code}-{part}" for code, part in zip(codes_R, part_R, strict=True)]
-    return frame.with_columns(pl.Series(_EPISODE, labels, dtype=pl.Utf8))
+    part_R = np.cumsum(np.append(True, ~same_R) | breaks_R) - 1  # index of the part each row is in
+    part_start_P = np.flatnonzero(np.diff(part_R, prepend=-1))
+    names_P = _distinct([codes_R[s] for s in part_start_P])
+    return frame.with_columns(pl.Series(_EPISODE, [names_P[p] for p in part_R], dtype=pl.Utf8))
 
 
 def _times_us(column: pl.Series, mapping: TableMapping) -> np.ndarray:
@@ -321,18 +321,28 @@ def _table_episodes(
 
 
 def _distinct(ids: list[str]) -> list[str]:
-    """``ids`` with each repeat suffixed ``-1``, ``-2``, ... (ids are start times to the second)."""
-    seen: Counter[str] = Counter()
-    distinct = []
+    """``ids`` with each repeat suffixed ``-1``, ``-2``, ..., skipping a suffixed name that is itself in
+    ``ids`` (a log may name episodes ``b1`` and ``b1-1``) or was already given: every result is distinct."""
+    taken, tried = set(ids), Counter[str]()
+    distinct, first = [], set()
     for episode_id in ids:
-        distinct.append(f"{episode_id}-{seen[episode_id]}" if seen[episode_id] else episode_id)
-        seen[episode_id] += 1
+        if episode_id not in first:
+            first.add(episode_id)
+            distinct.append(episode_id)
+            continue
+        name = episode_id
+        while name in taken:
+            tried[episode_id] += 1
+            name = f"{episode_id}-{tried[episode_id]}"
+        taken.add(name)
+        distinct.append(name)
     return distinct
 
 
 def _episode_rule(mapping: TableMapping) -> str:
     """How the log was cut into episodes, in words, for the dataset card."""
-    cut = "; a gap of more than 1.5 steps cuts one (the rest: <id>-1, <id>-2, ...)" if mapping.timestamp else ""
+    cut = ("; a gap of more than 1.5 steps cuts one (the rest: <id>-1, <id>-2, ..., names not taken)"
+           if mapping.timestamp else "")
     rule = (f"episodes from column {mapping.episode_id!r}{cut}" if mapping.episode_id
             else episode_rule(mapping.episode_split, mapping.utc_offset_hours) if mapping.timestamp
             else "one episode in file order")

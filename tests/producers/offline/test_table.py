@@ -260,3 +260,16 @@ def test_a_gap_inside_a_named_episode_ends_it_there_instead_of_becoming_one_long
     assert cols["step"] == [0, 1, 2, 0, 1, 0, 1]
     assert cols["is_last"] == [False, False, True, False, True, False, True]
     assert not any(cols["is_terminal"])  # cut by the gap, not ended
+
+
+def test_the_part_after_a_gap_takes_a_name_no_episode_of_the_log_has(tmp_path, store):
+    # b1 has a 5-hour hole; the log also names a real episode b1-1, so b1's second part becomes b1-2
+    rows = "b,time,temp,sp,r\n" + "".join(
+        f"b1,2023-05-01T{t}:00Z,20,1,-1\n" for t in ("10:00", "10:05", "10:10", "15:10", "15:15")
+    ) + "b1-1,2023-05-01T15:12:00Z,30,2,-2\nb1-1,2023-05-01T15:17:00Z,30,2,-2\n"
+    mapping = TableMapping(episode_id="b", timestamp="time", observation=["temp"], action=["sp"], reward="r")
+    card = import_table(store, _csv(tmp_path, rows), "holes", mapping)
+    assert card.num_episodes == 3
+    cols = next(t for _, t in iter_partitions(store, card)).to_pydict()
+    assert cols["episode_id"] == ["b1"] * 3 + ["b1-2"] * 2 + ["b1-1"] * 2  # in order of their start
+    assert cols["temp"] == [20.0] * 5 + [30.0] * 2  # the real b1-1 keeps its own rows only
