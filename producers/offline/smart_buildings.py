@@ -18,7 +18,7 @@ import itertools
 import json
 import math
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -297,14 +297,10 @@ def load_partition(folder: Path, trust_pickle: bool, root: Path | None = None) -
     meta_file = metadata_path(folder)
     metadata = read_metadata(meta_file, trust_pickle)
     npz_file = folder / NPZ_NAME
-    try:
-        with np.load(npz_file, allow_pickle=False) as npz:
-            missing = [m for m in MATRICES if m not in npz.files]
-            if missing:
-                raise DatasetImportError(f"{npz_file} lacks {', '.join(missing)}")
-            matrices = {m: np.asarray(npz[m]) for m in MATRICES}
-    except ValueError as exc:  # an object array (which would need pickle) or a corrupt file
-        raise DatasetImportError(f"{npz_file} cannot be read without pickle: {str(exc).splitlines()[0]}") from None
+    matrices = _read_matrices(npz_file, MATRICES)
+    missing = [m for m in MATRICES if m not in matrices]
+    if missing:
+        raise DatasetImportError(f"{npz_file} lacks {', '.join(missing)}")
     _check_shapes(matrices, metadata, npz_file)
     base = root or folder
     source_files = {
@@ -312,6 +308,16 @@ def load_partition(folder: Path, trust_pickle: bool, root: Path | None = None) -
         for p in (npz_file, meta_file)
     }
     return SbdPartition(folder, matrices, metadata, source_files)
+
+
+def _read_matrices(npz_file: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The matrices ``names`` that ``npz_file`` holds, read without pickle; a one-line error naming the file
+    for an object array (which would need pickle) or a corrupt file."""
+    try:
+        with np.load(npz_file, allow_pickle=False) as npz:
+            return {m: np.asarray(npz[m]) for m in names if m in npz.files}
+    except ValueError as exc:
+        raise DatasetImportError(f"{npz_file} cannot be read without pickle: {str(exc).splitlines()[0]}") from None
 
 
 def _check_shapes(matrices: dict[str, np.ndarray], metadata: SbdMetadata, where: Path) -> None:
@@ -435,25 +441,25 @@ def check_steps_finite(folder: Path, metadata: SbdMetadata, reward_id: str, root
     reward_column = metadata.ids["reward_value_matrix"].index(reward_id)
     rows = step_rows(metadata, shown)
     times_S = metadata.times_us_R[rows["observation_value_matrix"]]
-    with np.load(npz_file, allow_pickle=False) as npz:
-        wanted = {"action_value_matrix": None, "reward_value_matrix": reward_column}
-        for matrix, only in wanted.items():
-            if matrix not in npz.files:
-                continue  # load_partition names what is missing
-            values = np.asarray(npz[matrix], dtype=np.float64)
-            if values.shape != (metadata.matrix_times_us[matrix].size, len(metadata.ids[matrix])):
-                continue  # load_partition names the shape
-            values = values[rows[matrix]]
-            columns = range(values.shape[1]) if only is None else [only]
-            for column in columns:
-                finite = np.isfinite(values[:, column])
-                if not finite.all():
-                    row = int(np.argmin(finite))
-                    name = ROLE_PREFIX[MATRIX_ROLE[matrix]] + metadata.ids[matrix][column]
-                    raise DatasetImportError(
-                        f"{shown}: {name} is missing or not finite at {_utc_text(int(times_S[row]))} UTC; every "
-                        "step needs its action and reward: fill it in or drop the row"
-                    )
+    wanted = {"action_value_matrix": None, "reward_value_matrix": reward_column}
+    stored = _read_matrices(npz_file, list(wanted))  # load_partition names any missing
+    for matrix, only in wanted.items():
+        values = stored.get(matrix)
+        if values is None or values.ndim != 2 or not np.issubdtype(values.dtype, np.number):
+            continue  # load_partition names what is missing or not numeric
+        if values.shape != (metadata.matrix_times_us[matrix].size, len(metadata.ids[matrix])):
+            continue  # load_partition names the shape
+        values = values[rows[matrix]].astype(np.float64)
+        columns = range(values.shape[1]) if only is None else [only]
+        for column in columns:
+            finite = np.isfinite(values[:, column])
+            if not finite.all():
+                row = int(np.argmin(finite))
+                name = ROLE_PREFIX[MATRIX_ROLE[matrix]] + metadata.ids[matrix][column]
+                raise DatasetImportError(
+                    f"{shown}: {name} is missing or not finite at {_utc_text(int(times_S[row]))} UTC; every "
+                    "step needs its action and reward: fill it in or drop the row"
+                )
 
 
 def _utc_text(epoch_us: int) -> str:

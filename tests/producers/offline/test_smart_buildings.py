@@ -185,6 +185,22 @@ def test_malformed_partitions_are_refused_before_writing(tmp_path, store):
     assert "bad" not in dataset_names(store)
 
 
+@pytest.mark.parametrize(("action", "said"), [
+    (np.array([[object()]] * 76, dtype=object), "cannot be read without pickle"),
+    (np.array([["warm"]] * 76), "must be a 2-D numeric matrix"),
+])
+def test_an_action_matrix_of_objects_or_text_is_one_line_naming_the_file(tmp_path, store, action, said):
+    matrices, metadata = _sbd_partition()
+    matrices["action_value_matrix"] = action
+    _write_json_partition(tmp_path / "sb1" / "2023_a", matrices, metadata)
+    result = runner.invoke(app, ["import", "smart-buildings", str(tmp_path / "sb1"), "--name", "odd",
+                                 "--root", store.root])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert said in result.output and "2023_a" in result.output and "data.npy.npz" in result.output, result.output
+    assert _nothing_written(store)
+
+
 def test_partitions_that_overlap_in_time_are_refused_naming_both_and_nothing_is_written(tmp_path, store):
     matrices, metadata = _sbd_partition()
     _write_json_partition(tmp_path / "sb1" / "2023_a", matrices, metadata)
