@@ -45,6 +45,7 @@ from pipeline.io.datasets import DatasetCard, read_card, read_dataset
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import create_run, open_store
+from pipeline.units import same_unit
 from pipeline.value_network import network_files
 from schemas.checkpoint import LearnerState
 from schemas.config import RunConfig
@@ -157,7 +158,7 @@ def _building_card(store: ObjectStore, dataset: str) -> DatasetCard:
     units = card.units()
     for column in card.action_columns:  # the setpoint grid is in kelvin; another unit would land on its ends
         unit = units.get(column)
-        if unit is not None and unit.strip().lower() not in ("k", "kelvin"):
+        if unit is not None and not same_unit(unit, "K"):
             raise ValueError(f"dataset {dataset} logs setpoint {column} in {unit}; offline CQL's setpoint grid is in "
                              "kelvin: convert the column to K (degC + 273.15) and import it again")
     return card

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.io.datasets import DatasetCard, iter_partitions, read_card
 from pipeline.io.store import ObjectStore
+from pipeline.units import same_unit
 from producers.envs.building import (
     COOL,
     HEAT,
@@ -68,7 +69,7 @@ def check_building_dataset(card: DatasetCard, env: BuildingHVAC) -> None:
     units = card.units()
     for column, unit in building_column_units(env).items():
         stated = units.get(column)
-        if stated is not None and stated.strip() != unit:
+        if stated is not None and not same_unit(stated, unit):
             raise DatasetImportError(
                 f"dataset {card.name} logs {column} in {stated}, the building-hvac prompt shows it in {unit}; "
                 f"convert the column to {unit} and import it again"

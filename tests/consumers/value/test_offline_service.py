@@ -147,3 +147,22 @@ def test_setpoints_logged_in_another_unit_than_kelvin_are_refused_naming_the_col
                                                      reward="r", units={"water": "degC", "air": "degC"}))
     with pytest.raises(ValueError, match=r"water.*degC.*kelvin"):
         replay_train_offline(small_config(tmp_path / "store", "cql-celsius", max_steps=1), "celsius")
+
+
+@pytest.mark.parametrize(("unit", "accepted"), [("kelvin", True), ("K", True), ("degC", False)])
+def test_setpoint_units_are_read_as_the_trajectory_conversion_reads_them(tmp_path: Path, unit: str,
+                                                                         accepted: bool) -> None:
+    from consumers.value.offline_service import _building_card
+    from producers.offline.table import TableMapping, import_table
+
+    csv = tmp_path / "plant.csv"
+    csv.write_text("time,zone,water,air,r\n" + "".join(
+        f"2023-05-01T10:{m:02d}:00Z,294.0,330.0,291.0,-0.5\n" for m in range(0, 30, 5)))
+    store = ObjectStore((tmp_path / "store").as_uri())
+    import_table(store, csv, "plant", TableMapping(timestamp="time", observation=["zone"], action=["water", "air"],
+                                                   reward="r", units={"water": unit, "air": unit}))
+    if accepted:
+        assert _building_card(store, "plant").name == "plant"
+    else:
+        with pytest.raises(ValueError, match=rf"water.*{unit}.*kelvin"):
+            _building_card(store, "plant")

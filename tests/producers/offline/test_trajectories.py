@@ -104,3 +104,13 @@ def test_a_dataset_logging_a_prompt_column_in_another_unit_is_refused_naming_it(
                                                  for f in card.fields]})
     with pytest.raises(ValueError, match=rf"{zone}.*degC.*K"):
         check_building_dataset(celsius, env)
+
+
+@pytest.mark.parametrize("spelling", ["kelvin", "K", " Kelvin"])
+def test_a_prompt_column_in_kelvin_is_accepted_however_the_card_spells_it(store, spelling):
+    from producers.offline.trajectories import building_env_for, check_building_dataset
+
+    card = generate_building_dataset(store, "hvac", GenerationSpec(days=1, policy="heuristic"))
+    spelled = card.model_copy(update={"fields": [f.model_copy(update={"unit": spelling}) if f.unit == "K" else f
+                                                 for f in card.fields]})
+    check_building_dataset(spelled, building_env_for(card))
