@@ -309,18 +309,20 @@ def trajectory_table(
 
     ``ids``: run_id, batch_id, producer_id, group_prefix.  Logged data has no sampler:
     logprobs are 0, ``policy_version`` 0 and ``adapter_sha256`` the base model's.  The
-    group is ``time_of_day_group``.
+    group is ``time_of_day_group``.  An answer ends as a demonstration's does
+    (``ChatFormat.answer_end_id``): with the template's closing token, where sampling stops a turn.
     """
-    from producers.episode import prompt_ids
+    from producers.episode import ChatFormat, prompt_ids
     from schemas.trajectory import NO_ADAPTER_SHA, TRAJECTORY_SCHEMA
 
     system, history = env.system_prompt(), env.config.history_turns
+    answer_end = ChatFormat.from_tokenizer(tokenizer).answer_end_id(tokenizer)
     columns: dict[str, list[Any]] = {f.name: [] for f in TRAJECTORY_SCHEMA}
     for e, t in items:
         episode = episodes[e]
         step = episode.steps[t]
         prompt = prompt_ids(tokenizer, turn_messages(system, episode.steps, t, history))
-        answer = [*tokenizer.encode(step.answer, add_special_tokens=False), int(tokenizer.eos_token_id)]
+        answer = [*tokenizer.encode(step.answer, add_special_tokens=False), int(answer_end)]
         tokens = [*prompt, *answer]
         row = {
             "run_id": ids["run_id"], "batch_id": ids["batch_id"], "episode_id": episode.episode_id,

@@ -114,3 +114,19 @@ def test_a_prompt_column_in_kelvin_is_accepted_however_the_card_spells_it(store,
     spelled = card.model_copy(update={"fields": [f.model_copy(update={"unit": spelling}) if f.unit == "K" else f
                                                  for f in card.fields]})
     check_building_dataset(spelled, building_env_for(card))
+
+
+def test_a_base_models_logged_answers_end_with_the_templates_closing_token(store, base_chatml_tokenizer):
+    """Sampling stops a base model's turn at ``<|im_end|>`` (not its eos ``<|endoftext|>``): a logged answer is
+    trained to end there, once, as a demonstration is, and never with eos."""
+    tokenizer = base_chatml_tokenizer
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    generate_building_dataset(store, "hvac", GenerationSpec(days=1, policy="heuristic"))
+    dataset_to_trajectories(store, "hvac", "run", tokenizer, OPTIONS)
+    archive = TrajectoryArchive(store)
+    rows = [r for key in archive.list_batches("run") for r in archive.read_batch(key).to_pylist()]
+    assert len(rows) == 288
+    for row in rows:
+        trained = [t for t, m in zip(row["tokens"], row["loss_mask"], strict=True) if m]
+        assert trained[-1] == im_end and trained.count(im_end) == 1, tokenizer.decode(trained)
+        assert tokenizer.eos_token_id not in trained
