@@ -97,19 +97,28 @@ def plot_reward(by_version: list[dict[str, Any]], over_time: dict[str, Any], t0:
 
 def plot_eval(points: list[dict[str, Any]]) -> Figure | None:
     """Mean return (95% CI) and success rate (95% Wilson CI) per evaluated version, one series per (policy, environment) named
-    in the legend; a baseline evaluated at one version only is a band (one per seed range)."""
+    in the legend; a baseline evaluated at one version only is a band (one per seed range).
+
+    A (policy, environment) evaluated on more than one seed range is one series per range, named with its seeds
+    ("adapter on cartpole, seeds 1000-1099"): one line through both would join two points at one version.
+    """
     if not points:
         return None
     fig = Figure(figsize=(12, 4.4), layout="constrained")
     ax_return, ax_success = fig.subplots(1, 2)
-    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for p in points:  # eval_series sorts them by version within a (policy, env)
-        series.setdefault((p["policy"], p["env"]), []).append(p)
+    ranges: dict[tuple[str, str], set[tuple[int, int]]] = {}
+    for p in points:
+        ranges.setdefault((p["policy"], p["env"]), set()).add((p["seed_start"], p["episodes"]))
+    series: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+    for p in points:  # eval_series sorts them by version within a (policy, env, seed range)
+        seeds = (p["seed_start"], p["episodes"]) if len(ranges[(p["policy"], p["env"])]) > 1 else (-1, 0)
+        series.setdefault((p["policy"], p["env"], *seeds), []).append(p)
     versions = [p["version"] for p in points]
     x_low, x_high = min(versions) - 0.4, max(versions) + 0.4
     color_index = 0
-    for (policy, env), mine in sorted(series.items(), key=lambda item: (item[0][0] != "adapter", item[0])):
-        label = f"{policy} on {env}"
+    adapter_first = sorted(series.items(), key=lambda item: (item[0][0] != "adapter", item[0]))
+    for (policy, env, first, count), mine in adapter_first:
+        label = f"{policy} on {env}" + (f", seeds {first}-{first + count - 1}" if count else "")
         if policy not in _VERSIONED_POLICIES and len({p["version"] for p in mine}) == 1:  # a reference band
             for p in mine:
                 color = f"C{color_index}"
