@@ -154,12 +154,12 @@ class DistributedEngine(TrainingEngine):
         return self.topology.world_size > 1
 
     # ---- the operations that differ --------------------------------------------------------
-    def optim_step(self, name: str, adam: AdamParams) -> StepInfo:
+    def optim_step(self, name: str, adam: AdamParams, undo: bool = False) -> StepInfo:
         """Sum the ranks' accumulated gradients, then the one-process step (clip, AdamW, zero)."""
         if self.distributed:
             with self._lock:
                 self._all_reduce_gradients(list(self._get(name).params.values()))
-        return super().optim_step(name, adam)
+        return super().optim_step(name, adam, undo)
 
     # ---- phases ------------------------------------------------------------------------------
     def _new_adapter(self, lora: Any, seed: int) -> Any:

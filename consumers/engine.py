@@ -12,7 +12,8 @@ operations (the Tinker training calls, TINKER.md sections 5 and 10):
                     loss is not finite is refused and adds none)
   optim_step        clip (optional), AdamW with this call's hyper-parameters, zero the gradients
                     (gradients that are not finite are discarded and the step refused; without
-                    gradients nothing changes and no step is counted; a step failing part-way is undone)
+                    gradients nothing changes and no step is counted; with ``undo``, a step failing
+                    part-way is undone)
   save_state        adapter + optimizer + RNG as one safetensors blob (metadata in its JSON header),
                     optionally the accumulated gradients too (what a trainer's fold keeps)
   load_state        the reverse; the optimizer is optional, an unknown name is created from the state
@@ -274,14 +275,16 @@ class TrainingEngine:
                 raise
             return result
 
-    def optim_step(self, name: str, adam: AdamParams) -> StepInfo:
+    def optim_step(self, name: str, adam: AdamParams, undo: bool = False) -> StepInfo:
         """Clip (if ``grad_clip_norm``), one AdamW step with ``adam``'s values, zero the accumulated gradients.
 
         Without gradients (no ``forward_backward`` since the last step) nothing changes and no step is counted:
         AdamW moves no parameter that has no gradient (nor its moments), so a counted step would only make the
-        step count disagree with the steps that trained.  A step that fails part-way (memory short on the
-        device) puts the weights, Adam state and unclipped gradients back (``step_undo``), so its retry, or a
-        trainer replaying the log without it, goes on from the state before it."""
+        step count disagree with the steps that trained.  With ``undo`` (the API trainer, whose client may send
+        a failed step again) a step that fails part-way (memory short on the device) puts the weights, Adam state
+        and unclipped gradients back (``step_undo``), so its retry, or a trainer replaying the log without it,
+        goes on from the state before it; the copies that takes cost about four adapters' memory and a copy of
+        each, so a learner, which resumes from its checkpoint when a step fails, does not ask for them."""
         with self._lock:
             adapter = self._get(name)
             params = list(adapter.params.values())
@@ -289,7 +292,7 @@ class TrainingEngine:
             grads = [p for p in params if p.grad is not None]
             if not grads:
                 return StepInfo(0.0, adam.learning_rate, adapter.step)
-            undo = step_undo(adapter.params, adapter.optimizer)
+            put_back = step_undo(adapter.params, adapter.optimizer) if undo else None
             try:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
                 if math.isfinite(grad_norm):
@@ -298,7 +301,8 @@ class TrainingEngine:
                                      weight_decay=adam.weight_decay)
                     adapter.optimizer.step()
             except BaseException:
-                undo()
+                if put_back is not None:
+                    put_back()
                 raise
             if not math.isfinite(grad_norm):  # a step would write NaN weights; the gradients are of no use
                 adapter.optimizer.zero_grad(set_to_none=True)

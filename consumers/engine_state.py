@@ -5,7 +5,6 @@ RNG swapped around an adapter's operation, and the undo of an optimizer step tha
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -57,17 +56,23 @@ def checked_optimizer(params: list[torch.nn.Parameter], tensors: dict[str, torch
 def step_undo(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     """What puts ``params`` (weights and gradients) and ``optimizer`` (moments, step counts, hyper-parameters) back
     as they are now: for an optimizer step that fails part-way (clipping and AdamW change them in place, tensor by
-    tensor).  The copies stay on the device, about three adapters' worth while the step runs."""
+    tensor).  The copies stay on the device: about four adapters' worth (weights, gradients and Adam's two moments)
+    while the step runs, which is why only a caller that answers the failure to a client asks for them."""
     weights = {key: p.detach().clone() for key, p in params.items()}
     gradients = {key: None if p.grad is None else p.grad.detach().clone() for key, p in params.items()}
-    state = copy.deepcopy(optimizer.state_dict())
+    state = {p: {slot: value.clone() if torch.is_tensor(value) else value for slot, value in slots.items()}
+             for p, slots in optimizer.state.items()}
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
 
     def undo() -> None:
         with torch.no_grad():
             for key, p in params.items():
                 p.copy_(weights[key])
                 p.grad = gradients[key]
-        optimizer.load_state_dict(state)
+        optimizer.state.clear()
+        optimizer.state.update(state)
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
+            group.update(saved)
 
     return undo
 

@@ -91,7 +91,7 @@ def optim_step(engine: TrainingEngine, model_id: str, request: types.OptimStepRe
     with _as_user_errors():
         adam = AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
                           eps=params.eps, weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm)
-        step = engine.optim_step(name, adam)
+        step = engine.optim_step(name, adam, undo=True)  # a step failing part-way changes nothing: it may be resent
     return types.OptimStepResponse(metrics={"grad_norm:mean": step.grad_norm,
                                             "learning_rate:mean": step.learning_rate, "step:max": float(step.step)})
 

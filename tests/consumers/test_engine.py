@@ -351,7 +351,7 @@ def test_an_optim_step_failing_half_way_changes_nothing(engine):
 
     hook = engine._get("a").optimizer.register_step_post_hook(fails_after_the_update)
     with pytest.raises(RuntimeError, match="out of memory"):
-        engine.optim_step("a", clipped)
+        engine.optim_step("a", clipped, undo=True)
     assert all(same_snapshot(before[name], snapshot(engine, name)) for name in ("a", "b"))
     hook.remove()
     engine.optim_step("a", clipped)
@@ -359,6 +359,23 @@ def test_an_optim_step_failing_half_way_changes_nothing(engine):
     twin.load_state("a", state)
     twin.optim_step("a", clipped)
     assert engine.save_state("a") == twin.save_state("a")  # weights, moments, step count
+
+
+def test_a_step_takes_an_undo_point_only_when_asked(engine, monkeypatch):
+    """The undo point (copies of weights, gradients and Adam moments) is for the API trainer, whose client may send
+    a failed step again; a learner or distributed rank that fails a step resumes from its checkpoint instead."""
+    import consumers.engine as engine_module
+
+    taken = []
+    real_step_undo = engine_module.step_undo
+    monkeypatch.setattr(engine_module, "step_undo", lambda *args: taken.append(1) or real_step_undo(*args))
+    engine.create_adapter("a", rank=4, alpha=8, target_modules=TARGETS, seed=1)
+    engine.forward_backward("a", datums(1), "cross_entropy")
+    engine.optim_step("a", ADAM)
+    assert taken == []
+    engine.forward_backward("a", datums(2), "cross_entropy")
+    engine.optim_step("a", ADAM, undo=True)
+    assert taken == [1]
 
 
 def test_an_optim_step_on_gradients_that_are_not_finite_is_refused_and_they_are_discarded(engine):

@@ -289,6 +289,29 @@ def test_an_optim_step_with_no_forward_backward_since_the_last_changes_nothing_a
     assert ops.save_state(engine, "idle:train:0") == stepped
 
 
+def test_an_optim_step_failing_half_way_on_the_trainer_changes_nothing(engine):
+    """Memory short inside AdamW: the client's error stands and the step it sends again is the one that would have
+    run (weights, Adam moments, step count and unclipped gradients are as before the failed one)."""
+    create(engine, "halfway:train:0")
+    fb(engine, "halfway:train:0", batch(1))
+    step(engine, "halfway:train:0", ADAM)
+    fb(engine, "halfway:train:0", batch(2))
+    before = snapshot(engine, "halfway:train:0")
+    clipped = types.AdamParams(learning_rate=1e-2, grad_clip_norm=1e-3)
+
+    def fails_after_the_update(optimizer, args, kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    optimizer = engine._get(ops.adapter_name("halfway:train:0")).optimizer
+    hook = optimizer.register_step_post_hook(fails_after_the_update)
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            step(engine, "halfway:train:0", clipped)
+    finally:
+        hook.remove()
+    assert same_snapshot(before, snapshot(engine, "halfway:train:0"))
+
+
 # ---- LoRA modules -------------------------------------------------------------------------------
 def test_lora_modules_of_the_tiny_model_and_of_a_gpt2_style_model(engine):
     parts = {"attn": dict(train_mlp=False, train_unembed=False), "mlp": dict(train_attn=False, train_unembed=False),
