@@ -50,6 +50,9 @@ sessions' records (the listings read them), and its checkpoints, which live unde
 these indexes existed are put in them once per store (``index_existing_sessions``,
 a trainer's first sweep).  ``free_session_files`` does the same for one ended session at once
 (``rlpipe sessions free``), including a session the index does not hold.
+
+**Places.** A session's end removes its sampling sessions from its tenant's count
+(``free_sampler_places``): a finish at once, an expiry when the sweep deletes its files.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from pipeline.api.checkpoints import UNNAMED_VERSIONS, base_model_of, clients_in
 from pipeline.api.samplers import VERSION_USERS
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
 from pipeline.io.store import ObjectStore
-from schemas.api import model_run_name, session_path
+from schemas.api import model_id_for, model_run_name, session_path
 
 log = logging.getLogger("rlpipe.api.lifecycle")
 SESSION_EXPIRY_S = 86400.0  # a session with no heartbeat for a day has ended
@@ -74,6 +77,8 @@ SNAPSHOTS = "api/snapshots"  # one empty object per training client (its run nam
 SESSION_FILES_KEPT_S = 86400.0  # an ended session's call bodies, results and folds are deleted a day after its end
 OPEN_SESSIONS = "api/open-sessions"  # one empty object per session whose files are not deleted yet
 INDEXED = "api/indexed.json"  # written once the sessions already in a store were put in the indexes
+# <tenant>/<session>.sample.<n>: one empty object per sampling session its tenant holds (``pipeline.api.quotas``)
+TENANT_SAMPLERS = "api/tenant-samplers"
 _DELETED_FOLDERS = ("results", "requests")  # results first: a call replayed meanwhile finds no result either
 UNNAMED_REASON = ("its name (sampler_weights) was deleted or expired, and no live session samples from it; "
                   "save_weights_for_sampler(name) keeps weights while the name lives")
@@ -323,7 +328,20 @@ def _delete_files(store: ObjectStore, session_id: str, end: tuple[str, float], k
         store.delete(key, missing_ok=True)
     for run, version in _sampled_paths(store, session_id):  # it samples nothing any more
         store.delete(f"{VERSION_USERS}/{run}/{version}/{session_id}", missing_ok=True)
+    free_sampler_places(store, session_id)  # (an expired session was never finished)
     return len(keys)
+
+
+def free_sampler_places(store: ObjectStore, session_id: str) -> None:
+    """Remove an ended session's sampling sessions from its tenant's count (``TENANT_SAMPLERS``), so the folder a
+    creation lists holds the live sessions' entries (and, rarely, one of a creation that raced the end, removed
+    when the count reaches its limit)."""
+    tenant = (session_record(store, session_id) or {}).get("tenant")
+    if not isinstance(tenant, str):
+        return
+    for number in record_numbers(store, session_id, "samplers"):
+        name = model_run_name(model_id_for(session_id, "sample", number))
+        store.delete(f"{TENANT_SAMPLERS}/{tenant}/{name}", missing_ok=True)
 
 
 def _sampled_paths(store: ObjectStore, session_id: str) -> set[tuple[str, int]]:

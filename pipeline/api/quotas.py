@@ -9,9 +9,10 @@ would never be removed); sampling sessions likewise under ``api/tenant-samplers/
 one that finds more entries than the limit was admitted at the same moment as a creation on another gateway, and
 takes its entry back and is refused.  Of two such creations the later lister sees the other's entry (the store's
 listings follow its writes: local disk, gs://), so gateways together never pass a limit; at the limit both may be
-refused.  Entries of sessions that ended are removed only when a count reaches a limit (each listed session's end
-is then read), so a tenant under its limits costs two listings per creation, and its folder holds little more than
-its limits.  One gateway runs one tenant's creations one at a time (``creating``: its routes run in worker threads),
+refused.  A session's end removes its sampling sessions' entries (``lifecycle.free_sampler_places``: a finish at
+once, an expiry when its files are swept), so that folder holds about the live sessions' entries; entries of
+sessions that ended are also removed when a count reaches a limit (each listed session's end is then read), so a
+tenant under its limits costs two listings per creation, and its folders hold little more than its limits.  One gateway runs one tenant's creations one at a time (``creating``: its routes run in worker threads),
 so it never refuses both of two.
 
 A store written by a gateway that kept no count (one older than the limits) holds sessions no entry names: the
@@ -30,7 +31,7 @@ import time
 import zlib
 from collections.abc import Callable
 
-from pipeline.api.lifecycle import heartbeat_time, record_numbers, session_record
+from pipeline.api.lifecycle import TENANT_SAMPLERS, heartbeat_time, record_numbers, session_record
 from pipeline.api.tenants import (
     MAX_MODELS_ENV,
     MAX_SAMPLING_SESSIONS_ENV,
@@ -44,7 +45,7 @@ from schemas.api import model_id_for, model_run_name
 TENANTS = "api/tenants"
 # <tenant>/<session>.sample.<n>: sampling sessions, in a folder of their own, so that counting a tenant's sessions and
 # training clients never lists them (a loop can make thousands)
-SAMPLERS = "api/tenant-samplers"
+SAMPLERS = TENANT_SAMPLERS
 COUNTED = "api/tenants-counted.json"  # written once the sessions of the store from before the count were noted
 CREATION_LOCKS = 64  # a tenant's creations take one of these locks (by its name): two tenants rarely share one
 

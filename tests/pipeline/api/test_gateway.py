@@ -105,6 +105,34 @@ def test_a_tenant_holds_at_most_its_limit_of_sampling_sessions_and_an_end_frees_
         gateway.create_sampling_session("alice", second, 3, BASE, None)
 
 
+def test_a_finished_sessions_sampling_sessions_leave_the_count_so_a_creation_lists_only_live_ones():
+    """The count of sampling sessions is a folder a creation lists twice: a session's end removes its entries, so a
+    tenant that made many sampling sessions in sessions that ended lists only its live ones'."""
+    from pipeline.api import quotas
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0)
+    for _ in range(20):
+        session = gateway.create_session("alice", [], {})
+        for seq in range(3):
+            gateway.create_sampling_session("alice", session, seq, BASE, None)
+        gateway.finish("alice", session, "success")
+        assert store.list(f"{quotas.SAMPLERS}/alice") == []
+    live = gateway.create_session("alice", [], {})
+    listed: list[int] = []
+    list_keys = store.list
+
+    def counting_list(prefix, **options):
+        keys = list_keys(prefix, **options)
+        if prefix.startswith(quotas.SAMPLERS):
+            listed.append(len(keys))
+        return keys
+
+    store.list = counting_list
+    gateway.create_sampling_session("alice", live, 0, BASE, None)
+    assert listed and max(listed) <= 1, listed  # (its own entry, once noted)
+
+
 def test_sessions_and_training_clients_made_before_the_count_existed_are_counted_from_their_records():
     """A store from a gateway that kept no count (one older than the limits) holds live sessions no entry names:
     the first creation counts every session record once (live sessions with a heartbeat, and their training

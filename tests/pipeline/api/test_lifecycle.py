@@ -287,6 +287,21 @@ def test_an_ended_sessions_calls_results_and_folds_are_deleted_a_day_after_its_e
     assert files_deleted(store, finished) is not None and files_deleted(store, live) is None
 
 
+def test_an_expired_sessions_sampling_sessions_leave_its_tenants_count_when_it_is_swept(gateway, store):
+    """A session that expired was never finished: the sweep that deletes its files removes its sampling sessions
+    from its tenant's count too (``pipeline.api.quotas``), and leaves a live session's."""
+    from pipeline.api.quotas import SAMPLERS
+
+    silent, live = gateway.create_session("t-alice", [], {}), gateway.create_session("t-alice", [], {})
+    for session in (silent, live):
+        for seq in range(2):
+            gateway.create_sampling_session("t-alice", session, seq, BASE, None)
+    beat(store, silent, 2 * DAY + 60)
+    assert sweep_sessions(store) == 1
+    left = sorted(key.rsplit("/", 1)[-1] for key in store.list(f"{SAMPLERS}/t-alice"))
+    assert left == [f"{live}.sample.0", f"{live}.sample.1"]
+
+
 def test_a_deletion_cut_short_is_finished_by_the_next_sweep_and_an_operator_frees_an_unindexed_session(
         gateway, store, monkeypatch):
     session, _, files, kept = session_with_files(gateway, store)
