@@ -84,9 +84,16 @@ async def _tenant(request: Request, x_api_key: Annotated[str | None, Header()] =
     return request.app.state.tenants.tenant_of(x_api_key)  # type: ignore[no-any-return]
 
 
-async def _tenant_in_place(request: Request, who: Annotated[str, Depends(_tenant)]) -> AsyncIterator[str]:
+async def _body(request: Request) -> bytes:
+    """The request's body, read on the event loop (within ``BodyLimit``'s limit)."""
+    return await request.body()
+
+
+async def _tenant_in_place(request: Request, who: Annotated[str, Depends(_tenant)],
+                           _: Annotated[bytes, Depends(_body)]) -> AsyncIterator[str]:
     """The caller's tenant, holding one of its places in the worker threads while its route runs in one
-    (``pipeline.api.threads``)."""
+    (``pipeline.api.threads``).  The key is checked first, then the body read (FastAPI reads it once per request,
+    for ``RawBody`` too), and only then a place taken: a slow upload holds none while it arrives."""
     async with request.app.state.threads.place(who):
         yield who
 
@@ -95,11 +102,6 @@ async def _tenant_in_place(request: Request, who: Annotated[str, Depends(_tenant
 Tenant = Annotated[str, Depends(_tenant_in_place, scope="function")]
 # the tenant of an ``async def`` route, which takes a place for each piece of work it hands a thread (``threads.run``)
 TenantKey = Annotated[str, Depends(_tenant)]
-
-
-async def _body(request: Request) -> bytes:
-    """The request's body, read on the event loop (within ``BodyLimit``'s limit)."""
-    return await request.body()
 
 
 # A route taking its body as ``RawBody`` is a plain ``def``: FastAPI runs it in a worker thread, so the store and log

@@ -182,3 +182,33 @@ def test_many_large_sample_calls_at_once_hold_the_event_loop_for_a_short_time_at
     gap, statuses = asyncio.run(largest_gap())
     assert statuses == [200] * calls
     assert gap < 0.5, f"the event loop stopped {gap:.2f} s for {calls} sample calls at once"
+
+
+def test_a_slow_upload_holds_none_of_its_tenants_places_while_its_body_arrives():
+    """A call's body (up to 64 MiB) is read on the event loop before the call takes one of its tenant's worker-thread
+    places, so a slow upload does not hold a place for its whole transfer: with one place, the tenant's other calls
+    run while its upload is still coming."""
+    store = ObjectStore(f"memory://held-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    app = create_app(gateway, Tenants(), poll_hold_s=0.05, tenant_threads=1)
+    body = json.dumps({"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"}).encode()
+
+    async def calls() -> tuple[int, int]:
+        reading, rest = asyncio.Event(), asyncio.Event()
+
+        async def slow_body():
+            yield body[:10]
+            reading.set()
+            await asyncio.wait_for(rest.wait(), HELD_AT_MOST_S)
+            yield body[10:]
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            upload = asyncio.create_task(client.post("/api/v1/create_session", headers=ALICE, content=slow_body()))
+            await reading.wait()
+            try:
+                other = await asyncio.wait_for(client.get("/api/v1/get_server_capabilities", headers=ALICE), 2.0)
+            finally:
+                rest.set()
+            return other.status_code, (await upload).status_code
+
+    assert asyncio.run(calls()) == (200, 200)
