@@ -117,13 +117,16 @@ def test_q_learning_target_bootstraps_on_the_slate_the_configured_selection_show
 def test_batched_selection_picks_the_slates_acting_picks(method):
     rng = np.random.default_rng(0)
     weights_BC = rng.uniform(0.0, 2.0, size=(200, 5))
-    weights_BC[:20, 1] = weights_BC[:20, 3]  # some ties, which both break towards the lowest index
     q_BC, no_click_q_B = rng.normal(5.0, 3.0, size=(200, 5)), rng.normal(2.0, 1.0, size=200)
+    # in 20 rows candidates 1 and 3 are twins (same weight and value): ties, which both break towards the lowest index
+    weights_BC[:20, 1], q_BC[:20, 1] = weights_BC[:20, 3], q_BC[:20, 3]
     picked_BK = select_slates(torch.as_tensor(weights_BC), torch.as_tensor(q_BC), 2.0, torch.as_tensor(no_click_q_B),
                               2, method, all_slates(5, 2))
     expected = [select_slate(w, q, 2.0, 2, method, float(q0))
                 for w, q, q0 in zip(weights_BC, q_BC, no_click_q_B, strict=True)]
     assert [tuple(row) for row in picked_BK.tolist()] == expected
+    twin_picked = [row for row in picked_BK[:20].tolist() if (1 in row) != (3 in row)]  # the tie decided the pick
+    assert twin_picked and all(1 in row for row in twin_picked)
 
 
 def test_topk_and_greedy_targets_serve_candidate_sets_too_large_to_enumerate():
