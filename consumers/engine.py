@@ -69,9 +69,10 @@ from consumers.engine_data import (
 from consumers.engine_state import (
     STATE_FORMAT,
     capture_rng,
+    checked_adapter_tensors,
     checked_optimizer,
+    checked_rng,
     read_state,
-    restore_rng,
     step_undo,
     swapped_rng,
 )
@@ -476,27 +477,12 @@ class TrainingEngine:
 
         Everything is checked and built aside first (the optimizer is a new one, loaded there); only then is
         the adapter changed, by steps that cannot fail on a state that passed."""
-        weights = {key[len("adapter."):]: t for key, t in tensors.items() if key.startswith("adapter.")}
-        matches = meta.get("param_names") == list(adapter.params) and all(
-            tuple(weights[key].shape) == tuple(p.shape) for key, p in adapter.params.items() if key in weights)
-        if not matches or set(weights) != set(adapter.params):
-            raise EngineError("state's adapter tensors do not match this base model's layers; "
-                              "load it into an engine on the same base model")
-        gradients = {key[len("gradient."):]: t for key, t in tensors.items() if key.startswith("gradient.")}
-        if not all(key in adapter.params and tuple(t.shape) == tuple(adapter.params[key].shape)
-                   for key, t in gradients.items()):
-            raise EngineError("state's gradients do not match its adapter's tensors; it is damaged")
+        weights, gradients = checked_adapter_tensors(adapter.params, tensors, meta)
         optimizer = torch.optim.AdamW(list(adapter.params.values()), lr=0.0)  # a fresh Adam unless loaded
         step = 0
         if with_optimizer:
             optimizer, step = checked_optimizer(list(adapter.params.values()), tensors, meta, self.device)
-        rng = {key[len("rng."):]: t for key, t in tensors.items() if key.startswith("rng.")}
-        if rng:
-            try:
-                with swapped_rng(None):  # torch's own check of each generator state; the process's is put back
-                    restore_rng(rng)
-            except (KeyError, RuntimeError, TypeError) as exc:
-                raise EngineError(f"state's RNG is damaged ({type(exc).__name__}: {exc}); save it again") from None
+        rng = checked_rng(tensors)
         self.model.set_adapter(adapter.slot)
         with torch.no_grad():
             for key, value in weights.items():

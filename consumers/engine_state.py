@@ -1,5 +1,5 @@
 """A training-engine state's format and the pieces of ``TrainingEngine`` that read it or set a process up for it:
-the state blob (safetensors, its metadata as JSON), an adapter's Adam state checked before it is used, the
+the state blob (safetensors, its metadata as JSON), its adapter tensors, Adam state and RNG checked before use, the
 RNG swapped around an adapter's operation, and the undo of an optimizer step that fails part-way."""
 
 from __future__ import annotations
@@ -30,6 +30,34 @@ def read_state(state: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if meta.get("format") != STATE_FORMAT:
         raise EngineError(f"state format {meta.get('format')!r} is not {STATE_FORMAT!r}")
     return tensors, meta
+
+
+def checked_adapter_tensors(params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor],
+                            meta: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The state's adapter weights and accumulated gradients by PEFT key; ``EngineError`` unless they are the
+    tensors of ``params`` (the same names, in order, and shapes)."""
+    weights = {key[len("adapter."):]: t for key, t in tensors.items() if key.startswith("adapter.")}
+    matches = meta.get("param_names") == list(params) and all(
+        tuple(weights[key].shape) == tuple(p.shape) for key, p in params.items() if key in weights)
+    if not matches or set(weights) != set(params):
+        raise EngineError("state's adapter tensors do not match this base model's layers; "
+                          "load it into an engine on the same base model")
+    gradients = {key[len("gradient."):]: t for key, t in tensors.items() if key.startswith("gradient.")}
+    if not all(key in params and tuple(t.shape) == tuple(params[key].shape) for key, t in gradients.items()):
+        raise EngineError("state's gradients do not match its adapter's tensors; it is damaged")
+    return weights, gradients
+
+
+def checked_rng(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state's RNG state (empty when it has none); ``EngineError`` when torch refuses it."""
+    rng = {key[len("rng."):]: t for key, t in tensors.items() if key.startswith("rng.")}
+    if rng:
+        try:
+            with swapped_rng(None):  # torch's own check of each generator state; the process's is put back
+                restore_rng(rng)
+        except (KeyError, RuntimeError, TypeError) as exc:
+            raise EngineError(f"state's RNG is damaged ({type(exc).__name__}: {exc}); save it again") from None
+    return rng
 
 
 def checked_optimizer(params: list[torch.nn.Parameter], tensors: dict[str, torch.Tensor], meta: dict[str, Any],

@@ -49,7 +49,6 @@ import json
 import math
 import re
 import sqlite3
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -60,6 +59,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from producers.envs.sql_printf import REFUSED, capped_printf
 from producers.envs.thread_writes import ThreadWrites
 
 SHIPPED_TASKS_PATH = Path(__file__).with_name("data") / "text2sql_tasks.jsonl"
@@ -177,40 +177,6 @@ def select_split(tasks: Sequence[SQLTask], split: str, test_every: int) -> tuple
 
 
 # ---- the database -------------------------------------------------------------------------
-MAX_FORMAT_WIDTH = 10_000  # printf/format widths and precisions above this are refused (one call took seconds)
-_FORMAT_SPEC = re.compile(r"%[-+ 0#,!]*(\*|\d*)(?:\.(\*|\d*))?(?:ll|l)?([a-zA-Z%])")
-_PLAIN = sqlite3.connect(":memory:", check_same_thread=False)  # its own printf, for capped_printf to call
-_PLAIN_LOCK = threading.Lock()
-_REFUSED = threading.local()  # why capped_printf refused a call (SQLite reports only that a function raised)
-
-
-def capped_printf(format_text: object, *args: object) -> object:
-    """SQLite's ``printf(format, ...)``, refusing a width or precision (written, or ``*`` from an argument) above
-    ``MAX_FORMAT_WIDTH``: the budget and the time guard are checked between VM instructions, never inside one call."""
-    if not isinstance(format_text, str):
-        return None if format_text is None else str(format_text)
-    consumed = 0
-    for match in _FORMAT_SPEC.finditer(format_text):
-        width, precision, kind = match.groups()
-        for part in (width, precision):
-            if part == "*":
-                value = args[consumed] if consumed < len(args) else 0
-                consumed += 1
-            else:
-                value = part or 0
-            try:
-                too_wide = abs(int(float(value))) > MAX_FORMAT_WIDTH  # type: ignore[arg-type]
-            except (TypeError, ValueError, OverflowError):
-                too_wide = False
-            if too_wide:
-                _REFUSED.message = f"printf/format width or precision above {MAX_FORMAT_WIDTH}; use a smaller one"
-                raise ValueError(_REFUSED.message)
-        consumed += kind != "%"
-    with _PLAIN_LOCK:
-        placeholders = ", ".join("?" * (len(args) + 1))
-        return _PLAIN.execute(f"SELECT printf({placeholders})", (format_text, *args)).fetchone()[0]
-
-
 def build_database(schema_sql: str, max_value_bytes: int = MAX_VALUE_BYTES) -> sqlite3.Connection:
     """A fresh in-memory database holding ``schema_sql``, then switched to read-only (query_only)."""
     db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
@@ -291,7 +257,7 @@ def run_query(
             over_temp[0] = meter.written() > max_temp_bytes
         return int(over_temp[0] or steps[0] > max_steps or time.monotonic() > deadline)
 
-    _REFUSED.message = ""
+    REFUSED.message = ""
     db.set_authorizer(authorize)
     db.set_progress_handler(progress, PROGRESS_OPS)
     try:
@@ -306,7 +272,7 @@ def run_query(
                             "(sorting or grouping many large values); sort or group fewer, smaller values",
                             seconds=time.monotonic() - start)
         over_budget = steps[0] > max_steps
-        return _failed_run(ValueError(_REFUSED.message) if _REFUSED.message else e, bool(denied),
+        return _failed_run(ValueError(REFUSED.message) if REFUSED.message else e, bool(denied),
                            time.monotonic() - start, time_limit_s, max_steps if over_budget else None)
     finally:
         db.set_authorizer(None)
