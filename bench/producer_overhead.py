@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.cpu import LoadAverage
 from bench.options import positive_int
 from producers.envs.registry import make_env
-from producers.rollout import RolloutWorker
+from producers.rollout import FixedAdapter, RolloutWorker
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
 from producers.tiny_model import resolve_model
 from schemas.config import ModelConfig, ProducerConfig, SamplerConfig
@@ -71,19 +71,6 @@ class RecordingSampler(Sampler):
         self.inner.unload_adapter(handle)
 
     def close(self) -> None:
-        pass
-
-
-class BaseModelOnly:
-    """Adapter source that serves the base model (version 0) throughout."""
-
-    def current(self) -> None:
-        return None
-
-    def newest_published(self) -> int:
-        return 0
-
-    def refresh(self) -> None:
         pass
 
 
@@ -124,7 +111,7 @@ def run_producer(sampler: Any, args: argparse.Namespace, seed_start: int) -> tup
     tokenizer = sampler._engine().get_tokenizer()
     worker = RolloutWorker(
         run_id="bench", producer_id="bench", env_name=args.env, make_env=lambda: make_env(args.env),
-        tokenizer=tokenizer, sampler=recorder, adapters=BaseModelOnly(), sink=MemorySink(), producer=cfg,
+        tokenizer=tokenizer, sampler=recorder, adapters=FixedAdapter(), sink=MemorySink(), producer=cfg,
         sampling=sampling,
     )
     started = time.perf_counter()

@@ -46,11 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import producer_overhead
 from bench.cpu import LoadAverage
-from bench.producer_overhead import BaseModelOnly, MemorySink, rounds_table, total, workload_arguments
+from bench.producer_overhead import MemorySink, rounds_table, total, workload_arguments
 from bench.stats import spread
 from producers.envs.registry import make_env
 from producers.episode import Episode
-from producers.rollout import RolloutWorker
+from producers.rollout import FixedAdapter, RolloutWorker
 from producers.samplers.base import AdapterHandle, SampleOutput, SampleRequest, request_seed
 from producers.samplers.sync import SyncSampler
 from producers.tiny_model import resolve_model
@@ -126,7 +126,7 @@ def make_worker(engine: SyncSampler, sampler: Any, args: argparse.Namespace, see
     return RolloutWorker(
         run_id="bench", producer_id="bench", env_name=args.env,
         make_env=lambda: make_env(args.env, step_delay_s=args.step_delay_s), tokenizer=tokenizer,
-        sampler=sampler, adapters=BaseModelOnly(), sink=MemorySink(), producer=cfg, sampling=sampling,
+        sampler=sampler, adapters=FixedAdapter(), sink=MemorySink(), producer=cfg, sampling=sampling,
     )
 
 

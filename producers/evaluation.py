@@ -21,7 +21,7 @@ from typing import Any
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from producers.envs.registry import held_out_env, held_out_spec
-from producers.rollout import RolloutWorker
+from producers.rollout import FixedAdapter, RolloutWorker
 from producers.samplers import sampler_for_run
 from producers.samplers.base import AdapterHandle, Sampler
 from schemas.config import RunConfig
@@ -42,22 +42,6 @@ class _MemorySink:
 
     def commit(self, rows: list[dict[str, Any]], batch_id: str) -> None:
         self.rows.extend(rows)
-
-
-class _Fixed:
-    """An adapter source that always serves one version."""
-
-    def __init__(self, handle: AdapterHandle | None) -> None:
-        self.handle = handle
-
-    def current(self) -> AdapterHandle | None:
-        return self.handle
-
-    def newest_published(self) -> int:
-        return self.handle.version if self.handle else 0
-
-    def refresh(self) -> None:
-        pass
 
 
 def episode_results(rows: list[dict[str, Any]]) -> list[tuple[int, float, bool]]:
@@ -140,7 +124,7 @@ def _evaluate_pulled(
     worker = RolloutWorker(
         run_id=config.run_id, producer_id="eval", env_name=config.env.name,
         make_env=lambda: held_out_env(config.env),
-        tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler, adapters=_Fixed(handle), sink=sink,
+        tokenizer=AutoTokenizer.from_pretrained(model_path), sampler=sampler, adapters=FixedAdapter(handle), sink=sink,
         producer=producer, sampling=sampling, incarnation=0,  # the same draws every time: a score reproduces
     )
     try:

@@ -63,6 +63,22 @@ class AdapterSource(Protocol):
         """Load any newer published version (non-blocking beyond one pull)."""
 
 
+class FixedAdapter:
+    """An adapter source that always serves one version (None: the base model, version 0)."""
+
+    def __init__(self, handle: AdapterHandle | None = None) -> None:
+        self.handle = handle
+
+    def current(self) -> AdapterHandle | None:
+        return self.handle
+
+    def newest_published(self) -> int:
+        return self.handle.version if self.handle else 0
+
+    def refresh(self) -> None:
+        pass
+
+
 class BatchSink(Protocol):
     """Where finished rows go (store first, then the event)."""
 

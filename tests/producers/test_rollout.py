@@ -87,6 +87,18 @@ def _clean_memory():
     MemoryFileSystem.pseudo_dirs.append("")
 
 
+def left_transcript(tokenizer, env_seed: int, num_turns: int) -> str:
+    """The chat transcript of a 3-turn Sokoban episode answered "Left" every turn, as the template renders it."""
+    env = make_env("sokoban", {"max_turns": 3})
+    observation = env.reset(env_seed)
+    messages = [{"role": "system", "content": env.system_prompt()}]
+    for _ in range(num_turns):
+        messages += [{"role": "user", "content": observation},
+                     {"role": "assistant", "content": "<answer>Left</answer>"}]
+        observation = env.step("<answer>Left</answer>").observation
+    return tokenizer.apply_chat_template(messages, tokenize=False).removesuffix("\n")
+
+
 def test_whole_episode_rows_are_token_in_token_out(tiny_tokenizer):
     announced = []
     worker, archive, _ = make_worker(tiny_tokenizer, "sokoban", announced)
@@ -102,15 +114,7 @@ def test_whole_episode_rows_are_token_in_token_out(tiny_tokenizer):
         assert [lp for lp, m in zip(row.logprobs, row.loss_mask, strict=True) if m] == [-0.5] * len(generated)
         assert all(lp == 0.0 for lp, m in zip(row.logprobs, row.loss_mask, strict=True) if not m)
         # the sequence is the chat transcript: system, then user/assistant turns, as the template renders it
-        env = make_env("sokoban", {"max_turns": 3})
-        observation = env.reset(row.env_seed)
-        messages = [{"role": "system", "content": env.system_prompt()}]
-        for _ in range(row.num_turns):
-            messages += [{"role": "user", "content": observation},
-                         {"role": "assistant", "content": "<answer>Left</answer>"}]
-            observation = env.step("<answer>Left</answer>").observation
-        transcript = tiny_tokenizer.apply_chat_template(messages, tokenize=False)
-        assert row.text == transcript.removesuffix("\n")
+        assert row.text == left_transcript(tiny_tokenizer, row.env_seed, row.num_turns)
         assert row.policy_version == 0 and row.adapter_sha256 == NO_ADAPTER_SHA
         assert row.turn_rewards and abs(row.reward - sum(row.turn_rewards)) < 1e-5
     # groups: two episodes per seed, distinct episode ids, one group id per seed
@@ -415,15 +419,7 @@ def test_a_turn_stops_at_the_templates_closing_token_when_it_is_not_eos(base_cha
     for row in rows:
         generated = [t for t, m in zip(row.tokens, row.loss_mask, strict=True) if m]
         assert generated == answer_ids * row.num_turns
-        env = make_env("sokoban", {"max_turns": 3})
-        observation = env.reset(row.env_seed)
-        messages = [{"role": "system", "content": env.system_prompt()}]
-        for _ in range(row.num_turns):
-            messages += [{"role": "user", "content": observation},
-                         {"role": "assistant", "content": "<answer>Left</answer>"}]
-            observation = env.step("<answer>Left</answer>").observation
-        transcript = base_chatml_tokenizer.apply_chat_template(messages, tokenize=False)
-        assert row.text == transcript.removesuffix("\n")
+        assert row.text == left_transcript(base_chatml_tokenizer, row.env_seed, row.num_turns)
 
 
 def test_the_closing_token_is_learned_from_the_template(base_chatml_tokenizer, tiny_model_dir):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from producers.envs.registry import make_env
-from producers.rollout import RolloutWorker
+from producers.rollout import FixedAdapter, RolloutWorker
 from producers.samplers.base import AdapterHandle
 from producers.samplers.hf_sampler import TransformersSampler
 from schemas.config import ProducerConfig, SamplerConfig
@@ -103,17 +103,6 @@ def sampler_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-class BaseModelOnly:
-    def current(self) -> None:
-        return None
-
-    def newest_published(self) -> int:
-        return 0
-
-    def refresh(self) -> None:
-        pass
-
-
 def base_chatml_model(model_dir: Path, folder: Path) -> Path:
     """The tiny model as a ChatML base model (Qwen2.5 base): eos ``<|endoftext|>`` in the tokenizer, the model's
     config and its generation config, while the template still closes turns with ``<|im_end|>``."""
@@ -142,7 +131,7 @@ def test_a_base_models_turns_stop_at_the_templates_closing_token(tiny_trained_di
     worker = RolloutWorker(
         run_id="run1", producer_id="prod-1", env_name="sokoban",
         make_env=lambda: make_env("sokoban", {"max_turns": 3}), tokenizer=tokenizer, sampler=sampler,
-        adapters=BaseModelOnly(), sink=sink,
+        adapters=FixedAdapter(), sink=sink,
         producer=ProducerConfig(producer_id="prod-1", group_size=2, groups_per_batch=1, max_groups=1),
         sampling=SamplerConfig(max_new_tokens=24, temperature=TEMPERATURE, max_model_len=1024), incarnation=0,
     )

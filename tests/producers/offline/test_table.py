@@ -161,8 +161,9 @@ def test_a_terminal_row_inside_a_named_episode_is_refused_naming_the_row(tmp_pat
     assert "row 2" in said and "'b1'" in said and "last row of its episode" in said
 
 
-@pytest.mark.parametrize(("name", "content"), [("log.parquet", b"a,b\n1,2\n"), ("log.csv", b'a,b\n1,2\n"open,3\n')])
-def test_a_file_that_is_not_what_its_name_says_is_one_line_naming_it(tmp_path, store, name, content):
+def one_line_refusal(tmp_path, store, name: str, content: bytes) -> str:
+    """``rlpipe datasets import table`` of a file ``name`` holding ``content``: refused as bad input in one line,
+    which is returned."""
     log, mapping = tmp_path / name, tmp_path / "map.yaml"
     log.write_bytes(content)
     mapping.write_text("reward: b\nobservation: [a]\n")
@@ -170,7 +171,13 @@ def test_a_file_that_is_not_what_its_name_says_is_one_line_naming_it(tmp_path, s
                                  "--root", store.root])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert f"{name} cannot be read as {'Parquet' if name.endswith('parquet') else 'CSV'}" in result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize(("name", "content"), [("log.parquet", b"a,b\n1,2\n"), ("log.csv", b'a,b\n1,2\n"open,3\n')])
+def test_a_file_that_is_not_what_its_name_says_is_one_line_naming_it(tmp_path, store, name, content):
+    said = one_line_refusal(tmp_path, store, name, content)
+    assert f"{name} cannot be read as {'Parquet' if name.endswith('parquet') else 'CSV'}" in said
     assert dataset_names(store) == []
 
 
@@ -178,15 +185,9 @@ def test_a_file_that_is_not_what_its_name_says_is_one_line_naming_it(tmp_path, s
                                      bytes(range(256)) * 4], ids=["png", "utf-16", "bytes"])
 def test_a_binary_file_named_csv_is_one_line_saying_it_is_not_utf8_text(tmp_path, store, content):
     """Read as text, such a file would give garbage column names and an error about the mapping instead."""
-    log, mapping = tmp_path / "log.csv", tmp_path / "map.yaml"
-    log.write_bytes(content)
-    mapping.write_text("reward: b\nobservation: [a]\n")
-    result = runner.invoke(app, ["import", "table", str(log), "--mapping", str(mapping), "--name", "p",
-                                 "--root", store.root])
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "log.csv is not a readable CSV" in result.stderr and "UTF-8" in result.stderr, result.stderr
-    assert "mapping" not in result.stderr and dataset_names(store) == []
+    said = one_line_refusal(tmp_path, store, "log.csv", content)
+    assert "log.csv is not a readable CSV" in said and "UTF-8" in said, said
+    assert "mapping" not in said and dataset_names(store) == []
 
 
 @pytest.mark.parametrize(("make", "said"), [
@@ -246,11 +247,13 @@ def _csv(tmp_path, rows: str):
     return path
 
 
+B1_WITH_A_HOLE = "b,time,temp,sp,r\n" + "".join(  # every 5 minutes, with a 5-hour hole after 10:10
+    f"b1,2023-05-01T{t}:00Z,20,1,-1\n" for t in ("10:00", "10:05", "10:10", "15:10", "15:15"))
+
+
 def test_a_gap_inside_a_named_episode_ends_it_there_instead_of_becoming_one_long_step(tmp_path, store):
     # b1 is logged every 5 minutes with a 5-hour hole: 10:10 -> 15:10 is no 5-minute step
-    rows = "b,time,temp,sp,r\n" + "".join(
-        f"b1,2023-05-01T{t}:00Z,20,1,-1\n" for t in ("10:00", "10:05", "10:10", "15:10", "15:15")
-    ) + "b2,2023-05-01T11:00:00Z,20,1,-1\nb2,2023-05-01T11:05:00Z,20,1,-1\n"
+    rows = B1_WITH_A_HOLE + "b2,2023-05-01T11:00:00Z,20,1,-1\nb2,2023-05-01T11:05:00Z,20,1,-1\n"
     mapping = TableMapping(episode_id="b", timestamp="time", observation=["temp"], action=["sp"], reward="r")
     card = import_table(store, _csv(tmp_path, rows), "holes", mapping)
     assert card.num_episodes == 3 and card.step_seconds == 300
@@ -264,9 +267,7 @@ def test_a_gap_inside_a_named_episode_ends_it_there_instead_of_becoming_one_long
 
 def test_the_part_after_a_gap_takes_a_name_no_episode_of_the_log_has(tmp_path, store):
     # b1 has a 5-hour hole; the log also names a real episode b1-1, so b1's second part becomes b1-2
-    rows = "b,time,temp,sp,r\n" + "".join(
-        f"b1,2023-05-01T{t}:00Z,20,1,-1\n" for t in ("10:00", "10:05", "10:10", "15:10", "15:15")
-    ) + "b1-1,2023-05-01T15:12:00Z,30,2,-2\nb1-1,2023-05-01T15:17:00Z,30,2,-2\n"
+    rows = B1_WITH_A_HOLE + "b1-1,2023-05-01T15:12:00Z,30,2,-2\nb1-1,2023-05-01T15:17:00Z,30,2,-2\n"
     mapping = TableMapping(episode_id="b", timestamp="time", observation=["temp"], action=["sp"], reward="r")
     card = import_table(store, _csv(tmp_path, rows), "holes", mapping)
     assert card.num_episodes == 3
