@@ -94,17 +94,18 @@ def direct_step(base_model: str, data: list[Any], device: str) -> Any:
     from tinker import types
 
     from consumers.api.worker import ops
-    from consumers.engine import AdamParams, TrainingEngine
+    from consumers.engine import TrainingEngine
 
     engine = TrainingEngine(base_model, device=device)
     request = types.CreateModelRequest(session_id="bench", model_seq_id=0, base_model=base_model,
                                        lora_config=types.LoraConfig(rank=8))
     ops.create_model(engine, "bench:train:0", request)
     fb = types.ForwardBackwardRequest(types.ForwardBackwardInput(data, "cross_entropy"), "bench:train:0")
+    adam = types.OptimStepRequest(adam_params=types.AdamParams(learning_rate=1e-4), model_id="bench:train:0")
 
-    def step() -> None:
+    def step() -> None:  # the trainer's translation both times, so the step's undo point is paid in both arms
         ops.forward_backward(engine, "bench:train:0", fb, False)
-        engine.optim_step("bench.train.0", AdamParams(learning_rate=1e-4))
+        ops.optim_step(engine, "bench:train:0", adam)
 
     return step
 

@@ -48,7 +48,6 @@ from pipeline.api.clients import check_metadata
 from pipeline.api.lifecycle import (
     SESSION_EXPIRY_S,
     files_deleted,
-    free_sampler_places,
     heartbeat_key,
     mark_open,
     record_end,
@@ -193,7 +192,6 @@ class Gateway:
         """End the session (the first end recorded stands): it takes no new calls, and engines unload its adapters."""
         self.check_owner(tenant, session_id)
         self.liveness.note(session_id, record_end(self.store, session_id, f"finished: {reason}")[0], math.inf)
-        free_sampler_places(self.store, session_id)
 
     def live_session(self, tenant: str, session_id: str) -> None:
         """This tenant's session, taking calls: ``NotFoundError`` for another's, ``SessionEndedError`` if it ended."""

@@ -52,7 +52,8 @@ a trainer's first sweep).  ``free_session_files`` does the same for one ended se
 (``rlpipe sessions free``), including a session the index does not hold.
 
 **Places.** A session's end removes its sampling sessions from its tenant's count
-(``free_sampler_places``): a finish at once, an expiry when the sweep deletes its files.
+(``free_sampler_places``) as the end is recorded (``record_end``: a finish, an operator's end, an
+expiry a reader finds), and again when the sweep deletes its files.
 """
 
 from __future__ import annotations
@@ -109,12 +110,18 @@ def heartbeat_time(store: ObjectStore, session_id: str) -> float | None:
 
 
 def record_end(store: ObjectStore, session_id: str, reason: str, at: float | None = None) -> tuple[str, float]:
-    """Record the session's end, unless one is recorded already; the end that stands (reason, unix time)."""
+    """Record the session's end, unless one is recorded already; the end that stands (reason, unix time).  The end
+    recorded here (a client's finish, an operator's, an expiry a reader finds) frees the session's sampling-session
+    places at once; one the store does not free now is freed by the sweep that deletes the session's files."""
     record = {"reason": reason, "time": time.time() if at is None else at}
     try:
         store.put_create(end_key(session_id), json.dumps(record).encode())
     except FileExistsError:
         return _recorded_end(store, session_id) or (reason, float(record["time"]))
+    try:
+        free_sampler_places(store, session_id)
+    except OSError as exc:
+        log.warning("session %s ended; its sampling-session places are freed by the sweep (%s)", session_id, exc)
     return reason, float(record["time"])
 
 
@@ -328,7 +335,7 @@ def _delete_files(store: ObjectStore, session_id: str, end: tuple[str, float], k
         store.delete(key, missing_ok=True)
     for run, version in _sampled_paths(store, session_id):  # it samples nothing any more
         store.delete(f"{VERSION_USERS}/{run}/{version}/{session_id}", missing_ok=True)
-    free_sampler_places(store, session_id)  # (an expired session was never finished)
+    free_sampler_places(store, session_id)  # (again: where the store failed as the end was recorded)
     return len(keys)
 
 

@@ -9,11 +9,11 @@ would never be removed); sampling sessions likewise under ``api/tenant-samplers/
 one that finds more entries than the limit was admitted at the same moment as a creation on another gateway, and
 takes its entry back and is refused.  Of two such creations the later lister sees the other's entry (the store's
 listings follow its writes: local disk, gs://), so gateways together never pass a limit; at the limit both may be
-refused.  A session's end removes its sampling sessions' entries (``lifecycle.free_sampler_places``: a finish at
-once, an expiry when its files are swept), so that folder holds about the live sessions' entries; entries of
-sessions that ended are also removed when a count reaches a limit (each listed session's end is then read), so a
-tenant under its limits costs two listings per creation, and its folders hold little more than its limits.  One gateway runs one tenant's creations one at a time (``creating``: its routes run in worker threads),
-so it never refuses both of two.
+refused.  A session's end removes its sampling sessions' entries (``lifecycle.free_sampler_places``, as the end
+is recorded), so that folder holds about the live sessions' entries; entries of sessions that ended are also
+removed when a count reaches a limit (each listed session's end is then read), so a tenant under its limits costs
+two listings per creation, and its folders hold little more than its limits.  One gateway runs one tenant's
+creations one at a time (``creating``: its routes run in worker threads), so it never refuses both of two.
 
 A store written by a gateway that kept no count (one older than the limits) holds sessions no entry names: the
 first creation that finds no ``COUNTED`` mark notes every session record's live session (one with a heartbeat)

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import threading
+import time
 import uuid
 
 import pytest
@@ -365,3 +366,28 @@ def test_a_body_read_as_json_first_is_validated_as_the_sdks_json_path_validates_
             assert isinstance(first, str) and first.split(": ")[:2] == validated.split(": ")[:2], (first, validated)
         else:
             assert first.model_dump_json() == validated.model_dump_json(), raw  # (NaN is no NaN's equal)
+
+
+def test_a_session_an_operator_ends_or_a_reader_finds_expired_leaves_the_sampling_session_count_at_once():
+    """Every end recorded frees the session's sampling-session places, not only a client's finish: an operator's
+    ``rlpipe sessions end`` and an expiry a gateway finds, and a place that cannot be freed never fails the end."""
+    from pipeline.api import lifecycle, quotas
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0)
+    ended, expired, broken = (gateway.create_session("alice", [], {}) for _ in range(3))
+    for session in (ended, expired, broken):
+        gateway.create_sampling_session("alice", session, 0, BASE, None)
+    assert len(store.list(f"{quotas.SAMPLERS}/alice")) == 3
+    lifecycle.record_end(store, ended, "ended by an operator: test")
+    assert len(store.list(f"{quotas.SAMPLERS}/alice")) == 2
+    lifecycle.session_end(store, expired, now=time.time() + 2 * lifecycle.SESSION_EXPIRY_S)
+    assert len(store.list(f"{quotas.SAMPLERS}/alice")) == 1
+    delete = store.delete
+
+    def failing_delete(key, **options):
+        raise OSError("the store is down")
+
+    store.delete = failing_delete
+    assert lifecycle.record_end(store, broken, "ended by an operator: test")[0] == "ended by an operator: test"
+    store.delete = delete
