@@ -421,3 +421,19 @@ def config_to_json(config: RunConfig, reveal_secrets: bool = False) -> str:
     elif config.bus.sasl_password is not None:
         data["bus"]["sasl_password"] = "***"
     return json.dumps(data, indent=2, sort_keys=True)
+
+
+def check_env(config: RunConfig) -> RunConfig:
+    """``config`` if its environment exists and takes its ``env.overrides``, else ``ConfigError`` naming the name or
+    field (a producer would otherwise fail only when it builds the environment)."""
+    from producers.envs.registry import env_class, env_names
+
+    if config.env.name not in env_names():
+        raise ConfigError(f"env.name {config.env.name!r} is no environment; choose one of: {', '.join(env_names())}")
+    settings = env_class(config.env.name).Config
+    try:
+        settings.model_validate(config.env.overrides)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        problem = setting_error(exc, settings, listing=f"rlpipe envs show {config.env.name}")
+        raise ConfigError(f"env.overrides of {config.env.name}: {problem}") from None
+    return config

@@ -36,6 +36,7 @@ leaves is no longer reported (``pipeline.health.PackedRunsHealth``).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from dataclasses import replace
 
 from transformers import AutoTokenizer
 
-from pipeline.cli.options import check_env
+from pipeline.config import check_env
 from pipeline.health import HealthServer, PackedRunsHealth
 from pipeline.membership import Comebacks, Left, RunMembership, engine_config, runs_not_stopped
 from pipeline.runtime import StopFlag, open_store
@@ -198,9 +199,10 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
             configs_of[cfg.run_id] = cfg
             producer_id = f"{process_id}-{cfg.run_id}" if cfg.producer.producer_id is None else cfg.producer.producer_id
             tokenizer = AutoTokenizer.from_pretrained(model_path)  # one per thread: tokenizers are not shared
-            # each opening its own sampling incarnation: a run opened again under its producer id (back from an
-            # error, or stopped and resumed) must not replay the streams, and so the samples, it drew before
-            incarnation = SamplingStreams(cfg.sampler.seed, producer_id).incarnation
+            # each opening its own sampling incarnation (a random nonce, as SamplingStreams draws): a run opened again
+            # under its producer id (back from an error, or stopped and resumed) must not replay the streams, and so
+            # the samples, it drew before
+            incarnation = secrets.randbits(64)
             run = open_run_producer(cfg, connection or connect_run(cfg), producer_id, RunSampler(shared, cfg.run_id),
                                     tokenizer, incarnation, health, runs_health.labels(cfg.run_id))
             runs.append(run)

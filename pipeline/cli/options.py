@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.config import ConfigError, resolve_config, setting_error
+from pipeline.config import check_env, resolve_config
 from schemas.config import RunConfig
 
 PresetOpt = Annotated[str | None, typer.Option("--preset", "-p", help="A shipped preset (see `rlpipe config presets`).")]
@@ -22,22 +22,6 @@ def run_config(
 ) -> RunConfig:
     """The resolved configuration: defaults < preset < file < RLPIPE_ environment < --set (< --run RUN)."""
     return check_env(resolve_config(preset, config, [*(overrides or ()), *([f"run_id={run}"] if run else [])]))
-
-
-def check_env(config: RunConfig) -> RunConfig:
-    """``config`` if its environment exists and takes its ``env.overrides``, else ``ConfigError`` naming the name or
-    field (a producer would otherwise fail only when it builds the environment)."""
-    from producers.envs.registry import env_class, env_names
-
-    if config.env.name not in env_names():
-        raise ConfigError(f"env.name {config.env.name!r} is no environment; choose one of: {', '.join(env_names())}")
-    settings = env_class(config.env.name).Config
-    try:
-        settings.model_validate(config.env.overrides)
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        problem = setting_error(exc, settings, listing=f"rlpipe envs show {config.env.name}")
-        raise ConfigError(f"env.overrides of {config.env.name}: {problem}") from None
-    return config
 
 
 # Several runs packed in one process (``rlpipe learner start`` / ``rlpipe producer start``).

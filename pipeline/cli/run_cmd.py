@@ -39,9 +39,10 @@ from pydantic import ValidationError
 
 from pipeline.cli.common import EXIT_USAGE, console, fail, handle_user_errors, reachable_store
 from pipeline.cli.demo_cmd import seed_overrides
-from pipeline.cli.options import SetOpt, check_env, run_config, setup_logging
+from pipeline.cli.options import SetOpt, run_config, setup_logging
 from pipeline.config import (
     ConfigError,
+    check_env,
     check_value_run_settings,
     config_to_json,
     deep_merge,

@@ -149,7 +149,7 @@ def test_setpoints_logged_in_another_unit_than_kelvin_are_refused_naming_the_col
         replay_train_offline(small_config(tmp_path / "store", "cql-celsius", max_steps=1), "celsius")
 
 
-@pytest.mark.parametrize(("unit", "accepted"), [("kelvin", True), ("K", True), ("degC", False)])
+@pytest.mark.parametrize(("unit", "accepted"), [("kelvin", True), ("K", True), ("kelvins", True), ("degC", False)])
 def test_setpoint_units_are_read_as_the_trajectory_conversion_reads_them(tmp_path: Path, unit: str,
                                                                          accepted: bool) -> None:
     from consumers.value.offline_service import _building_card
