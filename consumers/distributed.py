@@ -28,9 +28,8 @@ with the same arguments; inside each call:
                   activations in the backward pass instead of keeping them.
 
 Rank 0 is the only rank that talks to the event log and the registry (``is_main``);
-the others follow its calls, and receive the batches it read (``broadcast_batch``).  Checkpoints go through torch.distributed.checkpoint
-in the Hugging Face safetensors layout (tensors in safetensors, their index and the
-engine's metadata in JSON; nothing pickled): ``save_checkpoint`` / ``load_checkpoint``.
+the others follow its calls, and receive the batches it read (``broadcast_batch``).  Checkpoints go through
+torch.distributed.checkpoint, nothing pickled (``consumers.distributed_checkpoint``).
 ``train_batches`` is the exactly-once loop over a fixed sequence of batches: a
 checkpoint after every ``every`` steps, committed by renaming its folder, records
 the ids of the batches trained so far; a restarted group (torchrun
@@ -46,7 +45,6 @@ import hashlib
 import json
 import os
 import shutil
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -54,16 +52,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from safetensors.torch import load as load_safetensors
 
+from consumers.distributed_checkpoint import CHECKPOINT_META, latest_checkpoint, load_checkpoint, save_checkpoint
 from consumers.engine import AdamParams, ForwardResult, StepInfo, TrainingEngine
 from consumers.engine_data import PER_TOKEN, Datum, EngineError, micro_batch_slices
 from consumers.engine_state import capture_rng, restore_rng
 from consumers.losses import LossStats
-from pipeline.io.tensors import save_tensors as save_safetensors
-
-CHECKPOINT_META = "engine_state.json"
 
 
 @dataclass(frozen=True)
@@ -290,83 +284,6 @@ def _all_reduce_stats(stats: LossStats) -> LossStats:
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     values = {n: (int(v) if isinstance(getattr(stats, n), int) else float(v)) for n, v in zip(names, sums.tolist(), strict=True)}
     return LossStats(**values, ratio_max=float(high[0]), ratio_min=-float(high[1]))
-
-
-# ---- checkpoints: torch.distributed.checkpoint in safetensors + JSON -------------------------
-def save_checkpoint(engine: DistributedEngine, name: str, folder: str | Path, extra: dict[str, Any]) -> Path:
-    """Adapter ``name``'s state (weights, AdamW, RNG) to ``folder`` with DCP; committed by renaming into place.
-
-    Every rank calls it.  ``extra`` (JSON-able) is stored with the engine's
-    metadata and the sha256 of every file, which ``load_checkpoint`` checks; a
-    folder without ``engine_state.json`` was never committed.
-    """
-    folder = Path(folder)
-    staging = folder.with_name(folder.name + ".partial")
-    if engine.topology.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-    _barrier(engine)
-    tensors, meta = _split_state(engine.save_state(name))
-    with _single_process_quiet():
-        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(staging), save_distributed=True))
-    if engine.topology.is_main:
-        files = {path.name: _sha256(path) for path in sorted(staging.iterdir()) if path.is_file()}
-        (staging / CHECKPOINT_META).write_text(json.dumps({"engine": meta, "extra": extra, "files": files}))
-        shutil.rmtree(folder, ignore_errors=True)
-        staging.rename(folder)
-    _barrier(engine)
-    return folder
-
-
-def load_checkpoint(engine: DistributedEngine, name: str, folder: str | Path) -> dict[str, Any]:
-    """Restore adapter ``name`` from a ``save_checkpoint`` folder (created if unknown); returns its ``extra``."""
-    folder = Path(folder)
-    meta_path = folder / CHECKPOINT_META
-    if not meta_path.is_file():
-        raise EngineError(f"{folder} is not a committed checkpoint (no {CHECKPOINT_META}); pick another")
-    saved = json.loads(meta_path.read_text())
-    for file_name, digest in saved.get("files", {}).items():  # (a checkpoint written before digests: none)
-        path = folder / file_name
-        if not path.is_file() or _sha256(path) != digest:
-            raise EngineError(f"checkpoint file {path} is {'missing' if not path.is_file() else 'damaged'} "
-                              "(sha256 differs from engine_state.json); it is not loaded: restore it or start over")
-    reader = dcp.HuggingFaceStorageReader(str(folder))
-    layout = reader.read_metadata().state_dict_metadata
-    tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in layout.items()}
-    with _single_process_quiet():
-        dcp.load(tensors, storage_reader=reader)
-    engine.load_state(name, save_safetensors(tensors, metadata={"rlpipe": json.dumps(saved["engine"])}))
-    return saved["extra"]
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest committed ``step-<n>`` folder under ``root``, or None."""
-    committed = [p for p in Path(root).glob("step-*")
-                 if p.name[len("step-"):].isdigit() and (p / CHECKPOINT_META).is_file()]  # not a .partial one
-    return max(committed, key=lambda p: int(p.name[len("step-"):]), default=None)
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
-
-
-def _split_state(blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    header_len = int.from_bytes(blob[:8], "little")
-    meta = json.loads(json.loads(blob[8 : 8 + header_len])["__metadata__"]["rlpipe"])
-    return load_safetensors(blob), meta
-
-
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """DCP outside a process group (a group of one) works as intended; its warning says so at every call."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def _barrier(engine: DistributedEngine) -> None:
-    if engine.distributed:
-        dist.barrier()
 
 
 # ---- the exactly-once loop over a fixed sequence of batches ---------------------------------
