@@ -53,7 +53,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from consumers.distributed_checkpoint import CHECKPOINT_META, latest_checkpoint, load_checkpoint, save_checkpoint
+from consumers.distributed_checkpoint import (
+    CHECKPOINT_META,
+    STEP_PREFIX,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_folder,
+    step_of,
+)
 from consumers.engine import AdamParams, ForwardResult, StepInfo, TrainingEngine
 from consumers.engine_data import PER_TOKEN, Datum, EngineError, micro_batch_slices
 from consumers.engine_state import capture_rng, restore_rng
@@ -387,11 +395,13 @@ def _rank_0s_checkpoint(engine: DistributedEngine, checkpoints: str | Path) -> P
     latest = latest_checkpoint(checkpoints) if engine.topology.is_main else None
     if not engine.distributed:
         return latest
-    step = torch.tensor([int(latest.name[len("step-"):]) if latest else -1], dtype=torch.int64, device=comm_device())
-    dist.broadcast(step, src=0)
-    if int(step) < 0:
+    picked = [step_of(latest), len(latest.name) - len(STEP_PREFIX)] if latest else [-1, 0]  # (step, its digits)
+    sent = torch.tensor(picked, dtype=torch.int64, device=comm_device())
+    dist.broadcast(sent, src=0)
+    step, digits = (int(value) for value in sent)
+    if step < 0:
         return None
-    folder = latest if latest is not None else Path(checkpoints) / f"step-{int(step):08d}"
+    folder = latest if latest is not None else step_folder(checkpoints, step, digits)  # rank 0's name, padded or not
     if not (folder / CHECKPOINT_META).is_file():
         raise EngineError(f"rank {engine.topology.rank} does not see {folder}, rank 0's newest checkpoint; "
                           "put the checkpoints in a folder every rank shares")
@@ -402,13 +412,13 @@ def _commit(engine: DistributedEngine, name: str, checkpoints: str | Path, train
             batch_log: str | Path | None) -> None:
     """Checkpoint (the commit point), then rank 0 logs the batches since the previous one and prunes old folders."""
     root = Path(checkpoints)
-    folder = save_checkpoint(engine, name, root / f"step-{len(trained):08d}", {"batch_ids": trained})
+    folder = save_checkpoint(engine, name, step_folder(root, len(trained)), {"batch_ids": trained})
     if not engine.topology.is_main:
         return
     if batch_log is not None:
         logged = Path(batch_log).read_text().split() if Path(batch_log).exists() else []
         with Path(batch_log).open("a") as log:
             log.writelines(f"{batch_id}\n" for batch_id in trained[len(logged):])
-    for old in root.glob("step-*"):
+    for old in root.glob(f"{STEP_PREFIX}*"):
         if old != folder and not old.name.endswith(".partial"):
             shutil.rmtree(old, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from consumers.distributed import DistributedEngine
 
 CHECKPOINT_META = "engine_state.json"
+STEP_PREFIX = "step-"  # train_batches' folder per committed step: step_folder / step_of
 
 def save_checkpoint(engine: DistributedEngine, name: str, folder: str | Path, extra: dict[str, Any]) -> Path:
     """Adapter ``name``'s state (weights, AdamW, RNG) to ``folder`` with DCP; committed by renaming into place.
@@ -77,9 +79,20 @@ def load_checkpoint(engine: DistributedEngine, name: str, folder: str | Path) ->
 
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest committed ``step-<n>`` folder under ``root``, or None."""
-    committed = [p for p in Path(root).glob("step-*")
-                 if p.name[len("step-"):].isdigit() and (p / CHECKPOINT_META).is_file()]  # not a .partial one
-    return max(committed, key=lambda p: int(p.name[len("step-"):]), default=None)
+    committed = [p for p in Path(root).glob(f"{STEP_PREFIX}*")
+                 if step_of(p) is not None and (p / CHECKPOINT_META).is_file()]  # not a .partial one
+    return max(committed, key=step_of, default=None)
+
+
+def step_folder(root: str | Path, step: int, digits: int = 8) -> Path:
+    """The folder of the checkpoint after ``step`` steps: ``step-<n>``, ``n`` zero-padded to ``digits``."""
+    return Path(root) / f"{STEP_PREFIX}{step:0{digits}d}"
+
+
+def step_of(folder: Path) -> int | None:
+    """The step of a ``step-<n>`` folder (``n`` any ASCII digits, padded or not), or None for another name."""
+    match = re.fullmatch(rf"{STEP_PREFIX}([0-9]+)", folder.name)
+    return int(match[1]) if match else None
 
 
 def _sha256(path: Path) -> str:

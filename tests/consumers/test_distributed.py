@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -251,3 +252,32 @@ def test_collectives_use_the_ranks_gpu_under_nccl_and_the_cpu_otherwise(monkeypa
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert comm_device() == torch.device("cuda", 3)
+
+
+def test_every_rank_resumes_from_rank_0s_checkpoint_folder_as_rank_0_names_it(tmp_path, monkeypatch) -> None:
+    """Two ranks played in turn in one process: rank 0 lists the folder and broadcasts its pick, rank 1 receives it.
+    A folder without zero padding (``step-12``) is a committed checkpoint too; a rank that does not see rank 0's pick
+    (checkpoints in a folder of its own) refuses to start."""
+    import torch.distributed as dist
+
+    from consumers.distributed import CHECKPOINT_META, _rank_0s_checkpoint
+
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    (shared / "step-12").mkdir(parents=True)
+    (shared / "step-12" / CHECKPOINT_META).write_text("{}")
+    private.mkdir()
+    sent: list[torch.Tensor] = []
+
+    def resume_point(rank: int, root: Path) -> Path | None:
+        received = iter(list(sent))
+
+        def broadcast(tensor: torch.Tensor, src: int = 0) -> None:
+            sent.append(tensor.clone()) if rank == 0 else tensor.copy_(next(received))
+
+        monkeypatch.setattr(dist, "broadcast", broadcast)
+        return _rank_0s_checkpoint(SimpleNamespace(topology=Topology(rank, 2), distributed=True), root)
+
+    assert resume_point(0, shared) == shared / "step-12"
+    assert resume_point(1, shared) == shared / "step-12"
+    with pytest.raises(EngineError, match=r"rank 1 does not see .*step-12, rank 0's newest checkpoint; put the"):
+        resume_point(1, private)
