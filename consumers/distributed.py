@@ -157,11 +157,17 @@ class DistributedEngine(TrainingEngine):
 
     # ---- the operations that differ --------------------------------------------------------
     def optim_step(self, name: str, adam: AdamParams, undo: bool = False) -> StepInfo:
-        """Sum the ranks' accumulated gradients, then the one-process step (clip, AdamW, zero)."""
+        """Sum the ranks' accumulated gradients, then the one-process step (clip, AdamW, zero).
+
+        ``undo`` is refused: the undo point would be taken after the sum, so a step restored and sent again would
+        sum the gradients twice.  A group that fails a step resumes from its checkpoint (``train_batches``)."""
+        if undo:
+            raise EngineError("a DistributedEngine step cannot be undone (its gradients are summed over the ranks "
+                              "first); call optim_step without undo and resume a failed group from its checkpoint")
         if self.distributed:
             with self._lock:
                 self._all_reduce_gradients(list(self._get(name).params.values()))
-        return super().optim_step(name, adam, undo)
+        return super().optim_step(name, adam)
 
     # ---- phases ------------------------------------------------------------------------------
     def _new_adapter(self, lora: Any, seed: int) -> Any:

@@ -254,6 +254,15 @@ def test_collectives_use_the_ranks_gpu_under_nccl_and_the_cpu_otherwise(monkeypa
     assert comm_device() == torch.device("cuda", 3)
 
 
+def test_a_step_of_the_distributed_engine_cannot_be_undone(tiny_model_dir) -> None:
+    """Its gradients are summed over the ranks before the undo point would be taken: a restored step would sum them
+    again.  A group resumes from its checkpoint instead."""
+    engine = DistributedEngine(tiny_model_dir, Topology(), device="cpu")
+    engine.create_adapter("policy", **LORA)
+    with pytest.raises(EngineError, match="cannot be undone"):
+        engine.optim_step("policy", ADAM, undo=True)
+
+
 def test_every_rank_resumes_from_rank_0s_checkpoint_folder_as_rank_0_names_it(tmp_path, monkeypatch) -> None:
     """Two ranks played in turn in one process: rank 0 lists the folder and broadcasts its pick, rank 1 receives it.
     A folder without zero padding (``step-12``) is a committed checkpoint too; a rank that does not see rank 0's pick
