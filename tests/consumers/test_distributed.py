@@ -254,6 +254,21 @@ def test_collectives_use_the_ranks_gpu_under_nccl_and_the_cpu_otherwise(monkeypa
     assert comm_device() == torch.device("cuda", 3)
 
 
+def test_ranks_draw_their_own_dropout_masks_and_leave_the_groups_rng_alike() -> None:
+    """Two ranks of a group, from the group's one RNG state: different numbers inside ``_rank_stream`` (each rank's
+    rows get their own dropout masks), the same state after it (the one state a checkpoint keeps is every rank's)."""
+    inside, after = [], []
+    with torch.random.fork_rng(devices=[]):
+        for rank in (0, 1, 1):
+            torch.manual_seed(1234)
+            with DistributedEngine._rank_stream(SimpleNamespace(topology=Topology(rank, 2))):
+                inside.append(torch.rand(8))
+            after.append(torch.random.get_rng_state())
+    assert not torch.equal(inside[0], inside[1])
+    assert torch.equal(inside[1], inside[2])  # a rank's stream follows from the group's state: a restart redraws it
+    assert torch.equal(after[0], after[1]) and torch.equal(after[1], after[2])
+
+
 def test_a_step_of_the_distributed_engine_cannot_be_undone(tiny_model_dir) -> None:
     """Its gradients are summed over the ranks before the undo point would be taken: a restored step would sum them
     again.  A group resumes from its checkpoint instead."""
