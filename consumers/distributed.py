@@ -8,7 +8,8 @@ with the same arguments; inside each call:
                   each rank runs its share, and ``optim_step`` first SUMS the
                   LoRA gradients over the ranks (all-reduce).  The losses are sums
                   over tokens divided by a normaliser, so the step equals one
-                  process training on the whole request (up to float summation order).
+                  process training on the whole request (up to float summation order;
+                  without LoRA dropout, whose masks each rank draws from its own stream).
   random numbers  each rank draws its share's dropout masks from its own stream, seeded
                   by one draw from the adapter's RNG, which stays the same on every rank
                   (``_rank_stream``): a restarted group draws what an uninterrupted one does.

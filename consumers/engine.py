@@ -284,8 +284,9 @@ class TrainingEngine:
         step count disagree with the steps that trained.  With ``undo`` (the API trainer, whose client may send
         a failed step again) a step that fails part-way (memory short on the device) puts the weights, Adam state
         and unclipped gradients back (``step_undo``), so its retry, or a trainer replaying the log without it,
-        goes on from the state before it; the copies that takes cost about four adapters' memory and a copy of
-        each, so a learner, which resumes from its checkpoint when a step fails, does not ask for them."""
+        goes on from the state before it.  The undo point copies the weights, gradients and Adam's two moments
+        (about four adapters' memory on the device, and the time to copy them), so the callers that resume from a
+        checkpoint when a step fails (the distributed ``train_batches``) and the benchmarks step without it."""
         with self._lock:
             adapter = self._get(name)
             params = list(adapter.params.values())

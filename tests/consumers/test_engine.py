@@ -363,7 +363,8 @@ def test_an_optim_step_failing_half_way_changes_nothing(engine):
 
 def test_a_step_takes_an_undo_point_only_when_asked(engine, monkeypatch):
     """The undo point (copies of weights, gradients and Adam moments) is for the API trainer, whose client may send
-    a failed step again; a learner or distributed rank that fails a step resumes from its checkpoint instead."""
+    a failed step again; the distributed ``train_batches`` resumes from its checkpoint instead, and the benchmarks
+    step without one."""
     import consumers.engine as engine_module
 
     taken = []
