@@ -51,8 +51,8 @@ these indexes existed are put in them once per store (``index_existing_sessions`
 a trainer's first sweep).  ``free_session_files`` does the same for one ended session at once
 (``rlpipe sessions free``), including a session the index does not hold.
 
-**Places.** A session's end removes its sampling sessions from its tenant's count
-(``free_sampler_places``) as the end is recorded (``record_end``: a finish, an operator's end, an
+**Places.** A session's end removes it, its training clients and its sampling sessions from its tenant's
+count (``free_places``) as the end is recorded (``record_end``: a finish, an operator's end, an
 expiry a reader finds), and again when the sweep deletes its files.
 """
 
@@ -78,7 +78,9 @@ SNAPSHOTS = "api/snapshots"  # one empty object per training client (its run nam
 SESSION_FILES_KEPT_S = 86400.0  # an ended session's call bodies, results and folds are deleted a day after its end
 OPEN_SESSIONS = "api/open-sessions"  # one empty object per session whose files are not deleted yet
 INDEXED = "api/indexed.json"  # written once the sessions already in a store were put in the indexes
-# <tenant>/<session>.sample.<n>: one empty object per sampling session its tenant holds (``pipeline.api.quotas``)
+# <tenant>/<session> and <tenant>/<session>.train.<n>: one empty object per session and training client its tenant
+# holds; <tenant>/<session>.sample.<n> likewise per sampling session, in a folder of its own (``pipeline.api.quotas``)
+TENANT_PLACES = "api/tenants"
 TENANT_SAMPLERS = "api/tenant-samplers"
 _DELETED_FOLDERS = ("results", "requests")  # results first: a call replayed meanwhile finds no result either
 UNNAMED_REASON = ("its name (sampler_weights) was deleted or expired, and no live session samples from it; "
@@ -119,9 +121,9 @@ def record_end(store: ObjectStore, session_id: str, reason: str, at: float | Non
     except FileExistsError:
         return _recorded_end(store, session_id) or (reason, float(record["time"]))
     try:
-        free_sampler_places(store, session_id)
+        free_places(store, session_id)
     except OSError as exc:
-        log.warning("session %s ended; its sampling-session places are freed by the sweep (%s)", session_id, exc)
+        log.warning("session %s ended; its places in its tenant's count are freed by the sweep (%s)", session_id, exc)
     return reason, float(record["time"])
 
 
@@ -335,20 +337,24 @@ def _delete_files(store: ObjectStore, session_id: str, end: tuple[str, float], k
         store.delete(key, missing_ok=True)
     for run, version in _sampled_paths(store, session_id):  # it samples nothing any more
         store.delete(f"{VERSION_USERS}/{run}/{version}/{session_id}", missing_ok=True)
-    free_sampler_places(store, session_id)  # (again: where the store failed as the end was recorded)
+    free_places(store, session_id)  # (again: where the store failed as the end was recorded)
     return len(keys)
 
 
-def free_sampler_places(store: ObjectStore, session_id: str) -> None:
-    """Remove an ended session's sampling sessions from its tenant's count (``TENANT_SAMPLERS``), so the folder a
-    creation lists holds the live sessions' entries (and, rarely, one of a creation that raced the end, removed
-    when the count reaches its limit)."""
+def free_places(store: ObjectStore, session_id: str) -> None:
+    """Remove an ended session, its training clients and its sampling sessions from its tenant's count
+    (``TENANT_PLACES``, ``TENANT_SAMPLERS``), so the folders a creation lists hold the live sessions' entries (and,
+    rarely, one of a creation that raced the end, removed when the count reaches its limit)."""
     tenant = (session_record(store, session_id) or {}).get("tenant")
     if not isinstance(tenant, str):
         return
     for number in record_numbers(store, session_id, "samplers"):
         name = model_run_name(model_id_for(session_id, "sample", number))
         store.delete(f"{TENANT_SAMPLERS}/{tenant}/{name}", missing_ok=True)
+    for number in record_numbers(store, session_id, "models"):
+        name = model_run_name(model_id_for(session_id, "train", number))
+        store.delete(f"{TENANT_PLACES}/{tenant}/{name}", missing_ok=True)
+    store.delete(f"{TENANT_PLACES}/{tenant}/{session_id}", missing_ok=True)
 
 
 def _sampled_paths(store: ObjectStore, session_id: str) -> set[tuple[str, int]]:

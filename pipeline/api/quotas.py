@@ -9,10 +9,10 @@ would never be removed); sampling sessions likewise under ``api/tenant-samplers/
 one that finds more entries than the limit was admitted at the same moment as a creation on another gateway, and
 takes its entry back and is refused.  Of two such creations the later lister sees the other's entry (the store's
 listings follow its writes: local disk, gs://), so gateways together never pass a limit; at the limit both may be
-refused.  A session's end removes its sampling sessions' entries (``lifecycle.free_sampler_places``, as the end
-is recorded), so that folder holds about the live sessions' entries; entries of sessions that ended are also
-removed when a count reaches a limit (each listed session's end is then read), so a tenant under its limits costs
-two listings per creation, and its folders hold little more than its limits.  One gateway runs one tenant's
+refused.  A session's end removes its entry, its training clients' and its sampling sessions'
+(``lifecycle.free_places``, as the end is recorded), so the folders hold about the live sessions' entries; entries
+of sessions that ended are also removed when a count reaches a limit (each listed session's end is then read), so
+a tenant under its limits costs two listings per creation, and its folders hold little more than its limits.  One gateway runs one tenant's
 creations one at a time (``creating``: its routes run in worker threads), so it never refuses both of two.
 
 A store written by a gateway that kept no count (one older than the limits) holds sessions no entry names: the
@@ -31,7 +31,7 @@ import time
 import zlib
 from collections.abc import Callable
 
-from pipeline.api.lifecycle import TENANT_SAMPLERS, heartbeat_time, record_numbers, session_record
+from pipeline.api.lifecycle import TENANT_PLACES, TENANT_SAMPLERS, heartbeat_time, record_numbers, session_record
 from pipeline.api.tenants import (
     MAX_MODELS_ENV,
     MAX_SAMPLING_SESSIONS_ENV,
@@ -42,7 +42,7 @@ from pipeline.api.tenants import (
 from pipeline.io.store import ObjectStore
 from schemas.api import model_id_for, model_run_name
 
-TENANTS = "api/tenants"
+TENANTS = TENANT_PLACES
 # <tenant>/<session>.sample.<n>: sampling sessions, in a folder of their own, so that counting a tenant's sessions and
 # training clients never lists them (a loop can make thousands)
 SAMPLERS = TENANT_SAMPLERS

@@ -391,3 +391,20 @@ def test_a_session_an_operator_ends_or_a_reader_finds_expired_leaves_the_samplin
     store.delete = failing_delete
     assert lifecycle.record_end(store, broken, "ended by an operator: test")[0] == "ended by an operator: test"
     store.delete = delete
+
+
+def test_an_end_frees_the_sessions_and_its_training_clients_places_at_once():
+    """A session's entry and its training clients' entries leave the tenant's count as its end is recorded, so the
+    folder every creation lists twice holds the live sessions' entries, not every session that ever ended."""
+    from pipeline.api import lifecycle, quotas
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0)
+    live = gateway.create_session("alice", [], {})
+    for _ in range(5):
+        session = gateway.create_session("alice", [], {})
+        for seq in range(2):
+            gateway.register_model("alice", session, seq, BASE, 8, {}, None)
+        lifecycle.record_end(store, session, "ended by an operator: test")
+    names = sorted(key.rsplit("/", 1)[-1] for key in store.list(f"{quotas.TENANTS}/alice"))
+    assert names == [live], names
