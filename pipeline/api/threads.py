@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -50,4 +49,4 @@ class TenantThreads:
     async def run(self, tenant: str, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` in a worker thread, in one of ``tenant``'s places."""
         async with self.place(tenant):
-            return await to_thread.run_sync(functools.partial(function, *args))
+            return await to_thread.run_sync(function, *args)
