@@ -450,16 +450,28 @@ class Launcher:
         codes = {name: process.returncode for name, process in self.processes.items()}
         if self.watcher is not None:
             self.watcher.join(timeout=10.0)  # its own announcements done before the last ones
-        with EventPublisher(self.bus) as publisher:
-            self.announce_stops(publisher, codes, interrupted)
         failed = {name: code for name, code in codes.items() if code != 0}
-        for name, code in failed.items():
+        for name, code in failed.items():  # said first: a broker that is gone (often why a child died) ends below
             path = self.log_dir / f"{name}.log"
             log.error("%s exited with %s; the end of %s:\n%s", name, code, path, log_tail(path))
+        announced = self.announce_final_stops(codes, interrupted)
         if self.started_stack is not None:
             log.info("the embedded stack started for this run is still running (pid %d); stop it with `rlpipe down`",
                      self.started_stack.pid)
-        return 1 if failed else 0
+        return 1 if failed or not announced else 0
+
+    def announce_final_stops(self, codes: dict[str, int | None], interrupted: bool) -> bool:
+        """``announce_stops`` on a publisher of its own; False, said in one line, when the broker cannot take them."""
+        try:
+            with EventPublisher(self.bus) as publisher:
+                self.announce_stops(publisher, codes, interrupted)
+        except BusError as exc:
+            log.error("could not announce RunStopped for %s: %s; the processes are stopped, and `rlpipe runs stop "
+                      "--run RUN` announces it once the broker answers",
+                      ", ".join(c.run_id for c in self.configs if c.run_id not in self.stopped),
+                      str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+            return False
+        return True
 
     def stop_processes(self, timeout_s: float) -> bool:
         """SIGTERM every child still running and wait for them (``timeout_s`` in all); True if interrupted again.

@@ -456,3 +456,25 @@ def test_an_unreachable_broker_is_named_before_the_tiny_model_is_built(tmp_path:
     fake.bus = fake.config.bus.model_copy(update={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
     with pytest.raises(BusUnavailableError, match="cannot reach Kafka"):
         fake.run()
+
+
+def test_a_child_that_died_is_named_with_its_log_even_when_the_stop_cannot_be_announced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The broker gone (its stack stopped) is often why a child died: the run still names the child and the end of
+    its log, says in one line that the runs' RunStopped could not go out, and exits 1 instead of a traceback."""
+    from pipeline.io.bus import BusUnavailableError
+
+    class Unreachable(PublisherStub):
+        def __init__(self, bus: object = None) -> None:
+            raise BusUnavailableError("cannot reach Kafka at 127.0.0.1:1: connection refused")
+
+    scripts = {"learner": "import sys; sys.exit('error: lost the broker at 127.0.0.1:1')",
+               "producer": "import time; time.sleep(60)"}
+    fake = scripted_launcher(tmp_path, monkeypatch, scripts)
+    monkeypatch.setattr(launcher, "EventPublisher", Unreachable)
+    with caplog.at_level(logging.INFO, logger="rlpipe.run"):
+        assert fake.run() == 1
+    assert all(process.poll() is not None for process in fake.processes.values())
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("learner exited with 1" in e and "lost the broker" in e for e in errors), errors
+    assert any("RunStopped" in e and "cannot reach Kafka" in e and "\n" not in e for e in errors), errors
