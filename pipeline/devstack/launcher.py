@@ -40,9 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +48,7 @@ import yaml
 
 from pipeline.config import child_environment
 from pipeline.devstack.catch_up import LearnerCatchUp
+from pipeline.devstack.dashboard import Dashboard, silent_after_s
 from pipeline.devstack.stack import (
     StackAlreadyRunningError,
     StackState,
@@ -62,61 +61,12 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.membership import announce_membership
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
 from schemas.config import RunConfig, step_budget
-from schemas.events import Envelope, LearnerCheckpointed, ProducerHeartbeat, RunStarted, RunStopped
+from schemas.events import Envelope, LearnerCheckpointed, RunStarted, RunStopped
 
 log = logging.getLogger("rlpipe.run")
 
 STORE_LOOK_S = 10.0  # how often a packed launch looks in the store for runs at their budget
 PRODUCERS_DONE = "every producer wrote its producer.max_groups groups"  # the RunStopped reason of such a run
-
-
-@dataclass
-class Dashboard:
-    """What the live view shows, updated from control events (thread-safe enough: one writer)."""
-
-    producers: dict[str, ProducerHeartbeat] = field(default_factory=dict)
-    learner: LearnerCheckpointed | None = None
-    rewards: deque[float] = field(default_factory=lambda: deque(maxlen=20))
-    lag: int | None = None
-    started: float = field(default_factory=time.monotonic)
-
-    def apply(self, payload: Any) -> None:
-        if isinstance(payload, ProducerHeartbeat):
-            self.producers[payload.producer_id] = payload
-        elif isinstance(payload, LearnerCheckpointed):
-            self.learner = payload
-            if "reward_mean" in payload.metrics:
-                self.rewards.append(payload.metrics["reward_mean"])
-
-    def render(self, run_id: str, max_steps: int | None) -> Any:
-        from rich.console import Group
-        from rich.table import Table
-
-        elapsed = time.monotonic() - self.started
-        head = Table.grid(padding=(0, 2))
-        learner = self.learner
-        step = learner.step if learner else 0
-        head.add_row(
-            f"[bold]run[/] {run_id}", f"[bold]elapsed[/] {elapsed:5.0f}s",
-            f"[bold]learner step[/] {step}/{max_steps or '∞'}", f"[bold]version[/] v{learner.version if learner else 0}",
-            f"[bold]reward (avg of last {len(self.rewards)})[/] "
-            + (f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"),
-            f"[bold]lag[/] {self.lag if self.lag is not None else '-'}",
-        )
-        if learner:
-            m = learner.metrics
-            head.add_row(
-                f"ratio {m.get('ratio_mean', float('nan')):.3f}", f"ess {m.get('effective_sample_size', float('nan')):.3f}",
-                f"stale dropped {int(m.get('dropped_stale_rows', 0))}", f"tok/s {m.get('tokens_per_s', 0):.0f}", "", "",
-            )
-        table = Table("producer", "adapter", "samples", "samples/s", "tokens/s", "env steps/s", "busy", title="producers")
-        newest = learner.version if learner else 0
-        for pid, beat in sorted(self.producers.items()):
-            table.add_row(pid, f"v{beat.adapter_version} (stale {newest - beat.adapter_version})",
-                          str(beat.samples_total), f"{beat.samples_per_s:.2f}", f"{beat.tokens_per_s:.0f}",
-                          f"{beat.env_steps_per_s:.1f}", f"{beat.busy_fraction:.0%}")
-        return Group(head, table)
-
 
 # On the embedded broker Kafka's default group timings (45 s session) make the learner's first join take
 # about 20 s, and a restarted learner wait for its dead predecessor's session to expire.  A 6 s session
@@ -204,7 +154,7 @@ class Launcher:
         self.log_dir = self.config_path.parent / "logs"
         self.log_dir.mkdir(exist_ok=True)
         self.show_dashboard = dashboard
-        self.boards = {c.run_id: Dashboard() for c in self.configs}
+        self.boards = {c.run_id: Dashboard(silent_after_s=silent_after_s(c)) for c in self.configs}
         self.board = self.boards[self.config.run_id]
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()

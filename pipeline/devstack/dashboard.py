@@ -1,0 +1,87 @@
+"""The live view of ``rlpipe run``: one panel per run, fed by its control events.
+
+Each panel shows the learner's step, version and recent rewards, and one row per producer from its newest
+``ProducerHeartbeat``.  A producer beats between two rounds of its loop, so a hung one (its process still
+running) would keep showing its last rates as if current: its row says instead how long it has been silent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.config import RunConfig
+from schemas.events import LearnerCheckpointed, ProducerHeartbeat
+
+# A producer beats between two rounds of its loop, so one long round delays a beat: it is shown as silent only after
+# this many of its heartbeat intervals, and never before SILENT_FLOOR_S.
+SILENT_BEATS = 3
+SILENT_FLOOR_S = 30.0
+
+
+@dataclass
+class Dashboard:
+    """What the live view shows, updated from control events (thread-safe enough: one writer).
+
+    A producer whose last heartbeat arrived more than ``silent_after_s`` ago (a hung one: its process still runs)
+    is shown as silent for that long, not with its last rates as if they were current.
+    """
+
+    silent_after_s: float = SILENT_FLOOR_S
+    producers: dict[str, ProducerHeartbeat] = field(default_factory=dict)
+    heard: dict[str, float] = field(default_factory=dict)  # producer id -> when its last heartbeat arrived (monotonic)
+    learner: LearnerCheckpointed | None = None
+    rewards: deque[float] = field(default_factory=lambda: deque(maxlen=20))
+    lag: int | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def apply(self, payload: Any) -> None:
+        if isinstance(payload, ProducerHeartbeat):
+            self.producers[payload.producer_id] = payload
+            self.heard[payload.producer_id] = time.monotonic()
+        elif isinstance(payload, LearnerCheckpointed):
+            self.learner = payload
+            if "reward_mean" in payload.metrics:
+                self.rewards.append(payload.metrics["reward_mean"])
+
+    def render(self, run_id: str, max_steps: int | None) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+
+        elapsed = time.monotonic() - self.started
+        head = Table.grid(padding=(0, 2))
+        learner = self.learner
+        step = learner.step if learner else 0
+        head.add_row(
+            f"[bold]run[/] {run_id}", f"[bold]elapsed[/] {elapsed:5.0f}s",
+            f"[bold]learner step[/] {step}/{max_steps or '∞'}", f"[bold]version[/] v{learner.version if learner else 0}",
+            f"[bold]reward (avg of last {len(self.rewards)})[/] "
+            + (f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"),
+            f"[bold]lag[/] {self.lag if self.lag is not None else '-'}",
+        )
+        if learner:
+            m = learner.metrics
+            head.add_row(
+                f"ratio {m.get('ratio_mean', float('nan')):.3f}", f"ess {m.get('effective_sample_size', float('nan')):.3f}",
+                f"stale dropped {int(m.get('dropped_stale_rows', 0))}", f"tok/s {m.get('tokens_per_s', 0):.0f}", "", "",
+            )
+        table = Table("producer", "adapter", "samples", "samples/s", "tokens/s", "env steps/s", "busy", "last beat",
+                      title="producers")
+        newest = learner.version if learner else 0
+        for pid, beat in sorted(self.producers.items()):
+            table.add_row(pid, f"v{beat.adapter_version} (stale {newest - beat.adapter_version})",
+                          str(beat.samples_total), f"{beat.samples_per_s:.2f}", f"{beat.tokens_per_s:.0f}",
+                          f"{beat.env_steps_per_s:.1f}", f"{beat.busy_fraction:.0%}", self.last_beat(pid))
+        return Group(head, table)
+
+    def last_beat(self, producer_id: str) -> str:
+        """``Ns ago``, or ``silent Ns`` (in red) past ``silent_after_s``."""
+        age = time.monotonic() - self.heard.get(producer_id, time.monotonic())
+        return f"[red]silent {age:.0f}s[/]" if age > self.silent_after_s else f"{age:.0f}s ago"
+
+
+def silent_after_s(config: RunConfig) -> float:
+    """How long a producer of ``config``'s may go without a heartbeat before its dashboard row says it is silent."""
+    return max(SILENT_BEATS * config.producer.heartbeat_interval_s, SILENT_FLOOR_S)
