@@ -27,6 +27,7 @@ from rich.table import Table
 
 from pipeline.devstack.broker import BrokerStartError
 from pipeline.devstack.gcs_emulator import EmulatorError, probe_endpoint
+from pipeline.devstack.s3_server import S3ServerError
 from pipeline.devstack.stack import StackError
 from pipeline.health import HealthPortError
 from pipeline.io.bus import BusError
@@ -68,8 +69,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     BusError,
     StoreUnreachableError,
     StackError,
-    BrokerStartError,  # the local broker or emulator would not start: the message names the log
+    BrokerStartError,  # the local broker, emulator or S3 server would not start: the message names the log
     EmulatorError,
+    S3ServerError,
     HealthPortError,  # a learner's or producer's health_port is taken
     FileNotFoundError,
     FileExistsError,

@@ -448,3 +448,14 @@ def test_up_with_the_gcs_emulator_on_a_port_in_use_says_why_in_one_line(home: Pa
     assert "no rlpipe stack is running" in stopped.stdout
     assert f"port {port} is already in use" in result.output and "Traceback" not in result.output
     assert "|" not in result.output and "stack.log" in result.output
+
+
+def test_up_in_the_foreground_whose_local_s3_server_will_not_start_says_why_in_one_line(home: Path) -> None:
+    """The local S3 server's failure at start is the user's to fix (its log says why), as the broker's is: one
+    line naming the log, nothing left running, no traceback."""
+    (home / "s3" / "journal.jsonl").mkdir(parents=True)  # a journal it cannot read
+    result = runner.invoke(app, ["up", "--foreground", "--no-gcs"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.exception
+    assert "error: the local S3 server exited at start" in result.output and "s3.log" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert read_stack_state() is None
