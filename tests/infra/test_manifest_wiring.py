@@ -17,9 +17,9 @@ import typer
 import yaml
 
 from pipeline.config import PROCESS_ENV, config_env_names
-from tests.infra.kustomize_render import of_kind, pod_specs
+from tests.infra.kustomize_render import of_kind, pod_specs, render
 from tests.infra.test_dockerfiles import DOCKERFILES, instructions
-from tests.infra.test_manifests import K8S, KUSTOMIZATIONS, README, WITH_PODS, pods, rendered
+from tests.infra.test_manifests import K8S, KUSTOMIZATIONS, ON_GKE, README, WITH_PODS, pods, rendered
 from tests.pipeline.test_cli_tree import command_tree
 
 # Applied next to another kustomization, whose resources it uses (infra/README.md, "The Tinker-compatible API").
@@ -238,3 +238,52 @@ def test_the_renderer_agrees_with_kustomize(name):
     built = subprocess.run(["kubectl", "kustomize", str(K8S / name)], capture_output=True, text=True, timeout=60)
     assert built.returncode == 0, built.stderr
     assert by_identity(rendered(name)) == by_identity(list(yaml.safe_load_all(built.stdout)))
+
+
+# infra/README.md's GKE steps -------------------------------------------------------------
+
+SED = re.compile(r"""grep -rl (\S+) infra/k8s \| xargs sed -i "s/([^/]+)/([^/]+)/g\"""")
+ASSIGNMENT = re.compile(r"^(?:export )?((?:\w+=\S+ ?)+)$")
+
+
+def expand(text: str, variables: dict[str, str]) -> str:
+    """``$NAME`` and ``${NAME}`` of ``text`` replaced as the shell would."""
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: variables[m.group(1)], text)
+
+
+def readme_steps(project: str, region: str) -> tuple[dict[str, str], list[tuple[str, str]], set[str]]:
+    """The GKE steps of infra/README.md for ``project`` in ``region``: their shell variables, the replacements
+    they make in infra/k8s, and the images they push."""
+    lines = README.read_text().split("## GKE, step by step", 1)[1].split("### 5.", 1)[0].splitlines()
+    variables: dict[str, str] = {}
+    for line in map(str.strip, lines):
+        if match := ASSIGNMENT.match(line):
+            for word in match.group(1).split():
+                name, value = word.split("=", 1)
+                variables[name] = expand(value, variables)
+            variables |= {"PROJECT_ID": project, "REGION": region}  # what a user edits in the first line
+    replacements = [(old, expand(new, variables)) for found, old, new in SED.findall("\n".join(lines))
+                    if found == old]
+    pushed = {expand(image, variables) for image in re.findall(r"docker push (\S+)", "\n".join(lines))}
+    return variables, replacements, pushed
+
+
+def test_the_readme_steps_point_every_gke_manifest_at_your_project_and_region(tmp_path):
+    variables, replacements, pushed = readme_steps("proj-b", "europe-west4")
+    assert replacements and pushed
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    for path in copy.rglob("*.yaml"):
+        text = path.read_text()
+        for old, new in replacements:
+            text = text.replace(old, new)
+        path.write_text(text)
+    for name in ON_GKE:
+        resources = render(copy / name)
+        for workload, spec in pods(resources):
+            for container in containers(spec):
+                assert container["image"] in pushed, f"{name}: {workload['metadata']['name']} runs {container['image']}"
+                store = {e["name"]: e.get("value") for e in container.get("env", [])}.get("RLPIPE_STORE__ROOT")
+                assert store is None or store.startswith(f"gs://{variables['BUCKET']}/"), store
+        for account in of_kind(resources, "ServiceAccount"):
+            assert account["metadata"]["annotations"]["iam.gke.io/gcp-service-account"] == variables["GSA"]
