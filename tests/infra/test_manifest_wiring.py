@@ -210,6 +210,25 @@ def test_selectors_services_and_scale_targets_reach_their_pods(name):
         assert any((w["kind"], w["metadata"]["name"]) == (ref["kind"], ref["name"]) for w in workloads)
 
 
+@pytest.mark.parametrize("name", WITH_PODS)
+def test_liveness_is_asked_only_once_the_process_first_answered(name):
+    """A Python process answers its probes only after its imports (torch, transformers, peft; fastapi and the
+    Kafka client for the gateway), which on a cold node can take past a liveness probe's minute: a startup probe
+    of the same endpoint gives it minutes, and liveness is asked from its first answer on."""
+    checked = 0
+    for workload, spec in pods(rendered(name)):
+        for container in spec["containers"]:
+            if "livenessProbe" not in container:
+                continue
+            where = f"{name}: {workload['metadata']['name']}/{container['name']}"
+            startup = container.get("startupProbe")
+            assert startup, f"{where} has a liveness probe and no startup probe"
+            assert startup["httpGet"] == container["livenessProbe"]["httpGet"], where
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, where
+            checked += 1
+    assert checked
+
+
 # the rendering ---------------------------------------------------------------------------
 
 
