@@ -10,16 +10,28 @@ rows and forms generalised advantage estimates (Schulman et al. 2016):
     delta_t = r_t + discount * V(s_{t+1}) - V(s_t)
     A_t     = delta_t + discount * lambda * A_{t+1}
 
-``V`` is a ridge regression of the discounted return-to-go on quadratic
-features of the standardised state (1, z, and z_i z_j; linear only beyond
-``QUADRATIC_UP_TO`` numbers).  The return-to-go is computed here from the turn
-rewards at the same ``discount`` the advantages use, G_t = r_t + discount * G_{t+1},
-not read from the rows (producers write it undiscounted): a baseline of another
-return would bias every advantage. It is fitted per step from that step's rows and
-nothing else, so a step's advantages depend only on its rows: a step trained
-again after a restart gets the same ones. After a terminal turn the future is 0;
-after a truncated episode's last turn it is the baseline of that turn's own state
-(the state after it is not recorded).
+``V`` is a ridge regression of the discounted return on quadratic features of
+the standardised state (1, z, and z_i z_j; linear only beyond ``QUADRATIC_UP_TO``
+numbers).  The return-to-go is computed here from the turn rewards at the same
+``discount`` the advantages use, G_t = r_t + discount * G_{t+1}, not read from the
+rows (producers write it undiscounted): a baseline of another return would bias
+every advantage. After a terminal turn the future is 0; after a truncated
+episode's last turn (cut by a time limit) it is the baseline of that turn's own
+state, which stands in for the unrecorded state after the cut.  So are the
+baseline's own targets: a turn k turns before the cut is fitted to
+
+    G_t + discount^k * V(s_last)
+
+and not to its k rewards alone, which would make V depend on how near the limit
+a row was (the state does not show it) and bias it low for states often seen
+near the limit.  V = x w is then the fixed point of the ridge fit of its own
+targets, solved in closed form (``bootstrapped_values``).  At ``discount = 1`` an
+endless task has no finite value and that fixed point does not exist, so there
+the targets stop at the cut, as if the time limit were part of the task.
+
+The baseline is fitted per step from that step's rows and nothing else, by one
+deterministic solve, so a step's advantages depend only on its rows: a step
+trained again after a restart gets the same ones.
 
 With ``lambda = 1`` the estimate is the return-to-go minus the baseline; with
 ``lambda = 0`` it is the one-step TD error, which leans most on the baseline.
@@ -53,6 +65,34 @@ def fitted_values(states_RS: np.ndarray, targets_R: np.ndarray, ridge: float = R
     """The ridge regression of ``targets_R`` on ``state_features(states_RS)``, evaluated on the same rows."""
     x_RF = state_features(states_RS)
     weights_F = np.linalg.solve(x_RF.T @ x_RF + ridge * np.eye(x_RF.shape[1]), x_RF.T @ targets_R)
+    return x_RF @ weights_F
+
+
+def bootstrapped_values(states_RS: np.ndarray, returns_R: np.ndarray, cut_weight_R: np.ndarray,
+                        last_row_R: np.ndarray, ridge: float = RIDGE) -> np.ndarray:
+    """The ridge fit V = x w of the targets ``returns_R + cut_weight_R * V[last_row_R]``, on the same rows.
+
+    V is in its own targets (a truncated episode's future is the baseline of its
+    last state), so w is the fixed point w = (X'X + P)^-1 X'(g + C X_last w):
+
+        (X'X + P - X' C X_last) w = X' g
+
+    with C = diag(cut_weight_R), X_last the features of each row's ``last_row_R`` and
+    P the ridge on every feature but the constant.  The constant is not shrunk so
+    that a step whose every state has the same value (all turns rewarded alike, all
+    episodes cut) gets exactly that value and advantages of 0, not a shrinkage
+    residue that dividing by the step's std would blow up.  With every weight 0
+    this is ``fitted_values``.
+    """
+    cut_R = cut_weight_R != 0.0
+    if not cut_R.any():
+        return fitted_values(states_RS, returns_R, ridge)
+    x_RF = state_features(states_RS)
+    penalty_F = np.full(x_RF.shape[1], ridge)
+    penalty_F[0] = 0.0  # column 0 is the constant 1
+    normal_FF = x_RF.T @ x_RF + np.diag(penalty_F)
+    normal_FF -= (x_RF[cut_R] * cut_weight_R[cut_R, None]).T @ x_RF[last_row_R[cut_R]]
+    weights_F = np.linalg.solve(normal_FF, x_RF.T @ returns_R)
     return x_RF @ weights_F
 
 
@@ -93,9 +133,14 @@ def state_baseline_gae(
     episodes = _whole_episodes(episode_ids_R, turns_R)
     rewards_R = np.array([float(r[0]) for r in turn_rewards_R], dtype=np.float64)
     targets_R = np.zeros(len(states_R), dtype=np.float64)
+    cut_weight_R = np.zeros(len(states_R), dtype=np.float64)  # discount^(turns to the cut); 0 where it ended
+    last_row_R = np.arange(len(states_R))
     for rows in episodes:
         targets_R[rows] = discounted_returns(rewards_R[rows].tolist(), discount)
-    values_R = fitted_values(np.asarray(states_R, dtype=np.float64), targets_R)
+        if not terminated_R[rows[-1]] and discount < 1.0:  # at discount 1 the fixed point does not exist
+            cut_weight_R[rows] = discount ** np.arange(len(rows), 0, -1)
+            last_row_R[rows] = rows[-1]
+    values_R = bootstrapped_values(np.asarray(states_R, dtype=np.float64), targets_R, cut_weight_R, last_row_R)
     out_R = np.zeros(len(states_R), dtype=np.float64)
     for rows in episodes:
         last = rows[-1]

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from consumers.advantages import EpisodeColumns, compute_advantages, discounted_returns_to_go
-from consumers.state_baseline import episode_gae, fitted_values, state_baseline_gae
+from consumers.state_baseline import (
+    RIDGE,
+    bootstrapped_values,
+    episode_gae,
+    fitted_values,
+    state_baseline_gae,
+    state_features,
+)
 from producers.envs.registry import make_env
 from schemas.config import LearnerConfig
+from schemas.trajectory import discounted_returns
 
 
 def test_gae_of_one_episode_by_hand():
@@ -128,11 +138,13 @@ def test_gae_pushes_an_answer_that_does_nothing_down_where_the_return_to_go_bare
 def test_the_baseline_is_fitted_to_the_return_discounted_at_the_advantages_discount():
     """The baseline estimates the return the advantages discount: at discount 0.9 it is fitted to the
     discounted return-to-go of the turn rewards, whatever ``return_to_go`` the rows carry (producers write it
-    undiscounted).  Episode a (terminal) rewards 1, 1, 1 -> 2.71, 1.9, 1; episode b (cut short) 2, 0 -> 2, 0."""
+    undiscounted).  Episode a (terminal) rewards 1, 1, 1 -> 2.71, 1.9, 1; episode b (cut short) 2, 0 -> 2, 0
+    to the cut, plus 0.9^2 and 0.9 times the baseline of its last state."""
     states = [[0.0], [1.0], [3.0], [0.5], [2.0]]
     rewards = [[1.0], [1.0], [1.0], [2.0], [0.0]]
     episodes, turns, ended = ["a", "a", "a", "b", "b"], [0, 1, 2, 0, 1], [True, True, True, False, False]
-    values = fitted_values(np.array(states), np.array([2.71, 1.9, 1.0, 2.0, 0.0]))
+    values = bootstrapped_values(np.array(states), np.array([2.71, 1.9, 1.0, 2.0, 0.0]),
+                                 np.array([0, 0, 0, 0.81, 0.9]), np.array([0, 1, 2, 4, 4]))
     expected = np.concatenate([episode_gae([1, 1, 1], values[:3].tolist(), 0.0, 0.9, 0.5),
                                episode_gae([2, 0], values[3:].tolist(), values[4], 0.9, 0.5)])
     expected -= expected.mean()  # centred over the step
@@ -141,3 +153,87 @@ def test_the_baseline_is_fitted_to_the_return_discounted_at_the_advantages_disco
     out = compute_advantages("gae", np.zeros(5), episodes, returns_to_go_R=undiscounted, turns_R=turns,
                              episode=episode)
     assert out == pytest.approx(expected, abs=1e-9)
+
+
+def endless_step(seed: int, episodes: int = 120) -> tuple[list, list, list, list, list[bool]]:
+    """A step of an endless task cut by time limits: every turn rewards 1 and the state is noise, so every
+    state's value at discount 0.9 is 1 / (1 - 0.9) = 10; episodes are cut after 3 to 40 turns, none ended."""
+    rng = np.random.default_rng(seed)
+    states, rewards, episode_ids, turns = [], [], [], []
+    for episode in range(episodes):
+        for turn in range(int(rng.integers(3, 41))):
+            states.append(rng.normal(size=4).tolist())
+            rewards.append([1.0])
+            episode_ids.append(episode)
+            turns.append(turn)
+    return states, rewards, episode_ids, turns, [False] * len(states)
+
+
+def test_the_turns_of_episodes_cut_by_a_time_limit_are_judged_alike_however_near_the_cut():
+    """Every turn is as good as any other, so no advantage should depend on how far its turn was from the
+    cut.  A baseline fitted to returns that stop at the cut (k rewards k turns before it) is about 7, not
+    10: every TD error is then 1 - 0.1 * 7 = +0.3, and the early turns, which sum more of them, get ~0.55
+    against the last turns' 0.3.  Bootstrapping the cut episodes' targets with the baseline fits 10."""
+    for seed in range(3):
+        states, rewards, episode_ids, turns, terminated = endless_step(seed)
+        out = state_baseline_gae(states, rewards, episode_ids, turns, terminated, 0.9, 0.5)
+        last = np.array([t + 1 == episode_ids.count(e) for e, t in zip(episode_ids, turns, strict=True)])
+        first = np.array(turns) == 0
+        assert abs(out[first].mean() - out[last].mean()) < 0.03
+        assert np.abs(out).mean() < 0.05  # the baseline is the value: every TD error is about 0
+
+
+def test_a_baseline_bootstrapped_at_the_cut_is_the_fit_of_its_own_targets():
+    """The values are the fixed point V = fit(G + discount ** (turns to the cut) * V(last state)) over the
+    cut episode's rows, and fit(G) over the ended one's, where fit is the ridge regression with an
+    unshrunk constant."""
+    rng = np.random.default_rng(1)
+    states = rng.normal(size=(9, 2))
+    rewards = rng.normal(size=9)
+    # episode a: rows 0-4, cut after its 5th turn; episode b: rows 5-8, ended at its 4th
+    to_cut, to_end = (np.array(discounted_returns(rewards[a:b].tolist(), 0.8)) for a, b in ((0, 5), (5, 9)))
+    values = bootstrapped_values(states, np.concatenate([to_cut, to_end]),
+                                 np.concatenate([0.8 ** np.arange(5, 0, -1), np.zeros(4)]),
+                                 np.array([4] * 5 + [5, 6, 7, 8]))
+    targets = np.concatenate([to_cut + 0.8 ** np.arange(5, 0, -1) * values[4], to_end])
+    x = state_features(states)
+    penalty = np.diag([0.0] + [RIDGE] * (x.shape[1] - 1))  # ridge on all but the constant
+    assert x @ np.linalg.solve(x.T @ x + penalty, x.T @ targets) == pytest.approx(values, abs=1e-9)
+
+
+def gae_fitted_to_the_return_up_to_the_end(states: list, rewards: list, episode_ids: list, terminated: list,
+                                           discount: float, lam: float) -> np.ndarray:
+    """The estimate with the baseline fitted to the discounted return up to each episode's last recorded turn,
+    written out for rows in episode and turn order."""
+    x = state_features(np.asarray(states, dtype=np.float64))
+    reward = np.array([r[0] for r in rewards], dtype=np.float64)
+    starts = [i for i, e in enumerate(episode_ids) if i == 0 or e != episode_ids[i - 1]] + [len(rewards)]
+    spans = list(itertools.pairwise(starts))
+    targets = np.concatenate([discounted_returns(reward[a:b].tolist(), discount) for a, b in spans])
+    values = x @ np.linalg.solve(x.T @ x + RIDGE * np.eye(x.shape[1]), x.T @ targets)
+    return np.concatenate([
+        episode_gae(reward[a:b].tolist(), values[a:b].tolist(), 0.0 if terminated[b - 1] else float(values[b - 1]),
+                    discount, lam) for a, b in spans])
+
+
+def test_steps_with_no_episode_cut_short_or_no_discount_keep_the_baseline_of_the_return_to_the_end():
+    """Bit for bit: ended episodes have no future to bootstrap, and at discount 1 an endless task has no
+    finite value, so there the targets stop at the cut as if the time limit were part of the task."""
+    cols, _ = cartpole_step(0.62, 0)
+    ended = [True] * len(cols["state"])
+    for terminated, discount in ((ended, 0.9), (ended, 1.0), ([False] * len(ended), 1.0)):
+        expected = gae_fitted_to_the_return_up_to_the_end(cols["state"], cols["reward"], cols["episode"],
+                                                          terminated, discount, 0.5)
+        out = state_baseline_gae(cols["state"], cols["reward"], cols["episode"], cols["turn"], terminated,
+                                 discount, 0.5)
+        assert np.array_equal(out, expected)
+
+
+def test_a_step_where_every_turn_reaches_the_limit_alike_has_nothing_to_teach():
+    """All turns rewarded 1 and every episode cut by the limit (CartPole once the policy balances): every
+    state's value is 10, every advantage 0, and dividing by the step's std must not blow up what is left."""
+    states, rewards, episode_ids, turns, terminated = endless_step(0)
+    episode = EpisodeColumns(states, rewards, episode_ids, terminated, 0.9, 0.5)
+    out = compute_advantages("gae", np.zeros(len(turns)), episode_ids, turns_R=turns, normalize_std=True,
+                             episode=episode)
+    assert np.abs(out).max() < 1e-3
