@@ -27,7 +27,10 @@ a row was (the state does not show it) and bias it low for states often seen
 near the limit.  V = x w is then the fixed point of the ridge fit of its own
 targets, solved in closed form (``bootstrapped_values``).  At ``discount = 1`` an
 endless task has no finite value and that fixed point does not exist, so there
-the targets stop at the cut, as if the time limit were part of the task.
+the targets stop at the cut, as if the time limit were part of the task.  So
+they do where the fixed point is ill-conditioned (a step of a few rows and many
+features) and puts a value past max|r| / (1 - discount), more than any state
+can be worth.
 
 The baseline is fitted per step from that step's rows and nothing else, by one
 deterministic solve, so a step's advantages depend only on its rows: a step
@@ -140,13 +143,30 @@ def state_baseline_gae(
         if not terminated_R[rows[-1]] and discount < 1.0:  # at discount 1 the fixed point does not exist
             cut_weight_R[rows] = discount ** np.arange(len(rows), 0, -1)
             last_row_R[rows] = rows[-1]
-    values_R = bootstrapped_values(np.asarray(states_R, dtype=np.float64), targets_R, cut_weight_R, last_row_R)
+    states_RS = np.asarray(states_R, dtype=np.float64)
+    try:
+        values_R = _reachable(bootstrapped_values(states_RS, targets_R, cut_weight_R, last_row_R), rewards_R,
+                              discount)
+    except np.linalg.LinAlgError:
+        values_R = None
+    if values_R is None:  # an ill-conditioned fixed point (a few rows, many features): the plain fit
+        values_R = fitted_values(states_RS, targets_R)
     out_R = np.zeros(len(states_R), dtype=np.float64)
     for rows in episodes:
         last = rows[-1]
         after = 0.0 if terminated_R[last] else float(values_R[last])  # cut short: its own state's baseline
         out_R[rows] = episode_gae(rewards_R[rows].tolist(), values_R[rows].tolist(), after, discount, lam)
     return out_R
+
+
+def _reachable(values_R: np.ndarray, rewards_R: np.ndarray, discount: float) -> np.ndarray | None:
+    """``values_R`` where every one is finite and within max|r| / (1 - discount), the most any state can be worth."""
+    if discount >= 1.0:
+        return values_R
+    bound = float(np.abs(rewards_R).max(initial=0.0)) / (1.0 - discount)
+    if not np.isfinite(values_R).all() or np.abs(values_R).max(initial=0.0) > bound * (1 + 1e-9) + 1e-12:
+        return None
+    return values_R
 
 
 def _whole_episodes(episode_ids_R: Sequence[Hashable], turns_R: Sequence[int]) -> list[list[int]]:

@@ -237,3 +237,23 @@ def test_a_step_where_every_turn_reaches_the_limit_alike_has_nothing_to_teach():
     out = compute_advantages("gae", np.zeros(len(turns)), episode_ids, turns_R=turns, normalize_std=True,
                              episode=episode)
     assert np.abs(out).max() < 1e-3
+
+
+def test_a_small_step_whose_bootstrapped_baseline_leaves_the_reachable_range_keeps_the_plain_fit():
+    # ten rows, three cut episodes and fifteen features: the fixed point of the bootstrapped fit is ill-conditioned
+    # here and put |V| far past max|r| / (1 - discount), the largest value any state can have
+    states = [[1.4, 0.6], [2.0, 1.0], [0.4, -1.1], [0.0, 1.0], [-1.2, 0.0], [0.1, 0.8], [0.0, -1.0], [0.0, -2.0],
+              [-1.0, 0.0], [0.0, 0.0]]
+    rewards = [[1.0], [1.0], [0.0], [0.0], [1.0], [0.0], [0.0], [0.0], [0.0], [0.0]]
+    episodes, turns = [0, 0, 1, 1, 1, 1, 1, 2, 2, 2], [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]
+    discount, lam = 0.9, 0.5
+    out = state_baseline_gae(states, rewards, episodes, turns, [False] * 10, discount, lam)
+    values = fitted_values(np.asarray(states), np.concatenate([
+        discounted_returns([1.0, 1.0], discount), discounted_returns([0.0, 0.0, 1.0, 0.0, 0.0], discount),
+        discounted_returns([0.0, 0.0, 0.0], discount)]))
+    expected = np.concatenate([
+        episode_gae([1.0, 1.0], values[0:2].tolist(), float(values[1]), discount, lam),
+        episode_gae([0.0, 0.0, 1.0, 0.0, 0.0], values[2:7].tolist(), float(values[6]), discount, lam),
+        episode_gae([0.0, 0.0, 0.0], values[7:10].tolist(), float(values[9]), discount, lam)])
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-12)
+    assert np.abs(out).max() < 2 / (1 - discount)
