@@ -306,8 +306,9 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request, who: TenantKey) -> dict[str, Any]:
         body = await threads.run(who, parse_body, types.CreateSamplingSessionRequest, await request.body())
-        if (body.base_model is None) == (body.model_path is None):
-            raise ApiError("create_sampling_session takes a base_model or a model_path (one of the two)")
+        if body.base_model is None and body.model_path is None:
+            raise ApiError("create_sampling_session needs a base_model or a model_path (tinker://.../sampler_weights/"
+                           "<name>); use the tinker SDK's create_sampling_client")
         sampling_session_id = await threads.run(who, gateway.create_sampling_session, who, body.session_id,
                                                       body.sampling_session_seq_id, body.base_model, body.model_path)
         return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}

@@ -384,7 +384,8 @@ class Gateway:
     # ---- sampling -------------------------------------------------------------------------------------
     def create_sampling_session(self, tenant: str, session_id: str, seq: int, base_model: str | None,
                                 model_path: str | None) -> str:
-        """A sampling session on the base model, or on the sampler weights a ``tinker://`` path names."""
+        """A sampling session on the base model, or on the sampler weights a ``tinker://`` path names (with a
+        ``base_model`` too, as the SDK sends when given both: it must be the one the weights were trained on)."""
         self.live_session(tenant, session_id)
         check_seq("sampling_session_seq_id", seq, 0, "the tinker SDK's create_sampling_client")
         weights: tuple[str, str | None, str | None, int | None]
@@ -399,6 +400,9 @@ class Gateway:
             if meta is None:
                 raise ApiError(f"no sampler weights at {model_path} (never saved, deleted or expired); see "
                                "list_checkpoints")
+            if base_model is not None and base_model != record["base_model"]:
+                raise ApiError(f"{model_path} holds sampler weights trained on {record['base_model']}, not on "
+                               f"{echoed(base_model)}; pass base_model={record['base_model']!r} or leave it out")
             weights = (record["base_model"], model_path, path.run, int(meta["version"]))
         sampling_session_id = model_id_for(session_id, "sample", seq)
         with self.quota.creating(tenant):

@@ -142,6 +142,8 @@ def test_trained_weights_sample_differently_and_agree_with_forward(server):
     path = training.save_weights_for_sampler("s1").result().path
     named = service.create_sampling_client(model_path=path).result()
     assert np.allclose(named.compute_logprobs(prompt).result()[1:], trained_lp[1:], atol=1e-5)
+    with_base = service.create_sampling_client(model_path=path, base_model=server.base_model).result()
+    assert np.allclose(with_base.compute_logprobs(prompt).result()[1:], trained_lp[1:], atol=1e-5)
     with pytest.raises(Exception, match="no session"):
         server.service(BOB).create_sampling_client(model_path=path).result()
 

@@ -189,6 +189,27 @@ def test_sampling_session_from_a_sampler_path_is_tenant_scoped(api):
     assert training.status_code == 400 and "sampler_weights" in training.json()["error"]
 
 
+def test_a_sampler_path_given_with_its_base_model_is_sampled_and_another_base_model_is_refused(api):
+    """``create_sampling_client(model_path=..., base_model=...)`` (the cookbook's evaluations pass both) sends both:
+    the path's weights are sampled when the base model is theirs, and a base model they were not trained on is a
+    400 naming both, not a session sampling weights that mean nothing on it."""
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    path = f"tinker://{model_id}/sampler_weights/s1"
+    api.store.put(f"runs/{session}.train.0/sampler_weights/s1.json",
+                  json.dumps({"name": "s1", "tinker_path": path, "time": 0.0, "version": 3}).encode())
+    both = _sampling_session(api, session, model_path=path, base_model="/models/base/tiny")
+    assert both.status_code == 200, both.text
+    record = json.loads(api.store.get(f"sessions/{session}/samplers/0.json"))
+    assert (record["model_path"], record["version"], record["base_model"]) == (path, 3, "/models/base/tiny")
+    other = api.post("/api/v1/create_sampling_session", headers=ALICE, json={
+        "session_id": session, "sampling_session_seq_id": 1, "model_path": path, "base_model": "/models/other",
+        "type": "create_sampling_session"})
+    assert other.status_code == 400 and "/models/other" in other.json()["error"], other.text
+    assert "/models/base/tiny" in other.json()["error"]
+    assert api.get(f"/api/v1/samplers/{session}:sample:1", headers=ALICE).status_code == 404
+
+
 def test_a_full_sampler_queue_answers_429_until_results_arrive(api):
     api.app.state.gateway.samples.max_places = 1
     session = _session(api)
