@@ -332,7 +332,8 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     async def asample(request: Request, who: TenantKey) -> dict[str, Any]:
         raw = await request.body()
         body = await threads.run(who, read_sample, raw)
-        call = await threads.run(who, gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw)
+        call = await threads.run(who, gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw,
+                                 body.prompt.length)
         if direct is not None:  # the sampler starts while the log takes the call; the answer still waits for the log
             direct.dispatch(call)
         await threads.run(who, gateway.publish_call, call)

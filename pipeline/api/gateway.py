@@ -434,17 +434,23 @@ class Gateway:
         self.publish(make_event(model_run_name(model_id), call), model_id)
 
     def prepare_sample(self, tenant: str, sampling_session_id: str, seq_id: int | None,
-                       body: bytes) -> ApiRequestAccepted:
+                       body: bytes, prompt_tokens: int | None = None) -> ApiRequestAccepted:
         """The checks and the stored body of a ``sample`` call: its event, not yet on the log.
 
         ``BusyError`` when the base model's sampler queue is full, or the tenant holds its share of it
-        (``pipeline.api.sample_queue``).
+        (``pipeline.api.sample_queue``); ``ApiError`` for a prompt of ``prompt_tokens`` that leaves no room to sample
+        in the context the base model is served with (``max_context_length``, the samplers' own).
         """
         record = self.sampler(tenant, sampling_session_id)
         self.check_live(model_run_name(sampling_session_id).split(".")[0])
         if seq_id is not None:
             check_seq("seq_id", seq_id, 0, "the tinker SDK's SamplingClient")
         base_model = record["base_model"]
+        served = self.models.get(base_model)
+        context = None if served is None else served.max_context_length
+        if prompt_tokens is not None and context is not None and prompt_tokens >= context:
+            raise ApiError(f"prompt of {prompt_tokens} tokens leaves no room to sample: {base_model} is served with a "
+                           f"context of {context} tokens (max_context_length in get_server_capabilities); shorten it")
         # numbered seq_id + 1 (a request id numbered 0 is a creation's): the largest is 2**31, past int32, which is
         # fine, since this number stays in rlpipe's request ids and events and never goes back to the SDK
         request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)

@@ -95,6 +95,9 @@ def test_sampling_from_the_base_model(server):
     assert all(s.tokens == greedy.tokens and np.allclose(s.logprobs, 0.0, atol=1e-6) for s in top_1)
     logprobs = sampling.compute_logprobs(prompt).result()
     assert logprobs[0] is None and len(logprobs) == len(PROMPT) and all(np.isfinite(logprobs[1:]))
+    context = server.service().get_server_capabilities().supported_models[0].max_context_length
+    with pytest.raises(tinker.BadRequestError, match=f"context of {context} tokens"):  # at submit, not in the future
+        sampling.compute_logprobs(types.ModelInput.from_ints([5] * context)).result(timeout=60)
     assert "taking calls directly" in (server.logs / "sampler.log").read_text()  # the gateway's direct path is on
 
 

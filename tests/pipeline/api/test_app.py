@@ -553,6 +553,27 @@ def test_sampling_parameters_that_cannot_be_honoured_are_a_400_at_submit(api):
         good["seq_id"] += 1
 
 
+def test_a_prompt_past_the_advertised_context_is_a_400_at_submit_that_holds_nothing():
+    """A prompt that leaves no room to sample one token in the context get_server_capabilities advertises is answered
+    400 naming the numbers, before anything is stored, queued or logged (not a future that fails later); one token
+    shorter is taken."""
+    api = gateway_client(models=[ServedModel("/models/base/tiny", "/models/base/tiny", max_context_length=8)])
+    sampler_id = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
+    logged = len(api.published)
+
+    def asample(length: int, seq_id: int):
+        return api.post("/api/v1/asample", headers=ALICE, json={
+            "num_samples": 1, "prompt": {"chunks": [{"tokens": [5] * length, "type": "encoded_text"}]},
+            "sampling_params": {"max_tokens": 1}, "sampling_session_id": sampler_id, "seq_id": seq_id,
+            "prompt_logprobs": True, "type": "sample"})
+
+    long = asample(8, 0)
+    assert long.status_code == 400 and long.json()["category"] == "user", long.text
+    assert "8 tokens" in long.json()["error"] and "context of 8" in long.json()["error"], long.text
+    assert len(api.published) == logged and api.app.state.gateway.samples.queued() == 0
+    assert asample(7, 0).status_code == 200  # seq_id 0 was not taken by the refused call
+
+
 def test_a_finish_with_a_body_that_is_not_the_sdks_is_a_400_and_ends_nothing(api):
     session = _session(api)
     finish = f"/api/v1/sessions/{session}/finish"
