@@ -438,16 +438,16 @@ class Gateway:
         """The checks and the stored body of a ``sample`` call: its event, not yet on the log.
 
         ``BusyError`` when the base model's sampler queue is full, or the tenant holds its share of it
-        (``pipeline.api.sample_queue``); ``ApiError`` for a prompt of ``prompt_tokens`` that leaves no room to sample
-        in the context the base model is served with (``max_context_length``, the samplers' own).
+        (``pipeline.api.sample_queue``); ``ApiError`` for a base model not served here (the session was made
+        before a redeployment without it) and for a prompt of ``prompt_tokens`` that leaves no room to sample in
+        the context the base model is served with (``max_context_length``, the samplers' own).
         """
         record = self.sampler(tenant, sampling_session_id)
         self.check_live(model_run_name(sampling_session_id).split(".")[0])
         if seq_id is not None:
             check_seq("seq_id", seq_id, 0, "the tinker SDK's SamplingClient")
         base_model = record["base_model"]
-        served = self.models.get(base_model)
-        context = None if served is None else served.max_context_length
+        context = self.served(base_model).max_context_length  # (no sampler reads a model no longer served)
         if prompt_tokens is not None and context is not None and prompt_tokens >= context:
             raise ApiError(f"prompt of {prompt_tokens} tokens leaves no room to sample: {base_model} is served with a "
                            f"context of {context} tokens (max_context_length in get_server_capabilities); shorten it")

@@ -574,6 +574,17 @@ def test_a_prompt_past_the_advertised_context_is_a_400_at_submit_that_holds_noth
     assert asample(7, 0).status_code == 200  # seq_id 0 was not taken by the refused call
 
 
+def test_a_sample_of_a_base_model_no_longer_served_is_a_400_not_a_future_that_never_ends(api):
+    """A sampling client made while the gateway served a base model, sampling after it was redeployed without it:
+    no sampler reads its calls any more, so the call is answered 400 naming the served models, and holds no place."""
+    sampler_id = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
+    redeployed = gateway_client(api.store, models=[ServedModel("/models/base/other", "/models/base/other")])
+    answer = _asample(redeployed, sampler_id)
+    assert answer.status_code == 400 and answer.json()["category"] == "user", answer.text
+    assert "/models/base/tiny" in answer.json()["error"] and "/models/base/other" in answer.json()["error"]
+    assert redeployed.published == [] and redeployed.app.state.gateway.samples.queued() == 0
+
+
 def test_a_finish_with_a_body_that_is_not_the_sdks_is_a_400_and_ends_nothing(api):
     session = _session(api)
     finish = f"/api/v1/sessions/{session}/finish"
