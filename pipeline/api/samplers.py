@@ -143,6 +143,11 @@ def check_sample_request(request: types.SampleRequest) -> None:
             raise ApiError(f"prompt chunk of kind {echoed(kind)} is not supported; send token chunks")
     if request.prompt.length < 1:
         raise ApiError("prompt is empty; send at least one token (render the prompt with the model's chat template)")
+    tokens = request.prompt.to_ints()
+    low, high = min(tokens), max(tokens)
+    if low < 0 or high > MAX_TOKEN_ID:  # an id past one model's vocabulary is its sampler's to refuse (it knows it)
+        raise ApiError(f"prompt holds {echoed(low if low < 0 else high)}, which is no token id; send ids from 0 to "
+                       f"the vocabulary's size - 1 (encode the prompt with the model's tokenizer)")
     if request.prompt_alt_tokens_k or request.topk_prompt_logprobs \
             or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
         raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "

@@ -585,6 +585,20 @@ def test_a_sample_of_a_base_model_no_longer_served_is_a_400_not_a_future_that_ne
     assert redeployed.published == [] and redeployed.app.state.gateway.samples.queued() == 0
 
 
+def test_a_prompt_token_id_no_model_has_is_a_400_at_submit(api):
+    """A negative id, or one past the int32 ids of the SDK's wire, is no token of any model: answered 400 naming it
+    before anything is queued (an id past one model's vocabulary is its sampler's to refuse, as a user error)."""
+    sampler_id = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]
+    logged = len(api.published)
+    for bad in (-1, 2**31, 10**30):
+        answer = api.post("/api/v1/asample", headers=ALICE, json={
+            "num_samples": 1, "prompt": {"chunks": [{"tokens": [5, bad, 7], "type": "encoded_text"}]},
+            "sampling_params": {"max_tokens": 1}, "sampling_session_id": sampler_id, "seq_id": 0, "type": "sample"})
+        assert answer.status_code == 400 and answer.json()["category"] == "user", (bad, answer.text)
+        assert f"prompt holds {bad}" in answer.json()["error"], answer.text
+    assert len(api.published) == logged and api.app.state.gateway.samples.queued() == 0
+
+
 def test_a_finish_with_a_body_that_is_not_the_sdks_is_a_400_and_ends_nothing(api):
     session = _session(api)
     finish = f"/api/v1/sessions/{session}/finish"
