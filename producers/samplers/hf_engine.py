@@ -119,4 +119,7 @@ class TransformersEngine(SamplingEngine):
         await asyncio.to_thread(self.sampler.unload_adapter, handle)
 
     def close(self) -> None:
+        """Stop the batching task (a batch already decoding in its thread is dropped) and release the model."""
+        if self._worker is not None and not self._worker.done():
+            self._worker.cancel()
         self.sampler.close()

@@ -7,6 +7,11 @@ its own engine request, so the calls of several threads share the running
 batch, and a thread-based producer uses the engine without being rewritten.
 ``submit`` starts one request and returns a future at once, so a rollout worker
 sends each episode's turn the moment its environment step returns.
+
+``close`` ends the requests still running first (their callers get a
+``RuntimeError`` saying the sampler closed, rather than waiting on a loop that
+no longer runs), then the engine, then the loop; a request that had finished
+keeps its result.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class SyncSampler(Sampler):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sampling-engine", daemon=True)
         self._thread.start()
+        self._closing = False
+        self._running: set[asyncio.Task[Any]] = set()  # the tasks of the calls started and not finished
         try:
             self.engine: SamplingEngine = self.call(_build(make))
         except BaseException:
@@ -47,10 +54,28 @@ class SyncSampler(Sampler):
 
     def start(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
         """Run ``coroutine`` on the engine's loop; its result (or error) arrives in the future."""
-        if not self._thread.is_alive():
+        if self._closing or not self._thread.is_alive():
             coroutine.close()
             raise RuntimeError("this SyncSampler is closed; build a new one")
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return asyncio.run_coroutine_threadsafe(self._tracked(coroutine), self._loop)
+
+    async def _tracked(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """``coroutine``, ended by ``close`` with an error naming it when it is still running then."""
+        task = asyncio.current_task()
+        assert task is not None  # run_coroutine_threadsafe runs it as a task
+        if self._closing:  # started while ``close`` began
+            coroutine.close()
+            raise RuntimeError("this SyncSampler is closed; build a new one")
+        self._running.add(task)
+        try:
+            return await coroutine
+        except asyncio.CancelledError:
+            if self._closing:
+                raise RuntimeError("the SyncSampler closed before this request finished; sample before closing "
+                                   "it, or build a new one") from None
+            raise
+        finally:
+            self._running.discard(task)
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the engine's loop and wait for its result (from any thread but the loop's)."""
@@ -109,13 +134,23 @@ class SyncSampler(Sampler):
         self.call(self.engine.unload_adapter(handle))
 
     def close(self) -> None:
-        """Close the engine, then stop its loop thread."""
-        if not self._thread.is_alive():
+        """End the requests still running, close the engine, then stop its loop thread."""
+        if self._closing or not self._thread.is_alive():
             return
         try:
-            self.call(_close(self.engine))
+            self.call(self._shutdown())
         finally:
+            self._closing = True
             self._stop_loop()
+
+    async def _shutdown(self) -> None:
+        """On the loop: cancel the running calls (each caller gets ``_tracked``'s error), then close the engine."""
+        self._closing = True  # from here no call starts, and a cancelled one says why
+        running = [task for task in self._running if task is not asyncio.current_task()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        self.engine.close()
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -127,6 +162,3 @@ class SyncSampler(Sampler):
 async def _build(make: Callable[[], SamplingEngine]) -> SamplingEngine:
     return make()
 
-
-async def _close(engine: SamplingEngine) -> None:
-    engine.close()

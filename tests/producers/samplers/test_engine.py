@@ -550,3 +550,25 @@ def test_the_api_samplers_vllm_engine_keeps_every_held_version_in_its_adapter_ca
 
     assert engine_options("vllm", 8) == {"max_cpu_loras": 8}
     assert engine_options("transformers", 8) == {}
+
+
+def test_closing_with_a_request_in_flight_ends_its_caller_and_keeps_finished_results(tiny_trained_dir,
+                                                                                     prompts) -> None:
+    """``close`` while a request decodes: its caller gets an error naming the close instead of waiting forever,
+    and a request that finished before keeps its result."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    engine = SyncSampler(lambda: TransformersEngine(str(tiny_trained_dir), SamplerConfig(max_model_len=1024)))
+    finished = engine.start(engine.engine.sample(prompts[1], None, SampleParams(2, seed=1)))
+    assert finished.result(timeout=120).sequences[0].token_ids
+    in_flight = engine.start(engine.engine.sample(prompts[0], None, SampleParams(1000, seed=2, stop_token_ids=())))
+    time.sleep(0.5)
+    started = time.monotonic()
+    engine.close()
+    try:
+        with pytest.raises(RuntimeError, match="closed before this request finished"):
+            in_flight.result(timeout=60)
+    except FutureTimeout:
+        pytest.fail("a request in flight at close never ended: its caller would wait forever")
+    assert time.monotonic() - started < 60
+    assert finished.result(timeout=0).sequences[0].token_ids
