@@ -6,7 +6,13 @@ covers events published before the producer started).  A new version is pulled
 into the local cache (the registry verifies every digest and refuses a tampered
 file), then handed to the sampler under a NEW integer id and name: vLLM may serve
 a stale cache when a name is reused.  Groups already running keep their
-adapter; the sampler keeps at most ``max_loaded`` versions.
+adapter; the sampler keeps at most ``max_loaded`` versions.  Versions only go
+forward: the newest announced is the one loaded, never an older one announced late.
+
+A version that does not load leaves the producer sampling the last good one,
+with one warning line: a pull that fails (a file missing or not matching its
+digest) is tried again after ``LOAD_RETRY_S``; a version it can never serve (not
+a LoRA adapter, trained on another base model, refused by the sampler) is not.
 
 The cache is the producer's own folder (``$RLPIPE_HOME/adapter-cache/<producer_id>``):
 a version evicted from the sampler is deleted from it once no running group
@@ -28,12 +34,12 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Protocol
 
 from pipeline.io.bus import EventFollower
-from pipeline.io.registry import AdapterRegistry
+from pipeline.io.registry import AdapterRegistry, RegistryError
 from producers.samplers.base import AdapterHandle, Sampler
 from schemas.config import BusConfig
 from schemas.events import AdapterPublished
@@ -81,6 +87,10 @@ class KafkaAdapterEvents:
 LOAD_RETRY_S = 10.0  # a version whose pull failed (damaged, not yet readable) is tried again after this
 
 
+class RefusedVersion(ValueError):
+    """A committed version this producer cannot serve (another artifact kind, another base model)."""
+
+
 class AdapterWatcher:
     """Keeps the sampler on the newest verified adapter version (the producer's ``AdapterSource``)."""
 
@@ -92,7 +102,11 @@ class AdapterWatcher:
         max_loaded: int,
         events: AdapterEvents | None = None,
         registry_poll_s: float = 2.0,
+        base_models: Collection[str] | None = None,
     ) -> None:
+        """``base_models``: what a manifest may name as its base model for this producer to serve it (the
+        learner records ``model.base_model``, or the tiny model's folder); None serves any base model."""
+        self.base_models = None if base_models is None else frozenset(base_models)
         self.registry, self.sampler, self.cache_dir = registry, sampler, Path(cache_dir)
         self.max_loaded, self.events, self.registry_poll_s = max_loaded, events, registry_poll_s
         self.loaded: list[AdapterHandle] = []
@@ -100,7 +114,7 @@ class AdapterWatcher:
         self.last_registry_poll = float("-inf")
         self.ids = itertools.count(1)  # lora_int_id: positive, never reused in this process
         self.load_failures = 0
-        self.failed_at: dict[int, float] = {}  # version -> when its last load failed (retried after LOAD_RETRY_S)
+        self.failed_at: dict[int, float] = {}  # version -> when its last load failed (inf: never retried)
         self.in_use: Callable[[], set[int]] = set  # versions running groups sample with (the producer sets it)
         self.retired: list[AdapterHandle] = []  # evicted from the sampler; folder deleted once not in use
 
@@ -129,20 +143,30 @@ class AdapterWatcher:
             self.delete_retired()
 
     def load(self, version: int) -> AdapterHandle | None:
-        """Pull, verify and load ``version``; on failure keep serving the current one (and say so)."""
+        """Pull, verify and load ``version``; on failure keep serving the current one (and say so in one line).
+
+        A pull that fails (a file missing or damaged, the store unreachable) is tried again after
+        ``LOAD_RETRY_S``; a version this producer can never serve (another artifact kind, another base model,
+        weights the sampler refuses) is not tried again.
+        """
         try:
-            folder = self.registry.pull(version, self.cache_dir)
+            self.check_servable(version)
+            folder = self.registry.pull(version, self.cache_dir, kind="lora")
             sha = self.registry.adapter_sha256(version)
-        except (OSError, ValueError, LookupError) as exc:
-            self.load_failures += 1
-            self.failed_at[version] = time.monotonic()
-            log.warning("could not pull adapter v%d (keeping v%s): %s", version,
-                        self.current().version if self.current() else 0, exc)
-            return None
+        except RefusedVersion as exc:
+            return self.failed(version, "refused", str(exc), retry=False)
+        except (OSError, ValueError, LookupError, RegistryError) as exc:
+            return self.failed(version, "could not pull", str(exc), retry=True)
         lora_id = next(self.ids)
         handle = AdapterHandle(version=version, lora_int_id=lora_id, name=f"v{version}-id{lora_id}",
                                path=str(folder), sha256=sha)
-        self.sampler.load_adapter(handle)
+        try:
+            self.sampler.load_adapter(handle)
+        except (OSError, ValueError, RuntimeError) as exc:  # vLLM's and peft's refusals of weights they cannot serve
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                self.sampler.unload_adapter(handle)  # whatever part of it the sampler took
+            shutil.rmtree(folder, ignore_errors=True)
+            return self.failed(version, "the sampler refused", str(exc), retry=False)
         self.loaded.append(handle)
         log.info("serving adapter v%d (%s, sha256 %s...)", version, handle.name, sha[:12])
         while len(self.loaded) > self.max_loaded:
@@ -150,6 +174,29 @@ class AdapterWatcher:
             self.sampler.unload_adapter(evicted)
             self.retired.append(evicted)
         return handle
+
+    def check_servable(self, version: int) -> None:
+        """Refuse (``RefusedVersion``) a version that is not a LoRA adapter of this producer's base model."""
+        manifest = self.registry.show(version)
+        if manifest.kind != "lora":
+            raise RefusedVersion(f"it is a {manifest.kind}, not a LoRA adapter; point the producer at a run "
+                                 "that publishes adapters")
+        if self.base_models is not None and manifest.base_model not in self.base_models:
+            raise RefusedVersion(
+                f"it was trained on {manifest.base_model}, not on this producer's base model "
+                f"({' / '.join(sorted(self.base_models))}); give the producer and the learner one model.base_model"
+            )
+
+    def failed(self, version: int, what: str, reason: str, retry: bool) -> None:
+        """Count and log (one line) a version that did not load; it is tried again after ``LOAD_RETRY_S`` when
+        ``retry``, else never."""
+        self.load_failures += 1
+        self.failed_at[version] = time.monotonic() if retry else float("inf")
+        first_line = reason.strip().splitlines()[0] if reason.strip() else "no reason given"
+        current = self.current()
+        log.warning("%s adapter v%d of run %s (keeping v%d): %s", what, version, self.registry.run_id,
+                    current.version if current else 0, first_line)
+        return None
 
     def delete_retired(self) -> None:
         """Unload and delete the cached folders of evicted versions that no loaded handle and no running group uses.

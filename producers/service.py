@@ -25,6 +25,7 @@ from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import BusError, EventFollower, EventPublisher, group_lag, run_log
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
+from pipeline.models import resolve_base_model
 from pipeline.runtime import Announcer, RateMeter, StopFlag, effective_run_config, open_store, resolved_bus
 from pipeline.topics import topic_name
 from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_process_caches
@@ -354,7 +355,8 @@ def open_run_producer(config: RunConfig, connection: RunConnection, producer_id:
     cache_root = Path(rlpipe_home()) / "adapter-cache"
     sweep_dead_process_caches(cache_root, host_name())
     cache = cache_root / producer_id
-    watcher = AdapterWatcher(registry, sampler, cache, max_loaded=config.sampler.max_loras, events=events)
+    watcher = AdapterWatcher(registry, sampler, cache, max_loaded=config.sampler.max_loras, events=events,
+                             base_models={config.model.base_model, resolve_base_model(config.model)})
     sink = StoreThenEventSink(connection.archive, config.run_id, config.env.name, producer_id, connection.announce)
     worker = RolloutWorker(
         run_id=config.run_id, producer_id=producer_id, env_name=config.env.name,

@@ -282,3 +282,112 @@ def test_an_evicted_version_a_running_group_reloaded_is_unloaded_once_no_group_u
     assert sorted(sampler._handles) == sorted(h.name for h in watcher.loaded)
     assert not Path(v1.path).exists()  # type: ignore[union-attr]
     sampler.close()
+
+
+class RefusingRecorder(LoadRecorder):
+    """A sampler that refuses the adapter folders named in ``refused`` as vLLM or peft refuses bad weights."""
+
+    def __init__(self, refused: set[int]) -> None:
+        super().__init__()
+        self.refused = refused
+
+    def load_adapter(self, handle: AdapterHandle) -> None:
+        if handle.version in self.refused:
+            raise ValueError(f"vLLM refused adapter {handle.name} from {handle.path}: shapes do not match")
+        super().load_adapter(handle)
+
+
+def publish_versions(registry: AdapterRegistry, tmp_path: Path, base_models: list[str]) -> None:
+    for version, base_model in enumerate(base_models, start=1):
+        registry.publish(make_adapter(tmp_path / f"a{version}", version), base_model=base_model,
+                         parent_version=version - 1, learner_step=version)
+
+
+def refresh_now(watcher: AdapterWatcher) -> None:
+    watcher.last_registry_poll = float("-inf")  # the poll interval has passed
+    watcher.refresh()
+
+
+def test_a_version_the_sampler_refuses_keeps_the_loaded_one_serving(memory_store: ObjectStore, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    registry = AdapterRegistry(memory_store, "r1")
+    publish_versions(registry, tmp_path, ["tiny"])
+    sampler = RefusingRecorder(refused={2})
+    watcher = AdapterWatcher(registry, sampler, tmp_path / "cache", max_loaded=2, registry_poll_s=3600,
+                             base_models={"tiny"})
+    refresh_now(watcher)
+    registry.publish(make_adapter(tmp_path / "a2", 2), base_model="tiny", parent_version=1, learner_step=2)
+    with caplog.at_level("WARNING", logger="rlpipe.producer"):
+        for _ in range(3):
+            refresh_now(watcher)
+    assert watcher.current().version == 1 and watcher.load_failures == 1  # type: ignore[union-attr]
+    assert [h.version for h in sampler.loaded] == [1]
+    refusal = [r.getMessage() for r in caplog.records if "v2" in r.getMessage()]
+    assert len(refusal) == 1 and "shapes do not match" in refusal[0] and "\n" not in refusal[0]
+    assert not (tmp_path / "cache" / "r1" / "v000002").exists()  # a refused version leaves no folder behind
+
+
+def test_a_version_of_another_base_model_is_refused_before_it_is_pulled(memory_store: ObjectStore, tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    registry = AdapterRegistry(memory_store, "r1")
+    publish_versions(registry, tmp_path, ["tiny", "Qwen/Qwen3-8B"])
+    registry.publish_files({"value_network.safetensors": b"x", "value_config.json": b"{}"}, base_model="tiny",
+                           parent_version=2, learner_step=3, kind="value-network")
+    sampler = LoadRecorder()
+    watcher = AdapterWatcher(registry, sampler, tmp_path / "cache", max_loaded=2, registry_poll_s=3600,
+                             base_models={"tiny", "/models/tiny"})
+    watcher.load(1)
+    with caplog.at_level("WARNING", logger="rlpipe.producer"):
+        watcher.load(2)
+        watcher.load(3)
+    assert [h.version for h in sampler.loaded] == [1] and watcher.current().version == 1  # type: ignore[union-attr]
+    assert watcher.load_failures == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("v2" in m and "Qwen/Qwen3-8B" in m and "model.base_model" in m for m in messages), messages
+    assert any("v3" in m and "value-network" in m for m in messages), messages
+    assert sorted(p.name for p in (tmp_path / "cache" / "r1").iterdir()) == ["v000001"]
+
+
+@pytest.mark.parametrize("damage", ["missing file", "other bytes"])
+def test_a_version_with_damaged_files_keeps_the_loaded_one_serving(memory_store: ObjectStore, tmp_path: Path,
+                                                                   damage: str) -> None:
+    registry = AdapterRegistry(memory_store, "r1")
+    publish_versions(registry, tmp_path, ["tiny", "tiny"])
+    stored = next(k for k in memory_store.list("runs/r1/adapters/v000002", recursive=True)
+                  if k.endswith("adapter_model.safetensors"))
+    if damage == "missing file":
+        memory_store.delete(stored)
+    else:
+        memory_store.put(stored, b"not the published weights")
+    sampler = LoadRecorder()
+    watcher = AdapterWatcher(registry, sampler, tmp_path / "cache", max_loaded=2, registry_poll_s=3600,
+                             base_models={"tiny"})
+    watcher.load(1)
+    assert watcher.load(2) is None
+    assert [h.version for h in sampler.loaded] == [1] and watcher.load_failures == 1
+    assert sorted(p.name for p in (tmp_path / "cache" / "r1").iterdir()) == ["v000001"]
+
+
+def test_versions_only_go_forward_and_one_published_before_the_start_is_loaded_at_once(
+    memory_store: ObjectStore, tmp_path: Path
+) -> None:
+    registry = AdapterRegistry(memory_store, "r1")
+    publish_versions(registry, tmp_path, ["tiny", "tiny", "tiny"])  # while the producer was down
+
+    class LateEvents:
+        def __init__(self) -> None:
+            self.pending: list[int] = []
+
+        def poll_versions(self) -> list[int]:
+            out, self.pending = self.pending, []
+            return out
+
+    events = LateEvents()
+    sampler = LoadRecorder()
+    watcher = AdapterWatcher(registry, sampler, tmp_path / "cache", max_loaded=2, events=events,
+                             registry_poll_s=3600, base_models={"tiny"})
+    watcher.refresh()  # the first refresh reads the registry: the newest version, not the first
+    assert [h.version for h in sampler.loaded] == [3]
+    events.pending = [2, 1]  # announced late
+    watcher.refresh()
+    assert [h.version for h in sampler.loaded] == [3] and watcher.newest_published() == 3
