@@ -7,7 +7,8 @@ as one batch in a worker thread; the conventions are the engine's (``producers.s
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 from typing import Any
 
 from producers.samplers.base import AdapterHandle
@@ -49,6 +50,11 @@ class TransformersEngine(SamplingEngine):
     sample draws from its own seed, so a call's tokens do not depend on what else runs;
     its logprobs agree with the call alone within float rounding.  It is the readable
     reference and the backend for machines without vLLM, not a continuous-batching engine.
+
+    An adapter is (``run``, ``version``) of its handle, as on vLLM: each gets a peft adapter
+    name of its own in this engine (never another's while it is loaded), so runs with
+    overlapping version numbers share the engine, and a known (run, version) with other
+    weights is refused.
     """
 
     def __init__(self, model_path: str, config: SamplerConfig | None = None, **kwargs: Any) -> None:
@@ -60,6 +66,8 @@ class TransformersEngine(SamplingEngine):
         self.max_model_len = self.sampler.max_model_len
         self._waiting: list[_Waiting] = []
         self._worker: asyncio.Task[None] | None = None
+        self._serving: dict[tuple[str, int], AdapterHandle] = {}  # (run, version) -> the sampler's handle of it
+        self._names = itertools.count(1)  # its peft adapter names: never reused in this engine
 
     async def sample(
         self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
@@ -67,6 +75,7 @@ class TransformersEngine(SamplingEngine):
         budget = self.token_budget(prompt_token_ids, params)
         if adapter is not None:
             adapter.check_folder()
+            adapter = self._own(adapter)
         waiting = _Waiting(list(prompt_token_ids), adapter, params, budget, asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         if self._worker is None or self._worker.done():
@@ -104,19 +113,42 @@ class TransformersEngine(SamplingEngine):
     def _sample_blocking(self, batch: list[_Waiting]) -> list[SampleResult]:
         from producers.samplers.hf_sampler import Continuation
 
-        first = batch[0]
-        done = self.sampler.continue_prompts(
-            [Continuation(w.prompt, w.budget, w.params.seeds(), w.params.prompt_logprobs) for w in batch],
-            first.adapter, first.params.temperature, first.params.top_p,
-            stop_ids=frozenset(self.stop_ids(first.params)), top_k=first.params.top_k,
-        )
+        first, adapter = batch[0], batch[0].adapter
+        try:
+            done = self.sampler.continue_prompts(
+                [Continuation(w.prompt, w.budget, w.params.seeds(), w.params.prompt_logprobs) for w in batch],
+                adapter, first.params.temperature, first.params.top_p,
+                stop_ids=frozenset(self.stop_ids(first.params)), top_k=first.params.top_k,
+            )
+        finally:
+            if adapter is not None and self._serving.get((adapter.run, adapter.version)) is not adapter:
+                self.sampler.unload_adapter(adapter)  # unloaded while these calls waited: they loaded it again
         return [SampleResult(outputs, prompt_logprobs) for outputs, prompt_logprobs in done]
 
+    def _own(self, handle: AdapterHandle) -> AdapterHandle:
+        """The sampler's handle of ``handle``'s (run, version): named by this engine; refused with other weights."""
+        key = (handle.run, handle.version)
+        known = self._serving.get(key)
+        if known is None:
+            number = next(self._names)
+            known = self._serving[key] = replace(handle, lora_int_id=number, name=f"lora{number}")
+        elif (known.path, known.sha256) != (handle.path, handle.sha256):
+            raise ValueError(
+                f"adapter {handle.run or '-'}/v{handle.version} already serves {known.path} (sha {known.sha256}); "
+                "give every adapter version a new version number"
+            )
+        return known
+
     async def load_adapter(self, handle: AdapterHandle) -> None:
-        await asyncio.to_thread(self.sampler.load_adapter, handle)
+        handle.check_folder()
+        await asyncio.to_thread(self.sampler.load_adapter, self._own(handle))
 
     async def unload_adapter(self, handle: AdapterHandle) -> None:
-        await asyncio.to_thread(self.sampler.unload_adapter, handle)
+        """Free ``handle``'s (run, version) (a no-op when it is not loaded); a request still running with it loads
+        it again under its own name, and the (run, version) may take other weights from now on."""
+        own = self._serving.pop((handle.run, handle.version), None)
+        if own is not None:
+            await asyncio.to_thread(self.sampler.unload_adapter, own)
 
     def close(self) -> None:
         """Stop the batching task (a batch already decoding in its thread is dropped) and release the model."""

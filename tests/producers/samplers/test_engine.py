@@ -260,7 +260,7 @@ def test_compatible_calls_that_wait_together_are_decoded_as_one_batch(hf_engine,
     original = hf.continue_prompts
 
     def recording(calls, adapter, temperature, *args, **kwargs):
-        batches.append((len(calls), adapter, temperature))
+        batches.append((len(calls), adapter.path, temperature))  # the engine's own handle of the caller's adapter
         return original(calls, adapter, temperature, *args, **kwargs)
 
     monkeypatch.setattr(hf, "continue_prompts", recording)
@@ -270,8 +270,8 @@ def test_compatible_calls_that_wait_together_are_decoded_as_one_batch(hf_engine,
     results = run_concurrently(hf_engine, requests)
     assert all(isinstance(r, SampleResult) for r in results)
     assert sum(size for size, _, _ in batches) == 10 and len(batches) < 8, batches
-    assert max(size for size, adapter, t in batches if adapter == lora_adapters[0] and t == 0.9) > 1
-    assert (1, lora_adapters[1], 0.9) in batches and (1, lora_adapters[0], 0.5) in batches  # never mixed
+    assert max(size for size, path, t in batches if path == lora_adapters[0].path and t == 0.9) > 1
+    assert (1, lora_adapters[1].path, 0.9) in batches and (1, lora_adapters[0].path, 0.5) in batches  # never mixed
 
 
 def test_unknown_adapter_fails_alone(hf_engine, prompts, lora_adapters, tmp_path) -> None:
@@ -280,6 +280,33 @@ def test_unknown_adapter_fails_alone(hf_engine, prompts, lora_adapters, tmp_path
     results = run_concurrently(hf_engine, requests)
     assert isinstance(results[3], FileNotFoundError) and "pull the adapter" in str(results[3])
     assert all(isinstance(r, SampleResult) for i, r in enumerate(results) if i != 3)
+
+
+def test_two_runs_versions_of_one_number_are_two_adapters(hf_engine, prompts, lora_adapters) -> None:
+    """An adapter is (run, version), as on vLLM: run-a's v1 and run-b's v1 (one name) sample each its own weights,
+    and a known (run, version) with other weights is refused."""
+    v1, v2 = lora_adapters
+    run_a = dataclasses.replace(v1, run="run-a")
+    run_b = dataclasses.replace(v2, version=1, lora_int_id=1, name="v1", run="run-b")
+    params = SampleParams(6, temperature=0.9, seed=3)
+    together = run_concurrently(hf_engine, [(prompts[0], run_a, params), (prompts[0], run_b, params)])
+    assert all(isinstance(r, SampleResult) for r in together), together
+    assert_same(together[0], hf_engine.sample(prompts[0], v1, params), tol=1e-5)
+    assert_same(together[1], hf_engine.sample(prompts[0], v2, params), tol=1e-5)
+    clash = dataclasses.replace(run_b, path=v1.path, sha256="sha-v1")
+    with pytest.raises(ValueError, match="new version number"):
+        hf_engine.sample(prompts[0], clash, params)
+    hf_engine.unload_adapter(run_b)  # its (run, version) is free again: new weights under it load
+    assert_same(hf_engine.sample(prompts[0], clash, params), together[0], tol=1e-5)
+    hf_engine.unload_adapter(clash)
+
+    async def unloaded_while_waiting() -> list[Any]:
+        return await asyncio.gather(hf_engine.engine.sample(prompts[0], run_a, params),
+                                    hf_engine.engine.unload_adapter(run_a))
+
+    assert_same(hf_engine.call(unloaded_while_waiting())[0], together[0], tol=1e-5)  # sampled with its own weights
+    loaded = hf_engine.engine.sampler._handles
+    assert sorted(loaded) == sorted(h.name for h in hf_engine.engine._serving.values())  # and not left loaded
 
 
 def test_samples_match_the_sampler_call_with_the_same_seed(hf_engine, prompts, lora_adapters) -> None:
