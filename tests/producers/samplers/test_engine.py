@@ -547,6 +547,31 @@ def test_vllm_engine_matches_the_synchronous_sampler(vllm_engine, vllm_sampler, 
     assert max(prompt_gaps) <= SAME_TOL
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("adapter_index", [0, None])
+def test_the_vllm_and_transformers_engines_return_the_same_for_a_greedy_request(vllm_engine, hf_engine, prompts,
+                                                                                lora_adapters, adapter_index) -> None:
+    """Unseeded greedy requests on both engines: the same tokens, finish reasons (eos, an extra stop id, length),
+    logprobs and prompt logprobs (None first, one per prompt token)."""
+    adapter = None if adapter_index is None else lora_adapters[adapter_index]
+    tol = 1e-4  # NOTES.md: ~2e-7 seen between the two in float32
+    for prompt in prompts:
+        plain = SampleParams(16, temperature=0.0, prompt_logprobs=True)
+        both = [engine.sample(prompt, adapter, plain) for engine in (vllm_engine, hf_engine)]
+        assert_same(*both, tol=tol)
+        assert both[0].prompt_logprobs is not None and len(both[0].prompt_logprobs) == len(prompt)
+        tokens = both[0].sequences[0].token_ids
+        variants = [SampleParams(len(tokens) + 4, temperature=0.0, stop_token_ids=()),  # runs on past eos
+                    SampleParams(16, temperature=0.0, extra_stop_token_ids=(tokens[1],)),
+                    SampleParams(2, temperature=0.0)]
+        for params in variants:
+            from_vllm, from_hf = (engine.sample(prompt, adapter, params) for engine in (vllm_engine, hf_engine))
+            assert_same(from_vllm, from_hf, tol=tol)
+        stopped = vllm_engine.sample(prompt, adapter, variants[1]).sequences[0]
+        assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == tokens[1]
+        assert vllm_engine.sample(prompt, adapter, variants[0]).sequences[0].finish_reason == "length"
+
+
 _REFERENCE: dict[str | None, Any] = {}
 
 
