@@ -14,6 +14,7 @@ version under its own name; ``set_adapter`` picks the version for a batch and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterator
@@ -84,10 +85,21 @@ class TransformersSampler(Sampler):
             raise ValueError(f"adapter name {handle.name} already serves {known.path}; give every version a new name")
         from peft import PeftModel
 
-        if self._peft is None:
-            self._peft = PeftModel.from_pretrained(self._base, handle.path, adapter_name=handle.name)
-        else:
-            self._peft.load_adapter(handle.path, adapter_name=handle.name)
+        try:
+            if self._peft is None:
+                self._peft = PeftModel.from_pretrained(self._base, handle.path, adapter_name=handle.name)
+            else:
+                self._peft.load_adapter(handle.path, adapter_name=handle.name)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            # peft puts an adapter's layers into the model before it loads their weights: take them out again
+            if self._peft is None:
+                _strip_lora_layers(self._base)
+            else:
+                with contextlib.suppress(ValueError, KeyError):
+                    self._peft.delete_adapter(handle.name)
+            reason = " ".join(str(exc).split())[:300]
+            raise ValueError(f"peft refused adapter {handle.name} from {handle.path} ({reason}): sample only "
+                             "adapters trained on this sampler's base model (model.base_model)") from exc
         self._peft.eval()
         self._handles[handle.name] = handle
         log.info("loaded adapter %s from %s", handle.name, handle.path)
@@ -270,6 +282,17 @@ class TransformersSampler(Sampler):
         """Drop the model (frees its memory once nothing else holds it)."""
         self._peft = None
         self._base = None
+
+
+def _strip_lora_layers(model: Any) -> None:
+    """Put every layer peft wrapped back in place of its wrapper, and drop the config peft left on ``model``."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.get_base_layer())
+    vars(model).pop("peft_config", None)
 
 
 def generation_eos_ids(generation_config: Any) -> list[int]:

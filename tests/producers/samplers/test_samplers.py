@@ -270,6 +270,43 @@ def test_transformers_adapter_switching_and_unloading(tiny_trained_dir, referenc
     assert max_gap(reference, None, prompts[2], sampler.generate(request, None, seed=5)[0]) < LOGPROB_TOL
 
 
+def other_base_models_lora(model_dir: Path, out_dir: Path) -> Path:
+    """A LoRA adapter (random non-zero A and B) of a model twice as wide as ``model_dir``'s: another base model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.fixtures.vllm import LORA_TARGETS
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.hidden_size, config.intermediate_size = 2 * config.hidden_size, 2 * config.intermediate_size
+    torch.manual_seed(11)
+    wide = AutoModelForCausalLM.from_config(config)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)
+    get_peft_model(wide, lora).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_an_adapter_of_another_base_model_is_refused_in_one_line_and_changes_nothing(
+    tiny_trained_dir, reference, prompts, lora_adapters, tmp_path, first
+) -> None:
+    """peft refuses the weights after it put their layers into the model: the base model (and a loaded version)
+    must sample as before, or a producer that keeps its last good version samples from something else."""
+    wrong = AdapterHandle.for_version(3, str(other_base_models_lora(tiny_trained_dir, tmp_path / "wide")), "sha-w")
+    sampler = TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
+    if not first:
+        sampler.load_adapter(lora_adapters[0])
+    with pytest.raises(ValueError, match=r"peft refused adapter v3 .*size mismatch.*model\.base_model") as refused:
+        sampler.load_adapter(wrong)
+    assert "\n" not in str(refused.value)
+    request = [SampleRequest(prompts[2], 6)]
+    for adapter in (None,) if first else (None, lora_adapters[0]):
+        assert max_gap(reference, adapter, prompts[2], sampler.generate(request, adapter, seed=5)[0]) < LOGPROB_TOL
+    sampler.load_adapter(lora_adapters[1])  # and the next good version loads and serves
+    assert max_gap(reference, lora_adapters[1], prompts[2],
+                   sampler.generate(request, lora_adapters[1], seed=5)[0]) < LOGPROB_TOL
+
+
 def test_run_sampler_loads_the_base_weights_in_model_dtype(tiny_trained_dir, prompts) -> None:
     from schemas.config import ModelConfig, RunConfig
 
