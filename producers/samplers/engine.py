@@ -28,8 +28,8 @@ Conventions, the same on every backend:
   one engine, and refuses a known (run, version) with other weights.
 
 ``TransformersEngine`` (hf_engine.py) puts the plain transformers sampler behind the same
-coroutine (compatible calls that wait together decoded as one batch in a worker
-thread: it is the reference, not the fast path).  ``SyncSampler`` (sync.py) runs an engine on its own event loop
+coroutine (compatible calls that wait together decoded as one capped batch in a worker
+thread, the groups of them taking turns: it is the reference, not the fast path).  ``SyncSampler`` (sync.py) runs an engine on its own event loop
 in a thread and is a ``Sampler``, so thread-based callers keep calling
 ``generate`` while their requests join the same batch.
 """

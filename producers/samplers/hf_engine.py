@@ -1,7 +1,8 @@
 """``TransformersEngine``: the plain transformers sampler behind the sampling engine's coroutine.
 
 Calls that wait together and share the adapter and the sampling settings are decoded
-as one batch in a worker thread; the conventions are the engine's (``producers.samplers.engine``).
+as one batch in a worker thread, up to ``max_batch_sequences`` sequences a batch, the groups
+of such calls taking turns; the conventions are the engine's (``producers.samplers.engine``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ class _Waiting:
     params: SampleParams
     budget: int
     result: asyncio.Future[SampleResult]
+    key: tuple[Any, ...]  # ``batch_key``: calls with equal keys can share a batch
 
-    def batch_key(self, engine: SamplingEngine) -> tuple[Any, ...]:
-        """Calls with equal keys can share a batch: the same weights and sampling settings."""
-        weights = None if self.adapter is None else (self.adapter.name, self.adapter.lora_int_id, self.adapter.path)
-        p = self.params
-        return weights, p.temperature, p.top_p, p.top_k, engine.stop_ids(p)
+
+def batch_key(adapter: AdapterHandle | None, params: SampleParams, engine: SamplingEngine) -> tuple[Any, ...]:
+    """Calls with equal keys can share a batch: the same weights and sampling settings."""
+    weights = None if adapter is None else (adapter.name, adapter.lora_int_id, adapter.path)
+    return weights, params.temperature, params.top_p, params.top_k, engine.stop_ids(params)
 
 
 def _settle(waiting: _Waiting, result: SampleResult | None = None, exception: BaseException | None = None) -> None:
@@ -46,7 +48,11 @@ class TransformersEngine(SamplingEngine):
     """The transformers sampler behind the engine's coroutine, calls batched in a worker thread.
 
     Calls that wait together and share the adapter and the sampling settings (temperature,
-    top-p, top-k, stop ids) are decoded as one batch; the rest wait for the next.  Every
+    top-p, top-k, stop ids) are decoded as one batch of at most ``max_batch_sequences`` sequences
+    (default: the sampler's decode batch, ``max_batch``; a call of more runs whole, alone); the
+    rest wait for the next.  Each batch goes to the group of calls served least recently (a
+    new group first, ties to the oldest waiting call), so one caller's many waiting calls take
+    turns with another's calls of other weights or settings instead of holding them.  Every
     sample draws from its own seed, so a call's tokens do not depend on what else runs;
     its logprobs agree with the call alone within float rounding.  It is the readable
     reference and the backend for machines without vLLM, not a continuous-batching engine.
@@ -57,10 +63,15 @@ class TransformersEngine(SamplingEngine):
     weights is refused.
     """
 
-    def __init__(self, model_path: str, config: SamplerConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, model_path: str, config: SamplerConfig | None = None, max_batch_sequences: int | None = None,
+                 **kwargs: Any) -> None:
         from producers.samplers.hf_sampler import TransformersSampler
 
+        if max_batch_sequences is not None and max_batch_sequences < 1:
+            raise ValueError(f"max_batch_sequences must be at least 1 (or None: the sampler's max_batch), "
+                             f"got {max_batch_sequences}")
         self.sampler = TransformersSampler(model_path, config, **kwargs)
+        self.max_batch_sequences = max_batch_sequences or self.sampler.max_batch
         self.eos_token_id = self.sampler.eos_token_id
         self.vocab_size = self.sampler.vocab_size
         self.max_model_len = self.sampler.max_model_len
@@ -68,6 +79,8 @@ class TransformersEngine(SamplingEngine):
         self._worker: asyncio.Task[None] | None = None
         self._serving: dict[tuple[str, int], AdapterHandle] = {}  # (run, version) -> the sampler's handle of it
         self._names = itertools.count(1)  # its peft adapter names: never reused in this engine
+        self._served: dict[tuple[Any, ...], int] = {}  # batch key of a waiting group -> the round it was last served
+        self._rounds = itertools.count()
 
     async def sample(
         self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
@@ -76,7 +89,8 @@ class TransformersEngine(SamplingEngine):
         if adapter is not None:
             adapter.check_folder()
             adapter = self._own(adapter)
-        waiting = _Waiting(list(prompt_token_ids), adapter, params, budget, asyncio.get_running_loop().create_future())
+        waiting = _Waiting(list(prompt_token_ids), adapter, params, budget, asyncio.get_running_loop().create_future(),
+                           batch_key(adapter, params, self))
         self._waiting.append(waiting)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
@@ -92,9 +106,7 @@ class TransformersEngine(SamplingEngine):
     async def _drain(self) -> None:
         """Run what waits, one batch of compatible calls at a time, until nothing waits."""
         while self._waiting:
-            key = self._waiting[0].batch_key(self)
-            batch = [w for w in self._waiting if w.batch_key(self) == key]
-            self._waiting = [w for w in self._waiting if w.batch_key(self) != key]
+            batch = self._next_batch()
             try:
                 results = await asyncio.to_thread(self._sample_blocking, batch)
             except Exception as exc:
@@ -109,6 +121,26 @@ class TransformersEngine(SamplingEngine):
                 continue
             for one, result in zip(batch, results, strict=True):
                 _settle(one, result=result)
+
+    def _next_batch(self) -> list[_Waiting]:
+        """Take the next batch out of the waiting calls: the oldest calls of the group served least recently (a
+        group not served since it last had calls waiting first, ties to the group of the oldest waiting call), up
+        to ``max_batch_sequences`` sequences and at least one call."""
+        groups: dict[tuple[Any, ...], list[_Waiting]] = {}
+        for waiting in self._waiting:  # in arrival order: the first group holds the oldest call
+            groups.setdefault(waiting.key, []).append(waiting)
+        key = min(groups, key=lambda k: self._served.get(k, -1))  # min keeps the first of equal ones
+        self._served = {k: served for k, served in self._served.items() if k in groups}
+        self._served[key] = next(self._rounds)
+        batch, sequences = [], 0
+        for waiting in groups[key]:
+            if batch and sequences + waiting.params.num_samples > self.max_batch_sequences:
+                break
+            batch.append(waiting)
+            sequences += waiting.params.num_samples
+        taken = {id(waiting) for waiting in batch}
+        self._waiting = [waiting for waiting in self._waiting if id(waiting) not in taken]
+        return batch
 
     def _sample_blocking(self, batch: list[_Waiting]) -> list[SampleResult]:
         from producers.samplers.hf_sampler import Continuation

@@ -274,6 +274,61 @@ def test_compatible_calls_that_wait_together_are_decoded_as_one_batch(hf_engine,
     assert (1, lora_adapters[1].path, 0.9) in batches and (1, lora_adapters[0].path, 0.5) in batches  # never mixed
 
 
+def test_a_call_of_other_settings_is_not_held_behind_many_waiting_calls(hf_engine, prompts, lora_adapters,
+                                                                      monkeypatch) -> None:
+    """Ten calls of 16 samples on v1 wait, then one small call on v2: batches hold at most ``max_batch_sequences``
+    sequences and the groups of calls take turns, so the small call is decoded second (after v1's first batch) and
+    finishes before most of v1's calls, not after all of them."""
+    hf, batches = hf_engine.engine.sampler, []
+    original = hf.continue_prompts
+
+    def recording(calls, adapter, *args, **kwargs):
+        batches.append((adapter.path, sum(len(call.seeds) for call in calls)))
+        return original(calls, adapter, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "continue_prompts", recording)
+    assert hf_engine.engine.max_batch_sequences == 16  # the default: the sampler's decode batch
+    big = [(prompts[i % 3], lora_adapters[0], SampleParams(2, num_samples=16, temperature=0.9, seed=i))
+           for i in range(10)]
+    small = (prompts[0], lora_adapters[1], SampleParams(2, temperature=0.9, seed=99))
+    finished: list[int] = []
+
+    async def noted(index: int, request: tuple[Any, ...]) -> SampleResult:
+        result = await hf_engine.engine.sample(*request)
+        finished.append(index)
+        return result
+
+    async def every() -> list[SampleResult]:
+        return await asyncio.gather(*(noted(i, r) for i, r in enumerate([*big, small])))
+
+    results = hf_engine.call(every())
+    assert [len(r.sequences) for r in results] == [16] * 10 + [1]
+    assert max(size for _, size in batches) <= 16, batches
+    assert batches[1] == (lora_adapters[1].path, 1), batches  # v2's call takes the second turn
+    assert finished.index(10) < finished.index(9), finished  # before the last of the calls queued ahead of it
+
+
+def test_the_batch_cap_is_settable_and_one_caller_still_gets_whole_batches(hf_engine, prompts, monkeypatch) -> None:
+    """Six waiting one-sample calls of one group under a cap of 4 sequences: a batch of 4, then of 2; a call of
+    more samples than the cap runs whole, as a batch of its own."""
+    hf, batches = hf_engine.engine.sampler, []
+    original = hf.continue_prompts
+
+    def recording(calls, *args, **kwargs):
+        batches.append([len(call.seeds) for call in calls])
+        return original(calls, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "continue_prompts", recording)
+    monkeypatch.setattr(hf_engine.engine, "max_batch_sequences", 4)
+    requests = [(prompts[i % 3], None, SampleParams(2, temperature=0.9, seed=i)) for i in range(6)]
+    requests.append((prompts[0], None, SampleParams(2, num_samples=5, temperature=0.9, seed=7)))
+    results = run_concurrently(hf_engine, requests)
+    assert all(isinstance(r, SampleResult) for r in results), results
+    assert batches == [[1, 1, 1, 1], [1, 1], [5]], batches
+    with pytest.raises(ValueError, match="max_batch_sequences must be at least 1"):
+        TransformersEngine("never-loaded", max_batch_sequences=0)  # refused before loading
+
+
 def test_unknown_adapter_fails_alone(hf_engine, prompts, lora_adapters, tmp_path) -> None:
     requests = mixed_requests(prompts, lora_adapters)[:6]
     requests.insert(3, (prompts[0], missing_adapter(tmp_path), SampleParams(4, seed=1)))
