@@ -96,8 +96,8 @@ def test_a_run_that_leaves_takes_its_versions_out_of_the_shared_engine(memory_st
 
 
 def test_runs_whose_ids_differ_only_in_a_dot_or_an_underscore_get_adapter_names_of_their_own():
-    """The transformers engine keys adapters by name: two runs' equal versions must never share one, or the
-    second run's every version is refused."""
+    """The engines key adapters by (run, version), but a name is all the plain transformers sampler (which keys
+    adapters by it) and the logs and errors see: two runs' equal versions must never share one."""
     shared = Recorder()
     handle = AdapterHandle.for_version(3, "/cache/v3", "0" * 64)
     names = {RunSampler(shared, run).tagged(handle).name for run in ("exp.1", "exp_1", "exp__1", "exp._1", "exp_.1")}
