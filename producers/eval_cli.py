@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from pipeline.cli.common import console, fail, handle_user_errors, print_json, reachable_store
+from pipeline.cli.common import console, err_console, fail, handle_user_errors, print_json, reachable_store
 from pipeline.cli.options import DeprecatedRunArg, RunOpt, chosen_run, setup_logging
 from pipeline.config import deep_merge, env_layer, parse_overrides
 from pipeline.io.registry import AdapterRegistry
@@ -160,17 +161,30 @@ def eval(
 def evaluate_model_versions(config: RunConfig, store: Any, numbers: list[int], episodes: int, greedy: bool,
                             in_flight: int) -> list:
     """Adapter versions (0 = the base model) played by the run's language model on held-out seeds."""
-    from producers.evaluation import evaluate_version
     from producers.samplers import sampler_for_run
     from producers.tiny_model import resolve_model
 
     model_path = resolve_model(config.model)
     sampler = sampler_for_run(config, model_path)
     try:
-        return [evaluate_version(config, store, model_path, n, episodes, sampler=sampler,
-                                 temperature=0.0 if greedy else None, in_flight=in_flight) for n in numbers]
+        return [_play_version(config, store, model_path, n, episodes, sampler, greedy, in_flight) for n in numbers]
     finally:
         sampler.close()
+
+
+def _play_version(config: RunConfig, store: Any, model_path: str, version: int, episodes: int, sampler: Any,
+                  greedy: bool, in_flight: int) -> Any:
+    """One version's play (minutes on the CPU), between a line on stderr saying what plays and one when done."""
+    from producers.evaluation import evaluate_version
+
+    name = "the base model (v0)" if version == 0 else f"v{version}"
+    err_console.print(f"playing {episodes} held-out episodes with {name}, {min(episodes, in_flight)} at once",
+                      markup=False)
+    started = time.monotonic()
+    result = evaluate_version(config, store, model_path, version, episodes, sampler=sampler,
+                              temperature=0.0 if greedy else None, in_flight=in_flight)
+    err_console.print(f"{name}: done in {time.monotonic() - started:.0f} s", markup=False)
+    return result
 
 
 command = typer.main.get_command(app)

@@ -1,40 +1,50 @@
-"""``rlpipe eval``: its one-line answers to a run it cannot evaluate."""
+"""``rlpipe eval`` of a language-model run, on a local store with the model's play replaced by a small fake."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
-from pipeline.cli.main import app
+from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
+from pipeline.runtime import create_run
+from producers.eval_cli import app as eval_app
+from schemas.config import RunConfig
+from schemas.evaluation import EvalResult
+from tests.pipeline.io.test_registry import make_adapter
 
-runner = CliRunner()
+
+class _Sampler:
+    def close(self) -> None:
+        pass
 
 
-def test_a_run_folder_without_run_json_is_named_as_such_not_as_missing(tmp_path: Path) -> None:
-    """A folder written by a command that starts no run (envs record) is in the store: eval says what it lacks."""
+def test_each_version_says_what_it_plays_before_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each version's play loads a sampler and plays every episode (minutes on the CPU): a line on stderr says
+    which version plays how many episodes, and one when it is done, so the wait is never silent."""
     store = ObjectStore((tmp_path / "store").as_uri())
-    store.put("runs/recorded/trajectories/date=2026-01-01/part-0.parquet", b"rows")
-    result = runner.invoke(app, ["eval", "--run", "recorded", "--root", store.root])
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    assert len(result.output.strip().splitlines()) == 1, result.output
-    assert f"run 'recorded' in {store.root} has no run.json" in result.output
-    assert "no run 'recorded'" not in result.output
+    config = RunConfig.model_validate({"run_id": "lm", "env": {"name": "cartpole"}})
+    create_run(store, config, "tiny")
+    make_adapter(tmp_path / "adapter", marker=1)
+    AdapterRegistry(store, "lm").publish(tmp_path / "adapter", "tiny", 0, 1, {})
 
+    def play(config: RunConfig, store: ObjectStore, model_path: str, version: int, episodes: int,
+             **_: object) -> EvalResult:
+        return EvalResult.from_episodes(run_id="lm", env="cartpole", version=version, seed_start=0,
+                                        returns=[10.0] * episodes, successes=[False] * episodes,
+                                        policy="base" if version == 0 else "adapter")
 
-def test_the_table_gives_the_wilson_interval_of_each_success_rate(tmp_path: Path) -> None:
-    """Version 0 of a value run (uniform random CartPole) fails all 3 held-out episodes: 0%, and the 95% Wilson
-    interval of 0 in 3 is [0, z^2/3 / (1 + z^2/3)] = [0, 1.280486 / 2.280486] = [0%, 56%]."""
-    from pipeline.config import resolve_config
-    from pipeline.runtime import create_run
-
-    store = ObjectStore((tmp_path / "store").as_uri())
-    config = resolve_config("dqn-cartpole", overrides=["run_id=wil", f"store.root={store.url('')}"], environ={})
-    create_run(store, config, config.env.name)
-    out = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["eval", "--run", "wil", "--root", store.url(""),
-                                                         "--version", "0", "--episodes", "3", "--no-save"])
+    monkeypatch.setattr("producers.tiny_model.resolve_model", lambda model: "/models/tiny")
+    monkeypatch.setattr("producers.samplers.sampler_for_run", lambda config, path: _Sampler())
+    monkeypatch.setattr("producers.evaluation.evaluate_version", play)
+    out = CliRunner(env={"COLUMNS": "120"}).invoke(
+        eval_app, ["--run", "lm", "--root", store.url(""), "--version", "0", "--version", "latest",
+                   "--episodes", "3", "--no-save"])
     assert out.exit_code == 0, out.output
-    assert "success (95% Wilson CI)" in out.output
-    row = next(line for line in out.output.splitlines() if "uniform random" in line)
-    assert "0% (0% to 56%)" in row
+    lines = out.stderr.splitlines()
+    assert any("base model (v0)" in line and "3 held-out episodes" in line for line in lines), out.stderr
+    assert any("v1" in line and "3 held-out episodes" in line for line in lines), out.stderr
+    assert sum("done in" in line for line in lines) == 2, out.stderr
+    assert "10.000" in out.stdout  # the table still follows on stdout
