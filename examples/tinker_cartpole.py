@@ -39,6 +39,9 @@ import asyncio
 import json
 import math
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
@@ -407,6 +410,23 @@ def ratio(last: tuple[float, float], before: tuple[float, float], what: str) -> 
     return f"{times}{'' if separated else ' (intervals overlap)'}"
 
 
+def connect(args: argparse.Namespace) -> Loop:
+    """The loop's clients, or one line saying why not: the SDK retries a refused connection without a word, and
+    a refusal at the start (no API key, a base model the server does not serve) ends in a traceback."""
+    try:
+        urllib.request.urlopen(args.base_url, timeout=10).close()
+    except urllib.error.HTTPError:
+        pass  # a server answers; the SDK's calls say whether it is rlpipe's
+    except (urllib.error.URLError, OSError) as exc:
+        port = urllib.parse.urlsplit(args.base_url).port or 8000
+        raise SystemExit(f"error: nothing answers at {args.base_url} ({getattr(exc, 'reason', exc)}); start the "
+                         f"server with `rlpipe serve --port {port}`, or pass its URL as --base-url") from None
+    try:
+        return Loop(args)
+    except tinker.TinkerError as exc:
+        raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -457,7 +477,7 @@ def main() -> None:
         phases[name] = time.monotonic() - begun
         return result
 
-    loop = Loop(args)
+    loop = connect(args)
     base = timed("base evaluation", lambda: loop.evaluate(
         loop.service.create_sampling_client(base_model=args.base_model).result(), "base model"))
     timed("warm start", loop.warm_start)
