@@ -307,12 +307,22 @@ def resume_command(
     (--follow-runs) take it up from its newest checkpoint, now and when they start again.  The run id is matched
     exactly: one differing only in case from the stored run is refused, naming it."""
     from pipeline.io.bus import EventPublisher
-    from pipeline.membership import announce_membership
+    from pipeline.membership import announce_membership, recorded_membership
     from pipeline.runtime import resolved_bus, started_again
+    from schemas.events import RunStarted
 
     name = chosen_run(run, None, "runs resume")
     store = _store(root, gcs_endpoint)
     _known_run(store, name)
+    try:
+        recorded = recorded_membership(store, name)
+    except ValueError:  # a damaged record: this resume writes it again
+        recorded = None
+    # its newest announcement already started it, and a process serves a run once: announcing again changes nothing
+    if recorded is not None and isinstance(recorded.payload, RunStarted):
+        console.print(f"run {name} is not stopped (announced {recorded.time:%Y-%m-%d %H:%M:%S} UTC); nothing "
+                      f"announced; stop it with rlpipe runs stop --run {name}", markup=False, soft_wrap=True)
+        return
     try:
         started = started_again(store, name)
     except FileNotFoundError:

@@ -305,6 +305,22 @@ def test_stopping_a_run_already_stopped_says_so_and_announces_nothing(
     assert len(stops) == 1
 
 
+def test_resuming_a_run_not_stopped_says_so_and_announces_nothing(
+        file_store: ObjectStore, tmp_path: Path, bus_config: BusConfig) -> None:
+    """A second resume is the first's twin: processes serve a run once, so it says the run is not stopped."""
+    make_run(file_store, tmp_path, "exp-3", "cartpole", steps=1, max_steps=5)
+    where = ["--root", file_store.root, "--bootstrap", bus_config.bootstrap_servers, "--namespace", bus_config.namespace]
+    assert runner.invoke(app, ["stop", "--run", "exp-3", *where]).exit_code == 0
+    first = runner.invoke(app, ["resume", "--run", "exp-3", *where])
+    assert first.exit_code == 0 and "announced run exp-3 again" in first.output, first.output
+    again = runner.invoke(app, ["resume", "--run", "exp-3", *where])
+    assert again.exit_code == 0 and "\n" not in again.output.strip(), again.output
+    assert "is not stopped" in again.output and "rlpipe runs stop --run exp-3" in again.output, again.output
+    starts = [r for r in tail(bus_config, "control", n=100, run_id="exp-3")
+              if r.event is not None and isinstance(r.event.payload, RunStarted)]
+    assert len(starts) == 1
+
+
 def test_eval_of_a_version_the_run_does_not_have_is_one_line(two_runs: tuple[ObjectStore, Path]) -> None:
     from producers.eval_cli import app as eval_app
 
