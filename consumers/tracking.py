@@ -217,9 +217,14 @@ def tensorboard_dir(config: RunConfig, store: ObjectStore) -> Path:
 def wandb_configured(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``wandb`` is installed and the environment asks for it (``WANDB_MODE=disabled`` turns it off)."""
     environ = os.environ if environ is None else environ
+    return _wandb_asked(environ) and importlib.util.find_spec("wandb") is not None
+
+
+def _wandb_asked(environ: Mapping[str, str]) -> bool:
+    """Whether the environment asks for W&B: one of its settings set, and ``WANDB_MODE`` not ``disabled``."""
     if environ.get("WANDB_MODE", "").strip().lower() == "disabled":
         return False
-    return any(environ.get(name) for name in _WANDB_SETTINGS) and importlib.util.find_spec("wandb") is not None
+    return any(environ.get(name) for name in _WANDB_SETTINGS)
 
 
 def open_metric_logger(config: RunConfig, store: ObjectStore) -> FanOut:
@@ -229,6 +234,10 @@ def open_metric_logger(config: RunConfig, store: ObjectStore) -> FanOut:
         summary = config.model_dump(mode="json", include={"run_id", "env", "model", "learner"})
         backends.append(WandbLogger(config.run_id, summary))
         log.info("Weights & Biases tracking on (run %s)", config.run_id)
+    elif _wandb_asked(os.environ):
+        log.warning("%s is set but the wandb package is not installed: logging to TensorBoard only; "
+                    "pip install 'wandb>=0.19.10' to log to Weights & Biases too",
+                    next(name for name in _WANDB_SETTINGS if os.environ.get(name)))
     return FanOut(backends)
 
 

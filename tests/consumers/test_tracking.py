@@ -190,6 +190,19 @@ def test_open_metric_logger_adds_wandb_when_configured(tmp_path: Path, monkeypat
     assert read_scalars(tmp_path / "store" / "runs" / "r1" / "tensorboard")["loss"] == {3: 0.25}
 
 
+def test_wandb_asked_for_but_not_installed_is_said_once_with_the_fix(tmp_path: Path, monkeypatch, caplog) -> None:
+    """WANDB_MODE=offline without the wandb package: TensorBoard only, and a warning saying how to get W&B."""
+    store = ObjectStore((tmp_path / "store").as_uri())
+    config = RunConfig(run_id="r1", store=StoreConfig(root=store.root))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not importable
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with caplog.at_level("WARNING", logger="rlpipe.tracking"):
+        backends = open_metric_logger(config, store).backends
+    assert [type(b).__name__ for b in backends] == ["TensorBoardLogger"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "WANDB_MODE" in warnings[0] and "pip install" in warnings[0], warnings
+
+
 def test_a_failing_backend_is_dropped_and_the_others_keep_logging(tmp_path: Path, caplog) -> None:
     class Broken:
         def log(self, metrics: Any) -> None:
