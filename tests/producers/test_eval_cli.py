@@ -35,7 +35,6 @@ def test_the_table_gives_the_wilson_interval_of_each_success_rate(tmp_path: Path
     """Version 0 of a value run (uniform random CartPole) fails all 3 held-out episodes: 0%, and the 95% Wilson
     interval of 0 in 3 is [0, z^2/3 / (1 + z^2/3)] = [0, 1.280486 / 2.280486] = [0%, 56%]."""
     from pipeline.config import resolve_config
-    from pipeline.runtime import create_run
 
     store = ObjectStore((tmp_path / "store").as_uri())
     config = resolve_config("dqn-cartpole", overrides=["run_id=wil", f"store.root={store.url('')}"], environ={})
