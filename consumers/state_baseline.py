@@ -29,8 +29,8 @@ targets, solved in closed form (``bootstrapped_values``).  At ``discount = 1`` a
 endless task has no finite value and that fixed point does not exist, so there
 the targets stop at the cut, as if the time limit were part of the task.  So
 they do where the fixed point is ill-conditioned (a step of a few rows and many
-features) and puts a value past max|r| / (1 - discount), more than any state
-can be worth.
+features) and puts a value far outside what any state can be worth, min(0, min r)
+/ (1 - discount) to max(0, max r) / (1 - discount).
 
 The baseline is fitted per step from that step's rows and nothing else, by one
 deterministic solve, so a step's advantages depend only on its rows: a step
@@ -50,6 +50,7 @@ from schemas.trajectory import discounted_returns
 
 QUADRATIC_UP_TO = 16  # states with more numbers (board games' grids) get linear features
 RIDGE = 1e-2  # on standardised features
+OUT_OF_REACH = 0.25  # a bootstrapped baseline this far (of the reachable span) outside it is refused
 
 
 def state_features(states_RS: np.ndarray) -> np.ndarray:
@@ -85,7 +86,7 @@ def bootstrapped_values(states_RS: np.ndarray, returns_R: np.ndarray, cut_weight
     that a step whose every state has the same value (all turns rewarded alike, all
     episodes cut) gets exactly that value and advantages of 0, not a shrinkage
     residue that dividing by the step's std would blow up.  With every weight 0
-    this is ``fitted_values``.
+    this is the ridge fit of ``returns_R`` with the constant unshrunk (``fitted_values`` shrinks it too).
     """
     cut_R = cut_weight_R != 0.0
     if not cut_R.any():
@@ -160,11 +161,20 @@ def state_baseline_gae(
 
 
 def _reachable(values_R: np.ndarray, rewards_R: np.ndarray, discount: float) -> np.ndarray | None:
-    """``values_R`` where every one is finite and within max|r| / (1 - discount), the most any state can be worth."""
+    """``values_R`` unless one is not finite or lies further than ``OUT_OF_REACH`` of the span outside what a
+    state can be worth at ``discount``, min(0, min r) / (1 - discount) to max(0, max r) / (1 - discount).
+
+    A fit overshoots that span a little wherever its features do not fit the values (CartPole's near the time
+    limit, by a few per cent); an ill-conditioned fixed point misses it by far (17 times the span on a step of
+    ten rows).
+    """
     if discount >= 1.0:
         return values_R
-    bound = float(np.abs(rewards_R).max(initial=0.0)) / (1.0 - discount)
-    if not np.isfinite(values_R).all() or np.abs(values_R).max(initial=0.0) > bound * (1 + 1e-9) + 1e-12:
+    low = min(0.0, float(rewards_R.min(initial=0.0))) / (1.0 - discount)
+    high = max(0.0, float(rewards_R.max(initial=0.0))) / (1.0 - discount)
+    slack = OUT_OF_REACH * (high - low) + 1e-12
+    if not np.isfinite(values_R).all() or values_R.min(initial=0.0) < low - slack \
+            or values_R.max(initial=0.0) > high + slack:
         return None
     return values_R
 

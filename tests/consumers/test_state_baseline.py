@@ -257,3 +257,46 @@ def test_a_small_step_whose_bootstrapped_baseline_leaves_the_reachable_range_kee
         episode_gae([0.0, 0.0, 0.0], values[7:10].tolist(), float(values[9]), discount, lam)])
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-12)
     assert np.abs(out).max() < 2 / (1 - discount)
+
+
+def test_a_bootstrapped_baseline_of_the_wrong_sign_keeps_the_plain_fit():
+    # the step above at discount 0.99: the fixed point puts every value near -50, inside |V| <= max|r| / (1 - discount)
+    # = 100 but below 0, which no state can be worth when no reward is negative
+    states = [[1.4, 0.6], [2.0, 1.0], [0.4, -1.1], [0.0, 1.0], [-1.2, 0.0], [0.1, 0.8], [0.0, -1.0], [0.0, -2.0],
+              [-1.0, 0.0], [0.0, 0.0]]
+    rewards = [[1.0], [1.0], [0.0], [0.0], [1.0], [0.0], [0.0], [0.0], [0.0], [0.0]]
+    episodes, turns = [0, 0, 1, 1, 1, 1, 1, 2, 2, 2], [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]
+    discount, lam = 0.99, 0.5
+    cut = np.zeros(10)
+    cut[[0, 1]], cut[2:7], cut[7:10] = discount ** np.arange(2, 0, -1), discount ** np.arange(5, 0, -1), \
+        discount ** np.arange(3, 0, -1)
+    last = np.array([1, 1, 6, 6, 6, 6, 6, 9, 9, 9])
+    returns = np.concatenate([discounted_returns([1.0, 1.0], discount),
+                              discounted_returns([0.0, 0.0, 1.0, 0.0, 0.0], discount),
+                              discounted_returns([0.0, 0.0, 0.0], discount)])
+    assert bootstrapped_values(np.asarray(states), returns, cut, last).max() < 0  # the fault this step shows
+    out = state_baseline_gae(states, rewards, episodes, turns, [False] * 10, discount, lam)
+    values = fitted_values(np.asarray(states), returns)
+    expected = np.concatenate([
+        episode_gae([1.0, 1.0], values[0:2].tolist(), float(values[1]), discount, lam),
+        episode_gae([0.0, 0.0, 1.0, 0.0, 0.0], values[2:7].tolist(), float(values[6]), discount, lam),
+        episode_gae([0.0, 0.0, 0.0], values[7:10].tolist(), float(values[9]), discount, lam)])
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-12)
+
+
+def test_a_cartpole_step_keeps_its_bootstrapped_baseline_though_the_fit_overshoots_a_little(monkeypatch):
+    """Six of the eight episodes reach the limit and the quadratic fit puts some values a few per cent past
+    1 / (1 - 0.9) = 10, where the features miss the value near the limit: the bootstrapped baseline is kept."""
+    import consumers.state_baseline as state_baseline
+
+    cols, _ = cartpole_step(0.8, 3)
+    states = np.asarray(cols["state"], dtype=np.float64)
+    args = (cols["state"], cols["reward"], cols["episode"], cols["turn"], cols["end"], 0.9, 0.5)
+    out = state_baseline_gae(*args)
+    monkeypatch.setattr(state_baseline, "_reachable", lambda values, rewards, discount: values)
+    kept = state_baseline_gae(*args)
+    monkeypatch.setattr(state_baseline, "bootstrapped_values",
+                        lambda states_RS, returns_R, *_: fitted_values(states_RS, returns_R))
+    plain = state_baseline_gae(*args)
+    assert len(states) > 1000 and not np.allclose(kept, plain)
+    np.testing.assert_array_equal(out, kept)
