@@ -31,6 +31,9 @@ import asyncio
 import json
 import math
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,6 +160,25 @@ class Loop:
         return float(returns.mean())
 
 
+def connect(args: argparse.Namespace) -> Loop:
+    """The loop's clients, or one line saying why not: the SDK retries a refused connection without a word, and
+    a refusal at the start (no API key, a base model the server does not serve) ends in a traceback.
+
+    The same check as ``tinker_cartpole.py``'s: each example is a single file a researcher copies on its own."""
+    try:
+        urllib.request.urlopen(args.base_url, timeout=10).close()
+    except urllib.error.HTTPError:
+        pass  # a server answers; the SDK's calls say whether it is rlpipe's
+    except (urllib.error.URLError, OSError) as exc:
+        port = urllib.parse.urlsplit(args.base_url).port or 8000
+        raise SystemExit(f"error: nothing answers at {args.base_url} ({getattr(exc, 'reason', exc)}); start the "
+                         f"server with `rlpipe serve --port {port}`, or pass its URL as --base-url") from None
+    try:
+        return Loop(args)
+    except tinker.TinkerError as exc:
+        raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -178,7 +200,7 @@ def main() -> None:
                         help="write the held-out returns as JSON (what rlpipe sweep reads)")
     args = parser.parse_args()
     started = time.monotonic()
-    loop = Loop(args)
+    loop = connect(args)
     base = loop.evaluate(loop.service.create_sampling_client(base_model=args.base_model).result(), "base model")
     loop.warm_start()
     for step in range(args.rl_steps):

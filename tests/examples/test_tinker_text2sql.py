@@ -1,0 +1,50 @@
+"""The text-to-SQL SDK loop's start (``examples/tinker_text2sql.py``): a server that is not there, or that refuses,
+is one line naming the fix.
+
+The loop itself runs against a real server in ``tests/integration/test_tinker_sampling.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import socket
+import threading
+
+import pytest
+
+from tests.examples import example_module
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _args(base_url: str) -> argparse.Namespace:
+    return argparse.Namespace(base_url=base_url, base_model="tiny", rank=4, tasks=None, seed=0)
+
+
+def test_no_server_at_the_base_url_is_one_line_naming_rlpipe_serve() -> None:
+    """The SDK retries a refused connection without a word: the loop asks once and says what to start."""
+    port = _closed_port()
+    with example_module("tinker_text2sql") as module, pytest.raises(SystemExit) as stopped:
+        module.connect(_args(f"http://127.0.0.1:{port}"))
+    message = str(stopped.value.code)
+    assert "\n" not in message and f"127.0.0.1:{port}" in message and "rlpipe serve --port" in message, message
+
+
+def test_an_sdk_refusal_at_the_start_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """No API key: the SDK's own message, as one line instead of a traceback."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no key stored by `tinker auth login` either
+    try:
+        with example_module("tinker_text2sql") as module, pytest.raises(SystemExit) as stopped:
+            module.connect(_args(f"http://127.0.0.1:{server.server_port}"))
+    finally:
+        server.shutdown()
+    message = str(stopped.value.code)
+    assert "\n" not in message and "TINKER_API_KEY" in message, message
