@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import console, fail, handle_user_errors, reachable_store
+from pipeline.cli.common import console, err_console, fail, handle_user_errors, reachable_store
 from pipeline.cli.options import (
     ConfigOpt,
     FollowRunsOpt,
@@ -20,7 +20,7 @@ from pipeline.cli.options import (
     run_configs,
     setup_logging,
 )
-from pipeline.runtime import StopFlag, refuse_case_twin, refuse_new_run_case_twin
+from pipeline.runtime import StopFlag, new_run_note, refuse_case_twin, refuse_new_run_case_twin
 
 app = typer.Typer(name="learner", help="The off-policy learner: LoRA training from trajectories.", no_args_is_help=True)
 replay_app = typer.Typer(name="replay", add_completion=False)
@@ -55,6 +55,8 @@ def start(
         store = reachable_store(cfg.store)
         if run or config or follow_runs is None:  # else the configuration is only the engine's template
             refuse_case_twin(store, cfg.run_id)
+            if note := new_run_note(store, cfg.run_id):
+                err_console.print(note, markup=False)
     if max_steps is not None:
         cfgs = [cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
                 for cfg in cfgs]

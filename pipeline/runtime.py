@@ -10,6 +10,7 @@ SIGTERM/SIGINT into a stop flag that the loops check between phases.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import signal
@@ -125,6 +126,18 @@ def refuse_case_twin(store: ObjectStore, run_id: str, flag: str = "--run ") -> N
         raise RunIdCaseError(f"run {run_id!r} is not in {store.root}, but run {twin!r} is: run ids are "
                              f"case-sensitive; name it {flag}{twin}")
 
+
+
+def new_run_note(store: ObjectStore, run_id: str) -> str | None:
+    """For a process started on a run (``learner start``, ``producer start``): one line saying that ``run_id`` is
+    not in the store and starts as a new run, naming a stored run whose id is close to it (a typo starts a new
+    run as readily as a new name does); None when the run is stored."""
+    stored = sorted(run_ids(store))
+    if run_id in stored:
+        return None
+    close = difflib.get_close_matches(run_id, stored, n=1, cutoff=0.8)
+    hint = f"; did you mean {close[0]}?" if close else " (rlpipe runs list shows the stored runs)"
+    return f"run {run_id} is not in {store.root}: a new run {run_id} is created{hint}"
 
 def refuse_new_run_case_twin(store: ObjectStore, run_id: str) -> None:
     """Raise ``RunIdCaseError`` when ``run_id``, a run being created (or filled by a command of its own), is not

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import fail, handle_user_errors, reachable_store
+from pipeline.cli.common import err_console, fail, handle_user_errors, reachable_store
 from pipeline.cli.options import (
     FollowRunsOpt,
     PackedConfigOpt,
@@ -17,7 +17,7 @@ from pipeline.cli.options import (
     run_configs,
     setup_logging,
 )
-from pipeline.runtime import StopFlag, refuse_case_twin
+from pipeline.runtime import StopFlag, new_run_note, refuse_case_twin
 
 app = typer.Typer(name="producer", help="Rollout producers: sample the policy against an environment.",
                   no_args_is_help=True)
@@ -50,6 +50,8 @@ def start(
         store = reachable_store(cfg.store)
         if run or config or follow_runs is None:  # else the configuration is only the engine's template
             refuse_case_twin(store, cfg.run_id)  # its batches would go into the other run's folder
+            if note := new_run_note(store, cfg.run_id):
+                err_console.print(note, markup=False)
     if max_groups is not None:
         cfgs = [cfg.model_copy(update={"producer": cfg.producer.model_copy(update={"max_groups": max_groups})})
                 for cfg in cfgs]

@@ -17,3 +17,24 @@ def test_producer_start_takes_the_run_as_run(monkeypatch) -> None:
     result = runner.invoke(app, ["--preset", "sokoban", "--run", "mine", "--max-groups", "2"])  # one-command app
     assert result.exit_code == 0, result.output
     assert started[0].run_id == "mine" and started[0].env.name == "sokoban" and started[0].producer.max_groups == 2
+
+
+def test_producer_start_says_a_run_is_new_and_names_a_stored_run_close_to_it(monkeypatch, tmp_path) -> None:
+    """Starting the parts yourself creates the run named; a typo of a stored run's id would start a new run quietly."""
+    import producers.service
+    from pipeline.io.store import ObjectStore
+    from pipeline.runtime import create_run
+    from schemas.config import RunConfig
+
+    root = f"file://{tmp_path}/store"
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", root)
+    create_run(ObjectStore(root), RunConfig(run_id="cartpole-exp"), "tiny")
+    monkeypatch.setattr(producers.service, "run_producer", lambda cfg, stop: None)
+    typo = runner.invoke(app, ["--preset", "cartpole", "--run", "cartpole-exq"])
+    assert typo.exit_code == 0, typo.output
+    note = [line for line in typo.stderr.splitlines() if "cartpole-exq" in line]
+    assert len(note) == 1 and "new run" in note[0] and "did you mean cartpole-exp?" in note[0], typo.stderr
+    fresh = runner.invoke(app, ["--preset", "cartpole", "--run", "sokoban-1"])  # new, and like no stored run
+    assert fresh.exit_code == 0 and "new run" in fresh.stderr and "did you mean" not in fresh.stderr, fresh.stderr
+    stored = runner.invoke(app, ["--preset", "cartpole", "--run", "cartpole-exp"])
+    assert stored.exit_code == 0 and "new run" not in stored.stderr, stored.stderr
