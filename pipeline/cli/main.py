@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 from importlib.metadata import entry_points
 from typing import Annotated, Any
@@ -111,6 +112,26 @@ def load_group(name: str, target: str) -> Any:
     return command
 
 
+
+def unwrapped_help(text: str) -> str:
+    """``text`` with each paragraph on one line, for the terminal to wrap.
+
+    Typer's rich help keeps the single line breaks of every paragraph after the first, so a docstring wrapped
+    at the source's 120 columns would break its sentences there at any terminal width.  A paragraph that starts
+    with ``\\b`` (click's mark for a preformatted paragraph) keeps its lines."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(part if part.startswith("\b") else " ".join(line.strip() for line in part.split("\n"))
+                       for part in paragraphs)
+
+
+def _unwrap_help_texts(command: Any) -> None:
+    """``unwrapped_help`` on the help of ``command`` and, for a group, of every command under it."""
+    if command.help:
+        command.help = unwrapped_help(command.help)
+    for sub in getattr(command, "commands", {}).values():
+        _unwrap_help_texts(sub)
+
+
 class _PluginGroup(TyperGroup):
     """The root group: built-in commands first, then the lazily loaded groups."""
 
@@ -120,13 +141,13 @@ class _PluginGroup(TyperGroup):
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
         command = super().get_command(ctx, cmd_name)
-        if command is not None:
-            return command
-        target = plugin_targets().get(cmd_name)
-        if target is None:
-            return None
-        command = load_group(cmd_name, target)
-        self.commands[cmd_name] = command
+        if command is None:
+            target = plugin_targets().get(cmd_name)
+            if target is None:
+                return None
+            command = load_group(cmd_name, target)
+            self.commands[cmd_name] = command
+        _unwrap_help_texts(command)
         return command
 
 

@@ -128,3 +128,37 @@ def test_a_group_that_does_not_load_is_a_stub_and_a_warning(caplog: pytest.LogCa
         command = load_group("ghost", "no_such_package.cli:app")
     assert (command.help or "").startswith("(unavailable: ModuleNotFoundError")
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "no_such_package.cli:app" in caplog.text
+
+
+
+def help_as_written() -> dict[str, str]:
+    """path -> the help text as the source wrote it (the root group, which unwraps help, bypassed)."""
+    from typer.core import TyperGroup
+
+    from pipeline.cli.main import plugin_targets
+
+    root, written = typer.main.get_command(app), {}
+    for name in root.list_commands(None):
+        group = TyperGroup.get_command(root, None, name) or load_group(name, plugin_targets()[name])
+        written.update((path, command.help or "") for path, command in leaves(group, (name,)))
+    return written
+
+
+def test_help_texts_break_lines_only_where_the_terminal_does() -> None:
+    """A help paragraph wrapped in the source (at 120 columns) reads as one paragraph, however wide the terminal:
+    at 1,000 columns, the words either side of each of the source's line breaks stand on one line."""
+    import inspect
+    import itertools
+
+    from typer.testing import CliRunner
+
+    runner, written = CliRunner(), help_as_written()
+    assert written.keys() == command_tree().keys()
+    assert sum("\n" in text.strip().partition("\n\n")[2].strip() for text in written.values()) >= 5  # some to check
+    for path, text in sorted(written.items()):
+        shown = runner.invoke(app, [*path.split(), "--help"], env={"COLUMNS": "1000"})
+        lines = [" ".join(line.strip(" │").split()) for line in shown.stdout.splitlines()]
+        for paragraph in inspect.cleandoc(text).split("\n\n"):
+            for before, after in itertools.pairwise(paragraph.splitlines()):
+                joint = f"{before.split()[-1]} {after.split()[0]}"
+                assert any(joint in line for line in lines), f"`rlpipe {path} --help` breaks the line at {joint!r}"
