@@ -207,7 +207,8 @@ def delete_command(
         f" and {len(plan.local_paths)} local folders ({', '.join(str(p) for p in plan.local_paths)})"
         if plan.local_paths else "")
     if not yes and not typer.confirm(f"delete {what}?", default=False):
-        fail("nothing deleted")
+        console.print("nothing deleted")  # the answer asked for, not a failure: exit 0
+        return
     delete_run(store, plan)
     console.print(f"deleted {what}", markup=False)
 
