@@ -112,7 +112,6 @@ def load_group(name: str, target: str) -> Any:
     return command
 
 
-
 def unwrapped_help(text: str) -> str:
     """``text`` with each paragraph on one line, for the terminal to wrap.
 
