@@ -19,6 +19,7 @@ from rich.table import Table
 
 from pipeline.analysis.runs import (
     ACTIVE_WITHIN_S,
+    RunActivity,
     RunSummary,
     activity_or_note,
     delete_run,
@@ -303,10 +304,14 @@ def resume_command(
     gcs_endpoint: GcsEndpointOpt = None,
     bootstrap: BootstrapOpt = None,
     namespace: NamespaceOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Announce the run even when its newest start is on the "
+                                                        "control topic already.")] = False,
 ) -> None:
     """Announce a stopped run again (RunStarted): packed processes naming it (--run) or following it
-    (--follow-runs) take it up from its newest checkpoint, now and when they start again.  The run id is matched
-    exactly: one differing only in case from the stored run is refused, naming it."""
+    (--follow-runs) take it up from its newest checkpoint, now and when they start again.  A run whose newest
+    start is recorded and on the control topic is not stopped, and nothing is announced unless --force; one whose
+    recorded start the topic never carried (its publish failed) is announced.  The run id is matched exactly: one
+    differing only in case from the stored run is refused, naming it."""
     from pipeline.io.bus import EventPublisher
     from pipeline.membership import announce_membership, recorded_membership
     from pipeline.runtime import resolved_bus, started_again
@@ -315,20 +320,33 @@ def resume_command(
     name = chosen_run(run, None, "runs resume")
     store = _store(root, gcs_endpoint)
     _known_run(store, name)
+    bus = resolved_bus(bus_config_from_cli(bootstrap, namespace))
     try:
         recorded = recorded_membership(store, name)
     except ValueError:  # a damaged record: this resume writes it again
         recorded = None
-    # its newest announcement already started it, and a process serves a run once: announcing again changes nothing
-    if recorded is not None and isinstance(recorded.payload, RunStarted):
-        console.print(f"run {name} is not stopped (announced {recorded.time:%Y-%m-%d %H:%M:%S} UTC); nothing "
-                      f"announced; stop it with rlpipe runs stop --run {name}", markup=False, soft_wrap=True)
-        return
+    # its newest announcement already started it, and a process serves a run once: announcing again changes nothing.
+    # Unless the topic shows that start it is announced: the store is written first, and the publish after it may
+    # have failed (an unreadable topic is announced to as well, as by stop; a broker that is down fails the publish)
+    if not force and recorded is not None and isinstance(recorded.payload, RunStarted):
+        activity, _ = activity_or_note(bus, 3.0, name)
+        if activity is not None and _topic_carried_start(activity.get(name), recorded.time.timestamp()):
+            console.print(f"run {name} is not stopped (announced {recorded.time:%Y-%m-%d %H:%M:%S} UTC); nothing "
+                          f"announced; stop it with rlpipe runs stop --run {name}, or announce it anyway with "
+                          f"rlpipe runs resume --run {name} --force", markup=False, soft_wrap=True)
+            return
     try:
         started = started_again(store, name)
     except FileNotFoundError:
         fail(f"run {name} has no run.json in {store.root}: only a created run can be resumed", EXIT_USAGE)
-    with EventPublisher(resolved_bus(bus_config_from_cli(bootstrap, namespace))) as publisher:
+    with EventPublisher(bus) as publisher:
         announce_membership(store, publisher, name, started)
     console.print(f"announced run {name} again; packed processes naming or following it take it up", markup=False,
                   soft_wrap=True)
+
+
+def _topic_carried_start(activity: RunActivity | None, recorded_s: float) -> bool:
+    """Whether the control topic's newest start or stop of the run is a start no older than the recorded one
+    (``recorded_s``, epoch seconds): the same event when its publish went through."""
+    return (activity is not None and activity.membership_s is not None and activity.membership_s >= recorded_s
+            and activity.stopped_s is None)

@@ -323,6 +323,31 @@ def test_resuming_a_run_not_stopped_says_so_and_announces_nothing(
     assert len(starts) == 1
 
 
+def test_a_start_the_store_keeps_but_the_topic_never_carried_is_announced_by_resume(
+        file_store: ObjectStore, tmp_path: Path, bus_config: BusConfig) -> None:
+    """`announce_membership` writes the store, then publishes: a failed publish leaves a start recorded that no
+    following process saw.  Resume announces it (the topic lacks it); once the topic has it, resume refuses and
+    names --force, which announces it again anyway."""
+    make_run(file_store, tmp_path, "exp-4", "cartpole", steps=1, max_steps=5)
+    _record(file_store, "exp-4", _started("exp-4"))  # recorded, never published
+    where = ["--root", file_store.root, "--bootstrap", bus_config.bootstrap_servers, "--namespace", bus_config.namespace]
+
+    def starts() -> int:
+        return sum(1 for r in tail(bus_config, "control", n=100, run_id="exp-4")
+                   if r.event is not None and isinstance(r.event.payload, RunStarted))
+
+    first = runner.invoke(app, ["resume", "--run", "exp-4", *where])
+    assert first.exit_code == 0 and "announced run exp-4 again" in first.output, first.output
+    assert starts() == 1
+    again = runner.invoke(app, ["resume", "--run", "exp-4", *where])
+    assert again.exit_code == 0 and "is not stopped" in again.output, again.output
+    assert "rlpipe runs resume --run exp-4 --force" in again.output, again.output
+    assert starts() == 1
+    forced = runner.invoke(app, ["resume", "--run", "exp-4", "--force", *where])
+    assert forced.exit_code == 0 and "announced run exp-4 again" in forced.output, forced.output
+    assert starts() == 2
+
+
 def test_eval_of_a_version_the_run_does_not_have_is_one_line(two_runs: tuple[ObjectStore, Path]) -> None:
     from producers.eval_cli import app as eval_app
 
