@@ -46,6 +46,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.cli.common import error_line
 from pipeline.config import child_environment
 from pipeline.devstack.catch_up import LearnerCatchUp
 from pipeline.devstack.dashboard import Dashboard, silent_after_s
@@ -411,15 +412,15 @@ class Launcher:
         return 1 if failed or not announced else 0
 
     def announce_final_stops(self, codes: dict[str, int | None], interrupted: bool) -> bool:
-        """``announce_stops`` on a publisher of its own; False, said in one line, when the broker cannot take them."""
+        """``announce_stops`` on a publisher of its own; False, said in one line, when the store or the broker cannot
+        take them (each stop is kept in the store, then published: either may have gone with the stack)."""
         try:
             with EventPublisher(self.bus) as publisher:
                 self.announce_stops(publisher, codes, interrupted)
-        except BusError as exc:
+        except (BusError, OSError) as exc:  # OSError: a local store's disk, or a GCS endpoint that does not answer
             log.error("could not announce RunStopped for %s: %s; the processes are stopped, and `rlpipe runs stop "
-                      "--run RUN` announces it once the broker answers",
-                      ", ".join(c.run_id for c in self.configs if c.run_id not in self.stopped),
-                      str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                      "--run RUN` announces it once the store and the broker answer",
+                      ", ".join(c.run_id for c in self.configs if c.run_id not in self.stopped), error_line(exc))
             return False
         return True
 

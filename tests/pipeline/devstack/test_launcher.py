@@ -478,3 +478,17 @@ def test_a_child_that_died_is_named_with_its_log_even_when_the_stop_cannot_be_an
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any("learner exited with 1" in e and "lost the broker" in e for e in errors), errors
     assert any("RunStopped" in e and "cannot reach Kafka" in e and "\n" not in e for e in errors), errors
+
+
+def test_a_final_stop_the_store_cannot_keep_is_one_line_naming_runs_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The RunStopped is kept in the store before it is published: a store gone with the stack (here a root under a
+    file, so every write fails with an OSError) ends in one line naming `rlpipe runs stop`, not a traceback."""
+    (tmp_path / "gone").write_text("not a folder")
+    fake = packed_launcher(tmp_path / "gone" / "store", {"a": 3})
+    fake.bus = fake.config.bus
+    monkeypatch.setattr(launcher, "EventPublisher", PublisherStub)
+    with caplog.at_level(logging.ERROR, logger="rlpipe.run"):
+        assert fake.announce_final_stops({"learner": 0}, interrupted=True) is False
+    (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "RunStopped" in error and "for a:" in error and "rlpipe runs stop --run" in error and "\n" not in error
