@@ -56,7 +56,7 @@ from pipeline.api.lifecycle import (
 from pipeline.api.liveness import SessionLiveness
 from pipeline.api.quotas import TenantQuota
 from pipeline.api.sample_queue import MAX_PENDING_SAMPLES, SampleQueue
-from pipeline.api.samplers import find_sampler, read_sampler, write_sampler
+from pipeline.api.samplers import check_prompt_fits, find_sampler, read_sampler, store_sample_call, write_sampler
 from pipeline.api.tenants import TenantLimitError, TenantLimits
 from pipeline.api.wire import (
     TinkerPath,
@@ -422,9 +422,9 @@ class Gateway:
             raise NotFoundError(str(exc)) from None
 
     def submit_sample(self, tenant: str, sampling_session_id: str, seq_id: int | None, body: bytes,
-                      num_samples: int) -> tuple[str, list[str]]:
+                      num_samples: int, prompt_tokens: int) -> tuple[str, list[str]]:
         """Accept a ``sample`` call: its request id and one sequence id per sample; ``BusyError`` when full."""
-        call = self.prepare_sample(tenant, sampling_session_id, seq_id, body)
+        call = self.prepare_sample(tenant, sampling_session_id, seq_id, body, prompt_tokens)
         self.publish_call(call)
         return call.request_id, [f"{call.request_id}.{j}" for j in range(num_samples)]
 
@@ -448,28 +448,9 @@ class Gateway:
             check_seq("seq_id", seq_id, 0, "the tinker SDK's SamplingClient")
         base_model = record["base_model"]
         context = self.served(base_model).max_context_length  # (no sampler reads a model no longer served)
-        if prompt_tokens is not None and context is not None and prompt_tokens >= context:
-            raise ApiError(f"prompt of {prompt_tokens} tokens leaves no room to sample: {base_model} is served with a "
-                           f"context of {context} tokens (max_context_length in get_server_capabilities); shorten it")
-        # numbered seq_id + 1 (a request id numbered 0 is a creation's): the largest is 2**31, past int32, which is
-        # fine, since this number stays in rlpipe's request ids and events and never goes back to the SDK
-        request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)
-        taken = self.samples.take(base_model, request_id, tenant)  # (its place, before it is stored)
-        session_id = session_of_request(request_id)
-        key = request_body_path(session_id, request_id, "json")
-        try:
-            digest = self.store.put_create_once(key, body)
-        except Exception as exc:
-            if taken:  # the place of a call never accepted is free again (a resent call keeps its first's)
-                self.samples.answered(request_id)
-            if isinstance(exc, FileExistsError):
-                raise ApiError(f"seq_id {seq_id} of sampling session {sampling_session_id} was already used for "
-                               "another call; each call takes the next seq_id") from None
-            raise
-        event = ApiRequestAccepted(request_id=request_id, tenant=tenant, session_id=session_id, op="sample",
-                                   model_id=sampling_session_id, seq_id=(seq_id or 0) + 1, base_model=base_model,
-                                   body_path=key, body_format="json", body_sha256=digest)
-        return event
+        if prompt_tokens is not None:
+            check_prompt_fits(base_model, context, prompt_tokens)
+        return store_sample_call(self.store, self.samples, tenant, sampling_session_id, seq_id, base_model, body)
 
     # ---- checkpoints (RestClient; ``pipeline.api.checkpoints``) ---------------------------------------------
     def checkpoints(self, tenant: str, model_id: str) -> list[dict[str, Any]]:

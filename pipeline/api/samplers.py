@@ -22,6 +22,9 @@ forward; written before the new session's record), and the sampler reads it at
 most every ``INFLIGHT_CHECK_S`` (``producers.api_sampler``).
 The gateway writes records for ``create_sampling_session``, the trainer for the
 ephemeral path; the sampler reads them.
+
+A ``sample`` call on a session is stored create-only before it is announced
+(``store_sample_call``), as every accepted call is (``pipeline.api.gateway``).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from typing import Any
 
 from tinker import types
 
-from pipeline.api.wire import INT32_MAX
+from pipeline.api.sample_queue import SampleQueue
+from pipeline.api.wire import INT32_MAX, request_id_for, session_of_request
 from pipeline.io.store import ObjectStore
-from schemas.api import ApiError, model_id_for, model_run_name, session_path
+from schemas.api import ApiError, ApiRequestAccepted, model_id_for, model_run_name, request_body_path, session_path
 from schemas.names import InvalidNameError, echoed
 from schemas.trajectory import MIN_SAMPLING_TEMPERATURE
 
@@ -183,3 +187,36 @@ def check_sample_request(request: types.SampleRequest) -> None:
                        f"{MIN_SAMPLING_TEMPERATURE:g}, the lowest temperature rlpipe's samplers sample at as asked")
     if not 0 < given.top_p <= 1:  # (False for NaN too)
         raise ApiError(f"sampling_params.top_p={given.top_p}: use a probability in (0, 1] (1 = no cut)")
+
+
+def check_prompt_fits(base_model: str, context: int | None, prompt_tokens: int) -> None:
+    """``ApiError`` when a prompt of ``prompt_tokens`` leaves no room to sample one token in the ``context`` the base
+    model is served with (None: not known here, the sampler checks)."""
+    if context is not None and prompt_tokens >= context:
+        raise ApiError(f"prompt of {prompt_tokens} tokens leaves no room to sample: {base_model} is served with a "
+                       f"context of {context} tokens (max_context_length in get_server_capabilities); shorten it")
+
+
+def store_sample_call(store: ObjectStore, samples: SampleQueue, tenant: str, sampling_session_id: str,
+                      seq_id: int | None, base_model: str, body: bytes) -> ApiRequestAccepted:
+    """A checked ``sample`` call's place in ``samples`` and its body, stored create-only; its event, not yet on the
+    log.  ``BusyError`` when the queue has no place for it; ``ApiError`` when its ``seq_id`` was used for another
+    body (the place it took is free again; a resent call keeps its first's)."""
+    # numbered seq_id + 1 (a request id numbered 0 is a creation's): the largest is 2**31, past int32, which is
+    # fine, since this number stays in rlpipe's request ids and events and never goes back to the SDK
+    request_id = request_id_for(sampling_session_id, (seq_id or 0) + 1)
+    taken = samples.take(base_model, request_id, tenant)  # (its place, before it is stored)
+    session_id = session_of_request(request_id)
+    key = request_body_path(session_id, request_id, "json")
+    try:
+        digest = store.put_create_once(key, body)
+    except Exception as exc:
+        if taken:
+            samples.answered(request_id)
+        if isinstance(exc, FileExistsError):
+            raise ApiError(f"seq_id {seq_id} of sampling session {sampling_session_id} was already used for "
+                           "another call; each call takes the next seq_id") from None
+        raise
+    return ApiRequestAccepted(request_id=request_id, tenant=tenant, session_id=session_id, op="sample",
+                              model_id=sampling_session_id, seq_id=(seq_id or 0) + 1, base_model=base_model,
+                              body_path=key, body_format="json", body_sha256=digest)

@@ -124,7 +124,8 @@ class Harness:
 
     def sample(self, sampler_id: str, seq: int, request: types.SampleRequest, tenant: str = TENANT) -> str:
         body = request.model_copy(update={"sampling_session_id": sampler_id, "seq_id": seq}).model_dump_json()
-        return self.gateway.submit_sample(tenant, sampler_id, seq, body.encode(), request.num_samples)[0]
+        return self.gateway.submit_sample(tenant, sampler_id, seq, body.encode(), request.num_samples,
+                                          request.prompt.length)[0]
 
     def run(self, request_ids: list[str], timeout_s: float = 60.0) -> list:
         """Step the sampler until every call has its result."""

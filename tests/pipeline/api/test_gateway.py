@@ -312,7 +312,7 @@ def test_sample_calls_in_threads_at_once_stay_within_the_queues_places():
     session = gateway.create_session("alice", [], {})
     sampler = gateway.create_sampling_session("alice", session, 0, BASE, None)
     store.meeting = threading.Barrier(2)
-    calls = _at_once(*[lambda seq=seq: gateway.submit_sample("alice", sampler, seq, b"{}", 1)[0] for seq in (0, 1)])
+    calls = _at_once(*[lambda seq=seq: gateway.submit_sample("alice", sampler, seq, b"{}", 1, 1)[0] for seq in (0, 1)])
     assert calls.count("BusyError") == 1, calls
     assert gateway.samples.queued(BASE) == 1
 
@@ -324,14 +324,14 @@ def test_a_sample_call_refused_after_it_took_a_place_gives_it_back():
                       [ServedModel(BASE, BASE)], max_pending_samples=4)
     session = gateway.create_session("alice", [], {})
     sampler = gateway.create_sampling_session("alice", session, 0, BASE, None)
-    gateway.submit_sample("alice", sampler, 0, b"{}", 1)
-    gateway.submit_sample("alice", sampler, 0, b"{}", 1)  # resent: the same call, one place
+    gateway.submit_sample("alice", sampler, 0, b"{}", 1, 1)
+    gateway.submit_sample("alice", sampler, 0, b"{}", 1, 1)  # resent: the same call, one place
     with pytest.raises(ApiError, match="already used"):
-        gateway.submit_sample("alice", sampler, 0, b'{"other": 1}', 1)
+        gateway.submit_sample("alice", sampler, 0, b'{"other": 1}', 1, 1)
     assert gateway.samples.queued(BASE) == 1
     gateway.samples.answered(f"{sampler.replace(':', '.')}.1")
     with pytest.raises(ApiError, match="already used"):
-        gateway.submit_sample("alice", sampler, 0, b'{"other": 1}', 1)
+        gateway.submit_sample("alice", sampler, 0, b'{"other": 1}', 1, 1)
     assert gateway.samples.queued(BASE) == 0
 
 
@@ -408,3 +408,17 @@ def test_an_end_frees_the_sessions_and_its_training_clients_places_at_once():
         lifecycle.record_end(store, session, "ended by an operator: test")
     names = sorted(key.rsplit("/", 1)[-1] for key in store.list(f"{quotas.TENANTS}/alice"))
     assert names == [live], names
+
+
+def test_a_sample_call_whose_prompt_fills_the_context_is_refused_before_it_takes_a_place():
+    """submit_sample checks the prompt's length as the HTTP handler's call does: a prompt of 8 tokens in a context of
+    8 leaves no room to sample one, and is refused without a place; one of 7 is queued."""
+    gateway = Gateway(ObjectStore(f"memory://gw-{uuid.uuid4().hex}"), lambda event, key: None,
+                      [ServedModel(BASE, BASE, max_context_length=8)], max_pending_samples=4)
+    session = gateway.create_session("alice", [], {})
+    sampler = gateway.create_sampling_session("alice", session, 0, BASE, None)
+    with pytest.raises(ApiError, match="prompt of 8 tokens leaves no room to sample"):
+        gateway.submit_sample("alice", sampler, 0, b"{}", 1, prompt_tokens=8)
+    assert gateway.samples.queued(BASE) == 0
+    gateway.submit_sample("alice", sampler, 0, b"{}", 1, prompt_tokens=7)
+    assert gateway.samples.queued(BASE) == 1
