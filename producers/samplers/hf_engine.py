@@ -27,6 +27,7 @@ class _Waiting:
     budget: int
     result: asyncio.Future[SampleResult]
     key: tuple[Any, ...]  # ``batch_key``: calls with equal keys can share a batch
+    arrival: int  # the engine's round when it was submitted (one counter with the rounds batches are served in)
 
 
 def batch_key(adapter: AdapterHandle | None, params: SampleParams, engine: SamplingEngine) -> tuple[Any, ...]:
@@ -50,9 +51,10 @@ class TransformersEngine(SamplingEngine):
     Calls that wait together and share the adapter and the sampling settings (temperature,
     top-p, top-k, stop ids) are decoded as one batch of at most ``max_batch_sequences`` sequences
     (default: the sampler's decode batch, ``max_batch``; a call of more runs whole, alone); the
-    rest wait for the next.  Each batch goes to the group of calls served least recently (a
-    new group first, ties to the oldest waiting call), so one caller's many waiting calls take
-    turns with another's calls of other weights or settings instead of holding them.  Every
+    rest wait for the next.  Each batch goes to the group that has waited longest (since it was
+    last served, or since its oldest call arrived), so one caller's many waiting calls take
+    turns with another's calls of other weights or settings instead of holding them, and a
+    stream of new groups (a new adapter version each step) does not starve an older one.  Every
     sample draws from its own seed, so a call's tokens do not depend on what else runs;
     its logprobs agree with the call alone within float rounding.  It is the readable
     reference and the backend for machines without vLLM, not a continuous-batching engine.
@@ -80,7 +82,7 @@ class TransformersEngine(SamplingEngine):
         self._serving: dict[tuple[str, int], AdapterHandle] = {}  # (run, version) -> the sampler's handle of it
         self._names = itertools.count(1)  # its peft adapter names: never reused in this engine
         self._served: dict[tuple[Any, ...], int] = {}  # batch key of a waiting group -> the round it was last served
-        self._rounds = itertools.count()
+        self._rounds = itertools.count()  # one clock for calls arriving and groups being served
 
     async def sample(
         self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
@@ -90,7 +92,7 @@ class TransformersEngine(SamplingEngine):
             adapter.check_folder()
             adapter = self._own(adapter)
         waiting = _Waiting(list(prompt_token_ids), adapter, params, budget, asyncio.get_running_loop().create_future(),
-                           batch_key(adapter, params, self))
+                           batch_key(adapter, params, self), next(self._rounds))
         self._waiting.append(waiting)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
@@ -123,13 +125,16 @@ class TransformersEngine(SamplingEngine):
                 _settle(one, result=result)
 
     def _next_batch(self) -> list[_Waiting]:
-        """Take the next batch out of the waiting calls: the oldest calls of the group served least recently (a
-        group not served since it last had calls waiting first, ties to the group of the oldest waiting call), up
-        to ``max_batch_sequences`` sequences and at least one call."""
+        """Take the next batch out of the waiting calls: the oldest calls of the group that has waited longest, up
+        to ``max_batch_sequences`` sequences and at least one call.
+
+        A group has waited since the round it was last served, or, when not served since it last had calls
+        waiting, since its oldest waiting call arrived; arrivals and serves count on one clock, so the groups take
+        turns and a stream of new groups cannot hold back one that was served before they arrived."""
         groups: dict[tuple[Any, ...], list[_Waiting]] = {}
-        for waiting in self._waiting:  # in arrival order: the first group holds the oldest call
+        for waiting in self._waiting:  # in arrival order: each group's first call is its oldest
             groups.setdefault(waiting.key, []).append(waiting)
-        key = min(groups, key=lambda k: self._served.get(k, -1))  # min keeps the first of equal ones
+        key = min(groups, key=lambda k: self._served.get(k, groups[k][0].arrival))  # every round is a new number
         self._served = {k: served for k, served in self._served.items() if k in groups}
         self._served[key] = next(self._rounds)
         batch, sequences = [], 0

@@ -329,6 +329,43 @@ def test_the_batch_cap_is_settable_and_one_caller_still_gets_whole_batches(hf_en
         TransformersEngine("never-loaded", max_batch_sequences=0)  # refused before loading
 
 
+def test_a_group_of_waiting_calls_is_not_starved_by_a_stream_of_new_groups(hf_engine, prompts,
+                                                                          monkeypatch) -> None:
+    """Twenty one-sample calls of one group wait under a cap of 4 sequences (5 batches), and before every batch a
+    call of a group never seen before arrives (a fresh temperature each: a new adapter version each step reads the
+    same): the waiting group still takes its turns, all 5 of its batches among the first 12, not after the
+    stream ends."""
+    engine, batches = hf_engine.engine, []
+    hf, loop = engine.sampler, hf_engine._loop
+    original = hf.continue_prompts
+    newcomers: list[asyncio.Future[SampleResult]] = []
+
+    def arrive() -> None:  # on the engine's loop: queued before the batch in decoding returns
+        params = SampleParams(1, temperature=1.0 + len(newcomers) / 100, seed=len(newcomers))
+        newcomers.append(loop.create_task(engine.sample(prompts[1], None, params)))
+
+    def recording(calls, adapter, temperature, *args, **kwargs):
+        batches.append(temperature)
+        if len(newcomers) < 30:
+            loop.call_soon_threadsafe(arrive)
+        return original(calls, adapter, temperature, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "continue_prompts", recording)
+    monkeypatch.setattr(engine, "max_batch_sequences", 4)
+    waiting = [(prompts[i % 3], None, SampleParams(1, temperature=0.5, seed=i)) for i in range(20)]
+
+    async def every() -> list[Any]:
+        results = await asyncio.gather(*(engine.sample(*r) for r in waiting))
+        while len(newcomers) < 30 or not all(task.done() for task in newcomers):
+            await asyncio.sleep(0.01)
+        return results
+
+    results = hf_engine.call(every())
+    assert len(results) == 20 and all(task.result().sequences for task in newcomers)
+    served = [i for i, temperature in enumerate(batches) if temperature == 0.5]
+    assert len(served) == 5 and served[-1] < 12, batches
+
+
 def test_unknown_adapter_fails_alone(hf_engine, prompts, lora_adapters, tmp_path) -> None:
     requests = mixed_requests(prompts, lora_adapters)[:6]
     requests.insert(3, (prompts[0], missing_adapter(tmp_path), SampleParams(4, seed=1)))
