@@ -129,6 +129,16 @@ class SamplingEngine(abc.ABC):
     def close(self) -> None:
         """Release the engine (processes, memory)."""
 
+    @staticmethod
+    def refuse_other_weights(known: AdapterHandle | None, handle: AdapterHandle) -> None:
+        """Refuse ``handle`` when its (run, version) already serves other weights (``known``: the handle it
+        serves, None when it serves nothing): an engine never serves two sets of weights under one version."""
+        if known is not None and (known.path, known.sha256) != (handle.path, handle.sha256):
+            raise ValueError(
+                f"adapter {handle.run or '-'}/v{handle.version} already serves {known.path} (sha {known.sha256}); "
+                "give every adapter version a new version number"
+            )
+
     def token_budget(self, prompt_token_ids: list[int], params: SampleParams) -> int:
         """``max_tokens`` cut so prompt plus output fit ``max_model_len``; refuses a prompt that cannot fit."""
         if not prompt_token_ids:
@@ -245,12 +255,7 @@ class VLLMEngine(SamplingEngine):
         from vllm.lora.request import LoRARequest
 
         key = (handle.run, handle.version)
-        known = self._handles.get(key)
-        if known is not None and (known.path, known.sha256) != (handle.path, handle.sha256):
-            raise ValueError(
-                f"adapter {handle.run or '-'}/v{handle.version} already serves {known.path} (sha {known.sha256}); "
-                "give every adapter version a new version number"
-            )
+        self.refuse_other_weights(self._handles.get(key), handle)
         lora_id = self._lora_ids.setdefault(key, next(self._next_lora_id))
         return LoRARequest(f"{handle.run + '/' if handle.run else ''}{handle.name}#{lora_id}", lora_id, handle.path)
 

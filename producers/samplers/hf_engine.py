@@ -90,6 +90,8 @@ class TransformersEngine(SamplingEngine):
         budget = self.token_budget(prompt_token_ids, params)
         if adapter is not None:
             adapter.check_folder()
+            if (adapter.run, adapter.version) not in self._serving:
+                await self.load_adapter(adapter)  # a refused adapter fails here, and its (run, version) stays free
             adapter = self._own(adapter)
         waiting = _Waiting(list(prompt_token_ids), adapter, params, budget, asyncio.get_running_loop().create_future(),
                            batch_key(adapter, params, self), next(self._rounds))
@@ -166,19 +168,25 @@ class TransformersEngine(SamplingEngine):
         """The sampler's handle of ``handle``'s (run, version): named by this engine; refused with other weights."""
         key = (handle.run, handle.version)
         known = self._serving.get(key)
+        self.refuse_other_weights(known, handle)
         if known is None:
             number = next(self._names)
             known = self._serving[key] = replace(handle, lora_int_id=number, name=f"lora{number}")
-        elif (known.path, known.sha256) != (handle.path, handle.sha256):
-            raise ValueError(
-                f"adapter {handle.run or '-'}/v{handle.version} already serves {known.path} (sha {known.sha256}); "
-                "give every adapter version a new version number"
-            )
         return known
 
     async def load_adapter(self, handle: AdapterHandle) -> None:
+        """Load ``handle`` under its own name; when the sampler refuses it, its (run, version) stays free for other
+        weights (concurrent loads of it share the entry, and fail alike)."""
         handle.check_folder()
-        await asyncio.to_thread(self.sampler.load_adapter, self._own(handle))
+        key = (handle.run, handle.version)
+        new = key not in self._serving
+        own = self._own(handle)
+        try:
+            await asyncio.to_thread(self.sampler.load_adapter, own)
+        except Exception:  # not on cancellation: the load goes on in its thread, and the entry names it
+            if new and self._serving.get(key) is own:
+                del self._serving[key]
+            raise
 
     async def unload_adapter(self, handle: AdapterHandle) -> None:
         """Free ``handle``'s (run, version) (a no-op when it is not loaded); a request still running with it loads

@@ -401,6 +401,32 @@ def test_two_runs_versions_of_one_number_are_two_adapters(hf_engine, prompts, lo
     assert sorted(loaded) == sorted(h.name for h in hf_engine.engine._serving.values())  # and not left loaded
 
 
+def wrong_shaped_copy(adapter: AdapterHandle, folder: Path) -> AdapterHandle:
+    """``adapter`` with every weight one row taller: peft puts its layers in, then refuses the weights."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter.path, folder)
+    weights = folder / "adapter_model.safetensors"
+    save_file({name: torch.zeros(t.shape[0] + 1, *t.shape[1:]) for name, t in load_file(weights).items()}, weights)
+    return dataclasses.replace(adapter, path=str(folder), sha256="sha-wrong")
+
+
+def test_a_version_whose_load_failed_loads_when_offered_again_with_its_good_weights(hf_engine, prompts,
+                                                                                   lora_adapters, tmp_path) -> None:
+    """A (run, version) the sampler refused is not taken: the same (run, version) with good weights loads after,
+    through ``load_adapter`` and through a first ``sample``."""
+    params = SampleParams(4, temperature=0.9, seed=5)
+    for run, offer in (("run-load", hf_engine.load_adapter), ("run-sample", lambda h: hf_engine.sample(prompts[0], h,
+                                                                                                        params))):
+        good = dataclasses.replace(lora_adapters[0], run=run)
+        with pytest.raises(ValueError, match="peft refused adapter"):
+            offer(wrong_shaped_copy(good, tmp_path / run))
+        offer(good)  # the same (run, version), the published weights
+        assert_same(hf_engine.sample(prompts[0], good, params), hf_engine.sample(prompts[0], lora_adapters[0], params),
+                    tol=1e-5)
+        hf_engine.unload_adapter(good)
+
+
 def test_samples_match_the_sampler_call_with_the_same_seed(hf_engine, prompts, lora_adapters) -> None:
     """``num_samples`` n seeded s draws what ``generate([p] * n, seed=s)`` draws; the facade keeps request seeds."""
     hf = hf_engine.engine.sampler
