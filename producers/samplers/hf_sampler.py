@@ -83,20 +83,26 @@ class TransformersSampler(Sampler):
             return
         if known is not None:
             raise ValueError(f"adapter name {handle.name} already serves {known.path}; give every version a new name")
+        import torch
         from peft import PeftModel
+        from safetensors import SafetensorError
 
         try:
             if self._peft is None:
                 self._peft = PeftModel.from_pretrained(self._base, handle.path, adapter_name=handle.name)
             else:
                 self._peft.load_adapter(handle.path, adapter_name=handle.name)
-        except (RuntimeError, ValueError, KeyError) as exc:
-            # peft puts an adapter's layers into the model before it loads their weights: take them out again
+        except Exception as exc:
+            # peft puts an adapter's layers into the model before it loads their weights: take them out again,
+            # whatever failed (an unreadable file, memory), or the model samples with them from now on
             if self._peft is None:
                 _strip_lora_layers(self._base)
             else:
                 with contextlib.suppress(ValueError, KeyError):
                     self._peft.delete_adapter(handle.name)
+            refused = (RuntimeError, ValueError, KeyError, SafetensorError)  # the weights themselves do not fit
+            if not isinstance(exc, refused) or isinstance(exc, torch.OutOfMemoryError):
+                raise
             reason = " ".join(str(exc).split())[:300]
             raise ValueError(f"peft refused adapter {handle.name} from {handle.path} ({reason}): sample only "
                              "adapters trained on this sampler's base model (model.base_model)") from exc

@@ -307,6 +307,31 @@ def test_an_adapter_of_another_base_model_is_refused_in_one_line_and_changes_not
                    sampler.generate(request, lora_adapters[1], seed=5)[0]) < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_an_adapter_whose_weights_cannot_be_read_leaves_no_layers_behind(
+    tiny_trained_dir, reference, prompts, lora_adapters, tmp_path, first
+) -> None:
+    """peft puts the adapter's layers in, then reading its weights file fails (here a folder in its place: an
+    ``OSError``): the error reaches the caller as it is, and the model samples as before it was offered."""
+    import shutil
+
+    unreadable = Path(shutil.copytree(lora_adapters[1].path, tmp_path / "unreadable"))
+    (unreadable / "adapter_model.safetensors").unlink()
+    (unreadable / "adapter_model.safetensors").mkdir()
+    sampler = TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
+    if not first:
+        sampler.load_adapter(lora_adapters[0])
+    with pytest.raises(OSError):
+        sampler.load_adapter(AdapterHandle.for_version(3, str(unreadable), "sha-u"))
+    assert not any("v3" in name for name, _ in sampler._base.named_modules()), "v3's layers are left in the model"
+    request = [SampleRequest(prompts[2], 6)]
+    for adapter in (None,) if first else (None, lora_adapters[0]):
+        assert max_gap(reference, adapter, prompts[2], sampler.generate(request, adapter, seed=5)[0]) < LOGPROB_TOL
+    sampler.load_adapter(lora_adapters[1])  # and the next good version loads and serves
+    assert max_gap(reference, lora_adapters[1], prompts[2],
+                   sampler.generate(request, lora_adapters[1], seed=5)[0]) < LOGPROB_TOL
+
+
 def test_run_sampler_loads_the_base_weights_in_model_dtype(tiny_trained_dir, prompts) -> None:
     from schemas.config import ModelConfig, RunConfig
 
