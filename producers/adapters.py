@@ -11,8 +11,10 @@ forward: the newest announced is the one loaded, never an older one announced la
 
 A version that does not load leaves the producer sampling the last good one,
 with one warning line: a pull that fails (a file missing or not matching its
-digest) is tried again after ``LOAD_RETRY_S``; a version it can never serve (not
-a LoRA adapter, trained on another base model, refused by the sampler) is not.
+digest) or a load that fails for a passing reason (the sampler short of memory, a
+cached file gone) is tried again after ``LOAD_RETRY_S``; a version it can never
+serve (not a LoRA adapter, trained on another base model, weights the sampler
+refuses: a ``ValueError``) is not.
 
 The cache is the producer's own folder (``$RLPIPE_HOME/adapter-cache/<producer_id>``):
 a version evicted from the sampler is deleted from it once no running group
@@ -84,7 +86,7 @@ class KafkaAdapterEvents:
         self.follower.close()
 
 
-LOAD_RETRY_S = 10.0  # a version whose pull failed (damaged, not yet readable) is tried again after this
+LOAD_RETRY_S = 10.0  # a version whose pull or load failed for a passing reason is tried again after this
 
 
 class RefusedVersion(ValueError):
@@ -145,9 +147,10 @@ class AdapterWatcher:
     def load(self, version: int) -> AdapterHandle | None:
         """Pull, verify and load ``version``; on failure keep serving the current one (and say so in one line).
 
-        A pull that fails (a file missing or damaged, the store unreachable) is tried again after
-        ``LOAD_RETRY_S``; a version this producer can never serve (another artifact kind, another base model,
-        weights the sampler refuses) is not tried again.
+        A pull that fails (a file missing or damaged, the store unreachable) or a load that fails for a passing
+        reason (``OSError``, ``RuntimeError``: out of memory) is tried again after ``LOAD_RETRY_S``; a version
+        this producer can never serve (another artifact kind, another base model, weights the sampler refuses
+        with a ``ValueError``) is not tried again.
         """
         try:
             self.check_servable(version)
@@ -162,11 +165,14 @@ class AdapterWatcher:
                                path=str(folder), sha256=sha)
         try:
             self.sampler.load_adapter(handle)
-        except (OSError, ValueError, RuntimeError) as exc:  # vLLM's and peft's refusals of weights they cannot serve
+        except (OSError, ValueError, RuntimeError) as exc:
             with contextlib.suppress(OSError, ValueError, RuntimeError):
                 self.sampler.unload_adapter(handle)  # whatever part of it the sampler took
             shutil.rmtree(folder, ignore_errors=True)
-            return self.failed(version, "the sampler refused", str(exc), retry=False)
+            if isinstance(exc, ValueError):  # vLLM's and peft's refusals of the weights: for good
+                return self.failed(version, "the sampler refused", str(exc), retry=False)
+            # short of memory, a file gone from the cache: pulled and loaded again after LOAD_RETRY_S
+            return self.failed(version, "the sampler could not load", str(exc), retry=True)
         self.loaded.append(handle)
         log.info("serving adapter v%d (%s, sha256 %s...)", version, handle.name, sha[:12])
         while len(self.loaded) > self.max_loaded:

@@ -24,7 +24,7 @@ from pipeline.io.bus import EventPublisher
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import Announcer
-from producers.adapters import AdapterWatcher, KafkaAdapterEvents, sweep_dead_process_caches
+from producers.adapters import LOAD_RETRY_S, AdapterWatcher, KafkaAdapterEvents, sweep_dead_process_caches
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
 from schemas.config import BusConfig
 from schemas.events import AdapterPublished
@@ -325,6 +325,42 @@ def test_a_version_the_sampler_refuses_keeps_the_loaded_one_serving(memory_store
     refusal = [r.getMessage() for r in caplog.records if "v2" in r.getMessage()]
     assert len(refusal) == 1 and "shapes do not match" in refusal[0] and "\n" not in refusal[0]
     assert not (tmp_path / "cache" / "r1" / "v000002").exists()  # a refused version leaves no folder behind
+
+
+class FailingOnceRecorder(LoadRecorder):
+    """A sampler whose first load of each version fails with ``error`` (short of memory, a folder gone missing)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error, self.tried = error, set()
+
+    def load_adapter(self, handle: AdapterHandle) -> None:
+        if handle.version not in self.tried:
+            self.tried.add(handle.version)
+            raise self.error
+        super().load_adapter(handle)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"),
+                                   FileNotFoundError("no adapter_config.json in the cache folder")])
+def test_a_version_the_sampler_failed_to_load_for_a_passing_reason_is_tried_again(
+    memory_store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture, error: Exception
+) -> None:
+    """Only a refusal of the weights (ValueError) is for good: a load that failed for want of memory or a file is
+    tried again after ``LOAD_RETRY_S``, with one warning, and then serves."""
+    registry = AdapterRegistry(memory_store, "r1")
+    publish_versions(registry, tmp_path, ["tiny"])
+    sampler = FailingOnceRecorder(error)
+    watcher = AdapterWatcher(registry, sampler, tmp_path / "cache", max_loaded=2, registry_poll_s=3600,
+                             base_models={"tiny"})
+    with caplog.at_level("WARNING", logger="rlpipe.producer"):
+        refresh_now(watcher)
+        refresh_now(watcher)  # before LOAD_RETRY_S: not tried again
+    assert watcher.current() is None and watcher.load_failures == 1
+    assert len([r for r in caplog.records if "v1" in r.getMessage() and str(error) in r.getMessage()]) == 1
+    watcher.failed_at[1] -= LOAD_RETRY_S  # the retry interval has passed
+    refresh_now(watcher)
+    assert watcher.current().version == 1 and [h.version for h in sampler.loaded] == [1]  # type: ignore[union-attr]
 
 
 def test_a_version_of_another_base_model_is_refused_before_it_is_pulled(memory_store: ObjectStore, tmp_path: Path,
