@@ -43,6 +43,7 @@ from typing import Protocol
 from pipeline.io.bus import EventFollower
 from pipeline.io.registry import AdapterRegistry, RegistryError
 from producers.samplers.base import AdapterHandle, Sampler
+from producers.tiny_model import tiny_build
 from schemas.config import BusConfig
 from schemas.events import AdapterPublished
 
@@ -107,7 +108,8 @@ class AdapterWatcher:
         base_models: Collection[str] | None = None,
     ) -> None:
         """``base_models``: what a manifest may name as its base model for this producer to serve it (the
-        learner records ``model.base_model``, or the tiny model's folder); None serves any base model."""
+        learner records ``model.base_model``, or the tiny model's folder: any folder of the same build fits,
+        ``serves_base_model``); None serves any base model."""
         self.base_models = None if base_models is None else frozenset(base_models)
         self.registry, self.sampler, self.cache_dir = registry, sampler, Path(cache_dir)
         self.max_loaded, self.events, self.registry_poll_s = max_loaded, events, registry_poll_s
@@ -187,7 +189,7 @@ class AdapterWatcher:
         if manifest.kind != "lora":
             raise RefusedVersion(f"it is a {manifest.kind}, not a LoRA adapter; point the producer at a run "
                                  "that publishes adapters")
-        if self.base_models is not None and manifest.base_model not in self.base_models:
+        if self.base_models is not None and not serves_base_model(manifest.base_model, self.base_models):
             raise RefusedVersion(
                 f"it was trained on {manifest.base_model}, not on this producer's base model "
                 f"({' / '.join(sorted(self.base_models))}); give the producer and the learner one model.base_model"
@@ -228,6 +230,15 @@ class AdapterWatcher:
         shutil.rmtree(self.cache_dir / self.registry.run_id, ignore_errors=True)
         with contextlib.suppress(OSError):  # another run's versions are still there, or it is gone already
             self.cache_dir.rmdir()
+
+
+def serves_base_model(name: str, base_models: Collection[str]) -> bool:
+    """Whether a version trained on ``name`` (its manifest's base model) fits one of ``base_models``: the same
+    name, or, for the tiny model, whose folder differs between machines, the same build (``tiny_build``)."""
+    if name in base_models:
+        return True
+    build = tiny_build(name)
+    return build is not None and any(tiny_build(model) == build for model in base_models)
 
 
 def sweep_dead_process_caches(cache_root: str | Path, host: str) -> list[Path]:

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import time
 import uuid
@@ -129,6 +130,17 @@ def read_marker(folder: str | Path) -> dict[str, Any] | None:
         return json.loads((Path(folder) / MARKER_FILE).read_text())
     except (OSError, ValueError):
         return None
+
+
+def tiny_build(name: str) -> str | None:
+    """The spec hash of the tiny model in folder ``name``: from its marker when the folder is here, else from the
+    name of a default folder (``tiny-<hash>``, as a learner under another $RLPIPE_HOME records it); None when
+    ``name`` is no tiny model's folder.  Two folders of one hash hold the same build."""
+    marker = read_marker(name)
+    if marker is not None and marker.get("spec_hash"):
+        return str(marker["spec_hash"])
+    found = re.fullmatch(r"tiny-([0-9a-f]{16})", Path(name).name)
+    return found[1] if found else None
 
 
 def _marker_matches(folder: Path, key: str) -> bool:

@@ -384,6 +384,32 @@ def test_a_version_of_another_base_model_is_refused_before_it_is_pulled(memory_s
     assert sorted(p.name for p in (tmp_path / "cache" / "r1").iterdir()) == ["v000001"]
 
 
+def test_a_tiny_model_version_is_served_by_its_build_not_by_the_folder_the_learner_kept_it_in(
+    memory_store: ObjectStore, tmp_path: Path
+) -> None:
+    """The learner records the tiny model's folder under its own RLPIPE_HOME (or its tiny_dir): the producer
+    serves it when its own tiny model is the same build (the spec hash of its marker, or of a default folder's
+    name ``tiny-<hash>``), and refuses another build's."""
+    from producers.tiny_model import MARKER_FILE
+
+    ours = tmp_path / "producer-home" / "models" / "my-tiny"  # a configured tiny_dir, built here
+    ours.mkdir(parents=True)
+    (ours / MARKER_FILE).write_text(json.dumps({"spec_hash": "0123456789abcdef"}))
+    other_build = tmp_path / "other" / "tiny-model"  # readable here, built from other parameters
+    other_build.mkdir(parents=True)
+    (other_build / MARKER_FILE).write_text(json.dumps({"spec_hash": "fedcba9876543210"}))
+    registry = AdapterRegistry(memory_store, "r1")
+    publish_versions(registry, tmp_path, ["/learner-home/models/tiny-0123456789abcdef",  # same build, elsewhere
+                                          "/learner-home/models/tiny-fedcba9876543210", str(other_build),
+                                          "/learner-home/models/Qwen3-8B"])
+    sampler = LoadRecorder()
+    watcher = AdapterWatcher(registry, sampler, tmp_path / "cache", max_loaded=4, registry_poll_s=3600,
+                             base_models={"tiny", str(ours)})
+    for version in (1, 2, 3, 4):
+        watcher.load(version)
+    assert [h.version for h in sampler.loaded] == [1] and watcher.load_failures == 3
+
+
 @pytest.mark.parametrize("damage", ["missing file", "other bytes"])
 def test_a_version_with_damaged_files_keeps_the_loaded_one_serving(memory_store: ObjectStore, tmp_path: Path,
                                                                    damage: str) -> None:
