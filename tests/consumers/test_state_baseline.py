@@ -239,48 +239,30 @@ def test_a_step_where_every_turn_reaches_the_limit_alike_has_nothing_to_teach():
     assert np.abs(out).max() < 1e-3
 
 
-def test_a_small_step_whose_bootstrapped_baseline_leaves_the_reachable_range_keeps_the_plain_fit():
-    # ten rows, three cut episodes and fifteen features: the fixed point of the bootstrapped fit is ill-conditioned
-    # here and put |V| far past max|r| / (1 - discount), the largest value any state can have
-    states = [[1.4, 0.6], [2.0, 1.0], [0.4, -1.1], [0.0, 1.0], [-1.2, 0.0], [0.1, 0.8], [0.0, -1.0], [0.0, -2.0],
-              [-1.0, 0.0], [0.0, 0.0]]
-    rewards = [[1.0], [1.0], [0.0], [0.0], [1.0], [0.0], [0.0], [0.0], [0.0], [0.0]]
-    episodes, turns = [0, 0, 1, 1, 1, 1, 1, 2, 2, 2], [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]
-    discount, lam = 0.9, 0.5
-    out = state_baseline_gae(states, rewards, episodes, turns, [False] * 10, discount, lam)
-    values = fitted_values(np.asarray(states), np.concatenate([
-        discounted_returns([1.0, 1.0], discount), discounted_returns([0.0, 0.0, 1.0, 0.0, 0.0], discount),
-        discounted_returns([0.0, 0.0, 0.0], discount)]))
-    expected = np.concatenate([
-        episode_gae([1.0, 1.0], values[0:2].tolist(), float(values[1]), discount, lam),
-        episode_gae([0.0, 0.0, 1.0, 0.0, 0.0], values[2:7].tolist(), float(values[6]), discount, lam),
-        episode_gae([0.0, 0.0, 0.0], values[7:10].tolist(), float(values[9]), discount, lam)])
-    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-12)
-    assert np.abs(out).max() < 2 / (1 - discount)
+# ten rows of three episodes, all cut by the limit, on a state of two numbers (six features)
+SMALL_STATES = [[1.4, 0.6], [2.0, 1.0], [0.4, -1.1], [0.0, 1.0], [-1.2, 0.0], [0.1, 0.8], [0.0, -1.0], [0.0, -2.0],
+                [-1.0, 0.0], [0.0, 0.0]]
+SMALL_REWARDS = [[1.0, 1.0], [0.0, 0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # per episode
 
 
-def test_a_bootstrapped_baseline_of_the_wrong_sign_keeps_the_plain_fit():
-    # the step above at discount 0.99: the fixed point puts every value near -50, inside |V| <= max|r| / (1 - discount)
-    # = 100 but below 0, which no state can be worth when no reward is negative
-    states = [[1.4, 0.6], [2.0, 1.0], [0.4, -1.1], [0.0, 1.0], [-1.2, 0.0], [0.1, 0.8], [0.0, -1.0], [0.0, -2.0],
-              [-1.0, 0.0], [0.0, 0.0]]
-    rewards = [[1.0], [1.0], [0.0], [0.0], [1.0], [0.0], [0.0], [0.0], [0.0], [0.0]]
-    episodes, turns = [0, 0, 1, 1, 1, 1, 1, 2, 2, 2], [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]
-    discount, lam = 0.99, 0.5
-    cut = np.zeros(10)
-    cut[[0, 1]], cut[2:7], cut[7:10] = discount ** np.arange(2, 0, -1), discount ** np.arange(5, 0, -1), \
-        discount ** np.arange(3, 0, -1)
-    last = np.array([1, 1, 6, 6, 6, 6, 6, 9, 9, 9])
-    returns = np.concatenate([discounted_returns([1.0, 1.0], discount),
-                              discounted_returns([0.0, 0.0, 1.0, 0.0, 0.0], discount),
-                              discounted_returns([0.0, 0.0, 0.0], discount)])
-    assert bootstrapped_values(np.asarray(states), returns, cut, last).max() < 0  # the fault this step shows
-    out = state_baseline_gae(states, rewards, episodes, turns, [False] * 10, discount, lam)
-    values = fitted_values(np.asarray(states), returns)
-    expected = np.concatenate([
-        episode_gae([1.0, 1.0], values[0:2].tolist(), float(values[1]), discount, lam),
-        episode_gae([0.0, 0.0, 1.0, 0.0, 0.0], values[2:7].tolist(), float(values[6]), discount, lam),
-        episode_gae([0.0, 0.0, 0.0], values[7:10].tolist(), float(values[9]), discount, lam)])
+@pytest.mark.parametrize("discount", [0.9, 0.99])
+def test_a_small_step_whose_bootstrapped_baseline_is_out_of_reach_keeps_the_plain_fit(discount):
+    """The fixed point of this step's bootstrapped fit is ill-conditioned: at discount 0.9 it puts values up to
+    about 180, past the 10 any state can be worth with rewards of 0 and 1; at 0.99 about -50, below 0, which no
+    state can be worth when no reward is negative.  Either way the plain fit of the returns to the cut is used."""
+    rewards = [[r] for episode in SMALL_REWARDS for r in episode]
+    episodes = [e for e, episode in enumerate(SMALL_REWARDS) for _ in episode]
+    turns = [t for episode in SMALL_REWARDS for t in range(len(episode))]
+    lam, rows, cut, last = 0.5, np.cumsum([0] + [len(e) for e in SMALL_REWARDS]), np.zeros(10), np.zeros(10, int)
+    for first, end in itertools.pairwise(rows):
+        cut[first:end], last[first:end] = discount ** np.arange(end - first, 0, -1), end - 1
+    returns = np.concatenate([discounted_returns(episode, discount) for episode in SMALL_REWARDS])
+    fixed_point = bootstrapped_values(np.asarray(SMALL_STATES), returns, cut, last)
+    assert fixed_point.max() > 12 if discount == 0.9 else fixed_point.max() < -25  # the fault this step shows
+    out = state_baseline_gae(SMALL_STATES, rewards, episodes, turns, [False] * 10, discount, lam)
+    values = fitted_values(np.asarray(SMALL_STATES), returns)
+    expected = np.concatenate([episode_gae(episode, values[first:end].tolist(), float(values[end - 1]), discount, lam)
+                               for episode, first, end in zip(SMALL_REWARDS, rows[:-1], rows[1:], strict=True)])
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-12)
 
 

@@ -299,10 +299,16 @@ def test_an_adapter_of_another_base_model_is_refused_in_one_line_and_changes_not
     with pytest.raises(ValueError, match=r"peft refused adapter v3 .*size mismatch.*model\.base_model") as refused:
         sampler.load_adapter(wrong)
     assert "\n" not in str(refused.value)
+    assert_samples_as_before(sampler, reference, prompts, lora_adapters, first)
+
+
+def assert_samples_as_before(sampler: TransformersSampler, reference, prompts, lora_adapters, first: bool) -> None:
+    """The base model (and, unless ``first``, version 1) sample as the reference does after a refused adapter, and
+    the next good version loads and serves."""
     request = [SampleRequest(prompts[2], 6)]
     for adapter in (None,) if first else (None, lora_adapters[0]):
         assert max_gap(reference, adapter, prompts[2], sampler.generate(request, adapter, seed=5)[0]) < LOGPROB_TOL
-    sampler.load_adapter(lora_adapters[1])  # and the next good version loads and serves
+    sampler.load_adapter(lora_adapters[1])
     assert max_gap(reference, lora_adapters[1], prompts[2],
                    sampler.generate(request, lora_adapters[1], seed=5)[0]) < LOGPROB_TOL
 
@@ -324,12 +330,7 @@ def test_an_adapter_whose_weights_cannot_be_read_leaves_no_layers_behind(
     with pytest.raises(OSError):
         sampler.load_adapter(AdapterHandle.for_version(3, str(unreadable), "sha-u"))
     assert not any("v3" in name for name, _ in sampler._base.named_modules()), "v3's layers are left in the model"
-    request = [SampleRequest(prompts[2], 6)]
-    for adapter in (None,) if first else (None, lora_adapters[0]):
-        assert max_gap(reference, adapter, prompts[2], sampler.generate(request, adapter, seed=5)[0]) < LOGPROB_TOL
-    sampler.load_adapter(lora_adapters[1])  # and the next good version loads and serves
-    assert max_gap(reference, lora_adapters[1], prompts[2],
-                   sampler.generate(request, lora_adapters[1], seed=5)[0]) < LOGPROB_TOL
+    assert_samples_as_before(sampler, reference, prompts, lora_adapters, first)
 
 
 def test_run_sampler_loads_the_base_weights_in_model_dtype(tiny_trained_dir, prompts) -> None:
