@@ -145,12 +145,14 @@ def state_baseline_gae(
             cut_weight_R[rows] = discount ** np.arange(len(rows), 0, -1)
             last_row_R[rows] = rows[-1]
     states_RS = np.asarray(states_R, dtype=np.float64)
-    try:
-        values_R = _reachable(bootstrapped_values(states_RS, targets_R, cut_weight_R, last_row_R), rewards_R,
-                              discount)
-    except np.linalg.LinAlgError:
-        values_R = None
-    if values_R is None:  # an ill-conditioned fixed point (a few rows, many features): the plain fit
+    values_R = None
+    if cut_weight_R.any():
+        try:
+            values_R = _reachable(bootstrapped_values(states_RS, targets_R, cut_weight_R, last_row_R), rewards_R,
+                                  discount)
+        except np.linalg.LinAlgError:
+            values_R = None
+    if values_R is None:  # nothing cut, or an ill-conditioned fixed point (a few rows, many features): the plain fit
         values_R = fitted_values(states_RS, targets_R)
     out_R = np.zeros(len(states_R), dtype=np.float64)
     for rows in episodes:
