@@ -127,7 +127,6 @@ def refuse_case_twin(store: ObjectStore, run_id: str, flag: str = "--run ") -> N
                              f"case-sensitive; name it {flag}{twin}")
 
 
-
 def new_run_note(store: ObjectStore, run_id: str) -> str | None:
     """For a process started on a run (``learner start``, ``producer start``): one line saying that ``run_id`` is
     not in the store and starts as a new run, naming a stored run whose id is close to it (a typo starts a new
@@ -137,7 +136,8 @@ def new_run_note(store: ObjectStore, run_id: str) -> str | None:
         return None
     close = difflib.get_close_matches(run_id, stored, n=1, cutoff=0.8)
     hint = f"; did you mean {close[0]}?" if close else " (rlpipe runs list shows the stored runs)"
-    return f"run {run_id} is not in {store.root}: a new run {run_id} is created{hint}"
+    return f"run {run_id} is not in {store.root}; it starts as a new run{hint}"
+
 
 def refuse_new_run_case_twin(store: ObjectStore, run_id: str) -> None:
     """Raise ``RunIdCaseError`` when ``run_id``, a run being created (or filled by a command of its own), is not

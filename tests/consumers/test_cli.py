@@ -31,7 +31,6 @@ def test_learner_start_takes_the_run_as_run(monkeypatch) -> None:
     assert started[0].run_id == "mine" and started[0].env.name == "cartpole"
 
 
-
 def test_learner_start_says_a_run_is_new_and_names_a_stored_run_close_to_it(monkeypatch, tmp_path) -> None:
     """The learner creates the run it is named; a typo of a stored run's id would start a new run quietly."""
     import consumers.service
@@ -50,6 +49,7 @@ def test_learner_start_says_a_run_is_new_and_names_a_stored_run_close_to_it(monk
     assert len(note) == 1 and "new run" in note[0] and "did you mean cartpole-exp?" in note[0], typo.stderr
     stored = runner.invoke(app, ["--preset", "cartpole", "--run", "cartpole-exp"])
     assert stored.exit_code == 0 and "new run" not in stored.stderr, stored.stderr
+
 
 def test_replay_of_a_run_with_no_batches_is_refused_and_writes_nothing(tmp_path, monkeypatch) -> None:
     from pipeline.io.store import ObjectStore

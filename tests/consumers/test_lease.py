@@ -121,14 +121,19 @@ def test_a_restarted_learner_resumes_under_a_new_epoch(store, setup):
     assert restarted.state.step == 2 and AdapterRegistry(store, RUN).versions() == [1, 2]
 
 
-def test_a_fenced_learner_exits_with_one_line(monkeypatch):
+def test_a_fenced_learner_exits_with_one_line(monkeypatch, tmp_path):
     from consumers import cli, service
+    from pipeline.runtime import create_run
+
+    stored = ObjectStore((tmp_path / "store").as_uri())
+    create_run(stored, RunConfig(run_id=RUN), "tiny")  # a stored run's start says nothing before the error
 
     def fenced(*args, **kwargs):
         raise LeaseLostError(f"run {RUN} has a newer learner: pod-b (epoch 2, since 2026-01-01T00:00:00+00:00); "
                              "this learner (pod-a, epoch 1) stops without committing; run one learner per run")
 
     monkeypatch.setattr(service, "run_learner", fenced)
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", stored.root)
     result = CliRunner().invoke(cli.app, ["--set", f"run_id={RUN}"])  # the group's only command
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [f"error: run {RUN} has a newer learner: pod-b (epoch 2, since "
