@@ -180,6 +180,6 @@ def test_an_engine_whose_former_groups_offsets_cannot_be_adopted_starts_and_says
     with caplog.at_level(logging.WARNING, logger="pipeline.api.engines"):
         reader = engines.engine_reader(bus_config, "trainer", "/models/base/tiny")
     reader.close()
-    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "pipeline.api.engines"]
     assert engines._unnamespaced_group("trainer", "/models/base/tiny") in warning.getMessage()
     assert "GroupAuthorizationFailedError" in warning.getMessage()
