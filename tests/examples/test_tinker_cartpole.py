@@ -6,9 +6,6 @@ The loop itself runs against a real server in ``tests/integration/test_tinker_sa
 from __future__ import annotations
 
 import argparse
-import http.server
-import socket
-import threading
 
 import numpy as np
 import pytest
@@ -160,7 +157,6 @@ class Service:
 
 
 def bounded_loop(loop, bound, floor=0.0):
-    import argparse
 
     from tinker import types
 
@@ -197,37 +193,3 @@ def test_a_step_above_the_kl_bound_is_taken_again_shorter_from_the_state_before_
 def test_held_out_intervals_use_students_t(loop, dof, exact):
     # exact: the t table's two-sided 95% values; a normal 1.96 would be 4% narrow at 31 degrees of freedom
     assert loop.t_95(dof) == pytest.approx(exact, rel=2e-3)
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def test_no_server_at_the_base_url_is_one_line_naming_rlpipe_serve() -> None:
-    """The SDK retries a refused connection without a word: the loop asks once and says what to start."""
-    port = _closed_port()
-    args = argparse.Namespace(base_url=f"http://127.0.0.1:{port}", base_model="tiny", rank=4, train_unembed=False,
-                              seed=0)
-    with example_module("tinker_cartpole") as module, pytest.raises(SystemExit) as stopped:
-        module.connect(args)
-    message = str(stopped.value.code)
-    assert "\n" not in message and f"127.0.0.1:{port}" in message and "rlpipe serve --port" in message, message
-
-
-def test_an_sdk_refusal_at_the_start_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """No API key: the SDK's own message, as one line instead of a traceback."""
-    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.delenv("TINKER_API_KEY", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no key stored by `tinker auth login` either
-    args = argparse.Namespace(base_url=f"http://127.0.0.1:{server.server_port}", base_model="tiny", rank=4,
-                              train_unembed=False, seed=0)
-    try:
-        with example_module("tinker_cartpole") as module, pytest.raises(SystemExit) as stopped:
-            module.connect(args)
-    finally:
-        server.shutdown()
-    message = str(stopped.value.code)
-    assert "\n" not in message and "TINKER_API_KEY" in message, message

@@ -1,7 +1,7 @@
-"""The text-to-SQL SDK loop's start (``examples/tinker_text2sql.py``): a server that is not there, or that refuses,
-is one line naming the fix.
+"""The SDK loops' start (``connect`` in ``examples/tinker_cartpole.py`` and ``examples/tinker_text2sql.py``): a
+server that is not there, or that refuses, is one line naming the fix.
 
-The loop itself runs against a real server in ``tests/integration/test_tinker_sampling.py``.
+The loops themselves run against a real server in ``tests/integration/test_tinker_sampling.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import pytest
 
 from tests.examples import example_module
 
+EXAMPLES = ["tinker_cartpole", "tinker_text2sql"]
+
 
 def _closed_port() -> int:
     with socket.socket() as probe:
@@ -23,26 +25,29 @@ def _closed_port() -> int:
 
 
 def _args(base_url: str) -> argparse.Namespace:
-    return argparse.Namespace(base_url=base_url, base_model="tiny", rank=4, tasks=None, seed=0)
+    """The options either loop's ``connect`` reads."""
+    return argparse.Namespace(base_url=base_url, base_model="tiny", rank=4, train_unembed=False, tasks=None, seed=0)
 
 
-def test_no_server_at_the_base_url_is_one_line_naming_rlpipe_serve() -> None:
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_no_server_at_the_base_url_is_one_line_naming_rlpipe_serve(example: str) -> None:
     """The SDK retries a refused connection without a word: the loop asks once and says what to start."""
     port = _closed_port()
-    with example_module("tinker_text2sql") as module, pytest.raises(SystemExit) as stopped:
+    with example_module(example) as module, pytest.raises(SystemExit) as stopped:
         module.connect(_args(f"http://127.0.0.1:{port}"))
     message = str(stopped.value.code)
     assert "\n" not in message and f"127.0.0.1:{port}" in message and "rlpipe serve --port" in message, message
 
 
-def test_an_sdk_refusal_at_the_start_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_an_sdk_refusal_at_the_start_is_one_line(example: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """No API key: the SDK's own message, as one line instead of a traceback."""
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no key stored by `tinker auth login` either
     try:
-        with example_module("tinker_text2sql") as module, pytest.raises(SystemExit) as stopped:
+        with example_module(example) as module, pytest.raises(SystemExit) as stopped:
             module.connect(_args(f"http://127.0.0.1:{server.server_port}"))
     finally:
         server.shutdown()
