@@ -34,7 +34,7 @@ from pipeline.cli.common import (
 )
 from pipeline.devstack.gcs_emulator import probe_endpoint
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry, version_folder
-from pipeline.io.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError
+from pipeline.io.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError, remote_failures
 from pipeline.runtime import RunIdCaseError, refuse_case_twin
 from schemas.names import InvalidNameError
 from schemas.registry import AdapterManifest, ManifestError
@@ -133,17 +133,8 @@ def _errors() -> Iterator[None]:
         fail(str(exc), EXIT_USAGE)
     except (ChecksumError, ManifestError, SchemaVersionError) as exc:
         fail(str(exc), EXIT_FAILURE)
-    except (OSError, RuntimeError, ValueError, *_remote_failures()) as exc:  # a store or network failure: one line
+    except (OSError, RuntimeError, ValueError, *remote_failures()) as exc:  # a store or network failure: one line
         fail(f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__, EXIT_FAILURE)
-
-
-def _remote_failures() -> tuple[type[Exception], ...]:
-    """What gcsfs raises besides ``OSError`` (imported only once something failed: gcsfs is slow to import)."""
-    from aiohttp import ClientError
-    from gcsfs.retry import HttpError
-    from google.auth.exceptions import GoogleAuthError
-
-    return HttpError, GoogleAuthError, ClientError
 
 
 def _registry(run: str, root: str | None, gcs_endpoint: str | None) -> AdapterRegistry:

@@ -59,6 +59,7 @@ from pipeline.devstack.stack import (
 )
 from pipeline.io.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, list_topics, tail
 from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import remote_failures
 from pipeline.membership import announce_membership
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
 from schemas.config import RunConfig, step_budget
@@ -417,7 +418,7 @@ class Launcher:
         try:
             with EventPublisher(self.bus) as publisher:
                 self.announce_stops(publisher, codes, interrupted)
-        except (BusError, OSError) as exc:  # OSError: a local store's disk, or a GCS endpoint that does not answer
+        except (BusError, OSError, *remote_failures()) as exc:  # the store's disk, or its GCS endpoint
             log.error("could not announce RunStopped for %s: %s; the processes are stopped, and `rlpipe runs stop "
                       "--run RUN` announces it once the store and the broker answer",
                       ", ".join(c.run_id for c in self.configs if c.run_id not in self.stopped), error_line(exc))

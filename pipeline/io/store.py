@@ -61,6 +61,16 @@ _GCS_SIMPLE_UPLOAD_MIN = 50 * 2**20  # gcsfs's default chunk size: below it, upl
 _CHECK_THEN_WRITE_LOCK = threading.Lock()
 
 
+def remote_failures() -> tuple[type[Exception], ...]:
+    """What a ``gs://`` store raises besides ``OSError`` when its endpoint refuses or fails (gcsfs's HttpError, an
+    auth error, aiohttp's client errors); imported only once something failed, gcsfs being slow to import."""
+    from aiohttp import ClientError
+    from gcsfs.retry import HttpError
+    from google.auth.exceptions import GoogleAuthError
+
+    return HttpError, GoogleAuthError, ClientError
+
+
 class StoreURLError(ValueError):
     """The store root URL (or its options) cannot be used."""
 

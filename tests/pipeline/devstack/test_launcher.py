@@ -492,3 +492,23 @@ def test_a_final_stop_the_store_cannot_keep_is_one_line_naming_runs_stop(
         assert fake.announce_final_stops({"learner": 0}, interrupted=True) is False
     (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert "RunStopped" in error and "for a:" in error and "rlpipe runs stop --run" in error and "\n" not in error
+
+
+def test_a_final_stop_a_gcs_endpoint_refuses_is_one_line_naming_runs_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A GCS endpoint that answers with an error status fails the store's write with gcsfs's HttpError, which is
+    no OSError: it too ends in one line naming `rlpipe runs stop`."""
+    from gcsfs.retry import HttpError
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise HttpError({"code": 503, "message": "Service Unavailable"})
+
+    fake = packed_launcher(tmp_path / "store", {"a": 3})
+    fake.bus = fake.config.bus
+    monkeypatch.setattr(launcher, "EventPublisher", PublisherStub)
+    monkeypatch.setattr("pipeline.io.store.ObjectStore.put", refused)
+    monkeypatch.setattr("pipeline.io.store.ObjectStore.put_create", refused, raising=False)
+    with caplog.at_level(logging.ERROR, logger="rlpipe.run"):
+        assert fake.announce_final_stops({"learner": 0}, interrupted=True) is False
+    (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "RunStopped" in error and "Service Unavailable" in error and "rlpipe runs stop --run" in error
