@@ -156,7 +156,7 @@ class AdapterWatcher:
         """
         try:
             self.check_servable(version)
-            folder = self.registry.pull(version, self.cache_dir, kind="lora")
+            folder = self.registry.pull(version, self.cache_dir)  # check_servable read its kind
             sha = self.registry.adapter_sha256(version)
         except RefusedVersion as exc:
             return self.failed(version, "refused", str(exc), retry=False)

@@ -434,7 +434,7 @@ class Gateway:
         self.publish(make_event(model_run_name(model_id), call), model_id)
 
     def prepare_sample(self, tenant: str, sampling_session_id: str, seq_id: int | None,
-                       body: bytes, prompt_tokens: int | None = None) -> ApiRequestAccepted:
+                       body: bytes, prompt_tokens: int) -> ApiRequestAccepted:
         """The checks and the stored body of a ``sample`` call: its event, not yet on the log.
 
         ``BusyError`` when the base model's sampler queue is full, or the tenant holds its share of it
@@ -447,9 +447,8 @@ class Gateway:
         if seq_id is not None:
             check_seq("seq_id", seq_id, 0, "the tinker SDK's SamplingClient")
         base_model = record["base_model"]
-        context = self.served(base_model).max_context_length  # (no sampler reads a model no longer served)
-        if prompt_tokens is not None:
-            check_prompt_fits(base_model, context, prompt_tokens)
+        # served() refuses a base model no longer served here: no sampler would ever read the call
+        check_prompt_fits(base_model, self.served(base_model).max_context_length, prompt_tokens)
         return store_sample_call(self.store, self.samples, tenant, sampling_session_id, seq_id, base_model, body)
 
     # ---- checkpoints (RestClient; ``pipeline.api.checkpoints``) ---------------------------------------------

@@ -356,7 +356,8 @@ def test_a_call_handed_over_directly_runs_once_though_the_log_brings_it_too(harn
     """The direct path answers once the result is stored; the log's copy, in flight or later, samples nothing more."""
     sampler_id = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
     body = _request([], seed=5, num_samples=1).model_copy(update={"sampling_session_id": sampler_id, "seq_id": 0})
-    call = harness.gateway.prepare_sample(TENANT, sampler_id, 0, body.model_dump_json().encode())  # not on the log
+    call = harness.gateway.prepare_sample(TENANT, sampler_id, 0, body.model_dump_json().encode(),
+                                           body.prompt.length)  # not on the log
     sampled = []
     engine_sample = harness.engine.sample
 
@@ -380,7 +381,8 @@ def test_a_call_handed_over_directly_runs_once_though_the_log_brings_it_too(harn
     asyncio.run(scenario())
     assert len(sampled) == 1
 
-    other = harness.gateway.prepare_sample(TENANT, sampler_id, 1, body.model_dump_json().encode())
+    other = harness.gateway.prepare_sample(TENANT, sampler_id, 1, body.model_dump_json().encode(),
+                                           body.prompt.length)
     forged = other.model_copy(update={"tenant": "t-bob"})  # another tenant naming this (cached) session
 
     async def refused() -> None:
@@ -397,7 +399,8 @@ def test_a_call_that_failed_is_not_sampled_again_when_the_log_brings_it(harness)
     """A client told of a failure never later finds a success under the same request id."""
     sampler_id = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
     body = _request([], seed=5, num_samples=1).model_copy(update={"sampling_session_id": sampler_id, "seq_id": 0})
-    call = harness.gateway.prepare_sample(TENANT, sampler_id, 0, body.model_dump_json().encode())
+    call = harness.gateway.prepare_sample(TENANT, sampler_id, 0, body.model_dump_json().encode(),
+                                           body.prompt.length)
     tries = []
     engine_sample = harness.engine.sample
 
