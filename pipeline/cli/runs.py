@@ -282,8 +282,11 @@ def stop_command(
             recorded = recorded_membership(store, name)
         except ValueError:  # a damaged record: this stop writes it again
             recorded = None
-        # nothing live since its last RunStopped, which the store keeps: announcing again changes nothing
-        if summary.status == "stopped" and recorded is not None and isinstance(recorded.payload, RunStopped):
+        # nothing live since its last RunStopped, which the store keeps and the topic carried: announcing again
+        # changes nothing.  A stop the store keeps but the topic lacks is announced: the store is written first, and
+        # the publish after it may have failed, leaving a process that serves the run unaware of the stop
+        if (summary.status == "stopped" and recorded is not None and isinstance(recorded.payload, RunStopped)
+                and _topic_carried_stop(activity.get(name), recorded.time.timestamp())):
             console.print(f"run {name} is already stopped ({summary.stop_reason}); continue it with "
                           f"rlpipe runs resume --run {name} (packed) or rlpipe run --resume {name}", markup=False,
                           soft_wrap=True)
@@ -343,6 +346,13 @@ def resume_command(
         announce_membership(store, publisher, name, started)
     console.print(f"announced run {name} again; packed processes naming or following it take it up", markup=False,
                   soft_wrap=True)
+
+
+def _topic_carried_stop(activity: RunActivity | None, recorded_s: float) -> bool:
+    """Whether the control topic's newest start or stop of the run is a stop no older than the recorded one
+    (``recorded_s``, epoch seconds): the same event when its publish went through."""
+    return (activity is not None and activity.membership_s is not None and activity.membership_s >= recorded_s
+            and activity.stopped_s is not None)
 
 
 def _topic_carried_start(activity: RunActivity | None, recorded_s: float) -> bool:

@@ -348,6 +348,28 @@ def test_a_start_the_store_keeps_but_the_topic_never_carried_is_announced_by_res
     assert starts() == 2
 
 
+def test_a_stop_the_store_keeps_but_the_topic_never_carried_is_announced_by_stop(
+        file_store: ObjectStore, tmp_path: Path, bus_config: BusConfig) -> None:
+    """Resume's twin: a stop recorded in the store whose publish failed was seen by no process serving the run.
+    Stop announces it (the topic lacks it); once the topic has it too, stop says the run is already stopped."""
+    make_run(file_store, tmp_path, "exp-5", "cartpole", steps=1, max_steps=5)
+    _record(file_store, "exp-5", RunStopped(reason="stopped by rlpipe runs stop"))  # recorded, never published
+    with EventPublisher(bus_config) as publisher:  # the control topic exists and is read: it carries another run
+        publisher.publish("control", make_event("exp-6", _started("exp-6")))
+    where = ["--root", file_store.root, "--bootstrap", bus_config.bootstrap_servers, "--namespace", bus_config.namespace]
+
+    def stops() -> int:
+        return sum(1 for r in tail(bus_config, "control", n=100, run_id="exp-5")
+                   if r.event is not None and isinstance(r.event.payload, RunStopped))
+
+    first = runner.invoke(app, ["stop", "--run", "exp-5", *where])
+    assert first.exit_code == 0 and "announced the end of run exp-5" in first.output, first.output
+    assert stops() == 1
+    again = runner.invoke(app, ["stop", "--run", "exp-5", *where])
+    assert again.exit_code == 0 and "already stopped" in again.output, again.output
+    assert stops() == 1
+
+
 def test_eval_of_a_version_the_run_does_not_have_is_one_line(two_runs: tuple[ObjectStore, Path]) -> None:
     from producers.eval_cli import app as eval_app
 
