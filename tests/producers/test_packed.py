@@ -364,3 +364,34 @@ def test_a_run_whose_environment_this_producer_cannot_build_is_refused_as_it_joi
     assert "run exp-1 cannot join" in warnings and "'no-such-env' is no environment; choose one of" in warnings
     assert "run exp-2 cannot join" in warnings and "max_turnz" in warnings
     assert all("\n" not in record.getMessage() for record in caplog.records)
+
+
+def test_a_run_on_another_tiny_build_than_the_engines_is_refused_as_it_joins(tmp_path, caplog):
+    """Runs naming model.base_model 'tiny' differ in which tiny model when their model.tiny_dir folders hold two
+    builds: the engine samples on the first run's, so a run on another build is refused for that run alone, in one
+    line naming both and the fix (a producer per base model).  The same build in another folder, as a run created
+    on another machine records it, joins."""
+    from pipeline.membership import RunMembership
+    from producers.tiny_model import MARKER_FILE
+    from tests.pipeline.test_membership import Feed, config, joined_and_warnings, started
+
+    engine_dir = tmp_path / "models" / "engine-tiny"
+    engine_dir.mkdir(parents=True)
+    (engine_dir / MARKER_FILE).write_text('{"spec_hash": "0123456789abcdef"}')
+    elsewhere = "/home/someone/.rlpipe/models/tiny-0123456789abcdef"  # the same build, on the machine that made it
+    other = "/home/someone/.rlpipe/models/tiny-fedcba9876543210"  # a build of other parameters
+    store = ObjectStore(tmp_path.as_uri())
+    engine = config("base", model={"tiny_dir": str(engine_dir)}, store={"root": store.root})
+    with pytest.raises(ValueError, match="fedcba9876543210") as refused:
+        check_packable([engine, config("b", model={"tiny_dir": other})])
+    assert "producer per base model" in str(refused.value) and "\n" not in str(refused.value)
+    check_packable([engine, config("c", model={"tiny_dir": elsewhere})])
+
+    feed = Feed()
+    membership = RunMembership("exp-*", engine, store, check_packable, follower=feed)
+    feed.put("exp-1", started(store, config("exp-1", model={"tiny_dir": other})))
+    feed.put("exp-2", started(store, config("exp-2", model={"tiny_dir": elsewhere})))
+    joined, warnings = joined_and_warnings(membership, caplog)
+    assert joined == ["exp-2"]
+    assert "run exp-1 cannot join" in warnings and "fedcba9876543210" in warnings and "0123456789abcdef" in warnings
+    assert all("\n" not in record.getMessage() for record in caplog.records)
