@@ -260,3 +260,32 @@ def test_to_topic_announces_the_batches_in_the_order_a_replay_trains_them(bus_co
     announced = [record.event.payload.batch_id for record in tail(bus_config, "trajectories", n=10, run_id="seeded")
                  if record.event is not None]
     assert announced == ["b-002", "b-003", "orphan", "b-004"]
+
+
+def test_runs_packed_in_one_learner_dead_letter_a_poison_announcement_once(
+        bus_config: BusConfig, fast_group: dict[str, Any]) -> None:
+    """A packed learner reads the shared trajectories topic once per run (a source each, in one process): an
+    unreadable message there is one dead letter, sent by the first run's reader; the others skip it, counted, and
+    every run still gets its own batches around it."""
+    from pipeline.io.bus import tail
+
+    topic = topic_name(bus_config.namespace, "trajectories")
+    with EventPublisher(bus_config) as publisher:
+        announce_batch(publisher, "a", 0)
+        poison_at = publisher.publish_raw(topic, b"{not json", "a")[1]
+        announce_batch(publisher, "b", 0)
+    sources = {run: KafkaSource(bus_config, run, **fast_group) for run in ("a", "b", "c")}
+    try:
+        for run, expected in (("a", ["a-b0"]), ("b", ["b-b0"])):
+            assert [ref.batch_id for ref in poll_until_some(sources[run], timeout_s=10.0)] == expected
+        deadline = time.monotonic() + 10.0
+        while sources["c"].consumer.stats.skipped_other_runs < 2 and time.monotonic() < deadline:
+            sources["c"].poll(0.5)
+        letters = [r.event.payload for r in tail(bus_config, "dlq", n=20) if r.event is not None]
+        assert [(letter.origin_topic, letter.origin_offset) for letter in letters] == [(topic, poison_at)]
+        stats = [source.consumer.stats for source in sources.values()]
+        assert [s.dead_lettered for s in stats] == [1, 0, 0]
+        assert [s.skipped_dead_lettered for s in stats] == [0, 1, 1]
+    finally:
+        for source in sources.values():
+            source.close()

@@ -3,6 +3,8 @@
 Offsets are committed after the work they stand for is durable.  Messages it
 cannot decode or that do not belong on the topic go to ``<ns>.dlq`` as
 ``DeadLetter`` events and are skipped, so one poison message never blocks a topic.
+A topic every run shares (a packed learner reads the trajectories topic once per run)
+gets one dead letter per poison message and process: the other readers skip it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import json
 import logging
 import os
 import re
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -58,6 +62,32 @@ def _dead_letter_run_id(key: str | None, raw: bytes | None) -> str:
     return _UNKNOWN_RUN
 
 
+class _DeadLettered:
+    """The poison messages this process dead-lettered, by origin (broker, topic, partition, offset): readers of one
+    topic in one process (a packed learner's runs) send each one dead letter.  The newest ``limit`` are kept."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._origins: OrderedDict[tuple[str, str, int, int], None] = OrderedDict()
+
+    @contextlib.contextmanager
+    def claim(self, origin: tuple[str, str, int, int]) -> Iterator[bool]:
+        """True: ``origin`` is the caller's to dead-letter, recorded once the block ends without an error (a failed
+        dead letter is left to the next reader); False: another reader here sent it.  One claim at a time."""
+        with self._lock:
+            if origin in self._origins:
+                yield False
+                return
+            yield True
+            self._origins[origin] = None
+            while len(self._origins) > self.limit:
+                self._origins.popitem(last=False)
+
+
+_DEAD_LETTERED = _DeadLettered()
+
+
 class _ApplyPendingSeeks(ConsumerRebalanceListener):
     """Seeks asked for before the group assigned a partition are applied when it is assigned."""
 
@@ -79,7 +109,8 @@ class EventConsumer:
     """A consumer-group member reading one topic kind (or topic), committing only on request.
 
     * ``poll`` returns decoded events.  Undecodable or misplaced messages are
-      published to ``<ns>.dlq`` as ``DeadLetter`` (reason and origin) and skipped;
+      published to ``<ns>.dlq`` as ``DeadLetter`` (reason and origin) and skipped, once per process: another
+      reader here that sent it already skips it (``stats.skipped_dead_lettered``);
       events of other runs are skipped when ``run_id`` is given, as are event types
       that a newer minor version added.  All are counted in ``stats`` and covered by
       the next ``commit()``.  With ``refuse_newer``,
@@ -226,7 +257,11 @@ class EventConsumer:
             raw_truncated=len(raw) > DEAD_LETTER_RAW_BYTES,
         )
         envelope = make_event(_dead_letter_run_id(key, raw), letter)
-        self._dead_letter_publisher().publish_raw(self.dlq_topic, encode_event(envelope), key_bytes, "DeadLetter")
+        with _DEAD_LETTERED.claim((",".join(self._servers), record.topic, record.partition, record.offset)) as ours:
+            if not ours:  # another reader in this process (another run's) sent its dead letter
+                self.stats.skipped_dead_lettered += 1
+                return None
+            self._dead_letter_publisher().publish_raw(self.dlq_topic, encode_event(envelope), key_bytes, "DeadLetter")
         self.stats.dead_lettered += 1
         log.warning("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
         return None

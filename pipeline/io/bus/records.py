@@ -34,6 +34,7 @@ class ConsumerStats:
 
     delivered: int = 0
     dead_lettered: int = 0
+    skipped_dead_lettered: int = 0  # poison messages another reader in this process dead-lettered (a packed learner)
     skipped_other_runs: int = 0
     skipped_invalid_dead_letters: int = 0  # undecodable messages on the DLQ itself are not re-queued
     skipped_invalid: int = 0  # undecodable or misplaced messages an ``EventFollower`` skipped
