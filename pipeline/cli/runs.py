@@ -263,8 +263,10 @@ def stop_command(
 ) -> None:
     """Announce that a run ends (RunStopped): packed processes following it let it go (its learner trains what
     waits and checkpoints, its sampling flushes finished groups); the run stays in the store, and stays stopped
-    when a packed process naming it starts again, until rlpipe runs resume.  The run id is matched exactly: one
-    differing only in case from the stored run is refused, naming it."""
+    when a packed process naming it starts again, until rlpipe runs resume.  A run whose stop is recorded and on
+    the control topic is already stopped, and nothing is announced; one whose recorded stop the topic never
+    carried (its publish failed) is announced.  The run id is matched exactly: one differing only in case from the
+    stored run is refused, naming it."""
     from pipeline.analysis.runs import learner_step
     from pipeline.io.bus import EventPublisher
     from pipeline.membership import announce_membership, recorded_membership
