@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -44,7 +45,7 @@ from pipeline.api.results import ResultSignals
 from pipeline.api.sample_queue import BusyError
 from pipeline.api.samplers import check_sample_request
 from pipeline.api.tenants import TenantLimitError, Tenants, UnauthorizedError
-from pipeline.api.threads import PER_TENANT, TenantThreads
+from pipeline.api.threads import TenantThreads, ThreadLimits
 from pipeline.api.wire import (
     PROTOBUF,
     check_seq,
@@ -89,26 +90,35 @@ async def _body(request: Request) -> bytes:
     return await request.body()
 
 
-async def _tenant_in_place(request: Request, who: Annotated[str, Depends(_tenant)],
-                           _: Annotated[bytes, Depends(_body)]) -> AsyncIterator[str]:
-    """The caller's tenant, holding one of its places in the worker threads while its route runs in one
-    (``pipeline.api.threads``).  The key is checked first, then the body read (FastAPI reads it once per request,
-    for ``RawBody`` too), and only then a place taken: a slow upload holds none while it arrives."""
-    async with request.app.state.threads.place(who):
-        yield who
+async def _tenant_with_body(who: Annotated[str, Depends(_tenant)], _: Annotated[bytes, Depends(_body)]) -> str:
+    """The caller's tenant, its key checked first, then its body read (FastAPI reads it once per request, for
+    ``RawBody`` too): a route ``in_threads`` takes a place in the worker threads only after both, so a slow upload
+    holds none while it arrives."""
+    return who
 
 
-# the tenant of a plain ``def`` route (run in a worker thread, in one of its tenant's places)
-Tenant = Annotated[str, Depends(_tenant_in_place, scope="function")]
+# the tenant of a plain ``def`` route run ``in_threads``, in one of its tenant's places (``pipeline.api.threads``)
+Tenant = Annotated[str, Depends(_tenant_with_body)]
 # the tenant of an ``async def`` route, which takes a place for each piece of work it hands a thread (``threads.run``)
 TenantKey = Annotated[str, Depends(_tenant)]
 
 
-# A route taking its body as ``RawBody`` is a plain ``def``: FastAPI runs it in a worker thread, so the store and log
-# writes of one tenant's call (a chunk of up to 64 MiB to a remote store) never hold up the event loop that every
-# tenant's calls, heartbeats and polls share; and in one of its tenant's places (``Tenant``), so that one tenant's
-# slow calls never hold every worker thread either.
+# A route taking its body as ``RawBody`` is a plain ``def`` run ``in_threads``: in one of the gateway's worker
+# threads, so that the store and log writes of one tenant's call (a chunk of up to 64 MiB to a remote store) never
+# hold up the event loop that every tenant's calls, heartbeats and polls share; and in one of its tenant's places
+# there, so that no few tenants' slow calls hold every worker thread either.
 RawBody = Annotated[bytes, Depends(_body)]
+
+
+def in_threads(threads: TenantThreads) -> Callable[[Callable[..., Any]], Callable[..., Awaitable[Any]]]:
+    """Runs a plain ``def`` route (taking its tenant as ``who``) in one of its tenant's places in ``threads``, rather
+    than in the thread pool Starlette runs such routes in, which every tenant would share without a rule."""
+    def route_in_threads(route: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(route)  # (FastAPI reads the route's parameters through it)
+        async def in_a_place(**values: Any) -> Any:
+            return await threads.run(values["who"], functools.partial(route, **values))
+        return in_a_place
+    return route_in_threads
 
 
 def _unserved(request: Request) -> str:
@@ -119,19 +129,20 @@ def _unserved(request: Request) -> str:
 def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOLD_S,
                signals: ResultSignals | None = None, direct: DirectSamplers | None = None,
                public_url: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               max_json_body_bytes: int = MAX_JSON_BODY_BYTES, tenant_threads: int = PER_TENANT) -> FastAPI:
+               max_json_body_bytes: int = MAX_JSON_BODY_BYTES, threads: ThreadLimits | None = None) -> FastAPI:
     """The ASGI app serving ``gateway`` to the tenants ``tenants`` admits; ``signals`` (following
     ``<ns>.results``) wakes long polls, without it they re-read the store every 20 ms; ``direct`` also hands
     sample calls straight to their sampler (``pipeline.api.direct``), waking polls through ``signals``;
     ``public_url``: the gateway's address as clients reach it (behind a proxy), for the download URLs it signs
     (default: the address each request came to); ``max_body_bytes``: the largest request body taken (413 above),
-    ``max_json_body_bytes`` that of every route but forward_backward's; ``tenant_threads``: the worker threads one
-    tenant's calls hold at once (``pipeline.api.threads``)."""
+    ``max_json_body_bytes`` that of every route but forward_backward's; ``threads``: the gateway's worker threads
+    and how they are shared between tenants (``pipeline.api.threads``; default ``ThreadLimits()``)."""
     if signals is None and direct is not None:
         signals = direct.signals
     app = FastAPI(title="rlpipe Tinker-compatible API", docs_url=None, redoc_url=None)
     app.state.gateway, app.state.tenants = gateway, tenants
-    threads = app.state.threads = TenantThreads(tenant_threads)
+    places = app.state.threads = TenantThreads(threads)
+    threaded = in_threads(places)
 
     def refused_for_size(scope: Any, first: bytes, reason: str) -> None:
         """A ``forward_backward`` refused for its size is logged as refused (``Gateway.refuse``) when its first bytes
@@ -173,41 +184,48 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return {"status": "ok"}
 
     @app.post("/api/v1/client/config")
-    def client_config(_: Tenant) -> dict[str, Any]:
+    @threaded
+    def client_config(who: Tenant) -> dict[str, Any]:
         # a split forward_backward's requests sent at once, the first last: how the trainer tells them apart from
         # calls of their own, to undo the whole call if one request fails (consumers.api.worker)
         return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True}
 
     @app.post("/api/v1/client/dynamic_config")
-    def dynamic_config(_: Tenant) -> dict[str, Any]:
+    @threaded
+    def dynamic_config(who: Tenant) -> dict[str, Any]:
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
 
     @app.get("/api/v1/get_server_capabilities")
-    def capabilities(_: Tenant) -> dict[str, Any]:
+    @threaded
+    def capabilities(who: Tenant) -> dict[str, Any]:
         return {"supported_models": [
             {"model_name": m.name, "max_context_length": m.max_context_length, "trainable": True, "sampleable": True}
             for m in gateway.models.values()]}
 
     @app.post("/api/v1/create_session")
+    @threaded
     def create_session(who: Tenant, raw: RawBody) -> dict[str, Any]:
         body = parse_body(types.CreateSessionRequest, raw)
         session_id = gateway.create_session(who, list(body.tags), dict(body.user_metadata or {}))
         return {"type": "create_session", "session_id": session_id}
 
     @app.post("/api/v1/session_heartbeat")
+    @threaded
     def heartbeat(who: Tenant, raw: RawBody) -> dict[str, str]:
         body = parse_body(types.SessionHeartbeatRequest, raw)
         gateway.heartbeat(who, body.session_id)
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
+    @threaded
     def finish(session_id: str, who: Tenant, raw: RawBody) -> dict[str, str]:
         body = parse_body(FinishRequest, raw)
         gateway.finish(who, session_id, body.reason.type)
         return {"status": "ok"}
 
     @app.post("/api/v1/telemetry")
-    def telemetry(_: Tenant) -> dict[str, str]:
+    @threaded
+    def telemetry(who: Tenant) -> dict[str, str]:
         return {"status": "accepted"}
 
     # ---- training calls (futures) -------------------------------------------------------------------
@@ -225,6 +243,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             raise
 
     @app.post("/api/v1/create_model")
+    @threaded
     def create_model(who: Tenant, raw: RawBody) -> dict[str, Any]:
         body = parse_body(types.CreateModelRequest, raw)
         lora = check_create_model(body)
@@ -233,11 +252,13 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return {"request_id": gateway.submit(who, "create_model", model_id, None, raw), "model_id": model_id}
 
     @app.post("/api/v1/get_info")
+    @threaded
     def get_info(who: Tenant, raw: RawBody) -> dict[str, Any]:
         body = parse_body(types.GetInfoRequest, raw)
         return gateway.get_info(who, body.model_id)
 
     @app.post(FORWARD_BACKWARD_PATH)
+    @threaded
     def forward_backward(request: Request, who: Tenant, raw: RawBody) -> dict[str, Any]:
         if PROTOBUF not in request.headers.get("content-type", ""):
             raise ApiError("forward_backward takes a protobuf body; use the tinker SDK >= 0.25")
@@ -247,6 +268,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
                     "model_id": model_id}
 
     @app.post("/api/v1/optim_step")
+    @threaded
     def optim_step(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "optim_step", raw):
             body = parse_body(types.OptimStepRequest, raw)
@@ -254,6 +276,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             return {"request_id": gateway.submit(who, "optim_step", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/save_weights")
+    @threaded
     def save_weights(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "save_weights", raw):
             body = parse_body(types.SaveWeightsRequest, raw)
@@ -262,6 +285,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             return {"request_id": gateway.submit(who, "save_weights", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/save_weights_external")
+    @threaded
     def save_weights_external(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "save_weights_external", raw):
             body = parse_body(types.SaveWeightsExternalRequest, raw)
@@ -273,6 +297,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             return {"request_id": gateway.submit(who, "save_weights_external", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/save_weights_for_sampler")
+    @threaded
     def save_weights_for_sampler(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "save_weights_for_sampler", raw):
             body = parse_body(types.SaveWeightsForSamplerRequest, raw)
@@ -288,6 +313,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             return {"request_id": gateway.submit(who, "save_weights_for_sampler", body.model_id, body.seq_id, raw)}
 
     @app.post("/api/v1/load_weights")
+    @threaded
     def load_weights(who: Tenant, raw: RawBody) -> dict[str, Any]:
         with numbered(who, "load_weights", raw):
             body = parse_body(types.LoadWeightsRequest, raw)
@@ -305,15 +331,16 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     # ---- sampling ----------------------------------------------------------------------------------------
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request, who: TenantKey) -> dict[str, Any]:
-        body = await threads.run(who, parse_body, types.CreateSamplingSessionRequest, await request.body())
+        body = await places.run(who, parse_body, types.CreateSamplingSessionRequest, await request.body())
         if body.base_model is None and body.model_path is None:
             raise ApiError("create_sampling_session needs a base_model or a model_path (tinker://.../sampler_weights/"
                            "<name>); use the tinker SDK's create_sampling_client")
-        sampling_session_id = await threads.run(who, gateway.create_sampling_session, who, body.session_id,
+        sampling_session_id = await places.run(who, gateway.create_sampling_session, who, body.session_id,
                                                       body.sampling_session_seq_id, body.base_model, body.model_path)
         return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
 
     @app.get("/api/v1/samplers/{sampling_session_id}")
+    @threaded
     def sampler(sampling_session_id: str, who: Tenant) -> dict[str, Any]:
         record = gateway.sampler(who, sampling_session_id)
         return {"sampler_id": sampling_session_id, "base_model": record["base_model"],
@@ -331,22 +358,22 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.post("/api/v1/asample")
     async def asample(request: Request, who: TenantKey) -> dict[str, Any]:
         raw = await request.body()
-        body = await threads.run(who, read_sample, raw)
-        call = await threads.run(who, gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw,
+        body = await places.run(who, read_sample, raw)
+        call = await places.run(who, gateway.prepare_sample, who, body.sampling_session_id, body.seq_id, raw,
                                  body.prompt.length)
         if direct is not None:  # the sampler starts while the log takes the call; the answer still waits for the log
             direct.dispatch(call)
-        await threads.run(who, gateway.publish_call, call)
+        await places.run(who, gateway.publish_call, call)
         return {"request_id": call.request_id,
                 "sample_sequence_ids": [f"{call.request_id}.{j}" for j in range(body.num_samples)]}
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request, who: TenantKey) -> Response:
-        body = await threads.run(who, parse_body, types.FutureRetrieveRequest, await request.body())
+        body = await places.run(who, parse_body, types.FutureRetrieveRequest, await request.body())
         deadline = time.monotonic() + poll_hold_s
         with (signals or ResultSignals()).watch(body.request_id) as announced:
             while True:
-                found = await threads.run(who, gateway.result, who, body.request_id)
+                found = await places.run(who, gateway.result, who, body.request_id)
                 if found is not None:
                     data, fmt = found
                     return Response(data, media_type=PROTOBUF if fmt == "pb" else "application/json")
@@ -360,26 +387,32 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
 
     # ---- management (RestClient) ----------------------------------------------------------------
     @app.get("/api/v1/training_runs")
+    @threaded
     def training_runs(who: Tenant, limit: int = 20, offset: int = 0) -> dict[str, Any]:
         return listing.training_runs(gateway, who, limit, offset)
 
     @app.get("/api/v1/training_runs/{model_id}")
+    @threaded
     def training_run(model_id: str, who: Tenant) -> dict[str, Any]:
         return listing.training_run(gateway, who, model_id)
 
     @app.get("/api/v1/checkpoints")
+    @threaded
     def user_checkpoints(who: Tenant, limit: int = 100, offset: int = 0) -> dict[str, Any]:
         return listing.user_checkpoints(gateway, who, limit, offset)
 
     @app.get("/api/v1/sessions")
+    @threaded
     def sessions(who: Tenant, limit: int = 20, offset: int = 0) -> dict[str, Any]:
         return listing.sessions(gateway, who, limit, offset)
 
     @app.get("/api/v1/sessions/{session_id}")
+    @threaded
     def session(session_id: str, who: Tenant) -> dict[str, Any]:
         return listing.session_info(gateway, who, session_id)
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    @threaded
     def list_checkpoints(model_id: str, who: Tenant) -> dict[str, Any]:
         return {"checkpoints": gateway.checkpoints(who, model_id)}
 
@@ -393,7 +426,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.put("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
     async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request, who: TenantKey) -> dict[str, Any]:
         try:
-            raw = await threads.run(who, json.loads, await request.body())
+            raw = await places.run(who, json.loads, await request.body())
         except (ValueError, RecursionError):  # (nested deeper than Python's reader goes)
             raise ApiError("set_checkpoint_ttl takes a JSON body {\"ttl_seconds\": seconds or null}; use the "
                            "tinker SDK's RestClient") from None
@@ -402,13 +435,13 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         ttl = raw["ttl_seconds"]
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):
             raise ApiError(f"ttl_seconds={ttl!r}: send a whole number of seconds, or null to remove the TTL")
-        await threads.run(who, gateway.set_checkpoint_ttl, who, model_id, checkpoint_id, ttl)
+        await places.run(who, gateway.set_checkpoint_ttl, who, model_id, checkpoint_id, ttl)
         return {}
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request,
                                     who: TenantKey) -> dict[str, Any]:
-        urls, expires = await threads.run(who, gateway.external_weights_urls, who, model_id, checkpoint_id,
+        urls, expires = await places.run(who, gateway.external_weights_urls, who, model_id, checkpoint_id,
                                                 public_url or str(request.base_url))
         return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
@@ -428,13 +461,14 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish",
                    methods=["POST", "DELETE"])
     async def publish_checkpoint(model_id: str, checkpoint_id: str, request: Request, who: TenantKey) -> Response:
-        if request.method == "DELETE" and (deleted := await threads.run(
+        if request.method == "DELETE" and (deleted := await places.run(
                 who, named_like_a_route, who, model_id, checkpoint_id, "publish")):
             return deleted
-        await threads.run(who, gateway.publish_checkpoint, who, model_id, checkpoint_id, request.method == "POST")
+        await places.run(who, gateway.publish_checkpoint, who, model_id, checkpoint_id, request.method == "POST")
         return JSONResponse({})
 
     @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
+    @threaded
     def delete_a_checkpoint_named_ttl(model_id: str, checkpoint_id: str, request: Request, who: Tenant) -> Response:
         return named_like_a_route(who, model_id, checkpoint_id, "ttl") or unserved_checkpoint_call(request)
 
@@ -444,11 +478,13 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return JSONResponse({"error": _unserved(request), "category": "user"}, status_code=404)
 
     @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+    @threaded
     def delete_checkpoint(model_id: str, checkpoint_id: str, who: Tenant) -> Response:
         gateway.delete_checkpoint(who, model_id, checkpoint_id)
         return Response(status_code=204)
 
     @app.post("/api/v1/weights_info")
+    @threaded
     def weights_info(who: Tenant, raw: RawBody) -> dict[str, Any]:
         body = parse_body(WeightsInfoRequest, raw)
         path, record = gateway.readable_path(who, body.tinker_path)

@@ -16,7 +16,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from pipeline.api.app import create_app
 from pipeline.api.gateway import Gateway, ServedModel
 from pipeline.api.tenants import Tenants
-from pipeline.api.threads import PER_TENANT
+from pipeline.api.threads import PER_TENANT, ThreadLimits
 from pipeline.io.store import ObjectStore
 
 ALICE, BOB = {"X-API-Key": "tml-alice"}, {"X-API-Key": "tml-bob"}
@@ -190,7 +190,7 @@ def test_a_slow_upload_holds_none_of_its_tenants_places_while_its_body_arrives()
     run while its upload is still coming."""
     store = ObjectStore(f"memory://held-{uuid.uuid4().hex}")
     gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
-    app = create_app(gateway, Tenants(), poll_hold_s=0.05, tenant_threads=1)
+    app = create_app(gateway, Tenants(), poll_hold_s=0.05, threads=ThreadLimits(total=2, per_tenant=1, reserved=0))
     body = json.dumps({"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"}).encode()
 
     async def calls() -> tuple[int, int]:
@@ -212,3 +212,47 @@ def test_a_slow_upload_holds_none_of_its_tenants_places_while_its_body_arrives()
             return other.status_code, (await upload).status_code
 
     assert asyncio.run(calls()) == (200, 200)
+
+
+def test_tenants_holding_their_shares_of_the_worker_threads_leave_threads_for_another_tenant():
+    """Five tenants, each with more slow calls at once than its share (a slow store), would hold 5 x 8 = 40 threads,
+    every one of the pool's: a sixth tenant's heartbeat, poll and session creation are still answered while they
+    wait (``pipeline.api.threads``: the last threads go only to a tenant holding none)."""
+    store = HeldHeartbeatStore()
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    app = create_app(gateway, Tenants(), poll_hold_s=0.05)
+    busy = [{"X-API-Key": f"tml-busy-{n}"} for n in range(5)]
+    carol = {"X-API-Key": "tml-carol"}
+
+    async def calls() -> tuple[list[int], int, bool, list[int]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            sessions = [await _session(client, headers) for headers in busy]
+            own = await _session(client, carol)
+            store.held.update(sessions)
+            held = [asyncio.create_task(client.post("/api/v1/session_heartbeat", headers=headers, json={
+                "session_id": session, "type": "session_heartbeat"}))
+                for headers, session in zip(busy, sessions, strict=True) for _ in range(2 * PER_TENANT)]
+            while store.holding == 0:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.3)  # (every slow call that can start has started)
+            answers = [
+                await client.post("/api/v1/session_heartbeat", headers=carol,
+                                  json={"session_id": own, "type": "session_heartbeat"}),
+                await client.post("/api/v1/retrieve_future", headers=carol, json={"request_id": f"{own}.train.0.0"}),
+                await client.post("/api/v1/create_session", headers=carol, json={
+                    "tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"}),
+            ]
+            answered_while_held, holding = not store.release.is_set(), store.holding
+            store.release.set()
+            return [a.status_code for a in answers], holding, answered_while_held, [(await c).status_code for c in held]
+
+    releaser = threading.Timer(HELD_AT_MOST_S, store.release.set)
+    releaser.start()
+    try:
+        statuses, holding, answered_while_held, held_statuses = asyncio.run(calls())
+    finally:
+        releaser.cancel()
+    assert answered_while_held, f"another tenant's calls waited for five tenants' {holding} slow calls"
+    assert statuses[0] == 200 and statuses[2] == 200, statuses
+    assert statuses[1] in (200, 404), statuses  # (a poll of an unknown call answers, at once or when held out)
+    assert held_statuses == [200] * 5 * 2 * PER_TENANT
