@@ -57,6 +57,11 @@ PROCESS_ENV = {
     "RLPIPE_API_MAX_MODELS": "training clients one Tinker API tenant may hold in them (pipeline.api.tenants)",
     "RLPIPE_API_MAX_SAMPLING_SESSIONS": "sampling sessions one Tinker API tenant may hold in them "
                                         "(pipeline.api.tenants)",
+    "RLPIPE_API_THREADS": "worker threads the Tinker API gateway does its store and log work in (pipeline.api.threads)",
+    "RLPIPE_API_THREADS_PER_TENANT": "most of those threads one Tinker API tenant's calls hold at once "
+                                     "(pipeline.api.threads)",
+    "RLPIPE_API_THREADS_RESERVED": "the last free threads, taken only by a Tinker API tenant holding none "
+                                   "(pipeline.api.threads)",
     "RLPIPE_SWEEP_EXPERIMENT": "a sweep experiment's name, for its script (pipeline.sweeps.runner)",
 }
 # What Kubernetes sets in a pod for each Service of its namespace (a Service named rlpipe-kafka-bootstrap gives

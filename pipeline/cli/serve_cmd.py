@@ -189,6 +189,7 @@ def serve(
     # before the stack, the models and the engines take minutes to start
     if role in ("all", "gateway"):
         check_listen_address("the gateway", host, port, "--port")
+        check_gateway_limits()
     for offset in range(len(base_model or ["tiny"]) if health_port and role in ("trainer", "sampler") else 0):
         check_listen_address("an engine's health endpoints", "0.0.0.0", health_port + offset, "--health-port")
     setup_logging()
@@ -229,6 +230,19 @@ def serve(
         run_gateway(store, bus, models, host, port, urls, public_url)
     finally:
         supervisor.stop()
+
+
+def check_gateway_limits() -> None:
+    """Fail in one line on a gateway limit set wrong in the environment (``RLPIPE_API_MAX_*``, ``RLPIPE_API_THREADS*``),
+    before anything starts."""
+    from pipeline.api.tenants import TenantLimits
+    from pipeline.api.threads import ThreadLimits
+
+    try:
+        TenantLimits.from_env()
+        ThreadLimits.from_env()
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
 
 
 def check_listen_address(what: str, host: str, port: int, option: str) -> None:
@@ -341,10 +355,11 @@ def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str
     from pipeline.api.gateway import Gateway, ServedModel
     from pipeline.api.results import ResultSignals
     from pipeline.api.tenants import TenantLimits, Tenants
+    from pipeline.api.threads import ThreadLimits
     from pipeline.io.bus import EventPublisher
     from schemas.config import SamplerConfig
 
-    tenants = Tenants.from_env()
+    tenants, threads = Tenants.from_env(), ThreadLimits.from_env()
     publisher = EventPublisher(bus, create_topics=False)
     gateway = Gateway(store, lambda event, key: publisher.publish("requests", event, key),
                       [ServedModel(m, m, SamplerConfig().max_model_len) for m in models],  # the samplers' context
@@ -357,7 +372,8 @@ def run_gateway(store: ObjectStore, bus: BusConfig, models: list[str], host: str
     signals.follow(bus, stopping.is_set)
     try:
         direct = DirectSamplers(direct_urls, signals) if direct_urls else None
-        uvicorn.run(create_app(gateway, tenants, signals=signals, direct=direct, public_url=public_url),
+        uvicorn.run(create_app(gateway, tenants, signals=signals, direct=direct, public_url=public_url,
+                               threads=threads),
                     host=host, port=port, log_level="warning")
     finally:
         stopping.set()

@@ -133,6 +133,15 @@ def test_serve_refuses_a_public_url_that_is_not_one():
     assert result.exit_code == 2 and "--public-url 'rl.example.org' is not a URL" in " ".join(result.output.split())
 
 
+def test_serve_refuses_gateway_thread_settings_that_cannot_be_used_before_anything_starts():
+    from pipeline.devstack.process import free_port
+
+    result = runner.invoke(app, ["serve", "--port", str(free_port())],
+                           env={"RLPIPE_API_THREADS": "16", "RLPIPE_API_THREADS_RESERVED": "16"})
+    assert result.exit_code == 2, result.output
+    assert "RLPIPE_API_THREADS_RESERVED=16 leaves no thread" in " ".join(result.output.split())
+
+
 def test_the_trainers_adapter_limits_reach_its_command_and_only_a_trainer_takes_them():
     command = trainer_command("/m", "file:///s", "h:1", "ns", max_adapters=4, idle_unload_s=120)
     assert command[-4:] == ["--max-adapters", "4", "--idle-unload-s", "120"]
