@@ -68,6 +68,7 @@ from consumers.engine_policy import EnginePolicy
 from consumers.losses import LossStats, TokenBatch, loss_from_logprobs
 from consumers.policy import StepResult
 from consumers.trust_region import TrustRegion
+from pipeline.health import HealthServer
 from pipeline.models import resolve_base_model
 from schemas.config import LearnerConfig, RunConfig
 
@@ -78,6 +79,7 @@ BATCH_FIELDS = ("tokens_BT", "loss_mask_BT", "sampler_logprobs_BT", "advantages_
                 "temperatures_B", "token_advantages_BT")
 DTYPES = {"int64": torch.int64, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "int32": torch.int32, "bool": torch.bool}
+FOLLOWER_UP = "rlpipe_learner_follower_up"  # a following rank's gauge, labelled rank="<rank>"
 KEEP_ALIVE_S = 60.0  # rank 0 sends "wait" after this long without a command: well inside any collective's timeout
 
 
@@ -243,8 +245,9 @@ class DistributedPolicy(EnginePolicy):
             self.idle_passes += 1
 
     # ---- ranks other than 0 ------------------------------------------------------------------
-    def follow(self) -> int:
-        """Run rank 0's commands until it stops; the number of steps taken."""
+    def follow(self, on_step: Callable[[int], None] | None = None) -> int:
+        """Run rank 0's commands until it stops; the number of steps taken.  ``on_step`` is called after each step
+        with the idle passes it ran (``learner.shard``)."""
         steps = 0
         while True:
             header, tensors = _receive_command()
@@ -254,8 +257,11 @@ class DistributedPolicy(EnginePolicy):
                 continue
             if header["command"] == "step":
                 torch.manual_seed(follower_seed(self.topology.rank, tensors))  # dropout masks a resume draws again
+                idle_before = self.idle_passes
                 self._train_share(_batches_from(header["present"], tensors), header["normaliser"])
                 steps += 1
+                if on_step is not None:
+                    on_step(self.idle_passes - idle_before)
             elif header["command"] == "sync":
                 self._receive_sync(header, tensors)
             elif header["command"] == "reference":
@@ -329,6 +335,38 @@ def _batches_from(present: list[bool], tensors: list[torch.Tensor]) -> list[Toke
             for i in range(0, len(values), count)]
 
 
+# ---- a following rank's health endpoints ---------------------------------------------------------------
+def follower_health(port: int | None, topology: Topology) -> HealthServer:
+    """A following rank's ``/healthz``, ``/readyz`` and ``/metrics`` on ``learner.health_port``, served from now on.
+
+    Every pod of the group carries the same ``prometheus.io`` annotations, so every pod answers on that port: rank
+    0 with the learner's series (``consumers.service``), the first process of any other pod (``LOCAL_RANK`` 0) with
+    its rank's.  A pod's other processes (``--nproc-per-node`` > 1) share its network and keep theirs unserved.
+    ``/readyz`` is 200 while the rank follows rank 0 (``follow_with_metrics``), else 503 naming ``policy``.
+    """
+    health = HealthServer(port if topology.local_rank == 0 else None).start()
+    labels = {"rank": str(topology.rank)}
+    health.add_readiness_check("policy", lambda: health.metric_value(FOLLOWER_UP, labels) == 1.0)
+    return health
+
+
+def follow_with_metrics(policy: DistributedPolicy, health: HealthServer, rank: int) -> int:
+    """``policy.follow()``, counting the steps and idle passes of rank ``rank`` on ``health``; the steps taken."""
+    labels = {"rank": str(rank)}
+    health.inc_counter("rlpipe_learner_follower_steps", 0.0, "steps trained with rank 0", labels)
+    health.inc_counter("rlpipe_learner_follower_idle_passes", 0.0,
+                       "passes run only to keep sharded ranks in step (learner.shard)", labels)
+    health.set_gauge(FOLLOWER_UP, 1.0, "1 while this rank follows rank 0's steps", labels)
+
+    def stepped(idle_passes: int) -> None:
+        health.inc_counter("rlpipe_learner_follower_steps", 1.0, labels=labels)
+        health.inc_counter("rlpipe_learner_follower_idle_passes", float(idle_passes), labels=labels)
+
+    steps = policy.follow(on_step=stepped)
+    health.set_gauge(FOLLOWER_UP, 0.0, labels=labels)
+    return steps
+
+
 # ---- the learner process on a torchrun group ----------------------------------------------------------
 def run_on_group(config: RunConfig, lead: Callable[[DistributedPolicy], T]) -> T | None:
     """Build this rank's engine and policy; rank 0 runs ``lead(policy)`` (the learner), the others follow it.
@@ -336,6 +374,17 @@ def run_on_group(config: RunConfig, lead: Callable[[DistributedPolicy], T]) -> T
     Returns what ``lead`` returned on rank 0, None on the other ranks.
     """
     topology = init_distributed(config.learner.device)
+    # before the slow engine load, so /healthz answers while it loads (rank 0's server starts in its learner)
+    health = None if topology.is_main else follower_health(config.learner.health_port, topology)
+    try:
+        return _run_rank(config, topology, lead, health)
+    finally:
+        if health is not None:
+            health.stop()
+
+
+def _run_rank(config: RunConfig, topology: Topology, lead: Callable[[DistributedPolicy], T],
+              health: HealthServer | None) -> T | None:
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
     engine = DistributedEngine(resolve_base_model(config.model), topology, device=config.learner.device,
@@ -346,8 +395,8 @@ def run_on_group(config: RunConfig, lead: Callable[[DistributedPolicy], T]) -> T
              "runs the learner" if topology.is_main else "follows rank 0's steps",
              f"; base weights sharded over {topology.world_size} ranks" if engine.shard else "")
     with engine.holding(config.run_id):
-        if not topology.is_main:
-            steps = policy.follow()
+        if health is not None:  # a following rank
+            steps = follow_with_metrics(policy, health, topology.rank)
             log.info("rank %d followed %d steps, %d idle passes, holding %.0f%% of the base weights", topology.rank,
                      steps, policy.idle_passes, 100 * engine.held_fraction())
             leave_group()

@@ -13,6 +13,8 @@ import re
 import shlex
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -268,3 +270,74 @@ def test_followers_outlast_a_rank_0_idle_for_longer_than_a_collective_may_wait(t
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [report["steps"] for report in reports] == [1, 1]
     assert reports[0]["adapter"] == reports[1]["adapter"]
+
+
+def scrape(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_a_following_rank_serves_its_rank_labelled_metrics_on_the_learners_health_port():
+    """Every pod of the learner group is scraped (prometheus.io annotations on the Job's pods), so a following rank
+    answers on learner.health_port too: /readyz once it follows rank 0, /metrics with its steps labelled by rank."""
+    from consumers.distributed_learner import follow_with_metrics, follower_health
+
+    seen: dict[str, tuple[int, str]] = {}
+
+    class TwoSteps:  # a follower's policy: two steps of rank 0, the second with one idle pass
+        def follow(self, on_step):
+            on_step(0)
+            on_step(1)
+            seen.update(readyz=scrape(health.port, "/readyz"), metrics=scrape(health.port, "/metrics"))
+            return 2
+
+    health = follower_health(0, Topology(rank=1, world_size=2, local_rank=0))
+    try:
+        assert health.running
+        status, body = scrape(health.port, "/readyz")
+        assert status == 503 and "policy" in body  # the base model still loading
+        assert follow_with_metrics(TwoSteps(), health, rank=1) == 2
+        assert seen["readyz"][0] == 200
+        status, body = seen["metrics"]
+        assert status == 200
+        assert 'rlpipe_learner_follower_up{rank="1"} 1.0' in body
+        assert 'rlpipe_learner_follower_steps_total{rank="1"} 2.0' in body
+        assert 'rlpipe_learner_follower_idle_passes_total{rank="1"} 1.0' in body
+        assert scrape(health.port, "/readyz")[0] == 503  # rank 0 stopped the group
+        assert 'rlpipe_learner_follower_up{rank="1"} 0.0' in scrape(health.port, "/metrics")[1]
+    finally:
+        health.stop()
+
+
+def test_only_the_first_process_of_a_pod_listens_on_its_health_port():
+    """``--nproc-per-node N`` puts N ranks in one pod, on one network: the pod's local rank 0 serves its port."""
+    from consumers.distributed_learner import follower_health
+
+    second = follower_health(0, Topology(rank=3, world_size=4, local_rank=1))
+    assert not second.running and second.port is None
+    assert not follower_health(None, Topology(rank=1, world_size=2, local_rank=0)).running  # no port configured
+
+
+def test_follow_reports_each_step_with_the_idle_passes_it_ran(monkeypatch):
+    """``DistributedPolicy.follow`` calls ``on_step`` once per step of rank 0 (not per keep-alive or sync)."""
+    import consumers.distributed_learner as module
+
+    batch = TokenBatch(torch.tensor([[1, 2, 3]]), torch.tensor([[0.0, 1.0, 1.0]]), torch.zeros(1, 3),
+                       torch.tensor([0.5]), torch.ones(1))
+    present, tensors = _batch_tensors([batch])
+    step = ({"command": "step", "normaliser": 1.0, "present": present}, tensors)
+    commands = iter([step, ({"command": "wait"}, []), step, ({"command": "stop"}, [])])
+    monkeypatch.setattr(module, "_receive_command", lambda: next(commands))
+    policy = object.__new__(module.DistributedPolicy)  # no engine: the steps' training is the stub below
+    policy.topology, policy.idle_passes = Topology(rank=1, world_size=2, local_rank=1), 0
+
+    def train_share(micro_batches, normaliser):
+        policy.idle_passes += 2
+
+    monkeypatch.setattr(policy, "_train_share", train_share)
+    seen: list[int] = []
+    assert policy.follow(on_step=seen.append) == 2
+    assert seen == [2, 2]
