@@ -229,6 +229,72 @@ def test_liveness_is_asked_only_once_the_process_first_answered(name):
     assert checked
 
 
+# metrics and shared memory ---------------------------------------------------------------
+
+# The variables that make a producer or a learner serve /metrics (pipeline/health.py) on their port.
+METRICS_PORT_ENV = ("RLPIPE_PRODUCER__HEALTH_PORT", "RLPIPE_LEARNER__HEALTH_PORT")
+# The kustomizations running producers or learners (k8s/api's engines answer probes only).
+WITH_METRICS = [name for name in WITH_PODS if name != "api"]
+QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
+
+
+def metrics_port(container: dict) -> int | None:
+    """The port a container serves /metrics on, if it runs a producer or a learner with a health port."""
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    ports = [int(env[name]) for name in METRICS_PORT_ENV if env.get(name)]
+    return ports[0] if ports else None
+
+
+def quantity_bytes(value: str) -> int:
+    match = QUANTITY.match(str(value))
+    assert match, f"{value!r}: write memory quantities as a whole number of Ki, Mi, Gi or Ti"
+    return int(match.group(1)) * 1024 ** (1 + ("Ki", "Mi", "Gi", "Ti").index(match.group(2)) if match.group(2) else 0)
+
+
+def several_processes_on_gpus(container: dict) -> bool:
+    """A torchrun group (nccl between its ranks) or a container holding more than one GPU."""
+    gpus = int(container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+    return command_line(container)[:1] == ["torchrun"] or gpus > 1
+
+
+@pytest.mark.parametrize("name", WITH_METRICS)
+def test_every_workload_serving_metrics_is_scrapeable(name):
+    """Prometheus' ``kubernetes-pods`` job (infra/README.md) scrapes the pods whose template says where."""
+    checked = 0
+    for workload, spec in pods(rendered(name)):
+        served = {metrics_port(c) for c in spec["containers"]} - {None}
+        if not served:
+            continue
+        where = f"{name}: {workload['kind']} {workload['metadata']['name']}"
+        annotations = workload["spec"]["template"].get("metadata", {}).get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true", \
+            f"{where} serves /metrics on {sorted(served)} but its pods carry no prometheus.io/scrape annotation"
+        assert int(annotations.get("prometheus.io/port", 0)) in served, f"{where}: prometheus.io/port"
+        assert annotations.get("prometheus.io/path") == "/metrics", f"{where}: prometheus.io/path"
+        checked += 1
+    assert checked
+
+
+@pytest.mark.parametrize("name", WITH_PODS)
+def test_several_processes_on_gpus_get_a_bounded_shared_memory_from_memory(name):
+    """nccl and torch's worker processes exchange data through /dev/shm, 64 MiB in a container unless a volume
+    replaces it; a memory-backed emptyDir counts against the container's memory limit, so it is bounded below it."""
+    for workload, spec in pods(rendered(name)):
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for container in containers(spec):
+            where = f"{name}: {workload['metadata']['name']}/{container['name']}"
+            shm = [m for m in container.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+            if several_processes_on_gpus(container):
+                assert shm, f"{where} runs several processes on GPUs with the container's 64 MiB /dev/shm; " \
+                            "mount an emptyDir with medium: Memory and a sizeLimit at /dev/shm"
+            for mount in shm:
+                empty = volumes[mount["name"]].get("emptyDir", {})
+                assert empty.get("medium") == "Memory" and empty.get("sizeLimit"), f"{where}: /dev/shm"
+                limit = container.get("resources", {}).get("limits", {}).get("memory")
+                assert limit and quantity_bytes(empty["sizeLimit"]) < quantity_bytes(limit), \
+                    f"{where}: /dev/shm's sizeLimit must stay below the container's memory limit"
+
+
 # the rendering ---------------------------------------------------------------------------
 
 
