@@ -56,3 +56,15 @@ def test_one_gpu_per_pod_on_gpu_nodes_with_their_taint_tolerated(resources):
     assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "--nproc-per-node=1" in container["args"]
+
+
+def test_torchrun_gives_the_ranks_the_pods_grace_period_to_checkpoint(resources):
+    """On SIGTERM torchrun signals the ranks and kills them after its shutdown timeout (30 s unless set); rank 0
+    finishes its step and checkpoints in the pod's grace period, so the timeout takes most of it, ending first."""
+    from torch.distributed.run import get_args_parser
+
+    pod = find(resources, "Job", "rlpipe-learner-group")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    timeout = get_args_parser().parse_args(container["args"]).shutdown_timeout or 30
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace - 30 <= timeout < grace, f"torchrun --shutdown-timeout={timeout} with a grace period of {grace} s"
