@@ -57,9 +57,9 @@ def main() -> None:
 
     follow = distributed_learner.DistributedPolicy.follow
 
-    def counted_follow(policy: distributed_learner.DistributedPolicy) -> int:
+    def counted_follow(policy: distributed_learner.DistributedPolicy, on_step=None) -> int:  # type: ignore[no-untyped-def]
         seen["policy"] = policy
-        seen["steps"] = follow(policy)
+        seen["steps"] = follow(policy, on_step)
         return seen["steps"]
 
     distributed_learner.DistributedPolicy.follow = counted_follow  # type: ignore[method-assign]
