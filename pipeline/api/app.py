@@ -179,25 +179,23 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return JSONResponse({"error": str(exc.detail), "category": "user"}, status_code=exc.status_code)
 
     # ---- client start-up, sessions, telemetry ------------------------------------------------------
+    # calls that read and write nothing are answered on the event loop: never queued behind their tenant's slow calls
     @app.get("/api/v1/healthz")
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.post("/api/v1/client/config")
-    @threaded
-    def client_config(who: Tenant) -> dict[str, Any]:
+    async def client_config(who: TenantKey) -> dict[str, Any]:
         # a split forward_backward's requests sent at once, the first last: how the trainer tells them apart from
         # calls of their own, to undo the whole call if one request fails (consumers.api.worker)
         return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True}
 
     @app.post("/api/v1/client/dynamic_config")
-    @threaded
-    def dynamic_config(who: Tenant) -> dict[str, Any]:
+    async def dynamic_config(who: TenantKey) -> dict[str, Any]:
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
 
     @app.get("/api/v1/get_server_capabilities")
-    @threaded
-    def capabilities(who: Tenant) -> dict[str, Any]:
+    async def capabilities(who: TenantKey) -> dict[str, Any]:
         return {"supported_models": [
             {"model_name": m.name, "max_context_length": m.max_context_length, "trainable": True, "sampleable": True}
             for m in gateway.models.values()]}
@@ -224,8 +222,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         return {"status": "ok"}
 
     @app.post("/api/v1/telemetry")
-    @threaded
-    def telemetry(who: Tenant) -> dict[str, str]:
+    async def telemetry(who: TenantKey) -> dict[str, str]:
         return {"status": "accepted"}
 
     # ---- training calls (futures) -------------------------------------------------------------------

@@ -142,6 +142,42 @@ def test_a_tenant_holding_all_its_worker_threads_does_not_hold_up_another_tenant
     assert held_statuses == [200] * slow_calls
 
 
+def test_calls_that_touch_no_store_are_answered_while_their_tenant_holds_all_its_worker_threads():
+    """Client start-up and telemetry calls read nothing and write nothing: they are answered on the event loop, not
+    queued behind their own tenant's slow calls for one of its worker threads."""
+    store = HeldHeartbeatStore()
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    app = create_app(gateway, Tenants(), poll_hold_s=0.05)
+
+    async def calls() -> tuple[list[int], bool]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            alice = await _session(client, ALICE)
+            store.held.add(alice)
+            held = [asyncio.create_task(client.post("/api/v1/session_heartbeat", headers=ALICE, json={
+                "session_id": alice, "type": "session_heartbeat"})) for _ in range(2 * PER_TENANT)]
+            while store.holding < PER_TENANT:
+                await asyncio.sleep(0.005)
+            answers = [await client.get("/api/v1/healthz"),
+                       await client.get("/api/v1/get_server_capabilities", headers=ALICE),
+                       await client.post("/api/v1/client/config", headers=ALICE, json={}),
+                       await client.post("/api/v1/client/dynamic_config", headers=ALICE, json={}),
+                       await client.post("/api/v1/telemetry", headers=ALICE, json={})]
+            answered_while_held = not store.release.is_set()
+            store.release.set()
+            for call in held:
+                await call
+            return [answer.status_code for answer in answers], answered_while_held
+
+    releaser = threading.Timer(HELD_AT_MOST_S, store.release.set)
+    releaser.start()
+    try:
+        statuses, answered_while_held = asyncio.run(calls())
+    finally:
+        releaser.cancel()
+    assert statuses == [200] * 5
+    assert answered_while_held, "a call that touches no store waited for its tenant's slow calls"
+
+
 def test_many_large_sample_calls_at_once_hold_the_event_loop_for_a_short_time_at_most():
     """A sample call's prompt (up to 8 MiB of JSON) takes pydantic a long time to parse, with the GIL held wherever it
     runs: parsed on the event loop, many such calls at once would hold it for the sum of their parses, and every
