@@ -42,8 +42,8 @@ from typing import Protocol
 
 from pipeline.io.bus import EventFollower
 from pipeline.io.registry import AdapterRegistry, RegistryError
+from pipeline.models import serves_base_model
 from producers.samplers.base import AdapterHandle, Sampler
-from producers.tiny_model import tiny_build
 from schemas.config import BusConfig
 from schemas.events import AdapterPublished
 
@@ -230,15 +230,6 @@ class AdapterWatcher:
         shutil.rmtree(self.cache_dir / self.registry.run_id, ignore_errors=True)
         with contextlib.suppress(OSError):  # another run's versions are still there, or it is gone already
             self.cache_dir.rmdir()
-
-
-def serves_base_model(name: str, base_models: Collection[str]) -> bool:
-    """Whether a version trained on ``name`` (its manifest's base model) fits one of ``base_models``: the same
-    name, or, for the tiny model, whose folder differs between machines, the same build (``tiny_build``)."""
-    if name in base_models:
-        return True
-    build = tiny_build(name)
-    return build is not None and any(tiny_build(model) == build for model in base_models)
 
 
 def sweep_dead_process_caches(cache_root: str | Path, host: str) -> list[Path]:

@@ -48,8 +48,8 @@ from transformers import AutoTokenizer
 from pipeline.config import check_env
 from pipeline.health import HealthServer, PackedRunsHealth
 from pipeline.membership import Comebacks, Left, RunMembership, engine_config, runs_not_stopped
+from pipeline.models import check_same_tiny_build as same_tiny_build
 from pipeline.runtime import StopFlag, open_store
-from producers.adapters import serves_base_model
 from producers.rollout import RolloutWorker, SamplingStreams
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest
 from producers.samplers.engine import engine_for_run
@@ -62,7 +62,7 @@ from producers.service import (
     default_producer_id,
     open_run_producer,
 )
-from producers.tiny_model import default_tiny_dir, resolve_model, tiny_build
+from producers.tiny_model import default_tiny_dir, resolve_model
 from schemas.config import RunConfig, check_sampler_holds_rank
 from schemas.config import check_packable as packable
 
@@ -126,23 +126,11 @@ def check_packable(configs: list[RunConfig]) -> None:
 
 
 def check_same_tiny_build(first: RunConfig, cfg: RunConfig) -> None:
-    """Refuse, in one line, run ``cfg`` whose tiny model (model.base_model 'tiny', equal by name) is another build
-    than the one the engine serves, ``first``'s: its model.tiny_dir folder names the build, compared as the adapter
-    watcher compares a version's base model (``serves_base_model``: the same folder, or the same build in another
-    folder, as a run created on another machine records it)."""
-    if first.model.base_model != "tiny" or cfg.model.base_model != "tiny":
-        return  # other base models are compared by name (check_packable's model.base_model)
-    ours, theirs = _tiny_folder(first), _tiny_folder(cfg)
-    if not serves_base_model(theirs, {ours}):
-        raise ValueError(f"run {cfg.run_id}'s base model is the tiny model in {theirs} (build "
-                         f"{tiny_build(theirs) or 'unknown'}), not the shared engine's (run {first.run_id}'s: {ours}, "
-                         f"build {tiny_build(ours) or 'unknown'}); a packed producer samples every run on one base "
-                         "model: start a producer per base model")
-
-
-def _tiny_folder(cfg: RunConfig) -> str:
-    """The folder of the tiny model ``cfg`` names: model.tiny_dir, else the default build's (as ``resolve_model``)."""
-    return cfg.model.tiny_dir or str(default_tiny_dir())
+    """Refuse, in one line, run ``cfg`` on another tiny model build than the engine's, ``first``'s
+    (``pipeline.models.check_same_tiny_build``; a run naming no model.tiny_dir has the default build's folder, as
+    ``resolve_model`` builds it)."""
+    same_tiny_build(first, cfg, str(default_tiny_dir()),
+                    "a packed producer samples every run on one base model: start a producer per base model")
 
 
 def release_run(run: RunProducer) -> None:

@@ -21,7 +21,9 @@ renamed into place, and a marker file holding the hash of the build parameters
 (written last) says a folder is complete and which parameters made it.
 
 This module holds the build parameters, naming and caching, the model and its
-pre-training; the transcripts and the tokenizer are ``producers.tiny_corpus``.
+pre-training; the transcripts and the tokenizer are ``producers.tiny_corpus``, and
+what names a build (the marker, ``tiny-<hash>``, ``tiny_build``) is
+``pipeline.models``, which the learner side reads too.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import time
 import uuid
@@ -42,7 +43,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.models import check_model_path, record_tiny_model
+from pipeline.models import (  # the build identity (marker, naming, tiny_build) is shared with the learner side
+    MARKER_FILE,
+    check_model_path,
+    read_marker,
+    record_tiny_model,
+    tiny_build,  # noqa: F401  # imported from here by producer code too
+    tiny_folder_name,
+)
 from producers.tiny_corpus import (
     ENDOFTEXT,
     IM_END,
@@ -58,7 +66,6 @@ from schemas.config import ModelConfig
 log = logging.getLogger(__name__)
 
 TINY_FORMAT_VERSION = 1  # bump when the recipe changes: old caches then stop matching
-MARKER_FILE = "rlpipe_tiny_model.json"
 LOSS_FILE = "pretrain_loss.json"
 
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vLLM's CPU attention kernels
@@ -121,26 +128,7 @@ def spec_hash(spec: TinyModelSpec) -> str:
 
 def default_tiny_dir(spec: TinyModelSpec | None = None) -> Path:
     """The cache folder for ``spec`` (default parameters when None): $RLPIPE_HOME/models/tiny-<hash>."""
-    return rlpipe_home() / "models" / f"tiny-{spec_hash(spec or TinyModelSpec())}"
-
-
-def read_marker(folder: str | Path) -> dict[str, Any] | None:
-    """The build record of a complete tiny-model folder, or None when it is missing or unreadable."""
-    try:
-        return json.loads((Path(folder) / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def tiny_build(name: str) -> str | None:
-    """The spec hash of the tiny model in folder ``name``: from its marker when the folder is here, else from the
-    name of a default folder (``tiny-<hash>``, as a learner under another $RLPIPE_HOME records it); None when
-    ``name`` is no tiny model's folder.  Two folders of one hash hold the same build."""
-    marker = read_marker(name)
-    if marker is not None and marker.get("spec_hash"):
-        return str(marker["spec_hash"])
-    found = re.fullmatch(r"tiny-([0-9a-f]{16})", Path(name).name)
-    return found[1] if found else None
+    return rlpipe_home() / "models" / tiny_folder_name(spec_hash(spec or TinyModelSpec()))
 
 
 def _marker_matches(folder: Path, key: str) -> bool:
