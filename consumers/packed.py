@@ -62,7 +62,7 @@ from consumers.sources import KafkaSource
 from pipeline.health import HealthServer, PackedRunsHealth
 from pipeline.io.bus import EventPublisher
 from pipeline.membership import Comebacks, Joined, RunMembership, engine_config, runs_not_stopped
-from pipeline.models import resolve_base_model
+from pipeline.models import check_same_tiny_build, recorded_tiny_dir, resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
 from schemas.config import check_packable as packable
@@ -281,10 +281,15 @@ def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:
 
 # ---- the packed learner process ---------------------------------------------------------------------------------
 def check_packable(configs: list[RunConfig]) -> None:
-    """Refuse, in one line, runs that cannot share one engine and one event log."""
+    """Refuse, in one line, runs that cannot share one engine and one event log: one base model (for the tiny
+    model, one build: a run naming no model.tiny_dir has the folder recorded on this machine, as
+    ``resolve_base_model`` loads it), device and event log."""
     packable(configs, ("model.base_model", "model.dtype", "learner.device", "learner.gradient_checkpointing",
                        "bus.bootstrap_servers", "bus.namespace"),
              "one base model (its gradient checkpointing too), device and event log")
+    for cfg in configs[1:]:
+        check_same_tiny_build(configs[0], cfg, recorded_tiny_dir(),
+                              "a packed learner trains every run on one base model: start a learner per base model")
 
 
 def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,

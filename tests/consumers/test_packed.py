@@ -474,3 +474,47 @@ def test_runs_take_one_pass_each_in_turn_however_far_behind_one_is():
     assert turns == ["behind", "idle", "steady"] * 10
     assert (behind.steps, idle.steps, steady.steps) == (10, 0, 10)
     assert set(idle.poll_timeouts) == {0.0}  # behind had batches delivered at each of idle's turns
+
+
+def test_a_run_on_another_tiny_build_than_the_engines_is_refused_at_start_and_as_it_joins(tmp_path, caplog,
+                                                                                             monkeypatch):
+    """Runs naming model.base_model 'tiny' differ in which tiny model when their model.tiny_dir folders (or, without
+    one, the tiny model recorded on this machine) hold two builds: the engine trains on the first run's, so a run on
+    another build is refused in one line naming both builds and the fix (a learner per base model); at start the
+    process refuses to start, and a run joining later is skipped while the others go on.  The same build in
+    another folder, as a run created on another machine records it, is packed."""
+    from consumers.packed import check_packable
+    from pipeline.membership import RunMembership
+    from pipeline.models import MARKER_FILE, record_tiny_model
+    from tests.pipeline.test_membership import Feed, joined_and_warnings, started
+    from tests.pipeline.test_membership import config as run_config
+
+    engine_dir = tmp_path / "models" / "engine-tiny"
+    engine_dir.mkdir(parents=True)
+    (engine_dir / MARKER_FILE).write_text('{"spec_hash": "0123456789abcdef"}')
+    elsewhere = "/home/someone/.rlpipe/models/tiny-0123456789abcdef"  # the same build, on the machine that made it
+    other = "/home/someone/.rlpipe/models/tiny-fedcba9876543210"  # a build of other parameters
+    store = ObjectStore(tmp_path.as_uri())
+    engine = run_config("base", model={"tiny_dir": str(engine_dir)}, store={"root": store.root})
+    with pytest.raises(ValueError, match="fedcba9876543210") as refused:
+        check_packable([engine, run_config("b", model={"tiny_dir": other})])
+    message = str(refused.value)
+    assert "0123456789abcdef" in message and "learner per base model" in message and "\n" not in message
+    check_packable([engine, run_config("c", model={"tiny_dir": elsewhere})])
+
+    recorded = tmp_path / "home" / "models" / "built-here"  # the default tiny model this machine built
+    recorded.mkdir(parents=True)
+    (recorded / MARKER_FILE).write_text('{"spec_hash": "fedcba9876543210"}')
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    record_tiny_model(recorded)
+    with pytest.raises(ValueError, match="fedcba9876543210"):
+        check_packable([engine, run_config("d")])  # no tiny_dir: the recorded build, not the engine's
+
+    feed = Feed()
+    membership = RunMembership("exp-*", engine, store, check_packable, follower=feed)
+    feed.put("exp-1", started(store, run_config("exp-1", model={"tiny_dir": other})))
+    feed.put("exp-2", started(store, run_config("exp-2", model={"tiny_dir": elsewhere})))
+    joined, warnings = joined_and_warnings(membership, caplog)
+    assert joined == ["exp-2"]
+    assert "run exp-1 cannot join" in warnings and "fedcba9876543210" in warnings and "0123456789abcdef" in warnings
+    assert all("\n" not in record.getMessage() for record in caplog.records)
