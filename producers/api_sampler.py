@@ -309,7 +309,7 @@ class SamplerWorker:
         adapter = None if key is None else await self._acquire(key)
         started, wall = time.perf_counter(), time.time()
         try:
-            result = await self._sample_in_rounds(request.prompt.to_ints(), adapter, params)
+            result = await self._sample_in_rounds(request.prompt.to_ints(), adapter, params, call.tenant)
         finally:
             if key is not None:
                 self._in_use[key] -= 1
@@ -324,17 +324,18 @@ class SamplerWorker:
         return encode_sample_response(SampleResult(sequences, prompt_logprobs))
 
     async def _sample_in_rounds(self, prompt: list[int], adapter: AdapterHandle | None,
-                                params: SampleParams) -> SampleResult:
+                                params: SampleParams, tenant: str) -> SampleResult:
         """``params.num_samples`` samples, at most ``CALL_ROUND_SAMPLES`` in the engine at a time: a call of many
         samples takes turns with the calls that arrive meanwhile instead of holding the engine until it ends.
-        Round k draws streams k * CALL_ROUND_SAMPLES on, so a seeded call draws what it would in one piece."""
+        Round k draws streams k * CALL_ROUND_SAMPLES on, so a seeded call draws what it would in one piece.
+        Each round is ``tenant``'s (the engine's ``owner``): a tenant's many calls take turns with another's."""
         sequences: list[SampleOutput] = []
         prompt_logprobs = None
         for first in range(0, params.num_samples, CALL_ROUND_SAMPLES):
             part = dataclasses.replace(params, num_samples=min(CALL_ROUND_SAMPLES, params.num_samples - first),
                                        first_stream=params.first_stream + first,
                                        prompt_logprobs=params.prompt_logprobs and first == 0)
-            result = await self.engine.sample(prompt, adapter, part)
+            result = await self.engine.sample(prompt, adapter, part, owner=tenant)
             sequences += result.sequences
             prompt_logprobs = result.prompt_logprobs if first == 0 else prompt_logprobs
         return SampleResult(sequences, prompt_logprobs)

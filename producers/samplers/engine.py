@@ -109,9 +109,15 @@ class SamplingEngine(abc.ABC):
 
     @abc.abstractmethod
     async def sample(
-        self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
+        self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams,
+        *, owner: str | None = None,
     ) -> SampleResult:
         """Continue ``prompt_token_ids`` ``params.num_samples`` times with ``adapter`` (None = the base model).
+
+        ``owner`` names who the call is for (the API's tenant; None: nobody in particular). It never changes
+        what is drawn, only the order an engine that queues calls serves them in: the transformers engine
+        takes turns between owners whose calls would share a batch, so one owner's many calls do not hold
+        another's behind them all.  vLLM, which takes every request into its running batch, ignores it.
 
         A request that fails (an adapter that cannot be loaded, a prompt that does
         not fit) raises in its own caller only; the others keep running.
@@ -312,9 +318,11 @@ class VLLMEngine(SamplingEngine):
 
     # ---- sampling ----------------------------------------------------------------
     async def sample(
-        self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
+        self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams,
+        *, owner: str | None = None,
     ) -> SampleResult:
-        """One vLLM request per sample (each with its own seed), all submitted at once; see ``SamplingEngine``."""
+        """One vLLM request per sample (each with its own seed), all submitted at once; see ``SamplingEngine``
+        (``owner`` is not needed: continuous batching holds no call behind another's queue)."""
         budget = self.token_budget(prompt_token_ids, params)
         if adapter is None:
             lora = await self._base_request()

@@ -2,7 +2,8 @@
 
 Calls that wait together and share the adapter and the sampling settings are decoded
 as one batch in a worker thread, up to ``max_batch_sequences`` sequences a batch, the groups
-of such calls taking turns; the conventions are the engine's (``producers.samplers.engine``).
+of such calls taking turns and, within a group, the owners of its calls (the API's tenants);
+the conventions are the engine's (``producers.samplers.engine``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class _Waiting:
     result: asyncio.Future[SampleResult]
     key: tuple[Any, ...]  # ``batch_key``: calls with equal keys can share a batch
     arrival: int  # the engine's round when it was submitted (one counter with the rounds batches are served in)
+    owner: str | None = None  # who it is for (the API's tenant): owners take turns within a group
 
 
 def batch_key(adapter: AdapterHandle | None, params: SampleParams, engine: SamplingEngine) -> tuple[Any, ...]:
@@ -54,7 +56,10 @@ class TransformersEngine(SamplingEngine):
     rest wait for the next.  Each batch goes to the group that has waited longest (since it was
     last served, or since its oldest call arrived), so one caller's many waiting calls take
     turns with another's calls of other weights or settings instead of holding them, and a
-    stream of new groups (a new adapter version each step) does not starve an older one.  Every
+    stream of new groups (a new adapter version each step) does not starve an older one.  Inside
+    a group the calls' owners (``sample``'s ``owner``: the API sampler passes the tenant) take
+    turns by the same rule, each owner's calls oldest first, so two tenants sampling the same
+    weights alike do not share one queue in which the first one's burst holds the other.  Every
     sample draws from its own seed, so a call's tokens do not depend on what else runs;
     its logprobs agree with the call alone within float rounding.  It is the readable
     reference and the backend for machines without vLLM, not a continuous-batching engine.
@@ -82,10 +87,13 @@ class TransformersEngine(SamplingEngine):
         self._serving: dict[tuple[str, int], AdapterHandle] = {}  # (run, version) -> the sampler's handle of it
         self._names = itertools.count(1)  # its peft adapter names: never reused in this engine
         self._served: dict[tuple[Any, ...], int] = {}  # batch key of a waiting group -> the round it was last served
-        self._rounds = itertools.count()  # one clock for calls arriving and groups being served
+        # (batch key, owner) of calls waiting -> the round that owner's last call of that group was taken
+        self._owner_served: dict[tuple[tuple[Any, ...], str | None], int] = {}
+        self._rounds = itertools.count()  # one clock for calls arriving, groups served and owners' calls taken
 
     async def sample(
-        self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams
+        self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams,
+        *, owner: str | None = None,
     ) -> SampleResult:
         budget = self.token_budget(prompt_token_ids, params)
         if adapter is not None:
@@ -94,7 +102,7 @@ class TransformersEngine(SamplingEngine):
                 await self.load_adapter(adapter)  # a refused adapter fails here, and its (run, version) stays free
             adapter = self._own(adapter)
         waiting = _Waiting(list(prompt_token_ids), adapter, params, budget, asyncio.get_running_loop().create_future(),
-                           batch_key(adapter, params, self), next(self._rounds))
+                           batch_key(adapter, params, self), next(self._rounds), owner)
         self._waiting.append(waiting)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
@@ -127,8 +135,8 @@ class TransformersEngine(SamplingEngine):
                 _settle(one, result=result)
 
     def _next_batch(self) -> list[_Waiting]:
-        """Take the next batch out of the waiting calls: the oldest calls of the group that has waited longest, up
-        to ``max_batch_sequences`` sequences and at least one call.
+        """Take the next batch out of the waiting calls: calls of the group that has waited longest, up to
+        ``max_batch_sequences`` sequences and at least one call, its owners taking turns (``_take_turns``).
 
         A group has waited since the round it was last served, or, when not served since it last had calls
         waiting, since its oldest waiting call arrived; arrivals and serves count on one clock, so the groups take
@@ -139,14 +147,38 @@ class TransformersEngine(SamplingEngine):
         key = min(groups, key=lambda k: self._served.get(k, groups[k][0].arrival))  # every round is a new number
         self._served = {k: served for k, served in self._served.items() if k in groups}
         self._served[key] = next(self._rounds)
-        batch, sequences = [], 0
-        for waiting in groups[key]:
+        waiting_owners = {(waiting.key, waiting.owner) for waiting in self._waiting}
+        self._owner_served = {k: served for k, served in self._owner_served.items() if k in waiting_owners}
+        batch = self._take_turns(key, groups[key])
+        taken = {id(waiting) for waiting in batch}
+        self._waiting = [waiting for waiting in self._waiting if id(waiting) not in taken]
+        return batch
+
+    def _take_turns(self, key: tuple[Any, ...], group: list[_Waiting]) -> list[_Waiting]:
+        """The batch of ``group`` (its calls in arrival order): one call at a time from the owner that has waited
+        longest in it, by the groups' rule (since that owner's last call was taken, or since its oldest waiting
+        call arrived), each owner's calls oldest first, until the next call would pass ``max_batch_sequences``.
+
+        So owners sharing weights and settings (two tenants sampling the base model alike) take turns call by
+        call, and one owner's many waiting calls hold another's for at most one call of each; calls without an
+        owner are one owner's, oldest first."""
+        queues: dict[str | None, list[_Waiting]] = {}
+        for waiting in group:
+            queues.setdefault(waiting.owner, []).append(waiting)
+        turns = {owner: self._owner_served.get((key, owner), queue[0].arrival) for owner, queue in queues.items()}
+        batch: list[_Waiting] = []
+        sequences = 0
+        while turns:
+            owner = min(turns, key=turns.__getitem__)  # every round is a new number: no ties
+            waiting = queues[owner][0]
             if batch and sequences + waiting.params.num_samples > self.max_batch_sequences:
                 break
             batch.append(waiting)
             sequences += waiting.params.num_samples
-        taken = {id(waiting) for waiting in batch}
-        self._waiting = [waiting for waiting in self._waiting if id(waiting) not in taken]
+            del queues[owner][0]
+            turns[owner] = self._owner_served[(key, owner)] = next(self._rounds)
+            if not queues[owner]:
+                del turns[owner]
         return batch
 
     def _sample_blocking(self, batch: list[_Waiting]) -> list[SampleResult]:

@@ -84,9 +84,10 @@ class SyncSampler(Sampler):
             raise RuntimeError("SyncSampler.call from the engine's own loop would deadlock; await the engine instead")
         return self.start(coroutine).result()
 
-    def sample(self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams) -> SampleResult:
+    def sample(self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams,
+               owner: str | None = None) -> SampleResult:
         """``SamplingEngine.sample``, blocking."""
-        return self.call(self.engine.sample(prompt_token_ids, adapter, params))
+        return self.call(self.engine.sample(prompt_token_ids, adapter, params, owner=owner))
 
     def generate(
         self,

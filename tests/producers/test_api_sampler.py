@@ -429,16 +429,19 @@ def test_a_call_that_failed_is_not_sampled_again_when_the_log_brings_it(harness)
 
 def test_a_call_of_many_samples_runs_in_rounds_that_let_another_call_in(harness, monkeypatch):
     """One tenant's call of 40 samples holds at most CALL_ROUND_SAMPLES sequences of the engine at a time, so a
-    small call that arrives with it starts before the big one's last round; seeded, it draws the same samples."""
+    small call that arrives with it starts before the big one's last round; seeded, it draws the same samples.
+    Every round is the tenant's (the engine's owner), so the engine takes turns between tenants."""
     from producers import api_sampler
 
     sampler_id = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
     calls: list[tuple[int, int]] = []  # (num_samples, first_stream) of every engine call, in order
+    owners: set[str | None] = set()
     sample = harness.engine.sample
 
-    async def recorded(prompt, adapter, params):
+    async def recorded(prompt, adapter, params, owner=None):
         calls.append((params.num_samples, params.first_stream))
-        return await sample(prompt, adapter, params)
+        owners.add(owner)
+        return await sample(prompt, adapter, params, owner=owner)
 
     monkeypatch.setattr(harness.engine, "sample", recorded)
     big, small = _request([], seed=5, num_samples=40, prompt_logprobs=True), _request([], seed=6, num_samples=1)
@@ -447,6 +450,7 @@ def test_a_call_of_many_samples_runs_in_rounds_that_let_another_call_in(harness,
     assert max(n for n, _ in calls) <= api_sampler.CALL_ROUND_SAMPLES < 40
     assert sum(n for n, _ in rounds) == 40 and [first for _, first in rounds] == sorted(first for _, first in rounds)
     assert calls.index((1, 0)) < len(calls) - 1  # the small call did not wait for the whole big one
+    assert owners == {TENANT}
     whole = deserialize_sample_response(results[0][0])
     assert len(whole.sequences) == 40 and len(whole.prompt_logprobs) == 3
     again = harness.run([harness.sample(sampler_id, 2, big)])[0]

@@ -308,6 +308,47 @@ def test_a_call_of_other_settings_is_not_held_behind_many_waiting_calls(hf_engin
     assert finished.index(10) < finished.index(9), finished  # before the last of the calls queued ahead of it
 
 
+def test_owners_of_one_group_take_turns_so_one_owner_s_many_calls_do_not_hold_another_s(hf_engine, prompts,
+                                                                                          monkeypatch) -> None:
+    """Two owners (the API's tenants) sampling the base model alike share a group: a's eight calls of 16 samples
+    wait, then b's one small call.  Owners take turns inside the group, so b's call is decoded in the second batch,
+    not after all of a's; a's calls still run oldest first, and calls without an owner are one owner's."""
+    hf, batches = hf_engine.engine.sampler, []
+    original = hf.continue_prompts
+
+    def recording(calls, adapter, *args, **kwargs):
+        batches.append([call.seeds[0] for call in calls])  # each call's first seed names it
+        return original(calls, adapter, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "continue_prompts", recording)
+    params = [SampleParams(2, num_samples=16, temperature=0.9, seed=i) for i in range(8)]
+    small = SampleParams(2, temperature=0.9, seed=99)
+    first_seed = {p.seeds()[0]: i for i, p in enumerate([*params, small])}  # seed -> call index (b's is 8)
+    finished: list[int] = []
+
+    async def noted(index: int, sample_params: SampleParams, owner: str | None) -> SampleResult:
+        result = await hf_engine.engine.sample(prompts[index % 3], None, sample_params, owner=owner)
+        finished.append(index)
+        return result
+
+    async def every() -> list[SampleResult]:
+        return await asyncio.gather(*(noted(i, p, "a") for i, p in enumerate(params)), noted(8, small, "b"))
+
+    results = hf_engine.call(every())
+    assert [len(r.sequences) for r in results] == [16] * 8 + [1]
+    order = [first_seed[seed] for batch in batches for seed in batch]
+    assert order.index(8) <= 1, batches  # b's call in the first or second batch
+    assert [i for i in order if i != 8] == list(range(8))  # a's calls oldest first
+    assert finished.index(8) <= 1, finished
+
+    async def unowned() -> list[SampleResult]:
+        return await asyncio.gather(*(noted(i, p, None) for i, p in enumerate(params[:3])), noted(8, small, None))
+
+    batches.clear()  # no owner: one queue, oldest first, as before owners existed
+    hf_engine.call(unowned())
+    assert [first_seed[seed] for batch in batches for seed in batch] == [0, 1, 2, 8], batches
+
+
 def test_the_batch_cap_is_settable_and_one_caller_still_gets_whole_batches(hf_engine, prompts, monkeypatch) -> None:
     """Six waiting one-sample calls of one group under a cap of 4 sequences: a batch of 4, then of 2; a call of
     more samples than the cap runs whole, as a batch of its own."""
