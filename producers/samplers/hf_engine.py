@@ -9,6 +9,7 @@ the conventions are the engine's (``producers.samplers.engine``).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 from dataclasses import dataclass, replace
 from typing import Any
@@ -96,14 +97,15 @@ class TransformersEngine(SamplingEngine):
         *, owner: str | None = None,
     ) -> SampleResult:
         budget = self.token_budget(prompt_token_ids, params)
+        arrival = next(self._rounds)  # its place in the turns: a load of its adapter first does not lose it
         if adapter is not None:
             adapter.check_folder()
             if (adapter.run, adapter.version) not in self._serving:
                 await self.load_adapter(adapter)  # a refused adapter fails here, and its (run, version) stays free
             adapter = self._own(adapter)
         waiting = _Waiting(list(prompt_token_ids), adapter, params, budget, asyncio.get_running_loop().create_future(),
-                           batch_key(adapter, params, self), next(self._rounds), owner)
-        self._waiting.append(waiting)
+                           batch_key(adapter, params, self), arrival, owner)
+        bisect.insort(self._waiting, waiting, key=lambda one: one.arrival)  # kept in arrival order
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await waiting.result
