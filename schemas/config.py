@@ -162,6 +162,14 @@ class SamplerConfig(_Section):
     gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0, description="vLLM memory share (KV cache on CPU)")
     max_loras: int = Field(3, ge=1, le=64, description="adapter versions kept loaded (>= max_staleness + 1)")
     max_lora_rank: LoraRankSlot = Field(8, description="vLLM LoRA rank slot")
+    max_batch_sequences: int | None = Field(
+        None, ge=1, le=4096, description=(
+            "transformers backend: the most sequences decoded together, as one batch of waiting calls that share "
+            "the weights and sampling settings (a call of more runs whole, alone); a smaller batch lets other "
+            "callers' calls in sooner, a larger one decodes more per step. None = 16 (the transformers "
+            "sampler's decode batch). vLLM batches continuously and ignores it"
+        ),
+    )
     seed: int = Field(0, ge=0, description="sampling seed")
 
 

@@ -53,7 +53,8 @@ class TransformersEngine(SamplingEngine):
 
     Calls that wait together and share the adapter and the sampling settings (temperature,
     top-p, top-k, stop ids) are decoded as one batch of at most ``max_batch_sequences`` sequences
-    (default: the sampler's decode batch, ``max_batch``; a call of more runs whole, alone); the
+    (the argument, else ``SamplerConfig.max_batch_sequences``, which also sets the sampler's decode
+    batch; default: the sampler's decode batch, ``max_batch``; a call of more runs whole, alone); the
     rest wait for the next.  Each batch goes to the group that has waited longest (since it was
     last served, or since its oldest call arrived), so one caller's many waiting calls take
     turns with another's calls of other weights or settings instead of holding them, and a
@@ -78,8 +79,11 @@ class TransformersEngine(SamplingEngine):
         if max_batch_sequences is not None and max_batch_sequences < 1:
             raise ValueError(f"max_batch_sequences must be at least 1 (or None: the sampler's max_batch), "
                              f"got {max_batch_sequences}")
+        cap = max_batch_sequences or (config.max_batch_sequences if config is not None else None)
+        if cap is not None:
+            kwargs.setdefault("max_batch", cap)  # the sequences of a batch decode together, not in pieces of 16
         self.sampler = TransformersSampler(model_path, config, **kwargs)
-        self.max_batch_sequences = max_batch_sequences or self.sampler.max_batch
+        self.max_batch_sequences = cap or self.sampler.max_batch
         self.eos_token_id = self.sampler.eos_token_id
         self.vocab_size = self.sampler.vocab_size
         self.max_model_len = self.sampler.max_model_len

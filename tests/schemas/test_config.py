@@ -101,3 +101,12 @@ def test_a_discount_the_advantage_never_reads_is_refused(advantage):
     for kind in ("return_to_go", "gae"):
         assert LearnerConfig(advantage=kind, discount=0.9).discount == 0.9
     assert LearnerConfig(advantage=advantage, discount=1.0).discount == 1.0
+
+
+def test_the_transformers_batch_cap_is_a_sampler_setting_bounded_in_one_line():
+    """``sampler.max_batch_sequences``: None (the transformers sampler's decode batch) unless set; 0 is refused."""
+    assert RunConfig().sampler.max_batch_sequences is None
+    assert resolve_config(overrides=["sampler.max_batch_sequences=32"]).sampler.max_batch_sequences == 32
+    with pytest.raises(ConfigError) as info:
+        resolve_config(overrides=["sampler.max_batch_sequences=0"])
+    assert "sampler.max_batch_sequences" in str(info.value) and "\n" not in str(info.value)

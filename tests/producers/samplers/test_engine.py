@@ -370,6 +370,21 @@ def test_the_batch_cap_is_settable_and_one_caller_still_gets_whole_batches(hf_en
         TransformersEngine("never-loaded", max_batch_sequences=0)  # refused before loading
 
 
+def test_the_batch_cap_comes_from_the_sampler_config_through_the_engine_factory(tiny_trained_dir) -> None:
+    """``sampler.max_batch_sequences`` reaches the transformers engine that ``make_engine`` builds, and the sampler
+    decodes that many sequences together (not in pieces of its default 16); the engine's argument wins."""
+    configured = make_engine("transformers", str(tiny_trained_dir), SamplerConfig(max_batch_sequences=40))
+    try:
+        assert (configured.max_batch_sequences, configured.sampler.max_batch) == (40, 40)
+    finally:
+        configured.close()
+    given = TransformersEngine(str(tiny_trained_dir), SamplerConfig(max_batch_sequences=40), max_batch_sequences=3)
+    try:
+        assert (given.max_batch_sequences, given.sampler.max_batch) == (3, 3)
+    finally:
+        given.close()
+
+
 def test_a_group_of_waiting_calls_is_not_starved_by_a_stream_of_new_groups(hf_engine, prompts,
                                                                           monkeypatch) -> None:
     """Twenty one-sample calls of one group wait under a cap of 4 sequences (5 batches), and before every batch a
