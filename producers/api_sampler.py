@@ -79,7 +79,7 @@ from pipeline.topics import API_TOPIC_KINDS
 from producers.samplers.base import AdapterHandle, SampleOutput
 from producers.samplers.engine import SampleParams, SampleResult, SamplingEngine
 from schemas.api import ApiError, ApiRequestAccepted, result_path
-from schemas.config import BusConfig
+from schemas.config import MAX_BATCH_SEQUENCES, BusConfig, SamplerConfig
 
 log = logging.getLogger("rlpipe.api.sampler")
 SAMPLING_OPS = ("sample",)
@@ -412,6 +412,17 @@ def engine_options(backend: str, max_adapters: int) -> dict[str, Any]:
     return {"max_cpu_loras": max_adapters} if backend == "vllm" else {}
 
 
+def sampler_config(backend: str, max_lora_rank: int | None = None,
+                   max_batch_sequences: int | None = None) -> SamplerConfig:
+    """The engine's ``SamplerConfig`` from the sampler's options (None: the config's default)."""
+    config = SamplerConfig(backend=backend)
+    if max_lora_rank:
+        config = config.model_copy(update={"max_lora_rank": max_lora_rank})
+    if max_batch_sequences is not None:
+        config = config.model_copy(update={"max_batch_sequences": max_batch_sequences})
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m producers.api_sampler --base-model PATH --store URL --bootstrap HOST:PORT [--backend B]``."""
     from transformers import AutoTokenizer
@@ -419,23 +430,28 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.io.bus import group_timings_from_env
     from pipeline.runtime import StopFlag
     from producers.samplers.engine import make_engine
-    from schemas.config import LORA_RANK_SLOTS, SamplerConfig
+    from schemas.config import LORA_RANK_SLOTS
 
     parser = engine_arguments("rlpipe-api-sampler", main.__doc__)
     parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
     parser.add_argument("--max-lora-rank", type=int, default=None, choices=LORA_RANK_SLOTS,
                         help="--backend vllm: the largest adapter rank it loads (default: the sampler config's)")
+    parser.add_argument("--max-batch-sequences", type=int, default=None,
+                        help="--backend transformers: the most sequences decoded together, as one batch of calls "
+                             "sharing weights and settings (default 16; sampler.max_batch_sequences)")
     parser.add_argument("--max-adapters", type=int, default=DEFAULT_MAX_ADAPTERS,
                         help="adapter versions kept loaded (least recently sampled out first)")
     parser.add_argument("--direct-port", type=int, default=None,
                         help="also take calls straight from the gateway on 127.0.0.1:PORT (pipeline.api.direct)")
     args = parser.parse_args(argv)
+    if args.max_batch_sequences is not None and args.backend != "transformers":
+        parser.error("--max-batch-sequences is the transformers backend's (vLLM batches continuously); drop it")
+    if args.max_batch_sequences is not None and not 1 <= args.max_batch_sequences <= MAX_BATCH_SEQUENCES:
+        parser.error(f"--max-batch-sequences must be from 1 to {MAX_BATCH_SEQUENCES}, got {args.max_batch_sequences}")
     bus = engine_setup(args, log)
     ready = engine_health(args)
     log.info("initialising the %s sampling engine for %s", args.backend, args.base_model)
-    config = SamplerConfig(backend=args.backend)
-    if args.max_lora_rank:
-        config = config.model_copy(update={"max_lora_rank": args.max_lora_rank})
+    config = sampler_config(args.backend, args.max_lora_rank, args.max_batch_sequences)
     engine = make_engine(args.backend, args.base_model, config, **engine_options(args.backend, args.max_adapters))
     tokenizer = AutoTokenizer.from_pretrained(args.base_model)
     ready.add("engine loaded")

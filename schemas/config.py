@@ -111,6 +111,7 @@ class EnvSpec(_Section):
 
 LoraRankSlot = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]  # the max_lora_rank values vLLM accepts
 LORA_RANK_SLOTS: tuple[int, ...] = get_args(LoraRankSlot)
+MAX_BATCH_SEQUENCES = 4096  # sampler.max_batch_sequences' bound
 
 
 def lora_rank_slot(rank: int) -> int:
@@ -163,7 +164,7 @@ class SamplerConfig(_Section):
     max_loras: int = Field(3, ge=1, le=64, description="adapter versions kept loaded (>= max_staleness + 1)")
     max_lora_rank: LoraRankSlot = Field(8, description="vLLM LoRA rank slot")
     max_batch_sequences: int | None = Field(
-        None, ge=1, le=4096, description=(
+        None, ge=1, le=MAX_BATCH_SEQUENCES, description=(
             "transformers backend: the most sequences decoded together, as one batch of waiting calls that share "
             "the weights and sampling settings (a call of more runs whole, alone); a smaller batch lets other "
             "callers' calls in sooner, a larger one decodes more per step. None = 16 (the transformers "

@@ -28,6 +28,7 @@ import typer
 from pipeline.cli.common import EXIT_FAILURE, EXIT_USAGE, console, fail, handle_user_errors, reachable_store
 from pipeline.cli.options import SetOpt, run_config, setup_logging
 from pipeline.devstack.process import free_port, stop_processes
+from schemas.config import MAX_BATCH_SEQUENCES
 
 if TYPE_CHECKING:
     from pipeline.io.store import ObjectStore
@@ -56,14 +57,17 @@ def trainer_command(base_model: str, store_root: str, bootstrap: str, namespace:
 
 def sampler_command(base_model: str, store_root: str, bootstrap: str, namespace: str, backend: str,
                     direct_port: int | None = None, max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
-                    health_port: int | None = None) -> list[str]:
+                    health_port: int | None = None, max_batch_sequences: int | None = None) -> list[str]:
     """The argv of one sampler process (one per base model); ``direct_port``: its direct endpoint;
     ``max_lora_rank``: the largest adapter rank a vLLM sampler loads; ``health_port``: where it serves
-    /healthz and /readyz (none if None)."""
+    /healthz and /readyz (none if None); ``max_batch_sequences``: a transformers sampler's batch (its
+    default if None)."""
     command = [sys.executable, "-m", "producers.api_sampler", "--base-model", base_model, "--store", store_root,
                "--bootstrap", bootstrap, "--namespace", namespace, "--backend", backend]
     if backend == "vllm":
         command += ["--max-lora-rank", str(max_lora_rank)]
+    if max_batch_sequences is not None:
+        command += ["--max-batch-sequences", str(max_batch_sequences)]
     if direct_port:
         command += ["--direct-port", str(direct_port)]
     return command + (["--health-port", str(health_port)] if health_port else [])
@@ -130,6 +134,10 @@ def serve(
     max_lora_rank: Annotated[int, typer.Option(
         help="--sampler vllm: the largest LoRA rank it samples (vLLM reserves a slot this wide per adapter; "
              "one of 1, 8, 16, 32, 64, 128, 256, 320, 512).")] = DEFAULT_MAX_LORA_RANK,
+    max_batch_sequences: Annotated[int | None, typer.Option(
+        min=1, max=MAX_BATCH_SEQUENCES, help="--sampler transformers, --role all|sampler: the most sequences a sampler decodes "
+                              "together, as one batch of calls sharing weights and settings; smaller lets other "
+                              "tenants' calls in sooner (default 16).")] = None,
     direct_port: Annotated[int | None, typer.Option(
         min=1, max=65535, help="--role sampler: also take calls straight from a gateway on 127.0.0.1:PORT "
                                "(PORT+1, ... for further base models).")] = None,
@@ -167,6 +175,9 @@ def serve(
     if max_lora_rank not in LORA_RANK_SLOTS:
         fail(f"--max-lora-rank {max_lora_rank} is not a vLLM rank slot; use one of "
              f"{', '.join(map(str, LORA_RANK_SLOTS))}", EXIT_USAGE)
+    if max_batch_sequences is not None and (sampler != "transformers" or role not in ("all", "sampler")):
+        fail("--max-batch-sequences is the transformers sampler's (vLLM batches continuously); use it with "
+             "--sampler transformers and --role all or sampler", EXIT_USAGE)
     if direct_sampler and role != "gateway":
         fail("--direct-sampler is for --role gateway; --role all wires its samplers itself", EXIT_USAGE)
     bad = [url for url in direct_sampler or [] if not url.startswith(("http://", "https://"))]
@@ -215,7 +226,8 @@ def serve(
     direct_ports = ({m: free_port() for m in models} if role == "all"
                     else {m: direct_port + i for i, m in enumerate(models)} if direct_port else {})
     engines += [(f"sampler for {m}", sampler_command(m, store.root, bus.bootstrap_servers, bus.namespace, sampler,
-                                                     direct_ports.get(m), max_lora_rank, health_ports.get(m)))
+                                                     direct_ports.get(m), max_lora_rank, health_ports.get(m),
+                                                     max_batch_sequences))
                 for m in models] if role in ("all", "sampler") else []
     if role in ("trainer", "sampler"):  # one role per process: its supervisor (Kubernetes) starts it again
         workers = [start_engine(command, env) for _, command in engines]

@@ -160,6 +160,17 @@ def test_serve_refuses_a_max_lora_rank_vllm_has_no_slot_for():
     assert "--max-lora-rank 24 is not a vLLM rank slot; use one of 1, 8, 16, 32" in " ".join(result.output.split())
 
 
+def test_the_samplers_batch_cap_reaches_a_transformers_sampler_and_is_refused_elsewhere():
+    command = sampler_command("/m", "file:///s", "h:1", "ns", "transformers", max_batch_sequences=8)
+    assert command[-2:] == ["--max-batch-sequences", "8"]
+    assert "--max-batch-sequences" not in sampler_command("/m", "file:///s", "h:1", "ns", "transformers")
+    for args in (["--sampler", "vllm"], ["--role", "trainer"], ["--role", "gateway"]):
+        result = runner.invoke(app, ["serve", *args, "--max-batch-sequences", "8"])
+        assert result.exit_code == 2, args
+        assert "--max-batch-sequences is the transformers sampler's" in " ".join(result.output.split()), args
+    assert runner.invoke(app, ["serve", "--max-batch-sequences", "0"]).exit_code == 2
+
+
 def test_serve_stops_its_engines_and_kills_one_that_ignores_the_request():
     """An engine whose broker went away first can hang in its shutdown; serve must not leave it running."""
     import subprocess

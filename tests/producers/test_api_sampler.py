@@ -106,6 +106,20 @@ def test_the_sample_response_is_what_the_sdk_decodes():
     assert decoded.prompt_logprobs == [None, -2.0, -0.5]
 
 
+def test_the_batch_cap_option_reaches_the_engines_config_and_is_refused_in_one_line(capsys):
+    from producers.api_sampler import main, sampler_config
+
+    assert sampler_config("transformers", None, 8).max_batch_sequences == 8
+    assert sampler_config("transformers").max_batch_sequences is None  # the engine's default (16)
+    assert sampler_config("vllm", 64).max_lora_rank == 64
+    required = ["--base-model", "/m", "--store", "file:///s", "--bootstrap", "h:1"]
+    for extra, message in ((["--backend", "vllm", "--max-batch-sequences", "8"], "the transformers backend's"),
+                           (["--max-batch-sequences", "0"], "must be from 1 to 4096, got 0")):
+        with pytest.raises(SystemExit) as info:
+            main([*required, *extra])  # refused before the engine loads
+        assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 class Harness:
     """A gateway publishing for real, a trainer and a sampler (transformers) reading the same namespace."""
 
