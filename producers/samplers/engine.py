@@ -29,7 +29,8 @@ Conventions, the same on every backend:
 
 ``TransformersEngine`` (hf_engine.py) puts the plain transformers sampler behind the same
 coroutine (compatible calls that wait together decoded as one capped batch in a worker
-thread, the groups of them taking turns: it is the reference, not the fast path).  ``SyncSampler`` (sync.py) runs an engine on its own event loop
+thread, the groups of them taking turns, and within a group the calls' owners: it is the
+reference, not the fast path).  ``SyncSampler`` (sync.py) runs an engine on its own event loop
 in a thread and is a ``Sampler``, so thread-based callers keep calling
 ``generate`` while their requests join the same batch.
 """
