@@ -53,6 +53,7 @@ from pipeline.config import (
     validation_message,
 )
 from pipeline.io.store import ObjectStore
+from pipeline.models import check_same_tiny_build, recorded_tiny_dir
 from schemas.config import RunConfig, check_packable, check_sampler_holds_rank, step_budget
 from schemas.names import validate_name
 
@@ -214,6 +215,7 @@ def packed_configs(kinds: list[tuple[str | None, str | None]], overrides: list[s
                .model_copy(update={"run_id": ids[k][i]}) for k in range(len(kinds)) for i in range(len(ids[k]))]
     try:
         check_packable(configs, PACKED_SHARED, "one base model, device, sampling engine and event log")
+        check_one_tiny_build(configs)
         for config in configs[1:]:  # the producers' one engine takes the first run's sampler settings
             check_sampler_holds_rank(configs[0].sampler, config.learner.lora_rank, config.run_id,
                                      f"the shared engine's (run {configs[0].run_id}'s)")
@@ -221,6 +223,25 @@ def packed_configs(kinds: list[tuple[str | None, str | None]], overrides: list[s
         raise ConfigError(str(exc)) from None
     widest = max(c.num_producers for c in configs)
     return [c.model_copy(update={"num_producers": widest}) for c in configs]
+
+
+def check_one_tiny_build(configs: list[RunConfig]) -> None:
+    """Refuse, in one line, packed runs on two builds of the tiny model (model.base_model 'tiny' in each, so equal
+    by name), as the packed producer and learner would each refuse them once started
+    (``pipeline.models.check_same_tiny_build``).
+
+    Each side has its own folder for a run naming no model.tiny_dir: the producers the default build's, which the
+    launcher builds and records for the first run when it names none; the learner the folder recorded on this
+    machine, which stays as it is when the first run names a folder of its own.
+    """
+    from producers.tiny_model import default_tiny_dir
+
+    built = str(default_tiny_dir())
+    recorded = recorded_tiny_dir() if configs[0].model.tiny_dir else built
+    for default_dir in dict.fromkeys((built, recorded)):
+        for config in configs[1:]:
+            check_same_tiny_build(configs[0], config, default_dir,
+                                  "packed runs share one base model: start one rlpipe run per tiny model build")
 
 
 def run_stem(preset: str | None, config_file: str | None, overrides: list[str], name: str | None,

@@ -340,3 +340,62 @@ def test_a_resume_that_changes_what_defines_the_run_is_refused_before_anything_s
     changed = _run("--resume", "kept", "--set", "env.name=sokoban")
     assert changed.exit_code == 2 and len(changed.output.strip().splitlines()) == 1, changed.output
     assert 'run kept was created with env.name="cartpole", this configuration says "sokoban"' in changed.output
+
+
+def test_packed_runs_on_two_builds_of_the_tiny_model_are_refused_before_anything_starts(home: Path,
+                                                                                      tmp_path: Path) -> None:
+    """Two runs naming base_model 'tiny' are one base model only when their tiny_dir folders hold one build (a run
+    naming no folder has the default build's): the packed learner and producer would each refuse the second run
+    once started, so the pre-check refuses it first, in one line naming both builds.  The same build in another
+    folder is packed."""
+    from pipeline.models import MARKER_FILE
+    from producers.tiny_model import default_tiny_dir
+
+    builds = {"one": "0123456789abcdef", "two": "fedcba9876543210", "again": "0123456789abcdef"}
+    files = {}
+    for name, build in builds.items():
+        folder = tmp_path / "models" / name  # folders not named after their build: the markers say which it is
+        folder.mkdir(parents=True)
+        (folder / MARKER_FILE).write_text(f'{{"spec_hash": "{build}"}}')
+        files[name] = tmp_path / f"{name}.yaml"
+        files[name].write_text(f"run_id: {name}\nmodel:\n  base_model: tiny\n  tiny_dir: {folder}\n")
+    refused = _run("--config", str(files["one"]), "--config", str(files["two"]), "--max-steps", "2")
+    assert refused.exit_code == 2, refused.output
+    assert "fedcba9876543210" in refused.output and "0123456789abcdef" in refused.output, refused.output
+    assert "\n" not in refused.output.strip()
+    assert FakeLauncher.launched == []
+
+    default = tmp_path / "default.yaml"  # no tiny_dir: the default build, which the launcher builds
+    default.write_text("run_id: default\nmodel:\n  base_model: tiny\n")
+    other_than_default = _run("--config", str(default), "--config", str(files["one"]), "--max-steps", "2")
+    assert other_than_default.exit_code == 2, other_than_default.output
+    assert default_tiny_dir().name.removeprefix("tiny-") in other_than_default.output
+    assert FakeLauncher.launched == []
+
+    same_build = _run("--config", str(files["one"]), "--config", str(files["again"]), "--max-steps", "2")
+    assert same_build.exit_code == 0, same_build.output
+    assert [c.run_id for c in FakeLauncher.launched] == ["one", "again"]
+
+
+def test_a_packed_run_naming_no_tiny_folder_is_compared_with_the_learners_recorded_build_too(home: Path,
+                                                                                            tmp_path: Path) -> None:
+    """When the first run names its tiny_dir, the launcher builds that folder and leaves the recorded tiny model as
+    it is: a run naming none is then the recorded build to the learner (the default build to the producers), so a
+    recorded build other than the first run's is refused before anything starts."""
+    from pipeline.models import MARKER_FILE, record_tiny_model
+    from producers.tiny_model import default_tiny_dir
+
+    first = tmp_path / "first.yaml"  # the default build, named explicitly: the producers' default for run 'plain'
+    first.write_text(f"run_id: first\nmodel:\n  base_model: tiny\n  tiny_dir: {default_tiny_dir()}\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("run_id: plain\nmodel:\n  base_model: tiny\n")
+    older = tmp_path / "models" / "older"
+    older.mkdir(parents=True)
+    (older / MARKER_FILE).write_text('{"spec_hash": "fedcba9876543210"}')
+    record_tiny_model(older)  # what an earlier build recorded on this machine
+    refused = _run("--config", str(first), "--config", str(plain), "--max-steps", "2")
+    assert refused.exit_code == 2 and "fedcba9876543210" in refused.output, refused.output
+    assert FakeLauncher.launched == []
+    record_tiny_model(default_tiny_dir())
+    packed = _run("--config", str(first), "--config", str(plain), "--max-steps", "2")
+    assert packed.exit_code == 0, packed.output
