@@ -447,12 +447,12 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
                                      p: str = "0") -> Response:
         """A file of external weights, for whoever holds its signed URL (no API key, as with a bucket's URL)."""
         try:
-            found = await asyncio.to_thread(downloads.check_download, gateway.store, model_id, name, file, expires,
-                                            signature, v, p)
+            found = await places.run(downloads.DOWNLOADS, downloads.check_download, gateway.store, model_id, name,
+                                     file, expires, signature, v, p)
         except ChecksumError as exc:
             log.error("refused a corrupt download: %s", exc)
             return JSONResponse({"error": str(exc), "category": "server"}, status_code=500)
-        return StreamingResponse(downloads.send(found), media_type="application/octet-stream",
+        return StreamingResponse(downloads.send_in_places(found, places), media_type="application/octet-stream",
                                  headers={"Content-Length": str(found.size)})
 
     @app.api_route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish",

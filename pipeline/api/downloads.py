@@ -13,7 +13,9 @@ publication once the owner takes it back.
 A file is checked against the sha256 in its record before anything is sent, and the
 bytes checked are the bytes sent: on local disk both reads go through one open file
 (a save of the same name meanwhile replaces the name, not the file being read), from
-a bucket the file is held in memory between the check and the send.
+a bucket the file is held in memory between the check and the send.  Both reads are
+done in the gateway's worker threads, in the places of one tenant of their own
+(``DOWNLOADS``).
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import hashlib
 import hmac
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import IO
 from urllib.parse import quote, urlencode
 
 from pipeline.api.checkpoints import NotFound, external_file_key, read_record
+from pipeline.api.threads import TenantThreads
 from pipeline.api.wire import TinkerPath
 from pipeline.io.store import ChecksumError, ObjectStore
 from schemas.api import ApiError, model_run_name
@@ -38,6 +41,11 @@ URL_TTL_S = 3600  # how long a download URL is honoured (the tinker CLI asks aga
 SIGNING_KEY = "api/url-signing.key"
 DOWNLOAD_PATH = "/api/v1/external_weights_files"
 PIECE = 1 << 20  # bytes read and sent at a time
+# The tenant whose places in the gateway's worker threads (pipeline.api.threads) downloads take.  A download carries no
+# API key, and the tenant owning its model is known only from the store (a read that would itself need a place), so
+# every download counts as this one tenant, which no API key can be (not a tenant name): together they hold at most
+# one tenant's share of the threads, and neither whoever holds a URL nor a forged URL naming a model takes the owner's.
+DOWNLOADS = "(signed-url downloads)"
 
 
 class UrlRefused(ApiError):
@@ -157,6 +165,16 @@ def send(download: Download) -> Iterator[bytes]:
     with download.handle:
         while piece := download.handle.read(PIECE):
             yield piece
+
+
+async def send_in_places(download: Download, threads: TenantThreads) -> AsyncIterator[bytes]:
+    """``send``, each piece read in one of ``DOWNLOADS``' places in the gateway's worker threads."""
+    pieces = send(download)
+    try:
+        while (piece := await threads.run(DOWNLOADS, next, pieces, None)) is not None:
+            yield piece
+    finally:
+        pieces.close()  # (a client gone before the end: the file is closed now)
 
 
 def _partly_deleted(path: TinkerPath, file: str) -> str:

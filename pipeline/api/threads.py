@@ -18,7 +18,8 @@ tenants hold one each.  So fewer than ``reserved`` tenants, however many slow ca
 large ``forward_backward`` split into many chunks), always leave a thread free for another tenant's heartbeat, poll
 or session creation; and beyond that, a tenant holding none is the first to get the next thread that comes free.  A
 tenant's calls beyond its share queue behind each other, never in front of another tenant's.  Tenants are told
-apart by API key; one person with several keys is several tenants.
+apart by API key; one person with several keys is several tenants.  Downloads by signed URL, which carry no key, are
+one tenant of their own (``pipeline.api.downloads.DOWNLOADS``).
 
 The numbers are set with ``RLPIPE_API_THREADS``, ``RLPIPE_API_THREADS_PER_TENANT`` and
 ``RLPIPE_API_THREADS_RESERVED`` (``ThreadLimits.from_env``, read by ``rlpipe serve``).

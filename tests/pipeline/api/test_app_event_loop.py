@@ -8,8 +8,10 @@ import json
 import threading
 import time
 import uuid
+from typing import Any
 
 import httpx
+import pytest
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
@@ -292,3 +294,102 @@ def test_tenants_holding_their_shares_of_the_worker_threads_leave_threads_for_an
     assert statuses[0] == 200 and statuses[2] == 200, statuses
     assert statuses[1] in (200, 404), statuses  # (a poll of an unknown call answers, at once or when held out)
     assert held_statuses == [200] * 5 * 2 * PER_TENANT
+
+
+class HeldReader:
+    """A file of the store whose reads (those after its first rewind when ``after_rewind``) are held until
+    ``release`` is set, counting how many are held at once."""
+
+    def __init__(self, handle: Any, store: "HeldReadStore") -> None:
+        self.handle, self.store, self.rewound = handle, store, False
+
+    def read(self, size: int = -1) -> bytes:
+        if self.rewound or not self.store.after_rewind:
+            self.store.hold()
+        return self.handle.read(size)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.rewound = True
+        return self.handle.seek(offset, whence)
+
+    def close(self) -> None:
+        self.handle.close()
+
+    def __enter__(self) -> "HeldReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HeldReadStore(ObjectStore):
+    """A local store whose reads of external weights' files are held until ``release`` is set: those that check a
+    download's bytes, or (``after_rewind``) those that send them."""
+
+    def __init__(self, root: str, after_rewind: bool) -> None:
+        super().__init__(root)
+        self.after_rewind, self.release = after_rewind, threading.Event()
+        self.holding = self.most = 0
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self.holding += 1
+            self.most = max(self.most, self.holding)
+        try:
+            self.release.wait(HELD_AT_MOST_S)
+        finally:
+            with self._lock:
+                self.holding -= 1
+
+    def open_input(self, key: str) -> Any:
+        handle = super().open_input(key)
+        return HeldReader(handle, self) if "/external" in key else handle
+
+
+@pytest.mark.parametrize("held", ["checking", "sending"])
+def test_downloads_by_signed_url_hold_one_tenants_share_of_the_worker_threads_at_most(tmp_path, held):
+    """A signed download URL needs no API key: its reads of the store (checking a file's bytes, then sending them)
+    are done in the gateway's worker threads as one tenant's, so that however many downloads wait on a slow store
+    they hold at most one tenant's share of the threads (``RLPIPE_API_THREADS`` bounds them too) and the tenants'
+    calls are answered meanwhile."""
+    from pipeline.api import checkpoints
+    from pipeline.api.wire import parse_tinker_path
+
+    store = HeldReadStore(tmp_path.as_uri(), after_rewind=held == "sending")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    limits = ThreadLimits(total=4, per_tenant=2, reserved=1)
+    app = create_app(gateway, Tenants(), poll_hold_s=0.05, threads=limits)
+    downloads_at_once = 8
+
+    async def calls() -> tuple[int, int, bool, list[int]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            alice, bob = await _session(client, ALICE), await _session(client, BOB)
+            created = await client.post("/api/v1/create_model", headers=ALICE, json={
+                "session_id": alice, "model_seq_id": 0, "base_model": "/models/base/tiny",
+                "lora_config": {"rank": 4}, "type": "create_model"})
+            model_id = created.json()["model_id"]
+            path = parse_tinker_path(f"tinker://{model_id}/external_weights/final")
+            checkpoints.write_external(store, path, {"adapter_config.json": b'{"r": 4}'}, None, request_id="r")
+            urls = await client.get(f"/api/v1/training_runs/{model_id}/checkpoints/external_weights/final/"
+                                    "external_weights_urls", headers=ALICE)
+            url = urls.json()["urls"]["adapter_config.json"]
+            held_calls = [asyncio.create_task(client.get(url)) for _ in range(downloads_at_once)]
+            while store.holding == 0:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)  # (every download that can start has started)
+            answer = await client.post("/api/v1/session_heartbeat", headers=BOB,
+                                       json={"session_id": bob, "type": "session_heartbeat"})
+            answered_while_held = not store.release.is_set()
+            store.release.set()
+            return answer.status_code, store.most, answered_while_held, [(await c).status_code for c in held_calls]
+
+    releaser = threading.Timer(HELD_AT_MOST_S, store.release.set)
+    releaser.start()
+    try:
+        status, most, answered_while_held, held_statuses = asyncio.run(calls())
+    finally:
+        releaser.cancel()
+    assert status == 200 and answered_while_held, "a tenant's heartbeat waited for downloads"
+    assert most <= limits.per_tenant, f"{most} downloads read the store at once, beyond one tenant's share"
+    assert held_statuses == [200] * downloads_at_once
