@@ -144,9 +144,10 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     places = app.state.threads = TenantThreads(threads)
     threaded = in_threads(places)
 
-    def refused_for_size(scope: Any, first: bytes, reason: str) -> None:
+    async def refused_for_size(scope: Any, first: bytes, reason: str) -> None:
         """A ``forward_backward`` refused for its size is logged as refused (``Gateway.refuse``) when its first bytes
-        name the call, so its training client's later calls do not wait on its seq_id; the SDK's JSON training calls
+        name the call (in its tenant's worker-thread places), so its training client's later calls do not wait on its
+        seq_id; the SDK's JSON training calls
         are a few hundred bytes, so a refused one is no call of the SDK's and is not looked into."""
         header = forward_backward_prefix(first) if scope.get("path") == FORWARD_BACKWARD_PATH else None
         if header is None:
@@ -155,7 +156,7 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
             who = tenants.tenant_of(Headers(scope=scope).get("x-api-key"))
         except UnauthorizedError:
             return
-        gateway.refuse(who, "forward_backward", header, "pb", reason)
+        await places.run(who, gateway.refuse, who, "forward_backward", header, "pb", reason)
 
     app.add_middleware(BodyLimit, limit=max_body_bytes, json_limit=max_json_body_bytes, refused=refused_for_size)
 

@@ -4,9 +4,8 @@ is logged against its call."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -33,10 +32,10 @@ class BodyLimit:
     """ASGI middleware refusing a body over ``limit`` bytes (``json_limit`` on every route but forward_backward's): at
     once when its Content-Length says so, else as soon as reading it passes the limit (a chunked body), so the gateway
     never holds more of one call than that.  ``refused(scope, first_bytes, reason)`` is told of each refusal, with the
-    body's first ``HEADER_BYTES`` (in a worker thread, before the answer)."""
+    body's first ``HEADER_BYTES`` (awaited before the answer; it does its store work in its tenant's worker-thread places)."""
 
     def __init__(self, app: Any, limit: int, json_limit: int,
-                 refused: Callable[[Any, bytes, str], None] | None = None) -> None:
+                 refused: Callable[[Any, bytes, str], Awaitable[None]] | None = None) -> None:
         self.app, self.limit, self.json_limit, self.refused = app, limit, json_limit, refused
 
     def _limit(self, scope: Any) -> int:
@@ -50,7 +49,7 @@ class BodyLimit:
         refusal = self._refusal(scope)
         if self.refused is not None:
             try:
-                await asyncio.to_thread(self.refused, scope, first, str(refusal))
+                await self.refused(scope, first, str(refusal))
             except Exception:  # the client still gets its 413
                 log.exception("could not log a call refused for its size")
         return refusal

@@ -347,6 +347,70 @@ class HeldReadStore(ObjectStore):
         return HeldReader(handle, self) if "/external" in key else handle
 
 
+class CountingHeldStore(HeldStore):
+    """A ``HeldStore`` counting the held forward_backward body writes at once (``most``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.most = 0
+        self._lock = threading.Lock()
+
+    def put_create_once(self, key: str, data: bytes) -> str:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            return super().put_create_once(key, data)
+        finally:
+            with self._lock:
+                self.now -= 1
+
+
+def test_forward_backward_calls_refused_for_their_size_hold_one_tenants_share_of_the_worker_threads_at_most():
+    """A forward_backward refused for its size is logged as refused (a store write) in the gateway's worker threads,
+    in its tenant's places: however many such calls one tenant sends to a slow store, they hold at most its share
+    of the threads, and another tenant's calls are answered meanwhile."""
+    store = CountingHeldStore()
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
+    limits = ThreadLimits(total=4, per_tenant=2, reserved=1)
+    app = create_app(gateway, Tenants(), poll_hold_s=0.05, threads=limits, max_body_bytes=1024, max_json_body_bytes=1024)
+    refused_at_once = 8
+
+    async def calls() -> tuple[int, bool, list[int]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            alice, bob = await _session(client, ALICE), await _session(client, BOB)
+            created = await client.post("/api/v1/create_model", headers=ALICE, json={
+                "session_id": alice, "model_seq_id": 0, "base_model": "/models/base/tiny",
+                "lora_config": {"rank": 4}, "type": "create_model"})
+            model_id = created.json()["model_id"]
+            datum = types.Datum(model_input=types.ModelInput.from_ints(list(range(1, 2000))),
+                                loss_fn_inputs={"target_tokens": list(range(2, 2001))})
+            bodies = [forward_backward_request_to_proto(types.ForwardBackwardRequest(
+                types.ForwardBackwardInput([datum], "cross_entropy"), model_id, seq_id=seq_id)).SerializeToString()
+                for seq_id in range(1, refused_at_once + 1)]
+            headers = {**ALICE, "Content-Type": "application/x-protobuf"}
+            held = [asyncio.create_task(client.post("/api/v1/forward_backward", headers=headers, content=body))
+                    for body in bodies]
+            while not store.holding.is_set():
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)  # (every refusal that can log has started)
+            answer = await client.post("/api/v1/session_heartbeat", headers=BOB,
+                                       json={"session_id": bob, "type": "session_heartbeat"})
+            answered_while_held = not store.release.is_set()
+            store.release.set()
+            return answer.status_code, answered_while_held, [(await call).status_code for call in held]
+
+    releaser = threading.Timer(HELD_AT_MOST_S, store.release.set)
+    releaser.start()
+    try:
+        status, answered_while_held, held_statuses = asyncio.run(calls())
+    finally:
+        releaser.cancel()
+    assert held_statuses == [413] * refused_at_once
+    assert status == 200 and answered_while_held, "a tenant's heartbeat waited for another's refused calls"
+    assert store.most <= limits.per_tenant, f"{store.most} refused calls wrote to the store at once"
+
+
 @pytest.mark.parametrize("held", ["checking", "sending"])
 def test_downloads_by_signed_url_hold_one_tenants_share_of_the_worker_threads_at_most(tmp_path, held):
     """A signed download URL needs no API key: its reads of the store (checking a file's bytes, then sending them)
