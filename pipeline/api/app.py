@@ -147,8 +147,8 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     async def refused_for_size(scope: Any, first: bytes, reason: str) -> None:
         """A ``forward_backward`` refused for its size is logged as refused (``Gateway.refuse``) when its first bytes
         name the call (in its tenant's worker-thread places), so its training client's later calls do not wait on its
-        seq_id; the SDK's JSON training calls
-        are a few hundred bytes, so a refused one is no call of the SDK's and is not looked into."""
+        seq_id; the SDK's JSON training calls are a few hundred bytes, so a refused one is no call of the SDK's and is
+        not looked into."""
         header = forward_backward_prefix(first) if scope.get("path") == FORWARD_BACKWARD_PATH else None
         if header is None:
             return
