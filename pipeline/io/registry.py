@@ -328,7 +328,9 @@ class AdapterRegistry:
     def pull(self, version: int, cache_dir: str | os.PathLike[str], kind: ArtifactKind | None = None) -> Path:
         """A verified local folder of ``version`` under ``cache_dir`` (reused if already there and intact).
 
-        With ``kind``, a version of another kind is refused before anything is downloaded.
+        With ``kind``, a version of another kind is refused before anything is downloaded, and so is a version
+        whose manifest breaks the rules ``publish`` keeps (a pickled file, a required file missing): peft and vLLM
+        fall back to ``torch.load`` on an ``adapter_model.bin`` where no safetensors file is.
         """
         raw = self.manifest_bytes(version)
         manifest = self.show(version)
@@ -337,6 +339,10 @@ class AdapterRegistry:
                 f"run {self.run_id!r} version {version} is a {manifest.kind}, not a {kind}; "
                 "point this reader at a run that publishes that kind"
             )
+        try:  # a manifest written past publish (by hand, another tool) is held to publish's rules
+            check_artifact_files(dict.fromkeys(manifest.files, b""), manifest.kind)
+        except RegistryError as exc:
+            raise RegistryError(f"run {self.run_id!r} version {version} was not pulled: {exc}") from None
         target = Path(cache_dir) / self.run_id / version_folder(version)
         if target.exists():
             if cached_folder_matches(target, raw, manifest):
@@ -388,14 +394,14 @@ def check_artifact_files(files: dict[str, bytes], kind: str) -> dict[str, bytes]
     """``files`` if they make a valid artifact of ``kind``: its required files present, nothing pickled, safe names."""
     if kind not in REQUIRED_FILES_BY_KIND:
         raise RegistryError(f"unknown artifact kind {kind!r}; use one of {', '.join(REQUIRED_FILES_BY_KIND)}")
-    for required in REQUIRED_FILES_BY_KIND[kind]:
-        if required not in files:
-            raise RegistryError(f"{kind} artifact lacks {required}; write it before publishing")
     for name in files:
         if name.endswith(PICKLED_SUFFIXES):
             raise RegistryError(f"refusing pickled file {name}; save tensors as safetensors only")
         _check_not_the_manifest(name)
         check_relative_path(name, "artifact file name")
+    for required in REQUIRED_FILES_BY_KIND[kind]:
+        if required not in files:
+            raise RegistryError(f"{kind} artifact lacks {required}; write it before publishing")
     return files
 
 

@@ -372,3 +372,22 @@ def test_a_retired_version_keeps_its_number_and_a_pull_of_it_names_why(any_store
     assert registry.pull(3, tmp_path / "cache").is_dir()  # the others are untouched
     with pytest.raises(AdapterNotFoundError, match="has no adapter version 9"):
         registry.retire(9, "never published")
+
+
+@pytest.mark.parametrize("pickled", ["adapter_model.bin", "adapter_model.pt"])
+def test_pull_refuses_a_committed_manifest_that_names_pickled_weights(memory_store: ObjectStore, tmp_path: Path,
+                                                                     pickled: str) -> None:
+    """A manifest written past ``publish`` (by hand, another tool, a tampered store) naming pickled weights and no
+    safetensors: peft and vLLM would torch.load them, so a pull refuses it before downloading anything."""
+    config = json.dumps({"r": 8, "peft_type": "LORA"}).encode()
+    files = {"adapter_config.json": config, pickled: b"\x80\x04K\x01."}  # a pickle of the int 1
+    for name, data in files.items():
+        memory_store.put(f"runs/run1/adapters/v000001/x/{name}", data)
+    manifest = AdapterManifest(run_id="run1", version=1, base_model="tiny", parent_version=0, learner_step=1, files={
+        name: {"path": f"x/{name}", "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        for name, data in files.items()})
+    memory_store.put_create("runs/run1/adapters/v000001/manifest.json", manifest_to_bytes(manifest))
+    cache = tmp_path / "cache"
+    with pytest.raises(RegistryError, match=rf"{pickled}.*safetensors"):
+        AdapterRegistry(memory_store, "run1").pull(1, cache)
+    assert not (cache / "run1" / "v000001").exists()
