@@ -41,7 +41,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas.config import LearnerConfig, RunConfig
-from schemas.names import echoed
+from schemas.names import InvalidNameError, echoed, validate_name
 from schemas.value import ValueLearnerConfig
 
 ENV_PREFIX = "RLPIPE_"
@@ -116,7 +116,13 @@ def load_yaml(text: str) -> Any:
 
 
 def load_preset(name: str) -> dict[str, Any]:
-    """A shipped preset as a dict; a clear error lists the choices."""
+    """A shipped preset as a dict; a clear error lists the choices.  ``name`` is a name, never a path (a file is
+    read with ``--config``), so it cannot reach a YAML file outside the shipped presets."""
+    try:
+        validate_name(name, "preset")
+    except InvalidNameError:
+        raise ConfigError(f"preset {name!r} is not a preset name; choose one of: {', '.join(preset_names())} "
+                          "(read a file of your own with --config PATH)") from None
     path = resources.files("pipeline") / "presets" / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(preset_names())}")

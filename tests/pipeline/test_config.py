@@ -105,6 +105,16 @@ def test_unknown_preset_and_missing_file():
         resolve_config(config_file="/no/such/file.yaml")
 
 
+@pytest.mark.parametrize("name", ["../presets/cartpole", "sub/../cartpole", "ABSOLUTE"])
+def test_a_preset_name_that_is_a_path_is_refused(tmp_path, name):
+    """A preset is a name, never a path: ``--preset ../presets/cartpole`` (or an absolute path) would read a YAML
+    file outside the shipped presets; ``--config`` is the way to read a file."""
+    (tmp_path / "mine.yaml").write_text("env: {name: cartpole}\n")
+    name = str(tmp_path / "mine") if name == "ABSOLUTE" else name
+    with pytest.raises(ConfigError, match=r"preset .* is not a preset name.*choose one of.*--config"):
+        resolve_config(name)
+
+
 def test_a_config_path_that_is_a_folder_or_not_text_is_refused_naming_it(tmp_path):
     with pytest.raises(ConfigError, match=f"config file '{tmp_path}' is a folder; give the path of a YAML or JSON file"):
         resolve_config(config_file=str(tmp_path))
