@@ -15,7 +15,9 @@ version under its own name; ``set_adapter`` picks the version for a batch and
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,7 @@ from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
 from schemas.config import SamplerConfig
+from schemas.names import echoed
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class TransformersSampler(Sampler):
             return
         if known is not None:
             raise ValueError(f"adapter name {handle.name} already serves {known.path}; give every version a new name")
+        check_adapter_folder_config(handle)  # before peft applies any of it to the base model
         import torch
         from peft import PeftModel
         from safetensors import SafetensorError
@@ -288,6 +292,46 @@ class TransformersSampler(Sampler):
         """Drop the model (frees its memory once nothing else holds it)."""
         self._peft = None
         self._base = None
+
+
+# What peft does on load with an adapter_config.json, beyond reading LoRA weights: an initialisation other than
+# true, false or gaussian rewrites the base layers' weights (PiSSA, OLoRA, CorDA, LoftQ: W - BA, quantised
+# residuals), which outlives the adapter's unload; ``layer_replication`` rebuilds the model's layers;
+# ``megatron_config`` imports the module named by ``megatron_core``.  rlpipe's learners publish none of these (peft's
+# defaults), so an adapter that has them was written past them.
+BASE_CHANGING_FIELDS = ("layer_replication", "megatron_config")
+
+
+def check_adapter_config(config: object, what: str) -> None:
+    """Refuse, in one line naming the field, an adapter config that is no plain LoRA's: another peft tuner type, an
+    initialisation that changes the base model, layer replication or a Megatron module to import."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{what}: adapter_config.json holds {type(config).__name__}, not an object; publish the "
+                         "adapter again")
+    init = config.get("init_lora_weights", True)
+    if config.get("peft_type") != "LORA":
+        problem = f"peft_type={echoed(config.get('peft_type'))}"
+    elif not (isinstance(init, bool) or init == "gaussian"):
+        problem = f"init_lora_weights={echoed(init)}"
+    else:
+        problem = next((f"{field}={echoed(config[field])}" for field in BASE_CHANGING_FIELDS
+                        if config.get(field) is not None), None)
+    if problem is not None:
+        raise ValueError(f"{what}: adapter_config.json sets {problem}, which peft would apply to the shared base "
+                         "model on load (or which is no LoRA); serve only plain LoRA adapters as rlpipe's learners "
+                         "publish them (peft_type LORA, default initialisation)")
+
+
+def check_adapter_folder_config(handle: AdapterHandle) -> None:
+    """``check_adapter_config`` on ``handle``'s ``adapter_config.json`` (a folder ``check_folder`` let through)."""
+    config_file = os.path.join(handle.path, "adapter_config.json")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"adapter {handle.name}: {config_file} is not JSON ({exc}); publish the adapter again"
+                         ) from None
+    check_adapter_config(config, f"adapter {handle.name}")
 
 
 def _strip_lora_layers(model: Any) -> None:

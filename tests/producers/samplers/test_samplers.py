@@ -500,3 +500,24 @@ def test_vllm_length_limit_and_id_reuse_refused(vllm_sampler, prompts, lora_adap
                           sha256="")
     with pytest.raises(ValueError, match="new id"):
         vllm_sampler.generate([SampleRequest(prompts[0], 2)], clash)
+
+
+@pytest.mark.parametrize("field, value", [("init_lora_weights", "pissa"), ("init_lora_weights", "olora"),
+                                          ("layer_replication", [[0, 1]]), ("peft_type", "LOHA")])
+def test_an_adapter_config_that_would_change_the_base_model_is_refused(
+    tiny_trained_dir, reference, prompts, lora_adapters, tmp_path, field, value
+) -> None:
+    """peft applies an adapter_config.json's initialisation and structure on load: PiSSA and OLoRA rewrite the
+    base weights (W - BA), layer replication rebuilds the model's layers, another tuner type is no LoRA at all.
+    Such a folder (a manifest written past publish, a tampered store) is refused before peft reads it, and the
+    base model every other version shares samples as before."""
+    import json
+    import shutil
+
+    folder = Path(shutil.copytree(lora_adapters[1].path, tmp_path / "odd"))
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+    sampler = TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
+    with pytest.raises(ValueError, match=rf"adapter v3: adapter_config\.json sets {field}="):
+        sampler.load_adapter(AdapterHandle.for_version(3, str(folder), "sha-o"))
+    assert_samples_as_before(sampler, reference, prompts, lora_adapters, True)
