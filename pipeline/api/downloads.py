@@ -112,7 +112,9 @@ def check_download(store: ObjectStore, model_id: str, name: str, file: str, expi
     try:
         model_run_name(model_id)  # a model id that is not one is refused as any URL of no signature
         path = TinkerPath(model_id, "external", validate_name(name, "checkpoint name"))
-        signed = hmac.compare_digest(_signature(signing_key(store), path, made, published, file, expires), signature)
+        # as bytes: compare_digest refuses a str with a character beyond ASCII, which a forged URL may hold
+        signed = hmac.compare_digest(_signature(signing_key(store), path, made, published, file, expires).encode(),
+                                     signature.encode())
     except (InvalidNameError, ApiError):
         signed = False
     if not signed:
