@@ -88,7 +88,11 @@ class Heartbeat:
             samples_per_s=rates["samples"], tokens_per_s=rates["tokens"], env_steps_per_s=rates["env_steps"],
             busy_fraction=min(1.0, max(0.0, rates["generate_s"])), interval_s=interval,
         )
-        self.announce(payload)
+        try:
+            self.announce(payload)
+        except BusError as exc:  # the broker away: a missed beat, never a stopped producer (the next one is due later)
+            log.warning("producer %s: heartbeat not published (%s)", self.worker.producer_id,
+                        str(exc).splitlines()[0])
         if self.health is not None:
             for name, value in payload.model_dump().items():
                 if isinstance(value, int | float):
@@ -321,15 +325,22 @@ class RunProducer:
     events: KafkaAdapterEvents
     backlog: LearnerBacklog | None
     orphans: OrphanSweep | None = None
+    sink: StoreThenEventSink | None = None  # announces again the batches stored while the broker was away
 
     def run(self, stop: Callable[[], bool]) -> None:
-        """The rollout loop until stopped or ``max_groups``, then a last heartbeat."""
+        """The rollout loop until stopped or ``max_groups``, then a last heartbeat; raises ``PublishError`` when
+        batches it stored stay unannounced (the broker still away)."""
         self.worker.run(should_stop=stop, on_tick=self.tick)
         self.heartbeat.beat()
+        if self.sink is not None:
+            self.sink.finish()
 
     def tick(self) -> None:
-        """Between the rollout loop's rounds: a heartbeat when due, and the start's second look for orphans."""
+        """Between the rollout loop's rounds: a heartbeat when due, the batches whose event the broker refused,
+        and the start's second look for orphans."""
         self.heartbeat.maybe_beat()
+        if self.sink is not None:
+            self.sink.retry_due()
         if self.orphans is not None:
             self.orphans.maybe_sweep()
 
@@ -372,4 +383,4 @@ def open_run_producer(config: RunConfig, connection: RunConnection, producer_id:
         worker.backlog_full = backlog
     heartbeat = Heartbeat(worker, watcher, connection.announce, config.producer.heartbeat_interval_s, health,
                           health_labels)
-    return RunProducer(worker, watcher, heartbeat, connection.publisher, events, backlog, connection.orphans)
+    return RunProducer(worker, watcher, heartbeat, connection.publisher, events, backlog, connection.orphans, sink)

@@ -1,7 +1,9 @@
 """Where finished rollouts go: the store first (create-only Parquet), then the event.
 
 Because the file is durable before its event exists, a crash can leave a file
-without an event but never an event without a file.  ``OrphanSweep`` closes that
+without an event but never an event without a file.  A broker away for longer
+than the publisher waits leaves the same gap in a live producer: the sink keeps
+such batches owed and announces them once the broker takes events again.  ``OrphanSweep`` closes that
 gap when a producer starts: batches of the run that are in the store but were
 never announced on ``<ns>.trajectories`` are announced (the learner trains each
 ``batch_id`` once, so announcing twice is harmless).  A file too young to judge
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.io.archive import BatchInfo, TrajectoryArchive, batch_committed_payload
 from pipeline.io.archive_layout import key_date
+from pipeline.io.bus.errors import BusError, PublishError
 from schemas.events import Payload, TrajectoryBatchCommitted
 
 if TYPE_CHECKING:
@@ -36,7 +39,13 @@ log = logging.getLogger("rlpipe.producer")
 
 
 class StoreThenEventSink:
-    """Commits a batch: Parquet to the archive (create-only), then ``TrajectoryBatchCommitted``."""
+    """Commits a batch: Parquet to the archive (create-only), then ``TrajectoryBatchCommitted``.
+
+    A batch whose event the broker does not take (it is away longer than the publisher waits) stays stored and
+    owed: ``unannounced`` keeps it, oldest first, and it is announced before the next batch and on the producer's
+    tick (``retry_due``), so a broker outage ends no producer and leaves no batch unannounced once it is over.
+    ``finish`` makes the last try when the producer stops.
+    """
 
     def __init__(
         self,
@@ -45,16 +54,57 @@ class StoreThenEventSink:
         env_name: str,
         producer_id: str,
         announce: Callable[[Payload], Any],
+        retry_interval_s: float = 5.0,
     ) -> None:
         self.archive, self.run_id, self.env_name, self.producer_id = archive, run_id, env_name, producer_id
         self.announce = announce
+        self.retry_interval_s = retry_interval_s
         self.committed: list[BatchInfo] = []
+        self.unannounced: list[BatchInfo] = []  # stored, their event not taken yet (the broker away)
+        self.retry_at = 0.0  # monotonic time of the next try on the tick
+        self.refused = False  # the last try was refused (said once it goes through)
 
     def commit(self, rows: list[dict[str, Any]], batch_id: str) -> BatchInfo:
         info = self.archive.write_batch(self.run_id, rows, batch_id=batch_id)
-        self.announce(batch_committed_payload(info, env=self.env_name, producer_id=self.producer_id))
         self.committed.append(info)
+        self.unannounced.append(info)
+        self.announce_owed()
         return info
+
+    def announce_owed(self) -> bool:
+        """Announce the stored batches still owed their event, oldest first; False when the broker refused one
+        (it and those after it wait for the next try)."""
+        while self.unannounced:
+            info = self.unannounced[0]
+            try:
+                self.announce(batch_committed_payload(info, env=self.env_name, producer_id=self.producer_id))
+            except BusError as exc:
+                self.retry_at, self.refused = time.monotonic() + self.retry_interval_s, True
+                count = len(self.unannounced)
+                log.warning("%d stored batch%s of run %s not announced yet: the broker did not take %s (%s); "
+                            "trying again in %gs", count, "es" if count != 1 else "", self.run_id, info.batch_id,
+                            str(exc).splitlines()[0], self.retry_interval_s)
+                return False
+            self.unannounced.pop(0)
+        if self.refused:
+            self.refused = False
+            log.warning("the broker takes events again: every stored batch of run %s is announced", self.run_id)
+        return True
+
+    def retry_due(self) -> None:
+        """On the producer's tick: try the batches still owed their event, at most every ``retry_interval_s``."""
+        if self.unannounced and time.monotonic() >= self.retry_at:
+            self.announce_owed()
+
+    def finish(self) -> None:
+        """The last try when the producer stops; raises ``PublishError`` (one line) if batches stay unannounced."""
+        if self.announce_owed():
+            return
+        count = len(self.unannounced)
+        raise PublishError(
+            f"{count} batch{'es' if count != 1 else ''} of run {self.run_id} stored but not announced: the broker "
+            f"did not take {'their events' if count != 1 else 'its event'}; they stay in the store, and the run's "
+            f"next producer start (`rlpipe producer start --run {self.run_id}`) announces them")
 
 
 def announce_orphans(
