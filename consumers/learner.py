@@ -66,6 +66,7 @@ from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, o
 from consumers.step_writer import StepOutputs
 from consumers.tracking import MetricLogger, NullMetricLogger
 from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.bus import BusError
 from pipeline.io.registry import AdapterRegistry
 from schemas.checkpoint import LearnerState
 from schemas.config import LearnerConfig, parse_init_from
@@ -327,7 +328,12 @@ class Learner:
         now = time.monotonic()
         if not force and self.ingested == sent and now - sent_at < PROGRESS_INTERVAL_S:
             return
-        self.announce(LearnerProgress(step=self.state.step, version=self.state.version, positions=dict(self.ingested)))
+        try:
+            self.announce(LearnerProgress(step=self.state.step, version=self.state.version,
+                                          positions=dict(self.ingested)))
+        except BusError as exc:  # the broker away: producers go by the last one they read until the next one
+            log.warning("progress of step %d not announced (%s); announced again within %gs", self.state.step,
+                        str(exc).splitlines()[0], PROGRESS_INTERVAL_S)
         self.progress_sent = (dict(self.ingested), now)
 
     def check_lease_while_waiting(self) -> None:
