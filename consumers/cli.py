@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import console, err_console, fail, handle_user_errors, reachable_store
+from pipeline.cli.common import console, err_console, fail, handle_user_errors, reachable_store, store_failures
 from pipeline.cli.options import (
     ConfigOpt,
     FollowRunsOpt,
@@ -21,6 +21,7 @@ from pipeline.cli.options import (
     setup_logging,
 )
 from pipeline.runtime import StopFlag, new_run_note, refuse_case_twin, refuse_new_run_case_twin
+from schemas.config import RunConfig
 
 app = typer.Typer(name="learner", help="The off-policy learner: LoRA training from trajectories.", no_args_is_help=True)
 replay_app = typer.Typer(name="replay", add_completion=False)
@@ -51,8 +52,10 @@ def start(
     started_s = time.time()  # a packed learner follows the control topic from here (before its slow imports)
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
+    roots = []
     for cfg in cfgs:
         store = reachable_store(cfg.store)
+        roots.append(store.root)
         if run or config or follow_runs is None:  # else the configuration is only the engine's template
             refuse_case_twin(store, cfg.run_id)
             if note := new_run_note(store, cfg.run_id):
@@ -60,6 +63,14 @@ def start(
     if max_steps is not None:
         cfgs = [cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": max_steps})})
                 for cfg in cfgs]
+    with store_failures(roots, "`rlpipe learner start` resumes from the run's newest checkpoint (what it trained "
+                        "since is trained again from the same batches)"):
+        _start(cfgs, max_steps, follow_runs, named=bool(run or config), started_s=started_s)
+
+
+def _start(cfgs: list[RunConfig], max_steps: int | None, follow_runs: str | None, named: bool,
+           started_s: float) -> None:
+    """The learner process ``start`` asked for: one run, a run on a torchrun group, a value run or packed runs."""
     from consumers.lease import LeaseLostError
     from consumers.service import run_learner
     from pipeline.membership import RunsFailedError
@@ -90,7 +101,6 @@ def start(
         else:
             from consumers.packed import run_packed_learner
 
-            named = bool(run or config)  # following with no run named: an engine waiting for runs to join
             run_packed_learner(cfgs if named or follow_runs is None else [], StopFlag().install(),
                                follow_runs=follow_runs, template=cfgs[0], started_s=started_s)
     except (LeaseLostError, RunsFailedError) as exc:  # another learner took over, a packed run failing: one line

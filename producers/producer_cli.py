@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import err_console, fail, handle_user_errors, reachable_store
+from pipeline.cli.common import err_console, fail, handle_user_errors, reachable_store, store_failures
 from pipeline.cli.options import (
     FollowRunsOpt,
     PackedConfigOpt,
@@ -18,6 +18,7 @@ from pipeline.cli.options import (
     setup_logging,
 )
 from pipeline.runtime import StopFlag, new_run_note, refuse_case_twin
+from schemas.config import RunConfig
 
 app = typer.Typer(name="producer", help="Rollout producers: sample the policy against an environment.",
                   no_args_is_help=True)
@@ -46,8 +47,10 @@ def start(
     started_s = time.time()  # a packed producer follows the control topic from here (before its slow imports)
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
+    roots = []
     for cfg in cfgs:
         store = reachable_store(cfg.store)
+        roots.append(store.root)
         if run or config or follow_runs is None:  # else the configuration is only the engine's template
             refuse_case_twin(store, cfg.run_id)  # its batches would go into the other run's folder
             if note := new_run_note(store, cfg.run_id):
@@ -55,13 +58,20 @@ def start(
     if max_groups is not None:
         cfgs = [cfg.model_copy(update={"producer": cfg.producer.model_copy(update={"max_groups": max_groups})})
                 for cfg in cfgs]
+    with store_failures(roots, "start the producer again (`rlpipe producer start`): the batches it stored are kept "
+                        "and announced, the groups it had not stored are dropped"):
+        _start(cfgs, follow_runs, named=bool(run or config), started_s=started_s)
+
+
+def _start(cfgs: list[RunConfig], follow_runs: str | None, named: bool, started_s: float) -> None:
+    """The producer process ``start`` asked for: one run, a value run's actor, or packed runs (``named``: runs
+    were named, else the process waits for runs to join)."""
     if len(cfgs) > 1 or follow_runs is not None:
         if any(cfg.value is not None for cfg in cfgs):
             fail("value-based runs are not packed: start one producer per value run")
         from pipeline.membership import RunsFailedError
         from producers.packed import run_packed_producer
 
-        named = bool(run or config)  # following with no run named: an engine waiting for runs to join
         try:
             run_packed_producer(cfgs if named or follow_runs is None else [], StopFlag().install(),
                                 follow_runs=follow_runs, template=cfgs[0], started_s=started_s)

@@ -135,6 +135,21 @@ def handle_user_errors(func: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+@contextlib.contextmanager
+def store_failures(roots: list[str], again: str) -> Iterator[None]:
+    """A store that fails under a running process (its GCS endpoint gone after gcsfs's retries, its disk full) as
+    one line naming it, exit 1; ``again`` says what starting the process again does.  User errors go on to
+    ``user_errors``; anything else keeps its traceback."""
+    from pipeline.io.store import remote_failures
+
+    try:
+        yield
+    except USER_ERRORS:
+        raise
+    except (OSError, *remote_failures()) as exc:  # the second part is looked at only once something failed
+        fail(f"the store {', '.join(sorted(set(roots)))} failed: {error_line(exc)}; once it answers, {again}")
+
+
 def to_jsonable(obj: Any) -> Any:
     """Models, dataclasses, datetimes, paths, bytes and containers -> plain JSON values."""
     if isinstance(obj, BaseModel):
