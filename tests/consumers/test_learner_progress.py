@@ -311,3 +311,19 @@ def test_a_stop_trains_a_last_batch_too_small_for_a_step_and_commits_past_it(sto
     assert [(m["step"], m["rows"]) for m in steps] == [(2, 16)]
     assert set(learner.state.trained) == {ref.batch_id for ref in refs}
     assert learner.source.commits[-1] == {f"{TOPIC}:0": 3}
+
+
+def test_a_batch_the_store_cannot_serve_stops_the_learner_and_is_not_dead_lettered(store, setup, monkeypatch):
+    """The store away (gcsfs gives up with aiohttp's connection error, an OSError): the batch is not bad, so it is
+    not skipped; the learner stops before its position moves, and a restart reads the batch again."""
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(6))
+    learner, announced = scripted_learner(store, setup, stored_refs(store))
+
+    def store_away(path, sha256=None):
+        raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 4443)")
+
+    monkeypatch.setattr(learner.reader.archive, "read_batch", store_away)
+    with pytest.raises(ConnectionRefusedError):
+        run_polls(learner, 2)
+    assert not [p for p in announced if isinstance(p, DeadLetter)] and learner.dead_lettered == 0
+    assert learner.state.step == 0 and learner.state.positions == {} and learner.source.commits == []
