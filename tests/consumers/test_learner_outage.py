@@ -62,7 +62,7 @@ def test_a_learner_goes_on_after_the_broker_was_away_and_trains_each_batch_once(
         stack: DevStack, store, setup) -> None:  # type: ignore[no-untyped-def]
     bus = BusConfig(bootstrap_servers=f"127.0.0.1:{stack.broker.port}", namespace="outage", connect_timeout_s=5.0)
     archive = TrajectoryArchive(store)
-    producer_side = EventPublisher(bus, send_timeout_s=2.0)
+    producer_side = EventPublisher(bus, send_timeout_s=20.0)  # its client reconnects within a few seconds
     learner_side = EventPublisher(bus, send_timeout_s=2.0, create_topics=False)
     learner, _ = make_learner(store, setup, max_steps=4)  # one 16-row batch a step
     learner.announce = learner.outputs.announce = Announcer(learner_side, RUN)
