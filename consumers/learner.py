@@ -131,7 +131,9 @@ class Learner:
         self.metric_logger = metric_logger or NullMetricLogger()  # TensorBoard / W&B (consumers.tracking)
         self.collapse = CollapseMonitor(config)
         # a step's publish and checkpoint: prepared here, written beside the next step's training
-        self.outputs = StepOutputs(run_id, base_model, registry, checkpoints, announce, self.faults)
+        self.outputs = StepOutputs(run_id, base_model, registry, checkpoints, announce, self.faults,
+                                   keep_versions=config.keep_versions,
+                                   keep_also=frozenset({1}) if config.init_from else frozenset())  # the warm start
         self.pipelined = False  # True inside ``run``: step() returns before its writes are done
 
     # ---- set up -------------------------------------------------------------

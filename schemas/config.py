@@ -270,6 +270,11 @@ class LearnerConfig(_Section):
     keep_checkpoints: int = Field(
         3, ge=1, le=1_000_000, description="newest complete checkpoints kept; older ones are deleted after a save"
     )
+    keep_versions: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="newest published adapter versions whose files the registry keeps; older ones are retired after "
+        "each publish (their numbers and manifests stay, a pull names why; a warm start's v1 is kept); None = all",
+    )
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     max_staleness: int = Field(2, ge=0, le=1000, description="rows more versions behind than this are dropped")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="torch seed")
@@ -355,6 +360,18 @@ class LearnerConfig(_Section):
         if value is not None:
             parse_init_from(value)
         return value
+
+    @model_validator(mode="after")
+    def _keeps_what_producers_sample(self) -> LearnerConfig:
+        # a producer may still start groups on a version max_staleness behind the newest (and pull it when it
+        # restarts): those versions' files must stay
+        if self.keep_versions is not None and self.keep_versions <= self.max_staleness:
+            raise ValueError(
+                f"learner.keep_versions {self.keep_versions} would delete versions that learner.max_staleness "
+                f"{self.max_staleness} still trains from; set learner.keep_versions to at least "
+                f"{self.max_staleness + 1} (or leave it unset to keep every version)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _discounted(self) -> LearnerConfig:

@@ -316,6 +316,22 @@ class AdapterRegistry:
             self.store.delete(key, recursive=True, missing_ok=True)
         return True
 
+    def versions_with_files(self) -> list[int]:
+        """Committed versions whose folder holds anything besides its manifest and ``retired.json`` (not retired,
+        or a retire cut short), ascending; one recursive listing."""
+        pattern = re.compile(rf"{re.escape(self.prefix)}/v(\d{{6,}})/(.+)")
+        committed, with_files = set(), set()
+        for key in self.store.list(self.prefix, recursive=True):
+            match = pattern.fullmatch(key)
+            if match is None:
+                continue
+            version, rest = int(match.group(1)), match.group(2)
+            if rest == MANIFEST_NAME:
+                committed.add(version)
+            elif rest != RETIRED_NAME:
+                with_files.add(version)
+        return sorted(committed & with_files)
+
     def retired_reason(self, version: int) -> str | None:
         """Why ``version`` was retired, or None if it was not."""
         try:
