@@ -176,6 +176,7 @@ class AdapterWatcher:
             # short of memory, a file gone from the cache: pulled and loaded again after LOAD_RETRY_S
             return self.failed(version, "the sampler could not load", str(exc), retry=True)
         self.loaded.append(handle)
+        self.forget_failures_below(version + 1)
         log.info("serving adapter v%d (%s, sha256 %s...)", version, handle.name, sha[:12])
         while len(self.loaded) > self.max_loaded:
             evicted = self.loaded.pop(0)
@@ -199,12 +200,19 @@ class AdapterWatcher:
         """Count and log (one line) a version that did not load; it is tried again after ``LOAD_RETRY_S`` when
         ``retry``, else never."""
         self.load_failures += 1
+        self.forget_failures_below(version)
         self.failed_at[version] = time.monotonic() if retry else float("inf")
         first_line = reason.strip().splitlines()[0] if reason.strip() else "no reason given"
         current = self.current()
         log.warning("%s adapter v%d of run %s (keeping v%d): %s", what, version, self.registry.run_id,
                     current.version if current else 0, first_line)
         return None
+
+    def forget_failures_below(self, version: int) -> None:
+        """Drop the failures of versions below ``version``: versions only go forward, so none of them is tried
+        again, and a producer told of every version of a long run it cannot serve keeps one entry, not one each."""
+        for old in [v for v in self.failed_at if v < version]:
+            del self.failed_at[old]
 
     def delete_retired(self) -> None:
         """Unload and delete the cached folders of evicted versions that no loaded handle and no running group uses.

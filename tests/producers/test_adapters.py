@@ -453,3 +453,21 @@ def test_versions_only_go_forward_and_one_published_before_the_start_is_loaded_a
     events.pending = [2, 1]  # announced late
     watcher.refresh()
     assert [h.version for h in sampler.loaded] == [3] and watcher.newest_published() == 3
+
+
+def test_the_record_of_failed_versions_keeps_only_those_not_yet_passed(memory_store: ObjectStore,
+                                                                       tmp_path: Path) -> None:
+    """A producer that can serve none of a run's versions (another base model) is told of each one for days: its
+    record of failed loads keeps only versions it may still load (those not below the newest it tried)."""
+    registry = AdapterRegistry(memory_store, "r1")
+    watcher = AdapterWatcher(registry, LoadRecorder(), tmp_path / "cache", max_loaded=2, registry_poll_s=3600,
+                             base_models={"tiny"})
+    for version in range(1, 9):
+        registry.publish(make_adapter(tmp_path / f"a{version}", version), base_model="Qwen/Qwen3-8B",
+                         parent_version=version - 1, learner_step=version)
+        refresh_now(watcher)
+    assert watcher.load_failures == 8 and watcher.current() is None
+    assert list(watcher.failed_at) == [8]
+    registry.publish(make_adapter(tmp_path / "a9", 9), base_model="tiny", parent_version=8, learner_step=9)
+    refresh_now(watcher)  # a version it serves: no failed one is left behind it
+    assert watcher.current().version == 9 and watcher.failed_at == {}  # type: ignore[union-attr]
