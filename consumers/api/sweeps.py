@@ -33,13 +33,32 @@ log = logging.getLogger("rlpipe.api.trainer")
 SWEEP_S = 600.0  # how often a trainer sweeps
 
 
+class LookupCache(dict[str, str | None]):
+    """Model record key -> its base model, as ``pipeline.api.checkpoints.base_model_of`` caches it, forgetting at
+    ``forget_unasked`` the keys nobody asked about since the last call: a client leaves the sweeps' indexes once
+    nothing of it is left to sweep, and a server that saw thousands of sessions keeps only those still indexed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._asked: set[object] = set()
+
+    def __contains__(self, key: object) -> bool:
+        self._asked.add(key)
+        return super().__contains__(key)
+
+    def forget_unasked(self) -> None:
+        for key in [key for key in self if key not in self._asked]:
+            del self[key]
+        self._asked = set()
+
+
 class Sweeper:
     """One trainer's sweeps (the module docstring); ``sweep`` runs them all once."""
 
     def __init__(self, store: ObjectStore, base_model: str) -> None:
         self.store, self.base_model = store, base_model
         self.session_files_kept_s = lifecycle.SESSION_FILES_KEPT_S  # an ended session's files are kept this long
-        self._base_models: dict[str, str | None] = {}  # model record key -> its base model
+        self._base_models = LookupCache()  # model record key -> its base model, of the clients still indexed
         self._last_activity_sweep = -math.inf
         self._indexed = threading.Event()  # set once the store's existing sessions are in the indexes
         self._indexing: threading.Thread | None = None
@@ -68,6 +87,7 @@ class Sweeper:
             if done:
                 log.info("swept %d %s", done, what)
             swept += done
+        self._base_models.forget_unasked()
         return swept
 
     def wait_indexed(self, timeout_s: float) -> bool:
