@@ -47,7 +47,7 @@ from torch import nn
 
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.archive_layout import new_batch_id, steps_prefix
-from pipeline.io.registry import AdapterRegistry, RegistryError
+from pipeline.io.registry import AdapterRegistry, RegistryError, version_folder
 from pipeline.runtime import RateMeter
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
@@ -92,10 +92,13 @@ class ValueNetworkWatcher:
             return False
         version = latest[-1]
         try:
-            self.spec, self.network = load_network(self.registry.pull(version, self.cache_dir, kind="value-network"))
+            folder = self.registry.pull(version, self.cache_dir, kind="value-network")
+            self.spec, self.network = load_network(folder)
         except (OSError, ValueError, LookupError, RegistryError) as exc:
             log.warning("could not load value network v%d (keeping v%d): %s", version, self.version, exc)
             return False
+        if self.version:  # the network is in memory: the folder of the one it replaces is not read again
+            shutil.rmtree(folder.parent / version_folder(self.version), ignore_errors=True)
         self.version = version
         log.info("acting with value network v%d", version)
         return True

@@ -228,3 +228,15 @@ def test_a_batch_whose_event_aged_out_of_the_log_is_counted_at_a_restart_and_nev
     second, _ = make_actor(memory_store, tmp_path / "second", steps_per_batch=30)  # the same id, restarted
     second.resume(history)
     assert (second.episodes, second.env_steps, second.batches_before) == (first.episodes, first.env_steps, 3)
+
+
+def test_the_watcher_keeps_only_the_version_it_acts_with_in_its_cache(memory_store: ObjectStore,
+                                                                       tmp_path: Path) -> None:
+    """A value run publishes a version per batch read, for days: the actor's cache holds the loaded version's
+    folder, not one for every version it ever switched to."""
+    registry = AdapterRegistry(memory_store, "vrun")
+    watcher = ValueNetworkWatcher(registry, tmp_path / "cache", poll_s=0.0)
+    for version in range(1, 6):
+        publish_preferring(registry, action=version % 2)
+        assert watcher.refresh() and watcher.version == version
+    assert sorted(p.name for p in (tmp_path / "cache" / "vrun").iterdir()) == ["v000005"]
