@@ -27,6 +27,7 @@ import torch
 
 from consumers.checkpoint import CheckpointStore, PreparedCheckpoint
 from consumers.faults import FaultInjector
+from consumers.retention import VersionRetention
 from pipeline.io.registry import AdapterRegistry
 from schemas.checkpoint import LearnerState
 from schemas.events import LearnerCheckpointed, Payload
@@ -119,10 +120,9 @@ class StepOutputs:
         version's); ``keep_also``: versions kept whatever their age (a warm start's v1)."""
         self.run_id, self.base_model = run_id, base_model
         self.registry, self.checkpoints, self.announce, self.faults = registry, checkpoints, announce, faults
-        self.keep_versions, self.keep_also = keep_versions, keep_also
+        self.retention = VersionRetention(registry, "learner.keep_versions", keep_versions, keep_also)
         self.writer = StepWriter()
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
-        self.retired_through: int | None = None  # every version up to this one is retired (None: not looked yet)
 
     def prepare_publication(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> Publication:
         """The adapter of now as the next version (its number is taken, ``state.version``, now); a memory copy,
@@ -152,38 +152,8 @@ class StepOutputs:
         self.retire_old_versions(manifest.version)
 
     def retire_old_versions(self, newest: int) -> int:
-        """Retire (``AdapterRegistry.retire``: files deleted, number and manifest kept) the versions older than the
-        ``keep_versions`` newest up to ``newest``, but those in ``keep_also``; how many were retired.
-
-        The first call lists the registry once (versions published before ``keep_versions`` was set, or by a
-        learner that died before retiring), later ones retire only the versions that aged out since.  A store
-        error is logged and the same versions are tried again after the next publish; a lost lease is raised.
-        """
-        if self.keep_versions is None:
-            return 0
-        last = newest - self.keep_versions
-        if last < 1 or (self.retired_through is not None and last <= self.retired_through):
-            return 0
-        reason = (f"learner.keep_versions={self.keep_versions} keeps the files of the newest {self.keep_versions} "
-                  "versions only; use a newer version, or raise learner.keep_versions for versions to outlive that")
-        retired = 0
-        try:
-            if self.retired_through is None:
-                aged = [version for version in self.registry.versions_with_files() if version <= last]
-            else:
-                aged = list(range(self.retired_through + 1, last + 1))
-            for version in aged:
-                if version not in self.keep_also and self.registry.retire(version, reason):
-                    retired += 1
-        except (OSError, LookupError) as exc:
-            log.warning("could not delete the files of run %s's versions up to v%d (tried again after the next "
-                        "publish): %s", self.run_id, last, exc)
-            return retired
-        self.retired_through = last
-        if retired:
-            log.info("retired %d adapter version(s) of run %s up to v%d (learner.keep_versions=%d)", retired,
-                     self.run_id, last, self.keep_versions)
-        return retired
+        """``VersionRetention.after_publish``: how many versions older than the ``keep_versions`` newest were retired."""
+        return self.retention.after_publish(newest)
 
     def prepare_checkpoint(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> PreparedStep:
         """The checkpoint of now, serialised, with what its announcement says."""

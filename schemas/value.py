@@ -67,6 +67,11 @@ class ValueLearnerConfig(NoYesNoNumbers):
     )
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="steps between checkpoints")
     keep_checkpoints: int | None = Field(3, ge=1, le=10_000, description="complete checkpoints kept (None = all)")
+    keep_versions: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="newest published value-network versions whose files the registry keeps; older ones are retired "
+        "after each publish (their numbers and manifests stay; actors load only the newest); None = all",
+    )
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps (ingested batches)")
 
     @model_validator(mode="after")

@@ -51,6 +51,7 @@ import torch
 from consumers.checkpoint import CheckpointStore
 from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
+from consumers.retention import VersionRetention
 from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, origin_of, rewind_if_the_log_changed
 from consumers.step_writer import finite_numbers
 from consumers.tracking import NOT_SCALARS
@@ -113,6 +114,7 @@ class ValueLearner:
         self.rng = np.random.default_rng(config.seed)
         self.update_credit = 0.0
         self.archive, self.registry, self.checkpoints = archive, registry, checkpoints
+        self.retention = VersionRetention(registry, "value.learner.keep_versions", config.keep_versions)
         self.source, self.announce, self.lease = source, announce, lease
         self.state = LearnerState()
         self.incoming: deque[BatchRef] = deque()
@@ -382,6 +384,7 @@ class ValueLearner:
         self.announce(self.registry.published_event(manifest))
         log.info("published value network v%d at step %d", manifest.version, self.state.step)
         self.faults.reached("after_publish")
+        self.retention.after_publish(manifest.version)
 
     def checkpoint(self) -> str:
         """Agent tensors, replay priorities and counters, sampling RNG; then announce and commit offsets."""

@@ -391,3 +391,16 @@ def test_max_batches_ahead_bounds_each_actor_by_the_learners_reads_of_its_own_ba
     again.source = source
     again.resume()
     assert dict(again.read_by_producer) == {"a0": 5, "a1": 2}
+
+
+def test_with_keep_versions_only_the_newest_value_networks_keep_their_files(batches, tmp_path: Path) -> None:
+    """A value run publishes a version per batch read; ``keep_versions`` bounds the files a long run leaves."""
+    store, refs = batches
+    learner = make_learner(store, "kept", refs, publish_every=1, min_replay_size=1, keep_versions=2)
+    learner.run(poll_timeout_s=0.0)
+    registry = AdapterRegistry(store, "kept")
+    versions = registry.versions()
+    assert len(versions) >= 4 and versions == list(range(1, len(versions) + 1))  # the numbers all stay
+    assert registry.versions_with_files() == versions[-2:]
+    assert registry.retired_reason(1) is not None and "value.learner.keep_versions=2" in registry.retired_reason(1)
+    load_network(registry.pull(versions[-1], tmp_path / "cache", kind="value-network"))
