@@ -45,9 +45,9 @@ class VersionRetention:
             return 0
         reason = (f"{self.setting}={self.keep} keeps the files of the newest {self.keep} versions only; use a newer "
                   f"version, or raise {self.setting} for versions to outlive that")
-        retired = 0
+        retired, first = 0, self.retired_through is None
         try:
-            if self.retired_through is None:
+            if first:
                 aged = [version for version in self.registry.versions_with_files() if version <= last]
             else:
                 aged = list(range(self.retired_through + 1, last + 1))
@@ -59,7 +59,7 @@ class VersionRetention:
                         "publish): %s", self.registry.run_id, last, exc)
             return retired
         self.retired_through = last
-        if retired:
-            log.info("retired %d version(s) of run %s up to v%d (%s=%d)", retired, self.registry.run_id, last,
+        if retired:  # said once at the first look (it may retire many), then per publish only in the debug log
+            log.log(logging.INFO if first else logging.DEBUG, "retired %d version(s) of run %s up to v%d (%s=%d)", retired, self.registry.run_id, last,
                      self.setting, self.keep)
         return retired
