@@ -136,9 +136,9 @@ class AdapterWatcher:
         now = time.monotonic()
         if now - self.last_registry_poll >= self.registry_poll_s:
             self.last_registry_poll = now
-            versions = self.registry.versions()  # a listing: a manifest that does not read fails its load instead
-            if versions:
-                self.newest_seen = max(self.newest_seen, versions[-1])
+            # a listing at the first poll, then a probe of the next number (a manifest that does not read fails
+            # its load instead)
+            self.newest_seen = max(self.newest_seen, self.registry.newest_from(self.newest_seen))
         current = self.current()
         retry_at = self.failed_at.get(self.newest_seen, float("-inf")) + LOAD_RETRY_S
         if self.newest_seen > (current.version if current else 0) and now >= retry_at:

@@ -77,6 +77,7 @@ class ValueNetworkWatcher:
     def __init__(self, registry: AdapterRegistry, cache_dir: str | Path, poll_s: float = 1.0) -> None:
         self.registry, self.cache_dir, self.poll_s = registry, Path(cache_dir), poll_s
         self.version = 0
+        self.newest_known = 0  # the newest version known committed: polls probe the numbers above it
         self.spec: NetworkSpec | None = None
         self.network: nn.Module | None = None
         self.polled_at = float("-inf")
@@ -87,10 +88,9 @@ class ValueNetworkWatcher:
         if not force and now - self.polled_at < self.poll_s:
             return False
         self.polled_at = now
-        latest = self.registry.versions()
-        if not latest or latest[-1] <= self.version:
+        self.newest_known = version = self.registry.newest_from(self.newest_known)  # a listing at the first poll only
+        if version <= self.version:
             return False
-        version = latest[-1]
         try:
             folder = self.registry.pull(version, self.cache_dir, kind="value-network")
             self.spec, self.network = load_network(folder)
@@ -305,9 +305,11 @@ class ValueActor:
         """The batches of this actor's the learner had read (trained or dead-lettered) at the newest version, None
         before the first.  A version without per-actor counts (a learner whose source does not name producers, an
         older learner's) gives the run's count: its ``batches_read``, or else its learner step."""
-        latest = self.watcher.registry.latest()
-        if latest is None:
+        registry = self.watcher.registry
+        self.watcher.newest_known = newest = registry.newest_from(self.watcher.newest_known)
+        if not newest:
             return None
+        latest = registry.show(newest)
         metrics = latest.metrics
         if any(name.startswith(READ_BY_PRODUCER_METRIC) for name in metrics):
             return int(metrics.get(READ_BY_PRODUCER_METRIC + self.actor_id, 0))

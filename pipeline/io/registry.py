@@ -134,6 +134,18 @@ class AdapterRegistry:
         found = (pattern.fullmatch(key) for key in self.store.list(self.prefix, recursive=True))
         return sorted(int(match.group(1)) for match in found if match)
 
+    def newest_from(self, known: int) -> int:
+        """The newest committed version, found from ``known`` (a committed version, or 0 for none known) by
+        probing the numbers above it: versions are dense, so one look when nothing is new.  Only with nothing known
+        is every version listed (a listing grows with the run; a reader polling for new versions pays it once)."""
+        if known < 1:
+            versions = self.versions()
+            return versions[-1] if versions else 0
+        newest = known
+        while self.store.exists(self._manifest_key(newest + 1)):
+            newest += 1
+        return newest
+
     def list(self) -> list[AdapterManifest]:
         """Manifests of every committed version, ascending."""
         return [self.show(version) for version in self.versions()]

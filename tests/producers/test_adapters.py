@@ -471,3 +471,28 @@ def test_the_record_of_failed_versions_keeps_only_those_not_yet_passed(memory_st
     registry.publish(make_adapter(tmp_path / "a9", 9), base_model="tiny", parent_version=8, learner_step=9)
     refresh_now(watcher)  # a version it serves: no failed one is left behind it
     assert watcher.current().version == 9 and watcher.failed_at == {}  # type: ignore[union-attr]
+
+
+def test_the_registry_poll_lists_the_versions_once_and_then_probes_only_the_next(memory_store: ObjectStore,
+                                                                                 tmp_path: Path) -> None:
+    """A producer polls the registry every ``registry_poll_s`` for days: a listing of every version (one more per
+    learner step, so a poll that grows with the run) only at its first poll, then a look at the next number."""
+    registry = AdapterRegistry(memory_store, "r1")
+    publish_versions(registry, tmp_path, ["tiny"] * 3)  # before the producer started
+    listed: list[str] = []
+    listing = memory_store.list
+    memory_store.list = lambda prefix="", recursive=False: listed.append(prefix) or listing(prefix, recursive)  # type: ignore[method-assign]
+    sampler = LoadRecorder()
+    watcher = AdapterWatcher(registry, sampler, tmp_path / "cache", max_loaded=2, registry_poll_s=3600,
+                             base_models={"tiny"})
+    refresh_now(watcher)
+    assert watcher.current().version == 3 and len(listed) == 1  # type: ignore[union-attr]
+    for version in range(4, 9):
+        refresh_now(watcher)  # nothing new
+        memory_store.list = listing  # type: ignore[method-assign]
+        registry.publish(make_adapter(tmp_path / f"a{version}", version), base_model="tiny",
+                         parent_version=version - 1, learner_step=version)
+        memory_store.list = lambda prefix="", recursive=False: listed.append(prefix) or listing(prefix, recursive)  # type: ignore[method-assign]
+        refresh_now(watcher)
+        assert watcher.current().version == version  # type: ignore[union-attr]
+    assert len(listed) == 1, listed

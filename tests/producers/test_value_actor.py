@@ -240,3 +240,27 @@ def test_the_watcher_keeps_only_the_version_it_acts_with_in_its_cache(memory_sto
         publish_preferring(registry, action=version % 2)
         assert watcher.refresh() and watcher.version == version
     assert sorted(p.name for p in (tmp_path / "cache" / "vrun").iterdir()) == ["v000005"]
+
+
+def test_the_actor_polls_for_new_versions_without_listing_every_version(memory_store: ObjectStore,
+                                                                        tmp_path: Path) -> None:
+    """Its watcher and its wait for the learner poll every second for the whole run: after the first look they
+    probe the next version number instead of listing every version (a listing grows by one per batch read)."""
+    registry = AdapterRegistry(memory_store, "vrun")
+    actor, _ = make_actor(memory_store, tmp_path, max_batches_ahead=4)
+    publish_preferring(registry, action=0)
+    listed: list[str] = []
+    listing = memory_store.list
+
+    def counting(prefix: str = "", recursive: bool = False) -> list[str]:
+        listed.append(prefix)
+        return listing(prefix, recursive)
+
+    for version in range(2, 7):
+        memory_store.list = counting  # type: ignore[method-assign]
+        assert actor.watcher.refresh(force=True) and actor.watcher.version == version - 1
+        assert not actor.watcher.refresh(force=True)
+        assert actor.learner_read() is not None
+        memory_store.list = listing  # type: ignore[method-assign]
+        publish_preferring(registry, action=version % 2)
+    assert len(listed) <= 1, listed
