@@ -63,16 +63,23 @@ def list_versions(
     Example: rlpipe adapters list --run demo --root gs://my-bucket/rlpipe
     """
     with _errors():
-        manifests = _registry(run, root, gcs_endpoint).list()
+        registry = _registry(run, root, gcs_endpoint)
+        manifests = registry.list()
         if as_json:
             print_json(manifests)
         elif not manifests:
             console.print(f"run {run} has no adapter versions yet")
         else:
-            table, left_out = _versions_table(run, manifests)
+            with_files = set(registry.versions_with_files())
+            retired = [m.version for m in manifests if m.version not in with_files]
+            table, left_out = _versions_table(run, manifests, set(retired))
             console.print(table)
             if left_out:
                 console.print(left_out_note(left_out), markup=False)
+            if retired:
+                console.print(f"{len(retired)} version{'s' if len(retired) > 1 else ''} retired, files deleted "
+                              f"(v{retired[-1]}: {registry.retired_reason(retired[-1]) or 'no reason recorded'})",
+                              markup=False)
 
 
 @app.command("show")
@@ -203,10 +210,12 @@ def _short_metrics(metrics: dict[str, float], limit: int = 3) -> str:
     return ", ".join(shown) + (" ..." if len(metrics) > limit else "")
 
 
-def _versions_table(run: str, manifests: list[AdapterManifest]) -> tuple[Table, list[str]]:
-    """The versions, every cell whole; on a narrow terminal without the metrics, then the base model."""
+def _versions_table(run: str, manifests: list[AdapterManifest], retired: set[int]) -> tuple[Table, list[str]]:
+    """The versions, every cell whole (a retired version's bytes: ``retired``); on a narrow terminal without the
+    metrics, then the base model."""
     rows = [{"version": str(m.version), "step": str(m.learner_step), "parent": str(m.parent_version),
-             "files": str(len(m.files)), "bytes": str(sum(f.size for f in m.files.values())),
+             "files": str(len(m.files)),
+             "bytes": "retired" if m.version in retired else str(sum(f.size for f in m.files.values())),
              "created (UTC)": m.created_at.strftime("%Y-%m-%d %H:%M:%S"), "base model": shown_model(m.base_model),
              "metrics": _short_metrics(m.metrics)} for m in manifests]
     return fitted_table(f"adapters of run {run}", rows, ["metrics", "base model"],

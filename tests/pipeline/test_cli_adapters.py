@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -160,3 +161,16 @@ def test_a_to_that_is_a_file_is_refused_before_anything_is_read(tmp_path: Path) 
     result = runner.invoke(app, ["pull", "--run", "demo", "1", "--to", str(taken), "--root", f"file://{tmp_path}/s"])
     assert f"--to {taken} is a file, not a folder" in _one_line_error(result, 2)
     assert taken.read_text() == "kept"
+
+
+def test_a_retired_version_is_listed_as_retired_and_its_pull_names_why(published: tuple[ObjectStore, list[str]],
+                                                                       tmp_path: Path) -> None:
+    store, where = published
+    AdapterRegistry(store, "demo").retire(1, "learner.keep_versions=1 keeps the files of the newest 1 versions only")
+    listed = runner.invoke(app, ["list", "--run", "demo", *where])
+    assert listed.exit_code == 0, listed.output
+    row = next(line for line in listed.output.splitlines() if re.match(r"│\s+1 │", line))
+    assert "retired" in row, listed.output
+    assert "1 version retired" in listed.output and "learner.keep_versions" in listed.output
+    pulled = runner.invoke(app, ["pull", "--run", "demo", "1", "--to", str(tmp_path / "to"), *where])
+    assert "learner.keep_versions=1" in _one_line_error(pulled, 2)  # a version that cannot be pulled: exit 2
