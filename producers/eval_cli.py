@@ -108,6 +108,11 @@ def eval(
         have = f"versions {published[0]}-{published[-1]}" if published else "no versions yet"
         fail(f"run {run!r} has no adapter version {missing[0]} ({have}, 0 = the base model); "
              f"see rlpipe adapters list --run {run}", 2)
+    for number in numbers:
+        reason = registry.retired_reason(number) if number else None
+        if reason is not None:
+            fail(f"run {run!r} version {number} was retired, its files deleted ({reason}); see rlpipe adapters list "
+                 f"--run {run}", 2)
     building = offline_building  # offline CQL: held-out days
     if held_out is not None and not validation:
         fail("--held-out goes with --validation (the held-out episodes the validation ones come after)", 2)

@@ -78,3 +78,20 @@ def test_each_version_says_what_it_plays_before_the_table(tmp_path: Path, monkey
     assert any("v1" in line and "3 held-out episodes" in line for line in lines), out.stderr
     assert sum("done in" in line for line in lines) == 2, out.stderr
     assert "10.000" in out.stdout  # the table still follows on stdout
+
+
+def test_a_retired_version_is_refused_in_one_line_before_anything_loads(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version whose files learner.keep_versions deleted is still listed: eval says so before building a sampler."""
+    store = ObjectStore((tmp_path / "store").as_uri())
+    create_run(store, RunConfig.model_validate({"run_id": "lm", "env": {"name": "cartpole"}}), "tiny")
+    make_adapter(tmp_path / "adapter", marker=1)
+    registry = AdapterRegistry(store, "lm")
+    for step in (1, 2):
+        registry.publish(tmp_path / "adapter", "tiny", step - 1, step, {})
+    registry.retire(1, "learner.keep_versions=1 keeps the files of the newest 1 versions only")
+    monkeypatch.setattr("producers.tiny_model.resolve_model", lambda model: pytest.fail("a model was resolved"))
+    result = runner.invoke(app, ["eval", "--run", "lm", "--root", store.root, "--version", "1", "--no-save"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert "version 1" in result.output and "learner.keep_versions=1" in result.output
