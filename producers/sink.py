@@ -38,51 +38,38 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlpipe.producer")
 
 
-class StoreThenEventSink:
-    """Commits a batch: Parquet to the archive (create-only), then ``TrajectoryBatchCommitted``.
+class OwedBatchEvents:
+    """The events of stored batches, owed to the broker until it takes them (a producer's, a value actor's).
 
-    A batch whose event the broker does not take (it is away longer than the publisher waits) stays stored and
-    owed: ``unannounced`` keeps it, oldest first, and it is announced before the next batch and on the producer's
-    tick (``retry_due``), so a broker outage ends no producer and leaves no batch unannounced once it is over.
-    ``finish`` makes the last try when the producer stops.
+    ``owe`` announces a batch's event at once; one the broker does not take (it is away longer than the publisher
+    waits) stays owed: ``unannounced`` keeps it, oldest first, and it is announced before the next batch and on the
+    caller's tick (``retry_due``), so a broker outage ends no producer and leaves no batch unannounced once it is
+    over.  ``finish`` makes the last try when the producer stops.
     """
 
-    def __init__(
-        self,
-        archive: TrajectoryArchive,
-        run_id: str,
-        env_name: str,
-        producer_id: str,
-        announce: Callable[[Payload], Any],
-        retry_interval_s: float = 5.0,
-    ) -> None:
-        self.archive, self.run_id, self.env_name, self.producer_id = archive, run_id, env_name, producer_id
-        self.announce = announce
-        self.retry_interval_s = retry_interval_s
-        self.committed: list[BatchInfo] = []
-        self.unannounced: list[BatchInfo] = []  # stored, their event not taken yet (the broker away)
+    def __init__(self, run_id: str, announce: Callable[[Payload], Any], retry_interval_s: float = 5.0) -> None:
+        self.run_id, self.announce, self.retry_interval_s = run_id, announce, retry_interval_s
+        self.unannounced: list[TrajectoryBatchCommitted] = []  # stored, their event not taken yet (the broker away)
         self.retry_at = 0.0  # monotonic time of the next try on the tick
         self.refused = False  # the last try was refused (said once it goes through)
 
-    def commit(self, rows: list[dict[str, Any]], batch_id: str) -> BatchInfo:
-        info = self.archive.write_batch(self.run_id, rows, batch_id=batch_id)
-        self.committed.append(info)
-        self.unannounced.append(info)
-        self.announce_owed()
-        return info
+    def owe(self, event: TrajectoryBatchCommitted) -> bool:
+        """Announce a stored batch's ``event`` after those still owed; False when it stays owed."""
+        self.unannounced.append(event)
+        return self.announce_owed()
 
     def announce_owed(self) -> bool:
         """Announce the stored batches still owed their event, oldest first; False when the broker refused one
         (it and those after it wait for the next try)."""
         while self.unannounced:
-            info = self.unannounced[0]
+            event = self.unannounced[0]
             try:
-                self.announce(batch_committed_payload(info, env=self.env_name, producer_id=self.producer_id))
+                self.announce(event)
             except BusError as exc:
                 self.retry_at, self.refused = time.monotonic() + self.retry_interval_s, True
                 count = len(self.unannounced)
                 log.warning("%d stored batch%s of run %s not announced yet: the broker did not take %s (%s); "
-                            "trying again in %gs", count, "es" if count != 1 else "", self.run_id, info.batch_id,
+                            "trying again in %gs", count, "es" if count != 1 else "", self.run_id, event.batch_id,
                             str(exc).splitlines()[0], self.retry_interval_s)
                 return False
             self.unannounced.pop(0)
@@ -105,6 +92,30 @@ class StoreThenEventSink:
             f"{count} batch{'es' if count != 1 else ''} of run {self.run_id} stored but not announced: the broker "
             f"did not take {'their events' if count != 1 else 'its event'}; they stay in the store, and the run's "
             f"next producer start (`rlpipe producer start --run {self.run_id}`) announces them")
+
+
+class StoreThenEventSink(OwedBatchEvents):
+    """Commits a batch: Parquet to the archive (create-only), then ``TrajectoryBatchCommitted`` (owed until the
+    broker takes it: ``OwedBatchEvents``)."""
+
+    def __init__(
+        self,
+        archive: TrajectoryArchive,
+        run_id: str,
+        env_name: str,
+        producer_id: str,
+        announce: Callable[[Payload], Any],
+        retry_interval_s: float = 5.0,
+    ) -> None:
+        super().__init__(run_id, announce, retry_interval_s)
+        self.archive, self.env_name, self.producer_id = archive, env_name, producer_id
+        self.committed: list[BatchInfo] = []
+
+    def commit(self, rows: list[dict[str, Any]], batch_id: str) -> BatchInfo:
+        info = self.archive.write_batch(self.run_id, rows, batch_id=batch_id)
+        self.committed.append(info)
+        self.owe(batch_committed_payload(info, env=self.env_name, producer_id=self.producer_id))
+        return info
 
 
 def announce_orphans(

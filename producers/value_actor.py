@@ -47,11 +47,12 @@ from torch import nn
 
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.archive_layout import new_batch_id, steps_prefix
+from pipeline.io.bus.errors import BusError
 from pipeline.io.registry import AdapterRegistry, RegistryError, version_folder
 from pipeline.runtime import RateMeter
 from pipeline.value_network import NetworkSpec, linearly_decaying_epsilon, load_network
 from producers.envs.base import TextEnv
-from producers.sink import OrphanSweep, batch_events, logged_batches
+from producers.sink import OrphanSweep, OwedBatchEvents, batch_events, logged_batches
 from schemas.config import PRODUCER_SLOTS, EnvSpec, RunConfig
 from schemas.events import Payload, ProducerHeartbeat, TrajectoryBatchCommitted
 from schemas.names import validate_name
@@ -121,6 +122,8 @@ class ValueActor:
     ) -> None:
         self.run_id, self.actor_id = validate_name(run_id, "run_id"), validate_name(actor_id, "actor_id")
         self.env, self.archive, self.watcher, self.config, self.announce = env, archive, watcher, config, announce
+        # batches stored while the broker was away, announced later (through ``announce`` as it is then)
+        self.owed = OwedBatchEvents(run_id, lambda payload: self.announce(payload))
         self.choices = self.action_choices(env)
         self.seeds = seeds  # environment seeds this actor plays, in turn (None: ``default_training_seeds``)
         self.rng = np.random.default_rng([config.seed, seeds.start if seeds else 0])
@@ -251,7 +254,7 @@ class ValueActor:
                                                BATCH_SUMMARY_KEY: json.dumps(summary).encode()})
         sha256 = self.archive.write_steps(key, table)
         event = TrajectoryBatchCommitted(**summary, path=key, sha256=sha256)
-        self.announce(event)
+        self.owed.owe(event)  # the broker away: the batch stays stored and owed, and the actor goes on
         self.batches_written += 1
         if self.orphans is not None:
             self.orphans.maybe_sweep()
@@ -260,12 +263,14 @@ class ValueActor:
         return event
 
     def run(self, should_stop: Callable[[], bool] = lambda: False, max_batches: int | None = None) -> int:
-        """Write batches until stopped or ``max_batches``; return how many were written."""
+        """Write batches until stopped or ``max_batches``; return how many were written.  Raises ``PublishError``
+        (one line) when batches it stored stay unannounced (the broker still away)."""
         while not should_stop() and (max_batches is None or self.batches_written < max_batches):
             self.wait_for_learner(should_stop)
             if not should_stop():
                 self.write_batch()
                 self.maybe_beat()
+        self.owed.finish()
         return self.batches_written
 
     # ---- heartbeats ------------------------------------------------------------------
@@ -278,12 +283,16 @@ class ValueActor:
         if time.monotonic() - self.meter.last_time < self.heartbeat_interval_s:
             return
         rates, interval = self.meter.rates(self._totals())
-        self.announce(ProducerHeartbeat(
-            producer_id=self.actor_id, adapter_version=self.watcher.version, samples_total=self.episodes,
-            batches_total=self.batches_written, tokens_total=0, env_steps_total=self.env_steps,
-            samples_per_s=rates["episodes"], tokens_per_s=0.0, env_steps_per_s=rates["env_steps"],
-            busy_fraction=min(1.0, max(0.0, rates["busy_s"])), interval_s=interval,
-        ))
+        self.owed.retry_due()  # the batches whose event the broker refused, at most every few seconds
+        try:
+            self.announce(ProducerHeartbeat(
+                producer_id=self.actor_id, adapter_version=self.watcher.version, samples_total=self.episodes,
+                batches_total=self.batches_written, tokens_total=0, env_steps_total=self.env_steps,
+                samples_per_s=rates["episodes"], tokens_per_s=0.0, env_steps_per_s=rates["env_steps"],
+                busy_fraction=min(1.0, max(0.0, rates["busy_s"])), interval_s=interval,
+            ))
+        except BusError as exc:  # the broker away: a missed beat, never a stopped actor (the next one is due later)
+            log.warning("actor %s: heartbeat not published (%s)", self.actor_id, str(exc).splitlines()[0])
 
     def wait_for_learner(self, should_stop: Callable[[], bool]) -> None:
         """With ``max_batches_ahead``: pause while this actor is that far ahead of the learner's reads of its batches

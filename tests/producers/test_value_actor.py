@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.bus import PublishError
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.value_network import NetworkSpec, build_from_spec, network_files
@@ -264,3 +265,52 @@ def test_the_actor_polls_for_new_versions_without_listing_every_version(memory_s
         memory_store.list = listing  # type: ignore[method-assign]
         publish_preferring(registry, action=version % 2)
     assert len(listed) <= 1, listed
+
+
+class AwayBroker:
+    """An announcer whose broker can be away: it then refuses every event, as the publisher does once its wait for
+    an acknowledgement ends."""
+
+    def __init__(self) -> None:
+        self.away = False
+        self.taken: list = []
+
+    def __call__(self, payload) -> None:  # type: ignore[no-untyped-def]
+        if self.away:
+            raise PublishError(f"publishing a {type(payload).__name__} to outage.trajectories failed: no "
+                               "acknowledgement within 30s")
+        self.taken.append(payload)
+
+
+def test_an_actor_goes_on_while_the_broker_is_away_and_announces_its_batches_in_order_once_it_is_back(
+        memory_store: ObjectStore, tmp_path: Path) -> None:
+    broker = AwayBroker()
+    watcher = ValueNetworkWatcher(AdapterRegistry(memory_store, "vrun"), tmp_path / "cache", poll_s=0.0)
+    actor = ValueActor(run_id="vrun", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(memory_store),
+                       watcher=watcher, config=ValueActorConfig(steps_per_batch=20), announce=broker)
+    actor.heartbeat_interval_s = 0.0  # a beat after every batch
+    before = actor.write_batch()
+    broker.away = True
+    during = [actor.write_batch(), actor.write_batch()]  # stored; their events refused: the actor goes on
+    actor.maybe_beat()  # a missed heartbeat does not end it either
+    assert len(TrajectoryArchive(memory_store).list_steps("vrun")) == 3
+    broker.away = False
+    assert actor.run(max_batches=4) == 4  # the owed events go first (before the next batch's), each once
+    batches = [event.batch_id for event in batch_events(broker.taken)]
+    assert batches[:3] == [before.batch_id, *(event.batch_id for event in during)] and len(set(batches)) == 4
+    assert [event.batch_id for event in batch_events(broker.taken)].count(before.batch_id) == 1
+    assert not actor.owed.unannounced
+
+
+def test_an_actor_stopped_with_batches_unannounced_says_so_in_one_line(memory_store: ObjectStore,
+                                                                      tmp_path: Path) -> None:
+    broker = AwayBroker()
+    watcher = ValueNetworkWatcher(AdapterRegistry(memory_store, "vrun"), tmp_path / "cache", poll_s=0.0)
+    actor = ValueActor(run_id="vrun", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(memory_store),
+                       watcher=watcher, config=ValueActorConfig(steps_per_batch=20), announce=broker)
+    broker.away = True
+    actor.write_batch()
+    with pytest.raises(PublishError) as unannounced:
+        actor.run(should_stop=lambda: True)
+    message = str(unannounced.value)
+    assert "\n" not in message and "1 batch of run vrun" in message and "rlpipe producer start --run vrun" in message
