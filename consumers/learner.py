@@ -55,6 +55,7 @@ import pyarrow as pa
 
 from consumers.advantages import EpisodeColumns, compute_advantages, training_weights, with_discounted_returns
 from consumers.batching import check_sampler_scored, check_trainable_rows, drop_stale, micro_batches
+from consumers.broker_wait import until_the_broker_takes
 from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.faults import FaultInjector
@@ -107,6 +108,7 @@ class Learner:
         announce: Callable[[Payload], None] = lambda payload: None,
         metric_logger: MetricLogger | None = None,
         lease: LearnerLease | None = None,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.run_id, self.base_model, self.cfg = run_id, base_model, config
         self.policy, self.archive, self.registry = policy, archive, registry
@@ -131,7 +133,8 @@ class Learner:
         self.metric_logger = metric_logger or NullMetricLogger()  # TensorBoard / W&B (consumers.tracking)
         self.collapse = CollapseMonitor(config)
         # a step's publish and checkpoint: prepared here, written beside the next step's training
-        self.outputs = StepOutputs(run_id, base_model, registry, checkpoints, announce, self.faults,
+        # ``stopping`` (the process's stop flag) ends a wait for a broker that is away (``consumers.broker_wait``)
+        self.outputs = StepOutputs(run_id, base_model, registry, checkpoints, announce, self.faults, stopping,
                                    keep_versions=config.keep_versions,
                                    keep_also=frozenset({1}) if config.init_from else frozenset())  # the warm start
         self.pipelined = False  # True inside ``run``: step() returns before its writes are done
@@ -164,7 +167,7 @@ class Learner:
         if self.cfg.init_from and self.cfg.kl_coef > 0:
             self.restore_reference()
         self.source.seek(self.state.positions)
-        self.source.commit(dict(self.state.positions))
+        self.commit(dict(self.state.positions), f"the offsets of step {self.state.step}'s checkpoint")
         published = self.registry.latest()  # the steps resumed past the newest version trained rows, if any
         self.unpublished_training = bool(self.state.step) and (
             published is None or published.learner_step < self.state.step)
@@ -315,8 +318,10 @@ class Learner:
         reason = f"trajectory batch {ref.batch_id} quarantined: {str(error).strip().splitlines()[0]}"[:2000]
         topic, partition, offset = origin_of(ref)
         raw = json.dumps({"batch_id": ref.batch_id, "path": ref.path, "sha256": ref.sha256}, sort_keys=True)
-        self.announce(DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition, origin_offset=offset,
-                                 key=ref.batch_id, raw=raw))
+        letter = DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition, origin_offset=offset,
+                            key=ref.batch_id, raw=raw)
+        until_the_broker_takes(lambda: self.announce(letter), f"the DeadLetter of batch {ref.batch_id}", self.run_id,
+                               self.outputs.stopping)
         self.dead_lettered += 1
         log.warning("%s (sent to the dead-letter topic)", reason)
         self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}, quarantined=True))
@@ -493,11 +498,16 @@ class Learner:
         """Write the checkpoint (manifest last), announce it, then commit the source's offsets (now)."""
         self.finish_writes()
         key = self.outputs.write_checkpoint(self.outputs.prepare_checkpoint(self.policy, self.state, self.last_metrics))
-        self.source.commit(dict(self.state.positions))  # only after the checkpoint is durable
+        self.commit(dict(self.state.positions), f"the offsets of step {self.state.step}'s checkpoint")
         return key
 
     def finish_writes(self) -> None:
         """Wait for the step in flight (raising its error) and commit what its checkpoint covers."""
-        positions = self.outputs.writer.wait()
-        if positions:
-            self.source.commit(positions)  # only after the checkpoint is durable
+        written = self.outputs.writer.wait()
+        if written is not None and written.positions:
+            self.commit(written.positions, f"the offsets of step {written.checkpoint.step}'s checkpoint")
+
+    def commit(self, positions: dict[str, int], what: str) -> None:
+        """Commit the source's ``positions``, only ever after the checkpoint that covers them is durable and
+        announced; a broker that is away is waited for (``consumers.broker_wait``)."""
+        until_the_broker_takes(lambda: self.source.commit(positions), what, self.run_id, self.outputs.stopping)

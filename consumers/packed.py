@@ -354,7 +354,8 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                 announcer(created)
             sources[cfg.run_id] = KafkaSource(bus, cfg.run_id)
             policy = EnginePolicy(engine, cfg.run_id, cfg.learner)
-            learners[cfg.run_id] = build_learner(cfg, store, sources[cfg.run_id], announcer, base_model, policy=policy)
+            learners[cfg.run_id] = build_learner(cfg, store, sources[cfg.run_id], announcer, base_model, policy=policy,
+                                                   stopping=stop)
             return learners[cfg.run_id]
 
         packed = PackedLearner(engine, [open_run(cfg) for cfg in configs])

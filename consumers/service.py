@@ -10,6 +10,7 @@ Offline replay (``replay_train``) is the same loop fed from the store.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from consumers.tracking import open_metric_logger
 from pipeline.health import HealthServer
 from pipeline.io.archive import ArchiveError, TrajectoryArchive
 from pipeline.io.archive_layout import damaged_run_fix
-from pipeline.io.bus import EventPublisher
+from pipeline.io.bus import BusError, EventPublisher
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.models import resolve_base_model
@@ -42,12 +43,14 @@ def build_learner(
     announce: Callable[[Payload], Any],
     base_model: str | None = None,
     policy: LoraPolicy | None = None,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> Learner:
     """The learner of ``config.run_id`` over ``store``, fed by ``source``.
 
     Its versions and checkpoints are fenced by the run's learner lease (taken by
     ``resume``): their manifests are written through a store that checks it.
     ``policy``: the run's adapter of a shared engine (packed learning); None loads a model of its own.
+    ``stopping``: the process's stop flag, which ends a wait for a broker that is away (``consumers.broker_wait``).
     """
     base_model = base_model or resolve_base_model(config.model)
     if policy is None:
@@ -61,6 +64,7 @@ def build_learner(
         registry=AdapterRegistry(fenced, config.run_id),
         checkpoints=CheckpointStore(fenced, config.run_id, keep=config.learner.keep_checkpoints),
         source=source, announce=announce, metric_logger=open_metric_logger(config, store), lease=lease,
+        stopping=stopping,
     )
 
 
@@ -127,7 +131,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
     _, _, created = create_run(store, config, config.model.base_model)  # refuses a change of what the run is
     if created is not None:
         announcer(created)
-    learner = build_learner(config, store, source, announcer, policy=policy)
+    learner = build_learner(config, store, source, announcer, policy=policy, stopping=stop)
     done.add("policy")
     learner.resume()
     done.add("resumed")
@@ -143,9 +147,14 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
     try:
         learner.run(should_stop=stop, on_step=after_step)
         finish(learner, after_step)
+    except BaseException:
+        with contextlib.suppress(BusError):  # the error unwinding (a broker away, say) is the one to report
+            publisher.close()
+        raise
+    else:
+        publisher.close()
     finally:
         source.close()
-        publisher.close()
         learner.metric_logger.close()
     log.info("learner stopped at step %d, version %d", learner.state.step, learner.state.version)
     return learner

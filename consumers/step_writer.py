@@ -11,7 +11,9 @@ step is in flight, the commit order of a synchronous learner holds (adapter,
 manifest, event, step object, checkpoint, offsets), and a failure (a store
 error, a lost lease) is raised in the learner's thread by that wait.  Offsets
 are committed by the learner's thread after the wait: Kafka consumers are not
-thread-safe.
+thread-safe.  An announcement the broker refuses (it is away) is tried again
+until it is taken (``consumers.broker_wait``): the job, and so the next step's
+wait for it, lasts as long as the outage, and nothing after it goes first.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from consumers.broker_wait import until_the_broker_takes
 from consumers.checkpoint import CheckpointStore, PreparedCheckpoint
 from consumers.faults import FaultInjector
 from consumers.retention import VersionRetention
@@ -114,12 +117,15 @@ class StepOutputs:
     """A learner's publishing and checkpointing: each prepared in the learner's thread, written by ``writer``."""
 
     def __init__(self, run_id: str, base_model: str, registry: AdapterRegistry, checkpoints: CheckpointStore,
-                 announce: Callable[[Payload], None], faults: FaultInjector, keep_versions: int | None = None,
+                 announce: Callable[[Payload], None], faults: FaultInjector,
+                 stopping: Callable[[], bool] = lambda: False, keep_versions: int | None = None,
                  keep_also: frozenset[int] = frozenset()) -> None:
-        """``keep_versions``: the newest versions whose files stay in the registry after each publish (None: every
+        """``stopping``: the process's stop flag, which ends a wait for the broker (``consumers.broker_wait``);
+        ``keep_versions``: the newest versions whose files stay in the registry after each publish (None: every
         version's); ``keep_also``: versions kept whatever their age (a warm start's v1)."""
         self.run_id, self.base_model = run_id, base_model
         self.registry, self.checkpoints, self.announce, self.faults = registry, checkpoints, announce, faults
+        self.stopping = stopping
         self.retention = VersionRetention(registry, "learner.keep_versions", keep_versions, keep_also)
         self.writer = StepWriter()
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
@@ -146,7 +152,8 @@ class StepOutputs:
             raise RuntimeError(f"run {self.run_id}: step {publication.step} was published as v{manifest.version}, "
                                f"not v{publication.version}: another writer publishes to this run; run one learner "
                                "per run")
-        self.announce(self.registry.published_event(manifest))
+        event = self.registry.published_event(manifest)
+        self.announce_until_taken(event, f"AdapterPublished v{manifest.version} (step {publication.step})")
         log.info("published adapter v%d at step %d", manifest.version, publication.step)
         self.faults.reached("after_publish")
         self.retire_old_versions(manifest.version)
@@ -165,18 +172,24 @@ class StepOutputs:
         """Write a prepared checkpoint (manifest last) and announce it; the caller commits its positions."""
         self.faults.reached("before_checkpoint")
         key = self.checkpoints.write(prepared.checkpoint)
-        self.announce(LearnerCheckpointed(step=prepared.checkpoint.step, version=prepared.checkpoint.version, path=key,
-                                          offsets=prepared.positions, metrics=prepared.metrics))
+        event = LearnerCheckpointed(step=prepared.checkpoint.step, version=prepared.checkpoint.version, path=key,
+                                    offsets=prepared.positions, metrics=prepared.metrics)
+        self.announce_until_taken(event, f"LearnerCheckpointed of step {event.step} (its offsets not committed)")
         self.faults.reached("after_checkpoint")
         return key
 
+    def announce_until_taken(self, payload: Payload, what: str) -> None:
+        """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop)."""
+        until_the_broker_takes(lambda: self.announce(payload), what, self.run_id, self.stopping)
+
     def write_step(self, metrics: dict[str, Any], publication: Publication | None,
-                   prepared: PreparedStep | None) -> dict[str, int] | None:
-        """A step's writes in a synchronous learner's order; the positions to commit once its checkpoint is durable."""
+                   prepared: PreparedStep | None) -> PreparedStep | None:
+        """A step's writes in a synchronous learner's order; its checkpoint, once durable and announced (the
+        caller commits its positions then), or None when the step had none."""
         if publication is not None:
             self.write_publication(publication)
         self.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
         if prepared is None:
             return None
         self.write_checkpoint(prepared)
-        return prepared.positions
+        return prepared

@@ -7,10 +7,12 @@ and publishes with a 2 s wait for acknowledgements (30 s by default), so an outa
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,9 +21,10 @@ from consumers.sources import KafkaSource, learner_group_id
 from pipeline.devstack.gcs_emulator import free_port
 from pipeline.devstack.stack import DevStack
 from pipeline.io.archive import TrajectoryArchive, batch_committed_payload
-from pipeline.io.bus import EventPublisher, group_lag
+from pipeline.io.bus import BusError, EventPublisher, group_lag, tail
 from pipeline.runtime import Announcer
 from schemas.config import BusConfig
+from schemas.events import AdapterPublished, LearnerCheckpointed
 from tests.consumers import test_learner
 from tests.consumers.test_learner import RUN, make_learner, write_batches
 from tests.fixtures.kafka import FAST_GROUP
@@ -102,3 +105,160 @@ def test_a_learner_goes_on_after_the_broker_was_away_and_trains_each_batch_once(
     assert sorted(learner.state.trained.values()) == [1, 2, 3, 4]  # one batch a step, none twice
     (lag,) = group_lag(bus, learner_group_id(RUN))
     assert lag.committed == 4  # the last checkpoint's offsets, committed once the broker was back
+
+
+# ---- the broker away while a step's writes are announced ----------------------------------------------------------
+
+OUTAGE_S = 8.0  # longer than the learner's 2 s wait for an acknowledgement, several tries of it
+
+
+def announced_in_order(bus: BusConfig) -> tuple[list[int], list[int]]:
+    """The versions ``AdapterPublished`` names and the steps ``LearnerCheckpointed`` names, in log order."""
+    versions = [record.event.payload.version for record in tail(bus, "adapters", n=100, run_id=RUN)
+                if isinstance(record.event.payload, AdapterPublished)]
+    steps = [record.event.payload.step for record in tail(bus, "control", n=100, run_id=RUN)
+             if isinstance(record.event.payload, LearnerCheckpointed)]
+    return versions, steps
+
+
+class BrokerAwayAt:
+    """Stops the broker just before the learner's ``n``-th call of ``call`` that ``which`` picks (an announcement of
+    one event type, or the source's commit).  The test's own thread starts it again: the broker's process dies
+    with the thread that started it."""
+
+    def __init__(self, stack: DevStack, call: Callable[..., Any], which: Callable[..., bool], n: int) -> None:
+        self.stack, self.call, self.which, self.n = stack, call, which, n
+        self.seen, self.stopped = 0, threading.Event()
+
+    def __call__(self, *args: Any) -> Any:
+        if self.which(*args):
+            self.seen += 1
+            if self.seen == self.n:
+                self.stack.broker.stop()
+                self.stopped.set()
+        return self.call(*args)
+
+
+def is_event(kind: type) -> Callable[..., bool]:
+    return lambda payload: isinstance(payload, kind)
+
+
+def learner_on_kafka(stack: DevStack, store, setup, namespace: str, max_steps: int):  # type: ignore[no-untyped-def]
+    """A learner reading ``RUN`` from the stack's broker and announcing with a 2 s wait; its publisher and bus."""
+    bus = BusConfig(bootstrap_servers=f"127.0.0.1:{stack.broker.port}", namespace=namespace, connect_timeout_s=5.0)
+    learner_side = EventPublisher(bus, send_timeout_s=2.0)
+    learner, _ = make_learner(store, setup, max_steps=max_steps)  # one 16-row batch a step
+    learner.announce = learner.outputs.announce = Announcer(learner_side, RUN)
+    learner.source = KafkaSource(bus, RUN, **FAST_GROUP)
+    return learner, learner_side, bus
+
+
+def stop_of(learner) -> threading.Event:  # type: ignore[no-untyped-def]
+    """The learner's stop flag, as a process's SIGTERM sets it: it ends the loop and a wait for the broker."""
+    stop = threading.Event()
+    learner.outputs.stopping = stop.is_set
+    return stop
+
+
+def train_in_thread(learner, stop: threading.Event, errors: list[BaseException]) -> threading.Thread:  # type: ignore[no-untyped-def]
+    def train() -> None:
+        try:
+            learner.run(should_stop=stop.is_set, poll_timeout_s=0.5)
+        except BaseException as exc:  # the assertions name it
+            errors.append(exc)
+
+    thread = threading.Thread(target=train, name="learner")
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("where", ["AdapterPublished", "LearnerCheckpointed", "commit"])
+def test_a_learner_waits_out_a_broker_outage_in_its_writes_and_announces_each_in_order(
+        stack: DevStack, store, setup, where: str) -> None:  # type: ignore[no-untyped-def]
+    """The broker goes away as step 2 announces its version, announces its checkpoint or commits its offsets: the
+    learner waits (its training blocked by the step in flight), then announces and commits every step in order."""
+    learner, learner_side, bus = learner_on_kafka(stack, store, setup, f"writes-{where.lower()}", max_steps=4)
+    archive = TrajectoryArchive(store)
+    write_batches(archive, setup, 4, np.random.default_rng(0))
+    with EventPublisher(bus, send_timeout_s=20.0) as producer_side:
+        announced = set(announce_new(archive, Announcer(producer_side, RUN), set()))
+    if where == "commit":
+        away = BrokerAwayAt(stack, learner.source.commit, lambda positions: True, 2)
+        learner.source.commit = away
+    else:
+        kind = AdapterPublished if where == "AdapterPublished" else LearnerCheckpointed
+        away = BrokerAwayAt(stack, learner.outputs.announce, is_event(kind), 2)
+        learner.outputs.announce = away
+    learner.resume()
+    errors: list[BaseException] = []
+    stop = stop_of(learner)
+    thread = train_in_thread(learner, stop, errors)
+    try:
+        assert away.stopped.wait(90), "the learner never reached step 2's writes"
+        time.sleep(OUTAGE_S)
+        assert not errors, f"the learner ended during the outage: {errors[0]!r}"
+        assert learner.state.step <= 3  # the next step waits for step 2's writes
+        stack.broker.start()
+        thread.join(90)
+        assert not errors, f"the learner ended: {errors[0]!r}"
+        assert not thread.is_alive(), "the learner never finished its steps after the outage"
+    finally:
+        stop.set()
+        thread.join(60)
+        learner_side.close()
+        learner.source.close()
+    assert learner.state.step == 4 and set(learner.state.trained) == announced
+    assert sorted(learner.state.trained.values()) == [1, 2, 3, 4]
+    versions, steps = announced_in_order(bus)
+    assert versions == [1, 2, 3, 4] and steps == [1, 2, 3, 4]  # none skipped, none twice, in order
+    (lag,) = group_lag(bus, learner_group_id(RUN))
+    assert lag.committed == 4
+
+
+def test_a_learner_stopped_while_the_broker_is_away_says_what_was_not_announced_and_resumes_once(
+        stack: DevStack, store, setup) -> None:  # type: ignore[no-untyped-def]
+    """Stopped while its step-2 version waits for the broker: it ends within bounded time with one line naming
+    what was not announced; the next start, the broker back, resumes from step 1's checkpoint and trains each
+    batch once."""
+    learner, learner_side, bus = learner_on_kafka(stack, store, setup, "stopped", max_steps=4)
+    archive = TrajectoryArchive(store)
+    write_batches(archive, setup, 4, np.random.default_rng(0))
+    with EventPublisher(bus, send_timeout_s=20.0) as producer_side:
+        announced = set(announce_new(archive, Announcer(producer_side, RUN), set()))
+    away = BrokerAwayAt(stack, learner.outputs.announce, is_event(AdapterPublished), 2)
+    learner.outputs.announce = away
+    learner.resume()
+    errors: list[BaseException] = []
+    stop = stop_of(learner)
+    thread = train_in_thread(learner, stop, errors)
+    try:
+        assert away.stopped.wait(90), "the learner never published step 2"
+        time.sleep(3)  # waiting for the broker
+        assert not errors, f"the learner ended before it was stopped: {errors[0]!r}"
+        stopped = time.monotonic()
+        stop.set()
+        thread.join(30)
+        assert not thread.is_alive(), "a stop during the outage did not end the learner"
+        assert time.monotonic() - stopped < 30
+    finally:
+        stop.set()
+        thread.join(60)
+        with contextlib.suppress(BusError):
+            learner_side.close(timeout_s=1.0)
+        learner.source.close()
+    assert len(errors) == 1 and isinstance(errors[0], BusError), errors
+    message = str(errors[0])
+    assert "\n" not in message and "AdapterPublished" in message and "v2" in message
+    assert "rlpipe learner start" in message and "once" in message
+    stack.broker.start()
+    again, again_side, _ = learner_on_kafka(stack, store, setup, "stopped", max_steps=4)
+    try:
+        assert again.resume() and again.state.step == 1  # step 2's checkpoint was never written
+        again.run(poll_timeout_s=0.5)
+    finally:
+        again_side.close()
+        again.source.close()
+    assert again.state.step == 4 and set(again.state.trained) == announced
+    assert sorted(again.state.trained.values()) == [1, 2, 3, 4]
+    versions, steps = announced_in_order(bus)
+    assert versions == [1, 3, 4, 5] and steps == [1, 2, 3, 4]  # v2 stayed in the registry, unannounced

@@ -518,3 +518,36 @@ def test_a_run_on_another_tiny_build_than_the_engines_is_refused_at_start_and_as
     assert joined == ["exp-2"]
     assert "run exp-1 cannot join" in warnings and "fedcba9876543210" in warnings and "0123456789abcdef" in warnings
     assert all("\n" not in record.getMessage() for record in caplog.records)
+
+
+def test_a_packed_runs_writes_wait_out_a_broker_that_refuses_them_and_announce_each_in_order(
+        batches, setup):  # noqa: F811
+    """Packed runs write through the same step writer as a learner of one run: an announcement the broker refuses
+    (away for longer than the publisher waits) is tried again until taken, and nothing after it goes first."""
+    from pipeline.io.bus import PublishError
+    from schemas.events import AdapterPublished, LearnerCheckpointed
+
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    learners = [learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, config(run, max_steps=2)),
+                           config(run, max_steps=2)) for run in SOURCES]
+    refusals, taken = {"a": 3}, {run: [] for run in SOURCES}
+
+    def announcer(run: str):
+        def announce(payload) -> None:
+            if refusals.get(run, 0):
+                refusals[run] -= 1
+                raise PublishError(f"publishing a {type(payload).__name__} to ns.control failed: no acknowledgement")
+            taken[run].append(payload)
+        return announce
+
+    for learner in learners:
+        learner.announce = learner.outputs.announce = announcer(learner.run_id)
+    packed = PackedLearner(engine, learners)
+    packed.resume()
+    packed.run(poll_timeout_s=0)
+    assert refusals["a"] == 0  # a's first announcements were refused, then taken
+    for run in SOURCES:
+        events = [(type(p).__name__, getattr(p, "version", None) if isinstance(p, AdapterPublished) else p.step)
+                  for p in taken[run] if isinstance(p, AdapterPublished | LearnerCheckpointed)]
+        assert events == [("AdapterPublished", 1), ("AdapterPublished", 2), ("LearnerCheckpointed", 2)], run
+        assert CheckpointStore(batches, run).latest().state.step == 2

@@ -1,0 +1,80 @@
+"""A learner's announcements and commits that wait out a broker outage instead of ending the learner.
+
+A step's writes go in a fixed order (adapter files, manifest, ``AdapterPublished``,
+step object, checkpoint, ``LearnerCheckpointed``, offsets), and each one is
+owed before the next: offsets committed before their checkpoint's event would
+let producers and ``rlpipe run`` act on a step nobody announced.  So a write the
+broker refuses (it is away for longer than the publisher's wait) is tried again,
+in place, until the broker takes it: the writes after it wait, and so does the
+training loop (one step in flight, ``consumers.step_writer``).  One warning says
+it started, a line every ``REPORT_EVERY_S`` says it goes on, one says it is over.
+
+A stop (SIGTERM) during the wait ends it after the try in progress (at most the
+publisher's wait) with ``BrokerAwayOnStop``: one line naming what was not
+announced.  Nothing is lost by that: whatever was written is in the store
+(producers find versions in the registry, ``rlpipe run`` looks at the store for
+a run at its step budget), and the next ``rlpipe learner start`` resumes from the
+newest checkpoint, its offsets committed then, training each batch once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from pipeline.io.bus import BusError
+
+log = logging.getLogger("rlpipe.learner")
+
+T = TypeVar("T")
+
+RETRY_WAIT_S = 1.0  # between two tries (each try itself waits up to the publisher's send timeout)
+REPORT_EVERY_S = 30.0  # while the broker stays away, a line this often
+
+
+class BrokerAwayOnStop(BusError):
+    """The learner was stopped while a write waited for the broker; the message names what was not announced."""
+
+
+def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopping: Callable[[], bool],
+                           retry_wait_s: float = RETRY_WAIT_S, report_every_s: float = REPORT_EVERY_S) -> T:
+    """``write()``'s result once the broker takes it, trying again every ``retry_wait_s`` while it refuses
+    (``BusError``); ``what`` names the write in the log lines ("AdapterPublished v3 (step 6)").
+
+    Raises ``BrokerAwayOnStop`` when ``stopping()`` is true after a refused try.
+    """
+    started = reported = 0.0
+    while True:
+        try:
+            result = write()
+        except BusError as exc:
+            reason, now = str(exc).splitlines()[0] if str(exc) else type(exc).__name__, time.monotonic()
+            if not started:
+                started = reported = now
+                log.warning("run %s: the broker did not take %s (%s); the learner waits for it (the writes after "
+                            "it and the next step wait too), trying again every %gs", run_id, what, reason,
+                            retry_wait_s)
+            elif now - reported >= report_every_s:
+                reported = now
+                log.warning("run %s: still waiting for the broker to take %s, for %.0fs now (%s)", run_id, what,
+                            now - started, reason)
+            if stopping():
+                raise BrokerAwayOnStop(
+                    f"run {run_id} stopped while the broker was away: it never took {what}; what the learner "
+                    "wrote is in the store, and the next `rlpipe learner start` resumes from the run's newest "
+                    "checkpoint, training each batch exactly once") from exc
+            wait_unless_stopping(retry_wait_s, stopping)
+            continue
+        if started:
+            log.warning("run %s: the broker took %s after %.0fs; the learner goes on", run_id, what,
+                        time.monotonic() - started)
+        return result
+
+
+def wait_unless_stopping(seconds: float, stopping: Callable[[], bool]) -> None:
+    """Sleep ``seconds``, in short naps, returning early once ``stopping()`` is true."""
+    deadline = time.monotonic() + seconds
+    while not stopping() and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(0.1, left))

@@ -1,0 +1,54 @@
+"""A learner's write the broker refuses is tried again until it is taken, saying so once, then every so often."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from consumers.broker_wait import BrokerAwayOnStop, until_the_broker_takes
+from pipeline.io.bus import PublishError
+
+
+class Refusing:
+    """A write the broker refuses ``times`` times, then takes (its result: how many tries it took)."""
+
+    def __init__(self, times: int) -> None:
+        self.times, self.tries = times, 0
+
+    def __call__(self) -> int:
+        self.tries += 1
+        if self.tries <= self.times:
+            raise PublishError("publishing a LearnerCheckpointed to ns.control failed: no acknowledgement within 2s")
+        return self.tries
+
+
+def test_a_refused_write_is_tried_again_until_taken_with_one_warning_then_a_line_every_so_often(
+        caplog: pytest.LogCaptureFixture) -> None:
+    write = Refusing(times=6)
+    with caplog.at_level(logging.WARNING, logger="rlpipe.learner"):
+        taken = until_the_broker_takes(write, "LearnerCheckpointed of step 2", "r", lambda: False,
+                                       retry_wait_s=0.01, report_every_s=0.025)
+    assert taken == write.tries == 7
+    lines = [record.getMessage() for record in caplog.records]
+    assert "did not take LearnerCheckpointed of step 2" in lines[0] and "no acknowledgement" in lines[0]
+    assert "the broker took LearnerCheckpointed of step 2" in lines[-1]
+    still = [line for line in lines if "still waiting" in line]
+    assert 1 <= len(still) < 6  # not one a try: about one every report_every_s
+    assert len(lines) == 2 + len(still)
+
+
+def test_a_stop_during_the_wait_ends_it_in_one_line_naming_what_the_broker_never_took() -> None:
+    write = Refusing(times=10**6)
+    with pytest.raises(BrokerAwayOnStop) as stopped:
+        until_the_broker_takes(write, "AdapterPublished v3 (step 6)", "r", lambda: write.tries >= 2,
+                               retry_wait_s=0.01)
+    message = str(stopped.value)
+    assert write.tries == 2 and "\n" not in message
+    assert "never took AdapterPublished v3 (step 6)" in message and "rlpipe learner start" in message
+
+
+def test_a_write_taken_at_once_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="rlpipe.learner"):
+        assert until_the_broker_takes(Refusing(times=0), "x", "r", lambda: True) == 1
+    assert not caplog.records
