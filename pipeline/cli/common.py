@@ -139,14 +139,17 @@ def handle_user_errors(func: Callable[P, R]) -> Callable[P, R]:
 def store_failures(roots: list[str], again: str) -> Iterator[None]:
     """A store that fails under a running process (its GCS endpoint gone after gcsfs's retries, its disk full) as
     one line naming it, exit 1; ``again`` says what starting the process again does.  User errors go on to
-    ``user_errors``; anything else keeps its traceback."""
-    from pipeline.io.store import remote_failures
+    ``user_errors``; anything else keeps its traceback, an ``OSError`` not raised by the store's code too (a
+    base model the hub does not know is an ``OSError`` from transformers)."""
+    from pipeline.io.store import raised_by_store, remote_failures
 
     try:
         yield
     except USER_ERRORS:
         raise
     except (OSError, *remote_failures()) as exc:  # the second part is looked at only once something failed
+        if not raised_by_store(exc):
+            raise
         fail(f"the store {', '.join(sorted(set(roots)))} failed: {error_line(exc)}; once it answers, {again}")
 
 

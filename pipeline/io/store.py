@@ -71,6 +71,29 @@ def remote_failures() -> tuple[type[Exception], ...]:
     return HttpError, GoogleAuthError, ClientError
 
 
+# The code a store's own failure passes through: this module, and the fsspec filesystem it reads and writes with
+# (a file object from ``open_input``, or ``filesystem`` handed to pyarrow, fails in those without passing here).
+_STORE_MODULES = (__name__, "fsspec", "gcsfs")
+
+
+def raised_by_store(exc: BaseException) -> bool:
+    """True if ``exc``, or an exception it was raised ``from``, came out of the store's code: its disk, or its
+    endpoint after gcsfs's retries.  The same ``OSError`` from elsewhere (transformers for a model id the hub
+    does not know, requests, another disk) is not the store's."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            module = str(tb.tb_frame.f_globals.get("__name__", ""))
+            if any(module == name or module.startswith(f"{name}.") for name in _STORE_MODULES):
+                return True
+            tb = tb.tb_next
+        current = current.__cause__
+    return False
+
+
 class StoreURLError(ValueError):
     """The store root URL (or its options) cannot be used."""
 

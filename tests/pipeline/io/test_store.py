@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.devstack.gcs_emulator import FakeGCSServer, ensure_bucket
 from pipeline.devstack.process import free_port
-from pipeline.io.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError, validate_key
+from pipeline.io.store import ChecksumError, InvalidKeyError, ObjectStore, StoreURLError, raised_by_store, validate_key
 from schemas.config import StoreConfig
 
 PAYLOAD = b"\x00rlpipe\xffbytes" * 100
@@ -271,3 +271,25 @@ def test_a_root_without_an_atomic_create_only_write_is_refused_before_connecting
     root = f"{scheme}://127.0.0.1:{free_port()}/rlpipe"  # nothing listens there: refused before any connection
     with pytest.raises(StoreURLError, match=f"{scheme}:// has no atomic create-only write.*use file:///path"):
         ObjectStore(root)
+
+
+def test_a_failure_is_the_stores_only_when_it_came_out_of_the_stores_code() -> None:
+    """``raised_by_store``: through the store's methods or its fsspec filesystem, or raised ``from`` such a
+    failure; an OSError raised elsewhere (a model id the hub does not know) is not the store's."""
+    store = ObjectStore("memory://raised-by-store")
+    failures = []
+    for fails in (lambda: store.get("absent"), lambda: store.filesystem.cat_file("/raised-by-store/absent")):
+        with pytest.raises(OSError) as caught:
+            fails()
+        failures.append(caught.value)
+    assert [raised_by_store(exc) for exc in failures] == [True, True]
+    try:
+        raise OSError("typo/model is not a valid model identifier")
+    except OSError as exc:
+        elsewhere = exc
+    assert not raised_by_store(elsewhere)
+    try:
+        raise OSError("could not store the batch") from failures[0]
+    except OSError as exc:
+        wrapped = exc
+    assert raised_by_store(wrapped)
