@@ -14,10 +14,7 @@ import dataclasses
 import json
 import logging
 import os
-import re
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -28,6 +25,7 @@ from kafka.structs import OffsetAndMetadata
 
 from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic
 from pipeline.io.bus.connection import _CLIENT_ID, _bus_errors, _connect, _describe, kafka_client_settings
+from pipeline.io.bus.dead_letters import DEAD_LETTERED, dead_letter_run_id, poison_origin
 from pipeline.io.bus.errors import BusError, CommitError, RewindError
 from pipeline.io.bus.publisher import EventPublisher
 from pipeline.io.bus.records import (
@@ -42,50 +40,13 @@ from pipeline.io.bus.records import (
 from pipeline.topics import MAX_TOPIC_NAME_LENGTH, topic_kind, topic_name
 from schemas.config import BusConfig
 from schemas.events import DeadLetter, NewerEventError, NewerEventTypeError, encode_event, make_event
-from schemas.names import InvalidNameError, validate_name
+from schemas.names import validate_name
 
 GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"  # consumer-group timings, JSON (group_timings_from_env)
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_RAW_BYTES = 4096  # the start of a poison message (and of its key) kept in its DeadLetter
-_UNKNOWN_RUN = "unknown"
-
-
-def _dead_letter_run_id(key: str | None, raw: bytes | None) -> str:
-    """The run a poison message probably belongs to: its key (run_id by convention), else ``unknown``."""
-    with contextlib.suppress(InvalidNameError):
-        return validate_name(key or "", "run_id")
-    match = re.search(rb'"run_id"\s*:\s*"([A-Za-z0-9._-]{1,64})"', raw or b"")
-    with contextlib.suppress(InvalidNameError):
-        return validate_name(match.group(1).decode(), "run_id") if match else _UNKNOWN_RUN
-    return _UNKNOWN_RUN
-
-
-class _DeadLettered:
-    """The poison messages this process dead-lettered, by origin (broker, topic, partition, offset): readers of one
-    topic in one process (a packed learner's runs) send each one dead letter.  The newest ``limit`` are kept."""
-
-    def __init__(self, limit: int = 10_000) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._origins: OrderedDict[tuple[str, str, int, int], None] = OrderedDict()
-
-    @contextlib.contextmanager
-    def claim(self, origin: tuple[str, str, int, int]) -> Iterator[bool]:
-        """True: ``origin`` is the caller's to dead-letter, recorded once the block ends without an error (a failed
-        dead letter is left to the next reader); False: another reader here sent it.  One claim at a time."""
-        with self._lock:
-            if origin in self._origins:
-                yield False
-                return
-            yield True
-            self._origins[origin] = None
-            while len(self._origins) > self.limit:
-                self._origins.popitem(last=False)
-
-
-_DEAD_LETTERED = _DeadLettered()
 
 
 class _ApplyPendingSeeks(ConsumerRebalanceListener):
@@ -256,12 +217,14 @@ class EventConsumer:
             raw=raw[:DEAD_LETTER_RAW_BYTES].decode("utf-8", errors="replace"),
             raw_truncated=len(raw) > DEAD_LETTER_RAW_BYTES,
         )
-        envelope = make_event(_dead_letter_run_id(key, raw), letter)
-        with _DEAD_LETTERED.claim((",".join(self._servers), record.topic, record.partition, record.offset)) as ours:
-            if not ours:  # another reader in this process (another run's) sent its dead letter
-                self.stats.skipped_dead_lettered += 1
-                return None
+        envelope = make_event(dead_letter_run_id(key, raw), letter)
+
+        def publish() -> None:  # the publisher is made only by a reader that sends a dead letter
             self._dead_letter_publisher().publish_raw(self.dlq_topic, encode_event(envelope), key_bytes, "DeadLetter")
+
+        if not DEAD_LETTERED.send_once(poison_origin(self._servers, record), publish):
+            self.stats.skipped_dead_lettered += 1  # another reader in this process (another run's) sent it
+            return None
         self.stats.dead_lettered += 1
         log.warning("dead-lettered %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
         return None
