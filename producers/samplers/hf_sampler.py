@@ -297,14 +297,17 @@ class TransformersSampler(Sampler):
 # What peft does on load with an adapter_config.json, beyond reading LoRA weights: an initialisation other than
 # true, false or gaussian rewrites the base layers' weights (PiSSA, OLoRA, CorDA, LoftQ: W - BA, quantised
 # residuals), which outlives the adapter's unload; ``layer_replication`` rebuilds the model's layers;
-# ``megatron_config`` imports the module named by ``megatron_core``.  rlpipe's learners publish none of these (peft's
-# defaults), so an adapter that has them was written past them.
-BASE_CHANGING_FIELDS = ("layer_replication", "megatron_config")
+# ``megatron_config`` imports the module named by ``megatron_core``; ``modules_to_save`` and
+# ``trainable_token_indices`` (even an empty list: the embedding is wrapped for no tokens) wrap base modules in
+# peft's auxiliary wrappers, which are no tuner layers and outlive the unload.  rlpipe's learners publish none of
+# these (null, peft's defaults), so an adapter that has them was written past them.
+BASE_CHANGING_FIELDS = ("layer_replication", "megatron_config", "modules_to_save", "trainable_token_indices")
 
 
 def check_adapter_config(config: object, what: str) -> None:
     """Refuse, in one line naming the field, an adapter config that is no plain LoRA's: another peft tuner type, an
-    initialisation that changes the base model, layer replication or a Megatron module to import."""
+    initialisation that changes the base model, layer replication, a Megatron module to import, or base modules
+    to wrap (``modules_to_save``, ``trainable_token_indices``)."""
     if not isinstance(config, dict):
         raise ValueError(f"{what}: adapter_config.json holds {type(config).__name__}, not an object; publish the "
                          "adapter again")
@@ -328,7 +331,7 @@ def check_adapter_folder_config(handle: AdapterHandle) -> None:
     try:
         with open(config_file, encoding="utf-8") as f:
             config = json.load(f)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep to read
         raise ValueError(f"adapter {handle.name}: {config_file} is not JSON ({exc}); publish the adapter again"
                          ) from None
     check_adapter_config(config, f"adapter {handle.name}")

@@ -503,16 +503,23 @@ def test_vllm_length_limit_and_id_reuse_refused(vllm_sampler, prompts, lora_adap
 
 
 @pytest.mark.parametrize("field, value", [("init_lora_weights", "pissa"), ("init_lora_weights", "olora"),
-                                          ("layer_replication", [[0, 1]]), ("peft_type", "LOHA")])
+                                          ("layer_replication", [[0, 1]]), ("peft_type", "LOHA"),
+                                          ("modules_to_save", ["lm_head"]), ("trainable_token_indices", [0, 1])])
 def test_an_adapter_config_that_would_change_the_base_model_is_refused(
-    tiny_trained_dir, reference, prompts, lora_adapters, tmp_path, field, value
+    tiny_trained_dir, reference, prompts, lora_adapters, learner_policy, tmp_path, field, value
 ) -> None:
     """peft applies an adapter_config.json's initialisation and structure on load: PiSSA and OLoRA rewrite the
-    base weights (W - BA), layer replication rebuilds the model's layers, another tuner type is no LoRA at all.
+    base weights (W - BA), layer replication rebuilds the model's layers, another tuner type is no LoRA at all,
+    and modules_to_save / trainable_token_indices wrap base modules in copies that outlive the adapter's unload.
     Such a folder (a manifest written past publish, a tampered store) is refused before peft reads it, and the
-    base model every other version shares samples as before."""
+    base model every other version shares samples as before; the adapter the learner publishes passes."""
     import json
     import shutil
+
+    from producers.samplers.hf_sampler import check_adapter_folder_config
+
+    learners = learner_policy.save_adapter(tmp_path / "learners")
+    check_adapter_folder_config(AdapterHandle.for_version(4, str(learners), "sha-l"))
 
     folder = Path(shutil.copytree(lora_adapters[1].path, tmp_path / "odd"))
     config = json.loads((folder / "adapter_config.json").read_text())
@@ -521,3 +528,12 @@ def test_an_adapter_config_that_would_change_the_base_model_is_refused(
     with pytest.raises(ValueError, match=rf"adapter v3: adapter_config\.json sets {field}="):
         sampler.load_adapter(AdapterHandle.for_version(3, str(folder), "sha-o"))
     assert_samples_as_before(sampler, reference, prompts, lora_adapters, True)
+
+
+def test_an_adapter_config_nested_too_deep_to_read_is_one_line(tmp_path) -> None:
+    from producers.samplers.hf_sampler import check_adapter_folder_config
+
+    (tmp_path / "adapter_config.json").write_text("[" * 100_000)
+    with pytest.raises(ValueError, match=r"adapter v3: .*adapter_config\.json is not JSON") as caught:
+        check_adapter_folder_config(AdapterHandle.for_version(3, str(tmp_path), "sha-d"))
+    assert len(str(caught.value).splitlines()) == 1
