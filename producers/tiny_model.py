@@ -43,12 +43,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.models import (  # the build identity (marker, naming, tiny_build) is shared with the learner side
+from pipeline.models import (  # the build identity (marker, naming) is shared with the learner side
     MARKER_FILE,
     check_model_path,
     read_marker,
     record_tiny_model,
-    tiny_build,  # noqa: F401  # imported from here by producer code too
     tiny_folder_name,
 )
 from producers.tiny_corpus import (

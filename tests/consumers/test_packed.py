@@ -1,4 +1,7 @@
-"""Packed learning: two runs as two adapters of one engine reach the weights each reaches alone."""
+"""Packed learning: two runs as two adapters of one engine reach the weights each reaches alone.
+
+A run failing, and settings or models packed runs cannot share, are in test_packed_failures.py.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import threading
 from collections import deque
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,51 +17,19 @@ from consumers.checkpoint import CheckpointStore
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from consumers.engine_policy import EnginePolicy
-from consumers.learner import Learner
-from consumers.lease import FencedStore, LearnerLease, LeaseLostError
 from consumers.packed import PackedLearner
 from consumers.policy import LoraPolicy
-from consumers.sources import ReplaySource
-from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
-from pipeline.io.store import ObjectStore
 from schemas.config import LearnerConfig
-from tests.consumers import test_learner
+from tests.consumers.packed_runs import (
+    SOURCES,
+    adapter_of,
+    batches,  # noqa: F401  # the fixture: runs a and b's batches in a store
+    config,
+    learner_of,
+)
 from tests.consumers.test_learner import setup  # noqa: F401  # the module fixture: tiny model, prompt, answers
 from tests.consumers.test_learner_progress import ScriptedSource
-
-SOURCES = {"a": 0, "b": 1}  # run -> seed of its batches' answers
-
-
-def config(run: str, **overrides) -> LearnerConfig:
-    values = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 2e-2, "batch_rows": 16, "publish_every": 1,
-              "checkpoint_every": 2, "max_staleness": 1000, "device": "cpu",
-              # the runs differ in more than their data: schedule, KL penalty, seed
-              "seed": 3 if run == "b" else 0, "kl_coef": 0.05 if run == "b" else 0.0,
-              "lr_schedule": "cosine", "max_steps": 4, **overrides}
-    return LearnerConfig(**values)
-
-
-def learner_of(store: ObjectStore, run: str, source_run: str, policy: LoraPolicy, cfg: LearnerConfig) -> Learner:
-    archive = TrajectoryArchive(store)
-    return Learner(run_id=run, base_model="tiny", config=cfg, policy=policy, archive=archive,
-                   registry=AdapterRegistry(store, run), checkpoints=CheckpointStore(store, run),
-                   source=ReplaySource(archive, source_run))
-
-
-@pytest.fixture
-def batches(tmp_path, setup, monkeypatch):  # noqa: F811
-    store = ObjectStore(tmp_path.as_uri())
-    for run, seed in SOURCES.items():  # test_learner's batches, under run src-<run>
-        monkeypatch.setattr(test_learner, "RUN", f"src-{run}")
-        test_learner.write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(seed))
-    return store
-
-
-def adapter_of(store: ObjectStore, run: str) -> dict[str, torch.Tensor]:
-    checkpoint = CheckpointStore(store, run).latest()
-    assert checkpoint is not None
-    return checkpoint.adapter
 
 
 def test_two_packed_runs_reach_the_weights_each_reaches_alone(batches, setup):  # noqa: F811
@@ -242,76 +212,6 @@ def test_a_run_at_its_budget_is_checkpointed_at_once_and_can_leave_while_the_oth
     assert CheckpointStore(batches, "b").latest().state.step == 3
 
 
-def fenced_learner(store: ObjectStore, run: str, policy: LoraPolicy, cfg: LearnerConfig) -> Learner:
-    """``learner_of`` with the run's lease taken on resume and checked at every commit point."""
-    archive, lease = TrajectoryArchive(store), LearnerLease(store, run, holder=f"packed-{run}")
-    fenced = FencedStore(store, lease)
-    return Learner(run_id=run, base_model="tiny", config=cfg, policy=policy, archive=archive,
-                   registry=AdapterRegistry(fenced, run), checkpoints=CheckpointStore(fenced, run),
-                   source=ReplaySource(archive, f"src-{run}"), lease=lease)
-
-
-def test_a_run_that_fails_leaves_and_the_others_train_on(batches, setup):  # noqa: F811
-    """b's lease is taken by a learner elsewhere mid-run: b leaves the packed learner (its adapter deleted, reported
-    to ``on_failure``), and a trains to its max_steps as if alone."""
-    engine = TrainingEngine(setup["model_dir"], device="cpu")
-    a, b = (fenced_learner(batches, run, EnginePolicy(engine, run, config(run)), config(run)) for run in SOURCES)
-    packed = PackedLearner(engine, [a, b])
-    packed.resume()
-    failures: list[tuple[str, Exception]] = []
-    taken: list[int] = []
-
-    def between_rounds(packed: PackedLearner) -> None:
-        if a.state.step >= 1 and not taken:
-            taken.append(LearnerLease(batches, "b", holder="elsewhere").acquire())
-
-    packed.run(on_step=lambda run, metrics: None, poll_timeout_s=0, between_rounds=between_rounds,
-               on_failure=lambda run, exc: failures.append((run, exc)))
-    assert [(run, type(exc)) for run, exc in failures] == [("b", LeaseLostError)]
-    assert [run.run_id for run in packed.runs] == ["a"] and engine.adapters() == ["a"]
-    assert a.state.step == 4 and CheckpointStore(batches, "a").latest().state.step == 4
-    alone = learner_of(batches, "a-alone", "src-a", LoraPolicy(setup["model_dir"], config("a")), config("a"))
-    alone.run(poll_timeout_s=0)
-    ours, theirs = adapter_of(batches, "a"), adapter_of(batches, "a-alone")
-    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6
-
-
-def test_a_run_whose_step_failed_comes_back_from_its_checkpoint_and_trains_each_batch_once(batches, setup):  # noqa: F811
-    """A storage error in b's third step: b leaves, comes back (as the packed process brings it back) from its
-    step-2 checkpoint, and ends with the weights of b alone; a is not disturbed."""
-    engine = TrainingEngine(setup["model_dir"], device="cpu")
-    a, b = (learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, config(run)), config(run))
-            for run in SOURCES)
-    train_step, calls = b.policy.train_step, []
-
-    def fails_once(*args, **kwargs):
-        calls.append(len(calls))
-        if len(calls) == 3:
-            raise OSError("the bucket is unreachable")
-        return train_step(*args, **kwargs)
-
-    b.policy.train_step = fails_once
-    packed = PackedLearner(engine, [a, b])
-    packed.resume()
-    failed: list[str] = []
-
-    def between_rounds(packed: PackedLearner) -> None:
-        if failed and "b" not in {run.run_id for run in packed.runs}:
-            again = learner_of(batches, "b", "src-b", EnginePolicy(engine, "b", config("b")), config("b"))
-            again.source.already_trained = lambda batch_id: batch_id in again.state.trained
-            packed.add(again)
-
-    packed.run(poll_timeout_s=0, between_rounds=between_rounds, on_failure=lambda run, exc: failed.append(run))
-    assert failed == ["b"] and sorted(run.run_id for run in packed.runs) == ["a", "b"]
-    for run in SOURCES:
-        alone = learner_of(batches, f"{run}-alone", f"src-{run}", LoraPolicy(setup["model_dir"], config(run)),
-                           config(run))
-        alone.run(poll_timeout_s=0)
-        ours, theirs = adapter_of(batches, run), adapter_of(batches, f"{run}-alone")
-        assert CheckpointStore(batches, run).latest().state.step == 4
-        assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6, run
-
-
 class IdleSource(ScriptedSource):
     """A run with nothing to train: each poll's timeout (what an idle Kafka poll waits out) is recorded."""
 
@@ -338,68 +238,6 @@ def test_an_idle_run_does_not_wait_out_its_poll_while_another_run_has_batches_de
     assert b.state.step == 1 and len(a.source.timeouts) >= 3
     assert a.source.timeouts[0] == 2.0  # before b's first poll nobody had anything: half of the round's wait
     assert set(a.source.timeouts[1:]) == {0.0}  # b had batches delivered: a's polls did not wait
-
-
-
-def test_settings_of_the_shared_model_must_agree_and_gradient_checkpointing_reaches_it(batches, setup):  # noqa: F811
-    """Gradient checkpointing belongs to the process's one model: packed runs must agree on it, and a run that asks
-    for it (to fit its memory) gets it on the shared model.  torch's thread count is the process's too: the first
-    run sets it, and a run joining later does not change it under the others."""
-    from consumers.packed import check_packable
-    from schemas.config import RunConfig
-
-    with pytest.raises(ValueError, match=r"learner\.gradient_checkpointing"):
-        check_packable([RunConfig(run_id="a"), RunConfig(run_id="b", learner={"gradient_checkpointing": True})])
-    threads = torch.get_num_threads()
-    EnginePolicy(TrainingEngine(setup["model_dir"], device="cpu"), "t", config("t", torch_threads=threads + 1))
-    assert torch.get_num_threads() == threads
-    engine = TrainingEngine(setup["model_dir"], device="cpu")
-    assert not engine.base.is_gradient_checkpointing
-    cfg = config("a", gradient_checkpointing=True, max_steps=1)
-    learner = learner_of(batches, "a", "src-a", EnginePolicy(engine, "a", cfg), cfg)
-    assert engine.base.is_gradient_checkpointing
-    packed = PackedLearner(engine, [learner])
-    packed.resume()
-    packed.run(poll_timeout_s=0)
-    assert learner.state.step == 1
-
-
-@pytest.mark.parametrize("differs", [{"lora_alpha": 32}, {"target_modules": ["q_proj", "v_proj"]}])
-def test_a_packed_run_refuses_a_warm_start_adapter_of_another_lora_shape(tmp_path, setup, differs):  # noqa: F811
-    """As a lone learner does: loading it would keep some of its weights (or scale them otherwise)."""
-    folder = LoraPolicy(setup["model_dir"], config("x", **differs)).save_adapter(tmp_path / "other")
-    engine = TrainingEngine(setup["model_dir"], device="cpu")
-    policy = EnginePolicy(engine, "a", config("a"))
-    with engine.holding("a"), pytest.raises(ValueError, match=next(iter(differs))):
-        policy.load_adapter_folder(folder)
-    same = LoraPolicy(setup["model_dir"], config("y")).save_adapter(tmp_path / "same")
-    with engine.holding("a"):
-        policy.load_adapter_folder(same)  # the same shape loads
-
-
-def test_a_run_whose_last_write_fails_on_a_stop_is_dropped_and_the_others_still_write_their_checkpoints(batches, setup):  # noqa: F811
-    """A stop comes while a's publish is still being written and that write fails: a is reported and dropped, as a
-    failure in a turn is, and b's final checkpoint is still written (``finish_all``)."""
-    engine = TrainingEngine(setup["model_dir"], device="cpu")
-    cfgs = {run: config(run, checkpoint_every=10) for run in SOURCES}
-    a, b = (learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, cfgs[run]), cfgs[run]) for run in SOURCES)
-
-    def failing_write(*args, **kwargs):
-        raise OSError("the bucket is unreachable")
-
-    a.outputs.write_step = failing_write
-    packed = PackedLearner(engine, [a, b])
-    packed.resume()
-    failures: list[tuple[str, type]] = []
-
-    def on_failure(run: str, exc: Exception) -> None:
-        failures.append((run, type(exc)))
-
-    packed.run(should_stop=lambda: b.state.step >= 1, poll_timeout_s=0, on_failure=on_failure)
-    packed.finish_all(on_failure=on_failure)
-    assert failures == [("a", OSError)] and [run.run_id for run in packed.runs] == ["b"]
-    assert engine.adapters() == ["b"]
-    assert CheckpointStore(batches, "b").latest().state.step == 1
 
 
 def test_a_packed_run_reads_each_batch_from_the_store_once_as_it_does_alone(batches, setup):  # noqa: F811
@@ -474,52 +312,6 @@ def test_runs_take_one_pass_each_in_turn_however_far_behind_one_is():
     assert turns == ["behind", "idle", "steady"] * 10
     assert (behind.steps, idle.steps, steady.steps) == (10, 0, 10)
     assert set(idle.poll_timeouts) == {0.0}  # behind had batches delivered at each of idle's turns
-
-
-def test_a_run_on_another_tiny_build_than_the_engines_is_refused_at_start_and_as_it_joins(tmp_path, caplog,
-                                                                                             monkeypatch):
-    """Runs naming model.base_model 'tiny' differ in which tiny model when their model.tiny_dir folders (or, without
-    one, the tiny model recorded on this machine) hold two builds: the engine trains on the first run's, so a run on
-    another build is refused in one line naming both builds and the fix (a learner per base model); at start the
-    process refuses to start, and a run joining later is skipped while the others go on.  The same build in
-    another folder, as a run created on another machine records it, is packed."""
-    from consumers.packed import check_packable
-    from pipeline.membership import RunMembership
-    from pipeline.models import MARKER_FILE, record_tiny_model
-    from tests.pipeline.test_membership import Feed, joined_and_warnings, started
-    from tests.pipeline.test_membership import config as run_config
-
-    engine_dir = tmp_path / "models" / "engine-tiny"
-    engine_dir.mkdir(parents=True)
-    (engine_dir / MARKER_FILE).write_text('{"spec_hash": "0123456789abcdef"}')
-    elsewhere = "/home/someone/.rlpipe/models/tiny-0123456789abcdef"  # the same build, on the machine that made it
-    other = "/home/someone/.rlpipe/models/tiny-fedcba9876543210"  # a build of other parameters
-    store = ObjectStore(tmp_path.as_uri())
-    engine = run_config("base", model={"tiny_dir": str(engine_dir)}, store={"root": store.root})
-    with pytest.raises(ValueError, match="fedcba9876543210") as refused:
-        check_packable([engine, run_config("b", model={"tiny_dir": other})])
-    message = str(refused.value)
-    assert "0123456789abcdef" in message and "learner per base model" in message and "\n" not in message
-    check_packable([engine, run_config("c", model={"tiny_dir": elsewhere})])
-
-    recorded = tmp_path / "home" / "models" / "built-here"  # the default tiny model this machine built
-    recorded.mkdir(parents=True)
-    (recorded / MARKER_FILE).write_text('{"spec_hash": "fedcba9876543210"}')
-    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
-    record_tiny_model(recorded)
-    with pytest.raises(ValueError, match="fedcba9876543210"):
-        check_packable([engine, run_config("d")])  # no tiny_dir: the recorded build, not the engine's
-
-    feed = Feed()
-    membership = RunMembership("exp-*", engine, store, check_packable, follower=feed)
-    feed.put("exp-1", started(store, run_config("exp-1", model={"tiny_dir": other})))
-    feed.put("exp-2", started(store, run_config("exp-2", model={"tiny_dir": elsewhere})))
-    joined, warnings = joined_and_warnings(membership, caplog)
-    assert joined == ["exp-2"]
-    assert "run exp-1 cannot join" in warnings and "fedcba9876543210" in warnings and "0123456789abcdef" in warnings
-    assert all("\n" not in record.getMessage() for record in caplog.records)
-
-
 def test_a_packed_runs_writes_wait_out_a_broker_that_refuses_them_and_announce_each_in_order(
         batches, setup):  # noqa: F811
     """Packed runs write through the same step writer as a learner of one run: an announcement the broker refuses

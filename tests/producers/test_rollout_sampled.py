@@ -21,7 +21,7 @@ from producers.samplers.base import AdapterHandle
 from producers.samplers.hf_sampler import TransformersSampler
 from schemas.config import ProducerConfig, SamplerConfig
 from schemas.trajectory import TrajectoryRecord
-from tests.producers.samplers.test_samplers import LOGPROB_TOL, Reference
+from tests.producers.samplers.reference import LOGPROB_TOL, Reference
 
 TEMPERATURE = 0.8
 

@@ -115,7 +115,7 @@ def test_a_tenant_holding_all_its_worker_threads_does_not_hold_up_another_tenant
     store = HeldHeartbeatStore()
     gateway = Gateway(store, lambda event, key: None, [ServedModel("/models/base/tiny", "/models/base/tiny")])
     app = create_app(gateway, Tenants(), poll_hold_s=0.05)
-    slow_calls = 60  # more than the 40 worker threads Starlette runs plain handlers in
+    slow_calls = 60  # more than the gateway's own pool of worker threads (ThreadLimits(): 40, as RLPIPE_API_THREADS unset)
 
     async def calls() -> tuple[int, int, bool, list[int]]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:

@@ -1,19 +1,16 @@
-"""Samplers: token-in/token-out, logprobs of the sampling distribution equal to a teacher-forced forward pass, adapters.
+"""Samplers: token-in/token-out, logprobs of the sampling distribution equal to a teacher-forced forward pass.
 
-The reference is computed here, independently of both samplers: one forward pass
-of the whole (prompt + generated) sequence through transformers (plus peft for an
-adapter), ``log_softmax`` of the logits at position t-1, divided by the
-temperature and renormalised over the top-p nucleus, read at token t.  The
-learner's own forward pass (``LoraPolicy.generated_logprobs``) must agree with
-what each sampler records, at any temperature.
-Fixtures (tiny model, adapters, the shared vLLM engine) are in tests/fixtures/vllm.py.
+The reference (``tests/producers/samplers/reference.py``) is computed independently of both samplers: one
+forward pass of the whole (prompt + generated) sequence through transformers (plus peft for an adapter).  The
+learner's own forward pass (``LoraPolicy.generated_logprobs``) must agree with what each sampler records, at
+any temperature.  Loading and refusing adapters is in test_adapter_loading.py.
+Fixtures (tiny model, adapters, the shared vLLM engine) are in tests/fixtures/vllm.py and this folder's conftest.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,127 +19,7 @@ from producers.samplers import AdapterHandle, SampleOutput, SampleRequest, make_
 from producers.samplers.engine import SampleParams
 from producers.samplers.hf_sampler import TransformersSampler, _sample, sampling_logprobs
 from schemas.config import RunConfig, SamplerConfig
-
-LOGPROB_TOL = 1e-4  # NOTES.md: ~2e-7 seen for vLLM in float32; anything near 1e-2 means a dtype or policy mismatch
-LEARNER_TOL = 1e-5  # sampler vs learner in float32: the importance ratio must start at 1
-
-
-# ---- the independent reference --------------------------------------------------
-
-
-class Reference:
-    """Teacher-forced logprobs from transformers (+ peft), one model per adapter name."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.model_dir = model_dir
-        self._models: dict[str | None, Any] = {}
-
-    def model(self, adapter: AdapterHandle | None) -> Any:
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-
-        key = adapter.name if adapter else None
-        if key not in self._models:
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-            if adapter is not None:
-                model = PeftModel.from_pretrained(model, adapter.path)
-            self._models[key] = model.eval()
-        return self._models[key]
-
-    def logprobs(
-        self, adapter: AdapterHandle | None, prompt: list[int], generated: list[int], temperature: float = 1.0,
-        top_p: float = 1.0,
-    ) -> list[float]:
-        """Logprobs of the distribution each token was drawn from (greedy, temperature 0: temperature 1)."""
-        ids = torch.tensor([prompt + generated])
-        with torch.no_grad():
-            logits_TV = self.model(adapter)(ids).logits[0].float() / (temperature or 1.0)
-        if temperature and top_p < 1.0:  # vLLM's rule: drop the least likely tokens holding at most 1 - top_p
-            ascending_TV, order_TV = logits_TV.sort(dim=-1)
-            dropped_TV = ascending_TV.softmax(-1).cumsum(-1) <= 1.0 - top_p
-            dropped_TV[:, -1] = False
-            logits_TV = logits_TV.scatter(-1, order_TV, ascending_TV.masked_fill(dropped_TV, -torch.inf))
-        logprobs_TV = torch.log_softmax(logits_TV, dim=-1)
-        # the token at position p is predicted by the logits at position p - 1
-        return [float(logprobs_TV[len(prompt) - 1 + i, token]) for i, token in enumerate(generated)]
-
-    def greedy_next(self, adapter: AdapterHandle | None, prompt: list[int]) -> int:
-        with torch.no_grad():
-            return int(self.model(adapter)(torch.tensor([prompt])).logits[0, -1].argmax())
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_trained_dir: Path) -> Reference:
-    return Reference(tiny_trained_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_trained_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_trained_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer: Any) -> list[list[int]]:
-    """Chat prompts of three CartPole states (what the producer would send)."""
-    from producers.envs.registry import make_env
-
-    env = make_env("cartpole")
-    out = []
-    for seed in range(3):
-        messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": env.reset(seed)}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        out.append(tokenizer.encode(text, add_special_tokens=False))
-    return out
-
-
-@pytest.fixture(scope="module")
-def hf_sampler(tiny_trained_dir: Path) -> TransformersSampler:
-    return TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
-
-
-@pytest.fixture(scope="module")
-def learner_policy(tiny_trained_dir: Path, lora_adapters: tuple[AdapterHandle, ...]) -> Any:
-    """The learner's policy holding adapter v1 (the same LoRA shape as the fixture adapters)."""
-    from consumers.policy import LoraPolicy
-    from schemas.config import LearnerConfig
-
-    policy = LoraPolicy(str(tiny_trained_dir), LearnerConfig(device="cpu", lora_rank=8, lora_alpha=16.0))
-    policy.load_adapter_folder(lora_adapters[0].path)
-    return policy
-
-
-def max_gap(
-    reference: Reference, adapter: AdapterHandle | None, prompt: list[int], out: SampleOutput,
-    temperature: float = 1.0, top_p: float = 1.0,
-) -> float:
-    expected = reference.logprobs(adapter, prompt, out.token_ids, temperature, top_p)
-    return max(abs(a - b) for a, b in zip(expected, out.logprobs, strict=True))
-
-
-def learner_gap(policy: Any, prompts: list[list[int]], outs: list[SampleOutput], temperature: float) -> float:
-    """Largest |learner logprob - sampler logprob| over every generated token, rows at ``temperature``."""
-    from consumers.batching import pad_rows
-
-    tokens = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
-    masks = [[0] * len(p) + [1] * len(o.token_ids) for p, o in zip(prompts, outs, strict=True)]
-    logprobs = [[0.0] * len(p) + o.logprobs for p, o in zip(prompts, outs, strict=True)]
-    batch = pad_rows(tokens, masks, logprobs, [0.0] * len(tokens), temperatures_R=[temperature] * len(tokens))
-    with torch.no_grad():
-        learner_BT = policy.generated_logprobs(batch.tokens_BT, batch.loss_mask_BT, batch.temperatures_B)
-    return float((learner_BT - batch.sampler_logprobs_BT).abs().max())
-
-
-def check_contract(out: SampleOutput, budget: int, eos: int) -> None:
-    """Stopped on eos: eos is the last token; otherwise the whole budget was used."""
-    assert len(out.token_ids) == len(out.logprobs) >= 1
-    assert all(lp <= 0.0 for lp in out.logprobs)
-    if out.finish_reason == "stop":
-        assert out.token_ids[-1] == eos and eos not in out.token_ids[:-1]
-    else:
-        assert out.finish_reason == "length" and len(out.token_ids) == budget and eos not in out.token_ids
-
+from tests.producers.samplers.reference import LEARNER_TOL, LOGPROB_TOL, check_contract, learner_gap, max_gap
 
 # ---- plain pieces -------------------------------------------------------------------
 
@@ -253,84 +130,6 @@ def test_transformers_seeds_reproduce_and_group_members_differ(hf_sampler, promp
     again = hf_sampler.generate(group, lora_adapters[0], seed=11)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert len({tuple(o.token_ids) for o in first}) > 1  # same prompt, different streams
-
-
-def test_transformers_adapter_switching_and_unloading(tiny_trained_dir, reference, prompts, lora_adapters) -> None:
-    v1, v2 = lora_adapters
-    sampler = TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
-    sampler.load_adapter(v1)
-    sampler.load_adapter(v2)
-    request = [SampleRequest(prompts[2], 6)]
-    for adapter in (v2, None, v1):  # the base model stays reachable while adapters are loaded
-        assert max_gap(reference, adapter, prompts[2], sampler.generate(request, adapter, seed=5)[0]) < LOGPROB_TOL
-    with pytest.raises(ValueError, match="new name"):
-        sampler.load_adapter(AdapterHandle(version=9, lora_int_id=9, name="v1", path=v2.path, sha256=""))
-    sampler.unload_adapter(v1)
-    sampler.unload_adapter(v2)
-    assert max_gap(reference, None, prompts[2], sampler.generate(request, None, seed=5)[0]) < LOGPROB_TOL
-
-
-def other_base_models_lora(model_dir: Path, out_dir: Path) -> Path:
-    """A LoRA adapter (random non-zero A and B) of a model twice as wide as ``model_dir``'s: another base model."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tests.fixtures.vllm import LORA_TARGETS
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.hidden_size, config.intermediate_size = 2 * config.hidden_size, 2 * config.intermediate_size
-    torch.manual_seed(11)
-    wide = AutoModelForCausalLM.from_config(config)
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)
-    get_peft_model(wide, lora).save_pretrained(out_dir)
-    return out_dir
-
-
-@pytest.mark.parametrize("first", [True, False])
-def test_an_adapter_of_another_base_model_is_refused_in_one_line_and_changes_nothing(
-    tiny_trained_dir, reference, prompts, lora_adapters, tmp_path, first
-) -> None:
-    """peft refuses the weights after it put their layers into the model: the base model (and a loaded version)
-    must sample as before, or a producer that keeps its last good version samples from something else."""
-    wrong = AdapterHandle.for_version(3, str(other_base_models_lora(tiny_trained_dir, tmp_path / "wide")), "sha-w")
-    sampler = TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
-    if not first:
-        sampler.load_adapter(lora_adapters[0])
-    with pytest.raises(ValueError, match=r"peft refused adapter v3 .*size mismatch.*model\.base_model") as refused:
-        sampler.load_adapter(wrong)
-    assert "\n" not in str(refused.value)
-    assert_samples_as_before(sampler, reference, prompts, lora_adapters, first)
-
-
-def assert_samples_as_before(sampler: TransformersSampler, reference, prompts, lora_adapters, first: bool) -> None:
-    """The base model (and, unless ``first``, version 1) sample as the reference does after a refused adapter, and
-    the next good version loads and serves."""
-    request = [SampleRequest(prompts[2], 6)]
-    for adapter in (None,) if first else (None, lora_adapters[0]):
-        assert max_gap(reference, adapter, prompts[2], sampler.generate(request, adapter, seed=5)[0]) < LOGPROB_TOL
-    sampler.load_adapter(lora_adapters[1])
-    assert max_gap(reference, lora_adapters[1], prompts[2],
-                   sampler.generate(request, lora_adapters[1], seed=5)[0]) < LOGPROB_TOL
-
-
-@pytest.mark.parametrize("first", [True, False])
-def test_an_adapter_whose_weights_cannot_be_read_leaves_no_layers_behind(
-    tiny_trained_dir, reference, prompts, lora_adapters, tmp_path, first
-) -> None:
-    """peft puts the adapter's layers in, then reading its weights file fails (here a folder in its place: an
-    ``OSError``): the error reaches the caller as it is, and the model samples as before it was offered."""
-    import shutil
-
-    unreadable = Path(shutil.copytree(lora_adapters[1].path, tmp_path / "unreadable"))
-    (unreadable / "adapter_model.safetensors").unlink()
-    (unreadable / "adapter_model.safetensors").mkdir()
-    sampler = TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
-    if not first:
-        sampler.load_adapter(lora_adapters[0])
-    with pytest.raises(OSError):
-        sampler.load_adapter(AdapterHandle.for_version(3, str(unreadable), "sha-u"))
-    assert not any("v3" in name for name, _ in sampler._base.named_modules()), "v3's layers are left in the model"
-    assert_samples_as_before(sampler, reference, prompts, lora_adapters, first)
 
 
 def test_run_sampler_loads_the_base_weights_in_model_dtype(tiny_trained_dir, prompts) -> None:
@@ -500,40 +299,3 @@ def test_vllm_length_limit_and_id_reuse_refused(vllm_sampler, prompts, lora_adap
                           sha256="")
     with pytest.raises(ValueError, match="new id"):
         vllm_sampler.generate([SampleRequest(prompts[0], 2)], clash)
-
-
-@pytest.mark.parametrize("field, value", [("init_lora_weights", "pissa"), ("init_lora_weights", "olora"),
-                                          ("layer_replication", [[0, 1]]), ("peft_type", "LOHA"),
-                                          ("modules_to_save", ["lm_head"]), ("trainable_token_indices", [0, 1])])
-def test_an_adapter_config_that_would_change_the_base_model_is_refused(
-    tiny_trained_dir, reference, prompts, lora_adapters, learner_policy, tmp_path, field, value
-) -> None:
-    """peft applies an adapter_config.json's initialisation and structure on load: PiSSA and OLoRA rewrite the
-    base weights (W - BA), layer replication rebuilds the model's layers, another tuner type is no LoRA at all,
-    and modules_to_save / trainable_token_indices wrap base modules in copies that outlive the adapter's unload.
-    Such a folder (a manifest written past publish, a tampered store) is refused before peft reads it, and the
-    base model every other version shares samples as before; the adapter the learner publishes passes."""
-    import json
-    import shutil
-
-    from producers.samplers.hf_sampler import check_adapter_folder_config
-
-    learners = learner_policy.save_adapter(tmp_path / "learners")
-    check_adapter_folder_config(AdapterHandle.for_version(4, str(learners), "sha-l"))
-
-    folder = Path(shutil.copytree(lora_adapters[1].path, tmp_path / "odd"))
-    config = json.loads((folder / "adapter_config.json").read_text())
-    (folder / "adapter_config.json").write_text(json.dumps({**config, field: value}))
-    sampler = TransformersSampler(str(tiny_trained_dir), SamplerConfig(max_model_len=1024))
-    with pytest.raises(ValueError, match=rf"adapter v3: adapter_config\.json sets {field}="):
-        sampler.load_adapter(AdapterHandle.for_version(3, str(folder), "sha-o"))
-    assert_samples_as_before(sampler, reference, prompts, lora_adapters, True)
-
-
-def test_an_adapter_config_nested_too_deep_to_read_is_one_line(tmp_path) -> None:
-    from producers.samplers.hf_sampler import check_adapter_folder_config
-
-    (tmp_path / "adapter_config.json").write_text("[" * 100_000)
-    with pytest.raises(ValueError, match=r"adapter v3: .*adapter_config\.json is not JSON") as caught:
-        check_adapter_folder_config(AdapterHandle.for_version(3, str(tmp_path), "sha-d"))
-    assert len(str(caught.value).splitlines()) == 1
