@@ -312,6 +312,8 @@ def test_runs_take_one_pass_each_in_turn_however_far_behind_one_is():
     assert turns == ["behind", "idle", "steady"] * 10
     assert (behind.steps, idle.steps, steady.steps) == (10, 0, 10)
     assert set(idle.poll_timeouts) == {0.0}  # behind had batches delivered at each of idle's turns
+
+
 def test_a_packed_runs_writes_wait_out_a_broker_that_refuses_them_and_announce_each_in_order(
         batches, setup):  # noqa: F811
     """Packed runs write through the same step writer as a learner of one run: an announcement the broker refuses
