@@ -331,6 +331,8 @@ class RunProducer:
         """The rollout loop until stopped or ``max_groups``, then a last heartbeat; raises ``PublishError`` when
         batches it stored stay unannounced (the broker still away)."""
         self.worker.run(should_stop=stop, on_tick=self.tick)
+        if self.sink is not None and self.sink.refused:  # the broker away: a refused last try ends the stop at once,
+            self.sink.finish()                             # not after a last beat's wait too
         self.heartbeat.beat()
         if self.sink is not None:
             self.sink.finish()

@@ -54,8 +54,12 @@ class OwedBatchEvents:
         self.refused = False  # the last try was refused (said once it goes through)
 
     def owe(self, event: TrajectoryBatchCommitted) -> bool:
-        """Announce a stored batch's ``event`` after those still owed; False when it stays owed."""
+        """Announce a stored batch's ``event`` after those still owed; False when it stays owed.  While the broker's
+        last refusal is recent (the next try not due), it is owed without a try: each refused try waits out the
+        publisher, and a batch stored in an outage need not wait it out again."""
         self.unannounced.append(event)
+        if self.refused and time.monotonic() < self.retry_at:
+            return False
         return self.announce_owed()
 
     def announce_owed(self) -> bool:

@@ -107,3 +107,25 @@ def test_a_producer_stopping_with_batches_unannounced_says_so_in_one_line(stack:
     finally:
         with contextlib.suppress(PublishError):
             publisher.close(timeout_s=1.0)
+
+
+def test_batches_stored_while_the_broker_refuses_wait_for_the_next_try_instead_of_each_waiting_out_the_publisher(
+        memory_store: ObjectStore) -> None:
+    """Each refused announcement waits out the publisher (30 s by default): while a try is not due, a new batch is
+    stored and owed without another, so a broker outage does not cost every batch the publisher's wait."""
+    tries: list[str] = []
+
+    def refusing(payload: Any) -> None:
+        tries.append(payload.batch_id)
+        raise PublishError("publishing a TrajectoryBatchCommitted to ns.trajectories failed: no acknowledgement")
+
+    sink = StoreThenEventSink(TrajectoryArchive(memory_store), "r", "cartpole", "p0", refusing,
+                              retry_interval_s=3600.0)
+    ids = [producer_batch_id("p0", datetime.now(UTC)) for _ in range(3)]
+    for batch_id in ids:
+        sink.commit(two_rows(batch_id=batch_id), batch_id)
+    assert tries == ids[:1]  # one try; the next is due in an hour
+    assert [event.batch_id for event in sink.unannounced] == ids
+    sink.retry_at = 0.0  # the try is due
+    sink.retry_due()
+    assert tries == ids[:1] * 2
