@@ -42,6 +42,7 @@ import tinker
 from tinker import types
 from transformers import AutoTokenizer
 
+from producers.envs.sql import load_tasks
 from producers.envs.text2sql import TextToSQL
 
 
@@ -62,8 +63,7 @@ class Loop:
         self.training = self.service.create_lora_training_client(  # the same --seed, the same first LoRA weights
             base_model=args.base_model, rank=args.rank, seed=args.seed).result()
         self.tokenizer = AutoTokenizer.from_pretrained(args.base_model)
-        self.train_tasks = len(TextToSQL(split="train", tasks_path=args.tasks).tasks)
-        self.test_tasks = len(TextToSQL(split="test", tasks_path=args.tasks).tasks)
+        self.train_tasks, self.test_tasks = count_tasks(args.tasks)
         self.calls = 0  # sample calls so far (seeds never repeat)
         self.evaluations: dict[str, list[float]] = {}  # label -> held-out returns, one per task
 
@@ -160,6 +160,24 @@ class Loop:
         return float(returns.mean())
 
 
+def count_tasks(path: str | None) -> tuple[int, int]:
+    """The train and test tasks of ``--tasks`` (None: the shipped set), or one line naming ``--tasks`` saying why
+    the loop cannot train on the file: read before the server is asked for anything."""
+    if path is not None and not Path(path).is_file():
+        raise SystemExit(f"error: --tasks {path}: no such file; give a JSONL file of tasks (one JSON object a line: "
+                         "id, db_id, schema_sql, question, gold_sql), or leave --tasks out for the shipped set")
+    try:
+        tasks = load_tasks(path)
+    except ValueError as exc:  # a line that is no task: the message names the line and what it needs
+        raise SystemExit(f"error: --tasks {path}: {exc}") from None
+    test_every = TextToSQL.Config.model_fields["test_every"].default  # every n-th task is held out for the test
+    if len(tasks) < test_every:
+        raise SystemExit(f"error: --tasks {path}: {len(tasks)} tasks leave the test split empty (every "
+                         f"{test_every}th task is held out); give at least {test_every} tasks")
+    test = len(TextToSQL(split="test", tasks_path=path).tasks)
+    return len(tasks) - test, test
+
+
 def connect(args: argparse.Namespace) -> Loop:
     """The loop's clients, or one line saying why not: the SDK retries a refused connection without a word, and
     a refusal at the start (no API key, a base model the server does not serve) ends in a traceback.
@@ -200,6 +218,7 @@ def main() -> None:
                         help="write the held-out returns as JSON (what rlpipe sweep reads)")
     args = parser.parse_args()
     started = time.monotonic()
+    count_tasks(args.tasks)
     loop = connect(args)
     base = loop.evaluate(loop.service.create_sampling_client(base_model=args.base_model).result(), "base model")
     loop.warm_start()
