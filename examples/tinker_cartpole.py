@@ -42,6 +42,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
@@ -410,6 +412,18 @@ def ratio(last: tuple[float, float], before: tuple[float, float], what: str) -> 
     return f"{times}{'' if separated else ' (intervals overlap)'}"
 
 
+@contextmanager
+def session_ended_on_exit(service: tinker.ServiceClient) -> Iterator[None]:
+    """Ends the loop's session when the loop stops (the SDK's ``with ServiceClient()``): the server frees its clients
+    at once rather than when the session lapses, and a Ctrl-C is one line instead of a traceback."""
+    try:
+        with service:  # finished as "success", "errored" or, on Ctrl-C, "interrupted"
+            yield
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: the session is ended and the server has freed its clients; the states it "
+                         "saved stay (`tinker checkpoint list`)") from None
+
+
 def connect(args: argparse.Namespace) -> Loop:
     """The loop's clients, or one line saying why not: the SDK retries a refused connection without a word, and
     a refusal at the start (no API key, a base model the server does not serve) ends in a traceback."""
@@ -478,25 +492,26 @@ def main() -> None:
         return result
 
     loop = connect(args)
-    base = timed("base evaluation", lambda: loop.evaluate(
-        loop.service.create_sampling_client(base_model=args.base_model).result(), "base model"))
-    timed("warm start", loop.warm_start)
-    warm = timed("warm-start evaluation", lambda: loop.evaluate(
-        loop.training.save_weights_and_get_sampling_client().result(), "warm start"))
-    timed("RL", lambda: [loop.rl_step(step) for step in range(args.rl_steps)])
-    last = timed("last evaluation", lambda: loop.evaluate(
-        loop.training.save_weights_and_get_sampling_client().result(), "last version"))
-    final = loop.training.save_state("final").result().path  # kept on the server until deleted
-    print(f"final state: {final}  (take it home: tinker checkpoint download {final})", flush=True)
-    print("phases: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items()), flush=True)
-    print(f"base {base[0]:.1f}, warm start {warm[0]:.1f} -> last {last[0]:.1f} "
-          f"({ratio(last, base, 'the base model')}, {ratio(last, warm, 'the warm start')}) "
-          f"in {time.monotonic() - started:.0f} s", flush=True)
-    if args.result_file is not None:  # the held-out returns of the last version are the score
-        args.result_file.write_text(json.dumps({
-            "metric": "held-out return", "samples": loop.evaluations["last version"],
-            "evaluations": {"base model": loop.evaluations["base model"], "warm start": loop.evaluations["warm start"]},
-            "tokens": loop.tokens, "seconds": time.monotonic() - started, "phases": phases}))
+    with session_ended_on_exit(loop.service):
+        base = timed("base evaluation", lambda: loop.evaluate(
+            loop.service.create_sampling_client(base_model=args.base_model).result(), "base model"))
+        timed("warm start", loop.warm_start)
+        warm = timed("warm-start evaluation", lambda: loop.evaluate(
+            loop.training.save_weights_and_get_sampling_client().result(), "warm start"))
+        timed("RL", lambda: [loop.rl_step(step) for step in range(args.rl_steps)])
+        last = timed("last evaluation", lambda: loop.evaluate(
+            loop.training.save_weights_and_get_sampling_client().result(), "last version"))
+        final = loop.training.save_state("final").result().path  # kept on the server until deleted
+        print(f"final state: {final}  (take it home: tinker checkpoint download {final})", flush=True)
+        print("phases: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items()), flush=True)
+        print(f"base {base[0]:.1f}, warm start {warm[0]:.1f} -> last {last[0]:.1f} "
+              f"({ratio(last, base, 'the base model')}, {ratio(last, warm, 'the warm start')}) "
+              f"in {time.monotonic() - started:.0f} s", flush=True)
+        if args.result_file is not None:  # the held-out returns of the last version are the score
+            args.result_file.write_text(json.dumps({
+                "metric": "held-out return", "samples": loop.evaluations["last version"],
+                "evaluations": {"base model": loop.evaluations["base model"], "warm start": loop.evaluations["warm start"]},
+                "tokens": loop.tokens, "seconds": time.monotonic() - started, "phases": phases}))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,6 +180,18 @@ def count_tasks(path: str | None) -> tuple[int, int]:
     return len(tasks) - test, test
 
 
+@contextmanager
+def session_ended_on_exit(service: tinker.ServiceClient) -> Iterator[None]:
+    """Ends the loop's session when the loop stops (the SDK's ``with ServiceClient()``): the server frees its clients
+    at once rather than when the session lapses, and a Ctrl-C is one line instead of a traceback."""
+    try:
+        with service:  # finished as "success", "errored" or, on Ctrl-C, "interrupted"
+            yield
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: the session is ended and the server has freed its clients; the states it "
+                         "saved stay (`tinker checkpoint list`)") from None
+
+
 def connect(args: argparse.Namespace) -> Loop:
     """The loop's clients, or one line saying why not: the SDK retries a refused connection without a word, and
     a refusal at the start (no API key, a base model the server does not serve) ends in a traceback.
@@ -220,15 +234,16 @@ def main() -> None:
     started = time.monotonic()
     count_tasks(args.tasks)
     loop = connect(args)
-    base = loop.evaluate(loop.service.create_sampling_client(base_model=args.base_model).result(), "base model")
-    loop.warm_start()
-    for step in range(args.rl_steps):
-        loop.rl_step(step)
-    last = loop.evaluate(loop.training.save_weights_and_get_sampling_client().result(), "last version")
-    print(f"base {base:+.3f} -> last {last:+.3f} in {time.monotonic() - started:.0f} s", flush=True)
-    if args.result_file is not None:
-        args.result_file.write_text(json.dumps({"metric": "held-out return", "samples": loop.evaluations["last version"],
-                                                "evaluations": {"base model": loop.evaluations["base model"]}}))
+    with session_ended_on_exit(loop.service):
+        base = loop.evaluate(loop.service.create_sampling_client(base_model=args.base_model).result(), "base model")
+        loop.warm_start()
+        for step in range(args.rl_steps):
+            loop.rl_step(step)
+        last = loop.evaluate(loop.training.save_weights_and_get_sampling_client().result(), "last version")
+        print(f"base {base:+.3f} -> last {last:+.3f} in {time.monotonic() - started:.0f} s", flush=True)
+        if args.result_file is not None:
+            args.result_file.write_text(json.dumps({"metric": "held-out return", "samples": loop.evaluations["last version"],
+                                                    "evaluations": {"base model": loop.evaluations["base model"]}}))
 
 
 if __name__ == "__main__":
