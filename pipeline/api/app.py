@@ -122,6 +122,9 @@ def in_threads(threads: TenantThreads) -> Callable[[Callable[..., Any]], Callabl
 
 
 def _unserved(request: Request) -> str:
+    if request.url.path.startswith("/api/v1/api/v1/"):  # the SDK adds the prefix to a base URL that held it already
+        return (f"{request.method} {echoed(request.url.path)}: the base URL ends in /api/v1, which the SDK adds "
+                "itself; give the server's address alone (http://HOST:PORT, as rlpipe serve prints it)")
     return (f"{request.method} {echoed(request.url.path)} is not served by rlpipe; the calls it serves are listed in "
             "docs/api.md")
 

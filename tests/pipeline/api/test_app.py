@@ -817,3 +817,13 @@ def test_adam_params_out_of_range_are_a_400_logged_as_refused_and_later_calls_go
     later = api.post("/api/v1/optim_step", headers=ALICE, json={
         "model_id": model_id, "seq_id": len(cases) + 1, "type": "optim_step", "adam_params": {"learning_rate": 1e-3}})
     assert later.status_code == 200, later.text
+
+
+def test_a_base_url_given_with_api_v1_is_answered_naming_the_fix(api):
+    """The SDK adds `/api/v1` itself: a base URL copied with it doubles the prefix, and the 404 says to drop it."""
+    for method, path in (("POST", "/api/v1/api/v1/client/config"), ("GET", "/api/v1/api/v1/healthz")):
+        answer = api.request(method, path, headers=ALICE)
+        error = answer.json()["error"]
+        assert answer.status_code == 404 and "/api/v1" in error and "base URL" in error and "\n" not in error, error
+    other = api.post("/api/v1/no_such_call", headers=ALICE).json()["error"]
+    assert "is not served by rlpipe" in other and "base URL" not in other, other
