@@ -93,6 +93,10 @@ class Tenants:
                 keys[validate_name(tenant.strip(), "tenant")] = SecretStr(key.strip())
             except InvalidNameError as exc:
                 raise ValueError(f"{KEYS_ENV}: {exc}") from None
+            if not key.strip().startswith(SDK_KEY_PREFIX):  # the SDK refuses such a key before it sends a call
+                raise ValueError(f"{KEYS_ENV}: the key of tenant {tenant.strip()!r} does not start with "
+                                 f"{SDK_KEY_PREFIX!r}, which the tinker SDK requires of every key; give it one "
+                                 f"that does ({tenant.strip()}=tml-...)")
         return cls(keys)
 
     @property

@@ -245,12 +245,13 @@ def serve(
 
 
 def check_gateway_limits() -> None:
-    """Fail in one line on a gateway limit set wrong in the environment (``RLPIPE_API_MAX_*``, ``RLPIPE_API_THREADS*``),
-    before anything starts."""
-    from pipeline.api.tenants import TenantLimits
+    """Fail in one line on API keys or a gateway limit set wrong in the environment (``RLPIPE_API_KEYS``,
+    ``RLPIPE_API_MAX_*``, ``RLPIPE_API_THREADS*``), before anything starts."""
+    from pipeline.api.tenants import TenantLimits, Tenants
     from pipeline.api.threads import ThreadLimits
 
     try:
+        Tenants.from_env()
         TenantLimits.from_env()
         ThreadLimits.from_env()
     except ValueError as exc:

@@ -39,3 +39,25 @@ def test_tenant_limits_come_from_the_environment_with_defaults_and_bad_values_na
     assert TenantLimits.from_env({MAX_SAMPLING_SESSIONS_ENV: "7"}).max_sampling_sessions == 7
     with pytest.raises(ValueError, match=MAX_SAMPLING_SESSIONS_ENV):
         TenantLimits.from_env({MAX_SAMPLING_SESSIONS_ENV: "0"})
+
+
+def test_a_configured_key_the_sdk_would_refuse_is_refused_at_start_naming_its_tenant():
+    """The tinker SDK refuses, before sending anything, every key not starting with ``tml-``: a server configured
+    with one would admit a tenant whose client can never reach it."""
+    with pytest.raises(ValueError) as refused:
+        Tenants.from_env("team-a=tml-aaa,team-b=secret")
+    message = str(refused.value)
+    assert "team-b" in message and "'tml-'" in message and "secret" not in message and "\n" not in message, message
+    assert Tenants.from_env("team-a=tml-aaa").tenant_of("tml-aaa") == "team-a"
+
+
+def test_serve_checks_the_keys_before_anything_starts(monkeypatch: pytest.MonkeyPatch, capsys):
+    """`rlpipe serve` reads RLPIPE_API_KEYS with the gateway's limits, before the stack, the model and the engines."""
+    import typer
+
+    from pipeline.cli.serve_cmd import check_gateway_limits
+
+    monkeypatch.setenv("RLPIPE_API_KEYS", "team-a=secret")
+    with pytest.raises(typer.Exit):
+        check_gateway_limits()
+    assert "team-a" in capsys.readouterr().err
