@@ -478,6 +478,9 @@ def main() -> None:
     parser.add_argument("--result-file", type=Path, default=None,
                         help="write the held-out returns and token counts here as JSON (what rlpipe sweep reads)")
     args = parser.parse_args()
+    if args.result_file is not None and not args.result_file.parent.is_dir():  # written only when the loop ends
+        parser.error(f"--result-file {args.result_file}: there is no folder {args.result_file.parent}; create it "
+                     "or choose another path")
     if args.kl_rows < 1:
         parser.error(f"--kl-rows must be at least 1, got {args.kl_rows}")
     if args.max_step_kl <= 0:

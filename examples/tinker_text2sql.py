@@ -231,6 +231,9 @@ def main() -> None:
     parser.add_argument("--result-file", type=Path, default=None,
                         help="write the held-out returns as JSON (what rlpipe sweep reads)")
     args = parser.parse_args()
+    if args.result_file is not None and not args.result_file.parent.is_dir():  # written only when the loop ends
+        parser.error(f"--result-file {args.result_file}: there is no folder {args.result_file.parent}; create it "
+                     "or choose another path")
     started = time.monotonic()
     count_tasks(args.tasks)
     loop = connect(args)

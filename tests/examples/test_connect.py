@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import http.server
 import socket
+import sys
 import threading
 
 import pytest
@@ -53,3 +54,17 @@ def test_an_sdk_refusal_at_the_start_is_one_line(example: str, monkeypatch: pyte
         server.shutdown()
     message = str(stopped.value.code)
     assert "\n" not in message and "TINKER_API_KEY" in message, message
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_a_result_file_in_a_missing_folder_is_refused_before_the_server_is_asked(
+        example: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The result file is written when the loop ends, up to an hour later: a typo in its folder is caught first."""
+    missing = tmp_path / "no-such-folder" / "result.json"
+    port = _closed_port()  # a message about the server would mean the option was checked late
+    monkeypatch.setattr(sys, "argv", [f"{example}.py", "--base-url", f"http://127.0.0.1:{port}", "--base-model",
+                                      "tiny", "--result-file", str(missing)])
+    with example_module(example) as module, pytest.raises(SystemExit) as stopped:
+        module.main()
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stopped.value.code == 2 and "--result-file" in message and str(missing.parent) in message, message
