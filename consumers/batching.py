@@ -11,14 +11,18 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from consumers.losses import TokenBatch
-from schemas.config import IMPORTANCE_LOSSES
+from consumers.advantages import with_discounted_returns
+from consumers.losses import TokenBatch, check_behaviour_policy
+from consumers.sources import BatchRef
+from schemas.config import IMPORTANCE_LOSSES, LearnerConfig
+from schemas.trajectory import check_trajectory_values
 
 IntRows = Sequence[Sequence[int]] | Sequence[np.ndarray]
 FloatRows = Sequence[Sequence[float]] | Sequence[np.ndarray]
@@ -204,3 +208,29 @@ def drop_stale(
     keep_R = staleness_R <= max_staleness
     histogram = dict(sorted(Counter(int(s) for s in staleness_R).items()))
     return keep_R, int((~keep_R).sum()), histogram
+
+
+def checked_for_training(table: pa.Table, input_vocab: int, cfg: LearnerConfig) -> pa.Table:
+    """A batch's rows as training takes them, or the refusal (one of ``POISON_BATCH_ERRORS``) of a batch training
+    could never take: a value out of range or NaN (which would poison the weights), a token the model lacks, a
+    behaviour policy or a sampler's scores the loss cannot use.  Every row is checked, stale or not, so whether a
+    batch is refused does not depend on the learner's version.  Below discount 1 the returns-to-go are discounted
+    here (``with_discounted_returns``)."""
+    check_trajectory_values(table)
+    check_trainable_rows(table, input_vocab)
+    check_behaviour_policy(cfg.loss, *(table.column(name).to_pylist() for name in ("temperature", "top_p", "top_k")))
+    check_sampler_scored(table, cfg.loss)
+    if cfg.discount < 1.0 and table.num_rows:
+        table = with_discounted_returns(table, cfg.discount)
+    return table
+
+
+@dataclass
+class PendingBatch:
+    """A batch read from the store, its fresh rows, and what was dropped."""
+
+    ref: BatchRef
+    table: pa.Table
+    dropped: int
+    staleness: dict[int, int]
+    quarantined: bool = False  # unreadable: dead-lettered, never trained, its position still advances

@@ -47,20 +47,18 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from consumers.advantages import EpisodeColumns, compute_advantages, training_weights, with_discounted_returns
-from consumers.batching import check_sampler_scored, check_trainable_rows, drop_stale, micro_batches
+from consumers.advantages import EpisodeColumns, compute_advantages, training_weights
+from consumers.batching import PendingBatch, checked_for_training, drop_stale, micro_batches
 from consumers.broker_wait import until_the_broker_takes
 from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
-from consumers.losses import check_behaviour_policy
 from consumers.policy import LoraPolicy
 from consumers.read_ahead import BatchReader
 from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, origin_of, rewind_if_the_log_changed
@@ -72,23 +70,12 @@ from pipeline.io.registry import AdapterRegistry
 from schemas.checkpoint import LearnerState
 from schemas.config import LearnerConfig, parse_init_from
 from schemas.events import DeadLetter, LearnerProgress, Payload
-from schemas.trajectory import TRAJECTORY_SCHEMA, check_trajectory_values
+from schemas.trajectory import TRAJECTORY_SCHEMA
 from schemas.versions import NewerSchemaError
 
 log = logging.getLogger("rlpipe.learner")
 
 PROGRESS_INTERVAL_S = 5.0  # while waiting for rows, re-announce progress this often (for producers just started)
-
-
-@dataclass
-class PendingBatch:
-    """A batch read from the store, its fresh rows, and what was dropped."""
-
-    ref: BatchRef
-    table: pa.Table
-    dropped: int
-    staleness: dict[int, int]
-    quarantined: bool = False  # unreadable: dead-lettered, never trained, its position still advances
 
 
 class Learner:
@@ -284,15 +271,7 @@ class Learner:
                 self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}))
                 continue
             try:  # a row training refuses would stop every restart at this batch; a NaN would poison the weights
-                table = self.reader.read(ref)
-                check_trajectory_values(table)
-                check_trainable_rows(table, self.policy.input_vocab)
-                # every row, stale or not: whether a batch is refused must not depend on the learner's version
-                check_behaviour_policy(self.cfg.loss, *(table.column(name).to_pylist()
-                                                        for name in ("temperature", "top_p", "top_k")))
-                check_sampler_scored(table, self.cfg.loss)
-                if self.cfg.discount < 1.0 and table.num_rows:
-                    table = with_discounted_returns(table, self.cfg.discount)
+                table = checked_for_training(self.reader.read(ref), self.policy.input_vocab, self.cfg)
             except NewerSchemaError:
                 raise  # written by a newer rlpipe: readable once this one is upgraded, so never skipped
             except POISON_BATCH_ERRORS as exc:
