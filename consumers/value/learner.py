@@ -24,6 +24,9 @@ loaded and the source seeks to its positions.  Sampling draws from the learner's
 own generator, whose state is checkpointed, so a step repeated after a crash gives
 the same weights.  After every step, and while it waits, the learner announces how far it has read
 (``LearnerProgress``), the batches it passed without a step (dead-lettered, already trained) included.
+A dead letter, ``AdapterPublished`` or ``LearnerCheckpointed`` the broker refuses is sent again until it takes it
+(``consumers.broker_wait``), the writes after it waiting: the offsets are never committed before their checkpoint's
+event.  A stop during that wait ends the learner with one line naming the event never taken.
 
 The replay memory is not checkpointed: the store is the memory.  Each step-log
 entry names the batches (path, digest, transitions formed) the step added, and
@@ -48,6 +51,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from consumers.broker_wait import until_the_broker_takes
 from consumers.checkpoint import CheckpointStore
 from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
@@ -99,7 +103,9 @@ class ValueLearner:
         announce: Callable[[Payload], Any] = lambda payload: None,
         lease: LearnerLease | None = None,
         slate: SlateSpec | None = None,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``stopping``: the process's stop flag, which ends a wait for a broker that is away."""
         if (config.agent == "slateq") != (slate is not None):
             raise ValueError(f"agent {config.agent} with{'' if slate else 'out'} a slate: slateq needs the run's "
                              "value.slate, dqn and c51 take none")
@@ -115,7 +121,7 @@ class ValueLearner:
         self.update_credit = 0.0
         self.archive, self.registry, self.checkpoints = archive, registry, checkpoints
         self.retention = VersionRetention(registry, "value.learner.keep_versions", config.keep_versions)
-        self.source, self.announce, self.lease = source, announce, lease
+        self.source, self.announce, self.lease, self.stopping = source, announce, lease, stopping
         self.state = LearnerState()
         self.incoming: deque[BatchRef] = deque()
         self.duplicates_skipped = self.dead_lettered = self.dead_lettered_unrecorded = 0
@@ -273,8 +279,9 @@ class ValueLearner:
             reason = f"steps batch {ref.batch_id} quarantined: {str(exc).strip().splitlines()[0]}"[:2000]
             topic, partition, offset = origin_of(ref)
             raw = json.dumps({"batch_id": ref.batch_id, "path": ref.path, "sha256": ref.sha256}, sort_keys=True)
-            self.announce(DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition,
-                                     origin_offset=offset, key=ref.batch_id, raw=raw))
+            self.announce_until_taken(DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition,
+                                                 origin_offset=offset, key=ref.batch_id, raw=raw),
+                                      f"the DeadLetter of batch {ref.batch_id}")
             self.dead_lettered += 1
             self.dead_lettered_unrecorded += 1
             self.dead_lettered_producers.append(ref.producer_id)
@@ -381,7 +388,8 @@ class ValueLearner:
             kind="value-network",
         )
         self.state.version = manifest.version
-        self.announce(self.registry.published_event(manifest))
+        self.announce_until_taken(self.registry.published_event(manifest),
+                                  f"AdapterPublished v{manifest.version} (step {self.state.step})")
         log.info("published value network v%d at step %d", manifest.version, self.state.step)
         self.faults.reached("after_publish")
         self.retention.after_publish(manifest.version)
@@ -399,12 +407,17 @@ class ValueLearner:
         }
         priorities = {"replay/priority": torch.from_numpy(memory.tree.leaves().copy())}
         key = self.checkpoints.save(self.state, self.agent.state_dict(), priorities, scalars)
-        self.announce(LearnerCheckpointed(step=self.state.step, version=self.state.version, path=key,
-                                          offsets=dict(self.state.positions),
-                                          metrics=finite_numbers(self.last_metrics, exclude=NOT_SCALARS)))
+        self.announce_until_taken(LearnerCheckpointed(step=self.state.step, version=self.state.version, path=key,
+                                                      offsets=dict(self.state.positions),
+                                                      metrics=finite_numbers(self.last_metrics, exclude=NOT_SCALARS)),
+                                  f"LearnerCheckpointed of step {self.state.step} (its offsets not committed)")
         self.faults.reached("after_checkpoint")
         self.source.commit(dict(self.state.positions))  # only after the checkpoint is durable
         return key
+
+    def announce_until_taken(self, payload: Payload, what: str) -> None:
+        """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop)."""
+        until_the_broker_takes(lambda: self.announce(payload), what, self.run_id, self.stopping)
 
 
 def episode_metrics(table: pa.Table) -> dict[str, float]:

@@ -5,7 +5,8 @@ lands here (``rlpipe run`` starts it that way).  The network's shape is the run'
 (``value.observation_size``, ``value.num_actions``; each actor checks its
 environment against them).  Versions and checkpoints are fenced by the run's
 learner lease like the LoRA learner's.  SIGTERM stops between steps and writes a
-final checkpoint, so nothing trained is lost.  ``rlpipe replay --train`` on a value run
+final checkpoint, so nothing trained is lost; during a wait for a broker that is away
+(``consumers.broker_wait``) it ends the wait with one line naming the event never taken.  ``rlpipe replay --train`` on a value run
 lands in ``replay_train_value``: the same learner fed by another run's stored steps
 batches (``StepsReplaySource``, the value runs' ``ReplaySource``), no broker, each batch trained once, in the
 order that run's learner trained them.
@@ -36,9 +37,12 @@ log = logging.getLogger("rlpipe.value")
 CONTINUOUS_ACTION_ENVS = ("building-hvac",)  # setpoints, not action indices: offline CQL (value.offline)
 
 
-def build_value_learner(config: RunConfig, store: ObjectStore, source: Any,
-                        announce: Callable[[Payload], Any]) -> ValueLearner:
-    """The value learner of ``config.run_id`` over ``store``, fed by ``source``, fenced by the run's lease."""
+def build_value_learner(config: RunConfig, store: ObjectStore, source: Any, announce: Callable[[Payload], Any],
+                        stopping: Callable[[], bool] = lambda: False) -> ValueLearner:
+    """The value learner of ``config.run_id`` over ``store``, fed by ``source``, fenced by the run's lease.
+
+    ``stopping``: the process's stop flag, which ends a wait for a broker that is away (``consumers.broker_wait``).
+    """
     if config.value is None:
         raise ValueError(f"run {config.run_id} has no value section; use a value preset such as dqn-cartpole")
     if config.value.offline is not None:
@@ -51,7 +55,7 @@ def build_value_learner(config: RunConfig, store: ObjectStore, source: Any,
         observation_size=value.observation_size, num_actions=value.num_actions,
         archive=TrajectoryArchive(store), registry=AdapterRegistry(fenced, config.run_id),
         checkpoints=CheckpointStore(fenced, config.run_id, keep=value.learner.keep_checkpoints),
-        source=source, announce=announce, lease=lease, slate=value.slate,
+        source=source, announce=announce, lease=lease, slate=value.slate, stopping=stopping,
     )
 
 
@@ -76,7 +80,7 @@ def run_value_learner(config: RunConfig, stop: StopFlag | None = None) -> ValueL
     _, _, created = create_run(store, config, config.env.name)
     if created is not None:
         announcer(created)
-    learner = build_value_learner(config, store, source, announcer)
+    learner = build_value_learner(config, store, source, announcer, stopping=stop)
     if config.learner.torch_threads is not None:  # small networks: extra threads mostly contend for the CPU
         torch.set_num_threads(config.learner.torch_threads)
     try:
