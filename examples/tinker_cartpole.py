@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -51,7 +52,7 @@ from statistics import NormalDist
 import numpy as np
 import tinker
 from tinker import types
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 ACTIONS = ("left", "right")
 MAX_RETRIES = 4  # --max-step-kl: how many times a step above the bound is taken again, shorter
@@ -213,13 +214,12 @@ class Episode:
 
 
 class Loop:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.service = tinker.ServiceClient(base_url=args.base_url)
+    def __init__(self, args: argparse.Namespace, service: tinker.ServiceClient) -> None:
+        self.args, self.service = args, service
         self.training = self.service.create_lora_training_client(
             base_model=args.base_model, rank=args.rank, train_unembed=args.train_unembed,
             seed=args.seed).result()  # the same --seed starts from the same LoRA weights
-        self.tokenizer = AutoTokenizer.from_pretrained(args.base_model)
+        self.tokenizer = load_tokenizer(args.base_model)
         self.eos = self.tokenizer.eos_token_id
         self.sampled = 0  # sample calls so far (each its own seed)
         self.tokens = {"sampled": 0, "trained": 0}  # sampled tokens, and tokens in forward_backward calls
@@ -412,21 +412,56 @@ def ratio(last: tuple[float, float], before: tuple[float, float], what: str) -> 
     return f"{times}{'' if separated else ' (intervals overlap)'}"
 
 
+def load_tokenizer(base_model: str) -> PreTrainedTokenizerBase:
+    """``base_model``'s tokenizer, or one line naming ``--base-model``: a name it cannot load (not the path or name
+    ``rlpipe serve`` printed, or no network to the hub) ends in a traceback otherwise."""
+    try:
+        return AutoTokenizer.from_pretrained(base_model)
+    except OSError as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise SystemExit(f"error: --base-model {base_model}: its tokenizer does not load ({reason}); pass the base "
+                         "model rlpipe serve printed") from None
+
+
 @contextmanager
 def session_ended_on_exit(service: tinker.ServiceClient) -> Iterator[None]:
-    """Ends the loop's session when the loop stops (the SDK's ``with ServiceClient()``): the server frees its clients
-    at once rather than when the session lapses, and a Ctrl-C is one line instead of a traceback."""
+    """Ends the loop's session when the loop stops, as the SDK's ``with ServiceClient()`` does: the server frees its
+    clients at once rather than when the session lapses, and a Ctrl-C is one line instead of a traceback.
+
+    Entered as soon as the ``ServiceClient`` exists, so a stop while the training client is created or the
+    tokenizer loads ends the session too; the line says whether the server confirmed that it ended."""
     try:
-        with service:  # finished as "success", "errored" or, on Ctrl-C, "interrupted"
-            yield
+        yield
     except KeyboardInterrupt:
-        raise SystemExit("interrupted: the session is ended and the server has freed its clients; the states it "
-                         "saved stay (`tinker checkpoint list`)") from None
+        why = session_not_ended(service, "interrupted")
+        ended = ("the session is ended and the server has freed its clients" if why is None
+                 else f"the session was not ended ({why}), so the server frees its clients when it lapses")
+        raise SystemExit(f"interrupted: {ended}; the states it saved stay (`tinker checkpoint list`)") from None
+    except BaseException:  # an error, or a one-line exit: shown as it is, after the session ends as "errored"
+        session_not_ended(service, "errored")
+        raise
+    session_not_ended(service, "success")
 
 
-def connect(args: argparse.Namespace) -> Loop:
-    """The loop's clients, or one line saying why not: the SDK retries a refused connection without a word, and
-    a refusal at the start (no API key, a base model the server does not serve) ends in a traceback."""
+def session_not_ended(service: tinker.ServiceClient, status: str) -> str | None:
+    """End ``service``'s session as ``status``; None once the server has, else why not (also said on stderr
+    unless the loop was interrupted, whose own line says it)."""
+    try:
+        service.close(status).result()
+        return None
+    except KeyboardInterrupt:
+        why = "interrupted while it ended"
+    except Exception as exc:  # the server is gone: it ends the session when it lapses
+        why = " ".join(str(exc).split()) or type(exc).__name__
+    if status != "interrupted":
+        print(f"note: the session was not ended ({why}); the server frees its clients when it lapses",
+              file=sys.stderr, flush=True)
+    return why
+
+
+def connect(args: argparse.Namespace) -> tinker.ServiceClient:
+    """The session's client of the server at ``--base-url``, or one line saying why not: the SDK retries a refused
+    connection without a word.  It asks the server nothing yet (``start_loop`` does, inside the session)."""
     try:
         urllib.request.urlopen(args.base_url, timeout=10).close()
     except urllib.error.HTTPError:
@@ -435,8 +470,14 @@ def connect(args: argparse.Namespace) -> Loop:
         port = urllib.parse.urlsplit(args.base_url).port or 8000
         raise SystemExit(f"error: nothing answers at {args.base_url} ({getattr(exc, 'reason', exc)}); start the "
                          f"server with `rlpipe serve --port {port}`, or pass its URL as --base-url") from None
+    return tinker.ServiceClient(base_url=args.base_url)
+
+
+def start_loop(args: argparse.Namespace, service: tinker.ServiceClient) -> Loop:
+    """The loop's clients, or one line saying why not: a refusal at the start (no API key, a base model the server
+    does not serve) ends in a traceback otherwise."""
     try:
-        return Loop(args)
+        return Loop(args, service)
     except tinker.TinkerError as exc:
         raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
 
@@ -494,8 +535,9 @@ def main() -> None:
         phases[name] = time.monotonic() - begun
         return result
 
-    loop = connect(args)
-    with session_ended_on_exit(loop.service):
+    service = connect(args)
+    with session_ended_on_exit(service):  # from here on, however the loop stops, its session ends
+        loop = start_loop(args, service)
         base = timed("base evaluation", lambda: loop.evaluate(
             loop.service.create_sampling_client(base_model=args.base_model).result(), "base model"))
         timed("warm start", loop.warm_start)

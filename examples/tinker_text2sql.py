@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -42,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import tinker
 from tinker import types
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from producers.envs.sql import load_tasks
 from producers.envs.text2sql import TextToSQL
@@ -59,12 +60,11 @@ class Episode:
 
 
 class Loop:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.service = tinker.ServiceClient(base_url=args.base_url)
+    def __init__(self, args: argparse.Namespace, service: tinker.ServiceClient) -> None:
+        self.args, self.service = args, service
         self.training = self.service.create_lora_training_client(  # the same --seed, the same first LoRA weights
             base_model=args.base_model, rank=args.rank, seed=args.seed).result()
-        self.tokenizer = AutoTokenizer.from_pretrained(args.base_model)
+        self.tokenizer = load_tokenizer(args.base_model)
         self.train_tasks, self.test_tasks = count_tasks(args.tasks)
         self.calls = 0  # sample calls so far (seeds never repeat)
         self.evaluations: dict[str, list[float]] = {}  # label -> held-out returns, one per task
@@ -180,21 +180,56 @@ def count_tasks(path: str | None) -> tuple[int, int]:
     return len(tasks) - test, test
 
 
+def load_tokenizer(base_model: str) -> PreTrainedTokenizerBase:
+    """``base_model``'s tokenizer, or one line naming ``--base-model``: a name it cannot load (not the path or name
+    ``rlpipe serve`` printed, or no network to the hub) ends in a traceback otherwise."""
+    try:
+        return AutoTokenizer.from_pretrained(base_model)
+    except OSError as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise SystemExit(f"error: --base-model {base_model}: its tokenizer does not load ({reason}); pass the base "
+                         "model rlpipe serve printed") from None
+
+
 @contextmanager
 def session_ended_on_exit(service: tinker.ServiceClient) -> Iterator[None]:
-    """Ends the loop's session when the loop stops (the SDK's ``with ServiceClient()``): the server frees its clients
-    at once rather than when the session lapses, and a Ctrl-C is one line instead of a traceback."""
+    """Ends the loop's session when the loop stops, as the SDK's ``with ServiceClient()`` does: the server frees its
+    clients at once rather than when the session lapses, and a Ctrl-C is one line instead of a traceback.
+
+    Entered as soon as the ``ServiceClient`` exists, so a stop while the training client is created or the
+    tokenizer loads ends the session too; the line says whether the server confirmed that it ended."""
     try:
-        with service:  # finished as "success", "errored" or, on Ctrl-C, "interrupted"
-            yield
+        yield
     except KeyboardInterrupt:
-        raise SystemExit("interrupted: the session is ended and the server has freed its clients; the states it "
-                         "saved stay (`tinker checkpoint list`)") from None
+        why = session_not_ended(service, "interrupted")
+        ended = ("the session is ended and the server has freed its clients" if why is None
+                 else f"the session was not ended ({why}), so the server frees its clients when it lapses")
+        raise SystemExit(f"interrupted: {ended}; the states it saved stay (`tinker checkpoint list`)") from None
+    except BaseException:  # an error, or a one-line exit: shown as it is, after the session ends as "errored"
+        session_not_ended(service, "errored")
+        raise
+    session_not_ended(service, "success")
 
 
-def connect(args: argparse.Namespace) -> Loop:
-    """The loop's clients, or one line saying why not: the SDK retries a refused connection without a word, and
-    a refusal at the start (no API key, a base model the server does not serve) ends in a traceback.
+def session_not_ended(service: tinker.ServiceClient, status: str) -> str | None:
+    """End ``service``'s session as ``status``; None once the server has, else why not (also said on stderr
+    unless the loop was interrupted, whose own line says it)."""
+    try:
+        service.close(status).result()
+        return None
+    except KeyboardInterrupt:
+        why = "interrupted while it ended"
+    except Exception as exc:  # the server is gone: it ends the session when it lapses
+        why = " ".join(str(exc).split()) or type(exc).__name__
+    if status != "interrupted":
+        print(f"note: the session was not ended ({why}); the server frees its clients when it lapses",
+              file=sys.stderr, flush=True)
+    return why
+
+
+def connect(args: argparse.Namespace) -> tinker.ServiceClient:
+    """The session's client of the server at ``--base-url``, or one line saying why not: the SDK retries a refused
+    connection without a word.  It asks the server nothing yet (``start_loop`` does, inside the session).
 
     The same check as ``tinker_cartpole.py``'s: each example is a single file a researcher copies on its own."""
     try:
@@ -205,8 +240,14 @@ def connect(args: argparse.Namespace) -> Loop:
         port = urllib.parse.urlsplit(args.base_url).port or 8000
         raise SystemExit(f"error: nothing answers at {args.base_url} ({getattr(exc, 'reason', exc)}); start the "
                          f"server with `rlpipe serve --port {port}`, or pass its URL as --base-url") from None
+    return tinker.ServiceClient(base_url=args.base_url)
+
+
+def start_loop(args: argparse.Namespace, service: tinker.ServiceClient) -> Loop:
+    """The loop's clients, or one line saying why not: a refusal at the start (no API key, a base model the server
+    does not serve) ends in a traceback otherwise."""
     try:
-        return Loop(args)
+        return Loop(args, service)
     except tinker.TinkerError as exc:
         raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
 
@@ -236,8 +277,9 @@ def main() -> None:
                      "or choose another path")
     started = time.monotonic()
     count_tasks(args.tasks)
-    loop = connect(args)
-    with session_ended_on_exit(loop.service):
+    service = connect(args)
+    with session_ended_on_exit(service):  # from here on, however the loop stops, its session ends
+        loop = start_loop(args, service)
         base = loop.evaluate(loop.service.create_sampling_client(base_model=args.base_model).result(), "base model")
         loop.warm_start()
         for step in range(args.rl_steps):

@@ -1,5 +1,5 @@
-"""The SDK loops' start (``connect`` in ``examples/tinker_cartpole.py`` and ``examples/tinker_text2sql.py``): a
-server that is not there, or that refuses, is one line naming the fix.
+"""The SDK loops' start (``connect``, then ``start_loop``, in ``examples/tinker_cartpole.py`` and
+``examples/tinker_text2sql.py``): a server that is not there, or that refuses, is one line naming the fix.
 
 The loops themselves run against a real server in ``tests/integration/test_tinker_sampling.py``.
 """
@@ -42,14 +42,17 @@ def test_no_server_at_the_base_url_is_one_line_naming_rlpipe_serve(example: str)
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_an_sdk_refusal_at_the_start_is_one_line(example: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """No API key: the SDK's own message, as one line instead of a traceback."""
+    """No API key: the SDK's own message, as one line instead of a traceback (the session is ended on the way)."""
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no key stored by `tinker auth login` either
     try:
         with example_module(example) as module, pytest.raises(SystemExit) as stopped:
-            module.connect(_args(f"http://127.0.0.1:{server.server_port}"))
+            args = _args(f"http://127.0.0.1:{server.server_port}")
+            service = module.connect(args)
+            with module.session_ended_on_exit(service):
+                module.start_loop(args, service)
     finally:
         server.shutdown()
     message = str(stopped.value.code)

@@ -32,11 +32,10 @@ class RecordingService:
 def test_the_loops_ask_for_lora_weights_drawn_from_their_seed(name, monkeypatch):
     RecordingService.asked = []
     with example_module(name) as module:
-        monkeypatch.setattr(module.tinker, "ServiceClient", RecordingService)
         monkeypatch.setattr(module, "AutoTokenizer", SimpleNamespace(
             from_pretrained=lambda path: SimpleNamespace(eos_token_id=2, chat_template=None)))
         args = argparse.Namespace(base_url="http://127.0.0.1:1", base_model="tiny", rank=4, train_unembed=True,
                                   tasks=None, seed=7)
-        module.Loop(args)
-        module.Loop(argparse.Namespace(**{**vars(args), "seed": 8}))
+        module.Loop(args, RecordingService(args.base_url))
+        module.Loop(argparse.Namespace(**{**vars(args), "seed": 8}), RecordingService(args.base_url))
     assert [asked.get("seed") for asked in RecordingService.asked] == [7, 8]
