@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 YES_NO_WORDS = frozenset({"true", "false", "yes", "no", "on", "off"})  # what a number field given them is refused for
 
@@ -49,3 +49,10 @@ class NoYesNoNumbers(BaseModel):
         if _kinds(field.annotation) == [str]:
             return str(value).lower() if isinstance(value, bool) else str(value)
         return value
+
+
+class ConfigSection(NoYesNoNumbers):
+    """A section of the run configuration: unknown keys are refused (a typo should not fall back to a default),
+    and an assignment is validated as the section's fields are."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
