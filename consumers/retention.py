@@ -60,6 +60,6 @@ class VersionRetention:
             return retired
         self.retired_through = last
         if retired:  # said once at the first look (it may retire many), then per publish only in the debug log
-            log.log(logging.INFO if first else logging.DEBUG, "retired %d version(s) of run %s up to v%d (%s=%d)", retired, self.registry.run_id, last,
-                     self.setting, self.keep)
+            log.log(logging.INFO if first else logging.DEBUG, "retired %d version(s) of run %s up to v%d (%s=%d)",
+                    retired, self.registry.run_id, last, self.setting, self.keep)
         return retired
