@@ -200,7 +200,7 @@ def serve(
     # before the stack, the models and the engines take minutes to start
     if role in ("all", "gateway"):
         check_listen_address("the gateway", host, port, "--port")
-        check_gateway_limits()
+        check_gateway_settings()
     for offset in range(len(base_model or ["tiny"]) if health_port and role in ("trainer", "sampler") else 0):
         check_listen_address("an engine's health endpoints", "0.0.0.0", health_port + offset, "--health-port")
     setup_logging()
@@ -244,7 +244,7 @@ def serve(
         supervisor.stop()
 
 
-def check_gateway_limits() -> None:
+def check_gateway_settings() -> None:
     """Fail in one line on API keys or a gateway limit set wrong in the environment (``RLPIPE_API_KEYS``,
     ``RLPIPE_API_MAX_*``, ``RLPIPE_API_THREADS*``), before anything starts."""
     from pipeline.api.tenants import TenantLimits, Tenants

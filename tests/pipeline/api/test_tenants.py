@@ -55,9 +55,9 @@ def test_serve_checks_the_keys_before_anything_starts(monkeypatch: pytest.Monkey
     """`rlpipe serve` reads RLPIPE_API_KEYS with the gateway's limits, before the stack, the model and the engines."""
     import typer
 
-    from pipeline.cli.serve_cmd import check_gateway_limits
+    from pipeline.cli.serve_cmd import check_gateway_settings
 
     monkeypatch.setenv("RLPIPE_API_KEYS", "team-a=secret")
     with pytest.raises(typer.Exit):
-        check_gateway_limits()
+        check_gateway_settings()
     assert "team-a" in capsys.readouterr().err
