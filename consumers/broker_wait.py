@@ -39,17 +39,26 @@ class BrokerAwayOnStop(BusError):
 
 
 def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopping: Callable[[], bool],
-                           retry_wait_s: float = RETRY_WAIT_S, report_every_s: float = REPORT_EVERY_S) -> T:
+                           retry_wait_s: float = RETRY_WAIT_S, report_every_s: float = REPORT_EVERY_S,
+                           before_retry: Callable[[], None] | None = None) -> T:
     """``write()``'s result once the broker takes it, trying again every ``retry_wait_s`` while it refuses
     (``BusError``); ``what`` names the write in the log lines ("AdapterPublished v3 (step 6)").
 
-    Raises ``BrokerAwayOnStop`` when ``stopping()`` is true after a refused try.
+    ``before_retry`` runs before each try but the first, as part of it (its ``BusError`` is one more refusal): an
+    offset commit polls there (``keep_alive``), as only a poll rejoins a group that dropped the learner while the
+    broker was away.  A refusal no try can change (``BusError.transient`` false: an event over the message size
+    limit, a permission the broker denies) is raised at once.  Raises ``BrokerAwayOnStop`` when ``stopping()`` is
+    true after a refused try.
     """
     started = reported = 0.0
     while True:
         try:
+            if started and before_retry is not None:
+                before_retry()
             result = write()
         except BusError as exc:
+            if not exc.transient:
+                raise
             reason, now = str(exc).splitlines()[0] if str(exc) else type(exc).__name__, time.monotonic()
             if not started:
                 started = reported = now
@@ -71,6 +80,17 @@ def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopp
             log.warning("run %s: the broker took %s after %.0fs; the learner goes on", run_id, what,
                         time.monotonic() - started)
         return result
+
+
+def keep_alive_quietly(keep_alive: Callable[[], None]) -> None:
+    """Poll a consumer (no records) while a learner waits for its step's writes, so its group keeps the member; with
+    the broker away that poll is refused too, which the writes' own wait reports."""
+    try:
+        keep_alive()
+    except BusError as exc:
+        if not exc.transient:
+            raise
+        log.debug("a keep-alive poll was refused while the step's writes wait: %s", exc)
 
 
 def wait_unless_stopping(seconds: float, stopping: Callable[[], bool]) -> None:

@@ -54,7 +54,7 @@ import pyarrow as pa
 
 from consumers.advantages import EpisodeColumns, compute_advantages, training_weights
 from consumers.batching import PendingBatch, checked_for_training, drop_stale, micro_batches
-from consumers.broker_wait import until_the_broker_takes
+from consumers.broker_wait import keep_alive_quietly, until_the_broker_takes
 from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.faults import FaultInjector
@@ -482,11 +482,13 @@ class Learner:
 
     def finish_writes(self) -> None:
         """Wait for the step in flight (raising its error) and commit what its checkpoint covers."""
-        written = self.outputs.writer.wait()
+        written = self.outputs.writer.wait(lambda: keep_alive_quietly(self.source.keep_alive))
         if written is not None and written.positions:
             self.commit(written.positions, f"the offsets of step {written.checkpoint.step}'s checkpoint")
 
     def commit(self, positions: dict[str, int], what: str) -> None:
         """Commit the source's ``positions``, only ever after the checkpoint that covers them is durable and
-        announced; a broker that is away is waited for (``consumers.broker_wait``)."""
-        until_the_broker_takes(lambda: self.source.commit(positions), what, self.run_id, self.outputs.stopping)
+        announced; a broker that is away is waited for (``consumers.broker_wait``), polling before each try again:
+        a group that dropped this member meanwhile refuses its commits until a poll rejoins."""
+        until_the_broker_takes(lambda: self.source.commit(positions), what, self.run_id, self.outputs.stopping,
+                               before_retry=self.source.keep_alive)

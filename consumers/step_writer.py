@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from consumers.policy import AdapterSnapshot
 
 log = logging.getLogger("rlpipe.learner")
+
+KEEP_ALIVE_EVERY_S = 1.0  # while the learner waits for a step's writes, it polls its consumer this often
 
 
 def finite_numbers(metrics: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, float]:
@@ -100,10 +103,19 @@ class StepWriter:
         """The submitted job (if any) has finished: ``wait`` would not block."""
         return self._job is None or self._job.done()
 
-    def wait(self) -> Any:
-        """The submitted job's result (None when there is none); its exception is raised here."""
-        job, self._job = self._job, None
-        return None if job is None else job.result()
+    def wait(self, keep_alive: Callable[[], None] | None = None) -> Any:
+        """The submitted job's result (None when there is none); its exception is raised here.
+
+        ``keep_alive`` is called every ``KEEP_ALIVE_EVERY_S`` while the job runs: a job waiting for the broker may
+        last longer than the consumer group lets a member go without polling (``max_poll_interval_ms``).
+        """
+        job = self._job
+        if job is None:
+            return None
+        while keep_alive is not None and not futures.wait([job], timeout=KEEP_ALIVE_EVERY_S).done:
+            keep_alive()
+        self._job = None
+        return job.result()
 
     def wait_quietly(self) -> None:
         """Let the submitted job end, logging instead of raising its error (while another error unwinds)."""

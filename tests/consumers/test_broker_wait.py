@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from consumers.broker_wait import BrokerAwayOnStop, until_the_broker_takes
-from pipeline.io.bus import PublishError
+from pipeline.io.bus import BusUnavailableError, PublishError
 
 
 class Refusing:
@@ -52,3 +52,32 @@ def test_a_write_taken_at_once_says_nothing(caplog: pytest.LogCaptureFixture) ->
     with caplog.at_level(logging.WARNING, logger="rlpipe.learner"):
         assert until_the_broker_takes(Refusing(times=0), "x", "r", lambda: True) == 1
     assert not caplog.records
+
+
+class Permanent(Refusing):
+    """A write no try can get taken (an event over the broker's message size limit)."""
+
+    def __call__(self) -> int:
+        self.tries += 1
+        raise PublishError("publishing a LearnerCheckpointed of 2000000 bytes to ns.control failed: it exceeds the "
+                           "message size limit", transient=False)
+
+
+def test_a_write_no_try_can_get_taken_is_raised_at_once_not_tried_again() -> None:
+    write = Permanent(times=0)
+    with pytest.raises(PublishError, match="message size limit"):
+        until_the_broker_takes(write, "x", "r", lambda: write.tries >= 3, retry_wait_s=0.01)  # (a bound if retried)
+    assert write.tries == 1
+
+
+def test_before_each_try_again_the_caller_keeps_its_consumer_in_its_group_and_a_refusal_there_is_one_more_try(
+        ) -> None:
+    write, kept_alive = Refusing(times=3), []
+
+    def keep_alive() -> None:
+        kept_alive.append(write.tries)
+        if len(kept_alive) == 1:
+            raise BusUnavailableError("poll: the broker at 127.0.0.1:1 did not answer within 5s")
+
+    assert until_the_broker_takes(write, "x", "r", lambda: False, retry_wait_s=0.01, before_retry=keep_alive) == 4
+    assert kept_alive == [1, 1, 2, 3]  # before every try but the first; the poll refused once: that try again

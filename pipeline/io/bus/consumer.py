@@ -20,7 +20,7 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import CommitFailedError, KafkaError
+from kafka.errors import AuthorizationError, CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic
@@ -283,7 +283,8 @@ class EventConsumer:
                 "events will be delivered again"
             ) from exc
         except KafkaError as exc:
-            raise CommitError(f"commit to group {self.group_id} failed: {_describe(exc)}") from exc
+            raise CommitError(f"commit to group {self.group_id} failed: {_describe(exc)}",
+                              transient=not isinstance(exc, AuthorizationError)) from exc
         return to_commit
 
     def seek(self, offsets: OffsetsLike) -> None:

@@ -8,7 +8,18 @@ from __future__ import annotations
 
 
 class BusError(RuntimeError):
-    """Talking to the event log failed; the message says why and what to do."""
+    """Talking to the event log failed; the message says why and what to do.
+
+    ``transient``: whether the same call may succeed when tried again (the broker away, the group rebalancing); a
+    caller that waits out an outage (``consumers.broker_wait``) raises the others at once.
+    """
+
+    transient = True
+
+    def __init__(self, *args: object, transient: bool | None = None) -> None:
+        super().__init__(*args)
+        if transient is not None:
+            self.transient = transient
 
 
 class BusUnavailableError(BusError):
@@ -21,6 +32,8 @@ class PublishError(BusError):
 
 class RewindError(BusError):
     """Records a consumer fetched could not be put back: going on would skip them."""
+
+    transient = False  # the consumer must be closed and a new one started
 
 
 class CommitError(BusError):

@@ -17,6 +17,7 @@ from typing import Any
 
 from kafka import KafkaProducer
 from kafka.errors import (
+    AuthorizationError,
     InvalidProducerEpochError,
     KafkaError,
     KafkaTimeoutError,
@@ -121,7 +122,7 @@ class EventPublisher:
         except MessageSizeTooLargeError as exc:
             raise PublishError(
                 f"publishing a {what} of {len(value or b'')} bytes to {topic} failed: it exceeds the message size limit "
-                "(1 MiB by default); keep bulk data in the store and publish a claim check"
+                "(1 MiB by default); keep bulk data in the store and publish a claim check", transient=False
             ) from exc
         except KafkaTimeoutError as exc:  # the broker may still write it: reported as failed, never as sent
             raise PublishError(
@@ -130,7 +131,8 @@ class EventPublisher:
                 "broker is up and the topic exists (`rlpipe topics list`)"
             ) from exc
         except KafkaError as exc:
-            raise PublishError(f"publishing a {what} to {topic} failed: {_describe(exc)}") from exc
+            raise PublishError(f"publishing a {what} to {topic} failed: {_describe(exc)}",
+                               transient=not isinstance(exc, AuthorizationError)) from exc
         except _ProducerReplaced as exc:
             raise PublishError(f"publishing a {what} to {topic} failed: its producer failed for good "
                                f"{self.retry_attempts} times; see the broker's log") from exc
