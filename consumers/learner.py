@@ -239,7 +239,7 @@ class Learner:
                     self.announce_progress()  # waiting for rows: producers must not wait for this learner
                     self.check_lease_while_waiting()
         except BaseException:
-            self.outputs.writer.wait_quietly()
+            self.outputs.abandon()
             self.reader.close()
             raise
         finally:

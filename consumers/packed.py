@@ -174,7 +174,7 @@ class PackedLearner:
     def drop(self, run: PackedRun) -> None:
         """Let ``run`` go at once, as a learner that stopped on an error: its writes under way end (or fail), its
         adapter is deleted, and nothing more is trained or committed; it resumes from its newest checkpoint."""
-        run.learner.outputs.writer.wait_quietly()
+        run.learner.outputs.abandon()
         run.learner.reader.close()
         if run in self.runs:
             self.runs.remove(run)
@@ -205,7 +205,7 @@ class PackedLearner:
             self._rounds(should_stop, on_step, poll_timeout_s, between_rounds, until_stopped, on_failure)
         except BaseException:
             for run in self.runs:
-                run.learner.outputs.writer.wait_quietly()
+                run.learner.outputs.abandon()
                 run.learner.reader.close()
             raise
         for run in list(self.runs):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -138,6 +139,7 @@ class StepOutputs:
         self.run_id, self.base_model = run_id, base_model
         self.registry, self.checkpoints, self.announce, self.faults = registry, checkpoints, announce, faults
         self.stopping = stopping
+        self.abandoning = threading.Event()  # set while the learner, stopping on an error, lets the job in flight end
         self.retention = VersionRetention(registry, "learner.keep_versions", keep_versions, keep_also)
         self.writer = StepWriter()
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
@@ -190,9 +192,20 @@ class StepOutputs:
         self.faults.reached("after_checkpoint")
         return key
 
+    def abandon(self) -> None:
+        """Let the job in flight end without waiting for the broker (the learner stops on another error: a store
+        failure, a lost lease): a wait for the broker ends after the try under way, as on a stop, and any error
+        of the job is logged (``StepWriter.wait_quietly``)."""
+        self.abandoning.set()
+        try:
+            self.writer.wait_quietly()
+        finally:
+            self.abandoning.clear()
+
     def announce_until_taken(self, payload: Payload, what: str) -> None:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop)."""
-        until_the_broker_takes(lambda: self.announce(payload), what, self.run_id, self.stopping)
+        until_the_broker_takes(lambda: self.announce(payload), what, self.run_id,
+                               lambda: self.stopping() or self.abandoning.is_set())
 
     def write_step(self, metrics: dict[str, Any], publication: Publication | None,
                    prepared: PreparedStep | None) -> PreparedStep | None:

@@ -9,10 +9,14 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
+
 from consumers import step_writer
-from pipeline.io.bus import CommitError
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.bus import CommitError, PublishError
 from tests.consumers import test_learner
-from tests.consumers.test_learner_progress import TOPIC, ScriptedSource, scripted_learner
+from tests.consumers.test_learner import write_batches
+from tests.consumers.test_learner_progress import TOPIC, ScriptedSource, scripted_learner, stored_refs
 
 store, setup = test_learner.store, test_learner.setup  # a file store, the tiny model's prompt
 
@@ -53,3 +57,48 @@ def test_a_learner_waiting_for_its_step_writes_keeps_its_consumer_in_its_group(s
     started = time.monotonic()
     learner.finish_writes()
     assert polled.is_set() and time.monotonic() - started < 4
+
+
+class FailingAfter(ScriptedSource):
+    """Hands out its refs, then fails (a store error, a lost lease) on the poll after them."""
+
+    def __init__(self, refs, polls_before_failing: int) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(refs)
+        self.polls, self.polls_before_failing = 0, polls_before_failing
+
+    def poll(self, timeout_s: float):  # type: ignore[no-untyped-def]
+        self.polls += 1
+        if self.polls > self.polls_before_failing:
+            raise OSError("reading runs/r/trajectories failed: the store did not answer")
+        return super().poll(timeout_s)
+
+
+def test_an_error_while_a_step_write_waits_for_the_broker_ends_the_learner_instead_of_waiting(store, setup):
+    write_batches(TrajectoryArchive(store), setup, 1, np.random.default_rng(0))
+    learner, _ = scripted_learner(store, setup, [])
+    learner.source = FailingAfter(stored_refs(store), polls_before_failing=2)  # a step, then the error
+    refused: list = []
+
+    def away(payload) -> None:  # type: ignore[no-untyped-def]
+        refused.append(payload)
+        raise PublishError("publishing an AdapterPublished to ns.adapters failed: no acknowledgement within 2s")
+
+    learner.announce = learner.outputs.announce = away
+    stop, errors = threading.Event(), []
+    learner.outputs.stopping = stop.is_set  # (ends the thread if the error does not)
+
+    def train() -> None:
+        try:
+            learner.run(poll_timeout_s=0)
+        except BaseException as exc:  # the assertions name it
+            errors.append(exc)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    try:
+        thread.join(10)
+        assert not thread.is_alive(), "the learner waits for the broker with its error unraised"
+    finally:
+        stop.set()
+        thread.join(10)
+    assert refused and len(errors) == 1 and isinstance(errors[0], OSError), errors
