@@ -67,6 +67,7 @@ from consumers.tracking import MetricLogger, NullMetricLogger
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import BusError
 from pipeline.io.registry import AdapterRegistry
+from pipeline.runtime import announcing_once
 from schemas.checkpoint import LearnerState
 from schemas.config import LearnerConfig, parse_init_from
 from schemas.events import DeadLetter, LearnerProgress, Payload
@@ -299,7 +300,7 @@ class Learner:
         raw = json.dumps({"batch_id": ref.batch_id, "path": ref.path, "sha256": ref.sha256}, sort_keys=True)
         letter = DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition, origin_offset=offset,
                             key=ref.batch_id, raw=raw)
-        until_the_broker_takes(lambda: self.announce(letter), f"the DeadLetter of batch {ref.batch_id}", self.run_id,
+        until_the_broker_takes(announcing_once(self.announce, letter), f"the DeadLetter of batch {ref.batch_id}", self.run_id,
                                self.outputs.stopping)
         self.dead_lettered += 1
         log.warning("%s (sent to the dead-letter topic)", reason)

@@ -34,6 +34,7 @@ from consumers.checkpoint import CheckpointStore, PreparedCheckpoint
 from consumers.faults import FaultInjector
 from consumers.retention import VersionRetention
 from pipeline.io.registry import AdapterRegistry
+from pipeline.runtime import announcing_once
 from schemas.checkpoint import LearnerState
 from schemas.events import LearnerCheckpointed, Payload
 
@@ -203,8 +204,9 @@ class StepOutputs:
             self.abandoning.clear()
 
     def announce_until_taken(self, payload: Payload, what: str) -> None:
-        """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop)."""
-        until_the_broker_takes(lambda: self.announce(payload), what, self.run_id,
+        """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
+        publishes the same event (``announcing_once``)."""
+        until_the_broker_takes(announcing_once(self.announce, payload), what, self.run_id,
                                lambda: self.stopping() or self.abandoning.is_set())
 
     def write_step(self, metrics: dict[str, Any], publication: Publication | None,

@@ -29,6 +29,7 @@ from schemas.events import (
     AdapterPublished,
     ConfigFieldChange,
     DeadLetter,
+    Envelope,
     Payload,
     RunConfigChanged,
     RunStarted,
@@ -79,7 +80,26 @@ class Announcer:
         self.publisher, self.run_id = publisher, run_id
 
     def __call__(self, payload: Payload) -> tuple[int, int]:
-        return self.publisher.publish(topic_kind_of(payload), make_event(self.run_id, payload))
+        return self.publish(self.envelope(payload))
+
+    def envelope(self, payload: Payload) -> Envelope:
+        """``payload`` as one event of this run (a fresh ``event_id``), to ``publish`` as often as it is tried."""
+        return make_event(self.run_id, payload)
+
+    def publish(self, envelope: Envelope) -> tuple[int, int]:
+        """Publish an event made by ``envelope``, as it is: a try again sends the same ``event_id``."""
+        return self.publisher.publish(topic_kind_of(envelope.payload), envelope)
+
+
+def announcing_once(announce: Callable[[Payload], Any], payload: Payload) -> Callable[[], Any]:
+    """A call that announces ``payload`` as one event however often it is made (each try of a write the broker
+    refuses): with an ``Announcer`` its envelope is made once, here, so a try the broker wrote without acknowledging
+    it and the try after it carry one ``event_id``, and readers that dedupe by it (reports) count it once.  Any
+    other callable (a test's list) is called with the payload."""
+    if isinstance(announce, Announcer):
+        envelope = announce.envelope(payload)
+        return lambda: announce.publish(envelope)
+    return lambda: announce(payload)
 
 
 # Fields that define what a run's stored data means: trajectories were sampled from this base model in this

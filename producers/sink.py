@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.io.archive import BatchInfo, TrajectoryArchive, batch_committed_payload
 from pipeline.io.archive_layout import key_date
 from pipeline.io.bus.errors import BusError, PublishError
+from pipeline.runtime import announcing_once
 from schemas.events import Payload, TrajectoryBatchCommitted
 
 if TYPE_CHECKING:
@@ -44,12 +45,15 @@ class OwedBatchEvents:
     ``owe`` announces a batch's event at once; one the broker does not take (it is away longer than the publisher
     waits) stays owed: ``unannounced`` keeps it, oldest first, and it is announced before the next batch and on the
     caller's tick (``retry_due``), so a broker outage ends no producer and leaves no batch unannounced once it is
-    over.  ``finish`` makes the last try when the producer stops.
+    over.  ``finish`` makes the last try when the producer stops.  Every try of one batch publishes one event (its
+    envelope made when owed, ``announcing_once``): a try the broker wrote without acknowledging it and the try after
+    it are counted once by readers that dedupe by ``event_id``.
     """
 
     def __init__(self, run_id: str, announce: Callable[[Payload], Any], retry_interval_s: float = 5.0) -> None:
         self.run_id, self.announce, self.retry_interval_s = run_id, announce, retry_interval_s
-        self.unannounced: list[TrajectoryBatchCommitted] = []  # stored, their event not taken yet (the broker away)
+        # stored, their event not taken yet (the broker away), each with its try: the same event every time
+        self.owed: list[tuple[TrajectoryBatchCommitted, Callable[[], Any]]] = []
         self.retry_at = 0.0  # monotonic time of the next try on the tick
         self.refused = False  # the last try was refused (said once it goes through)
 
@@ -57,7 +61,7 @@ class OwedBatchEvents:
         """Announce a stored batch's ``event`` after those still owed; False when it stays owed.  While the broker's
         last refusal is recent (the next try not due), it is owed without a try: each refused try waits out the
         publisher, and a batch stored in an outage need not wait it out again."""
-        self.unannounced.append(event)
+        self.owed.append((event, announcing_once(self.announce, event)))
         if self.refused and time.monotonic() < self.retry_at:
             return False
         return self.announce_owed()
@@ -65,10 +69,10 @@ class OwedBatchEvents:
     def announce_owed(self) -> bool:
         """Announce the stored batches still owed their event, oldest first; False when the broker refused one
         (it and those after it wait for the next try)."""
-        while self.unannounced:
-            event = self.unannounced[0]
+        while self.owed:
+            event, announce = self.owed[0]
             try:
-                self.announce(event)
+                announce()
             except BusError as exc:
                 self.retry_at, self.refused = time.monotonic() + self.retry_interval_s, True
                 count = len(self.unannounced)
@@ -76,11 +80,16 @@ class OwedBatchEvents:
                             "trying again in %gs", count, "es" if count != 1 else "", self.run_id, event.batch_id,
                             str(exc).splitlines()[0], self.retry_interval_s)
                 return False
-            self.unannounced.pop(0)
+            self.owed.pop(0)
         if self.refused:
             self.refused = False
             log.warning("the broker takes events again: every stored batch of run %s is announced", self.run_id)
         return True
+
+    @property
+    def unannounced(self) -> list[TrajectoryBatchCommitted]:
+        """The events still owed, oldest first."""
+        return [event for event, _ in self.owed]
 
     def retry_due(self) -> None:
         """On the producer's tick: try the batches still owed their event, at most every ``retry_interval_s``."""

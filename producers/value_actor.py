@@ -121,9 +121,9 @@ class ValueActor:
         seeds: range | None = None,
     ) -> None:
         self.run_id, self.actor_id = validate_name(run_id, "run_id"), validate_name(actor_id, "actor_id")
-        self.env, self.archive, self.watcher, self.config, self.announce = env, archive, watcher, config, announce
-        # batches stored while the broker was away, announced later (through ``announce`` as it is then)
-        self.owed = OwedBatchEvents(run_id, lambda payload: self.announce(payload))
+        self.env, self.archive, self.watcher, self.config = env, archive, watcher, config
+        # batches stored while the broker was away, announced later (each as the one event made when it was owed)
+        self.owed = OwedBatchEvents(run_id, announce)
         self.choices = self.action_choices(env)
         self.seeds = seeds  # environment seeds this actor plays, in turn (None: ``default_training_seeds``)
         self.rng = np.random.default_rng([config.seed, seeds.start if seeds else 0])
@@ -155,6 +155,15 @@ class ValueActor:
                  "is loaded", self.actor_id, len(mine), self.episodes, self.env_steps, self.epsilon_at_steps())
 
     # ---- acting ----------------------------------------------------------------------
+    @property
+    def announce(self) -> Callable[[Payload], Any]:
+        """Where the actor's events go (its owed batches' too)."""
+        return self.owed.announce
+
+    @announce.setter
+    def announce(self, announce: Callable[[Payload], Any]) -> None:
+        self.owed.announce = announce
+
     def action_choices(self, env: TextEnv) -> list[str]:
         """The answer text of each action index (refusing an environment without a finite set)."""
         choices = env.answer_choices()

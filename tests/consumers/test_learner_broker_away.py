@@ -14,6 +14,8 @@ import numpy as np
 from consumers import step_writer
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import CommitError, PublishError
+from pipeline.runtime import Announcer
+from schemas.events import LearnerProgress
 from tests.consumers import test_learner
 from tests.consumers.test_learner import write_batches
 from tests.consumers.test_learner_progress import TOPIC, ScriptedSource, scripted_learner, stored_refs
@@ -102,3 +104,25 @@ def test_an_error_while_a_step_write_waits_for_the_broker_ends_the_learner_inste
         stop.set()
         thread.join(10)
     assert refused and len(errors) == 1 and isinstance(errors[0], OSError), errors
+
+
+class WrittenButUnacknowledged:
+    """A publisher whose first send times out after the broker wrote it (the next is acknowledged)."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def publish(self, kind: str, event):  # type: ignore[no-untyped-def]
+        self.sent.append(event)
+        if len(self.sent) == 1:
+            raise PublishError(f"publishing a {event.type} to ns.{kind} failed: no acknowledgement within 2s")
+        return 0, len(self.sent)
+
+
+def test_a_step_write_tried_again_publishes_the_same_event_so_readers_count_it_once(store, setup):
+    learner, _ = scripted_learner(store, setup, [])
+    publisher = WrittenButUnacknowledged()
+    learner.outputs.announce = Announcer(publisher, "r")  # type: ignore[arg-type]
+    learner.outputs.announce_until_taken(LearnerProgress(step=1, version=1, positions={}), "LearnerProgress")
+    first, second = publisher.sent
+    assert first.event_id == second.event_id and first == second
