@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from consumers import broker_wait
 from consumers.broker_wait import BrokerAwayOnStop, until_the_broker_takes
 from pipeline.io.bus import BusUnavailableError, PublishError
 
@@ -23,19 +24,37 @@ class Refusing:
         return self.tries
 
 
+class Clock:
+    """``consumers.broker_wait``'s clock: it moves only as the wait sleeps (each try takes no time)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_a_refused_write_is_tried_again_until_taken_with_one_warning_then_a_line_every_so_often(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(broker_wait, "time", Clock())
     write = Refusing(times=6)
     with caplog.at_level(logging.WARNING, logger="rlpipe.learner"):
         taken = until_the_broker_takes(write, "LearnerCheckpointed of step 2", "r", lambda: False,
-                                       retry_wait_s=0.01, report_every_s=0.025)
+                                       retry_wait_s=1.0, report_every_s=1.5)
     assert taken == write.tries == 7
     lines = [record.getMessage() for record in caplog.records]
     assert "did not take LearnerCheckpointed of step 2" in lines[0] and "no acknowledgement" in lines[0]
-    assert "the broker took LearnerCheckpointed of step 2" in lines[-1]
-    still = [line for line in lines if "still waiting" in line]
-    assert 1 <= len(still) < 6  # not one a try: about one every report_every_s
-    assert len(lines) == 2 + len(still)
+    assert "the broker took LearnerCheckpointed of step 2 after 6s" in lines[-1]
+    # refused at 0, 1, ..., 5 s: a line at 2 s and at 4 s (1.5 s or more since the last), none at the other tries
+    assert [line for line in lines[1:-1] if "still waiting" in line] == [
+        "run r: still waiting for the broker to take LearnerCheckpointed of step 2, for 2s now (publishing a "
+        "LearnerCheckpointed to ns.control failed: no acknowledgement within 2s)",
+        "run r: still waiting for the broker to take LearnerCheckpointed of step 2, for 4s now (publishing a "
+        "LearnerCheckpointed to ns.control failed: no acknowledgement within 2s)"]
+    assert len(lines) == 4
 
 
 def test_a_stop_during_the_wait_ends_it_in_one_line_naming_what_the_broker_never_took() -> None:

@@ -8,6 +8,7 @@ and publishes with a 2 s wait for acknowledgements (30 s by default), so an outa
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,8 +62,14 @@ def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no
         time.sleep(0.2)
 
 
+def logged(caplog: pytest.LogCaptureFixture, text: str) -> Callable[[], bool]:
+    """Whether a captured log line (from any thread) contains ``text``."""
+    return lambda: any(text in record.getMessage() for record in caplog.records)
+
+
 def test_a_learner_goes_on_after_the_broker_was_away_and_trains_each_batch_once(
-        stack: DevStack, store, setup) -> None:  # type: ignore[no-untyped-def]
+        stack: DevStack, store, setup, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.WARNING, logger="rlpipe.learner")
     bus = BusConfig(bootstrap_servers=f"127.0.0.1:{stack.broker.port}", namespace="outage", connect_timeout_s=5.0)
     archive = TrajectoryArchive(store)
     producer_side = EventPublisher(bus, send_timeout_s=20.0)  # its client reconnects within a few seconds
@@ -88,7 +95,9 @@ def test_a_learner_goes_on_after_the_broker_was_away_and_trains_each_batch_once(
     try:
         wait_for(lambda: learner.state.step == 2 or bool(errors), 90, "the learner never trained its first batches")
         stack.broker.stop()
-        time.sleep(8)  # waiting for rows while the broker is away: its progress announcements are refused
+        # waiting for rows while the broker is away: its progress announcements are refused
+        wait_for(logged(caplog, "progress of step 2 not announced"), 60, "no progress announcement was refused")
+        assert not errors, f"the learner ended during the outage: {errors[0]!r}"
         stack.broker.start()
         write_batches(archive, setup, 2, np.random.default_rng(1), first=2)
         announce_new(archive, Announcer(producer_side, RUN), announced)
@@ -108,9 +117,6 @@ def test_a_learner_goes_on_after_the_broker_was_away_and_trains_each_batch_once(
 
 
 # ---- the broker away while a step's writes are announced ----------------------------------------------------------
-
-OUTAGE_S = 8.0  # longer than the learner's 2 s wait for an acknowledgement, several tries of it
-
 
 def announced_in_order(bus: BusConfig) -> tuple[list[int], list[int]]:
     """The versions ``AdapterPublished`` names and the steps ``LearnerCheckpointed`` names, in log order."""
@@ -172,11 +178,19 @@ def train_in_thread(learner, stop: threading.Event, errors: list[BaseException])
     return thread
 
 
-@pytest.mark.parametrize("where", ["AdapterPublished", "LearnerCheckpointed", "commit"])
+# what the learner's wait names, by where the broker goes away (at step 2)
+WAITED_FOR = {"AdapterPublished": "AdapterPublished v2 (step 2)",
+              "LearnerCheckpointed": "LearnerCheckpointed of step 2 (its offsets not committed)",
+              "commit": "the offsets of step 2's checkpoint"}
+
+
+@pytest.mark.parametrize("where", sorted(WAITED_FOR))
 def test_a_learner_waits_out_a_broker_outage_in_its_writes_and_announces_each_in_order(
-        stack: DevStack, store, setup, where: str) -> None:  # type: ignore[no-untyped-def]
+        stack: DevStack, store, setup, where: str, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
     """The broker goes away as step 2 announces its version, announces its checkpoint or commits its offsets: the
     learner waits (its training blocked by the step in flight), then announces and commits every step in order."""
+    caplog.set_level(logging.WARNING, logger="rlpipe.learner")
+    what = WAITED_FOR[where]
     learner, learner_side, bus = learner_on_kafka(stack, store, setup, f"writes-{where.lower()}", max_steps=4)
     archive = TrajectoryArchive(store)
     write_batches(archive, setup, 4, np.random.default_rng(0))
@@ -195,7 +209,7 @@ def test_a_learner_waits_out_a_broker_outage_in_its_writes_and_announces_each_in
     thread = train_in_thread(learner, stop, errors)
     try:
         assert away.stopped.wait(90), "the learner never reached step 2's writes"
-        time.sleep(OUTAGE_S)
+        wait_for(logged(caplog, f"the broker did not take {what}"), 90, f"the broker never refused {what}")
         assert not errors, f"the learner ended during the outage: {errors[0]!r}"
         assert learner.state.step <= 3  # the next step waits for step 2's writes
         stack.broker.start()
@@ -207,6 +221,7 @@ def test_a_learner_waits_out_a_broker_outage_in_its_writes_and_announces_each_in
         thread.join(60)
         learner_side.close()
         learner.source.close()
+    assert logged(caplog, f"the broker took {what} after")(), "the wait never said it was over"
     assert learner.state.step == 4 and set(learner.state.trained) == announced
     assert sorted(learner.state.trained.values()) == [1, 2, 3, 4]
     versions, steps = announced_in_order(bus)
@@ -225,10 +240,11 @@ STOPPED_AT = {
 
 @pytest.mark.parametrize("where", sorted(STOPPED_AT))
 def test_a_learner_stopped_while_the_broker_is_away_says_what_was_not_announced_and_resumes_once(
-        stack: DevStack, store, setup, where: str) -> None:  # type: ignore[no-untyped-def]
+        stack: DevStack, store, setup, where: str, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
     """Stopped while step 2's version or checkpoint waits for the broker: it ends within bounded time with one line
     naming what was not announced; the next start, the broker back, resumes from the newest checkpoint (whether
     its event was announced or not) and trains each batch once."""
+    caplog.set_level(logging.WARNING, logger="rlpipe.learner")
     what, resumed_at, versions_announced, steps_announced = STOPPED_AT[where]
     learner, learner_side, bus = learner_on_kafka(stack, store, setup, f"stopped-{where.lower()}", max_steps=4)
     archive = TrajectoryArchive(store)
@@ -244,7 +260,7 @@ def test_a_learner_stopped_while_the_broker_is_away_says_what_was_not_announced_
     thread = train_in_thread(learner, stop, errors)
     try:
         assert away.stopped.wait(90), "the learner never reached step 2's writes"
-        time.sleep(3)  # waiting for the broker
+        wait_for(logged(caplog, f"the broker did not take {what}"), 90, f"the broker never refused {what}")
         assert not errors, f"the learner ended before it was stopped: {errors[0]!r}"
         stopped = time.monotonic()
         stop.set()
