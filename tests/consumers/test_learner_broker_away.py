@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from consumers import step_writer
+from consumers.packed import PackedLearner
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import CommitError, PublishError
 from pipeline.runtime import Announcer
@@ -126,3 +127,42 @@ def test_a_step_write_tried_again_publishes_the_same_event_so_readers_count_it_o
     learner.outputs.announce_until_taken(LearnerProgress(step=1, version=1, positions={}), "LearnerProgress")
     first, second = publisher.sent
     assert first.event_id == second.event_id and first == second
+
+
+class Engine:
+    """What ``PackedLearner.drop`` needs of a training engine."""
+
+    def __init__(self) -> None:
+        self.deleted: list[str] = []
+
+    def delete_adapter(self, run_id: str) -> None:
+        self.deleted.append(run_id)
+
+
+def test_a_packed_run_dropped_on_an_error_while_its_write_waits_for_the_broker_lets_the_others_go_on(store, setup):
+    learner, _ = scripted_learner(store, setup, [])
+    refused: list = []
+
+    def away(payload) -> None:  # type: ignore[no-untyped-def]
+        refused.append(payload)
+        raise PublishError("publishing a LearnerCheckpointed to ns.control failed: no acknowledgement within 2s")
+
+    learner.outputs.announce = away
+    stop = threading.Event()
+    learner.outputs.stopping = stop.is_set  # (ends the wait if dropping does not)
+    packed = PackedLearner(Engine(), [learner])  # type: ignore[arg-type]
+    learner.outputs.writer.submit(lambda: learner.outputs.announce_until_taken(
+        LearnerProgress(step=1, version=1, positions={}), "LearnerCheckpointed of step 1"))
+    dropping = threading.Thread(target=packed.drop, args=(packed.runs[0],), daemon=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not refused and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dropping.start()
+        dropping.join(10)
+        assert not dropping.is_alive(), "dropping a run waits for the broker, and every other run with it"
+    finally:
+        stop.set()
+        if dropping.ident is not None:
+            dropping.join(10)
+    assert refused and not packed.runs and packed.engine.deleted == [learner.run_id]
