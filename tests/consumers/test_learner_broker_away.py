@@ -20,6 +20,7 @@ from schemas.events import LearnerProgress
 from tests.consumers import test_learner
 from tests.consumers.test_learner import write_batches
 from tests.consumers.test_learner_progress import TOPIC, ScriptedSource, scripted_learner, stored_refs
+from tests.fixtures.outages import WrittenButUnacknowledged
 
 store, setup = test_learner.store, test_learner.setup  # a file store, the tiny model's prompt
 
@@ -105,19 +106,6 @@ def test_an_error_while_a_step_write_waits_for_the_broker_ends_the_learner_inste
         stop.set()
         thread.join(10)
     assert refused and len(errors) == 1 and isinstance(errors[0], OSError), errors
-
-
-class WrittenButUnacknowledged:
-    """A publisher whose first send times out after the broker wrote it (the next is acknowledged)."""
-
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def publish(self, kind: str, event):  # type: ignore[no-untyped-def]
-        self.sent.append(event)
-        if len(self.sent) == 1:
-            raise PublishError(f"publishing a {event.type} to ns.{kind} failed: no acknowledgement within 2s")
-        return 0, len(self.sent)
 
 
 def test_a_step_write_tried_again_publishes_the_same_event_so_readers_count_it_once(store, setup):

@@ -11,15 +11,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
 from consumers.sources import KafkaSource, learner_group_id
-from pipeline.devstack.gcs_emulator import free_port
 from pipeline.devstack.stack import DevStack
 from pipeline.io.archive import TrajectoryArchive, batch_committed_payload
 from pipeline.io.bus import BusError, EventPublisher, group_lag, tail
@@ -28,21 +26,14 @@ from schemas.config import BusConfig
 from schemas.events import AdapterPublished, LearnerCheckpointed
 from tests.consumers import test_learner
 from tests.consumers.test_learner import RUN, make_learner, write_batches
+from tests.fixtures import outages
 from tests.fixtures.kafka import FAST_GROUP
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+stack = outages.stack  # the fixture: the embedded stack, its broker one a test stops and starts
+
 store, setup = test_learner.store, test_learner.setup  # a file store, the tiny model's prompt
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[DevStack]:
-    """The embedded stack without the GCS emulator: a broker whose log outlives a stop."""
-    started = DevStack(home=tmp_path / "home", kafka_port=free_port(), with_gcs=False).start()
-    try:
-        yield started
-    finally:
-        started.stop()
 
 
 def announce_new(archive: TrajectoryArchive, announce: Announcer, known: set[str]) -> list[str]:

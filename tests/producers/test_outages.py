@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from pipeline.devstack.gcs_emulator import free_port
 from pipeline.devstack.stack import DevStack
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.archive_layout import producer_batch_id
@@ -27,21 +25,14 @@ from pipeline.runtime import Announcer
 from producers.service import Heartbeat, RunProducer
 from producers.sink import StoreThenEventSink
 from schemas.config import BusConfig
+from tests.fixtures import outages
 from tests.pipeline.io.test_archive import two_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+stack = outages.stack  # the fixture: the embedded stack, its broker one a test stops and starts
+
 RUN = "away"
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[DevStack]:
-    """The embedded stack without the GCS emulator: a broker whose log outlives a stop."""
-    started = DevStack(home=tmp_path / "home", kafka_port=free_port(), with_gcs=False).start()
-    try:
-        yield started
-    finally:
-        started.stop()
 
 
 def on_log(bus: BusConfig) -> list[str]:

@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-from pipeline.io.bus import PublishError
 from pipeline.runtime import Announcer
 from producers.sink import OwedBatchEvents
 from schemas.events import TrajectoryBatchCommitted
-
-
-class WrittenButUnacknowledged:
-    """A publisher whose first send times out after the broker wrote it (the next is acknowledged)."""
-
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def publish(self, kind: str, event):  # type: ignore[no-untyped-def]
-        self.sent.append(event)
-        if len(self.sent) == 1:
-            raise PublishError(f"publishing a {event.type} to ns.{kind} failed: no acknowledgement within 30s")
-        return 0, len(self.sent)
+from tests.fixtures.outages import WrittenButUnacknowledged
 
 
 def batch(batch_id: str) -> TrajectoryBatchCommitted:
