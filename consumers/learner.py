@@ -300,8 +300,8 @@ class Learner:
         raw = json.dumps({"batch_id": ref.batch_id, "path": ref.path, "sha256": ref.sha256}, sort_keys=True)
         letter = DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition, origin_offset=offset,
                             key=ref.batch_id, raw=raw)
-        until_the_broker_takes(announcing_once(self.announce, letter), f"the DeadLetter of batch {ref.batch_id}", self.run_id,
-                               self.outputs.stopping)
+        until_the_broker_takes(announcing_once(self.announce, letter), f"the DeadLetter of batch {ref.batch_id}",
+                               self.run_id, self.outputs.stopping)
         self.dead_lettered += 1
         log.warning("%s (sent to the dead-letter topic)", reason)
         self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}, quarantined=True))

@@ -66,6 +66,7 @@ from consumers.value.replay import ReplayMemory, build_replay_memory
 from consumers.value.slateq import SlateQLearnerAgent
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
+from pipeline.runtime import announcing_once
 from pipeline.value_network import network_files
 from schemas.checkpoint import LearnerState
 from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
@@ -416,8 +417,9 @@ class ValueLearner:
         return key
 
     def announce_until_taken(self, payload: Payload, what: str) -> None:
-        """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop)."""
-        until_the_broker_takes(lambda: self.announce(payload), what, self.run_id, self.stopping)
+        """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
+        publishes the same event (``announcing_once``)."""
+        until_the_broker_takes(announcing_once(self.announce, payload), what, self.run_id, self.stopping)
 
 
 def episode_metrics(table: pa.Table) -> dict[str, float]:

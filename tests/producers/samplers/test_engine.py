@@ -36,23 +36,6 @@ SAME_TOL = 1e-5  # the same request through two paths of one engine, or two vLLM
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_trained_dir: Path) -> list[list[int]]:
-    """Chat prompts of three CartPole states (what the producer would send)."""
-    from transformers import AutoTokenizer
-
-    from producers.envs.registry import make_env
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_trained_dir)
-    env = make_env("cartpole")
-    out = []
-    for seed in range(3):
-        messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": env.reset(seed)}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        out.append(tokenizer.encode(text, add_special_tokens=False))
-    return out
-
-
-@pytest.fixture(scope="module")
 def hf_engine(tiny_trained_dir: Path) -> Iterator[SyncSampler]:
     sampler = SyncSampler(lambda: TransformersEngine(str(tiny_trained_dir), SamplerConfig(max_model_len=1024)))
     yield sampler
