@@ -686,6 +686,20 @@ def test_keep_alive_keeps_the_member_in_its_group(bus_config: BusConfig, fast_gr
                 consumer.commit()
 
 
+def _settle(members: list[EventConsumer], timeout_s: float = 60.0) -> None:
+    """Poll every member, consuming nothing, until each owns one partition and none is rejoining.
+
+    Every member polls on every round, an assigned one too: a member that stops polling while the group
+    rebalances holds the rebalance up until ``max_poll_interval_ms`` drops it.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not all(len(m.assignment()) == 1 and not m.rebalancing for m in members):
+        assert time.monotonic() < deadline, f"the group never settled: {[m.assignment() for m in members]}"
+        for member in members:
+            member.keep_alive()
+            member.wait_for_assignment(timeout_s=0.3)
+
+
 def test_a_commit_after_a_rebalance_leaves_the_partitions_another_member_owns_now(
         bus_config: BusConfig, fast_group: dict) -> None:
     # The broker accepts a member's commit for any partition of the group; a member that commits what it read
@@ -699,11 +713,7 @@ def test_a_commit_after_a_rebalance_leaves_the_partitions_another_member_owns_no
         events = _poll_until(first, len(placed))
         assert len(events) == len(placed)
         with EventConsumer(config, "control", "pair", **fast_group) as newcomer:
-            deadline = time.monotonic() + 30.0
-            while time.monotonic() < deadline and not (
-                    len(first.assignment()) == len(newcomer.assignment()) == 1 and not first.rebalancing):
-                first.keep_alive()
-                newcomer.wait_for_assignment(timeout_s=0.1)
+            _settle([first, newcomer])
             (mine,), (theirs,) = first.assignment(), newcomer.assignment()
             committed = first.commit(bus.next_offsets(events))
             assert committed == {mine: bus.next_offsets(events)[mine]}
