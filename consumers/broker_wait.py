@@ -15,6 +15,10 @@ announced.  Nothing is lost by that: whatever was written is in the store
 (producers find versions in the registry, ``rlpipe run`` looks at the store for
 a run at its step budget), and the next ``rlpipe learner start`` resumes from the
 newest checkpoint, its offsets committed then, training each batch once.
+
+``LearnerProgress`` is not waited for: producers go by the last one they read
+until the next one, so a refused one is a warning (``progress_announced``) and the
+learner sends it again within ``PROGRESS_INTERVAL_S``, training on meanwhile.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pipeline.io.bus import BusError
+from schemas.events import LearnerProgress, Payload
 
 log = logging.getLogger("rlpipe.learner")
 
@@ -32,6 +37,7 @@ T = TypeVar("T")
 
 RETRY_WAIT_S = 1.0  # between two tries (each try itself waits up to the publisher's send timeout)
 REPORT_EVERY_S = 30.0  # while the broker stays away, a line this often
+PROGRESS_INTERVAL_S = 5.0  # a learner waiting for rows announces its progress again within this after a refusal
 
 
 class BrokerAwayOnStop(BusError):
@@ -59,7 +65,7 @@ def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopp
         except BusError as exc:
             if not exc.transient:
                 raise
-            reason, now = str(exc).splitlines()[0] if str(exc) else type(exc).__name__, time.monotonic()
+            reason, now = first_line(exc), time.monotonic()
             if not started:
                 started = reported = now
                 log.warning("run %s: the broker did not take %s (%s); the learner waits for it (the writes after "
@@ -80,6 +86,23 @@ def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopp
             log.warning("run %s: the broker took %s after %.0fs; the learner goes on", run_id, what,
                         time.monotonic() - started)
         return result
+
+
+def progress_announced(announce: Callable[[Payload], Any], progress: LearnerProgress, run_id: str) -> bool:
+    """Whether the broker took ``progress``; a refusal is a warning, not a wait (the caller sends it again within
+    ``PROGRESS_INTERVAL_S``)."""
+    try:
+        announce(progress)
+    except BusError as exc:  # the broker away: producers go by the last one they read until the next one
+        log.warning("run %s: progress of step %d not announced (%s); announced again within %gs", run_id,
+                    progress.step, first_line(exc), PROGRESS_INTERVAL_S)
+        return False
+    return True
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, or its type's name when it has none."""
+    return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def keep_alive_quietly(keep_alive: Callable[[], None]) -> None:

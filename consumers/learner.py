@@ -54,7 +54,7 @@ import pyarrow as pa
 
 from consumers.advantages import EpisodeColumns, compute_advantages, training_weights
 from consumers.batching import PendingBatch, checked_for_training, drop_stale, micro_batches
-from consumers.broker_wait import keep_alive_quietly, until_the_broker_takes
+from consumers.broker_wait import PROGRESS_INTERVAL_S, keep_alive_quietly, progress_announced, until_the_broker_takes
 from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.faults import FaultInjector
@@ -65,7 +65,6 @@ from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, o
 from consumers.step_writer import StepOutputs
 from consumers.tracking import MetricLogger, NullMetricLogger
 from pipeline.io.archive import TrajectoryArchive
-from pipeline.io.bus import BusError
 from pipeline.io.registry import AdapterRegistry
 from pipeline.runtime import announcing_once
 from schemas.checkpoint import LearnerState
@@ -76,7 +75,6 @@ from schemas.versions import NewerSchemaError
 
 log = logging.getLogger("rlpipe.learner")
 
-PROGRESS_INTERVAL_S = 5.0  # while waiting for rows, re-announce progress this often (for producers just started)
 
 
 class Learner:
@@ -315,12 +313,8 @@ class Learner:
         now = time.monotonic()
         if not force and self.ingested == sent and now - sent_at < PROGRESS_INTERVAL_S:
             return
-        try:
-            self.announce(LearnerProgress(step=self.state.step, version=self.state.version,
-                                          positions=dict(self.ingested)))
-        except BusError as exc:  # the broker away: producers go by the last one they read until the next one
-            log.warning("progress of step %d not announced (%s); announced again within %gs", self.state.step,
-                        str(exc).splitlines()[0], PROGRESS_INTERVAL_S)
+        progress_announced(self.announce, LearnerProgress(step=self.state.step, version=self.state.version,
+                                                           positions=dict(self.ingested)), self.run_id)
         self.progress_sent = (dict(self.ingested), now)
 
     def check_lease_while_waiting(self) -> None:

@@ -23,10 +23,12 @@ batch already trained is skipped, and on restart the newest complete checkpoint 
 loaded and the source seeks to its positions.  Sampling draws from the learner's
 own generator, whose state is checkpointed, so a step repeated after a crash gives
 the same weights.  After every step, and while it waits, the learner announces how far it has read
-(``LearnerProgress``), the batches it passed without a step (dead-lettered, already trained) included.
-A dead letter, ``AdapterPublished`` or ``LearnerCheckpointed`` the broker refuses is sent again until it takes it
-(``consumers.broker_wait``), the writes after it waiting: the offsets are never committed before their checkpoint's
-event.  A stop during that wait ends the learner with one line naming the event never taken.
+(``LearnerProgress``), the batches it passed without a step (dead-lettered, already trained) included; one the
+broker refuses is a warning, sent again within ``PROGRESS_INTERVAL_S`` while the learner waits.
+A dead letter, ``AdapterPublished``, ``LearnerCheckpointed`` or offset commit the broker refuses is tried again until
+it takes it (``consumers.broker_wait``), the writes after it waiting: the offsets are never committed before their
+checkpoint's event.  A stop during that wait ends the learner with one line naming what was never taken; the next
+start resumes from the newest checkpoint (committing its offsets), training each batch once.
 
 The replay memory is not checkpointed: the store is the memory.  Each step-log
 entry names the batches (path, digest, transitions formed) the step added, and
@@ -51,7 +53,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from consumers.broker_wait import until_the_broker_takes
+from consumers.broker_wait import PROGRESS_INTERVAL_S, progress_announced, until_the_broker_takes
 from consumers.checkpoint import CheckpointStore
 from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
@@ -132,6 +134,7 @@ class ValueLearner:
         self.dead_lettered_producers: list[str | None] = []  # since the last step (its log entry records them)
         self.carried: dict[str, int] = {}  # positions read since the last step (skipped batches' included)
         self.progress_sent: dict[str, int] = {}  # the read positions last announced (LearnerProgress)
+        self.progress_refused_at: float | None = None  # time.monotonic() of the last refused one (None: taken)
         self.last_metrics: dict[str, Any] = {}
         self.faults = FaultInjector.from_env()
 
@@ -162,7 +165,7 @@ class ValueLearner:
         self.memory = self.rebuild_memory([batch for entry in entries for batch in entry.get("batches", [])])
         self.restore_memory_counters(checkpoint.optimizer, checkpoint.scalars["replay"])
         self.source.seek(self.state.positions)
-        self.source.commit(dict(self.state.positions))
+        self.commit(dict(self.state.positions), f"the offsets of step {self.state.step}'s checkpoint")
         log.info("resumed from %s: step %d, version %d, replay memory %d", checkpoint.key, self.state.step,
                  self.state.version, len(self.memory))
         return True
@@ -333,14 +336,20 @@ class ValueLearner:
         """Announce how far this learner has read (``LearnerProgress``): after every step (``force``), and while it
         waits whenever that changed.  Waiting, the positions include batches no step covers (dead-lettered, already
         trained): read all the same, and ``rlpipe run`` stops the learner only once it is seen to have read every
-        batch of the run's."""
+        batch of the run's.  One the broker refuses is a warning: the learner trains on, and waiting it tries again
+        once ``PROGRESS_INTERVAL_S`` passed since the refusal (each try may last the publisher's whole wait)."""
         read = dict(self.state.positions)
         for key, value in self.carried.items():
             read[key] = max(value, read.get(key, 0))
-        if not force and (not read or read == self.progress_sent):
+        now = time.monotonic()
+        refused_lately = self.progress_refused_at is not None and now - self.progress_refused_at < PROGRESS_INTERVAL_S
+        if not force and (not read or read == self.progress_sent or refused_lately):
             return
-        self.announce(LearnerProgress(step=self.state.step, version=self.state.version, positions=read))
-        self.progress_sent = read
+        progress = LearnerProgress(step=self.state.step, version=self.state.version, positions=read)
+        if progress_announced(self.announce, progress, self.run_id):
+            self.progress_sent, self.progress_refused_at = read, None
+        else:
+            self.progress_refused_at = now
 
     def train(self, transitions_added: int) -> dict[str, Any]:
         """The gradient updates this many new transitions pay for (none before ``min_replay_size``)."""
@@ -413,8 +422,15 @@ class ValueLearner:
                                                       metrics=finite_numbers(self.last_metrics, exclude=NOT_SCALARS)),
                                   f"LearnerCheckpointed of step {self.state.step} (its offsets not committed)")
         self.faults.reached("after_checkpoint")
-        self.source.commit(dict(self.state.positions))  # only after the checkpoint is durable
+        self.commit(dict(self.state.positions), f"the offsets of step {self.state.step}'s checkpoint")
         return key
+
+    def commit(self, positions: dict[str, int], what: str) -> None:
+        """Commit the source's ``positions``, only ever after the checkpoint that covers them is durable and
+        announced; a broker that is away is waited for (``consumers.broker_wait``), polling before each try again:
+        a group that dropped this member meanwhile refuses its commits until a poll rejoins."""
+        until_the_broker_takes(lambda: self.source.commit(positions), what, self.run_id, self.stopping,
+                               before_retry=self.source.keep_alive)
 
     def announce_until_taken(self, payload: Payload, what: str) -> None:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try

@@ -1,15 +1,20 @@
-"""The value learner while the broker is away: its events wait for the broker, in order, instead of ending it."""
+"""The value learner while the broker is away: its events and offset commits wait for the broker, in order, instead
+of ending it, and a refused ``LearnerProgress`` is a warning, sent again later."""
 
 from __future__ import annotations
+
+import itertools
+import logging
 
 import pytest
 
 from consumers.broker_wait import BrokerAwayOnStop
 from consumers.sources import BatchRef
+from consumers.value import learner as value_learner
 from consumers.value.learner import ValueLearner
-from pipeline.io.bus import PublishError
+from pipeline.io.bus import CommitError, PublishError
 from schemas.events import AdapterPublished, DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
-from tests.consumers.value.test_learner import ListSource, batches, make_learner  # noqa: F401 (a fixture)
+from tests.consumers.value.test_learner import ListSource, OpenSource, batches, make_learner  # noqa: F401 (a fixture)
 
 WAITED_FOR = (AdapterPublished, LearnerCheckpointed, DeadLetter)
 
@@ -18,8 +23,8 @@ class RefusingBroker:
     """Refuses the first ``refusals`` sends of each of ``WAITED_FOR``'s kinds, then takes them; ``taken`` is the
     order events were taken in, with the source's commits ("commit") among them."""
 
-    def __init__(self, refusals: int) -> None:
-        self.refusals, self.refused, self.taken = refusals, {kind: 0 for kind in WAITED_FOR}, []
+    def __init__(self, refusals: int, kinds: tuple[type, ...] = WAITED_FOR) -> None:
+        self.refusals, self.refused, self.taken = refusals, {kind: 0 for kind in kinds}, []
 
     def __call__(self, payload: Payload) -> None:
         kind = type(payload)
@@ -29,11 +34,21 @@ class RefusingBroker:
         self.taken.append(payload)
 
 
-def wired(learner: ValueLearner, broker: RefusingBroker) -> ValueLearner:
-    """``learner`` announcing to ``broker``, its source's commits recorded among the events taken."""
+def wired(learner: ValueLearner, broker: RefusingBroker, commit_refusals: int = 0) -> ValueLearner:
+    """``learner`` announcing to ``broker``, its source's commits recorded among the events taken; the first
+    ``commit_refusals`` commits are refused (``broker.commits_refused`` counts them)."""
     source: ListSource = learner.source  # type: ignore[assignment]
     commit = source.commit
-    source.commit = lambda positions: (broker.taken.append("commit"), commit(positions))  # type: ignore[method-assign]
+    broker.commits_refused = 0  # type: ignore[attr-defined]
+
+    def commit_or_refuse(positions: dict[str, int]) -> None:
+        if broker.commits_refused < commit_refusals:  # type: ignore[attr-defined]
+            broker.commits_refused += 1  # type: ignore[attr-defined]
+            raise CommitError("commit to group g failed: the broker did not answer within 2s")
+        broker.taken.append("commit")
+        commit(positions)
+
+    source.commit = commit_or_refuse  # type: ignore[method-assign]
     learner.announce = broker
     return learner
 
@@ -66,3 +81,58 @@ def test_a_stop_while_the_broker_is_away_ends_the_learner_in_one_line_before_any
         learner.run(poll_timeout_s=0.0)
     assert "\n" not in str(stopped.value) and "commit" not in broker.taken
     assert learner.source.committed == {}  # type: ignore[attr-defined]
+
+
+def test_offset_commits_the_broker_refuses_are_tried_again_after_their_checkpoints_event(batches) -> None:  # noqa: F811
+    store, refs = batches
+    broker = RefusingBroker(refusals=0)
+    learner = wired(make_learner(store, "outage-commit", refs[:4], publish_every=4, min_replay_size=1,
+                                 checkpoint_every=2), broker, commit_refusals=2)
+    learner.run(poll_timeout_s=0.0)
+    assert learner.state.step == 4 and broker.commits_refused == 2  # type: ignore[attr-defined]
+    events = [type(p).__name__ if p != "commit" else p for p in broker.taken if not isinstance(p, LearnerProgress)]
+    assert events == ["LearnerCheckpointed", "commit", "AdapterPublished", "LearnerCheckpointed", "commit"]
+    assert learner.source.committed == {"mem:0": 4}  # type: ignore[attr-defined]
+
+
+def test_a_stop_while_a_commit_waits_ends_the_learner_in_one_line_and_the_next_start_trains_each_batch_once(
+        batches) -> None:  # noqa: F811
+    store, refs = batches
+    first = wired(make_learner(store, "outage-commit-stop", refs[:4], publish_every=1, min_replay_size=1,
+                               checkpoint_every=2), RefusingBroker(refusals=0), commit_refusals=10**6)
+    first.stopping = lambda: True
+    with pytest.raises(BrokerAwayOnStop, match=r"never took the offsets of step 2's checkpoint") as stopped:
+        first.run(poll_timeout_s=0.0)
+    assert "\n" not in str(stopped.value) and first.source.committed == {}  # type: ignore[attr-defined]
+    broker = RefusingBroker(refusals=0)
+    second = wired(make_learner(store, "outage-commit-stop", refs[:4], publish_every=1, min_replay_size=1,
+                                checkpoint_every=2), broker, commit_refusals=1)
+    assert second.resume()  # its commit of the checkpoint's offsets, refused once, waits too
+    assert broker.taken[0] == "commit" and second.source.committed == {"mem:0": 2}  # type: ignore[attr-defined]
+    second.run(poll_timeout_s=0.0)
+    assert second.state.step == 4 and second.duplicates_skipped == 0
+    assert list(second.state.trained.items()) == [(ref.batch_id, step) for step, ref in enumerate(refs[:4], 1)]
+    assert second.source.committed == {"mem:0": 4}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 3600.0])
+def test_a_refused_learner_progress_is_a_warning_and_is_sent_again_while_the_learner_waits(
+        batches, interval_s: float, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """The step's ``LearnerProgress`` is refused once: the learner trains on and waits, and announces it again once
+    ``PROGRESS_INTERVAL_S`` passed since the refusal (not on every idle poll before that)."""
+    monkeypatch.setattr(value_learner, "PROGRESS_INTERVAL_S", interval_s)
+    store, refs = batches
+    broker = RefusingBroker(refusals=1, kinds=(LearnerProgress,))
+    learner = wired(make_learner(store, f"outage-progress-{interval_s:g}", refs[:1], publish_every=1,
+                                 min_replay_size=1), broker)
+    learner.source = OpenSource(refs[:1])
+    idle = itertools.count()
+    with caplog.at_level(logging.WARNING):
+        learner.run(should_stop=lambda: learner.state.step == 1 and next(idle) >= 3, poll_timeout_s=0.0)
+    assert learner.state.step == 1 and broker.refused == {LearnerProgress: 1}
+    assert any("progress of step 1 not announced" in record.getMessage() for record in caplog.records)
+    progress = [p for p in broker.taken if isinstance(p, LearnerProgress)]
+    if interval_s:
+        assert progress == []  # refused a moment ago: not tried again yet
+    else:
+        assert [(p.step, p.positions) for p in progress] == [(1, {"mem:0": 1})]  # sent again once, then unchanged
