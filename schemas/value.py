@@ -70,7 +70,8 @@ class ValueLearnerConfig(NoYesNoNumbers):
     keep_versions: int | None = Field(
         None, ge=1, le=1_000_000,
         description="newest published value-network versions whose files the registry keeps; older ones are retired "
-        "after each publish (their numbers and manifests stay; actors load only the newest); None = all",
+        "after each publish (their numbers and manifests stay; actors load only the newest), online or offline "
+        "CQL; None = all",
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps (ingested batches)")
 

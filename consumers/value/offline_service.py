@@ -10,7 +10,8 @@ A logged building dataset (``rlpipe datasets generate building-hvac ...``) -> th
 3. per learner step, until ``learner.max_steps``: ``offline.updates_per_step`` CQL updates (and as
    many behaviour-cloning updates with ``offline.support_threshold`` above 0), one step-log
    entry, a version every ``publish_every`` steps and a checkpoint every ``checkpoint_every``
-   (both at the last step too).
+   (both at the last step too); with ``value.learner.keep_versions`` set, the versions older than
+   the newest N are retired after each publish (``consumers.retention``), as the online learner's.
 A version is the network's two files (``pipeline.value_network``) plus the setpoint grid and
 the observation scaler (``pipeline.building_policy``; with a threshold, the behaviour-cloning
 network too), so it plays again without this module.
@@ -30,6 +31,7 @@ import torch
 
 from consumers.checkpoint import CheckpointStore
 from consumers.lease import FencedStore, LearnerLease
+from consumers.retention import VersionRetention
 from consumers.value.networks import network_spec
 from consumers.value.offline import (
     BehaviourCloningAgent,
@@ -70,6 +72,7 @@ class OfflineRun:
     checkpoints: CheckpointStore
     state: LearnerState
     rng: np.random.Generator
+    retention: VersionRetention  # value.learner.keep_versions, after each publish
     # with offline.support_threshold > 0: behaviour cloning trained alongside, its logits filter the published
     # policy's cells (its own sampling generator, seeded like the CQL agent's, as bench/offline_value_building.py)
     behaviour: BehaviourCloningAgent | None = None
@@ -133,15 +136,17 @@ def open_offline_run(config: RunConfig, dataset: str) -> OfflineRun:
     lease = LearnerLease(store, config.run_id)
     lease.acquire()
     fenced: Any = FencedStore(store, lease)
+    registry = AdapterRegistry(fenced, config.run_id)
     agent = CQLAgent(learner_cfg, data.observation_size, data.grid.num_actions, cql_alpha=offline.cql_alpha)
     behaviour = None
     if offline.support_threshold > 0.0:
         behaviour = BehaviourCloningAgent(learner_cfg, data.observation_size, data.grid.num_actions)
     return OfflineRun(
         config=config, offline=offline, data=data, card=card, agent=agent, memory=offline_memory(data),
-        registry=AdapterRegistry(fenced, config.run_id),
-        checkpoints=CheckpointStore(fenced, config.run_id, keep=learner_cfg.keep_checkpoints),
-        state=LearnerState(), rng=np.random.default_rng(learner_cfg.seed), behaviour=behaviour,
+        registry=registry, checkpoints=CheckpointStore(fenced, config.run_id, keep=learner_cfg.keep_checkpoints),
+        state=LearnerState(), rng=np.random.default_rng(learner_cfg.seed),
+        retention=VersionRetention(registry, "value.learner.keep_versions", learner_cfg.keep_versions),
+        behaviour=behaviour,
         behaviour_rng=np.random.default_rng(learner_cfg.seed) if behaviour is not None else None,
     )
 
@@ -227,7 +232,8 @@ def train_step(run: OfflineRun) -> dict[str, Any]:
 
 
 def publish(run: OfflineRun, metrics: dict[str, Any]) -> None:
-    """The online network, the grid and the scaler as the run's next value-network version."""
+    """The online network, the grid and the scaler as the run's next value-network version; then the versions
+    older than the ``value.learner.keep_versions`` newest are retired (None: none)."""
     assert run.config.value is not None
     files = network_files(network_spec(run.agent.config, run.data.observation_size, run.data.grid.num_actions),
                           run.agent.online)
@@ -239,6 +245,7 @@ def publish(run: OfflineRun, metrics: dict[str, Any]) -> None:
                                           learner_step=run.state.step, metrics=scalars, kind="value-network")
     run.state.version = manifest.version
     log.info("published value network v%d at step %d", manifest.version, run.state.step)
+    run.retention.after_publish(manifest.version)
 
 
 def checkpoint(run: OfflineRun) -> str:

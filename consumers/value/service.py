@@ -6,10 +6,11 @@ lands here (``rlpipe run`` starts it that way).  The network's shape is the run'
 environment against them).  Versions and checkpoints are fenced by the run's
 learner lease like the LoRA learner's.  SIGTERM stops between steps and writes a
 final checkpoint, so nothing trained is lost; during a wait for a broker that is away
-(``consumers.broker_wait``: an event or an offset commit) it ends the wait with one line naming what was never taken.  ``rlpipe replay --train`` on a value run
-lands in ``replay_train_value``: the same learner fed by another run's stored steps
-batches (``StepsReplaySource``, the value runs' ``ReplaySource``), no broker, each batch trained once, in the
-order that run's learner trained them.
+(``consumers.broker_wait``: an event or an offset commit) it ends the wait with one line
+naming what was never taken.  ``rlpipe replay --train`` on a value run lands in
+``replay_train_value``: the same learner fed by another run's stored steps batches
+(``StepsReplaySource``, the value runs' ``ReplaySource``), no broker, each batch trained once,
+in the order that run's learner trained them.
 """
 
 from __future__ import annotations

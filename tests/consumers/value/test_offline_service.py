@@ -11,7 +11,7 @@ from consumers.value.offline_service import replay_train_offline
 from pipeline.building_policy import BEHAVIOUR_FILE, POLICY_FILE, SCALER_FILE, load_building_policy, network_columns
 from pipeline.config import load_preset
 from pipeline.io.datasets import read_card
-from pipeline.io.registry import AdapterRegistry
+from pipeline.io.registry import AdapterRegistry, RetiredAdapterError
 from pipeline.io.store import ObjectStore
 from pipeline.value_network import CONFIG_FILE, WEIGHTS_FILE
 from producers.offline.generation import GenerationSpec, generate_building_dataset
@@ -166,3 +166,16 @@ def test_setpoint_units_are_read_as_the_trajectory_conversion_reads_them(tmp_pat
     else:
         with pytest.raises(ValueError, match=rf"water.*{unit}.*kelvin"):
             _building_card(store, "plant")
+
+
+def test_keep_versions_retires_the_older_versions_after_each_publish(store_root: Path) -> None:
+    """``value.learner.keep_versions`` as the online value learner's: after each publish only the newest N versions
+    keep their files (a resumed run retires those its earlier start published too); the numbers stay."""
+    replay_train_offline(small_config(store_root, "cql-keep", max_steps=4), DATASET)  # v1 (step 2), v2 (step 4)
+    registry = AdapterRegistry(ObjectStore(store_root.as_uri()), "cql-keep")
+    assert registry.versions_with_files() == [1, 2]  # every version's files without the setting
+    replay_train_offline(small_config(store_root, "cql-keep", max_steps=6, keep_versions=1), DATASET)  # v3
+    assert registry.versions() == [1, 2, 3] and registry.versions_with_files() == [3]
+    with pytest.raises(RetiredAdapterError, match=r"value.learner.keep_versions=1"):
+        registry.pull(2, store_root.parent / "cache-keep", kind="value-network")
+    assert registry.pull(3, store_root.parent / "cache-keep", kind="value-network").is_dir()
