@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from tests.consumers import test_learner
 from tests.consumers.test_learner import RUN, make_learner, write_batches
 from tests.fixtures import outages
 from tests.fixtures.kafka import FAST_GROUP
+from tests.fixtures.outages import BrokerAwayAt, logged, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -44,18 +44,6 @@ def announce_new(archive: TrajectoryArchive, announce: Announcer, known: set[str
         announce(batch_committed_payload(archive.describe_batch(ids[batch_id], RUN)))
     known.update(new)
     return new
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
-
-
-def logged(caplog: pytest.LogCaptureFixture, text: str) -> Callable[[], bool]:
-    """Whether a captured log line (from any thread) contains ``text``."""
-    return lambda: any(text in record.getMessage() for record in caplog.records)
 
 
 def test_a_learner_goes_on_after_the_broker_was_away_and_trains_each_batch_once(
@@ -116,24 +104,6 @@ def announced_in_order(bus: BusConfig) -> tuple[list[int], list[int]]:
     steps = [record.event.payload.step for record in tail(bus, "control", n=100, run_id=RUN)
              if isinstance(record.event.payload, LearnerCheckpointed)]
     return versions, steps
-
-
-class BrokerAwayAt:
-    """Stops the broker just before the learner's ``n``-th call of ``call`` that ``which`` picks (an announcement of
-    one event type, or the source's commit).  The test's own thread starts it again: the broker's process dies
-    with the thread that started it."""
-
-    def __init__(self, stack: DevStack, call: Callable[..., Any], which: Callable[..., bool], n: int) -> None:
-        self.stack, self.call, self.which, self.n = stack, call, which, n
-        self.seen, self.stopped = 0, threading.Event()
-
-    def __call__(self, *args: Any) -> Any:
-        if self.which(*args):
-            self.seen += 1
-            if self.seen == self.n:
-                self.stack.broker.stop()
-                self.stopped.set()
-        return self.call(*args)
 
 
 def is_event(kind: type) -> Callable[..., bool]:

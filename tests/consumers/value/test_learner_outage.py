@@ -1,20 +1,40 @@
 """The value learner while the broker is away: its events and offset commits wait for the broker, in order, instead
-of ending it, and a refused ``LearnerProgress`` is a warning, sent again later."""
+of ending it, and a refused ``LearnerProgress`` is a warning, sent again later.
+
+A scripted broker (``RefusingBroker``) refuses announcements and commits in most tests; the last one stops the
+embedded stack's real broker as the learner commits (``tests/fixtures/outages.py``).
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
+from pathlib import Path
 
 import pytest
 
 from consumers.broker_wait import BrokerAwayOnStop
-from consumers.sources import BatchRef
+from consumers.sources import BatchRef, KafkaSource, learner_group_id
 from consumers.value import learner as value_learner
 from consumers.value.learner import ValueLearner
-from pipeline.io.bus import CommitError, PublishError
+from pipeline.devstack.stack import DevStack
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.bus import CommitError, EventPublisher, PublishError, group_lag
+from pipeline.io.registry import AdapterRegistry
+from pipeline.io.store import ObjectStore
+from pipeline.runtime import Announcer
+from producers.envs.classic import CartPole
+from producers.value_actor import ValueActor, ValueNetworkWatcher
+from schemas.config import BusConfig
 from schemas.events import AdapterPublished, DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
+from schemas.value import ValueActorConfig
 from tests.consumers.value.test_learner import ListSource, OpenSource, batches, make_learner  # noqa: F401 (a fixture)
+from tests.fixtures import outages
+from tests.fixtures.kafka import FAST_GROUP
+from tests.fixtures.outages import BrokerAwayAt, logged, wait_for
+
+stack = outages.stack  # the fixture: the embedded stack, its broker one a test stops and starts
 
 WAITED_FOR = (AdapterPublished, LearnerCheckpointed, DeadLetter)
 
@@ -136,3 +156,61 @@ def test_a_refused_learner_progress_is_a_warning_and_is_sent_again_while_the_lea
         assert progress == []  # refused a moment ago: not tried again yet
     else:
         assert [(p.step, p.positions) for p in progress] == [(1, {"mem:0": 1})]  # sent again once, then unchanged
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_value_learner_waits_out_a_real_broker_outage_in_its_commit_and_commits_every_checkpoint(
+        stack: DevStack, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The broker goes away as step 2's checkpoint commits its offsets: the learner waits (step 3 waits with it),
+    then commits, trains the rest and commits its last checkpoint's offsets: each batch trained once."""
+    caplog.set_level(logging.WARNING, logger="rlpipe.learner")
+    store = ObjectStore((tmp_path / "store").as_uri())
+    actor = ValueActor(run_id="actors", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
+                       watcher=ValueNetworkWatcher(AdapterRegistry(store, "actors"), tmp_path / "cache"),
+                       config=ValueActorConfig(steps_per_batch=40))
+    run_id, events = "value-outage", [actor.write_batch() for _ in range(4)]
+    bus = BusConfig(bootstrap_servers=f"127.0.0.1:{stack.broker.port}", namespace="value-commit",
+                    connect_timeout_s=5.0)
+    with EventPublisher(bus, send_timeout_s=20.0) as producer_side:
+        for event in events:
+            Announcer(producer_side, run_id)(event)
+    learner_side = EventPublisher(bus, send_timeout_s=2.0, create_topics=False)
+    learner = make_learner(store, run_id, [], publish_every=1, min_replay_size=1, checkpoint_every=2, max_steps=4)
+    learner.announce = Announcer(learner_side, run_id)
+    learner.source = source = KafkaSource(bus, run_id, **FAST_GROUP)
+    away = BrokerAwayAt(stack, source.commit, lambda positions: True, 1)  # step 2's checkpoint's commit
+    source.commit = away  # type: ignore[method-assign]
+    stop = threading.Event()
+    learner.stopping = stop.is_set
+    learner.resume()
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            learner.run(should_stop=stop.is_set, poll_timeout_s=0.5)
+        except BaseException as exc:  # the assertions name it
+            errors.append(exc)
+
+    thread = threading.Thread(target=train, name="value-learner")
+    thread.start()
+    what = "the offsets of step 2's checkpoint"
+    try:
+        assert away.stopped.wait(90), "the learner never reached step 2's commit"
+        refused = logged(caplog, f"the broker did not take {what}")
+        wait_for(lambda: refused() or bool(errors), 90, f"the broker never refused {what}")
+        assert not errors, f"the learner ended during the outage: {errors[0]!r}"
+        assert learner.state.step == 2  # nothing after the commit goes first
+        stack.broker.start()
+        thread.join(90)
+        assert not errors, f"the learner ended: {errors[0]!r}"
+        assert not thread.is_alive(), "the learner never finished its steps after the outage"
+    finally:
+        stop.set()
+        thread.join(60)
+        learner_side.close()
+        source.close()
+    assert logged(caplog, f"the broker took {what} after")(), "the wait never said it was over"
+    assert list(learner.state.trained.items()) == [(event.batch_id, step) for step, event in enumerate(events, 1)]
+    (lag,) = group_lag(bus, learner_group_id(run_id))
+    assert lag.committed == 4  # the last checkpoint's offsets
