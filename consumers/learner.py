@@ -76,7 +76,6 @@ from schemas.versions import NewerSchemaError
 log = logging.getLogger("rlpipe.learner")
 
 
-
 class Learner:
     """Trains one run's adapter from a stream of trajectory batches."""
 
