@@ -13,8 +13,10 @@ A stop (SIGTERM) during the wait ends it after the try in progress (at most the
 publisher's wait) with ``BrokerAwayOnStop``: one line naming what was not
 announced.  Nothing is lost by that: whatever was written is in the store
 (producers find versions in the registry, ``rlpipe run`` looks at the store for
-a run at its step budget), and the next ``rlpipe learner start`` resumes from the
-newest checkpoint, its offsets committed then, training each batch once.
+a run at its step budget), a version's or checkpoint's event the broker did not
+take is kept there too (``consumers.unannounced``), and the next ``rlpipe learner
+start`` announces it, then resumes from the newest checkpoint, its offsets
+committed then, training each batch once.
 
 ``LearnerProgress`` is not waited for: producers go by the last one they read
 until the next one, so a refused one is a warning (``progress_announced``) and the
@@ -78,8 +80,8 @@ def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopp
             if stopping():
                 raise BrokerAwayOnStop(
                     f"run {run_id} stopped while the broker was away: it never took {what}; what the learner "
-                    "wrote is in the store, and the next `rlpipe learner start` resumes from the run's newest "
-                    "checkpoint, training each batch exactly once") from exc
+                    "wrote is in the store, and the next `rlpipe learner start` announces what was not taken and "
+                    "resumes from the run's newest checkpoint, training each batch exactly once") from exc
             wait_unless_stopping(retry_wait_s, stopping)
             continue
         if started:

@@ -130,10 +130,13 @@ class Learner:
 
         The checkpoint's positions are committed again: a learner killed after a
         checkpoint was durable but before its commit left the group's offsets
-        behind what that checkpoint trained.
+        behind what that checkpoint trained.  Events the broker had not taken when
+        the learner before this one stopped (a version, a checkpoint) are announced
+        first (``consumers.unannounced``).
         """
         if self.lease is not None:
             self.lease.acquire()
+        self.outputs.announce_unannounced()  # a version or checkpoint a stop left unannounced, before anything newer
         self.outputs.next_version = None  # versions a learner before this one published count
         checkpoint = self.checkpoints.latest()
         if checkpoint is None:

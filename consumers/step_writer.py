@@ -13,7 +13,9 @@ error, a lost lease) is raised in the learner's thread by that wait.  Offsets
 are committed by the learner's thread after the wait: Kafka consumers are not
 thread-safe.  An announcement the broker refuses (it is away) is tried again
 until it is taken (``consumers.broker_wait``): the job, and so the next step's
-wait for it, lasts as long as the outage, and nothing after it goes first.
+wait for it, lasts as long as the outage, and nothing after it goes first.  An
+announcement still refused when the learner stops is kept in the store, and the
+next start announces it (``consumers.unannounced``).
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from consumers.broker_wait import until_the_broker_takes
 from consumers.checkpoint import CheckpointStore, PreparedCheckpoint
 from consumers.faults import FaultInjector
 from consumers.retention import VersionRetention
+from consumers.unannounced import UnannouncedEvents, describe
+from pipeline.io.bus import BusError
 from pipeline.io.registry import AdapterRegistry
-from pipeline.runtime import announcing_once
+from pipeline.runtime import sending
 from schemas.checkpoint import LearnerState
-from schemas.events import LearnerCheckpointed, Payload
+from schemas.events import Envelope, LearnerCheckpointed, Payload, make_event
 
 if TYPE_CHECKING:
     from consumers.policy import AdapterSnapshot
@@ -143,6 +147,7 @@ class StepOutputs:
         self.abandoning = threading.Event()  # set while the learner, stopping on an error, lets the job in flight end
         self.retention = VersionRetention(registry, "learner.keep_versions", keep_versions, keep_also)
         self.writer = StepWriter()
+        self.unannounced = UnannouncedEvents(registry.store, run_id)  # events refused until a stop, for the next start
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
 
     def prepare_publication(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> Publication:
@@ -205,9 +210,38 @@ class StepOutputs:
 
     def announce_until_taken(self, payload: Payload, what: str) -> None:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
-        publishes the same event (``announcing_once``)."""
-        until_the_broker_takes(announcing_once(self.announce, payload), what, self.run_id,
-                               lambda: self.stopping() or self.abandoning.is_set())
+        publishes the same event, which the first refused try keeps in the store until the broker takes it: a stop
+        before that leaves it for the next start to announce (``consumers.unannounced``)."""
+        self.send_until_taken(make_event(self.run_id, payload), what)
+
+    def send_until_taken(self, envelope: Envelope, what: str, kept: bool = False) -> None:
+        """Send ``envelope`` as it is until the broker takes it (or a stop); ``kept``: its record is in the store
+        already (it is deleted once the broker takes it)."""
+        send = sending(self.announce, envelope)
+
+        def try_once() -> Any:
+            nonlocal kept
+            try:
+                return send()
+            except BusError as exc:
+                if exc.transient and not kept:  # owed from now on, until taken: a stop may come before that
+                    self.unannounced.keep(envelope)
+                    kept = True
+                raise
+
+        until_the_broker_takes(try_once, what, self.run_id, lambda: self.stopping() or self.abandoning.is_set())
+        if kept:
+            self.unannounced.taken(envelope)
+
+    def announce_unannounced(self) -> int:
+        """Announce the events the run's earlier learner kept because the broker had not taken them when it stopped
+        (``consumers.unannounced``), oldest first, each with the ``event_id`` of its earlier tries; how many."""
+        owed = self.unannounced.owed()
+        for envelope in owed:
+            what = describe(envelope.payload)
+            self.send_until_taken(envelope, f"{what}, left unannounced by the run's last learner", kept=True)
+            log.info("run %s: announced %s, which the broker had not taken before the last stop", self.run_id, what)
+        return len(owed)
 
     def write_step(self, metrics: dict[str, Any], publication: Publication | None,
                    prepared: PreparedStep | None) -> PreparedStep | None:

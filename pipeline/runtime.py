@@ -97,9 +97,16 @@ def announcing_once(announce: Callable[[Payload], Any], payload: Payload) -> Cal
     it and the try after it carry one ``event_id``, and readers that dedupe by it (reports) count it once.  Any
     other callable (a test's list) is called with the payload."""
     if isinstance(announce, Announcer):
-        envelope = announce.envelope(payload)
-        return lambda: announce.publish(envelope)
+        return sending(announce, announce.envelope(payload))
     return lambda: announce(payload)
+
+
+def sending(announce: Callable[[Payload], Any], envelope: Envelope) -> Callable[[], Any]:
+    """A call that sends ``envelope`` as it is (its ``event_id`` kept) with an ``Announcer``; any other callable
+    (a test's list) is called with its payload.  For an event kept to announce later (``consumers.unannounced``)."""
+    if isinstance(announce, Announcer):
+        return lambda: announce.publish(envelope)
+    return lambda: announce(envelope.payload)
 
 
 # Fields that define what a run's stored data means: trajectories were sampled from this base model in this

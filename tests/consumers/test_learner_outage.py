@@ -192,10 +192,11 @@ def test_a_learner_waits_out_a_broker_outage_in_its_writes_and_announces_each_in
 
 
 # where the stop finds the learner: what the broker never took, the step the next start resumes from, the versions
-# and checkpoints announced in the end (a step stopped before its checkpoint is trained and published again)
+# and checkpoints announced in the end (a step stopped before its checkpoint is trained and published again, as
+# the next version; the next start announces the version or checkpoint the broker never took first)
 STOPPED_AT = {
-    "AdapterPublished": ("AdapterPublished v2 (step 2)", 1, [1, 3, 4, 5], [1, 2, 3, 4]),
-    "LearnerCheckpointed": ("LearnerCheckpointed of step 2", 2, [1, 2, 3, 4], [1, 3, 4]),
+    "AdapterPublished": ("AdapterPublished v2 (step 2)", 1, [1, 2, 3, 4, 5], [1, 2, 3, 4]),
+    "LearnerCheckpointed": ("LearnerCheckpointed of step 2", 2, [1, 2, 3, 4], [1, 2, 3, 4]),
 }
 
 
@@ -204,7 +205,7 @@ def test_a_learner_stopped_while_the_broker_is_away_says_what_was_not_announced_
         stack: DevStack, store, setup, where: str, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
     """Stopped while step 2's version or checkpoint waits for the broker: it ends within bounded time with one line
     naming what was not announced; the next start, the broker back, resumes from the newest checkpoint (whether
-    its event was announced or not) and trains each batch once."""
+    its event was announced or not), announcing first what the broker never took, and trains each batch once."""
     caplog.set_level(logging.WARNING, logger="rlpipe.learner")
     what, resumed_at, versions_announced, steps_announced = STOPPED_AT[where]
     learner, learner_side, bus = learner_on_kafka(stack, store, setup, f"stopped-{where.lower()}", max_steps=4)

@@ -1,0 +1,97 @@
+"""A learner stopped while the broker refuses a step's announcement: the next start announces what was published or
+checkpointed but never announced, once, with the event_id of the refused tries (readers dedupe by it).
+
+A scripted source and a publisher that stands in for the broker keep these fast; the real broker's outages are in
+test_learner_outage.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from consumers.broker_wait import BrokerAwayOnStop
+from consumers.checkpoint import CheckpointStore
+from consumers.unannounced import UnannouncedEvents
+from pipeline.io.archive import TrajectoryArchive
+from pipeline.io.bus import PublishError
+from pipeline.io.registry import AdapterRegistry
+from pipeline.runtime import Announcer
+from schemas.events import AdapterPublished, Envelope, LearnerCheckpointed
+from tests.consumers import test_learner
+from tests.consumers.test_learner import RUN, write_batches
+from tests.consumers.test_learner_progress import scripted_learner, stored_refs
+
+store, setup = test_learner.store, test_learner.setup  # a file store, the tiny model's prompt
+
+
+class Broker:
+    """A publisher whose broker goes away at the ``nth`` event of type ``away_at``: from then on every try is
+    refused, and written to the log first when ``writes_refused`` (a send that timed out after the broker wrote
+    it).  ``log`` is what the broker holds, in order."""
+
+    def __init__(self, away_at: str, nth: int, writes_refused: bool) -> None:
+        self.away_at, self.nth, self.writes_refused = away_at, nth, writes_refused
+        self.log: list[Envelope] = []
+        self.tried: list[Envelope] = []
+        self.seen = self.refused = 0
+        self.away = False
+
+    def publish(self, kind: str, event: Envelope) -> tuple[int, int]:
+        self.tried.append(event)
+        if event.type == self.away_at and not self.away and self.seen >= 0:
+            self.seen += 1
+            self.away = self.seen == self.nth
+        if self.away:
+            self.refused += 1
+            if self.writes_refused:
+                self.log.append(event)
+            raise PublishError(f"publishing a {event.type} to ns.{kind} failed: no acknowledgement within 2s")
+        self.log.append(event)
+        return 0, len(self.log)
+
+    def back(self) -> None:
+        self.away, self.seen = False, -1  # never away again
+
+    def deduped(self, kind: type) -> list:
+        """The payloads of type ``kind`` as a reader that dedupes by ``event_id`` sees them, in log order."""
+        seen: set = set()
+        payloads = []
+        for event in self.log:
+            if isinstance(event.payload, kind) and event.event_id not in seen:
+                seen.add(event.event_id)
+                payloads.append(event.payload)
+        return payloads
+
+
+def learner_announcing_to(store, setup, broker: Broker):  # type: ignore[no-untyped-def]
+    learner, _ = scripted_learner(store, setup, stored_refs(store), max_steps=4)
+    learner.announce = learner.outputs.announce = Announcer(broker, RUN)  # type: ignore[arg-type]
+    return learner
+
+
+@pytest.mark.parametrize("writes_refused", [False, True], ids=["refused", "written-unacknowledged"])
+@pytest.mark.parametrize("away_at", ["AdapterPublished", "LearnerCheckpointed"])
+def test_a_restart_announces_the_version_or_checkpoint_a_stop_left_unannounced_once(
+        store, setup, away_at: str, writes_refused: bool) -> None:  # type: ignore[no-untyped-def]
+    write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(0))
+    broker = Broker(away_at, nth=2, writes_refused=writes_refused)  # away as step 2 announces
+    learner = learner_announcing_to(store, setup, broker)
+    learner.outputs.stopping = lambda: broker.refused > 0  # the stop comes while the broker refuses
+    learner.resume()
+    with pytest.raises(BrokerAwayOnStop, match=f"never took {away_at}"):
+        learner.run(poll_timeout_s=0)
+    assert broker.refused == 1
+    (kept,) = UnannouncedEvents(store, RUN).owed()  # the refused event, as its try sent it
+    assert kept.type == away_at and kept.event_id == broker.tried[-1].event_id
+    broker.back()
+    again = learner_announcing_to(store, setup, broker)
+    assert again.resume()
+    again.run(poll_timeout_s=0)
+    assert again.state.step == 4 and sorted(again.state.trained.values()) == [1, 2, 3, 4]
+    versions = [p.version for p in broker.deduped(AdapterPublished)]
+    steps = [p.step for p in broker.deduped(LearnerCheckpointed)]
+    # every version in the registry and every checkpoint in the store announced, each once, in order
+    assert versions == AdapterRegistry(store, RUN).versions()
+    assert steps == sorted(step for step, _ in CheckpointStore(store, RUN).complete())
+    assert UnannouncedEvents(store, RUN).owed() == []  # taken: nothing left for a later start
