@@ -76,7 +76,8 @@ def adapter_name_part(run_id: str) -> str:
 
 
 class RunSampler(Sampler):
-    """One run's view of a shared engine: its adapter handles carry the run, its requests go to the engine."""
+    """One run's view of a shared engine: its adapter handles carry the run, its requests go to the engine as the
+    run's (their ``owner``)."""
 
     def __init__(self, shared: SyncSampler, run_id: str) -> None:
         self.shared, self.run_id = shared, run_id
@@ -88,16 +89,17 @@ class RunSampler(Sampler):
             return None
         return replace(handle, run=self.run_id, name=f"{adapter_name_part(self.run_id)}-{handle.name}")
 
-
+    # every request names the run as its owner: runs sampling the same weights alike (the base model) share a
+    # group of the transformers engine's calls, in which owners take turns, so one run's burst does not hold another
     def generate(self, requests: list[SampleRequest], adapter: AdapterHandle | None = None, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None) -> list[SampleOutput]:
-        return self.shared.generate(requests, self.tagged(adapter), temperature, top_p, seed)
+        return self.shared.generate(requests, self.tagged(adapter), temperature, top_p, seed, owner=self.run_id)
 
     concurrent_requests = True
 
     def submit(self, request: SampleRequest, adapter: AdapterHandle | None = None, temperature: float = 1.0,
                top_p: float = 1.0, seed: int | None = None) -> Future[SampleOutput]:
-        return self.shared.submit(request, self.tagged(adapter), temperature, top_p, seed)
+        return self.shared.submit(request, self.tagged(adapter), temperature, top_p, seed, owner=self.run_id)
 
     def load_adapter(self, handle: AdapterHandle) -> None:
         self.shared.load_adapter(self.tagged(handle))  # type: ignore[arg-type]  # a handle stays a handle

@@ -86,7 +86,8 @@ class SyncSampler(Sampler):
 
     def sample(self, prompt_token_ids: list[int], adapter: AdapterHandle | None, params: SampleParams,
                owner: str | None = None) -> SampleResult:
-        """``SamplingEngine.sample``, blocking."""
+        """``SamplingEngine.sample``, blocking; ``owner`` names who the call is for (a packed producer's run, the
+        API's tenant): the transformers engine lets owners take turns in a batch, vLLM's ignores it."""
         return self.call(self.engine.sample(prompt_token_ids, adapter, params, owner=owner))
 
     def generate(
@@ -96,23 +97,25 @@ class SyncSampler(Sampler):
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        owner: str | None = None,
     ) -> list[SampleOutput]:
-        """See ``Sampler.generate``; each request is its own engine request."""
+        """See ``Sampler.generate``; each request is its own engine request, for ``owner`` (``sample``)."""
         self.check_requests(requests)
 
         async def every() -> list[SampleOutput]:
-            return await asyncio.gather(
-                *(self.sample_one(r, adapter, temperature, top_p, seed, stream) for stream, r in enumerate(requests))
-            )
+            return await asyncio.gather(*(self.sample_one(r, adapter, temperature, top_p, seed, stream, owner)
+                                          for stream, r in enumerate(requests)))
 
         return self.call(every()) if requests else []
 
     async def sample_one(self, request: SampleRequest, adapter: AdapterHandle | None, temperature: float = 1.0,
-                         top_p: float = 1.0, seed: int | None = None, stream: int = 0) -> SampleOutput:
-        """Request ``stream`` of a call seeded ``seed``, as one engine request; awaited on the engine's loop."""
+                         top_p: float = 1.0, seed: int | None = None, stream: int = 0,
+                         owner: str | None = None) -> SampleOutput:
+        """Request ``stream`` of a call seeded ``seed``, as one engine request for ``owner`` (``sample``); awaited
+        on the engine's loop."""
         params = SampleParams(self.new_token_budget(request), temperature=temperature, top_p=top_p, seed=seed,
                               first_stream=stream, extra_stop_token_ids=request.extra_stop_ids)
-        return (await self.engine.sample(request.prompt_token_ids, adapter, params)).sequences[0]
+        return (await self.engine.sample(request.prompt_token_ids, adapter, params, owner=owner)).sequences[0]
 
     concurrent_requests = True
 
@@ -123,10 +126,12 @@ class SyncSampler(Sampler):
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        owner: str | None = None,
     ) -> Future[SampleOutput]:
-        """One engine request, started now on the engine's loop: it joins the running batch."""
+        """One engine request for ``owner`` (``sample``), started now on the engine's loop: it joins the running
+        batch."""
         self.check_requests([request])
-        return self.start(self.sample_one(request, adapter, temperature, top_p, seed))
+        return self.start(self.sample_one(request, adapter, temperature, top_p, seed, owner=owner))
 
     def load_adapter(self, handle: AdapterHandle) -> None:
         self.call(self.engine.load_adapter(handle))

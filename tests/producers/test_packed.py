@@ -25,9 +25,11 @@ class Recorder:
 
     def __init__(self) -> None:
         self.handles: list[tuple[str, AdapterHandle | None]] = []
+        self.owners: list[str | None] = []  # each generate call's
 
-    def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None):
+    def generate(self, requests, adapter=None, temperature=1.0, top_p=1.0, seed=None, owner=None):
         self.handles.append(("generate", adapter))
+        self.owners.append(owner)
         return []
 
     def load_adapter(self, handle):
@@ -51,6 +53,7 @@ def test_equal_versions_of_two_runs_reach_the_engine_as_two_adapters():
     assert (loaded_b.run, loaded_b.name) == ("run.b", "run_db-v3")  # a name peft and vLLM take as an adapter name
     assert sampled_a == loaded_a and sampled_b is None and unloaded_b == loaded_b
     assert (a.eos_token_id, a.max_model_len) == (2, 64)
+    assert shared.owners == ["run-a", "run.b"]  # each run's calls are its own in the engine's turns
 
 
 class Closes:
@@ -93,6 +96,41 @@ def test_a_run_that_leaves_takes_its_versions_out_of_the_shared_engine(memory_st
         assert len(sample.token_ids) == len(sample.logprobs) >= 1
     finally:
         shared.close()
+
+
+def test_a_packed_run_s_call_is_not_held_behind_another_run_s_burst_on_the_base_model(tiny_trained_dir, monkeypatch):
+    """Two packed runs sample the base model with the same settings, so their calls share one group of the
+    transformers engine: run a's 48 one-sample calls wait (three batches of 16), then run b's one call.  Each run's
+    sampler names its run as the calls' owner, and owners take turns in a group, so b's call is decoded in the first
+    batch, not alone after all of a's."""
+    from producers.samplers.hf_engine import TransformersEngine
+    from producers.samplers.sync import SyncSampler
+
+    shared = SyncSampler(lambda: TransformersEngine(str(tiny_trained_dir)))
+    batches: list[list[int]] = []
+    hf = shared.engine.sampler  # type: ignore[attr-defined]
+    original = hf.continue_prompts
+
+    def recording(calls, adapter, *args, **kwargs):  # type: ignore[no-untyped-def]
+        batches.append([call.prompt[0] for call in calls])  # each call's first prompt token names its run
+        return original(calls, adapter, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "continue_prompts", recording)
+    a, b = RunSampler(shared, "run-a"), RunSampler(shared, "run-b")
+    burst, one = SampleRequest([5, 6, 7], 2), SampleRequest([9, 6, 7], 2)
+
+    async def submitted():  # type: ignore[no-untyped-def]
+        # from the engine's loop, so every call is waiting before the engine takes its first batch
+        return [*(a.submit(burst, temperature=0.9, seed=i) for i in range(48)), b.submit(one, temperature=0.9, seed=99)]
+
+    try:
+        futures = shared.call(submitted())
+        outputs = [future.result(timeout=300) for future in futures]
+    finally:
+        shared.close()
+    assert all(len(output.token_ids) == len(output.logprobs) >= 1 for output in outputs)
+    assert max(len(batch) for batch in batches) <= 16 and sum(len(batch) for batch in batches) == 49, batches
+    assert 9 in batches[0], [batch.count(9) for batch in batches]  # b's call taken in the first batch, not last
 
 
 def test_runs_whose_ids_differ_only_in_a_dot_or_an_underscore_get_adapter_names_of_their_own():
