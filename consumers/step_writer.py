@@ -31,16 +31,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from consumers.broker_wait import until_the_broker_takes
 from consumers.checkpoint import CheckpointStore, PreparedCheckpoint
 from consumers.faults import FaultInjector
 from consumers.retention import VersionRetention
-from consumers.unannounced import UnannouncedEvents, describe
-from pipeline.io.bus import BusError
+from consumers.unannounced import UnannouncedEvents
 from pipeline.io.registry import AdapterRegistry
-from pipeline.runtime import sending
 from schemas.checkpoint import LearnerState
-from schemas.events import Envelope, LearnerCheckpointed, Payload, make_event
+from schemas.events import LearnerCheckpointed, Payload, make_event
 
 if TYPE_CHECKING:
     from consumers.policy import AdapterSnapshot
@@ -212,36 +209,12 @@ class StepOutputs:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
         publishes the same event, which the first refused try keeps in the store until the broker takes it: a stop
         before that leaves it for the next start to announce (``consumers.unannounced``)."""
-        self.send_until_taken(make_event(self.run_id, payload), what)
-
-    def send_until_taken(self, envelope: Envelope, what: str, kept: bool = False) -> None:
-        """Send ``envelope`` as it is until the broker takes it (or a stop); ``kept``: its record is in the store
-        already (it is deleted once the broker takes it)."""
-        send = sending(self.announce, envelope)
-
-        def try_once() -> Any:
-            nonlocal kept
-            try:
-                return send()
-            except BusError as exc:
-                if exc.transient and not kept:  # owed from now on, until taken: a stop may come before that
-                    self.unannounced.keep(envelope)
-                    kept = True
-                raise
-
-        until_the_broker_takes(try_once, what, self.run_id, lambda: self.stopping() or self.abandoning.is_set())
-        if kept:
-            self.unannounced.taken(envelope)
+        self.unannounced.announce_until_taken(self.announce, make_event(self.run_id, payload), what,
+                                              lambda: self.stopping() or self.abandoning.is_set())
 
     def announce_unannounced(self) -> int:
-        """Announce the events the run's earlier learner kept because the broker had not taken them when it stopped
-        (``consumers.unannounced``), oldest first, each with the ``event_id`` of its earlier tries; how many."""
-        owed = self.unannounced.owed()
-        for envelope in owed:
-            what = describe(envelope.payload)
-            self.send_until_taken(envelope, f"{what}, left unannounced by the run's last learner", kept=True)
-            log.info("run %s: announced %s, which the broker had not taken before the last stop", self.run_id, what)
-        return len(owed)
+        """Announce what the run's earlier learner left unannounced (``UnannouncedEvents.announce_left``)."""
+        return self.unannounced.announce_left(self.announce, self.stopping)
 
     def write_step(self, metrics: dict[str, Any], publication: Publication | None,
                    prepared: PreparedStep | None) -> PreparedStep | None:

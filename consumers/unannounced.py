@@ -13,7 +13,14 @@ without acknowledging it is counted once by readers that dedupe by it (``rlpipe 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from consumers.broker_wait import until_the_broker_takes
+from pipeline.io.bus import BusError
 from pipeline.io.store import ObjectStore
+from pipeline.runtime import sending
 from schemas.events import (
     AdapterPublished,
     Envelope,
@@ -24,6 +31,8 @@ from schemas.events import (
     encode_event,
 )
 from schemas.names import validate_name
+
+log = logging.getLogger("rlpipe.learner")
 
 FOLDER = "learner-unannounced"
 
@@ -46,7 +55,39 @@ class UnannouncedEvents:
     """The store's records of one run's learner events not taken by the broker yet (``ObjectStore`` keys)."""
 
     def __init__(self, store: ObjectStore, run_id: str) -> None:
-        self.store, self.prefix = store, unannounced_prefix(run_id)
+        self.store, self.run_id, self.prefix = store, run_id, unannounced_prefix(run_id)
+
+    def announce_until_taken(self, announce: Callable[[Payload], Any], envelope: Envelope, what: str,
+                             stopping: Callable[[], bool], kept: bool = False) -> None:
+        """Send ``envelope`` as it is with ``announce`` until the broker takes it (``until_the_broker_takes``: a
+        stop ends the wait with ``BrokerAwayOnStop``); the first refused try records it (``kept``: recorded
+        already), and the record goes once the broker takes it."""
+        send = sending(announce, envelope)
+
+        def try_once() -> Any:
+            nonlocal kept
+            try:
+                return send()
+            except BusError as exc:
+                if exc.transient and not kept:  # owed from now on, until taken: a stop may come before that
+                    self.keep(envelope)
+                    kept = True
+                raise
+
+        until_the_broker_takes(try_once, what, self.run_id, stopping)
+        if kept:
+            self.taken(envelope)
+
+    def announce_left(self, announce: Callable[[Payload], Any], stopping: Callable[[], bool]) -> int:
+        """Announce the events the run's earlier learner left recorded (the broker had not taken them when it
+        stopped), oldest first, each with the ``event_id`` of its earlier tries; how many."""
+        owed = self.owed()
+        for envelope in owed:
+            what = describe(envelope.payload)
+            self.announce_until_taken(announce, envelope, f"{what}, left unannounced by the run's last learner",
+                                      stopping, kept=True)
+            log.info("run %s: announced %s, which the broker had not taken before the last stop", self.run_id, what)
+        return len(owed)
 
     def key(self, envelope: Envelope) -> str:
         return f"{self.prefix}/{envelope.event_id}.json"

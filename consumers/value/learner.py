@@ -27,8 +27,9 @@ the same weights.  After every step, and while it waits, the learner announces h
 broker refuses is a warning, sent again within ``PROGRESS_INTERVAL_S`` while the learner waits.
 A dead letter, ``AdapterPublished``, ``LearnerCheckpointed`` or offset commit the broker refuses is tried again until
 it takes it (``consumers.broker_wait``), the writes after it waiting: the offsets are never committed before their
-checkpoint's event.  A stop during that wait ends the learner with one line naming what was never taken; the next
-start resumes from the newest checkpoint (committing its offsets), training each batch once.
+checkpoint's event.  A stop during that wait ends the learner with one line naming what was never taken; a version's
+or checkpoint's event is kept in the store meanwhile (``consumers.unannounced``), and the next start announces it,
+then resumes from the newest checkpoint (committing its offsets), training each batch once.
 
 The replay memory is not checkpointed: the store is the memory.  Each step-log
 entry names the batches (path, digest, transitions formed) the step added, and
@@ -61,6 +62,7 @@ from consumers.retention import VersionRetention
 from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, origin_of, rewind_if_the_log_changed
 from consumers.step_writer import finite_numbers
 from consumers.tracking import NOT_SCALARS
+from consumers.unannounced import UnannouncedEvents
 from consumers.value.agent import ValueAgent, build_agent
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.networks import network_spec
@@ -71,7 +73,7 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.runtime import announcing_once
 from pipeline.value_network import network_files
 from schemas.checkpoint import LearnerState
-from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
+from schemas.events import AdapterPublished, DeadLetter, LearnerCheckpointed, LearnerProgress, Payload, make_event
 from schemas.value import READ_BY_PRODUCER_METRIC, SlateSpec
 from schemas.versions import NewerSchemaError
 
@@ -125,6 +127,7 @@ class ValueLearner:
         self.archive, self.registry, self.checkpoints = archive, registry, checkpoints
         self.retention = VersionRetention(registry, "value.learner.keep_versions", config.keep_versions)
         self.source, self.announce, self.lease, self.stopping = source, announce, lease, stopping
+        self.unannounced = UnannouncedEvents(registry.store, run_id)  # events refused until a stop, for the next start
         self.state = LearnerState()
         self.incoming: deque[BatchRef] = deque()
         self.duplicates_skipped = self.dead_lettered = self.dead_lettered_unrecorded = 0
@@ -143,6 +146,7 @@ class ValueLearner:
         """Take the lease, load the newest checkpoint, rebuild the replay memory from the store, seek the source."""
         if self.lease is not None:
             self.lease.acquire()
+        self.unannounced.announce_left(self.announce, self.stopping)  # what a stop left unannounced, first
         checkpoint = self.checkpoints.latest()
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
@@ -434,7 +438,13 @@ class ValueLearner:
 
     def announce_until_taken(self, payload: Payload, what: str) -> None:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
-        publishes the same event (``announcing_once``)."""
+        publishes the same event (``announcing_once``).  A version's or checkpoint's event still refused at a stop
+        is left in the store for the next start to announce (``consumers.unannounced``); a dead letter is not (the
+        next start reads its batch again, and dead-letters it then)."""
+        if isinstance(payload, AdapterPublished | LearnerCheckpointed):
+            self.unannounced.announce_until_taken(self.announce, make_event(self.run_id, payload), what,
+                                                  self.stopping)
+            return
         until_the_broker_takes(announcing_once(self.announce, payload), what, self.run_id, self.stopping)
 
 

@@ -214,3 +214,21 @@ def test_a_value_learner_waits_out_a_real_broker_outage_in_its_commit_and_commit
     assert list(learner.state.trained.items()) == [(event.batch_id, step) for step, event in enumerate(events, 1)]
     (lag,) = group_lag(bus, learner_group_id(run_id))
     assert lag.committed == 4  # the last checkpoint's offsets
+
+
+def test_the_next_start_announces_the_version_a_stop_left_unannounced_once(batches) -> None:  # noqa: F811
+    """Stopped while the broker refuses v1's event: v1 is in the registry, and the next start announces it (as
+    it was first tried) before it trains step 1 again as v2."""
+    store, refs = batches
+    overrides = {"publish_every": 1, "min_replay_size": 1, "checkpoint_every": 1}
+    first = wired(make_learner(store, "outage-again", refs[:2], **overrides), RefusingBroker(refusals=10**6))
+    first.stopping = lambda: True
+    with pytest.raises(BrokerAwayOnStop, match=r"never took AdapterPublished v1 \(step 1\)"):
+        first.run(poll_timeout_s=0.0)
+    broker = RefusingBroker(refusals=0)
+    again = wired(make_learner(store, "outage-again", refs[:2], **overrides), broker)
+    again.resume()
+    again.run(poll_timeout_s=0.0)
+    published = [p.version for p in broker.taken if isinstance(p, AdapterPublished)]
+    assert published == again.registry.versions() == [1, 2, 3]  # v1 first, once; then steps 1 and 2
+    assert [p.step for p in broker.taken if isinstance(p, LearnerCheckpointed)] == [1, 2]
