@@ -44,6 +44,9 @@ ApiOp = Literal[
 BodyFormat = Literal["json", "pb"]
 ErrorCategory = Literal["user", "server", "unknown"]
 SESSION_TIMEOUT_S = 300.0  # heartbeats every 10 s; a session silent this long has ended (engines unload it)
+# top-k logprobs a sample call may ask for at each position (``topk_prompt_logprobs``, ``topk_sample_logprobs``):
+# bounds one call's answer, and is vLLM's own ``max_logprobs`` default
+MAX_TOPK_LOGPROBS = 20
 
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal, Self
 
 FinishReason = Literal["stop", "length", "abort"]
+TopK = list[tuple[int, float]]  # the most likely tokens at one position and their logprobs, most likely first
 
 
 @dataclass(frozen=True)
@@ -52,16 +53,21 @@ class SampleOutput:
     """What the sampler generated for one request (sampler -> worker).
 
     ``token_ids`` ends with the stop token when ``finish_reason`` is "stop";
-    ``logprobs[i]`` belongs to ``token_ids[i]`` (of the sampling distribution, see the module doc).
+    ``logprobs[i]`` belongs to ``token_ids[i]`` (of the sampling distribution, see the module doc);
+    ``topk_logprobs[i]``, when asked for, are the most likely tokens of the distribution ``token_ids[i]`` was
+    drawn from, with their logprobs (the tokens it could be drawn from only: a top-k or top-p cut leaves fewer).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    topk_logprobs: list[TopK] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
+        if self.topk_logprobs is not None and len(self.topk_logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.topk_logprobs)} rows of top-k logprobs")
 
 
 @dataclass(frozen=True)

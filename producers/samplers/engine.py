@@ -19,6 +19,10 @@ Conventions, the same on every backend:
 - logprobs of generated tokens are of the distribution they were drawn from
   (``processed_logprobs``, base.py); prompt logprobs are the model's own
   (temperature 1, no top-p), ``None`` at position 0, one per prompt token;
+- top-k logprobs (``topk_prompt_logprobs``, ``topk_sample_logprobs`` = K) are the K most likely
+  tokens at each position, most likely first, with their logprobs of the same distributions: the
+  model's own for the prompt (``None`` at position 0), the one each token was drawn from for the
+  samples, so a top-k or top-p cut leaves only the tokens it keeps (fewer than K where it keeps fewer);
 - ``stop_token_ids`` None stops at eos and at the eos ids of the model's
   ``generation_config.json`` (vLLM adds those), and at ``extra_stop_token_ids``;
   ``()`` never stops before ``max_tokens``; a tuple of ids stops at exactly those (add eos to keep it).  A sequence that
@@ -42,6 +46,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -49,8 +54,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from producers.samplers.base import AdapterHandle, SampleOutput, request_seed
+from producers.samplers.base import AdapterHandle, SampleOutput, TopK, request_seed
 from producers.samplers.vllm_sampler import check_vllm_can_load, refusal_named, refused_adapter
+from schemas.api import MAX_TOPK_LOGPROBS
 from schemas.config import RunConfig, SamplerConfig
 
 log = logging.getLogger(__name__)
@@ -70,6 +76,8 @@ class SampleParams:
     stop_token_ids: tuple[int, ...] | None = None
     extra_stop_token_ids: tuple[int, ...] = ()  # with stop_token_ids None: ids that stop besides the eos ids
     prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0  # K >= 1: the K most likely tokens at each prompt position (see the module doc)
+    topk_sample_logprobs: int = 0  # K >= 1: the K most likely tokens at each sampled position
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -82,6 +90,9 @@ class SampleParams:
             raise ValueError(f"SampleParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"SampleParams.top_k must be 0 (no cut) or at least 1, got {self.top_k}")
+        for field in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"SampleParams.{field} must be 0 (none) or at least 1, got {getattr(self, field)}")
         if self.first_stream < 0:
             raise ValueError(f"SampleParams.first_stream must be >= 0, got {self.first_stream}")
         if self.stop_token_ids is not None and self.extra_stop_token_ids:
@@ -95,10 +106,11 @@ class SampleParams:
 
 @dataclass(frozen=True)
 class SampleResult:
-    """``num_samples`` sequences for one prompt, and its prompt logprobs when asked for."""
+    """``num_samples`` sequences for one prompt, and its prompt logprobs and top-k prompt logprobs when asked for."""
 
     sequences: list[SampleOutput]
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[TopK | None] | None = None  # one row per prompt token, None at position 0
 
 
 class SamplingEngine(abc.ABC):
@@ -218,6 +230,7 @@ class VLLMEngine(SamplingEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cuda = torch.cuda.is_available()
+        engine_kwargs.setdefault("max_logprobs", MAX_TOPK_LOGPROBS)  # what a sample call may ask for
         if not cuda:
             engine_kwargs.setdefault("enable_chunked_prefill", False)
             engine_kwargs.setdefault("max_num_batched_tokens", max(config.max_model_len, 2048))
@@ -338,7 +351,11 @@ class VLLMEngine(SamplingEngine):
             )
         )
         prompt_logprobs = _prompt_logprobs(outputs[0], prompt_token_ids) if params.prompt_logprobs else None
-        return SampleResult([_to_sample_output(out, self.stop_ids(params)) for out in outputs], prompt_logprobs)
+        topk_prompt = (_topk_prompt_logprobs(outputs[0], params.topk_prompt_logprobs)
+                       if params.topk_prompt_logprobs else None)
+        stops = self.stop_ids(params)
+        return SampleResult([_to_sample_output(out, stops, params.topk_sample_logprobs) for out in outputs],
+                            prompt_logprobs, topk_prompt)
 
     def _sampling_params(self, params: SampleParams, budget: int, seed: int | None, want_prompt: bool) -> Any:
         from vllm import SamplingParams
@@ -350,8 +367,9 @@ class VLLMEngine(SamplingEngine):
             top_p=params.top_p,
             top_k=params.top_k,
             max_tokens=budget,
-            logprobs=0,  # just the sampled token's
-            prompt_logprobs=0 if params.prompt_logprobs and want_prompt else None,
+            logprobs=params.topk_sample_logprobs,  # the sampled token's, and the K most likely besides
+            prompt_logprobs=(params.topk_prompt_logprobs if want_prompt and (
+                params.prompt_logprobs or params.topk_prompt_logprobs) else None),
             seed=seed,
             ignore_eos=params.stop_token_ids is not None,  # then the ids given are the whole stop rule
             stop_token_ids=list(stops),
@@ -410,13 +428,31 @@ def _zero_copy(handle: AdapterHandle, folder: str) -> AdapterHandle:
     return AdapterHandle(version=0, lora_int_id=1, name="base", path=folder, sha256="zero", run=BASE_RUN)
 
 
-def _to_sample_output(request_output: Any, stops: tuple[int, ...]) -> SampleOutput:
-    """vLLM's RequestOutput -> SampleOutput: the sampled ids (stop token kept) and each one's logprob."""
+def _to_sample_output(request_output: Any, stops: tuple[int, ...], topk: int = 0) -> SampleOutput:
+    """vLLM's RequestOutput -> SampleOutput: the sampled ids (stop token kept), each one's logprob, and with ``topk``
+    the ``topk`` most likely tokens at each position."""
     completion = request_output.outputs[0]
     token_ids = [int(t) for t in completion.token_ids]
     logprobs = [float(position[token].logprob) for token, position in zip(token_ids, completion.logprobs, strict=True)]
     reason = "stop" if token_ids and token_ids[-1] in stops else (completion.finish_reason or "length")
-    return SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+    rows = [_top(position, topk) for position in completion.logprobs] if topk else None
+    return SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, topk_logprobs=rows)
+
+
+def _top(position: dict[int, Any], k: int) -> TopK:
+    """The ``k`` most likely tokens of one position of vLLM's logprobs, most likely first.
+
+    vLLM gives the top ``k`` and the chosen token (the prompt's or the sampled one) besides, so ``k + 1`` entries
+    where it is not among them; tokens a top-k or top-p cut removed (logprob -inf) are left out, as they cannot be
+    drawn."""
+    ranked = sorted(position.items(), key=lambda item: (-item[1].logprob, item[1].rank or 0))
+    return [(int(token), float(entry.logprob)) for token, entry in ranked[:k] if math.isfinite(entry.logprob)]
+
+
+def _topk_prompt_logprobs(request_output: Any, k: int) -> list[TopK | None]:
+    """The ``k`` most likely tokens at each prompt position (None at position 0, which nothing predicts)."""
+    positions = request_output.prompt_logprobs or []
+    return [None] + [_top(position, k) for position in positions[1:]]
 
 
 def _prompt_logprobs(request_output: Any, prompt_token_ids: list[int]) -> list[float | None]:

@@ -193,14 +193,15 @@ class TransformersEngine(SamplingEngine):
         first, adapter = batch[0], batch[0].adapter
         try:
             done = self.sampler.continue_prompts(
-                [Continuation(w.prompt, w.budget, w.params.seeds(), w.params.prompt_logprobs) for w in batch],
+                [Continuation(w.prompt, w.budget, w.params.seeds(), w.params.prompt_logprobs,
+                              w.params.topk_prompt_logprobs, w.params.topk_sample_logprobs) for w in batch],
                 adapter, first.params.temperature, first.params.top_p,
                 stop_ids=frozenset(self.stop_ids(first.params)), top_k=first.params.top_k,
             )
         finally:
             if adapter is not None and self._serving.get((adapter.run, adapter.version)) is not adapter:
                 self.sampler.unload_adapter(adapter)  # unloaded while these calls waited: they loaded it again
-        return [SampleResult(outputs, prompt_logprobs) for outputs, prompt_logprobs in done]
+        return [SampleResult(one.samples, one.prompt_logprobs, one.topk_prompt_logprobs) for one in done]
 
     def _own(self, handle: AdapterHandle) -> AdapterHandle:
         """The sampler's handle of ``handle``'s (run, version): named by this engine; refused with other weights."""

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
+from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, TopK, request_seed
 from schemas.config import SamplerConfig
 from schemas.names import echoed
 
@@ -33,12 +33,27 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Continuation:
-    """One prompt to continue ``len(seeds)`` times (sample j from ``seeds[j]``) in ``continue_prompts``."""
+    """One prompt to continue ``len(seeds)`` times (sample j from ``seeds[j]``) in ``continue_prompts``.
+
+    ``topk_prompt`` / ``topk_sample`` >= 1 ask for that many most likely tokens at each prompt position (of the
+    model's own distribution) / each sampled position (of the distribution the token was drawn from)."""
 
     prompt: list[int]
     max_new_tokens: int
     seeds: list[int | None]
     with_prompt_logprobs: bool = False
+    topk_prompt: int = 0
+    topk_sample: int = 0
+
+
+@dataclass(frozen=True)
+class Continued:
+    """What ``continue_prompts`` made of one ``Continuation``: its samples, and its prompt's logprobs and top-k
+    logprobs where asked for (None at position 0)."""
+
+    samples: list[SampleOutput]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[TopK | None] | None = None
 
 
 class TransformersSampler(Sampler):
@@ -180,8 +195,9 @@ class TransformersSampler(Sampler):
         With ``with_prompt_logprobs``, also the model's own (temperature 1) logprob
         of every prompt token given the ones before it (None at position 0).
         """
-        return self.continue_prompts([Continuation(prompt, max_new_tokens, seeds, with_prompt_logprobs)], adapter,
+        done = self.continue_prompts([Continuation(prompt, max_new_tokens, seeds, with_prompt_logprobs)], adapter,
                                      temperature, top_p, stop_ids, top_k)[0]
+        return done.samples, done.prompt_logprobs
 
     def continue_prompts(
         self,
@@ -191,14 +207,16 @@ class TransformersSampler(Sampler):
         top_p: float,
         stop_ids: frozenset[int] | None = None,
         top_k: int = 0,
-    ) -> list[tuple[list[SampleOutput], list[float | None] | None]]:
-        """``continue_prompt`` for several prompts with the same settings, their rows decoded together.
+    ) -> list[Continued]:
+        """``continue_prompt`` for several prompts with the same settings, their rows decoded together, with the
+        top-k logprobs each call asks for.
 
         Each row draws from its own seed, so a call's tokens do not depend on the others in the
         batch; its logprobs agree with the call alone within float rounding.
         """
         rows = [SampleRequest(call.prompt, call.max_new_tokens) for call in calls for _ in call.seeds]
         seeds = [seed for call in calls for seed in call.seeds]
+        topk = [call.topk_sample for call in calls for _ in call.seeds]
         self.check_requests(rows)
         if adapter is not None:
             adapter.check_folder()
@@ -207,31 +225,41 @@ class TransformersSampler(Sampler):
             for start in range(0, len(rows), self.max_batch):
                 end = start + self.max_batch
                 outputs += self._generate_batch(model, rows[start:end], temperature, top_p, seeds[start:end],
-                                                stop_ids, top_k)
-            prompt_logprobs = [self._prompt_logprobs(model, c.prompt) if c.with_prompt_logprobs else None
-                               for c in calls]
+                                                stop_ids, top_k, topk[start:end])
+            scored = [self._prompt_logprobs(model, c.prompt, c.with_prompt_logprobs, c.topk_prompt)
+                      if c.with_prompt_logprobs or c.topk_prompt else (None, None) for c in calls]
         results, taken = [], 0
-        for call, logprobs in zip(calls, prompt_logprobs, strict=True):
-            results.append((outputs[taken:taken + len(call.seeds)], logprobs))
+        for call, (logprobs, topk_rows) in zip(calls, scored, strict=True):
+            results.append(Continued(outputs[taken:taken + len(call.seeds)], logprobs, topk_rows))
             taken += len(call.seeds)
         return results
 
-    def _prompt_logprobs(self, model: Any, prompt: list[int]) -> list[float | None]:
+    def _prompt_logprobs(self, model: Any, prompt: list[int], plain: bool = True, topk: int = 0
+                         ) -> tuple[list[float | None] | None, list[TopK | None] | None]:
+        """The model's own (temperature 1) logprob of each prompt token when ``plain``, and its ``topk`` most likely
+        tokens at each position when ``topk`` >= 1; None at position 0 (nothing predicts it)."""
         import torch
 
         with torch.inference_mode():
             logits_TV = model(input_ids=torch.tensor([prompt], device=self.device)).logits[0].float()
         logprobs_TV = torch.log_softmax(logits_TV, dim=-1)
         # the token at position p is predicted by the logits at position p - 1
-        return [None] + [float(logprobs_TV[p - 1, token]) for p, token in enumerate(prompt) if p > 0]
+        logprobs: list[float | None] | None = None
+        if plain:
+            logprobs = [None] + [float(logprobs_TV[p - 1, token]) for p, token in enumerate(prompt) if p > 0]
+        rows: list[TopK | None] | None = None
+        if topk:
+            rows = [None, *top_tokens(logprobs_TV[:-1], [topk] * (len(prompt) - 1))]
+        return logprobs, rows
 
     def _generate_batch(
         self, model: Any, requests: list[SampleRequest], temperature: float, top_p: float, seeds: list[int | None],
-        stop_ids: frozenset[int] | None = None, top_k: int = 0,
+        stop_ids: frozenset[int] | None = None, top_k: int = 0, topk_B: list[int] | None = None,
     ) -> list[SampleOutput]:
         """Decode one left-padded batch token by token until every row stopped (at a stop id or its budget).
 
-        A row stops at ``stop_ids`` (None: ``stop_token_ids``) and at its request's ``extra_stop_ids``."""
+        A row stops at ``stop_ids`` (None: ``stop_token_ids``) and at its request's ``extra_stop_ids``; a row with
+        ``topk_B[b]`` >= 1 gets that many most likely tokens of each step's distribution (``top_tokens``)."""
         import torch
 
         stops = self.stop_token_ids if stop_ids is None else stop_ids
@@ -241,6 +269,8 @@ class TransformersSampler(Sampler):
         input_ids_BT, attention_BT = self._left_pad(requests)
         tokens_B: list[list[int]] = [[] for _ in requests]
         logprobs_B: list[list[float]] = [[] for _ in requests]
+        topk_B = topk_B or [0] * len(requests)
+        rows_B: list[list[TopK]] = [[] for _ in requests]
         done_B = [False] * len(requests)
         cache = None
         step_ids_BT = input_ids_BT
@@ -260,19 +290,22 @@ class TransformersSampler(Sampler):
                     _draw(logprobs_BV[b], temperature == 0.0, generators[b]) if not done_B[b] else self.pad_token_id
                     for b in range(len(requests))
                 ]
+                step_rows = top_tokens(logprobs_BV, [0 if done else k for k, done in zip(topk_B, done_B, strict=True)])
                 for b, token in enumerate(next_B):
                     if done_B[b]:
                         continue
                     tokens_B[b].append(token)
                     logprobs_B[b].append(float(logprobs_BV[b, token]))
+                    if topk_B[b]:
+                        rows_B[b].append(step_rows[b])
                     done_B[b] = token in stops_B[b] or len(tokens_B[b]) >= budgets[b]
                 if all(done_B):
                     break
                 step_ids_BT = torch.tensor(next_B, device=self.device).unsqueeze(-1)
                 attention_BT = torch.cat([attention_BT, torch.ones_like(step_ids_BT)], dim=-1)
         return [
-            SampleOutput(t, lp, "stop" if t and t[-1] in row_stops else "length")
-            for t, lp, row_stops in zip(tokens_B, logprobs_B, stops_B, strict=True)
+            SampleOutput(t, lp, "stop" if t and t[-1] in row_stops else "length", rows if k else None)
+            for t, lp, row_stops, k, rows in zip(tokens_B, logprobs_B, stops_B, topk_B, rows_B, strict=True)
         ]
 
     def _left_pad(self, requests: list[SampleRequest]) -> tuple[Any, Any]:
@@ -395,6 +428,23 @@ def sampling_logprobs(logits_BV: Any, temperature: float, top_p: float, top_k: i
         outside_BV = probs_BV.cumsum(-1) - probs_BV >= top_p  # the mass before this token already reaches top_p
         logits_BV = logits_BV.scatter(-1, order_BV, sorted_BV.masked_fill(outside_BV, -torch.inf))
     return torch.log_softmax(logits_BV, dim=-1)
+
+
+def top_tokens(logprobs_NV: Any, k_N: list[int]) -> list[TopK]:
+    """Row n's ``k_N[n]`` most likely tokens with their logprobs, most likely first (an empty list where
+    ``k_N[n]`` is 0); tokens of logprob -inf (outside a top-k or top-p cut: they cannot be drawn) are left out.
+    One ``topk`` over the rows and one copy to the host."""
+    import math
+
+    import torch
+
+    widest = max(k_N, default=0)
+    if widest == 0:
+        return [[] for _ in k_N]
+    values_NK, ids_NK = torch.topk(logprobs_NV, min(widest, logprobs_NV.shape[-1]), dim=-1)
+    values, ids = values_NK.tolist(), ids_NK.tolist()
+    return [[(int(t), float(v)) for t, v in zip(ids[n][:k], values[n][:k], strict=True) if math.isfinite(v)]
+            for n, k in enumerate(k_N)]
 
 
 def _draw(logprobs_V: Any, greedy: bool, generator: Any) -> int:

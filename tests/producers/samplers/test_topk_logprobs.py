@@ -1,0 +1,139 @@
+"""Top-k logprobs of the sampling engines: the K most likely tokens at each prompt position and each sampled one.
+
+Prompt rows are of the model's own distribution (temperature 1, as prompt logprobs), sampled rows of the
+distribution each token was drawn from (as sampled-token logprobs): checked here against a float32 reference
+model's full ``log_softmax``.  The vLLM test shares the session's engine (tests/fixtures/vllm.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from producers.samplers.engine import SampleParams, SampleResult
+from producers.samplers.hf_engine import TransformersEngine
+from producers.samplers.hf_sampler import sampling_logprobs
+from producers.samplers.sync import SyncSampler
+from schemas.config import SamplerConfig
+from tests.producers.samplers.test_engine import SAME_TOL, reference_model
+
+K = 5
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_trained_dir: Path) -> Iterator[SyncSampler]:
+    sampler = SyncSampler(lambda: TransformersEngine(str(tiny_trained_dir), SamplerConfig(max_model_len=1024)))
+    yield sampler
+    sampler.close()
+
+
+def reference_logprobs(model_dir: Path, adapter, tokens: list[int]) -> torch.Tensor:
+    """The reference model's temperature-1 logprobs after each of ``tokens`` (row p predicts token p + 1)."""
+    with torch.no_grad():
+        return torch.log_softmax(reference_model(model_dir, adapter)(torch.tensor([tokens])).logits[0].float(), -1)
+
+
+def assert_top(row: list[tuple[int, float]], logprobs_V: torch.Tensor, k: int) -> None:
+    """``row`` is the ``k`` most likely tokens of ``logprobs_V``, most likely first, with its values."""
+    assert len(row) == k
+    ids = [token for token, _ in row]
+    values = torch.tensor([value for _, value in row])
+    assert ids[0] == int(torch.argmax(logprobs_V))  # top-1 is the argmax
+    assert torch.all(values[:-1] >= values[1:])  # most likely first
+    assert float(torch.max(torch.abs(values - logprobs_V[ids]))) < SAME_TOL  # the full log_softmax's values
+    assert float(values[-1]) >= float(torch.topk(logprobs_V, k).values[-1]) - SAME_TOL  # no likelier token left out
+
+
+@pytest.mark.parametrize("adapter_index", [0, None])
+def test_topk_prompt_logprobs_are_the_k_most_likely_tokens_of_the_models_own_distribution(
+        engine, prompts, lora_adapters, tiny_trained_dir, adapter_index) -> None:
+    adapter = None if adapter_index is None else lora_adapters[adapter_index]
+    prompt = prompts[0]
+    result = engine.sample(prompt, adapter, SampleParams(2, temperature=0.5, topk_prompt_logprobs=K))
+    assert result.prompt_logprobs is None  # only the top-k rows were asked for
+    rows = result.topk_prompt_logprobs
+    assert rows is not None and len(rows) == len(prompt) and rows[0] is None  # position 0: nothing predicts it
+    logprobs_TV = reference_logprobs(tiny_trained_dir, adapter, prompt)
+    for p in range(1, len(prompt)):
+        assert_top(rows[p], logprobs_TV[p - 1], K)  # temperature 1 whatever the call samples at
+    both = engine.sample(prompt, adapter, SampleParams(2, prompt_logprobs=True, topk_prompt_logprobs=1))
+    assert both.prompt_logprobs is not None and both.topk_prompt_logprobs is not None
+    for p in range(1, len(prompt)):
+        assert both.prompt_logprobs[p] <= both.topk_prompt_logprobs[p][0][1] + SAME_TOL
+    assert all(s.topk_logprobs is None for s in result.sequences + both.sequences)  # not asked for
+
+
+def test_topk_sample_logprobs_of_a_greedy_call_are_the_models_own_and_start_with_the_sampled_token(
+        engine, prompts, lora_adapters, tiny_trained_dir) -> None:
+    prompt = prompts[1]
+    result = engine.sample(prompt, lora_adapters[0], SampleParams(6, temperature=0.0, stop_token_ids=(),
+                                                                  topk_sample_logprobs=K))
+    sample = result.sequences[0]
+    assert result.topk_prompt_logprobs is None
+    assert sample.topk_logprobs is not None and len(sample.topk_logprobs) == len(sample.token_ids) == 6
+    logprobs_TV = reference_logprobs(tiny_trained_dir, lora_adapters[0], prompt + sample.token_ids)
+    for i, (token, logprob, row) in enumerate(zip(sample.token_ids, sample.logprobs, sample.topk_logprobs,
+                                                  strict=True)):
+        assert row[0][0] == token and abs(row[0][1] - logprob) < SAME_TOL  # greedy: the sampled token is top-1
+        assert_top(row, logprobs_TV[len(prompt) - 1 + i], K)
+
+
+def test_topk_sample_logprobs_are_of_the_distribution_drawn_from_after_the_cuts(
+        engine, prompts, lora_adapters, tiny_trained_dir) -> None:
+    """Temperature 0.7 and a top-k cut of 3: a row holds the 3 tokens that could be drawn (the others have
+    probability 0), with the logprobs of the cut, renormalised distribution, the sampled token among them."""
+    prompt = prompts[2]
+    params = SampleParams(6, num_samples=3, temperature=0.7, top_k=3, seed=11, stop_token_ids=(),
+                          topk_sample_logprobs=K)
+    result = engine.sample(prompt, lora_adapters[1], params)
+    for sample in result.sequences:
+        assert sample.topk_logprobs is not None and len(sample.topk_logprobs) == len(sample.token_ids)
+        with torch.no_grad():
+            logits_TV = reference_model(tiny_trained_dir, lora_adapters[1])(
+                torch.tensor([prompt + sample.token_ids])).logits[0].float()
+        drawn_TV = sampling_logprobs(logits_TV, 0.7, 1.0, 3)
+        for i, (token, logprob, row) in enumerate(zip(sample.token_ids, sample.logprobs, sample.topk_logprobs,
+                                                      strict=True)):
+            assert dict(row)[token] == pytest.approx(logprob, abs=SAME_TOL)
+            assert_top(row, drawn_TV[len(prompt) - 1 + i], 3)
+
+
+def test_negative_top_k_logprob_counts_are_refused() -> None:
+    for field in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        with pytest.raises(ValueError, match=field):
+            SampleParams(4, **{field: -1})
+
+
+@pytest.mark.vllm
+def test_the_vllm_engine_gives_top_k_logprobs_of_the_same_shape_and_meaning(vllm_engine, engine, prompts,
+                                                                            lora_adapters) -> None:
+    """vLLM returns the chosen token besides its top K (K + 1 entries where it is not among them): the engine keeps
+    the K most likely, as the transformers engine gives them."""
+    prompt = prompts[0]
+    greedy = SampleParams(6, temperature=0.0, stop_token_ids=(), topk_prompt_logprobs=K, topk_sample_logprobs=K)
+    from_vllm, from_hf = (e.sample(prompt, lora_adapters[0], greedy) for e in (vllm_engine, engine))
+    assert_same_topk(from_vllm, from_hf, tol=1e-4)
+    cut = SampleParams(6, num_samples=2, temperature=0.7, top_k=3, seed=5, stop_token_ids=(), topk_sample_logprobs=K)
+    for sample in vllm_engine.sample(prompt, lora_adapters[0], cut).sequences:  # vLLM's own draws: its RNG
+        assert sample.topk_logprobs is not None and len(sample.topk_logprobs) == len(sample.token_ids)
+        for token, logprob, row in zip(sample.token_ids, sample.logprobs, sample.topk_logprobs, strict=True):
+            assert len(row) == 3 and dict(row)[token] == pytest.approx(logprob, abs=1e-6)  # what could be drawn
+
+
+def assert_same_topk(a: SampleResult, b: SampleResult, tol: float) -> None:
+    def same(x: list[tuple[int, float]] | None, y: list[tuple[int, float]] | None) -> None:
+        assert (x is None) == (y is None)
+        if x is not None and y is not None:
+            assert [t for t, _ in x] == [t for t, _ in y]
+            assert max(abs(p - q) for (_, p), (_, q) in zip(x, y, strict=True)) <= tol
+
+    assert (a.topk_prompt_logprobs is None) == (b.topk_prompt_logprobs is None)
+    for x, y in zip(a.topk_prompt_logprobs or [], b.topk_prompt_logprobs or [], strict=True):
+        same(x, y)
+    for s, t in zip(a.sequences, b.sequences, strict=True):
+        assert s.token_ids == t.token_ids and s.topk_logprobs is not None and t.topk_logprobs is not None
+        for x, y in zip(s.topk_logprobs, t.topk_logprobs, strict=True):
+            same(x, y)
