@@ -24,7 +24,9 @@ held; a later call for it pulls and loads it again.
 Logprobs of sampled tokens are those of the distribution they were drawn from
 (after temperature, top-k and top-p: the engine's ``processed_logprobs``), the ``q`` of
 rlpipe's importance sampling.  Prompt logprobs are the model's own (temperature
-1), NaN at position 0.
+1), NaN at position 0.  Top-k logprobs (``topk_prompt_logprobs``, ``topk_sample_logprobs``,
+at most ``MAX_TOPK_LOGPROBS``) are of the same two distributions, encoded as the SDK's
+``TopkLogprobs`` (``encode_topk``).
 
 With ``--direct-port`` the sampler also takes calls straight from the gateway
 (``pipeline.api.direct``: answered once the result is stored, so the gateway wakes
@@ -58,6 +60,7 @@ from typing import Any
 import numpy as np
 from tinker import types
 from tinker.proto import tinker_public_pb2 as public_pb
+from tinker.types.topk_logprobs import MASK_LOGPROB
 
 from pipeline.api.activity import ActivityRecorder
 from pipeline.api.direct import direct_app, serve_direct
@@ -76,7 +79,7 @@ from pipeline.io.bus import ConsumedEvent, EventPublisher, TopicPartitionKey, en
 from pipeline.io.registry import AdapterRegistry, RetiredAdapterError
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
-from producers.samplers.base import AdapterHandle, SampleOutput
+from producers.samplers.base import AdapterHandle, SampleOutput, TopK
 from producers.samplers.engine import SampleParams, SampleResult, SamplingEngine
 from schemas.api import ApiError, ApiRequestAccepted, result_path
 from schemas.config import MAX_BATCH_SEQUENCES, BusConfig, SamplerConfig
@@ -116,7 +119,9 @@ def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[S
     params = SampleParams(max_tokens=max_tokens, num_samples=request.num_samples,
                           temperature=given.temperature, top_p=given.top_p, top_k=max(0, given.top_k),
                           seed=given.seed,
-                          stop_token_ids=stop_ids, prompt_logprobs=bool(request.prompt_logprobs))
+                          stop_token_ids=stop_ids, prompt_logprobs=bool(request.prompt_logprobs),
+                          topk_prompt_logprobs=request.topk_prompt_logprobs,
+                          topk_sample_logprobs=request.topk_sample_logprobs)
     return params, strings
 
 
@@ -137,21 +142,51 @@ def cut_at_stop_strings(sample: SampleOutput, strings: list[str], decode: Callab
     if not n or not stops(n):
         return sample
     end = 1 + bisect.bisect_left(range(1, n + 1), True, key=stops)  # the shortest prefix that holds one
-    return SampleOutput(token_ids=sample.token_ids[:end], logprobs=sample.logprobs[:end], finish_reason="stop")
+    rows = None if sample.topk_logprobs is None else sample.topk_logprobs[:end]
+    return SampleOutput(token_ids=sample.token_ids[:end], logprobs=sample.logprobs[:end], finish_reason="stop",
+                        topk_logprobs=rows)
 
 
-def encode_sample_response(result: SampleResult) -> bytes:
-    """The protobuf ``SampleResponse`` the SDK decodes (int32 tokens, float32 logprobs, NaN prompt position 0)."""
+def only_last(values: list[Any] | None, last_n: int | None) -> list[Any] | None:
+    """``values`` (one per prompt token) with all but the last ``last_n`` None (``prompt_logprobs_last_n``)."""
+    if values is None or last_n is None:
+        return values
+    return [None] * (len(values) - last_n) + list(values[-last_n:])
+
+
+def encode_topk(rows: list[TopK | None], k: int, into: Any) -> None:
+    """Top-k rows as the SDK's ``TopkLogprobs``: N x ``k`` int32 ids and float32 logprobs, row-major, most likely
+    first; the cells a row leaves (None: all of them) hold 0 / ``MASK_LOGPROB``, which the SDK's decoder drops."""
+    ids_NK = np.zeros((len(rows), k), np.int32)
+    logprobs_NK = np.full((len(rows), k), MASK_LOGPROB, np.float32)
+    for n, row in enumerate(rows):
+        if row is None:
+            continue
+        if len(row) > k:
+            raise ValueError(f"a top-k row of {len(row)} entries for k={k}; an engine gives at most k")
+        for j, (token, logprob) in enumerate(row):
+            ids_NK[n, j], logprobs_NK[n, j] = token, logprob
+    into.token_ids, into.logprobs, into.k, into.length = ids_NK.tobytes(), logprobs_NK.tobytes(), k, len(rows)
+
+
+def encode_sample_response(result: SampleResult, topk_prompt: int = 0, topk_sample: int = 0) -> bytes:
+    """The protobuf ``SampleResponse`` the SDK decodes (int32 tokens, float32 logprobs, NaN prompt position 0), with
+    the top-k logprobs of the prompt (``topk_prompt`` >= 1) and of each sample (``topk_sample`` >= 1) the call
+    asked for, ``k`` columns wide."""
     msg = public_pb.SampleResponse()
     for sample in result.sequences:
-        msg.sequences.add(
+        sequence = msg.sequences.add(
             stop_reason=public_pb.STOP_REASON_STOP if sample.finish_reason == "stop" else public_pb.STOP_REASON_LENGTH,
             tokens=np.asarray(sample.token_ids, np.int32).tobytes(),
             logprobs=np.asarray(sample.logprobs, np.float32).tobytes(),
         )
+        if topk_sample and sample.topk_logprobs is not None:
+            encode_topk(list(sample.topk_logprobs), topk_sample, sequence.topk_sampled_logprobs)
     if result.prompt_logprobs is not None:
         values = [np.nan if value is None else value for value in result.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, np.float32).tobytes()
+    if topk_prompt and result.topk_prompt_logprobs is not None:
+        encode_topk(result.topk_prompt_logprobs, topk_prompt, msg.topk_prompt_logprobs)
     return msg.SerializeToString()
 
 
@@ -318,10 +353,10 @@ class SamplerWorker:
             self.activity.record(call.session_id, call.tenant, call.op, wall, wall + time.perf_counter() - started,
                                  sum(len(sample.token_ids) for sample in result.sequences))
         sequences = [cut_at_stop_strings(sample, strings, self.decode) for sample in result.sequences]
-        prompt_logprobs, last_n = result.prompt_logprobs, request.prompt_logprobs_last_n
-        if prompt_logprobs is not None and last_n is not None:  # only the last N are asked for
-            prompt_logprobs = [None] * (len(prompt_logprobs) - last_n) + list(prompt_logprobs[-last_n:])
-        return encode_sample_response(SampleResult(sequences, prompt_logprobs))
+        last_n = request.prompt_logprobs_last_n  # only the last N are asked for (the top-k rows' too)
+        answer = SampleResult(sequences, only_last(result.prompt_logprobs, last_n),
+                              only_last(result.topk_prompt_logprobs, last_n))
+        return encode_sample_response(answer, params.topk_prompt_logprobs, params.topk_sample_logprobs)
 
     async def _sample_in_rounds(self, prompt: list[int], adapter: AdapterHandle | None,
                                 params: SampleParams, tenant: str) -> SampleResult:
@@ -330,15 +365,16 @@ class SamplerWorker:
         Round k draws streams k * CALL_ROUND_SAMPLES on, so a seeded call draws what it would in one piece.
         Each round is ``tenant``'s (the engine's ``owner``): a tenant's many calls take turns with another's."""
         sequences: list[SampleOutput] = []
-        prompt_logprobs = None
-        for first in range(0, params.num_samples, CALL_ROUND_SAMPLES):
+        scored = SampleResult([])
+        for first in range(0, params.num_samples, CALL_ROUND_SAMPLES):  # the prompt is scored in the first round
             part = dataclasses.replace(params, num_samples=min(CALL_ROUND_SAMPLES, params.num_samples - first),
                                        first_stream=params.first_stream + first,
-                                       prompt_logprobs=params.prompt_logprobs and first == 0)
+                                       prompt_logprobs=params.prompt_logprobs and first == 0,
+                                       topk_prompt_logprobs=params.topk_prompt_logprobs if first == 0 else 0)
             result = await self.engine.sample(prompt, adapter, part, owner=tenant)
             sequences += result.sequences
-            prompt_logprobs = result.prompt_logprobs if first == 0 else prompt_logprobs
-        return SampleResult(sequences, prompt_logprobs)
+            scored = result if first == 0 else scored
+        return SampleResult(sequences, scored.prompt_logprobs, scored.topk_prompt_logprobs)
 
     async def _latest_inflight(self, run: str) -> int | None:
         """The run's latest inflight save, read at most every ``inflight_check_s`` (inflight weights propagate

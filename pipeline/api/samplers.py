@@ -38,7 +38,15 @@ from tinker import types
 from pipeline.api.sample_queue import SampleQueue
 from pipeline.api.wire import INT32_MAX, request_id_for, session_of_request
 from pipeline.io.store import ObjectStore
-from schemas.api import ApiError, ApiRequestAccepted, model_id_for, model_run_name, request_body_path, session_path
+from schemas.api import (
+    MAX_TOPK_LOGPROBS,
+    ApiError,
+    ApiRequestAccepted,
+    model_id_for,
+    model_run_name,
+    request_body_path,
+    session_path,
+)
 from schemas.names import InvalidNameError, echoed
 from schemas.trajectory import MIN_SAMPLING_TEMPERATURE
 
@@ -152,10 +160,14 @@ def check_sample_request(request: types.SampleRequest) -> None:
     if low < 0 or high > MAX_TOKEN_ID:  # an id past one model's vocabulary is its sampler's to refuse (it knows it)
         raise ApiError(f"prompt holds {echoed(low if low < 0 else high)}, which is no token id; send ids from 0 to "
                        f"the vocabulary's size - 1 (encode the prompt with the model's tokenizer)")
-    if request.prompt_alt_tokens_k or request.topk_prompt_logprobs \
-            or request.topk_sample_logprobs or request.target_prompt_logprobs is not None:
-        raise ApiError("top-k logprobs, prompt_alt_tokens and target_prompt_logprobs are not served; "
-                       "ask for prompt_logprobs and sampled-token logprobs only")
+    if request.prompt_alt_tokens_k or request.target_prompt_logprobs is not None:
+        raise ApiError("prompt_alt_tokens and target_prompt_logprobs are not served; ask for prompt_logprobs, "
+                       "sampled-token logprobs and top-k logprobs only")
+    for field in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        k = getattr(request, field)
+        if not 0 <= k <= MAX_TOPK_LOGPROBS:
+            raise ApiError(f"{field}={echoed(k)}: ask for 0 to {MAX_TOPK_LOGPROBS} most likely tokens a position "
+                           f"(MAX_TOPK_LOGPROBS, which bounds one call's answer)")
     if request.record_stability_info:
         raise ApiError("record_stability_info (StableReinforce) is not served; leave it unset and train with "
                        "another loss (e.g. importance_sampling)")

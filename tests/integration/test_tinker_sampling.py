@@ -117,6 +117,38 @@ def test_stop_ids_and_strings_are_kept_with_aligned_logprobs(server):
     assert any(s.stop_reason == "stop" for s in by_string.sequences)
 
 
+def test_topk_logprobs_come_back_through_the_sdk(server):
+    """The K most likely tokens at each prompt position (the prompt logprobs' distribution) and at each sampled one
+    (the distribution it was drawn from), as the SDK decodes them; K past the bound is refused at submit."""
+    sampling = server.service().create_sampling_client(base_model=server.base_model).result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    response = sampling.sample(prompt, 2, _params(stop=[]), include_prompt_logprobs=True, topk_prompt_logprobs=4,
+                               topk_sample_logprobs=3).result()
+    rows = response.topk_prompt_logprobs
+    assert rows is not None and len(rows) == len(PROMPT) and rows[0] is None
+    for p, row in enumerate(rows[1:], 1):
+        values = [logprob for _, logprob in row]
+        assert len(row) == 4 and values == sorted(values, reverse=True)
+        assert response.prompt_logprobs[p] <= values[0] + 1e-6  # the prompt's token is at most the likeliest
+        if PROMPT[p] in dict(row):
+            assert dict(row)[PROMPT[p]] == pytest.approx(response.prompt_logprobs[p], abs=1e-6)
+    for sequence in response.sequences:  # temperature 1, no cut: three tokens could be drawn at every position
+        assert sequence.topk_logprobs is not None and len(sequence.topk_logprobs) == len(sequence.tokens) == 6
+        for token, logprob, row in zip(sequence.tokens, sequence.logprobs, sequence.topk_logprobs, strict=True):
+            assert len(row) == 3
+            assert dict(row)[token] == pytest.approx(logprob, abs=1e-6) if token in dict(row) else logprob <= row[-1][1]
+    greedy = sampling.sample(prompt, 1, _params(stop=[], temperature=0.0), topk_sample_logprobs=1).result()
+    assert [row[0][0] for row in greedy.sequences[0].topk_logprobs] == greedy.sequences[0].tokens  # top-1: argmax
+    last_two = sampling.sample(prompt, 1, _params(), include_prompt_logprobs=True, topk_prompt_logprobs=2,
+                               prompt_logprobs_last_n=2).result()
+    assert last_two.topk_prompt_logprobs[:-2] == [None] * (len(PROMPT) - 2)
+    assert all(len(row) == 2 for row in last_two.topk_prompt_logprobs[-2:])
+    plain = sampling.sample(prompt, 1, _params()).result()
+    assert plain.topk_prompt_logprobs is None and plain.sequences[0].topk_logprobs is None
+    with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs=21: ask for 0 to 20"):
+        sampling.sample(prompt, 1, _params(), topk_prompt_logprobs=21).result(timeout=60)
+
+
 def test_trained_weights_sample_differently_and_agree_with_forward(server):
     service = server.service()
     training = service.create_lora_training_client(base_model=server.base_model, rank=4).result()

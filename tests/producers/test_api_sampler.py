@@ -5,14 +5,15 @@ Sample calls read from the log (sessions, versions, retries) are in test_api_sam
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
-from producers.api_sampler import cut_at_stop_strings, encode_sample_response, sampling_params
+from producers.api_sampler import cut_at_stop_strings, encode_sample_response, only_last, sampling_params
 from producers.samplers.base import SampleOutput
 from producers.samplers.engine import SampleResult
-from schemas.api import ApiError
+from schemas.api import MAX_TOPK_LOGPROBS, ApiError
 from tests.producers.api_sampling import sample_request
 
 
@@ -27,7 +28,7 @@ def test_the_four_stop_forms_and_refusals():
     assert sampling_params(sample_request(None, top_k=-1), 64)[0].top_k == 0  # the SDK's "no cut"
     with pytest.raises(ApiError, match="top_k"):
         sampling_params(sample_request(None, top_k=-3), 64)
-    with pytest.raises(ApiError, match="prompt_alt_tokens"):
+    with pytest.raises(ApiError, match="prompt_alt_tokens and target_prompt_logprobs are not served"):
         sampling_params(sample_request(None, prompt_alt_tokens_k=2), 64)
     with pytest.raises(ApiError, match=r"record_stability_info \(StableReinforce\) is not served"):
         sampling_params(sample_request(None, record_stability_info=True), 64)
@@ -77,6 +78,48 @@ def test_the_sample_response_is_what_the_sdk_decodes():
     assert [s.stop_reason for s in decoded.sequences] == ["stop", "length"]
     assert decoded.sequences[0].logprobs == [-1.5, -0.25]
     assert decoded.prompt_logprobs == [None, -2.0, -0.5]
+
+
+def test_topk_logprobs_reach_the_sdks_decoder_as_its_dense_matrices():
+    """N x K int32 ids and float32 logprobs, most likely first; cells a row does not fill hold 0 / -99999.0, which
+    the SDK's decoder drops (a row of none is None: position 0 of the prompt)."""
+    prompt_rows = [None, [(3, -0.5), (4, -2.0)], [(5, -0.25)]]
+    samples = [SampleOutput([4, 2], [-1.5, -0.25], "stop", topk_logprobs=[[(4, -1.5), (9, -1.75)], [(2, -0.25)]]),
+               SampleOutput([7], [-3.0], "length", topk_logprobs=[[(8, -0.125), (7, -3.0)]])]
+    result = SampleResult(samples, [None, -2.0, -0.5], prompt_rows)
+    decoded = deserialize_sample_response(encode_sample_response(result, topk_prompt=2, topk_sample=2))
+    assert decoded.topk_prompt_logprobs == prompt_rows
+    matrices = decoded.topk_prompt_logprobs_np
+    assert matrices is not None and matrices.token_ids.shape == matrices.logprobs.shape == (3, 2)
+    assert matrices.token_ids.dtype == np.int32 and matrices.logprobs.dtype == np.float32
+    assert matrices.token_ids[0].tolist() == [0, 0] and matrices.logprobs[0].tolist() == [-99999.0, -99999.0]
+    assert (matrices.token_ids[2, 1], matrices.logprobs[2, 1]) == (0, -99999.0)
+    assert [s.topk_logprobs for s in decoded.sequences] == [s.topk_logprobs for s in samples]
+    assert decoded.prompt_logprobs == [None, -2.0, -0.5] and decoded.sequences[1].logprobs == [-3.0]
+    plain = deserialize_sample_response(encode_sample_response(SampleResult(samples, None, prompt_rows)))
+    assert plain.topk_prompt_logprobs is None and all(s.topk_logprobs is None for s in plain.sequences)
+    with pytest.raises(ValueError, match="3 entries"):  # never more than asked for
+        encode_sample_response(SampleResult(samples, None, [[(1, -1.0), (2, -2.0), (3, -3.0)]]), topk_prompt=2)
+
+
+def test_topk_logprob_counts_reach_the_engine_and_are_bounded():
+    params = sampling_params(sample_request(None, topk_prompt_logprobs=5, topk_sample_logprobs=3), 64)[0]
+    assert (params.topk_prompt_logprobs, params.topk_sample_logprobs) == (5, 3)
+    assert not params.prompt_logprobs  # the top-k rows need no plain prompt logprobs
+    limit = sampling_params(sample_request(None, topk_prompt_logprobs=MAX_TOPK_LOGPROBS), 64)[0]
+    assert limit.topk_prompt_logprobs == MAX_TOPK_LOGPROBS
+    for field in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        for bad in (MAX_TOPK_LOGPROBS + 1, -1):
+            with pytest.raises(ApiError, match=rf"^{field}={bad}: ask for 0 to {MAX_TOPK_LOGPROBS} "):
+                sampling_params(sample_request(None, **{field: bad}), 64)
+    last_two = sample_request(None, prompt_logprobs=True, prompt_logprobs_last_n=2, topk_prompt_logprobs=2)
+    assert sampling_params(last_two, 64)[0].topk_prompt_logprobs == 2
+
+
+def test_prompt_logprobs_last_n_blanks_the_earlier_top_k_rows_too():
+    rows = [None, [(3, -0.5)], [(4, -0.25)], [(5, -1.0)]]
+    assert only_last(rows, 2) == [None, None, [(4, -0.25)], [(5, -1.0)]]
+    assert only_last(rows, None) == rows and only_last(None, 2) is None
 
 
 def test_the_batch_cap_option_reaches_the_engines_config_and_is_refused_in_one_line(capsys):
