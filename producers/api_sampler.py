@@ -73,7 +73,13 @@ from pipeline.api.engines import (
     store_result,
 )
 from pipeline.api.lifecycle import files_deleted
-from pipeline.api.samplers import check_sample_request, inflight_version, read_sampler, sampled_version
+from pipeline.api.samplers import (
+    check_sample_request,
+    check_topk_sample_cells,
+    inflight_version,
+    read_sampler,
+    sampled_version,
+)
 from pipeline.api.wire import parse_body
 from pipeline.io.bus import ConsumedEvent, EventPublisher, TopicPartitionKey, ensure_topics
 from pipeline.io.registry import AdapterRegistry, RetiredAdapterError
@@ -116,6 +122,7 @@ def sampling_params(request: types.SampleRequest, max_model_len: int) -> tuple[S
         else:
             raise ApiError("sampling_params.stop mixes strings and token ids; send one kind")
     max_tokens = max_model_len if given.max_tokens is None else given.max_tokens
+    check_topk_sample_cells(request, max_tokens)
     params = SampleParams(max_tokens=max_tokens, num_samples=request.num_samples,
                           temperature=given.temperature, top_p=given.top_p, top_k=max(0, given.top_k),
                           seed=given.seed,

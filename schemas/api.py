@@ -47,6 +47,9 @@ SESSION_TIMEOUT_S = 300.0  # heartbeats every 10 s; a session silent this long h
 # top-k logprobs a sample call may ask for at each position (``topk_prompt_logprobs``, ``topk_sample_logprobs``):
 # bounds one call's answer, and is vLLM's own ``max_logprobs`` default
 MAX_TOPK_LOGPROBS = 20
+# sampled tokens' top-k rows of one sample call (num_samples x max_tokens x topk_sample_logprobs): 8 bytes each on
+# the wire, so about 32 MiB at most, where plain logprobs of the same call would be a twentieth of it
+MAX_TOPK_SAMPLE_CELLS = 2**22
 
 
 

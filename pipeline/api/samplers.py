@@ -40,6 +40,7 @@ from pipeline.api.wire import INT32_MAX, request_id_for, session_of_request
 from pipeline.io.store import ObjectStore
 from schemas.api import (
     MAX_TOPK_LOGPROBS,
+    MAX_TOPK_SAMPLE_CELLS,
     ApiError,
     ApiRequestAccepted,
     model_id_for,
@@ -141,6 +142,16 @@ def sampled_version(record: dict[str, Any], latest_inflight: int | None) -> int:
     return version
 
 
+def check_topk_sample_cells(request: types.SampleRequest, max_tokens: int) -> None:
+    """Refuse sampled tokens' top-k rows that would make one call's answer larger than ``MAX_TOPK_SAMPLE_CELLS``."""
+    k = request.topk_sample_logprobs
+    cells = request.num_samples * max_tokens * k
+    if cells > MAX_TOPK_SAMPLE_CELLS:
+        raise ApiError(f"topk_sample_logprobs={k} for {request.num_samples} samples of up to {max_tokens} tokens is "
+                       f"{cells:,} rows' entries, over the {MAX_TOPK_SAMPLE_CELLS:,} one call may answer; ask for "
+                       "fewer samples, a smaller max_tokens or a smaller k per call")
+
+
 def check_sample_request(request: types.SampleRequest) -> None:
     """Refuse a ``sample`` call rlpipe cannot serve as asked (``ApiError`` naming the field and the fix); the gateway
     answers it 400 at submit, and the sampler checks again what it reads from the log.  What needs the engine (the
@@ -168,6 +179,8 @@ def check_sample_request(request: types.SampleRequest) -> None:
         if not 0 <= k <= MAX_TOPK_LOGPROBS:
             raise ApiError(f"{field}={echoed(k)}: ask for 0 to {MAX_TOPK_LOGPROBS} most likely tokens a position "
                            f"(MAX_TOPK_LOGPROBS, which bounds one call's answer)")
+    if given.max_tokens is not None:
+        check_topk_sample_cells(request, given.max_tokens)
     if request.record_stability_info:
         raise ApiError("record_stability_info (StableReinforce) is not served; leave it unset and train with "
                        "another loss (e.g. importance_sampling)")

@@ -10,10 +10,11 @@ import pytest
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 
+from pipeline.api.samplers import check_sample_request
 from producers.api_sampler import cut_at_stop_strings, encode_sample_response, only_last, sampling_params
 from producers.samplers.base import SampleOutput
 from producers.samplers.engine import SampleResult
-from schemas.api import MAX_TOPK_LOGPROBS, ApiError
+from schemas.api import MAX_TOPK_LOGPROBS, MAX_TOPK_SAMPLE_CELLS, ApiError
 from tests.producers.api_sampling import sample_request
 
 
@@ -114,6 +115,25 @@ def test_topk_logprob_counts_reach_the_engine_and_are_bounded():
                 sampling_params(sample_request(None, **{field: bad}), 64)
     last_two = sample_request(None, prompt_logprobs=True, prompt_logprobs_last_n=2, topk_prompt_logprobs=2)
     assert sampling_params(last_two, 64)[0].topk_prompt_logprobs == 2
+
+
+def test_sampled_top_k_rows_are_bounded_by_the_call_s_whole_answer():
+    # K is bounded per position, but 1,024 samples of a long max_tokens at K=20 would still answer ~20x plain logprobs
+    cells = 1024 * 256 * MAX_TOPK_LOGPROBS
+    assert cells > MAX_TOPK_SAMPLE_CELLS
+    big = sample_request(None, num_samples=1024, max_tokens=256, topk_sample_logprobs=MAX_TOPK_LOGPROBS)
+    message = rf"^topk_sample_logprobs={MAX_TOPK_LOGPROBS} for 1024 samples of up to 256 tokens is {cells:,} rows"
+    with pytest.raises(ApiError, match=message):
+        check_sample_request(big)  # the gateway refuses it at submit
+    with pytest.raises(ApiError, match=message):
+        sampling_params(big, 4096)
+    unbounded = sample_request(None, num_samples=1024, max_tokens=None, topk_sample_logprobs=MAX_TOPK_LOGPROBS)
+    check_sample_request(unbounded)  # max_tokens left to the sampler: its context decides
+    with pytest.raises(ApiError, match=rf"^topk_sample_logprobs={MAX_TOPK_LOGPROBS} for 1024 samples of up to 4096 "):
+        sampling_params(unbounded, 4096)
+    assert sampling_params(big.model_copy(update={"topk_sample_logprobs": 0}), 4096)[0].num_samples == 1024
+    fits = sample_request(None, num_samples=64, max_tokens=256, topk_sample_logprobs=MAX_TOPK_LOGPROBS)
+    assert sampling_params(fits, 4096)[0].topk_sample_logprobs == MAX_TOPK_LOGPROBS
 
 
 def test_prompt_logprobs_last_n_blanks_the_earlier_top_k_rows_too():
