@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 import time
@@ -72,17 +73,33 @@ def test_tail_json_gives_the_last_n(bus_config: BusConfig, published: list) -> N
     assert records[1]["raw"] == "{broken" and "not JSON" in records[1]["error"]
 
 
-def test_tail_follow_prints_new_events(bus_config: BusConfig, published: list) -> None:
-    def publish_later() -> None:
-        time.sleep(1.0)
-        with bus.EventPublisher(bus_config, create_topics=False) as publisher:
-            publisher.publish("control", make_event("run-a", RunStopped(reason="fresh-news")))
+def test_tail_follow_prints_new_events(bus_config: BusConfig, published: list,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The event is published once the tail has fixed where it starts (the end of the log, with -n 0): published
+    # earlier, it would be backlog, which -n 0 leaves out.
+    tail_module = importlib.import_module("pipeline.io.bus.tail")
+    assign_last, positioned = tail_module._assign_last, threading.Event()
 
-    thread = threading.Thread(target=publish_later)
-    thread.start()
-    result = _invoke(["topics", "tail", "control", "-n", "0", "--follow", "--for", "4", *_where(bus_config)])
-    thread.join()
+    def assign_and_tell(*args: Any, **kwargs: Any) -> Any:
+        ends = assign_last(*args, **kwargs)
+        positioned.set()
+        return ends
+
+    monkeypatch.setattr(tail_module, "_assign_last", assign_and_tell)
+
+    def publish_once_positioned() -> None:
+        positioned.wait(60.0)
+        publisher.publish("control", make_event("run-a", RunStopped(reason="fresh-news")))
+
+    with bus.EventPublisher(bus_config, create_topics=False) as publisher:
+        thread = threading.Thread(target=publish_once_positioned)
+        thread.start()
+        result = _invoke(["topics", "tail", "control", "-n", "0", "--follow", "--for", "4", *_where(bus_config)])
+        tail_positioned = positioned.is_set()
+        positioned.set()  # (ends the thread's wait where the tail failed first)
+        thread.join()
     assert result.exit_code == 0, result.output
+    assert tail_positioned, "the tail never fixed where it starts"
     assert "fresh-news" in result.stdout
     assert "alpha" not in result.stdout, "-n 0 shows no backlog"
 
@@ -115,8 +132,8 @@ def test_lag_of_a_group(bus_config: BusConfig, published: list, fast_group: dict
     assert "cli-lag" in table.stdout
     long_group = "rlpipe-learner-cartpole-20261204-141527-a-long-run-name"  # a run's learner group, as named
     with bus.EventConsumer(bus_config, "control", long_group, **fast_group) as consumer:
-        consumer.wait_for_assignment()
-        consumer.commit({(topic, 0): 1})
+        assert consumer.wait_for_assignment() == [(topic, 0)]
+        assert consumer.commit({(topic, 0): 1}) == {(topic, 0): 1}
     narrow = runner.invoke(app, ["topics", "lag", "--group", long_group, *_where(bus_config)],
                            env={"COLUMNS": "80"})
     assert narrow.exit_code == 0 and "…" not in narrow.stdout, narrow.stdout  # folded over lines, never cut
