@@ -14,9 +14,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from pipeline.api import results
 from pipeline.api.engines import request_reader
 from pipeline.api.results import ResultSignals
 from pipeline.devstack.broker import TansuBroker
@@ -61,10 +63,21 @@ def test_an_engine_reads_each_call_while_listings_take_longer_than_a_short_fetch
         reader.close()
 
 
-def test_a_waiting_poll_is_woken_by_its_result_while_listings_are_slow(slow_listing_bus) -> None:
+def test_a_waiting_poll_is_woken_by_its_result_while_listings_are_slow(slow_listing_bus, monkeypatch) -> None:
+    positioned = threading.Event()
+
+    class TellingFollower(results.EventFollower):
+        """The follower, telling when it has fixed where it starts (the end of the log, before it returns)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            positioned.set()
+
+    monkeypatch.setattr(results, "EventFollower", TellingFollower)
     signals, stopped = ResultSignals(), threading.Event()
     follower = signals.follow(slow_listing_bus, stopped.is_set)
-    time.sleep(2.0)  # the follower starts at the end of the log
+    # the result is published after that: published earlier, it is behind where the follower starts
+    assert positioned.wait(60.0), "the results follower never started"
 
     async def wait_for_result() -> float:
         with signals.watch("sess-1.sample.7") as woken, EventPublisher(slow_listing_bus) as publisher:
