@@ -151,7 +151,7 @@ def test_a_namespace_lists_its_own_topics_and_lag_not_those_of_a_namespace_its_n
         with EventPublisher(config) as publisher:
             publisher.publish("control", _stop("run-a", config.namespace))
         with EventConsumer(config, "control", "learner-run-a", membership=False) as reader:
-            reader.commit(bus.next_offsets(_poll_until(reader, 1)))
+            assert reader.commit(bus.next_offsets(_poll_until(reader, 1))), f"{config.namespace}: nothing read in 20 s"
     assert [lag.topic for lag in bus.group_lag(bus_config, "learner-run-a")] == [f"{bus_config.namespace}.control"]
     assert [lag.topic for lag in bus.group_lag(inner, "learner-run-a")] == [f"{inner.namespace}.control"]
 
@@ -633,7 +633,9 @@ def test_a_key_that_is_not_utf8_neither_hides_an_event_nor_stops_its_dead_letter
         publisher.publish_raw(topic, encode_event(_stop("run-a", "good")), b"\xff\xfe")
         at = publisher.publish_raw(topic, poison, b"\x80run")[1]
     with EventConsumer(bus_config, "control", "worker", run_id="run-a", **fast_group) as consumer:
-        (event,) = _poll_until(consumer, 1)
+        events = _poll_until(consumer, 1)
+        assert len(events) == 1, f"{len(events)} events read in 20 s, expected the good one"
+        (event,) = events
         assert (event.event.payload.reason, event.key) == ("good", "\ufffd\ufffd")
         assert consumer.stats == bus.ConsumerStats(delivered=1, dead_lettered=1)
         assert consumer.commit() == {(topic, 0): at + 1}
@@ -653,15 +655,14 @@ def test_follower_reads_without_a_group_from_where_it_was_placed(bus_config: Bus
             publisher.publish_raw(topic, b"{not json", "run-a")
             publisher.publish("control", _stop("run-b", "someone else's"))
             publisher.publish("control", _stop("run-a", "after"))
-            seen = {}
+            expected = {"latest": ["after"], "earliest": ["before", "after"], "placed": ["after"]}
+            seen: dict[str, list[str]] = {name: [] for name in expected}  # what each delivered, over every poll
             deadline = time.monotonic() + 10.0
-            while len(seen) < 3 and time.monotonic() < deadline:
+            while seen != expected and time.monotonic() < deadline:
                 for name, follower in (("latest", latest), ("earliest", earliest), ("placed", placed)):
-                    events = follower.poll(0.0)
-                    if events:
-                        seen[name] = [e.event.payload.reason for e in events]
+                    seen[name] += [e.event.payload.reason for e in follower.poll(0.0)]
                 time.sleep(0.05)
-            assert seen == {"latest": ["after"], "earliest": ["before", "after"], "placed": ["after"]}
+            assert seen == expected
             assert latest.stats == bus.ConsumerStats(delivered=1, skipped_other_runs=1, skipped_invalid=1)
     assert list(bus.tail(bus_config, "dlq", n=20)) == []  # skipped, not dead-lettered: every follower sees it
 
