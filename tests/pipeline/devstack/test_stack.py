@@ -297,8 +297,9 @@ server = subprocess.Popen([sys.executable, "-c",  # one of its servers, as stuck
                            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
 with open(os.path.join(home, "stack.pid"), "w") as file:
     file.write(str(os.getpid()))
-with open(os.path.join(home, "server.pid"), "w") as file:
+with open(os.path.join(home, "server.pid.partial"), "w") as file:  # renamed once written: never read empty
     file.write(str(server.pid))
+os.replace(os.path.join(home, "server.pid.partial"), os.path.join(home, "server.pid"))
 time.sleep(120)
 """
 
@@ -324,7 +325,8 @@ def test_down_that_has_to_kill_the_stack_kills_the_servers_it_started_and_nothin
     server_pid = None
     try:
         deadline = time.monotonic() + 20
-        while not (home / "server.pid").exists() and time.monotonic() < deadline:
+        while not (home / "server.pid").exists():
+            assert time.monotonic() < deadline and stack.poll() is None, "the stuck stack never named its server"
             time.sleep(0.05)
         server_pid = int((home / "server.pid").read_text())
         assert os.getpgid(server_pid) == stack.pid and (tee is None or os.getpgid(tee.pid) == stack.pid)
