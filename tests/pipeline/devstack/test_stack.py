@@ -372,7 +372,8 @@ def test_down_that_has_to_kill_a_stack_piped_into_tee_by_a_shell_spares_the_shel
     stack_pid = server_pid = None
     try:
         deadline = time.monotonic() + 20
-        while not (home / "server.pid").exists() and time.monotonic() < deadline:
+        while not (home / "server.pid").exists():
+            assert time.monotonic() < deadline and shell_process.poll() is None, "the stuck stack never named its server"
             time.sleep(0.05)
         stack_pid, server_pid = (int((home / f"{name}.pid").read_text()) for name in ("stack", "server"))
         leads = os.getpgid(stack_pid) == stack_pid
