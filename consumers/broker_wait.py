@@ -46,6 +46,32 @@ class BrokerAwayOnStop(BusError):
     """The learner was stopped while a write waited for the broker; the message names what was not announced."""
 
 
+class WaitReport:
+    """The lines of one wait for the broker: a warning at its first refusal, a line every ``report_every_s`` while
+    it lasts, one when the broker takes the write.  ``waiting`` says what waits meanwhile, in the first line."""
+
+    def __init__(self, what: str, run_id: str, waiting: str, report_every_s: float = REPORT_EVERY_S) -> None:
+        self.what, self.run_id, self.waiting, self.report_every_s = what, run_id, waiting, report_every_s
+        self.started = self.reported = 0.0
+
+    def refused(self, exc: BusError) -> None:
+        """One more refusal (``exc``): the first one's line, or a line when ``report_every_s`` passed since the last."""
+        reason, now = first_line(exc), time.monotonic()
+        if not self.started:
+            self.started = self.reported = now
+            log.warning("run %s: the broker did not take %s (%s); %s", self.run_id, self.what, reason, self.waiting)
+        elif now - self.reported >= self.report_every_s:
+            self.reported = now
+            log.warning("run %s: still waiting for the broker to take %s, for %.0fs now (%s)", self.run_id, self.what,
+                        now - self.started, reason)
+
+    def taken(self) -> None:
+        """The broker took the write: a line saying after how long, if it refused it first."""
+        if self.started:
+            log.warning("run %s: the broker took %s after %.0fs; the learner goes on", self.run_id, self.what,
+                        time.monotonic() - self.started)
+
+
 def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopping: Callable[[], bool],
                            retry_wait_s: float = RETRY_WAIT_S, report_every_s: float = REPORT_EVERY_S,
                            before_retry: Callable[[], None] | None = None) -> T:
@@ -58,25 +84,17 @@ def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopp
     limit, a permission the broker denies) is raised at once.  Raises ``BrokerAwayOnStop`` when ``stopping()`` is
     true after a refused try.
     """
-    started = reported = 0.0
+    report = WaitReport(what, run_id, "the learner waits for it (the writes after it and the next step wait too), "
+                        f"trying again every {retry_wait_s:g}s", report_every_s)
     while True:
         try:
-            if started and before_retry is not None:
+            if report.started and before_retry is not None:
                 before_retry()
             result = write()
         except BusError as exc:
             if not exc.transient:
                 raise
-            reason, now = first_line(exc), time.monotonic()
-            if not started:
-                started = reported = now
-                log.warning("run %s: the broker did not take %s (%s); the learner waits for it (the writes after "
-                            "it and the next step wait too), trying again every %gs", run_id, what, reason,
-                            retry_wait_s)
-            elif now - reported >= report_every_s:
-                reported = now
-                log.warning("run %s: still waiting for the broker to take %s, for %.0fs now (%s)", run_id, what,
-                            now - started, reason)
+            report.refused(exc)
             if stopping():
                 raise BrokerAwayOnStop(
                     f"run {run_id} stopped while the broker was away: it never took {what}; what the learner "
@@ -84,9 +102,7 @@ def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopp
                     "resumes from the run's newest checkpoint, training each batch exactly once") from exc
             wait_unless_stopping(retry_wait_s, stopping)
             continue
-        if started:
-            log.warning("run %s: the broker took %s after %.0fs; the learner goes on", run_id, what,
-                        time.monotonic() - started)
+        report.taken()
         return result
 
 
