@@ -15,6 +15,12 @@ wait), so a run whose episodes are slow, or which waits for rows, never makes
 another wait a whole step: its poll waits for rows only while no other run has
 batches delivered and not yet ingested, and returns at once otherwise.
 
+Writes: a run's publish and checkpoint are written by its own writer while the next runs take their turns.  A
+run whose last step's writes are not all taken when its turn comes (still going, or refused by the broker,
+which can refuse one run and take the others') passes that turn, its state untouched, and the others train
+(``consumers.packed_writes``); it goes on once they are taken.  A run going alone takes its turns as a learner of
+one run does: its next step trains while its writes go on, and waits for them.
+
 Membership: runs may join and leave between two rounds (``add``, ``remove``),
 e.g. as ``RunStarted`` and ``RunStopped`` arrive on the control topic
 (``pipeline.membership``, ``rlpipe learner start --follow-runs PATTERN``); a
@@ -57,6 +63,7 @@ from consumers.engine_data import EngineError
 from consumers.engine_policy import EnginePolicy
 from consumers.learner import Learner
 from consumers.lease import LeaseLostError
+from consumers.packed_writes import RunWrites, wait_for_writes
 from consumers.service import build_learner, finish, progress_line, record_resumed, record_step_metrics
 from consumers.sources import KafkaSource
 from pipeline.health import HealthServer, PackedRunsHealth
@@ -82,6 +89,10 @@ class PackedRun:
     learner: Learner
     rng: tuple[Any, Any] = field(default_factory=lambda: (np.random.get_state(), random.getstate()))
     settled: bool = False  # finished, its final checkpoint written: nothing more to train or write
+    writes: RunWrites = field(init=False)  # its last step's writes, as its turns see them
+
+    def __post_init__(self) -> None:
+        self.writes = RunWrites(self.learner)
 
     def finished(self) -> bool:
         """At ``max_steps``, or a finite source (replay) that has nothing more to give."""
@@ -210,7 +221,7 @@ class PackedLearner:
             raise
         for run in list(self.runs):
             try:
-                run.learner.finish_writes()
+                run.writes.finish()
             except Exception as exc:
                 self._failed(run, exc, on_failure)
 
@@ -226,12 +237,17 @@ class PackedLearner:
             if not going:
                 time.sleep(poll_timeout_s)
                 continue
+            passed = []
             for run in going:
                 if should_stop():
                     return
-                # a poll waits only while no other run has batches delivered and not yet ingested
-                busy = any(other.learner.incoming for other in going if other is not run)
+                # a poll waits only while no other run has batches delivered and not yet ingested (and writes that
+                # let it ingest them: a run whose writes wait for the broker must not make the others' polls spin)
+                busy = any(other.learner.incoming and not other.writes.pending() for other in going if other is not run)
                 try:
+                    if self.passes(run, alone=len(going) == 1):
+                        passed.append(run)
+                        continue
                     with self.turn(run) as learner:
                         for metrics in one_pass(learner, 0.0 if busy else poll_timeout_s / len(going)):
                             on_step(run.run_id, metrics)
@@ -239,9 +255,21 @@ class PackedLearner:
                         self.settle(run, on_step)
                 except Exception as exc:
                     self._failed(run, exc, on_failure)
+            if passed and len(passed) == len(going):  # every run's writes wait: not a loop that spins
+                wait_for_writes([run.learner.outputs.writer for run in passed], should_stop)
+
+    @staticmethod
+    def passes(run: PackedRun, alone: bool) -> bool:
+        """Whether ``run`` passes its turn, its writes not all taken (``RunWrites.waiting``).  A run going alone
+        holds nobody: it waits for a commit it owes, and its step trains while its writes go on, as alone."""
+        if alone:
+            run.writes.finish_owed()
+            return False
+        return run.writes.waiting()
 
     def settle(self, run: PackedRun, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
         """``run`` is finished: train what it has waiting, write its final checkpoint and wait for its writes."""
+        run.writes.finish()  # a commit it owes first, in its order
         with self.turn(run) as learner:
             learner.reader.close()  # (batches read ahead for turns it will not take)
             finish(learner, lambda metrics: on_step(run.run_id, metrics))

@@ -128,6 +128,13 @@ class StepWriter:
             log.warning("the step writer's last job failed too: %s", exc)
 
 
+def wait_for_any(writers: list[StepWriter], timeout_s: float) -> None:
+    """Return once the job of one of ``writers`` has ended (at once if none has a job), or after ``timeout_s``."""
+    jobs = [writer._job for writer in writers if writer._job is not None]
+    if jobs:
+        futures.wait(jobs, timeout=timeout_s, return_when=futures.FIRST_COMPLETED)
+
+
 class StepOutputs:
     """A learner's publishing and checkpointing: each prepared in the learner's thread, written by ``writer``."""
 

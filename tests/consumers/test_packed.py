@@ -280,6 +280,7 @@ class Turns:
         self.cfg = SimpleNamespace(seed=0)
         self.incoming = deque(range(delivered))
         self.source = SimpleNamespace(exhausted=lambda: False)
+        self.outputs = SimpleNamespace(writer=SimpleNamespace(busy=False, done=True, wait=lambda: None))  # no writes
         self.steps = 0
         self.poll_timeouts: list[float] = []
 

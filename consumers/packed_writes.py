@@ -1,0 +1,110 @@
+"""Whether a packed run's writes let it take its turn, found out without waiting for them.
+
+A learner of one run waits for its last step's writes (``consumers.step_writer``) and their offset commit before
+its next step, and a write the broker refuses is tried again until it is taken (``consumers.broker_wait``).  In a
+packed learner that wait, inside one run's turn, would hold every run, and the broker can refuse one run while it
+takes the others': a run's events go to the partition its run id keys (one whose leader is away, or which has
+fewer in-sync replicas than the topic asks for, refuses them while the other partitions take theirs), and its
+offsets to its group's coordinator (a broker of its own).  So before each turn the packed loop asks ``RunWrites``,
+which never blocks: a run whose last step's writes are still going, or whose offset commit the broker refused,
+passes its turn with its state untouched (nothing polled or ingested, no step started), and the others train.  The
+refused commit is tried again at each of its turns; once its writes are taken the run goes on, its writes in a
+learner's order (a step's commit before the next step's writes: offsets never before their checkpoint's event).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from consumers.broker_wait import RETRY_WAIT_S, WaitReport, keep_alive_quietly, wait_unless_stopping
+from consumers.step_writer import KEEP_ALIVE_EVERY_S, PreparedStep, StepWriter, wait_for_any
+from pipeline.io.bus import BusError
+
+if TYPE_CHECKING:
+    from consumers.learner import Learner
+
+
+class RunWrites:
+    """One packed run's writes as its turns see them: its step in flight, and a checkpoint whose offsets the broker
+    has not yet taken (owed)."""
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+        self.owed: PreparedStep | None = None  # written and announced; its positions not yet committed
+        self.report: WaitReport | None = None  # the wait for the owed commit, while the broker refuses it
+        self.kept_alive_at = float("-inf")
+
+    def waiting(self) -> bool:
+        """Whether the run's writes are not all taken yet, so it passes its turn; never waits.  The error of a
+        write that failed (a store error, a lost lease, a refusal no try can change) is raised here."""
+        writer = self.learner.outputs.writer
+        if writer.busy and not writer.done:
+            self.keep_alive()
+            return True
+        written = writer.wait()  # done (or none): returns at once
+        if written is not None and written.positions:
+            self.owed = written
+        return self.owed is not None and not self.try_commit()
+
+    def pending(self) -> bool:
+        """Whether the run's writes are not all taken (still going, or a commit owed), as last seen; no I/O."""
+        writer = self.learner.outputs.writer
+        return (writer.busy and not writer.done) or self.owed is not None
+
+    def try_commit(self) -> bool:
+        """One try of the owed commit (polling first when it was refused before); whether the broker took it."""
+        owed = self.owed
+        assert owed is not None
+        run_id, source = self.learner.run_id, self.learner.source
+        try:
+            if self.report is not None:
+                source.keep_alive()  # as a learner of one run polls before each try again
+            source.commit(owed.positions)
+        except BusError as exc:
+            if not exc.transient:
+                raise
+            if self.report is None:
+                self.report = WaitReport(self.what(owed), run_id, "the run passes its turns while the other runs "
+                                         "train, and it is tried again at each of them")
+            self.report.refused(exc)
+            return False
+        if self.report is not None:
+            self.report.taken()
+            self.report = None
+        self.owed = None
+        return True
+
+    def finish(self) -> None:
+        """Wait for the run's writes and commit what they cover, as a learner of one run does (a stop ends a wait
+        for the broker in one line, ``BrokerAwayOnStop``)."""
+        self.finish_owed()
+        self.learner.finish_writes()
+
+    def finish_owed(self) -> None:
+        """Commit the owed offsets, waiting for the broker to take them as a learner of one run does."""
+        if self.owed is not None:
+            self.learner.commit(self.owed.positions, self.what(self.owed))
+            self.owed, self.report = None, None
+
+    def keep_alive(self) -> None:
+        """Poll the run's consumer (no records) at most every ``KEEP_ALIVE_EVERY_S`` while it passes its turns."""
+        now = time.monotonic()
+        if now - self.kept_alive_at >= KEEP_ALIVE_EVERY_S:
+            self.kept_alive_at = now
+            keep_alive_quietly(self.learner.source.keep_alive)
+
+    @staticmethod
+    def what(owed: PreparedStep) -> str:
+        return f"the offsets of step {owed.checkpoint.step}'s checkpoint"
+
+
+def wait_for_writes(writers: list[StepWriter], should_stop: Callable[[], bool]) -> None:
+    """Every run passed its turn: wait until one of ``writers``' jobs ends, or, where none is going (commits the
+    broker refused), until the next try (``RETRY_WAIT_S``), returning early on a stop."""
+    going = [writer for writer in writers if not writer.done]
+    if going:
+        wait_for_any(going, RETRY_WAIT_S)
+    else:
+        wait_unless_stopping(RETRY_WAIT_S, should_stop)

@@ -1,0 +1,205 @@
+"""A packed run whose writes wait for the broker skips its turns while the other runs train.
+
+The broker can refuse one run and take the others': a run's events go to the partition its run id keys (one whose
+leader is away, or below its in-sync replicas, refuses them) and its offsets to its group's coordinator.  The
+refusals here are one run's (a), and last until the other run (b) has trained three steps or a deadline passes:
+a loop in which a's wait held b would see them end on the deadline, with b at one step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from types import SimpleNamespace
+
+from consumers.broker_wait import BrokerAwayOnStop
+from consumers.checkpoint import CheckpointStore
+from consumers.engine import TrainingEngine
+from consumers.engine_policy import EnginePolicy
+from consumers.packed import PackedLearner
+from consumers.sources import ReplaySource
+from consumers.step_writer import StepWriter
+from pipeline.io.bus import CommitError
+from pipeline.runtime import Announcer
+from schemas.events import AdapterPublished, LearnerCheckpointed
+from tests.consumers.packed_runs import (
+    SOURCES,
+    batches,  # noqa: F401  # the fixture: runs a and b's batches in a store
+    config,
+    learner_of,
+)
+from tests.consumers.test_learner import setup  # noqa: F401  # the module fixture: tiny model, prompt, answers
+from tests.fixtures.outages import RefusingOneRun
+
+HELD_FOR_S = 20.0  # how long the refusals last at most (a's wait holding b: until then)
+
+
+class Progress:
+    """b's steps, and a's step as each of them was trained; ``refusing`` is true until b's third step."""
+
+    def __init__(self, a) -> None:
+        self.a, self.deadline = a, time.monotonic() + HELD_FOR_S
+        self.b_steps: list[int] = []
+        self.a_step_at_b_steps: list[int] = []
+
+    def refusing(self) -> bool:
+        return len(self.b_steps) < 3 and time.monotonic() < self.deadline
+
+    def on_step(self, run: str, metrics: dict) -> None:
+        if run == "b":
+            self.b_steps.append(metrics["step"])
+            self.a_step_at_b_steps.append(self.a.state.step)
+
+
+def packed_pair(batches, setup, **overrides):  # noqa: F811
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    learners = [learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, config(run, **overrides)),
+                           config(run, **overrides)) for run in SOURCES]
+    return PackedLearner(engine, learners), learners
+
+
+def announced(events: list, run: str) -> list[tuple[str, int]]:
+    """``run``'s AdapterPublished (by version) and LearnerCheckpointed (by step), in the order they were taken."""
+    return [(type(e.payload).__name__, e.payload.version if isinstance(e.payload, AdapterPublished) else e.payload.step)
+            for e in events if e.run_id == run and isinstance(e.payload, AdapterPublished | LearnerCheckpointed)]
+
+
+def test_a_run_whose_events_the_broker_refuses_skips_its_turns_while_the_other_trains(batches, setup):  # noqa: F811
+    packed, (a, b) = packed_pair(batches, setup)
+    progress = Progress(a)
+    publisher = RefusingOneRun("a", progress.refusing)
+    for learner in (a, b):
+        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    packed.resume()
+    packed.run(on_step=progress.on_step, poll_timeout_s=0)
+    assert publisher.refused  # a's AdapterPublished v1 was refused, and tried again until taken
+    # b trained steps 2 and 3 while a's first step's writes waited; a's second step was not started meanwhile
+    assert progress.b_steps == [1, 2, 3, 4] and progress.a_step_at_b_steps[:3] == [1, 1, 1]
+    for run in SOURCES:  # each run's writes in a learner's order, every step trained
+        assert announced(publisher.taken, run) == [("AdapterPublished", 1), ("AdapterPublished", 2),
+                                                   ("LearnerCheckpointed", 2), ("AdapterPublished", 3),
+                                                   ("AdapterPublished", 4), ("LearnerCheckpointed", 4)], run
+        assert CheckpointStore(batches, run).latest().state.step == 4
+
+
+class RefusedCommits:
+    """a's source: its offset commits refused (its group's coordinator away) while ``refusing()``; every commit
+    taken is written to ``log`` beside the events, so their order can be read."""
+
+    def __init__(self, source: ReplaySource, refusing, log: list) -> None:
+        self.source, self.refusing, self.log = source, refusing, log
+        self.refused = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.source, name)
+
+    def commit(self, positions: dict[str, int]) -> None:
+        if self.refusing():
+            self.refused += 1
+            raise CommitError("commit to group rlpipe-learner-a failed: NotCoordinatorForGroupError")
+        self.log.append(("commit", dict(positions)))
+
+
+def test_a_run_whose_offset_commit_the_broker_refuses_skips_its_turns_and_commits_after_its_checkpoints_event(
+        batches, setup):  # noqa: F811
+    packed, (a, _) = packed_pair(batches, setup, checkpoint_every=1)
+    progress = Progress(a)
+    log: list = []
+    source = RefusedCommits(a.source, progress.refusing, log)
+    a.source = source  # type: ignore[assignment]
+    a.announce = a.outputs.announce = lambda payload: log.append(("event", payload))
+    packed.resume()
+    packed.run(on_step=progress.on_step, poll_timeout_s=0)
+    assert source.refused  # the commit of a's step 1 was refused, and tried again at a's turns until taken
+    assert progress.b_steps == [1, 2, 3, 4] and progress.a_step_at_b_steps[:3] == [1, 1, 1]
+    checkpointed: list[dict[str, int]] = []  # the offsets of each LearnerCheckpointed, as announced
+    for kind, item in log:
+        if kind == "event" and isinstance(item, LearnerCheckpointed):
+            checkpointed.append(item.offsets)
+        elif kind == "commit":  # never before its checkpoint's event, and never one already committed
+            assert checkpointed and item == checkpointed[-1], (item, checkpointed)
+    assert [item for kind, item in log if kind == "commit"][-1] == checkpointed[-1]
+    assert len(checkpointed) == 4 and CheckpointStore(batches, "a").latest().state.step == 4
+
+
+def test_a_stop_ends_the_wait_of_a_run_the_broker_refuses_in_one_line_and_the_others_checkpoint(
+        batches, setup):  # noqa: F811
+    packed, (a, b) = packed_pair(batches, setup)
+    progress = Progress(a)
+    publisher = RefusingOneRun("a", lambda: time.monotonic() < progress.deadline)  # refused until the deadline
+    for learner in (a, b):
+        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+        learner.outputs.stopping = lambda: len(progress.b_steps) >= 2
+    failures: dict[str, Exception] = {}
+    packed.resume()
+    packed.run(should_stop=lambda: len(progress.b_steps) >= 2, on_step=progress.on_step, poll_timeout_s=0,
+               on_failure=failures.__setitem__)
+    packed.finish_all(on_failure=failures.__setitem__)
+    assert time.monotonic() < progress.deadline  # the stop ended a's wait, not the broker taking its events
+    assert list(failures) == ["a"] and isinstance(failures["a"], BrokerAwayOnStop)
+    assert len(str(failures["a"]).splitlines()) == 1 and "AdapterPublished v1" in str(failures["a"])
+    assert progress.b_steps == [1, 2] and CheckpointStore(batches, "b").latest().state.step == 2
+    assert CheckpointStore(batches, "a").latest() is None  # a's step 1 was never checkpointed: trained again
+
+
+class Holding:
+    """Stands in for the training engine: a turn only holds it."""
+
+    @contextlib.contextmanager
+    def holding(self, name: str):
+        yield None, name
+
+
+class Run:
+    """A run's learner that records its turns and polls: ``delivered`` batches wait, and its writer's job (if
+    ``writing``) lasts until ``release`` is set, as one the broker refuses does."""
+
+    def __init__(self, run_id: str, turns: list[str], delivered: int, release: threading.Event | None = None) -> None:
+        self.run_id, self.turns, self.cfg = run_id, turns, SimpleNamespace(seed=0)
+        self.incoming = deque(range(delivered))
+        self.kept_alive = 0
+        self.source = SimpleNamespace(exhausted=lambda: False, keep_alive=self.keep_alive)
+        self.outputs = SimpleNamespace(writer=StepWriter())
+        if release is not None:
+            self.outputs.writer.submit(lambda: release.wait() and None)  # a job that writes no checkpoint
+        self.poll_timeouts: list[float] = []
+
+    def keep_alive(self) -> None:
+        self.kept_alive += 1
+
+    def budget_reached(self) -> bool:
+        return False
+
+    def run(self, should_stop, on_step, poll_timeout_s: float, wait_for_writes: bool) -> None:
+        self.turns.append(self.run_id)
+        if not self.incoming:
+            self.poll_timeouts.append(poll_timeout_s)
+
+    def finish_writes(self) -> None:
+        self.outputs.writer.wait()
+
+
+def test_batches_delivered_to_a_run_whose_writes_wait_do_not_make_the_other_runs_polls_spin():
+    """The run whose writes wait cannot ingest its batches; the idle run's polls wait as if none were delivered."""
+    release, turns = threading.Event(), []
+    waiting, idle = Run("waiting", turns, delivered=5, release=release), Run("idle", turns, delivered=0)
+    packed = PackedLearner(Holding(), [waiting, idle])  # type: ignore[arg-type, list-item]
+    threading.Timer(5.0, release.set).start()  # (the writes end, so the loop returns)
+    packed.run(should_stop=lambda: len(idle.poll_timeouts) >= 3, poll_timeout_s=0.4)
+    release.set()
+    assert turns == ["idle"] * 3 and idle.poll_timeouts == [0.2] * 3
+    assert waiting.kept_alive >= 1  # its consumer polled while it passes its turns
+
+
+def test_when_every_runs_writes_wait_the_loop_waits_for_them_instead_of_spinning():
+    release, turns, rounds = threading.Event(), [], []
+    runs = [Run(run_id, turns, delivered=1, release=release) for run_id in ("a", "b")]
+    packed = PackedLearner(Holding(), runs)  # type: ignore[arg-type, list-item]
+    started = time.monotonic()
+    threading.Timer(2.5, release.set).start()
+    packed.run(should_stop=lambda: len(turns) >= 2, poll_timeout_s=0.0, between_rounds=rounds.append)
+    assert 2.4 < time.monotonic() - started < 10 and sorted(turns) == ["a", "b"]
+    assert len(rounds) <= 5  # about a round a second while both waited (a loop that spins makes thousands)
+    assert all(run.kept_alive <= 4 for run in runs)  # their consumers polled about once a second, not each round
