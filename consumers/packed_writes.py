@@ -5,11 +5,12 @@ its next step, and a write the broker refuses is tried again until it is taken (
 packed learner that wait, inside one run's turn, would hold every run, and the broker can refuse one run while it
 takes the others': a run's events go to the partition its run id keys (one whose leader is away, or which has
 fewer in-sync replicas than the topic asks for, refuses them while the other partitions take theirs), and its
-offsets to its group's coordinator (a broker of its own).  So before each turn the packed loop asks ``RunWrites``,
-which never blocks: a run whose last step's writes are still going, or whose offset commit the broker refused,
-passes its turn with its state untouched (nothing polled or ingested, no step started), and the others train.  The
-refused commit is tried again at each of its turns; once its writes are taken the run goes on, its writes in a
-learner's order (a step's commit before the next step's writes: offsets never before their checkpoint's event).
+offsets to its group's coordinator (the broker leading the offsets partition its group id hashes to).  So before
+each turn the packed loop asks ``RunWrites``, which never blocks: a run whose last step's writes are still going,
+or whose offset commit the broker refused, passes its turn with its state untouched (nothing polled or ingested,
+no step started), and the others train.  The refused commit is tried again at each of its turns; once its writes
+are taken the run goes on, its writes in a learner's order (a step's commit before the next step's writes:
+offsets never before their checkpoint's event).
 """
 
 from __future__ import annotations
