@@ -51,7 +51,7 @@ class TrajectorySource(Protocol):
 
     def poll(self, timeout_s: float) -> list[BatchRef]: ...
     def seek(self, positions: dict[str, int]) -> None: ...
-    def commit(self, positions: dict[str, int]) -> None: ...
+    def commit(self, positions: dict[str, int], timeout_s: float | None = None) -> None: ...  # (None: its own)
     def keep_alive(self) -> None: ...
     def exhausted(self) -> bool: ...
     # Optional, for sources whose log can be replaced under the same name (Kafka):
@@ -164,11 +164,12 @@ class KafkaSource:
         named = {_parse_position(k): v for k, v in positions.items() if not k.startswith("replay:")}
         self.consumer.seek({**dict.fromkeys(self.consumer.assignment(), 0), **named})
 
-    def commit(self, positions: dict[str, int]) -> None:
-        """Commit the positions (under the run's learner group id)."""
+    def commit(self, positions: dict[str, int], timeout_s: float | None = None) -> None:
+        """Commit the positions (under the run's learner group id), refused after ``timeout_s`` at most (None: the
+        consumer's own timeout)."""
         offsets = {_parse_position(k): v for k, v in positions.items() if not k.startswith("replay:")}
         if offsets:
-            self.consumer.commit(offsets)
+            self.consumer.commit(offsets, timeout_s=timeout_s)
 
     def keep_alive(self) -> None:
         self.consumer.keep_alive()
@@ -254,7 +255,7 @@ class ReplaySource:
         trained = self.already_trained or (lambda batch_id: False)
         self.queue = deque(c for c in self._listing() if not trained(c.batch_id))
 
-    def commit(self, positions: dict[str, int]) -> None:
+    def commit(self, positions: dict[str, int], timeout_s: float | None = None) -> None:
         """Nothing to commit: the checkpoint's position is the replay cursor."""
 
     def keep_alive(self) -> None:

@@ -257,8 +257,13 @@ class EventConsumer:
 
     # -- offsets -----------------------------------------------------------------------------------------------------
 
-    def commit(self, offsets: OffsetsLike | None = None) -> dict[TopicPartitionKey, int]:
+    def commit(self, offsets: OffsetsLike | None = None,
+               timeout_s: float | None = None) -> dict[TopicPartitionKey, int]:
         """Commit next offsets (default: everything polled so far); returns what was committed.
+
+        The client retries a retriable refusal, and waits for a coordinator it does not know, for up to
+        ``timeout_s`` (default the consumer's own timeout, at least 5 s), then raises ``CommitError``
+        (transient): a caller that must not block long (one packed run's turn) passes a short one.
 
         A group member commits only the partitions it owns now: the broker would take a commit for any
         partition, and one a rebalance gave to another member would lose that member's offsets.  The
@@ -275,7 +280,8 @@ class EventConsumer:
             return {}
         payload = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in to_commit.items()}
         try:
-            self._consumer.commit(payload, timeout_ms=self._timeout_ms)
+            timeout_ms = self._timeout_ms if timeout_s is None else max(1, int(timeout_s * 1000))
+            self._consumer.commit(payload, timeout_ms=timeout_ms)
         except CommitFailedError as exc:
             raise CommitError(
                 f"commit to group {self.group_id} failed: this member was dropped from the group (no poll within "

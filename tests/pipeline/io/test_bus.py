@@ -918,3 +918,27 @@ def test_a_follower_waits_for_a_topic_just_created_elsewhere_to_reach_its_metada
     follower._timeout_ms = 300
     with pytest.raises(bus.UnknownTopicError, match=r"ns\.adapters does not exist"):
         follower._assign("latest", {})
+
+
+class _TimingOutCommits:
+    """A client whose commits run out of their timeout (its coordinator unknown); records each one's timeout."""
+
+    def __init__(self) -> None:
+        self.timeouts_ms: list[int] = []
+
+    def commit(self, offsets: dict, timeout_ms: int) -> None:
+        from kafka.errors import KafkaTimeoutError
+
+        self.timeouts_ms.append(timeout_ms)
+        raise KafkaTimeoutError(f"Timeout after {timeout_ms}ms")
+
+
+def test_a_commit_waits_for_the_broker_for_the_timeout_it_is_given_and_is_refused_as_transient() -> None:
+    consumer = EventConsumer.__new__(EventConsumer)  # no broker: only the client stand-in below is used
+    consumer._consumer, consumer.membership, consumer.group_id = _TimingOutCommits(), False, "rlpipe-learner-a"
+    consumer._timeout_ms, consumer._polled = 10_000, {}
+    for timeout_s in (None, 0.3):
+        with pytest.raises(bus.CommitError, match="commit to group rlpipe-learner-a failed") as refused:
+            consumer.commit({("ns.trajectories", 0): 4}, timeout_s=timeout_s)
+        assert refused.value.transient  # tried again later, not the end of the learner
+    assert consumer._consumer.timeouts_ms == [10_000, 300]  # its own timeout, then the one given
