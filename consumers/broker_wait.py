@@ -74,7 +74,7 @@ class WaitReport:
 
 def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopping: Callable[[], bool],
                            retry_wait_s: float = RETRY_WAIT_S, report_every_s: float = REPORT_EVERY_S,
-                           before_retry: Callable[[], None] | None = None) -> T:
+                           before_retry: Callable[[], None] | None = None, report: WaitReport | None = None) -> T:
     """``write()``'s result once the broker takes it, trying again every ``retry_wait_s`` while it refuses
     (``BusError``); ``what`` names the write in the log lines ("AdapterPublished v3 (step 6)").
 
@@ -82,10 +82,12 @@ def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopp
     offset commit polls there (``keep_alive``), as only a poll rejoins a group that dropped the learner while the
     broker was away.  A refusal no try can change (``BusError.transient`` false: an event over the message size
     limit, a permission the broker denies) is raised at once.  Raises ``BrokerAwayOnStop`` when ``stopping()`` is
-    true after a refused try.
+    true after a refused try.  ``report``: a wait for the same write that began elsewhere (refused already), which
+    this one goes on: its first line was logged, and this logs only the ones after it.
     """
-    report = WaitReport(what, run_id, "the learner waits for it (the writes after it and the next step wait too), "
-                        f"trying again every {retry_wait_s:g}s", report_every_s)
+    if report is None:
+        report = WaitReport(what, run_id, "the learner waits for it (the writes after it and the next step wait too), "
+                            f"trying again every {retry_wait_s:g}s", report_every_s)
     while True:
         try:
             if report.started and before_retry is not None:

@@ -54,7 +54,13 @@ import pyarrow as pa
 
 from consumers.advantages import EpisodeColumns, compute_advantages, training_weights
 from consumers.batching import PendingBatch, checked_for_training, drop_stale, micro_batches
-from consumers.broker_wait import PROGRESS_INTERVAL_S, keep_alive_quietly, progress_announced, until_the_broker_takes
+from consumers.broker_wait import (
+    PROGRESS_INTERVAL_S,
+    WaitReport,
+    keep_alive_quietly,
+    progress_announced,
+    until_the_broker_takes,
+)
 from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.faults import FaultInjector
@@ -483,9 +489,10 @@ class Learner:
         if written is not None and written.positions:
             self.commit(written.positions, f"the offsets of step {written.checkpoint.step}'s checkpoint")
 
-    def commit(self, positions: dict[str, int], what: str) -> None:
+    def commit(self, positions: dict[str, int], what: str, report: WaitReport | None = None) -> None:
         """Commit the source's ``positions``, only ever after the checkpoint that covers them is durable and
         announced; a broker that is away is waited for (``consumers.broker_wait``), polling before each try again:
-        a group that dropped this member meanwhile refuses its commits until a poll rejoins."""
+        a group that dropped this member meanwhile refuses its commits until a poll rejoins.  ``report``: the
+        lines of a wait for this commit that began elsewhere (a packed run's turns), which this one goes on."""
         until_the_broker_takes(lambda: self.source.commit(positions), what, self.run_id, self.outputs.stopping,
-                               before_retry=self.source.keep_alive)
+                               before_retry=self.source.keep_alive, report=report)

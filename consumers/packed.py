@@ -19,7 +19,9 @@ Writes: a run's publish and checkpoint are written by its own writer while the n
 run whose last step's writes are not all taken when its turn comes (still going, or refused by the broker,
 which can refuse one run and take the others') passes that turn, its state untouched, and the others train
 (``consumers.packed_writes``); it goes on once they are taken.  A run going alone takes its turns as a learner of
-one run does: its next step trains while its writes go on, and waits for them.
+one run does: its next step trains while its writes go on, and waits for them.  It is not alone while another run
+waits to come back or runs are followed for joins: it passes its turns as packed, so joins and comebacks, run
+between two rounds, do not wait for the broker to take its writes.
 
 Membership: runs may join and leave between two rounds (``add``, ``remove``),
 e.g. as ``RunStarted`` and ``RunStopped`` arrive on the control topic
@@ -204,7 +206,7 @@ class PackedLearner:
         batches delivered and not yet ingested, it polls without waiting.
         ``between_rounds`` (runs joining and leaving) is called before every round;
         while ``until_stopped`` (or what it returns) is true the loop also goes on while no run is going,
-        waiting for one to join.
+        waiting for one to join, and no run counts as going alone (``passes``).
         A run that finishes writes its final checkpoint at once (``settle``), so its end is durable and
         announced while the others train.  A run's publish and checkpoint are written while the next runs
         take their turns; every run's writes are done when this returns.
@@ -232,7 +234,8 @@ class PackedLearner:
             if between_rounds is not None:
                 between_rounds(self)
             going = [run for run in self.runs if not run.finished()]
-            if not going and not (until_stopped() if callable(until_stopped) else until_stopped):
+            awaiting = until_stopped() if callable(until_stopped) else until_stopped  # runs to join or come back
+            if not going and not awaiting:
                 return
             if not going:
                 time.sleep(poll_timeout_s)
@@ -245,7 +248,7 @@ class PackedLearner:
                 # let it ingest them: a run whose writes wait for the broker must not make the others' polls spin)
                 busy = any(other.learner.incoming and not other.writes.pending() for other in going if other is not run)
                 try:
-                    if self.passes(run, alone=len(going) == 1):
+                    if self.passes(run, alone=len(going) == 1 and not awaiting):
                         passed.append(run)
                         continue
                     with self.turn(run) as learner:
@@ -261,7 +264,8 @@ class PackedLearner:
     @staticmethod
     def passes(run: PackedRun, alone: bool) -> bool:
         """Whether ``run`` passes its turn, its writes not all taken (``RunWrites.waiting``).  A run going alone
-        holds nobody: it waits for a commit it owes, and its step trains while its writes go on, as alone."""
+        holds nobody: it waits for a commit it owes, and its step trains while its writes go on, as alone.  It is
+        not alone while a run may come back or join (``between_rounds``, which its wait would hold)."""
         if alone:
             run.writes.finish_owed()
             return False

@@ -8,9 +8,12 @@ fewer in-sync replicas than the topic asks for, refuses them while the other par
 offsets to its group's coordinator (the broker leading the offsets partition its group id hashes to).  So before
 each turn the packed loop asks ``RunWrites``, which never blocks: a run whose last step's writes are still going,
 or whose offset commit the broker refused, passes its turn with its state untouched (nothing polled or ingested,
-no step started), and the others train.  The refused commit is tried again at each of its turns; once its writes
-are taken the run goes on, its writes in a learner's order (a step's commit before the next step's writes:
-offsets never before their checkpoint's event).
+no step started), and the others train.  The refused commit is tried again at each of its turns, each try given
+``TRY_COMMIT_TIMEOUT_S`` (the client retries a refusal, or waits for an unknown coordinator, until its timeout:
+the consumer's own one would hold every run up to 10 s a round); once its writes are taken the run goes on, its
+writes in a learner's order (a step's commit before the next step's writes: offsets never before their
+checkpoint's event).  A try that timed out may still reach the broker later; it carries the same offsets as the
+next try, and no later step's commit is sent before one of them is taken.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from pipeline.io.bus import BusError
 
 if TYPE_CHECKING:
     from consumers.learner import Learner
+
+TRY_COMMIT_TIMEOUT_S = 0.3  # one try of an owed commit in a packed run's turn; refused after this at most
 
 
 class RunWrites:
@@ -62,7 +67,7 @@ class RunWrites:
         try:
             if self.report is not None:
                 source.keep_alive()  # as a learner of one run polls before each try again
-            source.commit(owed.positions)
+            source.commit(owed.positions, timeout_s=TRY_COMMIT_TIMEOUT_S)
         except BusError as exc:
             if not exc.transient:
                 raise
@@ -84,9 +89,10 @@ class RunWrites:
         self.learner.finish_writes()
 
     def finish_owed(self) -> None:
-        """Commit the owed offsets, waiting for the broker to take them as a learner of one run does."""
+        """Commit the owed offsets, waiting for the broker to take them as a learner of one run does; a wait its
+        turns began goes on with the same lines (``report``): no second start line, one end line."""
         if self.owed is not None:
-            self.learner.commit(self.owed.positions, self.what(self.owed))
+            self.learner.commit(self.owed.positions, self.what(self.owed), self.report)
             self.owed, self.report = None, None
 
     def keep_alive(self) -> None:

@@ -9,6 +9,7 @@ a loop in which a's wait held b would see them end on the deadline, with b at on
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from consumers.broker_wait import BrokerAwayOnStop
 from consumers.checkpoint import CheckpointStore
 from consumers.engine import TrainingEngine
 from consumers.engine_policy import EnginePolicy
+from consumers.learner import Learner
 from consumers.packed import PackedLearner
 from consumers.sources import ReplaySource
 from consumers.step_writer import StepWriter
@@ -95,7 +97,7 @@ class RefusedCommits:
     def __getattr__(self, name: str):
         return getattr(self.source, name)
 
-    def commit(self, positions: dict[str, int]) -> None:
+    def commit(self, positions: dict[str, int], timeout_s: float | None = None) -> None:
         if self.refusing():
             self.refused += 1
             raise CommitError("commit to group rlpipe-learner-a failed: NotCoordinatorForGroupError")
@@ -156,12 +158,14 @@ class Run:
     """A run's learner that records its turns and polls: ``delivered`` batches wait, and its writer's job (if
     ``writing``) lasts until ``release`` is set, as one the broker refuses does."""
 
+    commit = Learner.commit  # a learner's blocking commit, over this stand-in's source
+
     def __init__(self, run_id: str, turns: list[str], delivered: int, release: threading.Event | None = None) -> None:
         self.run_id, self.turns, self.cfg = run_id, turns, SimpleNamespace(seed=0)
         self.incoming = deque(range(delivered))
         self.kept_alive = 0
         self.source = SimpleNamespace(exhausted=lambda: False, keep_alive=self.keep_alive)
-        self.outputs = SimpleNamespace(writer=StepWriter())
+        self.outputs = SimpleNamespace(writer=StepWriter(), stopping=lambda: False)
         if release is not None:
             self.outputs.writer.submit(lambda: release.wait() and None)  # a job that writes no checkpoint
         self.poll_timeouts: list[float] = []
@@ -208,3 +212,80 @@ def test_when_every_runs_writes_wait_the_loop_waits_for_them_instead_of_spinning
     # about a round a second while both waited (a loop that spins makes thousands)
     assert len([at for at in rounds if at < 2.4]) <= 4, rounds
     assert all(run.kept_alive <= 4 for run in runs)  # their consumers polled about once a second, not each round
+
+
+class SlowRefusals:
+    """A source whose offset commits the broker refuses while ``refusing()``, each refusal coming after
+    ``REFUSED_AFTER_S`` or the commit's own timeout if shorter (as kafka-python retries a retriable commit error, or
+    waits for an unknown coordinator, until its timeout); ``commits`` holds the commits taken."""
+
+    REFUSED_AFTER_S = 2.0
+
+    def __init__(self, run: Run, refusing) -> None:
+        self.refusing, self.commits, self.tries = refusing, [], 0
+        self.exhausted, self.keep_alive = run.source.exhausted, run.source.keep_alive
+
+    def commit(self, positions: dict[str, int], timeout_s: float | None = None) -> None:
+        self.tries += 1
+        if self.refusing():
+            time.sleep(self.REFUSED_AFTER_S if timeout_s is None else min(timeout_s, self.REFUSED_AFTER_S))
+            raise CommitError("commit to group rlpipe-learner-a failed: KafkaTimeoutError")
+        self.commits.append(dict(positions))
+
+
+def owing(run: Run, refusing) -> SlowRefusals:
+    """``run`` owes the commit of step 1's checkpoint (written and announced), which its source refuses while
+    ``refusing()``."""
+    run.source = SlowRefusals(run, refusing)  # type: ignore[assignment]
+    run.writes_owed = SimpleNamespace(positions={"t:0": 3}, checkpoint=SimpleNamespace(step=1))
+    return run.source
+
+
+def test_a_commit_the_broker_refuses_slowly_does_not_hold_the_other_runs_turns():
+    """Each try of a refused commit in a run's turn is short; the blocking wait is left to the end (``finish``)."""
+    turns: list[str] = []
+    owes, idle = Run("a", turns, delivered=0), Run("idle", turns, delivered=0)
+    source = owing(owes, lambda: len(idle.turned_at) < 5)
+    packed = PackedLearner(Holding(), [owes, idle])  # type: ignore[arg-type, list-item]
+    packed.runs[0].writes.owed = owes.writes_owed
+    packed.run(should_stop=lambda: len(idle.turned_at) >= 5, poll_timeout_s=0.0)
+    gaps = [later - earlier for earlier, later in zip(idle.turned_at, idle.turned_at[1:], strict=False)]
+    assert source.tries >= 4 and max(gaps) < 1.0, gaps  # not one refusal's 2 s between two turns of the idle run
+    assert source.commits == [{"t:0": 3}]  # taken once the broker took it, at the end
+    assert "a" not in turns  # a took no turn (nothing ingested, no step) while it owed the commit
+
+
+def test_a_run_going_alone_whose_commit_is_refused_lets_comebacks_and_joins_in():
+    """Another run waits to come back (or runs are followed for joins): the one run going passes its turns, as
+    packed, instead of waiting for the broker in its turn while ``between_rounds`` never runs."""
+    turns: list[str] = []
+    rounds: list[float] = []
+    owes = Run("a", turns, delivered=0)
+    started = time.monotonic()
+    refused_until = started + 6.0
+    source = owing(owes, lambda: time.monotonic() < refused_until)
+    source.REFUSED_AFTER_S = 0.0  # refused at once: the wait is the broker's, not one try's
+    packed = PackedLearner(Holding(), [owes])  # type: ignore[arg-type, list-item]
+    packed.runs[0].writes.owed = owes.writes_owed
+    packed.run(should_stop=lambda: len(rounds) >= 3, poll_timeout_s=0.0, until_stopped=lambda: True,
+               between_rounds=lambda packed: rounds.append(time.monotonic() - started))
+    assert rounds[2] < 4.0, rounds  # rounds went on while a's commit was refused (comebacks and joins run there)
+    assert source.commits == [{"t:0": 3}]  # and its commit was still taken, at the end
+
+
+def test_one_wait_for_a_refused_commit_logs_one_start_line_and_one_end_line(caplog):
+    """The commit refused in a's turns, then waited for at the end (``finish``): one wait, two lines."""
+    turns: list[str] = []
+    owes, idle = Run("a", turns, delivered=0), Run("idle", turns, delivered=0)
+    source = owing(owes, lambda: len(idle.turned_at) < 4 or source.tries < 6)  # refused at the end's first try too
+    source.REFUSED_AFTER_S = 0.0
+    packed = PackedLearner(Holding(), [owes, idle])  # type: ignore[arg-type, list-item]
+    packed.runs[0].writes.owed = owes.writes_owed
+    with caplog.at_level(logging.INFO, logger="rlpipe.learner"):
+        packed.run(should_stop=lambda: len(idle.turned_at) >= 4, poll_timeout_s=0.0)
+    lines = [r.getMessage() for r in caplog.records if "step 1's checkpoint" in r.getMessage()]
+    assert source.commits == [{"t:0": 3}] and source.tries >= 6
+    assert len(lines) == 2, lines
+    assert "did not take" in lines[0] and "passes its turns" in lines[0]
+    assert "took" in lines[1]
+    assert not any("next step waits" in line for line in lines)
