@@ -16,8 +16,10 @@ from typing import Literal
 log = logging.getLogger("rlpipe.learner")
 
 FAULT_ENV = "RLPIPE_FAULT"
-FaultPoint = Literal["after_publish", "before_checkpoint", "after_checkpoint"]
-FAULT_POINTS: tuple[FaultPoint, ...] = ("after_publish", "before_checkpoint", "after_checkpoint")
+FaultPoint = Literal["before_version_event", "after_publish", "before_checkpoint", "before_checkpoint_event",
+                     "after_checkpoint"]
+FAULT_POINTS: tuple[FaultPoint, ...] = ("before_version_event", "after_publish", "before_checkpoint",
+                                        "before_checkpoint_event", "after_checkpoint")
 
 
 @dataclass
@@ -27,10 +29,13 @@ class FaultInjector:
     Why: the windows that matter for exactly-once (a checkpoint durable but its
     offsets not committed, a version published but no checkpoint naming it) last
     milliseconds, too short to hit with a timer from outside.  Points:
-    ``after_publish`` (adapter version committed and announced, before the step's
-    checkpoint), ``before_checkpoint`` (nothing of the checkpoint written yet),
-    ``after_checkpoint`` (checkpoint durable and announced, offsets not yet
-    committed).  Counts are per process.  Unset (the normal case), it does nothing.
+    ``before_version_event`` (adapter version committed, its ``AdapterPublished``
+    not tried yet), ``after_publish`` (adapter version committed and announced,
+    before the step's checkpoint), ``before_checkpoint`` (nothing of the checkpoint
+    written yet), ``before_checkpoint_event`` (checkpoint durable, its
+    ``LearnerCheckpointed`` not tried yet), ``after_checkpoint`` (checkpoint durable
+    and announced, offsets not yet committed).  Counts are per process.  Unset (the
+    normal case), it does nothing.
     """
 
     point: FaultPoint | None = None

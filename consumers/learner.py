@@ -61,12 +61,13 @@ from consumers.broker_wait import (
     progress_announced,
     until_the_broker_takes,
 )
-from consumers.checkpoint import CheckpointStore
+from consumers.checkpoint import Checkpoint, CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
 from consumers.policy import LoraPolicy
 from consumers.read_ahead import BatchReader
+from consumers.reannounce import announce_again, checkpoint_event
 from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, origin_of, rewind_if_the_log_changed
 from consumers.step_writer import StepOutputs
 from consumers.tracking import MetricLogger, NullMetricLogger
@@ -136,15 +137,16 @@ class Learner:
 
         The checkpoint's positions are committed again: a learner killed after a
         checkpoint was durable but before its commit left the group's offsets
-        behind what that checkpoint trained.  Events the broker had not taken when
-        the learner before this one stopped (a version, a checkpoint) are announced
-        first (``consumers.unannounced``).
+        behind what that checkpoint trained.  Before that commit the checkpoint and
+        every version newer than it are announced again (``consumers.reannounce``):
+        the learner before this one may have been killed or stopped before their
+        events were taken.
         """
         if self.lease is not None:
             self.lease.acquire()
-        self.outputs.announce_unannounced()  # a version or checkpoint a stop left unannounced, before anything newer
         self.outputs.next_version = None  # versions a learner before this one published count
         checkpoint = self.checkpoints.latest()
+        self.announce_again(checkpoint)
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
             self.rewind_if_the_log_changed()
@@ -167,6 +169,12 @@ class Learner:
             published is None or published.learner_step < self.state.step)
         log.info("resumed from %s: step %d, version %d", checkpoint.key, self.state.step, self.state.version)
         return True
+
+    def announce_again(self, checkpoint: Checkpoint | None) -> None:
+        """Announce ``checkpoint`` (the one resumed from) and the versions newer than it, as they were first
+        sent (``consumers.reannounce``)."""
+        resumed = checkpoint_event(self.checkpoints, checkpoint) if checkpoint is not None else None
+        announce_again(self.announce, self.run_id, self.registry, resumed, self.outputs.stopping)
 
     def rewind_if_the_log_changed(self) -> None:
         """Read a log that is not the one the checkpoint's positions point into from its start.

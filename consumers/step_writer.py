@@ -14,8 +14,8 @@ are committed by the learner's thread after the wait: Kafka consumers are not
 thread-safe.  An announcement the broker refuses (it is away) is tried again
 until it is taken (``consumers.broker_wait``): the job, and so the next step's
 wait for it, lasts as long as the outage, and nothing after it goes first.  An
-announcement still refused when the learner stops is kept in the store, and the
-next start announces it (``consumers.unannounced``).
+announcement the learner never saw taken (a stop during that wait, a kill) is
+sent again by the next start (``consumers.reannounce``).
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from consumers.broker_wait import until_the_broker_takes
 from consumers.checkpoint import CheckpointStore, PreparedCheckpoint
 from consumers.faults import FaultInjector
 from consumers.retention import VersionRetention
-from consumers.unannounced import UnannouncedEvents
 from pipeline.io.registry import AdapterRegistry
+from pipeline.runtime import announcing_once
 from schemas.checkpoint import LearnerState
-from schemas.events import LearnerCheckpointed, Payload, make_event
+from schemas.events import LearnerCheckpointed, Payload
 
 if TYPE_CHECKING:
     from consumers.policy import AdapterSnapshot
@@ -151,7 +152,6 @@ class StepOutputs:
         self.abandoning = threading.Event()  # set while the learner, stopping on an error, lets the job in flight end
         self.retention = VersionRetention(registry, "learner.keep_versions", keep_versions, keep_also)
         self.writer = StepWriter()
-        self.unannounced = UnannouncedEvents(registry.store, run_id)  # events refused until a stop, for the next start
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
 
     def prepare_publication(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> Publication:
@@ -177,6 +177,7 @@ class StepOutputs:
                                f"not v{publication.version}: another writer publishes to this run; run one learner "
                                "per run")
         event = self.registry.published_event(manifest)
+        self.faults.reached("before_version_event")
         self.announce_until_taken(event, f"AdapterPublished v{manifest.version} (step {publication.step})")
         log.info("published adapter v%d at step %d", manifest.version, publication.step)
         self.faults.reached("after_publish")
@@ -198,6 +199,7 @@ class StepOutputs:
         key = self.checkpoints.write(prepared.checkpoint)
         event = LearnerCheckpointed(step=prepared.checkpoint.step, version=prepared.checkpoint.version, path=key,
                                     offsets=prepared.positions, metrics=prepared.metrics)
+        self.faults.reached("before_checkpoint_event")
         self.announce_until_taken(event, f"LearnerCheckpointed of step {event.step} (its offsets not committed)")
         self.faults.reached("after_checkpoint")
         return key
@@ -214,14 +216,10 @@ class StepOutputs:
 
     def announce_until_taken(self, payload: Payload, what: str) -> None:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
-        publishes the same event, which the first refused try keeps in the store until the broker takes it: a stop
-        before that leaves it for the next start to announce (``consumers.unannounced``)."""
-        self.unannounced.announce_until_taken(self.announce, make_event(self.run_id, payload), what,
-                                              lambda: self.stopping() or self.abandoning.is_set())
-
-    def announce_unannounced(self) -> int:
-        """Announce what the run's earlier learner left unannounced (``UnannouncedEvents.announce_left``)."""
-        return self.unannounced.announce_left(self.announce, self.stopping)
+        publishes the same event (``announcing_once``), and a stop before the broker took it leaves it for the next
+        start to announce again (``consumers.reannounce``)."""
+        until_the_broker_takes(announcing_once(self.announce, payload), what, self.run_id,
+                               lambda: self.stopping() or self.abandoning.is_set())
 
     def write_step(self, metrics: dict[str, Any], publication: Publication | None,
                    prepared: PreparedStep | None) -> PreparedStep | None:

@@ -260,9 +260,34 @@ class Envelope(BaseModel):
         return validate_name(value, "run_id")
 
 
+# uuid5 namespace of the event ids of versions and checkpoints (``announcement_id``); never change it: ids already on
+# a topic would no longer match the ids of the same announcements sent again
+ANNOUNCEMENT_NAMESPACE = uuid.UUID("a9c5363e-b150-4178-87c7-9427d0283afe")
+
+
+def announcement_id(run_id: str, payload: Payload) -> uuid.UUID | None:
+    """The ``event_id`` every sending of a version's or checkpoint's announcement carries; None for other events.
+
+    A version (``AdapterPublished``: its number and manifest digest) and a checkpoint (``LearnerCheckpointed``: its
+    folder, unique to one write) are durable before their event is sent, so a learner starting after one that was
+    killed or stopped in between announces them again (``consumers.reannounce``): with the id derived from what the
+    event names, a reader that dedupes by ``event_id`` counts each once, whether or not it was sent before.
+    """
+    if isinstance(payload, AdapterPublished):
+        name = f"{run_id}/AdapterPublished/{payload.version}/{payload.manifest_sha256}"
+    elif isinstance(payload, LearnerCheckpointed):
+        name = f"{run_id}/LearnerCheckpointed/{payload.path}"
+    else:
+        return None
+    return uuid.uuid5(ANNOUNCEMENT_NAMESPACE, name)
+
+
 def make_event(run_id: str, payload: Payload) -> Envelope:
-    """Wrap ``payload`` in a fresh envelope for ``run_id``."""
-    return Envelope(type=payload.event_type, run_id=run_id, payload=payload)
+    """Wrap ``payload`` in an envelope for ``run_id``: a fresh ``event_id``, or ``announcement_id`` where it has one."""
+    event_id = announcement_id(run_id, payload)
+    if event_id is None:
+        return Envelope(type=payload.event_type, run_id=run_id, payload=payload)
+    return Envelope(type=payload.event_type, run_id=run_id, payload=payload, event_id=event_id)
 
 
 def encode_event(event: Envelope) -> bytes:

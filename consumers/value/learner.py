@@ -27,9 +27,10 @@ the same weights.  After every step, and while it waits, the learner announces h
 broker refuses is a warning, sent again within ``PROGRESS_INTERVAL_S`` while the learner waits.
 A dead letter, ``AdapterPublished``, ``LearnerCheckpointed`` or offset commit the broker refuses is tried again until
 it takes it (``consumers.broker_wait``), the writes after it waiting: the offsets are never committed before their
-checkpoint's event.  A stop during that wait ends the learner with one line naming what was never taken; a version's
-or checkpoint's event is kept in the store meanwhile (``consumers.unannounced``), and the next start announces it,
-then resumes from the newest checkpoint (committing its offsets), training each batch once.
+checkpoint's event.  A stop during that wait ends the learner with one line naming what was never taken; the next
+start, as every start, announces again the checkpoint it resumes from and the versions newer than it
+(``consumers.reannounce``: a version or checkpoint a stop or a kill left unannounced among them), then commits its
+offsets and trains each batch once.
 
 The replay memory is not checkpointed: the store is the memory.  Each step-log
 entry names the batches (path, digest, transitions formed) the step added, and
@@ -58,11 +59,11 @@ from consumers.broker_wait import PROGRESS_INTERVAL_S, progress_announced, until
 from consumers.checkpoint import CheckpointStore
 from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
+from consumers.reannounce import announce_again, checkpoint_event
 from consumers.retention import VersionRetention
 from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, origin_of, rewind_if_the_log_changed
 from consumers.step_writer import finite_numbers
 from consumers.tracking import NOT_SCALARS
-from consumers.unannounced import UnannouncedEvents
 from consumers.value.agent import ValueAgent, build_agent
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.networks import network_spec
@@ -73,7 +74,7 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.runtime import announcing_once
 from pipeline.value_network import network_files
 from schemas.checkpoint import LearnerState
-from schemas.events import AdapterPublished, DeadLetter, LearnerCheckpointed, LearnerProgress, Payload, make_event
+from schemas.events import DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
 from schemas.value import READ_BY_PRODUCER_METRIC, SlateSpec
 from schemas.versions import NewerSchemaError
 
@@ -127,7 +128,6 @@ class ValueLearner:
         self.archive, self.registry, self.checkpoints = archive, registry, checkpoints
         self.retention = VersionRetention(registry, "value.learner.keep_versions", config.keep_versions)
         self.source, self.announce, self.lease, self.stopping = source, announce, lease, stopping
-        self.unannounced = UnannouncedEvents(registry.store, run_id)  # events refused until a stop, for the next start
         self.state = LearnerState()
         self.incoming: deque[BatchRef] = deque()
         self.duplicates_skipped = self.dead_lettered = self.dead_lettered_unrecorded = 0
@@ -146,8 +146,10 @@ class ValueLearner:
         """Take the lease, load the newest checkpoint, rebuild the replay memory from the store, seek the source."""
         if self.lease is not None:
             self.lease.acquire()
-        self.unannounced.announce_left(self.announce, self.stopping)  # what a stop left unannounced, first
         checkpoint = self.checkpoints.latest()
+        # what a kill or a stop may have left unannounced (``consumers.reannounce``), before the offsets' commit
+        resumed = checkpoint_event(self.checkpoints, checkpoint, NOT_SCALARS) if checkpoint is not None else None
+        announce_again(self.announce, self.run_id, self.registry, resumed, self.stopping)
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
             self.rewind_if_the_log_changed()
@@ -402,6 +404,7 @@ class ValueLearner:
             kind="value-network",
         )
         self.state.version = manifest.version
+        self.faults.reached("before_version_event")
         self.announce_until_taken(self.registry.published_event(manifest),
                                   f"AdapterPublished v{manifest.version} (step {self.state.step})")
         log.info("published value network v%d at step %d", manifest.version, self.state.step)
@@ -421,6 +424,7 @@ class ValueLearner:
         }
         priorities = {"replay/priority": torch.from_numpy(memory.tree.leaves().copy())}
         key = self.checkpoints.save(self.state, self.agent.state_dict(), priorities, scalars)
+        self.faults.reached("before_checkpoint_event")
         self.announce_until_taken(LearnerCheckpointed(step=self.state.step, version=self.state.version, path=key,
                                                       offsets=dict(self.state.positions),
                                                       metrics=finite_numbers(self.last_metrics, exclude=NOT_SCALARS)),
@@ -439,12 +443,8 @@ class ValueLearner:
     def announce_until_taken(self, payload: Payload, what: str) -> None:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
         publishes the same event (``announcing_once``).  A version's or checkpoint's event still refused at a stop
-        is left in the store for the next start to announce (``consumers.unannounced``); a dead letter is not (the
-        next start reads its batch again, and dead-letters it then)."""
-        if isinstance(payload, AdapterPublished | LearnerCheckpointed):
-            self.unannounced.announce_until_taken(self.announce, make_event(self.run_id, payload), what,
-                                                  self.stopping)
-            return
+        is announced again by the next start (``consumers.reannounce``); a dead letter is not (the next start reads
+        its batch again, and dead-letters it then)."""
         until_the_broker_takes(announcing_once(self.announce, payload), what, self.run_id, self.stopping)
 
 

@@ -1,5 +1,6 @@
-"""A learner stopped while the broker refuses a step's announcement: the next start announces what was published or
-checkpointed but never announced, once, with the event_id of the refused tries (readers dedupe by it).
+"""A learner stopped while the broker refuses a step's announcement, or killed between a version's or checkpoint's
+write and its event: the next start announces what was published or checkpointed but never announced, once, with
+the event_id of any earlier try (readers dedupe by it).
 
 A scripted source and a publisher that stands in for the broker keep these fast; the real broker's outages are in
 test_learner_outage.py.
@@ -12,7 +13,6 @@ import pytest
 
 from consumers.broker_wait import BrokerAwayOnStop
 from consumers.checkpoint import CheckpointStore
-from consumers.unannounced import UnannouncedEvents
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import PublishError
 from pipeline.io.registry import AdapterRegistry
@@ -21,6 +21,7 @@ from schemas.events import AdapterPublished, Envelope, LearnerCheckpointed
 from tests.consumers import test_learner
 from tests.consumers.test_learner import RUN, write_batches
 from tests.consumers.test_learner_progress import scripted_learner, stored_refs
+from tests.fixtures.killing import Killed, KillingFaults
 
 store, setup = test_learner.store, test_learner.setup  # a file store, the tiny model's prompt
 
@@ -64,8 +65,8 @@ class Broker:
         return payloads
 
 
-def learner_announcing_to(store, setup, broker: Broker):  # type: ignore[no-untyped-def]
-    learner, _ = scripted_learner(store, setup, stored_refs(store), max_steps=4)
+def learner_announcing_to(store, setup, broker: Broker, **overrides):  # type: ignore[no-untyped-def]
+    learner, _ = scripted_learner(store, setup, stored_refs(store), **{"max_steps": 4, **overrides})
     learner.announce = learner.outputs.announce = Announcer(broker, RUN)  # type: ignore[arg-type]
     return learner
 
@@ -82,8 +83,8 @@ def test_a_restart_announces_the_version_or_checkpoint_a_stop_left_unannounced_o
     with pytest.raises(BrokerAwayOnStop, match=f"never took {away_at}"):
         learner.run(poll_timeout_s=0)
     assert broker.refused == 1
-    (kept,) = UnannouncedEvents(store, RUN).owed()  # the refused event, as its try sent it
-    assert kept.type == away_at and kept.event_id == broker.tried[-1].event_id
+    refused = broker.tried[-1]
+    assert refused.type == away_at
     broker.back()
     again = learner_announcing_to(store, setup, broker)
     assert again.resume()
@@ -94,4 +95,36 @@ def test_a_restart_announces_the_version_or_checkpoint_a_stop_left_unannounced_o
     # every version in the registry and every checkpoint in the store announced, each once, in order
     assert versions == AdapterRegistry(store, RUN).versions()
     assert steps == sorted(step for step, _ in CheckpointStore(store, RUN).complete())
-    assert UnannouncedEvents(store, RUN).owed() == []  # taken: nothing left for a later start
+    assert refused.event_id in {event.event_id for event in broker.log}  # sent again as it was first tried
+
+
+def assert_each_version_and_checkpoint_announced_once(store, broker: Broker) -> None:  # type: ignore[no-untyped-def]
+    """Every version in the registry and every checkpoint in the store is in the broker's log, each under one
+    ``event_id`` (a reader that dedupes by it sees each once), versions in order."""
+    versions = [p.version for p in broker.deduped(AdapterPublished)]
+    paths = [p.path for p in broker.deduped(LearnerCheckpointed)]
+    assert versions == AdapterRegistry(store, RUN).versions()
+    assert sorted(paths) == sorted(key for _, key in CheckpointStore(store, RUN).complete())
+
+
+# (point, n): each fault point, where a restart has a checkpoint to resume from and where it has none; checkpoints
+# every 2 steps, so versions newer than the checkpoint resumed from were published (v3 after step 2's checkpoint)
+KILLS = [("before_version_event", 1), ("before_version_event", 3), ("after_publish", 3), ("before_checkpoint", 1),
+         ("before_checkpoint_event", 1), ("after_checkpoint", 1), ("before_checkpoint_event", 2)]
+
+
+@pytest.mark.parametrize(("point", "at"), KILLS, ids=[f"{p}:{n}" for p, n in KILLS])
+def test_a_learner_killed_at_any_point_leaves_every_version_and_checkpoint_announced_once_after_its_restart(
+        store, setup, point: str, at: int) -> None:  # type: ignore[no-untyped-def]
+    write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(0))
+    broker = Broker("never", nth=0, writes_refused=False)  # the broker takes everything
+    killed = learner_announcing_to(store, setup, broker, checkpoint_every=2)
+    killed.faults = killed.outputs.faults = KillingFaults(point, at)  # type: ignore[arg-type]
+    killed.resume()
+    with pytest.raises(Killed):
+        killed.run(poll_timeout_s=0)
+    again = learner_announcing_to(store, setup, broker, checkpoint_every=2)
+    again.resume()
+    again.run(poll_timeout_s=0)
+    assert again.state.step == 4 and sorted(again.state.trained.values()) == [1, 2, 3, 4]
+    assert_each_version_and_checkpoint_announced_once(store, broker)

@@ -180,3 +180,29 @@ def test_unknown_field_of_this_version_still_refused():
         decode_event(json.dumps(data))
     with pytest.raises(EventDecodeError, match="trace_id"):
         decode_event(_raw(trace_id="abc"))
+
+
+def test_a_version_or_checkpoint_has_one_event_id_however_often_it_is_announced() -> None:
+    """Learners announce a version or checkpoint again at each start (``consumers.reannounce``): every sending of
+    one carries the id derived from what it names, so readers that dedupe by ``event_id`` count it once."""
+    from schemas.events import AdapterPublished, LearnerCheckpointed, RunStopped, announcement_id, make_event
+
+    def published(version: int, digest: str = "a") -> AdapterPublished:
+        return AdapterPublished(version=version, path=f"runs/r/adapters/v{version:06d}", manifest_sha256=digest * 64,
+                                base_model="m", parent_version=version - 1, learner_step=version, files={})
+
+    def checkpointed(path: str, metrics: dict[str, float] | None = None) -> LearnerCheckpointed:
+        return LearnerCheckpointed(step=2, version=2, path=path, offsets={"t:0": 4}, metrics=metrics or {})
+
+    assert make_event("r", published(3)).event_id == make_event("r", published(3)).event_id
+    assert make_event("r", published(3)).event_id == announcement_id("r", published(3))
+    # its checkpoint folder names a checkpoint (the metrics of a sending again may be read back differently)
+    assert make_event("r", checkpointed("c/step-2-a")).event_id == make_event(
+        "r", checkpointed("c/step-2-a", {"loss": 1.0})).event_id
+    distinct = [announcement_id("r", published(3)), announcement_id("r", published(4)),
+                announcement_id("r", published(3, "b")), announcement_id("s", published(3)),
+                announcement_id("r", checkpointed("c/step-2-a")), announcement_id("r", checkpointed("c/step-2-b"))]
+    assert len(set(distinct)) == len(distinct)
+    stop = RunStopped(reason="done")
+    assert announcement_id("r", stop) is None
+    assert make_event("r", stop).event_id != make_event("r", stop).event_id  # other events: a fresh id each

@@ -29,9 +29,11 @@ from producers.value_actor import ValueActor, ValueNetworkWatcher
 from schemas.config import BusConfig
 from schemas.events import AdapterPublished, DeadLetter, LearnerCheckpointed, LearnerProgress, Payload
 from schemas.value import ValueActorConfig
+from tests.consumers.test_learner_reannounce import Broker
 from tests.consumers.value.test_learner import ListSource, OpenSource, batches, make_learner  # noqa: F401 (a fixture)
 from tests.fixtures import outages
 from tests.fixtures.kafka import FAST_GROUP
+from tests.fixtures.killing import Killed, KillingFaults
 from tests.fixtures.outages import BrokerAwayAt, logged, wait_for
 
 stack = outages.stack  # the fixture: the embedded stack, its broker one a test stops and starts
@@ -128,7 +130,9 @@ def test_a_stop_while_a_commit_waits_ends_the_learner_in_one_line_and_the_next_s
     second = wired(make_learner(store, "outage-commit-stop", refs[:4], publish_every=1, min_replay_size=1,
                                 checkpoint_every=2), broker, commit_refusals=1)
     assert second.resume()  # its commit of the checkpoint's offsets, refused once, waits too
-    assert broker.taken[0] == "commit" and second.source.committed == {"mem:0": 2}  # type: ignore[attr-defined]
+    resumed, committed = broker.taken[:2]  # the checkpoint resumed from is announced again before its commit
+    assert isinstance(resumed, LearnerCheckpointed) and resumed.step == 2 and committed == "commit"
+    assert second.source.committed == {"mem:0": 2}  # type: ignore[attr-defined]
     second.run(poll_timeout_s=0.0)
     assert second.state.step == 4 and second.duplicates_skipped == 0
     assert list(second.state.trained.items()) == [(ref.batch_id, step) for step, ref in enumerate(refs[:4], 1)]
@@ -232,3 +236,33 @@ def test_the_next_start_announces_the_version_a_stop_left_unannounced_once(batch
     published = [p.version for p in broker.taken if isinstance(p, AdapterPublished)]
     assert published == again.registry.versions() == [1, 2, 3]  # v1 first, once; then steps 1 and 2
     assert [p.step for p in broker.taken if isinstance(p, LearnerCheckpointed)] == [1, 2]
+
+
+KILLS = [("before_version_event", 1), ("before_version_event", 3), ("after_publish", 3), ("before_checkpoint", 1),
+         ("before_checkpoint_event", 1), ("after_checkpoint", 1), ("before_checkpoint_event", 2)]
+
+
+@pytest.mark.parametrize(("point", "at"), KILLS, ids=[f"{p}:{n}" for p, n in KILLS])
+def test_a_value_learner_killed_at_any_point_leaves_every_version_and_checkpoint_announced_once_after_its_restart(
+        batches, point: str, at: int) -> None:  # noqa: F811
+    """Killed (in the process: ``tests.fixtures.killing``) at each fault point, a version or checkpoint written
+    but not announced included; after the restart every version and checkpoint is in the log under one event id."""
+    store, refs = batches
+    run_id = f"killed-{point.replace('_', '-')}-{at}"
+    overrides = {"publish_every": 1, "min_replay_size": 1, "checkpoint_every": 2}
+    broker = Broker("never", nth=0, writes_refused=False)  # the broker takes everything
+    killed = make_learner(store, run_id, refs[:4], **overrides)
+    killed.announce = Announcer(broker, run_id)  # type: ignore[assignment]
+    killed.faults = KillingFaults(point, at)  # type: ignore[arg-type]
+    killed.resume()
+    with pytest.raises(Killed):
+        killed.run(poll_timeout_s=0.0)
+    again = make_learner(store, run_id, refs[:4], **overrides)
+    again.announce = Announcer(broker, run_id)  # type: ignore[assignment]
+    again.resume()
+    again.run(poll_timeout_s=0.0)
+    assert again.state.step == 4
+    versions = [p.version for p in broker.deduped(AdapterPublished)]
+    paths = [p.path for p in broker.deduped(LearnerCheckpointed)]
+    assert versions == again.registry.versions()
+    assert sorted(paths) == sorted(key for _, key in again.checkpoints.complete())
