@@ -42,6 +42,9 @@ class Dashboard:
             self.producers[payload.producer_id] = payload
             self.heard[payload.producer_id] = time.monotonic()
         elif isinstance(payload, LearnerCheckpointed):
+            shown = self.learner
+            if shown is not None and (payload.step < shown.step or payload.path == shown.path):
+                return  # an older checkpoint late, or the one shown announced again (``consumers.reannounce``)
             self.learner = payload
             if "reward_mean" in payload.metrics:
                 self.rewards.append(payload.metrics["reward_mean"])

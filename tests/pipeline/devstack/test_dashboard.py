@@ -33,3 +33,19 @@ def test_a_launchers_dashboards_call_a_producer_silent_after_three_of_its_heartb
     config = RunConfig.model_validate({"producer": {"heartbeat_interval_s": 20.0}})
     assert dashboard.silent_after_s(config) == 60.0
     assert dashboard.silent_after_s(RunConfig.model_validate({"producer": {"heartbeat_interval_s": 1.0}})) == 30.0
+
+
+def test_a_checkpoint_announced_again_or_late_neither_moves_the_learner_back_nor_counts_its_reward_twice() -> None:
+    """A learner's start announces again the checkpoint it resumes from (``consumers.reannounce``): the board keeps
+    the newest checkpoint, and averages each checkpoint's reward once."""
+    from schemas.events import LearnerCheckpointed
+
+    def checkpointed(step: int, reward: float) -> LearnerCheckpointed:
+        return LearnerCheckpointed(step=step, version=step, path=f"runs/r/checkpoints/step-{step:06d}-a", offsets={},
+                                   metrics={"reward_mean": reward})
+
+    board = dashboard.Dashboard()
+    for payload in (checkpointed(1, 0.25), checkpointed(2, 0.75), checkpointed(2, 0.75), checkpointed(1, 0.25)):
+        board.apply(payload)
+    assert board.learner == checkpointed(2, 0.75)
+    assert list(board.rewards) == [0.25, 0.75]  # (0.25 + 0.75) / 2, not pulled towards either by a repeat
