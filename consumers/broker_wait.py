@@ -13,10 +13,10 @@ A stop (SIGTERM) during the wait ends it after the try in progress (at most the
 publisher's wait) with ``BrokerAwayOnStop``: one line naming what was not
 announced.  Nothing is lost by that: whatever was written is in the store
 (producers find versions in the registry, ``rlpipe run`` looks at the store for
-a run at its step budget), a version's or checkpoint's event the broker did not
-take is kept there too (``consumers.unannounced``), and the next ``rlpipe learner
-start`` announces it, then resumes from the newest checkpoint, its offsets
-committed then, training each batch once.
+a run at its step budget), and the next ``rlpipe learner start`` announces again
+the checkpoint it resumes from and the versions after it (``consumers.reannounce``:
+a version's or checkpoint's event the broker did not take among them), then
+commits that checkpoint's offsets, training each batch once.
 
 ``LearnerProgress`` is not waited for: producers go by the last one they read
 until the next one, so a refused one is a warning (``progress_announced``) and the

@@ -83,7 +83,8 @@ class Announcer:
         return self.publish(self.envelope(payload))
 
     def envelope(self, payload: Payload) -> Envelope:
-        """``payload`` as one event of this run (a fresh ``event_id``), to ``publish`` as often as it is tried."""
+        """``payload`` as one event of this run (``make_event``: a fresh ``event_id``, or the one a version or
+        checkpoint always has), to ``publish`` as often as it is tried."""
         return make_event(self.run_id, payload)
 
     def publish(self, envelope: Envelope) -> tuple[int, int]:
@@ -97,16 +98,9 @@ def announcing_once(announce: Callable[[Payload], Any], payload: Payload) -> Cal
     it and the try after it carry one ``event_id``, and readers that dedupe by it (reports) count it once.  Any
     other callable (a test's list) is called with the payload."""
     if isinstance(announce, Announcer):
-        return sending(announce, announce.envelope(payload))
-    return lambda: announce(payload)
-
-
-def sending(announce: Callable[[Payload], Any], envelope: Envelope) -> Callable[[], Any]:
-    """A call that sends ``envelope`` as it is (its ``event_id`` kept) with an ``Announcer``; any other callable
-    (a test's list) is called with its payload.  For an event kept to announce later (``consumers.unannounced``)."""
-    if isinstance(announce, Announcer):
+        envelope = announce.envelope(payload)
         return lambda: announce.publish(envelope)
-    return lambda: announce(envelope.payload)
+    return lambda: announce(payload)
 
 
 # Fields that define what a run's stored data means: trajectories were sampled from this base model in this
