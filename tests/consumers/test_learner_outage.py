@@ -98,11 +98,12 @@ def test_a_learner_goes_on_after_the_broker_was_away_and_trains_each_batch_once(
 # ---- the broker away while a step's writes are announced ----------------------------------------------------------
 
 def announced_in_order(bus: BusConfig) -> tuple[list[int], list[int]]:
-    """The versions ``AdapterPublished`` names and the steps ``LearnerCheckpointed`` names, in log order."""
-    versions = [record.event.payload.version for record in tail(bus, "adapters", n=100, run_id=RUN)
-                if isinstance(record.event.payload, AdapterPublished)]
-    steps = [record.event.payload.step for record in tail(bus, "control", n=100, run_id=RUN)
-             if isinstance(record.event.payload, LearnerCheckpointed)]
+    """The versions ``AdapterPublished`` names and the steps ``LearnerCheckpointed`` names, in log order, each
+    event once (by ``event_id``, as readers count them: a start announces its checkpoint and later versions again)."""
+    events = [record.event for kind in ("adapters", "control") for record in tail(bus, kind, n=100, run_id=RUN)]
+    once = list({event.event_id: event for event in reversed(events) if event is not None}.values())[::-1]
+    versions = [event.payload.version for event in once if isinstance(event.payload, AdapterPublished)]
+    steps = [event.payload.step for event in once if isinstance(event.payload, LearnerCheckpointed)]
     return versions, steps
 
 
