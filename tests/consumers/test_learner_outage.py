@@ -101,7 +101,8 @@ def announced_in_order(bus: BusConfig) -> tuple[list[int], list[int]]:
     """The versions ``AdapterPublished`` names and the steps ``LearnerCheckpointed`` names, in log order, each
     event once (by ``event_id``, as readers count them: a start announces its checkpoint and later versions again)."""
     events = [record.event for kind in ("adapters", "control") for record in tail(bus, kind, n=100, run_id=RUN)]
-    once = list({event.event_id: event for event in reversed(events) if event is not None}.values())[::-1]
+    seen: set = set()
+    once = [event for event in events if event is not None and not (event.event_id in seen or seen.add(event.event_id))]
     versions = [event.payload.version for event in once if isinstance(event.payload, AdapterPublished)]
     steps = [event.payload.step for event in once if isinstance(event.payload, LearnerCheckpointed)]
     return versions, steps
