@@ -48,8 +48,9 @@ SESSION_TIMEOUT_S = 300.0  # heartbeats every 10 s; a session silent this long h
 # bounds one call's answer, and is vLLM's own ``max_logprobs`` default
 MAX_TOPK_LOGPROBS = 20
 # sampled tokens' top-k rows of one sample call (num_samples x max_tokens x topk_sample_logprobs): 8 bytes each on
-# the wire, so about 32 MiB at most, where plain logprobs of the same call would be a twentieth of it
-MAX_TOPK_SAMPLE_CELLS = 2**22
+# the wire, so 8 MiB at most, where plain logprobs of the same call would be a twentieth of it; the sampler builds and
+# encodes them in Python objects first, so the bound keeps one call's rows (and the time to encode them) small
+MAX_TOPK_SAMPLE_CELLS = 2**20
 
 
 

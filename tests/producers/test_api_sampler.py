@@ -72,6 +72,9 @@ def test_topk_logprob_counts_reach_the_engine_and_are_bounded():
                 sampling_params(sample_request(None, **{field: bad}), 64)
     last_two = sample_request(None, prompt_logprobs=True, prompt_logprobs_last_n=2, topk_prompt_logprobs=2)
     assert sampling_params(last_two, 64)[0].topk_prompt_logprobs == 2
+    rows_only = last_two.model_copy(update={"prompt_logprobs": False})  # the last N needs it, as in the SDK
+    with pytest.raises(ApiError, match=r"^prompt_logprobs_last_n=2: it needs prompt_logprobs=True"):
+        check_sample_request(rows_only)
 
 
 def test_sampled_top_k_rows_are_bounded_by_the_call_s_whole_answer():
@@ -91,6 +94,13 @@ def test_sampled_top_k_rows_are_bounded_by_the_call_s_whole_answer():
     assert sampling_params(big.model_copy(update={"topk_sample_logprobs": 0}), 4096)[0].num_samples == 1024
     fits = sample_request(None, num_samples=64, max_tokens=256, topk_sample_logprobs=MAX_TOPK_LOGPROBS)
     assert sampling_params(fits, 4096)[0].topk_sample_logprobs == MAX_TOPK_LOGPROBS
+    # 2**20 entries (8 MiB on the wire) at most: their rows are built and encoded while the sampler's calls wait
+    at_the_cap = sample_request(None, num_samples=1024, max_tokens=64, topk_sample_logprobs=16)  # 1,048,576
+    check_sample_request(at_the_cap)
+    assert sampling_params(at_the_cap, 4096)[0].topk_sample_logprobs == 16
+    over = sample_request(None, num_samples=1024, max_tokens=52, topk_sample_logprobs=MAX_TOPK_LOGPROBS)
+    with pytest.raises(ApiError, match=r"^topk_sample_logprobs=20 for 1024 samples of up to 52 tokens is 1,064,960 "):
+        check_sample_request(over)
 
 
 def test_the_batch_cap_option_reaches_the_engines_config_and_is_refused_in_one_line(capsys):
