@@ -9,6 +9,7 @@ over up to ``MAX_TOPK_SAMPLE_CELLS`` top-k entries, so the sampler runs it off t
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -51,16 +52,23 @@ def only_last(values: list[Any] | None, last_n: int | None) -> list[Any] | None:
 
 def encode_topk(rows: list[TopK | None], k: int, into: Any) -> None:
     """Top-k rows as the SDK's ``TopkLogprobs``: N x ``k`` int32 ids and float32 logprobs, row-major, most likely
-    first; the cells a row leaves (None: all of them) hold 0 / ``MASK_LOGPROB``, which the SDK's decoder drops."""
+    first; the cells a row leaves (None: all of them) hold 0 / ``MASK_LOGPROB``, which the SDK's decoder drops.
+
+    Built with array operations, not cell by cell: a call may answer ``MAX_TOPK_SAMPLE_CELLS`` entries.  Filled
+    cell m (of M, row after row) is row ``row_M[m]``, column m - (the cells of the rows before it)."""
+    lengths_N = np.fromiter((0 if row is None else len(row) for row in rows), np.int64, len(rows))
+    too_long = np.flatnonzero(lengths_N > k)
+    if too_long.size:
+        raise ValueError(f"a top-k row of {lengths_N[too_long[0]]} entries for k={k}; an engine gives at most k")
+    # token, logprob, token, logprob, ...: float64 holds every int32 id exactly
+    pairs = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(row for row in rows if row)),
+                        np.float64, 2 * int(lengths_N.sum()))
+    row_M = np.repeat(np.arange(len(rows)), lengths_N)
+    column_M = np.arange(row_M.size) - np.repeat(np.cumsum(lengths_N) - lengths_N, lengths_N)
     ids_NK = np.zeros((len(rows), k), np.int32)
     logprobs_NK = np.full((len(rows), k), MASK_LOGPROB, np.float32)
-    for n, row in enumerate(rows):
-        if row is None:
-            continue
-        if len(row) > k:
-            raise ValueError(f"a top-k row of {len(row)} entries for k={k}; an engine gives at most k")
-        for j, (token, logprob) in enumerate(row):
-            ids_NK[n, j], logprobs_NK[n, j] = token, logprob
+    ids_NK[row_M, column_M] = pairs[0::2]
+    logprobs_NK[row_M, column_M] = pairs[1::2]
     into.token_ids, into.logprobs, into.k, into.length = ids_NK.tobytes(), logprobs_NK.tobytes(), k, len(rows)
 
 

@@ -80,3 +80,25 @@ def test_stop_strings_are_found_with_a_number_of_decodes_logarithmic_in_the_samp
     calls.clear()
     sample = SampleOutput(token_ids=tokens, logprobs=[0.0] * len(tokens), finish_reason="length")
     assert cut_at_stop_strings(sample, ["\nU"], decode) is sample and len(calls) == 1
+
+
+def test_topk_rows_of_every_length_are_placed_in_their_own_row_and_columns():
+    """Rows of 0 to k entries and None, in any order, each land in its own row, from column 0, the rest masked."""
+    rng = np.random.default_rng(7)
+    k = 4
+    rows: list = []
+    for n in range(200):
+        length = int(rng.integers(0, k + 1))
+        ids = rng.choice(150_000, length, replace=False).tolist()
+        rows.append(None if n % 7 == 3 else [(int(t), -float(j) - 0.5) for j, t in enumerate(ids)])
+    decoded = deserialize_sample_response(encode_sample_response(SampleResult([], None, rows), topk_prompt=k))
+    assert decoded.topk_prompt_logprobs == [row or None for row in rows]  # the SDK: an empty row is None
+    matrices = decoded.topk_prompt_logprobs_np
+    assert matrices is not None and matrices.token_ids.shape == (200, k)
+    for n, row in enumerate(rows):
+        filled = len(row or [])
+        assert matrices.token_ids[n, :filled].tolist() == [t for t, _ in row or []]
+        assert matrices.token_ids[n, filled:].tolist() == [0] * (k - filled)
+        assert matrices.logprobs[n, filled:].tolist() == [-99999.0] * (k - filled)
+    with pytest.raises(ValueError, match="a top-k row of 5 entries for k=4"):
+        encode_sample_response(SampleResult([], None, [*rows, [(1, -1.0)] * 5]), topk_prompt=k)
