@@ -295,7 +295,9 @@ class SamplerWorker:
         last_n = request.prompt_logprobs_last_n  # only the last N are asked for (the top-k rows' too)
         answer = SampleResult(sequences, only_last(result.prompt_logprobs, last_n),
                               only_last(result.topk_prompt_logprobs, last_n))
-        return encode_sample_response(answer, params.topk_prompt_logprobs, params.topk_sample_logprobs)
+        # off the loop too: a call's top-k rows are up to MAX_TOPK_SAMPLE_CELLS entries to flatten and place
+        return await asyncio.to_thread(encode_sample_response, answer, params.topk_prompt_logprobs,
+                                       params.topk_sample_logprobs)
 
     async def _sample_in_rounds(self, prompt: list[int], adapter: AdapterHandle | None,
                                 params: SampleParams, tenant: str) -> SampleResult:

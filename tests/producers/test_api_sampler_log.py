@@ -383,3 +383,26 @@ def test_a_call_of_many_samples_runs_in_rounds_that_let_another_call_in(harness,
     assert len(whole.sequences) == 40 and len(whole.prompt_logprobs) == 3
     again = harness.run([harness.sample(sampler_id, 2, big)])[0]
     assert [s.tokens for s in deserialize_sample_response(again[0]).sequences] == [s.tokens for s in whole.sequences]
+
+
+def test_a_calls_answer_is_encoded_off_the_event_loop_every_call_shares(harness, monkeypatch):
+    """Encoding a call's top-k rows is array work over up to MAX_TOPK_SAMPLE_CELLS entries: on the loop, every other
+    call on the sampler would stand still meanwhile."""
+    import threading
+
+    from producers import api_sampler
+
+    sampler_id = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
+    encoded_on: list[int] = []
+    encode = api_sampler.encode_sample_response
+
+    def recorded(*args, **kwargs):
+        encoded_on.append(threading.get_ident())
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(api_sampler, "encode_sample_response", recorded)
+    request = sample_request([], seed=3, num_samples=2, topk_prompt_logprobs=2, topk_sample_logprobs=3)
+    data, _ = harness.run([harness.sample(sampler_id, 0, request)])[0]
+    decoded = deserialize_sample_response(data)
+    assert all(len(row) == 3 for s in decoded.sequences for row in s.topk_logprobs)
+    assert len(encoded_on) == 1 and encoded_on[0] != threading.get_ident()  # asyncio.run's loop runs on this thread
