@@ -46,7 +46,6 @@ import asyncio
 import itertools
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -55,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, TopK, request_seed
+from producers.samplers.vllm_outputs import sample_parts
 from producers.samplers.vllm_sampler import check_vllm_can_load, refusal_named, refused_adapter
 from schemas.api import MAX_TOPK_LOGPROBS
 from schemas.config import RunConfig, SamplerConfig
@@ -350,12 +350,9 @@ class VLLMEngine(SamplingEngine):
                 for j, seed in enumerate(params.seeds())
             )
         )
-        prompt_logprobs = _prompt_logprobs(outputs[0], prompt_token_ids) if params.prompt_logprobs else None
-        topk_prompt = (_topk_prompt_logprobs(outputs[0], params.topk_prompt_logprobs)
-                       if params.topk_prompt_logprobs else None)
-        stops = self.stop_ids(params)
-        return SampleResult([_to_sample_output(out, stops, params.topk_sample_logprobs) for out in outputs],
-                            prompt_logprobs, topk_prompt)
+        # off the loop: a call's top-k rows are up to MAX_TOPK_SAMPLE_CELLS entries (vllm_outputs.py)
+        return SampleResult(*await asyncio.to_thread(sample_parts, outputs, prompt_token_ids, params,
+                                                     self.stop_ids(params)))
 
     def _sampling_params(self, params: SampleParams, budget: int, seed: int | None, want_prompt: bool) -> Any:
         from vllm import SamplingParams
@@ -426,42 +423,6 @@ def _zero_copy(handle: AdapterHandle, folder: str) -> AdapterHandle:
     zeroed = {name: t.zero_() if "lora_B" in name else t for name, t in tensors.items()}
     save_file(zeroed, os.path.join(folder, "adapter_model.safetensors"))
     return AdapterHandle(version=0, lora_int_id=1, name="base", path=folder, sha256="zero", run=BASE_RUN)
-
-
-def _to_sample_output(request_output: Any, stops: tuple[int, ...], topk: int = 0) -> SampleOutput:
-    """vLLM's RequestOutput -> SampleOutput: the sampled ids (stop token kept), each one's logprob, and with ``topk``
-    the ``topk`` most likely tokens at each position."""
-    completion = request_output.outputs[0]
-    token_ids = [int(t) for t in completion.token_ids]
-    logprobs = [float(position[token].logprob) for token, position in zip(token_ids, completion.logprobs, strict=True)]
-    reason = "stop" if token_ids and token_ids[-1] in stops else (completion.finish_reason or "length")
-    rows = [_top(position, topk) for position in completion.logprobs] if topk else None
-    return SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, topk_logprobs=rows)
-
-
-def _top(position: dict[int, Any], k: int) -> TopK:
-    """The ``k`` most likely tokens of one position of vLLM's logprobs, most likely first.
-
-    vLLM gives the top ``k`` and the chosen token (the prompt's or the sampled one) besides, so ``k + 1`` entries
-    where it is not among them; tokens a top-k or top-p cut removed (logprob -inf) are left out, as they cannot be
-    drawn."""
-    ranked = sorted(position.items(), key=lambda item: (-item[1].logprob, item[1].rank or 0))
-    return [(int(token), float(entry.logprob)) for token, entry in ranked[:k] if math.isfinite(entry.logprob)]
-
-
-def _topk_prompt_logprobs(request_output: Any, k: int) -> list[TopK | None]:
-    """The ``k`` most likely tokens at each prompt position (None at position 0, which nothing predicts)."""
-    positions = request_output.prompt_logprobs or []
-    return [None] + [_top(position, k) for position in positions[1:]]
-
-
-def _prompt_logprobs(request_output: Any, prompt_token_ids: list[int]) -> list[float | None]:
-    """One logprob per prompt token (None at position 0, which nothing predicts)."""
-    positions = request_output.prompt_logprobs or []
-    out: list[float | None] = [None]
-    for token, position in zip(prompt_token_ids[1:], positions[1:], strict=True):
-        out.append(float(position[token].logprob))
-    return out
 
 
 def make_engine(backend: str, model_path: str, config: SamplerConfig | None = None, **kwargs: Any) -> SamplingEngine:
