@@ -27,7 +27,7 @@ from tests.consumers import test_learner
 from tests.consumers.test_learner import RUN, make_learner, write_batches
 from tests.fixtures import outages
 from tests.fixtures.kafka import FAST_GROUP
-from tests.fixtures.outages import BrokerAwayAt, logged, wait_for
+from tests.fixtures.outages import BrokerAwayAt, logged, train_in_thread, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -127,18 +127,6 @@ def stop_of(learner) -> threading.Event:  # type: ignore[no-untyped-def]
     stop = threading.Event()
     learner.outputs.stopping = stop.is_set
     return stop
-
-
-def train_in_thread(learner, stop: threading.Event, errors: list[BaseException]) -> threading.Thread:  # type: ignore[no-untyped-def]
-    def train() -> None:
-        try:
-            learner.run(should_stop=stop.is_set, poll_timeout_s=0.5)
-        except BaseException as exc:  # the assertions name it
-            errors.append(exc)
-
-    thread = threading.Thread(target=train, name="learner")
-    thread.start()
-    return thread
 
 
 # what the learner's wait names, by where the broker goes away (at step 2)

@@ -34,7 +34,7 @@ from tests.consumers.value.test_learner import ListSource, OpenSource, batches, 
 from tests.fixtures import outages
 from tests.fixtures.kafka import FAST_GROUP
 from tests.fixtures.killing import Killed, KillingFaults
-from tests.fixtures.outages import BrokerAwayAt, logged, wait_for
+from tests.fixtures.outages import BrokerAwayAt, logged, train_in_thread, wait_for
 
 stack = outages.stack  # the fixture: the embedded stack, its broker one a test stops and starts
 
@@ -189,15 +189,7 @@ def test_a_value_learner_waits_out_a_real_broker_outage_in_its_commit_and_commit
     learner.stopping = stop.is_set
     learner.resume()
     errors: list[BaseException] = []
-
-    def train() -> None:
-        try:
-            learner.run(should_stop=stop.is_set, poll_timeout_s=0.5)
-        except BaseException as exc:  # the assertions name it
-            errors.append(exc)
-
-    thread = threading.Thread(target=train, name="value-learner")
-    thread.start()
+    thread = train_in_thread(learner, stop, errors, name="value-learner")
     what = "the offsets of step 2's checkpoint"
     try:
         assert away.stopped.wait(90), "the learner never reached step 2's commit"
