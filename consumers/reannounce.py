@@ -44,9 +44,15 @@ def describe(payload: Payload) -> str:
 def checkpoint_event(checkpoints: CheckpointStore, checkpoint: Checkpoint,
                      exclude: tuple[str, ...] = ()) -> LearnerCheckpointed:
     """``checkpoint``'s ``LearnerCheckpointed`` as its learner sent it: the offsets it stored (read before a resume
-    moves them), the numbers of its step's log entry less ``exclude`` (none at step 0, which has no entry)."""
+    moves them), the numbers of its step's log entry less ``exclude`` (none at step 0, which has no entry).
+
+    A checkpoint of the old layout (written before the step log) carries its log inline, and its steps have no step
+    objects until the next save writes them out (``consumers.checkpoint``): its entry is read from there."""
     state = checkpoint.state
-    entries = checkpoints.steps.read(upto=state.step, since=state.step) if state.step else []
+    if state.legacy_layout:
+        entries = [entry for entry in state.legacy_step_log if int(entry.get("step", -1)) == state.step]
+    else:
+        entries = checkpoints.steps.read(upto=state.step, since=state.step) if state.step else []
     metrics = finite_numbers(entries[0], exclude) if entries else {}
     return LearnerCheckpointed(step=state.step, version=state.version, path=checkpoint.key,
                                offsets=dict(state.positions), metrics=metrics)

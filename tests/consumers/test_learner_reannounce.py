@@ -8,6 +8,8 @@ test_learner_outage.py.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -16,7 +18,10 @@ from consumers.checkpoint import CheckpointStore
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import PublishError
 from pipeline.io.registry import AdapterRegistry
+from pipeline.io.steplog import StepLog
+from pipeline.io.store import sha256_hex
 from pipeline.runtime import Announcer
+from schemas.checkpoint import MANIFEST_FILE, STATE_FILE
 from schemas.events import AdapterPublished, Envelope, LearnerCheckpointed
 from tests.consumers import test_learner
 from tests.consumers.test_learner import RUN, write_batches
@@ -128,3 +133,47 @@ def test_a_learner_killed_at_any_point_leaves_every_version_and_checkpoint_annou
     again.run(poll_timeout_s=0)
     assert again.state.step == 4 and sorted(again.state.trained.values()) == [1, 2, 3, 4]
     assert_each_version_and_checkpoint_announced_once(store, broker)
+
+
+def rewrite_as_old_layout(store, key: str) -> str:  # type: ignore[no-untyped-def]
+    """The checkpoint at ``key`` as a learner before the step log wrote it: its step log and trained ids inline in
+    state.json, no step objects (a run upgraded from then); the new folder's key."""
+    steps = StepLog(store, RUN)
+    meta = json.loads(store.get(f"{key}/{STATE_FILE}"))
+    state = meta["state"]
+    entries = steps.read(upto=state["step"])
+    state.pop("step_log_head", None)
+    state["trained"] = {batch_id: entry["step"] for entry in entries for batch_id in entry["batch_ids"]}
+    state["step_log"] = entries
+    files = {name: store.get(f"{key}/{name}") for name in ("adapter.safetensors", "optimizer.safetensors")}
+    files[STATE_FILE] = json.dumps(meta).encode()
+    manifest = json.loads(store.get(f"{key}/{MANIFEST_FILE}"))
+    old = key.rsplit("-", 1)[0] + "-0ld1ay0u"
+    for name, data in files.items():
+        store.put_create(f"{old}/{name}", data)
+    store.put_create(f"{old}/{MANIFEST_FILE}",
+                     json.dumps({**manifest, "files": {n: sha256_hex(d) for n, d in files.items()}}).encode())
+    store.delete(key, recursive=True)
+    store.delete(steps.prefix, recursive=True)
+    return old
+
+
+def test_a_run_whose_newest_checkpoint_is_of_the_old_layout_resumes_and_announces_it(store, setup) -> None:
+    """A user upgrading rlpipe: the checkpoint resumed from has its step log inline and no step objects exist; the
+    start announces it with its step's metrics (from the inline log) and trains on."""
+    write_batches(TrajectoryArchive(store), setup, 4, np.random.default_rng(0))
+    broker = Broker("never", nth=0, writes_refused=False)
+    first = learner_announcing_to(store, setup, broker, max_steps=2, checkpoint_every=2)
+    first.resume()
+    first.run(poll_timeout_s=0)
+    [(step, key)] = CheckpointStore(store, RUN).complete()
+    sent = next(p for p in broker.deduped(LearnerCheckpointed) if p.path == key)
+    old = rewrite_as_old_layout(store, key)
+    assert CheckpointStore(store, RUN).latest().state.legacy_layout
+    broker.log.clear()
+    again = learner_announcing_to(store, setup, broker, checkpoint_every=2)
+    assert again.resume()
+    [announced] = broker.deduped(LearnerCheckpointed)
+    assert (announced.path, announced.step, announced.metrics) == (old, step, sent.metrics) and sent.metrics
+    again.run(poll_timeout_s=0)
+    assert again.state.step == 4 and sorted(again.state.trained.values()) == [1, 2, 3, 4]
