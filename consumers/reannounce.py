@@ -61,11 +61,17 @@ def checkpoint_event(checkpoints: CheckpointStore, checkpoint: Checkpoint,
 def announce_again(announce: Callable[[Payload], Any], run_id: str, registry: AdapterRegistry,
                    resumed: LearnerCheckpointed | None, stopping: Callable[[], bool]) -> int:
     """Announce ``resumed`` (the checkpoint a start resumes from; None: it starts afresh), then every version in
-    ``registry`` newer than its version, each waiting out a broker that is away (a stop ends the wait with
-    ``BrokerAwayOnStop``); how many events."""
+    ``registry`` newer than its version that still has its files, each waiting out a broker that is away (a stop
+    ends the wait with ``BrokerAwayOnStop``); how many events.
+
+    The versions are found by probing upward from the checkpoint's (``AdapterRegistry.newest_from``: one look when
+    none is newer), so a long run's start does not list its registry for them.  A version ``keep_versions`` retired
+    is left out: a producer that heard of it could not pull it."""
     since = resumed.version if resumed is not None else 0
     events: list[Payload] = [] if resumed is None else [resumed]
-    events += [registry.published_event(registry.show(version)) for version in registry.versions() if version > since]
+    newer = range(since + 1, registry.newest_from(since) + 1)
+    events += [registry.published_event(registry.show(version)) for version in newer
+               if registry.retired_reason(version) is None]
     for payload in events:
         until_the_broker_takes(announcing_once(announce, payload), f"{describe(payload)}, announced again at the start",
                                run_id, stopping)

@@ -237,13 +237,15 @@ class AdapterRegistry:
     def published_event(self, manifest: AdapterManifest) -> AdapterPublished:
         """The ``AdapterPublished`` payload for a committed manifest (the caller sends it on ``<ns>.adapters``).
 
-        ``manifest_sha256`` is computed from the canonical encoding, which is exactly what
-        ``publish`` stored, so it equals ``adapter_sha256(version)`` without a read.
+        ``manifest_sha256`` is ``adapter_sha256(version)``, the digest of the stored bytes (one small read), not of
+        ``manifest`` encoded again: a manifest another rlpipe version wrote (a field this one ignores, a default it
+        fills) encodes to other bytes, and its announcement's ``event_id`` (``schemas.events.announcement_id``)
+        must be the same whichever version sends it (``consumers.reannounce``).
         """
         return AdapterPublished(
             version=manifest.version,
             path=self.version_key(manifest.version),
-            manifest_sha256=sha256_hex(manifest_to_bytes(manifest)),
+            manifest_sha256=self.adapter_sha256(manifest.version),
             base_model=manifest.base_model,
             parent_version=manifest.parent_version,
             learner_step=manifest.learner_step,
