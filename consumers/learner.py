@@ -101,8 +101,12 @@ class Learner:
         metric_logger: MetricLogger | None = None,
         lease: LearnerLease | None = None,
         stopping: Callable[[], bool] = lambda: False,
+        reannounce: bool = True,
     ) -> None:
+        """``reannounce``: whether ``resume`` announces again what the learner before it may have left unannounced
+        (``consumers.reannounce``); False where no broker takes the events (a replay)."""
         self.run_id, self.base_model, self.cfg = run_id, base_model, config
+        self.reannounce = reannounce
         self.policy, self.archive, self.registry = policy, archive, registry
         self.checkpoints, self.source, self.announce = checkpoints, source, announce
         self.lease = lease  # None: nothing fences this learner (tests, benchmarks)
@@ -172,7 +176,9 @@ class Learner:
 
     def announce_again(self, checkpoint: Checkpoint | None) -> None:
         """Announce ``checkpoint`` (the one resumed from) and the versions newer than it, as they were first
-        sent (``consumers.reannounce``)."""
+        sent (``consumers.reannounce``); nothing without a broker (``reannounce`` False)."""
+        if not self.reannounce:
+            return
         resumed = checkpoint_event(self.checkpoints, checkpoint) if checkpoint is not None else None
         announce_again(self.announce, self.run_id, self.registry, resumed, self.outputs.stopping)
 

@@ -44,6 +44,7 @@ def build_learner(
     base_model: str | None = None,
     policy: LoraPolicy | None = None,
     stopping: Callable[[], bool] = lambda: False,
+    reannounce: bool = True,
 ) -> Learner:
     """The learner of ``config.run_id`` over ``store``, fed by ``source``.
 
@@ -51,6 +52,7 @@ def build_learner(
     ``resume``): their manifests are written through a store that checks it.
     ``policy``: the run's adapter of a shared engine (packed learning); None loads a model of its own.
     ``stopping``: the process's stop flag, which ends a wait for a broker that is away (``consumers.broker_wait``).
+    ``reannounce``: whether a start announces again what a learner before it left unannounced (False: no broker).
     """
     base_model = base_model or resolve_base_model(config.model)
     if policy is None:
@@ -64,7 +66,7 @@ def build_learner(
         registry=AdapterRegistry(fenced, config.run_id),
         checkpoints=CheckpointStore(fenced, config.run_id, keep=config.learner.keep_checkpoints),
         source=source, announce=announce, metric_logger=open_metric_logger(config, store), lease=lease,
-        stopping=stopping,
+        stopping=stopping, reannounce=reannounce,
     )
 
 
@@ -193,8 +195,9 @@ def replay_train(config: RunConfig, source_run: str, date_from: str | None = Non
     log.info("checking the digests of %d batches of run %s", len(source.queue), source_run)
     archive.check_digests(source_run, source.queue)
     create_run(store, config, config.model.base_model)  # run.json, so eval/report know the run
+    broker = announce is not None  # without one, nothing is announced: nor again at the start
     announce = refuse_dead_letters(announce or (lambda payload: None), source_run)  # no dead-letter topic here
-    learner = build_learner(config, store, source, announce, policy=policy)
+    learner = build_learner(config, store, source, announce, policy=policy, reannounce=broker)
     source.already_trained = lambda batch_id: batch_id in learner.state.trained
     learner.resume()
     started = time.monotonic()

@@ -110,8 +110,11 @@ class ValueLearner:
         lease: LearnerLease | None = None,
         slate: SlateSpec | None = None,
         stopping: Callable[[], bool] = lambda: False,
+        reannounce: bool = True,
     ) -> None:
-        """``stopping``: the process's stop flag, which ends a wait for a broker that is away."""
+        """``stopping``: the process's stop flag, which ends a wait for a broker that is away.  ``reannounce``:
+        whether ``resume`` announces again what the learner before it may have left unannounced
+        (``consumers.reannounce``); False where no broker takes the events (a replay)."""
         if (config.agent == "slateq") != (slate is not None):
             raise ValueError(f"agent {config.agent} with{'' if slate else 'out'} a slate: slateq needs the run's "
                              "value.slate, dqn and c51 take none")
@@ -128,6 +131,7 @@ class ValueLearner:
         self.archive, self.registry, self.checkpoints = archive, registry, checkpoints
         self.retention = VersionRetention(registry, "value.learner.keep_versions", config.keep_versions)
         self.source, self.announce, self.lease, self.stopping = source, announce, lease, stopping
+        self.reannounce = reannounce
         self.state = LearnerState()
         self.incoming: deque[BatchRef] = deque()
         self.duplicates_skipped = self.dead_lettered = self.dead_lettered_unrecorded = 0
@@ -148,8 +152,9 @@ class ValueLearner:
             self.lease.acquire()
         checkpoint = self.checkpoints.latest()
         # what a kill or a stop may have left unannounced (``consumers.reannounce``), before the offsets' commit
-        resumed = checkpoint_event(self.checkpoints, checkpoint, NOT_SCALARS) if checkpoint is not None else None
-        announce_again(self.announce, self.run_id, self.registry, resumed, self.stopping)
+        if self.reannounce:
+            resumed = checkpoint_event(self.checkpoints, checkpoint, NOT_SCALARS) if checkpoint is not None else None
+            announce_again(self.announce, self.run_id, self.registry, resumed, self.stopping)
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
             self.rewind_if_the_log_changed()

@@ -39,10 +39,11 @@ CONTINUOUS_ACTION_ENVS = ("building-hvac",)  # setpoints, not action indices: of
 
 
 def build_value_learner(config: RunConfig, store: ObjectStore, source: Any, announce: Callable[[Payload], Any],
-                        stopping: Callable[[], bool] = lambda: False) -> ValueLearner:
+                        stopping: Callable[[], bool] = lambda: False, reannounce: bool = True) -> ValueLearner:
     """The value learner of ``config.run_id`` over ``store``, fed by ``source``, fenced by the run's lease.
 
     ``stopping``: the process's stop flag, which ends a wait for a broker that is away (``consumers.broker_wait``).
+    ``reannounce``: whether a start announces again what a learner before it left unannounced (False: no broker).
     """
     if config.value is None:
         raise ValueError(f"run {config.run_id} has no value section; use a value preset such as dqn-cartpole")
@@ -57,6 +58,7 @@ def build_value_learner(config: RunConfig, store: ObjectStore, source: Any, anno
         archive=TrajectoryArchive(store), registry=AdapterRegistry(fenced, config.run_id),
         checkpoints=CheckpointStore(fenced, config.run_id, keep=value.learner.keep_checkpoints),
         source=source, announce=announce, lease=lease, slate=value.slate, stopping=stopping,
+        reannounce=reannounce,
     )
 
 
@@ -111,7 +113,7 @@ def replay_train_value(config: RunConfig, source_run: str, date_from: str | None
             raise ValueError(f"steps batch {payload.key} of run {source_run} cannot be trained ({why}); the replay "
                              "stopped there: leave its day out with --date-from/--date-to")
 
-    learner = build_value_learner(config, store, source, refuse_unusable)
+    learner = build_value_learner(config, store, source, refuse_unusable, reannounce=False)  # no broker
     source.already_trained = lambda batch_id: batch_id in learner.state.trained
     learner.resume()
     try:

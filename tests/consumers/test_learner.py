@@ -780,3 +780,18 @@ def test_a_decaying_schedule_without_max_steps_is_named_in_a_warning(store, setu
     with caplog.at_level(logging.WARNING, logger="rlpipe.learner"):
         make_learner(store, setup, lr_schedule="cosine", max_steps=10)
     assert "lr_schedule" not in caplog.text
+
+
+def test_a_resumed_replay_announces_nothing_again_having_no_broker(tmp_path, setup, caplog):
+    """A replay's learner sends its events nowhere: a resumed replay neither announces its checkpoint and
+    versions again nor logs that it did."""
+    from consumers.service import replay_train
+
+    store = ObjectStore(tmp_path.as_uri())
+    write_batches(TrajectoryArchive(store), setup, 2, np.random.default_rng(18))
+    config = replay_config(tmp_path, setup)
+    assert replay_train(config, RUN).state.step == 2
+    with caplog.at_level(logging.INFO, logger="rlpipe.learner"):
+        again = replay_train(config, RUN)
+    assert again.state.step == 2 and "resumed from" in caplog.text
+    assert "announced again" not in caplog.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,20 @@ def test_replay_train_trains_a_value_run_from_the_stored_batches_once(tmp_path: 
     assert learner.registry.latest().learner_step == BATCHES  # the tail after the last publish_every is published
     again = replay_train_value(config, "actors")  # resumes from the checkpoint: nothing left to train
     assert again.state.step == BATCHES and again.agent.training_steps == learner.agent.training_steps
+
+
+def test_a_resumed_value_replay_announces_nothing_again_having_no_broker(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A replay's learner sends its events nowhere: a resumed replay neither announces its checkpoint and
+    versions again nor logs that it did."""
+    _, raw = actors_batches(tmp_path, "offline-dqn")
+    raw["value"]["learner"].update(min_replay_size=32, batch_size=16, checkpoint_every=3, publish_every=3)
+    config = RunConfig.model_validate(raw)
+    replay_train_value(config, "actors")
+    with caplog.at_level(logging.INFO, logger="rlpipe.learner"):
+        again = replay_train_value(config, "actors")
+    assert again.state.step == BATCHES and again.checkpoints.latest() is not None
+    assert "announced again" not in caplog.text
 
 
 def test_a_replay_stops_at_a_batch_that_cannot_train_naming_it_and_how_to_leave_it_out(tmp_path: Path) -> None:
