@@ -53,6 +53,12 @@ class WaitReport:
     def __init__(self, what: str, run_id: str, waiting: str, report_every_s: float = REPORT_EVERY_S) -> None:
         self.what, self.run_id, self.waiting, self.report_every_s = what, run_id, waiting, report_every_s
         self.started = self.reported = 0.0
+        self.over = False  # the broker took the write
+
+    @property
+    def refusing(self) -> bool:
+        """The broker refused the write and has not taken it yet."""
+        return bool(self.started) and not self.over
 
     def refused(self, exc: BusError) -> None:
         """One more refusal (``exc``): the first one's line, or a line when ``report_every_s`` passed since the last."""
@@ -67,6 +73,7 @@ class WaitReport:
 
     def taken(self) -> None:
         """The broker took the write: a line saying after how long, if it refused it first."""
+        self.over = True
         if self.started:
             log.warning("run %s: the broker took %s after %.0fs; the learner goes on", self.run_id, self.what,
                         time.monotonic() - self.started)
@@ -86,8 +93,7 @@ def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopp
     this one goes on: its first line was logged, and this logs only the ones after it.
     """
     if report is None:
-        report = WaitReport(what, run_id, "the learner waits for it (the writes after it and the next step wait too), "
-                            f"trying again every {retry_wait_s:g}s", report_every_s)
+        report = WaitReport(what, run_id, learner_waits(retry_wait_s), report_every_s)
     while True:
         try:
             if report.started and before_retry is not None:
@@ -106,6 +112,11 @@ def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopp
             continue
         report.taken()
         return result
+
+
+def learner_waits(retry_wait_s: float) -> str:
+    """What a learner's wait for the broker holds, as its first line says."""
+    return f"the learner waits for it (the writes after it and the next step wait too), trying again every {retry_wait_s:g}s"
 
 
 def progress_announced(announce: Callable[[Payload], Any], progress: LearnerProgress, run_id: str) -> bool:

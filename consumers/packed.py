@@ -248,7 +248,7 @@ class PackedLearner:
                 # let it ingest them: a run whose writes wait for the broker must not make the others' polls spin)
                 busy = any(other.learner.incoming and not other.writes.pending() for other in going if other is not run)
                 try:
-                    if self.passes(run, alone=len(going) == 1 and not awaiting):
+                    if self.passes(run, lone=len(going) == 1, awaiting=awaiting):
                         passed.append(run)
                         continue
                     with self.turn(run) as learner:
@@ -262,14 +262,16 @@ class PackedLearner:
                 wait_for_writes([run.learner.outputs.writer for run in passed], should_stop)
 
     @staticmethod
-    def passes(run: PackedRun, alone: bool) -> bool:
-        """Whether ``run`` passes its turn, its writes not all taken (``RunWrites.waiting``).  A run going alone
-        holds nobody: it waits for a commit it owes, and its step trains while its writes go on, as alone.  It is
-        not alone while a run may come back or join (``between_rounds``, which its wait would hold)."""
-        if alone:
+    def passes(run: PackedRun, lone: bool, awaiting: bool) -> bool:
+        """Whether ``run`` passes its turn, its writes not all taken (``RunWrites.waiting``).  A ``lone`` run (no
+        other going) holds no other run's turn: its step trains while its writes go on, as alone.  Going alone
+        (nobody ``awaiting`` to join or come back) it also waits for a commit it owes; while runs may join or come
+        back (``between_rounds``, which its wait would hold) it passes its turns while the broker refuses its
+        writes or its commit instead."""
+        if lone and not awaiting:
             run.writes.finish_owed()
             return False
-        return run.writes.waiting()
+        return run.writes.waiting(lone=lone)
 
     def settle(self, run: PackedRun, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
         """``run`` is finished: train what it has waiting, write its final checkpoint and wait for its writes."""

@@ -29,7 +29,8 @@ from pipeline.io.bus import BusError
 if TYPE_CHECKING:
     from consumers.learner import Learner
 
-TRY_COMMIT_TIMEOUT_S = 0.3  # one try of an owed commit in a packed run's turn; refused after this at most
+TRY_COMMIT_TIMEOUT_S = 0.3  # the first try of an owed commit in a packed run's turn; refused after this at most
+CONSUMER_TIMEOUT_FLOOR_S = 5.0  # a try's timeout doubled to this or more is the consumer's own (at least 5 s)
 
 
 class RunWrites:
@@ -41,12 +42,20 @@ class RunWrites:
         self.owed: PreparedStep | None = None  # written and announced; its positions not yet committed
         self.report: WaitReport | None = None  # the wait for the owed commit, while the broker refuses it
         self.kept_alive_at = float("-inf")
+        self.try_timeout_s: float | None = TRY_COMMIT_TIMEOUT_S  # the next try's (None: the consumer's own)
 
-    def waiting(self) -> bool:
+    def waiting(self, lone: bool = False) -> bool:
         """Whether the run's writes are not all taken yet, so it passes its turn; never waits.  The error of a
-        write that failed (a store error, a lost lease, a refusal no try can change) is raised here."""
-        writer = self.learner.outputs.writer
+        write that failed (a store error, a lost lease, a refusal no try can change) is raised here.
+
+        ``lone``: no other run is going (runs may still join or come back between rounds): writes that are only
+        going (none refused) do not make it pass, as its step trains beside them and waits for them before its own,
+        as a learner of one run does; it passes while the broker refuses a write or its owed commit."""
+        outputs = self.learner.outputs
+        writer = outputs.writer
         if writer.busy and not writer.done:
+            if lone and not outputs.waiting_for_broker():
+                return False
             self.keep_alive()
             return True
         written = writer.wait()  # done (or none): returns at once
@@ -63,14 +72,17 @@ class RunWrites:
         """One try of the owed commit (polling first when it was refused before); whether the broker took it."""
         owed = self.owed
         assert owed is not None
-        run_id, source = self.learner.run_id, self.learner.source
+        run_id, source, timeout_s = self.learner.run_id, self.learner.source, self.try_timeout_s
+        started = time.monotonic()
         try:
             if self.report is not None:
                 source.keep_alive()  # as a learner of one run polls before each try again
-            source.commit(owed.positions, timeout_s=TRY_COMMIT_TIMEOUT_S)
+            source.commit(owed.positions, timeout_s=timeout_s)
         except BusError as exc:
             if not exc.transient:
                 raise
+            if timeout_s is not None and time.monotonic() - started >= 0.9 * timeout_s:  # timed out: not at once
+                self.try_timeout_s = None if 2 * timeout_s >= CONSUMER_TIMEOUT_FLOOR_S else 2 * timeout_s
             if self.report is None:
                 self.report = WaitReport(self.what(owed), run_id, "the run passes its turns while the other runs "
                                          "train, and it is tried again at each of them")
@@ -79,7 +91,7 @@ class RunWrites:
         if self.report is not None:
             self.report.taken()
             self.report = None
-        self.owed = None
+        self.owed, self.try_timeout_s = None, TRY_COMMIT_TIMEOUT_S
         return True
 
     def finish(self) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from consumers.broker_wait import until_the_broker_takes
+from consumers.broker_wait import RETRY_WAIT_S, WaitReport, learner_waits, until_the_broker_takes
 from consumers.checkpoint import CheckpointStore, PreparedCheckpoint
 from consumers.faults import FaultInjector
 from consumers.retention import VersionRetention
@@ -153,6 +153,7 @@ class StepOutputs:
         self.retention = VersionRetention(registry, "learner.keep_versions", keep_versions, keep_also)
         self.writer = StepWriter()
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
+        self.broker_wait: WaitReport | None = None  # the writer's announcement in progress, as its wait reports it
 
     def prepare_publication(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> Publication:
         """The adapter of now as the next version (its number is taken, ``state.version``, now); a memory copy,
@@ -218,8 +219,17 @@ class StepOutputs:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
         publishes the same event (``announcing_once``), and a stop before the broker took it leaves it for the next
         start to announce again (``consumers.reannounce``)."""
-        until_the_broker_takes(announcing_once(self.announce, payload), what, self.run_id,
-                               lambda: self.stopping() or self.abandoning.is_set())
+        self.broker_wait = WaitReport(what, self.run_id, learner_waits(RETRY_WAIT_S))
+        try:
+            until_the_broker_takes(announcing_once(self.announce, payload), what, self.run_id,
+                                   lambda: self.stopping() or self.abandoning.is_set(), report=self.broker_wait)
+        finally:
+            self.broker_wait = None
+
+    def waiting_for_broker(self) -> bool:
+        """Whether the job in flight waits for the broker to take a write it refused (else it only writes)."""
+        report = self.broker_wait  # (set and cleared by the writer's thread)
+        return report is not None and report.refusing
 
     def write_step(self, metrics: dict[str, Any], publication: Publication | None,
                    prepared: PreparedStep | None) -> PreparedStep | None:

@@ -156,16 +156,20 @@ class Holding:
 
 class Run:
     """A run's learner that records its turns and polls: ``delivered`` batches wait, and its writer's job (if
-    ``writing``) lasts until ``release`` is set, as one the broker refuses does."""
+    ``release``) lasts until ``release`` is set, as one the broker refuses does (``refused``) or one that is only
+    slow to write."""
 
     commit = Learner.commit  # a learner's blocking commit, over this stand-in's source
 
-    def __init__(self, run_id: str, turns: list[str], delivered: int, release: threading.Event | None = None) -> None:
+    def __init__(self, run_id: str, turns: list[str], delivered: int, release: threading.Event | None = None,
+                 refused: bool = True) -> None:
         self.run_id, self.turns, self.cfg = run_id, turns, SimpleNamespace(seed=0)
         self.incoming = deque(range(delivered))
         self.kept_alive = 0
         self.source = SimpleNamespace(exhausted=lambda: False, keep_alive=self.keep_alive)
-        self.outputs = SimpleNamespace(writer=StepWriter(), stopping=lambda: False)
+        # ``refused``: the job waits for the broker to take a write (else its writes are only going)
+        self.outputs = SimpleNamespace(writer=StepWriter(), stopping=lambda: False,
+                                       waiting_for_broker=lambda: refused)
         if release is not None:
             self.outputs.writer.submit(lambda: release.wait() and None)  # a job that writes no checkpoint
         self.poll_timeouts: list[float] = []
@@ -242,15 +246,19 @@ def owing(run: Run, refusing) -> SlowRefusals:
 
 
 def test_a_commit_the_broker_refuses_slowly_does_not_hold_the_other_runs_turns():
-    """Each try of a refused commit in a run's turn is short; the blocking wait is left to the end (``finish``)."""
+    """Each try of a refused commit in a run's turn is bounded by its own timeout (0.3 s, doubled after each try
+    that timed out: 0.6, 1.2, 2.4 s), not by the broker's 5 s refusal; the blocking wait is left to the end
+    (``finish``)."""
     turns: list[str] = []
     owes, idle = Run("a", turns, delivered=0), Run("idle", turns, delivered=0)
-    source = owing(owes, lambda: len(idle.turned_at) < 5)
+    source = owing(owes, lambda: len(idle.turned_at) < 4)
+    source.REFUSED_AFTER_S = 5.0
     packed = PackedLearner(Holding(), [owes, idle])  # type: ignore[arg-type, list-item]
     packed.runs[0].writes.owed = owes.writes_owed
-    packed.run(should_stop=lambda: len(idle.turned_at) >= 5, poll_timeout_s=0.0)
+    packed.run(should_stop=lambda: len(idle.turned_at) >= 4, poll_timeout_s=0.0)
     gaps = [later - earlier for earlier, later in zip(idle.turned_at, idle.turned_at[1:], strict=False)]
-    assert source.tries >= 4 and max(gaps) < 1.0, gaps  # not one refusal's 2 s between two turns of the idle run
+    # a try that held the idle run's turn for the whole refusal would leave a 5 s gap; the longest try is 2.4 s
+    assert source.tries >= 4 and max(gaps) < source.REFUSED_AFTER_S - 1.5, gaps
     assert source.commits == [{"t:0": 3}]  # taken once the broker took it, at the end
     assert "a" not in turns  # a took no turn (nothing ingested, no step) while it owed the commit
 
@@ -289,3 +297,66 @@ def test_one_wait_for_a_refused_commit_logs_one_start_line_and_one_end_line(capl
     assert "did not take" in lines[0] and "passes its turns" in lines[0]
     assert "took" in lines[1]
     assert not any("next step waits" in line for line in lines)
+
+
+def test_a_lone_run_whose_writes_are_only_going_trains_beside_them_while_runs_are_followed():
+    """Runs are followed for joins (or one waits to come back), so the one run going is not alone; its last step's
+    writes take 1.5 s and nothing refuses them: its next turn comes at once (its step trains beside the writes, and
+    waits for them before its own, as a learner of one run), not after them: a step costs about the larger of its
+    training and its writes, not their sum."""
+    release, turns = threading.Event(), []
+    lone = Run("a", turns, delivered=1, release=release, refused=False)
+    threading.Timer(1.5, release.set).start()
+    packed = PackedLearner(Holding(), [lone])  # type: ignore[arg-type, list-item]
+    started = time.monotonic()
+    packed.run(should_stop=lambda: bool(turns), poll_timeout_s=0.0, until_stopped=lambda: True)
+    release.set()
+    assert turns == ["a"] and lone.turned_at[0] - started < 0.75, lone.turned_at[0] - started
+
+
+def test_a_lone_run_whose_writes_the_broker_refuses_passes_its_turns_while_runs_are_followed():
+    """The same run whose writes the broker refuses passes its turns: rounds (joins and comebacks) go on."""
+    release, turns, rounds = threading.Event(), [], []
+    lone = Run("a", turns, delivered=1, release=release, refused=True)
+    threading.Timer(2.5, release.set).start()
+    packed = PackedLearner(Holding(), [lone])  # type: ignore[arg-type, list-item]
+    started = time.monotonic()
+    packed.run(should_stop=lambda: bool(turns), poll_timeout_s=0.0, until_stopped=lambda: True,
+               between_rounds=lambda packed: rounds.append(time.monotonic() - started))
+    release.set()
+    assert lone.turned_at[0] - started > 2.4  # no turn while its writes waited for the broker
+    assert len([at for at in rounds if at < 2.4]) >= 2, rounds  # and rounds went on meanwhile
+
+
+class SlowCommits:
+    """A source whose offset commits the broker takes only after ``TAKES_S`` (a far coordinator, a reconnect): a
+    commit given less time is refused after its timeout; ``timeouts`` holds each try's."""
+
+    TAKES_S = 1.0
+
+    def __init__(self, run: Run) -> None:
+        self.commits: list[dict[str, int]] = []
+        self.timeouts: list[float | None] = []
+        self.exhausted, self.keep_alive = run.source.exhausted, run.source.keep_alive
+
+    def commit(self, positions: dict[str, int], timeout_s: float | None = None) -> None:
+        self.timeouts.append(timeout_s)
+        if timeout_s is not None and timeout_s < self.TAKES_S:
+            time.sleep(timeout_s)
+            raise CommitError("commit to group rlpipe-learner-a failed: KafkaTimeoutError")
+        time.sleep(self.TAKES_S)
+        self.commits.append(dict(positions))
+
+
+def test_a_commit_the_broker_always_takes_slowly_is_given_longer_tries_until_it_is_taken_in_the_turns():
+    """Every commit takes 1 s, over the first try's 0.3 s: each timed-out try doubles the next one's (0.3, 0.6,
+    1.2 s), so the commit is taken in a's turns and a trains again, instead of passing its turns forever."""
+    turns: list[str] = []
+    owes, idle = Run("a", turns, delivered=1), Run("idle", turns, delivered=0)
+    owes.source = source = SlowCommits(owes)  # type: ignore[assignment]
+    packed = PackedLearner(Holding(), [owes, idle])  # type: ignore[arg-type, list-item]
+    packed.runs[0].writes.owed = SimpleNamespace(positions={"t:0": 3}, checkpoint=SimpleNamespace(step=1))
+    packed.run(should_stop=lambda: "a" in turns or len(idle.turned_at) >= 20, poll_timeout_s=0.0)
+    assert source.timeouts == [0.3, 0.6, 1.2] and source.commits == [{"t:0": 3}], source.timeouts
+    assert "a" in turns  # taken in its turns: a went on
+    assert packed.runs[0].writes.try_timeout_s == 0.3  # reset once taken
