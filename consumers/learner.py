@@ -136,7 +136,7 @@ class Learner:
         self.pipelined = False  # True inside ``run``: step() returns before its writes are done
 
     # ---- set up -------------------------------------------------------------
-    def resume(self) -> bool:
+    def resume(self, between_tries: Callable[[], None] | None = None) -> bool:
         """Take the run's learner lease, load the newest complete checkpoint and seek the source to its positions.
 
         The checkpoint's positions are committed again: a learner killed after a
@@ -144,13 +144,14 @@ class Learner:
         behind what that checkpoint trained.  Before that commit the checkpoint and
         every version newer than it are announced again (``consumers.reannounce``):
         the learner before this one may have been killed or stopped before their
-        events were taken.
+        events were taken.  ``between_tries`` runs before each try again of those waits for the broker (a packed
+        learner keeps its other runs' consumers alive there).
         """
         if self.lease is not None:
             self.lease.acquire()
         self.outputs.next_version = None  # versions a learner before this one published count
         checkpoint = self.checkpoints.latest()
-        self.announce_again(checkpoint)
+        self.announce_again(checkpoint, between_tries)
         if checkpoint is None:
             log.info("no checkpoint for run %s: starting at step 0", self.run_id)
             self.rewind_if_the_log_changed()
@@ -167,20 +168,21 @@ class Learner:
         if self.cfg.init_from and self.cfg.kl_coef > 0:
             self.restore_reference()
         self.source.seek(self.state.positions)
-        self.commit(dict(self.state.positions), f"the offsets of step {self.state.step}'s checkpoint")
+        self.commit(dict(self.state.positions), f"the offsets of step {self.state.step}'s checkpoint",
+                    between_tries=between_tries)
         published = self.registry.latest()  # the steps resumed past the newest version trained rows, if any
         self.unpublished_training = bool(self.state.step) and (
             published is None or published.learner_step < self.state.step)
         log.info("resumed from %s: step %d, version %d", checkpoint.key, self.state.step, self.state.version)
         return True
 
-    def announce_again(self, checkpoint: Checkpoint | None) -> None:
+    def announce_again(self, checkpoint: Checkpoint | None, between_tries: Callable[[], None] | None = None) -> None:
         """Announce ``checkpoint`` (the one resumed from) and the versions newer than it, as they were first
         sent (``consumers.reannounce``); nothing without a broker (``reannounce`` False)."""
         if not self.reannounce:
             return
         resumed = checkpoint_event(self.checkpoints, checkpoint) if checkpoint is not None else None
-        announce_again(self.announce, self.run_id, self.registry, resumed, self.outputs.stopping)
+        announce_again(self.announce, self.run_id, self.registry, resumed, self.outputs.stopping, between_tries)
 
     def rewind_if_the_log_changed(self) -> None:
         """Read a log that is not the one the checkpoint's positions point into from its start.
@@ -503,10 +505,17 @@ class Learner:
         if written is not None and written.positions:
             self.commit(written.positions, f"the offsets of step {written.checkpoint.step}'s checkpoint")
 
-    def commit(self, positions: dict[str, int], what: str, report: WaitReport | None = None) -> None:
+    def commit(self, positions: dict[str, int], what: str, report: WaitReport | None = None,
+               between_tries: Callable[[], None] | None = None) -> None:
         """Commit the source's ``positions``, only ever after the checkpoint that covers them is durable and
         announced; a broker that is away is waited for (``consumers.broker_wait``), polling before each try again:
         a group that dropped this member meanwhile refuses its commits until a poll rejoins.  ``report``: the
-        lines of a wait for this commit that began elsewhere (a packed run's turns), which this one goes on."""
+        lines of a wait for this commit that began elsewhere (a packed run's turns), which this one goes on;
+        ``between_tries``: run after that poll (``resume``)."""
+        def before_retry() -> None:
+            self.source.keep_alive()
+            if between_tries is not None:
+                between_tries()
+
         until_the_broker_takes(lambda: self.source.commit(positions), what, self.run_id, self.outputs.stopping,
-                               before_retry=self.source.keep_alive, report=report)
+                               before_retry=before_retry, report=report)

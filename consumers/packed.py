@@ -69,7 +69,7 @@ from consumers.packed_writes import RunWrites, wait_for_writes
 from consumers.service import build_learner, finish, progress_line, record_resumed, record_step_metrics
 from consumers.sources import KafkaSource
 from pipeline.health import HealthServer, PackedRunsHealth
-from pipeline.io.bus import EventPublisher
+from pipeline.io.bus import BusError, EventPublisher
 from pipeline.membership import Comebacks, Joined, RunMembership, engine_config, runs_not_stopped
 from pipeline.models import check_same_tiny_build, recorded_tiny_dir, resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
@@ -166,12 +166,21 @@ class PackedLearner:
             raise ValueError(f"run {learner.run_id} is already packed here")
         run = PackedRun(learner.run_id, learner, seeded_rng(learner.cfg.seed))
         with self.turn(run):
-            learner.resume()
+            learner.resume(between_tries=self.keep_others_alive)  # (its waits for the broker poll the others)
         source = learner.source
         deadline = time.monotonic() + join_timeout_s
         while hasattr(source, "join") and not source.join(JOIN_POLL_S) and time.monotonic() < deadline:
-            pass
+            self.keep_others_alive()
         self.runs.append(run)  # (last: a run whose group join failed is not served)
+
+    def keep_others_alive(self) -> None:
+        """Poll the consumers of the runs served (no records, each at most every ``KEEP_ALIVE_EVERY_S``) while a run
+        joining or coming back waits (the broker refusing its announcements or commit, its group join), so their
+        groups keep them; a refusal of one of those polls is that run's, seen at its own turn, not the joining
+        run's."""
+        for run in self.runs:
+            with contextlib.suppress(BusError):
+                run.writes.keep_alive()
 
     def remove(self, run_id: str, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> Learner:
         """Let ``run_id`` go: train what it has waiting, write its checkpoint (as on a stop), delete its adapter."""

@@ -59,10 +59,12 @@ def checkpoint_event(checkpoints: CheckpointStore, checkpoint: Checkpoint,
 
 
 def announce_again(announce: Callable[[Payload], Any], run_id: str, registry: AdapterRegistry,
-                   resumed: LearnerCheckpointed | None, stopping: Callable[[], bool]) -> int:
+                   resumed: LearnerCheckpointed | None, stopping: Callable[[], bool],
+                   between_tries: Callable[[], None] | None = None) -> int:
     """Announce ``resumed`` (the checkpoint a start resumes from; None: it starts afresh), then every version in
     ``registry`` newer than its version that still has its files, each waiting out a broker that is away (a stop
-    ends the wait with ``BrokerAwayOnStop``); how many events.
+    ends the wait with ``BrokerAwayOnStop``); how many events.  ``between_tries`` runs before each try again (a
+    packed learner polls its other runs' consumers there, so their groups keep them while this run waits).
 
     The versions are found by probing upward from the checkpoint's (``AdapterRegistry.newest_from``: one look when
     none is newer), so a long run's start does not list its registry for them.  A version ``keep_versions`` retired
@@ -74,7 +76,7 @@ def announce_again(announce: Callable[[Payload], Any], run_id: str, registry: Ad
                if registry.retired_reason(version) is None]
     for payload in events:
         until_the_broker_takes(announcing_once(announce, payload), f"{describe(payload)}, announced again at the start",
-                               run_id, stopping)
+                               run_id, stopping, before_retry=between_tries)
     if events:
         log.info("run %s: announced again %s (a reader counts each once, by its event id)", run_id,
                  ", ".join(describe(payload) for payload in events))

@@ -21,6 +21,7 @@ from consumers.engine import TrainingEngine
 from consumers.engine_policy import EnginePolicy
 from consumers.learner import Learner
 from consumers.packed import PackedLearner
+from consumers.reannounce import announce_again
 from consumers.sources import ReplaySource
 from consumers.step_writer import StepWriter
 from pipeline.io.bus import CommitError
@@ -360,3 +361,35 @@ def test_a_commit_the_broker_always_takes_slowly_is_given_longer_tries_until_it_
     assert source.timeouts == [0.3, 0.6, 1.2] and source.commits == [{"t:0": 3}], source.timeouts
     assert "a" in turns  # taken in its turns: a went on
     assert packed.runs[0].writes.try_timeout_s == 0.3  # reset once taken
+
+
+class Joining(Run):
+    """A run joining (or coming back) whose start announces again its checkpoint's event (``announce_again``), which
+    the broker refuses until ``refused_until``; ``resumed_at`` is when that ended."""
+
+    def __init__(self, run_id: str, turns: list[str], refused_until: float) -> None:
+        super().__init__(run_id, turns, delivered=0)
+        self.publisher = RefusingOneRun(run_id, lambda: time.monotonic() < refused_until)
+        self.resumed_at = 0.0
+
+    def resume(self, between_tries=None) -> bool:
+        checkpointed = LearnerCheckpointed(step=1, version=1, path="checkpoints/1", offsets={}, metrics={})
+        registry = SimpleNamespace(versions=lambda: [])
+        announce_again(Announcer(self.publisher, self.run_id), self.run_id, registry,  # type: ignore[arg-type]
+                       checkpointed, lambda: False, between_tries)
+        self.resumed_at = time.monotonic()
+        return True
+
+
+def test_a_run_joining_while_the_broker_refuses_its_announcements_keeps_the_served_runs_consumers_alive():
+    """A joining run's start waits for the broker to take its announcements (between two rounds, where nothing else
+    runs): the runs already served have their consumers polled meanwhile, so their groups keep them."""
+    turns: list[str] = []
+    served = Run("served", turns, delivered=0)
+    packed = PackedLearner(Holding(), [served])  # type: ignore[arg-type, list-item]
+    started = time.monotonic()
+    joining = Joining("j", turns, refused_until=started + 3.5)
+    packed.add(joining)  # type: ignore[arg-type]
+    assert joining.publisher.refused >= 2 and joining.resumed_at - started > 3.4  # it waited for the broker
+    assert served.kept_alive >= 2  # about once a second meanwhile (none without: nothing else polls it)
+    assert [run.run_id for run in packed.runs] == ["served", "j"]
