@@ -18,10 +18,11 @@ batches delivered and not yet ingested, and returns at once otherwise.
 Writes: a run's publish and checkpoint are written by its own writer while the next runs take their turns.  A
 run whose last step's writes are not all taken when its turn comes (still going, or refused by the broker,
 which can refuse one run and take the others') passes that turn, its state untouched, and the others train
-(``consumers.packed_writes``); it goes on once they are taken.  A run going alone takes its turns as a learner of
-one run does: its next step trains while its writes go on, and waits for them.  It is not alone while another run
-waits to come back or runs are followed for joins: it passes its turns as packed, so joins and comebacks, run
-between two rounds, do not wait for the broker to take its writes.
+(``consumers.packed_writes``); it goes on once they are taken.  The one run going takes its turns as a learner
+of one run does: its next step trains while its writes go on, and waits for them.  While another run waits to come
+back or runs are followed for joins it still passes its turns while the broker refuses its writes or its commit,
+so joins and comebacks, run between two rounds, do not wait for the broker to take them; a run joining or coming
+back polls the served runs' consumers while its own start waits for the broker (``PackedLearner.add``).
 
 Membership: runs may join and leave between two rounds (``add``, ``remove``),
 e.g. as ``RunStarted`` and ``RunStopped`` arrive on the control topic

@@ -6,11 +6,14 @@ packed learner that wait, inside one run's turn, would hold every run, and the b
 takes the others': a run's events go to the partition its run id keys (one whose leader is away, or which has
 fewer in-sync replicas than the topic asks for, refuses them while the other partitions take theirs), and its
 offsets to its group's coordinator (the broker leading the offsets partition its group id hashes to).  So before
-each turn the packed loop asks ``RunWrites``, which never blocks: a run whose last step's writes are still going,
+each turn the packed loop asks ``RunWrites``, which never blocks: a run whose last step's writes are still going
+(for the one run going, only while the broker refuses one of them: it trains beside writes that are merely slow),
 or whose offset commit the broker refused, passes its turn with its state untouched (nothing polled or ingested,
-no step started), and the others train.  The refused commit is tried again at each of its turns, each try given
+no step started), and the others train.  The refused commit is tried again at each of its turns, the first try given
 ``TRY_COMMIT_TIMEOUT_S`` (the client retries a refusal, or waits for an unknown coordinator, until its timeout:
-the consumer's own one would hold every run up to 10 s a round); once its writes are taken the run goes on, its
+the consumer's own one would hold every run up to 10 s a round), each try that timed out doubling the next one's up
+to the consumer's own (a broker whose commits all take longer than 0.3 s, far away or reconnecting, would otherwise
+refuse every try); once its writes are taken the run goes on, its
 writes in a learner's order (a step's commit before the next step's writes: offsets never before their
 checkpoint's event).  A try that timed out may still reach the broker later; it carries the same offsets as the
 next try, and no later step's commit is sent before one of them is taken.
