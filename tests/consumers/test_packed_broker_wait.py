@@ -393,3 +393,30 @@ def test_a_run_joining_while_the_broker_refuses_its_announcements_keeps_the_serv
     assert joining.publisher.refused >= 2 and joining.resumed_at - started > 3.4  # it waited for the broker
     assert served.kept_alive >= 2  # about once a second meanwhile (none without: nothing else polls it)
     assert [run.run_id for run in packed.runs] == ["served", "j"]
+
+
+def test_a_lone_run_training_beside_its_writes_while_runs_are_followed_keeps_a_learners_order(
+        batches, setup):  # noqa: F811
+    """The one run going, runs followed for joins: its steps train beside its writes, which stay in a learner's
+    order (each commit after its checkpoint's event, every checkpoint written and committed)."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    cfg = config("a", checkpoint_every=1)
+    a = learner_of(batches, "a", "src-a", EnginePolicy(engine, "a", cfg), cfg)
+    log: list = []
+    source = RefusedCommits(a.source, lambda: False, log)
+    a.source = source  # type: ignore[assignment]
+    a.announce = a.outputs.announce = lambda payload: log.append(("event", payload))
+    packed = PackedLearner(engine, [a])
+    packed.resume()
+    steps: list[int] = []
+    packed.run(should_stop=lambda: len(steps) >= 4, on_step=lambda run, metrics: steps.append(metrics["step"]),
+               poll_timeout_s=0, until_stopped=lambda: True)
+    checkpointed: list[dict[str, int]] = []
+    for kind, item in log:
+        if kind == "event" and isinstance(item, LearnerCheckpointed):
+            checkpointed.append(item.offsets)
+        elif kind == "commit":
+            assert checkpointed and item == checkpointed[-1], (item, checkpointed)
+    assert steps == [1, 2, 3, 4] and len(checkpointed) == 4
+    assert [item for kind, item in log if kind == "commit"][-4:] == checkpointed
+    assert CheckpointStore(batches, "a").latest().state.step == 4
