@@ -55,6 +55,7 @@ from pipeline.config import resolve_config
 from pipeline.devstack.broker import TansuBroker
 from pipeline.devstack.gcs_emulator import free_port
 from pipeline.devstack.stack import DevStack
+from pipeline.io import bus
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import GROUP_TIMINGS_ENV, describe_topic, group_lag
 from pipeline.io.registry import AdapterRegistry
@@ -63,6 +64,7 @@ from pipeline.io.store import ObjectStore
 from pipeline.runtime import StopFlag
 from schemas.checkpoint import LearnerState
 from schemas.config import BusConfig
+from schemas.events import AdapterPublished, LearnerCheckpointed
 from schemas.trajectory import NO_ADAPTER_SHA
 
 pytestmark = pytest.mark.integration
@@ -317,7 +319,7 @@ def test_event_log_and_parquet_replay_give_bitwise_the_same_adapters(
 # The last start (no max_steps) trains the rest and is stopped with SIGTERM.
 KILL_PLAN = (
     "after_checkpoint:2", "after_publish:1", "before_checkpoint:2", "random", "after_checkpoint:1", "early",
-    "after_publish:2", "random", "random", "random",
+    "before_version_event:2", "after_publish:2", "before_checkpoint_event:1", "random", "random", "random",
 )
 RANDOM_KILL_WINDOW_S = 0.3
 SECOND_ANNOUNCEMENT_AT = 3  # the rest of the batches (and the first six again) are announced during this start
@@ -402,12 +404,33 @@ def test_learner_killed_at_random_points_trains_every_batch_exactly_once(
         assert bitwise_equal(adapter_tensors(world.store, "crash", version, cache), reference[step]), (
             f"version {version} (step {step}) differs from the uninterrupted replay; {report}")
     assert state.version == versions[-1] and step_log(world.store, "crash", state)[-1]["version"] == versions[-1]
+    # Every version, and every checkpoint left, was announced, each under one event id: a kill between writing it
+    # and its event (before_version_event, before_checkpoint_event) is made good by the next start's announcing
+    # again, under the same id, what it resumes from and what it published after
+    announced = _announcement_ids(bus_config, "adapters", AdapterPublished, lambda payload: payload.version)
+    assert {version: len(ids) for version, ids in announced.items()} == dict.fromkeys(versions, 1), report
+    # (by folder: a step can have two checkpoints, e.g. the stop's, which passes duplicates it read after its step)
+    kept = {key for _, key in CheckpointStore(world.store, "crash").complete()}
+    checkpointed = _announcement_ids(bus_config, "control", LearnerCheckpointed, lambda payload: payload.path)
+    assert kept <= set(checkpointed), (sorted(kept - set(checkpointed)), report)
+    assert all(len(ids) == 1 for ids in checkpointed.values()), (checkpointed, report)
     # SIGTERM with nothing but already-trained duplicates waiting: no phantom step, no new version.  The stop's
     # checkpoint passes the duplicates it read, so the committed offset is the end of all three announcements
     # and the next start reads none of them again.
     assert stopped.returncode == 0 and stopped.versions_before == len(versions), report
     (lag,) = group_lag(bus_config, learner_group_id("crash"))
     assert (lag.committed, lag.lag) == (N_BATCHES + 2 * FIRST_DAY_BATCHES, 0), report
+
+
+def _announcement_ids(bus_config: BusConfig, kind: str, payload_type: type, key: Callable[[Any], Any]
+                      ) -> dict[Any, set[str]]:
+    """Run "crash"'s ``payload_type`` events on ``kind``'s topic: their event ids by ``key`` (version, folder)."""
+    ids: dict[Any, set[str]] = {}
+    for record in bus.tail(bus_config, kind, n=100_000):
+        event = record.event
+        if event is not None and event.run_id == "crash" and isinstance(event.payload, payload_type):
+            ids.setdefault(key(event.payload), set()).add(str(event.event_id))
+    return ids
 
 
 @dataclass
