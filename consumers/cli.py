@@ -99,7 +99,7 @@ def _start(cfgs: list[RunConfig], max_steps: int | None, follow_runs: str | None
         elif len(cfgs) == 1 and follow_runs is None:
             run_learner(cfgs[0], StopFlag().install())
         else:
-            from consumers.packed import run_packed_learner
+            from consumers.packed_service import run_packed_learner
 
             run_packed_learner(cfgs if named or follow_runs is None else [], StopFlag().install(),
                                follow_runs=follow_runs, template=cfgs[0], started_s=started_s)

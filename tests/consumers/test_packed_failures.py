@@ -102,7 +102,7 @@ def test_settings_of_the_shared_model_must_agree_and_gradient_checkpointing_reac
     """Gradient checkpointing belongs to the process's one model: packed runs must agree on it, and a run that asks
     for it (to fit its memory) gets it on the shared model.  torch's thread count is the process's too: the first
     run sets it, and a run joining later does not change it under the others."""
-    from consumers.packed import check_packable
+    from consumers.packed_service import check_packable
     from schemas.config import RunConfig
 
     with pytest.raises(ValueError, match=r"learner\.gradient_checkpointing"):
@@ -166,7 +166,7 @@ def test_a_run_on_another_tiny_build_than_the_engines_is_refused_at_start_and_as
     another build is refused in one line naming both builds and the fix (a learner per base model); at start the
     process refuses to start, and a run joining later is skipped while the others go on.  The same build in
     another folder, as a run created on another machine records it, is packed."""
-    from consumers.packed import check_packable
+    from consumers.packed_service import check_packable
     from pipeline.membership import RunMembership
     from pipeline.models import MARKER_FILE, record_tiny_model
     from tests.pipeline.test_membership import Feed, joined_and_warnings, started

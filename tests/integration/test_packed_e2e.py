@@ -154,7 +154,7 @@ def assert_each_batch_trained_once(world: World, run: str, run_id: str) -> None:
 def test_two_packed_runs_each_reach_the_weights_they_reach_alone(
     world: World, alone: dict, bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from consumers.packed import run_packed_learner
+    from consumers.packed_service import run_packed_learner
 
     configs = {run: config_of(world, run, f"{run}-packed", bus_config) for run in ENVS}
     for run, config in configs.items():
@@ -239,7 +239,7 @@ def pipeline_config(world: World, model_dir: str, env: str, bus: BusConfig) -> P
 def test_one_packed_producer_and_one_packed_learner_serve_two_environments(
     world: World, bus_config: BusConfig, tiny_trained_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from consumers.packed import run_packed_learner
+    from consumers.packed_service import run_packed_learner
 
     configs = [pipeline_config(world, str(tiny_trained_dir), env, bus_config) for env in PIPELINE_ENVS]
     producer = rlpipe(world, ["producer", "start", *(a for c in configs for a in ("--config", str(c)))],

@@ -87,7 +87,7 @@ def check_runs_reported_then_b_leaves(port: int, config: RunConfig, role: str, p
 def test_a_packed_learner_reports_each_run_and_forgets_one_that_left(
     bus_config: Any, tiny_model_dir: str, tmp_path: Path
 ) -> None:
-    from consumers.packed import run_packed_learner
+    from consumers.packed_service import run_packed_learner
 
     port = free_port()
     configs = two_runs(bus_config, tiny_model_dir, tmp_path, port)
@@ -128,7 +128,7 @@ def test_a_packed_learner_started_again_leaves_out_a_run_stopped_before_until_it
 ) -> None:
     """`rlpipe learner start --run a --run b` started again (a pod restart) after `rlpipe runs stop --run b`: b's
     stop holds, so only a is trained; `rlpipe runs resume --run b` then brings b in while a trains on."""
-    from consumers.packed import run_packed_learner
+    from consumers.packed_service import run_packed_learner
     from pipeline.membership import announce_membership
     from pipeline.runtime import create_run, open_store, started_again
 

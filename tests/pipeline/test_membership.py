@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from consumers.packed import check_packable
+from consumers.packed_service import check_packable
 from pipeline.io.bus.records import ConsumedEvent
 from pipeline.io.store import ObjectStore
 from pipeline.membership import Comebacks, Joined, Left, RunMembership, RunsFailedError, engine_config
