@@ -374,7 +374,7 @@ class Joining(Run):
 
     def resume(self, between_tries=None) -> bool:
         checkpointed = LearnerCheckpointed(step=1, version=1, path="checkpoints/1", offsets={}, metrics={})
-        registry = SimpleNamespace(versions=lambda: [])
+        registry = SimpleNamespace(newest_from=lambda known: known)  # no version newer than the checkpoint's
         announce_again(Announcer(self.publisher, self.run_id), self.run_id, registry,  # type: ignore[arg-type]
                        checkpointed, lambda: False, between_tries)
         self.resumed_at = time.monotonic()
