@@ -114,6 +114,21 @@ def until_the_broker_takes(write: Callable[[], T], what: str, run_id: str, stopp
         return result
 
 
+def commit_until_taken(commit: Callable[[], Any], keep_alive: Callable[[], None], what: str, run_id: str,
+                       stopping: Callable[[], bool], report: WaitReport | None = None,
+                       between_tries: Callable[[], None] | None = None) -> None:
+    """A learner's offset ``commit``, only ever after the checkpoint that covers it is durable and announced, waiting
+    out a broker that is away and polling (``keep_alive``) before each try again: a group that dropped the member
+    meanwhile refuses its commits until a poll rejoins.  ``report``: the lines of a wait for this commit that began
+    elsewhere (a packed run's turns); ``between_tries``: run after that poll."""
+    def before_retry() -> None:
+        keep_alive()
+        if between_tries is not None:
+            between_tries()
+
+    until_the_broker_takes(commit, what, run_id, stopping, before_retry=before_retry, report=report)
+
+
 def learner_waits(retry_wait_s: float) -> str:
     """What a learner's wait for the broker holds, as its first line says."""
     return f"the learner waits for it (the writes after it and the next step wait too), trying again every {retry_wait_s:g}s"

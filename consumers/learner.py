@@ -57,6 +57,7 @@ from consumers.batching import PendingBatch, checked_for_training, drop_stale, m
 from consumers.broker_wait import (
     PROGRESS_INTERVAL_S,
     WaitReport,
+    commit_until_taken,
     keep_alive_quietly,
     progress_announced,
     until_the_broker_takes,
@@ -507,15 +508,8 @@ class Learner:
 
     def commit(self, positions: dict[str, int], what: str, report: WaitReport | None = None,
                between_tries: Callable[[], None] | None = None) -> None:
-        """Commit the source's ``positions``, only ever after the checkpoint that covers them is durable and
-        announced; a broker that is away is waited for (``consumers.broker_wait``), polling before each try again:
-        a group that dropped this member meanwhile refuses its commits until a poll rejoins.  ``report``: the
-        lines of a wait for this commit that began elsewhere (a packed run's turns), which this one goes on;
-        ``between_tries``: run after that poll (``resume``)."""
-        def before_retry() -> None:
-            self.source.keep_alive()
-            if between_tries is not None:
-                between_tries()
-
-        until_the_broker_takes(lambda: self.source.commit(positions), what, self.run_id, self.outputs.stopping,
-                               before_retry=before_retry, report=report)
+        """Commit the source's ``positions`` once the broker takes them (``broker_wait.commit_until_taken``);
+        ``report``: the lines of a wait for this commit that began elsewhere (a packed run's turns), which this one
+        goes on; ``between_tries``: run after each poll before a try again (``resume``)."""
+        commit_until_taken(lambda: self.source.commit(positions), self.source.keep_alive, what, self.run_id,
+                           self.outputs.stopping, report, between_tries)

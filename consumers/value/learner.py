@@ -55,7 +55,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from consumers.broker_wait import PROGRESS_INTERVAL_S, progress_announced, until_the_broker_takes
+from consumers.broker_wait import (
+    PROGRESS_INTERVAL_S,
+    commit_until_taken,
+    progress_announced,
+    until_the_broker_takes,
+)
 from consumers.checkpoint import CheckpointStore
 from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
@@ -439,11 +444,9 @@ class ValueLearner:
         return key
 
     def commit(self, positions: dict[str, int], what: str) -> None:
-        """Commit the source's ``positions``, only ever after the checkpoint that covers them is durable and
-        announced; a broker that is away is waited for (``consumers.broker_wait``), polling before each try again:
-        a group that dropped this member meanwhile refuses its commits until a poll rejoins."""
-        until_the_broker_takes(lambda: self.source.commit(positions), what, self.run_id, self.stopping,
-                               before_retry=self.source.keep_alive)
+        """Commit the source's ``positions`` once the broker takes them (``broker_wait.commit_until_taken``)."""
+        commit_until_taken(lambda: self.source.commit(positions), self.source.keep_alive, what, self.run_id,
+                           self.stopping)
 
     def announce_until_taken(self, payload: Payload, what: str) -> None:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
