@@ -316,7 +316,11 @@ class Learner:
         would restart the learner at the same offset forever.  The batch goes to
         ``<ns>.dlq`` with the reason, is counted in the step's metrics
         (``batches_dead_lettered``), and its position advances with the next step,
-        so the checkpoint commits past it; it is never recorded as trained.
+        so the checkpoint commits past it; it is never recorded as trained.  A
+        learner stopped or killed before that checkpoint dead-letters the batch
+        again on its next start, under the same ``event_id`` (derived from the
+        batch's origin: ``schemas.events.announcement_id``), so readers that
+        dedupe by it count one letter.
         """
         reason = f"trajectory batch {ref.batch_id} quarantined: {str(error).strip().splitlines()[0]}"[:2000]
         topic, partition, offset = origin_of(ref)

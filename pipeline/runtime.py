@@ -83,8 +83,8 @@ class Announcer:
         return self.publish(self.envelope(payload))
 
     def envelope(self, payload: Payload) -> Envelope:
-        """``payload`` as one event of this run (``make_event``: a fresh ``event_id``, or the one a version or
-        checkpoint always has), to ``publish`` as often as it is tried."""
+        """``payload`` as one event of this run (``make_event``: a fresh ``event_id``, or the one a version, a
+        checkpoint or a record's dead letter always has), to ``publish`` as often as it is tried."""
         return make_event(self.run_id, payload)
 
     def publish(self, envelope: Envelope) -> tuple[int, int]:

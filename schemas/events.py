@@ -13,6 +13,7 @@ a Parquet file already durable in the store.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import typing
 import uuid
@@ -260,30 +261,53 @@ class Envelope(BaseModel):
         return validate_name(value, "run_id")
 
 
-# uuid5 namespace of the event ids of versions and checkpoints (``announcement_id``); never change it: ids already on
-# a topic would no longer match the ids of the same announcements sent again
+# uuid5 namespace of the event ids of versions, checkpoints and dead letters (``announcement_id``); never change it:
+# ids already on a topic would no longer match the ids of the same announcements sent again
 ANNOUNCEMENT_NAMESPACE = uuid.UUID("a9c5363e-b150-4178-87c7-9427d0283afe")
 
 
 def announcement_id(run_id: str, payload: Payload) -> uuid.UUID | None:
-    """The ``event_id`` every sending of a version's or checkpoint's announcement carries; None for other events.
+    """The ``event_id`` every sending of a version's or checkpoint's announcement, or of a record's dead letter,
+    carries; None for other events.
 
     A version (``AdapterPublished``: its number and manifest digest) and a checkpoint (``LearnerCheckpointed``: its
     folder, unique to one write) are durable before their event is sent, so a learner starting after one that was
     killed or stopped in between announces them again (``consumers.reannounce``): with the id derived from what the
     event names, a reader that dedupes by ``event_id`` counts each once, whether or not it was sent before.
+
+    A dead letter (``DeadLetter``) is sent before its reader commits past the record it names, so a reader stopped
+    or killed in between reads the record again on its next start and sends its letter again: its id is derived
+    from the record (``dead_letter_name``), never from the reason, whose wording may differ between sendings.
     """
     if isinstance(payload, AdapterPublished):
         name = f"{run_id}/AdapterPublished/{payload.version}/{payload.manifest_sha256}"
     elif isinstance(payload, LearnerCheckpointed):
         name = f"{run_id}/LearnerCheckpointed/{payload.path}"
+    elif isinstance(payload, DeadLetter):
+        name = f"{run_id}/DeadLetter/{dead_letter_name(payload)}"
     else:
         return None
     return uuid.uuid5(ANNOUNCEMENT_NAMESPACE, name)
 
 
+def dead_letter_name(letter: DeadLetter) -> str:
+    """What names the record a dead letter is about: its origin (topic, partition, offset) and a digest of its key
+    and the bytes the letter keeps of it (``raw``).
+
+    The origin alone does not always name one record: a topic deleted and created again numbers from 0 again, and
+    a batch a learner read from no broker position has a stand-in origin (``consumers.sources.origin_of``); the
+    digest tells such records apart, and is the same at every reading of one record.
+    """
+    digest = hashlib.sha256()
+    for part in (letter.key, letter.raw):  # length-prefixed: no two (key, raw) pairs frame to the same bytes
+        data = None if part is None else part.encode("utf-8", errors="surrogatepass")
+        digest.update(b"-" if data is None else b"+%d:" % len(data) + data)
+    return f"{letter.origin_topic}/{letter.origin_partition}/{letter.origin_offset}/{digest.hexdigest()}"
+
+
 def make_event(run_id: str, payload: Payload) -> Envelope:
-    """Wrap ``payload`` in an envelope for ``run_id``: a fresh ``event_id``, or ``announcement_id`` where it has one."""
+    """Wrap ``payload`` in an envelope for ``run_id``: ``announcement_id`` where it has one (a version, a checkpoint,
+    a dead letter), else a fresh ``event_id``."""
     event_id = announcement_id(run_id, payload)
     if event_id is None:
         return Envelope(type=payload.event_type, run_id=run_id, payload=payload)

@@ -452,7 +452,7 @@ class ValueLearner:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
         publishes the same event (``announcing_once``).  A version's or checkpoint's event still refused at a stop
         is announced again by the next start (``consumers.reannounce``); a dead letter is not (the next start reads
-        its batch again, and dead-letters it then)."""
+        its batch again, and dead-letters it then, under the same ``event_id``: ``schemas.events.announcement_id``)."""
         until_the_broker_takes(announcing_once(self.announce, payload), what, self.run_id, self.stopping)
 
 

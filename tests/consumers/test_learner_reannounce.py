@@ -15,6 +15,7 @@ import pytest
 
 from consumers.broker_wait import BrokerAwayOnStop
 from consumers.checkpoint import CheckpointStore
+from consumers.sources import BatchRef
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import PublishError
 from pipeline.io.registry import AdapterRegistry
@@ -22,10 +23,10 @@ from pipeline.io.steplog import StepLog
 from pipeline.io.store import sha256_hex
 from pipeline.runtime import Announcer
 from schemas.checkpoint import MANIFEST_FILE, STATE_FILE
-from schemas.events import AdapterPublished, Envelope, LearnerCheckpointed
+from schemas.events import AdapterPublished, DeadLetter, Envelope, LearnerCheckpointed
 from tests.consumers import test_learner
 from tests.consumers.test_learner import RUN, write_batches
-from tests.consumers.test_learner_progress import scripted_learner, stored_refs
+from tests.consumers.test_learner_progress import TOPIC, run_polls, scripted_learner, stored_refs
 from tests.fixtures.killing import Killed, KillingFaults
 
 store, setup = test_learner.store, test_learner.setup  # a file store, the tiny model's prompt
@@ -177,3 +178,26 @@ def test_a_run_whose_newest_checkpoint_is_of_the_old_layout_resumes_and_announce
     assert (announced.path, announced.step, announced.metrics) == (old, step, sent.metrics) and sent.metrics
     again.run(poll_timeout_s=0)
     assert again.state.step == 4 and sorted(again.state.trained.values()) == [1, 2, 3, 4]
+
+
+def test_a_batch_dead_lettered_again_after_a_restart_is_one_letter_to_readers(store, setup) -> None:  # type: ignore[no-untyped-def]
+    """A learner killed after a batch's dead letter but before a checkpoint passed the batch reads it again on its
+    next start and dead-letters it again: the broker holds two letters, under one ``event_id``, so a reader that
+    dedupes by it counts the batch once."""
+    write_batches(TrajectoryArchive(store), setup, 2, np.random.default_rng(0))
+    good, bad = stored_refs(store)
+    refs = [good, BatchRef(bad.batch_id, bad.path, "0" * 64, bad.position)]  # a wrong digest: never readable
+    broker = Broker("never", nth=0, writes_refused=False)
+    killed, _ = scripted_learner(store, setup, refs)
+    killed.announce = killed.outputs.announce = Announcer(broker, RUN)  # type: ignore[arg-type]
+    killed.resume()
+    run_polls(killed, 3)  # step 1 checkpointed, then the bad batch dead-lettered; killed before any later step
+    assert killed.state.step == 1 and killed.source.commits[-1] == {f"{TOPIC}:0": 1}
+    again, _ = scripted_learner(store, setup, refs)
+    again.announce = again.outputs.announce = Announcer(broker, RUN)  # type: ignore[arg-type]
+    assert again.resume() and again.source.seeks == [{f"{TOPIC}:0": 1}]
+    run_polls(again, 3)
+    sent = [event for event in broker.log if isinstance(event.payload, DeadLetter)]
+    assert [event.payload.key for event in sent] == [bad.batch_id, bad.batch_id]  # read and dead-lettered twice
+    assert sent[0].event_id == sent[1].event_id
+    assert [letter.key for letter in broker.deduped(DeadLetter)] == [bad.batch_id]

@@ -206,3 +206,26 @@ def test_a_version_or_checkpoint_has_one_event_id_however_often_it_is_announced(
     stop = RunStopped(reason="done")
     assert announcement_id("r", stop) is None
     assert make_event("r", stop).event_id != make_event("r", stop).event_id  # other events: a fresh id each
+
+
+def test_a_dead_letter_has_one_event_id_however_often_its_record_is_dead_lettered() -> None:
+    """A reader restarted before it committed past a record it dead-lettered reads the record again and sends its
+    letter again: every sending carries the id derived from the record (run, origin and the bytes kept of it), so
+    readers that dedupe by ``event_id`` count one letter per record.  The reason is no part of it (a restart may
+    word the same failure differently)."""
+    from schemas.events import announcement_id
+
+    def letter(reason: str = "not JSON", *, topic: str = "ns.trajectories", partition: int = 0, offset: int = 7,
+               key: str | None = "r", raw: str = "{garbage") -> DeadLetter:
+        return DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition, origin_offset=offset,
+                          key=key, raw=raw)
+
+    first, again = make_event("r", letter("not JSON: line 1")), make_event("r", letter("not JSON: line 1, column 2"))
+    assert first.event_id == again.event_id == announcement_id("r", letter())
+    # another record (another origin, or other bytes at one origin: a topic created again numbers from 0 again)
+    # or another run's reader: another letter
+    others = [letter(topic="ns.control"), letter(partition=1), letter(offset=8), letter(key="s"), letter(key=None),
+              letter(raw="{other")]
+    distinct = [announcement_id("r", letter()), announcement_id("s", letter()),
+                *(announcement_id("r", other) for other in others)]
+    assert len(set(distinct)) == len(distinct)

@@ -71,7 +71,8 @@ class EventConsumer:
 
     * ``poll`` returns decoded events.  Undecodable or misplaced messages are
       published to ``<ns>.dlq`` as ``DeadLetter`` (reason and origin) and skipped, once per process: another
-      reader here that sent it already skips it (``stats.skipped_dead_lettered``);
+      reader here that sent it already skips it (``stats.skipped_dead_lettered``), and a reader of a later
+      process that reads it again (nothing committed past it) sends its letter under the same ``event_id``;
       events of other runs are skipped when ``run_id`` is given, as are event types
       that a newer minor version added.  All are counted in ``stats`` and covered by
       the next ``commit()``.  With ``refuse_newer``,

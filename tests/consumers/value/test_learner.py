@@ -16,10 +16,11 @@ from consumers.value.learner import ValueLearner
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
+from pipeline.runtime import Announcer
 from pipeline.value_network import load_network
 from producers.envs.classic import CartPole
 from producers.value_actor import ValueActor, ValueNetworkWatcher
-from schemas.events import DeadLetter, LearnerProgress, TrajectoryBatchCommitted
+from schemas.events import DeadLetter, Envelope, LearnerProgress, TrajectoryBatchCommitted
 from schemas.steps import steps_to_table
 from schemas.value import ValueActorConfig
 
@@ -195,6 +196,37 @@ def test_a_stop_after_a_dead_lettered_batch_does_not_read_it_again_after_the_res
     third = make_learner(store, "dead-stop", log, [], publish_every=1, min_replay_size=1)
     third.resume()
     assert third.batches_read == 4  # the step log records the dead-lettered batch with the step after it
+
+
+class EventLog:
+    """A publisher standing in for the broker: what it holds, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[Envelope] = []
+
+    def publish(self, kind: str, event: Envelope) -> tuple[int, int]:
+        self.events.append(event)
+        return 0, len(self.events) - 1
+
+
+def test_a_learner_killed_after_a_dead_letter_sends_it_again_under_the_same_event_id(batches) -> None:
+    """Killed after a batch's dead letter but before a checkpoint passed the batch, the learner reads the batch
+    again on its next start and dead-letters it again: one ``event_id`` for both, so readers count one letter."""
+    store, refs = batches
+    tampered = BatchRef(refs[1].batch_id + "x", refs[1].path, "0" * 64, {"mem:0": 3})
+    log = [refs[0], refs[1], tampered, BatchRef(refs[2].batch_id, refs[2].path, refs[2].sha256, {"mem:0": 4})]
+    broker = EventLog()
+    killed = make_learner(store, "dead-kill", log[:3], publish_every=1, min_replay_size=1, checkpoint_every=1)
+    killed.announce = Announcer(broker, "dead-kill")  # type: ignore[arg-type]
+    killed.run(poll_timeout_s=0.0)  # steps 1 and 2 checkpointed, then the tampered batch dead-lettered; no stop
+    assert killed.state.step == 2 and killed.dead_lettered == 1
+    again = make_learner(store, "dead-kill", log, publish_every=1, min_replay_size=1, checkpoint_every=1)
+    again.announce = Announcer(broker, "dead-kill")  # type: ignore[arg-type]
+    again.resume()
+    again.run(poll_timeout_s=0.0)
+    letters = [event for event in broker.events if isinstance(event.payload, DeadLetter)]
+    assert [event.payload.key for event in letters] == [tampered.batch_id] * 2 and again.dead_lettered == 1
+    assert letters[0].event_id == letters[1].event_id
 
 
 @pytest.mark.parametrize("last", ["dead-lettered", "already trained"])

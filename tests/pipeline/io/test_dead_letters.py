@@ -18,8 +18,10 @@ import pytest
 from kafka import TopicPartition
 
 from pipeline.io.bus import BusError, EventConsumer
+from pipeline.io.bus.dead_letters import DeadLettered
 from pipeline.io.bus.records import ConsumerStats
 from schemas.config import BusConfig
+from schemas.events import decode_event
 
 TOPIC = "deadletters.trajectories"
 SERVERS = ["127.0.0.1:9"]  # never dialled: the client and the publisher are scripted
@@ -87,6 +89,25 @@ def test_a_new_poison_message_where_a_recreated_topic_reuses_an_offset_is_dead_l
     assert [c.stats.dead_lettered for c in (before, sibling, after)] == [1, 0, 1]
     assert sibling.stats.skipped_dead_lettered == 1  # the same message of the same log: one dead letter
     assert len(publisher.sent) == 2
+    assert len({decode_event(value).event_id for value in publisher.sent}) == 2  # two letters to readers too
+
+
+def test_a_message_dead_lettered_again_by_a_restarted_reader_is_one_letter_to_readers(
+        request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader stopped after a message's dead letter but before its group committed past the message reads it
+    again in its next process and dead-letters it again, perhaps for a reason worded otherwise: both letters carry
+    one ``event_id``, so readers that dedupe by it count the message once."""
+    record = poison(next(FRESH_OFFSETS), b"{poison " + request.node.name.encode())
+    publisher = ScriptedPublisher()
+    assert reader(ScriptedClient([record]), publisher).poll() == []
+    monkeypatch.setattr("pipeline.io.bus.consumer.DEAD_LETTERED", DeadLettered())  # the next process's
+    monkeypatch.setattr("pipeline.io.bus.consumer.decode_record",
+                        lambda record, refuse_newer: (None, "not JSON: worded by a newer JSON library"))
+    restarted = reader(ScriptedClient([record]), publisher)
+    assert restarted.poll() == [] and restarted.stats.dead_lettered == 1
+    first, again = (decode_event(value) for value in publisher.sent)
+    assert first.payload.reason != again.payload.reason and first.payload.origin_offset == record.offset
+    assert first.event_id == again.event_id
 
 
 def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
