@@ -2,14 +2,14 @@
 
 Pure transforms of a ``SampleResult``: samples cut at the first stop string (``cut_at_stop_strings``), prompt
 logprobs blanked before the last N (``only_last``), and the response with its top-k rows as the SDK's dense
-``TopkLogprobs`` matrices (``encode_topk``, ``encode_sample_response``).  Encoding a call's answer is array work
-over up to ``MAX_TOPK_SAMPLE_CELLS`` top-k entries, so the sampler runs it off the event loop its calls share.
+``TopkLogprobs`` matrices (``encode_topk``, ``encode_sample_response``: the engines' ``TopKRows`` already hold
+them).  Encoding a call's answer copies up to ``MAX_TOPK_SAMPLE_CELLS`` top-k entries, so the sampler runs it off
+the event loop its calls share.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +17,9 @@ import numpy as np
 from tinker.proto import tinker_public_pb2 as public_pb
 from tinker.types.topk_logprobs import MASK_LOGPROB
 
-from producers.samplers.base import SampleOutput, TopK
+from producers.samplers.base import SampleOutput
 from producers.samplers.engine import SampleResult
+from producers.samplers.topk import TopKRows
 
 
 def cut_at_stop_strings(sample: SampleOutput, strings: list[str], decode: Callable[[list[int]], str]) -> SampleOutput:
@@ -43,32 +44,30 @@ def cut_at_stop_strings(sample: SampleOutput, strings: list[str], decode: Callab
                         topk_logprobs=rows)
 
 
-def only_last(values: list[Any] | None, last_n: int | None) -> list[Any] | None:
+def only_last(values: list[Any] | TopKRows | None, last_n: int | None) -> list[Any] | TopKRows | None:
     """``values`` (one per prompt token) with all but the last ``last_n`` None (``prompt_logprobs_last_n``)."""
     if values is None or last_n is None:
         return values
+    if isinstance(values, TopKRows):
+        return values.only_last(last_n)
     return [None] * (len(values) - last_n) + list(values[-last_n:])
 
 
-def encode_topk(rows: list[TopK | None], k: int, into: Any) -> None:
+def encode_topk(rows: TopKRows, k: int, into: Any) -> None:
     """Top-k rows as the SDK's ``TopkLogprobs``: N x ``k`` int32 ids and float32 logprobs, row-major, most likely
     first; the cells a row leaves (None: all of them) hold 0 / ``MASK_LOGPROB``, which the SDK's decoder drops.
 
-    Built with array operations, not cell by cell: a call may answer ``MAX_TOPK_SAMPLE_CELLS`` entries.  Filled
-    cell m (of M, row after row) is row ``row_M[m]``, column m - (the cells of the rows before it)."""
-    lengths_N = np.fromiter((0 if row is None else len(row) for row in rows), np.int64, len(rows))
-    too_long = np.flatnonzero(lengths_N > k)
-    if too_long.size:
-        raise ValueError(f"a top-k row of {lengths_N[too_long[0]]} entries for k={k}; an engine gives at most k")
-    # token, logprob, token, logprob, ...: float64 holds every int32 id exactly
-    pairs = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(row for row in rows if row)),
-                        np.float64, 2 * int(lengths_N.sum()))
-    row_M = np.repeat(np.arange(len(rows)), lengths_N)
-    column_M = np.arange(row_M.size) - np.repeat(np.cumsum(lengths_N) - lengths_N, lengths_N)
-    ids_NK = np.zeros((len(rows), k), np.int32)
-    logprobs_NK = np.full((len(rows), k), MASK_LOGPROB, np.float32)
-    ids_NK[row_M, column_M] = pairs[0::2]
-    logprobs_NK[row_M, column_M] = pairs[1::2]
+    ``TopKRows`` already is that layout (topk.py), so this is two copies of a call's up to
+    ``MAX_TOPK_SAMPLE_CELLS`` cells; rows narrower than ``k`` are widened with missing cells."""
+    if rows.k > k:
+        lengths_N = rows.lengths()
+        too_long = np.flatnonzero(lengths_N > k)
+        if too_long.size:
+            raise ValueError(f"a top-k row of {lengths_N[too_long[0]]} entries for k={k}; an engine gives at most k")
+    ids_NK, logprobs_NK = rows.ids_NK[:, :k], rows.logprobs_NK[:, :k]
+    if rows.k < k:
+        ids_NK = np.pad(ids_NK, ((0, 0), (0, k - rows.k)))
+        logprobs_NK = np.pad(logprobs_NK, ((0, 0), (0, k - rows.k)), constant_values=MASK_LOGPROB)
     into.token_ids, into.logprobs, into.k, into.length = ids_NK.tobytes(), logprobs_NK.tobytes(), k, len(rows)
 
 
@@ -84,7 +83,7 @@ def encode_sample_response(result: SampleResult, topk_prompt: int = 0, topk_samp
             logprobs=np.asarray(sample.logprobs, np.float32).tobytes(),
         )
         if topk_sample and sample.topk_logprobs is not None:
-            encode_topk(list(sample.topk_logprobs), topk_sample, sequence.topk_sampled_logprobs)
+            encode_topk(sample.topk_logprobs, topk_sample, sequence.topk_sampled_logprobs)
     if result.prompt_logprobs is not None:
         values = [np.nan if value is None else value for value in result.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, np.float32).tobytes()

@@ -24,8 +24,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal, Self
 
+from producers.samplers.topk import TopKRows
+
 FinishReason = Literal["stop", "length", "abort"]
-TopK = list[tuple[int, float]]  # the most likely tokens at one position and their logprobs, most likely first
 
 
 @dataclass(frozen=True)
@@ -55,17 +56,20 @@ class SampleOutput:
     ``token_ids`` ends with the stop token when ``finish_reason`` is "stop";
     ``logprobs[i]`` belongs to ``token_ids[i]`` (of the sampling distribution, see the module doc);
     ``topk_logprobs[i]``, when asked for, are the most likely tokens of the distribution ``token_ids[i]`` was
-    drawn from, with their logprobs (the tokens it could be drawn from only: a top-k or top-p cut leaves fewer).
+    drawn from, with their logprobs (the tokens it could be drawn from only: a top-k or top-p cut leaves fewer);
+    rows given as lists of (token, logprob) are kept as ``TopKRows`` (topk.py), as the engines build them.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
-    topk_logprobs: list[TopK] | None = None
+    topk_logprobs: TopKRows | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
+        if self.topk_logprobs is not None and not isinstance(self.topk_logprobs, TopKRows):
+            object.__setattr__(self, "topk_logprobs", TopKRows.from_rows(self.topk_logprobs))
         if self.topk_logprobs is not None and len(self.topk_logprobs) != len(self.token_ids):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.topk_logprobs)} rows of top-k logprobs")
 

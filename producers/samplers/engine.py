@@ -53,7 +53,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from producers.samplers.base import AdapterHandle, SampleOutput, TopK, request_seed
+from producers.samplers.base import AdapterHandle, SampleOutput, request_seed
+from producers.samplers.topk import TopKRows
 from producers.samplers.vllm_outputs import sample_parts
 from producers.samplers.vllm_sampler import check_vllm_can_load, refusal_named, refused_adapter
 from schemas.api import MAX_TOPK_LOGPROBS
@@ -106,11 +107,16 @@ class SampleParams:
 
 @dataclass(frozen=True)
 class SampleResult:
-    """``num_samples`` sequences for one prompt, and its prompt logprobs and top-k prompt logprobs when asked for."""
+    """``num_samples`` sequences for one prompt, and its prompt logprobs and top-k prompt logprobs when asked for
+    (rows given as lists of (token, logprob) are kept as ``TopKRows``, as ``SampleOutput`` keeps them)."""
 
     sequences: list[SampleOutput]
     prompt_logprobs: list[float | None] | None = None
-    topk_prompt_logprobs: list[TopK | None] | None = None  # one row per prompt token, None at position 0
+    topk_prompt_logprobs: TopKRows | None = None  # one row per prompt token, None at position 0
+
+    def __post_init__(self) -> None:
+        if self.topk_prompt_logprobs is not None and not isinstance(self.topk_prompt_logprobs, TopKRows):
+            object.__setattr__(self, "topk_prompt_logprobs", TopKRows.from_rows(self.topk_prompt_logprobs))
 
 
 class SamplingEngine(abc.ABC):

@@ -24,7 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, TopK, request_seed
+from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
+from producers.samplers.topk import TopKRows
 from schemas.config import SamplerConfig
 from schemas.names import echoed
 
@@ -53,7 +54,7 @@ class Continued:
 
     samples: list[SampleOutput]
     prompt_logprobs: list[float | None] | None = None
-    topk_prompt_logprobs: list[TopK | None] | None = None
+    topk_prompt_logprobs: TopKRows | None = None
 
 
 class TransformersSampler(Sampler):
@@ -235,7 +236,7 @@ class TransformersSampler(Sampler):
         return results
 
     def _prompt_logprobs(self, model: Any, prompt: list[int], plain: bool = True, topk: int = 0
-                         ) -> tuple[list[float | None] | None, list[TopK | None] | None]:
+                         ) -> tuple[list[float | None] | None, TopKRows | None]:
         """The model's own (temperature 1) logprob of each prompt token when ``plain``, and its ``topk`` most likely
         tokens at each position when ``topk`` >= 1; None at position 0 (nothing predicts it)."""
         import torch
@@ -247,9 +248,10 @@ class TransformersSampler(Sampler):
         logprobs: list[float | None] | None = None
         if plain:
             logprobs = [None] + [float(logprobs_TV[p - 1, token]) for p, token in enumerate(prompt) if p > 0]
-        rows: list[TopK | None] | None = None
+        rows: TopKRows | None = None
         if topk:
-            rows = [None, *top_tokens(logprobs_TV[:-1], [topk] * (len(prompt) - 1))]
+            top = top_tokens(logprobs_TV[:-1], topk)
+            rows = TopKRows.concatenate([TopKRows.blank(1, top.k), top], topk)
         return logprobs, rows
 
     def _generate_batch(
@@ -270,7 +272,8 @@ class TransformersSampler(Sampler):
         tokens_B: list[list[int]] = [[] for _ in requests]
         logprobs_B: list[list[float]] = [[] for _ in requests]
         topk_B = topk_B or [0] * len(requests)
-        rows_B: list[list[TopK]] = [[] for _ in requests]
+        rows_B: list[list[TopKRows]] = [[] for _ in requests]  # one 1 x k part per step
+        widest = max(topk_B, default=0)
         done_B = [False] * len(requests)
         cache = None
         step_ids_BT = input_ids_BT
@@ -290,21 +293,23 @@ class TransformersSampler(Sampler):
                     _draw(logprobs_BV[b], temperature == 0.0, generators[b]) if not done_B[b] else self.pad_token_id
                     for b in range(len(requests))
                 ]
-                step_rows = top_tokens(logprobs_BV, [0 if done else k for k, done in zip(topk_B, done_B, strict=True)])
+                step_rows = top_tokens(logprobs_BV, widest) if widest else None
                 for b, token in enumerate(next_B):
                     if done_B[b]:
                         continue
                     tokens_B[b].append(token)
                     logprobs_B[b].append(float(logprobs_BV[b, token]))
-                    if topk_B[b]:
-                        rows_B[b].append(step_rows[b])
+                    if step_rows is not None and topk_B[b]:
+                        rows_B[b].append(TopKRows(step_rows.ids_NK[b:b + 1, :topk_B[b]],
+                                                  step_rows.logprobs_NK[b:b + 1, :topk_B[b]]))
                     done_B[b] = token in stops_B[b] or len(tokens_B[b]) >= budgets[b]
                 if all(done_B):
                     break
                 step_ids_BT = torch.tensor(next_B, device=self.device).unsqueeze(-1)
                 attention_BT = torch.cat([attention_BT, torch.ones_like(step_ids_BT)], dim=-1)
         return [
-            SampleOutput(t, lp, "stop" if t and t[-1] in row_stops else "length", rows if k else None)
+            SampleOutput(t, lp, "stop" if t and t[-1] in row_stops else "length",
+                         TopKRows.concatenate(rows, k) if k else None)
             for t, lp, row_stops, k, rows in zip(tokens_B, logprobs_B, stops_B, topk_B, rows_B, strict=True)
         ]
 
@@ -430,21 +435,13 @@ def sampling_logprobs(logits_BV: Any, temperature: float, top_p: float, top_k: i
     return torch.log_softmax(logits_BV, dim=-1)
 
 
-def top_tokens(logprobs_NV: Any, k_N: list[int]) -> list[TopK]:
-    """Row n's ``k_N[n]`` most likely tokens with their logprobs, most likely first (an empty list where
-    ``k_N[n]`` is 0); tokens of logprob -inf (outside a top-k or top-p cut: they cannot be drawn) are left out.
-    One ``topk`` over the rows and one copy to the host."""
-    import math
-
+def top_tokens(logprobs_NV: Any, k: int) -> TopKRows:
+    """Each row's ``k`` most likely tokens with their logprobs, most likely first; tokens of logprob -inf (outside a
+    top-k or top-p cut: they cannot be drawn) are left out.  One ``topk`` over the rows and one copy to the host."""
     import torch
 
-    widest = max(k_N, default=0)
-    if widest == 0:
-        return [[] for _ in k_N]
-    values_NK, ids_NK = torch.topk(logprobs_NV, min(widest, logprobs_NV.shape[-1]), dim=-1)
-    values, ids = values_NK.tolist(), ids_NK.tolist()
-    return [[(int(t), float(v)) for t, v in zip(ids[n][:k], values[n][:k], strict=True) if math.isfinite(v)]
-            for n, k in enumerate(k_N)]
+    values_NK, ids_NK = torch.topk(logprobs_NV, min(k, logprobs_NV.shape[-1]), dim=-1)
+    return TopKRows.from_ranked(ids_NK.cpu().numpy(), values_NK.cpu().numpy())
 
 
 def _draw(logprobs_V: Any, greedy: bool, generator: Any) -> int:

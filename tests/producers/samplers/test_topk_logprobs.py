@@ -7,6 +7,7 @@ model's full ``log_softmax``.  The vLLM test shares the session's engine (tests/
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 from producers.samplers.engine import SampleParams, SampleResult
 from producers.samplers.hf_engine import TransformersEngine
-from producers.samplers.hf_sampler import sampling_logprobs
+from producers.samplers.hf_sampler import sampling_logprobs, top_tokens
 from producers.samplers.sync import SyncSampler
 from schemas.config import SamplerConfig
 from tests.producers.samplers.test_engine import SAME_TOL, reference_model
@@ -137,3 +138,19 @@ def assert_same_topk(a: SampleResult, b: SampleResult, tol: float) -> None:
         assert s.token_ids == t.token_ids and s.topk_logprobs is not None and t.topk_logprobs is not None
         for x, y in zip(s.topk_logprobs, t.topk_logprobs, strict=True):
             same(x, y)
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_top_tokens_are_each_rows_sorted_tuples_cell_for_cell(k: int) -> None:
+    """The matrices ``top_tokens`` builds hold what sorting each row's (token, logprob) tuples gives: its k most
+    likely tokens, in its own row, most likely first, values unchanged, the tokens a cut removed left out."""
+    generator = torch.Generator().manual_seed(k)
+    logits_NV = torch.randn(64, 300, generator=generator) * 3
+    logprobs_NV = sampling_logprobs(logits_NV, 0.8, 0.9, 12)  # cut: some rows keep fewer than k tokens
+    rows = top_tokens(logprobs_NV, k)
+    expected = []
+    for logprobs_V in logprobs_NV.tolist():
+        ranked = sorted(enumerate(logprobs_V), key=lambda item: -item[1])[:k]
+        expected.append([(token, value) for token, value in ranked if value > -math.inf] or None)
+    assert rows.ids_NK.shape == (64, k) and list(rows) == expected
+    assert any(len(row) < k for row in expected) or k == 1

@@ -9,14 +9,17 @@ import math
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+from tinker.proto.response_conv import deserialize_sample_response
 
 pytest.importorskip("vllm")
 from vllm.logprobs import Logprob
 
+from producers.api_encoding import encode_sample_response
 from producers.samplers import engine as engine_module
 from producers.samplers.engine import SampleParams, SampleResult, VLLMEngine
-from producers.samplers.vllm_outputs import sample_parts
+from producers.samplers.vllm_outputs import sample_parts, top_rows
 from schemas.config import SamplerConfig
 
 
@@ -71,3 +74,43 @@ def test_the_vllm_engine_builds_a_calls_rows_off_the_event_loop(monkeypatch) -> 
         engine.close()
     assert result.sequences[0].topk_logprobs == [[(4, -0.5), (7, -1.0)], [(4, -0.25), (6, -2.0)], [(5, -0.0)]]
     assert len(built_on) == 1 and built_on[0] != threading.get_ident()  # asyncio.run's loop runs on this thread
+
+
+def tuple_rows(positions: list[dict[int, Logprob]], k: int) -> list:
+    """The reference: each position's entries sorted (most likely first, then vLLM's rank), the first k of them,
+    those of logprob -inf left out; a row of none is None."""
+    rows = [[(token, entry.logprob) for token, entry in sorted(position.items(),
+                                                               key=lambda item: (-item[1].logprob, item[1].rank))[:k]
+             if entry.logprob > -math.inf] for position in positions]
+    return [row or None for row in rows]
+
+
+def vllm_positions(n: int, k: int, seed: int) -> list[dict[int, Logprob]]:
+    """``n`` positions as vLLM gives them: the chosen token first (its own rank), then the top k in rank order;
+    logprobs on a coarse grid (ties), float32-exact, some cut to -inf after the first; the chosen token is among
+    the top k at about half the positions."""
+    rng = np.random.default_rng(seed)
+    positions = []
+    for _ in range(n):
+        ids = rng.choice(150_000, k + 1, replace=False).tolist()
+        values = np.sort(np.round(rng.normal(-4.0, 3.0, k + 1) * 2) / 2).astype(np.float32)[::-1].tolist()
+        cut = 1 + int(rng.integers(0, k + 1))  # the entries from here on a top-k or top-p cut removed
+        values[cut:] = [-math.inf] * (k + 1 - cut)
+        chosen = int(rng.integers(0, k)) if rng.random() < 0.5 else k  # index k: outside the top k
+        entries = [(ids[chosen], values[chosen], chosen + 1)] + [(ids[j], values[j], j + 1) for j in range(k)]
+        positions.append(position(*entries))
+    return positions
+
+
+@pytest.mark.parametrize("k", [1, 3, 20])
+def test_the_rows_are_the_reference_rows_cell_for_cell(k: int) -> None:
+    """Every row in its own row and columns, every value as vLLM gave it, ties broken by vLLM's rank, cut tokens
+    left out: the same rows as sorting each position's (token, logprob) tuples, and the same on the wire."""
+    positions = vllm_positions(500, k, seed=k)
+    rows = top_rows(positions, k)
+    assert rows.ids_NK.shape == (500, k)
+    assert list(rows) == tuple_rows(positions, k)
+    prompt = SimpleNamespace(outputs=OUTPUT.outputs, prompt_logprobs=[None, *positions])
+    topk_prompt = sample_parts([prompt], [0] * 501, SampleParams(3, topk_prompt_logprobs=k), stops=())[2]
+    decoded = deserialize_sample_response(encode_sample_response(SampleResult([], None, topk_prompt), topk_prompt=k))
+    assert decoded.topk_prompt_logprobs == [None, *tuple_rows(positions, k)]
