@@ -377,6 +377,7 @@ class VLLMEngine(SamplingEngine):
             ignore_eos=params.stop_token_ids is not None,  # then the ids given are the whole stop rule
             stop_token_ids=list(stops),
             detokenize=False,  # token-in/token-out: text is never needed here
+            flat_logprobs=True,  # a few flat lists, not a Logprob object per entry (vllm_outputs.py reads both)
         )
 
     async def _one(self, prompt_token_ids: list[int], lora: Any, sampling_params: Any) -> Any:

@@ -26,40 +26,97 @@ def sample_parts(outputs: Sequence[Any], prompt_token_ids: list[int], params: Sa
                  ) -> tuple[list[SampleOutput], list[float | None] | None, TopKRows | None]:
     """One ``RequestOutput`` per sample (the first scored the prompt, when asked) -> the call's samples, prompt
     logprobs and prompt top-k rows (``SampleResult``'s fields, in its order).  The samples' top-k rows are ranked
-    together, in one ``top_rows``, and each sample gets its slice of them."""
+    together, in one ``top_rows``."""
     prompt_logprobs = _prompt_logprobs(outputs[0], prompt_token_ids) if params.prompt_logprobs else None
     topk_prompt = (_topk_prompt_logprobs(outputs[0], params.topk_prompt_logprobs)
                    if params.topk_prompt_logprobs else None)
     completions = [out.outputs[0] for out in outputs]
     rows: list[TopKRows | None] = [None] * len(completions)
     if params.topk_sample_logprobs:
-        every = top_rows(list(itertools.chain.from_iterable(c.logprobs for c in completions)),
-                         params.topk_sample_logprobs)
-        ends = np.cumsum([len(c.logprobs) for c in completions]).tolist()
-        rows = [every[start:end] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+        rows = list(top_rows([c.logprobs for c in completions], params.topk_sample_logprobs))
     return ([_to_sample_output(c, stops, r) for c, r in zip(completions, rows, strict=True)], prompt_logprobs,
             topk_prompt)
 
 
-def top_rows(positions: Sequence[dict[int, Any]], k: int) -> TopKRows:
-    """The ``k`` most likely tokens of each of vLLM's ``positions``, most likely first (ties in vLLM's rank order).
+def top_rows(parts: Sequence[Sequence[Any]], k: int) -> list[TopKRows]:
+    """The ``k`` most likely tokens at each position of each of ``parts`` (a sample's positions or a prompt's, as
+    vLLM gives them), most likely first (ties in vLLM's rank order), one ``TopKRows`` per part.
 
     Tokens a top-k or top-p cut removed (logprob -inf) are left out, as they cannot be drawn.  Every entry is read
     once into flat arrays (entry m of M, position after position), placed in a positions x (at most k + 1) matrix,
-    and each row ranked by one sort of the matrix; the time is in reading the ``Logprob`` objects (a million at
-    the cell cap)."""
-    counts_N = np.fromiter(map(len, positions), np.int64, len(positions))
-    total = int(counts_N.sum())
-    entries = list(itertools.chain.from_iterable(position.values() for position in positions))
-    row_M = np.repeat(np.arange(len(positions)), counts_N)
-    column_M = np.arange(total) - np.repeat(np.cumsum(counts_N) - counts_N, counts_N)  # place within its position
-    shape = (len(positions), max(int(counts_N.max(initial=0)), k))
+    and each row ranked by one sort of that matrix.  From dicts the time is in reading the ``Logprob`` objects
+    (a million at the cell cap); from ``FlatLogprobs`` it is a few copies of its lists."""
+    counts_N, ids_M, ranks_M, logprobs_M = _entries(parts)
+    row_M = np.repeat(np.arange(counts_N.size), counts_N)
+    column_M = np.arange(ids_M.size) - np.repeat(np.cumsum(counts_N) - counts_N, counts_N)  # place in its position
+    shape = (counts_N.size, max(int(counts_N.max(initial=0)), k))
     ids_NJ, ranks_NJ, logprobs_NJ = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.full(shape, -np.inf)
-    ids_NJ[row_M, column_M] = np.fromiter(itertools.chain.from_iterable(positions), np.int64, total)
-    ranks_NJ[row_M, column_M] = np.fromiter((entry.rank or 0 for entry in entries), np.int64, total)
-    logprobs_NJ[row_M, column_M] = np.fromiter(map(_LOGPROB, entries), np.float64, total)
+    ids_NJ[row_M, column_M], ranks_NJ[row_M, column_M], logprobs_NJ[row_M, column_M] = ids_M, ranks_M, logprobs_M
     order_NK = np.lexsort((ranks_NJ, -logprobs_NJ))[:, :k]  # the empty cells (-inf) sort last, as cut tokens do
-    return TopKRows.from_ranked(np.take_along_axis(ids_NJ, order_NK, 1), np.take_along_axis(logprobs_NJ, order_NK, 1))
+    every = TopKRows.from_ranked(np.take_along_axis(ids_NJ, order_NK, 1), np.take_along_axis(logprobs_NJ, order_NK, 1))
+    ends = np.cumsum([len(part) for part in parts]).tolist()
+    return [every[start:end] for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def _entries(parts: Sequence[Sequence[Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The entries to rank at each position of ``parts``, position after position: each position's count, then
+    every entry's token, rank and logprob."""
+    if all(_is_flat(part) for part in parts):
+        return _flat_entries(parts)
+    if not any(_is_flat(part) for part in parts):  # lists of dicts: read as one run of positions
+        return _dict_entries(list(itertools.chain.from_iterable(parts)))
+    read = [_flat_entries([part]) if _is_flat(part) else _dict_entries(part) for part in parts]
+    return tuple(np.concatenate([columns[i] for columns in read]) for i in range(4))  # type: ignore[return-value]
+
+
+def _dict_entries(positions: Sequence[dict[int, Any] | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                        np.ndarray]:
+    """Positions as dicts token -> ``Logprob`` (None: no entry), every entry read once."""
+    counts_N = np.fromiter((0 if position is None else len(position) for position in positions), np.int64,
+                           len(positions))
+    total = int(counts_N.sum())
+    entries = list(itertools.chain.from_iterable(position.values() for position in positions if position))
+    ids_M = np.fromiter(itertools.chain.from_iterable(position for position in positions if position), np.int64,
+                        total)
+    ranks_M = np.fromiter((entry.rank or 0 for entry in entries), np.int64, total)
+    return counts_N, ids_M, ranks_M, np.fromiter(map(_LOGPROB, entries), np.float64, total)
+
+
+def _flat_entries(parts: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """vLLM's ``FlatLogprobs``, one per part, their lists read whole.  Each position's entries are the chosen token,
+    then the top K in rank order, no duplicate removed: the chosen token (twice where it is among the top K) is
+    left out, and the top K alone are ranked, their place in vLLM's order their rank."""
+    sizes = [len(part.token_ids) for part in parts]  # entries; each part's indices count from 0
+    offsets_N = np.repeat(np.cumsum(sizes) - sizes, [len(part) for part in parts])
+    starts_N = np.fromiter(itertools.chain.from_iterable(part.start_indices for part in parts), np.int64,
+                           offsets_N.size) + offsets_N
+    ends_N = np.fromiter(itertools.chain.from_iterable(part.end_indices for part in parts), np.int64,
+                         offsets_N.size) + offsets_N
+    keep_M = np.ones(sum(sizes), bool)
+    keep_M[starts_N[ends_N > starts_N]] = False
+    ids_M = np.fromiter(itertools.chain.from_iterable(part.token_ids for part in parts), np.int64, keep_M.size)
+    logprobs_M = np.fromiter(itertools.chain.from_iterable(part.logprobs for part in parts), np.float64, keep_M.size)
+    counts_N = np.maximum(ends_N - starts_N - 1, 0)
+    ranks_M = np.arange(int(counts_N.sum())) - np.repeat(np.cumsum(counts_N) - counts_N, counts_N)
+    return counts_N, ids_M[keep_M], ranks_M, logprobs_M[keep_M]
+
+
+def _is_flat(positions: Any) -> bool:
+    """Whether ``positions`` are vLLM's ``FlatLogprobs`` (``flat_logprobs=True``) rather than a list of dicts."""
+    return hasattr(positions, "start_indices")
+
+
+def _chosen_logprobs(positions: Any, tokens: list[int]) -> list[float]:
+    """The logprob of each position's chosen token (``tokens``: the sampled or the prompt's)."""
+    if not _is_flat(positions):
+        return [float(position[token].logprob) for token, position in zip(tokens, positions, strict=True)]
+    if len(positions) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {len(positions)} positions of logprobs")
+    chosen = positions.start_indices  # each position's first entry (a FlatLogprobs slice counts from 0 again)
+    if [positions.token_ids[m] for m in chosen] != tokens:
+        raise RuntimeError("vLLM's flat logprobs do not start each position with its chosen token; rlpipe reads "
+                           "them as vLLM 0.32 lays them out (pin that vLLM, or update vllm_outputs.py)")
+    return [float(positions.logprobs[m]) for m in chosen]
 
 
 _LOGPROB = operator.attrgetter("logprob")
@@ -69,21 +126,18 @@ def _to_sample_output(completion: Any, stops: tuple[int, ...], rows: TopKRows | 
     """vLLM's CompletionOutput -> SampleOutput: the sampled ids (stop token kept), each one's logprob, and the top-k
     ``rows`` of its positions (None: not asked for)."""
     token_ids = [int(t) for t in completion.token_ids]
-    logprobs = [float(position[token].logprob) for token, position in zip(token_ids, completion.logprobs, strict=True)]
+    logprobs = _chosen_logprobs(completion.logprobs, token_ids)
     reason = "stop" if token_ids and token_ids[-1] in stops else (completion.finish_reason or "length")
     return SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, topk_logprobs=rows)
 
 
 def _topk_prompt_logprobs(request_output: Any, k: int) -> TopKRows:
     """The ``k`` most likely tokens at each prompt position (None at position 0, which nothing predicts)."""
-    positions = request_output.prompt_logprobs or []
-    return top_rows([{}, *positions[1:]], k)
+    rows = top_rows([request_output.prompt_logprobs or [None]], k)[0]
+    return rows.only_last(len(rows) - 1)
 
 
 def _prompt_logprobs(request_output: Any, prompt_token_ids: list[int]) -> list[float | None]:
     """One logprob per prompt token (None at position 0, which nothing predicts)."""
-    positions = request_output.prompt_logprobs or []
-    out: list[float | None] = [None]
-    for token, position in zip(prompt_token_ids[1:], positions[1:], strict=True):
-        out.append(float(position[token].logprob))
-    return out
+    positions = request_output.prompt_logprobs or [None]
+    return [None, *_chosen_logprobs(positions[1:], prompt_token_ids[1:])]

@@ -5,21 +5,28 @@ no engine: runs on any machine with vLLM installed."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import threading
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 from tinker.proto.response_conv import deserialize_sample_response
 
 pytest.importorskip("vllm")
-from vllm.logprobs import Logprob
+from vllm.logprobs import (
+    Logprob,
+    append_logprobs_for_next_position,
+    create_prompt_logprobs,
+    create_sample_logprobs,
+)
 
 from producers.api_encoding import encode_sample_response
 from producers.samplers import engine as engine_module
 from producers.samplers.engine import SampleParams, SampleResult, VLLMEngine
-from producers.samplers.vllm_outputs import sample_parts, top_rows
+from producers.samplers.vllm_outputs import sample_parts
 from schemas.config import SamplerConfig
 
 
@@ -85,32 +92,54 @@ def tuple_rows(positions: list[dict[int, Logprob]], k: int) -> list:
     return [row or None for row in rows]
 
 
-def vllm_positions(n: int, k: int, seed: int) -> list[dict[int, Logprob]]:
-    """``n`` positions as vLLM gives them: the chosen token first (its own rank), then the top k in rank order;
-    logprobs on a coarse grid (ties), float32-exact, some cut to -inf after the first; the chosen token is among
-    the top k at about half the positions."""
-    rng = np.random.default_rng(seed)
-    positions = []
+def vllm_rows(n: int, k: int, rng: np.random.Generator) -> list[tuple[list[int], list[float], int]]:
+    """``n`` positions as vLLM's engine core hands them over: the chosen token and its logprob first, then the top k
+    in rank order, and the chosen token's rank.  Logprobs on a coarse grid (ties), float32-exact, some cut to -inf
+    after the first; the chosen token is among the top k at about half the positions."""
+    rows = []
     for _ in range(n):
         ids = rng.choice(150_000, k + 1, replace=False).tolist()
         values = np.sort(np.round(rng.normal(-4.0, 3.0, k + 1) * 2) / 2).astype(np.float32)[::-1].tolist()
         cut = 1 + int(rng.integers(0, k + 1))  # the entries from here on a top-k or top-p cut removed
         values[cut:] = [-math.inf] * (k + 1 - cut)
         chosen = int(rng.integers(0, k)) if rng.random() < 0.5 else k  # index k: outside the top k
-        entries = [(ids[chosen], values[chosen], chosen + 1)] + [(ids[j], values[j], j + 1) for j in range(k)]
-        positions.append(position(*entries))
+        rows.append(([ids[chosen], *ids[:k]], [values[chosen], *values[:k]], chosen + 1))
+    return rows
+
+
+def positions_of(rows: list[tuple[list[int], list[float], int]], k: int, flat: bool, prompt: bool = False) -> Any:
+    """The positions vLLM's output processor makes of ``rows``: a list of dicts, or ``FlatLogprobs`` with
+    ``flat_logprobs=True`` (a prompt's start with position 0, which has none)."""
+    positions = (create_prompt_logprobs if prompt else create_sample_logprobs)(flat)
+    for ids, values, rank in rows:
+        append_logprobs_for_next_position(positions, ids, values, itertools.repeat(None), rank, k)
     return positions
 
 
 @pytest.mark.parametrize("k", [1, 3, 20])
-def test_the_rows_are_the_reference_rows_cell_for_cell(k: int) -> None:
+@pytest.mark.parametrize("flat", [False, True, "every other"])
+def test_the_rows_are_the_reference_rows_cell_for_cell(k: int, flat: bool | str) -> None:
     """Every row in its own row and columns, every value as vLLM gave it, ties broken by vLLM's rank, cut tokens
-    left out: the same rows as sorting each position's (token, logprob) tuples, and the same on the wire."""
-    positions = vllm_positions(500, k, seed=k)
-    rows = top_rows(positions, k)
-    assert rows.ids_NK.shape == (500, k)
-    assert list(rows) == tuple_rows(positions, k)
-    prompt = SimpleNamespace(outputs=OUTPUT.outputs, prompt_logprobs=[None, *positions])
-    topk_prompt = sample_parts([prompt], [0] * 501, SampleParams(3, topk_prompt_logprobs=k), stops=())[2]
-    decoded = deserialize_sample_response(encode_sample_response(SampleResult([], None, topk_prompt), topk_prompt=k))
-    assert decoded.topk_prompt_logprobs == [None, *tuple_rows(positions, k)]
+    left out, each sample its own rows: the same rows as sorting each position's (token, logprob) tuples, read
+    from vLLM's dicts or its flat lists, and the same on the wire."""
+    rng = np.random.default_rng(k)
+    samples = [vllm_rows(n, k, rng) for n in (300, 1, 57)]
+    prompt = vllm_rows(200, k, rng)
+    flat_J = [j % 2 == 1 if flat == "every other" else flat for j in range(len(samples))]
+    outputs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[ids[0] for ids, _, _ in rows],
+                                                        logprobs=positions_of(rows, k, flat_J[j]), finish_reason=None)],
+                               prompt_logprobs=positions_of(prompt, k, flat_J[j], prompt=True) if j == 0 else None)
+               for j, rows in enumerate(samples)]
+    prompt_ids = [0] + [ids[0] for ids, _, _ in prompt]
+    params = SampleParams(3, prompt_logprobs=True, topk_prompt_logprobs=k, topk_sample_logprobs=k)
+    result = SampleResult(*sample_parts(outputs, prompt_ids, params, stops=()))
+    for rows, sample in zip(samples, result.sequences, strict=True):
+        assert sample.topk_logprobs is not None and sample.topk_logprobs.ids_NK.shape == (len(rows), k)
+        assert list(sample.topk_logprobs) == tuple_rows(positions_of(rows, k, flat=False), k)
+        assert sample.logprobs == [values[0] for _, values, _ in rows]
+    expected_prompt = [None, *tuple_rows(positions_of(prompt, k, flat=False), k)]
+    assert result.topk_prompt_logprobs == expected_prompt
+    assert result.prompt_logprobs == [None, *(values[0] for _, values, _ in prompt)]
+    decoded = deserialize_sample_response(encode_sample_response(result, topk_prompt=k, topk_sample=k))
+    assert decoded.topk_prompt_logprobs == expected_prompt
+    assert [s.topk_logprobs for s in decoded.sequences] == [list(s.topk_logprobs) for s in result.sequences]
