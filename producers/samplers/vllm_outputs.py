@@ -1,9 +1,11 @@
 """vLLM's request outputs as the parts of rlpipe's ``SampleResult``: sampled tokens, their logprobs, prompt logprobs and top-k rows.
 
-vLLM gives, at each position, a dict token -> ``Logprob``: the top K (``logprobs``/``prompt_logprobs`` = K) and the
-chosen token (the prompt's or the sampled one) besides, so at most K + 1 entries.  A call's top-k rows are up to
-``MAX_TOPK_SAMPLE_CELLS`` entries, so ``VLLMEngine.sample`` runs ``sample_parts`` in a worker thread: on the event
-loop, every other call on the engine would stand still meanwhile.
+vLLM gives, at each position, the top K (``logprobs``/``prompt_logprobs`` = K) and the chosen token (the prompt's or
+the sampled one) besides: as a dict token -> ``Logprob`` per position (at most K + 1 entries), or, as
+``VLLMEngine`` asks for them (``flat_logprobs=True``), as one ``FlatLogprobs`` of flat lists (the chosen token
+first, then the top K, K + 1 entries) that its output processor builds without an object per entry.  Both are
+read here.  A call's top-k rows are up to ``MAX_TOPK_SAMPLE_CELLS`` entries, so ``VLLMEngine.sample`` runs
+``sample_parts`` in a worker thread: on the event loop, every other call on the engine would stand still meanwhile.
 """
 
 from __future__ import annotations
