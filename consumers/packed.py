@@ -23,6 +23,11 @@ of one run does: its next step trains while its writes go on, and waits for them
 back or runs are followed for joins it still passes its turns while the broker refuses its writes or its commit,
 so joins and comebacks, run between two rounds, do not wait for the broker to take them; a run joining or coming
 back polls the served runs' consumers while its own start waits for the broker (``PackedLearner.add``).
+A run that reaches its end in the round-robin (``max_steps``, or its replay ran dry) settles the same way: once its
+last step's writes are taken its final version and checkpoint are handed to its writer, and it passes its turns until
+they and their offsets are taken (``PackedLearner.settle_in_turn``).  A run leaving (``remove``) or stopped
+(``finish_all``) writes its final checkpoint and waits for the broker to take it, holding the others: that happens
+between rounds and at the end.
 
 Membership: runs may join and leave between two rounds (``add``, ``remove``),
 e.g. as ``RunStarted`` and ``RunStopped`` arrive on the control topic
@@ -64,7 +69,7 @@ from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from consumers.learner import Learner
 from consumers.packed_writes import RunWrites, wait_for_writes
-from consumers.service import finish
+from consumers.service import finish, hand_over_final_writes
 from pipeline.io.bus import BusError
 
 log = logging.getLogger("rlpipe.learner")
@@ -80,16 +85,20 @@ class PackedRun:
     run_id: str
     learner: Learner
     rng: tuple[Any, Any] = field(default_factory=lambda: (np.random.get_state(), random.getstate()))
-    settled: bool = False  # finished, its final checkpoint written: nothing more to train or write
+    ending: bool = False  # finished in its turn: settled in its next turns, while the others train
+    final_handed_over: bool = False  # its final version and checkpoint (if it needed them) are with its writer
+    settled: bool = False  # finished, its final checkpoint written and committed: nothing more to train or write
     writes: RunWrites = field(init=False)  # its last step's writes, as its turns see them
 
     def __post_init__(self) -> None:
         self.writes = RunWrites(self.learner)
 
     def finished(self) -> bool:
-        """At ``max_steps``, or a finite source (replay) that has nothing more to give."""
+        """At ``max_steps``, or a finite source (replay) that has nothing more to give and no rows left to train
+        (its next turn trains them)."""
         learner = self.learner
-        return learner.budget_reached() or (not learner.incoming and learner.source.exhausted())
+        return learner.budget_reached() or (
+            not learner.incoming and learner.source.exhausted() and not learner.work_waiting())
 
 
 def seeded_rng(seed: int) -> tuple[Any, Any]:
@@ -206,9 +215,11 @@ class PackedLearner:
         ``between_rounds`` (runs joining and leaving) is called before every round;
         while ``until_stopped`` (or what it returns) is true the loop also goes on while no run is going,
         waiting for one to join, and no run counts as going alone (``passes``).
-        A run that finishes writes its final checkpoint at once (``settle``), so its end is durable and
-        announced while the others train.  A run's publish and checkpoint are written while the next runs
-        take their turns; every run's writes are done when this returns.
+        A run that finishes hands its final checkpoint to its writer as soon as its last step's writes are
+        taken, and passes its turns until that checkpoint and its offsets are (``settle_in_turn``), so its end is
+        durable and announced while the others train, and a broker refusing it holds none of them.  A run's
+        publish and checkpoint are written while the next runs take their turns; every run's writes, and the
+        final checkpoint of every run that finished, are done when this returns.
         With ``on_failure``, a run whose turn raises (its lease taken, its store failing, a step that cannot
         run) or whose last writes fail is dropped (``drop``) and reported, and the others go on; without, the
         error ends the loop.
@@ -222,7 +233,10 @@ class PackedLearner:
             raise
         for run in list(self.runs):
             try:
-                run.writes.finish()
+                if run.ending and not run.settled:
+                    self.settle(run, on_step)
+                else:
+                    run.writes.finish()
             except Exception as exc:
                 self._failed(run, exc, on_failure)
 
@@ -232,12 +246,16 @@ class PackedLearner:
         while not should_stop():
             if between_rounds is not None:
                 between_rounds(self)
+            ending = self._turns_of_ending(on_failure)
             going = [run for run in self.runs if not run.finished()]
             awaiting = until_stopped() if callable(until_stopped) else until_stopped  # runs to join or come back
             if not going and not awaiting:
-                return
+                return  # (``run`` waits for the runs still ending)
             if not going:
-                time.sleep(poll_timeout_s)
+                if ending:
+                    wait_for_writes([run.learner.outputs.writer for run in ending], should_stop)
+                else:
+                    time.sleep(poll_timeout_s)
                 continue
             passed = []
             for run in going:
@@ -254,11 +272,12 @@ class PackedLearner:
                         for metrics in one_pass(learner, 0.0 if busy else poll_timeout_s / len(going)):
                             on_step(run.run_id, metrics)
                     if run.finished():
-                        self.settle(run, on_step)
+                        run.ending = True
+                        self.settle_in_turn(run)
                 except Exception as exc:
                     self._failed(run, exc, on_failure)
             if passed and len(passed) == len(going):  # every run's writes wait: not a loop that spins
-                wait_for_writes([run.learner.outputs.writer for run in passed], should_stop)
+                wait_for_writes([run.learner.outputs.writer for run in passed + ending], should_stop)
 
     @staticmethod
     def passes(run: PackedRun, lone: bool, awaiting: bool) -> bool:
@@ -272,12 +291,44 @@ class PackedLearner:
             return False
         return run.writes.waiting(lone=lone)
 
+    def settle_in_turn(self, run: PackedRun) -> None:
+        """A turn of ``run``, which finished in the round-robin; never waits.  While its writes are not all taken
+        (``RunWrites.waiting``: its last step's, then its final ones) it passes, its state untouched; once its last
+        step's are, its final version and checkpoint (``service.finish``'s) are handed to its writer
+        (``service.hand_over_final_writes``), in a learner's order; once those and their offsets are taken it is
+        ``settled``.  So a slow store, or a broker refusing its events or its commit, holds only this run."""
+        if run.writes.waiting():
+            return
+        if not run.final_handed_over:
+            with self.turn(run) as learner:
+                learner.reader.close()  # (batches read ahead for turns it will not take)
+                handed = hand_over_final_writes(learner)
+            run.final_handed_over = True
+            if handed:
+                return
+        run.settled = True
+
+    def _turns_of_ending(self, on_failure: Callable[[str, Exception], None] | None) -> list[PackedRun]:
+        """A turn of each run that finished in the round-robin and is not settled yet (``settle_in_turn``); the
+        runs still settling after it."""
+        for run in [run for run in self.runs if run.ending and not run.settled]:
+            try:
+                self.settle_in_turn(run)
+            except Exception as exc:
+                self._failed(run, exc, on_failure)
+        return [run for run in self.runs if run.ending and not run.settled]
+
     def settle(self, run: PackedRun, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
-        """``run`` is finished: train what it has waiting, write its final checkpoint and wait for its writes."""
+        """``run`` is finished, leaves (``remove``) or stops (``finish_all``): train what it has waiting, write its
+        final checkpoint and wait for its writes, and for the broker to take them and its commit.  This one waits,
+        holding every run: leaving and stopping happen between rounds and at the end, and only a run's end in the
+        round-robin is settled in its turns (``settle_in_turn``).  A run whose turns already handed its final
+        writes over only waits for them."""
         run.writes.finish()  # a commit it owes first, in its order
-        with self.turn(run) as learner:
-            learner.reader.close()  # (batches read ahead for turns it will not take)
-            finish(learner, lambda metrics: on_step(run.run_id, metrics))
+        if not run.final_handed_over:
+            with self.turn(run) as learner:
+                learner.reader.close()  # (batches read ahead for turns it will not take)
+                finish(learner, lambda metrics: on_step(run.run_id, metrics))
         run.settled = True
 
     def finish_all(self, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None,

@@ -178,6 +178,29 @@ def finish(learner: Learner, after_step: Callable[[dict], None]) -> None:
     learner.finish_writes()  # the last step's own checkpoint, when it was due, may still be being written
 
 
+def hand_over_final_writes(learner: Learner) -> bool:
+    """``finish`` without waiting, for a packed run at its end: its last steps' version and its final checkpoint
+    are handed to the learner's writer as one job, in ``finish``'s order, and whoever waits for that job commits
+    the checkpoint's positions (``consumers.packed_writes.RunWrites``); whether there was anything to write (not
+    when its last step's own checkpoint covers everything).
+
+    The writer must have no job (the last step's writes taken), and no rows may wait: a packed run is finished
+    only once its last turn trained them (``PackedRun.finished``).
+    """
+    if learner.work_waiting():
+        raise RuntimeError(f"run {learner.run_id}: rows still wait for a step; train them before its final writes")
+    passed = learner.pass_untrainable()
+    publication = None
+    if learner.budget_reached() and learner.unpublished_training:  # as ``publish_last_steps``
+        publication = learner.outputs.prepare_publication(learner.policy, learner.state, learner.last_metrics)
+        learner.unpublished_training = False
+    if not (passed or publication or learner.state.step % learner.cfg.checkpoint_every):
+        return False
+    prepared = learner.outputs.prepare_checkpoint(learner.policy, learner.state, learner.last_metrics)
+    learner.outputs.writer.submit(lambda: learner.outputs.write_step(None, publication, prepared))
+    return True
+
+
 def replay_train(config: RunConfig, source_run: str, date_from: str | None = None, date_to: str | None = None,
                  announce: Callable[[Payload], Any] | None = None, policy: LoraPolicy | None = None) -> Learner:
     """Train ``config.run_id``'s adapter from the stored batches of ``source_run`` (no broker needed).

@@ -231,13 +231,15 @@ class StepOutputs:
         report = self.broker_wait  # (set and cleared by the writer's thread)
         return report is not None and report.refusing
 
-    def write_step(self, metrics: dict[str, Any], publication: Publication | None,
+    def write_step(self, metrics: dict[str, Any] | None, publication: Publication | None,
                    prepared: PreparedStep | None) -> PreparedStep | None:
         """A step's writes in a synchronous learner's order; its checkpoint, once durable and announced (the
-        caller commits its positions then), or None when the step had none."""
+        caller commits its positions then), or None when the step had none.  ``metrics`` None: no new step to
+        record (a packed run's final version and checkpoint after its last step, ``consumers.packed``)."""
         if publication is not None:
             self.write_publication(publication)
-        self.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
+        if metrics is not None:
+            self.checkpoints.record_step(metrics)  # before the checkpoint that covers this step
         if prepared is None:
             return None
         self.write_checkpoint(prepared)

@@ -24,7 +24,7 @@ from consumers.packed import PackedLearner
 from consumers.reannounce import announce_again
 from consumers.sources import ReplaySource
 from consumers.step_writer import StepWriter
-from pipeline.io.bus import CommitError
+from pipeline.io.bus import CommitError, PublishError
 from pipeline.runtime import Announcer
 from schemas.events import AdapterPublished, LearnerCheckpointed
 from tests.consumers.packed_runs import (
@@ -34,7 +34,7 @@ from tests.consumers.packed_runs import (
     learner_of,
 )
 from tests.consumers.test_learner import setup  # noqa: F401  # the module fixture: tiny model, prompt, answers
-from tests.fixtures.outages import RefusingOneRun
+from tests.fixtures.outages import RefusingOneRun, wait_for
 
 HELD_FOR_S = 60.0  # how long the refusals last at most (a's wait holding b: until then); the tests take ~20 s
 
@@ -420,3 +420,94 @@ def test_a_lone_run_training_beside_its_writes_while_runs_are_followed_keeps_a_l
     assert steps == [1, 2, 3, 4] and len(checkpointed) == 4
     assert [item for kind, item in log if kind == "commit"][-4:] == checkpointed
     assert CheckpointStore(batches, "a").latest().state.step == 4
+
+
+class RefusingFinalCheckpoint:
+    """A publisher that refuses a's ``LearnerCheckpointed`` of step ``step`` (its final checkpoint) while
+    ``refusing()`` and takes every other event; ``taken`` holds what it took, in order."""
+
+    def __init__(self, step: int, refusing) -> None:
+        self.step, self.refusing = step, refusing
+        self.taken: list = []
+        self.refused = 0
+
+    def publish(self, kind: str, event):
+        final = isinstance(event.payload, LearnerCheckpointed) and event.payload.step == self.step
+        if event.run_id == "a" and final and self.refusing():
+            self.refused += 1
+            raise PublishError(f"publishing a {event.type} to ns.{kind} failed: NotEnoughReplicasError")
+        self.taken.append(event)
+        return 0, len(self.taken)
+
+
+def finishing_first(batches, setup):  # noqa: F811
+    """a (2 steps, checkpoints every 3: its final checkpoint is a write of its own) finishes before b (4 steps)."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    cfgs = {"a": config("a", max_steps=2, checkpoint_every=3), "b": config("b", max_steps=4)}
+    learners = [learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, cfgs[run]), cfgs[run])
+                for run in SOURCES]
+    return PackedLearner(engine, learners), learners
+
+
+class RefusedAtBSteps:
+    """``Progress.on_step``, and at each of b's steps how many refusals a had met (``refused()``), read once a's
+    writer has ended its job or waits for the broker, so what a's writes reached does not depend on their speed."""
+
+    def __init__(self, progress: Progress, a: Learner, refused) -> None:
+        self.progress, self.a, self.refused = progress, a, refused
+        self.counts: list[int] = []
+
+    def on_step(self, run: str, metrics: dict) -> None:
+        self.progress.on_step(run, metrics)
+        if run == "b":
+            writes = self.a.outputs
+            wait_for(lambda: writes.writer.done or writes.waiting_for_broker(), 20, "a's writes")
+            self.counts.append(self.refused())
+
+
+def test_a_run_at_its_budget_whose_final_checkpoint_the_broker_refuses_passes_its_turns_while_the_other_trains(
+        batches, setup):  # noqa: F811
+    """a's final checkpoint (step 2) is written by its writer and its event refused until b has trained its last
+    step: b trains steps 3 and 4 meanwhile (a loop in which a's settling held b would see the refusal end on the
+    deadline instead), and a's final checkpoint is announced once the broker takes it."""
+    packed, (a, b) = finishing_first(batches, setup)
+    progress = Progress(a)
+    publisher = RefusingFinalCheckpoint(2, lambda: len(progress.b_steps) < 4 and time.monotonic() < progress.deadline)
+    for learner in (a, b):
+        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    b_steps = RefusedAtBSteps(progress, a, lambda: publisher.refused)
+    packed.resume()
+    packed.run(on_step=b_steps.on_step, poll_timeout_s=0)
+    assert time.monotonic() < progress.deadline  # b's last step ended the refusal, not the deadline
+    assert progress.b_steps == [1, 2, 3, 4] and progress.a_step_at_b_steps[2:] == [2, 2]
+    assert b_steps.counts[2] >= 1  # b's steps 3 and 4 trained while a's final checkpoint was refused
+    assert announced(publisher.taken, "a") == [("AdapterPublished", 1), ("AdapterPublished", 2),
+                                               ("LearnerCheckpointed", 2)]
+    assert CheckpointStore(batches, "a").latest().state.step == 2
+    assert CheckpointStore(batches, "b").latest().state.step == 4
+
+
+def test_a_run_at_its_budget_whose_final_commit_the_broker_refuses_passes_its_turns_and_commits_after_its_event(
+        batches, setup):  # noqa: F811
+    """The broker takes a's final checkpoint's event but refuses its offset commit until b has trained its last
+    step: b trains meanwhile, and a's final commit follows its checkpoint's event."""
+    packed, (a, _) = finishing_first(batches, setup)
+    progress = Progress(a)
+    log: list = []
+    source = RefusedCommits(a.source, lambda: len(progress.b_steps) < 4 and time.monotonic() < progress.deadline, log)
+    a.source = source  # type: ignore[assignment]
+    a.announce = a.outputs.announce = lambda payload: log.append(("event", payload))
+    b_steps = RefusedAtBSteps(progress, a, lambda: source.refused)
+    packed.resume()
+    packed.run(on_step=b_steps.on_step, poll_timeout_s=0)
+    assert time.monotonic() < progress.deadline  # b's last step ended the refusal, not the deadline
+    assert progress.b_steps == [1, 2, 3, 4] and progress.a_step_at_b_steps[2:] == [2, 2]
+    assert b_steps.counts[3] >= 1  # b's last step trained while a's final commit was refused
+    checkpointed: list[dict[str, int]] = []
+    for kind, item in log:
+        if kind == "event" and isinstance(item, LearnerCheckpointed):
+            checkpointed.append(item.offsets)
+        elif kind == "commit":  # never before its checkpoint's event
+            assert checkpointed and item == checkpointed[-1], (item, checkpointed)
+    assert len(checkpointed) == 1 and [item for kind, item in log if kind == "commit"] == checkpointed
+    assert CheckpointStore(batches, "a").latest().state.step == 2
