@@ -135,6 +135,7 @@ class Learner:
                                    keep_versions=config.keep_versions,
                                    keep_also=frozenset({1}) if config.init_from else frozenset())  # the warm start
         self.pipelined = False  # True inside ``run``: step() returns before its writes are done
+        self.letters_beside = False  # True in a packed run's turn: a dead letter is sent beside the others' turns
 
     # ---- set up -------------------------------------------------------------
     def resume(self, between_tries: Callable[[], None] | None = None) -> bool:
@@ -240,10 +241,12 @@ class Learner:
         happened to group its deliveries (Kafka and replay give the same steps).
         With ``wait_for_writes`` False the last step's writes may still be going
         when this returns (a packed learner's turn): the next step, ``checkpoint``
-        or ``finish_writes`` waits for them; and the batches it started reading
+        or ``finish_writes`` waits for them; so may a batch's dead letter (``quarantine``), and the caller must
+        read nothing more before it is taken; and the batches it started reading
         ahead are kept for the next call (``reader.close()`` drops them).
         """
         was_pipelined, self.pipelined = self.pipelined, True
+        was_beside, self.letters_beside = self.letters_beside, not wait_for_writes
         try:
             while not should_stop() and not self.budget_reached():
                 if not self.incoming:
@@ -267,7 +270,7 @@ class Learner:
             self.reader.close()
             raise
         finally:
-            self.pipelined = was_pipelined
+            self.pipelined, self.letters_beside = was_pipelined, was_beside
         if wait_for_writes:
             self.reader.close()
             self.finish_writes()
@@ -320,17 +323,24 @@ class Learner:
         learner stopped or killed before that checkpoint dead-letters the batch
         again on its next start, under the same ``event_id`` (derived from the
         batch's origin: ``schemas.events.announcement_id``), so readers that
-        dedupe by it count one letter.
+        dedupe by it count one letter.  In a packed run's turn (``letters_beside``)
+        the letter is sent from a thread of its own, so a broker refusing it holds
+        only this run, which passes its turns until it is taken
+        (``consumers.packed_writes``); nothing is read past the batch, nor written
+        after it, before then (``finish_writes`` waits for it).
         """
         reason = f"trajectory batch {ref.batch_id} quarantined: {str(error).strip().splitlines()[0]}"[:2000]
         topic, partition, offset = origin_of(ref)
         raw = json.dumps({"batch_id": ref.batch_id, "path": ref.path, "sha256": ref.sha256}, sort_keys=True)
         letter = DeadLetter(reason=reason, origin_topic=topic, origin_partition=partition, origin_offset=offset,
                             key=ref.batch_id, raw=raw)
-        until_the_broker_takes(announcing_once(self.announce, letter), f"the DeadLetter of batch {ref.batch_id}",
-                               self.run_id, self.outputs.stopping)
+        what = f"the DeadLetter of batch {ref.batch_id}"
+        if self.letters_beside:
+            self.outputs.send_beside(announcing_once(self.announce, letter), what)
+        else:
+            until_the_broker_takes(announcing_once(self.announce, letter), what, self.run_id, self.outputs.stopping)
         self.dead_lettered += 1
-        log.warning("%s (sent to the dead-letter topic)", reason)
+        log.warning("%s (to the dead-letter topic)", reason)
         self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}, quarantined=True))
 
     def announce_progress(self, force: bool = False) -> None:
@@ -505,7 +515,9 @@ class Learner:
         return key
 
     def finish_writes(self) -> None:
-        """Wait for the step in flight (raising its error) and commit what its checkpoint covers."""
+        """Wait for a dead letter being sent and the step in flight (raising their errors) and commit what its
+        checkpoint covers."""
+        self.outputs.letters.wait(lambda: keep_alive_quietly(self.source.keep_alive))
         written = self.outputs.writer.wait(lambda: keep_alive_quietly(self.source.keep_alive))
         if written is not None and written.positions:
             self.commit(written.positions, f"the offsets of step {written.checkpoint.step}'s checkpoint")

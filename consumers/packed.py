@@ -23,7 +23,8 @@ of one run does: its next step trains while its writes go on, and waits for them
 back or runs are followed for joins it still passes its turns while the broker refuses its writes or its commit,
 so joins and comebacks, run between two rounds, do not wait for the broker to take them; a run joining or coming
 back polls the served runs' consumers while its own start waits for the broker (``PackedLearner.add``).
-A run that reaches its end in the round-robin (``max_steps``, or its replay ran dry) settles the same way: once its
+A batch dead-lettered in a run's turn has its letter sent the same way: the run passes its turns, reading nothing
+past the batch, until the broker takes it (``Learner.quarantine``).  A run that reaches its end in the round-robin (``max_steps``, or its replay ran dry) settles the same way: once its
 last step's writes are taken its final version and checkpoint are handed to its writer, and it passes its turns until
 they and their offsets are taken (``PackedLearner.settle_in_turn``).  A run leaving (``remove``) or stopped
 (``finish_all``) writes its final checkpoint and waits for the broker to take it, holding the others: that happens
@@ -68,7 +69,7 @@ import numpy as np
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from consumers.learner import Learner
-from consumers.packed_writes import RunWrites, wait_for_writes
+from consumers.packed_writes import RunWrites, wait_for_writes, writers_of
 from consumers.service import finish, hand_over_final_writes
 from pipeline.io.bus import BusError
 
@@ -253,7 +254,7 @@ class PackedLearner:
                 return  # (``run`` waits for the runs still ending)
             if not going:
                 if ending:
-                    wait_for_writes([run.learner.outputs.writer for run in ending], should_stop)
+                    wait_for_writes([writer for run in ending for writer in writers_of(run.learner)], should_stop)
                 else:
                     time.sleep(poll_timeout_s)
                 continue
@@ -277,7 +278,8 @@ class PackedLearner:
                 except Exception as exc:
                     self._failed(run, exc, on_failure)
             if passed and len(passed) == len(going):  # every run's writes wait: not a loop that spins
-                wait_for_writes([run.learner.outputs.writer for run in passed + ending], should_stop)
+                wait_for_writes([writer for run in passed + ending for writer in writers_of(run.learner)],
+                                should_stop)
 
     @staticmethod
     def passes(run: PackedRun, lone: bool, awaiting: bool) -> bool:

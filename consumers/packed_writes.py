@@ -17,6 +17,10 @@ refuse every try); once its writes are taken the run goes on, its
 writes in a learner's order (a step's commit before the next step's writes: offsets never before their
 checkpoint's event).  A try that timed out may still reach the broker later; it carries the same offsets as the
 next try, and no later step's commit is sent before one of them is taken.
+
+A batch dead-lettered in a run's turn (``Learner.quarantine``) is announced from a thread of its own in the same way:
+the run passes its turns until the broker takes the letter (whoever goes alone waits for it, as a learner of one run
+does), so nothing is read past the batch, and nothing written after it, before its letter is taken.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ class RunWrites:
         going (none refused) do not make it pass, as its step trains beside them and waits for them before its own,
         as a learner of one run does; it passes while the broker refuses a write or its owed commit."""
         outputs = self.learner.outputs
+        if self.letter_going():  # only once it is taken may the run read past its batch: even alone, it passes
+            self.keep_alive()
+            return True
+        outputs.letters.wait()  # sent (or none): returns at once, raising the error that ended it
         writer = outputs.writer
         if writer.busy and not writer.done:
             if lone and not outputs.waiting_for_broker():
@@ -67,9 +75,15 @@ class RunWrites:
         return self.owed is not None and not self.try_commit()
 
     def pending(self) -> bool:
-        """Whether the run's writes are not all taken (still going, or a commit owed), as last seen; no I/O."""
+        """Whether the run's writes are not all taken (still going, a dead letter still being sent, or a commit
+        owed), as last seen; no I/O."""
         writer = self.learner.outputs.writer
-        return (writer.busy and not writer.done) or self.owed is not None
+        return (writer.busy and not writer.done) or self.letter_going() or self.owed is not None
+
+    def letter_going(self) -> bool:
+        """Whether a dead letter of the run's is still being sent (or refused)."""
+        letters = self.learner.outputs.letters
+        return letters.busy and not letters.done
 
     def try_commit(self) -> bool:
         """One try of the owed commit (polling first when it was refused before); whether the broker took it."""
@@ -104,8 +118,10 @@ class RunWrites:
         self.learner.finish_writes()
 
     def finish_owed(self) -> None:
-        """Commit the owed offsets, waiting for the broker to take them as a learner of one run does; a wait its
-        turns began goes on with the same lines (``report``): no second start line, one end line."""
+        """Wait for a dead letter being sent, and commit the owed offsets, waiting for the broker to take them as a
+        learner of one run does; a wait its turns began goes on with the same lines (``report``): no second start
+        line, one end line."""
+        self.learner.outputs.letters.wait(lambda: keep_alive_quietly(self.learner.source.keep_alive))
         if self.owed is not None:
             self.learner.commit(self.owed.positions, self.what(self.owed), self.report)
             self.owed, self.report = None, None
@@ -120,6 +136,11 @@ class RunWrites:
     @staticmethod
     def what(owed: PreparedStep) -> str:
         return f"the offsets of step {owed.checkpoint.step}'s checkpoint"
+
+
+def writers_of(learner: Learner) -> list[StepWriter]:
+    """The threads a packed run's turns wait on: its step's writes and its dead letter."""
+    return [learner.outputs.writer, learner.outputs.letters]
 
 
 def wait_for_writes(writers: list[StepWriter], should_stop: Callable[[], bool]) -> None:

@@ -154,6 +154,7 @@ class StepOutputs:
         self.writer = StepWriter()
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
         self.broker_wait: WaitReport | None = None  # the writer's announcement in progress, as its wait reports it
+        self.letters = StepWriter("rlpipe-dead-letter")  # a packed run's dead letter, sent beside the others' turns
 
     def prepare_publication(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> Publication:
         """The adapter of now as the next version (its number is taken, ``state.version``, now); a memory copy,
@@ -206,14 +207,25 @@ class StepOutputs:
         return key
 
     def abandon(self) -> None:
-        """Let the job in flight end without waiting for the broker (the learner stops on another error: a store
-        failure, a lost lease): a wait for the broker ends after the try under way, as on a stop, and any error
-        of the job is logged (``StepWriter.wait_quietly``)."""
+        """Let the job in flight (and a dead letter being sent) end without waiting for the broker (the learner stops
+        on another error: a store failure, a lost lease): a wait for the broker ends after the try under way, as on
+        a stop, and any error of the job is logged (``StepWriter.wait_quietly``)."""
         self.abandoning.set()
         try:
             self.writer.wait_quietly()
+            self.letters.wait_quietly()
         finally:
             self.abandoning.clear()
+
+    def send_beside(self, announce: Callable[[], Any], what: str) -> None:
+        """Announce a dead letter (``announce``, which sends the same event at every try) from ``letters``' thread,
+        waiting out a broker that refuses it: a packed run's turn, which does not hold the other runs; the run passes
+        its turns until the broker takes it (``consumers.packed_writes``), and ``Learner.finish_writes`` waits for
+        it before anything after it is written."""
+        report = WaitReport(what, self.run_id, "the run passes its turns (nothing read past the batch) while the "
+                            "other runs train")
+        self.letters.submit(lambda: until_the_broker_takes(
+            announce, what, self.run_id, lambda: self.stopping() or self.abandoning.is_set(), report=report))
 
     def announce_until_taken(self, payload: Payload, what: str) -> None:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try

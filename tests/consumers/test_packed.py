@@ -283,7 +283,8 @@ class Turns:
         self.cfg = SimpleNamespace(seed=0)
         self.incoming = deque(range(delivered))
         self.source = SimpleNamespace(exhausted=lambda: False)
-        self.outputs = SimpleNamespace(writer=SimpleNamespace(busy=False, done=True, wait=lambda: None))  # no writes
+        idle = SimpleNamespace(busy=False, done=True, wait=lambda keep_alive=None: None)
+        self.outputs = SimpleNamespace(writer=idle, letters=idle)  # no writes, no dead letters
         self.steps = 0
         self.poll_timeouts: list[float] = []
 

@@ -26,7 +26,7 @@ from consumers.sources import ReplaySource
 from consumers.step_writer import StepWriter
 from pipeline.io.bus import CommitError, PublishError
 from pipeline.runtime import Announcer
-from schemas.events import AdapterPublished, LearnerCheckpointed
+from schemas.events import AdapterPublished, DeadLetter, LearnerCheckpointed
 from tests.consumers.packed_runs import (
     SOURCES,
     batches,  # noqa: F401  # the fixture: runs a and b's batches in a store
@@ -169,7 +169,7 @@ class Run:
         self.kept_alive = 0
         self.source = SimpleNamespace(exhausted=lambda: False, keep_alive=self.keep_alive)
         # ``refused``: the job waits for the broker to take a write (else its writes are only going)
-        self.outputs = SimpleNamespace(writer=StepWriter(), stopping=lambda: False,
+        self.outputs = SimpleNamespace(writer=StepWriter(), letters=StepWriter(), stopping=lambda: False,
                                        waiting_for_broker=lambda: refused)
         if release is not None:
             self.outputs.writer.submit(lambda: release.wait() and None)  # a job that writes no checkpoint
@@ -422,18 +422,17 @@ def test_a_lone_run_training_beside_its_writes_while_runs_are_followed_keeps_a_l
     assert CheckpointStore(batches, "a").latest().state.step == 4
 
 
-class RefusingFinalCheckpoint:
-    """A publisher that refuses a's ``LearnerCheckpointed`` of step ``step`` (its final checkpoint) while
-    ``refusing()`` and takes every other event; ``taken`` holds what it took, in order."""
+class RefusingOneOfAs:
+    """A publisher that refuses a's events that ``which(payload)`` picks while ``refusing()`` and takes every other
+    event; ``taken`` holds what it took, in order."""
 
-    def __init__(self, step: int, refusing) -> None:
-        self.step, self.refusing = step, refusing
+    def __init__(self, which, refusing) -> None:
+        self.which, self.refusing = which, refusing
         self.taken: list = []
         self.refused = 0
 
     def publish(self, kind: str, event):
-        final = isinstance(event.payload, LearnerCheckpointed) and event.payload.step == self.step
-        if event.run_id == "a" and final and self.refusing():
+        if event.run_id == "a" and self.which(event.payload) and self.refusing():
             self.refused += 1
             raise PublishError(f"publishing a {event.type} to ns.{kind} failed: NotEnoughReplicasError")
         self.taken.append(event)
@@ -450,19 +449,23 @@ def finishing_first(batches, setup):  # noqa: F811
 
 
 class RefusedAtBSteps:
-    """``Progress.on_step``, and at each of b's steps how many refusals a had met (``refused()``), read once a's
-    writer has ended its job or waits for the broker, so what a's writes reached does not depend on their speed."""
+    """``Progress.on_step``, and at each of b's steps how many refusals a had met (``refused()``) and how far it had
+    read, taken once a's writer and its dead letter have ended or wait for the broker, so what a's writes reached
+    does not depend on their speed."""
 
     def __init__(self, progress: Progress, a: Learner, refused) -> None:
         self.progress, self.a, self.refused = progress, a, refused
         self.counts: list[int] = []
+        self.a_read: list[dict[str, int]] = []
 
     def on_step(self, run: str, metrics: dict) -> None:
         self.progress.on_step(run, metrics)
         if run == "b":
             writes = self.a.outputs
-            wait_for(lambda: writes.writer.done or writes.waiting_for_broker(), 20, "a's writes")
+            wait_for(lambda: (writes.writer.done or writes.waiting_for_broker())
+                     and (writes.letters.done or self.refused() > 0), 20, "a's writes")
             self.counts.append(self.refused())
+            self.a_read.append(dict(self.a.ingested))
 
 
 def test_a_run_at_its_budget_whose_final_checkpoint_the_broker_refuses_passes_its_turns_while_the_other_trains(
@@ -472,7 +475,8 @@ def test_a_run_at_its_budget_whose_final_checkpoint_the_broker_refuses_passes_it
     deadline instead), and a's final checkpoint is announced once the broker takes it."""
     packed, (a, b) = finishing_first(batches, setup)
     progress = Progress(a)
-    publisher = RefusingFinalCheckpoint(2, lambda: len(progress.b_steps) < 4 and time.monotonic() < progress.deadline)
+    publisher = RefusingOneOfAs(lambda payload: isinstance(payload, LearnerCheckpointed) and payload.step == 2,
+                                lambda: len(progress.b_steps) < 4 and time.monotonic() < progress.deadline)
     for learner in (a, b):
         learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
     b_steps = RefusedAtBSteps(progress, a, lambda: publisher.refused)
@@ -511,3 +515,40 @@ def test_a_run_at_its_budget_whose_final_commit_the_broker_refuses_passes_its_tu
             assert checkpointed and item == checkpointed[-1], (item, checkpointed)
     assert len(checkpointed) == 1 and [item for kind, item in log if kind == "commit"] == checkpointed
     assert CheckpointStore(batches, "a").latest().state.step == 2
+
+
+def test_a_run_whose_dead_letter_the_broker_refuses_passes_its_turns_and_reads_nothing_past_the_batch(
+        batches, setup):  # noqa: F811
+    """a's second batch cannot be read, and the broker refuses its DeadLetter until b has trained its last step: b
+    trains meanwhile, a reads nothing past the batch until the letter is taken, and the step that covers the batch
+    is announced after it."""
+    packed, (a, b) = packed_pair(batches, setup)
+    damaged = a.source.queue[1].batch_id  # type: ignore[attr-defined]
+    read = a.reader.read
+
+    def read_or_refuse(ref):
+        if ref.batch_id == damaged:
+            raise ValueError(f"trajectory batch {ref.batch_id}: its rows do not match its checksum")
+        return read(ref)
+
+    a.reader.read = read_or_refuse  # type: ignore[method-assign]
+    progress = Progress(a)
+    publisher = RefusingOneOfAs(lambda payload: isinstance(payload, DeadLetter),
+                                lambda: len(progress.b_steps) < 4 and time.monotonic() < progress.deadline)
+    for learner in (a, b):
+        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    b_steps = RefusedAtBSteps(progress, a, lambda: publisher.refused)
+    packed.resume()
+    packed.run(on_step=b_steps.on_step, poll_timeout_s=0)
+    assert time.monotonic() < progress.deadline  # b's last step ended the refusal, not the deadline
+    assert progress.b_steps == [1, 2, 3, 4]
+    # a met the batch in its second turn: b's steps 2 to 4 trained while its letter was refused, and a read nothing
+    # past the batch (nor trained) meanwhile
+    assert b_steps.counts[1] >= 1 and b_steps.a_read[1] == b_steps.a_read[2] == b_steps.a_read[3]
+    assert progress.a_step_at_b_steps[1:] == [1, 1, 1]
+    taken = [(type(e.payload).__name__, getattr(e.payload, "key", None)) for e in publisher.taken
+             if e.run_id == "a" and isinstance(e.payload, AdapterPublished | LearnerCheckpointed | DeadLetter)]
+    assert taken == [("AdapterPublished", None), ("DeadLetter", damaged), ("AdapterPublished", None),
+                     ("LearnerCheckpointed", None), ("AdapterPublished", None), ("LearnerCheckpointed", None)]
+    latest = CheckpointStore(batches, "a").latest().state
+    assert latest.step == 3 and damaged not in latest.trained and len(latest.trained) == 3
