@@ -65,10 +65,11 @@ def eval(
         "Store root URL (default: --set store.root, RLPIPE_STORE__ROOT, else the embedded stack's)."))] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a config field.")] = None,
     validation: Annotated[bool, typer.Option(help=(
-        "Play --episodes episodes after the first --held-out held-out ones instead (building runs: the days "
-        "after them), to choose between runs without touching those; never stored for the report."))] = False,
+        "Play --episodes episodes after the held-out ones instead (building runs: the days after them), to "
+        "choose between runs without touching those; never stored for the report."))] = False,
     held_out: Annotated[int | None, typer.Option(min=1, max=100_000, help=(
-        "With --validation: how many held-out episodes the comparison plays (default: --episodes)."))] = None,
+        "With --validation: how many held-out episodes to leave alone (default: as far as the run's stored "
+        "results reach, else --episodes; fewer than the stored results reach is refused)."))] = None,
     save: Annotated[bool | None, typer.Option(help=(
         "Store the result under runs/RUN/eval/ for the report (default: yes, except with --validation)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -118,7 +119,7 @@ def eval(
         fail("--held-out goes with --validation (the held-out episodes the validation ones come after)", 2)
     if validation and save:
         fail("--validation results are never stored (the report shows held-out results); drop --save", 2)
-    skip = (held_out or episodes) if validation else 0
+    skip = validation_skip(config, store, building, held_out, episodes) if validation else 0
     if validation:
         config = config.model_copy(update={"env": config.env.model_copy(
             update={"eval_seed_offset": config.env.eval_seed_offset + skip})})
@@ -161,6 +162,28 @@ def eval(
 
         for r in results:
             console.print(breakdown_line(r))
+
+
+def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int | None, episodes: int) -> int:
+    """How many held-out episodes ``--validation`` leaves alone before its own: ``--held-out``, else as far as the
+    run's stored held-out results reach, else ``--episodes`` (what a later ``eval --episodes N`` plays).  A
+    ``--held-out`` short of the stored results is refused: its validation episodes would replay their seeds."""
+    from producers.evaluation import held_out_played, stored_results
+
+    if building:
+        from producers.offline.policy_eval import first_held_out_day
+
+        first = first_held_out_day(config, store)
+    else:
+        first = config.env.eval_seed_offset
+    played = held_out_played(stored_results(store, config.run_id), config.env.name, first)
+    if held_out is None:
+        return played or episodes
+    if held_out < played:
+        unit = "days" if building else "seeds"
+        fail(f"run {config.run_id!r} has stored held-out results on {unit} {first}-{first + played - 1}: "
+             f"--held-out {played} or more keeps the validation episodes off them (or leave --held-out out)", 2)
+    return held_out
 
 
 def evaluate_model_versions(config: RunConfig, store: Any, numbers: list[int], episodes: int, greedy: bool,

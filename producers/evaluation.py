@@ -25,7 +25,7 @@ from producers.rollout import FixedAdapter, RolloutWorker
 from producers.samplers import sampler_for_run
 from producers.samplers.base import AdapterHandle, Sampler
 from schemas.config import RunConfig
-from schemas.evaluation import EvalResult, eval_key, eval_to_bytes
+from schemas.evaluation import EvalResult, eval_from_bytes, eval_key, eval_prefix, eval_to_bytes
 
 log = logging.getLogger("rlpipe.eval")
 
@@ -148,6 +148,27 @@ def save_result(store: ObjectStore, result: EvalResult) -> str:
     key = eval_key(result)
     store.put_create_once(key, eval_to_bytes(result))  # once: a retried create (gs://) of our own result
     return key
+
+
+def stored_results(store: ObjectStore, run_id: str) -> list[EvalResult]:
+    """Every readable result under ``runs/<run>/eval/``; one that cannot be read is left out (``rlpipe report``
+    names it)."""
+    results = []
+    for key in store.list(eval_prefix(run_id), recursive=True):
+        if key.endswith(".json"):
+            try:
+                results.append(eval_from_bytes(store.get(key), where=key))
+            except (ValueError, FileNotFoundError):
+                continue
+    return results
+
+
+def held_out_played(results: list[EvalResult], env: str, first_seed: int) -> int:
+    """How far into the held-out seeds of ``env`` (from ``first_seed`` on) stored results reach: one past the last
+    seed any of them played, counted from ``first_seed`` (0: none).  ``rlpipe eval --validation`` plays after it,
+    so no validation episode repeats a seed a stored held-out result played."""
+    ends = [r.seed_start + r.episodes for r in results if r.env == env and r.seed_start >= first_seed]
+    return max(ends, default=first_seed) - first_seed
 
 
 def baseline_result(config: RunConfig, policy: str, episodes: int) -> EvalResult:

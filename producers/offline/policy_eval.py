@@ -41,6 +41,11 @@ def offline_dataset(config: RunConfig) -> str:
     return config.value.offline.dataset
 
 
+def first_held_out_day(config: RunConfig, store: ObjectStore) -> int:
+    """The first day index after the dataset's: held-out day 0, the ``seed_start`` of a full held-out result."""
+    return held_out_days(read_card(store, offline_dataset(config)), 1)[0]
+
+
 def evaluate_building_version(config: RunConfig, store: ObjectStore, version: int, count: int,
                               skip: int = 0) -> Any:
     """Play ``count`` held-out days with value-network ``version`` (0: the random controller), after the

@@ -95,3 +95,50 @@ def test_a_retired_version_is_refused_in_one_line_before_anything_loads(tmp_path
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert "version 1" in result.output and "learner.keep_versions=1" in result.output
+
+
+def _value_run(tmp_path: Path, run_id: str) -> tuple[ObjectStore, RunConfig]:
+    """A DQN CartPole run with nothing trained: its version 0 (uniform random) plays without a model."""
+    from pipeline.config import resolve_config
+
+    store = ObjectStore((tmp_path / "store").as_uri())
+    config = resolve_config("dqn-cartpole", overrides=[f"run_id={run_id}", f"store.root={store.url('')}"], environ={})
+    create_run(store, config, config.env.name)
+    return store, config
+
+
+def _seed_starts(store: ObjectStore, *args: str) -> list[int]:
+    import json
+
+    out = runner.invoke(app, ["eval", "--root", store.url(""), "--version", "0", "--json", *args])
+    assert out.exit_code == 0, out.output
+    return [result["seed_start"] for result in json.loads(out.stdout)["results"]]
+
+
+def test_validation_seeds_come_after_every_stored_held_out_seed(tmp_path: Path) -> None:
+    """``eval --episodes 4`` stores seeds offset+0..offset+3; a validation of 2 episodes then plays offset+4 and
+    offset+5, not offset+2 and offset+3 (the held-out count follows the stored results, not its own --episodes)."""
+    store, config = _value_run(tmp_path, "val")
+    offset = config.env.eval_seed_offset
+    assert _seed_starts(store, "--run", "val", "--episodes", "4") == [offset]
+    assert _seed_starts(store, "--run", "val", "--episodes", "2", "--validation") == [offset + 4]
+    assert _seed_starts(store, "--run", "val", "--episodes", "2", "--validation", "--held-out", "6") == [offset + 6]
+
+
+def test_validation_without_stored_results_skips_its_own_episode_count(tmp_path: Path) -> None:
+    """Nothing stored yet: the held-out seeds a later ``eval --episodes N`` plays are the first N, so a validation
+    of N episodes comes after those."""
+    store, config = _value_run(tmp_path, "fresh")
+    offset = config.env.eval_seed_offset
+    assert _seed_starts(store, "--run", "fresh", "--episodes", "3", "--validation") == [offset + 3]
+
+
+def test_a_held_out_count_below_the_stored_one_is_refused(tmp_path: Path) -> None:
+    """--held-out 2 after 4 stored held-out episodes would validate on seeds the report's results played."""
+    store, config = _value_run(tmp_path, "short")
+    offset = config.env.eval_seed_offset
+    _seed_starts(store, "--run", "short", "--episodes", "4")
+    out = runner.invoke(app, ["eval", "--run", "short", "--root", store.url(""), "--version", "0", "--episodes", "2",
+                              "--validation", "--held-out", "2"])
+    assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+    assert f"{offset}-{offset + 3}" in out.output and "--held-out 4" in out.output, out.output
