@@ -3,6 +3,8 @@
 Each panel shows the learner's step, version and recent rewards, and one row per producer from its newest
 ``ProducerHeartbeat``.  A producer beats between two rounds of its loop, so a hung one (its process still
 running) would keep showing its last rates as if current: its row says instead how long it has been silent.
+Once the run has ended (its learner at its step budget, or ``RunStopped``: a packed run is let go while the
+others go on) its producers stop beating for it by design, so their rows say ``done`` or ``stopped`` instead.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.config import RunConfig
-from schemas.events import LearnerCheckpointed, ProducerHeartbeat
+from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStopped
 
 # A producer beats between two rounds of its loop, so one long round delays a beat: it is shown as silent only after
 # this many of its heartbeat intervals, and never before SILENT_FLOOR_S.
@@ -26,7 +28,8 @@ class Dashboard:
     """What the live view shows, updated from control events (thread-safe enough: one writer).
 
     A producer whose last heartbeat arrived more than ``silent_after_s`` ago (a hung one: its process still runs)
-    is shown as silent for that long, not with its last rates as if they were current.
+    is shown as silent for that long, not with its last rates as if they were current; once the run has ended
+    (``ended``) no beat is due, and the row says so instead.
     """
 
     silent_after_s: float = SILENT_FLOOR_S
@@ -35,6 +38,7 @@ class Dashboard:
     learner: LearnerCheckpointed | None = None
     rewards: deque[float] = field(default_factory=lambda: deque(maxlen=20))
     lag: int | None = None
+    stopped: RunStopped | None = None  # the run's first RunStopped
     started: float = field(default_factory=time.monotonic)
 
     def apply(self, payload: Any) -> None:
@@ -48,6 +52,16 @@ class Dashboard:
             self.learner = payload
             if "reward_mean" in payload.metrics:
                 self.rewards.append(payload.metrics["reward_mean"])
+        elif isinstance(payload, RunStopped) and self.stopped is None:
+            self.stopped = payload
+
+    def ended(self, max_steps: int | None) -> str | None:
+        """``done`` once the learner's checkpoint (or the run's ``RunStopped``) is at ``max_steps``, ``stopped`` for a
+        run stopped before it, None while the run goes on."""
+        step = max(self.learner.step if self.learner else 0, self.stopped.final_step if self.stopped else 0)
+        if max_steps is not None and step >= max_steps:
+            return "done"
+        return "stopped" if self.stopped is not None else None
 
     def render(self, run_id: str, max_steps: int | None) -> Any:
         from rich.console import Group
@@ -73,10 +87,13 @@ class Dashboard:
         table = Table("producer", "adapter", "samples", "samples/s", "tokens/s", "env steps/s", "busy", "last beat",
                       title="producers")
         newest = learner.version if learner else 0
+        ended = self.ended(max_steps)
         for pid, beat in sorted(self.producers.items()):
+            rates = [f"{beat.samples_per_s:.2f}", f"{beat.tokens_per_s:.0f}", f"{beat.env_steps_per_s:.1f}",
+                     f"{beat.busy_fraction:.0%}"]  # the last beat's: current only while the run goes on
             table.add_row(pid, f"v{beat.adapter_version} (stale {newest - beat.adapter_version})",
-                          str(beat.samples_total), f"{beat.samples_per_s:.2f}", f"{beat.tokens_per_s:.0f}",
-                          f"{beat.env_steps_per_s:.1f}", f"{beat.busy_fraction:.0%}", self.last_beat(pid))
+                          str(beat.samples_total), *(["-"] * len(rates) if ended else rates),
+                          ended or self.last_beat(pid), style="dim" if ended else None)
         return Group(head, table)
 
     def last_beat(self, producer_id: str) -> str:
