@@ -13,13 +13,16 @@ lane: the sum over runs.  Trainer steps of a packed learner never overlap, so th
 trainer's sum is at most 1; sampler shares come from each run's own heartbeats and
 may overlap (continuous batching serves several runs at once), so the sampler's sum
 says how much sampling the runs asked for together and may exceed 1.  In the figure
-a sampler interval's height is its busy share, each run stacked on the highest share
-of each run given before it that overlaps the interval, clipped at the lane's height.
+the runs' shares are stacked in the order the runs were given (``stacked_bars``); where
+they add up to more than the lane's height (one engine busy for several runs at once)
+they are scaled down together to fill it, and the title says so, so that no run vanishes
+above the lane while its label gives its share.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -80,6 +83,44 @@ def packed_duty_cycle(per_run: dict[str, tuple[Sequence[Lane], tuple[float | Non
     return {"runs": runs, "start": start, "end": end, "lanes": result}
 
 
+def stacked_bars(intervals: Sequence[Sequence[Any]], runs: Sequence[str]
+                 ) -> tuple[dict[str, list[tuple[float, float, float, float]]], bool]:
+    """Per run, its bars (start, end, bottom, height) in lane heights (1 = the whole lane), and whether any span
+    was scaled.
+
+    The lane is cut at every interval's start and end; in each span a run's share is the highest of its intervals
+    covering it (two producers of one run may overlap), and the runs stack in ``runs``' order.  A span whose
+    shares add up to ``total`` > 1 has each divided by ``total``: heights keep their proportions and fill the lane.
+    Neighbouring spans of one run with the same bottom and height make one bar.
+    """
+    edges_T = sorted({float(t) for s, e, *_ in intervals for t in (s, e)})
+    share_RT = {run: [0.0] * max(len(edges_T) - 1, 0) for run in runs}
+    for s, e, share, run in intervals:
+        for k in range(bisect.bisect_left(edges_T, s), bisect.bisect_left(edges_T, e)):
+            share_RT[run][k] = max(share_RT[run][k], share)
+    bars: dict[str, list[tuple[float, float, float, float]]] = {run: [] for run in runs}
+    scaled = False
+    for k, (start, end) in enumerate(itertools.pairwise(edges_T)):
+        total = math.fsum(share_RT[run][k] for run in runs)
+        scale = 1.0 / total if total > 1.0 else 1.0
+        scaled = scaled or total > 1.0
+        bottom = 0.0
+        for run in runs:
+            height = share_RT[run][k] * scale
+            if height > 0:
+                _extend(bars[run], (start, end, bottom, height))
+            bottom += height
+    return {run: rows for run, rows in bars.items() if rows}, scaled
+
+
+def _extend(rows: list[tuple[float, float, float, float]], bar: tuple[float, float, float, float]) -> None:
+    """Append ``bar``, or lengthen the last one if ``bar`` continues it at the same bottom and height."""
+    if rows and rows[-1][1] == bar[0] and rows[-1][2:] == bar[2:]:
+        rows[-1] = (rows[-1][0], *bar[1:])
+    else:
+        rows.append(bar)
+
+
 def plot_packed_duty_cycle(duty: dict[str, Any], title: str | None = None, legend_title: str = "run",
                            labels: dict[str, str] | None = None) -> bytes:
     """PNG: the lanes top to bottom in ``duty``'s order (the trainer first), each run's intervals in its own colour.
@@ -93,18 +134,15 @@ def plot_packed_duty_cycle(duty: dict[str, Any], title: str | None = None, legen
     ax = fig.subplots()
     origin = duty["start"] if duty["start"] is not None else 0.0
     divisor, unit = _time_unit((duty["end"] or origin) - origin)
-    labels = []
+    labels, scaled_lanes = [], []
     for row, lane in enumerate(reversed(duty["lanes"])):  # the trainer (first) ends up on top
-        stacked: dict[str, _Drawn] = {}  # per earlier run: the intervals drawn
-        bars: dict[str, list[tuple[float, float, float, float]]] = {}  # per run: (x, width, bottom, height)
-        for s, e, share, run in sorted(lane["intervals"], key=lambda i: (runs.index(i[3]), i[0])):
-            below = math.fsum(drawn.highest(s, e) for other, drawn in stacked.items() if other != run)
-            height = max(0.0, min(share, 1.0 - below))
-            stacked.setdefault(run, _Drawn()).add(s, e, height)
-            bars.setdefault(run, []).append(((s - origin) / divisor, (e - s) / divisor,
-                                             row - _BAR / 2 + _BAR * below, _BAR * height))
+        bars, scaled = stacked_bars(lane["intervals"], runs)
+        if scaled:
+            scaled_lanes.append(lane["name"])
         for run, rows in bars.items():  # one collection per run: thousands of intervals draw in a second
-            boxes = [[(x, y), (x + w, y), (x + w, y + h), (x, y + h)] for x, w, y, h in rows]
+            boxes = [[(x, y), (x + w, y), (x + w, y + h), (x, y + h)] for x, w, y, h in (
+                ((s - origin) / divisor, (e - s) / divisor, row - _BAR / 2 + _BAR * bottom, _BAR * height)
+                for s, e, bottom, height in rows)]
             ax.add_collection(PolyCollection(boxes, facecolors=colors[run], linewidths=0))
         entries = [f"{run} {percent(f)}" for run, f in lane["busy_fraction_by_run"].items()]
         shares = ",\n".join(", ".join(entries[i:i + 2]) for i in range(0, len(entries), 2))  # two runs a line
@@ -116,34 +154,12 @@ def plot_packed_duty_cycle(duty: dict[str, Any], title: str | None = None, legen
     ax.legend(handles=[Patch(color=colors[run], label=names.get(run, run)) for run in runs],
               title=legend_title, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # fmt: skip
     title = title or f"packed duty cycle of {len(runs)} runs (trainer: training steps; sampler: busy share per heartbeat)"
+    if scaled_lanes:
+        title += (f"\n{' and '.join(scaled_lanes)}: where the runs' shares add up past 1 they are scaled down "
+                  "together to fill the lane")
     _style(ax, title, _time_label(origin, unit), "")
     ax.grid(axis="y", visible=False)
     return png_bytes(fig)
-
-
-class _Drawn:
-    """One run's drawn intervals, added in order of start: the highest one overlapping a span without a full scan."""
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.heights: list[float] = []
-        self.reach: list[float] = []  # reach[j]: the latest end among intervals 0..j
-
-    def add(self, start: float, end: float, height: float) -> None:
-        self.starts.append(start)
-        self.ends.append(end)
-        self.heights.append(height)
-        self.reach.append(max(end, self.reach[-1]) if self.reach else end)
-
-    def highest(self, start: float, end: float) -> float:
-        """The tallest drawn interval that overlaps ``(start, end)`` (0 when none does)."""
-        best, j = 0.0, bisect.bisect_left(self.starts, end) - 1  # the intervals that start before ``end``
-        while j >= 0 and self.reach[j] > start:
-            if self.ends[j] > start:
-                best = max(best, self.heights[j])
-            j -= 1
-        return best
 
 
 def packed_summary(duty: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,13 @@ from typer.testing import CliRunner
 
 from pipeline.analysis.report.metrics import lanes_of
 from pipeline.analysis.report.model import Lane
-from pipeline.analysis.report.packed import PACKED_FIGURE, packed_duty_cycle, plot_packed_duty_cycle, run_color
+from pipeline.analysis.report.packed import (
+    PACKED_FIGURE,
+    packed_duty_cycle,
+    plot_packed_duty_cycle,
+    run_color,
+    stacked_bars,
+)
 from pipeline.cli.report_cmd import app
 from pipeline.io.store import ObjectStore
 from schemas.events import ProducerHeartbeat
@@ -81,6 +87,43 @@ def test_a_run_without_lanes_keeps_its_place_with_no_busy_time() -> None:
     assert empty["start"] is None and all(math.isnan(lane["busy_fraction"]) for lane in empty["lanes"])
 
 
+def assert_bars(bars: dict[str, list[tuple[float, ...]]], expected: dict[str, list[tuple[float, ...]]]) -> None:
+    """The same runs with the same number of bars, each (start, end, bottom, height) equal to float precision."""
+    assert {run: len(rows) for run, rows in bars.items()} == {run: len(rows) for run, rows in expected.items()}
+    for run, rows in expected.items():
+        assert [v for bar in bars[run] for v in bar] == pytest.approx([v for bar in rows for v in bar]), run
+
+
+def test_shares_under_the_lane_height_stack_as_they_are(duty: dict[str, Any]) -> None:
+    """The fixture's sampler: [0, 5] a 0.5 with b 0.2 on top (0.7); [5, 10] a 0.25 with b 0.2 on top (0.45)."""
+    bars, scaled = stacked_bars(duty["lanes"][1]["intervals"], duty["runs"])
+    assert not scaled
+    assert_bars({run: [(s - T0, e - T0, bottom, height) for s, e, bottom, height in rows]
+                 for run, rows in bars.items()},
+                {"a": [(0.0, 5.0, 0.0, 0.5), (5.0, 10.0, 0.0, 0.25)], "b": [(0.0, 5.0, 0.5, 0.2), (5.0, 10.0, 0.25, 0.2)]})
+
+
+def test_shares_past_the_lane_height_are_scaled_to_fit_not_clipped() -> None:
+    """One engine busy for both runs: a 1.0 over [0, 10]; b 1.0 over [0, 5], then 0.1.  [0, 5] sums to 2.0, so
+    each share is halved (a 0.5, b 0.5 on top); [5, 10] sums to 1.1, so each is divided by 1.1 (a 1/1.1 = 0.909,
+    b 0.1/1.1 = 0.091 on top).  Clipped at the lane instead, b would get no height at all over [0, 5]."""
+    intervals = [(0.0, 10.0, 1.0, "a"), (0.0, 5.0, 1.0, "b"), (5.0, 10.0, 0.1, "b")]
+    bars, scaled = stacked_bars(intervals, ["a", "b"])
+    assert scaled
+    assert_bars(bars, {"a": [(0.0, 5.0, 0.0, 0.5), (5.0, 10.0, 0.0, 1 / 1.1)],
+                       "b": [(0.0, 5.0, 0.5, 0.5), (5.0, 10.0, 1 / 1.1, 0.1 / 1.1)]})
+    for run_bars in zip(bars["a"], bars["b"], strict=True):  # each span fills the lane exactly
+        assert sum(height for *_, height in run_bars) == pytest.approx(1.0)
+
+
+def test_a_runs_overlapping_intervals_take_its_highest_share() -> None:
+    """Two producers of one run beat over overlapping spans: the run's height there is the higher share, as for
+    one run alone, and a span no interval covers draws nothing."""
+    bars, scaled = stacked_bars([(0.0, 4.0, 0.3, "a"), (2.0, 6.0, 0.6, "a"), (8.0, 9.0, 0.5, "a")], ["a"])
+    assert not scaled
+    assert_bars(bars, {"a": [(0.0, 2.0, 0.0, 0.3), (2.0, 6.0, 0.0, 0.6), (8.0, 9.0, 0.0, 0.5)]})
+
+
 def colours_in(png: bytes, path: Path) -> np.ndarray:
     path.write_bytes(png)
     return np.asarray(Image.open(path).convert("RGB")).reshape(-1, 3).astype(int)
@@ -98,6 +141,16 @@ def test_the_figure_draws_each_run_in_its_own_colour(duty: dict[str, Any], tmp_p
     assert run_color(0) != run_color(1)
     assert has_colour(pixels, run_color(0)) and has_colour(pixels, run_color(1))
     assert not has_colour(pixels, run_color(2))  # only as many colours as runs
+
+
+def test_a_run_busy_beside_a_full_lane_is_still_drawn(tmp_path: Path) -> None:
+    """Both runs report 100% busy over the whole window (one engine busy for both): each gets half the lane."""
+    by_run = {"a": 1.0, "b": 1.0}
+    duty = {"runs": ["a", "b"], "start": 0.0, "end": 10.0, "lanes": [
+        {"name": "sampler", "busy_fraction": 2.0, "busy_fraction_by_run": by_run,
+         "intervals": [[0.0, 10.0, 1.0, "a"], [0.0, 10.0, 1.0, "b"]]}]}
+    pixels = colours_in(plot_packed_duty_cycle(duty), tmp_path / "full.png")
+    assert has_colour(pixels, run_color(0)) and has_colour(pixels, run_color(1))
 
 
 def test_report_with_two_runs_writes_the_packed_figure_and_json(run_store: ObjectStore, tmp_path: Path) -> None:  # noqa: F811
