@@ -16,7 +16,10 @@ own each layout, never by parsing their files here):
   its newest start or stop as the store keeps it (``runs/<run>/membership.json``, what
   packed processes starting obey; ``RunActivity.add_recorded``).  Without the log a run
   is ``finished`` when its steps reached ``max_steps``, ``stopped`` when its record is a
-  stop, else ``unknown``.
+  stop, else ``unknown``.  A Tinker API training client (``<session>.train.<n>``: weights, no
+  ``run.json``, no control events) takes its session's state instead (``pipeline.api.lifecycle``):
+  ``ended`` once the session ended (the end is its stop reason), ``running`` while it beats,
+  ``idle`` while it has lapsed.
 
 Deleting a run removes every object under ``runs/<run>/`` of the store (its
 trajectories, adapters, checkpoints, evaluations, step records) and, on this
@@ -52,7 +55,7 @@ ACTIVE_WITHIN_S = 120.0  # a run with an event this recent (heartbeats come ever
 # a packed run is stopped while its producers serve it: their last heartbeats, as they let it go, follow its RunStopped
 LEAVING_WITHIN_S = 60.0
 MAX_CONTROL_EVENTS = 1_000_000  # newest events read per partition of <ns>.control
-STATUSES = ("running", "finished", "stopped", "idle", "unknown")
+STATUSES = ("running", "finished", "stopped", "ended", "idle", "unknown")  # ended: a Tinker session's client
 
 
 @dataclass
@@ -280,7 +283,40 @@ def summarize(
         summary.env, note = origin_without_run_json(store, run_id)
         summary.notes.append(note)
     summary.status = run_status(summary, activity, log_read, now_s)
+    session = training_client_session(run_id) if not config and not unreadable else None
+    if session is not None:
+        session_state = api_session_state(store, session, now_s)
+        if session_state is not None:
+            summary.status, reason = session_state
+            summary.stop_reason = reason or summary.stop_reason
     return summary
+
+
+def training_client_session(run_id: str) -> str | None:
+    """The Tinker API session whose training client a run name is (``<session>.train.<n>``), else None."""
+    session, _, number = run_id.partition(".train.")
+    return session if session and number.isdigit() else None
+
+
+def api_session_state(store: ObjectStore, session_id: str, now_s: float | None = None
+                      ) -> tuple[str, str | None] | None:
+    """A training client's status from its session: (``ended``, why) once the session ended (finished, ended by an
+    operator, or a day without a heartbeat), (``idle``, None) while it has lapsed (no heartbeat for
+    ``SESSION_TIMEOUT_S``), (``running``, None) while it beats; None when the store holds no such session."""
+    from pipeline.api.lifecycle import heartbeat_time, session_end
+    from schemas.api import SESSION_TIMEOUT_S, session_path
+
+    try:
+        if not store.exists(f"{session_path(session_id)}/session.json"):
+            return None
+    except ValueError:  # not a name a session can have: no session's client
+        return None
+    now_s = time.time() if now_s is None else now_s
+    end = session_end(store, session_id, now_s, record=False)  # a reader: an expiry seen here is not recorded
+    if end is not None:
+        return "ended", end[0]
+    beat_at = heartbeat_time(store, session_id)
+    return ("idle", None) if beat_at is None or now_s - beat_at > SESSION_TIMEOUT_S else ("running", None)
 
 
 def with_recorded_membership(store: ObjectStore, run_id: str,
@@ -314,8 +350,8 @@ def read_manifests(store: ObjectStore, run_id: str) -> tuple[list[AdapterManifes
 
 def origin_without_run_json(store: ObjectStore, run_id: str) -> tuple[str | None, str]:
     """What wrote a run folder that has no ``run.json`` (as its listing's environment, in brackets) and a note."""
-    session, _, number = run_id.partition(".train.")
-    if session and number.isdigit():
+    session = training_client_session(run_id)
+    if session is not None:
         return ("(Tinker API)", f"no run.json: the weights of a training client of Tinker API session {session}; "
                                 f"see rlpipe sessions show {session}")
     datasets = sorted(key.rsplit("/", 1)[-1].removesuffix(".json") for key in store.list(f"runs/{run_id}/offline")

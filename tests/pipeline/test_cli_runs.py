@@ -608,3 +608,28 @@ def test_a_run_named_in_another_case_than_the_stored_one_is_refused_naming_it(
     assert "'exp'" in result.output and "'Exp'" in result.output and "--run Exp" in result.output, result.output
     assert {key: store.get(key) for key in store.list("runs/Exp", recursive=True)} == before
     assert store.get(membership_key("Exp")) == before[membership_key("Exp")]
+
+
+def test_a_tinker_training_client_shows_its_sessions_state(file_store: ObjectStore, tmp_path: Path) -> None:
+    """A training client's weights have no run.json and no control events: its status is its API session's, so an
+    ended session's client is ``ended`` (with the end as its reason), a live one's ``running``, a lapsed one's
+    ``idle``, never ``idle`` for a session long over."""
+    import time
+
+    from pipeline.api.lifecycle import heartbeat_key, record_end
+    from schemas.api import SESSION_TIMEOUT_S
+
+    make_adapter(tmp_path / "adapter", marker=1)
+    beats = {"sess-00000001": time.time(), "sess-00000002": time.time(), "sess-00000003": time.time() - 2 * SESSION_TIMEOUT_S}
+    for session, beat_at in beats.items():
+        AdapterRegistry(file_store, f"{session}.train.0").publish(tmp_path / "adapter", "tiny", 0, 1, {})
+        file_store.put(f"sessions/{session}/session.json", json.dumps({"tenant": "t", "created_at": beat_at}).encode())
+        file_store.put(heartbeat_key(session), json.dumps({"time": beat_at}).encode())
+    record_end(file_store, "sess-00000001", "finished: success")
+    result = runner.invoke(app, ["list", *_where(file_store), "--json"])
+    runs = {r["run_id"]: r for r in json.loads(result.stdout)["runs"]}
+    ended, live, lapsed = (runs[f"{session}.train.0"] for session in beats)
+    assert (ended["status"], ended["stop_reason"]) == ("ended", "finished: success")
+    assert live["status"] == "running" and lapsed["status"] == "idle"
+    shown = runner.invoke(app, ["show", "--run", "sess-00000001.train.0", *_where(file_store)])
+    assert "ended (finished: success)" in shown.output, shown.output
