@@ -25,7 +25,7 @@ from producers.rollout import FixedAdapter, RolloutWorker
 from producers.samplers import sampler_for_run
 from producers.samplers.base import AdapterHandle, Sampler
 from schemas.config import RunConfig
-from schemas.evaluation import EvalResult, eval_from_bytes, eval_key, eval_prefix, eval_to_bytes
+from schemas.evaluation import EvalResult, eval_key, eval_to_bytes
 
 log = logging.getLogger("rlpipe.eval")
 
@@ -148,19 +148,6 @@ def save_result(store: ObjectStore, result: EvalResult) -> str:
     key = eval_key(result)
     store.put_create_once(key, eval_to_bytes(result))  # once: a retried create (gs://) of our own result
     return key
-
-
-def stored_results(store: ObjectStore, run_id: str) -> list[EvalResult]:
-    """Every readable result under ``runs/<run>/eval/``; one that cannot be read is left out (``rlpipe report``
-    names it)."""
-    results = []
-    for key in store.list(eval_prefix(run_id), recursive=True):
-        if key.endswith(".json"):
-            try:
-                results.append(eval_from_bytes(store.get(key), where=key))
-            except (ValueError, FileNotFoundError):
-                continue
-    return results
 
 
 def held_out_played(results: list[EvalResult], env: str, first_seed: int) -> int:

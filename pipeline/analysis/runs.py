@@ -47,6 +47,7 @@ from pipeline.io.registry import AdapterRegistry, run_ids
 from pipeline.io.store import ObjectStore
 from schemas.checkpoint import checkpoint_prefix, complete_folders
 from schemas.config import BusConfig
+from schemas.evaluation import EvalResult, eval_from_bytes, eval_prefix
 from schemas.events import LearnerCheckpointed, LearnerLeft, ProducerHeartbeat, RunStarted, RunStopped
 from schemas.names import validate_name
 from schemas.registry import AdapterManifest
@@ -208,6 +209,20 @@ def refuse_training_run(store: ObjectStore, run_id: str, fix: str) -> None:
 def run_exists(store: ObjectStore, run_id: str) -> bool:
     """True when anything of the run is in the store."""
     return AdapterRegistry(store, run_id).run_exists()
+
+
+def read_evals(store: ObjectStore, run_id: str) -> tuple[list[EvalResult], list[str]]:
+    """Every readable ``runs/<run>/eval/*.json`` (``rlpipe eval``'s stored results), and why each other one could
+    not be read (its key named)."""
+    results, unreadable = [], []
+    for key in store.list(eval_prefix(run_id), recursive=True):
+        if not key.endswith(".json"):
+            continue
+        try:
+            results.append(eval_from_bytes(store.get(key), where=key))
+        except (ValueError, FileNotFoundError) as exc:
+            unreadable.append(str(exc))
+    return results, unreadable
 
 
 def learner_step(store: ObjectStore, run_id: str) -> int:

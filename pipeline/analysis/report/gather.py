@@ -31,7 +31,7 @@ from pipeline.analysis.report.metrics import (
     value_traces,
 )
 from pipeline.analysis.report.model import ControlEvents, RunReport, dig, finite, first_known, iso
-from pipeline.analysis.runs import run_kind, runs_there, summarize, with_recorded_membership
+from pipeline.analysis.runs import read_evals, run_kind, runs_there, summarize, with_recorded_membership
 from pipeline.devstack.stack import resolve_bootstrap_servers
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import BusError, tail
@@ -48,7 +48,7 @@ from schemas.checkpoint import (
     complete_folders,
 )
 from schemas.config import BusConfig
-from schemas.evaluation import EvalResult, eval_from_bytes, eval_prefix
+from schemas.evaluation import EvalResult
 from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted
 from schemas.names import validate_name
 from schemas.registry import AdapterManifest
@@ -164,14 +164,9 @@ def load_manifests(registry: AdapterRegistry, report: RunReport) -> list[Adapter
 
 def load_evals(store: ObjectStore, run_id: str, report: RunReport) -> list[EvalResult]:
     """Every readable ``runs/<run>/eval/*.json``; unreadable ones are noted and skipped."""
-    results = []
-    for key in store.list(eval_prefix(run_id), recursive=True):
-        if not key.endswith(".json"):
-            continue
-        try:
-            results.append(eval_from_bytes(store.get(key), where=key))
-        except (ValueError, FileNotFoundError) as exc:
-            report.note("eval", f"skipped: {exc}")
+    results, unreadable = read_evals(store, run_id)
+    for why in unreadable:
+        report.note("eval", f"skipped: {why}")
     return sorted(results, key=lambda r: (r.policy, r.version, r.created_at))
 
 
