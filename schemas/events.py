@@ -17,6 +17,7 @@ import hashlib
 import json
 import typing
 import uuid
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar
 
@@ -224,6 +225,13 @@ class DeadLetter(Payload):
     key: str | None = None
     raw: str = Field(description="the original bytes decoded as UTF-8 with replacement, truncated")
     raw_truncated: bool = False
+    # Schema 1.1.  A letter about a broker record carries them (``EventConsumer``): its ``key`` and ``raw`` keep
+    # only a start of the record, undecodable bytes replaced, so they alone cannot tell two records apart.
+    origin_timestamp_ms: int | None = Field(
+        default=None, ge=0, description="the record's broker timestamp, ms since the epoch; None: it had none")
+    record_sha256: Sha256 | None = Field(
+        default=None, description="sha256 of the record's whole key and value (``framed_sha256``); None in letters "
+                                  "that name no broker record (a learner's quarantined batch) or older ones")
 
 
 PAYLOAD_TYPES: dict[str, type[Payload]] = {
@@ -291,18 +299,31 @@ def announcement_id(run_id: str, payload: Payload) -> uuid.UUID | None:
 
 
 def dead_letter_name(letter: DeadLetter) -> str:
-    """What names the record a dead letter is about: its origin (topic, partition, offset) and a digest of its key
-    and the bytes the letter keeps of it (``raw``).
+    """What names the record a dead letter is about: its origin (topic, partition, offset) and what tells records at
+    one origin apart.
 
     The origin alone does not always name one record: a topic deleted and created again numbers from 0 again, and
-    a batch a learner read from no broker position has a stand-in origin (``consumers.sources.origin_of``); the
-    digest tells such records apart, and is the same at every reading of one record.
+    a batch a learner read from no broker position has a stand-in origin (``consumers.sources.origin_of``).  A
+    letter about a broker record carries the record's timestamp and a digest of its whole bytes, as the reader that
+    sent it told the record from others (``pipeline.io.bus.dead_letters.poison_origin``); other letters (a learner's
+    quarantined batch, whose short JSON ``raw`` is never cut) and older ones fall back to a digest of their ``key``
+    and ``raw``.  Either is the same at every reading of one record.
     """
+    origin = f"{letter.origin_topic}/{letter.origin_partition}/{letter.origin_offset}"
+    if letter.record_sha256 is not None:
+        timestamp = "-" if letter.origin_timestamp_ms is None else letter.origin_timestamp_ms
+        return f"{origin}@{timestamp}/{letter.record_sha256}"
+    kept = (None if part is None else part.encode("utf-8", errors="surrogatepass") for part in (letter.key, letter.raw))
+    return f"{origin}/{framed_sha256(kept)}"
+
+
+def framed_sha256(parts: Iterable[bytes | None]) -> str:
+    """Hex sha256 of ``parts``, each length-prefixed and None marked apart from empty bytes: no two sequences of
+    parts (a key and a value: ``(b"ab", b"c")`` and ``(b"a", b"bc")``) frame to the same bytes."""
     digest = hashlib.sha256()
-    for part in (letter.key, letter.raw):  # length-prefixed: no two (key, raw) pairs frame to the same bytes
-        data = None if part is None else part.encode("utf-8", errors="surrogatepass")
-        digest.update(b"-" if data is None else b"+%d:" % len(data) + data)
-    return f"{letter.origin_topic}/{letter.origin_partition}/{letter.origin_offset}/{digest.hexdigest()}"
+    for part in parts:
+        digest.update(b"-" if part is None else b"+%d:" % len(part) + part)
+    return digest.hexdigest()
 
 
 def make_event(run_id: str, payload: Payload) -> Envelope:

@@ -10,7 +10,7 @@ dead-letter them (``schemas.events.NewerEventTypeError``).
 
 from __future__ import annotations
 
-EVENT_SCHEMA_VERSION = "1.0"
+EVENT_SCHEMA_VERSION = "1.1"  # 1.1: DeadLetter origin_timestamp_ms, record_sha256
 TRAJECTORY_SCHEMA_VERSION = "1.2"  # 1.1: temperature, top_p, top_k of each row; 1.2: state
 STEPS_SCHEMA_VERSION = "1.0"
 MANIFEST_SCHEMA_VERSION = "1.2"  # 1.1: kind (lora or value-network); 1.2: ends_with_session

@@ -24,6 +24,7 @@ from schemas.events import (
     TrajectoryBatchCommitted,
     decode_event,
     encode_event,
+    framed_sha256,
     make_event,
 )
 
@@ -52,6 +53,9 @@ EXAMPLES = [
     RunStopped(reason="budget reached", final_version=4, final_step=40),
     DeadLetter(reason="not JSON", origin_topic="rlpipe.trajectories", origin_partition=0, origin_offset=7,
                key="r", raw="\x00garbage"),
+    DeadLetter(reason="not JSON", origin_topic="rlpipe.trajectories", origin_partition=0, origin_offset=8,
+               key="r", raw="{" + "x" * 4095, raw_truncated=True, origin_timestamp_ms=1_700_000_000_000,
+               record_sha256=SHA),
     ApiRequestAccepted(request_id="req-1", tenant="alice", session_id="sess-1", op="optim_step",
                        model_id="sess-1:train:0", seq_id=3, body_path="sessions/sess-1/requests/req-1.json",
                        body_sha256=SHA),
@@ -229,3 +233,50 @@ def test_a_dead_letter_has_one_event_id_however_often_its_record_is_dead_lettere
     distinct = [announcement_id("r", letter()), announcement_id("s", letter()),
                 *(announcement_id("r", other) for other in others)]
     assert len(set(distinct)) == len(distinct)
+
+
+def test_a_letter_about_a_broker_record_is_named_by_the_record_timestamp_and_whole_bytes() -> None:
+    """A reader's letter keeps only the start of a record, undecodable bytes replaced, and carries the record's
+    timestamp and the digest of its whole bytes: records at one origin (a topic created again numbers from 0
+    again) whose letters keep the same ``key`` and ``raw`` get ids of their own, while every sending of one
+    record's letter, whatever its reason, carries one id."""
+    from schemas.events import announcement_id
+
+    def letter(reason: str = "not JSON", *, timestamp: int | None = 1_000, value: bytes = b"\xff") -> DeadLetter:
+        return DeadLetter(reason=reason, origin_topic="ns.trajectories", origin_partition=0, origin_offset=0,
+                          key="r", raw="\ufffd", origin_timestamp_ms=timestamp,
+                          record_sha256=framed_sha256((b"r", value)))
+
+    assert announcement_id("r", letter("not JSON")) == announcement_id("r", letter("not JSON: worded otherwise"))
+    same_kept = [letter(), letter(value=b"\xfe"), letter(timestamp=9_000), letter(timestamp=None),
+                 letter(timestamp=0), DeadLetter(**letter().model_dump(exclude={"origin_timestamp_ms",
+                                                                                "record_sha256"}))]
+    ids = [announcement_id("r", each) for each in same_kept]
+    assert len(set(ids)) == len(ids)
+
+
+def test_framed_sha256_tells_apart_what_plain_concatenation_does_not() -> None:
+    assert framed_sha256((b"ab", b"c")) != framed_sha256((b"a", b"bc"))
+    assert framed_sha256((None, b"")) != framed_sha256((b"", None)) != framed_sha256((b"", b""))
+    assert framed_sha256((b"k", b"v")) == framed_sha256([b"k", b"v"])
+
+
+def test_a_dead_letter_of_schema_1_0_decodes_and_keeps_its_id() -> None:
+    """Letters sent before 1.1 carry neither the record's timestamp nor its digest: they still decode, and their
+    id is still the one derived from their ``key`` and ``raw``, so a letter sent again keeps the id of its copies
+    already on the topic (the value below is the id such letters were sent with)."""
+    older = {"type": "DeadLetter", "schema_version": "1.0", "event_id": "17486d2b-a5b3-5f60-92f1-ddeaa5ec1304",
+             "run_id": "r", "time": NOW.isoformat(),
+             "payload": {"reason": "not JSON", "origin_topic": "ns.trajectories", "origin_partition": 0,
+                         "origin_offset": 7, "key": "r", "raw": "{garbage", "raw_truncated": False}}
+    letter = decode_event(json.dumps(older)).payload
+    assert (letter.origin_timestamp_ms, letter.record_sha256) == (None, None)
+    assert str(make_event("r", letter).event_id) == older["event_id"]
+
+
+@pytest.mark.parametrize("field", [{"record_sha256": "not hex"}, {"origin_timestamp_ms": -1}])
+def test_a_dead_letter_with_a_bad_record_digest_or_timestamp_is_refused(field: dict) -> None:
+    about_a_record = next(e for e in EXAMPLES if isinstance(e, DeadLetter) and e.record_sha256 is not None)
+    data = json.loads(encode_event(make_event("r", about_a_record)))
+    with pytest.raises(EventDecodeError, match=next(iter(field))):
+        decode_event(json.dumps({**data, "payload": {**data["payload"], **field}}))

@@ -209,6 +209,7 @@ class EventConsumer:
             log.warning("skipped invalid %s:%d@%d: %s", record.topic, record.partition, record.offset, reason)
             return None
         raw: bytes = record.value or b""
+        origin = poison_origin(self._servers, record)
         letter = DeadLetter(
             reason=reason[:2000],
             origin_topic=record.topic,
@@ -217,13 +218,16 @@ class EventConsumer:
             key=key,
             raw=raw[:DEAD_LETTER_RAW_BYTES].decode("utf-8", errors="replace"),
             raw_truncated=len(raw) > DEAD_LETTER_RAW_BYTES,
+            # what tells this message from others at its offset, here and in the letter's id alike
+            origin_timestamp_ms=origin.timestamp_ms,
+            record_sha256=origin.sha256,
         )
         envelope = make_event(dead_letter_run_id(key, raw), letter)
 
         def publish() -> None:  # the publisher is made only by a reader that sends a dead letter
             self._dead_letter_publisher().publish_raw(self.dlq_topic, encode_event(envelope), key_bytes, "DeadLetter")
 
-        if not DEAD_LETTERED.send_once(poison_origin(self._servers, record), publish):
+        if not DEAD_LETTERED.send_once(origin, publish):
             self.stats.skipped_dead_lettered += 1  # another reader in this process (another run's) sent it
             return None
         self.stats.dead_lettered += 1

@@ -5,13 +5,13 @@ letter (``EventConsumer`` does, to ``<ns>.dlq``) and the others skip it."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+from schemas.events import framed_sha256
 from schemas.names import InvalidNameError, validate_name
 
 _UNKNOWN_RUN = "unknown"
@@ -27,21 +27,27 @@ def dead_letter_run_id(key: str | None, raw: bytes | None) -> str:
     return _UNKNOWN_RUN
 
 
-# A poison message as readers of one process meet it: (broker, topic, partition, offset, timestamp, sha256 of its
-# key and value).  The offset alone does not name it: a topic deleted and created again numbers from 0 again, and
-# the consumer's idea of the topic's id can lag behind (it fetches by name), so the message's own timestamp and
-# bytes tell a new poison message at a reused offset from the one dead-lettered there before.
-PoisonOrigin = tuple[str, str, int, int, int, str]
+class PoisonOrigin(NamedTuple):
+    """A poison message as readers of one process meet it.  The offset alone does not name it: a topic deleted and
+    created again numbers from 0 again, and the consumer's idea of the topic's id can lag behind (it fetches by
+    name), so the message's own timestamp and bytes tell a new poison message at a reused offset from the one
+    dead-lettered there before.  Its dead letter carries the same timestamp and digest, from which its id is
+    derived (``schemas.events.dead_letter_name``)."""
+
+    servers: str  # the broker, as the reader was pointed at it
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int | None  # the broker's timestamp of the message; None: it has none
+    sha256: str  # of its whole key and value (``schemas.events.framed_sha256``)
 
 
 def poison_origin(servers: list[str], record: Any) -> PoisonOrigin:
-    """``record``'s ``PoisonOrigin`` on the broker ``servers`` name (a record without a timestamp: -1)."""
-    digest = hashlib.sha256()
-    for part in (record.key, record.value):
-        digest.update(b"-" if part is None else b"+%d:" % len(part) + part)
+    """``record``'s ``PoisonOrigin`` on the broker ``servers`` name (Kafka's -1, "no timestamp": None)."""
     timestamp = getattr(record, "timestamp", None)
-    return (",".join(servers), record.topic, record.partition, record.offset,
-            timestamp if isinstance(timestamp, int) else -1, digest.hexdigest())
+    return PoisonOrigin(",".join(servers), record.topic, record.partition, record.offset,
+                        timestamp if isinstance(timestamp, int) and timestamp >= 0 else None,
+                        framed_sha256((record.key, record.value)))
 
 
 class DeadLettered:

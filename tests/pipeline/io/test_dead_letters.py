@@ -92,6 +92,26 @@ def test_a_new_poison_message_where_a_recreated_topic_reuses_an_offset_is_dead_l
     assert len({decode_event(value).event_id for value in publisher.sent}) == 2  # two letters to readers too
 
 
+@pytest.mark.parametrize(("first_value", "second_value"), [
+    (b"{" + b"x" * 5000 + b"first", b"{" + b"x" * 5000 + b"second"),  # alike in the 4096 bytes a letter keeps
+    (b"\xff\xfe\x00", b"\xfe\xff\x00"),  # alike once undecodable bytes are replaced
+], ids=["differ past the bytes kept", "differ in undecodable bytes"])
+def test_new_poison_messages_at_a_reused_offset_get_letters_of_their_own_ids(
+        first_value: bytes, second_value: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two poison messages at offset 0 of a topic created again between them, whose letters' ``raw`` reads the same
+    (cut at ``DEAD_LETTER_RAW_BYTES``, or undecodable bytes replaced): each gets its letter, and the letters carry
+    distinct ids, so readers that dedupe by ``event_id`` count two."""
+    monkeypatch.setattr("pipeline.io.bus.consumer.DEAD_LETTERED", DeadLettered())
+    first, second = poison(0, first_value, timestamp=1_000), poison(0, second_value, timestamp=9_000)
+    publisher = ScriptedPublisher()
+    for record in (first, second):
+        assert reader(ScriptedClient([record]), publisher).poll() == []
+    letters = [decode_event(value) for value in publisher.sent]
+    assert len(letters) == 2
+    assert letters[0].payload.raw == letters[1].payload.raw  # what the letters keep cannot tell them apart
+    assert letters[0].event_id != letters[1].event_id
+
+
 def test_a_message_dead_lettered_again_by_a_restarted_reader_is_one_letter_to_readers(
         request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A reader stopped after a message's dead letter but before its group committed past the message reads it
