@@ -61,11 +61,16 @@ class TopKRows(Sequence[TopK | None]):
     def from_rows(cls, rows: Sequence[TopK | None], k: int | None = None) -> TopKRows:
         """Rows as lists of (token, logprob) (None or [] for a row with none), ``k`` columns wide (default: the
         longest row's).  Filled cell m (of M, row after row) is row ``row_M[m]``, column m - (the cells of the
-        rows before it)."""
+        rows before it).  A row longer than ``k`` is refused (ValueError naming it)."""
         if isinstance(rows, TopKRows):
             return rows
         lengths_N = np.fromiter((0 if row is None else len(row) for row in rows), np.int64, len(rows))
         width = int(lengths_N.max(initial=0)) if k is None else k
+        too_long_rows = np.flatnonzero(lengths_N > width)
+        if too_long_rows.size:
+            n = int(too_long_rows[0])
+            raise ValueError(f"top-k row {n} has {lengths_N[n]} entries, more than k={width} columns hold; "
+                             "pass a k at least the longest row's, or none to use it")
         # token, logprob, token, logprob, ...: float64 holds every int32 id exactly
         pairs = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(row for row in rows if row)),
                             np.float64, 2 * int(lengths_N.sum()))

@@ -46,6 +46,13 @@ def test_rows_read_back_as_the_lists_they_were_built_from() -> None:
     assert topk != TopKRows.from_rows(rows[:-1], 5) and topk != [*rows[:-1], [(1, -1.0)]]
 
 
+def test_a_row_longer_than_k_is_refused_naming_it() -> None:
+    rows = [[(1, -0.1)], None, [(1, -0.1), (2, -0.2), (3, -0.3)], [(4, -0.4), (5, -0.5), (6, -0.6)]]
+    with pytest.raises(ValueError, match=r"row 2 has 3 entries, more than k=2"):
+        TopKRows.from_rows(rows, 2)
+    assert TopKRows.from_rows(rows, 3).lengths().tolist() == [1, 0, 3, 3]  # rows as long as k fit
+
+
 def test_only_last_blanks_the_rows_before_the_last_n() -> None:
     rows = [None, [(3, -0.5)], [(4, -0.25), (6, -1.0)], [(5, -1.0)]]
     topk = TopKRows.from_rows(rows, 2)
