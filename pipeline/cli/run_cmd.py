@@ -88,7 +88,8 @@ def run(
         "--resume", help="Continue this existing run (its stored configuration; --set changes a field).")] = None,
     max_steps: Annotated[int | None, typer.Option(min=1, help="Learner steps before the run stops.")] = None,
     producers: Annotated[int | None, typer.Option(min=0, help="Producer processes to start.")] = None,
-    dashboard: Annotated[bool, typer.Option("--dashboard/--no-dashboard", help="Live terminal dashboard.")] = True,
+    dashboard: Annotated[bool, typer.Option("--dashboard/--no-dashboard", help="Live terminal dashboard (without it, or when standard output is not a "
+                                                             "terminal: one line per learner step).")] = True,
     runs: Annotated[int, typer.Option(
         "--runs", min=1, max=MAX_PACKED, help="Start this many runs packed in one learner and one set of producers "
                                               "(named <name>-1 ... <name>-N, run i with recipe seed i-1).")] = 1,
@@ -122,8 +123,9 @@ def run(
         setup_logging()
         from pipeline.devstack.launcher import Launcher
 
-        code = Launcher(configs, dashboard=dashboard).run()
-        console.print(f"{_below(dashboard)}their packed report: rlpipe report {' '.join(f'--run {i}' for i in ids)}",
+        launcher = Launcher(configs, dashboard=dashboard)
+        code = launcher.run()
+        console.print(f"{_below(launcher.live)}their packed report: rlpipe report {' '.join(f'--run {i}' for i in ids)}",
                       markup=False)
         raise typer.Exit(code)
     store = reachable_store(cfg.store)
@@ -145,8 +147,9 @@ def run(
                    f"elsewhere, e.g. rlpipe producer start --run {cfg.run_id} --preset NAME")
     from pipeline.devstack.launcher import Launcher
 
-    code = Launcher(cfg, dashboard=dashboard).run()
-    console.print(f"{_below(dashboard)}run {cfg.run_id}: rlpipe runs show --run {cfg.run_id}; "
+    launcher = Launcher(cfg, dashboard=dashboard)
+    code = launcher.run()
+    console.print(f"{_below(launcher.live)}run {cfg.run_id}: rlpipe runs show --run {cfg.run_id}; "
                   f"rlpipe eval --run {cfg.run_id}; rlpipe report --run {cfg.run_id}; continue it with "
                   f"rlpipe run --resume {cfg.run_id} --max-steps N", markup=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -163,9 +166,9 @@ def check_actors_environment(config: RunConfig) -> None:
     check_value_environment(env_from_spec(config.env), config.value)
 
 
-def _below(dashboard: bool) -> str:
-    """What starts a closing line: a line break after the dashboard, whose last frame ends without one."""
-    return "\n" if dashboard else ""
+def _below(live: bool) -> str:
+    """What starts a closing line: a line break after the live dashboard, whose last frame ends without one."""
+    return "\n" if live else ""
 
 
 def with_budget(config: RunConfig, max_steps: int | None, producers: int | None) -> RunConfig:

@@ -5,6 +5,9 @@ Each panel shows the learner's step, version and recent rewards, and one row per
 running) would keep showing its last rates as if current: its row says instead how long it has been silent.
 Once the run has ended (its learner at its step budget, or ``RunStopped``: a packed run is let go while the
 others go on) its producers stop beating for it by design, so their rows say ``done`` or ``stopped`` instead.
+
+Without a live view (``--no-dashboard``, or standard output not a terminal) the same events give one plain line
+per learner step instead (``StepLines``), so a long run is never silent between its first and last lines.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.config import RunConfig
-from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStopped
+from schemas.events import LearnerCheckpointed, LearnerProgress, ProducerHeartbeat, RunStopped
 
 # A producer beats between two rounds of its loop, so one long round delays a beat: it is shown as silent only after
 # this many of its heartbeat intervals, and never before SILENT_FLOOR_S.
@@ -75,7 +78,7 @@ class Dashboard:
             f"[bold]run[/] {run_id}", f"[bold]elapsed[/] {elapsed:5.0f}s",
             f"[bold]learner step[/] {step}/{max_steps or '∞'}", f"[bold]version[/] v{learner.version if learner else 0}",
             f"[bold]reward (avg of last {len(self.rewards)})[/] "
-            + (f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"),
+            + self.reward_text(),
             f"[bold]lag[/] {self.lag if self.lag is not None else '-'}",
         )
         if learner:
@@ -96,10 +99,56 @@ class Dashboard:
                           ended or self.last_beat(pid), style="dim" if ended else None)
         return Group(head, table)
 
+    def reward_text(self) -> str:
+        """The mean reward of the last checkpoints' steps, ``-`` before the first."""
+        return f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
+
+    def producer_staleness(self) -> int | None:
+        """How many versions the most stale producer's adapter is behind the newest checkpoint; None before a beat."""
+        newest = self.learner.version if self.learner else 0
+        return max((newest - beat.adapter_version for beat in self.producers.values()), default=None)
+
     def last_beat(self, producer_id: str) -> str:
         """``Ns ago``, or ``silent Ns`` (in red) past ``silent_after_s``."""
         age = time.monotonic() - self.heard.get(producer_id, time.monotonic())
         return f"[red]silent {age:.0f}s[/]" if age > self.silent_after_s else f"{age:.0f}s ago"
+
+
+@dataclass
+class StepLines:
+    """One plain line per learner step of a run, from the control events its ``board`` reads.
+
+    A step the learner checkpoints (every ``checkpoint_every``-th) gets its line from the ``LearnerCheckpointed``,
+    which carries the step's reward; any other from the ``LearnerProgress`` sent after it.  Progress repeated while
+    the learner waits, and a checkpoint announced again, add no line.  Call it after ``board.apply(payload)``.
+    """
+
+    run_id: str
+    board: Dashboard
+    max_steps: int | None = None
+    checkpoint_every: int = 1
+    shown_step: int = 0  # the newest step with a line
+
+    def __call__(self, payload: Any) -> str | None:
+        """The line ``payload`` completes, else None."""
+        checkpointed = isinstance(payload, LearnerCheckpointed)
+        unchecked = isinstance(payload, LearnerProgress) and payload.step % self.checkpoint_every != 0
+        if not (checkpointed or unchecked) or payload.step <= self.shown_step:
+            return None
+        self.shown_step = payload.step
+        return self.line(payload.step, payload.version)
+
+    def line(self, step: int, version: int) -> str:
+        board = self.board
+        stale = board.producer_staleness()
+        parts = [f"run {self.run_id}", f"step {step}/{self.max_steps or '∞'}", f"version v{version}",
+                 f"reward {board.reward_text()} (avg of last {len(board.rewards)} checkpoints)"]
+        if board.learner is not None:
+            parts.append(f"stale dropped {int(board.learner.metrics.get('dropped_stale_rows', 0))}")
+        parts += [f"producers {len(board.producers)}" + (f" (most stale {stale} behind)" if stale is not None else ""),
+                  f"lag {board.lag if board.lag is not None else '-'}",
+                  f"elapsed {time.monotonic() - board.started:.0f}s"]
+        return "  ".join(parts)
 
 
 def silent_after_s(config: RunConfig) -> float:

@@ -4,7 +4,8 @@ Set up (one line each): the embedded stack if nothing is configured, the broker
 answering, the base model, the run (``run.json`` then ``RunStarted``); then launch the learner and N
 producers as separate processes (``rlpipe learner start`` / ``rlpipe producer
 start``, the same commands a cluster runs) and watch them on one live
-dashboard fed by the control topic.  The run ends when the learner reaches its
+dashboard fed by the control topic (without one, ``--no-dashboard`` or standard output not a terminal, one
+plain line per learner step from the same events).  The run ends when the learner reaches its
 step budget (``learner.max_steps``) or on Ctrl-C: producers get SIGTERM, flush
 their finished groups and exit; then ``RunStopped``.  It also ends when every
 producer has exited 0 (each wrote its ``producer.max_groups``) and the learner
@@ -49,7 +50,7 @@ import yaml
 from pipeline.cli.common import error_line
 from pipeline.config import child_environment
 from pipeline.devstack.catch_up import LearnerCatchUp
-from pipeline.devstack.dashboard import Dashboard, silent_after_s
+from pipeline.devstack.dashboard import Dashboard, StepLines, silent_after_s
 from pipeline.devstack.stack import (
     StackAlreadyRunningError,
     StackState,
@@ -155,9 +156,7 @@ class Launcher:
         self.config_path = self.config_paths[0]
         self.log_dir = self.config_path.parent / "logs"
         self.log_dir.mkdir(exist_ok=True)
-        self.show_dashboard = dashboard
-        self.boards = {c.run_id: Dashboard(silent_after_s=silent_after_s(c)) for c in self.configs}
-        self.board = self.boards[self.config.run_id]
+        self.views(dashboard)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
         self.stopped: dict[str, str] = {}  # runs whose RunStopped went out, with its reason
@@ -166,6 +165,17 @@ class Launcher:
         self.producers_exited = False  # every producer exited 0
         self.catch_ups: dict[str, LearnerCatchUp] = {}  # per run going on when they had: what the learner read
         self.producers_done = False  # ... and the learner has read every batch they wrote
+
+    def views(self, dashboard: bool) -> None:
+        """Each run's board; the live view when asked for and standard output is a terminal (elsewhere its frames
+        would not show until the end), else a plain line per learner step (``StepLines``)."""
+        self.live = dashboard and sys.stdout.isatty()
+        self.boards = {c.run_id: Dashboard(silent_after_s=silent_after_s(c)) for c in self.configs}
+        self.board = self.boards[self.config.run_id]
+        self.step_lines = {} if self.live else {
+            c.run_id: StepLines(c.run_id, self.boards[c.run_id], step_budget(c),
+                                (c.value.learner if c.value is not None else c.learner).checkpoint_every)
+            for c in self.configs}
 
     @property
     def packed(self) -> bool:
@@ -271,6 +281,9 @@ class Launcher:
         if board is None:
             return
         board.apply(event.payload)
+        line = self.step_lines[event.run_id](event.payload) if event.run_id in self.step_lines else None
+        if line is not None:
+            print(line, flush=True)
         if isinstance(event.payload, RunStopped):  # stopped already (`rlpipe runs stop`, or this launcher's own)
             with self.stop_lock:
                 self.stopped.setdefault(event.run_id, event.payload.reason)
@@ -339,7 +352,7 @@ class Launcher:
         from rich.live import Live
 
         try:
-            if not self.show_dashboard:
+            if not self.live:
                 while self.going():
                     time.sleep(0.5)
                 return

@@ -27,6 +27,7 @@ runner = CliRunner()
 
 class FakeLauncher:
     launched: ClassVar[list[RunConfig]] = []
+    live = False
 
     def __init__(self, config: RunConfig | list[RunConfig], dashboard: bool = True) -> None:
         self.configs = config if isinstance(config, list) else [config]

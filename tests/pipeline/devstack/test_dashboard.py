@@ -78,3 +78,57 @@ def test_a_producer_of_a_stopped_run_is_shown_stopped_not_silent() -> None:
     board.heard["run-p0"] -= 40.0
     row = _producer_rows(board, 10)["run-p0"]
     assert "stopped" in row and "silent" not in row, row
+def _progress(step: int) -> object:
+    from schemas.events import LearnerProgress
+
+    return LearnerProgress(step=step, version=step, positions={})
+
+
+def _checkpointed(step: int, reward: float) -> object:
+    from schemas.events import LearnerCheckpointed
+
+    return LearnerCheckpointed(step=step, version=step, path=f"runs/r/checkpoints/step-{step:06d}-a", offsets={},
+                               metrics={"reward_mean": reward})
+
+
+def _lines(stream: list, checkpoint_every: int) -> list[str]:
+    """The plain lines a stand-in control stream gives, fed as the launcher feeds them: board first."""
+    board = dashboard.Dashboard()
+    lines = dashboard.StepLines("r", board, max_steps=4, checkpoint_every=checkpoint_every)
+    shown = []
+    for payload in stream:
+        board.apply(payload)
+        shown.append(lines(payload))
+    return [line for line in shown if line is not None]
+
+
+def test_without_a_live_view_each_learner_step_gets_one_line_with_its_checkpoints_reward() -> None:
+    """The learner sends progress after a step (and again while it waits), then the step's checkpoint: one line per
+    step, from the checkpoint, so it carries the reward; a checkpoint announced again adds none."""
+    stream = [_progress(1), _checkpointed(1, 0.25), _progress(1), _progress(2), _checkpointed(2, 0.75),
+              _checkpointed(2, 0.75), _progress(2)]
+    lines = _lines(stream, checkpoint_every=1)
+    assert len(lines) == 2, lines
+    assert "step 1/4" in lines[0] and "reward 0.250 (avg of last 1" in lines[0], lines
+    assert "step 2/4" in lines[1] and "version v2" in lines[1] and "reward 0.500 (avg of last 2" in lines[1], lines
+    assert all(line.startswith("run r ") for line in lines)
+
+
+def test_a_step_without_a_checkpoint_gets_its_line_from_the_learners_progress() -> None:
+    lines = _lines([_progress(1), _progress(1), _progress(2), _checkpointed(2, 0.5), _progress(3)],
+                   checkpoint_every=2)
+    assert [line.split("  ")[1] for line in lines] == ["step 1/4", "step 2/4", "step 3/4"], lines
+    assert "reward - " in lines[0] and "reward 0.500" in lines[1] and "reward 0.500" in lines[2], lines
+
+
+def test_a_step_line_says_how_stale_the_most_stale_producer_is() -> None:
+    from schemas.events import ProducerHeartbeat
+
+    def beat(producer: str, version: int) -> ProducerHeartbeat:
+        return ProducerHeartbeat(producer_id=producer, adapter_version=version, samples_total=8, batches_total=1,
+                                 tokens_total=100, env_steps_total=8, samples_per_s=2.5, tokens_per_s=40.0,
+                                 env_steps_per_s=2.5, busy_fraction=0.5, interval_s=5.0)
+
+    (line,) = _lines([_checkpointed(1, 0.0), _checkpointed(2, 0.0), beat("p0", 2), beat("p1", 0), _progress(3)],
+                     checkpoint_every=2)[2:]
+    assert "step 3/4" in line and "producers 2 (most stale 2 behind)" in line, line

@@ -100,6 +100,7 @@ def packed_launcher(root: Path, budgets: dict[str, int]) -> launcher.Launcher:
     fake = launcher.Launcher.__new__(launcher.Launcher)
     fake.configs, fake.config = configs, configs[0]
     fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
+    fake.live, fake.step_lines = False, {}  # no view: the tests that want one set it up (``Launcher.views``)
     fake.stopped = {}
     fake.producers_exited = fake.producers_done = False
     fake.catch_ups, fake.launched_at = {}, time.time()
@@ -183,6 +184,25 @@ class Flaky(Published):
             self.failed = True
             raise OSError("broker unreachable")
         return super().publish(topic, event)
+
+
+def test_without_a_terminal_the_dashboard_gives_way_to_one_line_per_learner_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run piped to a file or a CI log (standard output not a terminal, here pytest's capture) cannot show the
+    live view, so its control events print one line per learner step, per run, instead of nothing for minutes."""
+    from schemas.events import LearnerCheckpointed, LearnerProgress, make_event
+
+    fake = packed_launcher(tmp_path, {"a": 3, "b": 3})
+    fake.views(dashboard=True)
+    assert not fake.live
+    for run, payload in [("a", LearnerProgress(step=1, version=1, positions={})),
+                         ("a", LearnerCheckpointed(step=1, version=1, path="x1", offsets={})),
+                         ("b", LearnerCheckpointed(step=1, version=1, path="y1", offsets={})),
+                         ("a", LearnerCheckpointed(step=2, version=2, path="x2", offsets={}))]:
+        fake.on_control(make_event(run, payload), Published())
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[:2] for line in lines] == [["run a", "step 1/3"], ["run b", "step 1/3"],
+                                                        ["run a", "step 2/3"]], lines
 
 
 def test_a_stop_that_could_not_be_published_is_announced_again(tmp_path: Path) -> None:
@@ -284,7 +304,7 @@ def scripted_launcher(root: Path, monkeypatch: pytest.MonkeyPatch, scripts: dict
     fake.reach_broker = fake.prepare_model = fake.create = fake.follow_control = lambda: None
     fake.config_paths, fake.log_dir, fake.processes = [root / "a.yaml"], root, {}
     fake.bus = fake.config.bus.model_copy(update={"bootstrap_servers": "127.0.0.1:1"})
-    fake.show_dashboard, fake.started_stack, fake.watcher = False, None, None
+    fake.started_stack, fake.watcher = None, None
     fake.stopping = threading.Event()
     return fake
 
