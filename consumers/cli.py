@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from datetime import date
 from typing import Annotated
@@ -167,7 +168,20 @@ def replay(
 
     _require_intact_batches(cfg, run, date_from, date_to)
     count = announce_batches(cfg, run, date_from, date_to)
-    console.print(f"announced {count} batches of run {run} for run {cfg.run_id}")
+    console.print(f"announced {count} batches of run {run} for run {cfg.run_id}; train them with "
+                  f"{_learner_command(preset, config, overrides or [], cfg.run_id)} (run {cfg.run_id} is created "
+                  "when its learner starts)", markup=False, soft_wrap=True)
+
+
+def _learner_command(preset: str | None, config: str | None, overrides: list[str], run_id: str) -> str:
+    """``rlpipe learner start`` for the run a replay announced batches for, configured as the replay was (its
+    ``--set`` of ``run_id`` becomes ``--run``)."""
+    words = ["rlpipe", "learner", "start", *(["--preset", preset] if preset else []),
+             *(["--config", config] if config else []), "--run", run_id]
+    for change in overrides:
+        if change.partition("=")[0].strip() != "run_id":
+            words += ["--set", change]
+    return shlex.join(words)
 
 
 def _step_now(cfg) -> int:  # type: ignore[no-untyped-def]

@@ -152,3 +152,27 @@ def test_replay_refuses_a_date_range_that_ends_before_it_starts(tmp_path, monkey
         line = result.output.strip()
         assert result.exit_code == 2 and "\n" not in line, result.output
         assert "--date-from 2026-12-05 is after --date-to 2026-12-01" in line and "swap them" in line
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    (["--preset", "cartpole"], "rlpipe learner start --preset cartpole --run seeded"),
+    (["--config", "my run.yaml"], "rlpipe learner start --config 'my run.yaml' --run seeded"),
+])
+def test_replay_to_topic_names_the_command_that_trains_the_seeded_run(tmp_path, monkeypatch, source,
+                                                                      expected) -> None:
+    """The batches wait on the topic for a run that exists only once its learner starts: the line names that
+    learner, with the configuration the replay was given."""
+    import consumers.cli
+    import consumers.replay
+
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", f"file://{tmp_path}/store")
+    (tmp_path / "my run.yaml").write_text("env: {name: cartpole}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(consumers.cli, "_require_batches", lambda *args, **kwargs: None)
+    monkeypatch.setattr(consumers.cli, "_require_intact_batches", lambda *args, **kwargs: None)
+    monkeypatch.setattr(consumers.replay, "announce_batches", lambda cfg, run, date_from, date_to: 3)
+    result = runner.invoke(replay_app, ["--run", "src", "--to-topic", *source, "--set", "run_id=seeded"])
+    assert result.exit_code == 0, result.output
+    assert "announced 3 batches of run src for run seeded" in result.output, result.output
+    assert expected in result.output, result.output
