@@ -22,6 +22,7 @@ from uuid import UUID
 
 import typer
 from pydantic import BaseModel, ValidationError
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
@@ -221,16 +222,19 @@ def shown_model(base_model: str | None) -> str:
 
 
 def fitted_table(title: str, rows: list[dict[str, Any]], droppable: list[str],
-                 right: tuple[str, ...] = ()) -> tuple[Table, list[str]]:
+                 right: tuple[str, ...] = (), whole: tuple[str, ...] = ()) -> tuple[Table, list[str]]:
     """A table of ``rows`` (column -> cell: text or rich ``Text``) with every cell whole, leaving out the ``droppable``
     columns in that order while it is wider than the terminal; (the table, the columns left out).  What still does
-    not fit wraps or folds over lines, never cut short.  ``right``: the right-justified columns."""
+    not fit wraps or folds over lines, never cut short, except in the ``whole`` columns (ids that are copied), which
+    keep each cell on one line.  ``right``: the right-justified columns."""
     columns, left_out = list(rows[0]), []
+    widths = {column: max(cell_width(row[column]) for row in rows) for column in whole}
 
     def build() -> Table:
         table = Table(title=title)
         for column in columns:
-            table.add_column(column, overflow="fold", justify="right" if column in right else "left")
+            table.add_column(column, overflow="fold", justify="right" if column in right else "left",
+                             no_wrap=column in whole, min_width=widths.get(column))
         for row in rows:
             table.add_row(*(row[column] for column in columns))
         return table
@@ -245,6 +249,12 @@ def fitted_table(title: str, rows: list[dict[str, Any]], droppable: list[str],
     return table, left_out
 
 
+def cell_width(cell: Any) -> int:
+    """The columns a table cell (text or rich ``Text``) takes on one line."""
+    return cell_len(cell) if isinstance(cell, str) else cell.cell_len
+
+
 def left_out_note(left_out: list[str]) -> str:
     """The line under a table that left columns out to fit the terminal."""
-    return f"({' and '.join(left_out)} left out to fit {console.width} columns: widen the terminal, or see --json)"
+    named = " and ".join([", ".join(left_out[:-1]), left_out[-1]] if len(left_out) > 1 else left_out)
+    return f"({named} left out to fit {console.width} columns: widen the terminal, or see --json)"

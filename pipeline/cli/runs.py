@@ -126,7 +126,8 @@ def list_command(
     rows = [{"run": s.run_id, "status": s.status, "env": s.env or "-", "base model": shown_model(s.base_model),
              "steps": _steps(s), "versions": str(s.versions), "reward": _reward(s),
              "last active (UTC)": _when(s.last_activity)} for s in summaries]
-    table, left_out = fitted_table(f"runs in {store.root}", rows, ["base model", "last active (UTC)"])
+    table, left_out = fitted_table(f"runs in {store.root}", rows,  # the id whole: it is copied into commands
+                                   ["base model", "last active (UTC)", "versions", "env", "reward"], whole=("run",))
     console.print(table)  # a narrow terminal: the least needed columns went
     if left_out:
         console.print(left_out_note(left_out), markup=False)

@@ -19,7 +19,6 @@ import time
 from typing import Annotated, Any
 
 import typer
-from rich.table import Column, Table
 
 from pipeline.api.lifecycle import (
     END_GRACE_S,
@@ -30,7 +29,16 @@ from pipeline.api.lifecycle import (
     record_end,
     session_end,
 )
-from pipeline.cli.common import JsonOpt, console, fail, handle_user_errors, print_json, reachable_store
+from pipeline.cli.common import (
+    JsonOpt,
+    console,
+    fail,
+    fitted_table,
+    handle_user_errors,
+    left_out_note,
+    print_json,
+    reachable_store,
+)
 from pipeline.cli.options import SetOpt, run_config
 from pipeline.io.store import ObjectStore
 from schemas.api import SESSION_TIMEOUT_S
@@ -76,16 +84,27 @@ def list_sessions(overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
     if as_json:
         print_json(summaries)
         return
-    table = Table(Column("session", no_wrap=True), Column("tenant", no_wrap=True), "models", "calls", "pending",
-                  "last heartbeat", title="API sessions")
-    for s in summaries:
-        state = s["end"] if s["ended"] else s["state"]
-        if s["files_deleted"]:
-            state += "; its calls' files deleted"
-        beat = f"{s['last_heartbeat_s_ago']} s ago" if s["state"] == "live" else f"{state} ({s['last_heartbeat_s_ago']} s ago)"
-        table.add_row(s["session_id"], s["tenant"], str(len(s["models"])), str(s["requests"]),
-                      str(len(s["pending"])), beat)
+    if not summaries:
+        console.print(f"no sessions in {store.root}; `rlpipe serve` starts the API that opens them")
+        return
+    rows = [{"session": s["session_id"], "tenant": s["tenant"], "models": str(len(s["models"])),
+             "calls": str(s["requests"]), "pending": str(len(s["pending"])), "last heartbeat": _last_beat(s)}
+            for s in summaries]
+    # the id whole, as it is copied into commands; the counts go first on a narrow terminal, then the tenant
+    table, left_out = fitted_table("API sessions", rows, ["models", "calls", "tenant", "pending"], whole=("session",))
     console.print(table)
+    if left_out:
+        console.print(left_out_note(left_out), markup=False)
+
+
+def _last_beat(summary: dict[str, Any]) -> str:
+    """A live session's heartbeat age; any other's state (its end, and whether its files were freed) with it."""
+    if summary["state"] == "live":
+        return f"{summary['last_heartbeat_s_ago']} s ago"
+    state = summary["end"] if summary["ended"] else summary["state"]
+    if summary["files_deleted"]:
+        state += "; its calls' files deleted"
+    return f"{state} ({summary['last_heartbeat_s_ago']} s ago)"
 
 
 @app.command("show", epilog="Example: rlpipe sessions show sess-0123456789abcdef")

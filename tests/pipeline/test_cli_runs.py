@@ -294,6 +294,22 @@ def test_the_list_fits_an_80_column_terminal_with_every_column_readable(file_sto
     assert "tiny-cacbf641467c8247 " in wide.stdout and base not in wide.stdout and "left out" not in wide.stdout
 
 
+def test_a_long_run_id_stays_on_one_line_at_80_columns(file_store: ObjectStore) -> None:
+    """A run id is copied from the list: other columns are left out before it would be split over two lines."""
+    long_ids = ["cartpole-sokoban-20261204-200014-1", "slateq-recsim-offline-cql-20261204-200014"]
+    for run_id in long_ids:
+        create_run(file_store, RunConfig.model_validate({"run_id": run_id, "env": {"name": "cartpole"},
+                                                         "learner": {"max_steps": 6}}), "tiny")
+    narrow = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["list", *_where(file_store)])
+    assert narrow.exit_code == 0, narrow.output
+    lines = [line for line in narrow.stdout.splitlines() if line[:1] in "┏┃┡│└"]
+    assert max(len(line) for line in lines) <= 80, narrow.stdout
+    for run_id in long_ids:
+        row = next((line for line in lines if run_id in line), None)
+        assert row is not None and "0/6" in row, narrow.stdout  # whole, with its steps beside it
+    assert "left out to fit 80 columns" in narrow.stdout
+
+
 def test_stopping_a_run_already_stopped_says_so_and_announces_nothing(
         file_store: ObjectStore, tmp_path: Path, bus_config: BusConfig) -> None:
     make_run(file_store, tmp_path, "exp-2", "cartpole", steps=1, max_steps=5)

@@ -77,6 +77,28 @@ def test_an_operator_ends_a_session_and_the_first_end_stands(tmp_path):
     assert missing.exit_code == 2 and "rlpipe sessions list" in missing.output
 
 
+def test_the_listing_fits_80_columns_with_each_session_id_and_heartbeat_on_one_line(tmp_path):
+    """Session ids are copied into commands: the counts are left out, with a note, before an id or a heartbeat
+    would be split over lines."""
+    from schemas.api import SESSION_TIMEOUT_S, session_path
+
+    root = f"file://{tmp_path}/store"
+    store = ObjectStore(root)
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/m/a/tiny", "/m/a/tiny")])
+    live, silent, done = (gateway.create_session("t-alice", [], {}) for _ in range(3))
+    store.put(f"{session_path(silent)}/heartbeat.json",
+              json.dumps({"time": time.time() - SESSION_TIMEOUT_S - 5}).encode())
+    gateway.finish("t-alice", done, "interrupted")
+    table = runner.invoke(app, ["sessions", "list", "--set", f"store.root={root}"], env={"COLUMNS": "80"})
+    assert table.exit_code == 0, table.output
+    lines = [line for line in table.output.splitlines() if line[:1] in "┏┃┡│└"]
+    assert max(len(line) for line in lines) <= 80, table.output
+    rows = {session: next((line for line in lines if session in line), "") for session in (live, silent, done)}
+    assert " s ago " in rows[live] and "lapsed (" in rows[silent] and " s ago)" in rows[silent], table.output
+    assert "finished: interrupted (" in rows[done] and " s ago)" in rows[done], table.output
+    assert "left out to fit 80 columns" in table.output
+
+
 def test_an_operator_frees_an_ended_sessions_files_and_a_live_one_is_refused(tmp_path):
     root = f"file://{tmp_path}/store"
     store = ObjectStore(root)
