@@ -13,9 +13,9 @@ after the end.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
@@ -169,18 +169,7 @@ def free_session(session_id: Annotated[str | None, typer.Argument(help="The sess
         fail("name one session, or pass --all-ended", 2)
     store = _store(overrides)
     if all_ended:
-        freed: dict[str, int] = {}
-        for key in store.list("sessions"):
-            sid = key.rsplit("/", 1)[-1]
-            if not store.exists(f"sessions/{sid}/session.json") or files_deleted(store, sid) is not None:
-                continue
-            with contextlib.suppress(ValueError):  # live, or ended within the grace: left for later
-                freed[sid] = free_session_files(store, sid)
-        if as_json:
-            print_json({"freed": freed, "deleted": sum(freed.values())})
-            return
-        console.print(f"freed {len(freed)} ended sessions: deleted {sum(freed.values())} call bodies, results and "
-                      "fold files")
+        _free_all_ended(store, as_json)
         return
     assert session_id is not None
     if not store.exists(f"{session_path(session_id)}/session.json"):
@@ -193,3 +182,35 @@ def free_session(session_id: Annotated[str | None, typer.Argument(help="The sess
         print_json({"session_id": session_id, "deleted": deleted})
         return
     console.print(f"session {session_id}: deleted {deleted} call bodies, results and fold files")
+
+
+def _free_all_ended(store: ObjectStore, as_json: bool) -> None:
+    """Free every ended session still holding its files; say how many ended within the grace were skipped, and
+    from when they can be freed (a live session is left alone)."""
+    freed: dict[str, int] = {}
+    skipped: dict[str, float] = {}  # session -> from when it can be freed (unix seconds)
+    for key in store.list("sessions"):
+        sid = key.rsplit("/", 1)[-1]
+        if not store.exists(f"sessions/{sid}/session.json") or files_deleted(store, sid) is not None:
+            continue
+        try:
+            freed[sid] = free_session_files(store, sid)
+        except ValueError:  # live, or ended within the grace: left for later
+            end = session_end(store, sid, record=False)
+            if end is not None:
+                skipped[sid] = end[1] + END_GRACE_S
+    if as_json:
+        print_json({"freed": freed, "deleted": sum(freed.values()),
+                    "skipped": {sid: datetime.fromtimestamp(at, UTC).isoformat() for sid, at in skipped.items()}})
+        return
+    line = f"freed {len(freed)} ended sessions: deleted {sum(freed.values())} call bodies, results and fold files"
+    if skipped:
+        first, last = min(skipped.values()), max(skipped.values())
+        line += (f"; skipped {len(skipped)} that ended less than {END_GRACE_S / 60:g} minutes ago (calls accepted "
+                 f"before the end may still run): free {'it' if len(skipped) == 1 else 'them'} from {_utc(first)}"
+                 + (f", the last from {_utc(last)}" if last > first else ""))
+    console.print(line, markup=False)
+
+
+def _utc(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

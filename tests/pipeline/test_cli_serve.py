@@ -99,6 +99,36 @@ def test_the_listing_fits_80_columns_with_each_session_id_and_heartbeat_on_one_l
     assert "left out to fit 80 columns" in table.output
 
 
+def test_freeing_every_ended_session_says_which_it_skipped_and_from_when_they_can_be_freed(tmp_path):
+    """Sessions that ended within the grace are listed as ended but not freed: the command says how many it
+    skipped and from when each can be freed, instead of a bare "freed 0"."""
+    from datetime import UTC, datetime
+
+    from pipeline.api.lifecycle import END_GRACE_S
+
+    root = f"file://{tmp_path}/store"
+    store = ObjectStore(root)
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/m/a/tiny", "/m/a/tiny")])
+    first, second = gateway.create_session("t-alice", [], {}), gateway.create_session("t-alice", [], {})
+    for session in (first, second):
+        runner.invoke(app, ["sessions", "end", session, "--set", f"store.root={root}"])
+    ended = json.loads(store.get(f"sessions/{second}/ended.json"))
+    store.put(f"sessions/{second}/ended.json", json.dumps({**ended, "time": ended["time"] + 120}).encode())
+    free_from = {session: json.loads(store.get(f"sessions/{session}/ended.json"))["time"] + END_GRACE_S
+                 for session in (first, second)}  # the later one two minutes after the first
+    shown = {session: datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+             for session, at in free_from.items()}
+    line = runner.invoke(app, ["sessions", "free", "--all-ended", "--set", f"store.root={root}"],
+                         env={"COLUMNS": "250"}).output
+    assert "freed 0 ended sessions" in line and "skipped 2 that ended less than 10 minutes ago" in line, line
+    assert f"from {shown[first]}" in line and f"the last from {shown[second]}" in line, line
+    every = json.loads(runner.invoke(app, ["sessions", "free", "--all-ended", "--json",
+                                           "--set", f"store.root={root}"]).output)
+    assert every["freed"] == {} and every["skipped"] == {s: datetime.fromtimestamp(at, UTC).isoformat()
+                                                         for s, at in free_from.items()}
+    assert store.exists(f"sessions/{first}/session.json")
+
+
 def test_an_operator_frees_an_ended_sessions_files_and_a_live_one_is_refused(tmp_path):
     root = f"file://{tmp_path}/store"
     store = ObjectStore(root)
@@ -128,7 +158,7 @@ def test_an_operator_frees_an_ended_sessions_files_and_a_live_one_is_refused(tmp
                        None, b"{}")
     store.put(f"sessions/{silent}/heartbeat.json", json.dumps({"time": time.time() - 2 * 86400}).encode())
     every = runner.invoke(app, ["sessions", "free", "--all-ended", "--json", "--set", f"store.root={root}"])
-    assert every.exit_code == 0 and json.loads(every.output) == {"freed": {silent: 1}, "deleted": 1}
+    assert every.exit_code == 0 and json.loads(every.output) == {"freed": {silent: 1}, "deleted": 1, "skipped": {}}
     assert store.list(f"sessions/{live}/requests") != []
     neither = runner.invoke(app, ["sessions", "free", "--set", f"store.root={root}"])
     assert neither.exit_code == 2 and "--all-ended" in neither.output
