@@ -63,7 +63,7 @@ def plan(
         print_json({"model": model, "gpus": gpus, "parameters": result.parameters, "tokens": result.tokens,
                     "bytes": result.parts(), "gpu_memory_gib": gpu_memory, "fits": fits})
     else:
-        table = Table("part", "GiB per rank", title=f"{model}: {result.parameters / 1e9:.2f} B parameters, "
+        table = Table("part", "GiB per rank", title=f"{model}: {counted(result.parameters)} parameters, "
                       f"{gpus} rank(s), {dtype}, {result.tokens} tokens per micro-batch")
         for name, value in result.parts().items():
             table.add_row(name, f"{value / GIB:.3f}")
@@ -71,6 +71,15 @@ def plan(
         verdict = "fits" if fits else "does NOT fit"
         console.print(f"{verdict} in {gpu_memory:g} GiB per GPU")
     raise typer.Exit(0 if fits else 1)
+
+
+def counted(count: int) -> str:
+    """``count`` in T, B, M or K (the largest under it), three significant figures: 8.03 B, 1.77 M, 405 B."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            value = count / scale  # in [1, 1000): 2, 1 or 0 decimals (never 1e+03, as .3g would write 999.6)
+            return f"{value:.{3 - len(str(int(value)))}f} {unit}"
+    return str(count)
 
 
 # ``rlpipe``'s loader registers a click command as-is.

@@ -150,3 +150,19 @@ def test_plan_of_tiny_sizes_the_tiny_model_built_here_and_says_how_to_build_it_w
     result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["parameters"] == plan_memory(LLAMA_8B).parameters
+
+
+@pytest.mark.parametrize(("shape", "unit"), [(LLAMA_8B, " B parameters"), (
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True), " K parameters"), (
+    LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=4, tie_word_embeddings=True), " M parameters")])
+def test_plan_states_the_parameter_count_in_a_unit_that_shows_it(tmp_path, shape, unit):
+    """A small model is not "0.00 B parameters": the title counts in B, M or K, three significant figures."""
+    shape.to_json_file(str(tmp_path / "config.json"))
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["plan", "--model", str(tmp_path)])
+    count = plan_memory(shape).parameters
+    scale = {" B parameters": 1e9, " M parameters": 1e6, " K parameters": 1e3}[unit]
+    shown = result.output.split(unit)[0].split()[-1]  # "<model>: 1.23 M parameters, ..."
+    assert unit in result.output and len(shown.replace(".", "")) == 3, result.output
+    assert float(shown) * scale == pytest.approx(count, rel=0.005), (count, result.output)
