@@ -209,7 +209,7 @@ def serve(
     named = [name for name in base_model or ["tiny"] if role != "gateway" or name == "tiny" or Path(name).exists()]
     for name in named:
         check_model_path(name)  # before anything starts
-    ensure_stack(cfg)
+    ensure_stack(cfg, outlives="the server")
     bus, store = resolved_bus(cfg.bus), reachable_store(cfg.store)
     resolved = dict(zip(named, resolve_models(named), strict=True))  # as the engines name them
     models = [resolved.get(name, name) for name in base_model or ["tiny"]]

@@ -78,11 +78,12 @@ EMBEDDED_GROUP_TIMINGS_MS = {"session_timeout_ms": 6000, "heartbeat_interval_ms"
                              "max_poll_interval_ms": 600_000}
 
 
-def ensure_stack(config: RunConfig) -> StackState | None:
+def ensure_stack(config: RunConfig, outlives: str = "this run") -> StackState | None:
     """Start the embedded stack when no broker is configured and none runs; its state if started here.
 
-    It is a background process that outlives the run (the next run, ``rlpipe report`` and
-    ``rlpipe topics`` use it), so the user is told where it listens and how to stop it.
+    It is a background process that outlives the command that started it (``outlives``: this run, the
+    server; the next run, ``rlpipe report`` and ``rlpipe topics`` use it), so the user is told where it
+    listens and how to stop it.
     """
     if config.bus.bootstrap_servers or read_stack_state() is not None:
         return None
@@ -91,8 +92,8 @@ def ensure_stack(config: RunConfig) -> StackState | None:
         state = start_background(with_gcs=False)
     except StackAlreadyRunningError:  # another command started it meanwhile: this run uses that one
         return None
-    log.info("started the embedded stack (pid %d: Kafka broker at %s, store %s); it keeps running after this "
-             "run: stop it with `rlpipe down`", state.pid, state.bootstrap_servers, state.store_root)
+    log.info("started the embedded stack (pid %d: Kafka broker at %s, store %s); it keeps running after %s "
+             "stops: stop it with `rlpipe down`", state.pid, state.bootstrap_servers, state.store_root, outlives)
     return state
 
 

@@ -319,7 +319,7 @@ def test_an_engine_that_dies_is_started_again_and_one_that_keeps_dying_is_given_
 def test_serve_refuses_a_base_model_folder_that_is_not_there_before_starting_anything(tmp_path, monkeypatch):
     from pipeline.devstack import launcher
 
-    def started(config):
+    def started(config, **kwargs):
         raise AssertionError("the stack was started before the base model was checked")
 
     monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
@@ -341,7 +341,8 @@ def test_a_gateway_names_base_models_it_holds_no_copy_of(tmp_path, monkeypatch):
     monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("RLPIPE_STORE__ROOT", (tmp_path / "store").as_uri())
     monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", "127.0.0.1:1")
-    monkeypatch.setattr(launcher, "ensure_stack", lambda config: None)
+    stacks = []
+    monkeypatch.setattr(launcher, "ensure_stack", lambda config, **kwargs: stacks.append(kwargs))
     monkeypatch.setattr(bus, "ensure_topics", lambda *args, **kwargs: None)
     monkeypatch.setattr(serve_cmd, "run_gateway", lambda store, bus, models, *rest: served.append(models))
     elsewhere = "/cache/models/base"
@@ -351,6 +352,7 @@ def test_a_gateway_names_base_models_it_holds_no_copy_of(tmp_path, monkeypatch):
     result = runner.invoke(app, ["serve", "--role", "gateway", "--base-model", elsewhere, "--base-model", "./here"])
     assert result.exit_code == 0, result.output
     assert served == [[elsewhere, str(tmp_path / "here")]]  # a folder it has is named as its engines name it
+    assert stacks == [{"outlives": "the server"}]  # a stack it starts is said to outlive the server, not a run
 
 
 def test_a_base_model_path_must_be_a_model_folder_and_a_hub_id_passes(tmp_path):

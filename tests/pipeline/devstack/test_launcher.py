@@ -34,6 +34,16 @@ def test_starting_the_embedded_stack_says_so_and_how_to_stop_it(tmp_path: Path, 
     assert "rlpipe down" in text and "keeps running" in text
 
 
+def test_a_stack_started_for_another_command_is_said_to_outlive_that_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """`rlpipe serve` starts the stack too, and is no run: the line says what the stack outlives."""
+    monkeypatch.setattr(launcher, "read_stack_state", lambda: None)
+    monkeypatch.setattr(launcher, "start_background", lambda **kwargs: _state(tmp_path))
+    with caplog.at_level(logging.INFO, logger="rlpipe.run"):
+        launcher.ensure_stack(RunConfig(), outlives="the server")
+    assert "keeps running after the server stops" in caplog.text and "this run" not in caplog.text, caplog.text
+
+
 def test_a_configured_or_running_broker_starts_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(**kwargs: object) -> StackState:
         raise AssertionError("no stack should be started")
