@@ -68,8 +68,9 @@ def eval(
         "Play --episodes episodes after the held-out ones instead (building runs: the days after them), to "
         "choose between runs without touching those; never stored for the report."))] = False,
     held_out: Annotated[int | None, typer.Option(min=1, max=100_000, help=(
-        "With --validation: how many held-out episodes to leave alone (default: as far as the run's stored "
-        "results reach, else --episodes; fewer than the stored results reach is refused)."))] = None,
+        "With --validation: how many held-out episodes to leave alone (default: --episodes, or further if the "
+        "run's stored results reach further; fewer than they reach is refused). Give runs you compare the same "
+        "--held-out, so they are validated on the same seeds."))] = None,
     save: Annotated[bool | None, typer.Option(help=(
         "Store the result under runs/RUN/eval/ for the report (default: yes, except with --validation)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -165,9 +166,11 @@ def eval(
 
 
 def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int | None, episodes: int) -> int:
-    """How many held-out episodes ``--validation`` leaves alone before its own: ``--held-out``, else as far as the
-    run's stored held-out results reach, else ``--episodes`` (what a later ``eval --episodes N`` plays).  A
-    ``--held-out`` short of the stored results is refused: its validation episodes would replay their seeds."""
+    """How many held-out episodes ``--validation`` leaves alone before its own: ``--held-out``, else the larger of
+    ``--episodes`` (what a later ``eval --episodes N`` plays) and how far the run's stored held-out results reach:
+    either short of the other would validate on seeds that are reported on.  A ``--held-out`` short of the stored
+    results is refused: its validation episodes would replay their seeds.  The default differs between runs with
+    different stored results, so runs compared on validation need one shared ``--held-out``."""
     from pipeline.analysis.runs import read_evals
     from producers.evaluation import held_out_played
 
@@ -182,7 +185,7 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
         err_console.print(f"note: a stored result left out of the held-out count: {why}", style="yellow", markup=False)
     played = held_out_played(stored, config.env.name, first)
     if held_out is None:
-        return played or episodes
+        return max(played, episodes)
     if held_out < played:
         unit = "days" if building else "seeds"
         fail(f"run {config.run_id!r} has stored held-out results on {unit} {first}-{first + played - 1}: "

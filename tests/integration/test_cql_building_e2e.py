@@ -51,7 +51,7 @@ def test_generate_train_eval_report_through_the_cli(tmp_path: Path, monkeypatch:
     first = json.loads(rlpipe("eval", "--run", "cql-building", "--root", root, "--episodes", "1", "--held-out", "2",
                               "--validation", "--json"))["results"][0]
     assert first["seed_start"] == 4 and first["returns"] == validation["results"][0]["returns"][:1]
-    # without --held-out they start where the stored held-out results end, not after their own --episodes
+    # without --held-out they start past the stored held-out results where those reach beyond --episodes
     alone = json.loads(rlpipe("eval", "--run", "cql-building", "--root", root, "--episodes", "1", "--validation",
                               "--json"))["results"][0]
     assert alone["seed_start"] == 4

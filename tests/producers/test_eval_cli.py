@@ -142,3 +142,13 @@ def test_a_held_out_count_below_the_stored_one_is_refused(tmp_path: Path) -> Non
                               "--validation", "--held-out", "2"])
     assert out.exit_code == 2 and "Traceback" not in out.output, out.output
     assert f"{offset}-{offset + 3}" in out.output and "--held-out 4" in out.output, out.output
+
+
+def test_validation_never_lands_on_the_seeds_a_longer_held_out_evaluation_plays(tmp_path: Path) -> None:
+    """4 stored held-out episodes, then a validation of 8: it skips 8 (offset+8..15), as far as the held-out
+    ``eval --episodes 8`` that reports the chosen run reaches, not 4 (offset+4..11 would be chosen on and reported
+    on both)."""
+    store, config = _value_run(tmp_path, "longer")
+    offset = config.env.eval_seed_offset
+    _seed_starts(store, "--run", "longer", "--episodes", "4")
+    assert _seed_starts(store, "--run", "longer", "--episodes", "8", "--validation") == [offset + 8]
