@@ -5,6 +5,8 @@ Each panel shows the learner's step, version and recent rewards, and one row per
 running) would keep showing its last rates as if current: its row says instead how long it has been silent.
 Once the run has ended (its learner at its step budget, or ``RunStopped``: a packed run is let go while the
 others go on) its producers stop beating for it by design, so their rows say ``done`` or ``stopped`` instead.
+A ``RunStarted`` after that (``rlpipe runs resume``, perhaps with a raised budget the launcher does not know)
+ends the end: the rows show beats and silences again until the next stop.
 
 Without a live view (``--no-dashboard``, or standard output not a terminal) the same events give one plain line
 per learner step instead (``StepLines``), so a long run is never silent between its first and last lines.
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.config import RunConfig
-from schemas.events import LearnerCheckpointed, LearnerProgress, ProducerHeartbeat, RunStopped
+from schemas.events import LearnerCheckpointed, LearnerProgress, ProducerHeartbeat, RunStarted, RunStopped
 
 # A producer beats between two rounds of its loop, so one long round delays a beat: it is shown as silent only after
 # this many of its heartbeat intervals, and never before SILENT_FLOOR_S.
@@ -41,7 +43,8 @@ class Dashboard:
     learner: LearnerCheckpointed | None = None
     rewards: deque[float] = field(default_factory=lambda: deque(maxlen=20))
     lag: int | None = None
-    stopped: RunStopped | None = None  # the run's first RunStopped
+    stopped: RunStopped | None = None  # the run's newest RunStopped, None once a RunStarted follows it
+    resumed_at_step: int | None = None  # the learner step shown when the newest RunStarted arrived
     started: float = field(default_factory=time.monotonic)
 
     def apply(self, payload: Any) -> None:
@@ -55,16 +58,23 @@ class Dashboard:
             self.learner = payload
             if "reward_mean" in payload.metrics:
                 self.rewards.append(payload.metrics["reward_mean"])
-        elif isinstance(payload, RunStopped) and self.stopped is None:
+        elif isinstance(payload, RunStopped):
             self.stopped = payload
+        elif isinstance(payload, RunStarted):  # started, or resumed after a stop
+            self.stopped = None
+            self.resumed_at_step = self.learner.step if self.learner else 0
 
     def ended(self, max_steps: int | None) -> str | None:
-        """``done`` once the learner's checkpoint (or the run's ``RunStopped``) is at ``max_steps``, ``stopped`` for a
-        run stopped before it, None while the run goes on."""
-        step = max(self.learner.step if self.learner else 0, self.stopped.final_step if self.stopped else 0)
-        if max_steps is not None and step >= max_steps:
-            return "done"
-        return "stopped" if self.stopped is not None else None
+        """While the run's newest start or stop is a ``RunStopped``: ``done`` if it (or the learner's checkpoint)
+        is at ``max_steps``, else ``stopped``.  Otherwise ``done`` once the learner's checkpoint is at
+        ``max_steps``, unless the run was started again there (its budget was raised since ``max_steps`` was
+        read); None while the run goes on."""
+        step = self.learner.step if self.learner else 0
+        if self.stopped is not None:
+            reached = max_steps is not None and max(step, self.stopped.final_step) >= max_steps
+            return "done" if reached else "stopped"
+        past_budget = self.resumed_at_step is not None and max_steps is not None and self.resumed_at_step >= max_steps
+        return "done" if max_steps is not None and step >= max_steps and not past_budget else None
 
     def render(self, run_id: str, max_steps: int | None) -> Any:
         from rich.console import Group

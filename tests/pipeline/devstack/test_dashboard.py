@@ -6,7 +6,7 @@ from rich.console import Console
 
 from pipeline.devstack import dashboard
 from schemas.config import RunConfig
-from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStopped
+from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted, RunStopped
 
 
 def _beat(producer: str, busy: float = 0.5) -> ProducerHeartbeat:
@@ -78,13 +78,15 @@ def test_a_producer_of_a_stopped_run_is_shown_stopped_not_silent() -> None:
     board.heard["run-p0"] -= 40.0
     row = _producer_rows(board, 10)["run-p0"]
     assert "stopped" in row and "silent" not in row, row
+
+
 def _progress(step: int) -> object:
     from schemas.events import LearnerProgress
 
     return LearnerProgress(step=step, version=step, positions={})
 
 
-def _checkpointed(step: int, reward: float) -> object:
+def _rewarded(step: int, reward: float) -> object:
     from schemas.events import LearnerCheckpointed
 
     return LearnerCheckpointed(step=step, version=step, path=f"runs/r/checkpoints/step-{step:06d}-a", offsets={},
@@ -105,8 +107,8 @@ def _lines(stream: list, checkpoint_every: int) -> list[str]:
 def test_without_a_live_view_each_learner_step_gets_one_line_with_its_checkpoints_reward() -> None:
     """The learner sends progress after a step (and again while it waits), then the step's checkpoint: one line per
     step, from the checkpoint, so it carries the reward; a checkpoint announced again adds none."""
-    stream = [_progress(1), _checkpointed(1, 0.25), _progress(1), _progress(2), _checkpointed(2, 0.75),
-              _checkpointed(2, 0.75), _progress(2)]
+    stream = [_progress(1), _rewarded(1, 0.25), _progress(1), _progress(2), _rewarded(2, 0.75),
+              _rewarded(2, 0.75), _progress(2)]
     lines = _lines(stream, checkpoint_every=1)
     assert len(lines) == 2, lines
     assert "step 1/4" in lines[0] and "reward 0.250 (avg of last 1" in lines[0], lines
@@ -115,7 +117,7 @@ def test_without_a_live_view_each_learner_step_gets_one_line_with_its_checkpoint
 
 
 def test_a_step_without_a_checkpoint_gets_its_line_from_the_learners_progress() -> None:
-    lines = _lines([_progress(1), _progress(1), _progress(2), _checkpointed(2, 0.5), _progress(3)],
+    lines = _lines([_progress(1), _progress(1), _progress(2), _rewarded(2, 0.5), _progress(3)],
                    checkpoint_every=2)
     assert [line.split("  ")[1] for line in lines] == ["step 1/4", "step 2/4", "step 3/4"], lines
     assert "reward - " in lines[0] and "reward 0.500" in lines[1] and "reward 0.500" in lines[2], lines
@@ -129,6 +131,44 @@ def test_a_step_line_says_how_stale_the_most_stale_producer_is() -> None:
                                  tokens_total=100, env_steps_total=8, samples_per_s=2.5, tokens_per_s=40.0,
                                  env_steps_per_s=2.5, busy_fraction=0.5, interval_s=5.0)
 
-    (line,) = _lines([_checkpointed(1, 0.0), _checkpointed(2, 0.0), beat("p0", 2), beat("p1", 0), _progress(3)],
+    (line,) = _lines([_rewarded(1, 0.0), _rewarded(2, 0.0), beat("p0", 2), beat("p1", 0), _progress(3)],
                      checkpoint_every=2)[2:]
     assert "step 3/4" in line and "producers 2 (most stale 2 behind)" in line, line
+
+
+def _started() -> RunStarted:
+    return RunStarted(config_path="runs/run/run.json", config_sha256="0" * 64, env="cartpole", base_model="tiny")
+
+
+def test_a_run_resumed_after_its_stop_shows_its_producers_silence_again() -> None:
+    """``rlpipe runs stop`` then ``rlpipe runs resume``: the ``RunStarted`` after the stop ends it, so a producer
+    that then stops beating reads silent (a hang), not stopped with its rates blanked."""
+    board = dashboard.Dashboard(silent_after_s=15.0)
+    for payload in (_beat("run-p0"), RunStopped(reason="stopped by rlpipe runs stop"), _started(), _beat("run-p0")):
+        board.apply(payload)
+    board.heard["run-p0"] -= 40.0
+    row = _producer_rows(board, 10)["run-p0"]
+    assert "silent 40s" in row and "stopped" not in row and "2.50" in row, row
+
+
+def test_a_run_resumed_past_the_launchers_step_budget_is_not_shown_done() -> None:
+    """A packed run stopped at its budget of 2, its budget raised and the run resumed while ``rlpipe run`` (whose
+    budget is still 2) is open: it goes on, so its row shows its beats; its next stop ends it again."""
+    board = dashboard.Dashboard(silent_after_s=15.0)
+    for payload in (_beat("run-p0"), _checkpointed(2), RunStopped(reason="step budget reached", final_step=2)):
+        board.apply(payload)
+    assert "done" in _producer_rows(board, 2)["run-p0"]
+    for payload in (_started(), _beat("run-p0"), _checkpointed(3)):
+        board.apply(payload)
+    row = _producer_rows(board, 2)["run-p0"]
+    assert "done" not in row and "2.50" in row and "0s ago" in row, row
+    board.apply(RunStopped(reason="step budget reached", final_step=4))
+    assert "done" in _producer_rows(board, 2)["run-p0"]
+
+
+def test_a_run_started_below_its_budget_is_done_when_its_learner_reaches_it() -> None:
+    """The launch's own ``RunStarted`` (at step 0) does not hold the budget off: only a start at or past it does."""
+    board = dashboard.Dashboard(silent_after_s=15.0)
+    for payload in (_started(), _beat("run-p0"), _checkpointed(2)):
+        board.apply(payload)
+    assert "done" in _producer_rows(board, 2)["run-p0"]
