@@ -22,12 +22,14 @@ from pipeline.analysis.runs import (
     RunActivity,
     RunSummary,
     activity_or_note,
+    api_session_state,
     delete_run,
     list_runs,
     plan_delete,
     run_exists,
     runs_there,
     summarize,
+    training_client_session,
 )
 from pipeline.cli.common import (
     EXIT_USAGE,
@@ -50,7 +52,7 @@ from pipeline.cli.common import (
 from pipeline.cli.options import ConfigOpt, PresetOpt, RunOpt, SetOpt, chosen_run, run_config
 from pipeline.devstack.stack import rlpipe_home
 from pipeline.io.store import ObjectStore
-from schemas.config import StoreConfig
+from schemas.config import BusConfig, StoreConfig
 
 app = typer.Typer(
     name="runs",
@@ -194,16 +196,12 @@ def delete_command(
     """Delete one run: its objects in the store (trajectories, adapters, checkpoints, evaluations) and its
     cached adapters and launcher folder on this machine.  Its events stay on the shared topics.
     A run the log shows running is refused: stop it first.  Without the event log (--no-bus, no broker) that
-    check is skipped, and the command says so."""
+    check is skipped, and the command says so.  A Tinker API training client's weights are refused while its
+    session is live, from the store alone (they have no events)."""
     name = chosen_run(run, None, "runs delete")
     store = _store(root, gcs_endpoint)
     _known_run(store, name)
-    activity, note = activity_or_note(None if no_bus else bus_config_from_cli(bootstrap, namespace), bus_timeout, name)
-    if activity is None:
-        err_console.print(f"not checked whether run {name} is running: {note}", markup=False)
-    elif summarize(store, name, activity.get(name), True).status == "running":
-        fail(f"run {name} is running (events in the last {ACTIVE_WITHIN_S:.0f} s); stop it first, then delete it",
-             EXIT_USAGE)
+    _refuse_running(store, name, None if no_bus else bus_config_from_cli(bootstrap, namespace), bus_timeout)
     plan = plan_delete(store, name, rlpipe_home())
     what = f"run {name}: {len(plan.store_keys)} objects under {store.url(plan.store_prefix)}" + (
         f" and {len(plan.local_paths)} local folders ({', '.join(str(p) for p in plan.local_paths)})"
@@ -213,6 +211,24 @@ def delete_command(
         return
     delete_run(store, plan)
     console.print(f"deleted {what}", markup=False)
+
+
+def _refuse_running(store: ObjectStore, name: str, bus: BusConfig | None, bus_timeout: float) -> None:
+    """Fail when ``name`` is running: a training client while its session lives (the store says), any other run
+    while the log shows events in the last ``ACTIVE_WITHIN_S`` (not checked, and said so, without the log)."""
+    session = training_client_session(name)
+    session_state = api_session_state(store, session) if session else None
+    if session_state is not None:
+        if session_state[0] == "running":
+            fail(f"run {name} holds the weights of Tinker API session {session}'s training client, and the session "
+                 f"is live; end it first (rlpipe sessions end {session}), then delete them", EXIT_USAGE)
+        return
+    activity, note = activity_or_note(bus, bus_timeout, name)
+    if activity is None:
+        err_console.print(f"not checked whether run {name} is running: {note}", markup=False)
+    elif summarize(store, name, activity.get(name), True).status == "running":
+        fail(f"run {name} is running (events in the last {ACTIVE_WITHIN_S:.0f} s); stop it first, then delete it",
+             EXIT_USAGE)
 
 
 @app.command("create", epilog="Example: rlpipe runs create --preset cartpole --run exp-1  (taken up by "

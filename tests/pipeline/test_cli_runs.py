@@ -649,3 +649,27 @@ def test_a_tinker_training_client_shows_its_sessions_state(file_store: ObjectSto
     assert live["status"] == "running" and lapsed["status"] == "idle"
     shown = runner.invoke(app, ["show", "--run", "sess-00000001.train.0", *_where(file_store)])
     assert "ended (finished: success)" in shown.output, shown.output
+
+
+def test_a_live_tinker_sessions_training_client_is_not_deleted_even_without_the_log(
+    file_store: ObjectStore, tmp_path: Path
+) -> None:
+    """Its status is its session's, read from the store alone: with --no-bus too, delete refuses a live session's
+    client and names the command that ends the session (it has no events, and ``runs stop`` does not apply);
+    once the session ended, the weights are deleted without a note about the unread log."""
+    import time
+
+    from pipeline.api.lifecycle import heartbeat_key, record_end
+
+    make_adapter(tmp_path / "adapter", marker=1)
+    AdapterRegistry(file_store, "sess-00000004.train.0").publish(tmp_path / "adapter", "tiny", 0, 1, {})
+    file_store.put("sessions/sess-00000004/session.json", json.dumps({"tenant": "t", "created_at": time.time()}).encode())
+    file_store.put(heartbeat_key("sess-00000004"), json.dumps({"time": time.time()}).encode())
+    refused = runner.invoke(app, ["delete", "--run", "sess-00000004.train.0", *_where(file_store), "--yes"])
+    assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1, refused.output
+    assert "rlpipe sessions end sess-00000004" in refused.output and "stop it" not in refused.output, refused.output
+    assert AdapterRegistry(file_store, "sess-00000004.train.0").versions() == [1]
+    record_end(file_store, "sess-00000004", "finished: success")
+    deleted = runner.invoke(app, ["delete", "--run", "sess-00000004.train.0", *_where(file_store), "--yes"])
+    assert deleted.exit_code == 0 and "not checked" not in deleted.output, deleted.output
+    assert not file_store.list("runs/sess-00000004.train.0", recursive=True)
