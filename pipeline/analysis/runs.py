@@ -315,23 +315,20 @@ def training_client_session(run_id: str) -> str | None:
 
 def api_session_state(store: ObjectStore, session_id: str, now_s: float | None = None
                       ) -> tuple[str, str | None] | None:
-    """A training client's status from its session: (``ended``, why) once the session ended (finished, ended by an
-    operator, or a day without a heartbeat), (``idle``, None) while it has lapsed (no heartbeat for
-    ``SESSION_TIMEOUT_S``), (``running``, None) while it beats; None when the store holds no such session."""
-    from pipeline.api.lifecycle import heartbeat_time, session_end
-    from schemas.api import SESSION_TIMEOUT_S, session_path
+    """A training client's status from its session's state (``pipeline.api.lifecycle.session_state``, the one
+    ``rlpipe sessions`` shows): (``ended``, why) once the session ended (finished, ended by an operator, or a day
+    without a heartbeat), (``idle``, None) while it has lapsed, (``running``, None) while it lives; None when the
+    store holds no such session."""
+    from pipeline.api.lifecycle import session_state
+    from schemas.api import session_path
 
     try:
         if not store.exists(f"{session_path(session_id)}/session.json"):
             return None
     except ValueError:  # not a name a session can have: no session's client
         return None
-    now_s = time.time() if now_s is None else now_s
-    end = session_end(store, session_id, now_s, record=False)  # a reader: an expiry seen here is not recorded
-    if end is not None:
-        return "ended", end[0]
-    beat_at = heartbeat_time(store, session_id)
-    return ("idle", None) if beat_at is None or now_s - beat_at > SESSION_TIMEOUT_S else ("running", None)
+    state, end = session_state(store, session_id, now_s)
+    return {"ended": "ended", "lapsed": "idle", "live": "running"}[state], end
 
 
 def with_recorded_membership(store: ObjectStore, run_id: str,

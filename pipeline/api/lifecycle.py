@@ -69,7 +69,7 @@ from pipeline.api.checkpoints import UNNAMED_VERSIONS, base_model_of, clients_in
 from pipeline.api.samplers import VERSION_USERS
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
 from pipeline.io.store import ObjectStore
-from schemas.api import model_id_for, model_run_name, session_path
+from schemas.api import SESSION_TIMEOUT_S, model_id_for, model_run_name, session_path
 
 log = logging.getLogger("rlpipe.api.lifecycle")
 SESSION_EXPIRY_S = 86400.0  # a session with no heartbeat for a day has ended
@@ -147,6 +147,19 @@ def session_end(store: ObjectStore, session_id: str, now: float | None = None,
     since = datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M UTC")
     end = f"expired: no heartbeat since {since}", at + expiry_s
     return record_end(store, session_id, *end) if record else end
+
+
+def session_state(store: ObjectStore, session_id: str, now: float | None = None) -> tuple[str, str | None]:
+    """What the readers (``rlpipe sessions``, ``rlpipe runs``) call a session: (``ended``, why) once it ended,
+    (``lapsed``, None) after ``SESSION_TIMEOUT_S`` without a heartbeat (the trainers unload it until its next call),
+    else (``live``, None).  A session with no heartbeat yet is live, as the trainers take it: nothing to lapse from.
+    An expiry seen here is not recorded."""
+    now = time.time() if now is None else now
+    end = session_end(store, session_id, now, record=False)
+    if end is not None:
+        return "ended", end[0]
+    beat_at = heartbeat_time(store, session_id)
+    return ("lapsed" if beat_at is not None and now - beat_at > SESSION_TIMEOUT_S else "live"), None
 
 
 def _recorded_end(store: ObjectStore, session_id: str) -> tuple[str, float] | None:

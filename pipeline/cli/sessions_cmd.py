@@ -27,7 +27,7 @@ from pipeline.api.lifecycle import (
     free_session_files,
     heartbeat_time,
     record_end,
-    session_end,
+    session_state,
 )
 from pipeline.cli.common import (
     JsonOpt,
@@ -41,7 +41,6 @@ from pipeline.cli.common import (
 )
 from pipeline.cli.options import SetOpt, run_config
 from pipeline.io.store import ObjectStore
-from schemas.api import SESSION_TIMEOUT_S
 
 app = typer.Typer(name="sessions", help="The Tinker-compatible API's sessions.", no_args_is_help=True,
                   add_completion=False)
@@ -54,14 +53,12 @@ def session_summary(store: ObjectStore, session_id: str) -> dict[str, Any]:
     beat_at = heartbeat_time(store, session_id)
     requests = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/requests")}
     results = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/results")}
-    end = session_end(store, session_id, record=False)  # finished, or a day without a heartbeat
-    lapsed = beat_at is not None and time.time() - beat_at > SESSION_TIMEOUT_S  # engines unload it until its next call
-    state = "ended" if end else "lapsed" if lapsed else "live"
+    state, end = session_state(store, session_id)
     models = [json.loads(store.get(key)) for key in store.list(f"{prefix}/models")
               if key.endswith(".json") and not key.endswith(".fold.json")]
     return {
         "session_id": session_id, "tenant": record["tenant"], "created_at": record["created_at"],
-        "state": state, "ended": end is not None, "end": end[0] if end else None,
+        "state": state, "ended": end is not None, "end": end,
         "last_heartbeat_s_ago": round(time.time() - beat_at, 1) if beat_at is not None else None,
         "models": [{"model_id": m["model_id"], "base_model": m["base_model"], "lora_rank": m["lora_rank"]}
                    for m in models],

@@ -673,3 +673,21 @@ def test_a_live_tinker_sessions_training_client_is_not_deleted_even_without_the_
     deleted = runner.invoke(app, ["delete", "--run", "sess-00000004.train.0", *_where(file_store), "--yes"])
     assert deleted.exit_code == 0 and "not checked" not in deleted.output, deleted.output
     assert not file_store.list("runs/sess-00000004.train.0", recursive=True)
+
+
+def test_runs_list_and_sessions_list_agree_on_a_session_without_a_heartbeat_yet(
+    file_store: ObjectStore, tmp_path: Path
+) -> None:
+    """A session just created has no heartbeat to lapse from (the trainers keep it loaded): ``sessions list`` says
+    ``live``, and ``runs list`` shows its training client ``running``, not ``idle``."""
+    import time
+
+    from pipeline.cli.main import app as main_app
+
+    make_adapter(tmp_path / "adapter", marker=1)
+    AdapterRegistry(file_store, "sess-00000005.train.0").publish(tmp_path / "adapter", "tiny", 0, 1, {})
+    file_store.put("sessions/sess-00000005/session.json", json.dumps({"tenant": "t", "created_at": time.time()}).encode())
+    sessions = runner.invoke(main_app, ["sessions", "list", "--json", "--set", f"store.root={file_store.root}"])
+    assert [s["state"] for s in json.loads(sessions.stdout)] == ["live"], sessions.output
+    runs = json.loads(runner.invoke(app, ["list", *_where(file_store), "--json"]).stdout)["runs"]
+    assert [r["status"] for r in runs if r["run_id"] == "sess-00000005.train.0"] == ["running"], runs
