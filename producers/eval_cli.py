@@ -69,8 +69,8 @@ def eval(
         "choose between runs without touching those; never stored for the report."))] = False,
     held_out: Annotated[int | None, typer.Option(min=1, max=100_000, help=(
         "With --validation: how many held-out episodes to leave alone (default: --episodes, or further if the "
-        "run's stored results reach further; fewer than they reach is refused). Give runs you compare the same "
-        "--held-out, so they are validated on the same seeds."))] = None,
+        "run's stored results reach further, refused while one of them cannot be read; fewer than they reach is "
+        "refused). Give runs you compare the same --held-out, so they are validated on the same seeds."))] = None,
     save: Annotated[bool | None, typer.Option(help=(
         "Store the result under runs/RUN/eval/ for the report (default: yes, except with --validation)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -169,7 +169,8 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
     """How many held-out episodes ``--validation`` leaves alone before its own: ``--held-out``, else the larger of
     ``--episodes`` (what a later ``eval --episodes N`` plays) and how far the run's stored held-out results reach:
     either short of the other would validate on seeds that are reported on.  A ``--held-out`` short of the stored
-    results is refused: its validation episodes would replay their seeds.  The default differs between runs with
+    results is refused: its validation episodes would replay their seeds; so is the default while a stored result
+    cannot be read (how far it reaches is unknown).  The default differs between runs with
     different stored results, so runs compared on validation need one shared ``--held-out``."""
     from pipeline.analysis.runs import read_evals
     from producers.evaluation import held_out_played
@@ -181,8 +182,13 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
     else:
         first = config.env.eval_seed_offset
     stored, unreadable = read_evals(store, config.run_id)
-    for why in unreadable:  # its seeds are unknown: a validation may replay some of them
-        err_console.print(f"note: a stored result left out of the held-out count: {why}", style="yellow", markup=False)
+    if unreadable and held_out is None:  # its seeds are unknown: a validation may replay some of them
+        fail(f"{unreadable[0]}: the held-out seeds that stored result played are unknown, so validation episodes "
+             f"might replay them; delete it from {store.root}, or pass --held-out past every held-out seed "
+             f"evaluated", 2)
+    for why in unreadable:
+        err_console.print(f"note: a stored result not checked against --held-out: {why}", style="yellow",
+                          markup=False)
     played = held_out_played(stored, config.env.name, first)
     if held_out is None:
         return max(played, episodes)

@@ -152,3 +152,17 @@ def test_validation_never_lands_on_the_seeds_a_longer_held_out_evaluation_plays(
     offset = config.env.eval_seed_offset
     _seed_starts(store, "--run", "longer", "--episodes", "4")
     assert _seed_starts(store, "--run", "longer", "--episodes", "8", "--validation") == [offset + 8]
+
+
+def test_a_validation_is_refused_while_a_stored_result_cannot_be_read(tmp_path: Path) -> None:
+    """The seeds a damaged stored result played are unknown, so a default validation might replay them: refused
+    in one line naming its key and the two ways on; an explicit --held-out is the operator's answer."""
+    store, config = _value_run(tmp_path, "damaged")
+    store.put("runs/damaged/eval/v000001-adapter.json", b"{not json")
+    out = runner.invoke(app, ["eval", "--run", "damaged", "--root", store.url(""), "--version", "0", "--episodes", "2",
+                              "--validation"])
+    assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1, out.output
+    assert "runs/damaged/eval/v000001-adapter.json" in out.output, out.output
+    assert "delete it" in out.output and "--held-out" in out.output, out.output
+    offset = config.env.eval_seed_offset
+    assert _seed_starts(store, "--run", "damaged", "--episodes", "2", "--validation", "--held-out", "8") == [offset + 8]
