@@ -173,7 +173,7 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
     cannot be read (how far it reaches is unknown).  The default differs between runs with
     different stored results, so runs compared on validation need one shared ``--held-out``."""
     from pipeline.analysis.runs import read_evals
-    from producers.evaluation import held_out_played
+    from producers.evaluation import held_out_played, held_out_ranges
 
     if building:
         from producers.offline.policy_eval import first_held_out_day
@@ -194,8 +194,9 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
         return max(played, episodes)
     if held_out < played:
         unit = "days" if building else "seeds"
-        fail(f"run {config.run_id!r} has stored held-out results on {unit} {first}-{first + played - 1}: "
-             f"--held-out {played} or more keeps the validation episodes off them (or leave --held-out out)", 2)
+        ranges = " and ".join(f"{low}-{high}" for low, high in held_out_ranges(stored, config.env.name, first))
+        fail(f"run {config.run_id!r} has stored held-out results on {unit} {ranges}: --held-out {played} or more "
+             f"keeps the validation episodes off them (or leave --held-out out)", 2)
     return held_out
 
 

@@ -150,12 +150,27 @@ def save_result(store: ObjectStore, result: EvalResult) -> str:
     return key
 
 
+def held_out_ranges(results: list[EvalResult], env: str, first_seed: int) -> list[tuple[int, int]]:
+    """The seeds of ``env`` from ``first_seed`` on that stored results played, as (first, last) ranges, ascending,
+    overlapping and adjacent ones merged: a result that starts before ``first_seed`` counts from it, and the gaps
+    between results (one stored with a raised ``env.eval_seed_offset``) stay gaps."""
+    spans = sorted((max(r.seed_start, first_seed), r.seed_start + r.episodes - 1)
+                   for r in results if r.env == env and r.seed_start + r.episodes > first_seed)
+    merged: list[tuple[int, int]] = []
+    for low, high in spans:
+        if merged and low <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], high))
+        else:
+            merged.append((low, high))
+    return merged
+
+
 def held_out_played(results: list[EvalResult], env: str, first_seed: int) -> int:
     """How far into the held-out seeds of ``env`` (from ``first_seed`` on) stored results reach: one past the last
     seed any of them played, counted from ``first_seed`` (0: none).  ``rlpipe eval --validation`` plays after it,
     so no validation episode repeats a seed a stored held-out result played."""
-    ends = [r.seed_start + r.episodes for r in results if r.env == env and r.seed_start >= first_seed]
-    return max(ends, default=first_seed) - first_seed
+    ranges = held_out_ranges(results, env, first_seed)
+    return ranges[-1][1] + 1 - first_seed if ranges else 0
 
 
 def baseline_result(config: RunConfig, policy: str, episodes: int) -> EvalResult:

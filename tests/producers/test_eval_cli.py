@@ -166,3 +166,21 @@ def test_a_validation_is_refused_while_a_stored_result_cannot_be_read(tmp_path: 
     assert "delete it" in out.output and "--held-out" in out.output, out.output
     offset = config.env.eval_seed_offset
     assert _seed_starts(store, "--run", "damaged", "--episodes", "2", "--validation", "--held-out", "8") == [offset + 8]
+
+
+def test_the_refusal_of_a_short_held_out_count_names_the_seeds_stored_results_played(tmp_path: Path) -> None:
+    """Stored results on offset+0..3 and offset+10..11 (one stored with a raised offset): the refusal names those
+    two ranges, not offset+0..11 as if the gap had been played, and the --held-out that clears them (12)."""
+    from producers.evaluation import save_result
+
+    store, config = _value_run(tmp_path, "gaps")
+    offset = config.env.eval_seed_offset
+    for start, episodes in ((offset, 4), (offset + 10, 2)):
+        save_result(store, EvalResult.from_episodes(run_id="gaps", env=config.env.name, version=start - offset,
+                                                    seed_start=start, returns=[0.0] * episodes,
+                                                    successes=[False] * episodes, policy="random"))
+    out = runner.invoke(app, ["eval", "--run", "gaps", "--root", store.url(""), "--version", "0", "--episodes", "2",
+                              "--validation", "--held-out", "5"])
+    assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1, out.output
+    assert f"{offset}-{offset + 3} and {offset + 10}-{offset + 11}" in out.output, out.output
+    assert "--held-out 12" in out.output, out.output

@@ -173,3 +173,31 @@ def test_a_held_out_seed_that_wrote_no_episode_is_refused_not_shifted(tmp_path: 
     first = config.env.eval_seed_offset
     with pytest.raises(ValueError, match=rf"2 of 3 held-out episodes.*seed {first + 1}\b"):
         evaluate_version(config, store, tiny_model_dir, version=0, episodes=3, sampler=sampler)
+
+
+def _stored(seed_start: int, episodes: int, env: str = "cartpole"):
+    from schemas.evaluation import EvalResult
+
+    return EvalResult.from_episodes(run_id="ev", env=env, version=1, seed_start=seed_start,
+                                    returns=[1.0] * episodes, successes=[True] * episodes)
+
+
+def test_the_held_out_reach_counts_a_result_that_starts_before_the_first_seed() -> None:
+    """Seeds 98..103 run 4 seeds into the held-out ones from 100: 100..103 were played, so the reach is 4; a result
+    of another environment counts for nothing."""
+    from producers.evaluation import held_out_played, held_out_ranges
+
+    results = [_stored(98, 6), _stored(100, 10, env="sokoban")]
+    assert held_out_ranges(results, "cartpole", 100) == [(100, 103)]
+    assert held_out_played(results, "cartpole", 100) == 4
+    assert held_out_played([_stored(90, 10)], "cartpole", 100) == 0  # 90..99: all before the first seed
+
+
+def test_the_held_out_ranges_are_the_seeds_played_with_their_gaps() -> None:
+    """100..103, 102..105 and 110..111 (a result stored with a raised offset): two ranges, 100..105 and 110..111,
+    and the reach is one past the last seed played, 112 - 100 = 12."""
+    from producers.evaluation import held_out_played, held_out_ranges
+
+    results = [_stored(110, 2), _stored(100, 4), _stored(102, 4)]
+    assert held_out_ranges(results, "cartpole", 100) == [(100, 105), (110, 111)]
+    assert held_out_played(results, "cartpole", 100) == 12
