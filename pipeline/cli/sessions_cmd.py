@@ -27,6 +27,7 @@ from pipeline.api.lifecycle import (
     free_session_files,
     heartbeat_time,
     record_end,
+    session_end,
     session_state,
 )
 from pipeline.cli.common import (
