@@ -26,15 +26,17 @@ back polls the served runs' consumers while its own start waits for the broker (
 A batch dead-lettered in a run's turn has its letter sent the same way: the run passes its turns, reading nothing
 past the batch, until the broker takes it (``Learner.quarantine``).  A run that reaches its end in the round-robin (``max_steps``, or its replay ran dry) settles the same way: once its
 last step's writes are taken its final version and checkpoint are handed to its writer, and it passes its turns until
-they and their offsets are taken (``PackedLearner.settle_in_turn``).  A run leaving (``remove``) or stopped
-(``finish_all``) writes its final checkpoint and waits for the broker to take it, holding the others: that happens
-between rounds and at the end.
+they and their offsets are taken (``PackedLearner.settle_in_turn``).  A run asked to leave (``leave``) settles the
+same way, training what it has waiting in its turn first, and is taken out once settled.  A stop (``finish_all``)
+writes the final checkpoint of every run not settled yet, one leaving too, and waits for the broker to take it,
+holding the others: that happens at the end.
 
-Membership: runs may join and leave between two rounds (``add``, ``remove``),
+Membership: runs may join between two rounds and be asked to leave there (``add``, ``leave``),
 e.g. as ``RunStarted`` and ``RunStopped`` arrive on the control topic
 (``pipeline.membership``, ``rlpipe learner start --follow-runs PATTERN``); a
 leaving run trains what it has waiting and writes its checkpoint first, as on a
-stop, and its adapter is deleted from the engine.  The others never restart.
+stop, in its turns while the others train, and once the broker took them its adapter is deleted from the engine
+and its leaving is reported (``on_left``).  The others never restart.
 
 Failures: a run whose turn raises (its lease taken by another learner, its
 store failing, a step that cannot run) is dropped, as a single-run learner
@@ -87,12 +89,22 @@ class PackedRun:
     learner: Learner
     rng: tuple[Any, Any] = field(default_factory=lambda: (np.random.get_state(), random.getstate()))
     ending: bool = False  # finished in its turn: settled in its next turns, while the others train
+    on_left: Callable[[Learner], None] | None = None  # asked to leave (``PackedLearner.leave``): told once it left
     final_handed_over: bool = False  # its final version and checkpoint (if it needed them) are with its writer
     settled: bool = False  # finished, its final checkpoint written and committed: nothing more to train or write
     writes: RunWrites = field(init=False)  # its last step's writes, as its turns see them
 
     def __post_init__(self) -> None:
         self.writes = RunWrites(self.learner)
+
+    @property
+    def leaving(self) -> bool:
+        """Asked to leave: it trains nothing new, and is taken out once settled."""
+        return self.on_left is not None
+
+    def settling(self) -> bool:
+        """Finished in its turn or asked to leave, and not settled yet: its next turns settle it."""
+        return (self.ending or self.leaving) and not self.settled
 
     def finished(self) -> bool:
         """At ``max_steps``, or a finite source (replay) that has nothing more to give and no rows left to train
@@ -182,16 +194,28 @@ class PackedLearner:
             with contextlib.suppress(BusError):
                 run.writes.keep_alive()
 
-    def remove(self, run_id: str, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> Learner:
-        """Let ``run_id`` go: train what it has waiting, write its checkpoint (as on a stop), delete its adapter."""
+    def leave(self, run_id: str, on_left: Callable[[Learner], None]) -> None:
+        """Let ``run_id`` go without holding the others: from now on it reads nothing new, and its turns train what
+        it has waiting and write its final checkpoint (as on a stop), passing while the broker has not taken its
+        writes and commit (``settle_in_turn``); once settled it is taken out (``let_go``) and ``on_left`` is called
+        with its learner.  A run already settled is taken out now; a run asked again still leaves once (its first
+        ``on_left``).  A stop settles a run still leaving, waiting for the broker, and then lets it go
+        (``run``'s return, ``finish_all``)."""
         run = next((run for run in self.runs if run.run_id == run_id), None)
         if run is None:
             raise KeyError(f"run {run_id} is not packed here")
-        if not run.settled:
-            self.settle(run, on_step)
+        if run.on_left is None:
+            run.on_left = on_left
+        if run.settled:
+            self.let_go(run)
+
+    def let_go(self, run: PackedRun) -> None:
+        """Take ``run``, asked to leave and settled, out: its reader closed, its adapter deleted; tell ``on_left``."""
+        assert run.on_left is not None and run.settled
+        run.learner.reader.close()
         self.runs.remove(run)
-        self.engine.delete_adapter(run_id)
-        return run.learner
+        self.engine.delete_adapter(run.run_id)
+        run.on_left(run.learner)
 
     def drop(self, run: PackedRun) -> None:
         """Let ``run`` go at once, as a learner that stopped on an error: its writes under way end (or fail), its
@@ -213,14 +237,15 @@ class PackedLearner:
         A waiting run polls for ``poll_timeout_s`` divided among the runs still
         going, so one full round waits about ``poll_timeout_s`` when none has rows; while another run has
         batches delivered and not yet ingested, it polls without waiting.
-        ``between_rounds`` (runs joining and leaving) is called before every round;
+        ``between_rounds`` (runs joining, and asked to leave) is called before every round;
         while ``until_stopped`` (or what it returns) is true the loop also goes on while no run is going,
         waiting for one to join, and no run counts as going alone (``passes``).
-        A run that finishes hands its final checkpoint to its writer as soon as its last step's writes are
-        taken, and passes its turns until that checkpoint and its offsets are (``settle_in_turn``), so its end is
-        durable and announced while the others train, and a broker refusing it holds none of them.  A run's
-        publish and checkpoint are written while the next runs take their turns; every run's writes, and the
-        final checkpoint of every run that finished, are done when this returns.
+        A run that finishes, or is asked to leave, hands its final checkpoint to its writer as soon as its last
+        step's writes are taken, and passes its turns until that checkpoint and its offsets are (``settle_in_turn``),
+        so its end is durable and announced while the others train, and a broker refusing it holds none of them; a
+        run leaving is let go then.  A run's publish and checkpoint are written while the next runs take their
+        turns; every run's writes, and the final checkpoint of every run that finished or was leaving, are done
+        when this returns, and the runs leaving are let go.
         With ``on_failure``, a run whose turn raises (its lease taken, its store failing, a step that cannot
         run) or whose last writes fail is dropped (``drop``) and reported, and the others go on; without, the
         error ends the loop.
@@ -234,10 +259,12 @@ class PackedLearner:
             raise
         for run in list(self.runs):
             try:
-                if run.ending and not run.settled:
+                if run.settling():
                     self.settle(run, on_step)
                 else:
                     run.writes.finish()
+                if run.leaving:
+                    self.let_go(run)
             except Exception as exc:
                 self._failed(run, exc, on_failure)
 
@@ -247,14 +274,14 @@ class PackedLearner:
         while not should_stop():
             if between_rounds is not None:
                 between_rounds(self)
-            ending = self._turns_of_ending(on_failure)
-            going = [run for run in self.runs if not run.finished()]
+            settling = self._settling_turns(on_step, on_failure)
+            going = [run for run in self.runs if not (run.finished() or run.leaving)]
             awaiting = until_stopped() if callable(until_stopped) else until_stopped  # runs to join or come back
             if not going and not awaiting:
-                return  # (``run`` waits for the runs still ending)
+                return  # (``run`` waits for the runs still settling)
             if not going:
-                if ending:
-                    wait_for_writes([writer for run in ending for writer in writers_of(run.learner)], should_stop)
+                if settling:
+                    wait_for_writes([writer for run in settling for writer in writers_of(run.learner)], should_stop)
                 else:
                     time.sleep(poll_timeout_s)
                 continue
@@ -274,11 +301,11 @@ class PackedLearner:
                             on_step(run.run_id, metrics)
                     if run.finished():
                         run.ending = True
-                        self.settle_in_turn(run)
+                        self.settle_in_turn(run, on_step)
                 except Exception as exc:
                     self._failed(run, exc, on_failure)
             if passed and len(passed) == len(going):  # every run's writes wait: not a loop that spins
-                wait_for_writes([writer for run in passed + ending for writer in writers_of(run.learner)],
+                wait_for_writes([writer for run in passed + settling for writer in writers_of(run.learner)],
                                 should_stop)
 
     @staticmethod
@@ -293,39 +320,48 @@ class PackedLearner:
             return False
         return run.writes.waiting(lone=lone)
 
-    def settle_in_turn(self, run: PackedRun) -> None:
-        """A turn of ``run``, which finished in the round-robin; never waits.  While its writes are not all taken
-        (``RunWrites.waiting``: its last step's, then its final ones) it passes, its state untouched; once its last
-        step's are, its final version and checkpoint (``service.finish``'s) are handed to its writer
-        (``service.hand_over_final_writes``), in a learner's order; once those and their offsets are taken it is
-        ``settled``.  So a slow store, or a broker refusing its events or its commit, holds only this run."""
+    def settle_in_turn(self, run: PackedRun,
+                       on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
+        """A turn of ``run``, which finished in the round-robin or is leaving; never waits.  While its writes are
+        not all taken (``RunWrites.waiting``: its last step's, then its final ones) it passes, its state untouched;
+        once its last step's are, a run leaving with rows waiting trains them in one step (as ``service.finish``
+        does on a stop), its writes going on beside the others' turns; then its final version and checkpoint
+        (``service.finish``'s) are handed to its writer (``service.hand_over_final_writes``), in a learner's
+        order; once those and their offsets are taken it is ``settled``.  So a slow store, or a broker refusing its
+        events or its commit, holds only this run."""
         if run.writes.waiting():
             return
         if not run.final_handed_over:
             with self.turn(run) as learner:
                 learner.reader.close()  # (batches read ahead for turns it will not take)
+                if learner.work_waiting():
+                    on_step(run.run_id, step_beside(learner))
+                    return
                 handed = hand_over_final_writes(learner)
             run.final_handed_over = True
             if handed:
                 return
         run.settled = True
 
-    def _turns_of_ending(self, on_failure: Callable[[str, Exception], None] | None) -> list[PackedRun]:
-        """A turn of each run that finished in the round-robin and is not settled yet (``settle_in_turn``); the
-        runs still settling after it."""
-        for run in [run for run in self.runs if run.ending and not run.settled]:
+    def _settling_turns(self, on_step: Callable[[str, dict], None],
+                        on_failure: Callable[[str, Exception], None] | None) -> list[PackedRun]:
+        """A turn of each run that finished in the round-robin or is leaving, and is not settled yet
+        (``settle_in_turn``); a run leaving that is settled then is let go.  The runs still settling after it."""
+        for run in [run for run in self.runs if run.settling()]:
             try:
-                self.settle_in_turn(run)
+                self.settle_in_turn(run, on_step)
+                if run.leaving and run.settled:
+                    self.let_go(run)
             except Exception as exc:
                 self._failed(run, exc, on_failure)
-        return [run for run in self.runs if run.ending and not run.settled]
+        return [run for run in self.runs if run.settling()]
 
     def settle(self, run: PackedRun, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None) -> None:
-        """``run`` is finished, leaves (``remove``) or stops (``finish_all``): train what it has waiting, write its
-        final checkpoint and wait for its writes, and for the broker to take them and its commit.  This one waits,
-        holding every run: leaving and stopping happen between rounds and at the end, and only a run's end in the
-        round-robin is settled in its turns (``settle_in_turn``).  A run whose turns already handed its final
-        writes over only waits for them."""
+        """``run`` is stopped (``finish_all``, or the loop's return while it still settles): train what it has
+        waiting, write its final checkpoint and wait for its writes, and for the broker to take them and its commit.
+        This one waits, holding every run: a stop happens at the end, and a run's end in the round-robin or its
+        leaving is settled in its turns (``settle_in_turn``).  A run whose turns already handed its final writes
+        over only waits for them."""
         run.writes.finish()  # a commit it owes first, in its order
         if not run.final_handed_over:
             with self.turn(run) as learner:
@@ -335,13 +371,15 @@ class PackedLearner:
 
     def finish_all(self, on_step: Callable[[str, dict], None] = lambda run_id, metrics: None,
                    on_failure: Callable[[str, Exception], None] | None = None) -> None:
-        """On a stop: every run not yet settled trains what it has waiting and writes its final checkpoint (with
-        ``on_failure``, a run that fails to is dropped and reported, and the others still settle)."""
+        """On a stop: every run not yet settled trains what it has waiting and writes its final checkpoint, and a
+        run asked to leave is let go then (with ``on_failure``, a run that fails to is dropped and reported, and the
+        others still settle)."""
         for run in list(self.runs):
-            if run.settled:
-                continue
             try:
-                self.settle(run, on_step)
+                if not run.settled:
+                    self.settle(run, on_step)
+                if run.leaving:
+                    self.let_go(run)
             except Exception as exc:
                 self._failed(run, exc, on_failure)
 
@@ -354,6 +392,15 @@ class PackedLearner:
                   error)
         self.drop(run)
         on_failure(run.run_id, error)
+
+
+def step_beside(learner: Learner) -> dict:
+    """``learner.step()`` with its writes left going when it returns, as in its own loop's steps (``Learner.run``)."""
+    was_pipelined, learner.pipelined = learner.pipelined, True
+    try:
+        return learner.step()  # (an error drops the run: ``PackedLearner.drop`` lets its writes under way end)
+    finally:
+        learner.pipelined = was_pipelined
 
 
 def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:

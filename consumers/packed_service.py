@@ -75,6 +75,8 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
     learners: dict[str, Learner] = {}
     configs_of: dict[str, RunConfig] = {}
     comebacks = Comebacks()
+    leaving: set[str] = set()  # runs asked to leave, settling in their turns
+    rejoining: dict[str, RunConfig] = {}  # runs started again while still leaving: they join once they left
     membership: RunMembership | None = None
     runs_health = PackedRunsHealth(health, "rlpipe_learner")
 
@@ -132,7 +134,23 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
 
         def failed(run_id: str, error: Exception) -> None:
             close_run(run_id)
-            comebacks.failed(configs_of[run_id], error, again=not isinstance(error, LeaseLostError))
+            if run_id in leaving:  # stopped: it stays so, as any failure the others go on
+                leaving.discard(run_id)
+                log.error("run %s failed while leaving (%s: %s); it resumes from its newest checkpoint when served "
+                          "again", run_id, type(error).__name__, error)
+            else:
+                comebacks.failed(configs_of[run_id], error, again=not isinstance(error, LeaseLostError))
+            note_runs()
+
+        def left(learner: Learner) -> None:
+            """``learner``'s run left: its final checkpoint written, taken by the broker and committed."""
+            leaving.discard(learner.run_id)
+            try:
+                learner.announce(LearnerLeft(step=learner.state.step, version=learner.state.version))
+            except Exception as exc:  # its checkpoint is written: the announcement only informs
+                log.warning("run %s left, but its LearnerLeft was not announced (%s)", learner.run_id, exc)
+            close_run(learner.run_id)
+            log.info("run %s left at step %d, version %d", learner.run_id, learner.state.step, learner.state.version)
             note_runs()
 
         def joined(config: RunConfig) -> Exception | None:
@@ -148,32 +166,28 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                 error = joined(config)
                 if error is not None:
                     failed(config.run_id, error)
+            for run_id in [run_id for run_id in rejoining if run_id not in leaving]:  # they have left
+                joined(rejoining.pop(run_id))
             note_runs()
-            serving = {run.run_id for run in packed.runs}
-            for change in membership.changes(serving | set(comebacks.waiting)):
+            serving = {run.run_id for run in packed.runs if run.run_id not in leaving}
+            for change in membership.changes(serving | set(comebacks.waiting) | set(rejoining)):
                 if isinstance(change, Joined):
-                    joined(change.config)
+                    if change.config.run_id in leaving:
+                        rejoining[change.config.run_id] = change.config
+                        log.info("run %s started again while leaving; it joins once it has left", change.config.run_id)
+                    else:
+                        joined(change.config)
+                elif change.run_id in rejoining:
+                    del rejoining[change.run_id]
+                    log.info("run %s stopped again while leaving; it stays stopped", change.run_id)
                 elif change.run_id not in serving:  # stopped while waiting to come back
                     comebacks.forget(change.run_id)
                     log.info("run %s stopped while waiting to come back; it stays stopped", change.run_id)
-                else:
-                    try:
-                        learner = packed.remove(change.run_id, after_step)
-                    except Exception as exc:  # its last step or checkpoint failed: as any failure, the others go on
-                        run = next((run for run in packed.runs if run.run_id == change.run_id), None)
-                        if run is not None:
-                            packed.drop(run)
-                        close_run(change.run_id)
-                        log.error("run %s failed while leaving (%s: %s); it resumes from its newest checkpoint "
-                                  "when served again", change.run_id, type(exc).__name__, exc)
-                        continue
-                    try:
-                        learner.announce(LearnerLeft(step=learner.state.step, version=learner.state.version))
-                    except Exception as exc:  # its checkpoint is written: the announcement only informs
-                        log.warning("run %s left, but its LearnerLeft was not announced (%s)", change.run_id, exc)
-                    close_run(change.run_id)
-                    log.info("run %s left at step %d, version %d", learner.run_id, learner.state.step,
-                             learner.state.version)
+                else:  # it settles in its turns while the others train, and ``left`` follows once it is settled
+                    log.info("run %s leaves: it trains what it has waiting and writes its final checkpoint in its "
+                             "turns", change.run_id)
+                    leaving.add(change.run_id)
+                    packed.leave(change.run_id, left)
             note_runs()
 
         def close_run(run_id: str) -> None:

@@ -5,7 +5,8 @@ the runs it was started with, every run announced afterwards by ``RunStarted``
 (``rlpipe runs create``) whose id matches the glob ``PATTERN`` and whose
 configuration can share the process's engine; a served run's ``RunStopped``
 (``rlpipe runs stop``) makes it leave.  The others go on meanwhile: a run joins
-or leaves between two turns of the packed loop.
+or is asked to leave between two turns of the packed loop (a learner run then
+settles in its own turns before it is let go, ``consumers.packed.PackedLearner.leave``).
 
 A joining run's configuration is its stored one (``run.json`` and the changes
 recorded since, as ``rlpipe run --resume`` reads it) placed on the process's own

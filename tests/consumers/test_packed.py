@@ -121,8 +121,8 @@ def test_resume_joins_every_runs_group_in_turns_before_any_run_trains():
 
 
 def test_runs_join_and_leave_a_packed_learner_between_rounds(batches, setup):  # noqa: F811
-    """b joins after a's first step; a leaves after its second (trained and checkpointed first, its adapter
-    deleted); b goes on to max_steps.  Each ends where it ends alone on the same batches."""
+    """b joins after a's first step; a is asked to leave after its second (it leaves once its checkpoint is written
+    in its turns, its adapter deleted); b goes on to max_steps.  Each ends where it ends alone on the same batches."""
     engine = TrainingEngine(setup["model_dir"], device="cpu")
     first = learner_of(batches, "a", "src-a", EnginePolicy(engine, "a", config("a")), config("a"))
     packed = PackedLearner(engine, [first])
@@ -133,14 +133,14 @@ def test_runs_join_and_leave_a_packed_learner_between_rounds(batches, setup):  #
         if first.state.step >= 1 and "+b" not in changes:
             packed.add(learner_of(batches, "b", "src-b", EnginePolicy(engine, "b", config("b")), config("b")))
             changes.append("+b")
-        if first.state.step >= 2 and "-a" not in changes:
-            assert packed.remove("a") is first
-            changes.append("-a")
+        if first.state.step >= 2 and "leave a" not in changes:
+            packed.leave("a", lambda learner: changes.append("-a" if learner is first else "-?"))
+            changes.append("leave a")
 
     steps: list[str] = []
     packed.run(should_stop=lambda: "-a" in changes and all(run.finished() for run in packed.runs),
                on_step=lambda run, metrics: steps.append(run), poll_timeout_s=0, between_rounds=between_rounds)
-    assert changes == ["+b", "-a"] and [run.run_id for run in packed.runs] == ["b"]
+    assert changes == ["+b", "leave a", "-a"] and [run.run_id for run in packed.runs] == ["b"]
     assert steps.count("a") == 2 and steps.count("b") == 4 and steps[0] == "a" and steps[-1] == "b"
     with pytest.raises(EngineError):  # a's adapter, optimizer and RNG left the engine with it
         engine.adapter_snapshot("a")
@@ -184,7 +184,7 @@ def test_one_runs_writes_go_on_while_the_next_run_trains(batches, setup):  # noq
 def test_a_run_at_its_budget_is_checkpointed_while_the_others_train_and_can_leave_then(batches, setup):  # noqa: F811
     """a reaches its max_steps first: its final checkpoint is handed to its writer at its next turn once its last
     step's writes are taken (not when the process ends), so its end is durable and announced while b trains; its
-    leaving afterwards trains and writes nothing more."""
+    leaving once it is settled is immediate, and trains and writes nothing more."""
     engine = TrainingEngine(setup["model_dir"], device="cpu")
     budgets = {"a": 1, "b": 3}
     cfgs = {run: config(run, max_steps=budgets[run], checkpoint_every=10) for run in SOURCES}
@@ -201,11 +201,12 @@ def test_a_run_at_its_budget_is_checkpointed_while_the_others_train_and_can_leav
             seen_by_b.append(None if latest is None else latest.state.step)
 
     left: list[str] = []
+    a = packed.runs[0]
 
     def between_rounds(packed: PackedLearner) -> None:
-        if learners[1].state.step >= 2 and not left:
-            packed.remove("a")
-            left.append("a")
+        if a.settled and not left:
+            packed.leave("a", lambda learner: left.append(learner.run_id))
+            assert left == ["a"] and [run.run_id for run in packed.runs] == ["b"]  # at once
 
     packed.run(on_step=on_step, poll_timeout_s=0, between_rounds=between_rounds)  # returns: every run finished
     assert seen_by_b[1:] == [1, 1] and left == ["a"]  # from b's second step on (its first: a's step 1 being written)

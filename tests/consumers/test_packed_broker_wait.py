@@ -15,9 +15,12 @@ import time
 from collections import deque
 from types import SimpleNamespace
 
+import pytest
+
 from consumers.broker_wait import BrokerAwayOnStop
 from consumers.checkpoint import CheckpointStore
 from consumers.engine import TrainingEngine
+from consumers.engine_data import EngineError
 from consumers.engine_policy import EnginePolicy
 from consumers.learner import Learner
 from consumers.packed import PackedLearner
@@ -552,3 +555,89 @@ def test_a_run_whose_dead_letter_the_broker_refuses_passes_its_turns_and_reads_n
                      ("LearnerCheckpointed", None), ("AdapterPublished", None), ("LearnerCheckpointed", None)]
     latest = CheckpointStore(batches, "a").latest().state
     assert latest.step == 3 and damaged not in latest.trained and len(latest.trained) == 3
+
+
+@pytest.mark.parametrize("refused", ["event", "commit"])
+def test_a_run_asked_to_leave_whose_final_checkpoint_the_broker_refuses_settles_in_its_turns_while_the_other_trains(
+        batches, setup, refused):  # noqa: F811
+    """a is asked to leave after its first step (checkpoints every 3: its final checkpoint, step 1, is a write of its
+    own), and the broker refuses that checkpoint's event, or its offset commit, until b has trained three steps: b
+    trains meanwhile (a leave that held b would see the refusal end on the deadline instead), and a is taken out
+    only once the broker took them, its checkpoint committed once."""
+    packed, (a, b) = packed_pair(batches, setup, checkpoint_every=3)
+    progress = Progress(a)
+    publisher = RefusingOneOfAs(lambda payload: refused == "event" and isinstance(payload, LearnerCheckpointed),
+                                progress.refusing)
+    for learner in (a, b):
+        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    commits: list = []
+    source = RefusedCommits(a.source, lambda: refused == "commit" and progress.refusing(), commits)
+    a.source = source  # type: ignore[assignment]
+    b_steps = RefusedAtBSteps(progress, a, lambda: publisher.refused + source.refused)
+    left: list[tuple[Learner, list, list]] = []  # who left, with a's events and commits taken by then
+
+    def on_left(learner: Learner) -> None:
+        left.append((learner, announced(publisher.taken, "a"), [dict(item) for _, item in commits]))
+
+    asked: list[str] = []
+
+    def between_rounds(packed: PackedLearner) -> None:
+        if a.state.step >= 1 and not asked:
+            packed.leave("a", on_left)
+            asked.append("a")
+
+    packed.resume()
+    packed.run(on_step=b_steps.on_step, poll_timeout_s=0, between_rounds=between_rounds,
+               until_stopped=lambda: not left)
+    assert time.monotonic() < progress.deadline  # b's third step ended the refusal, not the deadline
+    assert progress.b_steps == [1, 2, 3, 4] and progress.a_step_at_b_steps == [1, 1, 1, 1]  # a trained no more
+    assert b_steps.counts[2] >= 1  # b's steps trained while a's final checkpoint was refused
+    checkpointed = [e.payload.offsets for e in publisher.taken
+                    if e.run_id == "a" and isinstance(e.payload, LearnerCheckpointed)]
+    assert len(checkpointed) == 1 and CheckpointStore(batches, "a").latest().state.step == 1
+    # a left once, after the broker took its final checkpoint's event and commit, which it committed once
+    assert [(learner, events) for learner, events, _ in left] == [
+        (a, [("AdapterPublished", 1), ("LearnerCheckpointed", 1)])]
+    assert left[0][2] == checkpointed and [item for _, item in commits] == checkpointed
+    assert [run.run_id for run in packed.runs] == ["b"]
+    with pytest.raises(EngineError):  # its adapter left the engine with it
+        packed.engine.adapter_snapshot("a")
+    assert CheckpointStore(batches, "b").latest().state.step == 4
+
+
+def test_a_stop_while_a_run_is_leaving_still_writes_its_final_checkpoint_and_lets_it_go(batches, setup):  # noqa: F811
+    """The loop stops after b's second step while the broker still refuses the final checkpoint's event of a, asked
+    to leave after its first step: the stop waits for the broker to take it (here 2 s after the stop), commits it
+    and lets a go, and b's final checkpoint is written too."""
+    packed, (a, b) = packed_pair(batches, setup, checkpoint_every=3)
+    progress = Progress(a)
+    stopped_at: list[float] = []
+
+    def should_stop() -> bool:
+        if len(progress.b_steps) >= 2 and not stopped_at:
+            stopped_at.append(time.monotonic())
+        return bool(stopped_at)
+
+    publisher = RefusingOneOfAs(lambda payload: isinstance(payload, LearnerCheckpointed),
+                                lambda: not stopped_at or time.monotonic() < stopped_at[0] + 2.0)
+    for learner in (a, b):
+        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    commits: list = []
+    a.source = RefusedCommits(a.source, lambda: False, commits)  # type: ignore[assignment]
+    left: list[Learner] = []
+
+    def between_rounds(packed: PackedLearner) -> None:
+        if a.state.step >= 1 and not any(run.leaving for run in packed.runs) and not left:
+            packed.leave("a", left.append)
+
+    packed.resume()
+    packed.run(should_stop=should_stop, on_step=progress.on_step, poll_timeout_s=0, between_rounds=between_rounds,
+               until_stopped=True)
+    packed.finish_all()
+    assert publisher.refused and progress.b_steps == [1, 2]
+    assert left == [a] and [run.run_id for run in packed.runs] == ["b"]
+    checkpointed = [e.payload.offsets for e in publisher.taken
+                    if e.run_id == "a" and isinstance(e.payload, LearnerCheckpointed)]
+    assert len(checkpointed) == 1 and [item for _, item in commits] == checkpointed  # committed once
+    assert CheckpointStore(batches, "a").latest().state.step == 1 and a.state.step == 1
+    assert CheckpointStore(batches, "b").latest().state.step == 2
