@@ -58,7 +58,15 @@ from pipeline.devstack.stack import (
     rlpipe_home,
     start_background,
 )
-from pipeline.io.bus import GROUP_TIMINGS_ENV, BusError, EventPublisher, UnknownTopicError, group_lag, list_topics, tail
+from pipeline.io.bus import (
+    GROUP_TIMINGS_ENV,
+    BusError,
+    EventFollower,
+    EventPublisher,
+    UnknownTopicError,
+    group_lag,
+    list_topics,
+)
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import remote_failures
 from pipeline.membership import announce_membership
@@ -69,6 +77,7 @@ from schemas.events import Envelope, LearnerCheckpointed, RunStarted, RunStopped
 log = logging.getLogger("rlpipe.run")
 
 STORE_LOOK_S = 10.0  # how often a packed launch looks in the store for runs at their budget
+LAG_LOOK_S = 2.0  # how often the dashboards' learner lag is read
 PRODUCERS_DONE = "every producer wrote its producer.max_groups groups"  # the RunStopped reason of such a run
 
 # On the embedded broker Kafka's default group timings (45 s session) make the learner's first join take
@@ -249,31 +258,44 @@ class Launcher:
         self.watcher.start()
 
     def follow_control(self) -> None:
-        """Feed each run's dashboard from the control topic until the runs stop."""
+        """Feed each run's dashboard from the control topic until the runs stop.
+
+        One follower reads the topic for the whole launch, from its start on (``launched_at``), so no event is
+        missed while the learner's lag or the store is looked at between two reads: the plain lines promise one
+        per step, and a packed run's stop at its budget is read from its checkpoint event.
+        """
         only = None if self.packed else self.config.run_id
         publisher: EventPublisher | None = None
-        looked = 0.0  # when the store was last looked at
+        follower: EventFollower | None = None
+        lag_looked = store_looked = 0.0  # when the learner's lag and the store were last looked at (monotonic)
         try:
             while not self.stopping.is_set():
                 try:
                     publisher = publisher or EventPublisher(self.bus)
-                    for record in tail(self.bus, "control", n=0, follow=True, run_id=only, follow_for_s=2.0):
-                        if record.event is not None:
-                            self.on_control(record.event, publisher)
+                    follower = follower or EventFollower(self.bus, "control", run_id=only, since_s=self.launched_at)
+                    for item in follower.poll(timeout_s=0.5):
+                        self.on_control(item.event, publisher)
                         if self.stopping.is_set():
                             return
-                    if self.packed and time.monotonic() - looked > STORE_LOOK_S:
-                        looked = time.monotonic()  # an event between two reads of the feed is missed: the store
-                        self.stop_finished_runs(publisher)  # says it too
-                    for run_id, board in self.boards.items():
-                        lags = group_lag(self.bus, f"rlpipe-learner-{run_id}")
-                        board.lag = sum(p.lag for p in lags) if lags else None
+                    if time.monotonic() - lag_looked > LAG_LOOK_S:
+                        lag_looked = time.monotonic()
+                        self.read_lags()
+                    if self.packed and time.monotonic() - store_looked > STORE_LOOK_S:
+                        store_looked = time.monotonic()  # the store says a stop too, while the feed cannot be read
+                        self.stop_finished_runs(publisher)
                 except (BusError, UnknownTopicError, OSError) as exc:  # the log unreachable, no topic yet: retry
-                    log.debug("dashboard feed: %s", exc)
+                    log.debug("dashboard feed: %s", exc)  # a follower keeps its positions: it reads on from there
                     time.sleep(1.0)
         finally:
-            if publisher is not None:
-                publisher.close()
+            for client in (follower, publisher):
+                if client is not None:
+                    client.close()
+
+    def read_lags(self) -> None:
+        """Each run's learner lag (its group's unread batches) onto its dashboard."""
+        for run_id, board in self.boards.items():
+            lags = group_lag(self.bus, f"rlpipe-learner-{run_id}")
+            board.lag = sum(p.lag for p in lags) if lags else None
 
     def on_control(self, event: Envelope, publisher: EventPublisher) -> None:
         """One control event: onto its run's dashboard; a packed run whose learner reached its step budget is

@@ -542,3 +542,39 @@ def test_a_final_stop_a_gcs_endpoint_refuses_is_one_line_naming_runs_stop(
         assert fake.announce_final_stops({"learner": 0}, interrupted=True) is False
     (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert "RunStopped" in error and "Service Unavailable" in error and "rlpipe runs stop --run" in error
+
+
+def test_without_a_terminal_every_learner_step_gets_its_line_however_fast_they_come(
+        bus_config, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The plain lines promise one per step, the last one included: the launcher's feed of the control topic misses
+    no event sent while it also reads the learner's lag (one checkpoint every 0.1 s, as a small model's steps are)."""
+    from pipeline.io.bus import EventPublisher, ensure_topics
+    from pipeline.runtime import Announcer
+    from schemas.events import LearnerCheckpointed
+
+    steps = 40
+    config = RunConfig.model_validate({"run_id": "r", "learner": {"max_steps": steps},
+                                       "store": {"root": (tmp_path / "store").as_uri()}})
+    ensure_topics(bus_config, ["control"])
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    fake.configs, fake.config, fake.bus = [config], config, bus_config
+    fake.stopping, fake.stopped, fake.launched_at = threading.Event(), {}, time.time()
+    fake.views(dashboard=False)
+    watcher = threading.Thread(target=fake.follow_control, daemon=True)
+    watcher.start()
+    try:
+        time.sleep(1.0)  # the feed reads from its start on
+        with EventPublisher(bus_config) as publisher:
+            announce = Announcer(publisher, "r")
+            for step in range(1, steps + 1):
+                announce(LearnerCheckpointed(step=step, version=step, path=f"c{step}", offsets={}))
+                time.sleep(0.1)
+        deadline = time.monotonic() + 10.0
+        while fake.step_lines["r"].shown_step < steps and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        fake.stopping.set()
+        watcher.join(timeout=10.0)
+    assert not watcher.is_alive(), "the feed did not end once the run stopped"
+    shown = [int(line.split("  ")[1].split()[1].split("/")[0]) for line in capsys.readouterr().out.splitlines()]
+    assert shown == list(range(1, steps + 1)), f"missing steps {sorted(set(range(1, steps + 1)) - set(shown))}"
