@@ -196,8 +196,9 @@ def delete_command(
     """Delete one run: its objects in the store (trajectories, adapters, checkpoints, evaluations) and its
     cached adapters and launcher folder on this machine.  Its events stay on the shared topics.
     A run the log shows running is refused: stop it first.  Without the event log (--no-bus, no broker) that
-    check is skipped, and the command says so.  A Tinker API training client's weights are refused while its
-    session is live, from the store alone (they have no events)."""
+    check is skipped, and the command says so.  A Tinker API training client's weights are refused until its
+    session has ended (a lapsed one is only unloaded until its next call), from the store alone (they have no
+    events)."""
     name = chosen_run(run, None, "runs delete")
     store = _store(root, gcs_endpoint)
     _known_run(store, name)
@@ -214,14 +215,15 @@ def delete_command(
 
 
 def _refuse_running(store: ObjectStore, name: str, bus: BusConfig | None, bus_timeout: float) -> None:
-    """Fail when ``name`` is running: a training client while its session lives (the store says), any other run
+    """Fail when ``name`` is running: a training client until its session ended (the store says), any other run
     while the log shows events in the last ``ACTIVE_WITHIN_S`` (not checked, and said so, without the log)."""
     session = training_client_session(name)
     session_state = api_session_state(store, session) if session else None
     if session_state is not None:
-        if session_state[0] == "running":
+        if session_state[0] != "ended":  # a lapsed (idle) session is unloaded only until its next call
+            state = "live" if session_state[0] == "running" else "lapsed, not ended"
             fail(f"run {name} holds the weights of Tinker API session {session}'s training client, and the session "
-                 f"is live; end it first (rlpipe sessions end {session}), then delete them", EXIT_USAGE)
+                 f"is {state}; end it first (rlpipe sessions end {session}), then delete them", EXIT_USAGE)
         return
     activity, note = activity_or_note(bus, bus_timeout, name)
     if activity is None:

@@ -675,6 +675,27 @@ def test_a_live_tinker_sessions_training_client_is_not_deleted_even_without_the_
     assert not file_store.list("runs/sess-00000004.train.0", recursive=True)
 
 
+def test_a_lapsed_tinker_sessions_training_client_is_not_deleted(file_store: ObjectStore, tmp_path: Path) -> None:
+    """A lapsed session (no heartbeat for over ``SESSION_TIMEOUT_S``) has not ended: the trainers only unload it until
+    its next call, which needs its weights.  Only an ended session's client is deleted."""
+    import time
+
+    from pipeline.api.lifecycle import heartbeat_key
+    from schemas.api import SESSION_TIMEOUT_S
+
+    make_adapter(tmp_path / "adapter", marker=1)
+    AdapterRegistry(file_store, "sess-00000009.train.0").publish(tmp_path / "adapter", "tiny", 0, 1, {})
+    beat_at = time.time() - 2 * SESSION_TIMEOUT_S
+    file_store.put("sessions/sess-00000009/session.json", json.dumps({"tenant": "t", "created_at": beat_at}).encode())
+    file_store.put(heartbeat_key("sess-00000009"), json.dumps({"time": beat_at}).encode())
+    listed = json.loads(runner.invoke(app, ["list", *_where(file_store), "--json"]).stdout)["runs"]
+    assert [r["status"] for r in listed if r["run_id"] == "sess-00000009.train.0"] == ["idle"], listed
+    refused = runner.invoke(app, ["delete", "--run", "sess-00000009.train.0", *_where(file_store), "--yes"])
+    assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1, refused.output
+    assert "lapsed" in refused.output and "rlpipe sessions end sess-00000009" in refused.output, refused.output
+    assert AdapterRegistry(file_store, "sess-00000009.train.0").versions() == [1]
+
+
 def test_runs_list_and_sessions_list_agree_on_a_session_without_a_heartbeat_yet(
     file_store: ObjectStore, tmp_path: Path
 ) -> None:
