@@ -130,7 +130,8 @@ class StepLines:
 
     A step the learner checkpoints (every ``checkpoint_every``-th) gets its line from the ``LearnerCheckpointed``,
     which carries the step's reward; any other from the ``LearnerProgress`` sent after it.  Progress repeated while
-    the learner waits, and a checkpoint announced again, add no line.  Call it after ``board.apply(payload)``.
+    the learner waits, and a checkpoint announced again, add no line; nor does any step up to ``shown_step``, which
+    the launcher starts at the step a resumed run's checkpoint holds.  Call it after ``board.apply(payload)``.
     """
 
     run_id: str

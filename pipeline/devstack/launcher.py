@@ -178,14 +178,27 @@ class Launcher:
 
     def views(self, dashboard: bool) -> None:
         """Each run's board; the live view when asked for and standard output is a terminal (elsewhere its frames
-        would not show until the end), else a plain line per learner step (``StepLines``)."""
+        would not show until the end), else a plain line per learner step (``StepLines``) after the step a resumed
+        run's checkpoint holds (its learner says that step again while it waits, and after a crash)."""
         self.live = dashboard and sys.stdout.isatty()
         self.boards = {c.run_id: Dashboard(silent_after_s=silent_after_s(c)) for c in self.configs}
         self.board = self.boards[self.config.run_id]
         self.step_lines = {} if self.live else {
             c.run_id: StepLines(c.run_id, self.boards[c.run_id], step_budget(c),
-                                (c.value.learner if c.value is not None else c.learner).checkpoint_every)
+                                (c.value.learner if c.value is not None else c.learner).checkpoint_every,
+                                shown_step=self.stored_step(c))
             for c in self.configs}
+
+    def stored_step(self, config: RunConfig) -> int:
+        """The step of the run's newest checkpoint in the store; 0 before the first, or while the store cannot be
+        read (then a resumed run's first line may repeat its last step)."""
+        from pipeline.analysis.runs import learner_step
+
+        try:
+            return learner_step(open_store(config.store), config.run_id)
+        except Exception as exc:  # the store unreachable (any backend's error)
+            log.debug("stored step of %s: %s", config.run_id, exc)
+            return 0
 
     @property
     def packed(self) -> bool:

@@ -578,3 +578,24 @@ def test_without_a_terminal_every_learner_step_gets_its_line_however_fast_they_c
     assert not watcher.is_alive(), "the feed did not end once the run stopped"
     shown = [int(line.split("  ")[1].split()[1].split("/")[0]) for line in capsys.readouterr().out.splitlines()]
     assert shown == list(range(1, steps + 1)), f"missing steps {sorted(set(range(1, steps + 1)) - set(shown))}"
+
+
+def test_a_resumed_runs_first_line_is_a_step_it_trains_not_the_one_it_stopped_at(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run stopped at step 25 (checkpoint_every 10: its stop wrote the checkpoint) and resumed with a larger budget
+    says step 25 again while its learner waits for rows, and announces that checkpoint again after a crash: neither is
+    a step of this launch, so the first line is step 26's."""
+    from schemas.events import LearnerCheckpointed, LearnerProgress, make_event
+
+    config = RunConfig.model_validate({"run_id": "r", "learner": {"max_steps": 60, "checkpoint_every": 10},
+                                       "store": {"root": (tmp_path / "store").as_uri()}})
+    fake = packed_launcher(tmp_path / "store", {"r": 60})
+    fake.configs, fake.config = [config], config
+    checkpoint_at(fake, "r", 25)
+    fake.views(dashboard=False)
+    for payload in [LearnerProgress(step=25, version=25, positions={}),
+                    LearnerCheckpointed(step=25, version=25, path="c25", offsets={}),
+                    LearnerProgress(step=26, version=26, positions={})]:
+        fake.on_control(make_event("r", payload), Published())
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[1] for line in lines] == ["step 26/60"], lines
