@@ -74,11 +74,15 @@ def plan(
 
 
 def counted(count: int) -> str:
-    """``count`` in T, B, M or K (the largest under it), three significant figures: 8.03 B, 1.77 M, 405 B."""
+    """``count`` in T, B, M or K (the largest under it), three significant figures: 8.03 B, 1.77 M, 405 B.
+
+    Rounded first, then the unit picked: 999,600 is 1.00 M, not 1000 K (999.6 K rounded up past its unit).
+    """
+    rounded = float(f"{count:.3g}")  # a whole number from 1000 on: dividing by a power of ten below is exact
     for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if count >= scale:
-            value = count / scale  # in [1, 1000): 2, 1 or 0 decimals (never 1e+03, as .3g would write 999.6)
-            return f"{value:.{3 - len(str(int(value)))}f} {unit}"
+        if rounded >= scale:
+            value = rounded / scale  # in [1, 1000) (up to T): 2, 1 or 0 decimals
+            return f"{value:.{max(0, 3 - len(str(int(value))))}f} {unit}"
     return str(count)
 
 

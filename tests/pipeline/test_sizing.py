@@ -166,3 +166,13 @@ def test_plan_states_the_parameter_count_in_a_unit_that_shows_it(tmp_path, shape
     shown = result.output.split(unit)[0].split()[-1]  # "<model>: 1.23 M parameters, ..."
     assert unit in result.output and len(shown.replace(".", "")) == 3, result.output
     assert float(shown) * scale == pytest.approx(count, rel=0.005), (count, result.output)
+
+
+@pytest.mark.parametrize(("count", "shown"), [
+    (8_030_261_248, "8.03 B"), (1_770_000, "1.77 M"), (405_000_000_000, "405 B"), (12_345, "12.3 K"), (999, "999"),
+    # rounded to three figures first, then the unit: 999,600 is 999.6 K, three figures 1.00 M, not "1000 K"
+    (999_600, "1.00 M"), (9_996_000_000, "10.0 B"), (99_960, "100 K"), (999_960_000_000, "1.00 T")])
+def test_a_parameter_count_is_three_significant_figures_in_the_unit_its_rounded_value_reaches(count, shown):
+    from pipeline.cli.plan_cmd import counted
+
+    assert counted(count) == shown
