@@ -96,13 +96,15 @@ def list_sessions(overrides: SetOpt = None, as_json: JsonOpt = False) -> None:
 
 
 def _last_beat(summary: dict[str, Any]) -> str:
-    """A live session's heartbeat age; any other's state (its end, and whether its files were freed) with it."""
+    """A live session's heartbeat age (``none yet`` before its first); any other's state (its end, and whether its
+    files were freed) with it."""
+    ago = summary["last_heartbeat_s_ago"]
     if summary["state"] == "live":
-        return f"{summary['last_heartbeat_s_ago']} s ago"
+        return "none yet" if ago is None else f"{ago} s ago"
     state = summary["end"] if summary["ended"] else summary["state"]
     if summary["files_deleted"]:
         state += "; its calls' files deleted"
-    return f"{state} ({summary['last_heartbeat_s_ago']} s ago)"
+    return f"{state} ({'no heartbeat' if ago is None else f'{ago} s ago'})"
 
 
 @app.command("show", epilog="Example: rlpipe sessions show sess-0123456789abcdef")

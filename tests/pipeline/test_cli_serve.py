@@ -99,6 +99,23 @@ def test_the_listing_fits_80_columns_with_each_session_id_and_heartbeat_on_one_l
     assert "left out to fit 80 columns" in table.output
 
 
+def test_a_session_with_no_heartbeat_yet_says_so_instead_of_an_age(tmp_path):
+    """A session just created, or one ended before its first heartbeat, has no heartbeat to count from."""
+    from pipeline.api.lifecycle import record_end
+
+    root = f"file://{tmp_path}/store"
+    store = ObjectStore(root)
+    fresh, closed = "sess-00000011", "sess-00000012"
+    for session in (fresh, closed):
+        store.put(f"sessions/{session}/session.json", json.dumps({"tenant": "t", "created_at": time.time()}).encode())
+    record_end(store, closed, "finished: success")
+    table = runner.invoke(app, ["sessions", "list", "--set", f"store.root={root}"], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    rows = {session: next(line for line in table.output.splitlines() if session in line) for session in (fresh, closed)}
+    assert "None" not in table.output, table.output
+    assert "none yet" in rows[fresh] and "finished: success (no heartbeat)" in rows[closed], table.output
+
+
 def test_freeing_every_ended_session_says_which_it_skipped_and_from_when_they_can_be_freed(tmp_path):
     """Sessions that ended within the grace are listed as ended but not freed: the command says how many it
     skipped and from when each can be freed, instead of a bare "freed 0"."""
