@@ -38,7 +38,6 @@ import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from datetime import UTC
 
 from pydantic import ValidationError
 
@@ -46,6 +45,7 @@ from pipeline.io.bus import EventFollower, EventPublisher
 from pipeline.io.registry import run_ids
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import effective_run_config, open_store
+from pipeline.timefmt import utc_text
 from schemas.config import RunConfig
 from schemas.events import Envelope, EventDecodeError, RunStarted, RunStopped, decode_event, encode_event, make_event
 from schemas.names import validate_name
@@ -151,8 +151,7 @@ def stopped_line(store: ObjectStore, run_id: str) -> str | None:
         return f"run {run_id} is not served: {exc}; {fix}"
     if event is None or not isinstance(event.payload, RunStopped):
         return None
-    at = event.time.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return f"run {run_id} was stopped at {at} ({event.payload.reason}); {fix}"
+    return f"run {run_id} was stopped at {utc_text(event.time.timestamp())} ({event.payload.reason}); {fix}"
 
 
 def runs_not_stopped(configs: list[RunConfig], follow_runs: str | None) -> list[RunConfig]:

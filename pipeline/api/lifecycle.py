@@ -69,6 +69,7 @@ from pipeline.api.checkpoints import UNNAMED_VERSIONS, base_model_of, clients_in
 from pipeline.api.samplers import VERSION_USERS
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
 from pipeline.io.store import ObjectStore
+from pipeline.timefmt import utc_text
 from schemas.api import SESSION_TIMEOUT_S, model_id_for, model_run_name, session_path
 
 log = logging.getLogger("rlpipe.api.lifecycle")
@@ -329,8 +330,8 @@ def free_session_files(store: ObjectStore, session_id: str, now: float | None = 
     if end is None:
         raise ValueError(f"session {session_id} has not ended; end it first (rlpipe sessions end {session_id})")
     if now - end[1] < grace_s:
-        since = datetime.fromtimestamp(end[1] + grace_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-        raise ValueError(f"session {session_id} ended less than {grace_s / 60:g} minutes ago; free it from {since} "
+        raise ValueError(f"session {session_id} ended less than {grace_s / 60:g} minutes ago; free it from "
+                         f"{utc_text(end[1] + grace_s)} "
                          "(calls accepted before its end may still run)")
     deleted = _delete_files(store, session_id, end, None)
     store.delete(f"{OPEN_SESSIONS}/{session_id}", missing_ok=True)

@@ -42,6 +42,7 @@ from pipeline.cli.common import (
 )
 from pipeline.cli.options import SetOpt, run_config
 from pipeline.io.store import ObjectStore
+from pipeline.timefmt import utc_text
 
 app = typer.Typer(name="sessions", help="The Tinker-compatible API's sessions.", no_args_is_help=True,
                   add_completion=False)
@@ -207,10 +208,7 @@ def _free_all_ended(store: ObjectStore, as_json: bool) -> None:
     if skipped:
         first, last = min(skipped.values()), max(skipped.values())
         line += (f"; skipped {len(skipped)} that ended less than {END_GRACE_S / 60:g} minutes ago (calls accepted "
-                 f"before the end may still run): free {'it' if len(skipped) == 1 else 'them'} from {_utc(first)}"
-                 + (f", the last from {_utc(last)}" if last > first else ""))
+                 f"before the end may still run): free {'it' if len(skipped) == 1 else 'them'} from {utc_text(first)}"
+                 + (f", the last from {utc_text(last)}" if last > first else ""))
     console.print(line, markup=False)
 
-
-def _utc(unix_s: float) -> str:
-    return datetime.fromtimestamp(unix_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

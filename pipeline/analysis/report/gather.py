@@ -30,7 +30,7 @@ from pipeline.analysis.report.metrics import (
     throughput_series,
     value_traces,
 )
-from pipeline.analysis.report.model import ControlEvents, RunReport, dig, finite, first_known, iso
+from pipeline.analysis.report.model import ControlEvents, RunReport, dig, finite, first_known
 from pipeline.analysis.runs import read_evals, run_kind, runs_there, summarize, with_recorded_membership
 from pipeline.devstack.stack import resolve_bootstrap_servers
 from pipeline.io.archive import TrajectoryArchive
@@ -39,6 +39,7 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.io.steplog import StepLog, StepLogGapError
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import effective_run_config
+from pipeline.timefmt import utc_text
 from schemas.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -294,7 +295,7 @@ def build_summary(
         "busy_fraction": {lane["name"]: lane["busy_fraction"] for lane in duty["lanes"]},
         "time_span": _time_span(duty, episodes),
         "run_stopped": events.stopped[1] if events.stopped else None,
-        "run_stopped_at": iso(events.stopped[0]) if events.stopped and events.stopped[0] is not None else None,
+        "run_stopped_at": utc_text(events.stopped[0]) if events.stopped and events.stopped[0] is not None else None,
         "kind": run_kind(run_config),
     }  # fmt: skip
 
@@ -317,7 +318,7 @@ def _time_span(duty: dict[str, Any], episodes: pl.DataFrame) -> dict[str, Any] |
     if not starts:
         return None
     start, end = min(starts), max(ends)  # type: ignore[type-var]
-    return {"start": iso(start), "end": iso(end), "seconds": end - start}
+    return {"start": utc_text(start), "end": utc_text(end), "seconds": end - start}
 
 
 def add_missing_notes(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -127,10 +126,6 @@ def half_width(ci95: Any, episodes: int) -> str:
 
 def percent(value: Any) -> str:
     return f"{100 * value:.1f}%" if finite(value) else "-"
-
-
-def iso(unix_s: float) -> str:
-    return datetime.fromtimestamp(unix_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _finite_json(obj: Any) -> Any:

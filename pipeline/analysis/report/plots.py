@@ -22,7 +22,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from pipeline.analysis.report.metrics import COLLAPSE_FIELDS
-from pipeline.analysis.report.model import RunReport, finite, iso, percent
+from pipeline.analysis.report.model import RunReport, finite, percent
+from pipeline.timefmt import utc_text
 
 _ESS_WARNING = 0.3  # below this normalised ESS the off-policy correction is doing heavy lifting
 _LEARNER_COLOR = "#1f4e9c"
@@ -325,7 +326,7 @@ def _time_unit(span_s: float) -> tuple[float, str]:
 
 
 def _time_label(origin: float, unit: str) -> str:
-    return f"time since {iso(origin)} ({unit})"
+    return f"time since {utc_text(origin)} ({unit})"
 
 
 def _time_origin(report: RunReport) -> float | None:
