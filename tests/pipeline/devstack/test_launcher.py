@@ -599,3 +599,30 @@ def test_a_resumed_runs_first_line_is_a_step_it_trains_not_the_one_it_stopped_at
         fake.on_control(make_event("r", payload), Published())
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("  ")[1] for line in lines] == ["step 26/60"], lines
+
+
+def test_the_feed_stops_a_packed_run_whose_checkpoint_at_its_budget_it_reads(bus_config, tmp_path: Path) -> None:
+    """The follower that feeds the lines also reads each packed run's checkpoints: one at its budget gets the run's
+    RunStopped at once (long before the store is looked at), while the other run goes on."""
+    from pipeline.io.bus import EventPublisher, ensure_topics
+    from pipeline.runtime import Announcer
+    from schemas.events import LearnerCheckpointed
+
+    fake = packed_launcher(tmp_path / "store", {"a": 2, "b": 5})
+    fake.bus = bus_config
+    fake.stopping = threading.Event()
+    ensure_topics(bus_config, ["control"])
+    watcher = threading.Thread(target=fake.follow_control, daemon=True)
+    watcher.start()
+    try:
+        time.sleep(1.0)
+        with EventPublisher(bus_config) as publisher:
+            for run, step in (("a", 1), ("b", 1), ("a", 2), ("b", 2)):
+                Announcer(publisher, run)(LearnerCheckpointed(step=step, version=step, path=f"{run}{step}", offsets={}))
+        deadline = time.monotonic() + 5.0
+        while "a" not in fake.stopped and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        fake.stopping.set()
+        watcher.join(timeout=10.0)
+    assert fake.stopped == {"a": "step budget reached"}
