@@ -24,9 +24,10 @@ back or runs are followed for joins it still passes its turns while the broker r
 so joins and comebacks, run between two rounds, do not wait for the broker to take them; a run joining or coming
 back polls the served runs' consumers while its own start waits for the broker (``PackedLearner.add``).
 A batch dead-lettered in a run's turn has its letter sent the same way: the run passes its turns, reading nothing
-past the batch, until the broker takes it (``Learner.quarantine``).  A run that reaches its end in the round-robin (``max_steps``, or its replay ran dry) settles the same way: once its
-last step's writes are taken its final version and checkpoint are handed to its writer, and it passes its turns until
-they and their offsets are taken (``PackedLearner.settle_in_turn``).  A run asked to leave (``leave``) settles the
+past the batch, until the broker takes it (``Learner.quarantine``).  A run that reaches its end in the round-robin
+(``max_steps``, or its replay ran dry) settles the same way: once its last step's writes are taken its final version
+and checkpoint are handed to its writer, and it passes its turns until they and their offsets are taken
+(``PackedLearner.settle_in_turn``).  A run asked to leave (``leave``) settles the
 same way, training what it has waiting in its turn first, and is taken out once settled.  A stop (``finish_all``)
 writes the final checkpoint of every run not settled yet, one leaving too, and waits for the broker to take it,
 holding the others: that happens at the end.
@@ -244,19 +245,27 @@ class PackedLearner:
         step's writes are taken, and passes its turns until that checkpoint and its offsets are (``settle_in_turn``),
         so its end is durable and announced while the others train, and a broker refusing it holds none of them; a
         run leaving is let go then.  A run's publish and checkpoint are written while the next runs take their
-        turns; every run's writes, and the final checkpoint of every run that finished or was leaving, are done
-        when this returns, and the runs leaving are let go.
+        turns; every run's writes, and the final checkpoint of every run that finished in its turns or was
+        leaving, are done when this returns, and the runs leaving are let go.  A run already finished when it was
+        resumed or added takes no turn: only its writes are finished here, and its final checkpoint, if it needs
+        one, is ``finish_all``'s.
         With ``on_failure``, a run whose turn raises (its lease taken, its store failing, a step that cannot
         run) or whose last writes fail is dropped (``drop``) and reported, and the others go on; without, the
-        error ends the loop.
+        error ends the loop, and the writes of the runs still served are abandoned (``StepOutputs.abandon``).
         """
         try:
             self._rounds(should_stop, on_step, poll_timeout_s, between_rounds, until_stopped, on_failure)
-        except BaseException:
+            self._finish_writes(on_step, on_failure)
+        except BaseException:  # the runs still served: their writes under way end, nothing more is committed
             for run in self.runs:
                 run.learner.outputs.abandon()
                 run.learner.reader.close()
             raise
+
+    def _finish_writes(self, on_step: Callable[[str, dict], None],
+                       on_failure: Callable[[str, Exception], None] | None) -> None:
+        """The loop's end: every run's writes finished, a run still settling settled (``settle``), a run leaving
+        let go."""
         for run in list(self.runs):
             try:
                 if run.settling():

@@ -222,6 +222,37 @@ def test_when_every_runs_writes_wait_the_loop_waits_for_them_instead_of_spinning
     assert all(run.kept_alive <= 4 for run in runs)  # their consumers polled about once a second, not each round
 
 
+class Abandonable(Run):
+    """A run whose ``finish_writes`` raises ``fails`` if given, else whose writer's job waits for the broker until
+    its writes are abandoned (``StepOutputs.abandon``)."""
+
+    def __init__(self, run_id: str, turns: list[str], fails: Exception | None = None) -> None:
+        super().__init__(run_id, turns, delivered=0)
+        self.fails, abandoning = fails, threading.Event()
+        if fails is None:
+            self.outputs.writer.submit(lambda: abandoning.wait(HELD_FOR_S) and None)
+        self.outputs.abandon = lambda: (abandoning.set(), self.outputs.writer.wait_quietly())
+        self.reader = SimpleNamespace(close=lambda: None)
+
+    def finish_writes(self) -> None:
+        if self.fails is not None:
+            raise self.fails
+        super().finish_writes()
+
+
+def test_an_error_finishing_one_runs_writes_at_the_end_abandons_the_others_writes():
+    """Without ``on_failure``, a's last writes failing as the loop ends raise from ``run``; b's writes, still waiting
+    for the broker, are abandoned then (their wait ends after the try under way), not left running."""
+    turns: list[str] = []
+    a, b = Abandonable("a", turns, fails=OSError("the bucket is unreachable")), Abandonable("b", turns)
+    packed = PackedLearner(Holding(), [a, b])  # type: ignore[arg-type, list-item]
+    started = time.monotonic()
+    with pytest.raises(OSError, match="unreachable"):
+        packed.run(should_stop=lambda: True, poll_timeout_s=0.0)
+    assert b.outputs.writer.done and not b.outputs.writer.busy  # its job ended and was waited for
+    assert time.monotonic() - started < HELD_FOR_S / 2  # on the abandon, not on the broker
+
+
 class SlowRefusals:
     """A source whose offset commits the broker refuses while ``refusing()``, each refusal coming after
     ``REFUSED_AFTER_S`` or the commit's own timeout if shorter (as kafka-python retries a retriable commit error, or
