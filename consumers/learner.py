@@ -337,10 +337,12 @@ class Learner:
         what = f"the DeadLetter of batch {ref.batch_id}"
         if self.letters_beside:
             self.outputs.send_beside(announcing_once(self.announce, letter), what)
+            sent = "sending to the dead-letter topic"  # (the letter's thread may still wait for the broker)
         else:
             until_the_broker_takes(announcing_once(self.announce, letter), what, self.run_id, self.outputs.stopping)
+            sent = "sent to the dead-letter topic"
         self.dead_lettered += 1
-        log.warning("%s (to the dead-letter topic)", reason)
+        log.warning("%s (%s)", reason, sent)
         self.pending.append(PendingBatch(ref, TRAJECTORY_SCHEMA.empty_table(), 0, {}, quarantined=True))
 
     def announce_progress(self, force: bool = False) -> None:
