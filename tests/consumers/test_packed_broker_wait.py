@@ -458,16 +458,19 @@ def test_a_lone_run_training_beside_its_writes_while_runs_are_followed_keeps_a_l
 
 class RefusingOneOfAs:
     """A publisher that refuses a's events that ``which(payload)`` picks while ``refusing()`` and takes every other
-    event; ``taken`` holds what it took, in order."""
+    event; ``taken`` holds what it took, in order.  ``for_good``: a refusal no try can change (not transient)."""
 
-    def __init__(self, which, refusing) -> None:
-        self.which, self.refusing = which, refusing
+    def __init__(self, which, refusing, for_good: bool = False) -> None:
+        self.which, self.refusing, self.for_good = which, refusing, for_good
         self.taken: list = []
         self.refused = 0
 
     def publish(self, kind: str, event):
         if event.run_id == "a" and self.which(event.payload) and self.refusing():
             self.refused += 1
+            if self.for_good:
+                raise PublishError(f"publishing a {event.type} to ns.{kind} failed: TopicAuthorizationFailedError",
+                                   transient=False)
             raise PublishError(f"publishing a {event.type} to ns.{kind} failed: NotEnoughReplicasError")
         self.taken.append(event)
         return 0, len(self.taken)
@@ -551,12 +554,8 @@ def test_a_run_at_its_budget_whose_final_commit_the_broker_refuses_passes_its_tu
     assert CheckpointStore(batches, "a").latest().state.step == 2
 
 
-def test_a_run_whose_dead_letter_the_broker_refuses_passes_its_turns_and_reads_nothing_past_the_batch(
-        batches, setup):  # noqa: F811
-    """a's second batch cannot be read, and the broker refuses its DeadLetter until b has trained its last step: b
-    trains meanwhile, a reads nothing past the batch until the letter is taken, and the step that covers the batch
-    is announced after it."""
-    packed, (a, b) = packed_pair(batches, setup)
+def damaging_second_batch(a: Learner) -> str:
+    """a's second batch cannot be read (its rows do not match its checksum): it is dead-lettered; its id."""
     damaged = a.source.queue[1].batch_id  # type: ignore[attr-defined]
     read = a.reader.read
 
@@ -566,6 +565,16 @@ def test_a_run_whose_dead_letter_the_broker_refuses_passes_its_turns_and_reads_n
         return read(ref)
 
     a.reader.read = read_or_refuse  # type: ignore[method-assign]
+    return damaged
+
+
+def test_a_run_whose_dead_letter_the_broker_refuses_passes_its_turns_and_reads_nothing_past_the_batch(
+        batches, setup):  # noqa: F811
+    """a's second batch cannot be read, and the broker refuses its DeadLetter until b has trained its last step: b
+    trains meanwhile, a reads nothing past the batch until the letter is taken, and the step that covers the batch
+    is announced after it."""
+    packed, (a, b) = packed_pair(batches, setup)
+    damaged = damaging_second_batch(a)
     progress = Progress(a)
     publisher = RefusingOneOfAs(lambda payload: isinstance(payload, DeadLetter),
                                 lambda: len(progress.b_steps) < 4 and time.monotonic() < progress.deadline)
@@ -586,6 +595,105 @@ def test_a_run_whose_dead_letter_the_broker_refuses_passes_its_turns_and_reads_n
                      ("LearnerCheckpointed", None), ("AdapterPublished", None), ("LearnerCheckpointed", None)]
     latest = CheckpointStore(batches, "a").latest().state
     assert latest.step == 3 and damaged not in latest.trained and len(latest.trained) == 3
+
+
+def stopping_once(progress: Progress, refused, learners: list[Learner]):
+    """A stop once b has trained three steps and a's write has been refused (``refused()``), which also ends the
+    learners' waits for the broker (``StepOutputs.stopping``)."""
+
+    def should_stop() -> bool:
+        return len(progress.b_steps) >= 3 and refused() >= 1
+
+    for learner in learners:
+        learner.outputs.stopping = should_stop
+    return should_stop
+
+
+def test_a_stop_while_a_run_settles_in_its_turns_and_its_final_checkpoint_is_refused_ends_its_wait_in_one_line(
+        batches, setup):  # noqa: F811
+    """a, at its budget, settles in its turns while the broker refuses its final checkpoint's event until a
+    deadline; a stop comes meanwhile: a's wait ends (``BrokerAwayOnStop``, one line, its offsets never committed:
+    the next start announces the event and resumes), and b is checkpointed at its last step."""
+    packed, (a, b) = finishing_first(batches, setup)
+    progress = Progress(a)
+    publisher = RefusingOneOfAs(lambda payload: isinstance(payload, LearnerCheckpointed) and payload.step == 2,
+                                lambda: time.monotonic() < progress.deadline)
+    for learner in (a, b):
+        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    commits: list = []
+    a.source = RefusedCommits(a.source, lambda: False, commits)  # type: ignore[assignment]
+    should_stop = stopping_once(progress, lambda: publisher.refused, [a, b])
+    failures: dict[str, Exception] = {}
+    packed.resume()
+    packed.run(should_stop=should_stop, on_step=progress.on_step, poll_timeout_s=0, on_failure=failures.__setitem__)
+    packed.finish_all(on_failure=failures.__setitem__)
+    assert time.monotonic() < progress.deadline  # the stop ended a's wait, not the broker taking its event
+    assert list(failures) == ["a"] and isinstance(failures["a"], BrokerAwayOnStop)
+    assert len(str(failures["a"]).splitlines()) == 1 and "LearnerCheckpointed of step 2" in str(failures["a"])
+    assert a.state.step == 2 and commits == []  # its final checkpoint's offsets never committed
+    assert announced(publisher.taken, "a") == [("AdapterPublished", 1), ("AdapterPublished", 2)]
+    assert [run.run_id for run in packed.runs] == ["b"] and b.state.step >= 3
+    assert CheckpointStore(batches, "b").latest().state.step == b.state.step
+
+
+def test_a_stop_while_a_runs_dead_letter_is_refused_ends_its_wait_and_commits_nothing_past_the_batch(
+        batches, setup, caplog):  # noqa: F811
+    """a's second batch is dead-lettered and the broker refuses its DeadLetter until a deadline; a stop comes
+    meanwhile: a's wait ends (``BrokerAwayOnStop`` naming the letter), nothing of a's is committed or checkpointed
+    past the batch (the next start dead-letters it again), and b is checkpointed at its last step."""
+    packed, (a, b) = packed_pair(batches, setup, checkpoint_every=1)
+    damaged = damaging_second_batch(a)
+    progress = Progress(a)
+    publisher = RefusingOneOfAs(lambda payload: isinstance(payload, DeadLetter),
+                                lambda: time.monotonic() < progress.deadline)
+    for learner in (a, b):
+        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    commits: list = []
+    a.source = RefusedCommits(a.source, lambda: False, commits)  # type: ignore[assignment]
+    should_stop = stopping_once(progress, lambda: publisher.refused, [a, b])
+    failures: dict[str, Exception] = {}
+    packed.resume()
+    with caplog.at_level(logging.WARNING, logger="rlpipe.learner"):
+        packed.run(should_stop=should_stop, on_step=progress.on_step, poll_timeout_s=0,
+                   on_failure=failures.__setitem__)
+    packed.finish_all(on_failure=failures.__setitem__)
+    assert time.monotonic() < progress.deadline  # the stop ended a's wait, not the broker taking the letter
+    assert list(failures) == ["a"] and isinstance(failures["a"], BrokerAwayOnStop)
+    assert len(str(failures["a"]).splitlines()) == 1 and f"DeadLetter of batch {damaged}" in str(failures["a"])
+    assert any(f"{damaged} quarantined" in r.getMessage() and "sending to the dead-letter topic" in r.getMessage()
+               for r in caplog.records)  # logged as being sent: the broker had not taken it
+    assert not any(isinstance(e.payload, DeadLetter) for e in publisher.taken)
+    # step 1's checkpoint (its first batch) committed; nothing checkpointed or committed past the damaged batch
+    assert announced(publisher.taken, "a") == [("AdapterPublished", 1), ("LearnerCheckpointed", 1)]
+    latest = CheckpointStore(batches, "a").latest().state
+    assert latest.step == 1 and len(latest.trained) == 1 and damaged not in latest.trained
+    assert [item for _, item in commits] == [latest.positions]
+    assert b.state.step >= 3 and CheckpointStore(batches, "b").latest().state.step == b.state.step
+
+
+def test_a_dead_letter_the_broker_refuses_for_good_drops_its_run_at_its_next_turn_and_the_other_trains_on(
+        batches, setup):  # noqa: F811
+    """The broker refuses a's DeadLetter in a way no try changes (not transient): the letter's thread ends on it
+    at once, and a's next turn raises it, so a is dropped (reported to ``on_failure``) with nothing committed past
+    the batch, while b trains all its steps."""
+    packed, (a, b) = packed_pair(batches, setup)
+    damaged = damaging_second_batch(a)
+    progress = Progress(a)
+    publisher = RefusingOneOfAs(lambda payload: isinstance(payload, DeadLetter), lambda: True, for_good=True)
+    for learner in (a, b):
+        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    failures: list[tuple[str, Exception, int]] = []  # who failed, on what, at how many of b's steps
+    packed.resume()
+    packed.run(on_step=progress.on_step, poll_timeout_s=0,
+               on_failure=lambda run, exc: failures.append((run, exc, len(progress.b_steps))))
+    assert publisher.refused == 1  # tried once: no try changes it
+    assert [(run, type(exc)) for run, exc, _ in failures] == [("a", PublishError)]
+    assert "TopicAuthorizationFailedError" in str(failures[0][1])
+    assert failures[0][2] < 4  # dropped while b trained on, not at the loop's end
+    assert a.state.step == 1 and [run.run_id for run in packed.runs] == ["b"]
+    assert CheckpointStore(batches, "a").latest() is None  # (checkpoints every 2) nothing past the batch either
+    assert damaged not in a.state.trained and len(a.state.trained) == 1
+    assert progress.b_steps == [1, 2, 3, 4] and CheckpointStore(batches, "b").latest().state.step == 4
 
 
 @pytest.mark.parametrize("refused", ["event", "commit"])
