@@ -59,6 +59,7 @@ def test_a_learner_goes_on_after_the_broker_was_away_and_trains_each_batch_once(
     learner.resume()
     errors: list[BaseException] = []
     stop = threading.Event()
+    learner.outputs.stopping = stop.is_set  # as the process's stop flag: a stop ends a wait for the broker
 
     def train() -> None:
         try:
@@ -69,7 +70,7 @@ def test_a_learner_goes_on_after_the_broker_was_away_and_trains_each_batch_once(
     announced: set[str] = set()
     write_batches(archive, setup, 2, np.random.default_rng(0))
     announce_new(archive, Announcer(producer_side, RUN), announced)
-    thread = threading.Thread(target=train, name="learner")
+    thread = threading.Thread(target=train, name="learner", daemon=True)  # never outlives the session
     thread.start()
     try:
         wait_for(lambda: learner.state.step == 2 or bool(errors), 90, "the learner never trained its first batches")
