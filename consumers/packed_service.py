@@ -50,7 +50,8 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                        on_step: Callable[[str, dict], None] | None = None,
                        follow_runs: str | None = None, template: RunConfig | None = None,
                        started_s: float | None = None) -> PackedLearner:
-    """Train several runs in one process on one engine until stopped or each reaches its ``max_steps``.
+    """Train several runs in one process on one engine until stopped or each reaches its ``max_steps`` (or left,
+    and was not started again while leaving: such a run joins once it has left).
 
     Every run is set up as ``run_learner`` sets up one (its ``run.json``, its own
     consumer group, lease, registry and checkpoints); a SIGTERM trains what each
@@ -197,8 +198,10 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
             if learner is not None:
                 learner.metric_logger.close()
 
+        # serving on while a run may still join: followed runs, runs to come back, a run resumed while leaving
         packed.run(should_stop=stop, on_step=after_step, between_rounds=between_rounds,
-                   until_stopped=lambda: follow_runs is not None or bool(comebacks.waiting), on_failure=failed)
+                   until_stopped=lambda: follow_runs is not None or bool(comebacks.waiting) or bool(rejoining),
+                   on_failure=failed)
         packed.finish_all(after_step, on_failure=failed)
     finally:
         if membership is not None:

@@ -61,12 +61,15 @@ class Membership:
 
 class Packed:
     """Stands in for ``PackedLearner``: ``run`` calls ``between_rounds`` and then the next step of ``script`` (what
-    the round did: a run let go once settled, a run failing), once per step."""
+    the round did: a run let go once settled, a run failing, a run reaching its ``max_steps``), once per step; as
+    ``PackedLearner.run`` does, it returns before a round in which no run is going (each finished or leaving)
+    unless ``until_stopped()``."""
 
     def __init__(self, script: list[Callable[[Packed], None]], engine, learners: list[Learner]) -> None:
         self.script, self.engine = script, engine
         self.runs = [SimpleNamespace(run_id=learner.run_id, learner=learner) for learner in learners]
         self.on_left: dict[str, Callable] = {}
+        self.finished: set[str] = set()  # runs at their max_steps
         self.asked: list[str] = []  # leave's calls, in order
         self.on_failure: Callable[[str, Exception], None] | None = None
 
@@ -81,10 +84,18 @@ class Packed:
         self.on_left.setdefault(run_id, on_left)
 
     def let_go(self, run_id: str) -> None:
-        """``run_id`` settled: taken out, then ``on_left`` told, as ``PackedLearner.let_go`` does."""
+        """``run_id`` settled: taken out, then ``on_left`` told, as ``PackedLearner.let_go`` does; what ``on_left``
+        raises drops the run, as ``PackedLearner._failed`` does."""
         run = next(run for run in self.runs if run.run_id == run_id)
         self.runs.remove(run)
-        self.on_left.pop(run_id)(run.learner)
+        try:
+            self.on_left.pop(run_id)(run.learner)
+        except Exception as exc:
+            self.fail(run_id, exc)
+
+    def finish(self, run_id: str) -> None:
+        """``run_id`` reached its ``max_steps``: it is no longer going."""
+        self.finished.add(run_id)
 
     def fail(self, run_id: str, error: Exception) -> None:
         """``run_id``'s turn raised: dropped and reported, as ``PackedLearner._failed`` does."""
@@ -97,6 +108,9 @@ class Packed:
         self.on_failure = on_failure
         for step in self.script:
             between_rounds(self)
+            going = [run for run in self.runs if run.run_id not in self.finished | set(self.on_left)]
+            if not going and not until_stopped():
+                return
             step(self)
 
     def finish_all(self, on_step, on_failure) -> None:
@@ -143,8 +157,8 @@ class Process:
         for name, stand_in in stand_ins.items():
             monkeypatch.setattr(packed_service, name, stand_in)
 
-    def run(self) -> None:
-        packed_service.run_packed_learner([RunConfig(run_id="a"), RunConfig(run_id="b")], follow_runs="*")
+    def run(self, follow_runs: str | None = "*") -> None:
+        packed_service.run_packed_learner([RunConfig(run_id="a"), RunConfig(run_id="b")], follow_runs=follow_runs)
 
     def serving(self, run_id: str) -> float | None:
         assert self.health is not None
@@ -189,6 +203,19 @@ def test_a_run_started_again_while_leaving_joins_once_it_has_left(monkeypatch):
     assert [run.learner for run in process.packed.runs] == [process.opened["a"][0], again]
     assert process.serving("b") == 1.0
     assert process.membership.serving[1:] == [{"a"}, {"a", "b"}, {"a", "b"}]  # b waits to join, then is served
+
+
+def test_a_named_run_started_again_while_leaving_is_served_once_it_has_left_though_the_others_finished(monkeypatch):
+    """Without --follow-runs: a is stopped, then resumed while it still settles, and b reaches its max_steps
+    meanwhile.  No run is going then, but the process serves on until a has left and joins it again."""
+    process = Process(monkeypatch, rounds=[[Left("a")], [Joined(RunConfig(run_id="a"))]],
+                      script=[lambda packed: None, lambda packed: packed.finish("b"), lambda packed: packed.let_go("a"),
+                              lambda packed: None])
+    process.run(follow_runs=None)
+    first, again = process.opened["a"]
+    assert first.announced == [LearnerLeft(step=3, version=2)] and first.metric_logger.closed
+    assert [run.learner for run in process.packed.runs] == [process.opened["b"][0], again]
+    assert process.serving("a") == 1.0
 
 
 def test_a_run_stopped_again_while_waiting_to_join_after_leaving_stays_stopped(monkeypatch):
