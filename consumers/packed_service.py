@@ -144,15 +144,24 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
             note_runs()
 
         def left(learner: Learner) -> None:
-            """``learner``'s run left: its final checkpoint written, taken by the broker and committed."""
-            leaving.discard(learner.run_id)
+            """``learner``'s run left: its final checkpoint written, taken by the broker and committed.  It left
+            whatever follows: a failure closing it is logged, never reported as the run's (which would bring it
+            back), and it is no longer ``leaving`` only at the end (a run failing while leaving stays stopped)."""
+            run_id, step, version = learner.run_id, learner.state.step, learner.state.version
             try:
-                learner.announce(LearnerLeft(step=learner.state.step, version=learner.state.version))
-            except Exception as exc:  # its checkpoint is written: the announcement only informs
-                log.warning("run %s left, but its LearnerLeft was not announced (%s)", learner.run_id, exc)
-            close_run(learner.run_id)
-            log.info("run %s left at step %d, version %d", learner.run_id, learner.state.step, learner.state.version)
-            note_runs()
+                try:
+                    learner.announce(LearnerLeft(step=step, version=version))
+                except Exception as exc:  # its checkpoint is written: the announcement only informs
+                    log.warning("run %s left, but its LearnerLeft was not announced (%s)", run_id, exc)
+                close_run(run_id)
+                note_runs()
+            except Exception as exc:  # its end is durable: it left all the same
+                log.error("run %s left at step %d, version %d, but closing it failed (%s: %s)", run_id, step,
+                          version, type(exc).__name__, exc)
+            else:
+                log.info("run %s left at step %d, version %d", run_id, step, version)
+            finally:
+                leaving.discard(run_id)
 
         def joined(config: RunConfig) -> Exception | None:
             error = join(packed, config, open_run, close_run)
@@ -193,10 +202,12 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
 
         def close_run(run_id: str) -> None:
             source, learner = sources.pop(run_id, None), learners.pop(run_id, None)
-            if source is not None:
-                source.close()
-            if learner is not None:
-                learner.metric_logger.close()
+            try:
+                if source is not None:
+                    source.close()
+            finally:  # (its metrics flushed even when its consumer fails to close)
+                if learner is not None:
+                    learner.metric_logger.close()
 
         # serving on while a run may still join: followed runs, runs to come back, a run resumed while leaving
         packed.run(should_stop=stop, on_step=after_step, between_rounds=between_rounds,

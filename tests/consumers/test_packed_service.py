@@ -245,3 +245,30 @@ def test_a_run_that_fails_while_leaving_stays_stopped_instead_of_coming_back(mon
     with pytest.raises(RunsFailedError, match="run b stopped on an error"):
         process.run()
     assert process.serving("b") == 0.0  # waits to come back
+
+
+@pytest.mark.parametrize("failing", ["source", "metric logger"])
+def test_a_run_that_left_stays_stopped_when_closing_it_fails(monkeypatch, caplog, failing):
+    """b left (its final checkpoint durable, its LearnerLeft announced), but closing its source or its metric
+    logger raises: that is logged in one line, and b neither waits to come back nor counts as failed."""
+
+    def let_go_failing(packed: Packed) -> None:
+        b = process.opened["b"][0]
+        part = process.sources["b"][0] if failing == "source" else b.metric_logger
+
+        def close() -> None:
+            raise OSError("the bucket is unreachable")
+
+        part.close = close
+        packed.let_go("b")
+
+    process = Process(monkeypatch, rounds=[[Left("b")]], script=[lambda packed: None, let_go_failing,
+                                                                  lambda packed: None])
+    with caplog.at_level(logging.ERROR, logger="rlpipe.learner"):
+        process.run()  # no RunsFailedError: b left
+    assert process.opened["b"][0].announced == [LearnerLeft(step=3, version=2)]
+    assert process.serving("b") is None and [run.run_id for run in process.packed.runs] == ["a"]
+    errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert errors == ["run b left at step 3, version 2, but closing it failed (OSError: the bucket is unreachable)"]
+    if failing == "source":  # its metrics flushed all the same
+        assert process.opened["b"][0].metric_logger.closed
