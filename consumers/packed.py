@@ -211,11 +211,16 @@ class PackedLearner:
             self.let_go(run)
 
     def let_go(self, run: PackedRun) -> None:
-        """Take ``run``, asked to leave and settled, out: its reader closed, its adapter deleted; tell ``on_left``."""
+        """Take ``run``, asked to leave and settled, out: its reader closed, its adapter deleted; tell ``on_left``.
+        Its end is durable by now, so it left whatever deleting its adapter does: a failure there is logged, never
+        raised (as a run's failure it would be dropped and reported instead of let go, and brought back)."""
         assert run.on_left is not None and run.settled
         run.learner.reader.close()
         self.runs.remove(run)
-        self.engine.delete_adapter(run.run_id)
+        try:
+            self.engine.delete_adapter(run.run_id)
+        except Exception as exc:
+            log.error("run %s left, but deleting its adapter failed (%s: %s)", run.run_id, type(exc).__name__, exc)
         run.on_left(run.learner)
 
     def drop(self, run: PackedRun) -> None:

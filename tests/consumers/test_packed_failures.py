@@ -3,11 +3,14 @@ shared model, a warm start of another LoRA shape, another tiny build): it leaves
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from consumers.checkpoint import CheckpointStore
 from consumers.engine import TrainingEngine
+from consumers.engine_data import EngineError
 from consumers.engine_policy import EnginePolicy
 from consumers.learner import Learner
 from consumers.lease import FencedStore, LearnerLease, LeaseLostError
@@ -96,6 +99,42 @@ def test_a_run_whose_step_failed_comes_back_from_its_checkpoint_and_trains_each_
         ours, theirs = adapter_of(batches, run), adapter_of(batches, f"{run}-alone")
         assert CheckpointStore(batches, run).latest().state.step == 4
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6, run
+
+
+def test_a_run_that_left_is_not_reported_failed_when_its_adapter_cannot_be_deleted(batches, setup, caplog):  # noqa: F811
+    """a is asked to leave after its first step and settles (its final checkpoint, step 1, written and committed);
+    deleting its adapter then fails.  a left all the same (``on_left`` told, an error line logged) and is not
+    reported as a failed run, which would bring it back; b trains to its max_steps."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    a, b = (learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, config(run)), config(run))
+            for run in SOURCES)
+    delete_adapter = engine.delete_adapter
+
+    def failing_for_a(name: str) -> None:
+        if name == "a":
+            raise EngineError("adapter 'a': its slot could not be freed")
+        delete_adapter(name)
+
+    engine.delete_adapter = failing_for_a  # type: ignore[method-assign]
+    packed = PackedLearner(engine, [a, b])
+    packed.resume()
+    left: list[Learner] = []
+    failures: list[tuple[str, Exception]] = []
+    asked: list[str] = []
+
+    def between_rounds(packed: PackedLearner) -> None:
+        if a.state.step >= 1 and not asked:
+            packed.leave("a", left.append)
+            asked.append("a")
+
+    with caplog.at_level(logging.ERROR, logger="rlpipe.learner"):
+        packed.run(poll_timeout_s=0, between_rounds=between_rounds,
+                   on_failure=lambda run, exc: failures.append((run, exc)))
+    assert left == [a] and failures == [] and [run.run_id for run in packed.runs] == ["b"]
+    assert [record.getMessage() for record in caplog.records] == [
+        "run a left, but deleting its adapter failed (EngineError: adapter 'a': its slot could not be freed)"]
+    assert CheckpointStore(batches, "a").latest().state.step == a.state.step == 1
+    assert CheckpointStore(batches, "b").latest().state.step == 4
 
 
 def test_settings_of_the_shared_model_must_agree_and_gradient_checkpointing_reaches_it(batches, setup):  # noqa: F811
