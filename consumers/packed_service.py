@@ -24,7 +24,7 @@ from consumers.service import build_learner, progress_line, record_resumed, reco
 from consumers.sources import KafkaSource
 from pipeline.health import HealthServer, PackedRunsHealth
 from pipeline.io.bus import EventPublisher
-from pipeline.membership import Comebacks, Joined, RunMembership, engine_config, runs_not_stopped
+from pipeline.membership import Change, Comebacks, Joined, RunMembership, engine_config, runs_not_stopped
 from pipeline.models import check_same_tiny_build, recorded_tiny_dir, resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
@@ -169,6 +169,27 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                 record_resumed(health, learners[config.run_id], runs_health.labels(config.run_id))
             return error
 
+        def follow(change: Change, serving: set[str]) -> None:
+            """One membership change: a run joins, or waits to (started again while leaving), or is asked to leave
+            (``serving``: the runs served and not leaving), or stays stopped."""
+            if isinstance(change, Joined):
+                if change.config.run_id in leaving:
+                    rejoining[change.config.run_id] = change.config
+                    log.info("run %s started again while leaving; it joins once it has left", change.config.run_id)
+                else:
+                    joined(change.config)
+            elif change.run_id in rejoining:
+                del rejoining[change.run_id]
+                log.info("run %s stopped again before joining again; it stays stopped", change.run_id)
+            elif change.run_id not in serving:  # stopped while waiting to come back
+                comebacks.forget(change.run_id)
+                log.info("run %s stopped while waiting to come back; it stays stopped", change.run_id)
+            else:  # it settles in its turns while the others train, and ``left`` follows once it is settled
+                log.info("run %s leaves: it trains what it has waiting and writes its final checkpoint in its turns",
+                         change.run_id)
+                leaving.add(change.run_id)
+                packed.leave(change.run_id, left)
+
         def between_rounds(packed: PackedLearner) -> None:
             assert membership is not None
             for config in comebacks.due():
@@ -176,28 +197,13 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                 error = joined(config)
                 if error is not None:
                     failed(config.run_id, error)
-            for run_id in [run_id for run_id in rejoining if run_id not in leaving]:  # they have left
-                joined(rejoining.pop(run_id))
             note_runs()
             serving = {run.run_id for run in packed.runs if run.run_id not in leaving}
+            # read before a run started again while leaving joins: a RunStopped since it left keeps it stopped
             for change in membership.changes(serving | set(comebacks.waiting) | set(rejoining)):
-                if isinstance(change, Joined):
-                    if change.config.run_id in leaving:
-                        rejoining[change.config.run_id] = change.config
-                        log.info("run %s started again while leaving; it joins once it has left", change.config.run_id)
-                    else:
-                        joined(change.config)
-                elif change.run_id in rejoining:
-                    del rejoining[change.run_id]
-                    log.info("run %s stopped again while leaving; it stays stopped", change.run_id)
-                elif change.run_id not in serving:  # stopped while waiting to come back
-                    comebacks.forget(change.run_id)
-                    log.info("run %s stopped while waiting to come back; it stays stopped", change.run_id)
-                else:  # it settles in its turns while the others train, and ``left`` follows once it is settled
-                    log.info("run %s leaves: it trains what it has waiting and writes its final checkpoint in its "
-                             "turns", change.run_id)
-                    leaving.add(change.run_id)
-                    packed.leave(change.run_id, left)
+                follow(change, serving)
+            for run_id in [run_id for run_id in rejoining if run_id not in leaving]:  # they have left
+                joined(rejoining.pop(run_id))
             note_runs()
 
         def close_run(run_id: str) -> None:

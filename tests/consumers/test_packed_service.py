@@ -227,6 +227,17 @@ def test_a_run_stopped_again_while_waiting_to_join_after_leaving_stays_stopped(m
     assert [run.run_id for run in process.packed.runs] == ["a"] and process.serving("b") is None
 
 
+def test_a_run_stopped_again_after_it_left_and_before_it_joined_again_stays_stopped(monkeypatch):
+    """b, started again while leaving, has left; its second RunStopped comes before the next round: it is not
+    joined (resumed, its checkpoint announced again) only to be asked to leave at once, a second LearnerLeft."""
+    process = Process(monkeypatch, rounds=[[Left("b")], [Joined(RunConfig(run_id="b"))], [Left("b")]],
+                      script=[lambda packed: None, lambda packed: packed.let_go("b"), lambda packed: None])
+    process.run()
+    assert len(process.opened["b"]) == 1 and process.packed.asked == ["b"]
+    assert process.opened["b"][0].announced == [LearnerLeft(step=3, version=2)]
+    assert [run.run_id for run in process.packed.runs] == ["a"] and process.serving("b") is None
+
+
 def test_a_run_that_fails_while_leaving_stays_stopped_instead_of_coming_back(monkeypatch, caplog):
     """b fails while it settles (its final checkpoint's write failing): it is closed and unreported, announces no
     LearnerLeft, and does not wait to come back (the process ends without ``RunsFailedError``); its newest
