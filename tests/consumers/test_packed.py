@@ -156,6 +156,38 @@ def test_runs_join_and_leave_a_packed_learner_between_rounds(batches, setup):  #
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-6, run
 
 
+def test_a_run_asked_to_leave_with_rows_waiting_trains_them_in_its_turn_and_checkpoints_them(
+        batches, setup):  # noqa: F811
+    """a (batch_rows 32: two 16-row batches a step, checkpoints every 10) is asked to leave after its first step
+    with its third batch's 16 rows waiting: its next turn trains them as step 2 (as a stop would) while b trains
+    on, and its final checkpoint, there when it is let go, is step 2's and covers all three batches."""
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    cfgs = {"a": config("a", batch_rows=32, checkpoint_every=10), "b": config("b")}
+    a, b = (learner_of(batches, run, f"src-{run}", EnginePolicy(engine, run, cfgs[run]), cfgs[run]) for run in SOURCES)
+    packed = PackedLearner(engine, [a, b])
+    packed.resume()
+    steps: list[tuple[str, int, int]] = []  # run, step, rows trained
+    asked: list[int] = []  # rows a had waiting when asked
+    left: list[tuple[int, int]] = []  # a's stored checkpoint when it was let go: step, batches covered
+
+    def between_rounds(packed: PackedLearner) -> None:
+        if a.state.step == 1 and a.work_waiting() and not asked:
+            asked.append(sum(pending.table.num_rows for pending in a.pending))
+            packed.leave("a", on_left)
+
+    def on_left(learner) -> None:
+        stored = CheckpointStore(batches, "a").latest().state
+        left.append((stored.step, len(stored.trained)))
+
+    packed.run(on_step=lambda run, metrics: steps.append((run, metrics["step"], metrics["rows"])), poll_timeout_s=0,
+               between_rounds=between_rounds, until_stopped=lambda: not left)
+    assert asked == [16] and left == [(2, 3)]
+    assert [(step, rows) for run, step, rows in steps if run == "a"] == [(1, 32), (2, 16)]
+    assert steps.index(("a", 2, 16)) < steps.index(("b", 4, 16))  # trained in its turn, b still training after it
+    assert [run.run_id for run in packed.runs] == ["b"] and b.state.step == 4
+    assert CheckpointStore(batches, "b").latest().state.step == 4
+
+
 def test_one_runs_writes_go_on_while_the_next_run_trains(batches, setup):  # noqa: F811
     """A run's publish and checkpoint are written in the background while the other runs take their turns, and
     are all written when the packed loop returns."""
