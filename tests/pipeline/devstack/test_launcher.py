@@ -576,7 +576,8 @@ def test_without_a_terminal_every_learner_step_gets_its_line_however_fast_they_c
         fake.stopping.set()
         watcher.join(timeout=10.0)
     assert not watcher.is_alive(), "the feed did not end once the run stopped"
-    shown = [int(line.split("  ")[1].split()[1].split("/")[0]) for line in capsys.readouterr().out.splitlines()]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("run r ")]  # (not log lines)
+    shown = [int(line.split("  ")[1].split()[1].split("/")[0]) for line in lines]
     assert shown == list(range(1, steps + 1)), f"missing steps {sorted(set(range(1, steps + 1)) - set(shown))}"
 
 
