@@ -47,6 +47,9 @@ GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"  # consumer-group timings, J
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_RAW_BYTES = 4096  # the start of a poison message (and of its key) kept in its DeadLetter
+# How long keep_alive waits for a rejoin under way: a JoinGroup and SyncGroup answered at once take milliseconds;
+# one the broker holds for other members to join is waited on again by the next call.
+KEEP_ALIVE_REJOIN_WAIT_S = 1.0
 
 
 class _ApplyPendingSeeks(ConsumerRebalanceListener):
@@ -383,11 +386,18 @@ class EventConsumer:
         Only a ``poll`` proves liveness to the group (``max_poll_interval_ms``); a
         paused poll returns no records, and anything a rebalance hands over
         meanwhile is rewound so it is delivered by the next ``poll``.
+
+        It returns at once, except while the member rejoins its group: then it waits up to
+        ``KEEP_ALIVE_REJOIN_WAIT_S`` for the rejoin to finish.  kafka-python finishes a rejoin only in a poll that
+        is waiting when its SyncGroup answer arrives; one that arrived between polls is dropped and the next poll
+        sends a new JoinGroup, so polls that never wait would keep the member rejoining (holding its old
+        partitions, its commits refused) for as long as the work lasts.
         """
         already_paused = set(self._consumer.paused())
         self.pause()
         try:
-            self._poll_without_consuming(timeout_ms=0)
+            wait_ms = int(KEEP_ALIVE_REJOIN_WAIT_S * 1000) if self.rebalancing else 0
+            self._poll_without_consuming(timeout_ms=wait_ms)
         finally:
             to_resume = set(self._consumer.assignment()) - already_paused
             if to_resume:

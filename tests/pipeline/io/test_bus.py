@@ -749,6 +749,32 @@ def test_a_member_closed_during_a_rebalance_hands_its_partitions_over(bus_config
     finally:
         first.close()
 
+
+def test_a_member_that_only_keeps_alive_finishes_its_rejoin(bus_config: BusConfig, fast_group: dict) -> None:
+    # A learner in long work calls only keep_alive while a newcomer joins.  Its rejoin's JoinGroup and SyncGroup
+    # complete in the background between two calls (the sleeps make sure of it); kafka-python drops such a finished
+    # rejoin and starts another unless a poll is waiting on it, so zero-timeout polls alone never finish one.
+    config = bus_config.model_copy(update={"topic_partitions": 2})
+    first = EventConsumer(config, "control", "keeper", **fast_group)
+    try:
+        assert len(first.wait_for_assignment()) == 2
+        with EventConsumer(config, "control", "keeper", **fast_group) as newcomer:
+            deadline = time.monotonic() + 30.0
+            while not newcomer.assignment() and time.monotonic() < deadline:
+                first.keep_alive()
+                newcomer.wait_for_assignment(timeout_s=0.3)
+            (theirs,) = newcomer.assignment()
+            deadline = time.monotonic() + 15.0
+            while (first.rebalancing or len(first.assignment()) != 1) and time.monotonic() < deadline:
+                first.keep_alive()
+                newcomer.keep_alive()
+                time.sleep(0.3)  # longer than a JoinGroup and SyncGroup to the local broker take
+            assert not first.rebalancing, f"the first member never finished its rejoin: {first.assignment()}"
+            (mine,) = first.assignment()
+            assert mine != theirs
+    finally:
+        first.close()
+
 # ---------------------------------------------------------------------------------------------------------------------
 # failures within bounded time
 
