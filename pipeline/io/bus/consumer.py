@@ -47,9 +47,10 @@ GROUP_TIMINGS_ENV = "RLPIPE_KAFKA_GROUP_TIMINGS_MS"  # consumer-group timings, J
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_RAW_BYTES = 4096  # the start of a poison message (and of its key) kept in its DeadLetter
-# How long keep_alive waits for a rejoin under way: a JoinGroup and SyncGroup answered at once take milliseconds;
-# one the broker holds for other members to join is waited on again by the next call.
-KEEP_ALIVE_REJOIN_WAIT_S = 1.0
+# How long keep_alive waits for a rejoin under way: longer than the broker holds a JoinGroup that every member has
+# sent (Tansu, the dev stack's broker, about 3 s; Kafka's group.initial.rebalance.delay.ms, 3 s by default).  One it
+# holds longer, for members yet to join, is waited on again by the next call.
+KEEP_ALIVE_REJOIN_WAIT_S = 5.0
 
 
 class _ApplyPendingSeeks(ConsumerRebalanceListener):
