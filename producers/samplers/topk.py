@@ -74,8 +74,7 @@ class TopKRows(Sequence[TopK | None]):
         # token, logprob, token, logprob, ...: float64 holds every int32 id exactly
         pairs = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(row for row in rows if row)),
                             np.float64, 2 * int(lengths_N.sum()))
-        row_M = np.repeat(np.arange(len(rows)), lengths_N)
-        column_M = np.arange(row_M.size) - np.repeat(np.cumsum(lengths_N) - lengths_N, lengths_N)
+        row_M, column_M = cells(lengths_N)
         ids_NK = np.zeros((len(rows), width), np.int32)
         logprobs_NK = np.full((len(rows), width), MISSING_LOGPROB, np.float32)
         ids_NK[row_M, column_M] = pairs[0::2]
@@ -138,3 +137,9 @@ class TopKRows(Sequence[TopK | None]):
 
     def __repr__(self) -> str:
         return f"TopKRows({len(self)} x {self.k})"
+
+
+def cells(counts_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where the M entries of rows holding ``counts_N`` entries each go, row after row: entry m's row and column."""
+    row_M = np.repeat(np.arange(counts_N.size), counts_N)
+    return row_M, np.arange(row_M.size) - np.repeat(np.cumsum(counts_N) - counts_N, counts_N)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from producers.samplers.base import SampleOutput
-from producers.samplers.topk import TopKRows
+from producers.samplers.topk import TopKRows, cells
 
 if TYPE_CHECKING:  # engine.py imports this module
     from producers.samplers.engine import SampleParams
@@ -49,8 +49,7 @@ def top_rows(parts: Sequence[Sequence[Any]], k: int) -> list[TopKRows]:
     and each row ranked by one sort of that matrix.  From dicts the time is in reading the ``Logprob`` objects
     (a million at the cell cap); from ``FlatLogprobs`` it is a few copies of its lists."""
     counts_N, ids_M, ranks_M, logprobs_M = _entries(parts)
-    row_M = np.repeat(np.arange(counts_N.size), counts_N)
-    column_M = np.arange(ids_M.size) - np.repeat(np.cumsum(counts_N) - counts_N, counts_N)  # place in its position
+    row_M, column_M = cells(counts_N)  # each entry's place: its position, then its column there
     shape = (counts_N.size, max(int(counts_N.max(initial=0)), k))
     ids_NJ, ranks_NJ, logprobs_NJ = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.full(shape, -np.inf)
     ids_NJ[row_M, column_M], ranks_NJ[row_M, column_M], logprobs_NJ[row_M, column_M] = ids_M, ranks_M, logprobs_M
