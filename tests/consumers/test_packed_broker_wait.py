@@ -72,12 +72,17 @@ def announced(events: list, run: str) -> list[tuple[str, int]]:
             for e in events if e.run_id == run and isinstance(e.payload, AdapterPublished | LearnerCheckpointed)]
 
 
+def announce_through(publisher, *learners: Learner) -> None:
+    """Every one of ``learners`` announces (its steps' writes and its own) through ``publisher``."""
+    for learner in learners:
+        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+
+
 def test_a_run_whose_events_the_broker_refuses_skips_its_turns_while_the_other_trains(batches, setup):  # noqa: F811
     packed, (a, b) = packed_pair(batches, setup)
     progress = Progress(a)
     publisher = RefusingOneRun("a", progress.refusing)
-    for learner in (a, b):
-        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    announce_through(publisher, a, b)
     packed.resume()
     packed.run(on_step=progress.on_step, poll_timeout_s=0)
     assert publisher.refused  # a's AdapterPublished v1 was refused, and tried again until taken
@@ -135,8 +140,8 @@ def test_a_stop_ends_the_wait_of_a_run_the_broker_refuses_in_one_line_and_the_ot
     packed, (a, b) = packed_pair(batches, setup)
     progress = Progress(a)
     publisher = RefusingOneRun("a", lambda: time.monotonic() < progress.deadline)  # refused until the deadline
+    announce_through(publisher, a, b)
     for learner in (a, b):
-        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
         learner.outputs.stopping = lambda: len(progress.b_steps) >= 2
     failures: dict[str, Exception] = {}
     packed.resume()
@@ -514,8 +519,7 @@ def test_a_run_at_its_budget_whose_final_checkpoint_the_broker_refuses_passes_it
     progress = Progress(a)
     publisher = RefusingOneOfAs(lambda payload: isinstance(payload, LearnerCheckpointed) and payload.step == 2,
                                 lambda: len(progress.b_steps) < 4 and time.monotonic() < progress.deadline)
-    for learner in (a, b):
-        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    announce_through(publisher, a, b)
     b_steps = RefusedAtBSteps(progress, a, lambda: publisher.refused)
     packed.resume()
     packed.run(on_step=b_steps.on_step, poll_timeout_s=0)
@@ -578,8 +582,7 @@ def test_a_run_whose_dead_letter_the_broker_refuses_passes_its_turns_and_reads_n
     progress = Progress(a)
     publisher = RefusingOneOfAs(lambda payload: isinstance(payload, DeadLetter),
                                 lambda: len(progress.b_steps) < 4 and time.monotonic() < progress.deadline)
-    for learner in (a, b):
-        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    announce_through(publisher, a, b)
     b_steps = RefusedAtBSteps(progress, a, lambda: publisher.refused)
     packed.resume()
     packed.run(on_step=b_steps.on_step, poll_timeout_s=0)
@@ -618,8 +621,7 @@ def test_a_stop_while_a_run_settles_in_its_turns_and_its_final_checkpoint_is_ref
     progress = Progress(a)
     publisher = RefusingOneOfAs(lambda payload: isinstance(payload, LearnerCheckpointed) and payload.step == 2,
                                 lambda: time.monotonic() < progress.deadline)
-    for learner in (a, b):
-        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    announce_through(publisher, a, b)
     commits: list = []
     a.source = RefusedCommits(a.source, lambda: False, commits)  # type: ignore[assignment]
     should_stop = stopping_once(progress, lambda: publisher.refused, [a, b])
@@ -646,8 +648,7 @@ def test_a_stop_while_a_runs_dead_letter_is_refused_ends_its_wait_and_commits_no
     progress = Progress(a)
     publisher = RefusingOneOfAs(lambda payload: isinstance(payload, DeadLetter),
                                 lambda: time.monotonic() < progress.deadline)
-    for learner in (a, b):
-        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    announce_through(publisher, a, b)
     commits: list = []
     a.source = RefusedCommits(a.source, lambda: False, commits)  # type: ignore[assignment]
     should_stop = stopping_once(progress, lambda: publisher.refused, [a, b])
@@ -680,8 +681,7 @@ def test_a_dead_letter_the_broker_refuses_for_good_drops_its_run_at_its_next_tur
     damaged = damaging_second_batch(a)
     progress = Progress(a)
     publisher = RefusingOneOfAs(lambda payload: isinstance(payload, DeadLetter), lambda: True, for_good=True)
-    for learner in (a, b):
-        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    announce_through(publisher, a, b)
     failures: list[tuple[str, Exception, int]] = []  # who failed, on what, at how many of b's steps
     packed.resume()
     packed.run(on_step=progress.on_step, poll_timeout_s=0,
@@ -707,8 +707,7 @@ def test_a_run_asked_to_leave_whose_final_checkpoint_the_broker_refuses_settles_
     progress = Progress(a)
     publisher = RefusingOneOfAs(lambda payload: refused == "event" and isinstance(payload, LearnerCheckpointed),
                                 progress.refusing)
-    for learner in (a, b):
-        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    announce_through(publisher, a, b)
     commits: list = []
     source = RefusedCommits(a.source, lambda: refused == "commit" and progress.refusing(), commits)
     a.source = source  # type: ignore[assignment]
@@ -759,8 +758,7 @@ def test_a_stop_while_a_run_is_leaving_still_writes_its_final_checkpoint_and_let
 
     publisher = RefusingOneOfAs(lambda payload: isinstance(payload, LearnerCheckpointed),
                                 lambda: not stopped_at or time.monotonic() < stopped_at[0] + 2.0)
-    for learner in (a, b):
-        learner.announce = learner.outputs.announce = Announcer(publisher, learner.run_id)  # type: ignore[arg-type]
+    announce_through(publisher, a, b)
     commits: list = []
     a.source = RefusedCommits(a.source, lambda: False, commits)  # type: ignore[assignment]
     left: list[Learner] = []
