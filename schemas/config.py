@@ -21,7 +21,7 @@ from schemas.connections import BusConfig, StoreConfig
 from schemas.fields import ConfigSection as _Section
 from schemas.names import validate_name
 from schemas.trajectory import MIN_SAMPLING_TEMPERATURE, behaviour_policy_problem
-from schemas.value import ValueRunConfig
+from schemas.value import ValueLearnerConfig, ValueRunConfig
 
 PRODUCER_SLOTS = 256  # training seed ranges per run: one per producer ordinal (num_producers' bound)
 _DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:[0-9]+)?")  # learner.device: what torch.device() opens
@@ -452,6 +452,11 @@ def check_packable(configs: list[RunConfig], shared: tuple[str, ...], what: str)
                                  f"packed runs share {what}: start them separately")
 
 
+def active_learner(config: RunConfig) -> LearnerConfig | ValueLearnerConfig:
+    """The learner that trains the run: a value run's value learner, any other run's LoRA learner."""
+    return config.value.learner if config.value is not None else config.learner
+
+
 def step_budget(config: RunConfig) -> int | None:
-    """The run's ``max_steps``: a value run's is its value learner's, any other run's its LoRA learner's."""
-    return (config.value.learner if config.value is not None else config.learner).max_steps
+    """The run's ``max_steps``: its active learner's (``active_learner``)."""
+    return active_learner(config).max_steps

@@ -71,7 +71,7 @@ from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import remote_failures
 from pipeline.membership import announce_membership
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
-from schemas.config import RunConfig, step_budget
+from schemas.config import RunConfig, active_learner, step_budget
 from schemas.events import Envelope, LearnerCheckpointed, RunStarted, RunStopped
 
 log = logging.getLogger("rlpipe.run")
@@ -185,7 +185,7 @@ class Launcher:
         self.board = self.boards[self.config.run_id]
         self.step_lines = {} if self.live else {
             c.run_id: StepLines(c.run_id, self.boards[c.run_id], step_budget(c),
-                                (c.value.learner if c.value is not None else c.learner).checkpoint_every,
+                                active_learner(c).checkpoint_every,
                                 shown_step=self.stored_step(c))
             for c in self.configs}
 
