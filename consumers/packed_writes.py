@@ -64,7 +64,7 @@ class RunWrites:
             return True
         outputs.letters.wait()  # sent (or none): returns at once, raising the error that ended it
         writer = outputs.writer
-        if writer.busy and not writer.done:
+        if writer.going:
             if lone and not outputs.waiting_for_broker():
                 return False
             self.keep_alive()
@@ -78,12 +78,11 @@ class RunWrites:
         """Whether the run's writes are not all taken (still going, a dead letter still being sent, or a commit
         owed), as last seen; no I/O."""
         writer = self.learner.outputs.writer
-        return (writer.busy and not writer.done) or self.letter_going() or self.owed is not None
+        return writer.going or self.letter_going() or self.owed is not None
 
     def letter_going(self) -> bool:
         """Whether a dead letter of the run's is still being sent (or refused)."""
-        letters = self.learner.outputs.letters
-        return letters.busy and not letters.done
+        return self.learner.outputs.letters.going
 
     def try_commit(self) -> bool:
         """One try of the owed commit (polling first when it was refused before); whether the broker took it."""

@@ -107,6 +107,11 @@ class StepWriter:
         """The submitted job (if any) has finished: ``wait`` would not block."""
         return self._job is None or self._job.done()
 
+    @property
+    def going(self) -> bool:
+        """A job is submitted and still running: ``wait`` would block."""
+        return self.busy and not self.done
+
     def wait(self, keep_alive: Callable[[], None] | None = None) -> Any:
         """The submitted job's result (None when there is none); its exception is raised here.
 

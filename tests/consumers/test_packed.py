@@ -316,7 +316,7 @@ class Turns:
         self.cfg = SimpleNamespace(seed=0)
         self.incoming = deque(range(delivered))
         self.source = SimpleNamespace(exhausted=lambda: False)
-        idle = SimpleNamespace(busy=False, done=True, wait=lambda keep_alive=None: None)
+        idle = SimpleNamespace(busy=False, done=True, going=False, wait=lambda keep_alive=None: None)
         self.outputs = SimpleNamespace(writer=idle, letters=idle)  # no writes, no dead letters
         self.steps = 0
         self.poll_timeouts: list[float] = []
