@@ -131,7 +131,7 @@ def test_a_run_that_left_is_not_reported_failed_when_its_adapter_cannot_be_delet
         packed.run(poll_timeout_s=0, between_rounds=between_rounds,
                    on_failure=lambda run, exc: failures.append((run, exc)))
     assert left == [a] and failures == [] and [run.run_id for run in packed.runs] == ["b"]
-    assert [record.getMessage() for record in caplog.records] == [
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == [
         "run a left, but deleting its adapter failed (EngineError: adapter 'a': its slot could not be freed)"]
     assert CheckpointStore(batches, "a").latest().state.step == a.state.step == 1
     assert CheckpointStore(batches, "b").latest().state.step == 4
