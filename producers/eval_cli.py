@@ -69,8 +69,8 @@ def eval(
         "choose between runs without touching those; never stored for the report."))] = False,
     held_out: Annotated[int | None, typer.Option(min=1, max=100_000, help=(
         "With --validation: how many held-out episodes to leave alone (default: --episodes, or further if the "
-        "run's stored results reach further, refused while one of them cannot be read; fewer than they reach is "
-        "refused). Give runs you compare the same --held-out, so they are validated on the same seeds."))] = None,
+        "run's stored results reach further, or --episodes past the first seed of one stored with a raised "
+        "env.eval_seed_offset; refused while one of them cannot be read; fewer than they reach is refused). Give runs you compare the same --held-out, so they are validated on the same seeds."))] = None,
     save: Annotated[bool | None, typer.Option(help=(
         "Store the result under runs/RUN/eval/ for the report (default: yes, except with --validation)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -166,14 +166,15 @@ def eval(
 
 
 def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int | None, episodes: int) -> int:
-    """How many held-out episodes ``--validation`` leaves alone before its own: ``--held-out``, else the larger of
-    ``--episodes`` (what a later ``eval --episodes N`` plays) and how far the run's stored held-out results reach:
-    either short of the other would validate on seeds that are reported on.  A ``--held-out`` short of the stored
+    """How many held-out episodes ``--validation`` leaves alone before its own: ``--held-out``, else as far as the
+    run's stored held-out results reach and ``--episodes`` past the first seed of each of them and of
+    ``env.eval_seed_offset`` (what a later ``eval --episodes N`` from there plays; ``validation_reach``): short of
+    any would validate on seeds that are reported on.  A ``--held-out`` short of the stored
     results is refused: its validation episodes would replay their seeds; so is the default while a stored result
     cannot be read (how far it reaches is unknown).  The default differs between runs with
     different stored results, so runs compared on validation need one shared ``--held-out``."""
     from pipeline.analysis.runs import read_evals
-    from producers.evaluation import held_out_played, held_out_ranges
+    from producers.evaluation import held_out_played, held_out_ranges, validation_reach
 
     if building:
         from producers.offline.policy_eval import first_held_out_day
@@ -191,7 +192,7 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
                           markup=False)
     played = held_out_played(stored, config.env.name, first)
     if held_out is None:
-        return max(played, episodes)
+        return validation_reach(stored, config.env.name, first, episodes)
     if held_out < played:
         unit = "days" if building else "seeds"
         ranges = " and ".join(f"{low}-{high}" for low, high in held_out_ranges(stored, config.env.name, first))

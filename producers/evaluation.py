@@ -173,6 +173,17 @@ def held_out_played(results: list[EvalResult], env: str, first_seed: int) -> int
     return ranges[-1][1] + 1 - first_seed if ranges else 0
 
 
+def validation_reach(results: list[EvalResult], env: str, first_seed: int, episodes: int) -> int:
+    """How many seeds of ``env`` from ``first_seed`` on a default ``rlpipe eval --validation`` of ``episodes`` leaves
+    alone: past every seed a stored result played, and past the first ``episodes`` seeds from where each held-out
+    evaluation starts, ``first_seed`` and every stored result's ``seed_start`` (the ``env.eval_seed_offset`` it was
+    made with), since a later ``rlpipe eval --episodes N`` from there plays those.  Counting ``episodes`` from
+    ``first_seed`` alone would put a validation right after a result stored with a raised offset, on seeds a
+    held-out evaluation of ``episodes`` with that offset plays."""
+    starts = [first_seed] + [r.seed_start for r in results if r.env == env]
+    return max(max(starts) + episodes - first_seed, held_out_played(results, env, first_seed))
+
+
 def baseline_result(config: RunConfig, policy: str, episodes: int) -> EvalResult:
     """The scripted heuristic or random policy on the same held-out seeds (for comparison)."""
     from producers.envs.evaluate import evaluate

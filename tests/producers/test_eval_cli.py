@@ -184,3 +184,16 @@ def test_the_refusal_of_a_short_held_out_count_names_the_seeds_stored_results_pl
     assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1, out.output
     assert f"{offset}-{offset + 3} and {offset + 10}-{offset + 11}" in out.output, out.output
     assert "--held-out 12" in out.output, out.output
+
+
+def test_validation_skips_its_episode_count_from_a_stored_result_with_a_raised_offset(tmp_path: Path) -> None:
+    """A result stored with env.eval_seed_offset raised by 100 played offset+100..103; its held-out seeds start
+    there, so a later ``eval --episodes 8`` with that offset plays offset+100..107.  A validation of 8 skips past
+    those (offset+108), as it skips 8 from the run's own offset, not only past the 4 seeds stored there."""
+    store, config = _value_run(tmp_path, "raised")
+    offset = config.env.eval_seed_offset
+    raised = f"env.eval_seed_offset={offset + 100}"
+    assert _seed_starts(store, "--run", "raised", "--episodes", "4", "--set", raised) == [offset + 100]
+    assert _seed_starts(store, "--run", "raised", "--episodes", "8", "--validation") == [offset + 108]
+    assert _seed_starts(store, "--run", "raised", "--episodes", "8", "--validation", "--set", raised) == [offset + 108]
+    assert _seed_starts(store, "--run", "raised", "--episodes", "2", "--validation") == [offset + 104]

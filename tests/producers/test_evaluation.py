@@ -201,3 +201,16 @@ def test_the_held_out_ranges_are_the_seeds_played_with_their_gaps() -> None:
     results = [_stored(110, 2), _stored(100, 4), _stored(102, 4)]
     assert held_out_ranges(results, "cartpole", 100) == [(100, 105), (110, 111)]
     assert held_out_played(results, "cartpole", 100) == 12
+
+
+def test_the_validation_skip_covers_each_stored_start_plus_the_validation_count() -> None:
+    """Stored 100..103 and 110..111 (a raised offset), validation of 5: the held-out evaluations that started at
+    100 and 110 play 100..104 and 110..114 with 5 episodes, so 115 - 100 = 15 seeds are left alone; with 1 episode the seeds
+    played decide (112 - 100 = 12); with nothing stored the validation's own 5 from the first seed."""
+    from producers.evaluation import validation_reach
+
+    results = [_stored(110, 2), _stored(100, 4), _stored(90, 5), _stored(100, 3, env="sokoban")]
+    assert validation_reach(results, "cartpole", 100, 5) == 15
+    assert validation_reach(results, "cartpole", 100, 1) == 12
+    assert validation_reach([], "cartpole", 100, 5) == 5
+    assert validation_reach([_stored(98, 1)], "cartpole", 100, 5) == 5  # 98..102 at 5 episodes: within 100..104
