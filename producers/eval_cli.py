@@ -121,6 +121,8 @@ def eval(
     if validation and save:
         fail("--validation results are never stored (the report shows held-out results); drop --save", 2)
     skip = validation_skip(config, store, building, held_out, episodes) if validation else 0
+    if not validation:
+        refuse_validated_seeds(config, store, building, episodes)
     if validation:
         config = config.model_copy(update={"env": config.env.model_copy(
             update={"eval_seed_offset": config.env.eval_seed_offset + skip})})
@@ -137,6 +139,12 @@ def eval(
     for policy in baseline or []:
         results.append(building_baseline(config, store, policy, episodes, skip) if building
                        else baseline_result(config, policy, episodes))
+    if validation:  # after the play: the seeds are seen once its numbers are
+        from producers.evaluation import save_validation
+        from schemas.evaluation import ValidationPlayed
+
+        save_validation(store, ValidationPlayed(run_id=config.run_id, env=config.env.name,
+                                                seed_start=results[0].seed_start, episodes=episodes))
     keys = [save_result(store, r) for r in results] if save is not False and not validation else []
     if as_json:
         print_json({"results": [r.model_dump(mode="json") for r in results], "saved": keys})
@@ -199,6 +207,38 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
         fail(f"run {config.run_id!r} has stored held-out results on {unit} {ranges}: --held-out {played} or more "
              f"keeps the validation episodes off them (or leave --held-out out)", 2)
     return held_out
+
+
+def refuse_validated_seeds(config: RunConfig, store: Any, building: bool, episodes: int) -> None:
+    """Refuse held-out episodes on seeds a ``--validation`` of the run played (recorded under
+    ``runs/RUN/validation/``): runs were chosen on those, so reporting on them would report on the choice.
+    A validation skips the held-out episodes it knows of; a later held-out evaluation of more reaches its seeds."""
+    from producers.evaluation import read_validations, validated_ranges
+    from schemas.evaluation import validation_prefix
+
+    if building:
+        from producers.offline.policy_eval import first_held_out_day
+
+        first = first_held_out_day(config, store)
+    else:
+        first = config.env.eval_seed_offset
+    played, unreadable = read_validations(store, config.run_id)
+    if unreadable:
+        fail(f"{unreadable[0]}: the seeds that validation played are unknown, so held-out episodes might report on "
+             f"them; delete it from {store.root} (validate again to record them)", 2)
+    overlap = validated_ranges(played, config.env.name, first, episodes)
+    if not overlap:
+        return
+    unit = "days" if building else "seeds"
+    fixes = [f"--episodes {overlap[0][0] - first} or fewer stays before them"] if overlap[0][0] > first else []
+    if not building:  # a building run's held-out days start after its dataset's, whatever the offset
+        past = max(p.seed_start + p.episodes for p in played if p.env == config.env.name)
+        fixes.append(f"--set env.eval_seed_offset={past} plays after every validated seed")
+    if not fixes:  # a validation from the first held-out day on (a dataset's days changed since)
+        fixes.append(f"delete {validation_prefix(config.run_id)}/ from {store.root} to report on them anyway")
+    ranges = " and ".join(f"{low}-{high}" for low, high in overlap)
+    fail(f"run {config.run_id!r} was validated on held-out {unit} {ranges} (rlpipe eval --validation), so these "
+         f"episodes would report on what runs were chosen on; {', or '.join(fixes)}", 2)
 
 
 def evaluate_model_versions(config: RunConfig, store: Any, numbers: list[int], episodes: int, greedy: bool,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,16 @@ from producers.rollout import FixedAdapter, RolloutWorker
 from producers.samplers import sampler_for_run
 from producers.samplers.base import AdapterHandle, Sampler
 from schemas.config import RunConfig
-from schemas.evaluation import EvalResult, eval_key, eval_to_bytes
+from schemas.evaluation import (
+    EvalResult,
+    ValidationPlayed,
+    eval_key,
+    eval_to_bytes,
+    validation_from_bytes,
+    validation_key,
+    validation_prefix,
+    validation_to_bytes,
+)
 
 log = logging.getLogger("rlpipe.eval")
 
@@ -150,10 +160,39 @@ def save_result(store: ObjectStore, result: EvalResult) -> str:
     return key
 
 
-def held_out_ranges(results: list[EvalResult], env: str, first_seed: int) -> list[tuple[int, int]]:
-    """The seeds of ``env`` from ``first_seed`` on that stored results played, as (first, last) ranges, ascending,
-    overlapping and adjacent ones merged: a result that starts before ``first_seed`` counts from it, and the gaps
-    between results (one stored with a raised ``env.eval_seed_offset``) stay gaps."""
+def save_validation(store: ObjectStore, played: ValidationPlayed) -> str:
+    """Record the seeds a validation played under ``runs/<run>/validation/`` (create-only; the same range again
+    is the same bytes, so a repeated validation writes nothing new)."""
+    key = validation_key(played)
+    store.put_create_once(key, validation_to_bytes(played))
+    return key
+
+
+def read_validations(store: ObjectStore, run_id: str) -> tuple[list[ValidationPlayed], list[str]]:
+    """Every readable record of seeds a validation of the run played, and why each other one could not be read."""
+    played, unreadable = [], []
+    for key in store.list(validation_prefix(run_id), recursive=True):
+        if not key.endswith(".json"):
+            continue
+        try:
+            played.append(validation_from_bytes(store.get(key), where=key))
+        except (ValueError, FileNotFoundError) as exc:
+            unreadable.append(str(exc))
+    return played, unreadable
+
+
+def validated_ranges(played: list[ValidationPlayed], env: str, first_seed: int, episodes: int) -> list[tuple[int, int]]:
+    """The seeds of ``env`` among ``first_seed .. first_seed + episodes - 1`` (a held-out evaluation's) that
+    validations played, as ``held_out_ranges`` gives them: reporting on those would report on what was chosen on."""
+    end = first_seed + episodes
+    return [(low, min(high, end - 1)) for low, high in held_out_ranges(played, env, first_seed) if low < end]
+
+
+def held_out_ranges(results: Sequence[EvalResult | ValidationPlayed], env: str,
+                    first_seed: int) -> list[tuple[int, int]]:
+    """The seeds of ``env`` from ``first_seed`` on that stored results (or validations) played, as (first, last)
+    ranges, ascending, overlapping and adjacent ones merged: a result that starts before ``first_seed`` counts from
+    it, and the gaps between results (one stored with a raised ``env.eval_seed_offset``) stay gaps."""
     spans = sorted((max(r.seed_start, first_seed), r.seed_start + r.episodes - 1)
                    for r in results if r.env == env and r.seed_start + r.episodes > first_seed)
     merged: list[tuple[int, int]] = []

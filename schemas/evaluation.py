@@ -11,6 +11,11 @@ The 95% confidence interval is ``mean +- ci95`` with a Student-t critical value
 (a normal 1.96 under-covers with the few dozen episodes an evaluation usually has).
 Unknown fields are ignored (a newer minor version may add optional ones); a newer
 major version is refused.
+
+``rlpipe eval --validation`` -> store (``runs/<run_id>/validation/<env>-seed1000064-episodes64.json``)
+-> ``rlpipe eval``: a validation's results are not stored (runs are chosen on them, so they are
+not reported), but the seeds it played are (``ValidationPlayed``), so a later held-out
+evaluation refuses to report on them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from schemas.versions import check_readable
 
 EVAL_SCHEMA_VERSION = "1.0"
 EVAL_FOLDER = "eval"
+VALIDATION_FOLDER = "validation"
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 # Two-sided 95% Student-t critical values t_{0.975, df} for df = 1..30 (a t table, 6 decimals); an expansion beyond.
 _T_975 = (
@@ -200,3 +206,60 @@ def eval_to_bytes(result: EvalResult) -> bytes:
 def eval_from_bytes(data: bytes, where: str = "evaluation result") -> EvalResult:
     """Bytes -> validated result; ``EvalResultError`` (``SchemaVersionError`` for a newer major) says what is wrong."""
     return record_from_bytes(data, EvalResult, EVAL_SCHEMA_VERSION, EvalResultError, where, "evaluation result")
+
+
+class ValidationPlayedError(ValueError):
+    """Bytes that are not a readable validation record."""
+
+
+class ValidationPlayed(BaseModel):
+    """The seeds one ``rlpipe eval --validation`` played (``rlpipe eval --validation`` -> store -> ``rlpipe eval``).
+
+    No time and no returns: the same validation repeated (each run compared, each version) writes the same bytes
+    under the same key, so the folder holds one record per distinct range."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    schema_version: str = Field(EVAL_SCHEMA_VERSION, description="MAJOR.MINOR of this record")
+    run_id: str = Field(description="the run that was validated")
+    env: str = Field(min_length=1, max_length=64, description="registered environment name")
+    seed_start: int = Field(ge=0, description="first seed played (a building run's: first day)")
+    episodes: int = Field(ge=1, le=10_000_000, description="episodes played, one per seed from seed_start")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _readable(cls, data: object) -> object:
+        if isinstance(data, dict) and "schema_version" in data:
+            check_readable(str(data["schema_version"]), EVAL_SCHEMA_VERSION, "validation record")
+        return data
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        return validate_name(value, "run_id")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: str) -> str:
+        return validate_name(value, "env")
+
+
+def validation_prefix(run_id: str) -> str:
+    """Folder key of the seeds a run's validations played."""
+    return f"runs/{validate_name(run_id, 'run_id')}/{VALIDATION_FOLDER}"
+
+
+def validation_key(played: ValidationPlayed) -> str:
+    """Object key of one validation range: ``runs/<run>/validation/cartpole-seed1000064-episodes64.json``."""
+    return f"{validation_prefix(played.run_id)}/{played.env}-seed{played.seed_start}-episodes{played.episodes}.json"
+
+
+def validation_to_bytes(played: ValidationPlayed) -> bytes:
+    """Canonical JSON (sorted keys), written create-only at ``validation_key(played)``."""
+    return record_to_bytes(played)
+
+
+def validation_from_bytes(data: bytes, where: str = "validation record") -> ValidationPlayed:
+    """Bytes -> validated record; ``ValidationPlayedError`` (``SchemaVersionError`` for a newer major) says what."""
+    return record_from_bytes(data, ValidationPlayed, EVAL_SCHEMA_VERSION, ValidationPlayedError, where,
+                             "validation record")

@@ -197,3 +197,21 @@ def test_validation_skips_its_episode_count_from_a_stored_result_with_a_raised_o
     assert _seed_starts(store, "--run", "raised", "--episodes", "8", "--validation") == [offset + 108]
     assert _seed_starts(store, "--run", "raised", "--episodes", "8", "--validation", "--set", raised) == [offset + 108]
     assert _seed_starts(store, "--run", "raised", "--episodes", "2", "--validation") == [offset + 104]
+
+
+def test_a_held_out_evaluation_is_refused_on_seeds_a_validation_played(tmp_path: Path) -> None:
+    """A validation of 2 with nothing stored plays offset+2..3 and records them; a later held-out ``eval
+    --episodes 8`` (offset+0..7) would report on seeds runs were chosen on: refused in one line naming them and the
+    --episodes that stays before them.  2 held-out episodes, or 8 from past the validation's seeds, play."""
+    store, config = _value_run(tmp_path, "chosen")
+    offset = config.env.eval_seed_offset
+    assert _seed_starts(store, "--run", "chosen", "--episodes", "2", "--validation") == [offset + 2]
+    assert _seed_starts(store, "--run", "chosen", "--episodes", "2", "--validation") == [offset + 2]  # again: same
+    out = runner.invoke(app, ["eval", "--run", "chosen", "--root", store.url(""), "--version", "0", "--episodes", "8"])
+    assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1, out.output
+    assert f"{offset + 2}-{offset + 3}" in out.output and "--episodes 2 or fewer" in out.output, out.output
+    assert f"env.eval_seed_offset={offset + 4}" in out.output, out.output
+    assert not store.list("runs/chosen/eval/")  # nothing played, nothing stored
+    assert _seed_starts(store, "--run", "chosen", "--episodes", "2") == [offset]
+    assert _seed_starts(store, "--run", "chosen", "--episodes", "8", "--set",
+                        f"env.eval_seed_offset={offset + 4}") == [offset + 4]

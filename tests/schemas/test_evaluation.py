@@ -28,3 +28,23 @@ def test_the_critical_value_falls_smoothly_to_the_normal_one():
     with pytest.raises(ValueError, match="at least 1"):
         t_critical_95(0)
     assert mean_ci95([4.0]) == (4.0, 0.0)
+
+
+def test_a_validation_record_round_trips_and_its_key_names_its_seeds():
+    """The same validation (environment, first seed, episodes) has one key and the same bytes each time, so
+    repeating it writes nothing new; a damaged record is refused naming where it was read."""
+    from schemas.evaluation import (
+        ValidationPlayed,
+        ValidationPlayedError,
+        validation_from_bytes,
+        validation_key,
+        validation_to_bytes,
+    )
+
+    played = ValidationPlayed(run_id="r", env="cartpole", seed_start=1_000_004, episodes=8)
+    assert validation_from_bytes(validation_to_bytes(played)) == played
+    assert validation_key(played) == "runs/r/validation/cartpole-seed1000004-episodes8.json"
+    assert validation_to_bytes(ValidationPlayed(run_id="r", env="cartpole", seed_start=1_000_004, episodes=8)) == \
+        validation_to_bytes(played)
+    with pytest.raises(ValidationPlayedError, match="here"):
+        validation_from_bytes(b"{not json", where="here")
