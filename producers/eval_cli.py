@@ -66,11 +66,13 @@ def eval(
     overrides: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a config field.")] = None,
     validation: Annotated[bool, typer.Option(help=(
         "Play --episodes episodes after the held-out ones instead (building runs: the days after them), to "
-        "choose between runs without touching those; never stored for the report."))] = False,
+        "choose between runs without touching those; never stored for the report, but the seeds played are, and a "
+        "later held-out eval reaching them is refused."))] = False,
     held_out: Annotated[int | None, typer.Option(min=1, max=100_000, help=(
         "With --validation: how many held-out episodes to leave alone (default: --episodes, or further if the "
         "run's stored results reach further, or --episodes past the first seed of one stored with a raised "
-        "env.eval_seed_offset; refused while one of them cannot be read; fewer than they reach is refused). Give runs you compare the same --held-out, so they are validated on the same seeds."))] = None,
+        "env.eval_seed_offset; refused while one of them cannot be read; fewer than they reach is refused). "
+        "Give runs you compare the same --held-out, so they are validated on the same seeds."))] = None,
     save: Annotated[bool | None, typer.Option(help=(
         "Store the result under runs/RUN/eval/ for the report (default: yes, except with --validation)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -123,7 +125,7 @@ def eval(
     skip = validation_skip(config, store, building, held_out, episodes) if validation else 0
     if not validation:
         refuse_validated_seeds(config, store, building, episodes)
-    if validation:
+    else:
         config = config.model_copy(update={"env": config.env.model_copy(
             update={"eval_seed_offset": config.env.eval_seed_offset + skip})})
     if building:

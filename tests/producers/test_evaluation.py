@@ -214,3 +214,16 @@ def test_the_validation_skip_covers_each_stored_start_plus_the_validation_count(
     assert validation_reach(results, "cartpole", 100, 1) == 12
     assert validation_reach([], "cartpole", 100, 5) == 5
     assert validation_reach([_stored(98, 1)], "cartpole", 100, 5) == 5  # 98..102 at 5 episodes: within 100..104
+
+
+def test_the_validated_ranges_are_those_a_held_out_evaluation_would_reach() -> None:
+    """Validations on 104..105 and 108..111 (and sokoban's 100..109): 8 held-out episodes from 100 (100..107) reach
+    104..105 only; 10 reach 108..109 too, cut at the last seed they play; 4 reach none."""
+    from producers.evaluation import validated_ranges
+    from schemas.evaluation import ValidationPlayed
+
+    played = [ValidationPlayed(run_id="ev", env=env, seed_start=start, episodes=n)
+              for env, start, n in (("cartpole", 108, 4), ("cartpole", 104, 2), ("sokoban", 100, 10))]
+    assert validated_ranges(played, "cartpole", 100, 8) == [(104, 105)]
+    assert validated_ranges(played, "cartpole", 100, 10) == [(104, 105), (108, 109)]
+    assert validated_ranges(played, "cartpole", 100, 4) == []
