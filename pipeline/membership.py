@@ -86,7 +86,18 @@ def engine_config(configs: list[RunConfig], follow_runs: str | None, template: R
 
 
 def joining_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunConfig:
-    """Run ``run_id``'s stored configuration on ``template``'s broker and store; ValueError naming what is wrong."""
+    """Run ``run_id``'s stored configuration on ``template``'s broker and store (``stored_run_config``), if a packed
+    process can serve it; ValueError naming what is wrong."""
+    config = stored_run_config(store, run_id, template)
+    if config.value is not None:  # its own value learner and producer serve it (they hold its lease)
+        raise ValueError("it is value-based (value:); packed processes serve LoRA runs: start its own value "
+                         "learner and producer")
+    return config
+
+
+def stored_run_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunConfig:
+    """Run ``run_id``'s stored configuration (``run.json`` and the changes recorded since) on ``template``'s broker
+    and store; ValueError naming what is wrong."""
     try:
         stored = effective_run_config(store, run_id)
     except FileNotFoundError:
@@ -102,9 +113,6 @@ def joining_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunC
     if config.run_id != run_id:
         raise ValueError(f"run {run_id}'s stored configuration names run {config.run_id}; create the run again "
                          "under a new name (rlpipe runs create)")
-    if config.value is not None:  # its own value learner and producer serve it (they hold its lease)
-        raise ValueError("it is value-based (value:); packed processes serve LoRA runs: start its own value "
-                         "learner and producer")
     return config
 
 

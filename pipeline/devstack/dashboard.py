@@ -5,8 +5,8 @@ Each panel shows the learner's step, version and recent rewards, and one row per
 running) would keep showing its last rates as if current: its row says instead how long it has been silent.
 Once the run has ended (its learner at its step budget, or ``RunStopped``: a packed run is let go while the
 others go on) its producers stop beating for it by design, so their rows say ``done`` or ``stopped`` instead.
-A ``RunStarted`` after that (``rlpipe runs resume``, perhaps with a raised budget the launcher does not know)
-ends the end: the rows show beats and silences again until the next stop.
+A ``RunStarted`` after that (``rlpipe runs resume``, perhaps with a raised budget, which the launcher then reads
+from the store) ends the end: the rows show beats and silences again until the next stop.
 
 Without a live view (``--no-dashboard``, or standard output not a terminal) the same events give one plain line
 per learner step instead (``StepLines``), so a long run is never silent between its first and last lines.

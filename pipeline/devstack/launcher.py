@@ -69,7 +69,7 @@ from pipeline.io.bus import (
 )
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import remote_failures
-from pipeline.membership import announce_membership
+from pipeline.membership import announce_membership, stored_run_config
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
 from schemas.config import RunConfig, active_learner, step_budget
 from schemas.events import Envelope, LearnerCheckpointed, RunStarted, RunStopped
@@ -316,6 +316,8 @@ class Launcher:
         board = self.boards.get(event.run_id)
         if board is None:
             return
+        if isinstance(event.payload, RunStarted):  # before its board and lines read the budget
+            self.started_again(event.run_id)
         board.apply(event.payload)
         line = self.step_lines[event.run_id](event.payload) if event.run_id in self.step_lines else None
         if line is not None:
@@ -328,6 +330,25 @@ class Launcher:
         payload = event.payload
         if self.packed and isinstance(payload, LearnerCheckpointed) and budget is not None and payload.step >= budget:
             self.announce_stop(publisher, event.run_id, "step budget reached", payload.step, payload.version)
+
+    def started_again(self, run_id: str) -> None:
+        """A ``RunStarted`` of ``run_id`` (``rlpipe runs resume``, perhaps after its budget was raised): the run goes
+        on, so it is stopped again at its budget, which is read again from its stored configuration, as the packed
+        learner that takes it up reads it.  While that cannot be read the run stays marked stopped: the launch's
+        budget may be the one it was stopped at, and stopping it again there would end the resumed run at once."""
+        index = next(i for i, c in enumerate(self.configs) if c.run_id == run_id)
+        launched = self.configs[index]
+        try:
+            config = stored_run_config(open_store(launched.store), run_id, launched)
+        except Exception as exc:  # the store unreachable (any backend's error), or the record unreadable
+            log.warning("run %s was started again, but its stored configuration cannot be read (%s): this launch "
+                        "does not stop it at its step budget", run_id, error_line(exc))
+            return
+        self.configs[index] = config  # the stack, the logs and the processes stay the launch's (``self.config``)
+        if run_id in self.step_lines:
+            self.step_lines[run_id].max_steps = step_budget(config)
+        with self.stop_lock:
+            self.stopped.pop(run_id, None)
 
     def announce_stop(self, publisher: EventPublisher, run_id: str, reason: str, step: int, version: int) -> None:
         """``RunStopped`` for ``run_id``, once per run: marked only once published, so a failed publish (raised)

@@ -627,3 +627,84 @@ def test_the_feed_stops_a_packed_run_whose_checkpoint_at_its_budget_it_reads(bus
         fake.stopping.set()
         watcher.join(timeout=10.0)
     assert fake.stopped == {"a": "step budget reached"}
+
+
+def test_a_packed_run_resumed_with_a_raised_budget_is_stopped_again_at_the_new_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run a (budget 2) is stopped at step 2 while `rlpipe run` is open; its budget is raised to 4 in the store
+    and `rlpipe runs resume` announces it again: the launcher reads the new budget from the store with the
+    RunStarted, so step 3 is no end (its line says 3/4) and step 4 gets a second RunStopped."""
+    from pipeline.runtime import create_run, open_store, record_config_change, started_again
+    from schemas.events import LearnerCheckpointed, RunStopped, make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    store = open_store(fake.config.store)
+    create_run(store, fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+
+    def checkpointed(step: int) -> None:
+        fake.on_control(make_event("a", LearnerCheckpointed(step=step, version=step, path=f"a{step}", offsets={})),
+                        published)
+
+    checkpointed(2)
+    (first,) = published.events
+    fake.on_control(first, published)  # its own stop, read back from the feed
+    raised = fake.configs[0].model_copy(update={"learner": fake.configs[0].learner.model_copy(update={"max_steps": 4})})
+    record_config_change(store, raised)
+    fake.on_control(make_event("a", started_again(store, "a")), published)
+    checkpointed(3)
+    assert published.events == [first]
+    assert fake.boards["a"].ended(launcher.step_budget(fake.configs[0])) is None
+    checkpointed(4)
+    stops = [e.payload for e in published.events if isinstance(e.payload, RunStopped)]
+    assert [(s.final_step, s.reason) for s in stops] == [(2, "step budget reached"), (4, "step budget reached")]
+    lines = [line.split("  ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("run a ")]
+    assert lines == ["step 2/2", "step 3/4", "step 4/4"], lines
+
+
+def test_the_live_view_of_a_run_resumed_with_a_raised_budget_shows_the_new_budget(tmp_path: Path) -> None:
+    """Run a (budget 2) stopped by hand at step 1, its budget raised to 4 and resumed: at step 2 its panel says 2/4
+    and its producer's row shows the producer's rates, not ``done`` at the launch's budget."""
+    from rich.console import Console
+
+    from pipeline.runtime import create_run, open_store, record_config_change, started_again
+    from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStopped, make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2})
+    store = open_store(fake.config.store)
+    create_run(store, fake.config, "tiny")
+    raised = fake.config.model_copy(update={"learner": fake.config.learner.model_copy(update={"max_steps": 4})})
+    record_config_change(store, raised)
+    beat = ProducerHeartbeat(producer_id="a-p0", adapter_version=2, samples_total=8, batches_total=1,
+                             tokens_total=100, env_steps_total=8, samples_per_s=2.5, tokens_per_s=40.0,
+                             env_steps_per_s=2.5, busy_fraction=0.5, interval_s=5.0)
+    for payload in (LearnerCheckpointed(step=1, version=1, path="a1", offsets={}),
+                    RunStopped(reason="stopped by rlpipe runs stop", final_step=1), started_again(store, "a"),
+                    LearnerCheckpointed(step=2, version=2, path="a2", offsets={}), beat):
+        fake.on_control(make_event("a", payload), Published())
+    console = Console(width=200, record=True)
+    console.print(fake.render())
+    text = console.export_text()
+    (row,) = [line for line in text.splitlines() if "a-p0" in line]
+    assert "learner step 2/4" in text and "done" not in row and "2.50" in row, text
+
+
+def test_a_run_resumed_whose_budget_cannot_be_read_is_not_stopped_again_at_the_launchs(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Without a readable stored configuration the new budget is unknown, and the launch's may be the one the run
+    was stopped at: stopping it there again would end the resumed run at once, so the launcher says so and leaves
+    it to run."""
+    from schemas.events import LearnerCheckpointed, RunStarted, make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})  # no run.json in the store
+    published = Published()
+    fake.on_control(make_event("a", LearnerCheckpointed(step=2, version=2, path="a2", offsets={})), published)
+    started = RunStarted(config_path="runs/a/run.json", config_sha256="0" * 64, env="cartpole", base_model="tiny")
+    with caplog.at_level(logging.WARNING, logger="rlpipe.run"):
+        fake.on_control(make_event("a", started), published)
+    fake.on_control(make_event("a", LearnerCheckpointed(step=3, version=3, path="a3", offsets={})), published)
+    fake.stop_finished_runs(published)
+    assert [e.payload.final_step for e in published.events] == [2]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "run a was started again" in warning and "no run.json" in warning, warning
