@@ -315,10 +315,21 @@ def training_client_session(run_id: str) -> str | None:
 
 def api_session_state(store: ObjectStore, session_id: str, now_s: float | None = None
                       ) -> tuple[str, str | None] | None:
-    """A training client's status from its session's state (``pipeline.api.lifecycle.session_state``, the one
-    ``rlpipe sessions`` shows): (``ended``, why) once the session ended (finished, ended by an operator, or a day
-    without a heartbeat), (``idle``, None) while it has lapsed, (``running``, None) while it lives; None when the
-    store holds no such session."""
+    """A training client's status from its session's state (``stored_session_state``, the one ``rlpipe sessions``
+    shows): (``ended``, why) once the session ended (finished, ended by an operator, or a day without a heartbeat),
+    (``idle``, None) while it has lapsed, (``running``, None) while it lives; None when the store holds no such
+    session."""
+    found = stored_session_state(store, session_id, now_s)
+    if found is None:
+        return None
+    state, end = found
+    return {"ended": "ended", "lapsed": "idle", "live": "running"}[state], end
+
+
+def stored_session_state(store: ObjectStore, session_id: str, now_s: float | None = None
+                         ) -> tuple[str, str | None] | None:
+    """The session's state as ``pipeline.api.lifecycle.session_state`` says it (``live``, ``lapsed`` or ``ended``,
+    and why it ended); None when the store holds no such session."""
     from pipeline.api.lifecycle import session_state
     from schemas.api import session_path
 
@@ -327,8 +338,7 @@ def api_session_state(store: ObjectStore, session_id: str, now_s: float | None =
             return None
     except ValueError:  # not a name a session can have: no session's client
         return None
-    state, end = session_state(store, session_id, now_s)
-    return {"ended": "ended", "lapsed": "idle", "live": "running"}[state], end
+    return session_state(store, session_id, now_s)
 
 
 def with_recorded_membership(store: ObjectStore, run_id: str,

@@ -22,12 +22,12 @@ from pipeline.analysis.runs import (
     RunActivity,
     RunSummary,
     activity_or_note,
-    api_session_state,
     delete_run,
     list_runs,
     plan_delete,
     run_exists,
     runs_there,
+    stored_session_state,
     summarize,
     training_client_session,
 )
@@ -218,10 +218,10 @@ def _refuse_running(store: ObjectStore, name: str, bus: BusConfig | None, bus_ti
     """Fail when ``name`` is running: a training client until its session ended (the store says), any other run
     while the log shows events in the last ``ACTIVE_WITHIN_S`` (not checked, and said so, without the log)."""
     session = training_client_session(name)
-    session_state = api_session_state(store, session) if session else None
-    if session_state is not None:
-        if session_state[0] != "ended":  # a lapsed (idle) session is unloaded only until its next call
-            state = "live" if session_state[0] == "running" else "lapsed, not ended"
+    found = stored_session_state(store, session) if session else None
+    if found is not None:
+        if found[0] != "ended":  # a lapsed session is unloaded only until its next call
+            state = "lapsed, not ended" if found[0] == "lapsed" else found[0]
             fail(f"run {name} holds the weights of Tinker API session {session}'s training client, and the session "
                  f"is {state}; end it first (rlpipe sessions end {session}), then delete them", EXIT_USAGE)
         return
