@@ -62,8 +62,7 @@ import json
 import logging
 import math
 import time
-from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.api.checkpoints import UNNAMED_VERSIONS, base_model_of, clients_in_index, model_of_run, named_versions
 from pipeline.api.samplers import VERSION_USERS
@@ -135,7 +134,12 @@ def session_end(store: ObjectStore, session_id: str, now: float | None = None,
     ended = _recorded_end(store, session_id)
     if ended is not None:
         return ended
-    beat = read_heartbeat(store, session_id)
+    return _end_by_heartbeat(store, session_id, read_heartbeat(store, session_id), now, expiry_s, record)
+
+
+def _end_by_heartbeat(store: ObjectStore, session_id: str, beat: dict[str, Any] | None, now: float | None,
+                      expiry_s: float, record: bool) -> tuple[str, float] | None:
+    """``session_end`` of a session with no ``ended.json``, from its heartbeat record ``beat`` (None without one)."""
     at = None if beat is None else _seconds(beat.get("time"))
     if beat is not None and beat.get("ended") is True:  # the end as sessions recorded it before ended.json
         return f"finished: {beat.get('reason') or 'success'}", time.time() if at is None else at
@@ -145,22 +149,38 @@ def session_end(store: ObjectStore, session_id: str, now: float | None = None,
         return None
     if (time.time() if now is None else now) - at <= expiry_s:
         return None
-    since = datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M UTC")
-    end = f"expired: no heartbeat since {since}", at + expiry_s
+    end = f"expired: no heartbeat since {utc_text(at)}", at + expiry_s
     return record_end(store, session_id, *end) if record else end
 
 
-def session_state(store: ObjectStore, session_id: str, now: float | None = None) -> tuple[str, str | None]:
-    """What the readers (``rlpipe sessions``, ``rlpipe runs``) call a session: (``ended``, why) once it ended,
-    (``lapsed``, None) after ``SESSION_TIMEOUT_S`` without a heartbeat (the trainers unload it until its next call),
-    else (``live``, None).  A session with no heartbeat yet is live, as the trainers take it: nothing to lapse from.
-    An expiry seen here is not recorded."""
+class SessionStatus(NamedTuple):
+    """What the readers (``rlpipe sessions``, ``rlpipe runs``) call a session (``session_status``)."""
+
+    state: str  # ended, lapsed or live
+    why: str | None  # why it ended; None unless ended
+    beat_at: float | None  # when it last beat (unix seconds); None without a readable heartbeat record
+
+
+def session_status(store: ObjectStore, session_id: str, now: float | None = None) -> SessionStatus:
+    """``ended`` (with why) once it ended, ``lapsed`` after ``SESSION_TIMEOUT_S`` without a heartbeat (the trainers
+    unload it until its next call), else ``live``; with when it last beat, from one read of its heartbeat.  A
+    session with no heartbeat yet is live, as the trainers take it: nothing to lapse from.  An expiry seen here is
+    not recorded."""
     now = time.time() if now is None else now
-    end = session_end(store, session_id, now, record=False)
+    beat = read_heartbeat(store, session_id)
+    beat_at = None if beat is None else _seconds(beat.get("time"))
+    end = _recorded_end(store, session_id) or _end_by_heartbeat(store, session_id, beat, now, SESSION_EXPIRY_S,
+                                                                record=False)
     if end is not None:
-        return "ended", end[0]
-    beat_at = heartbeat_time(store, session_id)
-    return ("lapsed" if beat_at is not None and now - beat_at > SESSION_TIMEOUT_S else "live"), None
+        return SessionStatus("ended", end[0], beat_at)
+    return SessionStatus("lapsed" if beat_at is not None and now - beat_at > SESSION_TIMEOUT_S else "live", None,
+                         beat_at)
+
+
+def session_state(store: ObjectStore, session_id: str, now: float | None = None) -> tuple[str, str | None]:
+    """(state, why it ended) of ``session_status``: (``ended``, why), (``lapsed``, None) or (``live``, None)."""
+    status = session_status(store, session_id, now)
+    return status.state, status.why
 
 
 def _recorded_end(store: ObjectStore, session_id: str) -> tuple[str, float] | None:
@@ -321,18 +341,28 @@ def sweep_sessions(store: ObjectStore, now: float | None = None, expiry_s: float
     return freed
 
 
+class NotFreeableError(ValueError):
+    """A session whose files cannot be freed yet: it lives (``free_from`` None), or it ended within the grace
+    (``free_from``: from when it can be freed, unix seconds)."""
+
+    def __init__(self, message: str, free_from: float | None = None) -> None:
+        super().__init__(message)
+        self.free_from = free_from
+
+
 def free_session_files(store: ObjectStore, session_id: str, now: float | None = None,
                        grace_s: float = END_GRACE_S) -> int:
     """Delete one ended session's call bodies, results and folds now; how many objects were deleted.
-    ``ValueError`` while it lives, and within ``grace_s`` of its end (calls accepted before it may still run)."""
+    ``NotFreeableError`` while it lives, and within ``grace_s`` of its end (calls accepted before it may still
+    run)."""
     now = time.time() if now is None else now
     end = session_end(store, session_id, now)
     if end is None:
-        raise ValueError(f"session {session_id} has not ended; end it first (rlpipe sessions end {session_id})")
+        raise NotFreeableError(f"session {session_id} has not ended; end it first (rlpipe sessions end {session_id})")
     if now - end[1] < grace_s:
-        raise ValueError(f"session {session_id} ended less than {grace_s / 60:g} minutes ago; free it from "
-                         f"{utc_text(end[1] + grace_s)} "
-                         "(calls accepted before its end may still run)")
+        free_from = end[1] + grace_s
+        raise NotFreeableError(f"session {session_id} ended less than {grace_s / 60:g} minutes ago; free it from "
+                               f"{utc_text(free_from)} (calls accepted before its end may still run)", free_from)
     deleted = _delete_files(store, session_id, end, None)
     store.delete(f"{OPEN_SESSIONS}/{session_id}", missing_ok=True)
     return deleted

@@ -23,12 +23,11 @@ import typer
 from pipeline.api.lifecycle import (
     END_GRACE_S,
     SESSION_FILES_KEPT_S,
+    NotFreeableError,
     files_deleted,
     free_session_files,
-    heartbeat_time,
     record_end,
-    session_end,
-    session_state,
+    session_status,
 )
 from pipeline.cli.common import (
     JsonOpt,
@@ -52,10 +51,9 @@ def session_summary(store: ObjectStore, session_id: str) -> dict[str, Any]:
     """One session: owner, models, accepted calls, answered calls, pending request ids, last heartbeat."""
     prefix = f"sessions/{session_id}"
     record = json.loads(store.get(f"{prefix}/session.json"))
-    beat_at = heartbeat_time(store, session_id)
+    state, end, beat_at = session_status(store, session_id)
     requests = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/requests")}
     results = {key.rsplit("/", 1)[-1].rsplit(".", 1)[0] for key in store.list(f"{prefix}/results")}
-    state, end = session_state(store, session_id)
     models = [json.loads(store.get(key)) for key in store.list(f"{prefix}/models")
               if key.endswith(".json") and not key.endswith(".fold.json")]
     return {
@@ -196,10 +194,9 @@ def _free_all_ended(store: ObjectStore, as_json: bool) -> None:
             continue
         try:
             freed[sid] = free_session_files(store, sid)
-        except ValueError:  # live, or ended within the grace: left for later
-            end = session_end(store, sid, record=False)
-            if end is not None:
-                skipped[sid] = end[1] + END_GRACE_S
+        except NotFreeableError as exc:  # live, or ended within the grace: left for later
+            if exc.free_from is not None:
+                skipped[sid] = exc.free_from
     if as_json:
         print_json({"freed": freed, "deleted": sum(freed.values()),
                     "skipped": {sid: datetime.fromtimestamp(at, UTC).isoformat() for sid, at in skipped.items()}})

@@ -77,6 +77,33 @@ def test_an_operator_ends_a_session_and_the_first_end_stands(tmp_path):
     assert missing.exit_code == 2 and "rlpipe sessions list" in missing.output
 
 
+def test_the_listing_reads_each_sessions_heartbeat_once(tmp_path, monkeypatch):
+    """A session's state and its heartbeat's age come from one read of its heartbeat record: a store with many
+    sessions (or a remote one) is not read for each twice or more."""
+    from collections import Counter
+
+    from schemas.api import session_path
+
+    root = f"file://{tmp_path}/store"
+    store = ObjectStore(root)
+    gateway = Gateway(store, lambda event, key: None, [ServedModel("/m/a/tiny", "/m/a/tiny")])
+    sessions = [gateway.create_session("t-alice", [], {}) for _ in range(3)]
+    for session in sessions:
+        store.put(f"{session_path(session)}/heartbeat.json", json.dumps({"time": time.time() - 5}).encode())
+    reads: Counter[str] = Counter()
+    real_get = ObjectStore.get
+
+    def counted(self, key, *args, **kwargs):
+        reads[key] += 1
+        return real_get(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectStore, "get", counted)
+    listed = runner.invoke(app, ["sessions", "list", "--json", "--set", f"store.root={root}"])
+    assert [s["state"] for s in json.loads(listed.output)] == ["live"] * 3, listed.output
+    beats = {key: n for key, n in reads.items() if key.endswith("/heartbeat.json")}
+    assert beats == {f"{session_path(session)}/heartbeat.json": 1 for session in sessions}, reads
+
+
 def test_the_listing_fits_80_columns_with_each_session_id_and_heartbeat_on_one_line(tmp_path):
     """Session ids are copied into commands: the counts are left out, with a note, before an id or a heartbeat
     would be split over lines."""
