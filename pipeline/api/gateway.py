@@ -68,6 +68,7 @@ from pipeline.api.wire import (
     training_state_path,
 )
 from pipeline.io.store import ObjectStore
+from pipeline.timefmt import utc_text
 from schemas.api import (
     ApiError,
     ApiOp,
@@ -374,7 +375,7 @@ class Gateway:
                 request_body_path(session_id, request_id, "pb")):
             deleted = files_deleted(self.store, session_id)
             if deleted is not None:
-                on = datetime.fromtimestamp(float(deleted.get("time") or 0), UTC).strftime("%Y-%m-%d %H:%M UTC")
+                on = utc_text(float(deleted.get("time") or 0))
                 raise NotFoundError(f"request {echoed(request_id)} is of session {session_id}, which ended "
                                     f"({deleted.get('end')}); its calls' bodies and results were deleted on {on} "
                                     f"({deleted.get('reason')})")

@@ -56,6 +56,7 @@ from pipeline.cli.common import (
 from pipeline.cli.options import DeprecatedRunArg, chosen_run
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import refuse_case_twin
+from pipeline.timefmt import utc_text
 from schemas.config import StoreConfig
 
 app = typer.Typer(
@@ -239,8 +240,7 @@ def _window_line(summary: dict[str, Any]) -> str:
     start, end = summary.get("start"), summary.get("end")
     if start is None or end is None:
         return "window: the whole activity recorded"
-    shown = [datetime.fromtimestamp(moment, tz=UTC).strftime("%Y-%m-%d %H:%M:%S") for moment in (start, end)]
-    return f"window {shown[0]} to {shown[1]} UTC ({end - start:.0f} s)"
+    return f"window {utc_text(start)} to {utc_text(end)} ({end - start:.0f} s)"
 
 
 def _shown(fraction: float | None) -> str:

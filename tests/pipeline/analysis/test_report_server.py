@@ -144,6 +144,6 @@ def test_a_window_time_without_a_zone_is_read_as_utc_and_the_window_is_printed_i
     for result in (naive, zoned):
         assert result.exit_code == 0, result.output
         assert "trainer-t0: busy 75.0% (s1 50.0%, s2 25.0%)" in result.output
-        assert "window 2023-11-14 22:13:20 to 2023-11-14 22:13:24 UTC (4 s)" in result.output
+        assert "window 2023-11-14 22:13:20 UTC to 2023-11-14 22:13:24 UTC (4 s)" in result.output
     help_text = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "400"}).output
     assert "UTC unless it names its zone" in help_text

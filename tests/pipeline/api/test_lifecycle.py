@@ -25,6 +25,7 @@ from pipeline.api.lifecycle import (
     end_key,
     files_deleted,
     free_session_files,
+    heartbeat_key,
     index_existing_sessions,
     mark_snapshots,
     session_end,
@@ -36,6 +37,7 @@ from pipeline.api.samplers import VERSION_USERS, write_sampler
 from pipeline.api.wire import TinkerPath
 from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
 from pipeline.io.store import ObjectStore
+from pipeline.timefmt import utc_text
 from schemas.api import model_run_name
 
 BASE, DAY, LATER = "/models/base/tiny", 86400.0, END_GRACE_S + 1
@@ -85,7 +87,8 @@ def test_a_session_ends_when_finished_or_after_a_day_without_a_heartbeat_and_the
     gateway.finish("t-alice", finished, "success")  # a second finish keeps the first reason
     assert session_end(store, finished)[0] == "finished: errored"
     beat(store, silent, DAY + 5)
-    assert session_end(store, silent, record=False)[0].startswith("expired: no heartbeat since")
+    last_beat = json.loads(store.get(heartbeat_key(silent)))["time"]
+    assert session_end(store, silent, record=False)[0] == f"expired: no heartbeat since {utc_text(last_beat)}"
     assert not store.exists(end_key(silent))  # a reader that only looks records nothing
     why, at = session_end(store, silent)
     assert store.exists(end_key(silent)) and why.startswith("expired") and abs(at - (time.time() - 5)) < 2
@@ -277,7 +280,8 @@ def test_an_ended_sessions_calls_results_and_folds_are_deleted_a_day_after_its_e
     assert session_end(store, silent)[0].startswith("expired")  # the sweep recorded the expiry it saw
     assert not any(store.exists(key) for key in silent_files) and all(store.exists(key) for key in silent_kept)
     assert all(store.exists(key) for key in finished_files + live_files)  # a day after the end, not before
-    with pytest.raises(NotFoundError, match=f"session {silent}, which ended .* its calls' bodies and results were deleted"):
+    with pytest.raises(NotFoundError, match=f"session {silent}, which ended .* its calls' bodies and results were deleted "
+                                            r"on \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \("):
         gateway.result("t-alice", silent_call)
     assert gateway.result("t-alice", finished_call) == (b"{}", "json")
     assert sweep_sessions(store, now=time.time() + SESSION_FILES_KEPT_S + 1) == 1
