@@ -4,8 +4,9 @@ Set up (one line each): the embedded stack if nothing is configured, the broker
 answering, the base model, the run (``run.json`` then ``RunStarted``); then launch the learner and N
 producers as separate processes (``rlpipe learner start`` / ``rlpipe producer
 start``, the same commands a cluster runs) and watch them on one live
-dashboard fed by the control topic (without one, ``--no-dashboard`` or standard output not a terminal, one
-plain line per learner step from the same events).  The run ends when the learner reaches its
+dashboard fed by the control topic (``pipeline.devstack.control_feed``; without one, ``--no-dashboard`` or
+standard output not a terminal, one plain line per learner step from the same events).  The run ends when the
+learner reaches its
 step budget (``learner.max_steps``) or on Ctrl-C: producers get SIGTERM, flush
 their finished groups and exit; then ``RunStopped``.  It also ends when every
 producer has exited 0 (each wrote its ``producer.max_groups``) and the learner
@@ -43,14 +44,13 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from pipeline.cli.common import error_line
 from pipeline.config import child_environment
 from pipeline.devstack.catch_up import LearnerCatchUp
-from pipeline.devstack.dashboard import Dashboard, StepLines, silent_after_s
+from pipeline.devstack.control_feed import ControlFeed
 from pipeline.devstack.stack import (
     StackAlreadyRunningError,
     StackState,
@@ -61,23 +61,18 @@ from pipeline.devstack.stack import (
 from pipeline.io.bus import (
     GROUP_TIMINGS_ENV,
     BusError,
-    EventFollower,
     EventPublisher,
     UnknownTopicError,
-    group_lag,
     list_topics,
 )
-from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import remote_failures
-from pipeline.membership import announce_membership, stored_run_config
+from pipeline.membership import announce_membership
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
-from schemas.config import RunConfig, active_learner, step_budget
-from schemas.events import Envelope, LearnerCheckpointed, RunStarted, RunStopped
+from schemas.config import RunConfig, step_budget
+from schemas.events import RunStarted
 
 log = logging.getLogger("rlpipe.run")
 
-STORE_LOOK_S = 10.0  # how often a packed launch looks in the store for runs at their budget
-LAG_LOOK_S = 2.0  # how often the dashboards' learner lag is read
 PRODUCERS_DONE = "every producer wrote its producer.max_groups groups"  # the RunStopped reason of such a run
 
 # On the embedded broker Kafka's default group timings (45 s session) make the learner's first join take
@@ -150,10 +145,9 @@ def packed_producer_args(config_paths: Sequence[str], index: int) -> list[str]:
     return ["producer", "start", *configs, "--set", f"producer.producer_id=packed-p{index}"]
 
 
-class Launcher:
-    """Starts and watches the learner and producers of one run, or of several runs packed in the same processes."""
-
-    stop_lock = threading.Lock()  # one launcher per process: announcing a run's stop is checked and done under it
+class Launcher(ControlFeed):
+    """Starts and watches the learner and producers of one run, or of several runs packed in the same processes;
+    what it reads of them on the control topic is ``ControlFeed``'s."""
 
     def __init__(self, config: RunConfig | Sequence[RunConfig], dashboard: bool = True) -> None:
         self.configs = [config] if isinstance(config, RunConfig) else list(config)
@@ -175,35 +169,6 @@ class Launcher:
         self.producers_exited = False  # every producer exited 0
         self.catch_ups: dict[str, LearnerCatchUp] = {}  # per run going on when they had: what the learner read
         self.producers_done = False  # ... and the learner has read every batch they wrote
-
-    def views(self, dashboard: bool) -> None:
-        """Each run's board; the live view when asked for and standard output is a terminal (elsewhere its frames
-        would not show until the end), else a plain line per learner step (``StepLines``) after the step a resumed
-        run's checkpoint holds (its learner says that step again while it waits, and after a crash)."""
-        self.live = dashboard and sys.stdout.isatty()
-        self.boards = {c.run_id: Dashboard(silent_after_s=silent_after_s(c)) for c in self.configs}
-        self.board = self.boards[self.config.run_id]
-        self.step_lines = {} if self.live else {
-            c.run_id: StepLines(c.run_id, self.boards[c.run_id], step_budget(c),
-                                active_learner(c).checkpoint_every,
-                                shown_step=self.stored_step(c))
-            for c in self.configs}
-
-    def stored_step(self, config: RunConfig) -> int:
-        """The step of the run's newest checkpoint in the store; 0 before the first, or while the store cannot be
-        read (then a resumed run's first line may repeat its last step)."""
-        from pipeline.analysis.runs import learner_step
-
-        try:
-            return learner_step(open_store(config.store), config.run_id)
-        except Exception as exc:  # the store unreachable (any backend's error)
-            log.debug("stored step of %s: %s", config.run_id, exc)
-            return 0
-
-    @property
-    def packed(self) -> bool:
-        """Several runs share the learner and producer processes."""
-        return len(self.configs) > 1
 
     # ---- set up -------------------------------------------------------------
     def reach_broker(self) -> None:
@@ -270,107 +235,6 @@ class Launcher:
         self.watcher = threading.Thread(target=self.follow_control, daemon=True)
         self.watcher.start()
 
-    def follow_control(self) -> None:
-        """Feed each run's dashboard from the control topic until the runs stop.
-
-        One follower reads the topic for the whole launch, from its start on (``launched_at``), so no event is
-        missed while the learner's lag or the store is looked at between two reads: the plain lines promise one
-        per step, and a packed run's stop at its budget is read from its checkpoint event.
-        """
-        only = None if self.packed else self.config.run_id
-        publisher: EventPublisher | None = None
-        follower: EventFollower | None = None
-        lag_looked = store_looked = 0.0  # when the learner's lag and the store were last looked at (monotonic)
-        try:
-            while not self.stopping.is_set():
-                try:
-                    publisher = publisher or EventPublisher(self.bus)
-                    follower = follower or EventFollower(self.bus, "control", run_id=only, since_s=self.launched_at)
-                    for item in follower.poll(timeout_s=0.5):
-                        self.on_control(item.event, publisher)
-                        if self.stopping.is_set():
-                            return
-                    if time.monotonic() - lag_looked > LAG_LOOK_S:
-                        lag_looked = time.monotonic()
-                        self.read_lags()
-                    if self.packed and time.monotonic() - store_looked > STORE_LOOK_S:
-                        store_looked = time.monotonic()  # the store says a stop too, while the feed cannot be read
-                        self.stop_finished_runs(publisher)
-                except (BusError, UnknownTopicError, OSError) as exc:  # the log unreachable, no topic yet: retry
-                    log.debug("dashboard feed: %s", exc)  # a follower keeps its positions: it reads on from there
-                    time.sleep(1.0)
-        finally:
-            for client in (follower, publisher):
-                if client is not None:
-                    client.close()
-
-    def read_lags(self) -> None:
-        """Each run's learner lag (its group's unread batches) onto its dashboard."""
-        for run_id, board in self.boards.items():
-            lags = group_lag(self.bus, f"rlpipe-learner-{run_id}")
-            board.lag = sum(p.lag for p in lags) if lags else None
-
-    def on_control(self, event: Envelope, publisher: EventPublisher) -> None:
-        """One control event: onto its run's dashboard; a packed run whose learner reached its step budget is
-        stopped at once (``RunStopped``), so the packed producers let it go while the other runs go on."""
-        board = self.boards.get(event.run_id)
-        if board is None:
-            return
-        if isinstance(event.payload, RunStarted):  # before its board and lines read the budget
-            self.started_again(event.run_id)
-        board.apply(event.payload)
-        line = self.step_lines[event.run_id](event.payload) if event.run_id in self.step_lines else None
-        if line is not None:
-            print(line, flush=True)
-        if isinstance(event.payload, RunStopped):  # stopped already (`rlpipe runs stop`, or this launcher's own)
-            with self.stop_lock:
-                self.stopped.setdefault(event.run_id, event.payload.reason)
-            return
-        budget = step_budget(next(c for c in self.configs if c.run_id == event.run_id))
-        payload = event.payload
-        if self.packed and isinstance(payload, LearnerCheckpointed) and budget is not None and payload.step >= budget:
-            self.announce_stop(publisher, event.run_id, "step budget reached", payload.step, payload.version)
-
-    def started_again(self, run_id: str) -> None:
-        """A ``RunStarted`` of ``run_id`` (``rlpipe runs resume``, perhaps after its budget was raised): the run goes
-        on, so it is stopped again at its budget, which is read again from its stored configuration, as the packed
-        learner that takes it up reads it.  While that cannot be read the run stays marked stopped: the launch's
-        budget may be the one it was stopped at, and stopping it again there would end the resumed run at once."""
-        index = next(i for i, c in enumerate(self.configs) if c.run_id == run_id)
-        launched = self.configs[index]
-        try:
-            config = stored_run_config(open_store(launched.store), run_id, launched)
-        except Exception as exc:  # the store unreachable (any backend's error), or the record unreadable
-            log.warning("run %s was started again, but its stored configuration cannot be read (%s): this launch "
-                        "does not stop it at its step budget", run_id, error_line(exc))
-            return
-        self.configs[index] = config  # the stack, the logs and the processes stay the launch's (``self.config``)
-        if run_id in self.step_lines:
-            self.step_lines[run_id].max_steps = step_budget(config)
-        with self.stop_lock:
-            self.stopped.pop(run_id, None)
-
-    def announce_stop(self, publisher: EventPublisher, run_id: str, reason: str, step: int, version: int) -> None:
-        """``RunStopped`` for ``run_id``, once per run: marked only once published, so a failed publish (raised)
-        is tried again by the next call."""
-        with self.stop_lock:  # the watcher and the shutdown may race
-            if run_id in self.stopped:
-                return
-            config = next(c for c in self.configs if c.run_id == run_id)
-            announce_membership(open_store(config.store), publisher, run_id,
-                                RunStopped(reason=reason, final_version=version, final_step=step))
-            self.stopped[run_id] = reason
-
-    def stop_finished_runs(self, publisher: EventPublisher) -> None:
-        """``RunStopped`` for every packed run whose newest checkpoint in the store is at its step budget."""
-        for config in self.configs:
-            budget = step_budget(config)
-            if config.run_id in self.stopped or budget is None:
-                continue
-            step, version = self.final_position(config)
-            if step >= budget:
-                self.announce_stop(publisher, config.run_id, "step budget reached", step, version)
-
     def announce_stops(self, publisher: EventPublisher, codes: dict[str, int | None], interrupted: bool) -> None:
         """``RunStopped`` for every run not stopped yet (the end of the whole launch), saying why each stopped:
         its step budget reached, a Ctrl-C or signal, or the process that failed."""
@@ -387,22 +251,6 @@ class Launcher:
             else:
                 reason = failed or "stopped"
             self.announce_stop(publisher, config.run_id, reason, step, version)
-
-    def final_position(self, config: RunConfig) -> tuple[int, int]:
-        """(step, version) of the run's newest checkpoint: the store's (the last one may have been written after the
-        dashboard's feed last looked), else the dashboard's."""
-        from pipeline.analysis.runs import learner_step
-
-        learner = self.boards[config.run_id].learner
-        step, version = (learner.step, learner.version) if learner else (0, 0)
-        try:
-            store = open_store(config.store)
-            stored = learner_step(store, config.run_id)
-            versions = AdapterRegistry(store, config.run_id).versions()
-        except Exception as exc:  # the store unreachable (any backend's error): what the dashboard saw
-            log.debug("final position of %s: %s", config.run_id, exc)
-            return step, version
-        return max(step, stored), max([version, *versions[-1:]])
 
     def watch(self) -> None:
         """Until the learner exits, a producer fails, or the producers are done and the learner has read it all."""
@@ -455,12 +303,6 @@ class Launcher:
         except (BusError, UnknownTopicError, OSError) as exc:  # the log unreachable, no topic yet: look again
             log.debug("whether the learner of %s has read everything: %s", run_id, exc)
             return False
-
-    def render(self) -> Any:
-        """Every run's panel, one under the other."""
-        from rich.console import Group
-
-        return Group(*(self.boards[c.run_id].render(c.run_id, step_budget(c)) for c in self.configs))
 
     def _producer_failed(self) -> bool:
         return any(p.poll() not in (None, 0) for name, p in self.processes.items() if name != "learner")

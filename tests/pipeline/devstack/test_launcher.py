@@ -13,6 +13,7 @@ from typing import ClassVar
 import pytest
 
 from pipeline.devstack import launcher
+from pipeline.devstack.dashboard import Dashboard
 from pipeline.devstack.stack import StackState
 from schemas.config import RunConfig
 
@@ -109,7 +110,7 @@ def packed_launcher(root: Path, budgets: dict[str, int]) -> launcher.Launcher:
                for run, steps in budgets.items()]
     fake = launcher.Launcher.__new__(launcher.Launcher)
     fake.configs, fake.config = configs, configs[0]
-    fake.boards = {c.run_id: launcher.Dashboard() for c in configs}
+    fake.boards = {c.run_id: Dashboard() for c in configs}
     fake.live, fake.step_lines = False, {}  # no view: the tests that want one set it up (``Launcher.views``)
     fake.stopped = {}
     fake.producers_exited = fake.producers_done = False

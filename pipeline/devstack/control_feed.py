@@ -1,0 +1,202 @@
+"""What ``rlpipe run`` reads from the control topic while its processes run (``pipeline.devstack.launcher``).
+
+One follower reads the launch's control events from its start on and feeds each run's dashboard (``Dashboard``),
+or, without a live view, its plain lines (``StepLines``).  Each learner checkpoint it reads is also where a packed
+run at its step budget is found, and stopped at once (``RunStopped``): the packed producers let it go while the
+other runs go on.  The store is looked at every ``STORE_LOOK_S`` as well, for a checkpoint the feed missed.  A
+``RunStarted`` of a run (``rlpipe runs resume``) makes it go on: it is stopped again at its budget, read again from
+its stored configuration, which may have raised it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+from pipeline.cli.common import error_line
+from pipeline.devstack.dashboard import Dashboard, StepLines, silent_after_s
+from pipeline.io.bus import BusError, EventFollower, EventPublisher, UnknownTopicError, group_lag
+from pipeline.io.registry import AdapterRegistry
+from pipeline.membership import announce_membership, stored_run_config
+from pipeline.runtime import open_store
+from schemas.config import BusConfig, RunConfig, active_learner, step_budget
+from schemas.events import Envelope, LearnerCheckpointed, RunStarted, RunStopped
+
+log = logging.getLogger("rlpipe.run")
+
+STORE_LOOK_S = 10.0  # how often a packed launch looks in the store for runs at their budget
+LAG_LOOK_S = 2.0  # how often the dashboards' learner lag is read
+
+
+class ControlFeed:
+    """The launcher's views of its runs and what it reads for them: the part of ``Launcher`` that follows the
+    control topic (in its own thread, ``follow_control``) and announces the stop of a packed run at its budget.
+
+    Its state is set up by ``Launcher.__init__``: the runs' configurations (``configs``; ``config`` is the
+    first, whose broker and store the launch uses), the broker, when the launch started, and the flag that
+    ends the feed.
+    """
+
+    stop_lock = threading.Lock()  # one launcher per process: announcing a run's stop is checked and done under it
+    configs: list[RunConfig]
+    config: RunConfig
+    bus: BusConfig
+    launched_at: float  # unix seconds: the control topic is read from then on
+    stopping: threading.Event
+    stopped: dict[str, str]  # runs whose RunStopped went out, with its reason
+
+    def views(self, dashboard: bool) -> None:
+        """Each run's board; the live view when asked for and standard output is a terminal (elsewhere its frames
+        would not show until the end), else a plain line per learner step (``StepLines``) after the step a resumed
+        run's checkpoint holds (its learner says that step again while it waits, and after a crash)."""
+        self.live = dashboard and sys.stdout.isatty()
+        self.boards = {c.run_id: Dashboard(silent_after_s=silent_after_s(c)) for c in self.configs}
+        self.board = self.boards[self.config.run_id]
+        self.step_lines = {} if self.live else {
+            c.run_id: StepLines(c.run_id, self.boards[c.run_id], step_budget(c),
+                                active_learner(c).checkpoint_every,
+                                shown_step=self.stored_step(c))
+            for c in self.configs}
+
+    def stored_step(self, config: RunConfig) -> int:
+        """The step of the run's newest checkpoint in the store; 0 before the first, or while the store cannot be
+        read (then a resumed run's first line may repeat its last step)."""
+        from pipeline.analysis.runs import learner_step
+
+        try:
+            return learner_step(open_store(config.store), config.run_id)
+        except Exception as exc:  # the store unreachable (any backend's error)
+            log.debug("stored step of %s: %s", config.run_id, exc)
+            return 0
+
+    @property
+    def packed(self) -> bool:
+        """Several runs share the learner and producer processes."""
+        return len(self.configs) > 1
+
+    # ---- the feed ------------------------------------------------------------
+    def follow_control(self) -> None:
+        """Feed each run's dashboard from the control topic until the runs stop.
+
+        One follower reads the topic for the whole launch, from its start on (``launched_at``), so no event is
+        missed while the learner's lag or the store is looked at between two reads: the plain lines promise one
+        per step, and a packed run's stop at its budget is read from its checkpoint event.
+        """
+        only = None if self.packed else self.config.run_id
+        publisher: EventPublisher | None = None
+        follower: EventFollower | None = None
+        lag_looked = store_looked = 0.0  # when the learner's lag and the store were last looked at (monotonic)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    publisher = publisher or EventPublisher(self.bus)
+                    follower = follower or EventFollower(self.bus, "control", run_id=only, since_s=self.launched_at)
+                    for item in follower.poll(timeout_s=0.5):
+                        self.on_control(item.event, publisher)
+                        if self.stopping.is_set():
+                            return
+                    if time.monotonic() - lag_looked > LAG_LOOK_S:
+                        lag_looked = time.monotonic()
+                        self.read_lags()
+                    if self.packed and time.monotonic() - store_looked > STORE_LOOK_S:
+                        store_looked = time.monotonic()  # the store says a stop too, while the feed cannot be read
+                        self.stop_finished_runs(publisher)
+                except (BusError, UnknownTopicError, OSError) as exc:  # the log unreachable, no topic yet: retry
+                    log.debug("dashboard feed: %s", exc)  # a follower keeps its positions: it reads on from there
+                    time.sleep(1.0)
+        finally:
+            for client in (follower, publisher):
+                if client is not None:
+                    client.close()
+
+    def read_lags(self) -> None:
+        """Each run's learner lag (its group's unread batches) onto its dashboard."""
+        for run_id, board in self.boards.items():
+            lags = group_lag(self.bus, f"rlpipe-learner-{run_id}")
+            board.lag = sum(p.lag for p in lags) if lags else None
+
+    def on_control(self, event: Envelope, publisher: EventPublisher) -> None:
+        """One control event: onto its run's dashboard; a packed run whose learner reached its step budget is
+        stopped at once (``RunStopped``), so the packed producers let it go while the other runs go on."""
+        board = self.boards.get(event.run_id)
+        if board is None:
+            return
+        if isinstance(event.payload, RunStarted):  # before its board and lines read the budget
+            self.started_again(event.run_id)
+        board.apply(event.payload)
+        line = self.step_lines[event.run_id](event.payload) if event.run_id in self.step_lines else None
+        if line is not None:
+            print(line, flush=True)
+        if isinstance(event.payload, RunStopped):  # stopped already (`rlpipe runs stop`, or this launcher's own)
+            with self.stop_lock:
+                self.stopped.setdefault(event.run_id, event.payload.reason)
+            return
+        budget = step_budget(next(c for c in self.configs if c.run_id == event.run_id))
+        payload = event.payload
+        if self.packed and isinstance(payload, LearnerCheckpointed) and budget is not None and payload.step >= budget:
+            self.announce_stop(publisher, event.run_id, "step budget reached", payload.step, payload.version)
+
+    def started_again(self, run_id: str) -> None:
+        """A ``RunStarted`` of ``run_id`` (``rlpipe runs resume``, perhaps after its budget was raised): the run goes
+        on, so it is stopped again at its budget, which is read again from its stored configuration, as the packed
+        learner that takes it up reads it.  While that cannot be read the run stays marked stopped: the launch's
+        budget may be the one it was stopped at, and stopping it again there would end the resumed run at once."""
+        index = next(i for i, c in enumerate(self.configs) if c.run_id == run_id)
+        launched = self.configs[index]
+        try:
+            config = stored_run_config(open_store(launched.store), run_id, launched)
+        except Exception as exc:  # the store unreachable (any backend's error), or the record unreadable
+            log.warning("run %s was started again, but its stored configuration cannot be read (%s): this launch "
+                        "does not stop it at its step budget", run_id, error_line(exc))
+            return
+        self.configs[index] = config  # the stack, the logs and the processes stay the launch's (``self.config``)
+        if run_id in self.step_lines:
+            self.step_lines[run_id].max_steps = step_budget(config)
+        with self.stop_lock:
+            self.stopped.pop(run_id, None)
+
+    def announce_stop(self, publisher: EventPublisher, run_id: str, reason: str, step: int, version: int) -> None:
+        """``RunStopped`` for ``run_id``, once per run: marked only once published, so a failed publish (raised)
+        is tried again by the next call."""
+        with self.stop_lock:  # the watcher and the shutdown may race
+            if run_id in self.stopped:
+                return
+            config = next(c for c in self.configs if c.run_id == run_id)
+            announce_membership(open_store(config.store), publisher, run_id,
+                                RunStopped(reason=reason, final_version=version, final_step=step))
+            self.stopped[run_id] = reason
+
+    def stop_finished_runs(self, publisher: EventPublisher) -> None:
+        """``RunStopped`` for every packed run whose newest checkpoint in the store is at its step budget."""
+        for config in self.configs:
+            budget = step_budget(config)
+            if config.run_id in self.stopped or budget is None:
+                continue
+            step, version = self.final_position(config)
+            if step >= budget:
+                self.announce_stop(publisher, config.run_id, "step budget reached", step, version)
+
+    def final_position(self, config: RunConfig) -> tuple[int, int]:
+        """(step, version) of the run's newest checkpoint: the store's (the last one may have been written after the
+        dashboard's feed last looked), else the dashboard's."""
+        from pipeline.analysis.runs import learner_step
+
+        learner = self.boards[config.run_id].learner
+        step, version = (learner.step, learner.version) if learner else (0, 0)
+        try:
+            store = open_store(config.store)
+            stored = learner_step(store, config.run_id)
+            versions = AdapterRegistry(store, config.run_id).versions()
+        except Exception as exc:  # the store unreachable (any backend's error): what the dashboard saw
+            log.debug("final position of %s: %s", config.run_id, exc)
+            return step, version
+        return max(step, stored), max([version, *versions[-1:]])
+
+    def render(self) -> Any:
+        """Every run's panel, one under the other."""
+        from rich.console import Group
+
+        return Group(*(self.boards[c.run_id].render(c.run_id, step_budget(c)) for c in self.configs))
