@@ -4,8 +4,9 @@ vLLM gives, at each position, the top K (``logprobs``/``prompt_logprobs`` = K) a
 the sampled one) besides: as a dict token -> ``Logprob`` per position (at most K + 1 entries), or, as
 ``VLLMEngine`` asks for them (``flat_logprobs=True``), as one ``FlatLogprobs`` of flat lists (the chosen token
 first, then the top K, K + 1 entries) that its output processor builds without an object per entry.  Both are
-read here.  A call's top-k rows are up to ``MAX_TOPK_SAMPLE_CELLS`` entries, so ``VLLMEngine.sample`` runs
-``sample_parts`` in a worker thread: on the event loop, every other call on the engine would stand still meanwhile.
+read here, one layout per call (a mix is refused).  A call's top-k rows are up to ``MAX_TOPK_SAMPLE_CELLS``
+entries, so ``VLLMEngine.sample`` runs ``sample_parts`` in a worker thread: on the event loop, every other call on
+the engine would stand still meanwhile.
 """
 
 from __future__ import annotations
@@ -62,12 +63,13 @@ def top_rows(parts: Sequence[Sequence[Any]], k: int) -> list[TopKRows]:
 def _entries(parts: Sequence[Sequence[Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The entries to rank at each position of ``parts``, position after position: each position's count, then
     every entry's token, rank and logprob."""
-    if all(_is_flat(part) for part in parts):
+    flat = [_is_flat(part) for part in parts]
+    if all(flat):
         return _flat_entries(parts)
-    if not any(_is_flat(part) for part in parts):  # lists of dicts: read as one run of positions
+    if not any(flat):  # lists of dicts: read as one run of positions
         return _dict_entries(list(itertools.chain.from_iterable(parts)))
-    read = [_flat_entries([part]) if _is_flat(part) else _dict_entries(part) for part in parts]
-    return tuple(np.concatenate([columns[i] for columns in read]) for i in range(4))  # type: ignore[return-value]
+    raise ValueError(f"{sum(flat)} of {len(parts)} parts are vLLM's FlatLogprobs and the rest lists of dicts; "
+                     "give one engine's outputs, all read with the same flat_logprobs setting")
 
 
 def _dict_entries(positions: Sequence[dict[int, Any] | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray,

@@ -26,7 +26,7 @@ from vllm.logprobs import (
 from producers.api_encoding import encode_sample_response
 from producers.samplers import engine as engine_module
 from producers.samplers.engine import SampleParams, SampleResult, VLLMEngine
-from producers.samplers.vllm_outputs import sample_parts
+from producers.samplers.vllm_outputs import sample_parts, top_rows
 from schemas.config import SamplerConfig
 
 
@@ -117,18 +117,17 @@ def positions_of(rows: list[tuple[list[int], list[float], int]], k: int, flat: b
 
 
 @pytest.mark.parametrize("k", [1, 3, 20])
-@pytest.mark.parametrize("flat", [False, True, "every other"])
-def test_the_rows_are_the_reference_rows_cell_for_cell(k: int, flat: bool | str) -> None:
+@pytest.mark.parametrize("flat", [False, True])
+def test_the_rows_are_the_reference_rows_cell_for_cell(k: int, flat: bool) -> None:
     """Every row in its own row and columns, every value as vLLM gave it, ties broken by vLLM's rank, cut tokens
     left out, each sample its own rows: the same rows as sorting each position's (token, logprob) tuples, read
     from vLLM's dicts or its flat lists, and the same on the wire."""
     rng = np.random.default_rng(k)
     samples = [vllm_rows(n, k, rng) for n in (300, 1, 57)]
     prompt = vllm_rows(200, k, rng)
-    flat_J = [j % 2 == 1 if flat == "every other" else flat for j in range(len(samples))]
     outputs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[ids[0] for ids, _, _ in rows],
-                                                        logprobs=positions_of(rows, k, flat_J[j]), finish_reason=None)],
-                               prompt_logprobs=positions_of(prompt, k, flat_J[j], prompt=True) if j == 0 else None)
+                                                        logprobs=positions_of(rows, k, flat), finish_reason=None)],
+                               prompt_logprobs=positions_of(prompt, k, flat, prompt=True) if j == 0 else None)
                for j, rows in enumerate(samples)]
     prompt_ids = [0] + [ids[0] for ids, _, _ in prompt]
     params = SampleParams(3, prompt_logprobs=True, topk_prompt_logprobs=k, topk_sample_logprobs=k)
@@ -143,3 +142,13 @@ def test_the_rows_are_the_reference_rows_cell_for_cell(k: int, flat: bool | str)
     decoded = deserialize_sample_response(encode_sample_response(result, topk_prompt=k, topk_sample=k))
     assert decoded.topk_prompt_logprobs == expected_prompt
     assert [s.topk_logprobs for s in decoded.sequences] == [list(s.topk_logprobs) for s in result.sequences]
+
+
+def test_samples_of_flat_and_dict_logprobs_together_are_refused() -> None:
+    """One engine gives all of a call's samples in one layout; a mix means a caller built them by hand."""
+    rng = np.random.default_rng(0)
+    rows = vllm_rows(4, 2, rng)
+    parts = [positions_of(rows, 2, flat=True), positions_of(rows, 2, flat=False)]
+    with pytest.raises(ValueError, match="flat_logprobs") as refused:
+        top_rows(parts, 2)
+    assert "\n" not in str(refused.value)
