@@ -17,6 +17,7 @@ from tinker.proto.response_conv import deserialize_sample_response
 
 pytest.importorskip("vllm")
 from vllm.logprobs import (
+    FlatLogprobs,
     Logprob,
     append_logprobs_for_next_position,
     create_prompt_logprobs,
@@ -152,3 +153,20 @@ def test_samples_of_flat_and_dict_logprobs_together_are_refused() -> None:
     with pytest.raises(ValueError, match="flat_logprobs") as refused:
         top_rows(parts, 2)
     assert "\n" not in str(refused.value)
+
+
+def test_flat_logprobs_rows_drop_the_chosen_entry_and_break_ties_by_vllms_top_k_rank() -> None:
+    """vLLM's flat layout, by hand: each position's chosen token first with its rank in the vocabulary, then the top
+    K with ranks 1..K.  The chosen entry is no row entry (it is among the top K or outside them); equal logprobs
+    keep vLLM's rank order."""
+    positions = FlatLogprobs()
+    positions.append(None)  # a prompt's position 0
+    # (token ids, logprobs, ranks): the chosen token, then the top 3
+    for ids, values, ranks in [([9, 4, 7, 3], [-4.0, -0.5, -0.5, -1.0], [7, 1, 2, 3]),  # chosen: vocabulary rank 7
+                               ([6, 5, 6, 8], [-0.75, -0.25, -0.75, -0.75], [2, 1, 2, 3]),  # chosen: the top 2
+                               ([2, 2, 1, 0], [-0.0, -0.0, -math.inf, -math.inf], [1, 1, 2, 3])]:  # a cut kept one
+        positions.append_fast(ids, values, iter(ranks), [None] * len(ids))
+    assert positions.ranks == [7, 1, 2, 3, 2, 1, 2, 3, 1, 1, 2, 3]
+    assert top_rows([positions], 3)[0] == [None, [(4, -0.5), (7, -0.5), (3, -1.0)],
+                                           [(5, -0.25), (6, -0.75), (8, -0.75)], [(2, -0.0)]]
+    assert top_rows([positions], 2)[0] == [None, [(4, -0.5), (7, -0.5)], [(5, -0.25), (6, -0.75)], [(2, -0.0)]]
