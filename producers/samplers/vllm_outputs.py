@@ -86,9 +86,9 @@ def _dict_entries(positions: Sequence[dict[int, Any] | None]) -> tuple[np.ndarra
 
 
 def _flat_entries(parts: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """vLLM's ``FlatLogprobs``, one per part, their lists read whole.  Each position's entries are the chosen token,
-    then the top K in rank order, no duplicate removed: the chosen token (twice where it is among the top K) is
-    left out, and the top K alone are ranked, their place in vLLM's order their rank."""
+    """vLLM's ``FlatLogprobs``, one per part, their lists read whole.  Each position's entries are the chosen token
+    (its ``ranks`` entry: its rank in the vocabulary), then the top K (ranks 1..K), no duplicate removed: the chosen
+    entry (twice where it is among the top K) is left out, and the top K alone are ranked, by vLLM's ranks."""
     sizes = [len(part.token_ids) for part in parts]  # entries; each part's indices count from 0
     offsets_N = np.repeat(np.cumsum(sizes) - sizes, [len(part) for part in parts])
     starts_N = np.fromiter(itertools.chain.from_iterable(part.start_indices for part in parts), np.int64,
@@ -98,10 +98,10 @@ def _flat_entries(parts: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndar
     keep_M = np.ones(sum(sizes), bool)
     keep_M[starts_N[ends_N > starts_N]] = False
     ids_M = np.fromiter(itertools.chain.from_iterable(part.token_ids for part in parts), np.int64, keep_M.size)
+    ranks_M = np.fromiter(itertools.chain.from_iterable(part.ranks for part in parts), np.int64, keep_M.size)
     logprobs_M = np.fromiter(itertools.chain.from_iterable(part.logprobs for part in parts), np.float64, keep_M.size)
     counts_N = np.maximum(ends_N - starts_N - 1, 0)
-    ranks_M = np.arange(int(counts_N.sum())) - np.repeat(np.cumsum(counts_N) - counts_N, counts_N)
-    return counts_N, ids_M[keep_M], ranks_M, logprobs_M[keep_M]
+    return counts_N, ids_M[keep_M], ranks_M[keep_M], logprobs_M[keep_M]
 
 
 def _is_flat(positions: Any) -> bool:
