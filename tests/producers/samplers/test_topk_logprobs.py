@@ -16,7 +16,7 @@ import torch
 
 from producers.samplers.engine import SampleParams, SampleResult
 from producers.samplers.hf_engine import TransformersEngine
-from producers.samplers.hf_sampler import sampling_logprobs, top_tokens
+from producers.samplers.hf_sampler import Continuation, sampling_logprobs, top_tokens
 from producers.samplers.sync import SyncSampler
 from schemas.config import SamplerConfig
 from tests.producers.samplers.test_engine import SAME_TOL, reference_model
@@ -100,6 +100,28 @@ def test_topk_sample_logprobs_are_of_the_distribution_drawn_from_after_the_cuts(
                                                       strict=True)):
             assert dict(row)[token] == pytest.approx(logprob, abs=SAME_TOL)
             assert_top(row, drawn_TV[len(prompt) - 1 + i], 3)
+
+
+def test_one_batch_of_different_k_and_lengths_gives_each_sample_its_own_rows(hf_sampler, prompts) -> None:
+    """Rows of one batch that ask for different K (0: none) and stop at different steps: each sample's rows are
+    its own steps, K columns wide, as the same call decoded alone gives them; greedy, so top-1 is the token."""
+    calls = [Continuation(prompts[0], 3, [1], topk_sample=2), Continuation(prompts[1], 6, [2, 3], topk_sample=K),
+             Continuation(prompts[2], 4, [4])]
+    together = hf_sampler.continue_prompts(calls, None, temperature=0.0, top_p=1.0, stop_ids=frozenset())
+    for call, done in zip(calls, together, strict=True):
+        alone = hf_sampler.continue_prompts([call], None, temperature=0.0, top_p=1.0, stop_ids=frozenset())[0]
+        for sample, single in zip(done.samples, alone.samples, strict=True):
+            assert len(sample.token_ids) == call.max_new_tokens and sample.token_ids == single.token_ids
+            if not call.topk_sample:
+                assert sample.topk_logprobs is None
+                continue
+            rows = sample.topk_logprobs
+            assert rows is not None and rows.k == call.topk_sample and len(rows) == call.max_new_tokens
+            for token, logprob, row, row_alone in zip(sample.token_ids, sample.logprobs, rows,
+                                                      single.topk_logprobs, strict=True):
+                assert row[0] == (token, logprob) and len(row) == call.topk_sample
+                assert [t for t, _ in row] == [t for t, _ in row_alone]
+                assert max(abs(a - b) for (_, a), (_, b) in zip(row, row_alone, strict=True)) < SAME_TOL
 
 
 def test_negative_top_k_logprob_counts_are_refused() -> None:
