@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
 from producers.samplers.topk import TopKRows
 from schemas.config import SamplerConfig
@@ -272,8 +274,8 @@ class TransformersSampler(Sampler):
         tokens_B: list[list[int]] = [[] for _ in requests]
         logprobs_B: list[list[float]] = [[] for _ in requests]
         topk_B = topk_B or [0] * len(requests)
-        rows_B: list[list[TopKRows]] = [[] for _ in requests]  # one 1 x k part per step
         widest = max(topk_B, default=0)
+        tops_S: list[TopKRows] = []  # step s's rows of the whole batch, B x widest (a done request's unused)
         done_B = [False] * len(requests)
         cache = None
         step_ids_BT = input_ids_BT
@@ -293,24 +295,22 @@ class TransformersSampler(Sampler):
                     _draw(logprobs_BV[b], temperature == 0.0, generators[b]) if not done_B[b] else self.pad_token_id
                     for b in range(len(requests))
                 ]
-                step_rows = top_tokens(logprobs_BV, widest) if widest else None
+                if widest:
+                    tops_S.append(top_tokens(logprobs_BV, widest))
                 for b, token in enumerate(next_B):
                     if done_B[b]:
                         continue
                     tokens_B[b].append(token)
                     logprobs_B[b].append(float(logprobs_BV[b, token]))
-                    if step_rows is not None and topk_B[b]:
-                        rows_B[b].append(TopKRows(step_rows.ids_NK[b:b + 1, :topk_B[b]],
-                                                  step_rows.logprobs_NK[b:b + 1, :topk_B[b]]))
                     done_B[b] = token in stops_B[b] or len(tokens_B[b]) >= budgets[b]
                 if all(done_B):
                     break
                 step_ids_BT = torch.tensor(next_B, device=self.device).unsqueeze(-1)
                 attention_BT = torch.cat([attention_BT, torch.ones_like(step_ids_BT)], dim=-1)
+        rows_B = rows_by_request(tops_S, [len(t) for t in tokens_B], topk_B)
         return [
-            SampleOutput(t, lp, "stop" if t and t[-1] in row_stops else "length",
-                         TopKRows.concatenate(rows, k) if k else None)
-            for t, lp, row_stops, k, rows in zip(tokens_B, logprobs_B, stops_B, topk_B, rows_B, strict=True)
+            SampleOutput(t, lp, "stop" if t and t[-1] in row_stops else "length", rows)
+            for t, lp, row_stops, rows in zip(tokens_B, logprobs_B, stops_B, rows_B, strict=True)
         ]
 
     def _left_pad(self, requests: list[SampleRequest]) -> tuple[Any, Any]:
@@ -442,6 +442,18 @@ def top_tokens(logprobs_NV: Any, k: int) -> TopKRows:
 
     values_NK, ids_NK = torch.topk(logprobs_NV, min(k, logprobs_NV.shape[-1]), dim=-1)
     return TopKRows.from_ranked(ids_NK.cpu().numpy(), values_NK.cpu().numpy())
+
+
+def rows_by_request(tops_S: list[TopKRows], lengths_B: list[int], topk_B: list[int]) -> list[TopKRows | None]:
+    """A batch's top-k rows, one ``TopKRows`` per request, from its steps' rows (step s: B x K, row b request b's).
+    Request b decoded the first ``lengths_B[b]`` steps (a request that stops decodes no more), so its rows are
+    those steps' row b, its first ``topk_B[b]`` columns (None where 0); the steps are stacked once, B x S x K."""
+    if not tops_S:
+        return [TopKRows.blank(0, k) if k else None for k in topk_B]
+    ids_BSK = np.stack([top.ids_NK for top in tops_S], axis=1)
+    logprobs_BSK = np.stack([top.logprobs_NK for top in tops_S], axis=1)
+    return [TopKRows(ids_BSK[b, :n, :k], logprobs_BSK[b, :n, :k]) if k else None
+            for b, (n, k) in enumerate(zip(lengths_B, topk_B, strict=True))]
 
 
 def _draw(logprobs_V: Any, greedy: bool, generator: Any) -> int:

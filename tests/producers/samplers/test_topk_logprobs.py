@@ -16,7 +16,7 @@ import torch
 
 from producers.samplers.engine import SampleParams, SampleResult
 from producers.samplers.hf_engine import TransformersEngine
-from producers.samplers.hf_sampler import Continuation, sampling_logprobs, top_tokens
+from producers.samplers.hf_sampler import Continuation, rows_by_request, sampling_logprobs, top_tokens
 from producers.samplers.sync import SyncSampler
 from schemas.config import SamplerConfig
 from tests.producers.samplers.test_engine import SAME_TOL, reference_model
@@ -122,6 +122,18 @@ def test_one_batch_of_different_k_and_lengths_gives_each_sample_its_own_rows(hf_
                 assert row[0] == (token, logprob) and len(row) == call.topk_sample
                 assert [t for t, _ in row] == [t for t, _ in row_alone]
                 assert max(abs(a - b) for (_, a), (_, b) in zip(row, row_alone, strict=True)) < SAME_TOL
+
+
+def test_a_batchs_step_rows_become_each_requests_rows() -> None:
+    """Three steps of a batch of three, 2 columns: request 0 decoded all three steps and asks for 2, request 1
+    stopped after step 0 and asks for 1, request 2 asks for none."""
+    step_S = [top_tokens(torch.log_softmax(torch.tensor([[3.0, 2.0, 1.0], [0.0, 5.0, 1.0], [1.0, 1.0, 9.0]]) * s, -1),
+                         2) for s in (1, 2, 3)]
+    rows_B = rows_by_request(step_S, [3, 1, 2], [2, 1, 0])
+    assert rows_B[2] is None and [len(rows) for rows in rows_B[:2]] == [3, 1] and rows_B[1].k == 1
+    assert [[token for token, _ in row] for row in rows_B[0]] == [[0, 1]] * 3  # token 0 likeliest, then 1
+    assert rows_B[0] == [step[0] for step in step_S] and rows_B[1] == [step_S[0][1][:1]]
+    assert rows_by_request([], [0, 0], [4, 0]) == [[], None]  # no step decoded
 
 
 def test_negative_top_k_logprob_counts_are_refused() -> None:
