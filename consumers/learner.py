@@ -41,12 +41,13 @@ loop, so both give the same weights on the same batches in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -134,7 +135,7 @@ class Learner:
         self.outputs = StepOutputs(run_id, base_model, registry, checkpoints, announce, self.faults, stopping,
                                    keep_versions=config.keep_versions,
                                    keep_also=frozenset({1}) if config.init_from else frozenset())  # the warm start
-        self.pipelined = False  # True inside ``run``: step() returns before its writes are done
+        self.pipelined = False  # True inside ``pipelining`` (``run``): step() returns before its writes are done
         self.letters_beside = False  # True in a packed run's turn: a dead letter is sent beside the others' turns
 
     # ---- set up -------------------------------------------------------------
@@ -245,36 +246,45 @@ class Learner:
         read nothing more before it is taken; and the batches it started reading
         ahead are kept for the next call (``reader.close()`` drops them).
         """
-        was_pipelined, self.pipelined = self.pipelined, True
-        was_beside, self.letters_beside = self.letters_beside, not wait_for_writes
-        try:
-            while not should_stop() and not self.budget_reached():
-                if not self.incoming:
-                    self.incoming.extend(self.source.poll(poll_timeout_s))
-                if self.incoming:
-                    self.ingest([self.incoming.popleft()])
-                    if self.ready():
-                        self.read_ahead()
-                        on_step(self.step())
-                elif self.source.exhausted():
-                    if self.work_waiting():
-                        on_step(self.step())
-                    break
-                else:
-                    if self.outputs.writer.busy and self.outputs.writer.done:
-                        self.finish_writes()  # commit what the last step's checkpoint covers while idle
-                    self.announce_progress()  # waiting for rows: producers must not wait for this learner
-                    self.check_lease_while_waiting()
-        except BaseException:
-            self.outputs.abandon()
-            self.reader.close()
-            raise
-        finally:
-            self.pipelined, self.letters_beside = was_pipelined, was_beside
+        with self.pipelining(letters_beside=not wait_for_writes):
+            try:
+                while not should_stop() and not self.budget_reached():
+                    if not self.incoming:
+                        self.incoming.extend(self.source.poll(poll_timeout_s))
+                    if self.incoming:
+                        self.ingest([self.incoming.popleft()])
+                        if self.ready():
+                            self.read_ahead()
+                            on_step(self.step())
+                    elif self.source.exhausted():
+                        if self.work_waiting():
+                            on_step(self.step())
+                        break
+                    else:
+                        if self.outputs.writer.busy and self.outputs.writer.done:
+                            self.finish_writes()  # commit what the last step's checkpoint covers while idle
+                        self.announce_progress()  # waiting for rows: producers must not wait for this learner
+                        self.check_lease_while_waiting()
+            except BaseException:
+                self.outputs.abandon()
+                self.reader.close()
+                raise
         if wait_for_writes:
             self.reader.close()
             self.finish_writes()
         return self.state
+
+    @contextlib.contextmanager
+    def pipelining(self, letters_beside: bool = False) -> Iterator[None]:
+        """Inside, ``step`` returns with its writes still going, as in ``run``: the next step, ``checkpoint`` or
+        ``finish_writes`` waits for them.  ``letters_beside``: a dead letter is sent beside too (a packed run's
+        turn, ``quarantine``).  Both flags are as they were on leaving."""
+        was = self.pipelined, self.letters_beside
+        self.pipelined, self.letters_beside = True, letters_beside
+        try:
+            yield
+        finally:
+            self.pipelined, self.letters_beside = was
 
     def read_ahead(self) -> None:
         """Start reading the batches already delivered (polling without waiting if none is) for the next step."""

@@ -410,11 +410,8 @@ class PackedLearner:
 
 def step_beside(learner: Learner) -> dict:
     """``learner.step()`` with its writes left going when it returns, as in its own loop's steps (``Learner.run``)."""
-    was_pipelined, learner.pipelined = learner.pipelined, True
-    try:
+    with learner.pipelining():
         return learner.step()  # (an error drops the run: ``PackedLearner.drop`` lets its writes under way end)
-    finally:
-        learner.pipelined = was_pipelined
 
 
 def one_pass(learner: Learner, poll_timeout_s: float) -> list[dict]:

@@ -795,3 +795,19 @@ def test_a_resumed_replay_announces_nothing_again_having_no_broker(tmp_path, set
         again = replay_train(config, RUN)
     assert again.state.step == 2 and "resumed from" in caplog.text
     assert "announced again" not in caplog.text
+
+
+def test_pipelining_sets_the_write_flags_inside_and_puts_them_back_on_leaving_even_on_an_error():
+    """``Learner.pipelining`` (``run``, a packed run's ``step_beside``): the flags a step reads, restored as they were,
+    nested or not, so a step that raised leaves no later ``step`` returning before its writes are done."""
+    learner = Learner.__new__(Learner)  # only the two flags are read
+    learner.pipelined, learner.letters_beside = False, False
+    with learner.pipelining(letters_beside=True):
+        assert (learner.pipelined, learner.letters_beside) == (True, True)
+        with learner.pipelining():
+            assert (learner.pipelined, learner.letters_beside) == (True, False)
+        assert (learner.pipelined, learner.letters_beside) == (True, True)
+    assert (learner.pipelined, learner.letters_beside) == (False, False)
+    with pytest.raises(RuntimeError, match="step failed"), learner.pipelining(letters_beside=True):
+        raise RuntimeError("step failed")
+    assert (learner.pipelined, learner.letters_beside) == (False, False)
