@@ -112,15 +112,16 @@ class RunWrites:
 
     def finish(self) -> None:
         """Wait for the run's writes and commit what they cover, as a learner of one run does (a stop ends a wait
-        for the broker in one line, ``BrokerAwayOnStop``)."""
+        for the broker in one line, ``BrokerAwayOnStop``): its dead letter and owed offsets (``finish_owed``), then
+        its step in flight and the offsets of its checkpoint."""
         self.finish_owed()
-        self.learner.finish_writes()
+        self.learner.finish_step_writes()  # (its dead letter is taken: ``finish_owed`` waited for it)
 
     def finish_owed(self) -> None:
         """Wait for a dead letter being sent, and commit the owed offsets, waiting for the broker to take them as a
         learner of one run does; a wait its turns began goes on with the same lines (``report``): no second start
         line, one end line."""
-        self.learner.outputs.letters.wait(lambda: keep_alive_quietly(self.learner.source.keep_alive))
+        self.learner.wait_for_letter()
         if self.owed is not None:
             self.learner.commit(self.owed.positions, self.what(self.owed), self.report)
             self.owed, self.report = None, None

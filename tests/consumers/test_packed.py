@@ -335,7 +335,10 @@ class Turns:
                 self.steps += 1
                 on_step({"step": self.steps})
 
-    def finish_writes(self) -> None:
+    def wait_for_letter(self) -> None:
+        pass
+
+    def finish_step_writes(self) -> None:
         pass
 
 

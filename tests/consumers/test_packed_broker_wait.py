@@ -169,6 +169,7 @@ class Run:
     slow to write."""
 
     commit = Learner.commit  # a learner's blocking commit, over this stand-in's source
+    wait_for_letter = Learner.wait_for_letter  # (its dead letters: none)
 
     def __init__(self, run_id: str, turns: list[str], delivered: int, release: threading.Event | None = None,
                  refused: bool = True) -> None:
@@ -196,7 +197,7 @@ class Run:
         if not self.incoming:
             self.poll_timeouts.append(poll_timeout_s)
 
-    def finish_writes(self) -> None:
+    def finish_step_writes(self) -> None:
         self.outputs.writer.wait()
 
 
@@ -228,7 +229,7 @@ def test_when_every_runs_writes_wait_the_loop_waits_for_them_instead_of_spinning
 
 
 class Abandonable(Run):
-    """A run whose ``finish_writes`` raises ``fails`` if given, else whose writer's job waits for the broker until
+    """A run whose ``finish_step_writes`` raises ``fails`` if given, else whose writer's job waits for the broker until
     its writes are abandoned (``StepOutputs.abandon``)."""
 
     def __init__(self, run_id: str, turns: list[str], fails: Exception | None = None) -> None:
@@ -239,10 +240,10 @@ class Abandonable(Run):
         self.outputs.abandon = lambda: (abandoning.set(), self.outputs.writer.wait_quietly())
         self.reader = SimpleNamespace(close=lambda: None)
 
-    def finish_writes(self) -> None:
+    def finish_step_writes(self) -> None:
         if self.fails is not None:
             raise self.fails
-        super().finish_writes()
+        super().finish_step_writes()
 
 
 def test_an_error_finishing_one_runs_writes_at_the_end_abandons_the_others_writes():
