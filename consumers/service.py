@@ -167,25 +167,26 @@ def finish(learner: Learner, after_step: Callable[[dict], None]) -> None:
 
     A learner that reached ``max_steps`` between two ``publish_every`` steps also publishes its last step
     first, so the run's newest version holds everything it trained.  Batches read since the last step that no
-    step trains (dead-lettered ones, duplicates) are covered too, so a restart does not read them again.
+    step trains (dead-lettered ones, duplicates) are covered too, so a restart does not read them again.  The
+    choice is ``hand_over_final_writes``'s; this waits for those writes and commits the checkpoint's positions.
     """
     if learner.work_waiting():
         after_step(learner.step())
-    passed = learner.pass_untrainable()
-    published = learner.budget_reached() and learner.publish_last_steps()
-    if passed or published or learner.state.step % learner.cfg.checkpoint_every:
-        learner.checkpoint()
     learner.finish_writes()  # the last step's own checkpoint, when it was due, may still be being written
+    if hand_over_final_writes(learner):
+        learner.finish_writes()
 
 
 def hand_over_final_writes(learner: Learner) -> bool:
-    """``finish`` without waiting, for a packed run at its end: its last steps' version and its final checkpoint
-    are handed to the learner's writer as one job, in ``finish``'s order, and whoever waits for that job commits
-    the checkpoint's positions (``consumers.packed_writes.RunWrites``); whether there was anything to write (not
-    when its last step's own checkpoint covers everything).
+    """The writes that end a run, handed to the learner's writer as one job without waiting for it: the version of
+    its last steps (at ``max_steps``, when steps since the newest version trained rows), then a checkpoint, when
+    the version was published, batches no step trains were passed (``Learner.pass_untrainable``), or the last step
+    was no ``checkpoint_every``-th; whether there was anything to write (not when its last step's own checkpoint
+    covers everything).  Whoever waits for that job commits the checkpoint's positions (``finish``; a packed run at
+    its end, ``consumers.packed_writes.RunWrites``).
 
-    The writer must have no job (the last step's writes taken), and no rows may wait: a packed run is finished
-    only once its last turn trained them (``PackedRun.finished``).
+    The writer must have no job (the last step's writes taken), and no rows may wait: a stop trains them first
+    (``finish``), and a packed run is finished only once its last turn trained them (``PackedRun.finished``).
     """
     if learner.work_waiting():
         raise RuntimeError(f"run {learner.run_id}: rows still wait for a step; train them before its final writes")
