@@ -16,7 +16,8 @@ every trained ``batch_id`` (the idempotency key) in the step object written
 before the checkpoint that covers it, and loading a checkpoint rebuilds the full
 set from the step objects up to its step, so a batch announced twice is trained
 once however far apart the announcements are; and on restart the learner loads
-the newest complete checkpoint and seeks its source to the stored positions.
+the newest complete checkpoint and seeks its source to the stored positions
+(``consumers.learner_start``).
 A crash after a version was published but before the checkpoint that records
 it retrains that step from the previous checkpoint (same batches, same RNG
 state, so the same weights), rewrites its step object, and publishes it again
@@ -44,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from consumers import learner_start
 from consumers.advantages import EpisodeColumns, compute_advantages, training_weights
 from consumers.batching import PendingBatch, checked_for_training, drop_stale, micro_batches
 from consumers.broker_wait import (
@@ -63,21 +64,20 @@ from consumers.broker_wait import (
     progress_announced,
     until_the_broker_takes,
 )
-from consumers.checkpoint import Checkpoint, CheckpointStore
+from consumers.checkpoint import CheckpointStore
 from consumers.collapse import CollapseMonitor, collapse_signs, keep_uncertain_groups, zero_advantage_share
 from consumers.faults import FaultInjector
 from consumers.lease import LearnerLease
 from consumers.policy import LoraPolicy
 from consumers.read_ahead import BatchReader
-from consumers.reannounce import announce_again, checkpoint_event
-from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, origin_of, rewind_if_the_log_changed
+from consumers.sources import POISON_BATCH_ERRORS, BatchRef, TrajectorySource, origin_of
 from consumers.step_writer import StepOutputs
 from consumers.tracking import MetricLogger, NullMetricLogger
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.registry import AdapterRegistry
 from pipeline.runtime import announcing_once
 from schemas.checkpoint import LearnerState
-from schemas.config import LearnerConfig, parse_init_from
+from schemas.config import LearnerConfig
 from schemas.events import DeadLetter, LearnerProgress, Payload
 from schemas.trajectory import TRAJECTORY_SCHEMA
 from schemas.versions import NewerSchemaError
@@ -138,99 +138,17 @@ class Learner:
         self.pipelined = False  # True inside ``pipelining`` (``run``): step() returns before its writes are done
         self.letters_beside = False  # True in a packed run's turn: a dead letter is sent beside the others' turns
 
-    # ---- set up -------------------------------------------------------------
+    # ---- set up (``consumers.learner_start``) -------------------------------
     def resume(self, between_tries: Callable[[], None] | None = None) -> bool:
-        """Take the run's learner lease, load the newest complete checkpoint and seek the source to its positions.
-
-        The checkpoint's positions are committed again: a learner killed after a
-        checkpoint was durable but before its commit left the group's offsets
-        behind what that checkpoint trained.  Before that commit the checkpoint and
-        every version newer than it are announced again (``consumers.reannounce``):
-        the learner before this one may have been killed or stopped before their
-        events were taken.  ``between_tries`` runs before each try again of those waits for the broker (a packed
-        learner keeps its other runs' consumers alive there).
-        """
-        if self.lease is not None:
-            self.lease.acquire()
-        self.outputs.next_version = None  # versions a learner before this one published count
-        checkpoint = self.checkpoints.latest()
-        self.announce_again(checkpoint, between_tries)
-        if checkpoint is None:
-            log.info("no checkpoint for run %s: starting at step 0", self.run_id)
-            self.rewind_if_the_log_changed()
-            self.source.seek({})  # every partition from its start, whatever the group committed
-            self.unpublished_training = False
-            if self.cfg.init_from:
-                self.warm_start(self.cfg.init_from)
-            return False
-        self.policy.load_state(checkpoint.adapter, checkpoint.optimizer, checkpoint.scalars)
-        checkpoint.restore_rng()
-        self.state = checkpoint.state
-        self.rewind_if_the_log_changed()
-        self.ingested = dict(self.state.positions)
-        if self.cfg.init_from and self.cfg.kl_coef > 0:
-            self.restore_reference()
-        self.source.seek(self.state.positions)
-        self.commit(dict(self.state.positions), f"the offsets of step {self.state.step}'s checkpoint",
-                    between_tries=between_tries)
-        published = self.registry.latest()  # the steps resumed past the newest version trained rows, if any
-        self.unpublished_training = bool(self.state.step) and (
-            published is None or published.learner_step < self.state.step)
-        log.info("resumed from %s: step %d, version %d", checkpoint.key, self.state.step, self.state.version)
-        return True
-
-    def announce_again(self, checkpoint: Checkpoint | None, between_tries: Callable[[], None] | None = None) -> None:
-        """Announce ``checkpoint`` (the one resumed from) and the versions newer than it, as they were first
-        sent (``consumers.reannounce``); nothing without a broker (``reannounce`` False)."""
-        if not self.reannounce:
-            return
-        resumed = checkpoint_event(self.checkpoints, checkpoint) if checkpoint is not None else None
-        announce_again(self.announce, self.run_id, self.registry, resumed, self.outputs.stopping, between_tries)
-
-    def rewind_if_the_log_changed(self) -> None:
-        """Read a log that is not the one the checkpoint's positions point into from its start.
-
-        A broker that lost its log (an in-memory broker restarted, a topic deleted
-        and created again) numbers new events from 0 again, so the stored offsets
-        would skip them.  Sources that know their log's identity (Kafka: the
-        topic id) say which positions point elsewhere; those start over at 0, and
-        batches already trained are skipped by their ids.  The identity of the log
-        read from now on is recorded with the next checkpoint.
-        """
-        rewind_if_the_log_changed(self.source, self.state)
+        """Take the run's learner lease, load the newest complete checkpoint and seek the source to its positions
+        (committed again, after its events are announced again); whether there was one.  ``between_tries`` runs
+        before each try again of a wait for the broker (``learner_start.resume``)."""
+        return learner_start.resume(self, between_tries)
 
     def warm_start(self, init_from: str) -> None:
-        """Start from another run's published adapter and publish it unchanged as this run's v1.
-
-        Producers then sample the warm start from the beginning, and the registry
-        keeps base (v0), warm start (v1) and everything trained after it side by
-        side for evaluation.  The optimizer starts fresh.  A checkpoint follows at
-        step 0, so a restart resumes instead of warm-starting (and publishing) again.
-        The adapter must have this learner's LoRA shape (rank, alpha, target modules).
-        """
-        source_run, wanted = parse_init_from(init_from)
-        source = AdapterRegistry(self.registry.store, source_run)
-        manifest = source.show(wanted) if wanted is not None else source.latest()
-        if manifest is None:
-            raise ValueError(f"learner.init_from={init_from!r}: run {source_run} has no published adapter; "
-                             "train it first (e.g. rlpipe replay --train) or fix the name")
-        if manifest.base_model != self.base_model:
-            raise ValueError(f"learner.init_from={init_from!r} was trained on {manifest.base_model}, not "
-                             f"{self.base_model}; warm-start from an adapter of the same base model")
-        with tempfile.TemporaryDirectory(prefix="rlpipe-warm-") as cache:
-            self.policy.load_adapter_folder(source.pull(manifest.version, cache))
-        self.policy.keep_reference()  # the KL penalty keeps the policy near its warm start
-        log.info("warm start from %s v%d", source_run, manifest.version)
-        self.publish({"warm_start_version": manifest.version})
-        self.checkpoint()
-
-    def restore_reference(self) -> None:
-        """After a restart, the KL reference is the warm start again: this run's v1, published unchanged."""
-        if "warm_start_version" not in self.registry.show(1).metrics:
-            raise ValueError(f"run {self.run_id}: v1 is not a warm start, so learner.kl_coef has no reference to "
-                             "restore; start a fresh run or set learner.kl_coef to 0")
-        with tempfile.TemporaryDirectory(prefix="rlpipe-reference-") as cache:
-            self.policy.keep_reference_folder(self.registry.pull(1, cache))
+        """Start from another run's published adapter, published unchanged as this run's v1, and checkpoint at step 0
+        (``learner_start.warm_start``)."""
+        learner_start.warm_start(self, init_from)
 
     # ---- the loop -----------------------------------------------------------
     def run(self, should_stop: Callable[[], bool] = lambda: False, on_step: Callable[[dict], None] = lambda m: None,

@@ -211,7 +211,7 @@ class ValueLearner:
     def rewind_if_the_log_changed(self) -> None:
         """Read a log that is not the one the checkpoint's positions point into from its start.
 
-        As the LoRA learner (``Learner.rewind_if_the_log_changed``): a broker that lost its log numbers
+        As the LoRA learner on resume (``consumers.learner_start.resume``): a broker that lost its log numbers
         events from 0 again; positions that point elsewhere start over at 0 and batches already trained
         are skipped by their ids.  The identity of the log read from now on goes into the next checkpoint.
         """
