@@ -47,6 +47,7 @@ class ControlFeed:
     launched_at: float  # unix seconds: the control topic is read from then on
     stopping: threading.Event
     stopped: dict[str, str]  # runs whose RunStopped went out, with its reason
+    unbounded: set[str]  # runs started again whose stored budget could not be read: never stopped at a budget here
 
     def views(self, dashboard: bool) -> None:
         """Each run's board; the live view when asked for and standard output is a terminal (elsewhere its frames
@@ -134,7 +135,7 @@ class ControlFeed:
             with self.stop_lock:
                 self.stopped.setdefault(event.run_id, event.payload.reason)
             return
-        budget = step_budget(next(c for c in self.configs if c.run_id == event.run_id))
+        budget = self.known_budget(next(c for c in self.configs if c.run_id == event.run_id))
         payload = event.payload
         if self.packed and isinstance(payload, LearnerCheckpointed) and budget is not None and payload.step >= budget:
             self.announce_stop(publisher, event.run_id, "step budget reached", payload.step, payload.version)
@@ -142,8 +143,9 @@ class ControlFeed:
     def started_again(self, run_id: str) -> None:
         """A ``RunStarted`` of ``run_id`` (``rlpipe runs resume``, perhaps after its budget was raised): the run goes
         on, so it is stopped again at its budget, which is read again from its stored configuration, as the packed
-        learner that takes it up reads it.  While that cannot be read the run stays marked stopped: the launch's
-        budget may be the one it was stopped at, and stopping it again there would end the resumed run at once."""
+        learner that takes it up reads it.  While that cannot be read the run is ``unbounded``: the launch's budget
+        may be the one it was stopped at, and stopping it again there would end the resumed run at once; it still
+        gets its ``RunStopped`` when the launch ends, as any run going on does."""
         index = next(i for i, c in enumerate(self.configs) if c.run_id == run_id)
         launched = self.configs[index]
         try:
@@ -151,12 +153,22 @@ class ControlFeed:
         except Exception as exc:  # the store unreachable (any backend's error), or the record unreadable
             log.warning("run %s was started again, but its stored configuration cannot be read (%s): this launch "
                         "does not stop it at its step budget", run_id, error_line(exc))
+            if run_id in self.step_lines:
+                self.step_lines[run_id].max_steps = None
+            with self.stop_lock:
+                self.stopped.pop(run_id, None)
+                self.unbounded.add(run_id)
             return
         self.configs[index] = config  # the stack, the logs and the processes stay the launch's (``self.config``)
         if run_id in self.step_lines:
             self.step_lines[run_id].max_steps = step_budget(config)
         with self.stop_lock:
             self.stopped.pop(run_id, None)
+            self.unbounded.discard(run_id)
+
+    def known_budget(self, config: RunConfig) -> int | None:
+        """The run's step budget, None when it has none or it is ``unbounded`` (its stored budget unreadable)."""
+        return None if config.run_id in self.unbounded else step_budget(config)
 
     def announce_stop(self, publisher: EventPublisher, run_id: str, reason: str, step: int, version: int) -> None:
         """``RunStopped`` for ``run_id``, once per run: marked only once published, so a failed publish (raised)
@@ -172,7 +184,7 @@ class ControlFeed:
     def stop_finished_runs(self, publisher: EventPublisher) -> None:
         """``RunStopped`` for every packed run whose newest checkpoint in the store is at its step budget."""
         for config in self.configs:
-            budget = step_budget(config)
+            budget = self.known_budget(config)
             if config.run_id in self.stopped or budget is None:
                 continue
             step, version = self.final_position(config)
@@ -199,4 +211,4 @@ class ControlFeed:
         """Every run's panel, one under the other."""
         from rich.console import Group
 
-        return Group(*(self.boards[c.run_id].render(c.run_id, step_budget(c)) for c in self.configs))
+        return Group(*(self.boards[c.run_id].render(c.run_id, self.known_budget(c)) for c in self.configs))

@@ -68,7 +68,7 @@ from pipeline.io.bus import (
 from pipeline.io.store import remote_failures
 from pipeline.membership import announce_membership
 from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
-from schemas.config import RunConfig, step_budget
+from schemas.config import RunConfig
 from schemas.events import RunStarted
 
 log = logging.getLogger("rlpipe.run")
@@ -164,6 +164,7 @@ class Launcher(ControlFeed):
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = threading.Event()
         self.stopped: dict[str, str] = {}  # runs whose RunStopped went out, with its reason
+        self.unbounded: set[str] = set()  # runs started again whose stored budget could not be read
         self.watcher: threading.Thread | None = None  # feeds the dashboards (follow_control)
         self.launched_at = time.time()  # unix seconds: the learner's progress is read from then on
         self.producers_exited = False  # every producer exited 0
@@ -241,7 +242,7 @@ class Launcher(ControlFeed):
         failed = next((f"{name} exited with {code}" for name, code in codes.items() if code not in (None, 0)), None)
         for config in self.configs:
             step, version = self.final_position(config)
-            budget = step_budget(config)
+            budget = self.known_budget(config)
             if budget is not None and step >= budget:
                 reason = "step budget reached"
             elif self.producers_done and not failed:

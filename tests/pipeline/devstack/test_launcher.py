@@ -15,7 +15,7 @@ import pytest
 from pipeline.devstack import launcher
 from pipeline.devstack.dashboard import Dashboard
 from pipeline.devstack.stack import StackState
-from schemas.config import RunConfig
+from schemas.config import RunConfig, step_budget
 
 
 def _state(home: Path) -> StackState:
@@ -112,7 +112,7 @@ def packed_launcher(root: Path, budgets: dict[str, int]) -> launcher.Launcher:
     fake.configs, fake.config = configs, configs[0]
     fake.boards = {c.run_id: Dashboard() for c in configs}
     fake.live, fake.step_lines = False, {}  # no view: the tests that want one set it up (``Launcher.views``)
-    fake.stopped = {}
+    fake.stopped, fake.unbounded = {}, set()
     fake.producers_exited = fake.producers_done = False
     fake.catch_ups, fake.launched_at = {}, time.time()
     return fake
@@ -559,7 +559,7 @@ def test_without_a_terminal_every_learner_step_gets_its_line_however_fast_they_c
     ensure_topics(bus_config, ["control"])
     fake = launcher.Launcher.__new__(launcher.Launcher)
     fake.configs, fake.config, fake.bus = [config], config, bus_config
-    fake.stopping, fake.stopped, fake.launched_at = threading.Event(), {}, time.time()
+    fake.stopping, fake.stopped, fake.unbounded, fake.launched_at = threading.Event(), {}, set(), time.time()
     fake.views(dashboard=False)
     watcher = threading.Thread(target=fake.follow_control, daemon=True)
     watcher.start()
@@ -656,7 +656,7 @@ def test_a_packed_run_resumed_with_a_raised_budget_is_stopped_again_at_the_new_o
     fake.on_control(make_event("a", started_again(store, "a")), published)
     checkpointed(3)
     assert published.events == [first]
-    assert fake.boards["a"].ended(launcher.step_budget(fake.configs[0])) is None
+    assert fake.boards["a"].ended(step_budget(fake.configs[0])) is None
     checkpointed(4)
     stops = [e.payload for e in published.events if isinstance(e.payload, RunStopped)]
     assert [(s.final_step, s.reason) for s in stops] == [(2, "step budget reached"), (4, "step budget reached")]
@@ -709,3 +709,34 @@ def test_a_run_resumed_whose_budget_cannot_be_read_is_not_stopped_again_at_the_l
     assert [e.payload.final_step for e in published.events] == [2]
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "run a was started again" in warning and "no run.json" in warning, warning
+
+
+def test_a_run_resumed_whose_budget_cannot_be_read_still_gets_its_final_stop(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run a (budget 2) stopped at step 2, then resumed without a readable stored configuration: it goes on past the
+    launch's budget (its lines name none), and when the launch ends (here a Ctrl-C) it gets its final RunStopped like
+    any run still going, at its newest step, for the reason the launch ended (its own budget is unknown)."""
+    from schemas.events import LearnerCheckpointed, RunStarted, RunStopped, make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})  # no run.json in the store
+    fake.views(dashboard=False)
+    published = Published()
+
+    def checkpointed(step: int) -> None:
+        fake.on_control(make_event("a", LearnerCheckpointed(step=step, version=step, path=f"a{step}", offsets={})),
+                        published)
+
+    checkpointed(2)
+    (first,) = published.events
+    fake.on_control(first, published)  # its own stop, read back from the feed
+    started = RunStarted(config_path="runs/a/run.json", config_sha256="0" * 64, env="cartpole", base_model="tiny")
+    fake.on_control(make_event("a", started), published)
+    checkpointed(3)
+    assert "a" not in fake.stopped, "a run going on is counted as let go (``_caught_up``)"
+    fake.announce_stops(published, {"learner": 0}, interrupted=True)
+    stops = [(e.run_id, e.payload.final_step, e.payload.reason) for e in published.events
+             if isinstance(e.payload, RunStopped)]
+    assert stops == [("a", 2, "step budget reached"), ("a", 3, "stopped by Ctrl-C or a signal"),
+                     ("b", 0, "stopped by Ctrl-C or a signal")], stops
+    lines = [line.split("  ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("run a ")]
+    assert lines == ["step 2/2", "step 3/∞"], lines
