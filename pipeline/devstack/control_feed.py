@@ -143,7 +143,8 @@ class ControlFeed:
     def started_again(self, run_id: str) -> None:
         """A ``RunStarted`` of ``run_id`` (``rlpipe runs resume``, perhaps after its budget was raised): the run goes
         on, so it is stopped again at its budget, which is read again from its stored configuration, as the packed
-        learner that takes it up reads it.  While that cannot be read the run is ``unbounded``: the launch's budget
+        learner that takes it up reads it (so are its checkpoint interval and heartbeat, which its lines and board
+        read).  While that cannot be read the run is ``unbounded``: the launch's budget
         may be the one it was stopped at, and stopping it again there would end the resumed run at once; it still
         gets its ``RunStopped`` when the launch ends, as any run going on does."""
         index = next(i for i, c in enumerate(self.configs) if c.run_id == run_id)
@@ -160,8 +161,10 @@ class ControlFeed:
                 self.unbounded.add(run_id)
             return
         self.configs[index] = config  # the stack, the logs and the processes stay the launch's (``self.config``)
-        if run_id in self.step_lines:
-            self.step_lines[run_id].max_steps = step_budget(config)
+        self.boards[run_id].silent_after_s = silent_after_s(config)
+        if run_id in self.step_lines:  # which steps get a checkpoint, and so which event says each step's line
+            lines = self.step_lines[run_id]
+            lines.max_steps, lines.checkpoint_every = step_budget(config), active_learner(config).checkpoint_every
         with self.stop_lock:
             self.stopped.pop(run_id, None)
             self.unbounded.discard(run_id)

@@ -740,3 +740,30 @@ def test_a_run_resumed_whose_budget_cannot_be_read_still_gets_its_final_stop(
                      ("b", 0, "stopped by Ctrl-C or a signal")], stops
     lines = [line.split("  ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("run a ")]
     assert lines == ["step 2/2", "step 3/∞"], lines
+
+
+def test_a_resumed_runs_lines_and_board_follow_its_stored_checkpoint_interval_and_heartbeat(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run a checkpointed every step (each line from its LearnerCheckpointed) is resumed with learner.checkpoint_every
+    5 and producer.heartbeat_interval_s 20: steps 3 and 4 get their lines from LearnerProgress (no checkpoint comes for
+    them), and its producers are called silent after 3 x 20 = 60 s, not the launch's 30 s."""
+    from pipeline.runtime import create_run, open_store, record_config_change, started_again
+    from schemas.events import LearnerCheckpointed, LearnerProgress, make_event
+
+    fake = packed_launcher(tmp_path, {"a": 9, "b": 9})
+    store = open_store(fake.config.store)
+    create_run(store, fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    assert fake.boards["a"].silent_after_s == 30.0
+    changed = fake.configs[0].model_copy(update={
+        "learner": fake.configs[0].learner.model_copy(update={"checkpoint_every": 5}),
+        "producer": fake.configs[0].producer.model_copy(update={"heartbeat_interval_s": 20.0})})
+    record_config_change(store, changed)
+    for payload in (LearnerCheckpointed(step=2, version=2, path="a2", offsets={}), started_again(store, "a"),
+                    LearnerProgress(step=3, version=3, positions={}), LearnerProgress(step=4, version=4, positions={}),
+                    LearnerProgress(step=5, version=5, positions={}),
+                    LearnerCheckpointed(step=5, version=5, path="a5", offsets={})):
+        fake.on_control(make_event("a", payload), Published())
+    lines = [line.split("  ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("run a ")]
+    assert lines == ["step 2/9", "step 3/9", "step 4/9", "step 5/9"], lines
+    assert fake.boards["a"].silent_after_s == 60.0
