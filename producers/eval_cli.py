@@ -215,7 +215,7 @@ def refuse_validated_seeds(config: RunConfig, store: Any, building: bool, episod
     """Refuse held-out episodes on seeds a ``--validation`` of the run played (recorded under
     ``runs/RUN/validation/``): runs were chosen on those, so reporting on them would report on the choice.
     A validation skips the held-out episodes it knows of; a later held-out evaluation of more reaches its seeds."""
-    from producers.evaluation import read_validations, validated_ranges
+    from producers.evaluation import validated_overlap, validated_refusal
     from schemas.evaluation import validation_prefix
 
     if building:
@@ -224,23 +224,15 @@ def refuse_validated_seeds(config: RunConfig, store: Any, building: bool, episod
         first = first_held_out_day(config, store)
     else:
         first = config.env.eval_seed_offset
-    played, unreadable = read_validations(store, config.run_id)
-    if unreadable:
-        fail(f"{unreadable[0]}: the seeds that validation played are unknown, so held-out episodes might report on "
-             f"them; delete it from {store.root} (validate again to record them)", 2)
-    overlap = validated_ranges(played, config.env.name, first, episodes)
+    overlap, past = validated_overlap(store, config.run_id, config.env.name, first, episodes)
     if not overlap:
         return
-    unit = "days" if building else "seeds"
     fixes = [f"--episodes {overlap[0][0] - first} or fewer stays before them"] if overlap[0][0] > first else []
     if not building:  # a building run's held-out days start after its dataset's, whatever the offset
-        past = max(p.seed_start + p.episodes for p in played if p.env == config.env.name)
         fixes.append(f"--set env.eval_seed_offset={past} plays after every validated seed")
     if not fixes:  # a validation from the first held-out day on (a dataset's days changed since)
         fixes.append(f"delete {validation_prefix(config.run_id)}/ from {store.root} to report on them anyway")
-    ranges = " and ".join(f"{low}-{high}" for low, high in overlap)
-    fail(f"run {config.run_id!r} was validated on held-out {unit} {ranges} (rlpipe eval --validation), so these "
-         f"episodes would report on what runs were chosen on; {', or '.join(fixes)}", 2)
+    fail(validated_refusal(config.run_id, "days" if building else "seeds", overlap, fixes), 2)
 
 
 def evaluate_model_versions(config: RunConfig, store: Any, numbers: list[int], episodes: int, greedy: bool,

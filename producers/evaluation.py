@@ -188,6 +188,29 @@ def validated_ranges(played: list[ValidationPlayed], env: str, first_seed: int, 
     return [(low, min(high, end - 1)) for low, high in held_out_ranges(played, env, first_seed) if low < end]
 
 
+def validated_overlap(store: ObjectStore, run_id: str, env: str, first_seed: int,
+                      episodes: int) -> tuple[list[tuple[int, int]], int]:
+    """The seeds of ``env`` among ``first_seed .. first_seed + episodes - 1`` that validations of the run played
+    (``validated_ranges``), and one past the last seed of ``env`` any of them played (``first_seed`` if none).
+
+    A record that cannot be read is refused (``ValueError``): the seeds it played are unknown, so held-out
+    episodes might report on them."""
+    played, unreadable = read_validations(store, run_id)
+    if unreadable:
+        raise ValueError(f"{unreadable[0]}: the seeds that validation played are unknown, so held-out episodes might "
+                         f"report on them; delete it from {store.root} (validate again to record them)")
+    past = max((p.seed_start + p.episodes for p in played if p.env == env), default=first_seed)
+    return validated_ranges(played, env, first_seed, episodes), past
+
+
+def validated_refusal(run_id: str, unit: str, overlap: list[tuple[int, int]], fixes: list[str]) -> str:
+    """The one line refusing held-out ``unit`` (seeds, days) in ``overlap`` that a validation played, with ``fixes``
+    (each a way to keep off them) joined by ``or``."""
+    ranges = " and ".join(f"{low}-{high}" for low, high in overlap)
+    return (f"run {run_id!r} was validated on held-out {unit} {ranges} (rlpipe eval --validation), so these episodes "
+            f"would report on what runs were chosen on; {', or '.join(fixes)}")
+
+
 def held_out_ranges(results: Sequence[EvalResult | ValidationPlayed], env: str,
                     first_seed: int) -> list[tuple[int, int]]:
     """The seeds of ``env`` from ``first_seed`` on that stored results (or validations) played, as (first, last)

@@ -415,7 +415,12 @@ def eval_building(
 ) -> None:
     """Play held-out days of the building with the offline-trained adapter and with baselines (the logged
     controller, random, ...); energy, carbon and comfort broken out; results stored as EvalResult JSON."""
-    from producers.offline.evaluation import SamplingSettings, adapter_version, evaluate_building
+    from producers.offline.evaluation import (
+        SamplingSettings,
+        adapter_version,
+        evaluate_building,
+        refuse_validated_days,
+    )
 
     store = _store(root, gcs_endpoint)
     refuse_case_twin(store, run)  # its results would go into the other run's folder
@@ -424,6 +429,7 @@ def eval_building(
     if first_day is None and card is None:
         first_day = 1_000_000
     day_list = _held_out(card, days, first_day)
+    refuse_validated_days(store, run, day_list)  # before the model too: days a validation of the run played
     if "adapter" in chosen and model:
         adapter_version(store, run, version)  # before the model: loading (or building the tiny one) takes long
     model_path = _model_path(model) if model else None

@@ -264,8 +264,9 @@ def evaluate_building(
     ``heuristic`` / ``random``: the environment's own.  The environment settings are the
     dataset's (so the model sees the prompts it was trained on), then ``env_overrides`` and
     ``history_turns``.  What a policy needs (the model, the adapter version, the dataset and, for
-    ``behaviour``, the controller that logged it) is checked before any day is played; ``progress``
-    is told of each day played.
+    ``behaviour``, the controller that logged it) is checked before any day is played, and so, when results are
+    stored, that no validation of the run played those days (``refuse_validated_days``); ``progress`` is told of
+    each day played.
     """
     unknown = [p for p in policies if p not in EVAL_POLICIES]
     if unknown:
@@ -277,6 +278,8 @@ def evaluate_building(
         raise ValueError("the behaviour policy needs the dataset (--dataset) whose controller it replays")
     behaviour = behaviour_spec(card) if "behaviour" in policies else None  # refuses a log it cannot replay
     adapter = _adapter_handle(store, run_id, version, cache_dir) if "adapter" in policies else None
+    if store_results and days:
+        refuse_validated_days(store, run_id, days)
     overrides = dict(card.extras.get("env_overrides") or {}) if card is not None else {}
     overrides |= dict(env_overrides or {})
     if history_turns is not None:
@@ -292,6 +295,20 @@ def evaluate_building(
             store_eval_result(store, result)
         results.append(result)
     return results
+
+
+def refuse_validated_days(store: ObjectStore, run_id: str, days: Sequence[int]) -> None:
+    """Refuse held-out results of ``days`` (consecutive) for the run's report when a validation of the run
+    (``rlpipe eval --validation``, recorded under ``runs/RUN/validation/``) played some of them: runs were chosen on
+    those, so reporting on them would report on the choice (as ``rlpipe eval`` refuses)."""
+    from producers.evaluation import validated_overlap, validated_refusal
+
+    overlap, past = validated_overlap(store, run_id, BuildingHVAC.name, days[0], len(days))
+    if not overlap:
+        return
+    fixes = [f"--days {overlap[0][0] - days[0]} or fewer stays before them"] if overlap[0][0] > days[0] else []
+    fixes.append(f"--first-day {past} plays after every validated day")
+    raise ValueError(validated_refusal(run_id, "days", overlap, fixes))
 
 
 def _day_reporter(progress: Callable[[str], None], policy: str, total: int) -> DayDone:

@@ -545,6 +545,29 @@ def test_sample_after_the_end_says_so_and_a_single_day_has_no_interval(store):
     assert played.exit_code == 0 and json.loads(played.stdout)[0]["ci95"] is None
 
 
+def test_eval_building_is_refused_on_held_out_days_a_validation_played(store):
+    """A validation of the run played held-out days 3-4 (counted from the dataset's first held-out day, 1 past its
+    one logged day): 7 days from the first would report on what runs were chosen on, so nothing is played or stored
+    and the one line names the days and the --days and --first-day that keep off them.  2 days still play."""
+    from producers.evaluation import save_validation
+    from producers.offline.evaluation import held_out_days
+    from schemas.evaluation import ValidationPlayed
+
+    generate_building_dataset(store, "short", GenerationSpec(days=1, policy="heuristic"))
+    first = held_out_days(read_card(store, "short"), 1)[0]
+    save_validation(store, ValidationPlayed(run_id="chosen", env=BuildingHVAC.name, seed_start=first + 2, episodes=2))
+    play = ["eval-building", "--run", "chosen", "--dataset", "short", "--policies", "random",
+            "--set", "episode_days=0.01", "--root", store.root]
+    error = _one_line_error(runner.invoke(app, [*play, "--days", "7"]))
+    assert f"held-out days {first + 2}-{first + 3}" in error and "--days 2 or fewer" in error, error
+    assert f"--first-day {first + 4}" in error, error
+    assert store.list("runs/chosen/eval", recursive=True) == []
+    played = runner.invoke(app, [*play, "--days", "2", "--json"])
+    assert played.exit_code == 0, played.output
+    assert [r["seed_start"] for r in json.loads(played.stdout)] == [first]
+    assert len(store.list("runs/chosen/eval", recursive=True)) == 1
+
+
 def test_the_docs_recipe_uses_the_benchmarks_history_and_temperature():
     from pathlib import Path
 
