@@ -175,6 +175,15 @@ def eval(
             console.print(breakdown_line(r))
 
 
+def first_held_out(config: RunConfig, store: Any, building: bool) -> int:
+    """The run's first held-out seed: a building run's first day after its dataset's, else ``env.eval_seed_offset``."""
+    if building:
+        from producers.offline.policy_eval import first_held_out_day
+
+        return first_held_out_day(config, store)
+    return config.env.eval_seed_offset
+
+
 def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int | None, episodes: int) -> int:
     """How many held-out episodes ``--validation`` leaves alone before its own: ``--held-out``, else as far as the
     run's stored held-out results reach and ``--episodes`` past the first seed of each of them and of
@@ -186,12 +195,7 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
     from pipeline.analysis.runs import read_evals
     from producers.evaluation import held_out_played, held_out_ranges, validation_reach
 
-    if building:
-        from producers.offline.policy_eval import first_held_out_day
-
-        first = first_held_out_day(config, store)
-    else:
-        first = config.env.eval_seed_offset
+    first = first_held_out(config, store, building)
     stored, unreadable = read_evals(store, config.run_id)
     if unreadable and held_out is None:  # its seeds are unknown: a validation may replay some of them
         fail(f"{unreadable[0]}: the held-out seeds that stored result played are unknown, so validation episodes "
@@ -218,12 +222,7 @@ def refuse_validated_seeds(config: RunConfig, store: Any, building: bool, episod
     from producers.evaluation import validated_overlap, validated_refusal
     from schemas.evaluation import validation_prefix
 
-    if building:
-        from producers.offline.policy_eval import first_held_out_day
-
-        first = first_held_out_day(config, store)
-    else:
-        first = config.env.eval_seed_offset
+    first = first_held_out(config, store, building)
     overlap, past = validated_overlap(store, config.run_id, config.env.name, first, episodes)
     if not overlap:
         return
