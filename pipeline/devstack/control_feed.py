@@ -14,6 +14,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pipeline.cli.common import error_line
@@ -33,21 +34,23 @@ LAG_LOOK_S = 2.0  # how often the dashboards' learner lag is read
 
 class ControlFeed:
     """The launcher's views of its runs and what it reads for them: the part of ``Launcher`` that follows the
-    control topic (in its own thread, ``follow_control``) and announces the stop of a packed run at its budget.
-
-    Its state is set up by ``Launcher.__init__``: the runs' configurations (``configs``; ``config`` is the
-    first, whose broker and store the launch uses), the broker, when the launch started, and the flag that
-    ends the feed.
-    """
+    control topic (in its own thread, ``follow_control``) and announces the stop of a packed run at its budget."""
 
     stop_lock = threading.Lock()  # one launcher per process: announcing a run's stop is checked and done under it
-    configs: list[RunConfig]
-    config: RunConfig
-    bus: BusConfig
-    launched_at: float  # unix seconds: the control topic is read from then on
-    stopping: threading.Event
-    stopped: dict[str, str]  # runs whose RunStopped went out, with its reason
-    unbounded: set[str]  # runs started again whose stored budget could not be read: never stopped at a budget here
+
+    def __init__(self, configs: Sequence[RunConfig], bus: BusConfig, dashboard: bool) -> None:
+        """The feed of ``configs`` (the first, ``config``, is the one whose broker and store the launch uses) on
+        ``bus`` (resolved: the embedded stack's broker when none is configured), with their views (``views``)."""
+        if not configs:
+            raise ValueError("ControlFeed: no run to follow")
+        self.configs = list(configs)
+        self.config = self.configs[0]
+        self.bus = bus
+        self.launched_at = time.time()  # unix seconds: the control topic is read from then on
+        self.stopping = threading.Event()  # set: the feed ends
+        self.stopped: dict[str, str] = {}  # runs whose RunStopped went out, with its reason
+        self.unbounded: set[str] = set()  # runs started again whose stored budget could not be read: no budget stop
+        self.views(dashboard)
 
     def views(self, dashboard: bool) -> None:
         """Each run's board; the live view when asked for and standard output is a terminal (elsewhere its frames

@@ -150,23 +150,17 @@ class Launcher(ControlFeed):
     what it reads of them on the control topic is ``ControlFeed``'s."""
 
     def __init__(self, config: RunConfig | Sequence[RunConfig], dashboard: bool = True) -> None:
-        self.configs = [config] if isinstance(config, RunConfig) else list(config)
-        if not self.configs:
+        configs = [config] if isinstance(config, RunConfig) else list(config)
+        if not configs:
             raise ValueError("Launcher: no run to launch")
-        self.config = self.configs[0]  # the stack, the model and the logs folder are the first run's
-        self.started_stack = ensure_stack(self.config)
-        self.bus = resolved_bus(self.config.bus)
+        self.started_stack = ensure_stack(configs[0])  # the stack, the model and the logs folder are the first run's
+        super().__init__(configs, resolved_bus(configs[0].bus), dashboard)
         self.config_paths = [write_resolved_config(c) for c in self.configs]
         self.config_path = self.config_paths[0]
         self.log_dir = self.config_path.parent / "logs"
         self.log_dir.mkdir(exist_ok=True)
-        self.views(dashboard)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        self.stopping = threading.Event()
-        self.stopped: dict[str, str] = {}  # runs whose RunStopped went out, with its reason
-        self.unbounded: set[str] = set()  # runs started again whose stored budget could not be read
         self.watcher: threading.Thread | None = None  # feeds the dashboards (follow_control)
-        self.launched_at = time.time()  # unix seconds: the learner's progress is read from then on
         self.producers_exited = False  # every producer exited 0
         self.catch_ups: dict[str, LearnerCatchUp] = {}  # per run going on when they had: what the learner read
         self.producers_done = False  # ... and the learner has read every batch they wrote

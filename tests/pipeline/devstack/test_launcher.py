@@ -558,9 +558,7 @@ def test_without_a_terminal_every_learner_step_gets_its_line_however_fast_they_c
                                        "store": {"root": (tmp_path / "store").as_uri()}})
     ensure_topics(bus_config, ["control"])
     fake = launcher.Launcher.__new__(launcher.Launcher)
-    fake.configs, fake.config, fake.bus = [config], config, bus_config
-    fake.stopping, fake.stopped, fake.unbounded, fake.launched_at = threading.Event(), {}, set(), time.time()
-    fake.views(dashboard=False)
+    launcher.ControlFeed.__init__(fake, [config], bus_config, dashboard=False)  # the feed only: no processes
     watcher = threading.Thread(target=fake.follow_control, daemon=True)
     watcher.start()
     try:
@@ -767,3 +765,23 @@ def test_a_resumed_runs_lines_and_board_follow_its_stored_checkpoint_interval_an
     lines = [line.split("  ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("run a ")]
     assert lines == ["step 2/9", "step 3/9", "step 4/9", "step 5/9"], lines
     assert fake.boards["a"].silent_after_s == 60.0
+
+
+def test_a_launcher_of_packed_runs_sets_up_its_feed_with_a_view_per_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A configured broker starts no stack; each run gets its board (silent after 3 of its own heartbeats) and its
+    plain lines (its own budget and checkpoint interval), and nothing is stopped yet."""
+    monkeypatch.setenv("RLPIPE_HOME", str(tmp_path / "home"))
+    configs = [RunConfig.model_validate({"run_id": run, "bus": {"bootstrap_servers": "kafka:9092"},
+                                         "store": {"root": (tmp_path / "store").as_uri()},
+                                         "learner": {"max_steps": steps, "checkpoint_every": every},
+                                         "producer": {"heartbeat_interval_s": beat}})
+               for run, steps, every, beat in (("a", 4, 2, 20.0), ("b", 6, 3, 1.0))]
+    fed = launcher.Launcher(configs, dashboard=False)
+    assert fed.started_stack is None and fed.bus.bootstrap_servers == "kafka:9092" and fed.packed
+    assert [(lines.max_steps, lines.checkpoint_every) for lines in fed.step_lines.values()] == [(4, 2), (6, 3)]
+    assert [board.silent_after_s for board in fed.boards.values()] == [60.0, 30.0]
+    assert fed.stopped == {} and fed.unbounded == set() and not fed.stopping.is_set()
+    assert [path.parent.name for path in fed.config_paths] == ["a", "b"]
+    with pytest.raises(ValueError, match="no run"):
+        launcher.Launcher([], dashboard=False)
