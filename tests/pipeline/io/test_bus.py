@@ -199,6 +199,42 @@ def test_a_sequence_error_before_the_producer_knows_it_failed_is_sent_again_by_a
     assert [r.event.payload.reason for r in records if r.event] == ["before", "after"]
 
 
+def test_a_publisher_whose_send_expired_after_it_was_sent_gets_through_once_the_broker_answers(
+        tmp_path: Path) -> None:
+    """A send that reached the broker and then expired unacknowledged (the broker frozen past the publisher's wait)
+    makes kafka-python 3.0 drop the producer's id without ever asking for a new one: that producer refuses every
+    later send, even with the broker back (it held a learner's announcements for good after a broker restart)."""
+    import os
+    import signal
+
+    from pipeline.devstack.broker import TansuBroker
+    from pipeline.devstack.process import process_table
+
+    with TansuBroker(log_path=tmp_path / "tansu.log") as broker:  # its own broker: this test freezes it
+        config = BusConfig(bootstrap_servers=broker.bootstrap_servers, namespace="expired", connect_timeout_s=5.0)
+        with EventPublisher(config, send_timeout_s=2.0) as publisher:  # a learner's wait: 1 s a request, 2 s a send
+            publisher.publish("control", _stop("run-a", "before"))
+            assert broker.pid is not None
+            os.kill(broker.pid, signal.SIGSTOP)
+            try:  # sent, unanswered for the request's 1 s, retried, expired at 2 s
+                while (process_table() or {}).get(broker.pid, ("T",))[0] != "T":  # stopped (/proc: T)
+                    time.sleep(0.01)
+                with pytest.raises(PublishError):
+                    publisher.publish("control", _stop("run-a", "frozen"))
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+            answering, refusals = time.monotonic(), []
+            while True:
+                try:
+                    publisher.publish("control", _stop("run-a", "after"))
+                    break
+                except PublishError as exc:
+                    refusals.append(str(exc))
+                    assert time.monotonic() - answering < 20, f"never published again: {refusals}"
+        reasons = [r.event.payload.reason for r in bus.tail(config, "control", n=10) if r.event]
+    assert reasons[0] == "before" and reasons[-1] == "after"  # "frozen" may be in between: it was sent
+
+
 def test_a_publish_the_broker_never_acknowledged_is_reported_as_failed_naming_what_to_do(
         bus_config: BusConfig) -> None:
     from kafka.errors import KafkaTimeoutError
