@@ -4,8 +4,10 @@ One event per call (``acks=all``, kafka-python 3.x defaults), waiting for the
 broker's answer so a failure (an oversized message, a missing topic) surfaces as
 ``PublishError`` instead of vanishing inside a future.  Retriable errors are retried
 a bounded number of times; ``event_id`` makes a duplicate harmless.  A producer that
-has failed for good (a broker that cannot fence its epoch after a sequence error)
-is replaced by a new one.
+has failed for good is replaced by a new one: after a sequence error a broker that
+cannot bump its epoch, or a send that expired after it was sent (kafka-python 3.0
+then drops the producer's id and never asks for another, so it sends nothing again,
+however long the broker has been back).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from kafka.errors import (
     OutOfOrderSequenceNumberError,
     UnknownProducerIdError,
 )
+from kafka.producer.transaction_manager import TransactionState
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
 from pipeline.io.bus.admin import _check_event_belongs, ensure_topics, resolve_topic
 from pipeline.io.bus.connection import _CLIENT_ID, _connect, _describe, kafka_client_settings
-from pipeline.io.bus.errors import PublishError, WrongEventTypeError
+from pipeline.io.bus.errors import BusUnavailableError, PublishError, WrongEventTypeError
 from pipeline.topics import topic_kind
 from schemas.config import BusConfig
 from schemas.events import Envelope, encode_event
@@ -37,6 +40,24 @@ from schemas.events import Envelope, encode_event
 log = logging.getLogger(__name__)
 # The errors of an idempotent producer whose sequence numbers or epoch the broker no longer accepts.
 SEQUENCE_ERRORS = (OutOfOrderSequenceNumberError, UnknownProducerIdError, InvalidProducerEpochError)
+
+
+def _failed_for_good(producer: KafkaProducer) -> str | None:
+    """Why ``producer`` will never send again, or None while it can.
+
+    Two ways, read off kafka-python's transaction manager (it has no public check): a failed epoch bump leaves it
+    in an error state; a send that expires after it was sent (unacknowledged past the delivery timeout) makes it
+    drop its producer id, still ``READY``, so its sender never asks for another id and holds every later send
+    unsent and unexpired, whether or not the broker is back (kafka-python 3.0.12).
+    """
+    manager = getattr(producer, "_transaction_manager", None)
+    if manager is None:
+        return None
+    if manager.has_error():
+        return str(manager.last_error)
+    if not manager.has_producer_id() and manager._current_state is TransactionState.READY:
+        return "it dropped its producer id after a send expired and never asks for a new one"
+    return None
 
 
 class _ProducerReplaced(Exception):
@@ -112,7 +133,7 @@ class EventPublisher:
         try:
             for attempt in retrying:
                 with attempt:
-                    producer = self._producer
+                    producer = self._working_producer()
                     try:
                         metadata = producer.send(topic, value=value, key=key_bytes).get(timeout=self.send_timeout_s + 5)
                     except KafkaError as exc:
@@ -133,27 +154,37 @@ class EventPublisher:
         except KafkaError as exc:
             raise PublishError(f"publishing a {what} to {topic} failed: {_describe(exc)}",
                                transient=not isinstance(exc, AuthorizationError)) from exc
+        except BusUnavailableError as exc:  # a producer that failed for good, its replacement refused a connection
+            raise PublishError(f"publishing a {what} to {topic} failed: its producer failed for good and a new one "
+                               f"could not connect ({exc})") from exc
         except _ProducerReplaced as exc:
-            raise PublishError(f"publishing a {what} to {topic} failed: its producer failed for good "
-                               f"{self.retry_attempts} times; see the broker's log") from exc
+            raise PublishError(f"publishing a {what} to {topic} failed: its producer failed for good and was "
+                               f"replaced, with no try left within {self.retry_attempts} tries or "
+                               f"{self.send_timeout_s:g}s (the next publish uses the new one); see the broker's "
+                               "log") from exc
         return int(metadata.partition), int(metadata.offset)
+
+    def _working_producer(self) -> KafkaProducer:
+        """The producer to send with: a new one first if the current one has failed for good."""
+        producer = self._producer
+        self._replace_if_failed_for_good(producer)
+        return self._producer
 
     def _replace_if_failed_for_good(self, producer: KafkaProducer, in_doubt: bool = False) -> bool:
         """Start a new producer (a new producer id) when ``producer`` refuses every send from now on.
 
         An idempotent producer that hits a sequence error asks the broker for a new epoch
         of its producer id; a broker that cannot give one (Tansu 0.6) leaves it failed for
-        good.  kafka-python has no public check, hence its transaction manager.  The send
+        good, as does a send that expired after it was sent (``_failed_for_good``).  The send
         that hit the sequence error learns of it before that bump has been answered, so
         ``in_doubt`` (the send failed with a sequence error) replaces the producer without
         waiting to find out: events carry ids, so sending one again is harmless.
         """
-        manager = getattr(producer, "_transaction_manager", None)
-        if not in_doubt and (manager is None or not manager.has_error()):
+        why = _failed_for_good(producer) or ("a sequence error" if in_doubt else None)
+        if why is None:
             return False
         with self._replacing:
             if self._producer is producer:
-                why = manager.last_error if manager is not None and manager.has_error() else "a sequence error"
                 log.warning("the Kafka producer failed for good (%s); starting a new one", why)
                 self._producer = _connect(KafkaProducer, self.bus_config, self._settings)
                 producer.close(timeout=0)
