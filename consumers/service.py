@@ -172,7 +172,7 @@ def finish(learner: Learner, after_step: Callable[[dict], None]) -> None:
     """
     if learner.work_waiting():
         after_step(learner.step())
-    learner.finish_writes()  # the last step's own checkpoint, when it was due, may still be being written
+    learner.finish_writes()  # every caller's writer is idle by now; this keeps it so: the hand-over needs no job
     if hand_over_final_writes(learner):
         learner.finish_writes()
 
@@ -183,7 +183,8 @@ def hand_over_final_writes(learner: Learner) -> bool:
     the version was published, batches no step trains were passed (``Learner.pass_untrainable``), or the last step
     was no ``checkpoint_every``-th; whether there was anything to write (not when its last step's own checkpoint
     covers everything).  Whoever waits for that job commits the checkpoint's positions (``finish``; a packed run at
-    its end, ``consumers.packed_writes.RunWrites``).
+    its end, ``consumers.packed_writes.RunWrites``).  A replay (``replay_train``) makes its own choice: it publishes
+    when its data runs out, not at a budget.
 
     The writer must have no job (the last step's writes taken), and no rows may wait: a stop trains them first
     (``finish``), and a packed run is finished only once its last turn trained them (``PackedRun.finished``).

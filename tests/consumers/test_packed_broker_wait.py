@@ -779,3 +779,22 @@ def test_a_stop_while_a_run_is_leaving_still_writes_its_final_checkpoint_and_let
     assert len(checkpointed) == 1 and [item for _, item in commits] == checkpointed  # committed once
     assert CheckpointStore(batches, "a").latest().state.step == 1 and a.state.step == 1
     assert CheckpointStore(batches, "b").latest().state.step == 2
+
+
+def test_a_run_finished_with_its_dead_letter_refused_commits_nothing_past_it() -> None:
+    """Finishing a packed run's writes waits for its dead letter before the step's offsets: a letter refused for
+    good raises, and the checkpoint's positions (past the lettered batch) are not committed."""
+    from consumers.packed_writes import RunWrites
+
+    def refused() -> None:
+        raise PublishError("publishing a DeadLetter to rlpipe.dlq failed: refused", transient=False)
+
+    letters = StepWriter("test-letters")
+    letters.submit(refused)
+    committed: list[str] = []
+    learner = SimpleNamespace(outputs=SimpleNamespace(letters=letters), source=SimpleNamespace(keep_alive=lambda: None),
+                              finish_step_writes=lambda: committed.append("the step's offsets"))
+    learner.wait_for_letter = lambda: Learner.wait_for_letter(learner)  # type: ignore[arg-type]
+    with pytest.raises(PublishError, match="DeadLetter"):
+        RunWrites(learner).finish()  # type: ignore[arg-type]
+    assert committed == []
