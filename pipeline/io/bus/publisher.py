@@ -53,11 +53,29 @@ def _failed_for_good(producer: KafkaProducer) -> str | None:
     manager = getattr(producer, "_transaction_manager", None)
     if manager is None:
         return None
-    if manager.has_error():
-        return str(manager.last_error)
-    if not manager.has_producer_id() and manager._current_state is TransactionState.READY:
-        return "it dropped its producer id after a send expired and never asks for a new one"
+    with manager._lock:  # its sender sets the id, then READY, under this lock: read both as one moment
+        if manager.has_error():
+            return str(manager.last_error)
+        if not manager.has_producer_id() and manager._current_state is TransactionState.READY:
+            return "it dropped its producer id after a send expired and never asks for a new one"
     return None
+
+
+def _stop(producer: KafkaProducer, timeout_s: float) -> bool:
+    """Flush and close ``producer``, stopping its sender thread and connections in any case; whether everything
+    buffered was sent.  kafka-python's ``close`` raises from its flush before it stops anything: then its sender is
+    stopped without sending (which fails what is still buffered) and it is closed again, with nothing to wait for."""
+    try:
+        producer.close(timeout=timeout_s)
+        return True
+    except KafkaTimeoutError:
+        sender = getattr(producer, "_sender", None)
+        if sender is not None:
+            sender.force_close()
+            sender.join(max(timeout_s, 1.0))
+        with contextlib.suppress(KafkaError):
+            producer.close(timeout=0)
+        return False
 
 
 class _ProducerReplaced(Exception):
@@ -187,7 +205,7 @@ class EventPublisher:
             if self._producer is producer:
                 log.warning("the Kafka producer failed for good (%s); starting a new one", why)
                 self._producer = _connect(KafkaProducer, self.bus_config, self._settings)
-                producer.close(timeout=0)
+                _stop(producer, 0)  # a send it still holds fails (its publish reports it or tries again)
         return True
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -204,18 +222,8 @@ class EventPublisher:
         # what is still buffered, named in the error below; kafka-python has no public view of it
         accumulator = getattr(producer, "_accumulator", None)
         pending = accumulator._incomplete.all() if accumulator is not None else []
-        try:
-            producer.close(timeout=timeout_s)
-        except KafkaTimeoutError as exc:
-            # kafka-python's close raises from its flush before it stops its sender thread: stop that without
-            # sending (which fails what is still buffered), then close again, now with nothing left to wait for
-            sender = getattr(producer, "_sender", None)
-            if sender is not None:
-                sender.force_close()
-                sender.join(timeout_s)
-            with contextlib.suppress(KafkaError):
-                producer.close(timeout=0)
-            raise PublishError(self._undelivered(pending, timeout_s)) from exc
+        if not _stop(producer, timeout_s):
+            raise PublishError(self._undelivered(pending, timeout_s))
 
     @staticmethod
     def _undelivered(batches: list[Any], timeout_s: float) -> str:

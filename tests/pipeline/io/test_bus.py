@@ -235,6 +235,22 @@ def test_a_publisher_whose_send_expired_after_it_was_sent_gets_through_once_the_
     assert reasons[0] == "before" and reasons[-1] == "after"  # "frozen" may be in between: it was sent
 
 
+def test_a_producer_replaced_while_it_holds_a_send_is_stopped(bus_config: BusConfig) -> None:
+    """A producer that dropped its id holds every later send unsent (kafka-python 3.0.12): one sent by another
+    thread between the check and the drop is still held when the publisher replaces it.  Closing it waits for
+    that send and gives up, so the replaced producer's thread and connections must be stopped all the same."""
+    with EventPublisher(bus_config, send_timeout_s=2.0) as publisher:
+        publisher.publish("control", _stop("run-a", "before"))
+        stuck = publisher._producer
+        stuck._transaction_manager.reset_producer_id()  # what its sender does when a sent batch expires
+        held = stuck.send(bus.resolve_topic(bus_config.namespace, "control"), value=b"held", key=b"run-a")
+        publisher.publish("control", _stop("run-a", "after"))  # replaces it
+        assert publisher._producer is not stuck
+        stuck._sender.join(5.0)
+        assert not stuck._sender.is_alive() and stuck._closed
+        assert held.is_done and not held.succeeded()  # the held send failed, not left waiting for ever
+
+
 def test_a_publish_the_broker_never_acknowledged_is_reported_as_failed_naming_what_to_do(
         bus_config: BusConfig) -> None:
     from kafka.errors import KafkaTimeoutError
