@@ -580,6 +580,53 @@ def test_without_a_terminal_every_learner_step_gets_its_line_however_fast_they_c
     assert shown == list(range(1, steps + 1)), f"missing steps {sorted(set(range(1, steps + 1)) - set(shown))}"
 
 
+@pytest.mark.parametrize("skew_s", [-3600.0, 3600.0], ids=["clock-behind", "clock-ahead"])
+def test_the_feed_reads_the_launchs_events_and_no_earlier_ones_whatever_the_launchers_clock(
+        bus_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        skew_s: float) -> None:
+    """The launcher's clock an hour off the one that stamped the control topic's events: an earlier launch's
+    checkpoint (step 7) and RunStopped are still not read as this launch's, and the launch's first checkpoint
+    (step 1), published by its learner before the feed's follower is up, is still read."""
+    import types
+
+    from pipeline.devstack import control_feed
+    from pipeline.io.bus import EventPublisher, ensure_topics
+    from pipeline.runtime import Announcer
+    from schemas.events import LearnerCheckpointed, RunStopped
+
+    config = RunConfig.model_validate({"run_id": "r", "learner": {"max_steps": 9},
+                                       "store": {"root": (tmp_path / "store").as_uri()}})
+    ensure_topics(bus_config, ["control"])
+    with EventPublisher(bus_config) as publisher:  # an earlier launch of the run
+        earlier = Announcer(publisher, "r")
+        earlier(LearnerCheckpointed(step=7, version=7, path="c7", offsets={}))
+        earlier(RunStopped(reason="an earlier launch's stop", final_step=7, final_version=7))
+    skewed = types.SimpleNamespace(time=lambda: time.time() + skew_s, monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(control_feed, "time", skewed)
+    monkeypatch.setattr(launcher, "time", skewed)
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    launcher.ControlFeed.__init__(fake, [config], bus_config, dashboard=False)
+    fake.config_paths = [tmp_path / "r.yaml"]
+
+    def spawn(name: str, *args: str) -> None:  # the learner checkpoints before the feed's follower is up
+        if name == "learner":
+            with EventPublisher(bus_config) as learner_publisher:
+                Announcer(learner_publisher, "r")(LearnerCheckpointed(step=1, version=1, path="c1", offsets={}))
+
+    fake.spawn = spawn
+    fake.launch()
+    try:
+        deadline = time.monotonic() + 10.0
+        while fake.step_lines["r"].shown_step < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        fake.stopping.set()
+        fake.watcher.join(timeout=10.0)
+    lines = [line.split("  ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("run r ")]
+    assert lines == ["step 1/9"], lines
+    assert fake.stopped == {}, "an earlier launch's RunStopped was read as this launch's"
+
+
 def test_a_resumed_runs_first_line_is_a_step_it_trains_not_the_one_it_stopped_at(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A run stopped at step 25 (checkpoint_every 10: its stop wrote the checkpoint) and resumed with a larger budget
