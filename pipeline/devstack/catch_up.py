@@ -16,6 +16,8 @@ by every run on a stack, so the lag also counts other runs' batches and may neve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pipeline.io.bus import EventFollower, describe_topic, group_lag, normalize_offsets, resolve_topic
 from schemas.config import BusConfig
 from schemas.events import LearnerProgress, TrajectoryBatchCommitted
@@ -23,10 +25,11 @@ from schemas.events import LearnerProgress, TrajectoryBatchCommitted
 
 class LearnerCatchUp:
     """Called: whether the learner of ``run_id`` has read every batch announced for it (build it once the run's
-    producers have exited).  ``since_s`` (unix seconds, the launch): the learner's progress announced since then
-    is read, so a last one announced before this was built counts too.  Not thread-safe (the followers are not)."""
+    producers have exited).  ``control_from_P`` (the control topic's offset per partition at the launch,
+    ``ControlFeed.control_start_P``): the learner's progress announced since then is read, so a last one announced
+    before this was built counts too.  Not thread-safe (the followers are not)."""
 
-    def __init__(self, bus: BusConfig, run_id: str, since_s: float) -> None:
+    def __init__(self, bus: BusConfig, run_id: str, control_from_P: Mapping[int, int]) -> None:
         self.topic = resolve_topic(bus.namespace, "trajectories")
         committed_P = {p.partition: p.committed for p in group_lag(bus, f"rlpipe-learner-{run_id}")
                        if p.topic == self.topic}
@@ -35,7 +38,7 @@ class LearnerCatchUp:
         self.announcements = EventFollower(bus, "trajectories", run_id=run_id, start="earliest", offsets=committed_P)
         try:  # the topic exists now (the follower creates it): where it ends, with the producers gone
             self.end_P = {p.partition: p.end_offset for p in describe_topic(bus, "trajectories").partitions}
-            self.progress = EventFollower(bus, "control", run_id=run_id, since_s=since_s)
+            self.progress = EventFollower(bus, "control", run_id=run_id, start="earliest", offsets=control_from_P)
         except BaseException:
             self.announcements.close()
             raise

@@ -1,11 +1,16 @@
 """What ``rlpipe run`` reads from the control topic while its processes run (``pipeline.devstack.launcher``).
 
-One follower reads the launch's control events from its start on and feeds each run's dashboard (``Dashboard``),
+One follower reads the launch's control events from its start on (``control_start_P``: the topic's end offsets
+when the launch's ``RunStarted`` are out, before its processes start) and feeds each run's dashboard (``Dashboard``),
 or, without a live view, its plain lines (``StepLines``).  Each learner checkpoint it reads is also where a packed
 run at its step budget is found, and stopped at once (``RunStopped``): the packed producers let it go while the
 other runs go on.  The store is looked at every ``STORE_LOOK_S`` as well, for a checkpoint the feed missed.  A
 ``RunStarted`` of a run (``rlpipe runs resume``) makes it go on: it is stopped again at its budget, read again from
 its stored configuration, which may have raised it.
+
+Where the feed starts is an offset, not a time: the events' timestamps are set by the clocks of the processes that
+publish them (or by the broker's), and a clock an hour off this machine's would move a start by time as far, reading
+an earlier launch's events (its ``RunStopped``, its checkpoints) as this one's, or missing this launch's first ones.
 """
 
 from __future__ import annotations
@@ -19,7 +24,15 @@ from typing import Any
 
 from pipeline.cli.common import error_line
 from pipeline.devstack.dashboard import Dashboard, StepLines, silent_after_s
-from pipeline.io.bus import BusError, EventFollower, EventPublisher, UnknownTopicError, group_lag
+from pipeline.io.bus import (
+    BusError,
+    EventFollower,
+    EventPublisher,
+    UnknownTopicError,
+    describe_topic,
+    ensure_topics,
+    group_lag,
+)
 from pipeline.io.registry import AdapterRegistry
 from pipeline.membership import announce_membership, stored_run_config
 from pipeline.runtime import open_store
@@ -30,6 +43,12 @@ log = logging.getLogger("rlpipe.run")
 
 STORE_LOOK_S = 10.0  # how often a packed launch looks in the store for runs at their budget
 LAG_LOOK_S = 2.0  # how often the dashboards' learner lag is read
+
+
+def control_topic_ends(bus: BusConfig) -> dict[int, int]:
+    """Each partition of the control topic (created if missing) with its end offset: the offset its next event gets."""
+    ensure_topics(bus, ["control"])
+    return {p.partition: p.end_offset for p in describe_topic(bus, "control").partitions}
 
 
 class ControlFeed:
@@ -46,7 +65,7 @@ class ControlFeed:
         self.configs = list(configs)
         self.config = self.configs[0]
         self.bus = bus
-        self.launched_at = time.time()  # unix seconds: the control topic is read from then on
+        self.control_start_P: dict[int, int] | None = None  # offset per partition the feed reads from (mark_start)
         self.stopping = threading.Event()  # set: the feed ends
         self.stopped: dict[str, str] = {}  # runs whose RunStopped went out, with its reason
         self.unbounded: set[str] = set()  # runs started again whose stored budget could not be read: no budget stop
@@ -82,12 +101,19 @@ class ControlFeed:
         return len(self.configs) > 1
 
     # ---- the feed ------------------------------------------------------------
+    def mark_start(self) -> None:
+        """Where the feed reads the control topic from: its end now (``control_start_P``).  The launch marks it once
+        its ``RunStarted`` are out and before its processes start, so the feed reads every event of the launch and
+        none from before it; nor its own ``RunStarted``, which would read as a resume (``started_again``)."""
+        self.control_start_P = control_topic_ends(self.bus)
+
     def follow_control(self) -> None:
         """Feed each run's dashboard from the control topic until the runs stop.
 
-        One follower reads the topic for the whole launch, from its start on (``launched_at``), so no event is
-        missed while the learner's lag or the store is looked at between two reads: the plain lines promise one
-        per step, and a packed run's stop at its budget is read from its checkpoint event.
+        One follower reads the topic for the whole launch, from its start on (``control_start_P``, marked here when
+        the launch did not), so no event is missed while the learner's lag or the store is looked at between two
+        reads: the plain lines promise one per step, and a packed run's stop at its budget is read from its
+        checkpoint event.
         """
         only = None if self.packed else self.config.run_id
         publisher: EventPublisher | None = None
@@ -97,7 +123,11 @@ class ControlFeed:
             while not self.stopping.is_set():
                 try:
                     publisher = publisher or EventPublisher(self.bus)
-                    follower = follower or EventFollower(self.bus, "control", run_id=only, since_s=self.launched_at)
+                    if self.control_start_P is None:
+                        self.mark_start()
+                    # a partition added since the start holds only later events: read from its beginning
+                    follower = follower or EventFollower(self.bus, "control", run_id=only, start="earliest",
+                                                         offsets=self.control_start_P)
                     for item in follower.poll(timeout_s=0.5):
                         self.on_control(item.event, publisher)
                         if self.stopping.is_set():

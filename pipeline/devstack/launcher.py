@@ -220,9 +220,9 @@ class Launcher(ControlFeed):
         return code
 
     def launch(self) -> None:
-        """The learner, then the producers, then the dashboard's feed."""
+        """The learner, then the producers, then the dashboard's feed (which reads from here on)."""
         paths = [str(path) for path in self.config_paths]
-        self.launched_at = time.time()
+        self.mark_start()
         self.spawn("learner", "learner", "start", *[arg for path in paths for arg in ("--config", path)])
         for index in range(self.config.num_producers):
             args = packed_producer_args(paths, index) if self.packed else producer_args(self.config, paths[0], index)
@@ -293,7 +293,7 @@ class Launcher(ControlFeed):
             return True
         try:
             if run_id not in self.catch_ups:
-                self.catch_ups[run_id] = LearnerCatchUp(self.bus, run_id, self.launched_at)
+                self.catch_ups[run_id] = LearnerCatchUp(self.bus, run_id, self.control_start_P or {})
             return self.catch_ups[run_id]()
         except (BusError, UnknownTopicError, OSError) as exc:  # the log unreachable, no topic yet: look again
             log.debug("whether the learner of %s has read everything: %s", run_id, exc)

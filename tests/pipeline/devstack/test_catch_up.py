@@ -11,6 +11,7 @@ from consumers.sources import BatchRef
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.learner import ValueLearner
 from pipeline.devstack.catch_up import LearnerCatchUp
+from pipeline.devstack.control_feed import control_topic_ends
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import EventPublisher, resolve_topic
 from pipeline.io.registry import AdapterRegistry
@@ -40,7 +41,7 @@ def test_the_learner_has_caught_up_once_its_progress_passes_the_runs_last_batch(
     shared); a progress announced before the check was built counts (a learner waiting says it every 5 s, a value
     learner once each time it changed)."""
     topic = resolve_topic(bus_config.namespace, "trajectories")
-    since = time.time()
+    since = control_topic_ends(bus_config)  # the launch
     with EventPublisher(bus_config) as publisher:
         offsets = [announce_batch(publisher, "mine", index) for index in range(3)]
         announce_batch(publisher, "other", 0)  # after this run's last batch, in the same topic
@@ -62,7 +63,7 @@ def test_the_learner_has_caught_up_once_its_progress_passes_the_runs_last_batch(
 
 
 def test_a_run_with_no_batch_written_is_caught_up_at_once(bus_config: BusConfig) -> None:
-    catch_up = LearnerCatchUp(bus_config, "empty", time.time())
+    catch_up = LearnerCatchUp(bus_config, "empty", control_topic_ends(bus_config))
     try:
         assert settles_on(catch_up, True)
     finally:
@@ -78,7 +79,7 @@ def test_a_value_learner_whose_last_batch_is_dead_lettered_is_seen_to_have_caugh
     actor = ValueActor(run_id="dqn", actor_id="a0", env=CartPole(), archive=TrajectoryArchive(store),
                        watcher=ValueNetworkWatcher(AdapterRegistry(store, "dqn"), tmp_path / "cache"),
                        config=ValueActorConfig(steps_per_batch=40))
-    since = time.time()
+    since = control_topic_ends(bus_config)  # the launch
     with EventPublisher(bus_config) as publisher:
         announce = Announcer(publisher, "dqn")
         refs = []

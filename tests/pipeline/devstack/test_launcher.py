@@ -114,7 +114,7 @@ def packed_launcher(root: Path, budgets: dict[str, int]) -> launcher.Launcher:
     fake.live, fake.step_lines = False, {}  # no view: the tests that want one set it up (``Launcher.views``)
     fake.stopped, fake.unbounded = {}, set()
     fake.producers_exited = fake.producers_done = False
-    fake.catch_ups, fake.launched_at = {}, time.time()
+    fake.catch_ups, fake.control_start_P = {}, {}
     return fake
 
 
@@ -241,7 +241,7 @@ def test_a_packed_run_at_its_budget_in_the_store_is_stopped_even_if_its_event_wa
 def test_the_processes_are_stopped_whatever_ends_the_watch(tmp_path: Path) -> None:
     fake = launcher.Launcher.__new__(launcher.Launcher)
     calls: list[str] = []
-    fake.reach_broker = fake.prepare_model = fake.create = lambda: None
+    fake.reach_broker = fake.prepare_model = fake.create = fake.mark_start = lambda: None
     fake.config_paths, fake.configs = [tmp_path / "a.yaml"], [RunConfig()]
     fake.config = fake.configs[0]
     fake.spawn = lambda *args: None
@@ -312,7 +312,7 @@ def scripted_launcher(root: Path, monkeypatch: pytest.MonkeyPatch, scripts: dict
     monkeypatch.setattr(launcher, "EventPublisher", PublisherStub)
     fake = packed_launcher(root, {"run-a": 5})
     fake.config = fake.config.model_copy(update={"num_producers": 2})
-    fake.reach_broker = fake.prepare_model = fake.create = fake.follow_control = lambda: None
+    fake.reach_broker = fake.prepare_model = fake.create = fake.mark_start = fake.follow_control = lambda: None
     fake.config_paths, fake.log_dir, fake.processes = [root / "a.yaml"], root, {}
     fake.bus = fake.config.bus.model_copy(update={"bootstrap_servers": "127.0.0.1:1"})
     fake.started_stack, fake.watcher = None, None
@@ -411,7 +411,7 @@ class CatchUpAfter:
     after: ClassVar[int] = 2
     made: ClassVar[list[str]] = []
 
-    def __init__(self, bus: object, run_id: str, since_s: float) -> None:
+    def __init__(self, bus: object, run_id: str, control_from_P: dict[int, int]) -> None:
         self.run_id, self.looks, self.closed = run_id, 0, False
         CatchUpAfter.made.append(run_id)
 
@@ -549,20 +549,19 @@ def test_without_a_terminal_every_learner_step_gets_its_line_however_fast_they_c
         bus_config, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The plain lines promise one per step, the last one included: the launcher's feed of the control topic misses
     no event sent while it also reads the learner's lag (one checkpoint every 0.1 s, as a small model's steps are)."""
-    from pipeline.io.bus import EventPublisher, ensure_topics
+    from pipeline.io.bus import EventPublisher
     from pipeline.runtime import Announcer
     from schemas.events import LearnerCheckpointed
 
     steps = 40
     config = RunConfig.model_validate({"run_id": "r", "learner": {"max_steps": steps},
                                        "store": {"root": (tmp_path / "store").as_uri()}})
-    ensure_topics(bus_config, ["control"])
     fake = launcher.Launcher.__new__(launcher.Launcher)
     launcher.ControlFeed.__init__(fake, [config], bus_config, dashboard=False)  # the feed only: no processes
+    fake.mark_start()  # the feed reads from here on, however long its follower takes to come up
     watcher = threading.Thread(target=fake.follow_control, daemon=True)
     watcher.start()
     try:
-        time.sleep(1.0)  # the feed reads from its start on
         with EventPublisher(bus_config) as publisher:
             announce = Announcer(publisher, "r")
             for step in range(1, steps + 1):
@@ -585,22 +584,24 @@ def test_the_feed_reads_the_launchs_events_and_no_earlier_ones_whatever_the_laun
         bus_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         skew_s: float) -> None:
     """The launcher's clock an hour off the one that stamped the control topic's events: an earlier launch's
-    checkpoint (step 7) and RunStopped are still not read as this launch's, and the launch's first checkpoint
-    (step 1), published by its learner before the feed's follower is up, is still read."""
+    checkpoint (step 7) and RunStopped are still not read as this launch's, nor the launch's own RunStarted as a
+    resume (its budget would then be read from a store that has none: ``step 1/∞``), and the launch's first
+    checkpoint (step 1), published by its learner before the feed's follower is up, is still read."""
     import types
 
     from pipeline.devstack import control_feed
     from pipeline.io.bus import EventPublisher, ensure_topics
     from pipeline.runtime import Announcer
-    from schemas.events import LearnerCheckpointed, RunStopped
+    from schemas.events import LearnerCheckpointed, RunStarted, RunStopped
 
     config = RunConfig.model_validate({"run_id": "r", "learner": {"max_steps": 9},
                                        "store": {"root": (tmp_path / "store").as_uri()}})
     ensure_topics(bus_config, ["control"])
-    with EventPublisher(bus_config) as publisher:  # an earlier launch of the run
-        earlier = Announcer(publisher, "r")
-        earlier(LearnerCheckpointed(step=7, version=7, path="c7", offsets={}))
-        earlier(RunStopped(reason="an earlier launch's stop", final_step=7, final_version=7))
+    with EventPublisher(bus_config) as publisher:  # an earlier launch of the run, then this one's ``create``
+        announce = Announcer(publisher, "r")
+        announce(LearnerCheckpointed(step=7, version=7, path="c7", offsets={}))
+        announce(RunStopped(reason="an earlier launch's stop", final_step=7, final_version=7))
+        announce(RunStarted(config_path="runs/r/run.json", config_sha256="0" * 64, env="cartpole", base_model="tiny"))
     skewed = types.SimpleNamespace(time=lambda: time.time() + skew_s, monotonic=time.monotonic, sleep=time.sleep)
     monkeypatch.setattr(control_feed, "time", skewed)
     monkeypatch.setattr(launcher, "time", skewed)
@@ -651,18 +652,17 @@ def test_a_resumed_runs_first_line_is_a_step_it_trains_not_the_one_it_stopped_at
 def test_the_feed_stops_a_packed_run_whose_checkpoint_at_its_budget_it_reads(bus_config, tmp_path: Path) -> None:
     """The follower that feeds the lines also reads each packed run's checkpoints: one at its budget gets the run's
     RunStopped at once (long before the store is looked at), while the other run goes on."""
-    from pipeline.io.bus import EventPublisher, ensure_topics
+    from pipeline.io.bus import EventPublisher
     from pipeline.runtime import Announcer
     from schemas.events import LearnerCheckpointed
 
     fake = packed_launcher(tmp_path / "store", {"a": 2, "b": 5})
     fake.bus = bus_config
     fake.stopping = threading.Event()
-    ensure_topics(bus_config, ["control"])
+    fake.mark_start()
     watcher = threading.Thread(target=fake.follow_control, daemon=True)
     watcher.start()
     try:
-        time.sleep(1.0)
         with EventPublisher(bus_config) as publisher:
             for run, step in (("a", 1), ("b", 1), ("a", 2), ("b", 2)):
                 Announcer(publisher, run)(LearnerCheckpointed(step=step, version=step, path=f"{run}{step}", offsets={}))
