@@ -433,3 +433,63 @@ def test_a_run_on_another_tiny_build_than_the_engines_is_refused_as_it_joins(tmp
     assert joined == ["exp-2"]
     assert "run exp-1 cannot join" in warnings and "fedcba9876543210" in warnings and "0123456789abcdef" in warnings
     assert all("\n" not in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("skew_s", [-3600.0, 3600.0], ids=["clock-behind", "clock-ahead"])
+def test_a_packed_process_reads_the_starts_and_stops_sent_after_its_start_whatever_its_clock(
+        tmp_path, bus_config, monkeypatch, skew_s: float) -> None:
+    """The process's clock an hour off the one that stamped the control topic's events: a stop and a resume from
+    before its start (a's, whose record says it is served) are not acted on again, while b's stop and c's
+    resume, sent after its start while it connects its runs (the records of b and c were read by then), are."""
+    import producers.packed as packed
+    from pipeline.io.bus import EventPublisher
+    from pipeline.membership import announce_membership
+    from pipeline.runtime import StopFlag
+    from schemas.events import RunStopped
+    from tests.pipeline.test_membership import config, started
+
+    store = ObjectStore(tmp_path.as_uri())
+    named = [config(run, bus=bus_config.model_dump(), store={"root": store.root}) for run in ("a", "b", "c")]
+    start_of = {cfg.run_id: started(store, cfg) for cfg in named}
+    with EventPublisher(bus_config) as publisher:  # an earlier session: a stopped and resumed, c stopped
+        announce_membership(store, publisher, "a", RunStopped(reason="an earlier session's stop"))
+        announce_membership(store, publisher, "a", start_of["a"])
+        announce_membership(store, publisher, "c", RunStopped(reason="stopped until resumed"))
+    announced: list[str] = []
+
+    def connect_run(cfg, done=None):  # while the process connects its runs, b is stopped and c resumed
+        if not announced:
+            with EventPublisher(bus_config) as publisher:
+                announce_membership(store, publisher, "b", RunStopped(reason="stopped while the process set up"))
+                announce_membership(store, publisher, "c", start_of["c"])
+            announced.append(cfg.run_id)
+        return SimpleNamespace(archive=SimpleNamespace(store=store))
+
+    def open_run_producer(config, connection, producer_id, sampler, tokenizer, incarnation, health, labels=None):
+        worker = SimpleNamespace(run_id=config.run_id, stats=SimpleNamespace(batches=0, samples=0))
+        return SimpleNamespace(worker=worker, close=lambda: None, watcher=Closes())
+
+    seen: list[tuple[str, str]] = []  # (joined or left, run) as the process's membership says them
+
+    def serve(runs, stop, follow, release, **kwargs):
+        assert sorted(run.worker.run_id for run in runs) == ["a", "b"]  # c stopped at the start
+        deadline, settled_at = time.monotonic() + 10.0, None
+        while time.monotonic() < deadline and (settled_at is None or time.monotonic() < settled_at):
+            joined, left = follow({"a", "b"})
+            seen.extend([("joined", run.worker.run_id) for run in joined] + [("left", run) for run in left])
+            if settled_at is None and {("left", "b"), ("joined", "c")} <= set(seen):
+                settled_at = time.monotonic() + 1.0  # a stale event of a would come with these or before them
+            time.sleep(0.1)
+
+    skewed = SimpleNamespace(time=lambda: time.time() + skew_s, monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(packed, "time", skewed)
+    monkeypatch.setattr(packed, "connect_run", connect_run)
+    monkeypatch.setattr(packed, "check_run_lora_rank", lambda cfg, store: None)
+    monkeypatch.setattr(packed, "resolve_model", lambda model: "tiny")
+    monkeypatch.setattr(packed, "shared_engine", lambda *args, **kwargs: SimpleNamespace(
+        eos_token_id=2, max_model_len=64, close=lambda: None))
+    monkeypatch.setattr(packed, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda path: None))
+    monkeypatch.setattr(packed, "open_run_producer", open_run_producer)
+    monkeypatch.setattr(packed, "serve", serve)
+    packed.run_packed_producer(named, StopFlag())
+    assert sorted(seen) == [("joined", "c"), ("left", "b")], seen
