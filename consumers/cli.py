@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import time
 from datetime import date
 from typing import Annotated
 
@@ -50,7 +49,6 @@ def start(
     SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0 (1 when a
     packed run was at that moment stopped on an error, waiting to come back).
     """
-    started_s = time.time()  # a packed learner follows the control topic from here (before its slow imports)
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
     roots = []
@@ -66,11 +64,10 @@ def start(
                 for cfg in cfgs]
     with store_failures(roots, "`rlpipe learner start` resumes from the run's newest checkpoint (what it trained "
                         "since is trained again from the same batches)"):
-        _start(cfgs, max_steps, follow_runs, named=bool(run or config), started_s=started_s)
+        _start(cfgs, max_steps, follow_runs, named=bool(run or config))
 
 
-def _start(cfgs: list[RunConfig], max_steps: int | None, follow_runs: str | None, named: bool,
-           started_s: float) -> None:
+def _start(cfgs: list[RunConfig], max_steps: int | None, follow_runs: str | None, named: bool) -> None:
     """The learner process ``start`` asked for: one run, a run on a torchrun group, a value run or packed runs."""
     from consumers.lease import LeaseLostError
     from consumers.service import run_learner
@@ -103,7 +100,7 @@ def _start(cfgs: list[RunConfig], max_steps: int | None, follow_runs: str | None
             from consumers.packed_service import run_packed_learner
 
             run_packed_learner(cfgs if named or follow_runs is None else [], StopFlag().install(),
-                               follow_runs=follow_runs, template=cfgs[0], started_s=started_s)
+                               follow_runs=follow_runs, template=cfgs[0])
     except (LeaseLostError, RunsFailedError) as exc:  # another learner took over, a packed run failing: one line
         fail(str(exc))
 

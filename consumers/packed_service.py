@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ from consumers.service import build_learner, progress_line, record_resumed, reco
 from consumers.sources import KafkaSource
 from pipeline.health import HealthServer, PackedRunsHealth
 from pipeline.io.bus import EventPublisher
-from pipeline.membership import Change, Comebacks, Joined, RunMembership, engine_config, runs_not_stopped
+from pipeline.membership import Change, Comebacks, Joined, RunMembership, control_start, engine_config, runs_not_stopped
 from pipeline.models import check_same_tiny_build, recorded_tiny_dir, resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
@@ -48,8 +47,7 @@ def check_packable(configs: list[RunConfig]) -> None:
 
 def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
                        on_step: Callable[[str, dict], None] | None = None,
-                       follow_runs: str | None = None, template: RunConfig | None = None,
-                       started_s: float | None = None) -> PackedLearner:
+                       follow_runs: str | None = None, template: RunConfig | None = None) -> PackedLearner:
     """Train several runs in one process on one engine until stopped or each reaches its ``max_steps`` (or left,
     and was not started again while leaving: such a run joins once it has left).
 
@@ -59,10 +57,11 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
     (a glob of run ids) runs announced later join and served runs stopped later
     leave (``pipeline.membership``), and the process serves until stopped; it may then start with no run, its
     engine set up from ``template`` (base model, device, event log and store).  A named run recorded stopped is
-    not trained until ``rlpipe runs resume``.  ``started_s`` (unix seconds, default now) is when the process
-    started: a run stopped since then leaves, even if its ``RunStopped`` came while it was still importing.
+    not trained until ``rlpipe runs resume``.  The control topic is followed from where it ended as this starts,
+    before the runs' records are read (``pipeline.membership.control_start``): a run stopped since leaves, even if
+    its ``RunStopped`` came while it set up, and a stop sent before is not read as new.
     """
-    started_s = time.time() if started_s is None else started_s
+    control_from_P = control_start(configs, template)
     named = [cfg.run_id for cfg in configs]
     configs = runs_not_stopped(configs, follow_runs)
     first = engine_config(configs, follow_runs, template, check_packable)
@@ -92,7 +91,7 @@ def run_packed_learner(configs: list[RunConfig], stop: StopFlag | None = None,
         # every packed learner lets a run go on its RunStopped; with --follow-runs it also takes new runs up.
         # Followed from before the model loads, so a run announced meanwhile is not missed.
         membership = RunMembership(follow_runs, first, open_store(first.store), check_packable,
-                                   since_s=started_s, named=named)
+                                   control_from_P=control_from_P, named=named)
         base_model = resolve_base_model(first.model)
         if first.learner.torch_threads:
             torch.set_num_threads(first.learner.torch_threads)

@@ -29,6 +29,13 @@ event is a ``RunStopped`` is not served until ``rlpipe runs resume`` announces i
 again, and a run matching ``--follow-runs`` whose newest event is a
 ``RunStarted`` joins as if it had been announced after the start.  A named run
 resumed while the process runs joins it again.
+
+The control topic is followed from where it ended when the process started (``control_start``), taken before
+the records are read: a start or stop is recorded before it is published, so one sent before that point is in
+the records and one sent after it is read on the topic.  A point by offset, not by time: the events' timestamps
+come from the clocks of the commands that sent them (or the broker's), and a start by time on a clock an hour
+off theirs would miss the starts and stops sent while the process set up (ahead) or act again on old ones, a
+stop from an earlier session read as new (behind).
 """
 
 from __future__ import annotations
@@ -36,17 +43,17 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from pipeline.io.bus import EventFollower, EventPublisher
+from pipeline.io.bus import EventFollower, EventPublisher, describe_topic, ensure_topics
 from pipeline.io.registry import run_ids
 from pipeline.io.store import ObjectStore
 from pipeline.runtime import effective_run_config, open_store
 from pipeline.timefmt import utc_text
-from schemas.config import RunConfig
+from schemas.config import BusConfig, RunConfig
 from schemas.events import Envelope, EventDecodeError, RunStarted, RunStopped, decode_event, encode_event, make_event
 from schemas.names import validate_name
 
@@ -180,9 +187,25 @@ def runs_not_stopped(configs: list[RunConfig], follow_runs: str | None) -> list[
     return serving
 
 
+def control_topic_ends(bus: BusConfig) -> dict[int, int]:
+    """Each partition of the control topic (created if missing) with its end offset: the offset its next event gets."""
+    ensure_topics(bus, ["control"])
+    return {p.partition: p.end_offset for p in describe_topic(bus, "control").partitions}
+
+
+def control_start(configs: list[RunConfig], template: RunConfig | None) -> dict[int, int]:
+    """Where a packed process follows the control topic from (``RunMembership``'s ``control_from_P``): the topic's
+    end offsets on its runs' event log (``template``'s when it names no run), taken as the process starts, before
+    it reads the runs' records (``runs_not_stopped``, then ``RunMembership``).  {} with no run and no template
+    (``engine_config`` then says what is missing)."""
+    first = configs[0] if configs else template
+    return {} if first is None else control_topic_ends(first.bus)
+
+
 class RunMembership:
-    """Which runs join and leave, from ``RunStarted`` and ``RunStopped`` on the control topic (from now on, or
-    from ``since_s``, unix seconds: the process's start, so what was announced while it set up is not missed).
+    """Which runs join and leave, from ``RunStarted`` and ``RunStopped`` on the control topic (from its end now, or
+    from ``control_from_P``, its offset per partition at the process's start, ``control_start``: what was
+    announced while the process set up is not missed, and nothing announced before it is read as new).
 
     A run joins on its ``RunStarted`` when it matches ``pattern`` or is one of ``named`` (the runs the process was
     started with, served or not: a named run stopped and resumed comes back).  ``pattern`` None takes no other
@@ -194,11 +217,14 @@ class RunMembership:
 
     def __init__(self, pattern: str | None, template: RunConfig, store: ObjectStore,
                  packable: Callable[[list[RunConfig]], None], follower: EventFollower | None = None,
-                 since_s: float | None = None, named: Collection[str] = ()) -> None:
+                 control_from_P: Mapping[int, int] | None = None, named: Collection[str] = ()) -> None:
         self.pattern, self.template, self.store, self.packable = pattern, template, store, packable
         self.named = frozenset(named)
-        self.follower = follower if follower is not None else EventFollower(template.bus, "control", start="latest",
-                                                                            since_s=since_s)
+        if follower is None and control_from_P is None:
+            follower = EventFollower(template.bus, "control", start="latest")
+        elif follower is None:  # a partition added since the start holds only later events: read from its beginning
+            follower = EventFollower(template.bus, "control", start="earliest", offsets=control_from_P)
+        self.follower = follower
         # served runs stopped and started again, and at first the runs started before the process: they join on
         # the next call (a named run already served is left as it is)
         self._rejoining: dict[str, None] = dict.fromkeys(self._started_before())

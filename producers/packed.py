@@ -47,7 +47,7 @@ from transformers import AutoTokenizer
 
 from pipeline.config import check_env
 from pipeline.health import HealthServer, PackedRunsHealth
-from pipeline.membership import Comebacks, Left, RunMembership, engine_config, runs_not_stopped
+from pipeline.membership import Comebacks, Left, RunMembership, control_start, engine_config, runs_not_stopped
 from pipeline.models import check_same_tiny_build as same_tiny_build
 from pipeline.runtime import StopFlag, open_store
 from producers.rollout import RolloutWorker, SamplingStreams
@@ -158,8 +158,7 @@ def shared_engine(configs: list[RunConfig], model_path: str, seed: int, reserve_
 
 
 def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
-                        follow_runs: str | None = None, template: RunConfig | None = None,
-                        started_s: float | None = None) -> list[RolloutWorker]:
+                        follow_runs: str | None = None, template: RunConfig | None = None) -> list[RolloutWorker]:
     """Serve several runs from one process and one engine until stopped or each wrote its ``max_groups``.
 
     Each run's producer id is the process's with the run appended, so its
@@ -167,11 +166,11 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
     run ids) runs announced later join and served runs stopped later leave, and
     the process serves until stopped; it may then start with no run, its engine set up from ``template``.
     A named run whose newest recorded event is a ``RunStopped`` is not served until ``rlpipe runs resume`` (a
-    restart does not undo a stop).  ``started_s`` (unix seconds, default now) is when the process started: a run
-    stopped since then is let go even if its ``RunStopped`` came while the process was still importing and
-    connecting.
+    restart does not undo a stop).  The control topic is followed from where it ended as this starts, before the
+    runs' records are read (``pipeline.membership.control_start``): a run stopped since is let go even if its
+    ``RunStopped`` came while the process was still connecting, and a stop sent before is not read as new.
     """
-    started_s = time.time() if started_s is None else started_s
+    control_from_P = control_start(configs, template)
     named_configs, configs = configs, runs_not_stopped(configs, follow_runs)
     named = [cfg.run_id for cfg in named_configs]
     first = engine_config(configs, follow_runs, template, check_packable)
@@ -194,8 +193,8 @@ def run_packed_producer(configs: list[RunConfig], stop: StopFlag | None = None,
             check_run_lora_rank(cfg.model_copy(update={"sampler": first.sampler}), connection.archive.store)
         # every packed producer lets a run go on its RunStopped; with --follow-runs it also takes new runs up.  It
         # follows the control topic from the process's start, so a run stopped while it set up is let go too.
-        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable, since_s=started_s,
-                                   named=named)
+        membership = RunMembership(follow_runs, first, open_store(first.store), check_packable,
+                                   control_from_P=control_from_P, named=named)
         model_path = resolve_model(first.model)
         streams = SamplingStreams(first.sampler.seed, process_id)
         log.info("initialising one %s engine on %s for runs %s", first.sampler.backend, model_path,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 import typer
@@ -44,7 +43,6 @@ def start(
     is not served, even named, until rlpipe runs resume.
     SIGTERM or Ctrl-C finishes cleanly: complete groups are flushed, unfinished ones dropped.
     """
-    started_s = time.time()  # a packed producer follows the control topic from here (before its slow imports)
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
     roots = []
@@ -60,10 +58,10 @@ def start(
                 for cfg in cfgs]
     with store_failures(roots, "start the producer again (`rlpipe producer start`): the batches it stored are kept "
                         "and announced, the groups it had not stored are dropped"):
-        _start(cfgs, follow_runs, named=bool(run or config), started_s=started_s)
+        _start(cfgs, follow_runs, named=bool(run or config))
 
 
-def _start(cfgs: list[RunConfig], follow_runs: str | None, named: bool, started_s: float) -> None:
+def _start(cfgs: list[RunConfig], follow_runs: str | None, named: bool) -> None:
     """The producer process ``start`` asked for: one run, a value run's actor, or packed runs (``named``: runs
     were named, else the process waits for runs to join)."""
     if len(cfgs) > 1 or follow_runs is not None:
@@ -74,7 +72,7 @@ def _start(cfgs: list[RunConfig], follow_runs: str | None, named: bool, started_
 
         try:
             run_packed_producer(cfgs if named or follow_runs is None else [], StopFlag().install(),
-                                follow_runs=follow_runs, template=cfgs[0], started_s=started_s)
+                                follow_runs=follow_runs, template=cfgs[0])
         except RunsFailedError as exc:  # stopped while a run waited to come back from an error: one line, exit 1
             fail(str(exc))
         return

@@ -24,17 +24,9 @@ from typing import Any
 
 from pipeline.cli.common import error_line
 from pipeline.devstack.dashboard import Dashboard, StepLines, silent_after_s
-from pipeline.io.bus import (
-    BusError,
-    EventFollower,
-    EventPublisher,
-    UnknownTopicError,
-    describe_topic,
-    ensure_topics,
-    group_lag,
-)
+from pipeline.io.bus import BusError, EventFollower, EventPublisher, UnknownTopicError, group_lag
 from pipeline.io.registry import AdapterRegistry
-from pipeline.membership import announce_membership, stored_run_config
+from pipeline.membership import announce_membership, control_topic_ends, stored_run_config
 from pipeline.runtime import open_store
 from schemas.config import BusConfig, RunConfig, active_learner, step_budget
 from schemas.events import Envelope, LearnerCheckpointed, RunStarted, RunStopped
@@ -43,12 +35,6 @@ log = logging.getLogger("rlpipe.run")
 
 STORE_LOOK_S = 10.0  # how often a packed launch looks in the store for runs at their budget
 LAG_LOOK_S = 2.0  # how often the dashboards' learner lag is read
-
-
-def control_topic_ends(bus: BusConfig) -> dict[int, int]:
-    """Each partition of the control topic (created if missing) with its end offset: the offset its next event gets."""
-    ensure_topics(bus, ["control"])
-    return {p.partition: p.end_offset for p in describe_topic(bus, "control").partitions}
 
 
 class ControlFeed:

@@ -147,7 +147,7 @@ class Process:
         stand_ins = {
             "RunMembership": lambda *args, **kwargs: self.membership, "HealthServer": health_server,
             "PackedLearner": packed, "KafkaSource": source, "build_learner": build_learner,
-            "runs_not_stopped": lambda configs, follow_runs: configs,
+            "control_start": lambda configs, template: {}, "runs_not_stopped": lambda configs, follow_runs: configs,
             "engine_config": lambda configs, follow_runs, template, packable: configs[0],
             "resolved_bus": lambda bus: bus, "EventPublisher": lambda bus: SimpleNamespace(close=lambda: None),
             "open_store": lambda store: None, "create_run": lambda store, cfg, base_model: (None, None, None),

@@ -10,7 +10,15 @@ import pytest
 from consumers.packed_service import check_packable
 from pipeline.io.bus.records import ConsumedEvent
 from pipeline.io.store import ObjectStore
-from pipeline.membership import Comebacks, Joined, Left, RunMembership, RunsFailedError, engine_config
+from pipeline.membership import (
+    Comebacks,
+    Joined,
+    Left,
+    RunMembership,
+    RunsFailedError,
+    control_topic_ends,
+    engine_config,
+)
 from pipeline.runtime import create_run
 from schemas.config import RunConfig
 from schemas.events import LearnerCheckpointed, Payload, RunStarted, RunStopped, make_event
@@ -203,21 +211,21 @@ def test_a_process_stopped_while_a_run_waits_to_come_back_ends_in_an_error_namin
 
 def test_a_run_stopped_after_the_process_started_leaves_though_it_stopped_before_the_log_was_followed(
         tmp_path, bus_config):
-    """The control topic is followed from the process's start, not from when it is first read (after the
-    imports and the connections): a stop in between is not missed.  A stop before the start makes no run leave:
-    whether a named run is served at the start is its recorded event's to say (``runs_not_stopped``)."""
+    """The control topic is followed from the process's start (``control_start``), not from when it is first read
+    (after the imports and the connections): a stop in between is not missed.  A stop before the start makes no
+    run leave: whether a named run is served at the start is its recorded event's to say (``runs_not_stopped``)."""
 
     from pipeline.io.bus import EventPublisher
+    from pipeline.membership import control_start
     from pipeline.runtime import Announcer
 
     store = ObjectStore(tmp_path.as_uri())
     template = config("base", bus=bus_config.model_dump(), store={"root": store.root})
     with EventPublisher(bus_config) as publisher:
         Announcer(publisher, "exp-old")(RunStopped(reason="the last session's end"))
-        time.sleep(0.05)  # its timestamp before the start, in milliseconds
-        started_s = time.time()
+        control_from_P = control_start([], template)  # the process starts
         Announcer(publisher, "exp-1")(RunStopped(reason="stopped while the process set up"))
-        membership = RunMembership(None, template, store, check_packable, since_s=started_s)
+        membership = RunMembership(None, template, store, check_packable, control_from_P=control_from_P)
     try:
         changes: list = []
         deadline = time.monotonic() + 10.0
@@ -257,10 +265,9 @@ def test_a_run_that_joined_before_a_restart_is_taken_up_again_and_a_stopped_one_
         assert created.exit_code == 0, created.output
     stopped = runner.invoke(app, ["stop", "--run", "exp-2", *where])
     assert stopped.exit_code == 0, stopped.output
-    time.sleep(0.05)  # the events' timestamps before the start, in milliseconds
-    started_s = time.time()  # the process starts again
     template = run_config("cartpole", None, []).model_copy(update={"run_id": "base"})
-    membership = RunMembership("exp-*", template, store, check_packable, since_s=started_s)
+    control_from_P = control_topic_ends(template.bus)  # the process starts again
+    membership = RunMembership("exp-*", template, store, check_packable, control_from_P=control_from_P)
     try:
         changes = membership.changes(serving={"base"})
         assert [(type(c).__name__, c.config.run_id) for c in changes] == [("Joined", "exp-1")]
@@ -285,7 +292,7 @@ def test_a_named_run_stopped_before_a_restart_stays_stopped_until_resumed(tmp_pa
     stopped = runner.invoke(app, ["stop", "--run", "a", *where])
     assert stopped.exit_code == 0 and "rlpipe runs resume --run a" in stopped.output, stopped.output
     named = [run_config("cartpole", None, []).model_copy(update={"run_id": run_id}) for run_id in ("a", "b")]
-    started_s = time.time()  # the process starts again with --run a --run b
+    control_from_P = control_topic_ends(named[0].bus)  # the process starts again with --run a --run b
     with caplog.at_level(logging.INFO, logger="rlpipe.membership"):
         assert [c.run_id for c in runs_not_stopped(named, None)] == ["b"]
     assert "run a was stopped at " in caplog.text and "resume it with `rlpipe runs resume --run a`" in caplog.text
@@ -293,7 +300,7 @@ def test_a_named_run_stopped_before_a_restart_stays_stopped_until_resumed(tmp_pa
         runs_not_stopped(named[:1], None)
     assert [c.run_id for c in runs_not_stopped(named[:1], "a*")] == []  # following: it may wait for runs
 
-    membership = RunMembership(None, named[1], store, check_packable, named=["a", "b"], since_s=started_s)
+    membership = RunMembership(None, named[1], store, check_packable, named=["a", "b"], control_from_P=control_from_P)
     try:
         assert membership.changes(serving={"b"}) == []
         resumed = runner.invoke(app, ["resume", "--run", "a", *where])

@@ -335,6 +335,7 @@ def test_a_producer_whose_named_runs_are_all_stopped_keeps_engine_room_for_each_
         room.append([cfg.run_id for cfg in configs])
         raise EngineAsked  # the runs it was asked to hold are all this test needs
 
+    monkeypatch.setattr(packed, "control_start", lambda configs, template: {})  # no broker: a Feed stands in
     monkeypatch.setattr(packed, "RunMembership", lambda *args, **kwargs: Feed())
     monkeypatch.setattr(packed, "resolve_model", lambda model: "tiny")
     monkeypatch.setattr(packed, "shared_engine", shared_engine)
@@ -370,6 +371,7 @@ def test_a_run_opened_again_in_one_producer_draws_new_sampling_streams(tmp_path,
     connection = SimpleNamespace(archive=SimpleNamespace(store=store))
     monkeypatch.setattr(packed, "connect_run", lambda cfg, done=None: connection)
     monkeypatch.setattr(packed, "check_run_lora_rank", lambda cfg, store: None)
+    monkeypatch.setattr(packed, "control_start", lambda configs, template: {})  # no broker: a Feed stands in
     monkeypatch.setattr(packed, "RunMembership", lambda *args, **kwargs: Feed())
     monkeypatch.setattr(packed, "resolve_model", lambda model: "tiny")
     monkeypatch.setattr(packed, "shared_engine", lambda *args, **kwargs: engine)

@@ -11,11 +11,11 @@ from consumers.sources import BatchRef
 from consumers.value.config import ValueLearnerConfig
 from consumers.value.learner import ValueLearner
 from pipeline.devstack.catch_up import LearnerCatchUp
-from pipeline.devstack.control_feed import control_topic_ends
 from pipeline.io.archive import TrajectoryArchive
 from pipeline.io.bus import EventPublisher, resolve_topic
 from pipeline.io.registry import AdapterRegistry
 from pipeline.io.store import ObjectStore
+from pipeline.membership import control_topic_ends
 from pipeline.runtime import Announcer
 from producers.envs.classic import CartPole
 from producers.value_actor import ValueActor, ValueNetworkWatcher
