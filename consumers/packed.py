@@ -18,8 +18,10 @@ batches delivered and not yet ingested, and returns at once otherwise.
 Writes: a run's publish and checkpoint are written by its own writer while the next runs take their turns.  A
 run whose last step's writes are not all taken when its turn comes (still going, or refused by the broker,
 which can refuse one run and take the others') passes that turn, its state untouched, and the others train
-(``consumers.packed_writes``); it goes on once they are taken.  The one run going takes its turns as a learner
-of one run does: its next step trains while its writes go on, and waits for them.  While another run waits to come
+(``consumers.packed_writes``); it goes on once they are taken.  The one run going, while no other is settling
+(below), takes its turns as a learner of one run does: its next step trains while its writes go on, and waits for
+them; while another run still settles (or leaves) it passes its turns as packed, so a broker refusing it does not
+hold that run's settling.  While another run waits to come
 back or runs are followed for joins it still passes its turns while the broker refuses its writes or its commit,
 so joins and comebacks, run between two rounds, do not wait for the broker to take them; a run joining or coming
 back polls the served runs' consumers while its own start waits for the broker (``PackedLearner.add``).
@@ -307,7 +309,9 @@ class PackedLearner:
                 # let it ingest them: a run whose writes wait for the broker must not make the others' polls spin)
                 busy = any(other.learner.incoming and not other.writes.pending() for other in going if other is not run)
                 try:
-                    if self.passes(run, lone=len(going) == 1, awaiting=awaiting):
+                    # a run still settling shares the process too: the one going waits for none of its writes in
+                    # its turn, which would hold that run's settling (and its leaving) until the broker took them
+                    if self.passes(run, lone=len(going) == 1 and not settling, awaiting=awaiting):
                         passed.append(run)
                         continue
                     with self.turn(run) as learner:
@@ -325,10 +329,10 @@ class PackedLearner:
     @staticmethod
     def passes(run: PackedRun, lone: bool, awaiting: bool) -> bool:
         """Whether ``run`` passes its turn, its writes not all taken (``RunWrites.waiting``).  A ``lone`` run (no
-        other going) holds no other run's turn: its step trains while its writes go on, as alone.  Going alone
-        (nobody ``awaiting`` to join or come back) it also waits for a commit it owes; while runs may join or come
-        back (``between_rounds``, which its wait would hold) it passes its turns while the broker refuses its
-        writes or its commit instead."""
+        other going, and none settling: a wait in its turn would hold that one's settling) holds no other run's
+        turn: its step trains while its writes go on, as alone.  Going alone (nobody ``awaiting`` to join or come
+        back) it also waits for a commit it owes; while runs may join or come back (``between_rounds``, which its
+        wait would hold) it passes its turns while the broker refuses its writes or its commit instead."""
         if lone and not awaiting:
             run.writes.finish_owed()
             return False

@@ -798,3 +798,44 @@ def test_a_run_finished_with_its_dead_letter_refused_commits_nothing_past_it() -
     with pytest.raises(PublishError, match="DeadLetter"):
         RunWrites(learner).finish()  # type: ignore[arg-type]
     assert committed == []
+
+
+@pytest.mark.parametrize("settles", ["at its budget", "leaving"])
+def test_a_run_settling_while_the_others_writes_are_refused_settles_without_waiting_for_them(
+        batches, setup, settles):  # noqa: F811
+    """a settles in its turns (at its budget, or asked to leave after its first step) while the broker refuses b's
+    events until a has settled (or a deadline): b, the one run still training, passes its turns instead of waiting
+    for the broker in them as a run going alone would, so a's final checkpoint is written and taken (a let go)
+    while b's writes are refused, and b trains on once the broker takes them."""
+    if settles == "leaving":
+        packed, (a, b) = packed_pair(batches, setup, checkpoint_every=3)
+    else:
+        packed, (a, b) = finishing_first(batches, setup)
+    deadline = time.monotonic() + HELD_FOR_S
+    left: list[Learner] = []
+
+    def a_settled() -> bool:
+        return bool(left) or any(run.run_id == "a" and run.settled for run in packed.runs)
+
+    publisher = RefusingOneRun("b", lambda: not a_settled() and time.monotonic() < deadline)
+    announce_through(publisher, a, b)
+
+    def between_rounds(packed: PackedLearner) -> None:
+        if settles == "leaving" and a.state.step >= 1 and not any(run.leaving for run in packed.runs) and not left:
+            packed.leave("a", left.append)
+
+    packed.resume()
+    packed.run(poll_timeout_s=0, between_rounds=between_rounds)
+    assert time.monotonic() < deadline  # a settled while b's writes were refused, not once the deadline ended them
+    assert publisher.refused  # b's first step's AdapterPublished, refused until a settled
+    final = 1 if settles == "leaving" else 2
+    assert announced(publisher.taken, "a")[-1] == ("LearnerCheckpointed", final)
+    assert CheckpointStore(batches, "a").latest().state.step == a.state.step == final
+    assert left == ([a] if settles == "leaving" else [])
+    # b's writes in a learner's order, every step trained: a checkpoint every ``checkpoint_every`` steps, and its last
+    every = b.cfg.checkpoint_every
+    assert announced(publisher.taken, "b") == [
+        event for step in range(1, 5) for event in [("AdapterPublished", step)]
+        + ([("LearnerCheckpointed", step)] if step % every == 0 or step == 4 else [])]
+    assert CheckpointStore(batches, "b").latest().state.step == 4
+
