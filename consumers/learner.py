@@ -139,11 +139,12 @@ class Learner:
         self.letters_beside = False  # True in a packed run's turn: a dead letter is sent beside the others' turns
 
     # ---- set up (``consumers.learner_start``) -------------------------------
-    def resume(self, between_tries: Callable[[], None] | None = None) -> bool:
+    def resume(self, between_tries: Callable[[], None] | None = None, beside: bool = False) -> bool:
         """Take the run's learner lease, load the newest complete checkpoint and seek the source to its positions
         (committed again, after its events are announced again); whether there was one.  ``between_tries`` runs
-        before each try again of a wait for the broker (``learner_start.resume``)."""
-        return learner_start.resume(self, between_tries)
+        before each try again of a wait for the broker; ``beside``: a packed run's start, whose announcements and
+        commit its turns wait for (``learner_start.resume``)."""
+        return learner_start.resume(self, between_tries, beside)
 
     def warm_start(self, init_from: str) -> None:
         """Start from another run's published adapter, published unchanged as this run's v1, and checkpoint at step 0
@@ -452,7 +453,8 @@ class Learner:
 
     def wait_for_letter(self) -> None:
         """Wait for a dead letter being sent (a packed run's, ``quarantine``), raising its error: no offsets past
-        its batch are committed before the broker took it."""
+        its batch are committed before the broker took it; so are a packed run's start's announcements
+        (``learner_start.resume``'s ``beside``)."""
         self.outputs.letters.wait(lambda: keep_alive_quietly(self.source.keep_alive))
 
     def finish_step_writes(self) -> None:

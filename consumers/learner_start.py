@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlpipe.learner")
 
 
-def resume(learner: Learner, between_tries: Callable[[], None] | None = None) -> bool:
+def resume(learner: Learner, between_tries: Callable[[], None] | None = None, beside: bool = False) -> bool:
     """Take the run's learner lease, load the newest complete checkpoint and seek the source to its positions;
     whether there was one.
 
@@ -42,7 +42,10 @@ def resume(learner: Learner, between_tries: Callable[[], None] | None = None) ->
     every version newer than it are announced again (``consumers.reannounce``):
     the learner before this one may have been killed or stopped before their
     events were taken.  ``between_tries`` runs before each try again of those waits for the broker (a packed
-    learner keeps its other runs' consumers alive there).  A source whose log is not the one the positions point
+    learner keeps its other runs' consumers alive there).  ``beside`` (a packed run joining or coming back): the
+    announcements are sent from the run's ``letters`` thread instead of waited for here, and the commit is left to
+    the caller, which makes the run read and train nothing before both are taken (``PackedLearner.add``); a warm
+    start, which publishes after them, waits for them first.  A source whose log is not the one the positions point
     into (a broker that lost its log numbers events from 0 again) is read from its start
     (``consumers.sources.rewind_if_the_log_changed``); batches already trained are skipped by their ids.
     """
@@ -50,13 +53,17 @@ def resume(learner: Learner, between_tries: Callable[[], None] | None = None) ->
         learner.lease.acquire()
     learner.outputs.next_version = None  # versions a learner before this one published count
     checkpoint = learner.checkpoints.latest()
-    announce_again_from(learner, checkpoint, between_tries)
+    if beside:
+        announce_again_beside(learner, checkpoint)
+    else:
+        announce_again_from(learner, checkpoint, between_tries)
     if checkpoint is None:
         log.info("no checkpoint for run %s: starting at step 0", learner.run_id)
         rewind_if_the_log_changed(learner.source, learner.state)
         learner.source.seek({})  # every partition from its start, whatever the group committed
         learner.unpublished_training = False
         if learner.cfg.init_from:
+            learner.outputs.letters.wait(between_tries)  # (its v1 is announced after the versions announced again)
             warm_start(learner, learner.cfg.init_from)
         return False
     learner.policy.load_state(checkpoint.adapter, checkpoint.optimizer, checkpoint.scalars)
@@ -67,7 +74,9 @@ def resume(learner: Learner, between_tries: Callable[[], None] | None = None) ->
     if learner.cfg.init_from and learner.cfg.kl_coef > 0:
         restore_reference(learner)
     learner.source.seek(state.positions)
-    learner.commit(dict(state.positions), f"the offsets of step {state.step}'s checkpoint", between_tries=between_tries)
+    if not beside:
+        learner.commit(dict(state.positions), f"the offsets of step {state.step}'s checkpoint",
+                       between_tries=between_tries)
     published = learner.registry.latest()  # the steps resumed past the newest version trained rows, if any
     learner.unpublished_training = bool(state.step) and (published is None or published.learner_step < state.step)
     log.info("resumed from %s: step %d, version %d", checkpoint.key, state.step, state.version)
@@ -83,6 +92,19 @@ def announce_again_from(learner: Learner, checkpoint: Checkpoint | None,
     resumed = checkpoint_event(learner.checkpoints, checkpoint) if checkpoint is not None else None
     announce_again(learner.announce, learner.run_id, learner.registry, resumed, learner.outputs.stopping,
                    between_tries)
+
+
+def announce_again_beside(learner: Learner, checkpoint: Checkpoint | None) -> None:
+    """``announce_again_from`` in ``learner``'s ``letters`` thread (``StepOutputs.send_beside``'s), its wait for the
+    broker ended by a stop or an abandon; ``Learner.wait_for_letter`` waits for it, raising its error."""
+    if not learner.reannounce:
+        return
+    outputs = learner.outputs
+    resumed = checkpoint_event(learner.checkpoints, checkpoint) if checkpoint is not None else None
+    outputs.letters.submit(lambda: announce_again(
+        learner.announce, learner.run_id, learner.registry, resumed,
+        lambda: outputs.stopping() or outputs.abandoning.is_set(),
+        waiting="the run passes its turns (nothing read or trained) while the other runs train"))
 
 
 def warm_start(learner: Learner, init_from: str) -> None:

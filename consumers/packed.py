@@ -23,8 +23,9 @@ which can refuse one run and take the others') passes that turn, its state untou
 them; while another run still settles (or leaves) it passes its turns as packed, so a broker refusing it does not
 hold that run's settling.  While another run waits to come
 back or runs are followed for joins it still passes its turns while the broker refuses its writes or its commit,
-so joins and comebacks, run between two rounds, do not wait for the broker to take them; a run joining or coming
-back polls the served runs' consumers while its own start waits for the broker (``PackedLearner.add``).
+so joins and comebacks, run between two rounds, do not wait for the broker to take them.  Nor does a run joining or
+coming back: the events its start announces again are sent from its own thread, and it passes its turns, reading
+and training nothing, until the broker took them and the commit of its checkpoint's positions (``PackedLearner.add``).
 A batch dead-lettered in a run's turn has its letter sent the same way: the run passes its turns, reading nothing
 past the batch, until the broker takes it (``Learner.quarantine``).  A run that reaches its end in the round-robin
 (``max_steps``, or its replay ran dry) settles the same way: once its last step's writes are taken its final version
@@ -74,7 +75,7 @@ import numpy as np
 from consumers.engine import TrainingEngine
 from consumers.engine_data import EngineError
 from consumers.learner import Learner
-from consumers.packed_writes import RunWrites, wait_for_writes, writers_of
+from consumers.packed_writes import ResumedPositions, RunWrites, wait_for_writes, writers_of
 from consumers.service import finish, hand_over_final_writes
 from pipeline.io.bus import BusError
 
@@ -176,23 +177,33 @@ class PackedLearner:
                         ", ".join(run.run_id for run in joining), timeout_s)
 
     def add(self, learner: Learner, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
-        """Serve ``learner``'s run from the next round: resumed from its newest checkpoint, its group joined."""
+        """Serve ``learner``'s run from the next round: resumed from its newest checkpoint, its group joined.
+
+        The events its start announces again are sent from its own thread (``learner_start.resume``'s ``beside``)
+        and the commit of its checkpoint's positions is owed (``packed_writes.ResumedPositions``): its turns pass
+        until the broker took both, reading and training nothing (as a learner of one run starts), while the others
+        train, so a broker refusing them holds none of the others."""
         if any(run.run_id == learner.run_id for run in self.runs):
             raise ValueError(f"run {learner.run_id} is already packed here")
         run = PackedRun(learner.run_id, learner, seeded_rng(learner.cfg.seed))
-        with self.turn(run):
-            learner.resume(between_tries=self.keep_others_alive)  # (its waits for the broker poll the others)
-        source = learner.source
-        deadline = time.monotonic() + join_timeout_s
-        while hasattr(source, "join") and not source.join(JOIN_POLL_S) and time.monotonic() < deadline:
-            self.keep_others_alive()
+        try:
+            with self.turn(run):
+                # (a warm start's waits for the broker poll the others)
+                if learner.resume(between_tries=self.keep_others_alive, beside=True):
+                    run.writes.owed = ResumedPositions(dict(learner.state.positions), learner.state.step)
+            source = learner.source
+            deadline = time.monotonic() + join_timeout_s
+            while hasattr(source, "join") and not source.join(JOIN_POLL_S) and time.monotonic() < deadline:
+                self.keep_others_alive()
+        except BaseException:  # not served: its announcements under way end after the try under way
+            learner.outputs.abandon()
+            raise
         self.runs.append(run)  # (last: a run whose group join failed is not served)
 
     def keep_others_alive(self) -> None:
         """Poll the consumers of the runs served (no records, each at most every ``KEEP_ALIVE_EVERY_S``) while a run
-        joining or coming back waits (the broker refusing its announcements or commit, its group join), so their
-        groups keep them; a refusal of one of those polls is that run's, seen at its own turn, not the joining
-        run's."""
+        joining or coming back waits (its group join, the broker refusing a warm start's writes), so their groups
+        keep them; a refusal of one of those polls is that run's, seen at its own turn, not the joining run's."""
         for run in self.runs:
             with contextlib.suppress(BusError):
                 run.writes.keep_alive()

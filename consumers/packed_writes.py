@@ -18,6 +18,11 @@ writes in a learner's order (a step's commit before the next step's writes: offs
 checkpoint's event).  A try that timed out may still reach the broker later; it carries the same offsets as the
 next try, and no later step's commit is sent before one of them is taken.
 
+A run joining or coming back (``PackedLearner.add``) sends the events its start announces again
+(``consumers.reannounce``) from that thread too, and owes the commit of the positions it resumed from
+(``ResumedPositions``): it passes its turns, reading and training nothing, until the broker took both, as a learner
+of one run does nothing before its start took them.
+
 A batch dead-lettered in a run's turn (``Learner.quarantine``) is announced from a thread of its own in the same way:
 the run passes its turns until the broker takes the letter (whoever goes alone waits for it, as a learner of one run
 does), so nothing is read past the batch, and nothing written after it, before its letter is taken.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from consumers.broker_wait import RETRY_WAIT_S, WaitReport, keep_alive_quietly, wait_unless_stopping
@@ -40,13 +46,22 @@ TRY_COMMIT_TIMEOUT_S = 0.3  # the first try of an owed commit in a packed run's 
 CONSUMER_TIMEOUT_FLOOR_S = 5.0  # a try's timeout doubled to this or more is the consumer's own (at least 5 s)
 
 
+@dataclass(frozen=True)
+class ResumedPositions:
+    """The positions of the checkpoint a packed run joining or coming back resumed from (its ``step``), committed
+    again in its turns once the broker took its start's announcements (``RunWrites.owed``)."""
+
+    positions: dict[str, int]
+    step: int
+
+
 class RunWrites:
     """One packed run's writes as its turns see them: its step in flight, and a checkpoint whose offsets the broker
     has not yet taken (owed)."""
 
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
-        self.owed: PreparedStep | None = None  # written and announced; its positions not yet committed
+        self.owed: PreparedStep | ResumedPositions | None = None  # written and announced; not yet committed
         self.report: WaitReport | None = None  # the wait for the owed commit, while the broker refuses it
         self.kept_alive_at = float("-inf")
         self.try_timeout_s: float | None = TRY_COMMIT_TIMEOUT_S  # the next try's (None: the consumer's own)
@@ -134,8 +149,9 @@ class RunWrites:
             keep_alive_quietly(self.learner.source.keep_alive)
 
     @staticmethod
-    def what(owed: PreparedStep) -> str:
-        return f"the offsets of step {owed.checkpoint.step}'s checkpoint"
+    def what(owed: PreparedStep | ResumedPositions) -> str:
+        step = owed.step if isinstance(owed, ResumedPositions) else owed.checkpoint.step
+        return f"the offsets of step {step}'s checkpoint"
 
 
 def writers_of(learner: Learner) -> list[StepWriter]:

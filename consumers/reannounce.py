@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from consumers.broker_wait import until_the_broker_takes
+from consumers.broker_wait import WaitReport, until_the_broker_takes
 from consumers.checkpoint import Checkpoint, CheckpointStore
 from consumers.step_writer import finite_numbers
 from pipeline.io.registry import AdapterRegistry
@@ -60,11 +60,12 @@ def checkpoint_event(checkpoints: CheckpointStore, checkpoint: Checkpoint,
 
 def announce_again(announce: Callable[[Payload], Any], run_id: str, registry: AdapterRegistry,
                    resumed: LearnerCheckpointed | None, stopping: Callable[[], bool],
-                   between_tries: Callable[[], None] | None = None) -> int:
+                   between_tries: Callable[[], None] | None = None, waiting: str | None = None) -> int:
     """Announce ``resumed`` (the checkpoint a start resumes from; None: it starts afresh), then every version in
     ``registry`` newer than its version that still has its files, each waiting out a broker that is away (a stop
     ends the wait with ``BrokerAwayOnStop``); how many events.  ``between_tries`` runs before each try again (a
-    packed learner polls its other runs' consumers there, so their groups keep them while this run waits).
+    packed learner polls its other runs' consumers there, so their groups keep them while this run waits);
+    ``waiting``: what waits meanwhile, as a wait's first line says (default: the learner).
 
     The versions are found by probing upward from the checkpoint's (``AdapterRegistry.newest_from``: one look when
     none is newer), so a long run's start does not list its registry for them.  A version ``keep_versions`` retired
@@ -75,8 +76,10 @@ def announce_again(announce: Callable[[Payload], Any], run_id: str, registry: Ad
     events += [registry.published_event(registry.show(version)) for version in newer
                if registry.retired_reason(version) is None]
     for payload in events:
-        until_the_broker_takes(announcing_once(announce, payload), f"{describe(payload)}, announced again at the start",
-                               run_id, stopping, before_retry=between_tries)
+        what = f"{describe(payload)}, announced again at the start"
+        report = WaitReport(what, run_id, waiting) if waiting is not None else None
+        until_the_broker_takes(announcing_once(announce, payload), what, run_id, stopping, before_retry=between_tries,
+                               report=report)
     if events:
         log.info("run %s: announced again %s (a reader counts each once, by its event id)", run_id,
                  ", ".join(describe(payload) for payload in events))

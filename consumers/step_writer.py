@@ -159,7 +159,8 @@ class StepOutputs:
         self.writer = StepWriter()
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
         self.broker_wait: WaitReport | None = None  # the writer's announcement in progress, as its wait reports it
-        self.letters = StepWriter("rlpipe-dead-letter")  # a packed run's dead letter, sent beside the others' turns
+        # a packed run's dead letter, or its start's announcements, sent beside the others' turns
+        self.letters = StepWriter("rlpipe-dead-letter")
 
     def prepare_publication(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> Publication:
         """The adapter of now as the next version (its number is taken, ``state.version``, now); a memory copy,

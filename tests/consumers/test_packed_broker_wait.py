@@ -24,7 +24,7 @@ from consumers.engine_data import EngineError
 from consumers.engine_policy import EnginePolicy
 from consumers.learner import Learner
 from consumers.packed import PackedLearner
-from consumers.reannounce import announce_again
+from consumers.policy import LoraPolicy
 from consumers.sources import ReplaySource
 from consumers.step_writer import StepWriter
 from pipeline.io.bus import CommitError, PublishError
@@ -404,35 +404,90 @@ def test_a_commit_the_broker_always_takes_slowly_is_given_longer_tries_until_it_
 
 
 class Joining(Run):
-    """A run joining (or coming back) whose start announces again its checkpoint's event (``announce_again``), which
-    the broker refuses until ``refused_until``; ``resumed_at`` is when that ended."""
+    """A run joining (or coming back) whose consumer group assigns its partitions only at ``assigned_at``."""
 
-    def __init__(self, run_id: str, turns: list[str], refused_until: float) -> None:
+    def __init__(self, run_id: str, turns: list[str], assigned_at: float) -> None:
         super().__init__(run_id, turns, delivered=0)
-        self.publisher = RefusingOneRun(run_id, lambda: time.monotonic() < refused_until)
-        self.resumed_at = 0.0
+        self.source.join = lambda timeout_s: time.sleep(timeout_s) or time.monotonic() >= assigned_at
+        self.outputs.abandon = lambda: None
 
-    def resume(self, between_tries=None) -> bool:
-        checkpointed = LearnerCheckpointed(step=1, version=1, path="checkpoints/1", offsets={}, metrics={})
-        registry = SimpleNamespace(newest_from=lambda known: known)  # no version newer than the checkpoint's
-        announce_again(Announcer(self.publisher, self.run_id), self.run_id, registry,  # type: ignore[arg-type]
-                       checkpointed, lambda: False, between_tries)
-        self.resumed_at = time.monotonic()
-        return True
+    def resume(self, between_tries=None, beside: bool = False) -> bool:
+        return False
 
 
-def test_a_run_joining_while_the_broker_refuses_its_announcements_keeps_the_served_runs_consumers_alive():
-    """A joining run's start waits for the broker to take its announcements (between two rounds, where nothing else
-    runs): the runs already served have their consumers polled meanwhile, so their groups keep them."""
+def test_a_run_joining_its_group_keeps_the_served_runs_consumers_alive():
+    """A joining run's group join waits between two rounds, where nothing else runs: the runs already served have
+    their consumers polled meanwhile, so their groups keep them."""
     turns: list[str] = []
     served = Run("served", turns, delivered=0)
     packed = PackedLearner(Holding(), [served])  # type: ignore[arg-type, list-item]
     started = time.monotonic()
-    joining = Joining("j", turns, refused_until=started + 3.5)
-    packed.add(joining)  # type: ignore[arg-type]
-    assert joining.publisher.refused >= 2 and joining.resumed_at - started > 3.4  # it waited for the broker
+    packed.add(Joining("j", turns, assigned_at=started + 3.5))  # type: ignore[arg-type]
+    assert time.monotonic() - started > 3.4  # it waited for its group
     assert served.kept_alive >= 2  # about once a second meanwhile (none without: nothing else polls it)
     assert [run.run_id for run in packed.runs] == ["served", "j"]
+
+
+def b_joining_after_as_first_step(batches, setup, publisher: RefusingOneRun):  # noqa: F811
+    """b checkpointed at step 2 by a learner before; a packed learner serving a, which b joins after a's first step
+    (``between_rounds``), both announcing through ``publisher``, b's commits logged beside its events (in
+    ``publisher.taken``).  The learner before, the packed learner, a, b once joined, and ``between_rounds``."""
+    cfg = config("b")
+    before = learner_of(batches, "b", "src-b", LoraPolicy(setup["model_dir"], cfg), cfg)
+    before.run(should_stop=lambda: before.state.step >= 2, poll_timeout_s=0)  # checkpoint_every=2
+    engine = TrainingEngine(setup["model_dir"], device="cpu")
+    a = learner_of(batches, "a", "src-a", EnginePolicy(engine, "a", config("a")), config("a"))
+    announce_through(publisher, a)
+    joined: list[Learner] = []
+
+    def between_rounds(packed: PackedLearner) -> None:
+        if a.state.step >= 1 and not joined:
+            b = learner_of(batches, "b", "src-b", EnginePolicy(engine, "b", cfg), cfg)
+            b.source.already_trained = lambda batch_id: batch_id in b.state.trained  # type: ignore[attr-defined]
+            b.source = RefusedCommits(b.source, lambda: False, publisher.taken)  # type: ignore[assignment]
+            announce_through(publisher, b)
+            packed.add(b)
+            joined.append(b)
+
+    return before, PackedLearner(engine, [a]), a, joined, between_rounds
+
+
+def test_a_run_joining_while_the_broker_refuses_its_announcements_passes_its_turns_while_the_others_train(
+        batches, setup):  # noqa: F811
+    """b, checkpointed at step 2 by a learner before, joins after a's first step while the broker refuses b's events
+    until a has trained its third step (or a deadline): its start's announcements are sent from its own thread, so
+    a trains steps 2 and 3 meanwhile (a join that waited for them would hold a until the deadline), and b reads and
+    trains nothing before the broker took them and its checkpoint's offsets are committed, after them."""
+    deadline = time.monotonic() + HELD_FOR_S
+    steps: list[tuple[str, int]] = []
+    publisher = RefusingOneRun("b", lambda: len(steps) < 3 and time.monotonic() < deadline)
+    log = publisher.taken  # the events taken, and b's commits beside them, in order
+    before, packed, _, joined, between_rounds = b_joining_after_as_first_step(batches, setup, publisher)
+    read_at_a_steps: list[tuple[int, dict[str, int]]] = []  # b's step and what it had read, at a's steps 2 and 3
+
+    def on_step(run: str, metrics: dict) -> None:
+        steps.append((run, metrics["step"]))
+        if run == "a" and joined and len(read_at_a_steps) < 2:
+            read_at_a_steps.append((joined[0].state.step, dict(joined[0].ingested)))
+
+    packed.resume()
+    packed.run(on_step=on_step, poll_timeout_s=0, between_rounds=between_rounds)
+    assert time.monotonic() < deadline  # a's third step ended the refusal, not the deadline
+    assert publisher.refused  # b's LearnerCheckpointed of step 2, announced again at its start
+    b = joined[0]
+    # a trained its steps 2 and 3 while b's announcements were refused; b read and trained nothing meanwhile
+    assert steps[:3] == [("a", 1), ("a", 2), ("a", 3)]
+    assert read_at_a_steps == [(2, read_at_a_steps[0][1])] * 2 and read_at_a_steps[0][1] == before.state.positions
+    assert sorted(step for run, step in steps if run == "b") == [3, 4]
+    # b's writes, taken in this order: its checkpoint announced again first, its offsets committed once the broker
+    # took it, then its own steps' writes
+    b_writes = [item if isinstance(item, tuple) else (type(item.payload).__name__, item.payload)
+                for item in log if isinstance(item, tuple) or item.run_id == "b"]
+    assert [(kind, what if kind == "commit" else what.step if kind == "LearnerCheckpointed" else what.version)
+            for kind, what in b_writes if kind in ("commit", "AdapterPublished", "LearnerCheckpointed")] == [
+        ("LearnerCheckpointed", 2), ("commit", before.state.positions), ("AdapterPublished", 3),
+        ("AdapterPublished", 4), ("LearnerCheckpointed", 4), ("commit", b.state.positions)]
+    assert CheckpointStore(batches, "b").latest().state.step == b.state.step == 4
 
 
 def test_a_lone_run_training_beside_its_writes_while_runs_are_followed_keeps_a_learners_order(
@@ -839,3 +894,35 @@ def test_a_run_settling_while_the_others_writes_are_refused_settles_without_wait
         + ([("LearnerCheckpointed", step)] if step % every == 0 or step == 4 else [])]
     assert CheckpointStore(batches, "b").latest().state.step == 4
 
+
+
+def test_a_stop_while_a_joining_runs_announcements_are_refused_ends_its_wait_and_commits_nothing(
+        batches, setup):  # noqa: F811
+    """The broker refuses b's events until a deadline; a stop after a's third step ends the wait of b's start
+    (``BrokerAwayOnStop``, one line): b committed and trained nothing, and a is checkpointed at its last step."""
+    deadline = time.monotonic() + HELD_FOR_S
+    publisher = RefusingOneRun("b", lambda: time.monotonic() < deadline)
+    _, packed, a, joined, between_rounds = b_joining_after_as_first_step(batches, setup, publisher)
+
+    def should_stop() -> bool:
+        return a.state.step >= 3 and publisher.refused >= 1
+
+    a.outputs.stopping = should_stop
+
+    def joining(packed: PackedLearner) -> None:
+        between_rounds(packed)
+        for b in joined:
+            b.outputs.stopping = should_stop
+
+    failures: dict[str, Exception] = {}
+    packed.resume()
+    packed.run(should_stop=should_stop, poll_timeout_s=0, between_rounds=joining, on_failure=failures.__setitem__)
+    packed.finish_all(on_failure=failures.__setitem__)
+    assert time.monotonic() < deadline  # the stop ended b's wait, not the broker taking its events
+    assert list(failures) == ["b"] and isinstance(failures["b"], BrokerAwayOnStop)
+    assert len(str(failures["b"]).splitlines()) == 1 and "LearnerCheckpointed of step 2" in str(failures["b"])
+    b = joined[0]
+    assert b.state.step == 2 and not [item for item in publisher.taken if isinstance(item, tuple)]  # no commit
+    assert CheckpointStore(batches, "b").latest().state.step == 2
+    assert [run.run_id for run in packed.runs] == ["a"]
+    assert CheckpointStore(batches, "a").latest().state.step == a.state.step >= 3
