@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.io.registry import AdapterRegistry
-from pipeline.io.store import ObjectStore
+from pipeline.io.store import ObjectStore, read_json_records
 from producers.envs.registry import held_out_env, held_out_spec
 from producers.rollout import FixedAdapter, RolloutWorker
 from producers.samplers import sampler_for_run
@@ -170,15 +170,7 @@ def save_validation(store: ObjectStore, played: ValidationPlayed) -> str:
 
 def read_validations(store: ObjectStore, run_id: str) -> tuple[list[ValidationPlayed], list[str]]:
     """Every readable record of seeds a validation of the run played, and why each other one could not be read."""
-    played, unreadable = [], []
-    for key in store.list(validation_prefix(run_id), recursive=True):
-        if not key.endswith(".json"):
-            continue
-        try:
-            played.append(validation_from_bytes(store.get(key), where=key))
-        except (ValueError, FileNotFoundError) as exc:
-            unreadable.append(str(exc))
-    return played, unreadable
+    return read_json_records(store, validation_prefix(run_id), lambda data, key: validation_from_bytes(data, where=key))
 
 
 def validated_ranges(played: list[ValidationPlayed], env: str, first_seed: int, episodes: int) -> list[tuple[int, int]]:

@@ -44,7 +44,7 @@ from typing import Any
 from pipeline.devstack.stack import resolve_bootstrap_servers
 from pipeline.io.bus import BusError, tail
 from pipeline.io.registry import AdapterRegistry, run_ids
-from pipeline.io.store import ObjectStore
+from pipeline.io.store import ObjectStore, read_json_records
 from schemas.checkpoint import checkpoint_prefix, complete_folders
 from schemas.config import BusConfig
 from schemas.evaluation import EvalResult, eval_from_bytes, eval_prefix
@@ -214,15 +214,7 @@ def run_exists(store: ObjectStore, run_id: str) -> bool:
 def read_evals(store: ObjectStore, run_id: str) -> tuple[list[EvalResult], list[str]]:
     """Every readable ``runs/<run>/eval/*.json`` (``rlpipe eval``'s stored results), and why each other one could
     not be read (its key named)."""
-    results, unreadable = [], []
-    for key in store.list(eval_prefix(run_id), recursive=True):
-        if not key.endswith(".json"):
-            continue
-        try:
-            results.append(eval_from_bytes(store.get(key), where=key))
-        except (ValueError, FileNotFoundError) as exc:
-            unreadable.append(str(exc))
-    return results, unreadable
+    return read_json_records(store, eval_prefix(run_id), lambda data, key: eval_from_bytes(data, where=key))
 
 
 def learner_step(store: ObjectStore, run_id: str) -> int:

@@ -41,9 +41,9 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -360,6 +360,24 @@ class ObjectStore:
             for folder in changed:
                 _fsync_dir(folder)
         return changed
+
+
+Record = TypeVar("Record")
+
+
+def read_json_records(store: ObjectStore, prefix: str,
+                      parse: Callable[[bytes, str], Record]) -> tuple[list[Record], list[str]]:
+    """Every ``*.json`` under ``prefix`` that ``parse(data, key)`` reads, and why each other one could not be read
+    (its ``ValueError``, naming the key, or one deleted while listed)."""
+    records, unreadable = [], []
+    for key in store.list(prefix, recursive=True):
+        if not key.endswith(".json"):
+            continue
+        try:
+            records.append(parse(store.get(key), key))
+        except (ValueError, FileNotFoundError) as exc:
+            unreadable.append(str(exc))
+    return records, unreadable
 
 
 def _make_folders(folder: Path) -> list[Path]:
