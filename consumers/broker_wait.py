@@ -120,17 +120,24 @@ def commit_until_taken(commit: Callable[[], Any], keep_alive: Callable[[], None]
     """A learner's offset ``commit``, only ever after the checkpoint that covers it is durable and announced, waiting
     out a broker that is away and polling (``keep_alive``) before each try again: a group that dropped the member
     meanwhile refuses its commits until a poll rejoins.  ``report``: the lines of a wait for this commit that began
-    elsewhere (a packed run's turns); ``between_tries``: run after that poll."""
+    elsewhere (a packed run's turns); ``between_tries``: run after that poll (a packed learner's start of a run,
+    which holds every run it serves and polls their consumers there; the first line says so)."""
     def before_retry() -> None:
         keep_alive()
         if between_tries is not None:
             between_tries()
 
+    if report is None:
+        report = WaitReport(what, run_id, learner_waits(RETRY_WAIT_S, holding_others=between_tries is not None))
     until_the_broker_takes(commit, what, run_id, stopping, before_retry=before_retry, report=report)
 
 
-def learner_waits(retry_wait_s: float) -> str:
-    """What a learner's wait for the broker holds, as its first line says."""
+def learner_waits(retry_wait_s: float, holding_others: bool = False) -> str:
+    """What a learner's wait for the broker holds, as its first line says; ``holding_others``: a packed learner's
+    start of a run (``PackedLearner.add``), between two rounds, which every run it serves waits for."""
+    if holding_others:
+        return ("the packed learner waits for it, and every run it serves with it (their consumers are polled "
+                f"meanwhile), trying again every {retry_wait_s:g}s")
     return f"the learner waits for it (the writes after it and the next step wait too), trying again every {retry_wait_s:g}s"
 
 

@@ -146,10 +146,10 @@ class Learner:
         commit its turns wait for (``learner_start.resume``)."""
         return learner_start.resume(self, between_tries, beside)
 
-    def warm_start(self, init_from: str) -> None:
+    def warm_start(self, init_from: str, between_tries: Callable[[], None] | None = None) -> None:
         """Start from another run's published adapter, published unchanged as this run's v1, and checkpoint at step 0
-        (``learner_start.warm_start``)."""
-        learner_start.warm_start(self, init_from)
+        (``learner_start.warm_start``); ``between_tries`` runs before each try again of their waits for the broker."""
+        learner_start.warm_start(self, init_from, between_tries)
 
     # ---- the loop -----------------------------------------------------------
     def run(self, should_stop: Callable[[], bool] = lambda: False, on_step: Callable[[dict], None] = lambda m: None,
@@ -424,10 +424,12 @@ class Learner:
         return metrics
 
     # ---- phase: publish / checkpoint ------------------------------------------
-    def publish(self, metrics: dict[str, Any]) -> None:
-        """Save the adapter and publish it as the next version, then announce it (now, in this thread)."""
+    def publish(self, metrics: dict[str, Any], between_tries: Callable[[], None] | None = None) -> None:
+        """Save the adapter and publish it as the next version, then announce it (now, in this thread);
+        ``between_tries`` runs before each try again of the announcement (a warm start's, ``resume``)."""
         self.finish_writes()
-        self.outputs.write_publication(self.outputs.prepare_publication(self.policy, self.state, metrics))
+        self.outputs.write_publication(self.outputs.prepare_publication(self.policy, self.state, metrics),
+                                       between_tries)
         self.unpublished_training = False
 
     def publish_last_steps(self) -> bool:
@@ -438,11 +440,15 @@ class Learner:
         self.publish(self.last_metrics)
         return True
 
-    def checkpoint(self) -> str:
-        """Write the checkpoint (manifest last), announce it, then commit the source's offsets (now)."""
+    def checkpoint(self, between_tries: Callable[[], None] | None = None) -> str:
+        """Write the checkpoint (manifest last), announce it, then commit the source's offsets (now);
+        ``between_tries`` runs before each try again of the announcement and the commit (a warm start's,
+        ``resume``)."""
         self.finish_writes()
-        key = self.outputs.write_checkpoint(self.outputs.prepare_checkpoint(self.policy, self.state, self.last_metrics))
-        self.commit(dict(self.state.positions), f"the offsets of step {self.state.step}'s checkpoint")
+        prepared = self.outputs.prepare_checkpoint(self.policy, self.state, self.last_metrics)
+        key = self.outputs.write_checkpoint(prepared, between_tries)
+        self.commit(dict(self.state.positions), f"the offsets of step {self.state.step}'s checkpoint",
+                    between_tries=between_tries)
         return key
 
     def finish_writes(self) -> None:

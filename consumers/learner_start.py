@@ -64,7 +64,7 @@ def resume(learner: Learner, between_tries: Callable[[], None] | None = None, be
         learner.unpublished_training = False
         if learner.cfg.init_from:
             learner.outputs.letters.wait(between_tries)  # (its v1 is announced after the versions announced again)
-            warm_start(learner, learner.cfg.init_from)
+            warm_start(learner, learner.cfg.init_from, between_tries)
         return False
     learner.policy.load_state(checkpoint.adapter, checkpoint.optimizer, checkpoint.scalars)
     checkpoint.restore_rng()
@@ -107,7 +107,7 @@ def announce_again_beside(learner: Learner, checkpoint: Checkpoint | None) -> No
         waiting="the run passes its turns (nothing read or trained) while the other runs train"))
 
 
-def warm_start(learner: Learner, init_from: str) -> None:
+def warm_start(learner: Learner, init_from: str, between_tries: Callable[[], None] | None = None) -> None:
     """Start from another run's published adapter and publish it unchanged as this run's v1.
 
     Producers then sample the warm start from the beginning, and the registry
@@ -115,6 +115,8 @@ def warm_start(learner: Learner, init_from: str) -> None:
     side for evaluation.  The optimizer starts fresh.  A checkpoint follows at
     step 0, so a restart resumes instead of warm-starting (and publishing) again.
     The adapter must have this learner's LoRA shape (rank, alpha, target modules).
+    ``between_tries`` runs before each try again of the publish's and the checkpoint's waits for the broker (a
+    packed learner polls the consumers of the runs it serves there, as they wait for this start).
     """
     source_run, wanted = parse_init_from(init_from)
     source = AdapterRegistry(learner.registry.store, source_run)
@@ -129,8 +131,8 @@ def warm_start(learner: Learner, init_from: str) -> None:
         learner.policy.load_adapter_folder(source.pull(manifest.version, cache))
     learner.policy.keep_reference()  # the KL penalty keeps the policy near its warm start
     log.info("warm start from %s v%d", source_run, manifest.version)
-    learner.publish({"warm_start_version": manifest.version})
-    learner.checkpoint()
+    learner.publish({"warm_start_version": manifest.version}, between_tries)
+    learner.checkpoint(between_tries)
 
 
 def restore_reference(learner: Learner) -> None:

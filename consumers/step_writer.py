@@ -174,8 +174,9 @@ class StepOutputs:
         state.version = publication.version
         return publication
 
-    def write_publication(self, publication: Publication) -> None:
-        """Serialise the snapshot, publish it under the version it took, announce it."""
+    def write_publication(self, publication: Publication, between_tries: Callable[[], None] | None = None) -> None:
+        """Serialise the snapshot, publish it under the version it took, announce it (``between_tries``:
+        ``announce_until_taken``'s)."""
         manifest = self.registry.publish_files(
             publication.snapshot.files(), base_model=self.base_model, parent_version=publication.parent_version,
             learner_step=publication.step, metrics=publication.metrics, expected_version=publication.version,
@@ -186,7 +187,8 @@ class StepOutputs:
                                "per run")
         event = self.registry.published_event(manifest)
         self.faults.reached("before_version_event")
-        self.announce_until_taken(event, f"AdapterPublished v{manifest.version} (step {publication.step})")
+        self.announce_until_taken(event, f"AdapterPublished v{manifest.version} (step {publication.step})",
+                                  between_tries)
         log.info("published adapter v%d at step %d", manifest.version, publication.step)
         self.faults.reached("after_publish")
         self.retire_old_versions(manifest.version)
@@ -201,14 +203,16 @@ class StepOutputs:
         prepared = self.checkpoints.prepare(state, policy.adapter_tensors(), optimizer, scalars)
         return PreparedStep(prepared, dict(state.positions), finite_numbers(metrics))
 
-    def write_checkpoint(self, prepared: PreparedStep) -> str:
-        """Write a prepared checkpoint (manifest last) and announce it; the caller commits its positions."""
+    def write_checkpoint(self, prepared: PreparedStep, between_tries: Callable[[], None] | None = None) -> str:
+        """Write a prepared checkpoint (manifest last) and announce it (``between_tries``: ``announce_until_taken``'s);
+        the caller commits its positions."""
         self.faults.reached("before_checkpoint")
         key = self.checkpoints.write(prepared.checkpoint)
         event = LearnerCheckpointed(step=prepared.checkpoint.step, version=prepared.checkpoint.version, path=key,
                                     offsets=prepared.positions, metrics=prepared.metrics)
         self.faults.reached("before_checkpoint_event")
-        self.announce_until_taken(event, f"LearnerCheckpointed of step {event.step} (its offsets not committed)")
+        self.announce_until_taken(event, f"LearnerCheckpointed of step {event.step} (its offsets not committed)",
+                                  between_tries)
         self.faults.reached("after_checkpoint")
         return key
 
@@ -233,14 +237,18 @@ class StepOutputs:
         self.letters.submit(lambda: until_the_broker_takes(
             announce, what, self.run_id, lambda: self.stopping() or self.abandoning.is_set(), report=report))
 
-    def announce_until_taken(self, payload: Payload, what: str) -> None:
+    def announce_until_taken(self, payload: Payload, what: str, between_tries: Callable[[], None] | None = None) -> None:
         """Announce ``payload``, waiting out a broker that refuses it (until it takes it, or a stop); every try
         publishes the same event (``announcing_once``), and a stop before the broker took it leaves it for the next
-        start to announce again (``consumers.reannounce``)."""
-        self.broker_wait = WaitReport(what, self.run_id, learner_waits(RETRY_WAIT_S))
+        start to announce again (``consumers.reannounce``).  ``between_tries`` runs before each try again: a packed
+        learner's start of a run (a warm start's v1 and checkpoint, ``learner_start.warm_start``), which holds every
+        run it serves, polls their consumers there, so their groups keep them."""
+        waiting = learner_waits(RETRY_WAIT_S, holding_others=between_tries is not None)
+        self.broker_wait = WaitReport(what, self.run_id, waiting)
         try:
             until_the_broker_takes(announcing_once(self.announce, payload), what, self.run_id,
-                                   lambda: self.stopping() or self.abandoning.is_set(), report=self.broker_wait)
+                                   lambda: self.stopping() or self.abandoning.is_set(), before_retry=between_tries,
+                                   report=self.broker_wait)
         finally:
             self.broker_wait = None
 

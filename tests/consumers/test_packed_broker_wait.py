@@ -428,6 +428,31 @@ def test_a_run_joining_its_group_keeps_the_served_runs_consumers_alive():
     assert [run.run_id for run in packed.runs] == ["served", "j"]
 
 
+def test_a_warm_start_joining_while_the_broker_refuses_its_writes_keeps_the_served_runs_consumers_alive(
+        batches, setup, caplog):  # noqa: F811
+    """b joins warm-started from a's v1 while the broker refuses b's events for 3.5 s: its v1 and step-0 checkpoint
+    are written between two rounds, where nothing else runs, so the run already served has its consumer polled
+    while b's publish waits, and its group keeps it; the wait's first line says that every run waits."""
+    caplog.set_level(logging.WARNING, logger="rlpipe.learner")
+    cfg_a = config("a")
+    a = learner_of(batches, "a", "src-a", LoraPolicy(setup["model_dir"], cfg_a), cfg_a)
+    a.run(should_stop=lambda: a.state.step >= 1, poll_timeout_s=0)  # publishes its v1 (publish_every=1)
+    served = Run("served", [], delivered=0)
+    packed = PackedLearner(Holding(), [served])  # type: ignore[arg-type, list-item]
+    refused_until = time.monotonic() + 3.5
+    publisher = RefusingOneRun("b", lambda: time.monotonic() < refused_until)
+    cfg_b = config("b", init_from="a")
+    b = learner_of(batches, "b", "src-b", LoraPolicy(setup["model_dir"], cfg_b), cfg_b)
+    announce_through(publisher, b)
+    packed.add(b)
+    assert publisher.refused and time.monotonic() >= refused_until  # b's start waited out the refusal
+    assert served.kept_alive >= 2  # about once a second meanwhile (none without: nothing else polls it)
+    assert announced(publisher.taken, "b") == [("AdapterPublished", 1), ("LearnerCheckpointed", 0)]
+    assert [run.run_id for run in packed.runs] == ["served", "b"]
+    first = [r.getMessage() for r in caplog.records if "did not take AdapterPublished v1" in r.getMessage()]
+    assert len(first) == 1 and "every run it serves" in first[0], first
+
+
 def b_joining_after_as_first_step(batches, setup, publisher: RefusingOneRun):  # noqa: F811
     """b checkpointed at step 2 by a learner before; a packed learner serving a, which b joins after a's first step
     (``between_rounds``), both announcing through ``publisher``, b's commits logged beside its events (in
@@ -893,7 +918,6 @@ def test_a_run_settling_while_the_others_writes_are_refused_settles_without_wait
         event for step in range(1, 5) for event in [("AdapterPublished", step)]
         + ([("LearnerCheckpointed", step)] if step % every == 0 or step == 4 else [])]
     assert CheckpointStore(batches, "b").latest().state.step == 4
-
 
 
 def test_a_stop_while_a_joining_runs_announcements_are_refused_ends_its_wait_and_commits_nothing(
