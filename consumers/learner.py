@@ -452,8 +452,8 @@ class Learner:
         return key
 
     def finish_writes(self) -> None:
-        """Wait for a dead letter being sent and the step in flight (raising their errors) and commit what its
-        checkpoint covers."""
+        """Wait for a dead letter or start's announcements being sent (``wait_for_letter``) and the step in flight
+        (raising their errors) and commit what its checkpoint covers."""
         self.wait_for_letter()
         self.finish_step_writes()
 
@@ -465,7 +465,7 @@ class Learner:
 
     def finish_step_writes(self) -> None:
         """Wait for the step in flight (raising its error) and commit what its checkpoint covers; the caller waited
-        for a dead letter being sent first (``finish_writes``)."""
+        for a dead letter or start's announcements being sent first (``finish_writes``)."""
         written = self.outputs.writer.wait(lambda: keep_alive_quietly(self.source.keep_alive))
         if written is not None and written.positions:
             self.commit(written.positions, f"the offsets of step {written.checkpoint.step}'s checkpoint")

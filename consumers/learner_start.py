@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from consumers.broker_wait import RETRY_WAIT_S, learner_waits
 from consumers.checkpoint import Checkpoint
 from consumers.reannounce import announce_again, checkpoint_event
 from consumers.sources import rewind_if_the_log_changed
@@ -101,10 +102,13 @@ def announce_again_beside(learner: Learner, checkpoint: Checkpoint | None) -> No
         return
     outputs = learner.outputs
     resumed = checkpoint_event(learner.checkpoints, checkpoint) if checkpoint is not None else None
+    if checkpoint is None and learner.cfg.init_from:  # ``resume`` waits for them, then publishes the warm start
+        waiting = learner_waits(RETRY_WAIT_S, holding_others=True)
+    else:
+        waiting = "the run passes its turns, reading and training nothing, until the broker takes it"
     outputs.letters.submit(lambda: announce_again(
         learner.announce, learner.run_id, learner.registry, resumed,
-        lambda: outputs.stopping() or outputs.abandoning.is_set(),
-        waiting="the run passes its turns (nothing read or trained) while the other runs train"))
+        lambda: outputs.stopping() or outputs.abandoning.is_set(), waiting=waiting))
 
 
 def warm_start(learner: Learner, init_from: str, between_tries: Callable[[], None] | None = None) -> None:

@@ -61,7 +61,9 @@ class RunWrites:
 
     def __init__(self, learner: Learner) -> None:
         self.learner = learner
-        self.owed: PreparedStep | ResumedPositions | None = None  # written and announced; not yet committed
+        # positions not yet committed: a step's checkpoint's, once written and announced, or the checkpoint's a
+        # start resumed from, tried once the broker took that start's announcements
+        self.owed: PreparedStep | ResumedPositions | None = None
         self.report: WaitReport | None = None  # the wait for the owed commit, while the broker refuses it
         self.kept_alive_at = float("-inf")
         self.try_timeout_s: float | None = TRY_COMMIT_TIMEOUT_S  # the next try's (None: the consumer's own)
@@ -74,7 +76,9 @@ class RunWrites:
         going (none refused) do not make it pass, as its step trains beside them and waits for them before its own,
         as a learner of one run does; it passes while the broker refuses a write or its owed commit."""
         outputs = self.learner.outputs
-        if self.letter_going():  # only once it is taken may the run read past its batch: even alone, it passes
+        # only once a dead letter is taken may the run read past its batch, and only once its start's announcements
+        # are taken may it read at all: even alone, it passes
+        if self.letter_going():
             self.keep_alive()
             return True
         outputs.letters.wait()  # sent (or none): returns at once, raising the error that ended it
@@ -90,13 +94,14 @@ class RunWrites:
         return self.owed is not None and not self.try_commit()
 
     def pending(self) -> bool:
-        """Whether the run's writes are not all taken (still going, a dead letter still being sent, or a commit
-        owed), as last seen; no I/O."""
+        """Whether the run's writes are not all taken (still going, a dead letter or start's announcements still
+        being sent, or a commit owed), as last seen; no I/O."""
         writer = self.learner.outputs.writer
         return writer.going or self.letter_going() or self.owed is not None
 
     def letter_going(self) -> bool:
-        """Whether a dead letter of the run's is still being sent (or refused)."""
+        """Whether the run's ``letters`` job is still being sent (or refused): a dead letter, or the events its start
+        announces again (``learner_start.resume``'s ``beside``)."""
         return self.learner.outputs.letters.going
 
     def try_commit(self) -> bool:
@@ -127,15 +132,15 @@ class RunWrites:
 
     def finish(self) -> None:
         """Wait for the run's writes and commit what they cover, as a learner of one run does (a stop ends a wait
-        for the broker in one line, ``BrokerAwayOnStop``): its dead letter and owed offsets (``finish_owed``), then
-        its step in flight and the offsets of its checkpoint."""
+        for the broker in one line, ``BrokerAwayOnStop``): its dead letter or start's announcements and owed offsets
+        (``finish_owed``), then its step in flight and the offsets of its checkpoint."""
         self.finish_owed()
-        self.learner.finish_step_writes()  # (its dead letter is taken: ``finish_owed`` waited for it)
+        self.learner.finish_step_writes()  # (its ``letters`` job is taken: ``finish_owed`` waited for it)
 
     def finish_owed(self) -> None:
-        """Wait for a dead letter being sent, and commit the owed offsets, waiting for the broker to take them as a
-        learner of one run does; a wait its turns began goes on with the same lines (``report``): no second start
-        line, one end line."""
+        """Wait for a dead letter or start's announcements being sent, and commit the owed offsets, waiting for the
+        broker to take them as a learner of one run does; a wait its turns began goes on with the same lines
+        (``report``): no second start line, one end line."""
         self.learner.wait_for_letter()
         if self.owed is not None:
             self.learner.commit(self.owed.positions, self.what(self.owed), self.report)
@@ -155,7 +160,8 @@ class RunWrites:
 
 
 def writers_of(learner: Learner) -> list[StepWriter]:
-    """The threads a packed run's turns wait on: its step's writes and its dead letter."""
+    """The threads a packed run's turns wait on: its step's writes, and its dead letter or its start's announcements
+    (``letters``)."""
     return [learner.outputs.writer, learner.outputs.letters]
 
 

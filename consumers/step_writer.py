@@ -159,8 +159,8 @@ class StepOutputs:
         self.writer = StepWriter()
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
         self.broker_wait: WaitReport | None = None  # the writer's announcement in progress, as its wait reports it
-        # a packed run's dead letter, or its start's announcements, sent beside the others' turns
-        self.letters = StepWriter("rlpipe-dead-letter")
+        # a packed run's dead letter, or the events its start announces again, sent beside the others' turns
+        self.letters = StepWriter("rlpipe-beside")
 
     def prepare_publication(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> Publication:
         """The adapter of now as the next version (its number is taken, ``state.version``, now); a memory copy,
@@ -217,7 +217,7 @@ class StepOutputs:
         return key
 
     def abandon(self) -> None:
-        """Let the job in flight (and a dead letter being sent) end without waiting for the broker (the learner stops
+        """Let the job in flight (and a dead letter or start's announcements being sent) end without waiting for the broker (the learner stops
         on another error: a store failure, a lost lease): a wait for the broker ends after the try under way, as on
         a stop, and any error of the job is logged (``StepWriter.wait_quietly``)."""
         self.abandoning.set()

@@ -478,11 +478,13 @@ def b_joining_after_as_first_step(batches, setup, publisher: RefusingOneRun):  #
 
 
 def test_a_run_joining_while_the_broker_refuses_its_announcements_passes_its_turns_while_the_others_train(
-        batches, setup):  # noqa: F811
+        batches, setup, caplog):  # noqa: F811
     """b, checkpointed at step 2 by a learner before, joins after a's first step while the broker refuses b's events
     until a has trained its third step (or a deadline): its start's announcements are sent from its own thread, so
     a trains steps 2 and 3 meanwhile (a join that waited for them would hold a until the deadline), and b reads and
-    trains nothing before the broker took them and its checkpoint's offsets are committed, after them."""
+    trains nothing before the broker took them and its checkpoint's offsets are committed, after them, as the
+    wait's first line says."""
+    caplog.set_level(logging.WARNING, logger="rlpipe.learner")
     deadline = time.monotonic() + HELD_FOR_S
     steps: list[tuple[str, int]] = []
     publisher = RefusingOneRun("b", lambda: len(steps) < 3 and time.monotonic() < deadline)
@@ -513,6 +515,8 @@ def test_a_run_joining_while_the_broker_refuses_its_announcements_passes_its_tur
         ("LearnerCheckpointed", 2), ("commit", before.state.positions), ("AdapterPublished", 3),
         ("AdapterPublished", 4), ("LearnerCheckpointed", 4), ("commit", b.state.positions)]
     assert CheckpointStore(batches, "b").latest().state.step == b.state.step == 4
+    first = [r.getMessage() for r in caplog.records if "did not take LearnerCheckpointed of step 2" in r.getMessage()]
+    assert len(first) == 1 and "the run passes its turns, reading and training nothing" in first[0], first
 
 
 def test_a_lone_run_training_beside_its_writes_while_runs_are_followed_keeps_a_learners_order(
