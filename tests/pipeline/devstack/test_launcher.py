@@ -6,6 +6,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import ClassVar
@@ -128,6 +129,24 @@ def checkpoint_at(fake: launcher.Launcher, run: str, step: int) -> None:
 
     CheckpointStore(open_store(fake.config.store), run).save(LearnerState(step=step, version=step),
                                                              {"w": torch.zeros(1)}, {}, {})
+
+
+def stopped_at_its_budget(fake: launcher.Launcher, run: str, step: int) -> tuple[Published, Callable[[int], None]]:
+    """Views set up, ``run`` checkpointed at ``step`` (its budget) and its RunStopped read back from the feed; what
+    was published, and a function that announces a checkpoint of ``run`` at a step."""
+    from schemas.events import LearnerCheckpointed, make_event
+
+    fake.views(dashboard=False)
+    published = Published()
+
+    def checkpointed(at: int) -> None:
+        fake.on_control(make_event(run, LearnerCheckpointed(step=at, version=at, path=f"{run}{at}", offsets={})),
+                        published)
+
+    checkpointed(step)
+    (first,) = published.events
+    fake.on_control(first, published)  # its own stop, read back from the feed
+    return published, checkpointed
 
 
 def test_a_packed_run_that_reaches_its_budget_is_stopped_while_the_others_go_on(tmp_path: Path) -> None:
@@ -681,21 +700,13 @@ def test_a_packed_run_resumed_with_a_raised_budget_is_stopped_again_at_the_new_o
     and `rlpipe runs resume` announces it again: the launcher reads the new budget from the store with the
     RunStarted, so step 3 is no end (its line says 3/4) and step 4 gets a second RunStopped."""
     from pipeline.runtime import create_run, open_store, record_config_change, started_again
-    from schemas.events import LearnerCheckpointed, RunStopped, make_event
+    from schemas.events import RunStopped, make_event
 
     fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
     store = open_store(fake.config.store)
     create_run(store, fake.configs[0], "tiny")
-    fake.views(dashboard=False)
-    published = Published()
-
-    def checkpointed(step: int) -> None:
-        fake.on_control(make_event("a", LearnerCheckpointed(step=step, version=step, path=f"a{step}", offsets={})),
-                        published)
-
-    checkpointed(2)
-    (first,) = published.events
-    fake.on_control(first, published)  # its own stop, read back from the feed
+    published, checkpointed = stopped_at_its_budget(fake, "a", 2)
+    (first,) = published.events  # a's stop at its budget
     raised = fake.configs[0].model_copy(update={"learner": fake.configs[0].learner.model_copy(update={"max_steps": 4})})
     record_config_change(store, raised)
     fake.on_control(make_event("a", started_again(store, "a")), published)
@@ -761,19 +772,10 @@ def test_a_run_resumed_whose_budget_cannot_be_read_still_gets_its_final_stop(
     """Run a (budget 2) stopped at step 2, then resumed without a readable stored configuration: it goes on past the
     launch's budget (its lines name none), and when the launch ends (here a Ctrl-C) it gets its final RunStopped like
     any run still going, at its newest step, for the reason the launch ended (its own budget is unknown)."""
-    from schemas.events import LearnerCheckpointed, RunStarted, RunStopped, make_event
+    from schemas.events import RunStarted, RunStopped, make_event
 
     fake = packed_launcher(tmp_path, {"a": 2, "b": 9})  # no run.json in the store
-    fake.views(dashboard=False)
-    published = Published()
-
-    def checkpointed(step: int) -> None:
-        fake.on_control(make_event("a", LearnerCheckpointed(step=step, version=step, path=f"a{step}", offsets={})),
-                        published)
-
-    checkpointed(2)
-    (first,) = published.events
-    fake.on_control(first, published)  # its own stop, read back from the feed
+    published, checkpointed = stopped_at_its_budget(fake, "a", 2)
     started = RunStarted(config_path="runs/a/run.json", config_sha256="0" * 64, env="cartpole", base_model="tiny")
     fake.on_control(make_event("a", started), published)
     checkpointed(3)
