@@ -90,7 +90,9 @@ def replay_on_two_ranks(config_file: Path) -> str:
                str(free_port()), "--no-python", "sh", "-c", cli]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    if done.returncode != 0:  # pytest.fail prints the whole message; an assertion's would be cut in its middle
+        pytest.fail(f"torchrun exited {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n"
+                    f"{done.stderr[-6000:]}", pytrace=False)
     return done.stdout + done.stderr
 
 
