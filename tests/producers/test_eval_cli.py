@@ -215,3 +215,23 @@ def test_a_held_out_evaluation_is_refused_on_seeds_a_validation_played(tmp_path:
     assert _seed_starts(store, "--run", "chosen", "--episodes", "2") == [offset]
     assert _seed_starts(store, "--run", "chosen", "--episodes", "8", "--set",
                         f"env.eval_seed_offset={offset + 4}") == [offset + 4]
+
+
+def test_an_explicit_held_out_count_stays_as_given_and_its_seeds_are_refused_to_a_later_held_out_eval(
+        tmp_path: Path) -> None:
+    """A result stored with env.eval_seed_offset raised by 100 played offset+100..103.  ``--held-out 104`` clears
+    it, so a validation of 8 plays offset+104..111 as asked (the default would skip to offset+108, past the 8 a
+    later ``eval --episodes 8`` from offset+100 plays).  That later eval would reach offset+104..107: refused in one
+    line naming them, the --episodes 4 that stays before them and the offset past every validated seed (112)."""
+    store, config = _value_run(tmp_path, "given")
+    offset = config.env.eval_seed_offset
+    raised = f"env.eval_seed_offset={offset + 100}"
+    assert _seed_starts(store, "--run", "given", "--episodes", "4", "--set", raised) == [offset + 100]
+    assert _seed_starts(store, "--run", "given", "--episodes", "8", "--validation", "--held-out", "104") == [
+        offset + 104]
+    out = runner.invoke(app, ["eval", "--run", "given", "--root", store.url(""), "--version", "0", "--episodes", "8",
+                              "--set", raised])
+    assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1, out.output
+    assert f"{offset + 104}-{offset + 107}" in out.output and "--episodes 4 or fewer" in out.output, out.output
+    assert f"env.eval_seed_offset={offset + 112}" in out.output, out.output
+    assert _seed_starts(store, "--run", "given", "--episodes", "4", "--set", raised) == [offset + 100]
