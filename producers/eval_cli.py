@@ -72,7 +72,9 @@ def eval(
         "With --validation: how many held-out episodes to leave alone (default: --episodes, or further if the "
         "run's stored results reach further, or --episodes past the first seed of one stored with a raised "
         "env.eval_seed_offset; refused while one of them cannot be read; fewer than they reach is refused). "
-        "Give runs you compare the same --held-out, so they are validated on the same seeds."))] = None,
+        "Give runs you compare the same --held-out, so they are validated on the same seeds.  It is taken as "
+        "given, without that --episodes margin: a later held-out eval reaching the seeds it validated is "
+        "refused, naming the --episodes or env.eval_seed_offset that keeps off them."))] = None,
     save: Annotated[bool | None, typer.Option(help=(
         "Store the result under runs/RUN/eval/ for the report (default: yes, except with --validation)."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -191,7 +193,10 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
     any would validate on seeds that are reported on.  A ``--held-out`` short of the stored
     results is refused: its validation episodes would replay their seeds; so is the default while a stored result
     cannot be read (how far it reaches is unknown).  The default differs between runs with
-    different stored results, so runs compared on validation need one shared ``--held-out``."""
+    different stored results, so runs compared on validation need one shared ``--held-out``; that one is taken as
+    given, without the ``--episodes`` margin from each stored start, so it may validate seeds a later held-out
+    ``eval --episodes N`` from a stored start would play: the validation's record refuses that eval
+    (``refuse_validated_seeds``), naming the ``--episodes`` that stays before them."""
     from pipeline.analysis.runs import read_evals
     from producers.evaluation import held_out_played, held_out_ranges, validation_reach
 
