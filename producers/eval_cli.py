@@ -192,16 +192,20 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
     ``env.eval_seed_offset`` (what a later ``eval --episodes N`` from there plays; ``validation_reach``): short of
     any would validate on seeds that are reported on.  A ``--held-out`` short of the stored
     results is refused: its validation episodes would replay their seeds; so is the default while a stored result
-    cannot be read (how far it reaches is unknown).  The default differs between runs with
+    cannot be read (how far it reaches is unknown; one a newer rlpipe wrote: upgrade to read it).  The default differs between runs with
     different stored results, so runs compared on validation need one shared ``--held-out``; that one is taken as
     given, without the ``--episodes`` margin from each stored start, so it may validate seeds a later held-out
     ``eval --episodes N`` from a stored start would play: the validation's record refuses that eval
     (``refuse_validated_seeds``), naming the ``--episodes`` that stays before them."""
     from pipeline.analysis.runs import read_evals
     from producers.evaluation import held_out_played, held_out_ranges, validation_reach
+    from schemas.versions import NewerSchemaError
 
     first = first_held_out(config, store, building)
     stored, unreadable = read_evals(store, config.run_id)
+    if unreadable and held_out is None and isinstance(unreadable[0], NewerSchemaError):  # "...; upgrade rlpipe"
+        fail(f"{unreadable[0]} to read the held-out seeds that stored result played (validation episodes might "
+             f"replay them), or pass --held-out past every held-out seed evaluated", 2)
     if unreadable and held_out is None:  # its seeds are unknown: a validation may replay some of them
         fail(f"{unreadable[0]}: the held-out seeds that stored result played are unknown, so validation episodes "
              f"might replay them; delete it from {store.root}, or pass --held-out past every held-out seed "

@@ -36,6 +36,7 @@ from schemas.evaluation import (
     validation_prefix,
     validation_to_bytes,
 )
+from schemas.versions import NewerSchemaError
 
 log = logging.getLogger("rlpipe.eval")
 
@@ -168,8 +169,10 @@ def save_validation(store: ObjectStore, played: ValidationPlayed) -> str:
     return key
 
 
-def read_validations(store: ObjectStore, run_id: str) -> tuple[list[ValidationPlayed], list[str]]:
-    """Every readable record of seeds a validation of the run played, and why each other one could not be read."""
+def read_validations(store: ObjectStore,
+                     run_id: str) -> tuple[list[ValidationPlayed], list[ValueError | FileNotFoundError]]:
+    """Every readable record of seeds a validation of the run played, and why each other one could not be read
+    (``read_json_records``: each error names its key)."""
     return read_json_records(store, validation_prefix(run_id), lambda data, key: validation_from_bytes(data, where=key))
 
 
@@ -186,8 +189,12 @@ def validated_overlap(store: ObjectStore, run_id: str, env: str, first_seed: int
     (``validated_ranges``), and one past the last seed of ``env`` any of them played (``first_seed`` if none).
 
     A record that cannot be read is refused (``ValueError``): the seeds it played are unknown, so held-out
-    episodes might report on them."""
+    episodes might report on them.  One a newer rlpipe wrote is not damaged (deleting it would lose which seeds
+    runs were chosen on): the refusal says to upgrade, not to delete it."""
     played, unreadable = read_validations(store, run_id)
+    if unreadable and isinstance(unreadable[0], NewerSchemaError):  # its line ends "...; upgrade rlpipe"
+        raise ValueError(f"{unreadable[0]} to read the seeds that validation played (held-out episodes might report "
+                         f"on them)")
     if unreadable:
         raise ValueError(f"{unreadable[0]}: the seeds that validation played are unknown, so held-out episodes might "
                          f"report on them; delete it from {store.root} (validate again to record them)")

@@ -211,9 +211,9 @@ def run_exists(store: ObjectStore, run_id: str) -> bool:
     return AdapterRegistry(store, run_id).run_exists()
 
 
-def read_evals(store: ObjectStore, run_id: str) -> tuple[list[EvalResult], list[str]]:
+def read_evals(store: ObjectStore, run_id: str) -> tuple[list[EvalResult], list[ValueError | FileNotFoundError]]:
     """Every readable ``runs/<run>/eval/*.json`` (``rlpipe eval``'s stored results), and why each other one could
-    not be read (its key named)."""
+    not be read (``read_json_records``: each error names its key)."""
     return read_json_records(store, eval_prefix(run_id), lambda data, key: eval_from_bytes(data, where=key))
 
 

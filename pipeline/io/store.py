@@ -365,10 +365,12 @@ class ObjectStore:
 Record = TypeVar("Record")
 
 
-def read_json_records(store: ObjectStore, prefix: str,
-                      parse: Callable[[bytes, str], Record]) -> tuple[list[Record], list[str]]:
-    """Every ``*.json`` under ``prefix`` that ``parse(data, key)`` reads, and why each other one could not be read
-    (its ``ValueError``, naming the key, or one deleted while listed)."""
+def read_json_records(store: ObjectStore, prefix: str, parse: Callable[[bytes, str], Record]
+                      ) -> tuple[list[Record], list[ValueError | FileNotFoundError]]:
+    """Every ``*.json`` under ``prefix`` that ``parse(data, key)`` reads, and why each other one could not be read:
+    its ``ValueError`` naming the key, or the ``FileNotFoundError`` of one deleted while listed.  The errors are
+    kept, not only their lines, so a caller can tell a record written by a newer rlpipe
+    (``schemas.versions.NewerSchemaError``: upgrade to read it) from a damaged one."""
     records, unreadable = [], []
     for key in store.list(prefix, recursive=True):
         if not key.endswith(".json"):
@@ -376,7 +378,7 @@ def read_json_records(store: ObjectStore, prefix: str,
         try:
             records.append(parse(store.get(key), key))
         except (ValueError, FileNotFoundError) as exc:
-            unreadable.append(str(exc))
+            unreadable.append(exc)
     return records, unreadable
 
 

@@ -235,3 +235,48 @@ def test_an_explicit_held_out_count_stays_as_given_and_its_seeds_are_refused_to_
     assert f"{offset + 104}-{offset + 107}" in out.output and "--episodes 4 or fewer" in out.output, out.output
     assert f"env.eval_seed_offset={offset + 112}" in out.output, out.output
     assert _seed_starts(store, "--run", "given", "--episodes", "4", "--set", raised) == [offset + 100]
+
+
+def _newer(record: bytes) -> bytes:
+    """``record`` as a newer rlpipe would write it: a newer major schema version."""
+    import json
+
+    return json.dumps({**json.loads(record), "schema_version": "2.0"}).encode()
+
+
+def test_a_validation_is_refused_while_a_stored_result_is_newer_than_this_rlpipe_saying_to_upgrade(
+        tmp_path: Path) -> None:
+    """A stored result written by a newer rlpipe is not damaged: deleting it would lose it.  The refusal names it
+    and says to upgrade rlpipe (or pass --held-out), not to delete it."""
+    from schemas.evaluation import eval_key, eval_to_bytes
+
+    store, config = _value_run(tmp_path, "newer")
+    result = EvalResult.from_episodes(run_id="newer", env=config.env.name, version=0,
+                                      seed_start=config.env.eval_seed_offset, returns=[1.0, 2.0],
+                                      successes=[False, True], policy="random")
+    store.put(eval_key(result), _newer(eval_to_bytes(result)))
+    out = runner.invoke(app, ["eval", "--run", "newer", "--root", store.url(""), "--version", "0", "--episodes", "2",
+                              "--validation"])
+    assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1, out.output
+    assert eval_key(result) in out.output and "schema version 2.0" in out.output, out.output
+    assert "upgrade rlpipe" in out.output and "--held-out" in out.output, out.output
+    assert "delete" not in out.output, out.output
+
+
+def test_a_held_out_eval_is_refused_while_a_validation_record_is_newer_than_this_rlpipe_saying_to_upgrade(
+        tmp_path: Path) -> None:
+    """A validation record written by a newer rlpipe: the seeds it played are unknown here, so held-out episodes
+    are refused, in one line naming it and saying to upgrade rlpipe, not to delete it (which would lose the record
+    of seeds runs were chosen on)."""
+    from schemas.evaluation import ValidationPlayed, validation_key, validation_to_bytes
+
+    store, config = _value_run(tmp_path, "newval")
+    played = ValidationPlayed(run_id="newval", env=config.env.name, seed_start=config.env.eval_seed_offset + 8,
+                              episodes=8)
+    store.put(validation_key(played), _newer(validation_to_bytes(played)))
+    out = runner.invoke(app, ["eval", "--run", "newval", "--root", store.url(""), "--version", "0", "--episodes", "2"])
+    assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1, out.output
+    assert validation_key(played) in out.output and "schema version 2.0" in out.output, out.output
+    assert "upgrade rlpipe" in out.output, out.output
+    assert "delete" not in out.output, out.output
+    assert not store.list("runs/newval/eval/")  # nothing played, nothing stored
