@@ -293,3 +293,24 @@ def test_a_failure_is_the_stores_only_when_it_came_out_of_the_stores_code() -> N
     except OSError as exc:
         wrapped = exc
     assert raised_by_store(wrapped)
+
+
+def test_read_json_records_keeps_the_error_of_each_file_it_could_not_read(tmp_path) -> None:
+    """A damaged record and one a newer rlpipe wrote are both unreadable, but only the second is readable after an
+    upgrade: their errors come back as raised (each naming its key), so a caller can say which to do."""
+    from pipeline.io.store import read_json_records
+    from schemas.evaluation import ValidationPlayed, validation_from_bytes, validation_to_bytes
+    from schemas.versions import NewerSchemaError
+
+    store = ObjectStore(tmp_path.as_uri())
+    played = ValidationPlayed(run_id="r", env="cartpole", seed_start=8, episodes=4)
+    store.put("runs/r/validation/good.json", validation_to_bytes(played))
+    store.put("runs/r/validation/damaged.json", b"{not json")
+    store.put("runs/r/validation/newer.json", validation_to_bytes(played).replace(b'"1.0"', b'"2.0"'))
+    records, unreadable = read_json_records(store, "runs/r/validation",
+                                            lambda data, key: validation_from_bytes(data, where=key))
+    assert records == [played]
+    by_key = {str(error).split(" ")[0]: error for error in unreadable}
+    assert set(by_key) == {"runs/r/validation/damaged.json", "runs/r/validation/newer.json"}, unreadable
+    assert isinstance(by_key["runs/r/validation/newer.json"], NewerSchemaError)
+    assert not isinstance(by_key["runs/r/validation/damaged.json"], NewerSchemaError)
