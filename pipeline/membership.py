@@ -51,10 +51,19 @@ from pydantic import ValidationError
 from pipeline.io.bus import EventFollower, EventPublisher, describe_topic, ensure_topics
 from pipeline.io.registry import run_ids
 from pipeline.io.store import ObjectStore
-from pipeline.runtime import effective_run_config, open_store
+from pipeline.runtime import effective_run_config, open_store, recorded_change_config
 from pipeline.timefmt import utc_text
 from schemas.config import BusConfig, RunConfig
-from schemas.events import Envelope, EventDecodeError, RunStarted, RunStopped, decode_event, encode_event, make_event
+from schemas.events import (
+    Envelope,
+    EventDecodeError,
+    RunConfigChanged,
+    RunStarted,
+    RunStopped,
+    decode_event,
+    encode_event,
+    make_event,
+)
 from schemas.names import validate_name
 
 log = logging.getLogger("rlpipe.membership")
@@ -112,7 +121,24 @@ def stored_run_config(store: ObjectStore, run_id: str, template: RunConfig) -> R
     except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not a configuration record
         raise ValueError(f"run {run_id}'s stored configuration cannot be read ({type(exc).__name__}: {exc}); "
                          "create the run again under a new name (rlpipe runs create)") from None
-    stored["bus"], stored["store"] = template.bus.model_dump(), template.store.model_dump()
+    return placed_run_config(stored, run_id, template)
+
+
+def changed_run_config(store: ObjectStore, run_id: str, change: RunConfigChanged, template: RunConfig) -> RunConfig:
+    """The configuration ``change`` (a ``RunConfigChanged`` of ``run_id``) announced, read from its record and checked
+    against its sha256, on ``template``'s broker and store; ValueError naming what is wrong: the record missing,
+    holding other bytes than announced, or no valid configuration of the run."""
+    try:
+        recorded = recorded_change_config(store, change.config_path, change.config_sha256)
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:  # missing, replaced, not a change record
+        raise ValueError(f"run {run_id}'s changed configuration cannot be read ({type(exc).__name__}: {exc})") from None
+    return placed_run_config(recorded, run_id, template)
+
+
+def placed_run_config(stored: dict[str, object], run_id: str, template: RunConfig) -> RunConfig:
+    """Run ``run_id``'s configuration ``stored`` (as recorded: secrets and placement are not its) on ``template``'s
+    broker and store; ValueError when it is not valid here or names another run."""
+    stored = {**stored, "bus": template.bus.model_dump(), "store": template.store.model_dump()}
     try:
         config = RunConfig.model_validate(stored)
     except ValidationError as exc:

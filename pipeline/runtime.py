@@ -221,17 +221,25 @@ def effective_run_config(store: ObjectStore, run_id: str) -> dict[str, Any]:
     """
     changes = _change_keys(store, run_id)
     if changes:
-        record = _json_object(store, changes[-1])
-        if not isinstance(record.get("config"), dict):
-            raise ValueError(f"{changes[-1]} unreadable: no configuration object under 'config'")
-        return dict(record["config"])
+        return recorded_change_config(store, changes[-1])
     return _json_object(store, f"runs/{run_id}/run.json")
 
 
-def _json_object(store: ObjectStore, key: str) -> dict[str, Any]:
+def recorded_change_config(store: ObjectStore, key: str, sha256: str | None = None) -> dict[str, Any]:
+    """The configuration a change recorded at ``key`` (``record_config_change``; its ``RunConfigChanged`` names the
+    key); with ``sha256`` (the announced one), only if the record still has it.  ``FileNotFoundError`` without
+    the record, ``ChecksumError`` (a ``ValueError``) when it holds other bytes, ``ValueError`` naming the key
+    when it is no change record."""
+    record = _json_object(store, key, sha256)
+    if not isinstance(record.get("config"), dict):
+        raise ValueError(f"{key} unreadable: no configuration object under 'config'")
+    return dict(record["config"])
+
+
+def _json_object(store: ObjectStore, key: str, sha256: str | None = None) -> dict[str, Any]:
     """The JSON object stored at ``key``; ``ValueError`` naming the key for anything else."""
     try:
-        data = json.loads(store.get(key))
+        data = json.loads(store.get(key, sha256))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{key} unreadable: not JSON ({exc})") from None
     if not isinstance(data, dict):
