@@ -6,7 +6,9 @@ or, without a live view, its plain lines (``StepLines``).  Each learner checkpoi
 run at its step budget is found, and stopped at once (``RunStopped``): the packed producers let it go while the
 other runs go on.  The store is looked at every ``STORE_LOOK_S`` as well, for a checkpoint the feed missed.  A
 ``RunStarted`` of a run (``rlpipe runs resume``) makes it go on: it is stopped again at its budget, read again from
-its stored configuration, which may have raised it.
+its stored configuration, which may have raised it.  A ``RunConfigChanged`` of a run (a process restarted on it with
+another configuration) sets its budget, checkpoint interval and heartbeat from the record the event names, checked
+against the event's sha256; it starts no run that was stopped, and stops a packed run already past a lowered budget.
 
 Where the feed starts is an offset, not a time: the events' timestamps are set by the clocks of the processes that
 publish them (or by the broker's), and a clock an hour off this machine's would move a start by time as far, reading
@@ -19,17 +21,17 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.cli.common import error_line
 from pipeline.devstack.dashboard import Dashboard, StepLines, silent_after_s
 from pipeline.io.bus import BusError, EventFollower, EventPublisher, UnknownTopicError, group_lag
 from pipeline.io.registry import AdapterRegistry
-from pipeline.membership import announce_membership, control_topic_ends, stored_run_config
+from pipeline.membership import announce_membership, changed_run_config, control_topic_ends, stored_run_config
 from pipeline.runtime import open_store
 from schemas.config import BusConfig, RunConfig, active_learner, step_budget
-from schemas.events import Envelope, LearnerCheckpointed, RunStarted, RunStopped
+from schemas.events import Envelope, LearnerCheckpointed, RunConfigChanged, RunStarted, RunStopped
 
 log = logging.getLogger("rlpipe.run")
 
@@ -146,6 +148,8 @@ class ControlFeed:
             return
         if isinstance(event.payload, RunStarted):  # before its board and lines read the budget
             self.started_again(event.run_id)
+        elif isinstance(event.payload, RunConfigChanged):
+            self.config_changed(event.run_id, event.payload, publisher)
         board.apply(event.payload)
         line = self.step_lines[event.run_id](event.payload) if event.run_id in self.step_lines else None
         if line is not None:
@@ -154,7 +158,7 @@ class ControlFeed:
             with self.stop_lock:
                 self.stopped.setdefault(event.run_id, event.payload.reason)
             return
-        budget = self.known_budget(next(c for c in self.configs if c.run_id == event.run_id))
+        budget = self.known_budget(self.launched(event.run_id))
         payload = event.payload
         if self.packed and isinstance(payload, LearnerCheckpointed) and budget is not None and payload.step >= budget:
             self.announce_stop(publisher, event.run_id, "step budget reached", payload.step, payload.version)
@@ -162,31 +166,55 @@ class ControlFeed:
     def started_again(self, run_id: str) -> None:
         """A ``RunStarted`` of ``run_id`` (``rlpipe runs resume``, perhaps after its budget was raised): the run goes
         on, so it is stopped again at its budget, which is read again from its stored configuration, as the packed
-        learner that takes it up reads it (so are its checkpoint interval and heartbeat, which its lines and board
-        read).  While that cannot be read the run is ``unbounded``: the launch's budget
-        may be the one it was stopped at, and stopping it again there would end the resumed run at once; it still
+        learner that takes it up reads it (``follow_config``)."""
+        launched = self.launched(run_id)
+        self.follow_config(run_id, f"run {run_id} was started again",
+                           lambda: stored_run_config(open_store(launched.store), run_id, launched), restart=True)
+
+    def config_changed(self, run_id: str, change: RunConfigChanged, publisher: EventPublisher) -> None:
+        """A ``RunConfigChanged`` of ``run_id``: a process restarted on the run records and announces the
+        configuration it runs with, so the launch follows it too (``follow_config``), the one the event names and
+        its sha256 vouches for (a newer change has its own event, read next).  A change is no start: a run
+        stopped stays stopped (the new budget holds once ``rlpipe runs resume`` starts it again), and a packed run
+        going on already at or past a lowered budget is stopped now."""
+        launched = self.launched(run_id)
+        self.follow_config(run_id, f"run {run_id}'s configuration changed",
+                           lambda: changed_run_config(open_store(launched.store), run_id, change, launched))
+        if self.packed:
+            self.stop_if_finished(publisher, self.launched(run_id))
+
+    def follow_config(self, run_id: str, what: str, read: Callable[[], RunConfig], restart: bool = False) -> None:
+        """Take ``run_id``'s budget, checkpoint interval and heartbeat (which its lines and board read) from the
+        configuration ``read`` gives (``what`` happened, for the warning); ``restart``: the run goes on, no longer
+        ``stopped``.  While that cannot be read the run is ``unbounded``: the launch's budget may be below the new
+        one (the one it was stopped at, for a run started again), and stopping it there would end it early; it still
         gets its ``RunStopped`` when the launch ends, as any run going on does."""
-        index = next(i for i, c in enumerate(self.configs) if c.run_id == run_id)
-        launched = self.configs[index]
         try:
-            config = stored_run_config(open_store(launched.store), run_id, launched)
+            config = read()
         except Exception as exc:  # the store unreachable (any backend's error), or the record unreadable
-            log.warning("run %s was started again, but its stored configuration cannot be read (%s): this launch "
-                        "does not stop it at its step budget", run_id, error_line(exc))
+            log.warning("%s, but its stored configuration cannot be read (%s): this launch does not stop it at its "
+                        "step budget", what, error_line(exc))
             if run_id in self.step_lines:
                 self.step_lines[run_id].max_steps = None
             with self.stop_lock:
-                self.stopped.pop(run_id, None)
+                if restart:
+                    self.stopped.pop(run_id, None)
                 self.unbounded.add(run_id)
             return
+        index = next(i for i, c in enumerate(self.configs) if c.run_id == run_id)
         self.configs[index] = config  # the stack, the logs and the processes stay the launch's (``self.config``)
         self.boards[run_id].silent_after_s = silent_after_s(config)
         if run_id in self.step_lines:  # which steps get a checkpoint, and so which event says each step's line
             lines = self.step_lines[run_id]
             lines.max_steps, lines.checkpoint_every = step_budget(config), active_learner(config).checkpoint_every
         with self.stop_lock:
-            self.stopped.pop(run_id, None)
+            if restart:
+                self.stopped.pop(run_id, None)
             self.unbounded.discard(run_id)
+
+    def launched(self, run_id: str) -> RunConfig:
+        """The configuration this launch follows for ``run_id`` now."""
+        return next(c for c in self.configs if c.run_id == run_id)
 
     def known_budget(self, config: RunConfig) -> int | None:
         """The run's step budget, None when it has none or it is ``unbounded`` (its stored budget unreadable)."""
@@ -206,12 +234,17 @@ class ControlFeed:
     def stop_finished_runs(self, publisher: EventPublisher) -> None:
         """``RunStopped`` for every packed run whose newest checkpoint in the store is at its step budget."""
         for config in self.configs:
-            budget = self.known_budget(config)
-            if config.run_id in self.stopped or budget is None:
-                continue
-            step, version = self.final_position(config)
-            if step >= budget:
-                self.announce_stop(publisher, config.run_id, "step budget reached", step, version)
+            self.stop_if_finished(publisher, config)
+
+    def stop_if_finished(self, publisher: EventPublisher, config: RunConfig) -> None:
+        """``RunStopped`` for the run of ``config`` if it is not stopped and its newest checkpoint (``final_position``)
+        is at or past its step budget."""
+        budget = self.known_budget(config)
+        if config.run_id in self.stopped or budget is None:
+            return
+        step, version = self.final_position(config)
+        if step >= budget:
+            self.announce_stop(publisher, config.run_id, "step budget reached", step, version)
 
     def final_position(self, config: RunConfig) -> tuple[int, int]:
         """(step, version) of the run's newest checkpoint: the store's (the last one may have been written after the

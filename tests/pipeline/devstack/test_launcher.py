@@ -816,6 +816,132 @@ def test_a_resumed_runs_lines_and_board_follow_its_stored_checkpoint_interval_an
     assert fake.boards["a"].silent_after_s == 60.0
 
 
+def make_checkpoint(run: str, step: int):
+    """The event of ``run``'s checkpoint at ``step``."""
+    from schemas.events import LearnerCheckpointed, make_event
+
+    return make_event(run, LearnerCheckpointed(step=step, version=step, path=f"{run}{step}", offsets={}))
+
+
+def budget_changed(fake: launcher.Launcher, run: str, max_steps: int):
+    """``run``'s budget changed to ``max_steps`` in the store, as a restart with that configuration records it; the
+    ``RunConfigChanged`` event announcing it."""
+    from pipeline.runtime import open_store, record_config_change
+    from schemas.events import make_event
+
+    config = next(c for c in fake.configs if c.run_id == run)
+    changed = config.model_copy(update={"learner": config.learner.model_copy(update={"max_steps": max_steps})})
+    _, _, change = record_config_change(open_store(fake.config.store), changed)
+    return make_event(run, change)
+
+
+def test_a_packed_runs_budget_raised_while_it_goes_is_the_one_it_is_stopped_at(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run a (budget 2) at step 1 has its budget raised to 4 (``RunConfigChanged``, no new start): step 2 is no end
+    (its line says 2/4), step 4 is."""
+    from pipeline.runtime import create_run, open_store
+    from schemas.events import RunStopped
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    create_run(open_store(fake.config.store), fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    fake.on_control(budget_changed(fake, "a", 4), published)
+    for step in (1, 2, 3):
+        fake.on_control(make_checkpoint("a", step), published)
+    assert published.events == [] and step_budget(fake.configs[0]) == 4
+    fake.on_control(make_checkpoint("a", 4), published)
+    assert [(e.run_id, e.payload.final_step, e.payload.reason) for e in published.events
+            if isinstance(e.payload, RunStopped)] == [("a", 4, "step budget reached")]
+    lines = [line.split("  ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("run a ")]
+    assert lines == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"], lines
+
+
+def test_a_packed_runs_budget_lowered_below_its_step_stops_it_at_once(tmp_path: Path) -> None:
+    """Run a (budget 9) at step 3 has its budget lowered to 2: it is past it, so its RunStopped goes out with the
+    change, at step 3, while run b goes on."""
+    from pipeline.runtime import create_run, open_store
+
+    fake = packed_launcher(tmp_path, {"a": 9, "b": 9})
+    create_run(open_store(fake.config.store), fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    fake.on_control(make_checkpoint("a", 3), published)
+    fake.on_control(budget_changed(fake, "a", 2), published)
+    assert [(e.run_id, e.payload.final_step, e.payload.reason) for e in published.events] == [
+        ("a", 3, "step budget reached")]
+    assert fake.stopped == {"a": "step budget reached"}
+
+
+def test_a_budget_raised_after_the_run_was_stopped_at_its_old_one_does_not_start_it_again(
+        tmp_path: Path) -> None:
+    """A change is no start: run a, stopped at its budget 2, stays stopped when its budget is raised to 4; the new
+    budget is the one it is stopped at once `rlpipe runs resume` starts it again."""
+    from pipeline.runtime import create_run, open_store, started_again
+    from schemas.events import RunStopped, make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    store = open_store(fake.config.store)
+    create_run(store, fake.configs[0], "tiny")
+    published, checkpointed = stopped_at_its_budget(fake, "a", 2)
+    (first,) = published.events
+    fake.on_control(budget_changed(fake, "a", 4), published)
+    assert published.events == [first] and "a" in fake.stopped and step_budget(fake.configs[0]) == 4
+    fake.on_control(make_event("a", started_again(store, "a")), published)
+    checkpointed(3)
+    checkpointed(4)
+    stops = [e.payload.final_step for e in published.events if isinstance(e.payload, RunStopped)]
+    assert stops == [2, 4], stops
+
+
+def test_a_change_whose_record_is_not_the_one_announced_leaves_the_run_without_a_budget(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    """A RunConfigChanged whose record is missing or holds other bytes than its sha256 says gives no budget to trust,
+    and the launch's may be below the new one: as for a start whose configuration cannot be read, the run is not
+    stopped at a budget, and says so."""
+    from pipeline.runtime import create_run, open_store
+    from schemas.events import RunConfigChanged, make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9, "c": 2})
+    create_run(open_store(fake.config.store), fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    announced = budget_changed(fake, "a", 4)
+    forged = announced.payload.model_copy(update={"config_sha256": "0" * 64})
+    missing = RunConfigChanged(config_path="runs/c/config-changes/000001.json", config_sha256="0" * 64,
+                               changes=announced.payload.changes)
+    with caplog.at_level(logging.WARNING, logger="rlpipe.run"):
+        fake.on_control(make_event("a", forged), published)
+        fake.on_control(make_event("c", missing), published)
+    for run in ("a", "c"):
+        fake.on_control(make_checkpoint(run, 2), published)
+    fake.stop_finished_runs(published)
+    assert published.events == [] and fake.unbounded == {"a", "c"}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w.split(",")[0] for w in warnings] == ["run a's configuration changed", "run c's configuration changed"]
+    assert "checksum mismatch" in warnings[0] and "no object" in warnings[1], warnings
+    lines = [line.split("  ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("run a ")]
+    assert lines == ["step 2/∞"], lines
+
+
+def test_a_change_of_a_run_the_launch_does_not_follow_is_ignored(tmp_path: Path) -> None:
+    """Another run's RunConfigChanged on the shared control topic changes nothing of this launch's runs."""
+    from pipeline.runtime import create_run, open_store
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    other = RunConfig.model_validate({"run_id": "other", "learner": {"max_steps": 9},
+                                      "store": {"root": tmp_path.as_uri()}})
+    create_run(open_store(fake.config.store), other, "tiny")
+    fake.configs.append(other)  # only to record its change
+    change = budget_changed(fake, "other", 1)
+    fake.configs.pop()
+    fake.views(dashboard=False)
+    published = Published()
+    fake.on_control(change, published)
+    fake.on_control(make_checkpoint("a", 1), published)
+    assert published.events == [] and [step_budget(c) for c in fake.configs] == [2, 9] and fake.unbounded == set()
+
+
 def test_a_launcher_of_packed_runs_sets_up_its_feed_with_a_view_per_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A configured broker starts no stack; each run gets its board (silent after 3 of its own heartbeats) and its
