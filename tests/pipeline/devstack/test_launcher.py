@@ -926,15 +926,17 @@ def test_a_change_whose_record_is_not_the_one_announced_leaves_the_run_without_a
 
 def test_a_change_of_a_run_the_launch_does_not_follow_is_ignored(tmp_path: Path) -> None:
     """Another run's RunConfigChanged on the shared control topic changes nothing of this launch's runs."""
-    from pipeline.runtime import create_run, open_store
+    from pipeline.runtime import create_run, open_store, record_config_change
+    from schemas.events import make_event
 
     fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    store = open_store(fake.config.store)
     other = RunConfig.model_validate({"run_id": "other", "learner": {"max_steps": 9},
                                       "store": {"root": tmp_path.as_uri()}})
-    create_run(open_store(fake.config.store), other, "tiny")
-    fake.configs.append(other)  # only to record its change
-    change = budget_changed(fake, "other", 1)
-    fake.configs.pop()
+    create_run(store, other, "tiny")
+    lowered_config = other.model_copy(update={"learner": other.learner.model_copy(update={"max_steps": 1})})
+    _, _, lowered = record_config_change(store, lowered_config)
+    change = make_event("other", lowered)
     fake.views(dashboard=False)
     published = Published()
     fake.on_control(change, published)
