@@ -461,7 +461,7 @@ class Learner:
         """Wait for a dead letter being sent (a packed run's, ``quarantine``), raising its error: no offsets past
         its batch are committed before the broker took it; so are a packed run's start's announcements
         (``learner_start.resume``'s ``beside``)."""
-        self.outputs.letters.wait(lambda: keep_alive_quietly(self.source.keep_alive))
+        self.outputs.beside.wait(lambda: keep_alive_quietly(self.source.keep_alive))
 
     def finish_step_writes(self) -> None:
         """Wait for the step in flight (raising its error) and commit what its checkpoint covers; the caller waited

@@ -44,7 +44,7 @@ def resume(learner: Learner, between_tries: Callable[[], None] | None = None, be
     the learner before this one may have been killed or stopped before their
     events were taken.  ``between_tries`` runs before each try again of those waits for the broker (a packed
     learner keeps its other runs' consumers alive there).  ``beside`` (a packed run joining or coming back): the
-    announcements are sent from the run's ``letters`` thread instead of waited for here, and the commit is left to
+    announcements are sent from the run's ``beside`` thread instead of waited for here, and the commit is left to
     the caller, which makes the run read and train nothing before both are taken (``PackedLearner.add``); a warm
     start, which publishes after them, waits for them first.  A source whose log is not the one the positions point
     into (a broker that lost its log numbers events from 0 again) is read from its start
@@ -64,7 +64,7 @@ def resume(learner: Learner, between_tries: Callable[[], None] | None = None, be
         learner.source.seek({})  # every partition from its start, whatever the group committed
         learner.unpublished_training = False
         if learner.cfg.init_from:
-            learner.outputs.letters.wait(between_tries)  # (its v1 is announced after the versions announced again)
+            learner.outputs.beside.wait(between_tries)  # (its v1 is announced after the versions announced again)
             warm_start(learner, learner.cfg.init_from, between_tries)
         return False
     learner.policy.load_state(checkpoint.adapter, checkpoint.optimizer, checkpoint.scalars)
@@ -96,7 +96,7 @@ def announce_again_from(learner: Learner, checkpoint: Checkpoint | None,
 
 
 def announce_again_beside(learner: Learner, checkpoint: Checkpoint | None) -> None:
-    """``announce_again_from`` in ``learner``'s ``letters`` thread (``StepOutputs.send_beside``'s), its wait for the
+    """``announce_again_from`` in ``learner``'s ``beside`` thread (``StepOutputs.send_beside``'s), its wait for the
     broker ended by a stop or an abandon; ``Learner.wait_for_letter`` waits for it, raising its error."""
     if not learner.reannounce:
         return
@@ -106,7 +106,7 @@ def announce_again_beside(learner: Learner, checkpoint: Checkpoint | None) -> No
         waiting = learner_waits(RETRY_WAIT_S, holding_others=True)
     else:
         waiting = "the run passes its turns, reading and training nothing, until the broker takes it"
-    outputs.letters.submit(lambda: announce_again(
+    outputs.beside.submit(lambda: announce_again(
         learner.announce, learner.run_id, learner.registry, resumed,
         lambda: outputs.stopping() or outputs.abandoning.is_set(), waiting=waiting))
 

@@ -81,7 +81,7 @@ class RunWrites:
         if self.letter_going():
             self.keep_alive()
             return True
-        outputs.letters.wait()  # sent (or none): returns at once, raising the error that ended it
+        outputs.beside.wait()  # sent (or none): returns at once, raising the error that ended it
         writer = outputs.writer
         if writer.going:
             if lone and not outputs.waiting_for_broker():
@@ -100,9 +100,9 @@ class RunWrites:
         return writer.going or self.letter_going() or self.owed is not None
 
     def letter_going(self) -> bool:
-        """Whether the run's ``letters`` job is still being sent (or refused): a dead letter, or the events its start
+        """Whether the run's ``beside`` job is still being sent (or refused): a dead letter, or the events its start
         announces again (``learner_start.resume``'s ``beside``)."""
-        return self.learner.outputs.letters.going
+        return self.learner.outputs.beside.going
 
     def try_commit(self) -> bool:
         """One try of the owed commit (polling first when it was refused before); whether the broker took it."""
@@ -135,7 +135,7 @@ class RunWrites:
         for the broker in one line, ``BrokerAwayOnStop``): its dead letter or start's announcements and owed offsets
         (``finish_owed``), then its step in flight and the offsets of its checkpoint."""
         self.finish_owed()
-        self.learner.finish_step_writes()  # (its ``letters`` job is taken: ``finish_owed`` waited for it)
+        self.learner.finish_step_writes()  # (its ``beside`` job is taken: ``finish_owed`` waited for it)
 
     def finish_owed(self) -> None:
         """Wait for a dead letter or start's announcements being sent, and commit the owed offsets, waiting for the
@@ -161,8 +161,8 @@ class RunWrites:
 
 def writers_of(learner: Learner) -> list[StepWriter]:
     """The threads a packed run's turns wait on: its step's writes, and its dead letter or its start's announcements
-    (``letters``)."""
-    return [learner.outputs.writer, learner.outputs.letters]
+    (``beside``)."""
+    return [learner.outputs.writer, learner.outputs.beside]
 
 
 def wait_for_writes(writers: list[StepWriter], should_stop: Callable[[], bool]) -> None:

@@ -160,7 +160,7 @@ class StepOutputs:
         self.next_version: int | None = None  # the registry's next version number, read at the first publish
         self.broker_wait: WaitReport | None = None  # the writer's announcement in progress, as its wait reports it
         # a packed run's dead letter, or the events its start announces again, sent beside the others' turns
-        self.letters = StepWriter("rlpipe-beside")
+        self.beside = StepWriter("rlpipe-beside")
 
     def prepare_publication(self, policy: SavablePolicy, state: LearnerState, metrics: dict[str, Any]) -> Publication:
         """The adapter of now as the next version (its number is taken, ``state.version``, now); a memory copy,
@@ -223,18 +223,18 @@ class StepOutputs:
         self.abandoning.set()
         try:
             self.writer.wait_quietly()
-            self.letters.wait_quietly()
+            self.beside.wait_quietly()
         finally:
             self.abandoning.clear()
 
     def send_beside(self, announce: Callable[[], Any], what: str) -> None:
-        """Announce a dead letter (``announce``, which sends the same event at every try) from ``letters``' thread,
+        """Announce a dead letter (``announce``, which sends the same event at every try) from the ``beside`` writer's thread,
         waiting out a broker that refuses it: a packed run's turn, which does not hold the other runs; the run passes
         its turns until the broker takes it (``consumers.packed_writes``), and ``Learner.finish_writes`` waits for
         it before anything after it is written."""
         report = WaitReport(what, self.run_id, "the run passes its turns (nothing read past the batch) while the "
                             "other runs train")
-        self.letters.submit(lambda: until_the_broker_takes(
+        self.beside.submit(lambda: until_the_broker_takes(
             announce, what, self.run_id, lambda: self.stopping() or self.abandoning.is_set(), report=report))
 
     def announce_until_taken(self, payload: Payload, what: str, between_tries: Callable[[], None] | None = None) -> None:

@@ -317,7 +317,7 @@ class Turns:
         self.incoming = deque(range(delivered))
         self.source = SimpleNamespace(exhausted=lambda: False)
         idle = SimpleNamespace(busy=False, done=True, going=False, wait=lambda keep_alive=None: None)
-        self.outputs = SimpleNamespace(writer=idle, letters=idle)  # no writes, no dead letters
+        self.outputs = SimpleNamespace(writer=idle, beside=idle)  # no writes, no dead letters
         self.steps = 0
         self.poll_timeouts: list[float] = []
 

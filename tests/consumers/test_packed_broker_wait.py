@@ -178,7 +178,7 @@ class Run:
         self.kept_alive = 0
         self.source = SimpleNamespace(exhausted=lambda: False, keep_alive=self.keep_alive)
         # ``refused``: the job waits for the broker to take a write (else its writes are only going)
-        self.outputs = SimpleNamespace(writer=StepWriter(), letters=StepWriter(), stopping=lambda: False,
+        self.outputs = SimpleNamespace(writer=StepWriter(), beside=StepWriter(), stopping=lambda: False,
                                        waiting_for_broker=lambda: refused)
         if release is not None:
             self.outputs.writer.submit(lambda: release.wait() and None)  # a job that writes no checkpoint
@@ -590,7 +590,7 @@ class RefusedAtBSteps:
         if run == "b":
             writes = self.a.outputs
             wait_for(lambda: (writes.writer.done or writes.waiting_for_broker())
-                     and (writes.letters.done or self.refused() > 0), 20, "a's writes")
+                     and (writes.beside.done or self.refused() > 0), 20, "a's writes")
             self.counts.append(self.refused())
             self.a_read.append(dict(self.a.ingested))
 
@@ -876,7 +876,7 @@ def test_a_run_finished_with_its_dead_letter_refused_commits_nothing_past_it() -
     letters = StepWriter("test-letters")
     letters.submit(refused)
     committed: list[str] = []
-    learner = SimpleNamespace(outputs=SimpleNamespace(letters=letters), source=SimpleNamespace(keep_alive=lambda: None),
+    learner = SimpleNamespace(outputs=SimpleNamespace(beside=letters), source=SimpleNamespace(keep_alive=lambda: None),
                               finish_step_writes=lambda: committed.append("the step's offsets"))
     learner.wait_for_letter = lambda: Learner.wait_for_letter(learner)  # type: ignore[arg-type]
     with pytest.raises(PublishError, match="DeadLetter"):
