@@ -51,7 +51,7 @@ from pydantic import ValidationError
 from pipeline.io.bus import EventFollower, EventPublisher, describe_topic, ensure_topics
 from pipeline.io.registry import run_ids
 from pipeline.io.store import ObjectStore
-from pipeline.runtime import effective_run_config, open_store, recorded_change_config
+from pipeline.runtime import change_number, numbered_run_config, open_store, recorded_change_config
 from pipeline.timefmt import utc_text
 from schemas.config import BusConfig, RunConfig
 from schemas.events import (
@@ -114,20 +114,28 @@ def joining_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunC
 def stored_run_config(store: ObjectStore, run_id: str, template: RunConfig) -> RunConfig:
     """Run ``run_id``'s stored configuration (``run.json`` and the changes recorded since) on ``template``'s broker
     and store; ValueError naming what is wrong."""
+    return numbered_stored_config(store, run_id, template)[1]
+
+
+def numbered_stored_config(store: ObjectStore, run_id: str, template: RunConfig) -> tuple[int, RunConfig]:
+    """(number, configuration): ``stored_run_config``, and the number of the newest change it holds
+    (``numbered_run_config``; 0 for ``run.json``)."""
     try:
-        stored = effective_run_config(store, run_id)
+        number, stored = numbered_run_config(store, run_id)
     except FileNotFoundError:
         raise ValueError(f"run {run_id} has no run.json in {store.root}") from None
     except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not a configuration record
         raise ValueError(f"run {run_id}'s stored configuration cannot be read ({type(exc).__name__}: {exc}); "
                          "create the run again under a new name (rlpipe runs create)") from None
-    return placed_run_config(stored, run_id, template)
+    return number, placed_run_config(stored, run_id, template)
 
 
 def changed_run_config(store: ObjectStore, run_id: str, change: RunConfigChanged, template: RunConfig) -> RunConfig:
     """The configuration ``change`` (a ``RunConfigChanged`` of ``run_id``) announced, read from its record and checked
-    against its sha256, on ``template``'s broker and store; ValueError naming what is wrong: the record missing,
-    holding other bytes than announced, or no valid configuration of the run."""
+    against its sha256, on ``template``'s broker and store; ValueError naming what is wrong: a record that is not one
+    of the run's changes (``change_number``), the record missing, holding other bytes than announced, or no valid
+    configuration of the run."""
+    change_number(run_id, change.config_path)  # another run's record would read as this run's configuration
     try:
         recorded = recorded_change_config(store, change.config_path, change.config_sha256)
     except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:  # missing, replaced, not a change record

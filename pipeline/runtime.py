@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import re
 import signal
 import threading
 from collections.abc import Callable
@@ -219,10 +220,27 @@ def effective_run_config(store: ObjectStore, run_id: str) -> dict[str, Any]:
 
     ``FileNotFoundError`` without ``run.json``; ``ValueError`` naming the file when it is not a JSON object.
     """
+    return numbered_run_config(store, run_id)[1]
+
+
+def numbered_run_config(store: ObjectStore, run_id: str) -> tuple[int, dict[str, Any]]:
+    """(number, configuration): the run's configuration now (``effective_run_config``) and the number of the change
+    it was read from (``change_number``), 0 for ``run.json``: one listing gives both, so the number is the read one's."""
     changes = _change_keys(store, run_id)
     if changes:
-        return recorded_change_config(store, changes[-1])
-    return _json_object(store, f"runs/{run_id}/run.json")
+        return change_number(run_id, changes[-1]), recorded_change_config(store, changes[-1])
+    return 0, _json_object(store, f"runs/{run_id}/run.json")
+
+
+def change_number(run_id: str, key: str) -> int:
+    """n, for run ``run_id``'s change recorded at ``key`` (``runs/<run_id>/config-changes/<n>.json``,
+    ``record_config_change``): a later change has a higher one.  ``ValueError`` for a key that is no change of the
+    run (another run's, or a file outside its changes)."""
+    name = key.removeprefix(f"runs/{run_id}/config-changes/")
+    if name == key or not re.fullmatch(r"[0-9]+\.json", name):
+        raise ValueError(f"{key} is no configuration change of run {run_id} (those are "
+                         f"runs/{run_id}/config-changes/<n>.json)")
+    return int(name.removesuffix(".json"))
 
 
 def recorded_change_config(store: ObjectStore, key: str, sha256: str | None = None) -> dict[str, Any]:

@@ -332,3 +332,26 @@ def test_a_damaged_membership_record_counts_as_a_stop_naming_the_fix(setup, capl
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all("runs/exp-1/membership.json unreadable" in line for line in lines), lines
     assert all("`rlpipe runs resume --run exp-1`" in line and "\n" not in line for line in lines)
+
+
+def test_a_change_is_read_only_from_its_own_runs_change_records(tmp_path):
+    """changed_run_config reads run a's change from run a's record; a RunConfigChanged of run a naming run b's change
+    record (valid, and vouched for by its sha256) is refused in one line naming the path, not read as a's."""
+    from pipeline.membership import changed_run_config
+    from pipeline.runtime import record_config_change
+    from schemas.events import RunConfigChanged
+
+    store = ObjectStore(tmp_path.as_uri())
+    template = config("base", store={"root": store.root})
+    changes: dict[str, RunConfigChanged] = {}
+    for run in ("a", "b"):
+        created = config(run, store={"root": store.root})
+        create_run(store, created, "tiny")
+        _, _, changes[run] = record_config_change(
+            store, created.model_copy(update={"learner": created.learner.model_copy(update={"max_steps": 7})}))
+    assert changed_run_config(store, "a", changes["a"], template).learner.max_steps == 7
+    with pytest.raises(ValueError) as refused:
+        changed_run_config(store, "a", changes["b"], template)
+    message = str(refused.value)
+    assert "runs/b/config-changes/000001.json" in message and "runs/a/config-changes/" in message, message
+    assert "\n" not in message and "rlpipe runs create" not in message, message
