@@ -457,6 +457,10 @@ def active_learner(config: RunConfig) -> LearnerConfig | ValueLearnerConfig:
     return config.value.learner if config.value is not None else config.learner
 
 
+# where ``step_budget`` reads a run's budget from, as a configuration change names its fields (dotted paths)
+STEP_BUDGET_FIELDS = ("learner.max_steps", "value.learner.max_steps")
+
+
 def step_budget(config: RunConfig) -> int | None:
     """The run's ``max_steps``: its active learner's (``active_learner``)."""
     return active_learner(config).max_steps

@@ -9,6 +9,9 @@ other runs go on.  The store is looked at every ``STORE_LOOK_S`` as well, for a 
 its stored configuration, which may have raised it.  A ``RunConfigChanged`` of a run (a process restarted on it with
 another configuration) sets its budget, checkpoint interval and heartbeat from the record the event names, checked
 against the event's sha256; it starts no run that was stopped, and stops a packed run already past a lowered budget.
+Changes are numbered in the store (``runs/<run>/config-changes/<n>.json``) and two processes may publish theirs in
+either order: a change no later than the one the run's configuration was last read from is ignored, so the budget is
+the newest change's, as the store says, not the last event's.
 
 Where the feed starts is an offset, not a time: the events' timestamps are set by the clocks of the processes that
 publish them (or by the broker's), and a clock an hour off this machine's would move a start by time as far, reading
@@ -28,9 +31,9 @@ from pipeline.cli.common import error_line
 from pipeline.devstack.dashboard import Dashboard, StepLines, silent_after_s
 from pipeline.io.bus import BusError, EventFollower, EventPublisher, UnknownTopicError, group_lag
 from pipeline.io.registry import AdapterRegistry
-from pipeline.membership import announce_membership, changed_run_config, control_topic_ends, stored_run_config
-from pipeline.runtime import open_store
-from schemas.config import BusConfig, RunConfig, active_learner, step_budget
+from pipeline.membership import announce_membership, changed_run_config, control_topic_ends, numbered_stored_config
+from pipeline.runtime import change_number, open_store
+from schemas.config import STEP_BUDGET_FIELDS, BusConfig, RunConfig, active_learner, step_budget
 from schemas.events import Envelope, LearnerCheckpointed, RunConfigChanged, RunStarted, RunStopped
 
 log = logging.getLogger("rlpipe.run")
@@ -56,7 +59,12 @@ class ControlFeed:
         self.control_start_P: dict[int, int] | None = None  # offset per partition the feed reads from (mark_start)
         self.stopping = threading.Event()  # set: the feed ends
         self.stopped: dict[str, str] = {}  # runs whose RunStopped went out, with its reason
-        self.unbounded: set[str] = set()  # runs started again whose stored budget could not be read: no budget stop
+        # runs whose budget may have changed to one that could not be read (a start's stored configuration, or a
+        # change record touching the budget): no budget stop
+        self.unbounded: set[str] = set()
+        # per run, the number of the newest configuration change followed (``change_number``; 0: ``run.json``):
+        # an older change's event, read after it, is ignored
+        self.applied_changes: dict[str, int] = {}
         self.views(dashboard)
 
     def views(self, dashboard: bool) -> None:
@@ -169,39 +177,50 @@ class ControlFeed:
         learner that takes it up reads it (``follow_config``)."""
         launched = self.launched(run_id)
         self.follow_config(run_id, f"run {run_id} was started again",
-                           lambda: stored_run_config(open_store(launched.store), run_id, launched), restart=True)
+                           lambda: numbered_stored_config(open_store(launched.store), run_id, launched), restart=True)
 
     def config_changed(self, run_id: str, change: RunConfigChanged, publisher: EventPublisher) -> None:
         """A ``RunConfigChanged`` of ``run_id``: a process restarted on the run records and announces the
         configuration it runs with, so the launch follows it too (``follow_config``), the one the event names and
-        its sha256 vouches for (a newer change has its own event, read next).  A change is no start: a run
-        stopped stays stopped (the new budget holds once ``rlpipe runs resume`` starts it again), and a packed run
-        going on already at or past a lowered budget is stopped now."""
-        launched = self.launched(run_id)
-        self.follow_config(run_id, f"run {run_id}'s configuration changed",
-                           lambda: changed_run_config(open_store(launched.store), run_id, change, launched))
-        if self.packed:
-            self.stop_if_finished(publisher, self.launched(run_id))
-
-    def follow_config(self, run_id: str, what: str, read: Callable[[], RunConfig], restart: bool = False) -> None:
-        """Take ``run_id``'s budget, checkpoint interval and heartbeat (which its lines and board read) from the
-        configuration ``read`` gives (``what`` happened, for the warning); ``restart``: the run goes on, no longer
-        ``stopped``.  While that cannot be read the run is ``unbounded``: the launch's budget may be below the new
-        one (the one it was stopped at, for a run started again), and stopping it there would end it early; it still
-        gets its ``RunStopped`` when the launch ends, as any run going on does."""
+        its sha256 vouches for, unless the configuration followed is that change's or a later one's (events of two
+        processes' changes may be read in either order).  A change is no start: a run stopped stays stopped (the
+        new budget holds once ``rlpipe runs resume`` starts it again), and a packed run going on already at or past
+        a lowered budget is stopped now."""
         try:
-            config = read()
-        except Exception as exc:  # the store unreachable (any backend's error), or the record unreadable
-            log.warning("%s, but its stored configuration cannot be read (%s): this launch does not stop it at its "
-                        "step budget", what, error_line(exc))
-            if run_id in self.step_lines:
-                self.step_lines[run_id].max_steps = None
-            with self.stop_lock:
-                if restart:
-                    self.stopped.pop(run_id, None)
-                self.unbounded.add(run_id)
+            number: int | None = change_number(run_id, change.config_path)
+        except ValueError:  # not one of the run's changes: refused by changed_run_config, said in the warning
+            number = None
+        if number is not None and number <= self.applied_changes.get(run_id, 0):
+            log.info("run %s: %s is no later than the configuration followed, ignored", run_id, change.config_path)
             return
-        index = next(i for i, c in enumerate(self.configs) if c.run_id == run_id)
+        launched = self.launched(run_id)
+        budget_changed = any(field.field in STEP_BUDGET_FIELDS for field in change.changes)
+        followed = self.follow_config(
+            run_id, f"run {run_id}'s configuration changed",
+            lambda: (change_number(run_id, change.config_path),
+                     changed_run_config(open_store(launched.store), run_id, change, launched)),
+            budget_changed=budget_changed)
+        if followed is None and budget_changed and number is not None:
+            self.applied_changes[run_id] = number  # the run is unbounded by it: an older change's budget is stale
+        if followed is not None and self.packed:
+            self.stop_if_finished(publisher, followed)
+
+    def follow_config(self, run_id: str, what: str, read: Callable[[], tuple[int, RunConfig]], restart: bool = False,
+                      budget_changed: bool = True) -> RunConfig | None:
+        """Take ``run_id``'s budget, checkpoint interval and heartbeat (which its lines and board read) from the
+        configuration ``read`` gives with the number of the change it is (``applied_changes``); ``what`` happened,
+        for the warning; ``restart``: the run goes on, no longer ``stopped``.  The configuration followed, or None
+        when it cannot be read: then the run is ``unbounded`` where its budget may have changed (``budget_changed``):
+        the launch's budget may be below the new one (the one it was stopped at, for a run started again), and
+        stopping it there would end it early; it still gets its ``RunStopped`` when the launch ends, as any run
+        going on does.  A change that left the budget alone leaves it as it was."""
+        try:
+            number, config = read()
+        except Exception as exc:  # the store unreachable (any backend's error), or the record unreadable
+            self.unreadable_config(run_id, what, exc, restart, budget_changed)
+            return None
+        self.applied_changes[run_id] = number
+        index = self.configs.index(self.launched(run_id))
         self.configs[index] = config  # the stack, the logs and the processes stay the launch's (``self.config``)
         self.boards[run_id].silent_after_s = silent_after_s(config)
         if run_id in self.step_lines:  # which steps get a checkpoint, and so which event says each step's line
@@ -211,6 +230,25 @@ class ControlFeed:
             if restart:
                 self.stopped.pop(run_id, None)
             self.unbounded.discard(run_id)
+        return config
+
+    def unreadable_config(self, run_id: str, what: str, exc: Exception, restart: bool, budget_changed: bool) -> None:
+        """``follow_config`` when its configuration cannot be read (``exc``): a warning, and the run ``unbounded``
+        if ``budget_changed``, else its budget kept."""
+        # the readers' ValueError names what cannot be read and why; anything else is the store's own error
+        why = error_line(exc) if isinstance(exc, ValueError) else f"the store cannot be read ({error_line(exc)})"
+        if not budget_changed:
+            log.warning("%s, but %s: its step budget is not among the changed fields, so it stays as it was",
+                        what, why)
+        else:
+            log.warning("%s, but %s: this launch does not stop it at its step budget", what, why)
+            if run_id in self.step_lines:
+                self.step_lines[run_id].max_steps = None
+        with self.stop_lock:
+            if restart:
+                self.stopped.pop(run_id, None)
+            if budget_changed:
+                self.unbounded.add(run_id)
 
     def launched(self, run_id: str) -> RunConfig:
         """The configuration this launch follows for ``run_id`` now."""
@@ -226,7 +264,7 @@ class ControlFeed:
         with self.stop_lock:  # the watcher and the shutdown may race
             if run_id in self.stopped:
                 return
-            config = next(c for c in self.configs if c.run_id == run_id)
+            config = self.launched(run_id)
             announce_membership(open_store(config.store), publisher, run_id,
                                 RunStopped(reason=reason, final_version=version, final_step=step))
             self.stopped[run_id] = reason

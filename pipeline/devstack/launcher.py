@@ -67,7 +67,7 @@ from pipeline.io.bus import (
 )
 from pipeline.io.store import remote_failures
 from pipeline.membership import announce_membership
-from pipeline.runtime import Announcer, create_run, open_store, resolved_bus
+from pipeline.runtime import Announcer, change_number, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
 from schemas.events import RunStarted
 
@@ -180,11 +180,14 @@ class Launcher(ControlFeed):
         subprocess.run(rlpipe_command(*args), check=True)
 
     def create(self) -> None:
-        """Each run's ``run.json``, then its ``RunStarted``."""
+        """Each run's ``run.json``, then its ``RunStarted``; the change each run's configuration is, so that the feed
+        ignores an older one's event (``applied_changes``)."""
         with EventPublisher(self.bus) as publisher:
             for config in self.configs:
                 store = open_store(config.store)
-                _, _, started = create_run(store, config, config.model.base_model)
+                key, _, started = create_run(store, config, config.model.base_model)
+                if key != f"runs/{config.run_id}/run.json":
+                    self.applied_changes[config.run_id] = change_number(config.run_id, key)
                 if isinstance(started, RunStarted):
                     announce_membership(store, publisher, config.run_id, started)
                 elif started is not None:

@@ -113,7 +113,7 @@ def packed_launcher(root: Path, budgets: dict[str, int]) -> launcher.Launcher:
     fake.configs, fake.config = configs, configs[0]
     fake.boards = {c.run_id: Dashboard() for c in configs}
     fake.live, fake.step_lines = False, {}  # no view: the tests that want one set it up (``Launcher.views``)
-    fake.stopped, fake.unbounded = {}, set()
+    fake.stopped, fake.unbounded, fake.applied_changes = {}, set(), {}
     fake.producers_exited = fake.producers_done = False
     fake.catch_ups, fake.control_start_P = {}, {}
     return fake
@@ -922,6 +922,116 @@ def test_a_change_whose_record_is_not_the_one_announced_leaves_the_run_without_a
     assert "checksum mismatch" in warnings[0] and "no object" in warnings[1], warnings
     lines = [line.split("  ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("run a ")]
     assert lines == ["step 2/∞"], lines
+
+
+def test_changes_read_out_of_order_leave_the_newest_ones_budget(tmp_path: Path) -> None:
+    """Two restarts record changes 000001 (budget 4) and 000002 (budget 6) of run a and publish them in either
+    order: read 2 then 1, the budget is change 2's (the stored configuration's), not that of the one read last, so
+    step 4 is no end and step 6 is."""
+    from pipeline.runtime import create_run, open_store
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    create_run(open_store(fake.config.store), fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    first, second = budget_changed(fake, "a", 4), budget_changed(fake, "a", 6)
+    assert [e.payload.config_path.rsplit("/", 1)[1] for e in (first, second)] == ["000001.json", "000002.json"]
+    fake.on_control(second, published)
+    fake.on_control(first, published)
+    fake.on_control(make_checkpoint("a", 4), published)
+    assert published.events == [] and step_budget(fake.configs[0]) == 6
+    fake.on_control(make_checkpoint("a", 6), published)
+    assert [(e.run_id, e.payload.final_step) for e in published.events] == [("a", 6)]
+
+
+def test_a_change_older_than_a_starts_reread_configuration_is_ignored(tmp_path: Path) -> None:
+    """Run a started again (``RunStarted``) re-reads its newest change (000002, budget 6); change 000001's event
+    (budget 4), read after it, is older than that and lowers nothing."""
+    from pipeline.runtime import create_run, open_store, started_again
+    from schemas.events import make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    store = open_store(fake.config.store)
+    create_run(store, fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    first, _ = budget_changed(fake, "a", 4), budget_changed(fake, "a", 6)
+    fake.on_control(make_event("a", started_again(store, "a")), published)
+    fake.on_control(first, published)
+    fake.on_control(make_checkpoint("a", 4), published)
+    assert published.events == [] and step_budget(fake.configs[0]) == 6
+
+
+def test_a_change_older_than_the_one_the_launch_recorded_is_ignored(bus_config, tmp_path: Path) -> None:
+    """Another process recorded change 000001 of run a (budget 4); the launch's own configuration (budget 6) is
+    recorded as 000002 when it creates its runs, so 000001's event, read once the launch runs, is older and ignored."""
+    from pipeline.runtime import create_run, open_store, record_config_change
+    from schemas.events import make_event
+
+    store_root = {"root": (tmp_path / "store").as_uri()}
+    configs = [RunConfig.model_validate({"run_id": run, "learner": {"max_steps": steps}, "store": store_root})
+               for run, steps in (("a", 6), ("b", 9))]
+    store = open_store(configs[0].store)
+    create_run(store, configs[0].model_copy(update={"learner": configs[0].learner.model_copy(update={"max_steps": 2})}),
+               "tiny")
+    _, _, other = record_config_change(
+        store, configs[0].model_copy(update={"learner": configs[0].learner.model_copy(update={"max_steps": 4})}))
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    launcher.ControlFeed.__init__(fake, configs, bus_config, dashboard=False)  # the feed only: no processes
+    fake.create()
+    assert fake.applied_changes == {"a": 2}
+    published = Published()
+    fake.on_control(make_event("a", other), published)
+    fake.on_control(make_checkpoint("a", 4), published)
+    assert published.events == [] and step_budget(fake.configs[0]) == 6
+
+
+def test_an_unreadable_change_that_leaves_the_budget_alone_keeps_the_budget(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A RunConfigChanged whose record does not match its sha256 but whose changes are only
+    learner.learning_rate says the budget is what it was: run a keeps its budget 2 (with a warning) and is stopped
+    there."""
+    from pipeline.runtime import create_run, open_store, record_config_change
+    from schemas.events import make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    store = open_store(fake.config.store)
+    config = fake.configs[0]
+    create_run(store, config, "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    faster = config.model_copy(update={"learner": config.learner.model_copy(update={"learning_rate": 3e-5})})
+    _, _, change = record_config_change(store, faster)
+    assert [c.field for c in change.changes] == ["learner.learning_rate"]
+    forged = change.model_copy(update={"config_sha256": "0" * 64})
+    with caplog.at_level(logging.WARNING, logger="rlpipe.run"):
+        fake.on_control(make_event("a", forged), published)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "checksum mismatch" in warnings[0], warnings
+    assert fake.unbounded == set() and step_budget(fake.configs[0]) == 2
+    fake.on_control(make_checkpoint("a", 2), published)
+    assert [(e.run_id, e.payload.final_step) for e in published.events] == [("a", 2)]
+
+
+def test_a_change_naming_another_runs_record_is_refused_in_one_unnested_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A RunConfigChanged of run a whose config_path is run b's change record is refused: the warning names the
+    path and says once what cannot be read, with no fix meant for a damaged run.json."""
+    from pipeline.runtime import create_run, open_store
+    from schemas.events import make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    store = open_store(fake.config.store)
+    for config in fake.configs:
+        create_run(store, config, "tiny")
+    fake.views(dashboard=False)
+    others = budget_changed(fake, "b", 4)
+    with caplog.at_level(logging.WARNING, logger="rlpipe.run"):
+        fake.on_control(make_event("a", others.payload), Published())
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "runs/b/config-changes/000001.json" in warning and warning.count("cannot be read") <= 1, warning
+    assert "rlpipe runs create" not in warning, warning
+    assert fake.unbounded == {"a"} and [step_budget(c) for c in fake.configs] == [2, 9]
 
 
 def test_a_change_of_a_run_the_launch_does_not_follow_is_ignored(tmp_path: Path) -> None:
