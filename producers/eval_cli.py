@@ -198,18 +198,14 @@ def validation_skip(config: RunConfig, store: Any, building: bool, held_out: int
     ``eval --episodes N`` from a stored start would play: the validation's record refuses that eval
     (``refuse_validated_seeds``), naming the ``--episodes`` that stays before them."""
     from pipeline.analysis.runs import read_evals
-    from producers.evaluation import held_out_played, held_out_ranges, validation_reach
-    from schemas.versions import NewerSchemaError
+    from producers.evaluation import held_out_played, held_out_ranges, unreadable_refusal, validation_reach
 
     first = first_held_out(config, store, building)
     stored, unreadable = read_evals(store, config.run_id)
-    if unreadable and held_out is None and isinstance(unreadable[0], NewerSchemaError):  # "...; upgrade rlpipe"
-        fail(f"{unreadable[0]} to read the held-out seeds that stored result played (validation episodes might "
-             f"replay them), or pass --held-out past every held-out seed evaluated", 2)
     if unreadable and held_out is None:  # its seeds are unknown: a validation may replay some of them
-        fail(f"{unreadable[0]}: the held-out seeds that stored result played are unknown, so validation episodes "
-             f"might replay them; delete it from {store.root}, or pass --held-out past every held-out seed "
-             f"evaluated", 2)
+        refusal = unreadable_refusal(unreadable[0], "the held-out seeds that stored result played",
+                                     "validation episodes might replay them", str(store.root))
+        fail(f"{refusal}, or pass --held-out past every held-out seed evaluated", 2)
     for why in unreadable:
         err_console.print(f"note: a stored result not checked against --held-out: {why}", style="yellow",
                           markup=False)

@@ -192,14 +192,22 @@ def validated_overlap(store: ObjectStore, run_id: str, env: str, first_seed: int
     episodes might report on them.  One a newer rlpipe wrote is not damaged (deleting it would lose which seeds
     runs were chosen on): the refusal says to upgrade, not to delete it."""
     played, unreadable = read_validations(store, run_id)
-    if unreadable and isinstance(unreadable[0], NewerSchemaError):  # its line ends "...; upgrade rlpipe"
-        raise ValueError(f"{unreadable[0]} to read the seeds that validation played (held-out episodes might report "
-                         f"on them)")
     if unreadable:
-        raise ValueError(f"{unreadable[0]}: the seeds that validation played are unknown, so held-out episodes might "
-                         f"report on them; delete it from {store.root} (validate again to record them)")
+        raise ValueError(unreadable_refusal(unreadable[0], "the seeds that validation played",
+                                            "held-out episodes might report on them",
+                                            f"{store.root} (validate again to record them)"))
     past = max((p.seed_start + p.episodes for p in played if p.env == env), default=first_seed)
     return validated_ranges(played, env, first_seed, episodes), past
+
+
+def unreadable_refusal(error: ValueError | FileNotFoundError, played: str, risk: str, delete_from: str) -> str:
+    """The line refusing to go on while a stored record whose seeds matter cannot be read (``error``, naming its
+    key): ``played`` names those seeds and ``risk`` what playing on without them might do.  The fix follows from
+    the error: a record a newer rlpipe wrote is not damaged, so upgrade to read it (its line ends "upgrade
+    rlpipe"; deleting it would lose the seeds); any other is to be deleted from ``delete_from``."""
+    if isinstance(error, NewerSchemaError):
+        return f"{error} to read {played} ({risk})"
+    return f"{error}: {played} are unknown, so {risk}; delete it from {delete_from}"
 
 
 def validated_refusal(run_id: str, unit: str, overlap: list[tuple[int, int]], fixes: list[str]) -> str:

@@ -227,3 +227,20 @@ def test_the_validated_ranges_are_those_a_held_out_evaluation_would_reach() -> N
     assert validated_ranges(played, "cartpole", 100, 8) == [(104, 105)]
     assert validated_ranges(played, "cartpole", 100, 10) == [(104, 105), (108, 109)]
     assert validated_ranges(played, "cartpole", 100, 4) == []
+
+
+def test_an_unreadable_records_refusal_words_its_fix_from_the_error() -> None:
+    """A record a newer rlpipe wrote is to be read after an upgrade, never deleted; a damaged one is to be deleted
+    from where the refusal says."""
+    from producers.evaluation import unreadable_refusal
+    from schemas.versions import NewerSchemaError
+
+    newer = NewerSchemaError("runs/r/eval/validations/x.json has schema version 2.0, newer than this rlpipe reads "
+                             "(1.1); upgrade rlpipe")
+    damaged = ValueError("runs/r/eval/validations/y.json unreadable: not JSON")
+    upgrade = unreadable_refusal(newer, "the seeds it played", "episodes might replay them", "gs://b")
+    delete = unreadable_refusal(damaged, "the seeds it played", "episodes might replay them", "gs://b")
+    assert upgrade.startswith("runs/r/eval/validations/x.json") and "upgrade rlpipe to read the seeds" in upgrade
+    assert "delete" not in upgrade, upgrade
+    assert delete == ("runs/r/eval/validations/y.json unreadable: not JSON: the seeds it played are unknown, so "
+                      "episodes might replay them; delete it from gs://b")
