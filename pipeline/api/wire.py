@@ -274,17 +274,40 @@ def encode_forward_backward_output(output: types.ForwardBackwardOutput) -> bytes
     return msg.SerializeToString()
 
 
+# what to check when a field is not a finite number; any other field: the code that computes it
+_NON_FINITE_CAUSES = {"learning_rate": "the learning-rate schedule"}
+
+
+def _non_finite(error: Any) -> str | None:
+    """What a validation error says when it is a float field given no finite number, in words naming the field and
+    what to check; None for any other error.  The SDK sends NaN and infinity in its JSON calls as null (its requests
+    are dumped by pydantic, whose JSON has neither), so a null float is what a NaN learning rate looks like here;
+    a field that refuses NaN itself (``allow_inf_nan=False``) says ``finite_number``."""
+    if not ((error["type"] == "float_type" and error["input"] is None) or error["type"] == "finite_number"):
+        return None
+    # a field of a union of models (``adam_params``) is located through the member's class name; the SDK's field
+    # names are snake_case, so a capitalised part is such a name and no field
+    fields = [str(part) for part in error["loc"] if not (isinstance(part, str) and part[:1].isupper())]
+    got = "null: NaN or infinity as the tinker SDK sends them" if error["input"] is None else echoed(error["input"])
+    cause = _NON_FINITE_CAUSES.get(fields[-1] if fields else "", "the code that computes it")
+    return f"{'.'.join(fields) or 'body'} must be a finite number (got {got}); check {cause}"
+
+
 def parse_body(model: type[BaseModel], body: bytes, json_first: bool = False) -> Any:
-    """Validate a JSON body as the SDK's request type, or a one-line user error.  ``json_first``: read the JSON, then
-    validate it as Python data, for bodies of many values (a sample's prompt): pydantic's JSON path takes four times
-    as long over the SDK's token lists (``Sequence[int]``), with the GIL held."""
+    """Validate a JSON body as the SDK's request type, or a one-line user error: a float field that holds no finite
+    number named with what to check, anything else the SDK would not have sent with its location.  ``json_first``:
+    read the JSON, then validate it as Python data, for bodies of many values (a sample's prompt): pydantic's JSON
+    path takes four times as long over the SDK's token lists (``Sequence[int]``), with the GIL held."""
     try:
         if json_first:
             return model.model_validate(pydantic_core.from_json(body or b"{}"))
         return model.model_validate_json(body or b"{}")
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise ApiError(f"{model.__name__}: {where}: {first['msg']}; send what the tinker SDK sends") from None
+        errors = exc.errors()
+        non_finite = next(filter(None, map(_non_finite, errors)), None)
+        if non_finite is not None:
+            raise ApiError(f"{model.__name__}: {non_finite}") from None
+        where = ".".join(str(part) for part in errors[0]["loc"]) or "body"
+        raise ApiError(f"{model.__name__}: {where}: {errors[0]['msg']}; send what the tinker SDK sends") from None
     except ValueError as exc:  # (not JSON, read by from_json: as model_validate_json words it)
         raise ApiError(f"{model.__name__}: body: Invalid JSON: {exc}; send what the tinker SDK sends") from None

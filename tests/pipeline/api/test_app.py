@@ -1,11 +1,13 @@
 """The gateway's HTTP API with an in-memory store and a recording publisher (no engine behind it)."""
 
 import json
+import math
 import uuid
 
 import pytest
 from fastapi.testclient import TestClient
 from tinker import types
+from tinker._compat import model_dump
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from pipeline.api.app import create_app
@@ -266,9 +268,13 @@ def test_a_numbered_call_refused_here_is_still_logged_as_failing(api):
     bad_name = api.post("/api/v1/save_weights", headers=ALICE,
                         json={"model_id": model_id, "seq_id": 1, "path": "a/b", "type": "save_weights"})
     assert bad_name.status_code == 400 and "checkpoint name" in bad_name.json()["error"]
-    nan = {"adam_params": {"learning_rate": None}, "model_id": model_id, "seq_id": 2}  # the SDK's NaN
-    refused_nan = api.post("/api/v1/optim_step", headers=ALICE, json=nan)
-    assert refused_nan.status_code == 400 and "learning_rate" in refused_nan.json()["error"]
+    nan = types.OptimStepRequest(adam_params=types.AdamParams(learning_rate=math.nan), model_id=model_id, seq_id=2)
+    refused_nan = api.post("/api/v1/optim_step", headers=ALICE, json=model_dump(  # as the SDK's resource dumps it
+        nan, exclude_unset=False, exclude_none=True, mode="json"))
+    error = refused_nan.json()["error"]
+    assert refused_nan.status_code == 400 and refused_nan.json()["category"] == "user", error
+    assert "adam_params.learning_rate must be a finite number" in error and "learning-rate schedule" in error
+    assert "send what the tinker SDK sends" not in error
     logged = [event.payload for _, event in api.published if event.payload.refused is not None]
     assert [(p.op, p.seq_id) for p in logged] == [("save_weights", 1), ("optim_step", 2)]
     assert "checkpoint name" in logged[0].refused and api.store.exists(logged[0].body_path)
@@ -524,8 +530,6 @@ def test_sampling_parameters_that_cannot_be_honoured_are_a_400_at_submit(api):
     below 1 or above the limit, a top_k or a stop token id that is no int32 token id, more or longer stop strings than
     the sampler searches, an empty prompt: answered 400 naming the field before anything is queued, not a future that fails (or,
     for 0 < T < 0.01, samples and logprobs of another temperature than asked for)."""
-    import math
-
     from pipeline.api.samplers import MAX_SAMPLES_PER_CALL
 
     sampler_id = _sampling_session(api, _session(api), base_model="/models/base/tiny").json()["sampling_session_id"]

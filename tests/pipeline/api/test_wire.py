@@ -1,8 +1,14 @@
 """The wire codecs against the SDK's own: what the SDK encodes decodes here, what is encoded here the SDK decodes."""
 
+import json
+import math
+
+import httpx
 import numpy as np
 import pytest
+from pydantic import BaseModel
 from tinker import types
+from tinker._compat import model_dump
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
@@ -12,6 +18,7 @@ from pipeline.api.wire import (
     decode_forward_backward,
     encode_forward_backward_output,
     numbered_call,
+    parse_body,
     parse_tinker_path,
     request_id_for,
     session_of_request,
@@ -168,3 +175,52 @@ def test_a_forward_backward_too_large_to_read_is_numbered_from_its_first_bytes()
     assert forward_backward_prefix(b'{"model_id": "sess-a:train:3", "seq_id": 1}') is None
     assert forward_backward_prefix(b"") is None
     assert numbered_call(b'{"model_id": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "json") is None
+
+
+def _sdk_json(request) -> bytes:
+    """The body the SDK sends for a JSON call: its resources dump the request so, and httpx encodes the dump."""
+    dumped = model_dump(request, exclude_unset=False, exclude_none=True, mode="json")
+    return httpx.Request("POST", "http://sdk", json=dumped).content
+
+
+@pytest.mark.parametrize("params, field", [
+    (types.AdamParams(learning_rate=math.nan), "adam_params.learning_rate"),
+    (types.AdamParams(learning_rate=math.inf), "adam_params.learning_rate"),
+    (types.AdamParams(learning_rate=-math.inf), "adam_params.learning_rate"),
+    (types.AdamParams(beta1=math.nan), "adam_params.beta1"),
+    (types.AdamParams(eps=math.inf, weight_decay=math.nan), "adam_params.eps"),
+])
+def test_a_number_the_sdk_sent_as_not_finite_is_named_with_its_fix(params, field):
+    """The SDK sends NaN and infinity in its JSON calls as null (pydantic's JSON dump): the error names the field and
+    what to check, not a client that is not the SDK."""
+    body = _sdk_json(types.OptimStepRequest(adam_params=params, model_id="s:train:0", seq_id=2))
+    assert b"null" in body  # what the SDK puts on the wire for them
+    with pytest.raises(ApiError) as refused:
+        parse_body(types.OptimStepRequest, body)
+    error = str(refused.value)
+    assert error.startswith(f"OptimStepRequest: {field} must be a finite number (got null: ")
+    assert "check" in error and "send what the tinker SDK sends" not in error and "\n" not in error
+
+
+@pytest.mark.parametrize("json_first", [False, True])
+def test_a_null_or_not_finite_float_field_of_any_request_is_named_as_not_finite(json_first):
+    """The wording is general: any float field, either validation path; a non-finite number where a field refuses
+    one (pydantic's ``allow_inf_nan=False``) reads the same, with the value."""
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1]}]}
+    for field in ("temperature", "top_p"):
+        body = f'{{"prompt": {json.dumps(prompt)}, "sampling_params": {{"{field}": null}}}}'.encode()
+        with pytest.raises(ApiError, match=rf"^SampleRequest: sampling_params\.{field} must be a finite number "):
+            parse_body(types.SampleRequest, body, json_first=json_first)
+
+    class Strict(BaseModel, allow_inf_nan=False):
+        rate: float
+
+    with pytest.raises(ApiError, match=r"^Strict: rate must be a finite number \(got inf\); check "):
+        parse_body(Strict, b'{"rate": Infinity}', json_first=json_first)
+
+
+def test_what_only_a_client_other_than_the_sdk_sends_still_says_to_send_what_it_sends():
+    for body in (b'{"model_id": "s:train:0", "adam_params": {"learning_rate": "fast"}}',
+                 b'{"model_id": "s:train:0", "adam_params": {"learning_rate": 0.1}, "extra": 1}', b"{"):
+        with pytest.raises(ApiError, match=r"send what the tinker SDK sends$"):
+            parse_body(types.OptimStepRequest, body)
