@@ -88,7 +88,7 @@ def _number(key: str, value: float | str) -> float:
     except (TypeError, ValueError):
         number = math.nan
     if not math.isfinite(number):
-        raise ApiError(f"loss_fn_config {key}={echoed(value)} is not a finite number")
+        raise ApiError(f"loss_fn_config {key}={echoed(value)} is not a finite number; check the code that computes it")
     if abs(number) > FLOAT32_MAX:  # the losses compute in float32, where torch cannot hold it
         raise ApiError(f"loss_fn_config {key}={echoed(value)} is beyond float32's {FLOAT32_MAX:g}, the precision the "
                        "losses compute in; use a number within it")

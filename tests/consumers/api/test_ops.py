@@ -355,6 +355,8 @@ BAD_CALLS = {
         "clip_low_threshold": 0.0, "clip_high_threshold": 1e308}), "clip_high_threshold=1e\\+308 .* float32"),
     "non-numeric loss config": (lambda e: fb(e, "bad:train:0", batch(1, "dro"), "dro", {"beta": "x"}),
                                 "not a finite number"),
+    "NaN loss config": (lambda e: fb(e, "bad:train:0", batch(1, "ppo"), "ppo", {"clip_low_threshold": float("nan")}),
+                        "clip_low_threshold=nan is not a finite number; check the code that computes it"),
     "lengths differ": (lambda e: fb(e, "bad:train:0", [*batch(1), datum([1, 2, 3, 4], 1, weights=[1.0, 1.0])]),
                        "datum 4: weights has 2 values, expected 3"),
     "targets shorter": (lambda e: fb(e, "bad:train:0", [types.Datum(

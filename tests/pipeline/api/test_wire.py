@@ -49,6 +49,17 @@ def test_forward_backward_request_round_trips_through_the_sdk_encoder():
     assert got.loss_fn_inputs["weights"].data == [0.0, 1.0, 0.5]
 
 
+def test_a_not_finite_loss_fn_config_value_arrives_as_the_sdk_sent_it():
+    """The SDK's protobuf carries NaN and infinity as they are (no null, as in its JSON calls): the trainer's check
+    of the loss's configuration (``consumers.api.translate``) sees and names them."""
+    sent = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[], loss_fn="ppo", loss_fn_config={
+            "clip_low_threshold": math.nan, "clip_high_threshold": math.inf}), model_id="sess-a:train:0", seq_id=1)
+    received, _ = decode_forward_backward(forward_backward_request_to_proto(sent).SerializeToString())
+    config = received.forward_backward_input.loss_fn_config
+    assert math.isnan(config["clip_low_threshold"]) and config["clip_high_threshold"] == math.inf
+
+
 def test_garbage_body_is_a_user_error():
     with pytest.raises(ApiError, match="protobuf"):
         decode_forward_backward(b"\xff\xff\xff")
