@@ -28,6 +28,12 @@ rlpipe's importance sampling.  Prompt logprobs are the model's own (temperature
 at most ``MAX_TOPK_LOGPROBS``) are of the same two distributions, encoded as the SDK's
 ``TopkLogprobs`` (``producers.api_encoding``).
 
+A call whose client is gone is not sampled on: before a call starts and before each of its rounds the sampler
+looks at its session (``pipeline.api.liveness.ClientPresence``: ended, or no heartbeat for ``SESSION_TIMEOUT_S``,
+read from the store at most every ``SESSION_CHECK_S`` per session), and a call of a session gone fails as the
+user's, its samples drawn so far dropped.  A script killed mid-loop would otherwise hold the engine for every
+round it asked for, and a restarted sampler, reading the unanswered calls from the log, would draw them all again.
+
 With ``--direct-port`` the sampler also takes calls straight from the gateway
 (``pipeline.api.direct``: answered once the result is stored, so the gateway wakes
 the poll without waiting for two broker hops); a call that arrives both ways runs
@@ -69,6 +75,7 @@ from pipeline.api.engines import (
     store_result,
 )
 from pipeline.api.lifecycle import files_deleted
+from pipeline.api.liveness import ClientPresence
 from pipeline.api.samplers import (
     check_sample_request,
     check_topk_sample_cells,
@@ -93,6 +100,7 @@ DEFAULT_MAX_ADAPTERS = 8
 INFLIGHT_CHECK_S = 0.5  # how long the latest inflight save a run's pointer names is taken as known
 MAX_RECORDS_KEPT = 4096  # sampling session records kept in memory (a loop makes one per saved version)
 CALL_ROUND_SAMPLES = 16  # samples of one call in the engine at a time: a call of many takes turns with the others
+SESSION_CHECK_S = 5.0  # how long what the store says of a session (ended, heartbeats lapsed) is taken as known
 
 
 # ---- translation: the SDK's request -> the engine, the engine's result -> the SDK's protobuf ---------------------
@@ -161,6 +169,7 @@ class SamplerWorker:
         self._records_lock = threading.Lock()
         self.inflight_check_s = INFLIGHT_CHECK_S
         self._inflight: dict[str, tuple[float, int | None]] = {}  # run -> (monotonic time read, latest inflight save)
+        self.presence = ClientPresence(store, SESSION_CHECK_S, MAX_RECORDS_KEPT)
 
     # ---- the loop -------------------------------------------------------------------------------------------
     async def run(self, stop: Callable[[], bool], direct_port: int | None = None) -> None:
@@ -272,10 +281,11 @@ class SamplerWorker:
             announcing.add_done_callback(self._announcing.discard)
 
     async def _sample(self, call: ApiRequestAccepted) -> bytes:
-        record, body = await asyncio.to_thread(self._read_call, call)
+        record, body = await asyncio.to_thread(self._read_call, call)  # a session whose files are gone: dropped
         # off the loop every session's samples share, and JSON first: four times faster over a prompt's token list
         request = await asyncio.to_thread(parse_body, types.SampleRequest, body, json_first=True)
         params, strings = sampling_params(request, self.engine.max_model_len)
+        await self._check_client(call, 0, request.num_samples)  # (a call read again after a restart) before a pull
         key = None
         if record.get("run") is not None:  # an inflight session reads its training client's latest inflight save
             latest = await self._latest_inflight(str(record["run"])) if record.get("kind") == "inflight" else None
@@ -283,7 +293,7 @@ class SamplerWorker:
         adapter = None if key is None else await self._acquire(key)
         started, wall = time.perf_counter(), time.time()
         try:
-            result = await self._sample_in_rounds(request.prompt.to_ints(), adapter, params, call.tenant)
+            result = await self._sample_in_rounds(request.prompt.to_ints(), adapter, params, call)
         finally:
             if key is not None:
                 self._in_use[key] -= 1
@@ -300,22 +310,36 @@ class SamplerWorker:
                                        params.topk_sample_logprobs)
 
     async def _sample_in_rounds(self, prompt: list[int], adapter: AdapterHandle | None,
-                                params: SampleParams, tenant: str) -> SampleResult:
+                                params: SampleParams, call: ApiRequestAccepted) -> SampleResult:
         """``params.num_samples`` samples, at most ``CALL_ROUND_SAMPLES`` in the engine at a time: a call of many
         samples takes turns with the calls that arrive meanwhile instead of holding the engine until it ends.
         Round k draws streams k * CALL_ROUND_SAMPLES on, so a seeded call draws what it would in one piece.
-        Each round is ``tenant``'s (the engine's ``owner``): a tenant's many calls take turns with another's."""
+        Each round is the call's tenant's (the engine's ``owner``): a tenant's many calls take turns with
+        another's.  Before each round the call's client is looked for (``_check_client``)."""
         sequences: list[SampleOutput] = []
         scored = SampleResult([])
         for first in range(0, params.num_samples, CALL_ROUND_SAMPLES):  # the prompt is scored in the first round
+            await self._check_client(call, first, params.num_samples)
             part = dataclasses.replace(params, num_samples=min(CALL_ROUND_SAMPLES, params.num_samples - first),
                                        first_stream=params.first_stream + first,
                                        prompt_logprobs=params.prompt_logprobs and first == 0,
                                        topk_prompt_logprobs=params.topk_prompt_logprobs if first == 0 else 0)
-            result = await self.engine.sample(prompt, adapter, part, owner=tenant)
+            result = await self.engine.sample(prompt, adapter, part, owner=call.tenant)
             sequences += result.sequences
             scored = result if first == 0 else scored
         return SampleResult(sequences, scored.prompt_logprobs, scored.topk_prompt_logprobs)
+
+    async def _check_client(self, call: ApiRequestAccepted, drawn: int, wanted: int) -> None:
+        """Raise a user ``ApiError`` when nobody waits for the call's samples any more: its session ended or its
+        heartbeats lapsed (``ClientPresence``, read at most every ``SESSION_CHECK_S``).  The samples drawn are not
+        returned: the call fails as a whole."""
+        why = await asyncio.to_thread(self.presence.gone, call.session_id)
+        if why is None:
+            return
+        log.info("sample %s stopped after %d of %d samples: session %s %s", call.request_id, drawn, wanted,
+                 call.session_id, why)
+        raise ApiError(f"session {call.session_id} {why}; sample call not completed ({drawn} of {wanted} samples "
+                       "drawn, none returned); sample from a live ServiceClient")
 
     async def _latest_inflight(self, run: str) -> int | None:
         """The run's latest inflight save, read at most every ``inflight_check_s`` (inflight weights propagate

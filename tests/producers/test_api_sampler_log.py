@@ -406,3 +406,58 @@ def test_a_calls_answer_is_encoded_off_the_event_loop_every_call_shares(harness,
     decoded = deserialize_sample_response(data)
     assert all(len(row) == 3 for s in decoded.sequences for row in s.topk_logprobs)
     assert len(encoded_on) == 1 and encoded_on[0] != threading.get_ident()  # asyncio.run's loop runs on this thread
+
+
+def test_a_call_whose_session_ends_between_rounds_stops_and_fails_as_the_users(harness, monkeypatch):
+    """A client gone (its session finished) leaves nobody to read its samples: the sampler looks at the session
+    before every round, so a call of 40 samples (rounds of 16, 16 and 8) whose session ends during its first round
+    draws no second round and fails as the user's, naming the end; the samples drawn are not returned."""
+    sampler_id = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
+    harness.sampler.presence.check_s = 0.0  # every round reads the session's records
+    rounds: list[int] = []
+    sample = harness.engine.sample
+
+    async def ends_the_session(prompt, adapter, params, owner=None):
+        rounds.append(params.first_stream)
+        result = await sample(prompt, adapter, params, owner=owner)
+        harness.gateway.finish(TENANT, harness.session, "success")  # the client closed while the round ran
+        return result
+
+    monkeypatch.setattr(harness.engine, "sample", ends_the_session)
+    data, fmt = harness.run([harness.sample(sampler_id, 0, sample_request([], seed=5, num_samples=40))])[0]
+    answer = json.loads(data)
+    assert rounds == [0]  # 3 rounds without the check
+    assert fmt == "json" and answer["category"] == "user"
+    assert f"session {harness.session} ended (finished: success)" in answer["error"]
+    assert "16 of 40 samples" in answer["error"]
+
+
+def test_queued_calls_of_an_ended_or_lapsed_session_are_not_sampled_when_a_sampler_reads_them(harness, monkeypatch):
+    """A restarted sampler reads the calls nobody answered from the log: those of a session that ended, or whose
+    heartbeats lapsed (SESSION_TIMEOUT_S without one: its process is gone), fail as the user's without a round;
+    a live session's call behind them is sampled."""
+    from schemas.api import SESSION_TIMEOUT_S
+
+    sessions = [harness.gateway.create_session(TENANT, [], {}) for _ in range(3)]
+    ended, lapsed, _ = sessions
+    samplers = [harness.gateway.create_sampling_session(TENANT, s, 0, harness.base_model, None) for s in sessions]
+    calls = [harness.sample(sampler_id, 0, sample_request([], seed=5, num_samples=20)) for sampler_id in samplers]
+    harness.gateway.finish(TENANT, ended, "success")
+    silent_since = time.time() - SESSION_TIMEOUT_S - 60
+    harness.store.put(lifecycle.heartbeat_key(lapsed), json.dumps({"time": silent_since}).encode())
+    sampled: list[int] = []
+    sample = harness.engine.sample
+
+    async def recorded(prompt, adapter, params, owner=None):
+        sampled.append(params.num_samples)
+        return await sample(prompt, adapter, params, owner=owner)
+
+    monkeypatch.setattr(harness.engine, "sample", recorded)
+    (ended_data, ended_fmt), (lapsed_data, lapsed_fmt), (_, live_fmt) = harness.run(calls)
+    assert (ended_fmt, lapsed_fmt, live_fmt) == ("json", "json", "pb")
+    assert sampled == [16, 4]  # the live call's two rounds only
+    ended_error, lapsed_error = json.loads(ended_data), json.loads(lapsed_data)
+    assert ended_error["category"] == lapsed_error["category"] == "user"
+    assert f"session {ended} ended (finished: success)" in ended_error["error"]
+    assert f"session {lapsed} sent no heartbeat for" in lapsed_error["error"]
+    assert "0 of 20 samples" in lapsed_error["error"]
