@@ -328,3 +328,28 @@ def test_inflight_sampling_clients_move_to_the_latest_inflight_weights(server):
     time.sleep(0.6)  # inflight weights propagate within the sampler's INFLIGHT_CHECK_S
     assert np.allclose(early.compute_logprobs(prompt).result()[1:], after, atol=1e-6)
     assert np.allclose(fixed.compute_logprobs(prompt).result()[1:], before, atol=1e-6)
+
+
+def test_a_sample_call_of_a_session_that_ended_stops_and_another_tenants_call_runs(server):
+    """A client gone (here: its session's end recorded as its close records it) leaves its call of 256 samples to
+    nobody: the sampler stops it after the round running (at most SESSION_CHECK_S later) with a user error the
+    SDK raises, and another tenant's small call is answered without waiting for the rest."""
+    from pipeline.api.lifecycle import record_end
+
+    ghost = server.service().create_sampling_client(base_model=server.base_model).result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    ghost.sample(prompt, 1, _params(stop=[], max_tokens=4)).result(timeout=60)  # the sampler takes calls by now
+    session = ghost._sampling_session_id.split(":")[0]
+    big = ghost.sample(prompt, 256, _params(stop=[], max_tokens=200))
+    deadline = time.monotonic() + 60
+    while len(server.store.list(f"sessions/{session}/requests")) < 2:  # accepted: handed to the sampler
+        assert time.monotonic() < deadline, "the sample call was never accepted"
+        time.sleep(0.1)
+    time.sleep(2.0)  # in its first round
+    record_end(server.store, session, "finished: success")
+    with pytest.raises(tinker.RequestFailedError, match=f"session {session} ended") as failed:
+        big.result(timeout=300)
+    drawn = int(re.search(r"\((\d+) of 256 samples drawn", str(failed.value)).group(1))
+    assert drawn < 256 - 16  # 16 rounds asked for; stopped within a round or two of the end
+    other = server.service(BOB).create_sampling_client(base_model=server.base_model).result()
+    assert len(other.sample(prompt, 1, _params(stop=[], max_tokens=4)).result(timeout=60).sequences) == 1
