@@ -194,16 +194,25 @@ class ControlFeed:
             log.info("run %s: %s is no later than the configuration followed, ignored", run_id, change.config_path)
             return
         launched = self.launched(run_id)
-        budget_changed = any(field.field in STEP_BUDGET_FIELDS for field in change.changes)
         followed = self.follow_config(
             run_id, f"run {run_id}'s configuration changed",
             lambda: (change_number(run_id, change.config_path),
                      changed_run_config(open_store(launched.store), run_id, change, launched)),
-            budget_changed=budget_changed)
-        if followed is None and budget_changed and number is not None:
-            self.applied_changes[run_id] = number  # the run is unbounded by it: an older change's budget is stale
+            budget_changed=self.may_change_budget(run_id, number, change))
+        if followed is None and number is not None:
+            # unbounded by it, an older change's budget is stale; or its budget is the one followed: either way the
+            # run's budget is this change's as far as it is known
+            self.applied_changes[run_id] = number
         if followed is not None and self.packed:
             self.stop_if_finished(publisher, followed)
+
+    def may_change_budget(self, run_id: str, number: int | None, change: RunConfigChanged) -> bool:
+        """Whether ``change`` (the run's change ``number``, None when it is none of the run's) may give ``run_id``
+        another budget than the one followed.  Its ``changes`` are relative to the change before it (``run.json``
+        before the first), so they vouch for the budget followed only when that is the change before it: change 2
+        that leaves the budget alone, read before change 1 that raised it, says nothing of ``run.json``'s budget."""
+        follows_applied = number is not None and number == self.applied_changes.get(run_id, 0) + 1
+        return not follows_applied or any(field.field in STEP_BUDGET_FIELDS for field in change.changes)
 
     def follow_config(self, run_id: str, what: str, read: Callable[[], tuple[int, RunConfig]], restart: bool = False,
                       budget_changed: bool = True) -> RunConfig | None:
@@ -213,7 +222,7 @@ class ControlFeed:
         when it cannot be read: then the run is ``unbounded`` where its budget may have changed (``budget_changed``):
         the launch's budget may be below the new one (the one it was stopped at, for a run started again), and
         stopping it there would end it early; it still gets its ``RunStopped`` when the launch ends, as any run
-        going on does.  A change that left the budget alone leaves it as it was."""
+        going on does.  A change that leaves the budget followed alone (``may_change_budget``) leaves it as it was."""
         try:
             number, config = read()
         except Exception as exc:  # the store unreachable (any backend's error), or the record unreadable

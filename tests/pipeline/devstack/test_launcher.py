@@ -1013,6 +1013,62 @@ def test_an_unreadable_change_that_leaves_the_budget_alone_keeps_the_budget(
     assert [(e.run_id, e.payload.final_step) for e in published.events] == [("a", 2)]
 
 
+def budget_and_learning_rate_changed(fake: launcher.Launcher, run: str, max_steps: int):
+    """``run``'s changes 000001 (budget ``max_steps``) and 000002 (learning rate only, on top of 000001) in the
+    store; their events, the second's sha256 forged so that its record cannot be read."""
+    from pipeline.runtime import open_store, record_config_change
+    from schemas.events import make_event
+
+    raised = budget_changed(fake, run, max_steps)
+    config = next(c for c in fake.configs if c.run_id == run)
+    faster = config.model_copy(update={"learner": config.learner.model_copy(
+        update={"max_steps": max_steps, "learning_rate": 3e-5})})
+    _, _, change = record_config_change(open_store(fake.config.store), faster)
+    assert [c.field for c in change.changes] == ["learner.learning_rate"]  # relative to 000001, not to run.json
+    return raised, make_event(run, change.model_copy(update={"config_sha256": "0" * 64}))
+
+
+def test_an_unreadable_change_read_before_the_budget_change_it_follows_leaves_the_run_without_a_budget(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Change 000001 raises run a's budget from 2 to 6; 000002 changes only the learning rate and its record cannot
+    be read.  Read 2 first, its changes say nothing of the budget the launch follows (run.json's, 2), only of
+    000001's: the run is left without a budget, so step 2 is no end, and 000001, read after, is older and ignored."""
+    from pipeline.runtime import create_run, open_store
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    create_run(open_store(fake.config.store), fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    raised, unreadable = budget_and_learning_rate_changed(fake, "a", 6)
+    with caplog.at_level(logging.WARNING, logger="rlpipe.run"):
+        fake.on_control(unreadable, published)
+    fake.on_control(make_checkpoint("a", 2), published)
+    fake.on_control(raised, published)
+    fake.stop_finished_runs(published)
+    assert published.events == [] and fake.unbounded == {"a"}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "does not stop it at its step budget" in warning, warning
+
+
+def test_an_unreadable_change_read_after_the_budget_change_it_follows_keeps_that_budget(tmp_path: Path) -> None:
+    """The same changes read in order: 000002 follows 000001, the change the launch follows, and leaves the budget
+    alone, so the run keeps 000001's budget 6: step 2 is no end, step 6 is."""
+    from pipeline.runtime import create_run, open_store
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    create_run(open_store(fake.config.store), fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    raised, unreadable = budget_and_learning_rate_changed(fake, "a", 6)
+    fake.on_control(raised, published)
+    fake.on_control(unreadable, published)
+    fake.on_control(make_checkpoint("a", 2), published)
+    assert published.events == [] and fake.unbounded == set() and step_budget(fake.configs[0]) == 6
+    assert fake.applied_changes == {"a": 2}  # a third change that leaves the budget alone follows this one
+    fake.on_control(make_checkpoint("a", 6), published)
+    assert [(e.run_id, e.payload.final_step) for e in published.events] == [("a", 6)]
+
+
 def test_a_change_naming_another_runs_record_is_refused_in_one_unnested_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A RunConfigChanged of run a whose config_path is run b's change record is refused: the warning names the
