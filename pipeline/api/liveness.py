@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 
 from pipeline.api.lifecycle import session_end, session_status
-from pipeline.io.store import ObjectStore
+from pipeline.io.store import ObjectStore, remote_failures
 from schemas.api import SESSION_TIMEOUT_S
 
 log = logging.getLogger("rlpipe.api.liveness")
@@ -79,7 +79,7 @@ class ClientPresence:
         now = time.time()
         try:
             status = session_status(self.store, session_id, now, self.timeout_s)
-        except OSError as exc:
+        except (OSError, *remote_failures()) as exc:  # the second part is looked at only once something failed
             log.warning("session %s: its records could not be read (%s); taken as live until the next look",
                         session_id, exc)
             status = None

@@ -45,3 +45,20 @@ def test_a_client_is_gone_once_its_session_ended_or_its_heartbeats_lapsed_and_a_
     assert presence.gone("sess-b") is None
     assert presence.gone("sess-none") is None  # no heartbeat yet: nothing to lapse from
     assert list(presence._seen) == ["sess-b", "sess-none"]  # 2 kept
+
+
+def test_a_store_that_fails_remotely_leaves_the_session_taken_as_there(monkeypatch, caplog):
+    """A gs:// store's transient failure (gcsfs's HttpError, not an OSError) is an unreadable store, not a call's
+    failure: the session is taken as there until the next read."""
+    from gcsfs.retry import HttpError
+
+    store = ObjectStore(f"memory://presence-{uuid.uuid4().hex}")
+    store.put(heartbeat_key("sess-a"), json.dumps({"time": time.time()}).encode())
+
+    def unavailable(key: str) -> bytes:
+        raise HttpError({"code": 503, "message": "Service Unavailable"})
+
+    monkeypatch.setattr(store, "get", unavailable)
+    presence = ClientPresence(store, check_s=0.0, cached_sessions=2)
+    assert presence.gone("sess-a") is None
+    assert "Service Unavailable" in caplog.text and "taken as live" in caplog.text
