@@ -8,18 +8,24 @@ session made is freed sooner than ``END_GRACE_S`` after it.  The ``cached_sessio
 (least recently noted dropped: a dropped one is only read again).
 
 A sampler asks another question: whether anybody still waits for a call's samples.  Its client is taken as gone
-once the session ended or its heartbeats lapsed (``SESSION_TIMEOUT_S`` without one; the SDK beats every 10 s while
-its process lives), as ``lifecycle.session_status`` says from the store, which every process shares.  A lapse is
-not final (a laptop that slept beats again), so every answer is kept ``check_s`` seconds, then read again.
+once the session ended (its end record, as ``lifecycle.session_status`` reads it: gone at once, for good) or its
+heartbeats lapsed: its heartbeat record stayed unchanged for ``SESSION_TIMEOUT_S`` as this process watched it (the
+SDK beats every 10 s while its process lives).  The lapse is measured on the sampler's own monotonic clock, from
+when it first saw the record as it is (a session first seen counts from then), never by comparing the gateway's
+wall-clock time in the record with the sampler's: clocks of two machines differ.  A lapse is not final (a laptop
+that slept beats again), so a live or lapsed answer is kept ``check_s`` seconds, then read again, by one thread
+at a time (the others take the last answer meanwhile: rounds of many calls of one session ask at once).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from pipeline.api.lifecycle import session_end, session_status
 from pipeline.io.store import ObjectStore, remote_failures
@@ -59,38 +65,98 @@ class SessionLiveness:
                 self._seen.popitem(last=False)
 
 
+@dataclasses.dataclass
+class _Presence:
+    """What a sampler saw of one session, on its own monotonic clock."""
+
+    read_at: float = -math.inf  # when its records were last read
+    why: str | None = None  # why its client is gone, or None while it is there
+    ended: bool = False  # an end is final: this entry is never read or changed again
+    beat_at: float | None = None  # the time its heartbeat record holds (the gateway's clock: compared, not subtracted)
+    beat_seen_at: float = -math.inf  # when this process first saw that record
+    reading: threading.Event | None = None  # set once the read in flight landed; None when none is
+
+
 class ClientPresence:
     """Whether a session's client is still there to read its calls' results (see the module docstring); each
-    session's answer is read from the store at most every ``check_s`` seconds (two small objects)."""
+    session's answer is read from the store at most every ``check_s`` seconds (two small objects), by one thread
+    at a time.  A lapse is ``timeout_s`` seconds of ``clock`` (monotonic) during which the session's heartbeat
+    record stayed as this process first saw it: the record's time is the gateway's clock, never compared with
+    ours, so a sampler whose clock is off takes no live client as gone."""
 
     def __init__(self, store: ObjectStore, check_s: float, cached_sessions: int,
-                 timeout_s: float = SESSION_TIMEOUT_S) -> None:
+                 timeout_s: float = SESSION_TIMEOUT_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.check_s, self.cached_sessions, self.timeout_s = store, check_s, cached_sessions, timeout_s
-        self._seen: OrderedDict[str, tuple[float, str | None]] = OrderedDict()  # session -> (monotonic time read,
-        self._lock = threading.Lock()  # why its client is gone, or None)
+        self.clock = clock
+        self._seen: OrderedDict[str, _Presence] = OrderedDict()  # the cached_sessions sessions asked of last
+        self._lock = threading.Lock()
 
     def gone(self, session_id: str) -> str | None:
         """Why the session's client is taken as gone (``ended (<why>)``, ``sent no heartbeat for <n> s``), or None
-        while it is there.  A store that cannot be read leaves the session taken as there until the next read."""
+        while it is there.  While one thread reads the session's records, the others take the last answer, or
+        wait for that read when there is none yet.  A store that cannot be read leaves the session taken as there
+        until the next read."""
         with self._lock:
-            read_at, why = self._seen.get(session_id, (-math.inf, None))
-        if time.monotonic() - read_at < self.check_s:
-            return why
-        now = time.time()
+            seen = self._note(session_id)
+            if seen.ended or self.clock() - seen.read_at < self.check_s:
+                return seen.why
+            reading = seen.reading
+            if reading is None:
+                seen.reading = threading.Event()
+            elif seen.read_at > -math.inf:
+                return seen.why
+        if reading is not None:
+            reading.wait()
+            with self._lock:
+                return seen.why
+        read = None
         try:
-            status = session_status(self.store, session_id, now, self.timeout_s)
+            read = self._read(session_id)
+        finally:
+            with self._lock:  # landed before the threads waiting for it wake
+                why = self._land(seen, read)
+                landed, seen.reading = seen.reading, None
+            if landed is not None:
+                landed.set()
+        return why
+
+    def _note(self, session_id: str) -> _Presence:
+        """The session's entry (a new one when it is not kept), as the latest asked of; under ``_lock``."""
+        seen = self._seen.get(session_id)
+        if seen is None:
+            seen = self._seen[session_id] = _Presence()
+        self._seen.move_to_end(session_id)
+        while len(self._seen) > self.cached_sessions:
+            self._seen.popitem(last=False)
+        return seen
+
+    def _read(self, session_id: str) -> tuple[str | None, float | None] | None:
+        """(why it ended, or None; the time its heartbeat record holds, or None without one) from the store; None
+        for a store that cannot be read."""
+        try:
+            status = session_status(self.store, session_id)
         except (OSError, *remote_failures()) as exc:  # the second part is looked at only once something failed
             log.warning("session %s: its records could not be read (%s); taken as live until the next look",
                         session_id, exc)
-            status = None
-        why = None
-        if status is not None and status.state == "ended":
-            why = f"ended ({status.why})"
-        elif status is not None and status.state == "lapsed" and status.beat_at is not None:
-            why = f"sent no heartbeat for {now - status.beat_at:.0f} s (its client is gone)"
-        with self._lock:
-            self._seen[session_id] = (time.monotonic(), why)
-            self._seen.move_to_end(session_id)
-            while len(self._seen) > self.cached_sessions:
-                self._seen.popitem(last=False)
-        return why
+            return None
+        return (status.why or "ended") if status.state == "ended" else None, status.beat_at
+
+    def _land(self, seen: _Presence, read: tuple[str | None, float | None] | None) -> str | None:
+        """Note a read (``_read``) in ``seen`` and say what it makes of the client; under ``_lock``.  An entry
+        already ended stays so (a read that started before another saw the end lands after it)."""
+        if seen.ended:
+            return seen.why
+        now = self.clock()
+        seen.read_at, seen.why = now, None  # a store that cannot be read: taken as there
+        if read is None:
+            return None
+        ended, beat_at = read
+        if ended is not None:
+            seen.ended, seen.why = True, f"ended ({ended})"
+        elif beat_at is None:  # no heartbeat yet: nothing to lapse from
+            seen.beat_at = None
+        elif beat_at != seen.beat_at:  # a new heartbeat, or the first seen: counted from now
+            seen.beat_at, seen.beat_seen_at = beat_at, now
+        elif now - seen.beat_seen_at > self.timeout_s:
+            seen.why = f"sent no heartbeat for {now - seen.beat_seen_at:.0f} s"
+        return seen.why
