@@ -29,10 +29,11 @@ at most ``MAX_TOPK_LOGPROBS``) are of the same two distributions, encoded as the
 ``TopkLogprobs`` (``producers.api_encoding``).
 
 A call whose client is gone is not sampled on: before a call starts and before each of its rounds the sampler
-looks at its session (``pipeline.api.liveness.ClientPresence``: ended, or no heartbeat for ``SESSION_TIMEOUT_S``,
-read from the store at most every ``SESSION_CHECK_S`` per session), and a call of a session gone fails as the
-user's, its samples drawn so far dropped.  A script killed mid-loop would otherwise hold the engine for every
-round it asked for, and a restarted sampler, reading the unanswered calls from the log, would draw them all again.
+looks at its session (``pipeline.api.liveness.ClientPresence``: ended, or its heartbeat record unchanged for
+``SESSION_TIMEOUT_S`` as this sampler watched it, read from the store at most every ``--session-check-s``,
+default ``SESSION_CHECK_S``, per session), and a call of a session gone fails as the user's, its samples drawn so
+far dropped.  A script killed mid-loop would otherwise hold the engine for every round it asked for, and a
+restarted sampler, reading the unanswered calls from the log, would draw those of an ended session again.
 
 With ``--direct-port`` the sampler also takes calls straight from the gateway
 (``pipeline.api.direct``: answered once the result is stored, so the gateway wakes
@@ -91,7 +92,7 @@ from pipeline.topics import API_TOPIC_KINDS
 from producers.api_encoding import cut_at_stop_strings, encode_sample_response, only_last
 from producers.samplers.base import AdapterHandle, SampleOutput
 from producers.samplers.engine import SampleParams, SampleResult, SamplingEngine
-from schemas.api import ApiError, ApiRequestAccepted, result_path
+from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted, result_path
 from schemas.config import MAX_BATCH_SEQUENCES, BusConfig, SamplerConfig
 
 log = logging.getLogger("rlpipe.api.sampler")
@@ -146,9 +147,12 @@ class SamplerWorker:
     def __init__(self, store: ObjectStore, bus: BusConfig, base_model: str, engine: SamplingEngine,
                  decode: Callable[[list[int]], str], cache_dir: str | None = None,
                  consumer_options: dict[str, Any] | None = None, max_adapters: int = DEFAULT_MAX_ADAPTERS,
-                 activity: ActivityRecorder | None = None) -> None:
+                 activity: ActivityRecorder | None = None, session_check_s: float = SESSION_CHECK_S) -> None:
         if max_adapters < 1:
             raise ValueError(f"max_adapters must be at least 1, got {max_adapters}")
+        if not 0 <= session_check_s <= SESSION_TIMEOUT_S:
+            raise ValueError(f"session_check_s must be from 0 to {SESSION_TIMEOUT_S:g} (the heartbeat timeout), got "
+                             f"{session_check_s}")
         self.store, self.bus, self.base_model, self.engine, self.decode = store, bus, base_model, engine, decode
         self.activity = activity
         self.max_adapters = max_adapters
@@ -169,7 +173,7 @@ class SamplerWorker:
         self._records_lock = threading.Lock()
         self.inflight_check_s = INFLIGHT_CHECK_S
         self._inflight: dict[str, tuple[float, int | None]] = {}  # run -> (monotonic time read, latest inflight save)
-        self.presence = ClientPresence(store, SESSION_CHECK_S, MAX_RECORDS_KEPT)
+        self.presence = ClientPresence(store, session_check_s, MAX_RECORDS_KEPT)
 
     # ---- the loop -------------------------------------------------------------------------------------------
     async def run(self, stop: Callable[[], bool], direct_port: int | None = None) -> None:
@@ -320,6 +324,8 @@ class SamplerWorker:
         scored = SampleResult([])
         for first in range(0, params.num_samples, CALL_ROUND_SAMPLES):  # the prompt is scored in the first round
             await self._check_client(call, first, params.num_samples)
+            log.debug("sample %s of session %s: drawing samples %d on of %d", call.request_id, call.session_id, first,
+                      params.num_samples)
             part = dataclasses.replace(params, num_samples=min(CALL_ROUND_SAMPLES, params.num_samples - first),
                                        first_stream=params.first_stream + first,
                                        prompt_logprobs=params.prompt_logprobs and first == 0,
@@ -331,15 +337,17 @@ class SamplerWorker:
 
     async def _check_client(self, call: ApiRequestAccepted, drawn: int, wanted: int) -> None:
         """Raise a user ``ApiError`` when nobody waits for the call's samples any more: its session ended or its
-        heartbeats lapsed (``ClientPresence``, read at most every ``SESSION_CHECK_S``).  The samples drawn are not
+        heartbeats lapsed (``ClientPresence``, read at most every ``session_check_s``).  The samples drawn are not
         returned: the call fails as a whole."""
         why = await asyncio.to_thread(self.presence.gone, call.session_id)
         if why is None:
             return
         log.info("sample %s stopped after %d of %d samples: session %s %s", call.request_id, drawn, wanted,
                  call.session_id, why)
+        fix = ("sample again from a live ServiceClient" if why.startswith("ended")
+               else "retry the call: a ServiceClient whose process runs beats every 10 s and takes its session back")
         raise ApiError(f"session {call.session_id} {why}; sample call not completed ({drawn} of {wanted} samples "
-                       "drawn, none returned); sample from a live ServiceClient")
+                       f"drawn, none returned); {fix}")
 
     async def _latest_inflight(self, run: str) -> int | None:
         """The run's latest inflight save, read at most every ``inflight_check_s`` (inflight weights propagate
@@ -444,11 +452,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="adapter versions kept loaded (least recently sampled out first)")
     parser.add_argument("--direct-port", type=int, default=None,
                         help="also take calls straight from the gateway on 127.0.0.1:PORT (pipeline.api.direct)")
+    parser.add_argument("--session-check-s", type=float, default=SESSION_CHECK_S,
+                        help="how long what the store says of a session (ended, heartbeats lapsed) is taken as "
+                             f"known before a call's next round reads it again (default {SESSION_CHECK_S:g}; 0: "
+                             "every round)")
     args = parser.parse_args(argv)
     if args.max_batch_sequences is not None and args.backend != "transformers":
         parser.error("--max-batch-sequences is the transformers backend's (vLLM batches continuously); drop it")
     if args.max_batch_sequences is not None and not 1 <= args.max_batch_sequences <= MAX_BATCH_SEQUENCES:
         parser.error(f"--max-batch-sequences must be from 1 to {MAX_BATCH_SEQUENCES}, got {args.max_batch_sequences}")
+    if not 0 <= args.session_check_s <= SESSION_TIMEOUT_S:
+        parser.error(f"--session-check-s must be from 0 to {SESSION_TIMEOUT_S:g} (the heartbeat timeout), got "
+                     f"{args.session_check_s:g}")
     bus = engine_setup(args, log)
     ready = engine_health(args)
     log.info("initialising the %s sampling engine for %s", args.backend, args.base_model)
@@ -460,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     worker = SamplerWorker(store, bus, args.base_model, engine,
                            lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
                            consumer_options=group_timings_from_env(), max_adapters=args.max_adapters,
-                           activity=ActivityRecorder(store, "sampler", args.engine_id))
+                           activity=ActivityRecorder(store, "sampler", args.engine_id),
+                           session_check_s=args.session_check_s)
     ready.add("reading calls")
     try:
         asyncio.run(worker.run(StopFlag().install(), args.direct_port))

@@ -23,6 +23,7 @@ from consumers.engine import TrainingEngine
 from pipeline.api import lifecycle
 from pipeline.api.engines import engine_group
 from pipeline.api.gateway import Gateway, NotFoundError, ServedModel
+from pipeline.api.liveness import ClientPresence
 from pipeline.api.samplers import point_inflight
 from pipeline.io.bus import EventPublisher, ensure_topics
 from pipeline.io.registry import AdapterRegistry
@@ -432,10 +433,11 @@ def test_a_call_whose_session_ends_between_rounds_stops_and_fails_as_the_users(h
     assert "16 of 40 samples" in answer["error"]
 
 
-def test_queued_calls_of_an_ended_or_lapsed_session_are_not_sampled_when_a_sampler_reads_them(harness, monkeypatch):
-    """A restarted sampler reads the calls nobody answered from the log: those of a session that ended, or whose
-    heartbeats lapsed (SESSION_TIMEOUT_S without one: its process is gone), fail as the user's without a round;
-    a live session's call behind them is sampled."""
+def test_queued_calls_of_an_ended_or_lapsed_session_are_not_sampled(harness, monkeypatch):
+    """Calls nobody answered yet (a restarted sampler reads them from the log): those of a session that ended, or
+    whose heartbeat record this sampler has seen unchanged for SESSION_TIMEOUT_S (its process is gone), fail as the
+    user's without a round; a live session's call behind them is sampled.  The lapse is the sampler's own
+    observation: the record's time (the gateway's clock, here an hour off) is not compared with the sampler's."""
     from schemas.api import SESSION_TIMEOUT_S
 
     sessions = [harness.gateway.create_session(TENANT, [], {}) for _ in range(3)]
@@ -443,8 +445,11 @@ def test_queued_calls_of_an_ended_or_lapsed_session_are_not_sampled_when_a_sampl
     samplers = [harness.gateway.create_sampling_session(TENANT, s, 0, harness.base_model, None) for s in sessions]
     calls = [harness.sample(sampler_id, 0, sample_request([], seed=5, num_samples=20)) for sampler_id in samplers]
     harness.gateway.finish(TENANT, ended, "success")
-    silent_since = time.time() - SESSION_TIMEOUT_S - 60
-    harness.store.put(lifecycle.heartbeat_key(lapsed), json.dumps({"time": silent_since}).encode())
+    harness.store.put(lifecycle.heartbeat_key(lapsed), json.dumps({"time": time.time() - 3600}).encode())
+    watched = [0.0]
+    harness.sampler.presence = ClientPresence(harness.store, 0.0, 16, clock=lambda: watched[0])
+    assert harness.sampler.presence.gone(lapsed) is None  # first seen: counted from now
+    watched[0] += SESSION_TIMEOUT_S + 12
     sampled: list[int] = []
     sample = harness.engine.sample
 
@@ -459,5 +464,6 @@ def test_queued_calls_of_an_ended_or_lapsed_session_are_not_sampled_when_a_sampl
     ended_error, lapsed_error = json.loads(ended_data), json.loads(lapsed_data)
     assert ended_error["category"] == lapsed_error["category"] == "user"
     assert f"session {ended} ended (finished: success)" in ended_error["error"]
-    assert f"session {lapsed} sent no heartbeat for" in lapsed_error["error"]
-    assert "0 of 20 samples" in lapsed_error["error"]
+    assert "sample again from a live ServiceClient" in ended_error["error"]
+    assert f"session {lapsed} sent no heartbeat for {SESSION_TIMEOUT_S + 12:.0f} s" in lapsed_error["error"]
+    assert "0 of 20 samples" in lapsed_error["error"] and "retry the call" in lapsed_error["error"]
