@@ -324,8 +324,8 @@ class SamplerWorker:
         scored = SampleResult([])
         for first in range(0, params.num_samples, CALL_ROUND_SAMPLES):  # the prompt is scored in the first round
             await self._check_client(call, first, params.num_samples)
-            log.debug("sample %s of session %s: drawing samples %d on of %d", call.request_id, call.session_id, first,
-                      params.num_samples)
+            log.debug("sample %s of session %s: round %d of %d", call.request_id, call.session_id,
+                      first // CALL_ROUND_SAMPLES + 1, math.ceil(params.num_samples / CALL_ROUND_SAMPLES))
             part = dataclasses.replace(params, num_samples=min(CALL_ROUND_SAMPLES, params.num_samples - first),
                                        first_stream=params.first_stream + first,
                                        prompt_logprobs=params.prompt_logprobs and first == 0,
