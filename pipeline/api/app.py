@@ -196,8 +196,9 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
 
     @app.post("/api/v1/client/dynamic_config")
     async def dynamic_config(who: TenantKey) -> dict[str, Any]:
-        # no cancel_future: the SDK sends one only for a sample future its caller cancelled; the sampler stops the
-        # calls of a session that ended or whose heartbeats lapsed (producers.api_sampler), a dead process's too
+        # no cancel_future: the SDK sends one only for a sample future its caller cancelled, and such a call of a
+        # live session runs every round; the sampler stops only the calls of a session that ended or whose
+        # heartbeats lapsed (producers.api_sampler), a dead process's
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
 
     @app.get("/api/v1/get_server_capabilities")
