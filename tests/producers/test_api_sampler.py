@@ -117,6 +117,17 @@ def test_the_batch_cap_option_reaches_the_engines_config_and_is_refused_in_one_l
         assert info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_session_check_interval_outside_the_heartbeat_timeout_is_refused_before_the_engine_loads(capsys):
+    """Taking a session's state as known longer than SESSION_TIMEOUT_S (300 s) would hide a lapse behind it."""
+    from producers.api_sampler import main
+
+    required = ["--base-model", "/m", "--store", "file:///s", "--bootstrap", "h:1"]
+    for value in ("-1", "301", "nan"):
+        with pytest.raises(SystemExit) as info:
+            main([*required, "--session-check-s", value])
+        assert info.value.code == 2 and "--session-check-s must be from 0 to 300" in capsys.readouterr().err
+
+
 def test_a_temperature_the_engine_would_not_sample_at_is_refused():
     """vLLM samples at 0.01 below it: the samples and their logprobs would be of another temperature than the call's."""
     for temperature in (0.005, float("nan"), -0.5):
