@@ -9,12 +9,15 @@ session made is freed sooner than ``END_GRACE_S`` after it.  The ``cached_sessio
 
 A sampler asks another question: whether anybody still waits for a call's samples.  Its client is taken as gone
 once the session ended (its end record, as ``lifecycle.session_status`` reads it: gone at once, for good) or its
-heartbeats lapsed: its heartbeat record stayed unchanged for ``SESSION_TIMEOUT_S`` as this process watched it (the
-SDK beats every 10 s while its process lives).  The lapse is measured on the sampler's own monotonic clock, from
-when it first saw the record as it is (a session first seen counts from then), never by comparing the gateway's
-wall-clock time in the record with the sampler's: clocks of two machines differ.  A lapse is not final (a laptop
-that slept beats again), so a live or lapsed answer is kept ``check_s`` seconds, then read again, by one thread
-at a time (the others take the last answer meanwhile: rounds of many calls of one session ask at once).
+heartbeats lapsed: its heartbeat record stayed unchanged for ``SESSION_TIMEOUT_S`` (the SDK beats every 10 s while
+its process lives).  The lapse is measured on the sampler's own monotonic clock, from the read before the one that
+found the record as it is (the record was written after that read), not by comparing the gateway's wall-clock time
+in the record with the sampler's: clocks of two machines differ.  The one exception is a record's first sight (a
+sampler restarted with calls queued): one older by the wall clocks than the timeout plus ``CLOCK_ALLOWANCE_S`` is
+taken as that old, so a session that lapsed long before is not taken as live for another timeout; a younger one is
+counted from then.  A lapse is not final (a laptop that slept beats again), so a live or lapsed answer is kept
+``check_s`` seconds, then read again, by one thread at a time (the others take the last answer meanwhile: rounds of
+many calls of one session ask at once; a call that has no answer yet waits at most ``WAIT_S`` for one).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from pipeline.io.store import ObjectStore, remote_failures
 from schemas.api import SESSION_TIMEOUT_S
 
 log = logging.getLogger("rlpipe.api.liveness")
+# a heartbeat record first seen is taken as lapsed only when the wall clocks (the gateway's in the record, the
+# sampler's) make it older than the timeout by more than this: machines' clocks may differ by minutes, not by this
+CLOCK_ALLOWANCE_S = 600.0
+WAIT_S = 5.0  # how long a call waits for another thread's read of its session before taking the session as there
 
 
 class SessionLiveness:
@@ -73,7 +80,7 @@ class _Presence:
     why: str | None = None  # why its client is gone, or None while it is there
     ended: bool = False  # an end is final: this entry is never read or changed again
     beat_at: float | None = None  # the time its heartbeat record holds (the gateway's clock: compared, not subtracted)
-    beat_seen_at: float = -math.inf  # when this process first saw that record
+    beat_seen_at: float = -math.inf  # when its silence since that record is counted from (its clock); -inf: none seen
     reading: threading.Event | None = None  # set once the read in flight landed; None when none is
 
 
@@ -81,21 +88,22 @@ class ClientPresence:
     """Whether a session's client is still there to read its calls' results (see the module docstring); each
     session's answer is read from the store at most every ``check_s`` seconds (two small objects), by one thread
     at a time.  A lapse is ``timeout_s`` seconds of ``clock`` (monotonic) during which the session's heartbeat
-    record stayed as this process first saw it: the record's time is the gateway's clock, never compared with
-    ours, so a sampler whose clock is off takes no live client as gone."""
+    record stayed unchanged: the record's time is the gateway's clock, compared with ours only on its first sight
+    and then with ``CLOCK_ALLOWANCE_S`` to spare, so a sampler whose clock is off takes no live client as gone."""
 
     def __init__(self, store: ObjectStore, check_s: float, cached_sessions: int,
                  timeout_s: float = SESSION_TIMEOUT_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.check_s, self.cached_sessions, self.timeout_s = store, check_s, cached_sessions, timeout_s
         self.clock = clock
+        self.wait_s = WAIT_S  # how long a call waits for another thread's read of its session
         self._seen: OrderedDict[str, _Presence] = OrderedDict()  # the cached_sessions sessions asked of last
         self._lock = threading.Lock()
 
     def gone(self, session_id: str) -> str | None:
         """Why the session's client is taken as gone (``ended (<why>)``, ``sent no heartbeat for <n> s``), or None
         while it is there.  While one thread reads the session's records, the others take the last answer, or
-        wait for that read when there is none yet.  A store that cannot be read leaves the session taken as there
-        until the next read."""
+        wait up to ``wait_s`` for that read when there is none yet.  A store that cannot be read (or a read that
+        outlasts that wait) leaves the session taken as there until the next read."""
         with self._lock:
             seen = self._note(session_id)
             if seen.ended or self.clock() - seen.read_at < self.check_s:
@@ -106,7 +114,9 @@ class ClientPresence:
             elif seen.read_at > -math.inf:
                 return seen.why
         if reading is not None:
-            reading.wait()
+            if not reading.wait(self.wait_s):  # a hung store read holds its own thread, not every call of the session
+                log.warning("session %s: its records were not read within %g s; taken as live", session_id, self.wait_s)
+                return None
             with self._lock:
                 return seen.why
         read = None
@@ -142,21 +152,31 @@ class ClientPresence:
         return (status.why or "ended") if status.state == "ended" else None, status.beat_at
 
     def _land(self, seen: _Presence, read: tuple[str | None, float | None] | None) -> str | None:
-        """Note a read (``_read``) in ``seen`` and say what it makes of the client; under ``_lock``.  An entry
-        already ended stays so (a read that started before another saw the end lands after it)."""
-        if seen.ended:
-            return seen.why
-        now = self.clock()
+        """Note a read (``_read``) in ``seen`` and say what it makes of the client; under ``_lock``.  Only the
+        read in flight for ``seen`` lands here, and none starts once it ended, so an end is never overwritten."""
+        now, read_before = self.clock(), seen.read_at
         seen.read_at, seen.why = now, None  # a store that cannot be read: taken as there
         if read is None:
             return None
         ended, beat_at = read
         if ended is not None:
             seen.ended, seen.why = True, f"ended ({ended})"
-        elif beat_at is None:  # no heartbeat yet: nothing to lapse from
+            return seen.why
+        if beat_at is None:  # no heartbeat yet: nothing to lapse from
             seen.beat_at = None
-        elif beat_at != seen.beat_at:  # a new heartbeat, or the first seen: counted from now
-            seen.beat_at, seen.beat_seen_at = beat_at, now
-        elif now - seen.beat_seen_at > self.timeout_s:
+            return None
+        if beat_at != seen.beat_at:
+            seen.beat_at, seen.beat_seen_at = beat_at, self._silent_since(seen, beat_at, now, read_before)
+        if now - seen.beat_seen_at > self.timeout_s:
             seen.why = f"sent no heartbeat for {now - seen.beat_seen_at:.0f} s"
         return seen.why
+
+    def _silent_since(self, seen: _Presence, beat_at: float, now: float, read_before: float) -> float:
+        """When (on ``clock``) the silence after heartbeat record ``beat_at``, found by the read landing at ``now``,
+        starts.  A record seen before was replaced after the read before this one (``read_before``).  On a first
+        sight the wall clocks are compared: past the timeout plus ``CLOCK_ALLOWANCE_S`` the record is as old as they
+        say (a sampler restarted long after the session's client went), otherwise it counts from now."""
+        if seen.beat_seen_at > -math.inf:
+            return read_before
+        age = time.time() - beat_at
+        return now - age if age > self.timeout_s + CLOCK_ALLOWANCE_S else now

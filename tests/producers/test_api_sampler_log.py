@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 import uuid
 from pathlib import Path
@@ -434,21 +435,24 @@ def test_a_call_whose_session_ends_between_rounds_stops_and_fails_as_the_users(h
 
 
 def test_queued_calls_of_an_ended_or_lapsed_session_are_not_sampled(harness, monkeypatch):
-    """Calls nobody answered yet (a restarted sampler reads them from the log): those of a session that ended, or
-    whose heartbeat record this sampler has seen unchanged for SESSION_TIMEOUT_S (its process is gone), fail as the
-    user's without a round; a live session's call behind them is sampled.  The lapse is the sampler's own
-    observation: the record's time (the gateway's clock, here an hour off) is not compared with the sampler's."""
+    """Calls nobody answered yet (a restarted sampler reads them from the log) fail as the user's without a round
+    when their session ended, when its heartbeat record is, by the wall clocks, older than the timeout plus
+    CLOCK_ALLOWANCE_S on this sampler's first sight (it lapsed before the restart), or when this sampler has watched
+    the record stay unchanged past SESSION_TIMEOUT_S on its own clock; a live session's call behind them is
+    sampled."""
+    from pipeline.api.liveness import CLOCK_ALLOWANCE_S
     from schemas.api import SESSION_TIMEOUT_S
 
-    sessions = [harness.gateway.create_session(TENANT, [], {}) for _ in range(3)]
-    ended, lapsed, _ = sessions
+    sessions = [harness.gateway.create_session(TENANT, [], {}) for _ in range(4)]
+    ended, stale, watched_lapse, _ = sessions
     samplers = [harness.gateway.create_sampling_session(TENANT, s, 0, harness.base_model, None) for s in sessions]
     calls = [harness.sample(sampler_id, 0, sample_request([], seed=5, num_samples=20)) for sampler_id in samplers]
     harness.gateway.finish(TENANT, ended, "success")
-    harness.store.put(lifecycle.heartbeat_key(lapsed), json.dumps({"time": time.time() - 3600}).encode())
+    stale_s = SESSION_TIMEOUT_S + CLOCK_ALLOWANCE_S + 3600  # its client went an hour before the sampler (re)started
+    harness.store.put(lifecycle.heartbeat_key(stale), json.dumps({"time": time.time() - stale_s}).encode())
     watched = [0.0]
     harness.sampler.presence = ClientPresence(harness.store, 0.0, 16, clock=lambda: watched[0])
-    assert harness.sampler.presence.gone(lapsed) is None  # first seen: counted from now
+    assert harness.sampler.presence.gone(watched_lapse) is None  # first seen: a fresh record, counted from now
     watched[0] += SESSION_TIMEOUT_S + 12
     sampled: list[int] = []
     sample = harness.engine.sample
@@ -458,12 +462,15 @@ def test_queued_calls_of_an_ended_or_lapsed_session_are_not_sampled(harness, mon
         return await sample(prompt, adapter, params, owner=owner)
 
     monkeypatch.setattr(harness.engine, "sample", recorded)
-    (ended_data, ended_fmt), (lapsed_data, lapsed_fmt), (_, live_fmt) = harness.run(calls)
-    assert (ended_fmt, lapsed_fmt, live_fmt) == ("json", "json", "pb")
+    (ended_data, ended_fmt), (stale_data, stale_fmt), (lapsed_data, lapsed_fmt), (_, live_fmt) = harness.run(calls)
+    assert (ended_fmt, stale_fmt, lapsed_fmt, live_fmt) == ("json", "json", "json", "pb")
     assert sampled == [16, 4]  # the live call's two rounds only
-    ended_error, lapsed_error = json.loads(ended_data), json.loads(lapsed_data)
-    assert ended_error["category"] == lapsed_error["category"] == "user"
+    ended_error, stale_error, lapsed_error = json.loads(ended_data), json.loads(stale_data), json.loads(lapsed_data)
+    assert ended_error["category"] == stale_error["category"] == lapsed_error["category"] == "user"
     assert f"session {ended} ended (finished: success)" in ended_error["error"]
     assert "sample again from a live ServiceClient" in ended_error["error"]
-    assert f"session {lapsed} sent no heartbeat for {SESSION_TIMEOUT_S + 12:.0f} s" in lapsed_error["error"]
-    assert "0 of 20 samples" in lapsed_error["error"] and "retry the call" in lapsed_error["error"]
+    silent_s = int(re.search(rf"session {stale} sent no heartbeat for (\d+) s", stale_error["error"]).group(1))
+    assert stale_s <= silent_s < stale_s + 60  # the record's age when first seen, give or take the run's seconds
+    assert f"session {watched_lapse} sent no heartbeat for {SESSION_TIMEOUT_S + 12:.0f} s" in lapsed_error["error"]
+    for error in (stale_error, lapsed_error):
+        assert "0 of 20 samples" in error["error"] and "retry the call" in error["error"]

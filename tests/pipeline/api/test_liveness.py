@@ -7,8 +7,10 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
-from pipeline.api.lifecycle import end_key, heartbeat_key, record_end
+from pipeline.api import liveness
+from pipeline.api.lifecycle import heartbeat_key, record_end
 from pipeline.api.liveness import ClientPresence, SessionLiveness
 from pipeline.io.store import ObjectStore
 
@@ -62,7 +64,7 @@ def test_a_client_is_gone_once_its_session_ended_or_its_heartbeats_lapsed_and_a_
     beat(store, "sess-b", time.time())  # a laptop that slept beats again: there again
     assert presence.gone("sess-b") is None
     clock.now += 299.0
-    assert presence.gone("sess-b") is None  # counted from the new record, as this sampler first saw it
+    assert presence.gone("sess-b") is None  # counted from the read before the one that found the new record
     assert presence.gone("sess-none") is None  # no heartbeat yet: nothing to lapse from
     clock.now += 3600.0
     assert presence.gone("sess-none") is None
@@ -79,6 +81,54 @@ def test_a_lapse_is_measured_on_the_samplers_own_clock_not_against_the_gateways(
     assert presence.gone("sess-a") is None
     beat(store, "sess-a", time.time() + 3600.0)  # or an hour ahead
     assert presence.gone("sess-a") is None
+
+
+def wall_clock_at(monkeypatch, now: float) -> None:
+    """Stop the sampler's wall clock at ``now`` (unix seconds), so the age of a record first seen is exact."""
+    monkeypatch.setattr(liveness, "time", SimpleNamespace(time=lambda: now, monotonic=time.monotonic))
+
+
+def test_a_session_first_seen_long_after_its_last_beat_is_lapsed_at_once_then_counted_on_the_samplers_clock(
+        monkeypatch):
+    """A restarted sampler that first sees a heartbeat record an hour old (its queued calls' client long gone) takes
+    it as lapsed at once: the wall-clock age is trusted only past the timeout plus CLOCK_ALLOWANCE_S, so a gateway
+    whose clock is off by less than that makes no live client gone.  From then on it counts on its own clock."""
+    store = ObjectStore(f"memory://presence-{uuid.uuid4().hex}")
+    clock = Clock()
+    presence = ClientPresence(store, check_s=0.0, cached_sessions=4, timeout_s=300.0, clock=clock)
+    now = time.time()
+    wall_clock_at(monkeypatch, now)
+    beat(store, "sess-old", now - 3600.0)
+    assert presence.gone("sess-old") == "sent no heartbeat for 3600 s"
+    clock.now += 60.0
+    assert presence.gone("sess-old") == "sent no heartbeat for 3660 s"  # 3600 s old when seen, 60 s watched since
+    beat(store, "sess-old", now)  # its client beats again: there again
+    assert presence.gone("sess-old") is None
+    near = 300.0 + liveness.CLOCK_ALLOWANCE_S - 60.0  # 60 s inside the allowance: taken as a clock off, counted from now
+    beat(store, "sess-near", now - near)
+    assert presence.gone("sess-near") is None
+    clock.now += 300.0
+    assert presence.gone("sess-near") is None
+    clock.now += 1.0
+    assert presence.gone("sess-near") == "sent no heartbeat for 301 s"
+
+
+def test_a_lapse_is_counted_from_the_read_before_the_record_last_changed():
+    """The record a read finds new was written after the read before it, so its silence is counted from that read:
+    a lapse is noticed at most one check late, not two, and a client beating every 10 s still never lapses."""
+    store = ObjectStore(f"memory://presence-{uuid.uuid4().hex}")
+    clock = Clock()
+    presence = ClientPresence(store, check_s=60.0, cached_sessions=2, timeout_s=300.0, clock=clock)
+    beat(store, "sess-a", time.time())
+    assert presence.gone("sess-a") is None  # read at 1000 (first seen: counted from then)
+    beat(store, "sess-a", time.time() + 1.0)  # its last beat, some time after 1000
+    clock.now += 60.0
+    assert presence.gone("sess-a") is None  # read at 1060: a new record, written after the read at 1000
+    for _ in range(4):
+        clock.now += 60.0
+        assert presence.gone("sess-a") is None  # 1120 .. 1300: at most 300 s since 1000
+    clock.now += 60.0
+    assert presence.gone("sess-a") == "sent no heartbeat for 360 s"  # read at 1360: 360 s since 1000
 
 
 def test_an_ended_session_is_gone_at_once_even_when_first_seen():
@@ -134,33 +184,35 @@ def test_concurrent_calls_of_a_session_read_its_records_once(monkeypatch):
     assert len(readers) == 2
 
 
-def test_an_end_seen_is_never_replaced_by_a_read_that_started_before_it(monkeypatch):
-    """A read that found no end, landing after a later read saw the end (here: the session was dropped from the
-    memory meanwhile and read again), leaves the session ended."""
+def test_a_call_waiting_on_a_hung_read_takes_the_session_as_there(monkeypatch):
+    """A store read that hangs holds only the thread making it: a call of the same session first seen meanwhile
+    waits ``wait_s`` for that read, then takes the session as there, as for a store that cannot be read."""
     store = ObjectStore(f"memory://presence-{uuid.uuid4().hex}")
-    beat(store, "sess-a", time.time())
-    presence = ClientPresence(store, check_s=60.0, cached_sessions=1)
-    read_end, land = threading.Event(), threading.Event()
+    wall_clock_at(monkeypatch, time.time())
+    beat(store, "sess-a", liveness.time.time() - 3600.0)  # lapsed, once a read lands
+    presence = ClientPresence(store, check_s=60.0, cached_sessions=2)
+    presence.wait_s = 0.2
+    reading, release = threading.Event(), threading.Event()
     get = store.get
 
-    def held(key: str) -> bytes:
-        try:
-            return get(key)
-        finally:
-            if threading.current_thread().name == "early" and key == end_key("sess-a"):
-                read_end.set()  # it found no end; it lands once the test says so
-                land.wait(10)
+    def hung(key: str) -> bytes:
+        if threading.current_thread().name == "hung":
+            reading.set()
+            release.wait(10)
+        return get(key)
 
-    monkeypatch.setattr(store, "get", held)
-    early = threading.Thread(target=presence.gone, args=("sess-a",), name="early")
-    early.start()
-    assert read_end.wait(10)
-    presence.gone("sess-b")  # one session kept: sess-a is dropped
-    record_end(store, "sess-a", "finished: success")
-    assert presence.gone("sess-a") == "ended (finished: success)"
-    land.set()
-    early.join(10)
-    assert presence.gone("sess-a") == "ended (finished: success)"
+    monkeypatch.setattr(store, "get", hung)
+    first = threading.Thread(target=presence.gone, args=("sess-a",), name="hung")
+    first.start()
+    try:
+        assert reading.wait(10)
+        started = time.monotonic()
+        assert presence.gone("sess-a") is None
+        assert 0.2 <= time.monotonic() - started < 5.0
+    finally:
+        release.set()
+        first.join(10)
+    assert presence.gone("sess-a") == "sent no heartbeat for 3600 s"  # the read landed: its answer stands
 
 
 def test_a_store_that_fails_remotely_leaves_the_session_taken_as_there(monkeypatch, caplog):
