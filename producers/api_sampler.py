@@ -30,10 +30,10 @@ at most ``MAX_TOPK_LOGPROBS``) are of the same two distributions, encoded as the
 
 A call whose client is gone is not sampled on: before a call starts and before each of its rounds the sampler
 looks at its session (``pipeline.api.liveness.ClientPresence``: ended, or its heartbeat record unchanged for
-``SESSION_TIMEOUT_S`` as this sampler watched it, read from the store at most every ``--session-check-s``,
-default ``SESSION_CHECK_S``, per session), and a call of a session gone fails as the user's, its samples drawn so
-far dropped.  A script killed mid-loop would otherwise hold the engine for every round it asked for, and a
-restarted sampler, reading the unanswered calls from the log, would draw those of an ended session again.
+``SESSION_TIMEOUT_S``, or older than that by far on first sight; read from the store at most every
+``--session-check-s``, default ``SESSION_CHECK_S``, per session), and a call of a session gone fails as the user's,
+its samples drawn so far dropped.  A script killed mid-loop would otherwise hold the engine for every round it asked
+for, and a restarted sampler, reading the unanswered calls from the log, would draw those of a gone client again.
 
 With ``--direct-port`` the sampler also takes calls straight from the gateway
 (``pipeline.api.direct``: answered once the result is stored, so the gateway wakes
@@ -92,7 +92,7 @@ from pipeline.topics import API_TOPIC_KINDS
 from producers.api_encoding import cut_at_stop_strings, encode_sample_response, only_last
 from producers.samplers.base import AdapterHandle, SampleOutput
 from producers.samplers.engine import SampleParams, SampleResult, SamplingEngine
-from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted, result_path
+from schemas.api import ApiError, ApiRequestAccepted, result_path
 from schemas.config import MAX_BATCH_SEQUENCES, BusConfig, SamplerConfig
 
 log = logging.getLogger("rlpipe.api.sampler")
@@ -102,6 +102,7 @@ INFLIGHT_CHECK_S = 0.5  # how long the latest inflight save a run's pointer name
 MAX_RECORDS_KEPT = 4096  # sampling session records kept in memory (a loop makes one per saved version)
 CALL_ROUND_SAMPLES = 16  # samples of one call in the engine at a time: a call of many takes turns with the others
 SESSION_CHECK_S = 5.0  # how long what the store says of a session (ended, heartbeats lapsed) is taken as known
+MAX_SESSION_CHECK_S = 60.0  # a lapse is noticed up to one check after SESSION_TIMEOUT_S: at most a minute late
 
 
 # ---- translation: the SDK's request -> the engine, the engine's result -> the SDK's protobuf ---------------------
@@ -150,9 +151,9 @@ class SamplerWorker:
                  activity: ActivityRecorder | None = None, session_check_s: float = SESSION_CHECK_S) -> None:
         if max_adapters < 1:
             raise ValueError(f"max_adapters must be at least 1, got {max_adapters}")
-        if not 0 <= session_check_s <= SESSION_TIMEOUT_S:
-            raise ValueError(f"session_check_s must be from 0 to {SESSION_TIMEOUT_S:g} (the heartbeat timeout), got "
-                             f"{session_check_s}")
+        if not 0 <= session_check_s <= MAX_SESSION_CHECK_S:
+            raise ValueError(f"session_check_s must be from 0 to {MAX_SESSION_CHECK_S:g} (a lapse is noticed up to "
+                             f"that late), got {session_check_s}")
         self.store, self.bus, self.base_model, self.engine, self.decode = store, bus, base_model, engine, decode
         self.activity = activity
         self.max_adapters = max_adapters
@@ -454,16 +455,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="also take calls straight from the gateway on 127.0.0.1:PORT (pipeline.api.direct)")
     parser.add_argument("--session-check-s", type=float, default=SESSION_CHECK_S,
                         help="how long what the store says of a session (ended, heartbeats lapsed) is taken as "
-                             f"known before a call's next round reads it again (default {SESSION_CHECK_S:g}; 0: "
-                             "every round)")
+                             f"known before a call's next round reads it again (default {SESSION_CHECK_S:g}, at most "
+                             f"{MAX_SESSION_CHECK_S:g}; 0: every round)")
     args = parser.parse_args(argv)
     if args.max_batch_sequences is not None and args.backend != "transformers":
         parser.error("--max-batch-sequences is the transformers backend's (vLLM batches continuously); drop it")
     if args.max_batch_sequences is not None and not 1 <= args.max_batch_sequences <= MAX_BATCH_SEQUENCES:
         parser.error(f"--max-batch-sequences must be from 1 to {MAX_BATCH_SEQUENCES}, got {args.max_batch_sequences}")
-    if not 0 <= args.session_check_s <= SESSION_TIMEOUT_S:
-        parser.error(f"--session-check-s must be from 0 to {SESSION_TIMEOUT_S:g} (the heartbeat timeout), got "
-                     f"{args.session_check_s:g}")
+    if not 0 <= args.session_check_s <= MAX_SESSION_CHECK_S:
+        parser.error(f"--session-check-s must be from 0 to {MAX_SESSION_CHECK_S:g} (a lapse is noticed up to that "
+                     f"late), got {args.session_check_s:g}")
     bus = engine_setup(args, log)
     ready = engine_health(args)
     log.info("initialising the %s sampling engine for %s", args.backend, args.base_model)

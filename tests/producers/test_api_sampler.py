@@ -10,6 +10,7 @@ import pytest
 from tinker import types
 
 from pipeline.api.samplers import check_sample_request
+from pipeline.io.store import ObjectStore
 from producers.api_sampler import sampling_params
 from schemas.api import MAX_TOPK_LOGPROBS, MAX_TOPK_SAMPLE_CELLS, ApiError
 from tests.producers.api_sampling import sample_request
@@ -117,15 +118,19 @@ def test_the_batch_cap_option_reaches_the_engines_config_and_is_refused_in_one_l
         assert info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_session_check_interval_outside_the_heartbeat_timeout_is_refused_before_the_engine_loads(capsys):
-    """Taking a session's state as known longer than SESSION_TIMEOUT_S (300 s) would hide a lapse behind it."""
-    from producers.api_sampler import main
+def test_a_session_check_interval_over_a_minute_is_refused_before_the_engine_loads(capsys):
+    """A lapse is noticed up to one check interval after SESSION_TIMEOUT_S (300 s); more than MAX_SESSION_CHECK_S
+    (60 s) would keep a gone client's calls sampling minutes longer.  The flag and the worker refuse it alike."""
+    from producers.api_sampler import MAX_SESSION_CHECK_S, SamplerWorker, main
 
     required = ["--base-model", "/m", "--store", "file:///s", "--bootstrap", "h:1"]
-    for value in ("-1", "301", "nan"):
+    for value in ("-1", f"{MAX_SESSION_CHECK_S + 1:g}", "nan"):
         with pytest.raises(SystemExit) as info:
             main([*required, "--session-check-s", value])
-        assert info.value.code == 2 and "--session-check-s must be from 0 to 300" in capsys.readouterr().err
+        assert info.value.code == 2
+        assert f"--session-check-s must be from 0 to {MAX_SESSION_CHECK_S:g}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"session_check_s must be from 0 to {MAX_SESSION_CHECK_S:g}"):
+        SamplerWorker(ObjectStore("memory://check-s"), None, "/m", None, str, session_check_s=MAX_SESSION_CHECK_S + 1)
 
 
 def test_a_temperature_the_engine_would_not_sample_at_is_refused():
