@@ -79,7 +79,7 @@ class _Presence:
     read_at: float = -math.inf  # when its records were last read
     why: str | None = None  # why its client is gone, or None while it is there
     ended: bool = False  # an end is final: this entry is never read or changed again
-    beat_at: float | None = None  # the time its heartbeat record holds (the gateway's clock: compared, not subtracted)
+    beat_at: float | None = None  # the time its heartbeat record holds (the gateway's clock: see `_silent_since`)
     beat_seen_at: float = -math.inf  # when its silence since that record is counted from (its clock); -inf: none seen
     reading: threading.Event | None = None  # set once the read in flight landed; None when none is
 
