@@ -161,9 +161,8 @@ class SessionStatus(NamedTuple):
     beat_at: float | None  # when it last beat (unix seconds); None without a readable heartbeat record
 
 
-def session_status(store: ObjectStore, session_id: str, now: float | None = None,
-                   timeout_s: float = SESSION_TIMEOUT_S) -> SessionStatus:
-    """``ended`` (with why) once it ended, ``lapsed`` after ``timeout_s`` without a heartbeat (the trainers
+def session_status(store: ObjectStore, session_id: str, now: float | None = None) -> SessionStatus:
+    """``ended`` (with why) once it ended, ``lapsed`` after ``SESSION_TIMEOUT_S`` without a heartbeat (the trainers
     unload it until its next call), else ``live``; with when it last beat, from one read of its heartbeat.  A
     session with no heartbeat yet is live, as the trainers take it: nothing to lapse from.  An expiry seen here is
     not recorded."""
@@ -174,7 +173,7 @@ def session_status(store: ObjectStore, session_id: str, now: float | None = None
                                                                 record=False)
     if end is not None:
         return SessionStatus("ended", end[0], beat_at)
-    return SessionStatus("lapsed" if beat_at is not None and now - beat_at > timeout_s else "live", None,
+    return SessionStatus("lapsed" if beat_at is not None and now - beat_at > SESSION_TIMEOUT_S else "live", None,
                          beat_at)
 
 
