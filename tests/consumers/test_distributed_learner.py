@@ -88,12 +88,27 @@ def replay_on_two_ranks(config_file: Path) -> str:
                       "--train", "--config", str(config_file)])  # one argument: torchrun would read --run itself
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(free_port()), "--no-python", "sh", "-c", cli]
+    # PYTHONFAULTHANDLER: a rank killed by a signal (an abort) prints every thread's Python stack
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     if done.returncode != 0:  # pytest.fail prints the whole message; an assertion's would be cut in its middle
-        pytest.fail(f"torchrun exited {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n"
-                    f"{done.stderr[-6000:]}", pytrace=False)
+        pytest.fail(f"torchrun exited {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n{failed_ranks(done.stderr)}",
+                    pytrace=False)
     return done.stdout + done.stderr
+
+
+def failed_ranks(stderr: str, chars: int = 5000) -> str:
+    """The end of each rank's stderr apart: a follower's traceback (when rank 0 died first) would push rank 0's
+    out of one tail.  Unprefixed lines (an abort's, faulthandler's) go with rank 0's until torchrun's own report."""
+    lines: dict[str, list[str]] = {}
+    source = "[rank0]"
+    for line in stderr.splitlines():
+        if "elastic/multiprocessing/api.py" in line:
+            source = "torchrun"
+        prefixed = line.startswith("[rank") and "]:" in line[:12]
+        lines.setdefault(line.split(":", 1)[0] if prefixed else source, []).append(line)
+    return "\n".join(f"--- stderr of {name}\n" + "\n".join(kept)[-(chars if name != "torchrun" else 1500):]
+                     for name, kept in sorted(lines.items()))
 
 
 def test_two_ranks_replay_train_to_the_adapter_of_one_process_and_resume_alike(setup, tmp_path):
