@@ -232,6 +232,14 @@ def numbered_run_config(store: ObjectStore, run_id: str) -> tuple[int, dict[str,
     return 0, _json_object(store, f"runs/{run_id}/run.json")
 
 
+def newest_change_number(store: ObjectStore, run_id: str) -> int:
+    """The number of the run's newest recorded change (``change_number``; 0 when none is, ``run.json`` then holds
+    its configuration), from the listing of its changes alone: it names a change whose record cannot be read as
+    well.  ``ValueError`` for a file there that is no change."""
+    changes = _change_keys(store, run_id)
+    return change_number(run_id, changes[-1]) if changes else 0
+
+
 def change_number(run_id: str, key: str) -> int:
     """n, for run ``run_id``'s change recorded at ``key`` (``runs/<run_id>/config-changes/<n>.json``,
     ``record_config_change``): a later change has a higher one.  ``ValueError`` for a key that is no change of the

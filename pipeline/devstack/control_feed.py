@@ -11,7 +11,8 @@ another configuration) sets its budget, checkpoint interval and heartbeat from t
 against the event's sha256; it starts no run that was stopped, and stops a packed run already past a lowered budget.
 Changes are numbered in the store (``runs/<run>/config-changes/<n>.json``) and two processes may publish theirs in
 either order: a change no later than the one the run's configuration was last read from is ignored, so the budget is
-the newest change's, as the store says, not the last event's.
+the newest change's, as the store says, not the last event's.  A start whose stored configuration cannot be read
+still takes that number from the store's listing of the run's changes, which names a change it cannot read.
 
 Where the feed starts is an offset, not a time: the events' timestamps are set by the clocks of the processes that
 publish them (or by the broker's), and a clock an hour off this machine's would move a start by time as far, reading
@@ -32,7 +33,7 @@ from pipeline.devstack.dashboard import Dashboard, StepLines, silent_after_s
 from pipeline.io.bus import BusError, EventFollower, EventPublisher, UnknownTopicError, group_lag
 from pipeline.io.registry import AdapterRegistry
 from pipeline.membership import announce_membership, changed_run_config, control_topic_ends, numbered_stored_config
-from pipeline.runtime import change_number, open_store
+from pipeline.runtime import change_number, newest_change_number, open_store
 from schemas.config import STEP_BUDGET_FIELDS, BusConfig, RunConfig, active_learner, step_budget
 from schemas.events import Envelope, LearnerCheckpointed, RunConfigChanged, RunStarted, RunStopped
 
@@ -174,10 +175,27 @@ class ControlFeed:
     def started_again(self, run_id: str) -> None:
         """A ``RunStarted`` of ``run_id`` (``rlpipe runs resume``, perhaps after its budget was raised): the run goes
         on, so it is stopped again at its budget, which is read again from its stored configuration, as the packed
-        learner that takes it up reads it (``follow_config``)."""
+        learner that takes it up reads it (``follow_config``).  When that cannot be read, the run is ``unbounded``
+        and the number of its newest change is still taken from the store's listing (``newest_listed_change``)."""
         launched = self.launched(run_id)
-        self.follow_config(run_id, f"run {run_id} was started again",
-                           lambda: numbered_stored_config(open_store(launched.store), run_id, launched), restart=True)
+        followed = self.follow_config(run_id, f"run {run_id} was started again",
+                                      lambda: numbered_stored_config(open_store(launched.store), run_id, launched),
+                                      restart=True, budget_doubt="its step budget is unknown")
+        if followed is None:
+            self.newest_listed_change(run_id)
+
+    def newest_listed_change(self, run_id: str) -> None:
+        """Take the number of ``run_id``'s newest change from the listing of its changes (``newest_change_number``),
+        which names it even when its record cannot be read: an older change's event read after it is then ignored,
+        as it would be had the stored configuration been read, and does not set a budget the store has since
+        changed.  The run stays ``unbounded`` until a later change is followed."""
+        launched = self.launched(run_id)
+        try:
+            newest = newest_change_number(open_store(launched.store), run_id)
+        except Exception as exc:  # the store unreachable (any backend's error), or a stray file among the changes
+            log.debug("newest change of %s: %s", run_id, exc)
+            return
+        self.applied_changes[run_id] = max(newest, self.applied_changes.get(run_id, 0))
 
     def config_changed(self, run_id: str, change: RunConfigChanged, publisher: EventPublisher) -> None:
         """A ``RunConfigChanged`` of ``run_id``: a process restarted on the run records and announces the
@@ -190,15 +208,16 @@ class ControlFeed:
             number: int | None = change_number(run_id, change.config_path)
         except ValueError:  # not one of the run's changes: refused by changed_run_config, said in the warning
             number = None
-        if number is not None and number <= self.applied_changes.get(run_id, 0):
-            log.info("run %s: %s is no later than the configuration followed, ignored", run_id, change.config_path)
+        applied = self.applied_changes.get(run_id, 0)
+        if number is not None and number <= applied:
+            self.older_change(run_id, change.config_path, number, applied)
             return
         launched = self.launched(run_id)
         followed = self.follow_config(
             run_id, f"run {run_id}'s configuration changed",
             lambda: (change_number(run_id, change.config_path),
                      changed_run_config(open_store(launched.store), run_id, change, launched)),
-            budget_changed=self.may_change_budget(run_id, number, change))
+            budget_doubt=self.budget_doubt(run_id, number, change))
         if followed is None and number is not None:
             # unbounded by it, an older change's budget is stale; or its budget is the one followed: either way the
             # run's budget is this change's as far as it is known
@@ -206,27 +225,46 @@ class ControlFeed:
         if followed is not None and self.packed:
             self.stop_if_finished(publisher, followed)
 
-    def may_change_budget(self, run_id: str, number: int | None, change: RunConfigChanged) -> bool:
-        """Whether ``change`` (the run's change ``number``, None when it is none of the run's) may give ``run_id``
-        another budget than the one followed.  Its ``changes`` are relative to the change before it (``run.json``
-        before the first), so they vouch for the budget followed only when that is the change before it: change 2
-        that leaves the budget alone, read before change 1 that raised it, says nothing of ``run.json``'s budget."""
-        follows_applied = number is not None and number == self.applied_changes.get(run_id, 0) + 1
-        return not follows_applied or any(field.field in STEP_BUDGET_FIELDS for field in change.changes)
+    def older_change(self, run_id: str, key: str, number: int, applied: int) -> None:
+        """The change at ``key`` (``number``) is no later than the newest one read (``applied``): it is ignored, with
+        a warning when it is older (a process restarted with a configuration the store has since changed again)."""
+        if number == applied:
+            log.info("run %s: %s is the configuration change this launch follows already", run_id, key)
+            return
+        log.warning("run %s's configuration changed (%s), but this launch follows change %d, a later one: this "
+                    "older change is ignored", run_id, key, applied)
+
+    def budget_doubt(self, run_id: str, number: int | None, change: RunConfigChanged) -> str | None:
+        """Why ``change`` (the run's change ``number``, None when it is none of the run's) may give ``run_id``
+        another budget than the one followed; None when it cannot.  Its ``changes`` are relative to the change
+        before it (``run.json`` before the first), so they vouch for the budget followed only when that is the
+        change before it: change 2 that leaves the budget alone, read before change 1 that raised it, says nothing
+        of ``run.json``'s budget."""
+        budget_fields = [field.field for field in change.changes if field.field in STEP_BUDGET_FIELDS]
+        if budget_fields:
+            return f"it changed {', '.join(budget_fields)}, so its new step budget is unknown"
+        if number is None:
+            return "its step budget is unknown"
+        before = number - 1
+        if before != self.applied_changes.get(run_id, 0):
+            return (f"it was read before change {before}, and the fields it lists are those changed since that "
+                    "one, so whether its step budget changed is unknown")
+        return None
 
     def follow_config(self, run_id: str, what: str, read: Callable[[], tuple[int, RunConfig]], restart: bool = False,
-                      budget_changed: bool = True) -> RunConfig | None:
+                      budget_doubt: str | None = "its step budget is unknown") -> RunConfig | None:
         """Take ``run_id``'s budget, checkpoint interval and heartbeat (which its lines and board read) from the
         configuration ``read`` gives with the number of the change it is (``applied_changes``); ``what`` happened,
         for the warning; ``restart``: the run goes on, no longer ``stopped``.  The configuration followed, or None
-        when it cannot be read: then the run is ``unbounded`` where its budget may have changed (``budget_changed``):
-        the launch's budget may be below the new one (the one it was stopped at, for a run started again), and
-        stopping it there would end it early; it still gets its ``RunStopped`` when the launch ends, as any run
-        going on does.  A change that leaves the budget followed alone (``may_change_budget``) leaves it as it was."""
+        when it cannot be read: then the run is ``unbounded`` where its budget may have changed (``budget_doubt``
+        says why): the launch's budget may be below the new one (the one it was stopped at, for a run started
+        again), and stopping it there would end it early; it still gets its ``RunStopped`` when the launch ends, as
+        any run going on does.  A change that leaves the budget followed alone (``budget_doubt`` None) leaves it as
+        it was."""
         try:
             number, config = read()
         except Exception as exc:  # the store unreachable (any backend's error), or the record unreadable
-            self.unreadable_config(run_id, what, exc, restart, budget_changed)
+            self.unreadable_config(run_id, what, exc, restart, budget_doubt)
             return None
         self.applied_changes[run_id] = number
         index = self.configs.index(self.launched(run_id))
@@ -241,22 +279,24 @@ class ControlFeed:
             self.unbounded.discard(run_id)
         return config
 
-    def unreadable_config(self, run_id: str, what: str, exc: Exception, restart: bool, budget_changed: bool) -> None:
+    def unreadable_config(self, run_id: str, what: str, exc: Exception, restart: bool,
+                          budget_doubt: str | None) -> None:
         """``follow_config`` when its configuration cannot be read (``exc``): a warning, and the run ``unbounded``
-        if ``budget_changed``, else its budget kept."""
+        if its budget may have changed (``budget_doubt``, why), else its budget kept."""
         # the readers' ValueError names what cannot be read and why; anything else is the store's own error
         why = error_line(exc) if isinstance(exc, ValueError) else f"the store cannot be read ({error_line(exc)})"
-        if not budget_changed:
-            log.warning("%s, but %s: its step budget is not among the changed fields, so it stays as it was",
-                        what, why)
+        if budget_doubt is None:
+            kept = "the run stays unbounded" if run_id in self.unbounded else "it stays as it was"
+            log.warning("%s, but %s; its step budget is not among the changed fields, so %s", what, why, kept)
         else:
-            log.warning("%s, but %s: this launch does not stop it at its step budget", what, why)
+            log.warning("%s, but %s; %s: this launch keeps the run unbounded (no stop at a step budget)", what, why,
+                        budget_doubt)
             if run_id in self.step_lines:
                 self.step_lines[run_id].max_steps = None
         with self.stop_lock:
             if restart:
                 self.stopped.pop(run_id, None)
-            if budget_changed:
+            if budget_doubt is not None:
                 self.unbounded.add(run_id)
 
     def launched(self, run_id: str) -> RunConfig:

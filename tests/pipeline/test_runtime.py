@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from pipeline.io.store import ObjectStore, sha256_hex
-from pipeline.runtime import RunConfigConflictError, RunIdCaseError, create_run, effective_run_config
+from pipeline.runtime import (
+    RunConfigConflictError,
+    RunIdCaseError,
+    create_run,
+    effective_run_config,
+    newest_change_number,
+)
 from schemas.config import RunConfig
 from schemas.events import RunConfigChanged, RunStarted
 
@@ -121,6 +127,20 @@ def test_safe_changes_are_allowed_and_recorded_once(store: ObjectStore) -> None:
     # Where the run's parts connect (broker, store, health ports) is not part of its definition.
     moved = config(bus={"bootstrap_servers": "kafka:9092"}, learner={"health_port": 9100})
     assert create_run(store, moved, "tiny")[2] is None
+
+
+def test_the_newest_change_number_is_listed_even_when_its_record_cannot_be_read(tmp_path: Path) -> None:
+    """0 before any change; then the newest change's number, from the listing alone: change 2's record damaged
+    makes the run's configuration unreadable, not its number."""
+    store = ObjectStore(tmp_path.as_uri())
+    create_run(store, config(), "tiny")
+    assert newest_change_number(store, "r1") == 0
+    create_run(store, config(learner={"max_steps": 40}), "tiny")
+    key = create_run(store, config(learner={"max_steps": 60}), "tiny")[0]
+    store.put(key, b"{not json")
+    with pytest.raises(ValueError, match=r"000002\.json unreadable"):
+        effective_run_config(store, "r1")
+    assert newest_change_number(store, "r1") == 2
 
 
 @pytest.mark.parametrize("damage", [b"[1, 2]", b"{not json"])

@@ -920,6 +920,7 @@ def test_a_change_whose_record_is_not_the_one_announced_leaves_the_run_without_a
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert [w.split(",")[0] for w in warnings] == ["run a's configuration changed", "run c's configuration changed"]
     assert "checksum mismatch" in warnings[0] and "no object" in warnings[1], warnings
+    assert all("it changed learner.max_steps" in w and "keeps the run unbounded" in w for w in warnings), warnings
     lines = [line.split("  ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("run a ")]
     assert lines == ["step 2/∞"], lines
 
@@ -1032,7 +1033,8 @@ def test_an_unreadable_change_read_before_the_budget_change_it_follows_leaves_th
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Change 000001 raises run a's budget from 2 to 6; 000002 changes only the learning rate and its record cannot
     be read.  Read 2 first, its changes say nothing of the budget the launch follows (run.json's, 2), only of
-    000001's: the run is left without a budget, so step 2 is no end, and 000001, read after, is older and ignored."""
+    000001's: the run is left without a budget, so step 2 is no end, and 000001, read after, is older and ignored.
+    Each warning says which of the two happened."""
     from pipeline.runtime import create_run, open_store
 
     fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
@@ -1046,8 +1048,10 @@ def test_an_unreadable_change_read_before_the_budget_change_it_follows_leaves_th
     fake.on_control(raised, published)
     fake.stop_finished_runs(published)
     assert published.events == [] and fake.unbounded == {"a"}
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "does not stop it at its step budget" in warning, warning
+    unbounded, ignored = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "read before change 1" in unbounded and "keeps the run unbounded" in unbounded, unbounded
+    assert "000001.json" in ignored and "follows change 2" in ignored and "ignored" in ignored, ignored
+    assert "unbounded" not in ignored and "ignored" not in unbounded
 
 
 def test_an_unreadable_change_read_after_the_budget_change_it_follows_keeps_that_budget(tmp_path: Path) -> None:
@@ -1128,3 +1132,81 @@ def test_a_launcher_of_packed_runs_sets_up_its_feed_with_a_view_per_run(
     assert [path.parent.name for path in fed.config_paths] == ["a", "b"]
     with pytest.raises(ValueError, match="no run"):
         launcher.Launcher([], dashboard=False)
+
+
+def started_with_an_unreadable_newest_change(fake: launcher.Launcher, run: str, published: Published):
+    """``run``'s changes 000001 (budget 4) and 000002 (budget 6) in the store, 000002's record then damaged, and
+    ``rlpipe runs resume``'s ``RunStarted`` of ``run`` read by the feed; 000001's event, and a function that mends
+    000002's record."""
+    from pipeline.runtime import open_store
+    from schemas.events import RunStarted, make_event
+
+    store = open_store(fake.config.store)
+    first, second = budget_changed(fake, run, 4), budget_changed(fake, run, 6)
+    key = second.payload.config_path
+    record = store.get(key)
+    store.put(key, b"{not json")
+    started = RunStarted(config_path=key, config_sha256=second.payload.config_sha256, env="cartpole",
+                         base_model="tiny")
+    fake.on_control(make_event(run, started), published)
+    return first, lambda: store.put(key, record)
+
+
+def test_a_change_older_than_an_unreadable_starts_newest_is_ignored(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Run a is started again while its newest change, 000002 (budget 6), cannot be read: the run is kept unbounded,
+    and the listing of its changes still says 000002 is the newest, so 000001's event (budget 4), read after, is
+    older and ignored (step 4 is no end), with a warning that says so.  A later change (000003, budget 8, once 000002
+    is mended) bounds the run again."""
+    from pipeline.runtime import create_run, open_store
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    create_run(open_store(fake.config.store), fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    with caplog.at_level(logging.WARNING, logger="rlpipe.run"):
+        first, mend = started_with_an_unreadable_newest_change(fake, "a", published)
+        fake.on_control(first, published)
+    fake.on_control(make_checkpoint("a", 4), published)
+    fake.stop_finished_runs(published)
+    assert published.events == [] and fake.unbounded == {"a"} and fake.applied_changes == {"a": 2}
+    assert step_budget(fake.configs[0]) == 2, "the launch's configuration, kept apart as unbounded"
+    started, ignored = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "run a was started again" in started and "unbounded" in started, started
+    assert "000001.json" in ignored and "change 2" in ignored and "ignored" in ignored, ignored
+    mend()
+    fake.on_control(budget_changed(fake, "a", 8), published)
+    fake.on_control(make_checkpoint("a", 6), published)
+    assert published.events == [] and fake.unbounded == set() and fake.applied_changes == {"a": 3}
+    fake.on_control(make_checkpoint("a", 8), published)
+    assert [(e.run_id, e.payload.final_step) for e in published.events] == [("a", 8)]
+
+
+def test_an_unreadable_change_that_leaves_the_budget_alone_keeps_an_unreadable_starts_run_unbounded(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """After a start whose newest change (000002) cannot be read, change 000003 (learning rate only, its record
+    unreadable too) is the next one: it leaves the budget alone, and that budget is none, so the run stays
+    unbounded (its warning says so) rather than going back to the launch's budget 2."""
+    from pipeline.runtime import create_run, open_store, record_config_change
+    from schemas.events import make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    store = open_store(fake.config.store)
+    config = fake.configs[0]
+    create_run(store, config, "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    _, mend = started_with_an_unreadable_newest_change(fake, "a", published)
+    mend()  # 000003 is recorded on top of it; its own record is the unreadable one
+    faster = config.model_copy(update={"learner": config.learner.model_copy(
+        update={"max_steps": 6, "learning_rate": 3e-5})})
+    _, _, change = record_config_change(store, faster)
+    assert change.config_path.endswith("000003.json") and [c.field for c in change.changes] == [
+        "learner.learning_rate"]
+    with caplog.at_level(logging.WARNING, logger="rlpipe.run"):
+        fake.on_control(make_event("a", change.model_copy(update={"config_sha256": "0" * 64})), published)
+    fake.on_control(make_checkpoint("a", 2), published)
+    fake.stop_finished_runs(published)
+    assert published.events == [] and fake.unbounded == {"a"} and fake.applied_changes == {"a": 3}
+    *_, warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "checksum mismatch" in warning and "stays unbounded" in warning, warning
