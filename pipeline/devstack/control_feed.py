@@ -226,13 +226,13 @@ class ControlFeed:
             self.stop_if_finished(publisher, followed)
 
     def older_change(self, run_id: str, key: str, number: int, applied: int) -> None:
-        """The change at ``key`` (``number``) is no later than the newest one read (``applied``): it is ignored, with
-        a warning when it is older (a process restarted with a configuration the store has since changed again)."""
+        """The change at ``key`` (``number``) is no later than the newest one read (``applied``): it is ignored.  An
+        info line: two processes' events arriving in either order is normal, and the budget followed is right."""
         if number == applied:
             log.info("run %s: %s is the configuration change this launch follows already", run_id, key)
             return
-        log.warning("run %s's configuration changed (%s), but this launch follows change %d, a later one: this "
-                    "older change is ignored", run_id, key, applied)
+        log.info("run %s's configuration changed (%s), but this launch follows change %d, a later one: this older "
+                 "change is ignored", run_id, key, applied)
 
     def budget_doubt(self, run_id: str, number: int | None, change: RunConfigChanged) -> str | None:
         """Why ``change`` (the run's change ``number``, None when it is none of the run's) may give ``run_id``
