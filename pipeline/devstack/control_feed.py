@@ -66,6 +66,9 @@ class ControlFeed:
         # per run, the number of the newest configuration change followed (``change_number``; 0: ``run.json``):
         # an older change's event, read after it, is ignored
         self.applied_changes: dict[str, int] = {}
+        # per run, a number in applied_changes taken from the listing of its changes alone (``newest_listed_change``):
+        # that change's own event is still read
+        self.unread_changes: dict[str, int] = {}
         self.views(dashboard)
 
     def views(self, dashboard: bool) -> None:
@@ -188,14 +191,16 @@ class ControlFeed:
         """Take the number of ``run_id``'s newest change from the listing of its changes (``newest_change_number``),
         which names it even when its record cannot be read: an older change's event read after it is then ignored,
         as it would be had the stored configuration been read, and does not set a budget the store has since
-        changed.  The run stays ``unbounded`` until a later change is followed."""
+        changed.  The run stays ``unbounded`` until that change's own event (``unread_changes``) or a later change is
+        followed."""
         launched = self.launched(run_id)
         try:
             newest = newest_change_number(open_store(launched.store), run_id)
         except Exception as exc:  # the store unreachable (any backend's error), or a stray file among the changes
             log.debug("newest change of %s: %s", run_id, exc)
             return
-        self.applied_changes[run_id] = max(newest, self.applied_changes.get(run_id, 0))
+        if newest > self.applied_changes.get(run_id, 0):
+            self.applied_changes[run_id] = self.unread_changes[run_id] = newest
 
     def config_changed(self, run_id: str, change: RunConfigChanged, publisher: EventPublisher) -> None:
         """A ``RunConfigChanged`` of ``run_id``: a process restarted on the run records and announces the
@@ -209,7 +214,7 @@ class ControlFeed:
         except ValueError:  # not one of the run's changes: refused by changed_run_config, said in the warning
             number = None
         applied = self.applied_changes.get(run_id, 0)
-        if number is not None and number <= applied:
+        if number is not None and number <= applied and number != self.unread_changes.get(run_id):
             self.older_change(run_id, change.config_path, number, applied)
             return
         launched = self.launched(run_id)
@@ -243,7 +248,7 @@ class ControlFeed:
         budget_fields = [field.field for field in change.changes if field.field in STEP_BUDGET_FIELDS]
         if budget_fields:
             return f"it changed {', '.join(budget_fields)}, so its new step budget is unknown"
-        if number is None:
+        if number is None or number == self.unread_changes.get(run_id):
             return "its step budget is unknown"
         before = number - 1
         if before != self.applied_changes.get(run_id, 0):
@@ -267,6 +272,7 @@ class ControlFeed:
             self.unreadable_config(run_id, what, exc, restart, budget_doubt)
             return None
         self.applied_changes[run_id] = number
+        self.unread_changes.pop(run_id, None)
         index = self.configs.index(self.launched(run_id))
         self.configs[index] = config  # the stack, the logs and the processes stay the launch's (``self.config``)
         self.boards[run_id].silent_after_s = silent_after_s(config)

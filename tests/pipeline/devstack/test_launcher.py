@@ -113,7 +113,7 @@ def packed_launcher(root: Path, budgets: dict[str, int]) -> launcher.Launcher:
     fake.configs, fake.config = configs, configs[0]
     fake.boards = {c.run_id: Dashboard() for c in configs}
     fake.live, fake.step_lines = False, {}  # no view: the tests that want one set it up (``Launcher.views``)
-    fake.stopped, fake.unbounded, fake.applied_changes = {}, set(), {}
+    fake.stopped, fake.unbounded, fake.applied_changes, fake.unread_changes = {}, set(), {}, {}
     fake.producers_exited = fake.producers_done = False
     fake.catch_ups, fake.control_start_P = {}, {}
     return fake
@@ -1182,6 +1182,36 @@ def test_a_change_older_than_an_unreadable_starts_newest_is_ignored(
     assert published.events == [] and fake.unbounded == set() and fake.applied_changes == {"a": 3}
     fake.on_control(make_checkpoint("a", 8), published)
     assert [(e.run_id, e.payload.final_step) for e in published.events] == [("a", 8)]
+
+
+def test_the_newest_change_a_start_could_not_read_is_followed_when_its_own_event_comes(tmp_path: Path) -> None:
+    """Run a is started again while its newest change, 000002 (budget 6), cannot be read (a store that failed for a
+    moment): the run is kept unbounded.  000002's own event, read once its record can be read again, is no older than
+    the change the listing named, but it was never read: it is followed, and bounds the run at 6."""
+    from pipeline.runtime import create_run, open_store
+    from schemas.events import RunStarted, make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    store = open_store(fake.config.store)
+    create_run(store, fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    budget_changed(fake, "a", 4)
+    second = budget_changed(fake, "a", 6)
+    key = second.payload.config_path
+    record = store.get(key)
+    store.put(key, b"{not json")
+    fake.on_control(make_event("a", RunStarted(config_path=key, config_sha256=second.payload.config_sha256,
+                                               env="cartpole", base_model="tiny")), published)
+    assert fake.unbounded == {"a"}
+    store.put(key, record)
+    fake.on_control(second, published)
+    assert fake.unbounded == set() and fake.applied_changes == {"a": 2}
+    fake.on_control(make_checkpoint("a", 4), published)
+    fake.stop_finished_runs(published)
+    assert published.events == []
+    fake.on_control(make_checkpoint("a", 6), published)
+    assert [(e.run_id, e.payload.final_step) for e in published.events] == [("a", 6)]
 
 
 def test_an_unreadable_change_that_leaves_the_budget_alone_keeps_an_unreadable_starts_run_unbounded(
