@@ -40,10 +40,12 @@ With ``--direct-port`` the sampler also takes calls straight from the gateway
 the poll without waiting for two broker hops); a call that arrives both ways runs
 once, as one task per request id.
 
-Every ``sample`` call is noted with its session, wall-clock span (from the engine
-call to its return, so the time a call waits for a batch counts) and sampled tokens
-in the engine's activity (``pipeline.api.activity``), which ``rlpipe report --server``
-draws as the sampler's duty cycle.
+Every ``sample`` call that ran a round is noted with its session, wall-clock span
+(from its first engine call to its return, so the time a call waits for a batch
+counts) and sampled tokens in the engine's activity (``pipeline.api.activity``),
+which ``rlpipe report --server`` draws as the sampler's duty cycle: a call stopped
+because its client went, or failed in the engine, too, up to its stop, with the
+tokens its rounds drew.
 """
 
 from __future__ import annotations
@@ -296,16 +298,12 @@ class SamplerWorker:
             latest = await self._latest_inflight(str(record["run"])) if record.get("kind") == "inflight" else None
             key = (str(record["run"]), sampled_version(record, latest))
         adapter = None if key is None else await self._acquire(key)
-        started, wall = time.perf_counter(), time.time()
         try:
             result = await self._sample_in_rounds(request.prompt.to_ints(), adapter, params, call)
         finally:
             if key is not None:
                 self._in_use[key] -= 1
                 await self._evict()
-        if self.activity is not None:
-            self.activity.record(call.session_id, call.tenant, call.op, wall, wall + time.perf_counter() - started,
-                                 sum(len(sample.token_ids) for sample in result.sequences))
         sequences = [cut_at_stop_strings(sample, strings, self.decode) for sample in result.sequences]
         last_n = request.prompt_logprobs_last_n  # only the last N are asked for (the top-k rows' too)
         answer = SampleResult(sequences, only_last(result.prompt_logprobs, last_n),
@@ -320,21 +318,39 @@ class SamplerWorker:
         samples takes turns with the calls that arrive meanwhile instead of holding the engine until it ends.
         Round k draws streams k * CALL_ROUND_SAMPLES on, so a seeded call draws what it would in one piece.
         Each round is the call's tenant's (the engine's ``owner``): a tenant's many calls take turns with
-        another's.  Before each round the call's client is looked for (``_check_client``)."""
+        another's.  Before each round the call's client is looked for (``_check_client``).
+
+        A call that ran a round is noted in the engine's activity whatever its outcome, from its first round's start
+        to its return, its stop or its failure, with the tokens its rounds drew: a call stopped because its client
+        went kept the engine busy for the rounds it ran, though its samples are dropped."""
         sequences: list[SampleOutput] = []
         scored = SampleResult([])
-        for first in range(0, params.num_samples, CALL_ROUND_SAMPLES):  # the prompt is scored in the first round
-            await self._check_client(call, first, params.num_samples)
-            log.debug("sample %s of session %s: round %d of %d", call.request_id, call.session_id,
-                      first // CALL_ROUND_SAMPLES + 1, math.ceil(params.num_samples / CALL_ROUND_SAMPLES))
-            part = dataclasses.replace(params, num_samples=min(CALL_ROUND_SAMPLES, params.num_samples - first),
-                                       first_stream=params.first_stream + first,
-                                       prompt_logprobs=params.prompt_logprobs and first == 0,
-                                       topk_prompt_logprobs=params.topk_prompt_logprobs if first == 0 else 0)
-            result = await self.engine.sample(prompt, adapter, part, owner=call.tenant)
-            sequences += result.sequences
-            scored = result if first == 0 else scored
+        began: tuple[float, float] | None = None  # (time.time(), time.perf_counter()) at the first round's start
+        try:
+            for first in range(0, params.num_samples, CALL_ROUND_SAMPLES):  # the prompt is scored in the first round
+                await self._check_client(call, first, params.num_samples)
+                log.debug("sample %s of session %s: round %d of %d", call.request_id, call.session_id,
+                          first // CALL_ROUND_SAMPLES + 1, math.ceil(params.num_samples / CALL_ROUND_SAMPLES))
+                part = dataclasses.replace(params, num_samples=min(CALL_ROUND_SAMPLES, params.num_samples - first),
+                                           first_stream=params.first_stream + first,
+                                           prompt_logprobs=params.prompt_logprobs and first == 0,
+                                           topk_prompt_logprobs=params.topk_prompt_logprobs if first == 0 else 0)
+                began = began or (time.time(), time.perf_counter())
+                result = await self.engine.sample(prompt, adapter, part, owner=call.tenant)
+                sequences += result.sequences
+                scored = result if first == 0 else scored
+        finally:
+            if began is not None:
+                self._note_activity(call, began, sequences)
         return SampleResult(sequences, scored.prompt_logprobs, scored.topk_prompt_logprobs)
+
+    def _note_activity(self, call: ApiRequestAccepted, began: tuple[float, float],
+                       sequences: list[SampleOutput]) -> None:
+        """Note a call's busy span (from ``began``, a (wall, perf_counter) pair, to now) and drawn tokens."""
+        if self.activity is not None:
+            wall, started = began
+            self.activity.record(call.session_id, call.tenant, call.op, wall, wall + time.perf_counter() - started,
+                                 sum(len(sample.token_ids) for sample in sequences))
 
     async def _check_client(self, call: ApiRequestAccepted, drawn: int, wanted: int) -> None:
         """Raise a user ``ApiError`` when nobody waits for the call's samples any more: its session ended or its

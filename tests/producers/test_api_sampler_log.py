@@ -21,7 +21,9 @@ from transformers import AutoTokenizer
 from consumers.api import saves
 from consumers.api.worker import TrainerWorker
 from consumers.engine import TrainingEngine
+from pipeline.analysis.report.server import server_duty_cycle
 from pipeline.api import lifecycle
+from pipeline.api.activity import ActivityRecorder, read_activity
 from pipeline.api.engines import engine_group
 from pipeline.api.gateway import Gateway, NotFoundError, ServedModel
 from pipeline.api.liveness import ClientPresence
@@ -410,28 +412,55 @@ def test_a_calls_answer_is_encoded_off_the_event_loop_every_call_shares(harness,
     assert len(encoded_on) == 1 and encoded_on[0] != threading.get_ident()  # asyncio.run's loop runs on this thread
 
 
+def _recorded_activity(harness) -> ObjectStore:
+    """Give the harness's sampler an activity recorder of its own store (closed with the sampler); that store."""
+    activity_store = ObjectStore(f"memory://sampler-activity-{uuid.uuid4().hex}")
+    harness.sampler.activity = ActivityRecorder(activity_store, "sampler", "test", flush_every_s=3600.0)
+    return activity_store
+
+
 def test_a_call_whose_session_ends_between_rounds_stops_and_fails_as_the_users(harness, monkeypatch):
     """A client gone (its session finished) leaves nobody to read its samples: the sampler looks at the session
     before every round, so a call of 40 samples (rounds of 16, 16 and 8) whose session ends during its first round
-    draws no second round and fails as the user's, naming the end; the samples drawn are not returned."""
+    draws no second round and fails as the user's, naming the end; the samples drawn are not returned.  The round
+    it drew kept the engine busy: the call is in the sampler's activity, from that round's start to the stop, with
+    the tokens the round drew, and the server report gives the session that busy time."""
     sampler_id = harness.gateway.create_sampling_session(TENANT, harness.session, 0, harness.base_model, None)
     harness.sampler.presence.check_s = 0.0  # every round reads the session's records
+    activity_store = _recorded_activity(harness)
     rounds: list[int] = []
+    drawn_tokens: list[int] = []
+    spans: list[tuple[float, float]] = []  # wall-clock span of each engine call
     sample = harness.engine.sample
 
     async def ends_the_session(prompt, adapter, params, owner=None):
         rounds.append(params.first_stream)
+        began = time.time()
         result = await sample(prompt, adapter, params, owner=owner)
+        spans.append((began, time.time()))
+        drawn_tokens.append(sum(len(s.token_ids) for s in result.sequences))
         harness.gateway.finish(TENANT, harness.session, "success")  # the client closed while the round ran
         return result
 
     monkeypatch.setattr(harness.engine, "sample", ends_the_session)
+    asked = time.time()
     data, fmt = harness.run([harness.sample(sampler_id, 0, sample_request([], seed=5, num_samples=40))])[0]
+    answered = time.time()
     answer = json.loads(data)
     assert rounds == [0]  # 3 rounds without the check
     assert fmt == "json" and answer["category"] == "user"
     assert f"session {harness.session} ended (finished: success)" in answer["error"]
     assert "16 of 40 samples" in answer["error"]
+
+    harness.sampler.activity.flush()
+    (stopped,) = read_activity(activity_store)
+    assert (stopped.session, stopped.tenant, stopped.op, stopped.kind) == (harness.session, TENANT, "sample", "sampler")
+    assert stopped.tokens == drawn_tokens[0] > 0  # drawn by the engine, though not returned
+    (round_start, round_end), = spans
+    assert asked <= stopped.start <= round_start and round_end <= stopped.end <= answered
+    (lane,) = server_duty_cycle([stopped])["lanes"]
+    assert lane["calls_by_run"] == {harness.session: 1} and lane["tokens_by_run"] == {harness.session: drawn_tokens[0]}
+    assert lane["busy_fraction_by_run"] == {harness.session: 1.0}  # the window is the call's own span
 
 
 def test_queued_calls_of_an_ended_or_lapsed_session_are_not_sampled(harness, monkeypatch):
@@ -462,6 +491,7 @@ def test_queued_calls_of_an_ended_or_lapsed_session_are_not_sampled(harness, mon
         return await sample(prompt, adapter, params, owner=owner)
 
     monkeypatch.setattr(harness.engine, "sample", recorded)
+    activity_store = _recorded_activity(harness)
     (ended_data, ended_fmt), (stale_data, stale_fmt), (lapsed_data, lapsed_fmt), (_, live_fmt) = harness.run(calls)
     assert (ended_fmt, stale_fmt, lapsed_fmt, live_fmt) == ("json", "json", "json", "pb")
     assert sampled == [16, 4]  # the live call's two rounds only
@@ -474,3 +504,5 @@ def test_queued_calls_of_an_ended_or_lapsed_session_are_not_sampled(harness, mon
     assert f"session {watched_lapse} sent no heartbeat for {SESSION_TIMEOUT_S + 12:.0f} s" in lapsed_error["error"]
     for error in (stale_error, lapsed_error):
         assert "0 of 20 samples" in error["error"] and "retry the call" in error["error"]
+    harness.sampler.activity.flush()  # the engine ran only the live session's call: only it kept it busy
+    assert [(a.session, a.op) for a in read_activity(activity_store)] == [(sessions[3], "sample")]
