@@ -33,6 +33,7 @@ import torch
 from tinker import types
 
 from consumers.engine_data import Datum
+from pipeline.api.wire import not_finite_loss_config
 from schemas.adam import FLOAT32_MAX
 from schemas.api import ApiError
 from schemas.names import echoed
@@ -88,7 +89,7 @@ def _number(key: str, value: float | str) -> float:
     except (TypeError, ValueError):
         number = math.nan
     if not math.isfinite(number):
-        raise ApiError(f"loss_fn_config {key}={echoed(value)} is not a finite number; check the code that computes it")
+        raise ApiError(not_finite_loss_config(key, value))  # (the gateway refuses NaN and infinity so too)
     if abs(number) > FLOAT32_MAX:  # the losses compute in float32, where torch cannot hold it
         raise ApiError(f"loss_fn_config {key}={echoed(value)} is beyond float32's {FLOAT32_MAX:g}, the precision the "
                        "losses compute in; use a number within it")

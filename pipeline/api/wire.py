@@ -28,7 +28,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as public_pb
 
 from schemas.api import ApiError, model_run_name
-from schemas.names import InvalidNameError, echoed, validate_name
+from schemas.names import MAX_ECHOED, InvalidNameError, echoed, validate_name
 
 PROTOBUF = "application/x-protobuf"
 _DTYPES: dict[int, tuple[np.dtype, str]] = {
@@ -162,14 +162,29 @@ def _loss_fn_config(msg: public_pb.ForwardBackwardRequest) -> dict[str, float | 
     return config or None
 
 
-def forward_backward_header(body: bytes) -> tuple[str, int | None]:
-    """Only ``(model_id, seq_id)`` of a protobuf ``ForwardBackwardRequest`` (the gateway needs no more)."""
+def not_finite_loss_config(key: str, value: object) -> str:
+    """The one line refusing ``loss_fn_config`` value ``value`` of ``key``: the gateway's (a NaN or infinity, which
+    the SDK's protobuf carries as it is) and the trainer's (any value that is no finite number) words."""
+    shown = key if len(key) <= MAX_ECHOED else key[:MAX_ECHOED] + "…"  # the client's, of any length
+    return f"loss_fn_config {shown}={echoed(value)} is not a finite number; check the code that computes it"
+
+
+def forward_backward_header(body: bytes, check_loss_fn_config: bool = False) -> tuple[str, int | None]:
+    """Only ``(model_id, seq_id)`` of a protobuf ``ForwardBackwardRequest`` (the gateway needs no more).
+
+    ``check_loss_fn_config``: first refuse a ``loss_fn_config`` number that is not finite (``ApiError`` naming the
+    key), so the gateway answers it at once rather than the trainer failing the call's future; the body is parsed
+    whole here anyway.  Text values and the loss's keys are the trainer's to judge (``consumers.api.translate``)."""
     msg = public_pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception:  # protobuf's DecodeError
         raise ApiError("forward_backward body is not a protobuf ForwardBackwardRequest; use the tinker SDK "
                        ">= 0.25 (Content-Type: application/x-protobuf)") from None
+    if check_loss_fn_config:
+        for key, value in (_loss_fn_config(msg) or {}).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ApiError(not_finite_loss_config(key, value))
     return msg.model_id, msg.seq_id or None
 
 

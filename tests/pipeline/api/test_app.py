@@ -286,6 +286,28 @@ def test_a_numbered_call_refused_here_is_still_logged_as_failing(api):
     assert len([e for _, e in api.published if e.payload.refused is not None]) == 2
 
 
+def test_a_forward_backward_with_a_not_finite_loss_fn_config_is_a_400_logged_as_refused(api):
+    """NaN and infinity arrive in the SDK's protobuf as they are: the gateway answers 400 in one line naming the key
+    (the trainer's words) and logs the call as refused for its seq_id.  The SDK sends no JSON forward_backward; a
+    JSON one is refused in one line too, whatever its loss_fn_config holds."""
+    session = _session(api)
+    model_id = _create(api, session).json()["model_id"]
+    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]})
+    fb = types.ForwardBackwardRequest(types.ForwardBackwardInput([datum], "dro", {"beta": math.nan}), model_id, 1)
+    refused = api.post("/api/v1/forward_backward", headers={**ALICE, "Content-Type": "application/x-protobuf"},
+                       content=forward_backward_request_to_proto(fb).SerializeToString())
+    line = "loss_fn_config beta=nan is not a finite number; check the code that computes it"
+    assert refused.status_code == 400 and refused.json() == {"error": line, "category": "user"}, refused.text
+    logged = [event.payload for _, event in api.published if event.payload.refused is not None]
+    assert [(p.op, p.seq_id, p.refused) for p in logged] == [("forward_backward", 1, line)]
+    for beta in ("NaN", "null"):
+        as_json = api.post("/api/v1/forward_backward", headers={**ALICE, "Content-Type": "application/json"},
+                           content=f'{{"model_id": "{model_id}", "seq_id": 2, "forward_backward_input": {{"data": [], '
+                                   f'"loss_fn": "dro", "loss_fn_config": {{"beta": {beta}}}}}}}'.encode())
+        assert as_json.status_code == 400 and as_json.json()["category"] == "user"
+        assert "protobuf" in as_json.json()["error"] and "\n" not in as_json.json()["error"]
+
+
 def test_a_load_into_a_training_client_of_what_is_no_training_state_path_is_a_400_logged_as_refused(api):
     """load_state(path) names a path the trainer would refuse whatever was saved meanwhile (no tinker:// path, or not a
     weights/ path): answered 400 at once, and logged as refused so the client's later calls go on."""

@@ -17,6 +17,7 @@ from pipeline.api.wire import (
     check_seq,
     decode_forward_backward,
     encode_forward_backward_output,
+    forward_backward_header,
     numbered_call,
     parse_body,
     parse_tinker_path,
@@ -50,14 +51,43 @@ def test_forward_backward_request_round_trips_through_the_sdk_encoder():
 
 
 def test_a_not_finite_loss_fn_config_value_arrives_as_the_sdk_sent_it():
-    """The SDK's protobuf carries NaN and infinity as they are (no null, as in its JSON calls): the trainer's check
-    of the loss's configuration (``consumers.api.translate``) sees and names them."""
+    """The SDK's protobuf carries NaN and infinity as they are (no null, as in its JSON calls): the gateway refuses
+    them (below), and the trainer's check of the loss's configuration (``consumers.api.translate``) sees and names
+    them in a call logged before."""
     sent = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[], loss_fn="ppo", loss_fn_config={
             "clip_low_threshold": math.nan, "clip_high_threshold": math.inf}), model_id="sess-a:train:0", seq_id=1)
     received, _ = decode_forward_backward(forward_backward_request_to_proto(sent).SerializeToString())
     config = received.forward_backward_input.loss_fn_config
     assert math.isnan(config["clip_low_threshold"]) and config["clip_high_threshold"] == math.inf
+
+
+def _forward_backward_body(loss_fn_config) -> bytes:
+    return forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[], loss_fn="ppo", loss_fn_config=loss_fn_config),
+        model_id="sess-a:train:0", seq_id=3)).SerializeToString()
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_not_finite_loss_fn_config_value_is_refused_at_the_gateway_in_the_trainers_words(value):
+    """The gateway reads the header of every forward_backward: one whose loss_fn_config holds a non-finite number
+    is refused there in one line naming the key (the trainer's words), instead of failing its future later; the
+    header alone still reads, so the refusal is logged for its seq_id."""
+    body = _forward_backward_body({"clip_low_threshold": 0.8, "clip_high_threshold": value})
+    with pytest.raises(ApiError) as refused:
+        forward_backward_header(body, check_loss_fn_config=True)
+    assert str(refused.value) == (f"loss_fn_config clip_high_threshold={value!r} is not a finite number; check the "
+                                  "code that computes it")
+    assert refused.value.category == "user"
+    assert forward_backward_header(body) == ("sess-a:train:0", 3)
+    assert numbered_call(body, "pb") == ("sess-a:train:0", 3)
+
+
+def test_a_finite_or_text_loss_fn_config_passes_the_gateway_and_the_trainer_judges_it():
+    """Finite numbers pass; a text value (loss_fn_config_v2) is the trainer's to judge, knowing the loss's keys."""
+    for config in (None, {"clip_low_threshold": 0.7, "clip_high_threshold": 1e30}, {"beta": "x"}):
+        assert forward_backward_header(_forward_backward_body(config), check_loss_fn_config=True) == (
+            "sess-a:train:0", 3)
 
 
 def test_garbage_body_is_a_user_error():
