@@ -830,11 +830,13 @@ def test_external_weights_are_the_adapters_peft_folder_with_its_ttl_and_a_taken_
 BOB = "t-bob"
 
 
-def load_as(harness: Harness, session: str, seq: int, path: str) -> tuple[str, str]:
-    """Bob's new training client ``seq`` of ``session`` started from ``path`` (load_weights); (request id, model)."""
-    model_id = harness.gateway.register_model(BOB, session, seq, harness.base_model, 4, {}, None)
-    body = types.LoadWeightsRequest(path=path, session_id=session, model_seq_id=seq, optimizer=False)
-    return harness.gateway.submit(BOB, "load_weights", model_id, None, body.model_dump_json().encode()), model_id
+def load_as(harness: Harness, session: str, seq: int, path: str, tenant: str = BOB,
+            optimizer: bool = False) -> tuple[str, str]:
+    """A new training client ``seq`` of ``session`` (Bob's unless ``tenant``) started from ``path`` (load_weights);
+    (request id, model)."""
+    model_id = harness.gateway.register_model(tenant, session, seq, harness.base_model, 4, {}, None)
+    body = types.LoadWeightsRequest(path=path, session_id=session, model_seq_id=seq, optimizer=optimizer)
+    return harness.gateway.submit(tenant, "load_weights", model_id, None, body.model_dump_json().encode()), model_id
 
 
 def step_until(trainer: TrainerWorker, done: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -970,6 +972,65 @@ def test_a_replayed_load_whose_answer_names_no_source_is_checked_as_a_new_one(ha
     probe = harness.gateway.submit(bob, "forward_backward", bob_model, 1, _fb(bob_model, 1, [_datum(5)]), "pb")
     run_until(restarted, harness, [probe], tenant=bob)
     assert "does not exist" in json.loads(harness.result(probe, bob)[0])["error"]
+    restarted.close()
+
+
+def no_idle_folds(trainer: TrainerWorker) -> TrainerWorker:
+    """``trainer`` folding only when a call makes it (a load), never for being idle or after many calls."""
+    trainer.fold_idle_s, trainer.fold_every = float("inf"), 1_000_000
+    return trainer
+
+
+def test_a_client_started_from_a_state_saved_again_since_comes_back_from_its_own_fold(harness):
+    """Alice's second training client starts from her `latest` (with its optimizer) and trains; her first client
+    then saves `latest` again.  The second client was folded right after its load, so a trainer killed now brings
+    it back from that fold and its calls since, with the weights it had, and never reads `latest` again."""
+    trainer = no_idle_folds(harness.trainer())
+    model_id = harness.create()
+    train_and_save(harness, trainer, model_id, 3, "latest")  # seq_ids 1 to 3
+    load, second = load_as(harness, harness.session, 1, f"tinker://{model_id}/weights/latest", TENANT, True)
+    run_until(trainer, harness, [load])
+    run_until(trainer, harness, [
+        harness.gateway.submit(TENANT, "forward_backward", second, 1, _fb(second, 1, [_datum(4)]), "pb"),
+        harness.gateway.submit(TENANT, "optim_step", second, 2, _optim(second, 2))])
+    run_until(trainer, harness, [
+        harness.gateway.submit(TENANT, "forward_backward", model_id, 4, _fb(model_id, 4, [_datum(5)]), "pb"),
+        harness.gateway.submit(TENANT, "optim_step", model_id, 5, _optim(model_id, 5)),
+        harness.gateway.submit(TENANT, "save_weights", model_id, 6, _save(model_id, 6, "latest", overwrite=True))])
+    assert json.loads(harness.store.get(f"sessions/{harness.session}/models/1.fold.json"))["seq_id"] == 0
+    second_weights = trainer.engine.weights(model_run_name(second))
+    abandon(trainer)  # killed: only the load's fold was written, nothing committed
+    restarted = harness.trainer()
+    probe = harness.gateway.submit(TENANT, "forward_backward", second, 3, _fb(second, 3, [_datum(6)]), "pb")
+    run_until(restarted, harness, [probe])
+    data, fmt = harness.result(probe)
+    assert fmt == "pb", data  # its output, not an error
+    assert_same(restarted.engine.weights(model_run_name(second)), second_weights)  # (a forward_backward: no step)
+    restarted.close()
+
+
+def test_a_trainer_killed_between_a_loads_answer_and_its_fold_replays_the_load_and_its_calls_say_why_it_failed(
+        harness, monkeypatch):
+    """The load is answered before its fold is written: a trainer killed between the two replays the load from
+    the log, with the check that its state is the one it loaded then.  That state deleted since, the client's
+    next call names that cause and the way out, not a model that does not exist."""
+    trainer = no_idle_folds(harness.trainer())
+    model_id = harness.create()
+    train_and_save(harness, trainer, model_id, 3, "latest")
+    load, second = load_as(harness, harness.session, 1, f"tinker://{model_id}/weights/latest", TENANT)
+    dies_at_put(monkeypatch, harness.store, f"{harness.session}/models/1.fold.json")
+    with pytest.raises(Killed):
+        run_until(trainer, harness, [load])
+    monkeypatch.undo()
+    abandon(trainer)
+    assert "error" not in json.loads(harness.result(load)[0])  # answered before the kill
+    harness.gateway.delete_checkpoint(TENANT, model_id, "weights/latest")
+    restarted = harness.trainer()
+    probe = harness.gateway.submit(TENANT, "forward_backward", second, 1, _fb(second, 1, [_datum(6)]), "pb")
+    run_until(restarted, harness, [probe])
+    error = json.loads(harness.result(probe)[0])["error"]
+    assert "saved again, deleted or expired" in error and "load_weights" in error, error
+    assert "create_training_client_from_state" in error and "does not exist" not in error and "\n" not in error
     restarted.close()
 
 
