@@ -111,19 +111,25 @@ class TenantQuota:
             self.store.delete(f"{_folder(kind)}/{tenant}/{name}", missing_ok=True)
             raise self._refusal(kind, held - 1)
 
-    def _limit(self, kind: str) -> tuple[int, str, str]:
-        """The limit of ``kind`` (sessions, models or samplers), its setting, and what it counts."""
+    def _limit(self, kind: str) -> tuple[int, str, tuple[str, str]]:
+        """The limit of ``kind`` (sessions, models or samplers), its setting, and what it counts (one, several)."""
         return {
-            "sessions": (self.limits.max_sessions, MAX_SESSIONS_ENV, "sessions"),
-            "models": (self.limits.max_models, MAX_MODELS_ENV, "training clients in sessions"),
-            "samplers": (self.limits.max_sampling_sessions, MAX_SAMPLING_SESSIONS_ENV, "sampling sessions in sessions"),
+            "sessions": (self.limits.max_sessions, MAX_SESSIONS_ENV, ("session", "sessions")),
+            "models": (self.limits.max_models, MAX_MODELS_ENV, ("training client", "training clients")),
+            "samplers": (self.limits.max_sampling_sessions, MAX_SAMPLING_SESSIONS_ENV,
+                         ("sampling session", "sampling sessions")),
         }[kind]
 
     def _refusal(self, kind: str, held: int) -> TenantLimitError:
-        limit, setting, what = self._limit(kind)
+        limit, setting, (one, several) = self._limit(kind)
+        counted = f"{held} {one if held == 1 else several}"
+        if kind == "sessions":
+            counted += " that has not ended" if held == 1 else " that have not ended"
+        else:
+            counted += " in sessions that have not ended"
         end = " (or end them with `rlpipe sessions end <id>`)" if kind == "sessions" else ""
         return TenantLimitError(
-            f"this API key holds {held} {what} that have not ended, its limit ({setting}={limit}); close the "
+            f"this API key holds {counted}, its limit ({setting}={limit}); close the "
             f"ServiceClients it no longer uses{end}, or ask the operator to raise {setting}")
 
     def _held(self, tenant: str, kind: str, drop_at: int) -> int:

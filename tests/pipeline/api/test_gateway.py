@@ -106,6 +106,24 @@ def test_a_tenant_holds_at_most_its_limit_of_sampling_sessions_and_an_end_frees_
         gateway.create_sampling_session("alice", second, 3, BASE, None)
 
 
+def test_a_refusal_at_a_limit_of_one_counts_in_the_singular():
+    """"holds 1 sampling session", "1 training client", "1 session that has not ended": the count agrees."""
+    from pipeline.api.tenants import TenantLimitError, TenantLimits
+
+    store = ObjectStore(f"memory://gw-{uuid.uuid4().hex}")
+    gateway = Gateway(store, lambda event, key: None, [ServedModel(BASE, BASE)], live_check_s=0.0,
+                      limits=TenantLimits(max_sessions=1, max_models=1, max_sampling_sessions=1))
+    session = gateway.create_session("alice", [], {})
+    with pytest.raises(TenantLimitError, match=r"holds 1 session that has not ended, its limit"):
+        gateway.create_session("alice", [], {})
+    gateway.register_model("alice", session, 0, BASE, 4, {}, None)
+    with pytest.raises(TenantLimitError, match=r"holds 1 training client in sessions that have not ended, its"):
+        gateway.register_model("alice", session, 1, BASE, 4, {}, None)
+    gateway.create_sampling_session("alice", session, 0, BASE, None)
+    with pytest.raises(TenantLimitError, match=r"holds 1 sampling session in sessions that have not ended, its"):
+        gateway.create_sampling_session("alice", session, 1, BASE, None)
+
+
 def test_a_finished_sessions_sampling_sessions_leave_the_count_so_a_creation_lists_only_live_ones():
     """The count of sampling sessions is a folder a creation lists twice: a session's end removes its entries, so a
     tenant that made many sampling sessions in sessions that ended lists only its live ones'."""
