@@ -108,7 +108,8 @@ def save_for_sampler(store: ObjectStore, engine: TrainingEngine, base_model: str
                                             int(request.sampling_session_seq_id or 0), base_model, None,
                                             run, manifest.version, inflight=inflight)
         return _json({"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id})
-    checkpoints.name_sampler_version(store, path, manifest.version, checkpoints.expiry(request.ttl_seconds))
+    size = sum(entry.size for entry in manifest.files.values())
+    checkpoints.name_sampler_version(store, path, manifest.version, size, checkpoints.expiry(request.ttl_seconds))
     return _json({"type": "save_weights_for_sampler", "path": str(path)})
 
 

@@ -286,13 +286,14 @@ def note_unnamed(store: ObjectStore, run: str, version: Any) -> None:
         store.put(f"{UNNAMED_VERSIONS}/{run}/{version}", json.dumps({"time": time.time()}).encode())
 
 
-def name_sampler_version(store: ObjectStore, path: TinkerPath, version: int, expires_at: float | None) -> None:
-    """Record sampler weights ``path`` as registry ``version``; a version the name held before is noted unnamed
-    first (the SDK's named sampler saves replace their name)."""
+def name_sampler_version(store: ObjectStore, path: TinkerPath, version: int, size_bytes: int,
+                         expires_at: float | None) -> None:
+    """Record sampler weights ``path`` as registry ``version``, whose adapter files hold ``size_bytes``; a version
+    the name held before is noted unnamed first (the SDK's named sampler saves replace their name)."""
     before = read_record(store, path, expired=True)
     if before is not None and before.get("version") != version:
         note_unnamed(store, path.run, before.get("version"))
-    write_record(store, path, None, expires_at, version=version)
+    write_record(store, path, size_bytes, expires_at, version=version)
 
 
 def delete(store: ObjectStore, path: TinkerPath) -> None:

@@ -24,7 +24,7 @@ from pipeline.api.engines import engine_group, request_reader
 from pipeline.api.gateway import Gateway, NotFoundError, ServedModel, SessionEndedError
 from pipeline.api.wire import parse_tinker_path
 from pipeline.io.bus import EventPublisher, ensure_topics
-from pipeline.io.registry import AdapterNotFoundError, AdapterRegistry
+from pipeline.io.registry import MANIFEST_NAME, AdapterNotFoundError, AdapterRegistry
 from pipeline.io.store import ObjectStore
 from pipeline.topics import API_TOPIC_KINDS
 from schemas.api import model_run_name, result_path
@@ -920,6 +920,23 @@ def test_ttls_apply_to_every_named_save_an_expired_state_is_not_loaded_and_the_t
     assert not harness.store.exists(checkpoints.weights_key(state)) and not harness.store.exists(key)
     assert harness.store.exists(checkpoints.record_key(other_state))
     assert trainer.sweep_checkpoints() == 0
+    trainer.close()
+
+
+def test_named_sampler_weights_are_listed_with_the_size_of_their_adapter_files(harness, tmp_path):
+    """``list_checkpoints`` gives a ``sampler_weights`` checkpoint the bytes of the adapter files of its registry
+    version (what a sampler downloads), as it gives ``weights`` the bytes of their state."""
+    trainer = harness.trainer()
+    model_id = harness.create()
+    body = types.SaveWeightsForSamplerRequest(model_id=model_id, path="s1", seq_id=1)
+    run_until(trainer, harness, [harness.gateway.submit(TENANT, "save_weights_for_sampler", model_id, 1,
+                                                        body.model_dump_json().encode())])
+    listed = {c["checkpoint_id"]: c for c in harness.gateway.checkpoints(TENANT, model_id)}
+    record = checkpoints.read_record(harness.store, parse_tinker_path(f"tinker://{model_id}/sampler_weights/s1"))
+    folder = AdapterRegistry(harness.store, model_run_name(model_id)).pull(record["version"], tmp_path / "pulled")
+    adapter_files = [f for f in folder.rglob("*") if f.is_file() and f.name != MANIFEST_NAME]
+    assert {f.name for f in adapter_files} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert listed["sampler_weights/s1"]["size_bytes"] == sum(f.stat().st_size for f in adapter_files) > 0
     trainer.close()
 
 

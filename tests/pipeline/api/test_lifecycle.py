@@ -341,7 +341,7 @@ def named_save(store: ObjectStore, tmp_path, session: str, model_id: str, seq: i
     """What the trainer does for save_weights_for_sampler(name): a registry version and its checkpoint record."""
     version = snapshot(store, tmp_path, session, model_id, seq, path=f"tinker://{model_id}/sampler_weights/{name}",
                        record=False)
-    name_sampler_version(store, TinkerPath(model_id, "sampler", name), version,
+    name_sampler_version(store, TinkerPath(model_id, "sampler", name), version, 1,
                          None if ttl is None else time.time() + ttl)
     return version
 
