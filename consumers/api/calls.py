@@ -91,6 +91,8 @@ class Model:
     reload_failing_since: float | None = None  # parked, and its reload failed since then (store, memory)
     gap_since: float | None = None  # its calls have waited for a missing seq_id since then (monotonic)
     refused: str | None = None  # why every call but a load_weights fails (its state is lost; see REFUSED_WAY_OUT)
+    replay_failed: bool = False  # refused for a call that succeeded once and failed on replay: its calls stay in the log
+    fold_now: bool = False  # a load_weights replaced its state: folded once its seq_id is counted
     unfolded: list[tuple[TopicPartitionKey, int]] = field(default_factory=list)  # executed, not yet in a fold
     pending: dict[int, ConsumedEvent] = field(default_factory=dict)  # seq_id -> call waiting for its turn
     creating: list[ConsumedEvent] = field(default_factory=list)  # create_model / load_weights as a new model

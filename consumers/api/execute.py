@@ -76,7 +76,8 @@ def run_call(store: ObjectStore, engine: TrainingEngine, base_model: str, model:
     if call.op == "load_weights":
         data = saves.load_weights(store, engine, model.model_id, call, parse_body(types.LoadWeightsRequest, body),
                                   replaying)
-        model.loaded, model.has_gradients, model.refused = True, False, None
+        model.loaded, model.has_gradients, model.refused, model.replay_failed = True, False, None, False
+        model.fold_now = True  # (see TrainerWorker._fold_after_load)
         return data, "json", 0
     if not model.loaded:
         raise ApiError(f"model {model.model_id} does not exist or has been unloaded (session ended); "

@@ -5,7 +5,8 @@ consumer of ``<ns>.requests`` and a publisher for ``<ns>.results``.  Then a loop
 of phases: read (queue each call under its model), execute (each model's calls
 in ``seq_id`` order, waiting for gaps, since the SDK sends a batch's chunks
 concurrently and the first last), fold (checkpoint clean adapters, then commit
-offsets; when idle for ``fold_idle_s`` or every ``fold_every`` calls), expire
+offsets; when idle for ``fold_idle_s``, every ``fold_every`` calls, and a
+model alone right after a ``load_weights``), expire
 (unload the adapters of sessions that ended or whose heartbeats lapsed), and
 every ``SWEEP_S`` the sweeps of ``consumers.api.sweeps`` (expired checkpoints,
 what ended sessions and deleted names leave, old engine activity).
@@ -13,7 +14,9 @@ what ended sessions and deleted names leave, old engine activity).
 A training client's state is a fold over its request log.  The fold of a model
 (``sessions/<s>/models/<n>.fold.json`` naming a ``save_state`` blob with the
 accumulated gradients too, stored under a name of its own, and the last ``seq_id``
-it includes) is written when idle or every ``fold_every`` calls, and the group's
+it includes) is written when idle, every ``fold_every`` calls and after each
+``load_weights`` (the checkpoint it loaded may be saved again, deleted or expire
+later; a replay starting from the model's own fold never reads it), and the group's
 offsets are committed only below the oldest call not yet in a fold.  A trainer
 that dies is restarted from the folds plus the calls after them, re-executed in
 order, so it ends with the same weights.  Results are written create-only:
@@ -176,6 +179,7 @@ class TrainerWorker:
                     continue  # its reload failed for now: tried again next round
             while model.creating:
                 self._execute(model, model.creating.pop(0))
+                self._fold_after_load(model)
                 executed += 1
             if not model.loaded and not model.parked and model.pending:  # never created, its creation failed,
                 for seq in sorted(model.pending):                         # or its fold is lost: each call says so
@@ -187,10 +191,12 @@ class TrainerWorker:
                                                                                      model.next_seq)
                             model.skipped = (first, seq - 1)
                         model.next_seq = seq + 1
+                        self._fold_after_load(model)
                         break
             while model.loaded and model.next_seq in model.pending:
                 self._execute(model, model.pending.pop(model.next_seq))
                 model.next_seq += 1
+                self._fold_after_load(model)
                 executed += 1
             if (why := calls.abandoned_seq(model)) is not None:  # a split call whose first request never comes
                 self._answer_waiting(model, why)
@@ -294,11 +300,14 @@ class TrainerWorker:
             self._write_result(call, *result)
         elif result[2] is not None:  # it succeeded before and cannot again: its model is lost, and says so
             log.error("%s %s ran before and failed on replay: %s", call.op, call.request_id, result[2])
-            # (one whose creation failed again is not loaded: its calls say it does not exist); the first failure
-            # is the cause, the later calls failed on its refusal
-            if model.loaded and not model.refused:
+            # (one whose create_model failed again is not loaded: its calls say it does not exist; one a load made
+            # is refused, naming why the load failed); the first failure is the cause, the later calls failed on
+            # its refusal
+            if (model.loaded or call.op == "load_weights") and not model.refused:
+                which = f"(seq_id {call.seq_id})" if call.seq_id else "that started it"
+                model.replay_failed = True  # (not folded, see _fold; a load that made it is replayed again)
                 model.refused = (f"the state of {model.model_id} could not be rebuilt after its trainer restarted: "
-                                 f"its {call.op} (seq_id {call.seq_id}) succeeded before and failed when run again "
+                                 f"its {call.op} {which} succeeded before and failed when run again "
                                  f"({result[2]}); {calls.REFUSED_WAY_OUT}")
         seconds = time.perf_counter() - started
         if self.activity is not None:
@@ -317,7 +326,7 @@ class TrainerWorker:
         for model in self.models.values():
             if model.unfolded and model.loaded:
                 self._fold(model)
-            elif model.unfolded and not model.loaded and not model.creating:
+            elif model.unfolded and not model.loaded and not model.creating and not model.replay_failed:
                 model.unfolded.clear()  # its calls only failed: nothing to rebuild
         self._since_fold = 0
         self._commit()
@@ -332,6 +341,17 @@ class TrainerWorker:
         if calls.write_fold(self.store, self.engine, model) and self.activity is not None:
             self.activity.record(model.run.split(".")[0], model.tenant, "fold", wall,
                                  wall + time.perf_counter() - started)
+
+    def _fold_after_load(self, model: Model) -> None:
+        """Fold a model whose state a load_weights just replaced, the load's seq_id counted, so that its replay starts
+        from its own state and never reads the checkpoint it loaded again (saved again, deleted or expired since, the
+        client would be lost).  The load is answered before this fold; a trainer killed between the two replays the
+        load from the log (offsets are committed only below calls no fold covers), and then only the very save it
+        loaded may be loaded again (``saves.load_weights``)."""
+        if model.fold_now:
+            model.fold_now = False
+            if model.loaded:
+                self._fold(model)
 
     # ---- park: fold an adapter and take it out of the engine, its record (and waiting calls) kept ------------
     def _park(self, model: Model, why: str) -> None:

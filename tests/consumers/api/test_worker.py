@@ -847,6 +847,12 @@ def step_until(trainer: TrainerWorker, done: Callable[[], bool], what: str, time
         trainer.step(poll_timeout_s=0.2)
 
 
+def no_idle_folds(trainer: TrainerWorker) -> TrainerWorker:
+    """``trainer`` folding only when a call makes it (a load), never for being idle or after many calls."""
+    trainer.fold_idle_s, trainer.fold_every = float("inf"), 1_000_000
+    return trainer
+
+
 def train_and_save(harness: Harness, trainer: TrainerWorker, model_id: str, seed: int, name: str) -> None:
     """Alice's first three calls: a forward_backward on ``_datum(seed)``, an optim_step, save_state(``name``)."""
     calls = [harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(seed)]), "pb"),
@@ -855,9 +861,11 @@ def train_and_save(harness: Harness, trainer: TrainerWorker, model_id: str, seed
     run_until(trainer, harness, calls)
 
 
-def test_a_published_state_is_anyones_to_load_and_a_load_that_ran_replays_after_it_is_unpublished(harness):
+def test_a_published_state_is_anyones_to_load_and_a_load_that_ran_replays_after_it_is_unpublished(
+        harness, monkeypatch):
     """Bob loads Alice's state only once she publishes it; after she takes that back, Bob cannot load it again,
-    but his load that ran is replayed by a restarted trainer (its log is a fold: the same weights again)."""
+    but his load that ran is replayed by a trainer killed before the load's fold (its log is a fold: the same
+    weights again)."""
     trainer = harness.trainer()
     model_id = harness.create()
     train_and_save(harness, trainer, model_id, 2, "shared")
@@ -875,12 +883,15 @@ def test_a_published_state_is_anyones_to_load_and_a_load_that_ran_replays_after_
     assert "no session" in error(private)
     harness.gateway.publish_checkpoint(TENANT, model_id, "weights/shared", True)
     public, bob_model = load(1)
-    run_until(trainer, harness, [public], tenant=bob)
+    dies_at_put(monkeypatch, harness.store, f"{bob_session}/models/1.fold.json")
+    with pytest.raises(Killed):
+        run_until(trainer, harness, [public], tenant=bob)
+    monkeypatch.undo()
     alice_weights = trainer.engine.weights(model_run_name(model_id))
     assert error(public) == ""
     assert_same(trainer.engine.weights(model_run_name(bob_model)), alice_weights)
     harness.gateway.publish_checkpoint(TENANT, model_id, "weights/shared", False)
-    abandon(trainer)  # nothing folded or committed: a restarted trainer replays the whole log
+    abandon(trainer)  # killed at the load's fold: a restarted trainer replays the whole log
     restarted = harness.trainer()
     again, _ = load(2)
     run_until(restarted, harness, [again], tenant=bob)
@@ -940,11 +951,12 @@ def test_named_sampler_weights_are_listed_with_the_size_of_their_adapter_files(h
     trainer.close()
 
 
-def test_a_replayed_load_never_loads_weights_saved_since_under_its_name(harness):
+def test_a_replayed_load_never_loads_weights_saved_since_under_its_name(harness, monkeypatch):
     """Bob's client started from Alice's published `latest`; she takes it back and saves `latest` again, privately.
-    A replay of Bob's load (a restarted trainer, or Bob resending the call) must not hand him her new weights:
-    his client is lost instead (its calls say so), and Alice's own client is untouched."""
-    trainer = harness.trainer()
+    A replay of Bob's load (a trainer killed before the load's fold) must not hand him her new weights: his client
+    is lost instead (its calls say why, and what to do), and Alice's own client is untouched."""
+    trainer = no_idle_folds(harness.trainer())
+    monkeypatch.setattr(trainer, "_fold_after_load", lambda model: None)  # killed before it, once Alice saved
     model_id = harness.create()
     train_and_save(harness, trainer, model_id, 3, "latest")
     harness.gateway.publish_checkpoint(TENANT, model_id, "weights/latest", True)
@@ -962,7 +974,8 @@ def test_a_replayed_load_never_loads_weights_saved_since_under_its_name(harness)
     restarted = harness.trainer()
     probe = harness.gateway.submit(bob, "forward_backward", bob_model, 1, _fb(bob_model, 1, [_datum(5)]), "pb")
     run_until(restarted, harness, [probe], tenant=bob)
-    assert "does not exist" in json.loads(harness.result(probe, bob)[0])["error"]
+    error = json.loads(harness.result(probe, bob)[0])["error"]
+    assert "was saved again, deleted or expired since" in error and "start a new training client" in error, error
     assert model_run_name(bob_model) not in restarted.engine.adapters()
     step_until(restarted, lambda: model_run_name(model_id) in restarted.engine.adapters()
                and restarted.models[model_id].next_seq >= 7, "Alice's calls were not replayed")
@@ -970,7 +983,7 @@ def test_a_replayed_load_never_loads_weights_saved_since_under_its_name(harness)
     restarted.close()
 
 
-def test_a_replayed_load_whose_answer_names_no_source_is_checked_as_a_new_one(harness):
+def test_a_replayed_load_whose_answer_names_no_source_is_checked_as_a_new_one(harness, monkeypatch):
     """An answer stored before loads named their source: its replay gets the access check of a first load."""
     trainer = harness.trainer()
     model_id = harness.create()
@@ -978,7 +991,10 @@ def test_a_replayed_load_whose_answer_names_no_source_is_checked_as_a_new_one(ha
     harness.gateway.publish_checkpoint(TENANT, model_id, "weights/w", True)
     bob, bob_session = BOB, harness.gateway.create_session(BOB, [], {})
     load, bob_model = load_as(harness, bob_session, 0, f"tinker://{model_id}/weights/w")
-    run_until(trainer, harness, [load], tenant=bob)
+    dies_at_put(monkeypatch, harness.store, f"{bob_session}/models/0.fold.json")  # killed before the load's fold
+    with pytest.raises(Killed):
+        run_until(trainer, harness, [load], tenant=bob)
+    monkeypatch.undo()
     key = result_path(bob_session, load, "json")
     answer = json.loads(harness.store.get(key))
     assert answer.pop("source")["request_id"] == f"{harness.session}.train.0.1"
@@ -988,14 +1004,8 @@ def test_a_replayed_load_whose_answer_names_no_source_is_checked_as_a_new_one(ha
     restarted = harness.trainer()
     probe = harness.gateway.submit(bob, "forward_backward", bob_model, 1, _fb(bob_model, 1, [_datum(5)]), "pb")
     run_until(restarted, harness, [probe], tenant=bob)
-    assert "does not exist" in json.loads(harness.result(probe, bob)[0])["error"]
+    assert "no session" in json.loads(harness.result(probe, bob)[0])["error"]  # Alice's, not published any more
     restarted.close()
-
-
-def no_idle_folds(trainer: TrainerWorker) -> TrainerWorker:
-    """``trainer`` folding only when a call makes it (a load), never for being idle or after many calls."""
-    trainer.fold_idle_s, trainer.fold_every = float("inf"), 1_000_000
-    return trainer
 
 
 def test_a_client_started_from_a_state_saved_again_since_comes_back_from_its_own_fold(harness):
@@ -1048,7 +1058,13 @@ def test_a_trainer_killed_between_a_loads_answer_and_its_fold_replays_the_load_a
     error = json.loads(harness.result(probe)[0])["error"]
     assert "saved again, deleted or expired" in error and "load_weights" in error, error
     assert "create_training_client_from_state" in error and "does not exist" not in error and "\n" not in error
+    restarted.fold_all()  # refused: not folded, its calls stay in the log
     restarted.close()
+    again = harness.trainer()  # the next restart finds the same cause
+    later = harness.gateway.submit(TENANT, "forward_backward", second, 2, _fb(second, 2, [_datum(6)]), "pb")
+    run_until(again, harness, [later])
+    assert "saved again, deleted or expired" in json.loads(harness.result(later)[0])["error"]
+    again.close()
 
 
 def test_snapshots_live_as_long_as_their_session_and_named_sampler_weights_outlive_it(harness, tmp_path):
