@@ -182,6 +182,7 @@ def test_training_client_calls_checkpoints_and_rest_client(server):
     rest = tinker.RestClient(base_url=server.url, api_key=ALICE)
     listed = rest.list_checkpoints(model_id).result().checkpoints
     assert sorted(c.tinker_path for c in listed) == sorted([state, sampler])
+    assert all(c.size_bytes for c in listed)  # sampler weights too: their adapter files' bytes
     assert rest.get_training_run(model_id).result().base_model == server.base_model
     rest.delete_checkpoint_from_tinker_path(sampler).result()
     assert [c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints] == [state]
@@ -433,6 +434,31 @@ def test_a_trainer_killed_mid_run_ends_with_the_weights_of_an_uninterrupted_run(
     assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
     # the sampler version was published once, whatever the trainer re-executed after the restart
     assert AdapterRegistry(server.store, crashed.model_id.replace(":", ".")).versions() == [1]
+
+
+def test_a_client_started_from_a_state_saved_again_since_goes_on_after_a_trainer_crash(server):
+    """A second training client starts from `latest` and steps; the first saves `latest` again; the trainer is
+    SIGKILLed and restarted.  The second client was folded right after its load, so it goes on from its own state
+    (no replay reads `latest` again), with the logprobs it had."""
+    service = server.service()
+    first = service.create_lora_training_client(base_model=server.base_model, rank=4, seed=1).result()
+    first.forward_backward(_data(1), "cross_entropy").result()
+    first.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    latest = first.save_state("latest").result().path
+    second = service.create_training_client_from_state_with_optimizer(latest).result()
+    second.forward_backward(_data(2), "cross_entropy").result()
+    second.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    first.forward_backward(_data(3), "cross_entropy").result()
+    first.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    first.save_state("latest", overwrite=True).result()
+    before = _logprobs(second.forward(_data(4), "cross_entropy").result())
+    server.trainer.send_signal(signal.SIGKILL)
+    server.trainer.wait()
+    server.start_trainer()
+    after = _logprobs(second.forward(_data(4), "cross_entropy").result(timeout=180))  # raises if it was lost
+    assert np.allclose(np.concatenate(after), np.concatenate(before), atol=1e-5)
+    second.forward_backward(_data(5), "cross_entropy").result(timeout=180)
+    second.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=180)
 
 
 def test_forward_backward_custom_trains_as_the_same_loss_served_and_a_pairwise_loss_moves_the_pair(server):
