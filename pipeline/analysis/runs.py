@@ -48,7 +48,14 @@ from pipeline.io.store import ObjectStore, read_json_records
 from schemas.checkpoint import checkpoint_prefix, complete_folders
 from schemas.config import BusConfig
 from schemas.evaluation import EvalResult, eval_from_bytes, eval_prefix
-from schemas.events import LearnerCheckpointed, LearnerLeft, ProducerHeartbeat, RunStarted, RunStopped
+from schemas.events import (
+    LearnerCheckpointed,
+    LearnerLeft,
+    LearnerProgress,
+    ProducerHeartbeat,
+    RunStarted,
+    RunStopped,
+)
 from schemas.names import validate_name
 from schemas.registry import AdapterManifest
 
@@ -56,6 +63,8 @@ ACTIVE_WITHIN_S = 120.0  # a run with an event this recent (heartbeats come ever
 # a packed run is stopped while its producers serve it: their last heartbeats, as they let it go, follow its RunStopped
 LEAVING_WITHIN_S = 60.0
 MAX_CONTROL_EVENTS = 1_000_000  # newest events read per partition of <ns>.control
+# what a learner reports of its run: after the run's stop, its wind-down (the rows waiting trained, checkpointed, left)
+LEARNER_REPORTS = (LearnerCheckpointed, LearnerProgress, LearnerLeft)
 STATUSES = ("running", "finished", "stopped", "ended", "idle", "unknown")  # ended: a Tinker session's client
 
 
@@ -76,16 +85,13 @@ class RunActivity:
     last_reward: float | None = None
     membership_s: float | None = None  # the newest RunStarted or RunStopped
     heartbeat_s: float | None = None  # the newest ProducerHeartbeat
-    left_s: float | None = None  # the newest LearnerLeft
-    other_s: float | None = None  # the newest event of any other kind
+    other_s: float | None = None  # the newest event of any kind but a heartbeat or a learner's report
 
     def add(self, time_s: float, payload: Any) -> None:
         self.last_event_s = _newest(self.last_event_s, time_s)
         if isinstance(payload, ProducerHeartbeat):
             self.heartbeat_s = _newest(self.heartbeat_s, time_s)
-        elif isinstance(payload, LearnerLeft):
-            self.left_s = _newest(self.left_s, time_s)
-        else:
+        elif not isinstance(payload, LEARNER_REPORTS):
             self.other_s = _newest(self.other_s, time_s)
         if isinstance(payload, RunStarted | RunStopped):
             self.membership_s = _newest(self.membership_s, time_s)
@@ -101,16 +107,16 @@ class RunActivity:
     def stopped_last(self) -> bool:
         """Whether the run's newest start or stop is a stop and nothing after it shows the run going.
 
-        After a stop, its producers' heartbeats within ``LEAVING_WITHIN_S`` are them letting it go, and what a
-        packed learner sent up to its ``LearnerLeft`` is its wind-down; a later heartbeat, or any other event after
-        the stop and the ``LearnerLeft`` (a resumed learner's), shows the run going again.
+        After a stop, its producers' heartbeats within ``LEAVING_WITHIN_S`` are them letting it go, and whatever its
+        learner reports (``LEARNER_REPORTS``: the steps it trains from the rows waiting, its checkpoints, its
+        ``LearnerLeft``) is its wind-down until a newer ``RunStarted`` (which clears the stop); a later heartbeat, or
+        any other event after the stop (a ``RunConfigChanged`` of a resume), shows the run going again.
         """
         if self.stopped_s is None:
             return False
         stop = self.stopped_s
         beating = self.heartbeat_s is not None and self.heartbeat_s - stop > LEAVING_WITHIN_S
-        wound_down = self.left_s is not None and self.left_s >= stop
-        acting = self.other_s is not None and self.other_s > stop and not (wound_down and self.other_s <= self.left_s)
+        acting = self.other_s is not None and self.other_s > stop
         return not (beating or acting)
 
     def add_recorded(self, time_s: float | None, payload: RunStarted | RunStopped) -> None:
@@ -381,8 +387,8 @@ def run_status(summary: RunSummary, activity: RunActivity | None, log_read: bool
     """running (recent events, no stop after them) > finished (max_steps reached) > stopped > idle > unknown.
 
     Producer heartbeats within ``LEAVING_WITHIN_S`` after a stop are its producers letting the run go, not a
-    restart, and so is what a packed learner sent after a stop up to its ``LearnerLeft``; any other event after a
-    stop (a resumed learner's) is one.  Without the log (``activity`` then holds only the run's recorded start or
+    restart, and what its learner reports after a stop is its wind-down until a newer ``RunStarted``
+    (``RunActivity.stopped_last``).  Without the log (``activity`` then holds only the run's recorded start or
     stop) nothing is recent.
     """
     now_s = time.time() if now_s is None else now_s

@@ -158,8 +158,9 @@ def test_status_from_the_log() -> None:
 
 def test_a_run_whose_processes_report_while_letting_it_go_is_not_running_again() -> None:
     """A packed run is stopped while its processes serve it: the producers' last heartbeats, as they let it go, come
-    just after its RunStopped and do not make it running.  A learner's report after a stop (a resume) does, at once:
-    `runs delete` must not take a run that is running again."""
+    just after its RunStopped and do not make it running.  A learner's report after a stop is its wind-down; after a
+    newer RunStarted (a resume) it makes the run running at once: `runs delete` must not take a run that is running
+    again."""
     now = 1_000_000.0
     heartbeat = ProducerHeartbeat(producer_id="p", adapter_version=3, samples_total=1, batches_total=1, tokens_total=1,
                                   env_steps_total=1, samples_per_s=0.0, tokens_per_s=0.0, env_steps_per_s=0.0,
@@ -172,6 +173,9 @@ def test_a_run_whose_processes_report_while_letting_it_go_is_not_running_again()
     resumed = RunActivity()
     resumed.add(now - 10, RunStopped(reason="stopped by Ctrl-C or a signal"))
     resumed.add(now - 5, LearnerProgress(step=3, version=3, positions={}))
+    assert run_status(RunSummary("c", "unknown", steps=3, max_steps=9), resumed, log_read=True, now_s=now) == "stopped"
+    resumed.add(now - 4, _started("c"))
+    resumed.add(now - 3, LearnerProgress(step=3, version=3, positions={}))
     assert run_status(RunSummary("c", "unknown", steps=3, max_steps=9), resumed, log_read=True, now_s=now) == "running"
     late = RunActivity()
     late.add(now - 100, RunStopped(reason="stopped"))
@@ -181,20 +185,21 @@ def test_a_run_whose_processes_report_while_letting_it_go_is_not_running_again()
 
 def test_a_run_a_packed_learner_let_go_after_training_its_waiting_rows_is_stopped() -> None:
     """`runs stop` on a packed run: its learner trains the rows waiting and checkpoints after the RunStopped, then
-    says it let the run go.  The run is stopped from then on (it read "running", then "idle" for ever); a learner's
-    report after that (a resume) makes it running again."""
+    says it let the run go.  The run is stopped all along, its LearnerLeft read or not (it read "running", then "idle"
+    for ever); a learner's report after a newer RunStarted (a resume) makes it running again."""
     now = 1_000_000.0
     checkpointed = LearnerCheckpointed(step=4, version=4, path="runs/a/checkpoints/4", offsets={})
     winding = RunActivity()
     winding.add(now - 30, RunStopped(reason="stopped by rlpipe runs stop", final_step=3))
     winding.add(now - 20, LearnerProgress(step=4, version=4, positions={}))
     winding.add(now - 19, checkpointed)
-    assert run_status(RunSummary("a", "unknown", steps=4), winding, log_read=True, now_s=now) == "running"
+    assert run_status(RunSummary("a", "unknown", steps=4), winding, log_read=True, now_s=now) == "stopped"
     winding.add(now - 18, LearnerLeft(step=4, version=4))
     for later in (now, now + 3600):
         assert run_status(RunSummary("a", "unknown", steps=4), winding, log_read=True, now_s=later) == "stopped"
     assert winding.stop_reason == "stopped by rlpipe runs stop" and winding.last_step == 4
-    winding.add(now - 5, LearnerProgress(step=4, version=4, positions={}))  # started again
+    winding.add(now - 6, _started("a"))  # resumed
+    winding.add(now - 5, LearnerProgress(step=4, version=4, positions={}))
     assert run_status(RunSummary("a", "unknown", steps=4), winding, log_read=True, now_s=now) == "running"
 
 
