@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import console, err_console, fail, handle_user_errors, reachable_store, store_failures
+from pipeline.cli.common import (
+    console,
+    err_console,
+    fail,
+    handle_user_errors,
+    reachable_store,
+    serve_until_run_stopped,
+    store_failures,
+)
 from pipeline.cli.options import (
     ConfigOpt,
     FollowRunsOpt,
@@ -47,7 +55,8 @@ def start(
     --run or --config as well, the process starts with no run, its engine set up from the configuration.
     A packed run stopped (rlpipe runs stop) is not trained, even named, until rlpipe runs resume.
     SIGTERM or Ctrl-C trains what is waiting, writes a checkpoint, commits offsets and exits 0 (1 when a
-    packed run was at that moment stopped on an error, waiting to come back).
+    packed run was at that moment stopped on an error, waiting to come back).  A learner of one run stops
+    so on the run's stop too (rlpipe runs stop after it started; not under torchrun).
     """
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
@@ -82,7 +91,7 @@ def _start(cfgs: list[RunConfig], max_steps: int | None, follow_runs: str | None
         if max_steps is not None:
             cfg.value.learner.max_steps = max_steps
         try:
-            run_value_learner(cfg, StopFlag().install())
+            serve_until_run_stopped(cfg, run_value_learner)
         except LeaseLostError as exc:
             fail(str(exc))
         return
@@ -95,7 +104,7 @@ def _start(cfgs: list[RunConfig], max_steps: int | None, follow_runs: str | None
             stop = StopFlag().install()
             run_on_group(cfg, lambda policy: run_learner(cfg, stop, policy=policy))
         elif len(cfgs) == 1 and follow_runs is None:
-            run_learner(cfgs[0], StopFlag().install())
+            serve_until_run_stopped(cfgs[0], run_learner)
         else:
             from consumers.packed_service import run_packed_learner
 

@@ -18,7 +18,9 @@ and producer serve) is logged and skipped; the process goes on.
 A packed process started without ``--follow-runs`` follows no pattern: it takes
 no new run, but still lets a served run go on its ``RunStopped`` (``rlpipe run``
 announces it when a packed run reaches its step budget, ``rlpipe runs stop`` on
-demand), so a finished run stops taking turns on the shared engines.
+demand), so a finished run stops taking turns on the shared engines.  A single-run
+learner or producer (``rlpipe learner|producer start`` naming one run) follows its
+run's ``RunStopped`` too (``RunStopFollower``), and stops as a SIGTERM stops it.
 
 A start or stop outlives the process: the commands that announce one
 (``rlpipe runs create|stop|resume``, ``rlpipe run``) also keep it as the run's
@@ -42,16 +44,25 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from pipeline.io.bus import EventFollower, EventPublisher, describe_topic, ensure_topics
+from pipeline.io.bus import BusError, EventFollower, EventPublisher, describe_topic, ensure_topics
 from pipeline.io.registry import run_ids
 from pipeline.io.store import ObjectStore
-from pipeline.runtime import change_number, numbered_run_config, open_store, recorded_change_config
+from pipeline.runtime import (
+    StopFlag,
+    change_number,
+    numbered_run_config,
+    open_store,
+    recorded_change_config,
+    resolved_bus,
+)
 from pipeline.timefmt import utc_text
 from schemas.config import BusConfig, RunConfig
 from schemas.events import (
@@ -234,6 +245,72 @@ def control_start(configs: list[RunConfig], template: RunConfig | None) -> dict[
     (``engine_config`` then says what is missing)."""
     first = configs[0] if configs else template
     return {} if first is None else control_topic_ends(first.bus)
+
+
+class RunStopFollower:
+    """Sets a single-run process's ``stop`` on its run's ``RunStopped`` (``rlpipe runs stop``): the process then stops
+    as a SIGTERM stops it (the step or batch in hand finished, checkpointed or flushed, exit 0).
+
+    The control topic is followed from where it ended when this is made, as a packed process follows it
+    (``control_start``): a stop sent before is not read, so a run stopped earlier is served again when its process is
+    started again.  A thread of its own polls the topic (``EventFollower`` is not thread-safe: only that thread
+    touches it), so the process's loop never waits on the broker for it; a poll that fails is logged and tried again.
+    """
+
+    POLL_S = 1.0  # how long one poll may wait for the next event
+
+    def __init__(self, bus: BusConfig, run_id: str, stop: StopFlag, follower: EventFollower | None = None) -> None:
+        self.run_id, self.stop = run_id, stop
+        self.follower = follower or EventFollower(bus, "control", run_id=run_id, start="latest")
+        self.stopped: RunStopped | None = None  # the RunStopped followed, once read
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name=f"run-stop-{run_id}", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        while not self._closing.is_set() and not self.stop():
+            try:
+                items = self.follower.poll(self.POLL_S)
+            except Exception as exc:  # the broker away for a while: the run goes on, and the topic is read again
+                log.warning("reading the control topic failed (%s: %s); run %s goes on, and it is read again",
+                            type(exc).__name__, exc, self.run_id)
+                self._closing.wait(self.POLL_S)
+                continue
+            for item in items:
+                if isinstance(item.event.payload, RunStopped):
+                    self.stopped = item.event.payload
+                    log.info("run %s was stopped (%s): finishing cleanly, as on SIGTERM", self.run_id,
+                             self.stopped.reason)
+                    self.stop.set()
+                    return
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join()
+        self.follower.close()
+
+
+@contextmanager
+def following_run_stop(config: RunConfig, stop: StopFlag) -> Iterator[RunStopFollower | None]:
+    """A ``RunStopFollower`` of ``config``'s run for the block; None, with a warning naming SIGTERM, when the control
+    topic cannot be read as the process starts (the process itself then says what is wrong with its broker)."""
+    try:
+        follower = RunStopFollower(resolved_bus(config.bus), config.run_id, stop)
+    except (BusError, ValueError, OSError) as exc:  # unreachable, no broker configured
+        log.warning("run %s's RunStopped is not followed (%s); stop this process with SIGTERM or Ctrl-C",
+                    config.run_id, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        yield None
+        return
+    try:
+        yield follower
+    finally:
+        follower.close()
+
+
+def stopped_by_line(run_id: str, stopped: RunStopped) -> str:
+    """What a single-run process stopped by its run's ``RunStopped`` says as it exits."""
+    return (f"run {run_id} was stopped ({stopped.reason}); to go on, resume it with `rlpipe runs resume --run "
+            f"{run_id}` and start this process again")
 
 
 class RunMembership:

@@ -6,7 +6,14 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.common import err_console, fail, handle_user_errors, reachable_store, store_failures
+from pipeline.cli.common import (
+    err_console,
+    fail,
+    handle_user_errors,
+    reachable_store,
+    serve_until_run_stopped,
+    store_failures,
+)
 from pipeline.cli.options import (
     FollowRunsOpt,
     PackedConfigOpt,
@@ -41,7 +48,8 @@ def start(
     (rlpipe runs create) join and stopped ones leave; with no --run or --config as well, the process
     starts with no run, its engine set up from the configuration.  A packed run stopped (rlpipe runs stop)
     is not served, even named, until rlpipe runs resume.
-    SIGTERM or Ctrl-C finishes cleanly: complete groups are flushed, unfinished ones dropped.
+    SIGTERM or Ctrl-C finishes cleanly: complete groups are flushed, unfinished ones dropped.  A producer
+    of one run stops so on the run's stop too (rlpipe runs stop after it started).
     """
     setup_logging(verbose)
     cfgs = run_configs(preset, config, overrides, run)
@@ -80,11 +88,11 @@ def _start(cfgs: list[RunConfig], follow_runs: str | None, named: bool) -> None:
     if cfg.value is not None:  # a value-based run: a numeric actor plays with the published Q-network
         from producers.value_actor import run_value_actor
 
-        run_value_actor(cfg, StopFlag().install())
+        serve_until_run_stopped(cfg, run_value_actor)
         return
     from producers.service import run_producer
 
-    run_producer(cfgs[0], StopFlag().install())
+    serve_until_run_stopped(cfg, run_producer)
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep the entry point guarded

@@ -33,7 +33,8 @@ from pipeline.devstack.stack import StackError
 from pipeline.health import HealthPortError
 from pipeline.io.bus import BusError
 from pipeline.io.store import ObjectStore
-from schemas.config import BusConfig, StoreConfig
+from pipeline.runtime import StopFlag
+from schemas.config import BusConfig, RunConfig, StoreConfig
 
 # Options several commands take, spelled and explained the same everywhere.
 StoreRootOpt = Annotated[
@@ -258,3 +259,16 @@ def left_out_note(left_out: list[str]) -> str:
     """The line under a table that left columns out to fit the terminal."""
     named = " and ".join([", ".join(left_out[:-1]), left_out[-1]] if len(left_out) > 1 else left_out)
     return f"({named} left out to fit {console.width} columns: widen the terminal, or see --json)"
+
+
+def serve_until_run_stopped(config: RunConfig, serve: Callable[[RunConfig, StopFlag], object]) -> None:
+    """``serve`` the one run of ``config`` (a single-run learner or producer) until SIGTERM, Ctrl-C or the run's
+    ``RunStopped`` sent after it started (``rlpipe runs stop``), which stops it alike; a line says so when the run's
+    stop ended it."""
+    from pipeline.membership import following_run_stop, stopped_by_line
+
+    stop = StopFlag().install()
+    with following_run_stop(config, stop) as follower:
+        serve(config, stop)
+    if follower is not None and follower.stopped is not None:
+        console.print(stopped_by_line(config.run_id, follower.stopped), markup=False, soft_wrap=True)

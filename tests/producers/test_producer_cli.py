@@ -38,3 +38,38 @@ def test_producer_start_says_a_run_is_new_and_names_a_stored_run_close_to_it(mon
     assert fresh.exit_code == 0 and "new run" in fresh.stderr and "did you mean" not in fresh.stderr, fresh.stderr
     stored = runner.invoke(app, ["--preset", "cartpole", "--run", "cartpole-exp"])
     assert stored.exit_code == 0 and "new run" not in stored.stderr, stored.stderr
+
+
+def test_a_producer_of_one_run_stops_on_the_runs_stop_sent_after_it_started(monkeypatch, tmp_path, bus_config) -> None:
+    """`rlpipe runs stop` stops a single-run producer as SIGTERM does (its stop flag set: it flushes its complete
+    groups and exits 0, saying why); a stop sent before it started is not read as new."""
+    import time
+
+    import producers.service
+    from pipeline.io.bus import EventPublisher
+    from schemas.events import RunStopped, make_event
+
+    monkeypatch.setenv("RLPIPE_STORE__ROOT", f"file://{tmp_path}/store")
+    monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", bus_config.bootstrap_servers)
+    monkeypatch.setenv("RLPIPE_BUS__NAMESPACE", bus_config.namespace)
+    publisher = EventPublisher(bus_config)
+    publisher.publish("control", make_event("mine", RunStopped(reason="an earlier session's stop")))
+    seen: dict[str, bool] = {}
+
+    def producer(cfg, stop) -> None:  # stands in for run_producer: samples until its stop flag is set
+        time.sleep(3.0)  # the follower polls every second: time enough to have read the earlier stop
+        seen["before its own stop"] = stop()
+        publisher.publish("control", make_event(cfg.run_id, RunStopped(reason="stopped by rlpipe runs stop")))
+        deadline = time.monotonic() + 20.0
+        while not stop() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["after it"] = stop()
+
+    monkeypatch.setattr(producers.service, "run_producer", producer)
+    try:
+        result = runner.invoke(app, ["--preset", "cartpole", "--run", "mine"])
+    finally:
+        publisher.close()
+    assert result.exit_code == 0, result.output
+    assert seen == {"before its own stop": False, "after it": True}
+    assert "run mine was stopped (stopped by rlpipe runs stop)" in result.stdout, result.stdout
