@@ -168,7 +168,7 @@ def show_command(
     table.add_column("field", no_wrap=True)
     table.add_column("value", overflow="fold")
     for label, value in (
-        ("status", summary.status + (f" ({summary.stop_reason})" if summary.stop_reason else "")),
+        ("status", _status(summary)),
         ("environment", summary.env or "-"), ("base model", summary.base_model or "-"),
         ("learner steps", _steps(summary)),
         ("value-network versions" if summary.kind == "value-network" else "adapter versions", str(summary.versions)),
@@ -280,8 +280,9 @@ def stop_command(
     bootstrap: BootstrapOpt = None,
     namespace: NamespaceOpt = None,
 ) -> None:
-    """Announce that a run ends (RunStopped): packed processes following it let it go (its learner trains what
-    waits and checkpoints, its sampling flushes finished groups); the run stays in the store, and stays stopped
+    """Announce that a run ends (RunStopped): the processes serving it let it go (its learner trains what waits
+    and checkpoints, its sampling flushes finished groups): packed ones following it, and a learner or producer of
+    that one run started before the stop, which then exits 0 as on SIGTERM; the run stays in the store, and stays stopped
     when a packed process naming it starts again, until rlpipe runs resume.  A run whose stop is recorded and on
     the control topic is already stopped, and nothing is announced; one whose recorded stop the topic never
     carried (its publish failed) is announced.  The run id is matched exactly: one differing only in case from the
@@ -315,9 +316,9 @@ def stop_command(
     with EventPublisher(bus) as publisher:
         announce_membership(store, publisher, name, RunStopped(reason="stopped by rlpipe runs stop",
                                                                final_step=learner_step(store, name)))
-    console.print(f"announced the end of run {name}; packed processes following it let it go, and do not serve it "
-                  f"when they start again; resume it with rlpipe runs resume --run {name}", markup=False,
-                  soft_wrap=True)
+    console.print(f"announced the end of run {name}: the learner and producers serving it (single-run or packed) "
+                  "finish the step or groups in hand and let it go, as on SIGTERM; packed processes starting again "
+                  f"do not serve it; resume it with rlpipe runs resume --run {name}", markup=False, soft_wrap=True)
 
 
 @app.command("resume", epilog="Example: rlpipe runs resume --run exp-1")
@@ -367,6 +368,12 @@ def resume_command(
         announce_membership(store, publisher, name, started)
     console.print(f"announced run {name} again; packed processes naming or following it take it up", markup=False,
                   soft_wrap=True)
+
+
+def _status(summary: RunSummary) -> str:
+    """The status ``runs show`` prints: a run's stop reason beside it, unless the run went on after the stop."""
+    going = summary.status == "running" or not summary.stop_reason
+    return summary.status if going else f"{summary.status} ({summary.stop_reason})"
 
 
 def _topic_carried_stop(activity: RunActivity | None, recorded_s: float) -> bool:

@@ -321,6 +321,7 @@ def test_stopping_a_run_already_stopped_says_so_and_announces_nothing(
     where = ["--root", file_store.root, "--bootstrap", bus_config.bootstrap_servers, "--namespace", bus_config.namespace]
     first = runner.invoke(app, ["stop", "--run", "exp-2", *where])
     assert first.exit_code == 0 and "announced the end of run exp-2" in first.output, first.output
+    assert "learner and producers serving it" in first.output and "single-run" in first.output, first.output
     again = runner.invoke(app, ["stop", "--run", "exp-2", *where])
     assert again.exit_code == 0 and "already stopped" in again.output, again.output
     stops = [r for r in tail(bus_config, "control", n=100, run_id="exp-2")
@@ -717,3 +718,28 @@ def test_runs_list_and_sessions_list_agree_on_a_session_without_a_heartbeat_yet(
     assert [s["state"] for s in json.loads(sessions.stdout)] == ["live"], sessions.output
     runs = json.loads(runner.invoke(app, ["list", *_where(file_store), "--json"]).stdout)["runs"]
     assert [r["status"] for r in runs if r["run_id"] == "sess-00000005.train.0"] == ["running"], runs
+
+
+def test_a_run_going_again_after_a_stop_shows_running_without_the_stops_reason(
+        two_runs: tuple[ObjectStore, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer beating long after the run's stop shows it going again: `runs show` says `running`, not `running
+    (stopped by rlpipe runs stop)`, which contradicts itself.  A stopped run shows why it stopped."""
+    import time
+
+    from pipeline.cli import runs as runs_cli
+
+    store, _ = two_runs
+    now = time.time()
+    going, stopped = RunActivity(), RunActivity()
+    for activity in (going, stopped):
+        activity.add(now - 300, RunStopped(reason="stopped by rlpipe runs stop"))
+    going.add(now - 2, _heartbeat())
+    logs = {"cartpole": going}
+    monkeypatch.setattr(runs_cli, "activity_or_note", lambda bus, timeout, run=None: (logs, None))
+    shown = runner.invoke(app, ["show", "--run", "cartpole", *_where(store)])
+    status = next(line for line in shown.stdout.splitlines() if "status" in line)
+    assert "running" in status and "stopped" not in status, shown.stdout
+    logs["cartpole"] = stopped
+    shown = runner.invoke(app, ["show", "--run", "cartpole", *_where(store)])
+    status = next(line for line in shown.stdout.splitlines() if "status" in line)
+    assert "stopped (stopped by rlpipe runs stop)" in status, shown.stdout
