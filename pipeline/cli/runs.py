@@ -371,9 +371,10 @@ def resume_command(
 
 
 def _status(summary: RunSummary) -> str:
-    """The status ``runs show`` prints: a run's stop reason beside it, unless the run went on after the stop."""
-    going = summary.status == "running" or not summary.stop_reason
-    return summary.status if going else f"{summary.status} ({summary.stop_reason})"
+    """The status ``runs show`` prints, with the reason beside ``stopped``, ``finished`` or ``ended``: a run that went
+    on after its stop (``running``, then ``idle``) shows its status alone."""
+    ended = summary.stop_reason and summary.status in ("stopped", "finished", "ended")
+    return f"{summary.status} ({summary.stop_reason})" if ended else summary.status
 
 
 def _topic_carried_stop(activity: RunActivity | None, recorded_s: float) -> bool:
