@@ -31,7 +31,7 @@ from pipeline.io.store import ObjectStore
 from pipeline.models import resolve_base_model
 from pipeline.runtime import Announcer, StopFlag, create_run, open_store, resolved_bus
 from schemas.config import RunConfig
-from schemas.events import DeadLetter, Payload
+from schemas.events import DeadLetter, LearnerLeft, Payload
 
 log = logging.getLogger("rlpipe.learner")
 
@@ -120,6 +120,16 @@ def run_learner(config: RunConfig, stop: StopFlag | None = None, on_step: Callab
         health.stop()
 
 
+def announce_left(learner: Learner) -> None:
+    """A learner its run's ``RunStopped`` ended, its final checkpoint written: ``LearnerLeft``, as a packed learner
+    sends it, so what it sent after the stop reads as its wind-down and a learner started on the run later as the run
+    going (``rlpipe runs show``).  It only informs: a failure is a warning."""
+    try:
+        learner.announce(LearnerLeft(step=learner.state.step, version=learner.state.version))
+    except Exception as exc:  # the checkpoint is written; a broker away loses only this line of the record
+        log.warning("run %s left, but its LearnerLeft was not announced (%s)", learner.run_id, exc)
+
+
 def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict], None] | None,
                     health: HealthServer, policy: LoraPolicy | None = None) -> Learner:
     done = health.add_setup_steps(("broker", "policy", "resumed"))
@@ -149,6 +159,8 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
     try:
         learner.run(should_stop=stop, on_step=after_step)
         finish(learner, after_step)
+        if getattr(stop, "run_stopped", False):
+            announce_left(learner)
     except BaseException:
         with contextlib.suppress(BusError):  # the error unwinding (a broker away, say) is the one to report
             publisher.close()

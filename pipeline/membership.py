@@ -281,6 +281,7 @@ class RunStopFollower:
                     self.stopped = item.event.payload
                     log.info("run %s was stopped (%s): finishing cleanly, as on SIGTERM", self.run_id,
                              self.stopped.reason)
+                    self.stop.run_stopped = True
                     self.stop.set()
                     return
 

@@ -193,8 +193,9 @@ class LearnerProgress(Payload):
 
 
 class LearnerLeft(Payload):
-    """learner -> monitors, on ``<ns>.control``: a packed learner let the run go (a ``RunStopped``, or its budget
-    reached) after training the rows it had waiting; its final checkpoint is durable.
+    """learner -> monitors, on ``<ns>.control``: a learner let the run go after training the rows it had waiting
+    (a packed one on a ``RunStopped`` or its budget reached, a single-run one on its run's ``RunStopped``); its final
+    checkpoint is durable.
 
     A run stopped while its learner still trains gets this learner's last events after its ``RunStopped``;
     this event says that they were its wind-down, not a restart (``rlpipe runs show``).

@@ -85,13 +85,19 @@ class RunActivity:
     last_reward: float | None = None
     membership_s: float | None = None  # the newest RunStarted or RunStopped
     heartbeat_s: float | None = None  # the newest ProducerHeartbeat
+    left_s: float | None = None  # the newest LearnerLeft
+    reported_s: float | None = None  # the newest learner's report but a LearnerLeft
     other_s: float | None = None  # the newest event of any kind but a heartbeat or a learner's report
 
     def add(self, time_s: float, payload: Any) -> None:
         self.last_event_s = _newest(self.last_event_s, time_s)
         if isinstance(payload, ProducerHeartbeat):
             self.heartbeat_s = _newest(self.heartbeat_s, time_s)
-        elif not isinstance(payload, LEARNER_REPORTS):
+        elif isinstance(payload, LearnerLeft):
+            self.left_s = _newest(self.left_s, time_s)
+        elif isinstance(payload, LEARNER_REPORTS):
+            self.reported_s = _newest(self.reported_s, time_s)
+        else:
             self.other_s = _newest(self.other_s, time_s)
         if isinstance(payload, RunStarted | RunStopped):
             self.membership_s = _newest(self.membership_s, time_s)
@@ -109,15 +115,18 @@ class RunActivity:
 
         After a stop, its producers' heartbeats within ``LEAVING_WITHIN_S`` are them letting it go, and whatever its
         learner reports (``LEARNER_REPORTS``: the steps it trains from the rows waiting, its checkpoints, its
-        ``LearnerLeft``) is its wind-down until a newer ``RunStarted`` (which clears the stop); a later heartbeat, or
-        any other event after the stop (a ``RunConfigChanged`` of a resume), shows the run going again.
+        ``LearnerLeft``) is its wind-down until a newer ``RunStarted`` (which clears the stop); a later heartbeat, a
+        learner's report after its ``LearnerLeft`` (a learner started on the run again), or any other event after
+        the stop (a ``RunConfigChanged`` of a resume), shows the run going again.
         """
         if self.stopped_s is None:
             return False
         stop = self.stopped_s
         beating = self.heartbeat_s is not None and self.heartbeat_s - stop > LEAVING_WITHIN_S
         acting = self.other_s is not None and self.other_s > stop
-        return not (beating or acting)
+        left = self.left_s is not None and self.left_s >= stop
+        returned = left and self.reported_s is not None and self.reported_s > self.left_s
+        return not (beating or acting or returned)
 
     def add_recorded(self, time_s: float | None, payload: RunStarted | RunStopped) -> None:
         """The run's newest start or stop as the store keeps it, added after the topic's events: it holds unless the

@@ -214,3 +214,29 @@ def test_a_learner_of_one_run_stops_on_the_runs_stop_sent_after_it_started(monke
     assert result.exit_code == 0, result.output
     assert seen == {"before its own stop": False, "after it": True}
     assert "run mine was stopped (stopped by rlpipe runs stop)" in result.stdout, result.stdout
+
+
+def test_a_learner_its_runs_stop_ended_announces_that_it_left(tmp_path, bus_config, tiny_model_dir) -> None:
+    """A single-run learner stopped by its run's RunStopped sends LearnerLeft after its final checkpoint, as a packed
+    learner does, so `rlpipe runs show` reads what it sent after the stop as its wind-down and a learner started on
+    the run later as the run going; stopped by a signal, it sends none (the run goes on)."""
+    from consumers.service import run_learner
+    from pipeline.io import bus
+    from pipeline.runtime import StopFlag
+    from schemas.config import RunConfig
+    from schemas.events import LearnerLeft
+
+    def learner_left(run_id: str, run_stopped: bool) -> list[LearnerLeft]:
+        config = RunConfig.model_validate({
+            "run_id": run_id, "model": {"base_model": tiny_model_dir}, "store": {"root": tmp_path.as_uri()},
+            "bus": bus_config.model_dump(), "learner": {"lora_rank": 4, "lora_alpha": 8, "torch_threads": 1,
+                                                        "device": "cpu", "max_steps": 5}})
+        stop = StopFlag()
+        stop.run_stopped = run_stopped
+        stop.set()  # stopped before its first step: it sets up, resumes, and stops at once
+        run_learner(config, stop)
+        return [r.event.payload for r in bus.tail(bus_config, "control", n=50)
+                if r.event is not None and r.event.run_id == run_id and isinstance(r.event.payload, LearnerLeft)]
+
+    assert learner_left("stopped-run", run_stopped=True) == [LearnerLeft(step=0, version=0)]
+    assert learner_left("signalled-run", run_stopped=False) == []

@@ -10,7 +10,15 @@ from pipeline.io.store import ObjectStore
 from pipeline.membership import membership_key
 from pipeline.runtime import create_run
 from schemas.config import RunConfig
-from schemas.events import LearnerCheckpointed, LearnerProgress, RunStarted, RunStopped, encode_event, make_event
+from schemas.events import (
+    LearnerCheckpointed,
+    LearnerLeft,
+    LearnerProgress,
+    RunStarted,
+    RunStopped,
+    encode_event,
+    make_event,
+)
 
 NOW = 1_000_000.0
 
@@ -47,3 +55,16 @@ def test_learner_events_after_a_stop_are_its_wind_down_until_a_newer_start() -> 
     stopped.add(NOW - 4, _started("a"))
     stopped.add(NOW - 3, LearnerProgress(step=3, version=3, positions={}))
     assert run_status(RunSummary("a", "unknown", steps=3, max_steps=9), stopped, log_read=True, now_s=NOW) == "running"
+
+
+def test_a_learner_reporting_after_its_predecessor_left_a_stopped_run_is_the_run_going() -> None:
+    """After a stop the learner winds the run down and leaves (its LearnerLeft); a learner that reports after that
+    was started on the run again without `runs resume` and trains it: the run is going, not stopped (so `runs
+    delete` refuses it)."""
+    activity = RunActivity()
+    activity.add(NOW - 60, RunStopped(reason="stopped by rlpipe runs stop"))
+    activity.add(NOW - 50, LearnerCheckpointed(step=2, version=2, path="runs/a/checkpoints/2", offsets={}))
+    activity.add(NOW - 49, LearnerLeft(step=2, version=2))
+    assert run_status(RunSummary("a", "unknown", steps=2, max_steps=9), activity, log_read=True, now_s=NOW) == "stopped"
+    activity.add(NOW - 5, LearnerProgress(step=3, version=3, positions={}))
+    assert run_status(RunSummary("a", "unknown", steps=3, max_steps=9), activity, log_read=True, now_s=NOW) == "running"
