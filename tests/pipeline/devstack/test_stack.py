@@ -20,9 +20,15 @@ from pipeline.cli.main import app
 from pipeline.devstack.broker import answers_kafka_metadata
 from pipeline.devstack.stack import (
     DevStack,
+    PORTS_FILE,
     NoBrokerConfiguredError,
+    PortChoice,
+    StackPorts,
     StackState,
+    choose_ports,
+    read_remembered_ports,
     read_stack_state,
+    remember_ports,
     resolve_bootstrap_servers,
     resolve_store_root,
     state_path,
@@ -462,3 +468,112 @@ def test_up_in_the_foreground_whose_local_s3_server_will_not_start_says_why_in_o
     assert "error: the local S3 server exited at start" in result.output and "s3.log" in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert read_stack_state() is None
+
+
+def test_up_after_down_listens_on_the_same_ports_again(home: Path) -> None:
+    """`rlpipe down` then `rlpipe up` moved the broker and the emulator to new free ports, so a run's learner and
+    producers, still on the old address, never reached the stack again (its log is durable: they could go on)."""
+    first = runner.invoke(app, ["up", "--json"])
+    assert first.exit_code == 0, first.output
+    before = json.loads(first.stdout)
+    assert runner.invoke(app, ["down"]).exit_code == 0
+    assert (home / PORTS_FILE).is_file() and not state_path().exists()
+    again = runner.invoke(app, ["up", "--json"])
+    try:
+        assert again.exit_code == 0, again.output
+        after = json.loads(again.stdout)
+        assert after["pid"] != before["pid"]
+        assert after["bootstrap_servers"] == before["bootstrap_servers"]
+        assert after["gcs_endpoint"] == before["gcs_endpoint"]
+        assert answers_kafka_metadata(*_host_port(after["bootstrap_servers"]))
+        assert "in use" not in again.output
+    finally:
+        runner.invoke(app, ["down"])
+
+
+def test_up_whose_previous_port_is_taken_starts_on_a_free_one_saying_so(home: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        home.mkdir(parents=True)
+        (home / PORTS_FILE).write_text(json.dumps({"kafka_port": port, "gcs_port": None}))
+        result = runner.invoke(app, ["up", "--no-gcs", "--json"])
+        try:
+            assert result.exit_code == 0, result.output
+            state = read_stack_state()
+            assert state is not None and _host_port(state.bootstrap_servers)[1] != port
+            notes = [line for line in result.stderr.splitlines() if str(port) in line]
+            assert len(notes) == 1 and "in use" in notes[0] and "free port" in notes[0], result.stderr
+            assert json.loads(result.stdout)["bootstrap_servers"] == state.bootstrap_servers  # stdout stays JSON
+        finally:
+            runner.invoke(app, ["down"])
+    # the port it took instead is the one remembered now
+    assert read_remembered_ports(home) == StackPorts(kafka_port=_host_port(state.bootstrap_servers)[1])
+
+
+def test_an_explicit_port_wins_over_the_remembered_one(home: Path) -> None:
+    from pipeline.devstack.process import free_port
+
+    wanted = free_port()
+    home.mkdir(parents=True)
+    (home / PORTS_FILE).write_text(json.dumps({"kafka_port": free_port(), "gcs_port": None}))
+    result = runner.invoke(app, ["up", "--no-gcs", "--json", "--kafka-port", str(wanted)])
+    try:
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["bootstrap_servers"] == f"127.0.0.1:{wanted}"
+    finally:
+        runner.invoke(app, ["down"])
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"kafka_port": 0}', '{"kafka_port": 70000}', '{"kafka_port": "x"}',
+                                  '{"kafka_port": 5000, "gcs_port": 5000}', '{"kafka_port": 5000, "pid": 1}', "[]"])
+def test_a_ports_file_that_does_not_validate_is_ignored(home: Path, text: str) -> None:
+    home.mkdir(parents=True)
+    (home / PORTS_FILE).write_text(text)
+    assert read_remembered_ports(home) is None
+    assert choose_ports(home, None, None, with_gcs=True) == PortChoice(kafka_port=None, gcs_port=None, notes=[])
+
+
+def test_a_stack_without_the_emulator_keeps_the_remembered_emulator_port(home: Path) -> None:
+    home.mkdir(parents=True)
+    remember_ports(home, kafka_port=5001, gcs_port=5002)
+    remember_ports(home, kafka_port=5003, gcs_port=None)  # `rlpipe run` starts one with --no-gcs
+    assert read_remembered_ports(home) == StackPorts(kafka_port=5003, gcs_port=5002)
+    choice = choose_ports(home, None, None, with_gcs=True)
+    assert (choice.kafka_port, choice.gcs_port) == (5003, 5002) or choice.notes  # free here, else named
+    assert choose_ports(home, 6000, None, with_gcs=False).kafka_port == 6000
+
+
+def test_down_while_a_run_still_writes_its_logs_warns_that_it_will_wait_for_the_same_ports(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.cli import main as cli_main
+
+    state = _state(home, 4242)
+    monkeypatch.setattr(cli_main, "stop_background", lambda timeout_s: state)
+    logs = home / "runs" / "pk-1" / "logs"
+    logs.mkdir(parents=True)
+    for name in ("learner", "producer-0"):
+        (logs / f"{name}.log").write_text("step 3\n")
+    old = home / "runs" / "done" / "logs"
+    old.mkdir(parents=True)
+    (old / "learner.log").write_text("finished\n")
+    an_hour_ago = time.time() - 3600
+    os.utime(old / "learner.log", (an_hour_ago, an_hour_ago))
+
+    result = runner.invoke(app, ["down"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if "pk-1" in line]
+    assert len(warnings) == 1, result.stderr
+    assert "learner" in warnings[0] and "producer-0" in warnings[0] and "rlpipe up" in warnings[0]
+    assert "same ports" in warnings[0] and "done" not in warnings[0]
+    as_json = json.loads(runner.invoke(app, ["down", "--json"]).stdout)
+    assert as_json["recent_runs"] == {"pk-1": ["learner", "producer-0"]}
+
+    os.utime(logs / "learner.log", (an_hour_ago, an_hour_ago))
+    os.utime(logs / "producer-0.log", (an_hour_ago, an_hour_ago))
+    quiet = runner.invoke(app, ["down"])
+    assert "pk-1" not in quiet.stderr and "rlpipe stack stopped" in quiet.stdout
