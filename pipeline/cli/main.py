@@ -30,6 +30,7 @@ from pipeline.cli.common import (
     EXIT_NOT_RUNNING,
     JsonOpt,
     console,
+    err_console,
     fail,
     handle_user_errors,
     print_json,
@@ -37,10 +38,13 @@ from pipeline.cli.common import (
 from pipeline.cli.topics import app as topics_app
 from pipeline.devstack.broker import answers_kafka_metadata
 from pipeline.devstack.stack import (
+    RECENT_LOG_S,
     StackAlreadyRunningError,
     StackState,
+    choose_ports,
     read_stack_state,
     rlpipe_home,
+    runs_writing_logs,
     serve,
     start_background,
     stop_background,
@@ -182,8 +186,10 @@ def _state_table(state: StackState, title: str) -> Table:
 @app.command(epilog="Example: rlpipe up   (stop it with: rlpipe down)")
 @handle_user_errors
 def up(
-    kafka_port: Annotated[int | None, typer.Option(min=1, max=65535, help="Broker port; default: a free one.")] = None,
-    gcs_port: Annotated[int | None, typer.Option(min=1, max=65535, help="GCS emulator port; default: free.")] = None,
+    kafka_port: Annotated[int | None, typer.Option(
+        min=1, max=65535, help="Broker port; default: the home's previous one if free, else a free one.")] = None,
+    gcs_port: Annotated[int | None, typer.Option(
+        min=1, max=65535, help="GCS emulator port; default: the previous one if free, else a free one.")] = None,
     gcs: Annotated[bool, typer.Option("--gcs/--no-gcs", help="Also start the GCS emulator.")] = True,
     foreground: Annotated[bool, typer.Option(help="Run in this terminal until Ctrl-C instead of detaching.")] = False,
     timeout: Annotated[float, typer.Option(min=1.0, help="Seconds to wait for the stack to be ready.")] = 30.0,
@@ -193,12 +199,17 @@ def up(
 
     Its addresses are recorded in $RLPIPE_HOME/stack.json (default ~/.rlpipe), where every
     other rlpipe command finds them.  The broker's log (the events) and the store stay across
-    `rlpipe down` and `rlpipe up`.
+    `rlpipe down` and `rlpipe up`, and so do the ports ($RLPIPE_HOME/ports.json) where still free:
+    processes that outlived `rlpipe down` reconnect.
     """
     if foreground:
-        raise typer.Exit(serve(rlpipe_home().resolve(), kafka_port=kafka_port, gcs_port=gcs_port, with_gcs=gcs))
+        home = rlpipe_home().resolve()
+        ports = choose_ports(home, kafka_port, gcs_port, with_gcs=gcs)
+        _print_notes(ports.notes)
+        raise typer.Exit(serve(home, kafka_port=ports.kafka_port, gcs_port=ports.gcs_port, with_gcs=gcs))
     try:
-        state = start_background(kafka_port=kafka_port, gcs_port=gcs_port, with_gcs=gcs, timeout_s=timeout)
+        state = start_background(kafka_port=kafka_port, gcs_port=gcs_port, with_gcs=gcs, timeout_s=timeout,
+                                 on_note=lambda note: _print_notes([note]))
         title = "rlpipe stack started"
     except StackAlreadyRunningError as exc:
         state, title = exc.state, "rlpipe stack already running"
@@ -222,17 +233,39 @@ def down(
     """Stop the embedded stack started by `rlpipe up` or `rlpipe run`, listing each part it stops.
 
     The broker's log (the events, kept by the local S3 server under $RLPIPE_HOME/s3),
-    the store folder and the logs stay, so `rlpipe up` carries on where it stopped.
+    the store folder and the logs stay, so `rlpipe up` carries on where it stopped, on the
+    same ports where free.  Runs whose processes still write their logs are named: they wait
+    for the broker and reconnect when `rlpipe up` starts it again.
     """
     state = stop_background(timeout_s=timeout)
+    recent = runs_writing_logs(rlpipe_home()) if state is not None else {}
+    if recent and state is not None:
+        _warn_still_used(recent, state)
     if as_json:
-        print_json({"status": "stopped", **state.model_dump()} if state else {"status": "not running"})
+        print_json({"status": "stopped", **state.model_dump(), "recent_runs": recent} if state
+                   else {"status": "not running"})
     elif state is None:
         console.print("no rlpipe stack is running")
     else:
         console.print(f"rlpipe stack stopped (pid {state.pid}):")
         for part in _stopped_parts(state):
             console.print(f"  {part}", markup=False)
+
+
+def _print_notes(notes: list[str]) -> None:
+    """Lines about the start on stderr, so that ``--json`` keeps stdout parseable."""
+    for note in notes:
+        err_console.print(f"note: {note}", style="yellow", markup=False)
+
+
+def _warn_still_used(recent: dict[str, list[str]], state: StackState) -> None:
+    """One line naming the runs whose processes were still writing their logs, and what happens to them now."""
+    runs = ", ".join(f"{run} ({', '.join(names)})" for run, names in recent.items())
+    err_console.print(
+        f"warning: {'runs' if len(recent) > 1 else 'run'} {runs} wrote logs in the last {RECENT_LOG_S:g} s: "
+        f"their processes will wait for the broker at {state.bootstrap_servers} and reconnect when `rlpipe up` "
+        "starts it again on the same ports (stop them with Ctrl-C in the terminal of their `rlpipe run`)",
+        style="yellow", markup=False)
 
 
 def _stopped_parts(state: StackState) -> list[str]:

@@ -16,7 +16,10 @@ command that started it, and one owner process makes ``down`` a single signal.
 The broker keeps its log in S3 on a journaled local S3 server
 (``pipeline.devstack.s3_server``, journal under ``$RLPIPE_HOME/s3``), so events keep their
 offsets across ``down`` / ``up`` and checkpoints' offsets stay valid; the store
-folder and the emulator's objects are kept on disk under ``$RLPIPE_HOME`` too.
+folder and the emulator's objects are kept on disk under ``$RLPIPE_HOME`` too.  So are the
+ports (``$RLPIPE_HOME/ports.json``, which ``down`` keeps): the next ``up`` listens on them
+again where they are free, so a run's processes that outlived ``down``, retrying the address
+they know, reconnect and go on.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import signal
@@ -31,21 +35,27 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.devstack.broker import TansuBroker
-from pipeline.devstack.process import descendants_in_group, process_table, still_living
+from pipeline.devstack.process import descendants_in_group, port_is_free, process_table, still_living
 from pipeline.devstack.s3_server import LocalS3Server
 from schemas.config import BusConfig
 
 HOME_ENV = "RLPIPE_HOME"
 STATE_FILE = "stack.json"
+PORTS_FILE = "ports.json"  # the ports the home's last stack listened on: kept by `down`, taken again by `up`
 LOCK_FILE = "stack.lock"  # held (flock) by the one serving process of a home, for its whole life
 EXIT_ALREADY_RUNNING = 3  # `serve` found another stack serving this home
 DEFAULT_BUCKET = "rlpipe"
+
+log = logging.getLogger(__name__)
 
 
 class StackError(RuntimeError):
@@ -79,6 +89,34 @@ class StackState(BaseModel):
     home: str = Field(description="the RLPIPE_HOME this stack belongs to")
     log_dir: str = Field(description="folder of the servers' logs")
     started_at: datetime = Field(description="when the stack became ready")
+
+
+class StackPorts(BaseModel):
+    """The ports the home's last stack listened on (the content of ``ports.json``).
+
+    Processes that outlive ``rlpipe down`` (a run's learner and producers) keep retrying the address they know;
+    the broker's log is durable, so a stack started again on the same ports lets them go on where they stopped.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kafka_port: int = Field(ge=1, le=65535, description="port of the embedded broker")
+    gcs_port: int | None = Field(None, ge=1, le=65535, description="port of the GCS emulator; None if never started")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Self:
+        if self.kafka_port == self.gcs_port:
+            raise ValueError(f"the broker and the GCS emulator cannot share port {self.kafka_port}")
+        return self
+
+
+@dataclass(frozen=True)
+class PortChoice:
+    """The ports to start a stack on (None: a free one), and a line for each remembered port found taken."""
+
+    kafka_port: int | None
+    gcs_port: int | None
+    notes: list[str] = field(default_factory=list)
 
 
 def rlpipe_home() -> Path:
@@ -162,12 +200,53 @@ def resolve_store_root(root: str | None = None) -> str:
     return state.store_root if state is not None else default_store_root()
 
 
-def _write_state(path: Path, state: StackState) -> None:
+def _write_state(path: Path, state: BaseModel) -> None:
     """Write atomically, so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(state.model_dump_json(indent=2))
     os.replace(tmp, path)
+
+
+def read_remembered_ports(home: Path) -> StackPorts | None:
+    """The ports the home's last stack listened on; None if none is recorded or the file does not validate."""
+    try:
+        return StackPorts.model_validate_json((home / PORTS_FILE).read_text())
+    except (OSError, ValidationError, ValueError):
+        return None
+
+
+def remember_ports(home: Path, kafka_port: int, gcs_port: int | None) -> None:
+    """Record the ports a stack of ``home`` listens on; a stack without the emulator keeps the emulator's last one."""
+    previous = read_remembered_ports(home)
+    if gcs_port is None and previous is not None and previous.gcs_port != kafka_port:
+        gcs_port = previous.gcs_port
+    _write_state(home / PORTS_FILE, StackPorts(kafka_port=kafka_port, gcs_port=gcs_port))
+
+
+def choose_ports(home: Path, kafka_port: int | None, gcs_port: int | None, with_gcs: bool) -> PortChoice:
+    """The ports a new stack of ``home`` starts on: the ones asked for, else the remembered ones where free.
+
+    A remembered port found in use is left to a free one, with a note saying that processes still on the old
+    address will not find the stack there.
+    """
+    remembered = read_remembered_ports(home)
+    if remembered is None:
+        return PortChoice(kafka_port, gcs_port)
+    notes = []
+    wanted = {"Kafka": (kafka_port, remembered.kafka_port),
+              "GCS emulator": (gcs_port, remembered.gcs_port if with_gcs else None)}
+    chosen: dict[str, int | None] = {}
+    for part, (asked, previous) in wanted.items():
+        chosen[part] = asked
+        if asked is not None or previous is None:
+            continue
+        if previous not in (kafka_port, gcs_port) and port_is_free(previous):
+            chosen[part] = previous
+        else:
+            notes.append(f"the {part} port this home used before, {previous}, is in use; starting on a free port "
+                         f"(processes still on port {previous} will not reach this stack)")
+    return PortChoice(chosen["Kafka"], chosen["GCS emulator"], notes)
 
 
 class DevStack:
@@ -307,6 +386,8 @@ def _serve_locked(home: Path, path: Path, stop: threading.Event, kafka_port: int
     stack = DevStack(home=home, kafka_port=kafka_port, gcs_port=gcs_port, with_gcs=with_gcs)
     with stack:
         _write_state(path, stack.state())
+        if stack.broker.port is not None:  # set by a start
+            remember_ports(home, stack.broker.port, stack.gcs.port if stack.gcs is not None else None)
         print(f"rlpipe stack ready: {stack.state().model_dump_json()}", flush=True)
         try:
             while not stop.wait(0.5):
@@ -326,19 +407,24 @@ def start_background(
     gcs_port: int | None = None,
     with_gcs: bool = True,
     timeout_s: float = 30.0,
+    on_note: Callable[[str], None] = log.warning,
 ) -> StackState:
     """Start ``python -m pipeline.devstack.stack serve`` detached and wait until it records its state.
 
-    Raises ``StackAlreadyRunningError`` if a stack already runs for ``home``, and
-    ``StackError`` if the server exits or does not become ready in time.
+    A port not given is the one the home's last stack used, where free (``choose_ports``; ``on_note`` gets a line
+    for each that is not), else a free one.  Raises ``StackAlreadyRunningError`` if a stack already runs for
+    ``home``, and ``StackError`` if the server exits or does not become ready in time.
     """
     home = (home or rlpipe_home()).expanduser().resolve()
     running = read_stack_state(home)
     if running is not None:
         raise StackAlreadyRunningError(running)
     make_home(home)
+    ports = choose_ports(home, kafka_port, gcs_port, with_gcs)
+    for note in ports.notes:
+        on_note(note)
     log_path = home / "stack.log"
-    process = _spawn_server(home, kafka_port, gcs_port, with_gcs, log_path)
+    process = _spawn_server(home, ports.kafka_port, ports.gcs_port, with_gcs, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = read_stack_state(home)
@@ -376,6 +462,24 @@ def _spawn_server(
             env=env,
             cwd=str(home),
         )
+
+
+RECENT_LOG_S = 120.0  # a run's process that wrote its log this recently is taken to be running still
+
+
+def runs_writing_logs(home: Path, within_s: float = RECENT_LOG_S) -> dict[str, list[str]]:
+    """Run -> names of its processes whose logs (``runs/<run>/logs/<name>.log``, where ``rlpipe run`` puts them)
+    changed within the last ``within_s`` seconds: the processes likely still using the home's stack.
+
+    Packed runs log in their first run's folder.  Processes started by hand log to their terminal and are not seen.
+    """
+    now = time.time()
+    recent: dict[str, list[str]] = {}
+    for log_file in sorted((home / "runs").glob("*/logs/*.log")):
+        with contextlib.suppress(OSError):  # removed meanwhile (rlpipe runs delete)
+            if now - log_file.stat().st_mtime <= within_s:
+                recent.setdefault(log_file.parent.parent.name, []).append(log_file.stem)
+    return recent
 
 
 def stop_background(home: Path | None = None, timeout_s: float = 10.0) -> StackState | None:

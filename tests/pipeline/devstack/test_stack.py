@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from pipeline.cli.main import app
 from pipeline.devstack.broker import answers_kafka_metadata
 from pipeline.devstack.stack import (
-    DevStack,
     PORTS_FILE,
+    DevStack,
     NoBrokerConfiguredError,
     PortChoice,
     StackPorts,
@@ -538,13 +538,16 @@ def test_a_ports_file_that_does_not_validate_is_ignored(home: Path, text: str) -
 
 
 def test_a_stack_without_the_emulator_keeps_the_remembered_emulator_port(home: Path) -> None:
+    from pipeline.devstack.process import free_port
+
+    first_kafka, gcs, kafka = free_port(), free_port(), free_port()
     home.mkdir(parents=True)
-    remember_ports(home, kafka_port=5001, gcs_port=5002)
-    remember_ports(home, kafka_port=5003, gcs_port=None)  # `rlpipe run` starts one with --no-gcs
-    assert read_remembered_ports(home) == StackPorts(kafka_port=5003, gcs_port=5002)
-    choice = choose_ports(home, None, None, with_gcs=True)
-    assert (choice.kafka_port, choice.gcs_port) == (5003, 5002) or choice.notes  # free here, else named
-    assert choose_ports(home, 6000, None, with_gcs=False).kafka_port == 6000
+    remember_ports(home, kafka_port=first_kafka, gcs_port=gcs)
+    remember_ports(home, kafka_port=kafka, gcs_port=None)  # `rlpipe run` starts one with --no-gcs
+    assert read_remembered_ports(home) == StackPorts(kafka_port=kafka, gcs_port=gcs)
+    assert choose_ports(home, None, None, with_gcs=True) == PortChoice(kafka, gcs)
+    assert choose_ports(home, None, None, with_gcs=False) == PortChoice(kafka, None)
+    assert choose_ports(home, first_kafka, None, with_gcs=True) == PortChoice(first_kafka, gcs)  # asked for wins
 
 
 def test_down_while_a_run_still_writes_its_logs_warns_that_it_will_wait_for_the_same_ports(
