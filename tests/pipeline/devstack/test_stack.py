@@ -580,3 +580,29 @@ def test_down_while_a_run_still_writes_its_logs_warns_that_it_will_wait_for_the_
     os.utime(logs / "producer-0.log", (an_hour_ago, an_hour_ago))
     quiet = runner.invoke(app, ["down"])
     assert "pk-1" not in quiet.stderr and "rlpipe stack stopped" in quiet.stdout
+
+
+def test_down_names_the_processes_started_on_a_run_config_of_the_home_even_with_quiet_logs(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A learner busy on its first step writes no log for minutes; its command line names its runs' config files."""
+    from pipeline.cli import main as cli_main
+
+    monkeypatch.setattr(cli_main, "stop_background", lambda timeout_s: _state(home, 4242))
+    configs = [home / "runs" / run / "config.yaml" for run in ("pk-1", "pk-2")]
+    learner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "learner", "start",
+                                "--config", str(configs[0]), "--config", str(configs[1])])
+    elsewhere = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "producer", "start",
+                                  "--config", "/elsewhere/runs/other/config.yaml"])
+    try:
+        deadline = time.monotonic() + 5
+        while "learner" not in Path(f"/proc/{learner.pid}/cmdline").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)  # until it has exec'd
+        result = runner.invoke(app, ["down", "--json"])
+    finally:
+        for process in (learner, elsewhere):
+            process.kill()
+            process.wait()
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["recent_runs"] == {run: [f"learner (pid {learner.pid})"] for run in ("pk-1", "pk-2")}
+    assert "pk-1" in result.stderr and "other" not in result.stderr
