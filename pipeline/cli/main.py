@@ -44,7 +44,7 @@ from pipeline.devstack.stack import (
     choose_ports,
     read_stack_state,
     rlpipe_home,
-    runs_writing_logs,
+    runs_still_going,
     serve,
     start_background,
     stop_background,
@@ -238,7 +238,7 @@ def down(
     for the broker and reconnect when `rlpipe up` starts it again.
     """
     state = stop_background(timeout_s=timeout)
-    recent = runs_writing_logs(rlpipe_home()) if state is not None else {}
+    recent = runs_still_going(rlpipe_home()) if state is not None else {}
     if recent and state is not None:
         _warn_still_used(recent, state)
     if as_json:
@@ -259,13 +259,13 @@ def _print_notes(notes: list[str]) -> None:
 
 
 def _warn_still_used(recent: dict[str, list[str]], state: StackState) -> None:
-    """One line naming the runs whose processes were still writing their logs, and what happens to them now."""
-    runs = ", ".join(f"{run} ({', '.join(names)})" for run, names in recent.items())
+    """One line naming the runs whose processes still go (``runs_still_going``), and what happens to them now."""
+    runs = "; ".join(f"{run}: {', '.join(names)}" for run, names in recent.items())
     err_console.print(
-        f"warning: {'runs' if len(recent) > 1 else 'run'} {runs} wrote logs in the last {RECENT_LOG_S:g} s: "
-        f"their processes will wait for the broker at {state.bootstrap_servers} and reconnect when `rlpipe up` "
-        "starts it again on the same ports (stop them with Ctrl-C in the terminal of their `rlpipe run`)",
-        style="yellow", markup=False)
+        f"warning: processes of {'runs' if len(recent) > 1 else 'run'} {runs} (running, or logging in the last "
+        f"{RECENT_LOG_S:g} s) will wait for the broker at {state.bootstrap_servers} and reconnect when `rlpipe up` "
+        "starts it again on the same ports; one still connecting for the first time gives up after "
+        "bus.connect_timeout_s", style="yellow", markup=False)
 
 
 def _stopped_parts(state: StackState) -> list[str]:

@@ -15,7 +15,8 @@ exit, and (on Linux) by the kernel when the thread that started it dies, so a
 crashed test run leaves no server behind.
 
 ``process_table``, ``descendants_in_group`` and ``still_living`` read the process
-tree from ``/proc``, for ``rlpipe down`` to kill a stack's servers and nothing else.
+tree from ``/proc``, for ``rlpipe down`` to kill a stack's servers and nothing else;
+``command_lines`` reads the processes' arguments, for it to name the runs still going.
 """
 
 from __future__ import annotations
@@ -90,6 +91,18 @@ def process_table() -> dict[int, tuple[str, int, int]] | None:
             fields = stat.read_text().rpartition(")")[2].split()  # after "pid (comm)": state, ppid, pgrp, ...
             processes[int(stat.parent.name)] = (fields[0], int(fields[1]), int(fields[2]))
     return processes
+
+
+def command_lines() -> dict[int, list[str]] | None:
+    """Every readable process's arguments as pid -> argv, from /proc; None without /proc."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    commands = {}
+    for cmdline in proc.glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError, ValueError):
+            commands[int(cmdline.parent.name)] = cmdline.read_bytes().decode(errors="replace").split("\0")[:-1]
+    return commands
 
 
 def descendants_in_group(pid: int, processes: dict[int, tuple[str, int, int]], group: int | None = None) -> list[int]:

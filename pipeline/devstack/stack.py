@@ -44,7 +44,13 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.devstack.broker import TansuBroker
-from pipeline.devstack.process import descendants_in_group, port_is_free, process_table, still_living
+from pipeline.devstack.process import (
+    command_lines,
+    descendants_in_group,
+    port_is_free,
+    process_table,
+    still_living,
+)
 from pipeline.devstack.s3_server import LocalS3Server
 from schemas.config import BusConfig
 
@@ -465,21 +471,52 @@ def _spawn_server(
 
 
 RECENT_LOG_S = 120.0  # a run's process that wrote its log this recently is taken to be running still
+ROLES = ("learner", "producer")  # the commands `rlpipe run` starts, each with `--config <home>/runs/<run>/config.yaml`
 
 
-def runs_writing_logs(home: Path, within_s: float = RECENT_LOG_S) -> dict[str, list[str]]:
-    """Run -> names of its processes whose logs (``runs/<run>/logs/<name>.log``, where ``rlpipe run`` puts them)
-    changed within the last ``within_s`` seconds: the processes likely still using the home's stack.
+def runs_still_going(home: Path, within_s: float = RECENT_LOG_S) -> dict[str, list[str]]:
+    """Run -> its processes that likely still use the home's stack: those started on one of the home's run
+    configurations (``runs/<run>/config.yaml``, as ``rlpipe run`` starts them; a packed process names each run's),
+    else those whose log (``runs/<run>/logs/<name>.log``) changed within the last ``within_s`` seconds (where
+    ``/proc`` cannot be read, or a process runs under another name).
 
-    Packed runs log in their first run's folder.  Processes started by hand log to their terminal and are not seen.
+    Processes started by hand on a preset, and their logs, are not seen.
     """
+    found: dict[str, list[str]] = {}
+    for run, name in _processes_on_run_configs(home):
+        found.setdefault(run, []).append(name)
+    seen = set(found)  # a run whose processes are found is not named again by its logs
+    for run, name in _recent_run_logs(home, within_s):
+        if run not in seen:
+            found.setdefault(run, []).append(name)
+    return found
+
+
+def _processes_on_run_configs(home: Path) -> list[tuple[str, str]]:
+    """(run, "<role> (pid N)") of each process whose arguments name a run configuration under ``home``."""
+    runs_folder = (home / "runs").resolve()
+    found = []
+    for pid, argv in sorted((command_lines() or {}).items()):
+        role = next((arg for arg in argv if arg in ROLES), None)
+        if role is None or pid == os.getpid():
+            continue
+        for arg in argv:
+            path = Path(arg)
+            if path.name == "config.yaml" and path.parent.parent == runs_folder:
+                found.append((path.parent.name, f"{role} (pid {pid})"))
+    return found
+
+
+def _recent_run_logs(home: Path, within_s: float) -> list[tuple[str, str]]:
+    """(run, process name) of each log ``rlpipe run`` keeps (packed runs': in the first run's folder) that changed
+    within the last ``within_s`` seconds."""
     now = time.time()
-    recent: dict[str, list[str]] = {}
+    found = []
     for log_file in sorted((home / "runs").glob("*/logs/*.log")):
         with contextlib.suppress(OSError):  # removed meanwhile (rlpipe runs delete)
             if now - log_file.stat().st_mtime <= within_s:
-                recent.setdefault(log_file.parent.parent.name, []).append(log_file.stem)
-    return recent
+                found.append((log_file.parent.parent.name, log_file.stem))
+    return found
 
 
 def stop_background(home: Path | None = None, timeout_s: float = 10.0) -> StackState | None:
