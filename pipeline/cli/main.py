@@ -234,8 +234,9 @@ def down(
 
     The broker's log (the events, kept by the local S3 server under $RLPIPE_HOME/s3),
     the store folder and the logs stay, so `rlpipe up` carries on where it stopped, on the
-    same ports where free.  Runs whose processes still write their logs are named: they wait
-    for the broker and reconnect when `rlpipe up` starts it again.
+    same ports where free.  Runs whose processes still go are named (those `rlpipe run` started
+    on the home's run configurations; without /proc, that logged lately): they wait for the broker and
+    reconnect when `rlpipe up` starts it again.
     """
     state = stop_background(timeout_s=timeout)
     recent = runs_still_going(rlpipe_home()) if state is not None else {}
@@ -262,8 +263,8 @@ def _warn_still_used(recent: dict[str, list[str]], state: StackState) -> None:
     """One line naming the runs whose processes still go (``runs_still_going``), and what happens to them now."""
     runs = "; ".join(f"{run}: {', '.join(names)}" for run, names in recent.items())
     err_console.print(
-        f"warning: processes of {'runs' if len(recent) > 1 else 'run'} {runs} (running, or logging in the last "
-        f"{RECENT_LOG_S:g} s) will wait for the broker at {state.bootstrap_servers} and reconnect when `rlpipe up` "
+        f"warning: processes of {'runs' if len(recent) > 1 else 'run'} {runs} (running, or without /proc logging "
+        f"in the last {RECENT_LOG_S:g} s) will wait for the broker at {state.bootstrap_servers} and reconnect when `rlpipe up` "
         "starts it again on the same ports; one still connecting for the first time gives up after "
         "bus.connect_timeout_s", style="yellow", markup=False)
 

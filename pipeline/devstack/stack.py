@@ -476,27 +476,26 @@ ROLES = ("learner", "producer")  # the commands `rlpipe run` starts, each with `
 
 def runs_still_going(home: Path, within_s: float = RECENT_LOG_S) -> dict[str, list[str]]:
     """Run -> its processes that likely still use the home's stack: those started on one of the home's run
-    configurations (``runs/<run>/config.yaml``, as ``rlpipe run`` starts them; a packed process names each run's),
-    else those whose log (``runs/<run>/logs/<name>.log``) changed within the last ``within_s`` seconds (where
-    ``/proc`` cannot be read, or a process runs under another name).
+    configurations (``runs/<run>/config.yaml``, as ``rlpipe run`` starts them; a packed process names each run's).
 
-    Processes started by hand on a preset, and their logs, are not seen.
+    Where ``/proc`` cannot be read (macOS), those whose log (``runs/<run>/logs/<name>.log``) changed within the
+    last ``within_s`` seconds instead: a process that exited a moment ago is named too.  Processes started by
+    hand on a preset are not seen.
     """
+    commands = command_lines()
     found: dict[str, list[str]] = {}
-    for run, name in _processes_on_run_configs(home):
+    pairs = _recent_run_logs(home, within_s) if commands is None else _processes_on_run_configs(home, commands)
+    for run, name in pairs:
         found.setdefault(run, []).append(name)
-    seen = set(found)  # a run whose processes are found is not named again by its logs
-    for run, name in _recent_run_logs(home, within_s):
-        if run not in seen:
-            found.setdefault(run, []).append(name)
     return found
 
 
-def _processes_on_run_configs(home: Path) -> list[tuple[str, str]]:
-    """(run, "<role> (pid N)") of each process whose arguments name a run configuration under ``home``."""
+def _processes_on_run_configs(home: Path, commands: dict[int, list[str]]) -> list[tuple[str, str]]:
+    """(run, "<role> (pid N)") of each process of ``commands`` (pid -> argv) whose arguments name a run
+    configuration under ``home``."""
     runs_folder = (home / "runs").resolve()
     found = []
-    for pid, argv in sorted((command_lines() or {}).items()):
+    for pid, argv in sorted(commands.items()):
         role = next((arg for arg in argv if arg in ROLES), None)
         if role is None or pid == os.getpid():
             continue

@@ -553,8 +553,11 @@ def test_a_stack_without_the_emulator_keeps_the_remembered_emulator_port(home: P
 def test_down_while_a_run_still_writes_its_logs_warns_that_it_will_wait_for_the_same_ports(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Without /proc (macOS) the runs still going are those whose logs changed lately."""
     from pipeline.cli import main as cli_main
+    from pipeline.devstack import stack
 
+    monkeypatch.setattr(stack, "command_lines", lambda: None)
     state = _state(home, 4242)
     monkeypatch.setattr(cli_main, "stop_background", lambda timeout_s: state)
     logs = home / "runs" / "pk-1" / "logs"
@@ -606,3 +609,7 @@ def test_down_names_the_processes_started_on_a_run_config_of_the_home_even_with_
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["recent_runs"] == {run: [f"learner (pid {learner.pid})"] for run in ("pk-1", "pk-2")}
     assert "pk-1" in result.stderr and "other" not in result.stderr
+    # with /proc, a log written a moment ago by a process that has exited names nothing
+    (home / "runs" / "pk-1" / "logs").mkdir(parents=True)
+    (home / "runs" / "pk-1" / "logs" / "learner.log").write_text("stopped\n")
+    assert json.loads(runner.invoke(app, ["down", "--json"]).stdout)["recent_runs"] == {}
