@@ -37,14 +37,12 @@ from pipeline.cli.common import (
 )
 from pipeline.cli.topics import app as topics_app
 from pipeline.devstack.broker import answers_kafka_metadata
+from pipeline.devstack.reconnect import RECENT_LOG_S, choose_ports, runs_still_going
 from pipeline.devstack.stack import (
-    RECENT_LOG_S,
     StackAlreadyRunningError,
     StackState,
-    choose_ports,
     read_stack_state,
     rlpipe_home,
-    runs_still_going,
     serve,
     start_background,
     stop_background,

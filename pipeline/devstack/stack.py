@@ -36,27 +36,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.devstack.broker import TansuBroker
 from pipeline.devstack.process import (
-    command_lines,
     descendants_in_group,
-    port_is_free,
     process_table,
     still_living,
 )
+from pipeline.devstack.reconnect import choose_ports, remember_ports, write_model
 from pipeline.devstack.s3_server import LocalS3Server
 from schemas.config import BusConfig
 
 HOME_ENV = "RLPIPE_HOME"
 STATE_FILE = "stack.json"
-PORTS_FILE = "ports.json"  # the ports the home's last stack listened on: kept by `down`, taken again by `up`
 LOCK_FILE = "stack.lock"  # held (flock) by the one serving process of a home, for its whole life
 EXIT_ALREADY_RUNNING = 3  # `serve` found another stack serving this home
 DEFAULT_BUCKET = "rlpipe"
@@ -95,34 +91,6 @@ class StackState(BaseModel):
     home: str = Field(description="the RLPIPE_HOME this stack belongs to")
     log_dir: str = Field(description="folder of the servers' logs")
     started_at: datetime = Field(description="when the stack became ready")
-
-
-class StackPorts(BaseModel):
-    """The ports the home's last stack listened on (the content of ``ports.json``).
-
-    Processes that outlive ``rlpipe down`` (a run's learner and producers) keep retrying the address they know;
-    the broker's log is durable, so a stack started again on the same ports lets them go on where they stopped.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kafka_port: int = Field(ge=1, le=65535, description="port of the embedded broker")
-    gcs_port: int | None = Field(None, ge=1, le=65535, description="port of the GCS emulator; None if never started")
-
-    @model_validator(mode="after")
-    def _distinct(self) -> Self:
-        if self.kafka_port == self.gcs_port:
-            raise ValueError(f"the broker and the GCS emulator cannot share port {self.kafka_port}")
-        return self
-
-
-@dataclass(frozen=True)
-class PortChoice:
-    """The ports to start a stack on (None: a free one), and a line for each remembered port found taken."""
-
-    kafka_port: int | None
-    gcs_port: int | None
-    notes: list[str] = field(default_factory=list)
 
 
 def rlpipe_home() -> Path:
@@ -204,55 +172,6 @@ def resolve_store_root(root: str | None = None) -> str:
         return root
     state = read_stack_state()
     return state.store_root if state is not None else default_store_root()
-
-
-def _write_state(path: Path, state: BaseModel) -> None:
-    """Write atomically, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(state.model_dump_json(indent=2))
-    os.replace(tmp, path)
-
-
-def read_remembered_ports(home: Path) -> StackPorts | None:
-    """The ports the home's last stack listened on; None if none is recorded or the file does not validate."""
-    try:
-        return StackPorts.model_validate_json((home / PORTS_FILE).read_text())
-    except (OSError, ValidationError, ValueError):
-        return None
-
-
-def remember_ports(home: Path, kafka_port: int, gcs_port: int | None) -> None:
-    """Record the ports a stack of ``home`` listens on; a stack without the emulator keeps the emulator's last one."""
-    previous = read_remembered_ports(home)
-    if gcs_port is None and previous is not None and previous.gcs_port != kafka_port:
-        gcs_port = previous.gcs_port
-    _write_state(home / PORTS_FILE, StackPorts(kafka_port=kafka_port, gcs_port=gcs_port))
-
-
-def choose_ports(home: Path, kafka_port: int | None, gcs_port: int | None, with_gcs: bool) -> PortChoice:
-    """The ports a new stack of ``home`` starts on: the ones asked for, else the remembered ones where free.
-
-    A remembered port found in use is left to a free one, with a note saying that processes still on the old
-    address will not find the stack there.
-    """
-    remembered = read_remembered_ports(home)
-    if remembered is None:
-        return PortChoice(kafka_port, gcs_port)
-    notes = []
-    wanted = {"Kafka": (kafka_port, remembered.kafka_port),
-              "GCS emulator": (gcs_port, remembered.gcs_port if with_gcs else None)}
-    chosen: dict[str, int | None] = {}
-    for part, (asked, previous) in wanted.items():
-        chosen[part] = asked
-        if asked is not None or previous is None:
-            continue
-        if previous not in (kafka_port, gcs_port) and port_is_free(previous):
-            chosen[part] = previous
-        else:
-            notes.append(f"the {part} port this home used before, {previous}, is in use; starting on a free port "
-                         f"(processes still on port {previous} will not reach this stack)")
-    return PortChoice(chosen["Kafka"], chosen["GCS emulator"], notes)
 
 
 class DevStack:
@@ -391,7 +310,7 @@ def _serve_locked(home: Path, path: Path, stop: threading.Event, kafka_port: int
                   with_gcs: bool) -> int:
     stack = DevStack(home=home, kafka_port=kafka_port, gcs_port=gcs_port, with_gcs=with_gcs)
     with stack:
-        _write_state(path, stack.state())
+        write_model(path, stack.state())
         if stack.broker.port is not None:  # set by a start
             remember_ports(home, stack.broker.port, stack.gcs.port if stack.gcs is not None else None)
         print(f"rlpipe stack ready: {stack.state().model_dump_json()}", flush=True)
@@ -468,54 +387,6 @@ def _spawn_server(
             env=env,
             cwd=str(home),
         )
-
-
-RECENT_LOG_S = 120.0  # a run's process that wrote its log this recently is taken to be running still
-ROLES = ("learner", "producer")  # the commands `rlpipe run` starts, each with `--config <home>/runs/<run>/config.yaml`
-
-
-def runs_still_going(home: Path, within_s: float = RECENT_LOG_S) -> dict[str, list[str]]:
-    """Run -> its processes that likely still use the home's stack: those started on one of the home's run
-    configurations (``runs/<run>/config.yaml``, as ``rlpipe run`` starts them; a packed process names each run's).
-
-    Where ``/proc`` cannot be read (macOS), those whose log (``runs/<run>/logs/<name>.log``) changed within the
-    last ``within_s`` seconds instead: a process that exited a moment ago is named too.  Processes started by
-    hand on a preset are not seen.
-    """
-    commands = command_lines()
-    found: dict[str, list[str]] = {}
-    pairs = _recent_run_logs(home, within_s) if commands is None else _processes_on_run_configs(home, commands)
-    for run, name in pairs:
-        found.setdefault(run, []).append(name)
-    return found
-
-
-def _processes_on_run_configs(home: Path, commands: dict[int, list[str]]) -> list[tuple[str, str]]:
-    """(run, "<role> (pid N)") of each process of ``commands`` (pid -> argv) whose arguments name a run
-    configuration under ``home``."""
-    runs_folder = (home / "runs").resolve()
-    found = []
-    for pid, argv in sorted(commands.items()):
-        role = next((arg for arg in argv if arg in ROLES), None)
-        if role is None or pid == os.getpid():
-            continue
-        for arg in argv:
-            path = Path(arg)
-            if path.name == "config.yaml" and path.parent.parent == runs_folder:
-                found.append((path.parent.name, f"{role} (pid {pid})"))
-    return found
-
-
-def _recent_run_logs(home: Path, within_s: float) -> list[tuple[str, str]]:
-    """(run, process name) of each log ``rlpipe run`` keeps (packed runs': in the first run's folder) that changed
-    within the last ``within_s`` seconds."""
-    now = time.time()
-    found = []
-    for log_file in sorted((home / "runs").glob("*/logs/*.log")):
-        with contextlib.suppress(OSError):  # removed meanwhile (rlpipe runs delete)
-            if now - log_file.stat().st_mtime <= within_s:
-                found.append((log_file.parent.parent.name, log_file.stem))
-    return found
 
 
 def stop_background(home: Path | None = None, timeout_s: float = 10.0) -> StackState | None:

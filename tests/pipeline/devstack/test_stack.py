@@ -18,17 +18,19 @@ from typer.testing import CliRunner
 
 from pipeline.cli.main import app
 from pipeline.devstack.broker import answers_kafka_metadata
-from pipeline.devstack.stack import (
+from pipeline.devstack.reconnect import (
     PORTS_FILE,
-    DevStack,
-    NoBrokerConfiguredError,
     PortChoice,
     StackPorts,
-    StackState,
     choose_ports,
     read_remembered_ports,
-    read_stack_state,
     remember_ports,
+)
+from pipeline.devstack.stack import (
+    DevStack,
+    NoBrokerConfiguredError,
+    StackState,
+    read_stack_state,
     resolve_bootstrap_servers,
     resolve_store_root,
     state_path,
@@ -555,9 +557,9 @@ def test_down_while_a_run_still_writes_its_logs_warns_that_it_will_wait_for_the_
 ) -> None:
     """Without /proc (macOS) the runs still going are those whose logs changed lately."""
     from pipeline.cli import main as cli_main
-    from pipeline.devstack import stack
+    from pipeline.devstack import reconnect
 
-    monkeypatch.setattr(stack, "command_lines", lambda: None)
+    monkeypatch.setattr(reconnect, "command_lines", lambda: None)
     state = _state(home, 4242)
     monkeypatch.setattr(cli_main, "stop_background", lambda timeout_s: state)
     logs = home / "runs" / "pk-1" / "logs"
