@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, request_seed
+from producers.samplers.reaper import EngineReaper, descendants
 from producers.samplers.topk import TopKRows
 from producers.samplers.vllm_outputs import sample_parts
 from producers.samplers.vllm_sampler import check_vllm_can_load, refusal_named, refused_adapter
@@ -256,7 +257,9 @@ class VLLMEngine(SamplingEngine):
             logprobs_mode="processed_logprobs",  # of the distribution drawn from: after temperature and top-p
             **engine_kwargs,
         )
+        before = descendants()
         self._llm = AsyncLLM.from_engine_args(args)
+        self._reaper = EngineReaper(descendants() - before)  # ends vLLM's processes should this one die unclosed
         self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
 
@@ -274,6 +277,7 @@ class VLLMEngine(SamplingEngine):
         self._scratch = tempfile.mkdtemp(prefix="rlpipe-engine-")
         self._ids = itertools.count()
         self._llm: Any = None
+        self._reaper: EngineReaper | None = None
 
     # ---- adapters ----------------------------------------------------------------
     def _lora_request(self, handle: AdapterHandle) -> Any:
@@ -398,6 +402,9 @@ class VLLMEngine(SamplingEngine):
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.close()
         shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _engine(self) -> Any:

@@ -42,8 +42,16 @@ Identity = tuple[int, float]  # (pid, create_time in s since the epoch)
 
 
 def descendants() -> set[psutil.Process]:
-    """This process's children, their children and so on, now (psutil compares them by pid and start time)."""
-    return set(psutil.Process().children(recursive=True))
+    """This process's children, their children and so on, now (psutil compares them by pid and start time).
+
+    Leaves out multiprocessing's resource tracker, which vLLM's first spawn starts: it serves this process,
+    not the engine, outlives the engine, ignores SIGTERM, and when this process dies it cleans up after it
+    and exits by itself.
+    """
+    from multiprocessing import resource_tracker
+
+    tracker_pid = getattr(resource_tracker._resource_tracker, "_pid", None)  # None until it is started
+    return {p for p in psutil.Process().children(recursive=True) if p.pid != tracker_pid}
 
 
 class EngineReaper:

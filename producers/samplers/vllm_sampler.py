@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
+from producers.samplers.reaper import EngineReaper, descendants
 from schemas.config import SamplerConfig, lora_rank_slot
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,8 @@ class VLLMSampler(Sampler):
         self._lock = threading.Lock()  # vllm.LLM is not thread-safe
         self._handles: dict[int, AdapterHandle] = {}
         self._llm: Any = None
+        self._reaper: EngineReaper | None = None
+        before = descendants()
         self._llm = LLM(
             model=model_path,
             enable_lora=True,
@@ -180,6 +183,7 @@ class VLLMSampler(Sampler):
             logprobs_mode="processed_logprobs",  # of the distribution drawn from: after temperature and top-p
             **engine_kwargs,
         )
+        self._reaper = EngineReaper(descendants() - before)  # ends vLLM's processes should this one die unclosed
         self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
         # vLLM 0.32 on the CPU crashes ("CPU Generator does not use offset") when a seeded request's prefill is
         # chunked; a caller that turns chunked prefill on there gets requests drawn from the engine's seeded stream.
@@ -267,6 +271,9 @@ class VLLMSampler(Sampler):
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None:
             engine_core.shutdown()
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.close()
 
     def _engine(self) -> Any:
         if self._llm is None:

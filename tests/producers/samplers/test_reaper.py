@@ -152,3 +152,13 @@ def test_the_owner_lists_only_its_engine_processes() -> None:
         for p in descendants() - before:
             p.kill()
         parent.wait()
+
+
+def test_the_resource_tracker_is_not_an_engine_process() -> None:
+    """vLLM's spawn starts multiprocessing's resource tracker; it is the owner's and cleans up after it."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    tracker_pid = resource_tracker._resource_tracker._pid
+    assert tracker_pid in {p.pid for p in psutil.Process().children()}
+    assert tracker_pid not in {p.pid for p in descendants()}
