@@ -12,8 +12,9 @@ which starts this file as a separate Python process:
   (the pipe is made after the engine's processes start, and is not inherited by later children).
 - EOF on that pipe means the owner exited, however it died, or closed the engine.  The watcher then
   ends the listed processes still running: SIGTERM, SIGKILL after ``GRACE_S``; and exits.  After a
-  clean close vLLM has already stopped them, so it ends nothing.  A process counts as listed only
-  with its pid AND its start time, so a pid reused by another process is never touched.
+  clean close that is nothing, or what vLLM's shutdown left behind (vLLM 0.32 on the CPU can return
+  with its worker still running).  A process counts as listed only with its pid AND its start time,
+  so a pid reused by another process is never touched.
 
 EOF needs no PR_SET_PDEATHSIG, so this works on macOS as well.  The watcher runs in a session of its
 own (a terminal's Ctrl-C reaches the owner, not it), reads only the pipe, writes to no stdout, and
@@ -59,7 +60,9 @@ class EngineReaper:
 
     def __init__(self, processes: Iterable[psutil.Process]) -> None:
         identities = self.identities(processes)
-        read_fd, write_fd = os.pipe()  # both non-inheritable: later children of the owner never hold the pipe
+        # both ends non-inheritable: a process the owner starts later never holds the pipe (a fork child
+        # that never execs would, and would hold back the EOF until it exits)
+        read_fd, write_fd = os.pipe()
         try:
             self._watcher = subprocess.Popen(
                 [sys.executable, "-P", os.path.abspath(__file__), str(os.getpid())],
