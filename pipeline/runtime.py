@@ -360,9 +360,9 @@ class StopFlag:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal_name is not None and self.event.is_set():  # a second signal: stop now (a flag its run's
+            raise KeyboardInterrupt                                # RunStopped set is no first Ctrl-C)
         self.signal_name = signal.Signals(signum).name
-        if self.event.is_set():  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
         log.info("received %s: finishing cleanly (again to abort)", self.signal_name)
         self.event.set()
 

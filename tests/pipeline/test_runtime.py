@@ -167,3 +167,21 @@ def test_a_retried_create_that_landed_still_starts_the_run_and_records_the_chang
     key, _, changed = create_run(store, config(learner={"learning_rate": 5e-4}), "tiny")
     assert isinstance(changed, RunConfigChanged) and key == "runs/r1/config-changes/000001.json"
     assert store.list("runs/r1/config-changes") == [key]
+
+
+def test_a_signal_after_the_runs_stop_finishes_cleanly_and_only_a_second_signal_aborts() -> None:
+    """A stop flag set by the run's RunStopped (``rlpipe runs stop``) is no first Ctrl-C: the SIGTERM that `rlpipe
+    run` sends a process still winding down is the first signal, which finishes cleanly; a second one aborts."""
+    import signal as signals
+
+    import pytest as pytest_
+
+    from pipeline.runtime import StopFlag
+
+    stop = StopFlag()
+    stop.run_stopped = True
+    stop.set()
+    stop._handle(signals.SIGTERM, None)
+    assert stop() and stop.signal_name == "SIGTERM"
+    with pytest_.raises(KeyboardInterrupt):
+        stop._handle(signals.SIGTERM, None)
