@@ -225,8 +225,11 @@ class ControlFeed:
             budget_doubt=self.budget_doubt(run_id, number, change))
         if followed is None and number is not None:
             # unbounded by it, an older change's budget is stale; or its budget is the one followed: either way the
-            # run's budget is this change's as far as it is known
+            # run's budget is this change's as far as it is known, and a change before it (one a start could not
+            # read among them) is older
             self.applied_changes[run_id] = number
+            if self.unread_changes.get(run_id, number) < number:
+                del self.unread_changes[run_id]
         if followed is not None and self.packed:
             self.stop_if_finished(publisher, followed)
 

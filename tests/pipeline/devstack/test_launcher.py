@@ -1214,6 +1214,38 @@ def test_the_newest_change_a_start_could_not_read_is_followed_when_its_own_event
     assert [(e.run_id, e.payload.final_step) for e in published.events] == [("a", 6)]
 
 
+def test_a_start_s_unread_change_read_after_a_later_change_is_ignored(tmp_path: Path) -> None:
+    """A start cannot read change 000002 (budget 6); change 000003 (budget 8), recorded after it, follows, unreadable
+    too; 000002's own event, late, is older than the change followed now and is ignored: the run is not stopped
+    at 6."""
+    from pipeline.runtime import create_run, open_store
+    from schemas.events import RunStarted, make_event
+
+    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    store = open_store(fake.config.store)
+    create_run(store, fake.configs[0], "tiny")
+    fake.views(dashboard=False)
+    published = Published()
+    budget_changed(fake, "a", 4)
+    second = budget_changed(fake, "a", 6)
+    records = {second.payload.config_path: store.get(second.payload.config_path)}
+    store.put(second.payload.config_path, b"{not json")
+    fake.on_control(make_event("a", RunStarted(config_path=second.payload.config_path,
+                                               config_sha256=second.payload.config_sha256, env="cartpole",
+                                               base_model="tiny")), published)
+    store.put(second.payload.config_path, records[second.payload.config_path])
+    third = budget_changed(fake, "a", 8)  # recorded after the start
+    records[third.payload.config_path] = store.get(third.payload.config_path)
+    store.put(third.payload.config_path, b"{not json")
+    fake.on_control(third, published)
+    store.put(third.payload.config_path, records[third.payload.config_path])
+    fake.on_control(second, published)
+    assert fake.applied_changes == {"a": 3} and fake.unbounded == {"a"}
+    fake.on_control(make_checkpoint("a", 6), published)
+    fake.stop_finished_runs(published)
+    assert published.events == []
+
+
 def test_an_unreadable_change_that_leaves_the_budget_alone_keeps_an_unreadable_starts_run_unbounded(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """After a start whose newest change (000002) cannot be read, change 000003 (learning rate only, its record
