@@ -62,6 +62,9 @@ from schemas.registry import AdapterManifest
 ACTIVE_WITHIN_S = 120.0  # a run with an event this recent (heartbeats come every few seconds) is running
 # a packed run is stopped while its producers serve it: their last heartbeats, as they let it go, follow its RunStopped
 LEAVING_WITHIN_S = 60.0
+# a learner's reports this long after a stop are no wind-down (the rows it had waiting trained, its last checkpoint
+# written): a learner that never sends LearnerLeft (under torchrun, say) and still reports is training the run
+LEARNER_WIND_DOWN_S = 600.0
 MAX_CONTROL_EVENTS = 1_000_000  # newest events read per partition of <ns>.control
 # what a learner reports of its run: after the run's stop, its wind-down (the rows waiting trained, checkpointed, left)
 LEARNER_REPORTS = (LearnerCheckpointed, LearnerProgress, LearnerLeft)
@@ -116,8 +119,9 @@ class RunActivity:
         After a stop, its producers' heartbeats within ``LEAVING_WITHIN_S`` are them letting it go, and whatever its
         learner reports (``LEARNER_REPORTS``: the steps it trains from the rows waiting, its checkpoints, its
         ``LearnerLeft``) is its wind-down until a newer ``RunStarted`` (which clears the stop); a later heartbeat, a
-        learner's report after its ``LearnerLeft`` (a learner started on the run again), or any other event after
-        the stop (a ``RunConfigChanged`` of a resume), shows the run going again.
+        learner's report after its ``LearnerLeft`` (a learner started on the run again) or more than
+        ``LEARNER_WIND_DOWN_S`` after the stop (a learner that sends none still training it), or any other event
+        after the stop (a ``RunConfigChanged`` of a resume), shows the run going again.
         """
         if self.stopped_s is None:
             return False
@@ -125,7 +129,8 @@ class RunActivity:
         beating = self.heartbeat_s is not None and self.heartbeat_s - stop > LEAVING_WITHIN_S
         acting = self.other_s is not None and self.other_s > stop
         left = self.left_s is not None and self.left_s >= stop
-        returned = left and self.reported_s is not None and self.reported_s > self.left_s
+        returned = self.reported_s is not None and (
+            (left and self.reported_s > self.left_s) or self.reported_s - stop > LEARNER_WIND_DOWN_S)
         return not (beating or acting or returned)
 
     def add_recorded(self, time_s: float | None, payload: RunStarted | RunStopped) -> None:

@@ -68,3 +68,16 @@ def test_a_learner_reporting_after_its_predecessor_left_a_stopped_run_is_the_run
     assert run_status(RunSummary("a", "unknown", steps=2, max_steps=9), activity, log_read=True, now_s=NOW) == "stopped"
     activity.add(NOW - 5, LearnerProgress(step=3, version=3, positions={}))
     assert run_status(RunSummary("a", "unknown", steps=3, max_steps=9), activity, log_read=True, now_s=NOW) == "running"
+
+
+def test_a_learner_still_reporting_long_after_a_stop_without_leaving_is_the_run_going() -> None:
+    """A learner that never sends LearnerLeft (one under torchrun, or one whose stop follower could not start) and
+    still reports its progress well after the stop trains the run: it is going, not stopped."""
+    from pipeline.analysis.runs import LEARNER_WIND_DOWN_S
+
+    activity = RunActivity()
+    activity.add(NOW - 3 * LEARNER_WIND_DOWN_S, RunStopped(reason="stopped by rlpipe runs stop"))
+    activity.add(NOW - 3 * LEARNER_WIND_DOWN_S + 30, LearnerProgress(step=4, version=4, positions={}))
+    assert run_status(RunSummary("a", "unknown", steps=4, max_steps=9), activity, log_read=True, now_s=NOW) == "stopped"
+    activity.add(NOW - 5, LearnerProgress(step=4, version=4, positions={}))
+    assert run_status(RunSummary("a", "unknown", steps=4, max_steps=9), activity, log_read=True, now_s=NOW) == "running"
