@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, request_seed
-from producers.samplers.reaper import EngineReaper, descendants
+from producers.samplers.reaper import EngineReaper, engine_processes, started_children
 from producers.samplers.topk import TopKRows
 from producers.samplers.vllm_outputs import sample_parts
 from producers.samplers.vllm_sampler import check_vllm_can_load, refusal_named, refused_adapter
@@ -257,9 +257,9 @@ class VLLMEngine(SamplingEngine):
             logprobs_mode="processed_logprobs",  # of the distribution drawn from: after temperature and top-p
             **engine_kwargs,
         )
-        before = descendants()
+        before = started_children()
         self._llm = AsyncLLM.from_engine_args(args)
-        self._reaper = EngineReaper(descendants() - before)  # ends vLLM's processes should this one die unclosed
+        self._reaper = EngineReaper(engine_processes(before))  # ends vLLM's processes should this one die unclosed
         self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
 

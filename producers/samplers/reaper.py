@@ -4,7 +4,8 @@ vLLM starts its engine core (and on the CPU its worker) with multiprocessing "sp
 parent-death handling of its own, and no code of ours runs inside those children before they start.
 So when the process owning the engine dies without shutting it down (SIGKILL, the OOM killer), they run
 on for good, parented to init, holding ~3 GB.  Once the engine is up its owner lists the processes
-the engine start added under it (``descendants`` before and after) and hands them to ``EngineReaper``,
+the engine start added (``engine_processes``: its multiprocessing children and theirs) and hands them to
+``EngineReaper``,
 which starts this file as a separate Python process:
 
 - owner -> watcher, on the watcher's stdin (a pipe): one JSON line ``[[pid, create_time], ...]``, then
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -42,17 +44,25 @@ START_TOLERANCE_S = 1.0
 Identity = tuple[int, float]  # (pid, create_time in s since the epoch)
 
 
-def descendants() -> set[psutil.Process]:
-    """This process's children, their children and so on, now (psutil compares them by pid and start time).
+def started_children() -> set[int]:
+    """The pids of the processes this process started with multiprocessing that still run (a vLLM engine's core)."""
+    return {child.pid for child in multiprocessing.active_children() if child.pid is not None}
 
-    Leaves out multiprocessing's resource tracker, which vLLM's first spawn starts: it serves this process,
-    not the engine, outlives the engine, ignores SIGTERM, and when this process dies it cleans up after it
-    and exits by itself.
+
+def engine_processes(before: set[int]) -> list[psutil.Process]:
+    """What an engine's start added: the multiprocessing children started since ``before`` (``started_children``
+    then; vLLM starts its engine core as one) with all their descendants (its workers).
+
+    A process another thread starts meanwhile with ``subprocess`` is no multiprocessing child, and multiprocessing's
+    resource tracker (which vLLM's first spawn starts: it serves this process, outlives the engine and cleans up
+    after this process by itself) is started without one, so neither is listed.
     """
-    from multiprocessing import resource_tracker
-
-    tracker_pid = getattr(resource_tracker._resource_tracker, "_pid", None)  # None until it is started
-    return {p for p in psutil.Process().children(recursive=True) if p.pid != tracker_pid}
+    found: list[psutil.Process] = []
+    for pid in sorted(started_children() - before):
+        with contextlib.suppress(psutil.NoSuchProcess):  # ended meanwhile: nothing to reap
+            child = psutil.Process(pid)
+            found += [child, *child.children(recursive=True)]
+    return found
 
 
 class EngineReaper:

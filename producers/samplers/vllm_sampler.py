@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from producers.samplers.base import AdapterHandle, SampleOutput, Sampler, SampleRequest, request_seed
-from producers.samplers.reaper import EngineReaper, descendants
+from producers.samplers.reaper import EngineReaper, engine_processes, started_children
 from schemas.config import SamplerConfig, lora_rank_slot
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class VLLMSampler(Sampler):
         self._handles: dict[int, AdapterHandle] = {}
         self._llm: Any = None
         self._reaper: EngineReaper | None = None
-        before = descendants()
+        before = started_children()
         self._llm = LLM(
             model=model_path,
             enable_lora=True,
@@ -183,7 +183,7 @@ class VLLMSampler(Sampler):
             logprobs_mode="processed_logprobs",  # of the distribution drawn from: after temperature and top-p
             **engine_kwargs,
         )
-        self._reaper = EngineReaper(descendants() - before)  # ends vLLM's processes should this one die unclosed
+        self._reaper = EngineReaper(engine_processes(before))  # ends vLLM's processes should this one die unclosed
         self.eos_token_id = int(self._llm.get_tokenizer().eos_token_id)
         # vLLM 0.32 on the CPU crashes ("CPU Generator does not use offset") when a seeded request's prefill is
         # chunked; a caller that turns chunked prefill on there gets requests drawn from the engine's seeded stream.

@@ -1,13 +1,14 @@
 """The engine reaper: an engine's processes end when their owner dies, however it dies, and nothing else does.
 
 A stand-in owner (a small script, no vLLM) starts a long-sleeping "engine" child, registers it with the
-watcher as ``VLLMEngine`` registers its engine core and worker (the owner's descendants new since before
-the engine started), then starts a bystander the watcher was never told about.  SIGKILL of the owner must
+watcher as ``VLLMEngine`` registers its engine core and worker (the multiprocessing children the engine's
+start added, and theirs), then starts a bystander the watcher was never told about.  SIGKILL of the owner must
 end the engine child within a few seconds; a clean close must end the watcher and leave the bystander.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,24 +21,25 @@ from pathlib import Path
 import psutil
 import pytest
 
-from producers.samplers.reaper import EngineReaper, descendants, reap
+from producers.samplers.reaper import EngineReaper, engine_processes, reap, started_children
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 OWNER = textwrap.dedent(
     """
-    import subprocess, sys, time
-    from producers.samplers.reaper import EngineReaper, descendants
+    import multiprocessing, subprocess, sys, time
+    from producers.samplers.reaper import EngineReaper, engine_processes, started_children
 
-    before = descendants()
-    engine = subprocess.Popen({sleeper!r})
-    reaper = EngineReaper(descendants() - before)
+    before = started_children()
+    engine = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))  # vLLM's: spawn
+    engine.start()
+    reaper = EngineReaper(engine_processes(before))
     bystander = subprocess.Popen({sleeper!r})
     print(engine.pid, bystander.pid, reaper.watcher_pid, flush=True)
     if sys.argv[1] == "close":  # as VLLMEngine.close: vLLM stops its processes, then the reaper stands down
         engine.terminate()
-        engine.wait()
+        engine.join()
         reaper.close()
         print("closed", flush=True)
     time.sleep(600)
@@ -137,21 +139,34 @@ def test_a_reused_pid_is_never_killed() -> None:
             sleeper.wait()
 
 
+def _start_a_grandchild() -> None:  # an engine core that starts its worker
+    subprocess.run(SLEEPER, check=False)
+
+
 def test_the_owner_lists_only_its_engine_processes() -> None:
-    """``descendants`` taken before and after a start differ by what that start began, children's children too."""
-    before = descendants()
-    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess; subprocess.run({SLEEPER!r})"])
+    """What a start began with multiprocessing, children's children too; not a process another thread started
+    meanwhile with subprocess."""
+    import multiprocessing
+
+    before = started_children()
+    engine = multiprocessing.get_context("fork").Process(target=_start_a_grandchild)
+    engine.start()
+    other = subprocess.Popen(SLEEPER)
     try:
         deadline = time.monotonic() + 10.0
-        while len(descendants() - before) < 2 and time.monotonic() < deadline:
+        while len(engine_processes(before)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        new = descendants() - before
-        assert parent.pid in {p.pid for p in new} and len(new) == 2
+        new = engine_processes(before)
+        assert {p.pid for p in new} == {engine.pid, *(c.pid for c in psutil.Process(engine.pid).children())}
+        assert len(new) == 2 and other.pid not in {p.pid for p in new}
         assert EngineReaper.identities(new) == sorted((p.pid, p.create_time()) for p in new)
     finally:
-        for p in descendants() - before:
-            p.kill()
-        parent.wait()
+        for p in engine_processes(before):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        engine.join()
+        other.kill()
+        other.wait()
 
 
 def test_the_resource_tracker_is_not_an_engine_process() -> None:
@@ -161,4 +176,4 @@ def test_the_resource_tracker_is_not_an_engine_process() -> None:
     resource_tracker.ensure_running()
     tracker_pid = resource_tracker._resource_tracker._pid
     assert tracker_pid in {p.pid for p in psutil.Process().children()}
-    assert tracker_pid not in {p.pid for p in descendants()}
+    assert tracker_pid not in {p.pid for p in engine_processes(set())}
