@@ -182,12 +182,11 @@ def test_a_learner_of_one_run_stops_on_the_runs_stop_sent_after_it_started(monke
     """`rlpipe runs stop` stops a single-run learner as SIGTERM does (its stop flag set: it finishes the step in hand,
     checkpoints and exits 0, saying why).  A stop sent before it started (an earlier session's) and another run's
     stop are not its own."""
-    import time
-
     import consumers.service
     from consumers.cli import app
     from pipeline.io.bus import EventPublisher
     from schemas.events import RunStopped, make_event
+    from tests.fixtures.run_stop import serves_until_stopped
 
     monkeypatch.setenv("RLPIPE_STORE__ROOT", f"file://{tmp_path}/store")
     monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", bus_config.bootstrap_servers)
@@ -196,17 +195,8 @@ def test_a_learner_of_one_run_stops_on_the_runs_stop_sent_after_it_started(monke
     publisher.publish("control", make_event("mine", RunStopped(reason="an earlier session's stop")))
     seen: dict[str, bool] = {}
 
-    def learner(cfg, stop) -> None:  # stands in for run_learner: trains until its stop flag is set
-        publisher.publish("control", make_event("other", RunStopped(reason="stopped by rlpipe runs stop")))
-        time.sleep(3.0)  # the follower polls every second: time enough to have read both
-        seen["before its own stop"] = stop()
-        publisher.publish("control", make_event(cfg.run_id, RunStopped(reason="stopped by rlpipe runs stop")))
-        deadline = time.monotonic() + 20.0
-        while not stop() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        seen["after it"] = stop()
-
-    monkeypatch.setattr(consumers.service, "run_learner", learner)
+    # stands in for run_learner: trains until its stop flag is set; another run's stop comes first
+    monkeypatch.setattr(consumers.service, "run_learner", serves_until_stopped(publisher, seen, other_run="other"))
     try:
         result = runner.invoke(app, ["--preset", "cartpole", "--run", "mine"])
     finally:

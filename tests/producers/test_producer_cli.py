@@ -43,11 +43,10 @@ def test_producer_start_says_a_run_is_new_and_names_a_stored_run_close_to_it(mon
 def test_a_producer_of_one_run_stops_on_the_runs_stop_sent_after_it_started(monkeypatch, tmp_path, bus_config) -> None:
     """`rlpipe runs stop` stops a single-run producer as SIGTERM does (its stop flag set: it flushes its complete
     groups and exits 0, saying why); a stop sent before it started is not read as new."""
-    import time
-
     import producers.service
     from pipeline.io.bus import EventPublisher
     from schemas.events import RunStopped, make_event
+    from tests.fixtures.run_stop import serves_until_stopped
 
     monkeypatch.setenv("RLPIPE_STORE__ROOT", f"file://{tmp_path}/store")
     monkeypatch.setenv("RLPIPE_BUS__BOOTSTRAP_SERVERS", bus_config.bootstrap_servers)
@@ -56,16 +55,8 @@ def test_a_producer_of_one_run_stops_on_the_runs_stop_sent_after_it_started(monk
     publisher.publish("control", make_event("mine", RunStopped(reason="an earlier session's stop")))
     seen: dict[str, bool] = {}
 
-    def producer(cfg, stop) -> None:  # stands in for run_producer: samples until its stop flag is set
-        time.sleep(3.0)  # the follower polls every second: time enough to have read the earlier stop
-        seen["before its own stop"] = stop()
-        publisher.publish("control", make_event(cfg.run_id, RunStopped(reason="stopped by rlpipe runs stop")))
-        deadline = time.monotonic() + 20.0
-        while not stop() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        seen["after it"] = stop()
-
-    monkeypatch.setattr(producers.service, "run_producer", producer)
+    # stands in for run_producer: samples until its stop flag is set
+    monkeypatch.setattr(producers.service, "run_producer", serves_until_stopped(publisher, seen))
     try:
         result = runner.invoke(app, ["--preset", "cartpole", "--run", "mine"])
     finally:
