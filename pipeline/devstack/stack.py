@@ -349,7 +349,24 @@ def start_background(
     for note in ports.notes:
         on_note(note)
     log_path = home / "stack.log"
-    process = _spawn_server(home, ports.kafka_port, ports.gcs_port, with_gcs, log_path)
+    try:
+        return _start_and_wait(home, ports.kafka_port, ports.gcs_port, with_gcs, log_path, timeout_s)
+    except StackTakenPortError:
+        if (ports.kafka_port, ports.gcs_port) == (kafka_port, gcs_port):
+            raise
+        # a remembered port, free when looked at, was taken before the stack bound it: free ones, as with none
+        on_note("a port this home used before was taken as the stack started; starting on free ports (processes "
+                "still on the old ports will not reach this stack)")
+        return _start_and_wait(home, kafka_port, gcs_port, with_gcs, log_path, timeout_s)
+
+
+class StackTakenPortError(StackError):
+    """The stack exited at start because a port it was given was in use."""
+
+
+def _start_and_wait(home: Path, kafka_port: int | None, gcs_port: int | None, with_gcs: bool, log_path: Path,
+                    timeout_s: float) -> StackState:
+    process = _spawn_server(home, kafka_port, gcs_port, with_gcs, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = read_stack_state(home)
@@ -359,7 +376,9 @@ def start_background(
             code = process.returncode
             if code == EXIT_ALREADY_RUNNING and (running := read_stack_state(home)) is not None:
                 raise StackAlreadyRunningError(running)  # another `up` started it meanwhile
-            raise StackError(f"the stack exited at start (code {code}): {_last_line(log_path)} (see {log_path})")
+            line = _last_line(log_path)
+            error = StackTakenPortError if "already in use" in line else StackError
+            raise error(f"the stack exited at start (code {code}): {line} (see {log_path})")
         time.sleep(0.1)
     _terminate(process.pid, timeout_s=5.0)
     raise StackError(f"the stack did not become ready within {timeout_s:g}s; see {log_path}")

@@ -516,6 +516,31 @@ def test_up_whose_previous_port_is_taken_starts_on_a_free_one_saying_so(home: Pa
     assert read_remembered_ports(home) == StackPorts(kafka_port=_host_port(state.bootstrap_servers)[1])
 
 
+def test_a_remembered_port_taken_after_it_was_looked_at_falls_back_to_a_free_one(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The remembered broker port was free when `up` looked and taken before the stack bound it (another home's
+    stack, say): the start goes on on free ports, saying so, as when the port was seen taken."""
+    import socket
+
+    from pipeline.devstack import reconnect
+
+    monkeypatch.setattr(reconnect, "port_is_free", lambda port: True)  # the look said free; the bind says taken
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        home.mkdir(parents=True)
+        (home / PORTS_FILE).write_text(json.dumps({"kafka_port": port, "gcs_port": None}))
+        result = runner.invoke(app, ["up", "--no-gcs", "--json"])
+        try:
+            assert result.exit_code == 0, result.output
+            state = read_stack_state()
+            assert state is not None and _host_port(state.bootstrap_servers)[1] != port
+            assert "was taken as the stack started" in result.stderr, result.stderr
+        finally:
+            runner.invoke(app, ["down"])
+
+
 def test_an_explicit_port_wins_over_the_remembered_one(home: Path) -> None:
     from pipeline.devstack.process import free_port
 
