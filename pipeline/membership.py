@@ -295,9 +295,15 @@ class RunStopFollower:
 def following_run_stop(config: RunConfig, stop: StopFlag) -> Iterator[RunStopFollower | None]:
     """A ``RunStopFollower`` of ``config``'s run for the block; None, with a warning naming SIGTERM, when the control
     topic cannot be read as the process starts (the process itself then says what is wrong with its broker)."""
+    from pipeline.devstack.stack import NoBrokerConfiguredError
+
     try:
         follower = RunStopFollower(resolved_bus(config.bus), config.run_id, stop)
-    except (BusError, ValueError, OSError) as exc:  # unreachable, no broker configured
+    except NoBrokerConfiguredError as exc:  # the process fails on it at once, saying how to start one: no second line
+        log.debug("run %s's RunStopped is not followed: %s", config.run_id, exc)
+        yield None
+        return
+    except (BusError, ValueError, OSError) as exc:  # unreachable
         log.warning("run %s's RunStopped is not followed (%s); stop this process with SIGTERM or Ctrl-C",
                     config.run_id, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         yield None
