@@ -159,7 +159,7 @@ def _set_up_and_run(config: RunConfig, stop: StopFlag, on_step: Callable[[dict],
     try:
         learner.run(should_stop=stop, on_step=after_step)
         finish(learner, after_step)
-        if getattr(stop, "run_stopped", False):
+        if stop.run_stopped:
             announce_left(learner)
     except BaseException:
         with contextlib.suppress(BusError):  # the error unwinding (a broker away, say) is the one to report
