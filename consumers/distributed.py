@@ -196,6 +196,22 @@ class DistributedEngine(TrainingEngine):
         fully_shard(body, mesh=mesh, ignored_params=ignored)
         self._sharded = True
 
+    def reshard(self) -> None:
+        """Drop every gathered base weight on this rank (a no-op unsharded).
+
+        A sharded forward gathers a module's weights only where they are resharded, and the body's stay gathered
+        after a forward without gradients, so two ranks' gathers pair up only if their modules start a pass in
+        the same state.  Some calls reshard on one rank alone (peft's ``set_adapter`` and ``load_state_dict``
+        on rank 0, for a snapshot or a loaded folder); a rank calls this before a pass that the others run too.
+        """
+        if not self._sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def held_fraction(self) -> float:
         """The share of the base model's weights this rank holds: 1 replicated, about 1/N sharded over N ranks."""
         from torch.distributed.tensor import DTensor
@@ -214,6 +230,7 @@ class DistributedEngine(TrainingEngine):
             return super()._run(datums, loss, loss_fn, backward)
         start, stop = share(len(datums), self.topology)
         local = list(datums[start:stop])
+        self.reshard()  # every rank's modules as the others' (rank 0 alone may have resharded: an export)
         idle = self._idle_count(local) if self._sharded else 0  # agreed before any sharded forward gathers
         with self._rank_stream():
             result = super()._run(local, loss, loss_fn, backward) if local else ForwardResult(0.0, [], LossStats())

@@ -180,6 +180,7 @@ class DistributedPolicy(EnginePolicy):
     def _train_share(self, micro_batches: list[TokenBatch], normaliser: float) -> StepResult:
         """This rank's share of the micro-batches, gradients and statistics summed over the ranks, one AdamW step."""
         start, stop = share(len(micro_batches), self.topology)
+        self.engine.reshard()  # rank 0 alone may have resharded since the last step (a snapshot to publish)
         idle = self._idle_count(stop - start) if self.engine.shard else 0  # agreed before any sharded forward
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)

@@ -11,13 +11,10 @@ import json
 import os
 import re
 import shlex
-import shutil
-import signal
 import subprocess
 import sys
 import urllib.error
 import urllib.request
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +38,6 @@ from tests.consumers.test_learner import RUN, write_batches
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 TOLERANCE = 1e-5
-SIGNAL_RERUNS = 2  # runs of a group again after a rank killed by a signal (replay_on_two_ranks)
 
 
 @pytest.fixture(scope="module")
@@ -87,29 +83,9 @@ def test_one_process_is_not_a_torchrun_group(monkeypatch):
 
 
 def replay_on_two_ranks(config_file: Path) -> str:
-    """``rlpipe replay --train`` of ``RUN`` on a torchrun group of 2; its log.
-
-    A rank killed by a signal (gloo on the CPU has aborted a rank mid-step, rarely and only on some machines) is
-    reported as a warning carrying each rank's output, and the group runs again from the run's files as they were
-    before, at most ``SIGNAL_RERUNS`` times: these tests check the group's arithmetic, and in use a learner that
-    dies is restarted and resumes.  Any other failure fails the test.
-    """
-    config = json.loads(config_file.read_text())
-    run_dir = Path(config["store"]["root"].removeprefix("file://")) / "runs" / config["run_id"]
-    before = run_dir.with_name(f"{run_dir.name}.before-group")
-    shutil.rmtree(before, ignore_errors=True)
-    if run_dir.exists():
-        shutil.copytree(run_dir, before)
+    """``rlpipe replay --train`` of ``RUN`` on a torchrun group of 2; its log.  A failed group fails the test with
+    each rank's output apart (``failed_ranks``)."""
     done = torchrun_replay(config_file)
-    for _ in range(SIGNAL_RERUNS):
-        if done.returncode == 0 or not (killer := killed_by(done.stderr)):
-            break
-        warnings.warn(f"a rank was killed by {killer}; the group runs again\n{failed_ranks(done.stderr)}",
-                      stacklevel=2)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if before.exists():
-            shutil.copytree(before, run_dir)
-        done = torchrun_replay(config_file)
     if done.returncode != 0:  # pytest.fail prints the whole message; an assertion's would be cut in its middle
         pytest.fail(f"torchrun exited {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n{failed_ranks(done.stderr)}",
                     pytrace=False)
@@ -124,15 +100,6 @@ def torchrun_replay(config_file: Path) -> subprocess.CompletedProcess[str]:
     # PYTHONFAULTHANDLER: a rank killed by a signal (an abort) prints every thread's Python stack
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
-
-
-def killed_by(stderr: str) -> str | None:
-    """The signal that ended the rank torchrun names as the root cause (``sh`` exits 128 + its number), if one did."""
-    cause = stderr.rpartition("Root Cause")[2]
-    match = re.search(r"exitcode\s*:\s*(-?\d+)", cause)
-    code = int(match[1]) if match else 0
-    number = code - 128 if code > 128 else -code
-    return signal.Signals(number).name if code not in (0, 1) and number in {s.value for s in signal.Signals} else None
 
 
 def failed_ranks(stderr: str, chars: int = 8000) -> str:
