@@ -352,7 +352,7 @@ class StopFlag:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signal_name: str | None = None
-        self.run_stopped = False  # set by its run's RunStopped (``pipeline.membership.RunStopFollower``)
+        self.run_stopped = False  # set by its run's RunStopped (``pipeline.run_stop.RunStopFollower``)
 
     def install(self) -> StopFlag:
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -265,7 +265,7 @@ def serve_until_run_stopped(config: RunConfig, serve: Callable[[RunConfig, StopF
     """``serve`` the one run of ``config`` (a single-run learner or producer) until SIGTERM, Ctrl-C or the run's
     ``RunStopped`` sent after it started (``rlpipe runs stop``), which stops it alike; a line says so when the run's
     stop ended it."""
-    from pipeline.membership import following_run_stop, stopped_by_line
+    from pipeline.run_stop import following_run_stop, stopped_by_line
 
     stop = StopFlag().install()
     with following_run_stop(config, stop) as follower:
