@@ -32,13 +32,13 @@ class RunStopFollower:
     start, so a broker that comes back late still delivers the run's stop.  A poll that fails is logged and tried
     again.
 
-    The topic is followed from the moment this is made (the process's start), whenever the broker first answers:
-    each partition from its first event at or after that time (``EventFollower``'s ``since_s``, the broker's
-    ``offsets_for_times``), so a stop sent after the start is read even when it was sent while the broker was away,
-    and one sent before is not (a run stopped earlier is served again when its process is started again).  A point
-    by time, not by offset as a packed process takes (``pipeline.membership.control_start``), because no offset can
-    be read while the broker is away; the cost is that a stop sent within the clocks' difference of the start (the
-    sending command's clock stamps the event, this process's the start) may be missed, or read as new.
+    Where the topic is followed from: when the broker answers the first try, from the topic's end then (an offset,
+    as a packed process takes its start, ``pipeline.membership.control_start``): a stop sent before is not read, so a
+    run stopped earlier is served again when its process is started again.  When the first try fails, no offset can be
+    read yet, so a later try follows each partition from its first event at or after the moment this was made (the
+    process's start; ``EventFollower``'s ``since_s``, the broker's ``offsets_for_times``): a stop sent while the broker
+    was away is still read.  Only then do the clocks matter: a stop sent within the clocks' difference of the start
+    (the sending command's clock stamps the event, this process's the start) may be missed, or read as new.
     """
 
     POLL_S = 1.0  # how long one poll may wait for the next event
@@ -46,10 +46,12 @@ class RunStopFollower:
     WARN_AFTER_S = 60.0  # how long after the start a topic not yet read is worth a warning
 
     def __init__(self, bus: BusConfig, run_id: str, stop: StopFlag,
-                 connect: Callable[[float], EventFollower] | None = None) -> None:
+                 connect: Callable[[float | None], EventFollower] | None = None) -> None:
         self.run_id, self.stop = run_id, stop
         self.started_s = time.time()
-        self.connect = connect or (lambda since_s: EventFollower(bus, "control", run_id=run_id, since_s=since_s))
+        # ``connect(None)``: from the topic's end now; ``connect(t)``: from the first event at or after time t
+        self.connect = connect or (lambda since_s: EventFollower(bus, "control", run_id=run_id, start="latest")
+                                   if since_s is None else EventFollower(bus, "control", run_id=run_id, since_s=since_s))
         self.stopped: RunStopped | None = None  # the RunStopped followed, once read
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"run-stop-{run_id}", daemon=True)
@@ -66,10 +68,10 @@ class RunStopFollower:
 
     def _connected(self) -> EventFollower | None:
         """The control topic's follower once the broker answers; None when the process stops first."""
-        warned = False
+        warned, since_s = False, None  # the first try from the topic's end, later ones from the start's time
         while not self._closing.is_set() and not self.stop():
             try:
-                return self.connect(self.started_s)
+                return self.connect(since_s)
             except Exception as exc:  # the broker away: the process reports its own connection, this tries again
                 reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 log.debug("run %s's control topic cannot be read yet (%s)", self.run_id, reason)
@@ -77,6 +79,7 @@ class RunStopFollower:
                     log.warning("run %s's RunStopped is not followed yet (%s); this process keeps trying, and "
                                 "SIGTERM or Ctrl-C stop it meanwhile", self.run_id, reason)
                     warned = True
+            since_s = self.started_s
             self._closing.wait(self.RETRY_S)
         return None
 

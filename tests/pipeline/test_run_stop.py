@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -61,14 +62,16 @@ class Outage:
     def send(self, run_id: str, payload: Payload) -> None:
         self.sent.append(make_event(run_id, payload))
 
-    def __call__(self, since_s: float) -> Feed:
+    def __call__(self, since_s: float | None) -> Feed:
+        """None: from the topic's end now (what the offsets say, whatever the events' clocks); a time: by the clocks."""
         from pipeline.io.bus import BusUnavailableError
 
         self.since_s.append(since_s)
         if not self.answers.is_set():
             raise BusUnavailableError("cannot reach Kafka at 127.0.0.1:1 within 1s: connection refused")
+        end = len(self.sent)
         return Feed([ConsumedEvent("ns.control", 0, n, e.run_id, e) for n, e in enumerate(self.sent)
-                     if e.time.timestamp() >= since_s])
+                     if (n >= end if since_s is None else e.time.timestamp() >= since_s)])
 
 
 def _wait_for(condition, timeout_s: float = 10.0) -> bool:
@@ -99,7 +102,8 @@ def test_a_stop_sent_while_the_broker_was_away_at_the_start_stops_the_process_on
         finally:
             follower.close()
     assert follower.stopped == RunStopped(reason="stopped by rlpipe runs stop") and stop.run_stopped
-    assert len(set(outage.since_s)) == 1 and outage.since_s[0] > outage.sent[0].time.timestamp()
+    assert outage.since_s[0] is None  # the first try from the topic's end; it failed, so later ones by time
+    assert len(set(outage.since_s[1:])) == 1 and outage.since_s[1] > outage.sent[0].time.timestamp()
     assert [r.getMessage() for r in caplog.records] == []
 
 
@@ -119,3 +123,21 @@ def test_a_follower_that_still_cannot_read_the_topic_after_a_while_says_so_once(
     assert len(lines) == 1, lines
     assert "run mine's RunStopped is not followed yet" in lines[0] and "keeps trying" in lines[0], lines
     assert "cannot reach Kafka at 127.0.0.1:1" in lines[0] and "SIGTERM" in lines[0], lines
+
+
+def test_a_broker_that_answers_at_once_is_followed_from_the_topics_end_whatever_the_senders_clock(monkeypatch):
+    """A stop sent before the start, stamped by a clock ahead of this one, is not read: the first try takes the
+    topic's end (an offset)."""
+    from pipeline.run_stop import RunStopFollower
+
+    outage, stop = Outage(), StopFlag()
+    outage.answers.set()
+    early = make_event("mine", RunStopped(reason="an earlier session's stop"))
+    outage.sent.append(early.model_copy(update={"time": early.time + datetime.timedelta(minutes=5)}))
+    follower = RunStopFollower(config("mine").bus, "mine", stop, connect=outage)
+    try:
+        assert _wait_for(lambda: len(outage.since_s) >= 1)
+        time.sleep(3 * RunStopFollower.POLL_S)
+        assert not stop() and outage.since_s == [None]
+    finally:
+        follower.close()
