@@ -10,6 +10,7 @@ on where they stopped.  ``rlpipe down`` names the runs whose processes still go
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pipeline.devstack.process import command_lines, port_is_free
 
 PORTS_FILE = "ports.json"  # the ports the home's last stack listened on: kept by `down`, taken again by `up`
+HOME_ENV = "RLPIPE_HOME"  # as pipeline.devstack.stack reads it
 RECENT_LOG_S = 120.0  # a run's process that wrote its log this recently is taken to be running still
 ROLES = ("learner", "producer")  # the commands `rlpipe run` starts, each with `--config <home>/runs/<run>/config.yaml`
 
@@ -105,35 +107,60 @@ def choose_ports(home: Path, kafka_port: int | None, gcs_port: int | None, with_
 
 
 def runs_still_going(home: Path, within_s: float = RECENT_LOG_S) -> dict[str, list[str]]:
-    """Run -> its processes that likely still use the home's stack: those started on one of the home's run
-    configurations (``runs/<run>/config.yaml``, as ``rlpipe run`` starts them; a packed process names each run's).
+    """Run -> its processes that likely still use the home's stack: a learner or producer started on one of the
+    home's run configurations (``runs/<run>/config.yaml``, as ``rlpipe run`` starts them), or started by hand
+    naming its runs (``--run``) with ``RLPIPE_HOME`` (or its default) this home; a packed process names each run.
 
     Where ``/proc`` cannot be read (macOS), those whose log (``runs/<run>/logs/<name>.log``) changed within the
-    last ``within_s`` seconds instead: a process that exited a moment ago is named too.  Processes started by
-    hand on a preset are not seen.
+    last ``within_s`` seconds instead: a process that exited a moment ago is named too, and processes started by
+    hand are not seen.
     """
     commands = command_lines()
     found: dict[str, list[str]] = {}
-    pairs = _recent_run_logs(home, within_s) if commands is None else _processes_on_run_configs(home, commands)
+    pairs = _recent_run_logs(home, within_s) if commands is None else _processes_of_home_runs(home, commands)
     for run, name in pairs:
-        found.setdefault(run, []).append(name)
+        if name not in found.setdefault(run, []):
+            found[run].append(name)
     return found
 
 
-def _processes_on_run_configs(home: Path, commands: dict[int, list[str]]) -> list[tuple[str, str]]:
-    """(run, "<role> (pid N)") of each process of ``commands`` (pid -> argv) whose arguments name a run
-    configuration under ``home``."""
+def _processes_of_home_runs(home: Path, commands: dict[int, list[str]]) -> list[tuple[str, str]]:
+    """(run, "<role> (pid N)") of each learner or producer of ``commands`` (pid -> argv) whose arguments name a run
+    configuration under ``home``, or name runs (``--run``) while its environment's home is ``home``."""
     runs_folder = (home / "runs").resolve()
     found = []
     for pid, argv in sorted(commands.items()):
         role = next((arg for arg in argv if arg in ROLES), None)
         if role is None or pid == os.getpid():
             continue
+        name = f"{role} (pid {pid})"
         for arg in argv:
             path = Path(arg)
             if path.name == "config.yaml" and path.parent.parent == runs_folder:
-                found.append((path.parent.name, f"{role} (pid {pid})"))
+                found.append((path.parent.name, name))
+        named = _named_runs(argv)
+        if named and _home_of(pid) == home.resolve():
+            found += [(run, name) for run in named]
     return found
+
+
+def _named_runs(argv: list[str]) -> list[str]:
+    """The runs ``argv`` names with ``--run X`` or ``--run=X``."""
+    runs = [value for flag, value in itertools.pairwise(argv) if flag == "--run"]
+    return runs + [arg.removeprefix("--run=") for arg in argv if arg.startswith("--run=")]
+
+
+def _home_of(pid: int) -> Path | None:
+    """The rlpipe home of process ``pid`` (its ``RLPIPE_HOME``, else ``~/.rlpipe`` of its ``HOME``); None when its
+    environment cannot be read (another user's process)."""
+    try:
+        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    environ = dict(entry.decode(errors="replace").partition("=")[::2] for entry in entries if b"=" in entry)
+    if environ.get(HOME_ENV):
+        return Path(environ[HOME_ENV]).expanduser().resolve()
+    return (Path(environ["HOME"]) / ".rlpipe").resolve() if environ.get("HOME") else None
 
 
 def _recent_run_logs(home: Path, within_s: float) -> list[tuple[str, str]]:

@@ -640,3 +640,34 @@ def test_down_names_the_processes_started_on_a_run_config_of_the_home_even_with_
     (home / "runs" / "pk-1" / "logs").mkdir(parents=True)
     (home / "runs" / "pk-1" / "logs" / "learner.log").write_text("stopped\n")
     assert json.loads(runner.invoke(app, ["down", "--json"]).stdout)["recent_runs"] == {}
+
+
+def test_down_names_a_process_started_by_hand_on_a_run_of_this_home_only(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rlpipe learner start --preset cartpole --run mine` names its run, not a config file: it is named when its
+    environment points at this home (RLPIPE_HOME), and a process of another home is not."""
+    from pipeline.cli import main as cli_main
+
+    monkeypatch.setattr(cli_main, "stop_background", lambda timeout_s: _state(home, 4242))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    mine = subprocess.Popen([*sleeper, "learner", "start", "--preset", "cartpole", "--run", "mine"],
+                            env={**os.environ, "RLPIPE_HOME": str(home)})
+    packed = subprocess.Popen([*sleeper, "producer", "start", "--preset", "cartpole", "--run=a", "--run", "b"],
+                              env={**os.environ, "RLPIPE_HOME": str(home / ".." / home.name)})
+    other = subprocess.Popen([*sleeper, "learner", "start", "--preset", "cartpole", "--run", "theirs"],
+                             env={**os.environ, "RLPIPE_HOME": str(home.parent / "another-home")})
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not all(
+                "start" in Path(f"/proc/{p.pid}/cmdline").read_text() for p in (mine, packed, other)):
+            time.sleep(0.05)  # until they have exec'd
+        result = runner.invoke(app, ["down", "--json"])
+    finally:
+        for process in (mine, packed, other):
+            process.kill()
+            process.wait()
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["recent_runs"] == {
+        "mine": [f"learner (pid {mine.pid})"], "a": [f"producer (pid {packed.pid})"],
+        "b": [f"producer (pid {packed.pid})"]}
