@@ -26,6 +26,13 @@ call that changes nothing (a ``forward``, a save) is not re-executed at all.
 Calls are idempotent on ``(model_id, seq_id)``: a resent call is the same
 request id, skipped once its ``seq_id`` is behind the model's.
 
+A call whose session ended before its turn (finished, or expired) does not run:
+its client is gone (the SDK's ``close`` stops polling), and a large one would
+hold every other tenant's calls.  It is answered with a user error, so, like any
+call that failed, it changed nothing and a replay leaves it as answered; a call
+that ran before the end runs again on a replay, so the model's state is rebuilt
+as it was.
+
 Every executed call (and every fold) is noted with its session, wall-clock span
 and trained tokens in the engine's activity (``pipeline.api.activity``), which
 ``rlpipe report --server`` draws as the trainer's duty cycle.
@@ -51,6 +58,7 @@ from consumers.engine_data import EngineError
 from pipeline.api import lifecycle
 from pipeline.api.activity import ActivityRecorder
 from pipeline.api.engines import engine_arguments, engine_health, engine_reader, engine_setup, write_result
+from pipeline.api.liveness import SessionLiveness
 from pipeline.io.bus import (
     ConsumedEvent,
     EventPublisher,
@@ -58,7 +66,7 @@ from pipeline.io.bus import (
     ensure_topics,
     group_timings_from_env,
 )
-from pipeline.io.store import ObjectStore
+from pipeline.io.store import ObjectStore, remote_failures
 from pipeline.topics import API_TOPIC_KINDS
 from schemas.api import SESSION_TIMEOUT_S, ApiError, ApiRequestAccepted
 from schemas.config import BusConfig
@@ -69,6 +77,8 @@ IDLE_UNLOAD_S = 600.0  # a training client without a call this long is folded an
 MAX_WAITING_CALLS = 1024  # a model's calls waiting behind a missing seq_id; later ones are answered at once
 GAP_GIVE_UP_S = 600.0  # calls of a live session waiting this long for a seq_id are answered: its client gave it up
 RELOAD_RETRY_S = 60.0  # a parked client whose reload fails (store, memory) is retried this long before its calls fail
+END_CHECK_S = 1.0  # a session seen live is taken as live this long before its end is read again (as a gateway does)
+CACHED_SESSIONS = 4096  # sessions whose end (or life) the trainer keeps in memory (the rest are read again)
 
 
 # ---- the worker --------------------------------------------------------------------------------------------------
@@ -90,6 +100,7 @@ class TrainerWorker:
         self.gap_give_up_s = GAP_GIVE_UP_S
         self.max_waiting_calls = MAX_WAITING_CALLS
         self.end_grace_s = lifecycle.END_GRACE_S  # an ended session's calls waiting for a seq_id are held this long
+        self.liveness = SessionLiveness(store, END_CHECK_S, lifecycle.SESSION_EXPIRY_S, CACHED_SESSIONS)
         ensure_topics(bus, API_TOPIC_KINDS)
         self.consumer = engine_reader(bus, "trainer", base_model, consumer_options)
         self.publisher = EventPublisher(bus)
@@ -275,6 +286,9 @@ class TrainerWorker:
         if split is not None and split.failed is not None:  # its call failed for the client: it does not run
             self._write_error(call, split.not_run(call.seq_id))
             return
+        if done is None and call.refused is None and (ended := self._session_ended(call)) is not None:
+            self._answer_ended(model, call, split, ended, entry)
+            return
         started, wall = time.perf_counter(), time.time()
         model.last_used = time.monotonic()
         tokens = 0  # trained tokens of this call (a forward_backward's)
@@ -313,6 +327,32 @@ class TrainerWorker:
         if self.activity is not None:
             self.activity.record(call.session_id, call.tenant, call.op, wall, wall + seconds, tokens)
         log.debug("%s %s: %.3f s", call.op, call.request_id, seconds)
+
+    def _session_ended(self, call: ApiRequestAccepted) -> str | None:
+        """Why the call's session ended, or None while it lives (read at most every ``END_CHECK_S``; a store that
+        cannot be read leaves the session live, and the call runs)."""
+        try:
+            return self.liveness.ended(call.session_id)
+        except (OSError, *remote_failures()) as exc:  # the second part is looked at only once something failed
+            log.warning("session %s: its end could not be read (%s); its %s runs", call.session_id, exc, call.op)
+            return None
+
+    def _answer_ended(self, model: Model, call: ApiRequestAccepted, split: SplitCall | None, ended: str,
+                      entry: tuple[TopicPartitionKey, int]) -> None:
+        """Answer, without running it, a call whose session ended before its turn (see the module docstring); a
+        split call's earlier requests are undone with it, as for any of its requests that fails.  Once the session's
+        files were deleted (a trainer down for a day) it is dropped without an answer, as ``run_call`` would."""
+        if lifecycle.files_deleted(self.store, call.session_id) is not None:
+            log.warning("%s %s dropped: its session ended and its calls were deleted", call.op, call.request_id)
+            model.unfolded.remove(entry)
+            return
+        message = (f"{call.op} did not run: session {call.session_id} ended ({ended}) before its turn; send it "
+                   "again from a live ServiceClient")
+        if split is not None:
+            self._fail_split(model, split, call.seq_id)
+            message += f"; in {split.describe(call.seq_id)}: the whole call was undone, no gradient of it was kept"
+        log.info("%s %s not run: session %s ended (%s)", call.op, call.request_id, call.session_id, ended)
+        self._write_error(call, message)
 
     def _replay_refused_step(self, model: Model, call: ApiRequestAccepted) -> None:
         """A step refused for gradients that were not finite discarded them: a replay discards them there too."""

@@ -534,6 +534,7 @@ def test_a_save_replayed_after_a_kill_completes_and_a_taken_name_is_a_user_error
 
 def test_finished_session_unloads_its_adapters(harness):
     trainer = harness.trainer()
+    trainer.liveness.live_check_s = 0.0  # (an end is seen up to END_CHECK_S late)
     model_id = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
     assert trainer.engine.adapters() == [f"{harness.session}.train.0"]
@@ -543,8 +544,9 @@ def test_finished_session_unloads_its_adapters(harness):
     assert trainer.engine.adapters() == []
     with pytest.raises(SessionEndedError):  # it takes no more calls
         harness.gateway.submit(TENANT, "optim_step", model_id, 2, _optim(model_id, 2))
-    run_until(trainer, harness, [accepted])  # but one accepted before its end runs, reloaded from its fold
-    assert "metrics" in json.loads(harness.result(accepted)[0])
+    run_until(trainer, harness, [accepted])  # and one accepted before its end is answered without running
+    answer = json.loads(harness.result(accepted)[0])
+    assert answer["category"] == "user" and "did not run" in answer["error"] and "ended" in answer["error"]
     trainer.close()
 
 
@@ -591,12 +593,14 @@ def test_a_lapse_between_forward_backward_and_optim_step_keeps_the_gradients(har
     restarted.close()
 
 
-def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then_unloads(harness):
+def test_a_session_finished_with_calls_in_flight_answers_them_without_running_then_unloads(harness):
     """close() right after a step's futures were sent: the end comes while the adapter holds gradients, its
-    optim_step waiting for a forward_backward chunk that the trainer has not read yet.  Both run as if the
-    session lived.  Meanwhile the adapter waits folded, out of the engine; the model's record goes once no call
-    waits, or ``end_grace_s`` after the end, when the calls still waiting are answered."""
+    optim_step waiting for a forward_backward chunk that the trainer has not read yet.  Neither runs (nobody reads
+    their results): both are answered with a user error, and the adapter keeps the gradients it had.  Meanwhile the
+    adapter waits folded, out of the engine; the model's record goes once no call waits, or ``end_grace_s`` after
+    the end, when the calls still waiting are answered."""
     trainer = harness.trainer()
+    trainer.liveness.live_check_s = 0.0  # (an end is seen up to END_CHECK_S late)
     model_id = harness.create()
     run_until(trainer, harness, [f"{harness.session}.train.0.create"])
     trainer.fold_all()
@@ -610,8 +614,10 @@ def test_a_session_finished_with_calls_in_flight_runs_them_on_its_gradients_then
     trainer.expire_sessions()
     assert trainer.engine.adapters() == [] and model_id in trainer.models  # parked: a call waits
     run_until(trainer, harness, [fb2, step], timeout_s=20.0)
-    assert_same(trainer.engine.weights(model_run_name(model_id)),
-                reference_weights(harness.base_model, [first, second]))
+    for request_id in (fb2, step):
+        answer = json.loads(harness.result(request_id)[0])
+        assert answer["category"] == "user" and f"session {harness.session} ended" in answer["error"]
+    assert trainer.models[model_id].has_gradients  # the first forward_backward's, as the fold held them
     trainer.expire_sessions()
     assert trainer.engine.adapters() == [] and model_id not in trainer.models  # none waits: gone
     # a call waiting for a seq_id that will never come: held for end_grace_s after the end, then answered
@@ -1363,3 +1369,50 @@ def test_a_state_of_another_base_model_is_refused_by_the_trainer_naming_both(har
                                           f"on {harness.base_model}; load it into a training client of {other_model}")
     assert json.loads(harness.result(loads[2])[0])["type"] == "load_weights"  # its own base model's state loads
     trainer.close()
+
+
+def count_engine_calls(monkeypatch) -> dict[str, int]:
+    """How many forward_backward and optim_step calls reach the engine from now on (the translation's, counted)."""
+    counts = {"forward_backward": 0, "optim_step": 0}
+    for op in counts:
+        real = getattr(ops, op)
+
+        def counted(*args, _op=op, _real=real, **kwargs):
+            counts[_op] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, op, counted)
+    return counts
+
+
+def test_calls_of_a_session_that_ended_before_their_turn_do_not_run_and_a_replay_skips_them_too(harness, monkeypatch):
+    """A client that sent a step and went away (its session finished) leaves calls whose results nobody reads: they
+    are answered with a user error naming the end instead of holding the trainer from other tenants' calls, and
+    they change nothing.  A trainer restarted from the fold before them runs again what ran before the end (the
+    model's state is rebuilt as it was) and leaves the calls answered so as they are."""
+    trainer = no_idle_folds(harness.trainer())
+    trainer.liveness.live_check_s = 0.0  # (an end is seen up to END_CHECK_S late)
+    trainer._last_expiry = float("inf")  # no unload (and its fold) between the calls
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    trainer.fold_all()
+    fb1 = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(41)]), "pb")
+    run_until(trainer, harness, [fb1])
+    counts = count_engine_calls(monkeypatch)
+    fb2 = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, [_datum(42)]), "pb")
+    step = harness.gateway.submit(TENANT, "optim_step", model_id, 3, _optim(model_id, 3))
+    harness.gateway.finish(TENANT, harness.session, "success")
+    run_until(trainer, harness, [fb2, step])
+    assert counts == {"forward_backward": 0, "optim_step": 0}
+    for request_id, op in ((fb2, "forward_backward"), (step, "optim_step")):
+        answer = json.loads(harness.result(request_id)[0])
+        assert answer == {"error": f"{op} did not run: session {harness.session} ended (finished: success) before "
+                                   "its turn; send it again from a live ServiceClient", "category": "user"}
+    abandon(trainer)  # nothing folded past the creation
+    restarted = harness.trainer()
+    step_until(restarted, lambda: model_id in restarted.models and restarted.models[model_id].next_seq == 4,
+               "the restarted trainer did not replay the model's calls")
+    assert counts == {"forward_backward": 1, "optim_step": 0}  # fb1 again (it ran before the end), not the others
+    assert restarted.models[model_id].has_gradients  # fb1's
+    assert json.loads(harness.result(step)[0])["category"] == "user"
+    restarted.close()
