@@ -57,6 +57,8 @@ PROCESS_ENV = {
     "RLPIPE_API_MAX_MODELS": "training clients one Tinker API tenant may hold in them (pipeline.api.tenants)",
     "RLPIPE_API_MAX_SAMPLING_SESSIONS": "sampling sessions one Tinker API tenant may hold in them "
                                         "(pipeline.api.tenants)",
+    "RLPIPE_API_MAX_CALL_TOKENS": "tokens one Tinker API forward_backward or forward request may hold "
+                                  "(pipeline.api.tenants)",
     "RLPIPE_API_THREADS": "worker threads the Tinker API gateway does its store and log work in (pipeline.api.threads)",
     "RLPIPE_API_THREADS_PER_TENANT": "most of those threads one Tinker API tenant's calls hold at once "
                                      "(pipeline.api.threads)",

@@ -267,7 +267,8 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
         if PROTOBUF not in request.headers.get("content-type", ""):
             raise ApiError("forward_backward takes a protobuf body; use the tinker SDK >= 0.25")
         with numbered(who, "forward_backward", raw, "pb"):
-            model_id, seq_id = forward_backward_header(raw, check_loss_fn_config=True)
+            model_id, seq_id = forward_backward_header(raw, check_loss_fn_config=True,
+                                                       max_tokens=gateway.limits.max_call_tokens)
             return {"request_id": gateway.submit(who, "forward_backward", model_id, seq_id, raw, "pb"),
                     "model_id": model_id}
 

@@ -135,7 +135,8 @@ class Gateway:
         self._model_records = functools.lru_cache(maxsize=cached_models)(self._read_model_record)
         self.liveness = SessionLiveness(store, live_check_s, session_expiry_s, cached_sessions)
         self.samples = SampleQueue(store, max_pending_samples)  # sample calls without a result: backpressure
-        self.quota = TenantQuota(store, limits or TenantLimits(),  # what each tenant holds
+        self.limits = limits or TenantLimits()  # what each tenant holds (``quota``) and sends in one request
+        self.quota = TenantQuota(store, self.limits,  # what each tenant holds
                                  lambda session: session_end(store, session, expiry_s=session_expiry_s) is not None)
 
     # ---- sessions ---------------------------------------------------------------------------

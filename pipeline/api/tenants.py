@@ -8,7 +8,9 @@ the key, so two different keys are still two tenants that cannot see each other.
 
 What one tenant may hold at once is bounded (``TenantLimits``, from ``RLPIPE_API_MAX_SESSIONS``,
 ``RLPIPE_API_MAX_MODELS`` and ``RLPIPE_API_MAX_SAMPLING_SESSIONS``; counted by ``pipeline.api.quotas``), so one key
-cannot fill the store and the engines with sessions, training clients and sampling sessions.
+cannot fill the store and the engines with sessions, training clients and sampling sessions; and so is what one
+training request may ask (``RLPIPE_API_MAX_CALL_TOKENS``), since a trainer runs one request at a time for every
+tenant.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ KEYS_ENV = "RLPIPE_API_KEYS"
 MAX_SESSIONS_ENV = "RLPIPE_API_MAX_SESSIONS"
 MAX_MODELS_ENV = "RLPIPE_API_MAX_MODELS"
 MAX_SAMPLING_SESSIONS_ENV = "RLPIPE_API_MAX_SAMPLING_SESSIONS"
+MAX_CALL_TOKENS_ENV = "RLPIPE_API_MAX_CALL_TOKENS"
 SDK_KEY_PREFIX = "tml-"
 
 
@@ -39,8 +42,9 @@ class TenantLimitError(ApiError):
 
 
 class TenantLimits(BaseModel):
-    """What one tenant may hold at once.  A session that crashed without finishing holds its place until it expires
-    (a day without a heartbeat), hence limits well above what one user's loops run at a time."""
+    """What one tenant may hold at once, and send in one training request.  A session that crashed without
+    finishing holds its place until it expires (a day without a heartbeat), hence limits well above what one user's
+    loops run at a time."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -52,15 +56,20 @@ class TenantLimits(BaseModel):
     # step for as long as its session lives, hence a limit far above the others
     max_sampling_sessions: int = Field(4096, ge=1, le=1_000_000, description=(
         f"sampling sessions made by create_sampling_session in those sessions ({MAX_SAMPLING_SESSIONS_ENV})"))
+    # a trainer runs one request at a time, every tenant's: one request's size bounds how long it holds the others
+    # (the SDK puts up to about 5 MB of datums in one request, some 300,000 tokens of cross_entropy)
+    max_call_tokens: int = Field(262_144, ge=1, le=1_000_000_000, description=(
+        f"tokens of the datums' model_input in one forward_backward or forward request ({MAX_CALL_TOKENS_ENV})"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TenantLimits:
-        """From ``RLPIPE_API_MAX_SESSIONS``, ``RLPIPE_API_MAX_MODELS`` and ``RLPIPE_API_MAX_SAMPLING_SESSIONS`` (unset
-        or empty: the defaults)."""
+        """From ``RLPIPE_API_MAX_SESSIONS``, ``RLPIPE_API_MAX_MODELS``, ``RLPIPE_API_MAX_SAMPLING_SESSIONS`` and
+        ``RLPIPE_API_MAX_CALL_TOKENS`` (unset or empty: the defaults)."""
         env = os.environ if environ is None else environ
         values: dict[str, int] = {}
         for field, name in (("max_sessions", MAX_SESSIONS_ENV), ("max_models", MAX_MODELS_ENV),
-                            ("max_sampling_sessions", MAX_SAMPLING_SESSIONS_ENV)):
+                            ("max_sampling_sessions", MAX_SAMPLING_SESSIONS_ENV),
+                            ("max_call_tokens", MAX_CALL_TOKENS_ENV)):
             raw = env.get(name, "").strip()
             if not raw:
                 continue
@@ -68,7 +77,8 @@ class TenantLimits(BaseModel):
                 values[field] = int(raw)
                 cls.model_validate({field: values[field]})
             except ValueError:  # pydantic's ValidationError is one
-                raise ValueError(f"{name}={raw!r}: set a whole number from 1 to 1000000") from None
+                most = next(bound.le for bound in cls.model_fields[field].metadata if hasattr(bound, "le"))
+                raise ValueError(f"{name}={raw!r}: set a whole number from 1 to {most}") from None
         return cls(**values)
 
 

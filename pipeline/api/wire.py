@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from tinker import types
 from tinker.proto import tinker_public_pb2 as public_pb
 
+from pipeline.api.tenants import MAX_CALL_TOKENS_ENV
 from schemas.api import ApiError, model_run_name
 from schemas.names import MAX_ECHOED, InvalidNameError, echoed, validate_name
 
@@ -169,12 +170,15 @@ def not_finite_loss_config(key: str, value: object) -> str:
     return f"loss_fn_config {shown}={echoed(value)} is not a finite number; check the code that computes it"
 
 
-def forward_backward_header(body: bytes, check_loss_fn_config: bool = False) -> tuple[str, int | None]:
+def forward_backward_header(body: bytes, check_loss_fn_config: bool = False,
+                            max_tokens: int | None = None) -> tuple[str, int | None]:
     """Only ``(model_id, seq_id)`` of a protobuf ``ForwardBackwardRequest`` (the gateway needs no more).
 
     ``check_loss_fn_config``: first refuse a ``loss_fn_config`` number that is not finite (``ApiError`` naming the
     key), so the gateway answers it at once rather than the trainer failing the call's future; the body is parsed
-    whole here anyway.  Text values and the loss's keys are the trainer's to judge (``consumers.api.translate``)."""
+    whole here anyway.  Text values and the loss's keys are the trainer's to judge (``consumers.api.translate``).
+    ``max_tokens``: refuse a request whose datums' ``model_input`` holds more tokens (``ApiError`` naming its size,
+    the cap and the setting that raises it, ``RLPIPE_API_MAX_CALL_TOKENS``)."""
     msg = public_pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -185,7 +189,17 @@ def forward_backward_header(body: bytes, check_loss_fn_config: bool = False) -> 
         for key, value in (_loss_fn_config(msg) or {}).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ApiError(not_finite_loss_config(key, value))
+    if max_tokens is not None and (tokens := _input_tokens(msg)) > max_tokens:
+        op = "forward" if msg.forward_only else "forward_backward"
+        raise ApiError(f"{op} of {tokens:,} tokens (model_input of {len(msg.data):,} datums) is over this server's "
+                       f"cap of {max_tokens:,} tokens per request; send the batch as several smaller calls "
+                       f"(gradients add up until optim_step), or ask the operator to raise {MAX_CALL_TOKENS_ENV}")
     return msg.model_id, msg.seq_id or None
+
+
+def _input_tokens(msg: public_pb.ForwardBackwardRequest) -> int:
+    """Tokens of the request's datums' ``model_input`` (int32 each; other chunk kinds the trainer refuses)."""
+    return sum(len(chunk.encoded_text.tokens) // 4 for datum in msg.data for chunk in datum.model_input)
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int] | None:

@@ -39,6 +39,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 ALICE, BOB = "tml-alice", "tml-bob"
+MAX_CALL_TOKENS = 4096  # the gateway's cap on one request's tokens: above every other test's calls (3,072 at most)
 FAST_GROUP_MS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 300, "max_poll_interval_ms": 60_000}
 
 
@@ -112,7 +113,7 @@ def server(kafka_broker, tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
     env = {**os.environ, "RLPIPE_BUS__BOOTSTRAP_SERVERS": kafka_broker.bootstrap_servers,
            "RLPIPE_BUS__NAMESPACE": f"t{uuid.uuid4().hex[:12]}", "RLPIPE_STORE__ROOT": f"file://{folder}/store",
            "RLPIPE_HOME": str(folder / "home"), GROUP_TIMINGS_ENV: json.dumps(FAST_GROUP_MS),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "RLPIPE_API_MAX_CALL_TOKENS": str(MAX_CALL_TOKENS)}
     from producers.tiny_model import build_tiny_model
 
     second = str(build_tiny_model(folder / "models" / "small", pretrain=False, hidden_size=64, num_heads=2,
@@ -374,6 +375,20 @@ def test_a_call_the_gateway_refuses_leaves_the_training_client_usable(server):
         training.save_weights_for_sampler("../x").result()
     output = training.forward_backward(_data(1), "cross_entropy").result(timeout=60)
     assert output.metrics["loss:sum"] > 0
+    assert training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60).metrics
+
+
+def test_a_forward_backward_over_the_token_cap_is_refused_naming_the_setting_and_the_client_goes_on(server):
+    """A request whose datums hold more tokens than the gateway's cap is refused at once (HTTP 400, which the SDK
+    raises as ``APIStatusError``), forward or forward_backward; the training client's next calls run."""
+    training = server.service().create_lora_training_client(base_model=server.base_model, rank=4).result()
+    big = _data(8, count=2, n=MAX_CALL_TOKENS // 2 + 1)
+    says = rf"forward_backward of {MAX_CALL_TOKENS + 2:,} tokens .* cap of {MAX_CALL_TOKENS:,} tokens .*RLPIPE_API_MAX_CALL_TOKENS"
+    with pytest.raises(tinker.APIStatusError, match=says):
+        training.forward_backward(big, "cross_entropy").result(timeout=60)
+    with pytest.raises(tinker.APIStatusError, match=r"forward of .*RLPIPE_API_MAX_CALL_TOKENS"):
+        training.forward(big, "cross_entropy").result(timeout=60)
+    assert training.forward_backward(_data(1), "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
     assert training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60).metrics
 
 

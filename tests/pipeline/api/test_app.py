@@ -13,7 +13,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from pipeline.api.app import create_app
 from pipeline.api.checkpoints import weights_key, write_record
 from pipeline.api.gateway import Gateway, ServedModel
-from pipeline.api.tenants import Tenants
+from pipeline.api.tenants import TenantLimits, Tenants
 from pipeline.api.wire import parse_tinker_path
 from pipeline.io.store import ObjectStore
 from schemas.api import result_path
@@ -678,7 +678,9 @@ def test_a_json_body_over_its_limit_is_a_413_before_it_is_parsed(api):
     answer = api.post("/api/v1/asample", headers=ALICE, content=big)
     assert answer.status_code == 413 and f"{MAX_JSON_BODY_BYTES} bytes" in answer.json()["error"], answer.text[:300]
     assert len(api.published) == logged
-    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": tokens})
+    # a few tokens (under the cap on a request's tokens) and loss inputs of many bytes: float32 each in protobuf
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:1000]),
+                        loss_fn_inputs={"target_tokens": tokens[:1000], "weights": [1.0] * (MAX_JSON_BODY_BYTES // 4)})
     fb = types.ForwardBackwardRequest(types.ForwardBackwardInput([datum], "cross_entropy"), model_id, seq_id=1)
     body = forward_backward_request_to_proto(fb).SerializeToString()
     assert len(body) > MAX_JSON_BODY_BYTES
@@ -853,3 +855,33 @@ def test_a_base_url_given_with_api_v1_is_answered_naming_the_fix(api):
         assert answer.status_code == 404 and "/api/v1" in error and "base URL" in error and "\n" not in error, error
     other = api.post("/api/v1/no_such_call", headers=ALICE).json()["error"]
     assert "is not served by rlpipe" in other and "base URL" not in other, other
+
+
+def test_a_forward_backward_over_the_token_cap_is_a_400_naming_its_size_the_cap_and_the_setting(monkeypatch):
+    """One request's datums hold at most ``max_call_tokens`` tokens (``RLPIPE_API_MAX_CALL_TOKENS``): a larger one
+    would hold the trainer from every other tenant's calls.  It is answered 400 in one line and logged as refused
+    for its seq_id, so the training client's next call runs; a forward (forward_only) is named as such."""
+    monkeypatch.setenv("RLPIPE_API_MAX_CALL_TOKENS", "10")
+    published: list = []
+    gateway = Gateway(ObjectStore(f"memory://gw-{uuid.uuid4().hex}"), lambda event, key: published.append((key, event)),
+                      [ServedModel("/models/base/tiny", "/models/base/tiny")], limits=TenantLimits.from_env())
+    api = TestClient(create_app(gateway, Tenants(), poll_hold_s=0.05))
+    model_id = _create(api, _session(api)).json()["model_id"]
+    datums = [types.Datum(model_input=types.ModelInput.from_ints(list(range(1, 7))),
+                          loss_fn_inputs={"target_tokens": list(range(2, 8))}) for _ in range(2)]  # 12 tokens
+    headers = {**ALICE, "Content-Type": "application/x-protobuf"}
+    for seq, (forward_only, op) in enumerate(((False, "forward_backward"), (True, "forward")), start=1):
+        request = types.ForwardBackwardRequest(types.ForwardBackwardInput(datums, "cross_entropy"), model_id, seq)
+        proto = forward_backward_request_to_proto(request)
+        proto.forward_only = forward_only
+        refused = api.post("/api/v1/forward_backward", headers=headers, content=proto.SerializeToString())
+        line = (f"{op} of 12 tokens (model_input of 2 datums) is over this server's cap of 10 tokens per request; "
+                "send the batch as several smaller calls (gradients add up until optim_step), or ask the operator "
+                "to raise RLPIPE_API_MAX_CALL_TOKENS")
+        assert refused.status_code == 400 and refused.json() == {"error": line, "category": "user"}, refused.text
+    logged = [(e.payload.seq_id, e.payload.refused is not None) for _, e in published if e.payload.op != "create_model"]
+    assert logged == [(1, True), (2, True)]
+    within = types.ForwardBackwardRequest(types.ForwardBackwardInput(datums[:1], "cross_entropy"), model_id, 3)
+    accepted = api.post("/api/v1/forward_backward", headers=headers,
+                        content=forward_backward_request_to_proto(within).SerializeToString())
+    assert accepted.status_code == 200, accepted.text
