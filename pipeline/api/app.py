@@ -60,6 +60,8 @@ from schemas.names import echoed
 
 log = logging.getLogger(__name__)
 POLL_HOLD_S = 25.0  # a retrieve_future is held at most this long, well under the SDK's 45 s timeout
+SDK_BYTES_PER_TOKEN = 4  # what the tinker SDK counts a model_input token as, sizing a forward_backward's requests
+SDK_CHUNK_BYTES = 5_000_000  # the SDK's own largest request (``fwdbwd_max_chunk_bytes_count``), never raised here
 RECHECK_S = 1.0  # with result signals, a held poll still re-reads the store this often
 
 
@@ -192,7 +194,10 @@ def create_app(gateway: Gateway, tenants: Tenants, poll_hold_s: float = POLL_HOL
     async def client_config(who: TenantKey) -> dict[str, Any]:
         # a split forward_backward's requests sent at once, the first last: how the trainer tells them apart from
         # calls of their own, to undo the whole call if one request fails (consumers.api.worker)
-        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True}
+        # and how large one request may be: the SDK counts 4 bytes a token (and its loss inputs' bytes), so a request
+        # it builds of several datums holds at most the cap's tokens (``RLPIPE_API_MAX_CALL_TOKENS``)
+        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True,
+                "fwdbwd_max_chunk_bytes_count": min(SDK_CHUNK_BYTES, SDK_BYTES_PER_TOKEN * gateway.limits.max_call_tokens)}
 
     @app.post("/api/v1/client/dynamic_config")
     async def dynamic_config(who: TenantKey) -> dict[str, Any]:

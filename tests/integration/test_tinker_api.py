@@ -379,17 +379,29 @@ def test_a_call_the_gateway_refuses_leaves_the_training_client_usable(server):
 
 
 def test_a_forward_backward_over_the_token_cap_is_refused_naming_the_setting_and_the_client_goes_on(server):
-    """A request whose datums hold more tokens than the gateway's cap is refused at once (HTTP 400, which the SDK
-    raises as ``APIStatusError``), forward or forward_backward; the training client's next calls run."""
+    """A datum alone longer than the gateway's cap is refused at once (HTTP 400, which the SDK raises as
+    ``APIStatusError``), forward or forward_backward; the training client's next calls run."""
     training = server.service().create_lora_training_client(base_model=server.base_model, rank=4).result()
-    big = _data(8, count=2, n=MAX_CALL_TOKENS // 2 + 1)
-    says = rf"forward_backward of {MAX_CALL_TOKENS + 2:,} tokens .* cap of {MAX_CALL_TOKENS:,} tokens .*RLPIPE_API_MAX_CALL_TOKENS"
+    big = _data(8, count=1, n=MAX_CALL_TOKENS + 1)
+    says = rf"forward_backward of {MAX_CALL_TOKENS + 1:,} tokens .* cap of {MAX_CALL_TOKENS:,} tokens .*shorten it"
     with pytest.raises(tinker.APIStatusError, match=says):
         training.forward_backward(big, "cross_entropy").result(timeout=60)
     with pytest.raises(tinker.APIStatusError, match=r"forward of .*RLPIPE_API_MAX_CALL_TOKENS"):
         training.forward(big, "cross_entropy").result(timeout=60)
     assert training.forward_backward(_data(1), "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
     assert training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60).metrics
+
+
+def test_a_batch_over_the_token_cap_is_split_by_the_sdk_into_requests_within_it(server):
+    """The gateway's client config tells the SDK how large a request may be (``fwdbwd_max_chunk_bytes_count``), so
+    a batch whose datums together hold more tokens than the cap, each within it, runs as one call, as one request
+    would: the same loss."""
+    training = server.service().create_lora_training_client(base_model=server.base_model, rank=4).result()
+    batch = _data(9, count=5, n=MAX_CALL_TOKENS // 4)  # 5,120 tokens in all
+    split = training.forward(batch, "cross_entropy").result(timeout=120)
+    parts = [training.forward(batch[i : i + 2], "cross_entropy").result(timeout=120) for i in range(0, 5, 2)]
+    assert split.metrics["loss:sum"] == pytest.approx(sum(p.metrics["loss:sum"] for p in parts), rel=1e-5)
+    assert len(split.loss_fn_outputs) == 5
 
 
 def test_a_restarted_gateway_and_the_client_carries_on(server):

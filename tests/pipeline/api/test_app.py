@@ -38,7 +38,8 @@ def _create(api, session, headers=ALICE, base="/models/base/tiny"):
 def test_start_up_calls_and_keys(api):
     assert api.get("/api/v1/healthz").json() == {"status": "ok"}
     assert api.post("/api/v1/client/config", headers=ALICE, json={"sdk_version": "0.38.0"}).json() == {
-        "pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True}
+        "pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True,
+        "fwdbwd_max_chunk_bytes_count": 4 * TenantLimits().max_call_tokens}  # the SDK counts 4 bytes a token
     assert api.post("/api/v1/client/config", json={}).status_code == 401
     refused = api.post("/api/v1/client/config", headers={"X-API-Key": "secret"}, json={})
     assert refused.status_code == 401 and "tml-" in refused.json()["error"]
@@ -876,8 +877,8 @@ def test_a_forward_backward_over_the_token_cap_is_a_400_naming_its_size_the_cap_
         proto.forward_only = forward_only
         refused = api.post("/api/v1/forward_backward", headers=headers, content=proto.SerializeToString())
         line = (f"{op} of 12 tokens (model_input of 2 datums) is over this server's cap of 10 tokens per request; "
-                "send the batch as several smaller calls (gradients add up until optim_step), or ask the operator "
-                "to raise RLPIPE_API_MAX_CALL_TOKENS")
+                "send the batch as several smaller calls (gradients add up until optim_step; the tinker SDK splits "
+                "it so by itself), or ask the operator to raise RLPIPE_API_MAX_CALL_TOKENS")
         assert refused.status_code == 400 and refused.json() == {"error": line, "category": "user"}, refused.text
     logged = [(e.payload.seq_id, e.payload.refused is not None) for _, e in published if e.payload.op != "create_model"]
     assert logged == [(1, True), (2, True)]
