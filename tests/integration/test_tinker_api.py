@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -348,14 +349,19 @@ def test_bad_input_is_a_user_error_and_others_carry_on(server):
 
 
 def test_a_forward_backward_the_sdk_splits_fails_as_a_whole_and_leaves_no_gradient(server):
-    """1,025 datums: the SDK sends them as two requests.  A bad datum in the second fails the call, and the first
-    request's gradients are undone with it: the next optim_step finds none (grad_norm 0) and the weights stay."""
+    """1,025 datums: the SDK sends them as several requests (at most 1,024 datums, and the gateway's size, each).  A
+    bad datum in the last fails the call, named by its place in the call, and the earlier requests' gradients are
+    undone with it: the next optim_step finds none (grad_norm 0) and the weights stay."""
     service = server.service()
     training = service.create_lora_training_client(base_model=server.base_model, rank=4, seed=1).result()
     bad = types.Datum(model_input=types.ModelInput.from_ints([5, 6]), loss_fn_inputs={"target_tokens": [6, 10**7]})
     data = _data(30, count=1024, n=3) + [bad]
-    with pytest.raises(tinker.RequestFailedError, match=r"request 2 of the 2 the SDK split .*its datum 0 is datum 1024 of the call"):
+    with pytest.raises(tinker.RequestFailedError) as failed:
         training.forward_backward(data, "cross_entropy").result()
+    said = re.search(r"datum (\d+): target_tokens .* in request (\d+) of the (\d+) the SDK split .*its datum 0 is "
+                     r"datum (\d+) of the call", str(failed.value))
+    assert said and said[2] == said[3] != "1", str(failed.value)  # the last of several requests
+    assert int(said[1]) + int(said[4]) == 1024, str(failed.value)  # the bad datum's place in the call
     before = training.save_state("before").result().path
     step = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert step.metrics["grad_norm:mean"] == 0.0  # before the fix: the first request's gradients were applied
