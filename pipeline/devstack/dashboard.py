@@ -1,7 +1,8 @@
 """The live view of ``rlpipe run``: one panel per run, fed by its control events.
 
 Each panel shows the learner's step, version and recent rewards, and one row per producer from its newest
-``ProducerHeartbeat``.  A producer beats between two rounds of its loop, so a hung one (its process still
+``ProducerHeartbeat``.  A reward is a checkpoint's ``reward_mean`` (a LoRA learner's sampled trajectories) or, for a
+value run, its actors' ``episode_return_mean``, as ``rlpipe runs list`` shows it.  A producer beats between two rounds of its loop, so a hung one (its process still
 running) would keep showing its last rates as if current: its row says instead how long it has been silent.
 Once the run has ended (its learner at its step budget, or ``RunStopped``: a packed run is let go while the
 others go on) its producers stop beating for it by design, so their rows say ``done`` or ``stopped`` instead.
@@ -19,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.analysis.runs import episode_reward
 from schemas.config import RunConfig
 from schemas.events import LearnerCheckpointed, LearnerProgress, ProducerHeartbeat, RunStarted, RunStopped
 
@@ -41,6 +43,7 @@ class Dashboard:
     producers: dict[str, ProducerHeartbeat] = field(default_factory=dict)
     heard: dict[str, float] = field(default_factory=dict)  # producer id -> when its last heartbeat arrived (monotonic)
     learner: LearnerCheckpointed | None = None
+    newest_version: int = 0  # the newest version known published: announced by the learner, or held by a producer
     rewards: deque[float] = field(default_factory=lambda: deque(maxlen=20))
     lag: int | None = None
     stopped: RunStopped | None = None  # the run's newest RunStopped, None once a RunStarted follows it
@@ -51,13 +54,18 @@ class Dashboard:
         if isinstance(payload, ProducerHeartbeat):
             self.producers[payload.producer_id] = payload
             self.heard[payload.producer_id] = time.monotonic()
+            self.newest_version = max(self.newest_version, payload.adapter_version)
+        elif isinstance(payload, LearnerProgress):
+            self.newest_version = max(self.newest_version, payload.version)
         elif isinstance(payload, LearnerCheckpointed):
             shown = self.learner
             if shown is not None and (payload.step < shown.step or payload.path == shown.path):
                 return  # an older checkpoint late, or the one shown announced again (``consumers.reannounce``)
             self.learner = payload
-            if "reward_mean" in payload.metrics:
-                self.rewards.append(payload.metrics["reward_mean"])
+            self.newest_version = max(self.newest_version, payload.version)
+            reward = episode_reward(payload.metrics)
+            if reward is not None:
+                self.rewards.append(reward)
         elif isinstance(payload, RunStopped):
             self.stopped = payload
         elif isinstance(payload, RunStarted):  # started, or resumed after a stop
@@ -99,7 +107,7 @@ class Dashboard:
             )
         table = Table("producer", "adapter", "samples", "samples/s", "tokens/s", "env steps/s", "busy", "last beat",
                       title="producers")
-        newest = learner.version if learner else 0
+        newest = self.newest_version
         ended = self.ended(max_steps)
         for pid, beat in sorted(self.producers.items()):
             rates = [f"{beat.samples_per_s:.2f}", f"{beat.tokens_per_s:.0f}", f"{beat.env_steps_per_s:.1f}",
@@ -114,9 +122,14 @@ class Dashboard:
         return f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
 
     def producer_staleness(self) -> int | None:
-        """How many versions the most stale producer's adapter is behind the newest checkpoint; None before a beat."""
-        newest = self.learner.version if self.learner else 0
-        return max((newest - beat.adapter_version for beat in self.producers.values()), default=None)
+        """How many versions the most stale producer's adapter is behind the newest version known published; None
+        before a beat.
+
+        The newest checkpoint would not do: a value learner publishes every step but checkpoints every few, so a
+        producer is often ahead of it.  Its progress (sent after every step) names the version it published, and a
+        producer's own version was published too, so no producer is ever shown behind by less than 0.
+        """
+        return max((self.newest_version - beat.adapter_version for beat in self.producers.values()), default=None)
 
     def last_beat(self, producer_id: str) -> str:
         """``Ns ago``, or ``silent Ns`` (in red) past ``silent_after_s``."""

@@ -133,7 +133,7 @@ def test_a_step_line_says_how_stale_the_most_stale_producer_is() -> None:
 
     (line,) = _lines([_rewarded(1, 0.0), _rewarded(2, 0.0), beat("p0", 2), beat("p1", 0), _progress(3)],
                      checkpoint_every=2)[2:]
-    assert "step 3/4" in line and "producers 2 (most stale 2 behind)" in line, line
+    assert "step 3/4" in line and "producers 2 (most stale 3 behind)" in line, line  # v3 (its progress) - v0
 
 
 def _started() -> RunStarted:
@@ -172,3 +172,27 @@ def test_a_run_started_below_its_budget_is_done_when_its_learner_reaches_it() ->
     for payload in (_started(), _beat("run-p0"), _checkpointed(2)):
         board.apply(payload)
     assert "done" in _producer_rows(board, 2)["run-p0"]
+
+
+def test_a_value_runs_step_lines_show_its_actors_episode_return_as_its_reward() -> None:
+    """A value learner's checkpoint carries ``episode_return_mean`` (its actors' finished episodes), not
+    ``reward_mean``: the line shows it as the reward, as ``rlpipe runs list`` does."""
+    returned = LearnerCheckpointed(step=1, version=1, path="runs/r/checkpoints/step-000001-a", offsets={},
+                                   metrics={"episode_return_mean": 28.2, "episodes": 3.0})
+    (line,) = _lines([returned], checkpoint_every=1)
+    assert "reward 28.200 (avg of last 1 checkpoints)" in line, line
+
+
+def test_a_producer_ahead_of_the_newest_checkpoint_is_not_shown_negatively_stale() -> None:
+    """A value learner publishes every step but checkpoints every few: a producer's version is measured against
+    the newest version the learner announced (its progress), so a producer on it is 0 behind, not -2."""
+    def beat(producer: str, version: int) -> ProducerHeartbeat:
+        return ProducerHeartbeat(producer_id=producer, adapter_version=version, samples_total=8, batches_total=1,
+                                 tokens_total=100, env_steps_total=8, samples_per_s=2.5, tokens_per_s=40.0,
+                                 env_steps_per_s=2.5, busy_fraction=0.5, interval_s=5.0)
+
+    stream = [_rewarded(5, 0.0), _progress(6), _progress(7), beat("p0", 7), beat("p1", 6), _progress(8)]
+    (line,) = _lines(stream, checkpoint_every=5)[-1:]
+    assert "producers 2 (most stale 2 behind)" in line, line  # v8 - v6
+    (line,) = _lines([_rewarded(5, 0.0), beat("p0", 7), _progress(6)], checkpoint_every=5)[-1:]
+    assert "most stale 0 behind" in line, line  # its v7 heard before the progress of step 7: the newest known
