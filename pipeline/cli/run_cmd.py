@@ -31,7 +31,7 @@ import json
 import shlex
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -386,20 +386,40 @@ def stop_if_finished(store: ObjectStore, config: RunConfig) -> None:
 
 
 def fresh_run_command(config: RunConfig) -> str:
-    """``rlpipe run`` that starts a new run configured as ``config``: its environment's preset (when one ships) and a
+    """``rlpipe run`` that starts a new run configured as ``config``: the preset it was most likely made from and a
     ``--set`` for every field that differs from what that preset resolves to here, name and placement left out (the
-    new run gets its own name; bus and store come from where it is started)."""
-    from pipeline.config import preset_names, resolve_config
+    new run gets its own name; bus and store come from where it is started).
+
+    A run does not record its preset, so the one chosen is the shipped preset (or none: the built-in defaults)
+    whose resolved configuration differs from ``config`` in the fewest fields: a value run made from
+    ``dqn-cartpole`` gets that preset, not ``cartpole``, which its environment is named after.  A tie goes to the
+    preset named after the environment, then to the first by name."""
+    from pipeline.config import preset_names
     from pipeline.runtime import config_differences
 
-    preset = config.env.name if config.env.name in preset_names() else None
-    base = json.loads(config_to_json(resolve_config(preset)))
-    differences = config_differences(base, json.loads(config_to_json(config)))
+    wanted = json.loads(config_to_json(config))
+    named = [config.env.name] if config.env.name in preset_names() else []
+    candidates: list[str | None] = [*named, *(p for p in preset_names() if p not in named), None]
+    changes_by_preset = {preset: [c for c in config_differences(base, wanted) if c.field != "run_id"]
+                         for preset in candidates if (base := _resolved_preset(preset)) is not None}
+    preset = min(changes_by_preset, key=lambda name: len(changes_by_preset[name]))  # the first of the fewest
     words = ["rlpipe", "run", *(["--preset", preset] if preset else [])]
-    for change in differences:
-        if change.field != "run_id":
-            words += ["--set", f"{change.field}={_set_value(change.after)}"]
+    for change in changes_by_preset[preset]:
+        words += ["--set", f"{change.field}={_set_value(change.after)}"]
     return shlex.join(words)
+
+
+def _resolved_preset(preset: str | None) -> dict[str, Any] | None:
+    """What ``preset`` (None: the built-in defaults) resolves to here, as stored; None for a preset this
+    environment's ``RLPIPE_`` settings do not fit (the defaults that do not are a ``ConfigError``)."""
+    from pipeline.config import resolve_config
+
+    try:
+        return json.loads(config_to_json(resolve_config(preset)))
+    except ConfigError:
+        if preset is None:
+            raise
+        return None
 
 
 def _set_value(value: object) -> str:

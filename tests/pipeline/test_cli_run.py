@@ -261,6 +261,9 @@ def test_resuming_a_value_run_that_reached_its_budget_says_so(home: Path) -> Non
     finished = _run("--resume", "vdone")
     assert finished.exit_code == 0 and "already reached its max_steps (2)" in finished.output, finished.output
     assert len(FakeLauncher.launched) == 1
+    # its fresh run is the preset it was made from (not the cartpole preset its environment is named after)
+    fresh = finished.output.split("start a fresh run with `", 1)[1].split("`", 1)[0]
+    assert fresh == "rlpipe run --preset dqn-cartpole --set value.learner.max_steps=2", fresh
 
 
 def test_a_finished_runs_fresh_command_carries_the_options_it_was_started_with(home: Path) -> None:
