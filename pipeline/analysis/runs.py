@@ -155,6 +155,18 @@ def run_kind(config: Mapping[str, Any]) -> str:
     return "value-network" if config.get("value") else "lora"
 
 
+def version_zero(kind: str) -> str:
+    """What version 0 of a run of ``kind`` (``run_kind``) plays, as ``rlpipe eval`` names it: a value run's
+    ``uniform random`` policy (no network trained yet), a LoRA run's base model."""
+    return "uniform random" if kind == "value-network" else "the base model"
+
+
+def shown_policy(policy: str, version: int, kind: str) -> str:
+    """The name ``rlpipe eval`` and the report give an evaluated policy: a value run's ``value-network`` v0 is
+    ``uniform random`` (it plays no network); any other keeps its own."""
+    return version_zero(kind) if kind == "value-network" and policy == "value-network" and version == 0 else policy
+
+
 def episode_reward(metrics: Mapping[str, float]) -> float | None:
     """The mean episode return a version or checkpoint reports: ``reward_mean`` (a LoRA learner's sampled
     trajectories) or ``episode_return_mean`` (a value learner's actors)."""

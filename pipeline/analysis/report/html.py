@@ -24,6 +24,7 @@ from pipeline.analysis.report.model import (
     report_sections,
 )
 from pipeline.analysis.report.plots import render_figures
+from pipeline.analysis.runs import shown_policy
 
 
 def write_report(report: RunReport, out_dir: str | Path) -> Path:
@@ -77,13 +78,15 @@ _SUMMARY_LABELS = (
 
 
 _LANGUAGE_MODEL_SUMMARY = ("trajectories", "dropped_stale_rows", "reward_first_version", "reward_last_version")
+_VALUE_SUMMARY = ("value_replay_size", "value_return_last")
 
 
 def summary_lines(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, text) pairs of the summary, for the terminal and the HTML alike (a value run's without the
-    language-model lines, its versions named as value-network versions)."""
+    language-model lines, its versions named as value-network versions; a LoRA run's without the value learner's)."""
     if summary.get("kind") != "value-network":
-        return [(label, _format_summary_value(summary, key)) for key, label in _SUMMARY_LABELS]
+        return [(label, _format_summary_value(summary, key)) for key, label in _SUMMARY_LABELS
+                if key not in _VALUE_SUMMARY]
     return [("value-network versions" if key == "adapter_versions" else label, _format_summary_value(summary, key))
             for key, label in _SUMMARY_LABELS if key not in _LANGUAGE_MODEL_SUMMARY]
 
@@ -104,7 +107,9 @@ def _format_summary_value(summary: dict[str, Any], key: str) -> str:
         return (f"v{value['version']}: {mean} ± {ci95} "
                 f"({value['episodes']} episodes, success {percent(value['success_rate'])})")  # fmt: skip
     if key == "eval":
-        return "; ".join(f"{e['policy']} v{e['version']}{_elsewhere(e, summary)}: {readable(e['mean_return'])} ± "
+        kind = summary.get("kind", "lora")
+        return "; ".join(f"{shown_policy(e['policy'], e['version'], kind)} v{e['version']}{_elsewhere(e, summary)}: "
+                         f"{readable(e['mean_return'])} ± "
                          f"{half_width(e['ci95'], e['episodes'])} "
                          f"(success {percent(e['success_rate'])}, 95% CI {percent(e['success_low'])} to "
                          f"{percent(e['success_high'])}, {e['episodes']} ep)" for e in value)  # fmt: skip
@@ -130,7 +135,7 @@ def section_table(section: str, report: RunReport) -> dict[str, list[Any]] | Non
         head = ["policy", "environment", "version", "episodes", "seed start", "mean return", "95% CI", "success",
                 "success 95% CI (Wilson)", *keys]
         rows = [
-            [p["policy"], p["env"], p["version"], p["episodes"], p["seed_start"], readable(p["mean_return"]),
+            [shown_policy(p["policy"], p["version"], report.summary.get("kind", "lora")), p["env"], p["version"], p["episodes"], p["seed_start"], readable(p["mean_return"]),
              f"± {half_width(p['ci95'], p['episodes'])}", percent(p["success_rate"]),
              f"{percent(p['success_low'])} to {percent(p['success_high'])}",
              *(f"{p['breakdown'][k]:.4g}" if k in p["breakdown"] else "-" for k in keys)]

@@ -23,6 +23,7 @@ from matplotlib.ticker import MaxNLocator
 
 from pipeline.analysis.report.metrics import COLLAPSE_FIELDS
 from pipeline.analysis.report.model import RunReport, finite, percent
+from pipeline.analysis.runs import version_zero
 from pipeline.timefmt import utc_text
 
 _ESS_WARNING = 0.3  # below this normalised ESS the off-policy correction is doing heavy lifting
@@ -40,7 +41,7 @@ def render_figures(report: RunReport) -> dict[str, bytes]:
     t0 = _time_origin(report)
     figures = {
         "reward": plot_reward(series["reward_by_version"], series["reward_over_time"], t0),
-        "eval": plot_eval(series["eval"]),
+        "eval": plot_eval(series["eval"], report.summary.get("kind", "lora")),
         "staleness": plot_staleness(series["staleness_histogram"], series["max_staleness"]),
         "importance": plot_importance(series["learner_steps"]),
         "collapse": plot_collapse(series["learner_steps"], series.get("collapse_thresholds") or {}),
@@ -96,9 +97,10 @@ def plot_reward(by_version: list[dict[str, Any]], over_time: dict[str, Any], t0:
     return fig
 
 
-def plot_eval(points: list[dict[str, Any]]) -> Figure | None:
+def plot_eval(points: list[dict[str, Any]], kind: str = "lora") -> Figure | None:
     """Mean return (95% CI) and success rate (95% Wilson CI) per evaluated version, one series per (policy, environment) named
-    in the legend; a baseline evaluated at one version only is a band (one per seed range).
+    in the legend; a baseline evaluated at one version only is a band (one per seed range).  The version axis names
+    what a run of ``kind`` (``run_kind``) has at v0, as ``rlpipe eval`` does.
 
     A (policy, environment) evaluated on more than one seed range is one series per range, named with its seeds
     ("adapter on cartpole, seeds 1000-1099"): one line through both would join two points at one version.
@@ -143,8 +145,9 @@ def plot_eval(points: list[dict[str, Any]]) -> Figure | None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(loc="best", fontsize=8)
     ax_success.set_ylim(-0.03, 1.03)
-    _style(ax_return, "held-out mean return (95% CI)", "adapter version (0 = base)", "mean return")
-    _style(ax_success, "held-out success rate (95% Wilson CI)", "adapter version (0 = base)", "success rate")
+    axis = f"value-network version (0 = {version_zero(kind)})" if kind == "value-network" else "adapter version (0 = base)"
+    _style(ax_return, "held-out mean return (95% CI)", axis, "mean return")
+    _style(ax_success, "held-out success rate (95% Wilson CI)", axis, "success rate")
     return fig
 
 
@@ -228,20 +231,26 @@ def plot_collapse(steps: list[dict[str, Any]], thresholds: dict[str, float]) -> 
 
 
 def plot_throughput(series: dict[str, list[dict[str, Any]]], t0: float | None) -> Figure | None:
-    """Samples/s and tokens/s per producer over time."""
+    """Samples/s and tokens/s per producer over time; without the tokens/s panel when no producer sent a token (a
+    value run's actors step numeric environments)."""
     if not series:
         return None
-    fig = Figure(figsize=(12, 5.5), layout="constrained")
-    ax_samples, ax_tokens = fig.subplots(2, 1, sharex=True)
+    tokens = any(p["tokens_per_s"] for points in series.values() for p in points)
+    fig = Figure(figsize=(12, 5.5 if tokens else 3.2), layout="constrained")
+    ax_samples, ax_tokens = fig.subplots(2, 1, sharex=True) if tokens else (fig.subplots(), None)
     origin = t0 if t0 is not None else min(points[0]["time"] for points in series.values())
     divisor, unit = _time_unit(max(points[-1]["time"] for points in series.values()) - origin)
     for index, (producer, points) in enumerate(series.items()):
         times = [(p["time"] - origin) / divisor for p in points]
         _trace(ax_samples, times, [p["samples_per_s"] for p in points], f"C{index}", producer)
-        _trace(ax_tokens, times, [p["tokens_per_s"] for p in points], f"C{index}", producer)
+        if ax_tokens is not None:
+            _trace(ax_tokens, times, [p["tokens_per_s"] for p in points], f"C{index}", producer)
     ax_samples.legend(loc="best", fontsize=8, ncols=min(4, len(series)))
-    _style(ax_samples, "producer throughput (from heartbeats)", "", "samples / s")
-    _style(ax_tokens, "", _time_label(origin, unit), "tokens / s")
+    time_label = _time_label(origin, unit)
+    _style(ax_samples, "producer throughput (from heartbeats)", "" if ax_tokens is not None else time_label,
+           "samples / s")
+    if ax_tokens is not None:
+        _style(ax_tokens, "", time_label, "tokens / s")
     return fig
 
 

@@ -85,3 +85,51 @@ def test_one_evaluated_value_network_version_is_a_point_at_its_version_not_a_bas
     assert list(points[0].lines[0].get_xdata()) == [7] and list(points[0].lines[0].get_ydata()) == [20.0]
     bands = [line for line in ax_return.get_lines() if line.get_label().startswith("random")]
     assert len(bands) == 1 and list(bands[0].get_ydata()) == [20.0, 20.0]  # axhline: a horizontal reference
+
+
+def _value_evals() -> list:
+    from pipeline.analysis.report.metrics import eval_series
+    from schemas.evaluation import EvalResult
+
+    return eval_series([EvalResult.from_episodes(run_id="v", env="cartpole", version=version, seed_start=1000,
+                                                 policy="value-network", returns=[20.0, 24.4],
+                                                 successes=[False, True]) for version in (0, 3)])
+
+
+def test_a_value_runs_version_0_is_named_uniform_random_as_rlpipe_eval_names_it() -> None:
+    """A value run's v0 plays no network (``rlpipe eval`` calls it ``uniform random``): the summary, the eval table
+    and the figure's axis say so; a LoRA run's v0 stays the base model."""
+    from pipeline.analysis.report.html import section_table
+    from pipeline.analysis.report.model import RunReport
+    from pipeline.analysis.report.plots import plot_eval
+
+    summary = {"kind": "value-network", "env": "cartpole", "eval": _value_evals()}
+    line = dict(summary_lines(summary))["evaluations"]
+    assert line.startswith("uniform random v0: 22.2 ± ") and "; value-network v3: 22.2" in line, line
+    table = section_table("eval", RunReport("v", "file:///s", "now", summary, {"eval": summary["eval"]}))
+    assert table is not None and [row[0] for row in table["rows"]] == ["uniform random", "value-network"]
+    fig = plot_eval(summary["eval"], kind="value-network")
+    assert fig is not None and fig.axes[0].get_xlabel() == "value-network version (0 = uniform random)"
+    lora = plot_eval(summary["eval"])
+    assert lora is not None and lora.axes[0].get_xlabel() == "adapter version (0 = base)"
+
+
+def test_throughput_leaves_out_the_tokens_panel_when_no_producer_sent_tokens() -> None:
+    """A value run's actors step numeric environments: their heartbeats carry no tokens, so a tokens/s panel would
+    be a flat zero line."""
+    from pipeline.analysis.report.plots import plot_throughput
+
+    def points(tokens_per_s: float) -> list[dict[str, float]]:
+        return [{"time": t, "samples_per_s": 2.0, "tokens_per_s": tokens_per_s} for t in (0.0, 5.0)]
+
+    numeric = plot_throughput({"a0": points(0.0)}, None)
+    assert numeric is not None and [ax.get_ylabel() for ax in numeric.axes] == ["samples / s"]
+    tokens = plot_throughput({"p0": points(40.0), "a0": points(0.0)}, None)
+    assert tokens is not None and [ax.get_ylabel() for ax in tokens.axes] == ["samples / s", "tokens / s"]
+
+
+def test_a_lora_runs_summary_has_no_value_learner_lines() -> None:
+    labels = [label for label, _ in summary_lines({"env": "cartpole", "run_id": "r"})]
+    assert "run id" in labels and not [label for label in labels if label.startswith("value learner")], labels
+    value = [label for label, _ in summary_lines({"kind": "value-network", "value_replay_size": 40})]
+    assert "value learner: replay memory size" in value
