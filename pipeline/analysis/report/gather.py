@@ -48,7 +48,7 @@ from schemas.checkpoint import (
     checkpoint_prefix,
     complete_folders,
 )
-from schemas.config import BusConfig
+from schemas.config import IMPORTANCE_LOSSES, BusConfig
 from schemas.evaluation import EvalResult
 from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted
 from schemas.names import validate_name
@@ -105,7 +105,7 @@ def gather_report(
     report.summary = build_summary(report, run_config, rows, episodes, manifests, evals, state, checkpoint_key, events)
     report.summary["status"] = status
     add_value_summary(report, run_config)
-    add_missing_notes(report, run_id, rows, evals, state, step_log, events, bus_config is None)
+    add_missing_notes(report, run_id, rows, evals, state, step_log, events, bus_config is None, run_config)
     return report
 
 
@@ -330,8 +330,13 @@ def add_missing_notes(
     step_log: list[dict[str, Any]],
     events: ControlEvents,
     bus_skipped: bool,
+    run_config: dict[str, Any] | None = None,
 ) -> None:
-    """Say, per section, what is missing and why (the section shows this instead of a figure)."""
+    """Say, per section, what is missing and why (the section shows this instead of a figure).
+
+    A run whose ``learner.loss`` divides by no behaviour probability (``cross_entropy``, ``awr``, ``filtered_bc``:
+    the objectives ``rlpipe replay --train`` trains offline rows with) has no importance ratios by design, and its
+    note says so rather than that no step has trained yet."""
     bus_why = "event log skipped (--no-bus)" if bus_skipped else "; ".join(report.notes.get("bus", []))
     learner_why = f"no complete learner checkpoint under runs/{run_id}/checkpoints yet"
     if not evals:
@@ -344,7 +349,11 @@ def add_missing_notes(
             report.note("importance", learner_why)
         elif not report.series["staleness_histogram"]:
             report.note("staleness", "the learner's steps recorded no staleness histogram")
-        if state is not None and not any(finite(e.get("ratio_mean")) for e in step_log):
+        loss = dig(run_config or {}, "learner", "loss") or "importance_sampling"
+        if state is not None and loss not in IMPORTANCE_LOSSES:
+            report.note("importance", f"no importance ratios by design: learner.loss {loss} trains the rows as offline "
+                                      "data (weighted cross-entropy), which needs no behaviour logprobs")
+        elif state is not None and not any(finite(e.get("ratio_mean")) for e in step_log):
             report.note("importance", "no learner step trained on rows yet (no importance ratios)")
     if not events.heartbeats:
         report.note("throughput", bus_why or f"no ProducerHeartbeat events for run {run_id} on the control topic")

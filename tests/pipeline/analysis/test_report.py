@@ -647,3 +647,26 @@ def test_an_out_path_that_is_a_file_is_one_line_naming_it(run_store: ObjectStore
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert f"--out {taken} is a file, not a folder" in result.output
     assert taken.read_text() == "kept"
+
+
+@pytest.mark.parametrize(("loss", "expected"), [
+    ("awr", "by design"),
+    ("importance_sampling", "no learner step trained on rows yet (no importance ratios)"),
+])
+def test_a_run_trained_with_an_offline_objective_says_it_has_no_importance_ratios_by_design(
+    loss: str, expected: str
+) -> None:
+    """``rlpipe replay --train`` with ``learner.loss awr`` trains rows without behaviour logprobs: the missing ratios
+    are the objective's design, not a learner that has not trained yet."""
+    from pipeline.analysis.report.gather import add_missing_notes
+    from pipeline.analysis.report.model import ControlEvents, RunReport
+    from schemas.checkpoint import LearnerState
+
+    report = RunReport("r", "file:///s", "now", {"kind": "lora"}, {"staleness_histogram": {"0": 8}})
+    trained = [{"step": 1, "ratio_mean": math.nan, "loss": 0.5}]
+    add_missing_notes(report, "r", pl.DataFrame({"batch_id": ["b"]}), [], LearnerState(step=1, version=1), trained,
+                      ControlEvents(), True, {"learner": {"loss": loss}})
+    (note,) = report.notes["importance"]
+    assert expected in note, note
+    if loss == "awr":
+        assert "offline" in note and "learner.loss awr" in note and "yet" not in note, note
