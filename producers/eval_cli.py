@@ -84,6 +84,7 @@ def eval(
     run = chosen_run(run, run_arg, "eval")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up lines would bury the table
     setup_logging()
+    from pipeline.analysis.runs import run_kind, shown_policy, version_zero
     from producers.evaluation import baseline_result, save_result
 
     wrong = [policy for policy in baseline or [] if policy not in ("heuristic", "random")]
@@ -107,12 +108,14 @@ def eval(
         config = config.model_copy(update={"env": config.env.model_copy(update={"name": env})})
     store = reachable_store(config.store)
     registry = AdapterRegistry(store, run)
+    kind = run_kind(config.model_dump())
     numbers = [resolve_version(registry, v) for v in (version or ["latest"])]
     published = registry.versions()
     missing = [n for n in numbers if n and n not in published]
     if missing:  # before a model is loaded
         have = f"versions {published[0]}-{published[-1]}" if published else "no versions yet"
-        fail(f"run {run!r} has no adapter version {missing[0]} ({have}, 0 = the base model); "
+        noun = "value-network" if kind == "value-network" else "adapter"
+        fail(f"run {run!r} has no {noun} version {missing[0]} ({have}, 0 = {version_zero(kind)}); "
              f"see rlpipe adapters list --run {run}", 2)
     for number in numbers:
         reason = registry.retired_reason(number) if number else None
@@ -165,7 +168,7 @@ def eval(
                   title=f"{run} on {config.env.name}, {played}")
     for r in results:
         version = "-" if r.policy in ("heuristic", "random") else f"v{r.version}"  # a baseline has no version
-        policy = "uniform random" if config.value is not None and r.version == 0 and version != "-" else r.policy
+        policy = shown_policy(r.policy, r.version, kind)
         low, high = wilson_interval(sum(r.successes), r.episodes)
         table.add_row(policy, version, str(r.episodes), f"{r.mean_return:.3f}", f"± {r.ci95:.3f}",
                       f"{r.success_rate:.0%} ({low:.0%} to {high:.0%})")  # a value run's v0 plays no network

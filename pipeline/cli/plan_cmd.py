@@ -33,7 +33,7 @@ def plan(
     seq_len: Annotated[int, typer.Option(min=1, help="tokens per sequence")] = 2048,
     lora_rank: Annotated[int, typer.Option(min=1, help="LoRA rank (default: learner.lora_rank's)")] = _LEARNER.lora_rank,
     targets: Annotated[str, typer.Option(help="LoRA target modules, comma-separated (default: "
-                                              "learner.target_modules')")] = ",".join(_LEARNER.target_modules),
+                                              "learner.target_modules)")] = ",".join(_LEARNER.target_modules),
     shard: Annotated[bool, typer.Option(help="shard the base weights over the ranks (FSDP2; default: "
                                              "learner.shard's)")] = _LEARNER.shard,
     checkpointing: Annotated[bool, typer.Option(help="gradient checkpointing (default: "

@@ -176,3 +176,10 @@ def test_a_parameter_count_is_three_significant_figures_in_the_unit_its_rounded_
     from pipeline.cli.plan_cmd import counted
 
     assert counted(count) == shown
+
+
+def test_plans_help_names_each_default_learner_setting_without_a_stray_quote() -> None:
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["plan", "--help"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.replace("│", " ").split())  # rich wraps and boxes the help
+    assert "(default: learner.target_modules)" in text and "target_modules'" not in text, text

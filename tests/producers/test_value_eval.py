@@ -81,3 +81,15 @@ def test_a_value_version_plays_the_held_out_part_of_its_environment(tmp_path: Pa
     result = evaluate_value_version(config, store, version=1, episodes=3)
     assert result.returns == [3.0, 3.0, 3.0] and max(always(1, range(config.env.eval_seed_offset,
                                                                        config.env.eval_seed_offset + 3))) > 3
+
+
+def test_a_missing_value_version_is_refused_naming_what_v0_plays(tmp_path: Path) -> None:
+    """A value run's v0 is no base model: it plays uniformly at random, as ``rlpipe eval`` names it in its table."""
+    store = ObjectStore((tmp_path / "store").as_uri())
+    config = resolve_config("dqn-cartpole", overrides=["run_id=vmiss", f"store.root={store.url('')}"], environ={})
+    create_run(store, config, config.env.name)
+    publish_preferring(AdapterRegistry(store, "vmiss"), action=1)
+    out = CliRunner().invoke(eval_app, ["--run", "vmiss", "--root", store.url(""), "--version", "99", "--no-save"])
+    assert out.exit_code == 2, out.output
+    assert "has no value-network version 99 (versions 1-1, 0 = uniform random)" in out.output, out.output
+    assert "base model" not in out.output
