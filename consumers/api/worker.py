@@ -184,6 +184,7 @@ class TrainerWorker:
         for model in list(self.models.values()):
             while model.late:
                 self._answer_late(model, model.late.pop(0))
+            executed += self._answer_ended_parked(model)
             if model.creating or (model.parked and model.next_seq in model.pending):
                 self._make_room(model)
                 if model.parked and not self._unpark(model):
@@ -216,6 +217,21 @@ class TrainerWorker:
             if waiting and len(model.pending) > self.max_waiting_calls:
                 self._refuse_beyond_limit(model)
         return executed
+
+    def _answer_ended_parked(self, model: Model) -> int:
+        """Answer a parked model's next calls whose session ended, never answered before, without loading it (they
+        would not run, and the load could push a live tenant's adapter out); stops at a call answered before (a
+        replay's, run on the state reloaded).  The number answered."""
+        answered = 0
+        while model.parked and not model.creating and model.next_seq in model.pending:
+            call: ApiRequestAccepted = model.pending[model.next_seq].event.payload
+            if (call.refused is not None or execute.answered(self.store, call) is not None
+                    or self._session_ended(call) is None):
+                break
+            self._execute(model, model.pending.pop(model.next_seq))  # answered as ended (``_execute_call``)
+            model.next_seq += 1
+            answered += 1
+        return answered
 
     def _refuse_beyond_limit(self, model: Model) -> None:
         """Answer the calls furthest ahead beyond ``max_waiting_calls`` waiting behind a gap: each holds memory and

@@ -1416,3 +1416,25 @@ def test_calls_of_a_session_that_ended_before_their_turn_do_not_run_and_a_replay
     assert restarted.models[model_id].has_gradients  # fb1's
     assert json.loads(harness.result(step)[0])["category"] == "user"
     restarted.close()
+
+
+def test_calls_of_an_ended_session_whose_model_is_parked_are_answered_without_loading_it(harness, monkeypatch):
+    """A parked model (its fold on the store, out of the engine) is not loaded again only to answer that its session
+    ended: that load would push a live tenant's adapter out of a full engine for nothing."""
+    trainer = no_idle_folds(harness.trainer())
+    trainer.liveness.live_check_s = 0.0
+    trainer._last_expiry = float("inf")
+    model_id = harness.create()
+    run_until(trainer, harness, [f"{harness.session}.train.0.create"])
+    fb1 = harness.gateway.submit(TENANT, "forward_backward", model_id, 1, _fb(model_id, 1, [_datum(41)]), "pb")
+    run_until(trainer, harness, [fb1])
+    trainer._park(trainer.models[model_id], "idle")
+    counts = count_engine_calls(monkeypatch)
+    fb2 = harness.gateway.submit(TENANT, "forward_backward", model_id, 2, _fb(model_id, 2, [_datum(42)]), "pb")
+    harness.gateway.finish(TENANT, harness.session, "success")
+    run_until(trainer, harness, [fb2])
+    model = trainer.models[model_id]
+    assert model.parked and not model.loaded and model.next_seq == 3
+    assert counts == {"forward_backward": 0, "optim_step": 0}
+    assert "ended (finished: success) before its turn" in json.loads(harness.result(fb2)[0])["error"]
+    trainer.close()
