@@ -145,9 +145,10 @@ def _processes_of_home_runs(home: Path, commands: dict[int, list[str]]) -> list[
 
 
 def _named_runs(argv: list[str]) -> list[str]:
-    """The runs ``argv`` names with ``--run X`` or ``--run=X``."""
-    runs = [value for flag, value in itertools.pairwise(argv) if flag == "--run"]
-    return runs + [arg.removeprefix("--run=") for arg in argv if arg.startswith("--run=")]
+    """The runs ``argv`` names with ``--run X``, ``--run=X``, ``-r X`` or ``-rX``."""
+    runs = [value for flag, value in itertools.pairwise(argv) if flag in ("--run", "-r")]
+    return runs + [arg.removeprefix("--run=") if arg.startswith("--run=") else arg[2:] for arg in argv
+                   if arg.startswith("--run=") or (arg.startswith("-r") and len(arg) > 2 and arg[2] != "-")]
 
 
 def _home_of(pid: int) -> Path | None:
@@ -159,7 +160,13 @@ def _home_of(pid: int) -> Path | None:
         return None
     environ = dict(entry.decode(errors="replace").partition("=")[::2] for entry in entries if b"=" in entry)
     if environ.get(HOME_ENV):
-        return Path(environ[HOME_ENV]).expanduser().resolve()
+        home = Path(environ[HOME_ENV]).expanduser()
+        if not home.is_absolute():  # relative to that process's working folder, not this one's
+            try:
+                home = Path(os.readlink(f"/proc/{pid}/cwd")) / home
+            except OSError:
+                return None
+        return home.resolve()
     return (Path(environ["HOME"]) / ".rlpipe").resolve() if environ.get("HOME") else None
 
 

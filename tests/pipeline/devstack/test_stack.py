@@ -657,17 +657,21 @@ def test_down_names_a_process_started_by_hand_on_a_run_of_this_home_only(
                               env={**os.environ, "RLPIPE_HOME": str(home / ".." / home.name)})
     other = subprocess.Popen([*sleeper, "learner", "start", "--preset", "cartpole", "--run", "theirs"],
                              env={**os.environ, "RLPIPE_HOME": str(home.parent / "another-home")})
+    short = subprocess.Popen([*sleeper, "learner", "start", "--preset", "cartpole", "-r", "c", "-rd"],  # relative home
+                             env={**os.environ, "RLPIPE_HOME": home.name}, cwd=home.parent)
+    started = (mine, packed, other, short)
     try:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not all(
-                "start" in Path(f"/proc/{p.pid}/cmdline").read_text() for p in (mine, packed, other)):
+                "start" in Path(f"/proc/{p.pid}/cmdline").read_text() for p in started):
             time.sleep(0.05)  # until they have exec'd
         result = runner.invoke(app, ["down", "--json"])
     finally:
-        for process in (mine, packed, other):
+        for process in started:
             process.kill()
             process.wait()
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["recent_runs"] == {
         "mine": [f"learner (pid {mine.pid})"], "a": [f"producer (pid {packed.pid})"],
-        "b": [f"producer (pid {packed.pid})"]}
+        "b": [f"producer (pid {packed.pid})"], "c": [f"learner (pid {short.pid})"],
+        "d": [f"learner (pid {short.pid})"]}
