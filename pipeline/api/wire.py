@@ -192,8 +192,9 @@ def forward_backward_header(body: bytes, check_loss_fn_config: bool = False,
     if max_tokens is not None and (tokens := _input_tokens(msg)) > max_tokens:
         op = "forward" if msg.forward_only else "forward_backward"
         datums = f"{len(msg.data):,} datum{'' if len(msg.data) == 1 else 's'}"
-        advice = ("shorten it" if len(msg.data) == 1 else "send the batch as several smaller calls (gradients add up "
-                  "until optim_step; the tinker SDK splits it so by itself)")
+        adding = "gradients add up until optim_step; " if not msg.forward_only else ""
+        advice = ("shorten it" if len(msg.data) == 1 else
+                  f"send the batch as several smaller calls ({adding}the tinker SDK splits it so by itself)")
         raise ApiError(f"{op} of {tokens:,} tokens (model_input of {datums}) is over this server's cap of "
                        f"{max_tokens:,} tokens per request; {advice}, or ask the operator to raise {MAX_CALL_TOKENS_ENV}")
     return msg.model_id, msg.seq_id or None

@@ -876,9 +876,10 @@ def test_a_forward_backward_over_the_token_cap_is_a_400_naming_its_size_the_cap_
         proto = forward_backward_request_to_proto(request)
         proto.forward_only = forward_only
         refused = api.post("/api/v1/forward_backward", headers=headers, content=proto.SerializeToString())
+        adding = "" if forward_only else "gradients add up until optim_step; "  # a forward keeps no gradients
         line = (f"{op} of 12 tokens (model_input of 2 datums) is over this server's cap of 10 tokens per request; "
-                "send the batch as several smaller calls (gradients add up until optim_step; the tinker SDK splits "
-                "it so by itself), or ask the operator to raise RLPIPE_API_MAX_CALL_TOKENS")
+                f"send the batch as several smaller calls ({adding}the tinker SDK splits it so by itself), or ask "
+                "the operator to raise RLPIPE_API_MAX_CALL_TOKENS")
         assert refused.status_code == 400 and refused.json() == {"error": line, "category": "user"}, refused.text
     logged = [(e.payload.seq_id, e.payload.refused is not None) for _, e in published if e.payload.op != "create_model"]
     assert logged == [(1, True), (2, True)]
