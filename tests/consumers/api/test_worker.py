@@ -1410,6 +1410,7 @@ def test_calls_of_a_session_that_ended_before_their_turn_do_not_run_and_a_replay
                                    "its turn; send it again from a live ServiceClient", "category": "user"}
     abandon(trainer)  # nothing folded past the creation
     restarted = harness.trainer()
+    restarted._last_expiry = float("inf")  # its session ended: an expiry would drop the model once replayed
     step_until(restarted, lambda: model_id in restarted.models and restarted.models[model_id].next_seq == 4,
                "the restarted trainer did not replay the model's calls")
     assert counts == {"forward_backward": 1, "optim_step": 0}  # fb1 again (it ran before the end), not the others
