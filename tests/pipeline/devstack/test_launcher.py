@@ -1184,14 +1184,14 @@ def test_a_change_older_than_an_unreadable_starts_newest_is_ignored(
     assert [(e.run_id, e.payload.final_step) for e in published.events] == [("a", 8)]
 
 
-def test_the_newest_change_a_start_could_not_read_is_followed_when_its_own_event_comes(tmp_path: Path) -> None:
-    """Run a is started again while its newest change, 000002 (budget 6), cannot be read (a store that failed for a
-    moment): the run is kept unbounded.  000002's own event, read once its record can be read again, is no older than
-    the change the listing named, but it was never read: it is followed, and bounds the run at 6."""
+def started_on_an_unreadable_change(root: Path):
+    """A packed launch of runs a (budget 2) and b whose run a has changes 000001 (budget 4) and 000002 (budget 6), and
+    is started again while 000002's record cannot be read: (the launcher, its store, what it published, 000002's
+    event, 000002's record to put back)."""
     from pipeline.runtime import create_run, open_store
     from schemas.events import RunStarted, make_event
 
-    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
+    fake = packed_launcher(root, {"a": 2, "b": 9})
     store = open_store(fake.config.store)
     create_run(store, fake.configs[0], "tiny")
     fake.views(dashboard=False)
@@ -1203,8 +1203,16 @@ def test_the_newest_change_a_start_could_not_read_is_followed_when_its_own_event
     store.put(key, b"{not json")
     fake.on_control(make_event("a", RunStarted(config_path=key, config_sha256=second.payload.config_sha256,
                                                env="cartpole", base_model="tiny")), published)
+    return fake, store, published, second, record
+
+
+def test_the_newest_change_a_start_could_not_read_is_followed_when_its_own_event_comes(tmp_path: Path) -> None:
+    """Run a is started again while its newest change, 000002 (budget 6), cannot be read (a store that failed for a
+    moment): the run is kept unbounded.  000002's own event, read once its record can be read again, is no older than
+    the change the listing named, but it was never read: it is followed, and bounds the run at 6."""
+    fake, store, published, second, record = started_on_an_unreadable_change(tmp_path)
     assert fake.unbounded == {"a"}
-    store.put(key, record)
+    store.put(second.payload.config_path, record)
     fake.on_control(second, published)
     assert fake.unbounded == set() and fake.applied_changes == {"a": 2}
     fake.on_control(make_checkpoint("a", 4), published)
@@ -1218,21 +1226,8 @@ def test_a_start_s_unread_change_read_after_a_later_change_is_ignored(tmp_path: 
     """A start cannot read change 000002 (budget 6); change 000003 (budget 8), recorded after it, follows, unreadable
     too; 000002's own event, late, is older than the change followed now and is ignored: the run is not stopped
     at 6."""
-    from pipeline.runtime import create_run, open_store
-    from schemas.events import RunStarted, make_event
-
-    fake = packed_launcher(tmp_path, {"a": 2, "b": 9})
-    store = open_store(fake.config.store)
-    create_run(store, fake.configs[0], "tiny")
-    fake.views(dashboard=False)
-    published = Published()
-    budget_changed(fake, "a", 4)
-    second = budget_changed(fake, "a", 6)
-    records = {second.payload.config_path: store.get(second.payload.config_path)}
-    store.put(second.payload.config_path, b"{not json")
-    fake.on_control(make_event("a", RunStarted(config_path=second.payload.config_path,
-                                               config_sha256=second.payload.config_sha256, env="cartpole",
-                                               base_model="tiny")), published)
+    fake, store, published, second, record = started_on_an_unreadable_change(tmp_path)
+    records = {second.payload.config_path: record}
     store.put(second.payload.config_path, records[second.payload.config_path])
     third = budget_changed(fake, "a", 8)  # recorded after the start
     records[third.payload.config_path] = store.get(third.payload.config_path)

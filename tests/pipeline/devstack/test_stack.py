@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,8 +11,10 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -493,7 +496,10 @@ def test_up_after_down_listens_on_the_same_ports_again(home: Path) -> None:
         runner.invoke(app, ["down"])
 
 
-def test_up_whose_previous_port_is_taken_starts_on_a_free_one_saying_so(home: Path) -> None:
+@contextlib.contextmanager
+def _up_with_remembered_port_taken(home: Path) -> Iterator[tuple[int, Any, StackState | None]]:
+    """`rlpipe up --no-gcs --json` while the broker port the home remembers is held by another listener: (that port,
+    the command's result, the stack's state); the stack is stopped after the block."""
     import socket
 
     with socket.socket() as taken:
@@ -504,14 +510,18 @@ def test_up_whose_previous_port_is_taken_starts_on_a_free_one_saying_so(home: Pa
         (home / PORTS_FILE).write_text(json.dumps({"kafka_port": port, "gcs_port": None}))
         result = runner.invoke(app, ["up", "--no-gcs", "--json"])
         try:
-            assert result.exit_code == 0, result.output
-            state = read_stack_state()
-            assert state is not None and _host_port(state.bootstrap_servers)[1] != port
-            notes = [line for line in result.stderr.splitlines() if str(port) in line]
-            assert len(notes) == 1 and "in use" in notes[0] and "free port" in notes[0], result.stderr
-            assert json.loads(result.stdout)["bootstrap_servers"] == state.bootstrap_servers  # stdout stays JSON
+            yield port, result, read_stack_state()
         finally:
             runner.invoke(app, ["down"])
+
+
+def test_up_whose_previous_port_is_taken_starts_on_a_free_one_saying_so(home: Path) -> None:
+    with _up_with_remembered_port_taken(home) as (port, result, state):
+        assert result.exit_code == 0, result.output
+        assert state is not None and _host_port(state.bootstrap_servers)[1] != port
+        notes = [line for line in result.stderr.splitlines() if str(port) in line]
+        assert len(notes) == 1 and "in use" in notes[0] and "free port" in notes[0], result.stderr
+        assert json.loads(result.stdout)["bootstrap_servers"] == state.bootstrap_servers  # stdout stays JSON
     # the port it took instead is the one remembered now
     assert read_remembered_ports(home) == StackPorts(kafka_port=_host_port(state.bootstrap_servers)[1])
 
@@ -520,25 +530,13 @@ def test_a_remembered_port_taken_after_it_was_looked_at_falls_back_to_a_free_one
         home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The remembered broker port was free when `up` looked and taken before the stack bound it (another home's
     stack, say): the start goes on on free ports, saying so, as when the port was seen taken."""
-    import socket
-
     from pipeline.devstack import reconnect
 
     monkeypatch.setattr(reconnect, "port_is_free", lambda port: True)  # the look said free; the bind says taken
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        home.mkdir(parents=True)
-        (home / PORTS_FILE).write_text(json.dumps({"kafka_port": port, "gcs_port": None}))
-        result = runner.invoke(app, ["up", "--no-gcs", "--json"])
-        try:
-            assert result.exit_code == 0, result.output
-            state = read_stack_state()
-            assert state is not None and _host_port(state.bootstrap_servers)[1] != port
-            assert "was taken as the stack started" in result.stderr, result.stderr
-        finally:
-            runner.invoke(app, ["down"])
+    with _up_with_remembered_port_taken(home) as (port, result, state):
+        assert result.exit_code == 0, result.output
+        assert state is not None and _host_port(state.bootstrap_servers)[1] != port
+        assert "was taken as the stack started" in result.stderr, result.stderr
 
 
 def test_an_explicit_port_wins_over_the_remembered_one(home: Path) -> None:
