@@ -57,7 +57,7 @@ class TenantLimits(BaseModel):
     max_sampling_sessions: int = Field(4096, ge=1, le=1_000_000, description=(
         f"sampling sessions made by create_sampling_session in those sessions ({MAX_SAMPLING_SESSIONS_ENV})"))
     # a trainer runs one request at a time, every tenant's: one request's size bounds how long it holds the others
-    # (the SDK puts up to about 5 MB of datums in one request, some 300,000 tokens of cross_entropy)
+    # (the gateway's client config has the SDK split a larger batch into requests within it: pipeline.api.app)
     max_call_tokens: int = Field(262_144, ge=1, le=1_000_000_000, description=(
         f"tokens of the datums' model_input in one forward_backward or forward request ({MAX_CALL_TOKENS_ENV})"))
 

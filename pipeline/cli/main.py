@@ -233,8 +233,8 @@ def down(
     The broker's log (the events, kept by the local S3 server under $RLPIPE_HOME/s3),
     the store folder and the logs stay, so `rlpipe up` carries on where it stopped, on the
     same ports where free.  Runs whose processes still go are named (those `rlpipe run` started
-    on the home's run configurations; without /proc, that logged lately): they wait for the broker and
-    reconnect when `rlpipe up` starts it again.
+    on the home's run configurations, or started by hand naming their runs with this home; without /proc,
+    those that logged lately): they wait for the broker and reconnect when `rlpipe up` starts it again.
     """
     state = stop_background(timeout_s=timeout)
     recent = runs_still_going(rlpipe_home()) if state is not None else {}

@@ -2,8 +2,9 @@
 
 Each panel shows the learner's step, version and recent rewards, and one row per producer from its newest
 ``ProducerHeartbeat``.  A reward is a checkpoint's ``reward_mean`` (a LoRA learner's sampled trajectories) or, for a
-value run, its actors' ``episode_return_mean``, as ``rlpipe runs list`` shows it.  A producer beats between two rounds of its loop, so a hung one (its process still
-running) would keep showing its last rates as if current: its row says instead how long it has been silent.
+value run, its actors' ``episode_return_mean``, as ``rlpipe runs list`` shows it.  A producer beats between two
+rounds of its loop, so a hung one (its process still running) would keep showing its last rates as if current: its
+row says instead how long it has been silent.
 Once the run has ended (its learner at its step budget, or ``RunStopped``: a packed run is let go while the
 others go on) its producers stop beating for it by design, so their rows say ``done`` or ``stopped`` instead.
 A ``RunStarted`` after that (``rlpipe runs resume``, perhaps with a raised budget, which the launcher then reads

@@ -152,22 +152,19 @@ def _named_runs(argv: list[str]) -> list[str]:
 
 
 def _home_of(pid: int) -> Path | None:
-    """The rlpipe home of process ``pid`` (its ``RLPIPE_HOME``, else ``~/.rlpipe`` of its ``HOME``); None when its
-    environment cannot be read (another user's process)."""
+    """The rlpipe home of process ``pid`` (its ``RLPIPE_HOME``, a relative one from that process's own folder, else
+    ``~/.rlpipe`` of its ``HOME``); None when its environment cannot be read (another user's process)."""
+    import psutil
+
     try:
-        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    environ = dict(entry.decode(errors="replace").partition("=")[::2] for entry in entries if b"=" in entry)
-    if environ.get(HOME_ENV):
+        process = psutil.Process(pid)
+        environ = process.environ()
+        if not environ.get(HOME_ENV):
+            return (Path(environ["HOME"]) / ".rlpipe").resolve() if environ.get("HOME") else None
         home = Path(environ[HOME_ENV]).expanduser()
-        if not home.is_absolute():  # relative to that process's working folder, not this one's
-            try:
-                home = Path(os.readlink(f"/proc/{pid}/cwd")) / home
-            except OSError:
-                return None
-        return home.resolve()
-    return (Path(environ["HOME"]) / ".rlpipe").resolve() if environ.get("HOME") else None
+        return (home if home.is_absolute() else Path(process.cwd()) / home).resolve()
+    except psutil.Error:  # ended meanwhile, or not ours to read
+        return None
 
 
 def _recent_run_logs(home: Path, within_s: float) -> list[tuple[str, str]]:

@@ -42,11 +42,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.devstack.broker import TansuBroker
-from pipeline.devstack.process import (
-    descendants_in_group,
-    process_table,
-    still_living,
-)
+from pipeline.devstack.process import descendants_in_group, process_table, still_living
 from pipeline.devstack.reconnect import choose_ports, remember_ports, write_model
 from pipeline.devstack.s3_server import LocalS3Server
 from schemas.config import BusConfig
