@@ -50,8 +50,7 @@ class RunStopFollower:
         self.run_id, self.stop = run_id, stop
         self.started_s = time.time()
         # ``connect(None)``: from the topic's end now; ``connect(t)``: from the first event at or after time t
-        self.connect = connect or (lambda since_s: EventFollower(bus, "control", run_id=run_id, start="latest")
-                                   if since_s is None else EventFollower(bus, "control", run_id=run_id, since_s=since_s))
+        self.connect = connect or (lambda since_s: EventFollower(bus, "control", run_id=run_id, since_s=since_s))
         self.stopped: RunStopped | None = None  # the RunStopped followed, once read
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"run-stop-{run_id}", daemon=True)

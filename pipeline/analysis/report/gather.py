@@ -48,7 +48,7 @@ from schemas.checkpoint import (
     checkpoint_prefix,
     complete_folders,
 )
-from schemas.config import IMPORTANCE_LOSSES, BusConfig
+from schemas.config import IMPORTANCE_LOSSES, BusConfig, LearnerConfig
 from schemas.evaluation import EvalResult
 from schemas.events import LearnerCheckpointed, ProducerHeartbeat, RunStarted
 from schemas.names import validate_name
@@ -349,7 +349,7 @@ def add_missing_notes(
             report.note("importance", learner_why)
         elif not report.series["staleness_histogram"]:
             report.note("staleness", "the learner's steps recorded no staleness histogram")
-        loss = dig(run_config or {}, "learner", "loss") or "importance_sampling"
+        loss = dig(run_config or {}, "learner", "loss") or LearnerConfig.model_fields["loss"].default
         if state is not None and loss not in IMPORTANCE_LOSSES:
             report.note("importance", f"no importance ratios by design: learner.loss {loss} trains the rows as offline "
                                       "data (weighted cross-entropy), which needs no behaviour logprobs")

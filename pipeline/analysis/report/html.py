@@ -135,7 +135,8 @@ def section_table(section: str, report: RunReport) -> dict[str, list[Any]] | Non
         head = ["policy", "environment", "version", "episodes", "seed start", "mean return", "95% CI", "success",
                 "success 95% CI (Wilson)", *keys]
         rows = [
-            [shown_policy(p["policy"], p["version"], report.summary.get("kind", "lora")), p["env"], p["version"], p["episodes"], p["seed_start"], readable(p["mean_return"]),
+            [shown_policy(p["policy"], p["version"], report.summary.get("kind", "lora")), p["env"], p["version"],
+             p["episodes"], p["seed_start"], readable(p["mean_return"]),
              f"± {half_width(p['ci95'], p['episodes'])}", percent(p["success_rate"]),
              f"{percent(p['success_low'])} to {percent(p['success_high'])}",
              *(f"{p['breakdown'][k]:.4g}" if k in p["breakdown"] else "-" for k in keys)]
